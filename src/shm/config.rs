@@ -1,0 +1,80 @@
+//! Tunables of the shared-memory backend, read once from `LOCKSTEP_*` environment variables.
+
+use std::time::Duration;
+
+/// Settings of one shared-memory communicator.
+#[derive(Clone, Debug)]
+pub struct ShmConfig {
+    /// Bytes of each of a rank's two staging slots (`LOCKSTEP_SHM_SLOT_BYTES`, default 256 KiB).
+    pub slot_bytes: usize,
+    /// All-reduce/reduce messages up to this size take the one-phase path
+    /// (`LOCKSTEP_SHM_SMALL_BYTES`, default 16 KiB, at most `slot_bytes`).
+    pub small_bytes: usize,
+    /// Virtual size of each rank's shared heap for `alloc_shared` (`LOCKSTEP_SHM_HEAP_BYTES`,
+    /// default 4 GiB; only touched pages use memory).
+    pub heap_bytes: usize,
+    /// Overall time a rank waits for its peers in one collective (`LOCKSTEP_TIMEOUT_S`, default 600).
+    pub timeout: Duration,
+    /// How often a waiting rank checks that its peers are alive (`LOCKSTEP_PEER_CHECK_MS`, default 100).
+    pub peer_check: Duration,
+    /// Time to spin before yielding (`LOCKSTEP_SPIN_US`, default 200 µs, 5 µs when oversubscribed).
+    pub spin: Option<Duration>,
+    /// Time to wait for all ranks to join (`LOCKSTEP_JOIN_TIMEOUT_S`, default 60).
+    pub join_timeout: Duration,
+}
+
+fn env_num(name: &str) -> Option<f64> {
+    std::env::var(name).ok().and_then(|v| v.trim().parse::<f64>().ok()).filter(|v| v.is_finite() && *v >= 0.0)
+}
+
+impl Default for ShmConfig {
+    fn default() -> Self {
+        ShmConfig {
+            slot_bytes: 256 << 10,
+            small_bytes: 16 << 10,
+            heap_bytes: 4 << 30,
+            timeout: Duration::from_secs(600),
+            peer_check: Duration::from_millis(100),
+            spin: None,
+            join_timeout: Duration::from_secs(60),
+        }
+    }
+}
+
+impl ShmConfig {
+    /// Defaults overridden by the environment.
+    pub fn from_env() -> ShmConfig {
+        let mut c = ShmConfig::default();
+        if let Some(v) = env_num("LOCKSTEP_SHM_SLOT_BYTES") {
+            c.slot_bytes = v as usize;
+        }
+        if let Some(v) = env_num("LOCKSTEP_SHM_SMALL_BYTES") {
+            c.small_bytes = v as usize;
+        }
+        if let Some(v) = env_num("LOCKSTEP_SHM_HEAP_BYTES") {
+            c.heap_bytes = v as usize;
+        }
+        if let Some(v) = env_num("LOCKSTEP_TIMEOUT_S") {
+            c.timeout = Duration::from_secs_f64(v);
+        }
+        if let Some(v) = env_num("LOCKSTEP_PEER_CHECK_MS") {
+            c.peer_check = Duration::from_secs_f64(v / 1000.0);
+        }
+        if let Some(v) = env_num("LOCKSTEP_SPIN_US") {
+            c.spin = Some(Duration::from_secs_f64(v / 1e6));
+        }
+        if let Some(v) = env_num("LOCKSTEP_JOIN_TIMEOUT_S") {
+            c.join_timeout = Duration::from_secs_f64(v);
+        }
+        c.normalized()
+    }
+
+    /// Clamp values into workable ranges (slots page-aligned, small path within a slot).
+    pub fn normalized(mut self) -> ShmConfig {
+        self.slot_bytes = self.slot_bytes.clamp(4096, 1 << 30).next_multiple_of(4096);
+        self.small_bytes = self.small_bytes.min(self.slot_bytes);
+        self.heap_bytes = self.heap_bytes.max(2 << 20).next_multiple_of(2 << 20);
+        self.peer_check = self.peer_check.max(Duration::from_micros(100));
+        self
+    }
+}

@@ -1,0 +1,225 @@
+//! Reduction kernels: `dst[i] = src[0][i] ⊕ src[1][i] ⊕ … ⊕ src[k-1][i]`, always in source order, so
+//! the result is bit-identical however the work is split. f16/bf16 accumulate in f32 and round once.
+//!
+//! The loop works in blocks held in a small stack accumulator: sources are streamed once, the
+//! accumulator stays in L1, and `dst` may alias any source (in-place collectives). Inner loops are
+//! plain element-wise loops over slices with the operator chosen outside them, which LLVM
+//! vectorises.
+
+use half::{bf16, f16};
+
+use crate::comm::{Dtype, ReduceOp};
+
+/// Elements per block of the stack accumulator (4 KiB of f32).
+const BLOCK: usize = 1024;
+
+/// Element types as seen by the reduction: the accumulator type and the operators on it.
+trait Lane: Copy + 'static {
+    type Acc: Copy + Default + 'static;
+    fn load(self) -> Self::Acc;
+    fn store(a: Self::Acc) -> Self;
+    fn add(a: Self::Acc, b: Self::Acc) -> Self::Acc;
+    fn mul(a: Self::Acc, b: Self::Acc) -> Self::Acc;
+    fn min(a: Self::Acc, b: Self::Acc) -> Self::Acc;
+    fn max(a: Self::Acc, b: Self::Acc) -> Self::Acc;
+    fn div(a: Self::Acc, n: usize) -> Self::Acc;
+}
+
+macro_rules! float_lane {
+    ($t:ty) => {
+        impl Lane for $t {
+            type Acc = $t;
+            #[inline(always)]
+            fn load(self) -> $t { self }
+            #[inline(always)]
+            fn store(a: $t) -> $t { a }
+            #[inline(always)]
+            fn add(a: $t, b: $t) -> $t { a + b }
+            #[inline(always)]
+            fn mul(a: $t, b: $t) -> $t { a * b }
+            // NaN-propagating like NCCL's fminf/fmaxf-free device ops would be costlier; a plain
+            // compare keeps the loop vectorisable and is deterministic.
+            #[inline(always)]
+            fn min(a: $t, b: $t) -> $t { if b < a { b } else { a } }
+            #[inline(always)]
+            fn max(a: $t, b: $t) -> $t { if b > a { b } else { a } }
+            #[inline(always)]
+            fn div(a: $t, n: usize) -> $t { a / n as $t }
+        }
+    };
+}
+float_lane!(f32);
+float_lane!(f64);
+
+macro_rules! int_lane {
+    ($t:ty) => {
+        impl Lane for $t {
+            type Acc = $t;
+            #[inline(always)]
+            fn load(self) -> $t { self }
+            #[inline(always)]
+            fn store(a: $t) -> $t { a }
+            #[inline(always)]
+            fn add(a: $t, b: $t) -> $t { a.wrapping_add(b) }
+            #[inline(always)]
+            fn mul(a: $t, b: $t) -> $t { a.wrapping_mul(b) }
+            #[inline(always)]
+            fn min(a: $t, b: $t) -> $t { a.min(b) }
+            #[inline(always)]
+            fn max(a: $t, b: $t) -> $t { a.max(b) }
+            #[inline(always)]
+            fn div(a: $t, n: usize) -> $t { a.wrapping_div(n as $t) }
+        }
+    };
+}
+int_lane!(i32);
+int_lane!(i64);
+int_lane!(u8);
+int_lane!(i8);
+
+macro_rules! half_lane {
+    ($t:ty) => {
+        impl Lane for $t {
+            type Acc = f32;
+            #[inline(always)]
+            fn load(self) -> f32 { self.to_f32() }
+            #[inline(always)]
+            fn store(a: f32) -> $t { <$t>::from_f32(a) }
+            #[inline(always)]
+            fn add(a: f32, b: f32) -> f32 { a + b }
+            #[inline(always)]
+            fn mul(a: f32, b: f32) -> f32 { a * b }
+            #[inline(always)]
+            fn min(a: f32, b: f32) -> f32 { if b < a { b } else { a } }
+            #[inline(always)]
+            fn max(a: f32, b: f32) -> f32 { if b > a { b } else { a } }
+            #[inline(always)]
+            fn div(a: f32, n: usize) -> f32 { a / n as f32 }
+        }
+    };
+}
+half_lane!(f16);
+half_lane!(bf16);
+
+#[inline(always)]
+fn combine<T: Lane, F: Fn(T::Acc, T::Acc) -> T::Acc>(acc: &mut [T::Acc], src: &[T], f: F) {
+    for (a, s) in acc.iter_mut().zip(src) {
+        *a = f(*a, s.load());
+    }
+}
+
+/// # Safety
+/// Every `srcs[k]` and `dst` must be valid for `count` elements of `T`; `dst` may alias a source
+/// exactly (same address) but must not partially overlap one.
+unsafe fn reduce_typed<T: Lane>(op: ReduceOp, n_ranks: usize, srcs: &[*const u8], dst: *mut u8, count: usize) {
+    let mut acc = [T::Acc::default(); BLOCK];
+    let mut start = 0;
+    while start < count {
+        let len = BLOCK.min(count - start);
+        let acc = &mut acc[..len];
+        {
+            // SAFETY: caller guarantees srcs[0] is valid for count elements; start+len <= count.
+            let s0 = unsafe { std::slice::from_raw_parts((srcs[0] as *const T).add(start), len) };
+            for (a, s) in acc.iter_mut().zip(s0) {
+                *a = s.load();
+            }
+        }
+        for &src in &srcs[1..] {
+            // SAFETY: as above, for each source.
+            let s = unsafe { std::slice::from_raw_parts((src as *const T).add(start), len) };
+            match op {
+                ReduceOp::Sum | ReduceOp::Avg => combine::<T, _>(acc, s, T::add),
+                ReduceOp::Prod => combine::<T, _>(acc, s, T::mul),
+                ReduceOp::Min => combine::<T, _>(acc, s, T::min),
+                ReduceOp::Max => combine::<T, _>(acc, s, T::max),
+            }
+        }
+        if op == ReduceOp::Avg {
+            for a in acc.iter_mut() {
+                *a = T::div(*a, n_ranks);
+            }
+        }
+        // SAFETY: dst valid for count elements; the sources of this block were fully read above,
+        // so an aliasing source is not read after this write.
+        let d = unsafe { std::slice::from_raw_parts_mut((dst as *mut T).add(start), len) };
+        for (o, a) in d.iter_mut().zip(acc.iter()) {
+            *o = T::store(*a);
+        }
+        start += len;
+    }
+}
+
+/// Reduce `srcs` (in order) into `dst`, `count` elements of `dtype`. `n_ranks` is the divisor for
+/// `Avg` (the world size).
+///
+/// # Safety
+/// Every source and `dst` must be valid and aligned for `count` elements of `dtype`; `dst` may
+/// equal a source but must not partially overlap one. `srcs` must not be empty.
+pub unsafe fn reduce_raw(dtype: Dtype, op: ReduceOp, n_ranks: usize, srcs: &[*const u8], dst: *mut u8, count: usize) {
+    debug_assert!(!srcs.is_empty());
+    // SAFETY: forwarded caller contract.
+    unsafe {
+        match dtype {
+            Dtype::F32 => reduce_typed::<f32>(op, n_ranks, srcs, dst, count),
+            Dtype::F64 => reduce_typed::<f64>(op, n_ranks, srcs, dst, count),
+            Dtype::F16 => reduce_typed::<f16>(op, n_ranks, srcs, dst, count),
+            Dtype::BF16 => reduce_typed::<bf16>(op, n_ranks, srcs, dst, count),
+            Dtype::I32 => reduce_typed::<i32>(op, n_ranks, srcs, dst, count),
+            Dtype::I64 => reduce_typed::<i64>(op, n_ranks, srcs, dst, count),
+            Dtype::U8 => reduce_typed::<u8>(op, n_ranks, srcs, dst, count),
+            Dtype::I8 => reduce_typed::<i8>(op, n_ranks, srcs, dst, count),
+        }
+    }
+}
+
+/// Safe reference reduction over typed slices, used by tests and by the bench's verification.
+pub fn reduce_slices<T: crate::comm::Element>(op: ReduceOp, srcs: &[&[T]], dst: &mut [T]) {
+    assert!(!srcs.is_empty() && srcs.iter().all(|s| s.len() == dst.len()), "reduce_slices: length mismatch");
+    let ptrs: Vec<*const u8> = srcs.iter().map(|s| s.as_ptr() as *const u8).collect();
+    // SAFETY: lengths checked above; slices are valid and aligned; dst does not overlap a shared
+    // borrow (the borrow checker forbids it).
+    unsafe { reduce_raw(T::DTYPE, op, srcs.len(), &ptrs, dst.as_mut_ptr() as *mut u8, dst.len()) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sum_in_order_across_blocks() {
+        let a: Vec<f32> = (0..3000).map(|i| i as f32).collect();
+        let b: Vec<f32> = (0..3000).map(|i| (i * 2) as f32).collect();
+        let mut d = vec![0f32; 3000];
+        reduce_slices(ReduceOp::Sum, &[&a, &b], &mut d);
+        assert!(d.iter().enumerate().all(|(i, v)| *v == (3 * i) as f32));
+    }
+
+    #[test]
+    fn half_accumulates_in_f32() {
+        // 2048 + 1 + 1 in f16 rounds to 2048 twice; in f32 it is 2050, which f16 represents.
+        let a = vec![f16::from_f32(2048.0); 5];
+        let b = vec![f16::from_f32(1.0); 5];
+        let mut d = vec![f16::ZERO; 5];
+        reduce_slices(ReduceOp::Sum, &[&a, &b, &b], &mut d);
+        assert!(d.iter().all(|v| v.to_f32() == 2050.0));
+    }
+
+    #[test]
+    fn int_ops() {
+        let a = vec![7i32, -3, 100];
+        let b = vec![2i32, 5, -100];
+        let mut d = vec![0; 3];
+        reduce_slices(ReduceOp::Min, &[&a, &b], &mut d);
+        assert_eq!(d, vec![2, -3, -100]);
+        reduce_slices(ReduceOp::Max, &[&a, &b], &mut d);
+        assert_eq!(d, vec![7, 5, 100]);
+        reduce_slices(ReduceOp::Prod, &[&a, &b], &mut d);
+        assert_eq!(d, vec![14, -15, -10000]);
+        reduce_slices(ReduceOp::Avg, &[&a, &b], &mut d);
+        assert_eq!(d, vec![4, 1, 0]);
+        let x = vec![200u8];
+        let mut y = vec![0u8];
+        reduce_slices(ReduceOp::Sum, &[&x, &x], &mut y);
+        assert_eq!(y, vec![144]);
+    }
+}

@@ -1,0 +1,135 @@
+//! Layout of the shared segment and the synchronisation protocol of the shared-memory backend.
+//!
+//! Layout (offsets from the segment base):
+//!
+//! ```text
+//! [Header: 4 KiB] [Ctrl × world: 256 B each] [slots: world × 2 × slot_bytes] [heaps: world × heap_bytes]
+//! ```
+//!
+//! Protocol (modelled on NCCL's `ncclShmemAllgather`): each rank owns a monotonically increasing
+//! `progress` counter, padded to its own cache line. A collective is a sequence of *phases*; in phase
+//! `p` a rank writes only its own slot `p % 2` (and its call descriptor), publishes `progress = p`
+//! with a release store, then waits (acquire loads) until every peer's progress is `>= p` before
+//! reading the peers' slots. Every rank consumes phase `p`'s data before publishing `p + 1`, so when
+//! a rank writes slot `p % 2` again in phase `p + 2` — after waiting for all peers to reach `p + 1` —
+//! nobody still reads it. All ranks make the same number of phases for the same call, which is what
+//! keeps the counters aligned after a detected argument mismatch.
+//!
+//! Waiting spins briefly, then yields, then sleeps on a futex in the header with a timeout; while
+//! sleeping it checks that the peers are alive (pidfd), that nobody aborted, and the overall timeout.
+
+use std::sync::atomic::{AtomicI32, AtomicU32, AtomicU64};
+
+/// "LOCKSTEP" in ASCII: written last by the creator, once the header is valid.
+pub(crate) const MAGIC: u64 = 0x4c4f_434b_5354_4550;
+/// Bump when the layout changes.
+pub(crate) const VERSION: u32 = 1;
+/// Header size.
+pub(crate) const HEADER_BYTES: usize = 4096;
+/// Control block size per rank.
+pub(crate) const CTRL_BYTES: usize = 256;
+
+/// Rank state values in `Ctrl::state`.
+pub(crate) const STATE_JOINED: u32 = 1;
+pub(crate) const STATE_LEFT: u32 = 2;
+
+/// Segment header, written by the creator before `magic`.
+#[repr(C, align(64))]
+pub(crate) struct Header {
+    pub magic: AtomicU64,
+    pub version: AtomicU32,
+    pub world: AtomicU32,
+    pub slot_bytes: AtomicU64,
+    pub heap_bytes: AtomicU64,
+    pub total_bytes: AtomicU64,
+    /// Ranks that have joined (written their pid).
+    pub joined: AtomicU32,
+    /// 0, or 1 + the rank that aborted the communicator.
+    pub abort_by: AtomicU32,
+    _pad0: [u8; 16],
+    /// Ranks currently asleep on `wake` (separate line: written on every sleep).
+    pub sleepers: PaddedU32,
+    /// Futex word, bumped by publishers when someone sleeps.
+    pub wake: PaddedU32,
+}
+
+/// An `AtomicU32` alone on its cache line.
+#[repr(C, align(64))]
+pub(crate) struct PaddedU32(pub AtomicU32);
+
+/// Per-rank control block.
+#[repr(C, align(64))]
+pub(crate) struct Ctrl {
+    /// Last published phase.
+    pub progress: AtomicU64,
+    /// Collective sequence number the rank is in (for timeout reports).
+    pub coll_seq: AtomicU64,
+    pub pid: AtomicI32,
+    pub state: AtomicU32,
+    _pad: [u8; 40],
+    /// Call descriptors, one per phase parity (see module docs).
+    pub desc: [DescCell; 2],
+    _pad2: [u8; 64],
+}
+
+/// A descriptor slot written by its owner before publishing and read by peers after waiting.
+#[repr(C, align(64))]
+pub(crate) struct DescCell(pub std::cell::UnsafeCell<Desc>);
+
+/// The call as every rank sees it, for the cross-rank argument check and zero-copy addressing.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Desc {
+    pub kind: u8,
+    pub dtype: u8,
+    pub op: u8,
+    pub flags: u8,
+    pub _r: u32,
+    pub root: u64,
+    pub count: u64,
+    pub seq: u64,
+    /// Segment offset of the send buffer when `flags & SHARED_SEND`.
+    pub send_off: u64,
+    /// Segment offset of the receive buffer when `flags & SHARED_RECV`.
+    pub recv_off: u64,
+    pub _pad: [u64; 2],
+}
+
+pub(crate) const SHARED_SEND: u8 = 1;
+pub(crate) const SHARED_RECV: u8 = 2;
+
+const _: () = assert!(std::mem::size_of::<Ctrl>() == CTRL_BYTES);
+const _: () = assert!(std::mem::size_of::<Desc>() == 64);
+const _: () = assert!(std::mem::size_of::<Header>() <= HEADER_BYTES);
+
+/// Byte offsets of the segment's regions for a world size and sizes.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Layout {
+    pub world: usize,
+    pub slot_bytes: usize,
+    pub heap_bytes: usize,
+    pub slots_off: usize,
+    pub heaps_off: usize,
+    pub total: usize,
+}
+
+impl Layout {
+    pub(crate) fn new(world: usize, slot_bytes: usize, heap_bytes: usize) -> Layout {
+        let slots_off = (HEADER_BYTES + world * CTRL_BYTES).next_multiple_of(4096);
+        let heaps_off = (slots_off + world * 2 * slot_bytes).next_multiple_of(2 << 20);
+        let total = heaps_off + world * heap_bytes;
+        Layout { world, slot_bytes, heap_bytes, slots_off, heaps_off, total }
+    }
+
+    pub(crate) fn ctrl_off(&self, rank: usize) -> usize {
+        HEADER_BYTES + rank * CTRL_BYTES
+    }
+
+    pub(crate) fn slot_off(&self, rank: usize, parity: u64) -> usize {
+        self.slots_off + (rank * 2 + (parity % 2) as usize) * self.slot_bytes
+    }
+
+    pub(crate) fn heap_off(&self, rank: usize) -> usize {
+        self.heaps_off + rank * self.heap_bytes
+    }
+}
