@@ -322,10 +322,6 @@ impl ShmComm {
 
     /// Slow-path health check: abort flag, dead or departed peers, overall timeout.
     fn check_peers(&self, target: u64, next: usize, cx: Ctx, start: Instant) -> Result<(), CommError> {
-        let by = self.header().abort_by.load(Acquire);
-        if by != 0 && by as usize - 1 != self.rank {
-            return Err(CommError::Aborted { by: by as usize - 1, reason: "it hit an unrecoverable error".into() });
-        }
         for r in next..self.world {
             if r == self.rank {
                 continue;
@@ -334,21 +330,26 @@ impl ShmComm {
             if c.progress.load(Acquire) >= target {
                 continue;
             }
-            let pid = c.pid.load(Relaxed);
             let died = self.peers[r].as_ref().is_some_and(|w| w.is_dead());
             let left = c.state.load(Acquire) == STATE_LEFT;
             if died || left {
                 // Tell ranks that wait on someone else too.
-                let _ = self.header().abort_by.compare_exchange(0, self.rank as u32 + 1, SeqCst, SeqCst);
-                return Err(CommError::PeerLost {
-                    rank: self.rank,
-                    lost_rank: r,
-                    pid,
-                    how: if died { "died" } else { "left the communicator" },
-                    op: cx.op,
-                    seq: cx.seq,
-                });
+                let h = self.header();
+                if h.abort_by.compare_exchange(0, self.rank as u32 + 1, SeqCst, SeqCst).is_ok() {
+                    h.lost_how.store(if died { 1 } else { 2 }, SeqCst);
+                    h.lost_rank.store(r as u32 + 1, SeqCst);
+                }
+                return Err(self.lost(r, died, cx));
             }
+        }
+        let h = self.header();
+        let by = h.abort_by.load(Acquire);
+        if by != 0 && by as usize - 1 != self.rank {
+            let lost = h.lost_rank.load(Acquire);
+            if lost != 0 {
+                return Err(self.lost(lost as usize - 1, h.lost_how.load(Acquire) == 1, cx));
+            }
+            return Err(CommError::Aborted { by: by as usize - 1, reason: "it hit an unrecoverable error".into() });
         }
         let waited = start.elapsed();
         if waited >= self.cfg.timeout {
@@ -365,6 +366,17 @@ impl ShmComm {
             });
         }
         Ok(())
+    }
+
+    fn lost(&self, r: usize, died: bool, cx: Ctx) -> CommError {
+        CommError::PeerLost {
+            rank: self.rank,
+            lost_rank: r,
+            pid: self.ctrl(r).pid.load(Relaxed),
+            how: if died { "died" } else { "left the communicator" },
+            op: cx.op,
+            seq: cx.seq,
+        }
     }
 
     /// First phase of every collective: publish the descriptor (and whatever the caller staged in

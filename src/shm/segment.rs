@@ -217,6 +217,7 @@ impl PeerWatch {
     }
 
     /// The watched pid.
+    #[allow(dead_code)]
     pub fn pid(&self) -> i32 {
         self.pid
     }

@@ -46,7 +46,11 @@ pub(crate) struct Header {
     pub joined: AtomicU32,
     /// 0, or 1 + the rank that aborted the communicator.
     pub abort_by: AtomicU32,
-    _pad0: [u8; 16],
+    /// 0, or 1 + the rank whose loss caused the abort.
+    pub lost_rank: AtomicU32,
+    /// 1: that rank died; 2: it left the communicator.
+    pub lost_how: AtomicU32,
+    _pad0: [u8; 8],
     /// Ranks currently asleep on `wake` (separate line: written on every sleep).
     pub sleepers: PaddedU32,
     /// Futex word, bumped by publishers when someone sleeps.

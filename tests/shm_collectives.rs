@@ -1,0 +1,642 @@
+//! Multi-process tests of the shared-memory backend, through the fork launcher.
+//!
+//! `harness = false`: the process forks, so it stays single-threaded; each test runs in turn and
+//! the binary ends with `N passed, M failed`.
+
+use std::time::{Duration, Instant};
+
+use half::{bf16, f16};
+use lockstep::comm::{CollKind, CommError, Communicator, Dtype, Element, ReduceOp};
+use lockstep::launch::{launch, LaunchConfig, LaunchError, RankContext, RankResult};
+use lockstep::shm::{ShmComm, ShmConfig};
+
+// -------------------------------------------------------------------------------------------------
+// Test values with exact references
+
+trait TestElem: Element {
+    fn from_f64(v: f64) -> Self;
+    fn to_f64(self) -> f64;
+}
+
+macro_rules! test_elem_num {
+    ($($t:ty),*) => {$(
+        impl TestElem for $t {
+            fn from_f64(v: f64) -> Self { v as $t }
+            fn to_f64(self) -> f64 { self as f64 }
+        }
+    )*};
+}
+test_elem_num!(f32, f64, i32, i64, u8, i8);
+impl TestElem for f16 {
+    fn from_f64(v: f64) -> Self {
+        f16::from_f64(v)
+    }
+    fn to_f64(self) -> f64 {
+        f16::to_f64(self)
+    }
+}
+impl TestElem for bf16 {
+    fn from_f64(v: f64) -> Self {
+        bf16::from_f64(v)
+    }
+    fn to_f64(self) -> f64 {
+        bf16::to_f64(self)
+    }
+}
+
+/// Input of `rank` at index `i` for `op`: small integers, so every reference is exact in every
+/// dtype (for prod: a single 2 per index among ranks, so the product is exactly 2).
+fn value(op: ReduceOp, rank: usize, i: usize, n: usize) -> f64 {
+    match op {
+        ReduceOp::Prod => {
+            if i % n == rank {
+                2.0
+            } else {
+                1.0
+            }
+        }
+        _ => ((rank * 3 + i * 7 + i / 5) % 9) as f64,
+    }
+}
+
+fn reference(op: ReduceOp, i: usize, n: usize, dtype: Dtype) -> f64 {
+    let vals: Vec<f64> = (0..n).map(|r| value(op, r, i, n)).collect();
+    match op {
+        ReduceOp::Sum => vals.iter().sum(),
+        ReduceOp::Prod => vals.iter().product(),
+        ReduceOp::Min => vals.iter().cloned().fold(f64::INFINITY, f64::min),
+        ReduceOp::Max => vals.iter().cloned().fold(f64::NEG_INFINITY, f64::max),
+        ReduceOp::Avg => {
+            let s: f64 = vals.iter().sum();
+            if dtype.is_float() {
+                s / n as f64
+            } else {
+                (s as i64 / n as i64) as f64
+            }
+        }
+    }
+}
+
+fn close(got: f64, want: f64, dtype: Dtype) -> bool {
+    let tol = match dtype {
+        Dtype::F16 | Dtype::BF16 => 1e-2 * want.abs().max(1.0),
+        Dtype::F32 => 1e-6 * want.abs().max(1.0),
+        _ => 0.0,
+    };
+    (got - want).abs() <= tol
+}
+
+fn input<T: TestElem>(op: ReduceOp, rank: usize, n: usize, len: usize, offset: usize) -> Vec<T> {
+    (0..len).map(|i| T::from_f64(value(op, rank, i + offset, n))).collect()
+}
+
+/// Sizes that hit every path: empty, tiny, around the world size, around the small-path threshold
+/// and around the staging chunk boundary of the given config.
+fn sizes(n: usize, esz: usize, cfg: &ShmConfig) -> Vec<usize> {
+    let small = cfg.small_bytes / esz;
+    let unit = (64 / esz).max(1);
+    let chunk = if n > 1 { (cfg.slot_bytes / (n - 1) / esz) / unit * unit * n } else { cfg.slot_bytes / esz };
+    let mut v = vec![0, 1, 7, n.saturating_sub(1), n + 1, small, small + 1, chunk - 1, chunk + 1, 2 * chunk + 3];
+    v.sort();
+    v.dedup();
+    v
+}
+
+/// Run every collective with every op on dtype T and check the results; returns failure messages.
+fn check_dtype<T: TestElem>(comm: &mut Communicator, cfg: &ShmConfig, shared: bool) -> Result<Vec<String>, CommError> {
+    let (me, n) = (comm.rank(), comm.world_size());
+    let dt = T::DTYPE;
+    let mut bad = Vec::new();
+    let mut fail = |what: String| {
+        if bad.len() < 5 {
+            bad.push(what)
+        }
+    };
+    let buf = |comm: &mut Communicator, data: Vec<T>| -> Result<Box<dyn BufLike<T>>, CommError> {
+        if shared {
+            let mut b = comm.alloc_shared::<T>(data.len())?;
+            b.copy_from_slice(&data);
+            Ok(Box::new(b))
+        } else {
+            Ok(Box::new(data))
+        }
+    };
+    let root = n - 1;
+    for len in sizes(n, dt.size(), cfg) {
+        for op in ReduceOp::ALL {
+            // all_reduce, out of place and in place.
+            let send = buf(comm, input::<T>(op, me, n, len, 0))?;
+            let mut recv = buf(comm, vec![T::default(); len])?;
+            comm.all_reduce(send.slice(), recv.slice_mut(), op)?;
+            if let Some(i) = (0..len).find(|&i| !close(recv.slice()[i].to_f64(), reference(op, i, n, dt), dt)) {
+                fail(format!("all_reduce {dt} {op} len {len} shared={shared}: [{i}] = {:?}, want {}", recv.slice()[i], reference(op, i, n, dt)));
+            }
+            let mut inplace = buf(comm, input::<T>(op, me, n, len, 0))?;
+            comm.all_reduce_in_place(inplace.slice_mut(), op)?;
+            if inplace.slice() != recv.slice() {
+                fail(format!("all_reduce_in_place {dt} {op} len {len} shared={shared} differs from out-of-place"));
+            }
+            // reduce to the last rank.
+            let mut rrecv = buf(comm, vec![T::default(); if me == root { len } else { 0 }])?;
+            comm.reduce(send.slice(), rrecv.slice_mut(), op, root)?;
+            if me == root && rrecv.slice() != recv.slice() {
+                fail(format!("reduce {dt} {op} len {len} shared={shared} differs from all_reduce"));
+            }
+            // reduce_scatter: block r of the result.
+            let rs_send = buf(comm, input::<T>(op, me, n, len * n, 0))?;
+            let mut rs_recv = buf(comm, vec![T::default(); len])?;
+            comm.reduce_scatter(rs_send.slice(), rs_recv.slice_mut(), op)?;
+            if let Some(i) = (0..len).find(|&i| !close(rs_recv.slice()[i].to_f64(), reference(op, me * len + i, n, dt), dt)) {
+                fail(format!("reduce_scatter {dt} {op} len {len} shared={shared}: [{i}] = {:?}, want {}", rs_recv.slice()[i], reference(op, me * len + i, n, dt)));
+            }
+            let mut rs_in = buf(comm, input::<T>(op, me, n, len * n, 0))?;
+            comm.reduce_scatter_in_place(rs_in.slice_mut(), op)?;
+            if rs_in.slice()[me * len..(me + 1) * len] != *rs_recv.slice() {
+                fail(format!("reduce_scatter_in_place {dt} {op} len {len} shared={shared} differs"));
+            }
+        }
+        // broadcast from the last rank.
+        let mine = input::<T>(ReduceOp::Sum, me, n, len, 0);
+        let want = input::<T>(ReduceOp::Sum, root, n, len, 0);
+        let mut b = buf(comm, mine.clone())?;
+        comm.broadcast_in_place(b.slice_mut(), root)?;
+        if b.slice() != want.as_slice() {
+            fail(format!("broadcast {dt} len {len} shared={shared} wrong"));
+        }
+        let src = buf(comm, mine.clone())?;
+        let mut dst = buf(comm, vec![T::default(); len])?;
+        comm.broadcast(src.slice(), dst.slice_mut(), root)?;
+        if dst.slice() != want.as_slice() {
+            fail(format!("broadcast (out of place) {dt} len {len} shared={shared} wrong"));
+        }
+        // all_gather and gather.
+        let all: Vec<T> = (0..n).flat_map(|r| input::<T>(ReduceOp::Sum, r, n, len, 0)).collect();
+        let mut ag = buf(comm, vec![T::default(); len * n])?;
+        comm.all_gather(src.slice(), ag.slice_mut())?;
+        if ag.slice() != all.as_slice() {
+            fail(format!("all_gather {dt} len {len} shared={shared} wrong"));
+        }
+        let mut agi = buf(comm, vec![T::default(); len * n])?;
+        agi.slice_mut()[me * len..(me + 1) * len].copy_from_slice(&mine);
+        comm.all_gather_in_place(agi.slice_mut())?;
+        if agi.slice() != all.as_slice() {
+            fail(format!("all_gather_in_place {dt} len {len} shared={shared} wrong"));
+        }
+        let mut g = buf(comm, vec![T::default(); if me == root { len * n } else { 0 }])?;
+        comm.gather(src.slice(), g.slice_mut(), root)?;
+        if me == root && g.slice() != all.as_slice() {
+            fail(format!("gather {dt} len {len} shared={shared} wrong"));
+        }
+    }
+    comm.barrier()?;
+    Ok(bad)
+}
+
+/// Vec and SharedBuffer behind one face.
+trait BufLike<T: Element> {
+    fn slice(&self) -> &[T];
+    fn slice_mut(&mut self) -> &mut [T];
+}
+impl<T: Element> BufLike<T> for Vec<T> {
+    fn slice(&self) -> &[T] {
+        self
+    }
+    fn slice_mut(&mut self) -> &mut [T] {
+        self
+    }
+}
+impl<T: Element> BufLike<T> for lockstep::shm::SharedBuffer<T> {
+    fn slice(&self) -> &[T] {
+        self
+    }
+    fn slice_mut(&mut self) -> &mut [T] {
+        self
+    }
+}
+
+fn small_cfg(n: usize) -> LaunchConfig {
+    let mut cfg = LaunchConfig::new(n);
+    // Small slots so the chunked paths run many rounds on small inputs.
+    cfg.shm.slot_bytes = 8192;
+    cfg.shm.small_bytes = 1024;
+    cfg.shm.heap_bytes = 64 << 20;
+    cfg.shm.timeout = Duration::from_secs(60);
+    cfg.shm = cfg.shm.clone().normalized();
+    cfg
+}
+
+fn all_collectives(n: usize, shared: bool) -> Result<(), String> {
+    let cfg = small_cfg(n);
+    let shm = cfg.shm.clone();
+    let out = launch(&cfg, |mut ctx: RankContext| -> RankResult<Vec<String>> {
+        let c = &mut ctx.comm;
+        let mut bad = Vec::new();
+        bad.extend(check_dtype::<f32>(c, &shm, shared)?);
+        bad.extend(check_dtype::<bf16>(c, &shm, shared)?);
+        bad.extend(check_dtype::<i32>(c, &shm, shared)?);
+        bad.extend(check_dtype::<u8>(c, &shm, shared)?);
+        if !shared {
+            bad.extend(check_dtype::<f64>(c, &shm, shared)?);
+            bad.extend(check_dtype::<f16>(c, &shm, shared)?);
+            bad.extend(check_dtype::<i64>(c, &shm, shared)?);
+            bad.extend(check_dtype::<i8>(c, &shm, shared)?);
+        }
+        Ok(bad)
+    })
+    .map_err(|e| e.to_string())?;
+    let bad: Vec<String> = out.into_iter().enumerate().flat_map(|(r, b)| b.into_iter().map(move |m| format!("rank {r}: {m}"))).collect();
+    if bad.is_empty() {
+        Ok(())
+    } else {
+        Err(bad.join("\n"))
+    }
+}
+
+// -------------------------------------------------------------------------------------------------
+// Tests
+
+fn t_collectives_world_1() -> Result<(), String> {
+    all_collectives(1, false)?;
+    all_collectives(1, true)
+}
+fn t_collectives_world_2() -> Result<(), String> {
+    all_collectives(2, false)
+}
+fn t_collectives_world_2_shared() -> Result<(), String> {
+    all_collectives(2, true)
+}
+fn t_collectives_world_3() -> Result<(), String> {
+    all_collectives(3, false)?;
+    all_collectives(3, true)
+}
+fn t_collectives_world_4() -> Result<(), String> {
+    all_collectives(4, false)?;
+    all_collectives(4, true)
+}
+fn t_collectives_world_8() -> Result<(), String> {
+    all_collectives(8, false)?;
+    all_collectives(8, true)
+}
+
+/// 64 MiB all-reduce (default config), ordinary and shared buffers, checked element by element.
+fn t_all_reduce_64mib() -> Result<(), String> {
+    for n in [2usize, 4] {
+        let cfg = LaunchConfig::new(n);
+        let out = launch(&cfg, |mut ctx: RankContext| -> RankResult<usize> {
+            let len = (64 << 20) / 4;
+            let (me, n) = (ctx.rank, ctx.world_size);
+            let x: Vec<f32> = input::<f32>(ReduceOp::Sum, me, n, len, 0);
+            let mut y = vec![0f32; len];
+            ctx.comm.all_reduce(&x, &mut y, ReduceOp::Sum)?;
+            let mut s = ctx.comm.alloc_shared::<f32>(len)?;
+            s.copy_from_slice(&x);
+            ctx.comm.all_reduce_in_place(&mut s, ReduceOp::Sum)?;
+            let mut wrong = 0;
+            for i in 0..len {
+                let want = reference(ReduceOp::Sum, i, n, Dtype::F32) as f32;
+                wrong += (y[i] != want) as usize + (s[i] != want) as usize;
+            }
+            let mut b = vec![0f32; len];
+            if me == 0 {
+                b.copy_from_slice(&x);
+            }
+            ctx.comm.broadcast_in_place(&mut b, 0)?;
+            wrong += (0..len).filter(|&i| b[i] != x[i] && me == 0 || me != 0 && b[i] != input::<f32>(ReduceOp::Sum, 0, n, 1, i)[0]).count();
+            Ok(wrong)
+        })
+        .map_err(|e| e.to_string())?;
+        if out.iter().any(|w| *w != 0) {
+            return Err(format!("world {n}: wrong elements per rank {out:?}"));
+        }
+    }
+    Ok(())
+}
+
+/// Float results are bit-identical on every rank and across runs.
+fn t_deterministic() -> Result<(), String> {
+    let run = || {
+        launch(&small_cfg(3), |mut ctx: RankContext| -> RankResult<Vec<u64>> {
+            let mut sums = Vec::new();
+            for len in [5usize, 300, 5000, 100_000] {
+                // Values whose sum depends on the order of addition.
+                let x: Vec<f32> = (0..len).map(|i| ((i * 2654435761 + ctx.rank * 97) % 1000) as f32 * 1.37e-3 + 1e4 * (ctx.rank as f32 - 1.0)).collect();
+                let mut y = vec![0f32; len];
+                ctx.comm.all_reduce(&x, &mut y, ReduceOp::Sum)?;
+                let h = y.iter().fold(0u64, |h, v| h.wrapping_mul(1099511628211).wrapping_add(v.to_bits() as u64));
+                let xb: Vec<bf16> = x.iter().map(|v| bf16::from_f32(*v)).collect();
+                let mut yb = vec![bf16::ZERO; len];
+                ctx.comm.all_reduce(&xb, &mut yb, ReduceOp::Avg)?;
+                let hb = yb.iter().fold(0u64, |h, v| h.wrapping_mul(1099511628211).wrapping_add(v.to_bits() as u64));
+                sums.push(h ^ hb.rotate_left(17));
+            }
+            Ok(sums)
+        })
+        .map_err(|e| e.to_string())
+    };
+    let a = run()?;
+    let b = run()?;
+    if a.iter().any(|r| *r != a[0]) {
+        return Err(format!("ranks disagree: {a:?}"));
+    }
+    if a != b {
+        return Err(format!("runs disagree: {a:?} vs {b:?}"));
+    }
+    Ok(())
+}
+
+fn expect_all_err(res: Result<Vec<String>, LaunchError>, needles: &[&str]) -> Result<(), String> {
+    let msgs = res.map_err(|e| format!("ranks failed instead of returning errors: {e}"))?;
+    for (r, m) in msgs.iter().enumerate() {
+        for n in needles {
+            if !m.contains(n) {
+                return Err(format!("rank {r}'s error lacks '{n}': {m}"));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Each kind of disagreement is reported on every rank, naming who passed what; the communicator
+/// stays usable afterwards.
+fn t_mismatch() -> Result<(), String> {
+    type Case = (&'static str, &'static [&'static str]);
+    let cases: &[Case] = &[
+        ("count", &["mismatch", "rank 0 called all_reduce(count=10", "rank 1 called all_reduce(count=11"]),
+        ("kind", &["mismatch", "rank 0 called all_reduce", "rank 1 called broadcast"]),
+        ("dtype", &["mismatch", "dtype=f32", "rank 1 called all_reduce(count=10, dtype=i32"]),
+        ("op", &["mismatch", "op=sum", "op=max"]),
+        ("root", &["mismatch", "root=0", "root=1"]),
+        ("large", &["mismatch", "count=1000000", "count=1000001"]),
+    ];
+    for (case, needles) in cases {
+        let res = launch(&small_cfg(2), |mut ctx: RankContext| -> RankResult<String> {
+            let c = &mut ctx.comm;
+            let me = ctx.rank;
+            let mut x = vec![1f32; 11];
+            let r = match (*case, me) {
+                ("count", 0) => c.all_reduce_in_place(&mut x[..10], ReduceOp::Sum),
+                ("count", _) => c.all_reduce_in_place(&mut x[..11], ReduceOp::Sum),
+                ("kind", 0) => c.all_reduce_in_place(&mut x[..10], ReduceOp::Sum),
+                ("kind", _) => c.broadcast_in_place(&mut x[..10], 0),
+                ("dtype", 0) => c.all_reduce_in_place(&mut x[..10], ReduceOp::Sum),
+                ("dtype", _) => c.all_reduce_in_place(&mut [1i32; 10], ReduceOp::Sum),
+                ("op", 0) => c.all_reduce_in_place(&mut x[..10], ReduceOp::Sum),
+                ("op", _) => c.all_reduce_in_place(&mut x[..10], ReduceOp::Max),
+                ("root", r) => c.broadcast_in_place(&mut x[..10], r),
+                ("large", r) => c.all_reduce_in_place(&mut vec![0f32; 1_000_000 + r], ReduceOp::Sum),
+                _ => unreachable!(),
+            };
+            let msg = match r {
+                Err(e @ CommError::Mismatch { .. }) => e.to_string(),
+                other => return Err(format!("expected a mismatch error, got {other:?}").into()),
+            };
+            // Still usable: a correct all-reduce works.
+            let mut y = vec![me as f32 + 1.0; 1000];
+            c.all_reduce_in_place(&mut y, ReduceOp::Sum)?;
+            if y.iter().any(|v| *v != 3.0) {
+                return Err("communicator unusable after mismatch".into());
+            }
+            Ok(msg)
+        });
+        expect_all_err(res, needles).map_err(|e| format!("case {case}: {e}"))?;
+    }
+    Ok(())
+}
+
+/// A rank that dies mid-collective: every survivor errors out naming it, within 1 s.
+fn t_dead_peer() -> Result<(), String> {
+    for (n, dead) in [(2usize, 1usize), (4, 2)] {
+        let mut cfg = small_cfg(n);
+        cfg.fail_fast = false;
+        let res = launch(&cfg, |mut ctx: RankContext| -> RankResult<String> {
+            let mut x = vec![1f32; 1 << 20];
+            ctx.comm.all_reduce_in_place(&mut x, ReduceOp::Sum)?;
+            if ctx.rank == dead {
+                std::thread::sleep(Duration::from_millis(50));
+                std::process::abort();
+            }
+            let t = Instant::now();
+            let e = ctx.comm.all_reduce_in_place(&mut x, ReduceOp::Sum).err().ok_or("no error")?;
+            let took = t.elapsed();
+            if took > Duration::from_secs(1) {
+                return Err(format!("detection took {took:?}").into());
+            }
+            if !e.to_string().contains(&format!("rank {dead} (pid")) || !e.to_string().contains("died") {
+                return Err(format!("error does not name the dead rank: {e}").into());
+            }
+            // Fail on purpose so the message comes back through the failure list.
+            Err(format!("OK-SURVIVOR {e}").into())
+        });
+        match res {
+            Err(LaunchError::RanksFailed(f)) => {
+                if !f.iter().any(|x| x.rank == dead && x.exit_code == 128 + libc::SIGABRT) {
+                    return Err(format!("rank {dead} should have died of SIGABRT: {f:?}"));
+                }
+                let survivors: Vec<_> = f.iter().filter(|x| x.rank != dead).collect();
+                if survivors.len() != n - 1 || survivors.iter().any(|s| !s.message.starts_with("OK-SURVIVOR")) {
+                    return Err(format!("survivors did not report the dead peer properly: {f:?}"));
+                }
+            }
+            other => return Err(format!("unexpected outcome {other:?}")),
+        }
+    }
+    Ok(())
+}
+
+/// A rank that returns (drops its communicator) while a peer waits in a collective.
+fn t_peer_left() -> Result<(), String> {
+    let mut cfg = small_cfg(3);
+    cfg.fail_fast = false;
+    let out = launch(&cfg, |mut ctx: RankContext| -> RankResult<String> {
+        ctx.comm.barrier()?;
+        if ctx.rank == 2 {
+            return Ok("left".into());
+        }
+        match ctx.comm.barrier() {
+            Err(e) => Ok(e.to_string()),
+            Ok(()) => Err("barrier passed without rank 2".into()),
+        }
+    })
+    .map_err(|e| e.to_string())?;
+    for m in &out[..2] {
+        if !(m.contains("rank 2") && (m.contains("left the communicator") || m.contains("died"))) {
+            return Err(format!("unexpected error: {m}"));
+        }
+    }
+    Ok(())
+}
+
+/// A rank that never arrives: the others time out, saying where it is; waiting does not burn CPU.
+fn t_timeout_and_no_spin() -> Result<(), String> {
+    let mut cfg = small_cfg(2);
+    cfg.shm.timeout = Duration::from_millis(800);
+    cfg.fail_fast = false;
+    let out = launch(&cfg, |mut ctx: RankContext| -> RankResult<String> {
+        ctx.comm.barrier()?;
+        if ctx.rank == 1 {
+            std::thread::sleep(Duration::from_millis(1500));
+            return Ok(String::new());
+        }
+        let cpu0 = cpu_time();
+        let t = Instant::now();
+        let e = ctx.comm.all_reduce_in_place(&mut [1f32; 4], ReduceOp::Sum).err().ok_or("no timeout")?;
+        let cpu = cpu_time() - cpu0;
+        Ok(format!("{:.2} {:.3} {e}", t.elapsed().as_secs_f64(), cpu))
+    })
+    .map_err(|e| e.to_string())?;
+    let m = &out[0];
+    let mut it = m.splitn(3, ' ');
+    let wall: f64 = it.next().unwrap().parse().unwrap();
+    let cpu: f64 = it.next().unwrap().parse().unwrap();
+    let msg = it.next().unwrap();
+    if !(msg.contains("timed out") && msg.contains("rank 1 is at collective #1") && msg.contains("at #2")) {
+        return Err(format!("unexpected timeout message: {msg}"));
+    }
+    if !(0.7..1.5).contains(&wall) {
+        return Err(format!("timeout after {wall} s, expected ~0.8 s"));
+    }
+    if cpu > 0.25 * wall {
+        return Err(format!("waiting rank used {cpu:.3} s of CPU in {wall:.2} s: it spins"));
+    }
+    Ok(())
+}
+
+fn cpu_time() -> f64 {
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: valid out-parameter.
+    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) };
+    ru.ru_utime.tv_sec as f64 + ru.ru_utime.tv_usec as f64 * 1e-6 + ru.ru_stime.tv_sec as f64 + ru.ru_stime.tv_usec as f64 * 1e-6
+}
+
+/// Ranks exec'd separately (here: forked without an inherited segment) find each other by job id,
+/// and the named segment is gone afterwards.
+fn t_named_segment_no_leak() -> Result<(), String> {
+    let job = format!("test-{}-{}", std::process::id(), Instant::now().elapsed().subsec_nanos());
+    let n = 3;
+    let mut pids = Vec::new();
+    for rank in 0..n {
+        // SAFETY: single-threaded test process; the child only runs lockstep code and _exits.
+        let pid = unsafe { libc::fork() };
+        if pid == 0 {
+            let code = (|| -> Result<(), String> {
+                let cfg = ShmConfig { heap_bytes: 8 << 20, ..ShmConfig::default() };
+                let backend = ShmComm::join_named(&job, rank, n, cfg).map_err(|e| e.to_string())?;
+                let mut c = Communicator::from_backend(Box::new(backend));
+                let mut x = vec![rank as i64; 100_000];
+                c.all_reduce_in_place(&mut x, ReduceOp::Sum).map_err(|e| e.to_string())?;
+                if x.iter().any(|v| *v != 3) {
+                    return Err("wrong sum".into());
+                }
+                c.barrier().map_err(|e| e.to_string())
+            })();
+            if let Err(e) = &code {
+                eprintln!("rank {rank}: {e}");
+            }
+            // SAFETY: leave the forked child without running the parent's destructors.
+            unsafe { libc::_exit(code.is_err() as i32) };
+        }
+        pids.push(pid);
+    }
+    let mut ok = true;
+    for pid in pids {
+        let mut st = 0;
+        // SAFETY: valid out-parameter, our child.
+        unsafe { libc::waitpid(pid, &mut st, 0) };
+        ok &= libc::WIFEXITED(st) && libc::WEXITSTATUS(st) == 0;
+    }
+    let path = format!("/dev/shm/lockstep-{job}");
+    if std::path::Path::new(&path).exists() {
+        lockstep::shm::unlink_named(&job);
+        return Err(format!("{path} leaked"));
+    }
+    if !ok {
+        return Err("a rank failed".into());
+    }
+    Ok(())
+}
+
+/// Bad local arguments are refused before any rank waits.
+fn t_local_argument_errors() -> Result<(), String> {
+    let out = launch(&small_cfg(2), |mut ctx: RankContext| -> RankResult<Vec<String>> {
+        let c = &mut ctx.comm;
+        let mut e = Vec::new();
+        e.push(c.all_reduce(&[1f32; 4], &mut [0f32; 5], ReduceOp::Sum).unwrap_err().to_string());
+        e.push(c.broadcast_in_place(&mut [0f32; 4], 2).unwrap_err().to_string());
+        e.push(c.all_gather(&[1f32; 4], &mut [0f32; 7]).unwrap_err().to_string());
+        e.push(c.reduce_scatter(&[1f32; 7], &mut [0f32; 3], ReduceOp::Sum).unwrap_err().to_string());
+        c.barrier()?;
+        Ok(e)
+    })
+    .map_err(|e| e.to_string())?;
+    let want = ["recv has 5", "root 2 is out of range", "recv has 7 elements but must have", "send has 7 elements but must have"];
+    for (got, w) in out[0].iter().zip(want) {
+        if !got.contains(w) {
+            return Err(format!("'{got}' lacks '{w}'"));
+        }
+    }
+    Ok(())
+}
+
+/// Oversubscribed: 8 ranks on this machine's cores complete a mixed workload.
+fn t_oversubscribed_8() -> Result<(), String> {
+    let cfg = LaunchConfig::new(8);
+    let out = launch(&cfg, |mut ctx: RankContext| -> RankResult<f64> {
+        let mut x = vec![ctx.rank as f64; 1 << 18];
+        for _ in 0..20 {
+            ctx.comm.all_reduce_in_place(&mut x[..1], ReduceOp::Max)?;
+            ctx.comm.barrier()?;
+        }
+        ctx.comm.all_reduce_in_place(&mut x, ReduceOp::Sum)?;
+        Ok(x[12345])
+    })
+    .map_err(|e| e.to_string())?;
+    // x[12345] is the sum of the ranks, 0 + 1 + … + 7.
+    if out.iter().any(|v| *v != 28.0) {
+        return Err(format!("wrong results {out:?}"));
+    }
+    Ok(())
+}
+
+fn main() {
+    let tests: Vec<(&str, fn() -> Result<(), String>)> = vec![
+        ("collectives_world_1", t_collectives_world_1),
+        ("collectives_world_2", t_collectives_world_2),
+        ("collectives_world_2_shared", t_collectives_world_2_shared),
+        ("collectives_world_3", t_collectives_world_3),
+        ("collectives_world_4", t_collectives_world_4),
+        ("collectives_world_8", t_collectives_world_8),
+        ("all_reduce_64mib", t_all_reduce_64mib),
+        ("deterministic", t_deterministic),
+        ("mismatch", t_mismatch),
+        ("dead_peer", t_dead_peer),
+        ("peer_left", t_peer_left),
+        ("timeout_and_no_spin", t_timeout_and_no_spin),
+        ("named_segment_no_leak", t_named_segment_no_leak),
+        ("local_argument_errors", t_local_argument_errors),
+        ("oversubscribed_8", t_oversubscribed_8),
+    ];
+    let filter: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with('-')).collect();
+    let (mut passed, mut failed) = (0, 0);
+    for (name, t) in tests {
+        if !filter.is_empty() && !filter.iter().any(|f| name.contains(f.as_str())) {
+            continue;
+        }
+        let start = Instant::now();
+        let r = std::panic::catch_unwind(t).unwrap_or_else(|_| Err("panicked".into()));
+        match r {
+            Ok(()) => {
+                passed += 1;
+                println!("test {name} ... ok ({:.2} s)", start.elapsed().as_secs_f64());
+            }
+            Err(e) => {
+                failed += 1;
+                println!("test {name} ... FAILED ({:.2} s)\n{e}", start.elapsed().as_secs_f64());
+            }
+        }
+    }
+    let _ = CollKind::ALL;
+    println!("\n{passed} passed, {failed} failed");
+    if failed > 0 {
+        std::process::exit(1);
+    }
+}
