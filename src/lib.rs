@@ -15,6 +15,7 @@
 //! Fork rules: a process that forks ranks must not have initialised CUDA, and a forked child
 //! must not rely on locks another thread of the parent may hold.
 
+pub mod bench;
 pub mod comm;
 pub mod launch;
 pub mod shm;

@@ -220,6 +220,8 @@ fn small_cfg(n: usize) -> LaunchConfig {
     cfg.shm.slot_bytes = 8192;
     cfg.shm.small_bytes = 1024;
     cfg.shm.heap_bytes = 64 << 20;
+    // Streaming stores from 2 KiB up, so the NT paths are exercised too.
+    cfg.shm.nt_bytes = 2048;
     cfg.shm.timeout = Duration::from_secs(60);
     cfg.shm = cfg.shm.clone().normalized();
     cfg

@@ -19,6 +19,9 @@ pub struct ShmConfig {
     pub peer_check: Duration,
     /// Time to spin before yielding (`LOCKSTEP_SPIN_US`, default 200 µs, 5 µs when oversubscribed).
     pub spin: Option<Duration>,
+    /// Messages whose output is at least this large are written with streaming stores
+    /// (`LOCKSTEP_SHM_NT_BYTES`, default 8 MiB): they would not stay in cache anyway.
+    pub nt_bytes: usize,
     /// Time to wait for all ranks to join (`LOCKSTEP_JOIN_TIMEOUT_S`, default 60).
     pub join_timeout: Duration,
 }
@@ -37,6 +40,7 @@ impl Default for ShmConfig {
             peer_check: Duration::from_millis(100),
             spin: None,
             join_timeout: Duration::from_secs(60),
+            nt_bytes: 8 << 20,
         }
     }
 }
@@ -62,6 +66,9 @@ impl ShmConfig {
         }
         if let Some(v) = env_num("LOCKSTEP_SPIN_US") {
             c.spin = Some(Duration::from_secs_f64(v / 1e6));
+        }
+        if let Some(v) = env_num("LOCKSTEP_SHM_NT_BYTES") {
+            c.nt_bytes = v as usize;
         }
         if let Some(v) = env_num("LOCKSTEP_JOIN_TIMEOUT_S") {
             c.join_timeout = Duration::from_secs_f64(v);

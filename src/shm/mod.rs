@@ -19,7 +19,7 @@ mod sync;
 
 pub use alloc::{SharedAlloc, SharedBuffer};
 pub use config::ShmConfig;
-pub use reduce::{reduce_raw, reduce_slices};
+pub use reduce::{copy_block, reduce_into, reduce_raw, reduce_slices, store_fence, Dst};
 pub use segment::{shm_name, unlink_named, Segment};
 
 use std::sync::atomic::Ordering::{Acquire, Relaxed, Release, SeqCst};
@@ -99,6 +99,8 @@ pub struct ShmComm {
     heap: Arc<Mutex<Heap>>,
     spin: Duration,
     poisoned: Option<String>,
+    /// Streaming stores were issued since the last fence.
+    nt_pending: bool,
 }
 
 impl std::fmt::Debug for ShmComm {
@@ -122,7 +124,7 @@ impl ShmComm {
         }
         let heap = Arc::new(Mutex::new(Heap::new(layout.heap_off(rank), layout.heap_bytes)));
         let spin = cfg.spin.unwrap_or(if world > available_cpus() { Duration::from_micros(5) } else { Duration::from_micros(200) });
-        let mut c = ShmComm { seg, layout, cfg, rank, world, progress: 0, seq: 0, peers: Vec::new(), heap, spin, poisoned: None };
+        let mut c = ShmComm { seg, layout, cfg, rank, world, progress: 0, seq: 0, peers: Vec::new(), heap, spin, poisoned: None, nt_pending: false };
         let me = c.ctrl(rank);
         if me.state.load(Acquire) != 0 {
             return Err(CommError::Setup(format!("rank {rank} has already joined this communicator (pid {})", me.pid.load(Relaxed))));
@@ -246,6 +248,10 @@ impl ShmComm {
 
     /// Publish the next phase and return its number.
     fn publish(&mut self) -> u64 {
+        if self.nt_pending {
+            store_fence();
+            self.nt_pending = false;
+        }
         self.progress += 1;
         self.ctrl(self.rank).progress.store(self.progress, SeqCst);
         let h = self.header();
@@ -484,6 +490,18 @@ impl ShmComm {
         }
     }
 
+    /// Copy into a user buffer: streaming stores when the message is large.
+    fn put(&mut self, src: *const u8, dst: *mut u8, bytes: usize, nt: bool) {
+        // SAFETY: callers pass ranges valid for `bytes` that are equal or disjoint.
+        unsafe { copy_block(src, dst, bytes, nt) };
+        self.nt_pending |= nt;
+    }
+
+    /// Whether a message whose output is `bytes` long should bypass the caches.
+    fn nt_for(&self, bytes: usize) -> bool {
+        bytes >= self.cfg.nt_bytes
+    }
+
     /// Offsets and flags for zero-copy: which of this rank's buffers live in its shared heap.
     fn share_flags(&self, call: &Call, send_bytes: usize, recv_bytes: usize) -> (u8, u64, u64) {
         let s = self.shared_off(call.send.addr, send_bytes);
@@ -545,6 +563,7 @@ impl ShmComm {
         if zero_copy {
             return self.all_reduce_zero_copy(call, &descs, cx);
         }
+        let nt = self.nt_for(bytes);
         let mut base = 0;
         let mut first = true;
         while base < count {
@@ -573,24 +592,25 @@ impl ShmComm {
             let out_slot = self.slot(me, p + 1);
             let others_need = all || me != call.root;
             if hi > lo {
+                let mut dsts = Vec::with_capacity(2);
                 if others_need {
-                    // SAFETY: out_slot holds slot_bytes >= c_max elements >= hi-lo; sources valid.
-                    unsafe { reduce_raw(call.dtype, call.op, n, &srcs, out_slot, hi - lo) };
-                    if receives(me) {
-                        // SAFETY: recv valid for count elements on receivers.
-                        unsafe { copy(out_slot, recv.add((base + lo) * esz), (hi - lo) * esz) };
-                    }
-                } else {
-                    // SAFETY: the root reduces straight into its output; recv may equal send exactly.
-                    unsafe { reduce_raw(call.dtype, call.op, n, &srcs, recv.add((base + lo) * esz), hi - lo) };
+                    dsts.push(Dst { ptr: out_slot, nt: false });
                 }
+                if receives(me) {
+                    // SAFETY: recv holds count elements on receivers.
+                    dsts.push(Dst { ptr: unsafe { recv.add((base + lo) * esz) }, nt });
+                }
+                // SAFETY: out_slot holds slot_bytes >= c_max elements >= hi-lo; sources valid; recv
+                // may equal our own source exactly (in place).
+                unsafe { reduce_into(call.dtype, call.op, n, &srcs, &dsts, hi - lo) };
             }
             p = self.phase(cx)?;
             if receives(me) {
                 for j in (0..n).filter(|&j| j != me) {
                     let (lo, hi) = part(len, n, j, unit);
-                    // SAFETY: peer j wrote hi-lo elements of its part into its slot of phase p.
-                    unsafe { copy(self.slot(j, p), recv.add((base + lo) * esz), (hi - lo) * esz) };
+                    // SAFETY: peer j wrote hi-lo elements of its part into its slot of phase p;
+                    // recv holds count elements.
+                    self.put(self.slot(j, p), unsafe { recv.add((base + lo) * esz) }, (hi - lo) * esz, nt);
                 }
             }
             base += len;
@@ -607,6 +627,7 @@ impl ShmComm {
         let dests: Vec<usize> = if call.kind == CollKind::AllReduce { (0..n).collect() } else { vec![call.root] };
         let sends: Vec<*const u8> = descs.iter().map(|d| self.at(d.send_off) as *const u8).collect();
         let recvs: Vec<*mut u8> = descs.iter().map(|d| self.at(d.recv_off)).collect();
+        let nt = self.nt_for(count * esz);
         let (mlo, mhi) = part(count, n, me, unit);
         let mut at = mlo;
         while at < mhi {
@@ -616,11 +637,8 @@ impl ShmComm {
             // receive buffer during this collective.
             unsafe {
                 let srcs: Vec<*const u8> = sends.iter().map(|s| s.add(at * esz)).collect();
-                let first = recvs[dests[0]].add(at * esz);
-                reduce_raw(call.dtype, call.op, n, &srcs, first, len);
-                for &d in &dests[1..] {
-                    copy(first, recvs[d].add(at * esz), len * esz);
-                }
+                let dsts: Vec<Dst> = dests.iter().map(|&d| Dst { ptr: recvs[d].add(at * esz), nt }).collect();
+                reduce_into(call.dtype, call.op, n, &srcs, &dsts, len);
             }
             at += len;
         }
@@ -636,6 +654,7 @@ impl ShmComm {
         let send = call.send.addr as *const u8;
         let recv = call.recv.addr as *mut u8;
         let chunk = self.layout.slot_bytes;
+        let nt = self.nt_for(bytes);
         let (flags, so, ro) = self.share_flags(call, if me == root { bytes } else { 0 }, 0);
         let mut p = self.progress + 1;
         if me == root {
@@ -644,16 +663,16 @@ impl ShmComm {
         }
         let (descs, _) = self.begin(call, flags, so, ro, cx)?;
         if me == root {
-            // SAFETY: send and recv hold `bytes` each and are equal or disjoint.
-            unsafe { copy(send, recv, bytes) };
+            // send and recv hold `bytes` each and are equal or disjoint.
+            self.put(send, recv, bytes, nt);
         }
         if n == 1 {
             return Ok(());
         }
         if descs[root].flags & SHARED_SEND != 0 && bytes > self.cfg.small_bytes {
             if me != root {
-                // SAFETY: the root's send buffer lies in the segment and holds `bytes`.
-                unsafe { copy(self.at(descs[root].send_off), recv, bytes) };
+                // The root's send buffer lies in the segment and holds `bytes`.
+                self.put(self.at(descs[root].send_off), recv, bytes, nt);
             }
             self.phase(cx)?;
             return Ok(());
@@ -662,8 +681,9 @@ impl ShmComm {
         loop {
             let len = chunk.min(bytes - off);
             if me != root {
-                // SAFETY: the root staged `len` bytes of this chunk in its slot of phase p.
-                unsafe { copy(self.slot(root, p), recv.add(off), len) };
+                // SAFETY (add): off + len <= bytes. The root staged `len` bytes of this chunk in its
+                // slot of phase p.
+                self.put(self.slot(root, p), unsafe { recv.add(off) }, len, nt);
             }
             off += len;
             if off >= bytes {
@@ -688,14 +708,16 @@ impl ShmComm {
         let send = call.send.addr as *const u8;
         let recv = call.recv.addr as *mut u8;
         let chunk = self.layout.slot_bytes;
+        let nt = self.nt_for(bytes * n);
         let (flags, so, ro) = self.share_flags(call, bytes, 0);
         let mut p = self.progress + 1;
         // SAFETY: the slot holds `chunk` bytes; send holds `bytes`.
         unsafe { copy(send, self.slot(me, p), bytes.min(chunk)) };
         let (descs, _) = self.begin(call, flags, so, ro, cx)?;
         if receives {
-            // SAFETY: recv holds n*bytes on receivers; send is either disjoint or exactly our block.
-            unsafe { copy(send, recv.add(me * bytes), bytes) };
+            // SAFETY (add): recv holds n*bytes on receivers; send is either disjoint or exactly
+            // our block.
+            self.put(send, unsafe { recv.add(me * bytes) }, bytes, nt);
         }
         if n == 1 {
             return Ok(());
@@ -703,8 +725,8 @@ impl ShmComm {
         if descs.iter().all(|d| d.flags & SHARED_SEND != 0) && bytes > self.cfg.small_bytes {
             if receives {
                 for j in (0..n).filter(|&j| j != me) {
-                    // SAFETY: peer j's send lies in the segment and holds `bytes`.
-                    unsafe { copy(self.at(descs[j].send_off), recv.add(j * bytes), bytes) };
+                    // SAFETY (add): within recv. Peer j's send lies in the segment and holds `bytes`.
+                    self.put(self.at(descs[j].send_off), unsafe { recv.add(j * bytes) }, bytes, nt);
                 }
             }
             self.phase(cx)?;
@@ -715,8 +737,8 @@ impl ShmComm {
             let len = chunk.min(bytes - off);
             if receives {
                 for j in (0..n).filter(|&j| j != me) {
-                    // SAFETY: peer j staged `len` bytes of this chunk in its slot of phase p.
-                    unsafe { copy(self.slot(j, p), recv.add(j * bytes + off), len) };
+                    // SAFETY (add): within recv. Peer j staged `len` bytes of this chunk in its slot.
+                    self.put(self.slot(j, p), unsafe { recv.add(j * bytes + off) }, len, nt);
                 }
             }
             off += len;
@@ -744,6 +766,7 @@ impl ShmComm {
             return Ok(());
         }
         let unit = (64 / esz).max(1);
+        let nt = self.nt_for(c * esz);
         let c_max = ((self.layout.slot_bytes / (n - 1) / esz) / unit * unit).max(unit);
         let stage = |s: &Self, off: usize, len: usize, p: u64| {
             for j in (0..n).filter(|&j| j != me) {
@@ -763,7 +786,7 @@ impl ShmComm {
             }).collect();
             // SAFETY: block `me` of every send is read only by this rank; recv holds c elements and
             // is either our own block `me` (in place, same address as srcs[me]) or disjoint.
-            unsafe { reduce_raw(call.dtype, call.op, n, &srcs, recv, c) };
+            unsafe { reduce_into(call.dtype, call.op, n, &srcs, &[Dst { ptr: recv, nt }], c) };
             self.phase(cx)?;
             return Ok(());
         }
@@ -783,7 +806,7 @@ impl ShmComm {
                 })
                 .collect();
             // SAFETY: recv holds c elements; len elements from off.
-            unsafe { reduce_raw(call.dtype, call.op, n, &srcs, recv.add(off * esz), len) };
+            unsafe { reduce_into(call.dtype, call.op, n, &srcs, &[Dst { ptr: recv.add(off * esz), nt }], len) };
             off += len;
             if off >= c {
                 break;
@@ -824,6 +847,10 @@ impl Backend for ShmComm {
         self.seq += 1;
         self.ctrl(self.rank).coll_seq.store(self.seq, Relaxed);
         let r = self.run_call(call);
+        if self.nt_pending {
+            store_fence();
+            self.nt_pending = false;
+        }
         if let Err(e) = &r {
             self.poison_on(e);
         }

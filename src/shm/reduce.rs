@@ -108,25 +108,53 @@ fn combine<T: Lane, F: Fn(T::Acc, T::Acc) -> T::Acc>(acc: &mut [T::Acc], src: &[
     }
 }
 
+#[inline(always)]
+fn combine2<T: Lane, F: Fn(T::Acc, T::Acc) -> T::Acc>(acc: &mut [T::Acc], a: &[T], b: &[T], f: F) {
+    for ((o, x), y) in acc.iter_mut().zip(a).zip(b) {
+        *o = f(x.load(), y.load());
+    }
+}
+
+/// Where and how a reduction writes its result.
+#[derive(Clone, Copy, Debug)]
+pub struct Dst {
+    /// Destination address (valid for the whole count).
+    pub ptr: *mut u8,
+    /// Use non-temporal (streaming) stores: for large outputs nobody reads soon, they skip the
+    /// read-for-ownership and keep the caches for the staging slots.
+    pub nt: bool,
+}
+
 /// # Safety
-/// Every `srcs[k]` and `dst` must be valid for `count` elements of `T`; `dst` may alias a source
-/// exactly (same address) but must not partially overlap one.
-unsafe fn reduce_typed<T: Lane>(op: ReduceOp, n_ranks: usize, srcs: &[*const u8], dst: *mut u8, count: usize) {
+/// Every `srcs[k]` and every destination must be valid for `count` elements of `T`; a destination
+/// may alias a source exactly (same address) but must not partially overlap one.
+#[inline(always)]
+unsafe fn reduce_typed<T: Lane>(op: ReduceOp, n_ranks: usize, srcs: &[*const u8], dsts: &[Dst], count: usize) {
     let mut acc = [T::Acc::default(); BLOCK];
+    let mut out = [std::mem::MaybeUninit::<T>::uninit(); BLOCK];
     let mut start = 0;
     while start < count {
         let len = BLOCK.min(count - start);
         let acc = &mut acc[..len];
-        {
-            // SAFETY: caller guarantees srcs[0] is valid for count elements; start+len <= count.
-            let s0 = unsafe { std::slice::from_raw_parts((srcs[0] as *const T).add(start), len) };
-            for (a, s) in acc.iter_mut().zip(s0) {
+        // SAFETY: caller guarantees every source is valid for count elements; start+len <= count.
+        let src = |k: usize| unsafe { std::slice::from_raw_parts((srcs[k] as *const T).add(start), len) };
+        let rest = if srcs.len() >= 2 {
+            let (a, b) = (src(0), src(1));
+            match op {
+                ReduceOp::Sum | ReduceOp::Avg => combine2::<T, _>(acc, a, b, T::add),
+                ReduceOp::Prod => combine2::<T, _>(acc, a, b, T::mul),
+                ReduceOp::Min => combine2::<T, _>(acc, a, b, T::min),
+                ReduceOp::Max => combine2::<T, _>(acc, a, b, T::max),
+            }
+            2
+        } else {
+            for (a, s) in acc.iter_mut().zip(src(0)) {
                 *a = s.load();
             }
-        }
-        for &src in &srcs[1..] {
-            // SAFETY: as above, for each source.
-            let s = unsafe { std::slice::from_raw_parts((src as *const T).add(start), len) };
+            1
+        };
+        for k in rest..srcs.len() {
+            let s = src(k);
             match op {
                 ReduceOp::Sum | ReduceOp::Avg => combine::<T, _>(acc, s, T::add),
                 ReduceOp::Prod => combine::<T, _>(acc, s, T::mul),
@@ -139,37 +167,133 @@ unsafe fn reduce_typed<T: Lane>(op: ReduceOp, n_ranks: usize, srcs: &[*const u8]
                 *a = T::div(*a, n_ranks);
             }
         }
-        // SAFETY: dst valid for count elements; the sources of this block were fully read above,
-        // so an aliasing source is not read after this write.
-        let d = unsafe { std::slice::from_raw_parts_mut((dst as *mut T).add(start), len) };
-        for (o, a) in d.iter_mut().zip(acc.iter()) {
-            *o = T::store(*a);
+        for (o, a) in out[..len].iter_mut().zip(acc.iter()) {
+            o.write(T::store(*a));
+        }
+        let bytes = len * std::mem::size_of::<T>();
+        for d in dsts {
+            // SAFETY: out[..len] is initialised; the destination is valid for count elements and
+            // every aliasing source block was fully read above.
+            unsafe { copy_block(out.as_ptr() as *const u8, d.ptr.add(start * std::mem::size_of::<T>()), bytes, d.nt) };
         }
         start += len;
     }
+    if dsts.iter().any(|d| d.nt) {
+        store_fence();
+    }
 }
 
-/// Reduce `srcs` (in order) into `dst`, `count` elements of `dtype`. `n_ranks` is the divisor for
-/// `Avg` (the world size).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn reduce_avx2<T: Lane>(op: ReduceOp, n_ranks: usize, srcs: &[*const u8], dsts: &[Dst], count: usize) {
+    // SAFETY: forwarded caller contract; the body is the generic loop compiled with AVX2.
+    unsafe { reduce_typed::<T>(op, n_ranks, srcs, dsts, count) }
+}
+
+unsafe fn reduce_dispatch<T: Lane>(op: ReduceOp, n_ranks: usize, srcs: &[*const u8], dsts: &[Dst], count: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if has_avx2() {
+            // SAFETY: the CPU supports AVX2 (checked at run time); caller contract forwarded.
+            return unsafe { reduce_avx2::<T>(op, n_ranks, srcs, dsts, count) };
+        }
+    }
+    // SAFETY: forwarded caller contract.
+    unsafe { reduce_typed::<T>(op, n_ranks, srcs, dsts, count) }
+}
+
+#[cfg(target_arch = "x86_64")]
+fn has_avx2() -> bool {
+    use std::sync::OnceLock;
+    static AVX2: OnceLock<bool> = OnceLock::new();
+    *AVX2.get_or_init(|| std::is_x86_feature_detected!("avx2"))
+}
+
+/// Order earlier streaming stores before later stores (the progress publish): NT stores are
+/// weakly ordered, a release store alone does not cover them.
+pub fn store_fence() {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: sfence has no preconditions (SSE, part of x86_64).
+    unsafe {
+        std::arch::x86_64::_mm_sfence()
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+}
+
+/// Copy `bytes` from `src` to `dst`, with streaming stores when `nt` (no fence: callers fence once
+/// after a batch, see [`store_fence`]). Equal addresses are a no-op.
 ///
 /// # Safety
-/// Every source and `dst` must be valid and aligned for `count` elements of `dtype`; `dst` may
-/// equal a source but must not partially overlap one. `srcs` must not be empty.
-pub unsafe fn reduce_raw(dtype: Dtype, op: ReduceOp, n_ranks: usize, srcs: &[*const u8], dst: *mut u8, count: usize) {
+/// Both ranges valid; equal or non-overlapping.
+#[inline]
+pub unsafe fn copy_block(src: *const u8, dst: *mut u8, bytes: usize, nt: bool) {
+    if bytes == 0 || src == dst as *const u8 {
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if nt && bytes >= 256 {
+        use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_stream_si128};
+        // Head: bring dst to 16-byte alignment with an ordinary copy.
+        let head = dst.align_offset(16).min(bytes);
+        // SAFETY: within both ranges.
+        unsafe { std::ptr::copy_nonoverlapping(src, dst, head) };
+        let (mut s, mut d, mut left) = (unsafe { src.add(head) }, unsafe { dst.add(head) }, bytes - head);
+        while left >= 64 {
+            // SAFETY: 64 bytes remain in both ranges; d is 16-byte aligned; unaligned loads.
+            unsafe {
+                let a = _mm_loadu_si128(s as *const __m128i);
+                let b = _mm_loadu_si128(s.add(16) as *const __m128i);
+                let c = _mm_loadu_si128(s.add(32) as *const __m128i);
+                let e = _mm_loadu_si128(s.add(48) as *const __m128i);
+                _mm_stream_si128(d as *mut __m128i, a);
+                _mm_stream_si128(d.add(16) as *mut __m128i, b);
+                _mm_stream_si128(d.add(32) as *mut __m128i, c);
+                _mm_stream_si128(d.add(48) as *mut __m128i, e);
+                s = s.add(64);
+                d = d.add(64);
+            }
+            left -= 64;
+        }
+        // SAFETY: the remaining tail lies within both ranges.
+        unsafe { std::ptr::copy_nonoverlapping(s, d, left) };
+        return;
+    }
+    let _ = nt;
+    // SAFETY: forwarded contract.
+    unsafe { std::ptr::copy_nonoverlapping(src, dst, bytes) };
+}
+
+/// Reduce `srcs` (in order) into every destination, `count` elements of `dtype`. `n_ranks` is the
+/// divisor for `Avg` (the world size).
+///
+/// # Safety
+/// Every source and destination must be valid and aligned for `count` elements of `dtype`; a
+/// destination may equal a source but must not partially overlap one. `srcs` must not be empty.
+pub unsafe fn reduce_into(dtype: Dtype, op: ReduceOp, n_ranks: usize, srcs: &[*const u8], dsts: &[Dst], count: usize) {
     debug_assert!(!srcs.is_empty());
     // SAFETY: forwarded caller contract.
     unsafe {
         match dtype {
-            Dtype::F32 => reduce_typed::<f32>(op, n_ranks, srcs, dst, count),
-            Dtype::F64 => reduce_typed::<f64>(op, n_ranks, srcs, dst, count),
-            Dtype::F16 => reduce_typed::<f16>(op, n_ranks, srcs, dst, count),
-            Dtype::BF16 => reduce_typed::<bf16>(op, n_ranks, srcs, dst, count),
-            Dtype::I32 => reduce_typed::<i32>(op, n_ranks, srcs, dst, count),
-            Dtype::I64 => reduce_typed::<i64>(op, n_ranks, srcs, dst, count),
-            Dtype::U8 => reduce_typed::<u8>(op, n_ranks, srcs, dst, count),
-            Dtype::I8 => reduce_typed::<i8>(op, n_ranks, srcs, dst, count),
+            Dtype::F32 => reduce_dispatch::<f32>(op, n_ranks, srcs, dsts, count),
+            Dtype::F64 => reduce_dispatch::<f64>(op, n_ranks, srcs, dsts, count),
+            Dtype::F16 => reduce_dispatch::<f16>(op, n_ranks, srcs, dsts, count),
+            Dtype::BF16 => reduce_dispatch::<bf16>(op, n_ranks, srcs, dsts, count),
+            Dtype::I32 => reduce_dispatch::<i32>(op, n_ranks, srcs, dsts, count),
+            Dtype::I64 => reduce_dispatch::<i64>(op, n_ranks, srcs, dsts, count),
+            Dtype::U8 => reduce_dispatch::<u8>(op, n_ranks, srcs, dsts, count),
+            Dtype::I8 => reduce_dispatch::<i8>(op, n_ranks, srcs, dsts, count),
         }
     }
+}
+
+/// Reduce `srcs` (in order) into `dst` with ordinary stores.
+///
+/// # Safety
+/// As [`reduce_into`].
+pub unsafe fn reduce_raw(dtype: Dtype, op: ReduceOp, n_ranks: usize, srcs: &[*const u8], dst: *mut u8, count: usize) {
+    // SAFETY: forwarded caller contract.
+    unsafe { reduce_into(dtype, op, n_ranks, srcs, &[Dst { ptr: dst, nt: false }], count) }
 }
 
 /// Safe reference reduction over typed slices, used by tests and by the bench's verification.

@@ -1,0 +1,336 @@
+//! `lockstep bench`: an nccl-tests-style collective benchmark over the fork launcher.
+//!
+//! One row per size: size (bytes), count, type, op, time (µs), algbw (GB/s), busbw (GB/s), #wrong.
+//! Time is the median over iterations of each rank's per-call time, maxed over ranks; every size is
+//! verified after timing, and any wrong element makes the command fail. Bus bandwidth uses the
+//! nccl-tests factors: all-reduce 2(n-1)/n, all-gather and reduce-scatter (n-1)/n on the total size,
+//! broadcast/reduce 1.
+
+use std::time::Instant;
+
+use half::{bf16, f16};
+
+use crate::comm::{BackendKind, CollKind, CommError, Communicator, Dtype, Element, ReduceOp};
+use crate::launch::{launch, LaunchConfig, RankContext, RankResult};
+
+/// Where the benchmark buffers live.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Buffers {
+    /// Ordinary process memory (`Vec`): the shared-memory backend stages through its segment.
+    Ordinary,
+    /// Buffers from `alloc_shared`: zero-copy collectives.
+    Shared,
+}
+
+/// Options of `lockstep bench`.
+#[derive(Clone, Debug, clap::Args)]
+pub struct BenchArgs {
+    /// Number of ranks.
+    #[arg(long, short = 'n', default_value_t = 2)]
+    pub nprocs: usize,
+    /// Collective to time.
+    #[arg(long, default_value = "all_reduce")]
+    pub op: CollKind,
+    /// Element type.
+    #[arg(long, default_value = "f32")]
+    pub dtype: Dtype,
+    /// Reduction operator (for all_reduce, reduce, reduce_scatter).
+    #[arg(long, default_value = "sum")]
+    pub redop: ReduceOp,
+    /// Explicit sizes in bytes, comma-separated (overrides --min-bytes/--max-bytes).
+    #[arg(long, value_delimiter = ',')]
+    pub sizes: Vec<usize>,
+    /// Smallest size in bytes (sizes double up to --max-bytes).
+    #[arg(long, default_value_t = 8)]
+    pub min_bytes: usize,
+    /// Largest size in bytes.
+    #[arg(long, default_value_t = 256 << 20)]
+    pub max_bytes: usize,
+    /// Buffer placement.
+    #[arg(long, value_enum, default_value = "ordinary")]
+    pub buffers: Buffers,
+    /// Timed iterations per size (0: chosen from the size).
+    #[arg(long, default_value_t = 0)]
+    pub iters: usize,
+    /// Untimed warm-up iterations per size.
+    #[arg(long, default_value_t = 5)]
+    pub warmup: usize,
+    /// Device: cpu (shared memory) or cuda (NCCL).
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+}
+
+/// One measured row.
+#[derive(Clone, Debug)]
+pub struct Row {
+    /// Size in bytes, as nccl-tests counts it.
+    pub bytes: usize,
+    /// Element count, as nccl-tests counts it.
+    pub count: usize,
+    /// Median time per call in microseconds (max over ranks).
+    pub time_us: f64,
+    /// Algorithm bandwidth, GB/s.
+    pub algbw: f64,
+    /// Bus bandwidth, GB/s.
+    pub busbw: f64,
+    /// Wrong elements found by verification (all ranks).
+    pub wrong: u64,
+}
+
+/// Bus-bandwidth factor of nccl-tests for a collective on `n` ranks.
+pub fn bus_factor(op: CollKind, n: usize) -> f64 {
+    let n = n as f64;
+    match op {
+        CollKind::AllReduce => 2.0 * (n - 1.0) / n,
+        CollKind::AllGather | CollKind::ReduceScatter => (n - 1.0) / n,
+        _ => 1.0,
+    }
+}
+
+fn sizes(a: &BenchArgs, esz: usize, n: usize) -> Vec<usize> {
+    let quantum = match a.op {
+        CollKind::AllGather | CollKind::ReduceScatter | CollKind::Gather => esz * n,
+        _ => esz,
+    };
+    let raw: Vec<usize> = if !a.sizes.is_empty() {
+        a.sizes.clone()
+    } else {
+        let mut v = Vec::new();
+        let mut s = a.min_bytes.max(1);
+        while s <= a.max_bytes {
+            v.push(s);
+            s *= 2;
+        }
+        v
+    };
+    raw.into_iter().map(|s| (s / quantum).max(1) * quantum).collect()
+}
+
+trait BenchElem: Element {
+    fn from_i(v: usize) -> Self;
+}
+macro_rules! bench_elem {
+    ($($t:ty),*) => {$( impl BenchElem for $t { fn from_i(v: usize) -> Self { v as $t } } )*};
+}
+bench_elem!(f32, f64, i32, i64, u8, i8);
+impl BenchElem for f16 {
+    fn from_i(v: usize) -> Self {
+        f16::from_f32(v as f32)
+    }
+}
+impl BenchElem for bf16 {
+    fn from_i(v: usize) -> Self {
+        bf16::from_f32(v as f32)
+    }
+}
+
+/// Input pattern: small integers so sums are exact in every dtype; for prod only 1s and one 2.
+fn pattern(op: ReduceOp, rank: usize, i: usize, n: usize) -> usize {
+    match op {
+        ReduceOp::Prod => 1 + (i % n == rank) as usize,
+        _ => (rank + i) % 3,
+    }
+}
+
+fn expected<T: BenchElem>(op: ReduceOp, i: usize, n: usize) -> T {
+    let v: Vec<usize> = (0..n).map(|r| pattern(op, r, i, n)).collect();
+    let r = match op {
+        ReduceOp::Sum => v.iter().sum(),
+        ReduceOp::Prod => v.iter().product(),
+        ReduceOp::Min => *v.iter().min().unwrap_or(&0),
+        ReduceOp::Max => *v.iter().max().unwrap_or(&0),
+        ReduceOp::Avg => {
+            let s: usize = v.iter().sum();
+            if T::DTYPE.is_float() {
+                return avg_float::<T>(s, n);
+            }
+            s / n
+        }
+    };
+    T::from_i(r)
+}
+
+fn avg_float<T: BenchElem>(s: usize, n: usize) -> T {
+    // Match the backend: f32 accumulation for halves, division in the accumulator type.
+    let v = match T::DTYPE {
+        Dtype::F64 => return from_f64::<T>(s as f64 / n as f64),
+        _ => s as f32 / n as f32,
+    };
+    from_f64::<T>(v as f64)
+}
+
+fn from_f64<T: BenchElem>(v: f64) -> T {
+    let any: Box<dyn std::any::Any> = match T::DTYPE {
+        Dtype::F32 => Box::new(v as f32),
+        Dtype::F64 => Box::new(v),
+        Dtype::F16 => Box::new(f16::from_f32(v as f32)),
+        Dtype::BF16 => Box::new(bf16::from_f32(v as f32)),
+        _ => Box::new(v as i64),
+    };
+    *any.downcast::<T>().unwrap_or_else(|_| Box::new(T::default()))
+}
+
+/// A buffer of either placement.
+enum Buf<T: Element> {
+    Vec(Vec<T>),
+    Shared(crate::shm::SharedBuffer<T>),
+}
+
+impl<T: Element> Buf<T> {
+    fn new(comm: &mut Communicator, len: usize, placement: Buffers) -> Result<Buf<T>, CommError> {
+        Ok(match placement {
+            Buffers::Ordinary => Buf::Vec(vec![T::default(); len]),
+            Buffers::Shared => Buf::Shared(comm.alloc_shared::<T>(len)?),
+        })
+    }
+    fn s(&self) -> &[T] {
+        match self {
+            Buf::Vec(v) => v,
+            Buf::Shared(b) => b,
+        }
+    }
+    fn m(&mut self) -> &mut [T] {
+        match self {
+            Buf::Vec(v) => v,
+            Buf::Shared(b) => b,
+        }
+    }
+}
+
+/// Time and verify one size on this rank: returns (median µs, wrong elements).
+fn one_size<T: BenchElem>(ctx: &mut RankContext, a: &BenchArgs, bytes: usize) -> Result<(f64, u64), CommError> {
+    let (me, n) = (ctx.rank, ctx.world_size);
+    let esz = std::mem::size_of::<T>();
+    let op = a.redop;
+    let root = 0;
+    // Per-rank send and receive element counts.
+    let (scount, rcount) = match a.op {
+        CollKind::AllReduce | CollKind::Broadcast | CollKind::Reduce => (bytes / esz, bytes / esz),
+        CollKind::AllGather | CollKind::Gather => (bytes / esz / n, bytes / esz),
+        CollKind::ReduceScatter => (bytes / esz, bytes / esz / n),
+        CollKind::Barrier => (0, 0),
+    };
+    let comm = &mut ctx.comm;
+    let mut send: Buf<T> = Buf::new(comm, scount, a.buffers)?;
+    let mut recv: Buf<T> = Buf::new(comm, rcount, a.buffers)?;
+    for (i, x) in send.m().iter_mut().enumerate() {
+        *x = T::from_i(pattern(op, me, i, n));
+    }
+    recv.m().fill(T::default());
+    let call = |comm: &mut Communicator, send: &Buf<T>, recv: &mut Buf<T>| -> Result<(), CommError> {
+        match a.op {
+            CollKind::AllReduce => comm.all_reduce(send.s(), recv.m(), op),
+            CollKind::Broadcast => comm.broadcast(send.s(), recv.m(), root),
+            CollKind::Reduce => comm.reduce(send.s(), recv.m(), op, root),
+            CollKind::AllGather => comm.all_gather(send.s(), recv.m()),
+            CollKind::Gather => comm.gather(send.s(), recv.m(), root),
+            CollKind::ReduceScatter => comm.reduce_scatter(send.s(), recv.m(), op),
+            CollKind::Barrier => comm.barrier(),
+        }
+    };
+    let iters = if a.iters > 0 { a.iters } else { ((4usize << 30) / bytes.max(1)).clamp(9, 2000) };
+    for _ in 0..a.warmup {
+        call(comm, &send, &mut recv)?;
+    }
+    comm.barrier()?;
+    let mut times = Vec::with_capacity(iters);
+    for _ in 0..iters {
+        let t = Instant::now();
+        call(comm, &send, &mut recv)?;
+        times.push(t.elapsed().as_secs_f64());
+    }
+    times.sort_by(|x, y| x.total_cmp(y));
+    let mut med = [times[times.len() / 2] * 1e6];
+    comm.all_reduce_in_place(&mut med, ReduceOp::Max)?;
+    // Verify the last call's output.
+    let r = recv.s();
+    let wrong = match a.op {
+        CollKind::AllReduce => (0..rcount).filter(|&i| r[i] != expected::<T>(op, i, n)).count(),
+        CollKind::Reduce if me == root => (0..rcount).filter(|&i| r[i] != expected::<T>(op, i, n)).count(),
+        CollKind::ReduceScatter => (0..rcount).filter(|&i| r[i] != expected::<T>(op, me * rcount + i, n)).count(),
+        CollKind::Broadcast => (0..rcount).filter(|&i| r[i] != T::from_i(pattern(op, root, i, n))).count(),
+        CollKind::AllGather => (0..rcount).filter(|&i| r[i] != T::from_i(pattern(op, i / scount.max(1), i % scount.max(1), n))).count(),
+        CollKind::Gather if me == root => (0..rcount).filter(|&i| r[i] != T::from_i(pattern(op, i / scount.max(1), i % scount.max(1), n))).count(),
+        _ => 0,
+    };
+    let mut w = [wrong as i64];
+    comm.all_reduce_in_place(&mut w, ReduceOp::Sum)?;
+    Ok((med[0], w[0] as u64))
+}
+
+fn rank_main<T: BenchElem>(mut ctx: RankContext, a: &BenchArgs) -> RankResult<Vec<(f64, u64)>> {
+    let n = ctx.world_size;
+    let mut out = Vec::new();
+    for bytes in sizes(a, std::mem::size_of::<T>(), n) {
+        out.push(one_size::<T>(&mut ctx, a, bytes)?);
+    }
+    Ok(out)
+}
+
+/// Run the benchmark and return the rows (rank results merged).
+pub fn measure(a: &BenchArgs) -> Result<Vec<Row>, String> {
+    if a.device != "cpu" {
+        return Err(format!("--device {}: only 'cpu' (shared memory) is available in this build; the NCCL benchmark needs the CUDA backend", a.device));
+    }
+    if a.nprocs == 0 {
+        return Err("--nprocs must be at least 1".into());
+    }
+    let cfg = LaunchConfig::new(a.nprocs);
+    let res = match a.dtype {
+        Dtype::F32 => launch(&cfg, |ctx| rank_main::<f32>(ctx, a)),
+        Dtype::F64 => launch(&cfg, |ctx| rank_main::<f64>(ctx, a)),
+        Dtype::F16 => launch(&cfg, |ctx| rank_main::<f16>(ctx, a)),
+        Dtype::BF16 => launch(&cfg, |ctx| rank_main::<bf16>(ctx, a)),
+        Dtype::I32 => launch(&cfg, |ctx| rank_main::<i32>(ctx, a)),
+        Dtype::I64 => launch(&cfg, |ctx| rank_main::<i64>(ctx, a)),
+        Dtype::U8 => launch(&cfg, |ctx| rank_main::<u8>(ctx, a)),
+        Dtype::I8 => launch(&cfg, |ctx| rank_main::<i8>(ctx, a)),
+    }
+    .map_err(|e| e.to_string())?;
+    let n = a.nprocs;
+    let esz = a.dtype.size();
+    let rows = sizes(a, esz, n)
+        .into_iter()
+        .zip(&res[0])
+        .map(|(bytes, &(t, wrong))| {
+            let algbw = bytes as f64 / (t * 1e-6) / 1e9;
+            Row { bytes, count: bytes / esz, time_us: t, algbw, busbw: algbw * bus_factor(a.op, n), wrong }
+        })
+        .collect();
+    Ok(rows)
+}
+
+/// Format rows as an nccl-tests-style table.
+pub fn table(a: &BenchArgs, rows: &[Row]) -> String {
+    let mut s = format!(
+        "# lockstep bench: {} ranks, {} on {} buffers, backend {}\n",
+        a.nprocs,
+        a.op,
+        match a.buffers {
+            Buffers::Ordinary => "ordinary",
+            Buffers::Shared => "shared",
+        },
+        BackendKind::Shm
+    );
+    s += &format!("{:>12} {:>12} {:>6} {:>6} {:>10} {:>8} {:>8} {:>7}\n", "size(B)", "count", "type", "redop", "time(us)", "algbw", "busbw", "#wrong");
+    for r in rows {
+        let redop = if a.op.has_op() { a.redop.name() } else { "none" };
+        s += &format!(
+            "{:>12} {:>12} {:>6} {:>6} {:>10.2} {:>8.2} {:>8.2} {:>7}\n",
+            r.bytes, r.count, a.dtype, redop, r.time_us, r.algbw, r.busbw, r.wrong
+        );
+    }
+    s
+}
+
+/// `lockstep bench`: print the table; exit code 1 if any element was wrong.
+pub fn run(a: &BenchArgs) -> Result<i32, String> {
+    let rows = measure(a)?;
+    print!("{}", table(a, &rows));
+    let wrong: u64 = rows.iter().map(|r| r.wrong).sum();
+    if wrong > 0 {
+        eprintln!("lockstep bench: {wrong} wrong elements: results are incorrect");
+        return Ok(1);
+    }
+    Ok(0)
+}
