@@ -599,6 +599,46 @@ fn t_oversubscribed_8() -> Result<(), String> {
     Ok(())
 }
 
+/// 64 ranks (the largest world the backend is sized for here) agree on sums and a barrier.
+fn t_world_64() -> Result<(), String> {
+    let mut cfg = LaunchConfig::new(64);
+    cfg.shm.heap_bytes = 16 << 20;
+    cfg.shm.slot_bytes = 64 << 10;
+    cfg.shm = cfg.shm.clone().normalized();
+    let out = launch(&cfg, |mut ctx: RankContext| -> RankResult<(i64, i64)> {
+        let mut x = vec![ctx.rank as i64; 10_000];
+        ctx.comm.all_reduce_in_place(&mut x, ReduceOp::Sum)?;
+        let mut y = [ctx.rank as i64];
+        ctx.comm.all_reduce_in_place(&mut y, ReduceOp::Max)?;
+        ctx.comm.barrier()?;
+        Ok((x[9_999], y[0]))
+    })
+    .map_err(|e| e.to_string())?;
+    if out.iter().any(|v| *v != (63 * 64 / 2, 63)) {
+        return Err(format!("wrong results {:?}", &out[..4]));
+    }
+    Ok(())
+}
+
+/// A message over 1 GiB (u8, odd length) goes through the bounded staging slots intact.
+fn t_over_1gib() -> Result<(), String> {
+    let out = launch(&LaunchConfig::new(2), |mut ctx: RankContext| -> RankResult<usize> {
+        let len = (1usize << 30) + 3;
+        let mut x = vec![0u8; len];
+        for (i, v) in x.iter_mut().enumerate().step_by(4093) {
+            *v = (i % 7) as u8 + ctx.rank as u8;
+        }
+        ctx.comm.all_reduce_in_place(&mut x, ReduceOp::Sum)?;
+        let wrong = (0..len).step_by(4093).filter(|&i| x[i] != 2 * (i % 7) as u8 + 1).count() + (x[1] != 0) as usize + (x[len - 1] != if (len - 1) % 4093 == 0 { 1 } else { 0 }) as usize;
+        Ok(wrong)
+    })
+    .map_err(|e| e.to_string())?;
+    if out.iter().any(|w| *w != 0) {
+        return Err(format!("wrong elements {out:?}"));
+    }
+    Ok(())
+}
+
 fn main() {
     let tests: Vec<(&str, fn() -> Result<(), String>)> = vec![
         ("collectives_world_1", t_collectives_world_1),
@@ -616,6 +656,8 @@ fn main() {
         ("named_segment_no_leak", t_named_segment_no_leak),
         ("local_argument_errors", t_local_argument_errors),
         ("oversubscribed_8", t_oversubscribed_8),
+        ("world_64", t_world_64),
+        ("over_1gib", t_over_1gib),
     ];
     let filter: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with('-')).collect();
     let (mut passed, mut failed) = (0, 0);
