@@ -250,7 +250,9 @@ fn one_size<T: BenchElem>(ctx: &mut RankContext, a: &BenchArgs, bytes: usize) ->
         CollKind::ReduceScatter => (0..rcount).filter(|&i| r[i] != expected::<T>(op, me * rcount + i, n)).count(),
         CollKind::Broadcast => (0..rcount).filter(|&i| r[i] != T::from_i(pattern(op, root, i, n))).count(),
         CollKind::AllGather => (0..rcount).filter(|&i| r[i] != T::from_i(pattern(op, i / scount.max(1), i % scount.max(1), n))).count(),
-        CollKind::Gather if me == root => (0..rcount).filter(|&i| r[i] != T::from_i(pattern(op, i / scount.max(1), i % scount.max(1), n))).count(),
+        CollKind::Gather if me == root => {
+            (0..rcount).filter(|&i| r[i] != T::from_i(pattern(op, i / scount.max(1), i % scount.max(1), n))).count()
+        }
         _ => 0,
     };
     let mut w = [wrong as i64];
@@ -270,7 +272,10 @@ fn rank_main<T: BenchElem>(mut ctx: RankContext, a: &BenchArgs) -> RankResult<Ve
 /// Run the benchmark and return the rows (rank results merged).
 pub fn measure(a: &BenchArgs) -> Result<Vec<Row>, String> {
     if a.device != "cpu" {
-        return Err(format!("--device {}: only 'cpu' (shared memory) is available in this build; the NCCL benchmark needs the CUDA backend", a.device));
+        return Err(format!(
+            "--device {}: only 'cpu' (shared memory) is available in this build; the NCCL benchmark needs the CUDA backend",
+            a.device
+        ));
     }
     if a.nprocs == 0 {
         return Err("--nprocs must be at least 1".into());
@@ -312,7 +317,10 @@ pub fn table(a: &BenchArgs, rows: &[Row]) -> String {
         },
         BackendKind::Shm
     );
-    s += &format!("{:>12} {:>12} {:>6} {:>6} {:>10} {:>8} {:>8} {:>7}\n", "size(B)", "count", "type", "redop", "time(us)", "algbw", "busbw", "#wrong");
+    s += &format!(
+        "{:>12} {:>12} {:>6} {:>6} {:>10} {:>8} {:>8} {:>7}\n",
+        "size(B)", "count", "type", "redop", "time(us)", "algbw", "busbw", "#wrong"
+    );
     for r in rows {
         let redop = if a.op.has_op() { a.redop.name() } else { "none" };
         s += &format!(

@@ -129,7 +129,11 @@ fn check_dtype<T: TestElem>(comm: &mut Communicator, cfg: &ShmConfig, shared: bo
             let mut recv = buf(comm, vec![T::default(); len])?;
             comm.all_reduce(send.slice(), recv.slice_mut(), op)?;
             if let Some(i) = (0..len).find(|&i| !close(recv.slice()[i].to_f64(), reference(op, i, n, dt), dt)) {
-                fail(format!("all_reduce {dt} {op} len {len} shared={shared}: [{i}] = {:?}, want {}", recv.slice()[i], reference(op, i, n, dt)));
+                fail(format!(
+                    "all_reduce {dt} {op} len {len} shared={shared}: [{i}] = {:?}, want {}",
+                    recv.slice()[i],
+                    reference(op, i, n, dt)
+                ));
             }
             let mut inplace = buf(comm, input::<T>(op, me, n, len, 0))?;
             comm.all_reduce_in_place(inplace.slice_mut(), op)?;
@@ -147,7 +151,11 @@ fn check_dtype<T: TestElem>(comm: &mut Communicator, cfg: &ShmConfig, shared: bo
             let mut rs_recv = buf(comm, vec![T::default(); len])?;
             comm.reduce_scatter(rs_send.slice(), rs_recv.slice_mut(), op)?;
             if let Some(i) = (0..len).find(|&i| !close(rs_recv.slice()[i].to_f64(), reference(op, me * len + i, n, dt), dt)) {
-                fail(format!("reduce_scatter {dt} {op} len {len} shared={shared}: [{i}] = {:?}, want {}", rs_recv.slice()[i], reference(op, me * len + i, n, dt)));
+                fail(format!(
+                    "reduce_scatter {dt} {op} len {len} shared={shared}: [{i}] = {:?}, want {}",
+                    rs_recv.slice()[i],
+                    reference(op, me * len + i, n, dt)
+                ));
             }
             let mut rs_in = buf(comm, input::<T>(op, me, n, len * n, 0))?;
             comm.reduce_scatter_in_place(rs_in.slice_mut(), op)?;
@@ -321,7 +329,8 @@ fn t_deterministic() -> Result<(), String> {
             let mut sums = Vec::new();
             for len in [5usize, 300, 5000, 100_000] {
                 // Values whose sum depends on the order of addition.
-                let x: Vec<f32> = (0..len).map(|i| ((i * 2654435761 + ctx.rank * 97) % 1000) as f32 * 1.37e-3 + 1e4 * (ctx.rank as f32 - 1.0)).collect();
+                let x: Vec<f32> =
+                    (0..len).map(|i| ((i * 2654435761 + ctx.rank * 97) % 1000) as f32 * 1.37e-3 + 1e4 * (ctx.rank as f32 - 1.0)).collect();
                 let mut y = vec![0f32; len];
                 ctx.comm.all_reduce(&x, &mut y, ReduceOp::Sum)?;
                 let h = y.iter().fold(0u64, |h, v| h.wrapping_mul(1099511628211).wrapping_add(v.to_bits() as u64));
@@ -629,7 +638,9 @@ fn t_over_1gib() -> Result<(), String> {
             *v = (i % 7) as u8 + ctx.rank as u8;
         }
         ctx.comm.all_reduce_in_place(&mut x, ReduceOp::Sum)?;
-        let wrong = (0..len).step_by(4093).filter(|&i| x[i] != 2 * (i % 7) as u8 + 1).count() + (x[1] != 0) as usize + (x[len - 1] != if (len - 1) % 4093 == 0 { 1 } else { 0 }) as usize;
+        let wrong = (0..len).step_by(4093).filter(|&i| x[i] != 2 * (i % 7) as u8 + 1).count()
+            + (x[1] != 0) as usize
+            + (x[len - 1] != if (len - 1) % 4093 == 0 { 1 } else { 0 }) as usize;
         Ok(wrong)
     })
     .map_err(|e| e.to_string())?;

@@ -29,16 +29,7 @@ pub enum Dtype {
 
 impl Dtype {
     /// Every dtype, in declaration order (handy for tests and CLIs).
-    pub const ALL: [Dtype; 8] = [
-        Dtype::F32,
-        Dtype::F64,
-        Dtype::F16,
-        Dtype::BF16,
-        Dtype::I32,
-        Dtype::I64,
-        Dtype::U8,
-        Dtype::I8,
-    ];
+    pub const ALL: [Dtype; 8] = [Dtype::F32, Dtype::F64, Dtype::F16, Dtype::BF16, Dtype::I32, Dtype::I64, Dtype::U8, Dtype::I8];
 
     /// Size of one element in bytes.
     pub const fn size(self) -> usize {

@@ -130,7 +130,9 @@ impl Communicator {
     /// whose buffers are all shared on every rank skip the staging copies (the analog of NCCL's
     /// registered buffers).
     pub fn alloc_shared<T: Element>(&mut self, len: usize) -> Result<crate::shm::SharedBuffer<T>, CommError> {
-        let bytes = len.checked_mul(std::mem::size_of::<T>()).ok_or_else(|| CommError::Unsupported(format!("alloc_shared: {len} elements overflow")))?;
+        let bytes = len
+            .checked_mul(std::mem::size_of::<T>())
+            .ok_or_else(|| CommError::Unsupported(format!("alloc_shared: {len} elements overflow")))?;
         let alloc = self.backend.alloc_shared(bytes)?;
         Ok(crate::shm::SharedBuffer::new(alloc, len))
     }
@@ -182,7 +184,9 @@ impl Communicator {
     ) -> Result<(), CommError> {
         let (s, r) = (send.raw(), recv.raw_mut());
         if s.len != r.len {
-            return Err(self.invalid(CollKind::AllReduce, format!("send has {} elements but recv has {}; they must be equal", s.len, r.len)));
+            return Err(
+                self.invalid(CollKind::AllReduce, format!("send has {} elements but recv has {}; they must be equal", s.len, r.len))
+            );
         }
         self.call::<T>(CollKind::AllReduce, op, 0, s.len, s, r)
     }
@@ -211,7 +215,9 @@ impl Communicator {
         self.check_root(CollKind::Broadcast, root)?;
         let (s, r) = (send.raw(), recv.raw_mut());
         if s.len != r.len {
-            return Err(self.invalid(CollKind::Broadcast, format!("send has {} elements but recv has {}; they must be equal", s.len, r.len)));
+            return Err(
+                self.invalid(CollKind::Broadcast, format!("send has {} elements but recv has {}; they must be equal", s.len, r.len))
+            );
         }
         self.call::<T>(CollKind::Broadcast, ReduceOp::Sum, root, r.len, s, r)
     }
@@ -228,13 +234,19 @@ impl Communicator {
         self.check_root(CollKind::Reduce, root)?;
         let (s, r) = (send.raw(), recv.raw_mut());
         if self.rank() == root && s.len != r.len {
-            return Err(self.invalid(CollKind::Reduce, format!("send has {} elements but recv on the root has {}; they must be equal", s.len, r.len)));
+            return Err(self
+                .invalid(CollKind::Reduce, format!("send has {} elements but recv on the root has {}; they must be equal", s.len, r.len)));
         }
         self.call::<T>(CollKind::Reduce, op, root, s.len, s, r)
     }
 
     /// In-place reduce: on `root`, `buf` receives the result; elsewhere it is left unchanged.
-    pub fn reduce_in_place<T: Element, B: BufferMut<T> + ?Sized>(&mut self, buf: &mut B, op: ReduceOp, root: usize) -> Result<(), CommError> {
+    pub fn reduce_in_place<T: Element, B: BufferMut<T> + ?Sized>(
+        &mut self,
+        buf: &mut B,
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<(), CommError> {
         self.check_root(CollKind::Reduce, root)?;
         let r = buf.raw_mut();
         self.call::<T>(CollKind::Reduce, op, root, r.len, r, r)
@@ -242,11 +254,18 @@ impl Communicator {
 
     /// Concatenate every rank's `send` (in rank order) into every rank's `recv`
     /// (`recv.len() == send.len() * world_size`).
-    pub fn all_gather<T: Element, S: Buffer<T> + ?Sized, R: BufferMut<T> + ?Sized>(&mut self, send: &S, recv: &mut R) -> Result<(), CommError> {
+    pub fn all_gather<T: Element, S: Buffer<T> + ?Sized, R: BufferMut<T> + ?Sized>(
+        &mut self,
+        send: &S,
+        recv: &mut R,
+    ) -> Result<(), CommError> {
         let (s, r) = (send.raw(), recv.raw_mut());
         let n = self.world_size();
         if r.len != s.len * n {
-            return Err(self.invalid(CollKind::AllGather, format!("recv has {} elements but must have send.len() × world_size = {} × {n} = {}", r.len, s.len, s.len * n)));
+            return Err(self.invalid(
+                CollKind::AllGather,
+                format!("recv has {} elements but must have send.len() × world_size = {} × {n} = {}", r.len, s.len, s.len * n),
+            ));
         }
         self.call::<T>(CollKind::AllGather, ReduceOp::Sum, 0, s.len, s, r)
     }
@@ -257,7 +276,9 @@ impl Communicator {
         let r = buf.raw_mut();
         let n = self.world_size();
         if r.len % n != 0 {
-            return Err(self.invalid(CollKind::AllGather, format!("in-place buffer has {} elements, not a multiple of world size {n}", r.len)));
+            return Err(
+                self.invalid(CollKind::AllGather, format!("in-place buffer has {} elements, not a multiple of world size {n}", r.len))
+            );
         }
         let c = r.len / n;
         let s = RawMem { addr: r.addr + self.rank() * c * std::mem::size_of::<T>(), len: c, space: r.space };
@@ -266,12 +287,20 @@ impl Communicator {
 
     /// Concatenate every rank's `send` into `recv` on `root` (`send.len() * world_size` elements
     /// there; other ranks' `recv` is not touched).
-    pub fn gather<T: Element, S: Buffer<T> + ?Sized, R: BufferMut<T> + ?Sized>(&mut self, send: &S, recv: &mut R, root: usize) -> Result<(), CommError> {
+    pub fn gather<T: Element, S: Buffer<T> + ?Sized, R: BufferMut<T> + ?Sized>(
+        &mut self,
+        send: &S,
+        recv: &mut R,
+        root: usize,
+    ) -> Result<(), CommError> {
         self.check_root(CollKind::Gather, root)?;
         let (s, r) = (send.raw(), recv.raw_mut());
         let n = self.world_size();
         if self.rank() == root && r.len != s.len * n {
-            return Err(self.invalid(CollKind::Gather, format!("recv on the root has {} elements but must have send.len() × world_size = {}", r.len, s.len * n)));
+            return Err(self.invalid(
+                CollKind::Gather,
+                format!("recv on the root has {} elements but must have send.len() × world_size = {}", r.len, s.len * n),
+            ));
         }
         self.call::<T>(CollKind::Gather, ReduceOp::Sum, root, s.len, s, r)
     }
@@ -287,7 +316,10 @@ impl Communicator {
         let (s, r) = (send.raw(), recv.raw_mut());
         let n = self.world_size();
         if s.len != r.len * n {
-            return Err(self.invalid(CollKind::ReduceScatter, format!("send has {} elements but must have recv.len() × world_size = {} × {n} = {}", s.len, r.len, r.len * n)));
+            return Err(self.invalid(
+                CollKind::ReduceScatter,
+                format!("send has {} elements but must have recv.len() × world_size = {} × {n} = {}", s.len, r.len, r.len * n),
+            ));
         }
         self.call::<T>(CollKind::ReduceScatter, op, 0, r.len, s, r)
     }
@@ -298,7 +330,9 @@ impl Communicator {
         let s = buf.raw_mut();
         let n = self.world_size();
         if s.len % n != 0 {
-            return Err(self.invalid(CollKind::ReduceScatter, format!("in-place buffer has {} elements, not a multiple of world size {n}", s.len)));
+            return Err(
+                self.invalid(CollKind::ReduceScatter, format!("in-place buffer has {} elements, not a multiple of world size {n}", s.len))
+            );
         }
         let c = s.len / n;
         let r = RawMem { addr: s.addr + self.rank() * c * std::mem::size_of::<T>(), len: c, space: s.space };

@@ -163,8 +163,10 @@ struct Running {
 }
 
 fn supervise<R: Wire>(cfg: &LaunchConfig, spawned: Vec<child::Spawned>) -> Result<Vec<R>, LaunchError> {
-    let mut ranks: Vec<Running> =
-        spawned.into_iter().map(|s| Running { pid: s.pid, fd: Some(s.result_fd), bytes: Vec::new(), status: None, terminated: false }).collect();
+    let mut ranks: Vec<Running> = spawned
+        .into_iter()
+        .map(|s| Running { pid: s.pid, fd: Some(s.result_fd), bytes: Vec::new(), status: None, terminated: false })
+        .collect();
     let mut failed_order: Vec<usize> = Vec::new();
     let mut term_sent: Option<Instant> = None;
     let mut killed = false;
@@ -249,7 +251,13 @@ fn supervise<R: Wire>(cfg: &LaunchConfig, spawned: Vec<child::Spawned>) -> Resul
                     child::Exit::Code(0) => 1,
                     s => s.code(),
                 };
-                failures.push(RankFailure { rank: i, pid: r.pid, exit_code: code, message, terminated_by_launcher: r.terminated && !failed_order.first().is_some_and(|f| *f == i) });
+                failures.push(RankFailure {
+                    rank: i,
+                    pid: r.pid,
+                    exit_code: code,
+                    message,
+                    terminated_by_launcher: r.terminated && !failed_order.first().is_some_and(|f| *f == i),
+                });
             }
         }
     }

@@ -124,7 +124,20 @@ impl ShmComm {
         }
         let heap = Arc::new(Mutex::new(Heap::new(layout.heap_off(rank), layout.heap_bytes)));
         let spin = cfg.spin.unwrap_or(if world > available_cpus() { Duration::from_micros(5) } else { Duration::from_micros(200) });
-        let mut c = ShmComm { seg, layout, cfg, rank, world, progress: 0, seq: 0, peers: Vec::new(), heap, spin, poisoned: None, nt_pending: false };
+        let mut c = ShmComm {
+            seg,
+            layout,
+            cfg,
+            rank,
+            world,
+            progress: 0,
+            seq: 0,
+            peers: Vec::new(),
+            heap,
+            spin,
+            poisoned: None,
+            nt_pending: false,
+        };
         let me = c.ctrl(rank);
         if me.state.load(Acquire) != 0 {
             return Err(CommError::Setup(format!("rank {rank} has already joined this communicator (pid {})", me.pid.load(Relaxed))));
@@ -174,7 +187,8 @@ impl ShmComm {
                 // SAFETY: the mapping is at least HEADER_BYTES long and page-aligned.
                 let h = unsafe { &*(seg.base() as *const Header) };
                 if h.magic.load(Acquire) == MAGIC {
-                    let (w, slot, heap) = (h.world.load(Relaxed) as usize, h.slot_bytes.load(Relaxed) as usize, h.heap_bytes.load(Relaxed) as usize);
+                    let (w, slot, heap) =
+                        (h.world.load(Relaxed) as usize, h.slot_bytes.load(Relaxed) as usize, h.heap_bytes.load(Relaxed) as usize);
                     if h.version.load(Relaxed) != VERSION || w != world {
                         return Err(CommError::Setup(format!(
                             "segment {} was made for world size {w} (layout v{}), this rank expects {world} (v{VERSION}); are two jobs using the same job id?",
@@ -368,7 +382,13 @@ impl ShmComm {
                 op: cx.op,
                 seq: cx.seq,
                 secs: waited.as_secs_f64(),
-                detail: format!("{} not arrived: {}; this rank (rank {}) is at #{}", if missing.len() == 1 { "one rank has" } else { "some ranks have" }, missing.join(", "), self.rank, cx.seq),
+                detail: format!(
+                    "{} not arrived: {}; this rank (rank {}) is at #{}",
+                    if missing.len() == 1 { "one rank has" } else { "some ranks have" },
+                    missing.join(", "),
+                    self.rank,
+                    cx.seq
+                ),
             });
         }
         Ok(())
@@ -780,10 +800,13 @@ impl ShmComm {
         let (descs, _) = self.begin(call, flags, so, ro, cx)?;
         if descs.iter().all(|d| d.flags & SHARED_SEND != 0) && c * esz > self.cfg.small_bytes {
             let sends: Vec<*const u8> = descs.iter().map(|d| self.at(d.send_off) as *const u8).collect();
-            let srcs: Vec<*const u8> = sends.iter().map(|s| {
-                // SAFETY: every send holds n*c elements in the segment.
-                unsafe { s.add(me * c * esz) }
-            }).collect();
+            let srcs: Vec<*const u8> = sends
+                .iter()
+                .map(|s| {
+                    // SAFETY: every send holds n*c elements in the segment.
+                    unsafe { s.add(me * c * esz) }
+                })
+                .collect();
             // SAFETY: block `me` of every send is read only by this rank; recv holds c elements and
             // is either our own block `me` (in place, same address as srcs[me]) or disjoint.
             unsafe { reduce_into(call.dtype, call.op, n, &srcs, &[Dst { ptr: recv, nt }], c) };
@@ -902,7 +925,8 @@ mod tests {
 
     #[test]
     fn mismatch_names_ranks() {
-        let mut a = Desc { kind: CollKind::AllReduce as u8, dtype: Dtype::F32 as u8, op: ReduceOp::Sum as u8, count: 100, ..Default::default() };
+        let mut a =
+            Desc { kind: CollKind::AllReduce as u8, dtype: Dtype::F32 as u8, op: ReduceOp::Sum as u8, count: 100, ..Default::default() };
         let b = Desc { count: 101, ..a };
         let e = check_descs(&[a, a, b], 5).unwrap_err().to_string();
         assert!(e.contains("rank 2 called all_reduce(count=101, dtype=f32, op=sum)"), "{e}");

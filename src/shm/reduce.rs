@@ -30,21 +30,43 @@ macro_rules! float_lane {
         impl Lane for $t {
             type Acc = $t;
             #[inline(always)]
-            fn load(self) -> $t { self }
+            fn load(self) -> $t {
+                self
+            }
             #[inline(always)]
-            fn store(a: $t) -> $t { a }
+            fn store(a: $t) -> $t {
+                a
+            }
             #[inline(always)]
-            fn add(a: $t, b: $t) -> $t { a + b }
+            fn add(a: $t, b: $t) -> $t {
+                a + b
+            }
             #[inline(always)]
-            fn mul(a: $t, b: $t) -> $t { a * b }
+            fn mul(a: $t, b: $t) -> $t {
+                a * b
+            }
             // NaN-propagating like NCCL's fminf/fmaxf-free device ops would be costlier; a plain
             // compare keeps the loop vectorisable and is deterministic.
             #[inline(always)]
-            fn min(a: $t, b: $t) -> $t { if b < a { b } else { a } }
+            fn min(a: $t, b: $t) -> $t {
+                if b < a {
+                    b
+                } else {
+                    a
+                }
+            }
             #[inline(always)]
-            fn max(a: $t, b: $t) -> $t { if b > a { b } else { a } }
+            fn max(a: $t, b: $t) -> $t {
+                if b > a {
+                    b
+                } else {
+                    a
+                }
+            }
             #[inline(always)]
-            fn div(a: $t, n: usize) -> $t { a / n as $t }
+            fn div(a: $t, n: usize) -> $t {
+                a / n as $t
+            }
         }
     };
 }
@@ -56,19 +78,33 @@ macro_rules! int_lane {
         impl Lane for $t {
             type Acc = $t;
             #[inline(always)]
-            fn load(self) -> $t { self }
+            fn load(self) -> $t {
+                self
+            }
             #[inline(always)]
-            fn store(a: $t) -> $t { a }
+            fn store(a: $t) -> $t {
+                a
+            }
             #[inline(always)]
-            fn add(a: $t, b: $t) -> $t { a.wrapping_add(b) }
+            fn add(a: $t, b: $t) -> $t {
+                a.wrapping_add(b)
+            }
             #[inline(always)]
-            fn mul(a: $t, b: $t) -> $t { a.wrapping_mul(b) }
+            fn mul(a: $t, b: $t) -> $t {
+                a.wrapping_mul(b)
+            }
             #[inline(always)]
-            fn min(a: $t, b: $t) -> $t { a.min(b) }
+            fn min(a: $t, b: $t) -> $t {
+                a.min(b)
+            }
             #[inline(always)]
-            fn max(a: $t, b: $t) -> $t { a.max(b) }
+            fn max(a: $t, b: $t) -> $t {
+                a.max(b)
+            }
             #[inline(always)]
-            fn div(a: $t, n: usize) -> $t { a.wrapping_div(n as $t) }
+            fn div(a: $t, n: usize) -> $t {
+                a.wrapping_div(n as $t)
+            }
         }
     };
 }
@@ -82,19 +118,41 @@ macro_rules! half_lane {
         impl Lane for $t {
             type Acc = f32;
             #[inline(always)]
-            fn load(self) -> f32 { self.to_f32() }
+            fn load(self) -> f32 {
+                self.to_f32()
+            }
             #[inline(always)]
-            fn store(a: f32) -> $t { <$t>::from_f32(a) }
+            fn store(a: f32) -> $t {
+                <$t>::from_f32(a)
+            }
             #[inline(always)]
-            fn add(a: f32, b: f32) -> f32 { a + b }
+            fn add(a: f32, b: f32) -> f32 {
+                a + b
+            }
             #[inline(always)]
-            fn mul(a: f32, b: f32) -> f32 { a * b }
+            fn mul(a: f32, b: f32) -> f32 {
+                a * b
+            }
             #[inline(always)]
-            fn min(a: f32, b: f32) -> f32 { if b < a { b } else { a } }
+            fn min(a: f32, b: f32) -> f32 {
+                if b < a {
+                    b
+                } else {
+                    a
+                }
+            }
             #[inline(always)]
-            fn max(a: f32, b: f32) -> f32 { if b > a { b } else { a } }
+            fn max(a: f32, b: f32) -> f32 {
+                if b > a {
+                    b
+                } else {
+                    a
+                }
+            }
             #[inline(always)]
-            fn div(a: f32, n: usize) -> f32 { a / n as f32 }
+            fn div(a: f32, n: usize) -> f32 {
+                a / n as f32
+            }
         }
     };
 }

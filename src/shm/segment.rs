@@ -47,16 +47,8 @@ fn retry<F: FnMut() -> libc::c_int>(mut f: F) -> libc::c_int {
 fn map_fd(fd: libc::c_int, len: usize, what: &str) -> Result<*mut u8, CommError> {
     // SAFETY: mapping a valid fd with a fresh address chosen by the kernel; no existing memory is
     // affected. The result is checked against MAP_FAILED.
-    let p = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            len,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_SHARED | libc::MAP_NORESERVE,
-            fd,
-            0,
-        )
-    };
+    let p =
+        unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED | libc::MAP_NORESERVE, fd, 0) };
     if p == libc::MAP_FAILED {
         return Err(os_err(format!("mmap({what}, {len} bytes)")));
     }
