@@ -10,7 +10,7 @@ What it checks, per file and per configuration:
   * every expected extern "C" entry point appears as a `.entry` in the PTX, and no unexpected one;
   * tensor-core instructions (mma.sync) are present in the PTX of conv2d.cu / linear.cu on
     sm_80+, and absent when built with -DLOCKSTEP_NO_TENSOR_CORES (the fallback path is compiled
-    and checked as a separate configuration, plus one pre-Ampere arch, compute_70).
+    and checked as a separate configuration, plus one pre-Ampere arch, compute_75).
 It prints ptxas register/spill statistics for the CUBIN builds (-Xptxas -v equivalent).
 
 common.cuh is handed to NVRTC as an in-memory header, as build.rs/KERNEL_HEADERS does, so no -I
@@ -181,12 +181,12 @@ def main():
         tc = int(a) >= 80
         configs.append(("compute_%s" % a, ["--gpu-architecture=compute_%s" % a] + base, False, tc))
         configs.append(("sm_%s" % a, ["--gpu-architecture=sm_%s" % a, "--ptxas-options=-v"] + base, True, None))
-    # The fallback GEMM path must compile too: forced on an Ampere target, and natural on Volta.
+    # The fallback GEMM path must compile too: forced on an Ampere target, and natural on Turing.
     configs.append(("compute_80 -DLOCKSTEP_NO_TENSOR_CORES",
                     ["--gpu-architecture=compute_80", "-DLOCKSTEP_NO_TENSOR_CORES"] + base, False, False))
     configs.append(("compute_80 -DLOCKSTEP_NO_TF32", ["--gpu-architecture=compute_80", "-DLOCKSTEP_NO_TF32"] + base,
                     False, True))
-    configs.append(("compute_70", ["--gpu-architecture=compute_70"] + base, False, False))
+    configs.append(("compute_75", ["--gpu-architecture=compute_75"] + base, False, False))
 
     total_entries = 0
     spills = []
@@ -236,7 +236,7 @@ def main():
         for x in failures:
             print("---\n" + x)
         return 1
-    print("OK: %d kernels in %d files, archs %s (PTX + CUBIN), fallback and compute_70 paths"
+    print("OK: %d kernels in %d files, archs %s (PTX + CUBIN), fallback and compute_75 paths"
           % (total_entries, len(EXPECTED), ", ".join("sm_" + a for a in archs)))
     return 0
 
