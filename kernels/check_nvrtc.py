@@ -180,7 +180,10 @@ def main():
     for a in archs:
         tc = int(a) >= 80
         configs.append(("compute_%s" % a, ["--gpu-architecture=compute_%s" % a] + base, False, tc))
-        configs.append(("sm_%s" % a, ["--gpu-architecture=sm_%s" % a, "--ptxas-options=-v"] + base, True, None))
+        # CUBIN with exactly the options src/cuda/module.rs passes (it relies on NVRTC 12's default
+        # C++17), plus -v so ptxas reports registers and spills.
+        configs.append(("sm_%s" % a, ["--gpu-architecture=sm_%s" % a, "-default-device", "--ptxas-options=-v"],
+                        True, None))
     # The fallback GEMM path must compile too: forced on an Ampere target, and natural on Turing.
     configs.append(("compute_80 -DLOCKSTEP_NO_TENSOR_CORES",
                     ["--gpu-architecture=compute_80", "-DLOCKSTEP_NO_TENSOR_CORES"] + base, False, False))
@@ -225,7 +228,13 @@ def main():
                 has = "mma.sync" in ptx
                 if has != want_mma:
                     failures.append("%s [%s]: mma.sync %s" % (f, label, "missing" if want_mma else "present"))
-            total_entries += len(entries) if label == "compute_%s" % archs[0] else 0
+                # TF32 for the f32 GEMMs exactly when tensor cores are on and NO_TF32 is not set.
+                want_tf32 = want_mma and "-DLOCKSTEP_NO_TF32" not in opts
+                if ("f32.tf32.tf32.f32" in ptx) != want_tf32:
+                    failures.append("%s [%s]: TF32 mma %s" % (f, label, "missing" if want_tf32 else "present"))
+            if label == "compute_%s" % archs[0]:
+                total_entries += len(entries)
+                print("  %-14s %s" % (f, " ".join(entries)))
             n_ok += 1
         print("%-40s %d/%d files ok" % (label, n_ok, len(EXPECTED)))
 
