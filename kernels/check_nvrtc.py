@@ -170,8 +170,14 @@ def main():
     headers = [(h, open(os.path.join(HERE, h)).read()) for h in HEADERS]
     present = sorted(f for f in os.listdir(HERE) if f.endswith(".cu"))
     failures = []
-    if present != sorted(EXPECTED):
-        failures.append("file list mismatch: have %s, expected %s" % (present, sorted(EXPECTED)))
+    missing_files = sorted(set(EXPECTED) - set(present))
+    if missing_files:
+        failures.append("missing kernel files: %s" % missing_files)
+    # Files another branch adds (e.g. the runtime's own elementwise.cu) must compile cleanly too,
+    # but their entry points are theirs to check.
+    extra_files = sorted(set(present) - set(EXPECTED))
+    if extra_files:
+        print("note: also compiling %s (no expected entry list)" % ", ".join(extra_files))
 
     archs = [a.strip() for a in args.archs.split(",") if a.strip()]
     base = ["-default-device", "--std=c++17"]
@@ -195,7 +201,7 @@ def main():
     spills = []
     for label, opts, cubin, want_mma in configs:
         n_ok = 0
-        for f in sorted(EXPECTED):
+        for f in sorted(set(EXPECTED) | set(extra_files)):
             path = os.path.join(HERE, f)
             if not os.path.exists(path):
                 failures.append("%s: missing" % f)
@@ -218,8 +224,8 @@ def main():
                 continue
             ptx = out.decode(errors="replace")
             entries = re.findall(r"^\s*\.(?:visible\s+)?\.entry\s+([A-Za-z_][A-Za-z0-9_]*)", ptx, re.M)
-            missing = sorted(set(EXPECTED[f]) - set(entries))
-            extra = sorted(set(entries) - set(EXPECTED[f]))
+            missing = sorted(set(EXPECTED.get(f, [])) - set(entries))
+            extra = sorted(set(entries) - set(EXPECTED[f])) if f in EXPECTED else []
             if missing:
                 failures.append("%s [%s]: missing entry points %s" % (f, label, missing))
             if extra:
@@ -236,7 +242,7 @@ def main():
                 total_entries += len(entries)
                 print("  %-14s %s" % (f, " ".join(entries)))
             n_ok += 1
-        print("%-40s %d/%d files ok" % (label, n_ok, len(EXPECTED)))
+        print("%-40s %d/%d files ok" % (label, n_ok, len(set(EXPECTED) | set(extra_files))))
 
     if spills:
         print("register spills (not failures):\n  " + "\n  ".join(spills))
@@ -246,7 +252,7 @@ def main():
             print("---\n" + x)
         return 1
     print("OK: %d kernels in %d files, archs %s (PTX + CUBIN), fallback and compute_75 paths"
-          % (total_entries, len(EXPECTED), ", ".join("sm_" + a for a in archs)))
+          % (total_entries, len(set(EXPECTED) | set(extra_files)), ", ".join("sm_" + a for a in archs)))
     return 0
 
 

@@ -33,8 +33,11 @@
 // ----------------------------------------------------------------------------
 // bucket table entry
 //
-// Rust twin: train::bucket::BucketEntry, #[repr(C)] { ptr: u64, offset: i64, len: i64 }
-// (24 bytes, 8-byte aligned; ptr is the tensor's CUdeviceptr, offset/len are in elements).
+// Rust twin: BucketEntry next to the trainer's bucket code (train::trainer), declared as
+//   #[repr(C)] struct BucketEntry { ptr: u64, offset: i64, len: i64 }
+// (24 bytes, 8-byte aligned; ptr is the tensor's CUdeviceptr, offset/len are in f32 elements).
+// Not needed when gradients already live in one flat buffer (then a bucket is just a range of
+// it and the all-reduce runs in place); it serves per-tensor gradient allocations.
 struct BucketEntry {
     unsigned long long ptr;
     long long offset;
