@@ -150,9 +150,11 @@ template <> __device__ __forceinline__ bf16_t zero_of<bf16_t>() { bf16_t z; z.bi
 #define GEMM_BK 32
 #define GEMM_THREADS 128
 
+// enum, not `static const int`: under -default-device a static data member becomes a __device__
+// global in every module.
 template <typename T> struct GemmPad;
-template <> struct GemmPad<float> { static const int value = 4; };
-template <> struct GemmPad<bf16_t> { static const int value = 8; };
+template <> struct GemmPad<float> { enum { value = 4 }; };
+template <> struct GemmPad<bf16_t> { enum { value = 8 }; };
 
 // Tensor-core availability: decided per instantiation by overloads below, never by a runtime if,
 // so the mma path is not even compiled for archs that lack it.
