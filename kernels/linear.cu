@@ -31,8 +31,14 @@
 //
 // Launch geometry:
 //   GEMM kernels: block GEMM_THREADS = 128, grid (ceil_div(N, 64), ceil_div(M, 64), splits).
-//     splits must be 1 for forward and backward_input (they overwrite); backward_weight accepts
-//     splits > 1 (split-K over the batch, atomicAdd into dweight; splits = 1 is deterministic).
+//     backward_input: splits must be 1 (it overwrites).
+//     backward_weight: splits >= 1 (split-K over the batch, atomicAdd into dweight).
+//     forward: splits = 1 is the normal, deterministic mode. splits > 1 is split-K for a small
+//       output with a long K - the FashionMNIST fc1 (64 x 3136 -> 64) is a single 64x64 tile,
+//       i.e. one block on one SM, so ~8-16 splits help. Then the caller must zero `out` first,
+//       relu must be 0 (run relu_forward_f32 afterwards; relu != 0 traps), and the sums are
+//       added with atomics, so the result is not bitwise reproducible run to run.
+//     Any splits > 1 is useful only up to ceil_div(K, 32) (one 32-wide K chunk per slice).
 //   linear_backward_bias_*: grid (ceil_div(out_f, 256)), block 256 - one thread per output
 //     feature walking the batch, so reads are coalesced across o and the sum order is fixed.
 #include "common.cuh"
@@ -65,6 +71,12 @@ struct StoreLinearOut {
     int out_f;
     int relu;
     __device__ __forceinline__ void operator()(int b, int o, float v) const {
+        // Split-K (see the header): slice 0 adds the bias, every slice adds its partial sum.
+        if (gridDim.z > 1) {
+            if (blockIdx.z == 0 && bias) v += bias[o];
+            atomicAdd(&y[(long long)b * out_f + o], v);
+            return;
+        }
         v += bias ? bias[o] : 0.0f;
         if (relu) v = fmaxf(v, 0.0f);
         y[(long long)b * out_f + o] = v;
@@ -93,6 +105,9 @@ __device__ __forceinline__ void linear_forward_impl(float* out, const T* inp, co
                                                     int batch, int in_f, int out_f, int relu) {
     RowMajor<T> a{inp, in_f};        // x[b, i]: k = i contiguous
     ColMajor<T> b{weight, in_f};     // Wᵀ[i, o] = W[o, i]: k = i contiguous
+    // A fused ReLU cannot be applied to split-K partial sums: fail the launch loudly (the error
+    // surfaces at the next synchronisation) rather than return wrong activations.
+    if (relu && gridDim.z > 1) __trap();
     StoreLinearOut st{out, bias, out_f, relu};
     gemm_tile<T, true, true>(batch, out_f, in_f, a, b, st);
 }
