@@ -1,0 +1,32 @@
+//! NCCL, loaded at run time (`libnccl.so.2`), behind a safe communicator that implements
+//! [`comm::Backend`](crate::comm::Backend) on device buffers.
+//!
+//! Layers as in `cuda`: cudarc's `nccl::sys` gives the C types, [`result`] our function tables and
+//! one wrapper per call, [`comm`](self::comm) the RAII communicator with a watchdog that turns a
+//! failed or hung peer into a `CommError` (via `ncclCommAbort`) instead of a hang.
+//!
+//! One process per GPU: NCCL before 2.30 refuses two ranks of one communicator on the same device.
+//! When ranks outnumber GPUs, use the shared-memory backend (see `DESIGN` below).
+//!
+//! # DESIGN: several ranks on one GPU (remaining work)
+//! Planned: when `device_count < local ranks`, either (a) keep the shm `Communicator` and stage
+//! device buffers through a per-rank `PinnedBuffer` (D2H on the rank's stream, shm collective on
+//! host memory, H2D), printing a one-line notice; or (b) with NCCL ≥ 2.30, set
+//! `NCCL_MULTI_RANK_GPU_ENABLE=1` before `ncclCommInitRank*`. Not implemented yet.
+
+pub mod comm;
+pub mod error;
+pub mod result;
+
+pub use comm::{NcclComm, NcclOptions, UniqueIdExchange};
+pub use error::NcclError;
+
+/// NCCL's version code (e.g. 21803), loading the library if needed. Does not touch CUDA.
+pub fn version() -> Result<i32, NcclError> {
+    Ok(result::core()?.version)
+}
+
+/// True when an NCCL library can be loaded.
+pub fn present() -> bool {
+    result::core().is_ok()
+}
