@@ -363,6 +363,9 @@ pub fn env_report() -> String {
         Ok(n) => {
             s.push_str(&format!("  nccl   : {} (found via {})\n", n.path, n.origin));
             s.push_str(&format!("           ncclGetVersion = {} ({})\n", n.version, nccl_version_string(n.version)));
+            if let Err(e) = crate::nccl::check_library() {
+                s.push_str(&format!("           incomplete: {}\n", indent(&e.to_string())));
+            }
         }
         Err(e) => s.push_str(&format!("  nccl   : not found\n           {}\n", indent(&e.to_string()))),
     }

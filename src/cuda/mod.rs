@@ -71,7 +71,7 @@ pub use error::{CudaError, NvrtcError};
 pub use graph::Graph;
 pub use kernels::KernelId;
 pub use memory::{DeviceBuffer, PinnedBuffer};
-pub use module::{compile_ptx, ArgKind, Function, KernelSig, Launch, LaunchConfig, Module, NvrtcInfo};
+pub use module::{cache_dir, compile_cubin_cached, compile_ptx, ArgKind, KernelScalar, Function, KernelSig, Launch, LaunchConfig, Module, NvrtcInfo};
 
 /// True when a CUDA driver library can be loaded (does not initialise CUDA).
 pub fn driver_present() -> bool {

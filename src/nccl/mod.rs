@@ -30,3 +30,10 @@ pub fn version() -> Result<i32, NcclError> {
 pub fn present() -> bool {
     result::core().is_ok()
 }
+
+/// Load NCCL and resolve every function the communicator needs (no CUDA involved): an error names
+/// the missing library or symbol.
+pub fn check_library() -> Result<(), NcclError> {
+    result::api()?;
+    Ok(())
+}
