@@ -81,9 +81,9 @@ impl LibKind {
     /// What to install when the library is missing.
     const fn install_hint(self) -> &'static str {
         match self {
-            LibKind::Driver => "install the NVIDIA driver (it provides libcuda.so.1) or, for tests, point LOCKSTEP_CUDA_LIBRARY at a driver library",
-            LibKind::Nvrtc => "install the CUDA toolkit or `pip install nvidia-cuda-nvrtc-cu12` (CUDA 12) / `nvidia-cuda-nvrtc` (CUDA 13), or set LOCKSTEP_NVRTC_LIBRARY=/path/to/libnvrtc.so.12",
-            LibKind::Nccl => "`pip install nvidia-nccl-cu12` or install libnccl2, or set LOCKSTEP_NCCL_LIBRARY=/path/to/libnccl.so.2",
+            LibKind::Driver => "install the NVIDIA driver (it provides libcuda.so.1)",
+            LibKind::Nvrtc => "install the CUDA toolkit, or `pip install nvidia-cuda-nvrtc-cu12` (CUDA 12) / `nvidia-cuda-nvrtc` (CUDA 13)",
+            LibKind::Nccl => "`pip install nvidia-nccl-cu12` (or nvidia-nccl-cu13), or install the libnccl2 package",
         }
     }
 }
@@ -168,7 +168,13 @@ fn python_site_dirs() -> Vec<PathBuf> {
             out.push(d);
         }
     }
-    out.dedup();
+    let mut seen = Vec::new();
+    out.retain(|d| {
+        let c = std::fs::canonicalize(d).unwrap_or_else(|_| d.clone());
+        let fresh = !seen.contains(&c);
+        seen.push(c);
+        fresh
+    });
     out
 }
 
@@ -268,7 +274,7 @@ pub(crate) fn load(kind: LibKind, symbol: &str, mut probe: impl FnMut(&Library, 
         let lib = match unsafe { Library::new(&c.spec) } {
             Ok(l) => l,
             Err(e) => {
-                tried.push(format!("{} ({}): {}", c.spec, c.origin, short_dl_error(&e.to_string())));
+                tried.push(format!("{} ({}): {}", c.spec, c.origin, short_dl_error(&e, &c.spec)));
                 continue;
             }
         };
@@ -314,9 +320,21 @@ pub(crate) fn load(kind: LibKind, symbol: &str, mut probe: impl FnMut(&Library, 
     })
 }
 
-/// `dlopen` errors repeat the path; keep only the reason.
-fn short_dl_error(e: &str) -> String {
-    e.rsplit(": ").next().unwrap_or(e).to_string()
+/// The loader's own message for a `libloading` error (libloading keeps it in `source()`).
+pub(crate) fn dl_error(e: &libloading::Error) -> String {
+    let mut msg = e.to_string();
+    let mut src = std::error::Error::source(e);
+    while let Some(x) = src {
+        msg = x.to_string();
+        src = x.source();
+    }
+    msg
+}
+
+/// `dlopen` errors start with the path that was tried; drop it, keep the reason.
+fn short_dl_error(e: &libloading::Error, spec: &str) -> String {
+    let m = dl_error(e);
+    m.strip_prefix(spec).map(|r| r.trim_start_matches(':').trim().to_string()).unwrap_or(m)
 }
 
 /// Format a CUDA-style version number (`12040` → `12.4`).

@@ -40,7 +40,7 @@ pub(crate) fn driver_hint(code: i32) -> &'static str {
 #[derive(Clone, Debug, thiserror::Error)]
 pub enum CudaError {
     /// A shared library could not be found or loaded.
-    #[error("{library} not found. Tried:\n  {searched}\nTo fix: {hint}; or set {env_var} to the library file")]
+    #[error("{library} not found. Tried:\n  {searched}\nTo fix: {hint}; or set {env_var} to the library file (or its folder)")]
     LibraryNotFound {
         /// Which library.
         library: &'static str,

@@ -84,7 +84,10 @@ fn trim_backtrace(bt: &str) -> String {
     let lines: Vec<&str> = bt.lines().collect();
     // Frames are "  N: symbol" followed by "at file:line" lines; start at our own frame.
     let start = lines.iter().position(|l| l.contains("lockstep::cuda::init::ensure_init")).unwrap_or(0);
-    let end = lines.iter().position(|l| l.contains("std::rt::lang_start") || l.contains("__libc_start")).unwrap_or(lines.len());
+    let end = lines
+        .iter()
+        .position(|l| l.contains("__rust_begin_short_backtrace") || l.contains("core::ops::function::FnOnce::call_once") || l.contains("std::rt::lang_start") || l.contains("__libc_start"))
+        .unwrap_or(lines.len());
     let kept: Vec<&str> = lines[start..end.max(start)].iter().take(60).copied().collect();
     kept.join("\n")
 }

@@ -39,7 +39,7 @@ macro_rules! fn_table {
                     // (libraries are kept loaded for the life of the process).
                     let $f = unsafe {
                         *lib.get::<unsafe extern "C" fn($($a),*) -> $r>(concat!($sym, "\0").as_bytes())
-                            .map_err(|e| ($sym, e.to_string()))?
+                            .map_err(|e| ($sym, $crate::cuda::discovery::dl_error(&e)))?
                     };
                 )*
                 $(
