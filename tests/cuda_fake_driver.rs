@@ -121,7 +121,17 @@ fn scenario(name: &str) {
             let rec = init_record().expect("record");
             assert_eq!(rec.pid, std::process::id() as i32);
             let err = check_fork_safe().unwrap_err();
-            expect_contains("check_fork_safe", &err, &["by lockstep", &format!("pid {}", std::process::id()), "init_cuda_from_here", "move all CUDA work into the rank function", "lockstep::launch"]);
+            expect_contains(
+                "check_fork_safe",
+                &err,
+                &[
+                    "by lockstep",
+                    &format!("pid {}", std::process::id()),
+                    "init_cuda_from_here",
+                    "move all CUDA work into the rank function",
+                    "lockstep::launch",
+                ],
+            );
             let launch_err = lockstep::launch::launch(&lockstep::launch::LaunchConfig::new(2), |_ctx| Ok(0u64)).unwrap_err().to_string();
             expect_contains("launch", &launch_err, &["CUDA was already initialised", "init_cuda_from_here"]);
             expect_contains("probe_child", &probe_child().unwrap_err(), &["already initialised"]);
@@ -137,7 +147,11 @@ fn scenario(name: &str) {
             let rc = unsafe { lib.get::<unsafe extern "C" fn(u32) -> i32>(b"cuInit\0").unwrap()(0) };
             assert_eq!(rc, 0);
             let err = check_fork_safe().unwrap_err();
-            expect_contains("check_fork_safe", &err, &["outside lockstep", "libcuda.so.1", "cuDeviceGetCount succeeds", "move all CUDA work into the rank function"]);
+            expect_contains(
+                "check_fork_safe",
+                &err,
+                &["outside lockstep", "libcuda.so.1", "cuDeviceGetCount succeeds", "move all CUDA work into the rank function"],
+            );
             assert!(init_record().is_none());
             let launch_err = lockstep::launch::launch(&lockstep::launch::LaunchConfig::new(1), |_ctx| Ok(0u64)).unwrap_err().to_string();
             expect_contains("launch", &launch_err, &["outside lockstep"]);
@@ -184,7 +198,11 @@ fn scenario(name: &str) {
         }
         "missing_override" => {
             let e = lockstep::cuda::device_count().unwrap_err().to_string();
-            expect_contains("device_count", &e, &["CUDA driver library (libcuda) not found", "/nonexistent/libcuda.so.1", "LOCKSTEP_CUDA_LIBRARY"]);
+            expect_contains(
+                "device_count",
+                &e,
+                &["CUDA driver library (libcuda) not found", "/nonexistent/libcuda.so.1", "LOCKSTEP_CUDA_LIBRARY"],
+            );
             let e = lockstep::cuda::Context::new(0).unwrap_err().to_string();
             expect_contains("Context::new", &e, &["not found"]);
             assert!(check_fork_safe().is_ok());
@@ -196,7 +214,16 @@ fn scenario(name: &str) {
                 return;
             }
             let e = lockstep::cuda::device_count().unwrap_err().to_string();
-            expect_contains("device_count", &e, &["libcuda.so.1 (dynamic loader search path)", "folders with no libcuda.so", "/usr/lib/x86_64-linux-gnu", "LOCKSTEP_CUDA_LIBRARY"]);
+            expect_contains(
+                "device_count",
+                &e,
+                &[
+                    "libcuda.so.1 (dynamic loader search path)",
+                    "folders with no libcuda.so",
+                    "/usr/lib/x86_64-linux-gnu",
+                    "LOCKSTEP_CUDA_LIBRARY",
+                ],
+            );
         }
         "missing_symbol" => {
             let e = lockstep::cuda::device_count().unwrap_err().to_string();
@@ -215,7 +242,11 @@ fn scenario(name: &str) {
             assert_eq!(id[1], 4);
             let e = lockstep::nccl::check_library().unwrap_err().to_string();
             expect_contains("check_library", &e, &["has no symbol `ncclCommInitRank`", "LOCKSTEP_NCCL_LIBRARY"]);
-            expect_contains("env_report", &lockstep::cuda::env_report(), &["libnccl.so.2", "ncclGetVersion = 21803 (2.18.3)", "incomplete"]);
+            expect_contains(
+                "env_report",
+                &lockstep::cuda::env_report(),
+                &["libnccl.so.2", "ncclGetVersion = 21803 (2.18.3)", "incomplete"],
+            );
         }
         "old_nccl_rejected" => {
             let e = lockstep::nccl::version().unwrap_err().to_string();
@@ -223,7 +254,11 @@ fn scenario(name: &str) {
         }
         "missing_nccl_and_nvrtc" => {
             let e = lockstep::nccl::version().unwrap_err().to_string();
-            expect_contains("nccl::version", &e, &["NCCL library (libnccl) not found", "/nonexistent/libnccl.so.2", "LOCKSTEP_NCCL_LIBRARY"]);
+            expect_contains(
+                "nccl::version",
+                &e,
+                &["NCCL library (libnccl) not found", "/nonexistent/libnccl.so.2", "LOCKSTEP_NCCL_LIBRARY"],
+            );
             let e = lockstep::cuda::compile_ptx(lockstep::cuda::KernelId::Elementwise, "compute_80").unwrap_err().to_string();
             expect_contains("compile_ptx", &e, &["NVRTC library (libnvrtc) not found", "LOCKSTEP_NVRTC_LIBRARY", "nvidia-cuda-nvrtc"]);
         }
@@ -251,7 +286,13 @@ fn main() {
         ("driver_symbols_missing_is_error", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.cuda))]),
         ("fake_nccl", vec![("LOCKSTEP_NCCL_LIBRARY", s(&libs.nccl)), ("LOCKSTEP_CUDA_LIBRARY", s(&libs.cuda))]),
         ("old_nccl_rejected", vec![("LOCKSTEP_NCCL_LIBRARY", s(&libs.nccl_old))]),
-        ("missing_nccl_and_nvrtc", vec![("LOCKSTEP_NCCL_LIBRARY", "/nonexistent/libnccl.so.2".into()), ("LOCKSTEP_NVRTC_LIBRARY", "/nonexistent/libnvrtc.so.12".into())]),
+        (
+            "missing_nccl_and_nvrtc",
+            vec![
+                ("LOCKSTEP_NCCL_LIBRARY", "/nonexistent/libnccl.so.2".into()),
+                ("LOCKSTEP_NVRTC_LIBRARY", "/nonexistent/libnvrtc.so.12".into()),
+            ],
+        ),
     ];
     let exe = std::env::current_exe().unwrap();
     let (mut passed, mut failed) = (0, Vec::new());

@@ -12,7 +12,14 @@ fn check_eq<T: PartialEq + std::fmt::Debug>(what: &str, got: &[T], want: &[T]) -
     if got.len() != want.len() {
         return Err(format!("{what}: length {} != {}", got.len(), want.len()));
     }
-    let bad: Vec<String> = got.iter().zip(want).enumerate().filter(|(_, (g, w))| g != w).take(5).map(|(i, (g, w))| format!("  [{i}] got {g:?} want {w:?}")).collect();
+    let bad: Vec<String> = got
+        .iter()
+        .zip(want)
+        .enumerate()
+        .filter(|(_, (g, w))| g != w)
+        .take(5)
+        .map(|(i, (g, w))| format!("  [{i}] got {g:?} want {w:?}"))
+        .collect();
     if bad.is_empty() {
         Ok(())
     } else {
@@ -49,8 +56,15 @@ fn main() {
         lockstep::cuda::init::check_fork_safe().map_err(|e| format!("parent must stay clean: {e}"))
     });
     r.run("foreign_init_detected_real_driver", || {
-        let st = std::process::Command::new(std::env::current_exe().unwrap()).env("LOCKSTEP_GPU_FOREIGN_CHILD", "1").status().map_err(|e| e.to_string())?;
-        if st.success() { Ok(()) } else { Err(format!("child status {st}")) }
+        let st = std::process::Command::new(std::env::current_exe().unwrap())
+            .env("LOCKSTEP_GPU_FOREIGN_CHILD", "1")
+            .status()
+            .map_err(|e| e.to_string())?;
+        if st.success() {
+            Ok(())
+        } else {
+            Err(format!("child status {st}"))
+        }
     });
     let ctx = gpu::context_or_skip();
     let stream = ctx.stream().unwrap();
@@ -78,15 +92,33 @@ fn main() {
         let mut y = DeviceBuffer::from_host(&stream, &y_cpu).map_err(|e| e.to_string())?;
         let dx = DeviceBuffer::from_host(&stream, &x).map_err(|e| e.to_string())?;
         let axpy = ctx.function(KernelId::Elementwise, "axpy_f32").map_err(|e| e.to_string())?;
-        axpy.launch(LaunchConfig::for_elements(n)).arg_mut(&mut y).arg(&dx).scalar(2.0f32).scalar(n as i64).elements(n).run(&stream).map_err(|e| e.to_string())?;
+        axpy.launch(LaunchConfig::for_elements(n))
+            .arg_mut(&mut y)
+            .arg(&dx)
+            .scalar(2.0f32)
+            .scalar(n as i64)
+            .elements(n)
+            .run(&stream)
+            .map_err(|e| e.to_string())?;
         cpu::axpy_f32(&mut y_cpu, &x, 2.0, n as i64);
         check_eq("axpy_f32", &y.to_vec(&stream).map_err(|e| e.to_string())?, &y_cpu)?;
         let scale = ctx.function(KernelId::Elementwise, "scale_f32").map_err(|e| e.to_string())?;
-        scale.launch(LaunchConfig::for_elements(n)).arg_mut(&mut y).scalar(0.5f32).scalar(n as i64).run(&stream).map_err(|e| e.to_string())?;
+        scale
+            .launch(LaunchConfig::for_elements(n))
+            .arg_mut(&mut y)
+            .scalar(0.5f32)
+            .scalar(n as i64)
+            .run(&stream)
+            .map_err(|e| e.to_string())?;
         cpu::scale_f32(&mut y_cpu, 0.5, n as i64);
         check_eq("scale_f32", &y.to_vec(&stream).map_err(|e| e.to_string())?, &y_cpu)?;
         let fill = ctx.function(KernelId::Elementwise, "fill_f32").map_err(|e| e.to_string())?;
-        fill.launch(LaunchConfig::for_elements(n)).arg_mut(&mut y).scalar(3.0f32).scalar(n as i64).run(&stream).map_err(|e| e.to_string())?;
+        fill.launch(LaunchConfig::for_elements(n))
+            .arg_mut(&mut y)
+            .scalar(3.0f32)
+            .scalar(n as i64)
+            .run(&stream)
+            .map_err(|e| e.to_string())?;
         cpu::fill_f32(&mut y_cpu, 3.0, n as i64);
         check_eq("fill_f32", &y.to_vec(&stream).map_err(|e| e.to_string())?, &y_cpu)
     });
@@ -98,9 +130,37 @@ fn main() {
         let host = vec![0f32; 10];
         let cases = [
             ("count", f.launch(LaunchConfig::for_elements(10)).arg_mut(&mut y).scalar(1.0f32).run(&stream), "arguments given"),
-            ("dtype", f.launch(LaunchConfig::for_elements(10)).arg_mut(&mut DeviceBuffer::<f32>::zeros(&stream, 10).unwrap()).arg(&x64).scalar(1.0f32).scalar(10i64).run(&stream), "expects f32"),
-            ("host", f.launch(LaunchConfig::for_elements(10)).arg_mut(&mut DeviceBuffer::<f32>::zeros(&stream, 10).unwrap()).arg(&host).scalar(1.0f32).scalar(10i64).run(&stream), "Host"),
-            ("short", f.launch(LaunchConfig::for_elements(20)).arg_mut(&mut DeviceBuffer::<f32>::zeros(&stream, 10).unwrap()).arg(&DeviceBuffer::<f32>::zeros(&stream, 10).unwrap()).scalar(1.0f32).scalar(20i64).elements(20).run(&stream), "holds 10 elements"),
+            (
+                "dtype",
+                f.launch(LaunchConfig::for_elements(10))
+                    .arg_mut(&mut DeviceBuffer::<f32>::zeros(&stream, 10).unwrap())
+                    .arg(&x64)
+                    .scalar(1.0f32)
+                    .scalar(10i64)
+                    .run(&stream),
+                "expects f32",
+            ),
+            (
+                "host",
+                f.launch(LaunchConfig::for_elements(10))
+                    .arg_mut(&mut DeviceBuffer::<f32>::zeros(&stream, 10).unwrap())
+                    .arg(&host)
+                    .scalar(1.0f32)
+                    .scalar(10i64)
+                    .run(&stream),
+                "Host",
+            ),
+            (
+                "short",
+                f.launch(LaunchConfig::for_elements(20))
+                    .arg_mut(&mut DeviceBuffer::<f32>::zeros(&stream, 10).unwrap())
+                    .arg(&DeviceBuffer::<f32>::zeros(&stream, 10).unwrap())
+                    .scalar(1.0f32)
+                    .scalar(20i64)
+                    .elements(20)
+                    .run(&stream),
+                "holds 10 elements",
+            ),
         ];
         for (name, res, needle) in cases {
             match res {
@@ -129,17 +189,28 @@ fn main() {
         let mut y = DeviceBuffer::<f32>::zeros(&stream, 1 << 20).map_err(|e| e.to_string())?;
         let fill = ctx.function(KernelId::Elementwise, "fill_f32").map_err(|e| e.to_string())?;
         a.record(&stream).map_err(|e| e.to_string())?;
-        fill.launch(LaunchConfig::for_elements(1 << 20)).arg_mut(&mut y).scalar(1.0f32).scalar(1i64 << 20).run(&stream).map_err(|e| e.to_string())?;
+        fill.launch(LaunchConfig::for_elements(1 << 20))
+            .arg_mut(&mut y)
+            .scalar(1.0f32)
+            .scalar(1i64 << 20)
+            .run(&stream)
+            .map_err(|e| e.to_string())?;
         b.record(&stream).map_err(|e| e.to_string())?;
         let ms = a.elapsed_ms(&b).map_err(|e| e.to_string())?;
-        if ms >= 0.0 { Ok(()) } else { Err(format!("elapsed {ms} ms")) }
+        if ms >= 0.0 {
+            Ok(())
+        } else {
+            Err(format!("elapsed {ms} ms"))
+        }
     });
 
     r.run("graph_capture_replay", || {
         let n = 4096usize;
         let mut x = DeviceBuffer::from_host(&stream, &vec![1.0f32; n]).map_err(|e| e.to_string())?;
         let scale = ctx.function(KernelId::Elementwise, "scale_f32").map_err(|e| e.to_string())?;
-        let g = Graph::capture(&stream, |s| scale.launch(LaunchConfig::for_elements(n)).arg_mut(&mut x).scalar(2.0f32).scalar(n as i64).run(s)).map_err(|e| e.to_string())?;
+        let g =
+            Graph::capture(&stream, |s| scale.launch(LaunchConfig::for_elements(n)).arg_mut(&mut x).scalar(2.0f32).scalar(n as i64).run(s))
+                .map_err(|e| e.to_string())?;
         for _ in 0..3 {
             g.replay(&stream).map_err(|e| e.to_string())?;
         }
@@ -152,7 +223,11 @@ fn main() {
             return Err(e);
         }
         let l = lockstep::launch::launch(&lockstep::launch::LaunchConfig::new(1), |_| Ok(0u64)).err().ok_or("launch must refuse")?;
-        if l.to_string().contains("CUDA was already initialised") { Ok(()) } else { Err(l.to_string()) }
+        if l.to_string().contains("CUDA was already initialised") {
+            Ok(())
+        } else {
+            Err(l.to_string())
+        }
     });
     r.run("drop_errors_are_deferred_not_panicked", || ctx.check().map_err(|e| e.to_string()));
     let _ = std::fs::remove_dir_all(&cache);

@@ -61,7 +61,13 @@ fn check_all<T: Element>(comm: &mut Communicator, s: &Stream, gen: impl Fn(usize
             comm.synchronize().map_err(e)?;
             let (got, got_in) = (recv.to_vec(s).map_err(c)?, inplace.to_vec(s).map_err(c)?);
             if got != host || got_in != host {
-                return Err(format!("{kind} {op} {}: result differs from input (first: {:?} / {:?} vs {:?})", T::DTYPE, got[0], got_in[0], host[0]));
+                return Err(format!(
+                    "{kind} {op} {}: result differs from input (first: {:?} / {:?} vs {:?})",
+                    T::DTYPE,
+                    got[0],
+                    got_in[0],
+                    host[0]
+                ));
             }
         }
     }
@@ -99,7 +105,11 @@ fn main() {
         .map_err(|e| e.to_string())?;
         nc.wait("send/recv").map_err(|e| e.to_string())?;
         let got = b.to_vec(&s).map_err(|e| e.to_string())?;
-        if got == [1, 2, 3] { Ok(()) } else { Err(format!("got {got:?}")) }
+        if got == [1, 2, 3] {
+            Ok(())
+        } else {
+            Err(format!("got {got:?}"))
+        }
     });
 
     let mut comm = nc.into_communicator();

@@ -24,7 +24,10 @@ pub fn device_count() -> Result<i32, CudaError> {
 pub fn device_for_local_rank(local_rank: usize) -> Result<i32, CudaError> {
     let n = device_count()?;
     if n <= 0 {
-        return Err(CudaError::InvalidArgument { op: "device_for_local_rank".into(), detail: "no CUDA device is visible (check nvidia-smi and CUDA_VISIBLE_DEVICES)".into() });
+        return Err(CudaError::InvalidArgument {
+            op: "device_for_local_rank".into(),
+            detail: "no CUDA device is visible (check nvidia-smi and CUDA_VISIBLE_DEVICES)".into(),
+        });
     }
     let ord = (local_rank % n as usize) as i32;
     if local_rank >= n as usize {
@@ -75,7 +78,13 @@ impl Context {
     pub fn new(ordinal: i32) -> Result<Arc<Context>, CudaError> {
         let n = device_count()?;
         if ordinal < 0 || ordinal >= n {
-            return Err(CudaError::InvalidArgument { op: "Context::new".into(), detail: format!("device ordinal {ordinal} out of range: {n} device(s) visible (CUDA_VISIBLE_DEVICES={:?})", std::env::var("CUDA_VISIBLE_DEVICES").ok()) });
+            return Err(CudaError::InvalidArgument {
+                op: "Context::new".into(),
+                detail: format!(
+                    "device ordinal {ordinal} out of range: {n} device(s) visible (CUDA_VISIBLE_DEVICES={:?})",
+                    std::env::var("CUDA_VISIBLE_DEVICES").ok()
+                ),
+            });
         }
         let dev = driver::device_get(ordinal)?;
         let raw = driver::primary_ctx_retain(dev)?;

@@ -127,11 +127,8 @@ fn env_nonempty(var: &str) -> Option<String> {
 /// Entries of `dir` whose names start with `prefix`, sorted descending (newest version first).
 fn dir_entries_with_prefix(dir: &Path, prefix: &str) -> Vec<PathBuf> {
     let Ok(rd) = std::fs::read_dir(dir) else { return Vec::new() };
-    let mut v: Vec<PathBuf> = rd
-        .filter_map(|e| e.ok())
-        .filter(|e| e.file_name().to_string_lossy().starts_with(prefix))
-        .map(|e| e.path())
-        .collect();
+    let mut v: Vec<PathBuf> =
+        rd.filter_map(|e| e.ok()).filter(|e| e.file_name().to_string_lossy().starts_with(prefix)).map(|e| e.path()).collect();
     v.sort();
     v.reverse();
     v
@@ -228,11 +225,8 @@ pub fn candidates(kind: LibKind) -> Vec<Candidate> {
         }
         return vec![Candidate { spec: p, origin: kind.env_var().to_string() }];
     }
-    let mut out: Vec<Candidate> = kind
-        .sonames()
-        .iter()
-        .map(|s| Candidate { spec: s.to_string(), origin: "dynamic loader search path".into() })
-        .collect();
+    let mut out: Vec<Candidate> =
+        kind.sonames().iter().map(|s| Candidate { spec: s.to_string(), origin: "dynamic loader search path".into() }).collect();
     for dir in search_dirs(kind) {
         for f in dir_entries_with_prefix(&dir, kind.file_prefix()) {
             // Skip the driver's link-time stub: it answers every call with CUDA_ERROR_STUB_LIBRARY.
@@ -251,7 +245,12 @@ fn resolved_path(lib: &Library, symbol: &str, fallback: &str) -> String {
     // SAFETY: we only take the symbol's address (as an opaque pointer), never call it.
     let addr = unsafe { lib.get::<*const libc::c_void>(name.as_bytes()).ok().map(|s| *s) };
     let Some(addr) = addr else { return fallback.to_string() };
-    let mut info: libc::Dl_info = libc::Dl_info { dli_fname: std::ptr::null(), dli_fbase: std::ptr::null_mut(), dli_sname: std::ptr::null(), dli_saddr: std::ptr::null_mut() };
+    let mut info: libc::Dl_info = libc::Dl_info {
+        dli_fname: std::ptr::null(),
+        dli_fbase: std::ptr::null_mut(),
+        dli_sname: std::ptr::null(),
+        dli_saddr: std::ptr::null_mut(),
+    };
     // SAFETY: `addr` lies in a loaded object; `info` is a valid out-parameter.
     let ok = unsafe { libc::dladdr(addr, &mut info) };
     if ok == 0 || info.dli_fname.is_null() {

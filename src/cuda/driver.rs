@@ -113,7 +113,13 @@ fn load_core() -> Result<DriverCore, CudaError> {
     let loaded = discovery::load(LibKind::Driver, "cuInit", |lib, path| match CoreFns::resolve(lib) {
         Ok(_) => Verdict::Accept,
         Err((sym, detail)) => {
-            missing.get_or_insert(CudaError::MissingSymbol { library: LibKind::Driver.name(), path: path.to_string(), symbol: sym, detail: detail.clone(), env_var: LibKind::Driver.env_var() });
+            missing.get_or_insert(CudaError::MissingSymbol {
+                library: LibKind::Driver.name(),
+                path: path.to_string(),
+                symbol: sym,
+                detail: detail.clone(),
+                env_var: LibKind::Driver.env_var(),
+            });
             Verdict::Reject(format!("no symbol {sym}"))
         }
     });
@@ -122,7 +128,13 @@ fn load_core() -> Result<DriverCore, CudaError> {
         // A lone candidate (the override) that lacked a symbol: say which symbol.
         Err(e) => return Err(if std::env::var(LibKind::Driver.env_var()).is_ok() { missing.unwrap_or(e) } else { e }),
     };
-    let f = CoreFns::resolve(&loaded.lib).map_err(|(sym, detail)| CudaError::MissingSymbol { library: LibKind::Driver.name(), path: loaded.path.clone(), symbol: sym, detail, env_var: LibKind::Driver.env_var() })?;
+    let f = CoreFns::resolve(&loaded.lib).map_err(|(sym, detail)| CudaError::MissingSymbol {
+        library: LibKind::Driver.name(),
+        path: loaded.path.clone(),
+        symbol: sym,
+        detail,
+        env_var: LibKind::Driver.env_var(),
+    })?;
     Ok(DriverCore { path: loaded.path.clone(), origin: loaded.origin.clone(), loaded, f })
 }
 
@@ -130,7 +142,13 @@ fn load_core() -> Result<DriverCore, CudaError> {
 pub(crate) fn api() -> Result<&'static DriverFns, CudaError> {
     let c = core()?;
     FULL.get_or_init(|| {
-        DriverFns::resolve(&c.loaded.lib).map_err(|(sym, detail)| CudaError::MissingSymbol { library: LibKind::Driver.name(), path: c.path.clone(), symbol: sym, detail, env_var: LibKind::Driver.env_var() })
+        DriverFns::resolve(&c.loaded.lib).map_err(|(sym, detail)| CudaError::MissingSymbol {
+            library: LibKind::Driver.name(),
+            path: c.path.clone(),
+            symbol: sym,
+            detail,
+            env_var: LibKind::Driver.env_var(),
+        })
     })
     .as_ref()
     .map_err(Clone::clone)
@@ -476,7 +494,8 @@ pub(crate) unsafe fn module_unload(m: CUmodule) -> Result<(), CudaError> {
 
 /// `cuModuleGetFunction`.
 pub(crate) fn module_get_function(m: CUmodule, name: &str) -> Result<CUfunction, CudaError> {
-    let cname = std::ffi::CString::new(name).map_err(|_| CudaError::InvalidArgument { op: "cuModuleGetFunction".into(), detail: format!("name {name:?} contains NUL") })?;
+    let cname = std::ffi::CString::new(name)
+        .map_err(|_| CudaError::InvalidArgument { op: "cuModuleGetFunction".into(), detail: format!("name {name:?} contains NUL") })?;
     let mut f: CUfunction = std::ptr::null_mut();
     // SAFETY: live module, NUL-terminated name, valid out-pointer.
     let rc = unsafe { (api()?.cuModuleGetFunction)(&mut f, m, cname.as_ptr()) };
@@ -489,7 +508,14 @@ pub(crate) fn module_get_function(m: CUmodule, name: &str) -> Result<CUfunction,
 /// # Safety
 /// `params` must point to one pointer per kernel parameter, each pointing at a value of the
 /// parameter's exact type; every device pointer among them must stay valid until the kernel ends.
-pub(crate) unsafe fn launch_kernel(f: CUfunction, grid: (u32, u32, u32), block: (u32, u32, u32), shared: u32, s: CUstream, params: *mut *mut c_void) -> Result<(), CudaError> {
+pub(crate) unsafe fn launch_kernel(
+    f: CUfunction,
+    grid: (u32, u32, u32),
+    block: (u32, u32, u32),
+    shared: u32,
+    s: CUstream,
+    params: *mut *mut c_void,
+) -> Result<(), CudaError> {
     let rc = (api()?.cuLaunchKernel)(f, grid.0, grid.1, grid.2, block.0, block.1, block.2, shared, s, params, std::ptr::null_mut());
     check(rc, || format!("cuLaunchKernel(grid={grid:?}, block={block:?}, shared={shared})"))
 }

@@ -52,7 +52,9 @@ pub enum CudaError {
         hint: &'static str,
     },
     /// A loaded library lacks a function lockstep needs.
-    #[error("{library} at {path} has no symbol `{symbol}` ({detail}); it is too old or not the real library: point {env_var} at a newer one")]
+    #[error(
+        "{library} at {path} has no symbol `{symbol}` ({detail}); it is too old or not the real library: point {env_var} at a newer one"
+    )]
     MissingSymbol {
         /// Which library.
         library: &'static str,

@@ -86,7 +86,12 @@ fn trim_backtrace(bt: &str) -> String {
     let start = lines.iter().position(|l| l.contains("lockstep::cuda::init::ensure_init")).unwrap_or(0);
     let end = lines
         .iter()
-        .position(|l| l.contains("__rust_begin_short_backtrace") || l.contains("core::ops::function::FnOnce::call_once") || l.contains("std::rt::lang_start") || l.contains("__libc_start"))
+        .position(|l| {
+            l.contains("__rust_begin_short_backtrace")
+                || l.contains("core::ops::function::FnOnce::call_once")
+                || l.contains("std::rt::lang_start")
+                || l.contains("__libc_start")
+        })
         .unwrap_or(lines.len());
     let kept: Vec<&str> = lines[start..end.max(start)].iter().take(60).copied().collect();
     kept.join("\n")
@@ -95,7 +100,8 @@ fn trim_backtrace(bt: &str) -> String {
 /// Is `libcuda` mapped into this process? Returns its path (from `/proc/self/maps`).
 fn mapped_driver_path() -> Option<String> {
     let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
-    let override_name = std::env::var("LOCKSTEP_CUDA_LIBRARY").ok().and_then(|p| std::fs::canonicalize(p).ok()).map(|p| p.display().to_string());
+    let override_name =
+        std::env::var("LOCKSTEP_CUDA_LIBRARY").ok().and_then(|p| std::fs::canonicalize(p).ok()).map(|p| p.display().to_string());
     for line in maps.lines() {
         let Some(path) = line.split_whitespace().nth(5) else { continue };
         let file = path.rsplit('/').next().unwrap_or(path);

@@ -42,11 +42,22 @@ impl KernelId {
     pub const fn functions(self) -> &'static [KernelSig] {
         match self {
             KernelId::Elementwise => &[
-                KernelSig { name: "fill_f32", args: &[ArgKind::PtrMut(Dtype::F32), ArgKind::Scalar(Dtype::F32), ArgKind::Scalar(Dtype::I64)] },
-                KernelSig { name: "scale_f32", args: &[ArgKind::PtrMut(Dtype::F32), ArgKind::Scalar(Dtype::F32), ArgKind::Scalar(Dtype::I64)] },
+                KernelSig {
+                    name: "fill_f32",
+                    args: &[ArgKind::PtrMut(Dtype::F32), ArgKind::Scalar(Dtype::F32), ArgKind::Scalar(Dtype::I64)],
+                },
+                KernelSig {
+                    name: "scale_f32",
+                    args: &[ArgKind::PtrMut(Dtype::F32), ArgKind::Scalar(Dtype::F32), ArgKind::Scalar(Dtype::I64)],
+                },
                 KernelSig {
                     name: "axpy_f32",
-                    args: &[ArgKind::PtrMut(Dtype::F32), ArgKind::Ptr(Dtype::F32), ArgKind::Scalar(Dtype::F32), ArgKind::Scalar(Dtype::I64)],
+                    args: &[
+                        ArgKind::PtrMut(Dtype::F32),
+                        ArgKind::Ptr(Dtype::F32),
+                        ArgKind::Scalar(Dtype::F32),
+                        ArgKind::Scalar(Dtype::I64),
+                    ],
                 },
             ],
         }

@@ -15,7 +15,8 @@ use super::driver::{self, CUdeviceptr};
 use super::error::CudaError;
 
 fn bytes_of<T>(len: usize, op: &str) -> Result<usize, CudaError> {
-    len.checked_mul(std::mem::size_of::<T>()).ok_or_else(|| CudaError::InvalidArgument { op: op.into(), detail: format!("{len} elements overflow usize bytes") })
+    len.checked_mul(std::mem::size_of::<T>())
+        .ok_or_else(|| CudaError::InvalidArgument { op: op.into(), detail: format!("{len} elements overflow usize bytes") })
 }
 
 /// A typed allocation in device memory (freed on drop).
@@ -84,14 +85,20 @@ impl<T: Element> DeviceBuffer<T> {
 
     fn check_len(&self, other: usize, op: &str) -> Result<(), CudaError> {
         if other != self.len {
-            return Err(CudaError::InvalidArgument { op: op.into(), detail: format!("lengths differ: device buffer has {} elements, the other side {other}", self.len) });
+            return Err(CudaError::InvalidArgument {
+                op: op.into(),
+                detail: format!("lengths differ: device buffer has {} elements, the other side {other}", self.len),
+            });
         }
         Ok(())
     }
 
     fn check_stream(&self, s: &Stream, op: &str) -> Result<(), CudaError> {
         if s.context().ordinal() != self.ctx.ordinal() {
-            return Err(CudaError::InvalidArgument { op: op.into(), detail: format!("buffer is on device {}, stream on device {}", self.ctx.ordinal(), s.context().ordinal()) });
+            return Err(CudaError::InvalidArgument {
+                op: op.into(),
+                detail: format!("buffer is on device {}, stream on device {}", self.ctx.ordinal(), s.context().ordinal()),
+            });
         }
         self.ctx.bind()
     }

@@ -54,16 +54,16 @@ macro_rules! fn_table {
     };
 }
 
+mod context;
 pub mod discovery;
 pub(crate) mod driver;
 pub mod error;
-pub mod init;
-pub(crate) mod nvrtc;
-mod context;
 mod graph;
+pub mod init;
 pub mod kernels;
 mod memory;
 mod module;
+pub(crate) mod nvrtc;
 
 pub use context::{device_count, device_for_local_rank, Context, DeviceInfo, Event, Stream};
 pub use discovery::{env_report, LibKind};
@@ -71,7 +71,9 @@ pub use error::{CudaError, NvrtcError};
 pub use graph::Graph;
 pub use kernels::KernelId;
 pub use memory::{DeviceBuffer, PinnedBuffer};
-pub use module::{cache_dir, compile_cubin_cached, compile_ptx, ArgKind, KernelScalar, Function, KernelSig, Launch, LaunchConfig, Module, NvrtcInfo};
+pub use module::{
+    cache_dir, compile_cubin_cached, compile_ptx, ArgKind, Function, KernelScalar, KernelSig, Launch, LaunchConfig, Module, NvrtcInfo,
+};
 
 /// True when a CUDA driver library can be loaded (does not initialise CUDA).
 pub fn driver_present() -> bool {

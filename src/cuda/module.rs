@@ -155,7 +155,11 @@ impl Module {
     pub fn function(self: &Arc<Self>, name: &str) -> Result<Function, CudaError> {
         let sig = self.id.signature(name).ok_or_else(|| CudaError::InvalidArgument {
             op: format!("Module::function({name})"),
-            detail: format!("{} declares no entry point {name}; declared: {:?}", self.id, self.id.functions().iter().map(|s| s.name).collect::<Vec<_>>()),
+            detail: format!(
+                "{} declares no entry point {name}; declared: {:?}",
+                self.id,
+                self.id.functions().iter().map(|s| s.name).collect::<Vec<_>>()
+            ),
         })?;
         driver::ctx_set_current(self.ctx_raw)?;
         let raw = driver::module_get_function(self.raw, name)?;
@@ -335,12 +339,22 @@ impl<'a> Launch<'a> {
     pub fn run(self, stream: &Stream) -> Result<(), CudaError> {
         let ctx = stream.context();
         if ctx.raw() != self.f.module.ctx_raw {
-            return Err(CudaError::InvalidArgument { op: format!("launch {}", self.f.sig.name), detail: "the stream belongs to another context than the module".into() });
+            return Err(CudaError::InvalidArgument {
+                op: format!("launch {}", self.f.sig.name),
+                detail: "the stream belongs to another context than the module".into(),
+            });
         }
         self.check(ctx.ordinal())?;
         ctx.bind()?;
         // One 8-byte slot per argument; the driver reads sizeof(param) bytes from each.
-        let mut slots: Vec<u64> = self.args.iter().map(|a| match a { ArgVal::Ptr { addr, .. } => *addr, ArgVal::Scalar { bits, .. } => *bits }).collect();
+        let mut slots: Vec<u64> = self
+            .args
+            .iter()
+            .map(|a| match a {
+                ArgVal::Ptr { addr, .. } => *addr,
+                ArgVal::Scalar { bits, .. } => *bits,
+            })
+            .collect();
         let mut params: Vec<*mut c_void> = slots.iter_mut().map(|s| s as *mut u64 as *mut c_void).collect();
         // SAFETY: `check` verified one argument per parameter with matching kind and dtype, that
         // every buffer is device memory of this context holding the required elements (the
@@ -348,5 +362,38 @@ impl<'a> Launch<'a> {
         // cuMemFree, which waits for pending work). Scalars are stored little-endian in 8-byte
         // slots, so the first sizeof(T) bytes hold the value.
         unsafe { driver::launch_kernel(self.f.raw, self.cfg.grid, self.cfg.block, self.cfg.shared_mem, stream.raw(), params.as_mut_ptr()) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fnv_is_stable() {
+        assert_eq!(fnv1a(&[b"a"]), fnv1a(&[b"a"]));
+        assert_ne!(fnv1a(&[b"ab", b"c"]), fnv1a(&[b"a", b"bc"]));
+    }
+
+    #[test]
+    fn launch_config_covers_elements() {
+        let c = LaunchConfig::for_elements(1000);
+        assert_eq!(c.block.0, 256);
+        assert_eq!(c.grid.0, 4);
+        assert_eq!(LaunchConfig::for_elements(0).grid.0, 1);
+    }
+
+    /// A compile error carries the NVRTC log with the line (runs when NVRTC is installed, e.g.
+    /// after `.ci/install-nvrtc.sh`; otherwise there is nothing to check).
+    #[test]
+    fn compile_error_reports_the_nvrtc_log() {
+        let Ok(n) = nvrtc::api() else {
+            eprintln!("skipped: no NVRTC library");
+            return;
+        };
+        let src = "extern \"C\" __global__ void broken(float* x) {\n  x[0] = undefined_name;\n}\n";
+        let e = n.compile("broken.cu", src, &[], &["--gpu-architecture=compute_80".into()], Output::Ptx).unwrap_err().to_string();
+        assert!(e.contains("broken.cu") && e.contains("undefined_name") && e.contains("(2)"), "{e}");
+        assert!(e.contains("--gpu-architecture=compute_80"), "{e}");
     }
 }

@@ -79,7 +79,13 @@ Install an NVRTC no newer than the driver (or update the driver) if compilation 
             }
         }
     })?;
-    let f = NvrtcFns::resolve(&loaded.lib).map_err(|(sym, detail)| CudaError::MissingSymbol { library: LibKind::Nvrtc.name(), path: loaded.path.clone(), symbol: sym, detail, env_var: LibKind::Nvrtc.env_var() })?;
+    let f = NvrtcFns::resolve(&loaded.lib).map_err(|(sym, detail)| CudaError::MissingSymbol {
+        library: LibKind::Nvrtc.name(),
+        path: loaded.path.clone(),
+        symbol: sym,
+        detail,
+        env_var: LibKind::Nvrtc.env_var(),
+    })?;
     let version = version_of(&f);
     Ok(NvrtcLib { path: loaded.path.clone(), origin: loaded.origin.clone(), notes: loaded.notes.clone(), loaded, version, f })
 }
@@ -112,8 +118,21 @@ impl NvrtcLib {
     }
 
     /// Compile `source` (named `program`) with in-memory `headers` (name, text) and `options`.
-    pub fn compile(&self, program: &str, source: &str, headers: &[(&str, &str)], options: &[String], out: Output) -> Result<Vec<u8>, NvrtcError> {
-        let nul = |s: &str| CString::new(s).map_err(|_| NvrtcError::Call { call: "nvrtcCreateProgram".into(), code: 3, message: format!("{program}: text contains a NUL byte") });
+    pub fn compile(
+        &self,
+        program: &str,
+        source: &str,
+        headers: &[(&str, &str)],
+        options: &[String],
+        out: Output,
+    ) -> Result<Vec<u8>, NvrtcError> {
+        let nul = |s: &str| {
+            CString::new(s).map_err(|_| NvrtcError::Call {
+                call: "nvrtcCreateProgram".into(),
+                code: 3,
+                message: format!("{program}: text contains a NUL byte"),
+            })
+        };
         let csrc = nul(source)?;
         let cname = nul(program)?;
         let hdr_src: Vec<CString> = headers.iter().map(|(_, s)| nul(s)).collect::<Result<_, _>>()?;
@@ -126,7 +145,16 @@ impl NvrtcLib {
         let mut prog: nvrtcProgram = std::ptr::null_mut();
         // SAFETY: all strings are NUL-terminated and outlive the call; the header arrays have
         // `headers.len()` entries each.
-        let rc = unsafe { (self.f.nvrtcCreateProgram)(&mut prog, csrc.as_ptr(), cname.as_ptr(), headers.len() as c_int, hdr_src_p.as_ptr(), hdr_names_p.as_ptr()) };
+        let rc = unsafe {
+            (self.f.nvrtcCreateProgram)(
+                &mut prog,
+                csrc.as_ptr(),
+                cname.as_ptr(),
+                headers.len() as c_int,
+                hdr_src_p.as_ptr(),
+                hdr_names_p.as_ptr(),
+            )
+        };
         self.check(rc, &format!("nvrtcCreateProgram({program})"))?;
         let result = self.compile_program(prog, program, &copts_p, options, out);
         // SAFETY: `prog` was created above and is not used after this.
@@ -134,7 +162,14 @@ impl NvrtcLib {
         result
     }
 
-    fn compile_program(&self, prog: nvrtcProgram, program: &str, copts_p: &[*const c_char], options: &[String], out: Output) -> Result<Vec<u8>, NvrtcError> {
+    fn compile_program(
+        &self,
+        prog: nvrtcProgram,
+        program: &str,
+        copts_p: &[*const c_char],
+        options: &[String],
+        out: Output,
+    ) -> Result<Vec<u8>, NvrtcError> {
         // SAFETY: `prog` is live; the option pointers are valid NUL-terminated strings.
         let rc = unsafe { (self.f.nvrtcCompileProgram)(prog, copts_p.len() as c_int, copts_p.as_ptr()) };
         if rc != 0 {
@@ -142,14 +177,22 @@ impl NvrtcLib {
             if rc == 6 {
                 return Err(NvrtcError::Compile { program: program.into(), options: options.join(" "), log });
             }
-            return Err(NvrtcError::Call { call: format!("nvrtcCompileProgram({program}, [{}])", options.join(" ")), code: rc, message: format!("{}; log: {log}", self.error_string(rc)) });
+            return Err(NvrtcError::Call {
+                call: format!("nvrtcCompileProgram({program}, [{}])", options.join(" ")),
+                code: rc,
+                message: format!("{}; log: {log}", self.error_string(rc)),
+            });
         }
         let (size_fn, get_fn, what) = match out {
             Output::Ptx => (Some(self.f.nvrtcGetPTXSize), Some(self.f.nvrtcGetPTX), "PTX"),
             Output::Cubin => (self.f.nvrtcGetCUBINSize, self.f.nvrtcGetCUBIN, "CUBIN"),
         };
         let (Some(size_fn), Some(get_fn)) = (size_fn, get_fn) else {
-            return Err(NvrtcError::Call { call: "nvrtcGetCUBIN".into(), code: -1, message: "this NVRTC cannot emit CUBIN (needs CUDA ≥ 11.1)".into() });
+            return Err(NvrtcError::Call {
+                call: "nvrtcGetCUBIN".into(),
+                code: -1,
+                message: "this NVRTC cannot emit CUBIN (needs CUDA ≥ 11.1)".into(),
+            });
         };
         let mut n = 0usize;
         // SAFETY: live, compiled program; valid out-pointer.

@@ -92,7 +92,13 @@ fn wait_until(deadline: Instant, mut done: impl FnMut() -> Result<bool, NcclErro
 
 impl NcclComm {
     /// Join the communicator of `world` ranks as `rank` on `ctx`'s device.
-    pub fn new(ctx: &Arc<Context>, rank: usize, world: usize, exchange: &mut dyn UniqueIdExchange, opts: NcclOptions) -> Result<NcclComm, NcclError> {
+    pub fn new(
+        ctx: &Arc<Context>,
+        rank: usize,
+        world: usize,
+        exchange: &mut dyn UniqueIdExchange,
+        opts: NcclOptions,
+    ) -> Result<NcclComm, NcclError> {
         if world == 0 || rank >= world {
             return Err(CudaError_invalid(format!("rank {rank} out of range for world size {world}")));
         }
@@ -169,7 +175,9 @@ impl NcclComm {
 
     fn check_alive(&self, op: &str) -> Result<(), NcclError> {
         match &self.aborted {
-            Some(r) => Err(NcclError::Aborted { what: op.into(), rank: self.rank, reason: format!("the communicator was aborted earlier: {r}") }),
+            Some(r) => {
+                Err(NcclError::Aborted { what: op.into(), rank: self.rank, reason: format!("the communicator was aborted earlier: {r}") })
+            }
             None => Ok(()),
         }
     }
@@ -280,7 +288,10 @@ impl NcclComm {
 
     fn check_device(&self, dev: i32, op: &str) -> Result<(), NcclError> {
         if dev != self.ctx.ordinal() {
-            return Err(CudaError_invalid(format!("{op}: buffer is on device {dev} but the communicator on device {}", self.ctx.ordinal())));
+            return Err(CudaError_invalid(format!(
+                "{op}: buffer is on device {dev} but the communicator on device {}",
+                self.ctx.ordinal()
+            )));
         }
         Ok(())
     }
@@ -328,7 +339,9 @@ impl NcclComm {
         let n = self.world;
         let is_root = self.rank == call.root;
         let (need_send, need_recv) = match call.kind {
-            CollKind::AllReduce | CollKind::Broadcast => (if call.kind == CollKind::Broadcast && !is_root { 0 } else { call.count }, call.count),
+            CollKind::AllReduce | CollKind::Broadcast => {
+                (if call.kind == CollKind::Broadcast && !is_root { 0 } else { call.count }, call.count)
+            }
             CollKind::Reduce => (call.count, if is_root { call.count } else { 0 }),
             CollKind::AllGather => (call.count, call.count * n),
             CollKind::Gather => (call.count, if is_root { call.count * n } else { 0 }),
@@ -364,7 +377,15 @@ impl NcclComm {
                 CollKind::Gather => return self.gather(call),
                 CollKind::Barrier => {
                     let p = self.scratch.device_ptr() as *mut c_void;
-                    let rc = (api.ncclAllReduce)(p, p, 1, result::nccl_dtype(crate::comm::Dtype::F32), result::nccl_op(crate::comm::ReduceOp::Sum), comm, s);
+                    let rc = (api.ncclAllReduce)(
+                        p,
+                        p,
+                        1,
+                        result::nccl_dtype(crate::comm::Dtype::F32),
+                        result::nccl_op(crate::comm::ReduceOp::Sum),
+                        comm,
+                        s,
+                    );
                     self.settle(rc, &what)?;
                     return self.wait("barrier");
                 }

@@ -7,7 +7,9 @@
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::sync::OnceLock;
 
-pub(crate) use cudarc::nccl::sys::{cudaStream_t, ncclComm_t, ncclConfig_v21700 as ncclConfig_t, ncclDataType_t, ncclRedOp_t, ncclUniqueId};
+pub(crate) use cudarc::nccl::sys::{
+    cudaStream_t, ncclComm_t, ncclConfig_v21700 as ncclConfig_t, ncclDataType_t, ncclRedOp_t, ncclUniqueId,
+};
 
 use crate::comm::{Dtype, ReduceOp};
 use crate::cuda::discovery::{self, LibKind, Verdict};
@@ -98,7 +100,13 @@ fn load_core() -> Result<NcclCore, CudaError> {
             }
         }
     })?;
-    let f = NcclCoreFns::resolve(&loaded.lib).map_err(|(sym, detail)| CudaError::MissingSymbol { library: LibKind::Nccl.name(), path: loaded.path.clone(), symbol: sym, detail, env_var: LibKind::Nccl.env_var() })?;
+    let f = NcclCoreFns::resolve(&loaded.lib).map_err(|(sym, detail)| CudaError::MissingSymbol {
+        library: LibKind::Nccl.name(),
+        path: loaded.path.clone(),
+        symbol: sym,
+        detail,
+        env_var: LibKind::Nccl.env_var(),
+    })?;
     let mut version = 0;
     // SAFETY: valid out-pointer.
     unsafe { (f.ncclGetVersion)(&mut version) };
@@ -108,9 +116,17 @@ fn load_core() -> Result<NcclCore, CudaError> {
 /// The full table.
 pub(crate) fn api() -> Result<&'static NcclFns, CudaError> {
     let c = core()?;
-    FULL.get_or_init(|| NcclFns::resolve(&c.loaded.lib).map_err(|(sym, detail)| CudaError::MissingSymbol { library: LibKind::Nccl.name(), path: c.path.clone(), symbol: sym, detail, env_var: LibKind::Nccl.env_var() }))
-        .as_ref()
-        .map_err(Clone::clone)
+    FULL.get_or_init(|| {
+        NcclFns::resolve(&c.loaded.lib).map_err(|(sym, detail)| CudaError::MissingSymbol {
+            library: LibKind::Nccl.name(),
+            path: c.path.clone(),
+            symbol: sym,
+            detail,
+            env_var: LibKind::Nccl.env_var(),
+        })
+    })
+    .as_ref()
+    .map_err(Clone::clone)
 }
 
 /// Map a status to `Result`, naming the call; `comm` adds `ncclGetLastError` text.

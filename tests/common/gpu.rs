@@ -70,7 +70,12 @@ impl Runner {
     }
 
     pub fn finish(self) {
-        println!("\ntest result: {}. {} passed; {} failed", if self.failed.is_empty() { "ok" } else { "FAILED" }, self.passed, self.failed.len());
+        println!(
+            "\ntest result: {}. {} passed; {} failed",
+            if self.failed.is_empty() { "ok" } else { "FAILED" },
+            self.passed,
+            self.failed.len()
+        );
         if !self.failed.is_empty() {
             std::process::exit(1);
         }
