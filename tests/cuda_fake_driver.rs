@@ -262,6 +262,12 @@ fn scenario(name: &str) {
             let e = lockstep::cuda::compile_ptx(lockstep::cuda::KernelId::Elementwise, "compute_80").unwrap_err().to_string();
             expect_contains("compile_ptx", &e, &["NVRTC library (libnvrtc) not found", "LOCKSTEP_NVRTC_LIBRARY", "nvidia-cuda-nvrtc"]);
         }
+        "debug_probe" => {
+            // LOCKSTEP_DEBUG=1: the fork check also forks a probe child that reports on stderr.
+            check_fork_safe().expect("fork-safe");
+            assert!(init_record().is_none());
+            assert_eq!(fake_init_calls(), 0);
+        }
         other => panic!("unknown scenario {other}"),
     }
 }
@@ -309,7 +315,9 @@ fn main() {
             cmd.env(k, v);
         }
         let out = cmd.output().expect("re-run the test binary");
-        if out.status.success() {
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let stderr_ok = *name != "debug_probe" || stderr.contains("lockstep: CUDA probe: a rank can initialise CUDA: 2 device(s)");
+        if out.status.success() && stderr_ok {
             if std::env::var_os("LOCKSTEP_FAKE_VERBOSE").is_some() {
                 print!("{}", String::from_utf8_lossy(&out.stdout));
             }

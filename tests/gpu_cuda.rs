@@ -41,9 +41,41 @@ fn foreign_child() {
     std::process::exit(if ok { 0 } else { 1 });
 }
 
+/// Child scenario: 3 ranks share device 0 through the staged shm backend (run before this
+/// process initialises CUDA, since the launcher refuses to fork afterwards).
+fn staged_child() {
+    use lockstep::comm::ReduceOp;
+    let res = lockstep::launch::launch(&lockstep::launch::LaunchConfig::new(3), |rc| {
+        let ctx = lockstep::cuda::Context::new(0)?;
+        let stream = ctx.stream()?;
+        let mut comm = lockstep::cuda::StagedBackend::new(&ctx, rc.comm)?.into_communicator();
+        let r = rc.rank as f32;
+        let mut x = DeviceBuffer::from_host(&stream, &vec![r + 1.0; 1000])?;
+        comm.all_reduce_in_place(&mut x, ReduceOp::Sum)?;
+        let mut g = DeviceBuffer::<f32>::zeros(&stream, 3 * 10)?;
+        let mine = DeviceBuffer::from_host(&stream, &[r; 10])?;
+        comm.all_gather(&mine, &mut g)?;
+        let mut keep = DeviceBuffer::from_host(&stream, &[-1.0f32; 30])?;
+        comm.gather(&mine, &mut keep, 0)?;
+        comm.synchronize()?;
+        let (xs, gs, ks) = (x.to_vec(&stream)?, g.to_vec(&stream)?, keep.to_vec(&stream)?);
+        let want_g: Vec<f32> = (0..30).map(|i| (i / 10) as f32).collect();
+        let want_k = if rc.rank == 0 { want_g.clone() } else { vec![-1.0; 30] };
+        Ok(xs.iter().all(|v| *v == 6.0) && gs == want_g && ks == want_k)
+    });
+    let ok = matches!(&res, Ok(v) if v.iter().all(|b| *b));
+    if !ok {
+        eprintln!("staged ranks: {res:?}");
+    }
+    std::process::exit(if ok { 0 } else { 1 });
+}
+
 fn main() {
     if std::env::var_os("LOCKSTEP_GPU_FOREIGN_CHILD").is_some() {
         foreign_child();
+    }
+    if std::env::var_os("LOCKSTEP_GPU_STAGED_CHILD").is_some() {
+        staged_child();
     }
     gpu::driver_or_skip();
     let mut r = gpu::Runner::new();
@@ -58,6 +90,17 @@ fn main() {
     r.run("foreign_init_detected_real_driver", || {
         let st = std::process::Command::new(std::env::current_exe().unwrap())
             .env("LOCKSTEP_GPU_FOREIGN_CHILD", "1")
+            .status()
+            .map_err(|e| e.to_string())?;
+        if st.success() {
+            Ok(())
+        } else {
+            Err(format!("child status {st}"))
+        }
+    });
+    r.run("several_ranks_one_gpu_staged_shm", || {
+        let st = std::process::Command::new(std::env::current_exe().unwrap())
+            .env("LOCKSTEP_GPU_STAGED_CHILD", "1")
             .status()
             .map_err(|e| e.to_string())?;
         if st.success() {

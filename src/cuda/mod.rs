@@ -63,6 +63,7 @@ pub mod init;
 pub mod kernels;
 mod memory;
 mod module;
+mod staged;
 pub(crate) mod nvrtc;
 
 pub use context::{device_count, device_for_local_rank, Context, DeviceInfo, Event, Stream};
@@ -71,6 +72,7 @@ pub use error::{CudaError, NvrtcError};
 pub use graph::Graph;
 pub use kernels::KernelId;
 pub use memory::{DeviceBuffer, PinnedBuffer};
+pub use staged::StagedBackend;
 pub use module::{
     cache_dir, compile_cubin_cached, compile_ptx, ArgKind, Function, KernelScalar, KernelSig, Launch, LaunchConfig, Module, NvrtcInfo,
 };

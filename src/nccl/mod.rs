@@ -8,11 +8,12 @@
 //! One process per GPU: NCCL before 2.30 refuses two ranks of one communicator on the same device.
 //! When ranks outnumber GPUs, use the shared-memory backend (see `DESIGN` below).
 //!
-//! # DESIGN: several ranks on one GPU (remaining work)
-//! Planned: when `device_count < local ranks`, either (a) keep the shm `Communicator` and stage
-//! device buffers through a per-rank `PinnedBuffer` (D2H on the rank's stream, shm collective on
-//! host memory, H2D), printing a one-line notice; or (b) with NCCL ≥ 2.30, set
-//! `NCCL_MULTI_RANK_GPU_ENABLE=1` before `ncclCommInitRank*`. Not implemented yet.
+//! # Several ranks on one GPU
+//! When `device_count < local ranks`, wrap the launcher's shm `Communicator` in
+//! [`cuda::StagedBackend`](crate::cuda::StagedBackend): device buffers are staged through pinned
+//! host memory (D2H, shm collective, H2D) and a one-line notice is printed. Not done yet: the
+//! NCCL ≥ 2.30 alternative (`NCCL_MULTI_RANK_GPU_ENABLE=1` before `ncclCommInitRank*`), and the
+//! automatic choice between the two, which belongs to the integrator's backend selection.
 
 pub mod comm;
 pub mod error;
