@@ -201,9 +201,6 @@ pub fn search_dirs(kind: LibKind) -> Vec<PathBuf> {
     for root in toolkit_roots() {
         dirs.push(root.join("lib64"));
         dirs.push(root.join("targets").join(arch).join("lib"));
-        if kind == LibKind::Driver {
-            dirs.push(root.join("lib64/stubs"));
-        }
     }
     if kind == LibKind::Driver {
         for d in ["/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib/wsl/lib", "/usr/local/nvidia/lib64"] {
@@ -419,7 +416,13 @@ mod tests {
     #[test]
     fn search_dirs_cover_toolkit_and_wheels() {
         let d: Vec<String> = search_dirs(LibKind::Nvrtc).iter().map(|p| p.display().to_string()).collect();
-        assert!(d.iter().any(|p| p.ends_with("lib64")) || toolkit_roots().is_empty() && d.iter().any(|p| p.contains("opt/cuda")));
-        assert!(d.iter().any(|p| p.contains("nvidia/cuda_nvrtc/lib")) || python_site_dirs().is_empty());
+        assert!(d.iter().any(|p| p == "/opt/cuda/lib64"), "{d:?}");
+        assert!(d.iter().any(|p| p.ends_with("targets/x86_64-linux/lib") || p.ends_with("targets/sbsa-linux/lib")), "{d:?}");
+        if !python_site_dirs().is_empty() {
+            assert!(d.iter().any(|p| p.ends_with("nvidia/cuda_nvrtc/lib")), "{d:?}");
+            assert!(d.iter().any(|p| p.ends_with("nvidia/cu13/lib")), "{d:?}");
+        }
+        let drv: Vec<String> = search_dirs(LibKind::Driver).iter().map(|p| p.display().to_string()).collect();
+        assert!(drv.iter().any(|p| p == "/usr/lib/x86_64-linux-gnu") && !drv.iter().any(|p| p.contains("stubs")), "{drv:?}");
     }
 }
