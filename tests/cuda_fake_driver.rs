@@ -6,6 +6,15 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::Arc;
+use std::time::Duration;
+
+#[path = "common/collectives.rs"]
+mod collectives;
+
+/// Simulated driver and NCCL: host memory stands in for device memory (see the files).
+const SIM_CUDA_C: &str = include_str!("fake/sim_cuda.c");
+const SIM_NCCL_C: &str = include_str!("fake/sim_nccl.c");
 
 /// A fake `libcuda.so.1`: `cuDeviceGetCount` answers NOT_INITIALIZED (3) until `cuInit`.
 const FAKE_CUDA_C: &str = r#"
@@ -63,6 +72,8 @@ struct Libs {
     cuda_broken: PathBuf,
     nccl: PathBuf,
     nccl_old: PathBuf,
+    sim_cuda: PathBuf,
+    sim_nccl: PathBuf,
 }
 
 fn build_libs(root: &Path) -> Libs {
@@ -71,7 +82,11 @@ fn build_libs(root: &Path) -> Libs {
         cuda_broken: root.join("cuda-broken/libcuda.so.1"),
         nccl: root.join("nccl/libnccl.so.2"),
         nccl_old: root.join("nccl-old/libnccl.so.2"),
+        sim_cuda: root.join("sim-cuda/libcuda.so.1"),
+        sim_nccl: root.join("sim-nccl/libnccl.so.2"),
     };
+    cc(SIM_CUDA_C, &l.sim_cuda, &[]);
+    cc(SIM_NCCL_C, &l.sim_nccl, &[]);
     cc(FAKE_CUDA_C, &l.cuda, &[]);
     cc(FAKE_CUDA_C, &l.cuda_broken, &["-DBROKEN"]);
     cc(FAKE_NCCL_C, &l.nccl, &[]);
@@ -83,13 +98,33 @@ fn build_libs(root: &Path) -> Libs {
 // Scenarios (each runs in its own process)
 
 fn fake_init_calls() -> i32 {
-    let path = std::env::var("LOCKSTEP_CUDA_LIBRARY").unwrap();
+    counter("LOCKSTEP_CUDA_LIBRARY", "fake_init_calls")
+}
+
+/// Call an `int name(void)` counter exported by the fake library named by `var`.
+fn counter(var: &str, name: &str) -> i32 {
+    let path = std::env::var(var).unwrap();
+    let sym = format!("{name}\0");
     // SAFETY: the fake library has no initialisers; the symbol has the declared C prototype.
     unsafe {
         let lib = libloading::Library::new(&path).unwrap();
-        let f = lib.get::<unsafe extern "C" fn() -> i32>(b"fake_init_calls\0").unwrap();
+        let f = lib.get::<unsafe extern "C" fn() -> i32>(sym.as_bytes()).unwrap();
         f()
     }
+}
+
+fn sim_nccl_comm(
+    world: usize,
+    opts: lockstep::nccl::NcclOptions,
+) -> (Arc<lockstep::cuda::Context>, Result<lockstep::nccl::NcclComm, lockstep::nccl::NcclError>) {
+    let ctx = lockstep::cuda::Context::new(0).unwrap();
+    let mut exchange = |_rank: usize, id: Option<&[u8; 128]>| id.copied().ok_or_else(|| "no peer".to_string());
+    let comm = lockstep::nccl::NcclComm::new(&ctx, 0, world, &mut exchange, opts);
+    (ctx, comm)
+}
+
+fn short_timeout() -> lockstep::nccl::NcclOptions {
+    lockstep::nccl::NcclOptions { timeout: Duration::from_millis(500), ..Default::default() }
 }
 
 #[inline(never)]
@@ -268,7 +303,255 @@ fn scenario(name: &str) {
             assert!(init_record().is_none());
             assert_eq!(fake_init_calls(), 0);
         }
+        "sim_memory_kernels_events" => sim_memory_kernels_events(),
+        "sim_drop_error_is_deferred" => {
+            let ctx = lockstep::cuda::Context::new(0).unwrap();
+            let s = ctx.stream().unwrap();
+            drop(lockstep::cuda::DeviceBuffer::<f32>::zeros(&s, 8).unwrap());
+            let e = ctx.check().unwrap_err().to_string();
+            expect_contains(
+                "deferred",
+                &e,
+                &["an earlier release of a device buffer of 8 f32 elements failed", "cuMemFree", "CUDA_ERROR_INVALID_VALUE"],
+            );
+            assert!(ctx.check().is_ok(), "reported once");
+        }
+        "sim_nccl_collectives" => {
+            let (ctx, comm) = sim_nccl_comm(1, Default::default());
+            let mut nc = comm.expect("NCCL init through the simulator");
+            let s = ctx.stream().unwrap();
+            let a = lockstep::cuda::DeviceBuffer::from_host(&s, &[1i32, 2, 3]).unwrap();
+            let mut b = lockstep::cuda::DeviceBuffer::<i32>::zeros(&s, 3).unwrap();
+            nc.group(|c| {
+                c.send(&a, 0)?;
+                c.recv(&mut b, 0)
+            })
+            .unwrap();
+            nc.wait("send/recv").unwrap();
+            assert_eq!(b.to_vec(&s).unwrap(), vec![1, 2, 3]);
+            let e = nc.send(&a, 3).unwrap_err().to_string();
+            expect_contains("send to peer 3", &e, &["peer 3 out of range for world size 1"]);
+            let mut comm = nc.into_communicator();
+            let (h, mut hr) = (vec![1f32; 4], vec![0f32; 4]);
+            let e = comm.all_reduce(&h, &mut hr, lockstep::comm::ReduceOp::Sum).unwrap_err().to_string();
+            expect_contains("host buffers", &e, &["host memory", "device memory only", "DeviceBuffer"]);
+            collectives::check_all_dtypes_world1(&mut comm, &s).unwrap();
+            drop(comm);
+            assert_eq!(counter("LOCKSTEP_NCCL_LIBRARY", "sim_destroy_calls"), 1);
+            assert_eq!(counter("LOCKSTEP_NCCL_LIBRARY", "sim_abort_calls"), 0);
+            assert!(ctx.check().is_ok());
+        }
+        "sim_nccl_peer_never_joins" => {
+            let (_ctx, comm) = sim_nccl_comm(2, short_timeout());
+            let e = comm.err().expect("init must fail").to_string();
+            expect_contains("init", &e, &["ncclCommInitRank(rank=0, nranks=2", "did not finish within 0.5 s", "aborted"]);
+            assert_eq!(counter("LOCKSTEP_NCCL_LIBRARY", "sim_abort_calls"), 1);
+        }
+        "sim_nccl_async_error_aborts" => {
+            let (ctx, comm) = sim_nccl_comm(1, short_timeout());
+            let mut comm = comm.unwrap().into_communicator();
+            let s = ctx.stream().unwrap();
+            let mut x = lockstep::cuda::DeviceBuffer::<f32>::zeros(&s, 16).unwrap();
+            comm.all_reduce_in_place(&mut x, lockstep::comm::ReduceOp::Sum).unwrap();
+            let e = comm.synchronize().unwrap_err().to_string();
+            expect_contains("synchronize", &e, &["remote process exited", "(async)"]);
+            assert_eq!(counter("LOCKSTEP_NCCL_LIBRARY", "sim_abort_calls"), 1);
+            let e = comm.all_reduce_in_place(&mut x, lockstep::comm::ReduceOp::Sum).unwrap_err().to_string();
+            expect_contains("after abort", &e, &["aborted earlier"]);
+            drop(comm);
+            assert_eq!(counter("LOCKSTEP_NCCL_LIBRARY", "sim_destroy_calls"), 0, "an aborted communicator is not destroyed again");
+        }
+        "sim_nccl_timeout_aborts" => {
+            let (ctx, comm) = sim_nccl_comm(1, short_timeout());
+            let mut comm = comm.unwrap().into_communicator();
+            let s = ctx.stream().unwrap();
+            let mut x = lockstep::cuda::DeviceBuffer::<f32>::zeros(&s, 16).unwrap();
+            comm.all_reduce_in_place(&mut x, lockstep::comm::ReduceOp::Max).unwrap();
+            let e = comm.synchronize().unwrap_err().to_string();
+            expect_contains("synchronize", &e, &["did not finish within 0.5 s", "aborted", "LOCKSTEP_TIMEOUT_S"]);
+            assert_eq!(counter("LOCKSTEP_NCCL_LIBRARY", "sim_abort_calls"), 1);
+            let e = comm.barrier().unwrap_err().to_string();
+            expect_contains("barrier after abort", &e, &["aborted earlier"]);
+        }
+        "sim_nccl_liveness_check_aborts" => {
+            let check: lockstep::nccl::comm::AbortCheck = Arc::new(|| Some("rank 1 (pid 4242) died".to_string()));
+            let opts = lockstep::nccl::NcclOptions { abort_check: Some(check), ..Default::default() };
+            let (ctx, comm) = sim_nccl_comm(1, opts);
+            let mut comm = comm.unwrap().into_communicator();
+            let s = ctx.stream().unwrap();
+            let mut x = lockstep::cuda::DeviceBuffer::<f32>::zeros(&s, 16).unwrap();
+            comm.all_reduce_in_place(&mut x, lockstep::comm::ReduceOp::Sum).unwrap();
+            let e = comm.synchronize().unwrap_err().to_string();
+            expect_contains("synchronize", &e, &["rank 1 (pid 4242) died", "aborted"]);
+        }
+        "sim_staged_ranks_share_a_gpu" => sim_staged(),
+        "nvrtc_compile_goes_through_guard" => {
+            // NVRTC 12.x dlopens libcuda.so.1 and calls cuInit while compiling: lockstep routes that
+            // through the guard so the fork check can say where it happened.
+            match lockstep::cuda::compile_ptx(lockstep::cuda::KernelId::Elementwise, "compute_80") {
+                Ok(_) => {}
+                Err(e) if e.to_string().contains("NVRTC library (libnvrtc) not found") => {
+                    println!("(no NVRTC library: nothing to check)");
+                    return;
+                }
+                Err(e) => panic!("{e}"),
+            }
+            assert!(init_record().is_some(), "compiling must initialise through the guard");
+            let e = check_fork_safe().unwrap_err();
+            expect_contains("check_fork_safe after compile", &e, &["by lockstep", "compile_ptx"]);
+        }
         other => panic!("unknown scenario {other}"),
+    }
+}
+
+fn sim_memory_kernels_events() {
+    use lockstep::cuda::kernels::cpu;
+    use lockstep::cuda::{Context, DeviceBuffer, KernelId, LaunchConfig, PinnedBuffer};
+    let ctx = Context::new(0).unwrap();
+    let info = ctx.info().unwrap();
+    assert_eq!((info.name.as_str(), info.compute_capability), ("Simulated GPU", (8, 0)));
+    let s = ctx.stream().unwrap();
+    {
+        let host: Vec<f32> = (0..1000).map(|i| i as f32 * 0.5).collect();
+        let d = DeviceBuffer::from_host(&s, &host).unwrap();
+        assert_eq!(d.to_vec(&s).unwrap(), host);
+        assert_eq!(DeviceBuffer::<i64>::zeros(&s, 77).unwrap().to_vec(&s).unwrap(), vec![0i64; 77]);
+        let mut d2 = DeviceBuffer::<f32>::alloc(&ctx, 1000).unwrap();
+        d2.copy_from_device_async(&s, &d).unwrap();
+        let mut pinned = PinnedBuffer::<f32>::zeros(&ctx, 1000).unwrap();
+        // SAFETY: `pinned` is untouched until the synchronize below.
+        unsafe { d2.copy_to_pinned_async(&s, &mut pinned).unwrap() };
+        s.synchronize().unwrap();
+        assert_eq!(&pinned[..], &host[..]);
+        let e = d2.copy_from_host(&s, &host[..10]).unwrap_err().to_string();
+        expect_contains("length check", &e, &["lengths differ", "1000", "10"]);
+        let (a, b) = (ctx.event().unwrap(), ctx.event().unwrap());
+        a.record(&s).unwrap();
+        b.record(&s).unwrap();
+        assert_eq!(a.elapsed_ms(&b).unwrap(), 0.25);
+        use lockstep::comm::Buffer;
+        assert_eq!(d.raw().space, lockstep::comm::MemSpace::Device(0));
+    }
+    assert_eq!(counter("LOCKSTEP_CUDA_LIBRARY", "sim_live_allocs"), 0, "every device buffer is freed on drop");
+
+    // Kernels: NVRTC compiles the real source (when installed); the simulator runs host twins, so
+    // this checks argument marshalling and the launch builder's checks.
+    let axpy = match ctx.function(KernelId::Elementwise, "axpy_f32") {
+        Ok(f) => f,
+        Err(e) if e.to_string().contains("NVRTC library (libnvrtc) not found") => {
+            println!("(no NVRTC library: kernel launches not checked)");
+            return;
+        }
+        Err(e) => panic!("{e}"),
+    };
+    let n = 1000usize;
+    let x: Vec<f32> = (0..n).map(|i| (i % 17) as f32).collect();
+    let mut y_cpu: Vec<f32> = (0..n).map(|i| (i % 5) as f32).collect();
+    let mut y = DeviceBuffer::from_host(&s, &y_cpu).unwrap();
+    let dx = DeviceBuffer::from_host(&s, &x).unwrap();
+    axpy.launch(LaunchConfig::for_elements(n)).arg_mut(&mut y).arg(&dx).scalar(2.0f32).scalar(n as i64).elements(n).run(&s).unwrap();
+    cpu::axpy_f32(&mut y_cpu, &x, 2.0, n as i64);
+    assert_eq!(y.to_vec(&s).unwrap(), y_cpu);
+    let fill = ctx.function(KernelId::Elementwise, "fill_f32").unwrap();
+    fill.launch(LaunchConfig::for_elements(n)).arg_mut(&mut y).scalar(-3.5f32).scalar(n as i64).run(&s).unwrap();
+    assert_eq!(y.to_vec(&s).unwrap(), vec![-3.5f32; n]);
+    let x64 = DeviceBuffer::<f64>::zeros(&s, 10).unwrap();
+    let host = vec![0f32; n];
+    let bad = [
+        (axpy.launch(LaunchConfig::for_elements(n)).arg_mut(&mut y).scalar(1.0f32).run(&s), "2 arguments given, the kernel takes 4"),
+        (
+            axpy.launch(LaunchConfig::for_elements(n))
+                .arg_mut(&mut DeviceBuffer::<f32>::zeros(&s, 10).unwrap())
+                .arg(&x64)
+                .scalar(1.0f32)
+                .scalar(10i64)
+                .run(&s),
+            "argument 1 is a f64 buffer, the kernel expects f32",
+        ),
+        (
+            axpy.launch(LaunchConfig::for_elements(n))
+                .arg_mut(&mut DeviceBuffer::<f32>::zeros(&s, n).unwrap())
+                .arg(&host)
+                .scalar(1.0f32)
+                .scalar(n as i64)
+                .run(&s),
+            "argument 1 lives in Host",
+        ),
+        (
+            axpy.launch(LaunchConfig::for_elements(n))
+                .arg_mut(&mut DeviceBuffer::<f32>::zeros(&s, 10).unwrap())
+                .arg(&dx)
+                .scalar(1.0f32)
+                .scalar(n as i64)
+                .elements(n)
+                .run(&s),
+            "argument 0 holds 10 elements, the launch covers 1000",
+        ),
+        (
+            axpy.launch(LaunchConfig::for_elements(n))
+                .arg_mut(&mut DeviceBuffer::<f32>::zeros(&s, n).unwrap())
+                .arg(&dx)
+                .scalar(1i32)
+                .scalar(n as i64)
+                .run(&s),
+            "argument 2 is a i32 scalar, the kernel expects f32",
+        ),
+    ];
+    for (r, needle) in bad {
+        expect_contains("launch check", &r.err().map(|e| e.to_string()).unwrap_or_default(), &[needle]);
+    }
+    let e = ctx.function(KernelId::Elementwise, "nope").err().unwrap().to_string();
+    expect_contains("unknown entry point", &e, &["declares no entry point nope", "axpy_f32"]);
+    let e = lockstep::cuda::Graph::capture(&s, |_| Ok(())).err().unwrap().to_string();
+    expect_contains("graph capture", &e, &["cuStreamBeginCapture", "CUDA_ERROR_NOT_SUPPORTED"]);
+    drop((axpy, fill));
+    drop(ctx);
+}
+
+/// Three ranks share the one simulated GPU through the staged shm backend.
+fn sim_staged() {
+    use lockstep::comm::ReduceOp;
+    use lockstep::cuda::DeviceBuffer;
+    let res = lockstep::launch::launch(&lockstep::launch::LaunchConfig::new(3), |rc| {
+        let ctx = lockstep::cuda::Context::new(0)?;
+        let s = ctx.stream()?;
+        let mut comm = lockstep::cuda::StagedBackend::new(&ctx, rc.comm)?.into_communicator();
+        let (rank, r) = (rc.rank, rc.rank as f32);
+        let mut ok = true;
+        let mut x = DeviceBuffer::from_host(&s, &vec![r + 1.0; 1000])?;
+        comm.all_reduce_in_place(&mut x, ReduceOp::Sum)?;
+        ok &= x.to_vec(&s)?.iter().all(|v| *v == 6.0);
+        let mine = DeviceBuffer::from_host(&s, &[r; 10])?;
+        let mut g = DeviceBuffer::<f32>::zeros(&s, 30)?;
+        comm.all_gather(&mine, &mut g)?;
+        let want_g: Vec<f32> = (0..30).map(|i| (i / 10) as f32).collect();
+        ok &= g.to_vec(&s)? == want_g;
+        let mut gi = DeviceBuffer::from_host(&s, &(0..30).map(|i| if i / 10 == rank { r } else { -9.0 }).collect::<Vec<f32>>())?;
+        comm.all_gather_in_place(&mut gi)?;
+        ok &= gi.to_vec(&s)? == want_g;
+        let mut keep = DeviceBuffer::from_host(&s, &[-1.0f32; 30])?;
+        comm.gather(&mine, &mut keep, 1)?;
+        ok &= keep.to_vec(&s)? == if rank == 1 { want_g.clone() } else { vec![-1.0; 30] };
+        let mut red = DeviceBuffer::from_host(&s, &[-1.0f32; 10])?;
+        comm.reduce(&mine, &mut red, ReduceOp::Max, 2)?;
+        ok &= red.to_vec(&s)? == if rank == 2 { vec![2.0; 10] } else { vec![-1.0; 10] };
+        let mut rs = DeviceBuffer::from_host(&s, &(0..30).map(|i| i as f32).collect::<Vec<f32>>())?;
+        comm.reduce_scatter_in_place(&mut rs, ReduceOp::Sum)?;
+        let v = rs.to_vec(&s)?;
+        ok &= (0..10).all(|i| v[rank * 10 + i] == 3.0 * (rank * 10 + i) as f32);
+        let mut b = DeviceBuffer::from_host(&s, &[r; 5])?;
+        comm.broadcast_in_place(&mut b, 2)?;
+        ok &= b.to_vec(&s)? == vec![2.0; 5];
+        let (h, mut hr) = (vec![r; 4], vec![0f32; 4]);
+        comm.all_reduce(&h, &mut hr, ReduceOp::Sum)?;
+        ok &= hr == vec![3.0; 4];
+        comm.barrier()?;
+        comm.synchronize()?;
+        Ok(ok)
+    });
+    match res {
+        Ok(v) if v.iter().all(|b| *b) => {}
+        other => panic!("staged ranks: {other:?}"),
     }
 }
 
@@ -292,6 +575,37 @@ fn main() {
         ("driver_symbols_missing_is_error", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.cuda))]),
         ("fake_nccl", vec![("LOCKSTEP_NCCL_LIBRARY", s(&libs.nccl)), ("LOCKSTEP_CUDA_LIBRARY", s(&libs.cuda))]),
         ("old_nccl_rejected", vec![("LOCKSTEP_NCCL_LIBRARY", s(&libs.nccl_old))]),
+        ("sim_memory_kernels_events", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda))]),
+        ("sim_drop_error_is_deferred", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)), ("SIM_FAIL_FREE", "1".into())]),
+        ("sim_nccl_collectives", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)), ("LOCKSTEP_NCCL_LIBRARY", s(&libs.sim_nccl))]),
+        ("sim_nccl_peer_never_joins", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)), ("LOCKSTEP_NCCL_LIBRARY", s(&libs.sim_nccl))]),
+        (
+            "sim_nccl_async_error_aborts",
+            vec![
+                ("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)),
+                ("LOCKSTEP_NCCL_LIBRARY", s(&libs.sim_nccl)),
+                ("SIM_NCCL_ASYNC_ERROR", "1".into()),
+                ("SIM_STREAM_STUCK", "1".into()),
+            ],
+        ),
+        (
+            "sim_nccl_timeout_aborts",
+            vec![
+                ("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)),
+                ("LOCKSTEP_NCCL_LIBRARY", s(&libs.sim_nccl)),
+                ("SIM_STREAM_STUCK", "1".into()),
+            ],
+        ),
+        (
+            "sim_nccl_liveness_check_aborts",
+            vec![
+                ("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)),
+                ("LOCKSTEP_NCCL_LIBRARY", s(&libs.sim_nccl)),
+                ("SIM_STREAM_STUCK", "1".into()),
+            ],
+        ),
+        ("sim_staged_ranks_share_a_gpu", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda))]),
+        ("nvrtc_compile_goes_through_guard", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda))]),
         ("debug_probe", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.cuda)), ("LOCKSTEP_DEBUG", "1".into())]),
         (
             "missing_nccl_and_nvrtc",
@@ -309,9 +623,18 @@ fn main() {
         }
         let mut cmd = Command::new(&exe);
         cmd.env("LOCKSTEP_FAKE_SCENARIO", name);
-        for v in ["LOCKSTEP_CUDA_LIBRARY", "LOCKSTEP_NCCL_LIBRARY", "LOCKSTEP_NVRTC_LIBRARY", "LOCKSTEP_DEBUG"] {
+        for v in [
+            "LOCKSTEP_CUDA_LIBRARY",
+            "LOCKSTEP_NCCL_LIBRARY",
+            "LOCKSTEP_NVRTC_LIBRARY",
+            "LOCKSTEP_DEBUG",
+            "LOCKSTEP_TIMEOUT_S",
+            "XDG_CACHE_HOME",
+        ] {
             cmd.env_remove(v);
         }
+        // A private kernel cache, so runs do not depend on (or fill) the user's cache.
+        cmd.env("XDG_CACHE_HOME", root.join("cache"));
         for (k, v) in env {
             cmd.env(k, v);
         }

@@ -3,75 +3,19 @@
 //! into a Timeout + ncclCommAbort instead of a hang). Prints `skipped: no CUDA driver` /
 //! `skipped: no NCCL library` otherwise (fails under LOCKSTEP_REQUIRE_GPU=1).
 
+#[path = "common/collectives.rs"]
+mod collectives;
 #[path = "common/gpu.rs"]
 mod gpu;
 
 use std::time::Duration;
 
-use lockstep::comm::{CollKind, Communicator, Element, ReduceOp};
-use lockstep::cuda::{DeviceBuffer, Stream};
+use lockstep::comm::ReduceOp;
+use lockstep::cuda::DeviceBuffer;
 use lockstep::nccl::{NcclComm, NcclOptions};
 
 fn solo_exchange() -> impl FnMut(usize, Option<&[u8; 128]>) -> Result<[u8; 128], String> {
     |_rank, id| id.copied().ok_or_else(|| "world size 1 has no peer to receive from".to_string())
-}
-
-/// At world size 1 every collective returns its input (Avg divides by 1).
-fn check_all<T: Element>(comm: &mut Communicator, s: &Stream, gen: impl Fn(usize) -> T) -> Result<(), String> {
-    let n = 257;
-    let host: Vec<T> = (0..n).map(&gen).collect();
-    let e = |e: lockstep::comm::CommError| e.to_string();
-    let c = |e: lockstep::cuda::CudaError| e.to_string();
-    for kind in CollKind::ALL {
-        let ops: Vec<ReduceOp> = if kind.has_op() { ReduceOp::ALL.to_vec() } else { vec![ReduceOp::Sum] };
-        for op in ops {
-            let send = DeviceBuffer::from_host(s, &host).map_err(c)?;
-            let mut recv = DeviceBuffer::<T>::zeros(s, n).map_err(c)?;
-            let mut inplace = DeviceBuffer::from_host(s, &host).map_err(c)?;
-            match kind {
-                CollKind::AllReduce => {
-                    comm.all_reduce(&send, &mut recv, op).map_err(e)?;
-                    comm.all_reduce_in_place(&mut inplace, op).map_err(e)?;
-                }
-                CollKind::Broadcast => {
-                    comm.broadcast(&send, &mut recv, 0).map_err(e)?;
-                    comm.broadcast_in_place(&mut inplace, 0).map_err(e)?;
-                }
-                CollKind::Reduce => {
-                    comm.reduce(&send, &mut recv, op, 0).map_err(e)?;
-                    comm.reduce_in_place(&mut inplace, op, 0).map_err(e)?;
-                }
-                CollKind::AllGather => {
-                    comm.all_gather(&send, &mut recv).map_err(e)?;
-                    comm.all_gather_in_place(&mut inplace).map_err(e)?;
-                }
-                CollKind::Gather => {
-                    comm.gather(&send, &mut recv, 0).map_err(e)?;
-                    comm.gather(&send, &mut inplace, 0).map_err(e)?;
-                }
-                CollKind::ReduceScatter => {
-                    comm.reduce_scatter(&send, &mut recv, op).map_err(e)?;
-                    comm.reduce_scatter_in_place(&mut inplace, op).map_err(e)?;
-                }
-                CollKind::Barrier => {
-                    comm.barrier().map_err(e)?;
-                    recv.copy_from_device_async(s, &send).map_err(c)?;
-                }
-            }
-            comm.synchronize().map_err(e)?;
-            let (got, got_in) = (recv.to_vec(s).map_err(c)?, inplace.to_vec(s).map_err(c)?);
-            if got != host || got_in != host {
-                return Err(format!(
-                    "{kind} {op} {}: result differs from input (first: {:?} / {:?} vs {:?})",
-                    T::DTYPE,
-                    got[0],
-                    got_in[0],
-                    host[0]
-                ));
-            }
-        }
-    }
-    Ok(())
 }
 
 fn main() {
@@ -120,15 +64,6 @@ fn main() {
             other => Err(format!("expected Unsupported, got {other:?}")),
         }
     });
-    r.run("collectives_ops_dtypes_world1", || {
-        check_all::<f32>(&mut comm, &s, |i| i as f32 - 7.0)?;
-        check_all::<f64>(&mut comm, &s, |i| i as f64 * 0.25)?;
-        check_all::<half::f16>(&mut comm, &s, |i| half::f16::from_f32((i % 100) as f32))?;
-        check_all::<half::bf16>(&mut comm, &s, |i| half::bf16::from_f32((i % 100) as f32))?;
-        check_all::<i32>(&mut comm, &s, |i| i as i32 - 100)?;
-        check_all::<i64>(&mut comm, &s, |i| i as i64 * 1_000_000_007)?;
-        check_all::<u8>(&mut comm, &s, |i| (i % 251) as u8)?;
-        check_all::<i8>(&mut comm, &s, |i| (i % 100) as i8 - 50)
-    });
+    r.run("collectives_ops_dtypes_world1", || collectives::check_all_dtypes_world1(&mut comm, &s));
     r.finish();
 }

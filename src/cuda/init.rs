@@ -70,6 +70,18 @@ pub fn ensure_init() -> Result<(), CudaError> {
     Ok(())
 }
 
+/// Called before every NVRTC compilation. NVRTC (12.x) `dlopen`s `libcuda.so.1` and calls
+/// `cuInit` while compiling whenever a driver is installed, so compiling kernels initialises CUDA
+/// in the calling process. Going through the guard first records *where* (the compile call), so a
+/// later fork is refused with a useful location instead of "outside lockstep". Without a driver
+/// this does nothing (and NVRTC finds none either).
+pub(crate) fn before_nvrtc_compile() {
+    if driver::core().is_ok() {
+        // A failure here (no device, ...) is NVRTC's to meet too; the compile reports its own errors.
+        let _ = ensure_init();
+    }
+}
+
 /// The record of lockstep's initialisation in *this* process, if any.
 pub fn init_record() -> Option<InitRecord> {
     if INIT_PID.load(Ordering::Acquire) != getpid() {

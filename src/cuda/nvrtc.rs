@@ -6,6 +6,11 @@
 //! among the NVRTCs it finds, prefers the newest one *no newer than the driver*. When only newer
 //! ones exist, it uses one and says so (CUBIN still loads; an NVRTC that does not know the GPU's
 //! arch reports that clearly at compile time).
+//!
+//! Compiling initialises CUDA: NVRTC 12.x loads `libcuda.so.1` and calls `cuInit` (and
+//! `cuGetExportTable`) during `nvrtcCompileProgram` when a driver is installed. `compile` therefore
+//! goes through the init guard first (see `init::before_nvrtc_compile`): compile kernels inside
+//! the ranks, after the fork, never in the launching process.
 
 use std::ffi::{c_char, c_int, CStr, CString};
 use std::sync::OnceLock;
@@ -126,6 +131,7 @@ impl NvrtcLib {
         options: &[String],
         out: Output,
     ) -> Result<Vec<u8>, NvrtcError> {
+        super::init::before_nvrtc_compile();
         let nul = |s: &str| {
             CString::new(s).map_err(|_| NvrtcError::Call {
                 call: "nvrtcCreateProgram".into(),
