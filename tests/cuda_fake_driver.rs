@@ -385,6 +385,27 @@ fn scenario(name: &str) {
             expect_contains("synchronize", &e, &["rank 1 (pid 4242) died", "aborted"]);
         }
         "sim_staged_ranks_share_a_gpu" => sim_staged(),
+        "unique_id_exchange_over_shm" => {
+            use lockstep::nccl::UniqueIdExchange;
+            // Three ranks: rank 0's id reaches everyone through the launcher's communicator.
+            let ids = lockstep::launch::launch(&lockstep::launch::LaunchConfig::new(3), |mut rc| {
+                let mine: [u8; 128] = std::array::from_fn(|i| (i * 7 + 3) as u8);
+                let got = rc.comm.exchange(rc.rank, if rc.rank == 0 { Some(&mine) } else { None })?;
+                Ok(got == mine)
+            })
+            .unwrap();
+            assert_eq!(ids, vec![true; 3]);
+            // One rank, end to end: the simulated NCCL initialises with the id from the exchange.
+            let ok = lockstep::launch::launch(&lockstep::launch::LaunchConfig::new(1), |mut rc| {
+                let ctx = lockstep::cuda::Context::new(0)?;
+                let nc = lockstep::nccl::NcclComm::new(&ctx, rc.rank, rc.world_size, &mut rc.comm, Default::default())?;
+                let mut comm = nc.into_communicator();
+                comm.barrier()?;
+                Ok(true)
+            })
+            .unwrap();
+            assert_eq!(ok, vec![true]);
+        }
         "nvrtc_compile_goes_through_guard" => {
             // NVRTC 12.x dlopens libcuda.so.1 and calls cuInit while compiling: lockstep routes that
             // through the guard so the fork check can say where it happened.
@@ -605,6 +626,7 @@ fn main() {
             ],
         ),
         ("sim_staged_ranks_share_a_gpu", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda))]),
+        ("unique_id_exchange_over_shm", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)), ("LOCKSTEP_NCCL_LIBRARY", s(&libs.sim_nccl))]),
         ("nvrtc_compile_goes_through_guard", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda))]),
         ("debug_probe", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.cuda)), ("LOCKSTEP_DEBUG", "1".into())]),
         (

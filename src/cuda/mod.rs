@@ -6,6 +6,20 @@
 //! `module` and `graph` are the RAII owners that callers use. [`init`] is the single door to
 //! `cuInit`, and the fork-safety check the launcher runs before forking ranks.
 //!
+//! Environment:
+//!
+//! | variable | effect |
+//! |---|---|
+//! | `LOCKSTEP_CUDA_LIBRARY`, `LOCKSTEP_NVRTC_LIBRARY`, `LOCKSTEP_NCCL_LIBRARY` | use this library file (or folder) instead of searching |
+//! | `LOCKSTEP_DEBUG=1` | the launcher's fork check also forks a probe child that reports whether a rank can initialise CUDA |
+//! | `LOCKSTEP_TIMEOUT_S` | NCCL init / synchronize timeout before `ncclCommAbort` (default 300) |
+//! | `XDG_CACHE_HOME` | kernel cache under `$XDG_CACHE_HOME/lockstep` (else `~/.cache/lockstep`) |
+//! | `CUDA_VISIBLE_DEVICES` | applied by the driver itself |
+//!
+//! Fork rule: CUDA (including NVRTC compilation, which calls `cuInit` itself) belongs inside the
+//! rank function. [`init::check_fork_safe`] refuses to fork otherwise, naming where CUDA was
+//! initialised.
+//!
 //! Nothing here needs CUDA at build time: a machine without a driver builds, links and runs the
 //! CPU paths; CUDA calls then return [`CudaError::LibraryNotFound`].
 

@@ -12,7 +12,7 @@ use std::ffi::{c_int, c_void};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::comm::{Backend, BackendKind, Call, CollKind, CommError, Communicator, Element, MemSpace, RawMem};
+use crate::comm::{Backend, BackendKind, Call, CollKind, CommError, Communicator, Element, MemSpace};
 use crate::cuda::{Context, DeviceBuffer, Stream};
 
 use super::error::NcclError;
@@ -27,6 +27,21 @@ pub trait UniqueIdExchange {
 impl<F: FnMut(usize, Option<&[u8; 128]>) -> Result<[u8; 128], String>> UniqueIdExchange for F {
     fn exchange(&mut self, rank: usize, id: Option<&[u8; 128]>) -> Result<[u8; 128], String> {
         self(rank, id)
+    }
+}
+
+/// Exchange through an existing host communicator (e.g. the launcher's shm `Communicator`):
+/// rank 0 broadcasts the id to every rank. This plugs NCCL straight into `lockstep::launch`.
+impl UniqueIdExchange for Communicator {
+    fn exchange(&mut self, rank: usize, id: Option<&[u8; 128]>) -> Result<[u8; 128], String> {
+        if rank != self.rank() {
+            return Err(format!("exchange called as rank {rank} on the communicator of rank {}", self.rank()));
+        }
+        let mut buf: Vec<u8> = id.map(|i| i.to_vec()).unwrap_or_else(|| vec![0u8; 128]);
+        self.broadcast_in_place(&mut buf, 0).map_err(|e| e.to_string())?;
+        let mut out = [0u8; 128];
+        out.copy_from_slice(&buf);
+        Ok(out)
     }
 }
 
@@ -100,7 +115,7 @@ impl NcclComm {
         opts: NcclOptions,
     ) -> Result<NcclComm, NcclError> {
         if world == 0 || rank >= world {
-            return Err(CudaError_invalid(format!("rank {rank} out of range for world size {world}")));
+            return Err(invalid_arg(format!("rank {rank} out of range for world size {world}")));
         }
         let api = result::api()?;
         ctx.bind()?;
@@ -281,14 +296,14 @@ impl NcclComm {
 
     fn check_peer(&self, peer: usize, op: &str) -> Result<(), NcclError> {
         if peer >= self.world {
-            return Err(CudaError_invalid(format!("{op}: peer {peer} out of range for world size {}", self.world)));
+            return Err(invalid_arg(format!("{op}: peer {peer} out of range for world size {}", self.world)));
         }
         Ok(())
     }
 
     fn check_device(&self, dev: i32, op: &str) -> Result<(), NcclError> {
         if dev != self.ctx.ordinal() {
-            return Err(CudaError_invalid(format!(
+            return Err(invalid_arg(format!(
                 "{op}: buffer is on device {dev} but the communicator on device {}",
                 self.ctx.ordinal()
             )));
@@ -425,8 +440,7 @@ impl NcclComm {
     }
 }
 
-#[allow(non_snake_case)]
-fn CudaError_invalid(detail: String) -> NcclError {
+fn invalid_arg(detail: String) -> NcclError {
     NcclError::Cuda(crate::cuda::CudaError::InvalidArgument { op: "NcclComm".into(), detail })
 }
 
@@ -486,7 +500,3 @@ impl Drop for NcclComm {
         }
     }
 }
-
-// Keep RawMem in scope for docs of `Call`.
-#[allow(unused)]
-fn _doc(_: RawMem) {}
