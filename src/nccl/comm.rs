@@ -136,7 +136,13 @@ impl NcclComm {
                 // SAFETY: valid out-pointer, id by value, config initialised as NCCL_CONFIG_INITIALIZER.
                 let rc = unsafe { init_cfg(&mut comm, world as c_int, id, rank as c_int, &mut cfg) };
                 if rc != IN_PROGRESS {
-                    result::check(rc, Some(comm), || what.clone())?;
+                    if let Err(e) = result::check(rc, Some(comm), || what.clone()) {
+                        if !comm.is_null() {
+                            // SAFETY: a communicator NCCL handed back from a failed init; never used again.
+                            unsafe { (api.ncclCommAbort)(comm) };
+                        }
+                        return Err(e);
+                    }
                 }
             }
             _ => {
