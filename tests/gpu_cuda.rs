@@ -31,7 +31,8 @@ fn check_eq<T: PartialEq + std::fmt::Debug>(what: &str, got: &[T], want: &[T]) -
 fn foreign_child() {
     // SAFETY: loading the real driver and calling cuInit(0) through its C prototype.
     let ok = unsafe {
-        let lib = libloading::Library::new("libcuda.so.1").expect("libcuda");
+        let lib =
+            libloading::Library::new(std::env::var("LOCKSTEP_CUDA_LIBRARY").unwrap_or_else(|_| "libcuda.so.1".into())).expect("libcuda");
         let init = lib.get::<unsafe extern "C" fn(u32) -> i32>(b"cuInit\0").unwrap();
         let rc = init(0);
         let refused = lockstep::cuda::init::check_fork_safe().map_err(|e| e.contains("outside lockstep"));
