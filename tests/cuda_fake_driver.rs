@@ -523,9 +523,29 @@ fn sim_memory_kernels_events() {
     }
     let e = ctx.function(KernelId::Elementwise, "nope").err().unwrap().to_string();
     expect_contains("unknown entry point", &e, &["declares no entry point nope", "axpy_f32"]);
-    let e = lockstep::cuda::Graph::capture(&s, |_| Ok(())).err().unwrap().to_string();
-    expect_contains("graph capture", &e, &["cuStreamBeginCapture", "CUDA_ERROR_NOT_SUPPORTED"]);
-    drop((axpy, fill));
+    // Graphs: a failing body still ends the capture; a real capture records, replay runs it.
+    let e = lockstep::cuda::Graph::capture(&s, |_| {
+        Err(lockstep::cuda::CudaError::InvalidArgument { op: "body".into(), detail: "failed on purpose".into() })
+    })
+    .err()
+    .unwrap()
+    .to_string();
+    expect_contains("failing capture body", &e, &["failed on purpose"]);
+    let scale = ctx.function(KernelId::Elementwise, "scale_f32").unwrap();
+    let mut g = DeviceBuffer::from_host(&s, &[1.0f32; 64]).unwrap();
+    let graph = lockstep::cuda::Graph::capture(&s, |st| {
+        scale.launch(LaunchConfig::for_elements(64)).arg_mut(&mut g).scalar(2.0f32).scalar(64i64).run(st)
+    })
+    .unwrap();
+    assert_eq!(g.to_vec(&s).unwrap(), vec![1.0f32; 64], "capturing must not run the work");
+    for _ in 0..3 {
+        graph.replay(&s).unwrap();
+    }
+    assert_eq!(g.to_vec(&s).unwrap(), vec![8.0f32; 64]);
+    drop(graph);
+    assert_eq!(counter("LOCKSTEP_CUDA_LIBRARY", "sim_live_graphs"), 0);
+    assert!(ctx.check().is_ok());
+    drop((axpy, fill, scale));
     drop(ctx);
 }
 

@@ -1,7 +1,8 @@
 /* A simulated CUDA driver for tests on machines without a GPU (tests/cuda_fake_driver.rs).
  * "Device memory" is host memory (malloc), copies are memcpy, streams and events complete at
  * once. Modules load any image; launching runs a host twin of the kernels/elementwise.cu entry
- * points (so argument marshalling is checked), other names fail. Graphs are not simulated.
+ * points (so argument marshalling is checked), other names fail. Graph capture records kernel
+ * launches and cuGraphLaunch replays them.
  * Fault injection through the environment:
  *   SIM_FAIL_FREE=1     cuMemFree_v2 fails (tests that Drop records the error);
  *   SIM_STREAM_STUCK=1  cuStreamQuery reports CUDA_ERROR_NOT_READY forever (a hung collective). */
@@ -72,7 +73,26 @@ int cuModuleGetFunction(void** f, void* m, const char* name) {
     for (int i = 0; i < 3; i++) if (strcmp(name, kernels[i]) == 0) { *f = (void*)kernels[i]; return 0; }
     return 500;
 }
+/* Graph capture: launches on a capturing stream are recorded (function + 4 parameter words) and
+ * replayed by cuGraphLaunch. Only kernel launches are captured. */
+typedef struct { void* f; unsigned gx, bx; unsigned long long words[4]; } rec_t;
+typedef struct { int n; rec_t recs[64]; } graph_t;
+static void* capturing_stream = 0;
+static graph_t* capture = 0;
+static int run_kernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz, void** p);
 int cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz, unsigned sh, void* s, void** p, void** x) {
+    if (capture && s == capturing_stream) {
+        if (capture->n == 64) return 2;
+        rec_t* r = &capture->recs[capture->n++];
+        r->f = f; r->gx = gx; r->bx = bx;
+        int np = strcmp((const char*)f, "axpy_f32") == 0 ? 4 : 3;
+        for (int i = 0; i < np; i++) memcpy(&r->words[i], p[i], 8);
+        return 0;
+    }
+    return run_kernel(f, gx, gy, gz, bx, by, bz, p);
+}
+static int run_kernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz, void** p) {
+
     if (gx == 0 || bx == 0 || bx * by * bz > 1024) return 1;
     const char* name = (const char*)f;
     if (strcmp(name, "fill_f32") == 0) {
@@ -89,9 +109,26 @@ int cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, 
     }
     return 0;
 }
-int cuStreamBeginCapture_v2(void* s, int mode) { return 801; }
-int cuStreamEndCapture(void* s, void** g) { return 801; }
-int cuGraphInstantiateWithFlags(void** e, void* g, unsigned long long f) { return 801; }
-int cuGraphLaunch(void* e, void* s) { return 801; }
-int cuGraphExecDestroy(void* e) { return 0; }
-int cuGraphDestroy(void* g) { return 0; }
+int cuStreamBeginCapture_v2(void* s, int mode) {
+    if (capture) return 900; /* CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED */
+    capture = calloc(1, sizeof *capture); capturing_stream = s; return 0;
+}
+int cuStreamEndCapture(void* s, void** g) {
+    if (!capture || s != capturing_stream) return 901; /* CUDA_ERROR_STREAM_CAPTURE_INVALIDATED */
+    *g = capture; capture = 0; capturing_stream = 0; return 0;
+}
+static int live_graphs = 0;
+int sim_live_graphs(void) { return live_graphs; }
+int cuGraphInstantiateWithFlags(void** e, void* g, unsigned long long f) { *e = g; live_graphs++; return 0; }
+int cuGraphLaunch(void* e, void* s) {
+    graph_t* g = e;
+    for (int i = 0; i < g->n; i++) {
+        rec_t* r = &g->recs[i];
+        void* p[4] = {&r->words[0], &r->words[1], &r->words[2], &r->words[3]};
+        int rc = run_kernel(r->f, r->gx, 1, 1, r->bx, 1, 1, p);
+        if (rc) return rc;
+    }
+    return 0;
+}
+int cuGraphExecDestroy(void* e) { live_graphs--; return 0; }
+int cuGraphDestroy(void* g) { free(g); return 0; }
