@@ -92,6 +92,10 @@ Install an NVRTC no newer than the driver (or update the driver) if compilation 
         env_var: LibKind::Nvrtc.env_var(),
     })?;
     let version = version_of(&f);
+    for note in &loaded.notes {
+        // Only newer-than-driver NVRTCs were found: say so once, where the user will see it.
+        eprintln!("lockstep: note: using {} ({note})", loaded.path);
+    }
     Ok(NvrtcLib { path: loaded.path.clone(), origin: loaded.origin.clone(), notes: loaded.notes.clone(), loaded, version, f })
 }
 
