@@ -77,8 +77,8 @@ pub mod init;
 pub mod kernels;
 mod memory;
 mod module;
-mod staged;
 pub(crate) mod nvrtc;
+mod staged;
 
 pub use context::{device_count, device_for_local_rank, Context, DeviceInfo, Event, Stream};
 pub use discovery::{env_report, LibKind};
@@ -86,10 +86,10 @@ pub use error::{CudaError, NvrtcError};
 pub use graph::Graph;
 pub use kernels::KernelId;
 pub use memory::{DeviceBuffer, PinnedBuffer};
-pub use staged::StagedBackend;
 pub use module::{
     cache_dir, compile_cubin_cached, compile_ptx, ArgKind, Function, KernelScalar, KernelSig, Launch, LaunchConfig, Module, NvrtcInfo,
 };
+pub use staged::StagedBackend;
 
 /// True when a CUDA driver library can be loaded (does not initialise CUDA).
 pub fn driver_present() -> bool {

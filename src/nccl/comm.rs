@@ -309,10 +309,7 @@ impl NcclComm {
 
     fn check_device(&self, dev: i32, op: &str) -> Result<(), NcclError> {
         if dev != self.ctx.ordinal() {
-            return Err(invalid_arg(format!(
-                "{op}: buffer is on device {dev} but the communicator on device {}",
-                self.ctx.ordinal()
-            )));
+            return Err(invalid_arg(format!("{op}: buffer is on device {dev} but the communicator on device {}", self.ctx.ordinal())));
         }
         Ok(())
     }
