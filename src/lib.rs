@@ -8,6 +8,8 @@
 //! | [`comm`] | the backend-agnostic [`Communicator`](comm::Communicator): all-reduce, broadcast, reduce, all-gather, gather, reduce-scatter, barrier |
 //! | [`shm`] | the shared-memory backend for the ranks of one node: segment, synchronisation, reduction kernels |
 //! | [`launch`] | the fork-based launcher: ranks, supervision, results |
+//! | [`cuda`] | CUDA driver + NVRTC loaded at run time: discovery, the single-init guard, contexts, streams, device memory, kernels, graphs |
+//! | [`nccl`] | NCCL loaded at run time: a `Backend` on device buffers with an abort watchdog |
 //!
 //! Safety model: `unsafe` lives only in the modules that talk to the OS or to foreign libraries
 //! (`shm`, `launch`'s post-fork code, `cuda`, `nccl`); every block carries a `// SAFETY:` line.
@@ -17,7 +19,10 @@
 
 pub mod bench;
 pub mod comm;
+#[macro_use]
+pub mod cuda;
 pub mod launch;
+pub mod nccl;
 pub mod shm;
 
 pub use comm::{Buffer, BufferMut, CollKind, CommError, Communicator, Dtype, Element, ReduceOp};

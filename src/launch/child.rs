@@ -66,7 +66,7 @@ pub(crate) fn signal_name(s: i32) -> &'static str {
 
 /// Refuse to fork when CUDA is initialised in this process (the children could not use it).
 pub(crate) fn check_fork_safe() -> Result<(), String> {
-    Ok(())
+    crate::cuda::init::check_fork_safe()
 }
 
 /// Fork one rank that joins `job` as `rank` and runs `f`.

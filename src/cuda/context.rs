@@ -1,0 +1,291 @@
+//! Safe owners: [`Context`] (a device's primary context), [`Stream`] and [`Event`].
+//!
+//! Errors in `Drop` are recorded on the context (as cudarc's `record_err` does) and returned by
+//! the next fallible call on it, never panicked.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use super::driver::{self, CUcontext, CUdevice, CUevent, CUstream};
+use super::error::CudaError;
+use super::init::ensure_init;
+use super::kernels::KernelId;
+use super::module::{Function, Module};
+
+/// Number of visible devices (initialises CUDA through the guard). `CUDA_VISIBLE_DEVICES` is
+/// applied by the driver itself.
+pub fn device_count() -> Result<i32, CudaError> {
+    ensure_init()?;
+    driver::device_get_count()
+}
+
+/// The device ordinal for a local rank: `local_rank % device_count`. When ranks outnumber GPUs,
+/// prints a one-line notice (several ranks then share a GPU; see `nccl` docs for the limits).
+pub fn device_for_local_rank(local_rank: usize) -> Result<i32, CudaError> {
+    let n = device_count()?;
+    if n <= 0 {
+        return Err(CudaError::InvalidArgument {
+            op: "device_for_local_rank".into(),
+            detail: "no CUDA device is visible (check nvidia-smi and CUDA_VISIBLE_DEVICES)".into(),
+        });
+    }
+    let ord = (local_rank % n as usize) as i32;
+    if local_rank >= n as usize {
+        eprintln!("lockstep: local rank {local_rank} shares GPU {ord} ({n} visible): NCCL needs one GPU per rank; use the shm backend for device buffers or fewer ranks");
+    }
+    Ok(ord)
+}
+
+/// Static facts about a device.
+#[derive(Clone, Debug)]
+pub struct DeviceInfo {
+    /// Ordinal (after `CUDA_VISIBLE_DEVICES`).
+    pub ordinal: i32,
+    /// Marketing name.
+    pub name: String,
+    /// Compute capability (major, minor).
+    pub compute_capability: (i32, i32),
+    /// Streaming multiprocessors.
+    pub sm_count: i32,
+    /// Total memory in bytes.
+    pub total_mem: usize,
+}
+
+/// The primary context of one device, shared by everything allocated on it.
+pub struct Context {
+    ordinal: i32,
+    dev: CUdevice,
+    raw: CUcontext,
+    modules: Mutex<HashMap<KernelId, Arc<Module>>>,
+    deferred: Mutex<Vec<(String, CudaError)>>,
+}
+
+// SAFETY: a primary context may be bound and used from any thread; the mutable state is behind
+// mutexes.
+unsafe impl Send for Context {}
+// SAFETY: as above.
+unsafe impl Sync for Context {}
+
+impl std::fmt::Debug for Context {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Context").field("ordinal", &self.ordinal).finish()
+    }
+}
+
+impl Context {
+    /// Retain the primary context of device `ordinal` and bind it to this thread. Initialises
+    /// CUDA through the single-init guard.
+    pub fn new(ordinal: i32) -> Result<Arc<Context>, CudaError> {
+        let n = device_count()?;
+        if ordinal < 0 || ordinal >= n {
+            return Err(CudaError::InvalidArgument {
+                op: "Context::new".into(),
+                detail: format!(
+                    "device ordinal {ordinal} out of range: {n} device(s) visible (CUDA_VISIBLE_DEVICES={:?})",
+                    std::env::var("CUDA_VISIBLE_DEVICES").ok()
+                ),
+            });
+        }
+        let dev = driver::device_get(ordinal)?;
+        let raw = driver::primary_ctx_retain(dev)?;
+        let ctx = Arc::new(Context { ordinal, dev, raw, modules: Mutex::new(HashMap::new()), deferred: Mutex::new(Vec::new()) });
+        ctx.bind()?;
+        Ok(ctx)
+    }
+
+    /// Device ordinal.
+    pub fn ordinal(&self) -> i32 {
+        self.ordinal
+    }
+
+    pub(crate) fn raw(&self) -> CUcontext {
+        self.raw
+    }
+
+    /// Make this context current on the calling thread (cheap; done before every driver call).
+    pub fn bind(&self) -> Result<(), CudaError> {
+        driver::ctx_set_current(self.raw)
+    }
+
+    /// Record a failure from a `Drop`; reported by the next [`check`](Self::check).
+    pub(crate) fn record_err(&self, what: String, e: CudaError) {
+        self.deferred.lock().unwrap_or_else(|p| p.into_inner()).push((what, e));
+    }
+
+    /// Report (once) the first failure recorded while dropping objects of this context.
+    pub fn check(&self) -> Result<(), CudaError> {
+        let mut d = self.deferred.lock().unwrap_or_else(|p| p.into_inner());
+        if d.is_empty() {
+            return Ok(());
+        }
+        let (what, e) = d.remove(0);
+        Err(CudaError::Deferred { what, source: Box::new(e) })
+    }
+
+    /// Compute capability (major, minor).
+    pub fn compute_capability(&self) -> Result<(i32, i32), CudaError> {
+        Ok((driver::device_get_attribute(self.dev, driver::ATTR_CC_MAJOR)?, driver::device_get_attribute(self.dev, driver::ATTR_CC_MINOR)?))
+    }
+
+    /// Name, arch, SM count and memory of the device.
+    pub fn info(&self) -> Result<DeviceInfo, CudaError> {
+        Ok(DeviceInfo {
+            ordinal: self.ordinal,
+            name: driver::device_get_name(self.dev)?,
+            compute_capability: self.compute_capability()?,
+            sm_count: driver::device_get_attribute(self.dev, driver::ATTR_SM_COUNT)?,
+            total_mem: driver::device_total_mem(self.dev)?,
+        })
+    }
+
+    /// (free, total) device memory in bytes.
+    pub fn mem_info(&self) -> Result<(usize, usize), CudaError> {
+        self.bind()?;
+        driver::mem_get_info()
+    }
+
+    /// Wait for all work on the device.
+    pub fn synchronize(&self) -> Result<(), CudaError> {
+        self.check()?;
+        self.bind()?;
+        driver::ctx_synchronize()
+    }
+
+    /// A new non-blocking stream.
+    pub fn stream(self: &Arc<Self>) -> Result<Stream, CudaError> {
+        self.check()?;
+        self.bind()?;
+        let raw = driver::stream_create(driver::STREAM_NON_BLOCKING)?;
+        Ok(Stream { ctx: self.clone(), raw })
+    }
+
+    /// A new event (timing enabled).
+    pub fn event(self: &Arc<Self>) -> Result<Event, CudaError> {
+        self.check()?;
+        self.bind()?;
+        let raw = driver::event_create(0)?;
+        Ok(Event { ctx: self.clone(), raw })
+    }
+
+    /// The module for `id`, compiled by NVRTC on first use (disk-cached) and kept per context.
+    pub fn module(self: &Arc<Self>, id: KernelId) -> Result<Arc<Module>, CudaError> {
+        self.check()?;
+        let mut m = self.modules.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(x) = m.get(&id) {
+            return Ok(x.clone());
+        }
+        let loaded = Arc::new(Module::load(self, id)?);
+        m.insert(id, loaded.clone());
+        Ok(loaded)
+    }
+
+    /// Entry point `name` of kernel file `id`.
+    pub fn function(self: &Arc<Self>, id: KernelId, name: &str) -> Result<Function, CudaError> {
+        self.module(id)?.function(name)
+    }
+}
+
+impl Drop for Context {
+    fn drop(&mut self) {
+        // Modules go first (they hold Arcs to us, so by now the map only holds our own entries;
+        // it is empty unless a cycle exists).
+        self.modules.get_mut().map(|m| m.clear()).ok();
+        if let Err(e) = driver::primary_ctx_release(self.dev) {
+            // Nobody is left to report to: the context is gone. Say it once on stderr.
+            eprintln!("lockstep: releasing the CUDA context of device {} failed: {e}", self.ordinal);
+        }
+    }
+}
+
+/// A CUDA stream (non-blocking with respect to the legacy default stream).
+pub struct Stream {
+    ctx: Arc<Context>,
+    raw: CUstream,
+}
+
+// SAFETY: a stream may be used from any thread once its context is bound there (every method
+// binds it first).
+unsafe impl Send for Stream {}
+// SAFETY: stream handles are thread-safe in the driver API.
+unsafe impl Sync for Stream {}
+
+impl Stream {
+    /// The owning context.
+    pub fn context(&self) -> &Arc<Context> {
+        &self.ctx
+    }
+
+    pub(crate) fn raw(&self) -> CUstream {
+        self.raw
+    }
+
+    /// Wait for all work enqueued so far.
+    pub fn synchronize(&self) -> Result<(), CudaError> {
+        self.ctx.check()?;
+        self.ctx.bind()?;
+        driver::stream_synchronize(self.raw)
+    }
+
+    /// True when all enqueued work has completed (errors of that work are reported here).
+    pub fn is_done(&self) -> Result<bool, CudaError> {
+        self.ctx.bind()?;
+        driver::stream_query(self.raw)
+    }
+
+    /// Make later work on this stream wait for `e`.
+    pub fn wait_event(&self, e: &Event) -> Result<(), CudaError> {
+        self.ctx.bind()?;
+        driver::stream_wait_event(self.raw, e.raw)
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        // SAFETY: we own the stream; nothing uses it after drop. cuStreamDestroy lets pending
+        // work finish.
+        let r = self.ctx.bind().and_then(|_| unsafe { driver::stream_destroy(self.raw) });
+        if let Err(e) = r {
+            self.ctx.record_err("a stream".into(), e);
+        }
+    }
+}
+
+/// A CUDA event, for ordering and timing.
+pub struct Event {
+    ctx: Arc<Context>,
+    raw: CUevent,
+}
+
+// SAFETY: as for `Stream`.
+unsafe impl Send for Event {}
+
+impl Event {
+    /// Record the event on `s`.
+    pub fn record(&self, s: &Stream) -> Result<(), CudaError> {
+        self.ctx.bind()?;
+        driver::event_record(self.raw, s.raw)
+    }
+
+    /// Wait until the event has happened.
+    pub fn synchronize(&self) -> Result<(), CudaError> {
+        self.ctx.bind()?;
+        driver::event_synchronize(self.raw)
+    }
+
+    /// Milliseconds between `self` (earlier) and `end` (later); both must have completed.
+    pub fn elapsed_ms(&self, end: &Event) -> Result<f32, CudaError> {
+        self.ctx.bind()?;
+        end.synchronize()?;
+        driver::event_elapsed_ms(self.raw, end.raw)
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        // SAFETY: we own the event; nothing uses it after drop.
+        let r = self.ctx.bind().and_then(|_| unsafe { driver::event_destroy(self.raw) });
+        if let Err(e) = r {
+            self.ctx.record_err("an event".into(), e);
+        }
+    }
+}

@@ -1,0 +1,428 @@
+//! Finding and loading the CUDA driver, NVRTC and NCCL shared libraries.
+//!
+//! cudarc's own loader panics when a library or symbol is missing and does not know `libnccl.so.2`,
+//! so lockstep loads the libraries itself (with `libloading`) and keeps cudarc only for the C types.
+//! Search order for each library:
+//!
+//! 1. the override variable (`LOCKSTEP_CUDA_LIBRARY`, `LOCKSTEP_NVRTC_LIBRARY`,
+//!    `LOCKSTEP_NCCL_LIBRARY`): a file, or a folder to search; when set, nothing else is tried;
+//! 2. the standard sonames through the dynamic loader (`LD_LIBRARY_PATH`, ldconfig cache);
+//! 3. Python wheel folders (`site-packages/nvidia/*/lib` under `VIRTUAL_ENV`, `CONDA_PREFIX`,
+//!    `/usr/local/lib/python3*`, `/usr/lib/python3`, `~/.local/lib/python3*`, and `.ci-deps/*`);
+//! 4. CUDA toolkit folders (`CUDA_HOME`, `CUDA_PATH`, `/usr/local/cuda*`, `/opt/cuda`), and for
+//!    the driver the distribution and container folders.
+//!
+//! A failure lists every place tried and says how to point lockstep at the library.
+
+use std::ffi::CStr;
+use std::path::{Path, PathBuf};
+
+use libloading::Library;
+
+use super::error::CudaError;
+
+/// The libraries lockstep loads at run time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum LibKind {
+    /// The CUDA driver, `libcuda.so.1`.
+    Driver,
+    /// The NVRTC run-time compiler, `libnvrtc.so.*`.
+    Nvrtc,
+    /// NCCL, `libnccl.so.2`.
+    Nccl,
+}
+
+impl LibKind {
+    /// Human name used in messages.
+    pub const fn name(self) -> &'static str {
+        match self {
+            LibKind::Driver => "CUDA driver library (libcuda)",
+            LibKind::Nvrtc => "NVRTC library (libnvrtc)",
+            LibKind::Nccl => "NCCL library (libnccl)",
+        }
+    }
+
+    /// The override environment variable.
+    pub const fn env_var(self) -> &'static str {
+        match self {
+            LibKind::Driver => "LOCKSTEP_CUDA_LIBRARY",
+            LibKind::Nvrtc => "LOCKSTEP_NVRTC_LIBRARY",
+            LibKind::Nccl => "LOCKSTEP_NCCL_LIBRARY",
+        }
+    }
+
+    /// Sonames tried through the dynamic loader, newest first.
+    pub const fn sonames(self) -> &'static [&'static str] {
+        match self {
+            LibKind::Driver => &["libcuda.so.1", "libcuda.so"],
+            LibKind::Nvrtc => &["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so.11.2", "libnvrtc.so"],
+            LibKind::Nccl => &["libnccl.so.2", "libnccl.so"],
+        }
+    }
+
+    /// File-name prefix that matches the library in a folder (`libnvrtc.so.12`, not `libnvrtc-builtins`).
+    const fn file_prefix(self) -> &'static str {
+        match self {
+            LibKind::Driver => "libcuda.so",
+            LibKind::Nvrtc => "libnvrtc.so",
+            LibKind::Nccl => "libnccl.so",
+        }
+    }
+
+    /// Sub-folders of `site-packages/nvidia` where NVIDIA's wheels put this library.
+    const fn wheel_subdirs(self) -> &'static [&'static str] {
+        match self {
+            LibKind::Driver => &[],
+            LibKind::Nvrtc => &["cu13/lib", "cuda_nvrtc/lib"],
+            LibKind::Nccl => &["cu13/lib", "nccl/lib"],
+        }
+    }
+
+    /// What to install when the library is missing.
+    const fn install_hint(self) -> &'static str {
+        match self {
+            LibKind::Driver => "install the NVIDIA driver (it provides libcuda.so.1)",
+            LibKind::Nvrtc => "install the CUDA toolkit, or `pip install nvidia-cuda-nvrtc-cu12` (CUDA 12) / `nvidia-cuda-nvrtc` (CUDA 13)",
+            LibKind::Nccl => "`pip install nvidia-nccl-cu12` (or nvidia-nccl-cu13), or install the libnccl2 package",
+        }
+    }
+}
+
+/// One place a library may be: a path, or a soname resolved by the dynamic loader.
+#[derive(Clone, Debug)]
+pub struct Candidate {
+    /// Path or soname passed to `dlopen`.
+    pub spec: String,
+    /// Where the candidate came from (for the report).
+    pub origin: String,
+}
+
+/// A library loaded for the rest of the process.
+#[derive(Debug)]
+pub(crate) struct Loaded {
+    pub lib: Library,
+    /// The file actually mapped (resolved through `dladdr` where possible).
+    pub path: String,
+    /// Where it was found.
+    pub origin: String,
+    /// Remarks made while choosing (e.g. "NVRTC newer than the driver").
+    pub notes: Vec<String>,
+}
+
+/// What a probe says about a loaded candidate.
+pub(crate) enum Verdict {
+    /// Use it.
+    Accept,
+    /// Usable, but keep looking for a better one; use this one if nothing better turns up.
+    Fallback(String),
+    /// Not usable (reason).
+    Reject(String),
+}
+
+/// The value of a variable if set and not empty.
+fn env_nonempty(var: &str) -> Option<String> {
+    std::env::var(var).ok().filter(|v| !v.trim().is_empty())
+}
+
+/// Entries of `dir` whose names start with `prefix`, sorted descending (newest version first).
+fn dir_entries_with_prefix(dir: &Path, prefix: &str) -> Vec<PathBuf> {
+    let Ok(rd) = std::fs::read_dir(dir) else { return Vec::new() };
+    let mut v: Vec<PathBuf> =
+        rd.filter_map(|e| e.ok()).filter(|e| e.file_name().to_string_lossy().starts_with(prefix)).map(|e| e.path()).collect();
+    v.sort();
+    v.reverse();
+    v
+}
+
+/// Python `site-packages`/`dist-packages` folders worth scanning (cheap: no interpreter is run).
+fn python_site_dirs() -> Vec<PathBuf> {
+    let mut roots: Vec<PathBuf> = Vec::new();
+    for var in ["VIRTUAL_ENV", "CONDA_PREFIX"] {
+        if let Some(p) = env_nonempty(var) {
+            roots.push(PathBuf::from(p).join("lib"));
+        }
+    }
+    roots.push(PathBuf::from("/usr/local/lib"));
+    roots.push(PathBuf::from("/usr/lib"));
+    if let Some(home) = env_nonempty("HOME") {
+        roots.push(PathBuf::from(home).join(".local/lib"));
+    }
+    let mut out = Vec::new();
+    for root in roots {
+        for py in dir_entries_with_prefix(&root, "python3") {
+            for leaf in ["site-packages", "dist-packages"] {
+                let d = py.join(leaf);
+                if d.is_dir() {
+                    out.push(d);
+                }
+            }
+        }
+    }
+    // `pip install --target .ci-deps/<name>` (see .ci/install-nvrtc.sh), relative to the working
+    // directory and to the crate root (tests run in the crate root).
+    for base in [PathBuf::from(".ci-deps"), PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".ci-deps")] {
+        for d in dir_entries_with_prefix(&base, "") {
+            out.push(d);
+        }
+    }
+    let mut seen = Vec::new();
+    out.retain(|d| {
+        let c = std::fs::canonicalize(d).unwrap_or_else(|_| d.clone());
+        let fresh = !seen.contains(&c);
+        seen.push(c);
+        fresh
+    });
+    out
+}
+
+/// CUDA toolkit roots.
+fn toolkit_roots() -> Vec<PathBuf> {
+    let mut roots = Vec::new();
+    for var in ["CUDA_HOME", "CUDA_PATH", "CUDA_ROOT"] {
+        if let Some(p) = env_nonempty(var) {
+            roots.push(PathBuf::from(p));
+        }
+    }
+    roots.extend(dir_entries_with_prefix(Path::new("/usr/local"), "cuda"));
+    roots.push(PathBuf::from("/opt/cuda"));
+    roots.dedup();
+    roots
+}
+
+/// Folders searched for `kind` after the sonames.
+pub fn search_dirs(kind: LibKind) -> Vec<PathBuf> {
+    let mut dirs = Vec::new();
+    for site in python_site_dirs() {
+        for sub in kind.wheel_subdirs() {
+            dirs.push(site.join("nvidia").join(sub));
+        }
+    }
+    let arch = if cfg!(target_arch = "aarch64") { "sbsa-linux" } else { "x86_64-linux" };
+    for root in toolkit_roots() {
+        dirs.push(root.join("lib64"));
+        dirs.push(root.join("targets").join(arch).join("lib"));
+    }
+    if kind == LibKind::Driver {
+        for d in ["/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib/wsl/lib", "/usr/local/nvidia/lib64"] {
+            dirs.push(PathBuf::from(d));
+        }
+    }
+    dirs
+}
+
+/// Every candidate for `kind`, in search order. With the override variable set, only it.
+pub fn candidates(kind: LibKind) -> Vec<Candidate> {
+    if let Some(p) = env_nonempty(kind.env_var()) {
+        let path = PathBuf::from(&p);
+        if path.is_dir() {
+            return dir_entries_with_prefix(&path, kind.file_prefix())
+                .into_iter()
+                .map(|f| Candidate { spec: f.display().to_string(), origin: format!("{} folder", kind.env_var()) })
+                .collect();
+        }
+        return vec![Candidate { spec: p, origin: kind.env_var().to_string() }];
+    }
+    let mut out: Vec<Candidate> =
+        kind.sonames().iter().map(|s| Candidate { spec: s.to_string(), origin: "dynamic loader search path".into() }).collect();
+    for dir in search_dirs(kind) {
+        for f in dir_entries_with_prefix(&dir, kind.file_prefix()) {
+            // Skip the driver's link-time stub: it answers every call with CUDA_ERROR_STUB_LIBRARY.
+            if f.to_string_lossy().contains("/stubs/") {
+                continue;
+            }
+            out.push(Candidate { spec: f.display().to_string(), origin: dir.display().to_string() });
+        }
+    }
+    out
+}
+
+/// The file that `lib` was loaded from, found through `dladdr` on one of its symbols.
+fn resolved_path(lib: &Library, symbol: &str, fallback: &str) -> String {
+    let name = format!("{symbol}\0");
+    // SAFETY: we only take the symbol's address (as an opaque pointer), never call it.
+    let addr = unsafe { lib.get::<*const libc::c_void>(name.as_bytes()).ok().map(|s| *s) };
+    let Some(addr) = addr else { return fallback.to_string() };
+    let mut info: libc::Dl_info = libc::Dl_info {
+        dli_fname: std::ptr::null(),
+        dli_fbase: std::ptr::null_mut(),
+        dli_sname: std::ptr::null(),
+        dli_saddr: std::ptr::null_mut(),
+    };
+    // SAFETY: `addr` lies in a loaded object; `info` is a valid out-parameter.
+    let ok = unsafe { libc::dladdr(addr, &mut info) };
+    if ok == 0 || info.dli_fname.is_null() {
+        return fallback.to_string();
+    }
+    // SAFETY: dladdr returned a NUL-terminated path owned by the loader.
+    let p = unsafe { CStr::from_ptr(info.dli_fname) }.to_string_lossy().into_owned();
+    std::fs::canonicalize(&p).map(|c| c.display().to_string()).unwrap_or(p)
+}
+
+/// Load the first acceptable candidate for `kind`. `probe` gets each loaded library; `symbol` is
+/// any symbol the library exports (used to resolve its path).
+pub(crate) fn load(kind: LibKind, symbol: &str, mut probe: impl FnMut(&Library, &str) -> Verdict) -> Result<Loaded, CudaError> {
+    let mut tried: Vec<String> = Vec::new();
+    let mut seen: Vec<String> = Vec::new();
+    let mut fallback: Option<Loaded> = None;
+    for c in candidates(kind) {
+        // SAFETY: loading a shared library runs its initialisers; the CUDA, NVRTC and NCCL
+        // libraries have no initialiser with preconditions on the caller.
+        let lib = match unsafe { Library::new(&c.spec) } {
+            Ok(l) => l,
+            Err(e) => {
+                tried.push(format!("{} ({}): {}", c.spec, c.origin, short_dl_error(&e, &c.spec)));
+                continue;
+            }
+        };
+        let path = resolved_path(&lib, symbol, &c.spec);
+        if seen.contains(&path) {
+            continue;
+        }
+        seen.push(path.clone());
+        match probe(&lib, &path) {
+            Verdict::Accept => {
+                let mut notes = Vec::new();
+                if let Some(fb) = fallback.take() {
+                    drop(fb);
+                    notes.push("a newer library was also found and skipped".to_string());
+                }
+                return Ok(Loaded { lib, path, origin: c.origin, notes });
+            }
+            Verdict::Fallback(why) => {
+                tried.push(format!("{path} ({}): usable but {why}", c.origin));
+                if fallback.is_none() {
+                    fallback = Some(Loaded { lib, path, origin: c.origin, notes: vec![why] });
+                }
+            }
+            Verdict::Reject(why) => tried.push(format!("{path} ({}): rejected: {why}", c.origin)),
+        }
+    }
+    if let Some(fb) = fallback {
+        return Ok(fb);
+    }
+    let mut searched = tried;
+    if env_nonempty(kind.env_var()).is_none() {
+        searched.push(format!(
+            "folders with no {}*: {}",
+            kind.file_prefix(),
+            search_dirs(kind).iter().map(|d| d.display().to_string()).collect::<Vec<_>>().join(", ")
+        ));
+    }
+    Err(CudaError::LibraryNotFound {
+        library: kind.name(),
+        searched: searched.join("\n  "),
+        env_var: kind.env_var(),
+        hint: kind.install_hint(),
+    })
+}
+
+/// The loader's own message for a `libloading` error (libloading keeps it in `source()`).
+pub(crate) fn dl_error(e: &libloading::Error) -> String {
+    let mut msg = e.to_string();
+    let mut src = std::error::Error::source(e);
+    while let Some(x) = src {
+        msg = x.to_string();
+        src = x.source();
+    }
+    msg
+}
+
+/// `dlopen` errors start with the path that was tried; drop it, keep the reason.
+fn short_dl_error(e: &libloading::Error, spec: &str) -> String {
+    let m = dl_error(e);
+    m.strip_prefix(spec).map(|r| r.trim_start_matches(':').trim().to_string()).unwrap_or(m)
+}
+
+/// Format a CUDA-style version number (`12040` → `12.4`).
+pub fn cuda_version_string(v: i32) -> String {
+    format!("{}.{}", v / 1000, (v % 1000) / 10)
+}
+
+/// Format an NCCL version code (`21803` → `2.18.3`; codes from NCCL ≥ 2.9 use `X*10000+Y*100+Z`).
+pub fn nccl_version_string(v: i32) -> String {
+    if v >= 10000 {
+        format!("{}.{}.{}", v / 10000, (v % 10000) / 100, v % 100)
+    } else {
+        format!("{}.{}.{}", v / 1000, (v % 1000) / 100, v % 100)
+    }
+}
+
+/// A multi-line report of what lockstep finds: each library, where, and its version. Loading a
+/// library does not initialise CUDA (no `cuInit`), so this is safe to call before forking.
+pub fn env_report() -> String {
+    let mut s = String::new();
+    s.push_str("lockstep CUDA environment\n");
+    match super::driver::core() {
+        Ok(core) => {
+            s.push_str(&format!("  driver : {} (found via {})\n", core.path, core.origin));
+            match core.driver_version() {
+                Ok(v) => s.push_str(&format!("           cuDriverGetVersion = {v} (CUDA {})\n", cuda_version_string(v))),
+                Err(e) => s.push_str(&format!("           cuDriverGetVersion failed: {e}\n")),
+            }
+            s.push_str(&format!("           initialised in this process: {}\n", super::init::describe_state()));
+        }
+        Err(e) => s.push_str(&format!("  driver : not found\n           {}\n", indent(&e.to_string()))),
+    }
+    match super::nvrtc::api() {
+        Ok(n) => {
+            s.push_str(&format!("  nvrtc  : {} (found via {})\n", n.path, n.origin));
+            s.push_str(&format!("           nvrtcVersion = {}.{}\n", n.version.0, n.version.1));
+            for note in &n.notes {
+                s.push_str(&format!("           note: {note}\n"));
+            }
+        }
+        Err(e) => s.push_str(&format!("  nvrtc  : not found\n           {}\n", indent(&e.to_string()))),
+    }
+    match crate::nccl::result::core() {
+        Ok(n) => {
+            s.push_str(&format!("  nccl   : {} (found via {})\n", n.path, n.origin));
+            s.push_str(&format!("           ncclGetVersion = {} ({})\n", n.version, nccl_version_string(n.version)));
+            if let Err(e) = crate::nccl::check_library() {
+                s.push_str(&format!("           incomplete: {}\n", indent(&e.to_string())));
+            }
+        }
+        Err(e) => s.push_str(&format!("  nccl   : not found\n           {}\n", indent(&e.to_string()))),
+    }
+    for var in ["CUDA_VISIBLE_DEVICES", "LOCKSTEP_CUDA_LIBRARY", "LOCKSTEP_NVRTC_LIBRARY", "LOCKSTEP_NCCL_LIBRARY"] {
+        if let Ok(v) = std::env::var(var) {
+            s.push_str(&format!("  {var}={v}\n"));
+        }
+    }
+    s
+}
+
+fn indent(s: &str) -> String {
+    s.replace('\n', "\n           ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn versions_format() {
+        assert_eq!(cuda_version_string(12040), "12.4");
+        assert_eq!(cuda_version_string(13000), "13.0");
+        assert_eq!(nccl_version_string(21803), "2.18.3");
+        assert_eq!(nccl_version_string(22703), "2.27.3");
+    }
+
+    #[test]
+    fn nccl_sonames_include_so_2() {
+        assert!(LibKind::Nccl.sonames().contains(&"libnccl.so.2"));
+        assert!(LibKind::Driver.sonames().contains(&"libcuda.so.1"));
+    }
+
+    #[test]
+    fn search_dirs_cover_toolkit_and_wheels() {
+        let d: Vec<String> = search_dirs(LibKind::Nvrtc).iter().map(|p| p.display().to_string()).collect();
+        assert!(d.iter().any(|p| p == "/opt/cuda/lib64"), "{d:?}");
+        assert!(d.iter().any(|p| p.ends_with("targets/x86_64-linux/lib") || p.ends_with("targets/sbsa-linux/lib")), "{d:?}");
+        if !python_site_dirs().is_empty() {
+            assert!(d.iter().any(|p| p.ends_with("nvidia/cuda_nvrtc/lib")), "{d:?}");
+            assert!(d.iter().any(|p| p.ends_with("nvidia/cu13/lib")), "{d:?}");
+        }
+        let drv: Vec<String> = search_dirs(LibKind::Driver).iter().map(|p| p.display().to_string()).collect();
+        assert!(drv.iter().any(|p| p == "/usr/lib/x86_64-linux-gnu") && !drv.iter().any(|p| p.contains("stubs")), "{drv:?}");
+    }
+}

@@ -1,0 +1,252 @@
+//! Typed device memory ([`DeviceBuffer`]) and page-locked host memory ([`PinnedBuffer`]).
+//!
+//! Both implement `comm::Buffer`/`BufferMut`, so the same `Communicator` methods take them:
+//! device buffers report `MemSpace::Device(ordinal)`, pinned buffers `MemSpace::Host`.
+//! Synchronous copies enqueue on a stream and wait for it; the `_async` copies from or to host
+//! memory are `unsafe` because the host buffer must outlive the copy.
+
+use std::marker::PhantomData;
+use std::sync::Arc;
+
+use crate::comm::{Buffer, BufferMut, Element, MemSpace, RawMem};
+
+use super::context::{Context, Stream};
+use super::driver::{self, CUdeviceptr};
+use super::error::CudaError;
+
+fn bytes_of<T>(len: usize, op: &str) -> Result<usize, CudaError> {
+    len.checked_mul(std::mem::size_of::<T>())
+        .ok_or_else(|| CudaError::InvalidArgument { op: op.into(), detail: format!("{len} elements overflow usize bytes") })
+}
+
+/// A typed allocation in device memory (freed on drop).
+pub struct DeviceBuffer<T: Element> {
+    ctx: Arc<Context>,
+    ptr: CUdeviceptr,
+    len: usize,
+    _t: PhantomData<T>,
+}
+
+// SAFETY: device memory is not tied to a thread; every method binds the context first.
+unsafe impl<T: Element> Send for DeviceBuffer<T> {}
+// SAFETY: shared references only read the handle.
+unsafe impl<T: Element> Sync for DeviceBuffer<T> {}
+
+impl<T: Element> std::fmt::Debug for DeviceBuffer<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "DeviceBuffer<{}>(len={}, device={}, ptr={:#x})", T::DTYPE, self.len, self.ctx.ordinal(), self.ptr)
+    }
+}
+
+impl<T: Element> DeviceBuffer<T> {
+    /// Allocate `len` elements with unspecified contents (every bit pattern is a valid `T`).
+    pub fn alloc(ctx: &Arc<Context>, len: usize) -> Result<Self, CudaError> {
+        ctx.check()?;
+        ctx.bind()?;
+        let bytes = bytes_of::<T>(len, "DeviceBuffer::alloc")?;
+        // cuMemAlloc refuses 0 bytes; keep a valid one-byte allocation so the pointer is real.
+        let ptr = driver::mem_alloc(bytes.max(1))?;
+        Ok(DeviceBuffer { ctx: ctx.clone(), ptr, len, _t: PhantomData })
+    }
+
+    /// Allocate `len` zeroed elements (zeroed in `stream` order).
+    pub fn zeros(stream: &Stream, len: usize) -> Result<Self, CudaError> {
+        let mut b = Self::alloc(stream.context(), len)?;
+        b.zero_async(stream)?;
+        Ok(b)
+    }
+
+    /// Allocate and fill from host memory (waits for the copy).
+    pub fn from_host(stream: &Stream, src: &[T]) -> Result<Self, CudaError> {
+        let mut b = Self::alloc(stream.context(), src.len())?;
+        b.copy_from_host(stream, src)?;
+        Ok(b)
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True when empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Device ordinal.
+    pub fn device(&self) -> i32 {
+        self.ctx.ordinal()
+    }
+
+    /// The raw device address.
+    pub fn device_ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    fn check_len(&self, other: usize, op: &str) -> Result<(), CudaError> {
+        if other != self.len {
+            return Err(CudaError::InvalidArgument {
+                op: op.into(),
+                detail: format!("lengths differ: device buffer has {} elements, the other side {other}", self.len),
+            });
+        }
+        Ok(())
+    }
+
+    fn check_stream(&self, s: &Stream, op: &str) -> Result<(), CudaError> {
+        if s.context().ordinal() != self.ctx.ordinal() {
+            return Err(CudaError::InvalidArgument {
+                op: op.into(),
+                detail: format!("buffer is on device {}, stream on device {}", self.ctx.ordinal(), s.context().ordinal()),
+            });
+        }
+        self.ctx.bind()
+    }
+
+    /// Set every byte to 0, in stream order.
+    pub fn zero_async(&mut self, stream: &Stream) -> Result<(), CudaError> {
+        self.check_stream(stream, "DeviceBuffer::zero_async")?;
+        // SAFETY: the allocation holds len*size_of::<T>() bytes and lives until its drop, which
+        // frees with cuMemFree (that waits for pending work).
+        unsafe { driver::memset_d8_async(self.ptr, 0, self.len * std::mem::size_of::<T>(), stream.raw()) }
+    }
+
+    /// Copy `src` to the device and wait.
+    pub fn copy_from_host(&mut self, stream: &Stream, src: &[T]) -> Result<(), CudaError> {
+        self.check_len(src.len(), "DeviceBuffer::copy_from_host")?;
+        self.check_stream(stream, "DeviceBuffer::copy_from_host")?;
+        // SAFETY: lengths match; `src` is borrowed until the synchronize below returns.
+        unsafe { driver::memcpy_htod_async(self.ptr, src.as_ptr().cast(), std::mem::size_of_val(src), stream.raw())? };
+        stream.synchronize()
+    }
+
+    /// Copy the device contents into `dst` and wait.
+    pub fn copy_to_host(&self, stream: &Stream, dst: &mut [T]) -> Result<(), CudaError> {
+        self.check_len(dst.len(), "DeviceBuffer::copy_to_host")?;
+        self.check_stream(stream, "DeviceBuffer::copy_to_host")?;
+        // SAFETY: lengths match; `dst` is borrowed mutably until the synchronize below returns.
+        unsafe { driver::memcpy_dtoh_async(dst.as_mut_ptr().cast(), self.ptr, std::mem::size_of_val(dst), stream.raw())? };
+        stream.synchronize()
+    }
+
+    /// Copy the device contents into a new `Vec` and wait.
+    pub fn to_vec(&self, stream: &Stream) -> Result<Vec<T>, CudaError> {
+        let mut v = vec![T::default(); self.len];
+        self.copy_to_host(stream, &mut v)?;
+        Ok(v)
+    }
+
+    /// Device-to-device copy of `src` into `self`, in stream order (no wait).
+    pub fn copy_from_device_async(&mut self, stream: &Stream, src: &DeviceBuffer<T>) -> Result<(), CudaError> {
+        self.check_len(src.len, "DeviceBuffer::copy_from_device_async")?;
+        self.check_stream(stream, "DeviceBuffer::copy_from_device_async")?;
+        // SAFETY: both are live device allocations of the same length; both are freed with
+        // cuMemFree, which waits for pending work.
+        unsafe { driver::memcpy_dtod_async(self.ptr, src.ptr, self.len * std::mem::size_of::<T>(), stream.raw()) }
+    }
+
+    /// Host-to-device copy from pinned memory, in stream order (no wait).
+    ///
+    /// # Safety
+    /// `src` must not be dropped or written before the stream has reached the copy (synchronize
+    /// the stream or an event recorded after it).
+    pub unsafe fn copy_from_pinned_async(&mut self, stream: &Stream, src: &PinnedBuffer<T>) -> Result<(), CudaError> {
+        self.check_len(src.len, "DeviceBuffer::copy_from_pinned_async")?;
+        self.check_stream(stream, "DeviceBuffer::copy_from_pinned_async")?;
+        driver::memcpy_htod_async(self.ptr, src.ptr.cast(), self.len * std::mem::size_of::<T>(), stream.raw())
+    }
+
+    /// Device-to-host copy into pinned memory, in stream order (no wait).
+    ///
+    /// # Safety
+    /// `dst` must not be dropped, read or written before the stream has reached the copy.
+    pub unsafe fn copy_to_pinned_async(&self, stream: &Stream, dst: &mut PinnedBuffer<T>) -> Result<(), CudaError> {
+        self.check_len(dst.len, "DeviceBuffer::copy_to_pinned_async")?;
+        self.check_stream(stream, "DeviceBuffer::copy_to_pinned_async")?;
+        driver::memcpy_dtoh_async(dst.ptr.cast(), self.ptr, self.len * std::mem::size_of::<T>(), stream.raw())
+    }
+}
+
+impl<T: Element> Drop for DeviceBuffer<T> {
+    fn drop(&mut self) {
+        // SAFETY: we own the allocation; cuMemFree waits for work that still uses it.
+        let r = self.ctx.bind().and_then(|_| unsafe { driver::mem_free(self.ptr) });
+        if let Err(e) = r {
+            self.ctx.record_err(format!("a device buffer of {} {} elements", self.len, T::DTYPE), e);
+        }
+    }
+}
+
+impl<T: Element> Buffer<T> for DeviceBuffer<T> {
+    fn raw(&self) -> RawMem {
+        RawMem { addr: self.ptr as usize, len: self.len, space: MemSpace::Device(self.ctx.ordinal()) }
+    }
+}
+
+impl<T: Element> BufferMut<T> for DeviceBuffer<T> {
+    fn raw_mut(&mut self) -> RawMem {
+        self.raw()
+    }
+}
+
+/// Page-locked host memory: fast, truly asynchronous copies to and from the device.
+pub struct PinnedBuffer<T: Element> {
+    ctx: Arc<Context>,
+    ptr: *mut T,
+    len: usize,
+}
+
+// SAFETY: the memory is plain host memory owned by this value.
+unsafe impl<T: Element> Send for PinnedBuffer<T> {}
+// SAFETY: shared access only reads.
+unsafe impl<T: Element> Sync for PinnedBuffer<T> {}
+
+impl<T: Element> PinnedBuffer<T> {
+    /// Allocate `len` zeroed elements of page-locked memory.
+    pub fn zeros(ctx: &Arc<Context>, len: usize) -> Result<Self, CudaError> {
+        ctx.check()?;
+        ctx.bind()?;
+        let bytes = bytes_of::<T>(len, "PinnedBuffer::zeros")?.max(1);
+        let p = driver::mem_host_alloc(bytes)?;
+        // SAFETY: `p` points to `bytes` writable bytes; zero is a valid value of every Element.
+        unsafe { std::ptr::write_bytes(p.cast::<u8>(), 0, bytes) };
+        Ok(PinnedBuffer { ctx: ctx.clone(), ptr: p.cast(), len })
+    }
+}
+
+impl<T: Element> std::ops::Deref for PinnedBuffer<T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        // SAFETY: `ptr` holds `len` initialised elements, aligned by cuMemHostAlloc (page-aligned).
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+}
+
+impl<T: Element> std::ops::DerefMut for PinnedBuffer<T> {
+    fn deref_mut(&mut self) -> &mut [T] {
+        // SAFETY: as above, and `&mut self` gives exclusive access.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+impl<T: Element> Drop for PinnedBuffer<T> {
+    fn drop(&mut self) {
+        // SAFETY: we own the allocation.
+        let r = self.ctx.bind().and_then(|_| unsafe { driver::mem_free_host(self.ptr.cast()) });
+        if let Err(e) = r {
+            self.ctx.record_err("a pinned host buffer".into(), e);
+        }
+    }
+}
+
+impl<T: Element> Buffer<T> for PinnedBuffer<T> {
+    fn raw(&self) -> RawMem {
+        (**self).raw()
+    }
+}
+
+impl<T: Element> BufferMut<T> for PinnedBuffer<T> {
+    fn raw_mut(&mut self) -> RawMem {
+        (**self).raw_mut()
+    }
+}

@@ -1,0 +1,166 @@
+//! Several ranks on one GPU: collectives on device buffers through a host backend.
+//!
+//! NCCL (before 2.30) refuses two ranks of one communicator on the same GPU. When ranks outnumber
+//! GPUs, [`StagedBackend`] wraps the shared-memory communicator: each call copies the device
+//! buffers into page-locked staging memory (D2H), runs the host collective there, and copies the
+//! result back (H2D) on the ranks that receive one. It is slower than NCCL (two PCIe copies per
+//! call) but correct for every collective, op and dtype the host backend supports.
+//!
+//! In-place calls stay in place: when one buffer lies inside the other (all-gather and
+//! reduce-scatter in place), one staging region is used and the inner buffer maps to its offset.
+
+use std::sync::Arc;
+
+use crate::comm::{Backend, BackendKind, Call, CollKind, CommError, Communicator, MemSpace, RawMem};
+
+use super::context::{Context, Stream};
+use super::driver;
+use super::error::CudaError;
+use super::memory::PinnedBuffer;
+
+/// A host-backend communicator that accepts device buffers by staging them through pinned memory.
+pub struct StagedBackend {
+    ctx: Arc<Context>,
+    stream: Stream,
+    inner: Communicator,
+    /// Staging for the outer (or receive) region and, when disjoint, the send region.
+    stage_a: PinnedBuffer<u8>,
+    stage_b: PinnedBuffer<u8>,
+}
+
+impl StagedBackend {
+    /// Wrap `inner` (typically the launcher's shm communicator) for device buffers on `ctx`.
+    /// Prints the one-line notice that this rank stages through host memory.
+    pub fn new(ctx: &Arc<Context>, inner: Communicator) -> Result<StagedBackend, CudaError> {
+        eprintln!(
+            "lockstep: rank {} shares GPU {} with other ranks: device collectives go through the shared-memory backend (staged via pinned host memory)",
+            inner.rank(),
+            ctx.ordinal()
+        );
+        Ok(StagedBackend {
+            stream: ctx.stream()?,
+            ctx: ctx.clone(),
+            inner,
+            stage_a: PinnedBuffer::zeros(ctx, 0)?,
+            stage_b: PinnedBuffer::zeros(ctx, 0)?,
+        })
+    }
+
+    /// Wrap in a [`Communicator`].
+    pub fn into_communicator(self) -> Communicator {
+        Communicator::from_backend(Box::new(self))
+    }
+
+    fn ensure(ctx: &Arc<Context>, buf: &mut PinnedBuffer<u8>, bytes: usize) -> Result<(), CudaError> {
+        if buf.len() < bytes {
+            *buf = PinnedBuffer::zeros(ctx, bytes.next_power_of_two())?;
+        }
+        Ok(())
+    }
+
+    fn cuda_err(&self, call: &Call, e: CudaError) -> CommError {
+        CommError::Backend { backend: "shm+cuda staging", message: format!("{} on rank {}: {e}", call.kind, self.inner.rank()) }
+    }
+
+    fn staged(&mut self, call: &Call) -> Result<(), CudaError> {
+        let sz = call.dtype.size();
+        let (s, r) = (call.send, call.recv);
+        let (sb, rb) = (s.len * sz, r.len * sz);
+        let within = |inner: RawMem, ib: usize, outer: RawMem, ob: usize| inner.addr >= outer.addr && inner.addr + ib <= outer.addr + ob;
+        self.ctx.bind()?;
+        // Which region is staged where: one region when one buffer contains the other.
+        let (host_send, host_recv);
+        if rb > 0 && sb > 0 && within(s, sb, r, rb) {
+            Self::ensure(&self.ctx, &mut self.stage_a, rb)?;
+            self.d2h(r.addr, 0, rb)?;
+            host_recv = self.stage_a.as_ptr() as usize;
+            host_send = host_recv + (s.addr - r.addr);
+        } else if rb > 0 && sb > 0 && within(r, rb, s, sb) {
+            Self::ensure(&self.ctx, &mut self.stage_a, sb)?;
+            self.d2h(s.addr, 0, sb)?;
+            host_send = self.stage_a.as_ptr() as usize;
+            host_recv = host_send + (r.addr - s.addr);
+        } else {
+            Self::ensure(&self.ctx, &mut self.stage_a, rb)?;
+            Self::ensure(&self.ctx, &mut self.stage_b, sb)?;
+            if sb > 0 {
+                self.d2h_b(s.addr, sb)?;
+            }
+            host_send = self.stage_b.as_ptr() as usize;
+            host_recv = self.stage_a.as_ptr() as usize;
+        }
+        self.stream.synchronize()?;
+        let host_call = Call {
+            send: RawMem { addr: host_send, len: s.len, space: MemSpace::Host },
+            recv: RawMem { addr: host_recv, len: r.len, space: MemSpace::Host },
+            ..*call
+        };
+        self.inner.backend_mut().run(&host_call).map_err(|e| CudaError::Io(e.to_string()))?;
+        // Copy back only where the collective wrote: every rank, or the root for reduce/gather.
+        let writes = match call.kind {
+            CollKind::Reduce | CollKind::Gather => self.inner.rank() == call.root,
+            CollKind::Barrier => false,
+            _ => true,
+        };
+        if writes && rb > 0 {
+            // SAFETY: `r` is a device range of `rb` bytes on this context (checked by `run`);
+            // `host_recv` points into a live pinned staging buffer of at least `rb` bytes.
+            unsafe { driver::memcpy_htod_async(r.addr as u64, host_recv as *const _, rb, self.stream.raw())? };
+            self.stream.synchronize()?;
+        }
+        Ok(())
+    }
+
+    fn d2h(&mut self, src: usize, offset: usize, bytes: usize) -> Result<(), CudaError> {
+        // SAFETY: `src` is a device range of `bytes` bytes on this context; `stage_a` holds at
+        // least `offset + bytes` bytes and is not touched until the stream is synchronized.
+        unsafe { driver::memcpy_dtoh_async(self.stage_a.as_mut_ptr().add(offset).cast(), src as u64, bytes, self.stream.raw()) }
+    }
+
+    fn d2h_b(&mut self, src: usize, bytes: usize) -> Result<(), CudaError> {
+        // SAFETY: as in `d2h`, for `stage_b`.
+        unsafe { driver::memcpy_dtoh_async(self.stage_b.as_mut_ptr().cast(), src as u64, bytes, self.stream.raw()) }
+    }
+}
+
+impl Backend for StagedBackend {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+
+    fn world_size(&self) -> usize {
+        self.inner.world_size()
+    }
+
+    fn kind(&self) -> BackendKind {
+        BackendKind::Shm
+    }
+
+    fn run(&mut self, call: &Call) -> Result<(), CommError> {
+        let dev = [call.send, call.recv].iter().filter(|m| m.len > 0).find_map(|m| match m.space {
+            MemSpace::Device(d) => Some(d),
+            MemSpace::Host => None,
+        });
+        let Some(dev) = dev else {
+            // Host buffers: straight to the host backend.
+            return self.inner.backend_mut().run(call);
+        };
+        if dev != self.ctx.ordinal() {
+            return Err(CommError::InvalidArgument {
+                op: call.kind,
+                rank: self.inner.rank(),
+                detail: format!("buffer is on device {dev} but this rank stages through device {}", self.ctx.ordinal()),
+            });
+        }
+        self.staged(call).map_err(|e| self.cuda_err(call, e))
+    }
+
+    fn synchronize(&mut self) -> Result<(), CommError> {
+        self.inner.synchronize()?;
+        self.stream.synchronize().map_err(|e| CommError::Backend { backend: "shm+cuda staging", message: e.to_string() })
+    }
+
+    fn seq(&self) -> u64 {
+        self.inner.seq()
+    }
+}

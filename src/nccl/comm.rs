@@ -1,0 +1,505 @@
+//! The NCCL communicator: [`NcclComm`] implements [`Backend`] on device buffers and one stream.
+//!
+//! Set-up: rank 0 creates the unique id (after the fork) and hands it to the other ranks through a
+//! caller-provided [`UniqueIdExchange`] (the launcher's pipe, a TCP store, ...). The communicator
+//! is created non-blocking (`ncclCommInitRankConfig`, `blocking = 0`) and polled with a timeout.
+//!
+//! Waiting: [`Backend::synchronize`] polls the stream and `ncclCommGetAsyncError`; on an error, a
+//! timeout or a failed liveness check it calls `ncclCommAbort`, so a dead peer becomes a
+//! `CommError` instead of a hang. Every argument is checked before anything is enqueued.
+
+use std::ffi::{c_int, c_void};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::comm::{Backend, BackendKind, Call, CollKind, CommError, Communicator, Element, MemSpace};
+use crate::cuda::{Context, DeviceBuffer, Stream};
+
+use super::error::NcclError;
+use super::result::{self, cudaStream_t, ncclComm_t, ncclUniqueId, IN_PROGRESS, SUCCESS};
+
+/// Hands the NCCL unique id from rank 0 to every rank.
+pub trait UniqueIdExchange {
+    /// Rank 0 passes `Some(id)` and gets it back; other ranks pass `None` and receive rank 0's id.
+    fn exchange(&mut self, rank: usize, id: Option<&[u8; 128]>) -> Result<[u8; 128], String>;
+}
+
+impl<F: FnMut(usize, Option<&[u8; 128]>) -> Result<[u8; 128], String>> UniqueIdExchange for F {
+    fn exchange(&mut self, rank: usize, id: Option<&[u8; 128]>) -> Result<[u8; 128], String> {
+        self(rank, id)
+    }
+}
+
+/// Exchange through an existing host communicator (e.g. the launcher's shm `Communicator`):
+/// rank 0 broadcasts the id to every rank. This plugs NCCL straight into `lockstep::launch`.
+impl UniqueIdExchange for Communicator {
+    fn exchange(&mut self, rank: usize, id: Option<&[u8; 128]>) -> Result<[u8; 128], String> {
+        if rank != self.rank() {
+            return Err(format!("exchange called as rank {rank} on the communicator of rank {}", self.rank()));
+        }
+        let mut buf: Vec<u8> = id.map(|i| i.to_vec()).unwrap_or_else(|| vec![0u8; 128]);
+        self.broadcast_in_place(&mut buf, 0).map_err(|e| e.to_string())?;
+        let mut out = [0u8; 128];
+        out.copy_from_slice(&buf);
+        Ok(out)
+    }
+}
+
+/// A liveness check polled while waiting: `Some(reason)` aborts the communicator.
+pub type AbortCheck = Arc<dyn Fn() -> Option<String> + Send + Sync>;
+
+/// Settings of an [`NcclComm`].
+#[derive(Clone)]
+pub struct NcclOptions {
+    /// Longest wait for init or a synchronize before aborting (default `LOCKSTEP_TIMEOUT_S` or 300 s).
+    pub timeout: Duration,
+    /// Create the communicator non-blocking when the library supports it (default true).
+    pub nonblocking_init: bool,
+    /// Polled while waiting; e.g. the launcher's "is a peer dead?" check.
+    pub abort_check: Option<AbortCheck>,
+}
+
+impl Default for NcclOptions {
+    fn default() -> Self {
+        let secs = std::env::var("LOCKSTEP_TIMEOUT_S").ok().and_then(|v| v.parse::<f64>().ok()).filter(|s| *s > 0.0).unwrap_or(300.0);
+        NcclOptions { timeout: Duration::from_secs_f64(secs), nonblocking_init: true, abort_check: None }
+    }
+}
+
+/// An NCCL communicator bound to one device and one stream.
+pub struct NcclComm {
+    ctx: Arc<Context>,
+    stream: Stream,
+    comm: ncclComm_t,
+    rank: usize,
+    world: usize,
+    seq: u64,
+    opts: NcclOptions,
+    /// Set once aborted: every later call fails with this reason.
+    aborted: Option<String>,
+    /// One element for `barrier`.
+    scratch: DeviceBuffer<f32>,
+}
+
+// SAFETY: an NCCL communicator may be used from any thread, one at a time (`&mut self`); the
+// context is bound before every call.
+unsafe impl Send for NcclComm {}
+
+/// Create a unique id (rank 0, after the fork).
+pub fn unique_id() -> Result<[u8; 128], NcclError> {
+    let id = result::get_unique_id()?;
+    Ok(id.internal.map(|c| c as u8))
+}
+
+fn wait_until(deadline: Instant, mut done: impl FnMut() -> Result<bool, NcclError>) -> Result<bool, NcclError> {
+    let mut sleep = Duration::from_micros(20);
+    loop {
+        if done()? {
+            return Ok(true);
+        }
+        if Instant::now() >= deadline {
+            return Ok(false);
+        }
+        std::thread::sleep(sleep);
+        sleep = (sleep * 2).min(Duration::from_millis(2));
+    }
+}
+
+impl NcclComm {
+    /// Join the communicator of `world` ranks as `rank` on `ctx`'s device.
+    pub fn new(
+        ctx: &Arc<Context>,
+        rank: usize,
+        world: usize,
+        exchange: &mut dyn UniqueIdExchange,
+        opts: NcclOptions,
+    ) -> Result<NcclComm, NcclError> {
+        if world == 0 || rank >= world {
+            return Err(invalid_arg(format!("rank {rank} out of range for world size {world}")));
+        }
+        let api = result::api()?;
+        ctx.bind()?;
+        let id_bytes = if rank == 0 {
+            let id = unique_id()?;
+            exchange.exchange(0, Some(&id)).map_err(|detail| NcclError::Exchange { rank, detail })?
+        } else {
+            exchange.exchange(rank, None).map_err(|detail| NcclError::Exchange { rank, detail })?
+        };
+        let id = ncclUniqueId { internal: id_bytes.map(|b| b as _) };
+        let stream = ctx.stream()?;
+        let scratch = DeviceBuffer::<f32>::zeros(&stream, 1)?;
+        let mut comm: ncclComm_t = std::ptr::null_mut();
+        let what = format!("ncclCommInitRank(rank={rank}, nranks={world}, device={})", ctx.ordinal());
+        match (opts.nonblocking_init, api.ncclCommInitRankConfig) {
+            (true, Some(init_cfg)) => {
+                let mut cfg = result::config(false);
+                // SAFETY: valid out-pointer, id by value, config initialised as NCCL_CONFIG_INITIALIZER.
+                let rc = unsafe { init_cfg(&mut comm, world as c_int, id, rank as c_int, &mut cfg) };
+                if rc != IN_PROGRESS {
+                    if let Err(e) = result::check(rc, Some(comm), || what.clone()) {
+                        if !comm.is_null() {
+                            // SAFETY: a communicator NCCL handed back from a failed init; never used again.
+                            unsafe { (api.ncclCommAbort)(comm) };
+                        }
+                        return Err(e);
+                    }
+                }
+            }
+            _ => {
+                // SAFETY: valid out-pointer, id by value; blocks until every rank has joined.
+                let rc = unsafe { (api.ncclCommInitRank)(&mut comm, world as c_int, id, rank as c_int) };
+                result::check(rc, None, || what.clone())?;
+            }
+        }
+        let mut me = NcclComm { ctx: ctx.clone(), stream, comm, rank, world, seq: 0, opts, aborted: None, scratch };
+        me.settle(IN_PROGRESS, &what)?;
+        Ok(me)
+    }
+
+    /// Wrap in a [`Communicator`].
+    pub fn into_communicator(self) -> Communicator {
+        Communicator::from_backend(Box::new(self))
+    }
+
+    /// The stream collectives are enqueued on.
+    pub fn stream(&self) -> &Stream {
+        &self.stream
+    }
+
+    /// The CUDA context.
+    pub fn context(&self) -> &Arc<Context> {
+        &self.ctx
+    }
+
+    fn async_error(&self) -> Result<c_int, NcclError> {
+        let mut st: c_int = 0;
+        // SAFETY: live communicator, valid out-pointer.
+        let rc = unsafe { (result::api()?.ncclCommGetAsyncError)(self.comm, &mut st) };
+        result::check(rc, Some(self.comm), || "ncclCommGetAsyncError".into())?;
+        Ok(st)
+    }
+
+    /// Abort the communicator (idempotent) and remember why.
+    pub fn abort(&mut self, reason: &str) {
+        if self.aborted.is_some() {
+            return;
+        }
+        self.aborted = Some(reason.to_string());
+        if let Ok(api) = result::api() {
+            // SAFETY: live communicator; after abort it is never used again (checked via `aborted`).
+            let rc = unsafe { (api.ncclCommAbort)(self.comm) };
+            if rc != SUCCESS {
+                eprintln!("lockstep: ncclCommAbort on rank {} returned {rc}", self.rank);
+            }
+        }
+    }
+
+    fn check_alive(&self, op: &str) -> Result<(), NcclError> {
+        match &self.aborted {
+            Some(r) => {
+                Err(NcclError::Aborted { what: op.into(), rank: self.rank, reason: format!("the communicator was aborted earlier: {r}") })
+            }
+            None => Ok(()),
+        }
+    }
+
+    /// After a call that may return `ncclInProgress` (non-blocking communicator), wait until
+    /// NCCL settles; abort on an async error, a liveness failure or the timeout.
+    fn settle(&mut self, rc: c_int, what: &str) -> Result<(), NcclError> {
+        if rc != IN_PROGRESS {
+            return result::check(rc, Some(self.comm), || what.to_string());
+        }
+        let deadline = Instant::now() + self.opts.timeout;
+        let mut last = IN_PROGRESS;
+        let ok = wait_until(deadline, || {
+            last = self.async_error()?;
+            Ok(last != IN_PROGRESS)
+        })?;
+        if !ok {
+            self.abort(&format!("{what} timed out"));
+            return Err(NcclError::Timeout { what: what.into(), rank: self.rank, secs: self.opts.timeout.as_secs_f64() });
+        }
+        if last != SUCCESS {
+            let e = result::check(last, Some(self.comm), || what.to_string()).unwrap_err();
+            self.abort(&e.to_string());
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// Wait for the stream with the watchdog: poll completion, `ncclCommGetAsyncError` and the
+    /// liveness check; abort on any failure or on the timeout.
+    pub fn wait(&mut self, what: &str) -> Result<(), NcclError> {
+        self.check_alive(what)?;
+        self.ctx.bind()?;
+        let deadline = Instant::now() + self.opts.timeout;
+        let mut failure: Option<NcclError> = None;
+        let done = wait_until(deadline, || {
+            if self.stream.is_done()? {
+                return Ok(true);
+            }
+            let st = self.async_error()?;
+            if st != SUCCESS && st != IN_PROGRESS {
+                failure = Some(result::check(st, Some(self.comm), || format!("{what} (async)")).unwrap_err());
+                return Ok(true);
+            }
+            if let Some(reason) = self.opts.abort_check.as_ref().and_then(|c| c()) {
+                failure = Some(NcclError::Aborted { what: what.into(), rank: self.rank, reason });
+                return Ok(true);
+            }
+            Ok(false)
+        });
+        let done = match done {
+            Ok(d) => d,
+            Err(e) => {
+                self.abort(&e.to_string());
+                return Err(e);
+            }
+        };
+        if let Some(e) = failure {
+            self.abort(&e.to_string());
+            return Err(e);
+        }
+        if !done {
+            self.abort(&format!("{what} timed out"));
+            return Err(NcclError::Timeout { what: what.into(), rank: self.rank, secs: self.opts.timeout.as_secs_f64() });
+        }
+        Ok(())
+    }
+
+    fn raw_stream(&self) -> cudaStream_t {
+        self.stream.raw() as cudaStream_t
+    }
+
+    /// Run `f` between `ncclGroupStart` and `ncclGroupEnd` (fuses the calls it makes).
+    pub fn group<R>(&mut self, f: impl FnOnce(&mut Self) -> Result<R, NcclError>) -> Result<R, NcclError> {
+        self.check_alive("ncclGroupStart")?;
+        let api = result::api()?;
+        // SAFETY: no arguments.
+        result::check(unsafe { (api.ncclGroupStart)() }, None, || "ncclGroupStart".into())?;
+        let r = f(self);
+        // SAFETY: no arguments; always closes the group opened above.
+        let rc = unsafe { (api.ncclGroupEnd)() };
+        let end = self.settle(rc, "ncclGroupEnd");
+        let r = r?;
+        end?;
+        Ok(r)
+    }
+
+    /// Send `buf` to `peer` (enqueued on the stream; pair with `recv` on the peer).
+    pub fn send<T: Element>(&mut self, buf: &DeviceBuffer<T>, peer: usize) -> Result<(), NcclError> {
+        self.check_peer(peer, "send")?;
+        self.check_device(buf.device(), "send")?;
+        self.send_raw(buf.device_ptr() as usize, buf.len(), T::DTYPE, peer)
+    }
+
+    /// Receive into `buf` from `peer`.
+    pub fn recv<T: Element>(&mut self, buf: &mut DeviceBuffer<T>, peer: usize) -> Result<(), NcclError> {
+        self.check_peer(peer, "recv")?;
+        self.check_device(buf.device(), "recv")?;
+        self.recv_raw(buf.device_ptr() as usize, buf.len(), T::DTYPE, peer)
+    }
+
+    fn check_peer(&self, peer: usize, op: &str) -> Result<(), NcclError> {
+        if peer >= self.world {
+            return Err(invalid_arg(format!("{op}: peer {peer} out of range for world size {}", self.world)));
+        }
+        Ok(())
+    }
+
+    fn check_device(&self, dev: i32, op: &str) -> Result<(), NcclError> {
+        if dev != self.ctx.ordinal() {
+            return Err(invalid_arg(format!("{op}: buffer is on device {dev} but the communicator on device {}", self.ctx.ordinal())));
+        }
+        Ok(())
+    }
+
+    fn send_raw(&mut self, addr: usize, count: usize, dtype: crate::comm::Dtype, peer: usize) -> Result<(), NcclError> {
+        self.check_alive("ncclSend")?;
+        let s = self.raw_stream();
+        // SAFETY: `addr` is a live device buffer of `count` elements on this device (checked by the
+        // callers); the stream belongs to this communicator's context.
+        let rc = unsafe { (result::api()?.ncclSend)(addr as *const c_void, count, result::nccl_dtype(dtype), peer as c_int, self.comm, s) };
+        self.settle(rc, &format!("ncclSend(count={count}, dtype={dtype}, peer={peer})"))
+    }
+
+    fn recv_raw(&mut self, addr: usize, count: usize, dtype: crate::comm::Dtype, peer: usize) -> Result<(), NcclError> {
+        self.check_alive("ncclRecv")?;
+        let s = self.raw_stream();
+        // SAFETY: as for `send_raw`; the buffer is writable.
+        let rc = unsafe { (result::api()?.ncclRecv)(addr as *mut c_void, count, result::nccl_dtype(dtype), peer as c_int, self.comm, s) };
+        self.settle(rc, &format!("ncclRecv(count={count}, dtype={dtype}, peer={peer})"))
+    }
+
+    /// Check a call's buffers before enqueueing: device buffers of this device, sizes, root.
+    fn check_call(&self, call: &Call) -> Result<(), CommError> {
+        let invalid = |detail: String| CommError::InvalidArgument { op: call.kind, rank: self.rank, detail };
+        for (name, m) in [("send", call.send), ("recv", call.recv)] {
+            if m.len == 0 {
+                continue;
+            }
+            match m.space {
+                MemSpace::Host => {
+                    return Err(CommError::Unsupported(format!(
+                        "{} on rank {}: the {name} buffer is host memory, but the NCCL backend works on device memory only; copy it into a lockstep::cuda::DeviceBuffer or use the shm backend",
+                        call.kind, self.rank
+                    )))
+                }
+                MemSpace::Device(d) if d != self.ctx.ordinal() => {
+                    return Err(invalid(format!("the {name} buffer is on device {d} but this rank's communicator is on device {}", self.ctx.ordinal())))
+                }
+                _ => {}
+            }
+        }
+        if call.kind.has_root() && call.root >= self.world {
+            return Err(invalid(format!("root {} is out of range for world size {}", call.root, self.world)));
+        }
+        let n = self.world;
+        let is_root = self.rank == call.root;
+        let (need_send, need_recv) = match call.kind {
+            CollKind::AllReduce | CollKind::Broadcast => {
+                (if call.kind == CollKind::Broadcast && !is_root { 0 } else { call.count }, call.count)
+            }
+            CollKind::Reduce => (call.count, if is_root { call.count } else { 0 }),
+            CollKind::AllGather => (call.count, call.count * n),
+            CollKind::Gather => (call.count, if is_root { call.count * n } else { 0 }),
+            CollKind::ReduceScatter => (call.count * n, call.count),
+            CollKind::Barrier => (0, 0),
+        };
+        if call.send.len < need_send {
+            return Err(invalid(format!("send buffer has {} elements, {} are needed", call.send.len, need_send)));
+        }
+        if call.recv.len < need_recv {
+            return Err(invalid(format!("recv buffer has {} elements, {} are needed", call.recv.len, need_recv)));
+        }
+        Ok(())
+    }
+
+    fn enqueue(&mut self, call: &Call) -> Result<(), NcclError> {
+        let api = result::api()?;
+        self.ctx.bind()?;
+        let (dt, op, s, comm) = (result::nccl_dtype(call.dtype), result::nccl_op(call.op), self.raw_stream(), self.comm);
+        let (sp, rp) = (call.send.addr as *const c_void, call.recv.addr as *mut c_void);
+        let root = call.root as c_int;
+        let what = format!("nccl {}(count={}, dtype={}, op={}, root={})", call.kind, call.count, call.dtype, call.op, call.root);
+        // SAFETY (all arms): `check_call` verified that every non-empty buffer is device memory of
+        // this communicator's device with at least the elements NCCL will touch; the stream belongs
+        // to this context; the communicator is live (not aborted).
+        let rc = unsafe {
+            match call.kind {
+                CollKind::AllReduce => (api.ncclAllReduce)(sp, rp, call.count, dt, op, comm, s),
+                CollKind::Broadcast => (api.ncclBroadcast)(sp, rp, call.count, dt, root, comm, s),
+                CollKind::Reduce => (api.ncclReduce)(sp, rp, call.count, dt, op, root, comm, s),
+                CollKind::AllGather => (api.ncclAllGather)(sp, rp, call.count, dt, comm, s),
+                CollKind::ReduceScatter => (api.ncclReduceScatter)(sp, rp, call.count, dt, op, comm, s),
+                CollKind::Gather => return self.gather(call),
+                CollKind::Barrier => {
+                    let p = self.scratch.device_ptr() as *mut c_void;
+                    let rc = (api.ncclAllReduce)(
+                        p,
+                        p,
+                        1,
+                        result::nccl_dtype(crate::comm::Dtype::F32),
+                        result::nccl_op(crate::comm::ReduceOp::Sum),
+                        comm,
+                        s,
+                    );
+                    self.settle(rc, &what)?;
+                    return self.wait("barrier");
+                }
+            }
+        };
+        self.settle(rc, &what)
+    }
+
+    /// Gather as grouped send/recv: every rank sends to the root; the root receives each peer's
+    /// block and copies its own block locally.
+    fn gather(&mut self, call: &Call) -> Result<(), NcclError> {
+        let (count, root, dtype) = (call.count, call.root, call.dtype);
+        let bytes = count * dtype.size();
+        let rank = self.rank;
+        let world = self.world;
+        let (send, recv) = (call.send, call.recv);
+        self.group(|me| {
+            if rank == root {
+                for peer in 0..world {
+                    let dst = recv.addr + peer * bytes;
+                    if peer == root {
+                        if dst != send.addr && bytes > 0 {
+                            me.ctx.bind()?;
+                            // SAFETY: both ranges are device memory of this device checked by
+                            // `check_call` (send ≥ count, recv ≥ count·world elements).
+                            unsafe { crate::cuda::driver::memcpy_dtod_async(dst as u64, send.addr as u64, bytes, me.stream.raw())? };
+                        }
+                    } else {
+                        me.recv_raw(dst, count, dtype, peer)?;
+                    }
+                }
+            } else {
+                me.send_raw(send.addr, count, dtype, root)?;
+            }
+            Ok(())
+        })
+    }
+}
+
+fn invalid_arg(detail: String) -> NcclError {
+    NcclError::Cuda(crate::cuda::CudaError::InvalidArgument { op: "NcclComm".into(), detail })
+}
+
+impl Backend for NcclComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.world
+    }
+
+    fn kind(&self) -> BackendKind {
+        BackendKind::Nccl
+    }
+
+    fn run(&mut self, call: &Call) -> Result<(), CommError> {
+        self.check_call(call)?;
+        self.check_alive(call.kind.name())?;
+        self.seq += 1;
+        self.enqueue(call).map_err(CommError::from)
+    }
+
+    fn synchronize(&mut self) -> Result<(), CommError> {
+        self.wait("synchronize").map_err(CommError::from)
+    }
+
+    fn seq(&self) -> u64 {
+        self.seq
+    }
+}
+
+impl Drop for NcclComm {
+    fn drop(&mut self) {
+        if self.aborted.is_some() {
+            return;
+        }
+        let Ok(api) = result::api() else { return };
+        let _ = self.ctx.bind();
+        // Finalize (flushes pending work, may be in progress on a non-blocking communicator),
+        // then destroy; on any failure abort instead. Failures are recorded on the context.
+        let mut ok = true;
+        if let Some(fin) = api.ncclCommFinalize {
+            // SAFETY: live communicator.
+            let rc = unsafe { fin(self.comm) };
+            if let Err(e) = self.settle(rc, "ncclCommFinalize") {
+                self.ctx.record_err("an NCCL communicator".into(), crate::cuda::CudaError::Io(e.to_string()));
+                ok = false;
+            }
+        }
+        if ok && self.aborted.is_none() {
+            // SAFETY: live, finalized communicator; never used again.
+            let rc = unsafe { (api.ncclCommDestroy)(self.comm) };
+            if rc != SUCCESS {
+                self.ctx.record_err("an NCCL communicator".into(), crate::cuda::CudaError::Io(format!("ncclCommDestroy returned {rc}")));
+            }
+        }
+    }
+}

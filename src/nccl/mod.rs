@@ -1,0 +1,40 @@
+//! NCCL, loaded at run time (`libnccl.so.2`), behind a safe communicator that implements
+//! [`comm::Backend`](crate::comm::Backend) on device buffers.
+//!
+//! Layers as in `cuda`: cudarc's `nccl::sys` gives the C types, [`result`] our function tables and
+//! one wrapper per call, [`comm`](self::comm) the RAII communicator with a watchdog that turns a
+//! failed or hung peer into a `CommError` (via `ncclCommAbort`) instead of a hang.
+//!
+//! One process per GPU: NCCL before 2.30 refuses two ranks of one communicator on the same device.
+//! When ranks outnumber GPUs, use the shared-memory backend (see `DESIGN` below).
+//!
+//! # Several ranks on one GPU
+//! When `device_count < local ranks`, wrap the launcher's shm `Communicator` in
+//! [`cuda::StagedBackend`](crate::cuda::StagedBackend): device buffers are staged through pinned
+//! host memory (D2H, shm collective, H2D) and a one-line notice is printed. Not done yet: the
+//! NCCL ≥ 2.30 alternative (`NCCL_MULTI_RANK_GPU_ENABLE=1` before `ncclCommInitRank*`), and the
+//! automatic choice between the two, which belongs to the integrator's backend selection.
+
+pub mod comm;
+pub mod error;
+pub mod result;
+
+pub use comm::{NcclComm, NcclOptions, UniqueIdExchange};
+pub use error::NcclError;
+
+/// NCCL's version code (e.g. 21803), loading the library if needed. Does not touch CUDA.
+pub fn version() -> Result<i32, NcclError> {
+    Ok(result::core()?.version)
+}
+
+/// True when an NCCL library can be loaded.
+pub fn present() -> bool {
+    result::core().is_ok()
+}
+
+/// Load NCCL and resolve every function the communicator needs (no CUDA involved): an error names
+/// the missing library or symbol.
+pub fn check_library() -> Result<(), NcclError> {
+    result::api()?;
+    Ok(())
+}

@@ -1,0 +1,703 @@
+//! Single-CUDA-init guard, fork-safety check and library discovery, tested without a GPU against
+//! tiny fake driver and NCCL libraries compiled from C at test time (`cc -shared -fPIC`).
+//!
+//! The guard's state is process-global, so every scenario runs in its own process: the test
+//! binary (harness = false) re-executes itself with `LOCKSTEP_FAKE_SCENARIO=<name>`.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+use std::time::Duration;
+
+#[path = "common/collectives.rs"]
+mod collectives;
+
+/// Simulated driver and NCCL: host memory stands in for device memory (see the files).
+const SIM_CUDA_C: &str = include_str!("fake/sim_cuda.c");
+const SIM_NCCL_C: &str = include_str!("fake/sim_nccl.c");
+
+/// A fake `libcuda.so.1`: `cuDeviceGetCount` answers NOT_INITIALIZED (3) until `cuInit`.
+const FAKE_CUDA_C: &str = r#"
+static int initialised = 0;
+static int init_calls = 0;
+int cuInit(unsigned flags) { if (flags != 0) return 1; initialised = 1; init_calls++; return 0; }
+int cuDeviceGetCount(int* n) { if (!initialised) return 3; *n = 2; return 0; }
+#ifndef BROKEN
+int cuDriverGetVersion(int* v) { *v = 12040; return 0; }
+#endif
+static const char* name_of(int e) {
+    switch (e) { case 0: return "CUDA_SUCCESS"; case 1: return "CUDA_ERROR_INVALID_VALUE";
+                 case 3: return "CUDA_ERROR_NOT_INITIALIZED"; case 100: return "CUDA_ERROR_NO_DEVICE";
+                 default: return 0; }
+}
+int cuGetErrorName(int e, const char** s) { *s = name_of(e); return *s ? 0 : 1; }
+int cuGetErrorString(int e, const char** s) {
+    switch (e) { case 0: *s = "no error"; return 0; case 1: *s = "invalid argument"; return 0;
+                 case 3: *s = "initialization error"; return 0; case 100: *s = "no CUDA-capable device is detected"; return 0;
+                 default: *s = 0; return 1; }
+}
+int fake_init_calls(void) { return init_calls; }
+"#;
+
+/// A fake `libnccl.so.2` with only the calls that need no GPU.
+const FAKE_NCCL_C: &str = r#"
+#ifndef NCCL_CODE
+#define NCCL_CODE 21803
+#endif
+typedef struct { char internal[128]; } ncclUniqueId;
+int ncclGetVersion(int* v) { *v = NCCL_CODE; return 0; }
+int ncclGetUniqueId(ncclUniqueId* id) { for (int i = 0; i < 128; i++) id->internal[i] = (char)(i * 3 + 1); return 0; }
+const char* ncclGetErrorString(int r) { return r == 0 ? "no error" : "invalid argument (run with NCCL_DEBUG=WARN for details)"; }
+"#;
+
+fn cc(src: &str, out: &Path, defines: &[&str]) {
+    let dir = out.parent().unwrap();
+    std::fs::create_dir_all(dir).unwrap();
+    let c = dir.join("src.c");
+    std::fs::write(&c, src).unwrap();
+    let soname = out.file_name().unwrap().to_string_lossy().to_string();
+    let st = Command::new(std::env::var("CC").unwrap_or_else(|_| "cc".into()))
+        .args(["-shared", "-fPIC", "-O1", "-o"])
+        .arg(out)
+        .arg(&c)
+        .arg(format!("-Wl,-soname,{soname}"))
+        .args(defines)
+        .status()
+        .expect("run cc (a C compiler is needed for the fake-library tests)");
+    assert!(st.success(), "cc failed for {}", out.display());
+}
+
+struct Libs {
+    cuda: PathBuf,
+    cuda_broken: PathBuf,
+    nccl: PathBuf,
+    nccl_old: PathBuf,
+    sim_cuda: PathBuf,
+    sim_nccl: PathBuf,
+}
+
+fn build_libs(root: &Path) -> Libs {
+    let l = Libs {
+        cuda: root.join("cuda/libcuda.so.1"),
+        cuda_broken: root.join("cuda-broken/libcuda.so.1"),
+        nccl: root.join("nccl/libnccl.so.2"),
+        nccl_old: root.join("nccl-old/libnccl.so.2"),
+        sim_cuda: root.join("sim-cuda/libcuda.so.1"),
+        sim_nccl: root.join("sim-nccl/libnccl.so.2"),
+    };
+    cc(SIM_CUDA_C, &l.sim_cuda, &[]);
+    cc(SIM_NCCL_C, &l.sim_nccl, &[]);
+    cc(FAKE_CUDA_C, &l.cuda, &[]);
+    cc(FAKE_CUDA_C, &l.cuda_broken, &["-DBROKEN"]);
+    cc(FAKE_NCCL_C, &l.nccl, &[]);
+    cc(FAKE_NCCL_C, &l.nccl_old, &["-DNCCL_CODE=21505"]);
+    l
+}
+
+// ---------------------------------------------------------------------------------------------
+// Scenarios (each runs in its own process)
+
+fn fake_init_calls() -> i32 {
+    counter("LOCKSTEP_CUDA_LIBRARY", "fake_init_calls")
+}
+
+/// Call an `int name(void)` counter exported by the fake library named by `var`.
+fn counter(var: &str, name: &str) -> i32 {
+    let path = std::env::var(var).unwrap();
+    let sym = format!("{name}\0");
+    // SAFETY: the fake library has no initialisers; the symbol has the declared C prototype.
+    unsafe {
+        let lib = libloading::Library::new(&path).unwrap();
+        let f = lib.get::<unsafe extern "C" fn() -> i32>(sym.as_bytes()).unwrap();
+        f()
+    }
+}
+
+fn sim_nccl_comm(
+    world: usize,
+    opts: lockstep::nccl::NcclOptions,
+) -> (Arc<lockstep::cuda::Context>, Result<lockstep::nccl::NcclComm, lockstep::nccl::NcclError>) {
+    let ctx = lockstep::cuda::Context::new(0).unwrap();
+    let mut exchange = |_rank: usize, id: Option<&[u8; 128]>| id.copied().ok_or_else(|| "no peer".to_string());
+    let comm = lockstep::nccl::NcclComm::new(&ctx, 0, world, &mut exchange, opts);
+    (ctx, comm)
+}
+
+fn short_timeout() -> lockstep::nccl::NcclOptions {
+    lockstep::nccl::NcclOptions { timeout: Duration::from_millis(500), ..Default::default() }
+}
+
+#[inline(never)]
+fn init_cuda_from_here() {
+    lockstep::cuda::init::ensure_init().expect("ensure_init through the fake driver");
+}
+
+fn expect_contains(what: &str, text: &str, needles: &[&str]) {
+    if std::env::var_os("LOCKSTEP_FAKE_VERBOSE").is_some() {
+        println!("== {what}:\n{text}\n");
+    }
+    for n in needles {
+        assert!(text.contains(n), "{what}: expected to find {n:?} in:\n----\n{text}\n----");
+    }
+}
+
+fn scenario(name: &str) {
+    use lockstep::cuda::init::{check_fork_safe, init_record, probe_child};
+    match name {
+        "guard_records_location" => {
+            assert!(check_fork_safe().is_ok(), "nothing loaded yet");
+            let report = lockstep::cuda::env_report();
+            expect_contains("env_report", &report, &["libcuda.so.1", "12040 (CUDA 12.4)", "initialised in this process: no"]);
+            assert!(check_fork_safe().is_ok(), "loaded but not initialised must be fork-safe");
+            init_cuda_from_here();
+            lockstep::cuda::init::ensure_init().unwrap();
+            assert_eq!(fake_init_calls(), 1, "cuInit must run once per process");
+            assert_eq!(lockstep::cuda::device_count().unwrap(), 2);
+            let rec = init_record().expect("record");
+            assert_eq!(rec.pid, std::process::id() as i32);
+            let err = check_fork_safe().unwrap_err();
+            expect_contains(
+                "check_fork_safe",
+                &err,
+                &[
+                    "by lockstep",
+                    &format!("pid {}", std::process::id()),
+                    "init_cuda_from_here",
+                    "move all CUDA work into the rank function",
+                    "lockstep::launch",
+                ],
+            );
+            let launch_err = lockstep::launch::launch(&lockstep::launch::LaunchConfig::new(2), |_ctx| Ok(0u64)).unwrap_err().to_string();
+            expect_contains("launch", &launch_err, &["CUDA was already initialised", "init_cuda_from_here"]);
+            expect_contains("probe_child", &probe_child().unwrap_err(), &["already initialised"]);
+            expect_contains("env_report", &lockstep::cuda::env_report(), &["initialised in this process: yes, by lockstep"]);
+        }
+        "foreign_init_refused" => {
+            let path = std::env::var("LOCKSTEP_CUDA_LIBRARY").unwrap();
+            // SAFETY: the fake has no initialisers.
+            let lib = unsafe { libloading::Library::new(&path) }.unwrap();
+            assert!(check_fork_safe().is_ok(), "mapped but not initialised must be fork-safe");
+            // Initialise behind lockstep's back, as a foreign library would.
+            // SAFETY: cuInit(unsigned) of the fake.
+            let rc = unsafe { lib.get::<unsafe extern "C" fn(u32) -> i32>(b"cuInit\0").unwrap()(0) };
+            assert_eq!(rc, 0);
+            let err = check_fork_safe().unwrap_err();
+            expect_contains(
+                "check_fork_safe",
+                &err,
+                &["outside lockstep", "libcuda.so.1", "cuDeviceGetCount succeeds", "move all CUDA work into the rank function"],
+            );
+            assert!(init_record().is_none());
+            let launch_err = lockstep::launch::launch(&lockstep::launch::LaunchConfig::new(1), |_ctx| Ok(0u64)).unwrap_err().to_string();
+            expect_contains("launch", &launch_err, &["outside lockstep"]);
+        }
+        "guard_is_per_process" => {
+            // A child forked from an uninitialised parent initialises once itself; the parent stays clean.
+            // SAFETY: the child only runs the guard and exits with _exit.
+            let pid = unsafe { libc::fork() };
+            assert!(pid >= 0);
+            if pid == 0 {
+                let ok = lockstep::cuda::init::ensure_init().is_ok()
+                    && lockstep::cuda::init::ensure_init().is_ok()
+                    && fake_init_calls() == 1
+                    && check_fork_safe().is_err()
+                    && init_record().map(|r| r.pid) == Some(std::process::id() as i32);
+                // SAFETY: leave the child without running the parent's destructors.
+                unsafe { libc::_exit(if ok { 0 } else { 1 }) };
+            }
+            let mut st = 0;
+            // SAFETY: our child.
+            unsafe { libc::waitpid(pid, &mut st, 0) };
+            assert!(libc::WIFEXITED(st) && libc::WEXITSTATUS(st) == 0, "child guard checks failed (status {st})");
+            assert!(check_fork_safe().is_ok(), "the child's cuInit must not mark the parent");
+            assert!(init_record().is_none());
+            // Parent initialises now; a child forked afterwards does not inherit lockstep's record
+            // (pid differs) but still sees the inherited driver state as foreign.
+            lockstep::cuda::init::ensure_init().unwrap();
+            // SAFETY: as above.
+            let pid = unsafe { libc::fork() };
+            if pid == 0 {
+                let ok = init_record().is_none() && check_fork_safe().map_err(|e| e.contains("outside lockstep")) == Err(true);
+                // SAFETY: as above.
+                unsafe { libc::_exit(if ok { 0 } else { 1 }) };
+            }
+            // SAFETY: our child.
+            unsafe { libc::waitpid(pid, &mut st, 0) };
+            assert!(libc::WIFEXITED(st) && libc::WEXITSTATUS(st) == 0, "post-init child checks failed (status {st})");
+        }
+        "probe_child_reports" => {
+            let s = probe_child().expect("probe");
+            expect_contains("probe_child", &s, &["2 device(s)", "CUDA 12.4", "libcuda.so.1"]);
+            assert!(check_fork_safe().is_ok(), "the probe must leave the parent uninitialised");
+            assert_eq!(fake_init_calls(), 0);
+        }
+        "missing_override" => {
+            let e = lockstep::cuda::device_count().unwrap_err().to_string();
+            expect_contains(
+                "device_count",
+                &e,
+                &["CUDA driver library (libcuda) not found", "/nonexistent/libcuda.so.1", "LOCKSTEP_CUDA_LIBRARY"],
+            );
+            let e = lockstep::cuda::Context::new(0).unwrap_err().to_string();
+            expect_contains("Context::new", &e, &["not found"]);
+            assert!(check_fork_safe().is_ok());
+            expect_contains("env_report", &lockstep::cuda::env_report(), &["driver : not found", "/nonexistent/libcuda.so.1"]);
+        }
+        "missing_default_search" => {
+            if lockstep::cuda::driver_present() {
+                println!("(a real driver is installed: nothing to check)");
+                return;
+            }
+            let e = lockstep::cuda::device_count().unwrap_err().to_string();
+            expect_contains(
+                "device_count",
+                &e,
+                &[
+                    "libcuda.so.1 (dynamic loader search path)",
+                    "folders with no libcuda.so",
+                    "/usr/lib/x86_64-linux-gnu",
+                    "LOCKSTEP_CUDA_LIBRARY",
+                ],
+            );
+        }
+        "missing_symbol" => {
+            let e = lockstep::cuda::device_count().unwrap_err().to_string();
+            expect_contains("device_count", &e, &["no symbol `cuDriverGetVersion`", "LOCKSTEP_CUDA_LIBRARY"]);
+        }
+        "driver_symbols_missing_is_error" => {
+            // The fake exports only the probe calls: the safe layer must fail cleanly, not panic.
+            let e = lockstep::cuda::Context::new(0).unwrap_err().to_string();
+            expect_contains("Context::new", &e, &["has no symbol `cuDeviceGet`", "libcuda.so.1"]);
+            let e = lockstep::cuda::Context::new(5).unwrap_err().to_string();
+            expect_contains("Context::new(5)", &e, &["ordinal 5 out of range", "2 device(s)"]);
+        }
+        "fake_nccl" => {
+            assert_eq!(lockstep::nccl::version().unwrap(), 21803);
+            let id = lockstep::nccl::comm::unique_id().unwrap();
+            assert_eq!(id[1], 4);
+            let e = lockstep::nccl::check_library().unwrap_err().to_string();
+            expect_contains("check_library", &e, &["has no symbol `ncclCommInitRank`", "LOCKSTEP_NCCL_LIBRARY"]);
+            expect_contains(
+                "env_report",
+                &lockstep::cuda::env_report(),
+                &["libnccl.so.2", "ncclGetVersion = 21803 (2.18.3)", "incomplete"],
+            );
+        }
+        "old_nccl_rejected" => {
+            let e = lockstep::nccl::version().unwrap_err().to_string();
+            expect_contains("nccl::version", &e, &["older than 2.18", "LOCKSTEP_NCCL_LIBRARY"]);
+        }
+        "missing_nccl_and_nvrtc" => {
+            let e = lockstep::nccl::version().unwrap_err().to_string();
+            expect_contains(
+                "nccl::version",
+                &e,
+                &["NCCL library (libnccl) not found", "/nonexistent/libnccl.so.2", "LOCKSTEP_NCCL_LIBRARY"],
+            );
+            let e = lockstep::cuda::compile_ptx(lockstep::cuda::KernelId::Elementwise, "compute_80").unwrap_err().to_string();
+            expect_contains("compile_ptx", &e, &["NVRTC library (libnvrtc) not found", "LOCKSTEP_NVRTC_LIBRARY", "nvidia-cuda-nvrtc"]);
+        }
+        "debug_probe" => {
+            // LOCKSTEP_DEBUG=1: the fork check also forks a probe child that reports on stderr.
+            check_fork_safe().expect("fork-safe");
+            assert!(init_record().is_none());
+            assert_eq!(fake_init_calls(), 0);
+        }
+        "sim_memory_kernels_events" => sim_memory_kernels_events(),
+        "sim_drop_error_is_deferred" => {
+            let ctx = lockstep::cuda::Context::new(0).unwrap();
+            let s = ctx.stream().unwrap();
+            drop(lockstep::cuda::DeviceBuffer::<f32>::zeros(&s, 8).unwrap());
+            let e = ctx.check().unwrap_err().to_string();
+            expect_contains(
+                "deferred",
+                &e,
+                &["an earlier release of a device buffer of 8 f32 elements failed", "cuMemFree", "CUDA_ERROR_INVALID_VALUE"],
+            );
+            assert!(ctx.check().is_ok(), "reported once");
+        }
+        "sim_nccl_collectives" => {
+            let (ctx, comm) = sim_nccl_comm(1, Default::default());
+            let mut nc = comm.expect("NCCL init through the simulator");
+            let s = ctx.stream().unwrap();
+            let a = lockstep::cuda::DeviceBuffer::from_host(&s, &[1i32, 2, 3]).unwrap();
+            let mut b = lockstep::cuda::DeviceBuffer::<i32>::zeros(&s, 3).unwrap();
+            nc.group(|c| {
+                c.send(&a, 0)?;
+                c.recv(&mut b, 0)
+            })
+            .unwrap();
+            nc.wait("send/recv").unwrap();
+            assert_eq!(b.to_vec(&s).unwrap(), vec![1, 2, 3]);
+            let e = nc.send(&a, 3).unwrap_err().to_string();
+            expect_contains("send to peer 3", &e, &["peer 3 out of range for world size 1"]);
+            let mut comm = nc.into_communicator();
+            let (h, mut hr) = (vec![1f32; 4], vec![0f32; 4]);
+            let e = comm.all_reduce(&h, &mut hr, lockstep::comm::ReduceOp::Sum).unwrap_err().to_string();
+            expect_contains("host buffers", &e, &["host memory", "device memory only", "DeviceBuffer"]);
+            collectives::check_all_dtypes_world1(&mut comm, &s).unwrap();
+            drop(comm);
+            assert_eq!(counter("LOCKSTEP_NCCL_LIBRARY", "sim_destroy_calls"), 1);
+            assert_eq!(counter("LOCKSTEP_NCCL_LIBRARY", "sim_abort_calls"), 0);
+            assert!(ctx.check().is_ok());
+        }
+        "sim_nccl_peer_never_joins" => {
+            let (_ctx, comm) = sim_nccl_comm(2, short_timeout());
+            let e = comm.err().expect("init must fail").to_string();
+            expect_contains("init", &e, &["ncclCommInitRank(rank=0, nranks=2", "did not finish within 0.5 s", "aborted"]);
+            assert_eq!(counter("LOCKSTEP_NCCL_LIBRARY", "sim_abort_calls"), 1);
+        }
+        "sim_nccl_async_error_aborts" => {
+            let (ctx, comm) = sim_nccl_comm(1, short_timeout());
+            let mut comm = comm.unwrap().into_communicator();
+            let s = ctx.stream().unwrap();
+            let mut x = lockstep::cuda::DeviceBuffer::<f32>::zeros(&s, 16).unwrap();
+            comm.all_reduce_in_place(&mut x, lockstep::comm::ReduceOp::Sum).unwrap();
+            let e = comm.synchronize().unwrap_err().to_string();
+            expect_contains("synchronize", &e, &["remote process exited", "(async)"]);
+            assert_eq!(counter("LOCKSTEP_NCCL_LIBRARY", "sim_abort_calls"), 1);
+            let e = comm.all_reduce_in_place(&mut x, lockstep::comm::ReduceOp::Sum).unwrap_err().to_string();
+            expect_contains("after abort", &e, &["aborted earlier"]);
+            drop(comm);
+            assert_eq!(counter("LOCKSTEP_NCCL_LIBRARY", "sim_destroy_calls"), 0, "an aborted communicator is not destroyed again");
+        }
+        "sim_nccl_timeout_aborts" => {
+            let (ctx, comm) = sim_nccl_comm(1, short_timeout());
+            let mut comm = comm.unwrap().into_communicator();
+            let s = ctx.stream().unwrap();
+            let mut x = lockstep::cuda::DeviceBuffer::<f32>::zeros(&s, 16).unwrap();
+            comm.all_reduce_in_place(&mut x, lockstep::comm::ReduceOp::Max).unwrap();
+            let e = comm.synchronize().unwrap_err().to_string();
+            expect_contains("synchronize", &e, &["did not finish within 0.5 s", "aborted", "LOCKSTEP_TIMEOUT_S"]);
+            assert_eq!(counter("LOCKSTEP_NCCL_LIBRARY", "sim_abort_calls"), 1);
+            let e = comm.barrier().unwrap_err().to_string();
+            expect_contains("barrier after abort", &e, &["aborted earlier"]);
+        }
+        "sim_nccl_liveness_check_aborts" => {
+            let check: lockstep::nccl::comm::AbortCheck = Arc::new(|| Some("rank 1 (pid 4242) died".to_string()));
+            let opts = lockstep::nccl::NcclOptions { abort_check: Some(check), ..Default::default() };
+            let (ctx, comm) = sim_nccl_comm(1, opts);
+            let mut comm = comm.unwrap().into_communicator();
+            let s = ctx.stream().unwrap();
+            let mut x = lockstep::cuda::DeviceBuffer::<f32>::zeros(&s, 16).unwrap();
+            comm.all_reduce_in_place(&mut x, lockstep::comm::ReduceOp::Sum).unwrap();
+            let e = comm.synchronize().unwrap_err().to_string();
+            expect_contains("synchronize", &e, &["rank 1 (pid 4242) died", "aborted"]);
+        }
+        "sim_staged_ranks_share_a_gpu" => sim_staged(),
+        "unique_id_exchange_over_shm" => {
+            use lockstep::nccl::UniqueIdExchange;
+            // Three ranks: rank 0's id reaches everyone through the launcher's communicator.
+            let ids = lockstep::launch::launch(&lockstep::launch::LaunchConfig::new(3), |mut rc| {
+                let mine: [u8; 128] = std::array::from_fn(|i| (i * 7 + 3) as u8);
+                let got = rc.comm.exchange(rc.rank, if rc.rank == 0 { Some(&mine) } else { None })?;
+                Ok(got == mine)
+            })
+            .unwrap();
+            assert_eq!(ids, vec![true; 3]);
+            // One rank, end to end: the simulated NCCL initialises with the id from the exchange.
+            let ok = lockstep::launch::launch(&lockstep::launch::LaunchConfig::new(1), |mut rc| {
+                let ctx = lockstep::cuda::Context::new(0)?;
+                let nc = lockstep::nccl::NcclComm::new(&ctx, rc.rank, rc.world_size, &mut rc.comm, Default::default())?;
+                let mut comm = nc.into_communicator();
+                comm.barrier()?;
+                Ok(true)
+            })
+            .unwrap();
+            assert_eq!(ok, vec![true]);
+        }
+        "nvrtc_compile_goes_through_guard" => {
+            // NVRTC 12.x dlopens libcuda.so.1 and calls cuInit while compiling: lockstep routes that
+            // through the guard so the fork check can say where it happened.
+            match lockstep::cuda::compile_ptx(lockstep::cuda::KernelId::Elementwise, "compute_80") {
+                Ok(_) => {}
+                Err(e) if e.to_string().contains("NVRTC library (libnvrtc) not found") => {
+                    println!("(no NVRTC library: nothing to check)");
+                    return;
+                }
+                Err(e) => panic!("{e}"),
+            }
+            assert!(init_record().is_some(), "compiling must initialise through the guard");
+            let e = check_fork_safe().unwrap_err();
+            expect_contains("check_fork_safe after compile", &e, &["by lockstep", "compile_ptx"]);
+        }
+        other => panic!("unknown scenario {other}"),
+    }
+}
+
+fn sim_memory_kernels_events() {
+    use lockstep::cuda::kernels::cpu;
+    use lockstep::cuda::{Context, DeviceBuffer, KernelId, LaunchConfig, PinnedBuffer};
+    let ctx = Context::new(0).unwrap();
+    let info = ctx.info().unwrap();
+    assert_eq!((info.name.as_str(), info.compute_capability), ("Simulated GPU", (8, 0)));
+    let s = ctx.stream().unwrap();
+    {
+        let host: Vec<f32> = (0..1000).map(|i| i as f32 * 0.5).collect();
+        let d = DeviceBuffer::from_host(&s, &host).unwrap();
+        assert_eq!(d.to_vec(&s).unwrap(), host);
+        assert_eq!(DeviceBuffer::<i64>::zeros(&s, 77).unwrap().to_vec(&s).unwrap(), vec![0i64; 77]);
+        let mut d2 = DeviceBuffer::<f32>::alloc(&ctx, 1000).unwrap();
+        d2.copy_from_device_async(&s, &d).unwrap();
+        let mut pinned = PinnedBuffer::<f32>::zeros(&ctx, 1000).unwrap();
+        // SAFETY: `pinned` is untouched until the synchronize below.
+        unsafe { d2.copy_to_pinned_async(&s, &mut pinned).unwrap() };
+        s.synchronize().unwrap();
+        assert_eq!(&pinned[..], &host[..]);
+        let e = d2.copy_from_host(&s, &host[..10]).unwrap_err().to_string();
+        expect_contains("length check", &e, &["lengths differ", "1000", "10"]);
+        let (a, b) = (ctx.event().unwrap(), ctx.event().unwrap());
+        a.record(&s).unwrap();
+        b.record(&s).unwrap();
+        assert_eq!(a.elapsed_ms(&b).unwrap(), 0.25);
+        use lockstep::comm::Buffer;
+        assert_eq!(d.raw().space, lockstep::comm::MemSpace::Device(0));
+    }
+    assert_eq!(counter("LOCKSTEP_CUDA_LIBRARY", "sim_live_allocs"), 0, "every device buffer is freed on drop");
+
+    // Kernels: NVRTC compiles the real source (when installed); the simulator runs host twins, so
+    // this checks argument marshalling and the launch builder's checks.
+    let axpy = match ctx.function(KernelId::Elementwise, "axpy_f32") {
+        Ok(f) => f,
+        Err(e) if e.to_string().contains("NVRTC library (libnvrtc) not found") => {
+            println!("(no NVRTC library: kernel launches not checked)");
+            return;
+        }
+        Err(e) => panic!("{e}"),
+    };
+    let n = 1000usize;
+    let x: Vec<f32> = (0..n).map(|i| (i % 17) as f32).collect();
+    let mut y_cpu: Vec<f32> = (0..n).map(|i| (i % 5) as f32).collect();
+    let mut y = DeviceBuffer::from_host(&s, &y_cpu).unwrap();
+    let dx = DeviceBuffer::from_host(&s, &x).unwrap();
+    axpy.launch(LaunchConfig::for_elements(n)).arg_mut(&mut y).arg(&dx).scalar(2.0f32).scalar(n as i64).elements(n).run(&s).unwrap();
+    cpu::axpy_f32(&mut y_cpu, &x, 2.0, n as i64);
+    assert_eq!(y.to_vec(&s).unwrap(), y_cpu);
+    let fill = ctx.function(KernelId::Elementwise, "fill_f32").unwrap();
+    fill.launch(LaunchConfig::for_elements(n)).arg_mut(&mut y).scalar(-3.5f32).scalar(n as i64).run(&s).unwrap();
+    assert_eq!(y.to_vec(&s).unwrap(), vec![-3.5f32; n]);
+    let x64 = DeviceBuffer::<f64>::zeros(&s, 10).unwrap();
+    let host = vec![0f32; n];
+    let bad = [
+        (axpy.launch(LaunchConfig::for_elements(n)).arg_mut(&mut y).scalar(1.0f32).run(&s), "2 arguments given, the kernel takes 4"),
+        (
+            axpy.launch(LaunchConfig::for_elements(n))
+                .arg_mut(&mut DeviceBuffer::<f32>::zeros(&s, 10).unwrap())
+                .arg(&x64)
+                .scalar(1.0f32)
+                .scalar(10i64)
+                .run(&s),
+            "argument 1 is a f64 buffer, the kernel expects f32",
+        ),
+        (
+            axpy.launch(LaunchConfig::for_elements(n))
+                .arg_mut(&mut DeviceBuffer::<f32>::zeros(&s, n).unwrap())
+                .arg(&host)
+                .scalar(1.0f32)
+                .scalar(n as i64)
+                .run(&s),
+            "argument 1 lives in Host",
+        ),
+        (
+            axpy.launch(LaunchConfig::for_elements(n))
+                .arg_mut(&mut DeviceBuffer::<f32>::zeros(&s, 10).unwrap())
+                .arg(&dx)
+                .scalar(1.0f32)
+                .scalar(n as i64)
+                .elements(n)
+                .run(&s),
+            "argument 0 holds 10 elements, the launch covers 1000",
+        ),
+        (
+            axpy.launch(LaunchConfig::for_elements(n))
+                .arg_mut(&mut DeviceBuffer::<f32>::zeros(&s, n).unwrap())
+                .arg(&dx)
+                .scalar(1i32)
+                .scalar(n as i64)
+                .run(&s),
+            "argument 2 is a i32 scalar, the kernel expects f32",
+        ),
+    ];
+    for (r, needle) in bad {
+        expect_contains("launch check", &r.err().map(|e| e.to_string()).unwrap_or_default(), &[needle]);
+    }
+    let e = ctx.function(KernelId::Elementwise, "nope").err().unwrap().to_string();
+    expect_contains("unknown entry point", &e, &["declares no entry point nope", "axpy_f32"]);
+    // Graphs: a failing body still ends the capture; a real capture records, replay runs it.
+    let e = lockstep::cuda::Graph::capture(&s, |_| {
+        Err(lockstep::cuda::CudaError::InvalidArgument { op: "body".into(), detail: "failed on purpose".into() })
+    })
+    .err()
+    .unwrap()
+    .to_string();
+    expect_contains("failing capture body", &e, &["failed on purpose"]);
+    let scale = ctx.function(KernelId::Elementwise, "scale_f32").unwrap();
+    let mut g = DeviceBuffer::from_host(&s, &[1.0f32; 64]).unwrap();
+    let graph = lockstep::cuda::Graph::capture(&s, |st| {
+        scale.launch(LaunchConfig::for_elements(64)).arg_mut(&mut g).scalar(2.0f32).scalar(64i64).run(st)
+    })
+    .unwrap();
+    assert_eq!(g.to_vec(&s).unwrap(), vec![1.0f32; 64], "capturing must not run the work");
+    for _ in 0..3 {
+        graph.replay(&s).unwrap();
+    }
+    assert_eq!(g.to_vec(&s).unwrap(), vec![8.0f32; 64]);
+    drop(graph);
+    assert_eq!(counter("LOCKSTEP_CUDA_LIBRARY", "sim_live_graphs"), 0);
+    assert!(ctx.check().is_ok());
+    drop((axpy, fill, scale));
+    drop(ctx);
+}
+
+/// Three ranks share the one simulated GPU through the staged shm backend.
+fn sim_staged() {
+    use lockstep::comm::ReduceOp;
+    use lockstep::cuda::DeviceBuffer;
+    let res = lockstep::launch::launch(&lockstep::launch::LaunchConfig::new(3), |rc| {
+        let ctx = lockstep::cuda::Context::new(0)?;
+        let s = ctx.stream()?;
+        let mut comm = lockstep::cuda::StagedBackend::new(&ctx, rc.comm)?.into_communicator();
+        let (rank, r) = (rc.rank, rc.rank as f32);
+        let mut ok = true;
+        let mut x = DeviceBuffer::from_host(&s, &vec![r + 1.0; 1000])?;
+        comm.all_reduce_in_place(&mut x, ReduceOp::Sum)?;
+        ok &= x.to_vec(&s)?.iter().all(|v| *v == 6.0);
+        let mine = DeviceBuffer::from_host(&s, &[r; 10])?;
+        let mut g = DeviceBuffer::<f32>::zeros(&s, 30)?;
+        comm.all_gather(&mine, &mut g)?;
+        let want_g: Vec<f32> = (0..30).map(|i| (i / 10) as f32).collect();
+        ok &= g.to_vec(&s)? == want_g;
+        let mut gi = DeviceBuffer::from_host(&s, &(0..30).map(|i| if i / 10 == rank { r } else { -9.0 }).collect::<Vec<f32>>())?;
+        comm.all_gather_in_place(&mut gi)?;
+        ok &= gi.to_vec(&s)? == want_g;
+        let mut keep = DeviceBuffer::from_host(&s, &[-1.0f32; 30])?;
+        comm.gather(&mine, &mut keep, 1)?;
+        ok &= keep.to_vec(&s)? == if rank == 1 { want_g.clone() } else { vec![-1.0; 30] };
+        let mut red = DeviceBuffer::from_host(&s, &[-1.0f32; 10])?;
+        comm.reduce(&mine, &mut red, ReduceOp::Max, 2)?;
+        ok &= red.to_vec(&s)? == if rank == 2 { vec![2.0; 10] } else { vec![-1.0; 10] };
+        let mut rs = DeviceBuffer::from_host(&s, &(0..30).map(|i| i as f32).collect::<Vec<f32>>())?;
+        comm.reduce_scatter_in_place(&mut rs, ReduceOp::Sum)?;
+        let v = rs.to_vec(&s)?;
+        ok &= (0..10).all(|i| v[rank * 10 + i] == 3.0 * (rank * 10 + i) as f32);
+        let mut b = DeviceBuffer::from_host(&s, &[r; 5])?;
+        comm.broadcast_in_place(&mut b, 2)?;
+        ok &= b.to_vec(&s)? == vec![2.0; 5];
+        let (h, mut hr) = (vec![r; 4], vec![0f32; 4]);
+        comm.all_reduce(&h, &mut hr, ReduceOp::Sum)?;
+        ok &= hr == vec![3.0; 4];
+        comm.barrier()?;
+        comm.synchronize()?;
+        Ok(ok)
+    });
+    match res {
+        Ok(v) if v.iter().all(|b| *b) => {}
+        other => panic!("staged ranks: {other:?}"),
+    }
+}
+
+fn main() {
+    if let Ok(name) = std::env::var("LOCKSTEP_FAKE_SCENARIO") {
+        scenario(&name);
+        return;
+    }
+    let filter: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with('-')).collect();
+    let root = std::env::temp_dir().join(format!("lockstep-fake-libs-{}", std::process::id()));
+    let libs = build_libs(&root);
+    let s = |p: &PathBuf| p.display().to_string();
+    let cases: Vec<(&str, Vec<(&str, String)>)> = vec![
+        ("guard_records_location", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.cuda))]),
+        ("foreign_init_refused", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.cuda))]),
+        ("guard_is_per_process", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.cuda))]),
+        ("probe_child_reports", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.cuda))]),
+        ("missing_override", vec![("LOCKSTEP_CUDA_LIBRARY", "/nonexistent/libcuda.so.1".into())]),
+        ("missing_default_search", vec![]),
+        ("missing_symbol", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.cuda_broken))]),
+        ("driver_symbols_missing_is_error", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.cuda))]),
+        ("fake_nccl", vec![("LOCKSTEP_NCCL_LIBRARY", s(&libs.nccl)), ("LOCKSTEP_CUDA_LIBRARY", s(&libs.cuda))]),
+        ("old_nccl_rejected", vec![("LOCKSTEP_NCCL_LIBRARY", s(&libs.nccl_old))]),
+        ("sim_memory_kernels_events", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda))]),
+        ("sim_drop_error_is_deferred", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)), ("SIM_FAIL_FREE", "1".into())]),
+        ("sim_nccl_collectives", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)), ("LOCKSTEP_NCCL_LIBRARY", s(&libs.sim_nccl))]),
+        ("sim_nccl_peer_never_joins", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)), ("LOCKSTEP_NCCL_LIBRARY", s(&libs.sim_nccl))]),
+        (
+            "sim_nccl_async_error_aborts",
+            vec![
+                ("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)),
+                ("LOCKSTEP_NCCL_LIBRARY", s(&libs.sim_nccl)),
+                ("SIM_NCCL_ASYNC_ERROR", "1".into()),
+                ("SIM_STREAM_STUCK", "1".into()),
+            ],
+        ),
+        (
+            "sim_nccl_timeout_aborts",
+            vec![
+                ("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)),
+                ("LOCKSTEP_NCCL_LIBRARY", s(&libs.sim_nccl)),
+                ("SIM_STREAM_STUCK", "1".into()),
+            ],
+        ),
+        (
+            "sim_nccl_liveness_check_aborts",
+            vec![
+                ("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)),
+                ("LOCKSTEP_NCCL_LIBRARY", s(&libs.sim_nccl)),
+                ("SIM_STREAM_STUCK", "1".into()),
+            ],
+        ),
+        ("sim_staged_ranks_share_a_gpu", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda))]),
+        ("unique_id_exchange_over_shm", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)), ("LOCKSTEP_NCCL_LIBRARY", s(&libs.sim_nccl))]),
+        ("nvrtc_compile_goes_through_guard", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda))]),
+        ("debug_probe", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.cuda)), ("LOCKSTEP_DEBUG", "1".into())]),
+        (
+            "missing_nccl_and_nvrtc",
+            vec![
+                ("LOCKSTEP_NCCL_LIBRARY", "/nonexistent/libnccl.so.2".into()),
+                ("LOCKSTEP_NVRTC_LIBRARY", "/nonexistent/libnvrtc.so.12".into()),
+            ],
+        ),
+    ];
+    let exe = std::env::current_exe().unwrap();
+    let (mut passed, mut failed) = (0, Vec::new());
+    for (name, env) in &cases {
+        if !filter.is_empty() && !filter.iter().any(|f| name.contains(f.as_str())) {
+            continue;
+        }
+        let mut cmd = Command::new(&exe);
+        cmd.env("LOCKSTEP_FAKE_SCENARIO", name);
+        for v in [
+            "LOCKSTEP_CUDA_LIBRARY",
+            "LOCKSTEP_NCCL_LIBRARY",
+            "LOCKSTEP_NVRTC_LIBRARY",
+            "LOCKSTEP_DEBUG",
+            "LOCKSTEP_TIMEOUT_S",
+            "XDG_CACHE_HOME",
+        ] {
+            cmd.env_remove(v);
+        }
+        // A private kernel cache, so runs do not depend on (or fill) the user's cache.
+        cmd.env("XDG_CACHE_HOME", root.join("cache"));
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let out = cmd.output().expect("re-run the test binary");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let stderr_ok = *name != "debug_probe" || stderr.contains("lockstep: CUDA probe: a rank can initialise CUDA: 2 device(s)");
+        if out.status.success() && stderr_ok {
+            if std::env::var_os("LOCKSTEP_FAKE_VERBOSE").is_some() {
+                print!("{}", String::from_utf8_lossy(&out.stdout));
+            }
+            println!("test {name} ... ok");
+            passed += 1;
+        } else {
+            println!("test {name} ... FAILED\n{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+            failed.push(*name);
+        }
+    }
+    let _ = std::fs::remove_dir_all(&root);
+    println!("\ntest result: {}. {passed} passed; {} failed", if failed.is_empty() { "ok" } else { "FAILED" }, failed.len());
+    if !failed.is_empty() {
+        println!("failed: {failed:?}");
+        std::process::exit(1);
+    }
+}

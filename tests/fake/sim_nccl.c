@@ -1,0 +1,52 @@
+/* A simulated NCCL for tests without a GPU, paired with sim_cuda.c (device memory is host
+ * memory). World size 1 only: every collective copies send to recv; send/recv pairs inside a
+ * group are matched at ncclGroupEnd. A communicator with more than one rank never finishes
+ * initialising (a peer that never joins). Fault injection: SIM_NCCL_ASYNC_ERROR=1 makes
+ * ncclCommGetAsyncError report ncclRemoteError after the first collective. */
+#include <stdlib.h>
+#include <string.h>
+typedef struct { char internal[128]; } ncclUniqueId;
+typedef struct { size_t size; unsigned magic, version; int blocking; } cfg_head;
+typedef struct { int nranks, rank, state, ops; } comm_t;
+static int abort_calls = 0, destroy_calls = 0, in_group = 0, nsend = 0, nrecv = 0;
+static const void* sends[64]; static size_t send_bytes[64];
+static void* recvs[64]; static size_t recv_bytes[64];
+static size_t dsize(int dt) { static const size_t s[] = {1, 1, 4, 4, 8, 8, 2, 4, 8, 2}; return dt >= 0 && dt < 10 ? s[dt] : 0; }
+
+int ncclGetVersion(int* v) { *v = 21803; return 0; }
+int ncclGetUniqueId(ncclUniqueId* id) { memset(id, 7, sizeof *id); return 0; }
+const char* ncclGetErrorString(int r) { return r == 0 ? "no error" : r == 6 ? "remote process exited or there was a network error" : "simulated NCCL error"; }
+const char* ncclGetLastError(void* c) { return ""; }
+int sim_abort_calls(void) { return abort_calls; }
+int sim_destroy_calls(void) { return destroy_calls; }
+
+static comm_t* make(int nranks, int rank) { comm_t* c = calloc(1, sizeof *c); c->nranks = nranks; c->rank = rank; c->state = nranks == 1 ? 0 : 7; return c; }
+int ncclCommInitRank(comm_t** c, int nranks, ncclUniqueId id, int rank) { if (nranks != 1) return 5; *c = make(nranks, rank); return 0; }
+int ncclCommInitRankConfig(comm_t** c, int nranks, ncclUniqueId id, int rank, cfg_head* cfg) {
+    if (cfg->magic != 0xcafebeef) return 4;
+    *c = make(nranks, rank);
+    return cfg->blocking == 0 ? 7 : ((*c)->state == 0 ? 0 : 5);
+}
+int ncclCommGetAsyncError(comm_t* c, int* st) { *st = (getenv("SIM_NCCL_ASYNC_ERROR") && c->ops > 0) ? 6 : c->state; return 0; }
+int ncclCommAbort(comm_t* c) { abort_calls++; free(c); return 0; }
+int ncclCommFinalize(comm_t* c) { return 0; }
+int ncclCommDestroy(comm_t* c) { destroy_calls++; free(c); return 0; }
+int ncclCommCount(comm_t* c, int* n) { *n = c->nranks; return 0; }
+int ncclCommCuDevice(comm_t* c, int* d) { *d = 0; return 0; }
+int ncclCommUserRank(comm_t* c, int* r) { *r = c->rank; return 0; }
+static int copy(const void* s, void* r, size_t bytes, comm_t* c) { if (c->state != 0) return 5; c->ops++; if (s != r) memmove(r, s, bytes); return 0; }
+int ncclAllReduce(const void* s, void* r, size_t n, int dt, int op, comm_t* c, void* st) { return copy(s, r, n * dsize(dt), c); }
+int ncclBroadcast(const void* s, void* r, size_t n, int dt, int root, comm_t* c, void* st) { return copy(s, r, n * dsize(dt), c); }
+int ncclReduce(const void* s, void* r, size_t n, int dt, int op, int root, comm_t* c, void* st) { return copy(s, r, n * dsize(dt), c); }
+int ncclAllGather(const void* s, void* r, size_t n, int dt, comm_t* c, void* st) { return copy(s, r, n * dsize(dt), c); }
+int ncclReduceScatter(const void* s, void* r, size_t n, int dt, int op, comm_t* c, void* st) { return copy(s, r, n * dsize(dt), c); }
+int ncclSend(const void* b, size_t n, int dt, int peer, comm_t* c, void* st) { if (!in_group || peer != 0) return 5; sends[nsend] = b; send_bytes[nsend++] = n * dsize(dt); c->ops++; return 0; }
+int ncclRecv(void* b, size_t n, int dt, int peer, comm_t* c, void* st) { if (!in_group || peer != 0) return 5; recvs[nrecv] = b; recv_bytes[nrecv++] = n * dsize(dt); return 0; }
+int ncclGroupStart(void) { in_group++; return 0; }
+int ncclGroupEnd(void) {
+    if (--in_group > 0) return 0;
+    if (nsend != nrecv) { nsend = nrecv = 0; return 5; }
+    for (int i = 0; i < nsend; i++) { if (send_bytes[i] != recv_bytes[i]) return 4; memmove(recvs[i], sends[i], send_bytes[i]); }
+    nsend = nrecv = 0;
+    return 0;
+}
