@@ -13,18 +13,52 @@ include!(concat!(env!("OUT_DIR"), "/kernels.rs"));
 /// One variant per `kernels/*.cu` file (a unit test checks none is missing).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum KernelId {
+    /// `kernels/activation.cu`: `relu_forward_f32`, `relu_backward_f32`.
+    Activation,
+    /// `kernels/batchnorm.cu`: `batchnorm2d_forward_train_f32`, `batchnorm2d_forward_eval_f32`, `batchnorm2d_backward_f32`.
+    Batchnorm,
+    /// `kernels/conv2d.cu`: `conv2d_forward_f32`, `conv2d_forward_bf16`, `conv2d_backward_input_f32`, `conv2d_backward_input_bf16`, `conv2d_backward_weight_f32`, `conv2d_backward_weight_bf16`, `conv2d_backward_bias_f32`, `conv2d_backward_bias_bf16`.
+    Conv2d,
+    /// `kernels/data.cu`: `gather_batch_f32`, `bucket_flatten_f32`, `bucket_unflatten_f32`, `cast_f32_bf16`, `cast_bf16_f32`.
+    Data,
     /// `kernels/elementwise.cu`: `fill_f32`, `scale_f32`, `axpy_f32`.
     Elementwise,
+    /// `kernels/linear.cu`: `linear_forward_f32`, `linear_forward_bf16`, `linear_backward_input_f32`, `linear_backward_input_bf16`, `linear_backward_weight_f32`, `linear_backward_weight_bf16`, `linear_backward_bias_f32`, `linear_backward_bias_bf16`.
+    Linear,
+    /// `kernels/loss.cu`: `softmax_xent_forward_f32`, `softmax_xent_backward_f32`.
+    Loss,
+    /// `kernels/optim.cu`: `adam_step_f32`, `sgd_step_f32`.
+    Optim,
+    /// `kernels/pool.cu`: `maxpool2d_forward_f32`, `maxpool2d_backward_f32`.
+    Pool,
 }
 
 impl KernelId {
     /// Every kernel file.
-    pub const ALL: &'static [KernelId] = &[KernelId::Elementwise];
+    pub const ALL: &'static [KernelId] = &[
+        KernelId::Activation,
+        KernelId::Batchnorm,
+        KernelId::Conv2d,
+        KernelId::Data,
+        KernelId::Elementwise,
+        KernelId::Linear,
+        KernelId::Loss,
+        KernelId::Optim,
+        KernelId::Pool,
+    ];
 
     /// File name under `kernels/`.
     pub const fn file(self) -> &'static str {
         match self {
+            KernelId::Activation => "activation.cu",
+            KernelId::Batchnorm => "batchnorm.cu",
+            KernelId::Conv2d => "conv2d.cu",
+            KernelId::Data => "data.cu",
             KernelId::Elementwise => "elementwise.cu",
+            KernelId::Linear => "linear.cu",
+            KernelId::Loss => "loss.cu",
+            KernelId::Optim => "optim.cu",
+            KernelId::Pool => "pool.cu",
         }
     }
 
@@ -41,6 +75,229 @@ impl KernelId {
     /// The `extern "C"` entry points and their parameter kinds, in order.
     pub const fn functions(self) -> &'static [KernelSig] {
         match self {
+            KernelId::Activation => &[
+                KernelSig {
+                    name: "relu_forward_f32",
+                    args: &[ArgKind::PtrMut(Dtype::F32), ArgKind::Ptr(Dtype::F32), ArgKind::Scalar(Dtype::I32)],
+                },
+                KernelSig {
+                    name: "relu_backward_f32",
+                    args: &[ArgKind::PtrMut(Dtype::F32), ArgKind::Ptr(Dtype::F32), ArgKind::Ptr(Dtype::F32), ArgKind::Scalar(Dtype::I32)],
+                },
+            ],
+            KernelId::Batchnorm => &[
+                KernelSig {
+                    name: "batchnorm2d_forward_train_f32",
+                    args: &[
+                        ArgKind::PtrMut(Dtype::F32),
+                        ArgKind::PtrMut(Dtype::F32),
+                        ArgKind::PtrMut(Dtype::F32),
+                        ArgKind::PtrMut(Dtype::F32),
+                        ArgKind::PtrMut(Dtype::F32),
+                        ArgKind::Ptr(Dtype::F32),
+                        ArgKind::Ptr(Dtype::F32),
+                        ArgKind::Ptr(Dtype::F32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::F32),
+                        ArgKind::Scalar(Dtype::F32),
+                        ArgKind::Scalar(Dtype::I32),
+                    ],
+                },
+                KernelSig {
+                    name: "batchnorm2d_forward_eval_f32",
+                    args: &[
+                        ArgKind::PtrMut(Dtype::F32),
+                        ArgKind::Ptr(Dtype::F32),
+                        ArgKind::Ptr(Dtype::F32),
+                        ArgKind::Ptr(Dtype::F32),
+                        ArgKind::Ptr(Dtype::F32),
+                        ArgKind::Ptr(Dtype::F32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::F32),
+                        ArgKind::Scalar(Dtype::I32),
+                    ],
+                },
+                KernelSig {
+                    name: "batchnorm2d_backward_f32",
+                    args: &[
+                        ArgKind::PtrMut(Dtype::F32),
+                        ArgKind::PtrMut(Dtype::F32),
+                        ArgKind::PtrMut(Dtype::F32),
+                        ArgKind::Ptr(Dtype::F32),
+                        ArgKind::Ptr(Dtype::F32),
+                        ArgKind::Ptr(Dtype::F32),
+                        ArgKind::Ptr(Dtype::F32),
+                        ArgKind::Ptr(Dtype::F32),
+                        ArgKind::Ptr(Dtype::F32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                    ],
+                },
+            ],
+            KernelId::Conv2d => &[
+                KernelSig {
+                    name: "conv2d_forward_f32",
+                    args: &[
+                        ArgKind::PtrMut(Dtype::F32),
+                        ArgKind::Ptr(Dtype::F32),
+                        ArgKind::Ptr(Dtype::F32),
+                        ArgKind::Ptr(Dtype::F32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                    ],
+                },
+                KernelSig {
+                    name: "conv2d_forward_bf16",
+                    args: &[
+                        ArgKind::PtrMut(Dtype::F32),
+                        ArgKind::Ptr(Dtype::BF16),
+                        ArgKind::Ptr(Dtype::BF16),
+                        ArgKind::Ptr(Dtype::F32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                    ],
+                },
+                KernelSig {
+                    name: "conv2d_backward_input_f32",
+                    args: &[
+                        ArgKind::PtrMut(Dtype::F32),
+                        ArgKind::Ptr(Dtype::F32),
+                        ArgKind::Ptr(Dtype::F32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                    ],
+                },
+                KernelSig {
+                    name: "conv2d_backward_input_bf16",
+                    args: &[
+                        ArgKind::PtrMut(Dtype::F32),
+                        ArgKind::Ptr(Dtype::BF16),
+                        ArgKind::Ptr(Dtype::BF16),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                    ],
+                },
+                KernelSig {
+                    name: "conv2d_backward_weight_f32",
+                    args: &[
+                        ArgKind::PtrMut(Dtype::F32),
+                        ArgKind::Ptr(Dtype::F32),
+                        ArgKind::Ptr(Dtype::F32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                    ],
+                },
+                KernelSig {
+                    name: "conv2d_backward_weight_bf16",
+                    args: &[
+                        ArgKind::PtrMut(Dtype::F32),
+                        ArgKind::Ptr(Dtype::BF16),
+                        ArgKind::Ptr(Dtype::BF16),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                    ],
+                },
+                KernelSig {
+                    name: "conv2d_backward_bias_f32",
+                    args: &[
+                        ArgKind::PtrMut(Dtype::F32),
+                        ArgKind::Ptr(Dtype::F32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                    ],
+                },
+                KernelSig {
+                    name: "conv2d_backward_bias_bf16",
+                    args: &[
+                        ArgKind::PtrMut(Dtype::F32),
+                        ArgKind::Ptr(Dtype::BF16),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                    ],
+                },
+            ],
+            KernelId::Data => &[
+                KernelSig {
+                    name: "gather_batch_f32",
+                    args: &[
+                        ArgKind::PtrMut(Dtype::F32),
+                        ArgKind::PtrMut(Dtype::I32),
+                        ArgKind::Ptr(Dtype::U8),
+                        ArgKind::Ptr(Dtype::U8),
+                        ArgKind::Ptr(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                    ],
+                },
+                KernelSig {
+                    name: "bucket_flatten_f32",
+                    args: &[ArgKind::PtrMut(Dtype::F32), ArgKind::Ptr(Dtype::I64), ArgKind::Scalar(Dtype::I32)],
+                },
+                KernelSig {
+                    name: "bucket_unflatten_f32",
+                    args: &[ArgKind::Ptr(Dtype::I64), ArgKind::Ptr(Dtype::F32), ArgKind::Scalar(Dtype::I32), ArgKind::Scalar(Dtype::F32)],
+                },
+                KernelSig {
+                    name: "cast_f32_bf16",
+                    args: &[ArgKind::PtrMut(Dtype::BF16), ArgKind::Ptr(Dtype::F32), ArgKind::Scalar(Dtype::I32)],
+                },
+                KernelSig {
+                    name: "cast_bf16_f32",
+                    args: &[ArgKind::PtrMut(Dtype::F32), ArgKind::Ptr(Dtype::BF16), ArgKind::Scalar(Dtype::I32)],
+                },
+            ],
             KernelId::Elementwise => &[
                 KernelSig {
                     name: "fill_f32",
@@ -57,6 +314,184 @@ impl KernelId {
                         ArgKind::Ptr(Dtype::F32),
                         ArgKind::Scalar(Dtype::F32),
                         ArgKind::Scalar(Dtype::I64),
+                    ],
+                },
+            ],
+            KernelId::Linear => &[
+                KernelSig {
+                    name: "linear_forward_f32",
+                    args: &[
+                        ArgKind::PtrMut(Dtype::F32),
+                        ArgKind::Ptr(Dtype::F32),
+                        ArgKind::Ptr(Dtype::F32),
+                        ArgKind::Ptr(Dtype::F32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                    ],
+                },
+                KernelSig {
+                    name: "linear_forward_bf16",
+                    args: &[
+                        ArgKind::PtrMut(Dtype::F32),
+                        ArgKind::Ptr(Dtype::BF16),
+                        ArgKind::Ptr(Dtype::BF16),
+                        ArgKind::Ptr(Dtype::F32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                    ],
+                },
+                KernelSig {
+                    name: "linear_backward_input_f32",
+                    args: &[
+                        ArgKind::PtrMut(Dtype::F32),
+                        ArgKind::Ptr(Dtype::F32),
+                        ArgKind::Ptr(Dtype::F32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                    ],
+                },
+                KernelSig {
+                    name: "linear_backward_input_bf16",
+                    args: &[
+                        ArgKind::PtrMut(Dtype::F32),
+                        ArgKind::Ptr(Dtype::BF16),
+                        ArgKind::Ptr(Dtype::BF16),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                    ],
+                },
+                KernelSig {
+                    name: "linear_backward_weight_f32",
+                    args: &[
+                        ArgKind::PtrMut(Dtype::F32),
+                        ArgKind::Ptr(Dtype::F32),
+                        ArgKind::Ptr(Dtype::F32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                    ],
+                },
+                KernelSig {
+                    name: "linear_backward_weight_bf16",
+                    args: &[
+                        ArgKind::PtrMut(Dtype::F32),
+                        ArgKind::Ptr(Dtype::BF16),
+                        ArgKind::Ptr(Dtype::BF16),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                    ],
+                },
+                KernelSig {
+                    name: "linear_backward_bias_f32",
+                    args: &[
+                        ArgKind::PtrMut(Dtype::F32),
+                        ArgKind::Ptr(Dtype::F32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                    ],
+                },
+                KernelSig {
+                    name: "linear_backward_bias_bf16",
+                    args: &[
+                        ArgKind::PtrMut(Dtype::F32),
+                        ArgKind::Ptr(Dtype::BF16),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                    ],
+                },
+            ],
+            KernelId::Loss => &[
+                KernelSig {
+                    name: "softmax_xent_forward_f32",
+                    args: &[
+                        ArgKind::PtrMut(Dtype::F32),
+                        ArgKind::PtrMut(Dtype::F32),
+                        ArgKind::PtrMut(Dtype::F32),
+                        ArgKind::PtrMut(Dtype::I32),
+                        ArgKind::Ptr(Dtype::F32),
+                        ArgKind::Ptr(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                    ],
+                },
+                KernelSig {
+                    name: "softmax_xent_backward_f32",
+                    args: &[
+                        ArgKind::PtrMut(Dtype::F32),
+                        ArgKind::Ptr(Dtype::F32),
+                        ArgKind::Ptr(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                    ],
+                },
+            ],
+            KernelId::Optim => &[
+                KernelSig {
+                    name: "adam_step_f32",
+                    args: &[
+                        ArgKind::PtrMut(Dtype::F32),
+                        ArgKind::Ptr(Dtype::F32),
+                        ArgKind::PtrMut(Dtype::F32),
+                        ArgKind::PtrMut(Dtype::F32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::F32),
+                        ArgKind::Scalar(Dtype::F32),
+                        ArgKind::Scalar(Dtype::F32),
+                        ArgKind::Scalar(Dtype::F32),
+                        ArgKind::Scalar(Dtype::F32),
+                        ArgKind::Scalar(Dtype::I32),
+                    ],
+                },
+                KernelSig {
+                    name: "sgd_step_f32",
+                    args: &[
+                        ArgKind::PtrMut(Dtype::F32),
+                        ArgKind::Ptr(Dtype::F32),
+                        ArgKind::PtrMut(Dtype::F32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::F32),
+                        ArgKind::Scalar(Dtype::F32),
+                        ArgKind::Scalar(Dtype::F32),
+                        ArgKind::Scalar(Dtype::F32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                    ],
+                },
+            ],
+            KernelId::Pool => &[
+                KernelSig {
+                    name: "maxpool2d_forward_f32",
+                    args: &[
+                        ArgKind::PtrMut(Dtype::F32),
+                        ArgKind::PtrMut(Dtype::I32),
+                        ArgKind::Ptr(Dtype::F32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                    ],
+                },
+                KernelSig {
+                    name: "maxpool2d_backward_f32",
+                    args: &[
+                        ArgKind::PtrMut(Dtype::F32),
+                        ArgKind::Ptr(Dtype::F32),
+                        ArgKind::Ptr(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
+                        ArgKind::Scalar(Dtype::I32),
                     ],
                 },
             ],
@@ -118,9 +553,15 @@ mod tests {
         for k in KernelId::ALL {
             assert!(!k.source().is_empty(), "{k} has no embedded source");
             for sig in k.functions() {
-                let needle = format!("void {}(", sig.name);
-                assert!(k.source().contains(&needle), "{k}: no `extern \"C\" __global__ {needle}...` for its signature");
-                let params = k.source().split(&needle).nth(1).unwrap().split(')').next().unwrap();
+                // The name follows `void` or `__launch_bounds__(...)` after whitespace.
+                let needle = format!("{}(", sig.name);
+                let at = k
+                    .source()
+                    .match_indices(&needle)
+                    .map(|(i, _)| i)
+                    .find(|&i| i > 0 && k.source().as_bytes()[i - 1].is_ascii_whitespace());
+                let at = at.unwrap_or_else(|| panic!("{k}: no `extern \"C\" __global__ void {needle}...` for its signature"));
+                let params = k.source()[at + needle.len()..].split(')').next().unwrap();
                 assert_eq!(params.split(',').count(), sig.args.len(), "{k}::{}: parameter count differs from the signature", sig.name);
             }
         }
