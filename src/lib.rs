@@ -7,7 +7,8 @@
 //! |---|---|
 //! | [`comm`] | the backend-agnostic [`Communicator`](comm::Communicator): all-reduce, broadcast, reduce, all-gather, gather, reduce-scatter, barrier |
 //! | [`shm`] | the shared-memory backend for the ranks of one node: segment, synchronisation, reduction kernels |
-//! | [`launch`] | the fork-based launcher: ranks, supervision, results |
+//! | [`launch`] | the launchers: [`launch::launch`] forks ranks running a function; [`launch::run_job`] backs `lockstep launch` (exec'd ranks); output, supervision, failure reports |
+//! | [`store`] | the TCP rendezvous store that multi-node jobs meet through |
 //!
 //! Safety model: `unsafe` lives only in the modules that talk to the OS or to foreign libraries
 //! (`shm`, `launch`'s post-fork code, `cuda`, `nccl`); every block carries a `// SAFETY:` line.
@@ -18,5 +19,6 @@
 pub mod comm;
 pub mod launch;
 pub mod shm;
+pub mod store;
 
 pub use comm::{Buffer, BufferMut, CollKind, CommError, Communicator, Dtype, Element, ReduceOp};

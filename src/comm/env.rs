@@ -1,0 +1,149 @@
+//! [`Communicator::from_env`]: join the job a launcher (`lockstep launch`, or anything that sets
+//! the same variables) started this process in.
+//!
+//! * One node (`LOCKSTEP_NNODES` = 1, or `WORLD_SIZE` = `LOCAL_WORLD_SIZE`): the local ranks
+//!   join the named shared-memory segment of `LOCKSTEP_JOB_ID`; no port is used.
+//! * Several nodes: every rank connects to the rendezvous store at `MASTER_ADDR:MASTER_PORT`
+//!   with `LOCKSTEP_TOKEN` and publishes a host id. When all ranks turn out to share one host
+//!   (for example two launchers on loopback), they form one shared-memory communicator under the
+//!   node-0 launcher's job id, with global ranks. A CPU job that spans hosts is refused with an
+//!   error: no cross-host CPU transport exists (the NCCL backend provides one for GPUs).
+
+use std::time::Duration;
+
+use super::{CommError, Communicator};
+use crate::shm::{ShmComm, ShmConfig};
+use crate::store::{Store, TcpStore};
+
+/// The rendezvous variables a launcher sets.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EnvInfo {
+    /// `RANK`.
+    pub rank: usize,
+    /// `LOCAL_RANK`.
+    pub local_rank: usize,
+    /// `WORLD_SIZE`.
+    pub world_size: usize,
+    /// `LOCAL_WORLD_SIZE` (defaults to `WORLD_SIZE`).
+    pub local_world_size: usize,
+    /// `LOCKSTEP_NNODES` (default 1).
+    pub nnodes: usize,
+    /// `LOCKSTEP_JOB_ID`.
+    pub job_id: String,
+    /// `MASTER_ADDR` (default 127.0.0.1).
+    pub master_addr: String,
+    /// `MASTER_PORT` (only needed with several nodes).
+    pub master_port: Option<u16>,
+    /// `LOCKSTEP_TOKEN` (only needed with several nodes).
+    pub token: Option<String>,
+}
+
+fn var(name: &str) -> Option<String> {
+    std::env::var(name).ok().filter(|v| !v.is_empty())
+}
+
+fn setup(msg: String) -> CommError {
+    CommError::Setup(msg)
+}
+
+fn num(name: &str) -> Result<Option<usize>, CommError> {
+    match var(name) {
+        None => Ok(None),
+        Some(v) => v.trim().parse().map(Some).map_err(|_| setup(format!("{name}={v:?} is not a non-negative integer"))),
+    }
+}
+
+fn required(name: &str) -> Result<usize, CommError> {
+    num(name)?.ok_or_else(|| setup(format!("{name} is not set: start this program with `lockstep launch --nproc-per-node N -- program ...` (or set RANK, WORLD_SIZE and LOCKSTEP_JOB_ID yourself)")))
+}
+
+impl EnvInfo {
+    /// Read and check the variables.
+    pub fn from_env() -> Result<EnvInfo, CommError> {
+        let rank = required("RANK")?;
+        let world_size = required("WORLD_SIZE")?;
+        let local_rank = num("LOCAL_RANK")?.unwrap_or(rank);
+        let local_world_size = num("LOCAL_WORLD_SIZE")?.unwrap_or(world_size);
+        let nnodes = num("LOCKSTEP_NNODES")?.unwrap_or(1).max(1);
+        let job_id = var("LOCKSTEP_JOB_ID").ok_or_else(|| setup("LOCKSTEP_JOB_ID is not set: start this program with `lockstep launch`, which names the job".into()))?;
+        if rank >= world_size || local_rank >= local_world_size || local_world_size > world_size {
+            return Err(setup(format!(
+                "inconsistent rank variables: RANK={rank} WORLD_SIZE={world_size} LOCAL_RANK={local_rank} LOCAL_WORLD_SIZE={local_world_size}"
+            )));
+        }
+        let master_port = match var("MASTER_PORT") {
+            None => None,
+            Some(p) => Some(p.trim().parse::<u16>().map_err(|_| setup(format!("MASTER_PORT={p:?} is not a port number")))?),
+        };
+        Ok(EnvInfo {
+            rank,
+            local_rank,
+            world_size,
+            local_world_size,
+            nnodes,
+            job_id,
+            master_addr: var("MASTER_ADDR").unwrap_or_else(|| "127.0.0.1".into()),
+            master_port,
+            token: var("LOCKSTEP_TOKEN"),
+        })
+    }
+
+    /// Whether every rank is on this node, so no rendezvous is needed.
+    pub fn single_node(&self) -> bool {
+        self.nnodes == 1 || self.world_size == self.local_world_size
+    }
+}
+
+/// An id of this host: its name plus the kernel's boot id (two containers with one hostname, or a
+/// rebooted host, differ).
+pub fn host_id() -> String {
+    let read = |p: &str| std::fs::read_to_string(p).map(|s| s.trim().to_string()).unwrap_or_default();
+    format!("{}/{}", read("/proc/sys/kernel/hostname"), read("/proc/sys/kernel/random/boot_id"))
+}
+
+fn secs_env(name: &str, default: f64) -> Duration {
+    let s = var(name).and_then(|v| v.trim().parse::<f64>().ok()).filter(|v| v.is_finite() && *v > 0.0).unwrap_or(default);
+    Duration::from_secs_f64(s)
+}
+
+impl Communicator {
+    /// Join the job described by the launcher's environment variables (see the module docs of
+    /// `comm::env`). `LOCKSTEP_RDZV_TIMEOUT_S` (default 60) bounds the multi-node rendezvous.
+    pub fn from_env() -> Result<Communicator, CommError> {
+        let info = EnvInfo::from_env()?;
+        let cfg = ShmConfig::from_env();
+        if info.single_node() {
+            let c = ShmComm::join_named(&info.job_id, info.local_rank, info.local_world_size, cfg)?;
+            return Ok(Communicator::from_backend(Box::new(c)));
+        }
+        let timeout = secs_env("LOCKSTEP_RDZV_TIMEOUT_S", 60.0);
+        let port = info.master_port.ok_or_else(|| setup("MASTER_PORT is not set, but a multi-node job needs the rendezvous store's port".into()))?;
+        let token = info.token.clone().ok_or_else(|| setup("LOCKSTEP_TOKEN is not set, but a multi-node job needs it to talk to the rendezvous store".into()))?;
+        let st = |e: crate::store::StoreError| setup(format!("rank {}: {e}", info.rank));
+        let mut store = TcpStore::connect(&info.master_addr, port, &token, timeout).map_err(st)?;
+        // Publish where this rank runs, then learn where every rank runs.
+        let me = host_id();
+        store.set(&format!("lockstep/host/{}", info.rank), me.as_bytes()).map_err(st)?;
+        let keys: Vec<String> = (0..info.world_size).map(|r| format!("lockstep/host/{r}")).collect();
+        let refs: Vec<&str> = keys.iter().map(|s| s.as_str()).collect();
+        store.wait(&refs, timeout).map_err(st)?;
+        let mut hosts = Vec::with_capacity(info.world_size);
+        for k in &keys {
+            hosts.push(String::from_utf8_lossy(&store.get(k).map_err(st)?.unwrap_or_default()).into_owned());
+        }
+        if let Some(r) = hosts.iter().position(|h| *h != me) {
+            let name = |h: &str| h.split('/').next().unwrap_or("?").to_string();
+            return Err(setup(format!(
+                "rank {} runs on host {} but rank {r} runs on host {}: a cross-host CPU communicator is not available (the shared-memory backend needs every rank on one host); run multi-host jobs on GPUs with the NCCL backend, or start all ranks on one host",
+                info.rank,
+                name(&me),
+                name(&hosts[r])
+            )));
+        }
+        // Every rank shares this host: one shared-memory communicator under the node-0 job id.
+        let job = store.wait_get(crate::launch::JOB_ID_KEY, timeout).map_err(st)?;
+        let job = String::from_utf8(job).map_err(|_| setup("the job id in the rendezvous store is not UTF-8".into()))?;
+        let c = ShmComm::join_named(&job, info.rank, info.world_size, cfg)?;
+        Ok(Communicator::from_backend(Box::new(c)))
+    }
+}

@@ -1,0 +1,190 @@
+//! The CLI launcher (`lockstep launch`): start `nproc_per_node` copies of a program on this node
+//! with the rendezvous environment, supervise them, and exit with the root-cause rank's code.
+//!
+//! * Single node: no port is opened; the ranks join a named shared-memory segment by job id
+//!   ([`Communicator::from_env`](crate::comm::Communicator::from_env)).
+//! * Several nodes: the node-0 launcher hosts the [`StoreServer`] on `master_addr:master_port`
+//!   and publishes its job id there; the other launchers fetch it before starting their ranks,
+//!   which checks reachability and the token early.
+//! * Ranks run in one process group per node, die with the launcher (`PR_SET_PDEATHSIG`), and get
+//!   SIGINT/SIGTERM forwarded; the launcher removes the job's named segment when it exits.
+
+use std::ffi::OsString;
+use std::io::Read;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use super::child;
+use super::output::RankOutput;
+use super::report::{summary, LaunchError};
+use super::signals::SignalPipe;
+use super::supervise::{self, Options, Proc};
+use crate::store::{Store, StoreServer, TcpStore};
+
+/// Store key holding the job id every node's ranks use (set by the node-0 launcher).
+pub const JOB_ID_KEY: &str = "lockstep/job_id";
+
+/// Validated settings of one `lockstep launch`.
+#[derive(Clone, Debug)]
+pub struct JobSpec {
+    /// Ranks started on this node.
+    pub nproc_per_node: usize,
+    /// Number of nodes (launchers) in the job.
+    pub nnodes: usize,
+    /// This node's index in `0..nnodes`.
+    pub node_rank: usize,
+    /// Address of the node-0 launcher's rendezvous store.
+    pub master_addr: String,
+    /// Its port.
+    pub master_port: u16,
+    /// Shared secret of the job; required when `nnodes > 1`, generated otherwise.
+    pub token: Option<String>,
+    /// Per-rank log files go here.
+    pub log_dir: Option<PathBuf>,
+    /// Show only these global ranks' output.
+    pub ranks_filter: Option<Vec<usize>>,
+    /// SIGTERM → SIGKILL grace period.
+    pub grace: Duration,
+    /// How long a non-zero node waits for the node-0 store.
+    pub rdzv_timeout: Duration,
+    /// The program and its arguments.
+    pub program: Vec<OsString>,
+}
+
+/// A job id unique on this host: launcher pid plus wall-clock nanoseconds.
+fn new_job_id() -> String {
+    let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
+    format!("{:x}-{:x}", std::process::id(), t & 0xffff_ffff_ffff)
+}
+
+/// 128 random bits as hex, from the kernel.
+fn random_token() -> String {
+    let mut b = [0u8; 16];
+    if let Ok(mut f) = std::fs::File::open("/dev/urandom") {
+        let _ = f.read_exact(&mut b);
+    }
+    if b == [0u8; 16] {
+        b[..8].copy_from_slice(&child::monotonic_ns().to_le_bytes());
+    }
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+impl JobSpec {
+    fn validate(&self) -> Result<(), LaunchError> {
+        let bad = |m: String| Err(LaunchError::Setup(m));
+        if self.nproc_per_node == 0 {
+            return bad("--nproc-per-node must be at least 1".into());
+        }
+        if self.nnodes == 0 || self.node_rank >= self.nnodes {
+            return bad(format!("--node-rank {} is out of range for --nnodes {} (use 0..{})", self.node_rank, self.nnodes, self.nnodes));
+        }
+        if self.program.is_empty() {
+            return bad("no program given: use `lockstep launch [options] -- program args...`".into());
+        }
+        if self.nnodes > 1 && self.token.is_none() {
+            return bad("a multi-node job needs a shared token: pass the same --token (or LOCKSTEP_TOKEN) to every node's launcher".into());
+        }
+        if self.nnodes > 1 && self.master_port == 0 {
+            return bad("a multi-node job needs a fixed --master-port (0 would pick a different one on each node)".into());
+        }
+        Ok(())
+    }
+}
+
+/// Run the job on this node and return the exit code the CLI should exit with: 0, the root-cause
+/// rank's code (128 + signal for a signal), or 128 + the signal that interrupted the launcher.
+/// The failure summary is printed to stderr.
+pub fn run_job(spec: &JobSpec) -> Result<i32, LaunchError> {
+    spec.validate()?;
+    let start = Instant::now();
+    let world = spec.nproc_per_node * spec.nnodes;
+    let token = spec.token.clone().unwrap_or_else(random_token);
+    let mut job_id = new_job_id();
+
+    // Rendezvous between launchers (multi-node only).
+    let _server = if spec.nnodes > 1 {
+        if spec.node_rank == 0 {
+            let server = StoreServer::start(&spec.master_addr, spec.master_port, &token).map_err(|e| LaunchError::Setup(e.to_string()))?;
+            server.set_local(JOB_ID_KEY, job_id.as_bytes());
+            Some(server)
+        } else {
+            let mut c = TcpStore::connect(&spec.master_addr, spec.master_port, &token, spec.rdzv_timeout).map_err(|e| LaunchError::Setup(e.to_string()))?;
+            let v = c.wait_get(JOB_ID_KEY, spec.rdzv_timeout).map_err(|e| LaunchError::Setup(e.to_string()))?;
+            job_id = String::from_utf8(v).map_err(|_| LaunchError::Setup("the job id in the rendezvous store is not UTF-8".into()))?;
+            None
+        }
+    } else {
+        None
+    };
+
+    let signals = SignalPipe::install().map_err(|e| LaunchError::Setup(format!("cannot install signal handlers: {e}")))?;
+    if let Some(d) = &spec.log_dir {
+        std::fs::create_dir_all(d).map_err(|e| LaunchError::Setup(format!("cannot create log directory {}: {e}", d.display())))?;
+    }
+
+    // Start the ranks, the first one leading a new process group.
+    let base = spec.node_rank * spec.nproc_per_node;
+    let common: Vec<(String, String)> = vec![
+        ("WORLD_SIZE".into(), world.to_string()),
+        ("LOCAL_WORLD_SIZE".into(), spec.nproc_per_node.to_string()),
+        ("MASTER_ADDR".into(), spec.master_addr.clone()),
+        ("MASTER_PORT".into(), spec.master_port.to_string()),
+        ("GROUP_RANK".into(), spec.node_rank.to_string()),
+        ("LOCKSTEP_JOB_ID".into(), job_id.clone()),
+        ("LOCKSTEP_TOKEN".into(), token.clone()),
+        ("LOCKSTEP_NODE_RANK".into(), spec.node_rank.to_string()),
+        ("LOCKSTEP_NNODES".into(), spec.nnodes.to_string()),
+        ("LOCKSTEP_LAUNCHER_PID".into(), std::process::id().to_string()),
+    ];
+    let mut procs: Vec<Proc> = Vec::with_capacity(spec.nproc_per_node);
+    let mut pgid = 0;
+    for local in 0..spec.nproc_per_node {
+        let rank = base + local;
+        let mut env = common.clone();
+        env.push(("RANK".into(), rank.to_string()));
+        env.push(("LOCAL_RANK".into(), local.to_string()));
+        let show = spec.ranks_filter.as_ref().is_none_or(|f| f.contains(&rank));
+        let output = RankOutput::new(rank, show, spec.log_dir.as_deref());
+        let spawned = output.map_err(|e| (e, "create the log file for")).and_then(|o| {
+            let s = child::spawn_exec(&spec.program, &env, pgid, true)
+                // The group leader may already have exited: fall back to a group of its own.
+                .or_else(|e| if pgid != 0 { child::spawn_exec(&spec.program, &env, 0, true) } else { Err(e) });
+            s.map(|s| (s, o)).map_err(|e| (e, "start"))
+        });
+        match spawned {
+            Ok((s, o)) => {
+                if local == 0 {
+                    pgid = s.pid;
+                }
+                procs.push(Proc::new(rank, s, o));
+            }
+            Err((e, what)) => {
+                for p in &procs {
+                    child::kill(p.pid, libc::SIGKILL);
+                    child::reap_blocking(p.pid);
+                }
+                crate::shm::unlink_named(&job_id);
+                return Err(LaunchError::Setup(format!("cannot {what} rank {rank} ({}): {e}; check the program path and permissions", spec.program[0].to_string_lossy())));
+            }
+        }
+    }
+
+    let opts = Options { fail_fast: true, grace: spec.grace, pgid: Some(pgid), signals: Some(&signals), start };
+    let outcome = supervise::supervise(&mut procs, &opts, |p| p.status != Some(child::Exit::Code(0)));
+    crate::shm::unlink_named(&job_id);
+
+    let Some(root) = outcome.root else {
+        return Ok(outcome.interrupted.map(|s| 128 + s).unwrap_or(0));
+    };
+    let mut failures = Vec::new();
+    for (i, p) in procs.iter().enumerate() {
+        let st = p.status.expect("all reaped");
+        if st != child::Exit::Code(0) {
+            failures.push(p.failure(st.describe(), st.code(), i == root));
+        }
+    }
+    failures.sort_by_key(|f| if f.rank == procs[root].rank { 0 } else { 1 });
+    let code = failures[0].exit_code;
+    eprintln!("{}", summary(&failures));
+    Ok(code)
+}
