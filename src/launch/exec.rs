@@ -43,6 +43,9 @@ pub struct JobSpec {
     pub log_dir: Option<PathBuf>,
     /// Show only these global ranks' output.
     pub ranks_filter: Option<Vec<usize>>,
+    /// Terminate the other ranks when one fails (default true; off, survivors see the failure
+    /// through the backend, e.g. the shared-memory backend's lost-peer error).
+    pub fail_fast: bool,
     /// SIGTERM → SIGKILL grace period.
     pub grace: Duration,
     /// How long a non-zero node waits for the node-0 store.
@@ -169,7 +172,7 @@ pub fn run_job(spec: &JobSpec) -> Result<i32, LaunchError> {
         }
     }
 
-    let opts = Options { fail_fast: true, grace: spec.grace, pgid: Some(pgid), signals: Some(&signals), start };
+    let opts = Options { fail_fast: spec.fail_fast, grace: spec.grace, pgid: Some(pgid), signals: Some(&signals), start };
     let outcome = supervise::supervise(&mut procs, &opts, |p| p.status != Some(child::Exit::Code(0)));
     crate::shm::unlink_named(&job_id);
 
