@@ -26,8 +26,35 @@ fn show(o: &Output) -> String {
     format!("status: {:?}\n--- stdout ---\n{a}\n--- stderr ---\n{b}", o.status)
 }
 
-fn spawn_piped(c: &mut Command) -> Child {
-    c.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("spawn lockstep")
+/// A running launcher that is killed and reaped if a test returns early.
+struct Running(Option<Child>);
+
+impl Running {
+    fn id(&self) -> u32 {
+        self.0.as_ref().expect("running").id()
+    }
+    fn try_wait(&mut self) -> std::io::Result<Option<std::process::ExitStatus>> {
+        self.0.as_mut().expect("running").try_wait()
+    }
+    fn wait(mut self) -> std::io::Result<std::process::ExitStatus> {
+        self.0.take().expect("running").wait()
+    }
+    fn wait_with_output(mut self) -> std::io::Result<Output> {
+        self.0.take().expect("running").wait_with_output()
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.0.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+fn spawn_piped(c: &mut Command) -> Running {
+    Running(Some(c.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("spawn lockstep")))
 }
 
 /// Wait for `n` ranks under launcher `pid`, then return their pids.
@@ -117,7 +144,7 @@ fn kill9_rank_fail_fast() -> Result<(), String> {
 fn kill9_launcher_leaves_nothing() -> Result<(), String> {
     let mut c = lockstep();
     c.args(["launch", "--nproc-per-node", "3", "--", "sh", "-c", "exec sleep 30"]);
-    let mut child = spawn_piped(&mut c);
+    let child = spawn_piped(&mut c);
     let ranks = ranks_of(child.id() as i32, 3)?;
     signal(child.id() as i32, libc::SIGKILL);
     let _ = child.wait();
@@ -237,7 +264,7 @@ fn wrong_token_and_unreachable_master() -> Result<(), String> {
     let port = free_port().to_string();
     let mut c = lockstep();
     c.args(["launch", "--nproc-per-node", "1", "--nnodes", "2", "--master-port", &port, "--token", "right", "--", "sleep", "30"]);
-    let mut a = spawn_piped(&mut c);
+    let a = spawn_piped(&mut c);
     let o = lockstep()
         .args(["launch", "--nproc-per-node", "1", "--nnodes", "2", "--node-rank", "1", "--master-port", &port, "--token", "wrong", "--rdzv-timeout-s", "5", "--", "true"])
         .output()
@@ -275,6 +302,11 @@ fn config_and_env() -> Result<(), String> {
     let o = lockstep().args(["config", "--force", "--backend", "shm", "--nproc-per-node", "3", "--path"]).arg(&p).output().map_err(|e| e.to_string())?;
     let t = std::fs::read_to_string(&p).map_err(|e| e.to_string())?;
     check(o.status.success() && t.contains("nproc_per_node = 3") && t.contains("backend = \"shm\""), "overrides are written", &t)?;
+    // `launch` without --nproc-per-node takes the config file's value.
+    let o = lockstep().env("LOCKSTEP_CONFIG", &p).args(["launch", "--", "sh", "-c", "echo $RANK/$WORLD_SIZE"]).output().map_err(|e| e.to_string())?;
+    let mut lines: Vec<String> = text(&o).0.lines().map(String::from).collect();
+    lines.sort();
+    check(o.status.success() && lines == ["[rank 0] 0/3", "[rank 1] 1/3", "[rank 2] 2/3"], "config's nproc_per_node is the default", show(&o))?;
     let o = lockstep().args(["env"]).output().map_err(|e| e.to_string())?;
     let (out, _) = text(&o);
     check(o.status.success() && out.starts_with(&format!("lockstep {}", env!("CARGO_PKG_VERSION"))) && out.contains("cpu:") && out.contains("cuda/nccl:"), "env report", show(&o))

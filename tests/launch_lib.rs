@@ -25,7 +25,7 @@ fn ready_time_and_repeated_launch() -> Result<(), String> {
         let t0 = monotonic_ns();
         let ready = launch(&cfg(2), |mut ctx| {
             let t = monotonic_ns();
-            let mut v = vec![ctx.rank as f32 + 1.0; 16];
+            let mut v = [ctx.rank as f32 + 1.0; 16];
             ctx.comm.all_reduce_in_place(&mut v[..], ReduceOp::Sum)?;
             if v[0] != 3.0 {
                 return Err("wrong sum".into());

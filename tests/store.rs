@@ -54,6 +54,8 @@ fn raw_exchange(port: u16, bytes: &[u8]) -> Vec<u8> {
     let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     let _ = s.write_all(bytes);
+    // Half-close: a request cut short then reads as a closed connection on the server.
+    let _ = s.shutdown(std::net::Shutdown::Write);
     let mut out = Vec::new();
     let _ = s.read_to_end(&mut out);
     out

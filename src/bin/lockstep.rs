@@ -38,9 +38,9 @@ enum Cmd {
 
 #[derive(clap::Args, Debug)]
 struct LaunchArgs {
-    /// Ranks to start on this node.
-    #[arg(long, default_value_t = 1)]
-    nproc_per_node: usize,
+    /// Ranks to start on this node (default: `nproc_per_node` of the config file, else 1).
+    #[arg(long)]
+    nproc_per_node: Option<usize>,
     /// Number of nodes in the job.
     #[arg(long, default_value_t = 1)]
     nnodes: usize,
@@ -173,8 +173,12 @@ fn secs(name: &str, s: f64) -> Result<Duration, String> {
 }
 
 fn launch(a: LaunchArgs) -> Result<i32, String> {
+    let nproc_per_node = match a.nproc_per_node {
+        Some(n) => n,
+        None => config_nproc()?.unwrap_or(1),
+    };
     let spec = lockstep::launch::JobSpec {
-        nproc_per_node: a.nproc_per_node,
+        nproc_per_node,
         nnodes: a.nnodes,
         node_rank: a.node_rank,
         master_addr: a.master_addr,
@@ -233,6 +237,21 @@ fn default_config_path() -> Result<PathBuf, String> {
     }
     let home = std::env::var_os("HOME").ok_or("HOME is not set: pass --path")?;
     Ok(PathBuf::from(home).join(".config/lockstep/config.toml"))
+}
+
+/// `nproc_per_node` from the config file, if there is one.
+fn config_nproc() -> Result<Option<usize>, String> {
+    let Ok(path) = default_config_path() else { return Ok(None) };
+    let Ok(text) = std::fs::read_to_string(&path) else { return Ok(None) };
+    for line in text.lines() {
+        if let Some((k, v)) = line.split_once('=') {
+            if k.trim() == "nproc_per_node" {
+                let v = v.trim().trim_matches('"');
+                return v.parse().map(Some).map_err(|_| format!("{}: nproc_per_node = {v:?} is not a number; fix it or rerun `lockstep config --force`", path.display()));
+            }
+        }
+    }
+    Ok(None)
 }
 
 /// GPUs listed by `nvidia-smi -L` (a separate process: CUDA is never initialised here).

@@ -96,6 +96,9 @@ pub(crate) fn spawn_exec(program: &[OsString], env: &[(String, String)], pgid: i
 pub(crate) enum Exit {
     Code(i32),
     Signal(i32),
+    /// The status was collected by someone else (the host process ignores SIGCHLD, so the kernel
+    /// reaps children itself); the result pipe still tells success for library ranks.
+    Unknown,
 }
 
 impl Exit {
@@ -104,6 +107,7 @@ impl Exit {
         match self {
             Exit::Code(c) => c,
             Exit::Signal(s) => 128 + s,
+            Exit::Unknown => 1,
         }
     }
 
@@ -111,6 +115,7 @@ impl Exit {
         match self {
             Exit::Code(c) => format!("exited with code {c}"),
             Exit::Signal(s) => format!("killed by signal {s} ({})", signal_name(s)),
+            Exit::Unknown => "ended, but its exit status was collected elsewhere (is SIGCHLD ignored in the launching process?)".into(),
         }
     }
 
@@ -256,7 +261,11 @@ pub(crate) fn try_reap(pid: i32) -> Option<Exit> {
     let mut st = 0;
     // SAFETY: st is a valid out-parameter; pid is our child.
     let r = unsafe { libc::waitpid(pid, &mut st, libc::WNOHANG) };
-    (r == pid).then(|| Exit::from_status(st))
+    if r == pid {
+        return Some(Exit::from_status(st));
+    }
+    // ECHILD: not (or no longer) our child to wait for; it is gone.
+    (r < 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ECHILD)).then_some(Exit::Unknown)
 }
 
 /// Wait for `pid` to exit.

@@ -139,6 +139,12 @@ pub fn run_job(spec: &JobSpec) -> Result<i32, LaunchError> {
         ("LOCKSTEP_NNODES".into(), spec.nnodes.to_string()),
         ("LOCKSTEP_LAUNCHER_PID".into(), std::process::id().to_string()),
     ];
+    let mut common = common;
+    if std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+        // The ranks' stderr is a pipe, but what they print ends on a terminal: progress bars may
+        // draw (`\r` redraws are forwarded one by one, see output.rs).
+        common.push(("LOCKSTEP_CONSOLE_TTY".into(), "1".into()));
+    }
     let mut procs: Vec<Proc> = Vec::with_capacity(spec.nproc_per_node);
     let mut pgid = 0;
     for local in 0..spec.nproc_per_node {

@@ -1,10 +1,28 @@
-//! The fork-based launcher (the `notebook_launcher` analog): [`launch`] forks `nprocs` ranks that
-//! each run a function with a ready [`Communicator`], and returns every rank's result.
+//! The launchers.
 //!
-//! The parent creates the shared segment, forks, and supervises: the first rank that fails (error,
-//! panic, non-zero exit or signal) gets the others terminated (SIGTERM, then SIGKILL after a grace
-//! period) unless [`LaunchConfig::fail_fast`] is off. Children die with the parent
-//! (`PR_SET_PDEATHSIG`), and the host process can call [`launch`] again afterwards.
+//! * [`launch`] (the `notebook_launcher` analog) forks `nprocs` ranks that each run a function
+//!   with a ready [`Communicator`], and returns every rank's result. The parent creates the shared
+//!   segment, forks, and supervises. The host process can call it again afterwards.
+//! * [`run_job`] backs `lockstep launch`: it execs `nproc_per_node` copies of a program with the
+//!   rendezvous environment (`RANK`, `WORLD_SIZE`, `LOCKSTEP_JOB_ID`, ...) that
+//!   [`Communicator::from_env`] reads, hosting the rendezvous store on node 0 of multi-node jobs.
+//!
+//! Both share the supervisor (`supervise.rs`): the first rank that fails (error, panic, non-zero
+//! exit or signal) gets the others terminated (SIGTERM, then SIGKILL after a grace period) unless
+//! fail-fast is off; children die with the parent (`PR_SET_PDEATHSIG`, race closed by a `getppid`
+//! check). Each rank's stdout/stderr comes back through pipes and is printed line by line with a
+//! `[rank N]` prefix (`output.rs`), optionally also to per-rank log files; failures are reported
+//! with the tail of the rank's stderr between divider lines (`report.rs`).
+//!
+//! | file | what lives there |
+//! |---|---|
+//! | `child.rs` | fork, exec, pipes, pidfds, reaping, killing: all of the launcher's `unsafe` but the signal handler |
+//! | `signals.rs` | the CLI's SIGINT/SIGTERM handlers (counters plus a self-pipe) |
+//! | `supervise.rs` | the poll loop: output, results, exits, fail-fast, signal forwarding |
+//! | `output.rs` | line splitting, `[rank N]` prefixes, log files, rank filter, stderr tails |
+//! | `report.rs` | [`RankFailure`], [`LaunchError`], the failure summary |
+//! | `exec.rs` | [`JobSpec`] and [`run_job`] (the CLI launcher) |
+//! | `wire.rs` | encoding of rank results |
 //!
 //! Fork safety: the child runs only the user's function and lockstep code that takes no lock the
 //! parent's other threads could hold. Call `launch` from a single-threaded host (a `harness = false`
@@ -131,14 +149,16 @@ where
     }
     drop(job);
     let opts = Options { fail_fast: cfg.fail_fast, grace: cfg.grace, pgid: None, signals: None, start };
-    let ok = |p: &Proc| p.status == Some(child::Exit::Code(0)) && wire::decode_outcome::<R>(&p.result_bytes).is_some_and(|o| o.is_ok());
+    let ok = |p: &Proc| {
+        matches!(p.status, Some(child::Exit::Code(0) | child::Exit::Unknown)) && wire::decode_outcome::<R>(&p.result_bytes).is_some_and(|o| o.is_ok())
+    };
     let outcome = supervise::supervise(&mut ranks, &opts, |p| !ok(p));
     let mut results: BTreeMap<usize, R> = BTreeMap::new();
     let mut failures = Vec::new();
     for (i, p) in ranks.iter().enumerate() {
         let st = p.status.expect("all reaped");
         match (st, wire::decode_outcome::<R>(&p.result_bytes)) {
-            (child::Exit::Code(0), Some(Ok(v))) => {
+            (child::Exit::Code(0) | child::Exit::Unknown, Some(Ok(v))) => {
                 results.insert(i, v);
             }
             (st, decoded) => {
@@ -148,7 +168,7 @@ where
                     None => st.describe(),
                 };
                 let code = match st {
-                    child::Exit::Code(0) => 1,
+                    child::Exit::Code(0) | child::Exit::Unknown => 1,
                     s => s.code(),
                 };
                 failures.push(p.failure(message, code, outcome.root == Some(i)));

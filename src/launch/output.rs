@@ -142,7 +142,9 @@ pub(crate) fn split_segments(buf: &[u8], at_eof: bool) -> Segments {
         }
         i += 1;
     }
-    if start < buf.len() && (at_eof || buf.len() - start > MAX_PENDING) && !(buf[buf.len() - 1] == b'\r' && !at_eof) {
+    // (A trailing CR is still waiting for its possible LF unless at EOF.)
+    let cr_waits = buf.last() == Some(&b'\r') && !at_eof;
+    if start < buf.len() && (at_eof || buf.len() - start > MAX_PENDING) && !cr_waits {
         let mut s = buf[start..].to_vec();
         s.push(b'\n');
         segments.push(s);

@@ -187,12 +187,11 @@ pub(crate) fn supervise(procs: &mut [Proc], opts: &Options, failed: impl Fn(&Pro
         }
 
         // 3. Reap.
-        for i in 0..procs.len() {
-            if procs[i].status.is_some() {
+        for (i, p) in procs.iter_mut().enumerate() {
+            if p.status.is_some() {
                 continue;
             }
-            if let Some(st) = child::try_reap(procs[i].pid) {
-                let p = &mut procs[i];
+            if let Some(st) = child::try_reap(p.pid) {
                 p.status = Some(st);
                 p.elapsed = opts.start.elapsed();
                 p.pidfd = None;
