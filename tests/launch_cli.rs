@@ -235,6 +235,22 @@ fn two_launchers_form_one_job() -> Result<(), String> {
     check(text(&oa).0.contains("[rank 0] lockstep selftest ok: 4 ranks, backend shm"), "one 4-rank job", show(&oa))
 }
 
+fn failure_on_one_node_stops_the_other() -> Result<(), String> {
+    let port = free_port().to_string();
+    let script = "if [ $RANK = 3 ]; then sleep 0.3; echo 'rank three fails' >&2; exit 3; fi; exec sleep 30";
+    let node = |r: &str| {
+        let mut c = lockstep();
+        c.args(["launch", "--nproc-per-node", "2", "--nnodes", "2", "--node-rank", r, "--master-port", &port, "--token", "t", "--", "sh", "-c", script]);
+        spawn_piped(&mut c)
+    };
+    let (a, b) = (node("0"), node("1"));
+    let t = Instant::now();
+    let (oa, ob) = (a.wait_with_output().map_err(|e| e.to_string())?, b.wait_with_output().map_err(|e| e.to_string())?);
+    check(ob.status.code() == Some(3) && text(&ob).1.contains("rank three fails"), "node 1 reports its failing rank", show(&ob))?;
+    check(oa.status.code() == Some(3) && text(&oa).1.contains("because rank 3 (pid"), "node 0 stops and exits with the root cause's code", show(&oa))?;
+    check(t.elapsed() < Duration::from_millis(1500), "both stop within a second of the failure", format!("{:?}", t.elapsed()))
+}
+
 fn cross_host_cpu_job_is_refused() -> Result<(), String> {
     let port = free_port().to_string();
     let node = |r: &str, host: &str| {
@@ -324,6 +340,7 @@ fn main() -> std::process::ExitCode {
         ("output_is_line_atomic_and_prefixed", output_is_line_atomic_and_prefixed),
         ("log_dir_and_ranks_filter", log_dir_and_ranks_filter),
         ("two_launchers_form_one_job", two_launchers_form_one_job),
+        ("failure_on_one_node_stops_the_other", failure_on_one_node_stops_the_other),
         ("cross_host_cpu_job_is_refused", cross_host_cpu_job_is_refused),
         ("busy_port_is_named", busy_port_is_named),
         ("wrong_token_and_unreachable_master", wrong_token_and_unreachable_master),

@@ -23,7 +23,7 @@ pub(crate) struct Spawned {
 }
 
 /// A pipe as (read end, write end), both close-on-exec.
-fn pipe() -> std::io::Result<(OwnedFd, OwnedFd)> {
+pub(crate) fn pipe() -> std::io::Result<(OwnedFd, OwnedFd)> {
     let mut fds = [0 as libc::c_int; 2];
     // SAFETY: fds is a valid out-array of two ints.
     if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
@@ -236,7 +236,7 @@ pub(crate) enum ReadState {
 }
 
 /// One read of what is available, appended to `buf`.
-pub(crate) fn read_avail(fd: &OwnedFd, buf: &mut Vec<u8>) -> ReadState {
+pub(crate) fn read_avail(fd: &impl AsRawFd, buf: &mut Vec<u8>) -> ReadState {
     let mut tmp = [0u8; 65536];
     loop {
         // SAFETY: tmp is a valid writable buffer of the given length.

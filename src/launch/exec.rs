@@ -9,9 +9,12 @@
 //! * Ranks run in one process group per node, die with the launcher (`PR_SET_PDEATHSIG`), and get
 //!   SIGINT/SIGTERM forwarded; the launcher removes the job's named segment when it exits.
 
+use std::cell::RefCell;
 use std::ffi::OsString;
-use std::io::Read;
+use std::io::{Read, Write};
+use std::os::fd::{AsFd, OwnedFd};
 use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::child;
@@ -23,6 +26,57 @@ use crate::store::{Store, StoreServer, TcpStore};
 
 /// Store key holding the job id every node's ranks use (set by the node-0 launcher).
 pub const JOB_ID_KEY: &str = "lockstep/job_id";
+/// Store key a launcher sets when its node fails: `"<exit code>\n<what happened>"`.
+pub const ABORT_KEY: &str = "lockstep/abort";
+
+/// A launcher's link to the other nodes of a multi-node job: a connection to tell them about a
+/// local failure, and a watcher thread that makes `abort_fd` readable when another node failed.
+struct NodeLink {
+    notify: RefCell<TcpStore>,
+    abort_fd: OwnedFd,
+    abort_msg: Arc<Mutex<Option<String>>>,
+}
+
+impl NodeLink {
+    fn new(spec: &JobSpec, token: &str) -> Result<NodeLink, LaunchError> {
+        let connect = || TcpStore::connect(&spec.master_addr, spec.master_port, token, spec.rdzv_timeout).map_err(|e| LaunchError::Setup(e.to_string()));
+        let notify = RefCell::new(connect()?);
+        let mut watch = connect()?;
+        let (abort_fd, wr) = child::pipe().map_err(|e| LaunchError::Setup(format!("cannot create a pipe: {e}")))?;
+        let abort_msg = Arc::new(Mutex::new(None));
+        let msg = abort_msg.clone();
+        // The launcher execs its ranks (never forks without exec), so a thread here is safe.
+        std::thread::Builder::new()
+            .name("lockstep-abort-watch".into())
+            .spawn(move || loop {
+                match watch.wait(&[ABORT_KEY], Duration::from_secs(24 * 3600)) {
+                    Ok(()) => {
+                        let v = watch.get(ABORT_KEY).ok().flatten().unwrap_or_default();
+                        *msg.lock().unwrap_or_else(|p| p.into_inner()) = Some(String::from_utf8_lossy(&v).into_owned());
+                        let _ = std::fs::File::from(wr).write_all(b"!");
+                        return;
+                    }
+                    Err(crate::store::StoreError::Timeout { .. }) => continue,
+                    // The store is gone (node 0 finished or died): nothing more to learn.
+                    Err(_) => return,
+                }
+            })
+            .map_err(|e| LaunchError::Setup(format!("cannot start the abort watcher: {e}")))?;
+        Ok(NodeLink { notify, abort_fd, abort_msg })
+    }
+
+    /// Tell the other nodes this one failed (best effort: the store may be gone).
+    fn tell(&self, code: i32, what: &str) {
+        let _ = self.notify.borrow_mut().set(ABORT_KEY, format!("{code}\n{what}").as_bytes());
+    }
+
+    /// The failure another node reported: (exit code, description).
+    fn remote(&self) -> Option<(i32, String)> {
+        let m = self.abort_msg.lock().unwrap_or_else(|p| p.into_inner()).clone()?;
+        let (code, what) = m.split_once('\n').unwrap_or(("1", m.as_str()));
+        Some((code.trim().parse().unwrap_or(1), what.to_string()))
+    }
+}
 
 /// Validated settings of one `lockstep launch`.
 #[derive(Clone, Debug)]
@@ -120,6 +174,7 @@ pub fn run_job(spec: &JobSpec) -> Result<i32, LaunchError> {
         None
     };
 
+    let link = if spec.nnodes > 1 { Some(NodeLink::new(spec, &token)?) } else { None };
     let signals = SignalPipe::install().map_err(|e| LaunchError::Setup(format!("cannot install signal handlers: {e}")))?;
     if let Some(d) = &spec.log_dir {
         std::fs::create_dir_all(d).map_err(|e| LaunchError::Setup(format!("cannot create log directory {}: {e}", d.display())))?;
@@ -178,12 +233,38 @@ pub fn run_job(spec: &JobSpec) -> Result<i32, LaunchError> {
         }
     }
 
-    let opts = Options { fail_fast: spec.fail_fast, grace: spec.grace, pgid: Some(pgid), signals: Some(&signals), start };
+    let node = spec.node_rank;
+    let tell = |p: &Proc| {
+        // Ranks this launcher stopped are consequences, not news for the other nodes.
+        if let (Some(l), Some(st), false) = (&link, p.status, p.terminated) {
+            l.tell(st.code(), &format!("rank {} (pid {}) on node {node} {}", p.rank, p.pid, st.describe()));
+        }
+    };
+    let opts = Options {
+        fail_fast: spec.fail_fast,
+        grace: spec.grace,
+        pgid: Some(pgid),
+        signals: Some(&signals),
+        remote_abort: link.as_ref().map(|l| l.abort_fd.as_fd()),
+        on_first_failure: Some(&tell),
+        start,
+    };
     let outcome = supervise::supervise(&mut procs, &opts, |p| p.status != Some(child::Exit::Code(0)));
     crate::shm::unlink_named(&job_id);
 
+    // Stopped because another node failed: exit with that node's root-cause code.
+    if let (true, Some((code, what))) = (outcome.remote_abort, link.as_ref().and_then(|l| l.remote())) {
+        if outcome.root.is_none_or(|r| procs[r].terminated) {
+            eprintln!("lockstep: node {node} stopped its ranks because {what}");
+            return Ok(code);
+        }
+    }
     let Some(root) = outcome.root else {
-        return Ok(outcome.interrupted.map(|s| 128 + s).unwrap_or(0));
+        let code = outcome.interrupted.map(|s| 128 + s).unwrap_or(0);
+        if let (Some(l), Some(sig)) = (&link, outcome.interrupted) {
+            l.tell(code, &format!("the launcher of node {node} got {}", child::signal_name(sig)));
+        }
+        return Ok(code);
     };
     let mut failures = Vec::new();
     for (i, p) in procs.iter().enumerate() {

@@ -148,7 +148,7 @@ where
         }
     }
     drop(job);
-    let opts = Options { fail_fast: cfg.fail_fast, grace: cfg.grace, pgid: None, signals: None, start };
+    let opts = Options { fail_fast: cfg.fail_fast, grace: cfg.grace, pgid: None, signals: None, remote_abort: None, on_first_failure: None, start };
     let ok = |p: &Proc| {
         matches!(p.status, Some(child::Exit::Code(0) | child::Exit::Unknown)) && wire::decode_outcome::<R>(&p.result_bytes).is_some_and(|o| o.is_ok())
     };

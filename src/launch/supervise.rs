@@ -5,7 +5,7 @@
 //! Signals (CLI only): the first SIGINT/SIGTERM is forwarded to every rank and starts the grace
 //! period; a second one kills every rank at once.
 
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
 use std::time::{Duration, Instant};
 
 use super::child::{self, Exit, ReadState};
@@ -96,6 +96,10 @@ pub(crate) struct Options<'a> {
     /// The ranks' process group, signalled too (reaches their children).
     pub pgid: Option<i32>,
     pub signals: Option<&'a SignalPipe>,
+    /// Readable when another node of the job failed: terminate this node's ranks.
+    pub remote_abort: Option<BorrowedFd<'a>>,
+    /// Called once, when the first rank fails (the CLI tells the other nodes from here).
+    pub on_first_failure: Option<&'a dyn Fn(&Proc)>,
     pub start: Instant,
 }
 
@@ -105,6 +109,8 @@ pub(crate) struct Outcome {
     pub root: Option<usize>,
     /// The signal that interrupted the launcher, if one did.
     pub interrupted: Option<i32>,
+    /// Another node's failure stopped this node's ranks.
+    pub remote_abort: bool,
 }
 
 /// Supervise `procs` until all have exited; `failed` tells whether an exited rank failed.
@@ -114,6 +120,8 @@ pub(crate) fn supervise(procs: &mut [Proc], opts: &Options, failed: impl Fn(&Pro
     let mut seen = Counts::default();
     let mut term_at: Option<Instant> = None;
     let mut killed = false;
+    let mut remote_abort = false;
+    let mut abort_closed = false;
     let signal_all = |procs: &mut [Proc], sig: i32| {
         if let Some(g) = opts.pgid {
             child::kill(-g, sig);
@@ -149,6 +157,10 @@ pub(crate) fn supervise(procs: &mut [Proc], opts: &Options, failed: impl Fn(&Pro
             pfds.push(libc::pollfd { fd: s.fd().as_raw_fd(), events: libc::POLLIN, revents: 0 });
             who.push((usize::MAX, 4));
         }
+        if let (Some(fd), false) = (opts.remote_abort, remote_abort || abort_closed) {
+            pfds.push(libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 });
+            who.push((usize::MAX, 5));
+        }
         let mut timeout_ms: i64 = if blind { 5 } else { 200 };
         if let (Some(t), false) = (term_at, killed) {
             timeout_ms = timeout_ms.min(opts.grace.saturating_sub(t.elapsed()).as_millis() as i64 + 1);
@@ -162,6 +174,20 @@ pub(crate) fn supervise(procs: &mut [Proc], opts: &Options, failed: impl Fn(&Pro
             let (i, k) = who[n];
             if k <= 2 {
                 procs[i].pump(k);
+            }
+            if k == 5 {
+                // A byte: another node failed. End of file: the watcher ended (store gone).
+                let mut b = Vec::new();
+                let st = child::read_avail(&opts.remote_abort.expect("polled"), &mut b);
+                if st != ReadState::Data || root.is_some() {
+                    // Closed, or our own failure report coming back: nothing to do.
+                    abort_closed = true;
+                    continue;
+                }
+                remote_abort = true;
+                eprintln!("lockstep: another node of this job failed: stopping this node's ranks");
+                signal_all(procs, libc::SIGTERM);
+                term_at.get_or_insert_with(Instant::now);
             }
         }
 
@@ -199,6 +225,9 @@ pub(crate) fn supervise(procs: &mut [Proc], opts: &Options, failed: impl Fn(&Pro
                 p.drain(&[2], true);
                 if root.is_none() && failed(p) {
                     root = Some(i);
+                    if let Some(f) = opts.on_first_failure {
+                        f(p);
+                    }
                 }
             }
         }
@@ -226,5 +255,5 @@ pub(crate) fn supervise(procs: &mut [Proc], opts: &Options, failed: impl Fn(&Pro
     if let (Some(g), true) = (opts.pgid, term_at.is_some()) {
         child::kill(-g, libc::SIGKILL);
     }
-    Outcome { root, interrupted }
+    Outcome { root, interrupted, remote_abort }
 }
