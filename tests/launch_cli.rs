@@ -81,9 +81,14 @@ fn now_ns() -> u128 {
 
 fn selftest_two_and_eight_ranks() -> Result<(), String> {
     for n in [2, 8] {
-        let o = lockstep().args(["launch", "--nproc-per-node", &n.to_string(), "--", BIN, "selftest"]).output().map_err(|e| e.to_string())?;
+        let o =
+            lockstep().args(["launch", "--nproc-per-node", &n.to_string(), "--", BIN, "selftest"]).output().map_err(|e| e.to_string())?;
         let (out, _) = text(&o);
-        check(o.status.success() && out.contains(&format!("[rank 0] lockstep selftest ok: {n} ranks, backend shm")), "selftest failed", show(&o))?;
+        check(
+            o.status.success() && out.contains(&format!("[rank 0] lockstep selftest ok: {n} ranks, backend shm")),
+            "selftest failed",
+            show(&o),
+        )?;
     }
     Ok(())
 }
@@ -101,9 +106,20 @@ fn fail_fast_exit_code() -> Result<(), String> {
     let t1: u128 = std::fs::read_to_string(d.join("t1")).map_err(|e| e.to_string())?.trim().parse().map_err(|_| "bad t1".to_string())?;
     let lag = (end.saturating_sub(t1)) as f64 / 1e9;
     check(lag < 1.0, "launcher must exit within 1 s of the failure", format!("lag {lag:.3} s\n{}", show(&o)))?;
-    check(err.contains("rank 1 (pid") && err.contains("failed first: exited with code 3") && err.contains("| rank one fails") && err.contains("=========="), "summary must name rank 1 and show its stderr", show(&o))?;
+    check(
+        err.contains("rank 1 (pid")
+            && err.contains("failed first: exited with code 3")
+            && err.contains("| rank one fails")
+            && err.contains("=========="),
+        "summary must name rank 1 and show its stderr",
+        show(&o),
+    )?;
     for r in [0, 2] {
-        let pid: i32 = std::fs::read_to_string(d.join(format!("pid.{r}"))).map_err(|e| e.to_string())?.trim().parse().map_err(|_| "bad pid".to_string())?;
+        let pid: i32 = std::fs::read_to_string(d.join(format!("pid.{r}")))
+            .map_err(|e| e.to_string())?
+            .trim()
+            .parse()
+            .map_err(|_| "bad pid".to_string())?;
         check(!alive(pid), "the other ranks must be gone", format!("rank {r} pid {pid} alive"))?;
     }
     println!("    fail-fast: launcher exited {:.1} ms after rank 1's exit", lag * 1e3);
@@ -187,7 +203,9 @@ fn second_sigint_kills_at_once() -> Result<(), String> {
 fn output_is_line_atomic_and_prefixed() -> Result<(), String> {
     // `yes` writes 8 KiB blocks, so lines are cut at arbitrary points between pipe reads.
     let n = 20000;
-    let script = format!("if [ $RANK = 0 ]; then printf '10%%\\r20%%\\r30%%\\n'; fi; yes \"$RANK-0123456789abcdefghijklmnopqrstuvwxyz-$RANK\" | head -n {n}");
+    let script = format!(
+        "if [ $RANK = 0 ]; then printf '10%%\\r20%%\\r30%%\\n'; fi; yes \"$RANK-0123456789abcdefghijklmnopqrstuvwxyz-$RANK\" | head -n {n}"
+    );
     let o = lockstep().args(["launch", "--nproc-per-node", "4", "--", "sh", "-c", &script]).output().map_err(|e| e.to_string())?;
     let (out, _) = text(&o);
     check(o.status.success(), "job failed", show(&o))?;
@@ -225,7 +243,22 @@ fn two_launchers_form_one_job() -> Result<(), String> {
     let port = free_port().to_string();
     let node = |r: &str| {
         let mut c = lockstep();
-        c.args(["launch", "--nproc-per-node", "2", "--nnodes", "2", "--node-rank", r, "--master-port", &port, "--token", "t0ken", "--", BIN, "selftest"]);
+        c.args([
+            "launch",
+            "--nproc-per-node",
+            "2",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            r,
+            "--master-port",
+            &port,
+            "--token",
+            "t0ken",
+            "--",
+            BIN,
+            "selftest",
+        ]);
         spawn_piped(&mut c)
     };
     let a = node("0");
@@ -240,14 +273,34 @@ fn failure_on_one_node_stops_the_other() -> Result<(), String> {
     let script = "if [ $RANK = 3 ]; then sleep 0.3; echo 'rank three fails' >&2; exit 3; fi; exec sleep 30";
     let node = |r: &str| {
         let mut c = lockstep();
-        c.args(["launch", "--nproc-per-node", "2", "--nnodes", "2", "--node-rank", r, "--master-port", &port, "--token", "t", "--", "sh", "-c", script]);
+        c.args([
+            "launch",
+            "--nproc-per-node",
+            "2",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            r,
+            "--master-port",
+            &port,
+            "--token",
+            "t",
+            "--",
+            "sh",
+            "-c",
+            script,
+        ]);
         spawn_piped(&mut c)
     };
     let (a, b) = (node("0"), node("1"));
     let t = Instant::now();
     let (oa, ob) = (a.wait_with_output().map_err(|e| e.to_string())?, b.wait_with_output().map_err(|e| e.to_string())?);
     check(ob.status.code() == Some(3) && text(&ob).1.contains("rank three fails"), "node 1 reports its failing rank", show(&ob))?;
-    check(oa.status.code() == Some(3) && text(&oa).1.contains("because rank 3 (pid"), "node 0 stops and exits with the root cause's code", show(&oa))?;
+    check(
+        oa.status.code() == Some(3) && text(&oa).1.contains("because rank 3 (pid"),
+        "node 0 stops and exits with the root cause's code",
+        show(&oa),
+    )?;
     check(t.elapsed() < Duration::from_millis(1500), "both stop within a second of the failure", format!("{:?}", t.elapsed()))
 }
 
@@ -256,7 +309,22 @@ fn cross_host_cpu_job_is_refused() -> Result<(), String> {
     let node = |r: &str, host: &str| {
         let mut c = lockstep();
         c.env("LOCKSTEP_HOST_ID", host);
-        c.args(["launch", "--nproc-per-node", "1", "--nnodes", "2", "--node-rank", r, "--master-port", &port, "--token", "t", "--", BIN, "selftest"]);
+        c.args([
+            "launch",
+            "--nproc-per-node",
+            "1",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            r,
+            "--master-port",
+            &port,
+            "--token",
+            "t",
+            "--",
+            BIN,
+            "selftest",
+        ]);
         spawn_piped(&mut c)
     };
     let (a, b) = (node("0", "hostA"), node("1", "hostB"));
@@ -273,7 +341,14 @@ fn busy_port_is_named() -> Result<(), String> {
         .output()
         .map_err(|e| e.to_string())?;
     let (_, err) = text(&o);
-    check(o.status.code() == Some(1) && err.contains(&format!("port {port}")) && err.contains("already in use") && err.contains("--master-port"), "busy port must be named", show(&o))
+    check(
+        o.status.code() == Some(1)
+            && err.contains(&format!("port {port}"))
+            && err.contains("already in use")
+            && err.contains("--master-port"),
+        "busy port must be named",
+        show(&o),
+    )
 }
 
 fn wrong_token_and_unreachable_master() -> Result<(), String> {
@@ -282,7 +357,23 @@ fn wrong_token_and_unreachable_master() -> Result<(), String> {
     c.args(["launch", "--nproc-per-node", "1", "--nnodes", "2", "--master-port", &port, "--token", "right", "--", "sleep", "30"]);
     let a = spawn_piped(&mut c);
     let o = lockstep()
-        .args(["launch", "--nproc-per-node", "1", "--nnodes", "2", "--node-rank", "1", "--master-port", &port, "--token", "wrong", "--rdzv-timeout-s", "5", "--", "true"])
+        .args([
+            "launch",
+            "--nproc-per-node",
+            "1",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--master-port",
+            &port,
+            "--token",
+            "wrong",
+            "--rdzv-timeout-s",
+            "5",
+            "--",
+            "true",
+        ])
         .output()
         .map_err(|e| e.to_string())?;
     signal(a.id() as i32, libc::SIGTERM);
@@ -290,10 +381,30 @@ fn wrong_token_and_unreachable_master() -> Result<(), String> {
     check(o.status.code() == Some(1) && text(&o).1.contains("rejected this job's token"), "wrong token must be reported", show(&o))?;
     let t = Instant::now();
     let o = lockstep()
-        .args(["launch", "--nproc-per-node", "1", "--nnodes", "2", "--node-rank", "1", "--master-port", &free_port().to_string(), "--token", "t", "--rdzv-timeout-s", "1", "--", "true"])
+        .args([
+            "launch",
+            "--nproc-per-node",
+            "1",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--master-port",
+            &free_port().to_string(),
+            "--token",
+            "t",
+            "--rdzv-timeout-s",
+            "1",
+            "--",
+            "true",
+        ])
         .output()
         .map_err(|e| e.to_string())?;
-    check(o.status.code() == Some(1) && text(&o).1.contains("could not reach the rendezvous store"), "unreachable master must be reported", show(&o))?;
+    check(
+        o.status.code() == Some(1) && text(&o).1.contains("could not reach the rendezvous store"),
+        "unreachable master must be reported",
+        show(&o),
+    )?;
     check(t.elapsed() < Duration::from_secs(4), "retries are bounded by --rdzv-timeout-s", format!("{:?}", t.elapsed()))
 }
 
@@ -303,7 +414,11 @@ fn missing_program_and_bad_options() -> Result<(), String> {
     let o = lockstep().args(["launch", "--bogus", "--", "true"]).output().map_err(|e| e.to_string())?;
     check(o.status.code() == Some(2), "unknown options are rejected", show(&o))?;
     let o = lockstep().args(["selftest"]).output().map_err(|e| e.to_string())?;
-    check(o.status.code() == Some(1) && text(&o).1.contains("RANK is not set: start this program with `lockstep launch"), "selftest outside a job says how to start it", show(&o))
+    check(
+        o.status.code() == Some(1) && text(&o).1.contains("RANK is not set: start this program with `lockstep launch"),
+        "selftest outside a job says how to start it",
+        show(&o),
+    )
 }
 
 fn config_and_env() -> Result<(), String> {
@@ -315,17 +430,36 @@ fn config_and_env() -> Result<(), String> {
     check(t.contains("nproc_per_node = ") && t.contains("backend = ") && t.contains("mixed_precision = "), "config has the keys", &t)?;
     let o = lockstep().args(["config", "--path"]).arg(&p).output().map_err(|e| e.to_string())?;
     check(o.status.code() == Some(1) && text(&o).1.contains("--force"), "existing config is kept without --force", show(&o))?;
-    let o = lockstep().args(["config", "--force", "--backend", "shm", "--nproc-per-node", "3", "--path"]).arg(&p).output().map_err(|e| e.to_string())?;
+    let o = lockstep()
+        .args(["config", "--force", "--backend", "shm", "--nproc-per-node", "3", "--path"])
+        .arg(&p)
+        .output()
+        .map_err(|e| e.to_string())?;
     let t = std::fs::read_to_string(&p).map_err(|e| e.to_string())?;
     check(o.status.success() && t.contains("nproc_per_node = 3") && t.contains("backend = \"shm\""), "overrides are written", &t)?;
     // `launch` without --nproc-per-node takes the config file's value.
-    let o = lockstep().env("LOCKSTEP_CONFIG", &p).args(["launch", "--", "sh", "-c", "echo $RANK/$WORLD_SIZE"]).output().map_err(|e| e.to_string())?;
+    let o = lockstep()
+        .env("LOCKSTEP_CONFIG", &p)
+        .args(["launch", "--", "sh", "-c", "echo $RANK/$WORLD_SIZE"])
+        .output()
+        .map_err(|e| e.to_string())?;
     let mut lines: Vec<String> = text(&o).0.lines().map(String::from).collect();
     lines.sort();
-    check(o.status.success() && lines == ["[rank 0] 0/3", "[rank 1] 1/3", "[rank 2] 2/3"], "config's nproc_per_node is the default", show(&o))?;
+    check(
+        o.status.success() && lines == ["[rank 0] 0/3", "[rank 1] 1/3", "[rank 2] 2/3"],
+        "config's nproc_per_node is the default",
+        show(&o),
+    )?;
     let o = lockstep().args(["env"]).output().map_err(|e| e.to_string())?;
     let (out, _) = text(&o);
-    check(o.status.success() && out.starts_with(&format!("lockstep {}", env!("CARGO_PKG_VERSION"))) && out.contains("cpu:") && out.contains("cuda/nccl:"), "env report", show(&o))
+    check(
+        o.status.success()
+            && out.starts_with(&format!("lockstep {}", env!("CARGO_PKG_VERSION")))
+            && out.contains("cpu:")
+            && out.contains("cuda/nccl:"),
+        "env report",
+        show(&o),
+    )
 }
 
 fn main() -> std::process::ExitCode {

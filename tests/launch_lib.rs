@@ -54,9 +54,17 @@ fn fail_fast_error_reports_root_cause() -> Result<(), String> {
     });
     let Err(e @ LaunchError::RanksFailed(_)) = r else { return check(false, "launch must fail", "") };
     let f = e.failures();
-    check(f[0].rank == 1 && f[0].message == "boom on purpose" && f[0].exit_code == 1 && !f[0].terminated_by_launcher, "root cause first", format!("{e}"))?;
+    check(
+        f[0].rank == 1 && f[0].message == "boom on purpose" && f[0].exit_code == 1 && !f[0].terminated_by_launcher,
+        "root cause first",
+        format!("{e}"),
+    )?;
     check(f[0].stderr_tail == vec!["about to fail".to_string()], "stderr tail is kept", format!("{:?}", f[0].stderr_tail))?;
-    check(f.len() == 3 && f[1..].iter().all(|x| x.terminated_by_launcher && x.exit_code == 128 + libc::SIGTERM), "others terminated", format!("{e}"))?;
+    check(
+        f.len() == 3 && f[1..].iter().all(|x| x.terminated_by_launcher && x.exit_code == 128 + libc::SIGTERM),
+        "others terminated",
+        format!("{e}"),
+    )?;
     check(e.exit_code() == 1 && e.to_string().contains("failed first"), "summary", format!("{e}"))?;
     check(t.elapsed() < Duration::from_secs(2), "fast", format!("{:?}", t.elapsed()))
 }
@@ -78,7 +86,11 @@ fn kill9_rank_gives_peer_lost() -> Result<(), String> {
     let Err(e) = r else { return check(false, "launch must fail", "") };
     let f = e.failures();
     check(f.len() == 2 && f[0].rank == 1 && f[0].exit_code == 137, "root cause is the killed rank", format!("{e}"))?;
-    check(f[1].message.contains("rank 1 (pid") && f[1].message.contains("died while rank 0 was in all_reduce"), "survivor reports PeerLost", format!("{e}"))
+    check(
+        f[1].message.contains("rank 1 (pid") && f[1].message.contains("died while rank 0 was in all_reduce"),
+        "survivor reports PeerLost",
+        format!("{e}"),
+    )
 }
 
 fn panics_and_exits_are_reported() -> Result<(), String> {

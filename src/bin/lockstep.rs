@@ -30,8 +30,9 @@ enum Cmd {
     Config(ConfigArgs),
     /// Print version, OS, CPU and accelerator information.
     Env,
-    // ---- integrator: enable once src/bench.rs exists -----------------------------------------
-    // /// Run the collective benchmarks.
+    // ---- INTEGRATOR: uncomment this variant and its match arm in `run` once src/bench.rs (main) is
+    // merged; it is commented out only so this branch compiles without it. -------------------
+    // /// nccl-tests-style collective benchmark (verifies every result).
     // Bench(lockstep::bench::BenchArgs),
     // -------------------------------------------------------------------------------------------
 }
@@ -138,6 +139,8 @@ fn run(cli: Cli) -> Result<i32, String> {
             env_report();
             Ok(0)
         }
+        // INTEGRATOR: uncomment with the `Bench` variant above.
+        // Cmd::Bench(a) => lockstep::bench::run(&a),
     }
 }
 
@@ -247,7 +250,9 @@ fn config_nproc() -> Result<Option<usize>, String> {
         if let Some((k, v)) = line.split_once('=') {
             if k.trim() == "nproc_per_node" {
                 let v = v.trim().trim_matches('"');
-                return v.parse().map(Some).map_err(|_| format!("{}: nproc_per_node = {v:?} is not a number; fix it or rerun `lockstep config --force`", path.display()));
+                return v.parse().map(Some).map_err(|_| {
+                    format!("{}: nproc_per_node = {v:?} is not a number; fix it or rerun `lockstep config --force`", path.display())
+                });
             }
         }
     }
@@ -310,9 +315,15 @@ impl<T: ValueEnum> ValueEnumName for T {
 
 fn env_report() {
     let read = |p: &str| std::fs::read_to_string(p).unwrap_or_default();
-    let os = read("/etc/os-release").lines().find_map(|l| l.strip_prefix("PRETTY_NAME=").map(|v| v.trim_matches('"').to_string())).unwrap_or_else(|| "unknown".into());
+    let os = read("/etc/os-release")
+        .lines()
+        .find_map(|l| l.strip_prefix("PRETTY_NAME=").map(|v| v.trim_matches('"').to_string()))
+        .unwrap_or_else(|| "unknown".into());
     let kernel = read("/proc/sys/kernel/osrelease").trim().to_string();
-    let cpu = read("/proc/cpuinfo").lines().find_map(|l| l.strip_prefix("model name").map(|v| v.trim_start_matches([' ', '\t', ':']).to_string())).unwrap_or_else(|| std::env::consts::ARCH.into());
+    let cpu = read("/proc/cpuinfo")
+        .lines()
+        .find_map(|l| l.strip_prefix("model name").map(|v| v.trim_start_matches([' ', '\t', ':']).to_string()))
+        .unwrap_or_else(|| std::env::consts::ARCH.into());
     let cpus = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
     let mem = read("/proc/meminfo").lines().find_map(|l| l.strip_prefix("MemTotal:").map(|v| v.trim().to_string())).unwrap_or_default();
     let mut o = std::io::stdout().lock();

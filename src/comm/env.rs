@@ -65,7 +65,8 @@ impl EnvInfo {
         let local_rank = num("LOCAL_RANK")?.unwrap_or(rank);
         let local_world_size = num("LOCAL_WORLD_SIZE")?.unwrap_or(world_size);
         let nnodes = num("LOCKSTEP_NNODES")?.unwrap_or(1).max(1);
-        let job_id = var("LOCKSTEP_JOB_ID").ok_or_else(|| setup("LOCKSTEP_JOB_ID is not set: start this program with `lockstep launch`, which names the job".into()))?;
+        let job_id = var("LOCKSTEP_JOB_ID")
+            .ok_or_else(|| setup("LOCKSTEP_JOB_ID is not set: start this program with `lockstep launch`, which names the job".into()))?;
         if rank >= world_size || local_rank >= local_world_size || local_world_size > world_size {
             return Err(setup(format!(
                 "inconsistent rank variables: RANK={rank} WORLD_SIZE={world_size} LOCAL_RANK={local_rank} LOCAL_WORLD_SIZE={local_world_size}"
@@ -120,8 +121,13 @@ impl Communicator {
             return Ok(Communicator::from_backend(Box::new(c)));
         }
         let timeout = secs_env("LOCKSTEP_RDZV_TIMEOUT_S", 60.0);
-        let port = info.master_port.ok_or_else(|| setup("MASTER_PORT is not set, but a multi-node job needs the rendezvous store's port".into()))?;
-        let token = info.token.clone().ok_or_else(|| setup("LOCKSTEP_TOKEN is not set, but a multi-node job needs it to talk to the rendezvous store".into()))?;
+        let port = info
+            .master_port
+            .ok_or_else(|| setup("MASTER_PORT is not set, but a multi-node job needs the rendezvous store's port".into()))?;
+        let token = info
+            .token
+            .clone()
+            .ok_or_else(|| setup("LOCKSTEP_TOKEN is not set, but a multi-node job needs it to talk to the rendezvous store".into()))?;
         let st = |e: crate::store::StoreError| setup(format!("rank {}: {e}", info.rank));
         let mut store = TcpStore::connect(&info.master_addr, port, &token, timeout).map_err(st)?;
         // Publish where this rank runs, then learn where every rank runs.

@@ -39,7 +39,9 @@ struct NodeLink {
 
 impl NodeLink {
     fn new(spec: &JobSpec, token: &str) -> Result<NodeLink, LaunchError> {
-        let connect = || TcpStore::connect(&spec.master_addr, spec.master_port, token, spec.rdzv_timeout).map_err(|e| LaunchError::Setup(e.to_string()));
+        let connect = || {
+            TcpStore::connect(&spec.master_addr, spec.master_port, token, spec.rdzv_timeout).map_err(|e| LaunchError::Setup(e.to_string()))
+        };
         let notify = RefCell::new(connect()?);
         let mut watch = connect()?;
         let (abort_fd, wr) = child::pipe().map_err(|e| LaunchError::Setup(format!("cannot create a pipe: {e}")))?;
@@ -165,7 +167,8 @@ pub fn run_job(spec: &JobSpec) -> Result<i32, LaunchError> {
             server.set_local(JOB_ID_KEY, job_id.as_bytes());
             Some(server)
         } else {
-            let mut c = TcpStore::connect(&spec.master_addr, spec.master_port, &token, spec.rdzv_timeout).map_err(|e| LaunchError::Setup(e.to_string()))?;
+            let mut c = TcpStore::connect(&spec.master_addr, spec.master_port, &token, spec.rdzv_timeout)
+                .map_err(|e| LaunchError::Setup(e.to_string()))?;
             let v = c.wait_get(JOB_ID_KEY, spec.rdzv_timeout).map_err(|e| LaunchError::Setup(e.to_string()))?;
             job_id = String::from_utf8(v).map_err(|_| LaunchError::Setup("the job id in the rendezvous store is not UTF-8".into()))?;
             None
@@ -228,7 +231,10 @@ pub fn run_job(spec: &JobSpec) -> Result<i32, LaunchError> {
                     child::reap_blocking(p.pid);
                 }
                 crate::shm::unlink_named(&job_id);
-                return Err(LaunchError::Setup(format!("cannot {what} rank {rank} ({}): {e}; check the program path and permissions", spec.program[0].to_string_lossy())));
+                return Err(LaunchError::Setup(format!(
+                    "cannot {what} rank {rank} ({}): {e}; check the program path and permissions",
+                    spec.program[0].to_string_lossy()
+                )));
             }
         }
     }

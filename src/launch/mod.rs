@@ -91,7 +91,11 @@ impl LaunchConfig {
 }
 
 /// Per-rank console/log output set up for `world` ranks.
-pub(crate) fn rank_outputs(world: usize, log_dir: Option<&std::path::Path>, filter: Option<&[usize]>) -> Result<Vec<RankOutput>, LaunchError> {
+pub(crate) fn rank_outputs(
+    world: usize,
+    log_dir: Option<&std::path::Path>,
+    filter: Option<&[usize]>,
+) -> Result<Vec<RankOutput>, LaunchError> {
     if let Some(d) = log_dir {
         std::fs::create_dir_all(d).map_err(|e| LaunchError::Setup(format!("cannot create log directory {}: {e}", d.display())))?;
     }
@@ -148,9 +152,18 @@ where
         }
     }
     drop(job);
-    let opts = Options { fail_fast: cfg.fail_fast, grace: cfg.grace, pgid: None, signals: None, remote_abort: None, on_first_failure: None, start };
+    let opts = Options {
+        fail_fast: cfg.fail_fast,
+        grace: cfg.grace,
+        pgid: None,
+        signals: None,
+        remote_abort: None,
+        on_first_failure: None,
+        start,
+    };
     let ok = |p: &Proc| {
-        matches!(p.status, Some(child::Exit::Code(0) | child::Exit::Unknown)) && wire::decode_outcome::<R>(&p.result_bytes).is_some_and(|o| o.is_ok())
+        matches!(p.status, Some(child::Exit::Code(0) | child::Exit::Unknown))
+            && wire::decode_outcome::<R>(&p.result_bytes).is_some_and(|o| o.is_ok())
     };
     let outcome = supervise::supervise(&mut ranks, &opts, |p| !ok(p));
     let mut results: BTreeMap<usize, R> = BTreeMap::new();

@@ -42,7 +42,13 @@ impl RankOutput {
             Some(d) => Some(File::create(d.join(format!("rank-{rank}.log")))?),
             None => None,
         };
-        Ok(RankOutput { prefix: format!("[rank {rank}] ").into_bytes(), show, log, pending: [Vec::new(), Vec::new()], tail: VecDeque::new() })
+        Ok(RankOutput {
+            prefix: format!("[rank {rank}] ").into_bytes(),
+            show,
+            log,
+            pending: [Vec::new(), Vec::new()],
+            tail: VecDeque::new(),
+        })
     }
 
     /// Take `data` read from `stream`; emit every complete segment.

@@ -36,7 +36,17 @@ impl Proc {
         for fd in fds.iter().flatten() {
             child::set_nonblocking(fd);
         }
-        Proc { rank, pid: s.pid, fds, pidfd: child::pidfd_open(s.pid), result_bytes: Vec::new(), status: None, elapsed: Duration::ZERO, terminated: false, output }
+        Proc {
+            rank,
+            pid: s.pid,
+            fds,
+            pidfd: child::pidfd_open(s.pid),
+            result_bytes: Vec::new(),
+            status: None,
+            elapsed: Duration::ZERO,
+            terminated: false,
+            output,
+        }
     }
 
     /// Read what is available on pipe `k`; close it at end of file.

@@ -21,7 +21,11 @@ pub fn run(tests: &[Test]) -> ExitCode {
         }
         let t = Instant::now();
         let r = std::panic::catch_unwind(f).unwrap_or_else(|p| {
-            Err(p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_else(|| "panicked".into()))
+            Err(p
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "panicked".into()))
         });
         match r {
             Ok(()) => {
