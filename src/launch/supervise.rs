@@ -222,7 +222,11 @@ pub(crate) fn supervise(procs: &mut [Proc], opts: &Options, failed: impl Fn(&Pro
             }
         }
 
-        // 3. Reap.
+        // 3. Reap. Ranks that ended since the last pass are seen together, so when a rank dies
+        // and a peer exits on noticing it (the shm backend's lost-peer error), both can show up
+        // here at once: a rank killed by a signal the launcher did not send is the more likely
+        // root cause than one that exited with an error code.
+        let mut batch: Vec<usize> = Vec::new();
         for (i, p) in procs.iter_mut().enumerate() {
             if p.status.is_some() {
                 continue;
@@ -233,12 +237,16 @@ pub(crate) fn supervise(procs: &mut [Proc], opts: &Options, failed: impl Fn(&Pro
                 p.pidfd = None;
                 // The rank is the only writer of its result pipe: read it to the end.
                 p.drain(&[2], true);
-                if root.is_none() && failed(p) {
-                    root = Some(i);
-                    if let Some(f) = opts.on_first_failure {
-                        f(p);
-                    }
+                if failed(p) {
+                    batch.push(i);
                 }
+            }
+        }
+        if root.is_none() {
+            let by_signal = |i: &usize| matches!(procs[*i].status, Some(Exit::Signal(_))) && !procs[*i].terminated;
+            root = batch.iter().copied().find(by_signal).or_else(|| batch.first().copied());
+            if let (Some(r), Some(f)) = (root, opts.on_first_failure) {
+                f(&procs[r]);
             }
         }
         if procs.iter().all(|p| p.status.is_some()) {
