@@ -143,6 +143,9 @@ impl JobSpec {
         if self.nnodes > 1 && self.token.is_none() {
             return bad("a multi-node job needs a shared token: pass the same --token (or LOCKSTEP_TOKEN) to every node's launcher".into());
         }
+        if let Some(r) = self.ranks_filter.as_ref().and_then(|f| f.iter().find(|r| **r >= self.nproc_per_node * self.nnodes)) {
+            return bad(format!("--ranks-filter names rank {r}, but the job has ranks 0..{}", self.nproc_per_node * self.nnodes));
+        }
         if self.nnodes > 1 && self.master_port == 0 {
             return bad("a multi-node job needs a fixed --master-port (0 would pick a different one on each node)".into());
         }
@@ -265,13 +268,20 @@ pub fn run_job(spec: &JobSpec) -> Result<i32, LaunchError> {
             return Ok(code);
         }
     }
-    let Some(root) = outcome.root else {
-        let code = outcome.interrupted.map(|s| 128 + s).unwrap_or(0);
-        if let (Some(l), Some(sig)) = (&link, outcome.interrupted) {
+    // Stopped by SIGINT/SIGTERM: tell the other nodes, and report briefly unless a rank had
+    // already failed on its own.
+    if let Some(sig) = outcome.interrupted {
+        let code = outcome.root.and_then(|r| procs[r].status).map(|st| st.code()).unwrap_or(128 + sig);
+        if let Some(l) = &link {
             l.tell(code, &format!("the launcher of node {node} got {}", child::signal_name(sig)));
         }
-        return Ok(code);
-    };
+        if outcome.root.is_none_or(|r| procs[r].terminated) {
+            let ends: Vec<String> = procs.iter().filter_map(|p| p.status.map(|st| format!("rank {} {}", p.rank, st.describe()))).collect();
+            eprintln!("lockstep: stopped by {}: {}", child::signal_name(sig), ends.join("; "));
+            return Ok(code);
+        }
+    }
+    let Some(root) = outcome.root else { return Ok(0) };
     let mut failures = Vec::new();
     for (i, p) in procs.iter().enumerate() {
         let st = p.status.expect("all reaped");

@@ -20,7 +20,7 @@
 use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -32,6 +32,9 @@ pub const MAX_FRAME: usize = 1 << 20;
 const VERSION: u32 = 1;
 /// Time a fresh connection has to present its token.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
+/// Connections served at once (one thread each); more are closed at once, and the clients'
+/// retries find room once others finish. Jobs have at most a few thousand ranks.
+const MAX_CONNECTIONS: usize = 8192;
 
 const OP_HELLO: u8 = 1;
 const OP_SET: u8 = 2;
@@ -184,14 +187,25 @@ impl Drop for StoreServer {
 }
 
 fn accept_loop(listener: TcpListener, stop: Arc<AtomicBool>, shared: Arc<Shared>, token: Arc<Vec<u8>>) {
+    let live = Arc::new(AtomicUsize::new(0));
     for conn in listener.incoming() {
         if stop.load(Ordering::SeqCst) {
             return;
         }
         let Ok(stream) = conn else { continue };
-        let (shared, token) = (shared.clone(), token.clone());
-        // A failed spawn just drops this connection; the client sees it closed and retries.
-        let _ = std::thread::Builder::new().name("lockstep-store-conn".into()).spawn(move || serve(stream, &shared, &token));
+        if live.load(Ordering::SeqCst) >= MAX_CONNECTIONS {
+            continue; // dropped: closed
+        }
+        live.fetch_add(1, Ordering::SeqCst);
+        let (shared, token, live2) = (shared.clone(), token.clone(), live.clone());
+        // A failed spawn just drops this connection; the client sees it closed.
+        let spawned = std::thread::Builder::new().name("lockstep-store-conn".into()).spawn(move || {
+            serve(stream, &shared, &token);
+            live2.fetch_sub(1, Ordering::SeqCst);
+        });
+        if spawned.is_err() {
+            live.fetch_sub(1, Ordering::SeqCst);
+        }
     }
 }
 
