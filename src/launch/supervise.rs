@@ -144,7 +144,7 @@ pub(crate) fn supervise(procs: &mut [Proc], opts: &Options, failed: impl Fn(&Pro
     loop {
         // 1. Wait for output, exits, or signals.
         let mut pfds: Vec<libc::pollfd> = Vec::new();
-        let mut who: Vec<(usize, usize)> = Vec::new(); // (proc, 0..=2 pipe | 3 pidfd | 4 signal)
+        let mut who: Vec<(usize, usize)> = Vec::new(); // (proc, 0..=2 pipe | 3 pidfd | 4 signal | 5 remote abort)
         let mut blind = false; // some live rank has no pidfd: poll with a short timeout
         for (i, p) in procs.iter().enumerate() {
             for k in 0..3 {
