@@ -37,7 +37,22 @@ enum Cmd {
     // -------------------------------------------------------------------------------------------
 }
 
+const LAUNCH_HELP: &str = "\
+Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT,
+LOCKSTEP_JOB_ID, LOCKSTEP_TOKEN, LOCKSTEP_NODE_RANK, LOCKSTEP_NNODES, LOCKSTEP_LAUNCHER_PID (and
+LOCKSTEP_CONSOLE_TTY=1 when the launcher's stderr is a terminal); Communicator::from_env() reads them.
+Output is printed line by line as `[rank N] ...`. The first failing rank stops the others (SIGTERM,
+SIGKILL after --grace-s) and the launcher exits with its code (128+signal for a signal). Ctrl-C is
+forwarded to every rank; a second Ctrl-C kills them at once.
+
+Examples:
+  lockstep launch --nproc-per-node 4 -- ./train --epochs 2
+  # two nodes (or two launchers on one host):
+  lockstep launch --nproc-per-node 2 --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --token T -- ./train
+  lockstep launch --nproc-per-node 2 --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 --token T -- ./train";
+
 #[derive(clap::Args, Debug)]
+#[command(after_help = LAUNCH_HELP)]
 struct LaunchArgs {
     /// Ranks to start on this node (default: `nproc_per_node` of the config file, else 1).
     #[arg(long)]
@@ -138,9 +153,8 @@ fn run(cli: Cli) -> Result<i32, String> {
         Cmd::Env => {
             env_report();
             Ok(0)
-        }
-        // INTEGRATOR: uncomment with the `Bench` variant above.
-        // Cmd::Bench(a) => lockstep::bench::run(&a),
+        } // INTEGRATOR: uncomment with the `Bench` variant above.
+          // Cmd::Bench(a) => lockstep::bench::run(&a),
     }
 }
 

@@ -291,6 +291,13 @@ pub(crate) fn kill(pid: i32, sig: i32) {
     unsafe { libc::kill(pid, sig) };
 }
 
+/// `poll(2)` on `fds` for at most `timeout_ms` (EINTR, e.g. from a forwarded signal, just returns
+/// early: callers loop).
+pub(crate) fn poll(fds: &mut [libc::pollfd], timeout_ms: i32) {
+    // SAFETY: fds is a valid, exclusively borrowed array of pollfd of the given length.
+    unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout_ms) };
+}
+
 /// Monotonic clock in nanoseconds (`CLOCK_MONOTONIC`, comparable across processes of one host).
 pub fn monotonic_ns() -> u64 {
     let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };

@@ -234,7 +234,10 @@ pub fn run_job(spec: &JobSpec) -> Result<i32, LaunchError> {
                     child::reap_blocking(p.pid);
                 }
                 crate::shm::unlink_named(&job_id);
-                let msg = format!("cannot {what} rank {rank} ({}): {e}; check the program path and permissions", spec.program[0].to_string_lossy());
+                let msg = format!(
+                    "cannot {what} rank {rank} ({}): {e}; check the program path and permissions",
+                    spec.program[0].to_string_lossy()
+                );
                 if let Some(l) = &link {
                     l.tell(1, &format!("node {}: {msg}", spec.node_rank));
                 }

@@ -175,8 +175,7 @@ pub(crate) fn supervise(procs: &mut [Proc], opts: &Options, failed: impl Fn(&Pro
         if let (Some(t), false) = (term_at, killed) {
             timeout_ms = timeout_ms.min(opts.grace.saturating_sub(t.elapsed()).as_millis() as i64 + 1);
         }
-        // SAFETY: pfds is a valid array of pollfd of the given length.
-        unsafe { libc::poll(pfds.as_mut_ptr(), pfds.len() as libc::nfds_t, timeout_ms as libc::c_int) };
+        child::poll(&mut pfds, timeout_ms as i32);
         for (n, pfd) in pfds.iter().enumerate() {
             if pfd.revents == 0 {
                 continue;
