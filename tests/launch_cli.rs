@@ -442,6 +442,21 @@ fn missing_program_and_bad_options() -> Result<(), String> {
     )
 }
 
+fn stale_segments_of_dead_launchers_are_removed() -> Result<(), String> {
+    // Names in the launcher's job-id format whose launcher pid does not exist; one old, one new.
+    let old = format!("/dev/shm/lockstep-7ffffff{}-abc", std::process::id() % 10);
+    let new = format!("/dev/shm/lockstep-7ffffff{}-abd", std::process::id() % 10);
+    for p in [&old, &new] {
+        std::fs::write(p, b"").map_err(|e| e.to_string())?;
+    }
+    let f = std::fs::File::options().write(true).open(&old).map_err(|e| e.to_string())?;
+    f.set_modified(SystemTime::now() - Duration::from_secs(3600)).map_err(|e| e.to_string())?;
+    let o = lockstep().args(["launch", "--nproc-per-node", "1", "--", "true"]).output().map_err(|e| e.to_string())?;
+    let (old_gone, new_kept) = (!std::path::Path::new(&old).exists(), std::path::Path::new(&new).exists());
+    let _ = std::fs::remove_file(&new);
+    check(o.status.success() && old_gone && new_kept, "old stale segment removed, recent one kept", format!("{old_gone} {new_kept}"))
+}
+
 fn config_and_env() -> Result<(), String> {
     let d = scratch("config");
     let p = d.join("sub/config.toml");
@@ -501,6 +516,7 @@ fn main() -> std::process::ExitCode {
         ("busy_port_is_named", busy_port_is_named),
         ("wrong_token_and_unreachable_master", wrong_token_and_unreachable_master),
         ("missing_program_and_bad_options", missing_program_and_bad_options),
+        ("stale_segments_of_dead_launchers_are_removed", stale_segments_of_dead_launchers_are_removed),
         ("config_and_env", config_and_env),
     ])
 }
