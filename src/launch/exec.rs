@@ -184,7 +184,10 @@ pub fn run_job(spec: &JobSpec) -> Result<i32, LaunchError> {
     let token = spec.token.clone().unwrap_or_else(random_token);
     let mut job_id = new_job_id();
 
-    // Rendezvous between launchers (multi-node only).
+    // Rendezvous between launchers (multi-node only). Node 0 listens before anything else so a
+    // busy port fails fast; the other nodes fetch node 0's job id, which also proves the address,
+    // port and token right before any rank starts. Ranks on one host then all use that job id
+    // for the shared segment (see `Communicator::from_env`).
     let _server = if spec.nnodes > 1 {
         if spec.node_rank == 0 {
             let server = StoreServer::start(&spec.master_addr, spec.master_port, &token).map_err(|e| LaunchError::Setup(e.to_string()))?;
@@ -284,6 +287,8 @@ pub fn run_job(spec: &JobSpec) -> Result<i32, LaunchError> {
         start,
     };
     let outcome = supervise::supervise(&mut procs, &opts, |p| p.status != Some(child::Exit::Code(0)));
+    // Normally the last rank to join has removed the name already; this covers jobs whose ranks
+    // died before all joined.
     crate::shm::unlink_named(&job_id);
 
     // Stopped because another node failed: exit with that node's root-cause code.

@@ -67,6 +67,8 @@ impl RankOutput {
         self.tail.iter().cloned().collect()
     }
 
+    /// Split what is pending on `stream`, log and tail each segment, and print the prefixed batch
+    /// with one write (so a reader of the launcher's output never sees half a segment).
     fn emit(&mut self, stream: Stream, at_eof: bool) {
         let buf = std::mem::take(&mut self.pending[stream as usize]);
         let segs = split_segments(&buf, at_eof);

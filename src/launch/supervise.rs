@@ -4,6 +4,12 @@
 //!
 //! Signals (CLI only): the first SIGINT/SIGTERM is forwarded to every rank and starts the grace
 //! period; a second one kills every rank at once.
+//!
+//! Why one poll loop and no threads: the library launcher runs in the host process that forked
+//! the ranks, which must stay free of helper threads between launches, and a single loop makes
+//! the order of events (which rank failed first) the order the loop saw them. A pidfd per rank
+//! wakes the loop the moment a rank exits, even while its pipes are still held open by a
+//! grandchild; without pidfds (kernels before 5.3) the loop polls every 5 ms instead.
 
 use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
 use std::time::{Duration, Instant};
@@ -49,7 +55,8 @@ impl Proc {
         }
     }
 
-    /// Read what is available on pipe `k`; close it at end of file.
+    /// Read what is available on pipe `k` (0 stdout, 1 stderr, 2 result); close it at end of
+    /// file, flushing a last unterminated output line.
     fn pump(&mut self, k: usize) -> ReadState {
         let Some(fd) = &self.fds[k] else { return ReadState::Eof };
         let mut buf = Vec::new();
@@ -125,13 +132,17 @@ pub(crate) struct Outcome {
 
 /// Supervise `procs` until all have exited; `failed` tells whether an exited rank failed.
 pub(crate) fn supervise(procs: &mut [Proc], opts: &Options, failed: impl Fn(&Proc) -> bool) -> Outcome {
+    // Index of the root-cause rank, once one has failed.
     let mut root: Option<usize> = None;
     let mut interrupted = None;
     let mut seen = Counts::default();
+    // When SIGTERM (or a forwarded signal) went out; SIGKILL follows `grace` later, once.
     let mut term_at: Option<Instant> = None;
     let mut killed = false;
     let mut remote_abort = false;
     let mut abort_closed = false;
+    // Signal the process group first (reaches what the ranks started), then each live rank (a
+    // rank may have left the group, or the library launcher has no group of its own).
     let signal_all = |procs: &mut [Proc], sig: i32| {
         if let Some(g) = opts.pgid {
             child::kill(-g, sig);
@@ -171,6 +182,7 @@ pub(crate) fn supervise(procs: &mut [Proc], opts: &Options, failed: impl Fn(&Pro
             pfds.push(libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 });
             who.push((usize::MAX, 5));
         }
+        // Wake at least every 200 ms (harmless), and in time for the SIGKILL deadline.
         let mut timeout_ms: i64 = if blind { 5 } else { 200 };
         if let (Some(t), false) = (term_at, killed) {
             timeout_ms = timeout_ms.min(opts.grace.saturating_sub(t.elapsed()).as_millis() as i64 + 1);

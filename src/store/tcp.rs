@@ -123,7 +123,8 @@ fn write_frame(s: &mut TcpStream, body: &[u8]) -> std::io::Result<()> {
 // ------------------------------------------------------------------------------------------------
 // Server
 
-/// The key-value map and the condition variable waiters sleep on.
+/// The key-value map and the condition variable waiters sleep on. One mutex for everything: the
+/// store sees a handful of requests per rank at start-up, never a hot path.
 #[derive(Default)]
 struct Shared {
     map: Mutex<HashMap<String, Vec<u8>>>,
@@ -209,7 +210,10 @@ fn accept_loop(listener: TcpListener, stop: Arc<AtomicBool>, shared: Arc<Shared>
     }
 }
 
-/// Serve one connection until it closes or misbehaves.
+/// Serve one connection until it closes or misbehaves. Requests are answered in order; a `WAIT`
+/// blocks only this connection's thread. The first request must authenticate within
+/// `HELLO_TIMEOUT` (so port scanners and stuck peers do not hold threads forever); after that the
+/// connection may idle as long as the job runs.
 fn serve(mut s: TcpStream, shared: &Shared, token: &[u8]) {
     let _ = s.set_nodelay(true);
     let _ = s.set_read_timeout(Some(HELLO_TIMEOUT));
@@ -299,6 +303,7 @@ fn handle(body: &[u8], shared: &Shared) -> Result<Vec<u8>, String> {
                 keys.push(c.key()?);
             }
             c.end()?;
+            // Sleep on the condition variable; every SET/ADD wakes all waiters to re-check.
             let deadline = Instant::now() + timeout;
             let mut m = lock();
             loop {
@@ -313,6 +318,7 @@ fn handle(body: &[u8], shared: &Shared) -> Result<Vec<u8>, String> {
             }
         }
         OP_ADD => {
+            // Counters are stored as 8 little-endian bytes, so GET reads them too.
             let key = c.key()?;
             let delta = c.u64()? as i64;
             c.end()?;
@@ -347,6 +353,9 @@ pub struct TcpStore {
 impl TcpStore {
     /// Connect to `host:port` and present `token`, retrying refused or failed connections with
     /// exponential backoff (10 ms doubling to 1 s) for up to `connect_timeout`.
+    ///
+    /// Refused connections are the normal case while the node-0 launcher is still starting, so
+    /// they are retried; a wrong token is not (retrying cannot fix it).
     pub fn connect(host: &str, port: u16, token: &str, connect_timeout: Duration) -> Result<TcpStore, StoreError> {
         let addr = format!("{host}:{port}");
         let start = Instant::now();
@@ -386,7 +395,8 @@ impl TcpStore {
         &self.addr
     }
 
-    /// Send one request and read its reply (status byte first, never empty).
+    /// Send one request and read its reply (status byte first, never empty). `timeout` bounds the
+    /// wait for the reply so a vanished server turns into an error instead of a hang.
     fn request(&mut self, op: &'static str, body: &[u8], timeout: Option<Duration>) -> Result<Vec<u8>, StoreError> {
         self.stream.set_read_timeout(timeout).map_err(|e| StoreError::Io { op, source: e })?;
         write_frame(&mut self.stream, body).map_err(|e| StoreError::Io { op, source: e })?;
