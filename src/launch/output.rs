@@ -84,9 +84,14 @@ impl RankOutput {
                 }
                 self.tail.push_back(line);
             }
-            if self.show {
+            // A bare "\r" (the start of a redraw) carries nothing to show.
+            if self.show && seg.as_slice() != b"\r" {
+                // Terminal control sequences that open a segment (a progress bar's "clear line")
+                // go before the prefix, or they would erase it.
+                let k = leading_csi_len(seg);
+                out.extend_from_slice(&seg[..k]);
                 out.extend_from_slice(&self.prefix);
-                out.extend_from_slice(seg);
+                out.extend_from_slice(&seg[k..]);
             }
         }
         self.pending[stream as usize] = buf[segs.consumed..].to_vec();
@@ -94,6 +99,21 @@ impl RankOutput {
             write_console(stream, &out);
         }
     }
+}
+
+/// Length of the ANSI CSI sequences (`ESC [ params final`) at the start of `seg`, e.g. the
+/// `ESC[2K` (clear line) that progress bars such as indicatif write before each redraw.
+pub(crate) fn leading_csi_len(seg: &[u8]) -> usize {
+    let mut i = 0;
+    while seg.len() > i + 1 && seg[i] == 0x1b && seg[i + 1] == b'[' {
+        // Parameter and intermediate bytes are 0x20..=0x3f; the final byte is 0x40..=0x7e.
+        let Some(end) = seg[i + 2..].iter().position(|b| !(0x20..=0x3f).contains(b)) else { break };
+        if !(0x40..=0x7e).contains(&seg[i + 2 + end]) {
+            break;
+        }
+        i += 2 + end + 1;
+    }
+    i
 }
 
 /// Write a batch to the launcher's own stdout or stderr.
@@ -185,6 +205,17 @@ mod tests {
         // A trailing CR waits: it may be the start of CRLF.
         assert_eq!(segs(b"50%\r", false), (vec![], 0));
         assert_eq!(segs(b"50%\r", true), (vec!["50%\n".into()], 4));
+    }
+
+    #[test]
+    fn progress_bar_redraws_keep_their_prefix() {
+        // indicatif/console redraw a bar as "\r ESC[2K text"; the clear-line goes first.
+        assert_eq!(leading_csi_len(b"\x1b[2K[===>  ] 40%\r"), 4);
+        assert_eq!(leading_csi_len(b"\x1b[1A\x1b[2Kx"), 8);
+        assert_eq!(leading_csi_len(b"plain\n"), 0);
+        assert_eq!(leading_csi_len(b"\x1b[2"), 0);
+        let (s, _) = segs(b"\r\x1b[2K10%\r\x1b[2K20%\n", false);
+        assert_eq!(s, vec!["\r", "\x1b[2K10%\r", "\x1b[2K20%\n"]);
     }
 
     #[test]
