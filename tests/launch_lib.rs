@@ -93,6 +93,29 @@ fn kill9_rank_gives_peer_lost() -> Result<(), String> {
     )
 }
 
+fn hung_rank_is_named_after_the_timeout() -> Result<(), String> {
+    let mut c = cfg(2);
+    c.shm.timeout = Duration::from_millis(500);
+    let t = Instant::now();
+    let r = launch(&c, |mut ctx| -> lockstep::launch::RankResult<()> {
+        if ctx.rank == 1 {
+            std::thread::sleep(Duration::from_secs(30)); // hangs outside any collective
+        }
+        let mut v = [1.0f32; 4];
+        ctx.comm.all_reduce_in_place(&mut v[..], ReduceOp::Sum)?;
+        Ok(())
+    });
+    let Err(e) = r else { return check(false, "launch must fail", "") };
+    let f = e.failures();
+    check(
+        f[0].rank == 0 && f[0].message.contains("timed out") && f[0].message.contains("rank 1 is at collective #0"),
+        "the waiting rank names the hung one",
+        format!("{e}"),
+    )?;
+    check(f.len() == 2 && f[1].terminated_by_launcher, "the hung rank is terminated", format!("{e}"))?;
+    check(t.elapsed() < Duration::from_secs(3), "prompt", format!("{:?}", t.elapsed()))
+}
+
 fn panics_and_exits_are_reported() -> Result<(), String> {
     let r = launch(&cfg(2), |ctx| -> lockstep::launch::RankResult<()> {
         if ctx.rank == 0 {
@@ -174,6 +197,7 @@ fn main() -> std::process::ExitCode {
         ("ready_time_and_repeated_launch", ready_time_and_repeated_launch),
         ("fail_fast_error_reports_root_cause", fail_fast_error_reports_root_cause),
         ("kill9_rank_gives_peer_lost", kill9_rank_gives_peer_lost),
+        ("hung_rank_is_named_after_the_timeout", hung_rank_is_named_after_the_timeout),
         ("panics_and_exits_are_reported", panics_and_exits_are_reported),
         ("log_dir_and_filter", log_dir_and_filter),
         ("output_is_line_atomic_and_prefixed", output_is_line_atomic_and_prefixed),
