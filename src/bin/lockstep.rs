@@ -147,14 +147,15 @@ fn main() -> ExitCode {
 
 fn run(cli: Cli) -> Result<i32, String> {
     match cli.cmd {
+        // INTEGRATOR: uncomment with the `Bench` variant above.
+        // Cmd::Bench(a) => lockstep::bench::run(&a),
         Cmd::Launch(a) => launch(a),
         Cmd::Selftest(a) => selftest(a),
         Cmd::Config(a) => config(a),
         Cmd::Env => {
             env_report();
             Ok(0)
-        } // INTEGRATOR: uncomment with the `Bench` variant above.
-          // Cmd::Bench(a) => lockstep::bench::run(&a),
+        }
     }
 }
 
