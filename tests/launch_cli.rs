@@ -434,6 +434,12 @@ fn missing_program_and_bad_options() -> Result<(), String> {
     check(o.status.code() == Some(1) && text(&o).1.contains("--ranks-filter names rank 5"), "out-of-range filter is rejected", show(&o))?;
     let o = lockstep().args(["launch", "--bogus", "--", "true"]).output().map_err(|e| e.to_string())?;
     check(o.status.code() == Some(2), "unknown options are rejected", show(&o))?;
+    let o = lockstep()
+        .env("LOCKSTEP_BACKEND", "carrier-pigeon")
+        .args(["launch", "--nproc-per-node", "1", "--", BIN, "selftest"])
+        .output()
+        .map_err(|e| e.to_string())?;
+    check(o.status.code() == Some(1) && text(&o).1.contains("is not a backend: use shm or nccl"), "unknown backend is named", show(&o))?;
     let o = lockstep().args(["selftest"]).output().map_err(|e| e.to_string())?;
     check(
         o.status.code() == Some(1) && text(&o).1.contains("RANK is not set: start this program with `lockstep launch"),

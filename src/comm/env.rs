@@ -8,6 +8,7 @@
 //!   (for example two launchers on loopback), they form one shared-memory communicator under the
 //!   node-0 launcher's job id, with global ranks. A CPU job that spans hosts is refused with an
 //!   error: no cross-host CPU transport exists (the NCCL backend provides one for GPUs).
+//! * `LOCKSTEP_BACKEND` picks the backend (`shm`, the default; `nccl` once the CUDA backend lands).
 
 use std::time::Duration;
 
@@ -115,6 +116,17 @@ impl Communicator {
     /// `comm::env`). `LOCKSTEP_RDZV_TIMEOUT_S` (default 60) bounds the multi-node rendezvous.
     pub fn from_env() -> Result<Communicator, CommError> {
         let info = EnvInfo::from_env()?;
+        // Backend choice (`LOCKSTEP_BACKEND`, default shm). The NCCL branch is where the CUDA
+        // backend plugs in: it will exchange the NCCL unique id through the same store.
+        match var("LOCKSTEP_BACKEND").as_deref().unwrap_or("shm") {
+            "shm" => {}
+            "nccl" => {
+                return Err(CommError::Unsupported(
+                    "LOCKSTEP_BACKEND=nccl: the NCCL backend is not available in this build yet; use LOCKSTEP_BACKEND=shm (CPU)".into(),
+                ))
+            }
+            other => return Err(setup(format!("LOCKSTEP_BACKEND={other:?} is not a backend: use shm or nccl"))),
+        }
         let cfg = ShmConfig::from_env();
         if info.single_node() {
             let c = ShmComm::join_named(&info.job_id, info.local_rank, info.local_world_size, cfg)?;
