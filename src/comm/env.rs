@@ -47,33 +47,41 @@ fn setup(msg: String) -> CommError {
     CommError::Setup(msg)
 }
 
-fn num(name: &str) -> Result<Option<usize>, CommError> {
-    match var(name) {
+/// Variable lookup: the process environment, or a fixed table in tests.
+type Lookup<'a> = &'a dyn Fn(&str) -> Option<String>;
+
+fn num(get: Lookup, name: &str) -> Result<Option<usize>, CommError> {
+    match get(name) {
         None => Ok(None),
         Some(v) => v.trim().parse().map(Some).map_err(|_| setup(format!("{name}={v:?} is not a non-negative integer"))),
     }
 }
 
-fn required(name: &str) -> Result<usize, CommError> {
-    num(name)?.ok_or_else(|| setup(format!("{name} is not set: start this program with `lockstep launch --nproc-per-node N -- program ...` (or set RANK, WORLD_SIZE and LOCKSTEP_JOB_ID yourself)")))
+fn required(get: Lookup, name: &str) -> Result<usize, CommError> {
+    num(get, name)?.ok_or_else(|| setup(format!("{name} is not set: start this program with `lockstep launch --nproc-per-node N -- program ...` (or set RANK, WORLD_SIZE and LOCKSTEP_JOB_ID yourself)")))
 }
 
 impl EnvInfo {
     /// Read and check the variables.
     pub fn from_env() -> Result<EnvInfo, CommError> {
-        let rank = required("RANK")?;
-        let world_size = required("WORLD_SIZE")?;
-        let local_rank = num("LOCAL_RANK")?.unwrap_or(rank);
-        let local_world_size = num("LOCAL_WORLD_SIZE")?.unwrap_or(world_size);
-        let nnodes = num("LOCKSTEP_NNODES")?.unwrap_or(1).max(1);
-        let job_id = var("LOCKSTEP_JOB_ID")
+        EnvInfo::from_lookup(&var)
+    }
+
+    /// Read and check the variables through `get` (empty values count as unset).
+    fn from_lookup(get: Lookup) -> Result<EnvInfo, CommError> {
+        let rank = required(get, "RANK")?;
+        let world_size = required(get, "WORLD_SIZE")?;
+        let local_rank = num(get, "LOCAL_RANK")?.unwrap_or(rank);
+        let local_world_size = num(get, "LOCAL_WORLD_SIZE")?.unwrap_or(world_size);
+        let nnodes = num(get, "LOCKSTEP_NNODES")?.unwrap_or(1).max(1);
+        let job_id = get("LOCKSTEP_JOB_ID")
             .ok_or_else(|| setup("LOCKSTEP_JOB_ID is not set: start this program with `lockstep launch`, which names the job".into()))?;
         if rank >= world_size || local_rank >= local_world_size || local_world_size > world_size {
             return Err(setup(format!(
                 "inconsistent rank variables: RANK={rank} WORLD_SIZE={world_size} LOCAL_RANK={local_rank} LOCAL_WORLD_SIZE={local_world_size}"
             )));
         }
-        let master_port = match var("MASTER_PORT") {
+        let master_port = match get("MASTER_PORT") {
             None => None,
             Some(p) => Some(p.trim().parse::<u16>().map_err(|_| setup(format!("MASTER_PORT={p:?} is not a port number")))?),
         };
@@ -84,9 +92,9 @@ impl EnvInfo {
             local_world_size,
             nnodes,
             job_id,
-            master_addr: var("MASTER_ADDR").unwrap_or_else(|| "127.0.0.1".into()),
+            master_addr: get("MASTER_ADDR").unwrap_or_else(|| "127.0.0.1".into()),
             master_port,
-            token: var("LOCKSTEP_TOKEN"),
+            token: get("LOCKSTEP_TOKEN"),
         })
     }
 
@@ -166,5 +174,40 @@ impl Communicator {
         let job = String::from_utf8(job).map_err(|_| setup("the job id in the rendezvous store is not UTF-8".into()))?;
         let c = ShmComm::join_named(&job, info.rank, info.world_size, cfg)?;
         Ok(Communicator::from_backend(Box::new(c)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn info(vars: &[(&str, &str)]) -> Result<EnvInfo, CommError> {
+        let table: Vec<(String, String)> = vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        EnvInfo::from_lookup(&move |k: &str| table.iter().find(|(n, v)| n == k && !v.is_empty()).map(|(_, v)| v.clone()))
+    }
+
+    #[test]
+    fn single_node_needs_no_port() {
+        let i = info(&[("RANK", "1"), ("WORLD_SIZE", "2"), ("LOCKSTEP_JOB_ID", "j")]).unwrap();
+        assert_eq!((i.rank, i.local_rank, i.world_size, i.local_world_size, i.master_port), (1, 1, 2, 2, None));
+        assert!(i.single_node());
+    }
+
+    #[test]
+    fn multi_node_and_errors() {
+        let base = [("RANK", "3"), ("LOCAL_RANK", "1"), ("WORLD_SIZE", "4"), ("LOCAL_WORLD_SIZE", "2"), ("LOCKSTEP_NNODES", "2")];
+        let mut v = base.to_vec();
+        v.extend([("LOCKSTEP_JOB_ID", "j"), ("MASTER_PORT", "29500")]);
+        let i = info(&v).unwrap();
+        assert!(!i.single_node());
+        assert_eq!(i.master_port, Some(29500));
+        let e = info(&[("WORLD_SIZE", "2"), ("LOCKSTEP_JOB_ID", "j")]).unwrap_err().to_string();
+        assert!(e.contains("RANK is not set: start this program with `lockstep launch"), "{e}");
+        let e = info(&[("RANK", "2"), ("WORLD_SIZE", "2"), ("LOCKSTEP_JOB_ID", "j")]).unwrap_err().to_string();
+        assert!(e.contains("inconsistent rank variables"), "{e}");
+        let e = info(&[("RANK", "x"), ("WORLD_SIZE", "2")]).unwrap_err().to_string();
+        assert!(e.contains("RANK=\"x\" is not a non-negative integer"), "{e}");
+        let e = info(&[("RANK", "0"), ("WORLD_SIZE", "2")]).unwrap_err().to_string();
+        assert!(e.contains("LOCKSTEP_JOB_ID is not set"), "{e}");
     }
 }
