@@ -20,6 +20,8 @@ fn cfg(n: usize) -> LaunchConfig {
 
 fn ready_time_and_repeated_launch() -> Result<(), String> {
     // Each launch: t0 before the call; every rank reports when its communicator was ready.
+    let fds = || std::fs::read_dir("/proc/self/fd").map(|d| d.count()).unwrap_or(0);
+    let fds_before = fds();
     let mut worst = Vec::new();
     for _ in 0..7 {
         let t0 = monotonic_ns();
@@ -38,6 +40,7 @@ fn ready_time_and_repeated_launch() -> Result<(), String> {
     worst.sort_by(|a, b| a.partial_cmp(b).expect("finite"));
     let median = worst[worst.len() / 2];
     println!("    launch → every rank ready (2 ranks): median {median:.2} ms, all {worst:.2?}");
+    check(fds() == fds_before, "repeated launches leak no file descriptors", format!("{fds_before} before, {} after", fds()))?;
     // The target is 10 ms; allow slack for a loaded 2-core CI machine.
     check(median < 50.0, "ranks must be ready quickly", format!("median {median:.2} ms"))
 }
