@@ -7,9 +7,11 @@
 //! |---|---|
 //! | [`comm`] | the backend-agnostic [`Communicator`](comm::Communicator): all-reduce, broadcast, reduce, all-gather, gather, reduce-scatter, barrier |
 //! | [`shm`] | the shared-memory backend for the ranks of one node: segment, synchronisation, reduction kernels |
-//! | [`launch`] | the fork-based launcher: ranks, supervision, results |
+//! | [`launch`] | the launchers: [`launch::launch`] forks ranks running a function; [`launch::run_job`] backs `lockstep launch` (exec'd ranks); output, supervision, failure reports |
+//! | [`store`] | the TCP rendezvous store that multi-node jobs meet through |
 //! | [`cuda`] | CUDA driver + NVRTC loaded at run time: discovery, the single-init guard, contexts, streams, device memory, kernels, graphs |
 //! | [`nccl`] | NCCL loaded at run time: a `Backend` on device buffers with an abort watchdog |
+//! | [`bench`] | `lockstep bench`: nccl-tests-style collective benchmark |
 //!
 //! Safety model: `unsafe` lives only in the modules that talk to the OS or to foreign libraries
 //! (`shm`, `launch`'s post-fork code, `cuda`, `nccl`); every block carries a `// SAFETY:` line.
@@ -24,5 +26,6 @@ pub mod cuda;
 pub mod launch;
 pub mod nccl;
 pub mod shm;
+pub mod store;
 
 pub use comm::{Buffer, BufferMut, CollKind, CommError, Communicator, Dtype, Element, ReduceOp};

@@ -9,10 +9,12 @@
 
 mod buffer;
 mod dtype;
+mod env;
 mod error;
 
 pub use buffer::{Buffer, BufferMut, MemSpace, RawMem};
 pub use dtype::{Dtype, Element, ReduceOp};
+pub use env::{host_id, EnvInfo};
 pub use error::{CollKind, CommError};
 
 use std::fmt;

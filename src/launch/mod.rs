@@ -1,26 +1,54 @@
-//! The fork-based launcher (the `notebook_launcher` analog): [`launch`] forks `nprocs` ranks that
-//! each run a function with a ready [`Communicator`], and returns every rank's result.
+//! The launchers.
 //!
-//! The parent creates the shared segment, forks, and supervises: the first rank that fails (error,
-//! panic, non-zero exit or signal) gets the others terminated (SIGTERM, then SIGKILL after a grace
-//! period) unless [`LaunchConfig::fail_fast`] is off. Children die with the parent
-//! (`PR_SET_PDEATHSIG`), and the host process can call [`launch`] again afterwards.
+//! * [`launch`] (the `notebook_launcher` analog) forks `nprocs` ranks that each run a function
+//!   with a ready [`Communicator`], and returns every rank's result. The parent creates the shared
+//!   segment, forks, and supervises. The host process can call it again afterwards.
+//! * [`run_job`] backs `lockstep launch`: it execs `nproc_per_node` copies of a program with the
+//!   rendezvous environment (`RANK`, `WORLD_SIZE`, `LOCKSTEP_JOB_ID`, ...) that
+//!   [`Communicator::from_env`] reads, hosting the rendezvous store on node 0 of multi-node jobs.
+//!
+//! Both share the supervisor (`supervise.rs`): the first rank that fails (error, panic, non-zero
+//! exit or signal) gets the others terminated (SIGTERM, then SIGKILL after a grace period) unless
+//! fail-fast is off; children die with the parent (`PR_SET_PDEATHSIG`, race closed by a `getppid`
+//! check). Each rank's stdout/stderr comes back through pipes and is printed line by line with a
+//! `[rank N]` prefix (`output.rs`), optionally also to per-rank log files; failures are reported
+//! with the tail of the rank's stderr between divider lines (`report.rs`).
+//!
+//! | file | what lives there |
+//! |---|---|
+//! | `child.rs` | fork, exec, pipes, pidfds, reaping, killing: all of the launcher's `unsafe` but the signal handler |
+//! | `signals.rs` | the CLI's SIGINT/SIGTERM handlers (counters plus a self-pipe) |
+//! | `supervise.rs` | the poll loop: output, results, exits, fail-fast, signal forwarding |
+//! | `output.rs` | line splitting, `[rank N]` prefixes, log files, rank filter, stderr tails |
+//! | `report.rs` | [`RankFailure`], [`LaunchError`], the failure summary |
+//! | `exec.rs` | [`JobSpec`] and [`run_job`] (the CLI launcher) |
+//! | `wire.rs` | encoding of rank results |
 //!
 //! Fork safety: the child runs only the user's function and lockstep code that takes no lock the
 //! parent's other threads could hold. Call `launch` from a single-threaded host (a `harness = false`
 //! test, a CLI, a notebook kernel) to be safe.
 
 mod child;
+mod exec;
+mod output;
+mod report;
+mod signals;
+mod supervise;
 mod wire;
 
+pub use child::monotonic_ns;
+pub use exec::{run_job, JobSpec, JOB_ID_KEY};
+pub use report::{summary, LaunchError, RankFailure};
 pub use wire::Wire;
 
 use std::collections::BTreeMap;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use crate::comm::Communicator;
 use crate::shm::{ShmConfig, ShmJob};
+use output::RankOutput;
+use supervise::{Options, Proc};
 
 /// What a rank's function returns: a value, or any error (converted with `?`).
 pub type RankResult<R> = Result<R, Box<dyn std::error::Error + Send + Sync>>;
@@ -36,13 +64,47 @@ pub struct LaunchConfig {
     pub grace: Duration,
     /// Shared-memory backend settings.
     pub shm: ShmConfig,
+    /// Capture each rank's stdout/stderr and re-emit it line by line with a `[rank N]` prefix
+    /// (default true). When false, ranks write straight to the host's stdout/stderr.
+    pub capture_output: bool,
+    /// Also write each rank's output, unprefixed, to `rank-N.log` in this directory (created if
+    /// missing).
+    pub log_dir: Option<PathBuf>,
+    /// Show only these ranks' output on the console (`None`: all). Logs and the stderr tails in
+    /// failure reports still cover every rank.
+    pub ranks_filter: Option<Vec<usize>>,
 }
 
 impl LaunchConfig {
     /// `nprocs` ranks with defaults (shared-memory settings from the environment).
     pub fn new(nprocs: usize) -> LaunchConfig {
-        LaunchConfig { nprocs, fail_fast: true, grace: Duration::from_secs(3), shm: ShmConfig::from_env() }
+        LaunchConfig {
+            nprocs,
+            fail_fast: true,
+            grace: Duration::from_secs(3),
+            shm: ShmConfig::from_env(),
+            capture_output: true,
+            log_dir: None,
+            ranks_filter: None,
+        }
     }
+}
+
+/// Per-rank console/log output set up for `world` ranks.
+pub(crate) fn rank_outputs(
+    world: usize,
+    log_dir: Option<&std::path::Path>,
+    filter: Option<&[usize]>,
+) -> Result<Vec<RankOutput>, LaunchError> {
+    if let Some(d) = log_dir {
+        std::fs::create_dir_all(d).map_err(|e| LaunchError::Setup(format!("cannot create log directory {}: {e}", d.display())))?;
+    }
+    (0..world)
+        .map(|r| {
+            let show = filter.is_none_or(|f| f.contains(&r));
+            RankOutput::new(r, show, log_dir).map_err(|e| LaunchError::Setup(format!("cannot create the log file of rank {r}: {e}")))
+        })
+        .collect()
 }
 
 /// What each rank's function receives.
@@ -58,70 +120,8 @@ pub struct RankContext {
     pub comm: Communicator,
 }
 
-/// How one rank ended, when it did not succeed.
-#[derive(Debug, Clone)]
-pub struct RankFailure {
-    /// The rank.
-    pub rank: usize,
-    /// Its process id.
-    pub pid: i32,
-    /// Exit code (`128 + signal` for a signal), as a shell reports it.
-    pub exit_code: i32,
-    /// What happened, in words: the rank's error, panic message, or how the process ended.
-    pub message: String,
-    /// Whether the launcher terminated this rank after another failed.
-    pub terminated_by_launcher: bool,
-}
-
-/// A launch whose ranks did not all succeed.
-#[derive(Debug, thiserror::Error)]
-pub enum LaunchError {
-    /// Setting up the job failed before any rank ran.
-    #[error("launch failed before starting ranks: {0}")]
-    Setup(String),
-    /// Some ranks failed; the first entry is the root cause.
-    #[error("{}", describe_failures(.0))]
-    RanksFailed(Vec<RankFailure>),
-}
-
-impl LaunchError {
-    /// The failures, root cause first (empty for setup errors).
-    pub fn failures(&self) -> &[RankFailure] {
-        match self {
-            LaunchError::RanksFailed(f) => f,
-            LaunchError::Setup(_) => &[],
-        }
-    }
-
-    /// The exit code a CLI should return: the root-cause rank's.
-    pub fn exit_code(&self) -> i32 {
-        self.failures().first().map(|f| f.exit_code).filter(|c| *c != 0).unwrap_or(1)
-    }
-}
-
-fn describe_failures(f: &[RankFailure]) -> String {
-    let mut s = String::new();
-    let root: Vec<&RankFailure> = f.iter().filter(|x| !x.terminated_by_launcher).collect();
-    s += &format!(
-        "{} of the ranks failed (root cause: rank {})",
-        root.len().max(1),
-        f.first().map(|x| x.rank.to_string()).unwrap_or_else(|| "?".into())
-    );
-    for x in f {
-        s += &format!(
-            "\n  rank {} (pid {}): exit {}{}: {}",
-            x.rank,
-            x.pid,
-            x.exit_code,
-            if x.terminated_by_launcher { ", terminated by the launcher" } else { "" },
-            x.message
-        );
-    }
-    s
-}
-
 /// Fork `cfg.nprocs` ranks, run `f` in each with a ready communicator, and return the results in
-/// rank order.
+/// rank order. The host process can call `launch` again afterwards.
 ///
 /// Refuses to fork when CUDA is already initialised in this process.
 pub fn launch<R, F>(cfg: &LaunchConfig, f: F) -> Result<Vec<R>, LaunchError>
@@ -133,11 +133,13 @@ where
     if cfg.nprocs == 0 {
         return Err(LaunchError::Setup("nprocs must be at least 1".into()));
     }
+    let start = Instant::now();
+    let mut outputs = rank_outputs(cfg.nprocs, cfg.log_dir.as_deref(), cfg.ranks_filter.as_deref())?.into_iter();
     let job = ShmJob::with_config(cfg.nprocs, cfg.shm.clone()).map_err(|e| LaunchError::Setup(e.to_string()))?;
-    let mut ranks: Vec<child::Spawned> = Vec::with_capacity(cfg.nprocs);
+    let mut ranks: Vec<Proc> = Vec::with_capacity(cfg.nprocs);
     for rank in 0..cfg.nprocs {
-        match child::spawn(rank, cfg.nprocs, &job, &f) {
-            Ok(s) => ranks.push(s),
+        match child::spawn(rank, cfg.nprocs, &job, &f, cfg.capture_output) {
+            Ok(s) => ranks.push(Proc::new(rank, s, outputs.next().expect("one output per rank"))),
             Err(e) => {
                 for s in &ranks {
                     child::kill(s.pid, libc::SIGKILL);
@@ -150,114 +152,39 @@ where
         }
     }
     drop(job);
-    supervise(cfg, ranks)
-}
-
-/// Per-rank bookkeeping while supervising.
-struct Running {
-    pid: i32,
-    fd: Option<OwnedFd>,
-    bytes: Vec<u8>,
-    status: Option<child::Exit>,
-    terminated: bool,
-}
-
-fn supervise<R: Wire>(cfg: &LaunchConfig, spawned: Vec<child::Spawned>) -> Result<Vec<R>, LaunchError> {
-    let mut ranks: Vec<Running> = spawned
-        .into_iter()
-        .map(|s| Running { pid: s.pid, fd: Some(s.result_fd), bytes: Vec::new(), status: None, terminated: false })
-        .collect();
-    let mut failed_order: Vec<usize> = Vec::new();
-    let mut term_sent: Option<Instant> = None;
-    let mut killed = false;
-    loop {
-        // Drain result pipes (a rank writes its result just before exiting).
-        let mut fds: Vec<libc::pollfd> = Vec::new();
-        let mut owners = Vec::new();
-        for (i, r) in ranks.iter().enumerate() {
-            if let Some(fd) = &r.fd {
-                fds.push(libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 });
-                owners.push(i);
-            }
-        }
-        if !fds.is_empty() {
-            // SAFETY: fds is a valid array of pollfd of the given length.
-            unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, 5) };
-            for (k, p) in fds.iter().enumerate() {
-                if p.revents != 0 {
-                    let r = &mut ranks[owners[k]];
-                    if !child::read_some(r.fd.as_ref().expect("polled fd"), &mut r.bytes) {
-                        r.fd = None;
-                    }
-                }
-            }
-        } else {
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        // Reap exited ranks.
-        for (i, r) in ranks.iter_mut().enumerate() {
-            if r.status.is_none() {
-                if let Some(st) = child::try_reap(r.pid) {
-                    r.status = Some(st);
-                    // Read whatever is left in the pipe.
-                    if let Some(fd) = r.fd.take() {
-                        while child::read_some(&fd, &mut r.bytes) {}
-                    }
-                    let ok = st == child::Exit::Code(0) && wire::decode_outcome::<R>(&r.bytes).is_some_and(|o| o.is_ok());
-                    if !ok {
-                        failed_order.push(i);
-                    }
-                }
-            }
-        }
-        let all_done = ranks.iter().all(|r| r.status.is_some());
-        if all_done {
-            break;
-        }
-        if cfg.fail_fast && !failed_order.is_empty() {
-            match term_sent {
-                None => {
-                    for r in ranks.iter_mut().filter(|r| r.status.is_none()) {
-                        child::kill(r.pid, libc::SIGTERM);
-                        r.terminated = true;
-                    }
-                    term_sent = Some(Instant::now());
-                }
-                Some(t) if !killed && t.elapsed() >= cfg.grace => {
-                    for r in ranks.iter().filter(|r| r.status.is_none()) {
-                        child::kill(r.pid, libc::SIGKILL);
-                    }
-                    killed = true;
-                }
-                _ => {}
-            }
-        }
-    }
+    let opts = Options {
+        fail_fast: cfg.fail_fast,
+        grace: cfg.grace,
+        pgid: None,
+        signals: None,
+        remote_abort: None,
+        on_first_failure: None,
+        start,
+    };
+    let ok = |p: &Proc| {
+        matches!(p.status, Some(child::Exit::Code(0) | child::Exit::Unknown))
+            && wire::decode_outcome::<R>(&p.result_bytes).is_some_and(|o| o.is_ok())
+    };
+    let outcome = supervise::supervise(&mut ranks, &opts, |p| !ok(p));
     let mut results: BTreeMap<usize, R> = BTreeMap::new();
     let mut failures = Vec::new();
-    for (i, r) in ranks.iter().enumerate() {
-        let st = r.status.expect("all reaped");
-        match (st, wire::decode_outcome::<R>(&r.bytes)) {
-            (child::Exit::Code(0), Some(Ok(v))) => {
+    for (i, p) in ranks.iter().enumerate() {
+        let st = p.status.expect("all reaped");
+        match (st, wire::decode_outcome::<R>(&p.result_bytes)) {
+            (child::Exit::Code(0) | child::Exit::Unknown, Some(Ok(v))) => {
                 results.insert(i, v);
             }
-            (st, outcome) => {
-                let message = match outcome {
+            (st, decoded) => {
+                let message = match decoded {
                     Some(Err(m)) => m,
                     Some(Ok(_)) => format!("returned a result but then {}", st.describe()),
                     None => st.describe(),
                 };
                 let code = match st {
-                    child::Exit::Code(0) => 1,
+                    child::Exit::Code(0) | child::Exit::Unknown => 1,
                     s => s.code(),
                 };
-                failures.push(RankFailure {
-                    rank: i,
-                    pid: r.pid,
-                    exit_code: code,
-                    message,
-                    terminated_by_launcher: r.terminated && !failed_order.first().is_some_and(|f| *f == i),
-                });
+                failures.push(p.failure(message, code, outcome.root == Some(i)));
             }
         }
     }
@@ -265,7 +192,7 @@ fn supervise<R: Wire>(cfg: &LaunchConfig, spawned: Vec<child::Spawned>) -> Resul
         return Ok(results.into_values().collect());
     }
     // Root cause first: the first rank seen failing.
-    if let Some(&first) = failed_order.first() {
+    if let Some(first) = outcome.root {
         failures.sort_by_key(|f| if f.rank == first { 0 } else { 1 });
     }
     Err(LaunchError::RanksFailed(failures))

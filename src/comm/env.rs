@@ -1,0 +1,237 @@
+//! [`Communicator::from_env`]: join the job a launcher (`lockstep launch`, or anything that sets
+//! the same variables) started this process in.
+//!
+//! * One node (`LOCKSTEP_NNODES` = 1, or `WORLD_SIZE` = `LOCAL_WORLD_SIZE`): the local ranks
+//!   join the named shared-memory segment of `LOCKSTEP_JOB_ID`; no port is used.
+//! * Several nodes: every rank connects to the rendezvous store at `MASTER_ADDR:MASTER_PORT`
+//!   with `LOCKSTEP_TOKEN` and publishes a host id. When all ranks turn out to share one host
+//!   (for example two launchers on loopback), they form one shared-memory communicator under the
+//!   node-0 launcher's job id, with global ranks. A CPU job that spans hosts is refused with an
+//!   error: no cross-host CPU transport exists (the NCCL backend provides one for GPUs).
+//! * `LOCKSTEP_BACKEND` picks the backend (`shm`, the default; `nccl` once the CUDA backend lands).
+
+use std::time::Duration;
+
+use super::{CommError, Communicator};
+use crate::shm::{ShmComm, ShmConfig};
+use crate::store::{Store, TcpStore};
+
+/// The rendezvous variables a launcher sets.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EnvInfo {
+    /// `RANK`.
+    pub rank: usize,
+    /// `LOCAL_RANK`.
+    pub local_rank: usize,
+    /// `WORLD_SIZE`.
+    pub world_size: usize,
+    /// `LOCAL_WORLD_SIZE` (defaults to `WORLD_SIZE`).
+    pub local_world_size: usize,
+    /// `LOCKSTEP_NNODES` (default 1).
+    pub nnodes: usize,
+    /// `LOCKSTEP_JOB_ID`.
+    pub job_id: String,
+    /// `MASTER_ADDR` (default 127.0.0.1).
+    pub master_addr: String,
+    /// `MASTER_PORT` (only needed with several nodes).
+    pub master_port: Option<u16>,
+    /// `LOCKSTEP_TOKEN` (only needed with several nodes).
+    pub token: Option<String>,
+}
+
+fn var(name: &str) -> Option<String> {
+    std::env::var(name).ok().filter(|v| !v.is_empty())
+}
+
+fn setup(msg: String) -> CommError {
+    CommError::Setup(msg)
+}
+
+/// Variable lookup: the process environment, or a fixed table in tests.
+type Lookup<'a> = &'a dyn Fn(&str) -> Option<String>;
+
+fn num(get: Lookup, name: &str) -> Result<Option<usize>, CommError> {
+    match get(name) {
+        None => Ok(None),
+        Some(v) => v.trim().parse().map(Some).map_err(|_| setup(format!("{name}={v:?} is not a non-negative integer"))),
+    }
+}
+
+fn required(get: Lookup, name: &str) -> Result<usize, CommError> {
+    num(get, name)?.ok_or_else(|| setup(format!("{name} is not set: start this program with `lockstep launch --nproc-per-node N -- program ...` (or set RANK, WORLD_SIZE and LOCKSTEP_JOB_ID yourself)")))
+}
+
+impl EnvInfo {
+    /// Read and check the variables.
+    pub fn from_env() -> Result<EnvInfo, CommError> {
+        EnvInfo::from_lookup(&var)
+    }
+
+    /// Read and check the variables through `get` (empty values count as unset).
+    fn from_lookup(get: Lookup) -> Result<EnvInfo, CommError> {
+        let rank = required(get, "RANK")?;
+        let world_size = required(get, "WORLD_SIZE")?;
+        let local_rank = num(get, "LOCAL_RANK")?.unwrap_or(rank);
+        let local_world_size = num(get, "LOCAL_WORLD_SIZE")?.unwrap_or(world_size);
+        let nnodes = num(get, "LOCKSTEP_NNODES")?.unwrap_or(1).max(1);
+        let job_id = get("LOCKSTEP_JOB_ID")
+            .ok_or_else(|| setup("LOCKSTEP_JOB_ID is not set: start this program with `lockstep launch`, which names the job".into()))?;
+        if rank >= world_size || local_rank >= local_world_size || local_world_size > world_size {
+            return Err(setup(format!(
+                "inconsistent rank variables: RANK={rank} WORLD_SIZE={world_size} LOCAL_RANK={local_rank} LOCAL_WORLD_SIZE={local_world_size}"
+            )));
+        }
+        let master_port = match get("MASTER_PORT") {
+            None => None,
+            Some(p) => Some(p.trim().parse::<u16>().map_err(|_| setup(format!("MASTER_PORT={p:?} is not a port number")))?),
+        };
+        Ok(EnvInfo {
+            rank,
+            local_rank,
+            world_size,
+            local_world_size,
+            nnodes,
+            job_id,
+            master_addr: get("MASTER_ADDR").unwrap_or_else(|| "127.0.0.1".into()),
+            master_port,
+            token: get("LOCKSTEP_TOKEN"),
+        })
+    }
+
+    /// Whether every rank is on this node, so no rendezvous is needed.
+    pub fn single_node(&self) -> bool {
+        self.nnodes == 1 || self.world_size == self.local_world_size
+    }
+}
+
+/// An id of this host: `LOCKSTEP_HOST_ID` if set (for containers that share a kernel but not
+/// memory, and for tests), else its name plus the kernel's boot id.
+pub fn host_id() -> String {
+    if let Some(h) = var("LOCKSTEP_HOST_ID") {
+        return h;
+    }
+    let read = |p: &str| std::fs::read_to_string(p).map(|s| s.trim().to_string()).unwrap_or_default();
+    format!("{}/{}", read("/proc/sys/kernel/hostname"), read("/proc/sys/kernel/random/boot_id"))
+}
+
+fn secs_env(name: &str, default: f64) -> Duration {
+    let s = var(name).and_then(|v| v.trim().parse::<f64>().ok()).filter(|v| v.is_finite() && *v > 0.0).unwrap_or(default);
+    Duration::from_secs_f64(s)
+}
+
+impl Communicator {
+    /// Join the job described by the launcher's environment variables (see the module docs of
+    /// `comm::env`). `LOCKSTEP_RDZV_TIMEOUT_S` (default 60) bounds the multi-node rendezvous.
+    pub fn from_env() -> Result<Communicator, CommError> {
+        let info = EnvInfo::from_env()?;
+        // Backend choice (`LOCKSTEP_BACKEND`, default shm).
+        let backend = var("LOCKSTEP_BACKEND").unwrap_or_else(|| "shm".into());
+        if backend != "shm" && backend != "nccl" {
+            return Err(setup(format!("LOCKSTEP_BACKEND={backend:?} is not a backend: use shm or nccl")));
+        }
+        let cfg = ShmConfig::from_env();
+        if info.single_node() {
+            let c = ShmComm::join_named(&info.job_id, info.local_rank, info.local_world_size, cfg)?;
+            let host = Communicator::from_backend(Box::new(c));
+            if backend == "nccl" {
+                return nccl_from_host(host, info.local_rank);
+            }
+            return Ok(host);
+        }
+        if backend == "nccl" {
+            return Err(CommError::Unsupported(
+                "LOCKSTEP_BACKEND=nccl across nodes: the NCCL unique id is not exchanged through the store yet; run one node per job or use LOCKSTEP_BACKEND=shm on one node".into(),
+            ));
+        }
+        let timeout = secs_env("LOCKSTEP_RDZV_TIMEOUT_S", 60.0);
+        let port = info
+            .master_port
+            .ok_or_else(|| setup("MASTER_PORT is not set, but a multi-node job needs the rendezvous store's port".into()))?;
+        let token = info
+            .token
+            .clone()
+            .ok_or_else(|| setup("LOCKSTEP_TOKEN is not set, but a multi-node job needs it to talk to the rendezvous store".into()))?;
+        let st = |e: crate::store::StoreError| setup(format!("rank {}: {e}", info.rank));
+        let mut store = TcpStore::connect(&info.master_addr, port, &token, timeout).map_err(st)?;
+        // Publish where this rank runs, then learn where every rank runs.
+        let me = host_id();
+        store.set(&format!("lockstep/host/{}", info.rank), me.as_bytes()).map_err(st)?;
+        let keys: Vec<String> = (0..info.world_size).map(|r| format!("lockstep/host/{r}")).collect();
+        let refs: Vec<&str> = keys.iter().map(|s| s.as_str()).collect();
+        store.wait(&refs, timeout).map_err(st)?;
+        let mut hosts = Vec::with_capacity(info.world_size);
+        for k in &keys {
+            hosts.push(String::from_utf8_lossy(&store.get(k).map_err(st)?.unwrap_or_default()).into_owned());
+        }
+        if let Some(r) = hosts.iter().position(|h| *h != me) {
+            let name = |h: &str| h.split('/').next().unwrap_or("?").to_string();
+            return Err(setup(format!(
+                "rank {} runs on host {} but rank {r} runs on host {}: a cross-host CPU communicator is not available (the shared-memory backend needs every rank on one host); run multi-host jobs on GPUs with the NCCL backend, or start all ranks on one host",
+                info.rank,
+                name(&me),
+                name(&hosts[r])
+            )));
+        }
+        // Every rank shares this host: one shared-memory communicator under the node-0 job id.
+        let job = store.wait_get(crate::launch::JOB_ID_KEY, timeout).map_err(st)?;
+        let job = String::from_utf8(job).map_err(|_| setup("the job id in the rendezvous store is not UTF-8".into()))?;
+        let c = ShmComm::join_named(&job, info.rank, info.world_size, cfg)?;
+        Ok(Communicator::from_backend(Box::new(c)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn info(vars: &[(&str, &str)]) -> Result<EnvInfo, CommError> {
+        let table: Vec<(String, String)> = vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        EnvInfo::from_lookup(&move |k: &str| table.iter().find(|(n, v)| n == k && !v.is_empty()).map(|(_, v)| v.clone()))
+    }
+
+    #[test]
+    fn single_node_needs_no_port() {
+        let i = info(&[("RANK", "1"), ("WORLD_SIZE", "2"), ("LOCKSTEP_JOB_ID", "j")]).unwrap();
+        assert_eq!((i.rank, i.local_rank, i.world_size, i.local_world_size, i.master_port), (1, 1, 2, 2, None));
+        assert!(i.single_node());
+    }
+
+    #[test]
+    fn multi_node_and_errors() {
+        let base = [("RANK", "3"), ("LOCAL_RANK", "1"), ("WORLD_SIZE", "4"), ("LOCAL_WORLD_SIZE", "2"), ("LOCKSTEP_NNODES", "2")];
+        let mut v = base.to_vec();
+        v.extend([("LOCKSTEP_JOB_ID", "j"), ("MASTER_PORT", "29500")]);
+        let i = info(&v).unwrap();
+        assert!(!i.single_node());
+        assert_eq!(i.master_port, Some(29500));
+        let e = info(&[("WORLD_SIZE", "2"), ("LOCKSTEP_JOB_ID", "j")]).unwrap_err().to_string();
+        assert!(e.contains("RANK is not set: start this program with `lockstep launch"), "{e}");
+        let e = info(&[("RANK", "2"), ("WORLD_SIZE", "2"), ("LOCKSTEP_JOB_ID", "j")]).unwrap_err().to_string();
+        assert!(e.contains("inconsistent rank variables"), "{e}");
+        let e = info(&[("RANK", "x"), ("WORLD_SIZE", "2")]).unwrap_err().to_string();
+        assert!(e.contains("RANK=\"x\" is not a non-negative integer"), "{e}");
+        let e = info(&[("RANK", "0"), ("WORLD_SIZE", "2")]).unwrap_err().to_string();
+        assert!(e.contains("LOCKSTEP_JOB_ID is not set"), "{e}");
+    }
+}
+
+/// Device communicator for the ranks of one node: NCCL when every rank has its own GPU, otherwise
+/// the shared-memory backend staging device buffers through pinned host memory. The NCCL unique
+/// id travels through the host communicator, so CUDA is first initialised here, in the rank.
+fn nccl_from_host(mut host: Communicator, local_rank: usize) -> Result<Communicator, CommError> {
+    let cuda = |e: crate::cuda::CudaError| CommError::Backend { backend: "cuda", message: e.to_string() };
+    let gpus = crate::cuda::device_count().map_err(cuda)?;
+    if gpus <= 0 {
+        return Err(CommError::Unsupported("LOCKSTEP_BACKEND=nccl but no CUDA device is visible; use LOCKSTEP_BACKEND=shm".into()));
+    }
+    let ordinal = (local_rank % gpus as usize) as i32;
+    let ctx = crate::cuda::Context::new(ordinal).map_err(cuda)?;
+    if host.world_size() > gpus as usize {
+        let staged = crate::cuda::StagedBackend::new(&ctx, host).map_err(cuda)?;
+        return Ok(Communicator::from_backend(Box::new(staged)));
+    }
+    let (rank, world) = (host.rank(), host.world_size());
+    let nccl = crate::nccl::NcclComm::new(&ctx, rank, world, &mut host, crate::nccl::NcclOptions::default())
+        .map_err(|e| CommError::Backend { backend: "nccl", message: e.to_string() })?;
+    Ok(Communicator::from_backend(Box::new(nccl)))
+}

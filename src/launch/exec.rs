@@ -1,0 +1,326 @@
+//! The CLI launcher (`lockstep launch`): start `nproc_per_node` copies of a program on this node
+//! with the rendezvous environment, supervise them, and exit with the root-cause rank's code.
+//!
+//! * Single node: no port is opened; the ranks join a named shared-memory segment by job id
+//!   ([`Communicator::from_env`](crate::comm::Communicator::from_env)).
+//! * Several nodes: the node-0 launcher hosts the [`StoreServer`] on `master_addr:master_port`
+//!   and publishes its job id there; the other launchers fetch it before starting their ranks,
+//!   which checks reachability and the token early.
+//! * Ranks run in one process group per node, die with the launcher (`PR_SET_PDEATHSIG`), and get
+//!   SIGINT/SIGTERM forwarded; the launcher removes the job's named segment when it exits.
+
+use std::cell::RefCell;
+use std::ffi::OsString;
+use std::io::{Read, Write};
+use std::os::fd::{AsFd, OwnedFd};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use super::child;
+use super::output::RankOutput;
+use super::report::{summary, LaunchError};
+use super::signals::SignalPipe;
+use super::supervise::{self, Options, Proc};
+use crate::store::{Store, StoreServer, TcpStore};
+
+/// Store key holding the job id every node's ranks use (set by the node-0 launcher).
+pub const JOB_ID_KEY: &str = "lockstep/job_id";
+/// Store key a launcher sets when its node fails: `"<exit code>\n<what happened>"`.
+pub const ABORT_KEY: &str = "lockstep/abort";
+
+/// A launcher's link to the other nodes of a multi-node job: a connection to tell them about a
+/// local failure, and a watcher thread that makes `abort_fd` readable when another node failed.
+struct NodeLink {
+    notify: RefCell<TcpStore>,
+    abort_fd: OwnedFd,
+    abort_msg: Arc<Mutex<Option<String>>>,
+}
+
+impl NodeLink {
+    fn new(spec: &JobSpec, token: &str) -> Result<NodeLink, LaunchError> {
+        let connect = || {
+            TcpStore::connect(&spec.master_addr, spec.master_port, token, spec.rdzv_timeout).map_err(|e| LaunchError::Setup(e.to_string()))
+        };
+        let notify = RefCell::new(connect()?);
+        let mut watch = connect()?;
+        let (abort_fd, wr) = child::pipe().map_err(|e| LaunchError::Setup(format!("cannot create a pipe: {e}")))?;
+        let abort_msg = Arc::new(Mutex::new(None));
+        let msg = abort_msg.clone();
+        // The launcher execs its ranks (never forks without exec), so a thread here is safe.
+        std::thread::Builder::new()
+            .name("lockstep-abort-watch".into())
+            .spawn(move || loop {
+                match watch.wait(&[ABORT_KEY], Duration::from_secs(24 * 3600)) {
+                    Ok(()) => {
+                        let v = watch.get(ABORT_KEY).ok().flatten().unwrap_or_default();
+                        *msg.lock().unwrap_or_else(|p| p.into_inner()) = Some(String::from_utf8_lossy(&v).into_owned());
+                        let _ = std::fs::File::from(wr).write_all(b"!");
+                        return;
+                    }
+                    Err(crate::store::StoreError::Timeout { .. }) => continue,
+                    // The store is gone (node 0 finished or died): nothing more to learn.
+                    Err(_) => return,
+                }
+            })
+            .map_err(|e| LaunchError::Setup(format!("cannot start the abort watcher: {e}")))?;
+        Ok(NodeLink { notify, abort_fd, abort_msg })
+    }
+
+    /// Tell the other nodes this one failed (best effort: the store may be gone).
+    fn tell(&self, code: i32, what: &str) {
+        let _ = self.notify.borrow_mut().set(ABORT_KEY, format!("{code}\n{what}").as_bytes());
+    }
+
+    /// The failure another node reported: (exit code, description).
+    fn remote(&self) -> Option<(i32, String)> {
+        let m = self.abort_msg.lock().unwrap_or_else(|p| p.into_inner()).clone()?;
+        let (code, what) = m.split_once('\n').unwrap_or(("1", m.as_str()));
+        Some((code.trim().parse().unwrap_or(1), what.to_string()))
+    }
+}
+
+/// Validated settings of one `lockstep launch`.
+#[derive(Clone, Debug)]
+pub struct JobSpec {
+    /// Ranks started on this node.
+    pub nproc_per_node: usize,
+    /// Number of nodes (launchers) in the job.
+    pub nnodes: usize,
+    /// This node's index in `0..nnodes`.
+    pub node_rank: usize,
+    /// Address of the node-0 launcher's rendezvous store.
+    pub master_addr: String,
+    /// Its port.
+    pub master_port: u16,
+    /// Shared secret of the job; required when `nnodes > 1`, generated otherwise.
+    pub token: Option<String>,
+    /// Per-rank log files go here.
+    pub log_dir: Option<PathBuf>,
+    /// Show only these global ranks' output.
+    pub ranks_filter: Option<Vec<usize>>,
+    /// Terminate the other ranks when one fails (default true; off, survivors see the failure
+    /// through the backend, e.g. the shared-memory backend's lost-peer error).
+    pub fail_fast: bool,
+    /// SIGTERM → SIGKILL grace period.
+    pub grace: Duration,
+    /// How long a non-zero node waits for the node-0 store.
+    pub rdzv_timeout: Duration,
+    /// The program and its arguments.
+    pub program: Vec<OsString>,
+}
+
+/// A job id unique on this host: launcher pid plus wall-clock nanoseconds.
+fn new_job_id() -> String {
+    let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
+    format!("{:x}-{:x}", std::process::id(), t & 0xffff_ffff_ffff)
+}
+
+/// Remove named segments that launchers killed with SIGKILL left behind: their ranks died before
+/// all had joined, so nobody unlinked the name. Only names of our own job-id format
+/// (`lockstep-<launcher pid>-<time>`, both hex) are touched, only when that launcher is gone,
+/// and only when older than five minutes (far past any join timeout), so a live job in another
+/// pid namespace sharing /dev/shm is safe.
+fn sweep_stale_segments() {
+    let Ok(dir) = std::fs::read_dir("/dev/shm") else { return };
+    for e in dir.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let Some(id) = name.strip_prefix("lockstep-") else { continue };
+        let Some((pid, t)) = id.split_once('-') else { continue };
+        let (Ok(pid), true) = (i32::from_str_radix(pid, 16), !t.is_empty() && t.chars().all(|c| c.is_ascii_hexdigit())) else { continue };
+        let old =
+            e.metadata().ok().and_then(|m| m.modified().ok()).and_then(|m| m.elapsed().ok()).is_some_and(|a| a > Duration::from_secs(300));
+        if old && pid > 0 && !std::path::Path::new(&format!("/proc/{pid}")).exists() {
+            crate::shm::unlink_named(id);
+        }
+    }
+}
+
+/// 128 random bits as hex, from the kernel.
+fn random_token() -> String {
+    let mut b = [0u8; 16];
+    if let Ok(mut f) = std::fs::File::open("/dev/urandom") {
+        let _ = f.read_exact(&mut b);
+    }
+    if b == [0u8; 16] {
+        b[..8].copy_from_slice(&child::monotonic_ns().to_le_bytes());
+    }
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+impl JobSpec {
+    fn validate(&self) -> Result<(), LaunchError> {
+        let bad = |m: String| Err(LaunchError::Setup(m));
+        if self.nproc_per_node == 0 {
+            return bad("--nproc-per-node must be at least 1".into());
+        }
+        if self.nnodes == 0 || self.node_rank >= self.nnodes {
+            return bad(format!("--node-rank {} is out of range for --nnodes {} (use 0..{})", self.node_rank, self.nnodes, self.nnodes));
+        }
+        if self.program.is_empty() {
+            return bad("no program given: use `lockstep launch [options] -- program args...`".into());
+        }
+        if self.nnodes > 1 && self.token.is_none() {
+            return bad("a multi-node job needs a shared token: pass the same --token (or LOCKSTEP_TOKEN) to every node's launcher".into());
+        }
+        if let Some(r) = self.ranks_filter.as_ref().and_then(|f| f.iter().find(|r| **r >= self.nproc_per_node * self.nnodes)) {
+            return bad(format!("--ranks-filter names rank {r}, but the job has ranks 0..{}", self.nproc_per_node * self.nnodes));
+        }
+        if self.nnodes > 1 && self.master_port == 0 {
+            return bad("a multi-node job needs a fixed --master-port (0 would pick a different one on each node)".into());
+        }
+        Ok(())
+    }
+}
+
+/// Run the job on this node and return the exit code the CLI should exit with: 0, the root-cause
+/// rank's code (128 + signal for a signal), or 128 + the signal that interrupted the launcher.
+/// The failure summary is printed to stderr.
+pub fn run_job(spec: &JobSpec) -> Result<i32, LaunchError> {
+    spec.validate()?;
+    let start = Instant::now();
+    sweep_stale_segments();
+    let world = spec.nproc_per_node * spec.nnodes;
+    let token = spec.token.clone().unwrap_or_else(random_token);
+    let mut job_id = new_job_id();
+
+    // Rendezvous between launchers (multi-node only). Node 0 listens before anything else so a
+    // busy port fails fast; the other nodes fetch node 0's job id, which also proves the address,
+    // port and token right before any rank starts. Ranks on one host then all use that job id
+    // for the shared segment (see `Communicator::from_env`).
+    let _server = if spec.nnodes > 1 {
+        if spec.node_rank == 0 {
+            let server = StoreServer::start(&spec.master_addr, spec.master_port, &token).map_err(|e| LaunchError::Setup(e.to_string()))?;
+            server.set_local(JOB_ID_KEY, job_id.as_bytes());
+            Some(server)
+        } else {
+            let mut c = TcpStore::connect(&spec.master_addr, spec.master_port, &token, spec.rdzv_timeout)
+                .map_err(|e| LaunchError::Setup(e.to_string()))?;
+            let v = c.wait_get(JOB_ID_KEY, spec.rdzv_timeout).map_err(|e| LaunchError::Setup(e.to_string()))?;
+            job_id = String::from_utf8(v).map_err(|_| LaunchError::Setup("the job id in the rendezvous store is not UTF-8".into()))?;
+            None
+        }
+    } else {
+        None
+    };
+
+    let link = if spec.nnodes > 1 { Some(NodeLink::new(spec, &token)?) } else { None };
+    let signals = SignalPipe::install().map_err(|e| LaunchError::Setup(format!("cannot install signal handlers: {e}")))?;
+    if let Some(d) = &spec.log_dir {
+        std::fs::create_dir_all(d).map_err(|e| LaunchError::Setup(format!("cannot create log directory {}: {e}", d.display())))?;
+    }
+
+    // Start the ranks, the first one leading a new process group.
+    let base = spec.node_rank * spec.nproc_per_node;
+    let common: Vec<(String, String)> = vec![
+        ("WORLD_SIZE".into(), world.to_string()),
+        ("LOCAL_WORLD_SIZE".into(), spec.nproc_per_node.to_string()),
+        ("MASTER_ADDR".into(), spec.master_addr.clone()),
+        ("MASTER_PORT".into(), spec.master_port.to_string()),
+        ("GROUP_RANK".into(), spec.node_rank.to_string()),
+        ("LOCKSTEP_JOB_ID".into(), job_id.clone()),
+        ("LOCKSTEP_TOKEN".into(), token.clone()),
+        ("LOCKSTEP_NODE_RANK".into(), spec.node_rank.to_string()),
+        ("LOCKSTEP_NNODES".into(), spec.nnodes.to_string()),
+        ("LOCKSTEP_LAUNCHER_PID".into(), std::process::id().to_string()),
+    ];
+    let mut common = common;
+    if std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+        // The ranks' stderr is a pipe, but what they print ends on a terminal: progress bars may
+        // draw (`\r` redraws are forwarded one by one, see output.rs).
+        common.push(("LOCKSTEP_CONSOLE_TTY".into(), "1".into()));
+    }
+    let mut procs: Vec<Proc> = Vec::with_capacity(spec.nproc_per_node);
+    let mut pgid = 0;
+    for local in 0..spec.nproc_per_node {
+        let rank = base + local;
+        let mut env = common.clone();
+        env.push(("RANK".into(), rank.to_string()));
+        env.push(("LOCAL_RANK".into(), local.to_string()));
+        let show = spec.ranks_filter.as_ref().is_none_or(|f| f.contains(&rank));
+        let output = RankOutput::new(rank, show, spec.log_dir.as_deref());
+        let spawned = output.map_err(|e| (e, "create the log file for")).and_then(|o| {
+            let s = child::spawn_exec(&spec.program, &env, pgid, true)
+                // The group leader may already have exited: fall back to a group of its own.
+                .or_else(|e| if pgid != 0 { child::spawn_exec(&spec.program, &env, 0, true) } else { Err(e) });
+            s.map(|s| (s, o)).map_err(|e| (e, "start"))
+        });
+        match spawned {
+            Ok((s, o)) => {
+                if local == 0 {
+                    pgid = s.pid;
+                }
+                procs.push(Proc::new(rank, s, o));
+            }
+            Err((e, what)) => {
+                for p in &procs {
+                    child::kill(p.pid, libc::SIGKILL);
+                    child::reap_blocking(p.pid);
+                }
+                crate::shm::unlink_named(&job_id);
+                let msg = format!(
+                    "cannot {what} rank {rank} ({}): {e}; check the program path and permissions",
+                    spec.program[0].to_string_lossy()
+                );
+                if let Some(l) = &link {
+                    l.tell(1, &format!("node {}: {msg}", spec.node_rank));
+                }
+                return Err(LaunchError::Setup(msg));
+            }
+        }
+    }
+
+    let node = spec.node_rank;
+    let tell = |p: &Proc| {
+        // Ranks this launcher stopped are consequences, not news for the other nodes.
+        if let (Some(l), Some(st), false) = (&link, p.status, p.terminated) {
+            l.tell(st.code(), &format!("rank {} (pid {}) on node {node} {}", p.rank, p.pid, st.describe()));
+        }
+    };
+    let opts = Options {
+        fail_fast: spec.fail_fast,
+        grace: spec.grace,
+        pgid: Some(pgid),
+        signals: Some(&signals),
+        remote_abort: link.as_ref().map(|l| l.abort_fd.as_fd()),
+        on_first_failure: Some(&tell),
+        start,
+    };
+    let outcome = supervise::supervise(&mut procs, &opts, |p| p.status != Some(child::Exit::Code(0)));
+    // Normally the last rank to join has removed the name already; this covers jobs whose ranks
+    // died before all joined.
+    crate::shm::unlink_named(&job_id);
+
+    // Stopped because another node failed: exit with that node's root-cause code.
+    if let (true, Some((code, what))) = (outcome.remote_abort, link.as_ref().and_then(|l| l.remote())) {
+        if outcome.root.is_none_or(|r| procs[r].terminated) {
+            eprintln!("lockstep: node {node} stopped its ranks because {what}");
+            return Ok(code);
+        }
+    }
+    // Stopped by SIGINT/SIGTERM: tell the other nodes, and report briefly unless a rank had
+    // already failed on its own.
+    if let Some(sig) = outcome.interrupted {
+        let code = outcome.root.and_then(|r| procs[r].status).map(|st| st.code()).unwrap_or(128 + sig);
+        if let Some(l) = &link {
+            l.tell(code, &format!("the launcher of node {node} got {}", child::signal_name(sig)));
+        }
+        if outcome.root.is_none_or(|r| procs[r].terminated) {
+            let ends: Vec<String> = procs.iter().filter_map(|p| p.status.map(|st| format!("rank {} {}", p.rank, st.describe()))).collect();
+            eprintln!("lockstep: stopped by {}: {}", child::signal_name(sig), ends.join("; "));
+            return Ok(code);
+        }
+    }
+    let Some(root) = outcome.root else { return Ok(0) };
+    let mut failures = Vec::new();
+    for (i, p) in procs.iter().enumerate() {
+        let st = p.status.expect("all reaped");
+        if st != child::Exit::Code(0) {
+            failures.push(p.failure(st.describe(), st.code(), i == root));
+        }
+    }
+    failures.sort_by_key(|f| if f.rank == procs[root].rank { 0 } else { 1 });
+    let code = failures[0].exit_code;
+    eprintln!("{}", summary(&failures));
+    Ok(code)
+}

@@ -1,0 +1,227 @@
+//! Rank output: the parent reads each rank's stdout and stderr pipes and re-emits them as whole
+//! segments with a `[rank N] ` prefix, so two ranks' bytes never share a line.
+//!
+//! A segment ends at `\n` (or `\r\n`), or at a lone `\r`: progress bars redraw their line with
+//! `\r`, and forwarding each redraw with its own prefix keeps a bar on one rank readable. Bytes
+//! without a terminator wait for more (up to [`MAX_PENDING`], then they are emitted as a line).
+//! Each batch of segments is written with one `write_all` on the locked stdout/stderr, from the
+//! single supervising thread. Optional per-rank log files receive the same segments unprefixed;
+//! a rank filter hides other ranks' output from the console (their logs and stderr tails are
+//! still kept).
+
+use std::collections::VecDeque;
+use std::fs::File;
+use std::io::Write;
+use std::path::Path;
+
+/// Longest unterminated output held back before it is emitted as a line.
+pub(crate) const MAX_PENDING: usize = 64 << 10;
+/// Lines of stderr kept per rank for the failure summary.
+pub(crate) const TAIL_LINES: usize = 20;
+
+/// Which standard stream.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Stream {
+    Out = 0,
+    Err = 1,
+}
+
+/// Output state of one rank.
+pub(crate) struct RankOutput {
+    prefix: Vec<u8>,
+    show: bool,
+    log: Option<File>,
+    pending: [Vec<u8>; 2],
+    tail: VecDeque<String>,
+}
+
+impl RankOutput {
+    /// Output of `rank`; `show` puts it on the console, `log_dir` adds `rank-N.log` there.
+    pub fn new(rank: usize, show: bool, log_dir: Option<&Path>) -> std::io::Result<RankOutput> {
+        let log = match log_dir {
+            Some(d) => Some(File::create(d.join(format!("rank-{rank}.log")))?),
+            None => None,
+        };
+        Ok(RankOutput {
+            prefix: format!("[rank {rank}] ").into_bytes(),
+            show,
+            log,
+            pending: [Vec::new(), Vec::new()],
+            tail: VecDeque::new(),
+        })
+    }
+
+    /// Take `data` read from `stream`; emit every complete segment.
+    pub fn feed(&mut self, stream: Stream, data: &[u8]) {
+        self.pending[stream as usize].extend_from_slice(data);
+        self.emit(stream, false);
+    }
+
+    /// The stream ended: emit what is left (with a newline added).
+    pub fn finish(&mut self, stream: Stream) {
+        self.emit(stream, true);
+    }
+
+    /// The last lines this rank wrote to stderr.
+    pub fn stderr_tail(&self) -> Vec<String> {
+        self.tail.iter().cloned().collect()
+    }
+
+    /// Split what is pending on `stream`, log and tail each segment, and print the prefixed batch
+    /// with one write (so a reader of the launcher's output never sees half a segment).
+    fn emit(&mut self, stream: Stream, at_eof: bool) {
+        let buf = std::mem::take(&mut self.pending[stream as usize]);
+        let segs = split_segments(&buf, at_eof);
+        let mut out = Vec::with_capacity(buf.len() + segs.segments.len() * self.prefix.len());
+        for seg in &segs.segments {
+            if let Some(log) = &mut self.log {
+                let _ = log.write_all(seg);
+            }
+            if stream == Stream::Err && seg.ends_with(b"\n") {
+                let line = String::from_utf8_lossy(seg).trim_end_matches(['\n', '\r']).to_string();
+                if self.tail.len() == TAIL_LINES {
+                    self.tail.pop_front();
+                }
+                self.tail.push_back(line);
+            }
+            // A bare "\r" (the start of a redraw) carries nothing to show.
+            if self.show && seg.as_slice() != b"\r" {
+                // Terminal control sequences that open a segment (a progress bar's "clear line")
+                // go before the prefix, or they would erase it.
+                let k = leading_csi_len(seg);
+                out.extend_from_slice(&seg[..k]);
+                out.extend_from_slice(&self.prefix);
+                out.extend_from_slice(&seg[k..]);
+            }
+        }
+        self.pending[stream as usize] = buf[segs.consumed..].to_vec();
+        if !out.is_empty() {
+            write_console(stream, &out);
+        }
+    }
+}
+
+/// Length of the ANSI CSI sequences (`ESC [ params final`) at the start of `seg`, e.g. the
+/// `ESC[2K` (clear line) that progress bars such as indicatif write before each redraw.
+pub(crate) fn leading_csi_len(seg: &[u8]) -> usize {
+    let mut i = 0;
+    while seg.len() > i + 1 && seg[i] == 0x1b && seg[i + 1] == b'[' {
+        // Parameter and intermediate bytes are 0x20..=0x3f; the final byte is 0x40..=0x7e.
+        let Some(end) = seg[i + 2..].iter().position(|b| !(0x20..=0x3f).contains(b)) else { break };
+        if !(0x40..=0x7e).contains(&seg[i + 2 + end]) {
+            break;
+        }
+        i += 2 + end + 1;
+    }
+    i
+}
+
+/// Write a batch to the launcher's own stdout or stderr.
+fn write_console(stream: Stream, bytes: &[u8]) {
+    // Errors (a closed console) are ignored: the ranks must not die because nobody reads.
+    match stream {
+        Stream::Out => {
+            let mut o = std::io::stdout().lock();
+            let _ = o.write_all(bytes);
+            let _ = o.flush();
+        }
+        Stream::Err => {
+            let mut e = std::io::stderr().lock();
+            let _ = e.write_all(bytes);
+        }
+    }
+}
+
+/// Complete segments found at the front of a buffer.
+pub(crate) struct Segments {
+    /// Each segment, terminator included (`\n`, or `\r` for a redraw); `\r\n` becomes `\n`.
+    pub segments: Vec<Vec<u8>>,
+    /// Bytes of the buffer the segments cover.
+    pub consumed: usize,
+}
+
+/// Split `buf` into segments. A trailing `\r` waits for the next byte (it may start `\r\n`)
+/// unless `at_eof`; at EOF an unterminated rest becomes a line with `\n` added. Unterminated
+/// runs longer than [`MAX_PENDING`] are emitted as lines too.
+pub(crate) fn split_segments(buf: &[u8], at_eof: bool) -> Segments {
+    let mut segments = Vec::new();
+    let mut start = 0;
+    let mut i = 0;
+    while i < buf.len() {
+        match buf[i] {
+            b'\n' => {
+                let end = if i > start && buf[i - 1] == b'\r' { i - 1 } else { i };
+                let mut s = buf[start..end].to_vec();
+                s.push(b'\n');
+                segments.push(s);
+                start = i + 1;
+            }
+            b'\r' if i + 1 < buf.len() && buf[i + 1] != b'\n' => {
+                segments.push(buf[start..=i].to_vec());
+                start = i + 1;
+            }
+            b'\r' if i + 1 == buf.len() && at_eof => {
+                let mut s = buf[start..i].to_vec();
+                s.push(b'\n');
+                segments.push(s);
+                start = i + 1;
+            }
+            _ => {}
+        }
+        i += 1;
+    }
+    // (A trailing CR is still waiting for its possible LF unless at EOF.)
+    let cr_waits = buf.last() == Some(&b'\r') && !at_eof;
+    if start < buf.len() && (at_eof || buf.len() - start > MAX_PENDING) && !cr_waits {
+        let mut s = buf[start..].to_vec();
+        s.push(b'\n');
+        segments.push(s);
+        start = buf.len();
+    }
+    Segments { segments, consumed: start }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn segs(b: &[u8], eof: bool) -> (Vec<String>, usize) {
+        let s = split_segments(b, eof);
+        (s.segments.iter().map(|x| String::from_utf8_lossy(x).into_owned()).collect(), s.consumed)
+    }
+
+    #[test]
+    fn lines_and_partials() {
+        assert_eq!(segs(b"a\nbc\nde", false), (vec!["a\n".into(), "bc\n".into()], 5));
+        assert_eq!(segs(b"a\nbc\nde", true), (vec!["a\n".into(), "bc\n".into(), "de\n".into()], 7));
+        assert_eq!(segs(b"", true), (vec![], 0));
+    }
+
+    #[test]
+    fn carriage_returns() {
+        // Progress redraws are forwarded one by one; CRLF is a line end.
+        assert_eq!(segs(b"10%\r20%\r30%\n", false), (vec!["10%\r".into(), "20%\r".into(), "30%\n".into()], 12));
+        assert_eq!(segs(b"x\r\ny", false), (vec!["x\n".into()], 3));
+        // A trailing CR waits: it may be the start of CRLF.
+        assert_eq!(segs(b"50%\r", false), (vec![], 0));
+        assert_eq!(segs(b"50%\r", true), (vec!["50%\n".into()], 4));
+    }
+
+    #[test]
+    fn progress_bar_redraws_keep_their_prefix() {
+        // indicatif/console redraw a bar as "\r ESC[2K text"; the clear-line goes first.
+        assert_eq!(leading_csi_len(b"\x1b[2K[===>  ] 40%\r"), 4);
+        assert_eq!(leading_csi_len(b"\x1b[1A\x1b[2Kx"), 8);
+        assert_eq!(leading_csi_len(b"plain\n"), 0);
+        assert_eq!(leading_csi_len(b"\x1b[2"), 0);
+        let (s, _) = segs(b"\r\x1b[2K10%\r\x1b[2K20%\n", false);
+        assert_eq!(s, vec!["\r", "\x1b[2K10%\r", "\x1b[2K20%\n"]);
+    }
+
+    #[test]
+    fn long_unterminated_runs_are_cut() {
+        let b = vec![b'x'; MAX_PENDING + 1];
+        let (s, n) = segs(&b, false);
+        assert_eq!((s.len(), n), (1, b.len()));
+    }
+}

@@ -1,0 +1,81 @@
+//! SIGINT/SIGTERM handling for the CLI launcher: the handlers only count the signal and write one
+//! byte to a self-pipe (both async-signal-safe); the supervisor polls the pipe's read end and
+//! forwards the signal to the ranks from ordinary code.
+
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::sync::atomic::{AtomicI32, AtomicUsize, Ordering};
+
+/// Write end of the self-pipe (-1 while no handler is installed).
+static WAKE_FD: AtomicI32 = AtomicI32::new(-1);
+/// SIGINT and SIGTERM received so far.
+static INTS: AtomicUsize = AtomicUsize::new(0);
+static TERMS: AtomicUsize = AtomicUsize::new(0);
+
+extern "C" fn on_signal(sig: libc::c_int) {
+    if sig == libc::SIGINT {
+        INTS.fetch_add(1, Ordering::SeqCst);
+    } else {
+        TERMS.fetch_add(1, Ordering::SeqCst);
+    }
+    let fd = WAKE_FD.load(Ordering::SeqCst);
+    if fd >= 0 {
+        let b = 1u8;
+        // SAFETY: write(2) is async-signal-safe; fd is the non-blocking write end of our pipe
+        // (a full pipe just drops the byte: the counters carry the information).
+        unsafe { libc::write(fd, &b as *const u8 as *const libc::c_void, 1) };
+    }
+}
+
+/// Installed handlers; the read end of the self-pipe for `poll`.
+pub(crate) struct SignalPipe {
+    read: OwnedFd,
+}
+
+/// Signals received so far.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Counts {
+    pub int: usize,
+    pub term: usize,
+}
+
+impl SignalPipe {
+    /// Install SIGINT and SIGTERM handlers (for the rest of the process's life: the CLI launcher
+    /// exits after one job).
+    pub fn install() -> std::io::Result<SignalPipe> {
+        let mut fds = [0 as libc::c_int; 2];
+        // SAFETY: valid out-array of two ints.
+        if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC | libc::O_NONBLOCK) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // The write end lives as long as the process (the handler may run at any time).
+        WAKE_FD.store(fds[1], Ordering::SeqCst);
+        for sig in [libc::SIGINT, libc::SIGTERM] {
+            // SAFETY: a zeroed sigaction is valid; we set a plain handler with SA_RESTART off so
+            // poll returns EINTR promptly, and an empty mask.
+            unsafe {
+                let mut sa: libc::sigaction = std::mem::zeroed();
+                sa.sa_sigaction = on_signal as *const () as usize;
+                libc::sigemptyset(&mut sa.sa_mask);
+                if libc::sigaction(sig, &sa, std::ptr::null_mut()) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+            }
+        }
+        // SAFETY: fds[0] was just created and is owned here.
+        Ok(SignalPipe { read: unsafe { OwnedFd::from_raw_fd(fds[0]) } })
+    }
+
+    /// The fd to poll.
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        // SAFETY: the fd lives as long as self.
+        unsafe { BorrowedFd::borrow_raw(self.read.as_raw_fd()) }
+    }
+
+    /// Empty the pipe and return the counts.
+    pub fn take(&self) -> Counts {
+        let mut buf = [0u8; 64];
+        // SAFETY: reading into a valid buffer from our non-blocking fd.
+        while unsafe { libc::read(self.read.as_raw_fd(), buf.as_mut_ptr() as *mut libc::c_void, buf.len()) } > 0 {}
+        Counts { int: INTS.load(Ordering::SeqCst), term: TERMS.load(Ordering::SeqCst) }
+    }
+}

@@ -1,0 +1,118 @@
+//! Helpers shared by the launcher tests: a sequential runner for `harness = false` targets (prints
+//! `test name ... ok` and a final `N passed, M failed`), framed failure messages, and /proc
+//! look-ups for checking that no process is left behind.
+#![allow(dead_code)]
+
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+/// A named test returning a message on failure.
+pub type Test = (&'static str, fn() -> Result<(), String>);
+
+/// Run `tests` one after another (optionally only those whose name contains the first CLI
+/// argument) and report like the default harness.
+pub fn run(tests: &[Test]) -> ExitCode {
+    let filter: Option<String> = std::env::args().skip(1).find(|a| !a.starts_with('-'));
+    let (mut passed, mut failed) = (0, 0);
+    let mut failures = Vec::new();
+    for (name, f) in tests {
+        if filter.as_ref().is_some_and(|p| !name.contains(p.as_str())) {
+            continue;
+        }
+        let t = Instant::now();
+        let r = std::panic::catch_unwind(f).unwrap_or_else(|p| {
+            Err(p
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "panicked".into()))
+        });
+        match r {
+            Ok(()) => {
+                passed += 1;
+                println!("test {name} ... ok ({:.2} s)", t.elapsed().as_secs_f64());
+            }
+            Err(m) => {
+                failed += 1;
+                println!("test {name} ... FAILED ({:.2} s)", t.elapsed().as_secs_f64());
+                failures.push((name, m));
+            }
+        }
+    }
+    for (name, m) in &failures {
+        println!("\n---- {name} ----\n{m}\n{}", "-".repeat(60));
+    }
+    println!("\n{passed} passed, {failed} failed");
+    if failed == 0 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}
+
+/// `Err` with a framed expected/actual message unless `cond`.
+pub fn check(cond: bool, what: &str, detail: impl std::fmt::Display) -> Result<(), String> {
+    if cond {
+        Ok(())
+    } else {
+        Err(format!("{what}\n{}\n{detail}\n{}", "=".repeat(60), "=".repeat(60)))
+    }
+}
+
+/// Whether `pid` exists and is not a zombie.
+pub fn alive(pid: i32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(s) => s.rsplit_once(')').map(|(_, rest)| !rest.trim_start().starts_with(['Z', 'X'])).unwrap_or(false),
+        Err(_) => false,
+    }
+}
+
+/// Direct children of `pid`, from /proc.
+pub fn children_of(pid: i32) -> Vec<i32> {
+    let mut v = Vec::new();
+    let Ok(rd) = std::fs::read_dir("/proc") else { return v };
+    for e in rd.flatten() {
+        let Ok(p) = e.file_name().to_string_lossy().parse::<i32>() else { continue };
+        if let Ok(s) = std::fs::read_to_string(format!("/proc/{p}/stat")) {
+            if let Some((_, rest)) = s.rsplit_once(')') {
+                let f: Vec<&str> = rest.split_whitespace().collect();
+                if f.get(1).and_then(|x| x.parse::<i32>().ok()) == Some(pid) {
+                    v.push(p);
+                }
+            }
+        }
+    }
+    v.sort_unstable();
+    v
+}
+
+/// Poll `f` every 10 ms until it returns true or `timeout` passes.
+pub fn wait_until(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let t = Instant::now();
+    while t.elapsed() < timeout {
+        if f() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    f()
+}
+
+/// Send `sig` to `pid`.
+pub fn signal(pid: i32, sig: i32) {
+    // SAFETY: plain syscall.
+    unsafe { libc::kill(pid, sig) };
+}
+
+/// A fresh scratch directory under the target dir.
+pub fn scratch(name: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("lockstep-test-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).expect("scratch dir");
+    d
+}
+
+/// A TCP port that was free a moment ago.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
+}

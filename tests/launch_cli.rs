@@ -1,0 +1,529 @@
+//! End-to-end tests of `lockstep launch` and the other subcommands, run against the built binary
+//! (`CARGO_BIN_EXE_lockstep`). Sequential (`harness = false`): several tests time the launcher's
+//! reactions, and the machine has two cores.
+
+mod common;
+
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use common::{alive, check, children_of, free_port, scratch, signal, wait_until};
+
+const BIN: &str = env!("CARGO_BIN_EXE_lockstep");
+
+fn lockstep() -> Command {
+    let mut c = Command::new(BIN);
+    c.env_remove("LOCKSTEP_TOKEN").env_remove("RANK").env_remove("WORLD_SIZE");
+    c
+}
+
+fn text(o: &Output) -> (String, String) {
+    (String::from_utf8_lossy(&o.stdout).into_owned(), String::from_utf8_lossy(&o.stderr).into_owned())
+}
+
+fn show(o: &Output) -> String {
+    let (a, b) = text(o);
+    format!("status: {:?}\n--- stdout ---\n{a}\n--- stderr ---\n{b}", o.status)
+}
+
+/// A running launcher that is killed and reaped if a test returns early.
+struct Running(Option<Child>);
+
+impl Running {
+    fn id(&self) -> u32 {
+        self.0.as_ref().expect("running").id()
+    }
+    fn try_wait(&mut self) -> std::io::Result<Option<std::process::ExitStatus>> {
+        self.0.as_mut().expect("running").try_wait()
+    }
+    fn wait(mut self) -> std::io::Result<std::process::ExitStatus> {
+        self.0.take().expect("running").wait()
+    }
+    fn wait_with_output(mut self) -> std::io::Result<Output> {
+        self.0.take().expect("running").wait_with_output()
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.0.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+fn spawn_piped(c: &mut Command) -> Running {
+    Running(Some(c.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("spawn lockstep")))
+}
+
+/// Wait for `n` ranks under launcher `pid`, then return their pids.
+fn ranks_of(pid: i32, n: usize) -> Result<Vec<i32>, String> {
+    let mut kids = Vec::new();
+    let ok = wait_until(Duration::from_secs(5), || {
+        kids = children_of(pid);
+        kids.len() >= n
+    });
+    check(ok, "the launcher did not start its ranks", format!("children of {pid}: {kids:?}"))?;
+    Ok(kids)
+}
+
+fn env_of(pid: i32, key: &str) -> Option<String> {
+    let e = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+    e.split(|b| *b == 0).find_map(|kv| kv.strip_prefix(format!("{key}=").as_bytes()).map(|v| String::from_utf8_lossy(v).into_owned()))
+}
+
+fn now_ns() -> u128 {
+    SystemTime::now().duration_since(UNIX_EPOCH).expect("clock").as_nanos()
+}
+
+// ------------------------------------------------------------------------------------------------
+
+fn selftest_two_and_eight_ranks() -> Result<(), String> {
+    for n in [2, 8] {
+        let o =
+            lockstep().args(["launch", "--nproc-per-node", &n.to_string(), "--", BIN, "selftest"]).output().map_err(|e| e.to_string())?;
+        let (out, _) = text(&o);
+        check(
+            o.status.success() && out.contains(&format!("[rank 0] lockstep selftest ok: {n} ranks, backend shm")),
+            "selftest failed",
+            show(&o),
+        )?;
+    }
+    Ok(())
+}
+
+fn fail_fast_exit_code() -> Result<(), String> {
+    let d = scratch("failfast");
+    let script = format!(
+        "echo $$ > {d}/pid.$RANK; if [ \"$RANK\" = 1 ]; then sleep 0.3; echo 'rank one fails' >&2; date +%s%N > {d}/t1; exit 3; fi; exec sleep 30",
+        d = d.display()
+    );
+    let o = lockstep().args(["launch", "--nproc-per-node", "3", "--", "sh", "-c", &script]).output().map_err(|e| e.to_string())?;
+    let end = now_ns();
+    let (_, err) = text(&o);
+    check(o.status.code() == Some(3), "launcher must exit with the failing rank's code 3", show(&o))?;
+    let t1: u128 = std::fs::read_to_string(d.join("t1")).map_err(|e| e.to_string())?.trim().parse().map_err(|_| "bad t1".to_string())?;
+    let lag = (end.saturating_sub(t1)) as f64 / 1e9;
+    check(lag < 1.0, "launcher must exit within 1 s of the failure", format!("lag {lag:.3} s\n{}", show(&o)))?;
+    check(
+        err.contains("rank 1 (pid")
+            && err.contains("failed first: exited with code 3")
+            && err.contains("| rank one fails")
+            && err.contains("=========="),
+        "summary must name rank 1 and show its stderr",
+        show(&o),
+    )?;
+    for r in [0, 2] {
+        let pid: i32 = std::fs::read_to_string(d.join(format!("pid.{r}")))
+            .map_err(|e| e.to_string())?
+            .trim()
+            .parse()
+            .map_err(|_| "bad pid".to_string())?;
+        check(!alive(pid), "the other ranks must be gone", format!("rank {r} pid {pid} alive"))?;
+    }
+    println!("    fail-fast: launcher exited {:.1} ms after rank 1's exit", lag * 1e3);
+    Ok(())
+}
+
+fn kill9_rank_mid_all_reduce() -> Result<(), String> {
+    // --no-fail-fast lets the survivor notice the loss itself (PeerLost) before the report.
+    let mut c = lockstep();
+    c.args(["launch", "--nproc-per-node", "2", "--no-fail-fast", "--", BIN, "selftest", "--iters", "1000000000", "--count", "4096"]);
+    let child = spawn_piped(&mut c);
+    let ranks = ranks_of(child.id() as i32, 2)?;
+    std::thread::sleep(Duration::from_millis(300));
+    let r1 = *ranks.iter().find(|p| env_of(**p, "RANK").as_deref() == Some("1")).ok_or("no rank 1")?;
+    signal(r1, libc::SIGKILL);
+    let t = Instant::now();
+    let o = child.wait_with_output().map_err(|e| e.to_string())?;
+    let (_, err) = text(&o);
+    check(o.status.code() == Some(137), "launcher must exit 128+9 for the SIGKILLed root cause", show(&o))?;
+    check(err.contains("rank 1 (pid") && err.contains("SIGKILL"), "summary must name rank 1 and SIGKILL", show(&o))?;
+    check(err.contains("died while rank 0 was in all_reduce"), "the survivor must report the lost peer", show(&o))?;
+    check(t.elapsed() < Duration::from_secs(3), "the survivor must notice within seconds", format!("{:?}", t.elapsed()))
+}
+
+fn kill9_rank_fail_fast() -> Result<(), String> {
+    let mut c = lockstep();
+    c.args(["launch", "--nproc-per-node", "2", "--", BIN, "selftest", "--iters", "1000000000"]);
+    let child = spawn_piped(&mut c);
+    let ranks = ranks_of(child.id() as i32, 2)?;
+    std::thread::sleep(Duration::from_millis(200));
+    let r1 = *ranks.iter().find(|p| env_of(**p, "RANK").as_deref() == Some("1")).ok_or("no rank 1")?;
+    signal(r1, libc::SIGKILL);
+    let o = child.wait_with_output().map_err(|e| e.to_string())?;
+    check(o.status.code() == Some(137), "launcher must exit 137", show(&o))?;
+    check(ranks.iter().all(|p| !alive(*p)), "no rank may survive", format!("{ranks:?}"))
+}
+
+fn kill9_launcher_leaves_nothing() -> Result<(), String> {
+    let mut c = lockstep();
+    c.args(["launch", "--nproc-per-node", "3", "--", "sh", "-c", "exec sleep 30"]);
+    let child = spawn_piped(&mut c);
+    let ranks = ranks_of(child.id() as i32, 3)?;
+    signal(child.id() as i32, libc::SIGKILL);
+    let _ = child.wait();
+    let gone = wait_until(Duration::from_secs(2), || ranks.iter().all(|p| !alive(*p)));
+    check(gone, "every rank must die with the launcher", format!("alive: {:?}", ranks.iter().filter(|p| alive(**p)).collect::<Vec<_>>()))
+}
+
+fn sigint_reaches_every_rank() -> Result<(), String> {
+    let mut c = lockstep();
+    c.args(["launch", "--nproc-per-node", "2", "--", "sh", "-c", "exec sleep 30"]);
+    let child = spawn_piped(&mut c);
+    let ranks = ranks_of(child.id() as i32, 2)?;
+    std::thread::sleep(Duration::from_millis(100));
+    let t = Instant::now();
+    signal(child.id() as i32, libc::SIGINT);
+    let o = child.wait_with_output().map_err(|e| e.to_string())?;
+    check(o.status.code() == Some(130), "launcher must exit 130 after SIGINT", show(&o))?;
+    check(t.elapsed() < Duration::from_secs(1), "SIGINT must stop the job at once", format!("{:?}", t.elapsed()))?;
+    check(ranks.iter().all(|p| !alive(*p)), "no rank may survive", format!("{ranks:?}"))
+}
+
+fn sigterm_reaches_every_rank() -> Result<(), String> {
+    let mut c = lockstep();
+    c.args(["launch", "--nproc-per-node", "2", "--", "sh", "-c", "exec sleep 30"]);
+    let child = spawn_piped(&mut c);
+    let ranks = ranks_of(child.id() as i32, 2)?;
+    std::thread::sleep(Duration::from_millis(100));
+    signal(child.id() as i32, libc::SIGTERM);
+    let o = child.wait_with_output().map_err(|e| e.to_string())?;
+    check(o.status.code() == Some(143) && text(&o).1.contains("stopped by SIGTERM"), "launcher must exit 143 after SIGTERM", show(&o))?;
+    check(ranks.iter().all(|p| !alive(*p)), "no rank may survive", format!("{ranks:?}"))
+}
+
+fn second_sigint_kills_at_once() -> Result<(), String> {
+    let mut c = lockstep();
+    // Ranks that ignore SIGINT and SIGTERM: only the second Ctrl-C (SIGKILL) stops them.
+    c.args(["launch", "--nproc-per-node", "2", "--grace-s", "30", "--", "sh", "-c", "trap '' INT TERM; exec sleep 30"]);
+    let mut child = spawn_piped(&mut c);
+    let ranks = ranks_of(child.id() as i32, 2)?;
+    std::thread::sleep(Duration::from_millis(100));
+    signal(child.id() as i32, libc::SIGINT);
+    std::thread::sleep(Duration::from_millis(300));
+    check(child.try_wait().map_err(|e| e.to_string())?.is_none(), "ranks ignoring SIGINT keep the job alive during the grace period", "")?;
+    let t = Instant::now();
+    signal(child.id() as i32, libc::SIGINT);
+    let o = child.wait_with_output().map_err(|e| e.to_string())?;
+    check(t.elapsed() < Duration::from_secs(1), "the second SIGINT must kill at once", format!("{:?}\n{}", t.elapsed(), show(&o)))?;
+    check(o.status.code() == Some(137), "ranks were SIGKILLed", show(&o))?;
+    check(ranks.iter().all(|p| !alive(*p)), "no rank may survive", format!("{ranks:?}"))
+}
+
+fn output_is_line_atomic_and_prefixed() -> Result<(), String> {
+    // `yes` writes 8 KiB blocks, so lines are cut at arbitrary points between pipe reads.
+    let n = 20000;
+    let script = format!(
+        "if [ $RANK = 0 ]; then printf '10%%\\r20%%\\r30%%\\n'; fi; yes \"$RANK-0123456789abcdefghijklmnopqrstuvwxyz-$RANK\" | head -n {n}"
+    );
+    let o = lockstep().args(["launch", "--nproc-per-node", "4", "--", "sh", "-c", &script]).output().map_err(|e| e.to_string())?;
+    let (out, _) = text(&o);
+    check(o.status.success(), "job failed", show(&o))?;
+    let mut counts = [0usize; 4];
+    for seg in out.split_inclusive(['\n', '\r']) {
+        let body = seg.trim_end_matches(['\n', '\r']);
+        if ["[rank 0] 10%", "[rank 0] 20%", "[rank 0] 30%"].contains(&body) {
+            continue;
+        }
+        let ok = (0..4).find(|r| body == format!("[rank {r}] {r}-0123456789abcdefghijklmnopqrstuvwxyz-{r}"));
+        match ok {
+            Some(r) => counts[r] += 1,
+            None => return check(false, "every line must be one rank's whole line with its prefix", format!("bad line: {body:?}")),
+        }
+    }
+    check(counts == [n; 4], "every line must arrive", format!("{counts:?}"))?;
+    check(out.contains("[rank 0] 10%\r[rank 0] 20%\r[rank 0] 30%\n"), "\\r segments are forwarded one by one", "")
+}
+
+fn log_dir_and_ranks_filter() -> Result<(), String> {
+    let d = scratch("logs");
+    let o = lockstep()
+        .args(["launch", "--nproc-per-node", "2", "--ranks-filter", "1", "--log-dir"])
+        .arg(&d)
+        .args(["--", "sh", "-c", "echo out $RANK; echo err $RANK >&2"])
+        .output()
+        .map_err(|e| e.to_string())?;
+    let (out, err) = text(&o);
+    check(o.status.success() && out == "[rank 1] out 1\n" && err == "[rank 1] err 1\n", "only rank 1 is shown", show(&o))?;
+    let log0 = std::fs::read_to_string(d.join("rank-0.log")).map_err(|e| e.to_string())?;
+    check(log0.contains("out 0\n") && log0.contains("err 0\n"), "rank 0's log has both streams", &log0)
+}
+
+fn two_launchers_form_one_job() -> Result<(), String> {
+    let port = free_port().to_string();
+    let node = |r: &str| {
+        let mut c = lockstep();
+        c.args([
+            "launch",
+            "--nproc-per-node",
+            "2",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            r,
+            "--master-port",
+            &port,
+            "--token",
+            "t0ken",
+            "--",
+            BIN,
+            "selftest",
+        ]);
+        spawn_piped(&mut c)
+    };
+    let a = node("0");
+    let b = node("1");
+    let (oa, ob) = (a.wait_with_output().map_err(|e| e.to_string())?, b.wait_with_output().map_err(|e| e.to_string())?);
+    check(oa.status.success() && ob.status.success(), "both launchers must succeed", format!("{}\n{}", show(&oa), show(&ob)))?;
+    check(text(&oa).0.contains("[rank 0] lockstep selftest ok: 4 ranks, backend shm"), "one 4-rank job", show(&oa))
+}
+
+fn failure_on_one_node_stops_the_other() -> Result<(), String> {
+    let port = free_port().to_string();
+    let script = "if [ $RANK = 3 ]; then sleep 0.3; echo 'rank three fails' >&2; exit 3; fi; exec sleep 30";
+    let node = |r: &str| {
+        let mut c = lockstep();
+        c.args([
+            "launch",
+            "--nproc-per-node",
+            "2",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            r,
+            "--master-port",
+            &port,
+            "--token",
+            "t",
+            "--",
+            "sh",
+            "-c",
+            script,
+        ]);
+        spawn_piped(&mut c)
+    };
+    let (a, b) = (node("0"), node("1"));
+    let t = Instant::now();
+    let (oa, ob) = (a.wait_with_output().map_err(|e| e.to_string())?, b.wait_with_output().map_err(|e| e.to_string())?);
+    check(ob.status.code() == Some(3) && text(&ob).1.contains("rank three fails"), "node 1 reports its failing rank", show(&ob))?;
+    check(
+        oa.status.code() == Some(3) && text(&oa).1.contains("because rank 3 (pid"),
+        "node 0 stops and exits with the root cause's code",
+        show(&oa),
+    )?;
+    check(t.elapsed() < Duration::from_millis(1500), "both stop within a second of the failure", format!("{:?}", t.elapsed()))
+}
+
+fn cross_host_cpu_job_is_refused() -> Result<(), String> {
+    let port = free_port().to_string();
+    let node = |r: &str, host: &str| {
+        let mut c = lockstep();
+        c.env("LOCKSTEP_HOST_ID", host);
+        c.args([
+            "launch",
+            "--nproc-per-node",
+            "1",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            r,
+            "--master-port",
+            &port,
+            "--token",
+            "t",
+            "--",
+            BIN,
+            "selftest",
+        ]);
+        spawn_piped(&mut c)
+    };
+    let (a, b) = (node("0", "hostA"), node("1", "hostB"));
+    let (oa, ob) = (a.wait_with_output().map_err(|e| e.to_string())?, b.wait_with_output().map_err(|e| e.to_string())?);
+    check(!oa.status.success() && !ob.status.success(), "both must fail", format!("{}\n{}", show(&oa), show(&ob)))?;
+    // Whichever node's rank fails first reports why; the other node may be stopped before its rank does.
+    let both = format!("{}{}", text(&oa).1, text(&ob).1);
+    check(
+        both.contains("a cross-host CPU communicator is not available"),
+        "the error must say why",
+        format!("{}\n{}", show(&oa), show(&ob)),
+    )
+}
+
+fn busy_port_is_named() -> Result<(), String> {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
+    let port = l.local_addr().map_err(|e| e.to_string())?.port().to_string();
+    let o = lockstep()
+        .args(["launch", "--nproc-per-node", "1", "--nnodes", "2", "--master-port", &port, "--token", "t", "--", "true"])
+        .output()
+        .map_err(|e| e.to_string())?;
+    let (_, err) = text(&o);
+    check(
+        o.status.code() == Some(1)
+            && err.contains(&format!("port {port}"))
+            && err.contains("already in use")
+            && err.contains("--master-port"),
+        "busy port must be named",
+        show(&o),
+    )
+}
+
+fn wrong_token_and_unreachable_master() -> Result<(), String> {
+    let port = free_port().to_string();
+    let mut c = lockstep();
+    c.args(["launch", "--nproc-per-node", "1", "--nnodes", "2", "--master-port", &port, "--token", "right", "--", "sleep", "30"]);
+    let a = spawn_piped(&mut c);
+    let o = lockstep()
+        .args([
+            "launch",
+            "--nproc-per-node",
+            "1",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--master-port",
+            &port,
+            "--token",
+            "wrong",
+            "--rdzv-timeout-s",
+            "5",
+            "--",
+            "true",
+        ])
+        .output()
+        .map_err(|e| e.to_string())?;
+    signal(a.id() as i32, libc::SIGTERM);
+    let _ = a.wait();
+    check(o.status.code() == Some(1) && text(&o).1.contains("rejected this job's token"), "wrong token must be reported", show(&o))?;
+    let t = Instant::now();
+    let o = lockstep()
+        .args([
+            "launch",
+            "--nproc-per-node",
+            "1",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--master-port",
+            &free_port().to_string(),
+            "--token",
+            "t",
+            "--rdzv-timeout-s",
+            "1",
+            "--",
+            "true",
+        ])
+        .output()
+        .map_err(|e| e.to_string())?;
+    check(
+        o.status.code() == Some(1) && text(&o).1.contains("could not reach the rendezvous store"),
+        "unreachable master must be reported",
+        show(&o),
+    )?;
+    check(t.elapsed() < Duration::from_secs(4), "retries are bounded by --rdzv-timeout-s", format!("{:?}", t.elapsed()))
+}
+
+fn missing_program_and_bad_options() -> Result<(), String> {
+    let o = lockstep().args(["launch", "--nproc-per-node", "2", "--", "/nonexistent/prog"]).output().map_err(|e| e.to_string())?;
+    check(o.status.code() == Some(1) && text(&o).1.contains("cannot start rank 0"), "missing program must be reported", show(&o))?;
+    let o =
+        lockstep().args(["launch", "--nproc-per-node", "2", "--ranks-filter", "0,5", "--", "true"]).output().map_err(|e| e.to_string())?;
+    check(o.status.code() == Some(1) && text(&o).1.contains("--ranks-filter names rank 5"), "out-of-range filter is rejected", show(&o))?;
+    let o = lockstep().args(["launch", "--bogus", "--", "true"]).output().map_err(|e| e.to_string())?;
+    check(o.status.code() == Some(2), "unknown options are rejected", show(&o))?;
+    let o = lockstep()
+        .env("LOCKSTEP_BACKEND", "carrier-pigeon")
+        .args(["launch", "--nproc-per-node", "1", "--", BIN, "selftest"])
+        .output()
+        .map_err(|e| e.to_string())?;
+    check(o.status.code() == Some(1) && text(&o).1.contains("is not a backend: use shm or nccl"), "unknown backend is named", show(&o))?;
+    let o = lockstep().args(["selftest"]).output().map_err(|e| e.to_string())?;
+    check(
+        o.status.code() == Some(1) && text(&o).1.contains("RANK is not set: start this program with `lockstep launch"),
+        "selftest outside a job says how to start it",
+        show(&o),
+    )
+}
+
+fn stale_segments_of_dead_launchers_are_removed() -> Result<(), String> {
+    // Names in the launcher's job-id format whose launcher pid does not exist; one old, one new.
+    let old = format!("/dev/shm/lockstep-7ffffff{}-abc", std::process::id() % 10);
+    let new = format!("/dev/shm/lockstep-7ffffff{}-abd", std::process::id() % 10);
+    for p in [&old, &new] {
+        std::fs::write(p, b"").map_err(|e| e.to_string())?;
+    }
+    let f = std::fs::File::options().write(true).open(&old).map_err(|e| e.to_string())?;
+    f.set_modified(SystemTime::now() - Duration::from_secs(3600)).map_err(|e| e.to_string())?;
+    let o = lockstep().args(["launch", "--nproc-per-node", "1", "--", "true"]).output().map_err(|e| e.to_string())?;
+    let (old_gone, new_kept) = (!std::path::Path::new(&old).exists(), std::path::Path::new(&new).exists());
+    let _ = std::fs::remove_file(&new);
+    check(o.status.success() && old_gone && new_kept, "old stale segment removed, recent one kept", format!("{old_gone} {new_kept}"))
+}
+
+fn config_and_env() -> Result<(), String> {
+    let d = scratch("config");
+    let p = d.join("sub/config.toml");
+    let o = lockstep().args(["config", "--path"]).arg(&p).output().map_err(|e| e.to_string())?;
+    check(o.status.success(), "config must succeed", show(&o))?;
+    let t = std::fs::read_to_string(&p).map_err(|e| e.to_string())?;
+    check(t.contains("nproc_per_node = ") && t.contains("backend = ") && t.contains("mixed_precision = "), "config has the keys", &t)?;
+    let o = lockstep().args(["config", "--path"]).arg(&p).output().map_err(|e| e.to_string())?;
+    check(o.status.code() == Some(1) && text(&o).1.contains("--force"), "existing config is kept without --force", show(&o))?;
+    let o = lockstep()
+        .args(["config", "--force", "--backend", "shm", "--nproc-per-node", "3", "--path"])
+        .arg(&p)
+        .output()
+        .map_err(|e| e.to_string())?;
+    let t = std::fs::read_to_string(&p).map_err(|e| e.to_string())?;
+    check(o.status.success() && t.contains("nproc_per_node = 3") && t.contains("backend = \"shm\""), "overrides are written", &t)?;
+    // `launch` without --nproc-per-node takes the config file's value.
+    let o = lockstep()
+        .env("LOCKSTEP_CONFIG", &p)
+        .args(["launch", "--", "sh", "-c", "echo $RANK/$WORLD_SIZE"])
+        .output()
+        .map_err(|e| e.to_string())?;
+    let mut lines: Vec<String> = text(&o).0.lines().map(String::from).collect();
+    lines.sort();
+    check(
+        o.status.success() && lines == ["[rank 0] 0/3", "[rank 1] 1/3", "[rank 2] 2/3"],
+        "config's nproc_per_node is the default",
+        show(&o),
+    )?;
+    let o = lockstep().args(["env"]).output().map_err(|e| e.to_string())?;
+    let (out, _) = text(&o);
+    check(
+        o.status.success()
+            && out.starts_with(&format!("lockstep {}", env!("CARGO_PKG_VERSION")))
+            && out.contains("cpu:")
+            && out.contains("cuda/nccl:")
+            && out.contains("lockstep CUDA environment"),
+        "env report",
+        show(&o),
+    )
+}
+
+fn main() -> std::process::ExitCode {
+    common::run(&[
+        ("selftest_two_and_eight_ranks", selftest_two_and_eight_ranks),
+        ("fail_fast_exit_code", fail_fast_exit_code),
+        ("kill9_rank_mid_all_reduce", kill9_rank_mid_all_reduce),
+        ("kill9_rank_fail_fast", kill9_rank_fail_fast),
+        ("kill9_launcher_leaves_nothing", kill9_launcher_leaves_nothing),
+        ("sigint_reaches_every_rank", sigint_reaches_every_rank),
+        ("sigterm_reaches_every_rank", sigterm_reaches_every_rank),
+        ("second_sigint_kills_at_once", second_sigint_kills_at_once),
+        ("output_is_line_atomic_and_prefixed", output_is_line_atomic_and_prefixed),
+        ("log_dir_and_ranks_filter", log_dir_and_ranks_filter),
+        ("two_launchers_form_one_job", two_launchers_form_one_job),
+        ("failure_on_one_node_stops_the_other", failure_on_one_node_stops_the_other),
+        ("cross_host_cpu_job_is_refused", cross_host_cpu_job_is_refused),
+        ("busy_port_is_named", busy_port_is_named),
+        ("wrong_token_and_unreachable_master", wrong_token_and_unreachable_master),
+        ("missing_program_and_bad_options", missing_program_and_bad_options),
+        ("stale_segments_of_dead_launchers_are_removed", stale_segments_of_dead_launchers_are_removed),
+        ("config_and_env", config_and_env),
+    ])
+}

@@ -1,0 +1,208 @@
+//! Tests of the library launcher [`lockstep::launch::launch`]: forks ranks from this process, so
+//! this is a `harness = false` target that runs its tests one after another on the main thread.
+//! Output tests re-run this binary in a child mode (`LOCKSTEP_TEST_MODE`) to capture its stdout.
+
+mod common;
+
+use std::io::Write;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::{check, scratch};
+use lockstep::launch::{launch, monotonic_ns, LaunchConfig, LaunchError};
+use lockstep::ReduceOp;
+
+fn cfg(n: usize) -> LaunchConfig {
+    let mut c = LaunchConfig::new(n);
+    c.grace = Duration::from_secs(2);
+    c
+}
+
+fn ready_time_and_repeated_launch() -> Result<(), String> {
+    // Each launch: t0 before the call; every rank reports when its communicator was ready.
+    let fds = || std::fs::read_dir("/proc/self/fd").map(|d| d.count()).unwrap_or(0);
+    let fds_before = fds();
+    let mut worst = Vec::new();
+    for _ in 0..7 {
+        let t0 = monotonic_ns();
+        let ready = launch(&cfg(2), |mut ctx| {
+            let t = monotonic_ns();
+            let mut v = [ctx.rank as f32 + 1.0; 16];
+            ctx.comm.all_reduce_in_place(&mut v[..], ReduceOp::Sum)?;
+            if v[0] != 3.0 {
+                return Err("wrong sum".into());
+            }
+            Ok(t)
+        })
+        .map_err(|e| e.to_string())?;
+        worst.push((ready.iter().max().expect("2 ranks") - t0) as f64 / 1e6);
+    }
+    worst.sort_by(|a, b| a.partial_cmp(b).expect("finite"));
+    let median = worst[worst.len() / 2];
+    println!("    launch → every rank ready (2 ranks): median {median:.2} ms, all {worst:.2?}");
+    check(fds() == fds_before, "repeated launches leak no file descriptors", format!("{fds_before} before, {} after", fds()))?;
+    // The target is 10 ms; allow slack for a loaded 2-core CI machine.
+    check(median < 50.0, "ranks must be ready quickly", format!("median {median:.2} ms"))
+}
+
+fn fail_fast_error_reports_root_cause() -> Result<(), String> {
+    let t = Instant::now();
+    let r = launch(&cfg(3), |ctx| -> lockstep::launch::RankResult<u32> {
+        if ctx.rank == 1 {
+            eprintln!("about to fail");
+            return Err("boom on purpose".into());
+        }
+        std::thread::sleep(Duration::from_secs(30));
+        Ok(0)
+    });
+    let Err(e @ LaunchError::RanksFailed(_)) = r else { return check(false, "launch must fail", "") };
+    let f = e.failures();
+    check(
+        f[0].rank == 1 && f[0].message == "boom on purpose" && f[0].exit_code == 1 && !f[0].terminated_by_launcher,
+        "root cause first",
+        format!("{e}"),
+    )?;
+    check(f[0].stderr_tail == vec!["about to fail".to_string()], "stderr tail is kept", format!("{:?}", f[0].stderr_tail))?;
+    check(
+        f.len() == 3 && f[1..].iter().all(|x| x.terminated_by_launcher && x.exit_code == 128 + libc::SIGTERM),
+        "others terminated",
+        format!("{e}"),
+    )?;
+    check(e.exit_code() == 1 && e.to_string().contains("failed first"), "summary", format!("{e}"))?;
+    check(t.elapsed() < Duration::from_secs(2), "fast", format!("{:?}", t.elapsed()))
+}
+
+fn kill9_rank_gives_peer_lost() -> Result<(), String> {
+    let mut c = cfg(2);
+    c.fail_fast = false; // let the survivor see the loss itself
+    let r = launch(&c, |mut ctx| -> lockstep::launch::RankResult<()> {
+        let mut v = vec![1.0f32; 1024];
+        for i in 0.. {
+            if ctx.rank == 1 && i == 50 {
+                // SAFETY: plain syscall, killing this process.
+                unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+            }
+            ctx.comm.all_reduce_in_place(&mut v[..], ReduceOp::Max)?;
+        }
+        Ok(())
+    });
+    let Err(e) = r else { return check(false, "launch must fail", "") };
+    let f = e.failures();
+    check(f.len() == 2 && f[0].rank == 1 && f[0].exit_code == 137, "root cause is the killed rank", format!("{e}"))?;
+    check(
+        f[1].message.contains("rank 1 (pid") && f[1].message.contains("died while rank 0 was in all_reduce"),
+        "survivor reports PeerLost",
+        format!("{e}"),
+    )
+}
+
+fn hung_rank_is_named_after_the_timeout() -> Result<(), String> {
+    let mut c = cfg(2);
+    c.shm.timeout = Duration::from_millis(500);
+    let t = Instant::now();
+    let r = launch(&c, |mut ctx| -> lockstep::launch::RankResult<()> {
+        if ctx.rank == 1 {
+            std::thread::sleep(Duration::from_secs(30)); // hangs outside any collective
+        }
+        let mut v = [1.0f32; 4];
+        ctx.comm.all_reduce_in_place(&mut v[..], ReduceOp::Sum)?;
+        Ok(())
+    });
+    let Err(e) = r else { return check(false, "launch must fail", "") };
+    let f = e.failures();
+    check(
+        f[0].rank == 0 && f[0].message.contains("timed out") && f[0].message.contains("rank 1 is at collective #0"),
+        "the waiting rank names the hung one",
+        format!("{e}"),
+    )?;
+    check(f.len() == 2 && f[1].terminated_by_launcher, "the hung rank is terminated", format!("{e}"))?;
+    check(t.elapsed() < Duration::from_secs(3), "prompt", format!("{:?}", t.elapsed()))
+}
+
+fn panics_and_exits_are_reported() -> Result<(), String> {
+    let r = launch(&cfg(2), |ctx| -> lockstep::launch::RankResult<()> {
+        if ctx.rank == 0 {
+            panic!("rank zero panics");
+        }
+        Ok(())
+    });
+    let Err(e) = r else { return check(false, "launch must fail", "") };
+    check(e.failures()[0].message.contains("rank zero panics") && e.failures()[0].exit_code == 101, "panic message", format!("{e}"))?;
+    let r = launch(&cfg(2), |ctx| -> lockstep::launch::RankResult<()> {
+        if ctx.rank == 1 {
+            std::process::exit(7);
+        }
+        Ok(())
+    });
+    let Err(e) = r else { return check(false, "launch must fail", "") };
+    check(e.exit_code() == 7, "exit code of the root cause", format!("{e}"))
+}
+
+fn log_dir_and_filter() -> Result<(), String> {
+    let d = scratch("liblogs");
+    let mut c = cfg(2);
+    c.log_dir = Some(d.clone());
+    c.ranks_filter = Some(vec![]); // nothing on the console
+    launch(&c, |ctx| {
+        println!("hello from {}", ctx.rank);
+        Ok(())
+    })
+    .map_err(|e| e.to_string())?;
+    for r in 0..2 {
+        let t = std::fs::read_to_string(d.join(format!("rank-{r}.log"))).map_err(|e| e.to_string())?;
+        check(t == format!("hello from {r}\n"), "log file content", &t)?;
+    }
+    Ok(())
+}
+
+/// Child mode: 4 ranks write lines in pieces (flushing mid-line) as fast as they can.
+fn child_output_mode() {
+    let r = launch(&cfg(4), |ctx| {
+        let mut o = std::io::stdout().lock();
+        for i in 0..3000 {
+            let _ = write!(o, "{}-", ctx.rank);
+            let _ = o.flush();
+            let _ = write!(o, "{}", "abcdefghij".repeat(1 + i % 7));
+            let _ = o.flush();
+            let _ = writeln!(o, "-{}", ctx.rank);
+        }
+        let _ = o.flush();
+        Ok(())
+    });
+    std::process::exit(if r.is_ok() { 0 } else { 1 });
+}
+
+fn output_is_line_atomic_and_prefixed() -> Result<(), String> {
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let o = Command::new(exe).env("LOCKSTEP_TEST_MODE", "output").output().map_err(|e| e.to_string())?;
+    let out = String::from_utf8_lossy(&o.stdout);
+    check(o.status.success(), "child launch failed", String::from_utf8_lossy(&o.stderr))?;
+    let mut counts = [0usize; 4];
+    for line in out.lines() {
+        let ok = (0..4).find(|r| {
+            line.strip_prefix(&format!("[rank {r}] {r}-"))
+                .and_then(|x| x.strip_suffix(&format!("-{r}")))
+                .is_some_and(|mid| !mid.is_empty() && mid.len() % 10 == 0 && mid.as_bytes().chunks(10).all(|c| c == b"abcdefghij"))
+        });
+        match ok {
+            Some(r) => counts[r] += 1,
+            None => return check(false, "every line must be one rank's whole line", format!("bad line: {line:?}")),
+        }
+    }
+    check(counts == [3000; 4], "every line arrives", format!("{counts:?}"))
+}
+
+fn main() -> std::process::ExitCode {
+    if std::env::var("LOCKSTEP_TEST_MODE").as_deref() == Ok("output") {
+        child_output_mode();
+    }
+    common::run(&[
+        ("ready_time_and_repeated_launch", ready_time_and_repeated_launch),
+        ("fail_fast_error_reports_root_cause", fail_fast_error_reports_root_cause),
+        ("kill9_rank_gives_peer_lost", kill9_rank_gives_peer_lost),
+        ("hung_rank_is_named_after_the_timeout", hung_rank_is_named_after_the_timeout),
+        ("panics_and_exits_are_reported", panics_and_exits_are_reported),
+        ("log_dir_and_filter", log_dir_and_filter),
+        ("output_is_line_atomic_and_prefixed", output_is_line_atomic_and_prefixed),
+    ])
+}
