@@ -18,5 +18,6 @@
 pub mod comm;
 pub mod launch;
 pub mod shm;
+pub mod train;
 
 pub use comm::{Buffer, BufferMut, CollKind, CommError, Communicator, Dtype, Element, ReduceOp};

@@ -1,0 +1,206 @@
+//! BatchNorm2d with PyTorch semantics: batch statistics in training (biased variance for the
+//! normalisation, unbiased variance for the running estimate), running statistics in evaluation,
+//! momentum 0.1, eps 1e-5, and a `num_batches_tracked` counter.
+//!
+//! Forward saves only the per-channel mean and 1/std; backward recomputes `xhat` from the input
+//! the model kept, so no extra activation-sized buffer is needed.
+//!
+//! Backward (per channel, `M = N*H*W`, `xhat = (x - mean) * invstd`):
+//! `dbeta += Σ dout`, `dgamma += Σ dout·xhat`,
+//! `dinp = gamma·invstd/M · (M·dout − Σ dout − xhat·Σ dout·xhat)`.
+
+use super::{BufferMut, Init, Layer, ParamSpec};
+use crate::train::tensor::Tensor;
+
+/// Batch normalisation over `[N, C, H, W]`, per channel.
+#[derive(Clone, Debug)]
+pub struct BatchNorm2d {
+    /// Channels.
+    pub channels: usize,
+    /// Weight of the new batch statistic in the running estimate (PyTorch: 0.1).
+    pub momentum: f32,
+    /// Added to the variance before the square root (PyTorch: 1e-5).
+    pub eps: f32,
+    /// Running mean, `(C)`.
+    pub running_mean: Vec<f32>,
+    /// Running (unbiased) variance, `(C)`.
+    pub running_var: Vec<f32>,
+    /// Training batches seen.
+    pub num_batches_tracked: i64,
+    mean: Vec<f32>,   // (C) saved for backward
+    invstd: Vec<f32>, // (C) saved for backward
+}
+
+impl BatchNorm2d {
+    /// A BatchNorm over `channels` with PyTorch defaults.
+    pub fn new(channels: usize) -> BatchNorm2d {
+        BatchNorm2d {
+            channels,
+            momentum: 0.1,
+            eps: 1e-5,
+            running_mean: vec![0.0; channels],
+            running_var: vec![1.0; channels],
+            num_batches_tracked: 0,
+            mean: vec![0.0; channels],
+            invstd: vec![0.0; channels],
+        }
+    }
+
+    /// Per-channel `(sum, sum of squares about the mean)` of a batch, for statistics that other
+    /// ranks may add to (synchronised BatchNorm) — returned as `(mean, biased var, count)`.
+    pub fn batch_stats(&self, inp: &Tensor) -> (Vec<f64>, Vec<f64>, usize) {
+        let (n, c, hw) = (inp.dims()[0], self.channels, inp.dims()[2] * inp.dims()[3]);
+        let x = inp.data();
+        let m = n * hw;
+        let mut mean = vec![0.0f64; c];
+        let mut var = vec![0.0f64; c];
+        for ch in 0..c {
+            let mut s = 0.0f64;
+            for b in 0..n {
+                s += x[(b * c + ch) * hw..(b * c + ch + 1) * hw].iter().map(|&v| v as f64).sum::<f64>();
+            }
+            let mu = s / m as f64;
+            let mut q = 0.0f64;
+            for b in 0..n {
+                q += x[(b * c + ch) * hw..(b * c + ch + 1) * hw].iter().map(|&v| (v as f64 - mu) * (v as f64 - mu)).sum::<f64>();
+            }
+            mean[ch] = mu;
+            var[ch] = q / m as f64;
+        }
+        (mean, var, m)
+    }
+}
+
+impl Layer for BatchNorm2d {
+    fn kind(&self) -> &'static str {
+        "batchnorm2d"
+    }
+    fn out_dims(&self, inp: &[usize]) -> Result<Vec<usize>, String> {
+        match inp {
+            [_, c, _, _] if *c == self.channels => Ok(inp.to_vec()),
+            _ => Err(format!("batchnorm2d expects [N, {}, H, W], got {inp:?}", self.channels)),
+        }
+    }
+    fn param_specs(&self) -> Vec<ParamSpec> {
+        vec![
+            ParamSpec { name: "weight", dims: vec![self.channels], init: Init::Const(1.0) },
+            ParamSpec { name: "bias", dims: vec![self.channels], init: Init::Const(0.0) },
+        ]
+    }
+    fn buffers_mut(&mut self) -> Vec<BufferMut<'_>> {
+        vec![
+            BufferMut::F32("running_mean", &mut self.running_mean),
+            BufferMut::F32("running_var", &mut self.running_var),
+            BufferMut::I64("num_batches_tracked", &mut self.num_batches_tracked),
+        ]
+    }
+    fn forward(&mut self, p: &[f32], inp: &Tensor, out: &mut Tensor, train: bool) {
+        let (n, c, hw) = (inp.dims()[0], self.channels, inp.dims()[2] * inp.dims()[3]);
+        out.resize(inp.dims());
+        let (gamma, beta) = p.split_at(c);
+        if train {
+            let (mean, var, m) = self.batch_stats(inp);
+            let unbias = if m > 1 { m as f64 / (m - 1) as f64 } else { 1.0 };
+            let mo = self.momentum as f64;
+            for ch in 0..c {
+                self.mean[ch] = mean[ch] as f32;
+                self.invstd[ch] = (1.0 / (var[ch] + self.eps as f64).sqrt()) as f32;
+                self.running_mean[ch] = ((1.0 - mo) * self.running_mean[ch] as f64 + mo * mean[ch]) as f32;
+                self.running_var[ch] = ((1.0 - mo) * self.running_var[ch] as f64 + mo * var[ch] * unbias) as f32;
+            }
+            self.num_batches_tracked += 1;
+        } else {
+            for ch in 0..c {
+                self.mean[ch] = self.running_mean[ch];
+                self.invstd[ch] = 1.0 / (self.running_var[ch] + self.eps).sqrt();
+            }
+        }
+        let (x, y) = (inp.data(), out.data_mut());
+        for b in 0..n {
+            for ch in 0..c {
+                // y = x * scale + shift, folded per channel so the inner loop is one FMA.
+                let scale = gamma[ch] * self.invstd[ch];
+                let shift = beta[ch] - self.mean[ch] * scale;
+                let r = (b * c + ch) * hw..(b * c + ch + 1) * hw;
+                for (o, &v) in y[r.clone()].iter_mut().zip(&x[r]) {
+                    *o = v * scale + shift;
+                }
+            }
+        }
+    }
+    fn backward(&mut self, p: &[f32], dp: &mut [f32], inp: &Tensor, _out: &Tensor, dout: &Tensor, dinp: Option<&mut Tensor>) {
+        let (n, c, hw) = (inp.dims()[0], self.channels, inp.dims()[2] * inp.dims()[3]);
+        let m = (n * hw) as f32;
+        let gamma = &p[..c];
+        let (dgamma, dbeta) = dp.split_at_mut(c);
+        let (x, g) = (inp.data(), dout.data());
+        let mut sum_g = vec![0.0f32; c];
+        let mut sum_gx = vec![0.0f32; c];
+        for ch in 0..c {
+            let (mu, is) = (self.mean[ch], self.invstd[ch]);
+            let (mut sg, mut sgx) = (0.0f64, 0.0f64);
+            for b in 0..n {
+                let r = (b * c + ch) * hw..(b * c + ch + 1) * hw;
+                let (mut a, mut bb) = (0.0f32, 0.0f32);
+                for (&gv, &xv) in g[r.clone()].iter().zip(&x[r]) {
+                    a += gv;
+                    bb += gv * (xv - mu) * is;
+                }
+                sg += a as f64;
+                sgx += bb as f64;
+            }
+            sum_g[ch] = sg as f32;
+            sum_gx[ch] = sgx as f32;
+            dbeta[ch] += sum_g[ch];
+            dgamma[ch] += sum_gx[ch];
+        }
+        if let Some(dinp) = dinp {
+            dinp.resize(inp.dims());
+            let d = dinp.data_mut();
+            for b in 0..n {
+                for ch in 0..c {
+                    let (mu, is) = (self.mean[ch], self.invstd[ch]);
+                    let k = gamma[ch] * is / m;
+                    let (sg, sgx) = (sum_g[ch], sum_gx[ch]);
+                    let r = (b * c + ch) * hw..(b * c + ch + 1) * hw;
+                    for ((o, &gv), &xv) in d[r.clone()].iter_mut().zip(&g[r.clone()]).zip(&x[r]) {
+                        *o = k * (m * gv - sg - (xv - mu) * is * sgx);
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn batchnorm_gradcheck() {
+        crate::train::layers::gradcheck::check(&mut BatchNorm2d::new(3), &[4, 3, 2, 3], true, 7);
+    }
+
+    /// Hand-computed PyTorch semantics on one channel with values 1, 2, 3, 4 (N=2, 1x2 images):
+    /// mean 2.5, biased var 1.25, unbiased var 5/3; running_mean = 0.9*0 + 0.1*2.5 = 0.25,
+    /// running_var = 0.9*1 + 0.1*5/3 = 1.0666667; y = (x-2.5)/sqrt(1.25+1e-5).
+    #[test]
+    fn batchnorm_matches_pytorch_by_hand() {
+        let mut bn = BatchNorm2d::new(1);
+        let inp = Tensor::from_vec(&[2, 1, 1, 2], vec![1.0, 2.0, 3.0, 4.0]).unwrap();
+        let mut out = Tensor::default();
+        bn.forward(&[1.0, 0.0], &inp, &mut out, true);
+        let s = (1.25f32 + 1e-5).sqrt();
+        for (o, x) in out.data().iter().zip([1.0f32, 2.0, 3.0, 4.0]) {
+            assert!((o - (x - 2.5) / s).abs() < 1e-6);
+        }
+        assert!((bn.running_mean[0] - 0.25).abs() < 1e-7);
+        assert!((bn.running_var[0] - 1.0666667).abs() < 1e-6);
+        assert_eq!(bn.num_batches_tracked, 1);
+        // Eval mode uses the running statistics: y = (x - 0.25)/sqrt(1.0666667 + 1e-5) * 2 + 1.
+        bn.forward(&[2.0, 1.0], &inp, &mut out, false);
+        let s = (1.0666667f32 + 1e-5).sqrt();
+        assert!((out.data()[0] - ((1.0 - 0.25) / s * 2.0 + 1.0)).abs() < 1e-5);
+        assert_eq!(bn.num_batches_tracked, 1);
+    }
+}

@@ -1,0 +1,158 @@
+//! Layers with explicit `forward` and `backward` side by side (no autograd).
+//!
+//! Conventions, stated once for every file here (llm.c style):
+//! - parameter gradients **accumulate** (`dweight += ...`), so callers zero them once per step;
+//! - activation gradients **overwrite** (`dinp = ...`);
+//! - a layer receives its parameters as a slice of the model's flat parameter vector (and its
+//!   gradients as the matching slice of the flat gradient buffer), so the optimizer and the
+//!   gradient all-reduce see one contiguous buffer;
+//! - `forward` saves what `backward` needs (argmax, batch statistics); the model keeps every
+//!   activation, so `backward` also gets the layer's input and output.
+
+pub mod batchnorm;
+pub mod conv2d;
+pub mod flatten;
+pub mod linear;
+pub mod loss;
+pub mod maxpool;
+pub mod relu;
+
+pub use batchnorm::BatchNorm2d;
+pub use conv2d::{Conv2d, Conv2dParams};
+pub use flatten::Flatten;
+pub use linear::Linear;
+pub use loss::SoftmaxCrossEntropy;
+pub use maxpool::MaxPool2d;
+pub use relu::Relu;
+
+use super::rng::Rng;
+use super::tensor::Tensor;
+
+/// How a parameter is initialised (PyTorch defaults).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Init {
+    /// Uniform in `[-bound, bound]`: Kaiming-uniform with a = √5 gives `bound = 1/√fan_in`, and
+    /// PyTorch's default bias init uses the same bound.
+    Uniform(f32),
+    /// Every element set to this value (BatchNorm weight 1, bias 0).
+    Const(f32),
+}
+
+impl Init {
+    /// Fill `p` from `rng`.
+    pub fn fill(self, p: &mut [f32], rng: &mut Rng) {
+        match self {
+            Init::Uniform(b) => p.iter_mut().for_each(|x| *x = rng.uniform(-b, b)),
+            Init::Const(c) => p.fill(c),
+        }
+    }
+}
+
+/// One named parameter of a layer (`weight`, `bias`).
+#[derive(Clone, Debug)]
+pub struct ParamSpec {
+    /// Name within the layer, as PyTorch spells it.
+    pub name: &'static str,
+    /// Dimensions, PyTorch layout (`[out_c, in_c, kh, kw]` for conv weights).
+    pub dims: Vec<usize>,
+    /// Default initialisation.
+    pub init: Init,
+}
+
+impl ParamSpec {
+    /// Number of elements.
+    pub fn numel(&self) -> usize {
+        self.dims.iter().product()
+    }
+}
+
+/// A non-trainable state tensor (BatchNorm running statistics), exposed for checkpoints.
+#[derive(Debug)]
+pub enum BufferMut<'a> {
+    /// `f32` values (`running_mean`, `running_var`).
+    F32(&'static str, &'a mut Vec<f32>),
+    /// An `i64` counter (`num_batches_tracked`).
+    I64(&'static str, &'a mut i64),
+}
+
+/// A layer: shape math, parameters, forward and backward.
+pub trait Layer: Send {
+    /// Short kind name for messages (`conv2d`, `relu`, ...).
+    fn kind(&self) -> &'static str;
+    /// Output dimensions for an input of `inp` dimensions, or a message saying what is wrong.
+    fn out_dims(&self, inp: &[usize]) -> Result<Vec<usize>, String>;
+    /// Parameters in PyTorch order; empty for parameter-free layers.
+    fn param_specs(&self) -> Vec<ParamSpec> {
+        Vec::new()
+    }
+    /// Non-trainable state for checkpoints.
+    fn buffers_mut(&mut self) -> Vec<BufferMut<'_>> {
+        Vec::new()
+    }
+    /// `out = f(inp)`; `train` selects training behaviour (batch statistics in BatchNorm).
+    fn forward(&mut self, p: &[f32], inp: &Tensor, out: &mut Tensor, train: bool);
+    /// Accumulate parameter gradients into `dp` and, when `dinp` is given, overwrite it with the
+    /// gradient of the loss with respect to `inp`.
+    fn backward(&mut self, p: &[f32], dp: &mut [f32], inp: &Tensor, out: &Tensor, dout: &Tensor, dinp: Option<&mut Tensor>);
+}
+
+/// Finite-difference gradient checks shared by the layer tests.
+#[cfg(test)]
+pub(crate) mod gradcheck {
+    use super::*;
+
+    /// Check `backward` of `layer` against central differences of `L = sum(out * w)` for a fixed
+    /// random `w`, for every parameter and (optionally) input element. Uses f64-free f32 math
+    /// with a step and tolerance suited to f32.
+    pub fn check(layer: &mut dyn Layer, inp_dims: &[usize], check_input: bool, seed: u64) {
+        let mut rng = Rng::new(seed, 99);
+        let specs = layer.param_specs();
+        let np: usize = specs.iter().map(|s| s.numel()).sum();
+        let mut p: Vec<f32> = (0..np).map(|_| rng.uniform(-1.0, 1.0)).collect();
+        let inp_n: usize = inp_dims.iter().product();
+        let mut inp = Tensor::from_vec(inp_dims, (0..inp_n).map(|_| rng.uniform(-1.0, 1.0)).collect()).unwrap();
+        let od = layer.out_dims(inp_dims).unwrap();
+        let on: usize = od.iter().product();
+        let w: Vec<f32> = (0..on).map(|_| rng.uniform(-1.0, 1.0)).collect();
+        let loss = |layer: &mut dyn Layer, p: &[f32], inp: &Tensor| -> f64 {
+            let mut out = Tensor::zeros(&od);
+            layer.forward(p, inp, &mut out, true);
+            out.data().iter().zip(&w).map(|(a, b)| *a as f64 * *b as f64).sum()
+        };
+        let mut out = Tensor::zeros(&od);
+        layer.forward(&p, &inp, &mut out, true);
+        let dout = Tensor::from_vec(&od, w.clone()).unwrap();
+        let mut dp = vec![0.0f32; np];
+        let mut dinp = Tensor::zeros(inp_dims);
+        layer.backward(&p, &mut dp, &inp, &out, &dout, if check_input { Some(&mut dinp) } else { None });
+        let h = 1e-2f32;
+        let close = |name: &str, i: usize, num: f64, ana: f32| {
+            let tol = 2e-2 + 2e-2 * num.abs();
+            assert!((num - ana as f64).abs() <= tol, "{} {name}[{i}]: numeric {num} vs analytic {ana}", layer_kind_hint());
+        };
+        for i in 0..np {
+            let orig = p[i];
+            p[i] = orig + h;
+            let lp = loss(layer, &p, &inp);
+            p[i] = orig - h;
+            let lm = loss(layer, &p, &inp);
+            p[i] = orig;
+            close("dparam", i, (lp - lm) / (2.0 * h as f64), dp[i]);
+        }
+        if check_input {
+            for i in 0..inp_n {
+                let orig = inp.data()[i];
+                inp.data_mut()[i] = orig + h;
+                let lp = loss(layer, &p, &inp);
+                inp.data_mut()[i] = orig - h;
+                let lm = loss(layer, &p, &inp);
+                inp.data_mut()[i] = orig;
+                close("dinp", i, (lp - lm) / (2.0 * h as f64), dinp.data()[i]);
+            }
+        }
+    }
+
+    fn layer_kind_hint() -> &'static str {
+        "gradcheck"
+    }
+}
