@@ -87,7 +87,8 @@ mod tests {
     use super::*;
     #[test]
     fn maxpool_gradcheck() {
-        crate::train::layers::gradcheck::check(&mut MaxPool2d::new(2, 2), &[2, 2, 4, 5], true, 5);
+        // A small step so no perturbation moves a window's maximum to another element.
+        crate::train::layers::gradcheck::check_with_step(&mut MaxPool2d::new(2, 2), &[2, 2, 4, 5], true, 5, 1e-3);
     }
     #[test]
     fn maxpool_values() {

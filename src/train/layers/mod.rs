@@ -105,6 +105,12 @@ pub(crate) mod gradcheck {
     /// random `w`, for every parameter and (optionally) input element. Uses f64-free f32 math
     /// with a step and tolerance suited to f32.
     pub fn check(layer: &mut dyn Layer, inp_dims: &[usize], check_input: bool, seed: u64) {
+        check_with_step(layer, inp_dims, check_input, seed, 1e-2)
+    }
+
+    /// [`check`] with an explicit finite-difference step (smaller for layers with kinks, where a
+    /// large step could move an input across a max or zero).
+    pub fn check_with_step(layer: &mut dyn Layer, inp_dims: &[usize], check_input: bool, seed: u64, h: f32) {
         let mut rng = Rng::new(seed, 99);
         let specs = layer.param_specs();
         let np: usize = specs.iter().map(|s| s.numel()).sum();
@@ -125,7 +131,6 @@ pub(crate) mod gradcheck {
         let mut dp = vec![0.0f32; np];
         let mut dinp = Tensor::zeros(inp_dims);
         layer.backward(&p, &mut dp, &inp, &out, &dout, if check_input { Some(&mut dinp) } else { None });
-        let h = 1e-2f32;
         let close = |name: &str, i: usize, num: f64, ana: f32| {
             let tol = 2e-2 + 2e-2 * num.abs();
             assert!((num - ana as f64).abs() <= tol, "{} {name}[{i}]: numeric {num} vs analytic {ana}", layer_kind_hint());

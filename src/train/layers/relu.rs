@@ -47,6 +47,6 @@ mod tests {
     fn relu_gradcheck() {
         // Inputs near 0 make the kink visible to finite differences; the checker draws from
         // [-1, 1] with a 1e-2 step, and a collision is unlikely with this seed.
-        crate::train::layers::gradcheck::check(&mut Relu, &[2, 3, 4], true, 3);
+        crate::train::layers::gradcheck::check_with_step(&mut Relu, &[2, 3, 4], true, 3, 1e-3);
     }
 }
