@@ -55,20 +55,37 @@ impl BatchNorm2d {
         let mut mean = vec![0.0f64; c];
         let mut var = vec![0.0f64; c];
         for ch in 0..c {
+            // f32 lanes within a plane (vectorises), f64 across planes (keeps precision for large
+            // batches); two passes so the variance does not suffer from cancellation.
             let mut s = 0.0f64;
             for b in 0..n {
-                s += x[(b * c + ch) * hw..(b * c + ch + 1) * hw].iter().map(|&v| v as f64).sum::<f64>();
+                s += lane_sum(&x[(b * c + ch) * hw..(b * c + ch + 1) * hw], |v| v) as f64;
             }
             let mu = s / m as f64;
+            let muf = mu as f32;
             let mut q = 0.0f64;
             for b in 0..n {
-                q += x[(b * c + ch) * hw..(b * c + ch + 1) * hw].iter().map(|&v| (v as f64 - mu) * (v as f64 - mu)).sum::<f64>();
+                q += lane_sum(&x[(b * c + ch) * hw..(b * c + ch + 1) * hw], |v| (v - muf) * (v - muf)) as f64;
             }
             mean[ch] = mu;
             var[ch] = q / m as f64;
         }
         (mean, var, m)
     }
+}
+
+/// Sum of `f(v)` over `xs` in 8 independent f32 lanes, so the compiler can vectorise it.
+#[inline]
+fn lane_sum(xs: &[f32], f: impl Fn(f32) -> f32) -> f32 {
+    let mut acc = [0.0f32; 8];
+    let chunks = xs.chunks_exact(8);
+    let rest = chunks.remainder();
+    for ch in chunks {
+        for i in 0..8 {
+            acc[i] += f(ch[i]);
+        }
+    }
+    acc.iter().sum::<f32>() + rest.iter().map(|&v| f(v)).sum::<f32>()
 }
 
 impl Layer for BatchNorm2d {
@@ -141,13 +158,23 @@ impl Layer for BatchNorm2d {
             let (mut sg, mut sgx) = (0.0f64, 0.0f64);
             for b in 0..n {
                 let r = (b * c + ch) * hw..(b * c + ch + 1) * hw;
-                let (mut a, mut bb) = (0.0f32, 0.0f32);
-                for (&gv, &xv) in g[r.clone()].iter().zip(&x[r]) {
-                    a += gv;
-                    bb += gv * (xv - mu) * is;
+                let (gs, xs) = (&g[r.clone()], &x[r]);
+                let (mut a, mut bb) = ([0.0f32; 8], [0.0f32; 8]);
+                let mut i = 0;
+                while i + 8 <= gs.len() {
+                    for l in 0..8 {
+                        a[l] += gs[i + l];
+                        bb[l] += gs[i + l] * (xs[i + l] - mu);
+                    }
+                    i += 8;
                 }
-                sg += a as f64;
-                sgx += bb as f64;
+                let (mut a1, mut b1) = (a.iter().sum::<f32>(), bb.iter().sum::<f32>());
+                for j in i..gs.len() {
+                    a1 += gs[j];
+                    b1 += gs[j] * (xs[j] - mu);
+                }
+                sg += a1 as f64;
+                sgx += (b1 * is) as f64;
             }
             sum_g[ch] = sg as f32;
             sum_gx[ch] = sgx as f32;

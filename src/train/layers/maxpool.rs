@@ -42,6 +42,39 @@ impl Layer for MaxPool2d {
         self.argmax.resize(out.numel(), 0);
         let x = inp.data();
         let y = out.data_mut();
+        if self.kernel == 2 && self.stride == 2 {
+            // The common case, unrolled: two input rows per output row, four candidates per window,
+            // first maximum wins (`>`), as PyTorch.
+            for plane in 0..d[0] * d[1] {
+                let xp = &x[plane * h * w..(plane + 1) * h * w];
+                let base = plane * oh * ow;
+                for oy in 0..oh {
+                    let r0 = 2 * oy * w;
+                    let (row0, row1) = (&xp[r0..r0 + w], &xp[r0 + w..r0 + 2 * w]);
+                    let yo = &mut y[base + oy * ow..base + (oy + 1) * ow];
+                    let ao = &mut self.argmax[base + oy * ow..base + (oy + 1) * ow];
+                    for ox in 0..ow {
+                        let c = 2 * ox;
+                        let (mut best, mut bi) = (row0[c], r0 + c);
+                        if row0[c + 1] > best {
+                            best = row0[c + 1];
+                            bi = r0 + c + 1;
+                        }
+                        if row1[c] > best {
+                            best = row1[c];
+                            bi = r0 + w + c;
+                        }
+                        if row1[c + 1] > best {
+                            best = row1[c + 1];
+                            bi = r0 + w + c + 1;
+                        }
+                        yo[ox] = best;
+                        ao[ox] = bi as u32;
+                    }
+                }
+            }
+            return;
+        }
         for plane in 0..d[0] * d[1] {
             let xp = &x[plane * h * w..(plane + 1) * h * w];
             for oy in 0..oh {
@@ -89,6 +122,10 @@ mod tests {
     fn maxpool_gradcheck() {
         // A small step so no perturbation moves a window's maximum to another element.
         crate::train::layers::gradcheck::check_with_step(&mut MaxPool2d::new(2, 2), &[2, 2, 4, 5], true, 5, 1e-3);
+    }
+    #[test]
+    fn maxpool_general_path_gradcheck() {
+        crate::train::layers::gradcheck::check_with_step(&mut MaxPool2d::new(3, 2), &[2, 2, 7, 5], true, 6, 1e-3);
     }
     #[test]
     fn maxpool_values() {
