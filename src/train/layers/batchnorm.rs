@@ -29,6 +29,8 @@ pub struct BatchNorm2d {
     pub num_batches_tracked: i64,
     mean: Vec<f32>,   // (C) saved for backward
     invstd: Vec<f32>, // (C) saved for backward
+    scratch: Vec<f64>, // (2C) batch mean and variance, reused so a step does not allocate
+    sums: Vec<f32>,    // (2C) Σ dout and Σ dout·xhat in backward, reused
 }
 
 impl BatchNorm2d {
@@ -43,17 +45,17 @@ impl BatchNorm2d {
             num_batches_tracked: 0,
             mean: vec![0.0; channels],
             invstd: vec![0.0; channels],
+            scratch: vec![0.0; 2 * channels],
+            sums: vec![0.0; 2 * channels],
         }
     }
 
-    /// Per-channel `(sum, sum of squares about the mean)` of a batch, for statistics that other
-    /// ranks may add to (synchronised BatchNorm) — returned as `(mean, biased var, count)`.
-    pub fn batch_stats(&self, inp: &Tensor) -> (Vec<f64>, Vec<f64>, usize) {
+    /// Per-channel batch mean and biased variance of `inp` written into `mean` and `var`;
+    /// returns the number of values per channel.
+    pub fn batch_stats(&self, inp: &Tensor, mean: &mut [f64], var: &mut [f64]) -> usize {
         let (n, c, hw) = (inp.dims()[0], self.channels, inp.dims()[2] * inp.dims()[3]);
         let x = inp.data();
         let m = n * hw;
-        let mut mean = vec![0.0f64; c];
-        let mut var = vec![0.0f64; c];
         for ch in 0..c {
             // f32 lanes within a plane (vectorises), f64 across planes (keeps precision for large
             // batches); two passes so the variance does not suffer from cancellation.
@@ -70,7 +72,7 @@ impl BatchNorm2d {
             mean[ch] = mu;
             var[ch] = q / m as f64;
         }
-        (mean, var, m)
+        m
     }
 }
 
@@ -116,7 +118,10 @@ impl Layer for BatchNorm2d {
         out.resize(inp.dims());
         let (gamma, beta) = p.split_at(c);
         if train {
-            let (mean, var, m) = self.batch_stats(inp);
+            let mut scratch = std::mem::take(&mut self.scratch);
+            scratch.resize(2 * c, 0.0);
+            let (mean, var) = scratch.split_at_mut(c);
+            let m = self.batch_stats(inp, mean, var);
             let unbias = if m > 1 { m as f64 / (m - 1) as f64 } else { 1.0 };
             let mo = self.momentum as f64;
             for ch in 0..c {
@@ -126,6 +131,7 @@ impl Layer for BatchNorm2d {
                 self.running_var[ch] = ((1.0 - mo) * self.running_var[ch] as f64 + mo * var[ch] * unbias) as f32;
             }
             self.num_batches_tracked += 1;
+            self.scratch = scratch;
         } else {
             for ch in 0..c {
                 self.mean[ch] = self.running_mean[ch];
@@ -151,8 +157,8 @@ impl Layer for BatchNorm2d {
         let gamma = &p[..c];
         let (dgamma, dbeta) = dp.split_at_mut(c);
         let (x, g) = (inp.data(), dout.data());
-        let mut sum_g = vec![0.0f32; c];
-        let mut sum_gx = vec![0.0f32; c];
+        self.sums.resize(2 * c, 0.0);
+        let (sum_g, sum_gx) = self.sums.split_at_mut(c);
         for ch in 0..c {
             let (mu, is) = (self.mean[ch], self.invstd[ch]);
             let (mut sg, mut sgx) = (0.0f64, 0.0f64);
