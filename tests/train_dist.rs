@@ -16,6 +16,9 @@ use lockstep::train::sampler::{counts_for_metrics, DistributedSampler};
 use lockstep::train::trainer::{self, EpochReport, Observer, TrainConfig};
 
 type TestResult = Result<(), String>;
+/// Per rank: (step losses, epoch losses, epoch accuracies, parameter checksum).
+type RankRun = (Vec<f64>, Vec<f64>, Vec<f64>, f64);
+type TestFn = fn() -> TestResult;
 
 fn data_dir() -> (PathBuf, bool) {
     let real = Path::new(data::DEFAULT_DATA_DIR);
@@ -76,7 +79,7 @@ impl Observer for Losses {
 }
 
 /// Train on 2 ranks; per rank: (step losses, epoch losses, epoch accuracies, param checksum).
-fn run2(cfg: &TrainConfig, tr: &Dataset, te: &Dataset) -> Result<Vec<(Vec<f64>, Vec<f64>, Vec<f64>, f64)>, String> {
+fn run2(cfg: &TrainConfig, tr: &Dataset, te: &Dataset) -> Result<Vec<RankRun>, String> {
     launch(&LaunchConfig::new(2), |mut ctx: RankContext| {
         let mut obs = Losses::default();
         let out = trainer::train(cfg, tr, te, &mut ctx.comm, &mut obs)?;
@@ -134,7 +137,7 @@ fn resume_on_two_ranks_matches_straight_run() -> TestResult {
 }
 
 fn main() -> std::process::ExitCode {
-    let tests: [(&str, fn() -> TestResult); 3] = [
+    let tests: [(&str, TestFn); 3] = [
         ("metric_counts_exact_world_1_to_4", metric_counts_exact),
         ("short_run_learns_and_is_deterministic", short_run_learns_and_is_deterministic),
         ("resume_on_two_ranks_matches_straight_run", resume_on_two_ranks_matches_straight_run),

@@ -123,7 +123,7 @@ fn checkpoint_round_trip_and_resume_equality() {
     let mut names = stf.names();
     names.sort();
     for n in ["module1.0.weight", "module1.1.running_var", "module2.1.num_batches_tracked", "linear1.weight", "linear2.bias"] {
-        assert!(names.iter().any(|x| *x == n), "missing {n} in {names:?}");
+        assert!(names.contains(&n), "missing {n} in {names:?}");
     }
     let nbt = stf.tensor("module1.1.num_batches_tracked").unwrap();
     assert_eq!(nbt.dtype(), safetensors::Dtype::I64);

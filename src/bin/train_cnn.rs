@@ -183,7 +183,7 @@ impl Observer for Printer {
     fn step(&mut self, step: usize, loss: f32, images_per_s: f64) {
         if let Some(bar) = &self.bar {
             bar.set_position(step as u64);
-            if step % 10 == 0 {
+            if step.is_multiple_of(10) {
                 bar.set_message(format!("loss {loss:.3}  {images_per_s:.0} img/s"));
             }
         }
