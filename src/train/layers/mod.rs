@@ -131,10 +131,8 @@ pub(crate) mod gradcheck {
         let mut dp = vec![0.0f32; np];
         let mut dinp = Tensor::zeros(inp_dims);
         layer.backward(&p, &mut dp, &inp, &out, &dout, if check_input { Some(&mut dinp) } else { None });
-        let close = |name: &str, i: usize, num: f64, ana: f32| {
-            let tol = 2e-2 + 2e-2 * num.abs();
-            assert!((num - ana as f64).abs() <= tol, "{} {name}[{i}]: numeric {num} vs analytic {ana}", layer_kind_hint());
-        };
+        let kind = layer.kind();
+        let mut num_dp = vec![0.0f64; np];
         for i in 0..np {
             let orig = p[i];
             p[i] = orig + h;
@@ -142,9 +140,11 @@ pub(crate) mod gradcheck {
             p[i] = orig - h;
             let lm = loss(layer, &p, &inp);
             p[i] = orig;
-            close("dparam", i, (lp - lm) / (2.0 * h as f64), dp[i]);
+            num_dp[i] = (lp - lm) / (2.0 * h as f64);
         }
+        assert_close(&format!("{kind} dparam"), &dp, &num_dp, 2e-2, 2e-2);
         if check_input {
+            let mut num_dinp = vec![0.0f64; inp_n];
             for i in 0..inp_n {
                 let orig = inp.data()[i];
                 inp.data_mut()[i] = orig + h;
@@ -152,12 +152,24 @@ pub(crate) mod gradcheck {
                 inp.data_mut()[i] = orig - h;
                 let lm = loss(layer, &p, &inp);
                 inp.data_mut()[i] = orig;
-                close("dinp", i, (lp - lm) / (2.0 * h as f64), dinp.data()[i]);
+                num_dinp[i] = (lp - lm) / (2.0 * h as f64);
             }
+            assert_close(&format!("{kind} dinp"), dinp.data(), &num_dinp, 2e-2, 2e-2);
         }
     }
 
-    fn layer_kind_hint() -> &'static str {
-        "gradcheck"
+    /// llm.c-style checker: `|got - want| <= atol + rtol * |want|`, non-finite references
+    /// skipped, the first mismatches printed with tensor name and index, at most 10 listed.
+    pub fn assert_close(name: &str, got: &[f32], want: &[f64], atol: f64, rtol: f64) {
+        let mut bad = Vec::new();
+        for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+            if w.is_finite() && (g as f64 - w).abs() > atol + rtol * w.abs() {
+                bad.push(format!("  {name}[{i}]: got {g}, want {w}"));
+                if bad.len() == 10 {
+                    break;
+                }
+            }
+        }
+        assert!(bad.is_empty(), "{name}: mismatches (first {}):\n{}", bad.len(), bad.join("\n"));
     }
 }
