@@ -125,6 +125,20 @@ fn validate(a: &Args, train_len: usize) -> Result<Config, CliError> {
     if !(a.lr.is_finite() && a.lr > 0.0) {
         return Err(CliError::Usage(format!("--lr must be a positive number, got {}", a.lr)));
     }
+    // Catch path mistakes before an epoch of work, not after it.
+    if let Some(save) = &a.save {
+        let dir = save.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
+        if !dir.is_dir() {
+            return Err(CliError::Usage(format!("--save {}: directory {} does not exist; create it first", save.display(), dir.display())));
+        }
+    }
+    if let Some(resume) = &a.resume {
+        for p in [resume.clone(), lockstep::train::checkpoint::optim_path(resume)] {
+            if !p.is_file() {
+                return Err(CliError::Usage(format!("--resume {}: {} not found; pass the file written by --save (its .optim.safetensors companion must sit beside it)", resume.display(), p.display())));
+            }
+        }
+    }
     let steps_per_epoch = train_len.div_ceil(a.nprocs).div_ceil(a.batch_size) as u64;
     let total = steps_per_epoch * a.epochs;
     let schedule = match a.schedule {
