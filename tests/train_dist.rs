@@ -136,8 +136,68 @@ fn resume_on_two_ranks_matches_straight_run() -> TestResult {
     Ok(())
 }
 
+/// Gradients and BN running statistics of one step on 8 images: 1 rank with the whole batch,
+/// or 2 ranks with 4 images each and synchronised BatchNorm (then gradients averaged). They
+/// must agree: SyncBN makes the data-parallel step equal to the single large-batch step.
+fn sync_bn_matches_single_large_batch() -> TestResult {
+    use lockstep::comm::ReduceOp;
+    use lockstep::train::model::{Model, StateMut};
+    let (tr, _) = load(8, 1);
+    let labels: Vec<u8> = tr.labels[..8].to_vec();
+    let setup = |from: usize, n: usize| -> Model {
+        let mut m = Model::fashion_cnn(n).expect("model");
+        m.init(3);
+        let input = m.input_mut();
+        for (dst, i) in input.data_mut().chunks_exact_mut(784).zip(from..from + n) {
+            for (d, &p) in dst.iter_mut().zip(tr.image(i)) {
+                *d = p as f32 / 255.0;
+            }
+        }
+        m
+    };
+    let running = |m: &mut Model| -> Vec<f32> {
+        let mut v = Vec::new();
+        for s in m.state_mut() {
+            if let StateMut::F32(_, x) = s {
+                v.extend_from_slice(x);
+            }
+        }
+        v
+    };
+    let mut single = setup(0, 8);
+    single.forward(true);
+    single.loss(&labels).map_err(|e| e.to_string())?;
+    let mut g1 = vec![0.0f32; single.num_params()];
+    single.backward(&labels, &mut g1);
+    let r1 = running(&mut single);
+    let res = launch(&LaunchConfig::new(2), |mut ctx: RankContext| {
+        let mut m = setup(4 * ctx.rank, 4);
+        m.set_sync_bn(true);
+        let lab = &labels[4 * ctx.rank..4 * ctx.rank + 4];
+        let comm = &mut ctx.comm;
+        let mut sum = |b: &mut [f64]| comm.all_reduce_in_place(b, ReduceOp::Sum);
+        m.forward_with(true, Some(&mut sum))?;
+        m.loss(lab)?;
+        let mut g = vec![0.0f32; m.num_params()];
+        m.backward_with(lab, &mut g, Some(&mut sum))?;
+        ctx.comm.all_reduce_in_place(&mut g[..], ReduceOp::Avg)?;
+        Ok((g, running(&mut m)))
+    })
+    .map_err(|e| e.to_string())?;
+    for (rank, (g2, r2)) in res.iter().enumerate() {
+        for (name, a, b) in [("grad", &g1, g2), ("running stats", &r1, r2)] {
+            let scale = a.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+            if let Some(i) = (0..a.len()).find(|&i| (a[i] - b[i]).abs() > 1e-4 * scale + 1e-6) {
+                return Err(format!("rank {rank}: {name}[{i}] single {} vs synced {} (max |value| {scale})", a[i], b[i]));
+            }
+        }
+    }
+    Ok(())
+}
+
 fn main() -> std::process::ExitCode {
-    let tests: [(&str, TestFn); 3] = [
+    let tests: [(&str, TestFn); 4] = [
+        ("sync_bn_matches_single_large_batch", sync_bn_matches_single_large_batch),
         ("metric_counts_exact_world_1_to_4", metric_counts_exact),
         ("short_run_learns_and_is_deterministic", short_run_learns_and_is_deterministic),
         ("resume_on_two_ranks_matches_straight_run", resume_on_two_ranks_matches_straight_run),

@@ -85,6 +85,9 @@ struct Args {
     /// Learning-rate schedule.
     #[arg(long, value_enum, default_value_t = Sched::Constant)]
     schedule: Sched,
+    /// Synchronise BatchNorm statistics over ranks (SyncBatchNorm).
+    #[arg(long)]
+    sync_bn: bool,
     /// Gradient bucket size in MiB.
     #[arg(long, default_value_t = 25)]
     bucket_mib: usize,
@@ -156,6 +159,7 @@ fn validate(a: &Args, train_len: usize) -> Result<Config, CliError> {
             bucket_bytes: a.bucket_mib.max(1) << 20,
             save: a.save.clone(),
             resume: a.resume.clone(),
+            sync_bn: a.sync_bn,
         },
         nprocs: a.nprocs,
         threads: a.threads,

@@ -153,9 +153,29 @@ impl Model {
 
     /// Run every layer on the current input.
     pub fn forward(&mut self, train: bool) {
+        let _ = self.forward_with::<std::convert::Infallible>(train, None);
+    }
+
+    /// Forward where, in training, BatchNorm layers marked `sync` sum their statistics over
+    /// ranks through `sum` (an all-reduce supplied by the trainer).
+    pub fn forward_with<E>(&mut self, train: bool, mut sum: Option<&mut dyn FnMut(&mut [f64]) -> Result<(), E>>) -> Result<(), E> {
         for (i, (_, l)) in self.layers.iter_mut().enumerate() {
             let (before, after) = self.acts.split_at_mut(i + 1);
-            l.forward(&self.params[self.layer_ranges[i].clone()], &before[i], &mut after[0], train);
+            let p = &self.params[self.layer_ranges[i].clone()];
+            match (train, sum.as_deref_mut(), l.as_batchnorm()) {
+                (true, Some(f), Some(bn)) if bn.sync => bn.forward_synced(p, &before[i], &mut after[0], f)?,
+                _ => l.forward(p, &before[i], &mut after[0], train),
+            }
+        }
+        Ok(())
+    }
+
+    /// Mark every BatchNorm layer as synchronised (`--sync-bn`) or local.
+    pub fn set_sync_bn(&mut self, sync: bool) {
+        for (_, l) in self.layers.iter_mut() {
+            if let Some(bn) = l.as_batchnorm() {
+                bn.sync = sync;
+            }
         }
     }
 
@@ -172,16 +192,35 @@ impl Model {
     /// same layout as `params`; callers zero it per step). Layers run in reverse order; the first
     /// layer computes no input gradient.
     pub fn backward(&mut self, targets: &[u8], grads: &mut [f32]) {
+        let _ = self.backward_with::<std::convert::Infallible>(targets, grads, None);
+    }
+
+    /// Backward matching [`Model::forward_with`]: synchronised BatchNorm layers sum their
+    /// input-gradient statistics over ranks through `sum`.
+    pub fn backward_with<E>(&mut self, targets: &[u8], grads: &mut [f32], mut sum: Option<&mut dyn FnMut(&mut [f64]) -> Result<(), E>>) -> Result<(), E> {
         let [mut dout, mut dinp] = std::mem::take(&mut self.dbuf);
         let last = self.acts.len() - 1;
         self.loss.backward(&mut dout, self.acts[last].dims(), targets);
+        let mut result = Ok(());
         for i in (0..self.layers.len()).rev() {
             let r = self.layer_ranges[i].clone();
             let want = if i > 0 { Some(&mut dinp) } else { None };
-            self.layers[i].1.backward(&self.params[r.clone()], &mut grads[r], &self.acts[i], &self.acts[i + 1], &dout, want);
+            let (p, dp) = (&self.params[r.clone()], &mut grads[r]);
+            let l = &mut self.layers[i].1;
+            match (sum.as_deref_mut(), l.as_batchnorm()) {
+                (Some(f), Some(bn)) if bn.sync => {
+                    if let Err(e) = bn.backward_synced(p, dp, &self.acts[i], &dout, want, f) {
+                        result = Err(e);
+                        break;
+                    }
+                }
+                _ => l.backward(p, dp, &self.acts[i], &self.acts[i + 1], &dout, want),
+            }
             std::mem::swap(&mut dout, &mut dinp);
         }
+        // The buffers go back even on error, so the model stays usable.
         self.dbuf = [dout, dinp];
+        result
     }
 
     /// Predicted class of every sample of the last forward pass (written into `out`).

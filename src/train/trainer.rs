@@ -5,8 +5,9 @@
 //! gradients are averaged with all-reduce in fixed-order buckets (DDP's scheme: ~25 MiB buckets
 //! filled from the last parameter backwards), and every rank applies the same optimizer update.
 //! The flat gradient buffer lives in `alloc_shared` memory when the backend offers it, so each
-//! bucket all-reduce is zero-copy. BatchNorm statistics stay local to each rank; before
-//! evaluation rank 0's running statistics are broadcast, as DDP's `broadcast_buffers` does.
+//! bucket all-reduce is zero-copy. BatchNorm statistics stay local to each rank (or, with
+//! `sync_bn`, are summed over ranks as `SyncBatchNorm` does); before evaluation rank 0's running
+//! statistics are broadcast, as DDP's `broadcast_buffers` does.
 //!
 //! Nothing is allocated per step: activations, gradients, index and label buffers are sized once
 //! and reused (a smaller last batch only shrinks the view).
@@ -60,6 +61,9 @@ pub struct TrainConfig {
     pub save: Option<PathBuf>,
     /// Resume from this checkpoint.
     pub resume: Option<PathBuf>,
+    /// Synchronise BatchNorm batch statistics over ranks (PyTorch `SyncBatchNorm`); off by
+    /// default, as in the recipe, where each rank normalises with its own batch.
+    pub sync_bn: bool,
 }
 
 impl Default for TrainConfig {
@@ -73,6 +77,7 @@ impl Default for TrainConfig {
             bucket_bytes: 25 << 20,
             save: None,
             resume: None,
+            sync_bn: false,
         }
     }
 }
@@ -242,6 +247,7 @@ pub fn train(cfg: &TrainConfig, train_set: &Dataset, test_set: &Dataset, comm: &
     let (rank, world) = (comm.rank(), comm.world_size());
     let mut model = Model::fashion_cnn(cfg.batch_size)?;
     model.init(cfg.seed);
+    model.set_sync_bn(cfg.sync_bn && world > 1);
     let mut opt = Adam::new(model.num_params(), cfg.lr);
     let mut first_epoch = 0;
     if let Some(path) = &cfg.resume {
@@ -279,10 +285,20 @@ pub fn train(cfg: &TrainConfig, train_set: &Dataset, test_set: &Dataset, comm: &
         let mut images = 0usize;
         for (s, chunk) in idx.chunks(cfg.batch_size).enumerate() {
             load_batch(&mut model, train_set, chunk, &mut labels);
-            model.forward(true);
-            let loss = model.loss(&labels)?;
-            grads.fill(0.0);
-            model.backward(&labels, &mut grads);
+            let loss = if cfg.sync_bn && world > 1 {
+                let mut sum = |b: &mut [f64]| comm.all_reduce_in_place(b, ReduceOp::Sum);
+                model.forward_with(true, Some(&mut sum))?;
+                let loss = model.loss(&labels)?;
+                grads.fill(0.0);
+                model.backward_with(&labels, &mut grads, Some(&mut sum))?;
+                loss
+            } else {
+                model.forward(true);
+                let loss = model.loss(&labels)?;
+                grads.fill(0.0);
+                model.backward(&labels, &mut grads);
+                loss
+            };
             all_reduce_grads(comm, &mut grads, &buckets)?;
             opt.lr = cfg.schedule.lr(cfg.lr, opt.step);
             opt.step(&mut model.params, &grads);

@@ -29,7 +29,11 @@ pub struct BatchNorm2d {
     pub num_batches_tracked: i64,
     mean: Vec<f32>,   // (C) saved for backward
     invstd: Vec<f32>, // (C) saved for backward
-    scratch: Vec<f64>, // (2C) batch mean and variance, reused so a step does not allocate
+    /// Synchronise batch statistics over ranks in training (`--sync-bn`); the trainer then calls
+    /// [`BatchNorm2d::forward_synced`] / [`BatchNorm2d::backward_synced`].
+    pub sync: bool,
+    count: f64,        // values per channel behind the saved statistics (all ranks' with sync)
+    scratch: Vec<f64>, // (2C+1) batch statistics / partial sums, reused so a step does not allocate
     sums: Vec<f32>,    // (2C) Σ dout and Σ dout·xhat in backward, reused
 }
 
@@ -45,7 +49,9 @@ impl BatchNorm2d {
             num_batches_tracked: 0,
             mean: vec![0.0; channels],
             invstd: vec![0.0; channels],
-            scratch: vec![0.0; 2 * channels],
+            sync: false,
+            count: 0.0,
+            scratch: vec![0.0; 2 * channels + 1],
             sums: vec![0.0; 2 * channels],
         }
     }
@@ -113,24 +119,17 @@ impl Layer for BatchNorm2d {
             BufferMut::I64("num_batches_tracked", &mut self.num_batches_tracked),
         ]
     }
+    fn as_batchnorm(&mut self) -> Option<&mut BatchNorm2d> {
+        Some(self)
+    }
     fn forward(&mut self, p: &[f32], inp: &Tensor, out: &mut Tensor, train: bool) {
-        let (n, c, hw) = (inp.dims()[0], self.channels, inp.dims()[2] * inp.dims()[3]);
-        out.resize(inp.dims());
-        let (gamma, beta) = p.split_at(c);
+        let c = self.channels;
         if train {
             let mut scratch = std::mem::take(&mut self.scratch);
             scratch.resize(2 * c, 0.0);
             let (mean, var) = scratch.split_at_mut(c);
             let m = self.batch_stats(inp, mean, var);
-            let unbias = if m > 1 { m as f64 / (m - 1) as f64 } else { 1.0 };
-            let mo = self.momentum as f64;
-            for ch in 0..c {
-                self.mean[ch] = mean[ch] as f32;
-                self.invstd[ch] = (1.0 / (var[ch] + self.eps as f64).sqrt()) as f32;
-                self.running_mean[ch] = ((1.0 - mo) * self.running_mean[ch] as f64 + mo * mean[ch]) as f32;
-                self.running_var[ch] = ((1.0 - mo) * self.running_var[ch] as f64 + mo * var[ch] * unbias) as f32;
-            }
-            self.num_batches_tracked += 1;
+            self.update_stats(mean, var, m as f64);
             self.scratch = scratch;
         } else {
             for ch in 0..c {
@@ -138,6 +137,37 @@ impl Layer for BatchNorm2d {
                 self.invstd[ch] = 1.0 / (self.running_var[ch] + self.eps).sqrt();
             }
         }
+        self.apply(p, inp, out);
+    }
+    fn backward(&mut self, p: &[f32], dp: &mut [f32], inp: &Tensor, _out: &Tensor, dout: &Tensor, dinp: Option<&mut Tensor>) {
+        let (n, hw) = (inp.dims()[0], inp.dims()[2] * inp.dims()[3]);
+        self.local_sums(dp, inp, dout);
+        if let Some(dinp) = dinp {
+            self.input_grad(p, inp, dout, dinp, (n * hw) as f32);
+        }
+    }
+}
+
+impl BatchNorm2d {
+    /// Save mean and 1/std for this batch and update the running estimates (unbiased variance).
+    fn update_stats(&mut self, mean: &[f64], var: &[f64], m: f64) {
+        let unbias = if m > 1.0 { m / (m - 1.0) } else { 1.0 };
+        let mo = self.momentum as f64;
+        for ch in 0..self.channels {
+            self.mean[ch] = mean[ch] as f32;
+            self.invstd[ch] = (1.0 / (var[ch] + self.eps as f64).sqrt()) as f32;
+            self.running_mean[ch] = ((1.0 - mo) * self.running_mean[ch] as f64 + mo * mean[ch]) as f32;
+            self.running_var[ch] = ((1.0 - mo) * self.running_var[ch] as f64 + mo * var[ch] * unbias) as f32;
+        }
+        self.num_batches_tracked += 1;
+        self.count = m;
+    }
+
+    /// `out = gamma * (x - mean) * invstd + beta` with the saved statistics.
+    fn apply(&self, p: &[f32], inp: &Tensor, out: &mut Tensor) {
+        let (n, c, hw) = (inp.dims()[0], self.channels, inp.dims()[2] * inp.dims()[3]);
+        out.resize(inp.dims());
+        let (gamma, beta) = p.split_at(c);
         let (x, y) = (inp.data(), out.data_mut());
         for b in 0..n {
             for ch in 0..c {
@@ -151,10 +181,11 @@ impl Layer for BatchNorm2d {
             }
         }
     }
-    fn backward(&mut self, p: &[f32], dp: &mut [f32], inp: &Tensor, _out: &Tensor, dout: &Tensor, dinp: Option<&mut Tensor>) {
+
+    /// This rank's `Σ dout` and `Σ dout·xhat` per channel into `self.sums`, accumulated into
+    /// `dbeta` and `dgamma` (parameter gradients stay local; the gradient all-reduce averages them).
+    fn local_sums(&mut self, dp: &mut [f32], inp: &Tensor, dout: &Tensor) {
         let (n, c, hw) = (inp.dims()[0], self.channels, inp.dims()[2] * inp.dims()[3]);
-        let m = (n * hw) as f32;
-        let gamma = &p[..c];
         let (dgamma, dbeta) = dp.split_at_mut(c);
         let (x, g) = (inp.data(), dout.data());
         self.sums.resize(2 * c, 0.0);
@@ -187,21 +218,94 @@ impl Layer for BatchNorm2d {
             dbeta[ch] += sum_g[ch];
             dgamma[ch] += sum_gx[ch];
         }
-        if let Some(dinp) = dinp {
-            dinp.resize(inp.dims());
-            let d = dinp.data_mut();
-            for b in 0..n {
-                for ch in 0..c {
-                    let (mu, is) = (self.mean[ch], self.invstd[ch]);
-                    let k = gamma[ch] * is / m;
-                    let (sg, sgx) = (sum_g[ch], sum_gx[ch]);
-                    let r = (b * c + ch) * hw..(b * c + ch + 1) * hw;
-                    for ((o, &gv), &xv) in d[r.clone()].iter_mut().zip(&g[r.clone()]).zip(&x[r]) {
-                        *o = k * (m * gv - sg - (xv - mu) * is * sgx);
-                    }
+    }
+
+    /// `dinp = gamma·invstd/M · (M·dout − Σ dout − xhat·Σ dout·xhat)` from the sums in
+    /// `self.sums` over `m` values per channel (this rank's, or all ranks' with SyncBN).
+    fn input_grad(&self, p: &[f32], inp: &Tensor, dout: &Tensor, dinp: &mut Tensor, m: f32) {
+        let (n, c, hw) = (inp.dims()[0], self.channels, inp.dims()[2] * inp.dims()[3]);
+        let gamma = &p[..c];
+        let (x, g) = (inp.data(), dout.data());
+        let (sum_g, sum_gx) = self.sums.split_at(c);
+        dinp.resize(inp.dims());
+        let d = dinp.data_mut();
+        for b in 0..n {
+            for ch in 0..c {
+                let (mu, is) = (self.mean[ch], self.invstd[ch]);
+                let k = gamma[ch] * is / m;
+                let (sg, sgx) = (sum_g[ch], sum_gx[ch]);
+                let r = (b * c + ch) * hw..(b * c + ch + 1) * hw;
+                for ((o, &gv), &xv) in d[r.clone()].iter_mut().zip(&g[r.clone()]).zip(&x[r]) {
+                    *o = k * (m * gv - sg - (xv - mu) * is * sgx);
                 }
             }
         }
+    }
+
+    /// Training forward with batch statistics over all ranks (SyncBatchNorm): this rank's
+    /// per-channel `Σx`, `Σx²` and count are summed through `sum` (an all-reduce), then every
+    /// rank normalises with the global mean and variance.
+    pub fn forward_synced<E>(&mut self, p: &[f32], inp: &Tensor, out: &mut Tensor, sum: &mut dyn FnMut(&mut [f64]) -> Result<(), E>) -> Result<(), E> {
+        let (n, c, hw) = (inp.dims()[0], self.channels, inp.dims()[2] * inp.dims()[3]);
+        let mut buf = std::mem::take(&mut self.scratch);
+        buf.clear();
+        buf.resize(2 * c + 1, 0.0);
+        let x = inp.data();
+        for ch in 0..c {
+            let (mut s, mut q) = (0.0f64, 0.0f64);
+            for b in 0..n {
+                let plane = &x[(b * c + ch) * hw..(b * c + ch + 1) * hw];
+                s += lane_sum(plane, |v| v) as f64;
+                q += lane_sum(plane, |v| v * v) as f64;
+            }
+            buf[ch] = s;
+            buf[c + ch] = q;
+        }
+        buf[2 * c] = (n * hw) as f64;
+        let r = sum(&mut buf);
+        if r.is_ok() {
+            let m = buf[2 * c].max(1.0);
+            for ch in 0..c {
+                let mean = buf[ch] / m;
+                buf[ch] = mean;
+                buf[c + ch] = (buf[c + ch] / m - mean * mean).max(0.0);
+            }
+            let (mean, rest) = buf.split_at(c);
+            self.update_stats(mean, &rest[..c], m);
+            self.apply(p, inp, out);
+        }
+        self.scratch = buf;
+        r
+    }
+
+    /// Backward of [`BatchNorm2d::forward_synced`]: parameter gradients from this rank's sums,
+    /// the input gradient from the sums over all ranks (summed through `sum`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn backward_synced<E>(
+        &mut self,
+        p: &[f32],
+        dp: &mut [f32],
+        inp: &Tensor,
+        dout: &Tensor,
+        dinp: Option<&mut Tensor>,
+        sum: &mut dyn FnMut(&mut [f64]) -> Result<(), E>,
+    ) -> Result<(), E> {
+        let c = self.channels;
+        self.local_sums(dp, inp, dout);
+        let mut buf = std::mem::take(&mut self.scratch);
+        buf.clear();
+        buf.extend(self.sums.iter().map(|&v| v as f64));
+        let r = sum(&mut buf);
+        if r.is_ok() {
+            for (s, &v) in self.sums.iter_mut().zip(&buf[..2 * c]) {
+                *s = v as f32;
+            }
+            if let Some(dinp) = dinp {
+                self.input_grad(p, inp, dout, dinp, self.count as f32);
+            }
+        }
+        self.scratch = buf;
+        r
     }
 }
 

@@ -89,6 +89,10 @@ pub trait Layer: Send {
     fn buffers_mut(&mut self) -> Vec<BufferMut<'_>> {
         Vec::new()
     }
+    /// This layer as a BatchNorm, for the trainer's synchronised-BatchNorm path.
+    fn as_batchnorm(&mut self) -> Option<&mut BatchNorm2d> {
+        None
+    }
     /// `out = f(inp)`; `train` selects training behaviour (batch statistics in BatchNorm).
     fn forward(&mut self, p: &[f32], inp: &Tensor, out: &mut Tensor, train: bool);
     /// Accumulate parameter gradients into `dp` and, when `dinp` is given, overwrite it with the
