@@ -35,9 +35,12 @@ fn layer_ms(l: &mut dyn Layer, dims: &[usize], need_dinp: bool) -> (f64, f64) {
     (f, (cpu_s() - t) / reps as f64 * 1e3)
 }
 
+/// Name, layer, input dimensions, whether backward computes the input gradient.
+type Case = (&'static str, Box<dyn Layer>, Vec<usize>, bool);
+
 fn main() {
     let conv = |i, o| Conv2d::new(Conv2dParams { in_c: i, out_c: o, kh: 5, kw: 5, stride: 1, pad: 2 });
-    let layers: Vec<(&str, Box<dyn Layer>, Vec<usize>, bool)> = vec![
+    let layers: Vec<Case> = vec![
         ("conv1", Box::new(conv(1, 32)), vec![64, 1, 28, 28], false),
         ("bn1", Box::new(BatchNorm2d::new(32)), vec![64, 32, 28, 28], true),
         ("relu1", Box::new(Relu), vec![64, 32, 28, 28], true),

@@ -9,7 +9,7 @@
 
 use std::ops::Range;
 
-use super::layers::{BatchNorm2d, BufferMut, Conv2d, Conv2dParams, Flatten, Layer, Linear, MaxPool2d, Relu, SoftmaxCrossEntropy};
+use super::layers::{BatchNorm2d, BufferMut, SumFn, Conv2d, Conv2dParams, Flatten, Layer, Linear, MaxPool2d, Relu, SoftmaxCrossEntropy};
 use super::rng::Rng;
 use super::tensor::Tensor;
 
@@ -158,7 +158,7 @@ impl Model {
 
     /// Forward where, in training, BatchNorm layers marked `sync` sum their statistics over
     /// ranks through `sum` (an all-reduce supplied by the trainer).
-    pub fn forward_with<E>(&mut self, train: bool, mut sum: Option<&mut dyn FnMut(&mut [f64]) -> Result<(), E>>) -> Result<(), E> {
+    pub fn forward_with<E>(&mut self, train: bool, mut sum: Option<&mut SumFn<'_, E>>) -> Result<(), E> {
         for (i, (_, l)) in self.layers.iter_mut().enumerate() {
             let (before, after) = self.acts.split_at_mut(i + 1);
             let p = &self.params[self.layer_ranges[i].clone()];
@@ -197,7 +197,7 @@ impl Model {
 
     /// Backward matching [`Model::forward_with`]: synchronised BatchNorm layers sum their
     /// input-gradient statistics over ranks through `sum`.
-    pub fn backward_with<E>(&mut self, targets: &[u8], grads: &mut [f32], mut sum: Option<&mut dyn FnMut(&mut [f64]) -> Result<(), E>>) -> Result<(), E> {
+    pub fn backward_with<E>(&mut self, targets: &[u8], grads: &mut [f32], mut sum: Option<&mut SumFn<'_, E>>) -> Result<(), E> {
         let [mut dout, mut dinp] = std::mem::take(&mut self.dbuf);
         let last = self.acts.len() - 1;
         self.loss.backward(&mut dout, self.acts[last].dims(), targets);

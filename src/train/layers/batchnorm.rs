@@ -9,7 +9,7 @@
 //! `dbeta += Σ dout`, `dgamma += Σ dout·xhat`,
 //! `dinp = gamma·invstd/M · (M·dout − Σ dout − xhat·Σ dout·xhat)`.
 
-use super::{BufferMut, Init, Layer, ParamSpec};
+use super::{BufferMut, Init, Layer, ParamSpec, SumFn};
 use crate::train::tensor::Tensor;
 
 /// Batch normalisation over `[N, C, H, W]`, per channel.
@@ -245,7 +245,7 @@ impl BatchNorm2d {
     /// Training forward with batch statistics over all ranks (SyncBatchNorm): this rank's
     /// per-channel `Σx`, `Σx²` and count are summed through `sum` (an all-reduce), then every
     /// rank normalises with the global mean and variance.
-    pub fn forward_synced<E>(&mut self, p: &[f32], inp: &Tensor, out: &mut Tensor, sum: &mut dyn FnMut(&mut [f64]) -> Result<(), E>) -> Result<(), E> {
+    pub fn forward_synced<E>(&mut self, p: &[f32], inp: &Tensor, out: &mut Tensor, sum: &mut SumFn<'_, E>) -> Result<(), E> {
         let (n, c, hw) = (inp.dims()[0], self.channels, inp.dims()[2] * inp.dims()[3]);
         let mut buf = std::mem::take(&mut self.scratch);
         buf.clear();
@@ -288,7 +288,7 @@ impl BatchNorm2d {
         inp: &Tensor,
         dout: &Tensor,
         dinp: Option<&mut Tensor>,
-        sum: &mut dyn FnMut(&mut [f64]) -> Result<(), E>,
+        sum: &mut SumFn<'_, E>,
     ) -> Result<(), E> {
         let c = self.channels;
         self.local_sums(dp, inp, dout);

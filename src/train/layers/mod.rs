@@ -28,6 +28,10 @@ pub use relu::Relu;
 use super::rng::Rng;
 use super::tensor::Tensor;
 
+/// A cross-rank sum of partial statistics (synchronised BatchNorm): the trainer passes an
+/// all-reduce; a single process passes nothing and layers use their local values.
+pub type SumFn<'a, E> = dyn FnMut(&mut [f64]) -> Result<(), E> + 'a;
+
 /// How a parameter is initialised (PyTorch defaults).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Init {
