@@ -11,6 +11,7 @@
 //! | [`store`] | the TCP rendezvous store that multi-node jobs meet through |
 //! | [`cuda`] | CUDA driver + NVRTC loaded at run time: discovery, the single-init guard, contexts, streams, device memory, kernels, graphs |
 //! | [`nccl`] | NCCL loaded at run time: a `Backend` on device buffers with an abort watchdog |
+//! | [`train`] | the autograd-free training engine: layers with explicit forward/backward, optimizers, FashionMNIST data, data-parallel trainer |
 //! | [`bench`] | `lockstep bench`: nccl-tests-style collective benchmark |
 //!
 //! Safety model: `unsafe` lives only in the modules that talk to the OS or to foreign libraries
@@ -27,5 +28,6 @@ pub mod launch;
 pub mod nccl;
 pub mod shm;
 pub mod store;
+pub mod train;
 
 pub use comm::{Buffer, BufferMut, CollKind, CommError, Communicator, Dtype, Element, ReduceOp};

@@ -1,0 +1,305 @@
+//! `train-cnn`: data-parallel training of the FashionMNIST CNN recipe on CPU ranks.
+//!
+//! `main` only parses arguments, calls [`run`], and maps the result to an exit code. Raw CLI
+//! values ([`Args`]) are validated into a [`lockstep::train::trainer::TrainConfig`] in one place.
+//! With `--nprocs N` the binary forks its own ranks through `lockstep::launch::launch`; under
+//! `lockstep launch` (environment `LOCKSTEP_JOB_ID`, `RANK`, `WORLD_SIZE`) it joins instead.
+//! Rank 0 alone prints: a progress bar per epoch on a terminal, then one line (or, with
+//! `--json`, one JSON object) per epoch.
+
+use std::io::{IsTerminal, Write};
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, ValueEnum};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use lockstep::comm::Communicator;
+use lockstep::launch::{launch, LaunchConfig, RankContext};
+use lockstep::train::data::{self, Dataset, DEFAULT_DATA_DIR};
+use lockstep::train::kernels;
+use lockstep::train::schedule::Schedule;
+use lockstep::train::trainer::{self, EpochReport, Observer, Silent, TrainConfig};
+
+/// Where to train.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Device {
+    /// Shared-memory CPU ranks.
+    Cpu,
+    /// CUDA GPUs (not available yet).
+    Cuda,
+    /// CUDA when available, else CPU (CPU today).
+    Auto,
+}
+
+/// Learning-rate schedule.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Sched {
+    /// The base rate throughout (the recipe).
+    Constant,
+    /// Cosine annealing to 0 over the run.
+    Cosine,
+    /// One-cycle (warm-up then cosine annealing).
+    Onecycle,
+}
+
+/// Raw command-line values.
+#[derive(Parser, Debug)]
+#[command(name = "train-cnn", version, about = "Train the FashionMNIST CNN with data-parallel CPU ranks (lockstep)")]
+struct Args {
+    /// Ranks to fork (ignored when started by `lockstep launch`).
+    #[arg(long, default_value_t = 2)]
+    nprocs: usize,
+    /// Epochs to train.
+    #[arg(long, default_value_t = 4)]
+    epochs: u64,
+    /// Images per rank per step.
+    #[arg(long, default_value_t = 64)]
+    batch_size: usize,
+    /// Adam learning rate.
+    #[arg(long, default_value_t = 0.005)]
+    lr: f32,
+    /// Seed for initialisation and shuffling.
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+    /// cpu, cuda or auto.
+    #[arg(long, value_enum, default_value_t = Device::Auto)]
+    device: Device,
+    /// Directory with the IDX files (gzipped or raw).
+    #[arg(long, default_value = DEFAULT_DATA_DIR)]
+    data: PathBuf,
+    /// Use only the first N training images.
+    #[arg(long)]
+    limit_train: Option<usize>,
+    /// Save a checkpoint (safetensors, PyTorch names) here after every epoch.
+    #[arg(long)]
+    save: Option<PathBuf>,
+    /// Resume from a checkpoint written by --save.
+    #[arg(long)]
+    resume: Option<PathBuf>,
+    /// Print one JSON object per epoch on stdout instead of text.
+    #[arg(long)]
+    json: bool,
+    /// GEMM threads per rank.
+    #[arg(long, default_value_t = 1)]
+    threads: usize,
+    /// Learning-rate schedule.
+    #[arg(long, value_enum, default_value_t = Sched::Constant)]
+    schedule: Sched,
+    /// Synchronise BatchNorm statistics over ranks (SyncBatchNorm).
+    #[arg(long)]
+    sync_bn: bool,
+    /// Gradient bucket size in MiB.
+    #[arg(long, default_value_t = 25)]
+    bucket_mib: usize,
+}
+
+/// Errors of the command, each telling the user what to do.
+#[derive(Debug, thiserror::Error)]
+enum CliError {
+    #[error("CUDA training not available yet; use --device cpu (or auto)")]
+    NoCuda,
+    #[error("{0}")]
+    Usage(String),
+    #[error(transparent)]
+    Data(#[from] data::DataError),
+    #[error("joining the job from the environment failed: {0}")]
+    Join(String),
+    #[error(transparent)]
+    Train(#[from] trainer::TrainError),
+    #[error("{0}")]
+    Launch(#[from] lockstep::launch::LaunchError),
+}
+
+/// Validated configuration.
+struct Config {
+    train: TrainConfig,
+    nprocs: usize,
+    threads: usize,
+    json: bool,
+}
+
+fn validate(a: &Args, train_len: usize) -> Result<Config, CliError> {
+    if a.device == Device::Cuda {
+        return Err(CliError::NoCuda);
+    }
+    if a.nprocs == 0 || a.batch_size == 0 || a.threads == 0 {
+        return Err(CliError::Usage("--nprocs, --batch-size and --threads must be at least 1".into()));
+    }
+    if !(a.lr.is_finite() && a.lr > 0.0) {
+        return Err(CliError::Usage(format!("--lr must be a positive number, got {}", a.lr)));
+    }
+    // Catch path mistakes before an epoch of work, not after it.
+    if let Some(save) = &a.save {
+        let dir = save.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
+        if !dir.is_dir() {
+            return Err(CliError::Usage(format!("--save {}: directory {} does not exist; create it first", save.display(), dir.display())));
+        }
+    }
+    if let Some(resume) = &a.resume {
+        for p in [resume.clone(), lockstep::train::checkpoint::optim_path(resume)] {
+            if !p.is_file() {
+                return Err(CliError::Usage(format!(
+                    "--resume {}: {} not found; pass the file written by --save (its .optim.safetensors companion must sit beside it)",
+                    resume.display(),
+                    p.display()
+                )));
+            }
+        }
+    }
+    let steps_per_epoch = train_len.div_ceil(a.nprocs).div_ceil(a.batch_size) as u64;
+    let total = steps_per_epoch * a.epochs;
+    let schedule = match a.schedule {
+        Sched::Constant => Schedule::Constant,
+        Sched::Cosine => Schedule::Cosine { total, min_lr: 0.0 },
+        Sched::Onecycle => Schedule::OneCycle { total, pct_start: 0.3, div: 25.0, final_div: 1e4 },
+    };
+    Ok(Config {
+        train: TrainConfig {
+            epochs: a.epochs,
+            batch_size: a.batch_size,
+            lr: a.lr,
+            seed: a.seed,
+            schedule,
+            bucket_bytes: a.bucket_mib.max(1) << 20,
+            save: a.save.clone(),
+            resume: a.resume.clone(),
+            sync_bn: a.sync_bn,
+        },
+        nprocs: a.nprocs,
+        threads: a.threads,
+        json: a.json,
+    })
+}
+
+/// Join the job's communicator from `lockstep launch`'s environment, if it set one.
+///
+/// Kept separate so it can become `Communicator::from_env()` once the launcher offers it.
+fn comm_from_env() -> Option<Result<Communicator, String>> {
+    let job = std::env::var("LOCKSTEP_JOB_ID").ok()?;
+    let num = |k: &str| std::env::var(k).ok().and_then(|v| v.parse::<usize>().ok());
+    let (Some(rank), Some(world)) = (num("RANK"), num("WORLD_SIZE")) else {
+        return Some(Err("LOCKSTEP_JOB_ID is set but RANK or WORLD_SIZE is missing or not a number".into()));
+    };
+    let shm = lockstep::shm::ShmComm::join_named(&job, rank, world, lockstep::shm::ShmConfig::from_env());
+    Some(shm.map(|c| Communicator::from_backend(Box::new(c))).map_err(|e| e.to_string()))
+}
+
+/// Rank 0's output: progress bar on a terminal, and one line or JSON object per epoch.
+struct Printer {
+    json: bool,
+    bar: Option<ProgressBar>,
+}
+
+impl Observer for Printer {
+    fn epoch_start(&mut self, epoch: u64, epochs: u64, steps: usize) {
+        if !std::io::stdout().is_terminal() {
+            return;
+        }
+        let bar = ProgressBar::with_draw_target(Some(steps as u64), ProgressDrawTarget::stdout());
+        if let Ok(style) = ProgressStyle::default_bar().template("epoch {prefix} [{bar:30}] {pos}/{len} {msg}") {
+            bar.set_style(style.progress_chars("=> "));
+        }
+        bar.set_prefix(format!("{epoch}/{epochs}"));
+        self.bar = Some(bar);
+    }
+    fn step(&mut self, step: usize, loss: f32, images_per_s: f64) {
+        if let Some(bar) = &self.bar {
+            bar.set_position(step as u64);
+            if step.is_multiple_of(10) {
+                bar.set_message(format!("loss {loss:.3}  {images_per_s:.0} img/s"));
+            }
+        }
+    }
+    fn epoch_end(&mut self, r: &EpochReport) {
+        if let Some(bar) = self.bar.take() {
+            bar.finish_and_clear();
+        }
+        let mut out = std::io::stdout().lock();
+        let _ = if self.json {
+            writeln!(
+                out,
+                "{{\"epoch\":{},\"epochs\":{},\"train_loss\":{:.6},\"test_acc\":{:.4},\"test_count\":{},\"epoch_s\":{:.3},\"images_per_s\":{:.1},\"steps\":{}}}",
+                r.epoch, r.epochs, r.train_loss, r.test_acc, r.test_count, r.epoch_s, r.images_per_s, r.steps
+            )
+        } else {
+            writeln!(
+                out,
+                "epoch {}/{}  loss {:.4}  test acc {:.2} %  {:.1} s  ({:.0} img/s)",
+                r.epoch, r.epochs, r.train_loss, r.test_acc, r.epoch_s, r.images_per_s
+            )
+        };
+        let _ = out.flush();
+    }
+}
+
+/// Peak resident set size of this process in KiB (VmHWM), if readable.
+fn peak_rss_kib() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| s.lines().find(|l| l.starts_with("VmHWM:")).and_then(|l| l.split_whitespace().nth(1)?.parse().ok()))
+        .unwrap_or(0)
+}
+
+/// One rank's work; returns (final test accuracy, peak RSS KiB).
+fn run_rank(comm: &mut Communicator, cfg: &Config, train_set: &Dataset, test_set: &Dataset) -> Result<(f64, u64), trainer::TrainError> {
+    kernels::set_threads(cfg.threads);
+    let rank = comm.rank();
+    let out = if rank == 0 {
+        trainer::train(&cfg.train, train_set, test_set, comm, &mut Printer { json: cfg.json, bar: None })?
+    } else {
+        trainer::train(&cfg.train, train_set, test_set, comm, &mut Silent)?
+    };
+    Ok((out.reports.last().map(|r| r.test_acc).unwrap_or(0.0), peak_rss_kib()))
+}
+
+fn print_rss(json: bool, rss: &[u64]) {
+    let mib: Vec<String> = rss.iter().map(|k| format!("{:.1}", *k as f64 / 1024.0)).collect();
+    if json {
+        println!("{{\"peak_rss_mib\":[{}]}}", mib.join(","));
+    } else {
+        println!("peak RSS per rank: {} MiB", mib.join(", "));
+    }
+}
+
+fn run() -> Result<(), CliError> {
+    let args = Args::parse();
+    if args.device == Device::Cuda {
+        return Err(CliError::NoCuda);
+    }
+    // Load before forking: the ranks share the parent's pages instead of each decompressing.
+    let mut train_set = data::load_split(&args.data, true)?;
+    let test_set = data::load_split(&args.data, false)?;
+    if let Some(n) = args.limit_train {
+        train_set.truncate(n);
+    }
+    if let Some(joined) = comm_from_env() {
+        let mut comm = joined.map_err(CliError::Join)?;
+        let cfg = validate(&args, train_set.len())?;
+        let cfg = Config { nprocs: comm.world_size(), ..cfg };
+        let (_, rss) = run_rank(&mut comm, &cfg, &train_set, &test_set)?;
+        if comm.rank() == 0 {
+            print_rss(cfg.json, &[rss]);
+        }
+        return Ok(());
+    }
+    let cfg = validate(&args, train_set.len())?;
+    let results = launch(&LaunchConfig::new(cfg.nprocs), |mut ctx: RankContext| {
+        run_rank(&mut ctx.comm, &cfg, &train_set, &test_set).map_err(|e| e.into())
+    })?;
+    print_rss(cfg.json, &results.iter().map(|r| r.1).collect::<Vec<_>>());
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    match run() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("train-cnn: error: {e}");
+            match e {
+                CliError::Launch(l) => ExitCode::from(l.exit_code().clamp(1, 255) as u8),
+                CliError::Usage(_) => ExitCode::from(2),
+                _ => ExitCode::FAILURE,
+            }
+        }
+    }
+}

@@ -1,0 +1,343 @@
+//! BatchNorm2d with PyTorch semantics: batch statistics in training (biased variance for the
+//! normalisation, unbiased variance for the running estimate), running statistics in evaluation,
+//! momentum 0.1, eps 1e-5, and a `num_batches_tracked` counter.
+//!
+//! Forward saves only the per-channel mean and 1/std; backward recomputes `xhat` from the input
+//! the model kept, so no extra activation-sized buffer is needed.
+//!
+//! Backward (per channel, `M = N*H*W`, `xhat = (x - mean) * invstd`):
+//! `dbeta += Σ dout`, `dgamma += Σ dout·xhat`,
+//! `dinp = gamma·invstd/M · (M·dout − Σ dout − xhat·Σ dout·xhat)`.
+
+use super::{BufferMut, Init, Layer, ParamSpec, SumFn};
+use crate::train::tensor::Tensor;
+
+/// Batch normalisation over `[N, C, H, W]`, per channel.
+#[derive(Clone, Debug)]
+pub struct BatchNorm2d {
+    /// Channels.
+    pub channels: usize,
+    /// Weight of the new batch statistic in the running estimate (PyTorch: 0.1).
+    pub momentum: f32,
+    /// Added to the variance before the square root (PyTorch: 1e-5).
+    pub eps: f32,
+    /// Running mean, `(C)`.
+    pub running_mean: Vec<f32>,
+    /// Running (unbiased) variance, `(C)`.
+    pub running_var: Vec<f32>,
+    /// Training batches seen.
+    pub num_batches_tracked: i64,
+    mean: Vec<f32>,   // (C) saved for backward
+    invstd: Vec<f32>, // (C) saved for backward
+    /// Synchronise batch statistics over ranks in training (`--sync-bn`); the trainer then calls
+    /// [`BatchNorm2d::forward_synced`] / [`BatchNorm2d::backward_synced`].
+    pub sync: bool,
+    count: f64,        // values per channel behind the saved statistics (all ranks' with sync)
+    scratch: Vec<f64>, // (2C+1) batch statistics / partial sums, reused so a step does not allocate
+    sums: Vec<f32>,    // (2C) Σ dout and Σ dout·xhat in backward, reused
+}
+
+impl BatchNorm2d {
+    /// A BatchNorm over `channels` with PyTorch defaults.
+    pub fn new(channels: usize) -> BatchNorm2d {
+        BatchNorm2d {
+            channels,
+            momentum: 0.1,
+            eps: 1e-5,
+            running_mean: vec![0.0; channels],
+            running_var: vec![1.0; channels],
+            num_batches_tracked: 0,
+            mean: vec![0.0; channels],
+            invstd: vec![0.0; channels],
+            sync: false,
+            count: 0.0,
+            scratch: vec![0.0; 2 * channels + 1],
+            sums: vec![0.0; 2 * channels],
+        }
+    }
+
+    /// Per-channel batch mean and biased variance of `inp` written into `mean` and `var`;
+    /// returns the number of values per channel.
+    pub fn batch_stats(&self, inp: &Tensor, mean: &mut [f64], var: &mut [f64]) -> usize {
+        let (n, c, hw) = (inp.dims()[0], self.channels, inp.dims()[2] * inp.dims()[3]);
+        let x = inp.data();
+        let m = n * hw;
+        for ch in 0..c {
+            // f32 lanes within a plane (vectorises), f64 across planes (keeps precision for large
+            // batches); two passes so the variance does not suffer from cancellation.
+            let mut s = 0.0f64;
+            for b in 0..n {
+                s += lane_sum(&x[(b * c + ch) * hw..(b * c + ch + 1) * hw], |v| v) as f64;
+            }
+            let mu = s / m as f64;
+            let muf = mu as f32;
+            let mut q = 0.0f64;
+            for b in 0..n {
+                q += lane_sum(&x[(b * c + ch) * hw..(b * c + ch + 1) * hw], |v| (v - muf) * (v - muf)) as f64;
+            }
+            mean[ch] = mu;
+            var[ch] = q / m as f64;
+        }
+        m
+    }
+}
+
+/// Sum of `f(v)` over `xs` in 8 independent f32 lanes, so the compiler can vectorise it.
+#[inline]
+fn lane_sum(xs: &[f32], f: impl Fn(f32) -> f32) -> f32 {
+    let mut acc = [0.0f32; 8];
+    let chunks = xs.chunks_exact(8);
+    let rest = chunks.remainder();
+    for ch in chunks {
+        for i in 0..8 {
+            acc[i] += f(ch[i]);
+        }
+    }
+    acc.iter().sum::<f32>() + rest.iter().map(|&v| f(v)).sum::<f32>()
+}
+
+impl Layer for BatchNorm2d {
+    fn kind(&self) -> &'static str {
+        "batchnorm2d"
+    }
+    fn out_dims(&self, inp: &[usize]) -> Result<Vec<usize>, String> {
+        match inp {
+            [_, c, _, _] if *c == self.channels => Ok(inp.to_vec()),
+            _ => Err(format!("batchnorm2d expects [N, {}, H, W], got {inp:?}", self.channels)),
+        }
+    }
+    fn param_specs(&self) -> Vec<ParamSpec> {
+        vec![
+            ParamSpec { name: "weight", dims: vec![self.channels], init: Init::Const(1.0) },
+            ParamSpec { name: "bias", dims: vec![self.channels], init: Init::Const(0.0) },
+        ]
+    }
+    fn buffers_mut(&mut self) -> Vec<BufferMut<'_>> {
+        vec![
+            BufferMut::F32("running_mean", &mut self.running_mean),
+            BufferMut::F32("running_var", &mut self.running_var),
+            BufferMut::I64("num_batches_tracked", &mut self.num_batches_tracked),
+        ]
+    }
+    fn as_batchnorm(&mut self) -> Option<&mut BatchNorm2d> {
+        Some(self)
+    }
+    fn forward(&mut self, p: &[f32], inp: &Tensor, out: &mut Tensor, train: bool) {
+        let c = self.channels;
+        if train {
+            let mut scratch = std::mem::take(&mut self.scratch);
+            scratch.resize(2 * c, 0.0);
+            let (mean, var) = scratch.split_at_mut(c);
+            let m = self.batch_stats(inp, mean, var);
+            self.update_stats(mean, var, m as f64);
+            self.scratch = scratch;
+        } else {
+            for ch in 0..c {
+                self.mean[ch] = self.running_mean[ch];
+                self.invstd[ch] = 1.0 / (self.running_var[ch] + self.eps).sqrt();
+            }
+        }
+        self.apply(p, inp, out);
+    }
+    fn backward(&mut self, p: &[f32], dp: &mut [f32], inp: &Tensor, _out: &Tensor, dout: &Tensor, dinp: Option<&mut Tensor>) {
+        let (n, hw) = (inp.dims()[0], inp.dims()[2] * inp.dims()[3]);
+        self.local_sums(dp, inp, dout);
+        if let Some(dinp) = dinp {
+            self.input_grad(p, inp, dout, dinp, (n * hw) as f32);
+        }
+    }
+}
+
+impl BatchNorm2d {
+    /// Save mean and 1/std for this batch and update the running estimates (unbiased variance).
+    fn update_stats(&mut self, mean: &[f64], var: &[f64], m: f64) {
+        let unbias = if m > 1.0 { m / (m - 1.0) } else { 1.0 };
+        let mo = self.momentum as f64;
+        for ch in 0..self.channels {
+            self.mean[ch] = mean[ch] as f32;
+            self.invstd[ch] = (1.0 / (var[ch] + self.eps as f64).sqrt()) as f32;
+            self.running_mean[ch] = ((1.0 - mo) * self.running_mean[ch] as f64 + mo * mean[ch]) as f32;
+            self.running_var[ch] = ((1.0 - mo) * self.running_var[ch] as f64 + mo * var[ch] * unbias) as f32;
+        }
+        self.num_batches_tracked += 1;
+        self.count = m;
+    }
+
+    /// `out = gamma * (x - mean) * invstd + beta` with the saved statistics.
+    fn apply(&self, p: &[f32], inp: &Tensor, out: &mut Tensor) {
+        let (n, c, hw) = (inp.dims()[0], self.channels, inp.dims()[2] * inp.dims()[3]);
+        out.resize(inp.dims());
+        let (gamma, beta) = p.split_at(c);
+        let (x, y) = (inp.data(), out.data_mut());
+        for b in 0..n {
+            for ch in 0..c {
+                // y = x * scale + shift, folded per channel so the inner loop is one FMA.
+                let scale = gamma[ch] * self.invstd[ch];
+                let shift = beta[ch] - self.mean[ch] * scale;
+                let r = (b * c + ch) * hw..(b * c + ch + 1) * hw;
+                for (o, &v) in y[r.clone()].iter_mut().zip(&x[r]) {
+                    *o = v * scale + shift;
+                }
+            }
+        }
+    }
+
+    /// This rank's `Σ dout` and `Σ dout·xhat` per channel into `self.sums`, accumulated into
+    /// `dbeta` and `dgamma` (parameter gradients stay local; the gradient all-reduce averages them).
+    fn local_sums(&mut self, dp: &mut [f32], inp: &Tensor, dout: &Tensor) {
+        let (n, c, hw) = (inp.dims()[0], self.channels, inp.dims()[2] * inp.dims()[3]);
+        let (dgamma, dbeta) = dp.split_at_mut(c);
+        let (x, g) = (inp.data(), dout.data());
+        self.sums.resize(2 * c, 0.0);
+        let (sum_g, sum_gx) = self.sums.split_at_mut(c);
+        for ch in 0..c {
+            let (mu, is) = (self.mean[ch], self.invstd[ch]);
+            let (mut sg, mut sgx) = (0.0f64, 0.0f64);
+            for b in 0..n {
+                let r = (b * c + ch) * hw..(b * c + ch + 1) * hw;
+                let (gs, xs) = (&g[r.clone()], &x[r]);
+                let (mut a, mut bb) = ([0.0f32; 8], [0.0f32; 8]);
+                let mut i = 0;
+                while i + 8 <= gs.len() {
+                    for l in 0..8 {
+                        a[l] += gs[i + l];
+                        bb[l] += gs[i + l] * (xs[i + l] - mu);
+                    }
+                    i += 8;
+                }
+                let (mut a1, mut b1) = (a.iter().sum::<f32>(), bb.iter().sum::<f32>());
+                for j in i..gs.len() {
+                    a1 += gs[j];
+                    b1 += gs[j] * (xs[j] - mu);
+                }
+                sg += a1 as f64;
+                sgx += (b1 * is) as f64;
+            }
+            sum_g[ch] = sg as f32;
+            sum_gx[ch] = sgx as f32;
+            dbeta[ch] += sum_g[ch];
+            dgamma[ch] += sum_gx[ch];
+        }
+    }
+
+    /// `dinp = gamma·invstd/M · (M·dout − Σ dout − xhat·Σ dout·xhat)` from the sums in
+    /// `self.sums` over `m` values per channel (this rank's, or all ranks' with SyncBN).
+    fn input_grad(&self, p: &[f32], inp: &Tensor, dout: &Tensor, dinp: &mut Tensor, m: f32) {
+        let (n, c, hw) = (inp.dims()[0], self.channels, inp.dims()[2] * inp.dims()[3]);
+        let gamma = &p[..c];
+        let (x, g) = (inp.data(), dout.data());
+        let (sum_g, sum_gx) = self.sums.split_at(c);
+        dinp.resize(inp.dims());
+        let d = dinp.data_mut();
+        for b in 0..n {
+            for ch in 0..c {
+                let (mu, is) = (self.mean[ch], self.invstd[ch]);
+                let k = gamma[ch] * is / m;
+                let (sg, sgx) = (sum_g[ch], sum_gx[ch]);
+                let r = (b * c + ch) * hw..(b * c + ch + 1) * hw;
+                for ((o, &gv), &xv) in d[r.clone()].iter_mut().zip(&g[r.clone()]).zip(&x[r]) {
+                    *o = k * (m * gv - sg - (xv - mu) * is * sgx);
+                }
+            }
+        }
+    }
+
+    /// Training forward with batch statistics over all ranks (SyncBatchNorm): this rank's
+    /// per-channel `Σx`, `Σx²` and count are summed through `sum` (an all-reduce), then every
+    /// rank normalises with the global mean and variance.
+    pub fn forward_synced<E>(&mut self, p: &[f32], inp: &Tensor, out: &mut Tensor, sum: &mut SumFn<'_, E>) -> Result<(), E> {
+        let (n, c, hw) = (inp.dims()[0], self.channels, inp.dims()[2] * inp.dims()[3]);
+        let mut buf = std::mem::take(&mut self.scratch);
+        buf.clear();
+        buf.resize(2 * c + 1, 0.0);
+        let x = inp.data();
+        for ch in 0..c {
+            let (mut s, mut q) = (0.0f64, 0.0f64);
+            for b in 0..n {
+                let plane = &x[(b * c + ch) * hw..(b * c + ch + 1) * hw];
+                s += lane_sum(plane, |v| v) as f64;
+                q += lane_sum(plane, |v| v * v) as f64;
+            }
+            buf[ch] = s;
+            buf[c + ch] = q;
+        }
+        buf[2 * c] = (n * hw) as f64;
+        let r = sum(&mut buf);
+        if r.is_ok() {
+            let m = buf[2 * c].max(1.0);
+            for ch in 0..c {
+                let mean = buf[ch] / m;
+                buf[ch] = mean;
+                buf[c + ch] = (buf[c + ch] / m - mean * mean).max(0.0);
+            }
+            let (mean, rest) = buf.split_at(c);
+            self.update_stats(mean, &rest[..c], m);
+            self.apply(p, inp, out);
+        }
+        self.scratch = buf;
+        r
+    }
+
+    /// Backward of [`BatchNorm2d::forward_synced`]: parameter gradients from this rank's sums,
+    /// the input gradient from the sums over all ranks (summed through `sum`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn backward_synced<E>(
+        &mut self,
+        p: &[f32],
+        dp: &mut [f32],
+        inp: &Tensor,
+        dout: &Tensor,
+        dinp: Option<&mut Tensor>,
+        sum: &mut SumFn<'_, E>,
+    ) -> Result<(), E> {
+        let c = self.channels;
+        self.local_sums(dp, inp, dout);
+        let mut buf = std::mem::take(&mut self.scratch);
+        buf.clear();
+        buf.extend(self.sums.iter().map(|&v| v as f64));
+        let r = sum(&mut buf);
+        if r.is_ok() {
+            for (s, &v) in self.sums.iter_mut().zip(&buf[..2 * c]) {
+                *s = v as f32;
+            }
+            if let Some(dinp) = dinp {
+                self.input_grad(p, inp, dout, dinp, self.count as f32);
+            }
+        }
+        self.scratch = buf;
+        r
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn batchnorm_gradcheck() {
+        crate::train::layers::gradcheck::check(&mut BatchNorm2d::new(3), &[4, 3, 2, 3], true, 7);
+    }
+
+    /// Hand-computed PyTorch semantics on one channel with values 1, 2, 3, 4 (N=2, 1x2 images):
+    /// mean 2.5, biased var 1.25, unbiased var 5/3; running_mean = 0.9*0 + 0.1*2.5 = 0.25,
+    /// running_var = 0.9*1 + 0.1*5/3 = 1.0666667; y = (x-2.5)/sqrt(1.25+1e-5).
+    #[test]
+    fn batchnorm_matches_pytorch_by_hand() {
+        let mut bn = BatchNorm2d::new(1);
+        let inp = Tensor::from_vec(&[2, 1, 1, 2], vec![1.0, 2.0, 3.0, 4.0]).unwrap();
+        let mut out = Tensor::default();
+        bn.forward(&[1.0, 0.0], &inp, &mut out, true);
+        let s = (1.25f32 + 1e-5).sqrt();
+        for (o, x) in out.data().iter().zip([1.0f32, 2.0, 3.0, 4.0]) {
+            assert!((o - (x - 2.5) / s).abs() < 1e-6);
+        }
+        assert!((bn.running_mean[0] - 0.25).abs() < 1e-7);
+        assert!((bn.running_var[0] - 1.0666667).abs() < 1e-6);
+        assert_eq!(bn.num_batches_tracked, 1);
+        // Eval mode uses the running statistics: y = (x - 0.25)/sqrt(1.0666667 + 1e-5) * 2 + 1.
+        bn.forward(&[2.0, 1.0], &inp, &mut out, false);
+        let s = (1.0666667f32 + 1e-5).sqrt();
+        assert!((out.data()[0] - ((1.0 - 0.25) / s * 2.0 + 1.0)).abs() < 1e-5);
+        assert_eq!(bn.num_batches_tracked, 1);
+    }
+}

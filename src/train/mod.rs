@@ -1,0 +1,27 @@
+//! The autograd-free CPU training engine: tensors, layers with explicit forward/backward,
+//! a sequential model with PyTorch names, optimizers, schedules, the FashionMNIST reader,
+//! a distributed sampler, safetensors checkpoints and the data-parallel trainer.
+//!
+//! | file | what lives there |
+//! |---|---|
+//! | `tensor.rs` | [`Tensor`](tensor::Tensor): shape + contiguous f32 storage, reused across steps |
+//! | `rng.rs` | [`Rng`](rng::Rng): seeded PCG32 for initialisation and shuffling |
+//! | `kernels.rs` | the one GEMM entry point (the `gemm` crate, runtime SIMD dispatch) |
+//! | `layers/` | one file per layer: forward + backward, CPU reference, gradient check |
+//! | `model.rs` | [`Model`](model::Model): named layers over flat parameters, the recipe CNN |
+//! | `optim.rs`, `schedule.rs` | Adam / SGD with PyTorch semantics; constant, cosine, one-cycle |
+//! | `data.rs`, `sampler.rs` | IDX reader with validation; distributed sampler and metric counts |
+//! | `checkpoint.rs` | safetensors with PyTorch `state_dict` names, atomic writes, resume |
+//! | `trainer.rs` | the data-parallel loop: broadcast, bucketed gradient all-reduce, evaluation |
+
+pub mod checkpoint;
+pub mod data;
+pub mod kernels;
+pub mod layers;
+pub mod model;
+pub mod optim;
+pub mod rng;
+pub mod sampler;
+pub mod schedule;
+pub mod tensor;
+pub mod trainer;

@@ -1,0 +1,306 @@
+//! A model as a sequence of named layers over one flat parameter vector, with the FashionMNIST
+//! CNN of the recipe (`Model::fashion_cnn`).
+//!
+//! Parameters live in one `Vec<f32>` in PyTorch `state_dict` order and gradients in one flat
+//! buffer the caller owns (the trainer puts it in shared memory so the all-reduce is zero-copy);
+//! each layer sees its own slice. Activations are kept per layer (`acts[i]` is layer `i`'s input,
+//! `acts[i + 1]` its output) and reused across steps; backward ping-pongs two gradient tensors,
+//! running the layers in exactly the reverse order of forward.
+
+use std::ops::Range;
+
+use super::layers::{BatchNorm2d, BufferMut, Conv2d, Conv2dParams, Flatten, Layer, Linear, MaxPool2d, Relu, SoftmaxCrossEntropy, SumFn};
+use super::rng::Rng;
+use super::tensor::Tensor;
+
+/// Errors building or feeding a model.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    /// The layers do not chain for the declared input shape.
+    #[error("layer {name} ({kind}) cannot take input {dims:?}: {why}; fix the model definition")]
+    Shape {
+        /// Layer name.
+        name: String,
+        /// Layer kind.
+        kind: &'static str,
+        /// Input dimensions it was given.
+        dims: Vec<usize>,
+        /// What the layer says is wrong.
+        why: String,
+    },
+    /// A target label is out of range for the number of classes.
+    #[error("label {label} is out of range for {classes} classes; is the label file from the same dataset?")]
+    Label {
+        /// The label.
+        label: u8,
+        /// Number of classes.
+        classes: usize,
+    },
+}
+
+/// Where one named parameter lives in the flat vector.
+#[derive(Clone, Debug)]
+pub struct ParamEntry {
+    /// Full PyTorch name (`module1.0.weight`).
+    pub name: String,
+    /// Dimensions.
+    pub dims: Vec<usize>,
+    /// Element range in the flat parameter (and gradient) vector.
+    pub range: Range<usize>,
+}
+
+/// One non-parameter state tensor, by full PyTorch name.
+#[derive(Debug)]
+pub enum StateMut<'a> {
+    /// `f32` buffer.
+    F32(String, &'a mut Vec<f32>),
+    /// `i64` scalar.
+    I64(String, &'a mut i64),
+}
+
+/// A sequence of named layers with flat parameters.
+pub struct Model {
+    layers: Vec<(String, Box<dyn Layer>)>,
+    layer_ranges: Vec<Range<usize>>,
+    /// Flat parameters in `state_dict` order.
+    pub params: Vec<f32>,
+    /// Name, shape and range of every parameter.
+    pub entries: Vec<ParamEntry>,
+    acts: Vec<Tensor>, // acts[0]: input (N, C, H, W); acts[i+1]: output of layer i
+    dbuf: [Tensor; 2], // gradient ping-pong, sized to the largest activation
+    loss: SoftmaxCrossEntropy,
+    classes: usize,
+}
+
+impl Model {
+    /// Build a model from named layers, checking that they chain for `input` dimensions.
+    pub fn new(layers: Vec<(String, Box<dyn Layer>)>, input: &[usize]) -> Result<Model, ModelError> {
+        let mut dims = input.to_vec();
+        let mut entries = Vec::new();
+        let mut layer_ranges = Vec::new();
+        let mut off = 0;
+        let mut acts = vec![Tensor::zeros(input)];
+        for (name, l) in &layers {
+            let start = off;
+            for s in l.param_specs() {
+                let n = s.numel();
+                entries.push(ParamEntry { name: format!("{name}.{}", s.name), dims: s.dims.clone(), range: off..off + n });
+                off += n;
+            }
+            layer_ranges.push(start..off);
+            dims = l.out_dims(&dims).map_err(|why| ModelError::Shape { name: name.clone(), kind: l.kind(), dims: dims.clone(), why })?;
+            acts.push(Tensor::zeros(&dims));
+        }
+        let classes = *dims.last().unwrap_or(&0);
+        let biggest = acts.iter().map(|a| a.numel()).max().unwrap_or(0);
+        let dbuf = [Tensor::zeros(&[biggest]), Tensor::zeros(&[biggest])];
+        Ok(Model { layers, layer_ranges, params: vec![0.0; off], entries, acts, dbuf, loss: SoftmaxCrossEntropy::default(), classes })
+    }
+
+    /// The recipe's CNN with PyTorch module names, for `batch` images of 1x28x28.
+    pub fn fashion_cnn(batch: usize) -> Result<Model, ModelError> {
+        let conv = |in_c, out_c| Conv2d::new(Conv2dParams { in_c, out_c, kh: 5, kw: 5, stride: 1, pad: 2 });
+        let l: Vec<(&str, Box<dyn Layer>)> = vec![
+            ("module1.0", Box::new(conv(1, 32))),
+            ("module1.1", Box::new(BatchNorm2d::new(32))),
+            ("module1.2", Box::new(Relu)),
+            ("module1.3", Box::new(MaxPool2d::new(2, 2))),
+            ("module2.0", Box::new(conv(32, 64))),
+            ("module2.1", Box::new(BatchNorm2d::new(64))),
+            ("module2.2", Box::new(Relu)),
+            ("module2.3", Box::new(MaxPool2d::new(2, 2))),
+            ("flatten", Box::new(Flatten)),
+            ("linear1", Box::new(Linear::new(7 * 7 * 64, 64))),
+            ("relu", Box::new(Relu)),
+            ("linear2", Box::new(Linear::new(64, 10))),
+        ];
+        Model::new(l.into_iter().map(|(n, b)| (n.to_string(), b)).collect(), &[batch, 1, 28, 28])
+    }
+
+    /// Initialise parameters as PyTorch does by default, module by module in order, from `seed`.
+    pub fn init(&mut self, seed: u64) {
+        let mut rng = Rng::new(seed, 1);
+        for (i, (_, l)) in self.layers.iter().enumerate() {
+            let mut off = self.layer_ranges[i].start;
+            for s in l.param_specs() {
+                let n = s.numel();
+                s.init.fill(&mut self.params[off..off + n], &mut rng);
+                off += n;
+            }
+        }
+    }
+
+    /// Number of parameters.
+    pub fn num_params(&self) -> usize {
+        self.params.len()
+    }
+
+    /// Number of output classes.
+    pub fn classes(&self) -> usize {
+        self.classes
+    }
+
+    /// The input tensor to fill before [`Model::forward`] (`[N, C, H, W]`; resize for a smaller
+    /// batch).
+    pub fn input_mut(&mut self) -> &mut Tensor {
+        &mut self.acts[0]
+    }
+
+    /// The logits of the last forward pass, `[N, classes]`.
+    pub fn logits(&self) -> &Tensor {
+        self.acts.last().expect("a model has an input tensor")
+    }
+
+    /// Run every layer on the current input.
+    pub fn forward(&mut self, train: bool) {
+        let _ = self.forward_with::<std::convert::Infallible>(train, None);
+    }
+
+    /// Forward where, in training, BatchNorm layers marked `sync` sum their statistics over
+    /// ranks through `sum` (an all-reduce supplied by the trainer).
+    pub fn forward_with<E>(&mut self, train: bool, mut sum: Option<&mut SumFn<'_, E>>) -> Result<(), E> {
+        for (i, (_, l)) in self.layers.iter_mut().enumerate() {
+            let (before, after) = self.acts.split_at_mut(i + 1);
+            let p = &self.params[self.layer_ranges[i].clone()];
+            match (train, sum.as_deref_mut(), l.as_batchnorm()) {
+                (true, Some(f), Some(bn)) if bn.sync => bn.forward_synced(p, &before[i], &mut after[0], f)?,
+                _ => l.forward(p, &before[i], &mut after[0], train),
+            }
+        }
+        Ok(())
+    }
+
+    /// Mark every BatchNorm layer as synchronised (`--sync-bn`) or local.
+    pub fn set_sync_bn(&mut self, sync: bool) {
+        for (_, l) in self.layers.iter_mut() {
+            if let Some(bn) = l.as_batchnorm() {
+                bn.sync = sync;
+            }
+        }
+    }
+
+    /// Mean cross-entropy of the last forward pass against `targets`.
+    pub fn loss(&mut self, targets: &[u8]) -> Result<f32, ModelError> {
+        if let Some(&label) = targets.iter().find(|&&t| t as usize >= self.classes) {
+            return Err(ModelError::Label { label, classes: self.classes });
+        }
+        let logits = self.acts.last().expect("a model has an input tensor");
+        Ok(self.loss.forward(logits, targets))
+    }
+
+    /// Backward from the loss of the last [`Model::loss`] call, accumulating into `grads` (flat,
+    /// same layout as `params`; callers zero it per step). Layers run in reverse order; the first
+    /// layer computes no input gradient.
+    pub fn backward(&mut self, targets: &[u8], grads: &mut [f32]) {
+        let _ = self.backward_with::<std::convert::Infallible>(targets, grads, None);
+    }
+
+    /// Backward matching [`Model::forward_with`]: synchronised BatchNorm layers sum their
+    /// input-gradient statistics over ranks through `sum`.
+    pub fn backward_with<E>(&mut self, targets: &[u8], grads: &mut [f32], mut sum: Option<&mut SumFn<'_, E>>) -> Result<(), E> {
+        let [mut dout, mut dinp] = std::mem::take(&mut self.dbuf);
+        let last = self.acts.len() - 1;
+        self.loss.backward(&mut dout, self.acts[last].dims(), targets);
+        let mut result = Ok(());
+        for i in (0..self.layers.len()).rev() {
+            let r = self.layer_ranges[i].clone();
+            let want = if i > 0 { Some(&mut dinp) } else { None };
+            let (p, dp) = (&self.params[r.clone()], &mut grads[r]);
+            let l = &mut self.layers[i].1;
+            match (sum.as_deref_mut(), l.as_batchnorm()) {
+                (Some(f), Some(bn)) if bn.sync => {
+                    if let Err(e) = bn.backward_synced(p, dp, &self.acts[i], &dout, want, f) {
+                        result = Err(e);
+                        break;
+                    }
+                }
+                _ => l.backward(p, dp, &self.acts[i], &self.acts[i + 1], &dout, want),
+            }
+            std::mem::swap(&mut dout, &mut dinp);
+        }
+        // The buffers go back even on error, so the model stays usable.
+        self.dbuf = [dout, dinp];
+        result
+    }
+
+    /// Predicted class of every sample of the last forward pass (written into `out`).
+    pub fn argmax(&self, out: &mut Vec<u8>) {
+        out.clear();
+        let c = self.classes;
+        for row in self.logits().data().chunks_exact(c) {
+            let mut best = 0;
+            for j in 1..c {
+                if row[j] > row[best] {
+                    best = j;
+                }
+            }
+            out.push(best as u8);
+        }
+    }
+
+    /// Non-parameter state (BatchNorm running statistics and counters) by full name.
+    pub fn state_mut(&mut self) -> Vec<StateMut<'_>> {
+        let mut v = Vec::new();
+        for (name, l) in self.layers.iter_mut() {
+            for b in l.buffers_mut() {
+                match b {
+                    BufferMut::F32(n, x) => v.push(StateMut::F32(format!("{name}.{n}"), x)),
+                    BufferMut::I64(n, x) => v.push(StateMut::I64(format!("{name}.{n}"), x)),
+                }
+            }
+        }
+        v
+    }
+
+    /// Names of all layers in order, with their kinds.
+    pub fn layer_names(&self) -> Vec<(String, &'static str)> {
+        self.layers.iter().map(|(n, l)| (n.clone(), l.kind())).collect()
+    }
+
+    /// Bytes held by activation and scratch tensors (for memory reporting).
+    pub fn activation_bytes(&self) -> usize {
+        self.acts.iter().chain(self.dbuf.iter()).map(|t| t.capacity_bytes()).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fashion_cnn_names_and_sizes() {
+        let m = Model::fashion_cnn(2).unwrap();
+        let names: Vec<&str> = m.entries.iter().map(|e| e.name.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "module1.0.weight",
+                "module1.0.bias",
+                "module1.1.weight",
+                "module1.1.bias",
+                "module2.0.weight",
+                "module2.0.bias",
+                "module2.1.weight",
+                "module2.1.bias",
+                "linear1.weight",
+                "linear1.bias",
+                "linear2.weight",
+                "linear2.bias"
+            ]
+        );
+        assert_eq!(m.num_params(), 800 + 32 + 64 + 51200 + 64 + 128 + 3136 * 64 + 64 + 640 + 10);
+    }
+
+    #[test]
+    fn init_bounds_follow_pytorch() {
+        let mut m = Model::fashion_cnn(1).unwrap();
+        m.init(42);
+        let get = |n: &str| m.entries.iter().find(|e| e.name == n).unwrap().range.clone();
+        let w = &m.params[get("module2.0.weight")];
+        let bound = 1.0 / 800f32.sqrt();
+        assert!(w.iter().all(|x| x.abs() <= bound));
+        assert!(w.iter().any(|x| x.abs() > 0.9 * bound));
+        assert!(m.params[get("module1.1.weight")].iter().all(|&x| x == 1.0));
+        assert!(m.params[get("module1.1.bias")].iter().all(|&x| x == 0.0));
+    }
+}
