@@ -93,6 +93,8 @@ fn input<T: TestElem>(op: ReduceOp, rank: usize, n: usize, len: usize, offset: u
 /// Sizes that hit every path: empty, tiny, around the world size, around the small-path threshold
 /// and around the staging chunk boundary of the given config.
 fn sizes(n: usize, esz: usize, cfg: &ShmConfig) -> Vec<usize> {
+    // The slot as the backend sizes it (at least 4 KiB per peer).
+    let cfg = &cfg.clone().normalized_for(n);
     let small = cfg.small_bytes / esz;
     let unit = (64 / esz).max(1);
     let chunk = if n > 1 { (cfg.slot_bytes / (n - 1) / esz) / unit * unit * n } else { cfg.slot_bytes / esz };
@@ -588,6 +590,57 @@ fn t_local_argument_errors() -> Result<(), String> {
     Ok(())
 }
 
+/// Only one rank passes bad arguments: the others' matching call fails too, naming it, and the
+/// next calls pair up correctly.
+fn t_local_error_on_one_rank() -> Result<(), String> {
+    let out = launch(&small_cfg(3), |mut ctx: RankContext| -> RankResult<String> {
+        let c = &mut ctx.comm;
+        let first = if ctx.rank == 1 {
+            c.all_reduce(&[1f32; 4], &mut [0f32; 5], ReduceOp::Sum).unwrap_err().to_string()
+        } else {
+            c.all_reduce(&[1f32; 4], &mut [0f32; 4], ReduceOp::Sum).err().map(|e| e.to_string()).unwrap_or_else(|| "no error".into())
+        };
+        let mut x = [ctx.rank as f32 + 1.0; 4];
+        c.all_reduce_in_place(&mut x, ReduceOp::Sum)?;
+        if x != [6.0; 4] {
+            return Err(format!("next call paired wrongly: {x:?}").into());
+        }
+        Ok(first)
+    })
+    .map_err(|e| e.to_string())?;
+    if !out[1].contains("recv has 5") {
+        return Err(format!("rank 1: {}", out[1]));
+    }
+    for r in [0, 2] {
+        if !out[r].contains("rank 1 refused its all_reduce call") {
+            return Err(format!("rank {r}: {}", out[r]));
+        }
+    }
+    Ok(())
+}
+
+/// Slots smaller than a 4 KiB piece per peer are enlarged, so many ranks with a tiny configured
+/// slot still work (chunk arithmetic never reaches zero or overflows a slot).
+fn t_tiny_slot_many_ranks() -> Result<(), String> {
+    let mut cfg = LaunchConfig::new(20);
+    cfg.shm.slot_bytes = 4096;
+    cfg.shm.heap_bytes = 8 << 20;
+    let out = launch(&cfg, |mut ctx: RankContext| -> RankResult<(i32, i32)> {
+        let n = ctx.world_size;
+        let x = vec![ctx.rank as i32; 3000 * n];
+        let mut y = vec![0i32; 3000];
+        ctx.comm.reduce_scatter(&x, &mut y, ReduceOp::Sum)?;
+        let mut z = vec![1i32; 50_000];
+        ctx.comm.all_reduce_in_place(&mut z, ReduceOp::Sum)?;
+        Ok((y[2999], z[49_999]))
+    })
+    .map_err(|e| e.to_string())?;
+    if out.iter().any(|v| *v != (190, 20)) {
+        return Err(format!("wrong results {:?}", &out[..3]));
+    }
+    Ok(())
+}
+
 /// Oversubscribed: 8 ranks on this machine's cores complete a mixed workload.
 fn t_oversubscribed_8() -> Result<(), String> {
     let cfg = LaunchConfig::new(8);
@@ -668,6 +721,8 @@ fn main() {
         ("local_argument_errors", t_local_argument_errors),
         ("oversubscribed_8", t_oversubscribed_8),
         ("world_64", t_world_64),
+        ("local_error_on_one_rank", t_local_error_on_one_rank),
+        ("tiny_slot_many_ranks", t_tiny_slot_many_ranks),
         ("over_1gib", t_over_1gib),
     ];
     let filter: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with('-')).collect();

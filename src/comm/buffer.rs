@@ -30,7 +30,11 @@ pub struct RawMem {
 }
 
 /// Read access to a buffer for a collective.
-pub trait Buffer<T: Element> {
+///
+/// # Safety
+/// `raw()` must describe memory valid for reads of `len` elements of `T` in the given space for as
+/// long as the borrow of `self` lasts: backends read it directly.
+pub unsafe trait Buffer<T: Element> {
     /// Address, length and memory space of the buffer.
     fn raw(&self) -> RawMem;
     /// Length in elements.
@@ -45,44 +49,51 @@ pub trait Buffer<T: Element> {
 
 /// Write access to a buffer for a collective.
 ///
-/// Implementors guarantee `raw_mut` returns memory the caller may write `len` elements to while the
-/// `&mut` borrow lasts.
-pub trait BufferMut<T: Element>: Buffer<T> {
+/// # Safety
+/// `raw_mut()` must describe memory valid for writes of `len` elements of `T` while the `&mut`
+/// borrow lasts, not aliased by anything else reachable during the call.
+pub unsafe trait BufferMut<T: Element>: Buffer<T> {
     /// Address, length and memory space, for writing.
     fn raw_mut(&mut self) -> RawMem;
 }
 
-impl<T: Element> Buffer<T> for [T] {
+// SAFETY: the view covers exactly the borrowed elements.
+unsafe impl<T: Element> Buffer<T> for [T] {
     fn raw(&self) -> RawMem {
         RawMem { addr: self.as_ptr() as usize, len: <[T]>::len(self), space: MemSpace::Host }
     }
 }
 
-impl<T: Element> BufferMut<T> for [T] {
+// SAFETY: the view covers exactly the mutably borrowed elements.
+unsafe impl<T: Element> BufferMut<T> for [T] {
     fn raw_mut(&mut self) -> RawMem {
         RawMem { addr: self.as_mut_ptr() as usize, len: <[T]>::len(self), space: MemSpace::Host }
     }
 }
 
-impl<T: Element> Buffer<T> for Vec<T> {
+// SAFETY: the view covers exactly the borrowed elements.
+unsafe impl<T: Element> Buffer<T> for Vec<T> {
     fn raw(&self) -> RawMem {
         self.as_slice().raw()
     }
 }
 
-impl<T: Element> BufferMut<T> for Vec<T> {
+// SAFETY: the view covers exactly the mutably borrowed elements.
+unsafe impl<T: Element> BufferMut<T> for Vec<T> {
     fn raw_mut(&mut self) -> RawMem {
         self.as_mut_slice().raw_mut()
     }
 }
 
-impl<T: Element, const N: usize> Buffer<T> for [T; N] {
+// SAFETY: the view covers exactly the borrowed elements.
+unsafe impl<T: Element, const N: usize> Buffer<T> for [T; N] {
     fn raw(&self) -> RawMem {
         self.as_slice().raw()
     }
 }
 
-impl<T: Element, const N: usize> BufferMut<T> for [T; N] {
+// SAFETY: the view covers exactly the mutably borrowed elements.
+unsafe impl<T: Element, const N: usize> BufferMut<T> for [T; N] {
     fn raw_mut(&mut self) -> RawMem {
         self.as_mut_slice().raw_mut()
     }

@@ -72,6 +72,11 @@ pub trait Backend: Send {
     fn synchronize(&mut self) -> Result<(), CommError>;
     /// Number of collectives this rank has issued.
     fn seq(&self) -> u64;
+    /// A call this rank refused locally (bad buffer lengths, root out of range, wrong memory
+    /// space): backends that can, make the peers' matching call fail too, so the ranks stay in step.
+    fn reject(&mut self, kind: CollKind, dtype: Dtype, reason: &CommError) {
+        let _ = (kind, dtype, reason);
+    }
     /// Allocate `bytes` of memory that peers can read directly (zero-copy collectives).
     fn alloc_shared(&mut self, bytes: usize) -> Result<crate::shm::SharedAlloc, CommError> {
         let _ = bytes;
@@ -148,6 +153,21 @@ impl Communicator {
         CommError::InvalidArgument { op, rank: self.rank(), detail }
     }
 
+    /// A call refused locally: let the backend tell the peers (so they fail too instead of pairing
+    /// this rank's next call with their current one), then return the error.
+    fn rejected<T: Element>(&mut self, op: CollKind, e: CommError) -> Result<(), CommError> {
+        self.backend.reject(op, T::DTYPE, &e);
+        Err(e)
+    }
+
+    fn reject_err<T: Element>(&mut self, e: CommError) -> Result<(), CommError> {
+        let op = match &e {
+            CommError::InvalidArgument { op, .. } => *op,
+            _ => CollKind::Barrier,
+        };
+        self.rejected::<T>(op, e)
+    }
+
     fn check_root(&self, op: CollKind, root: usize) -> Result<(), CommError> {
         if root >= self.world_size() {
             return Err(self.invalid(op, format!("root {root} is out of range for world size {}", self.world_size())));
@@ -172,7 +192,9 @@ impl Communicator {
         send: RawMem,
         recv: RawMem,
     ) -> Result<(), CommError> {
-        self.check_space(kind, send, recv)?;
+        if let Err(e) = self.check_space(kind, send, recv) {
+            return self.rejected::<T>(kind, e);
+        }
         let call = Call { kind, dtype: T::DTYPE, op, root, count, send, recv };
         self.backend.run(&call)
     }
@@ -186,8 +208,8 @@ impl Communicator {
     ) -> Result<(), CommError> {
         let (s, r) = (send.raw(), recv.raw_mut());
         if s.len != r.len {
-            return Err(
-                self.invalid(CollKind::AllReduce, format!("send has {} elements but recv has {}; they must be equal", s.len, r.len))
+            return self.reject_err::<T>(
+                self.invalid(CollKind::AllReduce, format!("send has {} elements but recv has {}; they must be equal", s.len, r.len)),
             );
         }
         self.call::<T>(CollKind::AllReduce, op, 0, s.len, s, r)
@@ -201,7 +223,9 @@ impl Communicator {
 
     /// Copy `buf` of rank `root` into `buf` of every rank.
     pub fn broadcast_in_place<T: Element, B: BufferMut<T> + ?Sized>(&mut self, buf: &mut B, root: usize) -> Result<(), CommError> {
-        self.check_root(CollKind::Broadcast, root)?;
+        if let Err(e) = self.check_root(CollKind::Broadcast, root) {
+            return self.rejected::<T>(CollKind::Broadcast, e);
+        }
         let r = buf.raw_mut();
         self.call::<T>(CollKind::Broadcast, ReduceOp::Sum, root, r.len, r, r)
     }
@@ -214,11 +238,13 @@ impl Communicator {
         recv: &mut R,
         root: usize,
     ) -> Result<(), CommError> {
-        self.check_root(CollKind::Broadcast, root)?;
+        if let Err(e) = self.check_root(CollKind::Broadcast, root) {
+            return self.rejected::<T>(CollKind::Broadcast, e);
+        }
         let (s, r) = (send.raw(), recv.raw_mut());
         if s.len != r.len {
-            return Err(
-                self.invalid(CollKind::Broadcast, format!("send has {} elements but recv has {}; they must be equal", s.len, r.len))
+            return self.reject_err::<T>(
+                self.invalid(CollKind::Broadcast, format!("send has {} elements but recv has {}; they must be equal", s.len, r.len)),
             );
         }
         self.call::<T>(CollKind::Broadcast, ReduceOp::Sum, root, r.len, s, r)
@@ -233,11 +259,17 @@ impl Communicator {
         op: ReduceOp,
         root: usize,
     ) -> Result<(), CommError> {
-        self.check_root(CollKind::Reduce, root)?;
+        if let Err(e) = self.check_root(CollKind::Reduce, root) {
+            return self.rejected::<T>(CollKind::Reduce, e);
+        }
         let (s, r) = (send.raw(), recv.raw_mut());
         if self.rank() == root && s.len != r.len {
-            return Err(self
-                .invalid(CollKind::Reduce, format!("send has {} elements but recv on the root has {}; they must be equal", s.len, r.len)));
+            return self.reject_err::<T>(
+                self.invalid(
+                    CollKind::Reduce,
+                    format!("send has {} elements but recv on the root has {}; they must be equal", s.len, r.len),
+                ),
+            );
         }
         self.call::<T>(CollKind::Reduce, op, root, s.len, s, r)
     }
@@ -249,7 +281,9 @@ impl Communicator {
         op: ReduceOp,
         root: usize,
     ) -> Result<(), CommError> {
-        self.check_root(CollKind::Reduce, root)?;
+        if let Err(e) = self.check_root(CollKind::Reduce, root) {
+            return self.rejected::<T>(CollKind::Reduce, e);
+        }
         let r = buf.raw_mut();
         self.call::<T>(CollKind::Reduce, op, root, r.len, r, r)
     }
@@ -264,7 +298,7 @@ impl Communicator {
         let (s, r) = (send.raw(), recv.raw_mut());
         let n = self.world_size();
         if r.len != s.len * n {
-            return Err(self.invalid(
+            return self.reject_err::<T>(self.invalid(
                 CollKind::AllGather,
                 format!("recv has {} elements but must have send.len() × world_size = {} × {n} = {}", r.len, s.len, s.len * n),
             ));
@@ -278,8 +312,8 @@ impl Communicator {
         let r = buf.raw_mut();
         let n = self.world_size();
         if r.len % n != 0 {
-            return Err(
-                self.invalid(CollKind::AllGather, format!("in-place buffer has {} elements, not a multiple of world size {n}", r.len))
+            return self.reject_err::<T>(
+                self.invalid(CollKind::AllGather, format!("in-place buffer has {} elements, not a multiple of world size {n}", r.len)),
             );
         }
         let c = r.len / n;
@@ -295,11 +329,13 @@ impl Communicator {
         recv: &mut R,
         root: usize,
     ) -> Result<(), CommError> {
-        self.check_root(CollKind::Gather, root)?;
+        if let Err(e) = self.check_root(CollKind::Gather, root) {
+            return self.rejected::<T>(CollKind::Gather, e);
+        }
         let (s, r) = (send.raw(), recv.raw_mut());
         let n = self.world_size();
         if self.rank() == root && r.len != s.len * n {
-            return Err(self.invalid(
+            return self.reject_err::<T>(self.invalid(
                 CollKind::Gather,
                 format!("recv on the root has {} elements but must have send.len() × world_size = {}", r.len, s.len * n),
             ));
@@ -318,7 +354,7 @@ impl Communicator {
         let (s, r) = (send.raw(), recv.raw_mut());
         let n = self.world_size();
         if s.len != r.len * n {
-            return Err(self.invalid(
+            return self.reject_err::<T>(self.invalid(
                 CollKind::ReduceScatter,
                 format!("send has {} elements but must have recv.len() × world_size = {} × {n} = {}", s.len, r.len, r.len * n),
             ));
@@ -332,8 +368,8 @@ impl Communicator {
         let s = buf.raw_mut();
         let n = self.world_size();
         if s.len % n != 0 {
-            return Err(
-                self.invalid(CollKind::ReduceScatter, format!("in-place buffer has {} elements, not a multiple of world size {n}", s.len))
+            return self.reject_err::<T>(
+                self.invalid(CollKind::ReduceScatter, format!("in-place buffer has {} elements, not a multiple of world size {n}", s.len)),
             );
         }
         let c = s.len / n;

@@ -177,13 +177,15 @@ impl<T: Element> Drop for DeviceBuffer<T> {
     }
 }
 
-impl<T: Element> Buffer<T> for DeviceBuffer<T> {
+// SAFETY: the view covers exactly the allocation, which lives as long as `self`.
+unsafe impl<T: Element> Buffer<T> for DeviceBuffer<T> {
     fn raw(&self) -> RawMem {
         RawMem { addr: self.ptr as usize, len: self.len, space: MemSpace::Device(self.ctx.ordinal()) }
     }
 }
 
-impl<T: Element> BufferMut<T> for DeviceBuffer<T> {
+// SAFETY: as for `Buffer`; `&mut self` gives exclusive access in this process.
+unsafe impl<T: Element> BufferMut<T> for DeviceBuffer<T> {
     fn raw_mut(&mut self) -> RawMem {
         self.raw()
     }
@@ -239,13 +241,15 @@ impl<T: Element> Drop for PinnedBuffer<T> {
     }
 }
 
-impl<T: Element> Buffer<T> for PinnedBuffer<T> {
+// SAFETY: the view covers exactly the allocation, which lives as long as `self`.
+unsafe impl<T: Element> Buffer<T> for PinnedBuffer<T> {
     fn raw(&self) -> RawMem {
         (**self).raw()
     }
 }
 
-impl<T: Element> BufferMut<T> for PinnedBuffer<T> {
+// SAFETY: as for `Buffer`; `&mut self` gives exclusive access in this process.
+unsafe impl<T: Element> BufferMut<T> for PinnedBuffer<T> {
     fn raw_mut(&mut self) -> RawMem {
         (**self).raw_mut()
     }

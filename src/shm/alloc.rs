@@ -18,20 +18,29 @@ pub(crate) struct Heap {
     free: Vec<(usize, usize)>,
     start: usize,
     len: usize,
+    /// Set once the communicator failed: freed memory is never reused (a peer may still write it).
+    quarantined: bool,
 }
 
 impl Heap {
     pub(crate) fn new(start: usize, len: usize) -> Heap {
-        Heap { free: vec![(start, len)], start, len }
+        Heap { free: vec![(start, len)], start, len, quarantined: false }
+    }
+
+    pub(crate) fn quarantine(&mut self) {
+        self.quarantined = true;
     }
 
     fn alloc(&mut self, bytes: usize, align: usize) -> Option<usize> {
+        if bytes > self.len {
+            return None;
+        }
         let bytes = bytes.max(1).next_multiple_of(64);
         for i in 0..self.free.len() {
             let (off, len) = self.free[i];
             let aligned = off.next_multiple_of(align);
             let pad = aligned - off;
-            if len >= pad + bytes {
+            if pad.checked_add(bytes).is_some_and(|need| len >= need) {
                 // Split the range into [pad][allocation][rest].
                 let rest = (aligned + bytes, len - pad - bytes);
                 self.free.remove(i);
@@ -50,6 +59,9 @@ impl Heap {
     }
 
     fn release(&mut self, off: usize, bytes: usize) {
+        if self.quarantined {
+            return;
+        }
         let bytes = bytes.max(1).next_multiple_of(64);
         let i = self.free.partition_point(|&(o, _)| o < off);
         self.free.insert(i, (off, bytes));
@@ -149,13 +161,15 @@ impl<T: Element> DerefMut for SharedBuffer<T> {
     }
 }
 
-impl<T: Element> Buffer<T> for SharedBuffer<T> {
+// SAFETY: the view covers exactly the allocation, which lives as long as `self`.
+unsafe impl<T: Element> Buffer<T> for SharedBuffer<T> {
     fn raw(&self) -> RawMem {
         RawMem { addr: self.alloc.as_ptr() as usize, len: self.len, space: MemSpace::Host }
     }
 }
 
-impl<T: Element> BufferMut<T> for SharedBuffer<T> {
+// SAFETY: as for `Buffer`; `&mut self` gives exclusive access in this process.
+unsafe impl<T: Element> BufferMut<T> for SharedBuffer<T> {
     fn raw_mut(&mut self) -> RawMem {
         self.raw()
     }

@@ -5,7 +5,8 @@ use std::time::Duration;
 /// Settings of one shared-memory communicator.
 #[derive(Clone, Debug)]
 pub struct ShmConfig {
-    /// Bytes of each of a rank's two staging slots (`LOCKSTEP_SHM_SLOT_BYTES`, default 256 KiB).
+    /// Bytes of each of a rank's two staging slots (`LOCKSTEP_SHM_SLOT_BYTES`, default 1 MiB; at
+    /// least 4 KiB per peer).
     pub slot_bytes: usize,
     /// All-reduce/reduce messages up to this size take the one-phase path
     /// (`LOCKSTEP_SHM_SMALL_BYTES`, default 16 KiB, at most `slot_bytes`).
@@ -17,11 +18,14 @@ pub struct ShmConfig {
     pub timeout: Duration,
     /// How often a waiting rank checks that its peers are alive (`LOCKSTEP_PEER_CHECK_MS`, default 100).
     pub peer_check: Duration,
-    /// Time to spin before yielding (`LOCKSTEP_SPIN_US`, default 200 µs, 5 µs when oversubscribed).
+    /// Time to spin before yielding (`LOCKSTEP_SPIN_US`, default 20 µs, 2 µs when oversubscribed).
     pub spin: Option<Duration>,
     /// Messages whose output is at least this large are written with streaming stores
     /// (`LOCKSTEP_SHM_NT_BYTES`, default 8 MiB): they would not stay in cache anyway.
     pub nt_bytes: usize,
+    /// Pin each rank to one CPU when there are enough (`LOCKSTEP_CPU_BIND=core`, the default, or
+    /// `none`). Multi-threaded ranks (e.g. `train-cnn --threads 2`) should use `none`.
+    pub bind_cpu: bool,
     /// Time to wait for all ranks to join (`LOCKSTEP_JOIN_TIMEOUT_S`, default 60).
     pub join_timeout: Duration,
 }
@@ -33,7 +37,7 @@ fn env_num(name: &str) -> Option<f64> {
 impl Default for ShmConfig {
     fn default() -> Self {
         ShmConfig {
-            slot_bytes: 256 << 10,
+            slot_bytes: 1 << 20,
             small_bytes: 16 << 10,
             heap_bytes: 4 << 30,
             timeout: Duration::from_secs(600),
@@ -41,6 +45,7 @@ impl Default for ShmConfig {
             spin: None,
             join_timeout: Duration::from_secs(60),
             nt_bytes: 8 << 20,
+            bind_cpu: true,
         }
     }
 }
@@ -70,10 +75,21 @@ impl ShmConfig {
         if let Some(v) = env_num("LOCKSTEP_SHM_NT_BYTES") {
             c.nt_bytes = v as usize;
         }
+        if let Ok(v) = std::env::var("LOCKSTEP_CPU_BIND") {
+            c.bind_cpu = !matches!(v.trim(), "none" | "0" | "off" | "false");
+        }
         if let Some(v) = env_num("LOCKSTEP_JOIN_TIMEOUT_S") {
             c.join_timeout = Duration::from_secs_f64(v);
         }
         c.normalized()
+    }
+
+    /// [`normalized`](Self::normalized), plus room in each slot for a 4 KiB piece per peer, which
+    /// the chunked paths need for any world size.
+    pub fn normalized_for(self, world: usize) -> ShmConfig {
+        let mut c = self.normalized();
+        c.slot_bytes = c.slot_bytes.max(4096 * world.saturating_sub(1));
+        c
     }
 
     /// Clamp values into workable ranges (slots page-aligned, small path within a slot).

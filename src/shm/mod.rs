@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 
 use alloc::Heap;
 use segment::{available_cpus, futex_wait, futex_wake_all, PeerWatch};
-use sync::{Ctrl, Desc, Header, Layout, MAGIC, SHARED_RECV, SHARED_SEND, STATE_JOINED, STATE_LEFT, VERSION};
+use sync::{Ctrl, Desc, Header, Layout, INVALID, MAGIC, SHARED_RECV, SHARED_SEND, STATE_JOINED, STATE_LEFT, VERSION};
 
 use crate::comm::{Backend, BackendKind, Call, CollKind, CommError, Communicator, Dtype, MemSpace, ReduceOp};
 
@@ -40,7 +40,7 @@ pub struct ShmJob {
     cfg: ShmConfig,
 }
 
-fn init_header(seg: &Segment, layout: &Layout) {
+fn init_header(seg: &Segment, layout: &Layout, cfg: &ShmConfig) {
     // SAFETY: the segment starts with a Header-sized, 64-byte aligned (page-aligned mapping) region
     // that nobody else reads before `magic` is set.
     let h = unsafe { &*(seg.base() as *const Header) };
@@ -49,6 +49,8 @@ fn init_header(seg: &Segment, layout: &Layout) {
     h.slot_bytes.store(layout.slot_bytes as u64, Relaxed);
     h.heap_bytes.store(layout.heap_bytes as u64, Relaxed);
     h.total_bytes.store(layout.total as u64, Relaxed);
+    h.small_bytes.store(cfg.small_bytes.min(layout.slot_bytes) as u64, Relaxed);
+    h.nt_bytes.store(cfg.nt_bytes as u64, Relaxed);
     h.magic.store(MAGIC, Release);
 }
 
@@ -63,10 +65,10 @@ impl ShmJob {
         if world == 0 || world > 1024 {
             return Err(CommError::Setup(format!("world size {world} is out of range 1..=1024")));
         }
-        let cfg = cfg.normalized();
-        let layout = Layout::new(world, cfg.slot_bytes, cfg.heap_bytes);
+        let cfg = cfg.normalized_for(world);
+        let layout = Layout::new(world, cfg.slot_bytes, cfg.heap_bytes)?;
         let seg = Segment::anonymous(layout.total)?;
-        init_header(&seg, &layout);
+        init_header(&seg, &layout, &cfg);
         Ok(ShmJob { seg: Arc::new(seg), layout, cfg })
     }
 
@@ -123,7 +125,10 @@ impl ShmComm {
             return Err(CommError::Setup(format!("rank {rank} is out of range for world size {world}")));
         }
         let heap = Arc::new(Mutex::new(Heap::new(layout.heap_off(rank), layout.heap_bytes)));
-        let spin = cfg.spin.unwrap_or(if world > available_cpus() { Duration::from_micros(5) } else { Duration::from_micros(200) });
+        let spin = cfg.spin.unwrap_or(if world > available_cpus() { Duration::from_micros(2) } else { Duration::from_micros(20) });
+        if cfg.bind_cpu {
+            bind_to_cpu(rank, world);
+        }
         let mut c = ShmComm {
             seg,
             layout,
@@ -139,14 +144,13 @@ impl ShmComm {
             nt_pending: false,
         };
         let me = c.ctrl(rank);
-        if me.state.load(Acquire) != 0 {
+        if me.state.compare_exchange(0, STATE_JOINED, SeqCst, SeqCst).is_err() {
             return Err(CommError::Setup(format!("rank {rank} has already joined this communicator (pid {})", me.pid.load(Relaxed))));
         }
         // Touch our own slots now so collectives never page-fault on them.
         c.seg.prefault(layout.slot_off(rank, 0), 2 * layout.slot_bytes);
         me.progress.store(0, Relaxed);
         me.pid.store(std::process::id() as i32, Relaxed);
-        me.state.store(STATE_JOINED, Release);
         let joined = c.header().joined.fetch_add(1, SeqCst) + 1;
         if joined as usize == world {
             if let Some(id) = job_id {
@@ -174,11 +178,11 @@ impl ShmComm {
     /// node). Rank 0 creates the segment; the others wait for it. The name is removed once all
     /// ranks have mapped it.
     pub fn join_named(job_id: &str, rank: usize, world: usize, cfg: ShmConfig) -> Result<ShmComm, CommError> {
-        let cfg = cfg.normalized();
-        let layout = Layout::new(world, cfg.slot_bytes, cfg.heap_bytes);
+        let cfg = cfg.normalized_for(world);
+        let layout = Layout::new(world, cfg.slot_bytes, cfg.heap_bytes)?;
         if rank == 0 {
             let seg = Segment::create_named(job_id, layout.total)?;
-            init_header(&seg, &layout);
+            init_header(&seg, &layout, &cfg);
             return ShmComm::join(Arc::new(seg), layout, cfg, rank, Some(job_id));
         }
         let start = Instant::now();
@@ -197,7 +201,7 @@ impl ShmComm {
                         )));
                     }
                     // The creator's sizes win, so every rank agrees on the layout.
-                    let layout = Layout::new(world, slot, heap);
+                    let layout = Layout::new(world, slot, heap)?;
                     if seg.len() >= layout.total {
                         return ShmComm::join(Arc::new(seg), layout, cfg, rank, Some(job_id));
                     }
@@ -321,7 +325,15 @@ impl ShmComm {
             }
             let waited = start.elapsed();
             if waited < Duration::from_millis(2) {
+                // Give the CPU away in case the peer we wait for shares it, then poll a little:
+                // yielding costs well under a microsecond when nobody else is runnable.
                 std::thread::yield_now();
+                for _ in 0..64 {
+                    if self.all_reached(target, &mut next) {
+                        return Ok(());
+                    }
+                    std::hint::spin_loop();
+                }
             } else {
                 let h = self.header();
                 h.sleepers.0.fetch_add(1, SeqCst);
@@ -373,6 +385,8 @@ impl ShmComm {
         }
         let waited = start.elapsed();
         if waited >= self.cfg.timeout {
+            // Peers that arrive later must not go on using this rank's buffers.
+            let _ = self.header().abort_by.compare_exchange(0, self.rank as u32 + 1, SeqCst, SeqCst);
             let missing: Vec<String> = (0..self.world)
                 .filter(|&r| r != self.rank && self.ctrl(r).progress.load(Acquire) < target)
                 .map(|r| format!("rank {r} is at collective #{}", self.ctrl(r).coll_seq.load(Relaxed)))
@@ -433,7 +447,30 @@ impl ShmComm {
     fn poison_on(&mut self, e: &CommError) {
         if matches!(e, CommError::PeerLost { .. } | CommError::Timeout { .. } | CommError::Aborted { .. }) {
             self.poisoned = Some(e.to_string());
+            // A peer may still touch buffers of the failed call: never hand their memory out again.
+            self.heap.lock().unwrap_or_else(|p| p.into_inner()).quarantine();
         }
+    }
+}
+
+/// Pin this rank to one CPU of its allowed set (rank-th, when there are at least as many CPUs as
+/// ranks), as MPI does by default: migrations and two ranks landing on one CPU cost far more than
+/// the collectives themselves. Skipped when oversubscribed.
+fn bind_to_cpu(rank: usize, world: usize) {
+    // SAFETY: zeroed cpu_set_t is a valid empty set; sched_getaffinity/setaffinity take a valid
+    // pointer and its size.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
+            return;
+        }
+        let cpus: Vec<usize> = (0..libc::CPU_SETSIZE as usize).filter(|&c| libc::CPU_ISSET(c, &set)).collect();
+        if cpus.len() < world {
+            return;
+        }
+        let mut one: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpus[rank], &mut one);
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &one);
     }
 }
 
@@ -454,6 +491,14 @@ fn desc_call(d: &Desc) -> String {
 
 /// Compare every rank's descriptor with rank 0's; on disagreement, name every rank that differs.
 fn check_descs(descs: &[Desc], seq: u64) -> Result<(), CommError> {
+    let invalid: Vec<String> = (0..descs.len()).filter(|&r| descs[r].flags & INVALID != 0).map(|r| r.to_string()).collect();
+    if !invalid.is_empty() {
+        let kind = CollKind::from_u8(descs[invalid[0].parse::<usize>().unwrap_or(0)].kind).map(|k| k.name()).unwrap_or("?");
+        return Err(CommError::Mismatch {
+            seq,
+            detail: format!("rank {} refused its {kind} call with invalid arguments (its own error says which)", invalid.join(", rank ")),
+        });
+    }
     let key = |d: &Desc| {
         let k = CollKind::from_u8(d.kind);
         (
@@ -861,10 +906,12 @@ impl Backend for ShmComm {
         }
         for (what, m) in [("send", call.send), ("recv", call.recv)] {
             if m.space != MemSpace::Host && m.len > 0 {
-                return Err(CommError::Unsupported(format!(
+                let e = CommError::Unsupported(format!(
                     "{} on rank {}: the {what} buffer is device memory, which the shared-memory backend cannot read; use the NCCL backend or copy it to the host",
                     call.kind, self.rank
-                )));
+                ));
+                self.reject(call.kind, call.dtype, &e);
+                return Err(e);
             }
         }
         self.seq += 1;
@@ -882,6 +929,22 @@ impl Backend for ShmComm {
 
     fn synchronize(&mut self) -> Result<(), CommError> {
         Ok(())
+    }
+
+    fn reject(&mut self, kind: CollKind, dtype: Dtype, _reason: &CommError) {
+        if self.poisoned.is_some() {
+            return;
+        }
+        // Take part in the call's first phase with the INVALID flag: every peer's matching call
+        // then fails with an error naming this rank, and the phase counters stay aligned.
+        self.seq += 1;
+        self.ctrl(self.rank).coll_seq.store(self.seq, Relaxed);
+        let empty = crate::comm::RawMem { addr: 0, len: 0, space: MemSpace::Host };
+        let call = Call { kind, dtype, op: ReduceOp::Sum, root: 0, count: 0, send: empty, recv: empty };
+        let cx = Ctx { op: kind, seq: self.seq };
+        if let Err(e) = self.begin(&call, INVALID, 0, 0, cx) {
+            self.poison_on(&e);
+        }
     }
 
     fn seq(&self) -> u64 {
@@ -948,5 +1011,8 @@ mod tests {
         c.all_reduce_in_place(&mut s, ReduceOp::Sum).unwrap();
         assert_eq!(s[3], 2.0);
         c.barrier().unwrap();
+        // Absurd sizes are refused, not overflowed.
+        assert!(c.alloc_shared::<i64>(usize::MAX / 8).is_err());
+        assert!(c.alloc_shared::<u8>(usize::MAX).is_err());
     }
 }

@@ -50,7 +50,10 @@ pub(crate) struct Header {
     pub lost_rank: AtomicU32,
     /// 1: that rank died; 2: it left the communicator.
     pub lost_how: AtomicU32,
-    _pad0: [u8; 8],
+    /// The creator's path thresholds: every rank must choose the same path for the same call.
+    pub small_bytes: AtomicU64,
+    pub nt_bytes: AtomicU64,
+    _pad0: [u8; 56],
     /// Ranks currently asleep on `wake` (separate line: written on every sleep).
     pub sleepers: PaddedU32,
     /// Futex word, bumped by publishers when someone sleeps.
@@ -101,6 +104,8 @@ pub(crate) struct Desc {
 
 pub(crate) const SHARED_SEND: u8 = 1;
 pub(crate) const SHARED_RECV: u8 = 2;
+/// The rank refused the call locally (bad arguments); its peers fail the matching call too.
+pub(crate) const INVALID: u8 = 4;
 
 const _: () = assert!(std::mem::size_of::<Ctrl>() == CTRL_BYTES);
 const _: () = assert!(std::mem::size_of::<Desc>() == 64);
@@ -118,11 +123,17 @@ pub(crate) struct Layout {
 }
 
 impl Layout {
-    pub(crate) fn new(world: usize, slot_bytes: usize, heap_bytes: usize) -> Layout {
+    pub(crate) fn new(world: usize, slot_bytes: usize, heap_bytes: usize) -> Result<Layout, crate::comm::CommError> {
+        let too_big = || {
+            crate::comm::CommError::Setup(format!(
+                "a segment for {world} ranks with {slot_bytes}-byte slots and {heap_bytes}-byte heaps does not fit the address space; lower LOCKSTEP_SHM_HEAP_BYTES"
+            ))
+        };
         let slots_off = (HEADER_BYTES + world * CTRL_BYTES).next_multiple_of(4096);
-        let heaps_off = (slots_off + world * 2 * slot_bytes).next_multiple_of(2 << 20);
-        let total = heaps_off + world * heap_bytes;
-        Layout { world, slot_bytes, heap_bytes, slots_off, heaps_off, total }
+        let slots = world.checked_mul(2).and_then(|v| v.checked_mul(slot_bytes)).ok_or_else(too_big)?;
+        let heaps_off = slots_off.checked_add(slots).ok_or_else(too_big)?.next_multiple_of(2 << 20);
+        let total = world.checked_mul(heap_bytes).and_then(|h| h.checked_add(heaps_off)).filter(|t| *t < 1 << 46).ok_or_else(too_big)?;
+        Ok(Layout { world, slot_bytes, heap_bytes, slots_off, heaps_off, total })
     }
 
     pub(crate) fn ctrl_off(&self, rank: usize) -> usize {
