@@ -173,15 +173,10 @@ fn validate(a: &Args, train_len: usize) -> Result<Config, CliError> {
 
 /// Join the job's communicator from `lockstep launch`'s environment, if it set one.
 ///
-/// Kept separate so it can become `Communicator::from_env()` once the launcher offers it.
+/// `None` when not started by `lockstep launch` (no `LOCKSTEP_JOB_ID`): then we fork our own ranks.
 fn comm_from_env() -> Option<Result<Communicator, String>> {
-    let job = std::env::var("LOCKSTEP_JOB_ID").ok()?;
-    let num = |k: &str| std::env::var(k).ok().and_then(|v| v.parse::<usize>().ok());
-    let (Some(rank), Some(world)) = (num("RANK"), num("WORLD_SIZE")) else {
-        return Some(Err("LOCKSTEP_JOB_ID is set but RANK or WORLD_SIZE is missing or not a number".into()));
-    };
-    let shm = lockstep::shm::ShmComm::join_named(&job, rank, world, lockstep::shm::ShmConfig::from_env());
-    Some(shm.map(|c| Communicator::from_backend(Box::new(c))).map_err(|e| e.to_string()))
+    std::env::var_os("LOCKSTEP_JOB_ID")?;
+    Some(Communicator::from_env().map_err(|e| e.to_string()))
 }
 
 /// Rank 0's output: progress bar on a terminal, and one line or JSON object per epoch.
