@@ -10,7 +10,10 @@ use std::time::Instant;
 
 use half::{bf16, f16};
 
-use crate::comm::{BackendKind, CollKind, CommError, Communicator, Dtype, Element, ReduceOp};
+use std::sync::Arc;
+
+use crate::comm::{Buffer, BufferMut, CollKind, CommError, Communicator, Dtype, Element, ReduceOp};
+use crate::cuda::{Context, DeviceBuffer, Stream};
 use crate::launch::{launch, LaunchConfig, RankContext, RankResult};
 
 /// Where the benchmark buffers live.
@@ -170,36 +173,70 @@ fn from_f64<T: BenchElem>(v: f64) -> T {
     *any.downcast::<T>().unwrap_or_else(|_| Box::new(T::default()))
 }
 
-/// A buffer of either placement.
+/// A buffer of any placement.
 enum Buf<T: Element> {
     Vec(Vec<T>),
     Shared(crate::shm::SharedBuffer<T>),
+    Device(DeviceBuffer<T>),
+}
+
+/// Where the ranks' buffers live for this run: host memory, or the device of `ctx`.
+struct Place {
+    buffers: Buffers,
+    device: Option<(Arc<Context>, Stream)>,
+}
+
+fn cuda_err(e: crate::cuda::CudaError) -> CommError {
+    CommError::Backend { backend: "cuda", message: e.to_string() }
 }
 
 impl<T: Element> Buf<T> {
-    fn new(comm: &mut Communicator, len: usize, placement: Buffers) -> Result<Buf<T>, CommError> {
-        Ok(match placement {
-            Buffers::Ordinary => Buf::Vec(vec![T::default(); len]),
-            Buffers::Shared => Buf::Shared(comm.alloc_shared::<T>(len)?),
+    /// A buffer holding `data`.
+    fn new(comm: &mut Communicator, data: Vec<T>, place: &Place) -> Result<Buf<T>, CommError> {
+        if let Some((_, stream)) = &place.device {
+            let b = DeviceBuffer::from_host(stream, &data).map_err(cuda_err)?;
+            stream.synchronize().map_err(cuda_err)?;
+            return Ok(Buf::Device(b));
+        }
+        Ok(match place.buffers {
+            Buffers::Ordinary => Buf::Vec(data),
+            Buffers::Shared => {
+                let mut b = comm.alloc_shared::<T>(data.len())?;
+                b.copy_from_slice(&data);
+                Buf::Shared(b)
+            }
         })
     }
-    fn s(&self) -> &[T] {
+    fn b(&self) -> &dyn Buffer<T> {
         match self {
             Buf::Vec(v) => v,
             Buf::Shared(b) => b,
+            Buf::Device(d) => d,
         }
     }
-    fn m(&mut self) -> &mut [T] {
+    fn m(&mut self) -> &mut dyn BufferMut<T> {
         match self {
             Buf::Vec(v) => v,
             Buf::Shared(b) => b,
+            Buf::Device(d) => d,
+        }
+    }
+    /// The contents, on the host.
+    fn host(&self, place: &Place) -> Result<Vec<T>, CommError> {
+        match self {
+            Buf::Vec(v) => Ok(v.clone()),
+            Buf::Shared(b) => Ok(b.to_vec()),
+            Buf::Device(d) => {
+                let stream = &place.device.as_ref().expect("device buffer without a device").1;
+                d.to_vec(stream).map_err(cuda_err)
+            }
         }
     }
 }
 
 /// Time and verify one size on this rank: returns (median µs, wrong elements).
-fn one_size<T: BenchElem>(ctx: &mut RankContext, a: &BenchArgs, bytes: usize) -> Result<(f64, u64), CommError> {
-    let (me, n) = (ctx.rank, ctx.world_size);
+fn one_size<T: BenchElem>(comm: &mut Communicator, place: &Place, a: &BenchArgs, bytes: usize) -> Result<(f64, u64), CommError> {
+    let (me, n) = (comm.rank(), comm.world_size());
     let esz = std::mem::size_of::<T>();
     let op = a.redop;
     let root = 0;
@@ -210,29 +247,27 @@ fn one_size<T: BenchElem>(ctx: &mut RankContext, a: &BenchArgs, bytes: usize) ->
         CollKind::ReduceScatter => (bytes / esz, bytes / esz / n),
         CollKind::Barrier => (0, 0),
     };
-    let comm = &mut ctx.comm;
-    let mut send: Buf<T> = Buf::new(comm, scount, a.buffers)?;
-    let mut recv: Buf<T> = Buf::new(comm, rcount, a.buffers)?;
-    for (i, x) in send.m().iter_mut().enumerate() {
-        *x = T::from_i(pattern(op, me, i, n));
-    }
-    recv.m().fill(T::default());
+    let send: Buf<T> = Buf::new(comm, (0..scount).map(|i| T::from_i(pattern(op, me, i, n))).collect(), place)?;
+    let mut recv: Buf<T> = Buf::new(comm, vec![T::default(); rcount], place)?;
     let call = |comm: &mut Communicator, send: &Buf<T>, recv: &mut Buf<T>| -> Result<(), CommError> {
         match a.op {
-            CollKind::AllReduce => comm.all_reduce(send.s(), recv.m(), op),
-            CollKind::Broadcast => comm.broadcast(send.s(), recv.m(), root),
-            CollKind::Reduce => comm.reduce(send.s(), recv.m(), op, root),
-            CollKind::AllGather => comm.all_gather(send.s(), recv.m()),
-            CollKind::Gather => comm.gather(send.s(), recv.m(), root),
-            CollKind::ReduceScatter => comm.reduce_scatter(send.s(), recv.m(), op),
+            CollKind::AllReduce => comm.all_reduce(send.b(), recv.m(), op),
+            CollKind::Broadcast => comm.broadcast(send.b(), recv.m(), root),
+            CollKind::Reduce => comm.reduce(send.b(), recv.m(), op, root),
+            CollKind::AllGather => comm.all_gather(send.b(), recv.m()),
+            CollKind::Gather => comm.gather(send.b(), recv.m(), root),
+            CollKind::ReduceScatter => comm.reduce_scatter(send.b(), recv.m(), op),
             CollKind::Barrier => comm.barrier(),
-        }
+        }?;
+        // Device backends enqueue: the time of a call includes its completion.
+        comm.synchronize()
     };
     let iters = if a.iters > 0 { a.iters } else { ((4usize << 30) / bytes.max(1)).clamp(9, 2000) };
     for _ in 0..a.warmup {
         call(comm, &send, &mut recv)?;
     }
     comm.barrier()?;
+    comm.synchronize()?;
     let mut times = Vec::with_capacity(iters);
     for _ in 0..iters {
         let t = Instant::now();
@@ -240,10 +275,8 @@ fn one_size<T: BenchElem>(ctx: &mut RankContext, a: &BenchArgs, bytes: usize) ->
         times.push(t.elapsed().as_secs_f64());
     }
     times.sort_by(|x, y| x.total_cmp(y));
-    let mut med = [times[times.len() / 2] * 1e6];
-    comm.all_reduce_in_place(&mut med, ReduceOp::Max)?;
     // Verify the last call's output.
-    let r = recv.s();
+    let r = recv.host(place)?;
     let wrong = match a.op {
         CollKind::AllReduce => (0..rcount).filter(|&i| r[i] != expected::<T>(op, i, n)).count(),
         CollKind::Reduce if me == root => (0..rcount).filter(|&i| r[i] != expected::<T>(op, i, n)).count(),
@@ -255,27 +288,30 @@ fn one_size<T: BenchElem>(ctx: &mut RankContext, a: &BenchArgs, bytes: usize) ->
         }
         _ => 0,
     };
-    let mut w = [wrong as i64];
-    comm.all_reduce_in_place(&mut w, ReduceOp::Sum)?;
-    Ok((med[0], w[0] as u64))
+    Ok((times[times.len() / 2] * 1e6, wrong as u64))
 }
 
-fn rank_main<T: BenchElem>(mut ctx: RankContext, a: &BenchArgs) -> RankResult<Vec<(f64, u64)>> {
+fn rank_main<T: BenchElem>(ctx: RankContext, a: &BenchArgs) -> RankResult<Vec<(f64, u64)>> {
     let n = ctx.world_size;
+    let (mut comm, place) = if a.device == "cuda" {
+        // NCCL on this rank's device, or staging through shared memory when ranks share a GPU.
+        let (dev, cx) = crate::comm::device_communicator(ctx.comm, ctx.local_rank)?;
+        let stream = cx.stream().map_err(cuda_err)?;
+        (dev, Place { buffers: a.buffers, device: Some((cx, stream)) })
+    } else {
+        (ctx.comm, Place { buffers: a.buffers, device: None })
+    };
     let mut out = Vec::new();
     for bytes in sizes(a, std::mem::size_of::<T>(), n) {
-        out.push(one_size::<T>(&mut ctx, a, bytes)?);
+        out.push(one_size::<T>(&mut comm, &place, a, bytes)?);
     }
     Ok(out)
 }
 
 /// Run the benchmark and return the rows (rank results merged).
 pub fn measure(a: &BenchArgs) -> Result<Vec<Row>, String> {
-    if a.device != "cpu" {
-        return Err(format!(
-            "--device {}: only 'cpu' (shared memory) is available in this build; the NCCL benchmark needs the CUDA backend",
-            a.device
-        ));
+    if a.device != "cpu" && a.device != "cuda" {
+        return Err(format!("--device {}: expected cpu (shared memory) or cuda (NCCL)", a.device));
     }
     if a.nprocs == 0 {
         return Err("--nprocs must be at least 1".into());
@@ -294,9 +330,12 @@ pub fn measure(a: &BenchArgs) -> Result<Vec<Row>, String> {
     .map_err(|e| e.to_string())?;
     let n = a.nprocs;
     let esz = a.dtype.size();
+    // Slowest rank's median time, and every rank's wrong elements.
+    let merged: Vec<(f64, u64)> =
+        (0..res[0].len()).map(|i| (res.iter().map(|r| r[i].0).fold(0.0, f64::max), res.iter().map(|r| r[i].1).sum())).collect();
     let rows = sizes(a, esz, n)
         .into_iter()
-        .zip(&res[0])
+        .zip(&merged)
         .map(|(bytes, &(t, wrong))| {
             let algbw = bytes as f64 / (t * 1e-6) / 1e9;
             Row { bytes, count: bytes / esz, time_us: t, algbw, busbw: algbw * bus_factor(a.op, n), wrong }
@@ -311,11 +350,12 @@ pub fn table(a: &BenchArgs, rows: &[Row]) -> String {
         "# lockstep bench: {} ranks, {} on {} buffers, backend {}\n",
         a.nprocs,
         a.op,
-        match a.buffers {
-            Buffers::Ordinary => "ordinary",
-            Buffers::Shared => "shared",
+        match (a.device.as_str(), a.buffers) {
+            ("cuda", _) => "device",
+            (_, Buffers::Ordinary) => "ordinary",
+            (_, Buffers::Shared) => "shared",
         },
-        BackendKind::Shm
+        if a.device == "cuda" { "nccl (or shm staging when ranks share a GPU)" } else { "shm" }
     );
     s += &format!(
         "{:>12} {:>12} {:>6} {:>6} {:>10} {:>8} {:>8} {:>7}\n",

@@ -304,6 +304,28 @@ fn scenario(name: &str) {
             assert_eq!(fake_init_calls(), 0);
         }
         "sim_memory_kernels_events" => sim_memory_kernels_events(),
+        "sim_bench_device" => {
+            // `lockstep bench --device cuda`, end to end on the simulator: NCCL at 1 rank, the staged
+            // shared-memory backend when 2 ranks share the one simulated GPU; every result verified.
+            for (nprocs, op) in [(1, "all_reduce"), (2, "all_reduce"), (2, "all_gather"), (2, "broadcast")] {
+                let a = lockstep::bench::BenchArgs {
+                    nprocs,
+                    op: op.parse().unwrap(),
+                    dtype: lockstep::comm::Dtype::F32,
+                    redop: lockstep::comm::ReduceOp::Sum,
+                    sizes: vec![8, 4096, 1 << 20],
+                    min_bytes: 8,
+                    max_bytes: 8,
+                    buffers: lockstep::bench::Buffers::Ordinary,
+                    iters: 3,
+                    warmup: 1,
+                    device: "cuda".into(),
+                };
+                let rows = lockstep::bench::measure(&a).unwrap_or_else(|e| panic!("{op} on {nprocs} ranks: {e}"));
+                assert_eq!(rows.len(), 3);
+                assert!(rows.iter().all(|r| r.wrong == 0 && r.time_us > 0.0), "{op} on {nprocs} ranks: {rows:?}");
+            }
+        }
         "sim_drop_error_is_deferred" => {
             let ctx = lockstep::cuda::Context::new(0).unwrap();
             let s = ctx.stream().unwrap();
@@ -617,6 +639,7 @@ fn main() {
         ("fake_nccl", vec![("LOCKSTEP_NCCL_LIBRARY", s(&libs.nccl)), ("LOCKSTEP_CUDA_LIBRARY", s(&libs.cuda))]),
         ("old_nccl_rejected", vec![("LOCKSTEP_NCCL_LIBRARY", s(&libs.nccl_old))]),
         ("sim_memory_kernels_events", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda))]),
+        ("sim_bench_device", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)), ("LOCKSTEP_NCCL_LIBRARY", s(&libs.sim_nccl))]),
         ("sim_drop_error_is_deferred", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)), ("SIM_FAIL_FREE", "1".into())]),
         ("sim_nccl_collectives", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)), ("LOCKSTEP_NCCL_LIBRARY", s(&libs.sim_nccl))]),
         ("sim_nccl_peer_never_joins", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)), ("LOCKSTEP_NCCL_LIBRARY", s(&libs.sim_nccl))]),

@@ -282,9 +282,7 @@ fn run() -> Result<(), CliError> {
     // JSON lines must reach stdout as they are, without the launcher's `[rank N]` prefix (only
     // rank 0 prints).
     lc.capture_output = !cfg.json;
-    let results = launch(&lc, |mut ctx: RankContext| {
-        run_rank(&mut ctx.comm, &cfg, &train_set, &test_set).map_err(|e| e.into())
-    })?;
+    let results = launch(&lc, |mut ctx: RankContext| run_rank(&mut ctx.comm, &cfg, &train_set, &test_set).map_err(|e| e.into()))?;
     print_rss(cfg.json, &results.iter().map(|r| r.1).collect::<Vec<_>>());
     Ok(())
 }

@@ -134,7 +134,7 @@ impl Communicator {
             let c = ShmComm::join_named(&info.job_id, info.local_rank, info.local_world_size, cfg)?;
             let host = Communicator::from_backend(Box::new(c));
             if backend == "nccl" {
-                return nccl_from_host(host, info.local_rank);
+                return device_communicator(host, info.local_rank).map(|(c, _)| c);
             }
             return Ok(host);
         }
@@ -218,7 +218,13 @@ mod tests {
 /// Device communicator for the ranks of one node: NCCL when every rank has its own GPU, otherwise
 /// the shared-memory backend staging device buffers through pinned host memory. The NCCL unique
 /// id travels through the host communicator, so CUDA is first initialised here, in the rank.
-fn nccl_from_host(mut host: Communicator, local_rank: usize) -> Result<Communicator, CommError> {
+///
+/// Returns the communicator and the CUDA context of the rank's device (local rank modulo the
+/// number of visible devices), on which device buffers for it must be allocated.
+pub fn device_communicator(
+    mut host: Communicator,
+    local_rank: usize,
+) -> Result<(Communicator, std::sync::Arc<crate::cuda::Context>), CommError> {
     let cuda = |e: crate::cuda::CudaError| CommError::Backend { backend: "cuda", message: e.to_string() };
     let gpus = crate::cuda::device_count().map_err(cuda)?;
     if gpus <= 0 {
@@ -228,10 +234,10 @@ fn nccl_from_host(mut host: Communicator, local_rank: usize) -> Result<Communica
     let ctx = crate::cuda::Context::new(ordinal).map_err(cuda)?;
     if host.world_size() > gpus as usize {
         let staged = crate::cuda::StagedBackend::new(&ctx, host).map_err(cuda)?;
-        return Ok(Communicator::from_backend(Box::new(staged)));
+        return Ok((Communicator::from_backend(Box::new(staged)), ctx));
     }
     let (rank, world) = (host.rank(), host.world_size());
     let nccl = crate::nccl::NcclComm::new(&ctx, rank, world, &mut host, crate::nccl::NcclOptions::default())
         .map_err(|e| CommError::Backend { backend: "nccl", message: e.to_string() })?;
-    Ok(Communicator::from_backend(Box::new(nccl)))
+    Ok((Communicator::from_backend(Box::new(nccl)), ctx))
 }

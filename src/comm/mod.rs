@@ -14,7 +14,7 @@ mod error;
 
 pub use buffer::{Buffer, BufferMut, MemSpace, RawMem};
 pub use dtype::{Dtype, Element, ReduceOp};
-pub use env::{host_id, EnvInfo};
+pub use env::{device_communicator, host_id, EnvInfo};
 pub use error::{CollKind, CommError};
 
 use std::fmt;
