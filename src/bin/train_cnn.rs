@@ -267,6 +267,10 @@ fn run() -> Result<(), CliError> {
     if let Some(n) = args.limit_train {
         train_set.truncate(n);
     }
+    if args.threads > 1 {
+        // Several GEMM threads per rank: do not pin each rank to a single CPU.
+        std::env::set_var("LOCKSTEP_CPU_BIND", "none");
+    }
     if let Some(joined) = comm_from_env() {
         let mut comm = joined.map_err(CliError::Join)?;
         let cfg = validate(&args, train_set.len())?;
