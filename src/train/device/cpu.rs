@@ -87,6 +87,16 @@ impl CpuExec {
         CpuExec { f32: vec![0.0; arena_len.0], i32: vec![0; arena_len.1], bf16: vec![bf16::ZERO; arena_len.2], ..Default::default() }
     }
 
+    /// Replace the three arenas (tests fill them with random values).
+    pub fn load_arenas(&mut self, f: &[f32], i: &[i32], b: &[bf16]) {
+        (self.f32, self.i32, self.bf16) = (f.to_vec(), i.to_vec(), b.to_vec());
+    }
+
+    /// Copies of the three arenas.
+    pub fn dump_arenas(&self) -> (Vec<f32>, Vec<i32>, Vec<bf16>) {
+        (self.f32.clone(), self.i32.clone(), self.bf16.clone())
+    }
+
     /// The dataset's range for a region: dataset arenas run from the offset to the end (the
     /// kernel indexes them by sample id).
     fn span(&self, r: &Region) -> std::ops::Range<usize> {

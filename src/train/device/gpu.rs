@@ -140,6 +140,18 @@ impl GpuExec {
         })
     }
 
+    /// Replace the three arenas' contents (lengths must match; tests fill them with random values).
+    pub fn load_arenas(&mut self, f: &[f32], i: &[i32], b: &[bf16]) -> Result<(), CudaError> {
+        self.a.f32.copy_from_host(&self.stream, f)?;
+        self.a.i32.copy_from_host(&self.stream, i)?;
+        self.a.bf16.copy_from_host(&self.stream, b)
+    }
+
+    /// Copies of the three arenas (waits for queued work).
+    pub fn dump_arenas(&self) -> Result<(Vec<f32>, Vec<i32>, Vec<bf16>), CudaError> {
+        Ok((self.a.f32.to_vec(&self.stream)?, self.a.i32.to_vec(&self.stream)?, self.a.bf16.to_vec(&self.stream)?))
+    }
+
     /// The stream everything runs on.
     pub fn stream(&self) -> &Stream {
         &self.stream
