@@ -482,10 +482,8 @@ fn train_device_runs_an_epoch_on_twins() {
     let data = synthetic(45, 12);
     let test = synthetic(13, 13);
     let cfg = lockstep::train::trainer::TrainConfig { epochs: 1, batch_size: 8, ..Default::default() };
-    let model = Model::fashion_cnn(8).unwrap();
-    let t = plan::Tensors::new(&model, 8, Precision::Fp32).unwrap();
     let opts = lockstep::train::device::DeviceOptions { loss_every: 2, ..Default::default() };
-    let out = lockstep::train::device::train_device(&cfg, &opts, &data, &test, CpuExec::new(t.arena_len), None, &mut lockstep::train::trainer::Silent).unwrap();
+    let out = lockstep::train::device::train_device(&cfg, &opts, &data, &test, |len| Ok(CpuExec::new(len)), None, &mut lockstep::train::trainer::Silent).unwrap();
     let r = &out.reports[0];
     assert_eq!((r.steps, r.test_count), (6, 13), "{r:?}");
     assert!(r.train_loss.is_finite() && r.train_loss > 0.0 && (0.0..=100.0).contains(&r.test_acc), "{r:?}");

@@ -250,14 +250,14 @@ impl<E: Exec> Engine<E> {
     }
 }
 
-/// Train the recipe CNN on executor `exec` (the GPU one in `train-cnn --device cuda`, the CPU
-/// twins in tests). `comm` joins the ranks (gradient average, metrics); `None` trains alone.
+/// Train the recipe CNN on the executor `make_exec` builds for the given arena sizes (f32, i32,
+/// bf16 elements): the GPU one in `train-cnn --device cuda`, the CPU twins in tests. `comm` joins the ranks (gradient average, metrics); `None` trains alone.
 pub fn train_device<E: Exec>(
     cfg: &TrainConfig,
     opts: &DeviceOptions,
     train_set: &Dataset,
     test_set: &Dataset,
-    exec: E,
+    make_exec: impl FnOnce((usize, usize, usize)) -> Result<E, DeviceError>,
     mut comm: Option<&mut Communicator>,
     obs: &mut dyn Observer,
 ) -> Result<TrainOutcome, DeviceError> {
@@ -270,7 +270,8 @@ pub fn train_device<E: Exec>(
     let (rank, world) = comm.as_deref().map(|c| (c.rank(), c.world_size())).unwrap_or((0, 1));
     let mut model = Model::fashion_cnn(cfg.batch_size)?;
     model.init(cfg.seed);
-    let mut eng = Engine::new(exec, &model, cfg.batch_size, opts.precision)?;
+    let layout = Tensors::new(&model, cfg.batch_size, opts.precision).map_err(DeviceError::Config)?;
+    let mut eng = Engine::new(make_exec(layout.arena_len)?, &model, cfg.batch_size, opts.precision)?;
     eng.upload_dataset(train_set, test_set)?;
     let mut sampler = DistributedSampler::new(train_set.len(), world, rank, true, cfg.seed);
     let mut idx = Vec::with_capacity(sampler.num_samples());
