@@ -77,6 +77,16 @@ fn gpu_losses(ctx: &std::sync::Arc<lockstep::cuda::Context>, model: &Model, data
     Ok((out, per_step_ms))
 }
 
+/// The train-cnn binary: `LOCKSTEP_TRAIN_CNN`, else next to this test binary's folder
+/// (`target/release/deps/..`, so a carried `target/release` works anywhere), else the build path.
+fn train_cnn_path() -> std::path::PathBuf {
+    if let Some(p) = std::env::var_os("LOCKSTEP_TRAIN_CNN") {
+        return p.into();
+    }
+    let beside = std::env::current_exe().ok().and_then(|e| Some(e.parent()?.parent()?.join("train-cnn")));
+    beside.filter(|p| p.is_file()).unwrap_or_else(|| env!("CARGO_BIN_EXE_train-cnn").into())
+}
+
 fn main() {
     gpu::driver_or_skip();
     if std::env::var_os("LOCKSTEP_NVRTC_OPTIONS").is_none() {
@@ -88,7 +98,7 @@ fn main() {
     // Child processes first (this process has not initialised CUDA yet; they are exec'd anyway).
     for nprocs in [1, 2] {
         r.run(&format!("train_cnn_device_cuda_{nprocs}_ranks"), || {
-            let out = std::process::Command::new(env!("CARGO_BIN_EXE_train-cnn"))
+            let out = std::process::Command::new(train_cnn_path())
                 .args(["--device", "cuda", "--nprocs", &nprocs.to_string(), "--epochs", "2", "--data"])
                 .arg(&dir)
                 .output()
