@@ -51,7 +51,8 @@ fn ok(r: Result<(), String>) {
 }
 
 /// (batch, in_c, h, w, out_c, k, stride, pad)
-const CONV_SHAPES: &[(usize, usize, usize, usize, usize, usize, usize, usize)] = &[
+type ConvShape = (usize, usize, usize, usize, usize, usize, usize, usize);
+const CONV_SHAPES: &[ConvShape] = &[
     (1, 1, 28, 28, 32, 5, 1, 2),
     (3, 3, 7, 6, 5, 3, 2, 1),
     (65, 2, 5, 5, 3, 3, 1, 1),

@@ -166,6 +166,8 @@ pub fn batchnorm2d_backward_f32(
 ) {
     let (n, c, hw) = (batch as usize, channels as usize, hw as usize);
     let cnt = (n * hw) as f32;
+    // `!(out > 0)`, not `out <= 0`: a NaN output masks its gradient, as in the kernel.
+    #[allow(clippy::neg_cmp_op_on_partial_ord)]
     let g = |i: usize| if relu != 0 && !(out[i] > 0.0) { 0.0 } else { dout[i] };
     for ch in 0..c {
         let (mean, invstd) = (save_mean[ch], save_invstd[ch]);

@@ -33,7 +33,10 @@ pub fn assert_close<G: Copy + Into<f64>, W: Copy + Into<f64>>(name: &str, got: &
         }
         let err = (g - w).abs();
         let lim = tol.atol + tol.rtol * w.abs();
-        if !(err <= lim) {
+        // `!(err <= lim)`: a NaN result is a mismatch.
+        #[allow(clippy::neg_cmp_op_on_partial_ord)]
+        let bad_value = !(err <= lim);
+        if bad_value {
             worst = worst.max(err / lim.max(f64::MIN_POSITIVE));
             if bad.len() < 10 {
                 bad.push(format!("  {name}[{i}]: got {g:.8e}, want {w:.8e} (|diff| {err:.3e} > {lim:.3e})"));

@@ -148,6 +148,7 @@ impl GpuExec {
     }
 
     /// Copies of the three arenas (waits for queued work).
+    #[allow(clippy::type_complexity)]
     pub fn dump_arenas(&self) -> Result<(Vec<f32>, Vec<i32>, Vec<bf16>), CudaError> {
         Ok((self.a.f32.to_vec(&self.stream)?, self.a.i32.to_vec(&self.stream)?, self.a.bf16.to_vec(&self.stream)?))
     }
