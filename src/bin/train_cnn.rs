@@ -332,7 +332,8 @@ fn run() -> Result<(), CliError> {
             cuda_usable().map_err(CliError::NoCuda)?;
             true
         }
-        Device::Auto => cuda_usable().is_ok(),
+        // CPU-only features keep `auto` on the CPU instead of failing.
+        Device::Auto => args.resume.is_none() && !args.sync_bn && cuda_usable().is_ok(),
     };
     // Load before forking: the ranks share the parent's pages instead of each decompressing.
     let mut train_set = data::load_split(&args.data, true)?;
