@@ -326,6 +326,7 @@ fn scenario(name: &str) {
                 assert!(rows.iter().all(|r| r.wrong == 0 && r.time_us > 0.0), "{op} on {nprocs} ranks: {rows:?}");
             }
         }
+        "sim_device_engine_host_side" => sim_device_engine_host_side(),
         "sim_drop_error_is_deferred" => {
             let ctx = lockstep::cuda::Context::new(0).unwrap();
             let s = ctx.stream().unwrap();
@@ -618,6 +619,61 @@ fn sim_staged() {
     }
 }
 
+/// The device engine's host side on the simulated driver (host memory stands in for device
+/// memory): arena views and their overlap check, region copies, the asynchronous read-back,
+/// parameter upload/download through `Engine`, the index list, and a launch that cannot compile
+/// (no NVRTC here) failing with an error instead of a panic.
+#[allow(clippy::single_range_in_vec_init)]
+fn sim_device_engine_host_side() {
+    use lockstep::train::device::{plan, Engine, Exec, GpuExec, Precision};
+    let ctx = lockstep::cuda::Context::new(0).unwrap();
+    let s = ctx.stream().unwrap();
+    // views
+    let mut b = lockstep::cuda::DeviceBuffer::from_host(&s, &[0f32, 1., 2., 3., 4., 5., 6., 7.]).unwrap();
+    let refused = |r: Result<_, lockstep::cuda::CudaError>, what: &str| match r {
+        Ok(_) => panic!("{what} accepted"),
+        Err(e) => e.to_string(),
+    };
+    let e = refused(b.split_views(&[0..4], &[3..6]).map(|_| ()), "overlapping write");
+    expect_contains("split_views overlap", &e, &["written range 3..6 overlaps 0..4"]);
+    let e = refused(b.split_views(&[], &[6..9]).map(|_| ()), "out-of-range view");
+    expect_contains("split_views range", &e, &["range 6..9 is outside the buffer of 8 f32 elements"]);
+    assert!(b.split_views(&[0..2, 1..3], &[4..6, 6..8]).is_ok(), "disjoint writes, overlapping reads");
+    // region copies and the read-back
+    let mut dst = lockstep::cuda::DeviceBuffer::<f32>::zeros(&s, 4).unwrap();
+    dst.copy_region_async(&s, 1, &b, 5, 3).unwrap();
+    assert_eq!(dst.to_vec(&s).unwrap(), vec![0., 5., 6., 7.]);
+    assert!(dst.copy_region_async(&s, 2, &b, 0, 3).is_err(), "destination overrun refused");
+    let mut rb = lockstep::cuda::HostReadback::<f32>::new(&ctx, 2).unwrap();
+    rb.start(&s, &b.view(2..4).unwrap()).unwrap();
+    assert_eq!(rb.wait().unwrap(), &[2., 3.]);
+    assert!(rb.start(&s, &b.view(0..3).unwrap()).is_err(), "length mismatch refused");
+    // the engine's uploads and downloads
+    let mut model = lockstep::train::model::Model::fashion_cnn(4).unwrap();
+    model.init(3);
+    let t = plan::Tensors::new(&model, 4, Precision::Fp32).unwrap();
+    let exec = GpuExec::new(&ctx, t.arena_len, true).unwrap();
+    let mut eng = Engine::new(exec, &model, 4, Precision::Fp32).unwrap();
+    assert_eq!(eng.params().unwrap(), model.params);
+    let st = eng.exec.read_f32(eng.t.bn_state).unwrap();
+    assert!(st[..32].iter().all(|&v| v == 0.0) && st[32..64].iter().all(|&v| v == 1.0), "running mean 0, var 1");
+    eng.set_index_list(&[9, 8, 7, 6, 5], false).unwrap();
+    eng.exec.select_indices(eng.t.indices.prefix(3), 2).unwrap();
+    assert_eq!(eng.exec.read_i32(eng.t.indices.prefix(3)).unwrap(), vec![7, 6, 5]);
+    eng.exec.write_f32(eng.t.loss.loss_sum, &[12.5]).unwrap();
+    eng.exec.start_read(eng.t.loss.loss_sum).unwrap();
+    assert_eq!(eng.exec.finish_read().unwrap(), vec![12.5]);
+    // The step's kernels need NVRTC (maybe absent) and the simulator knows only the elementwise
+    // ones: the step fails with an error naming the cause, never a panic.
+    let e = match eng.train_step(0, 3, 0.01, None) {
+        Ok(()) => panic!("the simulator cannot run the CNN kernels, yet the step succeeded"),
+        Err(e) => e.to_string(),
+    };
+    assert!(e.contains("NVRTC") || e.contains("gather_batch_f32"), "{e}");
+    drop(eng);
+    assert!(ctx.check().is_ok(), "no deferred errors");
+}
+
 fn main() {
     if let Ok(name) = std::env::var("LOCKSTEP_FAKE_SCENARIO") {
         scenario(&name);
@@ -640,6 +696,7 @@ fn main() {
         ("old_nccl_rejected", vec![("LOCKSTEP_NCCL_LIBRARY", s(&libs.nccl_old))]),
         ("sim_memory_kernels_events", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda))]),
         ("sim_bench_device", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)), ("LOCKSTEP_NCCL_LIBRARY", s(&libs.sim_nccl))]),
+        ("sim_device_engine_host_side", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda))]),
         ("sim_drop_error_is_deferred", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)), ("SIM_FAIL_FREE", "1".into())]),
         ("sim_nccl_collectives", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)), ("LOCKSTEP_NCCL_LIBRARY", s(&libs.sim_nccl))]),
         ("sim_nccl_peer_never_joins", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)), ("LOCKSTEP_NCCL_LIBRARY", s(&libs.sim_nccl))]),

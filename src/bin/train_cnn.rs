@@ -1,4 +1,4 @@
-//! `train-cnn`: data-parallel training of the FashionMNIST CNN recipe on CPU ranks.
+//! `train-cnn`: data-parallel training of the FashionMNIST CNN recipe on CPU ranks or CUDA GPUs.
 //!
 //! `main` only parses arguments, calls [`run`], and maps the result to an exit code. Raw CLI
 //! values ([`Args`]) are validated into a [`lockstep::train::trainer::TrainConfig`] in one place.
@@ -6,6 +6,12 @@
 //! `lockstep launch` (environment `LOCKSTEP_JOB_ID`, `RANK`, `WORLD_SIZE`) it joins instead.
 //! Rank 0 alone prints: a progress bar per epoch on a terminal, then one line (or, with
 //! `--json`, one JSON object) per epoch.
+//!
+//! `--device cuda` trains with the `kernels/*.cu` kernels (`lockstep::train::device`): each rank
+//! initialises CUDA itself after the fork, on GPU `local_rank % device_count`, and averages
+//! gradients with NCCL (one GPU per rank) or the staged shared-memory backend (ranks sharing a
+//! GPU). `--device auto` picks CUDA when a forked probe process finds a driver and a device, so
+//! the parent never initialises CUDA before forking.
 
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
@@ -14,8 +20,10 @@ use std::process::ExitCode;
 use clap::{Parser, ValueEnum};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use lockstep::comm::Communicator;
+use lockstep::cuda;
 use lockstep::launch::{launch, LaunchConfig, RankContext};
 use lockstep::train::data::{self, Dataset, DEFAULT_DATA_DIR};
+use lockstep::train::device::{self, DeviceOptions, GpuExec, Precision};
 use lockstep::train::kernels;
 use lockstep::train::schedule::Schedule;
 use lockstep::train::trainer::{self, EpochReport, Observer, Silent, TrainConfig};
@@ -25,9 +33,9 @@ use lockstep::train::trainer::{self, EpochReport, Observer, Silent, TrainConfig}
 enum Device {
     /// Shared-memory CPU ranks.
     Cpu,
-    /// CUDA GPUs (not available yet).
+    /// CUDA GPUs (the kernels in kernels/*.cu).
     Cuda,
-    /// CUDA when available, else CPU (CPU today).
+    /// CUDA when a driver and a device are found, else CPU.
     Auto,
 }
 
@@ -44,7 +52,7 @@ enum Sched {
 
 /// Raw command-line values.
 #[derive(Parser, Debug)]
-#[command(name = "train-cnn", version, about = "Train the FashionMNIST CNN with data-parallel CPU ranks (lockstep)")]
+#[command(name = "train-cnn", version, about = "Train the FashionMNIST CNN with data-parallel CPU ranks or CUDA GPUs (lockstep)")]
 struct Args {
     /// Ranks to fork (ignored when started by `lockstep launch`).
     #[arg(long, default_value_t = 2)]
@@ -91,13 +99,22 @@ struct Args {
     /// Gradient bucket size in MiB.
     #[arg(long, default_value_t = 25)]
     bucket_mib: usize,
+    /// GEMM precision on CUDA: fp32 or bf16 (f32 master weights and optimizer state either way).
+    #[arg(long, default_value = "fp32")]
+    precision: Precision,
+    /// On CUDA, read the training loss back every N steps.
+    #[arg(long, default_value_t = 50)]
+    loss_every: usize,
+    /// On CUDA, launch kernels one by one instead of replaying a captured CUDA graph (debugging).
+    #[arg(long)]
+    no_graphs: bool,
 }
 
 /// Errors of the command, each telling the user what to do.
 #[derive(Debug, thiserror::Error)]
 enum CliError {
-    #[error("CUDA training not available yet; use --device cpu (or auto)")]
-    NoCuda,
+    #[error("--device cuda: {0}; use --device cpu (or auto)")]
+    NoCuda(String),
     #[error("{0}")]
     Usage(String),
     #[error(transparent)]
@@ -113,14 +130,20 @@ enum CliError {
 /// Validated configuration.
 struct Config {
     train: TrainConfig,
+    cuda: bool,
+    device: DeviceOptions,
+    graphs: bool,
     nprocs: usize,
     threads: usize,
     json: bool,
 }
 
-fn validate(a: &Args, train_len: usize) -> Result<Config, CliError> {
-    if a.device == Device::Cuda {
-        return Err(CliError::NoCuda);
+fn validate(a: &Args, train_len: usize, cuda: bool) -> Result<Config, CliError> {
+    if cuda && (a.resume.is_some() || a.sync_bn) {
+        return Err(CliError::Usage("--resume and --sync-bn are CPU-only for now; drop them or use --device cpu".into()));
+    }
+    if a.loss_every == 0 {
+        return Err(CliError::Usage("--loss-every must be at least 1".into()));
     }
     if a.nprocs == 0 || a.batch_size == 0 || a.threads == 0 {
         return Err(CliError::Usage("--nprocs, --batch-size and --threads must be at least 1".into()));
@@ -165,6 +188,9 @@ fn validate(a: &Args, train_len: usize) -> Result<Config, CliError> {
             resume: a.resume.clone(),
             sync_bn: a.sync_bn,
         },
+        cuda,
+        device: DeviceOptions { precision: a.precision, loss_every: a.loss_every },
+        graphs: !a.no_graphs,
         nprocs: a.nprocs,
         threads: a.threads,
         json: a.json,
@@ -235,6 +261,57 @@ fn peak_rss_kib() -> u64 {
         .unwrap_or(0)
 }
 
+/// One CUDA rank: its own context (CUDA is first initialised here, after the fork), a device
+/// communicator built from the host one, then the device engine.
+fn run_rank_cuda(
+    host: Communicator,
+    local_rank: usize,
+    cfg: &Config,
+    train_set: &Dataset,
+    test_set: &Dataset,
+) -> Result<(f64, u64), Box<dyn std::error::Error + Send + Sync>> {
+    let (rank, world) = (host.rank(), host.world_size());
+    let ordinal = cuda::device_for_local_rank(local_rank)?;
+    let ctx = cuda::Context::new(ordinal)?;
+    let gpus = cuda::device_count()?.max(1) as usize;
+    let mut comm = if world == 1 {
+        host
+    } else if gpus >= world && lockstep::nccl::present() {
+        let mut host = host;
+        lockstep::nccl::NcclComm::new(&ctx, rank, world, &mut host, lockstep::nccl::NcclOptions::default())?.into_communicator()
+    } else {
+        cuda::StagedBackend::new(&ctx, host)?.into_communicator()
+    };
+    let make = |len| Ok(GpuExec::new(&ctx, len, cfg.graphs)?);
+    let out = if rank == 0 {
+        device::train_device(
+            &cfg.train,
+            &cfg.device,
+            train_set,
+            test_set,
+            make,
+            Some(&mut comm),
+            &mut Printer { json: cfg.json, bar: None },
+        )?
+    } else {
+        device::train_device(&cfg.train, &cfg.device, train_set, test_set, make, Some(&mut comm), &mut Silent)?
+    };
+    Ok((out.reports.last().map(|r| r.test_acc).unwrap_or(0.0), peak_rss_kib()))
+}
+
+/// Whether `--device auto` should use CUDA: a driver library loads and a forked probe process
+/// (this one stays uninitialised, so forking ranks stays allowed) sees at least one device.
+fn cuda_usable() -> Result<(), String> {
+    if !cuda::driver_present() {
+        return Err("no CUDA driver library".into());
+    }
+    let s = cuda::init::probe_child()?;
+    if s.contains(" 0 device(s)") {
+        return Err(s);
+    }
+    Ok(())
+}
+
 /// One rank's work; returns (final test accuracy, peak RSS KiB).
 fn run_rank(comm: &mut Communicator, cfg: &Config, train_set: &Dataset, test_set: &Dataset) -> Result<(f64, u64), trainer::TrainError> {
     kernels::set_threads(cfg.threads);
@@ -258,9 +335,15 @@ fn print_rss(json: bool, rss: &[u64]) {
 
 fn run() -> Result<(), CliError> {
     let args = Args::parse();
-    if args.device == Device::Cuda {
-        return Err(CliError::NoCuda);
-    }
+    let cuda = match args.device {
+        Device::Cpu => false,
+        Device::Cuda => {
+            cuda_usable().map_err(CliError::NoCuda)?;
+            true
+        }
+        // CPU-only features keep `auto` on the CPU instead of failing.
+        Device::Auto => args.resume.is_none() && !args.sync_bn && cuda_usable().is_ok(),
+    };
     // Load before forking: the ranks share the parent's pages instead of each decompressing.
     let mut train_set = data::load_split(&args.data, true)?;
     let test_set = data::load_split(&args.data, false)?;
@@ -273,20 +356,32 @@ fn run() -> Result<(), CliError> {
     }
     if let Some(joined) = comm_from_env() {
         let mut comm = joined.map_err(CliError::Join)?;
-        let cfg = validate(&args, train_set.len())?;
+        let cfg = validate(&args, train_set.len(), cuda)?;
         let cfg = Config { nprocs: comm.world_size(), ..cfg };
-        let (_, rss) = run_rank(&mut comm, &cfg, &train_set, &test_set)?;
-        if comm.rank() == 0 {
+        let rank0 = comm.rank() == 0;
+        let rss = if cfg.cuda {
+            let local = std::env::var("LOCAL_RANK").ok().and_then(|v| v.parse().ok()).unwrap_or(comm.rank());
+            run_rank_cuda(comm, local, &cfg, &train_set, &test_set).map_err(|e| CliError::Join(format!("CUDA rank: {e}")))?.1
+        } else {
+            run_rank(&mut comm, &cfg, &train_set, &test_set)?.1
+        };
+        if rank0 {
             print_rss(cfg.json, &[rss]);
         }
         return Ok(());
     }
-    let cfg = validate(&args, train_set.len())?;
+    let cfg = validate(&args, train_set.len(), cuda)?;
     let mut lc = LaunchConfig::new(cfg.nprocs);
     // JSON lines must reach stdout as they are, without the launcher's `[rank N]` prefix (only
     // rank 0 prints).
     lc.capture_output = !cfg.json;
-    let results = launch(&lc, |mut ctx: RankContext| run_rank(&mut ctx.comm, &cfg, &train_set, &test_set).map_err(|e| e.into()))?;
+    let results = launch(&lc, |mut ctx: RankContext| {
+        if cfg.cuda {
+            run_rank_cuda(ctx.comm, ctx.local_rank, &cfg, &train_set, &test_set)
+        } else {
+            run_rank(&mut ctx.comm, &cfg, &train_set, &test_set).map_err(|e| e.into())
+        }
+    })?;
     print_rss(cfg.json, &results.iter().map(|r| r.1).collect::<Vec<_>>());
     Ok(())
 }

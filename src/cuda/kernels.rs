@@ -10,6 +10,27 @@ use super::module::{ArgKind, KernelSig};
 
 include!(concat!(env!("OUT_DIR"), "/kernels.rs"));
 
+/// Rust twin of `struct BucketEntry` in `kernels/data.cu`: one tensor of a gradient bucket for
+/// `bucket_flatten_f32` / `bucket_unflatten_f32` (24 bytes; offsets and lengths in f32 elements).
+/// The kernel signature passes the table as `i64` triplets ([`BucketEntry::to_words`]).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BucketEntry {
+    /// The tensor's device address (`CUdeviceptr`).
+    pub ptr: u64,
+    /// Offset of the tensor in the bucket.
+    pub offset: i64,
+    /// Elements of the tensor.
+    pub len: i64,
+}
+
+impl BucketEntry {
+    /// The three 8-byte words of the table entry, as uploaded.
+    pub fn to_words(self) -> [i64; 3] {
+        [self.ptr as i64, self.offset, self.len]
+    }
+}
+
 /// One variant per `kernels/*.cu` file (a unit test checks none is missing).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum KernelId {
@@ -510,21 +531,9 @@ impl std::fmt::Display for KernelId {
     }
 }
 
-/// CPU twins of the kernels: same names, same argument order (STYLE item 8).
-pub mod cpu {
-    /// `out[i] = value` for `i < n`.
-    pub fn fill_f32(out: &mut [f32], value: f32, n: i64) {
-        out[..n as usize].iter_mut().for_each(|v| *v = value);
-    }
-    /// `x[i] *= alpha` for `i < n`.
-    pub fn scale_f32(x: &mut [f32], alpha: f32, n: i64) {
-        x[..n as usize].iter_mut().for_each(|v| *v *= alpha);
-    }
-    /// `y[i] += alpha * x[i]` for `i < n`.
-    pub fn axpy_f32(y: &mut [f32], x: &[f32], alpha: f32, n: i64) {
-        y[..n as usize].iter_mut().zip(x).for_each(|(y, x)| *y += alpha * x);
-    }
-}
+/// CPU twins of every kernel: same names, same argument order (STYLE item 8), in `twins.rs`.
+#[path = "twins.rs"]
+pub mod cpu;
 
 #[cfg(test)]
 mod tests {
@@ -565,6 +574,15 @@ mod tests {
                 assert_eq!(params.split(',').count(), sig.args.len(), "{k}::{}: parameter count differs from the signature", sig.name);
             }
         }
+    }
+
+    #[test]
+    fn every_entry_point_has_a_cpu_twin() {
+        let mut declared: Vec<&str> = KernelId::ALL.iter().flat_map(|k| k.functions().iter().map(|s| s.name)).collect();
+        let mut twins = cpu::TWINS.to_vec();
+        declared.sort_unstable();
+        twins.sort_unstable();
+        assert_eq!(declared, twins, "every kernel entry point needs a CPU twin in src/cuda/twins.rs (and a TWINS entry)");
     }
 
     #[test]

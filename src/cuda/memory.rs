@@ -254,3 +254,193 @@ unsafe impl<T: Element> BufferMut<T> for PinnedBuffer<T> {
         (**self).raw_mut()
     }
 }
+
+// ------------------------------------------------------------------------------------------------
+// views: sub-ranges of one allocation as kernel arguments
+
+/// A read-only view of `len` elements of a [`DeviceBuffer`], borrowed from it. Lets a kernel take
+/// one tensor of a flat arena (parameters, activations) as its argument.
+pub struct DeviceView<'a, T: Element> {
+    raw: RawMem,
+    _b: PhantomData<&'a DeviceBuffer<T>>,
+}
+
+/// A writable view of a sub-range of a [`DeviceBuffer`]; [`DeviceBuffer::split_views`] hands out
+/// several at once only when they are disjoint from each other and from every read view.
+pub struct DeviceViewMut<'a, T: Element> {
+    raw: RawMem,
+    _b: PhantomData<&'a mut DeviceBuffer<T>>,
+}
+
+// SAFETY: the view lies inside the allocation (checked when created) and borrows the buffer, so
+// the allocation outlives it.
+unsafe impl<T: Element> Buffer<T> for DeviceView<'_, T> {
+    fn raw(&self) -> RawMem {
+        self.raw
+    }
+}
+
+// SAFETY: as for `DeviceView`.
+unsafe impl<T: Element> Buffer<T> for DeviceViewMut<'_, T> {
+    fn raw(&self) -> RawMem {
+        self.raw
+    }
+}
+
+// SAFETY: `split_views` guarantees no other live view of the same buffer overlaps a writable one,
+// and the `&mut` borrow of the buffer excludes every other access for the views' lifetime.
+unsafe impl<T: Element> BufferMut<T> for DeviceViewMut<'_, T> {
+    fn raw_mut(&mut self) -> RawMem {
+        self.raw
+    }
+}
+
+impl<T: Element> DeviceBuffer<T> {
+    fn range_raw(&self, r: &std::ops::Range<usize>, op: &str) -> Result<RawMem, CudaError> {
+        if r.start > r.end || r.end > self.len {
+            return Err(CudaError::InvalidArgument {
+                op: op.into(),
+                detail: format!("range {r:?} is outside the buffer of {} {} elements; fix the caller's offsets", self.len, T::DTYPE),
+            });
+        }
+        let addr = self.ptr as usize + r.start * std::mem::size_of::<T>();
+        Ok(RawMem { addr, len: r.len(), space: MemSpace::Device(self.ctx.ordinal()) })
+    }
+
+    /// A read-only view of elements `r`.
+    pub fn view(&self, r: std::ops::Range<usize>) -> Result<DeviceView<'_, T>, CudaError> {
+        Ok(DeviceView { raw: self.range_raw(&r, "DeviceBuffer::view")?, _b: PhantomData })
+    }
+
+    /// Read views of `reads` and writable views of `writes`, all at once. Every write range must
+    /// be disjoint from every other range (empty ranges excepted); read ranges may overlap each other.
+    #[allow(clippy::type_complexity)]
+    pub fn split_views(
+        &mut self,
+        reads: &[std::ops::Range<usize>],
+        writes: &[std::ops::Range<usize>],
+    ) -> Result<(Vec<DeviceView<'_, T>>, Vec<DeviceViewMut<'_, T>>), CudaError> {
+        let overlap =
+            |a: &std::ops::Range<usize>, b: &std::ops::Range<usize>| !a.is_empty() && !b.is_empty() && a.start < b.end && b.start < a.end;
+        for (i, w) in writes.iter().enumerate() {
+            let clash = writes
+                .iter()
+                .enumerate()
+                .find(|(j, o)| *j != i && overlap(w, o))
+                .map(|(_, o)| o)
+                .or_else(|| reads.iter().find(|r| overlap(w, r)));
+            if let Some(o) = clash {
+                return Err(CudaError::InvalidArgument {
+                    op: "DeviceBuffer::split_views".into(),
+                    detail: format!("written range {w:?} overlaps {o:?}; give the kernel separate tensors"),
+                });
+            }
+        }
+        let r = reads
+            .iter()
+            .map(|r| Ok(DeviceView { raw: self.range_raw(r, "DeviceBuffer::split_views")?, _b: PhantomData }))
+            .collect::<Result<Vec<_>, CudaError>>()?;
+        let w = writes
+            .iter()
+            .map(|r| Ok(DeviceViewMut { raw: self.range_raw(r, "DeviceBuffer::split_views")?, _b: PhantomData }))
+            .collect::<Result<Vec<_>, CudaError>>()?;
+        Ok((r, w))
+    }
+
+    /// Device-to-device copy of `len` elements from `src[src_off..]` into `self[dst_off..]`, in
+    /// stream order (no wait). Graph-capturable.
+    pub fn copy_region_async(
+        &mut self,
+        stream: &Stream,
+        dst_off: usize,
+        src: &DeviceBuffer<T>,
+        src_off: usize,
+        len: usize,
+    ) -> Result<(), CudaError> {
+        let d = self.range_raw(&(dst_off..dst_off.saturating_add(len)), "DeviceBuffer::copy_region_async")?;
+        let s = src.range_raw(&(src_off..src_off.saturating_add(len)), "DeviceBuffer::copy_region_async")?;
+        self.check_stream(stream, "DeviceBuffer::copy_region_async")?;
+        if len == 0 {
+            return Ok(());
+        }
+        // SAFETY: both ranges were checked to lie inside live device allocations (`self` is
+        // borrowed mutably, so the destination is not aliased by another Rust view); cuMemFree
+        // waits for pending work before releasing either.
+        unsafe { driver::memcpy_dtod_async(d.addr as CUdeviceptr, s.addr as CUdeviceptr, len * std::mem::size_of::<T>(), stream.raw()) }
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// asynchronous read-back
+
+/// Page-locked landing zone for reading a few device values back without stalling the stream:
+/// [`start`](Self::start) enqueues the copy and records an event; [`wait`](Self::wait), called a
+/// few steps later, finds it long finished. The host memory is owned here and only handed out once the copy
+/// has finished, and `Drop` waits for an in-flight copy, so the unsafety of pinned async copies
+/// stays inside this type.
+pub struct HostReadback<T: Element> {
+    host: PinnedBuffer<T>,
+    done: super::context::Event,
+    in_flight: bool,
+}
+
+impl<T: Element> HostReadback<T> {
+    /// A read-back area of `len` elements on `ctx`.
+    pub fn new(ctx: &Arc<Context>, len: usize) -> Result<Self, CudaError> {
+        Ok(HostReadback { host: PinnedBuffer::zeros(ctx, len)?, done: ctx.event()?, in_flight: false })
+    }
+
+    /// Enqueue a copy of `src` (exactly `len` elements) on `stream`. Waits first if a previous
+    /// copy is still in flight.
+    pub fn start<B: Buffer<T> + ?Sized>(&mut self, stream: &Stream, src: &B) -> Result<(), CudaError> {
+        if self.in_flight {
+            self.done.synchronize()?;
+            self.in_flight = false;
+        }
+        let r = src.raw();
+        if r.len != self.host.len || r.space != MemSpace::Device(stream.context().ordinal()) {
+            return Err(CudaError::InvalidArgument {
+                op: "HostReadback::start".into(),
+                detail: format!(
+                    "source holds {} elements in {:?}, the read-back area {} on Device({})",
+                    r.len,
+                    r.space,
+                    self.host.len,
+                    stream.context().ordinal()
+                ),
+            });
+        }
+        stream.context().bind()?;
+        // SAFETY: the destination is our own pinned allocation of the same length, not handed out
+        // until the event recorded below has completed (`wait`/`ready`), and `Drop` waits for it.
+        unsafe { driver::memcpy_dtoh_async(self.host.ptr.cast(), r.addr as CUdeviceptr, r.len * std::mem::size_of::<T>(), stream.raw())? };
+        self.done.record(stream)?;
+        self.in_flight = true;
+        Ok(())
+    }
+
+    /// Whether a copy was started and has not been collected yet.
+    pub fn in_flight(&self) -> bool {
+        self.in_flight
+    }
+
+    /// Block until the last copy has completed and return the values.
+    pub fn wait(&mut self) -> Result<&[T], CudaError> {
+        if self.in_flight {
+            self.done.synchronize()?;
+            self.in_flight = false;
+        }
+        Ok(&self.host)
+    }
+}
+
+impl<T: Element> Drop for HostReadback<T> {
+    fn drop(&mut self) {
+        if self.in_flight {
+            // The pinned memory must not be freed under a running copy.
+            if let Err(e) = self.done.synchronize() {
+                self.host.ctx.record_err("waiting for a read-back copy".into(), e);
+            }
+        }
+    }
+}

@@ -13,6 +13,7 @@
 //! | `LOCKSTEP_CUDA_LIBRARY`, `LOCKSTEP_NVRTC_LIBRARY`, `LOCKSTEP_NCCL_LIBRARY` | use this library file (or folder) instead of searching |
 //! | `LOCKSTEP_DEBUG=1` | the launcher's fork check also forks a probe child that reports whether a rank can initialise CUDA |
 //! | `LOCKSTEP_TIMEOUT_S` | NCCL init / synchronize timeout before `ncclCommAbort` (default 300) |
+//! | `LOCKSTEP_NVRTC_OPTIONS` | extra NVRTC options for every kernel file, e.g. `-DLOCKSTEP_NO_TF32` (part of the cache key) |
 //! | `XDG_CACHE_HOME` | kernel cache under `$XDG_CACHE_HOME/lockstep` (else `~/.cache/lockstep`) |
 //! | `CUDA_VISIBLE_DEVICES` | applied by the driver itself |
 //!
@@ -85,9 +86,10 @@ pub use discovery::{env_report, LibKind};
 pub use error::{CudaError, NvrtcError};
 pub use graph::Graph;
 pub use kernels::KernelId;
-pub use memory::{DeviceBuffer, PinnedBuffer};
+pub use memory::{DeviceBuffer, DeviceView, DeviceViewMut, HostReadback, PinnedBuffer};
 pub use module::{
-    cache_dir, compile_cubin_cached, compile_ptx, ArgKind, Function, KernelScalar, KernelSig, Launch, LaunchConfig, Module, NvrtcInfo,
+    cache_dir, compile_cubin_cached, compile_ptx, extra_nvrtc_options, ArgKind, Function, KernelScalar, KernelSig, Launch, LaunchConfig,
+    Module, NvrtcInfo,
 };
 pub use staged::StagedBackend;
 

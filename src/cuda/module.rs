@@ -65,6 +65,15 @@ pub fn compile_ptx(id: KernelId, arch: &str) -> Result<String, CudaError> {
     Ok(String::from_utf8_lossy(&ptx).trim_end_matches('\0').to_string())
 }
 
+/// Extra NVRTC options from `LOCKSTEP_NVRTC_OPTIONS` (whitespace-separated, e.g.
+/// `-DLOCKSTEP_NO_TF32` for exact f32 GEMMs in tests). Read once per process; the options take
+/// part in the disk-cache key, so switching them never loads a stale image.
+pub fn extra_nvrtc_options() -> Vec<String> {
+    static OPTS: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
+    OPTS.get_or_init(|| std::env::var("LOCKSTEP_NVRTC_OPTIONS").unwrap_or_default().split_whitespace().map(str::to_string).collect())
+        .clone()
+}
+
 /// 64-bit FNV-1a (stable across Rust versions, unlike `DefaultHasher`).
 fn fnv1a(parts: &[&[u8]]) -> u64 {
     let mut h: u64 = 0xcbf29ce484222325;
@@ -92,7 +101,8 @@ pub fn cache_dir() -> PathBuf {
 /// and whether it came from the cache.
 pub fn compile_cubin_cached(id: KernelId, cc: (i32, i32), driver_version: i32) -> Result<(Vec<u8>, bool), CudaError> {
     let n = nvrtc::api()?;
-    let opts = vec![format!("--gpu-architecture=sm_{}{}", cc.0, cc.1), "-default-device".to_string()];
+    let mut opts = vec![format!("--gpu-architecture=sm_{}{}", cc.0, cc.1), "-default-device".to_string()];
+    opts.extend(extra_nvrtc_options());
     let mut parts: Vec<&[u8]> = vec![id.source().as_bytes()];
     for (name, src) in KernelId::headers() {
         parts.push(name.as_bytes());

@@ -12,10 +12,12 @@
 //! | `optim.rs`, `schedule.rs` | Adam / SGD with PyTorch semantics; constant, cosine, one-cycle |
 //! | `data.rs`, `sampler.rs` | IDX reader with validation; distributed sampler and metric counts |
 //! | `checkpoint.rs` | safetensors with PyTorch `state_dict` names, atomic writes, resume |
+//! | `device/` | the same CNN on CUDA: a launch plan per step (CUDA graph), GPU and CPU-twin executors |
 //! | `trainer.rs` | the data-parallel loop: broadcast, bucketed gradient all-reduce, evaluation |
 
 pub mod checkpoint;
 pub mod data;
+pub mod device;
 pub mod kernels;
 pub mod layers;
 pub mod model;

@@ -1,0 +1,895 @@
+//! CPU twins of every `kernels/*.cu` entry point (STYLE item 8): the same name and argument
+//! order, device pointers become slices (`&mut` where the kernel writes), scalars keep their C
+//! types (`i32` for `int`, `i64` for `long long`). Each twin implements the math documented in its
+//! `.cu` header and nothing else, so a kernel is checked against its twin on random inputs
+//! (`tests/gpu_kernels.rs`) and the twin against the engine's CPU layers (`tests/twins.rs`, which
+//! runs everywhere).
+//!
+//! Arithmetic: f32, with the kernel's conventions (activation gradients OVERWRITTEN, parameter
+//! gradients ACCUMULATED). GEMM-shaped sums (conv, linear) accumulate in f32 like the kernels'
+//! tiles; per-channel statistics (BatchNorm) and the loss accumulate in f64, a closer stand-in for
+//! the kernels' tree reductions than one long sequential f32 sum. `_bf16` twins take
+//! `half::bf16` operands, widen them exactly, and accumulate in f32 as the kernels do.
+//! A `NULL`-able pointer (conv/linear bias, BatchNorm `out` when `relu = 0`, the SGD buffer when
+//! `momentum = 0`) is an `Option` or may be an empty slice, as documented per function.
+//!
+//! Sizes are trusted like the kernels trust them: a slice shorter than its shape says panics
+//! (index out of bounds), which in a test is the bug report.
+
+use half::bf16;
+
+use crate::train::layers::Conv2dParams;
+
+/// Convolution shape from the kernels' scalar arguments.
+fn conv_params(in_c: i32, out_c: i32, kh: i32, kw: i32, stride: i32, pad: i32) -> Conv2dParams {
+    Conv2dParams {
+        in_c: in_c as usize,
+        out_c: out_c as usize,
+        kh: kh as usize,
+        kw: kw as usize,
+        stride: stride as usize,
+        pad: pad as usize,
+    }
+}
+
+/// Exact widening of a kernel operand (f32 or bf16) to f32.
+trait Operand: Copy {
+    fn f(self) -> f32;
+}
+impl Operand for f32 {
+    #[inline(always)]
+    fn f(self) -> f32 {
+        self
+    }
+}
+impl Operand for bf16 {
+    #[inline(always)]
+    fn f(self) -> f32 {
+        self.to_f32()
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// elementwise.cu
+
+/// `out[i] = value` for `i < n`.
+pub fn fill_f32(out: &mut [f32], value: f32, n: i64) {
+    out[..n as usize].iter_mut().for_each(|v| *v = value);
+}
+/// `x[i] *= alpha` for `i < n`.
+pub fn scale_f32(x: &mut [f32], alpha: f32, n: i64) {
+    x[..n as usize].iter_mut().for_each(|v| *v *= alpha);
+}
+/// `y[i] += alpha * x[i]` for `i < n`.
+pub fn axpy_f32(y: &mut [f32], x: &[f32], alpha: f32, n: i64) {
+    y[..n as usize].iter_mut().zip(x).for_each(|(y, x)| *y += alpha * x);
+}
+
+// ------------------------------------------------------------------------------------------------
+// activation.cu
+
+/// `out[i] = max(inp[i], 0)`.
+pub fn relu_forward_f32(out: &mut [f32], inp: &[f32], n: i32) {
+    for i in 0..n as usize {
+        out[i] = inp[i].max(0.0);
+    }
+}
+
+/// `dinp[i] = out[i] > 0 ? dout[i] : 0` (overwritten).
+pub fn relu_backward_f32(dinp: &mut [f32], out: &[f32], dout: &[f32], n: i32) {
+    for i in 0..n as usize {
+        dinp[i] = if out[i] > 0.0 { dout[i] } else { 0.0 };
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// batchnorm.cu
+
+/// Training-mode BatchNorm2d: batch statistics (biased variance, two passes), saved mean and
+/// 1/std, running estimates updated with the unbiased variance, optional fused ReLU.
+#[allow(clippy::too_many_arguments)]
+pub fn batchnorm2d_forward_train_f32(
+    out: &mut [f32],
+    save_mean: &mut [f32],
+    save_invstd: &mut [f32],
+    running_mean: &mut [f32],
+    running_var: &mut [f32],
+    inp: &[f32],
+    weight: &[f32],
+    bias: &[f32],
+    batch: i32,
+    channels: i32,
+    hw: i32,
+    momentum: f32,
+    eps: f32,
+    relu: i32,
+) {
+    let (n, c, hw) = (batch as usize, channels as usize, hw as usize);
+    let cnt = n * hw;
+    for ch in 0..c {
+        let plane = |b: usize| (b * c + ch) * hw..(b * c + ch + 1) * hw;
+        let s: f64 = (0..n).map(|b| inp[plane(b)].iter().map(|&x| x as f64).sum::<f64>()).sum();
+        let mean = (s / cnt as f64) as f32;
+        let q: f64 = (0..n).map(|b| inp[plane(b)].iter().map(|&x| ((x - mean) as f64).powi(2)).sum::<f64>()).sum();
+        let var = (q / cnt as f64) as f32;
+        let invstd = 1.0 / (var + eps).sqrt();
+        save_mean[ch] = mean;
+        save_invstd[ch] = invstd;
+        let unbiased = if cnt > 1 { var * cnt as f32 / (cnt - 1) as f32 } else { var };
+        running_mean[ch] = (1.0 - momentum) * running_mean[ch] + momentum * mean;
+        running_var[ch] = (1.0 - momentum) * running_var[ch] + momentum * unbiased;
+        let scale = invstd * weight[ch];
+        let shift = bias[ch] - mean * scale;
+        for b in 0..n {
+            for i in plane(b) {
+                let y = inp[i] * scale + shift;
+                out[i] = if relu != 0 { y.max(0.0) } else { y };
+            }
+        }
+    }
+}
+
+/// Evaluation-mode BatchNorm2d with the running statistics (optional fused ReLU).
+#[allow(clippy::too_many_arguments)]
+pub fn batchnorm2d_forward_eval_f32(
+    out: &mut [f32],
+    inp: &[f32],
+    weight: &[f32],
+    bias: &[f32],
+    running_mean: &[f32],
+    running_var: &[f32],
+    batch: i32,
+    channels: i32,
+    hw: i32,
+    eps: f32,
+    relu: i32,
+) {
+    let (c, hw) = (channels as usize, hw as usize);
+    for i in 0..batch as usize * c * hw {
+        let ch = (i / hw) % c;
+        let invstd = 1.0 / (running_var[ch] + eps).sqrt();
+        let y = (inp[i] - running_mean[ch]) * invstd * weight[ch] + bias[ch];
+        out[i] = if relu != 0 { y.max(0.0) } else { y };
+    }
+}
+
+/// BatchNorm2d backward: `dbias`, `dweight` accumulated, `dinp` overwritten; with `relu != 0`
+/// the incoming gradient is masked by `out > 0` (`out` is unused, and may be empty, when `relu = 0`).
+#[allow(clippy::too_many_arguments)]
+pub fn batchnorm2d_backward_f32(
+    dinp: &mut [f32],
+    dweight: &mut [f32],
+    dbias: &mut [f32],
+    dout: &[f32],
+    inp: &[f32],
+    out: &[f32],
+    weight: &[f32],
+    save_mean: &[f32],
+    save_invstd: &[f32],
+    batch: i32,
+    channels: i32,
+    hw: i32,
+    relu: i32,
+) {
+    let (n, c, hw) = (batch as usize, channels as usize, hw as usize);
+    let cnt = (n * hw) as f32;
+    // `!(out > 0)`, not `out <= 0`: a NaN output masks its gradient, as in the kernel.
+    #[allow(clippy::neg_cmp_op_on_partial_ord)]
+    let g = |i: usize| if relu != 0 && !(out[i] > 0.0) { 0.0 } else { dout[i] };
+    for ch in 0..c {
+        let (mean, invstd) = (save_mean[ch], save_invstd[ch]);
+        let plane = |b: usize| (b * c + ch) * hw..(b * c + ch + 1) * hw;
+        let (mut sg, mut sgx) = (0.0f64, 0.0f64);
+        for b in 0..n {
+            for i in plane(b) {
+                sg += g(i) as f64;
+                sgx += (g(i) * (inp[i] - mean) * invstd) as f64;
+            }
+        }
+        let (sg, sgx) = (sg as f32, sgx as f32);
+        dbias[ch] += sg;
+        dweight[ch] += sgx;
+        let k = weight[ch] * invstd;
+        let (mg, mgx) = (sg / cnt, sgx / cnt);
+        for b in 0..n {
+            for i in plane(b) {
+                let xhat = (inp[i] - mean) * invstd;
+                dinp[i] = k * (g(i) - mg - xhat * mgx);
+            }
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// conv2d.cu
+
+#[allow(clippy::too_many_arguments)]
+fn conv2d_forward_t<T: Operand>(
+    out: &mut [f32],
+    inp: &[T],
+    weight: &[T],
+    bias: Option<&[f32]>,
+    batch: i32,
+    in_c: i32,
+    in_h: i32,
+    in_w: i32,
+    out_c: i32,
+    kh: i32,
+    kw: i32,
+    stride: i32,
+    pad: i32,
+) {
+    let cp = conv_params(in_c, out_c, kh, kw, stride, pad);
+    let (ih, iw) = (in_h as usize, in_w as usize);
+    let (oh, ow) = (cp.out_h(ih), cp.out_w(iw));
+    for n in 0..batch as usize {
+        for oc in 0..cp.out_c {
+            for oy in 0..oh {
+                for ox in 0..ow {
+                    let mut acc = 0.0f32;
+                    for ic in 0..cp.in_c {
+                        for ky in 0..cp.kh {
+                            let iy = (oy * cp.stride + ky) as isize - cp.pad as isize;
+                            if iy < 0 || iy >= ih as isize {
+                                continue;
+                            }
+                            for kx in 0..cp.kw {
+                                let ix = (ox * cp.stride + kx) as isize - cp.pad as isize;
+                                if ix < 0 || ix >= iw as isize {
+                                    continue;
+                                }
+                                let x = inp[((n * cp.in_c + ic) * ih + iy as usize) * iw + ix as usize].f();
+                                let w = weight[((oc * cp.in_c + ic) * cp.kh + ky) * cp.kw + kx].f();
+                                acc += w * x;
+                            }
+                        }
+                    }
+                    out[((n * cp.out_c + oc) * oh + oy) * ow + ox] = acc + bias.map_or(0.0, |b| b[oc]);
+                }
+            }
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn conv2d_backward_input_t<T: Operand>(
+    dinp: &mut [f32],
+    dout: &[T],
+    weight: &[T],
+    batch: i32,
+    in_c: i32,
+    in_h: i32,
+    in_w: i32,
+    out_c: i32,
+    kh: i32,
+    kw: i32,
+    stride: i32,
+    pad: i32,
+) {
+    let cp = conv_params(in_c, out_c, kh, kw, stride, pad);
+    let (ih, iw) = (in_h as usize, in_w as usize);
+    let (oh, ow) = (cp.out_h(ih), cp.out_w(iw));
+    let s = cp.stride as isize;
+    for n in 0..batch as usize {
+        for ic in 0..cp.in_c {
+            for iy in 0..ih {
+                for ix in 0..iw {
+                    let mut acc = 0.0f32;
+                    for oc in 0..cp.out_c {
+                        for ky in 0..cp.kh {
+                            let ty = iy as isize + cp.pad as isize - ky as isize;
+                            if ty < 0 || ty % s != 0 || (ty / s) as usize >= oh {
+                                continue;
+                            }
+                            for kx in 0..cp.kw {
+                                let tx = ix as isize + cp.pad as isize - kx as isize;
+                                if tx < 0 || tx % s != 0 || (tx / s) as usize >= ow {
+                                    continue;
+                                }
+                                let (oy, ox) = ((ty / s) as usize, (tx / s) as usize);
+                                let w = weight[((oc * cp.in_c + ic) * cp.kh + ky) * cp.kw + kx].f();
+                                acc += w * dout[((n * cp.out_c + oc) * oh + oy) * ow + ox].f();
+                            }
+                        }
+                    }
+                    dinp[((n * cp.in_c + ic) * ih + iy) * iw + ix] = acc;
+                }
+            }
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn conv2d_backward_weight_t<T: Operand>(
+    dweight: &mut [f32],
+    dout: &[T],
+    inp: &[T],
+    batch: i32,
+    in_c: i32,
+    in_h: i32,
+    in_w: i32,
+    out_c: i32,
+    kh: i32,
+    kw: i32,
+    stride: i32,
+    pad: i32,
+) {
+    let cp = conv_params(in_c, out_c, kh, kw, stride, pad);
+    let (ih, iw) = (in_h as usize, in_w as usize);
+    let (oh, ow) = (cp.out_h(ih), cp.out_w(iw));
+    for oc in 0..cp.out_c {
+        for ic in 0..cp.in_c {
+            for ky in 0..cp.kh {
+                for kx in 0..cp.kw {
+                    let mut acc = 0.0f32;
+                    for n in 0..batch as usize {
+                        for oy in 0..oh {
+                            let iy = (oy * cp.stride + ky) as isize - cp.pad as isize;
+                            if iy < 0 || iy >= ih as isize {
+                                continue;
+                            }
+                            for ox in 0..ow {
+                                let ix = (ox * cp.stride + kx) as isize - cp.pad as isize;
+                                if ix < 0 || ix >= iw as isize {
+                                    continue;
+                                }
+                                let g = dout[((n * cp.out_c + oc) * oh + oy) * ow + ox].f();
+                                acc += g * inp[((n * cp.in_c + ic) * ih + iy as usize) * iw + ix as usize].f();
+                            }
+                        }
+                    }
+                    dweight[((oc * cp.in_c + ic) * cp.kh + ky) * cp.kw + kx] += acc;
+                }
+            }
+        }
+    }
+}
+
+fn conv2d_backward_bias_t<T: Operand>(dbias: &mut [f32], dout: &[T], batch: i32, out_c: i32, out_h: i32, out_w: i32) {
+    let (oc_n, ohw) = (out_c as usize, (out_h * out_w) as usize);
+    for oc in 0..oc_n {
+        let mut acc = 0.0f32;
+        for n in 0..batch as usize {
+            acc += dout[(n * oc_n + oc) * ohw..(n * oc_n + oc + 1) * ohw].iter().map(|v| v.f()).sum::<f32>();
+        }
+        dbias[oc] += acc;
+    }
+}
+
+/// `out = bias + conv(inp, weight)` (NCHW, groups 1, dilation 1); `bias: None` is the kernel's NULL.
+#[allow(clippy::too_many_arguments)]
+pub fn conv2d_forward_f32(
+    out: &mut [f32],
+    inp: &[f32],
+    weight: &[f32],
+    bias: Option<&[f32]>,
+    batch: i32,
+    in_c: i32,
+    in_h: i32,
+    in_w: i32,
+    out_c: i32,
+    kh: i32,
+    kw: i32,
+    stride: i32,
+    pad: i32,
+) {
+    conv2d_forward_t(out, inp, weight, bias, batch, in_c, in_h, in_w, out_c, kh, kw, stride, pad)
+}
+/// bf16 operands, f32 accumulation and output: see [`conv2d_forward_f32`].
+#[allow(clippy::too_many_arguments)]
+pub fn conv2d_forward_bf16(
+    out: &mut [f32],
+    inp: &[bf16],
+    weight: &[bf16],
+    bias: Option<&[f32]>,
+    batch: i32,
+    in_c: i32,
+    in_h: i32,
+    in_w: i32,
+    out_c: i32,
+    kh: i32,
+    kw: i32,
+    stride: i32,
+    pad: i32,
+) {
+    conv2d_forward_t(out, inp, weight, bias, batch, in_c, in_h, in_w, out_c, kh, kw, stride, pad)
+}
+/// `dinp` (overwritten) from `dout` and `weight`.
+#[allow(clippy::too_many_arguments)]
+pub fn conv2d_backward_input_f32(
+    dinp: &mut [f32],
+    dout: &[f32],
+    weight: &[f32],
+    batch: i32,
+    in_c: i32,
+    in_h: i32,
+    in_w: i32,
+    out_c: i32,
+    kh: i32,
+    kw: i32,
+    stride: i32,
+    pad: i32,
+) {
+    conv2d_backward_input_t(dinp, dout, weight, batch, in_c, in_h, in_w, out_c, kh, kw, stride, pad)
+}
+/// bf16 operands: see [`conv2d_backward_input_f32`].
+#[allow(clippy::too_many_arguments)]
+pub fn conv2d_backward_input_bf16(
+    dinp: &mut [f32],
+    dout: &[bf16],
+    weight: &[bf16],
+    batch: i32,
+    in_c: i32,
+    in_h: i32,
+    in_w: i32,
+    out_c: i32,
+    kh: i32,
+    kw: i32,
+    stride: i32,
+    pad: i32,
+) {
+    conv2d_backward_input_t(dinp, dout, weight, batch, in_c, in_h, in_w, out_c, kh, kw, stride, pad)
+}
+/// `dweight += Σ dout * im2col(inp)` (accumulated).
+#[allow(clippy::too_many_arguments)]
+pub fn conv2d_backward_weight_f32(
+    dweight: &mut [f32],
+    dout: &[f32],
+    inp: &[f32],
+    batch: i32,
+    in_c: i32,
+    in_h: i32,
+    in_w: i32,
+    out_c: i32,
+    kh: i32,
+    kw: i32,
+    stride: i32,
+    pad: i32,
+) {
+    conv2d_backward_weight_t(dweight, dout, inp, batch, in_c, in_h, in_w, out_c, kh, kw, stride, pad)
+}
+/// bf16 operands: see [`conv2d_backward_weight_f32`].
+#[allow(clippy::too_many_arguments)]
+pub fn conv2d_backward_weight_bf16(
+    dweight: &mut [f32],
+    dout: &[bf16],
+    inp: &[bf16],
+    batch: i32,
+    in_c: i32,
+    in_h: i32,
+    in_w: i32,
+    out_c: i32,
+    kh: i32,
+    kw: i32,
+    stride: i32,
+    pad: i32,
+) {
+    conv2d_backward_weight_t(dweight, dout, inp, batch, in_c, in_h, in_w, out_c, kh, kw, stride, pad)
+}
+/// `dbias[oc] += Σ_{n,oy,ox} dout` (accumulated).
+pub fn conv2d_backward_bias_f32(dbias: &mut [f32], dout: &[f32], batch: i32, out_c: i32, out_h: i32, out_w: i32) {
+    conv2d_backward_bias_t(dbias, dout, batch, out_c, out_h, out_w)
+}
+/// bf16 `dout`: see [`conv2d_backward_bias_f32`].
+pub fn conv2d_backward_bias_bf16(dbias: &mut [f32], dout: &[bf16], batch: i32, out_c: i32, out_h: i32, out_w: i32) {
+    conv2d_backward_bias_t(dbias, dout, batch, out_c, out_h, out_w)
+}
+
+// ------------------------------------------------------------------------------------------------
+// linear.cu
+
+#[allow(clippy::too_many_arguments)]
+fn linear_forward_t<T: Operand>(
+    out: &mut [f32],
+    inp: &[T],
+    weight: &[T],
+    bias: Option<&[f32]>,
+    batch: i32,
+    in_f: i32,
+    out_f: i32,
+    relu: i32,
+) {
+    let (inf, outf) = (in_f as usize, out_f as usize);
+    for b in 0..batch as usize {
+        for o in 0..outf {
+            let mut acc = 0.0f32;
+            for i in 0..inf {
+                acc += inp[b * inf + i].f() * weight[o * inf + i].f();
+            }
+            let y = acc + bias.map_or(0.0, |bi| bi[o]);
+            out[b * outf + o] = if relu != 0 { y.max(0.0) } else { y };
+        }
+    }
+}
+
+fn linear_backward_input_t<T: Operand>(dinp: &mut [f32], dout: &[T], weight: &[T], batch: i32, in_f: i32, out_f: i32) {
+    let (inf, outf) = (in_f as usize, out_f as usize);
+    for b in 0..batch as usize {
+        for i in 0..inf {
+            let mut acc = 0.0f32;
+            for o in 0..outf {
+                acc += dout[b * outf + o].f() * weight[o * inf + i].f();
+            }
+            dinp[b * inf + i] = acc;
+        }
+    }
+}
+
+fn linear_backward_weight_t<T: Operand>(dweight: &mut [f32], dout: &[T], inp: &[T], batch: i32, in_f: i32, out_f: i32) {
+    let (inf, outf) = (in_f as usize, out_f as usize);
+    for o in 0..outf {
+        for i in 0..inf {
+            let mut acc = 0.0f32;
+            for b in 0..batch as usize {
+                acc += dout[b * outf + o].f() * inp[b * inf + i].f();
+            }
+            dweight[o * inf + i] += acc;
+        }
+    }
+}
+
+fn linear_backward_bias_t<T: Operand>(dbias: &mut [f32], dout: &[T], batch: i32, out_f: i32) {
+    let outf = out_f as usize;
+    for o in 0..outf {
+        let mut acc = 0.0f32;
+        for b in 0..batch as usize {
+            acc += dout[b * outf + o].f();
+        }
+        dbias[o] += acc;
+    }
+}
+
+/// `out = inp · weightᵀ + bias`, then ReLU when `relu != 0`; `bias: None` is the kernel's NULL.
+#[allow(clippy::too_many_arguments)]
+pub fn linear_forward_f32(
+    out: &mut [f32],
+    inp: &[f32],
+    weight: &[f32],
+    bias: Option<&[f32]>,
+    batch: i32,
+    in_f: i32,
+    out_f: i32,
+    relu: i32,
+) {
+    linear_forward_t(out, inp, weight, bias, batch, in_f, out_f, relu)
+}
+/// bf16 operands: see [`linear_forward_f32`].
+#[allow(clippy::too_many_arguments)]
+pub fn linear_forward_bf16(
+    out: &mut [f32],
+    inp: &[bf16],
+    weight: &[bf16],
+    bias: Option<&[f32]>,
+    batch: i32,
+    in_f: i32,
+    out_f: i32,
+    relu: i32,
+) {
+    linear_forward_t(out, inp, weight, bias, batch, in_f, out_f, relu)
+}
+/// `dinp = dout · weight` (overwritten).
+pub fn linear_backward_input_f32(dinp: &mut [f32], dout: &[f32], weight: &[f32], batch: i32, in_f: i32, out_f: i32) {
+    linear_backward_input_t(dinp, dout, weight, batch, in_f, out_f)
+}
+/// bf16 operands: see [`linear_backward_input_f32`].
+pub fn linear_backward_input_bf16(dinp: &mut [f32], dout: &[bf16], weight: &[bf16], batch: i32, in_f: i32, out_f: i32) {
+    linear_backward_input_t(dinp, dout, weight, batch, in_f, out_f)
+}
+/// `dweight += doutᵀ · inp` (accumulated).
+pub fn linear_backward_weight_f32(dweight: &mut [f32], dout: &[f32], inp: &[f32], batch: i32, in_f: i32, out_f: i32) {
+    linear_backward_weight_t(dweight, dout, inp, batch, in_f, out_f)
+}
+/// bf16 operands: see [`linear_backward_weight_f32`].
+pub fn linear_backward_weight_bf16(dweight: &mut [f32], dout: &[bf16], inp: &[bf16], batch: i32, in_f: i32, out_f: i32) {
+    linear_backward_weight_t(dweight, dout, inp, batch, in_f, out_f)
+}
+/// `dbias += Σ_b dout` (accumulated).
+pub fn linear_backward_bias_f32(dbias: &mut [f32], dout: &[f32], batch: i32, out_f: i32) {
+    linear_backward_bias_t(dbias, dout, batch, out_f)
+}
+/// bf16 `dout`: see [`linear_backward_bias_f32`].
+pub fn linear_backward_bias_bf16(dbias: &mut [f32], dout: &[bf16], batch: i32, out_f: i32) {
+    linear_backward_bias_t(dbias, dout, batch, out_f)
+}
+
+// ------------------------------------------------------------------------------------------------
+// loss.cu
+
+/// Softmax + cross-entropy per row, the mean loss in `mean_loss[0]` and the number of rows whose
+/// first maximum is the target in `correct[0]` (both overwritten).
+#[allow(clippy::too_many_arguments)]
+pub fn softmax_xent_forward_f32(
+    losses: &mut [f32],
+    probs: &mut [f32],
+    mean_loss: &mut [f32],
+    correct: &mut [i32],
+    logits: &[f32],
+    targets: &[i32],
+    batch: i32,
+    classes: i32,
+) {
+    let c = classes as usize;
+    let (mut total, mut nc) = (0.0f64, 0i32);
+    for b in 0..batch as usize {
+        let z = &logits[b * c..(b + 1) * c];
+        let (mut mx, mut am) = (f32::NEG_INFINITY, c);
+        for (j, &v) in z.iter().enumerate() {
+            if v > mx {
+                mx = v;
+                am = j;
+            }
+        }
+        let s: f32 = z.iter().map(|&v| (v - mx).exp()).sum();
+        let inv = 1.0 / s;
+        for j in 0..c {
+            probs[b * c + j] = (z[j] - mx).exp() * inv;
+        }
+        let t = targets[b] as usize;
+        let l = s.ln() - (z[t] - mx);
+        losses[b] = l;
+        total += l as f64;
+        nc += (am == t) as i32;
+    }
+    mean_loss[0] = if batch > 0 { (total / batch as f64) as f32 } else { 0.0 };
+    correct[0] = nc;
+}
+
+/// `dlogits = (probs - onehot(targets)) / batch` (overwritten).
+pub fn softmax_xent_backward_f32(dlogits: &mut [f32], probs: &[f32], targets: &[i32], batch: i32, classes: i32) {
+    let c = classes as usize;
+    let inv_b = 1.0 / batch as f32;
+    for i in 0..batch as usize * c {
+        let (b, j) = (i / c, i % c);
+        dlogits[i] = (probs[i] - if j as i32 == targets[b] { 1.0 } else { 0.0 }) * inv_b;
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// optim.cu
+
+/// One Adam step (L2 weight decay added to the gradient; `step` is 1-based and includes this one).
+#[allow(clippy::too_many_arguments)]
+pub fn adam_step_f32(
+    params: &mut [f32],
+    grads: &[f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    n: i32,
+    lr: f32,
+    beta1: f32,
+    beta2: f32,
+    eps: f32,
+    weight_decay: f32,
+    step: i32,
+) {
+    let bc1 = 1.0 - (beta1 as f64).powf(step as f64);
+    let bc2 = 1.0 - (beta2 as f64).powf(step as f64);
+    let step_size = (lr as f64 / bc1) as f32;
+    let bc2_sqrt = bc2.sqrt() as f32;
+    for i in 0..n as usize {
+        let p = params[i];
+        let mut g = grads[i];
+        if weight_decay != 0.0 {
+            g += weight_decay * p;
+        }
+        let mi = beta1 * m[i] + (1.0 - beta1) * g;
+        let vi = beta2 * v[i] + (1.0 - beta2) * g * g;
+        m[i] = mi;
+        v[i] = vi;
+        let denom = vi.sqrt() / bc2_sqrt + eps;
+        params[i] = p - step_size * mi / denom;
+    }
+}
+
+/// One SGD step (momentum, dampening, Nesterov, L2 weight decay); `first != 0` seeds the buffer
+/// with the gradient. `buf` may be empty when `momentum == 0`.
+#[allow(clippy::too_many_arguments)]
+pub fn sgd_step_f32(
+    params: &mut [f32],
+    grads: &[f32],
+    buf: &mut [f32],
+    n: i32,
+    lr: f32,
+    momentum: f32,
+    dampening: f32,
+    weight_decay: f32,
+    nesterov: i32,
+    first: i32,
+) {
+    for i in 0..n as usize {
+        let p = params[i];
+        let mut g = grads[i] + weight_decay * p;
+        if momentum != 0.0 {
+            let b = if first != 0 { g } else { momentum * buf[i] + (1.0 - dampening) * g };
+            buf[i] = b;
+            g = if nesterov != 0 { g + momentum * b } else { b };
+        }
+        params[i] = p - lr * g;
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// pool.cu
+
+/// Max pooling with saved argmax offsets (`iy*in_w + ix` inside the plane); first maximum wins
+/// ties, NaN propagates.
+#[allow(clippy::too_many_arguments)]
+pub fn maxpool2d_forward_f32(
+    out: &mut [f32],
+    indices: &mut [i32],
+    inp: &[f32],
+    batch: i32,
+    channels: i32,
+    in_h: i32,
+    in_w: i32,
+    kernel: i32,
+    stride: i32,
+) {
+    let (ih, iw, k, s) = (in_h as usize, in_w as usize, kernel as usize, stride as usize);
+    let (oh, ow) = ((ih - k) / s + 1, (iw - k) / s + 1);
+    for plane in 0..(batch * channels) as usize {
+        let src = &inp[plane * ih * iw..(plane + 1) * ih * iw];
+        for oy in 0..oh {
+            for ox in 0..ow {
+                let (y0, x0) = (oy * s, ox * s);
+                let (mut best, mut arg) = (f32::NEG_INFINITY, y0 * iw + x0);
+                for ky in 0..k {
+                    for kx in 0..k {
+                        let idx = (y0 + ky) * iw + x0 + kx;
+                        let v = src[idx];
+                        if v > best || (v.is_nan() && !best.is_nan()) {
+                            best = v;
+                            arg = idx;
+                        }
+                    }
+                }
+                let o = (plane * oh + oy) * ow + ox;
+                out[o] = best;
+                indices[o] = arg as i32;
+            }
+        }
+    }
+}
+
+/// `dinp` (overwritten) = Σ of `dout` over the windows whose saved argmax is that input pixel.
+#[allow(clippy::too_many_arguments)]
+pub fn maxpool2d_backward_f32(
+    dinp: &mut [f32],
+    dout: &[f32],
+    indices: &[i32],
+    batch: i32,
+    channels: i32,
+    in_h: i32,
+    in_w: i32,
+    kernel: i32,
+    stride: i32,
+) {
+    let (ih, iw, k, s) = (in_h as usize, in_w as usize, kernel as usize, stride as usize);
+    let (oh, ow) = ((ih - k) / s + 1, (iw - k) / s + 1);
+    for plane in 0..(batch * channels) as usize {
+        let d = &mut dinp[plane * ih * iw..(plane + 1) * ih * iw];
+        d.fill(0.0);
+        for o in plane * oh * ow..(plane + 1) * oh * ow {
+            d[indices[o] as usize] += dout[o];
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// data.cu
+
+/// `images[b, j] = dataset_images[indices[b], j] / 255`, `labels[b] = dataset_labels[indices[b]]`.
+#[allow(clippy::too_many_arguments)]
+pub fn gather_batch_f32(
+    images: &mut [f32],
+    labels: &mut [i32],
+    dataset_images: &[u8],
+    dataset_labels: &[u8],
+    indices: &[i32],
+    batch: i32,
+    image_size: i32,
+) {
+    let sz = image_size as usize;
+    for b in 0..batch as usize {
+        let src = indices[b] as usize * sz;
+        for j in 0..sz {
+            images[b * sz + j] = dataset_images[src + j] as f32 / 255.0;
+        }
+        labels[b] = dataset_labels[indices[b] as usize] as i32;
+    }
+}
+
+/// Host stand-in for one `BucketEntry` of `bucket_flatten_f32`: the tensor itself instead of its
+/// device address, and its offset in the bucket (both in f32 elements).
+#[derive(Debug)]
+pub struct BucketSrc<'a> {
+    /// The tensor (the kernel's `ptr`).
+    pub tensor: &'a [f32],
+    /// Offset in the bucket.
+    pub offset: i64,
+    /// Elements.
+    pub len: i64,
+}
+
+/// Host stand-in for one `BucketEntry` of `bucket_unflatten_f32` (the tensor is written).
+#[derive(Debug)]
+pub struct BucketDst<'a> {
+    /// The tensor (the kernel's `ptr`).
+    pub tensor: &'a mut [f32],
+    /// Offset in the bucket.
+    pub offset: i64,
+    /// Elements.
+    pub len: i64,
+}
+
+/// `bucket[offset + i] = tensor[i]` for every entry.
+pub fn bucket_flatten_f32(bucket: &mut [f32], table: &[BucketSrc<'_>], num_entries: i32) {
+    for e in &table[..num_entries as usize] {
+        let (o, l) = (e.offset as usize, e.len as usize);
+        bucket[o..o + l].copy_from_slice(&e.tensor[..l]);
+    }
+}
+
+/// `tensor[i] = bucket[offset + i] * scale` for every entry.
+pub fn bucket_unflatten_f32(table: &mut [BucketDst<'_>], bucket: &[f32], num_entries: i32, scale: f32) {
+    for e in &mut table[..num_entries as usize] {
+        let (o, l) = (e.offset as usize, e.len as usize);
+        for (d, &s) in e.tensor[..l].iter_mut().zip(&bucket[o..o + l]) {
+            *d = s * scale;
+        }
+    }
+}
+
+/// `out[i] = bf16(inp[i])`, round to nearest even (NaN stays NaN).
+pub fn cast_f32_bf16(out: &mut [bf16], inp: &[f32], n: i32) {
+    for i in 0..n as usize {
+        out[i] = bf16::from_f32(inp[i]);
+    }
+}
+
+/// `out[i] = f32(inp[i])` (exact).
+pub fn cast_bf16_f32(out: &mut [f32], inp: &[bf16], n: i32) {
+    for i in 0..n as usize {
+        out[i] = inp[i].to_f32();
+    }
+}
+
+/// Every entry point that has a twin here, by kernel file (checked against the registry by a unit
+/// test, so a new kernel without a twin fails CI).
+pub const TWINS: &[&str] = &[
+    "fill_f32",
+    "scale_f32",
+    "axpy_f32",
+    "relu_forward_f32",
+    "relu_backward_f32",
+    "batchnorm2d_forward_train_f32",
+    "batchnorm2d_forward_eval_f32",
+    "batchnorm2d_backward_f32",
+    "conv2d_forward_f32",
+    "conv2d_forward_bf16",
+    "conv2d_backward_input_f32",
+    "conv2d_backward_input_bf16",
+    "conv2d_backward_weight_f32",
+    "conv2d_backward_weight_bf16",
+    "conv2d_backward_bias_f32",
+    "conv2d_backward_bias_bf16",
+    "linear_forward_f32",
+    "linear_forward_bf16",
+    "linear_backward_input_f32",
+    "linear_backward_input_bf16",
+    "linear_backward_weight_f32",
+    "linear_backward_weight_bf16",
+    "linear_backward_bias_f32",
+    "linear_backward_bias_bf16",
+    "softmax_xent_forward_f32",
+    "softmax_xent_backward_f32",
+    "adam_step_f32",
+    "sgd_step_f32",
+    "maxpool2d_forward_f32",
+    "maxpool2d_backward_f32",
+    "gather_batch_f32",
+    "bucket_flatten_f32",
+    "bucket_unflatten_f32",
+    "cast_f32_bf16",
+    "cast_bf16_f32",
+];
