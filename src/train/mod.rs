@@ -25,3 +25,4 @@ pub mod sampler;
 pub mod schedule;
 pub mod tensor;
 pub mod trainer;
+pub mod winograd;
