@@ -163,8 +163,7 @@ impl Winograd {
     /// `keep` saves every chunk's transformed input for [`Winograd::weight_grad`].
     #[allow(clippy::too_many_arguments)]
     pub fn forward(&mut self, weight: &[f32], bias: Option<&[f32]>, inp: &[f32], n: usize, c: usize, oc: usize, h: usize, w: usize, out: &mut [f32], keep: bool) {
-        let tf = transforms();
-        kernel_transform(tf, weight, c, oc, &mut self.u);
+        kernel_transform(weight, c, oc, &mut self.u);
         let (th, tw) = tiles(h, w);
         let tps = th * tw;
         let (hp, wp) = (MO * th + KS - 1, MO * tw + KS - 1);
@@ -225,60 +224,18 @@ impl Winograd {
                 matmul(c, oc, t, &mut self.du[xi * c * oc..(xi + 1) * c * oc], &v[xi * t * c..(xi + 1) * t * c], Trans::Yes, &self.m[xi * t * oc..(xi + 1) * t * oc], Trans::No, true);
             }
         }
-        kernel_grad_transform(transforms(), &self.du, c, oc, dweight);
+        kernel_grad_transform(&self.du, c, oc, dweight);
     }
 }
 
 /// Copy one sample `x[C, H, W]` into the interior of the zero-bordered `xp[Hp, Wp, C]`.
 fn pad_hwc(x: &[f32], c: usize, h: usize, w: usize, wp: usize, xp: &mut [f32]) {
-    for ch in 0..c {
-        for y in 0..h {
-            let row = &x[(ch * h + y) * w..(ch * h + y + 1) * w];
-            let base = ((y + 2) * wp + 2) * c + ch;
-            for (xx, &val) in row.iter().enumerate() {
-                xp[base + xx * c] = val;
-            }
-        }
-    }
-}
-
-/// `U[ξ, C, OC] = G g G^T` for every kernel `g = weight[oc, c]`.
-fn kernel_transform(tf: &Transforms, weight: &[f32], c: usize, oc: usize, u: &mut Vec<f32>) {
-    u.clear();
-    u.resize(NN * c * oc, 0.0);
-    for o in 0..oc {
-        for ch in 0..c {
-            let g = &weight[(o * c + ch) * KS * KS..(o * c + ch + 1) * KS * KS];
-            let mut tmp = [[0.0f32; KS]; TT]; // G g
-            for a in 0..TT {
-                for l in 0..KS {
-                    tmp[a][l] = (0..KS).map(|k| tf.g[a][k] * g[k * KS + l]).sum();
-                }
-            }
-            for a in 0..TT {
-                for b in 0..TT {
-                    u[((a * TT + b) * c + ch) * oc + o] = (0..KS).map(|l| tmp[a][l] * tf.g[b][l]).sum();
-                }
-            }
-        }
-    }
-}
-
-/// `dweight[oc, c] += G^T dU G` (the transpose of [`kernel_transform`]).
-fn kernel_grad_transform(tf: &Transforms, du: &[f32], c: usize, oc: usize, dweight: &mut [f32]) {
-    for o in 0..oc {
-        for ch in 0..c {
-            let mut tmp = [[0.0f32; KS]; TT]; // dU G, rows a
-            for a in 0..TT {
-                for l in 0..KS {
-                    tmp[a][l] = (0..TT).map(|b| du[((a * TT + b) * c + ch) * oc + o] * tf.g[b][l]).sum();
-                }
-            }
-            let dw = &mut dweight[(o * c + ch) * KS * KS..(o * c + ch + 1) * KS * KS];
-            for k in 0..KS {
-                for l in 0..KS {
-                    dw[k * KS + l] += (0..TT).map(|a| tf.g[a][k] * tmp[a][l]).sum::<f32>();
-                }
+    // Contiguous writes, strided reads: the C source rows of one output row stay in L1.
+    for y in 0..h {
+        for xx in 0..w {
+            let dst = &mut xp[((y + 2) * wp + 2 + xx) * c..((y + 2) * wp + 3 + xx) * c];
+            for (ch, d) in dst.iter_mut().enumerate() {
+                *d = x[(ch * h + y) * w + xx];
             }
         }
     }
@@ -313,6 +270,122 @@ macro_rules! dispatch {
             $imp($($arg),*)
         }
     };
+}
+
+/// `G` as constants (checked against [`toom_cook`] by the tests), so the kernel transforms
+/// compile to straight multiply-adds over the output channels.
+const GC: [[f32; KS]; TT] = [
+    [0.25, 0.0, 0.0, 0.0, 0.0],
+    [-1.0 / 6.0, -1.0 / 6.0, -1.0 / 6.0, -1.0 / 6.0, -1.0 / 6.0],
+    [-1.0 / 6.0, 1.0 / 6.0, -1.0 / 6.0, 1.0 / 6.0, -1.0 / 6.0],
+    [1.0 / 24.0, 1.0 / 12.0, 1.0 / 6.0, 1.0 / 3.0, 2.0 / 3.0],
+    [1.0 / 24.0, -1.0 / 12.0, 1.0 / 6.0, -1.0 / 3.0, 2.0 / 3.0],
+    [0.0, 0.0, 0.0, 0.0, 1.0],
+];
+
+dispatch!(kernel_transform_inner, kernel_transform_impl, (wt: &[f32], c: usize, oc: usize, ch: usize, tmp: &mut [f32], u: &mut [f32]));
+dispatch!(kernel_grad_inner, kernel_grad_impl, (du: &[f32], c: usize, oc: usize, ch: usize, tmp: &mut [f32], dwt: &mut [f32]));
+
+/// `U[ξ, C, OC] = G g G^T` for every kernel `g = weight[oc, c]`, vectorised over `oc`: the
+/// kernels of one input channel are first gathered as `wt[k, l, oc]`.
+fn kernel_transform(weight: &[f32], c: usize, oc: usize, u: &mut Vec<f32>) {
+    u.clear();
+    u.resize(NN * c * oc, 0.0);
+    let mut wt = vec![0.0f32; KS * KS * oc];
+    let mut tmp = vec![0.0f32; TT * KS * oc];
+    for ch in 0..c {
+        for o in 0..oc {
+            for kl in 0..KS * KS {
+                wt[kl * oc + o] = weight[(o * c + ch) * KS * KS + kl];
+            }
+        }
+        kernel_transform_inner(&wt, c, oc, ch, &mut tmp, u);
+    }
+}
+
+#[inline(always)]
+fn kernel_transform_impl(wt: &[f32], c: usize, oc: usize, ch: usize, tmp: &mut [f32], u: &mut [f32]) {
+    // tmp[a, l, :] = Σ_k G[a][k] wt[k, l, :]
+    tmp.fill(0.0);
+    for a in 0..TT {
+        for k in 0..KS {
+            let g = GC[a][k];
+            if g == 0.0 {
+                continue;
+            }
+            for l in 0..KS {
+                let (d, s) = (&mut tmp[(a * KS + l) * oc..(a * KS + l + 1) * oc], &wt[(k * KS + l) * oc..(k * KS + l + 1) * oc]);
+                for (x, &y) in d.iter_mut().zip(s) {
+                    *x += g * y;
+                }
+            }
+        }
+    }
+    // U[a, b, ch, :] = Σ_l tmp[a, l, :] G[b][l]
+    for a in 0..TT {
+        for b in 0..TT {
+            let d = &mut u[((a * TT + b) * c + ch) * oc..((a * TT + b) * c + ch + 1) * oc];
+            for l in 0..KS {
+                let g = GC[b][l];
+                if g == 0.0 {
+                    continue;
+                }
+                for (x, &y) in d.iter_mut().zip(&tmp[(a * KS + l) * oc..(a * KS + l + 1) * oc]) {
+                    *x += g * y;
+                }
+            }
+        }
+    }
+}
+
+/// `dweight[oc, c] += G^T dU G` (the transpose of [`kernel_transform`]), vectorised over `oc`.
+fn kernel_grad_transform(du: &[f32], c: usize, oc: usize, dweight: &mut [f32]) {
+    let mut dwt = vec![0.0f32; KS * KS * oc];
+    let mut tmp = vec![0.0f32; TT * KS * oc];
+    for ch in 0..c {
+        kernel_grad_inner(du, c, oc, ch, &mut tmp, &mut dwt);
+        for o in 0..oc {
+            for kl in 0..KS * KS {
+                dweight[(o * c + ch) * KS * KS + kl] += dwt[kl * oc + o];
+            }
+        }
+    }
+}
+
+#[inline(always)]
+fn kernel_grad_impl(du: &[f32], c: usize, oc: usize, ch: usize, tmp: &mut [f32], dwt: &mut [f32]) {
+    // tmp[a, l, :] = Σ_b dU[a, b, ch, :] G[b][l]
+    tmp.fill(0.0);
+    for a in 0..TT {
+        for b in 0..TT {
+            let s = &du[((a * TT + b) * c + ch) * oc..((a * TT + b) * c + ch + 1) * oc];
+            for l in 0..KS {
+                let g = GC[b][l];
+                if g == 0.0 {
+                    continue;
+                }
+                for (x, &y) in tmp[(a * KS + l) * oc..(a * KS + l + 1) * oc].iter_mut().zip(s) {
+                    *x += g * y;
+                }
+            }
+        }
+    }
+    // dwt[k, l, :] = Σ_a G[a][k] tmp[a, l, :]
+    dwt.fill(0.0);
+    for k in 0..KS {
+        for a in 0..TT {
+            let g = GC[a][k];
+            if g == 0.0 {
+                continue;
+            }
+            for l in 0..KS {
+                let (d, s) = (&mut dwt[(k * KS + l) * oc..(k * KS + l + 1) * oc], &tmp[(a * KS + l) * oc..(a * KS + l + 1) * oc]);
+                for (x, &y) in d.iter_mut().zip(s) {
+                    *x += g * y;
+                }
+            }
+        }
+    }
 }
 
 dispatch!(input_transform, input_transform_impl, (xp: &[f32], c: usize, th: usize, tw: usize, wp: usize, v: &mut [f32], t: usize, t0: usize));
@@ -369,7 +442,9 @@ fn a6<const L: usize>(y: [[f32; L]; MO]) -> [[f32; L]; TT] {
 
 #[inline(always)]
 fn load<const L: usize>(src: &[f32]) -> [f32; L] {
-    src[..L].try_into().expect("L elements")
+    let mut x = [0.0f32; L];
+    x.copy_from_slice(&src[..L]);
+    x
 }
 
 /// `V[ξ, t0 + tile, :] = B^T d B` for every tile of one padded sample (`t` tiles in the chunk).
@@ -396,11 +471,17 @@ fn input_tile<const L: usize>(xp: &[f32], c: usize, c0: usize, ty: usize, tx: us
     // Columns first: e[j] = B^T d[:, j], then rows: V[a] = B^T e[a]^T.
     let mut e = [[[0.0f32; L]; TT]; TT]; // e[j][a]
     for (j, ej) in e.iter_mut().enumerate() {
-        let col: [[f32; L]; TT] = std::array::from_fn(|i| load::<L>(&xp[((MO * ty + i) * wp + MO * tx + j) * c + c0..]));
+        let mut col = [[0.0f32; L]; TT];
+        for (i, ci) in col.iter_mut().enumerate() {
+            *ci = load::<L>(&xp[((MO * ty + i) * wp + MO * tx + j) * c + c0..]);
+        }
         *ej = bt6(col);
     }
     for a in 0..TT {
-        let row: [[f32; L]; TT] = std::array::from_fn(|j| e[j][a]);
+        let mut row = [[0.0f32; L]; TT];
+        for (j, rj) in row.iter_mut().enumerate() {
+            *rj = e[j][a];
+        }
         let vr = bt6(row);
         for (b, x) in vr.iter().enumerate() {
             v[((a * TT + b) * t + tile) * c + c0..][..L].copy_from_slice(x);
@@ -431,7 +512,10 @@ fn output_transform_impl(m: &[f32], oc: usize, th: usize, tw: usize, t: usize, t
 fn output_tile<const L: usize>(m: &[f32], oc: usize, o0: usize, ty: usize, tx: usize, tw: usize, t: usize, tile: usize, stage: &mut [f32]) {
     let mut f = [[[0.0f32; L]; TT]; MO]; // f[i][b] = Σ_a A^T[i][a] M[a][b]
     for b in 0..TT {
-        let col: [[f32; L]; TT] = std::array::from_fn(|a| load::<L>(&m[((a * TT + b) * t + tile) * oc + o0..]));
+        let mut col = [[0.0f32; L]; TT];
+        for (a, ca) in col.iter_mut().enumerate() {
+            *ca = load::<L>(&m[((a * TT + b) * t + tile) * oc + o0..]);
+        }
         let r = at6(col);
         f[0][b] = r[0];
         f[1][b] = r[1];
@@ -467,9 +551,14 @@ fn dout_transform_impl(stage: &[f32], oc: usize, th: usize, tw: usize, m: &mut [
 #[allow(clippy::too_many_arguments)]
 fn dout_tile<const L: usize>(stage: &[f32], oc: usize, o0: usize, ty: usize, tx: usize, tw: usize, m: &mut [f32], t: usize, tile: usize) {
     let w2 = MO * tw;
-    let dy: [[[f32; L]; MO]; MO] = std::array::from_fn(|i| std::array::from_fn(|j| load::<L>(&stage[((MO * ty + i) * w2 + MO * tx + j) * oc + o0..])));
+    let mut dy = [[[0.0f32; L]; MO]; MO];
+    for (i, di) in dy.iter_mut().enumerate() {
+        for (j, dij) in di.iter_mut().enumerate() {
+            *dij = load::<L>(&stage[((MO * ty + i) * w2 + MO * tx + j) * oc + o0..]);
+        }
+    }
     // f[j][a] = Σ_i A^T[i][a] dY[i][j], then dM[a][b] = Σ_j f[j][a] A^T[j][b].
-    let f: [[[f32; L]; TT]; MO] = std::array::from_fn(|j| a6([dy[0][j], dy[1][j]]));
+    let f = [a6([dy[0][0], dy[1][0]]), a6([dy[0][1], dy[1][1]])];
     for a in 0..TT {
         let r = a6([f[0][a], f[1][a]]);
         for (b, x) in r.iter().enumerate() {
@@ -546,6 +635,11 @@ mod tests {
     #[test]
     fn folded_transforms_match_matrices() {
         let tf = transforms();
+        for (a, row) in GC.iter().enumerate() {
+            for (k, &x) in row.iter().enumerate() {
+                assert!((x - tf.g[a][k]).abs() < 1e-7, "G[{a}][{k}] {x} vs {}", tf.g[a][k]);
+            }
+        }
         for k in 0..TT {
             let unit: [[f32; 1]; TT] = std::array::from_fn(|i| [(i == k) as u8 as f32]);
             let col = bt6(unit);
