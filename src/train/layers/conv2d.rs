@@ -1,28 +1,22 @@
-//! Conv2d (any stride and padding, no dilation or groups) as im2col + GEMM, one sample at a time.
+//! Conv2d (any stride and padding, no dilation or groups) as im2col + GEMM, one sample at a time,
+//! or as Winograd F(2x2, 5x5) for the layers that fit it.
 //!
-//! For a chunk of `S` samples (`CHUNK`, 4), with `K = in_c*kh*kw` and `P = out_h*out_w`, the
-//! samples' columns sit side by side in one `[K, S*P]` matrix:
-//! - forward:         `col = im2col(inp)`, `Y^T[S*P, OC] = col^T · W^T`, `out = Y + bias` (NCHW)
+//! im2col path, per sample, with `K = in_c*kh*kw` and `P = out_h*out_w`:
+//! - forward:         `col = im2col(inp)`, `out[OC, P] = W[OC, K] · col + bias` (NCHW directly)
 //! - backward weight: `dW^T[K, OC] += col · dY^T`, `dbias[oc] += Σ dout`
-//! - backward input:  `dcol[K, S*P] = W^T · dY`, `dinp = col2im(dcol)`
+//! - backward input:  `dcol[K, P] = W^T · dY`, `dinp = col2im(dcol)`
 //!
-//! The forward and weight-gradient products are computed transposed (into `[S*P, OC]` and
-//! `[K, OC]` scratch, then transposed while adding the bias / into `dW`) because the `gemm` crate
-//! is markedly faster when the destination's short side is the column count: measured on the big
-//! layer's shapes (examples/gemmbench.rs), 104 -> 112 GFLOP/s forward and 88 -> 112 GFLOP/s for
-//! the weight gradient.
-//!
-//! Why chunks rather than one GEMM for the whole batch: a chunk's GEMM is already large
-//! (64 x 784 x 800 for the big layer) so the weight packing is amortised, while the column
-//! buffer stays at 2.5 MB, near the cache, instead of a 40 MB batch matrix (measured: chunks of
-//! 2-4 samples beat both 1 and 8 by 5-10 % per step). The
-//! column buffers are allocated once and reused. In training, forward keeps the columns of the
-//! whole batch (40 MB for the big layer at batch 64) so backward does not unroll the input again:
-//! im2col was ~14 % of a step's CPU time.
+//! One sample per GEMM because this path now serves small-K layers (conv1: K = 25): the sample's
+//! NCHW output and dout are the GEMM operands as they lie, with no gather or transpose
+//! (measured on conv1 at batch 64: forward 2.05 -> 1.31 ms against 4-sample chunks with a
+//! transposed output). The weight gradient is computed transposed (`[K, OC]` scratch, added into
+//! `dW` at the end) because the `gemm` crate is faster with the short side as the destination's
+//! column count (2.64 -> 2.51 ms). In training, forward keeps the columns of the whole batch
+//! (5 MB for conv1 at batch 64) so backward does not unroll the input again.
 //!
 //! 5x5 stride-1 "same" layers with 8+ input channels (conv2 of the recipe) take the Winograd
 //! F(2x2, 5x5) path of [`crate::train::winograd`] instead, in all three directions: 2.8x fewer
-//! FLOPs; the im2col path stays for the rest (conv1 has one input channel).
+//! FLOPs than im2col + GEMM (conv2 forward + backward at batch 64: 55 -> 24 ms CPU).
 
 use super::{Init, Layer, ParamSpec};
 use crate::train::kernels::{matmul, Trans};
@@ -79,20 +73,16 @@ impl Conv2dParams {
 pub struct Conv2d {
     /// Shape parameters.
     pub params: Conv2dParams,
-    col: Vec<f32>,    // chunk after chunk, each (K, S*P): columns of up to S samples side by side
+    col: Vec<f32>,    // sample after sample, each (K, P): the unrolled input
     saved: usize,     // samples whose columns `col` holds from a training forward (0: none)
-    dcol: Vec<f32>,   // (K, S*P)
-    ybuf: Vec<f32>,   // (S*P, OC) forward GEMM output / (OC, S*P) gathered dout in backward
-    dwt: Vec<f32>,    // (K, OC) weight gradient, transposed, summed over the chunks
+    dcol: Vec<f32>,   // (K, P) column gradient of one sample
+    ybuf: Vec<f32>,   // (N, OC, P) discarded output when backward must redo a Winograd forward
+    dwt: Vec<f32>,    // (K, OC) weight gradient, transposed, summed over the samples
     padded: Vec<f32>, // one zero-padded input plane (im2col / col2im scratch)
     wino: Winograd,     // Winograd forward and weight gradient (when `winograd::applies`)
     wino_bwd: Winograd, // Winograd input gradient: forward of dout with flipped kernels
     flipped: Vec<f32>,  // (C, OC, kh, kw) flipped kernels for `wino_bwd`
 }
-
-/// Samples per GEMM: enough columns (4 x 196 for the big layer) to amortise packing the weight,
-/// few enough that the column buffer (2.5 MB) stays near the cache.
-const CHUNK: usize = 4;
 
 impl Conv2d {
     /// A convolution with the given shape.
@@ -350,32 +340,20 @@ impl Layer for Conv2d {
             self.wino.forward(weight, Some(bias), inp.data(), n, cp.in_c, oc, h, w, out.data_mut(), train);
             return;
         }
-        // Training keeps every chunk's columns for backward; evaluation reuses one chunk's room.
-        let kept = if train { n } else { CHUNK.min(n) };
+        // Training keeps every sample's columns for backward; evaluation reuses one sample's room.
+        let kept = if train { n } else { 1.min(n) };
         self.col.resize(k * kept * pp, 0.0);
         self.saved = 0;
-        self.ybuf.resize(oc * CHUNK * pp, 0.0);
         let (weight, bias) = p.split_at(oc * k);
         let (in_sz, out_sz) = (cp.in_c * h * w, oc * pp);
-        for start in (0..n).step_by(CHUNK) {
-            let s = CHUNK.min(n - start);
-            let r = s * pp;
-            let col = if train { &mut self.col[k * start * pp..k * (start + s) * pp] } else { &mut self.col[..k * r] };
-            for j in 0..s {
-                let b = start + j;
-                im2col_fast(&cp, &inp.data()[b * in_sz..(b + 1) * in_sz], h, w, &mut col[j * pp..], r, &mut self.padded);
-            }
-            // ybuf[s*P, OC] = col^T[s*P, K] · W^T[K, OC]: one GEMM for the whole chunk.
-            matmul(r, oc, k, &mut self.ybuf, col, Trans::Yes, weight, Trans::Yes, false);
-            // Transpose into NCHW while adding the bias.
-            for j in 0..s {
-                let o = &mut out.data_mut()[(start + j) * out_sz..(start + j + 1) * out_sz];
-                let y = &self.ybuf[j * pp * oc..(j + 1) * pp * oc];
-                for (c, row) in o.chunks_exact_mut(pp).enumerate() {
-                    for (q, d) in row.iter_mut().enumerate() {
-                        *d = y[q * oc + c] + bias[c];
-                    }
-                }
+        for b in 0..n {
+            let col = if train { &mut self.col[k * b * pp..k * (b + 1) * pp] } else { &mut self.col[..k * pp] };
+            im2col_fast(&cp, &inp.data()[b * in_sz..(b + 1) * in_sz], h, w, col, pp, &mut self.padded);
+            // out[OC, P] = W[OC, K] · col[K, P], straight into the sample's NCHW planes.
+            let o = &mut out.data_mut()[b * out_sz..(b + 1) * out_sz];
+            matmul(oc, pp, k, o, weight, Trans::No, col, Trans::No, false);
+            for (plane, &bv) in o.chunks_exact_mut(pp).zip(bias) {
+                plane.iter_mut().for_each(|v| *v += bv);
             }
         }
         if train {
@@ -406,50 +384,38 @@ impl Layer for Conv2d {
             }
             return;
         }
-        // Columns kept by the training forward of this batch, else recomputed chunk by chunk.
+        // Columns kept by the training forward of this batch, else recomputed sample by sample.
         let have = self.saved == n;
         if !have {
-            self.col.resize(k * CHUNK.min(n) * pp, 0.0);
+            self.col.resize(k * pp, 0.0);
         }
-        self.ybuf.resize(oc * CHUNK * pp, 0.0);
-        self.dwt.clear();
-        self.dwt.resize(k * oc, 0.0);
         let weight = &p[..oc * k];
         let (dweight, dbias) = dp.split_at_mut(oc * k);
+        self.dwt.clear();
+        self.dwt.resize(k * oc, 0.0);
         if let Some(d) = dinp.as_deref_mut() {
             d.resize(inp.dims());
-            self.dcol.resize(k * CHUNK * pp, 0.0);
+            self.dcol.resize(k * pp, 0.0);
         }
         let (in_sz, out_sz) = (cp.in_c * h * w, oc * pp);
-        for start in (0..n).step_by(CHUNK) {
-            let s = CHUNK.min(n - start);
-            let r = s * pp;
-            // Gather dout of the chunk into [OC, s*P] (the GEMM layout) and sum the bias gradient.
-            for j in 0..s {
-                let g = &dout.data()[(start + j) * out_sz..(start + j + 1) * out_sz];
-                for (c, row) in g.chunks_exact(pp).enumerate() {
-                    self.ybuf[c * r + j * pp..c * r + (j + 1) * pp].copy_from_slice(row);
-                    dbias[c] += row.iter().sum::<f32>();
-                }
+        for b in 0..n {
+            // The sample's dout is already the [OC, P] GEMM operand.
+            let g = &dout.data()[b * out_sz..(b + 1) * out_sz];
+            for (plane, db) in g.chunks_exact(pp).zip(dbias.iter_mut()) {
+                *db += plane.iter().sum::<f32>();
             }
             let col = if have {
-                &self.col[k * start * pp..k * (start + s) * pp]
+                &self.col[k * b * pp..k * (b + 1) * pp]
             } else {
-                for j in 0..s {
-                    let b = start + j;
-                    im2col_fast(&cp, &inp.data()[b * in_sz..(b + 1) * in_sz], h, w, &mut self.col[j * pp..], r, &mut self.padded);
-                }
-                &self.col[..k * r]
+                im2col_fast(&cp, &inp.data()[b * in_sz..(b + 1) * in_sz], h, w, &mut self.col, pp, &mut self.padded);
+                &self.col[..k * pp]
             };
-            // dW^T[K, OC] += col[K, s*P] · dY^T[s*P, OC]
-            matmul(k, oc, r, &mut self.dwt, col, Trans::No, &self.ybuf, Trans::Yes, true);
+            // dW^T[K, OC] += col[K, P] · dY^T[P, OC]
+            matmul(k, oc, pp, &mut self.dwt, col, Trans::No, g, Trans::Yes, true);
             if let Some(d) = dinp.as_deref_mut() {
-                // dcol[K, s*P] = W^T · dY, folded back per sample.
-                matmul(k, r, oc, &mut self.dcol, weight, Trans::Yes, &self.ybuf, Trans::No, false);
-                for j in 0..s {
-                    let b = start + j;
-                    col2im_fast(&cp, &self.dcol[j * pp..], h, w, &mut d.data_mut()[b * in_sz..(b + 1) * in_sz], r, &mut self.padded);
-                }
+                // dcol[K, P] = W^T · dY, folded back into the sample.
+                matmul(k, pp, oc, &mut self.dcol, weight, Trans::Yes, g, Trans::No, false);
+                col2im_fast(&cp, &self.dcol, h, w, &mut d.data_mut()[b * in_sz..(b + 1) * in_sz], pp, &mut self.padded);
             }
         }
         for (c, drow) in dweight.chunks_exact_mut(k).enumerate() {
@@ -521,7 +487,7 @@ mod tests {
         let mut rng = Rng::new(8, 8);
         let np: usize = layer.param_specs().iter().map(|s| s.numel()).sum();
         let p: Vec<f32> = (0..np).map(|_| rng.uniform(-1.0, 1.0)).collect();
-        let dims = [CHUNK + 3, 3, 6, 5];
+        let dims = [7, 3, 6, 5];
         let n: usize = dims.iter().product();
         let inp = Tensor::from_vec(&dims, (0..n).map(|_| rng.uniform(-1.0, 1.0)).collect()).unwrap();
         let mut out = Tensor::default();
@@ -577,10 +543,10 @@ mod tests {
             let cp = Conv2dParams { in_c: 2, out_c: 3, kh: 3, kw: 3, stride, pad };
             crate::train::layers::gradcheck::check(&mut Conv2d::new(cp), &[2, 2, 5, 5], true, 11);
         }
-        // More samples than one chunk, so the chunk bookkeeping is checked too.
+        // Several samples, so the per-sample bookkeeping of the kept columns is checked too.
         {
             let cp = Conv2dParams { in_c: 1, out_c: 2, kh: 3, kw: 3, stride: 1, pad: 1 };
-            crate::train::layers::gradcheck::check(&mut Conv2d::new(cp), &[CHUNK + 2, 1, 3, 3], true, 12);
+            crate::train::layers::gradcheck::check(&mut Conv2d::new(cp), &[6, 1, 3, 3], true, 12);
         }
     }
 }
