@@ -18,6 +18,7 @@
 //! F(2x2, 5x5) path of [`crate::train::winograd`] instead, in all three directions: 2.8x fewer
 //! FLOPs than im2col + GEMM (conv2 forward + backward at batch 64: 55 -> 24 ms CPU).
 
+use super::batchnorm::lane_sum;
 use super::{Init, Layer, ParamSpec};
 use crate::train::kernels::{matmul, Trans};
 use crate::train::tensor::Tensor;
@@ -369,7 +370,7 @@ impl Layer for Conv2d {
             let weight = &p[..oc * k];
             let (dweight, dbias) = dp.split_at_mut(oc * k);
             for (i, plane) in dout.data().chunks_exact(pp).enumerate() {
-                dbias[i % oc] += plane.iter().sum::<f32>();
+                dbias[i % oc] += lane_sum(plane, |v| v);
             }
             if self.wino.kept() != n {
                 // No training forward of this batch to reuse: redo it (output discarded).
@@ -402,7 +403,7 @@ impl Layer for Conv2d {
             // The sample's dout is already the [OC, P] GEMM operand.
             let g = &dout.data()[b * out_sz..(b + 1) * out_sz];
             for (plane, db) in g.chunks_exact(pp).zip(dbias.iter_mut()) {
-                *db += plane.iter().sum::<f32>();
+                *db += lane_sum(plane, |v| v);
             }
             let col = if have {
                 &self.col[k * b * pp..k * (b + 1) * pp]
