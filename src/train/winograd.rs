@@ -4,7 +4,9 @@
 //!
 //! With `d` a 6x6 input tile, `g` a 5x5 kernel and `Y` the 2x2 output tile:
 //! `Y = A^T [ (G g G^T) ⊙ (B^T d B) ] A`. Per transformed position `ξ` (36 of them) the channel
-//! sum is one GEMM over all tiles of a chunk: `M_ξ[T, OC] = V_ξ[T, C] · U_ξ[C, OC]`.
+//! sum is one GEMM over all tiles of a chunk: `M_ξ[T, OC] = V_ξ[T, C] · U_ξ[C, OC]`. `V` and `M`
+//! are stored tile-major (`[T, 36, C]`): a tile's transform writes or reads one contiguous block
+//! instead of 36 rows 25 KB apart, and each GEMM takes every 36th row block by its row stride.
 //! - forward:         `V = B^T d B` per tile, `U = G g G^T`, GEMMs, `Y = A^T M A + bias`
 //! - backward input:  the forward of `dout` with the kernels flipped and in/out swapped
 //! - backward weight: `dM = A dY A^T` per tile, `dU_ξ[C, OC] += V_ξ^T · dM_ξ`, `dW += G^T dU G`
@@ -21,7 +23,7 @@
 
 use std::sync::OnceLock;
 
-use crate::train::kernels::{matmul, Trans};
+use crate::train::kernels::{matmul_ld, Trans};
 
 /// Transformed tile edge (`m + r - 1` for `m = 2` outputs and `r = 5` taps).
 const TT: usize = 6;
@@ -142,9 +144,9 @@ pub fn applies(in_c: usize, kh: usize, kw: usize, stride: usize, pad: usize) -> 
 pub struct Winograd {
     u: Vec<f32>,  // (36, C, OC) transformed kernels
     xp: Vec<f32>, // (Hp, Wp, C) zero-padded input sample, channels innermost
-    v: Vec<f32>,  // chunk after chunk, each (36, T, C): transformed input tiles
+    v: Vec<f32>,  // chunk after chunk, each (T, 36, C): transformed input tiles
     kept: usize,  // samples whose `v` is kept from a training forward (0: none)
-    m: Vec<f32>,  // (36, T, OC) GEMM output (forward) / transformed dout (weight gradient)
+    m: Vec<f32>,  // (T, 36, OC) GEMM output (forward) / transformed dout (weight gradient)
     stage: Vec<f32>, // (2th, 2tw, OC) one sample's output / dout, channels innermost
     cols: Vec<f32>,  // (Wp, 6, 16) column transforms of one tile row (input transform scratch)
     du: Vec<f32>, // (36, C, OC) weight-gradient accumulator
@@ -185,14 +187,16 @@ impl Winograd {
             for j in 0..s {
                 let x = &inp[(start + j) * in_sz..(start + j + 1) * in_sz];
                 pad_hwc(x, c, h, w, wp, &mut self.xp);
-                input_transform(&self.xp, c, th, tw, wp, v, t, j * tps, &mut self.cols);
+                input_transform(&self.xp, c, th, tw, wp, v, j * tps, &mut self.cols);
             }
             for xi in 0..NN {
-                matmul(t, oc, c, &mut self.m[xi * t * oc..(xi + 1) * t * oc], &v[xi * t * c..(xi + 1) * t * c], Trans::No, &self.u[xi * c * oc..(xi + 1) * c * oc], Trans::No, false);
+                // M_ξ[T, OC] = V_ξ[T, C] · U_ξ[C, OC]; V_ξ and M_ξ are every 36th row block.
+                let (mx, vx, ux) = (&mut self.m[xi * oc..NN * t * oc], &v[xi * c..], &self.u[xi * c * oc..(xi + 1) * c * oc]);
+                matmul_ld(t, oc, c, (mx, NN * oc), (vx, NN * c), Trans::No, (ux, oc), Trans::No, false);
             }
             for j in 0..s {
                 let o = &mut out[(start + j) * out_sz..(start + j + 1) * out_sz];
-                output_transform(&self.m[..NN * t * oc], oc, th, tw, t, j * tps, &mut self.stage);
+                output_transform(&self.m[..NN * t * oc], oc, th, tw, j * tps, &mut self.stage);
                 hwc_to_nchw(&self.stage, oc, h, w, MO * tw, bias, o);
             }
         }
@@ -220,11 +224,12 @@ impl Winograd {
             for j in 0..s {
                 let g = &dout[(start + j) * out_sz..(start + j + 1) * out_sz];
                 nchw_to_hwc(g, oc, h, w, MO * th, MO * tw, &mut self.stage);
-                dout_transform(&self.stage, oc, th, tw, &mut self.m[..NN * t * oc], t, j * tps);
+                dout_transform(&self.stage, oc, th, tw, &mut self.m[..NN * t * oc], j * tps);
             }
             for xi in 0..NN {
                 // dU_ξ[C, OC] += V_ξ^T[C, T] · dM_ξ[T, OC]
-                matmul(c, oc, t, &mut self.du[xi * c * oc..(xi + 1) * c * oc], &v[xi * t * c..(xi + 1) * t * c], Trans::Yes, &self.m[xi * t * oc..(xi + 1) * t * oc], Trans::No, true);
+                let (dux, vx, mx) = (&mut self.du[xi * c * oc..(xi + 1) * c * oc], &v[xi * c..], &self.m[xi * oc..NN * t * oc]);
+                matmul_ld(c, oc, t, (dux, oc), (vx, NN * c), Trans::Yes, (mx, NN * oc), Trans::No, true);
             }
         }
         kernel_grad_transform(&self.du, c, oc, dweight);
@@ -466,9 +471,9 @@ fn kernel_grad_impl(du: &[f32], c: usize, oc: usize, ch: usize, tmp: &mut [f32],
     }
 }
 
-dispatch!(input_transform, input_transform_impl, (xp: &[f32], c: usize, th: usize, tw: usize, wp: usize, v: &mut [f32], t: usize, t0: usize, cols: &mut [f32]));
-dispatch!(output_transform, output_transform_impl, (m: &[f32], oc: usize, th: usize, tw: usize, t: usize, t0: usize, stage: &mut [f32]));
-dispatch!(dout_transform, dout_transform_impl, (stage: &[f32], oc: usize, th: usize, tw: usize, m: &mut [f32], t: usize, t0: usize));
+dispatch!(input_transform, input_transform_impl, (xp: &[f32], c: usize, th: usize, tw: usize, wp: usize, v: &mut [f32], t0: usize, cols: &mut [f32]));
+dispatch!(output_transform, output_transform_impl, (m: &[f32], oc: usize, th: usize, tw: usize, t0: usize, stage: &mut [f32]));
+dispatch!(dout_transform, dout_transform_impl, (stage: &[f32], oc: usize, th: usize, tw: usize, m: &mut [f32], t0: usize));
 
 /// Channels handled together: one AVX-512 register (the transforms keep a tile's 36 values of
 /// a block in registers); a remainder block of width 1 covers channel counts not divisible by 16.
@@ -525,28 +530,28 @@ fn load<const L: usize>(src: &[f32]) -> [f32; L] {
     x
 }
 
-/// `V[ξ, t0 + tile, :] = B^T d B` for every tile of one padded sample (`t` tiles in the chunk).
+/// `V[t0 + tile, ξ, :] = B^T d B` for every tile of one padded sample.
 ///
 /// Neighbouring tiles of a tile row overlap by 4 of their 6 columns, so the column pass
 /// (`B^T d[:, x]`) is done once per input column of the row (into `cols`, `wp * 6 * 16` floats)
 /// and shared: 18 column transforms per row of 7 tiles instead of 42.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn input_transform_impl(xp: &[f32], c: usize, th: usize, tw: usize, wp: usize, v: &mut [f32], t: usize, t0: usize, cols: &mut [f32]) {
+fn input_transform_impl(xp: &[f32], c: usize, th: usize, tw: usize, wp: usize, v: &mut [f32], t0: usize, cols: &mut [f32]) {
     let full = c - c % LANES;
     for ty in 0..th {
         for c0 in (0..full).step_by(LANES) {
-            input_row::<LANES>(xp, c, c0, ty, tw, wp, v, t, t0, cols);
+            input_row::<LANES>(xp, c, c0, ty, tw, wp, v, t0, cols);
         }
         for c0 in full..c {
-            input_row::<1>(xp, c, c0, ty, tw, wp, v, t, t0, cols);
+            input_row::<1>(xp, c, c0, ty, tw, wp, v, t0, cols);
         }
     }
 }
 
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn input_row<const L: usize>(xp: &[f32], c: usize, c0: usize, ty: usize, tw: usize, wp: usize, v: &mut [f32], t: usize, t0: usize, cols: &mut [f32]) {
+fn input_row<const L: usize>(xp: &[f32], c: usize, c0: usize, ty: usize, tw: usize, wp: usize, v: &mut [f32], t0: usize, cols: &mut [f32]) {
     // cols[x][a] = Σ_i B^T[a][i] d[2ty + i][x]
     for x in 0..wp {
         let mut col = [[0.0f32; L]; TT];
@@ -566,7 +571,7 @@ fn input_row<const L: usize>(xp: &[f32], c: usize, c0: usize, ty: usize, tw: usi
                 *rj = load::<L>(&cols[((MO * tx + j) * TT + a) * L..]);
             }
             for (b, x) in bt6(row).iter().enumerate() {
-                v[((a * TT + b) * t + tile) * c + c0..][..L].copy_from_slice(x);
+                v[((tile * NN + a * TT + b) * c + c0)..][..L].copy_from_slice(x);
             }
         }
     }
@@ -575,16 +580,16 @@ fn input_row<const L: usize>(xp: &[f32], c: usize, c0: usize, ty: usize, tw: usi
 /// `stage[2ty+i, 2tx+j, :] = (A^T M A)[i][j]` for every tile of one sample (`stage` is
 /// `[2th, 2tw, OC]`, channels innermost, cropped and transposed to NCHW by the caller).
 #[inline(always)]
-fn output_transform_impl(m: &[f32], oc: usize, th: usize, tw: usize, t: usize, t0: usize, stage: &mut [f32]) {
+fn output_transform_impl(m: &[f32], oc: usize, th: usize, tw: usize, t0: usize, stage: &mut [f32]) {
     let full = oc - oc % LANES;
     for ty in 0..th {
         for tx in 0..tw {
             let tile = t0 + ty * tw + tx;
             for o0 in (0..full).step_by(LANES) {
-                output_tile::<LANES>(m, oc, o0, ty, tx, tw, t, tile, stage);
+                output_tile::<LANES>(m, oc, o0, ty, tx, tw, tile, stage);
             }
             for o0 in full..oc {
-                output_tile::<1>(m, oc, o0, ty, tx, tw, t, tile, stage);
+                output_tile::<1>(m, oc, o0, ty, tx, tw, tile, stage);
             }
         }
     }
@@ -592,12 +597,12 @@ fn output_transform_impl(m: &[f32], oc: usize, th: usize, tw: usize, t: usize, t
 
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn output_tile<const L: usize>(m: &[f32], oc: usize, o0: usize, ty: usize, tx: usize, tw: usize, t: usize, tile: usize, stage: &mut [f32]) {
+fn output_tile<const L: usize>(m: &[f32], oc: usize, o0: usize, ty: usize, tx: usize, tw: usize, tile: usize, stage: &mut [f32]) {
     let mut f = [[[0.0f32; L]; TT]; MO]; // f[i][b] = Σ_a A^T[i][a] M[a][b]
     for b in 0..TT {
         let mut col = [[0.0f32; L]; TT];
         for (a, ca) in col.iter_mut().enumerate() {
-            *ca = load::<L>(&m[((a * TT + b) * t + tile) * oc + o0..]);
+            *ca = load::<L>(&m[(tile * NN + a * TT + b) * oc + o0..]);
         }
         let r = at6(col);
         f[0][b] = r[0];
@@ -612,19 +617,19 @@ fn output_tile<const L: usize>(m: &[f32], oc: usize, o0: usize, ty: usize, tx: u
     }
 }
 
-/// `dM[ξ, t0 + tile, :] = A dY A^T` for every tile of one sample, `stage` holding its
+/// `dM[t0 + tile, ξ, :] = A dY A^T` for every tile of one sample, `stage` holding its
 /// `dout` as `[2th, 2tw, OC]` (zero past the edges): the transpose of the output transform.
 #[inline(always)]
-fn dout_transform_impl(stage: &[f32], oc: usize, th: usize, tw: usize, m: &mut [f32], t: usize, t0: usize) {
+fn dout_transform_impl(stage: &[f32], oc: usize, th: usize, tw: usize, m: &mut [f32], t0: usize) {
     let full = oc - oc % LANES;
     for ty in 0..th {
         for tx in 0..tw {
             let tile = t0 + ty * tw + tx;
             for o0 in (0..full).step_by(LANES) {
-                dout_tile::<LANES>(stage, oc, o0, ty, tx, tw, m, t, tile);
+                dout_tile::<LANES>(stage, oc, o0, ty, tx, tw, m, tile);
             }
             for o0 in full..oc {
-                dout_tile::<1>(stage, oc, o0, ty, tx, tw, m, t, tile);
+                dout_tile::<1>(stage, oc, o0, ty, tx, tw, m, tile);
             }
         }
     }
@@ -632,7 +637,7 @@ fn dout_transform_impl(stage: &[f32], oc: usize, th: usize, tw: usize, m: &mut [
 
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn dout_tile<const L: usize>(stage: &[f32], oc: usize, o0: usize, ty: usize, tx: usize, tw: usize, m: &mut [f32], t: usize, tile: usize) {
+fn dout_tile<const L: usize>(stage: &[f32], oc: usize, o0: usize, ty: usize, tx: usize, tw: usize, m: &mut [f32], tile: usize) {
     let w2 = MO * tw;
     let mut dy = [[[0.0f32; L]; MO]; MO];
     for (i, di) in dy.iter_mut().enumerate() {
@@ -645,7 +650,7 @@ fn dout_tile<const L: usize>(stage: &[f32], oc: usize, o0: usize, ty: usize, tx:
     for a in 0..TT {
         let r = a6([f[0][a], f[1][a]]);
         for (b, x) in r.iter().enumerate() {
-            m[((a * TT + b) * t + tile) * oc + o0..][..L].copy_from_slice(x);
+            m[(tile * NN + a * TT + b) * oc + o0..][..L].copy_from_slice(x);
         }
     }
 }
