@@ -77,7 +77,6 @@ pub struct Conv2d {
     col: Vec<f32>,    // sample after sample, each (K, P): the unrolled input
     saved: usize,     // samples whose columns `col` holds from a training forward (0: none)
     dcol: Vec<f32>,   // (K, P) column gradient of one sample
-    ybuf: Vec<f32>,   // (N, OC, P) discarded output when backward must redo a Winograd forward
     dwt: Vec<f32>,    // (K, OC) weight gradient, transposed, summed over the samples
     padded: Vec<f32>, // one zero-padded input plane (im2col / col2im scratch)
     wino: Winograd,     // Winograd forward and weight gradient (when `winograd::applies`)
@@ -93,7 +92,6 @@ impl Conv2d {
             col: Vec::new(),
             saved: 0,
             dcol: Vec::new(),
-            ybuf: Vec::new(),
             dwt: Vec::new(),
             padded: Vec::new(),
             wino: Winograd::default(),
@@ -338,7 +336,7 @@ impl Layer for Conv2d {
         out.resize(&[n, oc, oh, ow]);
         if self.winograd() {
             let (weight, bias) = p.split_at(oc * k);
-            self.wino.forward(weight, Some(bias), inp.data(), n, cp.in_c, oc, h, w, out.data_mut(), train);
+            self.wino.forward(weight, Some(bias), inp.data(), n, cp.in_c, oc, h, w, out.data_mut());
             return;
         }
         // Training keeps every sample's columns for backward; evaluation reuses one sample's room.
@@ -372,16 +370,11 @@ impl Layer for Conv2d {
             for (i, plane) in dout.data().chunks_exact(pp).enumerate() {
                 dbias[i % oc] += lane_sum(plane, |v| v);
             }
-            if self.wino.kept() != n {
-                // No training forward of this batch to reuse: redo it (output discarded).
-                self.ybuf.resize(n * oc * pp, 0.0);
-                self.wino.forward(weight, None, inp.data(), n, cp.in_c, oc, h, w, &mut self.ybuf, true);
-            }
-            self.wino.weight_grad(dout.data(), n, cp.in_c, oc, h, w, dweight);
+            self.wino.weight_grad(inp.data(), dout.data(), n, cp.in_c, oc, h, w, dweight);
             if let Some(d) = dinp {
                 d.resize(inp.dims());
                 winograd::flip_kernels(weight, cp.in_c, oc, &mut self.flipped);
-                self.wino_bwd.forward(&self.flipped, None, dout.data(), n, oc, cp.in_c, h, w, d.data_mut(), false);
+                self.wino_bwd.forward(&self.flipped, None, dout.data(), n, oc, cp.in_c, h, w, d.data_mut());
             }
             return;
         }
@@ -503,9 +496,10 @@ mod tests {
         assert_eq!(d1.data(), d2.data());
     }
 
-    /// Same for the Winograd path (8 input channels, 5x5, padding 2).
+    /// The Winograd path (8 input channels, 5x5, padding 2) against direct loops, and its
+    /// backward independent of which forward (training or evaluation) ran last.
     #[test]
-    fn winograd_backward_with_and_without_kept_state() {
+    fn winograd_path_forward_and_stateless_backward() {
         let cp = Conv2dParams { in_c: 8, out_c: 3, kh: 5, kw: 5, stride: 1, pad: 2 };
         let mut layer = Conv2d::new(cp);
         assert!(layer.winograd());
