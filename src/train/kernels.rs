@@ -56,7 +56,17 @@ pub fn matmul(m: usize, n: usize, k: usize, dst: &mut [f32], a: &[f32], ta: Tran
 /// `(slice, row stride)`: row `r` of a stored matrix starts at `r * ld`, so a matrix can be every
 /// 36th block of a larger array (the Winograd layout keeps a tile's 36 positions together).
 #[allow(clippy::too_many_arguments)]
-pub fn matmul_ld(m: usize, n: usize, k: usize, dst: (&mut [f32], usize), a: (&[f32], usize), ta: Trans, b: (&[f32], usize), tb: Trans, accumulate: bool) {
+pub fn matmul_ld(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: (&mut [f32], usize),
+    a: (&[f32], usize),
+    ta: Trans,
+    b: (&[f32], usize),
+    tb: Trans,
+    accumulate: bool,
+) {
     let ((dst, ldd), (a, lda), (b, ldb)) = (dst, a, b);
     // Stored shapes (rows x cols) of the three matrices.
     let (ar, ac) = if ta == Trans::No { (m, k) } else { (k, m) };
@@ -151,7 +161,8 @@ mod tests {
                         assert!((x - y).abs() < 1e-5, "{ta:?} {tb:?} {acc}: {x} vs {y}");
                     }
                     // Strided: every operand row padded by 2 elements (padding left untouched).
-                    let pad = |v: &[f32], cols: usize| -> Vec<f32> { v.chunks(cols).flat_map(|r| r.iter().copied().chain([7.0, 7.0])).collect() };
+                    let pad =
+                        |v: &[f32], cols: usize| -> Vec<f32> { v.chunks(cols).flat_map(|r| r.iter().copied().chain([7.0, 7.0])).collect() };
                     let (ac, bc) = (if ta == Trans::No { k } else { m }, if tb == Trans::No { n } else { k });
                     let (ap, bp) = (pad(&a, ac), pad(&b, bc));
                     let mut d3 = pad(&vec![0.5f32; m * n], n);

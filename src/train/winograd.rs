@@ -55,11 +55,7 @@ pub fn transforms() -> &'static Transforms {
     static T: OnceLock<Transforms> = OnceLock::new();
     T.get_or_init(|| {
         let (at, g, bt) = toom_cook();
-        Transforms {
-            bt: bt.map(|r| r.map(|x| x as f32)),
-            g: g.map(|r| r.map(|x| x as f32)),
-            at: at.map(|r| r.map(|x| x as f32)),
-        }
+        Transforms { bt: bt.map(|r| r.map(|x| x as f32)), g: g.map(|r| r.map(|x| x as f32)), at: at.map(|r| r.map(|x| x as f32)) }
     })
 }
 
@@ -71,6 +67,7 @@ type Mats = ([[f64; TT]; MO], [[f64; KS]; TT], [[f64; TT]; TT]);
 /// the leading coefficient), and `B^T` solves `Σ_j A^T[i][j] G[j][k] B^T[j][l] = [l == i + k]`
 /// (1-D correlation `y_i = Σ_k g_k d_{i+k}`), column by column by least squares (10 equations,
 /// 6 unknowns, consistent; the tests check the residual).
+#[allow(clippy::needless_range_loop)] // index arithmetic reads clearer as in the formulas
 pub fn toom_cook() -> Mats {
     let pts = [0.0f64, 1.0, -1.0, 2.0, -2.0];
     let mut at = [[0.0; TT]; MO];
@@ -112,6 +109,7 @@ pub fn toom_cook() -> Mats {
 }
 
 /// Gaussian elimination with partial pivoting for the 6x6 normal equations.
+#[allow(clippy::needless_range_loop)] // index arithmetic reads clearer as in the formulas
 fn solve(mut a: [[f64; TT]; TT], mut b: [f64; TT]) -> [f64; TT] {
     for col in 0..TT {
         let piv = (col..TT).max_by(|&x, &y| a[x][col].abs().total_cmp(&a[y][col].abs())).unwrap_or(col);
@@ -143,13 +141,13 @@ pub fn applies(in_c: usize, kh: usize, kw: usize, stride: usize, pad: usize) -> 
 /// Scratch and kept state of one Winograd convolution direction.
 #[derive(Clone, Debug, Default)]
 pub struct Winograd {
-    u: Vec<f32>,  // (36, C, OC) transformed kernels
-    xp: Vec<f32>, // (Hp, Wp, C) zero-padded input sample, channels innermost
-    v: Vec<f32>,  // (T, 36, C) transformed input tiles of one chunk
-    m: Vec<f32>,  // (T, 36, OC) GEMM output (forward) / transformed dout (weight gradient)
+    u: Vec<f32>,     // (36, C, OC) transformed kernels
+    xp: Vec<f32>,    // (Hp, Wp, C) zero-padded input sample, channels innermost
+    v: Vec<f32>,     // (T, 36, C) transformed input tiles of one chunk
+    m: Vec<f32>,     // (T, 36, OC) GEMM output (forward) / transformed dout (weight gradient)
     stage: Vec<f32>, // (2th, 2tw, OC) one sample's output / dout, channels innermost
     cols: Vec<f32>,  // (Wp, 6, 16) column transforms of one tile row (input transform scratch)
-    du: Vec<f32>, // (36, C, OC) weight-gradient accumulator
+    du: Vec<f32>,    // (36, C, OC) weight-gradient accumulator
 }
 
 /// Tiles per sample (`th`, `tw`) for an `h x w` output.
@@ -160,7 +158,18 @@ fn tiles(h: usize, w: usize) -> (usize, usize) {
 impl Winograd {
     /// `out[N, OC, H, W] = conv(inp[N, C, H, W], weight[OC, C, 5, 5]) (+ bias)`, padding 2.
     #[allow(clippy::too_many_arguments)]
-    pub fn forward(&mut self, weight: &[f32], bias: Option<&[f32]>, inp: &[f32], n: usize, c: usize, oc: usize, h: usize, w: usize, out: &mut [f32]) {
+    pub fn forward(
+        &mut self,
+        weight: &[f32],
+        bias: Option<&[f32]>,
+        inp: &[f32],
+        n: usize,
+        c: usize,
+        oc: usize,
+        h: usize,
+        w: usize,
+        out: &mut [f32],
+    ) {
         kernel_transform(weight, c, oc, &mut self.u);
         let (th, tw) = tiles(h, w);
         let tps = th * tw;
@@ -243,7 +252,6 @@ fn pad_hwc(x: &[f32], c: usize, h: usize, w: usize, wp: usize, xp: &mut [f32]) {
     }
 }
 
-
 /// `dst[doff + j * dstride + i] = src[off + i * stride + j]` for `i < rows`, `j < cols`
 /// (`sp` = (stride, off), `dp` = (dstride, doff)): the NCHW <-> channels-innermost copies around
 /// the transforms. Scalar, these were ~7 % of a training step (one strided access per element);
@@ -260,13 +268,15 @@ fn transpose(src: &[f32], sp: (usize, usize), rows: usize, cols: usize, dst: &mu
     assert!(doff + (cols - 1) * dstride + rows <= dst.len(), "transpose: destination too short");
     #[cfg(target_arch = "x86_64")]
     if rows >= 8 && cols >= 8 && is_x86_feature_detected!("avx") {
-        let starts = |n: usize| (0..n - 7).step_by(8).chain(if n % 8 != 0 { Some(n - 8) } else { None });
+        let starts = |n: usize| (0..n - 7).step_by(8).chain((!n.is_multiple_of(8)).then(|| n - 8));
         for i0 in starts(rows) {
             for j0 in starts(cols) {
                 // SAFETY: the CPU has AVX (checked above); the block reads src[off + (i0+i)*stride
                 // + j0 .. +8] and writes dst[doff + (j0+j)*dstride + i0 .. +8] for i, j < 8, with
                 // i0 + 8 <= rows and j0 + 8 <= cols, inside the extents asserted above.
-                unsafe { transpose8x8(src.as_ptr().add(off + i0 * stride + j0), stride, dst.as_mut_ptr().add(doff + j0 * dstride + i0), dstride) };
+                unsafe {
+                    transpose8x8(src.as_ptr().add(off + i0 * stride + j0), stride, dst.as_mut_ptr().add(doff + j0 * dstride + i0), dstride)
+                };
             }
         }
         return;

@@ -16,7 +16,7 @@
 //!
 //! 5x5 stride-1 "same" layers with 8+ input channels (conv2 of the recipe) take the Winograd
 //! F(2x2, 5x5) path of [`crate::train::winograd`] instead, in all three directions: 2.8x fewer
-//! FLOPs than im2col + GEMM (conv2 forward + backward at batch 64: 55 -> 24 ms CPU).
+//! FLOPs than im2col + GEMM (conv2 forward + backward at batch 64: 55 -> 21 ms CPU).
 
 use super::batchnorm::lane_sum;
 use super::{Init, Layer, ParamSpec};
@@ -74,11 +74,11 @@ impl Conv2dParams {
 pub struct Conv2d {
     /// Shape parameters.
     pub params: Conv2dParams,
-    col: Vec<f32>,    // sample after sample, each (K, P): the unrolled input
-    saved: usize,     // samples whose columns `col` holds from a training forward (0: none)
-    dcol: Vec<f32>,   // (K, P) column gradient of one sample
-    dwt: Vec<f32>,    // (K, OC) weight gradient, transposed, summed over the samples
-    padded: Vec<f32>, // one zero-padded input plane (im2col / col2im scratch)
+    col: Vec<f32>,      // sample after sample, each (K, P): the unrolled input
+    saved: usize,       // samples whose columns `col` holds from a training forward (0: none)
+    dcol: Vec<f32>,     // (K, P) column gradient of one sample
+    dwt: Vec<f32>,      // (K, OC) weight gradient, transposed, summed over the samples
+    padded: Vec<f32>,   // one zero-padded input plane (im2col / col2im scratch)
     wino: Winograd,     // Winograd forward and weight gradient (when `winograd::applies`)
     wino_bwd: Winograd, // Winograd input gradient: forward of dout with flipped kernels
     flipped: Vec<f32>,  // (C, OC, kh, kw) flipped kernels for `wino_bwd`
