@@ -704,6 +704,7 @@ pub fn flip_kernels(weight: &[f32], c: usize, oc: usize, out: &mut Vec<f32>) {
 }
 
 #[cfg(test)]
+#[allow(clippy::needless_range_loop)] // reference loops index several arrays at once
 mod tests {
     use super::*;
     use crate::train::layers::conv2d::{conv2d_forward_cpu, Conv2dParams};
