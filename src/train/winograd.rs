@@ -299,7 +299,20 @@ fn transpose(src: &[f32], sp: (usize, usize), rows: usize, cols: usize, dst: &mu
 unsafe fn transpose8x8(s: *const f32, ss: usize, d: *mut f32, ds: usize) {
     use std::arch::x86_64::*;
     // SAFETY: the caller guarantees the eight 8-float rows are in bounds.
-    let r: [__m256; 8] = std::array::from_fn(|i| unsafe { _mm256_loadu_ps(s.add(i * ss)) });
+    // (Plain loads, not `array::from_fn`: a closure is not compiled with AVX enabled, so each
+    // load would become a call.)
+    let r = unsafe {
+        [
+            _mm256_loadu_ps(s),
+            _mm256_loadu_ps(s.add(ss)),
+            _mm256_loadu_ps(s.add(2 * ss)),
+            _mm256_loadu_ps(s.add(3 * ss)),
+            _mm256_loadu_ps(s.add(4 * ss)),
+            _mm256_loadu_ps(s.add(5 * ss)),
+            _mm256_loadu_ps(s.add(6 * ss)),
+            _mm256_loadu_ps(s.add(7 * ss)),
+        ]
+    };
     let t0 = _mm256_unpacklo_ps(r[0], r[1]);
     let t1 = _mm256_unpackhi_ps(r[0], r[1]);
     let t2 = _mm256_unpacklo_ps(r[2], r[3]);
