@@ -47,30 +47,58 @@ pub enum Trans {
 /// the caller's shape math, never user input.
 #[allow(clippy::too_many_arguments)]
 pub fn matmul(m: usize, n: usize, k: usize, dst: &mut [f32], a: &[f32], ta: Trans, b: &[f32], tb: Trans, accumulate: bool) {
-    assert!(dst.len() >= m * n, "matmul: dst has {} elements, needs {m}x{n}", dst.len());
-    assert!(a.len() >= m * k, "matmul: A has {} elements, needs {m}x{k}", a.len());
-    assert!(b.len() >= k * n, "matmul: B has {} elements, needs {k}x{n}", b.len());
+    let lda = if ta == Trans::No { k } else { m };
+    let ldb = if tb == Trans::No { n } else { k };
+    matmul_ld(m, n, k, (dst, n), (a, lda), ta, (b, ldb), tb, accumulate)
+}
+
+/// [`matmul`] with explicit row strides (leading dimensions), each operand given as
+/// `(slice, row stride)`: row `r` of a stored matrix starts at `r * ld`, so a matrix can be every
+/// 36th block of a larger array (the Winograd layout keeps a tile's 36 positions together).
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_ld(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: (&mut [f32], usize),
+    a: (&[f32], usize),
+    ta: Trans,
+    b: (&[f32], usize),
+    tb: Trans,
+    accumulate: bool,
+) {
+    let ((dst, ldd), (a, lda), (b, ldb)) = (dst, a, b);
+    // Stored shapes (rows x cols) of the three matrices.
+    let (ar, ac) = if ta == Trans::No { (m, k) } else { (k, m) };
+    let (br, bc) = if tb == Trans::No { (k, n) } else { (n, k) };
+    let extent = |rows: usize, cols: usize, ld: usize| if rows == 0 || cols == 0 { 0 } else { (rows - 1) * ld + cols };
+    assert!(ldd >= n && lda >= ac && ldb >= bc, "matmul: a row stride is shorter than its row");
+    assert!(dst.len() >= extent(m, n, ldd), "matmul: dst has {} elements, needs {m}x{n} (stride {ldd})", dst.len());
+    assert!(a.len() >= extent(ar, ac, lda), "matmul: A has {} elements, needs {ar}x{ac} (stride {lda})", a.len());
+    assert!(b.len() >= extent(br, bc, ldb), "matmul: B has {} elements, needs {br}x{bc} (stride {ldb})", b.len());
     if m == 0 || n == 0 {
         return;
     }
     if k == 0 {
         if !accumulate {
-            dst[..m * n].fill(0.0);
+            for r in 0..m {
+                dst[r * ldd..r * ldd + n].fill(0.0);
+            }
         }
         return;
     }
     let (a_rs, a_cs) = match ta {
-        Trans::No => (k as isize, 1),
-        Trans::Yes => (1, m as isize),
+        Trans::No => (lda as isize, 1),
+        Trans::Yes => (1, lda as isize),
     };
     let (b_rs, b_cs) = match tb {
-        Trans::No => (n as isize, 1),
-        Trans::Yes => (1, k as isize),
+        Trans::No => (ldb as isize, 1),
+        Trans::Yes => (1, ldb as isize),
     };
-    // SAFETY: dst covers m*n row-major elements (dst_rs = n, dst_cs = 1); A covers m*k elements
-    // addressed as i*a_rs + p*a_cs < m*k for i < m, p < k in both storage orders; B likewise covers
-    // k*n. All three were checked above, the slices do not alias (one is &mut), and `gemm` only
-    // reads/writes inside those extents.
+    // SAFETY: dst element (i, j) is at i*ldd + j <= (m-1)*ldd + n-1 < extent(m, n, ldd); A element
+    // (i, p) is at i*lda + p (stored [m, k]) or p*lda + i (stored [k, m]), below its extent in
+    // both orders; B likewise. All extents were checked above, the slices do not alias (one is
+    // &mut), and `gemm` only reads/writes those elements.
     unsafe {
         gemm::gemm(
             m,
@@ -78,7 +106,7 @@ pub fn matmul(m: usize, n: usize, k: usize, dst: &mut [f32], a: &[f32], ta: Tran
             k,
             dst.as_mut_ptr(),
             1,
-            n as isize,
+            ldd as isize,
             accumulate,
             a.as_ptr(),
             a_cs,
@@ -132,6 +160,18 @@ mod tests {
                     for (x, y) in d1.iter().zip(&d2) {
                         assert!((x - y).abs() < 1e-5, "{ta:?} {tb:?} {acc}: {x} vs {y}");
                     }
+                    // Strided: every operand row padded by 2 elements (padding left untouched).
+                    let pad =
+                        |v: &[f32], cols: usize| -> Vec<f32> { v.chunks(cols).flat_map(|r| r.iter().copied().chain([7.0, 7.0])).collect() };
+                    let (ac, bc) = (if ta == Trans::No { k } else { m }, if tb == Trans::No { n } else { k });
+                    let (ap, bp) = (pad(&a, ac), pad(&b, bc));
+                    let mut d3 = pad(&vec![0.5f32; m * n], n);
+                    matmul_ld(m, n, k, (&mut d3, n + 2), (&ap, ac + 2), ta, (&bp, bc + 2), tb, acc);
+                    for (i, y) in d2.iter().enumerate() {
+                        let x = d3[(i / n) * (n + 2) + i % n];
+                        assert!((x - y).abs() < 1e-5, "strided {ta:?} {tb:?} {acc}: {x} vs {y}");
+                    }
+                    assert!(d3.chunks(n + 2).all(|r| r[n] == 7.0 && r[n + 1] == 7.0));
                 }
             }
         }

@@ -84,7 +84,7 @@ impl BatchNorm2d {
 
 /// Sum of `f(v)` over `xs` in 8 independent f32 lanes, so the compiler can vectorise it.
 #[inline]
-fn lane_sum(xs: &[f32], f: impl Fn(f32) -> f32) -> f32 {
+pub(super) fn lane_sum(xs: &[f32], f: impl Fn(f32) -> f32) -> f32 {
     let mut acc = [0.0f32; 8];
     let chunks = xs.chunks_exact(8);
     let rest = chunks.remainder();
