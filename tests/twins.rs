@@ -5,7 +5,8 @@
 //! then checked against (tests/gpu_kernels.rs).
 //!
 //! Tolerances (|got - want| <= atol + rtol * |want|):
-//! - f32 twins vs layers: 1e-4 / 1e-4 (both f32; only the summation order differs);
+//! - f32 twins vs layers: 1e-4 / 1e-4 (both f32; only the summation order differs), except the
+//!   conv weight gradient where the layer uses Winograd: 1e-3 / 1e-3;
 //! - bf16 twins vs the f32 layers on the same bf16-rounded inputs: 1e-4 / 1e-4 (bf16 products
 //!   are exact in f32), and vs unrounded inputs: 0.01*sqrt(K) / 2e-2 for a K-term sum (bf16
 //!   input rounding, 2^-9 relative per operand, grows like sqrt(K));
@@ -28,6 +29,10 @@ use lockstep::train::tensor::Tensor;
 
 const F32: Tol = Tol::new(1e-4, 1e-4);
 const TIGHT: Tol = Tol::new(1e-5, 1e-5);
+/// The CPU layer runs 5×5 "same" convolutions with 8+ input channels through Winograd F(2×2,5×5)
+/// (`train::winograd`), whose weight gradient sums many transformed products: it matches the
+/// direct twin to 1e-3, as `train::winograd`'s own tests state.
+const WINOGRAD_DW: Tol = Tol::new(1e-3, 1e-3);
 /// bf16 twins vs f32 math on unrounded inputs: each operand carries a relative rounding error of
 /// up to 2^-9, so a K-term sum of O(1) products drifts by about 2^-8 * sqrt(K) in absolute terms.
 fn bf16_vs_f32(k: usize) -> Tol {
@@ -98,7 +103,7 @@ fn conv2d_twins_match_the_layer() {
         let (mut dw, mut db) = (dp0[..wt.len()].to_vec(), dp0[wt.len()..].to_vec());
         cpu::conv2d_backward_weight_f32(&mut dw, &dy, &x, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8]);
         cpu::conv2d_backward_bias_f32(&mut db, &dy, n as i32, oc as i32, oh as i32, ow as i32);
-        ok(assert_close(&name("dweight"), &dw, &dp_ref[..wt.len()], F32));
+        ok(assert_close(&name("dweight"), &dw, &dp_ref[..wt.len()], WINOGRAD_DW));
         ok(assert_close(&name("dbias"), &db, &dp_ref[wt.len()..], F32));
         // bf16: operands rounded; reference = the f32 layer on the same rounded values, and
         // (loosely) on the unrounded ones.
@@ -112,7 +117,7 @@ fn conv2d_twins_match_the_layer() {
         let (mut dw, mut db) = (dp0[..wt.len()].to_vec(), dp0[wt.len()..].to_vec());
         cpu::conv2d_backward_weight_bf16(&mut dw, &dyb, &xb, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8]);
         cpu::conv2d_backward_bias_bf16(&mut db, &dyb, n as i32, oc as i32, oh as i32, ow as i32);
-        ok(assert_close(&name("dweight bf16"), &dw, &dpr_ref[..wt.len()], F32));
+        ok(assert_close(&name("dweight bf16"), &dw, &dpr_ref[..wt.len()], WINOGRAD_DW));
         ok(assert_close(&name("dbias bf16"), &db, &dpr_ref[wt.len()..], F32));
         // No bias (the kernel's NULL) is a plain convolution.
         cpu::conv2d_forward_f32(&mut y, &x, &wt, None, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8]);
