@@ -24,39 +24,20 @@ train-cnn uses its default TF32 tensor cores for both; pass --no-tf32 to turn TF
 (bfloat16) and train-cnn --precision bf16.
 """
 import argparse
-import gzip
 import os
 import re
 import statistics
-import struct
 import subprocess
 import sys
 import time
 
 import numpy as np
 
-
-def read_idx(path):
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rb") as f:
-        data = f.read()
-    _zero, _type, ndim = struct.unpack(">HBB", data[:4])
-    dims = struct.unpack(">" + "I" * ndim, data[4 : 4 + 4 * ndim])
-    return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim).reshape(dims)
-
-
-def find(data_dir, name):
-    p = os.path.join(data_dir, name)
-    if os.path.exists(p + ".gz"):
-        return p + ".gz"
-    if os.path.exists(p):
-        return p
-    sys.exit(f"{p}(.gz) not found: pass --data DIR with the FashionMNIST IDX files")
+from cnn_common import cnn_model, find, read_idx
 
 
 def torch_run(args, compiled):
     import torch
-    import torch.nn as nn
     import torch.nn.functional as F
 
     if args.no_tf32:
@@ -70,21 +51,7 @@ def torch_run(args, compiled):
     xte = torch.from_numpy(read_idx(find(args.data, "t10k-images-idx3-ubyte")).copy()).to(dev)
     yte = torch.from_numpy(read_idx(find(args.data, "t10k-labels-idx1-ubyte")).astype(np.int64)).to(dev)
 
-    class CNNModel(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.module1 = nn.Sequential(nn.Conv2d(1, 32, 5, 1, 2), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2, 2))
-            self.module2 = nn.Sequential(nn.Conv2d(32, 64, 5, 1, 2), nn.BatchNorm2d(64), nn.ReLU(), nn.MaxPool2d(2, 2))
-            self.flatten = nn.Flatten()
-            self.linear1 = nn.Linear(7 * 7 * 64, 64)
-            self.linear2 = nn.Linear(64, 10)
-            self.relu = nn.ReLU()
-
-        def forward(self, x):
-            out = self.flatten(self.module2(self.module1(x)))
-            return self.linear2(self.relu(self.linear1(out)))
-
-    model = CNNModel().to(dev)
+    model = cnn_model().to(dev)
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
     amp = torch.autocast("cuda", dtype=torch.bfloat16, enabled=args.precision == "bf16")
     # reduce-overhead: Inductor kernels for forward and backward (AOTAutograd), replayed as CUDA

@@ -13,53 +13,24 @@ directly so torchvision is not needed:
 Prints one line per epoch: seconds (training + evaluation, as train-cnn reports) and accuracy.
 """
 import argparse
-import gzip
 import os
-import struct
 import time
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-
-def read_idx(path):
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rb") as f:
-        data = f.read()
-    _zero, _type, ndim = struct.unpack(">HBB", data[:4])
-    dims = struct.unpack(">" + "I" * ndim, data[4 : 4 + 4 * ndim])
-    return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim).reshape(dims)
+from cnn_common import cnn_model, find, read_idx
 
 
 def load(data_dir, prefix):
-    def find(name):
-        p = os.path.join(data_dir, name)
-        return p + ".gz" if os.path.exists(p + ".gz") else p
-
-    x = read_idx(find(f"{prefix}-images-idx3-ubyte")).astype(np.float32) / 255.0
-    y = read_idx(find(f"{prefix}-labels-idx1-ubyte")).astype(np.int64)
+    x = read_idx(find(data_dir, f"{prefix}-images-idx3-ubyte")).astype(np.float32) / 255.0
+    y = read_idx(find(data_dir, f"{prefix}-labels-idx1-ubyte")).astype(np.int64)
     return TensorDataset(torch.from_numpy(x).unsqueeze(1), torch.from_numpy(y))
-
-
-class CNNModel(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.module1 = nn.Sequential(nn.Conv2d(1, 32, 5, 1, 2), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2, 2))
-        self.module2 = nn.Sequential(nn.Conv2d(32, 64, 5, 1, 2), nn.BatchNorm2d(64), nn.ReLU(), nn.MaxPool2d(2, 2))
-        self.flatten = nn.Flatten()
-        self.linear1 = nn.Linear(7 * 7 * 64, 64)
-        self.linear2 = nn.Linear(64, 10)
-        self.relu = nn.ReLU()
-
-    def forward(self, x):
-        out = self.flatten(self.module2(self.module1(x)))
-        return self.linear2(self.relu(self.linear1(out)))
 
 
 def worker(rank, world, args):
@@ -73,7 +44,7 @@ def worker(rank, world, args):
     test_sampler = DistributedSampler(test, world, rank, shuffle=False)
     train_loader = DataLoader(train, batch_size=args.batch_size, sampler=train_sampler)
     test_loader = DataLoader(test, batch_size=args.batch_size, sampler=test_sampler)
-    model = DDP(CNNModel())
+    model = DDP(cnn_model())
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
     for epoch in range(args.epochs):
         t0 = time.time()
