@@ -200,6 +200,34 @@ pub fn batchnorm2d_backward_f32(
     }
 }
 
+/// The f32 and bf16 twins of one kernel: both call the generic body with the same arguments; the
+/// arguments marked `op` are `&[f32]` in the first and `&[bf16]` in the second, the others keep
+/// the type given in parentheses.
+macro_rules! twin_pair {
+    ($(#[doc = $d32:literal])* $f32:ident, $(#[doc = $d16:literal])* $bf16:ident, $imp:ident($($arg:ident: $kind:tt),* $(,)?)) => {
+        $(#[doc = $d32])*
+        #[allow(clippy::too_many_arguments)]
+        pub fn $f32($($arg: twin_arg!($kind, f32)),*) {
+            $imp($($arg),*)
+        }
+        $(#[doc = $d16])*
+        #[allow(clippy::too_many_arguments)]
+        pub fn $bf16($($arg: twin_arg!($kind, bf16)),*) {
+            $imp($($arg),*)
+        }
+    };
+}
+
+/// The type of one `twin_pair!` argument.
+macro_rules! twin_arg {
+    (op, $t:ty) => {
+        &[$t]
+    };
+    (($fixed:ty), $t:ty) => {
+        $fixed
+    };
+}
+
 // ------------------------------------------------------------------------------------------------
 // conv2d.cu
 
@@ -356,124 +384,74 @@ fn conv2d_backward_bias_t<T: Operand>(dbias: &mut [f32], dout: &[T], batch: i32,
     }
 }
 
-/// `out = bias + conv(inp, weight)` (NCHW, groups 1, dilation 1); `bias: None` is the kernel's NULL.
-#[allow(clippy::too_many_arguments)]
-pub fn conv2d_forward_f32(
-    out: &mut [f32],
-    inp: &[f32],
-    weight: &[f32],
-    bias: Option<&[f32]>,
-    batch: i32,
-    in_c: i32,
-    in_h: i32,
-    in_w: i32,
-    out_c: i32,
-    kh: i32,
-    kw: i32,
-    stride: i32,
-    pad: i32,
-) {
-    conv2d_forward_t(out, inp, weight, bias, batch, in_c, in_h, in_w, out_c, kh, kw, stride, pad)
-}
-/// bf16 operands, f32 accumulation and output: see [`conv2d_forward_f32`].
-#[allow(clippy::too_many_arguments)]
-pub fn conv2d_forward_bf16(
-    out: &mut [f32],
-    inp: &[bf16],
-    weight: &[bf16],
-    bias: Option<&[f32]>,
-    batch: i32,
-    in_c: i32,
-    in_h: i32,
-    in_w: i32,
-    out_c: i32,
-    kh: i32,
-    kw: i32,
-    stride: i32,
-    pad: i32,
-) {
-    conv2d_forward_t(out, inp, weight, bias, batch, in_c, in_h, in_w, out_c, kh, kw, stride, pad)
-}
-/// `dinp` (overwritten) from `dout` and `weight`.
-#[allow(clippy::too_many_arguments)]
-pub fn conv2d_backward_input_f32(
-    dinp: &mut [f32],
-    dout: &[f32],
-    weight: &[f32],
-    batch: i32,
-    in_c: i32,
-    in_h: i32,
-    in_w: i32,
-    out_c: i32,
-    kh: i32,
-    kw: i32,
-    stride: i32,
-    pad: i32,
-) {
-    conv2d_backward_input_t(dinp, dout, weight, batch, in_c, in_h, in_w, out_c, kh, kw, stride, pad)
-}
-/// bf16 operands: see [`conv2d_backward_input_f32`].
-#[allow(clippy::too_many_arguments)]
-pub fn conv2d_backward_input_bf16(
-    dinp: &mut [f32],
-    dout: &[bf16],
-    weight: &[bf16],
-    batch: i32,
-    in_c: i32,
-    in_h: i32,
-    in_w: i32,
-    out_c: i32,
-    kh: i32,
-    kw: i32,
-    stride: i32,
-    pad: i32,
-) {
-    conv2d_backward_input_t(dinp, dout, weight, batch, in_c, in_h, in_w, out_c, kh, kw, stride, pad)
-}
-/// `dweight += Σ dout * im2col(inp)` (accumulated).
-#[allow(clippy::too_many_arguments)]
-pub fn conv2d_backward_weight_f32(
-    dweight: &mut [f32],
-    dout: &[f32],
-    inp: &[f32],
-    batch: i32,
-    in_c: i32,
-    in_h: i32,
-    in_w: i32,
-    out_c: i32,
-    kh: i32,
-    kw: i32,
-    stride: i32,
-    pad: i32,
-) {
-    conv2d_backward_weight_t(dweight, dout, inp, batch, in_c, in_h, in_w, out_c, kh, kw, stride, pad)
-}
-/// bf16 operands: see [`conv2d_backward_weight_f32`].
-#[allow(clippy::too_many_arguments)]
-pub fn conv2d_backward_weight_bf16(
-    dweight: &mut [f32],
-    dout: &[bf16],
-    inp: &[bf16],
-    batch: i32,
-    in_c: i32,
-    in_h: i32,
-    in_w: i32,
-    out_c: i32,
-    kh: i32,
-    kw: i32,
-    stride: i32,
-    pad: i32,
-) {
-    conv2d_backward_weight_t(dweight, dout, inp, batch, in_c, in_h, in_w, out_c, kh, kw, stride, pad)
-}
-/// `dbias[oc] += Σ_{n,oy,ox} dout` (accumulated).
-pub fn conv2d_backward_bias_f32(dbias: &mut [f32], dout: &[f32], batch: i32, out_c: i32, out_h: i32, out_w: i32) {
-    conv2d_backward_bias_t(dbias, dout, batch, out_c, out_h, out_w)
-}
-/// bf16 `dout`: see [`conv2d_backward_bias_f32`].
-pub fn conv2d_backward_bias_bf16(dbias: &mut [f32], dout: &[bf16], batch: i32, out_c: i32, out_h: i32, out_w: i32) {
-    conv2d_backward_bias_t(dbias, dout, batch, out_c, out_h, out_w)
-}
+twin_pair!(
+    /// `out = bias + conv(inp, weight)` (NCHW, groups 1, dilation 1); `bias: None` is the kernel's NULL.
+    conv2d_forward_f32,
+    /// bf16 operands, f32 accumulation and output: see [`conv2d_forward_f32`].
+    conv2d_forward_bf16,
+    conv2d_forward_t(
+        out: (&mut [f32]),
+        inp: op,
+        weight: op,
+        bias: (Option<&[f32]>),
+        batch: (i32),
+        in_c: (i32),
+        in_h: (i32),
+        in_w: (i32),
+        out_c: (i32),
+        kh: (i32),
+        kw: (i32),
+        stride: (i32),
+        pad: (i32)
+    )
+);
+twin_pair!(
+    /// `dinp` (overwritten) from `dout` and `weight`.
+    conv2d_backward_input_f32,
+    /// bf16 operands: see [`conv2d_backward_input_f32`].
+    conv2d_backward_input_bf16,
+    conv2d_backward_input_t(
+        dinp: (&mut [f32]),
+        dout: op,
+        weight: op,
+        batch: (i32),
+        in_c: (i32),
+        in_h: (i32),
+        in_w: (i32),
+        out_c: (i32),
+        kh: (i32),
+        kw: (i32),
+        stride: (i32),
+        pad: (i32)
+    )
+);
+twin_pair!(
+    /// `dweight += Σ dout * im2col(inp)` (accumulated).
+    conv2d_backward_weight_f32,
+    /// bf16 operands: see [`conv2d_backward_weight_f32`].
+    conv2d_backward_weight_bf16,
+    conv2d_backward_weight_t(
+        dweight: (&mut [f32]),
+        dout: op,
+        inp: op,
+        batch: (i32),
+        in_c: (i32),
+        in_h: (i32),
+        in_w: (i32),
+        out_c: (i32),
+        kh: (i32),
+        kw: (i32),
+        stride: (i32),
+        pad: (i32)
+    )
+);
+twin_pair!(
+    /// `dbias[oc] += Σ_{n,oy,ox} dout` (accumulated).
+    conv2d_backward_bias_f32,
+    /// bf16 `dout`: see [`conv2d_backward_bias_f32`].
+    conv2d_backward_bias_bf16,
+    conv2d_backward_bias_t(dbias: (&mut [f32]), dout: op, batch: (i32), out_c: (i32), out_h: (i32), out_w: (i32))
+);
 
 // ------------------------------------------------------------------------------------------------
 // linear.cu
@@ -539,58 +517,34 @@ fn linear_backward_bias_t<T: Operand>(dbias: &mut [f32], dout: &[T], batch: i32,
     }
 }
 
-/// `out = inp · weightᵀ + bias`, then ReLU when `relu != 0`; `bias: None` is the kernel's NULL.
-#[allow(clippy::too_many_arguments)]
-pub fn linear_forward_f32(
-    out: &mut [f32],
-    inp: &[f32],
-    weight: &[f32],
-    bias: Option<&[f32]>,
-    batch: i32,
-    in_f: i32,
-    out_f: i32,
-    relu: i32,
-) {
-    linear_forward_t(out, inp, weight, bias, batch, in_f, out_f, relu)
-}
-/// bf16 operands: see [`linear_forward_f32`].
-#[allow(clippy::too_many_arguments)]
-pub fn linear_forward_bf16(
-    out: &mut [f32],
-    inp: &[bf16],
-    weight: &[bf16],
-    bias: Option<&[f32]>,
-    batch: i32,
-    in_f: i32,
-    out_f: i32,
-    relu: i32,
-) {
-    linear_forward_t(out, inp, weight, bias, batch, in_f, out_f, relu)
-}
-/// `dinp = dout · weight` (overwritten).
-pub fn linear_backward_input_f32(dinp: &mut [f32], dout: &[f32], weight: &[f32], batch: i32, in_f: i32, out_f: i32) {
-    linear_backward_input_t(dinp, dout, weight, batch, in_f, out_f)
-}
-/// bf16 operands: see [`linear_backward_input_f32`].
-pub fn linear_backward_input_bf16(dinp: &mut [f32], dout: &[bf16], weight: &[bf16], batch: i32, in_f: i32, out_f: i32) {
-    linear_backward_input_t(dinp, dout, weight, batch, in_f, out_f)
-}
-/// `dweight += doutᵀ · inp` (accumulated).
-pub fn linear_backward_weight_f32(dweight: &mut [f32], dout: &[f32], inp: &[f32], batch: i32, in_f: i32, out_f: i32) {
-    linear_backward_weight_t(dweight, dout, inp, batch, in_f, out_f)
-}
-/// bf16 operands: see [`linear_backward_weight_f32`].
-pub fn linear_backward_weight_bf16(dweight: &mut [f32], dout: &[bf16], inp: &[bf16], batch: i32, in_f: i32, out_f: i32) {
-    linear_backward_weight_t(dweight, dout, inp, batch, in_f, out_f)
-}
-/// `dbias += Σ_b dout` (accumulated).
-pub fn linear_backward_bias_f32(dbias: &mut [f32], dout: &[f32], batch: i32, out_f: i32) {
-    linear_backward_bias_t(dbias, dout, batch, out_f)
-}
-/// bf16 `dout`: see [`linear_backward_bias_f32`].
-pub fn linear_backward_bias_bf16(dbias: &mut [f32], dout: &[bf16], batch: i32, out_f: i32) {
-    linear_backward_bias_t(dbias, dout, batch, out_f)
-}
+twin_pair!(
+    /// `out = inp · weightᵀ + bias`, then ReLU when `relu != 0`; `bias: None` is the kernel's NULL.
+    linear_forward_f32,
+    /// bf16 operands: see [`linear_forward_f32`].
+    linear_forward_bf16,
+    linear_forward_t(out: (&mut [f32]), inp: op, weight: op, bias: (Option<&[f32]>), batch: (i32), in_f: (i32), out_f: (i32), relu: (i32))
+);
+twin_pair!(
+    /// `dinp = dout · weight` (overwritten).
+    linear_backward_input_f32,
+    /// bf16 operands: see [`linear_backward_input_f32`].
+    linear_backward_input_bf16,
+    linear_backward_input_t(dinp: (&mut [f32]), dout: op, weight: op, batch: (i32), in_f: (i32), out_f: (i32))
+);
+twin_pair!(
+    /// `dweight += doutᵀ · inp` (accumulated).
+    linear_backward_weight_f32,
+    /// bf16 operands: see [`linear_backward_weight_f32`].
+    linear_backward_weight_bf16,
+    linear_backward_weight_t(dweight: (&mut [f32]), dout: op, inp: op, batch: (i32), in_f: (i32), out_f: (i32))
+);
+twin_pair!(
+    /// `dbias += Σ_b dout` (accumulated).
+    linear_backward_bias_f32,
+    /// bf16 `dout`: see [`linear_backward_bias_f32`].
+    linear_backward_bias_bf16,
+    linear_backward_bias_t(dbias: (&mut [f32]), dout: op, batch: (i32), out_f: (i32))
+);
 
 // ------------------------------------------------------------------------------------------------
 // loss.cu
