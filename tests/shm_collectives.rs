@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use half::{bf16, f16};
 use lockstep::comm::{CollKind, CommError, Communicator, Dtype, Element, ReduceOp};
 use lockstep::launch::{launch, LaunchConfig, LaunchError, RankContext, RankResult};
-use lockstep::shm::{ShmComm, ShmConfig};
+use lockstep::shm::{ShmComm, ShmConfig, StageMode};
 
 // -------------------------------------------------------------------------------------------------
 // Test values with exact references
@@ -238,7 +238,10 @@ fn small_cfg(n: usize) -> LaunchConfig {
 }
 
 fn all_collectives(n: usize, shared: bool) -> Result<(), String> {
-    let cfg = small_cfg(n);
+    all_collectives_cfg(small_cfg(n), shared)
+}
+
+fn all_collectives_cfg(cfg: LaunchConfig, shared: bool) -> Result<(), String> {
     let shm = cfg.shm.clone();
     let out = launch(&cfg, |mut ctx: RankContext| -> RankResult<Vec<String>> {
         let c = &mut ctx.comm;
@@ -288,6 +291,18 @@ fn t_collectives_world_4() -> Result<(), String> {
 fn t_collectives_world_8() -> Result<(), String> {
     all_collectives(8, false)?;
     all_collectives(8, true)
+}
+
+/// Both staging modes forced (the default, auto, switches between them as it measures).
+fn t_collectives_stage_modes() -> Result<(), String> {
+    for mode in [StageMode::Streaming, StageMode::Cached] {
+        for n in [2, 3] {
+            let mut cfg = small_cfg(n);
+            cfg.shm.stage = mode;
+            all_collectives_cfg(cfg, false).map_err(|e| format!("{mode:?}, world {n}: {e}"))?;
+        }
+    }
+    Ok(())
 }
 
 /// 64 MiB all-reduce (default config), ordinary and shared buffers, checked element by element.
@@ -711,6 +726,7 @@ fn main() {
         ("collectives_world_3", t_collectives_world_3),
         ("collectives_world_4", t_collectives_world_4),
         ("collectives_world_8", t_collectives_world_8),
+        ("collectives_stage_modes", t_collectives_stage_modes),
         ("all_reduce_64mib", t_all_reduce_64mib),
         ("deterministic", t_deterministic),
         ("mismatch", t_mismatch),

@@ -2,6 +2,8 @@
 
 use std::time::Duration;
 
+use super::tune::StageMode;
+
 /// Settings of one shared-memory communicator.
 #[derive(Clone, Debug)]
 pub struct ShmConfig {
@@ -23,6 +25,9 @@ pub struct ShmConfig {
     /// Messages whose output is at least this large are written with streaming stores
     /// (`LOCKSTEP_SHM_NT_BYTES`, default 8 MiB): they would not stay in cache anyway.
     pub nt_bytes: usize,
+    /// How staged data is written into the slots (`LOCKSTEP_SHM_STAGE=auto|cached|streaming`,
+    /// default auto: measured online, see [`StageMode`]).
+    pub stage: StageMode,
     /// Pin each rank to one CPU when there are enough (`LOCKSTEP_CPU_BIND=core`, the default, or
     /// `none`). Multi-threaded ranks (e.g. `train-cnn --threads 2`) should use `none`.
     pub bind_cpu: bool,
@@ -45,6 +50,7 @@ impl Default for ShmConfig {
             spin: None,
             join_timeout: Duration::from_secs(60),
             nt_bytes: 8 << 20,
+            stage: StageMode::Auto,
             bind_cpu: true,
         }
     }
@@ -74,6 +80,12 @@ impl ShmConfig {
         }
         if let Some(v) = env_num("LOCKSTEP_SHM_NT_BYTES") {
             c.nt_bytes = v as usize;
+        }
+        if let Ok(v) = std::env::var("LOCKSTEP_SHM_STAGE") {
+            match StageMode::parse(&v) {
+                Some(m) => c.stage = m,
+                None => eprintln!("lockstep: LOCKSTEP_SHM_STAGE={v:?} is not auto, cached or streaming; using auto"),
+            }
         }
         if let Ok(v) = std::env::var("LOCKSTEP_CPU_BIND") {
             c.bind_cpu = !matches!(v.trim(), "none" | "0" | "off" | "false");

@@ -16,11 +16,13 @@ mod config;
 mod reduce;
 mod segment;
 mod sync;
+mod tune;
 
 pub use alloc::{SharedAlloc, SharedBuffer};
 pub use config::ShmConfig;
-pub use reduce::{copy_block, reduce_into, reduce_raw, reduce_slices, store_fence, Dst};
+pub use reduce::{copy_block, copy_block2, reduce_into, reduce_raw, reduce_slices, store_fence, Dst};
 pub use segment::{shm_name, unlink_named, Segment};
+pub use tune::StageMode;
 
 use std::sync::atomic::Ordering::{Acquire, Relaxed, Release, SeqCst};
 use std::sync::{Arc, Mutex};
@@ -28,7 +30,8 @@ use std::time::{Duration, Instant};
 
 use alloc::Heap;
 use segment::{available_cpus, futex_wait, futex_wake_all, PeerWatch};
-use sync::{Ctrl, Desc, Header, Layout, INVALID, MAGIC, SHARED_RECV, SHARED_SEND, STATE_JOINED, STATE_LEFT, VERSION};
+use sync::{Ctrl, Desc, Header, Layout, INVALID, MAGIC, SHARED_RECV, SHARED_SEND, STAGE_NT, STATE_JOINED, STATE_LEFT, VERSION};
+use tune::StageTuner;
 
 use crate::comm::{Backend, BackendKind, Call, CollKind, CommError, Communicator, Dtype, MemSpace, ReduceOp};
 
@@ -103,6 +106,13 @@ pub struct ShmComm {
     poisoned: Option<String>,
     /// Streaming stores were issued since the last fence.
     nt_pending: bool,
+    /// The current collective stages with streaming stores: fence before every publish.
+    stage_nt: bool,
+    tuner: StageTuner,
+    /// Rank 0: the staged call in progress, to time: (class group, bytes, streaming, start).
+    timing: Option<(usize, usize, bool, Instant)>,
+    /// Rank 0: when it began staging the current call, then how long that took (until `begin`).
+    staging: (Option<Instant>, Duration),
 }
 
 impl std::fmt::Debug for ShmComm {
@@ -129,6 +139,7 @@ impl ShmComm {
         if cfg.bind_cpu {
             bind_to_cpu(rank, world);
         }
+        let cfg_stage = cfg.stage;
         let mut c = ShmComm {
             seg,
             layout,
@@ -142,6 +153,10 @@ impl ShmComm {
             spin,
             poisoned: None,
             nt_pending: false,
+            stage_nt: false,
+            tuner: StageTuner::new(cfg_stage),
+            timing: None,
+            staging: (None, Duration::ZERO),
         };
         let me = c.ctrl(rank);
         if me.state.compare_exchange(0, STATE_JOINED, SeqCst, SeqCst).is_err() {
@@ -266,7 +281,7 @@ impl ShmComm {
 
     /// Publish the next phase and return its number.
     fn publish(&mut self) -> u64 {
-        if self.nt_pending {
+        if self.nt_pending || self.stage_nt {
             store_fence();
             self.nt_pending = false;
         }
@@ -423,6 +438,9 @@ impl ShmComm {
     /// the slot of this phase), wait for all, and compare descriptors. Returns every rank's
     /// descriptor, and the phase number.
     fn begin(&mut self, call: &Call, flags: u8, send_off: u64, recv_off: u64, cx: Ctx) -> Result<(Vec<Desc>, u64), CommError> {
+        if let (Some(t), _) = self.staging {
+            self.staging = (None, t.elapsed());
+        }
         let d = Desc {
             kind: call.kind as u8,
             dtype: call.dtype as u8,
@@ -524,6 +542,16 @@ fn check_descs(descs: &[Desc], seq: u64) -> Result<(), CommError> {
     Err(CommError::Mismatch { seq, detail: parts.join(", ") })
 }
 
+/// Tuning class of a collective's staging (see `shm::tune`).
+fn stage_group(kind: CollKind) -> usize {
+    match kind {
+        CollKind::AllReduce | CollKind::Reduce | CollKind::Barrier => 0,
+        CollKind::Broadcast => 1,
+        CollKind::AllGather | CollKind::Gather => 2,
+        CollKind::ReduceScatter => 3,
+    }
+}
+
 /// Split `len` elements into `n` parts aligned to `unit` elements: part `j` is `[lo, hi)`.
 fn part(len: usize, n: usize, j: usize, unit: usize) -> (usize, usize) {
     let q = len.div_ceil(n).next_multiple_of(unit);
@@ -560,6 +588,47 @@ impl ShmComm {
         // SAFETY: callers pass ranges valid for `bytes` that are equal or disjoint.
         unsafe { copy_block(src, dst, bytes, nt) };
         self.nt_pending |= nt;
+    }
+
+    /// Staging mode for the part of a staged call written before the descriptors are exchanged:
+    /// rank 0 chooses, the others guess rank 0's last choice.
+    fn stage_pre(&mut self, kind: CollKind, bytes: usize) -> bool {
+        let g = stage_group(kind);
+        let nt = if self.rank == 0 {
+            let now = Instant::now();
+            self.staging = (Some(now), Duration::ZERO);
+            self.tuner.choose(g, bytes, now)
+        } else {
+            self.tuner.guess(g, bytes)
+        };
+        self.stage_nt = nt;
+        nt
+    }
+
+    /// Descriptor flag carrying rank 0's choice.
+    fn stage_flag(&self) -> u8 {
+        if self.rank == 0 && self.stage_nt {
+            STAGE_NT
+        } else {
+            0
+        }
+    }
+
+    /// The mode every rank uses once the descriptors are in: rank 0's. When the call stages
+    /// (`timed`), rank 0 times it from here: every rank has arrived, so the time measures the
+    /// transfer, not how late a peer came.
+    fn stage_agreed(&mut self, kind: CollKind, bytes: usize, descs: &[Desc], timed: bool) -> bool {
+        let nt = descs[0].flags & STAGE_NT != 0;
+        self.tuner.seen(stage_group(kind), bytes, nt);
+        if timed && self.rank == 0 {
+            // Counted: this rank's own staging before `begin` and everything after it; not
+            // counted: the wait in `begin`, which is mostly how late the peers came.
+            let start = Instant::now().checked_sub(self.staging.1).unwrap_or_else(Instant::now);
+            self.timing = Some((stage_group(kind), bytes, nt, start));
+        }
+        // Fences stay on if this rank guessed streaming for its first part.
+        self.stage_nt |= nt;
+        nt
     }
 
     /// Whether a message whose output is `bytes` long should bypass the caches.
@@ -613,21 +682,23 @@ impl ShmComm {
         // our slot is harmless if we end up zero-copy.
         let c_max = (self.layout.slot_bytes / (n - 1) / esz) / unit * unit;
         let round = n * c_max;
-        let stage = |s: &Self, base: usize, len: usize, p: u64| {
+        let stage = |s: &Self, base: usize, len: usize, p: u64, snt: bool| {
             for j in (0..n).filter(|&j| j != me) {
                 let (lo, hi) = part(len, n, j, unit);
                 let idx = if j < me { j } else { j - 1 };
                 // SAFETY: send is valid for count elements and base+hi <= count; the slot has room
                 // for (n-1)*c_max elements and hi-lo <= c_max.
-                unsafe { copy(send.add((base + lo) * esz), s.slot(me, p).add(idx * c_max * esz), (hi - lo) * esz) };
+                unsafe { copy_block(send.add((base + lo) * esz), s.slot(me, p).add(idx * c_max * esz), (hi - lo) * esz, snt) };
             }
         };
-        stage(self, 0, count.min(round), p);
-        let (descs, _) = self.begin(call, flags, so, ro, cx)?;
+        let pre = self.stage_pre(call.kind, bytes);
+        stage(self, 0, count.min(round), p, pre);
+        let (descs, _) = self.begin(call, flags | self.stage_flag(), so, ro, cx)?;
         let zero_copy = descs.iter().enumerate().all(|(r, d)| d.flags & SHARED_SEND != 0 && (!receives(r) || d.flags & SHARED_RECV != 0));
         if zero_copy {
             return self.all_reduce_zero_copy(call, &descs, cx);
         }
+        let snt = self.stage_agreed(call.kind, bytes, &descs, true);
         let nt = self.nt_for(bytes);
         let mut base = 0;
         let mut first = true;
@@ -635,7 +706,7 @@ impl ShmComm {
             let len = round.min(count - base);
             if !first {
                 p = self.progress + 1;
-                stage(self, base, len, p);
+                stage(self, base, len, p, snt);
                 self.phase(cx)?;
             }
             first = false;
@@ -659,7 +730,7 @@ impl ShmComm {
             if hi > lo {
                 let mut dsts = Vec::with_capacity(2);
                 if others_need {
-                    dsts.push(Dst { ptr: out_slot, nt: false });
+                    dsts.push(Dst { ptr: out_slot, nt: snt });
                 }
                 if receives(me) {
                     // SAFETY: recv holds count elements on receivers.
@@ -722,19 +793,24 @@ impl ShmComm {
         let nt = self.nt_for(bytes);
         let (flags, so, ro) = self.share_flags(call, if me == root { bytes } else { 0 }, 0);
         let mut p = self.progress + 1;
+        let pre = self.stage_pre(call.kind, bytes);
         if me == root {
             // SAFETY: the slot holds `chunk` bytes; send holds `bytes`.
-            unsafe { copy(send, self.slot(me, p), bytes.min(chunk)) };
+            unsafe { copy_block(send, self.slot(me, p), bytes.min(chunk), pre) };
         }
-        let (descs, _) = self.begin(call, flags, so, ro, cx)?;
+        let (descs, _) = self.begin(call, flags | self.stage_flag(), so, ro, cx)?;
+        let zero_copy = descs[root].flags & SHARED_SEND != 0 && bytes > self.cfg.small_bytes;
+        let snt = self.stage_agreed(call.kind, bytes, &descs, !zero_copy && n > 1);
         if me == root {
-            // send and recv hold `bytes` each and are equal or disjoint.
-            self.put(send, recv, bytes, nt);
+            // The staged path copies the rest chunk by chunk along with the staging, reading the
+            // send buffer once. send and recv hold `bytes` each and are equal or disjoint.
+            let own = if n == 1 || zero_copy { bytes } else { bytes.min(chunk) };
+            self.put(send, recv, own, nt);
         }
         if n == 1 {
             return Ok(());
         }
-        if descs[root].flags & SHARED_SEND != 0 && bytes > self.cfg.small_bytes {
+        if zero_copy {
             if me != root {
                 // The root's send buffer lies in the segment and holds `bytes`.
                 self.put(self.at(descs[root].send_off), recv, bytes, nt);
@@ -756,8 +832,10 @@ impl ShmComm {
             }
             p = self.progress + 1;
             if me == root {
-                // SAFETY: as above, next chunk.
-                unsafe { copy(send.add(off), self.slot(me, p), chunk.min(bytes - off)) };
+                // SAFETY: as above, next chunk, into the slot and the root's own output at once;
+                // the slot is disjoint from both user buffers.
+                unsafe { copy_block2(send.add(off), self.slot(me, p), snt, recv.add(off), nt, chunk.min(bytes - off)) };
+                self.nt_pending |= nt;
             }
             self.phase(cx)?;
         }
@@ -776,18 +854,23 @@ impl ShmComm {
         let nt = self.nt_for(bytes * n);
         let (flags, so, ro) = self.share_flags(call, bytes, 0);
         let mut p = self.progress + 1;
+        let pre = self.stage_pre(call.kind, bytes);
         // SAFETY: the slot holds `chunk` bytes; send holds `bytes`.
-        unsafe { copy(send, self.slot(me, p), bytes.min(chunk)) };
-        let (descs, _) = self.begin(call, flags, so, ro, cx)?;
-        if receives {
-            // SAFETY (add): recv holds n*bytes on receivers; send is either disjoint or exactly
-            // our block.
-            self.put(send, unsafe { recv.add(me * bytes) }, bytes, nt);
+        unsafe { copy_block(send, self.slot(me, p), bytes.min(chunk), pre) };
+        let (descs, _) = self.begin(call, flags | self.stage_flag(), so, ro, cx)?;
+        let zero_copy = descs.iter().all(|d| d.flags & SHARED_SEND != 0) && bytes > self.cfg.small_bytes;
+        let snt = self.stage_agreed(call.kind, bytes, &descs, !zero_copy && n > 1);
+        // Our own block: the staged path copies it chunk by chunk along with the staging.
+        // SAFETY (add): recv holds n*bytes on receivers.
+        let own = if receives { Some(unsafe { recv.add(me * bytes) }) } else { None };
+        if let Some(own) = own {
+            // send is either disjoint from our block or exactly it.
+            self.put(send, own, if n == 1 || zero_copy { bytes } else { bytes.min(chunk) }, nt);
         }
         if n == 1 {
             return Ok(());
         }
-        if descs.iter().all(|d| d.flags & SHARED_SEND != 0) && bytes > self.cfg.small_bytes {
+        if zero_copy {
             if receives {
                 for j in (0..n).filter(|&j| j != me) {
                     // SAFETY (add): within recv. Peer j's send lies in the segment and holds `bytes`.
@@ -811,8 +894,16 @@ impl ShmComm {
                 break;
             }
             p = self.progress + 1;
-            // SAFETY: next chunk of our own send into our slot.
-            unsafe { copy(send.add(off), self.slot(me, p), chunk.min(bytes - off)) };
+            let len = chunk.min(bytes - off);
+            // SAFETY: next chunk of our own send into our slot (and our own block of recv, which
+            // holds `bytes` from `own`); the slot is disjoint from the user buffers.
+            unsafe {
+                match own {
+                    Some(own) => copy_block2(send.add(off), self.slot(me, p), snt, own.add(off), nt, len),
+                    None => copy_block(send.add(off), self.slot(me, p), len, snt),
+                }
+            }
+            self.nt_pending |= nt && own.is_some();
             self.phase(cx)?;
         }
         Ok(())
@@ -833,17 +924,20 @@ impl ShmComm {
         let unit = (64 / esz).max(1);
         let nt = self.nt_for(c * esz);
         let c_max = ((self.layout.slot_bytes / (n - 1) / esz) / unit * unit).max(unit);
-        let stage = |s: &Self, off: usize, len: usize, p: u64| {
+        let stage = |s: &Self, off: usize, len: usize, p: u64, snt: bool| {
             for j in (0..n).filter(|&j| j != me) {
                 let idx = if j < me { j } else { j - 1 };
                 // SAFETY: send holds n*c elements; the slot holds (n-1)*c_max elements; len <= c_max.
-                unsafe { copy(send.add((j * c + off) * esz), s.slot(me, p).add(idx * c_max * esz), len * esz) };
+                unsafe { copy_block(send.add((j * c + off) * esz), s.slot(me, p).add(idx * c_max * esz), len * esz, snt) };
             }
         };
         let mut p = self.progress + 1;
-        stage(self, 0, c.min(c_max), p);
-        let (descs, _) = self.begin(call, flags, so, ro, cx)?;
-        if descs.iter().all(|d| d.flags & SHARED_SEND != 0) && c * esz > self.cfg.small_bytes {
+        let pre = self.stage_pre(call.kind, n * c * esz);
+        stage(self, 0, c.min(c_max), p, pre);
+        let (descs, _) = self.begin(call, flags | self.stage_flag(), so, ro, cx)?;
+        let zero_copy = descs.iter().all(|d| d.flags & SHARED_SEND != 0) && c * esz > self.cfg.small_bytes;
+        let snt = self.stage_agreed(call.kind, n * c * esz, &descs, !zero_copy);
+        if zero_copy {
             let sends: Vec<*const u8> = descs.iter().map(|d| self.at(d.send_off) as *const u8).collect();
             let srcs: Vec<*const u8> = sends
                 .iter()
@@ -880,7 +974,7 @@ impl ShmComm {
                 break;
             }
             p = self.progress + 1;
-            stage(self, off, c_max.min(c - off), p);
+            stage(self, off, c_max.min(c - off), p, snt);
             self.phase(cx)?;
         }
         Ok(())
@@ -917,9 +1011,15 @@ impl Backend for ShmComm {
         self.seq += 1;
         self.ctrl(self.rank).coll_seq.store(self.seq, Relaxed);
         let r = self.run_call(call);
-        if self.nt_pending {
+        if let Some((g, bytes, nt, t0)) = self.timing.take() {
+            if r.is_ok() {
+                self.tuner.record(g, bytes, nt, t0.elapsed().as_secs_f64());
+            }
+        }
+        if self.nt_pending || self.stage_nt {
             store_fence();
             self.nt_pending = false;
+            self.stage_nt = false;
         }
         if let Err(e) = &r {
             self.poison_on(e);

@@ -322,6 +322,26 @@ pub unsafe fn copy_block(src: *const u8, dst: *mut u8, bytes: usize, nt: bool) {
     unsafe { std::ptr::copy_nonoverlapping(src, dst, bytes) };
 }
 
+/// Copy `bytes` from `src` to `stage` and to `dst`, reading the source from memory once: the
+/// copy goes in 4 KiB pieces, the second store of each piece reads it from L1. `stage_nt` and
+/// `nt` pick streaming stores for each destination. `dst` equal to `src` is skipped.
+///
+/// # Safety
+/// All ranges valid for `bytes`; `stage` disjoint from both; `dst` equal to `src` or disjoint.
+pub unsafe fn copy_block2(src: *const u8, stage: *mut u8, stage_nt: bool, dst: *mut u8, nt: bool, bytes: usize) {
+    const PIECE: usize = 4096;
+    let mut at = 0;
+    while at < bytes {
+        let len = PIECE.min(bytes - at);
+        // SAFETY: [at, at+len) lies within every range; forwarded contract.
+        unsafe {
+            copy_block(src.add(at), stage.add(at), len, stage_nt);
+            copy_block(src.add(at), dst.add(at), len, nt);
+        }
+        at += len;
+    }
+}
+
 /// Reduce `srcs` (in order) into every destination, `count` elements of `dtype`. `n_ranks` is the
 /// divisor for `Avg` (the world size).
 ///

@@ -106,6 +106,8 @@ pub(crate) const SHARED_SEND: u8 = 1;
 pub(crate) const SHARED_RECV: u8 = 2;
 /// The rank refused the call locally (bad arguments); its peers fail the matching call too.
 pub(crate) const INVALID: u8 = 4;
+/// Rank 0 chose streaming stores for the staging of this call (see `shm::tune`).
+pub(crate) const STAGE_NT: u8 = 8;
 
 const _: () = assert!(std::mem::size_of::<Ctrl>() == CTRL_BYTES);
 const _: () = assert!(std::mem::size_of::<Desc>() == 64);
