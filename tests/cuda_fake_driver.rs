@@ -429,6 +429,20 @@ fn scenario(name: &str) {
             .unwrap();
             assert_eq!(ok, vec![true]);
         }
+        "nccl_env_rank" => {
+            // One rank of the multi-node job below, started by `lockstep launch`.
+            let mut comm = lockstep::Communicator::from_env().unwrap_or_else(|e| panic!("from_env: {e}"));
+            assert_eq!(comm.backend_kind(), lockstep::comm::BackendKind::Nccl);
+            assert_eq!(comm.world_size(), 4);
+            let ctx = comm.device_context().expect("an NCCL communicator has a device");
+            let s = ctx.stream().unwrap();
+            let mut x = lockstep::cuda::DeviceBuffer::<f32>::zeros(&s, 4).unwrap();
+            comm.all_reduce_in_place(&mut x, lockstep::comm::ReduceOp::Sum).unwrap();
+            comm.barrier().unwrap();
+            comm.synchronize().unwrap();
+            println!("rank {} nccl ok on device {}", comm.rank(), ctx.ordinal());
+        }
+        "nccl_across_nodes_via_store" => nccl_across_nodes_via_store(),
         "nvrtc_compile_goes_through_guard" => {
             // NVRTC 12.x dlopens libcuda.so.1 and calls cuInit while compiling: lockstep routes that
             // through the guard so the fork check can say where it happened.
@@ -446,6 +460,58 @@ fn scenario(name: &str) {
         }
         other => panic!("unknown scenario {other}"),
     }
+}
+
+/// Two launchers on loopback posing as two hosts (`LOCKSTEP_HOST_ID`), `LOCKSTEP_BACKEND=nccl`:
+/// rank 0's NCCL unique id reaches the other node's ranks through the rendezvous store (the
+/// simulated NCCL only finishes initialising when all four ranks present the same id), and a node
+/// with more ranks than GPUs is refused with a message that says so.
+fn nccl_across_nodes_via_store() {
+    let rdzv = std::env::temp_dir().join(format!("lockstep-sim-rdzv-{}", std::process::id()));
+    std::fs::create_dir_all(&rdzv).unwrap();
+    let run = |per_node: usize| -> Vec<std::process::Output> {
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
+        let kids: Vec<_> = (0..2)
+            .map(|node| {
+                Command::new(env!("CARGO_BIN_EXE_lockstep"))
+                    .args(["launch", "--nproc-per-node", &per_node.to_string(), "--nnodes", "2", "--node-rank", &node.to_string()])
+                    .args(["--master-port", &port, "--token", "sim", "--"])
+                    .arg(std::env::current_exe().unwrap())
+                    .env("LOCKSTEP_FAKE_SCENARIO", "nccl_env_rank")
+                    .env("LOCKSTEP_BACKEND", "nccl")
+                    .env("LOCKSTEP_HOST_ID", format!("host-{node}"))
+                    .env("LOCKSTEP_TIMEOUT_S", "20")
+                    .env("SIM_NCCL_RDZV_DIR", &rdzv)
+                    .env("SIM_CUDA_DEVICES", "2")
+                    .stdout(std::process::Stdio::piped())
+                    .stderr(std::process::Stdio::piped())
+                    .spawn()
+                    .unwrap()
+            })
+            .collect();
+        kids.into_iter().map(|k| k.wait_with_output().unwrap()).collect()
+    };
+    let show =
+        |o: &std::process::Output| format!("{:?}\n{}{}", o.status, String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    let outs = run(2);
+    for o in &outs {
+        assert!(o.status.success(), "{}", show(o));
+    }
+    let all = format!("{}{}", show(&outs[0]), show(&outs[1]));
+    for r in 0..4 {
+        // Local rank → device on each host.
+        assert!(all.contains(&format!("rank {r} nccl ok on device {}", r % 2)), "{all}");
+    }
+    // All four ranks met under one id: rank 0's.
+    let files: Vec<String> = std::fs::read_dir(&rdzv).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    let keys: std::collections::BTreeSet<&str> = files.iter().map(|f| f.rsplit_once('.').unwrap().0).collect();
+    assert_eq!((files.len(), keys.len()), (4, 1), "{files:?}");
+    // Three ranks per host, two simulated GPUs each: refused on every rank, no hang.
+    let outs = run(3);
+    let all = format!("{}{}", show(&outs[0]), show(&outs[1]));
+    assert!(outs.iter().all(|o| !o.status.success()), "{all}");
+    assert!(all.contains("3 ranks run on host host-0, which has 2 visible GPU(s)"), "{all}");
+    let _ = std::fs::remove_dir_all(&rdzv);
 }
 
 fn sim_memory_kernels_events() {
@@ -727,6 +793,7 @@ fn main() {
         ),
         ("sim_staged_ranks_share_a_gpu", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda))]),
         ("unique_id_exchange_over_shm", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)), ("LOCKSTEP_NCCL_LIBRARY", s(&libs.sim_nccl))]),
+        ("nccl_across_nodes_via_store", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)), ("LOCKSTEP_NCCL_LIBRARY", s(&libs.sim_nccl))]),
         ("nvrtc_compile_goes_through_guard", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda))]),
         ("debug_probe", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.cuda)), ("LOCKSTEP_DEBUG", "1".into())]),
         (

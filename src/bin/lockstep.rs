@@ -219,9 +219,23 @@ fn selftest(a: SelftestArgs) -> Result<i32, String> {
     let (rank, n) = (comm.rank(), comm.world_size());
     let expect = (n * (n + 1) / 2) as f32;
     let mut buf = vec![0f32; a.count];
+    // A device communicator (LOCKSTEP_BACKEND=nccl) reduces device memory.
+    let device = match comm.device_context() {
+        Some(ctx) => Some(ctx.stream().map_err(|e| e.to_string())?),
+        None => None,
+    };
     for it in 0..a.iters.max(1) {
         buf.iter_mut().for_each(|x| *x = (rank + 1) as f32);
-        comm.all_reduce_in_place(&mut buf[..], lockstep::ReduceOp::Sum).map_err(|e| e.to_string())?;
+        match &device {
+            Some(stream) => {
+                let mut d = lockstep::cuda::DeviceBuffer::from_host(stream, &buf).map_err(|e| e.to_string())?;
+                stream.synchronize().map_err(|e| e.to_string())?;
+                comm.all_reduce_in_place(&mut d, lockstep::ReduceOp::Sum).map_err(|e| e.to_string())?;
+                comm.synchronize().map_err(|e| e.to_string())?;
+                buf = d.to_vec(stream).map_err(|e| e.to_string())?;
+            }
+            None => comm.all_reduce_in_place(&mut buf[..], lockstep::ReduceOp::Sum).map_err(|e| e.to_string())?,
+        }
         if let Some(i) = buf.iter().position(|x| *x != expect) {
             return Err(format!("selftest: rank {rank}, all-reduce #{}: element {i} is {} but should be {expect}", it + 1, buf[i]));
         }

@@ -8,7 +8,10 @@
 //!   (for example two launchers on loopback), they form one shared-memory communicator under the
 //!   node-0 launcher's job id, with global ranks. A CPU job that spans hosts is refused with an
 //!   error: no cross-host CPU transport exists (the NCCL backend provides one for GPUs).
-//! * `LOCKSTEP_BACKEND` picks the backend (`shm`, the default; `nccl` once the CUDA backend lands).
+//! * `LOCKSTEP_BACKEND` picks the backend: `shm` (the default) or `nccl`. With `nccl` on one node
+//!   the unique id travels through the node's shared-memory communicator (and ranks that share a
+//!   GPU stage through it); across nodes every rank needs its own GPU and the id travels through
+//!   the rendezvous store.
 
 use std::time::Duration;
 
@@ -138,11 +141,6 @@ impl Communicator {
             }
             return Ok(host);
         }
-        if backend == "nccl" {
-            return Err(CommError::Unsupported(
-                "LOCKSTEP_BACKEND=nccl across nodes: the NCCL unique id is not exchanged through the store yet; run one node per job or use LOCKSTEP_BACKEND=shm on one node".into(),
-            ));
-        }
         let timeout = secs_env("LOCKSTEP_RDZV_TIMEOUT_S", 60.0);
         let port = info
             .master_port
@@ -163,6 +161,10 @@ impl Communicator {
         for k in &keys {
             hosts.push(String::from_utf8_lossy(&store.get(k).map_err(st)?.unwrap_or_default()).into_owned());
         }
+        let spans_hosts = hosts.iter().any(|h| *h != me);
+        if backend == "nccl" && spans_hosts {
+            return nccl_across_nodes(&info, &mut store, &hosts, timeout);
+        }
         if let Some(r) = hosts.iter().position(|h| *h != me) {
             let name = |h: &str| h.split('/').next().unwrap_or("?").to_string();
             return Err(setup(format!(
@@ -176,8 +178,64 @@ impl Communicator {
         let job = store.wait_get(crate::launch::JOB_ID_KEY, timeout).map_err(st)?;
         let job = String::from_utf8(job).map_err(|_| setup("the job id in the rendezvous store is not UTF-8".into()))?;
         let c = ShmComm::join_named(&job, info.rank, info.world_size, cfg)?;
-        Ok(Communicator::from_backend(Box::new(c)))
+        let host = Communicator::from_backend(Box::new(c));
+        if backend == "nccl" {
+            // One host: devices are numbered by global rank, as if one launcher had started all.
+            return device_communicator(host, info.rank).map(|(c, _)| c);
+        }
+        Ok(host)
     }
+}
+
+/// Communicators created through the store by this process so far: each gets its own key, and
+/// every rank creates them in the same order.
+static NCCL_GENERATION: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// NCCL for a job that spans nodes: one GPU per rank (local rank → device), the unique id through
+/// the rendezvous store. CUDA is first initialised here, in the rank.
+fn nccl_across_nodes(info: &EnvInfo, store: &mut TcpStore, hosts: &[String], timeout: Duration) -> Result<Communicator, CommError> {
+    let cuda = |e: crate::cuda::CudaError| CommError::Backend { backend: "cuda", message: e.to_string() };
+    let gpus = crate::cuda::device_count().map_err(cuda)?.max(0) as usize;
+    let here = hosts.iter().filter(|h| **h == hosts[info.rank]).count();
+    if here > gpus {
+        let name = hosts[info.rank].split('/').next().unwrap_or("?").to_string();
+        return Err(CommError::Unsupported(format!(
+            "LOCKSTEP_BACKEND=nccl across nodes: {here} ranks run on host {name}, which has {gpus} visible GPU(s); every rank of a multi-node job needs its own GPU (ranks may share a GPU only in a one-node job, through staging); start at most {gpus} rank(s) per node"
+        )));
+    }
+    let ctx = crate::cuda::Context::new(info.local_rank as i32).map_err(cuda)?;
+    let generation = NCCL_GENERATION.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let mut ex = crate::nccl::StoreExchange { store, key: format!("lockstep/nccl/unique-id/{generation}"), timeout };
+    let nccl = crate::nccl::NcclComm::new(&ctx, info.rank, info.world_size, &mut ex, crate::nccl::NcclOptions::default())
+        .map_err(|e| CommError::Backend { backend: "nccl", message: e.to_string() })?;
+    Ok(Communicator::from_backend(Box::new(nccl)))
+}
+
+/// Device communicator for the ranks of one node: NCCL when every rank has its own GPU, otherwise
+/// the shared-memory backend staging device buffers through pinned host memory. The NCCL unique
+/// id travels through the host communicator, so CUDA is first initialised here, in the rank.
+///
+/// Returns the communicator and the CUDA context of the rank's device (local rank modulo the
+/// number of visible devices), on which device buffers for it must be allocated.
+pub fn device_communicator(
+    mut host: Communicator,
+    local_rank: usize,
+) -> Result<(Communicator, std::sync::Arc<crate::cuda::Context>), CommError> {
+    let cuda = |e: crate::cuda::CudaError| CommError::Backend { backend: "cuda", message: e.to_string() };
+    let gpus = crate::cuda::device_count().map_err(cuda)?;
+    if gpus <= 0 {
+        return Err(CommError::Unsupported("LOCKSTEP_BACKEND=nccl but no CUDA device is visible; use LOCKSTEP_BACKEND=shm".into()));
+    }
+    let ordinal = (local_rank % gpus as usize) as i32;
+    let ctx = crate::cuda::Context::new(ordinal).map_err(cuda)?;
+    if host.world_size() > gpus as usize {
+        let staged = crate::cuda::StagedBackend::new(&ctx, host).map_err(cuda)?;
+        return Ok((Communicator::from_backend(Box::new(staged)), ctx));
+    }
+    let (rank, world) = (host.rank(), host.world_size());
+    let nccl = crate::nccl::NcclComm::new(&ctx, rank, world, &mut host, crate::nccl::NcclOptions::default())
+        .map_err(|e| CommError::Backend { backend: "nccl", message: e.to_string() })?;
+    Ok((Communicator::from_backend(Box::new(nccl)), ctx))
 }
 
 #[cfg(test)]
@@ -213,31 +271,4 @@ mod tests {
         let e = info(&[("RANK", "0"), ("WORLD_SIZE", "2")]).unwrap_err().to_string();
         assert!(e.contains("LOCKSTEP_JOB_ID is not set"), "{e}");
     }
-}
-
-/// Device communicator for the ranks of one node: NCCL when every rank has its own GPU, otherwise
-/// the shared-memory backend staging device buffers through pinned host memory. The NCCL unique
-/// id travels through the host communicator, so CUDA is first initialised here, in the rank.
-///
-/// Returns the communicator and the CUDA context of the rank's device (local rank modulo the
-/// number of visible devices), on which device buffers for it must be allocated.
-pub fn device_communicator(
-    mut host: Communicator,
-    local_rank: usize,
-) -> Result<(Communicator, std::sync::Arc<crate::cuda::Context>), CommError> {
-    let cuda = |e: crate::cuda::CudaError| CommError::Backend { backend: "cuda", message: e.to_string() };
-    let gpus = crate::cuda::device_count().map_err(cuda)?;
-    if gpus <= 0 {
-        return Err(CommError::Unsupported("LOCKSTEP_BACKEND=nccl but no CUDA device is visible; use LOCKSTEP_BACKEND=shm".into()));
-    }
-    let ordinal = (local_rank % gpus as usize) as i32;
-    let ctx = crate::cuda::Context::new(ordinal).map_err(cuda)?;
-    if host.world_size() > gpus as usize {
-        let staged = crate::cuda::StagedBackend::new(&ctx, host).map_err(cuda)?;
-        return Ok((Communicator::from_backend(Box::new(staged)), ctx));
-    }
-    let (rank, world) = (host.rank(), host.world_size());
-    let nccl = crate::nccl::NcclComm::new(&ctx, rank, world, &mut host, crate::nccl::NcclOptions::default())
-        .map_err(|e| CommError::Backend { backend: "nccl", message: e.to_string() })?;
-    Ok((Communicator::from_backend(Box::new(nccl)), ctx))
 }

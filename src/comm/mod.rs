@@ -77,6 +77,10 @@ pub trait Backend: Send {
     fn reject(&mut self, kind: CollKind, dtype: Dtype, reason: &CommError) {
         let _ = (kind, dtype, reason);
     }
+    /// The CUDA context whose device memory this backend's collectives take (device backends).
+    fn device(&self) -> Option<std::sync::Arc<crate::cuda::Context>> {
+        None
+    }
     /// Allocate `bytes` of memory that peers can read directly (zero-copy collectives).
     fn alloc_shared(&mut self, bytes: usize) -> Result<crate::shm::SharedAlloc, CommError> {
         let _ = bytes;
@@ -126,6 +130,12 @@ impl Communicator {
     /// Number of collectives issued so far on this rank.
     pub fn seq(&self) -> u64 {
         self.backend.seq()
+    }
+
+    /// For a device communicator (NCCL, or staging when ranks share a GPU): the CUDA context of
+    /// this rank's device, on which its buffers must live. `None` for host backends.
+    pub fn device_context(&self) -> Option<std::sync::Arc<crate::cuda::Context>> {
+        self.backend.device()
     }
 
     /// Wait for every call issued so far (a no-op on host backends, which complete each call).

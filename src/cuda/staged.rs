@@ -136,6 +136,10 @@ impl Backend for StagedBackend {
         BackendKind::Shm
     }
 
+    fn device(&self) -> Option<Arc<Context>> {
+        Some(self.ctx.clone())
+    }
+
     fn run(&mut self, call: &Call) -> Result<(), CommError> {
         let dev = [call.send, call.recv].iter().filter(|m| m.len > 0).find_map(|m| match m.space {
             MemSpace::Device(d) => Some(d),

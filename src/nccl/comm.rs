@@ -45,6 +45,33 @@ impl UniqueIdExchange for Communicator {
     }
 }
 
+/// Exchange through the rendezvous store, for jobs that span nodes: rank 0 publishes the id under
+/// `key`, every other rank waits up to `timeout` for it. Use a fresh key per communicator.
+pub struct StoreExchange<'a> {
+    /// The job's store (see `lockstep::store`).
+    pub store: &'a mut dyn crate::store::Store,
+    /// Key of this communicator's id.
+    pub key: String,
+    /// Longest wait for rank 0's id.
+    pub timeout: Duration,
+}
+
+impl UniqueIdExchange for StoreExchange<'_> {
+    fn exchange(&mut self, rank: usize, id: Option<&[u8; 128]>) -> Result<[u8; 128], String> {
+        if let Some(id) = id {
+            self.store.set(&self.key, id).map_err(|e| format!("publishing the NCCL unique id: {e}"))?;
+            return Ok(*id);
+        }
+        let v = self
+            .store
+            .wait_get(&self.key, self.timeout)
+            .map_err(|e| format!("rank {rank} waiting for rank 0's NCCL unique id under {:?}: {e}", self.key))?;
+        v.as_slice()
+            .try_into()
+            .map_err(|_| format!("the store holds {} bytes under {:?}, not a 128-byte NCCL unique id", v.len(), self.key))
+    }
+}
+
 /// A liveness check polled while waiting: `Some(reason)` aborts the communicator.
 pub type AbortCheck = Arc<dyn Fn() -> Option<String> + Send + Sync>;
 
@@ -458,6 +485,10 @@ impl Backend for NcclComm {
 
     fn kind(&self) -> BackendKind {
         BackendKind::Nccl
+    }
+
+    fn device(&self) -> Option<Arc<Context>> {
+        Some(self.ctx.clone())
     }
 
     fn run(&mut self, call: &Call) -> Result<(), CommError> {

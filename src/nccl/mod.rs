@@ -19,7 +19,7 @@ pub mod comm;
 pub mod error;
 pub mod result;
 
-pub use comm::{NcclComm, NcclOptions, UniqueIdExchange};
+pub use comm::{NcclComm, NcclOptions, StoreExchange, UniqueIdExchange};
 pub use error::NcclError;
 
 /// NCCL's version code (e.g. 21803), loading the library if needed. Does not touch CUDA.

@@ -86,7 +86,7 @@ impl StageTuner {
         if c.calls < WARMUP {
             // The next probe comes a while after the warm-up.
             c.last_probe = Some(now);
-            return c.calls % 2 == 0 && c.calls > 0;
+            return c.calls.is_multiple_of(2) && c.calls > 0;
         }
         let [Some(cached), Some(streaming)] = c.est else {
             return false;

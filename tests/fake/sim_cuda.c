@@ -4,6 +4,7 @@
  * points (so argument marshalling is checked), other names fail. Graph capture records kernel
  * launches and cuGraphLaunch replays them.
  * Fault injection through the environment:
+ *   SIM_CUDA_DEVICES=N  N devices (default 1), all alike;
  *   SIM_FAIL_FREE=1     cuMemFree_v2 fails (tests that Drop records the error);
  *   SIM_STREAM_STUCK=1  cuStreamQuery reports CUDA_ERROR_NOT_READY forever (a hung collective). */
 #include <stdlib.h>
@@ -23,7 +24,8 @@ int cuGetExportTable(const void** table, const void* id) {
     if (getenv("SIM_TRACE")) fprintf(stderr, "sim: cuGetExportTable\n");
     *table = 0; return 801;
 }
-int cuDeviceGetCount(int* n) { if (!initialised) return 3; *n = 1; return 0; }
+static int ndev(void) { const char* v = getenv("SIM_CUDA_DEVICES"); return v ? atoi(v) : 1; }
+int cuDeviceGetCount(int* n) { if (!initialised) return 3; *n = ndev(); return 0; }
 int cuDriverGetVersion(int* v) { *v = 12040; return 0; }
 static const char* name_of(int e) {
     switch (e) { case 0: return "CUDA_SUCCESS"; case 1: return "CUDA_ERROR_INVALID_VALUE"; case 2: return "CUDA_ERROR_OUT_OF_MEMORY";
@@ -37,7 +39,7 @@ int sim_init_calls(void) { return init_calls; }
 int sim_live_allocs(void) { return live_allocs; }
 
 #define NEED_INIT if (!initialised) return 3
-int cuDeviceGet(int* d, int ordinal) { NEED_INIT; if (ordinal != 0) return 101; *d = 0; return 0; }
+int cuDeviceGet(int* d, int ordinal) { NEED_INIT; if (ordinal < 0 || ordinal >= ndev()) return 101; *d = ordinal; return 0; }
 int cuDeviceGetName(char* b, int len, int d) { strncpy(b, "Simulated GPU", len); b[len - 1] = 0; return 0; }
 int cuDeviceGetAttribute(int* v, int attr, int d) { *v = attr == 75 ? 8 : attr == 76 ? 0 : attr == 16 ? 4 : 0; return 0; }
 int cuDeviceTotalMem_v2(size_t* b, int d) { *b = (size_t)1 << 30; return 0; }

@@ -1,33 +1,52 @@
 /* A simulated NCCL for tests without a GPU, paired with sim_cuda.c (device memory is host
  * memory). World size 1 only: every collective copies send to recv; send/recv pairs inside a
  * group are matched at ncclGroupEnd. A communicator with more than one rank never finishes
- * initialising (a peer that never joins). Fault injection: SIM_NCCL_ASYNC_ERROR=1 makes
+ * initialising (a peer that never joins), unless SIM_NCCL_RDZV_DIR names a directory: then the
+ * ranks of one unique id meet there through one file each (processes of a multi-node test), and
+ * collectives still only copy. Fault injection: SIM_NCCL_ASYNC_ERROR=1 makes
  * ncclCommGetAsyncError report ncclRemoteError after the first collective. */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 typedef struct { char internal[128]; } ncclUniqueId;
 typedef struct { size_t size; unsigned magic, version; int blocking; } cfg_head;
-typedef struct { int nranks, rank, state, ops; } comm_t;
+typedef struct { int nranks, rank, state, ops; char key[64]; } comm_t;
 static int abort_calls = 0, destroy_calls = 0, in_group = 0, nsend = 0, nrecv = 0;
 static const void* sends[64]; static size_t send_bytes[64];
 static void* recvs[64]; static size_t recv_bytes[64];
 static size_t dsize(int dt) { static const size_t s[] = {1, 1, 4, 4, 8, 8, 2, 4, 8, 2}; return dt >= 0 && dt < 10 ? s[dt] : 0; }
 
 int ncclGetVersion(int* v) { *v = 21803; return 0; }
-int ncclGetUniqueId(ncclUniqueId* id) { memset(id, 7, sizeof *id); return 0; }
+static int uid_count = 0;
+/* A different id per call and process, so a test sees whether the right one arrived. */
+int ncclGetUniqueId(ncclUniqueId* id) { memset(id, 0, sizeof *id); snprintf(id->internal, 64, "sim-%d-%d", (int)getpid(), ++uid_count); return 0; }
 const char* ncclGetErrorString(int r) { return r == 0 ? "no error" : r == 6 ? "remote process exited or there was a network error" : "simulated NCCL error"; }
 const char* ncclGetLastError(void* c) { return ""; }
 int sim_abort_calls(void) { return abort_calls; }
 int sim_destroy_calls(void) { return destroy_calls; }
 
-static comm_t* make(int nranks, int rank) { comm_t* c = calloc(1, sizeof *c); c->nranks = nranks; c->rank = rank; c->state = nranks == 1 ? 0 : 7; return c; }
-int ncclCommInitRank(comm_t** c, int nranks, ncclUniqueId id, int rank) { if (nranks != 1) return 5; *c = make(nranks, rank); return 0; }
+static void rdzv_file(const comm_t* c, int r, char* out, size_t n) { snprintf(out, n, "%s/%s.%d", getenv("SIM_NCCL_RDZV_DIR"), c->key, r); }
+static comm_t* make(int nranks, int rank, const ncclUniqueId* id) {
+    comm_t* c = calloc(1, sizeof *c); c->nranks = nranks; c->rank = rank; c->state = nranks == 1 ? 0 : 7;
+    for (int i = 0; i < 63 && id->internal[i]; i++) { char ch = id->internal[i]; c->key[i] = (ch >= '0' && ch <= '9') || (ch >= 'a' && ch <= 'z') || ch == '-' ? ch : '_'; }
+    if (!c->key[0]) strcpy(c->key, "empty-id");
+    if (nranks > 1 && getenv("SIM_NCCL_RDZV_DIR")) { char p[512]; rdzv_file(c, rank, p, sizeof p); FILE* f = fopen(p, "w"); if (f) fclose(f); }
+    return c;
+}
+/* Initialisation finishes once every rank of the id has arrived. */
+static void progress(comm_t* c) {
+    if (c->state != 7 || !getenv("SIM_NCCL_RDZV_DIR")) return;
+    for (int r = 0; r < c->nranks; r++) { char p[512]; rdzv_file(c, r, p, sizeof p); if (access(p, F_OK) != 0) return; }
+    c->state = 0;
+}
+int ncclCommInitRank(comm_t** c, int nranks, ncclUniqueId id, int rank) { if (nranks != 1) return 5; *c = make(nranks, rank, &id); return 0; }
 int ncclCommInitRankConfig(comm_t** c, int nranks, ncclUniqueId id, int rank, cfg_head* cfg) {
     if (cfg->magic != 0xcafebeef) return 4;
-    *c = make(nranks, rank);
+    *c = make(nranks, rank, &id);
     return cfg->blocking == 0 ? 7 : ((*c)->state == 0 ? 0 : 5);
 }
-int ncclCommGetAsyncError(comm_t* c, int* st) { *st = (getenv("SIM_NCCL_ASYNC_ERROR") && c->ops > 0) ? 6 : c->state; return 0; }
+int ncclCommGetAsyncError(comm_t* c, int* st) { progress(c); *st = (getenv("SIM_NCCL_ASYNC_ERROR") && c->ops > 0) ? 6 : c->state; return 0; }
 int ncclCommAbort(comm_t* c) { abort_calls++; free(c); return 0; }
 int ncclCommFinalize(comm_t* c) { return 0; }
 int ncclCommDestroy(comm_t* c) { destroy_calls++; free(c); return 0; }
