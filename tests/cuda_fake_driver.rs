@@ -443,6 +443,22 @@ fn scenario(name: &str) {
             println!("rank {} nccl ok on device {}", comm.rank(), ctx.ordinal());
         }
         "nccl_across_nodes_via_store" => nccl_across_nodes_via_store(),
+        "nccl_multi_rank_gpu" => {
+            // Two ranks, one GPU, NCCL_MULTI_RANK_GPU_ENABLE=1: NCCL's multi-rank mode when the
+            // loaded NCCL is 2.30 or newer, staging through shared memory otherwise.
+            std::fs::create_dir_all(std::env::var("SIM_NCCL_RDZV_DIR").unwrap()).unwrap();
+            let new_enough = std::env::var("SIM_NCCL_VERSION").is_ok_and(|v| v.parse::<i32>().unwrap() >= 23000);
+            let kinds = lockstep::launch::launch(&lockstep::launch::LaunchConfig::new(2), |rc| {
+                let (mut comm, ctx) = lockstep::comm::device_communicator(rc.comm, rc.local_rank)?;
+                let s = ctx.stream()?;
+                let mut x = lockstep::cuda::DeviceBuffer::<f32>::zeros(&s, 8)?;
+                comm.all_reduce_in_place(&mut x, lockstep::comm::ReduceOp::Sum)?;
+                comm.synchronize()?;
+                Ok(comm.backend_kind() == lockstep::comm::BackendKind::Nccl)
+            })
+            .unwrap();
+            assert_eq!(kinds, vec![new_enough; 2], "NCCL multi-rank mode used (per rank)");
+        }
         "nvrtc_compile_goes_through_guard" => {
             // NVRTC 12.x dlopens libcuda.so.1 and calls cuInit while compiling: lockstep routes that
             // through the guard so the fork check can say where it happened.
@@ -794,6 +810,25 @@ fn main() {
         ("sim_staged_ranks_share_a_gpu", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda))]),
         ("unique_id_exchange_over_shm", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)), ("LOCKSTEP_NCCL_LIBRARY", s(&libs.sim_nccl))]),
         ("nccl_across_nodes_via_store", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)), ("LOCKSTEP_NCCL_LIBRARY", s(&libs.sim_nccl))]),
+        (
+            "nccl_multi_rank_gpu",
+            vec![
+                ("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)),
+                ("LOCKSTEP_NCCL_LIBRARY", s(&libs.sim_nccl)),
+                ("NCCL_MULTI_RANK_GPU_ENABLE", "1".into()),
+                ("SIM_NCCL_VERSION", "23000".into()),
+                ("SIM_NCCL_RDZV_DIR", s(&root.join("rdzv-multi-rank"))),
+            ],
+        ),
+        (
+            "nccl_multi_rank_gpu",
+            vec![
+                ("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)),
+                ("LOCKSTEP_NCCL_LIBRARY", s(&libs.sim_nccl)),
+                ("NCCL_MULTI_RANK_GPU_ENABLE", "1".into()),
+                ("SIM_NCCL_RDZV_DIR", s(&root.join("rdzv-multi-rank-old"))),
+            ],
+        ),
         ("nvrtc_compile_goes_through_guard", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda))]),
         ("debug_probe", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.cuda)), ("LOCKSTEP_DEBUG", "1".into())]),
         (

@@ -187,6 +187,30 @@ impl Communicator {
     }
 }
 
+/// NCCL 2.30 runs several ranks on one GPU when `NCCL_MULTI_RANK_GPU_ENABLE=1` (experimental);
+/// older versions refuse with "Duplicate GPU detected". The user opts in through NCCL's own
+/// variable; without it, or with an older NCCL, ranks that share a GPU stage through shared memory.
+fn nccl_multi_rank_gpu() -> bool {
+    let wanted = var("NCCL_MULTI_RANK_GPU_ENABLE").is_some_and(|v| v.trim() == "1");
+    if !wanted {
+        return false;
+    }
+    match crate::nccl::version() {
+        Ok(v) if v >= 23000 => {
+            eprintln!("lockstep: ranks share a GPU: NCCL {v} multi-rank mode (NCCL_MULTI_RANK_GPU_ENABLE=1)");
+            true
+        }
+        Ok(v) => {
+            eprintln!("lockstep: NCCL_MULTI_RANK_GPU_ENABLE=1 needs NCCL 2.30 or newer, the loaded one is {v}: staging through shared memory instead");
+            false
+        }
+        Err(e) => {
+            eprintln!("lockstep: NCCL_MULTI_RANK_GPU_ENABLE=1 but NCCL does not load ({e}): staging through shared memory instead");
+            false
+        }
+    }
+}
+
 /// Communicators created through the store by this process so far: each gets its own key, and
 /// every rank creates them in the same order.
 static NCCL_GENERATION: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
@@ -228,7 +252,7 @@ pub fn device_communicator(
     }
     let ordinal = (local_rank % gpus as usize) as i32;
     let ctx = crate::cuda::Context::new(ordinal).map_err(cuda)?;
-    if host.world_size() > gpus as usize {
+    if host.world_size() > gpus as usize && !nccl_multi_rank_gpu() {
         let staged = crate::cuda::StagedBackend::new(&ctx, host).map_err(cuda)?;
         return Ok((Communicator::from_backend(Box::new(staged)), ctx));
     }

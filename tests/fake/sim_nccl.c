@@ -17,7 +17,7 @@ static const void* sends[64]; static size_t send_bytes[64];
 static void* recvs[64]; static size_t recv_bytes[64];
 static size_t dsize(int dt) { static const size_t s[] = {1, 1, 4, 4, 8, 8, 2, 4, 8, 2}; return dt >= 0 && dt < 10 ? s[dt] : 0; }
 
-int ncclGetVersion(int* v) { *v = 21803; return 0; }
+int ncclGetVersion(int* v) { const char* s = getenv("SIM_NCCL_VERSION"); *v = s ? atoi(s) : 21803; return 0; }
 static int uid_count = 0;
 /* A different id per call and process, so a test sees whether the right one arrived. */
 int ncclGetUniqueId(ncclUniqueId* id) { memset(id, 0, sizeof *id); snprintf(id->internal, 64, "sim-%d-%d", (int)getpid(), ++uid_count); return 0; }
