@@ -40,7 +40,7 @@ fn main() {
         let f = pattern(t.arena_len.0, 0);
         let b: Vec<half::bf16> = pattern(t.arena_len.2, 3).into_iter().map(half::bf16::from_f32).collect();
         g.load_arenas(&f, &vec![0; t.arena_len.1], &b).expect("arenas");
-        g.upload_dataset(&vec![0u8; BATCH * 784], &vec![0u8; BATCH]).expect("dataset");
+        g.upload_dataset(&vec![0u8; BATCH * 784], &[0u8; BATCH]).expect("dataset");
         let ops = t.train_step(BATCH, precision, g.sm_count());
         let (start, end) = (ctx.event().expect("event"), ctx.event().expect("event"));
         let mut group = c.benchmark_group(format!("kernels/{precision:?}"));
