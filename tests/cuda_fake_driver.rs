@@ -526,7 +526,9 @@ fn nccl_across_nodes_via_store() {
     let outs = run(3);
     let all = format!("{}{}", show(&outs[0]), show(&outs[1]));
     assert!(outs.iter().all(|o| !o.status.success()), "{all}");
-    assert!(all.contains("3 ranks run on host host-0, which has 2 visible GPU(s)"), "{all}");
+    // Whichever node's rank fails first stops the other node's ranks (fail-fast), so only the
+    // first failure's message is certain to appear.
+    assert!(["host-0", "host-1"].iter().any(|h| all.contains(&format!("3 ranks run on host {h}, which has 2 visible GPU(s)"))), "{all}");
     let _ = std::fs::remove_dir_all(&rdzv);
 }
 
