@@ -560,17 +560,6 @@ fn part(len: usize, n: usize, j: usize, unit: usize) -> (usize, usize) {
     (lo, hi)
 }
 
-/// Copy `bytes` from `src` to `dst` (no-op when they are the same address).
-///
-/// # Safety
-/// Both ranges valid; equal or non-overlapping.
-unsafe fn copy(src: *const u8, dst: *mut u8, bytes: usize) {
-    if bytes > 0 && src != dst as *const u8 {
-        // SAFETY: forwarded contract.
-        unsafe { std::ptr::copy_nonoverlapping(src, dst, bytes) };
-    }
-}
-
 impl ShmComm {
     fn run_call(&mut self, call: &Call) -> Result<(), CommError> {
         let cx = Ctx { op: call.kind, seq: self.seq };
@@ -631,6 +620,16 @@ impl ShmComm {
         nt
     }
 
+    /// Stage `bytes` into a slot and copy them to a user buffer at once (see [`copy_block2`]).
+    ///
+    /// # Safety
+    /// As for [`copy_block2`].
+    unsafe fn put2(&mut self, src: *const u8, slot: *mut u8, slot_nt: bool, dst: *mut u8, nt: bool, bytes: usize) {
+        // SAFETY: forwarded contract.
+        unsafe { copy_block2(src, slot, slot_nt, dst, nt, bytes) };
+        self.nt_pending |= nt;
+    }
+
     /// Whether a message whose output is `bytes` long should bypass the caches.
     fn nt_for(&self, bytes: usize) -> bool {
         bytes >= self.cfg.nt_bytes
@@ -659,7 +658,7 @@ impl ShmComm {
             let p = self.progress + 1;
             if n > 1 {
                 // SAFETY: the slot holds slot_bytes >= small_bytes >= bytes; send is valid for bytes.
-                unsafe { copy(send, self.slot(me, p), bytes) };
+                unsafe { copy_block(send, self.slot(me, p), bytes, false) };
             }
             let (flags, so, ro) = (0, 0, 0);
             self.begin(call, flags, so, ro, cx)?;
@@ -834,8 +833,7 @@ impl ShmComm {
             if me == root {
                 // SAFETY: as above, next chunk, into the slot and the root's own output at once;
                 // the slot is disjoint from both user buffers.
-                unsafe { copy_block2(send.add(off), self.slot(me, p), snt, recv.add(off), nt, chunk.min(bytes - off)) };
-                self.nt_pending |= nt;
+                unsafe { self.put2(send.add(off), self.slot(me, p), snt, recv.add(off), nt, chunk.min(bytes - off)) };
             }
             self.phase(cx)?;
         }
@@ -899,11 +897,10 @@ impl ShmComm {
             // holds `bytes` from `own`); the slot is disjoint from the user buffers.
             unsafe {
                 match own {
-                    Some(own) => copy_block2(send.add(off), self.slot(me, p), snt, own.add(off), nt, len),
+                    Some(own) => self.put2(send.add(off), self.slot(me, p), snt, own.add(off), nt, len),
                     None => copy_block(send.add(off), self.slot(me, p), len, snt),
                 }
             }
-            self.nt_pending |= nt && own.is_some();
             self.phase(cx)?;
         }
         Ok(())
