@@ -176,7 +176,7 @@ fn from_f64<T: BenchElem>(v: f64) -> T {
 /// A buffer of any placement.
 enum Buf<T: Element> {
     Vec(Vec<T>),
-    Shared(crate::shm::SharedBuffer<T>),
+    Shared(crate::comm::SharedBuffer<T>),
     Device(DeviceBuffer<T>),
 }
 
@@ -295,7 +295,7 @@ fn rank_main<T: BenchElem>(ctx: RankContext, a: &BenchArgs) -> RankResult<Vec<(f
     let n = ctx.world_size;
     let (mut comm, place) = if a.device == "cuda" {
         // NCCL on this rank's device, or staging through shared memory when ranks share a GPU.
-        let (dev, cx) = crate::comm::device_communicator(ctx.comm, ctx.local_rank)?;
+        let (dev, cx) = crate::rendezvous::device_communicator(ctx.comm, ctx.local_rank)?;
         let stream = cx.stream().map_err(cuda_err)?;
         (dev, Place { buffers: a.buffers, device: Some((cx, stream)) })
     } else {

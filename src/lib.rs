@@ -20,14 +20,20 @@
 //! Fork rules: a process that forks ranks must not have initialised CUDA, and a forked child
 //! must not rely on locks another thread of the parent may hold.
 
-pub mod bench;
-pub mod comm;
+// Layers, bottom to top; each module imports only from the ones above it in this list.
+pub mod types;
+pub mod store;
 #[macro_use]
 pub mod cuda;
-pub mod launch;
+pub mod comm;
 pub mod nccl;
 pub mod shm;
-pub mod store;
+pub mod staged;
+pub mod rendezvous;
 pub mod train;
+pub mod launch;
+pub mod bench;
+pub mod report;
 
-pub use comm::{Buffer, BufferMut, CollKind, CommError, Communicator, Dtype, Element, ReduceOp};
+pub use comm::{Buffer, BufferMut, CollKind, CommError, Communicator, Dtype, Element, ReduceOp, SharedBuffer};
+pub use half;

@@ -146,7 +146,7 @@ fn scenario(name: &str) {
     match name {
         "guard_records_location" => {
             assert!(check_fork_safe().is_ok(), "nothing loaded yet");
-            let report = lockstep::cuda::env_report();
+            let report = lockstep::report::env_report();
             expect_contains("env_report", &report, &["libcuda.so.1", "12040 (CUDA 12.4)", "initialised in this process: no"]);
             assert!(check_fork_safe().is_ok(), "loaded but not initialised must be fork-safe");
             init_cuda_from_here();
@@ -170,7 +170,7 @@ fn scenario(name: &str) {
             let launch_err = lockstep::launch::launch(&lockstep::launch::LaunchConfig::new(2), |_ctx| Ok(0u64)).unwrap_err().to_string();
             expect_contains("launch", &launch_err, &["CUDA was already initialised", "init_cuda_from_here"]);
             expect_contains("probe_child", &probe_child().unwrap_err(), &["already initialised"]);
-            expect_contains("env_report", &lockstep::cuda::env_report(), &["initialised in this process: yes, by lockstep"]);
+            expect_contains("env_report", &lockstep::report::env_report(), &["initialised in this process: yes, by lockstep"]);
         }
         "foreign_init_refused" => {
             let path = std::env::var("LOCKSTEP_CUDA_LIBRARY").unwrap();
@@ -241,7 +241,7 @@ fn scenario(name: &str) {
             let e = lockstep::cuda::Context::new(0).unwrap_err().to_string();
             expect_contains("Context::new", &e, &["not found"]);
             assert!(check_fork_safe().is_ok());
-            expect_contains("env_report", &lockstep::cuda::env_report(), &["driver : not found", "/nonexistent/libcuda.so.1"]);
+            expect_contains("env_report", &lockstep::report::env_report(), &["driver : not found", "/nonexistent/libcuda.so.1"]);
         }
         "missing_default_search" => {
             if lockstep::cuda::driver_present() {
@@ -279,7 +279,7 @@ fn scenario(name: &str) {
             expect_contains("check_library", &e, &["has no symbol `ncclCommInitRank`", "LOCKSTEP_NCCL_LIBRARY"]);
             expect_contains(
                 "env_report",
-                &lockstep::cuda::env_report(),
+                &lockstep::report::env_report(),
                 &["libnccl.so.2", "ncclGetVersion = 21803 (2.18.3)", "incomplete"],
             );
         }
@@ -449,7 +449,7 @@ fn scenario(name: &str) {
             std::fs::create_dir_all(std::env::var("SIM_NCCL_RDZV_DIR").unwrap()).unwrap();
             let new_enough = std::env::var("SIM_NCCL_VERSION").is_ok_and(|v| v.parse::<i32>().unwrap() >= 23000);
             let kinds = lockstep::launch::launch(&lockstep::launch::LaunchConfig::new(2), |rc| {
-                let (mut comm, ctx) = lockstep::comm::device_communicator(rc.comm, rc.local_rank)?;
+                let (mut comm, ctx) = lockstep::rendezvous::device_communicator(rc.comm, rc.local_rank)?;
                 let s = ctx.stream()?;
                 let mut x = lockstep::cuda::DeviceBuffer::<f32>::zeros(&s, 8)?;
                 comm.all_reduce_in_place(&mut x, lockstep::comm::ReduceOp::Sum)?;
@@ -663,7 +663,7 @@ fn sim_staged() {
     let res = lockstep::launch::launch(&lockstep::launch::LaunchConfig::new(3), |rc| {
         let ctx = lockstep::cuda::Context::new(0)?;
         let s = ctx.stream()?;
-        let mut comm = lockstep::cuda::StagedBackend::new(&ctx, rc.comm)?.into_communicator();
+        let mut comm = lockstep::staged::StagedBackend::new(&ctx, rc.comm)?.into_communicator();
         let (rank, r) = (rc.rank, rc.rank as f32);
         let mut ok = true;
         let mut x = DeviceBuffer::from_host(&s, &vec![r + 1.0; 1000])?;

@@ -49,7 +49,7 @@ fn staged_child() {
     let res = lockstep::launch::launch(&lockstep::launch::LaunchConfig::new(3), |rc| {
         let ctx = lockstep::cuda::Context::new(0)?;
         let stream = ctx.stream()?;
-        let mut comm = lockstep::cuda::StagedBackend::new(&ctx, rc.comm)?.into_communicator();
+        let mut comm = lockstep::staged::StagedBackend::new(&ctx, rc.comm)?.into_communicator();
         let r = rc.rank as f32;
         let mut x = DeviceBuffer::from_host(&stream, &vec![r + 1.0; 1000])?;
         comm.all_reduce_in_place(&mut x, ReduceOp::Sum)?;

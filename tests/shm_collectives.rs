@@ -215,7 +215,7 @@ impl<T: Element> BufLike<T> for Vec<T> {
         self
     }
 }
-impl<T: Element> BufLike<T> for lockstep::shm::SharedBuffer<T> {
+impl<T: Element> BufLike<T> for lockstep::comm::SharedBuffer<T> {
     fn slice(&self) -> &[T] {
         self
     }

@@ -357,9 +357,9 @@ fn env_report() {
     let _ = writeln!(o, "os:      {os} (Linux {kernel}, {})", std::env::consts::ARCH);
     let _ = writeln!(o, "cpu:     {cpu}, {cpus} available");
     let _ = writeln!(o, "memory:  {mem}");
-    let _ = writeln!(o, "host id: {}", lockstep::comm::host_id());
+    let _ = writeln!(o, "host id: {}", lockstep::rendezvous::host_id());
     let _ = writeln!(o, "cuda/nccl:");
     // Library discovery and version queries only: nothing here calls cuInit, so `lockstep env`
     // never leaves CUDA initialised behind a notebook's back.
-    let _ = write!(o, "{}", lockstep::cuda::env_report());
+    let _ = write!(o, "{}", lockstep::report::env_report());
 }

@@ -270,18 +270,10 @@ fn run_rank_cuda(
     train_set: &Dataset,
     test_set: &Dataset,
 ) -> Result<(f64, u64), Box<dyn std::error::Error + Send + Sync>> {
-    let (rank, world) = (host.rank(), host.world_size());
-    let ordinal = cuda::device_for_local_rank(local_rank)?;
-    let ctx = cuda::Context::new(ordinal)?;
-    let gpus = cuda::device_count()?.max(1) as usize;
-    let mut comm = if world == 1 {
-        host
-    } else if gpus >= world && lockstep::nccl::present() {
-        let mut host = host;
-        lockstep::nccl::NcclComm::new(&ctx, rank, world, &mut host, lockstep::nccl::NcclOptions::default())?.into_communicator()
-    } else {
-        cuda::StagedBackend::new(&ctx, host)?.into_communicator()
-    };
+    let rank = host.rank();
+    // The same backend policy as every other entry point (NCCL, NCCL's multi-rank mode, or
+    // staging), so `train-cnn` and `lockstep` never disagree about a job.
+    let (mut comm, ctx) = lockstep::rendezvous::device_communicator(host, local_rank)?;
     let make = |len| Ok(GpuExec::new(&ctx, len, cfg.graphs)?);
     let out = if rank == 0 {
         device::train_device(

@@ -347,9 +347,9 @@ pub fn nccl_version_string(v: i32) -> String {
     }
 }
 
-/// A multi-line report of what lockstep finds: each library, where, and its version. Loading a
-/// library does not initialise CUDA (no `cuInit`), so this is safe to call before forking.
-pub fn env_report() -> String {
+/// The CUDA part of `lockstep env`: the driver and NVRTC lockstep finds, where, and their versions.
+/// Loading a library does not initialise CUDA (no `cuInit`), so this is safe to call before forking.
+pub fn cuda_report() -> String {
     let mut s = String::new();
     s.push_str("lockstep CUDA environment\n");
     match super::driver::core() {
@@ -373,25 +373,10 @@ pub fn env_report() -> String {
         }
         Err(e) => s.push_str(&format!("  nvrtc  : not found\n           {}\n", indent(&e.to_string()))),
     }
-    match crate::nccl::result::core() {
-        Ok(n) => {
-            s.push_str(&format!("  nccl   : {} (found via {})\n", n.path, n.origin));
-            s.push_str(&format!("           ncclGetVersion = {} ({})\n", n.version, nccl_version_string(n.version)));
-            if let Err(e) = crate::nccl::check_library() {
-                s.push_str(&format!("           incomplete: {}\n", indent(&e.to_string())));
-            }
-        }
-        Err(e) => s.push_str(&format!("  nccl   : not found\n           {}\n", indent(&e.to_string()))),
-    }
-    for var in ["CUDA_VISIBLE_DEVICES", "LOCKSTEP_CUDA_LIBRARY", "LOCKSTEP_NVRTC_LIBRARY", "LOCKSTEP_NCCL_LIBRARY"] {
-        if let Ok(v) = std::env::var(var) {
-            s.push_str(&format!("  {var}={v}\n"));
-        }
-    }
     s
 }
 
-fn indent(s: &str) -> String {
+pub(crate) fn indent(s: &str) -> String {
     s.replace('\n', "\n           ")
 }
 

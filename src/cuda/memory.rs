@@ -8,7 +8,7 @@
 use std::marker::PhantomData;
 use std::sync::Arc;
 
-use crate::comm::{Buffer, BufferMut, Element, MemSpace, RawMem};
+use crate::types::{Buffer, BufferMut, Element, MemSpace, RawMem};
 
 use super::context::{Context, Stream};
 use super::driver::{self, CUdeviceptr};
@@ -164,6 +164,28 @@ impl<T: Element> DeviceBuffer<T> {
         self.check_len(dst.len, "DeviceBuffer::copy_to_pinned_async")?;
         self.check_stream(stream, "DeviceBuffer::copy_to_pinned_async")?;
         driver::memcpy_dtoh_async(dst.ptr.cast(), self.ptr, self.len * std::mem::size_of::<T>(), stream.raw())
+    }
+}
+
+/// Untyped copies on a stream between a raw device range and host memory, for layers that handle
+/// type-erased buffers (the staged backend). No wait: the caller synchronizes the stream.
+impl Stream {
+    /// Host-to-device copy of `bytes` bytes, in stream order.
+    ///
+    /// # Safety
+    /// `dst` must be a live device range of at least `bytes` bytes in this stream's context, and
+    /// `src` valid for reads of `bytes` bytes until the stream has reached the copy.
+    pub unsafe fn memcpy_htod_raw(&self, dst: u64, src: *const u8, bytes: usize) -> Result<(), CudaError> {
+        driver::memcpy_htod_async(dst as CUdeviceptr, src.cast(), bytes, self.raw())
+    }
+
+    /// Device-to-host copy of `bytes` bytes, in stream order.
+    ///
+    /// # Safety
+    /// `src` must be a live device range of at least `bytes` bytes in this stream's context, and
+    /// `dst` valid for writes of `bytes` bytes, untouched until the stream has reached the copy.
+    pub unsafe fn memcpy_dtoh_raw(&self, dst: *mut u8, src: u64, bytes: usize) -> Result<(), CudaError> {
+        driver::memcpy_dtoh_async(dst.cast(), src as CUdeviceptr, bytes, self.raw())
     }
 }
 

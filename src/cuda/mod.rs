@@ -79,10 +79,9 @@ pub mod kernels;
 mod memory;
 mod module;
 pub(crate) mod nvrtc;
-mod staged;
 
 pub use context::{device_count, device_for_local_rank, Context, DeviceInfo, Event, Stream};
-pub use discovery::{env_report, LibKind};
+pub use discovery::{cuda_report, LibKind};
 pub use error::{CudaError, NvrtcError};
 pub use graph::Graph;
 pub use kernels::KernelId;
@@ -91,7 +90,6 @@ pub use module::{
     cache_dir, compile_cubin_cached, compile_ptx, extra_nvrtc_options, ArgKind, Function, KernelScalar, KernelSig, Launch, LaunchConfig,
     Module, NvrtcInfo,
 };
-pub use staged::StagedBackend;
 
 /// True when a CUDA driver library can be loaded (does not initialise CUDA).
 pub fn driver_present() -> bool {

@@ -22,10 +22,9 @@ use super::output::RankOutput;
 use super::report::{summary, LaunchError};
 use super::signals::SignalPipe;
 use super::supervise::{self, Options, Proc};
+use crate::rendezvous::JOB_ID_KEY;
 use crate::store::{Store, StoreServer, TcpStore};
 
-/// Store key holding the job id every node's ranks use (set by the node-0 launcher).
-pub const JOB_ID_KEY: &str = "lockstep/job_id";
 /// Store key a launcher sets when its node fails: `"<exit code>\n<what happened>"`.
 pub const ABORT_KEY: &str = "lockstep/abort";
 

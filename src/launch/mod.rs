@@ -37,7 +37,7 @@ mod supervise;
 mod wire;
 
 pub use child::monotonic_ns;
-pub use exec::{run_job, JobSpec, JOB_ID_KEY};
+pub use exec::{run_job, JobSpec};
 pub use report::{summary, LaunchError, RankFailure};
 pub use wire::Wire;
 

@@ -6,14 +6,10 @@
 //! failed or hung peer into a `CommError` (via `ncclCommAbort`) instead of a hang.
 //!
 //! One process per GPU: NCCL before 2.30 refuses two ranks of one communicator on the same device.
-//! When ranks outnumber GPUs, use the shared-memory backend (see `DESIGN` below).
-//!
-//! # Several ranks on one GPU
-//! When `device_count < local ranks`, wrap the launcher's shm `Communicator` in
-//! [`cuda::StagedBackend`](crate::cuda::StagedBackend): device buffers are staged through pinned
-//! host memory (D2H, shm collective, H2D) and a one-line notice is printed. Not done yet: the
-//! NCCL ≥ 2.30 alternative (`NCCL_MULTI_RANK_GPU_ENABLE=1` before `ncclCommInitRank*`), and the
-//! automatic choice between the two, which belongs to the integrator's backend selection.
+//! NCCL ≥ 2.30 accepts them when the user sets `NCCL_MULTI_RANK_GPU_ENABLE=1`. When ranks
+//! outnumber GPUs otherwise, [`StagedBackend`](crate::staged::StagedBackend) stages device buffers
+//! through pinned host memory into the shared-memory backend. Which of these a job gets is
+//! decided in one place: [`rendezvous::device_communicator`](crate::rendezvous::device_communicator).
 
 pub mod comm;
 pub mod error;

@@ -5,11 +5,10 @@
 //! collective whose buffers are all shared reads and writes them directly, skipping the staging
 //! copies (the analog of NCCL's registered buffers).
 
-use std::ops::{Deref, DerefMut};
 use std::sync::{Arc, Mutex};
 
 use super::segment::Segment;
-use crate::comm::{Buffer, BufferMut, CommError, Element, MemSpace, RawMem};
+use crate::comm::{CommError, SharedRegion};
 
 /// First-fit allocator over one rank's heap region, with coalescing of freed ranges.
 #[derive(Debug)]
@@ -83,7 +82,7 @@ impl Heap {
 
 /// An untyped allocation in a rank's shared heap; returned to the heap on drop.
 #[derive(Debug)]
-pub struct SharedAlloc {
+pub(crate) struct SharedAlloc {
     seg: Arc<Segment>,
     heap: Arc<Mutex<Heap>>,
     off: usize,
@@ -110,14 +109,18 @@ impl SharedAlloc {
         Ok(SharedAlloc { seg, heap, off, bytes })
     }
 
-    /// Address of the allocation in this process.
-    pub fn as_ptr(&self) -> *mut u8 {
+}
+
+// SAFETY: the address is fixed for the allocation's life (the mapping outlives it through the
+// `Arc<Segment>`), covers `bytes` bytes of this rank's heap region handed out exclusively to it,
+// is aligned to at least 64, and was zeroed in `new`.
+unsafe impl SharedRegion for SharedAlloc {
+    fn as_ptr(&self) -> *mut u8 {
         // SAFETY: off is inside the mapping (checked at allocation).
         unsafe { self.seg.base().add(self.off) }
     }
 
-    /// Size in bytes.
-    pub fn bytes(&self) -> usize {
+    fn bytes(&self) -> usize {
         self.bytes
     }
 }
@@ -126,52 +129,6 @@ impl Drop for SharedAlloc {
     fn drop(&mut self) {
         let mut h = self.heap.lock().unwrap_or_else(|e| e.into_inner());
         h.release(self.off, self.bytes);
-    }
-}
-
-/// A typed buffer living in the communicator's shared segment. Dereferences to `[T]`; pass it to
-/// collectives like a `Vec<T>`. If every rank passes shared buffers, the collective is zero-copy.
-#[derive(Debug)]
-pub struct SharedBuffer<T: Element> {
-    alloc: SharedAlloc,
-    len: usize,
-    _t: std::marker::PhantomData<T>,
-}
-
-impl<T: Element> SharedBuffer<T> {
-    pub(crate) fn new(alloc: SharedAlloc, len: usize) -> SharedBuffer<T> {
-        SharedBuffer { alloc, len, _t: std::marker::PhantomData }
-    }
-}
-
-impl<T: Element> Deref for SharedBuffer<T> {
-    type Target = [T];
-    fn deref(&self) -> &[T] {
-        // SAFETY: the allocation holds len*size_of::<T>() zero-initialised bytes, aligned to at
-        // least 64, and every Element type is valid for any bit pattern (numbers only). Peers only
-        // touch it inside collectives, which take `&mut self` of this buffer or `&self`.
-        unsafe { std::slice::from_raw_parts(self.alloc.as_ptr() as *const T, self.len) }
-    }
-}
-
-impl<T: Element> DerefMut for SharedBuffer<T> {
-    fn deref_mut(&mut self) -> &mut [T] {
-        // SAFETY: as in `deref`; &mut self guarantees exclusive access in this process.
-        unsafe { std::slice::from_raw_parts_mut(self.alloc.as_ptr() as *mut T, self.len) }
-    }
-}
-
-// SAFETY: the view covers exactly the allocation, which lives as long as `self`.
-unsafe impl<T: Element> Buffer<T> for SharedBuffer<T> {
-    fn raw(&self) -> RawMem {
-        RawMem { addr: self.alloc.as_ptr() as usize, len: self.len, space: MemSpace::Host }
-    }
-}
-
-// SAFETY: as for `Buffer`; `&mut self` gives exclusive access in this process.
-unsafe impl<T: Element> BufferMut<T> for SharedBuffer<T> {
-    fn raw_mut(&mut self) -> RawMem {
-        self.raw()
     }
 }
 

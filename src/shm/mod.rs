@@ -18,7 +18,7 @@ mod segment;
 mod sync;
 mod tune;
 
-pub use alloc::{SharedAlloc, SharedBuffer};
+pub(crate) use alloc::SharedAlloc;
 pub use config::ShmConfig;
 pub use reduce::{copy_block, copy_block2, reduce_into, reduce_raw, reduce_slices, store_fence, Dst};
 pub use segment::{shm_name, unlink_named, Segment};
@@ -1048,8 +1048,8 @@ impl Backend for ShmComm {
         self.seq
     }
 
-    fn alloc_shared(&mut self, bytes: usize) -> Result<SharedAlloc, CommError> {
-        SharedAlloc::new(self.seg.clone(), self.heap.clone(), bytes)
+    fn alloc_shared(&mut self, bytes: usize) -> Result<Box<dyn crate::comm::SharedRegion>, CommError> {
+        Ok(Box::new(SharedAlloc::new(self.seg.clone(), self.heap.clone(), bytes)?))
     }
 }
 

@@ -23,7 +23,7 @@ use super::optim::Adam;
 use super::sampler::{counts_for_metrics, DistributedSampler};
 use super::schedule::Schedule;
 use crate::comm::{CommError, Communicator, ReduceOp};
-use crate::shm::SharedBuffer;
+use crate::comm::SharedBuffer;
 
 /// Errors of a training run.
 #[derive(Debug, thiserror::Error)]

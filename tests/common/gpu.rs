@@ -26,7 +26,7 @@ pub fn skip(why: &str, detail: &str) -> ! {
 /// True when a driver library is present (does not initialise CUDA).
 pub fn driver_or_skip() {
     if !lockstep::cuda::driver_present() {
-        skip("no CUDA driver", &lockstep::cuda::env_report());
+        skip("no CUDA driver", &lockstep::report::env_report());
     }
 }
 

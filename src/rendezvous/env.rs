@@ -1,5 +1,5 @@
 //! [`Communicator::from_env`]: join the job a launcher (`lockstep launch`, or anything that sets
-//! the same variables) started this process in.
+//! the same variables) started this process in, and choose its backend.
 //!
 //! * One node (`LOCKSTEP_NNODES` = 1, or `WORLD_SIZE` = `LOCAL_WORLD_SIZE`): the local ranks
 //!   join the named shared-memory segment of `LOCKSTEP_JOB_ID`; no port is used.
@@ -15,9 +15,14 @@
 
 use std::time::Duration;
 
-use super::{CommError, Communicator};
+use super::select::{self, device_communicator};
+use crate::comm::{CommError, Communicator};
 use crate::shm::{ShmComm, ShmConfig};
 use crate::store::{Store, TcpStore};
+
+/// The store key under which the node-0 launcher publishes its job id (the name of the
+/// shared-memory segment that same-host ranks of a multi-launcher job join).
+pub const JOB_ID_KEY: &str = "lockstep/job_id";
 
 /// The rendezvous variables a launcher sets.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -42,7 +47,7 @@ pub struct EnvInfo {
     pub token: Option<String>,
 }
 
-fn var(name: &str) -> Option<String> {
+pub(crate) fn var(name: &str) -> Option<String> {
     std::env::var(name).ok().filter(|v| !v.is_empty())
 }
 
@@ -124,7 +129,7 @@ fn secs_env(name: &str, default: f64) -> Duration {
 
 impl Communicator {
     /// Join the job described by the launcher's environment variables (see the module docs of
-    /// `comm::env`). `LOCKSTEP_RDZV_TIMEOUT_S` (default 60) bounds the multi-node rendezvous.
+    /// `rendezvous`). `LOCKSTEP_RDZV_TIMEOUT_S` (default 60) bounds the multi-node rendezvous.
     pub fn from_env() -> Result<Communicator, CommError> {
         let info = EnvInfo::from_env()?;
         // Backend choice (`LOCKSTEP_BACKEND`, default shm).
@@ -163,7 +168,7 @@ impl Communicator {
         }
         let spans_hosts = hosts.iter().any(|h| *h != me);
         if backend == "nccl" && spans_hosts {
-            return nccl_across_nodes(&info, &mut store, &hosts, timeout);
+            return select::nccl_across_nodes(&info, &mut store, &hosts, timeout);
         }
         if let Some(r) = hosts.iter().position(|h| *h != me) {
             let name = |h: &str| h.split('/').next().unwrap_or("?").to_string();
@@ -175,7 +180,7 @@ impl Communicator {
             )));
         }
         // Every rank shares this host: one shared-memory communicator under the node-0 job id.
-        let job = store.wait_get(crate::launch::JOB_ID_KEY, timeout).map_err(st)?;
+        let job = store.wait_get(JOB_ID_KEY, timeout).map_err(st)?;
         let job = String::from_utf8(job).map_err(|_| setup("the job id in the rendezvous store is not UTF-8".into()))?;
         let c = ShmComm::join_named(&job, info.rank, info.world_size, cfg)?;
         let host = Communicator::from_backend(Box::new(c));
@@ -185,81 +190,6 @@ impl Communicator {
         }
         Ok(host)
     }
-}
-
-/// NCCL 2.30 runs several ranks on one GPU when `NCCL_MULTI_RANK_GPU_ENABLE=1` (experimental);
-/// older versions refuse with "Duplicate GPU detected". The user opts in through NCCL's own
-/// variable; without it, or with an older NCCL, ranks that share a GPU stage through shared memory.
-fn nccl_multi_rank_gpu() -> bool {
-    let wanted = var("NCCL_MULTI_RANK_GPU_ENABLE").is_some_and(|v| v.trim() == "1");
-    if !wanted {
-        return false;
-    }
-    match crate::nccl::version() {
-        Ok(v) if v >= 23000 => {
-            eprintln!("lockstep: ranks share a GPU: NCCL {v} multi-rank mode (NCCL_MULTI_RANK_GPU_ENABLE=1)");
-            true
-        }
-        Ok(v) => {
-            eprintln!("lockstep: NCCL_MULTI_RANK_GPU_ENABLE=1 needs NCCL 2.30 or newer, the loaded one is {v}: staging through shared memory instead");
-            false
-        }
-        Err(e) => {
-            eprintln!("lockstep: NCCL_MULTI_RANK_GPU_ENABLE=1 but NCCL does not load ({e}): staging through shared memory instead");
-            false
-        }
-    }
-}
-
-/// Communicators created through the store by this process so far: each gets its own key, and
-/// every rank creates them in the same order.
-static NCCL_GENERATION: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-
-/// NCCL for a job that spans nodes: one GPU per rank (local rank → device), the unique id through
-/// the rendezvous store. CUDA is first initialised here, in the rank.
-fn nccl_across_nodes(info: &EnvInfo, store: &mut TcpStore, hosts: &[String], timeout: Duration) -> Result<Communicator, CommError> {
-    let cuda = |e: crate::cuda::CudaError| CommError::Backend { backend: "cuda", message: e.to_string() };
-    let gpus = crate::cuda::device_count().map_err(cuda)?.max(0) as usize;
-    let here = hosts.iter().filter(|h| **h == hosts[info.rank]).count();
-    if here > gpus {
-        let name = hosts[info.rank].split('/').next().unwrap_or("?").to_string();
-        return Err(CommError::Unsupported(format!(
-            "LOCKSTEP_BACKEND=nccl across nodes: {here} ranks run on host {name}, which has {gpus} visible GPU(s); every rank of a multi-node job needs its own GPU (ranks may share a GPU only in a one-node job, through staging); start at most {gpus} rank(s) per node"
-        )));
-    }
-    let ctx = crate::cuda::Context::new(info.local_rank as i32).map_err(cuda)?;
-    let generation = NCCL_GENERATION.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let mut ex = crate::nccl::StoreExchange { store, key: format!("lockstep/nccl/unique-id/{generation}"), timeout };
-    let nccl = crate::nccl::NcclComm::new(&ctx, info.rank, info.world_size, &mut ex, crate::nccl::NcclOptions::default())
-        .map_err(|e| CommError::Backend { backend: "nccl", message: e.to_string() })?;
-    Ok(Communicator::from_backend(Box::new(nccl)))
-}
-
-/// Device communicator for the ranks of one node: NCCL when every rank has its own GPU, otherwise
-/// the shared-memory backend staging device buffers through pinned host memory. The NCCL unique
-/// id travels through the host communicator, so CUDA is first initialised here, in the rank.
-///
-/// Returns the communicator and the CUDA context of the rank's device (local rank modulo the
-/// number of visible devices), on which device buffers for it must be allocated.
-pub fn device_communicator(
-    mut host: Communicator,
-    local_rank: usize,
-) -> Result<(Communicator, std::sync::Arc<crate::cuda::Context>), CommError> {
-    let cuda = |e: crate::cuda::CudaError| CommError::Backend { backend: "cuda", message: e.to_string() };
-    let gpus = crate::cuda::device_count().map_err(cuda)?;
-    if gpus <= 0 {
-        return Err(CommError::Unsupported("LOCKSTEP_BACKEND=nccl but no CUDA device is visible; use LOCKSTEP_BACKEND=shm".into()));
-    }
-    let ordinal = (local_rank % gpus as usize) as i32;
-    let ctx = crate::cuda::Context::new(ordinal).map_err(cuda)?;
-    if host.world_size() > gpus as usize && !nccl_multi_rank_gpu() {
-        let staged = crate::cuda::StagedBackend::new(&ctx, host).map_err(cuda)?;
-        return Ok((Communicator::from_backend(Box::new(staged)), ctx));
-    }
-    let (rank, world) = (host.rank(), host.world_size());
-    let nccl = crate::nccl::NcclComm::new(&ctx, rank, world, &mut host, crate::nccl::NcclOptions::default())
-        .map_err(|e| CommError::Backend { backend: "nccl", message: e.to_string() })?;
-    Ok((Communicator::from_backend(Box::new(nccl)), ctx))
 }
 
 #[cfg(test)]

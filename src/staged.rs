@@ -11,12 +11,22 @@
 
 use std::sync::Arc;
 
-use crate::comm::{Backend, BackendKind, Call, CollKind, CommError, Communicator, MemSpace, RawMem};
+use crate::comm::{Backend, BackendKind, Call, CommError, Communicator};
+use crate::cuda::{Context, CudaError, PinnedBuffer, Stream};
+use crate::types::{CollKind, Dtype, MemSpace, RawMem};
 
-use super::context::{Context, Stream};
-use super::driver;
-use super::error::CudaError;
-use super::memory::PinnedBuffer;
+/// What went wrong in a staged call: the host collective (its error is passed on unchanged, so
+/// `Mismatch`, `PeerLost`, `Timeout` keep their kind) or a CUDA copy around it.
+enum StageError {
+    Comm(CommError),
+    Cuda(CudaError),
+}
+
+impl From<CudaError> for StageError {
+    fn from(e: CudaError) -> StageError {
+        StageError::Cuda(e)
+    }
+}
 
 /// A host-backend communicator that accepts device buffers by staging them through pinned memory.
 pub struct StagedBackend {
@@ -30,12 +40,14 @@ pub struct StagedBackend {
 
 impl StagedBackend {
     /// Wrap `inner` (typically the launcher's shm communicator) for device buffers on `ctx`.
-    /// Prints the one-line notice that this rank stages through host memory.
     pub fn new(ctx: &Arc<Context>, inner: Communicator) -> Result<StagedBackend, CudaError> {
-        eprintln!(
-            "lockstep: rank {} shares GPU {} with other ranks: device collectives go through the shared-memory backend (staged via pinned host memory)",
+        tracing::info!(
+            rank = inner.rank(),
+            gpu = ctx.ordinal(),
+            "rank {} shares GPU {} with other ranks: device collectives go through the {} backend, staged via pinned host memory",
             inner.rank(),
-            ctx.ordinal()
+            ctx.ordinal(),
+            inner.backend_kind()
         );
         Ok(StagedBackend {
             stream: ctx.stream()?,
@@ -59,10 +71,10 @@ impl StagedBackend {
     }
 
     fn cuda_err(&self, call: &Call, e: CudaError) -> CommError {
-        CommError::Backend { backend: "shm+cuda staging", message: format!("{} on rank {}: {e}", call.kind, self.inner.rank()) }
+        CommError::Backend { backend: "staged", message: format!("{} on rank {}: {e}", call.kind, self.inner.rank()) }
     }
 
-    fn staged(&mut self, call: &Call) -> Result<(), CudaError> {
+    fn staged(&mut self, call: &Call) -> Result<(), StageError> {
         let sz = call.dtype.size();
         let (s, r) = (call.send, call.recv);
         let (sb, rb) = (s.len * sz, r.len * sz);
@@ -95,7 +107,7 @@ impl StagedBackend {
             recv: RawMem { addr: host_recv, len: r.len, space: MemSpace::Host },
             ..*call
         };
-        self.inner.backend_mut().run(&host_call).map_err(|e| CudaError::Io(e.to_string()))?;
+        self.inner.run_checked(&host_call).map_err(StageError::Comm)?;
         // Copy back only where the collective wrote: every rank, or the root for reduce/gather.
         let writes = match call.kind {
             CollKind::Reduce | CollKind::Gather => self.inner.rank() == call.root,
@@ -105,7 +117,7 @@ impl StagedBackend {
         if writes && rb > 0 {
             // SAFETY: `r` is a device range of `rb` bytes on this context (checked by `run`);
             // `host_recv` points into a live pinned staging buffer of at least `rb` bytes.
-            unsafe { driver::memcpy_htod_async(r.addr as u64, host_recv as *const _, rb, self.stream.raw())? };
+            unsafe { self.stream.memcpy_htod_raw(r.addr as u64, host_recv as *const u8, rb)? };
             self.stream.synchronize()?;
         }
         Ok(())
@@ -114,12 +126,12 @@ impl StagedBackend {
     fn d2h(&mut self, src: usize, offset: usize, bytes: usize) -> Result<(), CudaError> {
         // SAFETY: `src` is a device range of `bytes` bytes on this context; `stage_a` holds at
         // least `offset + bytes` bytes and is not touched until the stream is synchronized.
-        unsafe { driver::memcpy_dtoh_async(self.stage_a.as_mut_ptr().add(offset).cast(), src as u64, bytes, self.stream.raw()) }
+        unsafe { self.stream.memcpy_dtoh_raw(self.stage_a.as_mut_ptr().add(offset), src as u64, bytes) }
     }
 
     fn d2h_b(&mut self, src: usize, bytes: usize) -> Result<(), CudaError> {
         // SAFETY: as in `d2h`, for `stage_b`.
-        unsafe { driver::memcpy_dtoh_async(self.stage_b.as_mut_ptr().cast(), src as u64, bytes, self.stream.raw()) }
+        unsafe { self.stream.memcpy_dtoh_raw(self.stage_b.as_mut_ptr(), src as u64, bytes) }
     }
 }
 
@@ -133,7 +145,7 @@ impl Backend for StagedBackend {
     }
 
     fn kind(&self) -> BackendKind {
-        BackendKind::Shm
+        BackendKind::Staged
     }
 
     fn device(&self) -> Option<Arc<Context>> {
@@ -147,7 +159,7 @@ impl Backend for StagedBackend {
         });
         let Some(dev) = dev else {
             // Host buffers: straight to the host backend.
-            return self.inner.backend_mut().run(call);
+            return self.inner.run_checked(call);
         };
         if dev != self.ctx.ordinal() {
             return Err(CommError::InvalidArgument {
@@ -156,12 +168,21 @@ impl Backend for StagedBackend {
                 detail: format!("buffer is on device {dev} but this rank stages through device {}", self.ctx.ordinal()),
             });
         }
-        self.staged(call).map_err(|e| self.cuda_err(call, e))
+        self.staged(call).map_err(|e| match e {
+            StageError::Comm(e) => e,
+            StageError::Cuda(e) => self.cuda_err(call, e),
+        })
+    }
+
+    fn reject(&mut self, kind: CollKind, dtype: Dtype, reason: &CommError) {
+        // The host backend carries the refusal to the peers, whose matching call then fails
+        // with `Mismatch` instead of waiting for this rank until it times out or exits.
+        self.inner.reject_call(kind, dtype, reason);
     }
 
     fn synchronize(&mut self) -> Result<(), CommError> {
         self.inner.synchronize()?;
-        self.stream.synchronize().map_err(|e| CommError::Backend { backend: "shm+cuda staging", message: e.to_string() })
+        self.stream.synchronize().map_err(|e| CommError::Backend { backend: "staged", message: e.to_string() })
     }
 
     fn seq(&self) -> u64 {

@@ -57,44 +57,23 @@ pub unsafe trait BufferMut<T: Element>: Buffer<T> {
     fn raw_mut(&mut self) -> RawMem;
 }
 
-// SAFETY: the view covers exactly the borrowed elements.
-unsafe impl<T: Element> Buffer<T> for [T] {
+// Any contiguous host container is a buffer through `AsRef<[T]>`/`AsMut<[T]>`: `Vec<T>`, slices,
+// arrays, `Box<[T]>`, and a user's own tensor type, with no `unsafe impl` on the user's side.
+
+// SAFETY: `as_ref` returns a slice borrowed from `self`, so the memory it describes stays valid and
+// unchanged for as long as the `&self` borrow that `raw` is called under lasts.
+unsafe impl<T: Element, B: AsRef<[T]> + ?Sized> Buffer<T> for B {
     fn raw(&self) -> RawMem {
-        RawMem { addr: self.as_ptr() as usize, len: <[T]>::len(self), space: MemSpace::Host }
+        let s = self.as_ref();
+        RawMem { addr: s.as_ptr() as usize, len: s.len(), space: MemSpace::Host }
     }
 }
 
-// SAFETY: the view covers exactly the mutably borrowed elements.
-unsafe impl<T: Element> BufferMut<T> for [T] {
+// SAFETY: `as_mut` returns a slice exclusively borrowed from `self`, valid for writes and not
+// aliased for as long as the `&mut self` borrow lasts.
+unsafe impl<T: Element, B: AsRef<[T]> + AsMut<[T]> + ?Sized> BufferMut<T> for B {
     fn raw_mut(&mut self) -> RawMem {
-        RawMem { addr: self.as_mut_ptr() as usize, len: <[T]>::len(self), space: MemSpace::Host }
-    }
-}
-
-// SAFETY: the view covers exactly the borrowed elements.
-unsafe impl<T: Element> Buffer<T> for Vec<T> {
-    fn raw(&self) -> RawMem {
-        self.as_slice().raw()
-    }
-}
-
-// SAFETY: the view covers exactly the mutably borrowed elements.
-unsafe impl<T: Element> BufferMut<T> for Vec<T> {
-    fn raw_mut(&mut self) -> RawMem {
-        self.as_mut_slice().raw_mut()
-    }
-}
-
-// SAFETY: the view covers exactly the borrowed elements.
-unsafe impl<T: Element, const N: usize> Buffer<T> for [T; N] {
-    fn raw(&self) -> RawMem {
-        self.as_slice().raw()
-    }
-}
-
-// SAFETY: the view covers exactly the mutably borrowed elements.
-unsafe impl<T: Element, const N: usize> BufferMut<T> for [T; N] {
-    fn raw_mut(&mut self) -> RawMem {
-        self.as_mut_slice().raw_mut()
+        let s = self.as_mut();
+        RawMem { addr: s.as_mut_ptr() as usize, len: s.len(), space: MemSpace::Host }
     }
 }

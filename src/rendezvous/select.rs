@@ -1,0 +1,142 @@
+//! The one backend-selection policy for device buffers, used by `Communicator::from_env`,
+//! `lockstep`, `train-cnn` and the benchmarks alike.
+//!
+//! | ranks on this node vs GPUs | NCCL | result |
+//! |---|---|---|
+//! | one rank | any | [`StagedBackend`] over the host communicator (nothing to communicate; no NCCL needed) |
+//! | every rank has its own GPU | loads | NCCL |
+//! | every rank has its own GPU | missing | error naming the library search and `LOCKSTEP_BACKEND=shm` |
+//! | ranks share a GPU, `NCCL_MULTI_RANK_GPU_ENABLE=1`, NCCL ≥ 2.30 | loads | NCCL multi-rank mode |
+//! | ranks share a GPU otherwise | any | [`StagedBackend`] (logged at info level, with the reason at warn level when the user asked for NCCL's mode) |
+//!
+//! Multi-node jobs with `LOCKSTEP_BACKEND=nccl` need one GPU per rank; their unique id travels
+//! through the rendezvous store ([`nccl_across_nodes`]).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::env::{var, EnvInfo};
+use crate::comm::{CommError, Communicator};
+use crate::cuda::{Context, CudaError};
+use crate::staged::StagedBackend;
+use crate::store::TcpStore;
+
+/// NCCL 2.30 runs several ranks on one GPU when `NCCL_MULTI_RANK_GPU_ENABLE=1` (experimental);
+/// older versions refuse with "Duplicate GPU detected". The user opts in through NCCL's own
+/// variable; without it, or with an older NCCL, ranks that share a GPU stage through shared memory.
+fn nccl_multi_rank_gpu() -> bool {
+    let wanted = var("NCCL_MULTI_RANK_GPU_ENABLE").is_some_and(|v| v.trim() == "1");
+    if !wanted {
+        return false;
+    }
+    match crate::nccl::version() {
+        Ok(v) if v >= 23000 => {
+            tracing::info!("ranks share a GPU: NCCL {v} multi-rank mode (NCCL_MULTI_RANK_GPU_ENABLE=1)");
+            true
+        }
+        Ok(v) => {
+            tracing::warn!("NCCL_MULTI_RANK_GPU_ENABLE=1 needs NCCL 2.30 or newer, the loaded one is {v}: staging through shared memory instead");
+            false
+        }
+        Err(e) => {
+            tracing::warn!("NCCL_MULTI_RANK_GPU_ENABLE=1 but NCCL does not load ({e}): staging through shared memory instead");
+            false
+        }
+    }
+}
+
+/// Communicators created through the store by this process so far: each gets its own key, and
+/// every rank creates them in the same order.
+static NCCL_GENERATION: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// NCCL for a job that spans nodes: one GPU per rank (local rank → device), the unique id through
+/// the rendezvous store. CUDA is first initialised here, in the rank.
+pub(crate) fn nccl_across_nodes(info: &EnvInfo, store: &mut TcpStore, hosts: &[String], timeout: Duration) -> Result<Communicator, CommError> {
+    let cuda = |e: CudaError| CommError::Backend { backend: "cuda", message: e.to_string() };
+    let gpus = crate::cuda::device_count().map_err(cuda)?.max(0) as usize;
+    let here = hosts.iter().filter(|h| **h == hosts[info.rank]).count();
+    if here > gpus {
+        let name = hosts[info.rank].split('/').next().unwrap_or("?").to_string();
+        return Err(CommError::Unsupported(format!(
+            "LOCKSTEP_BACKEND=nccl across nodes: {here} ranks run on host {name}, which has {gpus} visible GPU(s); every rank of a multi-node job needs its own GPU (ranks may share a GPU only in a one-node job, through staging); start at most {gpus} rank(s) per node"
+        )));
+    }
+    let ctx = Context::new(info.local_rank as i32).map_err(cuda)?;
+    let generation = NCCL_GENERATION.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let mut ex = crate::nccl::StoreExchange { store, key: format!("lockstep/nccl/unique-id/{generation}"), timeout };
+    let nccl = crate::nccl::NcclComm::new(&ctx, info.rank, info.world_size, &mut ex, crate::nccl::NcclOptions::default())
+        .map_err(|e| CommError::Backend { backend: "nccl", message: e.to_string() })?;
+    Ok(Communicator::from_backend(Box::new(nccl)))
+}
+
+/// What [`device_communicator`] builds for a node's ranks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum DeviceChoice {
+    /// NCCL, one GPU per rank (or NCCL's multi-rank mode when `multi_rank`).
+    Nccl { multi_rank: bool },
+    /// Stage device buffers through pinned host memory into the host communicator.
+    Staged,
+}
+
+/// The policy, without side effects: `world` ranks on this node, `gpus` visible devices, and
+/// whether NCCL's multi-rank mode was asked for and is available (`multi_rank_ok`, evaluated
+/// lazily: it loads NCCL).
+pub(crate) fn choose(world: usize, gpus: usize, multi_rank_ok: impl FnOnce() -> bool) -> DeviceChoice {
+    if world <= 1 {
+        DeviceChoice::Staged
+    } else if gpus >= world {
+        DeviceChoice::Nccl { multi_rank: false }
+    } else if multi_rank_ok() {
+        DeviceChoice::Nccl { multi_rank: true }
+    } else {
+        DeviceChoice::Staged
+    }
+}
+
+/// Device communicator for the ranks of one node, chosen by the policy in the module docs: NCCL
+/// when every rank has its own GPU (or NCCL's multi-rank mode is asked for and available),
+/// otherwise the host communicator staging device buffers through pinned host memory. The NCCL
+/// unique id travels through the host communicator, so CUDA is first initialised here, in the
+/// rank.
+///
+/// Returns the communicator and the CUDA context of the rank's device (local rank modulo the
+/// number of visible devices), on which device buffers for it must be allocated.
+pub fn device_communicator(mut host: Communicator, local_rank: usize) -> Result<(Communicator, Arc<Context>), CommError> {
+    let cuda = |e: CudaError| CommError::Backend { backend: "cuda", message: e.to_string() };
+    let gpus = crate::cuda::device_count().map_err(cuda)?;
+    if gpus <= 0 {
+        return Err(CommError::Unsupported(
+            "device collectives need a CUDA device, but none is visible (check nvidia-smi and CUDA_VISIBLE_DEVICES); for host buffers use LOCKSTEP_BACKEND=shm".into(),
+        ));
+    }
+    let gpus = gpus as usize;
+    let ordinal = (local_rank % gpus) as i32;
+    let ctx = Context::new(ordinal).map_err(cuda)?;
+    let (rank, world) = (host.rank(), host.world_size());
+    let choice = choose(world, gpus, nccl_multi_rank_gpu);
+    tracing::debug!(rank, world, gpus, device = ordinal, ?choice, "device backend selected");
+    match choice {
+        DeviceChoice::Staged => {
+            let staged = StagedBackend::new(&ctx, host).map_err(cuda)?;
+            Ok((Communicator::from_backend(Box::new(staged)), ctx))
+        }
+        DeviceChoice::Nccl { .. } => {
+            let nccl = crate::nccl::NcclComm::new(&ctx, rank, world, &mut host, crate::nccl::NcclOptions::default())
+                .map_err(|e| CommError::Backend { backend: "nccl", message: e.to_string() })?;
+            Ok((Communicator::from_backend(Box::new(nccl)), ctx))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn policy_table() {
+        assert_eq!(choose(1, 8, || unreachable!()), DeviceChoice::Staged);
+        assert_eq!(choose(2, 2, || unreachable!()), DeviceChoice::Nccl { multi_rank: false });
+        assert_eq!(choose(4, 2, || true), DeviceChoice::Nccl { multi_rank: true });
+        assert_eq!(choose(4, 2, || false), DeviceChoice::Staged);
+    }
+}

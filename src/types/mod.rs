@@ -1,0 +1,13 @@
+//! The vocabulary every layer shares: element types, reduction operators, collective names and
+//! the buffer traits through which a collective sees memory (host, shared segment or device).
+//!
+//! This is the bottom layer: it imports nothing from the rest of the crate, so `cuda`, `comm`,
+//! the backends and the engine can all speak it without depending on one another.
+
+mod buffer;
+mod coll;
+mod dtype;
+
+pub use buffer::{Buffer, BufferMut, MemSpace, RawMem};
+pub use coll::CollKind;
+pub use dtype::{Dtype, Element, ReduceOp};
