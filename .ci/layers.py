@@ -55,7 +55,7 @@ def strip(src):
     src = STRING.sub('""', src)
     # Drop #[cfg(test)] items: a `mod name { ... }` block with balanced braces.
     out, i = [], 0
-    for m in re.finditer(r"#\[cfg\(test\)\]\s*(pub(\([^)]*\))?\s+)?mod\s+\w+\s*\{", src):
+    for m in re.finditer(r"#\[cfg\(test\)\]\s*(#\[[^\]]*\]\s*)*(pub(\([^)]*\))?\s+)?mod\s+\w+\s*\{", src):
         if m.start() < i:
             continue
         out.append(src[i : m.start()])

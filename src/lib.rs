@@ -21,19 +21,19 @@
 //! must not rely on locks another thread of the parent may hold.
 
 // Layers, bottom to top; each module imports only from the ones above it in this list.
-pub mod types;
 pub mod store;
+pub mod types;
 #[macro_use]
 pub mod cuda;
+pub mod bench;
 pub mod comm;
+pub mod launch;
 pub mod nccl;
+pub mod rendezvous;
+pub mod report;
 pub mod shm;
 pub mod staged;
-pub mod rendezvous;
 pub mod train;
-pub mod launch;
-pub mod bench;
-pub mod report;
 
 pub use comm::{Buffer, BufferMut, CollKind, CommError, Communicator, Dtype, Element, ReduceOp, SharedBuffer};
 pub use half;

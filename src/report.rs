@@ -1,7 +1,8 @@
 //! `lockstep env`: what a bug report needs, gathered from every layer (the CUDA driver and NVRTC
 //! from `cuda`, NCCL from `nccl`), without initialising CUDA.
 
-use crate::cuda::discovery::{cuda_report, indent, nccl_version_string};
+use crate::cuda::cuda_report;
+use crate::cuda::discovery::{indent, nccl_version_string};
 
 /// A multi-line report of the CUDA driver, NVRTC and NCCL that lockstep finds: each library,
 /// where it was found and why, and its version, plus the overriding variables that are set.

@@ -79,9 +79,10 @@ pub mod kernels;
 mod memory;
 mod module;
 pub(crate) mod nvrtc;
+mod report;
 
 pub use context::{device_count, device_for_local_rank, Context, DeviceInfo, Event, Stream};
-pub use discovery::{cuda_report, LibKind};
+pub use discovery::LibKind;
 pub use error::{CudaError, NvrtcError};
 pub use graph::Graph;
 pub use kernels::KernelId;
@@ -90,6 +91,7 @@ pub use module::{
     cache_dir, compile_cubin_cached, compile_ptx, extra_nvrtc_options, ArgKind, Function, KernelScalar, KernelSig, Launch, LaunchConfig,
     Module, NvrtcInfo,
 };
+pub use report::cuda_report;
 
 /// True when a CUDA driver library can be loaded (does not initialise CUDA).
 pub fn driver_present() -> bool {

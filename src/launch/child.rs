@@ -9,7 +9,12 @@ use std::os::unix::process::CommandExt;
 use std::process::{Command, Stdio};
 
 use super::wire::encode_outcome;
-use super::{RankContext, RankResult, Wire};
+use std::mem::ManuallyDrop;
+
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+
+use super::rank::{RankContext, RankResult};
 use crate::shm::ShmJob;
 
 /// A forked or exec'd rank as the parent sees it.
@@ -152,11 +157,12 @@ pub(crate) fn check_fork_safe() -> Result<(), String> {
 }
 
 /// Fork one rank that joins `job` as `rank` and runs `f`; with `capture`, its stdout and stderr
-/// go through pipes to the parent.
-pub(crate) fn spawn<R, F>(rank: usize, world: usize, job: &ShmJob, f: &F, capture: bool) -> std::io::Result<Spawned>
+/// go through pipes to the parent. The child takes `f` out of its copy of `*f` and calls it once;
+/// the parent's `f` is untouched (the caller drops it after its last fork).
+pub(crate) fn spawn<R, F>(rank: usize, world: usize, job: &ShmJob, f: &mut ManuallyDrop<F>, capture: bool) -> std::io::Result<Spawned>
 where
-    R: Wire,
-    F: Fn(RankContext) -> RankResult<R>,
+    R: Serialize + DeserializeOwned,
+    F: FnOnce(RankContext) -> RankResult<R>,
 {
     let (rd, wr) = pipe()?;
     let out = if capture { Some((pipe()?, pipe()?)) } else { None };
@@ -182,6 +188,10 @@ where
                 libc::dup2(err_w.as_raw_fd(), 2);
             }
         }
+        // SAFETY: this is the child's own copy of the parent's memory: nothing else in this process
+        // reads `*f` after this point (the child ends in `_exit` inside `run_child`), so taking the
+        // value out of the ManuallyDrop moves the closure to its single call.
+        let f = unsafe { ManuallyDrop::take(f) };
         run_child(rank, world, job, f, parent, wr);
     }
     drop(wr);
@@ -192,10 +202,10 @@ where
     Ok(Spawned { pid, result_fd: Some(rd), stdout, stderr })
 }
 
-fn run_child<R, F>(rank: usize, world: usize, job: &ShmJob, f: &F, parent: i32, wr: OwnedFd) -> !
+fn run_child<R, F>(rank: usize, world: usize, job: &ShmJob, f: F, parent: i32, wr: OwnedFd) -> !
 where
-    R: Wire,
-    F: Fn(RankContext) -> RankResult<R>,
+    R: Serialize + DeserializeOwned,
+    F: FnOnce(RankContext) -> RankResult<R>,
 {
     let _ = die_with_parent(parent);
     let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| -> Result<R, String> {

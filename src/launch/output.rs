@@ -14,6 +14,8 @@ use std::fs::File;
 use std::io::Write;
 use std::path::Path;
 
+use super::report::LaunchError;
+
 /// Longest unterminated output held back before it is emitted as a line.
 pub(crate) const MAX_PENDING: usize = 64 << 10;
 /// Lines of stderr kept per rank for the failure summary.
@@ -179,6 +181,23 @@ pub(crate) fn split_segments(buf: &[u8], at_eof: bool) -> Segments {
         start = buf.len();
     }
     Segments { segments, consumed: start }
+}
+
+/// Per-rank console/log output set up for `world` ranks.
+pub(crate) fn rank_outputs(
+    world: usize,
+    log_dir: Option<&std::path::Path>,
+    filter: Option<&[usize]>,
+) -> Result<Vec<RankOutput>, LaunchError> {
+    if let Some(d) = log_dir {
+        std::fs::create_dir_all(d).map_err(|e| LaunchError::Setup(format!("cannot create log directory {}: {e}", d.display())))?;
+    }
+    (0..world)
+        .map(|r| {
+            let show = filter.is_none_or(|f| f.contains(&r));
+            RankOutput::new(r, show, log_dir).map_err(|e| LaunchError::Setup(format!("cannot create the log file of rank {r}: {e}")))
+        })
+        .collect()
 }
 
 #[cfg(test)]

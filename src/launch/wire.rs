@@ -1,156 +1,31 @@
-//! How a rank's result travels back to the launcher: a tiny self-describing-free binary encoding
-//! (little-endian numbers, length-prefixed sequences) for the types a training function returns.
+//! How a rank's result travels back to the launcher: `Ok(value)` or `Err(message)`, serialized
+//! with serde (bincode's compact varint encoding), so any `Serialize + DeserializeOwned` type can
+//! be a rank's result with no trait of ours to implement.
 
-/// A value that can be sent from a rank to the launcher.
-pub trait Wire: Sized {
-    /// Append the encoding of `self`.
-    fn encode(&self, out: &mut Vec<u8>);
-    /// Decode from the front of `inp`, advancing it.
-    fn decode(inp: &mut &[u8]) -> Option<Self>;
+use bincode::Options;
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+
+/// A rank's result is bounded: a frame larger than this is refused rather than allocated.
+const MAX_FRAME: u64 = 1 << 30;
+
+fn options() -> impl Options {
+    bincode::DefaultOptions::new().with_limit(MAX_FRAME).reject_trailing_bytes()
 }
 
-fn take<'a>(inp: &mut &'a [u8], n: usize) -> Option<&'a [u8]> {
-    if inp.len() < n {
-        return None;
-    }
-    let (a, b) = inp.split_at(n);
-    *inp = b;
-    Some(a)
-}
-
-macro_rules! wire_num {
-    ($($t:ty),*) => {$(
-        impl Wire for $t {
-            fn encode(&self, out: &mut Vec<u8>) {
-                out.extend_from_slice(&self.to_le_bytes());
-            }
-            fn decode(inp: &mut &[u8]) -> Option<Self> {
-                Some(<$t>::from_le_bytes(take(inp, std::mem::size_of::<$t>())?.try_into().ok()?))
-            }
-        }
-    )*};
-}
-wire_num!(u8, i8, u16, i16, u32, i32, u64, i64, f32, f64, u128, i128);
-
-impl Wire for usize {
-    fn encode(&self, out: &mut Vec<u8>) {
-        (*self as u64).encode(out)
-    }
-    fn decode(inp: &mut &[u8]) -> Option<Self> {
-        u64::decode(inp).map(|v| v as usize)
-    }
-}
-
-impl Wire for () {
-    fn encode(&self, _: &mut Vec<u8>) {}
-    fn decode(_: &mut &[u8]) -> Option<Self> {
-        Some(())
-    }
-}
-
-impl Wire for bool {
-    fn encode(&self, out: &mut Vec<u8>) {
-        out.push(*self as u8)
-    }
-    fn decode(inp: &mut &[u8]) -> Option<Self> {
-        Some(take(inp, 1)?[0] != 0)
-    }
-}
-
-impl Wire for String {
-    fn encode(&self, out: &mut Vec<u8>) {
-        (self.len() as u64).encode(out);
-        out.extend_from_slice(self.as_bytes());
-    }
-    fn decode(inp: &mut &[u8]) -> Option<Self> {
-        let n = u64::decode(inp)? as usize;
-        String::from_utf8(take(inp, n)?.to_vec()).ok()
-    }
-}
-
-impl<T: Wire> Wire for Vec<T> {
-    fn encode(&self, out: &mut Vec<u8>) {
-        (self.len() as u64).encode(out);
-        for x in self {
-            x.encode(out);
-        }
-    }
-    fn decode(inp: &mut &[u8]) -> Option<Self> {
-        let n = u64::decode(inp)? as usize;
-        let mut v = Vec::with_capacity(n.min(inp.len()));
-        for _ in 0..n {
-            v.push(T::decode(inp)?);
-        }
-        Some(v)
-    }
-}
-
-impl<T: Wire> Wire for Option<T> {
-    fn encode(&self, out: &mut Vec<u8>) {
-        match self {
-            None => out.push(0),
-            Some(x) => {
-                out.push(1);
-                x.encode(out)
-            }
-        }
-    }
-    fn decode(inp: &mut &[u8]) -> Option<Self> {
-        match take(inp, 1)?[0] {
-            0 => Some(None),
-            _ => Some(Some(T::decode(inp)?)),
-        }
-    }
-}
-
-macro_rules! wire_tuple {
-    ($($n:ident),*) => {
-        impl<$($n: Wire),*> Wire for ($($n,)*) {
-            #[allow(non_snake_case)]
-            fn encode(&self, out: &mut Vec<u8>) {
-                let ($($n,)*) = self;
-                $($n.encode(out);)*
-            }
-            fn decode(inp: &mut &[u8]) -> Option<Self> {
-                Some(($($n::decode(inp)?,)*))
-            }
-        }
-    };
-}
-wire_tuple!(A, B);
-wire_tuple!(A, B, C);
-wire_tuple!(A, B, C, D);
-
-/// Frame tags of a rank's outcome.
-const TAG_OK: u8 = 0xA1;
-const TAG_ERR: u8 = 0xA2;
-
-/// Encode `Ok(value)` or `Err(message)` as one frame.
-pub(crate) fn encode_outcome<R: Wire>(o: &Result<R, String>) -> Vec<u8> {
-    let mut out = Vec::new();
-    match o {
-        Ok(v) => {
-            out.push(TAG_OK);
-            v.encode(&mut out);
-        }
-        Err(m) => {
-            out.push(TAG_ERR);
-            m.encode(&mut out);
-        }
-    }
-    out
+/// Encode `Ok(value)` or `Err(message)` as one frame. A value that cannot be serialized (a map
+/// with non-string keys is fine, but e.g. a serializer error from a custom impl) becomes an error
+/// frame that says so, so the launcher still reports the rank.
+pub(crate) fn encode_outcome<R: Serialize>(o: &Result<R, String>) -> Vec<u8> {
+    options().serialize(o).unwrap_or_else(|e| {
+        let msg: Result<(), String> = Err(format!("the rank's result could not be serialized: {e}"));
+        options().serialize(&msg).unwrap_or_default()
+    })
 }
 
 /// Decode a frame; `None` if the rank wrote nothing or something malformed.
-pub(crate) fn decode_outcome<R: Wire>(mut b: &[u8]) -> Option<Result<R, String>> {
-    let tag = *b.first()?;
-    b = &b[1..];
-    let r = match tag {
-        TAG_OK => Ok(R::decode(&mut b)?),
-        TAG_ERR => Err(String::decode(&mut b)?),
-        _ => return None,
-    };
-    b.is_empty().then_some(r)
+pub(crate) fn decode_outcome<R: DeserializeOwned>(b: &[u8]) -> Option<Result<R, String>> {
+    options().deserialize(b).ok()
 }
 
 #[cfg(test)]
@@ -159,11 +34,16 @@ mod tests {
 
     #[test]
     fn round_trip() {
-        let v: (u32, String, Vec<f32>) = (7, "hé".into(), vec![1.5, -2.0]);
+        let v: (u32, String, Vec<f32>) = (7, "hé".into(), vec![1.5, -2.0, f32::NAN]);
         let b = encode_outcome(&Ok(v.clone()));
-        assert_eq!(decode_outcome::<(u32, String, Vec<f32>)>(&b), Some(Ok(v)));
+        let back = decode_outcome::<(u32, String, Vec<f32>)>(&b).unwrap().unwrap();
+        assert_eq!((back.0, &back.1, &back.2[..2]), (7, &v.1, &v.2[..2]));
+        assert!(back.2[2].is_nan());
         let e = encode_outcome::<()>(&Err("boom".into()));
         assert_eq!(decode_outcome::<()>(&e), Some(Err("boom".into())));
-        assert_eq!(decode_outcome::<u32>(&b[..3]), None);
+        assert_eq!(decode_outcome::<(u32, String, Vec<f32>)>(&b[..3]), None);
+        let mut long = b.clone();
+        long.push(0);
+        assert_eq!(decode_outcome::<(u32, String, Vec<f32>)>(&long), None, "trailing bytes are refused");
     }
 }

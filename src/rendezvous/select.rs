@@ -15,7 +15,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::env::{var, EnvInfo};
+use super::vars::{var, EnvInfo};
 use crate::comm::{CommError, Communicator};
 use crate::cuda::{Context, CudaError};
 use crate::staged::StagedBackend;
@@ -35,7 +35,9 @@ fn nccl_multi_rank_gpu() -> bool {
             true
         }
         Ok(v) => {
-            tracing::warn!("NCCL_MULTI_RANK_GPU_ENABLE=1 needs NCCL 2.30 or newer, the loaded one is {v}: staging through shared memory instead");
+            tracing::warn!(
+                "NCCL_MULTI_RANK_GPU_ENABLE=1 needs NCCL 2.30 or newer, the loaded one is {v}: staging through shared memory instead"
+            );
             false
         }
         Err(e) => {
@@ -51,7 +53,12 @@ static NCCL_GENERATION: std::sync::atomic::AtomicUsize = std::sync::atomic::Atom
 
 /// NCCL for a job that spans nodes: one GPU per rank (local rank → device), the unique id through
 /// the rendezvous store. CUDA is first initialised here, in the rank.
-pub(crate) fn nccl_across_nodes(info: &EnvInfo, store: &mut TcpStore, hosts: &[String], timeout: Duration) -> Result<Communicator, CommError> {
+pub(crate) fn nccl_across_nodes(
+    info: &EnvInfo,
+    store: &mut TcpStore,
+    hosts: &[String],
+    timeout: Duration,
+) -> Result<Communicator, CommError> {
     let cuda = |e: CudaError| CommError::Backend { backend: "cuda", message: e.to_string() };
     let gpus = crate::cuda::device_count().map_err(cuda)?.max(0) as usize;
     let here = hosts.iter().filter(|h| **h == hosts[info.rank]).count();

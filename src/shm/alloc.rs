@@ -108,7 +108,6 @@ impl SharedAlloc {
         unsafe { std::ptr::write_bytes(seg.base().add(off), 0, bytes) };
         Ok(SharedAlloc { seg, heap, off, bytes })
     }
-
 }
 
 // SAFETY: the address is fixed for the allocation's life (the mapping outlives it through the

@@ -162,7 +162,7 @@ impl Model {
         for (i, (_, l)) in self.layers.iter_mut().enumerate() {
             let (before, after) = self.acts.split_at_mut(i + 1);
             let p = &self.params[self.layer_ranges[i].clone()];
-            match (train, sum.as_deref_mut(), l.as_batchnorm()) {
+            match (train, sum.as_deref_mut(), as_batchnorm(l.as_mut())) {
                 (true, Some(f), Some(bn)) if bn.sync => bn.forward_synced(p, &before[i], &mut after[0], f)?,
                 _ => l.forward(p, &before[i], &mut after[0], train),
             }
@@ -173,7 +173,7 @@ impl Model {
     /// Mark every BatchNorm layer as synchronised (`--sync-bn`) or local.
     pub fn set_sync_bn(&mut self, sync: bool) {
         for (_, l) in self.layers.iter_mut() {
-            if let Some(bn) = l.as_batchnorm() {
+            if let Some(bn) = as_batchnorm(l.as_mut()) {
                 bn.sync = sync;
             }
         }
@@ -207,7 +207,7 @@ impl Model {
             let want = if i > 0 { Some(&mut dinp) } else { None };
             let (p, dp) = (&self.params[r.clone()], &mut grads[r]);
             let l = &mut self.layers[i].1;
-            match (sum.as_deref_mut(), l.as_batchnorm()) {
+            match (sum.as_deref_mut(), as_batchnorm(l.as_mut())) {
                 (Some(f), Some(bn)) if bn.sync => {
                     if let Err(e) = bn.backward_synced(p, dp, &self.acts[i], &dout, want, f) {
                         result = Err(e);
@@ -261,6 +261,12 @@ impl Model {
     pub fn activation_bytes(&self) -> usize {
         self.acts.iter().chain(self.dbuf.iter()).map(|t| t.capacity_bytes()).sum()
     }
+}
+
+/// `layer` as a BatchNorm, for the synchronised-BatchNorm path (the only layer-specific step).
+fn as_batchnorm(layer: &mut dyn Layer) -> Option<&mut BatchNorm2d> {
+    let any: &mut dyn std::any::Any = layer;
+    any.downcast_mut::<BatchNorm2d>()
 }
 
 #[cfg(test)]

@@ -22,8 +22,8 @@ use super::model::{Model, ModelError, StateMut};
 use super::optim::Adam;
 use super::sampler::{counts_for_metrics, DistributedSampler};
 use super::schedule::Schedule;
-use crate::comm::{CommError, Communicator, ReduceOp};
 use crate::comm::SharedBuffer;
+use crate::comm::{CommError, Communicator, ReduceOp};
 
 /// Errors of a training run.
 #[derive(Debug, thiserror::Error)]

@@ -119,9 +119,6 @@ impl Layer for BatchNorm2d {
             BufferMut::I64("num_batches_tracked", &mut self.num_batches_tracked),
         ]
     }
-    fn as_batchnorm(&mut self) -> Option<&mut BatchNorm2d> {
-        Some(self)
-    }
     fn forward(&mut self, p: &[f32], inp: &Tensor, out: &mut Tensor, train: bool) {
         let c = self.channels;
         if train {

@@ -1,24 +1,7 @@
-//! [`Communicator::from_env`]: join the job a launcher (`lockstep launch`, or anything that sets
-//! the same variables) started this process in, and choose its backend.
-//!
-//! * One node (`LOCKSTEP_NNODES` = 1, or `WORLD_SIZE` = `LOCAL_WORLD_SIZE`): the local ranks
-//!   join the named shared-memory segment of `LOCKSTEP_JOB_ID`; no port is used.
-//! * Several nodes: every rank connects to the rendezvous store at `MASTER_ADDR:MASTER_PORT`
-//!   with `LOCKSTEP_TOKEN` and publishes a host id. When all ranks turn out to share one host
-//!   (for example two launchers on loopback), they form one shared-memory communicator under the
-//!   node-0 launcher's job id, with global ranks. A CPU job that spans hosts is refused with an
-//!   error: no cross-host CPU transport exists (the NCCL backend provides one for GPUs).
-//! * `LOCKSTEP_BACKEND` picks the backend: `shm` (the default) or `nccl`. With `nccl` on one node
-//!   the unique id travels through the node's shared-memory communicator (and ranks that share a
-//!   GPU stage through it); across nodes every rank needs its own GPU and the id travels through
-//!   the rendezvous store.
+//! The variables a launcher sets for its ranks ([`EnvInfo`]), read strictly, and the identity of
+//! this host.
 
-use std::time::Duration;
-
-use super::select::{self, device_communicator};
-use crate::comm::{CommError, Communicator};
-use crate::shm::{ShmComm, ShmConfig};
-use crate::store::{Store, TcpStore};
+use crate::comm::CommError;
 
 /// The store key under which the node-0 launcher publishes its job id (the name of the
 /// shared-memory segment that same-host ranks of a multi-launcher job join).
@@ -120,76 +103,6 @@ pub fn host_id() -> String {
     }
     let read = |p: &str| std::fs::read_to_string(p).map(|s| s.trim().to_string()).unwrap_or_default();
     format!("{}/{}", read("/proc/sys/kernel/hostname"), read("/proc/sys/kernel/random/boot_id"))
-}
-
-fn secs_env(name: &str, default: f64) -> Duration {
-    let s = var(name).and_then(|v| v.trim().parse::<f64>().ok()).filter(|v| v.is_finite() && *v > 0.0).unwrap_or(default);
-    Duration::from_secs_f64(s)
-}
-
-impl Communicator {
-    /// Join the job described by the launcher's environment variables (see the module docs of
-    /// `rendezvous`). `LOCKSTEP_RDZV_TIMEOUT_S` (default 60) bounds the multi-node rendezvous.
-    pub fn from_env() -> Result<Communicator, CommError> {
-        let info = EnvInfo::from_env()?;
-        // Backend choice (`LOCKSTEP_BACKEND`, default shm).
-        let backend = var("LOCKSTEP_BACKEND").unwrap_or_else(|| "shm".into());
-        if backend != "shm" && backend != "nccl" {
-            return Err(setup(format!("LOCKSTEP_BACKEND={backend:?} is not a backend: use shm or nccl")));
-        }
-        let cfg = ShmConfig::from_env();
-        if info.single_node() {
-            let c = ShmComm::join_named(&info.job_id, info.local_rank, info.local_world_size, cfg)?;
-            let host = Communicator::from_backend(Box::new(c));
-            if backend == "nccl" {
-                return device_communicator(host, info.local_rank).map(|(c, _)| c);
-            }
-            return Ok(host);
-        }
-        let timeout = secs_env("LOCKSTEP_RDZV_TIMEOUT_S", 60.0);
-        let port = info
-            .master_port
-            .ok_or_else(|| setup("MASTER_PORT is not set, but a multi-node job needs the rendezvous store's port".into()))?;
-        let token = info
-            .token
-            .clone()
-            .ok_or_else(|| setup("LOCKSTEP_TOKEN is not set, but a multi-node job needs it to talk to the rendezvous store".into()))?;
-        let st = |e: crate::store::StoreError| setup(format!("rank {}: {e}", info.rank));
-        let mut store = TcpStore::connect(&info.master_addr, port, &token, timeout).map_err(st)?;
-        // Publish where this rank runs, then learn where every rank runs.
-        let me = host_id();
-        store.set(&format!("lockstep/host/{}", info.rank), me.as_bytes()).map_err(st)?;
-        let keys: Vec<String> = (0..info.world_size).map(|r| format!("lockstep/host/{r}")).collect();
-        let refs: Vec<&str> = keys.iter().map(|s| s.as_str()).collect();
-        store.wait(&refs, timeout).map_err(st)?;
-        let mut hosts = Vec::with_capacity(info.world_size);
-        for k in &keys {
-            hosts.push(String::from_utf8_lossy(&store.get(k).map_err(st)?.unwrap_or_default()).into_owned());
-        }
-        let spans_hosts = hosts.iter().any(|h| *h != me);
-        if backend == "nccl" && spans_hosts {
-            return select::nccl_across_nodes(&info, &mut store, &hosts, timeout);
-        }
-        if let Some(r) = hosts.iter().position(|h| *h != me) {
-            let name = |h: &str| h.split('/').next().unwrap_or("?").to_string();
-            return Err(setup(format!(
-                "rank {} runs on host {} but rank {r} runs on host {}: a cross-host CPU communicator is not available (the shared-memory backend needs every rank on one host); run multi-host jobs on GPUs with the NCCL backend, or start all ranks on one host",
-                info.rank,
-                name(&me),
-                name(&hosts[r])
-            )));
-        }
-        // Every rank shares this host: one shared-memory communicator under the node-0 job id.
-        let job = store.wait_get(JOB_ID_KEY, timeout).map_err(st)?;
-        let job = String::from_utf8(job).map_err(|_| setup("the job id in the rendezvous store is not UTF-8".into()))?;
-        let c = ShmComm::join_named(&job, info.rank, info.world_size, cfg)?;
-        let host = Communicator::from_backend(Box::new(c));
-        if backend == "nccl" {
-            // One host: devices are numbered by global rank, as if one launcher had started all.
-            return device_communicator(host, info.rank).map(|(c, _)| c);
-        }
-        Ok(host)
-    }
 }
 
 #[cfg(test)]
