@@ -17,7 +17,8 @@ use crate::cuda::{Context, DeviceBuffer, Stream};
 use crate::launch::{launch, LaunchConfig, RankContext, RankResult};
 
 /// Where the benchmark buffers live.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Buffers {
     /// Ordinary process memory (`Vec`): the shared-memory backend stages through its segment.
     Ordinary,
@@ -25,42 +26,60 @@ pub enum Buffers {
     Shared,
 }
 
-/// Options of `lockstep bench`.
-#[derive(Clone, Debug, clap::Args)]
-pub struct BenchArgs {
+impl std::str::FromStr for Buffers {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Buffers, String> {
+        match s {
+            "ordinary" => Ok(Buffers::Ordinary),
+            "shared" => Ok(Buffers::Shared),
+            _ => Err(format!("unknown buffer placement '{s}' (expected ordinary or shared)")),
+        }
+    }
+}
+
+/// What to measure (the `lockstep bench` binary fills it from its flags).
+#[derive(Clone, Debug)]
+pub struct BenchOptions {
     /// Number of ranks.
-    #[arg(long, short = 'n', default_value_t = 2)]
     pub nprocs: usize,
     /// Collective to time.
-    #[arg(long, default_value = "all_reduce")]
     pub op: CollKind,
     /// Element type.
-    #[arg(long, default_value = "f32")]
     pub dtype: Dtype,
     /// Reduction operator (for all_reduce, reduce, reduce_scatter).
-    #[arg(long, default_value = "sum")]
     pub redop: ReduceOp,
-    /// Explicit sizes in bytes, comma-separated (overrides --min-bytes/--max-bytes).
-    #[arg(long, value_delimiter = ',')]
+    /// Explicit sizes in bytes (overrides `min_bytes`/`max_bytes` when not empty).
     pub sizes: Vec<usize>,
-    /// Smallest size in bytes (sizes double up to --max-bytes).
-    #[arg(long, default_value_t = 8)]
+    /// Smallest size in bytes (sizes double up to `max_bytes`).
     pub min_bytes: usize,
     /// Largest size in bytes.
-    #[arg(long, default_value_t = 256 << 20)]
     pub max_bytes: usize,
     /// Buffer placement.
-    #[arg(long, value_enum, default_value = "ordinary")]
     pub buffers: Buffers,
     /// Timed iterations per size (0: chosen from the size).
-    #[arg(long, default_value_t = 0)]
     pub iters: usize,
     /// Untimed warm-up iterations per size.
-    #[arg(long, default_value_t = 5)]
     pub warmup: usize,
-    /// Device: cpu (shared memory) or cuda (NCCL).
-    #[arg(long, default_value = "cpu")]
+    /// Device: `cpu` (shared memory) or `cuda` (NCCL).
     pub device: String,
+}
+
+impl Default for BenchOptions {
+    fn default() -> BenchOptions {
+        BenchOptions {
+            nprocs: 2,
+            op: CollKind::AllReduce,
+            dtype: Dtype::F32,
+            redop: ReduceOp::Sum,
+            sizes: Vec::new(),
+            min_bytes: 8,
+            max_bytes: 256 << 20,
+            buffers: Buffers::Ordinary,
+            iters: 0,
+            warmup: 5,
+            device: "cpu".into(),
+        }
+    }
 }
 
 /// One measured row.
@@ -90,7 +109,7 @@ pub fn bus_factor(op: CollKind, n: usize) -> f64 {
     }
 }
 
-fn sizes(a: &BenchArgs, esz: usize, n: usize) -> Vec<usize> {
+fn sizes(a: &BenchOptions, esz: usize, n: usize) -> Vec<usize> {
     let quantum = match a.op {
         CollKind::AllGather | CollKind::ReduceScatter | CollKind::Gather => esz * n,
         _ => esz,
@@ -235,7 +254,7 @@ impl<T: Element> Buf<T> {
 }
 
 /// Time and verify one size on this rank: returns (median µs, wrong elements).
-fn one_size<T: BenchElem>(comm: &mut Communicator, place: &Place, a: &BenchArgs, bytes: usize) -> Result<(f64, u64), CommError> {
+fn one_size<T: BenchElem>(comm: &mut Communicator, place: &Place, a: &BenchOptions, bytes: usize) -> Result<(f64, u64), CommError> {
     let (me, n) = (comm.rank(), comm.world_size());
     let esz = std::mem::size_of::<T>();
     let op = a.redop;
@@ -291,7 +310,7 @@ fn one_size<T: BenchElem>(comm: &mut Communicator, place: &Place, a: &BenchArgs,
     Ok((times[times.len() / 2] * 1e6, wrong as u64))
 }
 
-fn rank_main<T: BenchElem>(ctx: RankContext, a: &BenchArgs) -> RankResult<Vec<(f64, u64)>> {
+fn rank_main<T: BenchElem>(ctx: RankContext, a: &BenchOptions) -> RankResult<Vec<(f64, u64)>> {
     let n = ctx.world_size;
     let (mut comm, place) = if a.device == "cuda" {
         // NCCL on this rank's device, or staging through shared memory when ranks share a GPU.
@@ -309,7 +328,7 @@ fn rank_main<T: BenchElem>(ctx: RankContext, a: &BenchArgs) -> RankResult<Vec<(f
 }
 
 /// Run the benchmark and return the rows (rank results merged).
-pub fn measure(a: &BenchArgs) -> Result<Vec<Row>, String> {
+pub fn measure(a: &BenchOptions) -> Result<Vec<Row>, String> {
     if a.device != "cpu" && a.device != "cuda" {
         return Err(format!("--device {}: expected cpu (shared memory) or cuda (NCCL)", a.device));
     }
@@ -345,7 +364,7 @@ pub fn measure(a: &BenchArgs) -> Result<Vec<Row>, String> {
 }
 
 /// Format rows as an nccl-tests-style table.
-pub fn table(a: &BenchArgs, rows: &[Row]) -> String {
+pub fn table(a: &BenchOptions, rows: &[Row]) -> String {
     let mut s = format!(
         "# lockstep bench: {} ranks, {} on {} buffers, backend {}\n",
         a.nprocs,
@@ -369,16 +388,4 @@ pub fn table(a: &BenchArgs, rows: &[Row]) -> String {
         );
     }
     s
-}
-
-/// `lockstep bench`: print the table; exit code 1 if any element was wrong.
-pub fn run(a: &BenchArgs) -> Result<i32, String> {
-    let rows = measure(a)?;
-    print!("{}", table(a, &rows));
-    let wrong: u64 = rows.iter().map(|r| r.wrong).sum();
-    if wrong > 0 {
-        eprintln!("lockstep bench: {wrong} wrong elements: results are incorrect");
-        return Ok(1);
-    }
-    Ok(0)
 }

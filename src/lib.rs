@@ -33,6 +33,7 @@ pub mod rendezvous;
 pub mod report;
 pub mod shm;
 pub mod staged;
+#[cfg(feature = "train")]
 pub mod train;
 
 pub use comm::{Buffer, BufferMut, CollKind, CommError, Communicator, Dtype, Element, ReduceOp, SharedBuffer};

@@ -308,7 +308,7 @@ fn scenario(name: &str) {
             // `lockstep bench --device cuda`, end to end on the simulator: NCCL at 1 rank, the staged
             // shared-memory backend when 2 ranks share the one simulated GPU; every result verified.
             for (nprocs, op) in [(1, "all_reduce"), (2, "all_reduce"), (2, "all_gather"), (2, "broadcast")] {
-                let a = lockstep::bench::BenchArgs {
+                let a = lockstep::bench::BenchOptions {
                     nprocs,
                     op: op.parse().unwrap(),
                     dtype: lockstep::comm::Dtype::F32,

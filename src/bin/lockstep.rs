@@ -12,12 +12,91 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use clap::{Parser, Subcommand, ValueEnum};
+use lockstep::bench::{BenchOptions, Buffers};
+use lockstep::{CollKind, Dtype, ReduceOp};
+
+mod common;
 
 #[derive(Parser, Debug)]
 #[command(name = "lockstep", version, about = "Collective-communication runtime: launcher and tools")]
 struct Cli {
+    /// More diagnostics (-v debug, -vv trace); LOCKSTEP_LOG=<filter> overrides.
+    #[arg(short, long, action = clap::ArgAction::Count, global = true)]
+    verbose: u8,
+    /// Only errors.
+    #[arg(short, long, global = true, conflicts_with = "verbose")]
+    quiet: bool,
     #[command(subcommand)]
     cmd: Cmd,
+}
+
+/// Options of `lockstep bench` (turned into [`BenchOptions`]).
+#[derive(Clone, Debug, clap::Args)]
+struct BenchArgs {
+    /// Number of ranks.
+    #[arg(long, short = 'n', default_value_t = 2)]
+    nprocs: usize,
+    /// Collective to time.
+    #[arg(long, default_value = "all_reduce")]
+    op: CollKind,
+    /// Element type.
+    #[arg(long, default_value = "f32")]
+    dtype: Dtype,
+    /// Reduction operator (for all_reduce, reduce, reduce_scatter).
+    #[arg(long, default_value = "sum")]
+    redop: ReduceOp,
+    /// Explicit sizes in bytes, comma-separated (overrides --min-bytes/--max-bytes).
+    #[arg(long, value_delimiter = ',')]
+    sizes: Vec<usize>,
+    /// Smallest size in bytes (sizes double up to --max-bytes).
+    #[arg(long, default_value_t = 8)]
+    min_bytes: usize,
+    /// Largest size in bytes.
+    #[arg(long, default_value_t = 256 << 20)]
+    max_bytes: usize,
+    /// Buffer placement: ordinary or shared.
+    #[arg(long, default_value = "ordinary")]
+    buffers: Buffers,
+    /// Timed iterations per size (0: chosen from the size).
+    #[arg(long, default_value_t = 0)]
+    iters: usize,
+    /// Untimed warm-up iterations per size.
+    #[arg(long, default_value_t = 5)]
+    warmup: usize,
+    /// Device: cpu (shared memory) or cuda (NCCL).
+    #[arg(long, default_value = "cpu")]
+    device: String,
+}
+
+impl From<BenchArgs> for BenchOptions {
+    fn from(a: BenchArgs) -> BenchOptions {
+        BenchOptions {
+            nprocs: a.nprocs,
+            op: a.op,
+            dtype: a.dtype,
+            redop: a.redop,
+            sizes: a.sizes,
+            min_bytes: a.min_bytes,
+            max_bytes: a.max_bytes,
+            buffers: a.buffers,
+            iters: a.iters,
+            warmup: a.warmup,
+            device: a.device,
+        }
+    }
+}
+
+/// `lockstep bench`: print the table; exit code 1 if any element was wrong.
+fn bench(a: BenchArgs) -> Result<i32, String> {
+    let o = BenchOptions::from(a);
+    let rows = lockstep::bench::measure(&o)?;
+    print!("{}", lockstep::bench::table(&o, &rows));
+    let wrong: u64 = rows.iter().map(|r| r.wrong).sum();
+    if wrong > 0 {
+        eprintln!("lockstep bench: {wrong} wrong elements: results are incorrect");
+        return Ok(1);
+    }
+    Ok(0)
 }
 
 #[derive(Subcommand, Debug)]
@@ -31,7 +110,7 @@ enum Cmd {
     /// Print version, OS, CPU and accelerator information.
     Env,
     /// nccl-tests-style collective benchmark (verifies every result).
-    Bench(lockstep::bench::BenchArgs),
+    Bench(BenchArgs),
     // -------------------------------------------------------------------------------------------
 }
 
@@ -134,6 +213,10 @@ struct ConfigArgs {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    if let Err(e) = common::init_logging(cli.verbose, cli.quiet) {
+        eprintln!("lockstep: error: {e}");
+        return ExitCode::from(2);
+    }
     match run(cli) {
         Ok(code) => ExitCode::from(code.clamp(0, 255) as u8),
         Err(e) => {
@@ -145,7 +228,7 @@ fn main() -> ExitCode {
 
 fn run(cli: Cli) -> Result<i32, String> {
     match cli.cmd {
-        Cmd::Bench(a) => lockstep::bench::run(&a),
+        Cmd::Bench(a) => bench(a),
         Cmd::Launch(a) => launch(a),
         Cmd::Selftest(a) => selftest(a),
         Cmd::Config(a) => config(a),

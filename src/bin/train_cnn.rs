@@ -18,6 +18,8 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, ValueEnum};
+
+mod common;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use lockstep::comm::Communicator;
 use lockstep::cuda;
@@ -87,6 +89,12 @@ struct Args {
     /// Print one JSON object per epoch on stdout instead of text.
     #[arg(long)]
     json: bool,
+    /// More diagnostics (-v debug, -vv trace); LOCKSTEP_LOG=<filter> overrides.
+    #[arg(short, long, action = clap::ArgAction::Count)]
+    verbose: u8,
+    /// Only errors.
+    #[arg(short, long, conflicts_with = "verbose")]
+    quiet: bool,
     /// GEMM threads per rank.
     #[arg(long, default_value_t = 1)]
     threads: usize,
@@ -327,6 +335,7 @@ fn print_rss(json: bool, rss: &[u64]) {
 
 fn run() -> Result<(), CliError> {
     let args = Args::parse();
+    common::init_logging(args.verbose, args.quiet).map_err(CliError::Usage)?;
     let cuda = match args.device {
         Device::Cpu => false,
         Device::Cuda => {

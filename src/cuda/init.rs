@@ -167,8 +167,8 @@ cuDeviceGetCount succeeds, so some code called cuInit (another library, or a CUD
     if std::env::var("LOCKSTEP_DEBUG").map(|v| v == "1").unwrap_or(false) {
         static ONCE: std::sync::Once = std::sync::Once::new();
         ONCE.call_once(|| match probe_child() {
-            Ok(s) => eprintln!("lockstep: CUDA probe: {s}"),
-            Err(e) => eprintln!("lockstep: CUDA probe: a rank will not be able to use CUDA: {e}"),
+            Ok(s) => tracing::info!("CUDA probe: {s}"),
+            Err(e) => tracing::warn!("CUDA probe: a rank will not be able to use CUDA: {e}"),
         });
     }
     Ok(())

@@ -94,7 +94,7 @@ Install an NVRTC no newer than the driver (or update the driver) if compilation 
     let version = version_of(&f);
     for note in &loaded.notes {
         // Only newer-than-driver NVRTCs were found: say so once, where the user will see it.
-        eprintln!("lockstep: note: using {} ({note})", loaded.path);
+        tracing::warn!("using {} ({note})", loaded.path);
     }
     Ok(NvrtcLib { path: loaded.path.clone(), origin: loaded.origin.clone(), notes: loaded.notes.clone(), loaded, version, f })
 }

@@ -293,7 +293,7 @@ pub fn run_job(spec: &JobSpec) -> Result<i32, LaunchError> {
     // Stopped because another node failed: exit with that node's root-cause code.
     if let (true, Some((code, what))) = (outcome.remote_abort, link.as_ref().and_then(|l| l.remote())) {
         if outcome.root.is_none_or(|r| procs[r].terminated) {
-            eprintln!("lockstep: node {node} stopped its ranks because {what}");
+            tracing::error!("node {node} stopped its ranks because {what}");
             return Ok(code);
         }
     }
@@ -306,7 +306,7 @@ pub fn run_job(spec: &JobSpec) -> Result<i32, LaunchError> {
         }
         if outcome.root.is_none_or(|r| procs[r].terminated) {
             let ends: Vec<String> = procs.iter().filter_map(|p| p.status.map(|st| format!("rank {} {}", p.rank, st.describe()))).collect();
-            eprintln!("lockstep: stopped by {}: {}", child::signal_name(sig), ends.join("; "));
+            tracing::warn!("stopped by {}: {}", child::signal_name(sig), ends.join("; "));
             return Ok(code);
         }
     }
@@ -320,6 +320,6 @@ pub fn run_job(spec: &JobSpec) -> Result<i32, LaunchError> {
     }
     failures.sort_by_key(|f| if f.rank == procs[root].rank { 0 } else { 1 });
     let code = failures[0].exit_code;
-    eprintln!("{}", summary(&failures));
+    tracing::error!("{}", summary(&failures));
     Ok(code)
 }

@@ -206,7 +206,7 @@ pub(crate) fn supervise(procs: &mut [Proc], opts: &Options, failed: impl Fn(&Pro
                     continue;
                 }
                 remote_abort = true;
-                eprintln!("lockstep: another node of this job failed: stopping this node's ranks");
+                tracing::warn!("another node of this job failed: stopping this node's ranks");
                 signal_all(procs, libc::SIGTERM);
                 term_at.get_or_insert_with(Instant::now);
             }
@@ -220,11 +220,11 @@ pub(crate) fn supervise(procs: &mut [Proc], opts: &Options, failed: impl Fn(&Pro
                 let total = c.int + c.term;
                 let sig = if c.int > seen.int { libc::SIGINT } else { libc::SIGTERM };
                 if total >= 2 || killed {
-                    eprintln!("lockstep: second interrupt: killing every rank");
+                    tracing::warn!("second interrupt: killing every rank");
                     signal_all(procs, libc::SIGKILL);
                     killed = true;
                 } else {
-                    eprintln!("lockstep: got {}: forwarding it to every rank (again to kill them at once)", child::signal_name(sig));
+                    tracing::warn!("got {}: forwarding it to every rank (again to kill them at once)", child::signal_name(sig));
                     interrupted = Some(sig);
                     signal_all(procs, sig);
                     term_at.get_or_insert_with(Instant::now);

@@ -216,7 +216,7 @@ impl NcclComm {
             // SAFETY: live communicator; after abort it is never used again (checked via `aborted`).
             let rc = unsafe { (api.ncclCommAbort)(self.comm) };
             if rc != SUCCESS {
-                eprintln!("lockstep: ncclCommAbort on rank {} returned {rc}", self.rank);
+                tracing::error!("ncclCommAbort on rank {} returned {rc}", self.rank);
             }
         }
     }

@@ -41,6 +41,15 @@ impl Communicator {
             return Err(setup(format!("LOCKSTEP_BACKEND={backend:?} is not a backend: use shm or nccl")));
         }
         let cfg = ShmConfig::from_env();
+        tracing::debug!(
+            rank = info.rank,
+            world = info.world_size,
+            nodes = info.nnodes,
+            backend = %backend,
+            "joining job {}: {}",
+            info.job_id,
+            if info.single_node() { "one node, shared memory" } else { "several nodes, rendezvous store" }
+        );
         if info.single_node() {
             let c = ShmComm::join_named(&info.job_id, info.local_rank, info.local_world_size, cfg)?;
             let host = Communicator::from_backend(Box::new(c));

@@ -84,7 +84,7 @@ impl ShmConfig {
         if let Ok(v) = std::env::var("LOCKSTEP_SHM_STAGE") {
             match StageMode::parse(&v) {
                 Some(m) => c.stage = m,
-                None => eprintln!("lockstep: LOCKSTEP_SHM_STAGE={v:?} is not auto, cached or streaming; using auto"),
+                None => tracing::warn!("LOCKSTEP_SHM_STAGE={v:?} is not auto, cached or streaming; using auto"),
             }
         }
         if let Ok(v) = std::env::var("LOCKSTEP_CPU_BIND") {

@@ -55,6 +55,8 @@ struct Class {
     probing: bool,
     /// Calls so far, while fewer than WARMUP.
     calls: u32,
+    /// The faster mode at the last decision (for the debug log of changes).
+    best: Option<bool>,
 }
 
 /// Per-communicator state of the choice (see the module docs).
@@ -92,6 +94,17 @@ impl StageTuner {
             return false;
         };
         let best = streaming < cached;
+        if c.best != Some(best) {
+            c.best = Some(best);
+            tracing::debug!(
+                group,
+                bytes,
+                cached_us = cached * 1e6,
+                streaming_us = streaming * 1e6,
+                "shm staging: {} stores are faster for this collective and size class",
+                if best { "streaming" } else { "cached" }
+            );
+        }
         let other = if best { cached } else { streaming };
         let due = c.last_probe.is_none_or(|t| now.duration_since(t) >= PROBE_MIN.max(Duration::from_secs_f64(other * PROBE_RATIO)));
         if due {

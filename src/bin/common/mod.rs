@@ -1,0 +1,30 @@
+//! What both binaries share: the diagnostics subscriber.
+//!
+//! The library never prints; it emits `tracing` events. A binary decides what its user sees:
+//! `LOCKSTEP_LOG` (a `RUST_LOG`-style filter such as `debug` or `warn,lockstep::shm=debug`) wins,
+//! else `-q` (errors only), default (lockstep's notices and everyone's warnings), `-v` (debug), `-vv`
+//! (trace).
+
+use tracing_subscriber::EnvFilter;
+
+/// Install the stderr subscriber. An invalid `LOCKSTEP_LOG` is an error that names it.
+pub fn init_logging(verbose: u8, quiet: bool) -> Result<(), String> {
+    let filter = match std::env::var("LOCKSTEP_LOG") {
+        Ok(v) if !v.trim().is_empty() => EnvFilter::try_new(v.trim()).map_err(|e| {
+            format!("LOCKSTEP_LOG={v:?} is not a log filter ({e}); use a level (error, warn, info, debug, trace) or directives such as warn,lockstep::shm=debug")
+        })?,
+        _ => EnvFilter::new(match (quiet, verbose) {
+            (true, _) => "error",
+            (false, 0) => "warn,lockstep=info",
+            (false, 1) => "info,lockstep=debug",
+            (false, _) => "debug,lockstep=trace",
+        }),
+    };
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .without_time()
+        .with_target(false)
+        .try_init()
+        .map_err(|e| format!("cannot install the log subscriber: {e}"))
+}
