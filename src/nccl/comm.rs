@@ -409,7 +409,7 @@ impl NcclComm {
         let (sp, rp) = (call.send.addr as *const c_void, call.recv.addr as *mut c_void);
         let root = call.root as c_int;
         let what = format!("nccl {}(count={}, dtype={}, op={}, root={})", call.kind, call.count, call.dtype, call.op, call.root);
-        // SAFETY (all arms): `check_call` verified that every non-empty buffer is device memory of
+        // SAFETY: (all arms) `check_call` verified that every non-empty buffer is device memory of
         // this communicator's device with at least the elements NCCL will touch; the stream belongs
         // to this context; the communicator is live (not aborted).
         let rc = unsafe {

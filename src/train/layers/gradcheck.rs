@@ -1,3 +1,4 @@
+#![allow(clippy::needless_range_loop)] // the checks index parameters, gradients and probes together
 //! Finite-difference gradient checks shared by the layer tests.
 
 use super::layer::Layer;
