@@ -80,7 +80,10 @@ pub enum BufferMut<'a> {
 }
 
 /// A layer: shape math, parameters, forward and backward.
-pub trait Layer: Send {
+///
+/// `Any` lets engines that run layers their own way (the device engine) read a layer's concrete
+/// type and shape parameters (`(layer as &dyn Any).downcast_ref::<Conv2d>()`).
+pub trait Layer: Send + std::any::Any {
     /// Short kind name for messages (`conv2d`, `relu`, ...).
     fn kind(&self) -> &'static str;
     /// Output dimensions for an input of `inp` dimensions, or a message saying what is wrong.
