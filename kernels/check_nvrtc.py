@@ -4,7 +4,7 @@
 What it checks, per file and per configuration:
   * the file compiles to PTX for each virtual arch (compute_80, compute_90) and, through NVRTC's
     built-in ptxas, to CUBIN for each real arch (sm_80, sm_90) - the Rust runtime
-    (src/cuda/module.rs compile_cubin_cached) asks NVRTC for CUBIN, so ptxas-level errors such as
+    (src/cuda/compile.rs compile_cubin_cached) asks NVRTC for CUBIN, so ptxas-level errors such as
     bad inline-asm operands must be caught here too;
   * the compile log is empty (any warning is a failure unless --allow-warnings);
   * every expected extern "C" entry point appears as a `.entry` in the PTX, and no unexpected one;
@@ -13,7 +13,7 @@ What it checks, per file and per configuration:
     and checked as a separate configuration, plus one pre-Ampere arch, compute_75).
 It prints ptxas register/spill statistics for the CUBIN builds (-Xptxas -v equivalent).
 
-common.cuh is handed to NVRTC as an in-memory header, as build.rs/KERNEL_HEADERS does, so no -I
+common.cuh is handed to NVRTC as an in-memory header, as build.rs (KERNEL_HEADERS) does, so no -I
 is involved: the kernels need no toolkit headers at all.
 
 Setup (only the NVRTC wheel is needed):

@@ -4,6 +4,7 @@
 //! The guard's state is process-global, so every scenario runs in its own process: the test
 //! binary (harness = false) re-executes itself with `LOCKSTEP_FAKE_SCENARIO=<name>`.
 
+use lockstep::train::device::kernels::KernelId;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
@@ -294,7 +295,7 @@ fn scenario(name: &str) {
                 &e,
                 &["NCCL library (libnccl) not found", "/nonexistent/libnccl.so.2", "LOCKSTEP_NCCL_LIBRARY"],
             );
-            let e = lockstep::cuda::compile_ptx(lockstep::cuda::KernelId::Elementwise, "compute_80").unwrap_err().to_string();
+            let e = lockstep::cuda::compile_ptx(KernelId::Elementwise.source(), "compute_80").unwrap_err().to_string();
             expect_contains("compile_ptx", &e, &["NVRTC library (libnvrtc) not found", "LOCKSTEP_NVRTC_LIBRARY", "nvidia-cuda-nvrtc"]);
         }
         "debug_probe" => {
@@ -462,7 +463,7 @@ fn scenario(name: &str) {
         "nvrtc_compile_goes_through_guard" => {
             // NVRTC 12.x dlopens libcuda.so.1 and calls cuInit while compiling: lockstep routes that
             // through the guard so the fork check can say where it happened.
-            match lockstep::cuda::compile_ptx(lockstep::cuda::KernelId::Elementwise, "compute_80") {
+            match lockstep::cuda::compile_ptx(KernelId::Elementwise.source(), "compute_80") {
                 Ok(_) => {}
                 Err(e) if e.to_string().contains("NVRTC library (libnvrtc) not found") => {
                     println!("(no NVRTC library: nothing to check)");
@@ -533,8 +534,8 @@ fn nccl_across_nodes_via_store() {
 }
 
 fn sim_memory_kernels_events() {
-    use lockstep::cuda::kernels::cpu;
-    use lockstep::cuda::{Context, DeviceBuffer, KernelId, LaunchConfig, PinnedBuffer};
+    use lockstep::cuda::{Context, DeviceBuffer, LaunchConfig, PinnedBuffer};
+    use lockstep::train::device::kernels::twins;
     let ctx = Context::new(0).unwrap();
     let info = ctx.info().unwrap();
     assert_eq!((info.name.as_str(), info.compute_capability), ("Simulated GPU", (8, 0)));
@@ -564,7 +565,7 @@ fn sim_memory_kernels_events() {
 
     // Kernels: NVRTC compiles the real source (when installed); the simulator runs host twins, so
     // this checks argument marshalling and the launch builder's checks.
-    let axpy = match ctx.function(KernelId::Elementwise, "axpy_f32") {
+    let axpy = match ctx.function(KernelId::Elementwise.source(), "axpy_f32") {
         Ok(f) => f,
         Err(e) if e.to_string().contains("NVRTC library (libnvrtc) not found") => {
             println!("(no NVRTC library: kernel launches not checked)");
@@ -578,9 +579,9 @@ fn sim_memory_kernels_events() {
     let mut y = DeviceBuffer::from_host(&s, &y_cpu).unwrap();
     let dx = DeviceBuffer::from_host(&s, &x).unwrap();
     axpy.launch(LaunchConfig::for_elements(n)).arg_mut(&mut y).arg(&dx).scalar(2.0f32).scalar(n as i64).elements(n).run(&s).unwrap();
-    cpu::axpy_f32(&mut y_cpu, &x, 2.0, n as i64);
+    twins::axpy_f32(&mut y_cpu, &x, 2.0, n as i64);
     assert_eq!(y.to_vec(&s).unwrap(), y_cpu);
-    let fill = ctx.function(KernelId::Elementwise, "fill_f32").unwrap();
+    let fill = ctx.function(KernelId::Elementwise.source(), "fill_f32").unwrap();
     fill.launch(LaunchConfig::for_elements(n)).arg_mut(&mut y).scalar(-3.5f32).scalar(n as i64).run(&s).unwrap();
     assert_eq!(y.to_vec(&s).unwrap(), vec![-3.5f32; n]);
     let x64 = DeviceBuffer::<f64>::zeros(&s, 10).unwrap();
@@ -628,7 +629,7 @@ fn sim_memory_kernels_events() {
     for (r, needle) in bad {
         expect_contains("launch check", &r.err().map(|e| e.to_string()).unwrap_or_default(), &[needle]);
     }
-    let e = ctx.function(KernelId::Elementwise, "nope").err().unwrap().to_string();
+    let e = ctx.function(KernelId::Elementwise.source(), "nope").err().unwrap().to_string();
     expect_contains("unknown entry point", &e, &["declares no entry point nope", "axpy_f32"]);
     // Graphs: a failing body still ends the capture; a real capture records, replay runs it.
     let e = lockstep::cuda::Graph::capture(&s, |_| {
@@ -638,7 +639,7 @@ fn sim_memory_kernels_events() {
     .unwrap()
     .to_string();
     expect_contains("failing capture body", &e, &["failed on purpose"]);
-    let scale = ctx.function(KernelId::Elementwise, "scale_f32").unwrap();
+    let scale = ctx.function(KernelId::Elementwise.source(), "scale_f32").unwrap();
     let mut g = DeviceBuffer::from_host(&s, &[1.0f32; 64]).unwrap();
     let graph = lockstep::cuda::Graph::capture(&s, |st| {
         scale.launch(LaunchConfig::for_elements(64)).arg_mut(&mut g).scalar(2.0f32).scalar(64i64).run(st)

@@ -5,8 +5,8 @@
 #[path = "common/gpu.rs"]
 mod gpu;
 
-use lockstep::cuda::kernels::cpu;
-use lockstep::cuda::{DeviceBuffer, Graph, KernelId, LaunchConfig, PinnedBuffer};
+use lockstep::cuda::{DeviceBuffer, Graph, LaunchConfig, PinnedBuffer};
+use lockstep::train::device::kernels::{twins, KernelId};
 
 fn check_eq<T: PartialEq + std::fmt::Debug>(what: &str, got: &[T], want: &[T]) -> Result<(), String> {
     if got.len() != want.len() {
@@ -135,7 +135,7 @@ fn main() {
         let mut y_cpu: Vec<f32> = (0..n).map(|i| (i % 5) as f32).collect();
         let mut y = DeviceBuffer::from_host(&stream, &y_cpu).map_err(|e| e.to_string())?;
         let dx = DeviceBuffer::from_host(&stream, &x).map_err(|e| e.to_string())?;
-        let axpy = ctx.function(KernelId::Elementwise, "axpy_f32").map_err(|e| e.to_string())?;
+        let axpy = ctx.function(KernelId::Elementwise.source(), "axpy_f32").map_err(|e| e.to_string())?;
         axpy.launch(LaunchConfig::for_elements(n))
             .arg_mut(&mut y)
             .arg(&dx)
@@ -144,9 +144,9 @@ fn main() {
             .elements(n)
             .run(&stream)
             .map_err(|e| e.to_string())?;
-        cpu::axpy_f32(&mut y_cpu, &x, 2.0, n as i64);
+        twins::axpy_f32(&mut y_cpu, &x, 2.0, n as i64);
         check_eq("axpy_f32", &y.to_vec(&stream).map_err(|e| e.to_string())?, &y_cpu)?;
-        let scale = ctx.function(KernelId::Elementwise, "scale_f32").map_err(|e| e.to_string())?;
+        let scale = ctx.function(KernelId::Elementwise.source(), "scale_f32").map_err(|e| e.to_string())?;
         scale
             .launch(LaunchConfig::for_elements(n))
             .arg_mut(&mut y)
@@ -154,21 +154,21 @@ fn main() {
             .scalar(n as i64)
             .run(&stream)
             .map_err(|e| e.to_string())?;
-        cpu::scale_f32(&mut y_cpu, 0.5, n as i64);
+        twins::scale_f32(&mut y_cpu, 0.5, n as i64);
         check_eq("scale_f32", &y.to_vec(&stream).map_err(|e| e.to_string())?, &y_cpu)?;
-        let fill = ctx.function(KernelId::Elementwise, "fill_f32").map_err(|e| e.to_string())?;
+        let fill = ctx.function(KernelId::Elementwise.source(), "fill_f32").map_err(|e| e.to_string())?;
         fill.launch(LaunchConfig::for_elements(n))
             .arg_mut(&mut y)
             .scalar(3.0f32)
             .scalar(n as i64)
             .run(&stream)
             .map_err(|e| e.to_string())?;
-        cpu::fill_f32(&mut y_cpu, 3.0, n as i64);
+        twins::fill_f32(&mut y_cpu, 3.0, n as i64);
         check_eq("fill_f32", &y.to_vec(&stream).map_err(|e| e.to_string())?, &y_cpu)
     });
 
     r.run("launch_builder_rejects_bad_arguments", || {
-        let f = ctx.function(KernelId::Elementwise, "axpy_f32").map_err(|e| e.to_string())?;
+        let f = ctx.function(KernelId::Elementwise.source(), "axpy_f32").map_err(|e| e.to_string())?;
         let mut y = DeviceBuffer::<f32>::zeros(&stream, 10).map_err(|e| e.to_string())?;
         let x64 = DeviceBuffer::<f64>::zeros(&stream, 10).map_err(|e| e.to_string())?;
         let host = vec![0f32; 10];
@@ -212,16 +212,16 @@ fn main() {
                 other => return Err(format!("{name}: expected an error containing {needle:?}, got {other:?}")),
             }
         }
-        match ctx.function(KernelId::Elementwise, "nope") {
+        match ctx.function(KernelId::Elementwise.source(), "nope") {
             Err(e) if e.to_string().contains("declares no entry point") => Ok(()),
             other => Err(format!("unknown entry point: {:?}", other.err())),
         }
     });
 
     r.run("nvrtc_disk_cache_hit", || {
-        let m1 = ctx.module(KernelId::Elementwise).map_err(|e| e.to_string())?;
+        let m1 = ctx.module(KernelId::Elementwise.source()).map_err(|e| e.to_string())?;
         let ctx2 = lockstep::cuda::Context::new(0).map_err(|e| e.to_string())?;
-        let m2 = ctx2.module(KernelId::Elementwise).map_err(|e| e.to_string())?;
+        let m2 = ctx2.module(KernelId::Elementwise.source()).map_err(|e| e.to_string())?;
         if m1.from_cache || !m2.from_cache {
             return Err(format!("expected miss then hit, got from_cache={} then {}", m1.from_cache, m2.from_cache));
         }
@@ -231,7 +231,7 @@ fn main() {
     r.run("events_time_work", || {
         let (a, b) = (ctx.event().map_err(|e| e.to_string())?, ctx.event().map_err(|e| e.to_string())?);
         let mut y = DeviceBuffer::<f32>::zeros(&stream, 1 << 20).map_err(|e| e.to_string())?;
-        let fill = ctx.function(KernelId::Elementwise, "fill_f32").map_err(|e| e.to_string())?;
+        let fill = ctx.function(KernelId::Elementwise.source(), "fill_f32").map_err(|e| e.to_string())?;
         a.record(&stream).map_err(|e| e.to_string())?;
         fill.launch(LaunchConfig::for_elements(1 << 20))
             .arg_mut(&mut y)
@@ -251,7 +251,7 @@ fn main() {
     r.run("graph_capture_replay", || {
         let n = 4096usize;
         let mut x = DeviceBuffer::from_host(&stream, &vec![1.0f32; n]).map_err(|e| e.to_string())?;
-        let scale = ctx.function(KernelId::Elementwise, "scale_f32").map_err(|e| e.to_string())?;
+        let scale = ctx.function(KernelId::Elementwise.source(), "scale_f32").map_err(|e| e.to_string())?;
         let g =
             Graph::capture(&stream, |s| scale.launch(LaunchConfig::for_elements(n)).arg_mut(&mut x).scalar(2.0f32).scalar(n as i64).run(s))
                 .map_err(|e| e.to_string())?;

@@ -20,8 +20,8 @@ mod gpu;
 
 use close::{assert_close, Tol};
 use half::bf16;
-use lockstep::cuda::kernels::{cpu, BucketEntry};
-use lockstep::cuda::{DeviceBuffer, KernelId, LaunchConfig};
+use lockstep::cuda::{DeviceBuffer, LaunchConfig};
+use lockstep::train::device::kernels::{twins, BucketEntry, KernelId};
 use lockstep::train::device::plan::{AdamHyper, Arena, Arg, BnTensors, Builder, ConvLaunch, LossTensors, Op, Region};
 use lockstep::train::device::{CpuExec, Exec, GpuExec};
 use lockstep::train::layers::Conv2dParams;
@@ -209,8 +209,8 @@ fn main() {
                 let mut ops = Builder::new(sm);
                 // running_var must be positive: take |x| + 0.5 through the kernels themselves.
                 ops.ops.push(op(KernelId::Elementwise, "fill_f32", vec![Arg::Out(bn.running_var), Arg::F32(0.7), Arg::I64(c as i64)], c));
-                ops.bn_forward_train(y, &bn, x, gamma, beta, n, hw, relu);
-                ops.bn_forward_eval(ye, &bn, x, gamma, beta, n, hw, relu);
+                ops.bn_forward_train(y, &bn, x, gamma, beta, n, hw, 0.1, 1e-5, relu);
+                ops.bn_forward_eval(ye, &bn, x, gamma, beta, n, hw, 1e-5, relu);
                 ops.bn_backward(dx, dg, dbt, dy, x, y, gamma, &bn, n, hw, relu);
                 compare(
                     &format!("batchnorm n={n} c={c} hw={hw} relu={relu}"),
@@ -233,8 +233,8 @@ fn main() {
             let (x, y, idx, dy, dx) =
                 (l.f(n * c * h * w), l.f(n * c * oh * ow), l.i(n * c * oh * ow), l.f(n * c * oh * ow), l.f(n * c * h * w));
             let mut ops = Builder::new(sm);
-            ops.maxpool_forward(y, idx, x, n, c, h, w, k);
-            ops.maxpool_backward(dx, dy, idx, n, c, h, w, k);
+            ops.maxpool_forward(y, idx, x, n, c, h, w, k, k);
+            ops.maxpool_backward(dx, dy, idx, n, c, h, w, k, k);
             compare(&format!("maxpool n={n} c={c} {h}x{w} k={k}"), &ctx, &l, &ops.ops, 1, EXACT, (n * c) as u64)?;
         }
         Ok(())
@@ -308,7 +308,7 @@ fn main() {
         let mut bucket = DeviceBuffer::<f32>::zeros(&stream, total).map_err(c)?;
         // grid (ceil(largest/256), entries), block 256
         let cfg = LaunchConfig { grid: (300usize.div_ceil(256) as u32, lens.len() as u32, 1), block: (256, 1, 1), shared_mem: 0 };
-        ctx.function(KernelId::Data, "bucket_flatten_f32")
+        ctx.function(KernelId::Data.source(), "bucket_flatten_f32")
             .map_err(c)?
             .launch(cfg)
             .arg_mut(&mut bucket)
@@ -317,11 +317,11 @@ fn main() {
             .run(&stream)
             .map_err(c)?;
         let mut want = vec![0.0f32; total];
-        let src: Vec<cpu::BucketSrc> =
-            host.iter().zip(&offs).map(|(h, &off)| cpu::BucketSrc { tensor: h, offset: off as i64, len: h.len() as i64 }).collect();
-        cpu::bucket_flatten_f32(&mut want, &src, lens.len() as i32);
+        let src: Vec<twins::BucketSrc> =
+            host.iter().zip(&offs).map(|(h, &off)| twins::BucketSrc { tensor: h, offset: off as i64, len: h.len() as i64 }).collect();
+        twins::bucket_flatten_f32(&mut want, &src, lens.len() as i32);
         assert_close("bucket", &bucket.to_vec(&stream).map_err(c)?, &want, EXACT)?;
-        ctx.function(KernelId::Data, "bucket_unflatten_f32")
+        ctx.function(KernelId::Data.source(), "bucket_unflatten_f32")
             .map_err(c)?
             .launch(cfg)
             .arg(&table)
@@ -331,9 +331,9 @@ fn main() {
             .run(&stream)
             .map_err(c)?;
         let mut back: Vec<Vec<f32>> = lens.iter().map(|&n| vec![0.0; n]).collect();
-        let mut dst: Vec<cpu::BucketDst> =
-            back.iter_mut().zip(&offs).map(|(h, &off)| cpu::BucketDst { offset: off as i64, len: h.len() as i64, tensor: h }).collect();
-        cpu::bucket_unflatten_f32(&mut dst, &want, lens.len() as i32, 0.25);
+        let mut dst: Vec<twins::BucketDst> =
+            back.iter_mut().zip(&offs).map(|(h, &off)| twins::BucketDst { offset: off as i64, len: h.len() as i64, tensor: h }).collect();
+        twins::bucket_unflatten_f32(&mut dst, &want, lens.len() as i32, 0.25);
         for (k, d) in dev.iter_mut().enumerate() {
             assert_close(&format!("unflattened tensor {k}"), &d.to_vec(&stream).map_err(c)?, &back[k], EXACT)?;
         }

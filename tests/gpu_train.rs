@@ -69,7 +69,7 @@ fn gpu_losses(
     graphs: bool,
 ) -> Result<(Vec<f32>, f64), String> {
     let e = |e: lockstep::train::device::DeviceError| e.to_string();
-    let t = plan::Tensors::new(model, b, precision)?;
+    let t = plan::Tensors::new(model, b, precision).map_err(e)?;
     let exec = GpuExec::new(ctx, t.arena_len, graphs).map_err(|e| e.to_string())?;
     let mut eng = Engine::new(exec, model, b, precision).map_err(e)?;
     eng.upload_dataset(data, &Dataset { rows: 28, cols: 28, ..Default::default() }).map_err(e)?;

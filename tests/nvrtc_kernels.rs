@@ -4,7 +4,8 @@
 //!
 //! Without NVRTC: prints `skipped: no NVRTC library` and passes, unless `LOCKSTEP_REQUIRE_NVRTC=1`.
 
-use lockstep::cuda::{compile_cubin_cached, compile_ptx, KernelId, NvrtcInfo};
+use lockstep::cuda::{compile_cubin_cached, compile_ptx, NvrtcInfo};
+use lockstep::train::device::kernels::KernelId;
 
 fn main() {
     let info = match NvrtcInfo::load() {
@@ -23,7 +24,7 @@ fn main() {
     let mut n = 0;
     for id in KernelId::ALL {
         for arch in ["compute_80", "compute_90"] {
-            let ptx = compile_ptx(*id, arch).unwrap_or_else(|e| panic!("{id} for {arch}:\n{e}"));
+            let ptx = compile_ptx(id.source(), arch).unwrap_or_else(|e| panic!("{id} for {arch}:\n{e}"));
             let target = format!(".target sm_{}", &arch[8..]);
             assert!(ptx.contains(&target), "{id} for {arch}: PTX lacks {target:?}");
             for sig in id.functions() {
@@ -37,12 +38,12 @@ fn main() {
     let dir = std::env::temp_dir().join(format!("lockstep-nvrtc-cache-{}", std::process::id()));
     std::env::set_var("XDG_CACHE_HOME", &dir);
     for id in KernelId::ALL {
-        let (a, hit_a) = compile_cubin_cached(*id, (8, 0), 12040).unwrap_or_else(|e| panic!("{id} cubin sm_80:\n{e}"));
-        let (b, hit_b) = compile_cubin_cached(*id, (8, 0), 12040).unwrap();
+        let (a, hit_a) = compile_cubin_cached(id.source(), (8, 0), 12040).unwrap_or_else(|e| panic!("{id} cubin sm_80:\n{e}"));
+        let (b, hit_b) = compile_cubin_cached(id.source(), (8, 0), 12040).unwrap();
         assert!(!hit_a && hit_b, "{id}: expected a cache miss then a hit, got {hit_a} then {hit_b}");
         assert_eq!(a, b);
         assert_eq!(&a[..4], b"\x7fELF", "{id}: CUBIN is not an ELF image");
-        let (_, hit_c) = compile_cubin_cached(*id, (9, 0), 12040).unwrap();
+        let (_, hit_c) = compile_cubin_cached(id.source(), (9, 0), 12040).unwrap();
         assert!(!hit_c, "{id}: another arch must not hit the sm_80 entry");
         println!("test cubin-cache {id} ... ok");
         n += 1;

@@ -1,4 +1,4 @@
-//! The kernels' CPU twins (`lockstep::cuda::kernels::cpu`) against the engine's CPU layers, on
+//! The kernels' CPU twins (`lockstep::train::device::kernels::twins`) against the engine's CPU layers, on
 //! random inputs with odd shapes (batch 1, 3, 65; channel counts that are not multiples of the
 //! 64-wide GEMM tiles), plus the device engine's plan and its CPU-twin executor against the CPU
 //! engine. Runs everywhere (no GPU): this is what pins down the semantics the GPU kernels are
@@ -18,9 +18,9 @@ mod close;
 
 use close::{assert_close, Tol};
 use half::bf16;
-use lockstep::cuda::kernels::cpu;
 use lockstep::train::data::Dataset;
-use lockstep::train::device::{plan, CpuExec, Engine, Precision};
+use lockstep::train::device::kernels::twins;
+use lockstep::train::device::{plan, CpuExec, Engine, Exec, Precision};
 use lockstep::train::layers::{BatchNorm2d, Conv2d, Conv2dParams, Layer, Linear, MaxPool2d, Relu, SoftmaxCrossEntropy};
 use lockstep::train::model::Model;
 use lockstep::train::optim::{Adam, Sgd};
@@ -95,32 +95,32 @@ fn conv2d_twins_match_the_layer() {
         // f32
         let (y_ref, dx_ref, dp_ref) = layer_run(&wt, &x, &dy);
         let mut y = vec![0.0; y_ref.len()];
-        cpu::conv2d_forward_f32(&mut y, &x, &wt, Some(&bias), a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8]);
+        twins::conv2d_forward_f32(&mut y, &x, &wt, Some(&bias), a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8]);
         ok(assert_close(&name("out"), &y, &y_ref, F32));
         let mut dx = vec![f32::NAN; x.len()];
-        cpu::conv2d_backward_input_f32(&mut dx, &dy, &wt, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8]);
+        twins::conv2d_backward_input_f32(&mut dx, &dy, &wt, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8]);
         ok(assert_close(&name("dinp"), &dx, &dx_ref, F32));
         let (mut dw, mut db) = (dp0[..wt.len()].to_vec(), dp0[wt.len()..].to_vec());
-        cpu::conv2d_backward_weight_f32(&mut dw, &dy, &x, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8]);
-        cpu::conv2d_backward_bias_f32(&mut db, &dy, n as i32, oc as i32, oh as i32, ow as i32);
+        twins::conv2d_backward_weight_f32(&mut dw, &dy, &x, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8]);
+        twins::conv2d_backward_bias_f32(&mut db, &dy, n as i32, oc as i32, oh as i32, ow as i32);
         ok(assert_close(&name("dweight"), &dw, &dp_ref[..wt.len()], WINOGRAD_DW));
         ok(assert_close(&name("dbias"), &db, &dp_ref[wt.len()..], F32));
         // bf16: operands rounded; reference = the f32 layer on the same rounded values, and
         // (loosely) on the unrounded ones.
         let ((wb, wr), (xb, xr), (dyb, dyr)) = (round_bf16(&wt), round_bf16(&x), round_bf16(&dy));
         let (yr_ref, dxr_ref, dpr_ref) = layer_run(&wr, &xr, &dyr);
-        cpu::conv2d_forward_bf16(&mut y, &xb, &wb, Some(&bias), a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8]);
+        twins::conv2d_forward_bf16(&mut y, &xb, &wb, Some(&bias), a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8]);
         ok(assert_close(&name("out bf16"), &y, &yr_ref, F32));
         ok(assert_close(&name("out bf16 vs f32"), &y, &y_ref, bf16_vs_f32(ic * k * k)));
-        cpu::conv2d_backward_input_bf16(&mut dx, &dyb, &wb, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8]);
+        twins::conv2d_backward_input_bf16(&mut dx, &dyb, &wb, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8]);
         ok(assert_close(&name("dinp bf16"), &dx, &dxr_ref, F32));
         let (mut dw, mut db) = (dp0[..wt.len()].to_vec(), dp0[wt.len()..].to_vec());
-        cpu::conv2d_backward_weight_bf16(&mut dw, &dyb, &xb, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8]);
-        cpu::conv2d_backward_bias_bf16(&mut db, &dyb, n as i32, oc as i32, oh as i32, ow as i32);
+        twins::conv2d_backward_weight_bf16(&mut dw, &dyb, &xb, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8]);
+        twins::conv2d_backward_bias_bf16(&mut db, &dyb, n as i32, oc as i32, oh as i32, ow as i32);
         ok(assert_close(&name("dweight bf16"), &dw, &dpr_ref[..wt.len()], WINOGRAD_DW));
         ok(assert_close(&name("dbias bf16"), &db, &dpr_ref[wt.len()..], F32));
         // No bias (the kernel's NULL) is a plain convolution.
-        cpu::conv2d_forward_f32(&mut y, &x, &wt, None, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8]);
+        twins::conv2d_forward_f32(&mut y, &x, &wt, None, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8]);
         let unbiased: Vec<f32> = y_ref.iter().enumerate().map(|(i, v)| v - bias[(i / (oh * ow)) % oc]).collect();
         ok(assert_close(&name("out, no bias"), &y, &unbiased, F32));
     }
@@ -150,30 +150,30 @@ fn linear_twins_match_the_layers() {
         let (y_ref, yr_ref, dx_ref, dp_ref) = layer_run(&wt, &x, &dy);
         let (ni, ii, oi) = (n as i32, inf as i32, outf as i32);
         let mut y = vec![0.0; n * outf];
-        cpu::linear_forward_f32(&mut y, &x, &wt, Some(&bias), ni, ii, oi, 0);
+        twins::linear_forward_f32(&mut y, &x, &wt, Some(&bias), ni, ii, oi, 0);
         ok(assert_close(&name("out"), &y, &y_ref, F32));
-        cpu::linear_forward_f32(&mut y, &x, &wt, Some(&bias), ni, ii, oi, 1);
+        twins::linear_forward_f32(&mut y, &x, &wt, Some(&bias), ni, ii, oi, 1);
         ok(assert_close(&name("out+relu"), &y, &yr_ref, F32));
         let mut dx = vec![f32::NAN; n * inf];
-        cpu::linear_backward_input_f32(&mut dx, &dy, &wt, ni, ii, oi);
+        twins::linear_backward_input_f32(&mut dx, &dy, &wt, ni, ii, oi);
         ok(assert_close(&name("dinp"), &dx, &dx_ref, F32));
         let (mut dw, mut db) = (dp0[..outf * inf].to_vec(), dp0[outf * inf..].to_vec());
-        cpu::linear_backward_weight_f32(&mut dw, &dy, &x, ni, ii, oi);
-        cpu::linear_backward_bias_f32(&mut db, &dy, ni, oi);
+        twins::linear_backward_weight_f32(&mut dw, &dy, &x, ni, ii, oi);
+        twins::linear_backward_bias_f32(&mut db, &dy, ni, oi);
         ok(assert_close(&name("dweight"), &dw, &dp_ref[..outf * inf], F32));
         ok(assert_close(&name("dbias"), &db, &dp_ref[outf * inf..], F32));
         let ((wb, wr), (xb, xr), (dyb, dyr)) = (round_bf16(&wt), round_bf16(&x), round_bf16(&dy));
         let (y2, yr2, dx2, dp2) = layer_run(&wr, &xr, &dyr);
-        cpu::linear_forward_bf16(&mut y, &xb, &wb, Some(&bias), ni, ii, oi, 0);
+        twins::linear_forward_bf16(&mut y, &xb, &wb, Some(&bias), ni, ii, oi, 0);
         ok(assert_close(&name("out bf16"), &y, &y2, F32));
         ok(assert_close(&name("out bf16 vs f32"), &y, &y_ref, bf16_vs_f32(inf)));
-        cpu::linear_forward_bf16(&mut y, &xb, &wb, Some(&bias), ni, ii, oi, 1);
+        twins::linear_forward_bf16(&mut y, &xb, &wb, Some(&bias), ni, ii, oi, 1);
         ok(assert_close(&name("out+relu bf16"), &y, &yr2, F32));
-        cpu::linear_backward_input_bf16(&mut dx, &dyb, &wb, ni, ii, oi);
+        twins::linear_backward_input_bf16(&mut dx, &dyb, &wb, ni, ii, oi);
         ok(assert_close(&name("dinp bf16"), &dx, &dx2, F32));
         let (mut dw, mut db) = (dp0[..outf * inf].to_vec(), dp0[outf * inf..].to_vec());
-        cpu::linear_backward_weight_bf16(&mut dw, &dyb, &xb, ni, ii, oi);
-        cpu::linear_backward_bias_bf16(&mut db, &dyb, ni, oi);
+        twins::linear_backward_weight_bf16(&mut dw, &dyb, &xb, ni, ii, oi);
+        twins::linear_backward_bias_bf16(&mut db, &dyb, ni, oi);
         ok(assert_close(&name("dweight bf16"), &dw, &dp2[..outf * inf], F32));
         ok(assert_close(&name("dbias bf16"), &db, &dp2[outf * inf..], F32));
     }
@@ -185,11 +185,11 @@ fn relu_twins_match_the_layer() {
     for n in [1usize, 3, 65, 1000] {
         let (x, dy) = (rand(&mut rng, n), rand(&mut rng, n));
         let (mut y, mut y_ref) = (vec![0.0; n], vec![0.0; n]);
-        cpu::relu_forward_f32(&mut y, &x, n as i32);
+        twins::relu_forward_f32(&mut y, &x, n as i32);
         lockstep::train::layers::relu::relu_forward(&mut y_ref, &x);
         assert_eq!(y, y_ref);
         let (mut d, mut d_ref) = (vec![0.0; n], vec![0.0; n]);
-        cpu::relu_backward_f32(&mut d, &y, &dy, n as i32);
+        twins::relu_backward_f32(&mut d, &y, &dy, n as i32);
         lockstep::train::layers::relu::relu_backward(&mut d_ref, &y_ref, &dy);
         assert_eq!(d, d_ref);
     }
@@ -233,7 +233,7 @@ fn batchnorm_twins_match_the_layer() {
             // twin
             let (ni, ci, hwi) = (n as i32, c as i32, hw as i32);
             let (mut out, mut sm, mut si, mut rm, mut rv) = (vec![0.0; x.len()], vec![0.0; c], vec![0.0; c], rm0.clone(), rv0.clone());
-            cpu::batchnorm2d_forward_train_f32(
+            twins::batchnorm2d_forward_train_f32(
                 &mut out,
                 &mut sm,
                 &mut si,
@@ -253,7 +253,7 @@ fn batchnorm_twins_match_the_layer() {
             ok(assert_close(&name("running_mean"), &rm, &bn.running_mean, TIGHT));
             ok(assert_close(&name("running_var"), &rv, &bn.running_var, TIGHT));
             let (mut dx, mut dw, mut db) = (vec![f32::NAN; x.len()], dp0[..c].to_vec(), dp0[c..].to_vec());
-            cpu::batchnorm2d_backward_f32(&mut dx, &mut dw, &mut db, &dy, &x, &out, &gamma, &sm, &si, ni, ci, hwi, relu as i32);
+            twins::batchnorm2d_backward_f32(&mut dx, &mut dw, &mut db, &dy, &x, &out, &gamma, &sm, &si, ni, ci, hwi, relu as i32);
             ok(assert_close(&name("dinp"), &dx, dx_ref.data(), Tol::new(1e-4, 1e-4)));
             ok(assert_close(&name("dweight"), &dw, &dp[..c], Tol::new(1e-4, 1e-4)));
             ok(assert_close(&name("dbias"), &db, &dp[c..], Tol::new(1e-4, 1e-4)));
@@ -262,7 +262,7 @@ fn batchnorm_twins_match_the_layer() {
             bn.forward(&params, &inp, &mut ye, false);
             Relu.forward(&[], &ye, &mut yer, false);
             let mut oe = vec![0.0; x.len()];
-            cpu::batchnorm2d_forward_eval_f32(&mut oe, &x, &gamma, &beta, &rm, &rv, ni, ci, hwi, 1e-5, relu as i32);
+            twins::batchnorm2d_forward_eval_f32(&mut oe, &x, &gamma, &beta, &rm, &rv, ni, ci, hwi, 1e-5, relu as i32);
             ok(assert_close(&name("eval out"), &oe, if relu == 1 { yer.data() } else { ye.data() }, TIGHT));
         }
     }
@@ -286,15 +286,15 @@ fn maxpool_twins_match_the_layer() {
         mp.backward(&[], &mut [], &inp, &y, &dout, Some(&mut dx_ref));
         let a = [n as i32, c as i32, h as i32, w as i32, k as i32, s as i32];
         let (mut out, mut idx) = (vec![0.0; y.numel()], vec![0i32; y.numel()]);
-        cpu::maxpool2d_forward_f32(&mut out, &mut idx, &x, a[0], a[1], a[2], a[3], a[4], a[5]);
+        twins::maxpool2d_forward_f32(&mut out, &mut idx, &x, a[0], a[1], a[2], a[3], a[4], a[5]);
         assert_eq!(out, y.data(), "maxpool{t} out");
         let mut dx = vec![f32::NAN; x.len()];
-        cpu::maxpool2d_backward_f32(&mut dx, &dy, &idx, a[0], a[1], a[2], a[3], a[4], a[5]);
+        twins::maxpool2d_backward_f32(&mut dx, &dy, &idx, a[0], a[1], a[2], a[3], a[4], a[5]);
         ok(assert_close(&format!("maxpool{t} dinp"), &dx, dx_ref.data(), TIGHT));
     }
     // NaN propagates and wins the argmax, as PyTorch.
     let (mut out, mut idx) = ([0.0f32], [0i32]);
-    cpu::maxpool2d_forward_f32(&mut out, &mut idx, &[1.0, f32::NAN, 5.0, 2.0], 1, 1, 2, 2, 2, 2);
+    twins::maxpool2d_forward_f32(&mut out, &mut idx, &[1.0, f32::NAN, 5.0, 2.0], 1, 1, 2, 2, 2, 2);
     assert!(out[0].is_nan() && idx[0] == 1);
 }
 
@@ -318,11 +318,11 @@ fn softmax_xent_twins_match_the_layer() {
             })
             .count() as i32;
         let (mut losses, mut probs, mut mean, mut correct) = (vec![0.0; n], vec![0.0; n * c], [0.0f32], [0i32]);
-        cpu::softmax_xent_forward_f32(&mut losses, &mut probs, &mut mean, &mut correct, &z, &ti, n as i32, c as i32);
+        twins::softmax_xent_forward_f32(&mut losses, &mut probs, &mut mean, &mut correct, &z, &ti, n as i32, c as i32);
         ok(assert_close(&format!("xent{t} mean loss"), &mean, &[loss_ref], TIGHT));
         assert_eq!(correct[0], want_correct, "xent{t} correct");
         let mut d = vec![0.0; n * c];
-        cpu::softmax_xent_backward_f32(&mut d, &probs, &ti, n as i32, c as i32);
+        twins::softmax_xent_backward_f32(&mut d, &probs, &ti, n as i32, c as i32);
         ok(assert_close(&format!("xent{t} dlogits"), &d, d_ref.data(), TIGHT));
     }
 }
@@ -340,7 +340,7 @@ fn optimizer_twins_match_the_optimizers() {
             for step in 1..=5 {
                 let g = rand(&mut rng, n);
                 adam.step(&mut p_ref, &g);
-                cpu::adam_step_f32(&mut p, &g, &mut m, &mut v, n as i32, 0.01, 0.9, 0.999, 1e-8, wd, step);
+                twins::adam_step_f32(&mut p, &g, &mut m, &mut v, n as i32, 0.01, 0.9, 0.999, 1e-8, wd, step);
                 ok(assert_close(&format!("adam n={n} wd={wd} step {step} params"), &p, &p_ref, TIGHT));
                 ok(assert_close(&format!("adam n={n} step {step} exp_avg_sq"), &v, &adam.v, TIGHT));
             }
@@ -354,7 +354,7 @@ fn optimizer_twins_match_the_optimizers() {
             for step in 0..4 {
                 let g = rand(&mut rng, n);
                 sgd.step(&mut p_ref, &g);
-                cpu::sgd_step_f32(&mut p, &g, &mut buf, n as i32, 0.1, mom, 0.0, 0.01, nesterov as i32, (step == 0) as i32);
+                twins::sgd_step_f32(&mut p, &g, &mut buf, n as i32, 0.1, mom, 0.0, 0.01, nesterov as i32, (step == 0) as i32);
                 ok(assert_close(&format!("sgd n={n} momentum={mom} nesterov={nesterov} step {step}"), &p, &p_ref, TIGHT));
             }
         }
@@ -370,7 +370,7 @@ fn data_twins_are_exact() {
     let lb: Vec<u8> = (0..num).map(|_| rng.below(10) as u8).collect();
     let idx = [4i32, 0, 8, 4];
     let (mut im, mut l) = (vec![0.0; idx.len() * sz], vec![0; idx.len()]);
-    cpu::gather_batch_f32(&mut im, &mut l, &ds, &lb, &idx, idx.len() as i32, sz as i32);
+    twins::gather_batch_f32(&mut im, &mut l, &ds, &lb, &idx, idx.len() as i32, sz as i32);
     for (b, &i) in idx.iter().enumerate() {
         assert_eq!(l[b], lb[i as usize] as i32);
         for j in 0..sz {
@@ -380,28 +380,28 @@ fn data_twins_are_exact() {
     // casts: round to nearest even like half, NaN stays NaN, widening exact.
     let x = [1.0f32, -2.5, 1.0 + 1.0 / 256.0, 3.0e38, f32::NAN, f32::INFINITY, 1e-40];
     let mut b = vec![bf16::ZERO; x.len()];
-    cpu::cast_f32_bf16(&mut b, &x, x.len() as i32);
+    twins::cast_f32_bf16(&mut b, &x, x.len() as i32);
     for (g, &w) in b.iter().zip(&x) {
         assert!(g.to_bits() == bf16::from_f32(w).to_bits() || (w.is_nan() && g.is_nan()), "{w} -> {g}");
     }
     let mut back = vec![0.0f32; x.len()];
-    cpu::cast_bf16_f32(&mut back, &b, x.len() as i32);
+    twins::cast_bf16_f32(&mut back, &b, x.len() as i32);
     for (g, w) in back.iter().zip(&b) {
         assert!(g.to_bits() == w.to_f32().to_bits() || g.is_nan());
     }
     // bucket: flatten then unflatten with 1/world is the mean of one rank's copy.
     let (t0, t1) = (rand(&mut rng, 5), rand(&mut rng, 3));
     let mut bucket = vec![0.0; 8];
-    cpu::bucket_flatten_f32(
+    twins::bucket_flatten_f32(
         &mut bucket,
-        &[cpu::BucketSrc { tensor: &t0, offset: 3, len: 5 }, cpu::BucketSrc { tensor: &t1, offset: 0, len: 3 }],
+        &[twins::BucketSrc { tensor: &t0, offset: 3, len: 5 }, twins::BucketSrc { tensor: &t1, offset: 0, len: 3 }],
         2,
     );
     assert_eq!(&bucket[3..], &t0[..]);
     assert_eq!(&bucket[..3], &t1[..]);
     let (mut u0, mut u1) = (vec![0.0; 5], vec![0.0; 3]);
-    cpu::bucket_unflatten_f32(
-        &mut [cpu::BucketDst { tensor: &mut u0, offset: 3, len: 5 }, cpu::BucketDst { tensor: &mut u1, offset: 0, len: 3 }],
+    twins::bucket_unflatten_f32(
+        &mut [twins::BucketDst { tensor: &mut u0, offset: 3, len: 5 }, twins::BucketDst { tensor: &mut u1, offset: 0, len: 3 }],
         &bucket,
         2,
         0.5,
@@ -513,6 +513,88 @@ fn device_step_on_twins_matches_the_cpu_engine() {
         }
         assert!(cpu_losses[steps - 1] < cpu_losses[0], "the model should learn: {cpu_losses:?}");
     }
+}
+
+/// The schedule is derived from the model, not written for the recipe CNN: a different network
+/// (strided, padded 3x3 conv, standalone ReLU, overlapping pooling, BatchNorm without ReLU, two
+/// linear layers, 5 classes, 12x10 images) run on the twins follows the CPU engine step by step.
+#[test]
+fn device_step_on_twins_matches_the_cpu_engine_for_another_model() {
+    let build = || {
+        let layers: Vec<(&str, Box<dyn Layer>)> = vec![
+            ("c", Box::new(Conv2d::new(Conv2dParams { in_c: 1, out_c: 6, kh: 3, kw: 3, stride: 2, pad: 1 }))),
+            ("r", Box::new(Relu)),
+            ("p", Box::new(MaxPool2d::new(3, 1))),
+            ("bn", Box::new(BatchNorm2d::new(6))),
+            ("f", Box::new(lockstep::train::layers::Flatten)),
+            ("l1", Box::new(Linear::new(72, 16))),
+            ("r1", Box::new(Relu)),
+            ("l2", Box::new(Linear::new(16, 5))),
+        ];
+        Model::new(layers.into_iter().map(|(n, l)| (n.to_string(), l)).collect(), &[4, 1, 12, 10]).unwrap()
+    };
+    let (batch, steps) = (4usize, 6usize);
+    let mut rng = Rng::new(5, 5);
+    let data = Dataset {
+        images: (0..batch * steps * 120).map(|_| rng.below(256) as u8).collect(),
+        labels: (0..batch * steps).map(|_| rng.below(5) as u8).collect(),
+        rows: 12,
+        cols: 10,
+    };
+    let mut model = build();
+    model.init(7);
+    let t = plan::Tensors::new(&model, batch, Precision::Fp32).unwrap();
+    let mut eng = Engine::new(CpuExec::new(t.arena_len), &model, batch, Precision::Fp32).unwrap();
+    eng.upload_dataset(&data, &Dataset { rows: 12, cols: 10, ..Default::default() }).unwrap();
+    let idx: Vec<usize> = (0..data.len()).collect();
+    eng.set_index_list(&idx, false).unwrap();
+    let mut cpu_model = build();
+    cpu_model.params.copy_from_slice(&model.params);
+    // Adam turns gradients that should cancel to zero (a conv bias whose channel stays on the
+    // positive side of the ReLU feeds BatchNorm) into full-size steps of random sign: a large eps
+    // on both sides keeps that rounding noise from steering the two trajectories apart.
+    eng.adam.eps = 1e-3;
+    let mut opt = Adam::new(cpu_model.num_params(), 0.01);
+    opt.eps = 1e-3;
+    let mut grads = vec![0.0f32; cpu_model.num_params()];
+    let (mut dev_losses, mut cpu_losses) = (Vec::new(), Vec::new());
+    for s in 0..steps {
+        eng.train_step(s * batch, batch, 0.01, None).unwrap();
+        dev_losses.push(eng.last_loss().unwrap());
+        let input = cpu_model.input_mut();
+        input.resize(&[batch, 1, 12, 10]);
+        let mut labels = Vec::new();
+        for (dst, i) in input.data_mut().chunks_exact_mut(120).zip(s * batch..(s + 1) * batch) {
+            for (d, &p) in dst.iter_mut().zip(data.image(i)) {
+                *d = p as f32 / 255.0;
+            }
+            labels.push(data.labels[i]);
+        }
+        cpu_model.forward(true);
+        cpu_losses.push(cpu_model.loss(&labels).unwrap());
+        grads.fill(0.0);
+        cpu_model.backward(&labels, &mut grads);
+        opt.step(&mut cpu_model.params, &grads);
+    }
+    ok(assert_close(&format!("losses over {steps} steps"), &dev_losses, &cpu_losses, Tol::new(1e-4, 1e-3)));
+    let p = eng.params().unwrap();
+    for e in &cpu_model.entries {
+        ok(assert_close(
+            &format!("{} after {steps} steps", e.name),
+            &p[e.range.clone()],
+            &cpu_model.params[e.range.clone()],
+            Tol::new(1e-3, 1e-2),
+        ));
+    }
+    // Evaluation uses the running statistics the device updated.
+    let st = eng.exec.read_f32(eng.t.bn_state).unwrap();
+    let mut cpu_st = Vec::new();
+    for s in cpu_model.state_mut() {
+        if let lockstep::train::model::StateMut::F32(_, v) = s {
+            cpu_st.extend_from_slice(v);
+        }
+    }
+    ok(assert_close("running statistics", &st, &cpu_st, Tol::new(1e-5, 1e-4)));
 }
 
 /// `train_device` end to end on the twins: one short epoch with a partial last batch and an

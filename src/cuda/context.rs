@@ -3,14 +3,13 @@
 //! Errors in `Drop` are recorded on the context (as cudarc's `record_err` does) and returned by
 //! the next fallible call on it, never panicked.
 
+use std::any::Any;
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::driver::{self, CUcontext, CUdevice, CUevent, CUstream};
 use super::error::CudaError;
 use super::init::ensure_init;
-use super::kernels::KernelId;
-use super::module::{Function, Module};
 
 /// Number of visible devices (initialises CUDA through the guard). `CUDA_VISIBLE_DEVICES` is
 /// applied by the driver itself.
@@ -51,12 +50,17 @@ pub struct DeviceInfo {
     pub total_mem: usize,
 }
 
+/// Key of a loaded module in its context: the source's name and content hash.
+pub(crate) type ModuleKey = (&'static str, u64);
+
 /// The primary context of one device, shared by everything allocated on it.
 pub struct Context {
     ordinal: i32,
     dev: CUdevice,
     raw: CUcontext,
-    modules: Mutex<HashMap<KernelId, Arc<Module>>>,
+    /// Loaded modules (`module.rs` owns the cache logic; stored type-erased so this file does not
+    /// depend on it). Dropped before the context is released.
+    modules: Mutex<HashMap<ModuleKey, Arc<dyn Any + Send + Sync>>>,
     deferred: Mutex<Vec<(String, CudaError)>>,
 }
 
@@ -167,21 +171,9 @@ impl Context {
         Ok(Event { ctx: self.clone(), raw })
     }
 
-    /// The module for `id`, compiled by NVRTC on first use (disk-cached) and kept per context.
-    pub fn module(self: &Arc<Self>, id: KernelId) -> Result<Arc<Module>, CudaError> {
-        self.check()?;
-        let mut m = self.modules.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(x) = m.get(&id) {
-            return Ok(x.clone());
-        }
-        let loaded = Arc::new(Module::load(self, id)?);
-        m.insert(id, loaded.clone());
-        Ok(loaded)
-    }
-
-    /// Entry point `name` of kernel file `id`.
-    pub fn function(self: &Arc<Self>, id: KernelId, name: &str) -> Result<Function, CudaError> {
-        self.module(id)?.function(name)
+    /// The loaded-module cache, locked (see `Context::module` in `module.rs`).
+    pub(crate) fn module_cache(&self) -> MutexGuard<'_, HashMap<ModuleKey, Arc<dyn Any + Send + Sync>>> {
+        self.modules.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
 

@@ -3,7 +3,9 @@
 //! Layers (STYLE item 1): cudarc's `sys` modules give the C types; [`discovery`] finds and loads
 //! the shared libraries (never panicking, unlike cudarc's own loader); `driver` and `nvrtc` hold
 //! our function-pointer tables and one `Result`-returning wrapper per C call; `context`, `memory`,
-//! `module` and `graph` are the RAII owners that callers use. [`init`] is the single door to
+//! `module` and `graph` are the RAII owners that callers use. A kernel file is described by a
+//! [`KernelSource`] (`source`), compiled to CUBIN with a disk cache (`compile`) and loaded per
+//! context (`module`); the CUDA layer knows no particular kernels. [`init`] is the single door to
 //! `cuInit`, and the fork-safety check the launcher runs before forking ranks.
 //!
 //! Environment:
@@ -69,29 +71,28 @@ macro_rules! fn_table {
     };
 }
 
+mod compile;
 mod context;
 pub mod discovery;
 pub(crate) mod driver;
 pub mod error;
 mod graph;
 pub mod init;
-pub mod kernels;
 mod memory;
 mod module;
 pub(crate) mod nvrtc;
 mod report;
+mod source;
 
+pub use compile::{cache_dir, compile_cubin_cached, compile_ptx, extra_nvrtc_options, NvrtcInfo};
 pub use context::{device_count, device_for_local_rank, Context, DeviceInfo, Event, Stream};
 pub use discovery::LibKind;
 pub use error::{CudaError, NvrtcError};
 pub use graph::Graph;
-pub use kernels::KernelId;
 pub use memory::{DeviceBuffer, DeviceView, DeviceViewMut, HostReadback, PinnedBuffer};
-pub use module::{
-    cache_dir, compile_cubin_cached, compile_ptx, extra_nvrtc_options, ArgKind, Function, KernelScalar, KernelSig, Launch, LaunchConfig,
-    Module, NvrtcInfo,
-};
+pub use module::{Function, KernelScalar, Launch, LaunchConfig, Module};
 pub use report::cuda_report;
+pub use source::{ArgKind, KernelSig, KernelSource};
 
 /// True when a CUDA driver library can be loaded (does not initialise CUDA).
 pub fn driver_present() -> bool {

@@ -1,137 +1,21 @@
-//! Kernel modules: NVRTC compilation with an on-disk cache, loaded modules, functions and the
-//! shape-checked launch builder.
+//! Loaded kernel modules: the per-context module cache ([`Context::module`],
+//! [`Context::function`]), entry points and the shape-checked launch builder.
 //!
-//! Compilation targets the device's own arch (`-arch=sm_XY`, CUBIN): PTX from an NVRTC newer than
-//! the driver is refused with `CUDA_ERROR_UNSUPPORTED_PTX_VERSION`, CUBIN is not. The disk cache
-//! (`$XDG_CACHE_HOME/lockstep` or `~/.cache/lockstep`) is keyed by a hash of the source, headers,
-//! options and NVRTC version, plus the GPU arch and driver version.
+//! Any [`KernelSource`] can be loaded: the module is compiled (or fetched from the disk cache, see
+//! `compile.rs`) for the context's device on first use and kept in the context, keyed by the
+//! source's name and a hash of its text, headers and entry-point table.
 
+use std::any::Any;
 use std::ffi::c_void;
-use std::path::PathBuf;
 use std::sync::{Arc, Weak};
 
 use crate::comm::{Buffer, BufferMut, Dtype, Element, MemSpace};
 
-use super::context::{Context, Stream};
+use super::compile::compile_cubin_cached;
+use super::context::{Context, ModuleKey, Stream};
 use super::driver::{self, CUcontext, CUfunction, CUmodule};
 use super::error::CudaError;
-use super::kernels::KernelId;
-use super::nvrtc::{self, Output};
-
-/// Kind of one kernel parameter.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ArgKind {
-    /// `const T*` (read-only device buffer).
-    Ptr(Dtype),
-    /// `T*` (written device buffer).
-    PtrMut(Dtype),
-    /// A scalar passed by value.
-    Scalar(Dtype),
-}
-
-/// An entry point and its parameters, mirrored from the `.cu` file.
-#[derive(Clone, Copy, Debug)]
-pub struct KernelSig {
-    /// `extern "C"` name.
-    pub name: &'static str,
-    /// Parameters in order.
-    pub args: &'static [ArgKind],
-}
-
-/// Which NVRTC lockstep uses.
-#[derive(Clone, Debug)]
-pub struct NvrtcInfo {
-    /// The library file.
-    pub path: String,
-    /// (major, minor).
-    pub version: (i32, i32),
-    /// Remarks from discovery (e.g. newer than the driver).
-    pub notes: Vec<String>,
-}
-
-impl NvrtcInfo {
-    /// Load NVRTC (no GPU needed) and describe it.
-    pub fn load() -> Result<NvrtcInfo, CudaError> {
-        let n = nvrtc::api()?;
-        Ok(NvrtcInfo { path: n.path.clone(), version: n.version, notes: n.notes.clone() })
-    }
-}
-
-/// Compile one kernel file to PTX for a virtual arch such as `compute_80` (no GPU needed).
-pub fn compile_ptx(id: KernelId, arch: &str) -> Result<String, CudaError> {
-    let n = nvrtc::api()?;
-    let opts = vec![format!("--gpu-architecture={arch}"), "-default-device".to_string()];
-    let ptx = n.compile(id.file(), id.source(), KernelId::headers(), &opts, Output::Ptx)?;
-    Ok(String::from_utf8_lossy(&ptx).trim_end_matches('\0').to_string())
-}
-
-/// Extra NVRTC options from `LOCKSTEP_NVRTC_OPTIONS` (whitespace-separated, e.g.
-/// `-DLOCKSTEP_NO_TF32` for exact f32 GEMMs in tests). Read once per process; the options take
-/// part in the disk-cache key, so switching them never loads a stale image.
-pub fn extra_nvrtc_options() -> Vec<String> {
-    static OPTS: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
-    OPTS.get_or_init(|| std::env::var("LOCKSTEP_NVRTC_OPTIONS").unwrap_or_default().split_whitespace().map(str::to_string).collect())
-        .clone()
-}
-
-/// 64-bit FNV-1a (stable across Rust versions, unlike `DefaultHasher`).
-fn fnv1a(parts: &[&[u8]]) -> u64 {
-    let mut h: u64 = 0xcbf29ce484222325;
-    for p in parts {
-        for b in p.iter().chain(&[0xffu8]) {
-            h ^= *b as u64;
-            h = h.wrapping_mul(0x100000001b3);
-        }
-    }
-    h
-}
-
-/// The kernel cache folder.
-pub fn cache_dir() -> PathBuf {
-    if let Some(x) = std::env::var_os("XDG_CACHE_HOME").filter(|v| !v.is_empty()) {
-        return PathBuf::from(x).join("lockstep");
-    }
-    if let Some(h) = std::env::var_os("HOME").filter(|v| !v.is_empty()) {
-        return PathBuf::from(h).join(".cache/lockstep");
-    }
-    std::env::temp_dir().join("lockstep-cache")
-}
-
-/// CUBIN for `id` on arch `sm_{major}{minor}`, from the disk cache or NVRTC. Returns the image
-/// and whether it came from the cache.
-pub fn compile_cubin_cached(id: KernelId, cc: (i32, i32), driver_version: i32) -> Result<(Vec<u8>, bool), CudaError> {
-    let n = nvrtc::api()?;
-    let mut opts = vec![format!("--gpu-architecture=sm_{}{}", cc.0, cc.1), "-default-device".to_string()];
-    opts.extend(extra_nvrtc_options());
-    let mut parts: Vec<&[u8]> = vec![id.source().as_bytes()];
-    for (name, src) in KernelId::headers() {
-        parts.push(name.as_bytes());
-        parts.push(src.as_bytes());
-    }
-    let optstr = opts.join(" ");
-    let nv = format!("{}.{}", n.version.0, n.version.1);
-    parts.push(optstr.as_bytes());
-    parts.push(nv.as_bytes());
-    let hash = fnv1a(&parts);
-    let stem = id.file().trim_end_matches(".cu");
-    let path = cache_dir().join("kernels").join(format!("{stem}-sm{}{}-drv{driver_version}-{hash:016x}.cubin", cc.0, cc.1));
-    if let Ok(bytes) = std::fs::read(&path) {
-        if !bytes.is_empty() {
-            return Ok((bytes, true));
-        }
-    }
-    let cubin = n.compile(id.file(), id.source(), KernelId::headers(), &opts, Output::Cubin)?;
-    // Best effort: a read-only cache folder only costs a recompile next time.
-    if let Some(dir) = path.parent() {
-        if std::fs::create_dir_all(dir).is_ok() {
-            let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-            if std::fs::write(&tmp, &cubin).is_ok() {
-                let _ = std::fs::rename(&tmp, &path);
-            }
-        }
-    }
-    Ok((cubin, false))
-}
+use super::source::{fnv1a, ArgKind, KernelSig, KernelSource};
 
 /// A loaded module (unloaded on drop).
 pub struct Module {
@@ -139,8 +23,8 @@ pub struct Module {
     ctx: Weak<Context>,
     ctx_raw: CUcontext,
     raw: CUmodule,
-    /// Which kernel file.
-    pub id: KernelId,
+    /// The source it was compiled from.
+    pub source: KernelSource,
     /// Whether the image came from the disk cache.
     pub from_cache: bool,
 }
@@ -152,23 +36,24 @@ unsafe impl Send for Module {}
 unsafe impl Sync for Module {}
 
 impl Module {
-    /// Compile (or fetch from the cache) and load `id` in `ctx`.
-    pub(crate) fn load(ctx: &Arc<Context>, id: KernelId) -> Result<Module, CudaError> {
+    /// Compile (or fetch from the disk cache) and load `src` in `ctx`. Uncached: callers go
+    /// through [`Context::module`].
+    fn load(ctx: &Arc<Context>, src: &KernelSource) -> Result<Module, CudaError> {
         ctx.bind()?;
         let drv = driver::core()?.driver_version()?;
-        let (image, from_cache) = compile_cubin_cached(id, ctx.compute_capability()?, drv)?;
+        let (image, from_cache) = compile_cubin_cached(src, ctx.compute_capability()?, drv)?;
         let raw = driver::module_load_data(&image)?;
-        Ok(Module { ctx: Arc::downgrade(ctx), ctx_raw: ctx.raw(), raw, id, from_cache })
+        Ok(Module { ctx: Arc::downgrade(ctx), ctx_raw: ctx.raw(), raw, source: *src, from_cache })
     }
 
-    /// Look up entry point `name` (must be declared in the registry).
+    /// Look up entry point `name` (must be declared in the source's `functions`).
     pub fn function(self: &Arc<Self>, name: &str) -> Result<Function, CudaError> {
-        let sig = self.id.signature(name).ok_or_else(|| CudaError::InvalidArgument {
+        let sig = self.source.signature(name).ok_or_else(|| CudaError::InvalidArgument {
             op: format!("Module::function({name})"),
             detail: format!(
                 "{} declares no entry point {name}; declared: {:?}",
-                self.id,
-                self.id.functions().iter().map(|s| s.name).collect::<Vec<_>>()
+                self.source.name,
+                self.source.functions.iter().map(|s| s.name).collect::<Vec<_>>()
             ),
         })?;
         driver::ctx_set_current(self.ctx_raw)?;
@@ -185,12 +70,48 @@ impl Drop for Module {
         });
         if let Err(e) = r {
             match self.ctx.upgrade() {
-                Some(ctx) => ctx.record_err(format!("module {}", self.id), e),
-                // The context itself is being dropped: nobody is left to report to.
-                None => eprintln!("lockstep: unloading module {} failed: {e}", self.id),
+                Some(ctx) => ctx.record_err(format!("module {}", self.source.name), e),
+                // The context itself is being dropped: no later call can report it.
+                None => tracing::warn!("unloading CUDA module {} failed: {e}", self.source.name),
             }
         }
     }
+}
+
+/// The per-context module cache. The context stores modules type-erased (so `context.rs` does not
+/// depend on this file); only this impl puts them in and takes them out.
+impl Context {
+    /// The module for `src`, compiled by NVRTC on first use (disk-cached) and kept in this context,
+    /// keyed by the source's name and a hash of its text, headers and entry points (two
+    /// descriptions of the same text with different tables get their own modules, so a
+    /// [`Function`] is always checked against the table it was asked through).
+    pub fn module(self: &Arc<Self>, src: &KernelSource) -> Result<Arc<Module>, CudaError> {
+        self.check()?;
+        let key = cache_key(src);
+        let mut m = self.module_cache();
+        if let Some(x) = m.get(&key) {
+            return Arc::clone(x).downcast::<Module>().map_err(|_| CudaError::InvalidArgument {
+                op: format!("Context::module({})", src.name),
+                detail: "the context's module cache holds something else under this key (a lockstep bug: please report it)".into(),
+            });
+        }
+        let loaded = Arc::new(Module::load(self, src)?);
+        m.insert(key, Arc::clone(&loaded) as Arc<dyn Any + Send + Sync>);
+        Ok(loaded)
+    }
+
+    /// Entry point `name` of `src` (loading the module on first use).
+    pub fn function(self: &Arc<Self>, src: &KernelSource, name: &str) -> Result<Function, CudaError> {
+        self.module(src)?.function(name)
+    }
+}
+
+/// The per-context cache key of `src`.
+fn cache_key(src: &KernelSource) -> ModuleKey {
+    let table = format!("{:?}", src.functions);
+    let mut parts: Vec<&[u8]> = src.content_parts();
+    parts.push(table.as_bytes());
+    (src.name, fnv1a(&parts))
 }
 
 /// A kernel entry point.
@@ -380,9 +301,15 @@ mod tests {
     use super::*;
 
     #[test]
-    fn fnv_is_stable() {
-        assert_eq!(fnv1a(&[b"a"]), fnv1a(&[b"a"]));
-        assert_ne!(fnv1a(&[b"ab", b"c"]), fnv1a(&[b"a", b"bc"]));
+    fn cache_key_covers_text_headers_and_entry_points() {
+        const F: &[KernelSig] = &[KernelSig { name: "f", args: &[ArgKind::Scalar(Dtype::I32)] }];
+        const G: &[KernelSig] = &[KernelSig { name: "f", args: &[ArgKind::Scalar(Dtype::I64)] }];
+        let a = KernelSource { name: "a.cu", source: "x", headers: &[("h.cuh", "1")], functions: F };
+        assert_eq!(cache_key(&a), cache_key(&a), "stable");
+        assert_ne!(cache_key(&a), cache_key(&KernelSource { functions: G, ..a }), "entry-point table");
+        assert_ne!(cache_key(&a), cache_key(&KernelSource { source: "y", ..a }), "text");
+        assert_ne!(cache_key(&a), cache_key(&KernelSource { headers: &[], ..a }), "headers");
+        assert_ne!(cache_key(&a), cache_key(&KernelSource { name: "b.cu", ..a }), "name");
     }
 
     #[test]
@@ -391,25 +318,5 @@ mod tests {
         assert_eq!(c.block.0, 256);
         assert_eq!(c.grid.0, 4);
         assert_eq!(LaunchConfig::for_elements(0).grid.0, 1);
-    }
-
-    /// A compile error carries the NVRTC log with the line (runs when NVRTC is installed, e.g.
-    /// after `.ci/install-nvrtc.sh`; otherwise there is nothing to check).
-    #[test]
-    fn compile_error_reports_the_nvrtc_log() {
-        let Ok(n) = nvrtc::api() else {
-            eprintln!("skipped: no NVRTC library");
-            return;
-        };
-        if driver::core().is_ok() {
-            // Compiling would initialise CUDA in this (multi-threaded, possibly forking) test
-            // process; tests/nvrtc_kernels.rs covers compilation on machines with a driver.
-            eprintln!("skipped: a CUDA driver is present");
-            return;
-        }
-        let src = "extern \"C\" __global__ void broken(float* x) {\n  x[0] = undefined_name;\n}\n";
-        let e = n.compile("broken.cu", src, &[], &["--gpu-architecture=compute_80".into()], Output::Ptx).unwrap_err().to_string();
-        assert!(e.contains("broken.cu") && e.contains("undefined_name") && e.contains("(2)"), "{e}");
-        assert!(e.contains("--gpu-architecture=compute_80"), "{e}");
     }
 }

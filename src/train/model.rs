@@ -252,6 +252,18 @@ impl Model {
         v
     }
 
+    /// The layers in order, with their names (read-only: the device engine derives its launch
+    /// schedule from them).
+    pub fn layers(&self) -> impl Iterator<Item = (&str, &dyn Layer)> + '_ {
+        self.layers.iter().map(|(n, l)| (n.as_str(), l.as_ref()))
+    }
+
+    /// Dimensions of one input sample (`[C, H, W]` for images): the input tensor's dimensions
+    /// after the batch.
+    pub fn sample_dims(&self) -> &[usize] {
+        self.acts[0].dims().get(1..).unwrap_or(&[])
+    }
+
     /// Names of all layers in order, with their kinds.
     pub fn layer_names(&self) -> Vec<(String, &'static str)> {
         self.layers.iter().map(|(n, l)| (n.clone(), l.kind())).collect()

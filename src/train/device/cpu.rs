@@ -1,14 +1,15 @@
 //! The CPU executor: runs a device plan by calling each kernel's CPU twin
-//! (`cuda::kernels::cpu`) on host arenas laid out exactly like the device ones. It makes the
+//! (`kernels::twins`) on host arenas laid out exactly like the device ones. It makes the
 //! device engine's whole step (plan, argument order, buffer plumbing, step sequencing) testable
 //! on machines without a GPU; it is a reference, not a fast path (the twins are naive loops).
 
 use half::bf16;
 
+use super::error::DeviceError;
+use super::exec::Exec;
+use super::kernels::twins;
 use super::plan::{Arena, Arg, Op, Region};
-use super::{DeviceError, Exec};
 use crate::comm::{Communicator, ReduceOp};
-use crate::cuda::kernels::cpu;
 
 /// Host arenas, one per dtype, plus the dataset.
 #[derive(Debug, Default)]
@@ -167,33 +168,33 @@ impl CpuExec {
         match op.name {
             "fill_f32" => {
                 let mut o = v.f(0);
-                cpu::fill_f32(&mut o, v.sf(1), v.sl(2));
+                twins::fill_f32(&mut o, v.sf(1), v.sl(2));
                 out.push((0, Val::F(o)));
             }
             "scale_f32" => {
                 let mut o = v.f(0);
-                cpu::scale_f32(&mut o, v.sf(1), v.sl(2));
+                twins::scale_f32(&mut o, v.sf(1), v.sl(2));
                 out.push((0, Val::F(o)));
             }
             "axpy_f32" => {
                 let (mut y, x) = (v.f(0), v.f(1));
-                cpu::axpy_f32(&mut y, &x, v.sf(2), v.sl(3));
+                twins::axpy_f32(&mut y, &x, v.sf(2), v.sl(3));
                 out.push((0, Val::F(y)));
             }
             "relu_forward_f32" => {
                 let (mut o, x) = (v.f(0), v.f(1));
-                cpu::relu_forward_f32(&mut o, &x, v.si(2));
+                twins::relu_forward_f32(&mut o, &x, v.si(2));
                 out.push((0, Val::F(o)));
             }
             "relu_backward_f32" => {
                 let (mut d, o, g) = (v.f(0), v.f(1), v.f(2));
-                cpu::relu_backward_f32(&mut d, &o, &g, v.si(3));
+                twins::relu_backward_f32(&mut d, &o, &g, v.si(3));
                 out.push((0, Val::F(d)));
             }
             "batchnorm2d_forward_train_f32" => {
                 let (mut o, mut sm, mut si, mut rm, mut rv) = (v.f(0), v.f(1), v.f(2), v.f(3), v.f(4));
                 let (x, w, b) = (v.f(5), v.f(6), v.f(7));
-                cpu::batchnorm2d_forward_train_f32(
+                twins::batchnorm2d_forward_train_f32(
                     &mut o,
                     &mut sm,
                     &mut si,
@@ -213,97 +214,97 @@ impl CpuExec {
             }
             "batchnorm2d_forward_eval_f32" => {
                 let (mut o, x, w, b, rm, rv) = (v.f(0), v.f(1), v.f(2), v.f(3), v.f(4), v.f(5));
-                cpu::batchnorm2d_forward_eval_f32(&mut o, &x, &w, &b, &rm, &rv, v.si(6), v.si(7), v.si(8), v.sf(9), v.si(10));
+                twins::batchnorm2d_forward_eval_f32(&mut o, &x, &w, &b, &rm, &rv, v.si(6), v.si(7), v.si(8), v.sf(9), v.si(10));
                 out.push((0, Val::F(o)));
             }
             "batchnorm2d_backward_f32" => {
                 let (mut dx, mut dw, mut db) = (v.f(0), v.f(1), v.f(2));
                 let (g, x, y, w, m, s) = (v.f(3), v.f(4), v.f(5), v.f(6), v.f(7), v.f(8));
-                cpu::batchnorm2d_backward_f32(&mut dx, &mut dw, &mut db, &g, &x, &y, &w, &m, &s, v.si(9), v.si(10), v.si(11), v.si(12));
+                twins::batchnorm2d_backward_f32(&mut dx, &mut dw, &mut db, &g, &x, &y, &w, &m, &s, v.si(9), v.si(10), v.si(11), v.si(12));
                 out.extend([(0, Val::F(dx)), (1, Val::F(dw)), (2, Val::F(db))]);
             }
-            "conv2d_forward_f32" => conv_fwd!(cpu::conv2d_forward_f32, f),
-            "conv2d_forward_bf16" => conv_fwd!(cpu::conv2d_forward_bf16, b),
-            "conv2d_backward_input_f32" => conv!(cpu::conv2d_backward_input_f32, f),
-            "conv2d_backward_input_bf16" => conv!(cpu::conv2d_backward_input_bf16, b),
-            "conv2d_backward_weight_f32" => conv!(cpu::conv2d_backward_weight_f32, f),
-            "conv2d_backward_weight_bf16" => conv!(cpu::conv2d_backward_weight_bf16, b),
+            "conv2d_forward_f32" => conv_fwd!(twins::conv2d_forward_f32, f),
+            "conv2d_forward_bf16" => conv_fwd!(twins::conv2d_forward_bf16, b),
+            "conv2d_backward_input_f32" => conv!(twins::conv2d_backward_input_f32, f),
+            "conv2d_backward_input_bf16" => conv!(twins::conv2d_backward_input_bf16, b),
+            "conv2d_backward_weight_f32" => conv!(twins::conv2d_backward_weight_f32, f),
+            "conv2d_backward_weight_bf16" => conv!(twins::conv2d_backward_weight_bf16, b),
             "conv2d_backward_bias_f32" | "conv2d_backward_bias_bf16" => {
                 let mut o = v.f(0);
                 if op.name.ends_with("f32") {
-                    cpu::conv2d_backward_bias_f32(&mut o, &v.f(1), v.si(2), v.si(3), v.si(4), v.si(5));
+                    twins::conv2d_backward_bias_f32(&mut o, &v.f(1), v.si(2), v.si(3), v.si(4), v.si(5));
                 } else {
-                    cpu::conv2d_backward_bias_bf16(&mut o, &v.b(1), v.si(2), v.si(3), v.si(4), v.si(5));
+                    twins::conv2d_backward_bias_bf16(&mut o, &v.b(1), v.si(2), v.si(3), v.si(4), v.si(5));
                 }
                 out.push((0, Val::F(o)));
             }
             "linear_forward_f32" => {
                 let (mut o, x, w, b) = (v.f(0), v.f(1), v.f(2), v.f(3));
-                cpu::linear_forward_f32(&mut o, &x, &w, Some(&b), v.si(4), v.si(5), v.si(6), v.si(7));
+                twins::linear_forward_f32(&mut o, &x, &w, Some(&b), v.si(4), v.si(5), v.si(6), v.si(7));
                 out.push((0, Val::F(o)));
             }
             "linear_forward_bf16" => {
                 let (mut o, x, w, b) = (v.f(0), v.b(1), v.b(2), v.f(3));
-                cpu::linear_forward_bf16(&mut o, &x, &w, Some(&b), v.si(4), v.si(5), v.si(6), v.si(7));
+                twins::linear_forward_bf16(&mut o, &x, &w, Some(&b), v.si(4), v.si(5), v.si(6), v.si(7));
                 out.push((0, Val::F(o)));
             }
-            "linear_backward_input_f32" => lin3!(cpu::linear_backward_input_f32, f),
-            "linear_backward_input_bf16" => lin3!(cpu::linear_backward_input_bf16, b),
-            "linear_backward_weight_f32" => lin3!(cpu::linear_backward_weight_f32, f),
-            "linear_backward_weight_bf16" => lin3!(cpu::linear_backward_weight_bf16, b),
+            "linear_backward_input_f32" => lin3!(twins::linear_backward_input_f32, f),
+            "linear_backward_input_bf16" => lin3!(twins::linear_backward_input_bf16, b),
+            "linear_backward_weight_f32" => lin3!(twins::linear_backward_weight_f32, f),
+            "linear_backward_weight_bf16" => lin3!(twins::linear_backward_weight_bf16, b),
             "linear_backward_bias_f32" | "linear_backward_bias_bf16" => {
                 let mut o = v.f(0);
                 if op.name.ends_with("f32") {
-                    cpu::linear_backward_bias_f32(&mut o, &v.f(1), v.si(2), v.si(3));
+                    twins::linear_backward_bias_f32(&mut o, &v.f(1), v.si(2), v.si(3));
                 } else {
-                    cpu::linear_backward_bias_bf16(&mut o, &v.b(1), v.si(2), v.si(3));
+                    twins::linear_backward_bias_bf16(&mut o, &v.b(1), v.si(2), v.si(3));
                 }
                 out.push((0, Val::F(o)));
             }
             "softmax_xent_forward_f32" => {
                 let (mut l, mut p, mut m, mut c) = (v.f(0), v.f(1), v.f(2), v.i(3));
                 let (z, t) = (v.f(4), v.i(5));
-                cpu::softmax_xent_forward_f32(&mut l, &mut p, &mut m, &mut c, &z, &t, v.si(6), v.si(7));
+                twins::softmax_xent_forward_f32(&mut l, &mut p, &mut m, &mut c, &z, &t, v.si(6), v.si(7));
                 out.extend([(0, Val::F(l)), (1, Val::F(p)), (2, Val::F(m)), (3, Val::I(c))]);
             }
             "softmax_xent_backward_f32" => {
                 let (mut d, p, t) = (v.f(0), v.f(1), v.i(2));
-                cpu::softmax_xent_backward_f32(&mut d, &p, &t, v.si(3), v.si(4));
+                twins::softmax_xent_backward_f32(&mut d, &p, &t, v.si(3), v.si(4));
                 out.push((0, Val::F(d)));
             }
             "adam_step_f32" => {
                 let (mut p, g, mut m, mut s) = (v.f(0), v.f(1), v.f(2), v.f(3));
-                cpu::adam_step_f32(&mut p, &g, &mut m, &mut s, v.si(4), v.sf(5), v.sf(6), v.sf(7), v.sf(8), v.sf(9), v.si(10));
+                twins::adam_step_f32(&mut p, &g, &mut m, &mut s, v.si(4), v.sf(5), v.sf(6), v.sf(7), v.sf(8), v.sf(9), v.si(10));
                 out.extend([(0, Val::F(p)), (2, Val::F(m)), (3, Val::F(s))]);
             }
             "sgd_step_f32" => {
                 let (mut p, g, mut b) = (v.f(0), v.f(1), v.f(2));
-                cpu::sgd_step_f32(&mut p, &g, &mut b, v.si(3), v.sf(4), v.sf(5), v.sf(6), v.sf(7), v.si(8), v.si(9));
+                twins::sgd_step_f32(&mut p, &g, &mut b, v.si(3), v.sf(4), v.sf(5), v.sf(6), v.sf(7), v.si(8), v.si(9));
                 out.extend([(0, Val::F(p)), (2, Val::F(b))]);
             }
             "maxpool2d_forward_f32" => {
                 let (mut o, mut ix, x) = (v.f(0), v.i(1), v.f(2));
-                cpu::maxpool2d_forward_f32(&mut o, &mut ix, &x, v.si(3), v.si(4), v.si(5), v.si(6), v.si(7), v.si(8));
+                twins::maxpool2d_forward_f32(&mut o, &mut ix, &x, v.si(3), v.si(4), v.si(5), v.si(6), v.si(7), v.si(8));
                 out.extend([(0, Val::F(o)), (1, Val::I(ix))]);
             }
             "maxpool2d_backward_f32" => {
                 let (mut d, g, ix) = (v.f(0), v.f(1), v.i(2));
-                cpu::maxpool2d_backward_f32(&mut d, &g, &ix, v.si(3), v.si(4), v.si(5), v.si(6), v.si(7), v.si(8));
+                twins::maxpool2d_backward_f32(&mut d, &g, &ix, v.si(3), v.si(4), v.si(5), v.si(6), v.si(7), v.si(8));
                 out.push((0, Val::F(d)));
             }
             "gather_batch_f32" => {
                 let (mut im, mut lb, di, dl, ix) = (v.f(0), v.i(1), v.u(2), v.u(3), v.i(4));
-                cpu::gather_batch_f32(&mut im, &mut lb, &di, &dl, &ix, v.si(5), v.si(6));
+                twins::gather_batch_f32(&mut im, &mut lb, &di, &dl, &ix, v.si(5), v.si(6));
                 out.extend([(0, Val::F(im)), (1, Val::I(lb))]);
             }
             "cast_f32_bf16" => {
                 let (mut o, x) = (v.b(0), v.f(1));
-                cpu::cast_f32_bf16(&mut o, &x, v.si(2));
+                twins::cast_f32_bf16(&mut o, &x, v.si(2));
                 out.push((0, Val::B(o)));
             }
             "cast_bf16_f32" => {
                 let (mut o, x) = (v.f(0), v.b(1));
-                cpu::cast_bf16_f32(&mut o, &x, v.si(2));
+                twins::cast_bf16_f32(&mut o, &x, v.si(2));
                 out.push((0, Val::F(o)));
             }
             other => {

@@ -11,8 +11,9 @@ use std::sync::Arc;
 
 use half::bf16;
 
+use super::error::DeviceError;
+use super::exec::Exec;
 use super::plan::{Arena, Arg, Op, Region};
-use super::{DeviceError, Exec};
 use crate::comm::{Communicator, ReduceOp};
 use crate::cuda::{Context, CudaError, DeviceBuffer, Function, Graph, HostReadback, Stream};
 
@@ -54,7 +55,7 @@ fn arena_index(a: Arena) -> usize {
 fn prefetch(ctx: &Arc<Context>, funcs: &mut HashMap<&'static str, Function>, ops: &[Op]) -> Result<(), CudaError> {
     for op in ops {
         if !funcs.contains_key(op.name) {
-            funcs.insert(op.name, ctx.function(op.kernel, op.name)?);
+            funcs.insert(op.name, ctx.function(op.kernel.source(), op.name)?);
         }
     }
     Ok(())

@@ -56,6 +56,9 @@ pub enum BufferMut<'a> {
 }
 
 /// A layer: shape math, parameters, forward and backward.
+///
+/// `Any` lets engines that run layers their own way (the device engine) read a layer's concrete
+/// type and shape parameters (`(layer as &dyn Any).downcast_ref::<Conv2d>()`).
 pub trait Layer: Send + std::any::Any {
     /// Short kind name for messages (`conv2d`, `relu`, ...).
     fn kind(&self) -> &'static str;

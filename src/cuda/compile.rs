@@ -1,0 +1,172 @@
+//! NVRTC compilation of a [`KernelSource`], with an on-disk cache of CUBIN images. No GPU needed.
+//!
+//! Compilation targets the device's own arch (`-arch=sm_XY`, CUBIN): PTX from an NVRTC newer than
+//! the driver is refused with `CUDA_ERROR_UNSUPPORTED_PTX_VERSION`, CUBIN is not. The disk cache
+//! (`$XDG_CACHE_HOME/lockstep` or `~/.cache/lockstep`) is keyed by a hash of the source, headers,
+//! options and NVRTC version, plus the GPU arch and driver version.
+
+use std::io::Write as _;
+use std::os::unix::fs::OpenOptionsExt as _;
+use std::path::{Path, PathBuf};
+
+use super::error::CudaError;
+use super::nvrtc::{self, Output};
+use super::source::{fnv1a, KernelSource};
+
+/// Which NVRTC lockstep uses.
+#[derive(Clone, Debug)]
+pub struct NvrtcInfo {
+    /// The library file.
+    pub path: String,
+    /// (major, minor).
+    pub version: (i32, i32),
+    /// Remarks from discovery (e.g. newer than the driver).
+    pub notes: Vec<String>,
+}
+
+impl NvrtcInfo {
+    /// Load NVRTC (no GPU needed) and describe it.
+    pub fn load() -> Result<NvrtcInfo, CudaError> {
+        let n = nvrtc::api()?;
+        Ok(NvrtcInfo { path: n.path.clone(), version: n.version, notes: n.notes.clone() })
+    }
+}
+
+/// Compile `src` to PTX for a virtual arch such as `compute_80` (no GPU needed).
+pub fn compile_ptx(src: &KernelSource, arch: &str) -> Result<String, CudaError> {
+    let n = nvrtc::api()?;
+    let opts = vec![format!("--gpu-architecture={arch}"), "-default-device".to_string()];
+    let ptx = n.compile(src.name, src.source, src.headers, &opts, Output::Ptx)?;
+    Ok(String::from_utf8_lossy(&ptx).trim_end_matches('\0').to_string())
+}
+
+/// Extra NVRTC options from `LOCKSTEP_NVRTC_OPTIONS` (whitespace-separated, e.g.
+/// `-DLOCKSTEP_NO_TF32` for exact f32 GEMMs in tests). Read once per process; the options take
+/// part in the disk-cache key, so switching them never loads a stale image.
+pub fn extra_nvrtc_options() -> Vec<String> {
+    static OPTS: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
+    OPTS.get_or_init(|| std::env::var("LOCKSTEP_NVRTC_OPTIONS").unwrap_or_default().split_whitespace().map(str::to_string).collect())
+        .clone()
+}
+
+/// The kernel cache folder.
+pub fn cache_dir() -> PathBuf {
+    if let Some(x) = std::env::var_os("XDG_CACHE_HOME").filter(|v| !v.is_empty()) {
+        return PathBuf::from(x).join("lockstep");
+    }
+    if let Some(h) = std::env::var_os("HOME").filter(|v| !v.is_empty()) {
+        return PathBuf::from(h).join(".cache/lockstep");
+    }
+    std::env::temp_dir().join("lockstep-cache")
+}
+
+/// The cache file of `src` compiled with `opts` by NVRTC `nvrtc_version` for `cc` and driver
+/// `driver_version`: the hash covers the text, the headers, the options and the NVRTC version.
+fn cache_path(src: &KernelSource, opts: &[String], nvrtc_version: (i32, i32), cc: (i32, i32), driver_version: i32) -> PathBuf {
+    let optstr = opts.join(" ");
+    let nv = format!("{}.{}", nvrtc_version.0, nvrtc_version.1);
+    let mut parts = src.content_parts();
+    parts.push(optstr.as_bytes());
+    parts.push(nv.as_bytes());
+    let hash = fnv1a(&parts);
+    let stem = src.name.trim_end_matches(".cu");
+    cache_dir().join("kernels").join(format!("{stem}-sm{}{}-drv{driver_version}-{hash:016x}.cubin", cc.0, cc.1))
+}
+
+/// CUBIN for `src` on arch `sm_{major}{minor}`, from the disk cache or NVRTC. Returns the image
+/// and whether it came from the cache.
+pub fn compile_cubin_cached(src: &KernelSource, cc: (i32, i32), driver_version: i32) -> Result<(Vec<u8>, bool), CudaError> {
+    let n = nvrtc::api()?;
+    let mut opts = vec![format!("--gpu-architecture=sm_{}{}", cc.0, cc.1), "-default-device".to_string()];
+    opts.extend(extra_nvrtc_options());
+    let path = cache_path(src, &opts, n.version, cc, driver_version);
+    if let Ok(bytes) = std::fs::read(&path) {
+        if !bytes.is_empty() {
+            return Ok((bytes, true));
+        }
+    }
+    let cubin = n.compile(src.name, src.source, src.headers, &opts, Output::Cubin)?;
+    // A cache that cannot be written only costs a recompile next time: say so, and carry on.
+    if let Err(e) = write_atomic(&path, &cubin) {
+        tracing::warn!("kernel cache: could not store {}: {e}; {} will be compiled again next time", path.display(), src.name);
+    }
+    Ok((cubin, false))
+}
+
+/// Write `bytes` to `path` so that readers see either nothing or the whole file: a fresh
+/// temporary file next to it (`O_EXCL|O_NOFOLLOW`), fsync, rename over `path`, fsync the folder.
+fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let dir = path.parent().ok_or_else(|| std::io::Error::other("cache path has no folder"))?;
+    std::fs::create_dir_all(dir)?;
+    let name = path.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
+    let tmp = dir.join(format!(".{name}.tmp.{}.{nanos}", std::process::id()));
+    let written = (|| {
+        let mut f = std::fs::OpenOptions::new().write(true).create_new(true).custom_flags(libc::O_NOFOLLOW).open(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+        drop(f);
+        std::fs::rename(&tmp, path)
+    })();
+    if written.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    written?;
+    std::fs::File::open(dir)?.sync_all()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    static SRC: KernelSource = KernelSource { name: "t.cu", source: "x", headers: &[("h.cuh", "1")], functions: &[] };
+
+    #[test]
+    fn cache_key_covers_options_versions_and_arch() {
+        let o = |s: &str| vec![s.to_string()];
+        let base = cache_path(&SRC, &o("-a"), (12, 9), (8, 0), 12040);
+        assert_eq!(base, cache_path(&SRC, &o("-a"), (12, 9), (8, 0), 12040));
+        let name = base.file_name().unwrap().to_string_lossy().into_owned();
+        assert!(name.starts_with("t-sm80-drv12040-") && name.ends_with(".cubin"), "{name}");
+        assert_ne!(base, cache_path(&SRC, &o("-b"), (12, 9), (8, 0), 12040), "options");
+        assert_ne!(base, cache_path(&SRC, &o("-a"), (13, 0), (8, 0), 12040), "NVRTC version");
+        assert_ne!(base, cache_path(&SRC, &o("-a"), (12, 9), (9, 0), 12040), "arch");
+        assert_ne!(base, cache_path(&SRC, &o("-a"), (12, 9), (8, 0), 13000), "driver");
+        let other = KernelSource { source: "y", ..SRC };
+        assert_ne!(base, cache_path(&other, &o("-a"), (12, 9), (8, 0), 12040), "source text");
+        let other = KernelSource { headers: &[("h.cuh", "2")], ..SRC };
+        assert_ne!(base, cache_path(&other, &o("-a"), (12, 9), (8, 0), 12040), "header text");
+    }
+
+    #[test]
+    fn atomic_write_replaces_and_leaves_no_temporary() {
+        let dir = std::env::temp_dir().join(format!("lockstep-cache-test-{}", std::process::id()));
+        let path = dir.join("sub").join("k.cubin");
+        write_atomic(&path, b"one").unwrap();
+        write_atomic(&path, b"two").unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), b"two");
+        let left: Vec<_> = std::fs::read_dir(path.parent().unwrap()).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert_eq!(left, vec![std::ffi::OsString::from("k.cubin")], "temporary files removed");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A compile error carries the NVRTC log with the line (runs when NVRTC is installed, e.g.
+    /// after `.ci/install-nvrtc.sh`; otherwise there is nothing to check).
+    #[test]
+    fn compile_error_reports_the_nvrtc_log() {
+        let Ok(n) = nvrtc::api() else {
+            eprintln!("skipped: no NVRTC library");
+            return;
+        };
+        if crate::cuda::driver::core().is_ok() {
+            // Compiling would initialise CUDA in this (multi-threaded, possibly forking) test
+            // process; tests/nvrtc_kernels.rs covers compilation on machines with a driver.
+            eprintln!("skipped: a CUDA driver is present");
+            return;
+        }
+        let src = "extern \"C\" __global__ void broken(float* x) {\n  x[0] = undefined_name;\n}\n";
+        let e = n.compile("broken.cu", src, &[], &["--gpu-architecture=compute_80".into()], Output::Ptx).unwrap_err().to_string();
+        assert!(e.contains("broken.cu") && e.contains("undefined_name") && e.contains("(2)"), "{e}");
+        assert!(e.contains("--gpu-architecture=compute_80"), "{e}");
+    }
+}

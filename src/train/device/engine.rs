@@ -1,0 +1,286 @@
+//! [`Engine`] (a model's plans on an executor: step, evaluation, read-backs) and
+//! [`train_device`] (the epoch loop).
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use super::error::DeviceError;
+use super::exec::Exec;
+use super::plan::{AdamHyper, Builder, Op, Precision, Tensors};
+use crate::comm::Communicator;
+use crate::train::checkpoint::{self, TrainState};
+use crate::train::data::Dataset;
+use crate::train::model::{Model, ModelError, StateMut};
+use crate::train::sampler::DistributedSampler;
+use crate::train::trainer::{EpochReport, Observer, TrainConfig, TrainOutcome};
+
+/// Options of the device engine beyond [`TrainConfig`].
+#[derive(Clone, Copy, Debug)]
+pub struct DeviceOptions {
+    /// GEMM precision.
+    pub precision: Precision,
+    /// Read the loss back every this many steps (at least 1).
+    pub loss_every: usize,
+}
+
+impl Default for DeviceOptions {
+    fn default() -> Self {
+        DeviceOptions { precision: Precision::Fp32, loss_every: 50 }
+    }
+}
+
+/// A model's device step on an executor: tensors, cached plans, optimizer step count.
+pub struct Engine<E: Exec> {
+    /// The executor.
+    pub exec: E,
+    /// Tensor layout.
+    pub t: Tensors,
+    /// GEMM precision.
+    pub precision: Precision,
+    /// Adam hyper-parameters (lr comes per step).
+    pub adam: AdamHyper,
+    /// Optimizer steps taken.
+    pub step: u64,
+    /// Offset of the test split in the dataset arenas (samples).
+    test_offset: usize,
+    plans: HashMap<u64, Vec<Op>>,
+}
+
+impl<E: Exec> Engine<E> {
+    /// Lay out the tensors of `model`'s step for `batch` images, upload its parameters and
+    /// BatchNorm running statistics, and zero the optimizer state.
+    pub fn new(mut exec: E, model: &Model, batch: usize, precision: Precision) -> Result<Engine<E>, DeviceError> {
+        let t = Tensors::new(model, batch, precision)?;
+        exec.write_f32(t.params, &model.params)?;
+        let zeros = vec![0.0f32; t.num_params];
+        for r in [t.grads, t.m, t.v] {
+            exec.write_f32(r, &zeros)?;
+        }
+        exec.write_f32(t.bn_state, &t.bn_init)?;
+        exec.write_f32(t.loss.loss_sum, &[0.0])?;
+        Ok(Engine { exec, t, precision, adam: AdamHyper::default(), step: 0, test_offset: 0, plans: HashMap::new() })
+    }
+
+    /// Upload both splits once; evaluation ids are offset past the training split.
+    pub fn upload_dataset(&mut self, train: &Dataset, test: &Dataset) -> Result<(), DeviceError> {
+        let [c, h, w] = self.t.sample_dims;
+        let check = |d: &Dataset| {
+            if c != 1 || (d.rows, d.cols) != (h, w) {
+                return Err(DeviceError::Config(format!(
+                    "the model expects {c}x{h}x{w} images, the dataset has 1x{}x{}: use the model's dataset",
+                    d.rows, d.cols
+                )));
+            }
+            Ok(())
+        };
+        check(train)?;
+        if !test.is_empty() {
+            check(test)?;
+        }
+        let mut images = Vec::with_capacity(train.images.len() + test.images.len());
+        images.extend_from_slice(&train.images);
+        images.extend_from_slice(&test.images);
+        let mut labels = Vec::with_capacity(train.len() + test.len());
+        labels.extend_from_slice(&train.labels);
+        labels.extend_from_slice(&test.labels);
+        let classes = self.t.classes;
+        if let Some(&l) = labels.iter().find(|&&l| l as usize >= classes) {
+            return Err(DeviceError::Model(ModelError::Label { label: l, classes }));
+        }
+        self.test_offset = train.len();
+        self.exec.upload_dataset(&images, &labels)
+    }
+
+    /// Use `idx` (sample ids of one split; `test` selects the test split) for the next steps.
+    pub fn set_index_list(&mut self, idx: &[usize], test: bool) -> Result<(), DeviceError> {
+        let off = if test { self.test_offset } else { 0 };
+        let v: Vec<i32> = idx.iter().map(|&i| (i + off) as i32).collect();
+        self.exec.load_index_list(&v)
+    }
+
+    fn plan(&mut self, b: usize, train: bool) -> (u64, &[Op]) {
+        let key = ((b as u64) << 1) | train as u64;
+        let sm = self.exec.sm_count();
+        let (t, p) = (&self.t, self.precision);
+        let ops = self.plans.entry(key).or_insert_with(|| if train { t.train_step(b, p, sm) } else { t.eval_step(b, p, sm) });
+        (key, ops)
+    }
+
+    /// Forward + backward on ids `start..start + b` of the index list (adds `b * loss` to the
+    /// device loss accumulator), the gradient average over ranks when `comm` has several, then
+    /// one Adam step with learning rate `lr`.
+    pub fn train_step(&mut self, start: usize, b: usize, lr: f32, comm: Option<&mut Communicator>) -> Result<(), DeviceError> {
+        if b == 0 || b > self.t.batch {
+            return Err(DeviceError::Config(format!("step of {b} images: the engine was built for 1..={}", self.t.batch)));
+        }
+        self.exec.select_indices(self.t.indices.prefix(b), start)?;
+        let (key, _) = self.plan(b, true);
+        let ops = self.plans.remove(&key).unwrap_or_default();
+        let r = self.exec.run_step(key, &ops);
+        self.plans.insert(key, ops);
+        r?;
+        if let Some(c) = comm {
+            if c.world_size() > 1 {
+                self.exec.all_reduce_mean(c, self.t.grads)?;
+            }
+        }
+        self.step += 1;
+        let mut ops = Builder::new(1);
+        ops.adam(self.t.params, self.t.grads, self.t.m, self.t.v, &self.adam, lr, self.step);
+        self.exec.run(&ops.ops[0])
+    }
+
+    /// Evaluate ids `start..start + b` of the index list; returns the correct predictions.
+    pub fn eval_batch(&mut self, start: usize, b: usize) -> Result<u64, DeviceError> {
+        if b == 0 || b > self.t.batch {
+            return Err(DeviceError::Config(format!("evaluation of {b} images: the engine was built for 1..={}", self.t.batch)));
+        }
+        self.exec.select_indices(self.t.indices.prefix(b), start)?;
+        let (key, _) = self.plan(b, false);
+        let ops = self.plans.remove(&key).unwrap_or_default();
+        let r = self.exec.run_step(key, &ops);
+        self.plans.insert(key, ops);
+        r?;
+        Ok(self.exec.read_i32(self.t.loss.correct)?[0].max(0) as u64)
+    }
+
+    /// The mean loss of the last step (waits for it).
+    pub fn last_loss(&mut self) -> Result<f32, DeviceError> {
+        Ok(self.exec.read_f32(self.t.loss.mean_loss)?[0])
+    }
+
+    /// Zero the device loss accumulator.
+    pub fn reset_loss_sum(&mut self) -> Result<(), DeviceError> {
+        self.exec.write_f32(self.t.loss.loss_sum, &[0.0])
+    }
+
+    /// The flat parameters (waits).
+    pub fn params(&mut self) -> Result<Vec<f32>, DeviceError> {
+        self.exec.read_f32(self.t.params)
+    }
+}
+
+/// Train the recipe CNN (`Model::fashion_cnn`) on the executor `make_exec` builds for the given arena sizes (f32, i32,
+/// bf16 elements): the GPU one in `train-cnn --device cuda`, the CPU twins in tests. `comm` joins the ranks (gradient average, metrics); `None` trains alone.
+pub fn train_device<E: Exec>(
+    cfg: &TrainConfig,
+    opts: &DeviceOptions,
+    train_set: &Dataset,
+    test_set: &Dataset,
+    make_exec: impl FnOnce((usize, usize, usize)) -> Result<E, DeviceError>,
+    mut comm: Option<&mut Communicator>,
+    obs: &mut dyn Observer,
+) -> Result<TrainOutcome, DeviceError> {
+    if cfg.resume.is_some() {
+        return Err(DeviceError::Config("--resume is not supported with --device cuda yet; resume on --device cpu".into()));
+    }
+    if cfg.sync_bn {
+        return Err(DeviceError::Config("--sync-bn is not supported with --device cuda yet; drop it or use --device cpu".into()));
+    }
+    let (rank, world) = comm.as_deref().map(|c| (c.rank(), c.world_size())).unwrap_or((0, 1));
+    let mut model = Model::fashion_cnn(cfg.batch_size)?;
+    model.init(cfg.seed);
+    let layout = Tensors::new(&model, cfg.batch_size, opts.precision)?;
+    let mut eng = Engine::new(make_exec(layout.arena_len)?, &model, cfg.batch_size, opts.precision)?;
+    eng.upload_dataset(train_set, test_set)?;
+    let mut sampler = DistributedSampler::new(train_set.len(), world, rank, true, cfg.seed);
+    let mut idx = Vec::with_capacity(sampler.num_samples());
+    let mut reports = Vec::new();
+    let every = opts.loss_every.max(1);
+    for epoch in 0..cfg.epochs {
+        let t0 = Instant::now();
+        sampler.indices(epoch, &mut idx);
+        eng.set_index_list(&idx, false)?;
+        eng.reset_loss_sum()?;
+        let steps = idx.len().div_ceil(cfg.batch_size);
+        obs.epoch_start(epoch + 1, cfg.epochs, steps);
+        // (images seen when the pending read-back was started, the sum it will report)
+        let (mut pending, mut last_sum, mut last_images, mut images) = (None::<usize>, 0.0f64, 0usize, 0usize);
+        for (s, start) in (0..idx.len()).step_by(cfg.batch_size).enumerate() {
+            let b = cfg.batch_size.min(idx.len() - start);
+            let lr = cfg.schedule.lr(cfg.lr, eng.step);
+            eng.train_step(start, b, lr, comm.as_deref_mut())?;
+            images += b;
+            if (s + 1) % every == 0 {
+                // Collect the read-back started `every` steps ago (long finished), start a new one.
+                if let Some(at) = pending.take() {
+                    let sum = eng.exec.finish_read()?[0] as f64;
+                    let loss = (sum - last_sum) / (at - last_images).max(1) as f64;
+                    (last_sum, last_images) = (sum, at);
+                    obs.step(s + 1, loss as f32, (images * world) as f64 / t0.elapsed().as_secs_f64().max(1e-9));
+                }
+                eng.exec.start_read(eng.t.loss.loss_sum)?;
+                pending = Some(images);
+            }
+        }
+        if pending.is_some() {
+            eng.exec.finish_read()?;
+        }
+        let loss_sum = eng.exec.read_f32(eng.t.loss.loss_sum)?[0] as f64;
+        let train_s = t0.elapsed().as_secs_f64();
+        let mut tot = [loss_sum, images as f64];
+        if let Some(c) = comm.as_deref_mut() {
+            if world > 1 {
+                eng.exec.all_reduce_sum_host(c, &mut tot)?;
+                // DDP's broadcast_buffers: rank 0's running statistics for evaluation.
+                eng.exec.broadcast(c, eng.t.bn_state)?;
+            }
+        }
+        // Evaluation: this rank's shard of the test set, padding dropped.
+        let mut ts = DistributedSampler::new(test_set.len(), world, rank, false, 0);
+        let mut tidx = Vec::new();
+        ts.indices(0, &mut tidx);
+        let real: Vec<usize> = tidx.iter().enumerate().filter(|(k, _)| ts.is_real(*k)).map(|(_, &i)| i).collect();
+        let mut correct = 0u64;
+        if !real.is_empty() {
+            eng.set_index_list(&real, true)?;
+            for start in (0..real.len()).step_by(cfg.batch_size) {
+                correct += eng.eval_batch(start, cfg.batch_size.min(real.len() - start))?;
+            }
+        }
+        let mut counts = [correct as f64, real.len() as f64];
+        if let Some(c) = comm.as_deref_mut() {
+            if world > 1 {
+                eng.exec.all_reduce_sum_host(c, &mut counts)?;
+            }
+        }
+        let report = EpochReport {
+            epoch: epoch + 1,
+            epochs: cfg.epochs,
+            train_loss: tot[0] / tot[1].max(1.0),
+            test_acc: 100.0 * counts[0] / counts[1].max(1.0),
+            test_count: counts[1] as u64,
+            epoch_s: t0.elapsed().as_secs_f64(),
+            images_per_s: tot[1] / train_s.max(1e-9),
+            steps,
+        };
+        obs.epoch_end(&report);
+        reports.push(report);
+    }
+    let params = eng.params()?;
+    if let Some(path) = &cfg.save {
+        if rank == 0 {
+            model.params.copy_from_slice(&params);
+            let mut opt = crate::train::optim::Adam::new(model.num_params(), cfg.lr);
+            opt.step = eng.step;
+            opt.m = eng.exec.read_f32(eng.t.m)?;
+            opt.v = eng.exec.read_f32(eng.t.v)?;
+            let st = eng.exec.read_f32(eng.t.bn_state)?;
+            let base = eng.t.bn_state.off;
+            for s in model.state_mut() {
+                match s {
+                    StateMut::F32(name, v) => {
+                        let r = eng.t.bn_names.iter().find(|(n, _)| *n == name).map(|(_, r)| *r).ok_or_else(|| {
+                            DeviceError::Config(format!("the device engine keeps no copy of state {name}, so it cannot checkpoint it"))
+                        })?;
+                        v.copy_from_slice(&st[r.off - base..r.off - base + r.len]);
+                    }
+                    StateMut::I64(_, v) => *v = eng.step as i64,
+                }
+            }
+            let ts = TrainState { epoch: cfg.epochs, step: eng.step, seed: cfg.seed, world_size: world as u64 };
+            checkpoint::save(path, &mut model, &opt, &ts)?;
+        }
+    }
+    Ok(TrainOutcome { reports, params, activation_bytes: eng.t.arena_len.0 * 4 + eng.t.arena_len.1 * 4 + eng.t.arena_len.2 * 2 })
+}

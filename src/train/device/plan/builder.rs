@@ -1,0 +1,433 @@
+//! The launch builder: one method per kernel entry point, emitting an [`Op`] with the right
+//! entry point, argument order and launch geometry. The geometry sits next to each launch
+//! (STYLE item 7), copied from the `.cu` headers; the arguments are checked against the
+//! generated signature table by [`Op::check_signature`] and, on a GPU, by the launch builder.
+//!
+//! Conventions of the kernels carry over: activation gradients are overwritten, parameter
+//! gradients accumulate.
+
+use super::ir::{AdamHyper, Arena, Arg, BnTensors, LossTensors, Op, Region};
+use crate::cuda::LaunchConfig;
+use crate::train::device::kernels::KernelId;
+use crate::train::layers::Conv2dParams;
+
+/// Threads per block of the tiled GEMM core (`GEMM_THREADS` in common.cuh).
+const GEMM_THREADS: u32 = 128;
+/// Output tile of the GEMM core (`GEMM_BM` = `GEMM_BN` = 64).
+const GEMM_TILE: usize = 64;
+/// K chunk of the GEMM core (`GEMM_BK`).
+const GEMM_BK: usize = 32;
+
+fn cfg(grid: (usize, usize, usize), block: u32) -> LaunchConfig {
+    let c = |v: usize| v.clamp(1, 65535) as u32;
+    LaunchConfig { grid: (c(grid.0), c(grid.1), c(grid.2)), block: (block, 1, 1), shared_mem: 0 }
+}
+
+/// GEMM grid for C[M, N] with `splits` K slices: (ceil(N/64), ceil(M/64), splits), block 128.
+fn gemm_cfg(m: usize, n: usize, splits: usize) -> LaunchConfig {
+    cfg((n.div_ceil(GEMM_TILE), m.div_ceil(GEMM_TILE), splits.max(1)), GEMM_THREADS)
+}
+
+/// Split-K factor for an accumulating GEMM: about two blocks per SM, at most one 32-wide K
+/// chunk per slice (conv2d.cu header).
+fn split_k(m: usize, n: usize, k: usize, sm_count: usize) -> usize {
+    let tiles = n.div_ceil(GEMM_TILE) * m.div_ceil(GEMM_TILE);
+    (2 * sm_count / tiles.max(1)).clamp(1, k.div_ceil(GEMM_BK).max(1))
+}
+
+fn i(v: usize) -> Arg {
+    Arg::I32(v as i32)
+}
+
+/// Convolution shape with its batch and input size (the kernels' `shape...` arguments).
+#[derive(Clone, Copy, Debug)]
+pub struct ConvLaunch {
+    /// Shape parameters.
+    pub p: Conv2dParams,
+    /// Batch.
+    pub batch: usize,
+    /// Input height.
+    pub in_h: usize,
+    /// Input width.
+    pub in_w: usize,
+}
+
+impl ConvLaunch {
+    fn shape_args(&self) -> [Arg; 9] {
+        let p = &self.p;
+        [i(self.batch), i(p.in_c), i(self.in_h), i(self.in_w), i(p.out_c), i(p.kh), i(p.kw), i(p.stride), i(p.pad)]
+    }
+    fn out_hw(&self) -> (usize, usize) {
+        (self.p.out_h(self.in_h), self.p.out_w(self.in_w))
+    }
+}
+
+/// Emits [`Op`]s with the right entry point, argument order and geometry.
+#[derive(Debug)]
+pub struct Builder {
+    /// The ops so far.
+    pub ops: Vec<Op>,
+    /// SMs of the device (split-K sizing; any positive value is correct).
+    pub sm_count: usize,
+}
+
+fn suffix(bf16: bool, f32_name: &'static str, bf16_name: &'static str) -> &'static str {
+    if bf16 {
+        bf16_name
+    } else {
+        f32_name
+    }
+}
+
+impl Builder {
+    /// An empty op list.
+    pub fn new(sm_count: usize) -> Builder {
+        Builder { ops: Vec::new(), sm_count: sm_count.max(1) }
+    }
+
+    fn push(&mut self, kernel: KernelId, name: &'static str, args: Vec<Arg>, cfg: LaunchConfig) {
+        self.ops.push(Op { kernel, name, args, cfg });
+    }
+
+    /// `fill_f32`: 1-D, block 256, grid ceil(n/256) capped (grid-stride).
+    pub fn fill(&mut self, out: Region, value: f32) {
+        self.push(
+            KernelId::Elementwise,
+            "fill_f32",
+            vec![Arg::Out(out), Arg::F32(value), Arg::I64(out.len as i64)],
+            LaunchConfig::for_elements(out.len),
+        );
+    }
+
+    /// `axpy_f32`: y += alpha * x; 1-D, block 256.
+    pub fn axpy(&mut self, y: Region, x: Region, alpha: f32) {
+        self.push(
+            KernelId::Elementwise,
+            "axpy_f32",
+            vec![Arg::Out(y), Arg::In(x), Arg::F32(alpha), Arg::I64(y.len as i64)],
+            LaunchConfig::for_elements(y.len),
+        );
+    }
+
+    /// `cast_f32_bf16`: 1-D, block 256.
+    pub fn cast_to_bf16(&mut self, out: Region, inp: Region) {
+        self.push(KernelId::Data, "cast_f32_bf16", vec![Arg::Out(out), Arg::In(inp), i(inp.len)], LaunchConfig::for_elements(inp.len));
+    }
+
+    /// `gather_batch_f32`: block 256, grid (ceil(image_size/256), batch).
+    pub fn gather(&mut self, images: Region, labels: Region, indices: Region, batch: usize, image_size: usize) {
+        let ds_i = Region { arena: Arena::Images, off: 0, len: 0 };
+        let ds_l = Region { arena: Arena::Labels, off: 0, len: 0 };
+        self.push(
+            KernelId::Data,
+            "gather_batch_f32",
+            vec![Arg::Out(images), Arg::Out(labels), Arg::In(ds_i), Arg::In(ds_l), Arg::In(indices), i(batch), i(image_size)],
+            cfg((image_size.div_ceil(256), batch, 1), 256),
+        );
+    }
+
+    /// `conv2d_forward_*`: GEMM M = out_c, N = batch*out_h*out_w, splits 1 (it overwrites).
+    pub fn conv_forward(&mut self, bf16: bool, out: Region, inp: Region, weight: Region, bias: Region, s: ConvLaunch) {
+        let (oh, ow) = s.out_hw();
+        let mut a = vec![Arg::Out(out), Arg::In(inp), Arg::In(weight), Arg::In(bias)];
+        a.extend(s.shape_args());
+        self.push(
+            KernelId::Conv2d,
+            suffix(bf16, "conv2d_forward_f32", "conv2d_forward_bf16"),
+            a,
+            gemm_cfg(s.p.out_c, s.batch * oh * ow, 1),
+        );
+    }
+
+    /// `conv2d_backward_input_*`: GEMM M = in_c, N = batch*in_h*in_w, splits 1 (it overwrites).
+    pub fn conv_backward_input(&mut self, bf16: bool, dinp: Region, dout: Region, weight: Region, s: ConvLaunch) {
+        let mut a = vec![Arg::Out(dinp), Arg::In(dout), Arg::In(weight)];
+        a.extend(s.shape_args());
+        let name = suffix(bf16, "conv2d_backward_input_f32", "conv2d_backward_input_bf16");
+        self.push(KernelId::Conv2d, name, a, gemm_cfg(s.p.in_c, s.batch * s.in_h * s.in_w, 1));
+    }
+
+    /// `conv2d_backward_weight_*`: GEMM M = out_c, N = in_c*kh*kw, K = batch*out_h*out_w, split-K
+    /// (atomics into the accumulated dweight).
+    pub fn conv_backward_weight(&mut self, bf16: bool, dweight: Region, dout: Region, inp: Region, s: ConvLaunch) {
+        let (oh, ow) = s.out_hw();
+        let (m, n, k) = (s.p.out_c, s.p.k(), s.batch * oh * ow);
+        let mut a = vec![Arg::Out(dweight), Arg::In(dout), Arg::In(inp)];
+        a.extend(s.shape_args());
+        let name = suffix(bf16, "conv2d_backward_weight_f32", "conv2d_backward_weight_bf16");
+        self.push(KernelId::Conv2d, name, a, gemm_cfg(m, n, split_k(m, n, k, self.sm_count)));
+    }
+
+    /// `conv2d_backward_bias_*`: grid (out_c), block 256.
+    pub fn conv_backward_bias(&mut self, bf16: bool, dbias: Region, dout: Region, s: ConvLaunch) {
+        let (oh, ow) = s.out_hw();
+        let name = suffix(bf16, "conv2d_backward_bias_f32", "conv2d_backward_bias_bf16");
+        self.push(
+            KernelId::Conv2d,
+            name,
+            vec![Arg::Out(dbias), Arg::In(dout), i(s.batch), i(s.p.out_c), i(oh), i(ow)],
+            cfg((s.p.out_c, 1, 1), 256),
+        );
+    }
+
+    /// `linear_forward_*`: GEMM M = batch, N = out_f, K = in_f, splits 1 (fused ReLU allowed).
+    #[allow(clippy::too_many_arguments)]
+    pub fn linear_forward(
+        &mut self,
+        bf16: bool,
+        out: Region,
+        inp: Region,
+        weight: Region,
+        bias: Region,
+        batch: usize,
+        in_f: usize,
+        out_f: usize,
+        relu: bool,
+    ) {
+        let a = vec![Arg::Out(out), Arg::In(inp), Arg::In(weight), Arg::In(bias), i(batch), i(in_f), i(out_f), i(relu as usize)];
+        self.push(KernelId::Linear, suffix(bf16, "linear_forward_f32", "linear_forward_bf16"), a, gemm_cfg(batch, out_f, 1));
+    }
+
+    /// `linear_backward_input_*`: GEMM M = batch, N = in_f, splits 1.
+    #[allow(clippy::too_many_arguments)]
+    pub fn linear_backward_input(
+        &mut self,
+        bf16: bool,
+        dinp: Region,
+        dout: Region,
+        weight: Region,
+        batch: usize,
+        in_f: usize,
+        out_f: usize,
+    ) {
+        let a = vec![Arg::Out(dinp), Arg::In(dout), Arg::In(weight), i(batch), i(in_f), i(out_f)];
+        self.push(KernelId::Linear, suffix(bf16, "linear_backward_input_f32", "linear_backward_input_bf16"), a, gemm_cfg(batch, in_f, 1));
+    }
+
+    /// `linear_backward_weight_*`: GEMM M = out_f, N = in_f, K = batch, split-K.
+    #[allow(clippy::too_many_arguments)]
+    pub fn linear_backward_weight(
+        &mut self,
+        bf16: bool,
+        dweight: Region,
+        dout: Region,
+        inp: Region,
+        batch: usize,
+        in_f: usize,
+        out_f: usize,
+    ) {
+        let a = vec![Arg::Out(dweight), Arg::In(dout), Arg::In(inp), i(batch), i(in_f), i(out_f)];
+        let splits = split_k(out_f, in_f, batch, self.sm_count);
+        self.push(
+            KernelId::Linear,
+            suffix(bf16, "linear_backward_weight_f32", "linear_backward_weight_bf16"),
+            a,
+            gemm_cfg(out_f, in_f, splits),
+        );
+    }
+
+    /// `linear_backward_bias_*`: grid ceil(out_f/256), block 256.
+    pub fn linear_backward_bias(&mut self, bf16: bool, dbias: Region, dout: Region, batch: usize, out_f: usize) {
+        let name = suffix(bf16, "linear_backward_bias_f32", "linear_backward_bias_bf16");
+        self.push(KernelId::Linear, name, vec![Arg::Out(dbias), Arg::In(dout), i(batch), i(out_f)], cfg((out_f.div_ceil(256), 1, 1), 256));
+    }
+
+    /// `relu_forward_f32`: 1-D, block 256.
+    pub fn relu_forward(&mut self, out: Region, inp: Region) {
+        self.push(
+            KernelId::Activation,
+            "relu_forward_f32",
+            vec![Arg::Out(out), Arg::In(inp), i(out.len)],
+            LaunchConfig::for_elements(out.len),
+        );
+    }
+
+    /// `relu_backward_f32`: 1-D, block 256.
+    pub fn relu_backward(&mut self, dinp: Region, out: Region, dout: Region) {
+        self.push(
+            KernelId::Activation,
+            "relu_backward_f32",
+            vec![Arg::Out(dinp), Arg::In(out), Arg::In(dout), i(dinp.len)],
+            LaunchConfig::for_elements(dinp.len),
+        );
+    }
+
+    /// `batchnorm2d_forward_train_f32`: grid (channels), block 256 (one block per channel).
+    /// `momentum` and `eps` as in PyTorch (the CPU layer's fields).
+    #[allow(clippy::too_many_arguments)]
+    pub fn bn_forward_train(
+        &mut self,
+        out: Region,
+        bn: &BnTensors,
+        inp: Region,
+        weight: Region,
+        bias: Region,
+        batch: usize,
+        hw: usize,
+        momentum: f32,
+        eps: f32,
+        relu: bool,
+    ) {
+        let c = bn.mean.len;
+        let a = vec![
+            Arg::Out(out),
+            Arg::Out(bn.mean),
+            Arg::Out(bn.invstd),
+            Arg::Out(bn.running_mean),
+            Arg::Out(bn.running_var),
+            Arg::In(inp),
+            Arg::In(weight),
+            Arg::In(bias),
+            i(batch),
+            i(c),
+            i(hw),
+            Arg::F32(momentum),
+            Arg::F32(eps),
+            i(relu as usize),
+        ];
+        self.push(KernelId::Batchnorm, "batchnorm2d_forward_train_f32", a, cfg((c, 1, 1), 256));
+    }
+
+    /// `batchnorm2d_forward_eval_f32`: 1-D over batch*channels*hw, block 256.
+    #[allow(clippy::too_many_arguments)]
+    pub fn bn_forward_eval(
+        &mut self,
+        out: Region,
+        bn: &BnTensors,
+        inp: Region,
+        weight: Region,
+        bias: Region,
+        batch: usize,
+        hw: usize,
+        eps: f32,
+        relu: bool,
+    ) {
+        let c = bn.mean.len;
+        let a = vec![
+            Arg::Out(out),
+            Arg::In(inp),
+            Arg::In(weight),
+            Arg::In(bias),
+            Arg::In(bn.running_mean),
+            Arg::In(bn.running_var),
+            i(batch),
+            i(c),
+            i(hw),
+            Arg::F32(eps),
+            i(relu as usize),
+        ];
+        self.push(KernelId::Batchnorm, "batchnorm2d_forward_eval_f32", a, LaunchConfig::for_elements(batch * c * hw));
+    }
+
+    /// `batchnorm2d_backward_f32`: grid (channels), block 256.
+    #[allow(clippy::too_many_arguments)]
+    pub fn bn_backward(
+        &mut self,
+        dinp: Region,
+        dweight: Region,
+        dbias: Region,
+        dout: Region,
+        inp: Region,
+        out: Region,
+        weight: Region,
+        bn: &BnTensors,
+        batch: usize,
+        hw: usize,
+        relu: bool,
+    ) {
+        let c = bn.mean.len;
+        let a = vec![
+            Arg::Out(dinp),
+            Arg::Out(dweight),
+            Arg::Out(dbias),
+            Arg::In(dout),
+            Arg::In(inp),
+            Arg::In(out),
+            Arg::In(weight),
+            Arg::In(bn.mean),
+            Arg::In(bn.invstd),
+            i(batch),
+            i(c),
+            i(hw),
+            i(relu as usize),
+        ];
+        self.push(KernelId::Batchnorm, "batchnorm2d_backward_f32", a, cfg((c, 1, 1), 256));
+    }
+
+    /// `maxpool2d_forward_f32` (window `kernel`, step `stride`, input `h` x `w`): 1-D over the
+    /// outputs, block 256.
+    #[allow(clippy::too_many_arguments)]
+    pub fn maxpool_forward(
+        &mut self,
+        out: Region,
+        indices: Region,
+        inp: Region,
+        batch: usize,
+        channels: usize,
+        h: usize,
+        w: usize,
+        kernel: usize,
+        stride: usize,
+    ) {
+        let a = vec![Arg::Out(out), Arg::Out(indices), Arg::In(inp), i(batch), i(channels), i(h), i(w), i(kernel), i(stride)];
+        self.push(KernelId::Pool, "maxpool2d_forward_f32", a, LaunchConfig::for_elements(out.len));
+    }
+
+    /// `maxpool2d_backward_f32` (as [`Builder::maxpool_forward`]): 1-D over the inputs, block 256.
+    #[allow(clippy::too_many_arguments)]
+    pub fn maxpool_backward(
+        &mut self,
+        dinp: Region,
+        dout: Region,
+        indices: Region,
+        batch: usize,
+        channels: usize,
+        h: usize,
+        w: usize,
+        kernel: usize,
+        stride: usize,
+    ) {
+        let a = vec![Arg::Out(dinp), Arg::In(dout), Arg::In(indices), i(batch), i(channels), i(h), i(w), i(kernel), i(stride)];
+        self.push(KernelId::Pool, "maxpool2d_backward_f32", a, LaunchConfig::for_elements(dinp.len));
+    }
+
+    /// `softmax_xent_forward_f32`: grid 1, block 256 (one warp per row).
+    pub fn xent_forward(&mut self, t: &LossTensors, logits: Region, labels: Region, batch: usize, classes: usize) {
+        let a = vec![
+            Arg::Out(t.losses.prefix(batch)),
+            Arg::Out(t.probs.prefix(batch * classes)),
+            Arg::Out(t.mean_loss),
+            Arg::Out(t.correct),
+            Arg::In(logits),
+            Arg::In(labels),
+            i(batch),
+            i(classes),
+        ];
+        self.push(KernelId::Loss, "softmax_xent_forward_f32", a, cfg((1, 1, 1), 256));
+    }
+
+    /// `softmax_xent_backward_f32`: 1-D over batch*classes, block 256.
+    pub fn xent_backward(&mut self, dlogits: Region, probs: Region, labels: Region, batch: usize, classes: usize) {
+        let a = vec![Arg::Out(dlogits), Arg::In(probs), Arg::In(labels), i(batch), i(classes)];
+        self.push(KernelId::Loss, "softmax_xent_backward_f32", a, LaunchConfig::for_elements(batch * classes));
+    }
+
+    /// `adam_step_f32` over the flat buffers: 1-D, block 256.
+    #[allow(clippy::too_many_arguments)]
+    pub fn adam(&mut self, params: Region, grads: Region, m: Region, v: Region, h: &AdamHyper, lr: f32, step: u64) {
+        let a = vec![
+            Arg::Out(params),
+            Arg::In(grads),
+            Arg::Out(m),
+            Arg::Out(v),
+            i(params.len),
+            Arg::F32(lr),
+            Arg::F32(h.beta1),
+            Arg::F32(h.beta2),
+            Arg::F32(h.eps),
+            Arg::F32(h.weight_decay),
+            Arg::I32(step as i32),
+        ];
+        self.push(KernelId::Optim, "adam_step_f32", a, LaunchConfig::for_elements(params.len));
+    }
+}

@@ -1,0 +1,15 @@
+//! The device step as data, in three layers:
+//!
+//! | file | what lives there |
+//! |---|---|
+//! | `ir.rs` | the data: [`Arena`], [`Region`], [`Arg`], [`Op`] (one launch), [`Precision`], region groups |
+//! | `builder.rs` | [`Builder`]: one method per kernel entry point, with its argument order and geometry |
+//! | `schedule.rs` | [`Tensors`]: a model's tensors laid out in the arenas and its step's launch sequence, derived from the [`Model`](crate::train::model::Model) |
+
+mod builder;
+mod ir;
+mod schedule;
+
+pub use builder::{Builder, ConvLaunch};
+pub use ir::{AdamHyper, Arena, Arg, BnTensors, LossTensors, Op, ParamAt, Precision, Region};
+pub use schedule::Tensors;
