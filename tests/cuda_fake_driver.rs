@@ -492,8 +492,9 @@ fn nccl_across_nodes_via_store() {
             .map(|node| {
                 Command::new(env!("CARGO_BIN_EXE_lockstep"))
                     .args(["launch", "--nproc-per-node", &per_node.to_string(), "--nnodes", "2", "--node-rank", &node.to_string()])
-                    .args(["--master-port", &port, "--token", "sim", "--"])
+                    .args(["--master-port", &port, "--"])
                     .arg(std::env::current_exe().unwrap())
+                    .env("LOCKSTEP_TOKEN", "fake-driver-sim-token")
                     .env("LOCKSTEP_FAKE_SCENARIO", "nccl_env_rank")
                     .env("LOCKSTEP_BACKEND", "nccl")
                     .env("LOCKSTEP_HOST_ID", format!("host-{node}"))

@@ -10,6 +10,8 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use common::{alive, check, children_of, free_port, scratch, signal, wait_until};
 
 const BIN: &str = env!("CARGO_BIN_EXE_lockstep");
+/// A valid job token (at least 16 bytes), passed through the environment as users should.
+const TOKEN: &str = "launch-cli-test-token-0123";
 
 fn lockstep() -> Command {
     let mut c = Command::new(BIN);
@@ -255,22 +257,8 @@ fn two_launchers_form_one_job() -> Result<(), String> {
     let port = free_port().to_string();
     let node = |r: &str| {
         let mut c = lockstep();
-        c.args([
-            "launch",
-            "--nproc-per-node",
-            "2",
-            "--nnodes",
-            "2",
-            "--node-rank",
-            r,
-            "--master-port",
-            &port,
-            "--token",
-            "t0ken",
-            "--",
-            BIN,
-            "selftest",
-        ]);
+        c.env("LOCKSTEP_TOKEN", TOKEN);
+        c.args(["launch", "--nproc-per-node", "2", "--nnodes", "2", "--node-rank", r, "--master-port", &port, "--", BIN, "selftest"]);
         spawn_piped(&mut c)
     };
     let a = node("0");
@@ -285,23 +273,8 @@ fn failure_on_one_node_stops_the_other() -> Result<(), String> {
     let script = "if [ $RANK = 3 ]; then sleep 0.3; echo 'rank three fails' >&2; exit 3; fi; exec sleep 30";
     let node = |r: &str| {
         let mut c = lockstep();
-        c.args([
-            "launch",
-            "--nproc-per-node",
-            "2",
-            "--nnodes",
-            "2",
-            "--node-rank",
-            r,
-            "--master-port",
-            &port,
-            "--token",
-            "t",
-            "--",
-            "sh",
-            "-c",
-            script,
-        ]);
+        c.env("LOCKSTEP_TOKEN", TOKEN);
+        c.args(["launch", "--nproc-per-node", "2", "--nnodes", "2", "--node-rank", r, "--master-port", &port, "--", "sh", "-c", script]);
         spawn_piped(&mut c)
     };
     let (a, b) = (node("0"), node("1"));
@@ -320,23 +293,8 @@ fn cross_host_cpu_job_is_refused() -> Result<(), String> {
     let port = free_port().to_string();
     let node = |r: &str, host: &str| {
         let mut c = lockstep();
-        c.env("LOCKSTEP_HOST_ID", host);
-        c.args([
-            "launch",
-            "--nproc-per-node",
-            "1",
-            "--nnodes",
-            "2",
-            "--node-rank",
-            r,
-            "--master-port",
-            &port,
-            "--token",
-            "t",
-            "--",
-            BIN,
-            "selftest",
-        ]);
+        c.env("LOCKSTEP_HOST_ID", host).env("LOCKSTEP_TOKEN", TOKEN);
+        c.args(["launch", "--nproc-per-node", "1", "--nnodes", "2", "--node-rank", r, "--master-port", &port, "--", BIN, "selftest"]);
         spawn_piped(&mut c)
     };
     let (a, b) = (node("0", "hostA"), node("1", "hostB"));
@@ -355,7 +313,8 @@ fn busy_port_is_named() -> Result<(), String> {
     let l = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
     let port = l.local_addr().map_err(|e| e.to_string())?.port().to_string();
     let o = lockstep()
-        .args(["launch", "--nproc-per-node", "1", "--nnodes", "2", "--master-port", &port, "--token", "t", "--", "true"])
+        .env("LOCKSTEP_TOKEN", TOKEN)
+        .args(["launch", "--nproc-per-node", "1", "--nnodes", "2", "--master-port", &port, "--", "true"])
         .output()
         .map_err(|e| e.to_string())?;
     let (_, err) = text(&o);
@@ -372,9 +331,11 @@ fn busy_port_is_named() -> Result<(), String> {
 fn wrong_token_and_unreachable_master() -> Result<(), String> {
     let port = free_port().to_string();
     let mut c = lockstep();
-    c.args(["launch", "--nproc-per-node", "1", "--nnodes", "2", "--master-port", &port, "--token", "right", "--", "sleep", "30"]);
+    c.env("LOCKSTEP_TOKEN", "right-token-0123456789");
+    c.args(["launch", "--nproc-per-node", "1", "--nnodes", "2", "--master-port", &port, "--", "sleep", "30"]);
     let a = spawn_piped(&mut c);
     let o = lockstep()
+        .env("LOCKSTEP_TOKEN", "wrong-token-0123456789")
         .args([
             "launch",
             "--nproc-per-node",
@@ -385,8 +346,6 @@ fn wrong_token_and_unreachable_master() -> Result<(), String> {
             "1",
             "--master-port",
             &port,
-            "--token",
-            "wrong",
             "--rdzv-timeout-s",
             "5",
             "--",
@@ -399,6 +358,7 @@ fn wrong_token_and_unreachable_master() -> Result<(), String> {
     check(o.status.code() == Some(1) && text(&o).1.contains("rejected this job's token"), "wrong token must be reported", show(&o))?;
     let t = Instant::now();
     let o = lockstep()
+        .env("LOCKSTEP_TOKEN", TOKEN)
         .args([
             "launch",
             "--nproc-per-node",
@@ -409,8 +369,6 @@ fn wrong_token_and_unreachable_master() -> Result<(), String> {
             "1",
             "--master-port",
             &free_port().to_string(),
-            "--token",
-            "t",
             "--rdzv-timeout-s",
             "1",
             "--",
@@ -423,7 +381,113 @@ fn wrong_token_and_unreachable_master() -> Result<(), String> {
         "unreachable master must be reported",
         show(&o),
     )?;
-    check(t.elapsed() < Duration::from_secs(4), "retries are bounded by --rdzv-timeout-s", format!("{:?}", t.elapsed()))
+    check(t.elapsed() < Duration::from_secs(4), "retries are bounded by --rdzv-timeout-s", format!("{:?}", t.elapsed()))?;
+    // A port whose holder accepts connections (the kernel's listen queue) but never answers.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
+    let sport = silent.local_addr().map_err(|e| e.to_string())?.port();
+    let t = Instant::now();
+    let o = lockstep()
+        .env("LOCKSTEP_TOKEN", TOKEN)
+        .args(["launch", "--nproc-per-node", "1", "--nnodes", "2", "--node-rank", "1", "--master-port", &sport.to_string()])
+        .args(["--rdzv-timeout-s", "1", "--", "true"])
+        .output()
+        .map_err(|e| e.to_string())?;
+    check(
+        o.status.code() == Some(1)
+            && text(&o).1.contains(&format!("the peer at 127.0.0.1:{sport} does not speak the lockstep store protocol")),
+        "a port that accepts but never answers is named",
+        show(&o),
+    )?;
+    check(t.elapsed() < Duration::from_secs(3), "within --rdzv-timeout-s (1 s), not a fixed 10 s", format!("{:?}", t.elapsed()))
+}
+
+/// Node 1 of a two-node job whose node 0 is nowhere: gets as far as the token checks and the
+/// rendezvous, then fails fast.
+fn lone_node1() -> Command {
+    let mut c = lockstep();
+    c.args(["launch", "--nproc-per-node", "1", "--nnodes", "2", "--node-rank", "1", "--master-port", &free_port().to_string()]);
+    c.args(["--rdzv-timeout-s", "0.2"]);
+    c
+}
+
+fn token_rules() -> Result<(), String> {
+    // Too short, from any source.
+    let o = lone_node1().env("LOCKSTEP_TOKEN", "short").args(["--", "true"]).output().map_err(|e| e.to_string())?;
+    check(o.status.code() == Some(1) && text(&o).1.contains("5 byte(s) long, but at least 16"), "a short token is refused", show(&o))?;
+    let o = lone_node1().args(["--token", "", "--", "true"]).output().map_err(|e| e.to_string())?;
+    check(o.status.code() == Some(1) && text(&o).1.contains("at least 16"), "an empty --token is refused", show(&o))?;
+    // Node 1 without a token is told where to get node 0's.
+    let o = lone_node1().args(["--", "true"]).output().map_err(|e| e.to_string())?;
+    check(
+        o.status.code() == Some(1) && text(&o).1.contains("node 1 of a multi-node job needs the job's token"),
+        "node 1 needs a token",
+        show(&o),
+    )?;
+    // --token works but warns that `ps` shows it.
+    let o = lone_node1().args(["--token", TOKEN, "--", "true"]).output().map_err(|e| e.to_string())?;
+    let err = text(&o).1;
+    check(
+        err.contains("warning: --token puts the job token on the command line") && err.contains("could not reach the rendezvous store"),
+        "--token is accepted with a warning",
+        show(&o),
+    )?;
+    // A token file others can read is used, with a warning; --token and --token-file exclude each other.
+    let d = scratch("token-rules");
+    let f = d.join("shared-token");
+    std::fs::write(&f, format!("{TOKEN}\n")).map_err(|e| e.to_string())?;
+    std::fs::set_permissions(&f, std::os::unix::fs::PermissionsExt::from_mode(0o644)).map_err(|e| e.to_string())?;
+    let o = lone_node1().arg("--token-file").arg(&f).args(["--", "true"]).output().map_err(|e| e.to_string())?;
+    let err = text(&o).1;
+    check(
+        err.contains("has mode 644") && err.contains("chmod 600") && err.contains("could not reach the rendezvous store"),
+        "a token file readable by others is used with a warning",
+        show(&o),
+    )?;
+    let o = lone_node1().args(["--token", TOKEN, "--token-file"]).arg(&f).args(["--", "true"]).output().map_err(|e| e.to_string())?;
+    check(o.status.code() == Some(2) && text(&o).1.contains("cannot be used with"), "--token and --token-file conflict", show(&o))
+}
+
+fn generated_token_reaches_the_other_node() -> Result<(), String> {
+    let d = scratch("gen-token");
+    let port = free_port().to_string();
+    // Node 0 gets no token: it generates one and prints how to pass it on (stderr to a file, to
+    // read it while node 0 runs).
+    let err0 = d.join("node0.err");
+    let f = std::fs::File::create(&err0).map_err(|e| e.to_string())?;
+    let mut c = lockstep();
+    c.args(["launch", "--nproc-per-node", "1", "--nnodes", "2", "--node-rank", "0", "--master-port", &port, "--", BIN, "selftest"]);
+    let a = Running(Some(c.stdout(Stdio::piped()).stderr(Stdio::from(f)).spawn().map_err(|e| e.to_string())?));
+    let mut token = None;
+    wait_until(Duration::from_secs(5), || {
+        let t = std::fs::read_to_string(&err0).unwrap_or_default();
+        token = t.split_whitespace().find_map(|w| w.strip_prefix("LOCKSTEP_TOKEN=")).map(String::from);
+        token.is_some()
+    });
+    let printed = std::fs::read_to_string(&err0).unwrap_or_default();
+    let Some(token) = token else { return Err(format!("node 0 printed no generated token:\n{printed}")) };
+    check(token.len() == 32 && token.chars().all(|c| c.is_ascii_hexdigit()), "a 128-bit hex token", &printed)?;
+    check(printed.contains("--token-file") && printed.contains("not --token"), "the hint names the safe ways to pass it", &printed)?;
+    // Node 1 reads it from a private file.
+    let tf = d.join("token");
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        let mut w = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&tf).map_err(|e| e.to_string())?;
+        std::io::Write::write_all(&mut w, format!("{token}\n").as_bytes()).map_err(|e| e.to_string())?;
+    }
+    let ob = lockstep()
+        .args(["launch", "--nproc-per-node", "1", "--nnodes", "2", "--node-rank", "1", "--master-port", &port, "--token-file"])
+        .arg(&tf)
+        .args(["--", BIN, "selftest"])
+        .output()
+        .map_err(|e| e.to_string())?;
+    let oa = a.wait_with_output().map_err(|e| e.to_string())?;
+    check(
+        oa.status.success() && ob.status.success(),
+        "both launchers succeed with the generated token",
+        format!("{}\n{printed}\n{}", show(&oa), show(&ob)),
+    )?;
+    check(!text(&ob).1.contains("warning"), "a private token file draws no warning", show(&ob))?;
+    check(text(&oa).0.contains("[rank 0] lockstep selftest ok: 2 ranks"), "one 2-rank job", show(&oa))
 }
 
 fn missing_program_and_bad_options() -> Result<(), String> {
@@ -522,6 +586,8 @@ fn main() -> std::process::ExitCode {
         ("cross_host_cpu_job_is_refused", cross_host_cpu_job_is_refused),
         ("busy_port_is_named", busy_port_is_named),
         ("wrong_token_and_unreachable_master", wrong_token_and_unreachable_master),
+        ("token_rules", token_rules),
+        ("generated_token_reaches_the_other_node", generated_token_reaches_the_other_node),
         ("missing_program_and_bad_options", missing_program_and_bad_options),
         ("stale_segments_of_dead_launchers_are_removed", stale_segments_of_dead_launchers_are_removed),
         ("config_and_env", config_and_env),

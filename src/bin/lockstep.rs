@@ -122,11 +122,18 @@ Output is printed line by line as `[rank N] ...`. The first failing rank stops t
 SIGKILL after --grace-s) and the launcher exits with its code (128+signal for a signal). Ctrl-C is
 forwarded to every rank; a second Ctrl-C kills them at once.
 
+A multi-node job shares a secret token (at least 16 bytes) that every connection to node 0's
+rendezvous store must present. Without one, node 0's launcher generates one and prints how to pass
+it on. Give it through LOCKSTEP_TOKEN or --token-file (a file only you can read): --token works too
+but puts it on the command line, where every user of the machine can read it with `ps`.
+
 Examples:
   lockstep launch --nproc-per-node 4 -- ./train --epochs 2
-  # two nodes (or two launchers on one host):
-  lockstep launch --nproc-per-node 2 --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --token T -- ./train
-  lockstep launch --nproc-per-node 2 --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 --token T -- ./train";
+  # two nodes (or two launchers on one host); node 0 prints the token it generated:
+  lockstep launch --nproc-per-node 2 --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 -- ./train
+  LOCKSTEP_TOKEN=<token> lockstep launch --nproc-per-node 2 --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 -- ./train
+  # or the same token file (chmod 600) on every node:
+  lockstep launch --nproc-per-node 2 --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --token-file ~/.lockstep-token -- ./train";
 
 #[derive(clap::Args, Debug)]
 #[command(after_help = LAUNCH_HELP)]
@@ -146,9 +153,15 @@ struct LaunchArgs {
     /// Port of the rendezvous store (only opened when nnodes > 1).
     #[arg(long, default_value_t = 29500)]
     master_port: u16,
-    /// Shared secret of a multi-node job (the same on every node; default: $LOCKSTEP_TOKEN).
-    #[arg(long)]
+    /// Shared secret of a multi-node job, at least 16 bytes, the same on every node (default:
+    /// --token-file, else $LOCKSTEP_TOKEN, else generated on node 0). Visible to every user in
+    /// `ps`: prefer LOCKSTEP_TOKEN or --token-file.
+    #[arg(long, conflicts_with = "token_file")]
     token: Option<String>,
+    /// Read the job token from this file (surrounding whitespace ignored); it should be readable
+    /// only by you (chmod 600).
+    #[arg(long, value_name = "PATH")]
+    token_file: Option<PathBuf>,
     /// Write each rank's output to DIR/rank-N.log as well.
     #[arg(long, value_name = "DIR")]
     log_dir: Option<PathBuf>,
@@ -270,18 +283,61 @@ fn secs(name: &str, s: f64) -> Result<Duration, String> {
     Ok(Duration::from_secs_f64(s))
 }
 
+/// The job token from --token, --token-file or LOCKSTEP_TOKEN (in that order), with warnings
+/// where other users may read it.
+fn job_token(token: Option<String>, token_file: Option<&std::path::Path>) -> Result<Option<String>, String> {
+    if let Some(t) = token {
+        eprintln!(
+            "lockstep: warning: --token puts the job token on the command line, where every user of this machine can read it (`ps`, /proc/PID/cmdline); pass it through LOCKSTEP_TOKEN or --token-file instead"
+        );
+        return Ok(Some(t));
+    }
+    if let Some(p) = token_file {
+        let f = lockstep::store::read_token_file(p).map_err(|e| e.to_string())?;
+        if f.accessible_by_others() {
+            eprintln!(
+                "lockstep: warning: token file {} has mode {:o}, so other users may read the job token; make it private with `chmod 600 {}`",
+                p.display(),
+                f.mode,
+                p.display()
+            );
+        }
+        return Ok(Some(f.token));
+    }
+    // Empty counts as unset, as usual for environment variables.
+    Ok(std::env::var("LOCKSTEP_TOKEN").ok().filter(|t| !t.is_empty()))
+}
+
+/// Tell the user how to start the other nodes with the token node 0 generated.
+fn announce_token(spec: &lockstep::launch::JobSpec, token: &str) {
+    let program: Vec<String> = spec.program.iter().map(|a| a.to_string_lossy().into_owned()).collect();
+    let nodes = if spec.nnodes == 2 { "1".to_string() } else { format!("1..{}", spec.nnodes - 1) };
+    eprintln!(
+        "lockstep: no job token was given, so node 0 generated one. Start the launchers of node(s) {nodes} with it, through the environment (not --token: other users can read command lines with `ps`):
+  LOCKSTEP_TOKEN={token} lockstep launch --nproc-per-node {} --nnodes {} --node-rank <N> --master-addr {} --master-port {} -- {}
+or save it in a file only you can read and pass --token-file FILE:
+  (umask 077; echo {token} > FILE)",
+        spec.nproc_per_node,
+        spec.nnodes,
+        spec.master_addr,
+        spec.master_port,
+        program.join(" ")
+    );
+}
+
 fn launch(a: LaunchArgs) -> Result<i32, String> {
     let nproc_per_node = match a.nproc_per_node {
         Some(n) => n,
         None => config_nproc()?.unwrap_or(1),
     };
-    let spec = lockstep::launch::JobSpec {
+    let token = job_token(a.token, a.token_file.as_deref())?;
+    let mut spec = lockstep::launch::JobSpec {
         nproc_per_node,
         nnodes: a.nnodes,
         node_rank: a.node_rank,
         master_addr: a.master_addr,
         master_port: a.master_port,
-        token: a.token.or_else(|| std::env::var("LOCKSTEP_TOKEN").ok().filter(|t| !t.is_empty())),
+        token,
         log_dir: a.log_dir,
         ranks_filter: a.ranks_filter.as_deref().map(parse_ranks).transpose()?,
         fail_fast: !a.no_fail_fast,
@@ -289,6 +345,11 @@ fn launch(a: LaunchArgs) -> Result<i32, String> {
         rdzv_timeout: secs("--rdzv-timeout-s", a.rdzv_timeout_s)?,
         program: a.program,
     };
+    if let Some(t) = spec.ensure_token().map_err(|e| e.to_string())? {
+        if spec.nnodes > 1 {
+            announce_token(&spec, &t);
+        }
+    }
     lockstep::launch::run_job(&spec).map_err(|e| e.to_string())
 }
 

@@ -11,7 +11,7 @@
 
 use std::cell::RefCell;
 use std::ffi::OsString;
-use std::io::{Read, Write};
+use std::io::Write;
 use std::os::fd::{AsFd, OwnedFd};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -92,7 +92,8 @@ pub struct JobSpec {
     pub master_addr: String,
     /// Its port.
     pub master_port: u16,
-    /// Shared secret of the job; required when `nnodes > 1`, generated otherwise.
+    /// Shared secret of the job: at least 16 bytes ([`validate_token`](crate::store::validate_token)),
+    /// required when `nnodes > 1` (see [`JobSpec::ensure_token`]), generated otherwise.
     pub token: Option<String>,
     /// Per-rank log files go here.
     pub log_dir: Option<PathBuf>,
@@ -135,19 +136,20 @@ fn sweep_stale_segments() {
     }
 }
 
-/// 128 random bits as hex, from the kernel.
-fn random_token() -> String {
-    let mut b = [0u8; 16];
-    if let Ok(mut f) = std::fs::File::open("/dev/urandom") {
-        let _ = f.read_exact(&mut b);
-    }
-    if b == [0u8; 16] {
-        b[..8].copy_from_slice(&child::monotonic_ns().to_le_bytes());
-    }
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
-
 impl JobSpec {
+    /// Generate a token when none is set and this launcher may pick it: a single-node job, or
+    /// node 0 of a multi-node job (the other nodes must be given node 0's token). Returns the new
+    /// token, which the caller must pass to the other nodes' launchers (`lockstep launch` prints
+    /// how); `None` when a token was set already or this node cannot pick one.
+    pub fn ensure_token(&mut self) -> Result<Option<String>, LaunchError> {
+        if self.token.is_some() || (self.nnodes > 1 && self.node_rank != 0) {
+            return Ok(None);
+        }
+        let t = crate::store::generate_token().map_err(|e| LaunchError::Setup(e.to_string()))?;
+        self.token = Some(t.clone());
+        Ok(Some(t))
+    }
+
     fn validate(&self) -> Result<(), LaunchError> {
         let bad = |m: String| Err(LaunchError::Setup(m));
         if self.nproc_per_node == 0 {
@@ -159,8 +161,19 @@ impl JobSpec {
         if self.program.is_empty() {
             return bad("no program given: use `lockstep launch [options] -- program args...`".into());
         }
-        if self.nnodes > 1 && self.token.is_none() {
-            return bad("a multi-node job needs a shared token: pass the same --token (or LOCKSTEP_TOKEN) to every node's launcher".into());
+        if self.nnodes > 1 {
+            match &self.token {
+                None if self.node_rank == 0 => {
+                    return bad("a multi-node job needs a shared token: give node 0 one (LOCKSTEP_TOKEN or --token-file), or let it generate one (JobSpec::ensure_token, which `lockstep launch` calls)".into())
+                }
+                None => {
+                    return bad(format!(
+                        "node {} of a multi-node job needs the job's token: pass the token node 0 uses (or printed, when it generated one) through LOCKSTEP_TOKEN or --token-file",
+                        self.node_rank
+                    ))
+                }
+                Some(t) => crate::store::validate_token(t).map_err(|e| LaunchError::Setup(e.to_string()))?,
+            }
         }
         if let Some(r) = self.ranks_filter.as_ref().and_then(|f| f.iter().find(|r| **r >= self.nproc_per_node * self.nnodes)) {
             return bad(format!("--ranks-filter names rank {r}, but the job has ranks 0..{}", self.nproc_per_node * self.nnodes));
@@ -180,7 +193,11 @@ pub fn run_job(spec: &JobSpec) -> Result<i32, LaunchError> {
     let start = Instant::now();
     sweep_stale_segments();
     let world = spec.nproc_per_node * spec.nnodes;
-    let token = spec.token.clone().unwrap_or_else(random_token);
+    // Only a single-node job gets here without a token (`validate`); its ranks never use it.
+    let token = match &spec.token {
+        Some(t) => t.clone(),
+        None => crate::store::generate_token().map_err(|e| LaunchError::Setup(e.to_string()))?,
+    };
     let mut job_id = new_job_id();
 
     // Rendezvous between launchers (multi-node only). Node 0 listens before anything else so a

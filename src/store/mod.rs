@@ -6,14 +6,20 @@
 //!   counter, and a `barrier` built from the two. Callers hold a `&mut dyn Store`, so a
 //!   file-backed store can sit beside the TCP one later.
 //! * [`tcp`] holds the implementation: [`StoreServer`] (hosted by the node-0 launcher on
-//!   `MASTER_ADDR:MASTER_PORT`, one thread per connection) and [`TcpStore`], the client.
+//!   `MASTER_ADDR:MASTER_PORT`) and [`TcpStore`], the client.
+//! * [`token`] holds the job token's rules: at least [`MIN_TOKEN_LEN`] bytes, generated from the
+//!   kernel's random source when node 0 is given none, read from a file or the environment.
 //!
-//! Every connection first presents the job token; the server drops connections with a wrong
-//! token, and answers malformed or oversized messages with an error instead of crashing.
+//! Every connection first presents the job token. Until it has, a peer is held to a small budget
+//! (one short frame, a deadline for the whole handshake, a bounded number of such peers, and
+//! throttled wrong guesses, see [`ServerLimits`]); the server answers malformed or oversized
+//! messages with an error instead of crashing.
 
 pub mod tcp;
+pub mod token;
 
-pub use tcp::{StoreServer, TcpStore};
+pub use tcp::{ServerLimits, StoreServer, TcpStore};
+pub use token::{generate_token, read_token_file, validate_token, TokenFile, MAX_TOKEN_LEN, MIN_TOKEN_LEN};
 
 use std::time::Duration;
 
@@ -59,11 +65,35 @@ pub enum StoreError {
         source: std::io::Error,
     },
     /// The server rejected this client's token.
-    #[error("the rendezvous store at {addr} rejected this job's token; every node must use the same --token / LOCKSTEP_TOKEN (or another job owns this port: pick another --master-port)")]
+    #[error("the rendezvous store at {addr} rejected this job's token; every node must use the same token (LOCKSTEP_TOKEN, --token-file or --token), or another job owns this port: pick another --master-port")]
     WrongToken {
         /// `host:port`.
         addr: String,
     },
+    /// Something accepted the connection but does not answer like a rendezvous store: it stayed
+    /// silent, answered garbage, or closed every connection without answering.
+    #[error("the peer at {addr} does not speak the lockstep store protocol: {detail}; check that --master-addr/--master-port (MASTER_ADDR/MASTER_PORT) name the node-0 launcher's rendezvous store, not another service")]
+    NotStore {
+        /// `host:port`.
+        addr: String,
+        /// What the peer did.
+        detail: String,
+    },
+    /// The job token breaks the rules of [`validate_token`] (too short, too long, whitespace).
+    #[error("invalid job token: {0}")]
+    InvalidToken(String),
+    /// A token could not be read or generated.
+    #[error("cannot {what}: {source}")]
+    TokenSource {
+        /// What was being done, naming the file.
+        what: String,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// [`ServerLimits`] with a zero where at least one is needed.
+    #[error("invalid rendezvous store limits: {0}")]
+    Limits(String),
     /// A wait ran out of time.
     #[error("waited {secs:.1} s in the rendezvous store for {keys:?}; some ranks or nodes did not arrive (did every node start, with the same --nnodes and --nproc-per-node?)")]
     Timeout {
