@@ -19,7 +19,7 @@ pub fn device_count() -> Result<i32, CudaError> {
 }
 
 /// The device ordinal for a local rank: `local_rank % device_count`. When ranks outnumber GPUs,
-/// prints a one-line notice (several ranks then share a GPU; see `nccl` docs for the limits).
+/// logs a notice (several ranks then share a GPU; see `nccl` docs for the limits).
 pub fn device_for_local_rank(local_rank: usize) -> Result<i32, CudaError> {
     let n = device_count()?;
     if n <= 0 {
@@ -30,7 +30,7 @@ pub fn device_for_local_rank(local_rank: usize) -> Result<i32, CudaError> {
     }
     let ord = (local_rank % n as usize) as i32;
     if local_rank >= n as usize {
-        eprintln!("lockstep: local rank {local_rank} shares GPU {ord} ({n} visible): NCCL needs one GPU per rank; use the shm backend for device buffers or fewer ranks");
+        tracing::info!("local rank {local_rank} shares GPU {ord} ({n} visible): NCCL before 2.30 needs one GPU per rank, so device collectives stage through host memory");
     }
     Ok(ord)
 }
@@ -184,7 +184,7 @@ impl Drop for Context {
         self.modules.get_mut().map(|m| m.clear()).ok();
         if let Err(e) = driver::primary_ctx_release(self.dev) {
             // Nobody is left to report to: the context is gone. Say it once on stderr.
-            eprintln!("lockstep: releasing the CUDA context of device {} failed: {e}", self.ordinal);
+            tracing::error!("releasing the CUDA context of device {} failed: {e}", self.ordinal);
         }
     }
 }
