@@ -5,7 +5,7 @@
 //! * [`Segment::anonymous`]: a memfd mapped `MAP_SHARED` by a parent *before* it forks its ranks;
 //!   children inherit the mapping, nothing is ever visible in `/dev/shm`.
 //! * [`Segment::create_named`] / [`Segment::open_named`]: for ranks exec'd separately that find each
-//!   other by a job id. The name is unlinked as soon as every rank has mapped it (see `shm::mod`),
+//!   other by a job id. The name is unlinked as soon as every rank has mapped it (see `shm::bootstrap`),
 //!   and the CLI launcher unlinks it again at exit, so a crash leaves nothing behind.
 //!
 //! Mappings use `MAP_NORESERVE`: the heap region is sized generously but only touched pages cost
@@ -18,7 +18,7 @@ use crate::comm::CommError;
 
 /// One mapping of a shared segment. Unmapped on drop.
 #[derive(Debug)]
-pub struct Segment {
+pub(crate) struct Segment {
     base: *mut u8,
     len: usize,
 }
@@ -70,7 +70,7 @@ fn truncate(fd: libc::c_int, len: usize, what: &str) -> Result<(), CommError> {
 }
 
 /// The `/dev/shm` name used for a job id.
-pub fn shm_name(job_id: &str) -> String {
+pub(crate) fn shm_name(job_id: &str) -> String {
     format!("/lockstep-{job_id}")
 }
 
@@ -149,17 +149,6 @@ impl Segment {
         self.len
     }
 
-    /// True for an empty mapping (never constructed).
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// Whether `[addr, addr+bytes)` lies inside this mapping.
-    pub fn contains(&self, addr: usize, bytes: usize) -> bool {
-        let b = self.base as usize;
-        addr >= b && addr.checked_add(bytes).is_some_and(|end| end <= b + self.len)
-    }
-
     /// Touch `[off, off+len)` so that later accesses do not page-fault.
     pub fn prefault(&self, off: usize, len: usize) {
         let end = (off + len).min(self.len);
@@ -194,7 +183,7 @@ pub fn unlink_named(job_id: &str) {
 
 /// A handle to another process that tells whether it has exited, zombie or not.
 #[derive(Debug)]
-pub struct PeerWatch {
+pub(crate) struct PeerWatch {
     pid: i32,
     pidfd: Option<libc::c_int>,
 }
@@ -242,7 +231,7 @@ impl Drop for PeerWatch {
 }
 
 /// Sleep on a futex word in shared memory until it differs from `expected` or `timeout` passes.
-pub fn futex_wait(word: &std::sync::atomic::AtomicU32, expected: u32, timeout: std::time::Duration) {
+pub(crate) fn futex_wait(word: &std::sync::atomic::AtomicU32, expected: u32, timeout: std::time::Duration) {
     let ts = libc::timespec { tv_sec: timeout.as_secs() as libc::time_t, tv_nsec: timeout.subsec_nanos() as libc::c_long };
     // SAFETY: word points into a live shared mapping; FUTEX_WAIT (not PRIVATE) because the word is
     // shared between processes; the timeout is a valid timespec. Spurious wake-ups are fine: callers loop.
@@ -252,7 +241,7 @@ pub fn futex_wait(word: &std::sync::atomic::AtomicU32, expected: u32, timeout: s
 }
 
 /// Wake every process sleeping on `word`.
-pub fn futex_wake_all(word: &std::sync::atomic::AtomicU32) {
+pub(crate) fn futex_wake_all(word: &std::sync::atomic::AtomicU32) {
     // SAFETY: word points into a live shared mapping.
     unsafe {
         libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAKE, i32::MAX, 0usize, 0usize, 0u32);
@@ -260,6 +249,6 @@ pub fn futex_wake_all(word: &std::sync::atomic::AtomicU32) {
 }
 
 /// Number of CPUs this process may run on.
-pub fn available_cpus() -> usize {
+pub(crate) fn available_cpus() -> usize {
     std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
 }

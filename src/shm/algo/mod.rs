@@ -1,0 +1,15 @@
+//! The collective algorithms, one family per file, each a function over a [`Channel`](super::channel::Channel)
+//! that every rank of the call runs with the same arguments (the first phase checks that they agree).
+//!
+//! * [`small`]: one-phase paths: the barrier, and all-reduce/reduce of messages up to
+//!   `small_bytes`, where every rank stages its whole input and reduces everything itself.
+//! * [`allreduce`]: larger all-reduce/reduce: staged reduce-scatter then all-gather through the
+//!   slots, or directly on the buffers when they all live in the segment.
+//! * [`broadcast`], [`gather`] (all-gather and gather), [`reduce_scatter`]: staged chunk by chunk
+//!   through the slots, or zero-copy.
+
+pub(crate) mod allreduce;
+pub(crate) mod broadcast;
+pub(crate) mod gather;
+pub(crate) mod reduce_scatter;
+pub(crate) mod small;
