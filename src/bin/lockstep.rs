@@ -20,7 +20,7 @@ mod common;
 #[derive(Parser, Debug)]
 #[command(name = "lockstep", version, about = "Collective-communication runtime: launcher and tools")]
 struct Cli {
-    /// More diagnostics (-v debug, -vv trace); LOCKSTEP_LOG=<filter> overrides.
+    /// More diagnostics (-v debug, -vv trace); LOCKSTEP_LOG=FILTER overrides.
     #[arg(short, long, action = clap::ArgAction::Count, global = true)]
     verbose: u8,
     /// Only errors.

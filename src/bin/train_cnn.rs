@@ -1,7 +1,7 @@
 //! `train-cnn`: data-parallel training of the FashionMNIST CNN recipe on CPU ranks or CUDA GPUs.
 //!
-//! `main` only parses arguments, calls [`run`], and maps the result to an exit code. Raw CLI
-//! values ([`Args`]) are validated into a [`lockstep::train::trainer::TrainConfig`] in one place.
+//! `main` only parses arguments, calls `run`, and maps the result to an exit code. Raw CLI
+//! values (`Args`) are validated into a [`lockstep::train::trainer::TrainConfig`] in one place.
 //! With `--nprocs N` the binary forks its own ranks through `lockstep::launch::launch`; under
 //! `lockstep launch` (environment `LOCKSTEP_JOB_ID`, `RANK`, `WORLD_SIZE`) it joins instead.
 //! Rank 0 alone prints: a progress bar per epoch on a terminal, then one line (or, with
@@ -89,7 +89,7 @@ struct Args {
     /// Print one JSON object per epoch on stdout instead of text.
     #[arg(long)]
     json: bool,
-    /// More diagnostics (-v debug, -vv trace); LOCKSTEP_LOG=<filter> overrides.
+    /// More diagnostics (-v debug, -vv trace); LOCKSTEP_LOG=FILTER overrides.
     #[arg(short, long, action = clap::ArgAction::Count)]
     verbose: u8,
     /// Only errors.

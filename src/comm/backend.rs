@@ -56,7 +56,7 @@ pub struct Call {
     pub recv: RawMem,
 }
 
-/// What a backend implements. Callers never see it: they use [`Communicator`].
+/// What a backend implements. Callers never see it: they use [`Communicator`](super::Communicator).
 pub trait Backend: Send {
     /// This rank.
     fn rank(&self) -> usize;

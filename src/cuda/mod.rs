@@ -1,6 +1,6 @@
 //! CUDA driver + NVRTC, loaded at run time, behind a safe layer.
 //!
-//! Layers (STYLE item 1): cudarc's `sys` modules give the C types; [`discovery`] finds and loads
+//! Layers (as in cudarc: sys, result, safe): cudarc's `sys` modules give the C types; [`discovery`] finds and loads
 //! the shared libraries (never panicking, unlike cudarc's own loader); `driver` and `nvrtc` hold
 //! our function-pointer tables and one `Result`-returning wrapper per C call; `context`, `memory`,
 //! `module` and `graph` are the RAII owners that callers use. A kernel file is described by a

@@ -2,7 +2,7 @@
 //! [`comm::Backend`](crate::comm::Backend) on device buffers.
 //!
 //! Layers as in `cuda`: cudarc's `nccl::sys` gives the C types, [`result`] our function tables and
-//! one wrapper per call, [`comm`](self::comm) the RAII communicator with a watchdog that turns a
+//! one wrapper per call, [`comm`] the RAII communicator with a watchdog that turns a
 //! failed or hung peer into a `CommError` (via `ncclCommAbort`) instead of a hang.
 //!
 //! One process per GPU: NCCL before 2.30 refuses two ranks of one communicator on the same device.

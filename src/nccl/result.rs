@@ -1,6 +1,6 @@
 //! Result layer for NCCL: function tables over `libnccl` and one wrapper per call.
 //!
-//! [`NcclCore`] (version, unique id, error strings) is resolved at load time; [`NcclFns`]
+//! `NcclCore` (version, unique id, error strings) is resolved at load time; `NcclFns`
 //! (communicators and collectives) on first use, so a fake library exporting only the core calls
 //! is enough for the loading tests. Return codes are read as `c_int`.
 

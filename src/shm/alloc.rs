@@ -141,7 +141,7 @@ mod tests {
         let a = h.alloc(100, 64).unwrap();
         let b = h.alloc(70000, 4096).unwrap();
         let c = h.alloc(64, 64).unwrap();
-        assert!(a < b && b % 4096 == 0);
+        assert!(a < b && b.is_multiple_of(4096));
         assert!(c != a && c != b);
         h.release(b, 70000);
         h.release(a, 100);

@@ -286,7 +286,7 @@ pub(crate) fn store_fence() {
 /// Both ranges valid; equal or non-overlapping.
 #[inline]
 pub(crate) unsafe fn copy_block(src: *const u8, dst: *mut u8, bytes: usize, nt: bool) {
-    if bytes == 0 || src == dst as *const u8 {
+    if bytes == 0 || std::ptr::eq(src, dst as *const u8) {
         return;
     }
     #[cfg(target_arch = "x86_64")]

@@ -58,7 +58,7 @@ pub enum StoreError {
         /// What the peer did.
         detail: String,
     },
-    /// The job token breaks the rules of [`validate_token`] (too short, too long, whitespace).
+    /// The job token breaks the rules of [`validate_token`](super::validate_token) (too short, too long, whitespace).
     #[error("invalid job token: {0}")]
     InvalidToken(String),
     /// A token could not be read or generated.
@@ -70,7 +70,7 @@ pub enum StoreError {
         #[source]
         source: std::io::Error,
     },
-    /// [`ServerLimits`] with a zero where at least one is needed.
+    /// [`ServerLimits`](super::ServerLimits) with a zero where at least one is needed.
     #[error("invalid rendezvous store limits: {0}")]
     Limits(String),
     /// A wait ran out of time.

@@ -45,7 +45,7 @@ pub(crate) fn broadcast(ch: &mut Channel, call: &Call, cx: Ctx) -> Result<(), Co
     loop {
         let len = chunk.min(bytes - off);
         if me != root {
-            // SAFETY (add): off + len <= bytes. The root staged `len` bytes of this chunk in its
+            // SAFETY: (add) off + len <= bytes. The root staged `len` bytes of this chunk in its
             // slot of phase p.
             ch.put(ch.slot(root, p), unsafe { recv.add(off) }, len, nt);
         }

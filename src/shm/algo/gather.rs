@@ -26,7 +26,7 @@ pub(crate) fn all_gather(ch: &mut Channel, call: &Call, cx: Ctx) -> Result<(), C
     let zero_copy = descs.iter().all(|d| d.flags & SHARED_SEND != 0) && bytes > ch.small_bytes();
     let snt = ch.stage_agreed(call.kind, bytes, &descs, !zero_copy && n > 1);
     // Our own block: the staged path copies it chunk by chunk along with the staging.
-    // SAFETY (add): recv holds n*bytes on receivers.
+    // SAFETY: (add) recv holds n*bytes on receivers.
     let own = if receives { Some(unsafe { recv.add(me * bytes) }) } else { None };
     if let Some(own) = own {
         // send is either disjoint from our block or exactly it.
@@ -38,7 +38,7 @@ pub(crate) fn all_gather(ch: &mut Channel, call: &Call, cx: Ctx) -> Result<(), C
     if zero_copy {
         if receives {
             for j in (0..n).filter(|&j| j != me) {
-                // SAFETY (add): within recv. Peer j's send lies in the segment and holds `bytes`.
+                // SAFETY: (add) within recv. Peer j's send lies in the segment and holds `bytes`.
                 ch.put(ch.at(descs[j].send_off), unsafe { recv.add(j * bytes) }, bytes, nt);
             }
         }
@@ -50,7 +50,7 @@ pub(crate) fn all_gather(ch: &mut Channel, call: &Call, cx: Ctx) -> Result<(), C
         let len = chunk.min(bytes - off);
         if receives {
             for j in (0..n).filter(|&j| j != me) {
-                // SAFETY (add): within recv. Peer j staged `len` bytes of this chunk in its slot.
+                // SAFETY: (add) within recv. Peer j staged `len` bytes of this chunk in its slot.
                 ch.put(ch.slot(j, p), unsafe { recv.add(j * bytes + off) }, len, nt);
             }
         }

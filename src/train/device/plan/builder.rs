@@ -1,6 +1,6 @@
 //! The launch builder: one method per kernel entry point, emitting an [`Op`] with the right
 //! entry point, argument order and launch geometry. The geometry sits next to each launch
-//! (STYLE item 7), copied from the `.cu` headers; the arguments are checked against the
+//! (as llm.c keeps launch geometry beside each launcher), copied from the `.cu` headers; the arguments are checked against the
 //! generated signature table by [`Op::check_signature`] and, on a GPU, by the launch builder.
 //!
 //! Conventions of the kernels carry over: activation gradients are overwritten, parameter
