@@ -274,7 +274,7 @@ fn scenario(name: &str) {
         }
         "fake_nccl" => {
             assert_eq!(lockstep::nccl::version().unwrap(), 21803);
-            let id = lockstep::nccl::comm::unique_id().unwrap();
+            let id = lockstep::nccl::unique_id().unwrap();
             assert_eq!(id[1], 4);
             let e = lockstep::nccl::check_library().unwrap_err().to_string();
             expect_contains("check_library", &e, &["has no symbol `ncclCommInitRank`", "LOCKSTEP_NCCL_LIBRARY"]);
@@ -400,7 +400,7 @@ fn scenario(name: &str) {
             expect_contains("barrier after abort", &e, &["aborted earlier"]);
         }
         "sim_nccl_liveness_check_aborts" => {
-            let check: lockstep::nccl::comm::AbortCheck = Arc::new(|| Some("rank 1 (pid 4242) died".to_string()));
+            let check: lockstep::nccl::AbortCheck = Arc::new(|| Some("rank 1 (pid 4242) died".to_string()));
             let opts = lockstep::nccl::NcclOptions { abort_check: Some(check), ..Default::default() };
             let (ctx, comm) = sim_nccl_comm(1, opts);
             let mut comm = comm.unwrap().into_communicator();
@@ -612,7 +612,7 @@ fn nccl_across_nodes_via_store() {
 }
 
 fn sim_memory_kernels_events() {
-    use lockstep::cuda::{Context, DeviceBuffer, LaunchConfig, PinnedBuffer};
+    use lockstep::cuda::{Context, DeviceBuffer, KernelGrid, PinnedBuffer};
     use lockstep::train::device::kernels::twins;
     let ctx = Context::new(0).unwrap();
     let info = ctx.info().unwrap();
@@ -656,18 +656,18 @@ fn sim_memory_kernels_events() {
     let mut y_cpu: Vec<f32> = (0..n).map(|i| (i % 5) as f32).collect();
     let mut y = DeviceBuffer::from_host(&s, &y_cpu).unwrap();
     let dx = DeviceBuffer::from_host(&s, &x).unwrap();
-    axpy.launch(LaunchConfig::for_elements(n)).arg_mut(&mut y).arg(&dx).scalar(2.0f32).scalar(n as i64).elements(n).run(&s).unwrap();
+    axpy.launch(KernelGrid::for_elements(n)).arg_mut(&mut y).arg(&dx).scalar(2.0f32).scalar(n as i64).elements(n).run(&s).unwrap();
     twins::axpy_f32(&mut y_cpu, &x, 2.0, n as i64);
     assert_eq!(y.to_vec(&s).unwrap(), y_cpu);
     let fill = ctx.function(KernelId::Elementwise.source(), "fill_f32").unwrap();
-    fill.launch(LaunchConfig::for_elements(n)).arg_mut(&mut y).scalar(-3.5f32).scalar(n as i64).run(&s).unwrap();
+    fill.launch(KernelGrid::for_elements(n)).arg_mut(&mut y).scalar(-3.5f32).scalar(n as i64).run(&s).unwrap();
     assert_eq!(y.to_vec(&s).unwrap(), vec![-3.5f32; n]);
     let x64 = DeviceBuffer::<f64>::zeros(&s, 10).unwrap();
     let host = vec![0f32; n];
     let bad = [
-        (axpy.launch(LaunchConfig::for_elements(n)).arg_mut(&mut y).scalar(1.0f32).run(&s), "2 arguments given, the kernel takes 4"),
+        (axpy.launch(KernelGrid::for_elements(n)).arg_mut(&mut y).scalar(1.0f32).run(&s), "2 arguments given, the kernel takes 4"),
         (
-            axpy.launch(LaunchConfig::for_elements(n))
+            axpy.launch(KernelGrid::for_elements(n))
                 .arg_mut(&mut DeviceBuffer::<f32>::zeros(&s, 10).unwrap())
                 .arg(&x64)
                 .scalar(1.0f32)
@@ -676,7 +676,7 @@ fn sim_memory_kernels_events() {
             "argument 1 is a f64 buffer, the kernel expects f32",
         ),
         (
-            axpy.launch(LaunchConfig::for_elements(n))
+            axpy.launch(KernelGrid::for_elements(n))
                 .arg_mut(&mut DeviceBuffer::<f32>::zeros(&s, n).unwrap())
                 .arg(&host)
                 .scalar(1.0f32)
@@ -685,7 +685,7 @@ fn sim_memory_kernels_events() {
             "argument 1 lives in Host",
         ),
         (
-            axpy.launch(LaunchConfig::for_elements(n))
+            axpy.launch(KernelGrid::for_elements(n))
                 .arg_mut(&mut DeviceBuffer::<f32>::zeros(&s, 10).unwrap())
                 .arg(&dx)
                 .scalar(1.0f32)
@@ -695,7 +695,7 @@ fn sim_memory_kernels_events() {
             "argument 0 holds 10 elements, the launch covers 1000",
         ),
         (
-            axpy.launch(LaunchConfig::for_elements(n))
+            axpy.launch(KernelGrid::for_elements(n))
                 .arg_mut(&mut DeviceBuffer::<f32>::zeros(&s, n).unwrap())
                 .arg(&dx)
                 .scalar(1i32)
@@ -720,7 +720,7 @@ fn sim_memory_kernels_events() {
     let scale = ctx.function(KernelId::Elementwise.source(), "scale_f32").unwrap();
     let mut g = DeviceBuffer::from_host(&s, &[1.0f32; 64]).unwrap();
     let graph = lockstep::cuda::Graph::capture(&s, |st| {
-        scale.launch(LaunchConfig::for_elements(64)).arg_mut(&mut g).scalar(2.0f32).scalar(64i64).run(st)
+        scale.launch(KernelGrid::for_elements(64)).arg_mut(&mut g).scalar(2.0f32).scalar(64i64).run(st)
     })
     .unwrap();
     assert_eq!(g.to_vec(&s).unwrap(), vec![1.0f32; 64], "capturing must not run the work");

@@ -74,6 +74,7 @@ fn reference(op: ReduceOp, i: usize, n: usize, dtype: Dtype) -> f64 {
                 (s as i64 / n as i64) as f64
             }
         }
+        other => panic!("no reference for {other}: add it here"),
     }
 }
 

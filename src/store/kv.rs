@@ -4,6 +4,7 @@ use std::time::Duration;
 
 /// Errors of the rendezvous store, each saying what to check next.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum StoreError {
     /// The server could not listen because the port is taken.
     #[error("rendezvous port {port} on {host} is already in use (another job or a leftover launcher?); pick a free one with --master-port (or MASTER_PORT), or stop the process holding it")]

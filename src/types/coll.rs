@@ -5,6 +5,7 @@ use std::fmt;
 /// Which collective a call was (carried in errors and in the cross-rank argument check).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[repr(u8)]
+#[non_exhaustive]
 pub enum CollKind {
     /// `all_reduce`.
     AllReduce = 1,

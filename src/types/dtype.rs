@@ -8,6 +8,7 @@ use std::fmt;
 /// Element type of a collective's buffers, tagged at run time so ranks can check they agree.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[repr(u8)]
+#[non_exhaustive]
 pub enum Dtype {
     /// `f32` (`ncclFloat32`).
     F32 = 1,
@@ -85,6 +86,7 @@ impl std::str::FromStr for Dtype {
 /// Reduction operator of `all_reduce`, `reduce` and `reduce_scatter`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[repr(u8)]
+#[non_exhaustive]
 pub enum ReduceOp {
     /// Element-wise sum (integers wrap on overflow, as NCCL's do).
     Sum = 1,

@@ -45,6 +45,7 @@ pub fn check_all_world1<T: Element>(comm: &mut Communicator, s: &Stream, gen: im
                     comm.barrier().map_err(e)?;
                     recv.copy_from_device_async(s, &send).map_err(c)?;
                 }
+                other => return Err(format!("{other}: not covered by this check yet; add it here")),
             }
             comm.synchronize().map_err(e)?;
             let (got, got_in) = (recv.to_vec(s).map_err(c)?, inplace.to_vec(s).map_err(c)?);
