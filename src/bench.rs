@@ -134,7 +134,7 @@ trait BenchElem: Element {
 macro_rules! bench_elem {
     ($($t:ty),*) => {$( impl BenchElem for $t { fn from_i(v: usize) -> Self { v as $t } } )*};
 }
-bench_elem!(f32, f64, i32, i64, u8, i8);
+bench_elem!(f32, f64, i32, i64, u8, i8, u32, u64);
 impl BenchElem for f16 {
     fn from_i(v: usize) -> Self {
         f16::from_f32(v as f32)
@@ -345,6 +345,8 @@ pub fn measure(a: &BenchOptions) -> Result<Vec<Row>, String> {
         Dtype::I64 => launch(&cfg, |ctx| rank_main::<i64>(ctx, a)),
         Dtype::U8 => launch(&cfg, |ctx| rank_main::<u8>(ctx, a)),
         Dtype::I8 => launch(&cfg, |ctx| rank_main::<i8>(ctx, a)),
+        Dtype::U32 => launch(&cfg, |ctx| rank_main::<u32>(ctx, a)),
+        Dtype::U64 => launch(&cfg, |ctx| rank_main::<u64>(ctx, a)),
     }
     .map_err(|e| e.to_string())?;
     let n = a.nprocs;

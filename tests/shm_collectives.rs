@@ -26,7 +26,7 @@ macro_rules! test_elem_num {
         }
     )*};
 }
-test_elem_num!(f32, f64, i32, i64, u8, i8);
+test_elem_num!(f32, f64, i32, i64, u8, i8, u32, u64);
 impl TestElem for f16 {
     fn from_f64(v: f64) -> Self {
         f16::from_f64(v)
@@ -256,6 +256,8 @@ fn all_collectives_cfg(cfg: LaunchConfig, shared: bool) -> Result<(), String> {
             bad.extend(check_dtype::<f16>(c, &shm, shared)?);
             bad.extend(check_dtype::<i64>(c, &shm, shared)?);
             bad.extend(check_dtype::<i8>(c, &shm, shared)?);
+            bad.extend(check_dtype::<u32>(c, &shm, shared)?);
+            bad.extend(check_dtype::<u64>(c, &shm, shared)?);
         }
         Ok(bad)
     })

@@ -112,6 +112,8 @@ int_lane!(i32);
 int_lane!(i64);
 int_lane!(u8);
 int_lane!(i8);
+int_lane!(u32);
+int_lane!(u64);
 
 macro_rules! half_lane {
     ($t:ty) => {
@@ -362,6 +364,8 @@ pub(crate) unsafe fn reduce_into(dtype: Dtype, op: ReduceOp, n_ranks: usize, src
             Dtype::I64 => reduce_dispatch::<i64>(op, n_ranks, srcs, dsts, count),
             Dtype::U8 => reduce_dispatch::<u8>(op, n_ranks, srcs, dsts, count),
             Dtype::I8 => reduce_dispatch::<i8>(op, n_ranks, srcs, dsts, count),
+            Dtype::U32 => reduce_dispatch::<u32>(op, n_ranks, srcs, dsts, count),
+            Dtype::U64 => reduce_dispatch::<u64>(op, n_ranks, srcs, dsts, count),
         }
     }
 }

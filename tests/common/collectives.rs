@@ -72,5 +72,7 @@ pub fn check_all_dtypes_world1(comm: &mut Communicator, s: &Stream) -> Result<()
     check_all_world1::<i32>(comm, s, |i| i as i32 - 100)?;
     check_all_world1::<i64>(comm, s, |i| i as i64 * 1_000_000_007)?;
     check_all_world1::<u8>(comm, s, |i| (i % 251) as u8)?;
-    check_all_world1::<i8>(comm, s, |i| (i % 100) as i8 - 50)
+    check_all_world1::<i8>(comm, s, |i| (i % 100) as i8 - 50)?;
+    check_all_world1::<u32>(comm, s, |i| i as u32 * 3_000_017)?;
+    check_all_world1::<u64>(comm, s, |i| i as u64 * 10_000_000_019)
 }
