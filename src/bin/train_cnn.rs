@@ -156,6 +156,12 @@ fn validate(a: &Args, train_len: usize, cuda: bool) -> Result<Config, CliError> 
     if a.nprocs == 0 || a.batch_size == 0 || a.threads == 0 {
         return Err(CliError::Usage("--nprocs, --batch-size and --threads must be at least 1".into()));
     }
+    if a.epochs == 0 {
+        return Err(CliError::Usage("--epochs 0 would train nothing; pass at least 1".into()));
+    }
+    if train_len == 0 {
+        return Err(CliError::Usage("--limit-train 0 leaves no training images; pass at least 1 (or drop the flag)".into()));
+    }
     if !(a.lr.is_finite() && a.lr > 0.0) {
         return Err(CliError::Usage(format!("--lr must be a positive number, got {}", a.lr)));
     }
@@ -346,8 +352,7 @@ fn run() -> Result<(), CliError> {
         Device::Auto => args.resume.is_none() && !args.sync_bn && cuda_usable().is_ok(),
     };
     // Load before forking: the ranks share the parent's pages instead of each decompressing.
-    let mut train_set = data::load_split(&args.data, true)?;
-    let test_set = data::load_split(&args.data, false)?;
+    let (mut train_set, test_set) = data::load_splits(&args.data)?;
     if let Some(n) = args.limit_train {
         train_set.truncate(n);
     }
