@@ -213,9 +213,20 @@ fn validate(a: &Args, train_len: usize, cuda: bool) -> Result<Config, CliError> 
 
 /// Join the job's communicator from `lockstep launch`'s environment, if it set one.
 ///
-/// `None` when not started by `lockstep launch` (no `LOCKSTEP_JOB_ID`): then we fork our own ranks.
+/// `None` when no launcher (`lockstep launch`, torchrun, mpirun, srun) started this process: then
+/// we fork our own ranks.
 fn comm_from_env() -> Option<Result<Communicator, String>> {
-    std::env::var_os("LOCKSTEP_JOB_ID")?;
+    use lockstep::rendezvous::{launched, EnvInfo, Launcher};
+    if !launched() {
+        return None;
+    }
+    // A one-task Slurm allocation (an sbatch script running train-cnn directly) is no job to
+    // join: fork our own ranks as asked.
+    if let Ok(i) = EnvInfo::from_env() {
+        if i.world_size == 1 && i.launcher != Launcher::Lockstep {
+            return None;
+        }
+    }
     Some(Communicator::from_env().map_err(|e| e.to_string()))
 }
 
