@@ -10,6 +10,7 @@ use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 type TestResult = Result<(), String>;
+type TestFn = fn() -> TestResult;
 
 const LOCKSTEP: &str = env!("CARGO_BIN_EXE_lockstep");
 const TOKEN: &str = "foreign-launcher-test-token";
@@ -194,7 +195,7 @@ fn no_launcher() -> TestResult {
 }
 
 fn main() -> std::process::ExitCode {
-    let tests: [(&str, fn() -> TestResult); 6] = [
+    let tests: [(&str, TestFn); 6] = [
         ("mpirun_selftest", mpirun),
         ("torchrun_env_one_node", torchrun_one_node),
         ("torchrun_env_two_nodes_on_one_host", torchrun_two_nodes),
