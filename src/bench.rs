@@ -104,14 +104,14 @@ pub fn bus_factor(op: CollKind, n: usize) -> f64 {
     let n = n as f64;
     match op {
         CollKind::AllReduce => 2.0 * (n - 1.0) / n,
-        CollKind::AllGather | CollKind::ReduceScatter => (n - 1.0) / n,
+        CollKind::AllGather | CollKind::ReduceScatter | CollKind::AllToAll | CollKind::Scatter => (n - 1.0) / n,
         _ => 1.0,
     }
 }
 
 fn sizes(a: &BenchOptions, esz: usize, n: usize) -> Vec<usize> {
     let quantum = match a.op {
-        CollKind::AllGather | CollKind::ReduceScatter | CollKind::Gather => esz * n,
+        CollKind::AllGather | CollKind::ReduceScatter | CollKind::Gather | CollKind::AllToAll | CollKind::Scatter => esz * n,
         _ => esz,
     };
     let raw: Vec<usize> = if !a.sizes.is_empty() {
@@ -265,6 +265,11 @@ fn one_size<T: BenchElem>(comm: &mut Communicator, place: &Place, a: &BenchOptio
         CollKind::AllGather | CollKind::Gather => (bytes / esz / n, bytes / esz),
         CollKind::ReduceScatter => (bytes / esz, bytes / esz / n),
         CollKind::Barrier => (0, 0),
+        CollKind::AllToAll => (bytes / esz, bytes / esz),
+        CollKind::Scatter => (bytes / esz, bytes / esz / n),
+        other => {
+            return Err(CommError::Unsupported(format!("lockstep bench does not time {other}; see --help for the operations it does")))
+        }
     };
     let send: Buf<T> = Buf::new(comm, (0..scount).map(|i| T::from_i(pattern(op, me, i, n))).collect(), place)?;
     let mut recv: Buf<T> = Buf::new(comm, vec![T::default(); rcount], place)?;
@@ -277,6 +282,9 @@ fn one_size<T: BenchElem>(comm: &mut Communicator, place: &Place, a: &BenchOptio
             CollKind::Gather => comm.gather(send.b(), recv.m(), root),
             CollKind::ReduceScatter => comm.reduce_scatter(send.b(), recv.m(), op),
             CollKind::Barrier => comm.barrier(),
+            CollKind::AllToAll => comm.all_to_all(send.b(), recv.m()),
+            CollKind::Scatter => comm.scatter(send.b(), recv.m(), root),
+            other => Err(CommError::Unsupported(format!("lockstep bench does not time {other}"))),
         }?;
         // Device backends enqueue: the time of a call includes its completion.
         comm.synchronize()
@@ -302,6 +310,11 @@ fn one_size<T: BenchElem>(comm: &mut Communicator, place: &Place, a: &BenchOptio
         CollKind::ReduceScatter => (0..rcount).filter(|&i| r[i] != expected::<T>(op, me * rcount + i, n)).count(),
         CollKind::Broadcast => (0..rcount).filter(|&i| r[i] != T::from_i(pattern(op, root, i, n))).count(),
         CollKind::AllGather => (0..rcount).filter(|&i| r[i] != T::from_i(pattern(op, i / scount.max(1), i % scount.max(1), n))).count(),
+        CollKind::AllToAll => {
+            let c = rcount / n;
+            (0..rcount).filter(|&i| r[i] != T::from_i(pattern(op, i / c.max(1), me * c + i % c.max(1), n))).count()
+        }
+        CollKind::Scatter => (0..rcount).filter(|&i| r[i] != T::from_i(pattern(op, root, me * rcount + i, n))).count(),
         CollKind::Gather if me == root => {
             (0..rcount).filter(|&i| r[i] != T::from_i(pattern(op, i / scount.max(1), i % scount.max(1), n))).count()
         }

@@ -3,16 +3,19 @@
 
 use std::sync::{Arc, Mutex};
 
-use super::algo::{allreduce, broadcast, gather, reduce_scatter, small};
+use super::algo::p2p::P2p;
+use super::algo::{allreduce, broadcast, exchange, gather, reduce_scatter, small};
 use super::alloc::{Heap, SharedAlloc};
 use super::channel::{Channel, Ctx};
-use crate::comm::{Backend, BackendKind, Call, CollKind, CommError, Dtype, MemSpace, SharedRegion};
+use crate::comm::{Backend, BackendKind, Call, CollKind, CommError, Dtype, MemSpace, P2pOp, SharedRegion};
 
 /// One rank's handle on a shared-memory communicator.
 pub struct ShmComm {
     ch: Channel,
     heap: Arc<Mutex<Heap>>,
     poisoned: Option<String>,
+    /// This rank's positions in the point-to-point mailboxes.
+    p2p: P2p,
 }
 
 impl std::fmt::Debug for ShmComm {
@@ -24,7 +27,8 @@ impl std::fmt::Debug for ShmComm {
 impl ShmComm {
     /// A communicator over a joined channel, allocating shared buffers from `heap`.
     pub(crate) fn new(ch: Channel, heap: Arc<Mutex<Heap>>) -> ShmComm {
-        ShmComm { ch, heap, poisoned: None }
+        let p2p = P2p::new(ch.world());
+        ShmComm { ch, heap, poisoned: None, p2p }
     }
 
     fn run_call(&mut self, call: &Call, cx: Ctx) -> Result<(), CommError> {
@@ -35,6 +39,13 @@ impl ShmComm {
             CollKind::Broadcast => broadcast::broadcast(ch, call, cx),
             CollKind::AllGather | CollKind::Gather => gather::all_gather(ch, call, cx),
             CollKind::ReduceScatter => reduce_scatter::reduce_scatter(ch, call, cx),
+            CollKind::AllToAll | CollKind::AllToAllV | CollKind::Scatter | CollKind::AllGatherV | CollKind::GatherV => {
+                exchange::exchange(ch, call, cx)
+            }
+            CollKind::Send | CollKind::Recv => Err(CommError::Unsupported(format!(
+                "{} is point-to-point: call Communicator::{} (the collective path cannot run it)",
+                call.kind, call.kind
+            ))),
         }
     }
 
@@ -78,6 +89,33 @@ impl Backend for ShmComm {
         let cx = self.ch.start_call(call.kind);
         let r = self.run_call(call, cx);
         self.ch.end_call(r.is_ok());
+        if let Err(e) = &r {
+            self.poison_on(e);
+        }
+        r
+    }
+
+    fn p2p(&mut self, ops: &[P2pOp]) -> Result<(), CommError> {
+        if let Some(reason) = &self.poisoned {
+            return Err(CommError::Aborted { by: self.ch.rank(), reason: format!("an earlier call failed: {reason}") });
+        }
+        for o in ops {
+            if o.mem.space != MemSpace::Host && o.mem.len > 0 {
+                return Err(CommError::Unsupported(format!(
+                    "{} on rank {}: the buffer is device memory, which the shared-memory backend cannot read; use the NCCL backend or copy it to the host",
+                    o.kind,
+                    self.ch.rank()
+                )));
+            }
+            if o.peer >= self.ch.world() || !o.kind.is_p2p() {
+                return Err(CommError::InvalidArgument {
+                    op: o.kind,
+                    rank: self.ch.rank(),
+                    detail: format!("a point-to-point operation needs kind send or recv and a peer below {}", self.ch.world()),
+                });
+            }
+        }
+        let r = self.p2p.run(&self.ch, ops);
         if let Err(e) = &r {
             self.poison_on(e);
         }

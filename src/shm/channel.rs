@@ -111,6 +111,39 @@ impl Channel {
         self.progress + 1
     }
 
+    /// The settings (timeouts, peer-check interval) this channel runs with.
+    pub(crate) fn config(&self) -> &ShmConfig {
+        &self.cfg
+    }
+
+    /// How long a waiter spins before yielding.
+    pub(crate) fn spin(&self) -> Duration {
+        self.spin
+    }
+
+    /// The segment's layout.
+    pub(crate) fn layout(&self) -> &Layout {
+        &self.layout
+    }
+
+    /// Whether peer `r` is gone: `Some(true)` if its process died, `Some(false)` if it left the
+    /// communicator, `None` while it is there (point-to-point waits check their own peers).
+    pub(crate) fn peer_gone(&self, r: usize) -> Option<bool> {
+        if self.peers.get(r).and_then(|w| w.as_ref()).is_some_and(|w| w.is_dead()) {
+            return Some(true);
+        }
+        (self.ctrl(r).state.load(Acquire) == STATE_LEFT).then_some(false)
+    }
+
+    /// Wake the ranks asleep on the header's futex (after publishing something they may wait for).
+    pub(crate) fn wake_sleepers(&self) {
+        let h = self.header();
+        if h.sleepers.0.load(SeqCst) > 0 {
+            h.wake.0.fetch_add(1, SeqCst);
+            futex_wake_all(&h.wake.0);
+        }
+    }
+
     // ----------------------------------------------------------------------------------------
     // Segment access
 
@@ -375,7 +408,7 @@ impl Channel {
     pub(crate) fn refuse(&mut self, kind: CollKind, dtype: Dtype) -> Result<(), CommError> {
         let cx = self.start_call(kind);
         let empty = RawMem { addr: 0, len: 0, space: MemSpace::Host };
-        let call = Call { kind, dtype, op: ReduceOp::Sum, root: 0, count: 0, send: empty, recv: empty };
+        let call = Call { kind, dtype, op: ReduceOp::Sum, root: 0, count: 0, send: empty, recv: empty, splits: Default::default() };
         self.begin(&call, INVALID, 0, 0, cx).map(|_| ())
     }
 
@@ -511,6 +544,8 @@ fn stage_group(kind: CollKind) -> usize {
         CollKind::Broadcast => 1,
         CollKind::AllGather | CollKind::Gather => 2,
         CollKind::ReduceScatter => 3,
+        // The exchanges stage with cached stores only; they share the gather class.
+        _ => 2,
     }
 }
 

@@ -3,8 +3,12 @@
 //! Layout (offsets from the segment base):
 //!
 //! ```text
-//! [Header: 4 KiB] [Ctrl × world: 256 B each] [slots: world × 2 × slot_bytes] [heaps: world × heap_bytes]
+//! [Header: 4 KiB] [Ctrl × world: 256 B each] [slots: world × 2 × slot_bytes]
+//! [mailboxes: world × world × (PairCtrl + mbox_bytes)] [heaps: world × heap_bytes]
 //! ```
+//!
+//! The mailboxes carry point-to-point messages (`shm::p2p`), one per ordered pair of ranks, apart
+//! from the slots and phases of the collectives, so the two never interfere.
 //!
 //! Protocol (modelled on NCCL's `ncclShmemAllgather`): each rank owns a monotonically increasing
 //! `progress` counter, padded to its own cache line. A collective is a sequence of *phases*; in phase
@@ -23,7 +27,7 @@ use std::sync::atomic::{AtomicI32, AtomicU32, AtomicU64};
 /// "LOCKSTEP" in ASCII: written last by the creator, once the header is valid.
 pub(crate) const MAGIC: u64 = 0x4c4f_434b_5354_4550;
 /// Bump when the layout changes.
-pub(crate) const VERSION: u32 = 1;
+pub(crate) const VERSION: u32 = 2;
 /// Header size.
 pub(crate) const HEADER_BYTES: usize = 4096;
 /// Control block size per rank.
@@ -113,6 +117,36 @@ const _: () = assert!(std::mem::size_of::<Ctrl>() == CTRL_BYTES);
 const _: () = assert!(std::mem::size_of::<Desc>() == 64);
 const _: () = assert!(std::mem::size_of::<Header>() <= HEADER_BYTES);
 
+/// The control lines of one ordered pair's mailbox (a byte stream from `src` to `dst`, see
+/// `shm::p2p`): the sender's line, then the receiver's.
+#[repr(C, align(64))]
+pub(crate) struct PairCtrl {
+    /// Stream bytes the sender has written (monotonic).
+    pub sent: AtomicU64,
+    _pad0: [u8; 56],
+    /// Stream bytes the receiver has consumed (monotonic).
+    pub taken: AtomicU64,
+    /// Number of the last message whose header the receiver has matched against its recv.
+    pub matched: AtomicU64,
+    /// 0, or the number of the first message whose recv disagreed (the pair is then unusable).
+    pub bad: AtomicU64,
+    /// What that recv expected: dtype code and element count.
+    pub bad_dtype: AtomicU64,
+    pub bad_count: AtomicU64,
+    _pad1: [u8; 24],
+}
+
+/// Bytes of a pair's control lines.
+pub(crate) const PAIR_CTRL_BYTES: usize = 128;
+const _: () = assert!(std::mem::size_of::<PairCtrl>() == PAIR_CTRL_BYTES);
+
+/// Mailbox bytes per ordered pair: up to 64 KiB (and a slot), less for large worlds so all
+/// mailboxes together stay within 64 MiB, but never under 256 bytes.
+fn mbox_bytes(world: usize, slot_bytes: usize) -> usize {
+    let budget = (64usize << 20) / world.saturating_mul(world).max(1);
+    (budget.min(64 << 10).min(slot_bytes) / 64 * 64).max(256)
+}
+
 /// Byte offsets of the segment's regions for a world size and sizes.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Layout {
@@ -120,6 +154,9 @@ pub(crate) struct Layout {
     pub slot_bytes: usize,
     pub heap_bytes: usize,
     pub slots_off: usize,
+    /// Start of the point-to-point mailboxes and the ring bytes of each.
+    pub p2p_off: usize,
+    pub mbox_bytes: usize,
     pub heaps_off: usize,
     pub total: usize,
 }
@@ -133,9 +170,12 @@ impl Layout {
         };
         let slots_off = (HEADER_BYTES + world * CTRL_BYTES).next_multiple_of(4096);
         let slots = world.checked_mul(2).and_then(|v| v.checked_mul(slot_bytes)).ok_or_else(too_big)?;
-        let heaps_off = slots_off.checked_add(slots).ok_or_else(too_big)?.next_multiple_of(2 << 20);
+        let p2p_off = slots_off.checked_add(slots).ok_or_else(too_big)?;
+        let mbox_bytes = mbox_bytes(world, slot_bytes);
+        let mboxes = world.checked_mul(world).and_then(|p| p.checked_mul(PAIR_CTRL_BYTES + mbox_bytes)).ok_or_else(too_big)?;
+        let heaps_off = p2p_off.checked_add(mboxes).ok_or_else(too_big)?.next_multiple_of(2 << 20);
         let total = world.checked_mul(heap_bytes).and_then(|h| h.checked_add(heaps_off)).filter(|t| *t < 1 << 46).ok_or_else(too_big)?;
-        Ok(Layout { world, slot_bytes, heap_bytes, slots_off, heaps_off, total })
+        Ok(Layout { world, slot_bytes, heap_bytes, slots_off, p2p_off, mbox_bytes, heaps_off, total })
     }
 
     pub(crate) fn ctrl_off(&self, rank: usize) -> usize {
@@ -144,6 +184,11 @@ impl Layout {
 
     pub(crate) fn slot_off(&self, rank: usize, parity: u64) -> usize {
         self.slots_off + (rank * 2 + (parity % 2) as usize) * self.slot_bytes
+    }
+
+    /// Offset of the mailbox from `src` to `dst`: its [`PairCtrl`], then `mbox_bytes` of ring.
+    pub(crate) fn pair_off(&self, src: usize, dst: usize) -> usize {
+        self.p2p_off + (src * self.world + dst) * (PAIR_CTRL_BYTES + self.mbox_bytes)
     }
 
     pub(crate) fn heap_off(&self, rank: usize) -> usize {
