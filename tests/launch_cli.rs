@@ -253,6 +253,46 @@ fn log_dir_and_ranks_filter() -> Result<(), String> {
     check(log0.contains("out 0\n") && log0.contains("err 0\n"), "rank 0's log has both streams", &log0)
 }
 
+fn log_dir_links_and_permissions() -> Result<(), String> {
+    use std::os::unix::fs::PermissionsExt;
+    let d = scratch("loglinks");
+    let victim = d.join("victim");
+    std::fs::write(&victim, "precious").map_err(|e| e.to_string())?;
+    let run = |dir: &std::path::Path| {
+        lockstep()
+            .args(["launch", "--nproc-per-node", "2", "--log-dir"])
+            .arg(dir)
+            .args(["--", "sh", "-c", "echo out $RANK"])
+            .output()
+            .map_err(|e| e.to_string())
+    };
+    // A link planted under rank 1's log name: the launch is refused before any rank starts.
+    let links = d.join("links");
+    std::fs::create_dir(&links).map_err(|e| e.to_string())?;
+    std::os::unix::fs::symlink(&victim, links.join("rank-1.log")).map_err(|e| e.to_string())?;
+    let o = run(&links)?;
+    let (out, err) = text(&o);
+    check(
+        !o.status.success() && err.contains("rank-1.log") && err.contains("symbolic link") && out.is_empty(),
+        "a planted link is refused",
+        show(&o),
+    )?;
+    check(std::fs::read_to_string(&victim).ok().as_deref() == Some("precious"), "the link's target is unchanged", "")?;
+    // A group-writable directory without the sticky bit.
+    let shared = d.join("shared");
+    std::fs::create_dir(&shared).map_err(|e| e.to_string())?;
+    std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o770)).map_err(|e| e.to_string())?;
+    let o = run(&shared)?;
+    check(!o.status.success() && text(&o).1.contains("without the sticky bit"), "a group-writable directory is refused", show(&o))?;
+    // A new directory is made 0700 and the job runs.
+    let fresh = d.join("fresh");
+    let o = run(&fresh)?;
+    let mode = std::fs::metadata(&fresh).map(|m| m.permissions().mode() & 0o7777).unwrap_or(0);
+    check(o.status.success() && mode == 0o700, "a new log directory is created 0700", format!("mode {mode:o}\n{}", show(&o)))?;
+    let log1 = std::fs::read_to_string(fresh.join("rank-1.log")).map_err(|e| e.to_string())?;
+    check(log1 == "out 1\n", "and the ranks log there", &log1)
+}
+
 fn two_launchers_form_one_job() -> Result<(), String> {
     let port = free_port().to_string();
     let node = |r: &str| {
@@ -581,6 +621,7 @@ fn main() -> std::process::ExitCode {
         ("second_sigint_kills_at_once", second_sigint_kills_at_once),
         ("output_is_line_atomic_and_prefixed", output_is_line_atomic_and_prefixed),
         ("log_dir_and_ranks_filter", log_dir_and_ranks_filter),
+        ("log_dir_links_and_permissions", log_dir_links_and_permissions),
         ("two_launchers_form_one_job", two_launchers_form_one_job),
         ("failure_on_one_node_stops_the_other", failure_on_one_node_stops_the_other),
         ("cross_host_cpu_job_is_refused", cross_host_cpu_job_is_refused),

@@ -24,6 +24,7 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use lockstep::comm::Communicator;
 use lockstep::cuda;
 use lockstep::launch::{launch, LaunchConfig, RankContext};
+use lockstep::train::checkpoint;
 use lockstep::train::data::{self, Dataset, DEFAULT_DATA_DIR};
 use lockstep::train::device::{self, DeviceOptions, GpuExec, Precision};
 use lockstep::train::kernels;
@@ -165,22 +166,24 @@ fn validate(a: &Args, train_len: usize, cuda: bool) -> Result<Config, CliError> 
     if !(a.lr.is_finite() && a.lr > 0.0) {
         return Err(CliError::Usage(format!("--lr must be a positive number, got {}", a.lr)));
     }
-    // Catch path mistakes before an epoch of work, not after it.
+    // Catch path mistakes before an epoch of work, not after it: the directory exists and takes
+    // a new file, no checkpoint name is a directory, and one checkpoint fits.
+    let fault = checkpoint::fault_from_env().map_err(|e| CliError::Usage(e.to_string()))?;
     if let Some(save) = &a.save {
-        let dir = save.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
-        if !dir.is_dir() {
-            return Err(CliError::Usage(format!("--save {}: directory {} does not exist; create it first", save.display(), dir.display())));
-        }
+        let params = lockstep::train::model::Model::fashion_cnn(1).map_err(trainer::TrainError::from)?.num_params();
+        checkpoint::check_target(save, checkpoint::estimate_bytes(params)).map_err(|e| CliError::Usage(format!("--save: {e}")))?;
+    } else if let Some(step) = fault {
+        return Err(CliError::Usage(format!("{}={step} needs --save (it kills a save)", checkpoint::FAULT_ENV)));
     }
     if let Some(resume) = &a.resume {
-        for p in [resume.clone(), lockstep::train::checkpoint::optim_path(resume)] {
-            if !p.is_file() {
-                return Err(CliError::Usage(format!(
-                    "--resume {}: {} not found; pass the file written by --save (its .optim.safetensors companion must sit beside it)",
-                    resume.display(),
-                    p.display()
-                )));
-            }
+        // The live model file, or the kept previous one, must be there; `checkpoint::resume`
+        // picks the newest complete pair.
+        if !resume.is_file() && !checkpoint::prev_path(resume).is_file() {
+            return Err(CliError::Usage(format!(
+                "--resume {}: no such file (nor {}); pass the file written by --save (its .optim.safetensors companion must sit beside it)",
+                resume.display(),
+                checkpoint::prev_path(resume).display()
+            )));
         }
     }
     let steps_per_epoch = train_len.div_ceil(a.nprocs).div_ceil(a.batch_size) as u64;

@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::child;
-use super::output::RankOutput;
+use super::output::{LogDir, RankOutput};
 use super::report::{summary, LaunchError};
 use super::signals::SignalPipe;
 use super::supervise::{self, Options, Proc};
@@ -222,12 +222,14 @@ pub fn run_job(spec: &JobSpec) -> Result<i32, LaunchError> {
 
     let link = if spec.nnodes > 1 { Some(NodeLink::new(spec, &token)?) } else { None };
     let signals = SignalPipe::install().map_err(|e| LaunchError::Setup(format!("cannot install signal handlers: {e}")))?;
-    if let Some(d) = &spec.log_dir {
-        std::fs::create_dir_all(d).map_err(|e| LaunchError::Setup(format!("cannot create log directory {}: {e}", d.display())))?;
-    }
+    // Every log file is opened (safely, see output.rs) before any rank starts.
+    let log_dir = spec.log_dir.as_deref().map(LogDir::prepare).transpose()?;
+    let base = spec.node_rank * spec.nproc_per_node;
+    let outputs = (base..base + spec.nproc_per_node)
+        .map(|rank| RankOutput::new(rank, spec.ranks_filter.as_ref().is_none_or(|f| f.contains(&rank)), log_dir.as_ref()))
+        .collect::<Result<Vec<_>, _>>()?;
 
     // Start the ranks, the first one leading a new process group.
-    let base = spec.node_rank * spec.nproc_per_node;
     let common: Vec<(String, String)> = vec![
         ("WORLD_SIZE".into(), world.to_string()),
         ("LOCAL_WORLD_SIZE".into(), spec.nproc_per_node.to_string()),
@@ -248,19 +250,16 @@ pub fn run_job(spec: &JobSpec) -> Result<i32, LaunchError> {
     }
     let mut procs: Vec<Proc> = Vec::with_capacity(spec.nproc_per_node);
     let mut pgid = 0;
-    for local in 0..spec.nproc_per_node {
+    for (local, o) in outputs.into_iter().enumerate() {
         let rank = base + local;
         let mut env = common.clone();
         env.push(("RANK".into(), rank.to_string()));
         env.push(("LOCAL_RANK".into(), local.to_string()));
-        let show = spec.ranks_filter.as_ref().is_none_or(|f| f.contains(&rank));
-        let output = RankOutput::new(rank, show, spec.log_dir.as_deref());
-        let spawned = output.map_err(|e| (e, "create the log file for")).and_then(|o| {
-            let s = child::spawn_exec(&spec.program, &env, pgid, true)
-                // The group leader may already have exited: fall back to a group of its own.
-                .or_else(|e| if pgid != 0 { child::spawn_exec(&spec.program, &env, 0, true) } else { Err(e) });
-            s.map(|s| (s, o)).map_err(|e| (e, "start"))
-        });
+        let spawned = child::spawn_exec(&spec.program, &env, pgid, true)
+            // The group leader may already have exited: fall back to a group of its own.
+            .or_else(|e| if pgid != 0 { child::spawn_exec(&spec.program, &env, 0, true) } else { Err(e) })
+            .map(|s| (s, o))
+            .map_err(|e| (e, "start"));
         match spawned {
             Ok((s, o)) => {
                 if local == 0 {
