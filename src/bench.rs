@@ -42,7 +42,8 @@ impl std::str::FromStr for Buffers {
 pub struct BenchOptions {
     /// Number of ranks.
     pub nprocs: usize,
-    /// Collective to time.
+    /// Collective to time; [`CollKind::Send`] is the point-to-point ping-pong between ranks 0 and 1
+    /// (`--op pingpong`: one-way latency = half the round trip, bandwidth = size / that time).
     pub op: CollKind,
     /// Element type.
     pub dtype: Dtype,
@@ -267,6 +268,8 @@ fn one_size<T: BenchElem>(comm: &mut Communicator, place: &Place, a: &BenchOptio
         CollKind::Barrier => (0, 0),
         CollKind::AllToAll => (bytes / esz, bytes / esz),
         CollKind::Scatter => (bytes / esz, bytes / esz / n),
+        // Ping-pong: ranks 0 and 1 bounce one message of `bytes` (the others wait at the barriers).
+        CollKind::Send => (bytes / esz, bytes / esz),
         other => {
             return Err(CommError::Unsupported(format!("lockstep bench does not time {other}; see --help for the operations it does")))
         }
@@ -284,6 +287,9 @@ fn one_size<T: BenchElem>(comm: &mut Communicator, place: &Place, a: &BenchOptio
             CollKind::Barrier => comm.barrier(),
             CollKind::AllToAll => comm.all_to_all(send.b(), recv.m()),
             CollKind::Scatter => comm.scatter(send.b(), recv.m(), root),
+            CollKind::Send if me == 0 => comm.send(send.b(), 1).and_then(|_| comm.recv(recv.m(), 1)),
+            CollKind::Send if me == 1 => comm.recv(recv.m(), 0).and_then(|_| comm.send(send.b(), 0)),
+            CollKind::Send => Ok(()),
             other => Err(CommError::Unsupported(format!("lockstep bench does not time {other}"))),
         }?;
         // Device backends enqueue: the time of a call includes its completion.
@@ -315,12 +321,15 @@ fn one_size<T: BenchElem>(comm: &mut Communicator, place: &Place, a: &BenchOptio
             (0..rcount).filter(|&i| r[i] != T::from_i(pattern(op, i / c.max(1), me * c + i % c.max(1), n))).count()
         }
         CollKind::Scatter => (0..rcount).filter(|&i| r[i] != T::from_i(pattern(op, root, me * rcount + i, n))).count(),
+        CollKind::Send if me < 2 => (0..rcount).filter(|&i| r[i] != T::from_i(pattern(op, 1 - me, i, n))).count(),
         CollKind::Gather if me == root => {
             (0..rcount).filter(|&i| r[i] != T::from_i(pattern(op, i / scount.max(1), i % scount.max(1), n))).count()
         }
         _ => 0,
     };
-    Ok((times[times.len() / 2] * 1e6, wrong as u64))
+    // Ping-pong reports the one-way latency: half the round trip (as osu_latency).
+    let per_call = if a.op == CollKind::Send { 0.5 } else { 1.0 };
+    Ok((times[times.len() / 2] * 1e6 * per_call, wrong as u64))
 }
 
 fn rank_main<T: BenchElem>(ctx: RankContext, a: &BenchOptions) -> RankResult<Vec<(f64, u64)>> {
@@ -347,6 +356,9 @@ pub fn measure(a: &BenchOptions) -> Result<Vec<Row>, String> {
     }
     if a.nprocs == 0 {
         return Err("--nprocs must be at least 1".into());
+    }
+    if a.op == CollKind::Send && a.nprocs < 2 {
+        return Err("--op pingpong needs --nprocs 2 (or more: ranks 0 and 1 exchange, the others wait)".into());
     }
     let cfg = LaunchConfig::new(a.nprocs);
     let res = match a.dtype {
@@ -383,7 +395,7 @@ pub fn table(a: &BenchOptions, rows: &[Row]) -> String {
     let mut s = format!(
         "# lockstep bench: {} ranks, {} on {} buffers, backend {}\n",
         a.nprocs,
-        a.op,
+        if a.op == CollKind::Send { "pingpong (send/recv between ranks 0 and 1, one-way time)" } else { a.op.name() },
         match (a.device.as_str(), a.buffers) {
             ("cuda", _) => "device",
             (_, Buffers::Ordinary) => "ordinary",

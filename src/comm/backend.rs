@@ -118,9 +118,9 @@ pub trait Backend: Send {
     /// backends) or are enqueued together (device backends), so sends and receives posted in one
     /// group never wait on one another in a cycle.
     fn p2p(&mut self, ops: &[P2pOp]) -> Result<(), CommError> {
-        let what = ops.first().map_or("send/recv", |o| o.kind.name());
+        let _ = ops;
         Err(CommError::Unsupported(format!(
-            "{what} (point-to-point) is not supported on the {} backend yet; use the shm backend",
+            "send/recv (point-to-point) is not supported on the {} backend yet; use the shm backend",
             self.kind()
         )))
     }

@@ -8,6 +8,9 @@
 //!   all-gather); small ones take a one-phase path where every rank reduces the whole message.
 //! * Buffers from [`Communicator::alloc_shared`](crate::comm::Communicator::alloc_shared) live in
 //!   the segment; when every rank passes such buffers, peers read and write them directly.
+//! * The exchanges (all_to_all, all_to_all_v, scatter, all_gather_v, gather_v) go through the
+//!   same slots in rounds; point-to-point sends and receives go through a mailbox per ordered
+//!   pair of ranks, apart from the collectives (see `algo::p2p`).
 //! * Every reduction sums sources in rank order 0..n, so all ranks get bit-identical results, and
 //!   the same inputs give the same bits every run, whatever the path.
 //!
