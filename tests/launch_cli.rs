@@ -567,6 +567,35 @@ fn stale_segments_of_dead_launchers_are_removed() -> Result<(), String> {
     check(o.status.success() && old_gone && new_kept, "old stale segment removed, recent one kept", format!("{old_gone} {new_kept}"))
 }
 
+/// A segment whose header names a creator that was killed is removed by the next launch at once,
+/// however new the file is.
+fn stale_segment_of_dead_creator_removed_at_once() -> Result<(), String> {
+    let job = format!("test-dead-creator-{}", std::process::id());
+    let path = format!("/dev/shm/lockstep-{job}");
+    // SAFETY: the child only runs lockstep code and _exits.
+    let pid = unsafe { libc::fork() };
+    if pid == 0 {
+        let cfg = lockstep::shm::ShmConfig { heap_bytes: 2 << 20, join_timeout: Duration::from_secs(30), ..Default::default() };
+        // Rank 0 of 2 creates the segment and waits for rank 1, which never comes.
+        let r = lockstep::shm::ShmComm::join_named(&job, 0, 2, cfg);
+        // SAFETY: leave the child without running the parent's destructors.
+        unsafe { libc::_exit(r.is_err() as i32) };
+    }
+    let appeared = wait_until(Duration::from_secs(5), || std::path::Path::new(&path).exists());
+    std::thread::sleep(Duration::from_millis(100));
+    signal(pid, libc::SIGKILL);
+    // SAFETY: our child.
+    unsafe { libc::waitpid(pid, std::ptr::null_mut(), 0) };
+    check(appeared && std::path::Path::new(&path).exists(), "a killed creator leaves its segment", &path)?;
+    let t = Instant::now();
+    let o = lockstep().args(["launch", "--nproc-per-node", "1", "--", "true"]).output().map_err(|e| e.to_string())?;
+    let gone = !std::path::Path::new(&path).exists();
+    if !gone {
+        lockstep::shm::unlink_named(&job);
+    }
+    check(o.status.success() && gone, "the next launch removed it at once", format!("gone={gone} after {:?}\n{}", t.elapsed(), show(&o)))
+}
+
 fn config_and_env() -> Result<(), String> {
     let d = scratch("config");
     let p = d.join("sub/config.toml");
@@ -631,6 +660,7 @@ fn main() -> std::process::ExitCode {
         ("generated_token_reaches_the_other_node", generated_token_reaches_the_other_node),
         ("missing_program_and_bad_options", missing_program_and_bad_options),
         ("stale_segments_of_dead_launchers_are_removed", stale_segments_of_dead_launchers_are_removed),
+        ("stale_segment_of_dead_creator_removed_at_once", stale_segment_of_dead_creator_removed_at_once),
         ("config_and_env", config_and_env),
     ])
 }

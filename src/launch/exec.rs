@@ -116,24 +116,22 @@ fn new_job_id() -> String {
     format!("{:x}-{:x}", std::process::id(), t & 0xffff_ffff_ffff)
 }
 
-/// Remove named segments that launchers killed with SIGKILL left behind: their ranks died before
-/// all had joined, so nobody unlinked the name. Only names of our own job-id format
-/// (`lockstep-<launcher pid>-<time>`, both hex) are touched, only when that launcher is gone,
-/// and only when older than five minutes (far past any join timeout), so a live job in another
-/// pid namespace sharing /dev/shm is safe.
+/// Remove named segments that killed jobs left behind: their ranks died before all had joined,
+/// so nobody unlinked the name. A segment whose header names a creator (its rank 0) that is gone
+/// is removed at once (see [`crate::shm::reclaim_stale_segments`]). One whose creator cannot be
+/// checked (no header of this version, or a creator in another pid namespace) is removed only
+/// when its name has our job-id format (`lockstep-<launcher pid>-<time>`, both hex), that
+/// launcher is gone, and it is older than five minutes (far past any join timeout), so a live job
+/// in another pid namespace sharing /dev/shm is safe.
 fn sweep_stale_segments() {
-    let Ok(dir) = std::fs::read_dir("/dev/shm") else { return };
-    for e in dir.flatten() {
-        let name = e.file_name().to_string_lossy().into_owned();
-        let Some(id) = name.strip_prefix("lockstep-") else { continue };
-        let Some((pid, t)) = id.split_once('-') else { continue };
-        let (Ok(pid), true) = (i32::from_str_radix(pid, 16), !t.is_empty() && t.chars().all(|c| c.is_ascii_hexdigit())) else { continue };
-        let old =
-            e.metadata().ok().and_then(|m| m.modified().ok()).and_then(|m| m.elapsed().ok()).is_some_and(|a| a > Duration::from_secs(300));
-        if old && pid > 0 && !std::path::Path::new(&format!("/proc/{pid}")).exists() {
-            crate::shm::unlink_named(id);
-        }
-    }
+    crate::shm::reclaim_stale_segments(&|id, age| {
+        let Some((pid, t)) = id.split_once('-') else { return false };
+        let (Ok(pid), true) = (i32::from_str_radix(pid, 16), !t.is_empty() && t.chars().all(|c| c.is_ascii_hexdigit())) else {
+            return false;
+        };
+        let old = age.is_some_and(|a| a > Duration::from_secs(300));
+        old && pid > 0 && !std::path::Path::new(&format!("/proc/{pid}")).exists()
+    });
 }
 
 impl JobSpec {

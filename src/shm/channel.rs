@@ -6,14 +6,16 @@
 //! The collective algorithms (`shm::algo`) are written against [`Channel`] only; job setup
 //! (`shm::bootstrap`) creates it and marks the rank as gone when it is dropped.
 
-use std::sync::atomic::Ordering::{Acquire, Relaxed, SeqCst};
+use std::sync::atomic::Ordering::{Acquire, Relaxed, Release, SeqCst};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::config::ShmConfig;
 use super::reduce::{copy_block, copy_block2, store_fence};
 use super::segment::{futex_wait, futex_wake_all, PeerWatch, Segment};
-use super::sync::{Ctrl, Desc, Header, Layout, INVALID, SHARED_RECV, SHARED_SEND, STAGE_NT, STATE_LEFT};
+use super::sync::{
+    Abort, Ctrl, Desc, Header, Layout, ABORT_DIED, ABORT_LEFT, ABORT_TIMEOUT, INVALID, SHARED_RECV, SHARED_SEND, STAGE_NT, STATE_LEFT,
+};
 use super::tune::StageTuner;
 use crate::comm::{Call, CollKind, CommError, Dtype, MemSpace, RawMem, ReduceOp};
 
@@ -223,6 +225,14 @@ impl Channel {
     pub(crate) fn phase(&mut self, cx: Ctx) -> Result<u64, CommError> {
         let p = self.publish();
         self.wait_all(p, cx)?;
+        // A rank that comes late finds its peers' phase published even though they gave up on
+        // it (timed out) and went on: it must fail too, naming the same culprit, not read
+        // buffers their callers own again. One load of a line nobody writes while all is well.
+        if self.header().abort.by.load(Acquire) != 0 {
+            if let Some(e) = self.peer_abort(cx) {
+                return Err(e);
+            }
+        }
         Ok(p)
     }
 
@@ -295,30 +305,39 @@ impl Channel {
             let left = c.state.load(Acquire) == STATE_LEFT;
             if died || left {
                 // Tell ranks that wait on someone else too.
-                let h = self.header();
-                if h.abort_by.compare_exchange(0, self.rank as u32 + 1, SeqCst, SeqCst).is_ok() {
-                    h.lost_how.store(if died { 1 } else { 2 }, SeqCst);
-                    h.lost_rank.store(r as u32 + 1, SeqCst);
-                }
+                self.record_abort(|a| {
+                    a.how.store(if died { ABORT_DIED } else { ABORT_LEFT }, Relaxed);
+                    a.rank.store(r as u32 + 1, Relaxed);
+                });
                 return Err(self.lost(r, died, cx));
             }
         }
-        let h = self.header();
-        let by = h.abort_by.load(Acquire);
-        if by != 0 && by as usize - 1 != self.rank {
-            let lost = h.lost_rank.load(Acquire);
-            if lost != 0 {
-                return Err(self.lost(lost as usize - 1, h.lost_how.load(Acquire) == 1, cx));
-            }
-            return Err(CommError::Aborted { by: by as usize - 1, reason: "it hit an unrecoverable error".into() });
+        if let Some(e) = self.peer_abort(cx) {
+            return Err(e);
         }
         let waited = start.elapsed();
         if waited >= self.cfg.timeout {
-            // Peers that arrive later must not go on using this rank's buffers.
-            let _ = self.header().abort_by.compare_exchange(0, self.rank as u32 + 1, SeqCst, SeqCst);
-            let missing: Vec<String> = (0..self.world)
-                .filter(|&r| r != self.rank && self.ctrl(r).progress.load(Acquire) < target)
-                .map(|r| format!("rank {r} is at collective #{}", self.ctrl(r).coll_seq.load(Relaxed)))
+            let stuck: Vec<usize> = (0..self.world).filter(|&r| r != self.rank && self.ctrl(r).progress.load(Acquire) < target).collect();
+            let first = stuck.first().copied().unwrap_or(self.rank);
+            let (seq, kind) = self.position(first);
+            // Peers that arrive later must not go on using this rank's buffers, and must name the
+            // same culprit as this rank.
+            self.record_abort(|a| {
+                a.how.store(ABORT_TIMEOUT, Relaxed);
+                a.rank.store(first as u32 + 1, Relaxed);
+                a.culprit_seq.store(seq, Relaxed);
+                a.culprit_kind.store(kind.map_or(0, |k| k as u32 + 1), Relaxed);
+                a.missing.store(stuck.len() as u32, Relaxed);
+                a.at_kind.store(cx.op as u32 + 1, Relaxed);
+                a.at_seq.store(cx.seq, Relaxed);
+                a.waited_ms.store(waited.as_millis() as u64, Relaxed);
+            });
+            let missing: Vec<String> = stuck
+                .iter()
+                .map(|&r| {
+                    let (seq, kind) = self.position(r);
+                    stuck_text(r, seq, kind, cx.op, cx.seq)
+                })
                 .collect();
             return Err(CommError::Timeout {
                 rank: self.rank,
@@ -327,7 +346,7 @@ impl Channel {
                 secs: waited.as_secs_f64(),
                 detail: format!(
                     "{} not arrived: {}; this rank (rank {}) is at #{}",
-                    if missing.len() == 1 { "one rank has" } else { "some ranks have" },
+                    if missing.len() == 1 { "one rank has".to_string() } else { format!("{} ranks have", missing.len()) },
                     missing.join(", "),
                     self.rank,
                     cx.seq
@@ -335,6 +354,61 @@ impl Channel {
             });
         }
         Ok(())
+    }
+
+    /// The collective rank `r` is in or last was in: its sequence number and kind.
+    fn position(&self, r: usize) -> (u64, Option<CollKind>) {
+        let c = self.ctrl(r);
+        let kind = c.coll_kind.load(Relaxed);
+        (c.coll_seq.load(Relaxed), if kind == 0 { None } else { CollKind::from_u8((kind - 1) as u8) })
+    }
+
+    /// Abort the communicator for every rank, describing why with `fill`, unless a peer did first.
+    fn record_abort(&self, fill: impl FnOnce(&Abort)) {
+        let a = &self.header().abort;
+        if a.by.compare_exchange(0, self.rank as u32 + 1, SeqCst, SeqCst).is_ok() {
+            fill(a);
+            a.ready.store(1, Release);
+        }
+    }
+
+    /// The error for a communicator a peer aborted, naming the culprit the peer recorded.
+    fn peer_abort(&self, cx: Ctx) -> Option<CommError> {
+        let a = &self.header().abort;
+        let by = a.by.load(Acquire);
+        if by == 0 || by as usize - 1 == self.rank {
+            return None;
+        }
+        let by = by as usize - 1;
+        // The aborting rank fills the record right after claiming it: wait briefly for it.
+        let t = Instant::now();
+        while a.ready.load(Acquire) == 0 && t.elapsed() < Duration::from_millis(50) {
+            std::thread::yield_now();
+        }
+        let culprit = a.rank.load(Relaxed) as usize;
+        if a.ready.load(Acquire) == 0 || culprit == 0 {
+            return Some(CommError::Aborted { by, reason: "it hit an unrecoverable error".into() });
+        }
+        let culprit = culprit - 1;
+        Some(match a.how.load(Relaxed) {
+            ABORT_DIED | ABORT_LEFT => self.lost(culprit, a.how.load(Relaxed) == ABORT_DIED, cx),
+            _ => {
+                let kind = a.culprit_kind.load(Relaxed);
+                let kind = if kind == 0 { None } else { CollKind::from_u8((kind - 1) as u8) };
+                let at_kind = CollKind::from_u8((a.at_kind.load(Relaxed).max(1) - 1) as u8).unwrap_or(cx.op);
+                let at_seq = a.at_seq.load(Relaxed);
+                let more = a.missing.load(Relaxed).saturating_sub(1);
+                CommError::Aborted {
+                    by,
+                    reason: format!(
+                        "{}{}: rank {by} timed out after {:.1} s waiting for it in {at_kind} #{at_seq} (raise LOCKSTEP_TIMEOUT_S if this is expected)",
+                        stuck_text(culprit, a.culprit_seq.load(Relaxed), kind, at_kind, at_seq),
+                        if more > 0 { format!(", and {more} more rank(s) had not arrived") } else { String::new() },
+                        a.waited_ms.load(Relaxed) as f64 / 1e3,
+                    ),
+                }
+            }
+        })
     }
 
     fn lost(&self, r: usize, died: bool, cx: Ctx) -> CommError {
@@ -354,7 +428,9 @@ impl Channel {
     /// Enter the next collective: number it and show the number to peers (for timeout reports).
     pub(crate) fn start_call(&mut self, op: CollKind) -> Ctx {
         self.seq += 1;
-        self.ctrl(self.rank).coll_seq.store(self.seq, Relaxed);
+        let me = self.ctrl(self.rank);
+        me.coll_kind.store(op as u32 + 1, Relaxed);
+        me.coll_seq.store(self.seq, Relaxed);
         Ctx { op, seq: self.seq }
     }
 
@@ -484,6 +560,19 @@ impl Channel {
         let r = self.shared_off(call.recv.addr, recv_bytes);
         let flags = if s.is_some() { SHARED_SEND } else { 0 } | if r.is_some() { SHARED_RECV } else { 0 };
         (flags, s.unwrap_or(0), r.unwrap_or(0))
+    }
+}
+
+/// Where a rank that has not arrived at `op` #`seq` is: in it (it entered the collective but does
+/// not progress), or before it (at an earlier collective, or none yet).
+fn stuck_text(r: usize, r_seq: u64, r_kind: Option<CollKind>, op: CollKind, seq: u64) -> String {
+    if r_seq >= seq {
+        format!("rank {r} is stuck in {} #{r_seq}", r_kind.unwrap_or(op))
+    } else if r_seq == 0 {
+        format!("rank {r} is stuck before {op} #{seq} (rank {r} is at collective #0: it has not started any)")
+    } else {
+        let k = r_kind.map(|k| format!(", {k}")).unwrap_or_default();
+        format!("rank {r} is stuck before {op} #{seq} (rank {r} is at collective #{r_seq}{k})")
     }
 }
 

@@ -23,10 +23,12 @@
 //!   the algorithms.
 //! * `algo`: the collective algorithms, one family per file.
 //! * `channel`: one rank's end of the slot protocol: phases, waiting, peer watching, the
-//!   cross-rank argument check, the staging mode.
+//!   cross-rank argument check, the abort record every rank reports from, the staging mode.
+//! * `stale`: segments left behind by killed jobs: who created one, whether it still runs, and
+//!   removing the names of dead ones ([`reclaim_stale_segments`], [`unlink_named`]).
 //! * `alloc` (shared buffers), `config` (settings), `tune` (staging mode choice), `reduce`
 //!   (kernels and copies), `sync` (segment layout, control blocks), `segment` (OS calls, futex,
-//!   peer processes).
+//!   peer processes, segment names and memory reservation).
 
 mod algo;
 mod alloc;
@@ -36,6 +38,7 @@ mod channel;
 mod config;
 mod reduce;
 mod segment;
+mod stale;
 mod sync;
 mod tune;
 
@@ -43,5 +46,5 @@ pub use backend::ShmComm;
 pub use bootstrap::ShmJob;
 pub use config::ShmConfig;
 pub use reduce::reduce_slices;
-pub use segment::unlink_named;
+pub use stale::{reclaim_stale_segments, unlink_named};
 pub use tune::StageMode;

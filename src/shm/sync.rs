@@ -10,6 +10,11 @@
 //! The mailboxes carry point-to-point messages (`shm::p2p`), one per ordered pair of ranks, apart
 //! from the slots and phases of the collectives, so the two never interfere.
 //!
+//! Memory: the header, control blocks and slots ([`Layout::backed`]) are reserved in the file
+//! system when the segment is created; a heap range when `alloc_shared` hands it out. So a full
+//! tmpfs (Docker's 64 MiB `/dev/shm`) or a memory cgroup limit shows up as an error there, never
+//! as a SIGBUS when a page is first touched.
+//!
 //! Protocol (modelled on NCCL's `ncclShmemAllgather`): each rank owns a monotonically increasing
 //! `progress` counter, padded to its own cache line. A collective is a sequence of *phases*; in phase
 //! `p` a rank writes only its own slot `p % 2` (and its call descriptor), publishes `progress = p`
@@ -48,21 +53,52 @@ pub(crate) struct Header {
     pub total_bytes: AtomicU64,
     /// Ranks that have joined (written their pid).
     pub joined: AtomicU32,
-    /// 0, or 1 + the rank that aborted the communicator.
-    pub abort_by: AtomicU32,
-    /// 0, or 1 + the rank whose loss caused the abort.
-    pub lost_rank: AtomicU32,
-    /// 1: that rank died; 2: it left the communicator.
-    pub lost_how: AtomicU32,
+    /// The creator's pid, the inode of its pid namespace and its start time (field 22 of
+    /// `/proc/<pid>/stat`): a later launch tells from them, without guessing from the age of the
+    /// file, whether the creator of a leftover named segment is gone (see `shm::stale`).
+    pub creator_pid: AtomicI32,
+    pub creator_pidns: AtomicU64,
+    pub creator_start: AtomicU64,
     /// The creator's path thresholds: every rank must choose the same path for the same call.
     pub small_bytes: AtomicU64,
     pub nt_bytes: AtomicU64,
-    _pad0: [u8; 56],
+    /// The abort record: why the communicator failed, for the peers to report (see [`Abort`]).
+    pub abort: Abort,
     /// Ranks currently asleep on `wake` (separate line: written on every sleep).
     pub sleepers: PaddedU32,
-    /// Futex word, bumped by publishers when someone sleeps.
+    /// Futex word, bumped by publishers when someone sleeps and by every rank that joins (ranks
+    /// waiting for the others to join sleep on it).
     pub wake: PaddedU32,
 }
+
+/// The abort record in the header. The first rank to detect a failure claims it (`by`, compare
+/// and swap from 0), fills in the culprit, then sets `ready`; peers read it after `ready`, so
+/// every rank names the same culprit, not only the one that detected the failure.
+#[repr(C, align(64))]
+pub(crate) struct Abort {
+    /// 0, or 1 + the rank that aborted the communicator.
+    pub by: AtomicU32,
+    /// 1 once the fields below are written.
+    pub ready: AtomicU32,
+    /// What happened: [`ABORT_DIED`], [`ABORT_LEFT`] or [`ABORT_TIMEOUT`] (0: no detail).
+    pub how: AtomicU32,
+    /// 1 + the culprit: the lost rank, or the first rank that had not arrived.
+    pub rank: AtomicU32,
+    /// Timeout: the collective the culprit was in (its sequence number) and its kind + 1 (0: none yet).
+    pub culprit_seq: AtomicU64,
+    pub culprit_kind: AtomicU32,
+    /// Timeout: how many ranks had not arrived.
+    pub missing: AtomicU32,
+    /// Timeout: the collective the aborting rank waited in (kind + 1, sequence number) and for how long.
+    pub at_kind: AtomicU32,
+    pub at_seq: AtomicU64,
+    pub waited_ms: AtomicU64,
+}
+
+/// `Abort::how` values.
+pub(crate) const ABORT_DIED: u32 = 1;
+pub(crate) const ABORT_LEFT: u32 = 2;
+pub(crate) const ABORT_TIMEOUT: u32 = 3;
 
 /// An `AtomicU32` alone on its cache line.
 #[repr(C, align(64))]
@@ -77,7 +113,9 @@ pub(crate) struct Ctrl {
     pub coll_seq: AtomicU64,
     pub pid: AtomicI32,
     pub state: AtomicU32,
-    _pad: [u8; 40],
+    /// Kind + 1 of the collective `coll_seq` numbers (0 before the first), for timeout reports.
+    pub coll_kind: AtomicU32,
+    _pad: [u8; 36],
     /// Call descriptors, one per phase parity (see module docs).
     pub desc: [DescCell; 2],
     _pad2: [u8; 64],
@@ -176,6 +214,13 @@ impl Layout {
         let heaps_off = p2p_off.checked_add(mboxes).ok_or_else(too_big)?.next_multiple_of(2 << 20);
         let total = world.checked_mul(heap_bytes).and_then(|h| h.checked_add(heaps_off)).filter(|t| *t < 1 << 46).ok_or_else(too_big)?;
         Ok(Layout { world, slot_bytes, heap_bytes, slots_off, p2p_off, mbox_bytes, heaps_off, total })
+    }
+
+    /// Bytes from the start that collectives and point-to-point calls touch whatever the user
+    /// allocates: header, control blocks, slots and mailboxes. Reserved at creation; the heaps,
+    /// sized generously, are reserved per buffer.
+    pub(crate) fn backed(&self) -> usize {
+        self.p2p_off + self.world * self.world * (PAIR_CTRL_BYTES + self.mbox_bytes)
     }
 
     pub(crate) fn ctrl_off(&self, rank: usize) -> usize {
