@@ -284,9 +284,23 @@ fn report(out: Result<Vec<Vec<String>>, LaunchError>) -> Result<(), String> {
 }
 
 fn t_exchanges() -> Result<(), String> {
+    // Default paths (staged, direct copies for large blocks, zero-copy from shared buffers), and
+    // with every direct copy refused (the ranks agree on it and stage instead).
+    for refuse in [false, true] {
+        exchanges(refuse).map_err(|e| if refuse { format!("direct copies refused: {e}") } else { e })?;
+    }
+    Ok(())
+}
+
+fn exchanges(refuse: bool) -> Result<(), String> {
     for n in 1..=5 {
         let t = Instant::now();
-        report(launch(&cfg(n), |mut ctx: RankContext| -> RankResult<Vec<String>> { Ok(every_dtype!(check_exchanges, &mut ctx.comm)) }))
+        let mut cfg = cfg(n);
+        if refuse {
+            cfg.shm.cma_bytes = 1;
+            cfg.shm.fault_refuse_direct = true;
+        }
+        report(launch(&cfg, |mut ctx: RankContext| -> RankResult<Vec<String>> { Ok(every_dtype!(check_exchanges, &mut ctx.comm)) }))
             .map_err(|e| format!("world {n}: {e}"))?;
         if t.elapsed() > Duration::from_secs(10) {
             return Err(format!("world {n} took {:?}", t.elapsed()));

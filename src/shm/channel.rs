@@ -48,6 +48,9 @@ pub(crate) struct Channel {
     timing: Option<(usize, usize, bool, Instant)>,
     /// Rank 0: when it began staging the current call, then how long that took (until `begin`).
     staging: (Option<Instant>, Duration),
+    /// Direct copies between ranks (`process_vm_readv`) were refused once: every rank learnt it
+    /// in the same phase, so all stop offering them.
+    pub(crate) direct_refused: bool,
 }
 
 impl Channel {
@@ -70,6 +73,7 @@ impl Channel {
             tuner,
             timing: None,
             staging: (None, Duration::ZERO),
+            direct_refused: false,
         }
     }
 
@@ -467,7 +471,8 @@ impl Channel {
             seq: self.seq,
             send_off,
             recv_off,
-            _pad: [0; 2],
+            pidns: crate::shm::algo::p2p::pid_namespace(),
+            _pad: 0,
         };
         let p = self.progress + 1;
         self.write_desc(p, d);

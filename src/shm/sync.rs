@@ -141,11 +141,16 @@ pub(crate) struct Desc {
     pub send_off: u64,
     /// Segment offset of the receive buffer when `flags & SHARED_RECV`.
     pub recv_off: u64,
-    pub _pad: [u64; 2],
+    /// The rank's pid namespace (inode), for direct copies between ranks (`DIRECT`).
+    pub pidns: u64,
+    pub _pad: u64,
 }
 
 pub(crate) const SHARED_SEND: u8 = 1;
 pub(crate) const SHARED_RECV: u8 = 2;
+/// `send_off` is the send buffer's address in the rank's own memory, which its peers may read
+/// with `process_vm_readv` (the exchanges' direct-copy path).
+pub(crate) const DIRECT: u8 = 16;
 /// The rank refused the call locally (bad arguments); its peers fail the matching call too.
 pub(crate) const INVALID: u8 = 4;
 /// Rank 0 chose streaming stores for the staging of this call (see `shm::tune`).

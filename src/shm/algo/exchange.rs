@@ -14,9 +14,10 @@
 //! them their buffers are free again (one copy instead of two, whatever the size).
 
 use crate::comm::{Call, CollKind, CommError};
+use crate::shm::algo::p2p::read_direct;
 use crate::shm::channel::{Channel, Ctx};
 use crate::shm::reduce::copy_block;
-use crate::shm::sync::SHARED_SEND;
+use crate::shm::sync::{DIRECT, SHARED_SEND};
 
 /// Where this rank's blocks are: (element offset, element count) per peer, for send and recv.
 struct Plan {
@@ -76,7 +77,12 @@ pub(crate) fn exchange(ch: &mut Channel, call: &Call, cx: Ctx) -> Result<(), Com
     // The per-rank counts of the v-variants differ between ranks: they are checked below, pair by
     // pair, so the descriptors carry none.
     let desc_call = if v { Call { count: 0, ..*call } } else { *call };
-    let (flags, send_off, _) = ch.share_flags(call, call.send.len * esz, 0);
+    let (mut flags, mut send_off, _) = ch.share_flags(call, call.send.len * esz, 0);
+    if flags & SHARED_SEND == 0 && ch.config().cma_bytes > 0 && !ch.direct_refused {
+        // Offer our send buffer for direct copies: its address in our own memory.
+        flags |= DIRECT;
+        send_off = call.send.addr as u64;
+    }
     let (descs, _) = ch.begin(&desc_call, flags, send_off, 0, cx)?;
     // Element offset, in rank r's send buffer, of its block for rank j (zero-copy path).
     let mut send_displ: Vec<usize> = (0..n * n).map(|k| plan_displ(call, k % n)).collect();
@@ -123,6 +129,38 @@ pub(crate) fn exchange(ch: &mut Channel, call: &Call, cx: Ctx) -> Result<(), Com
         // Our peers have read our send buffer once everyone has published this phase.
         ch.phase(cx)?;
         return Ok(());
+    }
+    // Ordinary buffers, large blocks: each rank copies its blocks once, straight out of its peers'
+    // memory, if every rank offered its buffer and the kernel lets it; the result is agreed in one
+    // phase (a refusal anywhere sends everyone down the staged path below, for good).
+    let offers =
+        |r: usize| (descs[r].flags & DIRECT != 0 && descs[r].pidns == descs[me].pidns) || (0..n).all(|j| j == r || m[r * n + j] == 0);
+    let largest = (0..n * n).filter(|k| k / n != k % n).map(|k| m[k] * esz).max().unwrap_or(0);
+    if n > 1 && largest >= ch.config().cma_bytes && ch.config().cma_bytes > 0 && (0..n).all(offers) {
+        let mut ok = true;
+        for i in (0..n).filter(|&i| i != me && m[i * n + me] > 0) {
+            let (off, cnt) = plan.recv[i];
+            let pid = ch.ctrl(i).pid.load(std::sync::atomic::Ordering::Relaxed) as u64;
+            // Rank i's block for us lies in its send buffer (checked by its communicator); ours
+            // from it in recv (checked by ours); rank i waits in the phase below meanwhile.
+            if ch.config().fault_refuse_direct
+                || !read_direct(pid, descs[i].send_off + (send_displ[i * n + me] * esz) as u64, call.recv.addr + off * esz, cnt * esz)
+            {
+                ok = false;
+                break;
+            }
+        }
+        let p = ch.next_phase();
+        // SAFETY: our own slot of the next phase; 8 bytes fit in any slot; nobody reads it before
+        // we publish the phase.
+        unsafe { (ch.slot(me, p) as *mut u64).write(ok as u64) };
+        ch.phase(cx)?;
+        // SAFETY: every rank wrote its verdict in its slot of phase p before publishing it.
+        if (0..n).all(|r| unsafe { (ch.slot(r, p) as *const u64).read() } == 1) {
+            return Ok(());
+        }
+        tracing::debug!("a rank could not read its peers' buffers directly: exchanges stage through the slots from now on");
+        ch.direct_refused = true;
     }
     // Rank i's outgoing peers, and the bytes of each piece it stages per round.
     let dests: Vec<Vec<usize>> = (0..n).map(|i| (0..n).filter(|&j| j != i && m[i * n + j] > 0).collect()).collect();

@@ -93,9 +93,10 @@ struct OpState {
 
 /// The pid namespace of this process (its inode), so that a receiver never reads a pid that
 /// names another process in its own namespace.
-fn pid_namespace() -> u64 {
+pub(crate) fn pid_namespace() -> u64 {
     use std::os::unix::fs::MetadataExt;
-    std::fs::metadata("/proc/self/ns/pid").map(|m| m.ino()).unwrap_or(0)
+    static NS: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *NS.get_or_init(|| std::fs::metadata("/proc/self/ns/pid").map(|m| m.ino()).unwrap_or(0))
 }
 
 /// Under Yama `ptrace_scope` 1 only ancestors may read a process's memory: let the sibling ranks
@@ -437,7 +438,7 @@ fn check_header(ch: &Channel, pc: &PairCtrl, peer: usize, me: usize, k: u64, dty
 
 /// Copy `bytes` from `addr` in process `pid` into `dst` with `process_vm_readv`; false when the
 /// kernel refuses (no permission, no such process, not supported) or the copy comes up short.
-fn read_direct(pid: u64, addr: u64, dst: usize, bytes: usize) -> bool {
+pub(crate) fn read_direct(pid: u64, addr: u64, dst: usize, bytes: usize) -> bool {
     let mut done = 0usize;
     while done < bytes {
         let local = libc::iovec { iov_base: (dst + done) as *mut libc::c_void, iov_len: bytes - done };
