@@ -79,15 +79,14 @@ where
     // never calls it and drops it after the last fork.
     let mut f = ManuallyDrop::new(f);
     for rank in 0..cfg.nprocs {
-        match child::spawn(rank, cfg.nprocs, &job, &mut f, cfg.capture_output) {
-            Ok(s) => ranks.push(Proc::new(rank, s, outputs.next().expect("one output per rank"))),
+        // A forked rank does not exec, so close-on-exec does not keep the other ranks' pipes and
+        // log files out of it: it closes them itself.
+        let mut close: Vec<i32> = ranks.iter().flat_map(Proc::raw_fds).collect();
+        close.extend(outputs.as_slice().iter().filter_map(|o| o.log_fd()));
+        match child::spawn(rank, cfg.nprocs, &job, &mut f, cfg.capture_output, &close) {
+            Ok((g, rd)) => ranks.push(Proc::new(rank, g, Some(rd), outputs.next().expect("one output per rank"))),
             Err(e) => {
-                for s in &ranks {
-                    child::kill(s.pid, libc::SIGKILL);
-                }
-                for s in &ranks {
-                    child::reap_blocking(s.pid);
-                }
+                supervise::kill_all(&mut ranks);
                 drop(ManuallyDrop::into_inner(f));
                 return Err(LaunchError::Setup(format!("fork of rank {rank} failed: {e}")));
             }
@@ -104,17 +103,14 @@ where
         on_first_failure: None,
         start,
     };
-    let ok = |p: &Proc| {
-        matches!(p.status, Some(child::Exit::Code(0) | child::Exit::Unknown))
-            && wire::decode_outcome::<R>(&p.result_bytes).is_some_and(|o| o.is_ok())
-    };
+    let ok = |p: &Proc| p.status == Some(child::Exit::Code(0)) && wire::decode_outcome::<R>(&p.result_bytes).is_some_and(|o| o.is_ok());
     let outcome = supervise::supervise(&mut ranks, &opts, |p| !ok(p));
     let mut results: BTreeMap<usize, R> = BTreeMap::new();
     let mut failures = Vec::new();
     for (i, p) in ranks.iter().enumerate() {
         let st = p.status.expect("all reaped");
         match (st, wire::decode_outcome::<R>(&p.result_bytes)) {
-            (child::Exit::Code(0) | child::Exit::Unknown, Some(Ok(v))) => {
+            (child::Exit::Code(0), Some(Ok(v))) => {
                 results.insert(i, v);
             }
             (st, decoded) => {
@@ -124,7 +120,7 @@ where
                     None => st.describe(),
                 };
                 let code = match st {
-                    child::Exit::Code(0) | child::Exit::Unknown => 1,
+                    child::Exit::Code(0) => 1,
                     s => s.code(),
                 };
                 failures.push(p.failure(message, code, outcome.root == Some(i)));

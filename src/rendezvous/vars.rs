@@ -64,7 +64,10 @@ impl EnvInfo {
         let world_size = required(get, "WORLD_SIZE")?;
         let local_rank = num(get, "LOCAL_RANK")?.unwrap_or(rank);
         let local_world_size = num(get, "LOCAL_WORLD_SIZE")?.unwrap_or(world_size);
-        let nnodes = num(get, "LOCKSTEP_NNODES")?.unwrap_or(1).max(1);
+        let nnodes = match get("LOCKSTEP_NNODES") {
+            None => 1,
+            Some(v) => crate::types::env::parse_count("LOCKSTEP_NNODES", &v, 1, 1 << 20).map_err(|e| setup(e.to_string()))? as usize,
+        };
         let job_id = get("LOCKSTEP_JOB_ID")
             .ok_or_else(|| setup("LOCKSTEP_JOB_ID is not set: start this program with `lockstep launch`, which names the job".into()))?;
         if rank >= world_size || local_rank >= local_world_size || local_world_size > world_size {
@@ -96,13 +99,14 @@ impl EnvInfo {
 }
 
 /// An id of this host: `LOCKSTEP_HOST_ID` if set (for containers that share a kernel but not
-/// memory, and for tests), else its name plus the kernel's boot id.
-pub fn host_id() -> String {
-    if let Some(h) = var("LOCKSTEP_HOST_ID") {
-        return h;
+/// memory, and for tests; text without control characters), else its name plus the kernel's boot
+/// id.
+pub fn host_id() -> Result<String, crate::types::env::EnvError> {
+    if let Some(h) = crate::types::env::text("LOCKSTEP_HOST_ID")? {
+        return Ok(h);
     }
     let read = |p: &str| std::fs::read_to_string(p).map(|s| s.trim().to_string()).unwrap_or_default();
-    format!("{}/{}", read("/proc/sys/kernel/hostname"), read("/proc/sys/kernel/random/boot_id"))
+    Ok(format!("{}/{}", read("/proc/sys/kernel/hostname"), read("/proc/sys/kernel/random/boot_id")))
 }
 
 #[cfg(test)]
@@ -137,5 +141,8 @@ mod tests {
         assert!(e.contains("RANK=\"x\" is not a non-negative integer"), "{e}");
         let e = info(&[("RANK", "0"), ("WORLD_SIZE", "2")]).unwrap_err().to_string();
         assert!(e.contains("LOCKSTEP_JOB_ID is not set"), "{e}");
+        // No silent clamp of 0 nodes to 1.
+        let e = info(&[("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCKSTEP_JOB_ID", "j"), ("LOCKSTEP_NNODES", "0")]).unwrap_err().to_string();
+        assert!(e.contains("LOCKSTEP_NNODES=\"0\" is invalid: expected a whole number from 1"), "{e}");
     }
 }
