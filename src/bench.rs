@@ -42,7 +42,8 @@ impl std::str::FromStr for Buffers {
 pub struct BenchOptions {
     /// Number of ranks.
     pub nprocs: usize,
-    /// Collective to time.
+    /// Collective to time; [`CollKind::Send`] is the point-to-point ping-pong between ranks 0 and 1
+    /// (`--op pingpong`: one-way latency = half the round trip, bandwidth = size / that time).
     pub op: CollKind,
     /// Element type.
     pub dtype: Dtype,
@@ -104,14 +105,14 @@ pub fn bus_factor(op: CollKind, n: usize) -> f64 {
     let n = n as f64;
     match op {
         CollKind::AllReduce => 2.0 * (n - 1.0) / n,
-        CollKind::AllGather | CollKind::ReduceScatter => (n - 1.0) / n,
+        CollKind::AllGather | CollKind::ReduceScatter | CollKind::AllToAll | CollKind::Scatter => (n - 1.0) / n,
         _ => 1.0,
     }
 }
 
 fn sizes(a: &BenchOptions, esz: usize, n: usize) -> Vec<usize> {
     let quantum = match a.op {
-        CollKind::AllGather | CollKind::ReduceScatter | CollKind::Gather => esz * n,
+        CollKind::AllGather | CollKind::ReduceScatter | CollKind::Gather | CollKind::AllToAll | CollKind::Scatter => esz * n,
         _ => esz,
     };
     let raw: Vec<usize> = if !a.sizes.is_empty() {
@@ -134,7 +135,7 @@ trait BenchElem: Element {
 macro_rules! bench_elem {
     ($($t:ty),*) => {$( impl BenchElem for $t { fn from_i(v: usize) -> Self { v as $t } } )*};
 }
-bench_elem!(f32, f64, i32, i64, u8, i8);
+bench_elem!(f32, f64, i32, i64, u8, i8, u32, u64);
 impl BenchElem for f16 {
     fn from_i(v: usize) -> Self {
         f16::from_f32(v as f32)
@@ -265,6 +266,13 @@ fn one_size<T: BenchElem>(comm: &mut Communicator, place: &Place, a: &BenchOptio
         CollKind::AllGather | CollKind::Gather => (bytes / esz / n, bytes / esz),
         CollKind::ReduceScatter => (bytes / esz, bytes / esz / n),
         CollKind::Barrier => (0, 0),
+        CollKind::AllToAll => (bytes / esz, bytes / esz),
+        CollKind::Scatter => (bytes / esz, bytes / esz / n),
+        // Ping-pong: ranks 0 and 1 bounce one message of `bytes` (the others wait at the barriers).
+        CollKind::Send => (bytes / esz, bytes / esz),
+        other => {
+            return Err(CommError::Unsupported(format!("lockstep bench does not time {other}; see --help for the operations it does")))
+        }
     };
     let send: Buf<T> = Buf::new(comm, (0..scount).map(|i| T::from_i(pattern(op, me, i, n))).collect(), place)?;
     let mut recv: Buf<T> = Buf::new(comm, vec![T::default(); rcount], place)?;
@@ -277,6 +285,12 @@ fn one_size<T: BenchElem>(comm: &mut Communicator, place: &Place, a: &BenchOptio
             CollKind::Gather => comm.gather(send.b(), recv.m(), root),
             CollKind::ReduceScatter => comm.reduce_scatter(send.b(), recv.m(), op),
             CollKind::Barrier => comm.barrier(),
+            CollKind::AllToAll => comm.all_to_all(send.b(), recv.m()),
+            CollKind::Scatter => comm.scatter(send.b(), recv.m(), root),
+            CollKind::Send if me == 0 => comm.send(send.b(), 1).and_then(|_| comm.recv(recv.m(), 1)),
+            CollKind::Send if me == 1 => comm.recv(recv.m(), 0).and_then(|_| comm.send(send.b(), 0)),
+            CollKind::Send => Ok(()),
+            other => Err(CommError::Unsupported(format!("lockstep bench does not time {other}"))),
         }?;
         // Device backends enqueue: the time of a call includes its completion.
         comm.synchronize()
@@ -302,12 +316,20 @@ fn one_size<T: BenchElem>(comm: &mut Communicator, place: &Place, a: &BenchOptio
         CollKind::ReduceScatter => (0..rcount).filter(|&i| r[i] != expected::<T>(op, me * rcount + i, n)).count(),
         CollKind::Broadcast => (0..rcount).filter(|&i| r[i] != T::from_i(pattern(op, root, i, n))).count(),
         CollKind::AllGather => (0..rcount).filter(|&i| r[i] != T::from_i(pattern(op, i / scount.max(1), i % scount.max(1), n))).count(),
+        CollKind::AllToAll => {
+            let c = rcount / n;
+            (0..rcount).filter(|&i| r[i] != T::from_i(pattern(op, i / c.max(1), me * c + i % c.max(1), n))).count()
+        }
+        CollKind::Scatter => (0..rcount).filter(|&i| r[i] != T::from_i(pattern(op, root, me * rcount + i, n))).count(),
+        CollKind::Send if me < 2 => (0..rcount).filter(|&i| r[i] != T::from_i(pattern(op, 1 - me, i, n))).count(),
         CollKind::Gather if me == root => {
             (0..rcount).filter(|&i| r[i] != T::from_i(pattern(op, i / scount.max(1), i % scount.max(1), n))).count()
         }
         _ => 0,
     };
-    Ok((times[times.len() / 2] * 1e6, wrong as u64))
+    // Ping-pong reports the one-way latency: half the round trip (as osu_latency).
+    let per_call = if a.op == CollKind::Send { 0.5 } else { 1.0 };
+    Ok((times[times.len() / 2] * 1e6 * per_call, wrong as u64))
 }
 
 fn rank_main<T: BenchElem>(ctx: RankContext, a: &BenchOptions) -> RankResult<Vec<(f64, u64)>> {
@@ -335,6 +357,9 @@ pub fn measure(a: &BenchOptions) -> Result<Vec<Row>, String> {
     if a.nprocs == 0 {
         return Err("--nprocs must be at least 1".into());
     }
+    if a.op == CollKind::Send && a.nprocs < 2 {
+        return Err("--op pingpong needs --nprocs 2 (or more: ranks 0 and 1 exchange, the others wait)".into());
+    }
     let cfg = LaunchConfig::new(a.nprocs);
     let res = match a.dtype {
         Dtype::F32 => launch(&cfg, |ctx| rank_main::<f32>(ctx, a)),
@@ -345,6 +370,8 @@ pub fn measure(a: &BenchOptions) -> Result<Vec<Row>, String> {
         Dtype::I64 => launch(&cfg, |ctx| rank_main::<i64>(ctx, a)),
         Dtype::U8 => launch(&cfg, |ctx| rank_main::<u8>(ctx, a)),
         Dtype::I8 => launch(&cfg, |ctx| rank_main::<i8>(ctx, a)),
+        Dtype::U32 => launch(&cfg, |ctx| rank_main::<u32>(ctx, a)),
+        Dtype::U64 => launch(&cfg, |ctx| rank_main::<u64>(ctx, a)),
     }
     .map_err(|e| e.to_string())?;
     let n = a.nprocs;
@@ -368,7 +395,7 @@ pub fn table(a: &BenchOptions, rows: &[Row]) -> String {
     let mut s = format!(
         "# lockstep bench: {} ranks, {} on {} buffers, backend {}\n",
         a.nprocs,
-        a.op,
+        if a.op == CollKind::Send { "pingpong (send/recv between ranks 0 and 1, one-way time)" } else { a.op.name() },
         match (a.device.as_str(), a.buffers) {
             ("cuda", _) => "device",
             (_, Buffers::Ordinary) => "ordinary",

@@ -3,22 +3,34 @@
 //! A collective-communication runtime for data-parallel training, written on raw CUDA/NCCL with a
 //! shared-memory backend for CPU-only nodes.
 //!
+//! Modules, bottom to top; each imports only from the ones before it (checked by
+//! `.ci/layers.py`, which also finds import cycles between files):
+//!
 //! | module | what lives there |
 //! |---|---|
-//! | [`comm`] | the backend-agnostic [`Communicator`](comm::Communicator): all-reduce, broadcast, reduce, all-gather, gather, reduce-scatter, barrier |
-//! | [`shm`] | the shared-memory backend for the ranks of one node: segment, synchronisation, reduction kernels |
-//! | [`launch`] | the launchers: [`launch::launch`] forks ranks running a function; [`launch::run_job`] backs `lockstep launch` (exec'd ranks); output, supervision, failure reports |
+//! | [`types`] | the vocabulary: [`Dtype`], [`ReduceOp`], [`CollKind`], the [`Buffer`]/[`BufferMut`] traits |
 //! | [`store`] | the TCP rendezvous store that multi-node jobs meet through |
-//! | [`cuda`] | CUDA driver + NVRTC loaded at run time: discovery, the single-init guard, contexts, streams, device memory, kernels, graphs |
-//! | [`nccl`] | NCCL loaded at run time: a `Backend` on device buffers with an abort watchdog |
-//! | [`train`] | the autograd-free training engine: layers with explicit forward/backward, optimizers, FashionMNIST data, data-parallel trainer |
-//! | [`bench`] | `lockstep bench`: nccl-tests-style collective benchmark |
+//! | [`cuda`] | CUDA driver + NVRTC loaded at run time: discovery, the single-init guard, contexts, streams, memory, a source-keyed compile cache, graphs |
+//! | [`comm`] | the backend-agnostic [`Communicator`], the [`Backend`](comm::Backend) trait, [`CommError`] |
+//! | [`shm`] | the shared-memory backend for the ranks of one node |
+//! | [`nccl`] | NCCL loaded at run time: a backend on device buffers with an abort watchdog |
+//! | [`staged`] | device buffers staged through a host communicator (ranks sharing a GPU) |
+//! | [`rendezvous`] | `Communicator::from_env` and [`device_communicator`](rendezvous::device_communicator), the one backend policy |
+//! | `train` (feature `train`) | the autograd-free training engine and its GPU device engine |
+//! | [`launch`](mod@launch) | [`launch()`] forks ranks running a closure; [`launch::run_job`] backs `lockstep launch` |
+//! | [`bench`](mod@bench), [`report`] | `lockstep bench` measurements, the `lockstep env` report |
+//!
+//! With `default-features = false` only the collectives, the launcher, the store and the CUDA/NCCL
+//! loading are built. The library never prints: diagnostics are [`tracing`] events.
 //!
 //! Safety model: `unsafe` lives only in the modules that talk to the OS or to foreign libraries
 //! (`shm`, `launch`'s post-fork code, `cuda`, `nccl`); every block carries a `// SAFETY:` line.
 //!
 //! Fork rules: a process that forks ranks must not have initialised CUDA, and a forked child
 //! must not rely on locks another thread of the parent may hold.
+
+// Every `unsafe` block carries a `// SAFETY:` comment in the form clippy recognises.
+#![warn(clippy::undocumented_unsafe_blocks)]
 
 // Layers, bottom to top; each module imports only from the ones above it in this list.
 pub mod store;
@@ -38,3 +50,4 @@ pub mod train;
 
 pub use comm::{Buffer, BufferMut, CollKind, CommError, Communicator, Dtype, Element, ReduceOp, SharedBuffer};
 pub use half;
+pub use launch::{launch, LaunchConfig, RankContext, RankResult};

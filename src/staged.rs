@@ -110,7 +110,7 @@ impl StagedBackend {
         self.inner.run_checked(&host_call).map_err(StageError::Comm)?;
         // Copy back only where the collective wrote: every rank, or the root for reduce/gather.
         let writes = match call.kind {
-            CollKind::Reduce | CollKind::Gather => self.inner.rank() == call.root,
+            CollKind::Reduce | CollKind::Gather | CollKind::GatherV => self.inner.rank() == call.root,
             CollKind::Barrier => false,
             _ => true,
         };

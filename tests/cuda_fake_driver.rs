@@ -274,7 +274,7 @@ fn scenario(name: &str) {
         }
         "fake_nccl" => {
             assert_eq!(lockstep::nccl::version().unwrap(), 21803);
-            let id = lockstep::nccl::comm::unique_id().unwrap();
+            let id = lockstep::nccl::unique_id().unwrap();
             assert_eq!(id[1], 4);
             let e = lockstep::nccl::check_library().unwrap_err().to_string();
             expect_contains("check_library", &e, &["has no symbol `ncclCommInitRank`", "LOCKSTEP_NCCL_LIBRARY"]);
@@ -299,7 +299,9 @@ fn scenario(name: &str) {
             expect_contains("compile_ptx", &e, &["NVRTC library (libnvrtc) not found", "LOCKSTEP_NVRTC_LIBRARY", "nvidia-cuda-nvrtc"]);
         }
         "debug_probe" => {
-            // LOCKSTEP_DEBUG=1: the fork check also forks a probe child that reports on stderr.
+            // LOCKSTEP_DEBUG=1: the fork check also forks a probe child that reports through
+            // tracing; this process shows it on stderr the way the binaries do.
+            tracing_subscriber::fmt().with_writer(std::io::stderr).without_time().init();
             check_fork_safe().expect("fork-safe");
             assert!(init_record().is_none());
             assert_eq!(fake_init_calls(), 0);
@@ -398,7 +400,7 @@ fn scenario(name: &str) {
             expect_contains("barrier after abort", &e, &["aborted earlier"]);
         }
         "sim_nccl_liveness_check_aborts" => {
-            let check: lockstep::nccl::comm::AbortCheck = Arc::new(|| Some("rank 1 (pid 4242) died".to_string()));
+            let check: lockstep::nccl::AbortCheck = Arc::new(|| Some("rank 1 (pid 4242) died".to_string()));
             let opts = lockstep::nccl::NcclOptions { abort_check: Some(check), ..Default::default() };
             let (ctx, comm) = sim_nccl_comm(1, opts);
             let mut comm = comm.unwrap().into_communicator();
@@ -444,6 +446,8 @@ fn scenario(name: &str) {
             println!("rank {} nccl ok on device {}", comm.rank(), ctx.ordinal());
         }
         "nccl_across_nodes_via_store" => nccl_across_nodes_via_store(),
+        "staged_refusal_fails_peers_fast" => staged_refusal_fails_peers_fast(),
+        "one_selection_policy" => one_selection_policy(),
         "nccl_multi_rank_gpu" => {
             // Two ranks, one GPU, NCCL_MULTI_RANK_GPU_ENABLE=1: NCCL's multi-rank mode when the
             // loaded NCCL is 2.30 or newer, staging through shared memory otherwise.
@@ -483,6 +487,81 @@ fn scenario(name: &str) {
 /// rank 0's NCCL unique id reaches the other node's ranks through the rendezvous store (the
 /// simulated NCCL only finishes initialising when all four ranks present the same id), and a node
 /// with more ranks than GPUs is refused with a message that says so.
+/// Three ranks share the one simulated GPU through the staged backend; rank 1 refuses an
+/// all-reduce locally (its buffers disagree in length). The refusal travels through the host
+/// backend, so ranks 0 and 2 fail with `Mismatch` at once instead of waiting for rank 1.
+fn staged_refusal_fails_peers_fast() {
+    use lockstep::comm::ReduceOp;
+    use lockstep::cuda::DeviceBuffer;
+    let res = lockstep::launch::launch(&lockstep::launch::LaunchConfig::new(3), |rc| {
+        let ctx = lockstep::cuda::Context::new(0)?;
+        let s = ctx.stream()?;
+        let mut comm = lockstep::staged::StagedBackend::new(&ctx, rc.comm)?.into_communicator();
+        assert_eq!(comm.backend_kind(), lockstep::comm::BackendKind::Staged);
+        comm.barrier()?;
+        let send = DeviceBuffer::from_host(&s, &[1.0f32; 8])?;
+        let mut recv = DeviceBuffer::<f32>::zeros(&s, if rc.rank == 1 { 4 } else { 8 })?;
+        let t = std::time::Instant::now();
+        let e = comm.all_reduce(&send, &mut recv, ReduceOp::Sum).expect_err("the call must fail on every rank");
+        let ms = t.elapsed().as_secs_f64() * 1e3;
+        let kind = match e {
+            lockstep::CommError::Mismatch { .. } => "mismatch",
+            lockstep::CommError::InvalidArgument { .. } => "invalid",
+            _ => "other",
+        };
+        Ok((kind.to_string(), ms, e.to_string()))
+    })
+    .unwrap();
+    for (rank, (kind, ms, msg)) in res.iter().enumerate() {
+        let want = if rank == 1 { "invalid" } else { "mismatch" };
+        assert_eq!(kind, want, "rank {rank}: {msg}");
+        assert!(*ms < 100.0, "rank {rank} took {ms:.1} ms to fail: {msg}");
+        println!("rank {rank}: {kind} after {ms:.2} ms: {msg}");
+    }
+}
+
+/// `train-cnn` and `lockstep` pick the device backend through the same function: with
+/// `NCCL_MULTI_RANK_GPU_ENABLE=1`, two ranks on one simulated GPU and a simulated NCCL 2.30,
+/// both log NCCL's multi-rank mode at debug level (and staging with an older NCCL).
+fn one_selection_policy() {
+    let data = std::path::Path::new(lockstep::train::data::DEFAULT_DATA_DIR);
+    let rdzv = std::env::temp_dir().join(format!("lockstep-sim-policy-{}", std::process::id()));
+    for (version, want) in [("23000", "choice=Nccl { multi_rank: true }"), ("21803", "choice=Staged")] {
+        std::fs::create_dir_all(&rdzv).unwrap();
+        let mut selftest = Command::new(env!("CARGO_BIN_EXE_lockstep"));
+        selftest
+            .args(["launch", "--nproc-per-node", "2", "--", env!("CARGO_BIN_EXE_lockstep"), "selftest"])
+            .env("LOCKSTEP_BACKEND", "nccl");
+        let mut runs = vec![("lockstep launch -- lockstep selftest", selftest)];
+        if data.join("train-images-idx3-ubyte.gz").exists() {
+            let mut train = Command::new(env!("CARGO_BIN_EXE_train-cnn"));
+            train.args(["--device", "cuda", "--nprocs", "2", "--epochs", "1", "--limit-train", "128"]);
+            runs.push(("train-cnn --device cuda", train));
+        } else {
+            println!("skipped: train-cnn half (FashionMNIST not installed: apt-get install dataset-fashion-mnist)");
+        }
+        for (what, mut cmd) in runs {
+            let out = cmd
+                .env("NCCL_MULTI_RANK_GPU_ENABLE", "1")
+                .env("SIM_NCCL_VERSION", version)
+                .env("SIM_NCCL_RDZV_DIR", &rdzv)
+                .env("SIM_CUDA_DEVICES", "1")
+                .env("LOCKSTEP_LOG", "lockstep::rendezvous=debug")
+                .output()
+                .unwrap();
+            let err = String::from_utf8_lossy(&out.stderr);
+            // train-cnn may stop later (the simulator launches only a few kernels); the choice is
+            // made and logged before that, once per rank.
+            for rank in 0..2 {
+                let line = format!("device backend selected rank={rank} world=2 gpus=1 device=0 {want}");
+                assert!(err.contains(&line), "{what} with NCCL {version}: expected `{line}`:\n{err}");
+            }
+            println!("{what}, NCCL {version}: {want} on both ranks");
+        }
+        let _ = std::fs::remove_dir_all(&rdzv);
+    }
+}
+
 fn nccl_across_nodes_via_store() {
     let rdzv = std::env::temp_dir().join(format!("lockstep-sim-rdzv-{}", std::process::id()));
     std::fs::create_dir_all(&rdzv).unwrap();
@@ -535,7 +614,7 @@ fn nccl_across_nodes_via_store() {
 }
 
 fn sim_memory_kernels_events() {
-    use lockstep::cuda::{Context, DeviceBuffer, LaunchConfig, PinnedBuffer};
+    use lockstep::cuda::{Context, DeviceBuffer, KernelGrid, PinnedBuffer};
     use lockstep::train::device::kernels::twins;
     let ctx = Context::new(0).unwrap();
     let info = ctx.info().unwrap();
@@ -579,18 +658,18 @@ fn sim_memory_kernels_events() {
     let mut y_cpu: Vec<f32> = (0..n).map(|i| (i % 5) as f32).collect();
     let mut y = DeviceBuffer::from_host(&s, &y_cpu).unwrap();
     let dx = DeviceBuffer::from_host(&s, &x).unwrap();
-    axpy.launch(LaunchConfig::for_elements(n)).arg_mut(&mut y).arg(&dx).scalar(2.0f32).scalar(n as i64).elements(n).run(&s).unwrap();
+    axpy.launch(KernelGrid::for_elements(n)).arg_mut(&mut y).arg(&dx).scalar(2.0f32).scalar(n as i64).elements(n).run(&s).unwrap();
     twins::axpy_f32(&mut y_cpu, &x, 2.0, n as i64);
     assert_eq!(y.to_vec(&s).unwrap(), y_cpu);
     let fill = ctx.function(KernelId::Elementwise.source(), "fill_f32").unwrap();
-    fill.launch(LaunchConfig::for_elements(n)).arg_mut(&mut y).scalar(-3.5f32).scalar(n as i64).run(&s).unwrap();
+    fill.launch(KernelGrid::for_elements(n)).arg_mut(&mut y).scalar(-3.5f32).scalar(n as i64).run(&s).unwrap();
     assert_eq!(y.to_vec(&s).unwrap(), vec![-3.5f32; n]);
     let x64 = DeviceBuffer::<f64>::zeros(&s, 10).unwrap();
     let host = vec![0f32; n];
     let bad = [
-        (axpy.launch(LaunchConfig::for_elements(n)).arg_mut(&mut y).scalar(1.0f32).run(&s), "2 arguments given, the kernel takes 4"),
+        (axpy.launch(KernelGrid::for_elements(n)).arg_mut(&mut y).scalar(1.0f32).run(&s), "2 arguments given, the kernel takes 4"),
         (
-            axpy.launch(LaunchConfig::for_elements(n))
+            axpy.launch(KernelGrid::for_elements(n))
                 .arg_mut(&mut DeviceBuffer::<f32>::zeros(&s, 10).unwrap())
                 .arg(&x64)
                 .scalar(1.0f32)
@@ -599,7 +678,7 @@ fn sim_memory_kernels_events() {
             "argument 1 is a f64 buffer, the kernel expects f32",
         ),
         (
-            axpy.launch(LaunchConfig::for_elements(n))
+            axpy.launch(KernelGrid::for_elements(n))
                 .arg_mut(&mut DeviceBuffer::<f32>::zeros(&s, n).unwrap())
                 .arg(&host)
                 .scalar(1.0f32)
@@ -608,7 +687,7 @@ fn sim_memory_kernels_events() {
             "argument 1 lives in Host",
         ),
         (
-            axpy.launch(LaunchConfig::for_elements(n))
+            axpy.launch(KernelGrid::for_elements(n))
                 .arg_mut(&mut DeviceBuffer::<f32>::zeros(&s, 10).unwrap())
                 .arg(&dx)
                 .scalar(1.0f32)
@@ -618,7 +697,7 @@ fn sim_memory_kernels_events() {
             "argument 0 holds 10 elements, the launch covers 1000",
         ),
         (
-            axpy.launch(LaunchConfig::for_elements(n))
+            axpy.launch(KernelGrid::for_elements(n))
                 .arg_mut(&mut DeviceBuffer::<f32>::zeros(&s, n).unwrap())
                 .arg(&dx)
                 .scalar(1i32)
@@ -643,7 +722,7 @@ fn sim_memory_kernels_events() {
     let scale = ctx.function(KernelId::Elementwise.source(), "scale_f32").unwrap();
     let mut g = DeviceBuffer::from_host(&s, &[1.0f32; 64]).unwrap();
     let graph = lockstep::cuda::Graph::capture(&s, |st| {
-        scale.launch(LaunchConfig::for_elements(64)).arg_mut(&mut g).scalar(2.0f32).scalar(64i64).run(st)
+        scale.launch(KernelGrid::for_elements(64)).arg_mut(&mut g).scalar(2.0f32).scalar(64i64).run(st)
     })
     .unwrap();
     assert_eq!(g.to_vec(&s).unwrap(), vec![1.0f32; 64], "capturing must not run the work");
@@ -814,6 +893,8 @@ fn main() {
         ("sim_staged_ranks_share_a_gpu", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda))]),
         ("unique_id_exchange_over_shm", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)), ("LOCKSTEP_NCCL_LIBRARY", s(&libs.sim_nccl))]),
         ("nccl_across_nodes_via_store", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)), ("LOCKSTEP_NCCL_LIBRARY", s(&libs.sim_nccl))]),
+        ("staged_refusal_fails_peers_fast", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda))]),
+        ("one_selection_policy", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)), ("LOCKSTEP_NCCL_LIBRARY", s(&libs.sim_nccl))]),
         (
             "nccl_multi_rank_gpu",
             vec![
@@ -868,7 +949,7 @@ fn main() {
         }
         let out = cmd.output().expect("re-run the test binary");
         let stderr = String::from_utf8_lossy(&out.stderr);
-        let stderr_ok = *name != "debug_probe" || stderr.contains("lockstep: CUDA probe: a rank can initialise CUDA: 2 device(s)");
+        let stderr_ok = *name != "debug_probe" || stderr.contains("CUDA probe: a rank can initialise CUDA: 2 device(s)");
         if out.status.success() && stderr_ok {
             if std::env::var_os("LOCKSTEP_FAKE_VERBOSE").is_some() {
                 print!("{}", String::from_utf8_lossy(&out.stdout));

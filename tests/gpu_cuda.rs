@@ -5,7 +5,7 @@
 #[path = "common/gpu.rs"]
 mod gpu;
 
-use lockstep::cuda::{DeviceBuffer, Graph, LaunchConfig, PinnedBuffer};
+use lockstep::cuda::{DeviceBuffer, Graph, KernelGrid, PinnedBuffer};
 use lockstep::train::device::kernels::{twins, KernelId};
 
 fn check_eq<T: PartialEq + std::fmt::Debug>(what: &str, got: &[T], want: &[T]) -> Result<(), String> {
@@ -136,7 +136,7 @@ fn main() {
         let mut y = DeviceBuffer::from_host(&stream, &y_cpu).map_err(|e| e.to_string())?;
         let dx = DeviceBuffer::from_host(&stream, &x).map_err(|e| e.to_string())?;
         let axpy = ctx.function(KernelId::Elementwise.source(), "axpy_f32").map_err(|e| e.to_string())?;
-        axpy.launch(LaunchConfig::for_elements(n))
+        axpy.launch(KernelGrid::for_elements(n))
             .arg_mut(&mut y)
             .arg(&dx)
             .scalar(2.0f32)
@@ -148,7 +148,7 @@ fn main() {
         check_eq("axpy_f32", &y.to_vec(&stream).map_err(|e| e.to_string())?, &y_cpu)?;
         let scale = ctx.function(KernelId::Elementwise.source(), "scale_f32").map_err(|e| e.to_string())?;
         scale
-            .launch(LaunchConfig::for_elements(n))
+            .launch(KernelGrid::for_elements(n))
             .arg_mut(&mut y)
             .scalar(0.5f32)
             .scalar(n as i64)
@@ -157,12 +157,7 @@ fn main() {
         twins::scale_f32(&mut y_cpu, 0.5, n as i64);
         check_eq("scale_f32", &y.to_vec(&stream).map_err(|e| e.to_string())?, &y_cpu)?;
         let fill = ctx.function(KernelId::Elementwise.source(), "fill_f32").map_err(|e| e.to_string())?;
-        fill.launch(LaunchConfig::for_elements(n))
-            .arg_mut(&mut y)
-            .scalar(3.0f32)
-            .scalar(n as i64)
-            .run(&stream)
-            .map_err(|e| e.to_string())?;
+        fill.launch(KernelGrid::for_elements(n)).arg_mut(&mut y).scalar(3.0f32).scalar(n as i64).run(&stream).map_err(|e| e.to_string())?;
         twins::fill_f32(&mut y_cpu, 3.0, n as i64);
         check_eq("fill_f32", &y.to_vec(&stream).map_err(|e| e.to_string())?, &y_cpu)
     });
@@ -173,10 +168,10 @@ fn main() {
         let x64 = DeviceBuffer::<f64>::zeros(&stream, 10).map_err(|e| e.to_string())?;
         let host = vec![0f32; 10];
         let cases = [
-            ("count", f.launch(LaunchConfig::for_elements(10)).arg_mut(&mut y).scalar(1.0f32).run(&stream), "arguments given"),
+            ("count", f.launch(KernelGrid::for_elements(10)).arg_mut(&mut y).scalar(1.0f32).run(&stream), "arguments given"),
             (
                 "dtype",
-                f.launch(LaunchConfig::for_elements(10))
+                f.launch(KernelGrid::for_elements(10))
                     .arg_mut(&mut DeviceBuffer::<f32>::zeros(&stream, 10).unwrap())
                     .arg(&x64)
                     .scalar(1.0f32)
@@ -186,7 +181,7 @@ fn main() {
             ),
             (
                 "host",
-                f.launch(LaunchConfig::for_elements(10))
+                f.launch(KernelGrid::for_elements(10))
                     .arg_mut(&mut DeviceBuffer::<f32>::zeros(&stream, 10).unwrap())
                     .arg(&host)
                     .scalar(1.0f32)
@@ -196,7 +191,7 @@ fn main() {
             ),
             (
                 "short",
-                f.launch(LaunchConfig::for_elements(20))
+                f.launch(KernelGrid::for_elements(20))
                     .arg_mut(&mut DeviceBuffer::<f32>::zeros(&stream, 10).unwrap())
                     .arg(&DeviceBuffer::<f32>::zeros(&stream, 10).unwrap())
                     .scalar(1.0f32)
@@ -233,7 +228,7 @@ fn main() {
         let mut y = DeviceBuffer::<f32>::zeros(&stream, 1 << 20).map_err(|e| e.to_string())?;
         let fill = ctx.function(KernelId::Elementwise.source(), "fill_f32").map_err(|e| e.to_string())?;
         a.record(&stream).map_err(|e| e.to_string())?;
-        fill.launch(LaunchConfig::for_elements(1 << 20))
+        fill.launch(KernelGrid::for_elements(1 << 20))
             .arg_mut(&mut y)
             .scalar(1.0f32)
             .scalar(1i64 << 20)
@@ -253,7 +248,7 @@ fn main() {
         let mut x = DeviceBuffer::from_host(&stream, &vec![1.0f32; n]).map_err(|e| e.to_string())?;
         let scale = ctx.function(KernelId::Elementwise.source(), "scale_f32").map_err(|e| e.to_string())?;
         let g =
-            Graph::capture(&stream, |s| scale.launch(LaunchConfig::for_elements(n)).arg_mut(&mut x).scalar(2.0f32).scalar(n as i64).run(s))
+            Graph::capture(&stream, |s| scale.launch(KernelGrid::for_elements(n)).arg_mut(&mut x).scalar(2.0f32).scalar(n as i64).run(s))
                 .map_err(|e| e.to_string())?;
         for _ in 0..3 {
             g.replay(&stream).map_err(|e| e.to_string())?;

@@ -20,7 +20,7 @@ mod gpu;
 
 use close::{assert_close, Tol};
 use half::bf16;
-use lockstep::cuda::{DeviceBuffer, LaunchConfig};
+use lockstep::cuda::{DeviceBuffer, KernelGrid};
 use lockstep::train::device::kernels::{twins, BucketEntry, KernelId};
 use lockstep::train::device::plan::{AdamHyper, Arena, Arg, BnTensors, Builder, ConvLaunch, LossTensors, Op, Region};
 use lockstep::train::device::{CpuExec, Exec, GpuExec};
@@ -98,7 +98,7 @@ fn compare(
 }
 
 fn op(kernel: KernelId, name: &'static str, args: Vec<Arg>, n: usize) -> Op {
-    Op { kernel, name, args, cfg: LaunchConfig::for_elements(n) }
+    Op { kernel, name, args, cfg: KernelGrid::for_elements(n) }
 }
 
 fn main() {
@@ -307,7 +307,7 @@ fn main() {
         let table = DeviceBuffer::from_host(&stream, &words).map_err(c)?;
         let mut bucket = DeviceBuffer::<f32>::zeros(&stream, total).map_err(c)?;
         // grid (ceil(largest/256), entries), block 256
-        let cfg = LaunchConfig { grid: (300usize.div_ceil(256) as u32, lens.len() as u32, 1), block: (256, 1, 1), shared_mem: 0 };
+        let cfg = KernelGrid { grid: (300usize.div_ceil(256) as u32, lens.len() as u32, 1), block: (256, 1, 1), shared_mem: 0 };
         ctx.function(KernelId::Data.source(), "bucket_flatten_f32")
             .map_err(c)?
             .launch(cfg)

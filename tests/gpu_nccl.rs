@@ -109,7 +109,7 @@ fn main() {
         }
     });
     let ctx = gpu::context_or_skip();
-    println!("  NCCL {}", lockstep::cuda::discovery::nccl_version_string(lockstep::nccl::version().unwrap()));
+    println!("  NCCL {}", lockstep::cuda::nccl_version_string(lockstep::nccl::version().unwrap()));
 
     r.run("abort_when_a_peer_never_joins", || {
         let opts = NcclOptions { timeout: Duration::from_secs(3), ..NcclOptions::default() };

@@ -253,6 +253,46 @@ fn log_dir_and_ranks_filter() -> Result<(), String> {
     check(log0.contains("out 0\n") && log0.contains("err 0\n"), "rank 0's log has both streams", &log0)
 }
 
+fn log_dir_links_and_permissions() -> Result<(), String> {
+    use std::os::unix::fs::PermissionsExt;
+    let d = scratch("loglinks");
+    let victim = d.join("victim");
+    std::fs::write(&victim, "precious").map_err(|e| e.to_string())?;
+    let run = |dir: &std::path::Path| {
+        lockstep()
+            .args(["launch", "--nproc-per-node", "2", "--log-dir"])
+            .arg(dir)
+            .args(["--", "sh", "-c", "echo out $RANK"])
+            .output()
+            .map_err(|e| e.to_string())
+    };
+    // A link planted under rank 1's log name: the launch is refused before any rank starts.
+    let links = d.join("links");
+    std::fs::create_dir(&links).map_err(|e| e.to_string())?;
+    std::os::unix::fs::symlink(&victim, links.join("rank-1.log")).map_err(|e| e.to_string())?;
+    let o = run(&links)?;
+    let (out, err) = text(&o);
+    check(
+        !o.status.success() && err.contains("rank-1.log") && err.contains("symbolic link") && out.is_empty(),
+        "a planted link is refused",
+        show(&o),
+    )?;
+    check(std::fs::read_to_string(&victim).ok().as_deref() == Some("precious"), "the link's target is unchanged", "")?;
+    // A group-writable directory without the sticky bit.
+    let shared = d.join("shared");
+    std::fs::create_dir(&shared).map_err(|e| e.to_string())?;
+    std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o770)).map_err(|e| e.to_string())?;
+    let o = run(&shared)?;
+    check(!o.status.success() && text(&o).1.contains("without the sticky bit"), "a group-writable directory is refused", show(&o))?;
+    // A new directory is made 0700 and the job runs.
+    let fresh = d.join("fresh");
+    let o = run(&fresh)?;
+    let mode = std::fs::metadata(&fresh).map(|m| m.permissions().mode() & 0o7777).unwrap_or(0);
+    check(o.status.success() && mode == 0o700, "a new log directory is created 0700", format!("mode {mode:o}\n{}", show(&o)))?;
+    let log1 = std::fs::read_to_string(fresh.join("rank-1.log")).map_err(|e| e.to_string())?;
+    check(log1 == "out 1\n", "and the ranks log there", &log1)
+}
+
 fn two_launchers_form_one_job() -> Result<(), String> {
     let port = free_port().to_string();
     let node = |r: &str| {
@@ -510,7 +550,8 @@ fn missing_program_and_bad_options() -> Result<(), String> {
     )?;
     let o = lockstep().args(["selftest"]).output().map_err(|e| e.to_string())?;
     check(
-        o.status.code() == Some(1) && text(&o).1.contains("RANK is not set: start this program with `lockstep launch"),
+        o.status.code() == Some(1) && text(&o).1.contains("no launcher variables found")
+            && text(&o).1.contains("start this program with `lockstep launch"),
         "selftest outside a job says how to start it",
         show(&o),
     )
@@ -529,6 +570,35 @@ fn stale_segments_of_dead_launchers_are_removed() -> Result<(), String> {
     let (old_gone, new_kept) = (!std::path::Path::new(&old).exists(), std::path::Path::new(&new).exists());
     let _ = std::fs::remove_file(&new);
     check(o.status.success() && old_gone && new_kept, "old stale segment removed, recent one kept", format!("{old_gone} {new_kept}"))
+}
+
+/// A segment whose header names a creator that was killed is removed by the next launch at once,
+/// however new the file is.
+fn stale_segment_of_dead_creator_removed_at_once() -> Result<(), String> {
+    let job = format!("test-dead-creator-{}", std::process::id());
+    let path = format!("/dev/shm/lockstep-{job}");
+    // SAFETY: the child only runs lockstep code and _exits.
+    let pid = unsafe { libc::fork() };
+    if pid == 0 {
+        let cfg = lockstep::shm::ShmConfig { heap_bytes: 2 << 20, join_timeout: Duration::from_secs(30), ..Default::default() };
+        // Rank 0 of 2 creates the segment and waits for rank 1, which never comes.
+        let r = lockstep::shm::ShmComm::join_named(&job, 0, 2, cfg);
+        // SAFETY: leave the child without running the parent's destructors.
+        unsafe { libc::_exit(r.is_err() as i32) };
+    }
+    let appeared = wait_until(Duration::from_secs(5), || std::path::Path::new(&path).exists());
+    std::thread::sleep(Duration::from_millis(100));
+    signal(pid, libc::SIGKILL);
+    // SAFETY: our child.
+    unsafe { libc::waitpid(pid, std::ptr::null_mut(), 0) };
+    check(appeared && std::path::Path::new(&path).exists(), "a killed creator leaves its segment", &path)?;
+    let t = Instant::now();
+    let o = lockstep().args(["launch", "--nproc-per-node", "1", "--", "true"]).output().map_err(|e| e.to_string())?;
+    let gone = !std::path::Path::new(&path).exists();
+    if !gone {
+        lockstep::shm::unlink_named(&job);
+    }
+    check(o.status.success() && gone, "the next launch removed it at once", format!("gone={gone} after {:?}\n{}", t.elapsed(), show(&o)))
 }
 
 fn config_and_env() -> Result<(), String> {
@@ -585,6 +655,7 @@ fn main() -> std::process::ExitCode {
         ("second_sigint_kills_at_once", second_sigint_kills_at_once),
         ("output_is_line_atomic_and_prefixed", output_is_line_atomic_and_prefixed),
         ("log_dir_and_ranks_filter", log_dir_and_ranks_filter),
+        ("log_dir_links_and_permissions", log_dir_links_and_permissions),
         ("two_launchers_form_one_job", two_launchers_form_one_job),
         ("failure_on_one_node_stops_the_other", failure_on_one_node_stops_the_other),
         ("cross_host_cpu_job_is_refused", cross_host_cpu_job_is_refused),
@@ -594,6 +665,7 @@ fn main() -> std::process::ExitCode {
         ("generated_token_reaches_the_other_node", generated_token_reaches_the_other_node),
         ("missing_program_and_bad_options", missing_program_and_bad_options),
         ("stale_segments_of_dead_launchers_are_removed", stale_segments_of_dead_launchers_are_removed),
+        ("stale_segment_of_dead_creator_removed_at_once", stale_segment_of_dead_creator_removed_at_once),
         ("config_and_env", config_and_env),
     ])
 }

@@ -155,6 +155,87 @@ fn log_dir_and_filter() -> Result<(), String> {
     Ok(())
 }
 
+fn mode_of(p: &std::path::Path) -> u32 {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::symlink_metadata(p).map(|m| m.permissions().mode() & 0o7777).unwrap_or(0)
+}
+
+fn chmod(p: &std::path::Path, mode: u32) -> Result<(), String> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode)).map_err(|e| format!("chmod {}: {e}", p.display()))
+}
+
+/// Launch `n` quiet ranks that each log one line into `dir`.
+fn launch_logging(n: usize, dir: &std::path::Path) -> Result<(), String> {
+    let mut c = cfg(n);
+    c.log_dir = Some(dir.to_path_buf());
+    c.ranks_filter = Some(vec![]);
+    launch(&c, |ctx| {
+        println!("log line of rank {}", ctx.rank);
+        Ok(())
+    })
+    .map(drop)
+    .map_err(|e| e.to_string())
+}
+
+fn log_dir_is_not_hijacked() -> Result<(), String> {
+    let d = scratch("loglinks");
+    let victim = d.join("victim");
+    std::fs::write(&victim, "precious").map_err(|e| e.to_string())?;
+
+    // A planted link under a log file's name: refused, the link's target untouched.
+    let links = d.join("links");
+    std::fs::create_dir(&links).map_err(|e| e.to_string())?;
+    std::os::unix::fs::symlink(&victim, links.join("rank-0.log")).map_err(|e| e.to_string())?;
+    let e = launch_logging(1, &links).err().unwrap_or_default();
+    check(e.contains("rank-0.log") && e.contains("symbolic link"), "a symbolic link under a log name is refused", &e)?;
+    check(std::fs::read_to_string(&victim).ok().as_deref() == Some("precious"), "the link's target is unchanged", "")?;
+
+    // A hard link to another file: truncating it would empty the other name.
+    let hard = d.join("hard");
+    std::fs::create_dir(&hard).map_err(|e| e.to_string())?;
+    std::fs::hard_link(&victim, hard.join("rank-0.log")).map_err(|e| e.to_string())?;
+    let e = launch_logging(1, &hard).err().unwrap_or_default();
+    check(e.contains("hard links"), "a log name with another hard link is refused", &e)?;
+    check(std::fs::read_to_string(&victim).ok().as_deref() == Some("precious"), "the other name is unchanged", "")?;
+
+    // Writable by the group, no sticky bit: anyone in the group could plant files. Refused.
+    let shared = d.join("shared");
+    std::fs::create_dir(&shared).map_err(|e| e.to_string())?;
+    chmod(&shared, 0o775)?;
+    let e = launch_logging(1, &shared).err().unwrap_or_default();
+    check(e.contains("sticky") && e.contains("chmod go-w"), "a group-writable directory without the sticky bit is refused", &e)?;
+    check(std::fs::read_dir(&shared).map(|r| r.count()).unwrap_or(1) == 0, "and nothing is written there", "")?;
+
+    // Sticky and world-writable (like /tmp): our own old log is reused (emptied), another
+    // user's file under a log name is refused.
+    let sticky = d.join("sticky");
+    std::fs::create_dir(&sticky).map_err(|e| e.to_string())?;
+    chmod(&sticky, 0o1777)?;
+    std::fs::write(sticky.join("rank-0.log"), "an old, longer log of an earlier run\n").map_err(|e| e.to_string())?;
+    launch_logging(1, &sticky)?;
+    let t = std::fs::read_to_string(sticky.join("rank-0.log")).map_err(|e| e.to_string())?;
+    check(t == "log line of rank 0\n", "our own old log is truncated and rewritten", &t)?;
+    if nix::unistd::geteuid().is_root() {
+        let theirs = sticky.join("rank-1.log");
+        std::fs::write(&theirs, "theirs").map_err(|e| e.to_string())?;
+        std::os::unix::fs::chown(&theirs, Some(65534), Some(65534)).map_err(|e| e.to_string())?;
+        let e = launch_logging(2, &sticky).err().unwrap_or_default();
+        check(e.contains("rank-1.log") && e.contains("belongs to uid 65534"), "another user's file under a log name is refused", &e)?;
+        check(std::fs::read_to_string(&theirs).ok().as_deref() == Some("theirs"), "and left alone", "")?;
+    } else {
+        println!("  skipped: another user's file (only root can make one here)");
+    }
+
+    // A new log directory (and its missing parent) is created; the directory itself 0700.
+    let fresh = d.join("new/logs");
+    launch_logging(2, &fresh)?;
+    check(mode_of(&fresh) == 0o700, "a new log directory is private", format!("{:o}", mode_of(&fresh)))?;
+    check(mode_of(&fresh.join("rank-1.log")) == 0o600, "new log files are private", format!("{:o}", mode_of(&fresh.join("rank-1.log"))))?;
+    let _ = std::fs::remove_dir_all(&d);
+    Ok(())
+}
+
 /// Child mode: 4 ranks write lines in pieces (flushing mid-line) as fast as they can.
 fn child_output_mode() {
     let r = launch(&cfg(4), |ctx| {
@@ -264,6 +345,7 @@ fn main() -> std::process::ExitCode {
         ("hung_rank_is_named_after_the_timeout", hung_rank_is_named_after_the_timeout),
         ("panics_and_exits_are_reported", panics_and_exits_are_reported),
         ("log_dir_and_filter", log_dir_and_filter),
+        ("log_dir_is_not_hijacked", log_dir_is_not_hijacked),
         ("output_is_line_atomic_and_prefixed", output_is_line_atomic_and_prefixed),
         ("each_rank_holds_only_its_own_pipes", each_rank_holds_only_its_own_pipes),
         ("host_killed_takes_everything_with_it", host_killed_takes_everything_with_it),

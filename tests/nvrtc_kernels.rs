@@ -4,7 +4,7 @@
 //!
 //! Without NVRTC: prints `skipped: no NVRTC library` and passes, unless `LOCKSTEP_REQUIRE_NVRTC=1`.
 
-use lockstep::cuda::{compile_cubin_cached, compile_ptx, NvrtcInfo};
+use lockstep::cuda::{compile_cubin_cached, compile_ptx, KernelSource, NvrtcInfo};
 use lockstep::train::device::kernels::KernelId;
 
 fn main() {
@@ -21,6 +21,17 @@ fn main() {
         }
     };
     println!("NVRTC {}.{} from {}", info.version.0, info.version.1, info.path);
+    // A compile error carries NVRTC's log (file, line, message) and the options used.
+    const BROKEN: KernelSource = KernelSource {
+        name: "broken.cu",
+        source: "extern \"C\" __global__ void broken(float* x) {\n  x[0] = undefined_name;\n}\n",
+        headers: &[],
+        functions: &[],
+    };
+    let e = compile_ptx(&BROKEN, "compute_80").expect_err("a broken kernel must not compile").to_string();
+    assert!(e.contains("broken.cu") && e.contains("undefined_name") && e.contains("(2)"), "{e}");
+    assert!(e.contains("--gpu-architecture=compute_80"), "{e}");
+    println!("test compile_error_reports_the_nvrtc_log ... ok");
     let mut n = 0;
     for id in KernelId::ALL {
         for arch in ["compute_80", "compute_90"] {

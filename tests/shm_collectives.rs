@@ -26,7 +26,7 @@ macro_rules! test_elem_num {
         }
     )*};
 }
-test_elem_num!(f32, f64, i32, i64, u8, i8);
+test_elem_num!(f32, f64, i32, i64, u8, i8, u32, u64);
 impl TestElem for f16 {
     fn from_f64(v: f64) -> Self {
         f16::from_f64(v)
@@ -74,6 +74,7 @@ fn reference(op: ReduceOp, i: usize, n: usize, dtype: Dtype) -> f64 {
                 (s as i64 / n as i64) as f64
             }
         }
+        other => panic!("no reference for {other}: add it here"),
     }
 }
 
@@ -255,6 +256,8 @@ fn all_collectives_cfg(cfg: LaunchConfig, shared: bool) -> Result<(), String> {
             bad.extend(check_dtype::<f16>(c, &shm, shared)?);
             bad.extend(check_dtype::<i64>(c, &shm, shared)?);
             bad.extend(check_dtype::<i8>(c, &shm, shared)?);
+            bad.extend(check_dtype::<u32>(c, &shm, shared)?);
+            bad.extend(check_dtype::<u64>(c, &shm, shared)?);
         }
         Ok(bad)
     })
@@ -400,7 +403,7 @@ fn t_mismatch() -> Result<(), String> {
         let res = launch(&small_cfg(2), |mut ctx: RankContext| -> RankResult<String> {
             let c = &mut ctx.comm;
             let me = ctx.rank;
-            let mut x = vec![1f32; 11];
+            let mut x = [1f32; 11];
             let r = match (*case, me) {
                 ("count", 0) => c.all_reduce_in_place(&mut x[..10], ReduceOp::Sum),
                 ("count", _) => c.all_reduce_in_place(&mut x[..11], ReduceOp::Sum),
@@ -587,11 +590,12 @@ fn t_named_segment_no_leak() -> Result<(), String> {
 fn t_local_argument_errors() -> Result<(), String> {
     let out = launch(&small_cfg(2), |mut ctx: RankContext| -> RankResult<Vec<String>> {
         let c = &mut ctx.comm;
-        let mut e = Vec::new();
-        e.push(c.all_reduce(&[1f32; 4], &mut [0f32; 5], ReduceOp::Sum).unwrap_err().to_string());
-        e.push(c.broadcast_in_place(&mut [0f32; 4], 2).unwrap_err().to_string());
-        e.push(c.all_gather(&[1f32; 4], &mut [0f32; 7]).unwrap_err().to_string());
-        e.push(c.reduce_scatter(&[1f32; 7], &mut [0f32; 3], ReduceOp::Sum).unwrap_err().to_string());
+        let e = vec![
+            c.all_reduce(&[1f32; 4], &mut [0f32; 5], ReduceOp::Sum).unwrap_err().to_string(),
+            c.broadcast_in_place(&mut [0f32; 4], 2).unwrap_err().to_string(),
+            c.all_gather(&[1f32; 4], &mut [0f32; 7]).unwrap_err().to_string(),
+            c.reduce_scatter(&[1f32; 7], &mut [0f32; 3], ReduceOp::Sum).unwrap_err().to_string(),
+        ];
         c.barrier()?;
         Ok(e)
     })
@@ -708,7 +712,7 @@ fn t_over_1gib() -> Result<(), String> {
         ctx.comm.all_reduce_in_place(&mut x, ReduceOp::Sum)?;
         let wrong = (0..len).step_by(4093).filter(|&i| x[i] != 2 * (i % 7) as u8 + 1).count()
             + (x[1] != 0) as usize
-            + (x[len - 1] != if (len - 1) % 4093 == 0 { 1 } else { 0 }) as usize;
+            + (x[len - 1] != if (len - 1).is_multiple_of(4093) { 1 } else { 0 }) as usize;
         Ok(wrong)
     })
     .map_err(|e| e.to_string())?;
@@ -718,8 +722,11 @@ fn t_over_1gib() -> Result<(), String> {
     Ok(())
 }
 
+/// A named test body.
+type TestFn = fn() -> Result<(), String>;
+
 fn main() {
-    let tests: Vec<(&str, fn() -> Result<(), String>)> = vec![
+    let tests: Vec<(&str, TestFn)> = vec![
         ("collectives_world_1", t_collectives_world_1),
         ("collectives_world_2", t_collectives_world_2),
         ("collectives_world_2_shared", t_collectives_world_2_shared),

@@ -18,8 +18,8 @@ use lockstep::store::{ServerLimits, Store, StoreError, StoreServer, TcpStore};
 use nix::sys::resource::{getrlimit, getrusage, setrlimit, Resource, UsageWho};
 
 const TOK: &str = "abuse-test-token-0123456789";
-/// What the server allows before authentication (`lockstep::store::tcp::MAX_HELLO_FRAME`).
-const MAX_HELLO_FRAME: usize = lockstep::store::tcp::MAX_HELLO_FRAME;
+/// What the server allows before authentication (`lockstep::store::MAX_HELLO_FRAME`).
+const MAX_HELLO_FRAME: usize = lockstep::store::MAX_HELLO_FRAME;
 
 fn server(limits: ServerLimits) -> Result<(StoreServer, SocketAddr), String> {
     let s = StoreServer::start_with_limits("127.0.0.1", 0, TOK, limits).map_err(|e| e.to_string())?;

@@ -195,8 +195,48 @@ fn sync_bn_matches_single_large_batch() -> TestResult {
     Ok(())
 }
 
+/// `train-cnn` refuses runs that would do nothing, and datasets that cannot be trained on, with a
+/// message naming the flag or the file, at once (exit 2 for flags, 1 for data).
+fn cli_refuses_empty_runs() -> TestResult {
+    let (dir, _) = data_dir();
+    let bad = std::env::temp_dir().join(format!("lockstep-train-bad-{}", std::process::id()));
+    std::fs::create_dir_all(&bad).map_err(|e| e.to_string())?;
+    let idx = |dims: &[usize]| data::encode_idx(dims, &vec![1u8; dims.iter().product()]);
+    let files = [
+        ("train-images-idx3-ubyte", idx(&[8, 28, 28])),
+        ("train-labels-idx1-ubyte", idx(&[8])),
+        ("t10k-images-idx3-ubyte", idx(&[4, 10, 10])),
+        ("t10k-labels-idx1-ubyte", idx(&[4])),
+    ];
+    for (name, bytes) in &files {
+        std::fs::write(bad.join(name), bytes).map_err(|e| e.to_string())?;
+    }
+    let d = dir.display().to_string();
+    let b = bad.display().to_string();
+    let cases: [(&[&str], i32, &str); 3] = [
+        (&["--data", &d, "--epochs", "0"], 2, "--epochs 0 would train nothing"),
+        (&["--data", &d, "--limit-train", "0"], 2, "--limit-train 0 leaves no training images"),
+        (&["--data", &b, "--epochs", "1"], 1, "t10k-images-idx3-ubyte holds 10×10 images but the training split"),
+    ];
+    for (args, code, want) in cases {
+        let t = Instant::now();
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_train-cnn")).args(args).output().map_err(|e| e.to_string())?;
+        let err = String::from_utf8_lossy(&out.stderr);
+        if out.status.code() != Some(code) || !err.contains(want) || t.elapsed().as_secs_f64() > 10.0 {
+            return Err(format!(
+                "train-cnn {args:?}: exit {:?} after {:.1} s, stderr: {err}",
+                out.status.code(),
+                t.elapsed().as_secs_f64()
+            ));
+        }
+    }
+    let _ = std::fs::remove_dir_all(&bad);
+    Ok(())
+}
+
 fn main() -> std::process::ExitCode {
-    let tests: [(&str, TestFn); 4] = [
+    let tests: [(&str, TestFn); 5] = [
+        ("cli_refuses_empty_runs", cli_refuses_empty_runs),
         ("sync_bn_matches_single_large_batch", sync_bn_matches_single_large_batch),
         ("metric_counts_exact_world_1_to_4", metric_counts_exact),
         ("short_run_learns_and_is_deterministic", short_run_learns_and_is_deterministic),

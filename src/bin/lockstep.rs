@@ -20,7 +20,7 @@ mod common;
 #[derive(Parser, Debug)]
 #[command(name = "lockstep", version, about = "Collective-communication runtime: launcher and tools")]
 struct Cli {
-    /// More diagnostics (-v debug, -vv trace); LOCKSTEP_LOG=<filter> overrides.
+    /// More diagnostics (-v debug, -vv trace); LOCKSTEP_LOG=FILTER overrides.
     #[arg(short, long, action = clap::ArgAction::Count, global = true)]
     verbose: u8,
     /// Only errors.
@@ -36,8 +36,10 @@ struct BenchArgs {
     /// Number of ranks.
     #[arg(long, short = 'n', default_value_t = 2)]
     nprocs: usize,
-    /// Collective to time.
-    #[arg(long, default_value = "all_reduce")]
+    /// Collective to time (all_reduce, broadcast, reduce, all_gather, gather, reduce_scatter,
+    /// barrier, all_to_all, scatter), or pingpong: send/recv between ranks 0 and 1, reporting the
+    /// one-way latency (half the round trip) and bandwidth, like osu_latency/osu_bw.
+    #[arg(long, default_value = "all_reduce", value_parser = parse_bench_op)]
     op: CollKind,
     /// Element type.
     #[arg(long, default_value = "f32")]
@@ -83,6 +85,14 @@ impl From<BenchArgs> for BenchOptions {
             warmup: a.warmup,
             device: a.device,
         }
+    }
+}
+
+/// `--op`: a collective's name, or `pingpong` (the point-to-point mode, carried as `send`).
+fn parse_bench_op(s: &str) -> Result<CollKind, String> {
+    match s {
+        "pingpong" | "ping-pong" => Ok(CollKind::Send),
+        _ => s.parse(),
     }
 }
 

@@ -1,7 +1,7 @@
 //! `train-cnn`: data-parallel training of the FashionMNIST CNN recipe on CPU ranks or CUDA GPUs.
 //!
-//! `main` only parses arguments, calls [`run`], and maps the result to an exit code. Raw CLI
-//! values ([`Args`]) are validated into a [`lockstep::train::trainer::TrainConfig`] in one place.
+//! `main` only parses arguments, calls `run`, and maps the result to an exit code. Raw CLI
+//! values (`Args`) are validated into a [`lockstep::train::trainer::TrainConfig`] in one place.
 //! With `--nprocs N` the binary forks its own ranks through `lockstep::launch::launch`; under
 //! `lockstep launch` (environment `LOCKSTEP_JOB_ID`, `RANK`, `WORLD_SIZE`) it joins instead.
 //! Rank 0 alone prints: a progress bar per epoch on a terminal, then one line (or, with
@@ -24,6 +24,7 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use lockstep::comm::Communicator;
 use lockstep::cuda;
 use lockstep::launch::{launch, LaunchConfig, RankContext};
+use lockstep::train::checkpoint;
 use lockstep::train::data::{self, Dataset, DEFAULT_DATA_DIR};
 use lockstep::train::device::{self, DeviceOptions, GpuExec, Precision};
 use lockstep::train::kernels;
@@ -89,7 +90,7 @@ struct Args {
     /// Print one JSON object per epoch on stdout instead of text.
     #[arg(long)]
     json: bool,
-    /// More diagnostics (-v debug, -vv trace); LOCKSTEP_LOG=<filter> overrides.
+    /// More diagnostics (-v debug, -vv trace); LOCKSTEP_LOG=FILTER overrides.
     #[arg(short, long, action = clap::ArgAction::Count)]
     verbose: u8,
     /// Only errors.
@@ -156,25 +157,33 @@ fn validate(a: &Args, train_len: usize, cuda: bool) -> Result<Config, CliError> 
     if a.nprocs == 0 || a.batch_size == 0 || a.threads == 0 {
         return Err(CliError::Usage("--nprocs, --batch-size and --threads must be at least 1".into()));
     }
+    if a.epochs == 0 {
+        return Err(CliError::Usage("--epochs 0 would train nothing; pass at least 1".into()));
+    }
+    if train_len == 0 {
+        return Err(CliError::Usage("--limit-train 0 leaves no training images; pass at least 1 (or drop the flag)".into()));
+    }
     if !(a.lr.is_finite() && a.lr > 0.0) {
         return Err(CliError::Usage(format!("--lr must be a positive number, got {}", a.lr)));
     }
-    // Catch path mistakes before an epoch of work, not after it.
+    // Catch path mistakes before an epoch of work, not after it: the directory exists and takes
+    // a new file, no checkpoint name is a directory, and one checkpoint fits.
+    let fault = checkpoint::fault_from_env().map_err(|e| CliError::Usage(e.to_string()))?;
     if let Some(save) = &a.save {
-        let dir = save.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
-        if !dir.is_dir() {
-            return Err(CliError::Usage(format!("--save {}: directory {} does not exist; create it first", save.display(), dir.display())));
-        }
+        let params = lockstep::train::model::Model::fashion_cnn(1).map_err(trainer::TrainError::from)?.num_params();
+        checkpoint::check_target(save, checkpoint::estimate_bytes(params)).map_err(|e| CliError::Usage(format!("--save: {e}")))?;
+    } else if let Some(step) = fault {
+        return Err(CliError::Usage(format!("{}={step} needs --save (it kills a save)", checkpoint::FAULT_ENV)));
     }
     if let Some(resume) = &a.resume {
-        for p in [resume.clone(), lockstep::train::checkpoint::optim_path(resume)] {
-            if !p.is_file() {
-                return Err(CliError::Usage(format!(
-                    "--resume {}: {} not found; pass the file written by --save (its .optim.safetensors companion must sit beside it)",
-                    resume.display(),
-                    p.display()
-                )));
-            }
+        // The live model file, or the kept previous one, must be there; `checkpoint::resume`
+        // picks the newest complete pair.
+        if !resume.is_file() && !checkpoint::prev_path(resume).is_file() {
+            return Err(CliError::Usage(format!(
+                "--resume {}: no such file (nor {}); pass the file written by --save (its .optim.safetensors companion must sit beside it)",
+                resume.display(),
+                checkpoint::prev_path(resume).display()
+            )));
         }
     }
     let steps_per_epoch = train_len.div_ceil(a.nprocs).div_ceil(a.batch_size) as u64;
@@ -207,9 +216,20 @@ fn validate(a: &Args, train_len: usize, cuda: bool) -> Result<Config, CliError> 
 
 /// Join the job's communicator from `lockstep launch`'s environment, if it set one.
 ///
-/// `None` when not started by `lockstep launch` (no `LOCKSTEP_JOB_ID`): then we fork our own ranks.
+/// `None` when no launcher (`lockstep launch`, torchrun, mpirun, srun) started this process: then
+/// we fork our own ranks.
 fn comm_from_env() -> Option<Result<Communicator, String>> {
-    std::env::var_os("LOCKSTEP_JOB_ID")?;
+    use lockstep::rendezvous::{launched, EnvInfo, Launcher};
+    if !launched() {
+        return None;
+    }
+    // A one-task Slurm allocation (an sbatch script running train-cnn directly) is no job to
+    // join: fork our own ranks as asked.
+    if let Ok(i) = EnvInfo::from_env() {
+        if i.world_size == 1 && i.launcher != Launcher::Lockstep {
+            return None;
+        }
+    }
     Some(Communicator::from_env().map_err(|e| e.to_string()))
 }
 
@@ -346,8 +366,7 @@ fn run() -> Result<(), CliError> {
         Device::Auto => args.resume.is_none() && !args.sync_bn && cuda_usable().is_ok(),
     };
     // Load before forking: the ranks share the parent's pages instead of each decompressing.
-    let mut train_set = data::load_split(&args.data, true)?;
-    let test_set = data::load_split(&args.data, false)?;
+    let (mut train_set, test_set) = data::load_splits(&args.data)?;
     if let Some(n) = args.limit_train {
         train_set.truncate(n);
     }

@@ -37,9 +37,11 @@ impl fmt::Display for BackendKind {
 
 /// One collective call, type-erased and checked locally. `count` is the per-rank element count as
 /// NCCL defines it: the send count of `all_reduce`/`broadcast`/`reduce`/`all_gather`/`gather`,
-/// and the *receive* count of `reduce_scatter`.
+/// the *receive* count of `reduce_scatter` and `scatter`, the per-peer block of `all_to_all`, and
+/// this rank's send count of `all_gather_v`/`gather_v` (for the v-variants the counts differ
+/// between ranks: [`Splits`] carries them and backends check them pair by pair).
 #[derive(Clone, Copy, Debug)]
-pub struct Call {
+pub struct Call<'a> {
     /// The collective.
     pub kind: CollKind,
     /// Element type.
@@ -54,9 +56,42 @@ pub struct Call {
     pub send: RawMem,
     /// Receive buffer (may be empty on ranks that receive nothing).
     pub recv: RawMem,
+    /// Per-peer counts and displacements of the v-variants (empty slices otherwise).
+    pub splits: Splits<'a>,
 }
 
-/// What a backend implements. Callers never see it: they use [`Communicator`].
+/// Per-peer element counts and displacements (in elements) of the v-variants, one entry per rank,
+/// as `MPI_Alltoallv` takes them. Empty where the call has none: `all_to_all_v` fills all four,
+/// `all_gather_v` and `gather_v` (on the root) the receive pair (displacements = prefix sums).
+/// The communicator checked locally that every `displ + count` lies within its buffer.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Splits<'a> {
+    /// Elements this rank sends to each rank.
+    pub send_counts: &'a [usize],
+    /// Where, in the send buffer, the block for each rank starts.
+    pub send_displs: &'a [usize],
+    /// Elements this rank receives from each rank.
+    pub recv_counts: &'a [usize],
+    /// Where, in the receive buffer, the block from each rank starts.
+    pub recv_displs: &'a [usize],
+}
+
+/// One point-to-point operation of a group (see [`Communicator::group`](super::Communicator::group)),
+/// type-erased and checked locally. Operations on the same ordered pair of ranks match in the
+/// order they are posted.
+#[derive(Clone, Copy, Debug)]
+pub struct P2pOp {
+    /// [`CollKind::Send`] or [`CollKind::Recv`].
+    pub kind: CollKind,
+    /// The rank sent to or received from.
+    pub peer: usize,
+    /// Element type.
+    pub dtype: Dtype,
+    /// The buffer read (send) or written (recv).
+    pub mem: RawMem,
+}
+
+/// What a backend implements. Callers never see it: they use [`Communicator`](super::Communicator).
 pub trait Backend: Send {
     /// This rank.
     fn rank(&self) -> usize;
@@ -78,6 +113,16 @@ pub trait Backend: Send {
     /// The CUDA context whose device memory this backend's collectives take (device backends).
     fn device(&self) -> Option<Arc<Context>> {
         None
+    }
+    /// Run a group of point-to-point operations: all of them complete before it returns (host
+    /// backends) or are enqueued together (device backends), so sends and receives posted in one
+    /// group never wait on one another in a cycle.
+    fn p2p(&mut self, ops: &[P2pOp]) -> Result<(), CommError> {
+        let _ = ops;
+        Err(CommError::Unsupported(format!(
+            "send/recv (point-to-point) is not supported on the {} backend yet; use the shm backend",
+            self.kind()
+        )))
     }
     /// Allocate `bytes` of memory that peers can read directly (zero-copy collectives).
     fn alloc_shared(&mut self, bytes: usize) -> Result<Box<dyn SharedRegion>, CommError> {

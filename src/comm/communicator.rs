@@ -8,7 +8,9 @@
 use std::fmt;
 use std::sync::Arc;
 
-use super::backend::{Backend, BackendKind, Call};
+use std::marker::PhantomData;
+
+use super::backend::{Backend, BackendKind, Call, P2pOp, Splits};
 use super::error::CommError;
 use super::shared::SharedBuffer;
 use crate::cuda::Context;
@@ -137,8 +139,60 @@ impl Communicator {
         if let Err(e) = self.check_space(kind, send, recv) {
             return self.rejected::<T>(kind, e);
         }
-        let call = Call { kind, dtype: T::DTYPE, op, root, count, send, recv };
+        let call = Call { kind, dtype: T::DTYPE, op, root, count, send, recv, splits: Splits::default() };
         self.backend.run(&call)
+    }
+
+    /// As [`call`](Self::call), with the per-peer counts of a v-variant.
+    fn call_split<T: Element>(
+        &mut self,
+        kind: CollKind,
+        root: usize,
+        count: usize,
+        send: RawMem,
+        recv: RawMem,
+        splits: Splits,
+    ) -> Result<(), CommError> {
+        if let Err(e) = self.check_space(kind, send, recv) {
+            return self.rejected::<T>(kind, e);
+        }
+        let call = Call { kind, dtype: T::DTYPE, op: ReduceOp::Sum, root, count, send, recv, splits };
+        self.backend.run(&call)
+    }
+
+    /// Check that `counts`/`displs` have one entry per rank and every block lies in a buffer of
+    /// `len` elements; `what` names them ("send" or "recv").
+    fn check_splits(&self, op: CollKind, what: &str, counts: &[usize], displs: &[usize], len: usize) -> Result<(), CommError> {
+        let n = self.world_size();
+        if counts.len() != n || displs.len() != n {
+            return Err(self.invalid(
+                op,
+                format!("{what}_counts has {} entries and {what}_displs {}; both need one per rank ({n})", counts.len(), displs.len()),
+            ));
+        }
+        for r in 0..n {
+            if displs[r].checked_add(counts[r]).is_none_or(|end| end > len) {
+                return Err(self.invalid(
+                    op,
+                    format!(
+                        "the {what} block of rank {r} ({what}_displs[{r}] = {} + {what}_counts[{r}] = {}) ends past the {what} buffer ({len} elements)",
+                        displs[r], counts[r]
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Prefix sums of `counts` (the displacements of packed blocks) and their total; `None` on overflow.
+    fn prefix(counts: &[usize]) -> Option<(Vec<usize>, usize)> {
+        let mut displs = Vec::with_capacity(counts.len());
+        let mut at = 0usize;
+        for &c in counts {
+            displs.push(at);
+            at = at.checked_add(c)?;
+        }
+        Some((displs, at))
     }
 
     /// Element-wise reduction of every rank's `send` into every rank's `recv` (same length).
@@ -319,9 +373,352 @@ impl Communicator {
         self.call::<T>(CollKind::ReduceScatter, op, 0, c, s, r)
     }
 
+    /// Personalised exchange with equal blocks: block `j` of this rank's `send` goes to rank `j`,
+    /// and block `i` of `recv` comes from rank `i`. `send.len() == recv.len()`, a multiple of the
+    /// world size (the same on every rank).
+    pub fn all_to_all<T: Element, S: Buffer<T> + ?Sized, R: BufferMut<T> + ?Sized>(
+        &mut self,
+        send: &S,
+        recv: &mut R,
+    ) -> Result<(), CommError> {
+        let (s, r) = (send.raw(), recv.raw_mut());
+        let n = self.world_size();
+        if s.len != r.len || s.len % n != 0 {
+            return self.reject_err::<T>(self.invalid(
+                CollKind::AllToAll,
+                format!("send has {} elements and recv {}; they must be equal and a multiple of world size {n}", s.len, r.len),
+            ));
+        }
+        self.call::<T>(CollKind::AllToAll, ReduceOp::Sum, 0, s.len / n, s, r)
+    }
+
+    /// Personalised exchange with per-peer counts, as `MPI_Alltoallv`: this rank sends
+    /// `send[send_displs[j]..][..send_counts[j]]` to rank `j` and receives rank `i`'s block into
+    /// `recv[recv_displs[i]..][..recv_counts[i]]` (counts and displacements in elements, one per
+    /// rank). Rank `i`'s `send_counts[j]` must equal rank `j`'s `recv_counts[i]`; a disagreement is
+    /// a [`CommError::Mismatch`] on every rank naming both. Receive blocks must not overlap.
+    #[allow(clippy::too_many_arguments)]
+    pub fn all_to_all_v<T: Element, S: Buffer<T> + ?Sized, R: BufferMut<T> + ?Sized>(
+        &mut self,
+        send: &S,
+        send_counts: &[usize],
+        send_displs: &[usize],
+        recv: &mut R,
+        recv_counts: &[usize],
+        recv_displs: &[usize],
+    ) -> Result<(), CommError> {
+        let (s, r) = (send.raw(), recv.raw_mut());
+        let op = CollKind::AllToAllV;
+        if let Err(e) = self
+            .check_splits(op, "send", send_counts, send_displs, s.len)
+            .and_then(|_| self.check_splits(op, "recv", recv_counts, recv_displs, r.len))
+        {
+            return self.rejected::<T>(op, e);
+        }
+        let splits = Splits { send_counts, send_displs, recv_counts, recv_displs };
+        self.call_split::<T>(op, 0, s.len, s, r, splits)
+    }
+
+    /// Hand block `j` of the root's `send` (`world_size × recv.len()` elements) to rank `j`'s
+    /// `recv`. Other ranks' `send` is not read (pass an empty slice).
+    pub fn scatter<T: Element, S: Buffer<T> + ?Sized, R: BufferMut<T> + ?Sized>(
+        &mut self,
+        send: &S,
+        recv: &mut R,
+        root: usize,
+    ) -> Result<(), CommError> {
+        if let Err(e) = self.check_root(CollKind::Scatter, root) {
+            return self.rejected::<T>(CollKind::Scatter, e);
+        }
+        let (s, r) = (send.raw(), recv.raw_mut());
+        let n = self.world_size();
+        if self.rank() == root && s.len != r.len * n {
+            return self.reject_err::<T>(self.invalid(
+                CollKind::Scatter,
+                format!("send on the root has {} elements but must have recv.len() × world_size = {} × {n} = {}", s.len, r.len, r.len * n),
+            ));
+        }
+        self.call::<T>(CollKind::Scatter, ReduceOp::Sum, root, r.len, s, r)
+    }
+
+    /// Concatenate every rank's `send` (of per-rank lengths) in rank order into every rank's
+    /// `recv`: `recv_counts[i]` is rank `i`'s `send.len()` (the same array on every rank; a
+    /// disagreement is a [`CommError::Mismatch`] naming the ranks) and `recv.len()` their sum.
+    pub fn all_gather_v<T: Element, S: Buffer<T> + ?Sized, R: BufferMut<T> + ?Sized>(
+        &mut self,
+        send: &S,
+        recv: &mut R,
+        recv_counts: &[usize],
+    ) -> Result<(), CommError> {
+        let (s, r) = (send.raw(), recv.raw_mut());
+        let op = CollKind::AllGatherV;
+        let displs = match self.check_gather_v(op, s, r, recv_counts) {
+            Ok(d) => d,
+            Err(e) => return self.rejected::<T>(op, e),
+        };
+        let splits = Splits { recv_counts, recv_displs: &displs, ..Splits::default() };
+        self.call_split::<T>(op, 0, s.len, s, r, splits)
+    }
+
+    /// Concatenate every rank's `send` (of per-rank lengths) in rank order into `recv` on `root`:
+    /// there `recv_counts[i]` is rank `i`'s `send.len()` and `recv.len()` their sum. Other ranks'
+    /// `recv` and `recv_counts` are not read (pass empty slices).
+    pub fn gather_v<T: Element, S: Buffer<T> + ?Sized, R: BufferMut<T> + ?Sized>(
+        &mut self,
+        send: &S,
+        recv: &mut R,
+        recv_counts: &[usize],
+        root: usize,
+    ) -> Result<(), CommError> {
+        let op = CollKind::GatherV;
+        if let Err(e) = self.check_root(op, root) {
+            return self.rejected::<T>(op, e);
+        }
+        let (s, r) = (send.raw(), recv.raw_mut());
+        if self.rank() != root {
+            return self.call_split::<T>(op, root, s.len, s, r, Splits::default());
+        }
+        let displs = match self.check_gather_v(op, s, r, recv_counts) {
+            Ok(d) => d,
+            Err(e) => return self.rejected::<T>(op, e),
+        };
+        let splits = Splits { recv_counts, recv_displs: &displs, ..Splits::default() };
+        self.call_split::<T>(op, root, s.len, s, r, splits)
+    }
+
+    /// Local checks of a receiving rank of `all_gather_v`/`gather_v`; returns the displacements.
+    fn check_gather_v(&self, op: CollKind, s: RawMem, r: RawMem, recv_counts: &[usize]) -> Result<Vec<usize>, CommError> {
+        let (n, me) = (self.world_size(), self.rank());
+        if recv_counts.len() != n {
+            return Err(self.invalid(op, format!("recv_counts has {} entries; it needs one per rank ({n})", recv_counts.len())));
+        }
+        if recv_counts[me] != s.len {
+            return Err(self.invalid(op, format!("recv_counts[{me}] = {} but this rank's send has {} elements", recv_counts[me], s.len)));
+        }
+        match Self::prefix(recv_counts) {
+            Some((d, total)) if total == r.len => Ok(d),
+            Some((_, total)) => {
+                Err(self.invalid(op, format!("recv has {} elements but recv_counts add up to {total}; they must be equal", r.len)))
+            }
+            None => Err(self.invalid(op, "recv_counts add up to more than usize::MAX".into())),
+        }
+    }
+
+    // --------------------------------------------------------------------------------------------
+    // Point to point
+
+    /// Send `buf` to rank `peer`; it matches the next `recv` from this rank that `peer` posts
+    /// (sends and receives between a pair of ranks match in order, separately from collectives).
+    /// A count or dtype disagreement with that `recv` is a [`CommError::Mismatch`] on both ranks.
+    ///
+    /// Blocking: on the shared-memory backend a send returns once the matching `recv` has been
+    /// posted on `peer` and the data has been handed over (a message that does not fit the pair's
+    /// mailbox is streamed through it while `peer` takes it). So two ranks that both send to each
+    /// other before receiving wait forever (until the timeout): post such exchanges in one
+    /// [`group`](Self::group). Sending to oneself needs a group with the matching `recv`.
+    pub fn send<T: Element, S: Buffer<T> + ?Sized>(&mut self, buf: &S, peer: usize) -> Result<(), CommError> {
+        let op = P2pOp { kind: CollKind::Send, peer, dtype: T::DTYPE, mem: buf.raw() };
+        self.p2p_single(op)
+    }
+
+    /// Receive into `buf` the next message `peer` sends to this rank (blocking; see [`send`](Self::send)).
+    /// `buf.len()` must equal the sent count, and the dtypes must agree.
+    pub fn recv<T: Element, R: BufferMut<T> + ?Sized>(&mut self, buf: &mut R, peer: usize) -> Result<(), CommError> {
+        let op = P2pOp { kind: CollKind::Recv, peer, dtype: T::DTYPE, mem: buf.raw_mut() };
+        self.p2p_single(op)
+    }
+
+    fn p2p_single(&mut self, op: P2pOp) -> Result<(), CommError> {
+        self.check_peer(op.kind, op.peer)?;
+        if op.peer == self.rank() {
+            return Err(self.invalid(
+                op.kind,
+                format!(
+                    "a {} to or from this rank itself only completes inside a group with the matching {}",
+                    op.kind,
+                    if op.kind == CollKind::Send { "recv" } else { "send" }
+                ),
+            ));
+        }
+        self.backend.p2p(&[op])
+    }
+
+    fn check_peer(&self, kind: CollKind, peer: usize) -> Result<(), CommError> {
+        if peer >= self.world_size() {
+            return Err(self.invalid(kind, format!("peer {peer} is out of range for world size {}", self.world_size())));
+        }
+        Ok(())
+    }
+
+    /// Post several sends and receives together (NCCL's group semantics): `f` records them on the
+    /// [`Group`], and they all run when it returns, progressed together, so patterns where every
+    /// rank sends before it receives (a ring exchange, all pairs, a pipeline) never deadlock. The
+    /// buffers stay borrowed until this returns. If `f` fails, nothing is sent and its error is
+    /// returned (the peers' matching operations then wait until their timeout).
+    pub fn group<'b, F>(&mut self, f: F) -> Result<(), CommError>
+    where
+        F: FnOnce(&mut Group<'b>) -> Result<(), CommError>,
+    {
+        let mut g = Group { ops: Vec::new(), rank: self.rank(), world: self.world_size(), _bufs: PhantomData };
+        f(&mut g)?;
+        let selfs = |k: CollKind| g.ops.iter().filter(|o| o.peer == g.rank && o.kind == k).count();
+        let (ss, sr) = (selfs(CollKind::Send), selfs(CollKind::Recv));
+        if ss != sr {
+            return Err(self.invalid(
+                CollKind::Send,
+                format!("the group posts {ss} send(s) to this rank itself but {sr} recv(s) from it; they must pair up"),
+            ));
+        }
+        if g.ops.is_empty() {
+            return Ok(());
+        }
+        self.backend.p2p(&g.ops)
+    }
+
+    // --------------------------------------------------------------------------------------------
+    // Nonblocking forms
+
+    /// Nonblocking [`all_reduce`](Self::all_reduce). On host backends the call has completed when
+    /// this returns (there is no progress thread); the [`Work`] carries its result and keeps the
+    /// buffers borrowed, so device backends can complete it later. Calls complete in issue order.
+    pub fn all_reduce_async<'a, T: Element, S: Buffer<T> + ?Sized, R: BufferMut<T> + ?Sized>(
+        &mut self,
+        send: &'a S,
+        recv: &'a mut R,
+        op: ReduceOp,
+    ) -> Work<'a> {
+        Work::finished(self.all_reduce(send, recv, op))
+    }
+
+    /// Nonblocking [`all_reduce_in_place`](Self::all_reduce_in_place) (see [`all_reduce_async`](Self::all_reduce_async)).
+    pub fn all_reduce_in_place_async<'a, T: Element, B: BufferMut<T> + ?Sized>(&mut self, buf: &'a mut B, op: ReduceOp) -> Work<'a> {
+        Work::finished(self.all_reduce_in_place(buf, op))
+    }
+
+    /// Nonblocking [`broadcast`](Self::broadcast) (see [`all_reduce_async`](Self::all_reduce_async)).
+    pub fn broadcast_async<'a, T: Element, S: Buffer<T> + ?Sized, R: BufferMut<T> + ?Sized>(
+        &mut self,
+        send: &'a S,
+        recv: &'a mut R,
+        root: usize,
+    ) -> Work<'a> {
+        Work::finished(self.broadcast(send, recv, root))
+    }
+
+    /// Nonblocking [`broadcast_in_place`](Self::broadcast_in_place) (see [`all_reduce_async`](Self::all_reduce_async)).
+    pub fn broadcast_in_place_async<'a, T: Element, B: BufferMut<T> + ?Sized>(&mut self, buf: &'a mut B, root: usize) -> Work<'a> {
+        Work::finished(self.broadcast_in_place(buf, root))
+    }
+
+    /// Nonblocking [`all_gather`](Self::all_gather) (see [`all_reduce_async`](Self::all_reduce_async)).
+    pub fn all_gather_async<'a, T: Element, S: Buffer<T> + ?Sized, R: BufferMut<T> + ?Sized>(
+        &mut self,
+        send: &'a S,
+        recv: &'a mut R,
+    ) -> Work<'a> {
+        Work::finished(self.all_gather(send, recv))
+    }
+
+    /// Nonblocking [`reduce_scatter`](Self::reduce_scatter) (see [`all_reduce_async`](Self::all_reduce_async)).
+    pub fn reduce_scatter_async<'a, T: Element, S: Buffer<T> + ?Sized, R: BufferMut<T> + ?Sized>(
+        &mut self,
+        send: &'a S,
+        recv: &'a mut R,
+        op: ReduceOp,
+    ) -> Work<'a> {
+        Work::finished(self.reduce_scatter(send, recv, op))
+    }
+
+    /// Nonblocking [`all_to_all`](Self::all_to_all) (see [`all_reduce_async`](Self::all_reduce_async)).
+    pub fn all_to_all_async<'a, T: Element, S: Buffer<T> + ?Sized, R: BufferMut<T> + ?Sized>(
+        &mut self,
+        send: &'a S,
+        recv: &'a mut R,
+    ) -> Work<'a> {
+        Work::finished(self.all_to_all(send, recv))
+    }
+
+    /// Nonblocking [`send`](Self::send) (see [`all_reduce_async`](Self::all_reduce_async)): on host
+    /// backends it blocks like `send`, so exchanges where both sides send first need a [`group`](Self::group).
+    pub fn send_async<'a, T: Element, S: Buffer<T> + ?Sized>(&mut self, buf: &'a S, peer: usize) -> Work<'a> {
+        Work::finished(self.send(buf, peer))
+    }
+
+    /// Nonblocking [`recv`](Self::recv) (see [`send_async`](Self::send_async)).
+    pub fn recv_async<'a, T: Element, R: BufferMut<T> + ?Sized>(&mut self, buf: &'a mut R, peer: usize) -> Work<'a> {
+        Work::finished(self.recv(buf, peer))
+    }
+
     /// Wait until every rank has reached this call.
     pub fn barrier(&mut self) -> Result<(), CommError> {
         let empty = RawMem { addr: 0, len: 0, space: MemSpace::Host };
         self.call::<u8>(CollKind::Barrier, ReduceOp::Sum, 0, 0, empty, empty)
+    }
+}
+
+/// Sends and receives posted together (see [`Communicator::group`]). The buffers are borrowed for
+/// `'b`, until the group has run.
+pub struct Group<'b> {
+    ops: Vec<P2pOp>,
+    rank: usize,
+    world: usize,
+    _bufs: PhantomData<&'b mut ()>,
+}
+
+impl fmt::Debug for Group<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Group").field("rank", &self.rank).field("ops", &self.ops.len()).finish()
+    }
+}
+
+impl<'b> Group<'b> {
+    fn post(&mut self, op: P2pOp) -> Result<(), CommError> {
+        if op.peer >= self.world {
+            return Err(CommError::InvalidArgument {
+                op: op.kind,
+                rank: self.rank,
+                detail: format!("peer {} is out of range for world size {}", op.peer, self.world),
+            });
+        }
+        self.ops.push(op);
+        Ok(())
+    }
+
+    /// Post a send of `buf` to `peer` (see [`Communicator::send`]).
+    pub fn send<T: Element, S: Buffer<T> + ?Sized>(&mut self, buf: &'b S, peer: usize) -> Result<(), CommError> {
+        self.post(P2pOp { kind: CollKind::Send, peer, dtype: T::DTYPE, mem: buf.raw() })
+    }
+
+    /// Post a receive into `buf` from `peer` (see [`Communicator::recv`]).
+    pub fn recv<T: Element, R: BufferMut<T> + ?Sized>(&mut self, buf: &'b mut R, peer: usize) -> Result<(), CommError> {
+        self.post(P2pOp { kind: CollKind::Recv, peer, dtype: T::DTYPE, mem: buf.raw_mut() })
+    }
+}
+
+/// The handle of a nonblocking call (`*_async`): [`wait`](Self::wait) for its result. It keeps the
+/// call's buffers borrowed for `'a`, so they cannot be touched before the call has completed. On
+/// host backends the call has already completed when the handle is made; dropping it unwaited
+/// discards the result.
+#[must_use = "wait() on the Work to see whether the call succeeded"]
+#[derive(Debug)]
+pub struct Work<'a> {
+    result: Result<(), CommError>,
+    _bufs: PhantomData<&'a mut ()>,
+}
+
+impl Work<'_> {
+    /// A handle for a call that has already completed with `result`.
+    pub(crate) fn finished(result: Result<(), CommError>) -> Self {
+        Work { result, _bufs: PhantomData }
+    }
+
+    /// Whether the call has completed (always, on host backends).
+    pub fn is_completed(&self) -> bool {
+        true
+    }
+
+    /// Wait for the call to complete and return its result.
+    pub fn wait(self) -> Result<(), CommError> {
+        self.result
     }
 }

@@ -4,6 +4,7 @@ use crate::types::CollKind;
 
 /// Errors of the collective API, on every backend.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum CommError {
     /// Buffers of a call do not fit the call (checked locally, before any rank waits).
     #[error("{op} on rank {rank}: {detail}")]

@@ -14,8 +14,8 @@ mod communicator;
 mod error;
 mod shared;
 
-pub use backend::{Backend, BackendKind, Call};
-pub use communicator::Communicator;
+pub use backend::{Backend, BackendKind, Call, P2pOp, Splits};
+pub use communicator::{Communicator, Group, Work};
 pub use error::CommError;
 pub use shared::{SharedBuffer, SharedRegion};
 // The vocabulary, re-exported so `comm` reads as the whole collective API.

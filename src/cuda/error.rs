@@ -38,6 +38,7 @@ pub(crate) fn driver_hint(code: i32) -> &'static str {
 
 /// Errors of the CUDA driver layer.
 #[derive(Clone, Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum CudaError {
     /// A shared library could not be found or loaded.
     #[error("{library} not found. Tried:\n  {searched}\nTo fix: {hint}; or set {env_var} to the library file (or its folder)")]

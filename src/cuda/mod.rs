@@ -1,6 +1,6 @@
 //! CUDA driver + NVRTC, loaded at run time, behind a safe layer.
 //!
-//! Layers (STYLE item 1): cudarc's `sys` modules give the C types; [`discovery`] finds and loads
+//! Layers (as in cudarc: sys, result, safe): cudarc's `sys` modules give the C types; `discovery` finds and loads
 //! the shared libraries (never panicking, unlike cudarc's own loader); `driver` and `nvrtc` hold
 //! our function-pointer tables and one `Result`-returning wrapper per C call; `context`, `memory`,
 //! `module` and `graph` are the RAII owners that callers use. A kernel file is described by a
@@ -73,9 +73,9 @@ macro_rules! fn_table {
 
 mod compile;
 mod context;
-pub mod discovery;
+pub(crate) mod discovery;
 pub(crate) mod driver;
-pub mod error;
+mod error;
 mod graph;
 pub mod init;
 mod memory;
@@ -86,11 +86,11 @@ mod source;
 
 pub use compile::{cache_dir, compile_cubin_cached, compile_ptx, extra_nvrtc_options, NvrtcInfo};
 pub use context::{device_count, device_for_local_rank, Context, DeviceInfo, Event, Stream};
-pub use discovery::LibKind;
+pub use discovery::{cuda_version_string, nccl_version_string, LibKind};
 pub use error::{CudaError, NvrtcError};
 pub use graph::Graph;
 pub use memory::{DeviceBuffer, DeviceView, DeviceViewMut, HostReadback, PinnedBuffer};
-pub use module::{Function, KernelScalar, Launch, LaunchConfig, Module};
+pub use module::{Function, KernelGrid, KernelScalar, Launch, Module};
 pub use report::cuda_report;
 pub use source::{ArgKind, KernelSig, KernelSource};
 

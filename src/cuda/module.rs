@@ -132,14 +132,14 @@ impl Function {
     }
 
     /// Start a launch with geometry `cfg`.
-    pub fn launch(&self, cfg: LaunchConfig) -> Launch<'_> {
+    pub fn launch(&self, cfg: KernelGrid) -> Launch<'_> {
         Launch { f: self, cfg, args: Vec::new(), min_len: None }
     }
 }
 
 /// Grid and block sizes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct LaunchConfig {
+pub struct KernelGrid {
     /// Blocks.
     pub grid: (u32, u32, u32),
     /// Threads per block.
@@ -148,13 +148,13 @@ pub struct LaunchConfig {
     pub shared_mem: u32,
 }
 
-impl LaunchConfig {
+impl KernelGrid {
     /// 1-D launch covering `n` elements with 256-thread blocks (grid capped; kernels use a
     /// grid-stride loop).
-    pub fn for_elements(n: usize) -> LaunchConfig {
+    pub fn for_elements(n: usize) -> KernelGrid {
         let block = 256u32;
         let grid = n.div_ceil(block as usize).clamp(1, 65535) as u32;
-        LaunchConfig { grid: (grid, 1, 1), block: (block, 1, 1), shared_mem: 0 }
+        KernelGrid { grid: (grid, 1, 1), block: (block, 1, 1), shared_mem: 0 }
     }
 }
 
@@ -195,7 +195,7 @@ enum ArgVal {
 /// (count, kinds, dtypes, device, minimum buffer length) before anything is enqueued.
 pub struct Launch<'a> {
     f: &'a Function,
-    cfg: LaunchConfig,
+    cfg: KernelGrid,
     args: Vec<ArgVal>,
     min_len: Option<usize>,
 }
@@ -314,9 +314,9 @@ mod tests {
 
     #[test]
     fn launch_config_covers_elements() {
-        let c = LaunchConfig::for_elements(1000);
+        let c = KernelGrid::for_elements(1000);
         assert_eq!(c.block.0, 256);
         assert_eq!(c.grid.0, 4);
-        assert_eq!(LaunchConfig::for_elements(0).grid.0, 1);
+        assert_eq!(KernelGrid::for_elements(0).grid.0, 1);
     }
 }

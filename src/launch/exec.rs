@@ -17,6 +17,7 @@
 
 use std::cell::RefCell;
 use std::ffi::{CString, OsString};
+use std::os::unix::ffi::OsStringExt;
 use std::io::Write;
 use std::os::fd::{AsFd, OwnedFd};
 use std::path::PathBuf;
@@ -25,7 +26,7 @@ use std::time::{Duration, Instant};
 
 use super::child;
 use super::guard::{self, ExecImage, RankSetup};
-use super::output::RankOutput;
+use super::output::{LogDir, RankOutput};
 use super::report::{summary, LaunchError};
 use super::signals::SignalPipe;
 use super::supervise::{self, Options, Proc};
@@ -124,24 +125,22 @@ fn new_job_id() -> String {
     format!("{:x}-{:x}", std::process::id(), t & 0xffff_ffff_ffff)
 }
 
-/// Remove named segments that launchers killed with SIGKILL left behind: their ranks died before
-/// all had joined, so nobody unlinked the name. Only names of our own job-id format
-/// (`lockstep-<launcher pid>-<time>`, both hex) are touched, only when that launcher is gone,
-/// and only when older than five minutes (far past any join timeout), so a live job in another
-/// pid namespace sharing /dev/shm is safe.
+/// Remove named segments that killed jobs left behind: their ranks died before all had joined,
+/// so nobody unlinked the name. A segment whose header names a creator (its rank 0) that is gone
+/// is removed at once (see [`crate::shm::reclaim_stale_segments`]). One whose creator cannot be
+/// checked (no header of this version, or a creator in another pid namespace) is removed only
+/// when its name has our job-id format (`lockstep-<launcher pid>-<time>`, both hex), that
+/// launcher is gone, and it is older than five minutes (far past any join timeout), so a live job
+/// in another pid namespace sharing /dev/shm is safe.
 fn sweep_stale_segments() {
-    let Ok(dir) = std::fs::read_dir("/dev/shm") else { return };
-    for e in dir.flatten() {
-        let name = e.file_name().to_string_lossy().into_owned();
-        let Some(id) = name.strip_prefix("lockstep-") else { continue };
-        let Some((pid, t)) = id.split_once('-') else { continue };
-        let (Ok(pid), true) = (i32::from_str_radix(pid, 16), !t.is_empty() && t.chars().all(|c| c.is_ascii_hexdigit())) else { continue };
-        let old =
-            e.metadata().ok().and_then(|m| m.modified().ok()).and_then(|m| m.elapsed().ok()).is_some_and(|a| a > Duration::from_secs(300));
-        if old && pid > 0 && !std::path::Path::new(&format!("/proc/{pid}")).exists() {
-            crate::shm::unlink_named(id);
-        }
-    }
+    crate::shm::reclaim_stale_segments(&|id, age| {
+        let Some((pid, t)) = id.split_once('-') else { return false };
+        let (Ok(pid), true) = (i32::from_str_radix(pid, 16), !t.is_empty() && t.chars().all(|c| c.is_ascii_hexdigit())) else {
+            return false;
+        };
+        let old = age.is_some_and(|a| a > Duration::from_secs(300));
+        old && pid > 0 && !std::path::Path::new(&format!("/proc/{pid}")).exists()
+    });
 }
 
 impl JobSpec {
@@ -235,12 +234,14 @@ pub fn run_job(spec: &JobSpec) -> Result<i32, LaunchError> {
 
     let link = if spec.nnodes > 1 { Some(NodeLink::new(spec, &token)?) } else { None };
     let signals = SignalPipe::install().map_err(|e| LaunchError::Setup(format!("cannot install signal handlers: {e}")))?;
-    if let Some(d) = &spec.log_dir {
-        std::fs::create_dir_all(d).map_err(|e| LaunchError::Setup(format!("cannot create log directory {}: {e}", d.display())))?;
-    }
+    // Every log file is opened (safely, see output.rs) before any rank starts.
+    let log_dir = spec.log_dir.as_deref().map(LogDir::prepare).transpose()?;
+    let base = spec.node_rank * spec.nproc_per_node;
+    let outputs = (base..base + spec.nproc_per_node)
+        .map(|rank| RankOutput::new(rank, spec.ranks_filter.as_ref().is_none_or(|f| f.contains(&rank)), log_dir.as_ref()))
+        .collect::<Result<Vec<_>, _>>()?;
 
     // Start the ranks, the first one leading a new process group.
-    let base = spec.node_rank * spec.nproc_per_node;
     let common: Vec<(String, String)> = vec![
         ("WORLD_SIZE".into(), world.to_string()),
         ("LOCAL_WORLD_SIZE".into(), spec.nproc_per_node.to_string()),
@@ -262,20 +263,18 @@ pub fn run_job(spec: &JobSpec) -> Result<i32, LaunchError> {
     }
     let mut procs: Vec<Proc> = Vec::with_capacity(spec.nproc_per_node);
     // Each guard removes the job's named segment if the launcher dies before doing it.
-    let segment = CString::new(crate::shm::shm_name(&job_id)).ok();
+    let segment = crate::shm::named_segment_path(&job_id).and_then(|p| CString::new(p.into_os_string().into_vec()).ok());
     // Rank 0 starts first: its pid names the node's process group, which the others join. They
     // start in parallel: every guard is forked before any is waited for.
     let mut pgid = 0;
     let mut pending = Vec::new();
     let mut failure: Option<(usize, std::io::Error, &str)> = None;
-    for local in 0..spec.nproc_per_node {
+    for (local, o) in outputs.into_iter().enumerate() {
         let rank = base + local;
         let mut env = common.clone();
         env.push(("RANK".into(), rank.to_string()));
         env.push(("LOCAL_RANK".into(), local.to_string()));
-        let show = spec.ranks_filter.as_ref().is_none_or(|f| f.contains(&rank));
-        let started = RankOutput::new(rank, show, spec.log_dir.as_deref()).map_err(|e| (e, "create the log file for")).and_then(|o| {
-            let image = ExecImage::new(&spec.program, &env).map_err(|e| (e, "start"))?;
+        let started = ExecImage::new(&spec.program, &env).and_then(|image| {
             let setup = RankSetup {
                 pgid: Some(pgid),
                 capture: true,
@@ -284,10 +283,10 @@ pub fn run_job(spec: &JobSpec) -> Result<i32, LaunchError> {
                 exec: Some(&image),
                 unlink_on_launcher_death: segment.as_deref(),
             };
-            guard::start(&setup, || {}).map(|p| (p, o)).map_err(|e| (e, "start"))
+            guard::start(&setup, || {})
         });
         match started {
-            Ok((p, o)) if local == 0 => match p.wait() {
+            Ok(p) if local == 0 => match p.wait() {
                 Ok(g) => {
                     pgid = g.rank_pid;
                     procs.push(Proc::new(rank, g, None, o));
@@ -297,9 +296,9 @@ pub fn run_job(spec: &JobSpec) -> Result<i32, LaunchError> {
                     break;
                 }
             },
-            Ok((p, o)) => pending.push((rank, p, o)),
-            Err((e, what)) => {
-                failure = Some((rank, e, what));
+            Ok(p) => pending.push((rank, p, o)),
+            Err(e) => {
+                failure = Some((rank, e, "start"));
                 break;
             }
         }

@@ -116,7 +116,7 @@ pub(crate) struct RankSetup<'a> {
     pub close: &'a [RawFd],
     /// The program to exec; `None` runs the body instead.
     pub exec: Option<&'a ExecImage>,
-    /// Named shared-memory segment to remove when the launcher dies (`shm_unlink` name).
+    /// Path of the job's named shared-memory segment, removed when the launcher dies.
     pub unlink_on_launcher_death: Option<&'a CStr>,
 }
 
@@ -506,8 +506,8 @@ fn supervise_rank(fds: &GuardFds, me: i32, rank: i32, unlink: Option<&CStr>) -> 
         if !children_left {
             if !ctl_open {
                 if let Some(name) = unlink {
-                    // SAFETY: shm_unlink(3) on a valid C string (an unlink(2) of /dev/shm/name).
-                    unsafe { libc::shm_unlink(name.as_ptr()) };
+                    // SAFETY: unlink(2) of a NUL-terminated path built before the fork.
+                    unsafe { libc::unlink(name.as_ptr()) };
                 }
             }
             exit_now(0);

@@ -1,11 +1,11 @@
 //! The launchers.
 //!
 //! * [`launch`] (the `notebook_launcher` analog) forks `nprocs` ranks that each run a function
-//!   with a ready [`Communicator`], and returns every rank's result. The parent creates the shared
+//!   with a ready [`Communicator`](crate::comm::Communicator), and returns every rank's result. The parent creates the shared
 //!   segment, forks, and supervises. The host process can call it again afterwards.
 //! * [`run_job`] backs `lockstep launch`: it execs `nproc_per_node` copies of a program with the
 //!   rendezvous environment (`RANK`, `WORLD_SIZE`, `LOCKSTEP_JOB_ID`, ...) that
-//!   [`Communicator::from_env`] reads, hosting the rendezvous store on node 0 of multi-node jobs.
+//!   [`Communicator::from_env`](crate::comm::Communicator::from_env) reads, hosting the rendezvous store on node 0 of multi-node jobs.
 //!
 //! Both share the supervisor (`supervise.rs`): the first rank that fails (error, panic, non-zero
 //! exit or signal) gets the others terminated (SIGTERM, then SIGKILL after a grace period) unless

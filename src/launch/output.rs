@@ -8,11 +8,21 @@
 //! single supervising thread. Optional per-rank log files receive the same segments unprefixed;
 //! a rank filter hides other ranks' output from the console (their logs and stderr tails are
 //! still kept).
+//!
+//! Log files are opened without following symbolic links ([`LogDir`]): the log directory may be
+//! shared with other users (a scratch directory), and a link planted under a log file's fixed
+//! name must not make the launcher overwrite a file of the link's choosing.
 
 use std::collections::VecDeque;
 use std::fs::File;
 use std::io::Write;
-use std::path::Path;
+use std::os::fd::AsFd;
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+
+use nix::errno::Errno;
+use nix::fcntl::OFlag;
+use nix::sys::stat::Mode;
 
 use super::report::LaunchError;
 
@@ -37,11 +47,100 @@ pub(crate) struct RankOutput {
     tail: VecDeque<String>,
 }
 
+/// A directory for per-rank log files, checked and held open: the files are created relative
+/// to its descriptor.
+pub(crate) struct LogDir {
+    path: PathBuf,
+    dir: File,
+}
+
+impl LogDir {
+    /// Create `path` (mode 0700; missing parents as `mkdir -p` makes them) or check an existing
+    /// one: a directory others can write to without the sticky bit is refused, since anyone
+    /// could then replace the log files.
+    pub fn prepare(path: &Path) -> Result<LogDir, LaunchError> {
+        let setup = |what: String| LaunchError::Setup(format!("log directory {}: {what}", path.display()));
+        if matches!(std::fs::symlink_metadata(path), Err(e) if e.kind() == std::io::ErrorKind::NotFound) {
+            if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+                std::fs::create_dir_all(parent).map_err(|e| setup(format!("cannot create its parent: {e}")))?;
+            }
+            match std::fs::DirBuilder::new().mode(0o700).create(path) {
+                Ok(()) => {}
+                // Another launcher made it first: it is checked like any existing one below.
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+                Err(e) => return Err(setup(format!("cannot create it: {e}"))),
+            }
+        }
+        let dir = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_DIRECTORY)
+            .open(path)
+            .map_err(|e| setup(format!("cannot open it: {e}; pass a directory")))?;
+        let st = nix::sys::stat::fstat(dir.as_fd()).map_err(|e| setup(format!("cannot stat it: {e}")))?;
+        let mode = st.st_mode & 0o7777;
+        if mode & 0o022 != 0 && mode & 0o1000 == 0 {
+            return Err(setup(format!(
+                "it is writable by {} (mode {mode:04o}) without the sticky bit, so another user could replace the log files; \
+                 run `chmod go-w {}` or choose another --log-dir",
+                if mode & 0o002 != 0 { "everyone" } else { "its group" },
+                path.display()
+            )));
+        }
+        Ok(LogDir { path: path.to_path_buf(), dir })
+    }
+
+    /// Open `rank-N.log` for writing, empty: a new file (`O_CREAT|O_EXCL|O_NOFOLLOW`, mode
+    /// 0600), or an existing regular file of this user with no other hard link, truncated.
+    /// Symbolic links, special files and other users' files are refused.
+    pub fn open(&self, rank: usize) -> Result<File, LaunchError> {
+        let name = format!("rank-{rank}.log");
+        let p = self.path.join(&name);
+        let refuse = |why: String| LaunchError::Setup(format!("log file {}: {why}", p.display()));
+        let fd = self.dir.as_fd();
+        let create = OFlag::O_WRONLY | OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC | OFlag::O_NOCTTY;
+        match nix::fcntl::openat(fd, name.as_str(), create, Mode::from_bits_truncate(0o600)) {
+            Ok(f) => return Ok(File::from(f)),
+            // Also what a symbolic link under the name gives (O_EXCL never follows one).
+            Err(Errno::EEXIST) => {}
+            Err(e) => return Err(refuse(format!("cannot create it: {e}"))),
+        }
+        // O_NONBLOCK: a FIFO under the name must not block the launcher.
+        let existing = OFlag::O_WRONLY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC | OFlag::O_NOCTTY | OFlag::O_NONBLOCK;
+        let f = match nix::fcntl::openat(fd, name.as_str(), existing, Mode::empty()) {
+            Ok(f) => f,
+            Err(Errno::ELOOP) => return Err(refuse(
+                "it is a symbolic link; lockstep does not write through links in a log directory: remove it or choose another --log-dir"
+                    .into(),
+            )),
+            Err(e) => return Err(refuse(format!("it exists and cannot be opened ({e}); remove it or choose another --log-dir"))),
+        };
+        let st = nix::sys::stat::fstat(f.as_fd()).map_err(|e| refuse(format!("cannot stat it: {e}")))?;
+        let uid = nix::unistd::geteuid().as_raw();
+        if st.st_mode & libc::S_IFMT != libc::S_IFREG {
+            return Err(refuse("it is not a regular file; remove it or choose another --log-dir".into()));
+        }
+        if st.st_uid != uid {
+            return Err(refuse(format!(
+                "it belongs to uid {}, not to this user (uid {uid}); remove it or choose another --log-dir",
+                st.st_uid
+            )));
+        }
+        if st.st_nlink > 1 {
+            return Err(refuse(format!(
+                "it has {} hard links, and truncating it would empty the other names too; remove it or choose another --log-dir",
+                st.st_nlink
+            )));
+        }
+        nix::unistd::ftruncate(f.as_fd(), 0).map_err(|e| refuse(format!("cannot truncate it: {e}")))?;
+        Ok(File::from(f))
+    }
+}
+
 impl RankOutput {
     /// Output of `rank`; `show` puts it on the console, `log_dir` adds `rank-N.log` there.
-    pub fn new(rank: usize, show: bool, log_dir: Option<&Path>) -> std::io::Result<RankOutput> {
+    pub fn new(rank: usize, show: bool, log_dir: Option<&LogDir>) -> Result<RankOutput, LaunchError> {
         let log = match log_dir {
-            Some(d) => Some(File::create(d.join(format!("rank-{rank}.log")))?),
+            Some(d) => Some(d.open(rank)?),
             None => None,
         };
         Ok(RankOutput {
@@ -194,13 +293,11 @@ pub(crate) fn rank_outputs(
     log_dir: Option<&std::path::Path>,
     filter: Option<&[usize]>,
 ) -> Result<Vec<RankOutput>, LaunchError> {
-    if let Some(d) = log_dir {
-        std::fs::create_dir_all(d).map_err(|e| LaunchError::Setup(format!("cannot create log directory {}: {e}", d.display())))?;
-    }
+    let log_dir = log_dir.map(LogDir::prepare).transpose()?;
     (0..world)
         .map(|r| {
             let show = filter.is_none_or(|f| f.contains(&r));
-            RankOutput::new(r, show, log_dir).map_err(|e| LaunchError::Setup(format!("cannot create the log file of rank {r}: {e}")))
+            RankOutput::new(r, show, log_dir.as_ref())
         })
         .collect()
 }

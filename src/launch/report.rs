@@ -24,6 +24,7 @@ pub struct RankFailure {
 
 /// A launch whose ranks did not all succeed.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum LaunchError {
     /// Setting up the job failed before any rank ran.
     #[error("launch failed before starting ranks: {0}")]

@@ -406,6 +406,11 @@ impl NcclComm {
             CollKind::Gather => (call.count, if is_root { call.count * n } else { 0 }),
             CollKind::ReduceScatter => (call.count * n, call.count),
             CollKind::Barrier => (0, 0),
+            other => {
+                return Err(CommError::Unsupported(format!(
+                    "{other} is not supported on the nccl backend yet; use the shm backend (host buffers)"
+                )))
+            }
         };
         if call.send.len < need_send {
             return Err(invalid(format!("send buffer has {} elements, {} are needed", call.send.len, need_send)));
@@ -447,6 +452,16 @@ impl NcclComm {
                     );
                     self.settle(rc, &what)?;
                     return self.wait("barrier");
+                }
+                // `check_call` refuses the rest before anything is enqueued.
+                _ => {
+                    return Err(NcclError::Call {
+                        call: what,
+                        code: 5,
+                        message: "not supported by the nccl backend yet".into(),
+                        last: String::new(),
+                        hint: "use the shm backend",
+                    })
                 }
             }
         };

@@ -20,6 +20,7 @@ pub(crate) fn hint(code: i32) -> &'static str {
 
 /// Errors of the NCCL layer.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum NcclError {
     /// An NCCL call failed.
     #[error("{call} failed: {message} (ncclResult_t {code}){last}. To fix: {hint}")]

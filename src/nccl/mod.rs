@@ -1,8 +1,8 @@
 //! NCCL, loaded at run time (`libnccl.so.2`), behind a safe communicator that implements
 //! [`comm::Backend`](crate::comm::Backend) on device buffers.
 //!
-//! Layers as in `cuda`: cudarc's `nccl::sys` gives the C types, [`result`] our function tables and
-//! one wrapper per call, [`comm`](self::comm) the RAII communicator with a watchdog that turns a
+//! Layers as in `cuda`: cudarc's `nccl::sys` gives the C types, `result` our function tables and
+//! one wrapper per call, `comm` the RAII communicator with a watchdog that turns a
 //! failed or hung peer into a `CommError` (via `ncclCommAbort`) instead of a hang.
 //!
 //! One process per GPU: NCCL before 2.30 refuses two ranks of one communicator on the same device.
@@ -11,11 +11,11 @@
 //! through pinned host memory into the shared-memory backend. Which of these a job gets is
 //! decided in one place: [`rendezvous::device_communicator`](crate::rendezvous::device_communicator).
 
-pub mod comm;
-pub mod error;
-pub mod result;
+mod comm;
+mod error;
+pub(crate) mod result;
 
-pub use comm::{NcclComm, NcclOptions, StoreExchange, UniqueIdExchange};
+pub use comm::{unique_id, AbortCheck, NcclComm, NcclOptions, StoreExchange, UniqueIdExchange};
 pub use error::NcclError;
 
 /// NCCL's version code (e.g. 21803), loading the library if needed. Does not touch CUDA.

@@ -1,6 +1,6 @@
 //! Result layer for NCCL: function tables over `libnccl` and one wrapper per call.
 //!
-//! [`NcclCore`] (version, unique id, error strings) is resolved at load time; [`NcclFns`]
+//! `NcclCore` (version, unique id, error strings) is resolved at load time; `NcclFns`
 //! (communicators and collectives) on first use, so a fake library exporting only the core calls
 //! is enough for the loading tests. Return codes are read as `c_int`.
 
@@ -179,6 +179,8 @@ pub(crate) fn nccl_dtype(d: Dtype) -> ncclDataType_t {
         Dtype::I64 => ncclDataType_t::ncclInt64,
         Dtype::U8 => ncclDataType_t::ncclUint8,
         Dtype::I8 => ncclDataType_t::ncclInt8,
+        Dtype::U32 => ncclDataType_t::ncclUint32,
+        Dtype::U64 => ncclDataType_t::ncclUint64,
     }
 }
 
@@ -218,7 +220,9 @@ mod tests {
         assert_eq!(nccl_dtype(Dtype::I8) as u32, 0);
         assert_eq!(nccl_dtype(Dtype::U8) as u32, 1);
         assert_eq!(nccl_dtype(Dtype::I32) as u32, 2);
+        assert_eq!(nccl_dtype(Dtype::U32) as u32, 3);
         assert_eq!(nccl_dtype(Dtype::I64) as u32, 4);
+        assert_eq!(nccl_dtype(Dtype::U64) as u32, 5);
         assert_eq!(nccl_dtype(Dtype::F16) as u32, 6);
         assert_eq!(nccl_dtype(Dtype::F32) as u32, 7);
         assert_eq!(nccl_dtype(Dtype::F64) as u32, 8);

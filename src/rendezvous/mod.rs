@@ -11,4 +11,4 @@ mod select;
 mod vars;
 
 pub use select::device_communicator;
-pub use vars::{host_id, EnvInfo, JOB_ID_KEY};
+pub use vars::{host_id, launched, EnvInfo, Launcher, JOB_ID_KEY};

@@ -103,6 +103,14 @@ impl SharedAlloc {
             })?
         };
         debug_assert!(off >= heap.lock().map(|h| h.start).unwrap_or(0));
+        // The heap is sized generously and only reserved piece by piece: back this buffer now, so
+        // a full /dev/shm is this error rather than a SIGBUS when the zeroing below touches it.
+        if let Err(e) = seg.reserve(off, bytes) {
+            heap.lock().unwrap_or_else(|p| p.into_inner()).release(off, bytes);
+            return Err(CommError::Unsupported(format!(
+                "alloc_shared: {e}. Free other shared buffers or allocate less; make room there or set LOCKSTEP_SHM_DIR to a larger tmpfs (LOCKSTEP_SHM_HEAP_BYTES only bounds the address space, lowering it does not help)"
+            )));
+        }
         // SAFETY: [off, off+bytes) lies in this rank's heap region of the live mapping and was just
         // handed out exclusively to this allocation. Zeroing gives deterministic initial contents.
         unsafe { std::ptr::write_bytes(seg.base().add(off), 0, bytes) };
@@ -141,7 +149,7 @@ mod tests {
         let a = h.alloc(100, 64).unwrap();
         let b = h.alloc(70000, 4096).unwrap();
         let c = h.alloc(64, 64).unwrap();
-        assert!(a < b && b % 4096 == 0);
+        assert!(a < b && b.is_multiple_of(4096));
         assert!(c != a && c != b);
         h.release(b, 70000);
         h.release(a, 100);

@@ -1,8 +1,10 @@
 //! Tunables of the shared-memory backend, read once from `LOCKSTEP_*` environment variables.
 
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use super::tune::StageMode;
+use crate::comm::CommError;
 
 /// Settings of one shared-memory communicator.
 #[derive(Clone, Debug)]
@@ -33,7 +35,16 @@ pub struct ShmConfig {
     pub bind_cpu: bool,
     /// Time to wait for all ranks to join (`LOCKSTEP_JOIN_TIMEOUT_S`, default 60).
     pub join_timeout: Duration,
+    /// Directory for named segments (`LOCKSTEP_SHM_DIR`, e.g. a larger tmpfs when `/dev/shm` is
+    /// Docker's 64 MiB); `None`: `/dev/shm` through `shm_open`. Must be an existing directory,
+    /// given as an absolute path (checked when a named segment is used, see
+    /// [`checked_shm_dir`](Self::checked_shm_dir)). Segments of forked ranks are anonymous and do
+    /// not use it.
+    pub shm_dir: Option<PathBuf>,
 }
+
+/// Name of the variable that moves named segments out of `/dev/shm`.
+pub(crate) const SHM_DIR_VAR: &str = "LOCKSTEP_SHM_DIR";
 
 fn env_num(name: &str) -> Option<f64> {
     std::env::var(name).ok().and_then(|v| v.trim().parse::<f64>().ok()).filter(|v| v.is_finite() && *v >= 0.0)
@@ -52,6 +63,7 @@ impl Default for ShmConfig {
             nt_bytes: 8 << 20,
             stage: StageMode::Auto,
             bind_cpu: true,
+            shm_dir: None,
         }
     }
 }
@@ -93,7 +105,31 @@ impl ShmConfig {
         if let Some(v) = env_num("LOCKSTEP_JOIN_TIMEOUT_S") {
             c.join_timeout = Duration::from_secs_f64(v);
         }
+        // Kept as given, even empty: `checked_shm_dir` refuses what is not a usable directory
+        // rather than falling back to /dev/shm.
+        c.shm_dir = std::env::var_os(SHM_DIR_VAR).map(PathBuf::from);
         c.normalized()
+    }
+
+    /// The directory for named segments: `None` for `/dev/shm`, or `shm_dir` once checked to be
+    /// an absolute path to an existing directory (every rank must name the same one, whatever its
+    /// working directory).
+    pub fn checked_shm_dir(&self) -> Result<Option<&Path>, CommError> {
+        let Some(d) = self.shm_dir.as_deref() else { return Ok(None) };
+        let bad = |why: String| {
+            Err(CommError::Setup(format!(
+                "{SHM_DIR_VAR}={:?} {why}; set it to an existing directory on a tmpfs with room for the segment (e.g. mount -t tmpfs -o size=2g tmpfs /mnt/lockstep-shm), or unset it to use /dev/shm",
+                d.display().to_string()
+            )))
+        };
+        if !d.is_absolute() {
+            return bad("is not an absolute path".into());
+        }
+        match std::fs::metadata(d) {
+            Ok(m) if m.is_dir() => Ok(Some(d)),
+            Ok(_) => bad("is not a directory".into()),
+            Err(e) => bad(format!("cannot be used: {e}")),
+        }
     }
 
     /// [`normalized`](Self::normalized), plus room in each slot for a 4 KiB piece per peer, which

@@ -112,6 +112,8 @@ int_lane!(i32);
 int_lane!(i64);
 int_lane!(u8);
 int_lane!(i8);
+int_lane!(u32);
+int_lane!(u64);
 
 macro_rules! half_lane {
     ($t:ty) => {
@@ -175,7 +177,7 @@ fn combine2<T: Lane, F: Fn(T::Acc, T::Acc) -> T::Acc>(acc: &mut [T::Acc], a: &[T
 
 /// Where and how a reduction writes its result.
 #[derive(Clone, Copy, Debug)]
-pub struct Dst {
+pub(crate) struct Dst {
     /// Destination address (valid for the whole count).
     pub ptr: *mut u8,
     /// Use non-temporal (streaming) stores: for large outputs nobody reads soon, they skip the
@@ -269,7 +271,7 @@ fn has_avx2() -> bool {
 
 /// Order earlier streaming stores before later stores (the progress publish): NT stores are
 /// weakly ordered, a release store alone does not cover them.
-pub fn store_fence() {
+pub(crate) fn store_fence() {
     #[cfg(target_arch = "x86_64")]
     // SAFETY: sfence has no preconditions (SSE, part of x86_64).
     unsafe {
@@ -285,8 +287,8 @@ pub fn store_fence() {
 /// # Safety
 /// Both ranges valid; equal or non-overlapping.
 #[inline]
-pub unsafe fn copy_block(src: *const u8, dst: *mut u8, bytes: usize, nt: bool) {
-    if bytes == 0 || src == dst as *const u8 {
+pub(crate) unsafe fn copy_block(src: *const u8, dst: *mut u8, bytes: usize, nt: bool) {
+    if bytes == 0 || std::ptr::eq(src, dst as *const u8) {
         return;
     }
     #[cfg(target_arch = "x86_64")]
@@ -296,6 +298,7 @@ pub unsafe fn copy_block(src: *const u8, dst: *mut u8, bytes: usize, nt: bool) {
         let head = dst.align_offset(16).min(bytes);
         // SAFETY: within both ranges.
         unsafe { std::ptr::copy_nonoverlapping(src, dst, head) };
+        // SAFETY: head <= bytes, so both offsets stay within their ranges.
         let (mut s, mut d, mut left) = (unsafe { src.add(head) }, unsafe { dst.add(head) }, bytes - head);
         while left >= 64 {
             // SAFETY: 64 bytes remain in both ranges; d is 16-byte aligned; unaligned loads.
@@ -328,7 +331,7 @@ pub unsafe fn copy_block(src: *const u8, dst: *mut u8, bytes: usize, nt: bool) {
 ///
 /// # Safety
 /// All ranges valid for `bytes`; `stage` disjoint from both; `dst` equal to `src` or disjoint.
-pub unsafe fn copy_block2(src: *const u8, stage: *mut u8, stage_nt: bool, dst: *mut u8, nt: bool, bytes: usize) {
+pub(crate) unsafe fn copy_block2(src: *const u8, stage: *mut u8, stage_nt: bool, dst: *mut u8, nt: bool, bytes: usize) {
     const PIECE: usize = 4096;
     let mut at = 0;
     while at < bytes {
@@ -348,7 +351,7 @@ pub unsafe fn copy_block2(src: *const u8, stage: *mut u8, stage_nt: bool, dst: *
 /// # Safety
 /// Every source and destination must be valid and aligned for `count` elements of `dtype`; a
 /// destination may equal a source but must not partially overlap one. `srcs` must not be empty.
-pub unsafe fn reduce_into(dtype: Dtype, op: ReduceOp, n_ranks: usize, srcs: &[*const u8], dsts: &[Dst], count: usize) {
+pub(crate) unsafe fn reduce_into(dtype: Dtype, op: ReduceOp, n_ranks: usize, srcs: &[*const u8], dsts: &[Dst], count: usize) {
     debug_assert!(!srcs.is_empty());
     // SAFETY: forwarded caller contract.
     unsafe {
@@ -361,6 +364,8 @@ pub unsafe fn reduce_into(dtype: Dtype, op: ReduceOp, n_ranks: usize, srcs: &[*c
             Dtype::I64 => reduce_dispatch::<i64>(op, n_ranks, srcs, dsts, count),
             Dtype::U8 => reduce_dispatch::<u8>(op, n_ranks, srcs, dsts, count),
             Dtype::I8 => reduce_dispatch::<i8>(op, n_ranks, srcs, dsts, count),
+            Dtype::U32 => reduce_dispatch::<u32>(op, n_ranks, srcs, dsts, count),
+            Dtype::U64 => reduce_dispatch::<u64>(op, n_ranks, srcs, dsts, count),
         }
     }
 }
@@ -369,7 +374,7 @@ pub unsafe fn reduce_into(dtype: Dtype, op: ReduceOp, n_ranks: usize, srcs: &[*c
 ///
 /// # Safety
 /// As [`reduce_into`].
-pub unsafe fn reduce_raw(dtype: Dtype, op: ReduceOp, n_ranks: usize, srcs: &[*const u8], dst: *mut u8, count: usize) {
+pub(crate) unsafe fn reduce_raw(dtype: Dtype, op: ReduceOp, n_ranks: usize, srcs: &[*const u8], dst: *mut u8, count: usize) {
     // SAFETY: forwarded caller contract.
     unsafe { reduce_into(dtype, op, n_ranks, srcs, &[Dst { ptr: dst, nt: false }], count) }
 }

@@ -1,32 +1,57 @@
 //! The shared-memory segment: every OS call of the shared-memory backend lives here
-//! (`memfd_create`, `shm_open`, `ftruncate`, `mmap`, `shm_unlink`), each retried on `EINTR`.
+//! (`memfd_create`, `shm_open`/`open`, `ftruncate`, `posix_fallocate`, `mmap`, `unlink`,
+//! `statvfs`, futexes, pidfds, `/proc`), each retried on `EINTR`.
 //!
 //! Two ways to get one:
 //! * [`Segment::anonymous`]: a memfd mapped `MAP_SHARED` by a parent *before* it forks its ranks;
-//!   children inherit the mapping, nothing is ever visible in `/dev/shm`.
+//!   children inherit the mapping, nothing is ever visible in `/dev/shm`. Its pages are charged to
+//!   the kernel's internal shmem mount (and the memory cgroup), not to `/dev/shm`.
 //! * [`Segment::create_named`] / [`Segment::open_named`]: for ranks exec'd separately that find each
-//!   other by a job id. The name is unlinked as soon as every rank has mapped it (see `shm::mod`),
-//!   and the CLI launcher unlinks it again at exit, so a crash leaves nothing behind.
+//!   other by a job id ([`SegName`]): `/dev/shm/lockstep-<id>` through `shm_open`, or a file in
+//!   `LOCKSTEP_SHM_DIR`. The name is unlinked as soon as every rank has mapped it (see
+//!   `shm::bootstrap`), the CLI launcher unlinks it again at exit, and a later launch removes one
+//!   whose creator is dead (`shm::stale`), so a crash leaves nothing behind.
 //!
-//! Mappings use `MAP_NORESERVE`: the heap region is sized generously but only touched pages cost
-//! memory.
+//! Mappings use `MAP_NORESERVE` and the file is sized with `ftruncate`, which reserves nothing: a
+//! page the file system cannot supply when it is first touched kills the process with SIGBUS.
+//! So every range the backend touches is reserved first with [`Segment::reserve`]
+//! (`posix_fallocate`), which fails cleanly instead; the heap region is sized generously and
+//! reserved piece by piece as buffers are handed out.
 
 use std::ffi::CString;
 use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
 
 use crate::comm::CommError;
 
-/// One mapping of a shared segment. Unmapped on drop.
+/// Where named segments live unless `LOCKSTEP_SHM_DIR` says otherwise (`shm_open`'s directory).
+pub(crate) const SHM_DIR: &str = "/dev/shm";
+
+/// Where a segment's pages come from, for error messages.
+#[derive(Debug, Clone)]
+enum Backing {
+    /// A memfd: the kernel's internal shmem mount, limited by the memory cgroup.
+    Anonymous,
+    /// A named segment in this directory.
+    Dir(PathBuf),
+}
+
+/// One mapping of a shared segment, with its file descriptor (kept open to reserve heap ranges
+/// later). Unmapped and closed on drop.
 #[derive(Debug)]
-pub struct Segment {
+pub(crate) struct Segment {
     base: *mut u8,
     len: usize,
+    fd: Option<OwnedFd>,
+    backing: Backing,
 }
 
 // SAFETY: the mapping is process-wide memory; synchronisation of its contents is the job of the
 // protocol in `sync.rs` (atomics with release/acquire ordering).
 unsafe impl Send for Segment {}
-// SAFETY: as above; `Segment` itself holds no interior state besides the immutable base/len.
+// SAFETY: as above; `Segment` itself holds no interior state besides the immutable base/len/fd.
 unsafe impl Sync for Segment {}
 
 fn os_err(call: impl Into<String>) -> CommError {
@@ -44,38 +69,176 @@ fn retry<F: FnMut() -> libc::c_int>(mut f: F) -> libc::c_int {
     }
 }
 
-fn map_fd(fd: libc::c_int, len: usize, what: &str) -> Result<*mut u8, CommError> {
+fn map_fd(fd: libc::c_int, len: usize, writable: bool, what: &str) -> Result<*mut u8, CommError> {
+    let prot = if writable { libc::PROT_READ | libc::PROT_WRITE } else { libc::PROT_READ };
     // SAFETY: mapping a valid fd with a fresh address chosen by the kernel; no existing memory is
     // affected. The result is checked against MAP_FAILED.
-    let p =
-        unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED | libc::MAP_NORESERVE, fd, 0) };
+    let p = unsafe { libc::mmap(std::ptr::null_mut(), len, prot, libc::MAP_SHARED | libc::MAP_NORESERVE, fd, 0) };
     if p == libc::MAP_FAILED {
         return Err(os_err(format!("mmap({what}, {len} bytes)")));
     }
     Ok(p as *mut u8)
 }
 
-fn close(fd: libc::c_int) {
-    // SAFETY: fd is owned by the caller and not used afterwards.
-    unsafe { libc::close(fd) };
+/// Take ownership of a descriptor a successful libc call returned.
+fn owned(fd: libc::c_int) -> OwnedFd {
+    // SAFETY: fd is a fresh, valid descriptor (checked non-negative by the caller) owned by nobody else.
+    unsafe { OwnedFd::from_raw_fd(fd) }
 }
 
-fn truncate(fd: libc::c_int, len: usize, what: &str) -> Result<(), CommError> {
+fn truncate(fd: &OwnedFd, len: usize, what: &str) -> Result<(), CommError> {
     // SAFETY: plain syscall on an fd we own.
-    let r = retry(|| unsafe { libc::ftruncate(fd, len as libc::off_t) });
+    let r = retry(|| unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) });
     if r != 0 {
         return Err(os_err(format!("ftruncate({what}, {len})")));
     }
     Ok(())
 }
 
-/// The `/dev/shm` name used for a job id.
-pub fn shm_name(job_id: &str) -> String {
-    format!("/lockstep-{job_id}")
+/// Size of a file, by descriptor.
+fn file_len(fd: &OwnedFd, what: &str) -> Result<usize, CommError> {
+    // SAFETY: zeroed stat is a valid out-parameter for fstat.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: fd is valid, st is a valid out-parameter.
+    if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
+        return Err(os_err(format!("fstat({what})")));
+    }
+    Ok(st.st_size.max(0) as usize)
+}
+
+/// Bytes available to unprivileged users in the file system holding `dir` (`statvfs`).
+pub(crate) fn free_bytes(dir: &Path) -> Option<u64> {
+    let c = CString::new(dir.as_os_str().as_bytes()).ok()?;
+    // SAFETY: zeroed statvfs is a valid out-parameter.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: valid C string and out-parameter.
+    if retry(|| unsafe { libc::statvfs(c.as_ptr(), &mut st) }) != 0 {
+        return None;
+    }
+    Some((st.f_bavail as u64).saturating_mul(st.f_frsize as u64))
+}
+
+/// `n` bytes, with a readable unit.
+pub(crate) fn show_bytes(n: u64) -> String {
+    const UNITS: [&str; 4] = ["KiB", "MiB", "GiB", "TiB"];
+    let mut v = n as f64;
+    let mut unit = "";
+    for u in UNITS {
+        if v < 1024.0 {
+            break;
+        }
+        v /= 1024.0;
+        unit = u;
+    }
+    if unit.is_empty() {
+        format!("{n} bytes")
+    } else {
+        format!("{n} bytes ({v:.1} {unit})")
+    }
+}
+
+/// A reservation the file system (or memory cgroup) refused.
+#[derive(Debug)]
+pub(crate) struct NoSpace {
+    /// The directory of a named segment; `None` for an anonymous one (a memfd).
+    pub dir: Option<PathBuf>,
+    /// Bytes asked for.
+    pub needed: u64,
+    /// Bytes free in `dir` (`statvfs`).
+    pub free: Option<u64>,
+    /// The OS error (ENOSPC from a full tmpfs, ENOMEM from a memory cgroup, ...).
+    pub source: io::Error,
+}
+
+impl std::fmt::Display for NoSpace {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "cannot reserve {} of shared memory ", show_bytes(self.needed))?;
+        match &self.dir {
+            Some(d) => write!(f, "in {}", d.display())?,
+            None => write!(f, "for an anonymous segment (a memfd, limited by this process's memory cgroup)")?,
+        }
+        if let Some(free) = self.free {
+            write!(f, ", which has {} free", show_bytes(free))?;
+        }
+        write!(f, " ({})", self.source)
+    }
+}
+
+/// The name of a job's named segment: `lockstep-<job id>` in `/dev/shm` (through `shm_open`) or
+/// in the directory `LOCKSTEP_SHM_DIR` names (through `open`).
+#[derive(Debug, Clone)]
+pub(crate) struct SegName {
+    dir: Option<PathBuf>,
+    file: String,
+}
+
+impl SegName {
+    /// The segment name of `job_id` in `dir` (`None`: `/dev/shm`). A job id is a file name part:
+    /// no `/`, no NUL, and short enough for one path component.
+    pub fn new(dir: Option<&Path>, job_id: &str) -> Result<SegName, CommError> {
+        let file = format!("lockstep-{job_id}");
+        if job_id.is_empty() || job_id.contains(['/', '\0']) || file.len() > 255 {
+            return Err(CommError::Setup(format!(
+                "invalid job id {job_id:?}: it must be 1 to 246 bytes without '/' or NUL (check LOCKSTEP_JOB_ID)"
+            )));
+        }
+        Ok(SegName { dir: dir.map(Path::to_path_buf), file })
+    }
+
+    /// The directory holding the segment.
+    pub fn dir(&self) -> &Path {
+        self.dir.as_deref().unwrap_or(Path::new(SHM_DIR))
+    }
+
+    /// The segment's full path.
+    pub fn path(&self) -> PathBuf {
+        self.dir().join(&self.file)
+    }
+
+    /// `open`/`shm_open` with `flags` (plus `O_CLOEXEC | O_NOFOLLOW`); the raw result.
+    fn open(&self, flags: libc::c_int, mode: libc::mode_t) -> libc::c_int {
+        let flags = flags | libc::O_CLOEXEC | libc::O_NOFOLLOW;
+        match &self.dir {
+            None => {
+                let Ok(name) = CString::new(format!("/{}", self.file)) else { return -1 };
+                // SAFETY: valid C string, constant flags and mode.
+                retry(|| unsafe { libc::shm_open(name.as_ptr(), flags, mode) })
+            }
+            Some(_) => {
+                let Ok(path) = CString::new(self.path().as_os_str().as_bytes()) else { return -1 };
+                // SAFETY: valid C string, constant flags and mode.
+                retry(|| unsafe { libc::open(path.as_ptr(), flags, mode as libc::c_uint) })
+            }
+        }
+    }
+
+    /// Remove the name. Returns whether it existed.
+    pub fn unlink(&self) -> bool {
+        let r = match &self.dir {
+            None => match CString::new(format!("/{}", self.file)) {
+                // SAFETY: valid C string.
+                Ok(name) => unsafe { libc::shm_unlink(name.as_ptr()) },
+                Err(_) => return false,
+            },
+            Some(_) => match CString::new(self.path().as_os_str().as_bytes()) {
+                // SAFETY: valid C string.
+                Ok(path) => unsafe { libc::unlink(path.as_ptr()) },
+                Err(_) => return false,
+            },
+        };
+        r == 0
+    }
+}
+
+impl std::fmt::Display for SegName {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.path().display())
+    }
 }
 
 impl Segment {
-    /// Create an anonymous segment (memfd) of `len` bytes, zero-filled, to be inherited across fork.
+    /// Create an anonymous segment (memfd) of `len` bytes, zero-filled, to be inherited across
+    /// fork. Nothing is reserved yet: see [`reserve`](Self::reserve).
     pub fn anonymous(len: usize) -> Result<Segment, CommError> {
         let name = CString::new("lockstep-shm").expect("static name");
         // SAFETY: name is a valid C string; flags are constants.
@@ -83,60 +246,92 @@ impl Segment {
         if fd < 0 {
             return Err(os_err("memfd_create"));
         }
-        let res = truncate(fd, len, "memfd").and_then(|_| map_fd(fd, len, "memfd"));
-        close(fd);
-        Ok(Segment { base: res?, len })
+        let fd = owned(fd);
+        truncate(&fd, len, "memfd")?;
+        let base = map_fd(fd.as_raw_fd(), len, true, "memfd")?;
+        Ok(Segment { base, len, fd: Some(fd), backing: Backing::Anonymous })
     }
 
-    /// Create the named segment of a job. Fails with `AlreadyExists` (as an `Os` error) when a
-    /// segment of that name exists: another job with the same id, or a leftover.
-    pub fn create_named(job_id: &str, len: usize) -> Result<Segment, CommError> {
-        let name = CString::new(shm_name(job_id)).map_err(|_| CommError::Setup(format!("invalid job id {job_id:?}")))?;
-        // SAFETY: valid C string, constant flags and mode.
-        let fd = retry(|| unsafe { libc::shm_open(name.as_ptr(), libc::O_RDWR | libc::O_CREAT | libc::O_EXCL | libc::O_CLOEXEC, 0o600) });
+    /// Create the named segment `name` of `len` bytes (`O_CREAT | O_EXCL | O_NOFOLLOW`, mode 0600).
+    /// Fails with an `Os` error of kind `AlreadyExists` when that name exists: another job with the
+    /// same id, or a leftover. On any other failure the name is removed again. Nothing is reserved
+    /// yet: see [`reserve`](Self::reserve).
+    pub fn create_named(name: &SegName, len: usize) -> Result<Segment, CommError> {
+        let fd = name.open(libc::O_RDWR | libc::O_CREAT | libc::O_EXCL, 0o600);
         if fd < 0 {
-            return Err(os_err(format!("shm_open({}, O_CREAT|O_EXCL)", shm_name(job_id))));
+            return Err(os_err(format!("creating {name} (O_CREAT|O_EXCL)")));
         }
-        let res = truncate(fd, len, &shm_name(job_id)).and_then(|_| map_fd(fd, len, &shm_name(job_id)));
-        close(fd);
-        match res {
-            Ok(base) => Ok(Segment { base, len }),
+        let fd = owned(fd);
+        let made = truncate(&fd, len, &name.to_string()).and_then(|_| map_fd(fd.as_raw_fd(), len, true, &name.to_string()));
+        match made {
+            Ok(base) => Ok(Segment { base, len, fd: Some(fd), backing: Backing::Dir(name.dir().to_path_buf()) }),
             Err(e) => {
-                unlink_named(job_id);
+                name.unlink();
                 Err(e)
             }
         }
     }
 
-    /// Open an existing named segment. Returns `Ok(None)` while it does not exist yet or is not
-    /// sized yet (the creator has not finished `ftruncate`).
-    pub fn open_named(job_id: &str, min_len: usize) -> Result<Option<Segment>, CommError> {
-        let name = CString::new(shm_name(job_id)).map_err(|_| CommError::Setup(format!("invalid job id {job_id:?}")))?;
-        // SAFETY: valid C string, constant flags.
-        let fd = retry(|| unsafe { libc::shm_open(name.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC, 0) });
+    /// Open an existing named segment read-write, mapping all of it. Returns `Ok(None)` while it
+    /// does not exist yet or is shorter than `min_len` (the creator has not finished `ftruncate`).
+    pub fn open_named(name: &SegName, min_len: usize) -> Result<Option<Segment>, CommError> {
+        Segment::open_existing(name, min_len, true)
+    }
+
+    /// Map the first `len` bytes of an existing named segment read-only (to read its header
+    /// without joining). `Ok(None)` when it does not exist or is shorter.
+    pub fn peek_named(name: &SegName, len: usize) -> Result<Option<Segment>, CommError> {
+        Segment::open_existing(name, len, false)
+    }
+
+    fn open_existing(name: &SegName, min_len: usize, join: bool) -> Result<Option<Segment>, CommError> {
+        let fd = name.open(if join { libc::O_RDWR } else { libc::O_RDONLY }, 0);
         if fd < 0 {
             let e = io::Error::last_os_error();
             if e.raw_os_error() == Some(libc::ENOENT) {
                 return Ok(None);
             }
-            return Err(CommError::Os { call: format!("shm_open({})", shm_name(job_id)), source: e });
+            return Err(CommError::Os { call: format!("opening {name}"), source: e });
         }
-        // SAFETY: zeroed stat is a valid out-parameter for fstat.
-        let mut st: libc::stat = unsafe { std::mem::zeroed() };
-        // SAFETY: fd is valid, st is a valid out-parameter.
-        if unsafe { libc::fstat(fd, &mut st) } != 0 {
-            let e = os_err(format!("fstat({})", shm_name(job_id)));
-            close(fd);
-            return Err(e);
-        }
-        let len = st.st_size as usize;
+        let fd = owned(fd);
+        let len = file_len(&fd, &name.to_string())?;
         if len < min_len {
-            close(fd);
             return Ok(None);
         }
-        let res = map_fd(fd, len, &shm_name(job_id));
-        close(fd);
-        Ok(Some(Segment { base: res?, len }))
+        let map_len = if join { len } else { min_len };
+        let base = map_fd(fd.as_raw_fd(), map_len, join, &name.to_string())?;
+        // A peek never reserves: it lets its descriptor go at once.
+        let fd = if join { Some(fd) } else { None };
+        Ok(Some(Segment { base, len: map_len, fd, backing: Backing::Dir(name.dir().to_path_buf()) }))
+    }
+
+    /// Back `[off, off+len)` of the segment with memory now (`posix_fallocate`), so touching it
+    /// later cannot raise SIGBUS. Already reserved pages cost nothing.
+    pub fn reserve(&self, off: usize, len: usize) -> Result<(), NoSpace> {
+        let end = (off.saturating_add(len)).min(self.len).next_multiple_of(4096);
+        let off = off - off % 4096;
+        if end <= off {
+            return Ok(());
+        }
+        let no_fd = || io::Error::new(io::ErrorKind::Unsupported, "the segment was mapped without its descriptor");
+        let r = match &self.fd {
+            Some(fd) => loop {
+                // SAFETY: plain syscall on an fd we own; posix_fallocate returns the error number.
+                let r = unsafe { libc::posix_fallocate(fd.as_raw_fd(), off as libc::off_t, (end - off) as libc::off_t) };
+                if r != libc::EINTR {
+                    break if r == 0 { Ok(()) } else { Err(io::Error::from_raw_os_error(r)) };
+                }
+            },
+            None => Err(no_fd()),
+        };
+        r.map_err(|source| {
+            let dir = match &self.backing {
+                Backing::Anonymous => None,
+                Backing::Dir(d) => Some(d.clone()),
+            };
+            let free = dir.as_deref().and_then(free_bytes);
+            NoSpace { dir, needed: (end - off) as u64, free, source }
+        })
     }
 
     /// Base address of the mapping.
@@ -149,18 +344,8 @@ impl Segment {
         self.len
     }
 
-    /// True for an empty mapping (never constructed).
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// Whether `[addr, addr+bytes)` lies inside this mapping.
-    pub fn contains(&self, addr: usize, bytes: usize) -> bool {
-        let b = self.base as usize;
-        addr >= b && addr.checked_add(bytes).is_some_and(|end| end <= b + self.len)
-    }
-
-    /// Touch `[off, off+len)` so that later accesses do not page-fault.
+    /// Touch `[off, off+len)` so that later accesses do not page-fault. The range must be
+    /// reserved (see [`reserve`](Self::reserve)).
     pub fn prefault(&self, off: usize, len: usize) {
         let end = (off + len).min(self.len);
         let mut o = off;
@@ -179,22 +364,32 @@ impl Segment {
 impl Drop for Segment {
     fn drop(&mut self) {
         // SAFETY: base/len describe a mapping we created and nobody uses after drop (all users hold
-        // an Arc<Segment>).
+        // an Arc<Segment>). The descriptor closes with `fd`.
         unsafe { libc::munmap(self.base as *mut libc::c_void, self.len) };
     }
 }
 
-/// Remove a job's named segment (ignores "does not exist").
-pub fn unlink_named(job_id: &str) {
-    if let Ok(name) = CString::new(shm_name(job_id)) {
-        // SAFETY: valid C string.
-        unsafe { libc::shm_unlink(name.as_ptr()) };
-    }
+/// Start time of process `pid` in clock ticks since boot (field 22 of `/proc/<pid>/stat`), and
+/// whether it has exited (zombie). `None` when there is no such process (in this pid namespace).
+pub(crate) fn proc_start(pid: i32) -> Option<(u64, bool)> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let (_, rest) = s.rsplit_once(')')?;
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    // `rest` starts at field 3 (state); field 22 is starttime.
+    let start = f.get(19)?.parse().ok()?;
+    Some((start, f.first().is_some_and(|st| st.starts_with(['Z', 'X']))))
+}
+
+/// Inode of this process's pid namespace (`/proc/self/ns/pid`): pids mean the same thing to two
+/// processes only when theirs are equal. 0 when unknown.
+pub(crate) fn pid_namespace() -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata("/proc/self/ns/pid").map(|m| m.ino()).unwrap_or(0)
 }
 
 /// A handle to another process that tells whether it has exited, zombie or not.
 #[derive(Debug)]
-pub struct PeerWatch {
+pub(crate) struct PeerWatch {
     pid: i32,
     pidfd: Option<libc::c_int>,
 }
@@ -236,13 +431,14 @@ impl PeerWatch {
 impl Drop for PeerWatch {
     fn drop(&mut self) {
         if let Some(fd) = self.pidfd {
-            close(fd);
+            // SAFETY: the pidfd is ours and not used after drop.
+            unsafe { libc::close(fd) };
         }
     }
 }
 
 /// Sleep on a futex word in shared memory until it differs from `expected` or `timeout` passes.
-pub fn futex_wait(word: &std::sync::atomic::AtomicU32, expected: u32, timeout: std::time::Duration) {
+pub(crate) fn futex_wait(word: &std::sync::atomic::AtomicU32, expected: u32, timeout: std::time::Duration) {
     let ts = libc::timespec { tv_sec: timeout.as_secs() as libc::time_t, tv_nsec: timeout.subsec_nanos() as libc::c_long };
     // SAFETY: word points into a live shared mapping; FUTEX_WAIT (not PRIVATE) because the word is
     // shared between processes; the timeout is a valid timespec. Spurious wake-ups are fine: callers loop.
@@ -252,7 +448,7 @@ pub fn futex_wait(word: &std::sync::atomic::AtomicU32, expected: u32, timeout: s
 }
 
 /// Wake every process sleeping on `word`.
-pub fn futex_wake_all(word: &std::sync::atomic::AtomicU32) {
+pub(crate) fn futex_wake_all(word: &std::sync::atomic::AtomicU32) {
     // SAFETY: word points into a live shared mapping.
     unsafe {
         libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAKE, i32::MAX, 0usize, 0usize, 0u32);
@@ -260,6 +456,6 @@ pub fn futex_wake_all(word: &std::sync::atomic::AtomicU32) {
 }
 
 /// Number of CPUs this process may run on.
-pub fn available_cpus() -> usize {
+pub(crate) fn available_cpus() -> usize {
     std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
 }

@@ -3,8 +3,17 @@
 //! Layout (offsets from the segment base):
 //!
 //! ```text
-//! [Header: 4 KiB] [Ctrl × world: 256 B each] [slots: world × 2 × slot_bytes] [heaps: world × heap_bytes]
+//! [Header: 4 KiB] [Ctrl × world: 256 B each] [slots: world × 2 × slot_bytes]
+//! [mailboxes: world × world × (PairCtrl + mbox_bytes)] [heaps: world × heap_bytes]
 //! ```
+//!
+//! The mailboxes carry point-to-point messages (`shm::p2p`), one per ordered pair of ranks, apart
+//! from the slots and phases of the collectives, so the two never interfere.
+//!
+//! Memory: the header, control blocks and slots ([`Layout::backed`]) are reserved in the file
+//! system when the segment is created; a heap range when `alloc_shared` hands it out. So a full
+//! tmpfs (Docker's 64 MiB `/dev/shm`) or a memory cgroup limit shows up as an error there, never
+//! as a SIGBUS when a page is first touched.
 //!
 //! Protocol (modelled on NCCL's `ncclShmemAllgather`): each rank owns a monotonically increasing
 //! `progress` counter, padded to its own cache line. A collective is a sequence of *phases*; in phase
@@ -23,7 +32,7 @@ use std::sync::atomic::{AtomicI32, AtomicU32, AtomicU64};
 /// "LOCKSTEP" in ASCII: written last by the creator, once the header is valid.
 pub(crate) const MAGIC: u64 = 0x4c4f_434b_5354_4550;
 /// Bump when the layout changes.
-pub(crate) const VERSION: u32 = 1;
+pub(crate) const VERSION: u32 = 2;
 /// Header size.
 pub(crate) const HEADER_BYTES: usize = 4096;
 /// Control block size per rank.
@@ -44,21 +53,52 @@ pub(crate) struct Header {
     pub total_bytes: AtomicU64,
     /// Ranks that have joined (written their pid).
     pub joined: AtomicU32,
-    /// 0, or 1 + the rank that aborted the communicator.
-    pub abort_by: AtomicU32,
-    /// 0, or 1 + the rank whose loss caused the abort.
-    pub lost_rank: AtomicU32,
-    /// 1: that rank died; 2: it left the communicator.
-    pub lost_how: AtomicU32,
+    /// The creator's pid, the inode of its pid namespace and its start time (field 22 of
+    /// `/proc/<pid>/stat`): a later launch tells from them, without guessing from the age of the
+    /// file, whether the creator of a leftover named segment is gone (see `shm::stale`).
+    pub creator_pid: AtomicI32,
+    pub creator_pidns: AtomicU64,
+    pub creator_start: AtomicU64,
     /// The creator's path thresholds: every rank must choose the same path for the same call.
     pub small_bytes: AtomicU64,
     pub nt_bytes: AtomicU64,
-    _pad0: [u8; 56],
+    /// The abort record: why the communicator failed, for the peers to report (see [`Abort`]).
+    pub abort: Abort,
     /// Ranks currently asleep on `wake` (separate line: written on every sleep).
     pub sleepers: PaddedU32,
-    /// Futex word, bumped by publishers when someone sleeps.
+    /// Futex word, bumped by publishers when someone sleeps and by every rank that joins (ranks
+    /// waiting for the others to join sleep on it).
     pub wake: PaddedU32,
 }
+
+/// The abort record in the header. The first rank to detect a failure claims it (`by`, compare
+/// and swap from 0), fills in the culprit, then sets `ready`; peers read it after `ready`, so
+/// every rank names the same culprit, not only the one that detected the failure.
+#[repr(C, align(64))]
+pub(crate) struct Abort {
+    /// 0, or 1 + the rank that aborted the communicator.
+    pub by: AtomicU32,
+    /// 1 once the fields below are written.
+    pub ready: AtomicU32,
+    /// What happened: [`ABORT_DIED`], [`ABORT_LEFT`] or [`ABORT_TIMEOUT`] (0: no detail).
+    pub how: AtomicU32,
+    /// 1 + the culprit: the lost rank, or the first rank that had not arrived.
+    pub rank: AtomicU32,
+    /// Timeout: the collective the culprit was in (its sequence number) and its kind + 1 (0: none yet).
+    pub culprit_seq: AtomicU64,
+    pub culprit_kind: AtomicU32,
+    /// Timeout: how many ranks had not arrived.
+    pub missing: AtomicU32,
+    /// Timeout: the collective the aborting rank waited in (kind + 1, sequence number) and for how long.
+    pub at_kind: AtomicU32,
+    pub at_seq: AtomicU64,
+    pub waited_ms: AtomicU64,
+}
+
+/// `Abort::how` values.
+pub(crate) const ABORT_DIED: u32 = 1;
+pub(crate) const ABORT_LEFT: u32 = 2;
+pub(crate) const ABORT_TIMEOUT: u32 = 3;
 
 /// An `AtomicU32` alone on its cache line.
 #[repr(C, align(64))]
@@ -73,7 +113,9 @@ pub(crate) struct Ctrl {
     pub coll_seq: AtomicU64,
     pub pid: AtomicI32,
     pub state: AtomicU32,
-    _pad: [u8; 40],
+    /// Kind + 1 of the collective `coll_seq` numbers (0 before the first), for timeout reports.
+    pub coll_kind: AtomicU32,
+    _pad: [u8; 36],
     /// Call descriptors, one per phase parity (see module docs).
     pub desc: [DescCell; 2],
     _pad2: [u8; 64],
@@ -113,6 +155,36 @@ const _: () = assert!(std::mem::size_of::<Ctrl>() == CTRL_BYTES);
 const _: () = assert!(std::mem::size_of::<Desc>() == 64);
 const _: () = assert!(std::mem::size_of::<Header>() <= HEADER_BYTES);
 
+/// The control lines of one ordered pair's mailbox (a byte stream from `src` to `dst`, see
+/// `shm::p2p`): the sender's line, then the receiver's.
+#[repr(C, align(64))]
+pub(crate) struct PairCtrl {
+    /// Stream bytes the sender has written (monotonic).
+    pub sent: AtomicU64,
+    _pad0: [u8; 56],
+    /// Stream bytes the receiver has consumed (monotonic).
+    pub taken: AtomicU64,
+    /// Number of the last message whose header the receiver has matched against its recv.
+    pub matched: AtomicU64,
+    /// 0, or the number of the first message whose recv disagreed (the pair is then unusable).
+    pub bad: AtomicU64,
+    /// What that recv expected: dtype code and element count.
+    pub bad_dtype: AtomicU64,
+    pub bad_count: AtomicU64,
+    _pad1: [u8; 24],
+}
+
+/// Bytes of a pair's control lines.
+pub(crate) const PAIR_CTRL_BYTES: usize = 128;
+const _: () = assert!(std::mem::size_of::<PairCtrl>() == PAIR_CTRL_BYTES);
+
+/// Mailbox bytes per ordered pair: up to 64 KiB (and a slot), less for large worlds so all
+/// mailboxes together stay within 64 MiB, but never under 256 bytes.
+fn mbox_bytes(world: usize, slot_bytes: usize) -> usize {
+    let budget = (64usize << 20) / world.saturating_mul(world).max(1);
+    (budget.min(64 << 10).min(slot_bytes) / 64 * 64).max(256)
+}
+
 /// Byte offsets of the segment's regions for a world size and sizes.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Layout {
@@ -120,6 +192,9 @@ pub(crate) struct Layout {
     pub slot_bytes: usize,
     pub heap_bytes: usize,
     pub slots_off: usize,
+    /// Start of the point-to-point mailboxes and the ring bytes of each.
+    pub p2p_off: usize,
+    pub mbox_bytes: usize,
     pub heaps_off: usize,
     pub total: usize,
 }
@@ -133,9 +208,19 @@ impl Layout {
         };
         let slots_off = (HEADER_BYTES + world * CTRL_BYTES).next_multiple_of(4096);
         let slots = world.checked_mul(2).and_then(|v| v.checked_mul(slot_bytes)).ok_or_else(too_big)?;
-        let heaps_off = slots_off.checked_add(slots).ok_or_else(too_big)?.next_multiple_of(2 << 20);
+        let p2p_off = slots_off.checked_add(slots).ok_or_else(too_big)?;
+        let mbox_bytes = mbox_bytes(world, slot_bytes);
+        let mboxes = world.checked_mul(world).and_then(|p| p.checked_mul(PAIR_CTRL_BYTES + mbox_bytes)).ok_or_else(too_big)?;
+        let heaps_off = p2p_off.checked_add(mboxes).ok_or_else(too_big)?.next_multiple_of(2 << 20);
         let total = world.checked_mul(heap_bytes).and_then(|h| h.checked_add(heaps_off)).filter(|t| *t < 1 << 46).ok_or_else(too_big)?;
-        Ok(Layout { world, slot_bytes, heap_bytes, slots_off, heaps_off, total })
+        Ok(Layout { world, slot_bytes, heap_bytes, slots_off, p2p_off, mbox_bytes, heaps_off, total })
+    }
+
+    /// Bytes from the start that collectives and point-to-point calls touch whatever the user
+    /// allocates: header, control blocks, slots and mailboxes. Reserved at creation; the heaps,
+    /// sized generously, are reserved per buffer.
+    pub(crate) fn backed(&self) -> usize {
+        self.p2p_off + self.world * self.world * (PAIR_CTRL_BYTES + self.mbox_bytes)
     }
 
     pub(crate) fn ctrl_off(&self, rank: usize) -> usize {
@@ -144,6 +229,11 @@ impl Layout {
 
     pub(crate) fn slot_off(&self, rank: usize, parity: u64) -> usize {
         self.slots_off + (rank * 2 + (parity % 2) as usize) * self.slot_bytes
+    }
+
+    /// Offset of the mailbox from `src` to `dst`: its [`PairCtrl`], then `mbox_bytes` of ring.
+    pub(crate) fn pair_off(&self, src: usize, dst: usize) -> usize {
+        self.p2p_off + (src * self.world + dst) * (PAIR_CTRL_BYTES + self.mbox_bytes)
     }
 
     pub(crate) fn heap_off(&self, rank: usize) -> usize {

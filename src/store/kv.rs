@@ -4,6 +4,7 @@ use std::time::Duration;
 
 /// Errors of the rendezvous store, each saying what to check next.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum StoreError {
     /// The server could not listen because the port is taken.
     #[error("rendezvous port {port} on {host} is already in use (another job or a leftover launcher?); pick a free one with --master-port (or MASTER_PORT), or stop the process holding it")]
@@ -58,7 +59,7 @@ pub enum StoreError {
         /// What the peer did.
         detail: String,
     },
-    /// The job token breaks the rules of [`validate_token`] (too short, too long, whitespace).
+    /// The job token breaks the rules of [`validate_token`](super::validate_token) (too short, too long, whitespace).
     #[error("invalid job token: {0}")]
     InvalidToken(String),
     /// A token could not be read or generated.
@@ -70,7 +71,7 @@ pub enum StoreError {
         #[source]
         source: std::io::Error,
     },
-    /// [`ServerLimits`] with a zero where at least one is needed.
+    /// [`ServerLimits`](super::ServerLimits) with a zero where at least one is needed.
     #[error("invalid rendezvous store limits: {0}")]
     Limits(String),
     /// A wait ran out of time.

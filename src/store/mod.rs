@@ -5,9 +5,9 @@
 //! * [`Store`] is the interface: `set`, `get`, `wait` for keys with a timeout, an atomic `add`
 //!   counter, and a `barrier` built from the two. Callers hold a `&mut dyn Store`, so a
 //!   file-backed store can sit beside the TCP one later.
-//! * [`tcp`] holds the implementation: [`StoreServer`] (hosted by the node-0 launcher on
+//! * `tcp` holds the implementation: [`StoreServer`] (hosted by the node-0 launcher on
 //!   `MASTER_ADDR:MASTER_PORT`) and [`TcpStore`], the client.
-//! * [`token`] holds the job token's rules: at least [`MIN_TOKEN_LEN`] bytes, generated from the
+//! * `token` holds the job token's rules: at least [`MIN_TOKEN_LEN`] bytes, generated from the
 //!   kernel's random source when node 0 is given none, read from a file or the environment.
 //!
 //! Every connection first presents the job token. Until it has, a peer is held to a small budget
@@ -16,9 +16,9 @@
 //! messages with an error instead of crashing.
 
 mod kv;
-pub mod tcp;
-pub mod token;
+mod tcp;
+mod token;
 
 pub use kv::{Store, StoreError};
-pub use tcp::{ServerLimits, StoreServer, TcpStore};
+pub use tcp::{ServerLimits, StoreServer, TcpStore, MAX_HELLO_FRAME};
 pub use token::{generate_token, read_token_file, validate_token, TokenFile, MAX_TOKEN_LEN, MIN_TOKEN_LEN};

@@ -61,6 +61,30 @@ pub enum DataError {
         /// Labels found.
         labels: usize,
     },
+    /// A split holds no sample: training or evaluating on it would "succeed" without doing anything.
+    #[error("{} holds no images; pass a directory with a non-empty {split} split (--data DIR)", .path.display())]
+    Empty {
+        /// The image file.
+        path: PathBuf,
+        /// `train` or `test`.
+        split: &'static str,
+    },
+    /// The test images do not have the training images' shape.
+    #[error("{} holds {got_rows}×{got_cols} images but the training split ({}) holds {rows}×{cols}; both splits must come from the same dataset", .path.display(), .train_path.display())]
+    ShapeMismatch {
+        /// The test image file.
+        path: PathBuf,
+        /// The training image file.
+        train_path: PathBuf,
+        /// Shape found in the test file.
+        got_rows: usize,
+        /// Shape found in the test file.
+        got_cols: usize,
+        /// Shape of the training images.
+        rows: usize,
+        /// Shape of the training images.
+        cols: usize,
+    },
     /// A label is not a class index.
     #[error("{} contains label {label} at index {index}; labels must be 0..=9", .path.display())]
     BadLabel {
@@ -182,10 +206,36 @@ pub fn load_pair(images_path: &Path, labels_path: &Path) -> Result<Dataset, Data
 
 /// Load the training (`train = true`, `train-*`) or test (`t10k-*`) split from `dir`.
 pub fn load_split(dir: &Path, train: bool) -> Result<Dataset, DataError> {
+    load_split_at(dir, train).map(|(d, _)| d)
+}
+
+fn load_split_at(dir: &Path, train: bool) -> Result<(Dataset, PathBuf), DataError> {
     let prefix = if train { "train" } else { "t10k" };
     let images = find(dir, &format!("{prefix}-images-idx3-ubyte"))?;
     let labels = find(dir, &format!("{prefix}-labels-idx1-ubyte"))?;
-    load_pair(&images, &labels)
+    let d = load_pair(&images, &labels)?;
+    if d.is_empty() {
+        return Err(DataError::Empty { path: images, split: if train { "train" } else { "test" } });
+    }
+    Ok((d, images))
+}
+
+/// Load both splits from `dir` and check that each holds samples and that they agree on the image
+/// shape; an error names the file at fault.
+pub fn load_splits(dir: &Path) -> Result<(Dataset, Dataset), DataError> {
+    let (train, train_path) = load_split_at(dir, true)?;
+    let (test, test_path) = load_split_at(dir, false)?;
+    if (test.rows, test.cols) != (train.rows, train.cols) {
+        return Err(DataError::ShapeMismatch {
+            path: test_path,
+            train_path,
+            got_rows: test.rows,
+            got_cols: test.cols,
+            rows: train.rows,
+            cols: train.cols,
+        });
+    }
+    Ok((train, test))
 }
 
 /// Encode an unsigned-byte IDX file (used by tests and to make synthetic datasets).
@@ -224,4 +274,35 @@ pub fn write_synthetic(dir: &Path, n_train: usize, n_test: usize, seed: u64) -> 
         std::fs::write(dir.join(format!("{prefix}-labels-idx1-ubyte")), encode_idx(&[n], &labels))?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn write(dir: &Path, prefix: &str, n: usize, rows: usize, cols: usize) {
+        std::fs::write(dir.join(format!("{prefix}-images-idx3-ubyte")), encode_idx(&[n, rows, cols], &vec![7u8; n * rows * cols])).unwrap();
+        std::fs::write(dir.join(format!("{prefix}-labels-idx1-ubyte")), encode_idx(&[n], &vec![3u8; n])).unwrap();
+    }
+
+    #[test]
+    fn empty_splits_and_shape_mismatch_name_the_file() {
+        let dir = std::env::temp_dir().join(format!("lockstep-data-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        write(&dir, "train", 0, 28, 28);
+        write(&dir, "t10k", 5, 28, 28);
+        let e = load_splits(&dir).unwrap_err().to_string();
+        assert!(e.contains("train-images-idx3-ubyte holds no images") && e.contains("non-empty train split"), "{e}");
+        write(&dir, "train", 4, 28, 28);
+        write(&dir, "t10k", 0, 28, 28);
+        let e = load_splits(&dir).unwrap_err().to_string();
+        assert!(e.contains("t10k-images-idx3-ubyte holds no images"), "{e}");
+        write(&dir, "t10k", 5, 10, 10);
+        let e = load_splits(&dir).unwrap_err().to_string();
+        assert!(e.contains("t10k-images-idx3-ubyte holds 10×10 images but the training split") && e.contains("holds 28×28"), "{e}");
+        write(&dir, "t10k", 5, 28, 28);
+        let (train, test) = load_splits(&dir).unwrap();
+        assert_eq!((train.len(), test.len(), test.rows, test.cols), (4, 5, 28, 28));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

@@ -27,4 +27,4 @@ pub mod sampler;
 pub mod schedule;
 pub mod tensor;
 pub mod trainer;
-pub mod winograd;
+pub(crate) mod winograd;

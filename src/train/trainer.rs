@@ -256,8 +256,26 @@ pub fn train(
     model.set_sync_bn(cfg.sync_bn && world > 1);
     let mut opt = Adam::new(model.num_params(), cfg.lr);
     let mut first_epoch = 0;
+    if let (Some(path), 0) = (&cfg.save, rank) {
+        // A save path that cannot work fails now, not after the first epoch.
+        checkpoint::check_target(path, checkpoint::estimate_bytes(model.num_params()))?;
+    }
     if let Some(path) = &cfg.resume {
-        let st = checkpoint::load(path, &mut model, &mut opt)?;
+        let resumed = checkpoint::resume(path, &mut model, &mut opt)?;
+        if rank == 0 {
+            for why in &resumed.passed_over {
+                tracing::warn!("resume: passed over {why}");
+            }
+            tracing::info!(
+                "resuming from the {} checkpoint: {} and {} (epoch {}, step {})",
+                resumed.source,
+                resumed.model_file.display(),
+                resumed.optim_file.display(),
+                resumed.state.epoch,
+                resumed.state.step
+            );
+        }
+        let st = resumed.state;
         if st.world_size != world as u64 {
             return Err(TrainError::Config(format!(
                 "checkpoint {} was written by a {}-rank run; resume it with --nprocs {} to continue the same data order",

@@ -22,8 +22,6 @@
 //! vectorise). The release build targets generic x86-64, so they are compiled a second time with
 //! AVX-512 / AVX2 enabled and picked at run time; the portable version stays as the fallback.
 
-use std::sync::OnceLock;
-
 use crate::train::kernels::{matmul_ld, Trans};
 
 /// Transformed tile edge (`m + r - 1` for `m = 2` outputs and `r = 5` taps).
@@ -39,6 +37,7 @@ const MO: usize = 2;
 /// forward + backward: 1 sample 26.0 ms, 2: 25.0, 4: 24.4, 8: 25.2, 16: 28.3).
 const CHUNK: usize = 4;
 
+#[cfg(test)]
 /// The three transform matrices of F(2x2, 5x5).
 #[derive(Clone, Debug)]
 pub struct Transforms {
@@ -50,17 +49,20 @@ pub struct Transforms {
     pub at: [[f32; TT]; MO],
 }
 
+#[cfg(test)]
 /// The matrices, built once.
 pub fn transforms() -> &'static Transforms {
-    static T: OnceLock<Transforms> = OnceLock::new();
+    static T: std::sync::OnceLock<Transforms> = std::sync::OnceLock::new();
     T.get_or_init(|| {
         let (at, g, bt) = toom_cook();
         Transforms { bt: bt.map(|r| r.map(|x| x as f32)), g: g.map(|r| r.map(|x| x as f32)), at: at.map(|r| r.map(|x| x as f32)) }
     })
 }
 
+#[cfg(test)]
 type Mats = ([[f64; TT]; MO], [[f64; KS]; TT], [[f64; TT]; TT]);
 
+#[cfg(test)]
 /// `A^T`, `G`, `B^T` in f64 for points 0, 1, -1, 2, -2 and ∞.
 ///
 /// `A^T[i][j] = a_j^i`, `G[j][k] = a_j^k / Π_{l≠j}(a_j - a_l)` (∞: the last row/column picks
@@ -108,6 +110,7 @@ pub fn toom_cook() -> Mats {
     (at, g, bt)
 }
 
+#[cfg(test)]
 /// Gaussian elimination with partial pivoting for the 6x6 normal equations.
 #[allow(clippy::needless_range_loop)] // index arithmetic reads clearer as in the formulas
 fn solve(mut a: [[f64; TT]; TT], mut b: [f64; TT]) -> [f64; TT] {
@@ -376,7 +379,7 @@ macro_rules! dispatch {
     };
 }
 
-/// `G` as constants (checked against [`toom_cook`] by the tests), so the kernel transforms
+/// `G` as constants (checked against `toom_cook` by the tests), so the kernel transforms
 /// compile to straight multiply-adds over the output channels.
 const GC: [[f32; KS]; TT] = [
     [0.25, 0.0, 0.0, 0.0, 0.0],

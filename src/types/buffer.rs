@@ -11,6 +11,7 @@ use super::dtype::Element;
 
 /// Where a buffer lives.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum MemSpace {
     /// Ordinary host memory of this process (includes shared-segment buffers).
     Host,

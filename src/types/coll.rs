@@ -5,6 +5,7 @@ use std::fmt;
 /// Which collective a call was (carried in errors and in the cross-rank argument check).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[repr(u8)]
+#[non_exhaustive]
 pub enum CollKind {
     /// `all_reduce`.
     AllReduce = 1,
@@ -20,11 +21,25 @@ pub enum CollKind {
     ReduceScatter = 6,
     /// `barrier`.
     Barrier = 7,
+    /// `all_to_all`: block `j` of every rank's send goes to rank `j` (equal blocks).
+    AllToAll = 8,
+    /// `all_to_all_v`: per-peer counts and displacements (as `MPI_Alltoallv`).
+    AllToAllV = 9,
+    /// `scatter`: block `j` of the root's send goes to rank `j`.
+    Scatter = 10,
+    /// `all_gather_v`: every rank's send, of per-rank lengths, concatenated on every rank.
+    AllGatherV = 11,
+    /// `gather_v`: every rank's send, of per-rank lengths, concatenated on the root.
+    GatherV = 12,
+    /// Point-to-point `send` (not a collective: named in its errors).
+    Send = 13,
+    /// Point-to-point `recv` (not a collective: named in its errors).
+    Recv = 14,
 }
 
 impl CollKind {
     /// Every kind.
-    pub const ALL: [CollKind; 7] = [
+    pub const ALL: [CollKind; 14] = [
         CollKind::AllReduce,
         CollKind::Broadcast,
         CollKind::Reduce,
@@ -32,6 +47,13 @@ impl CollKind {
         CollKind::Gather,
         CollKind::ReduceScatter,
         CollKind::Barrier,
+        CollKind::AllToAll,
+        CollKind::AllToAllV,
+        CollKind::Scatter,
+        CollKind::AllGatherV,
+        CollKind::GatherV,
+        CollKind::Send,
+        CollKind::Recv,
     ];
 
     /// snake_case name, as the method is called.
@@ -44,17 +66,35 @@ impl CollKind {
             CollKind::Gather => "gather",
             CollKind::ReduceScatter => "reduce_scatter",
             CollKind::Barrier => "barrier",
+            CollKind::AllToAll => "all_to_all",
+            CollKind::AllToAllV => "all_to_all_v",
+            CollKind::Scatter => "scatter",
+            CollKind::AllGatherV => "all_gather_v",
+            CollKind::GatherV => "gather_v",
+            CollKind::Send => "send",
+            CollKind::Recv => "recv",
         }
     }
 
     /// Whether the call has a root rank.
     pub const fn has_root(self) -> bool {
-        matches!(self, CollKind::Broadcast | CollKind::Reduce | CollKind::Gather)
+        matches!(self, CollKind::Broadcast | CollKind::Reduce | CollKind::Gather | CollKind::Scatter | CollKind::GatherV)
     }
 
     /// Whether the call has a reduction operator.
     pub const fn has_op(self) -> bool {
         matches!(self, CollKind::AllReduce | CollKind::Reduce | CollKind::ReduceScatter)
+    }
+
+    /// Whether the per-rank counts differ between ranks (the v-variants): their consistency is
+    /// checked pair by pair rather than by comparing one count.
+    pub const fn is_v(self) -> bool {
+        matches!(self, CollKind::AllToAllV | CollKind::AllGatherV | CollKind::GatherV)
+    }
+
+    /// Whether this is a point-to-point operation rather than a collective.
+    pub const fn is_p2p(self) -> bool {
+        matches!(self, CollKind::Send | CollKind::Recv)
     }
 
     pub(crate) fn from_u8(v: u8) -> Option<CollKind> {
@@ -73,7 +113,7 @@ impl std::str::FromStr for CollKind {
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         let s = s.replace('-', "_").to_ascii_lowercase();
         CollKind::ALL.iter().copied().find(|k| k.name() == s).ok_or_else(|| {
-            format!("unknown collective '{s}' (expected all_reduce, broadcast, reduce, all_gather, gather, reduce_scatter or barrier)")
+            format!("unknown collective '{s}' (expected all_reduce, broadcast, reduce, all_gather, gather, reduce_scatter, barrier, all_to_all, all_to_all_v, scatter, all_gather_v, gather_v, send or recv)")
         })
     }
 }

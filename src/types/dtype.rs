@@ -8,6 +8,7 @@ use std::fmt;
 /// Element type of a collective's buffers, tagged at run time so ranks can check they agree.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[repr(u8)]
+#[non_exhaustive]
 pub enum Dtype {
     /// `f32` (`ncclFloat32`).
     F32 = 1,
@@ -25,17 +26,22 @@ pub enum Dtype {
     U8 = 7,
     /// `i8` (`ncclInt8`).
     I8 = 8,
+    /// `u32` (`ncclUint32`).
+    U32 = 9,
+    /// `u64` (`ncclUint64`).
+    U64 = 10,
 }
 
 impl Dtype {
     /// Every dtype, in declaration order (handy for tests and CLIs).
-    pub const ALL: [Dtype; 8] = [Dtype::F32, Dtype::F64, Dtype::F16, Dtype::BF16, Dtype::I32, Dtype::I64, Dtype::U8, Dtype::I8];
+    pub const ALL: [Dtype; 10] =
+        [Dtype::F32, Dtype::F64, Dtype::F16, Dtype::BF16, Dtype::I32, Dtype::I64, Dtype::U8, Dtype::I8, Dtype::U32, Dtype::U64];
 
     /// Size of one element in bytes.
     pub const fn size(self) -> usize {
         match self {
-            Dtype::F32 | Dtype::I32 => 4,
-            Dtype::F64 | Dtype::I64 => 8,
+            Dtype::F32 | Dtype::I32 | Dtype::U32 => 4,
+            Dtype::F64 | Dtype::I64 | Dtype::U64 => 8,
             Dtype::F16 | Dtype::BF16 => 2,
             Dtype::U8 | Dtype::I8 => 1,
         }
@@ -52,6 +58,8 @@ impl Dtype {
             Dtype::I64 => "i64",
             Dtype::U8 => "u8",
             Dtype::I8 => "i8",
+            Dtype::U32 => "u32",
+            Dtype::U64 => "u64",
         }
     }
 
@@ -78,13 +86,14 @@ impl std::str::FromStr for Dtype {
             .iter()
             .copied()
             .find(|d| d.name() == s.to_ascii_lowercase())
-            .ok_or_else(|| format!("unknown dtype '{s}' (expected one of f32, f64, f16, bf16, i32, i64, u8, i8)"))
+            .ok_or_else(|| format!("unknown dtype '{s}' (expected one of f32, f64, f16, bf16, i32, i64, u8, i8, u32, u64)"))
     }
 }
 
 /// Reduction operator of `all_reduce`, `reduce` and `reduce_scatter`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[repr(u8)]
+#[non_exhaustive]
 pub enum ReduceOp {
     /// Element-wise sum (integers wrap on overflow, as NCCL's do).
     Sum = 1,
@@ -165,4 +174,6 @@ define_element!(
     i64 => I64,
     u8 => U8,
     i8 => I8,
+    u32 => U32,
+    u64 => U64,
 );

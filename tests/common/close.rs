@@ -1,4 +1,4 @@
-//! `assert_close`: llm.c's `validate_result` for Rust tests (STYLE item 8). A value passes when
+//! `assert_close`: llm.c's `validate_result` (dev/cuda/common.h) for Rust tests. A value passes when
 //! `|got - want| <= atol + rtol * |want|`; non-finite reference values are skipped (counted), the
 //! first mismatches are listed with the tensor's name and index, and the scan stops after 10.
 #![allow(dead_code)]

@@ -15,7 +15,7 @@
 //! (5 MB for conv1 at batch 64) so backward does not unroll the input again.
 //!
 //! 5x5 stride-1 "same" layers with 8+ input channels (conv2 of the recipe) take the Winograd
-//! F(2x2, 5x5) path of [`crate::train::winograd`] instead, in all three directions: 2.8x fewer
+//! F(2x2, 5x5) path of `train::winograd` instead, in all three directions: 2.8x fewer
 //! FLOPs than im2col + GEMM (conv2 forward + backward at batch 64: 55 -> 21 ms CPU).
 
 use super::batchnorm::lane_sum;

@@ -1,4 +1,4 @@
-//! CPU twins of every `kernels/*.cu` entry point (STYLE item 8): the same name and argument
+//! CPU twins of every `kernels/*.cu` entry point (as llm.c keeps a CPU reference beside each kernel): the same name and argument
 //! order, device pointers become slices (`&mut` where the kernel writes), scalars keep their C
 //! types (`i32` for `int`, `i64` for `long long`). Each twin implements the math documented in its
 //! `.cu` header and nothing else, so a kernel is checked against its twin on random inputs

@@ -1,13 +1,13 @@
 //! The launch builder: one method per kernel entry point, emitting an [`Op`] with the right
 //! entry point, argument order and launch geometry. The geometry sits next to each launch
-//! (STYLE item 7), copied from the `.cu` headers; the arguments are checked against the
+//! (as llm.c keeps launch geometry beside each launcher), copied from the `.cu` headers; the arguments are checked against the
 //! generated signature table by [`Op::check_signature`] and, on a GPU, by the launch builder.
 //!
 //! Conventions of the kernels carry over: activation gradients are overwritten, parameter
 //! gradients accumulate.
 
 use super::ir::{AdamHyper, Arena, Arg, BnTensors, LossTensors, Op, Region};
-use crate::cuda::LaunchConfig;
+use crate::cuda::KernelGrid;
 use crate::train::device::kernels::KernelId;
 use crate::train::layers::Conv2dParams;
 
@@ -18,13 +18,13 @@ const GEMM_TILE: usize = 64;
 /// K chunk of the GEMM core (`GEMM_BK`).
 const GEMM_BK: usize = 32;
 
-fn cfg(grid: (usize, usize, usize), block: u32) -> LaunchConfig {
+fn cfg(grid: (usize, usize, usize), block: u32) -> KernelGrid {
     let c = |v: usize| v.clamp(1, 65535) as u32;
-    LaunchConfig { grid: (c(grid.0), c(grid.1), c(grid.2)), block: (block, 1, 1), shared_mem: 0 }
+    KernelGrid { grid: (c(grid.0), c(grid.1), c(grid.2)), block: (block, 1, 1), shared_mem: 0 }
 }
 
 /// GEMM grid for C[M, N] with `splits` K slices: (ceil(N/64), ceil(M/64), splits), block 128.
-fn gemm_cfg(m: usize, n: usize, splits: usize) -> LaunchConfig {
+fn gemm_cfg(m: usize, n: usize, splits: usize) -> KernelGrid {
     cfg((n.div_ceil(GEMM_TILE), m.div_ceil(GEMM_TILE), splits.max(1)), GEMM_THREADS)
 }
 
@@ -85,7 +85,7 @@ impl Builder {
         Builder { ops: Vec::new(), sm_count: sm_count.max(1) }
     }
 
-    fn push(&mut self, kernel: KernelId, name: &'static str, args: Vec<Arg>, cfg: LaunchConfig) {
+    fn push(&mut self, kernel: KernelId, name: &'static str, args: Vec<Arg>, cfg: KernelGrid) {
         self.ops.push(Op { kernel, name, args, cfg });
     }
 
@@ -95,7 +95,7 @@ impl Builder {
             KernelId::Elementwise,
             "fill_f32",
             vec![Arg::Out(out), Arg::F32(value), Arg::I64(out.len as i64)],
-            LaunchConfig::for_elements(out.len),
+            KernelGrid::for_elements(out.len),
         );
     }
 
@@ -105,13 +105,13 @@ impl Builder {
             KernelId::Elementwise,
             "axpy_f32",
             vec![Arg::Out(y), Arg::In(x), Arg::F32(alpha), Arg::I64(y.len as i64)],
-            LaunchConfig::for_elements(y.len),
+            KernelGrid::for_elements(y.len),
         );
     }
 
     /// `cast_f32_bf16`: 1-D, block 256.
     pub fn cast_to_bf16(&mut self, out: Region, inp: Region) {
-        self.push(KernelId::Data, "cast_f32_bf16", vec![Arg::Out(out), Arg::In(inp), i(inp.len)], LaunchConfig::for_elements(inp.len));
+        self.push(KernelId::Data, "cast_f32_bf16", vec![Arg::Out(out), Arg::In(inp), i(inp.len)], KernelGrid::for_elements(inp.len));
     }
 
     /// `gather_batch_f32`: block 256, grid (ceil(image_size/256), batch).
@@ -238,7 +238,7 @@ impl Builder {
             KernelId::Activation,
             "relu_forward_f32",
             vec![Arg::Out(out), Arg::In(inp), i(out.len)],
-            LaunchConfig::for_elements(out.len),
+            KernelGrid::for_elements(out.len),
         );
     }
 
@@ -248,7 +248,7 @@ impl Builder {
             KernelId::Activation,
             "relu_backward_f32",
             vec![Arg::Out(dinp), Arg::In(out), Arg::In(dout), i(dinp.len)],
-            LaunchConfig::for_elements(dinp.len),
+            KernelGrid::for_elements(dinp.len),
         );
     }
 
@@ -316,7 +316,7 @@ impl Builder {
             Arg::F32(eps),
             i(relu as usize),
         ];
-        self.push(KernelId::Batchnorm, "batchnorm2d_forward_eval_f32", a, LaunchConfig::for_elements(batch * c * hw));
+        self.push(KernelId::Batchnorm, "batchnorm2d_forward_eval_f32", a, KernelGrid::for_elements(batch * c * hw));
     }
 
     /// `batchnorm2d_backward_f32`: grid (channels), block 256.
@@ -370,7 +370,7 @@ impl Builder {
         stride: usize,
     ) {
         let a = vec![Arg::Out(out), Arg::Out(indices), Arg::In(inp), i(batch), i(channels), i(h), i(w), i(kernel), i(stride)];
-        self.push(KernelId::Pool, "maxpool2d_forward_f32", a, LaunchConfig::for_elements(out.len));
+        self.push(KernelId::Pool, "maxpool2d_forward_f32", a, KernelGrid::for_elements(out.len));
     }
 
     /// `maxpool2d_backward_f32` (as [`Builder::maxpool_forward`]): 1-D over the inputs, block 256.
@@ -388,7 +388,7 @@ impl Builder {
         stride: usize,
     ) {
         let a = vec![Arg::Out(dinp), Arg::In(dout), Arg::In(indices), i(batch), i(channels), i(h), i(w), i(kernel), i(stride)];
-        self.push(KernelId::Pool, "maxpool2d_backward_f32", a, LaunchConfig::for_elements(dinp.len));
+        self.push(KernelId::Pool, "maxpool2d_backward_f32", a, KernelGrid::for_elements(dinp.len));
     }
 
     /// `softmax_xent_forward_f32`: grid 1, block 256 (one warp per row).
@@ -409,7 +409,7 @@ impl Builder {
     /// `softmax_xent_backward_f32`: 1-D over batch*classes, block 256.
     pub fn xent_backward(&mut self, dlogits: Region, probs: Region, labels: Region, batch: usize, classes: usize) {
         let a = vec![Arg::Out(dlogits), Arg::In(probs), Arg::In(labels), i(batch), i(classes)];
-        self.push(KernelId::Loss, "softmax_xent_backward_f32", a, LaunchConfig::for_elements(batch * classes));
+        self.push(KernelId::Loss, "softmax_xent_backward_f32", a, KernelGrid::for_elements(batch * classes));
     }
 
     /// `adam_step_f32` over the flat buffers: 1-D, block 256.
@@ -428,6 +428,6 @@ impl Builder {
             Arg::F32(h.weight_decay),
             Arg::I32(step as i32),
         ];
-        self.push(KernelId::Optim, "adam_step_f32", a, LaunchConfig::for_elements(params.len));
+        self.push(KernelId::Optim, "adam_step_f32", a, KernelGrid::for_elements(params.len));
     }
 }

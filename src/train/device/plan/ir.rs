@@ -6,7 +6,7 @@
 //! a GPU).
 
 use crate::comm::Dtype;
-use crate::cuda::{ArgKind, LaunchConfig};
+use crate::cuda::{ArgKind, KernelGrid};
 use crate::train::device::kernels::KernelId;
 
 /// Which flat allocation a region lives in.
@@ -102,7 +102,7 @@ pub struct Op {
     /// Arguments, in order.
     pub args: Vec<Arg>,
     /// Grid and block.
-    pub cfg: LaunchConfig,
+    pub cfg: KernelGrid,
 }
 
 impl Op {

@@ -1,0 +1,165 @@
+//! The personalised exchanges: all_to_all, all_to_all_v, scatter, all_gather_v and gather_v, all
+//! one algorithm over a matrix of block sizes `m[i][j]` (elements rank `i` sends to rank `j`).
+//!
+//! The first phase exchanges the descriptors and, for the v-variants, every rank's per-peer send
+//! and receive counts (staged in its slot), which every rank checks pair by pair, so an
+//! inconsistency is the same [`CommError::Mismatch`] on every rank. Then, in rounds of one phase,
+//! each rank stages the next piece of each of its outgoing blocks in its slot (the slot split
+//! evenly between the ranks it sends to) and copies the pieces meant for it out of its peers'
+//! slots. Every rank computes the same number of rounds from the matrix, so the phase counters
+//! stay aligned; memory stays bounded by the slots whatever the message size.
+
+use crate::comm::{Call, CollKind, CommError};
+use crate::shm::channel::{Channel, Ctx};
+use crate::shm::reduce::copy_block;
+
+/// Where this rank's blocks are: (element offset, element count) per peer, for send and recv.
+struct Plan {
+    send: Vec<(usize, usize)>,
+    recv: Vec<(usize, usize)>,
+}
+
+fn plan(call: &Call, n: usize, me: usize) -> Plan {
+    let c = call.count;
+    let sp = &call.splits;
+    let zero = vec![(0, 0); n];
+    match call.kind {
+        CollKind::AllToAll => Plan { send: (0..n).map(|j| (j * c, c)).collect(), recv: (0..n).map(|i| (i * c, c)).collect() },
+        CollKind::Scatter => {
+            let send = if me == call.root { (0..n).map(|j| (j * c, c)).collect() } else { zero.clone() };
+            let mut recv = zero;
+            recv[call.root] = (0, c);
+            Plan { send, recv }
+        }
+        CollKind::AllToAllV => Plan {
+            send: (0..n).map(|j| (sp.send_displs[j], sp.send_counts[j])).collect(),
+            recv: (0..n).map(|i| (sp.recv_displs[i], sp.recv_counts[i])).collect(),
+        },
+        CollKind::AllGatherV => Plan { send: vec![(0, c); n], recv: (0..n).map(|i| (sp.recv_displs[i], sp.recv_counts[i])).collect() },
+        // GatherV (the dispatcher sends nothing else here).
+        _ => {
+            let mut send = zero.clone();
+            send[call.root] = (0, c);
+            let recv = if me == call.root { (0..n).map(|i| (sp.recv_displs[i], sp.recv_counts[i])).collect() } else { zero };
+            Plan { send, recv }
+        }
+    }
+}
+
+/// Run one of the exchanges (`call.kind` tells which).
+pub(crate) fn exchange(ch: &mut Channel, call: &Call, cx: Ctx) -> Result<(), CommError> {
+    let (n, me, esz) = (ch.world(), ch.rank(), call.dtype.size());
+    let plan = plan(call, n, me);
+    let send = call.send.addr as *const u8;
+    let recv = call.recv.addr as *mut u8;
+    let v = call.kind.is_v();
+    let p0 = ch.next_phase();
+    if v {
+        // Counts go through the slot of the first phase: n send counts then n receive counts.
+        // The slot holds at least 4 KiB per peer (ShmConfig::normalized_for), far more than 16n bytes.
+        let counts: Vec<u64> = plan.send.iter().chain(plan.recv.iter()).map(|&(_, c)| c as u64).collect();
+        // SAFETY: our own slot of phase p0, 2n u64 fit (above); nobody reads it before we publish.
+        unsafe { copy_block(counts.as_ptr() as *const u8, ch.slot(me, p0), counts.len() * 8, false) };
+    }
+    // The per-rank counts of the v-variants differ between ranks: they are checked below, pair by
+    // pair, so the descriptors carry none.
+    let desc_call = if v { Call { count: 0, ..*call } } else { *call };
+    ch.begin(&desc_call, 0, 0, 0, cx)?;
+    // m[i * n + j]: elements rank i sends to rank j.
+    let m: Vec<usize> = if v {
+        let mut m = vec![0usize; n * n];
+        let mut recv_from = vec![0usize; n * n];
+        for r in 0..n {
+            let mut vals = vec![0u64; 2 * n];
+            // SAFETY: rank r staged 2n u64 in its slot of phase p0 before publishing it, and
+            // nobody writes that slot again before everyone has published p0 + 1.
+            unsafe { copy_block(ch.slot(r, p0), vals.as_mut_ptr() as *mut u8, 2 * n * 8, false) };
+            for j in 0..n {
+                m[r * n + j] = vals[j] as usize;
+                recv_from[j * n + r] = vals[n + j] as usize;
+            }
+        }
+        check_counts(&m, &recv_from, n, call.kind, cx.seq)?;
+        m
+    } else {
+        let c = call.count;
+        (0..n * n).map(|k| if call.kind == CollKind::AllToAll || k / n == call.root { c } else { 0 }).collect()
+    };
+    let nt = ch.nt_for(plan.recv.iter().map(|&(_, c)| c).sum::<usize>() * esz);
+    // Our own block: straight from send to recv.
+    let (so, sc) = plan.send[me];
+    if sc > 0 {
+        // SAFETY: the communicator checked both blocks lie within their buffers; the blocks are
+        // equal or disjoint (distinct borrows).
+        ch.put(unsafe { send.add(so * esz) }, unsafe { recv.add(plan.recv[me].0 * esz) }, sc * esz, nt);
+    }
+    // Rank i's outgoing peers, and the bytes of each piece it stages per round.
+    let dests: Vec<Vec<usize>> = (0..n).map(|i| (0..n).filter(|&j| j != i && m[i * n + j] > 0).collect()).collect();
+    let piece: Vec<usize> = dests.iter().map(|d| (ch.slot_bytes() / d.len().max(1)) / 64 * 64).collect();
+    let rounds =
+        (0..n).flat_map(|i| dests[i].iter().map(move |&j| (i, j))).map(|(i, j)| (m[i * n + j] * esz).div_ceil(piece[i])).max().unwrap_or(0);
+    for r in 0..rounds {
+        let p = ch.next_phase();
+        for (idx, &j) in dests[me].iter().enumerate() {
+            let (off, cnt) = plan.send[j];
+            let (bytes, at) = (cnt * esz, r * piece[me]);
+            if at < bytes {
+                // SAFETY: the piece lies in our send block (checked by the communicator) and in
+                // our slot (idx < dests.len(), piece × dests.len() <= slot_bytes).
+                unsafe { copy_block(send.add(off * esz + at), ch.slot(me, p).add(idx * piece[me]), piece[me].min(bytes - at), false) };
+            }
+        }
+        ch.phase(cx)?;
+        for i in (0..n).filter(|&i| i != me && m[i * n + me] > 0) {
+            let idx = dests[i].iter().position(|&j| j == me).unwrap_or(0);
+            let (off, cnt) = plan.recv[i];
+            let (bytes, at) = (cnt * esz, r * piece[i]);
+            if at < bytes {
+                // SAFETY: rank i staged this piece in its slot of phase p (same plan, same
+                // matrix); it lies in our recv block from rank i, which the communicator checked.
+                ch.put(unsafe { ch.slot(i, p).add(idx * piece[i]) }, unsafe { recv.add(off * esz + at) }, piece[i].min(bytes - at), nt);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Every rank's send count to every peer must be that peer's receive count from it.
+fn check_counts(sends: &[usize], recvs: &[usize], n: usize, kind: CollKind, seq: u64) -> Result<(), CommError> {
+    let mut bad = Vec::new();
+    let mut more = 0;
+    for i in 0..n {
+        for j in 0..n {
+            let (s, r) = (sends[i * n + j], recvs[i * n + j]);
+            if s != r {
+                if bad.len() < 8 {
+                    bad.push(format!("rank {i} sends {s} elements to rank {j} but rank {j} expects {r} from rank {i}"));
+                } else {
+                    more += 1;
+                }
+            }
+        }
+    }
+    if bad.is_empty() {
+        return Ok(());
+    }
+    if more > 0 {
+        bad.push(format!("and {more} more pairs disagree"));
+    }
+    Err(CommError::Mismatch { seq, detail: format!("{kind} counts disagree: {}", bad.join("; ")) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counts_disagreement_names_both_ranks() {
+        // 2 ranks: rank 0 sends 3 to rank 1, but rank 1 expects 4 from rank 0.
+        let sends = [1, 3, 2, 5];
+        let recvs = [1, 4, 2, 5];
+        let e = check_counts(&sends, &recvs, 2, CollKind::AllToAllV, 7).unwrap_err().to_string();
+        assert!(e.contains("rank 0 sends 3 elements to rank 1 but rank 1 expects 4 from rank 0"), "{e}");
+        assert!(check_counts(&sends, &sends, 2, CollKind::AllToAllV, 7).is_ok());
+    }
+}

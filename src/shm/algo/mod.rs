@@ -1,0 +1,20 @@
+//! The collective algorithms, one family per file, each a function over a [`Channel`](super::channel::Channel)
+//! that every rank of the call runs with the same arguments (the first phase checks that they agree).
+//!
+//! * [`small`]: one-phase paths: the barrier, and all-reduce/reduce of messages up to
+//!   `small_bytes`, where every rank stages its whole input and reduces everything itself.
+//! * [`allreduce`]: larger all-reduce/reduce: staged reduce-scatter then all-gather through the
+//!   slots, or directly on the buffers when they all live in the segment.
+//! * [`broadcast`], [`gather`] (all-gather and gather), [`reduce_scatter`]: staged chunk by chunk
+//!   through the slots, or zero-copy.
+//! * [`exchange`]: all_to_all, all_to_all_v, scatter, all_gather_v and gather_v, staged in rounds
+//!   through the slots after a first phase that checks the per-pair counts.
+//! * [`p2p`]: point-to-point sends and receives through the per-pair mailboxes (no phases).
+
+pub(crate) mod allreduce;
+pub(crate) mod broadcast;
+pub(crate) mod exchange;
+pub(crate) mod gather;
+pub(crate) mod p2p;
+pub(crate) mod reduce_scatter;
+pub(crate) mod small;

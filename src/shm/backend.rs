@@ -1,0 +1,145 @@
+//! [`ShmComm`], the shared-memory [`Backend`]: checks a call, runs it through the algorithm for
+//! its kind (`shm::algo`) and turns protocol failures into a poisoned communicator.
+
+use std::sync::{Arc, Mutex};
+
+use super::algo::p2p::P2p;
+use super::algo::{allreduce, broadcast, exchange, gather, reduce_scatter, small};
+use super::alloc::{Heap, SharedAlloc};
+use super::channel::{Channel, Ctx};
+use crate::comm::{Backend, BackendKind, Call, CollKind, CommError, Dtype, MemSpace, P2pOp, SharedRegion};
+
+/// One rank's handle on a shared-memory communicator.
+pub struct ShmComm {
+    ch: Channel,
+    heap: Arc<Mutex<Heap>>,
+    poisoned: Option<String>,
+    /// This rank's positions in the point-to-point mailboxes.
+    p2p: P2p,
+}
+
+impl std::fmt::Debug for ShmComm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShmComm").field("rank", &self.ch.rank()).field("world", &self.ch.world()).field("seq", &self.ch.seq()).finish()
+    }
+}
+
+impl ShmComm {
+    /// A communicator over a joined channel, allocating shared buffers from `heap`.
+    pub(crate) fn new(ch: Channel, heap: Arc<Mutex<Heap>>) -> ShmComm {
+        let p2p = P2p::new(ch.world());
+        ShmComm { ch, heap, poisoned: None, p2p }
+    }
+
+    fn run_call(&mut self, call: &Call, cx: Ctx) -> Result<(), CommError> {
+        let ch = &mut self.ch;
+        match call.kind {
+            CollKind::Barrier => small::barrier(ch, call, cx),
+            CollKind::AllReduce | CollKind::Reduce => allreduce::all_reduce(ch, call, cx),
+            CollKind::Broadcast => broadcast::broadcast(ch, call, cx),
+            CollKind::AllGather | CollKind::Gather => gather::all_gather(ch, call, cx),
+            CollKind::ReduceScatter => reduce_scatter::reduce_scatter(ch, call, cx),
+            CollKind::AllToAll | CollKind::AllToAllV | CollKind::Scatter | CollKind::AllGatherV | CollKind::GatherV => {
+                exchange::exchange(ch, call, cx)
+            }
+            CollKind::Send | CollKind::Recv => Err(CommError::Unsupported(format!(
+                "{} is point-to-point: call Communicator::{} (the collective path cannot run it)",
+                call.kind, call.kind
+            ))),
+        }
+    }
+
+    fn poison_on(&mut self, e: &CommError) {
+        if matches!(e, CommError::PeerLost { .. } | CommError::Timeout { .. } | CommError::Aborted { .. }) {
+            self.poisoned = Some(e.to_string());
+            // A peer may still touch buffers of the failed call: never hand their memory out again.
+            self.heap.lock().unwrap_or_else(|p| p.into_inner()).quarantine();
+        }
+    }
+}
+
+impl Backend for ShmComm {
+    fn rank(&self) -> usize {
+        self.ch.rank()
+    }
+
+    fn world_size(&self) -> usize {
+        self.ch.world()
+    }
+
+    fn kind(&self) -> BackendKind {
+        BackendKind::Shm
+    }
+
+    fn run(&mut self, call: &Call) -> Result<(), CommError> {
+        if let Some(reason) = &self.poisoned {
+            return Err(CommError::Aborted { by: self.ch.rank(), reason: format!("an earlier collective failed: {reason}") });
+        }
+        for (what, m) in [("send", call.send), ("recv", call.recv)] {
+            if m.space != MemSpace::Host && m.len > 0 {
+                let e = CommError::Unsupported(format!(
+                    "{} on rank {}: the {what} buffer is device memory, which the shared-memory backend cannot read; use the NCCL backend or copy it to the host",
+                    call.kind,
+                    self.ch.rank()
+                ));
+                self.reject(call.kind, call.dtype, &e);
+                return Err(e);
+            }
+        }
+        let cx = self.ch.start_call(call.kind);
+        let r = self.run_call(call, cx);
+        self.ch.end_call(r.is_ok());
+        if let Err(e) = &r {
+            self.poison_on(e);
+        }
+        r
+    }
+
+    fn p2p(&mut self, ops: &[P2pOp]) -> Result<(), CommError> {
+        if let Some(reason) = &self.poisoned {
+            return Err(CommError::Aborted { by: self.ch.rank(), reason: format!("an earlier call failed: {reason}") });
+        }
+        for o in ops {
+            if o.mem.space != MemSpace::Host && o.mem.len > 0 {
+                return Err(CommError::Unsupported(format!(
+                    "{} on rank {}: the buffer is device memory, which the shared-memory backend cannot read; use the NCCL backend or copy it to the host",
+                    o.kind,
+                    self.ch.rank()
+                )));
+            }
+            if o.peer >= self.ch.world() || !o.kind.is_p2p() {
+                return Err(CommError::InvalidArgument {
+                    op: o.kind,
+                    rank: self.ch.rank(),
+                    detail: format!("a point-to-point operation needs kind send or recv and a peer below {}", self.ch.world()),
+                });
+            }
+        }
+        let r = self.p2p.run(&self.ch, ops);
+        if let Err(e) = &r {
+            self.poison_on(e);
+        }
+        r
+    }
+
+    fn synchronize(&mut self) -> Result<(), CommError> {
+        Ok(())
+    }
+
+    fn reject(&mut self, kind: CollKind, dtype: Dtype, _reason: &CommError) {
+        if self.poisoned.is_some() {
+            return;
+        }
+        if let Err(e) = self.ch.refuse(kind, dtype) {
+            self.poison_on(&e);
+        }
+    }
+
+    fn seq(&self) -> u64 {
+        self.ch.seq()
+    }
+
+    fn alloc_shared(&mut self, bytes: usize) -> Result<Box<dyn SharedRegion>, CommError> {
+        Ok(Box::new(SharedAlloc::new(self.ch.seg().clone(), self.heap.clone(), bytes)?))
+    }
+}

@@ -1,0 +1,311 @@
+//! Job setup: creating a segment and initialising its header, joining it as a rank (forked ranks
+//! through [`ShmJob`], separately exec'd ranks through [`ShmComm::join_named`] and a job id),
+//! removing the segment's name once everyone has mapped it, and leaving.
+
+use std::path::Path;
+use std::sync::atomic::Ordering::{Acquire, Relaxed, Release, SeqCst};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use super::alloc::Heap;
+use super::backend::ShmComm;
+use super::channel::Channel;
+use super::config::ShmConfig;
+use super::segment::{available_cpus, futex_wait, futex_wake_all, show_bytes, NoSpace, PeerWatch, SegName, Segment, SHM_DIR};
+use super::stale::{creator_identity, creator_in, creator_of, Creator};
+use super::sync::{Header, Layout, HEADER_BYTES, MAGIC, STATE_JOINED, STATE_LEFT, VERSION};
+use crate::comm::{CommError, Communicator};
+
+/// A shared segment prepared for `world` ranks, created by the parent before it forks.
+#[derive(Debug, Clone)]
+pub struct ShmJob {
+    seg: Arc<Segment>,
+    layout: Layout,
+    cfg: ShmConfig,
+}
+
+fn init_header(seg: &Segment, layout: &Layout, cfg: &ShmConfig) {
+    // SAFETY: the segment starts with a Header-sized, 64-byte aligned (page-aligned mapping) region
+    // that nobody else reads before `magic` is set.
+    let h = unsafe { &*(seg.base() as *const Header) };
+    h.version.store(VERSION, Relaxed);
+    h.world.store(layout.world as u32, Relaxed);
+    h.slot_bytes.store(layout.slot_bytes as u64, Relaxed);
+    h.heap_bytes.store(layout.heap_bytes as u64, Relaxed);
+    h.total_bytes.store(layout.total as u64, Relaxed);
+    h.small_bytes.store(cfg.small_bytes.min(layout.slot_bytes) as u64, Relaxed);
+    h.nt_bytes.store(cfg.nt_bytes as u64, Relaxed);
+    let (pid, pidns, start) = creator_identity();
+    h.creator_pid.store(pid, Relaxed);
+    h.creator_pidns.store(pidns, Relaxed);
+    h.creator_start.store(start, Relaxed);
+    h.magic.store(MAGIC, Release);
+}
+
+/// Reserve what every collective touches (header, control blocks, slots) before anything
+/// touches it, so a small `/dev/shm` or a memory limit is an error here, not a SIGBUS later.
+fn reserve_backed(seg: &Segment, layout: &Layout) -> Result<(), CommError> {
+    seg.reserve(0, layout.backed()).map_err(|e| no_room(&e, layout))
+}
+
+/// The error for a segment whose fixed part does not fit: what was needed, why, what to change.
+fn no_room(e: &NoSpace, layout: &Layout) -> CommError {
+    let room = match &e.dir {
+        Some(d) if d == Path::new(SHM_DIR) => {
+            format!("or give {SHM_DIR} more room (Docker: --shm-size=1g), or set LOCKSTEP_SHM_DIR to a directory on a larger tmpfs")
+        }
+        Some(d) => format!("or give {} more room (a larger tmpfs), or point LOCKSTEP_SHM_DIR elsewhere", d.display()),
+        None => "or raise the memory limit of this process's cgroup".to_string(),
+    };
+    CommError::Setup(format!(
+        "{e}: the shared segment of {} ranks needs that much for its header and two staging slots of {} per rank. Lower LOCKSTEP_SHM_SLOT_BYTES (at least 4096 per peer), run fewer ranks per node, {room}",
+        layout.world,
+        show_bytes(layout.slot_bytes as u64),
+    ))
+}
+
+impl ShmJob {
+    /// Create an anonymous segment for `world` ranks with settings from the environment.
+    pub fn new(world: usize) -> Result<ShmJob, CommError> {
+        ShmJob::with_config(world, ShmConfig::from_env())
+    }
+
+    /// Create an anonymous segment for `world` ranks.
+    pub fn with_config(world: usize, cfg: ShmConfig) -> Result<ShmJob, CommError> {
+        if world == 0 || world > 1024 {
+            return Err(CommError::Setup(format!("world size {world} is out of range 1..=1024")));
+        }
+        let cfg = cfg.normalized_for(world);
+        let layout = Layout::new(world, cfg.slot_bytes, cfg.heap_bytes)?;
+        let seg = Segment::anonymous(layout.total)?;
+        reserve_backed(&seg, &layout)?;
+        init_header(&seg, &layout, &cfg);
+        Ok(ShmJob { seg: Arc::new(seg), layout, cfg })
+    }
+
+    /// Number of ranks the segment was made for.
+    pub fn world_size(&self) -> usize {
+        self.layout.world
+    }
+
+    /// Join as `rank` (called in each forked child).
+    pub fn join(&self, rank: usize) -> Result<ShmComm, CommError> {
+        join(self.seg.clone(), self.layout, self.cfg.clone(), rank, None)
+    }
+
+    /// Join as `rank` and wrap the result in a [`Communicator`].
+    pub fn communicator(&self, rank: usize) -> Result<Communicator, CommError> {
+        Ok(Communicator::from_backend(Box::new(self.join(rank)?)))
+    }
+}
+
+/// Join a segment whose header is initialised as `rank`: claim the rank's control block, wait for
+/// every rank to arrive, then watch the peers' processes. With `name`, the last rank to arrive
+/// removes the segment's name.
+fn join(seg: Arc<Segment>, layout: Layout, cfg: ShmConfig, rank: usize, name: Option<&SegName>) -> Result<ShmComm, CommError> {
+    let world = layout.world;
+    if rank >= world {
+        return Err(CommError::Setup(format!("rank {rank} is out of range for world size {world}")));
+    }
+    let heap = Arc::new(Mutex::new(Heap::new(layout.heap_off(rank), layout.heap_bytes)));
+    let spin = cfg.spin.unwrap_or(if world > available_cpus() { Duration::from_micros(2) } else { Duration::from_micros(20) });
+    if cfg.bind_cpu {
+        bind_to_cpu(rank, world);
+    }
+    let join_timeout = cfg.join_timeout;
+    // From here on, an early return drops `c`, which marks this rank's control block as left
+    // (see the Drop below), as the communicator would.
+    let mut c = Channel::new(seg, layout, cfg, rank, spin);
+    let me = c.ctrl(rank);
+    if me.state.compare_exchange(0, STATE_JOINED, SeqCst, SeqCst).is_err() {
+        return Err(CommError::Setup(format!("rank {rank} has already joined this communicator (pid {})", me.pid.load(Relaxed))));
+    }
+    // Touch our own slots now (reserved by the creator) so collectives never page-fault on them.
+    c.seg().prefault(layout.slot_off(rank, 0), 2 * layout.slot_bytes);
+    me.progress.store(0, Relaxed);
+    me.pid.store(std::process::id() as i32, Relaxed);
+    let h = c.header();
+    let joined = h.joined.fetch_add(1, SeqCst) + 1;
+    // Wake the ranks asleep below: they recheck the count.
+    h.wake.0.fetch_add(1, SeqCst);
+    futex_wake_all(&h.wake.0);
+    if joined as usize == world {
+        if let Some(name) = name {
+            // Everyone has mapped the named segment: remove its name so nothing can leak.
+            name.unlink();
+        }
+    }
+    // Wait for the others to join, asleep on the header's futex word (every join bumps it), so a
+    // rank that waits long for a late peer costs no CPU. Reading the word before the count means
+    // a join in between changes the word, and the futex call then returns at once.
+    // Every 200 ms it also checks that the ranks that joined are still there, so a job whose rank
+    // died while the others were starting fails at once rather than at the join timeout.
+    let start = Instant::now();
+    let mut watches: Vec<Option<PeerWatch>> = (0..world).map(|_| None).collect();
+    loop {
+        let w = h.wake.0.load(SeqCst);
+        if (h.joined.load(SeqCst) as usize) >= world {
+            break;
+        }
+        let waited = start.elapsed();
+        if waited > join_timeout {
+            let missing: Vec<usize> = (0..world).filter(|&r| c.ctrl(r).state.load(Acquire) == 0).collect();
+            return Err(CommError::Setup(format!(
+                "rank {rank}: ranks {missing:?} did not join within {:.0} s (LOCKSTEP_JOIN_TIMEOUT_S); did every rank start?",
+                join_timeout.as_secs_f64()
+            )));
+        }
+        for (r, watch) in watches.iter_mut().enumerate() {
+            let peer = c.ctrl(r);
+            let (state, pid) = (peer.state.load(Acquire), peer.pid.load(Acquire));
+            if r == rank || state == 0 || pid == 0 {
+                continue;
+            }
+            if state == STATE_LEFT || watch.get_or_insert_with(|| PeerWatch::new(pid)).is_dead() {
+                return Err(CommError::Setup(format!(
+                    "rank {rank}: rank {r} (pid {pid}) {} before all ranks had joined; the job cannot start: restart it (the launcher reports that rank's exit status)",
+                    if state == STATE_LEFT { "gave up" } else { "died" }
+                )));
+            }
+        }
+        futex_wait(&h.wake.0, w, (join_timeout - waited).min(Duration::from_millis(200)) + Duration::from_millis(1));
+    }
+    c.watch_peers();
+    Ok(ShmComm::new(c, heap))
+}
+
+impl ShmComm {
+    /// Join the named segment of job `job_id` as `rank` of `world` (ranks exec'd separately on one
+    /// node). Rank 0 creates the segment (in `/dev/shm`, or `cfg.shm_dir`); the others wait for
+    /// it. The name is removed once all ranks have mapped it.
+    pub fn join_named(job_id: &str, rank: usize, world: usize, cfg: ShmConfig) -> Result<ShmComm, CommError> {
+        let cfg = cfg.normalized_for(world);
+        let name = SegName::new(cfg.checked_shm_dir()?, job_id)?;
+        let layout = Layout::new(world, cfg.slot_bytes, cfg.heap_bytes)?;
+        if rank == 0 {
+            let seg = create_named(&name, job_id, &layout)?;
+            if let Err(e) = reserve_backed(&seg, &layout) {
+                name.unlink();
+                return Err(e);
+            }
+            init_header(&seg, &layout, &cfg);
+            return join(Arc::new(seg), layout, cfg, rank, Some(&name));
+        }
+        let start = Instant::now();
+        // Poll for the segment with exponential back-off (it has no futex to sleep on before it
+        // exists): quick when all ranks start together, cheap when rank 0 comes late.
+        let mut nap = Duration::from_micros(100);
+        loop {
+            if let Some(seg) = Segment::open_named(&name, HEADER_BYTES)? {
+                // SAFETY: the mapping is at least HEADER_BYTES long and page-aligned.
+                let h = unsafe { &*(seg.base() as *const Header) };
+                if h.magic.load(Acquire) == MAGIC {
+                    let (w, slot, heap) =
+                        (h.world.load(Relaxed) as usize, h.slot_bytes.load(Relaxed) as usize, h.heap_bytes.load(Relaxed) as usize);
+                    if h.version.load(Relaxed) != VERSION || w != world {
+                        return Err(CommError::Setup(format!(
+                            "segment {name} was made for world size {w} (layout v{}), this rank expects {world} (v{VERSION}); are two jobs using the same job id?",
+                            h.version.load(Relaxed)
+                        )));
+                    }
+                    // The creator's sizes win, so every rank agrees on the layout.
+                    let layout = Layout::new(world, slot, heap)?;
+                    // A segment whose creator is dead is a leftover of a killed run with this job
+                    // id, which rank 0 is about to replace: joining it would wait for nobody.
+                    let leftover = matches!(creator_in(h), Creator::Dead(_));
+                    if seg.len() >= layout.total && !leftover {
+                        return join(Arc::new(seg), layout, cfg, rank, Some(&name));
+                    }
+                }
+            }
+            if start.elapsed() > cfg.join_timeout {
+                return Err(CommError::Setup(format!(
+                    "rank {rank}: shared segment {name} did not appear within {:.0} s; is rank 0 of job {job_id} running on this node (with the same LOCKSTEP_SHM_DIR)?",
+                    cfg.join_timeout.as_secs_f64()
+                )));
+            }
+            std::thread::sleep(nap);
+            nap = (nap * 2).min(Duration::from_millis(5));
+        }
+    }
+}
+
+/// Create job `job_id`'s named segment. A segment of that name whose creator is dead (a job
+/// killed before all its ranks joined, run again with the same id) is removed at once and the
+/// creation retried; one whose creator lives, or cannot be checked, is an error that says so.
+fn create_named(name: &SegName, job_id: &str, layout: &Layout) -> Result<Segment, CommError> {
+    let exists = |e: &CommError| matches!(e, CommError::Os { source, .. } if source.raw_os_error() == Some(libc::EEXIST));
+    match Segment::create_named(name, layout.total) {
+        Err(e) if exists(&e) => match creator_of(name) {
+            Creator::Dead(pid) => {
+                if name.unlink() {
+                    tracing::info!("removed the shared-memory segment {name} left behind by a killed job: its creator (pid {pid}) is gone");
+                }
+                Segment::create_named(name, layout.total)
+            }
+            Creator::Alive(pid) => Err(CommError::Setup(format!(
+                "shared segment {name} already exists and its creator (pid {pid}) is running: another job uses job id {job_id}; give each job its own LOCKSTEP_JOB_ID"
+            ))),
+            Creator::Unknown => Err(CommError::Setup(format!(
+                "shared segment {name} already exists and its creator cannot be checked (another lockstep version, or another pid namespace); if no job with id {job_id} runs, remove it (rm {name}), or use another LOCKSTEP_JOB_ID"
+            ))),
+        },
+        r => r,
+    }
+}
+
+/// Leaving: the rank's channel goes away with its communicator (or with a failed join).
+impl Drop for Channel {
+    fn drop(&mut self) {
+        // Peers still waiting on us learn at once that we are gone, rather than at the timeout.
+        self.ctrl(self.rank()).state.store(STATE_LEFT, SeqCst);
+        let h = self.header();
+        h.wake.0.fetch_add(1, SeqCst);
+        futex_wake_all(&h.wake.0);
+    }
+}
+
+/// Pin this rank to one CPU of its allowed set (rank-th, when there are at least as many CPUs as
+/// ranks), as MPI does by default: migrations and two ranks landing on one CPU cost far more than
+/// the collectives themselves. Skipped when oversubscribed.
+fn bind_to_cpu(rank: usize, world: usize) {
+    // SAFETY: zeroed cpu_set_t is a valid empty set; sched_getaffinity/setaffinity take a valid
+    // pointer and its size.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
+            return;
+        }
+        let cpus: Vec<usize> = (0..libc::CPU_SETSIZE as usize).filter(|&c| libc::CPU_ISSET(c, &set)).collect();
+        if cpus.len() < world {
+            return;
+        }
+        let mut one: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpus[rank], &mut one);
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &one);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::comm::ReduceOp;
+
+    #[test]
+    fn single_rank_all_reduce() {
+        let job = ShmJob::with_config(1, ShmConfig::default()).unwrap();
+        let mut c = job.communicator(0).unwrap();
+        let x: Vec<f32> = (0..100_000).map(|i| i as f32).collect();
+        let mut y = vec![0f32; x.len()];
+        c.all_reduce(&x, &mut y, ReduceOp::Avg).unwrap();
+        assert_eq!(x, y);
+        let mut s = c.alloc_shared::<f32>(1000).unwrap();
+        s[3] = 2.0;
+        c.all_reduce_in_place(&mut s, ReduceOp::Sum).unwrap();
+        assert_eq!(s[3], 2.0);
+        c.barrier().unwrap();
+        // Absurd sizes are refused, not overflowed.
+        assert!(c.alloc_shared::<i64>(usize::MAX / 8).is_err());
+        assert!(c.alloc_shared::<u8>(usize::MAX).is_err());
+    }
+}

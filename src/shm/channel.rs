@@ -1,0 +1,656 @@
+//! One rank's end of the slot protocol described in [`sync`](super::sync): addressing the segment,
+//! publishing phases, waiting for the peers (spin, yield, futex) while watching that they are alive,
+//! the first phase of every call with its cross-rank argument check, and the bookkeeping of the
+//! staging mode chosen by [`tune`](super::tune).
+//!
+//! The collective algorithms (`shm::algo`) are written against [`Channel`] only; job setup
+//! (`shm::bootstrap`) creates it and marks the rank as gone when it is dropped.
+
+use std::sync::atomic::Ordering::{Acquire, Relaxed, Release, SeqCst};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::config::ShmConfig;
+use super::reduce::{copy_block, copy_block2, store_fence};
+use super::segment::{futex_wait, futex_wake_all, PeerWatch, Segment};
+use super::sync::{
+    Abort, Ctrl, Desc, Header, Layout, ABORT_DIED, ABORT_LEFT, ABORT_TIMEOUT, INVALID, SHARED_RECV, SHARED_SEND, STAGE_NT, STATE_LEFT,
+};
+use super::tune::StageTuner;
+use crate::comm::{Call, CollKind, CommError, Dtype, MemSpace, RawMem, ReduceOp};
+
+/// Where a phase is, for error messages.
+#[derive(Clone, Copy)]
+pub(crate) struct Ctx {
+    pub op: CollKind,
+    pub seq: u64,
+}
+
+/// One rank's view of a joined segment and its position in the phase protocol.
+pub(crate) struct Channel {
+    seg: Arc<Segment>,
+    layout: Layout,
+    cfg: ShmConfig,
+    rank: usize,
+    world: usize,
+    /// Last phase this rank published.
+    progress: u64,
+    /// Collectives this rank has entered (including refused ones).
+    seq: u64,
+    peers: Vec<Option<PeerWatch>>,
+    spin: Duration,
+    /// Streaming stores were issued since the last fence.
+    nt_pending: bool,
+    /// The current collective stages with streaming stores: fence before every publish.
+    stage_nt: bool,
+    tuner: StageTuner,
+    /// Rank 0: the staged call in progress, to time: (class group, bytes, streaming, start).
+    timing: Option<(usize, usize, bool, Instant)>,
+    /// Rank 0: when it began staging the current call, then how long that took (until `begin`).
+    staging: (Option<Instant>, Duration),
+}
+
+impl Channel {
+    /// A channel for `rank` over a segment whose header is initialised. Joining (the control
+    /// block's state, the wait for the others) is the caller's job, then [`watch_peers`](Self::watch_peers).
+    pub(crate) fn new(seg: Arc<Segment>, layout: Layout, cfg: ShmConfig, rank: usize, spin: Duration) -> Channel {
+        let tuner = StageTuner::new(cfg.stage);
+        Channel {
+            seg,
+            layout,
+            cfg,
+            rank,
+            world: layout.world,
+            progress: 0,
+            seq: 0,
+            peers: Vec::new(),
+            spin,
+            nt_pending: false,
+            stage_nt: false,
+            tuner,
+            timing: None,
+            staging: (None, Duration::ZERO),
+        }
+    }
+
+    /// Start watching every peer's process (their pids are written once all ranks have joined).
+    pub(crate) fn watch_peers(&mut self) {
+        self.peers =
+            (0..self.world).map(|r| if r == self.rank { None } else { Some(PeerWatch::new(self.ctrl(r).pid.load(Acquire))) }).collect();
+    }
+
+    pub(crate) fn rank(&self) -> usize {
+        self.rank
+    }
+
+    pub(crate) fn world(&self) -> usize {
+        self.world
+    }
+
+    /// Collectives this rank has entered.
+    pub(crate) fn seq(&self) -> u64 {
+        self.seq
+    }
+
+    /// The mapping, shared with the buffers allocated in it.
+    pub(crate) fn seg(&self) -> &Arc<Segment> {
+        &self.seg
+    }
+
+    /// Bytes of each staging slot.
+    pub(crate) fn slot_bytes(&self) -> usize {
+        self.layout.slot_bytes
+    }
+
+    /// Messages up to this size take the one-phase paths.
+    pub(crate) fn small_bytes(&self) -> usize {
+        self.cfg.small_bytes
+    }
+
+    /// The number the next published phase will have: the slot parity a caller stages into
+    /// before its next `begin` or `phase`.
+    pub(crate) fn next_phase(&self) -> u64 {
+        self.progress + 1
+    }
+
+    /// The settings (timeouts, peer-check interval) this channel runs with.
+    pub(crate) fn config(&self) -> &ShmConfig {
+        &self.cfg
+    }
+
+    /// How long a waiter spins before yielding.
+    pub(crate) fn spin(&self) -> Duration {
+        self.spin
+    }
+
+    /// The segment's layout.
+    pub(crate) fn layout(&self) -> &Layout {
+        &self.layout
+    }
+
+    /// Whether peer `r` is gone: `Some(true)` if its process died, `Some(false)` if it left the
+    /// communicator, `None` while it is there (point-to-point waits check their own peers).
+    pub(crate) fn peer_gone(&self, r: usize) -> Option<bool> {
+        if self.peers.get(r).and_then(|w| w.as_ref()).is_some_and(|w| w.is_dead()) {
+            return Some(true);
+        }
+        (self.ctrl(r).state.load(Acquire) == STATE_LEFT).then_some(false)
+    }
+
+    /// Wake the ranks asleep on the header's futex (after publishing something they may wait for).
+    pub(crate) fn wake_sleepers(&self) {
+        let h = self.header();
+        if h.sleepers.0.load(SeqCst) > 0 {
+            h.wake.0.fetch_add(1, SeqCst);
+            futex_wake_all(&h.wake.0);
+        }
+    }
+
+    // ----------------------------------------------------------------------------------------
+    // Segment access
+
+    pub(crate) fn header(&self) -> &Header {
+        // SAFETY: the header lies at offset 0 of the live mapping; all its fields are atomics.
+        unsafe { &*(self.seg.base() as *const Header) }
+    }
+
+    pub(crate) fn ctrl(&self, r: usize) -> &Ctrl {
+        // SAFETY: control blocks are inside the mapping (layout), 64-aligned; fields are atomics or
+        // UnsafeCells accessed under the phase protocol.
+        unsafe { &*(self.seg.base().add(self.layout.ctrl_off(r)) as *const Ctrl) }
+    }
+
+    /// Rank `r`'s staging slot of phase `phase` (by parity).
+    pub(crate) fn slot(&self, r: usize, phase: u64) -> *mut u8 {
+        // SAFETY: slot offsets lie inside the mapping by construction of the layout.
+        unsafe { self.seg.base().add(self.layout.slot_off(r, phase)) }
+    }
+
+    /// The address of a segment offset taken from a peer's descriptor.
+    pub(crate) fn at(&self, off: u64) -> *mut u8 {
+        // SAFETY: offsets come from descriptors written by ranks that took them from `shared_off`,
+        // which only accepts ranges inside that rank's heap region of the mapping.
+        unsafe { self.seg.base().add(off as usize) }
+    }
+
+    /// Segment offset of a host buffer if it lies entirely in this rank's heap region.
+    fn shared_off(&self, addr: usize, bytes: usize) -> Option<u64> {
+        let lo = self.seg.base() as usize + self.layout.heap_off(self.rank);
+        let hi = lo + self.layout.heap_bytes;
+        (addr >= lo && addr + bytes <= hi && bytes > 0).then(|| (addr - self.seg.base() as usize) as u64)
+    }
+
+    fn write_desc(&self, phase: u64, d: Desc) {
+        // SAFETY: only this rank writes its own descriptor cell, and peers read the cell of parity
+        // `phase % 2` only between our publish of `phase` and their publish of `phase + 1`, which
+        // precedes any later write of the same parity by us (see sync.rs).
+        unsafe { *self.ctrl(self.rank).desc[(phase % 2) as usize].0.get() = d };
+    }
+
+    fn read_desc(&self, r: usize, phase: u64) -> Desc {
+        // SAFETY: see write_desc; called after waiting for all ranks to reach `phase`.
+        unsafe { *self.ctrl(r).desc[(phase % 2) as usize].0.get() }
+    }
+
+    // ----------------------------------------------------------------------------------------
+    // Phases
+
+    /// Publish the next phase and return its number.
+    fn publish(&mut self) -> u64 {
+        if self.nt_pending || self.stage_nt {
+            store_fence();
+            self.nt_pending = false;
+        }
+        self.progress += 1;
+        self.ctrl(self.rank).progress.store(self.progress, SeqCst);
+        let h = self.header();
+        if h.sleepers.0.load(SeqCst) > 0 {
+            h.wake.0.fetch_add(1, SeqCst);
+            futex_wake_all(&h.wake.0);
+        }
+        self.progress
+    }
+
+    fn all_reached(&self, target: u64, next: &mut usize) -> bool {
+        while *next < self.world {
+            if *next != self.rank && self.ctrl(*next).progress.load(Acquire) < target {
+                return false;
+            }
+            *next += 1;
+        }
+        true
+    }
+
+    /// Publish and wait for every peer to reach the same phase. Returns the phase number.
+    pub(crate) fn phase(&mut self, cx: Ctx) -> Result<u64, CommError> {
+        let p = self.publish();
+        self.wait_all(p, cx)?;
+        // A rank that comes late finds its peers' phase published even though they gave up on
+        // it (timed out) and went on: it must fail too, naming the same culprit, not read
+        // buffers their callers own again. One load of a line nobody writes while all is well.
+        if self.header().abort.by.load(Acquire) != 0 {
+            if let Some(e) = self.peer_abort(cx) {
+                return Err(e);
+            }
+        }
+        Ok(p)
+    }
+
+    fn wait_all(&mut self, target: u64, cx: Ctx) -> Result<(), CommError> {
+        let mut next = 0;
+        // Fast path: spin on the peers' progress lines.
+        let mut i = 0u32;
+        let mut start: Option<Instant> = None;
+        loop {
+            if self.all_reached(target, &mut next) {
+                return Ok(());
+            }
+            std::hint::spin_loop();
+            i += 1;
+            if i.is_multiple_of(128) {
+                let s = *start.get_or_insert_with(Instant::now);
+                if s.elapsed() >= self.spin {
+                    break;
+                }
+            }
+        }
+        // Slow path: yield, then sleep on the futex; check peers and the clock periodically.
+        let start = start.unwrap_or_else(Instant::now);
+        let mut last_check = Instant::now();
+        let mut nap = Duration::from_micros(500);
+        loop {
+            if self.all_reached(target, &mut next) {
+                return Ok(());
+            }
+            let waited = start.elapsed();
+            if waited < Duration::from_millis(2) {
+                // Give the CPU away in case the peer we wait for shares it, then poll a little:
+                // yielding costs well under a microsecond when nobody else is runnable.
+                std::thread::yield_now();
+                for _ in 0..64 {
+                    if self.all_reached(target, &mut next) {
+                        return Ok(());
+                    }
+                    std::hint::spin_loop();
+                }
+            } else {
+                let h = self.header();
+                h.sleepers.0.fetch_add(1, SeqCst);
+                let w = h.wake.0.load(SeqCst);
+                if !self.all_reached(target, &mut next) {
+                    futex_wait(&h.wake.0, w, nap);
+                    nap = (nap * 2).min(Duration::from_millis(20)).min(self.cfg.peer_check);
+                }
+                h.sleepers.0.fetch_sub(1, SeqCst);
+            }
+            if last_check.elapsed() >= self.cfg.peer_check || waited < Duration::from_millis(2) && i.is_multiple_of(64) {
+                last_check = Instant::now();
+                self.check_peers(target, next, cx, start)?;
+            }
+            i = i.wrapping_add(1);
+        }
+    }
+
+    /// Slow-path health check: abort flag, dead or departed peers, overall timeout.
+    fn check_peers(&self, target: u64, next: usize, cx: Ctx, start: Instant) -> Result<(), CommError> {
+        for r in next..self.world {
+            if r == self.rank {
+                continue;
+            }
+            let c = self.ctrl(r);
+            if c.progress.load(Acquire) >= target {
+                continue;
+            }
+            let died = self.peers[r].as_ref().is_some_and(|w| w.is_dead());
+            let left = c.state.load(Acquire) == STATE_LEFT;
+            if died || left {
+                // Tell ranks that wait on someone else too.
+                self.record_abort(|a| {
+                    a.how.store(if died { ABORT_DIED } else { ABORT_LEFT }, Relaxed);
+                    a.rank.store(r as u32 + 1, Relaxed);
+                });
+                return Err(self.lost(r, died, cx));
+            }
+        }
+        if let Some(e) = self.peer_abort(cx) {
+            return Err(e);
+        }
+        let waited = start.elapsed();
+        if waited >= self.cfg.timeout {
+            let stuck: Vec<usize> = (0..self.world).filter(|&r| r != self.rank && self.ctrl(r).progress.load(Acquire) < target).collect();
+            let first = stuck.first().copied().unwrap_or(self.rank);
+            let (seq, kind) = self.position(first);
+            // Peers that arrive later must not go on using this rank's buffers, and must name the
+            // same culprit as this rank.
+            self.record_abort(|a| {
+                a.how.store(ABORT_TIMEOUT, Relaxed);
+                a.rank.store(first as u32 + 1, Relaxed);
+                a.culprit_seq.store(seq, Relaxed);
+                a.culprit_kind.store(kind.map_or(0, |k| k as u32 + 1), Relaxed);
+                a.missing.store(stuck.len() as u32, Relaxed);
+                a.at_kind.store(cx.op as u32 + 1, Relaxed);
+                a.at_seq.store(cx.seq, Relaxed);
+                a.waited_ms.store(waited.as_millis() as u64, Relaxed);
+            });
+            let missing: Vec<String> = stuck
+                .iter()
+                .map(|&r| {
+                    let (seq, kind) = self.position(r);
+                    stuck_text(r, seq, kind, cx.op, cx.seq)
+                })
+                .collect();
+            return Err(CommError::Timeout {
+                rank: self.rank,
+                op: cx.op,
+                seq: cx.seq,
+                secs: waited.as_secs_f64(),
+                detail: format!(
+                    "{} not arrived: {}; this rank (rank {}) is at #{}",
+                    if missing.len() == 1 { "one rank has".to_string() } else { format!("{} ranks have", missing.len()) },
+                    missing.join(", "),
+                    self.rank,
+                    cx.seq
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// The collective rank `r` is in or last was in: its sequence number and kind.
+    fn position(&self, r: usize) -> (u64, Option<CollKind>) {
+        let c = self.ctrl(r);
+        let kind = c.coll_kind.load(Relaxed);
+        (c.coll_seq.load(Relaxed), if kind == 0 { None } else { CollKind::from_u8((kind - 1) as u8) })
+    }
+
+    /// Abort the communicator for every rank, describing why with `fill`, unless a peer did first.
+    fn record_abort(&self, fill: impl FnOnce(&Abort)) {
+        let a = &self.header().abort;
+        if a.by.compare_exchange(0, self.rank as u32 + 1, SeqCst, SeqCst).is_ok() {
+            fill(a);
+            a.ready.store(1, Release);
+        }
+    }
+
+    /// The error for a communicator a peer aborted, naming the culprit the peer recorded.
+    fn peer_abort(&self, cx: Ctx) -> Option<CommError> {
+        let a = &self.header().abort;
+        let by = a.by.load(Acquire);
+        if by == 0 || by as usize - 1 == self.rank {
+            return None;
+        }
+        let by = by as usize - 1;
+        // The aborting rank fills the record right after claiming it: wait briefly for it.
+        let t = Instant::now();
+        while a.ready.load(Acquire) == 0 && t.elapsed() < Duration::from_millis(50) {
+            std::thread::yield_now();
+        }
+        let culprit = a.rank.load(Relaxed) as usize;
+        if a.ready.load(Acquire) == 0 || culprit == 0 {
+            return Some(CommError::Aborted { by, reason: "it hit an unrecoverable error".into() });
+        }
+        let culprit = culprit - 1;
+        Some(match a.how.load(Relaxed) {
+            ABORT_DIED | ABORT_LEFT => self.lost(culprit, a.how.load(Relaxed) == ABORT_DIED, cx),
+            _ => {
+                let kind = a.culprit_kind.load(Relaxed);
+                let kind = if kind == 0 { None } else { CollKind::from_u8((kind - 1) as u8) };
+                let at_kind = CollKind::from_u8((a.at_kind.load(Relaxed).max(1) - 1) as u8).unwrap_or(cx.op);
+                let at_seq = a.at_seq.load(Relaxed);
+                let more = a.missing.load(Relaxed).saturating_sub(1);
+                CommError::Aborted {
+                    by,
+                    reason: format!(
+                        "{}{}: rank {by} timed out after {:.1} s waiting for it in {at_kind} #{at_seq} (raise LOCKSTEP_TIMEOUT_S if this is expected)",
+                        stuck_text(culprit, a.culprit_seq.load(Relaxed), kind, at_kind, at_seq),
+                        if more > 0 { format!(", and {more} more rank(s) had not arrived") } else { String::new() },
+                        a.waited_ms.load(Relaxed) as f64 / 1e3,
+                    ),
+                }
+            }
+        })
+    }
+
+    fn lost(&self, r: usize, died: bool, cx: Ctx) -> CommError {
+        CommError::PeerLost {
+            rank: self.rank,
+            lost_rank: r,
+            pid: self.ctrl(r).pid.load(Relaxed),
+            how: if died { "died" } else { "left the communicator" },
+            op: cx.op,
+            seq: cx.seq,
+        }
+    }
+
+    // ----------------------------------------------------------------------------------------
+    // Calls
+
+    /// Enter the next collective: number it and show the number to peers (for timeout reports).
+    pub(crate) fn start_call(&mut self, op: CollKind) -> Ctx {
+        self.seq += 1;
+        let me = self.ctrl(self.rank);
+        me.coll_kind.store(op as u32 + 1, Relaxed);
+        me.coll_seq.store(self.seq, Relaxed);
+        Ctx { op, seq: self.seq }
+    }
+
+    /// Leave the collective: record rank 0's timing of a successful staged call, and fence the
+    /// streaming stores it issued so they are ordered before anything the caller does next.
+    pub(crate) fn end_call(&mut self, ok: bool) {
+        if let Some((g, bytes, nt, t0)) = self.timing.take() {
+            if ok {
+                self.tuner.record(g, bytes, nt, t0.elapsed().as_secs_f64());
+            }
+        }
+        if self.nt_pending || self.stage_nt {
+            store_fence();
+            self.nt_pending = false;
+            self.stage_nt = false;
+        }
+    }
+
+    /// First phase of every collective: publish the descriptor (and whatever the caller staged in
+    /// the slot of this phase), wait for all, and compare descriptors. Returns every rank's
+    /// descriptor, and the phase number.
+    pub(crate) fn begin(&mut self, call: &Call, flags: u8, send_off: u64, recv_off: u64, cx: Ctx) -> Result<(Vec<Desc>, u64), CommError> {
+        if let (Some(t), _) = self.staging {
+            self.staging = (None, t.elapsed());
+        }
+        let d = Desc {
+            kind: call.kind as u8,
+            dtype: call.dtype as u8,
+            op: call.op as u8,
+            flags,
+            _r: 0,
+            root: call.root as u64,
+            count: call.count as u64,
+            seq: self.seq,
+            send_off,
+            recv_off,
+            _pad: [0; 2],
+        };
+        let p = self.progress + 1;
+        self.write_desc(p, d);
+        self.phase(cx)?;
+        let descs: Vec<Desc> = (0..self.world).map(|r| if r == self.rank { d } else { self.read_desc(r, p) }).collect();
+        check_descs(&descs, self.seq)?;
+        Ok((descs, p))
+    }
+
+    /// Refuse a `kind` call this rank found invalid: take part in its first phase with the
+    /// INVALID flag, so every peer's matching call fails with an error naming this rank and the
+    /// phase counters stay aligned. The error is the one `begin` returns (the refusal itself, or
+    /// a lost peer).
+    pub(crate) fn refuse(&mut self, kind: CollKind, dtype: Dtype) -> Result<(), CommError> {
+        let cx = self.start_call(kind);
+        let empty = RawMem { addr: 0, len: 0, space: MemSpace::Host };
+        let call = Call { kind, dtype, op: ReduceOp::Sum, root: 0, count: 0, send: empty, recv: empty, splits: Default::default() };
+        self.begin(&call, INVALID, 0, 0, cx).map(|_| ())
+    }
+
+    // ----------------------------------------------------------------------------------------
+    // Copies and the staging mode
+
+    /// Copy into a user buffer: streaming stores when the message is large.
+    pub(crate) fn put(&mut self, src: *const u8, dst: *mut u8, bytes: usize, nt: bool) {
+        // SAFETY: callers pass ranges valid for `bytes` that are equal or disjoint.
+        unsafe { copy_block(src, dst, bytes, nt) };
+        self.nt_pending |= nt;
+    }
+
+    /// Stage `bytes` into a slot and copy them to a user buffer at once (see [`copy_block2`]).
+    ///
+    /// # Safety
+    /// As for [`copy_block2`].
+    pub(crate) unsafe fn put2(&mut self, src: *const u8, slot: *mut u8, slot_nt: bool, dst: *mut u8, nt: bool, bytes: usize) {
+        // SAFETY: forwarded contract.
+        unsafe { copy_block2(src, slot, slot_nt, dst, nt, bytes) };
+        self.nt_pending |= nt;
+    }
+
+    /// Staging mode for the part of a staged call written before the descriptors are exchanged:
+    /// rank 0 chooses, the others guess rank 0's last choice.
+    pub(crate) fn stage_pre(&mut self, kind: CollKind, bytes: usize) -> bool {
+        let g = stage_group(kind);
+        let nt = if self.rank == 0 {
+            let now = Instant::now();
+            self.staging = (Some(now), Duration::ZERO);
+            self.tuner.choose(g, bytes, now)
+        } else {
+            self.tuner.guess(g, bytes)
+        };
+        self.stage_nt = nt;
+        nt
+    }
+
+    /// Descriptor flag carrying rank 0's choice.
+    pub(crate) fn stage_flag(&self) -> u8 {
+        if self.rank == 0 && self.stage_nt {
+            STAGE_NT
+        } else {
+            0
+        }
+    }
+
+    /// The mode every rank uses once the descriptors are in: rank 0's. When the call stages
+    /// (`timed`), rank 0 times it from here: every rank has arrived, so the time measures the
+    /// transfer, not how late a peer came.
+    pub(crate) fn stage_agreed(&mut self, kind: CollKind, bytes: usize, descs: &[Desc], timed: bool) -> bool {
+        let nt = descs[0].flags & STAGE_NT != 0;
+        self.tuner.seen(stage_group(kind), bytes, nt);
+        if timed && self.rank == 0 {
+            // Counted: this rank's own staging before `begin` and everything after it; not
+            // counted: the wait in `begin`, which is mostly how late the peers came.
+            let start = Instant::now().checked_sub(self.staging.1).unwrap_or_else(Instant::now);
+            self.timing = Some((stage_group(kind), bytes, nt, start));
+        }
+        // Fences stay on if this rank guessed streaming for its first part.
+        self.stage_nt |= nt;
+        nt
+    }
+
+    /// Whether a message whose output is `bytes` long should bypass the caches.
+    pub(crate) fn nt_for(&self, bytes: usize) -> bool {
+        bytes >= self.cfg.nt_bytes
+    }
+
+    /// Offsets and flags for zero-copy: which of this rank's buffers live in its shared heap.
+    pub(crate) fn share_flags(&self, call: &Call, send_bytes: usize, recv_bytes: usize) -> (u8, u64, u64) {
+        let s = self.shared_off(call.send.addr, send_bytes);
+        let r = self.shared_off(call.recv.addr, recv_bytes);
+        let flags = if s.is_some() { SHARED_SEND } else { 0 } | if r.is_some() { SHARED_RECV } else { 0 };
+        (flags, s.unwrap_or(0), r.unwrap_or(0))
+    }
+}
+
+/// Where a rank that has not arrived at `op` #`seq` is: in it (it entered the collective but does
+/// not progress), or before it (at an earlier collective, or none yet).
+fn stuck_text(r: usize, r_seq: u64, r_kind: Option<CollKind>, op: CollKind, seq: u64) -> String {
+    if r_seq >= seq {
+        format!("rank {r} is stuck in {} #{r_seq}", r_kind.unwrap_or(op))
+    } else if r_seq == 0 {
+        format!("rank {r} is stuck before {op} #{seq} (rank {r} is at collective #0: it has not started any)")
+    } else {
+        let k = r_kind.map(|k| format!(", {k}")).unwrap_or_default();
+        format!("rank {r} is stuck before {op} #{seq} (rank {r} is at collective #{r_seq}{k})")
+    }
+}
+
+fn desc_call(d: &Desc) -> String {
+    let kind = CollKind::from_u8(d.kind).map(|k| k.name()).unwrap_or("?");
+    let dtype = Dtype::from_u8(d.dtype).map(|t| t.name()).unwrap_or("?");
+    let mut s = format!("{kind}(count={}, dtype={dtype}", d.count);
+    if let Some(k) = CollKind::from_u8(d.kind) {
+        if k.has_op() {
+            s += &format!(", op={}", ReduceOp::from_u8(d.op).map(|o| o.name()).unwrap_or("?"));
+        }
+        if k.has_root() {
+            s += &format!(", root={}", d.root);
+        }
+    }
+    s + ")"
+}
+
+/// Compare every rank's descriptor with rank 0's; on disagreement, name every rank that differs.
+fn check_descs(descs: &[Desc], seq: u64) -> Result<(), CommError> {
+    let invalid: Vec<String> = (0..descs.len()).filter(|&r| descs[r].flags & INVALID != 0).map(|r| r.to_string()).collect();
+    if !invalid.is_empty() {
+        let kind = CollKind::from_u8(descs[invalid[0].parse::<usize>().unwrap_or(0)].kind).map(|k| k.name()).unwrap_or("?");
+        return Err(CommError::Mismatch {
+            seq,
+            detail: format!("rank {} refused its {kind} call with invalid arguments (its own error says which)", invalid.join(", rank ")),
+        });
+    }
+    let key = |d: &Desc| {
+        let k = CollKind::from_u8(d.kind);
+        (
+            d.kind,
+            d.dtype,
+            if k.is_some_and(|k| k.has_op()) { d.op } else { 0 },
+            if k.is_some_and(|k| k.has_root()) { d.root } else { 0 },
+            if k == Some(CollKind::Barrier) { 0 } else { d.count },
+        )
+    };
+    let k0 = key(&descs[0]);
+    let differ: Vec<usize> = (1..descs.len()).filter(|&r| key(&descs[r]) != k0).collect();
+    if differ.is_empty() {
+        return Ok(());
+    }
+    let mut parts = vec![format!("rank 0 called {}", desc_call(&descs[0]))];
+    for r in differ.iter().take(8) {
+        parts.push(format!("rank {r} called {}", desc_call(&descs[*r])));
+    }
+    if differ.len() > 8 {
+        parts.push(format!("and {} more ranks differ", differ.len() - 8));
+    }
+    Err(CommError::Mismatch { seq, detail: parts.join(", ") })
+}
+
+/// Tuning class of a collective's staging (see `shm::tune`).
+fn stage_group(kind: CollKind) -> usize {
+    match kind {
+        CollKind::AllReduce | CollKind::Reduce | CollKind::Barrier => 0,
+        CollKind::Broadcast => 1,
+        CollKind::AllGather | CollKind::Gather => 2,
+        CollKind::ReduceScatter => 3,
+        // The exchanges stage with cached stores only; they share the gather class.
+        _ => 2,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mismatch_names_ranks() {
+        let mut a =
+            Desc { kind: CollKind::AllReduce as u8, dtype: Dtype::F32 as u8, op: ReduceOp::Sum as u8, count: 100, ..Default::default() };
+        let b = Desc { count: 101, ..a };
+        let e = check_descs(&[a, a, b], 5).unwrap_err().to_string();
+        assert!(e.contains("rank 2 called all_reduce(count=101, dtype=f32, op=sum)"), "{e}");
+        assert!(e.contains("rank 0 called all_reduce(count=100"), "{e}");
+        a.root = 3; // root does not matter for all_reduce
+        assert!(check_descs(&[a, Desc { root: 0, ..a }], 1).is_ok());
+    }
+}

@@ -1,0 +1,585 @@
+//! Fault tests of the shared-memory backend: a small /dev/shm, ranks waiting long at join, a
+//! segment left by a killed job, a rank stuck before a collective.
+//!
+//! `harness = false`: the tests fork, so the process stays single-threaded; they run in turn and
+//! the binary ends with `N passed, M failed`. Each bounds its time and checks that no process and
+//! no `lockstep-*` segment is left behind.
+
+mod common;
+
+use std::io::Read;
+use std::os::fd::FromRawFd;
+use std::time::{Duration, Instant};
+
+use common::check;
+use lockstep::comm::{Communicator, ReduceOp};
+use lockstep::launch::{launch, LaunchConfig, RankContext, RankResult};
+use lockstep::shm::{ShmComm, ShmConfig, ShmJob};
+
+// -------------------------------------------------------------------------------------------------
+// Helpers
+
+/// This process's CPU time (user + system), in seconds.
+fn cpu_time() -> f64 {
+    // SAFETY: zeroed rusage is a valid out-parameter.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: valid out-parameter.
+    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) };
+    ru.ru_utime.tv_sec as f64 + ru.ru_utime.tv_usec as f64 * 1e-6 + ru.ru_stime.tv_sec as f64 + ru.ru_stime.tv_usec as f64 * 1e-6
+}
+
+/// What a forked rank reported: its exit status (`waitpid` form) and the line it wrote.
+struct Ended {
+    status: i32,
+    msg: String,
+}
+
+impl Ended {
+    fn describe(&self) -> String {
+        if libc::WIFSIGNALED(self.status) {
+            format!("killed by signal {}", libc::WTERMSIG(self.status))
+        } else {
+            format!("exit {}", libc::WEXITSTATUS(self.status))
+        }
+    }
+}
+
+/// Fork `n` ranks running `f(rank)`; each writes its result (one line) to a pipe and `_exit`s 0
+/// on `Ok`, 1 on `Err`. Waits at most `deadline` for all of them, then kills what is left (and
+/// fails): no process outlives the call.
+fn fork_ranks(n: usize, deadline: Duration, f: impl Fn(usize) -> Result<String, String>) -> Result<Vec<Ended>, String> {
+    let mut fds = [0; 2];
+    // SAFETY: valid out-array of two fds.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        return Err(format!("pipe: {}", std::io::Error::last_os_error()));
+    }
+    let (rd, wr) = (fds[0], fds[1]);
+    let mut pids = Vec::new();
+    for rank in 0..n {
+        // SAFETY: the test process is single-threaded; the child runs `f` and `_exit`s.
+        let pid = unsafe { libc::fork() };
+        if pid == 0 {
+            let r = f(rank);
+            let (code, msg) = match r {
+                Ok(m) => (0, m),
+                Err(m) => (1, m),
+            };
+            let mut line = format!("{rank}\t{}", msg.replace('\n', " "));
+            line.truncate(3000);
+            line.push('\n');
+            // SAFETY: writing a buffer we own to our pipe end; under PIPE_BUF, so atomic.
+            unsafe { libc::write(wr, line.as_ptr() as *const libc::c_void, line.len()) };
+            // SAFETY: leave the child without running the parent's destructors.
+            unsafe { libc::_exit(code) };
+        }
+        if pid < 0 {
+            for p in &pids {
+                common::signal(*p, libc::SIGKILL);
+            }
+            return Err(format!("fork: {}", std::io::Error::last_os_error()));
+        }
+        pids.push(pid);
+    }
+    // SAFETY: we own wr and do not use it afterwards.
+    unsafe { libc::close(wr) };
+    // SAFETY: rd is our pipe end, owned from here on by the File.
+    let mut file = unsafe { std::fs::File::from_raw_fd(rd) };
+    let start = Instant::now();
+    let mut text = Vec::new();
+    let mut late = false;
+    loop {
+        let left = deadline.saturating_sub(start.elapsed());
+        if left.is_zero() {
+            late = true;
+            break;
+        }
+        let mut p = libc::pollfd { fd: rd, events: libc::POLLIN, revents: 0 };
+        // SAFETY: one valid pollfd.
+        let r = unsafe { libc::poll(&mut p, 1, left.as_millis().max(1) as i32) };
+        if r <= 0 {
+            continue;
+        }
+        let mut buf = [0u8; 4096];
+        match file.read(&mut buf) {
+            Ok(0) => break,
+            Ok(k) => text.extend_from_slice(&buf[..k]),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(format!("read: {e}")),
+        }
+    }
+    if late {
+        for p in &pids {
+            common::signal(*p, libc::SIGKILL);
+        }
+    }
+    let mut out: Vec<Ended> = (0..n).map(|_| Ended { status: 0, msg: String::new() }).collect();
+    for (rank, pid) in pids.iter().enumerate() {
+        let mut st = 0;
+        // SAFETY: our child; valid out-parameter.
+        unsafe { libc::waitpid(*pid, &mut st, 0) };
+        out[rank].status = st;
+    }
+    for line in String::from_utf8_lossy(&text).lines() {
+        if let Some((r, m)) = line.split_once('\t') {
+            if let Some(e) = r.parse::<usize>().ok().and_then(|r| out.get_mut(r)) {
+                e.msg = m.to_string();
+            }
+        }
+    }
+    if late {
+        return Err(format!("ranks still running after {deadline:?} (killed)"));
+    }
+    Ok(out)
+}
+
+/// `lockstep-*` names in `dir`.
+fn segments_in(dir: &str) -> Vec<String> {
+    let Ok(rd) = std::fs::read_dir(dir) else { return Vec::new() };
+    let mut v: Vec<String> =
+        rd.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).filter(|n| n.starts_with("lockstep-")).collect();
+    v.sort();
+    v
+}
+
+/// Fails when `after` holds segment names `before` did not.
+fn no_new_segments(dir: &str, before: &[String]) -> Result<(), String> {
+    let new: Vec<String> = segments_in(dir).into_iter().filter(|n| !before.contains(n)).collect();
+    check(new.is_empty(), &format!("no segment left behind in {dir}"), format!("{new:?}"))
+}
+
+// -------------------------------------------------------------------------------------------------
+// Tests
+
+/// 15 ranks wait at join for 2 s while the 16th sleeps: together they use well under 5 % of one
+/// CPU for it (they sleep on a futex, not poll).
+fn t_join_wait_cpu() -> Result<(), String> {
+    let before = segments_in("/dev/shm");
+    let world = 16;
+    let late = Duration::from_secs(2);
+    let cfg = ShmConfig { slot_bytes: 64 << 10, heap_bytes: 2 << 20, bind_cpu: false, ..ShmConfig::default() };
+    let job = ShmJob::with_config(world, cfg).map_err(|e| e.to_string())?;
+    let t = Instant::now();
+    let out = fork_ranks(world, Duration::from_secs(20), |rank| {
+        if rank == world - 1 {
+            std::thread::sleep(late);
+        }
+        let (cpu0, t0) = (cpu_time(), Instant::now());
+        let mut c = job.communicator(rank).map_err(|e| e.to_string())?;
+        let (cpu, wall) = (cpu_time() - cpu0, t0.elapsed().as_secs_f64());
+        c.barrier().map_err(|e| e.to_string())?;
+        Ok(format!("{cpu} {wall}"))
+    })?;
+    drop(job);
+    let took = t.elapsed();
+    let mut total = 0.0;
+    let mut walls = Vec::new();
+    for (r, e) in out.iter().enumerate() {
+        check(e.status == 0, &format!("rank {r} succeeded"), format!("{}: {}", e.describe(), e.msg))?;
+        let v: Vec<f64> = e.msg.split(' ').filter_map(|x| x.parse().ok()).collect();
+        check(v.len() == 2, "rank reported cpu and wall time", &e.msg)?;
+        if r < world - 1 {
+            total += v[0];
+            walls.push(v[1]);
+        }
+    }
+    let min_wall = walls.iter().cloned().fold(f64::INFINITY, f64::min);
+    println!(
+        "  15 ranks waiting {min_wall:.2} s or more at join used {:.1} ms of CPU in total ({:.2} % of one CPU)",
+        total * 1e3,
+        total / min_wall * 100.0
+    );
+    check(min_wall >= late.as_secs_f64() * 0.9, "the ranks waited for the late one", format!("{walls:?}"))?;
+    check(
+        total < 0.05 * late.as_secs_f64(),
+        "15 waiting ranks use under 5 % of one CPU",
+        format!("{:.1} ms in {min_wall:.2} s", total * 1e3),
+    )?;
+    check(took < Duration::from_secs(10), "done within 10 s", format!("{took:?}"))?;
+    no_new_segments("/dev/shm", &before)
+}
+
+/// No child process of this test process is left.
+fn no_children() -> Result<(), String> {
+    let left = common::children_of(std::process::id() as i32);
+    check(left.is_empty(), "no process left behind", format!("{left:?}"))
+}
+
+/// A job id no other test run uses.
+fn job_id(what: &str) -> String {
+    let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
+    format!("test-{what}-{}-{t:x}", std::process::id())
+}
+
+/// Bytes free in the file system holding `dir`.
+fn free_bytes(dir: &str) -> u64 {
+    let c = std::ffi::CString::new(dir).expect("path");
+    // SAFETY: zeroed statvfs is a valid out-parameter.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: valid C string and out-parameter.
+    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
+        return 0;
+    }
+    st.f_bavail as u64 * st.f_frsize as u64
+}
+
+/// Mount a tmpfs of `mib` MiB on `dir`.
+fn mount_tmpfs(dir: &str, mib: usize) -> Result<(), String> {
+    let (src, fs, target) = (c"tmpfs", c"tmpfs", std::ffi::CString::new(dir).expect("path"));
+    let opts = std::ffi::CString::new(format!("size={mib}m,mode=1777")).expect("opts");
+    // SAFETY: valid C strings; a fresh tmpfs mount.
+    let r = unsafe { libc::mount(src.as_ptr(), target.as_ptr(), fs.as_ptr(), 0, opts.as_ptr() as *const libc::c_void) };
+    if r != 0 {
+        return Err(format!("mount tmpfs on {dir}: {}", std::io::Error::last_os_error()));
+    }
+    Ok(())
+}
+
+/// Enter a mount namespace of our own, whose mounts vanish with it and do not reach the host's.
+fn private_mount_namespace() -> Result<(), String> {
+    // SAFETY: plain syscalls in a single-threaded child.
+    unsafe {
+        if libc::unshare(libc::CLONE_NEWNS) != 0 {
+            return Err(format!("unshare(CLONE_NEWNS): {}", std::io::Error::last_os_error()));
+        }
+        if libc::mount(c"none".as_ptr(), c"/".as_ptr(), std::ptr::null(), libc::MS_REC | libc::MS_PRIVATE, std::ptr::null()) != 0 {
+            return Err(format!("making / private: {}", std::io::Error::last_os_error()));
+        }
+    }
+    Ok(())
+}
+
+/// Run `f` in a forked child inside a private mount namespace. `Ok(Some(report))`, or
+/// `Ok(None)` when no mount namespace can be made here.
+fn in_private_namespace(f: impl Fn() -> Result<String, String>) -> Result<Option<String>, String> {
+    let out = fork_ranks(1, Duration::from_secs(40), |_| match private_mount_namespace() {
+        Ok(()) => f(),
+        Err(e) => Ok(format!("unavailable: {e}")),
+    })?;
+    check(out[0].status == 0, "the scenario passed", format!("{}: {}", out[0].describe(), out[0].msg))?;
+    Ok(if out[0].msg.starts_with("unavailable:") {
+        println!("  no private mount namespace ({})", out[0].msg);
+        None
+    } else {
+        Some(out[0].msg.clone())
+    })
+}
+
+/// The small-segment scenario, in a `cap_mib` MiB tmpfs at `dir` (`None`: /dev/shm):
+/// a segment whose slots do not fit fails to be created with an error that names the directory,
+/// the bytes needed and the bytes free, in well under a second and with nothing left behind; a
+/// job that fits runs, and a shared buffer that does not fit is refused with the same kind of
+/// error instead of a SIGBUS.
+fn small_shm_scenario(dir: Option<&str>, cap_mib: usize) -> Result<String, String> {
+    let shown = dir.unwrap_or("/dev/shm");
+    let before = segments_in(shown);
+    match dir {
+        // Through the environment, as a user would (this is a forked child: nobody else sees it).
+        Some(d) => std::env::set_var("LOCKSTEP_SHM_DIR", d),
+        None => std::env::remove_var("LOCKSTEP_SHM_DIR"),
+    }
+    let cfg = |slot: usize| ShmConfig { slot_bytes: slot, join_timeout: Duration::from_secs(10), ..ShmConfig::from_env() };
+    // 4 ranks with 2 slots of cap/4 each need twice the room (plus the header).
+    let world = 4;
+    let slot = (cap_mib << 20) / 4;
+    let needed = 8192 + world * 2 * slot;
+    let free = free_bytes(shown);
+    let t = Instant::now();
+    let e = match ShmComm::join_named(&job_id("small"), 0, world, cfg(slot)) {
+        Ok(_) => return Err(format!("a {needed}-byte segment was created in a {cap_mib} MiB {shown}")),
+        Err(e) => e.to_string(),
+    };
+    let took = t.elapsed();
+    let summary = format!("creation refused in {:.1} ms: {e}", took.as_secs_f64() * 1e3);
+    for want in [shown.to_string(), format!("{needed} bytes"), format!("{free} bytes"), "free".into(), "LOCKSTEP_SHM_SLOT_BYTES".into()] {
+        check(e.contains(&want), &format!("the creation error names '{want}'"), &e)?;
+    }
+    check(took < Duration::from_secs(1), "the creation error comes at once", format!("{took:?}"))?;
+    no_new_segments(shown, &before)?;
+
+    // A job that fits; rank 0 asks for a shared buffer twice the size of the tmpfs.
+    let job = job_id("fits");
+    let big = cap_mib << 21;
+    let t = Instant::now();
+    let out = fork_ranks(2, Duration::from_secs(20), |rank| {
+        let mut c = Communicator::from_backend(Box::new(ShmComm::join_named(&job, rank, 2, cfg(1 << 20)).map_err(|e| e.to_string())?));
+        let refused = if rank == 0 {
+            match c.alloc_shared::<u8>(big) {
+                Ok(_) => return Err(format!("a {big}-byte shared buffer was handed out in a {cap_mib} MiB {shown}")),
+                Err(e) => e.to_string(),
+            }
+        } else {
+            String::new()
+        };
+        let mut x = c.alloc_shared::<f32>(100_000).map_err(|e| e.to_string())?;
+        x.fill(rank as f32 + 1.0);
+        c.all_reduce_in_place(&mut x, ReduceOp::Sum).map_err(|e| e.to_string())?;
+        if x.iter().any(|v| *v != 3.0) {
+            return Err("wrong sum".into());
+        }
+        Ok(refused)
+    })?;
+    let ran = t.elapsed();
+    for (r, e) in out.iter().enumerate() {
+        check(
+            e.status == 0,
+            &format!("rank {r} of the fitting job finished normally (no SIGBUS)"),
+            format!("{}: {}", e.describe(), e.msg),
+        )?;
+    }
+    let e = &out[0].msg;
+    for want in [shown.to_string(), format!("{} bytes", big.next_multiple_of(4096)), "free".into(), "cannot reserve".into()] {
+        check(e.contains(&want), &format!("the alloc_shared error names '{want}'"), e)?;
+    }
+    check(ran < Duration::from_secs(10), "the fitting job ran within 10 s", format!("{ran:?}"))?;
+    no_new_segments(shown, &before)?;
+    Ok(format!(
+        "in a {cap_mib} MiB tmpfs on {shown}: {summary}; the fitting job ran in {:.2} s, refusing a {big}-byte buffer: {e}",
+        ran.as_secs_f64()
+    ))
+}
+
+/// A 16 MiB /dev/shm (as Docker's 64 MiB one, smaller): clear errors naming the directory, the
+/// bytes needed and free, no SIGBUS, nothing left behind.
+fn t_small_dev_shm() -> Result<(), String> {
+    let host_before = segments_in("/dev/shm");
+    let t = Instant::now();
+    match in_private_namespace(|| {
+        mount_tmpfs("/dev/shm", 16)?;
+        small_shm_scenario(None, 16)
+    })? {
+        Some(report) => println!("  {report}"),
+        None => {
+            println!("  skipped: a small /dev/shm needs a private mount namespace; small_shm_dir covers the same with LOCKSTEP_SHM_DIR")
+        }
+    }
+    check(t.elapsed() < Duration::from_secs(40), "done within 40 s", format!("{:?}", t.elapsed()))?;
+    no_new_segments("/dev/shm", &host_before)?;
+    no_children()
+}
+
+/// The same with LOCKSTEP_SHM_DIR on a 16 MiB tmpfs of our own (named segments made with `open`
+/// in that directory instead of `shm_open`): mounted in a private mount namespace, else on the
+/// host (and unmounted), else skipped.
+fn t_small_shm_dir() -> Result<(), String> {
+    let host_before = segments_in("/dev/shm");
+    let dir = common::scratch("small-shm");
+    let d = dir.to_str().ok_or("scratch path")?.to_string();
+    let t = Instant::now();
+    let scenario = || {
+        mount_tmpfs(&d, 16)?;
+        small_shm_scenario(Some(&d), 16)
+    };
+    let r = match in_private_namespace(scenario) {
+        Ok(Some(report)) => Ok(report),
+        Ok(None) => match mount_tmpfs(&d, 16) {
+            Ok(()) => {
+                let out = fork_ranks(1, Duration::from_secs(40), |_| small_shm_scenario(Some(&d), 16));
+                // SAFETY: valid C string; our own mount.
+                unsafe { libc::umount2(std::ffi::CString::new(d.clone()).expect("path").as_ptr(), libc::MNT_DETACH) };
+                out.and_then(|o| {
+                    check(o[0].status == 0, "the scenario passed", format!("{}: {}", o[0].describe(), o[0].msg))?;
+                    Ok(format!("(on the host's mount namespace) {}", o[0].msg))
+                })
+            }
+            Err(e) => Ok(format!("skipped: neither a private mount namespace nor a tmpfs mount is permitted here ({e})")),
+        },
+        Err(e) => Err(e),
+    };
+    let _ = std::fs::remove_dir_all(&dir);
+    println!("  {}", r?);
+    check(t.elapsed() < Duration::from_secs(40), "done within 40 s", format!("{:?}", t.elapsed()))?;
+    no_new_segments("/dev/shm", &host_before)?;
+    no_children()
+}
+
+/// LOCKSTEP_SHM_DIR must be an absolute path to an existing directory; anything else is refused
+/// by name before any segment is made.
+fn t_shm_dir_checked() -> Result<(), String> {
+    let file = common::scratch("shm-dir").join("a-file");
+    std::fs::write(&file, b"").map_err(|e| e.to_string())?;
+    let cases = [
+        ("/nonexistent/lockstep-shm".to_string(), "cannot be used"),
+        ("relative/dir".to_string(), "not an absolute path"),
+        (file.display().to_string(), "not a directory"),
+        (String::new(), "not an absolute path"),
+    ];
+    for (dir, why) in cases {
+        let cfg = ShmConfig { shm_dir: Some(dir.clone().into()), ..ShmConfig::default() };
+        let e = match ShmComm::join_named(&job_id("dir"), 0, 1, cfg) {
+            Ok(_) => return Err(format!("LOCKSTEP_SHM_DIR={dir:?} was accepted")),
+            Err(e) => e.to_string(),
+        };
+        check(
+            e.contains(&format!("LOCKSTEP_SHM_DIR={dir:?}")) && e.contains(why),
+            &format!("LOCKSTEP_SHM_DIR={dir:?} is refused: {why}"),
+            &e,
+        )?;
+    }
+    let _ = std::fs::remove_dir_all(file.parent().expect("parent"));
+    Ok(())
+}
+
+/// A rank that dies after joining while the others still wait for a late one: the waiting ranks
+/// fail within half a second naming it, instead of at the join timeout.
+fn t_join_peer_death() -> Result<(), String> {
+    let before = segments_in("/dev/shm");
+    let cfg = ShmConfig { slot_bytes: 64 << 10, heap_bytes: 2 << 20, join_timeout: Duration::from_secs(30), ..ShmConfig::default() };
+    let job = ShmJob::with_config(3, cfg).map_err(|e| e.to_string())?;
+    let t = Instant::now();
+    let out = fork_ranks(3, Duration::from_secs(10), |rank| match rank {
+        // Never joins within the test.
+        2 => {
+            std::thread::sleep(Duration::from_secs(1));
+            Ok(String::new())
+        }
+        _ => {
+            if rank == 1 {
+                // Dies 300 ms into its wait at join.
+                std::thread::spawn(|| {
+                    std::thread::sleep(Duration::from_millis(300));
+                    // SAFETY: ends this forked rank at once, as a crash would.
+                    unsafe { libc::_exit(9) };
+                });
+            }
+            let t = Instant::now();
+            match job.join(rank) {
+                Ok(_) => Err("join succeeded without rank 2".into()),
+                Err(e) => Ok(format!("{:.3} {e}", t.elapsed().as_secs_f64())),
+            }
+        }
+    })?;
+    drop(job);
+    check(libc::WIFEXITED(out[1].status) && libc::WEXITSTATUS(out[1].status) == 9, "rank 1 died as planned", out[1].describe())?;
+    let (secs, msg) = out[0].msg.split_once(' ').ok_or_else(|| format!("rank 0: {}", out[0].msg))?;
+    let secs: f64 = secs.parse().map_err(|_| out[0].msg.clone())?;
+    check(msg.contains("rank 1 (pid") && msg.contains("died before all ranks had joined"), "rank 0's error names the dead rank", msg)?;
+    check((0.25..0.8).contains(&secs), "rank 0 noticed within 0.5 s of the death", format!("{secs:.3} s"))?;
+    check(t.elapsed() < Duration::from_secs(5), "done within 5 s", format!("{:?}", t.elapsed()))?;
+    no_new_segments("/dev/shm", &before)?;
+    no_children()
+}
+
+/// Start rank 0 of a 2-rank named job in a child that waits (in vain) for rank 1; returns its
+/// pid once the segment exists and its header is written.
+fn creator_waiting(job: &str) -> Result<i32, String> {
+    let path = format!("/dev/shm/lockstep-{job}");
+    // SAFETY: single-threaded test process; the child only runs lockstep code and _exits.
+    let pid = unsafe { libc::fork() };
+    if pid == 0 {
+        let cfg = ShmConfig { heap_bytes: 2 << 20, slot_bytes: 64 << 10, join_timeout: Duration::from_secs(30), ..ShmConfig::default() };
+        let r = ShmComm::join_named(job, 0, 2, cfg);
+        // SAFETY: leave the child without running the parent's destructors.
+        unsafe { libc::_exit(r.is_err() as i32) };
+    }
+    // The header is written right after the file is created and reserved: give it a moment.
+    if !common::wait_until(Duration::from_secs(5), || std::path::Path::new(&path).exists()) {
+        common::signal(pid, libc::SIGKILL);
+        // SAFETY: our child.
+        unsafe { libc::waitpid(pid, std::ptr::null_mut(), 0) };
+        return Err(format!("{path} did not appear"));
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    Ok(pid)
+}
+
+fn kill_and_reap(pid: i32) {
+    common::signal(pid, libc::SIGKILL);
+    // SAFETY: our child.
+    unsafe { libc::waitpid(pid, std::ptr::null_mut(), 0) };
+}
+
+/// A named segment whose creator was killed is removed at once by the next launch's sweep (and
+/// one whose creator lives is kept); a new rank 0 with the same job id reclaims it and runs.
+fn t_stale_segment_reclaimed() -> Result<(), String> {
+    let before = segments_in("/dev/shm");
+    let (dead, live) = (job_id("dead"), job_id("live"));
+    let (dead_path, live_path) = (format!("/dev/shm/lockstep-{dead}"), format!("/dev/shm/lockstep-{live}"));
+    let a = creator_waiting(&dead)?;
+    let b = match creator_waiting(&live) {
+        Ok(b) => b,
+        Err(e) => {
+            kill_and_reap(a);
+            return Err(e);
+        }
+    };
+    kill_and_reap(a);
+    check(std::path::Path::new(&dead_path).exists(), "a killed creator leaves its segment behind", &dead_path)?;
+    let t = Instant::now();
+    // The fallback rule (for segments without a readable header) says "never" here, so what is
+    // removed is removed on the header's word alone.
+    let removed = lockstep::shm::reclaim_stale_segments(&|_, _| false);
+    let took = t.elapsed();
+    let (dead_gone, live_kept) = (!std::path::Path::new(&dead_path).exists(), std::path::Path::new(&live_path).exists());
+    kill_and_reap(b);
+    check(
+        dead_gone && removed.iter().any(|p| p.display().to_string() == dead_path),
+        "the dead creator's segment is removed",
+        format!("{removed:?}"),
+    )?;
+    check(live_kept, "a running creator's segment is kept", &live_path)?;
+    check(took < Duration::from_millis(500), "the sweep takes under 0.5 s", format!("{took:?}"))?;
+
+    // Same job id again: rank 0 finds the leftover of its dead creator, removes it and runs.
+    check(std::path::Path::new(&live_path).exists(), "the second creator's segment is left after its kill", &live_path)?;
+    let t = Instant::now();
+    let out = fork_ranks(2, Duration::from_secs(20), |rank| {
+        let cfg = ShmConfig { heap_bytes: 2 << 20, slot_bytes: 64 << 10, join_timeout: Duration::from_secs(10), ..ShmConfig::default() };
+        let mut c = Communicator::from_backend(Box::new(ShmComm::join_named(&live, rank, 2, cfg).map_err(|e| e.to_string())?));
+        let mut x = [rank as i64 + 1; 8];
+        c.all_reduce_in_place(&mut x, ReduceOp::Sum).map_err(|e| e.to_string())?;
+        if x != [3; 8] {
+            return Err(format!("wrong sum {x:?}"));
+        }
+        Ok(String::new())
+    })?;
+    let took = t.elapsed();
+    for (r, e) in out.iter().enumerate() {
+        check(e.status == 0, &format!("rank {r} of the rerun with the same job id succeeded"), format!("{}: {}", e.describe(), e.msg))?;
+    }
+    check(took < Duration::from_secs(3), "the rerun with the same job id took under 3 s", format!("{took:?}"))?;
+    no_new_segments("/dev/shm", &before)?;
+    no_children()
+}
+
+/// Rank 2 comes 1.5 s late to all_reduce #2 with a 0.8 s timeout: every rank's error, not only
+/// that of the rank that timed out first, names rank 2 and the collective.
+fn t_timeout_names_stuck_rank_everywhere() -> Result<(), String> {
+    let mut cfg = LaunchConfig::new(4);
+    cfg.shm = ShmConfig { slot_bytes: 64 << 10, heap_bytes: 2 << 20, timeout: Duration::from_millis(800), ..ShmConfig::default() };
+    cfg.fail_fast = false;
+    let t = Instant::now();
+    let out = launch(&cfg, |mut ctx: RankContext| -> RankResult<(f64, String)> {
+        ctx.comm.barrier()?;
+        if ctx.rank == 2 {
+            std::thread::sleep(Duration::from_millis(1500));
+        }
+        let t = Instant::now();
+        let e = ctx.comm.all_reduce_in_place(&mut [1f32; 4], ReduceOp::Sum).err().ok_or("all_reduce passed")?;
+        Ok((t.elapsed().as_secs_f64(), e.to_string()))
+    })
+    .map_err(|e| e.to_string())?;
+    let took = t.elapsed();
+    for (r, (secs, msg)) in out.iter().enumerate() {
+        check(
+            msg.contains("rank 2 is stuck before all_reduce #2 (rank 2 is at collective #1, barrier)"),
+            &format!("rank {r}'s error names the stuck rank and collective"),
+            msg,
+        )?;
+        let bound = if r == 2 { 0.0..0.5 } else { 0.7..2.0 };
+        check(bound.contains(secs), &format!("rank {r} failed after {bound:?} s"), format!("{secs:.2} s: {msg}"))?;
+    }
+    check(took < Duration::from_secs(6), "done within 6 s", format!("{took:?}"))?;
+    no_children()
+}
+
+fn main() -> std::process::ExitCode {
+    common::run(&[
+        ("join_wait_cpu", t_join_wait_cpu),
+        ("join_peer_death", t_join_peer_death),
+        ("small_dev_shm", t_small_dev_shm),
+        ("small_shm_dir", t_small_shm_dir),
+        ("shm_dir_checked", t_shm_dir_checked),
+        ("stale_segment_reclaimed", t_stale_segment_reclaimed),
+        ("timeout_names_stuck_rank_everywhere", t_timeout_names_stuck_rank_everywhere),
+    ])
+}

@@ -1,0 +1,550 @@
+//! Multi-process tests of the exchanges (all_to_all, all_to_all_v, scatter, all_gather_v,
+//! gather_v), point-to-point send/recv and groups, and the nonblocking forms, on the
+//! shared-memory backend, through the fork launcher.
+//!
+//! `harness = false`: the process forks, so it stays single-threaded; the binary ends with
+//! `N passed, M failed`.
+
+use std::time::{Duration, Instant};
+
+use half::{bf16, f16};
+use lockstep::comm::{CommError, Communicator, Element, ReduceOp};
+use lockstep::launch::{launch, LaunchConfig, LaunchError, RankContext, RankResult};
+use lockstep::shm::ShmConfig;
+
+trait TestElem: Element + PartialEq {
+    fn from_f64(v: f64) -> Self;
+}
+
+macro_rules! test_elem_num {
+    ($($t:ty),*) => {$( impl TestElem for $t { fn from_f64(v: f64) -> Self { v as $t } } )*};
+}
+test_elem_num!(f32, f64, i32, i64, u8, i8, u32, u64);
+impl TestElem for f16 {
+    fn from_f64(v: f64) -> Self {
+        f16::from_f64(v)
+    }
+}
+impl TestElem for bf16 {
+    fn from_f64(v: f64) -> Self {
+        bf16::from_f64(v)
+    }
+}
+
+/// Element `i` of what rank `src` sends to rank `dst`: small integers, exact in every dtype, and
+/// different for every (src, dst) pair so a misrouted block shows.
+fn val<T: TestElem>(src: usize, dst: usize, i: usize) -> T {
+    T::from_f64(((src * 31 + dst * 7 + i * 3 + i / 11) % 97) as f64)
+}
+
+/// Marks elements that nothing may write.
+fn sentinel<T: TestElem>() -> T {
+    T::from_f64(99.0)
+}
+
+fn cfg(n: usize) -> LaunchConfig {
+    let mut cfg = LaunchConfig::new(n);
+    // Small slots so the exchanges run many rounds and point-to-point messages overflow the
+    // mailboxes (one slot at most) on small inputs.
+    cfg.shm.slot_bytes = 8192;
+    cfg.shm.small_bytes = 1024;
+    cfg.shm.heap_bytes = 16 << 20;
+    cfg.shm.timeout = Duration::from_secs(20);
+    cfg.shm = cfg.shm.clone().normalized();
+    cfg
+}
+
+/// Block sizes in elements: empty, one, odd, and above a staging slot (and a mailbox).
+fn sizes(n: usize, esz: usize) -> Vec<usize> {
+    let slot = ShmConfig { slot_bytes: 8192, ..ShmConfig::default() }.normalized_for(n).slot_bytes;
+    vec![0, 1, 7, 3 * slot / esz + 5]
+}
+
+/// `counts[i][j]`: elements rank i sends to rank j in all_to_all_v (some zero, all different).
+fn v_count(i: usize, j: usize, len: usize) -> usize {
+    if (i + 2 * j) % 4 == 3 {
+        0
+    } else {
+        len * ((i + j) % 3 + 1) / 2 + (i + j) % 2
+    }
+}
+
+/// Displacements of blocks of `counts`, each followed by a one-element gap.
+fn displs(counts: &[usize]) -> (Vec<usize>, usize) {
+    let mut d = Vec::new();
+    let mut at = 0;
+    for &c in counts {
+        d.push(at);
+        at += c + 1;
+    }
+    (d, at)
+}
+
+/// Run every exchange on dtype T; returns failure messages.
+fn check_exchanges<T: TestElem>(c: &mut Communicator) -> Result<Vec<String>, CommError> {
+    let (me, n) = (c.rank(), c.world_size());
+    let dt = T::DTYPE;
+    let mut bad = Vec::new();
+    for len in sizes(n, dt.size()) {
+        // all_to_all (and its async form on the last size).
+        let send: Vec<T> = (0..n * len).map(|k| val(me, k / len.max(1), k % len.max(1))).collect();
+        let mut recv = vec![sentinel::<T>(); n * len];
+        if len > 7 {
+            c.all_to_all_async(&send, &mut recv).wait()?;
+        } else {
+            c.all_to_all(&send, &mut recv)?;
+        }
+        if let Some(k) = (0..n * len).find(|&k| recv[k] != val(k / len, me, k % len)) {
+            bad.push(format!("all_to_all {dt} len {len}: [{k}] = {:?}", recv[k]));
+        }
+        // all_to_all_v with gaps between blocks, which must stay untouched.
+        let sc: Vec<usize> = (0..n).map(|j| v_count(me, j, len)).collect();
+        let rc: Vec<usize> = (0..n).map(|i| v_count(i, me, len)).collect();
+        let ((sd, slen), (rd, rlen)) = (displs(&sc), displs(&rc));
+        let mut send = vec![sentinel::<T>(); slen];
+        for j in 0..n {
+            for i in 0..sc[j] {
+                send[sd[j] + i] = val(me, j, i);
+            }
+        }
+        let mut recv = vec![sentinel::<T>(); rlen];
+        c.all_to_all_v(&send, &sc, &sd, &mut recv, &rc, &rd)?;
+        let want: Vec<T> = (0..n).flat_map(|i| (0..rc[i]).map(move |k| val(i, me, k)).chain([sentinel()])).collect();
+        if let Some(k) = (0..rlen).find(|&k| recv[k] != want[k]) {
+            bad.push(format!("all_to_all_v {dt} len {len}: [{k}] = {:?}", recv[k]));
+        }
+        // scatter from the last rank; other ranks pass an empty send.
+        let root = n - 1;
+        let send: Vec<T> = if me == root { (0..n * len).map(|k| val(root, k / len.max(1), k % len.max(1))).collect() } else { vec![] };
+        let mut recv = vec![sentinel::<T>(); len];
+        c.scatter(&send, &mut recv, root)?;
+        if let Some(k) = (0..len).find(|&k| recv[k] != val(root, me, k)) {
+            bad.push(format!("scatter {dt} len {len}: [{k}] = {:?}", recv[k]));
+        }
+        // all_gather_v and gather_v with per-rank lengths.
+        let counts: Vec<usize> = (0..n).map(|r| v_count(r, r + 1, len)).collect();
+        let send: Vec<T> = (0..counts[me]).map(|k| val(me, 0, k)).collect();
+        let total: usize = counts.iter().sum();
+        let want: Vec<T> = (0..n).flat_map(|r| (0..counts[r]).map(move |k| val(r, 0, k))).collect();
+        let mut recv = vec![sentinel::<T>(); total];
+        c.all_gather_v(&send, &mut recv, &counts)?;
+        if let Some(k) = (0..total).find(|&k| recv[k] != want[k]) {
+            bad.push(format!("all_gather_v {dt} len {len}: [{k}] = {:?}", recv[k]));
+        }
+        let root = n / 2;
+        let mut recv = if me == root { vec![sentinel::<T>(); total] } else { vec![] };
+        let rcounts: &[usize] = if me == root { &counts } else { &[] };
+        c.gather_v(&send, &mut recv, rcounts, root)?;
+        if me == root {
+            if let Some(k) = (0..total).find(|&k| recv[k] != want[k]) {
+                bad.push(format!("gather_v {dt} len {len}: [{k}] = {:?}", recv[k]));
+            }
+        }
+    }
+    Ok(bad)
+}
+
+/// Plain send/recv from every rank to every other (ordered so nothing waits in a cycle), then the
+/// group patterns; returns failure messages.
+fn check_p2p<T: TestElem>(c: &mut Communicator) -> Result<Vec<String>, CommError> {
+    let (me, n) = (c.rank(), c.world_size());
+    let dt = T::DTYPE;
+    let mut bad = Vec::new();
+    let mut check = |what: &str, got: &[T], src: usize, salt: usize| {
+        if let Some(k) = (0..got.len()).find(|&k| got[k] != val(src, me + salt, k)) {
+            bad.push(format!("{what} {dt} len {} from {src}: [{k}] = {:?}", got.len(), got[k]));
+        }
+    };
+    for len in sizes(n, dt.size()) {
+        // Plain: for each pair (a < b), a sends then receives, b receives then sends.
+        for peer in (0..n).filter(|&p| p != me) {
+            let out: Vec<T> = (0..len).map(|k| val(me, peer, k)).collect();
+            let mut inb = vec![sentinel::<T>(); len];
+            if me < peer {
+                c.send(&out, peer)?;
+                c.recv_async(&mut inb, peer).wait()?;
+            } else {
+                c.recv(&mut inb, peer)?;
+                c.send_async(&out, peer).wait()?;
+            }
+            check("send/recv", &inb, peer, 0);
+        }
+        // Ring: everyone sends right and receives from the left, in one group.
+        let (right, left) = ((me + 1) % n, (me + n - 1) % n);
+        let out: Vec<T> = (0..len).map(|k| val(me, right, k)).collect();
+        let mut inb = vec![sentinel::<T>(); len];
+        c.group(|g| {
+            g.send(&out, right)?;
+            g.recv(&mut inb, left)
+        })?;
+        check("ring", &inb, left, 0);
+        // All pairs, oneself included, in one group: every send posted before every recv.
+        let outs: Vec<Vec<T>> = (0..n).map(|p| (0..len).map(|k| val(me, p, k)).collect()).collect();
+        let mut ins: Vec<Vec<T>> = vec![vec![sentinel::<T>(); len]; n];
+        c.group(|g| {
+            for (p, o) in outs.iter().enumerate() {
+                g.send(o, p)?;
+            }
+            for (p, i) in ins.iter_mut().enumerate() {
+                g.recv(i, p)?;
+            }
+            Ok(())
+        })?;
+        for (p, i) in ins.iter().enumerate() {
+            check("all-pairs", i, p, 0);
+        }
+    }
+    // Pipeline: three messages of different sizes (above a mailbox) down the line 0 → 1 → …,
+    // each rank receiving from the previous and sending to the next in one group: in order per pair.
+    let big = sizes(n, dt.size())[3];
+    let lens = [big, 3, big / 2];
+    let outs: Vec<Vec<T>> = lens.iter().enumerate().map(|(m, &l)| (0..l).map(|k| val(me, me + 1 + m, k)).collect()).collect();
+    let mut ins: Vec<Vec<T>> = lens.iter().map(|&l| vec![sentinel::<T>(); l]).collect();
+    c.group(|g| {
+        if me + 1 < n {
+            for o in &outs {
+                g.send(o, me + 1)?;
+            }
+        }
+        if me > 0 {
+            for i in ins.iter_mut() {
+                g.recv(i, me - 1)?;
+            }
+        }
+        Ok(())
+    })?;
+    if me > 0 {
+        for (m, i) in ins.iter().enumerate() {
+            check("pipeline", i, me - 1, m);
+        }
+    }
+    Ok(bad)
+}
+
+macro_rules! every_dtype {
+    ($f:ident, $c:expr) => {{
+        let mut bad = Vec::new();
+        bad.extend($f::<f32>($c)?);
+        bad.extend($f::<f64>($c)?);
+        bad.extend($f::<f16>($c)?);
+        bad.extend($f::<bf16>($c)?);
+        bad.extend($f::<i32>($c)?);
+        bad.extend($f::<i64>($c)?);
+        bad.extend($f::<u8>($c)?);
+        bad.extend($f::<i8>($c)?);
+        bad.extend($f::<u32>($c)?);
+        bad.extend($f::<u64>($c)?);
+        bad
+    }};
+}
+
+fn report(out: Result<Vec<Vec<String>>, LaunchError>) -> Result<(), String> {
+    let out = out.map_err(|e| e.to_string())?;
+    let bad: Vec<String> = out.into_iter().enumerate().flat_map(|(r, b)| b.into_iter().map(move |m| format!("rank {r}: {m}"))).collect();
+    if bad.is_empty() {
+        Ok(())
+    } else {
+        Err(bad.into_iter().take(10).collect::<Vec<_>>().join("\n"))
+    }
+}
+
+fn t_exchanges() -> Result<(), String> {
+    for n in 1..=5 {
+        let t = Instant::now();
+        report(launch(&cfg(n), |mut ctx: RankContext| -> RankResult<Vec<String>> { Ok(every_dtype!(check_exchanges, &mut ctx.comm)) }))
+            .map_err(|e| format!("world {n}: {e}"))?;
+        if t.elapsed() > Duration::from_secs(10) {
+            return Err(format!("world {n} took {:?}", t.elapsed()));
+        }
+    }
+    Ok(())
+}
+
+fn t_p2p_and_groups() -> Result<(), String> {
+    for n in 1..=5 {
+        let t = Instant::now();
+        report(launch(&cfg(n), |mut ctx: RankContext| -> RankResult<Vec<String>> {
+            let mut bad = every_dtype!(check_p2p, &mut ctx.comm);
+            // Point-to-point traffic left the collectives in step.
+            let mut x = vec![1u32; 100];
+            ctx.comm.all_reduce_in_place_async(&mut x, ReduceOp::Sum).wait()?;
+            if x.iter().any(|&v| v as usize != ctx.world_size) {
+                bad.push("all_reduce after point-to-point is wrong".into());
+            }
+            Ok(bad)
+        }))
+        .map_err(|e| format!("world {n}: {e}"))?;
+        if t.elapsed() > Duration::from_secs(10) {
+            return Err(format!("world {n} took {:?}: a group waited", t.elapsed()));
+        }
+    }
+    Ok(())
+}
+
+/// The nonblocking collectives give the same results as the blocking ones.
+fn t_async_forms() -> Result<(), String> {
+    report(launch(&cfg(3), |mut ctx: RankContext| -> RankResult<Vec<String>> {
+        let c = &mut ctx.comm;
+        let (me, n) = (c.rank(), c.world_size());
+        let mut bad = Vec::new();
+        let send: Vec<f32> = (0..3000).map(|i| (i % 7 + me) as f32).collect();
+        let mut a = vec![0f32; 3000];
+        let w = c.all_reduce_async(&send, &mut a, ReduceOp::Sum);
+        if !w.is_completed() {
+            bad.push("host work not completed".into());
+        }
+        w.wait()?;
+        if (0..3000).any(|i| a[i] != (3 * (i % 7) + 3) as f32) {
+            bad.push("all_reduce_async".into());
+        }
+        let mut b = vec![0f32; 3000];
+        c.broadcast_async(&send, &mut b, 1).wait()?;
+        if (0..3000).any(|i| b[i] != (i % 7 + 1) as f32) {
+            bad.push("broadcast_async".into());
+        }
+        let mut g = vec![0f32; 3000 * n];
+        c.all_gather_async(&send, &mut g).wait()?;
+        if (0..3000 * n).any(|i| g[i] != (i % 3000 % 7 + i / 3000) as f32) {
+            bad.push("all_gather_async".into());
+        }
+        let mut r = vec![0f32; 1000];
+        c.reduce_scatter_async(&send, &mut r, ReduceOp::Max).wait()?;
+        if (0..1000).any(|i| r[i] != ((me * 1000 + i) % 7 + 2) as f32) {
+            bad.push("reduce_scatter_async".into());
+        }
+        // An error comes back through the handle.
+        match c.all_to_all_async(&send[..10], &mut a[..10]).wait() {
+            Err(CommError::InvalidArgument { .. }) => {}
+            other => bad.push(format!("all_to_all_async of 10 on 3 ranks should be refused: {other:?}")),
+        }
+        Ok(bad)
+    }))
+}
+
+fn expect_all_err(res: Result<Vec<String>, LaunchError>, needles: &[&[&str]]) -> Result<(), String> {
+    let msgs = res.map_err(|e| format!("ranks failed instead of returning errors: {e}"))?;
+    for (r, m) in msgs.iter().enumerate() {
+        for n in needles[r.min(needles.len() - 1)] {
+            if !m.contains(n) {
+                return Err(format!("rank {r}'s error lacks '{n}': {m}"));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Disagreements are a Mismatch on every rank involved, naming who passed what; the collectives
+/// stay usable afterwards.
+fn t_mismatch() -> Result<(), String> {
+    type Case = (&'static str, &'static [&'static [&'static str]]);
+    let cases: &[Case] = &[
+        ("p2p_count", &[&["mismatch", "send(count=10, dtype=f32)", "recv(count=11, dtype=f32)"]]),
+        ("p2p_dtype", &[&["mismatch", "send(count=10, dtype=f32)", "recv(count=10, dtype=i32)"]]),
+        ("p2p_group", &[&["mismatch", "send(count=10, dtype=f32)", "recv(count=11, dtype=f32)"]]),
+        ("a2av", &[&["mismatch", "rank 0 sends 3 elements to rank 1 but rank 1 expects 4 from rank 0"]]),
+        ("a2a", &[&["mismatch", "all_to_all(count=5", "all_to_all(count=6"]]),
+        ("scatter", &[&["mismatch", "scatter(count=5, dtype=f32, root=0)", "root=1"]]),
+        ("agv", &[&["mismatch", "all_gather_v counts disagree", "rank 1 sends 2 elements to rank 0 but rank 0 expects 3 from rank 1"]]),
+        ("gv", &[&["mismatch", "gather_v counts disagree", "rank 1 sends 2 elements to rank 0 but rank 0 expects 3 from rank 1"]]),
+    ];
+    for (case, needles) in cases {
+        let res = launch(&cfg(2), |mut ctx: RankContext| -> RankResult<String> {
+            let c = &mut ctx.comm;
+            let me = ctx.rank;
+            let x = vec![1f32; 12];
+            let mut y = vec![0f32; 12];
+            let r = match (*case, me) {
+                ("p2p_count", 0) => c.send(&x[..10], 1),
+                ("p2p_count", _) => c.recv(&mut y[..11], 0),
+                ("p2p_dtype", 0) => c.send(&x[..10], 1),
+                ("p2p_dtype", _) => c.recv(&mut [0i32; 10], 0),
+                ("p2p_group", 0) => c.group(|g| {
+                    g.send(&x[..10], 1)?;
+                    g.recv(&mut y[..1], 1)
+                }),
+                ("p2p_group", _) => c.group(|g| {
+                    g.send(&x[..1], 0)?;
+                    g.recv(&mut y[..11], 0)
+                }),
+                ("a2av", _) => {
+                    let (sc, rc): ([usize; 2], [usize; 2]) = if me == 0 { ([1, 3], [1, 2]) } else { ([2, 2], [4, 2]) };
+                    c.all_to_all_v(&x, &sc, &[0, 4], &mut y, &rc, &[0, 6])
+                }
+                ("a2a", _) => c.all_to_all(&x[..10 + 2 * me], &mut y[..10 + 2 * me]),
+                ("scatter", _) => c.scatter(&x[..10], &mut y[..5], me),
+                ("agv", _) => {
+                    let counts: [usize; 2] = if me == 0 { [1, 3] } else { [1, 2] };
+                    c.all_gather_v(&x[..counts[me]], &mut y[..4 - me], &counts)
+                }
+                ("gv", _) => {
+                    let counts: [usize; 2] = [1, 3];
+                    let s = if me == 0 { 1 } else { 2 };
+                    c.gather_v(&x[..s], &mut y[..4], &counts, 0)
+                }
+                _ => unreachable!(),
+            };
+            let msg = match r {
+                Err(e @ CommError::Mismatch { .. }) => e.to_string().to_lowercase(),
+                other => return Err(format!("expected a mismatch error, got {other:?}").into()),
+            };
+            // Collectives still work.
+            let mut z = vec![me as f32 + 1.0; 1000];
+            c.all_reduce_in_place(&mut z, ReduceOp::Sum)?;
+            if z.iter().any(|v| *v != 3.0) {
+                return Err("communicator unusable after mismatch".into());
+            }
+            Ok(msg)
+        });
+        expect_all_err(res, needles).map_err(|e| format!("case {case}: {e}"))?;
+    }
+    Ok(())
+}
+
+/// A rank that dies while its peer waits for it in each new operation: the peer gets PeerLost
+/// naming it, within a second.
+fn t_dead_peer() -> Result<(), String> {
+    let ops = ["recv", "send_big", "group", "all_to_all", "all_to_all_v", "scatter", "all_gather_v", "gather_v"];
+    for op in ops {
+        let mut cfg = cfg(2);
+        cfg.fail_fast = false;
+        let res = launch(&cfg, |mut ctx: RankContext| -> RankResult<String> {
+            let c = &mut ctx.comm;
+            if ctx.rank == 1 {
+                std::thread::sleep(Duration::from_millis(50));
+                std::process::abort();
+            }
+            let big = vec![1f32; 100_000];
+            let mut out = vec![0f32; 100_000];
+            let t = Instant::now();
+            let r = match op {
+                "recv" => c.recv(&mut out, 1),
+                "send_big" => c.send(&big, 1),
+                "group" => c.group(|g| {
+                    g.send(&big, 1)?;
+                    g.recv(&mut out, 1)
+                }),
+                "all_to_all" => c.all_to_all(&big, &mut out),
+                "all_to_all_v" => c.all_to_all_v(&big, &[10, 10], &[0, 10], &mut out, &[10, 10], &[0, 10]),
+                "scatter" => c.scatter(&big, &mut out[..50_000], 0),
+                "all_gather_v" => c.all_gather_v(&big[..10], &mut out[..20], &[10, 10]),
+                _ => c.gather_v(&big[..10], &mut out[..20], &[10, 10], 0),
+            };
+            let e = r.err().ok_or("no error")?;
+            let took = t.elapsed();
+            if took > Duration::from_secs(1) {
+                return Err(format!("{op}: detection took {took:?}").into());
+            }
+            if !matches!(e, CommError::PeerLost { lost_rank: 1, .. }) || !e.to_string().contains("died") {
+                return Err(format!("{op}: error is not PeerLost naming rank 1: {e}").into());
+            }
+            // A poisoned communicator refuses further work.
+            if c.send(&big[..1], 1).is_ok() {
+                return Err(format!("{op}: send after a lost peer succeeded").into());
+            }
+            Err(format!("OK-SURVIVOR {e}").into())
+        });
+        match res {
+            Err(LaunchError::RanksFailed(f)) => {
+                if !f.iter().any(|x| x.rank == 0 && x.message.starts_with("OK-SURVIVOR")) {
+                    return Err(format!("{op}: survivor did not report the dead peer properly: {f:?}"));
+                }
+            }
+            other => return Err(format!("{op}: unexpected outcome {other:?}")),
+        }
+    }
+    Ok(())
+}
+
+/// A recv whose sender never sends times out naming that peer; invalid arguments are refused
+/// locally (and, for collectives, on the peers as a mismatch).
+fn t_timeout_and_local_errors() -> Result<(), String> {
+    let mut cfg2 = cfg(2);
+    cfg2.shm.timeout = Duration::from_millis(500);
+    let out = launch(&cfg2, |mut ctx: RankContext| -> RankResult<String> {
+        let c = &mut ctx.comm;
+        if ctx.rank == 1 {
+            std::thread::sleep(Duration::from_millis(1200));
+            return Ok(String::new());
+        }
+        let mut b = [0u64; 4];
+        match c.recv(&mut b, 1) {
+            Err(e @ CommError::Timeout { .. }) => Ok(e.to_string()),
+            other => Err(format!("expected a timeout, got {other:?}").into()),
+        }
+    })
+    .map_err(|e| e.to_string())?;
+    if !out[0].contains("recv from rank 1: rank 1 has not sent") {
+        return Err(format!("timeout does not name the peer: {}", out[0]));
+    }
+    let out = launch(&cfg(2), |mut ctx: RankContext| -> RankResult<Vec<String>> {
+        let c = &mut ctx.comm;
+        let me = ctx.rank;
+        let mut bad = Vec::new();
+        let x = [1f32; 8];
+        let mut y = [0f32; 8];
+        for (what, r) in [
+            ("send to self", c.send(&x, me)),
+            ("peer out of range", c.recv(&mut y, 2)),
+            ("unpaired self send in a group", c.group(|g| g.send(&x, me))),
+        ] {
+            if !matches!(r, Err(CommError::InvalidArgument { .. })) {
+                bad.push(format!("{what}: {r:?}"));
+            }
+        }
+        // Rank 0's displacement runs past its buffer: refused there, a mismatch on rank 1.
+        let d = if me == 0 { [0, 7] } else { [0, 4] };
+        let r = c.all_to_all_v(&x, &[4, 4], &d, &mut y, &[4, 4], &[0, 4]);
+        match (me, &r) {
+            (0, Err(CommError::InvalidArgument { .. })) | (1, Err(CommError::Mismatch { .. })) => {}
+            _ => bad.push(format!("all_to_all_v with a bad displacement: {r:?}")),
+        }
+        let r = c.all_gather_v(&x[..2], &mut y[..5], &[2, 2]);
+        if !matches!(r, Err(CommError::InvalidArgument { .. })) {
+            bad.push(format!("all_gather_v with a short recv: {r:?}"));
+        }
+        // Still in step.
+        let mut z = [1u64; 3];
+        c.all_reduce_in_place(&mut z, ReduceOp::Sum)?;
+        if z != [2; 3] {
+            bad.push("all_reduce after refused calls".into());
+        }
+        Ok(bad)
+    });
+    report(out)
+}
+
+type TestFn = fn() -> Result<(), String>;
+
+fn main() {
+    let tests: Vec<(&str, TestFn)> = vec![
+        ("exchanges", t_exchanges),
+        ("p2p_and_groups", t_p2p_and_groups),
+        ("async_forms", t_async_forms),
+        ("mismatch", t_mismatch),
+        ("dead_peer", t_dead_peer),
+        ("timeout_and_local_errors", t_timeout_and_local_errors),
+    ];
+    let filter: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with('-')).collect();
+    let (mut passed, mut failed) = (0, 0);
+    for (name, t) in tests {
+        if !filter.is_empty() && !filter.iter().any(|f| name.contains(f.as_str())) {
+            continue;
+        }
+        let start = Instant::now();
+        let r = std::panic::catch_unwind(t).unwrap_or_else(|_| Err("panicked".into()));
+        match r {
+            Ok(()) => {
+                passed += 1;
+                println!("test {name} ... ok ({:.2} s)", start.elapsed().as_secs_f64());
+            }
+            Err(e) => {
+                failed += 1;
+                println!("test {name} ... FAILED ({:.2} s)\n{e}", start.elapsed().as_secs_f64());
+            }
+        }
+    }
+    println!("\n{passed} passed, {failed} failed");
+    if failed > 0 {
+        std::process::exit(1);
+    }
+}
