@@ -11,8 +11,8 @@
 
 use std::sync::Arc;
 
-use crate::comm::{Backend, BackendKind, Call, CommError, Communicator};
-use crate::cuda::{Context, CudaError, PinnedBuffer, Stream};
+use crate::comm::{Backend, BackendKind, Call, CommError, Communicator, P2pOp};
+use crate::cuda::{Context, CudaError, PinnedBuffer, Producers, Stream};
 use crate::types::{CollKind, Dtype, MemSpace, RawMem};
 
 /// What went wrong in a staged call: the host collective (its error is passed on unchanged, so
@@ -36,6 +36,8 @@ pub struct StagedBackend {
     /// Staging for the outer (or receive) region and, when disjoint, the send region.
     stage_a: PinnedBuffer<u8>,
     stage_b: PinnedBuffer<u8>,
+    /// Orders the staging copies after the context's other streams (see [`Producers`]).
+    producers: Producers,
 }
 
 impl StagedBackend {
@@ -55,6 +57,7 @@ impl StagedBackend {
             inner,
             stage_a: PinnedBuffer::zeros(ctx, 0)?,
             stage_b: PinnedBuffer::zeros(ctx, 0)?,
+            producers: Producers::new(ctx),
         })
     }
 
@@ -80,6 +83,7 @@ impl StagedBackend {
         let (sb, rb) = (s.len * sz, r.len * sz);
         let within = |inner: RawMem, ib: usize, outer: RawMem, ob: usize| inner.addr >= outer.addr && inner.addr + ib <= outer.addr + ob;
         self.ctx.bind()?;
+        self.producers.order(&self.stream)?;
         // Which region is staged where: one region when one buffer contains the other.
         let (host_send, host_recv);
         if rb > 0 && sb > 0 && within(s, sb, r, rb) {
@@ -120,6 +124,47 @@ impl StagedBackend {
             unsafe { self.stream.memcpy_htod_raw(r.addr as u64, host_recv as *const u8, rb)? };
             self.stream.synchronize()?;
         }
+        Ok(())
+    }
+
+    /// A group of sends and receives: device buffers are staged through one pinned region (sends
+    /// copied in before, receives copied out after the host group), host buffers pass as they are.
+    fn staged_p2p(&mut self, ops: &[P2pOp]) -> Result<(), StageError> {
+        let on_device = |op: &P2pOp| op.mem.len > 0 && op.mem.space != MemSpace::Host;
+        let mut offsets = Vec::with_capacity(ops.len());
+        let mut total = 0usize;
+        for op in ops {
+            offsets.push(total);
+            if on_device(op) {
+                // Keep every block 64-byte aligned for the host backend's copies.
+                total += (op.mem.len * op.dtype.size()).next_multiple_of(64);
+            }
+        }
+        self.ctx.bind()?;
+        self.producers.order(&self.stream)?;
+        Self::ensure(&self.ctx, &mut self.stage_a, total)?;
+        let base = self.stage_a.as_mut_ptr() as usize;
+        let mut host_ops = Vec::with_capacity(ops.len());
+        for (op, off) in ops.iter().zip(&offsets) {
+            if !on_device(op) {
+                host_ops.push(*op);
+                continue;
+            }
+            if op.kind == CollKind::Send {
+                self.d2h(op.mem.addr, *off, op.mem.len * op.dtype.size())?;
+            }
+            host_ops.push(P2pOp { mem: RawMem { addr: base + off, len: op.mem.len, space: MemSpace::Host }, ..*op });
+        }
+        self.stream.synchronize()?;
+        self.inner.p2p_checked(&host_ops).map_err(StageError::Comm)?;
+        for (op, off) in ops.iter().zip(&offsets) {
+            if on_device(op) && op.kind == CollKind::Recv {
+                // SAFETY: `op.mem` is a device range of this context (checked by `p2p`); the
+                // staging block at `off` holds its `len × size` bytes.
+                unsafe { self.stream.memcpy_htod_raw(op.mem.addr as u64, (base + off) as *const u8, op.mem.len * op.dtype.size())? };
+            }
+        }
+        self.stream.synchronize()?;
         Ok(())
     }
 
@@ -171,6 +216,23 @@ impl Backend for StagedBackend {
         self.staged(call).map_err(|e| match e {
             StageError::Comm(e) => e,
             StageError::Cuda(e) => self.cuda_err(call, e),
+        })
+    }
+
+    fn p2p(&mut self, ops: &[P2pOp]) -> Result<(), CommError> {
+        let wrong = ops.iter().find(|op| op.mem.len > 0 && matches!(op.mem.space, MemSpace::Device(d) if d != self.ctx.ordinal()));
+        if let Some(op) = wrong {
+            return Err(CommError::InvalidArgument {
+                op: op.kind,
+                rank: self.inner.rank(),
+                detail: format!("buffer is on {:?} but this rank stages through device {}", op.mem.space, self.ctx.ordinal()),
+            });
+        }
+        self.staged_p2p(ops).map_err(|e| match e {
+            StageError::Comm(e) => e,
+            StageError::Cuda(e) => {
+                CommError::Backend { backend: "staged", message: format!("send/recv on rank {}: {e}", self.inner.rank()) }
+            }
         })
     }
 

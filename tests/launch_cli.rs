@@ -550,7 +550,8 @@ fn missing_program_and_bad_options() -> Result<(), String> {
     )?;
     let o = lockstep().args(["selftest"]).output().map_err(|e| e.to_string())?;
     check(
-        o.status.code() == Some(1) && text(&o).1.contains("no launcher variables found")
+        o.status.code() == Some(1)
+            && text(&o).1.contains("no launcher variables found")
             && text(&o).1.contains("start this program with `lockstep launch"),
         "selftest outside a job says how to start it",
         show(&o),

@@ -1,6 +1,8 @@
 /* Open MPI baseline for `lockstep bench`: same sizes, same columns, median over iterations of the
  * per-call time (max over ranks). Build: mpicc -O2 -o mpi_bench mpi_bench.c
- * Run:   mpirun -np 2 ./mpi_bench all_reduce 8,1048576,67108864 */
+ * Run:   mpirun -np 2 ./mpi_bench all_reduce 8,1048576,67108864
+ * Ops: all_reduce, broadcast, all_gather, reduce_scatter, all_to_all, pingpong (ranks 0 and 1,
+ * one-way time = half the round trip, as osu_latency). */
 #include <mpi.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -23,6 +25,7 @@ int main(int argc, char **argv) {
         size_t bytes = strtoull(tok, NULL, 10);
         size_t count = bytes / 4;
         int gather = !strcmp(op, "all_gather"), rs = !strcmp(op, "reduce_scatter"), bc = !strcmp(op, "broadcast");
+        int a2a = !strcmp(op, "all_to_all"), pp = !strcmp(op, "pingpong");
         size_t scount = gather ? count / n : count, rcount = rs ? count / n : count;
         float *s = malloc(scount * 4 + 64), *r = malloc(rcount * 4 + 64);
         for (size_t i = 0; i < scount; i++) s[i] = (float)((rank + i) % 3);
@@ -36,18 +39,27 @@ int main(int argc, char **argv) {
         for (size_t it = 0; it < iters + 5; it++) {
             if (it == 5) MPI_Barrier(MPI_COMM_WORLD);
             double t0 = MPI_Wtime();
-            if (gather) MPI_Allgather(s, (int)scount, MPI_FLOAT, r, (int)scount, MPI_FLOAT, MPI_COMM_WORLD);
+            if (a2a) MPI_Alltoall(s, (int)(count / n), MPI_FLOAT, r, (int)(count / n), MPI_FLOAT, MPI_COMM_WORLD);
+            else if (pp && rank == 0) {
+                MPI_Send(s, (int)count, MPI_FLOAT, 1, 0, MPI_COMM_WORLD);
+                MPI_Recv(r, (int)count, MPI_FLOAT, 1, 0, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+            } else if (pp && rank == 1) {
+                MPI_Recv(r, (int)count, MPI_FLOAT, 0, 0, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+                MPI_Send(s, (int)count, MPI_FLOAT, 0, 0, MPI_COMM_WORLD);
+            } else if (pp) {
+            } else if (gather) MPI_Allgather(s, (int)scount, MPI_FLOAT, r, (int)scount, MPI_FLOAT, MPI_COMM_WORLD);
             else if (rs) MPI_Reduce_scatter(s, r, rc, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
             else if (bc) MPI_Bcast(s, (int)count, MPI_FLOAT, 0, MPI_COMM_WORLD);
             else MPI_Allreduce(s, r, (int)count, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
             if (it >= 5) t[it - 5] = MPI_Wtime() - t0;
         }
         qsort(t, iters, sizeof(double), cmp);
-        double med = t[iters / 2] * 1e6, mx;
+        /* Ping-pong reports the one-way time: half the round trip (as osu_latency). */
+        double med = t[iters / 2] * 1e6 * (pp ? 0.5 : 1.0), mx;
         MPI_Allreduce(&med, &mx, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
         double algbw = bytes / (mx * 1e-6) / 1e9;
-        double f = !strcmp(op, "all_reduce") ? 2.0 * (n - 1) / n : (gather || rs) ? (double)(n - 1) / n : 1.0;
-        if (rank == 0) printf("%12zu %12zu %6s %6s %10.2f %8.2f %8.2f %7d\n", bytes, count, "f32", bc || gather ? "none" : "sum", mx, algbw, algbw * f, 0);
+        double f = !strcmp(op, "all_reduce") ? 2.0 * (n - 1) / n : (gather || rs || a2a) ? (double)(n - 1) / n : 1.0;
+        if (rank == 0) printf("%12zu %12zu %6s %6s %10.2f %8.2f %8.2f %7d\n", bytes, count, "f32", bc || gather || a2a || pp ? "none" : "sum", mx, algbw, algbw * f, 0);
         free(s); free(r); free(t); free(rc);
     }
     MPI_Finalize();

@@ -91,6 +91,15 @@ pub struct P2pOp {
     pub mem: RawMem,
 }
 
+/// The completion of a call a device backend has enqueued, held by a
+/// [`Work`](super::Work) handle.
+pub trait Completion: Send {
+    /// Whether the call has completed; an error when it failed (the backend is then aborted).
+    fn query(&self) -> Result<bool, CommError>;
+    /// Wait for the call (with the backend's timeout and liveness checks) and return its result.
+    fn wait(self: Box<Self>) -> Result<(), CommError>;
+}
+
 /// What a backend implements. Callers never see it: they use [`Communicator`](super::Communicator).
 pub trait Backend: Send {
     /// This rank.
@@ -123,6 +132,11 @@ pub trait Backend: Send {
             "send/recv (point-to-point) is not supported on the {} backend yet; use the shm backend",
             self.kind()
         )))
+    }
+    /// A handle on the completion of the last call issued, for backends whose calls return once
+    /// enqueued (device backends); `None` when every call has completed by the time it returns.
+    fn completion(&mut self) -> Result<Option<Box<dyn Completion>>, CommError> {
+        Ok(None)
     }
     /// Allocate `bytes` of memory that peers can read directly (zero-copy collectives).
     fn alloc_shared(&mut self, bytes: usize) -> Result<Box<dyn SharedRegion>, CommError> {

@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use std::marker::PhantomData;
 
-use super::backend::{Backend, BackendKind, Call, P2pOp, Splits};
+use super::backend::{Backend, BackendKind, Call, Completion, P2pOp, Splits};
 use super::error::CommError;
 use super::shared::SharedBuffer;
 use crate::cuda::Context;
@@ -86,6 +86,11 @@ impl Communicator {
     /// communicator): the outer backend checked the call, so the inner one runs it as is.
     pub(crate) fn run_checked(&mut self, call: &Call) -> Result<(), CommError> {
         self.backend.run(call)
+    }
+
+    /// Run an already-checked point-to-point group on the backend (see [`run_checked`](Self::run_checked)).
+    pub(crate) fn p2p_checked(&mut self, ops: &[P2pOp]) -> Result<(), CommError> {
+        self.backend.p2p(ops)
     }
 
     /// Tell the peers that this rank refused a call locally (see [`Backend::reject`]).
@@ -587,12 +592,18 @@ impl Communicator {
         recv: &'a mut R,
         op: ReduceOp,
     ) -> Work<'a> {
-        Work::finished(self.all_reduce(send, recv, op))
+        {
+            let r = self.all_reduce(send, recv, op);
+            self.work(r)
+        }
     }
 
     /// Nonblocking [`all_reduce_in_place`](Self::all_reduce_in_place) (see [`all_reduce_async`](Self::all_reduce_async)).
     pub fn all_reduce_in_place_async<'a, T: Element, B: BufferMut<T> + ?Sized>(&mut self, buf: &'a mut B, op: ReduceOp) -> Work<'a> {
-        Work::finished(self.all_reduce_in_place(buf, op))
+        {
+            let r = self.all_reduce_in_place(buf, op);
+            self.work(r)
+        }
     }
 
     /// Nonblocking [`broadcast`](Self::broadcast) (see [`all_reduce_async`](Self::all_reduce_async)).
@@ -602,12 +613,18 @@ impl Communicator {
         recv: &'a mut R,
         root: usize,
     ) -> Work<'a> {
-        Work::finished(self.broadcast(send, recv, root))
+        {
+            let r = self.broadcast(send, recv, root);
+            self.work(r)
+        }
     }
 
     /// Nonblocking [`broadcast_in_place`](Self::broadcast_in_place) (see [`all_reduce_async`](Self::all_reduce_async)).
     pub fn broadcast_in_place_async<'a, T: Element, B: BufferMut<T> + ?Sized>(&mut self, buf: &'a mut B, root: usize) -> Work<'a> {
-        Work::finished(self.broadcast_in_place(buf, root))
+        {
+            let r = self.broadcast_in_place(buf, root);
+            self.work(r)
+        }
     }
 
     /// Nonblocking [`all_gather`](Self::all_gather) (see [`all_reduce_async`](Self::all_reduce_async)).
@@ -616,7 +633,10 @@ impl Communicator {
         send: &'a S,
         recv: &'a mut R,
     ) -> Work<'a> {
-        Work::finished(self.all_gather(send, recv))
+        {
+            let r = self.all_gather(send, recv);
+            self.work(r)
+        }
     }
 
     /// Nonblocking [`reduce_scatter`](Self::reduce_scatter) (see [`all_reduce_async`](Self::all_reduce_async)).
@@ -626,7 +646,10 @@ impl Communicator {
         recv: &'a mut R,
         op: ReduceOp,
     ) -> Work<'a> {
-        Work::finished(self.reduce_scatter(send, recv, op))
+        {
+            let r = self.reduce_scatter(send, recv, op);
+            self.work(r)
+        }
     }
 
     /// Nonblocking [`all_to_all`](Self::all_to_all) (see [`all_reduce_async`](Self::all_reduce_async)).
@@ -635,18 +658,147 @@ impl Communicator {
         send: &'a S,
         recv: &'a mut R,
     ) -> Work<'a> {
-        Work::finished(self.all_to_all(send, recv))
+        {
+            let r = self.all_to_all(send, recv);
+            self.work(r)
+        }
     }
 
     /// Nonblocking [`send`](Self::send) (see [`all_reduce_async`](Self::all_reduce_async)): on host
     /// backends it blocks like `send`, so exchanges where both sides send first need a [`group`](Self::group).
     pub fn send_async<'a, T: Element, S: Buffer<T> + ?Sized>(&mut self, buf: &'a S, peer: usize) -> Work<'a> {
-        Work::finished(self.send(buf, peer))
+        {
+            let r = self.send(buf, peer);
+            self.work(r)
+        }
     }
 
     /// Nonblocking [`recv`](Self::recv) (see [`send_async`](Self::send_async)).
     pub fn recv_async<'a, T: Element, R: BufferMut<T> + ?Sized>(&mut self, buf: &'a mut R, peer: usize) -> Work<'a> {
-        Work::finished(self.recv(buf, peer))
+        {
+            let r = self.recv(buf, peer);
+            self.work(r)
+        }
+    }
+
+    /// Nonblocking [`reduce`](Self::reduce) (see [`all_reduce_async`](Self::all_reduce_async)).
+    pub fn reduce_async<'a, T: Element, S: Buffer<T> + ?Sized, R: BufferMut<T> + ?Sized>(
+        &mut self,
+        send: &'a S,
+        recv: &'a mut R,
+        op: ReduceOp,
+        root: usize,
+    ) -> Work<'a> {
+        let r = self.reduce(send, recv, op, root);
+        self.work(r)
+    }
+
+    /// Nonblocking [`reduce_in_place`](Self::reduce_in_place) (see [`all_reduce_async`](Self::all_reduce_async)).
+    pub fn reduce_in_place_async<'a, T: Element, B: BufferMut<T> + ?Sized>(
+        &mut self,
+        buf: &'a mut B,
+        op: ReduceOp,
+        root: usize,
+    ) -> Work<'a> {
+        let r = self.reduce_in_place(buf, op, root);
+        self.work(r)
+    }
+
+    /// Nonblocking [`all_gather_in_place`](Self::all_gather_in_place) (see [`all_reduce_async`](Self::all_reduce_async)).
+    pub fn all_gather_in_place_async<'a, T: Element, B: BufferMut<T> + ?Sized>(&mut self, buf: &'a mut B) -> Work<'a> {
+        let r = self.all_gather_in_place(buf);
+        self.work(r)
+    }
+
+    /// Nonblocking [`gather`](Self::gather) (see [`all_reduce_async`](Self::all_reduce_async)).
+    pub fn gather_async<'a, T: Element, S: Buffer<T> + ?Sized, R: BufferMut<T> + ?Sized>(
+        &mut self,
+        send: &'a S,
+        recv: &'a mut R,
+        root: usize,
+    ) -> Work<'a> {
+        let r = self.gather(send, recv, root);
+        self.work(r)
+    }
+
+    /// Nonblocking [`reduce_scatter_in_place`](Self::reduce_scatter_in_place) (see [`all_reduce_async`](Self::all_reduce_async)).
+    pub fn reduce_scatter_in_place_async<'a, T: Element, B: BufferMut<T> + ?Sized>(&mut self, buf: &'a mut B, op: ReduceOp) -> Work<'a> {
+        let r = self.reduce_scatter_in_place(buf, op);
+        self.work(r)
+    }
+
+    /// Nonblocking [`all_to_all_v`](Self::all_to_all_v) (see [`all_reduce_async`](Self::all_reduce_async)).
+    #[allow(clippy::too_many_arguments)]
+    pub fn all_to_all_v_async<'a, T: Element, S: Buffer<T> + ?Sized, R: BufferMut<T> + ?Sized>(
+        &mut self,
+        send: &'a S,
+        send_counts: &[usize],
+        send_displs: &[usize],
+        recv: &'a mut R,
+        recv_counts: &[usize],
+        recv_displs: &[usize],
+    ) -> Work<'a> {
+        let r = self.all_to_all_v(send, send_counts, send_displs, recv, recv_counts, recv_displs);
+        self.work(r)
+    }
+
+    /// Nonblocking [`scatter`](Self::scatter) (see [`all_reduce_async`](Self::all_reduce_async)).
+    pub fn scatter_async<'a, T: Element, S: Buffer<T> + ?Sized, R: BufferMut<T> + ?Sized>(
+        &mut self,
+        send: &'a S,
+        recv: &'a mut R,
+        root: usize,
+    ) -> Work<'a> {
+        let r = self.scatter(send, recv, root);
+        self.work(r)
+    }
+
+    /// Nonblocking [`all_gather_v`](Self::all_gather_v) (see [`all_reduce_async`](Self::all_reduce_async)).
+    pub fn all_gather_v_async<'a, T: Element, S: Buffer<T> + ?Sized, R: BufferMut<T> + ?Sized>(
+        &mut self,
+        send: &'a S,
+        recv: &'a mut R,
+        recv_counts: &[usize],
+    ) -> Work<'a> {
+        let r = self.all_gather_v(send, recv, recv_counts);
+        self.work(r)
+    }
+
+    /// Nonblocking [`gather_v`](Self::gather_v) (see [`all_reduce_async`](Self::all_reduce_async)).
+    pub fn gather_v_async<'a, T: Element, S: Buffer<T> + ?Sized, R: BufferMut<T> + ?Sized>(
+        &mut self,
+        send: &'a S,
+        recv: &'a mut R,
+        recv_counts: &[usize],
+        root: usize,
+    ) -> Work<'a> {
+        let r = self.gather_v(send, recv, recv_counts, root);
+        self.work(r)
+    }
+
+    /// Nonblocking [`group`](Self::group): the group's buffers stay borrowed by the [`Work`].
+    pub fn group_async<'b, F>(&mut self, f: F) -> Work<'b>
+    where
+        F: FnOnce(&mut Group<'b>) -> Result<(), CommError>,
+    {
+        let r = self.group(f);
+        self.work(r)
+    }
+
+    /// Nonblocking [`barrier`](Self::barrier).
+    pub fn barrier_async(&mut self) -> Work<'static> {
+        let r = self.barrier();
+        self.work(r)
+    }
+
+    /// The handle of a call that returned `r`: on device backends it waits for the call's
+    /// completion on the device; elsewhere the call has completed.
+    fn work<'a>(&mut self, r: Result<(), CommError>) -> Work<'a> {
+        match r.and_then(|()| self.backend.completion()) {
+            Ok(Some(c)) => Work { state: WorkState::Pending(c), _bufs: PhantomData },
+            Ok(None) => Work::finished(Ok(())),
+            Err(e) => Work::finished(Err(e)),
+        }
     }
 
     /// Wait until every rank has reached this call.
@@ -696,29 +848,57 @@ impl<'b> Group<'b> {
 }
 
 /// The handle of a nonblocking call (`*_async`): [`wait`](Self::wait) for its result. It keeps the
-/// call's buffers borrowed for `'a`, so they cannot be touched before the call has completed. On
-/// host backends the call has already completed when the handle is made; dropping it unwaited
-/// discards the result.
+/// call's buffers borrowed for `'a`, so they cannot be touched before the call has completed.
+///
+/// * Host backends (shm): the call has already completed when the handle is made (there is no
+///   progress thread); the handle carries its result.
+/// * Device backends (NCCL): the call returns once enqueued on the communicator's stream, after
+///   the work already enqueued on the context's other streams (so buffers produced there need no
+///   synchronisation first); the handle wraps a CUDA event recorded after it, and `wait` polls it
+///   with the communicator's timeout and liveness checks (a failure aborts the communicator).
+///
+/// Calls complete in issue order on every rank. Dropping a handle unwaited discards the result
+/// (the call still completes).
 #[must_use = "wait() on the Work to see whether the call succeeded"]
-#[derive(Debug)]
 pub struct Work<'a> {
-    result: Result<(), CommError>,
+    state: WorkState,
     _bufs: PhantomData<&'a mut ()>,
+}
+
+enum WorkState {
+    Done(Result<(), CommError>),
+    Pending(Box<dyn Completion>),
+}
+
+impl fmt::Debug for Work<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.state {
+            WorkState::Done(r) => f.debug_struct("Work").field("done", r).finish(),
+            WorkState::Pending(_) => f.debug_struct("Work").field("pending", &true).finish(),
+        }
+    }
 }
 
 impl Work<'_> {
     /// A handle for a call that has already completed with `result`.
     pub(crate) fn finished(result: Result<(), CommError>) -> Self {
-        Work { result, _bufs: PhantomData }
+        Work { state: WorkState::Done(result), _bufs: PhantomData }
     }
 
-    /// Whether the call has completed (always, on host backends).
+    /// Whether the call has completed (always, on host backends); a failed call counts as
+    /// completed, and [`wait`](Self::wait) returns its error.
     pub fn is_completed(&self) -> bool {
-        true
+        match &self.state {
+            WorkState::Done(_) => true,
+            WorkState::Pending(c) => c.query().unwrap_or(true),
+        }
     }
 
     /// Wait for the call to complete and return its result.
     pub fn wait(self) -> Result<(), CommError> {
-        self.result
+        match self.state {
+            WorkState::Done(r) => r,
+            WorkState::Pending(c) => c.wait(),
+        }
     }
 }

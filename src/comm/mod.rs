@@ -14,7 +14,7 @@ mod communicator;
 mod error;
 mod shared;
 
-pub use backend::{Backend, BackendKind, Call, P2pOp, Splits};
+pub use backend::{Backend, BackendKind, Call, Completion, P2pOp, Splits};
 pub use communicator::{Communicator, Group, Work};
 pub use error::CommError;
 pub use shared::{SharedBuffer, SharedRegion};

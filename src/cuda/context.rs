@@ -62,6 +62,10 @@ pub struct Context {
     /// depend on it). Dropped before the context is released.
     modules: Mutex<HashMap<ModuleKey, Arc<dyn Any + Send + Sync>>>,
     deferred: Mutex<Vec<(String, CudaError)>>,
+    /// The live streams made by [`stream`](Self::stream) (raw handles), so that a consumer can
+    /// order itself after every producer (see [`Producers`]). A stream leaves the list, under
+    /// this lock, before it is destroyed.
+    streams: Mutex<Vec<usize>>,
 }
 
 // SAFETY: a primary context may be bound and used from any thread; the mutable state is behind
@@ -92,7 +96,14 @@ impl Context {
         }
         let dev = driver::device_get(ordinal)?;
         let raw = driver::primary_ctx_retain(dev)?;
-        let ctx = Arc::new(Context { ordinal, dev, raw, modules: Mutex::new(HashMap::new()), deferred: Mutex::new(Vec::new()) });
+        let ctx = Arc::new(Context {
+            ordinal,
+            dev,
+            raw,
+            modules: Mutex::new(HashMap::new()),
+            deferred: Mutex::new(Vec::new()),
+            streams: Mutex::new(Vec::new()),
+        });
         ctx.bind()?;
         Ok(ctx)
     }
@@ -160,7 +171,16 @@ impl Context {
         self.check()?;
         self.bind()?;
         let raw = driver::stream_create(driver::STREAM_NON_BLOCKING)?;
+        self.streams.lock().unwrap_or_else(|p| p.into_inner()).push(raw as usize);
         Ok(Stream { ctx: self.clone(), raw })
+    }
+
+    /// A new event without timing (cheaper to record and wait on), for ordering and completion.
+    pub fn sync_event(self: &Arc<Self>) -> Result<Event, CudaError> {
+        self.check()?;
+        self.bind()?;
+        let raw = driver::event_create(driver::EVENT_DISABLE_TIMING)?;
+        Ok(Event { ctx: self.clone(), raw })
     }
 
     /// A new event (timing enabled).
@@ -233,12 +253,54 @@ impl Stream {
 
 impl Drop for Stream {
     fn drop(&mut self) {
+        // Leave the context's list first, and destroy under its lock, so that `Producers` never
+        // records on a destroyed stream.
+        let mut streams = self.ctx.streams.lock().unwrap_or_else(|p| p.into_inner());
+        streams.retain(|s| *s != self.raw as usize);
         // SAFETY: we own the stream; nothing uses it after drop. cuStreamDestroy lets pending
         // work finish.
         let r = self.ctx.bind().and_then(|_| unsafe { driver::stream_destroy(self.raw) });
+        drop(streams);
         if let Err(e) = r {
             self.ctx.record_err("a stream".into(), e);
         }
+    }
+}
+
+/// Orders a consumer stream after the work already enqueued on every other stream of its context:
+/// what a collective does before it reads buffers that another stream may still be writing, so
+/// that callers need not synchronise first. One reusable event per producer stream (an event may
+/// be recorded again as soon as a wait on it has been enqueued).
+pub struct Producers {
+    ctx: Arc<Context>,
+    events: HashMap<usize, Event>,
+}
+
+impl Producers {
+    /// Fences for consumers on `ctx`'s streams.
+    pub fn new(ctx: &Arc<Context>) -> Producers {
+        Producers { ctx: ctx.clone(), events: HashMap::new() }
+    }
+
+    /// Make later work on `consumer` wait for everything enqueued so far on the context's other
+    /// streams (one event record and one stream wait per producer stream; nothing blocks).
+    pub fn order(&mut self, consumer: &Stream) -> Result<(), CudaError> {
+        self.ctx.bind()?;
+        let streams = self.ctx.streams.lock().unwrap_or_else(|p| p.into_inner());
+        self.events.retain(|s, _| streams.contains(s));
+        for &s in streams.iter().filter(|s| **s != consumer.raw as usize) {
+            let ev = match self.events.entry(s) {
+                std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+                std::collections::hash_map::Entry::Vacant(v) => {
+                    let raw = driver::event_create(driver::EVENT_DISABLE_TIMING)?;
+                    v.insert(Event { ctx: self.ctx.clone(), raw })
+                }
+            };
+            // The stream is live: it is in the list, whose lock its `Drop` needs.
+            driver::event_record(ev.raw, s as CUstream)?;
+            driver::stream_wait_event(consumer.raw, ev.raw)?;
+        }
+        Ok(())
     }
 }
 
@@ -256,6 +318,13 @@ impl Event {
     pub fn record(&self, s: &Stream) -> Result<(), CudaError> {
         self.ctx.bind()?;
         driver::event_record(self.raw, s.raw)
+    }
+
+    /// Whether the work before the event's last record has completed (errors of that work are
+    /// reported here).
+    pub fn query(&self) -> Result<bool, CudaError> {
+        self.ctx.bind()?;
+        driver::event_query(self.raw)
     }
 
     /// Wait until the event has happened.

@@ -58,6 +58,7 @@ fn_table! {
             cuEventDestroy = "cuEventDestroy_v2": fn(CUevent) -> c_int;
             cuEventRecord = "cuEventRecord": fn(CUevent, CUstream) -> c_int;
             cuEventSynchronize = "cuEventSynchronize": fn(CUevent) -> c_int;
+            cuEventQuery = "cuEventQuery": fn(CUevent) -> c_int;
             cuMemAlloc = "cuMemAlloc_v2": fn(*mut CUdeviceptr, usize) -> c_int;
             cuMemFree = "cuMemFree_v2": fn(CUdeviceptr) -> c_int;
             cuMemHostAlloc = "cuMemHostAlloc": fn(*mut *mut c_void, usize, c_uint) -> c_int;
@@ -300,6 +301,8 @@ pub(crate) fn mem_get_info() -> Result<(usize, usize), CudaError> {
 
 /// `CU_STREAM_NON_BLOCKING`.
 pub(crate) const STREAM_NON_BLOCKING: c_uint = 1;
+/// `CU_EVENT_DISABLE_TIMING`.
+pub(crate) const EVENT_DISABLE_TIMING: c_uint = 2;
 
 /// `cuStreamCreate`.
 pub(crate) fn stream_create(flags: c_uint) -> Result<CUstream, CudaError> {
@@ -367,6 +370,17 @@ pub(crate) fn event_record(e: CUevent, s: CUstream) -> Result<(), CudaError> {
     // SAFETY: live event and stream.
     let rc = unsafe { (api()?.cuEventRecord)(e, s) };
     check(rc, || "cuEventRecord".into())
+}
+
+/// `cuEventQuery`: `Ok(true)` once the work before the event's record has completed.
+pub(crate) fn event_query(e: CUevent) -> Result<bool, CudaError> {
+    // SAFETY: live event.
+    let rc = unsafe { (api()?.cuEventQuery)(e) };
+    if rc == ERROR_NOT_READY {
+        return Ok(false);
+    }
+    check(rc, || "cuEventQuery".into())?;
+    Ok(true)
 }
 
 /// `cuEventSynchronize`.

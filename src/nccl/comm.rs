@@ -9,11 +9,11 @@
 //! `CommError` instead of a hang. Every argument is checked before anything is enqueued.
 
 use std::ffi::{c_int, c_void};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::comm::{Backend, BackendKind, Call, CollKind, CommError, Communicator, Element, MemSpace};
-use crate::cuda::{Context, DeviceBuffer, Stream};
+use crate::comm::{Backend, BackendKind, Call, CollKind, CommError, Communicator, Completion, Element, MemSpace, P2pOp};
+use crate::cuda::{Context, DeviceBuffer, Event, Producers, Stream};
 
 use super::error::NcclError;
 use super::result::{self, cudaStream_t, ncclComm_t, ncclUniqueId, IN_PROGRESS, SUCCESS};
@@ -112,19 +112,135 @@ pub struct NcclComm {
     ctx: Arc<Context>,
     stream: Stream,
     comm: ncclComm_t,
+    /// The handle's abort state, shared with the completion handles of nonblocking calls.
+    shared: Arc<Shared>,
     rank: usize,
     world: usize,
     seq: u64,
     opts: NcclOptions,
-    /// Set once aborted: every later call fails with this reason.
-    aborted: Option<String>,
     /// One element for `barrier`.
     scratch: DeviceBuffer<f32>,
+    /// Orders the stream after the context's other streams before each call, so that buffers
+    /// still being written elsewhere are not read early.
+    producers: Producers,
 }
 
 // SAFETY: an NCCL communicator may be used from any thread, one at a time (`&mut self`); the
 // context is bound before every call.
 unsafe impl Send for NcclComm {}
+
+/// The NCCL handle as the communicator and its pending `Work` handles share it: a `Work` may poll
+/// `ncclCommGetAsyncError` and abort the communicator from another thread, and must never touch
+/// it after `ncclCommDestroy`, so both happen under `state`'s lock.
+struct Shared {
+    comm: ncclComm_t,
+    rank: usize,
+    state: Mutex<State>,
+}
+
+#[derive(Default)]
+struct State {
+    /// Set once aborted: every later call fails with this reason.
+    aborted: Option<String>,
+    /// Set once `ncclCommDestroy` ran.
+    destroyed: bool,
+}
+
+// SAFETY: `ncclCommGetAsyncError` and `ncclCommAbort` may be called from any thread; every use of
+// the handle outside `NcclComm`'s `&mut self` methods holds `state`'s lock and checks `destroyed`.
+unsafe impl Send for Shared {}
+// SAFETY: as above.
+unsafe impl Sync for Shared {}
+
+impl Shared {
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn aborted(&self) -> Option<String> {
+        self.state().aborted.clone()
+    }
+
+    /// Abort the communicator (idempotent) and remember why.
+    fn abort(&self, reason: &str) {
+        let mut st = self.state();
+        if st.aborted.is_some() || st.destroyed {
+            return;
+        }
+        st.aborted = Some(reason.to_string());
+        if let Ok(api) = result::api() {
+            // SAFETY: live communicator (not destroyed, checked under the lock); after abort it is
+            // never used again (checked via `aborted`).
+            let rc = unsafe { (api.ncclCommAbort)(self.comm) };
+            if rc != SUCCESS {
+                tracing::error!("ncclCommAbort on rank {} returned {rc}", self.rank);
+            }
+        }
+    }
+
+    /// `ncclCommGetAsyncError`, or `None` once the communicator is gone (destroyed or aborted).
+    fn async_error(&self) -> Result<Option<c_int>, NcclError> {
+        let st = self.state();
+        if st.destroyed || st.aborted.is_some() {
+            return Ok(None);
+        }
+        let mut code: c_int = 0;
+        // SAFETY: live communicator (checked under the lock, held across the call), valid out-pointer.
+        let rc = unsafe { (result::api()?.ncclCommGetAsyncError)(self.comm, &mut code) };
+        result::check(rc, Some(self.comm), || "ncclCommGetAsyncError".into())?;
+        Ok(Some(code))
+    }
+}
+
+/// The completion of a call enqueued on an [`NcclComm`]: an event recorded after it on the
+/// communicator's stream, waited on with the same watchdog as [`NcclComm::wait`].
+struct NcclCompletion {
+    event: Event,
+    shared: Arc<Shared>,
+    timeout: Duration,
+    abort_check: Option<AbortCheck>,
+    what: String,
+}
+
+impl NcclCompletion {
+    /// One look: `Ok(true)` when done, an error (after aborting) when NCCL reported one or the
+    /// liveness check failed.
+    fn poll(&self) -> Result<bool, NcclError> {
+        if let Some(reason) = self.shared.aborted() {
+            return Err(NcclError::Aborted { what: self.what.clone(), rank: self.shared.rank, reason });
+        }
+        if self.event.query()? {
+            return Ok(true);
+        }
+        if let Some(st) = self.shared.async_error()? {
+            if st != SUCCESS && st != IN_PROGRESS {
+                let e = result::check(st, Some(self.shared.comm), || format!("{} (async)", self.what)).unwrap_err();
+                self.shared.abort(&e.to_string());
+                return Err(e);
+            }
+        }
+        if let Some(reason) = self.abort_check.as_ref().and_then(|c| c()) {
+            self.shared.abort(&reason);
+            return Err(NcclError::Aborted { what: self.what.clone(), rank: self.shared.rank, reason });
+        }
+        Ok(false)
+    }
+}
+
+impl Completion for NcclCompletion {
+    fn query(&self) -> Result<bool, CommError> {
+        self.poll().map_err(CommError::from)
+    }
+
+    fn wait(self: Box<Self>) -> Result<(), CommError> {
+        let deadline = Instant::now() + self.timeout;
+        if wait_until(deadline, || self.poll())? {
+            return Ok(());
+        }
+        self.shared.abort(&format!("{} timed out", self.what));
+        Err(NcclError::Timeout { what: self.what.clone(), rank: self.shared.rank, secs: self.timeout.as_secs_f64() }.into())
+    }
+}
 
 /// Create a unique id (rank 0, after the fork).
 pub fn unique_id() -> Result<[u8; 128], NcclError> {
@@ -192,7 +308,9 @@ impl NcclComm {
                 result::check(rc, None, || what.clone())?;
             }
         }
-        let mut me = NcclComm { ctx: ctx.clone(), stream, comm, rank, world, seq: 0, opts, aborted: None, scratch };
+        let shared = Arc::new(Shared { comm, rank, state: Mutex::new(State::default()) });
+        let producers = Producers::new(ctx);
+        let mut me = NcclComm { ctx: ctx.clone(), stream, comm, shared, rank, world, seq: 0, opts, scratch, producers };
         me.settle(IN_PROGRESS, &what)?;
         Ok(me)
     }
@@ -213,30 +331,19 @@ impl NcclComm {
     }
 
     fn async_error(&self) -> Result<c_int, NcclError> {
-        let mut st: c_int = 0;
-        // SAFETY: live communicator, valid out-pointer.
-        let rc = unsafe { (result::api()?.ncclCommGetAsyncError)(self.comm, &mut st) };
-        result::check(rc, Some(self.comm), || "ncclCommGetAsyncError".into())?;
-        Ok(st)
+        match self.shared.async_error()? {
+            Some(code) => Ok(code),
+            None => Err(self.check_alive("ncclCommGetAsyncError").err().unwrap_or_else(|| invalid_arg("the communicator is gone".into()))),
+        }
     }
 
     /// Abort the communicator (idempotent) and remember why.
     pub fn abort(&mut self, reason: &str) {
-        if self.aborted.is_some() {
-            return;
-        }
-        self.aborted = Some(reason.to_string());
-        if let Ok(api) = result::api() {
-            // SAFETY: live communicator; after abort it is never used again (checked via `aborted`).
-            let rc = unsafe { (api.ncclCommAbort)(self.comm) };
-            if rc != SUCCESS {
-                tracing::error!("ncclCommAbort on rank {} returned {rc}", self.rank);
-            }
-        }
+        self.shared.abort(reason);
     }
 
     fn check_alive(&self, op: &str) -> Result<(), NcclError> {
-        match &self.aborted {
+        match self.shared.aborted() {
             Some(r) => {
                 Err(NcclError::Aborted { what: op.into(), rank: self.rank, reason: format!("the communicator was aborted earlier: {r}") })
             }
@@ -406,6 +513,10 @@ impl NcclComm {
             CollKind::Gather => (call.count, if is_root { call.count * n } else { 0 }),
             CollKind::ReduceScatter => (call.count * n, call.count),
             CollKind::Barrier => (0, 0),
+            CollKind::AllToAll => (call.count * n, call.count * n),
+            CollKind::Scatter => (if is_root { call.count * n } else { 0 }, call.count),
+            // The communicator checked every block of the per-rank counts against its buffer.
+            CollKind::AllToAllV | CollKind::AllGatherV | CollKind::GatherV => (0, 0),
             other => {
                 return Err(CommError::Unsupported(format!(
                     "{other} is not supported on the nccl backend yet; use the shm backend (host buffers)"
@@ -439,6 +550,9 @@ impl NcclComm {
                 CollKind::AllGather => (api.ncclAllGather)(sp, rp, call.count, dt, comm, s),
                 CollKind::ReduceScatter => (api.ncclReduceScatter)(sp, rp, call.count, dt, op, comm, s),
                 CollKind::Gather => return self.gather(call),
+                CollKind::AllToAll | CollKind::AllToAllV | CollKind::Scatter | CollKind::AllGatherV | CollKind::GatherV => {
+                    return self.exchange(call)
+                }
                 CollKind::Barrier => {
                     let p = self.scratch.device_ptr() as *mut c_void;
                     let rc = (api.ncclAllReduce)(
@@ -499,6 +613,126 @@ impl NcclComm {
     }
 }
 
+/// One block of an exchange: `count` elements at `addr`, sent to or received from `peer`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Block {
+    peer: usize,
+    addr: usize,
+    count: usize,
+}
+
+/// What this rank sends and receives in one of the exchange collectives (all-to-all, scatter and
+/// the v-variants), block by block: NCCL has no native form of them, so they run as grouped
+/// send/recv, as `ncclAllToAll` examples and PyTorch's ProcessGroupNCCL build them.
+fn exchange_plan(call: &Call, rank: usize, world: usize) -> (Vec<Block>, Vec<Block>) {
+    let size = call.dtype.size();
+    let (send, recv, c) = (call.send.addr, call.recv.addr, call.count);
+    let sp = &call.splits;
+    let at = |base: usize, elems: usize| base + elems * size;
+    let peers = 0..world;
+    match call.kind {
+        CollKind::AllToAll => (
+            peers.clone().map(|p| Block { peer: p, addr: at(send, p * c), count: c }).collect(),
+            peers.map(|p| Block { peer: p, addr: at(recv, p * c), count: c }).collect(),
+        ),
+        CollKind::AllToAllV => (
+            peers.clone().map(|p| Block { peer: p, addr: at(send, sp.send_displs[p]), count: sp.send_counts[p] }).collect(),
+            peers.map(|p| Block { peer: p, addr: at(recv, sp.recv_displs[p]), count: sp.recv_counts[p] }).collect(),
+        ),
+        CollKind::Scatter => {
+            let sends =
+                if rank == call.root { peers.map(|p| Block { peer: p, addr: at(send, p * c), count: c }).collect() } else { vec![] };
+            (sends, vec![Block { peer: call.root, addr: recv, count: c }])
+        }
+        CollKind::AllGatherV => (
+            peers.clone().map(|p| Block { peer: p, addr: send, count: c }).collect(),
+            peers.map(|p| Block { peer: p, addr: at(recv, sp.recv_displs[p]), count: sp.recv_counts[p] }).collect(),
+        ),
+        CollKind::GatherV => {
+            let recvs = if rank == call.root {
+                peers.map(|p| Block { peer: p, addr: at(recv, sp.recv_displs[p]), count: sp.recv_counts[p] }).collect()
+            } else {
+                vec![]
+            };
+            (vec![Block { peer: call.root, addr: send, count: c }], recvs)
+        }
+        _ => (vec![], vec![]),
+    }
+}
+
+impl NcclComm {
+    /// Run an exchange collective as one group of sends and receives; this rank's own block is a
+    /// device-to-device copy. NCCL does not check that a peer's count matches: a disagreement
+    /// (possible only in the v-variants) hangs until the timeout aborts the communicator, as with
+    /// `ncclSend`/`ncclRecv` themselves.
+    fn exchange(&mut self, call: &Call) -> Result<(), NcclError> {
+        let (rank, world, dtype, size) = (self.rank, self.world, call.dtype, call.dtype.size());
+        let (sends, recvs) = exchange_plan(call, rank, world);
+        let own_send = sends.iter().find(|b| b.peer == rank).copied();
+        let own_recv = recvs.iter().find(|b| b.peer == rank).copied();
+        let own = match (own_send, own_recv) {
+            (Some(s), Some(r)) if s.count != r.count => {
+                return Err(invalid_arg(format!(
+                    "{}: this rank sends {} elements to itself but receives {} from itself; they must be equal",
+                    call.kind, s.count, r.count
+                )))
+            }
+            (Some(s), Some(r)) => Some((s, r)),
+            _ => None,
+        };
+        self.group(|me| {
+            if let Some((s, r)) = own {
+                if s.count > 0 && s.addr != r.addr {
+                    me.ctx.bind()?;
+                    // SAFETY: both blocks lie within device buffers of this device, as checked by
+                    // `check_call` and the communicator's split checks.
+                    unsafe { crate::cuda::driver::memcpy_dtod_async(r.addr as u64, s.addr as u64, s.count * size, me.stream.raw())? };
+                }
+            }
+            for b in sends.iter().filter(|b| b.peer != rank && b.count > 0) {
+                me.send_raw(b.addr, b.count, dtype, b.peer)?;
+            }
+            for b in recvs.iter().filter(|b| b.peer != rank && b.count > 0) {
+                me.recv_raw(b.addr, b.count, dtype, b.peer)?;
+            }
+            Ok(())
+        })
+    }
+
+    /// Check the buffers of a point-to-point group: device memory of this device.
+    fn check_p2p(&self, ops: &[P2pOp]) -> Result<(), CommError> {
+        for op in ops {
+            if op.peer >= self.world {
+                return Err(CommError::InvalidArgument {
+                    op: op.kind,
+                    rank: self.rank,
+                    detail: format!("peer {} is out of range for world size {}", op.peer, self.world),
+                });
+            }
+            if op.mem.len == 0 {
+                continue;
+            }
+            match op.mem.space {
+                MemSpace::Host => {
+                    return Err(CommError::Unsupported(format!(
+                        "{} on rank {}: the buffer is host memory, but the NCCL backend works on device memory only; copy it into a lockstep::cuda::DeviceBuffer or use the shm backend",
+                        op.kind, self.rank
+                    )))
+                }
+                MemSpace::Device(d) if d != self.ctx.ordinal() => {
+                    return Err(CommError::InvalidArgument {
+                        op: op.kind,
+                        rank: self.rank,
+                        detail: format!("the buffer is on device {d} but this rank's communicator is on device {}", self.ctx.ordinal()),
+                    })
+                }
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+}
+
 fn invalid_arg(detail: String) -> NcclError {
     NcclError::Cuda(crate::cuda::CudaError::InvalidArgument { op: "NcclComm".into(), detail })
 }
@@ -524,7 +758,21 @@ impl Backend for NcclComm {
         self.check_call(call)?;
         self.check_alive(call.kind.name())?;
         self.seq += 1;
+        self.producers.order(&self.stream).map_err(NcclError::from)?;
         self.enqueue(call).map_err(CommError::from)
+    }
+
+    fn completion(&mut self) -> Result<Option<Box<dyn Completion>>, CommError> {
+        self.check_alive("a nonblocking call")?;
+        let event = self.ctx.sync_event().map_err(NcclError::from)?;
+        event.record(&self.stream).map_err(NcclError::from)?;
+        Ok(Some(Box::new(NcclCompletion {
+            event,
+            shared: self.shared.clone(),
+            timeout: self.opts.timeout,
+            abort_check: self.opts.abort_check.clone(),
+            what: format!("nonblocking call {} on rank {}", self.seq, self.rank),
+        })))
     }
 
     fn synchronize(&mut self) -> Result<(), CommError> {
@@ -534,11 +782,32 @@ impl Backend for NcclComm {
     fn seq(&self) -> u64 {
         self.seq
     }
+
+    /// Sends and receives as one NCCL group (`ncclGroupStart` … `ncclGroupEnd`), enqueued on the
+    /// communicator's stream; NCCL matches them per peer in order, a send to this rank itself
+    /// included. Complete with [`synchronize`](Backend::synchronize) or a `Work` handle.
+    fn p2p(&mut self, ops: &[P2pOp]) -> Result<(), CommError> {
+        self.check_p2p(ops)?;
+        self.check_alive("send/recv")?;
+        self.ctx.bind().map_err(NcclError::from)?;
+        self.seq += 1;
+        self.producers.order(&self.stream).map_err(NcclError::from)?;
+        self.group(|me| {
+            for op in ops {
+                match op.kind {
+                    CollKind::Send => me.send_raw(op.mem.addr, op.mem.len, op.dtype, op.peer)?,
+                    _ => me.recv_raw(op.mem.addr, op.mem.len, op.dtype, op.peer)?,
+                }
+            }
+            Ok(())
+        })
+        .map_err(CommError::from)
+    }
 }
 
 impl Drop for NcclComm {
     fn drop(&mut self) {
-        if self.aborted.is_some() {
+        if self.shared.aborted().is_some() {
             return;
         }
         let Ok(api) = result::api() else { return };
@@ -554,9 +823,12 @@ impl Drop for NcclComm {
                 ok = false;
             }
         }
-        if ok && self.aborted.is_none() {
-            // SAFETY: live, finalized communicator; never used again.
+        // Destroy under the lock, so that no pending `Work` uses the handle during or after it.
+        let mut st = self.shared.state();
+        if ok && st.aborted.is_none() {
+            // SAFETY: live, finalized communicator; never used again (`destroyed` is set).
             let rc = unsafe { (api.ncclCommDestroy)(self.comm) };
+            st.destroyed = true;
             if rc != SUCCESS {
                 self.ctx.record_err("an NCCL communicator".into(), crate::cuda::CudaError::Io(format!("ncclCommDestroy returned {rc}")));
             }

@@ -56,6 +56,7 @@ int cuEventCreate(void** e, unsigned f) { *e = malloc(8); return 0; }
 int cuEventDestroy_v2(void* e) { free(e); return 0; }
 int cuEventRecord(void* e, void* s) { return 0; }
 int cuEventSynchronize(void* e) { return 0; }
+int cuEventQuery(void* e) { return getenv("SIM_STREAM_STUCK") ? 600 : 0; }
 int cuEventElapsedTime(float* ms, void* a, void* b) { *ms = 0.25f; return 0; }
 int cuMemAlloc_v2(CUdeviceptr* p, size_t n) { void* m = malloc(n); if (!m) return 2; *p = (CUdeviceptr)m; live_allocs++; return 0; }
 int cuMemFree_v2(CUdeviceptr p) { if (getenv("SIM_FAIL_FREE")) return 1; free((void*)p); live_allocs--; return 0; }
