@@ -332,6 +332,25 @@ fn host_killed_takes_everything_with_it() -> Result<(), String> {
     check(gone, "nothing outlives the host's kill -9 by more than 2 s", format!("left: {left:?}"))
 }
 
+/// A malformed `LOCKSTEP_*` variable makes `launch` refuse before forking, naming it, even though
+/// `LaunchConfig::new` ran while it was set.
+fn malformed_env_refuses_launch() -> Result<(), String> {
+    // Sequential tests (harness = false): no other thread reads the environment meanwhile.
+    std::env::set_var("LOCKSTEP_SHM_STAGE", "fast");
+    let c = cfg(2);
+    let t = Instant::now();
+    let r = launch(&c, |_ctx| Ok(std::process::id()));
+    std::env::remove_var("LOCKSTEP_SHM_STAGE");
+    let took = t.elapsed();
+    let Err(e @ LaunchError::Setup(_)) = r else { return check(false, "launch must refuse", format!("{r:?}")) };
+    let m = e.to_string();
+    check(m.contains("LOCKSTEP_SHM_STAGE=\"fast\" is invalid: expected one of: auto, cached, streaming, nt"), "the variable is named", &m)?;
+    check(took < Duration::from_millis(500), "at once", format!("{took:?}"))?;
+    // Once fixed, the same config launches.
+    let pids = launch(&cfg(2), |_ctx| Ok(std::process::id())).map_err(|e| e.to_string())?;
+    check(pids.len() == 2, "a clean environment launches", format!("{pids:?}"))
+}
+
 fn main() -> std::process::ExitCode {
     match std::env::var("LOCKSTEP_TEST_MODE").as_deref() {
         Ok("output") => child_output_mode(),
@@ -349,5 +368,6 @@ fn main() -> std::process::ExitCode {
         ("output_is_line_atomic_and_prefixed", output_is_line_atomic_and_prefixed),
         ("each_rank_holds_only_its_own_pipes", each_rank_holds_only_its_own_pipes),
         ("host_killed_takes_everything_with_it", host_killed_takes_everything_with_it),
+        ("malformed_env_refuses_launch", malformed_env_refuses_launch),
     ])
 }

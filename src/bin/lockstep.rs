@@ -306,7 +306,7 @@ fn secs(name: &str, s: f64) -> Result<Duration, String> {
 /// --rdzv-timeout-s, else LOCKSTEP_RDZV_TIMEOUT_S, else 60 s; it must be greater than 0.
 fn rdzv_timeout(flag: Option<f64>) -> Result<Duration, String> {
     let Some(s) = flag else {
-        let env = lockstep::types::env::secs("LOCKSTEP_RDZV_TIMEOUT_S").map_err(|e| e.to_string())?;
+        let env = lockstep::types::env::RDZV_TIMEOUT_S.secs().map_err(|e| e.to_string())?;
         return Ok(env.unwrap_or(Duration::from_secs(60)));
     };
     if !(s.is_finite() && s > 0.0 && s <= lockstep::types::env::MAX_SECS) {
@@ -336,8 +336,9 @@ fn job_token(token: Option<String>, token_file: Option<&std::path::Path>) -> Res
         }
         return Ok(Some(f.token));
     }
-    // Empty counts as unset, as usual for environment variables.
-    Ok(std::env::var("LOCKSTEP_TOKEN").ok().filter(|t| !t.is_empty()))
+    // Empty counts as unset, as usual for environment variables; a value that is not UTF-8 is an
+    // error naming the variable (not a silently missing token).
+    lockstep::types::env::raw("LOCKSTEP_TOKEN").map_err(|e| e.to_string())
 }
 
 /// Tell the user how to start the other nodes with the token node 0 generated.

@@ -164,7 +164,7 @@ cuDeviceGetCount succeeds, so some code called cuInit (another library, or a CUD
             ));
         }
     }
-    if crate::types::env::flag("LOCKSTEP_DEBUG").map_err(|e| e.to_string())?.unwrap_or(false) {
+    if crate::types::env::DEBUG.flag().map_err(|e| e.to_string())?.unwrap_or(false) {
         static ONCE: std::sync::Once = std::sync::Once::new();
         ONCE.call_once(|| match probe_child() {
             Ok(s) => tracing::info!("CUDA probe: {s}"),

@@ -17,9 +17,9 @@
 
 use std::cell::RefCell;
 use std::ffi::{CString, OsString};
-use std::os::unix::ffi::OsStringExt;
 use std::io::Write;
 use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::ffi::OsStringExt;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};

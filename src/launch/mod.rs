@@ -32,6 +32,7 @@
 mod child;
 mod exec;
 mod fork;
+mod forked;
 mod guard;
 mod output;
 mod rank;

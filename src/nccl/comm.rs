@@ -100,7 +100,7 @@ impl NcclOptions {
     /// greater than 0; anything else is an error naming the variable).
     pub fn from_env() -> Result<NcclOptions, crate::types::env::EnvError> {
         let mut o = NcclOptions::default();
-        if let Some(t) = crate::types::env::secs("LOCKSTEP_TIMEOUT_S")? {
+        if let Some(t) = crate::types::env::TIMEOUT_S.secs()? {
             o.timeout = t;
         }
         Ok(o)

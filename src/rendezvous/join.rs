@@ -88,8 +88,8 @@ impl Communicator {
         crate::types::env::check_all().map_err(env_err)?;
         let info = EnvInfo::from_env()?;
         // Backend choice (`LOCKSTEP_BACKEND`, default shm).
-        let backend = crate::types::env::choice("LOCKSTEP_BACKEND", crate::types::env::BACKENDS).map_err(env_err)?.unwrap_or("shm");
-        let cfg = ShmConfig::from_env();
+        let backend = crate::types::env::BACKEND.choice().map_err(env_err)?.unwrap_or("shm");
+        let cfg = ShmConfig::from_env()?;
         tracing::debug!(
             rank = info.rank,
             world = info.world_size,
@@ -107,7 +107,7 @@ impl Communicator {
             }
             return Ok(host);
         }
-        let timeout = crate::types::env::secs("LOCKSTEP_RDZV_TIMEOUT_S").map_err(env_err)?.unwrap_or(Duration::from_secs(60));
+        let timeout = crate::types::env::RDZV_TIMEOUT_S.secs().map_err(env_err)?.unwrap_or(Duration::from_secs(60));
         let port = info.master_port.ok_or_else(|| {
             setup(format!(
                 "MASTER_PORT is not set, but this {}-node job started by {} needs a port for lockstep's rendezvous store (set MASTER_PORT or LOCKSTEP_STORE_PORT, the same on every node)",
@@ -133,7 +133,7 @@ impl Communicator {
             None
         };
         let mut store = TcpStore::connect(&info.master_addr, port, &token, timeout).map_err(st)?;
-        let joined = rendezvous_through_store(&info, &mut store, &backend, cfg, timeout);
+        let joined = rendezvous_through_store(&info, &mut store, backend, cfg, timeout);
         // Tell the host we are done with the store (even on failure, so it does not wait for us).
         let _ = store.set(&format!("lockstep/joined/{}", info.rank), b"1");
         if let Some(server) = server {

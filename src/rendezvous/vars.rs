@@ -90,7 +90,10 @@ fn required(get: Lookup, name: &str, launcher: Launcher) -> Result<usize, CommEr
 fn port(get: Lookup, name: &str) -> Result<Option<u16>, CommError> {
     match get(name) {
         None => Ok(None),
-        Some(p) => p.trim().parse::<u16>().map(Some).map_err(|_| setup(format!("{name}={p:?} is not a port number (1-65535)"))),
+        Some(p) => match p.trim().parse::<u16>() {
+            Ok(n) if n > 0 => Ok(Some(n)),
+            _ => Err(setup(format!("{name}={p:?} is not a port number (1-65535)"))),
+        },
     }
 }
 
@@ -147,6 +150,11 @@ pub(crate) fn slurm_tasks_on_node(spec: &str, node: usize) -> Option<usize> {
 impl EnvInfo {
     /// Read and check the variables of whichever launcher started this process.
     pub fn from_env() -> Result<EnvInfo, CommError> {
+        // The lookup treats a value that is not UTF-8 as unset: lockstep's own variables must not
+        // vanish silently.
+        for name in ["LOCKSTEP_TOKEN", "LOCKSTEP_JOB_ID", "LOCKSTEP_NNODES", "LOCKSTEP_STORE_PORT"] {
+            crate::types::env::raw(name).map_err(|e| setup(e.to_string()))?;
+        }
         EnvInfo::from_lookup(&var)
     }
 
@@ -172,7 +180,7 @@ impl EnvInfo {
                 // No silent clamp of 0 nodes to 1.
                 nnodes = match get("LOCKSTEP_NNODES") {
                     None => 1,
-                    Some(v) => crate::types::env::parse_count("LOCKSTEP_NNODES", &v, 1, 1 << 20).map_err(|e| setup(e.to_string()))? as usize,
+                    Some(v) => crate::types::env::NNODES.parse_count(&v).map_err(|e| setup(e.to_string()))? as usize,
                 };
                 job_id = get("LOCKSTEP_JOB_ID").unwrap_or_default();
                 hosts_store = false;
@@ -266,7 +274,7 @@ impl EnvInfo {
 /// memory, and for tests; text without control characters), else its name plus the kernel's boot
 /// id.
 pub fn host_id() -> Result<String, crate::types::env::EnvError> {
-    if let Some(h) = crate::types::env::text("LOCKSTEP_HOST_ID")? {
+    if let Some(h) = crate::types::env::HOST_ID.text()? {
         return Ok(h);
     }
     let read = |p: &str| std::fs::read_to_string(p).map(|s| s.trim().to_string()).unwrap_or_default();

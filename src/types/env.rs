@@ -14,9 +14,10 @@
 //! | choice ([`parse_choice`]) | one of the listed words, exactly | anything else |
 //! | text ([`parse_text`]) | any UTF-8 text without control characters | control characters |
 //!
-//! Surrounding ASCII whitespace is ignored. The variables read outside the shared-memory backend
-//! are listed in [`CHECKED`]; [`check_all`] checks every one that is set (the launchers call it
-//! before starting ranks, so a typo stops the job at once instead of in every rank).
+//! Surrounding ASCII whitespace is ignored. The variables of these kinds are listed in [`CHECKED`]
+//! and read through their [`Var`]; [`check_all`] checks every one that is set (the launchers and
+//! `Communicator::from_env` call it before anything starts, so a typo stops the job at once
+//! instead of in every rank, or halfway through it).
 
 use std::time::Duration;
 
@@ -175,21 +176,126 @@ pub struct Var {
 /// `LOCKSTEP_BACKEND`'s choices.
 pub const BACKENDS: &[&str] = &["shm", "nccl"];
 
-/// The `LOCKSTEP_*` variables read outside the shared-memory backend, with what each accepts
-/// (the reader of each uses the same kind). Free-form ones (library paths, NVRTC options, the log
-/// filter, the token, which has its own rules) are not listed.
+/// Collective timeout of the shared-memory backend and of the NCCL communicator.
+pub const TIMEOUT_S: Var = Var { name: "LOCKSTEP_TIMEOUT_S", kind: Kind::Secs };
+/// How long a rank of a multi-node job waits in the rendezvous (set by `lockstep launch`).
+pub const RDZV_TIMEOUT_S: Var = Var { name: "LOCKSTEP_RDZV_TIMEOUT_S", kind: Kind::Secs };
+/// The backend `Communicator::from_env` builds.
+pub const BACKEND: Var = Var { name: "LOCKSTEP_BACKEND", kind: Kind::Choice(BACKENDS) };
+/// CUDA initialisation probe logging.
+pub const DEBUG: Var = Var { name: "LOCKSTEP_DEBUG", kind: Kind::Flag };
+/// Nodes of a `lockstep launch` job (set by the launcher).
+pub const NNODES: Var = Var { name: "LOCKSTEP_NNODES", kind: Kind::Count { min: 1, max: 1 << 20 } };
+/// This host's identity in a multi-node rendezvous.
+pub const HOST_ID: Var = Var { name: "LOCKSTEP_HOST_ID", kind: Kind::Text };
+/// The job's identity (set by `lockstep launch`; the shared segment's name is derived from it).
+pub const JOB_ID: Var = Var { name: "LOCKSTEP_JOB_ID", kind: Kind::Text };
+/// Port of lockstep's rendezvous store under torchrun, mpirun and srun.
+pub const STORE_PORT: Var = Var { name: "LOCKSTEP_STORE_PORT", kind: Kind::Count { min: 1, max: 65535 } };
+/// Set by the launcher for its ranks' programs (progress bars may draw).
+pub const CONSOLE_TTY: Var = Var { name: "LOCKSTEP_CONSOLE_TTY", kind: Kind::Flag };
+/// Bytes of each staging slot of the shared-memory backend (rounded up to a multiple of 4096).
+pub const SHM_SLOT_BYTES: Var = Var { name: "LOCKSTEP_SHM_SLOT_BYTES", kind: Kind::Count { min: 4096, max: 1 << 30 } };
+/// Largest message of the one-phase all-reduce path (used up to the slot size).
+pub const SHM_SMALL_BYTES: Var = Var { name: "LOCKSTEP_SHM_SMALL_BYTES", kind: Kind::Count { min: 0, max: 1 << 30 } };
+/// Address space of each rank's shared heap (rounded up to a multiple of 2 MiB).
+pub const SHM_HEAP_BYTES: Var = Var { name: "LOCKSTEP_SHM_HEAP_BYTES", kind: Kind::Count { min: 2 << 20, max: 1 << 44 } };
+/// Output size from which staged data is written with streaming stores.
+pub const SHM_NT_BYTES: Var = Var { name: "LOCKSTEP_SHM_NT_BYTES", kind: Kind::Count { min: 0, max: 1 << 48 } };
+/// How staged data is written into the slots.
+pub const SHM_STAGE: Var = Var { name: "LOCKSTEP_SHM_STAGE", kind: Kind::Choice(&["auto", "cached", "streaming", "nt"]) };
+/// How often a waiting rank checks that its peers live, in milliseconds.
+pub const PEER_CHECK_MS: Var = Var { name: "LOCKSTEP_PEER_CHECK_MS", kind: Kind::Count { min: 1, max: 3_600_000 } };
+/// Microseconds a waiting rank spins before yielding (0: yield at once).
+pub const SPIN_US: Var = Var { name: "LOCKSTEP_SPIN_US", kind: Kind::Count { min: 0, max: 1_000_000 } };
+/// Whether each rank is pinned to one CPU.
+pub const CPU_BIND: Var = Var { name: "LOCKSTEP_CPU_BIND", kind: Kind::Choice(&["core", "none"]) };
+/// How long the ranks of a shared segment wait for each other to join.
+pub const JOIN_TIMEOUT_S: Var = Var { name: "LOCKSTEP_JOIN_TIMEOUT_S", kind: Kind::Secs };
+
+/// The `LOCKSTEP_*` variables of a simple kind, with what each accepts; each reader parses its
+/// variable through the same [`Var`], so this table and the readers cannot disagree. Free-form
+/// ones are not listed: library paths (`LOCKSTEP_*_LIBRARY`), `LOCKSTEP_SHM_DIR` (checked where
+/// a named segment is made: an absolute path to a directory), NVRTC options, the log filter
+/// (`LOCKSTEP_LOG`, checked by the binaries), the token (`LOCKSTEP_TOKEN`, which has its own
+/// rules), the config path, and the checkpoint fault injection (`LOCKSTEP_FAULT_SAVE`).
 pub const CHECKED: &[Var] = &[
-    // Collective timeout of the NCCL communicator (and of the shared-memory backend).
-    Var { name: "LOCKSTEP_TIMEOUT_S", kind: Kind::Secs },
-    // How long a rank of a multi-node job waits in the rendezvous (set by `lockstep launch`).
-    Var { name: "LOCKSTEP_RDZV_TIMEOUT_S", kind: Kind::Secs },
-    Var { name: "LOCKSTEP_BACKEND", kind: Kind::Choice(BACKENDS) },
-    Var { name: "LOCKSTEP_DEBUG", kind: Kind::Flag },
-    Var { name: "LOCKSTEP_NNODES", kind: Kind::Count { min: 1, max: 1 << 20 } },
-    Var { name: "LOCKSTEP_HOST_ID", kind: Kind::Text },
-    // Set by the launcher for its ranks' programs (progress bars may draw).
-    Var { name: "LOCKSTEP_CONSOLE_TTY", kind: Kind::Flag },
+    TIMEOUT_S,
+    RDZV_TIMEOUT_S,
+    BACKEND,
+    DEBUG,
+    NNODES,
+    HOST_ID,
+    JOB_ID,
+    STORE_PORT,
+    CONSOLE_TTY,
+    SHM_SLOT_BYTES,
+    SHM_SMALL_BYTES,
+    SHM_HEAP_BYTES,
+    SHM_NT_BYTES,
+    SHM_STAGE,
+    PEER_CHECK_MS,
+    SPIN_US,
+    CPU_BIND,
+    JOIN_TIMEOUT_S,
 ];
+
+impl Var {
+    /// The error for a reader that asks this variable for the wrong kind (a lockstep bug, named
+    /// as such rather than a panic).
+    fn wrong_kind(&self, wanted: &str) -> EnvError {
+        err(self.name, "", format!("{wanted} (lockstep bug: the variable is declared as {:?})", self.kind))
+    }
+
+    /// [`secs`] of a [`Kind::Secs`] variable.
+    pub fn secs(&self) -> Result<Option<Duration>, EnvError> {
+        match self.kind {
+            Kind::Secs => secs(self.name),
+            _ => Err(self.wrong_kind("seconds")),
+        }
+    }
+
+    /// [`count`] of a [`Kind::Count`] variable, within its range.
+    pub fn count(&self) -> Result<Option<u64>, EnvError> {
+        match self.kind {
+            Kind::Count { min, max } => count(self.name, min, max),
+            _ => Err(self.wrong_kind("a count")),
+        }
+    }
+
+    /// [`parse_count`] of `raw`, a value of this [`Kind::Count`] variable obtained elsewhere (a
+    /// lookup table in tests, another process's environment).
+    pub fn parse_count(&self, raw: &str) -> Result<u64, EnvError> {
+        match self.kind {
+            Kind::Count { min, max } => parse_count(self.name, raw, min, max),
+            _ => Err(self.wrong_kind("a count")),
+        }
+    }
+
+    /// [`flag`] of a [`Kind::Flag`] variable.
+    pub fn flag(&self) -> Result<Option<bool>, EnvError> {
+        match self.kind {
+            Kind::Flag => flag(self.name),
+            _ => Err(self.wrong_kind("a flag")),
+        }
+    }
+
+    /// [`choice`] of a [`Kind::Choice`] variable.
+    pub fn choice(&self) -> Result<Option<&'static str>, EnvError> {
+        match self.kind {
+            Kind::Choice(c) => choice(self.name, c),
+            _ => Err(self.wrong_kind("a choice")),
+        }
+    }
+
+    /// [`text`] of a [`Kind::Text`] variable.
+    pub fn text(&self) -> Result<Option<String>, EnvError> {
+        match self.kind {
+            Kind::Text => text(self.name),
+            _ => Err(self.wrong_kind("text")),
+        }
+    }
+}
 
 /// Check one value against `kind`.
 pub fn check_value(name: &str, raw: &str, kind: Kind) -> Result<(), EnvError> {
@@ -245,6 +351,15 @@ mod tests {
         assert!(e.to_string().contains("one of: shm, nccl"), "{e}");
         assert_eq!(parse_text("H", " node-a ").as_deref(), Ok("node-a"));
         assert!(parse_text("H", "a\nb").is_err());
+    }
+
+    #[test]
+    fn a_reader_of_the_wrong_kind_gets_an_error() {
+        let e = TIMEOUT_S.count().unwrap_err();
+        assert!(e.name == "LOCKSTEP_TIMEOUT_S" && e.expected.contains("lockstep bug"), "{e}");
+        assert!(BACKEND.secs().is_err() && SPIN_US.flag().is_err() && HOST_ID.choice().is_err() && DEBUG.text().is_err());
+        let names: std::collections::HashSet<&str> = CHECKED.iter().map(|v| v.name).collect();
+        assert_eq!(names.len(), CHECKED.len(), "each variable once");
     }
 
     #[test]
