@@ -81,18 +81,50 @@ fn displs(counts: &[usize]) -> (Vec<usize>, usize) {
 }
 
 /// Run every exchange on dtype T; returns failure messages.
+/// A send buffer: an ordinary vector, or a copy in the rank's shared heap (the zero-copy path).
+enum Src<T: Element> {
+    Own(Vec<T>),
+    Shared(lockstep::SharedBuffer<T>),
+}
+
+impl<T: Element> std::ops::Deref for Src<T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        match self {
+            Src::Own(v) => v,
+            Src::Shared(s) => s,
+        }
+    }
+}
+
+fn src<T: Element>(c: &mut Communicator, v: Vec<T>, shared: bool) -> Result<Src<T>, CommError> {
+    if !shared || v.is_empty() {
+        return Ok(Src::Own(v));
+    }
+    let mut s = c.alloc_shared::<T>(v.len())?;
+    s.copy_from_slice(&v);
+    Ok(Src::Shared(s))
+}
+
 fn check_exchanges<T: TestElem>(c: &mut Communicator) -> Result<Vec<String>, CommError> {
+    let mut bad = check_exchanges_with::<T>(c, false)?;
+    bad.extend(check_exchanges_with::<T>(c, true)?.into_iter().map(|b| format!("{b} (shared send buffers)")));
+    Ok(bad)
+}
+
+fn check_exchanges_with<T: TestElem>(c: &mut Communicator, shared: bool) -> Result<Vec<String>, CommError> {
     let (me, n) = (c.rank(), c.world_size());
     let dt = T::DTYPE;
     let mut bad = Vec::new();
     for len in sizes(n, dt.size()) {
         // all_to_all (and its async form on the last size).
         let send: Vec<T> = (0..n * len).map(|k| val(me, k / len.max(1), k % len.max(1))).collect();
+        let send = src(c, send, shared)?;
         let mut recv = vec![sentinel::<T>(); n * len];
         if len > 7 {
-            c.all_to_all_async(&send, &mut recv).wait()?;
+            c.all_to_all_async(&send[..], &mut recv).wait()?;
         } else {
-            c.all_to_all(&send, &mut recv)?;
+            c.all_to_all(&send[..], &mut recv)?;
         }
         if let Some(k) = (0..n * len).find(|&k| recv[k] != val(k / len, me, k % len)) {
             bad.push(format!("all_to_all {dt} len {len}: [{k}] = {:?}", recv[k]));
@@ -107,8 +139,9 @@ fn check_exchanges<T: TestElem>(c: &mut Communicator) -> Result<Vec<String>, Com
                 send[sd[j] + i] = val(me, j, i);
             }
         }
+        let send = src(c, send, shared)?;
         let mut recv = vec![sentinel::<T>(); rlen];
-        c.all_to_all_v(&send, &sc, &sd, &mut recv, &rc, &rd)?;
+        c.all_to_all_v(&send[..], &sc, &sd, &mut recv, &rc, &rd)?;
         let want: Vec<T> = (0..n).flat_map(|i| (0..rc[i]).map(move |k| val(i, me, k)).chain([sentinel()])).collect();
         if let Some(k) = (0..rlen).find(|&k| recv[k] != want[k]) {
             bad.push(format!("all_to_all_v {dt} len {len}: [{k}] = {:?}", recv[k]));
@@ -116,25 +149,27 @@ fn check_exchanges<T: TestElem>(c: &mut Communicator) -> Result<Vec<String>, Com
         // scatter from the last rank; other ranks pass an empty send.
         let root = n - 1;
         let send: Vec<T> = if me == root { (0..n * len).map(|k| val(root, k / len.max(1), k % len.max(1))).collect() } else { vec![] };
+        let send = src(c, send, shared)?;
         let mut recv = vec![sentinel::<T>(); len];
-        c.scatter(&send, &mut recv, root)?;
+        c.scatter(&send[..], &mut recv, root)?;
         if let Some(k) = (0..len).find(|&k| recv[k] != val(root, me, k)) {
             bad.push(format!("scatter {dt} len {len}: [{k}] = {:?}", recv[k]));
         }
         // all_gather_v and gather_v with per-rank lengths.
         let counts: Vec<usize> = (0..n).map(|r| v_count(r, r + 1, len)).collect();
         let send: Vec<T> = (0..counts[me]).map(|k| val(me, 0, k)).collect();
+        let send = src(c, send, shared)?;
         let total: usize = counts.iter().sum();
         let want: Vec<T> = (0..n).flat_map(|r| (0..counts[r]).map(move |k| val(r, 0, k))).collect();
         let mut recv = vec![sentinel::<T>(); total];
-        c.all_gather_v(&send, &mut recv, &counts)?;
+        c.all_gather_v(&send[..], &mut recv, &counts)?;
         if let Some(k) = (0..total).find(|&k| recv[k] != want[k]) {
             bad.push(format!("all_gather_v {dt} len {len}: [{k}] = {:?}", recv[k]));
         }
         let root = n / 2;
         let mut recv = if me == root { vec![sentinel::<T>(); total] } else { vec![] };
         let rcounts: &[usize] = if me == root { &counts } else { &[] };
-        c.gather_v(&send, &mut recv, rcounts, root)?;
+        c.gather_v(&send[..], &mut recv, rcounts, root)?;
         if me == root {
             if let Some(k) = (0..total).find(|&k| recv[k] != want[k]) {
                 bad.push(format!("gather_v {dt} len {len}: [{k}] = {:?}", recv[k]));
@@ -261,9 +296,26 @@ fn t_exchanges() -> Result<(), String> {
 }
 
 fn t_p2p_and_groups() -> Result<(), String> {
-    for n in 1..=5 {
+    // Every path a message can take: the fast box (small), the mailbox stream, and the direct
+    // copy from the sender's memory (large; default threshold), then with direct copies off, and
+    // with every direct copy refused by the receiver (fallback to the stream mid-message).
+    let paths: [(&str, usize, bool); 3] =
+        [("default", ShmConfig::default().cma_bytes, false), ("mailbox only", 0, false), ("direct copies refused", 1, true)];
+    for (path, cma_bytes, refuse) in paths {
+        for n in 1..=5 {
+            let mut c = cfg(n);
+            c.shm.cma_bytes = cma_bytes;
+            c.shm.fault_refuse_direct = refuse;
+            p2p_and_groups(n, c).map_err(|e| format!("{path}: {e}"))?;
+        }
+    }
+    Ok(())
+}
+
+fn p2p_and_groups(n: usize, cfg: LaunchConfig) -> Result<(), String> {
+    {
         let t = Instant::now();
-        report(launch(&cfg(n), |mut ctx: RankContext| -> RankResult<Vec<String>> {
+        report(launch(&cfg, |mut ctx: RankContext| -> RankResult<Vec<String>> {
             let mut bad = every_dtype!(check_p2p, &mut ctx.comm);
             // Point-to-point traffic left the collectives in step.
             let mut x = vec![1u32; 100];

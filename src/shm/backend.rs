@@ -27,7 +27,7 @@ impl std::fmt::Debug for ShmComm {
 impl ShmComm {
     /// A communicator over a joined channel, allocating shared buffers from `heap`.
     pub(crate) fn new(ch: Channel, heap: Arc<Mutex<Heap>>) -> ShmComm {
-        let p2p = P2p::new(ch.world());
+        let p2p = P2p::new(ch.world(), ch.config().cma_bytes, ch.config().fault_refuse_direct);
         ShmComm { ch, heap, poisoned: None, p2p }
     }
 

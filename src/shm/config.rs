@@ -41,6 +41,19 @@ pub struct ShmConfig {
     /// [`checked_shm_dir`](Self::checked_shm_dir)). Segments of forked ranks are anonymous and do
     /// not use it.
     pub shm_dir: Option<PathBuf>,
+    /// Point-to-point messages of at least this many bytes are copied once, straight from the
+    /// sender's buffer into the receiver's, with cross-memory attach (`process_vm_readv`), instead
+    /// of twice through the pair's mailbox (`LOCKSTEP_SHM_CMA_BYTES`, default 32 KiB; 0 turns it
+    /// off). Where the kernel refuses (Yama `ptrace_scope` 2 or 3, a seccomp filter, another pid
+    /// namespace), the message goes through the mailbox. Under Yama `ptrace_scope` 1 each rank
+    /// declares `PR_SET_PTRACER_ANY`, as Open MPI's shared-memory transport does, so that its
+    /// sibling ranks may read its buffers; that restores the classic same-user ptrace rule for the
+    /// rank.
+    pub cma_bytes: usize,
+    /// Fault injection for tests: receivers refuse every direct copy, as a kernel that forbids
+    /// cross-memory attach would, so the fallback to the mailbox is exercised.
+    #[doc(hidden)]
+    pub fault_refuse_direct: bool,
 }
 
 /// Name of the variable that moves named segments out of `/dev/shm`.
@@ -60,6 +73,8 @@ impl Default for ShmConfig {
             stage: StageMode::Auto,
             bind_cpu: true,
             shm_dir: None,
+            cma_bytes: 32 << 10,
+            fault_refuse_direct: false,
         }
     }
 }
@@ -103,6 +118,9 @@ impl ShmConfig {
         }
         if let Some(m) = v::CPU_BIND.choice().map_err(bad)? {
             c.bind_cpu = m == "core";
+        }
+        if let Some(n) = v::SHM_CMA_BYTES.count().map_err(bad)? {
+            c.cma_bytes = n as usize;
         }
         if let Some(t) = v::JOIN_TIMEOUT_S.secs().map_err(bad)? {
             c.join_timeout = t;

@@ -32,7 +32,7 @@ use std::sync::atomic::{AtomicI32, AtomicU32, AtomicU64};
 /// "LOCKSTEP" in ASCII: written last by the creator, once the header is valid.
 pub(crate) const MAGIC: u64 = 0x4c4f_434b_5354_4550;
 /// Bump when the layout changes.
-pub(crate) const VERSION: u32 = 2;
+pub(crate) const VERSION: u32 = 3;
 /// Header size.
 pub(crate) const HEADER_BYTES: usize = 4096;
 /// Control block size per rank.
@@ -156,7 +156,7 @@ const _: () = assert!(std::mem::size_of::<Desc>() == 64);
 const _: () = assert!(std::mem::size_of::<Header>() <= HEADER_BYTES);
 
 /// The control lines of one ordered pair's mailbox (a byte stream from `src` to `dst`, see
-/// `shm::p2p`): the sender's line, then the receiver's.
+/// `shm::p2p`): the sender's line, the receiver's, and the sender's fast box.
 #[repr(C, align(64))]
 pub(crate) struct PairCtrl {
     /// Stream bytes the sender has written (monotonic).
@@ -164,18 +164,40 @@ pub(crate) struct PairCtrl {
     _pad0: [u8; 56],
     /// Stream bytes the receiver has consumed (monotonic).
     pub taken: AtomicU64,
-    /// Number of the last message whose header the receiver has matched against its recv.
+    /// Number of the last message the receiver has matched against its recv (for a message read
+    /// directly from the sender's memory, or one it refused to read so, once its data is in).
     pub matched: AtomicU64,
     /// 0, or the number of the first message whose recv disagreed (the pair is then unusable).
     pub bad: AtomicU64,
     /// What that recv expected: dtype code and element count.
     pub bad_dtype: AtomicU64,
     pub bad_count: AtomicU64,
-    _pad1: [u8; 24],
+    /// Number of the last message the receiver could not read directly from the sender's memory
+    /// (cross-memory attach refused): the sender then streams its data through the ring.
+    pub nack: AtomicU64,
+    _pad1: [u8; 16],
+    /// A small message in one cache line, so that it crosses between cores in one transfer.
+    pub fast: FastBox,
 }
 
+/// One small message (at most [`FAST_BYTES`]) from the sender: `msg` is stored last (release), so
+/// a receiver that sees its number sees the rest. The sender reuses it once the receiver has
+/// matched that number.
+#[repr(C, align(64))]
+pub(crate) struct FastBox {
+    /// Number of the message in the box (0: none yet).
+    pub msg: AtomicU64,
+    pub dtype: AtomicU64,
+    pub count: AtomicU64,
+    /// The data, little-endian bytes in words.
+    pub data: [AtomicU64; 5],
+}
+
+/// Largest message the fast box carries.
+pub(crate) const FAST_BYTES: usize = 40;
+
 /// Bytes of a pair's control lines.
-pub(crate) const PAIR_CTRL_BYTES: usize = 128;
+pub(crate) const PAIR_CTRL_BYTES: usize = 192;
 const _: () = assert!(std::mem::size_of::<PairCtrl>() == PAIR_CTRL_BYTES);
 
 /// Mailbox bytes per ordered pair: up to 64 KiB (and a slot), less for large worlds so all

@@ -202,6 +202,8 @@ pub const SHM_SMALL_BYTES: Var = Var { name: "LOCKSTEP_SHM_SMALL_BYTES", kind: K
 pub const SHM_HEAP_BYTES: Var = Var { name: "LOCKSTEP_SHM_HEAP_BYTES", kind: Kind::Count { min: 2 << 20, max: 1 << 44 } };
 /// Output size from which staged data is written with streaming stores.
 pub const SHM_NT_BYTES: Var = Var { name: "LOCKSTEP_SHM_NT_BYTES", kind: Kind::Count { min: 0, max: 1 << 48 } };
+/// Point-to-point messages from this size are copied directly (`process_vm_readv`); 0 turns it off.
+pub const SHM_CMA_BYTES: Var = Var { name: "LOCKSTEP_SHM_CMA_BYTES", kind: Kind::Count { min: 0, max: 1 << 48 } };
 /// How staged data is written into the slots.
 pub const SHM_STAGE: Var = Var { name: "LOCKSTEP_SHM_STAGE", kind: Kind::Choice(&["auto", "cached", "streaming", "nt"]) };
 /// How often a waiting rank checks that its peers live, in milliseconds.
@@ -233,6 +235,7 @@ pub const CHECKED: &[Var] = &[
     SHM_SMALL_BYTES,
     SHM_HEAP_BYTES,
     SHM_NT_BYTES,
+    SHM_CMA_BYTES,
     SHM_STAGE,
     PEER_CHECK_MS,
     SPIN_US,

@@ -8,10 +8,15 @@
 //! evenly between the ranks it sends to) and copies the pieces meant for it out of its peers'
 //! slots. Every rank computes the same number of rounds from the matrix, so the phase counters
 //! stay aligned; memory stays bounded by the slots whatever the message size.
+//!
+//! When every rank's send buffer lies in its shared heap (`alloc_shared`), there is no staging:
+//! each rank copies its blocks straight out of its peers' send buffers, then one phase tells
+//! them their buffers are free again (one copy instead of two, whatever the size).
 
 use crate::comm::{Call, CollKind, CommError};
 use crate::shm::channel::{Channel, Ctx};
 use crate::shm::reduce::copy_block;
+use crate::shm::sync::SHARED_SEND;
 
 /// Where this rank's blocks are: (element offset, element count) per peer, for send and recv.
 struct Plan {
@@ -55,28 +60,39 @@ pub(crate) fn exchange(ch: &mut Channel, call: &Call, cx: Ctx) -> Result<(), Com
     let v = call.kind.is_v();
     let p0 = ch.next_phase();
     if v {
-        // Counts go through the slot of the first phase: n send counts then n receive counts.
-        // The slot holds at least 4 KiB per peer (ShmConfig::normalized_for), far more than 16n bytes.
-        let counts: Vec<u64> = plan.send.iter().chain(plan.recv.iter()).map(|&(_, c)| c as u64).collect();
+        // Counts go through the slot of the first phase: n send counts, n receive counts, then the
+        // n send displacements (for the zero-copy path). The slot holds at least 4 KiB per peer
+        // (ShmConfig::normalized_for), far more than 24n bytes.
+        let counts: Vec<u64> = plan
+            .send
+            .iter()
+            .map(|&(_, c)| c as u64)
+            .chain(plan.recv.iter().map(|&(_, c)| c as u64))
+            .chain(plan.send.iter().map(|&(o, _)| o as u64))
+            .collect();
         // SAFETY: our own slot of phase p0, 2n u64 fit (above); nobody reads it before we publish.
         unsafe { copy_block(counts.as_ptr() as *const u8, ch.slot(me, p0), counts.len() * 8, false) };
     }
     // The per-rank counts of the v-variants differ between ranks: they are checked below, pair by
     // pair, so the descriptors carry none.
     let desc_call = if v { Call { count: 0, ..*call } } else { *call };
-    ch.begin(&desc_call, 0, 0, 0, cx)?;
+    let (flags, send_off, _) = ch.share_flags(call, call.send.len * esz, 0);
+    let (descs, _) = ch.begin(&desc_call, flags, send_off, 0, cx)?;
+    // Element offset, in rank r's send buffer, of its block for rank j (zero-copy path).
+    let mut send_displ: Vec<usize> = (0..n * n).map(|k| plan_displ(call, k % n)).collect();
     // m[i * n + j]: elements rank i sends to rank j.
     let m: Vec<usize> = if v {
         let mut m = vec![0usize; n * n];
         let mut recv_from = vec![0usize; n * n];
         for r in 0..n {
-            let mut vals = vec![0u64; 2 * n];
-            // SAFETY: rank r staged 2n u64 in its slot of phase p0 before publishing it, and
+            let mut vals = vec![0u64; 3 * n];
+            // SAFETY: rank r staged 3n u64 in its slot of phase p0 before publishing it, and
             // nobody writes that slot again before everyone has published p0 + 1.
-            unsafe { copy_block(ch.slot(r, p0), vals.as_mut_ptr() as *mut u8, 2 * n * 8, false) };
+            unsafe { copy_block(ch.slot(r, p0), vals.as_mut_ptr() as *mut u8, 3 * n * 8, false) };
             for j in 0..n {
                 m[r * n + j] = vals[j] as usize;
                 recv_from[j * n + r] = vals[n + j] as usize;
+                send_displ[r * n + j] = vals[2 * n + j] as usize;
             }
         }
         check_counts(&m, &recv_from, n, call.kind, cx.seq)?;
@@ -92,6 +108,21 @@ pub(crate) fn exchange(ch: &mut Channel, call: &Call, cx: Ctx) -> Result<(), Com
         // SAFETY: the communicator checked both blocks lie within their buffers; the blocks are
         // equal or disjoint (distinct borrows).
         ch.put(unsafe { send.add(so * esz) }, unsafe { recv.add(plan.recv[me].0 * esz) }, sc * esz, nt);
+    }
+    // A rank that sends nothing to its peers (a scatter's non-roots) need not share its buffer.
+    let shares = |r: usize| descs[r].flags & SHARED_SEND != 0 || (0..n).all(|j| j == r || m[r * n + j] == 0);
+    if n > 1 && (0..n).all(shares) {
+        for i in (0..n).filter(|&i| i != me && m[i * n + me] > 0) {
+            let (off, cnt) = plan.recv[i];
+            // SAFETY: rank i's send buffer lies in its shared heap (SHARED_SEND, offset from
+            // `shared_off`), and its block for us is `cnt` elements at the displacement it
+            // published (checked against its buffer by its communicator); our block from it lies
+            // in recv (checked by ours). Rank i does not touch its buffer until the phase below.
+            ch.put(unsafe { ch.at(descs[i].send_off).add(send_displ[i * n + me] * esz) }, unsafe { recv.add(off * esz) }, cnt * esz, nt);
+        }
+        // Our peers have read our send buffer once everyone has published this phase.
+        ch.phase(cx)?;
+        return Ok(());
     }
     // Rank i's outgoing peers, and the bytes of each piece it stages per round.
     let dests: Vec<Vec<usize>> = (0..n).map(|i| (0..n).filter(|&j| j != i && m[i * n + j] > 0).collect()).collect();
@@ -122,6 +153,15 @@ pub(crate) fn exchange(ch: &mut Channel, call: &Call, cx: Ctx) -> Result<(), Com
         }
     }
     Ok(())
+}
+
+/// Element offset, in rank `r`'s send buffer, of its block for rank `j`, for the variants whose
+/// layout every rank knows (the v-variants' displacements come with the counts).
+fn plan_displ(call: &Call, j: usize) -> usize {
+    match call.kind {
+        CollKind::AllToAll | CollKind::Scatter => j * call.count,
+        _ => 0,
+    }
 }
 
 /// Every rank's send count to every peer must be that peer's receive count from it.

@@ -10,6 +10,14 @@
 //! header is matched; a recv once it has copied all the data out. Messages larger than the ring
 //! stream through it while the receiver takes them.
 //!
+//! Two shortcuts, chosen by the sender per message (message numbers keep them in order):
+//! * **Fast box** (at most [`FAST_BYTES`]): header and data in one cache line of the pair's
+//!   control block, so a small message crosses between cores in one transfer (the latency path).
+//! * **Direct copy** (at least `ShmConfig::cma_bytes`): only a header goes into the ring, naming
+//!   the sender's pid and buffer; the receiver copies the data once, straight from the sender's
+//!   memory (`process_vm_readv`), then matches the message. If the kernel refuses, the receiver
+//!   says so (`nack`) and the sender streams the data through the ring as usual.
+//!
 //! A group's operations are progressed together by one loop that never blocks on a single
 //! operation, so any set of operations whose sends and receives match completes. Operations on
 //! the same ordered pair run in the order they were posted.
@@ -21,10 +29,13 @@ use crate::comm::{CollKind, CommError, Dtype, P2pOp};
 use crate::shm::channel::Channel;
 use crate::shm::reduce::copy_block;
 use crate::shm::segment::futex_wait;
-use crate::shm::sync::{PairCtrl, PAIR_CTRL_BYTES};
+use crate::shm::sync::{PairCtrl, FAST_BYTES, PAIR_CTRL_BYTES};
 
 /// Bytes of a message header in the stream.
 const HDR: u64 = 64;
+
+/// Header flag: the data is not in the stream; read it from `pid`'s memory at `addr`.
+const DIRECT: u64 = 1;
 
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -32,20 +43,39 @@ struct MsgHeader {
     msg: u64,
     dtype: u64,
     count: u64,
-    _pad: [u64; 5],
+    flags: u64,
+    /// Direct copy: the sender's pid, its pid namespace (inode) and the buffer's address.
+    pid: u64,
+    pidns: u64,
+    addr: u64,
+    _pad: u64,
 }
 const _: () = assert!(std::mem::size_of::<MsgHeader>() == HDR as usize);
 
 /// This rank's position in every pair's stream (only this rank sends on (me, j) and receives on
-/// (j, me), so these live in the process).
+/// (j, me), so these live in the process), and scratch reused by every call.
 #[derive(Debug)]
 pub(crate) struct P2p {
     send_pos: Vec<u64>,
     send_msgs: Vec<u64>,
     recv_pos: Vec<u64>,
     recv_msgs: Vec<u64>,
+    /// Number of the last message sent through each peer's fast box.
+    fast_last: Vec<u64>,
+    /// Peers whose receiver refused a direct copy: later large messages to them are streamed.
+    no_direct: Vec<bool>,
+    /// Direct copies are on (config) and this process's identity for them.
+    direct_min: usize,
+    pid: u64,
+    pidns: u64,
+    /// Receivers refuse direct copies (fault injection, `ShmConfig::fault_refuse_direct`).
+    refuse_direct: bool,
+    st: Vec<OpState>,
+    front_send: Vec<bool>,
+    front_recv: Vec<bool>,
 }
 
+#[derive(Debug, Clone, Copy)]
 struct OpState {
     op: P2pOp,
     bytes: usize,
@@ -53,45 +83,94 @@ struct OpState {
     msg: Option<u64>,
     /// Data bytes written or copied so far.
     done: usize,
-    /// Send: all data is in the stream (waiting for the match).
+    /// Send: all data is in the stream, the fast box, or offered for a direct copy (waiting for
+    /// the match).
     streamed: bool,
+    /// Send: offered for a direct copy (waiting for the copy, or a refusal).
+    direct: bool,
     finished: bool,
 }
 
+/// The pid namespace of this process (its inode), so that a receiver never reads a pid that
+/// names another process in its own namespace.
+fn pid_namespace() -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata("/proc/self/ns/pid").map(|m| m.ino()).unwrap_or(0)
+}
+
+/// Under Yama `ptrace_scope` 1 only ancestors may read a process's memory: let the sibling ranks
+/// do it (see `ShmConfig::cma_bytes`).
+fn allow_sibling_reads() {
+    if std::fs::read_to_string("/proc/sys/kernel/yama/ptrace_scope").is_ok_and(|v| v.trim() == "1") {
+        // SAFETY: prctl with constant arguments.
+        let rc = unsafe { libc::prctl(libc::PR_SET_PTRACER, libc::PR_SET_PTRACER_ANY, 0, 0, 0) };
+        if rc != 0 {
+            tracing::debug!("PR_SET_PTRACER failed ({}): large messages go through the mailboxes", std::io::Error::last_os_error());
+        }
+    }
+}
+
 impl P2p {
-    pub(crate) fn new(world: usize) -> P2p {
-        P2p { send_pos: vec![0; world], send_msgs: vec![0; world], recv_pos: vec![0; world], recv_msgs: vec![0; world] }
+    pub(crate) fn new(world: usize, direct_min: usize, refuse_direct: bool) -> P2p {
+        if direct_min > 0 && world > 1 {
+            allow_sibling_reads();
+        }
+        P2p {
+            send_pos: vec![0; world],
+            send_msgs: vec![0; world],
+            recv_pos: vec![0; world],
+            recv_msgs: vec![0; world],
+            fast_last: vec![0; world],
+            no_direct: vec![false; world],
+            direct_min: if direct_min == 0 { usize::MAX } else { direct_min },
+            pid: std::process::id() as u64,
+            pidns: pid_namespace(),
+            refuse_direct,
+            st: Vec::new(),
+            front_send: vec![false; world],
+            front_recv: vec![false; world],
+        }
     }
 
     /// Run a group of operations (checked locally: peers in range, host buffers) to completion.
     /// A mismatch fails its own operation while the others go on; the first error is returned.
     /// A lost peer or a timeout ends the group at once.
     pub(crate) fn run(&mut self, ch: &Channel, ops: &[P2pOp]) -> Result<(), CommError> {
-        let n = ch.world();
-        let mut st: Vec<OpState> = ops
-            .iter()
-            .map(|&op| OpState { op, bytes: op.mem.len * op.dtype.size(), msg: None, done: 0, streamed: false, finished: false })
-            .collect();
+        let mut st = std::mem::take(&mut self.st);
+        st.clear();
+        st.extend(ops.iter().map(|&op| OpState {
+            op,
+            bytes: op.mem.len * op.dtype.size(),
+            msg: None,
+            done: 0,
+            streamed: false,
+            direct: false,
+            finished: false,
+        }));
+        let r = self.progress(ch, &mut st);
+        self.st = st;
+        r
+    }
+
+    fn progress(&mut self, ch: &Channel, st: &mut [OpState]) -> Result<(), CommError> {
         let mut first_err: Option<CommError> = None;
         let mut waiter = Waiter::new();
-        let mut front_send = vec![false; n];
-        let mut front_recv = vec![false; n];
         loop {
-            let fp = if waiter.sleepy() { fingerprint(ch, &st) } else { 0 };
-            front_send.iter_mut().for_each(|f| *f = false);
-            front_recv.iter_mut().for_each(|f| *f = false);
+            let fp = if waiter.sleepy() { fingerprint(ch, st) } else { 0 };
+            self.front_send.iter_mut().for_each(|f| *f = false);
+            self.front_recv.iter_mut().for_each(|f| *f = false);
             let mut progressed = false;
             let mut pending = false;
             for s in st.iter_mut().filter(|s| !s.finished) {
                 let peer = s.op.peer;
                 let r = match s.op.kind {
-                    CollKind::Send if s.streamed => check_ack(ch, s),
-                    CollKind::Send if !front_send[peer] => {
-                        front_send[peer] = true;
+                    CollKind::Send if s.streamed => self.check_ack(ch, s),
+                    CollKind::Send if !self.front_send[peer] => {
+                        self.front_send[peer] = true;
                         self.step_send(ch, s)
                     }
-                    CollKind::Recv if !front_recv[peer] => {
-                        front_recv[peer] = true;
+                    CollKind::Recv if !self.front_recv[peer] => {
+                        self.front_recv[peer] = true;
                         self.step_recv(ch, s)
                     }
                     _ => Ok(false),
@@ -113,7 +192,7 @@ impl P2p {
             if progressed {
                 waiter.reset();
             } else {
-                waiter.idle(ch, &st, fp)?;
+                waiter.idle(ch, st, fp)?;
             }
         }
     }
@@ -124,6 +203,29 @@ impl P2p {
         if pc.bad.load(Acquire) != 0 {
             return Err(mismatch(ch, pc, me, peer, s));
         }
+        if s.msg.is_none() && s.bytes <= FAST_BYTES && self.fast_last[peer] <= pc.matched.load(Acquire) {
+            // The fast box is free (its last message was matched): the whole message goes there.
+            self.send_msgs[peer] += 1;
+            let k = self.send_msgs[peer];
+            let fb = &pc.fast;
+            fb.dtype.store(s.op.dtype as u64, Relaxed);
+            fb.count.store(s.op.mem.len as u64, Relaxed);
+            let mut words = [0u64; FAST_BYTES / 8];
+            // SAFETY: `bytes` <= FAST_BYTES bytes of the send buffer are readable (its length)
+            // and fit in `words`.
+            unsafe { std::ptr::copy_nonoverlapping(s.op.mem.addr as *const u8, words.as_mut_ptr() as *mut u8, s.bytes) };
+            for (slot, w) in fb.data.iter().zip(words) {
+                slot.store(w, Relaxed);
+            }
+            // Last, and sequentially consistent for the sleepers' handshake (see `Waiter`).
+            fb.msg.store(k, SeqCst);
+            self.fast_last[peer] = k;
+            s.msg = Some(k);
+            s.streamed = true;
+            ch.wake_sleepers();
+            self.check_ack(ch, s)?;
+            return Ok(true);
+        }
         let taken = pc.taken.load(Acquire);
         let pos = &mut self.send_pos[peer];
         let mut moved = false;
@@ -133,7 +235,17 @@ impl P2p {
             }
             self.send_msgs[peer] += 1;
             let k = self.send_msgs[peer];
-            let h = MsgHeader { msg: k, dtype: s.op.dtype as u64, count: s.op.mem.len as u64, _pad: [0; 5] };
+            let direct = s.bytes >= self.direct_min && !self.no_direct[peer];
+            let h = MsgHeader {
+                msg: k,
+                dtype: s.op.dtype as u64,
+                count: s.op.mem.len as u64,
+                flags: if direct { DIRECT } else { 0 },
+                pid: self.pid,
+                pidns: self.pidns,
+                addr: s.op.mem.addr as u64,
+                _pad: 0,
+            };
             // SAFETY: `pos % cap` is a multiple of 64 (headers and padding keep it so, and cap is
             // a multiple of 64), so the header lies inside the ring, 64-aligned, in space the
             // receiver has released (pos + HDR <= taken + cap).
@@ -141,6 +253,15 @@ impl P2p {
             *pos += HDR;
             s.msg = Some(k);
             moved = true;
+            if direct {
+                // The receiver copies the data itself; the send waits for its match (or refusal).
+                s.direct = true;
+                s.streamed = true;
+                pc.sent.store(*pos, SeqCst);
+                ch.wake_sleepers();
+                self.check_ack(ch, s)?;
+                return Ok(true);
+            }
         }
         let src = s.op.mem.addr as *const u8;
         while s.done < s.bytes {
@@ -166,9 +287,32 @@ impl P2p {
             ch.wake_sleepers();
         }
         if s.streamed {
-            check_ack(ch, s)?;
+            self.check_ack(ch, s)?;
         }
         Ok(moved)
+    }
+
+    /// A send whose data is placed completes once the receiver has matched its header; a direct
+    /// copy the receiver refused goes back to streaming.
+    fn check_ack(&mut self, ch: &Channel, s: &mut OpState) -> Result<bool, CommError> {
+        let (me, peer) = (ch.rank(), s.op.peer);
+        let (pc, _, _) = pair(ch, me, peer);
+        if pc.bad.load(Acquire) != 0 {
+            return Err(mismatch(ch, pc, me, peer, s));
+        }
+        let Some(k) = s.msg else { return Ok(false) };
+        if s.direct && pc.nack.load(Acquire) >= k {
+            tracing::debug!("rank {peer} cannot read this rank's memory directly: large messages to it go through the mailbox");
+            self.no_direct[peer] = true;
+            s.direct = false;
+            s.streamed = false;
+            return self.step_send(ch, s).map(|_| true);
+        }
+        if pc.matched.load(Acquire) >= k {
+            s.finished = true;
+            return Ok(true);
+        }
+        Ok(false)
     }
 
     fn step_recv(&mut self, ch: &Channel, s: &mut OpState) -> Result<bool, CommError> {
@@ -177,37 +321,64 @@ impl P2p {
         if pc.bad.load(Acquire) != 0 {
             return Err(mismatch(ch, pc, peer, me, s));
         }
+        // `sent` first: a later message visible in the ring makes an earlier one in the fast box
+        // visible too (the sender published the box before it).
         let sent = pc.sent.load(Acquire);
         let pos = &mut self.recv_pos[peer];
         let mut moved = false;
         if s.msg.is_none() {
+            let k = self.recv_msgs[peer] + 1;
+            let fb = &pc.fast;
+            if fb.msg.load(Acquire) == k {
+                self.recv_msgs[peer] = k;
+                s.msg = Some(k);
+                let (dtype, count) = (fb.dtype.load(Relaxed), fb.count.load(Relaxed));
+                if let Some(e) = check_header(ch, pc, peer, me, k, dtype, count, s) {
+                    return Err(e);
+                }
+                let mut words = [0u64; FAST_BYTES / 8];
+                for (w, slot) in words.iter_mut().zip(&fb.data) {
+                    *w = slot.load(Relaxed);
+                }
+                // SAFETY: the receive buffer holds `bytes` (<= FAST_BYTES, as the sender's count
+                // equals ours) writable bytes.
+                unsafe { std::ptr::copy_nonoverlapping(words.as_ptr() as *const u8, s.op.mem.addr as *mut u8, s.bytes) };
+                s.finished = true;
+                pc.matched.store(k, SeqCst);
+                ch.wake_sleepers();
+                return Ok(true);
+            }
             if sent < *pos + HDR {
                 return Ok(false);
             }
             // SAFETY: the sender wrote this header before publishing `sent` >= pos + HDR (acquire
             // above); it is 64-aligned inside the ring (see step_send).
             let h = unsafe { std::ptr::read(ring.add((*pos % cap) as usize) as *const MsgHeader) };
-            self.recv_msgs[peer] += 1;
-            let k = self.recv_msgs[peer];
+            self.recv_msgs[peer] = k;
             s.msg = Some(k);
-            if h.msg != k || h.dtype != s.op.dtype as u64 || h.count != s.op.mem.len as u64 {
-                pc.bad_dtype.store(s.op.dtype as u64, Relaxed);
-                pc.bad_count.store(s.op.mem.len as u64, Relaxed);
-                pc.bad.store(k, SeqCst);
-                pc.matched.store(k, SeqCst);
+            let count = if h.msg == k { h.count } else { u64::MAX };
+            if let Some(e) = check_header(ch, pc, peer, me, k, h.dtype, count, s) {
+                return Err(e);
+            }
+            *pos += HDR;
+            if h.flags & DIRECT != 0 {
+                if h.pidns == self.pidns && !self.refuse_direct && read_direct(h.pid, h.addr, s.op.mem.addr, s.bytes) {
+                    s.done = s.bytes;
+                    s.finished = true;
+                    pc.taken.store(*pos, SeqCst);
+                    pc.matched.store(k, SeqCst);
+                    ch.wake_sleepers();
+                    return Ok(true);
+                }
+                // Refused: the sender streams the data after this header; the match is
+                // published once it is all in.
+                pc.taken.store(*pos, SeqCst);
+                pc.nack.store(k, SeqCst);
                 ch.wake_sleepers();
-                let (dt, count) = (Dtype::from_u8(h.dtype as u8).map_or("?", |d| d.name()), h.count);
-                return Err(CommError::Mismatch {
-                    seq: k,
-                    detail: format!(
-                        "point-to-point message #{k} from rank {peer} to rank {me} is send(count={count}, dtype={dt}) but the matching recv on rank {me} is recv(count={}, dtype={}); a send and the recv it matches (in order, per pair of ranks) must agree, and this pair of ranks cannot exchange messages any more",
-                        s.op.mem.len,
-                        s.op.dtype
-                    ),
-                });
+                s.direct = true;
+                return Ok(true);
             }
             pc.matched.store(k, SeqCst);
-            *pos += HDR;
             moved = true;
         }
         let dst = s.op.mem.addr as *mut u8;
@@ -231,10 +402,60 @@ impl P2p {
         }
         if moved {
             pc.taken.store(*pos, SeqCst);
+            if s.finished && s.direct {
+                pc.matched.store(s.msg.unwrap_or(0), SeqCst);
+            }
             ch.wake_sleepers();
         }
         Ok(moved)
     }
+}
+
+/// Match message `k`'s header (dtype, count; `count` = u64::MAX for a message out of order)
+/// against the recv; on a disagreement, publish it (the pair becomes unusable) and return the
+/// error.
+#[allow(clippy::too_many_arguments)]
+fn check_header(ch: &Channel, pc: &PairCtrl, peer: usize, me: usize, k: u64, dtype: u64, count: u64, s: &OpState) -> Option<CommError> {
+    if dtype == s.op.dtype as u64 && count == s.op.mem.len as u64 {
+        return None;
+    }
+    pc.bad_dtype.store(s.op.dtype as u64, Relaxed);
+    pc.bad_count.store(s.op.mem.len as u64, Relaxed);
+    pc.bad.store(k, SeqCst);
+    pc.matched.store(k, SeqCst);
+    ch.wake_sleepers();
+    let dt = Dtype::from_u8(dtype as u8).map_or("?", |d| d.name());
+    Some(CommError::Mismatch {
+        seq: k,
+        detail: format!(
+            "point-to-point message #{k} from rank {peer} to rank {me} is send(count={count}, dtype={dt}) but the matching recv on rank {me} is recv(count={}, dtype={}); a send and the recv it matches (in order, per pair of ranks) must agree, and this pair of ranks cannot exchange messages any more",
+            s.op.mem.len,
+            s.op.dtype
+        ),
+    })
+}
+
+/// Copy `bytes` from `addr` in process `pid` into `dst` with `process_vm_readv`; false when the
+/// kernel refuses (no permission, no such process, not supported) or the copy comes up short.
+fn read_direct(pid: u64, addr: u64, dst: usize, bytes: usize) -> bool {
+    let mut done = 0usize;
+    while done < bytes {
+        let local = libc::iovec { iov_base: (dst + done) as *mut libc::c_void, iov_len: bytes - done };
+        let remote = libc::iovec { iov_base: (addr as usize + done) as *mut libc::c_void, iov_len: bytes - done };
+        // SAFETY: `local` is the receive buffer's unfilled tail (writable, `bytes - done` bytes);
+        // the kernel checks the remote range against the sender's mappings.
+        let n = unsafe { libc::process_vm_readv(pid as libc::pid_t, &local, 1, &remote, 1, 0) };
+        if n <= 0 {
+            let e = std::io::Error::last_os_error();
+            if n < 0 && e.raw_os_error() == Some(libc::EINTR) {
+                continue;
+            }
+            tracing::debug!("process_vm_readv from pid {pid} failed ({e}); the message goes through the mailbox");
+            return false;
+        }
+        done += n as usize;
+    }
+    true
 }
 
 /// The mailbox from `src` to `dst`: its control lines, ring and ring size.
@@ -246,20 +467,6 @@ fn pair(ch: &Channel, src: usize, dst: usize) -> (&PairCtrl, *mut u8, u64) {
         let base = ch.seg().base().add(l.pair_off(src, dst));
         (&*(base as *const PairCtrl), base.add(PAIR_CTRL_BYTES), l.mbox_bytes as u64)
     }
-}
-
-/// A streamed send completes once the receiver has matched its header.
-fn check_ack(ch: &Channel, s: &mut OpState) -> Result<bool, CommError> {
-    let (me, peer) = (ch.rank(), s.op.peer);
-    let (pc, _, _) = pair(ch, me, peer);
-    if pc.bad.load(Acquire) != 0 {
-        return Err(mismatch(ch, pc, me, peer, s));
-    }
-    if s.msg.is_some_and(|k| pc.matched.load(Acquire) >= k) {
-        s.finished = true;
-        return Ok(true);
-    }
-    Ok(false)
 }
 
 /// The error of an operation on a pair whose receiver found a disagreement.
@@ -298,6 +505,8 @@ fn fingerprint(ch: &Channel, st: &[OpState]) -> u64 {
             .wrapping_add(pc.taken.load(SeqCst))
             .wrapping_add(pc.matched.load(SeqCst))
             .wrapping_add(pc.bad.load(SeqCst))
+            .wrapping_add(pc.nack.load(SeqCst))
+            .wrapping_add(pc.fast.msg.load(SeqCst))
     })
 }
 
@@ -305,7 +514,8 @@ fn fingerprint(ch: &Channel, st: &[OpState]) -> u64 {
 /// of the pending operations and the timeout.
 struct Waiter {
     since: Option<Instant>,
-    last_check: Instant,
+    /// When the peers were last checked (`None`: not yet in this wait).
+    last_check: Option<Instant>,
     nap: Duration,
     spins: u32,
     /// A peer found gone on the previous check: fail if another pass makes no progress either
@@ -315,7 +525,7 @@ struct Waiter {
 
 impl Waiter {
     fn new() -> Waiter {
-        Waiter { since: None, last_check: Instant::now(), nap: Duration::from_micros(500), spins: 0, gone: None }
+        Waiter { since: None, last_check: None, nap: Duration::from_micros(500), spins: 0, gone: None }
     }
 
     fn reset(&mut self) {
@@ -334,8 +544,13 @@ impl Waiter {
         if let Some(e) = self.gone.take() {
             return Err(e);
         }
-        let start = *self.since.get_or_insert_with(Instant::now);
         self.spins = self.spins.wrapping_add(1);
+        // The first polls only spin: reading the clock on each would delay noticing the message.
+        if self.spins < 64 {
+            std::hint::spin_loop();
+            return Ok(());
+        }
+        let start = *self.since.get_or_insert_with(Instant::now);
         let waited = start.elapsed();
         if waited < ch.spin() {
             std::hint::spin_loop();
@@ -355,8 +570,9 @@ impl Waiter {
             }
             h.sleepers.0.fetch_sub(1, SeqCst);
         }
-        if self.last_check.elapsed() >= ch.config().peer_check || waited < Duration::from_millis(2) && self.spins.is_multiple_of(64) {
-            self.last_check = Instant::now();
+        let due = self.last_check.get_or_insert(start).elapsed() >= ch.config().peer_check;
+        if due || waited < Duration::from_millis(2) && self.spins.is_multiple_of(64) {
+            self.last_check = Some(Instant::now());
             self.check(ch, st, waited)?;
         }
         Ok(())
