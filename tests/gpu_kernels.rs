@@ -106,7 +106,10 @@ fn main() {
     if std::env::var_os("LOCKSTEP_NVRTC_OPTIONS").is_none() {
         std::env::set_var("LOCKSTEP_NVRTC_OPTIONS", "-DLOCKSTEP_NO_TF32");
     }
-    let tf32 = !lockstep::cuda::extra_nvrtc_options().iter().any(|o| o == "-DLOCKSTEP_NO_TF32" || o == "-DLOCKSTEP_NO_TENSOR_CORES");
+    let tf32 = !lockstep::cuda::extra_nvrtc_options()
+        .expect("LOCKSTEP_NVRTC_OPTIONS")
+        .iter()
+        .any(|o| o == "-DLOCKSTEP_NO_TF32" || o == "-DLOCKSTEP_NO_TENSOR_CORES");
     let ctx = gpu::context_or_skip();
     println!("  device: {:?}; TF32 {}", ctx.info().map(|i| i.name).unwrap_or_default(), if tf32 { "on" } else { "off" });
     let sm = ctx.info().map(|i| i.sm_count as usize).unwrap_or(1);

@@ -102,7 +102,10 @@ fn main() {
     if std::env::var_os("LOCKSTEP_NVRTC_OPTIONS").is_none() {
         std::env::set_var("LOCKSTEP_NVRTC_OPTIONS", "-DLOCKSTEP_NO_TF32");
     }
-    let tf32 = !lockstep::cuda::extra_nvrtc_options().iter().any(|o| o == "-DLOCKSTEP_NO_TF32" || o == "-DLOCKSTEP_NO_TENSOR_CORES");
+    let tf32 = !lockstep::cuda::extra_nvrtc_options()
+        .expect("LOCKSTEP_NVRTC_OPTIONS")
+        .iter()
+        .any(|o| o == "-DLOCKSTEP_NO_TF32" || o == "-DLOCKSTEP_NO_TENSOR_CORES");
     let dir = synthetic_dir(2048, 512);
     let mut r = gpu::Runner::new();
     // Child processes first (this process has not initialised CUDA yet; they are exec'd anyway).

@@ -7,7 +7,7 @@ mod common;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use common::{alive, check, children_of, free_port, scratch, signal, wait_until};
+use common::{alive, check, free_port, grandchildren_of, scratch, signal, wait_until};
 
 const BIN: &str = env!("CARGO_BIN_EXE_lockstep");
 /// A valid job token (at least 16 bytes), passed through the environment as users should.
@@ -59,14 +59,14 @@ fn spawn_piped(c: &mut Command) -> Running {
     Running(Some(c.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("spawn lockstep")))
 }
 
-/// Wait for `n` ranks under launcher `pid`, then return their pids.
+/// Wait for `n` ranks under launcher `pid` (each under its guard), then return their pids.
 fn ranks_of(pid: i32, n: usize) -> Result<Vec<i32>, String> {
     let mut kids = Vec::new();
     let ok = wait_until(Duration::from_secs(5), || {
-        kids = children_of(pid);
+        kids = grandchildren_of(pid);
         kids.len() >= n
     });
-    check(ok, "the launcher did not start its ranks", format!("children of {pid}: {kids:?}"))?;
+    check(ok, "the launcher did not start its ranks", format!("grandchildren of {pid}: {kids:?}"))?;
     Ok(kids)
 }
 
@@ -210,7 +210,7 @@ fn second_sigint_kills_at_once() -> Result<(), String> {
     signal(child.id() as i32, libc::SIGINT);
     let o = child.wait_with_output().map_err(|e| e.to_string())?;
     check(t.elapsed() < Duration::from_secs(1), "the second SIGINT must kill at once", format!("{:?}\n{}", t.elapsed(), show(&o)))?;
-    check(o.status.code() == Some(137), "ranks were SIGKILLed", show(&o))?;
+    check(o.status.code() == Some(130), "the launcher exits 128+SIGINT even though the ranks needed SIGKILL", show(&o))?;
     check(ranks.iter().all(|p| !alive(*p)), "no rank may survive", format!("{ranks:?}"))
 }
 
@@ -543,7 +543,11 @@ fn missing_program_and_bad_options() -> Result<(), String> {
         .args(["launch", "--nproc-per-node", "1", "--", BIN, "selftest"])
         .output()
         .map_err(|e| e.to_string())?;
-    check(o.status.code() == Some(1) && text(&o).1.contains("is not a backend: use shm or nccl"), "unknown backend is named", show(&o))?;
+    check(
+        o.status.code() == Some(1) && text(&o).1.contains("LOCKSTEP_BACKEND=\"carrier-pigeon\" is invalid: expected one of: shm, nccl"),
+        "unknown backend is named",
+        show(&o),
+    )?;
     let o = lockstep().args(["selftest"]).output().map_err(|e| e.to_string())?;
     check(
         o.status.code() == Some(1)

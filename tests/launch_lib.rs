@@ -8,7 +8,7 @@ use std::io::Write;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::{check, scratch};
+use common::{check, marked, new_mark, scratch, signal, wait_until};
 use lockstep::launch::{launch, monotonic_ns, LaunchConfig, LaunchError};
 use lockstep::ReduceOp;
 
@@ -273,9 +273,89 @@ fn output_is_line_atomic_and_prefixed() -> Result<(), String> {
     check(counts == [3000; 4], "every line arrives", format!("{counts:?}"))
 }
 
+/// Pipes (and log files) this process holds, by descriptor number.
+fn open_pipes() -> Vec<(i32, String)> {
+    let mut v = Vec::new();
+    for e in std::fs::read_dir("/proc/self/fd").into_iter().flatten().flatten() {
+        let Ok(fd) = e.file_name().to_string_lossy().parse::<i32>() else { continue };
+        let target = std::fs::read_link(e.path()).map(|p| p.display().to_string()).unwrap_or_default();
+        if fd > 2 && (target.starts_with("pipe:") || target.ends_with(".log")) {
+            v.push((fd, target));
+        }
+    }
+    v
+}
+
+fn each_rank_holds_only_its_own_pipes() -> Result<(), String> {
+    let d = scratch("fds");
+    let before: Vec<i32> = open_pipes().into_iter().map(|(fd, _)| fd).collect();
+    let mut c = cfg(4);
+    c.log_dir = Some(d);
+    let held = launch(&c, move |_ctx| {
+        // Only what the launch created: the host's own pipes are not ours to judge.
+        Ok(open_pipes().into_iter().filter(|(fd, _)| !before.contains(fd)).map(|(_, t)| t).collect::<Vec<String>>())
+    })
+    .map_err(|e| e.to_string())?;
+    for (r, h) in held.iter().enumerate() {
+        // stdout and stderr are dup'd onto 1 and 2; the result pipe is the one left.
+        check(h.len() == 1, &format!("rank {r} holds only its result pipe"), format!("{h:?}"))?;
+    }
+    Ok(())
+}
+
+/// Child mode: a host whose 2 ranks each start a grandchild, then wait.
+fn child_grandchildren_mode() {
+    let _ = launch(&cfg(2), |_ctx| {
+        let _g = std::process::Command::new("sleep").arg("1000").spawn()?;
+        std::thread::sleep(Duration::from_secs(1000));
+        Ok(())
+    });
+    std::process::exit(1);
+}
+
+fn host_killed_takes_everything_with_it() -> Result<(), String> {
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let mark = new_mark("lib-kill9");
+    let mut host =
+        Command::new(exe).env("LOCKSTEP_TEST_MODE", "grandchildren").env("LOCKSTEP_TEST_MARK", &mark).spawn().map_err(|e| e.to_string())?;
+    // Host, 2 guards, 2 ranks, 2 sleeps.
+    let started = wait_until(Duration::from_secs(5), || marked(&mark).len() >= 7);
+    let n = marked(&mark).len();
+    signal(host.id() as i32, libc::SIGKILL);
+    let _ = host.wait();
+    let gone = wait_until(Duration::from_secs(2), || marked(&mark).is_empty());
+    let left = marked(&mark);
+    for p in &left {
+        signal(*p, libc::SIGKILL);
+    }
+    check(started, "the ranks start their grandchildren", format!("{n} marked processes"))?;
+    check(gone, "nothing outlives the host's kill -9 by more than 2 s", format!("left: {left:?}"))
+}
+
+/// A malformed `LOCKSTEP_*` variable makes `launch` refuse before forking, naming it, even though
+/// `LaunchConfig::new` ran while it was set.
+fn malformed_env_refuses_launch() -> Result<(), String> {
+    // Sequential tests (harness = false): no other thread reads the environment meanwhile.
+    std::env::set_var("LOCKSTEP_SHM_STAGE", "fast");
+    let c = cfg(2);
+    let t = Instant::now();
+    let r = launch(&c, |_ctx| Ok(std::process::id()));
+    std::env::remove_var("LOCKSTEP_SHM_STAGE");
+    let took = t.elapsed();
+    let Err(e @ LaunchError::Setup(_)) = r else { return check(false, "launch must refuse", format!("{r:?}")) };
+    let m = e.to_string();
+    check(m.contains("LOCKSTEP_SHM_STAGE=\"fast\" is invalid: expected one of: auto, cached, streaming, nt"), "the variable is named", &m)?;
+    check(took < Duration::from_millis(500), "at once", format!("{took:?}"))?;
+    // Once fixed, the same config launches.
+    let pids = launch(&cfg(2), |_ctx| Ok(std::process::id())).map_err(|e| e.to_string())?;
+    check(pids.len() == 2, "a clean environment launches", format!("{pids:?}"))
+}
+
 fn main() -> std::process::ExitCode {
-    if std::env::var("LOCKSTEP_TEST_MODE").as_deref() == Ok("output") {
-        child_output_mode();
+    match std::env::var("LOCKSTEP_TEST_MODE").as_deref() {
+        Ok("output") => child_output_mode(),
+        Ok("grandchildren") => child_grandchildren_mode(),
+        _ => {}
     }
     common::run(&[
         ("ready_time_and_repeated_launch", ready_time_and_repeated_launch),
@@ -286,5 +366,8 @@ fn main() -> std::process::ExitCode {
         ("log_dir_and_filter", log_dir_and_filter),
         ("log_dir_is_not_hijacked", log_dir_is_not_hijacked),
         ("output_is_line_atomic_and_prefixed", output_is_line_atomic_and_prefixed),
+        ("each_rank_holds_only_its_own_pipes", each_rank_holds_only_its_own_pipes),
+        ("host_killed_takes_everything_with_it", host_killed_takes_everything_with_it),
+        ("malformed_env_refuses_launch", malformed_env_refuses_launch),
     ])
 }

@@ -277,7 +277,11 @@ fn small_shm_scenario(dir: Option<&str>, cap_mib: usize) -> Result<String, Strin
         Some(d) => std::env::set_var("LOCKSTEP_SHM_DIR", d),
         None => std::env::remove_var("LOCKSTEP_SHM_DIR"),
     }
-    let cfg = |slot: usize| ShmConfig { slot_bytes: slot, join_timeout: Duration::from_secs(10), ..ShmConfig::from_env() };
+    let cfg = |slot: usize| ShmConfig {
+        slot_bytes: slot,
+        join_timeout: Duration::from_secs(10),
+        ..ShmConfig::from_env().expect("shm settings from the environment")
+    };
     // 4 ranks with 2 slots of cap/4 each need twice the room (plus the header).
     let world = 4;
     let slot = (cap_mib << 20) / 4;

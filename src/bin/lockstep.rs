@@ -126,11 +126,20 @@ enum Cmd {
 
 const LAUNCH_HELP: &str = "\
 Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT,
-LOCKSTEP_JOB_ID, LOCKSTEP_TOKEN, LOCKSTEP_NODE_RANK, LOCKSTEP_NNODES, LOCKSTEP_LAUNCHER_PID (and
-LOCKSTEP_CONSOLE_TTY=1 when the launcher's stderr is a terminal); Communicator::from_env() reads them.
-Output is printed line by line as `[rank N] ...`. The first failing rank stops the others (SIGTERM,
-SIGKILL after --grace-s) and the launcher exits with its code (128+signal for a signal). Ctrl-C is
-forwarded to every rank; a second Ctrl-C kills them at once.
+LOCKSTEP_JOB_ID, LOCKSTEP_TOKEN, LOCKSTEP_NODE_RANK, LOCKSTEP_NNODES, LOCKSTEP_LAUNCHER_PID,
+LOCKSTEP_RDZV_TIMEOUT_S (and LOCKSTEP_CONSOLE_TTY=1 when the launcher's stderr is a terminal);
+Communicator::from_env() reads them. Output is printed line by line as `[rank N] ...`. The first
+failing rank stops the others (SIGTERM, SIGKILL after --grace-s) and the launcher exits with its code
+(128+signal for a signal).
+
+Stopping: Ctrl-C (SIGINT) and SIGTERM are forwarded to every rank, SIGHUP (a closed terminal or ssh
+session) as SIGTERM; ranks still running after --grace-s are killed. A second Ctrl-C or SIGTERM kills
+them at once. The launcher then exits with 128 + the signal it got (130, 143, 129), however the ranks
+ended. If the launcher itself is killed (kill -9 included), each rank's guard process kills the rank
+and everything it started.
+
+A malformed LOCKSTEP_* variable (LOCKSTEP_TIMEOUT_S=3s, LOCKSTEP_BACKEND=gpu, ...) stops the launch
+with an error naming it; timeouts are plain numbers of seconds greater than 0.
 
 A multi-node job shares a secret token (at least 16 bytes) that every connection to node 0's
 rendezvous store must present. Without one, node 0's launcher generates one and prints how to pass
@@ -184,9 +193,10 @@ struct LaunchArgs {
     /// Seconds between SIGTERM and SIGKILL when stopping ranks.
     #[arg(long, default_value_t = 3.0)]
     grace_s: f64,
-    /// Seconds a node waits for the node-0 rendezvous store.
-    #[arg(long, default_value_t = 60.0)]
-    rdzv_timeout_s: f64,
+    /// Seconds each rendezvous wait may take, on every node: a launcher waiting for the node-0
+    /// store, and the ranks waiting for each other (default: $LOCKSTEP_RDZV_TIMEOUT_S, else 60).
+    #[arg(long)]
+    rdzv_timeout_s: Option<f64>,
     /// The program to run and its arguments (after `--`).
     #[arg(last = true, required = true, value_name = "PROGRAM")]
     program: Vec<OsString>,
@@ -293,6 +303,18 @@ fn secs(name: &str, s: f64) -> Result<Duration, String> {
     Ok(Duration::from_secs_f64(s))
 }
 
+/// --rdzv-timeout-s, else LOCKSTEP_RDZV_TIMEOUT_S, else 60 s; it must be greater than 0.
+fn rdzv_timeout(flag: Option<f64>) -> Result<Duration, String> {
+    let Some(s) = flag else {
+        let env = lockstep::types::env::RDZV_TIMEOUT_S.secs().map_err(|e| e.to_string())?;
+        return Ok(env.unwrap_or(Duration::from_secs(60)));
+    };
+    if !(s.is_finite() && s > 0.0 && s <= lockstep::types::env::MAX_SECS) {
+        return Err(format!("--rdzv-timeout-s must be a number of seconds greater than 0, got {s}"));
+    }
+    Ok(Duration::from_secs_f64(s))
+}
+
 /// The job token from --token, --token-file or LOCKSTEP_TOKEN (in that order), with warnings
 /// where other users may read it.
 fn job_token(token: Option<String>, token_file: Option<&std::path::Path>) -> Result<Option<String>, String> {
@@ -314,8 +336,9 @@ fn job_token(token: Option<String>, token_file: Option<&std::path::Path>) -> Res
         }
         return Ok(Some(f.token));
     }
-    // Empty counts as unset, as usual for environment variables.
-    Ok(std::env::var("LOCKSTEP_TOKEN").ok().filter(|t| !t.is_empty()))
+    // Empty counts as unset, as usual for environment variables; a value that is not UTF-8 is an
+    // error naming the variable (not a silently missing token).
+    lockstep::types::env::raw("LOCKSTEP_TOKEN").map_err(|e| e.to_string())
 }
 
 /// Tell the user how to start the other nodes with the token node 0 generated.
@@ -352,7 +375,7 @@ fn launch(a: LaunchArgs) -> Result<i32, String> {
         ranks_filter: a.ranks_filter.as_deref().map(parse_ranks).transpose()?,
         fail_fast: !a.no_fail_fast,
         grace: secs("--grace-s", a.grace_s)?,
-        rdzv_timeout: secs("--rdzv-timeout-s", a.rdzv_timeout_s)?,
+        rdzv_timeout: rdzv_timeout(a.rdzv_timeout_s)?,
         program: a.program,
     };
     if let Some(t) = spec.ensure_token().map_err(|e| e.to_string())? {
@@ -511,7 +534,8 @@ fn env_report() {
     let _ = writeln!(o, "os:      {os} (Linux {kernel}, {})", std::env::consts::ARCH);
     let _ = writeln!(o, "cpu:     {cpu}, {cpus} available");
     let _ = writeln!(o, "memory:  {mem}");
-    let _ = writeln!(o, "host id: {}", lockstep::rendezvous::host_id());
+    let host = lockstep::rendezvous::host_id().unwrap_or_else(|e| format!("unknown: {e}"));
+    let _ = writeln!(o, "host id: {host}");
     let _ = writeln!(o, "cuda/nccl:");
     // Library discovery and version queries only: nothing here calls cuInit, so `lockstep env`
     // never leaves CUDA initialised behind a notebook's back.

@@ -42,11 +42,14 @@ pub fn compile_ptx(src: &KernelSource, arch: &str) -> Result<String, CudaError> 
 
 /// Extra NVRTC options from `LOCKSTEP_NVRTC_OPTIONS` (whitespace-separated, e.g.
 /// `-DLOCKSTEP_NO_TF32` for exact f32 GEMMs in tests). Read once per process; the options take
-/// part in the disk-cache key, so switching them never loads a stale image.
-pub fn extra_nvrtc_options() -> Vec<String> {
-    static OPTS: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
-    OPTS.get_or_init(|| std::env::var("LOCKSTEP_NVRTC_OPTIONS").unwrap_or_default().split_whitespace().map(str::to_string).collect())
-        .clone()
+/// part in the disk-cache key, so switching them never loads a stale image. A value that is not
+/// UTF-8 is an error naming the variable (never silently no options).
+pub fn extra_nvrtc_options() -> Result<Vec<String>, crate::types::env::EnvError> {
+    static OPTS: std::sync::OnceLock<Result<Vec<String>, crate::types::env::EnvError>> = std::sync::OnceLock::new();
+    OPTS.get_or_init(|| {
+        Ok(crate::types::env::raw("LOCKSTEP_NVRTC_OPTIONS")?.unwrap_or_default().split_whitespace().map(str::to_string).collect())
+    })
+    .clone()
 }
 
 /// The kernel cache folder.
@@ -78,7 +81,7 @@ fn cache_path(src: &KernelSource, opts: &[String], nvrtc_version: (i32, i32), cc
 pub fn compile_cubin_cached(src: &KernelSource, cc: (i32, i32), driver_version: i32) -> Result<(Vec<u8>, bool), CudaError> {
     let n = nvrtc::api()?;
     let mut opts = vec![format!("--gpu-architecture=sm_{}{}", cc.0, cc.1), "-default-device".to_string()];
-    opts.extend(extra_nvrtc_options());
+    opts.extend(extra_nvrtc_options().map_err(|e| CudaError::InvalidArgument { op: "NVRTC options".into(), detail: e.to_string() })?);
     let path = cache_path(src, &opts, n.version, cc, driver_version);
     if let Ok(bytes) = std::fs::read(&path) {
         if !bytes.is_empty() {

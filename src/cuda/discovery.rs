@@ -210,8 +210,13 @@ pub fn search_dirs(kind: LibKind) -> Vec<PathBuf> {
     dirs
 }
 
-/// Every candidate for `kind`, in search order. With the override variable set, only it.
+/// Every candidate for `kind`, in search order. With the override variable set, only it (a value
+/// that is not UTF-8 stays the only candidate, named as such, so it fails instead of being
+/// silently skipped).
 pub fn candidates(kind: LibKind) -> Vec<Candidate> {
+    if let Err(e) = crate::types::env::raw(kind.env_var()) {
+        return vec![Candidate { spec: e.value.clone(), origin: e.to_string() }];
+    }
     if let Some(p) = env_nonempty(kind.env_var()) {
         let path = PathBuf::from(&p);
         if path.is_dir() {

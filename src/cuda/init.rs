@@ -164,7 +164,7 @@ cuDeviceGetCount succeeds, so some code called cuInit (another library, or a CUD
             ));
         }
     }
-    if std::env::var("LOCKSTEP_DEBUG").map(|v| v == "1").unwrap_or(false) {
+    if crate::types::env::DEBUG.flag().map_err(|e| e.to_string())?.unwrap_or(false) {
         static ONCE: std::sync::Once = std::sync::Once::new();
         ONCE.call_once(|| match probe_child() {
             Ok(s) => tracing::info!("CUDA probe: {s}"),

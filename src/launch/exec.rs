@@ -6,18 +6,26 @@
 //! * Several nodes: the node-0 launcher hosts the [`StoreServer`] on `master_addr:master_port`
 //!   and publishes its job id there; the other launchers fetch it before starting their ranks,
 //!   which checks reachability and the token early.
-//! * Ranks run in one process group per node, die with the launcher (`PR_SET_PDEATHSIG`), and get
-//!   SIGINT/SIGTERM forwarded; the launcher removes the job's named segment when it exits.
+//! * Each rank runs under a guard process (`guard.rs`) that kills the rank and everything it
+//!   started when the launcher dies, `kill -9` included, and removes the job's named segment
+//!   then; the ranks share one process group per node, and get SIGINT/SIGTERM forwarded (SIGHUP
+//!   as SIGTERM). Otherwise the launcher removes the named segment when it exits.
+//! * Every rank gets `LOCKSTEP_RDZV_TIMEOUT_S` = [`JobSpec::rdzv_timeout`], so each wait of the
+//!   rendezvous (the launchers' and the ranks', on every node) has the same bound.
+//! * Before anything starts, the `LOCKSTEP_*` variables of [`crate::types::env::CHECKED`] are
+//!   checked: a malformed one stops the launch with an error naming it.
 
 use std::cell::RefCell;
-use std::ffi::OsString;
+use std::ffi::{CString, OsString};
 use std::io::Write;
 use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::ffi::OsStringExt;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::child;
+use super::guard::{self, ExecImage, RankSetup};
 use super::output::{LogDir, RankOutput};
 use super::report::{summary, LaunchError};
 use super::signals::SignalPipe;
@@ -104,7 +112,8 @@ pub struct JobSpec {
     pub fail_fast: bool,
     /// SIGTERM → SIGKILL grace period.
     pub grace: Duration,
-    /// How long a non-zero node waits for the node-0 store.
+    /// How long each rendezvous wait may take: a non-zero node's launcher waiting for the node-0
+    /// store, and every rank (passed as `LOCKSTEP_RDZV_TIMEOUT_S`) waiting for the others.
     pub rdzv_timeout: Duration,
     /// The program and its arguments.
     pub program: Vec<OsString>,
@@ -176,6 +185,9 @@ impl JobSpec {
         if let Some(r) = self.ranks_filter.as_ref().and_then(|f| f.iter().find(|r| **r >= self.nproc_per_node * self.nnodes)) {
             return bad(format!("--ranks-filter names rank {r}, but the job has ranks 0..{}", self.nproc_per_node * self.nnodes));
         }
+        if self.rdzv_timeout.is_zero() {
+            return bad("the rendezvous timeout must be greater than 0 seconds".into());
+        }
         if self.nnodes > 1 && self.master_port == 0 {
             return bad("a multi-node job needs a fixed --master-port (0 would pick a different one on each node)".into());
         }
@@ -188,6 +200,8 @@ impl JobSpec {
 /// The failure summary is printed to stderr.
 pub fn run_job(spec: &JobSpec) -> Result<i32, LaunchError> {
     spec.validate()?;
+    // A malformed variable the ranks would read stops the job here, once, not in every rank.
+    crate::types::env::check_all().map_err(|e| LaunchError::Setup(e.to_string()))?;
     let start = Instant::now();
     sweep_stale_segments();
     let world = spec.nproc_per_node * spec.nnodes;
@@ -239,6 +253,7 @@ pub fn run_job(spec: &JobSpec) -> Result<i32, LaunchError> {
         ("LOCKSTEP_NODE_RANK".into(), spec.node_rank.to_string()),
         ("LOCKSTEP_NNODES".into(), spec.nnodes.to_string()),
         ("LOCKSTEP_LAUNCHER_PID".into(), std::process::id().to_string()),
+        ("LOCKSTEP_RDZV_TIMEOUT_S".into(), spec.rdzv_timeout.as_secs_f64().to_string()),
     ];
     let mut common = common;
     if std::io::IsTerminal::is_terminal(&std::io::stderr()) {
@@ -247,40 +262,62 @@ pub fn run_job(spec: &JobSpec) -> Result<i32, LaunchError> {
         common.push(("LOCKSTEP_CONSOLE_TTY".into(), "1".into()));
     }
     let mut procs: Vec<Proc> = Vec::with_capacity(spec.nproc_per_node);
+    // Each guard removes the job's named segment if the launcher dies before doing it.
+    let segment = crate::shm::named_segment_path(&job_id).and_then(|p| CString::new(p.into_os_string().into_vec()).ok());
+    // Rank 0 starts first: its pid names the node's process group, which the others join. They
+    // start in parallel: every guard is forked before any is waited for.
     let mut pgid = 0;
+    let mut pending = Vec::new();
+    let mut failure: Option<(usize, std::io::Error, &str)> = None;
     for (local, o) in outputs.into_iter().enumerate() {
         let rank = base + local;
         let mut env = common.clone();
         env.push(("RANK".into(), rank.to_string()));
         env.push(("LOCAL_RANK".into(), local.to_string()));
-        let spawned = child::spawn_exec(&spec.program, &env, pgid, true)
-            // The group leader may already have exited: fall back to a group of its own.
-            .or_else(|e| if pgid != 0 { child::spawn_exec(&spec.program, &env, 0, true) } else { Err(e) })
-            .map(|s| (s, o))
-            .map_err(|e| (e, "start"));
-        match spawned {
-            Ok((s, o)) => {
-                if local == 0 {
-                    pgid = s.pid;
+        let started = ExecImage::new(&spec.program, &env).and_then(|image| {
+            let setup = RankSetup {
+                pgid: Some(pgid),
+                capture: true,
+                stdin_null: true,
+                close: &[],
+                exec: Some(&image),
+                unlink_on_launcher_death: segment.as_deref(),
+            };
+            guard::start(&setup, || {})
+        });
+        match started {
+            Ok(p) if local == 0 => match p.wait() {
+                Ok(g) => {
+                    pgid = g.rank_pid;
+                    procs.push(Proc::new(rank, g, None, o));
                 }
-                procs.push(Proc::new(rank, s, o));
-            }
-            Err((e, what)) => {
-                for p in &procs {
-                    child::kill(p.pid, libc::SIGKILL);
-                    child::reap_blocking(p.pid);
+                Err(e) => {
+                    failure = Some((rank, e, "start"));
+                    break;
                 }
-                crate::shm::unlink_named(&job_id);
-                let msg = format!(
-                    "cannot {what} rank {rank} ({}): {e}; check the program path and permissions",
-                    spec.program[0].to_string_lossy()
-                );
-                if let Some(l) = &link {
-                    l.tell(1, &format!("node {}: {msg}", spec.node_rank));
-                }
-                return Err(LaunchError::Setup(msg));
+            },
+            Ok(p) => pending.push((rank, p, o)),
+            Err(e) => {
+                failure = Some((rank, e, "start"));
+                break;
             }
         }
+    }
+    for (rank, p, o) in pending {
+        match p.wait() {
+            Ok(g) => procs.push(Proc::new(rank, g, None, o)),
+            Err(e) if failure.is_none() => failure = Some((rank, e, "start")),
+            Err(_) => {}
+        }
+    }
+    if let Some((rank, e, what)) = failure {
+        supervise::kill_all(&mut procs);
+        crate::shm::unlink_named(&job_id);
+        let msg = format!("cannot {what} rank {rank} ({}): {e}; check the program path and permissions", spec.program[0].to_string_lossy());
+        if let Some(l) = &link {
+            l.tell(1, &format!("node {}: {msg}", spec.node_rank));
+        }
+        return Err(LaunchError::Setup(msg));
     }
 
     let node = spec.node_rank;
@@ -311,14 +348,16 @@ pub fn run_job(spec: &JobSpec) -> Result<i32, LaunchError> {
             return Ok(code);
         }
     }
-    // Stopped by SIGINT/SIGTERM: tell the other nodes, and report briefly unless a rank had
-    // already failed on its own.
+    // Stopped by SIGINT/SIGTERM/SIGHUP: exit with 128 + that signal (however the ranks ended:
+    // forwarded signal, SIGKILL after the grace period), tell the other nodes, and report
+    // briefly, unless a rank had already failed on its own, whose code then wins.
     if let Some(sig) = outcome.interrupted {
-        let code = outcome.root.and_then(|r| procs[r].status).map(|st| st.code()).unwrap_or(128 + sig);
+        let on_its_own = outcome.root.filter(|r| !procs[*r].terminated);
+        let code = on_its_own.and_then(|r| procs[r].status).map(|st| st.code()).unwrap_or(128 + sig);
         if let Some(l) = &link {
             l.tell(code, &format!("the launcher of node {node} got {}", child::signal_name(sig)));
         }
-        if outcome.root.is_none_or(|r| procs[r].terminated) {
+        if on_its_own.is_none() {
             let ends: Vec<String> = procs.iter().filter_map(|p| p.status.map(|st| format!("rank {} {}", p.rank, st.describe()))).collect();
             tracing::warn!("stopped by {}: {}", child::signal_name(sig), ends.join("; "));
             return Ok(code);

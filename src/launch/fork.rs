@@ -10,6 +10,7 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 use super::child;
+use super::forked;
 use super::output::rank_outputs;
 use super::rank::{RankContext, RankResult};
 use super::report::LaunchError;
@@ -40,13 +41,15 @@ pub struct LaunchConfig {
 }
 
 impl LaunchConfig {
-    /// `nprocs` ranks with defaults (shared-memory settings from the environment).
+    /// `nprocs` ranks with defaults (shared-memory settings from the environment). A malformed
+    /// `LOCKSTEP_*` variable leaves `shm` at its defaults here, but is no silent fallback:
+    /// [`launch`] checks every variable first and refuses to start, naming it.
     pub fn new(nprocs: usize) -> LaunchConfig {
         LaunchConfig {
             nprocs,
             fail_fast: true,
             grace: Duration::from_secs(3),
-            shm: ShmConfig::from_env(),
+            shm: ShmConfig::from_env().unwrap_or_default(),
             capture_output: true,
             log_dir: None,
             ranks_filter: None,
@@ -57,7 +60,8 @@ impl LaunchConfig {
 /// Fork `cfg.nprocs` ranks, run `f` in each with a ready communicator, and return the results in
 /// rank order. The host process can call `launch` again afterwards.
 ///
-/// Refuses to fork when CUDA is already initialised in this process.
+/// Refuses to fork when CUDA is already initialised in this process, and when a `LOCKSTEP_*`
+/// variable is malformed (see [`crate::types::env`]).
 ///
 /// `f` is called once in each rank (each forked child owns its own copy, so `FnOnce` closures
 /// that move their captures work). Its result may be any serde-serialisable type; it travels back
@@ -68,6 +72,8 @@ where
     F: FnOnce(RankContext) -> RankResult<R>,
 {
     child::check_fork_safe().map_err(LaunchError::Setup)?;
+    // A malformed variable the ranks (or `LaunchConfig::new`) would read stops the launch here.
+    crate::types::env::check_all().map_err(|e| LaunchError::Setup(e.to_string()))?;
     if cfg.nprocs == 0 {
         return Err(LaunchError::Setup("nprocs must be at least 1".into()));
     }
@@ -79,15 +85,14 @@ where
     // never calls it and drops it after the last fork.
     let mut f = ManuallyDrop::new(f);
     for rank in 0..cfg.nprocs {
-        match child::spawn(rank, cfg.nprocs, &job, &mut f, cfg.capture_output) {
-            Ok(s) => ranks.push(Proc::new(rank, s, outputs.next().expect("one output per rank"))),
+        // A forked rank does not exec, so close-on-exec does not keep the other ranks' pipes and
+        // log files out of it: it closes them itself.
+        let mut close: Vec<i32> = ranks.iter().flat_map(Proc::raw_fds).collect();
+        close.extend(outputs.as_slice().iter().filter_map(|o| o.log_fd()));
+        match forked::spawn(rank, cfg.nprocs, &job, &mut f, cfg.capture_output, &close) {
+            Ok((g, rd)) => ranks.push(Proc::new(rank, g, Some(rd), outputs.next().expect("one output per rank"))),
             Err(e) => {
-                for s in &ranks {
-                    child::kill(s.pid, libc::SIGKILL);
-                }
-                for s in &ranks {
-                    child::reap_blocking(s.pid);
-                }
+                supervise::kill_all(&mut ranks);
                 drop(ManuallyDrop::into_inner(f));
                 return Err(LaunchError::Setup(format!("fork of rank {rank} failed: {e}")));
             }
@@ -104,17 +109,14 @@ where
         on_first_failure: None,
         start,
     };
-    let ok = |p: &Proc| {
-        matches!(p.status, Some(child::Exit::Code(0) | child::Exit::Unknown))
-            && wire::decode_outcome::<R>(&p.result_bytes).is_some_and(|o| o.is_ok())
-    };
+    let ok = |p: &Proc| p.status == Some(child::Exit::Code(0)) && wire::decode_outcome::<R>(&p.result_bytes).is_some_and(|o| o.is_ok());
     let outcome = supervise::supervise(&mut ranks, &opts, |p| !ok(p));
     let mut results: BTreeMap<usize, R> = BTreeMap::new();
     let mut failures = Vec::new();
     for (i, p) in ranks.iter().enumerate() {
         let st = p.status.expect("all reaped");
         match (st, wire::decode_outcome::<R>(&p.result_bytes)) {
-            (child::Exit::Code(0) | child::Exit::Unknown, Some(Ok(v))) => {
+            (child::Exit::Code(0), Some(Ok(v))) => {
                 results.insert(i, v);
             }
             (st, decoded) => {
@@ -124,7 +126,7 @@ where
                     None => st.describe(),
                 };
                 let code = match st {
-                    child::Exit::Code(0) | child::Exit::Unknown => 1,
+                    child::Exit::Code(0) => 1,
                     s => s.code(),
                 };
                 failures.push(p.failure(message, code, outcome.root == Some(i)));

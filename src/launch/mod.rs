@@ -9,15 +9,16 @@
 //!
 //! Both share the supervisor (`supervise.rs`): the first rank that fails (error, panic, non-zero
 //! exit or signal) gets the others terminated (SIGTERM, then SIGKILL after a grace period) unless
-//! fail-fast is off; children die with the parent (`PR_SET_PDEATHSIG`, race closed by a `getppid`
-//! check). Each rank's stdout/stderr comes back through pipes and is printed line by line with a
+//! fail-fast is off. Every rank runs under a guard process (`guard.rs`): a child subreaper that
+//! kills the rank and everything it started when the launcher dies, however it dies. Each rank's stdout/stderr comes back through pipes and is printed line by line with a
 //! `[rank N]` prefix (`output.rs`), optionally also to per-rank log files; failures are reported
 //! with the tail of the rank's stderr between divider lines (`report.rs`).
 //!
 //! | file | what lives there |
 //! |---|---|
-//! | `child.rs` | fork, exec, pipes, pidfds, reaping, killing: all of the launcher's `unsafe` but the signal handler |
-//! | `signals.rs` | the CLI's SIGINT/SIGTERM handlers (counters plus a self-pipe) |
+//! | `guard.rs` | the guard between the launcher and each rank: fork, exec, subtree kill on the launcher's death |
+//! | `child.rs` | pipes, the library launcher's forked ranks, reading, reaping, killing |
+//! | `signals.rs` | the CLI's SIGINT/SIGTERM/SIGHUP handlers (counters plus a self-pipe) |
 //! | `supervise.rs` | the poll loop: output, results, exits, fail-fast, signal forwarding |
 //! | `output.rs` | line splitting, `[rank N]` prefixes, log files, rank filter, stderr tails |
 //! | `report.rs` | [`RankFailure`], [`LaunchError`], the failure summary |
@@ -31,6 +32,8 @@
 mod child;
 mod exec;
 mod fork;
+mod forked;
+mod guard;
 mod output;
 mod rank;
 mod report;

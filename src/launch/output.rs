@@ -163,6 +163,11 @@ impl RankOutput {
         self.emit(stream, true);
     }
 
+    /// The log file's descriptor, if there is one.
+    pub fn log_fd(&self) -> Option<i32> {
+        self.log.as_ref().map(std::os::fd::AsRawFd::as_raw_fd)
+    }
+
     /// The last lines this rank wrote to stderr.
     pub fn stderr_tail(&self) -> Vec<String> {
         self.tail.iter().cloned().collect()

@@ -1,22 +1,23 @@
-//! SIGINT/SIGTERM handling for the CLI launcher: the handlers only count the signal and write one
-//! byte to a self-pipe (both async-signal-safe); the supervisor polls the pipe's read end and
-//! forwards the signal to the ranks from ordinary code.
+//! SIGINT/SIGTERM/SIGHUP handling for the CLI launcher: the handlers only count the signal and
+//! write one byte to a self-pipe (both async-signal-safe); the supervisor polls the pipe's read
+//! end and stops the ranks from ordinary code (see `supervise.rs` for what each signal does).
 
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicI32, AtomicUsize, Ordering};
 
 /// Write end of the self-pipe (-1 while no handler is installed).
 static WAKE_FD: AtomicI32 = AtomicI32::new(-1);
-/// SIGINT and SIGTERM received so far.
+/// SIGINT, SIGTERM and SIGHUP received so far.
 static INTS: AtomicUsize = AtomicUsize::new(0);
 static TERMS: AtomicUsize = AtomicUsize::new(0);
+static HUPS: AtomicUsize = AtomicUsize::new(0);
 
 extern "C" fn on_signal(sig: libc::c_int) {
-    if sig == libc::SIGINT {
-        INTS.fetch_add(1, Ordering::SeqCst);
-    } else {
-        TERMS.fetch_add(1, Ordering::SeqCst);
-    }
+    match sig {
+        libc::SIGINT => INTS.fetch_add(1, Ordering::SeqCst),
+        libc::SIGHUP => HUPS.fetch_add(1, Ordering::SeqCst),
+        _ => TERMS.fetch_add(1, Ordering::SeqCst),
+    };
     let fd = WAKE_FD.load(Ordering::SeqCst);
     if fd >= 0 {
         let b = 1u8;
@@ -36,11 +37,12 @@ pub(crate) struct SignalPipe {
 pub(crate) struct Counts {
     pub int: usize,
     pub term: usize,
+    pub hup: usize,
 }
 
 impl SignalPipe {
-    /// Install SIGINT and SIGTERM handlers (for the rest of the process's life: the CLI launcher
-    /// exits after one job).
+    /// Install SIGINT, SIGTERM and SIGHUP handlers (for the rest of the process's life: the CLI
+    /// launcher exits after one job).
     pub fn install() -> std::io::Result<SignalPipe> {
         let mut fds = [0 as libc::c_int; 2];
         // SAFETY: valid out-array of two ints.
@@ -49,7 +51,7 @@ impl SignalPipe {
         }
         // The write end lives as long as the process (the handler may run at any time).
         WAKE_FD.store(fds[1], Ordering::SeqCst);
-        for sig in [libc::SIGINT, libc::SIGTERM] {
+        for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
             // SAFETY: a zeroed sigaction is valid; we set a plain handler with SA_RESTART off so
             // poll returns EINTR promptly, and an empty mask.
             unsafe {
@@ -76,6 +78,6 @@ impl SignalPipe {
         let mut buf = [0u8; 64];
         // SAFETY: reading into a valid buffer from our non-blocking fd.
         while unsafe { libc::read(self.read.as_raw_fd(), buf.as_mut_ptr() as *mut libc::c_void, buf.len()) } > 0 {}
-        Counts { int: INTS.load(Ordering::SeqCst), term: TERMS.load(Ordering::SeqCst) }
+        Counts { int: INTS.load(Ordering::SeqCst), term: TERMS.load(Ordering::SeqCst), hup: HUPS.load(Ordering::SeqCst) }
     }
 }

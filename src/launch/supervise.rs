@@ -1,34 +1,47 @@
 //! The supervision loop shared by the library launcher and the CLI: one thread polls every rank's
-//! output pipes, result pipe and pidfd (plus the CLI's signal pipe), reaps exited ranks, and on
-//! the first failure terminates the others (SIGTERM, then SIGKILL after the grace period).
+//! output pipes, result pipe and its guard's report pipe (plus the CLI's signal pipe), notes
+//! exited ranks, and on the first failure terminates the others (SIGTERM, then SIGKILL after the
+//! grace period).
 //!
-//! Signals (CLI only): the first SIGINT/SIGTERM is forwarded to every rank and starts the grace
-//! period; a second one kills every rank at once.
+//! Signals (CLI only): the first SIGINT, SIGTERM or SIGHUP starts the stop: SIGINT and SIGTERM
+//! are forwarded as they are, SIGHUP (a closed terminal or ssh session) as SIGTERM, and SIGKILL
+//! follows after the grace period. A further SIGINT or SIGTERM kills every rank at once; further
+//! hang-ups do not (a closing terminal may deliver several).
 //!
 //! Why one poll loop and no threads: the library launcher runs in the host process that forked
 //! the ranks, which must stay free of helper threads between launches, and a single loop makes
-//! the order of events (which rank failed first) the order the loop saw them. A pidfd per rank
-//! wakes the loop the moment a rank exits, even while its pipes are still held open by a
-//! grandchild; without pidfds (kernels before 5.3) the loop polls every 5 ms instead.
+//! the order of events (which rank failed first) the order the loop saw them. Each rank's guard
+//! (`guard.rs`) reports the rank's exit through a pipe the moment it happens, even while the
+//! rank's output pipes are still held open by a grandchild, on every kernel.
 
 use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
 use std::time::{Duration, Instant};
 
 use super::child::{self, Exit, ReadState};
+use super::guard::{self, Guard, Guarded};
 use super::output::{RankOutput, Stream};
 use super::report::RankFailure;
 use super::signals::{Counts, SignalPipe};
 
+/// How long the launcher waits, once every rank has exited, for the guards to finish killing
+/// what the ranks left behind.
+const GUARD_CLEANUP: Duration = Duration::from_secs(5);
+
 /// One supervised rank.
 pub(crate) struct Proc {
     pub rank: usize,
+    /// The rank's process id.
     pub pid: i32,
-    /// stdout, stderr, result pipe (read ends), closed at end of file.
-    fds: [Option<OwnedFd>; 3],
-    pidfd: Option<OwnedFd>,
+    guard: Guard,
+    /// stdout, stderr, result pipe, guard report pipe (read ends), closed at end of file.
+    fds: [Option<OwnedFd>; 4],
+    /// Report bytes not yet decoded.
+    report: Vec<u8>,
     /// What the rank wrote to its result pipe.
     pub result_bytes: Vec<u8>,
     pub status: Option<Exit>,
+    /// The exit was handled by the loop (time, result, failure).
+    noted: bool,
     /// Time from the start of the launch to the rank's exit.
     pub elapsed: Duration,
     /// The launcher signalled this rank before it exited.
@@ -37,26 +50,43 @@ pub(crate) struct Proc {
 }
 
 impl Proc {
-    pub fn new(rank: usize, s: child::Spawned, output: RankOutput) -> Proc {
-        let fds = [s.stdout, s.stderr, s.result_fd];
+    /// A rank started under its guard; `result_fd` is the library launcher's result pipe.
+    pub fn new(rank: usize, g: Guarded, result_fd: Option<OwnedFd>, output: RankOutput) -> Proc {
+        let fds = [g.stdout, g.stderr, result_fd, Some(g.report)];
         for fd in fds.iter().flatten() {
             child::set_nonblocking(fd);
         }
         Proc {
             rank,
-            pid: s.pid,
+            pid: g.rank_pid,
+            guard: g.guard,
             fds,
-            pidfd: child::pidfd_open(s.pid),
+            report: Vec::new(),
             result_bytes: Vec::new(),
             status: None,
+            noted: false,
             elapsed: Duration::ZERO,
             terminated: false,
             output,
         }
     }
 
-    /// Read what is available on pipe `k` (0 stdout, 1 stderr, 2 result); close it at end of
-    /// file, flushing a last unterminated output line.
+    /// Descriptors a rank started after this one must not inherit (the library launcher's ranks
+    /// do not exec, so close-on-exec does not remove them).
+    pub fn raw_fds(&self) -> Vec<i32> {
+        let mut v: Vec<i32> = self.fds.iter().flatten().map(|f| f.as_raw_fd()).collect();
+        v.push(self.guard.ctl_fd());
+        v.extend(self.output.log_fd());
+        v
+    }
+
+    /// Ask the guard to signal the rank (SIGKILL: the rank and everything it started).
+    pub fn signal(&self, sig: i32) {
+        self.guard.signal(sig);
+    }
+
+    /// Read what is available on pipe `k` (0 stdout, 1 stderr, 2 result, 3 report); close it at
+    /// end of file, flushing a last unterminated output line.
     fn pump(&mut self, k: usize) -> ReadState {
         let Some(fd) = &self.fds[k] else { return ReadState::Eof };
         let mut buf = Vec::new();
@@ -64,17 +94,38 @@ impl Proc {
         match k {
             0 => self.output.feed(Stream::Out, &buf),
             1 => self.output.feed(Stream::Err, &buf),
-            _ => self.result_bytes.extend_from_slice(&buf),
+            2 => self.result_bytes.extend_from_slice(&buf),
+            _ => {
+                self.report.extend_from_slice(&buf);
+                if let (Some(exit), None) = (guard::parse_reports(&mut self.report), self.status) {
+                    self.status = Some(exit);
+                }
+            }
         }
         if st == ReadState::Eof {
             self.fds[k] = None;
             match k {
                 0 => self.output.finish(Stream::Out),
                 1 => self.output.finish(Stream::Err),
+                3 => self.guard_ended(),
                 _ => {}
             }
         }
         st
+    }
+
+    /// The guard closed its report pipe: it has exited. Reap it; if it never reported the rank's
+    /// exit, it was killed, and the rank with it (parent-death signal).
+    fn guard_ended(&mut self) {
+        child::reap_blocking(self.guard.pid);
+        if self.status.is_none() {
+            tracing::warn!(
+                "the guard process (pid {}) of rank {} died before its rank; the rank was killed with it (was the guard killed by hand or by the OOM killer?)",
+                self.guard.pid,
+                self.rank
+            );
+            self.status = Some(Exit::Signal(libc::SIGKILL));
+        }
     }
 
     /// Read every pipe until it would block or ends; then close them (used once the rank and,
@@ -106,6 +157,51 @@ impl Proc {
     }
 }
 
+/// Wait (at most `limit`) for the guards of exited ranks to finish their clean-up and exit, and
+/// reap them; a guard still busy (a leftover in uninterruptible sleep) is left to finish alone.
+pub(crate) fn wait_for_guards(procs: &mut [Proc], limit: Duration) {
+    let t = Instant::now();
+    loop {
+        let mut pfds: Vec<libc::pollfd> = Vec::new();
+        let mut who = Vec::new();
+        for (i, p) in procs.iter().enumerate() {
+            if let Some(fd) = &p.fds[3] {
+                pfds.push(libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 });
+                who.push(i);
+            }
+        }
+        let left = limit.saturating_sub(t.elapsed());
+        if pfds.is_empty() {
+            return;
+        }
+        if left.is_zero() {
+            for &i in &who {
+                tracing::warn!(
+                    "the guard (pid {}) of rank {} is still killing what the rank left behind; it finishes on its own",
+                    procs[i].guard.pid,
+                    procs[i].rank
+                );
+            }
+            return;
+        }
+        child::poll(&mut pfds, left.as_millis().min(200) as i32 + 1);
+        for (n, pfd) in pfds.iter().enumerate() {
+            if pfd.revents != 0 {
+                procs[who[n]].pump(3);
+            }
+        }
+    }
+}
+
+/// Kill every rank and its subtree at once and wait for the guards (setup failures).
+pub(crate) fn kill_all(procs: &mut [Proc]) {
+    for p in procs.iter_mut() {
+        p.signal(libc::SIGKILL);
+        p.terminated = true;
+    }
+    wait_for_guards(procs, GUARD_CLEANUP);
+}
+
 /// Settings of one supervision.
 pub(crate) struct Options<'a> {
     pub fail_fast: bool,
@@ -134,43 +230,42 @@ pub(crate) struct Outcome {
 pub(crate) fn supervise(procs: &mut [Proc], opts: &Options, failed: impl Fn(&Proc) -> bool) -> Outcome {
     // Index of the root-cause rank, once one has failed.
     let mut root: Option<usize> = None;
-    let mut interrupted = None;
+    let mut interrupted: Option<i32> = None;
     let mut seen = Counts::default();
     // When SIGTERM (or a forwarded signal) went out; SIGKILL follows `grace` later, once.
     let mut term_at: Option<Instant> = None;
     let mut killed = false;
     let mut remote_abort = false;
     let mut abort_closed = false;
-    // Signal the process group first (reaches what the ranks started), then each live rank (a
-    // rank may have left the group, or the library launcher has no group of its own).
+    // Signal the process group first (reaches what the ranks started and kept in it), then,
+    // through its guard, each live rank outside that group (one that left it, or every rank of
+    // the library launcher, which has no group of its own): a rank gets each signal once, so a
+    // handler is not interrupted by a duplicate. A SIGKILL goes to every guard, which kills its
+    // rank's whole subtree.
     let signal_all = |procs: &mut [Proc], sig: i32| {
         if let Some(g) = opts.pgid {
             child::kill(-g, sig);
         }
-        for p in procs.iter_mut().filter(|p| p.status.is_none()) {
-            child::kill(p.pid, sig);
-            p.terminated = true;
+        for p in procs.iter_mut() {
+            if p.status.is_none() {
+                p.terminated = true;
+                if sig == libc::SIGKILL || opts.pgid.is_none() || child::getpgid(p.pid) != opts.pgid {
+                    p.signal(sig);
+                }
+            } else if sig == libc::SIGKILL {
+                p.signal(sig);
+            }
         }
     };
     loop {
         // 1. Wait for output, exits, or signals.
         let mut pfds: Vec<libc::pollfd> = Vec::new();
-        let mut who: Vec<(usize, usize)> = Vec::new(); // (proc, 0..=2 pipe | 3 pidfd | 4 signal | 5 remote abort)
-        let mut blind = false; // some live rank has no pidfd: poll with a short timeout
+        let mut who: Vec<(usize, usize)> = Vec::new(); // (proc, 0..=3 pipe | 4 signal | 5 remote abort)
         for (i, p) in procs.iter().enumerate() {
-            for k in 0..3 {
+            for k in 0..4 {
                 if let Some(fd) = &p.fds[k] {
                     pfds.push(libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 });
                     who.push((i, k));
-                }
-            }
-            if p.status.is_none() {
-                match &p.pidfd {
-                    Some(fd) => {
-                        pfds.push(libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 });
-                        who.push((i, 3));
-                    }
-                    None => blind = true,
                 }
             }
         }
@@ -183,7 +278,7 @@ pub(crate) fn supervise(procs: &mut [Proc], opts: &Options, failed: impl Fn(&Pro
             who.push((usize::MAX, 5));
         }
         // Wake at least every 200 ms (harmless), and in time for the SIGKILL deadline.
-        let mut timeout_ms: i64 = if blind { 5 } else { 200 };
+        let mut timeout_ms: i64 = 200;
         if let (Some(t), false) = (term_at, killed) {
             timeout_ms = timeout_ms.min(opts.grace.saturating_sub(t.elapsed()).as_millis() as i64 + 1);
         }
@@ -193,7 +288,7 @@ pub(crate) fn supervise(procs: &mut [Proc], opts: &Options, failed: impl Fn(&Pro
                 continue;
             }
             let (i, k) = who[n];
-            if k <= 2 {
+            if k <= 3 {
                 procs[i].pump(k);
             }
             if k == 5 {
@@ -212,45 +307,59 @@ pub(crate) fn supervise(procs: &mut [Proc], opts: &Options, failed: impl Fn(&Pro
             }
         }
 
-        // 2. Signals to the launcher: forward the first, kill on the second.
+        // 2. Signals to the launcher: the first starts the stop, a further SIGINT/SIGTERM kills.
         if let Some(s) = opts.signals {
             let c = s.take();
-            let new = (c.int - seen.int) + (c.term - seen.term);
-            if new > 0 {
-                let total = c.int + c.term;
-                let sig = if c.int > seen.int { libc::SIGINT } else { libc::SIGTERM };
-                if total >= 2 || killed {
+            let new_insist = (c.int - seen.int) + (c.term - seen.term);
+            let new_hup = c.hup - seen.hup;
+            if new_insist + new_hup > 0 && !killed {
+                if interrupted.is_none() {
+                    let sig = if c.int > seen.int {
+                        libc::SIGINT
+                    } else if c.term > seen.term {
+                        libc::SIGTERM
+                    } else {
+                        libc::SIGHUP
+                    };
+                    // Ranks may not expect a hang-up (or ignore it, as under nohup): they get
+                    // the ordinary request to stop.
+                    let fwd = if sig == libc::SIGHUP { libc::SIGTERM } else { sig };
+                    tracing::warn!(
+                        "got {}: sending {} to every rank (SIGKILL after {:.1} s; a further Ctrl-C or SIGTERM kills them at once)",
+                        child::signal_name(sig),
+                        child::signal_name(fwd),
+                        opts.grace.as_secs_f64()
+                    );
+                    interrupted = Some(sig);
+                    signal_all(procs, fwd);
+                    term_at.get_or_insert_with(Instant::now);
+                }
+                // A hang-up never escalates; a SIGINT/SIGTERM after any first signal does.
+                let insist = c.int + c.term + usize::from(interrupted == Some(libc::SIGHUP));
+                if new_insist > 0 && insist >= 2 {
                     tracing::warn!("second interrupt: killing every rank");
                     signal_all(procs, libc::SIGKILL);
                     killed = true;
-                } else {
-                    tracing::warn!("got {}: forwarding it to every rank (again to kill them at once)", child::signal_name(sig));
-                    interrupted = Some(sig);
-                    signal_all(procs, sig);
-                    term_at.get_or_insert_with(Instant::now);
                 }
-                seen = c;
             }
+            seen = c;
         }
 
-        // 3. Reap. Ranks that ended since the last pass are seen together, so when a rank dies
+        // 3. Exits. Ranks that ended since the last pass are seen together, so when a rank dies
         // and a peer exits on noticing it (the shm backend's lost-peer error), both can show up
         // here at once: a rank killed by a signal the launcher did not send is the more likely
         // root cause than one that exited with an error code.
         let mut batch: Vec<usize> = Vec::new();
         for (i, p) in procs.iter_mut().enumerate() {
-            if p.status.is_some() {
+            if p.status.is_none() || p.noted {
                 continue;
             }
-            if let Some(st) = child::try_reap(p.pid) {
-                p.status = Some(st);
-                p.elapsed = opts.start.elapsed();
-                p.pidfd = None;
-                // The rank is the only writer of its result pipe: read it to the end.
-                p.drain(&[2], true);
-                if failed(p) {
-                    batch.push(i);
-                }
+            p.noted = true;
+            p.elapsed = opts.start.elapsed();
+            // The rank is the only writer of its result pipe: read it to the end.
+            p.drain(&[2], true);
+            if failed(p) {
+                batch.push(i);
             }
         }
         if root.is_none() {
@@ -261,7 +370,8 @@ pub(crate) fn supervise(procs: &mut [Proc], opts: &Options, failed: impl Fn(&Pro
             }
         }
         if procs.iter().all(|p| p.status.is_some()) {
-            // Output a grandchild still holds open is not waited for.
+            // Output a grandchild still holds open is not waited for (the guards kill such
+            // leftovers now).
             for p in procs.iter_mut() {
                 p.drain(&[0, 1, 2], true);
             }
@@ -284,5 +394,6 @@ pub(crate) fn supervise(procs: &mut [Proc], opts: &Options, failed: impl Fn(&Pro
     if let (Some(g), true) = (opts.pgid, term_at.is_some()) {
         child::kill(-g, libc::SIGKILL);
     }
+    wait_for_guards(procs, GUARD_CLEANUP);
     Outcome { root, interrupted, remote_abort }
 }

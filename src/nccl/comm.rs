@@ -78,7 +78,8 @@ pub type AbortCheck = Arc<dyn Fn() -> Option<String> + Send + Sync>;
 /// Settings of an [`NcclComm`].
 #[derive(Clone)]
 pub struct NcclOptions {
-    /// Longest wait for init or a synchronize before aborting (default `LOCKSTEP_TIMEOUT_S` or 300 s).
+    /// Longest wait for init or a synchronize before aborting (default 300 s; [`NcclOptions::from_env`]
+    /// takes `LOCKSTEP_TIMEOUT_S`).
     pub timeout: Duration,
     /// Create the communicator non-blocking when the library supports it (default true).
     pub nonblocking_init: bool,
@@ -87,9 +88,22 @@ pub struct NcclOptions {
 }
 
 impl Default for NcclOptions {
+    /// A 300 s timeout, non-blocking init, no liveness check (the environment is not read: see
+    /// [`NcclOptions::from_env`]).
     fn default() -> Self {
-        let secs = std::env::var("LOCKSTEP_TIMEOUT_S").ok().and_then(|v| v.parse::<f64>().ok()).filter(|s| *s > 0.0).unwrap_or(300.0);
-        NcclOptions { timeout: Duration::from_secs_f64(secs), nonblocking_init: true, abort_check: None }
+        NcclOptions { timeout: Duration::from_secs(300), nonblocking_init: true, abort_check: None }
+    }
+}
+
+impl NcclOptions {
+    /// The defaults with the timeout from `LOCKSTEP_TIMEOUT_S` when it is set (a number of seconds
+    /// greater than 0; anything else is an error naming the variable).
+    pub fn from_env() -> Result<NcclOptions, crate::types::env::EnvError> {
+        let mut o = NcclOptions::default();
+        if let Some(t) = crate::types::env::TIMEOUT_S.secs()? {
+            o.timeout = t;
+        }
+        Ok(o)
     }
 }
 

@@ -21,7 +21,7 @@
 use std::time::Duration;
 
 use super::select::{self, device_communicator};
-use super::vars::{host_id, var, EnvInfo, JOB_ID_KEY};
+use super::vars::{host_id, EnvInfo, Launcher, JOB_ID_KEY};
 use crate::comm::{CommError, Communicator};
 use crate::shm::{ShmComm, ShmConfig};
 use crate::store::{Store, StoreServer, TcpStore};
@@ -30,22 +30,66 @@ fn setup(msg: String) -> CommError {
     CommError::Setup(msg)
 }
 
-fn secs_env(name: &str, default: f64) -> Duration {
-    let s = var(name).and_then(|v| v.trim().parse::<f64>().ok()).filter(|v| v.is_finite() && *v > 0.0).unwrap_or(default);
-    Duration::from_secs_f64(s)
+fn env_err(e: crate::types::env::EnvError) -> CommError {
+    setup(e.to_string())
+}
+
+/// `0,1,2,5` as `0-2, 5`.
+fn ranges(v: &[usize]) -> String {
+    let mut out: Vec<String> = Vec::new();
+    let mut i = 0;
+    while i < v.len() {
+        let mut j = i;
+        while j + 1 < v.len() && v[j + 1] == v[j] + 1 {
+            j += 1;
+        }
+        out.push(if j == i { v[i].to_string() } else { format!("{}-{}", v[i], v[j]) });
+        i = j + 1;
+    }
+    out.join(", ")
+}
+
+/// The rendezvous timed out: name only the ranks (and their nodes) that never published their
+/// host, so the message points at what is missing. `present` tells whether rank `r` arrived.
+fn missing_peers(info: &EnvInfo, timeout: Duration, present: impl Fn(usize) -> bool) -> String {
+    let missing: Vec<usize> = (0..info.world_size).filter(|r| !present(*r)).collect();
+    let rs = if missing.len() == 1 { "" } else { "s" };
+    if info.launcher != Launcher::Lockstep {
+        // Other launchers may place ranks on nodes in any order: name the ranks only.
+        return format!(
+            "rank {}: rank{rs} {} did not reach the rendezvous within {:.1} s (LOCKSTEP_RDZV_TIMEOUT_S); did every rank of this {} job start, with the same MASTER_ADDR and store port on every node?",
+            info.rank,
+            ranges(&missing),
+            timeout.as_secs_f64(),
+            info.launcher.name()
+        );
+    }
+    // `lockstep launch` numbers ranks node by node, LOCAL_WORLD_SIZE per node.
+    let per_node = info.local_world_size.max(1);
+    let mut nodes: Vec<usize> = missing.iter().map(|r| r / per_node).collect();
+    nodes.dedup();
+    let ns = if nodes.len() == 1 { "" } else { "s" };
+    format!(
+        "rank {}: rank{rs} {} (node{ns} {}) did not reach the rendezvous within {:.1} s (LOCKSTEP_RDZV_TIMEOUT_S, which `lockstep launch` sets from --rdzv-timeout-s); did the launcher of node{ns} {} start, with the same --nnodes, --nproc-per-node, --master-addr and --master-port?",
+        info.rank,
+        ranges(&missing),
+        ranges(&nodes),
+        timeout.as_secs_f64(),
+        ranges(&nodes)
+    )
 }
 
 impl Communicator {
     /// Join the job described by the launcher's environment variables (see the module docs of
-    /// `rendezvous`). `LOCKSTEP_RDZV_TIMEOUT_S` (default 60) bounds the multi-node rendezvous.
+    /// `rendezvous`). `LOCKSTEP_RDZV_TIMEOUT_S` (default 60) bounds each wait of the multi-node
+    /// rendezvous. Every `LOCKSTEP_*` variable of [`crate::types::env::CHECKED`] is checked first:
+    /// a malformed one is an error naming it.
     pub fn from_env() -> Result<Communicator, CommError> {
+        crate::types::env::check_all().map_err(env_err)?;
         let info = EnvInfo::from_env()?;
         // Backend choice (`LOCKSTEP_BACKEND`, default shm).
-        let backend = var("LOCKSTEP_BACKEND").unwrap_or_else(|| "shm".into());
-        if backend != "shm" && backend != "nccl" {
-            return Err(setup(format!("LOCKSTEP_BACKEND={backend:?} is not a backend: use shm or nccl")));
-        }
-        let cfg = ShmConfig::from_env();
+        let backend = crate::types::env::BACKEND.choice().map_err(env_err)?.unwrap_or("shm");
+        let cfg = ShmConfig::from_env()?;
         tracing::debug!(
             rank = info.rank,
             world = info.world_size,
@@ -63,7 +107,7 @@ impl Communicator {
             }
             return Ok(host);
         }
-        let timeout = secs_env("LOCKSTEP_RDZV_TIMEOUT_S", 60.0);
+        let timeout = crate::types::env::RDZV_TIMEOUT_S.secs().map_err(env_err)?.unwrap_or(Duration::from_secs(60));
         let port = info.master_port.ok_or_else(|| {
             setup(format!(
                 "MASTER_PORT is not set, but this {}-node job started by {} needs a port for lockstep's rendezvous store (set MASTER_PORT or LOCKSTEP_STORE_PORT, the same on every node)",
@@ -89,7 +133,7 @@ impl Communicator {
             None
         };
         let mut store = TcpStore::connect(&info.master_addr, port, &token, timeout).map_err(st)?;
-        let joined = rendezvous_through_store(&info, &mut store, &backend, cfg, timeout);
+        let joined = rendezvous_through_store(&info, &mut store, backend, cfg, timeout);
         // Tell the host we are done with the store (even on failure, so it does not wait for us).
         let _ = store.set(&format!("lockstep/joined/{}", info.rank), b"1");
         if let Some(server) = server {
@@ -113,11 +157,17 @@ fn rendezvous_through_store(
 ) -> Result<Communicator, CommError> {
     let st = |e: crate::store::StoreError| setup(format!("rank {}: {e}", info.rank));
     // Publish where this rank runs, then learn where every rank runs.
-    let me = host_id();
+    let me = host_id().map_err(env_err)?;
     store.set(&format!("lockstep/host/{}", info.rank), me.as_bytes()).map_err(st)?;
     let keys: Vec<String> = (0..info.world_size).map(|r| format!("lockstep/host/{r}")).collect();
     let refs: Vec<&str> = keys.iter().map(|s| s.as_str()).collect();
-    store.wait(&refs, timeout).map_err(st)?;
+    match store.wait(&refs, timeout) {
+        Err(crate::store::StoreError::Timeout { .. }) => {
+            let arrived: Vec<bool> = keys.iter().map(|k| store.get(k).ok().flatten().is_some()).collect();
+            return Err(setup(missing_peers(info, timeout, |r| arrived[r])));
+        }
+        r => r.map_err(st)?,
+    }
     let mut hosts = Vec::with_capacity(info.world_size);
     for k in &keys {
         hosts.push(String::from_utf8_lossy(&store.get(k).map_err(st)?.unwrap_or_default()).into_owned());
@@ -145,4 +195,34 @@ fn rendezvous_through_store(
         return device_communicator(host, info.rank).map(|(c, _)| c);
     }
     Ok(host)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timeout_names_only_missing_peers() {
+        let info = EnvInfo {
+            launcher: Launcher::Lockstep,
+            rank: 1,
+            local_rank: 1,
+            world_size: 6,
+            local_world_size: 2,
+            nnodes: 3,
+            job_id: "j".into(),
+            master_addr: "127.0.0.1".into(),
+            master_port: Some(1),
+            hosts_store: false,
+            token: None,
+        };
+        let m = missing_peers(&info, Duration::from_millis(1500), |r| r < 2 || r == 3);
+        assert!(m.starts_with("rank 1: ranks 2, 4-5 (nodes 1-2) did not reach the rendezvous within 1.5 s"), "{m}");
+        let m = missing_peers(&info, Duration::from_secs(2), |r| r != 5);
+        assert!(m.contains("rank 5 (node 2) did not") && m.contains("launcher of node 2 start"), "{m}");
+        assert_eq!(ranges(&[0, 1, 2, 5, 7, 8]), "0-2, 5, 7-8");
+        let torchrun = EnvInfo { launcher: Launcher::Torchrun, ..info };
+        let m = missing_peers(&torchrun, Duration::from_secs(2), |r| r != 4);
+        assert!(m.starts_with("rank 1: rank 4 did not reach the rendezvous within 2.0 s") && m.contains("torchrun job"), "{m}");
+    }
 }

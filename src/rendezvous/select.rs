@@ -60,6 +60,8 @@ pub(crate) fn nccl_across_nodes(
     timeout: Duration,
 ) -> Result<Communicator, CommError> {
     let cuda = |e: CudaError| CommError::Backend { backend: "cuda", message: e.to_string() };
+    // The environment is checked before CUDA is touched.
+    let opts = crate::nccl::NcclOptions::from_env().map_err(|e| CommError::Setup(e.to_string()))?;
     let gpus = crate::cuda::device_count().map_err(cuda)?.max(0) as usize;
     let here = hosts.iter().filter(|h| **h == hosts[info.rank]).count();
     if here > gpus {
@@ -71,7 +73,7 @@ pub(crate) fn nccl_across_nodes(
     let ctx = Context::new(info.local_rank as i32).map_err(cuda)?;
     let generation = NCCL_GENERATION.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let mut ex = crate::nccl::StoreExchange { store, key: format!("lockstep/nccl/unique-id/{generation}"), timeout };
-    let nccl = crate::nccl::NcclComm::new(&ctx, info.rank, info.world_size, &mut ex, crate::nccl::NcclOptions::default())
+    let nccl = crate::nccl::NcclComm::new(&ctx, info.rank, info.world_size, &mut ex, opts)
         .map_err(|e| CommError::Backend { backend: "nccl", message: e.to_string() })?;
     Ok(Communicator::from_backend(Box::new(nccl)))
 }
@@ -110,6 +112,8 @@ pub(crate) fn choose(world: usize, gpus: usize, multi_rank_ok: impl FnOnce() -> 
 /// number of visible devices), on which device buffers for it must be allocated.
 pub fn device_communicator(mut host: Communicator, local_rank: usize) -> Result<(Communicator, Arc<Context>), CommError> {
     let cuda = |e: CudaError| CommError::Backend { backend: "cuda", message: e.to_string() };
+    // The environment is checked before CUDA is touched.
+    let opts = crate::nccl::NcclOptions::from_env().map_err(|e| CommError::Setup(e.to_string()))?;
     let gpus = crate::cuda::device_count().map_err(cuda)?;
     if gpus <= 0 {
         return Err(CommError::Unsupported(
@@ -128,7 +132,7 @@ pub fn device_communicator(mut host: Communicator, local_rank: usize) -> Result<
             Ok((Communicator::from_backend(Box::new(staged)), ctx))
         }
         DeviceChoice::Nccl { .. } => {
-            let nccl = crate::nccl::NcclComm::new(&ctx, rank, world, &mut host, crate::nccl::NcclOptions::default())
+            let nccl = crate::nccl::NcclComm::new(&ctx, rank, world, &mut host, opts)
                 .map_err(|e| CommError::Backend { backend: "nccl", message: e.to_string() })?;
             Ok((Communicator::from_backend(Box::new(nccl)), ctx))
         }

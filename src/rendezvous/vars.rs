@@ -90,7 +90,10 @@ fn required(get: Lookup, name: &str, launcher: Launcher) -> Result<usize, CommEr
 fn port(get: Lookup, name: &str) -> Result<Option<u16>, CommError> {
     match get(name) {
         None => Ok(None),
-        Some(p) => p.trim().parse::<u16>().map(Some).map_err(|_| setup(format!("{name}={p:?} is not a port number (1-65535)"))),
+        Some(p) => match p.trim().parse::<u16>() {
+            Ok(n) if n > 0 => Ok(Some(n)),
+            _ => Err(setup(format!("{name}={p:?} is not a port number (1-65535)"))),
+        },
     }
 }
 
@@ -147,6 +150,11 @@ pub(crate) fn slurm_tasks_on_node(spec: &str, node: usize) -> Option<usize> {
 impl EnvInfo {
     /// Read and check the variables of whichever launcher started this process.
     pub fn from_env() -> Result<EnvInfo, CommError> {
+        // The lookup treats a value that is not UTF-8 as unset: lockstep's own variables must not
+        // vanish silently.
+        for name in ["LOCKSTEP_TOKEN", "LOCKSTEP_JOB_ID", "LOCKSTEP_NNODES", "LOCKSTEP_STORE_PORT"] {
+            crate::types::env::raw(name).map_err(|e| setup(e.to_string()))?;
+        }
         EnvInfo::from_lookup(&var)
     }
 
@@ -169,7 +177,11 @@ impl EnvInfo {
                 world_size = required(get, "WORLD_SIZE", launcher)?;
                 local_rank = num(get, "LOCAL_RANK")?.unwrap_or(rank);
                 local_world_size = num(get, "LOCAL_WORLD_SIZE")?.unwrap_or(world_size);
-                nnodes = num(get, "LOCKSTEP_NNODES")?.unwrap_or(1).max(1);
+                // No silent clamp of 0 nodes to 1.
+                nnodes = match get("LOCKSTEP_NNODES") {
+                    None => 1,
+                    Some(v) => crate::types::env::NNODES.parse_count(&v).map_err(|e| setup(e.to_string()))? as usize,
+                };
                 job_id = get("LOCKSTEP_JOB_ID").unwrap_or_default();
                 hosts_store = false;
             }
@@ -259,13 +271,14 @@ impl EnvInfo {
 }
 
 /// An id of this host: `LOCKSTEP_HOST_ID` if set (for containers that share a kernel but not
-/// memory, and for tests), else its name plus the kernel's boot id.
-pub fn host_id() -> String {
-    if let Some(h) = var("LOCKSTEP_HOST_ID") {
-        return h;
+/// memory, and for tests; text without control characters), else its name plus the kernel's boot
+/// id.
+pub fn host_id() -> Result<String, crate::types::env::EnvError> {
+    if let Some(h) = crate::types::env::HOST_ID.text()? {
+        return Ok(h);
     }
     let read = |p: &str| std::fs::read_to_string(p).map(|s| s.trim().to_string()).unwrap_or_default();
-    format!("{}/{}", read("/proc/sys/kernel/hostname"), read("/proc/sys/kernel/random/boot_id"))
+    Ok(format!("{}/{}", read("/proc/sys/kernel/hostname"), read("/proc/sys/kernel/random/boot_id")))
 }
 
 #[cfg(test)]
@@ -301,6 +314,9 @@ mod tests {
         assert!(e.contains("RANK=\"x\" is not a non-negative integer"), "{e}");
         let e = info(&[("MASTER_PORT", "1")]).unwrap_err().to_string();
         assert!(e.contains("no launcher variables found") && e.contains("torchrun, mpirun or srun"), "{e}");
+        // No silent clamp of 0 nodes to 1.
+        let e = info(&[("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCKSTEP_JOB_ID", "j"), ("LOCKSTEP_NNODES", "0")]).unwrap_err().to_string();
+        assert!(e.contains("LOCKSTEP_NNODES=\"0\" is invalid: expected a whole number from 1"), "{e}");
     }
 
     #[test]

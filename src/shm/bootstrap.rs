@@ -65,9 +65,10 @@ fn no_room(e: &NoSpace, layout: &Layout) -> CommError {
 }
 
 impl ShmJob {
-    /// Create an anonymous segment for `world` ranks with settings from the environment.
+    /// Create an anonymous segment for `world` ranks with settings from the environment (a
+    /// malformed `LOCKSTEP_*` tuning variable is an error naming it).
     pub fn new(world: usize) -> Result<ShmJob, CommError> {
-        ShmJob::with_config(world, ShmConfig::from_env())
+        ShmJob::with_config(world, ShmConfig::from_env()?)
     }
 
     /// Create an anonymous segment for `world` ranks.

@@ -59,10 +59,6 @@ pub struct ShmConfig {
 /// Name of the variable that moves named segments out of `/dev/shm`.
 pub(crate) const SHM_DIR_VAR: &str = "LOCKSTEP_SHM_DIR";
 
-fn env_num(name: &str) -> Option<f64> {
-    std::env::var(name).ok().and_then(|v| v.trim().parse::<f64>().ok()).filter(|v| v.is_finite() && *v >= 0.0)
-}
-
 impl Default for ShmConfig {
     fn default() -> Self {
         ShmConfig {
@@ -84,49 +80,55 @@ impl Default for ShmConfig {
 }
 
 impl ShmConfig {
-    /// Defaults overridden by the environment.
-    pub fn from_env() -> ShmConfig {
+    /// Defaults overridden by the environment. Each variable is parsed strictly (see
+    /// [`crate::types::env`]): a malformed or out-of-range value is an error naming it, never a
+    /// silent default. Sizes are then rounded up to the page (slots) or 2 MiB (heap).
+    pub fn from_env() -> Result<ShmConfig, CommError> {
+        use crate::types::env as v;
+        let bad = |e: v::EnvError| CommError::Setup(e.to_string());
         let mut c = ShmConfig::default();
-        if let Some(v) = env_num("LOCKSTEP_SHM_SLOT_BYTES") {
-            c.slot_bytes = v as usize;
+        if let Some(n) = v::SHM_SLOT_BYTES.count().map_err(bad)? {
+            c.slot_bytes = n as usize;
         }
-        if let Some(v) = env_num("LOCKSTEP_SHM_SMALL_BYTES") {
-            c.small_bytes = v as usize;
+        if let Some(n) = v::SHM_SMALL_BYTES.count().map_err(bad)? {
+            c.small_bytes = n as usize;
         }
-        if let Some(v) = env_num("LOCKSTEP_SHM_HEAP_BYTES") {
-            c.heap_bytes = v as usize;
+        if let Some(n) = v::SHM_HEAP_BYTES.count().map_err(bad)? {
+            c.heap_bytes = n as usize;
         }
-        if let Some(v) = env_num("LOCKSTEP_TIMEOUT_S") {
-            c.timeout = Duration::from_secs_f64(v);
+        if let Some(t) = v::TIMEOUT_S.secs().map_err(bad)? {
+            c.timeout = t;
         }
-        if let Some(v) = env_num("LOCKSTEP_PEER_CHECK_MS") {
-            c.peer_check = Duration::from_secs_f64(v / 1000.0);
+        if let Some(n) = v::PEER_CHECK_MS.count().map_err(bad)? {
+            c.peer_check = Duration::from_millis(n);
         }
-        if let Some(v) = env_num("LOCKSTEP_SPIN_US") {
-            c.spin = Some(Duration::from_secs_f64(v / 1e6));
+        if let Some(n) = v::SPIN_US.count().map_err(bad)? {
+            c.spin = Some(Duration::from_micros(n));
         }
-        if let Some(v) = env_num("LOCKSTEP_SHM_NT_BYTES") {
-            c.nt_bytes = v as usize;
+        if let Some(n) = v::SHM_NT_BYTES.count().map_err(bad)? {
+            c.nt_bytes = n as usize;
         }
-        if let Ok(v) = std::env::var("LOCKSTEP_SHM_STAGE") {
-            match StageMode::parse(&v) {
-                Some(m) => c.stage = m,
-                None => tracing::warn!("LOCKSTEP_SHM_STAGE={v:?} is not auto, cached or streaming; using auto"),
-            }
+        if let Some(m) = v::SHM_STAGE.choice().map_err(bad)? {
+            // `m` is one of SHM_STAGE's choices: auto, cached, streaming or nt.
+            c.stage = match m {
+                "cached" => StageMode::Cached,
+                "streaming" | "nt" => StageMode::Streaming,
+                _ => StageMode::Auto,
+            };
         }
-        if let Ok(v) = std::env::var("LOCKSTEP_CPU_BIND") {
-            c.bind_cpu = !matches!(v.trim(), "none" | "0" | "off" | "false");
+        if let Some(m) = v::CPU_BIND.choice().map_err(bad)? {
+            c.bind_cpu = m == "core";
         }
-        if let Some(v) = env_num("LOCKSTEP_SHM_CMA_BYTES") {
-            c.cma_bytes = v as usize;
+        if let Some(n) = v::SHM_CMA_BYTES.count().map_err(bad)? {
+            c.cma_bytes = n as usize;
         }
-        if let Some(v) = env_num("LOCKSTEP_JOIN_TIMEOUT_S") {
-            c.join_timeout = Duration::from_secs_f64(v);
+        if let Some(t) = v::JOIN_TIMEOUT_S.secs().map_err(bad)? {
+            c.join_timeout = t;
         }
         // Kept as given, even empty: `checked_shm_dir` refuses what is not a usable directory
         // rather than falling back to /dev/shm.
         c.shm_dir = std::env::var_os(SHM_DIR_VAR).map(PathBuf::from);
-        c.normalized()
+        Ok(c.normalized())
     }
 
     /// The directory for named segments: `None` for `/dev/shm`, or `shm_dir` once checked to be

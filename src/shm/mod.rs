@@ -46,5 +46,6 @@ pub use backend::ShmComm;
 pub use bootstrap::ShmJob;
 pub use config::ShmConfig;
 pub use reduce::reduce_slices;
+pub(crate) use stale::named_segment_path;
 pub use stale::{reclaim_stale_segments, unlink_named};
 pub use tune::StageMode;

@@ -69,6 +69,13 @@ pub fn unlink_named(job_id: &str) {
     }
 }
 
+/// Where a job's named segment lives (in `LOCKSTEP_SHM_DIR` when set, else `/dev/shm`): the path
+/// the launcher's guards remove if the launcher dies (see `launch::guard`). `None` for a job id
+/// that cannot name a segment.
+pub(crate) fn named_segment_path(job_id: &str) -> Option<PathBuf> {
+    SegName::new(env_dir().as_deref(), job_id).ok().map(|n| n.path())
+}
+
 /// Remove the named segments (`lockstep-*` in `/dev/shm`, and in `LOCKSTEP_SHM_DIR` when set)
 /// whose creator is gone, at once: the header records the creator's pid, pid namespace and start
 /// time, so a reused pid is not mistaken for it. For those whose creator cannot be checked (no

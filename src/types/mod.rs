@@ -1,5 +1,6 @@
 //! The vocabulary every layer shares: element types, reduction operators, collective names and
-//! the buffer traits through which a collective sees memory (host, shared segment or device).
+//! the buffer traits through which a collective sees memory (host, shared segment or device), and
+//! strict parsing of `LOCKSTEP_*` environment variables ([`env`](mod@env)).
 //!
 //! This is the bottom layer: it imports nothing from the rest of the crate, so `cuda`, `comm`,
 //! the backends and the engine can all speak it without depending on one another.
@@ -7,6 +8,7 @@
 mod buffer;
 mod coll;
 mod dtype;
+pub mod env;
 
 pub use buffer::{Buffer, BufferMut, MemSpace, RawMem};
 pub use coll::CollKind;

@@ -86,6 +86,35 @@ pub fn children_of(pid: i32) -> Vec<i32> {
     v
 }
 
+/// Children of the children of `pid` (the launchers' ranks, one level below their guards).
+pub fn grandchildren_of(pid: i32) -> Vec<i32> {
+    let mut v: Vec<i32> = children_of(pid).into_iter().flat_map(children_of).collect();
+    v.sort_unstable();
+    v
+}
+
+/// Live (not zombie) processes whose environment holds `LOCKSTEP_TEST_MARK=<mark>`: what a test
+/// started, however deep and wherever re-parented.
+pub fn marked(mark: &str) -> Vec<i32> {
+    let needle = format!("LOCKSTEP_TEST_MARK={mark}");
+    let mut v = Vec::new();
+    let Ok(rd) = std::fs::read_dir("/proc") else { return v };
+    for e in rd.flatten() {
+        let Ok(p) = e.file_name().to_string_lossy().parse::<i32>() else { continue };
+        let Ok(env) = std::fs::read(format!("/proc/{p}/environ")) else { continue };
+        if env.split(|b| *b == 0).any(|kv| kv == needle.as_bytes()) && alive(p) {
+            v.push(p);
+        }
+    }
+    v.sort_unstable();
+    v
+}
+
+/// A mark unique to this test process and `name`.
+pub fn new_mark(name: &str) -> String {
+    format!("{}-{name}", std::process::id())
+}
+
 /// Poll `f` every 10 ms until it returns true or `timeout` passes.
 pub fn wait_until(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
     let t = Instant::now();

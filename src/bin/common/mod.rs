@@ -9,8 +9,8 @@ use tracing_subscriber::EnvFilter;
 
 /// Install the stderr subscriber. An invalid `LOCKSTEP_LOG` is an error that names it.
 pub fn init_logging(verbose: u8, quiet: bool) -> Result<(), String> {
-    let filter = match std::env::var("LOCKSTEP_LOG") {
-        Ok(v) if !v.trim().is_empty() => EnvFilter::try_new(v.trim()).map_err(|e| {
+    let filter = match lockstep::types::env::raw("LOCKSTEP_LOG").map_err(|e| e.to_string())? {
+        Some(v) => EnvFilter::try_new(v.trim()).map_err(|e| {
             format!("LOCKSTEP_LOG={v:?} is not a log filter ({e}); use a level (error, warn, info, debug, trace) or directives such as warn,lockstep::shm=debug")
         })?,
         _ => EnvFilter::new(match (quiet, verbose) {
