@@ -361,6 +361,20 @@ fn scenario(name: &str) {
             let (h, mut hr) = (vec![1f32; 4], vec![0f32; 4]);
             let e = comm.all_reduce(&h, &mut hr, lockstep::comm::ReduceOp::Sum).unwrap_err().to_string();
             expect_contains("host buffers", &e, &["host memory", "device memory only", "DeviceBuffer"]);
+            // A collective orders itself after the context's other streams: `s` (which wrote the
+            // buffers) and `s2` each get an event the communicator's stream waits on, so callers
+            // need not synchronise their producer streams first.
+            let s2 = ctx.stream().unwrap();
+            let d = lockstep::cuda::DeviceBuffer::from_host(&s, &[1f32, 2.0]).unwrap();
+            let mut r = lockstep::cuda::DeviceBuffer::<f32>::zeros(&s2, 2).unwrap();
+            let waits = counter("LOCKSTEP_CUDA_LIBRARY", "sim_stream_waits");
+            comm.all_reduce(&d, &mut r, lockstep::comm::ReduceOp::Sum).unwrap();
+            let added = counter("LOCKSTEP_CUDA_LIBRARY", "sim_stream_waits") - waits;
+            assert!(added >= 2, "the collective waited on {added} producer streams, expected at least 2 (s and s2)");
+            let w = comm.all_reduce_async(&d, &mut r, lockstep::comm::ReduceOp::Sum);
+            assert!(w.is_completed(), "the simulated stream is done at once");
+            w.wait().unwrap();
+            drop(s2);
             collectives::check_all_dtypes_world1(&mut comm, &s).unwrap();
             drop(comm);
             assert_eq!(counter("LOCKSTEP_NCCL_LIBRARY", "sim_destroy_calls"), 1);
@@ -398,6 +412,23 @@ fn scenario(name: &str) {
             assert_eq!(counter("LOCKSTEP_NCCL_LIBRARY", "sim_abort_calls"), 1);
             let e = comm.barrier().unwrap_err().to_string();
             expect_contains("barrier after abort", &e, &["aborted earlier"]);
+        }
+        "sim_nccl_work_times_out" => {
+            // A nonblocking call on a stuck stream: its Work stays pending, then times out with
+            // the communicator's timeout and aborts it; later calls say so.
+            let (ctx, comm) = sim_nccl_comm(1, short_timeout());
+            let mut comm = comm.unwrap().into_communicator();
+            let s = ctx.stream().unwrap();
+            let mut x = lockstep::cuda::DeviceBuffer::<f32>::zeros(&s, 16).unwrap();
+            let t = std::time::Instant::now();
+            let w = comm.all_reduce_in_place_async(&mut x, lockstep::comm::ReduceOp::Sum);
+            assert!(!w.is_completed(), "a call on a stuck stream is pending");
+            let e = w.wait().unwrap_err().to_string();
+            expect_contains("Work::wait", &e, &["did not finish within 0.5 s", "aborted"]);
+            assert!(t.elapsed() < std::time::Duration::from_secs(3), "the Work waited {:?}", t.elapsed());
+            assert_eq!(counter("LOCKSTEP_NCCL_LIBRARY", "sim_abort_calls"), 1);
+            let e = comm.barrier().unwrap_err().to_string();
+            expect_contains("barrier after a Work's abort", &e, &["aborted earlier"]);
         }
         "sim_nccl_liveness_check_aborts" => {
             let check: lockstep::nccl::AbortCheck = Arc::new(|| Some("rank 1 (pid 4242) died".to_string()));
@@ -876,6 +907,14 @@ fn main() {
         ),
         (
             "sim_nccl_timeout_aborts",
+            vec![
+                ("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)),
+                ("LOCKSTEP_NCCL_LIBRARY", s(&libs.sim_nccl)),
+                ("SIM_STREAM_STUCK", "1".into()),
+            ],
+        ),
+        (
+            "sim_nccl_work_times_out",
             vec![
                 ("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)),
                 ("LOCKSTEP_NCCL_LIBRARY", s(&libs.sim_nccl)),

@@ -51,7 +51,9 @@ int cuStreamCreate(void** s, unsigned f) { *s = malloc(8); return 0; }
 int cuStreamDestroy_v2(void* s) { free(s); return 0; }
 int cuStreamSynchronize(void* s) { return 0; }
 int cuStreamQuery(void* s) { return getenv("SIM_STREAM_STUCK") ? 600 : 0; }
-int cuStreamWaitEvent(void* s, void* e, unsigned f) { return 0; }
+static int stream_waits = 0;
+int sim_stream_waits(void) { return stream_waits; }
+int cuStreamWaitEvent(void* s, void* e, unsigned f) { stream_waits++; return 0; }
 int cuEventCreate(void** e, unsigned f) { *e = malloc(8); return 0; }
 int cuEventDestroy_v2(void* e) { free(e); return 0; }
 int cuEventRecord(void* e, void* s) { return 0; }
