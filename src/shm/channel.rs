@@ -471,7 +471,7 @@ impl Channel {
             seq: self.seq,
             send_off,
             recv_off,
-            pidns: crate::shm::algo::p2p::pid_namespace(),
+            pidns: crate::shm::direct::pid_namespace(),
             _pad: 0,
         };
         let p = self.progress + 1;

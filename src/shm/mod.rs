@@ -10,7 +10,8 @@
 //!   the segment; when every rank passes such buffers, peers read and write them directly.
 //! * The exchanges (all_to_all, all_to_all_v, scatter, all_gather_v, gather_v) go through the
 //!   same slots in rounds; point-to-point sends and receives go through a mailbox per ordered
-//!   pair of ranks, apart from the collectives (see `algo::p2p`).
+//!   pair of ranks, apart from the collectives (see `algo::p2p`). Large messages of both are
+//!   copied once, straight from the peer's memory, where the kernel allows it (`direct`).
 //! * Every reduction sums sources in rank order 0..n, so all ranks get bit-identical results, and
 //!   the same inputs give the same bits every run, whatever the path.
 //!
@@ -26,6 +27,7 @@
 //!   cross-rank argument check, the abort record every rank reports from, the staging mode.
 //! * `stale`: segments left behind by killed jobs: who created one, whether it still runs, and
 //!   removing the names of dead ones ([`reclaim_stale_segments`], [`unlink_named`]).
+//! * `direct`: cross-memory attach (`process_vm_readv`) between ranks.
 //! * `alloc` (shared buffers), `config` (settings), `tune` (staging mode choice), `reduce`
 //!   (kernels and copies), `sync` (segment layout, control blocks), `segment` (OS calls, futex,
 //!   peer processes, segment names and memory reservation).
@@ -36,6 +38,7 @@ mod backend;
 mod bootstrap;
 mod channel;
 mod config;
+mod direct;
 mod reduce;
 mod segment;
 mod stale;

@@ -14,8 +14,8 @@
 //! them their buffers are free again (one copy instead of two, whatever the size).
 
 use crate::comm::{Call, CollKind, CommError};
-use crate::shm::algo::p2p::read_direct;
 use crate::shm::channel::{Channel, Ctx};
+use crate::shm::direct::read_direct;
 use crate::shm::reduce::copy_block;
 use crate::shm::sync::{DIRECT, SHARED_SEND};
 

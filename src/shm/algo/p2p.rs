@@ -27,6 +27,7 @@ use std::time::{Duration, Instant};
 
 use crate::comm::{CollKind, CommError, Dtype, P2pOp};
 use crate::shm::channel::Channel;
+use crate::shm::direct::{allow_sibling_reads, pid_namespace, read_direct};
 use crate::shm::reduce::copy_block;
 use crate::shm::segment::futex_wait;
 use crate::shm::sync::{PairCtrl, FAST_BYTES, PAIR_CTRL_BYTES};
@@ -89,26 +90,6 @@ struct OpState {
     /// Send: offered for a direct copy (waiting for the copy, or a refusal).
     direct: bool,
     finished: bool,
-}
-
-/// The pid namespace of this process (its inode), so that a receiver never reads a pid that
-/// names another process in its own namespace.
-pub(crate) fn pid_namespace() -> u64 {
-    use std::os::unix::fs::MetadataExt;
-    static NS: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
-    *NS.get_or_init(|| std::fs::metadata("/proc/self/ns/pid").map(|m| m.ino()).unwrap_or(0))
-}
-
-/// Under Yama `ptrace_scope` 1 only ancestors may read a process's memory: let the sibling ranks
-/// do it (see `ShmConfig::cma_bytes`).
-fn allow_sibling_reads() {
-    if std::fs::read_to_string("/proc/sys/kernel/yama/ptrace_scope").is_ok_and(|v| v.trim() == "1") {
-        // SAFETY: prctl with constant arguments.
-        let rc = unsafe { libc::prctl(libc::PR_SET_PTRACER, libc::PR_SET_PTRACER_ANY, 0, 0, 0) };
-        if rc != 0 {
-            tracing::debug!("PR_SET_PTRACER failed ({}): large messages go through the mailboxes", std::io::Error::last_os_error());
-        }
-    }
 }
 
 impl P2p {
@@ -434,29 +415,6 @@ fn check_header(ch: &Channel, pc: &PairCtrl, peer: usize, me: usize, k: u64, dty
             s.op.dtype
         ),
     })
-}
-
-/// Copy `bytes` from `addr` in process `pid` into `dst` with `process_vm_readv`; false when the
-/// kernel refuses (no permission, no such process, not supported) or the copy comes up short.
-pub(crate) fn read_direct(pid: u64, addr: u64, dst: usize, bytes: usize) -> bool {
-    let mut done = 0usize;
-    while done < bytes {
-        let local = libc::iovec { iov_base: (dst + done) as *mut libc::c_void, iov_len: bytes - done };
-        let remote = libc::iovec { iov_base: (addr as usize + done) as *mut libc::c_void, iov_len: bytes - done };
-        // SAFETY: `local` is the receive buffer's unfilled tail (writable, `bytes - done` bytes);
-        // the kernel checks the remote range against the sender's mappings.
-        let n = unsafe { libc::process_vm_readv(pid as libc::pid_t, &local, 1, &remote, 1, 0) };
-        if n <= 0 {
-            let e = std::io::Error::last_os_error();
-            if n < 0 && e.raw_os_error() == Some(libc::EINTR) {
-                continue;
-            }
-            tracing::debug!("process_vm_readv from pid {pid} failed ({e}); the message goes through the mailbox");
-            return false;
-        }
-        done += n as usize;
-    }
-    true
 }
 
 /// The mailbox from `src` to `dst`: its control lines, ring and ring size.
