@@ -11,6 +11,8 @@
 //! Kernels are compiled at run time by NVRTC, so the build needs neither nvcc nor a CUDA toolkit.
 //! A declaration the parser cannot map to a parameter kind fails the build, naming the file, the
 //! kernel and the parameter.
+//!
+//! With feature `capi` it also generates the C header (`OUT_DIR/lockstep.h`, see [`c_header`]).
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -147,7 +149,60 @@ fn static_name(file: &str) -> String {
     }
 }
 
+/// Feature `capi`: generate the C header from `src/capi/mod.rs` with cbindgen (`cbindgen.toml`)
+/// into `OUT_DIR/lockstep.h`, which tests/capi.rs compares with the checked-in
+/// `include/lockstep.h`. A stale checked-in copy gets a warning here, and is rewritten
+/// (atomically) when `LOCKSTEP_UPDATE_HEADER=1`.
+#[cfg(feature = "capi")]
+fn c_header() {
+    let root = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").unwrap());
+    println!("cargo:rerun-if-changed={}", root.join("src/capi").display());
+    println!("cargo:rerun-if-changed={}", root.join("cbindgen.toml").display());
+    println!("cargo:rerun-if-env-changed=LOCKSTEP_UPDATE_HEADER");
+    let config = cbindgen::Config::from_file(root.join("cbindgen.toml")).unwrap_or_else(|e| panic!("cbindgen.toml: {e}"));
+    let bindings = cbindgen::Builder::new()
+        .with_config(config)
+        .with_src(root.join("src/capi/mod.rs"))
+        .generate()
+        .unwrap_or_else(|e| panic!("cbindgen could not generate the C header from src/capi/mod.rs: {e}"));
+    let mut text = Vec::new();
+    bindings.write(&mut text);
+    let out = PathBuf::from(std::env::var("OUT_DIR").unwrap()).join("lockstep.h");
+    std::fs::write(&out, &text).unwrap_or_else(|e| panic!("write {}: {e}", out.display()));
+    let checked_in = root.join("include").join("lockstep.h");
+    if std::fs::read(&checked_in).ok().as_deref() == Some(&text[..]) {
+        return;
+    }
+    if std::env::var("LOCKSTEP_UPDATE_HEADER").as_deref() == Ok("1") {
+        write_atomically(&checked_in, &text).unwrap_or_else(|e| panic!("update {}: {e}", checked_in.display()));
+    } else {
+        println!(
+            "cargo:warning=include/lockstep.h differs from what src/capi generates ({}): regenerate it with LOCKSTEP_UPDATE_HEADER=1 cargo build --release",
+            out.display()
+        );
+    }
+}
+
+/// Replace `path` with `bytes`: a fresh temporary file beside it (create_new: O_CREAT|O_EXCL,
+/// which also refuses a symbolic link there), synced, renamed over `path`, directory synced.
+#[cfg(feature = "capi")]
+fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    use std::io::Write as _;
+    let dir = path.parent().expect("a file path has a parent");
+    std::fs::create_dir_all(dir)?;
+    let tmp = dir.join(format!(".{}.tmp.{}", path.file_name().unwrap().to_string_lossy(), std::process::id()));
+    let mut f = std::fs::OpenOptions::new().write(true).create_new(true).open(&tmp)?;
+    let done = f.write_all(bytes).and_then(|()| f.sync_all()).and_then(|()| std::fs::rename(&tmp, path));
+    if done.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    done?;
+    std::fs::File::open(dir)?.sync_all()
+}
+
 fn main() {
+    #[cfg(feature = "capi")]
+    c_header();
     let dir = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").unwrap()).join("kernels");
     // Re-run when a file is added or removed, and when any file changes.
     println!("cargo:rerun-if-changed={}", dir.display());

@@ -1,0 +1,469 @@
+//! The C ABI (feature `capi`): `liblockstep.so` with `include/lockstep.h`, shaped like NCCL's
+//! `nccl.h` one for one with `lockstep` in place of `nccl`: the same functions, argument order and
+//! numeric values of data types, reduction operators and result codes, so C code written for NCCL
+//! ports by renaming. `lockstepCommInitFromEnv` (join the job a launcher started) and
+//! `lockstepBarrier` have no NCCL twin.
+//!
+//! The header is generated from this file by cbindgen (build.rs, with `cbindgen.toml`); the doc
+//! comments of the items below are the header's documentation. tests/capi.rs fails when the
+//! checked-in `include/lockstep.h` differs from what this file generates; regenerate it with
+//! `LOCKSTEP_UPDATE_HEADER=1 cargo build --release`.
+//!
+//! How the boundary is kept:
+//! * No panic crosses it: every entry point runs under `catch_unwind` and maps a panic to
+//!   `lockstepInternalError` (see `handle::guard`).
+//! * A communicator handle is a key into a registry of live communicators, never dereferenced:
+//!   a NULL, destroyed or made-up handle is `lockstepInvalidArgument`, not undefined behaviour.
+//! * Enum arguments arrive as plain `int`s (typed as the enum in the header, through cbindgen's
+//!   rename) and are checked, so a value outside the enum is `lockstepInvalidArgument`.
+//! * Buffers are passed to the communicator as raw memory descriptors (`exec::RawBuf`), never as
+//!   Rust references, so `sendbuff == recvbuff` (NCCL's in-place form) aliases nothing.
+
+// The exported names are NCCL's C names.
+#![allow(non_camel_case_types, non_snake_case, non_upper_case_globals)]
+// Every unsafe operation sits in its own block with its own `// SAFETY:` line, also inside the
+// `unsafe extern "C"` functions.
+#![deny(unsafe_op_in_unsafe_fn)]
+
+mod exec;
+mod handle;
+mod id;
+mod types;
+
+use std::ffi::{c_char, c_int, c_void};
+
+use exec::Op;
+use handle::{guard, guard_comm, out_ptr, Failure};
+
+pub use handle::{lockstepComm, lockstepComm_t};
+pub use types::{
+    lockstepChar, lockstepDataType_t, lockstepDouble, lockstepFloat, lockstepHalf, lockstepInt, lockstepRedOp_t, lockstepResult_t,
+    lockstepUniqueId, DataTypeArg, RedOpArg, ResultArg, LOCKSTEP_SPLIT_NOCOLOR, LOCKSTEP_UNIQUE_ID_BYTES,
+};
+
+/// The library version as `MAJOR * 10000 + MINOR * 100 + PATCH` (NCCL's encoding) in `*version`.
+///
+/// Thread safety: any thread, any time.
+///
+/// # Safety
+/// `version` is NULL (lockstepInvalidArgument) or valid for writing an int.
+#[no_mangle]
+pub unsafe extern "C" fn lockstepGetVersion(version: *mut c_int) -> lockstepResult_t {
+    guard("lockstepGetVersion", || {
+        // SAFETY: the caller passes NULL (refused by out_ptr) or a pointer valid for an int write.
+        let out = unsafe { out_ptr(version, "version") }?;
+        *out = handle::VERSION_CODE;
+        Ok(())
+    })
+}
+
+/// Make a new unique id (a fresh random job id and this host's identity) in `*uniqueId`. Call it
+/// on one rank and pass the id to every rank's lockstepCommInitRank. Each call gives a new id: a
+/// job needs exactly one.
+///
+/// Thread safety: any thread, any time.
+///
+/// # Safety
+/// `uniqueId` is NULL (lockstepInvalidArgument) or valid for writing a lockstepUniqueId.
+#[no_mangle]
+pub unsafe extern "C" fn lockstepGetUniqueId(uniqueId: *mut lockstepUniqueId) -> lockstepResult_t {
+    guard("lockstepGetUniqueId", || {
+        let made = id::make()?;
+        // SAFETY: the caller passes NULL (refused by out_ptr) or a pointer valid for the write.
+        let out = unsafe { out_ptr(uniqueId, "uniqueId") }?;
+        *out = made;
+        Ok(())
+    })
+}
+
+/// Join the job of `commId` as rank `rank` of `nranks` (`0 <= rank < nranks`) and store the new
+/// communicator in `*comm`. Blocks until all `nranks` ranks have joined (at most
+/// LOCKSTEP_JOIN_TIMEOUT_S, default 60 s). The ranks meet in a shared-memory segment named after
+/// the id's job id, so they must run on the host the id was made on; they use the shared-memory
+/// backend on host buffers (pass stream = NULL). Settings come from the LOCKSTEP_SHM_* variables.
+///
+/// Thread safety: any thread; the ranks of one job may be threads of one process only if each
+/// joins from its own thread (the call blocks until all have joined).
+///
+/// # Safety
+/// `comm` is NULL (lockstepInvalidArgument) or valid for writing a lockstepComm_t.
+#[no_mangle]
+pub unsafe extern "C" fn lockstepCommInitRank(
+    comm: *mut lockstepComm_t,
+    nranks: c_int,
+    commId: lockstepUniqueId,
+    rank: c_int,
+) -> lockstepResult_t {
+    guard("lockstepCommInitRank", || {
+        // SAFETY: the caller passes NULL (refused by out_ptr) or a pointer valid for the write.
+        let out = unsafe { out_ptr(comm, "comm") }?;
+        *out = std::ptr::null_mut();
+        let made = id::init_rank(&commId, nranks, rank)?;
+        *out = handle::register(made);
+        Ok(())
+    })
+}
+
+/// Join the job the launcher started this process in (`lockstep launch`, torchrun, mpirun,
+/// srun: the same rules as lockstep's `Communicator::from_env`) and store the new communicator in
+/// `*comm`. Blocks until every rank has joined. With LOCKSTEP_BACKEND=nccl the communicator runs
+/// NCCL on device buffers (pass a CUDA stream); otherwise the shared-memory backend on host
+/// buffers (pass stream = NULL). No NCCL twin.
+///
+/// Thread safety: any thread; one call per process and job.
+///
+/// # Safety
+/// `comm` is NULL (lockstepInvalidArgument) or valid for writing a lockstepComm_t.
+#[no_mangle]
+pub unsafe extern "C" fn lockstepCommInitFromEnv(comm: *mut lockstepComm_t) -> lockstepResult_t {
+    guard("lockstepCommInitFromEnv", || {
+        // SAFETY: the caller passes NULL (refused by out_ptr) or a pointer valid for the write.
+        let out = unsafe { out_ptr(comm, "comm") }?;
+        *out = std::ptr::null_mut();
+        let made = crate::comm::Communicator::from_env().map_err(Failure::from)?;
+        *out = handle::register(made);
+        Ok(())
+    })
+}
+
+/// Wait for the communicator's pending work (none on host communicators), leave it and free it.
+/// Local: the other ranks are not waited for; a rank still in a call with this one fails at once
+/// with lockstepRemoteError ("left the communicator"). The handle is invalid afterwards (a later
+/// call with it returns lockstepInvalidArgument); operations recorded for it in an open group
+/// fail at lockstepGroupEnd.
+///
+/// Thread safety: any thread; a call running on `comm` in another thread finishes first.
+#[no_mangle]
+pub extern "C" fn lockstepCommDestroy(comm: lockstepComm_t) -> lockstepResult_t {
+    guard("lockstepCommDestroy", || handle::destroy(comm, true))
+}
+
+/// Leave and free the communicator at once, without waiting for pending device work. Otherwise
+/// as lockstepCommDestroy.
+///
+/// Thread safety: as lockstepCommDestroy.
+#[no_mangle]
+pub extern "C" fn lockstepCommAbort(comm: lockstepComm_t) -> lockstepResult_t {
+    guard("lockstepCommAbort", || handle::destroy(comm, false))
+}
+
+/// Split `comm` into sub-communicators: the ranks passing the same `color` (>= 0) form one, ranked
+/// by `key` (ties by rank in `comm`); a rank passing LOCKSTEP_SPLIT_NOCOLOR gets `*newcomm = NULL`.
+/// Collective over `comm`: every rank calls it. `config` is reserved: pass NULL.
+///
+/// Not available yet: returns lockstepInvalidUsage (see lockstepGetLastError) and sets
+/// `*newcomm = NULL`.
+///
+/// Thread safety: as the collectives.
+///
+/// # Safety
+/// `newcomm` is NULL (lockstepInvalidArgument) or valid for writing a lockstepComm_t.
+#[no_mangle]
+pub unsafe extern "C" fn lockstepCommSplit(
+    comm: lockstepComm_t,
+    color: c_int,
+    key: c_int,
+    newcomm: *mut lockstepComm_t,
+    config: *mut c_void,
+) -> lockstepResult_t {
+    guard_comm("lockstepCommSplit", comm, |h| {
+        // SAFETY: the caller passes NULL (refused by out_ptr) or a pointer valid for the write.
+        let out = unsafe { out_ptr(newcomm, "newcomm") }?;
+        *out = std::ptr::null_mut();
+        if !config.is_null() {
+            return Err(Failure::invalid_argument("config must be NULL: lockstep has no communicator configuration yet"));
+        }
+        if color < LOCKSTEP_SPLIT_NOCOLOR {
+            return Err(Failure::invalid_argument(format!(
+                "color {color} is negative: pass a color >= 0, or LOCKSTEP_SPLIT_NOCOLOR (-1) to join no new communicator"
+            )));
+        }
+        let _ = (h, key);
+        // TODO(split): sub-communicators are being added as
+        // `Communicator::split(color: Option<u32>, key: i64) -> Result<Option<Communicator>, CommError>`.
+        // Once it lands: lock `h`, call it with `(color >= 0).then_some(color as u32)` and
+        // `key as i64`, and store `handle::register(sub)` (or NULL for None) in `*out`.
+        Err(Failure::invalid_usage(
+            "lockstepCommSplit is not available yet: lockstep's communicators cannot be split in this version; create a separate communicator per group with lockstepCommInitRank",
+        ))
+    })
+}
+
+/// The number of ranks of `comm` in `*count`.
+///
+/// Thread safety: any thread, any time (does not wait for running calls).
+///
+/// # Safety
+/// `count` is NULL (lockstepInvalidArgument) or valid for writing an int.
+#[no_mangle]
+pub unsafe extern "C" fn lockstepCommCount(comm: lockstepComm_t, count: *mut c_int) -> lockstepResult_t {
+    guard_comm("lockstepCommCount", comm, |h| {
+        // SAFETY: the caller passes NULL (refused by out_ptr) or a pointer valid for an int write.
+        let out = unsafe { out_ptr(count, "count") }?;
+        *out = h.world() as c_int;
+        Ok(())
+    })
+}
+
+/// This process's rank in `comm` in `*rank`.
+///
+/// Thread safety: any thread, any time (does not wait for running calls).
+///
+/// # Safety
+/// `rank` is NULL (lockstepInvalidArgument) or valid for writing an int.
+#[no_mangle]
+pub unsafe extern "C" fn lockstepCommUserRank(comm: lockstepComm_t, rank: *mut c_int) -> lockstepResult_t {
+    guard_comm("lockstepCommUserRank", comm, |h| {
+        // SAFETY: the caller passes NULL (refused by out_ptr) or a pointer valid for an int write.
+        let out = unsafe { out_ptr(rank, "rank") }?;
+        *out = h.rank() as c_int;
+        Ok(())
+    })
+}
+
+/// Whether `comm` has failed for good, in `*asyncError`: lockstepSuccess while it works, otherwise
+/// the code of the failure that broke it (lockstepRemoteError when a peer died, timed out or
+/// aborted; lockstepInternalError after a caught panic). Calls complete before they return, so
+/// lockstepInProgress is never reported. Once broken, every call on `comm` fails: destroy it.
+///
+/// Thread safety: any thread, any time (does not wait for running calls).
+///
+/// # Safety
+/// `asyncError` is NULL (lockstepInvalidArgument) or valid for writing a lockstepResult_t.
+#[no_mangle]
+pub unsafe extern "C" fn lockstepCommGetAsyncError(comm: lockstepComm_t, asyncError: *mut lockstepResult_t) -> lockstepResult_t {
+    guard_comm("lockstepCommGetAsyncError", comm, |h| {
+        // SAFETY: the caller passes NULL (refused by out_ptr) or a pointer valid for the write.
+        let out = unsafe { out_ptr(asyncError, "asyncError") }?;
+        *out = h.async_error();
+        Ok(())
+    })
+}
+
+/// A static, NUL-terminated description of `result` ("unknown result code" for a value outside
+/// the enum).
+///
+/// Thread safety: any thread, any time.
+#[no_mangle]
+pub extern "C" fn lockstepGetErrorString(result: ResultArg) -> *const c_char {
+    handle::error_string(result).as_ptr()
+}
+
+/// The message of the last failed call: on `comm` (the last call on it that failed), or with
+/// `comm = NULL` the last failed call of this thread, whatever its communicator. It says what went
+/// wrong and what to do next. "" when there was none; an unknown `comm` gives a message saying so.
+/// The string is a copy owned by the calling thread, one per `comm` argument: valid until this
+/// thread calls lockstepGetLastError with the same `comm` again and the message has changed.
+///
+/// Thread safety: any thread, any time.
+#[no_mangle]
+pub extern "C" fn lockstepGetLastError(comm: lockstepComm_t) -> *const c_char {
+    handle::last_error(comm)
+}
+
+/// Element-wise reduction of every rank's `sendbuff` (`count` elements) into every rank's
+/// `recvbuff`. In place when `sendbuff == recvbuff`.
+///
+/// Thread safety: calls on one communicator are serialised (a lock); every rank must issue the
+/// same collectives in the same order, so use a communicator from one thread at a time.
+///
+/// # Safety
+/// The buffers are valid for `count` elements of `datatype` (read, respectively written) until
+/// the call returns, aligned for it, and do not overlap unless equal. Host memory when `stream`
+/// is NULL; device memory of the communicator's GPU when it is a CUDA stream (`cudaStream_t`).
+#[no_mangle]
+pub unsafe extern "C" fn lockstepAllReduce(
+    sendbuff: *const c_void,
+    recvbuff: *mut c_void,
+    count: usize,
+    datatype: DataTypeArg,
+    op: RedOpArg,
+    comm: lockstepComm_t,
+    stream: *mut c_void,
+) -> lockstepResult_t {
+    exec::submit(
+        "lockstepAllReduce",
+        comm,
+        stream,
+        Op::AllReduce { send: sendbuff as usize, recv: recvbuff as usize, count, dtype: datatype, op },
+    )
+}
+
+/// Copy `count` elements of `sendbuff` on rank `root` into `recvbuff` on every rank. `sendbuff` is
+/// read on the root only (other ranks may pass NULL). In place when `sendbuff == recvbuff`.
+///
+/// Thread safety: as lockstepAllReduce.
+///
+/// # Safety
+/// As lockstepAllReduce (`sendbuff` on the root only).
+#[no_mangle]
+pub unsafe extern "C" fn lockstepBroadcast(
+    sendbuff: *const c_void,
+    recvbuff: *mut c_void,
+    count: usize,
+    datatype: DataTypeArg,
+    root: c_int,
+    comm: lockstepComm_t,
+    stream: *mut c_void,
+) -> lockstepResult_t {
+    exec::submit(
+        "lockstepBroadcast",
+        comm,
+        stream,
+        Op::Broadcast { send: sendbuff as usize, recv: recvbuff as usize, count, dtype: datatype, root },
+    )
+}
+
+/// Reduce every rank's `sendbuff` (`count` elements) into `recvbuff` on rank `root`. `recvbuff`
+/// is written on the root only (other ranks may pass NULL). In place when `sendbuff == recvbuff`.
+///
+/// Thread safety: as lockstepAllReduce.
+///
+/// # Safety
+/// As lockstepAllReduce (`recvbuff` on the root only).
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn lockstepReduce(
+    sendbuff: *const c_void,
+    recvbuff: *mut c_void,
+    count: usize,
+    datatype: DataTypeArg,
+    op: RedOpArg,
+    root: c_int,
+    comm: lockstepComm_t,
+    stream: *mut c_void,
+) -> lockstepResult_t {
+    exec::submit(
+        "lockstepReduce",
+        comm,
+        stream,
+        Op::Reduce { send: sendbuff as usize, recv: recvbuff as usize, count, dtype: datatype, op, root },
+    )
+}
+
+/// Gather every rank's `sendbuff` (`sendcount` elements) into every rank's `recvbuff`
+/// (`nranks * sendcount` elements), in rank order. In place when
+/// `sendbuff == recvbuff + rank * sendcount` elements.
+///
+/// Thread safety: as lockstepAllReduce.
+///
+/// # Safety
+/// As lockstepAllReduce, with `recvbuff` valid for `nranks * sendcount` elements.
+#[no_mangle]
+pub unsafe extern "C" fn lockstepAllGather(
+    sendbuff: *const c_void,
+    recvbuff: *mut c_void,
+    sendcount: usize,
+    datatype: DataTypeArg,
+    comm: lockstepComm_t,
+    stream: *mut c_void,
+) -> lockstepResult_t {
+    exec::submit(
+        "lockstepAllGather",
+        comm,
+        stream,
+        Op::AllGather { send: sendbuff as usize, recv: recvbuff as usize, count: sendcount, dtype: datatype },
+    )
+}
+
+/// Reduce every rank's `sendbuff` (`nranks * recvcount` elements) and leave block `rank` of the
+/// result (`recvcount` elements) in `recvbuff`. In place when
+/// `recvbuff == sendbuff + rank * recvcount` elements.
+///
+/// Thread safety: as lockstepAllReduce.
+///
+/// # Safety
+/// As lockstepAllReduce, with `sendbuff` valid for `nranks * recvcount` elements.
+#[no_mangle]
+pub unsafe extern "C" fn lockstepReduceScatter(
+    sendbuff: *const c_void,
+    recvbuff: *mut c_void,
+    recvcount: usize,
+    datatype: DataTypeArg,
+    op: RedOpArg,
+    comm: lockstepComm_t,
+    stream: *mut c_void,
+) -> lockstepResult_t {
+    exec::submit(
+        "lockstepReduceScatter",
+        comm,
+        stream,
+        Op::ReduceScatter { send: sendbuff as usize, recv: recvbuff as usize, count: recvcount, dtype: datatype, op },
+    )
+}
+
+/// Send `count` elements of `sendbuff` to rank `peer`, matched by that rank's next lockstepRecv
+/// from this rank (same count and type). Outside a group it blocks until `peer` has posted the
+/// matching receive and taken the data, so two ranks that send to each other first must put their
+/// sends and receives in one lockstepGroupStart/lockstepGroupEnd. Sending to oneself needs a group
+/// with the matching receive.
+///
+/// Thread safety: as lockstepAllReduce.
+///
+/// # Safety
+/// `sendbuff` is valid for reading `count` elements of `datatype`, aligned for it, until the
+/// call returns (inside a group: until lockstepGroupEnd returns).
+#[no_mangle]
+pub unsafe extern "C" fn lockstepSend(
+    sendbuff: *const c_void,
+    count: usize,
+    datatype: DataTypeArg,
+    peer: c_int,
+    comm: lockstepComm_t,
+    stream: *mut c_void,
+) -> lockstepResult_t {
+    exec::submit("lockstepSend", comm, stream, Op::Send { buf: sendbuff as usize, count, dtype: datatype, peer })
+}
+
+/// Receive `count` elements from rank `peer` into `recvbuff` (see lockstepSend).
+///
+/// Thread safety: as lockstepAllReduce.
+///
+/// # Safety
+/// `recvbuff` is valid for writing `count` elements of `datatype`, aligned for it, until the call
+/// returns (inside a group: until lockstepGroupEnd returns).
+#[no_mangle]
+pub unsafe extern "C" fn lockstepRecv(
+    recvbuff: *mut c_void,
+    count: usize,
+    datatype: DataTypeArg,
+    peer: c_int,
+    comm: lockstepComm_t,
+    stream: *mut c_void,
+) -> lockstepResult_t {
+    exec::submit("lockstepRecv", comm, stream, Op::Recv { buf: recvbuff as usize, count, dtype: datatype, peer })
+}
+
+/// Start a group: until the matching lockstepGroupEnd, this thread's calls on communicators
+/// (collectives, sends, receives) are recorded, not run; they return lockstepSuccess once their
+/// communicator is known to be valid, and their other errors come from lockstepGroupEnd. Groups
+/// nest: only the outermost lockstepGroupEnd runs them.
+///
+/// Thread safety: the group belongs to the calling thread.
+#[no_mangle]
+pub extern "C" fn lockstepGroupStart() -> lockstepResult_t {
+    guard("lockstepGroupStart", exec::group_start)
+}
+
+/// End a group; the outermost one runs the recorded calls in the order they were made, each run
+/// of consecutive sends and receives on one communicator together (so a ring exchange, where every
+/// rank sends before it receives, completes), and returns the first failure (each communicator's
+/// lockstepGetLastError has its own). Calls on different communicators run one after another.
+/// lockstepInvalidUsage without a matching lockstepGroupStart.
+///
+/// Thread safety: the group belongs to the calling thread.
+#[no_mangle]
+pub extern "C" fn lockstepGroupEnd() -> lockstepResult_t {
+    guard("lockstepGroupEnd", exec::group_end)
+}
+
+/// Wait until every rank of `comm` has called lockstepBarrier. No NCCL twin.
+///
+/// Thread safety: as lockstepAllReduce.
+///
+/// # Safety
+/// `stream` is NULL or a live CUDA stream (device communicators).
+#[no_mangle]
+pub unsafe extern "C" fn lockstepBarrier(comm: lockstepComm_t, stream: *mut c_void) -> lockstepResult_t {
+    exec::submit("lockstepBarrier", comm, stream, Op::Barrier)
+}

@@ -1,0 +1,419 @@
+/*
+ * The C ABI of liblockstep.so, through include/lockstep.h: every collective with checked values,
+ * every data type and reduction operator, NCCL's in-place forms, send/recv in a group (a ring
+ * exchange, where every rank sends first) and outside one, split, and the error paths (mismatched
+ * counts across ranks, bad arguments, a stream on a host communicator), each with its code and
+ * lockstepGetLastError's message.
+ *
+ *   capi_test env      under `lockstep launch`: lockstepCommInitFromEnv
+ *   capi_test uid N    forks N ranks that join through lockstepGetUniqueId/lockstepCommInitRank
+ *
+ * Each rank prints "rank R of N: all checks passed" (and what the driver, tests/capi.rs, looks
+ * for); the first failed check prints what was expected and exits 1. Built and run by
+ * tests/capi.rs.
+ */
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "lockstep.h"
+
+static int g_rank = -1;
+
+#define CHECK(cond, ...)                                                                      \
+    do {                                                                                      \
+        if (!(cond)) {                                                                        \
+            fprintf(stderr, "rank %d: %s:%d: check failed: %s: ", g_rank, __FILE__, __LINE__, \
+                    #cond);                                                                   \
+            fprintf(stderr, __VA_ARGS__);                                                     \
+            fprintf(stderr, "\n");                                                            \
+            exit(1);                                                                          \
+        }                                                                                     \
+    } while (0)
+
+/* A call that must succeed; on failure, its code and message. */
+#define OK(call)                                                                              \
+    do {                                                                                      \
+        lockstepResult_t r_ = (call);                                                         \
+        CHECK(r_ == lockstepSuccess, "%s returned %d (%s): %s", #call, (int)r_,               \
+              lockstepGetErrorString(r_), lockstepGetLastError(NULL));                        \
+    } while (0)
+
+static size_t type_size(lockstepDataType_t t) {
+    switch (t) {
+    case lockstepInt8: case lockstepUint8: return 1;
+    case lockstepFloat16: case lockstepBfloat16: return 2;
+    case lockstepInt32: case lockstepUint32: case lockstepFloat32: return 4;
+    default: return 8;
+    }
+}
+
+/* Small non-negative integers (0..15) as half and bfloat16 bit patterns. */
+static const uint16_t HALF[16] = {0x0000, 0x3C00, 0x4000, 0x4200, 0x4400, 0x4500, 0x4600, 0x4700,
+                                  0x4800, 0x4880, 0x4900, 0x4980, 0x4A00, 0x4A80, 0x4B00, 0x4B80};
+static const uint16_t BF16[16] = {0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
+                                  0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
+
+/* buf[i] = v (v small and non-negative for the 16-bit floats). */
+static void put(lockstepDataType_t t, void *buf, size_t i, int64_t v) {
+    switch (t) {
+    case lockstepInt8: ((int8_t *)buf)[i] = (int8_t)v; break;
+    case lockstepUint8: ((uint8_t *)buf)[i] = (uint8_t)v; break;
+    case lockstepInt32: ((int32_t *)buf)[i] = (int32_t)v; break;
+    case lockstepUint32: ((uint32_t *)buf)[i] = (uint32_t)v; break;
+    case lockstepInt64: ((int64_t *)buf)[i] = v; break;
+    case lockstepUint64: ((uint64_t *)buf)[i] = (uint64_t)v; break;
+    case lockstepFloat16: ((uint16_t *)buf)[i] = HALF[v]; break;
+    case lockstepFloat32: ((float *)buf)[i] = (float)v; break;
+    case lockstepFloat64: ((double *)buf)[i] = (double)v; break;
+    case lockstepBfloat16: ((uint16_t *)buf)[i] = BF16[v]; break;
+    default: CHECK(0, "bad type %d", (int)t);
+    }
+}
+
+/* buf[i] as an integer (-1 for a 16-bit float that is not a small integer). */
+static int64_t get(lockstepDataType_t t, const void *buf, size_t i) {
+    switch (t) {
+    case lockstepInt8: return ((const int8_t *)buf)[i];
+    case lockstepUint8: return ((const uint8_t *)buf)[i];
+    case lockstepInt32: return ((const int32_t *)buf)[i];
+    case lockstepUint32: return ((const uint32_t *)buf)[i];
+    case lockstepInt64: return ((const int64_t *)buf)[i];
+    case lockstepUint64: return (int64_t)((const uint64_t *)buf)[i];
+    case lockstepFloat32: return (int64_t)((const float *)buf)[i];
+    case lockstepFloat64: return (int64_t)((const double *)buf)[i];
+    case lockstepFloat16:
+    case lockstepBfloat16: {
+        const uint16_t *table = t == lockstepFloat16 ? HALF : BF16;
+        for (int64_t v = 0; v < 16; v++)
+            if (table[v] == ((const uint16_t *)buf)[i]) return v;
+        return -1;
+    }
+    default: CHECK(0, "bad type %d", (int)t); return 0;
+    }
+}
+
+static void *alloc(size_t n, lockstepDataType_t t) {
+    void *p = calloc(n ? n : 1, type_size(t));
+    CHECK(p != NULL, "out of memory");
+    return p;
+}
+
+/* Element i of rank r's input: small, so that every result fits every type exactly. */
+static int64_t val(int r, size_t i) { return (int64_t)(r + 1 + (int)(i % 3)); }
+
+static void all_reduce_every_type(lockstepComm_t comm, int n) {
+    const size_t count = 1000;
+    for (int t = 0; t < lockstepNumTypes; t++) {
+        void *s = alloc(count, t), *d = alloc(count, t);
+        for (size_t i = 0; i < count; i++) put(t, s, i, val(g_rank, i));
+        OK(lockstepAllReduce(s, d, count, t, lockstepSum, comm, NULL));
+        for (size_t i = 0; i < count; i++) {
+            int64_t want = 0;
+            for (int r = 0; r < n; r++) want += val(r, i);
+            CHECK(get(t, d, i) == want, "all-reduce sum, type %d, element %zu: got %lld, want %lld", t,
+                  i, (long long)get(t, d, i), (long long)want);
+        }
+        free(s);
+        free(d);
+    }
+}
+
+static void all_reduce_every_op(lockstepComm_t comm, int n) {
+    const size_t count = 257;
+    int64_t sum = 0, prod = 1, max = 0, min = 1000;
+    for (int r = 0; r < n; r++) {
+        int64_t v = r + 2;
+        sum += v, prod *= v, max = v > max ? v : max, min = v < min ? v : min;
+    }
+    const int64_t want[5] = {sum, prod, max, min, sum / n};
+    for (int op = 0; op < lockstepNumOps; op++) {
+        int32_t *s = alloc(count, lockstepInt32), *d = alloc(count, lockstepInt32);
+        double *f = alloc(count, lockstepFloat64);
+        for (size_t i = 0; i < count; i++) s[i] = g_rank + 2, f[i] = g_rank + 2;
+        OK(lockstepAllReduce(s, d, count, lockstepInt32, op, comm, NULL));
+        /* In place on float64: sendbuff == recvbuff. */
+        OK(lockstepAllReduce(f, f, count, lockstepFloat64, op, comm, NULL));
+        double fwant = op == lockstepAvg ? (double)sum / n : (double)want[op];
+        for (size_t i = 0; i < count; i++) {
+            CHECK(d[i] == want[op], "all-reduce op %d element %zu: got %d, want %lld", op, i, d[i],
+                  (long long)want[op]);
+            CHECK(f[i] == fwant, "in-place all-reduce op %d element %zu: got %g, want %g", op, i,
+                  f[i], fwant);
+        }
+        free(s);
+        free(d);
+        free(f);
+    }
+}
+
+static void broadcast(lockstepComm_t comm, int n) {
+    const size_t count = 100000;
+    const int root = n - 1;
+    float *s = alloc(count, lockstepFloat32), *d = alloc(count, lockstepFloat32);
+    for (size_t i = 0; i < count; i++) s[i] = (float)(g_rank * 1000 + (int)(i % 1000)), d[i] = -1;
+    /* Out of place; sendbuff is read on the root only, so the others pass NULL. */
+    OK(lockstepBroadcast(g_rank == root ? s : NULL, d, count, lockstepFloat32, root, comm, NULL));
+    for (size_t i = 0; i < count; i++)
+        CHECK(d[i] == (float)(root * 1000 + (int)(i % 1000)), "broadcast element %zu: got %g", i, d[i]);
+    /* In place from rank 0. */
+    OK(lockstepBroadcast(s, s, count, lockstepFloat32, 0, comm, NULL));
+    for (size_t i = 0; i < count; i++)
+        CHECK(s[i] == (float)(i % 1000), "in-place broadcast element %zu: got %g", i, s[i]);
+    free(s);
+    free(d);
+}
+
+static void reduce(lockstepComm_t comm, int n) {
+    const size_t count = 4099;
+    const int root = 1 % n;
+    int64_t *s = alloc(count, lockstepInt64), *d = alloc(count, lockstepInt64);
+    for (size_t i = 0; i < count; i++) s[i] = val(g_rank, i), d[i] = -7;
+    /* Out of place; recvbuff is written on the root only, so the others pass NULL. */
+    OK(lockstepReduce(s, g_rank == root ? d : NULL, count, lockstepInt64, lockstepSum, root, comm, NULL));
+    for (size_t i = 0; i < count && g_rank == root; i++) {
+        int64_t want = 0;
+        for (int r = 0; r < n; r++) want += val(r, i);
+        CHECK(d[i] == want, "reduce element %zu: got %lld, want %lld", i, (long long)d[i], (long long)want);
+    }
+    for (size_t i = 0; i < count && g_rank != root; i++) CHECK(d[i] == -7, "reduce wrote a non-root's buffer");
+    /* In place, max to rank 0. */
+    OK(lockstepReduce(s, s, count, lockstepInt64, lockstepMax, 0, comm, NULL));
+    for (size_t i = 0; i < count; i++) {
+        int64_t want = g_rank == 0 ? val(n - 1, i) : val(g_rank, i);
+        CHECK(s[i] == want, "in-place reduce element %zu: got %lld, want %lld", i, (long long)s[i], (long long)want);
+    }
+    free(s);
+    free(d);
+}
+
+static void all_gather(lockstepComm_t comm, int n) {
+    const size_t count = 3001;
+    uint32_t *s = alloc(count, lockstepUint32), *d = alloc(count * n, lockstepUint32);
+    for (size_t i = 0; i < count; i++) s[i] = (uint32_t)(g_rank * 100000 + i);
+    OK(lockstepAllGather(s, d, count, lockstepUint32, comm, NULL));
+    for (int r = 0; r < n; r++)
+        for (size_t i = 0; i < count; i++)
+            CHECK(d[r * count + i] == (uint32_t)(r * 100000 + i), "all-gather block %d element %zu: got %u", r, i, d[r * count + i]);
+    /* In place: this rank's block already sits at recvbuff + rank * sendcount. */
+    memset(d, 0, count * n * sizeof *d);
+    memcpy(d + g_rank * count, s, count * sizeof *s);
+    OK(lockstepAllGather(d + g_rank * count, d, count, lockstepUint32, comm, NULL));
+    for (int r = 0; r < n; r++)
+        for (size_t i = 0; i < count; i++)
+            CHECK(d[r * count + i] == (uint32_t)(r * 100000 + i), "in-place all-gather block %d element %zu", r, i);
+    free(s);
+    free(d);
+}
+
+static void reduce_scatter(lockstepComm_t comm, int n) {
+    const size_t count = 2500;
+    float *s = alloc(count * n, lockstepFloat32), *d = alloc(count, lockstepFloat32);
+    for (size_t i = 0; i < count * n; i++) s[i] = (float)(g_rank + 1) * (float)(i % 50);
+    OK(lockstepReduceScatter(s, d, count, lockstepFloat32, lockstepSum, comm, NULL));
+    const float ranks = (float)(n * (n + 1) / 2);
+    for (size_t i = 0; i < count; i++) {
+        float want = ranks * (float)((g_rank * count + i) % 50);
+        CHECK(d[i] == want, "reduce-scatter element %zu: got %g, want %g", i, d[i], want);
+    }
+    /* In place: the result block lands at sendbuff + rank * recvcount. */
+    OK(lockstepReduceScatter(s, s + g_rank * count, count, lockstepFloat32, lockstepSum, comm, NULL));
+    for (size_t i = 0; i < count; i++)
+        CHECK(s[g_rank * count + i] == d[i], "in-place reduce-scatter element %zu: got %g, want %g", i, s[g_rank * count + i], d[i]);
+    free(s);
+    free(d);
+}
+
+static void send_recv(lockstepComm_t comm, int n) {
+    /* Ring exchange in a group: every rank sends to the next before it receives from the
+       previous one, which completes only because the group posts them together. Large enough
+       to stream through the mailboxes. */
+    const size_t count = 1 << 18;
+    const int next = (g_rank + 1) % n, prev = (g_rank + n - 1) % n;
+    int32_t *s = alloc(count, lockstepInt32), *d = alloc(count, lockstepInt32);
+    int32_t self_s = 1000 + g_rank, self_d = -1;
+    for (size_t i = 0; i < count; i++) s[i] = (int32_t)(g_rank * 7 + i), d[i] = -1;
+    OK(lockstepGroupStart());
+    OK(lockstepSend(s, count, lockstepInt32, next, comm, NULL));
+    OK(lockstepRecv(d, count, lockstepInt32, prev, comm, NULL));
+    /* Nested group, and a message to oneself, which completes inside the group. */
+    OK(lockstepGroupStart());
+    OK(lockstepSend(&self_s, 1, lockstepInt32, g_rank, comm, NULL));
+    OK(lockstepRecv(&self_d, 1, lockstepInt32, g_rank, comm, NULL));
+    OK(lockstepGroupEnd());
+    CHECK(d[0] == -1, "a send/recv ran before the outermost lockstepGroupEnd");
+    OK(lockstepGroupEnd());
+    for (size_t i = 0; i < count; i++)
+        CHECK(d[i] == (int32_t)(prev * 7 + i), "ring element %zu from rank %d: got %d", i, prev, d[i]);
+    CHECK(self_d == 1000 + g_rank, "send to self: got %d", self_d);
+    /* Outside a group: a blocking send from rank 0, received by rank n-1. */
+    if (n > 1) {
+        double x = 3.25 + g_rank;
+        if (g_rank == 0) OK(lockstepSend(&x, 1, lockstepFloat64, n - 1, comm, NULL));
+        if (g_rank == n - 1) {
+            OK(lockstepRecv(&x, 1, lockstepFloat64, 0, comm, NULL));
+            CHECK(x == 3.25, "blocking send/recv: got %g", x);
+        }
+    }
+    free(s);
+    free(d);
+}
+
+static void split(lockstepComm_t comm, int n) {
+    lockstepComm_t sub = (lockstepComm_t)1;
+    lockstepResult_t r = lockstepCommSplit(comm, g_rank % 2, -g_rank, &sub, NULL);
+    if (r == lockstepSuccess) {
+        /* Ranks of one parity, ordered by key (descending rank). */
+        int count = 0, me = -1, members = (n + 1 - g_rank % 2) / 2;
+        OK(lockstepCommCount(sub, &count));
+        OK(lockstepCommUserRank(sub, &me));
+        CHECK(count == members, "split: %d ranks, want %d", count, members);
+        CHECK(me == members - 1 - g_rank / 2, "split: rank %d by key", me);
+        int32_t x = g_rank, sum = 0, want = 0;
+        for (int q = g_rank % 2; q < n; q += 2) want += q;
+        OK(lockstepAllReduce(&x, &sum, 1, lockstepInt32, lockstepSum, sub, NULL));
+        CHECK(sum == want, "split all-reduce: got %d, want %d", sum, want);
+        OK(lockstepCommDestroy(sub));
+        printf("rank %d: split: verified\n", g_rank);
+    } else {
+        const char *msg = lockstepGetLastError(comm);
+        CHECK(r == lockstepInvalidUsage && strstr(msg, "not available yet") && sub == NULL,
+              "split: %d (%s), newcomm %p", (int)r, msg, (void *)sub);
+        printf("rank %d: split: not available yet\n", g_rank);
+    }
+}
+
+static void error_paths(lockstepComm_t comm, int n) {
+    float a[8] = {0}, b[8] = {0};
+    lockstepResult_t r;
+    const char *msg;
+
+    /* Mismatched counts across ranks: every rank gets an error, none hangs. */
+    if (n > 1) {
+        r = lockstepAllReduce(a, b, g_rank == 0 ? 4 : 5, lockstepFloat32, lockstepSum, comm, NULL);
+        msg = lockstepGetLastError(comm);
+        CHECK(r == lockstepInvalidUsage, "mismatched counts returned %d (%s)", (int)r, msg);
+        CHECK(strstr(msg, "mismatch") && strstr(msg, "lockstepAllReduce"), "mismatch message: %s", msg);
+        CHECK(strcmp(lockstepGetLastError(NULL), msg) == 0, "thread's last error differs: %s", lockstepGetLastError(NULL));
+        printf("rank %d: mismatch: code %d (%s): %s\n", g_rank, (int)r, lockstepGetErrorString(r), msg);
+        lockstepResult_t async = lockstepNumResults;
+        OK(lockstepCommGetAsyncError(comm, &async));
+        CHECK(async == lockstepSuccess, "a mismatch broke the communicator: %d", (int)async);
+    }
+    /* A data type outside the enum, on every rank: refused locally, the ranks stay in step. */
+    r = lockstepAllReduce(a, b, 8, (lockstepDataType_t)42, lockstepSum, comm, NULL);
+    msg = lockstepGetLastError(comm);
+    CHECK(r == lockstepInvalidArgument && strstr(msg, "datatype 42"), "bad datatype: %d: %s", (int)r, msg);
+    r = lockstepReduce(a, b, 8, lockstepFloat32, (lockstepRedOp_t)9, 0, comm, NULL);
+    CHECK(r == lockstepInvalidArgument && strstr(lockstepGetLastError(comm), "op 9"), "bad op: %d", (int)r);
+    r = lockstepBroadcast(a, b, 8, lockstepFloat32, n, comm, NULL);
+    CHECK(r == lockstepInvalidArgument && strstr(lockstepGetLastError(comm), "root"), "bad root: %d", (int)r);
+    /* NULL buffers, a misaligned one, and partly overlapping ones. */
+    r = lockstepAllReduce(NULL, b, 8, lockstepFloat32, lockstepSum, comm, NULL);
+    CHECK(r == lockstepInvalidArgument && strstr(lockstepGetLastError(comm), "sendbuff is NULL"), "NULL sendbuff: %d", (int)r);
+    r = lockstepAllReduce(a, (char *)b + 1, 2, lockstepFloat32, lockstepSum, comm, NULL);
+    CHECK(r == lockstepInvalidArgument && strstr(lockstepGetLastError(comm), "not aligned"), "misaligned: %d", (int)r);
+    r = lockstepAllReduce(a, a + 2, 4, lockstepFloat32, lockstepSum, comm, NULL);
+    CHECK(r == lockstepInvalidArgument && strstr(lockstepGetLastError(comm), "overlap"), "overlap: %d", (int)r);
+    /* A CUDA stream on a host communicator. */
+    r = lockstepAllReduce(a, b, 8, lockstepFloat32, lockstepSum, comm, (void *)0x1234);
+    CHECK(r == lockstepInvalidUsage && strstr(lockstepGetLastError(comm), "stream"), "stream: %d: %s", (int)r, lockstepGetLastError(comm));
+    /* The communicator still works after all of these, on every rank. */
+    for (int i = 0; i < 8; i++) a[i] = (float)g_rank;
+    OK(lockstepAllReduce(a, b, 8, lockstepFloat32, lockstepMax, comm, NULL));
+    CHECK(b[7] == (float)(n - 1), "all-reduce after the errors: got %g", b[7]);
+    OK(lockstepBarrier(comm, NULL));
+
+    /* Calls without a valid communicator: the thread's last error. */
+    int x = 0;
+    r = lockstepCommCount(NULL, &x);
+    CHECK(r == lockstepInvalidArgument && strstr(lockstepGetLastError(NULL), "comm is NULL"), "NULL comm: %d", (int)r);
+    r = lockstepCommCount((lockstepComm_t)&x, &x);
+    CHECK(r == lockstepInvalidArgument && strstr(lockstepGetLastError(NULL), "not a live communicator"), "bogus comm: %d", (int)r);
+    r = lockstepCommCount(comm, NULL);
+    CHECK(r == lockstepInvalidArgument && strstr(lockstepGetLastError(comm), "count is NULL"), "NULL count: %d", (int)r);
+    r = lockstepGroupEnd();
+    CHECK(r == lockstepInvalidUsage && strstr(lockstepGetLastError(NULL), "without a matching"), "GroupEnd: %d", (int)r);
+    r = lockstepGetVersion(NULL);
+    CHECK(r == lockstepInvalidArgument, "GetVersion(NULL): %d", (int)r);
+    lockstepUniqueId bad;
+    memset(&bad, 0, sizeof bad);
+    lockstepComm_t c2 = (lockstepComm_t)1;
+    r = lockstepCommInitRank(&c2, 2, bad, 0);
+    CHECK(r == lockstepInvalidArgument && c2 == NULL && strstr(lockstepGetLastError(NULL), "lockstepGetUniqueId"), "bad id: %d", (int)r);
+    r = lockstepCommInitRank(&c2, 2, bad, 5);
+    CHECK(r == lockstepInvalidArgument && strstr(lockstepGetLastError(NULL), "out of range"), "bad rank: %d", (int)r);
+    CHECK(strcmp(lockstepGetErrorString(lockstepSuccess), "no error") == 0, "error string 0");
+    CHECK(strcmp(lockstepGetErrorString(lockstepInvalidUsage), "invalid usage") == 0, "error string 5");
+    CHECK(strcmp(lockstepGetErrorString((lockstepResult_t)99), "unknown result code") == 0, "error string 99");
+}
+
+static void run(lockstepComm_t comm, int expect_n) {
+    int n = 0, rank = -1, version = 0;
+    OK(lockstepGetVersion(&version));
+    CHECK(version >= 100, "version %d", version); /* 0.1.0 encodes as 100 */
+    OK(lockstepCommCount(comm, &n));
+    OK(lockstepCommUserRank(comm, &rank));
+    g_rank = rank;
+    CHECK(expect_n < 0 || n == expect_n, "count %d, want %d", n, expect_n);
+    CHECK(rank >= 0 && rank < n, "rank %d of %d", rank, n);
+    CHECK(strcmp(lockstepGetLastError(comm), "") == 0, "fresh communicator has an error: %s", lockstepGetLastError(comm));
+    all_reduce_every_type(comm, n);
+    all_reduce_every_op(comm, n);
+    broadcast(comm, n);
+    reduce(comm, n);
+    all_gather(comm, n);
+    reduce_scatter(comm, n);
+    send_recv(comm, n);
+    split(comm, n);
+    error_paths(comm, n);
+    OK(lockstepBarrier(comm, NULL));
+    OK(lockstepCommDestroy(comm));
+    /* The handle is gone: an error, not a crash. */
+    lockstepResult_t r = lockstepCommCount(comm, &n);
+    CHECK(r == lockstepInvalidArgument && strstr(lockstepGetLastError(NULL), "not a live communicator"), "destroyed comm: %d", (int)r);
+    CHECK(lockstepCommDestroy(comm) == lockstepInvalidArgument, "double destroy");
+    printf("rank %d of %d: all checks passed (version %d)\n", rank, n, version);
+    fflush(stdout);
+}
+
+int main(int argc, char **argv) {
+    if (argc >= 2 && strcmp(argv[1], "env") == 0) {
+        lockstepComm_t comm = NULL;
+        OK(lockstepCommInitFromEnv(&comm));
+        run(comm, -1);
+        return 0;
+    }
+    if (argc >= 3 && strcmp(argv[1], "uid") == 0) {
+        int n = atoi(argv[2]);
+        CHECK(n >= 1 && n <= 64, "rank count %s", argv[2]);
+        lockstepUniqueId id;
+        OK(lockstepGetUniqueId(&id));
+        fflush(stdout);
+        for (int r = 0; r < n; r++) {
+            pid_t pid = fork();
+            CHECK(pid >= 0, "fork failed");
+            if (pid == 0) {
+                lockstepComm_t comm = NULL;
+                g_rank = r;
+                OK(lockstepCommInitRank(&comm, n, id, r));
+                run(comm, n);
+                exit(0);
+            }
+        }
+        int failed = 0;
+        for (int r = 0; r < n; r++) {
+            int status = 0;
+            CHECK(wait(&status) > 0, "wait failed");
+            failed += !(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+        }
+        CHECK(failed == 0, "%d of %d forked ranks failed", failed, n);
+        printf("uid: %d ranks passed\n", n);
+        return 0;
+    }
+    fprintf(stderr, "usage: %s env | uid N\n", argv[0]);
+    return 2;
+}

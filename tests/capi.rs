@@ -1,0 +1,350 @@
+//! The C ABI (`liblockstep.so`, `include/lockstep.h`, feature `capi`, a default one) from the
+//! outside, on the library of this very build:
+//!
+//! * checks that the checked-in `include/lockstep.h` is what cbindgen generates from `src/capi`
+//!   (build.rs writes it to this build's OUT_DIR), that its enums carry NCCL's values, and that the library
+//!   exports every function the header declares;
+//! * compiles `tests/c/capi_test.c` with `cc -Werror` against the header and runs it under
+//!   `lockstep launch` with 2 and 3 ranks, and with ranks forked after lockstepGetUniqueId;
+//! * runs `tests/c/capi_ctypes.py` (Python's ctypes, no numpy) under `lockstep launch` with 2 and 3
+//!   ranks.
+//!
+//! The C program and the Python script check every value themselves and exit non-zero on the
+//! first wrong one; this driver checks their exit status and that every rank reported.
+
+#[path = "common/mod.rs"]
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::OnceLock;
+
+use common::check;
+
+const ROOT: &str = env!("CARGO_MANIFEST_DIR");
+/// Seconds one C or Python job may take (each runs in well under a second).
+const JOB_LIMIT_S: &str = "120";
+
+/// The C library and the header generated with it.
+struct Built {
+    /// `liblockstep.so`.
+    so: PathBuf,
+    /// The header cbindgen generated (build.rs, OUT_DIR).
+    generated: PathBuf,
+}
+
+/// `liblockstep.so` of this build: beside this test binary (cargo puts both in `deps/`), or
+/// one level up.
+fn built() -> Result<Built, String> {
+    let exe = std::env::current_exe().map_err(|e| format!("current_exe: {e}"))?;
+    let dir = exe.parent().ok_or("the test binary has no directory")?;
+    let so = [dir.join("liblockstep.so"), dir.join("../liblockstep.so")]
+        .into_iter()
+        .find(|p| p.is_file())
+        .ok_or_else(|| format!("liblockstep.so is not beside {} (is cdylib in [lib] crate-type?)", exe.display()))?;
+    Ok(Built { so, generated: PathBuf::from(env!("OUT_DIR")).join("lockstep.h") })
+}
+
+fn text(o: &Output) -> String {
+    format!("status: {}\n--- stdout\n{}--- stderr\n{}", o.status, String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
+}
+
+/// Run `args` under coreutils' `timeout` (status 124 when it ran past JOB_LIMIT_S), without the
+/// environment variables in `unset`.
+fn run_limited(args: &[&str], unset: &[&str]) -> Result<Output, String> {
+    let mut c = Command::new("timeout");
+    c.args(["-k", "5", JOB_LIMIT_S]).args(args).current_dir(ROOT);
+    for k in unset {
+        c.env_remove(k);
+    }
+    c.output().map_err(|e| format!("could not run {args:?} under timeout: {e}"))
+}
+
+/// Compile the C file `src` (relative to the repository) against include/lockstep.h and
+/// liblockstep.so into `out`, warnings as errors.
+fn compile_c(src: &Path, out: &Path) -> Result<(), String> {
+    let b = built()?;
+    let lib_dir = b.so.parent().ok_or("liblockstep.so has no directory")?;
+    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
+    let o = Command::new(&cc)
+        .current_dir(ROOT)
+        .args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-pedantic", "-I", "include"])
+        .arg(src)
+        .arg("-o")
+        .arg(out)
+        .arg("-L")
+        .arg(lib_dir)
+        .arg("-llockstep")
+        .arg(format!("-Wl,-rpath,{}", lib_dir.display()))
+        .output()
+        .map_err(|e| format!("could not run the C compiler {cc:?} (install gcc, or set CC): {e}"))?;
+    check(
+        o.status.success(),
+        &format!("{} must compile cleanly (-Wall -Wextra -Werror -pedantic) against include/lockstep.h", src.display()),
+        text(&o),
+    )
+}
+
+fn c_binary() -> Result<&'static PathBuf, String> {
+    static BIN: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    BIN.get_or_init(|| {
+        let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("capi_test");
+        compile_c(Path::new("tests/c/capi_test.c"), &out)?;
+        Ok(out)
+    })
+    .as_ref()
+    .map_err(Clone::clone)
+}
+
+/// Every rank of an `n`-rank launch printed `line(r)`.
+fn every_rank(o: &Output, n: usize, line: impl Fn(usize) -> String) -> Result<(), String> {
+    let out = String::from_utf8_lossy(&o.stdout);
+    for r in 0..n {
+        let want = format!("[rank {r}] {}", line(r));
+        check(out.lines().any(|l| l.starts_with(&want)), &format!("rank {r} must report `{want}`"), text(o))?;
+    }
+    Ok(())
+}
+
+fn header_is_current() -> Result<(), String> {
+    let b = built()?;
+    let generated = std::fs::read_to_string(&b.generated).map_err(|e| format!("read {}: {e}", b.generated.display()))?;
+    let checked_in = Path::new(ROOT).join("include/lockstep.h");
+    let ours = std::fs::read_to_string(&checked_in).map_err(|e| format!("read {}: {e}", checked_in.display()))?;
+    if generated == ours {
+        return Ok(());
+    }
+    let (g, c): (Vec<&str>, Vec<&str>) = (generated.lines().collect(), ours.lines().collect());
+    let at = (0..g.len().max(c.len())).find(|&i| g.get(i) != c.get(i)).unwrap_or(0);
+    Err(format!(
+        "include/lockstep.h is stale: src/capi generates a different header ({}).\nFirst difference, line {}:\n  checked in: {:?}\n  generated:  {:?}\nRegenerate it: cp {} include/lockstep.h (or LOCKSTEP_UPDATE_HEADER=1 cargo build --release)",
+        b.generated.display(),
+        at + 1,
+        c.get(at).copied().unwrap_or("<end of file>"),
+        g.get(at).copied().unwrap_or("<end of file>"),
+        b.generated.display(),
+    ))
+}
+
+/// NCCL's values (nccl.h), which the header must carry under the `lockstep` names.
+const NCCL_VALUES: &[(&str, i64)] = &[
+    ("Success", 0),
+    ("UnhandledCudaError", 1),
+    ("SystemError", 2),
+    ("InternalError", 3),
+    ("InvalidArgument", 4),
+    ("InvalidUsage", 5),
+    ("RemoteError", 6),
+    ("InProgress", 7),
+    ("NumResults", 8),
+    ("Int8", 0),
+    ("Char", 0),
+    ("Uint8", 1),
+    ("Int32", 2),
+    ("Int", 2),
+    ("Uint32", 3),
+    ("Int64", 4),
+    ("Uint64", 5),
+    ("Float16", 6),
+    ("Half", 6),
+    ("Float32", 7),
+    ("Float", 7),
+    ("Float64", 8),
+    ("Double", 8),
+    ("Bfloat16", 9),
+    ("NumTypes", 10),
+    ("Sum", 0),
+    ("Prod", 1),
+    ("Max", 2),
+    ("Min", 3),
+    ("Avg", 4),
+    ("NumOps", 5),
+];
+
+/// The functions of the C ABI.
+const FUNCTIONS: &[&str] = &[
+    "lockstepGetVersion",
+    "lockstepGetUniqueId",
+    "lockstepCommInitRank",
+    "lockstepCommInitFromEnv",
+    "lockstepCommDestroy",
+    "lockstepCommAbort",
+    "lockstepCommSplit",
+    "lockstepCommCount",
+    "lockstepCommUserRank",
+    "lockstepCommGetAsyncError",
+    "lockstepGetErrorString",
+    "lockstepGetLastError",
+    "lockstepAllReduce",
+    "lockstepBroadcast",
+    "lockstepReduce",
+    "lockstepAllGather",
+    "lockstepReduceScatter",
+    "lockstepSend",
+    "lockstepRecv",
+    "lockstepGroupStart",
+    "lockstepGroupEnd",
+    "lockstepBarrier",
+];
+
+fn header_has_nccl_values_and_functions() -> Result<(), String> {
+    let h = std::fs::read_to_string(Path::new(ROOT).join("include/lockstep.h")).map_err(|e| e.to_string())?;
+    for (name, v) in NCCL_VALUES {
+        let (enum_form, macro_form) = (format!("lockstep{name} = {v},"), format!("#define lockstep{name} {v}\n"));
+        check(
+            h.contains(&enum_form) || h.contains(&macro_form),
+            &format!("lockstep.h must define lockstep{name} as {v} (nccl{name})"),
+            "",
+        )?;
+    }
+    check(h.contains("#define LOCKSTEP_UNIQUE_ID_BYTES 128"), "lockstepUniqueId has 128 bytes, as ncclUniqueId", "")?;
+    for f in FUNCTIONS {
+        check(h.contains(&format!(" {f}(")) || h.contains(&format!("*{f}(")), &format!("lockstep.h must declare {f}"), "")?;
+    }
+    for t in [
+        "} lockstepResult_t;",
+        "} lockstepDataType_t;",
+        "} lockstepRedOp_t;",
+        "} lockstepUniqueId;",
+        "typedef lockstepComm *lockstepComm_t;",
+    ] {
+        check(h.contains(t), &format!("lockstep.h must define `{t}`"), "")?;
+    }
+    Ok(())
+}
+
+fn library_exports_every_function() -> Result<(), String> {
+    let b = built()?;
+    // SAFETY: loading liblockstep.so runs no initialisers of its own (a Rust cdylib); the symbols
+    // are only looked up, never called.
+    let lib = unsafe { libloading::Library::new(&b.so) }.map_err(|e| format!("dlopen {}: {e}", b.so.display()))?;
+    for f in FUNCTIONS {
+        // SAFETY: the symbol is only checked for presence.
+        let sym = unsafe { lib.get::<*const ()>(f.as_bytes()) };
+        check(sym.is_ok(), &format!("{} must export {f}", b.so.display()), format!("{:?}", sym.err()))?;
+    }
+    Ok(())
+}
+
+fn c_under_launch(n: usize) -> Result<(), String> {
+    let bin = c_binary()?;
+    let nproc = n.to_string();
+    let launcher = env!("CARGO_BIN_EXE_lockstep");
+    let o = run_limited(&[launcher, "launch", "--nproc-per-node", &nproc, "--", bin.to_str().unwrap(), "env"], &[])?;
+    check(o.status.success(), &format!("capi_test under lockstep launch with {n} ranks must pass every check"), text(&o))?;
+    every_rank(&o, n, |r| format!("rank {r} of {n}: all checks passed"))?;
+    every_rank(&o, n, |r| format!("rank {r}: mismatch: code 5 (invalid usage): lockstepAllReduce: collective"))?;
+    every_rank(&o, n, |r| format!("rank {r}: split: "))
+}
+
+fn c_launch_2() -> Result<(), String> {
+    c_under_launch(2)
+}
+
+fn c_launch_3() -> Result<(), String> {
+    c_under_launch(3)
+}
+
+fn capi_segments() -> Vec<String> {
+    std::fs::read_dir("/dev/shm")
+        .map(|rd| rd.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).filter(|n| n.starts_with("lockstep-capi-")).collect())
+        .unwrap_or_default()
+}
+
+fn c_unique_id(n: usize) -> Result<(), String> {
+    let bin = c_binary()?;
+    let before = capi_segments();
+    let o = run_limited(&[bin.to_str().unwrap(), "uid", &n.to_string()], &[])?;
+    check(
+        o.status.success(),
+        &format!("capi_test with {n} forked ranks joined by lockstepGetUniqueId/lockstepCommInitRank must pass"),
+        text(&o),
+    )?;
+    let out = String::from_utf8_lossy(&o.stdout);
+    for r in 0..n {
+        check(out.contains(&format!("rank {r} of {n}: all checks passed")), &format!("forked rank {r} must report"), text(&o))?;
+    }
+    check(out.contains(&format!("uid: {n} ranks passed")), "the parent must see every rank pass", text(&o))?;
+    let left: Vec<String> = capi_segments().into_iter().filter(|s| !before.contains(s)).collect();
+    check(left.is_empty(), "the job's shared segment must not outlive the join", format!("{left:?}"))
+}
+
+fn c_unique_id_2() -> Result<(), String> {
+    c_unique_id(2)
+}
+
+fn c_unique_id_3() -> Result<(), String> {
+    c_unique_id(3)
+}
+
+fn c_init_from_env_error() -> Result<(), String> {
+    let bin = c_binary()?;
+    // Outside any launcher: lockstepCommInitFromEnv has no job to join.
+    let launcher_vars =
+        ["RANK", "WORLD_SIZE", "LOCAL_RANK", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "SLURM_PROCID", "LOCKSTEP_JOB_ID"];
+    let o = run_limited(&[bin.to_str().unwrap(), "env"], &launcher_vars)?;
+    let err = String::from_utf8_lossy(&o.stderr);
+    check(!o.status.success(), "lockstepCommInitFromEnv must fail outside a launcher", text(&o))?;
+    check(
+        err.contains("lockstepCommInitFromEnv(&comm) returned 2 (unhandled system error")
+            && err.contains("lockstepCommInitFromEnv: communicator setup failed: no launcher variables found"),
+        "the failure must come back as lockstepSystemError, with lockstepGetLastError saying what is missing",
+        text(&o),
+    )
+}
+
+/// The C example of the README's "From C" section compiles and runs as shown.
+fn readme_example() -> Result<(), String> {
+    let readme = std::fs::read_to_string(Path::new(ROOT).join("README.md")).map_err(|e| e.to_string())?;
+    let section = readme.split("\n## From C\n").nth(1).ok_or("README.md has no `## From C` section")?;
+    let code = section.split("```c\n").nth(1).and_then(|c| c.split("\n```").next()).ok_or("the `From C` section has no ```c block")?;
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
+    let (src, bin) = (dir.join("readme_example.c"), dir.join("readme_example"));
+    std::fs::write(&src, format!("{code}\n")).map_err(|e| format!("write {}: {e}", src.display()))?;
+    compile_c(&src, &bin)?;
+    let o = run_limited(&[env!("CARGO_BIN_EXE_lockstep"), "launch", "--nproc-per-node", "2", "--", bin.to_str().unwrap()], &[])?;
+    check(o.status.success(), "the README's C example must run under lockstep launch with 2 ranks", text(&o))?;
+    every_rank(&o, 2, |r| format!("rank {r} of 2: mean 0.5, from rank {}", 1 - r))
+}
+
+fn ctypes_under_launch(n: usize) -> Result<(), String> {
+    let b = built()?;
+    let nproc = n.to_string();
+    let launcher = env!("CARGO_BIN_EXE_lockstep");
+    let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
+    let o = run_limited(
+        &[launcher, "launch", "--nproc-per-node", &nproc, "--", &python, "tests/c/capi_ctypes.py", b.so.to_str().unwrap()],
+        &[],
+    )?;
+    check(
+        o.status.success(),
+        &format!("capi_ctypes.py under lockstep launch with {n} ranks must pass (needs python3, or set PYTHON)"),
+        text(&o),
+    )?;
+    every_rank(&o, n, |r| format!("rank {r} of {n}: ctypes checks passed"))?;
+    every_rank(&o, n, |r| format!("rank {r}: ctypes mismatch: code 5: lockstepAllReduce: collective"))
+}
+
+fn ctypes_launch_2() -> Result<(), String> {
+    ctypes_under_launch(2)
+}
+
+fn ctypes_launch_3() -> Result<(), String> {
+    ctypes_under_launch(3)
+}
+
+fn main() -> std::process::ExitCode {
+    common::run(&[
+        ("header_is_current", header_is_current),
+        ("header_has_nccl_values_and_functions", header_has_nccl_values_and_functions),
+        ("library_exports_every_function", library_exports_every_function),
+        ("c_launch_2", c_launch_2),
+        ("c_launch_3", c_launch_3),
+        ("c_unique_id_2", c_unique_id_2),
+        ("c_unique_id_3", c_unique_id_3),
+        ("c_init_from_env_error", c_init_from_env_error),
+        ("readme_example", readme_example),
+        ("ctypes_launch_2", ctypes_launch_2),
+        ("ctypes_launch_3", ctypes_launch_3),
+    ])
+}
