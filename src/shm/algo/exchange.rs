@@ -60,6 +60,16 @@ pub(crate) fn exchange(ch: &mut Channel, call: &Call, cx: Ctx) -> Result<(), Com
     let recv = call.recv.addr as *mut u8;
     let v = call.kind.is_v();
     let p0 = ch.next_phase();
+    // Small equal blocks (all_to_all, scatter): the data rides in the descriptors' phase, one
+    // phase in all. Every rank decides the same way (the count is the same on every rank, or the
+    // descriptor check fails the call everywhere).
+    let one_phase = !v && n > 1 && n * call.count * esz <= ch.small_bytes().min(ch.slot_bytes());
+    if one_phase && (call.kind == CollKind::AllToAll || me == call.root) {
+        // SAFETY: our own slot of phase p0 holds `small_bytes` or more; the send buffer holds
+        // n × count elements (checked by the communicator); nobody reads the slot before we
+        // publish p0.
+        unsafe { copy_block(send, ch.slot(me, p0), n * call.count * esz, false) };
+    }
     if v {
         // Counts go through the slot of the first phase: n send counts, n receive counts, then the
         // n send displacements (for the zero-copy path). The slot holds at least 4 KiB per peer
@@ -108,6 +118,18 @@ pub(crate) fn exchange(ch: &mut Channel, call: &Call, cx: Ctx) -> Result<(), Com
         (0..n * n).map(|k| if call.kind == CollKind::AllToAll || k / n == call.root { c } else { 0 }).collect()
     };
     let nt = ch.nt_for(plan.recv.iter().map(|&(_, c)| c).sum::<usize>() * esz);
+    if one_phase {
+        for i in (0..n).filter(|&i| m[i * n + me] > 0) {
+            let (off, cnt) = plan.recv[i];
+            // SAFETY: rank i staged its whole send (n × count elements) in its slot of phase p0
+            // before publishing it, and does not write that slot again before we publish p0 + 1;
+            // our block from it lies in recv (checked by the communicator).
+            let from = unsafe { ch.slot(i, p0).add(plan_displ(call, me) * esz) };
+            // SAFETY: as above.
+            unsafe { copy_block(from, recv.add(off * esz), cnt * esz, false) };
+        }
+        return Ok(());
+    }
     // Our own block: straight from send to recv.
     let (so, sc) = plan.send[me];
     if sc > 0 {
