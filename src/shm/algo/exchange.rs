@@ -111,7 +111,7 @@ pub(crate) fn exchange(ch: &mut Channel, call: &Call, cx: Ctx) -> Result<(), Com
                 send_displ[r * n + j] = vals[2 * n + j] as usize;
             }
         }
-        check_counts(&m, &recv_from, n, call.kind, cx.seq)?;
+        check_counts(&m, &recv_from, n, call.kind, cx.seq, &|r| ch.who(r))?;
         m
     } else {
         let c = call.count;
@@ -224,8 +224,16 @@ fn plan_displ(call: &Call, j: usize) -> usize {
     }
 }
 
-/// Every rank's send count to every peer must be that peer's receive count from it.
-fn check_counts(sends: &[usize], recvs: &[usize], n: usize, kind: CollKind, seq: u64) -> Result<(), CommError> {
+/// Every rank's send count to every peer must be that peer's receive count from it (`who` names
+/// a rank).
+fn check_counts(
+    sends: &[usize],
+    recvs: &[usize],
+    n: usize,
+    kind: CollKind,
+    seq: u64,
+    who: &dyn Fn(usize) -> String,
+) -> Result<(), CommError> {
     let mut bad = Vec::new();
     let mut more = 0;
     for i in 0..n {
@@ -233,7 +241,8 @@ fn check_counts(sends: &[usize], recvs: &[usize], n: usize, kind: CollKind, seq:
             let (s, r) = (sends[i * n + j], recvs[i * n + j]);
             if s != r {
                 if bad.len() < 8 {
-                    bad.push(format!("rank {i} sends {s} elements to rank {j} but rank {j} expects {r} from rank {i}"));
+                    let (wi, wj) = (who(i), who(j));
+                    bad.push(format!("{wi} sends {s} elements to {wj} but {wj} expects {r} from {wi}"));
                 } else {
                     more += 1;
                 }
@@ -258,8 +267,9 @@ mod tests {
         // 2 ranks: rank 0 sends 3 to rank 1, but rank 1 expects 4 from rank 0.
         let sends = [1, 3, 2, 5];
         let recvs = [1, 4, 2, 5];
-        let e = check_counts(&sends, &recvs, 2, CollKind::AllToAllV, 7).unwrap_err().to_string();
+        let who = |r: usize| format!("rank {r}");
+        let e = check_counts(&sends, &recvs, 2, CollKind::AllToAllV, 7, &who).unwrap_err().to_string();
         assert!(e.contains("rank 0 sends 3 elements to rank 1 but rank 1 expects 4 from rank 0"), "{e}");
-        assert!(check_counts(&sends, &sends, 2, CollKind::AllToAllV, 7).is_ok());
+        assert!(check_counts(&sends, &sends, 2, CollKind::AllToAllV, 7, &who).is_ok());
     }
 }
