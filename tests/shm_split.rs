@@ -8,12 +8,15 @@
 //! `N passed, M failed`.
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use lockstep::comm::{CommError, Communicator, ReduceOp};
 use lockstep::launch::{launch, LaunchConfig, LaunchError, RankContext, RankResult};
 
 const WORLDS: std::ops::RangeInclusive<usize> = 1..=5;
+/// Iterations of each loop of the concurrency test.
+const ITERS: usize = 200;
 
 fn cfg(n: usize) -> LaunchConfig {
     let mut cfg = LaunchConfig::new(n);
@@ -234,19 +237,23 @@ fn t_nested() -> Result<(), String> {
 /// the same time: in each rank one thread drives the subgroup, another the world; every result
 /// is checked.
 fn t_concurrent() -> Result<(), String> {
-    const ITERS: usize = 200;
     for n in WORLDS {
         let res = launch(&cfg(n), move |mut ctx: RankContext| -> RankResult<Vec<String>> {
             let me = ctx.rank;
             let want = members(n, me, |r| Some((r % 2) as u32), |r| -(r as i64)).unwrap();
             let mut sub = ctx.comm.split(Some((me % 2) as u32), -(me as i64))?.ok_or("no communicator")?;
             let world = &mut ctx.comm;
+            // Each thread raises its flag after its first iteration and does not begin its last
+            // before the other's flag is up, so the two loops surely overlap.
+            let (sub_started, world_started) = (AtomicBool::new(false), AtomicBool::new(false));
+            let (sub_started, world_started) = (&sub_started, &world_started);
             let (sub_bad, world_bad) = std::thread::scope(|s| {
                 let want = &want;
                 let sub_thread = s.spawn(move || -> Result<Vec<String>, CommError> {
                     let (m, my) = (sub.world_size(), sub.rank());
                     let mut bad = Vec::new();
                     for it in 0..ITERS {
+                        rendezvous(it, sub_started, world_started);
                         // all_reduce (sizes from one chunk to several), then all_to_all.
                         let len = 1 + (it * 997) % 6000;
                         let x: Vec<i64> = (0..len).map(|i| (me * 100_000 + it * 10 + i) as i64).collect();
@@ -269,6 +276,7 @@ fn t_concurrent() -> Result<(), String> {
                 let mut bad = Vec::new();
                 let world_run = (|| -> Result<(), CommError> {
                     for it in 0..ITERS {
+                        rendezvous(it, world_started, sub_started);
                         // all_gather, then broadcast from a rotating root, then reduce_scatter.
                         let len = 1 + (it * 389) % 3000;
                         let x: Vec<f64> = (0..len).map(|i| (me * 7 + it + i) as f64).collect();
@@ -304,6 +312,19 @@ fn t_concurrent() -> Result<(), String> {
         report(n, res)?;
     }
     Ok(())
+}
+
+/// In iteration `it` of one of two loops: raise `mine` after the first iteration, and wait for
+/// `other` before the last.
+fn rendezvous(it: usize, mine: &AtomicBool, other: &AtomicBool) {
+    if it == 1 {
+        mine.store(true, Ordering::SeqCst);
+    }
+    if it == ITERS - 1 {
+        while !other.load(Ordering::SeqCst) {
+            std::thread::sleep(Duration::from_micros(100));
+        }
+    }
 }
 
 /// The subgroup used by the error tests, and its members in order: every rank but rank 0 (every
