@@ -280,9 +280,15 @@ impl Channel {
         // A rank that comes late finds its peers' phase published even though they gave up on
         // it (timed out) and went on: it must fail too, naming the same culprit, not read
         // buffers their callers own again. One load of a line nobody writes while all is well.
-        if self.header().abort.by.load(Acquire) != 0 {
-            if let Some(e) = self.peer_abort(cx) {
-                return Err(e);
+        let a = &self.header().abort;
+        if a.by.load(Acquire) != 0 {
+            // An abort recorded in a later collective (a peer that finished this one went on and
+            // lost a rank there) does not undo this phase: this rank's next call fails instead.
+            let later = a.ready.load(Acquire) != 0 && a.at_seq.load(Relaxed) > cx.seq;
+            if !later {
+                if let Some(e) = self.peer_abort(cx) {
+                    return Err(e);
+                }
             }
         }
         Ok(p)
@@ -355,11 +361,17 @@ impl Channel {
             }
             let died = self.peers[r].as_ref().is_some_and(|w| w.is_dead());
             let left = c.state.load(Acquire) == STATE_LEFT;
+            // A peer publishes its progress before it leaves or exits: one that reached the target
+            // and then went away between the two loads above did its part of this phase.
+            if (died || left) && c.progress.load(Acquire) >= target {
+                continue;
+            }
             if died || left {
                 // Tell ranks that wait on someone else too.
                 self.record_abort(|a| {
                     a.how.store(if died { ABORT_DIED } else { ABORT_LEFT }, Relaxed);
                     a.rank.store(r as u32 + 1, Relaxed);
+                    a.at_seq.store(cx.seq, Relaxed);
                 });
                 return Err(self.lost(r, died, cx));
             }
