@@ -6,11 +6,11 @@
 * ``lockstep.init_from_env()`` joins a job started by ``lockstep launch``, torchrun, mpirun or
   srun (inside a ``notebook_launcher`` rank it returns that rank's communicator).
 * ``lockstep.Communicator`` runs every collective on buffer-protocol objects (numpy arrays,
-  bytearray, memoryview, array.array, ``torch_cpu_tensor.numpy()``), in place or out of place,
-  with the GIL released while it runs.
+  bytearray, memoryview, array.array) and DLPack objects in host memory (torch CPU tensors), in
+  place or out of place, with the GIL released while it runs.
 
-Element types come from the buffer's format: float32/64, float16, int8/32/64, uint8/32/64.
-bfloat16 has no buffer-protocol format, so it cannot come through this path.
+Element types come from the buffer's format: float32/64, float16, int8/32/64, uint8/32/64;
+bfloat16 has no buffer-protocol format and comes only through DLPack (a bf16 torch tensor).
 """
 
 from ._native import CommError, Communicator, __version__

@@ -87,6 +87,9 @@ class RankError(RuntimeError):
         return (RankError, (str(self), self.rank, self.exc_type, self.traceback, self.failures))
 
 
+RankError.__module__ = "lockstep"
+
+
 class _Rank:
     """The caller's view of one forked rank."""
 

@@ -1,5 +1,6 @@
 //! Python buffers as collective buffers: the buffer protocol (numpy arrays, bytearray,
-//! memoryview, array.array, anything exporting `Py_buffer`) turned into an address, a length and
+//! memoryview, array.array, anything exporting `Py_buffer`) or else DLPack (torch tensors, which
+//! have no buffer protocol; bfloat16 comes only this way) turned into an address, a length and
 //! a [`Dtype`], with every check the collective cannot make itself (contiguity, writability,
 //! alignment, element type).
 //!
@@ -43,31 +44,52 @@ extern "C" {
     fn PyBuffer_Release(view: *mut PyBufferRaw);
 }
 
+/// What keeps a view's memory alive and pinned while a collective uses it.
+enum Holder {
+    /// An exported `Py_buffer`, released on drop.
+    Buffer(Box<PyBufferRaw>),
+    /// A DLPack capsule, left unconsumed: the producer's deleter runs when it is collected.
+    Capsule(#[allow(dead_code)] Py<PyAny>),
+}
+
 /// A buffer exported by a Python object, held (and so kept alive and unresizable) until drop.
 /// Dropping needs the GIL, which every holder has: views are made and dropped in the bodies of
 /// `#[pymethods]`, and only their [`HostMem`] crosses into code that runs detached.
 pub struct View {
-    raw: Box<PyBufferRaw>,
-    /// Element type from the format string and item size.
+    holder: Holder,
+    addr: usize,
+    /// Element type from the format string and item size (or the DLPack dtype).
     pub dtype: Dtype,
     /// Number of elements.
     pub len: usize,
     /// The exporter refuses writes.
     pub readonly: bool,
-    /// The shape, for messages and result checks.
-    pub shape: Vec<usize>,
 }
 
 impl Drop for View {
     fn drop(&mut self) {
-        // SAFETY: `raw` was filled by a successful PyObject_GetBuffer and is released exactly once;
-        // the GIL is held (see the type's docs).
-        unsafe { PyBuffer_Release(&mut *self.raw) };
+        if let Holder::Buffer(raw) = &mut self.holder {
+            // SAFETY: `raw` was filled by a successful PyObject_GetBuffer and is released exactly
+            // once; the GIL is held (see the type's docs).
+            unsafe { PyBuffer_Release(&mut **raw) };
+        }
     }
 }
 
+fn type_name(obj: &Bound<'_, PyAny>) -> String {
+    obj.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".into())
+}
+
+fn not_contiguous(what: &str, shape: &[usize], strides: &[isize], unit: &str) -> PyErr {
+    PyValueError::new_err(format!(
+        "{what} is not C-contiguous (shape {shape:?}, strides {strides:?} in {unit}): collectives read and write one dense \
+block; pass a contiguous copy (numpy.ascontiguousarray(x), tensor.contiguous()) and copy the result back for an in-place call"
+    ))
+}
+
 impl View {
-    /// Export `obj`'s buffer. `what` names the argument in messages ("send", "recv", ...).
+    /// Export `obj`'s memory: through the buffer protocol, or else through DLPack (torch tensors,
+    /// which have no buffer protocol). `what` names the argument in messages ("send", "recv", ...).
     pub fn new(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<View> {
         // SAFETY: PyBufferRaw is plain data (pointers and integers); all-zero is a valid value to
         // hand to PyObject_GetBuffer, which fills it.
@@ -77,17 +99,21 @@ impl View {
         let rc = unsafe { PyObject_GetBuffer(obj.as_ptr(), &mut *raw, PYBUF_RECORDS_RO) };
         if rc != 0 {
             let cause = PyErr::take(obj.py());
-            let ty = obj.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".into());
+            if obj.hasattr("__dlpack__").unwrap_or(false) {
+                return View::from_dlpack(obj, what);
+            }
             let err = PyTypeError::new_err(format!(
-                "{what}: a {ty} is not a buffer lockstep can use (it needs the buffer protocol: a numpy array, bytearray, \
-memoryview, array.array, or a torch CPU tensor's .numpy())"
+                "{what}: a {} is not a buffer lockstep can use (it needs the buffer protocol or DLPack: a numpy array, \
+bytearray, memoryview, array.array, a torch CPU tensor)",
+                type_name(obj)
             ));
             err.set_cause(obj.py(), cause);
             return Err(err);
         }
         // From here `raw` is owned by a View, so every early return releases it.
-        let mut v = View { raw, dtype: Dtype::U8, len: 0, readonly: false, shape: Vec::new() };
-        let r = &*v.raw;
+        let addr = raw.buf as usize;
+        let mut v = View { holder: Holder::Buffer(raw), addr, dtype: Dtype::U8, len: 0, readonly: false };
+        let Holder::Buffer(r) = &v.holder else { unreachable!("just built") };
         v.readonly = r.readonly != 0;
         let itemsize = usize::try_from(r.itemsize).unwrap_or(0);
         let ndim = usize::try_from(r.ndim).unwrap_or(0);
@@ -107,38 +133,83 @@ memoryview, array.array, or a torch CPU tensor's .numpy())"
             // SAFETY: with PyBUF_ND the exporter fills `shape` with `ndim` entries.
             unsafe { std::slice::from_raw_parts(r.shape, ndim) }.iter().map(|&s| s.max(0) as usize).collect()
         };
-        let strides: Option<Vec<isize>> = if r.strides.is_null() || ndim == 0 {
-            None
-        } else {
-            // SAFETY: with PyBUF_STRIDES the exporter fills `strides` with `ndim` entries.
-            Some(unsafe { std::slice::from_raw_parts(r.strides, ndim) }.to_vec())
-        };
         let len: usize = shape.iter().product();
-        if let Some(st) = &strides {
-            if len > 0 && !c_contiguous(&shape, st, itemsize) {
-                return Err(PyValueError::new_err(format!(
-                    "{what} is not C-contiguous (shape {shape:?}, strides {st:?}, item size {itemsize}): collectives read and \
-write one dense block; pass numpy.ascontiguousarray(x) (and copy the result back for an in-place call)"
-                )));
+        if !r.strides.is_null() && ndim > 0 {
+            // SAFETY: with PyBUF_STRIDES the exporter fills `strides` with `ndim` entries.
+            let st = unsafe { std::slice::from_raw_parts(r.strides, ndim) };
+            if len > 0 && !c_contiguous(&shape, st, itemsize as isize) {
+                return Err(not_contiguous(what, &shape, st, "bytes"));
             }
         }
-        let addr = r.buf as usize;
-        let align = v.dtype.size();
-        if len > 0 && !addr.is_multiple_of(align) {
-            return Err(PyValueError::new_err(format!(
-                "{what} starts at address {addr:#x}, not aligned to its {align}-byte elements ({}); pass an aligned copy \
-(numpy.require(x, requirements='A'))",
-                v.dtype
+        v.len = len;
+        v.check_aligned(what)?;
+        Ok(v)
+    }
+
+    /// The DLPack path (legacy unversioned capsules, which every producer still gives when no
+    /// `max_version` is asked for). Host memory only.
+    fn from_dlpack(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<View> {
+        let capsule = obj.call_method0("__dlpack__").map_err(|e| {
+            let err = PyTypeError::new_err(format!("{what}: the {}'s __dlpack__() failed: {e}", type_name(obj)));
+            err.set_cause(obj.py(), Some(e));
+            err
+        })?;
+        // SAFETY: PyCapsule_GetPointer checks the object is a capsule with this exact name and
+        // returns NULL (with an exception set) otherwise.
+        let p = unsafe { pyo3::ffi::PyCapsule_GetPointer(capsule.as_ptr(), c"dltensor".as_ptr()) };
+        if p.is_null() {
+            let cause = PyErr::take(obj.py());
+            let err = PyTypeError::new_err(format!("{what}: the {}'s __dlpack__() did not return a DLPack capsule", type_name(obj)));
+            err.set_cause(obj.py(), cause);
+            return Err(err);
+        }
+        // SAFETY: a "dltensor" capsule holds a DLManagedTensor, valid while the capsule lives
+        // (we hold it, unconsumed, for the life of the view).
+        let t = unsafe { &(*(p as *const DLManagedTensor)).dl_tensor };
+        if t.device.device_type != DL_CPU && t.device.device_type != DL_CUDA_HOST {
+            return Err(PyTypeError::new_err(format!(
+                "{what} lives on DLPack device type {} (device {}); the Python bindings take host memory only so far \
+(CPU tensors; move it with .cpu())",
+                t.device.device_type, t.device.device_id
             )));
         }
-        v.len = len;
-        v.shape = shape;
+        let dtype = dl_dtype(t.dtype).map_err(|m| PyTypeError::new_err(format!("{what}: {m}")))?;
+        let ndim = usize::try_from(t.ndim).unwrap_or(0);
+        let shape: Vec<usize> = if ndim == 0 || t.shape.is_null() {
+            Vec::new()
+        } else {
+            // SAFETY: DLPack gives `ndim` shape entries.
+            unsafe { std::slice::from_raw_parts(t.shape, ndim) }.iter().map(|&s| s.max(0) as usize).collect()
+        };
+        let len: usize = shape.iter().product();
+        if !t.strides.is_null() && ndim > 0 {
+            // SAFETY: non-NULL strides have `ndim` entries (in elements).
+            let st: Vec<isize> = unsafe { std::slice::from_raw_parts(t.strides, ndim) }.iter().map(|&s| s as isize).collect();
+            if len > 0 && !c_contiguous(&shape, &st, 1) {
+                return Err(not_contiguous(what, &shape, &st, "elements"));
+            }
+        }
+        let addr = (t.data as usize).wrapping_add(t.byte_offset as usize);
+        let v = View { holder: Holder::Capsule(capsule.unbind()), addr, dtype, len, readonly: false };
+        v.check_aligned(what)?;
         Ok(v)
+    }
+
+    fn check_aligned(&self, what: &str) -> PyResult<()> {
+        let align = self.dtype.size();
+        if self.len > 0 && !self.addr.is_multiple_of(align) {
+            return Err(PyValueError::new_err(format!(
+                "{what} starts at address {:#x}, not aligned to its {align}-byte elements ({}); pass an aligned copy \
+(numpy.require(x, requirements='A'))",
+                self.addr, self.dtype
+            )));
+        }
+        Ok(())
     }
 
     /// This view for reading.
     pub fn mem(&self) -> HostMem {
-        let addr = if self.len == 0 { self.dtype.size() } else { self.raw.buf as usize };
+        let addr = if self.len == 0 { self.dtype.size() } else { self.addr };
         HostMem { addr, len: self.len }
     }
 
@@ -155,8 +226,7 @@ x.copy() or x.setflags(write=True) where allowed)"
 
     /// The byte range `[start, end)` the view covers.
     pub fn range(&self) -> (usize, usize) {
-        let a = self.raw.buf as usize;
-        (a, a + self.len * self.dtype.size())
+        (self.addr, self.addr + self.len * self.dtype.size())
     }
 
     /// Whether this view and `other` share any byte.
@@ -166,10 +236,70 @@ x.copy() or x.setflags(write=True) where allowed)"
     }
 }
 
-/// Whether `shape`/`strides` (in bytes) describe a dense C-order block. Dimensions of extent 1
+// DLPack's ABI (dlpack.h, unchanged for the legacy unversioned tensor since v0.2).
+const DL_CPU: i32 = 1;
+const DL_CUDA_HOST: i32 = 3;
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct DLDevice {
+    device_type: i32,
+    device_id: i32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct DLDataType {
+    code: u8,
+    bits: u8,
+    lanes: u16,
+}
+
+#[repr(C)]
+struct DLTensor {
+    data: *mut c_void,
+    device: DLDevice,
+    ndim: i32,
+    dtype: DLDataType,
+    shape: *mut i64,
+    strides: *mut i64,
+    byte_offset: u64,
+}
+
+#[repr(C)]
+struct DLManagedTensor {
+    dl_tensor: DLTensor,
+    manager_ctx: *mut c_void,
+    deleter: Option<unsafe extern "C" fn(*mut DLManagedTensor)>,
+}
+
+/// The lockstep element type of a DLPack dtype (kDLInt 0, kDLUInt 1, kDLFloat 2, kDLBfloat 4).
+fn dl_dtype(t: DLDataType) -> Result<Dtype, String> {
+    let d = match (t.code, t.bits, t.lanes) {
+        (2, 32, 1) => Dtype::F32,
+        (2, 64, 1) => Dtype::F64,
+        (2, 16, 1) => Dtype::F16,
+        (4, 16, 1) => Dtype::BF16,
+        (0, 8, 1) => Dtype::I8,
+        (0, 32, 1) => Dtype::I32,
+        (0, 64, 1) => Dtype::I64,
+        (1, 8, 1) => Dtype::U8,
+        (1, 32, 1) => Dtype::U32,
+        (1, 64, 1) => Dtype::U64,
+        (code, bits, lanes) => {
+            return Err(format!(
+                "DLPack dtype (code {code}, {bits} bits, {lanes} lanes) is not a lockstep element type (float32/64, \
+float16, bfloat16, int8/32/64, uint8/32/64; bool, int16 and complex are not)"
+            ))
+        }
+    };
+    Ok(d)
+}
+
+/// Whether `shape`/`strides` (in bytes, or in elements with `itemsize` 1) describe a dense C-order block. Dimensions of extent 1
 /// may have any stride (numpy gives them arbitrary ones).
-fn c_contiguous(shape: &[usize], strides: &[isize], itemsize: usize) -> bool {
-    let mut expect = itemsize as isize;
+fn c_contiguous(shape: &[usize], strides: &[isize], itemsize: isize) -> bool {
+    let mut expect = itemsize;
     for (&n, &s) in shape.iter().zip(strides).rev() {
         if n != 1 && s != expect {
             return false;

@@ -369,3 +369,34 @@ def test_gil_is_released_during_a_collective():
     (waited, during), _ = launch(2, body)
     assert waited > 0.3
     assert during > 10_000, f"the spinning thread made {during} steps while rank 0 waited {waited:.2f} s"
+
+
+class DLPackOnly:
+    """An object offering only DLPack (as torch tensors do), here over a numpy array."""
+
+    def __init__(self, a):
+        self.a = a
+
+    def __dlpack__(self, **kw):
+        return self.a.__dlpack__(**kw)
+
+    def __dlpack_device__(self):
+        return self.a.__dlpack_device__()
+
+
+@pytest.mark.parametrize("world", [2])
+def test_dlpack_objects(world):
+    def body():
+        c = lockstep.comm()
+        x = np.full((2, 3), c.rank + 1, np.int32)
+        assert c.all_reduce(DLPackOnly(x)).a is x  # in place through DLPack
+        y = np.zeros(2 * c.world_size, np.float16)
+        c.all_gather(DLPackOnly(np.full(2, c.rank + 0.5, np.float16)), DLPackOnly(y))
+        with pytest.raises(ValueError, match="not C-contiguous"):
+            c.all_reduce(DLPackOnly(np.ones(8, np.float32)[::2]))
+        c.barrier()  # both ranks refused the same call: still in step
+        return x, y
+
+    for x, y in launch(world, body):
+        np.testing.assert_array_equal(x, np.full((2, 3), 3, np.int32))
+        np.testing.assert_array_equal(y, np.array([0.5, 0.5, 1.5, 1.5], np.float16))
