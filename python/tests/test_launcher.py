@@ -363,3 +363,17 @@ def test_init_from_env_without_a_launcher():
     )
     assert r.returncode == 0, r.stderr
     assert "error:" in r.stdout and "no launcher variables found" in r.stdout, r.stdout
+
+
+def test_init_from_env_under_lockstep_launch():
+    """Under `lockstep launch` (the CLI of the Rust crate, when built in this checkout)."""
+    exe = Path(os.environ.get("LOCKSTEP_BIN", REPO / "target" / "release" / "lockstep"))
+    if not exe.exists():
+        pytest.skip(f"skipped: {exe} not built (cargo build --release --bin lockstep)")
+    code = "import numpy as np, lockstep\nc = lockstep.init_from_env()\nx = np.full(3, c.rank + 1.0)\nc.all_reduce(x, op='max')\nprint('result', c.rank, c.world_size, x.tolist())\n"
+    r = subprocess.run(
+        [str(exe), "launch", "--nproc-per-node", "3", "--", sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    for rank in range(3):
+        assert f"result {rank} 3 [3.0, 3.0, 3.0]" in r.stdout, r.stdout
