@@ -13,7 +13,8 @@ start=$SECONDS
 
 rm -rf "$venv"
 "$python" -m venv "$venv"
-"$venv/bin/python" -m pip install -q --disable-pip-version-check maturin numpy pytest
+# ipykernel and jupyter_client: notebook_launcher is tested in a real notebook kernel too.
+"$venv/bin/python" -m pip install -q --disable-pip-version-check maturin numpy pytest ipykernel jupyter_client
 # The venv's maturin builds the wheel (no isolated build environment to download again);
 # `pip install ./python` on its own works too and fetches maturin itself.
 PATH="$venv/bin:$PATH" "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-build-isolation "$repo/python"
