@@ -77,7 +77,9 @@ impl ShmJob {
 #[pyfunction]
 fn die_with_parent(parent_pid: i32) -> bool {
     // SAFETY: prctl(PR_SET_PDEATHSIG) takes an integer signal number; no pointers.
-    let rc = unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0) };
+    let rc = unsafe {
+        libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0 as libc::c_ulong, 0 as libc::c_ulong, 0 as libc::c_ulong)
+    };
     // SAFETY: getppid has no preconditions.
     let ppid = unsafe { libc::getppid() };
     rc == 0 && ppid == parent_pid
