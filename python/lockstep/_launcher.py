@@ -22,8 +22,10 @@ import io
 import os
 import pickle
 import selectors
+import shutil
 import signal
 import sys
+import tempfile
 import time
 import traceback
 import warnings
@@ -207,6 +209,9 @@ def notebook_launcher(
     ranks = []
     first = None
     parent = os.getpid()
+    # With torch imported here, each rank starts with torch.distributed initialised on the lockstep
+    # backend; its store (torch needs one, for new_group too) is a file in a private directory.
+    torch_dir = tempfile.mkdtemp(prefix="lockstep-torch-") if _torch_distributed_wanted() else None
     try:
         for r in range(n):
             pipes = []
@@ -225,7 +230,8 @@ def notebook_launcher(
                 raise
             if pid == 0:
                 others = [fd for rk in ranks for fd in rk.fds()]
-                _rank_main(r, job, function, tuple(args), pipes, others, parent, dict(env, RANK=str(r), LOCAL_RANK=str(r)))
+                rank_env = dict(env, RANK=str(r), LOCAL_RANK=str(r))
+                _rank_main(r, job, function, tuple(args), pipes, others, parent, rank_env, torch_dir)
             out_r, out_w, err_r, err_w, res_r, res_w = pipes
             try:
                 # The child does the same; whichever runs first wins, so the group exists before
@@ -244,6 +250,8 @@ def notebook_launcher(
         raise
     finally:
         job.close()
+        if torch_dir is not None:
+            shutil.rmtree(torch_dir, ignore_errors=True)
         for rk in ranks:
             for fd in rk.fds():
                 try:
@@ -253,7 +261,27 @@ def notebook_launcher(
     return _collect(ranks, first)
 
 
-def _rank_main(rank, job, function, args, pipes, others, parent, env):
+def _torch_distributed_wanted():
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return False
+    try:
+        return bool(torch.distributed.is_available())
+    except Exception:
+        return False
+
+
+def _init_torch(rank, world, torch_dir):
+    """Initialise torch.distributed's default group on the lockstep backend in this rank."""
+    import torch.distributed as dist
+
+    from . import torch as _backend  # noqa: F401  (registers the backend)
+
+    store = dist.FileStore(os.path.join(torch_dir, "store"), world)
+    dist.init_process_group(_backend.BACKEND, store=store, rank=rank, world_size=world)
+
+
+def _rank_main(rank, job, function, args, pipes, others, parent, env, torch_dir):
     """The forked rank: set up, run ``function``, send the outcome, ``os._exit``. Never returns."""
     global _COMM, _IN_RANK
     code = 70
@@ -284,6 +312,8 @@ def _rank_main(rank, job, function, args, pipes, others, parent, env):
         outcome = None
         try:
             _COMM = job.communicator(rank)
+            if torch_dir is not None:
+                _init_torch(rank, _COMM.world_size, torch_dir)
             outcome = ("ok", function(*args))
         except SystemExit as e:
             if e.code is None or e.code == 0:

@@ -71,6 +71,21 @@ impl ShmJob {
     }
 }
 
+/// Join the shared segment named after `job_id` as `rank` of `world` ranks of this node, started
+/// separately (the torch backend: one segment per process group, its id agreed through torch's
+/// store). Rank 0 creates it; the name is removed once every rank has joined. Settings come from
+/// the `LOCKSTEP_SHM_*` variables.
+#[pyfunction]
+fn join_named(py: Python<'_>, job_id: &str, rank: usize, world: usize) -> PyResult<PyComm> {
+    let c = py
+        .detach(|| {
+            let cfg = lockstep::shm::ShmConfig::from_env()?;
+            lockstep::shm::ShmComm::join_named(job_id, rank, world, cfg)
+        })
+        .map_err(comm_err)?;
+    Ok(PyComm::new(lockstep::Communicator::from_backend(Box::new(c))))
+}
+
 /// In a freshly forked rank: ask the kernel to SIGKILL this process when the thread that forked
 /// it dies (a killed notebook kernel leaves no rank behind). Returns False when the parent is
 /// already gone (`parent_pid` is not our parent any more): the rank should exit at once.
@@ -93,6 +108,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(init_from_env, m)?)?;
     m.add_function(wrap_pyfunction!(fork_refusal, m)?)?;
     m.add_function(wrap_pyfunction!(die_with_parent, m)?)?;
+    m.add_function(wrap_pyfunction!(join_named, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }
