@@ -9,6 +9,8 @@
   bytearray, memoryview, array.array) and DLPack objects in host memory (torch CPU tensors), in
   place or out of place, with the GIL released while it runs.
 
+``import lockstep.torch`` registers the torch.distributed backend ``"lockstep"``.
+
 Element types come from the buffer's format: float32/64, float16, int8/32/64, uint8/32/64;
 bfloat16 has no buffer-protocol format and comes only through DLPack (a bf16 torch tensor).
 """

@@ -155,6 +155,9 @@ def notebook_launcher(
     * ``fail_fast`` (lockstep): when a rank fails, terminate the others (SIGTERM, then SIGKILL
       after ``grace`` seconds) instead of waiting for them.
 
+    When torch is imported in this process, each rank starts with torch.distributed's default
+    process group initialised on the ``"lockstep"`` backend (see :mod:`lockstep.torch`).
+
     A failing rank raises :class:`RankError` here, with the rank number and that rank's
     traceback. KeyboardInterrupt (the notebook's interrupt button, Ctrl-C) stops every rank and
     everything they started before it propagates. It refuses to fork when CUDA is initialised in
