@@ -98,8 +98,10 @@ impl Communicator {
         self.backend.p2p(ops)
     }
 
-    /// Tell the peers that this rank refused a call locally (see [`Backend::reject`]).
-    pub(crate) fn reject_call(&mut self, kind: CollKind, dtype: Dtype, reason: &CommError) {
+    /// Tell the peers that this rank refused a call locally (see [`Backend::reject`]): for
+    /// bindings that check arguments before reaching the typed methods (the Python package), so
+    /// the peers' matching call fails with a mismatch naming this rank instead of waiting.
+    pub fn reject_call(&mut self, kind: CollKind, dtype: Dtype, reason: &CommError) {
         self.backend.reject(kind, dtype, reason);
     }
 
