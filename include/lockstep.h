@@ -195,10 +195,10 @@ lockstepResult_t lockstepCommAbort(lockstepComm_t comm);
 
 // Split `comm` into sub-communicators: the ranks passing the same `color` (>= 0) form one, ranked
 // by `key` (ties by rank in `comm`); a rank passing LOCKSTEP_SPLIT_NOCOLOR gets `*newcomm = NULL`.
-// Collective over `comm`: every rank calls it. `config` is reserved: pass NULL.
-//
-// Not available yet: returns lockstepInvalidUsage (see lockstepGetLastError) and sets
-// `*newcomm = NULL`.
+// Collective over `comm`: every rank calls it, outside a group. `config` is reserved: pass NULL.
+// The new communicator has its own backend state (a shared-memory segment or an NCCL
+// communicator from ncclCommSplit, NCCL >= 2.18) and is freed by lockstepCommDestroy; `comm`
+// stays usable. On failure `*newcomm` is NULL.
 //
 // Thread safety: as the collectives.
 //

@@ -250,4 +250,19 @@ impl Backend for StagedBackend {
     fn seq(&self) -> u64 {
         self.inner.seq()
     }
+
+    fn split(&mut self, color: Option<u32>, key: i64) -> Result<Option<Box<dyn Backend>>, CommError> {
+        // The host communicator splits; the sub-communicator stages through the same device.
+        let Some(inner) = self.inner.split(color, key)? else { return Ok(None) };
+        let rank = inner.global_rank();
+        let child = StagedBackend::new(&self.ctx, inner).map_err(|e| CommError::Backend {
+            backend: "staged",
+            message: format!("split on rank {rank}: setting up the sub-communicator's staging on device {}: {e}", self.ctx.ordinal()),
+        })?;
+        Ok(Some(Box::new(child)))
+    }
+
+    fn global_ranks(&self) -> Option<Vec<usize>> {
+        self.inner.is_sub_communicator().then(|| self.inner.global_ranks())
+    }
 }

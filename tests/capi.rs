@@ -75,7 +75,9 @@ fn compile_c(src: &Path, out: &Path) -> Result<(), String> {
         .arg("-L")
         .arg(lib_dir)
         .arg("-llockstep")
-        .arg(format!("-Wl,-rpath,{}", lib_dir.display()))
+        // DT_RPATH (not RUNPATH) is searched before LD_LIBRARY_PATH, which cargo points at
+        // target/release too: the program loads this build's library, not a stale copy.
+        .arg(format!("-Wl,--disable-new-dtags,-rpath,{}", lib_dir.display()))
         .output()
         .map_err(|e| format!("could not run the C compiler {cc:?} (install gcc, or set CC): {e}"))?;
     check(
@@ -234,7 +236,7 @@ fn c_under_launch(n: usize) -> Result<(), String> {
     check(o.status.success(), &format!("capi_test under lockstep launch with {n} ranks must pass every check"), text(&o))?;
     every_rank(&o, n, |r| format!("rank {r} of {n}: all checks passed"))?;
     every_rank(&o, n, |r| format!("rank {r}: mismatch: code 5 (invalid usage): lockstepAllReduce: collective"))?;
-    every_rank(&o, n, |r| format!("rank {r}: split: "))
+    every_rank(&o, n, |r| format!("rank {r}: split: verified"))
 }
 
 fn c_launch_2() -> Result<(), String> {
@@ -322,6 +324,7 @@ fn ctypes_under_launch(n: usize) -> Result<(), String> {
         text(&o),
     )?;
     every_rank(&o, n, |r| format!("rank {r} of {n}: ctypes checks passed"))?;
+    every_rank(&o, n, |r| format!("rank {r}: ctypes split: verified"))?;
     every_rank(&o, n, |r| format!("rank {r}: ctypes mismatch: code 5: lockstepAllReduce: collective"))
 }
 

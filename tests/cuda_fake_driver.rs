@@ -75,6 +75,7 @@ struct Libs {
     nccl_old: PathBuf,
     sim_cuda: PathBuf,
     sim_nccl: PathBuf,
+    sim_nccl_no_split: PathBuf,
 }
 
 fn build_libs(root: &Path) -> Libs {
@@ -85,9 +86,11 @@ fn build_libs(root: &Path) -> Libs {
         nccl_old: root.join("nccl-old/libnccl.so.2"),
         sim_cuda: root.join("sim-cuda/libcuda.so.1"),
         sim_nccl: root.join("sim-nccl/libnccl.so.2"),
+        sim_nccl_no_split: root.join("sim-nccl-no-split/libnccl.so.2"),
     };
     cc(SIM_CUDA_C, &l.sim_cuda, &[]);
     cc(SIM_NCCL_C, &l.sim_nccl, &[]);
+    cc(SIM_NCCL_C, &l.sim_nccl_no_split, &["-DSIM_NO_SPLIT"]);
     cc(FAKE_CUDA_C, &l.cuda, &[]);
     cc(FAKE_CUDA_C, &l.cuda_broken, &["-DBROKEN"]);
     cc(FAKE_NCCL_C, &l.nccl, &[]);
@@ -381,6 +384,19 @@ fn scenario(name: &str) {
             assert_eq!(counter("LOCKSTEP_NCCL_LIBRARY", "sim_abort_calls"), 0);
             assert!(ctx.check().is_ok());
         }
+        "sim_nccl_split" => sim_nccl_split(),
+        "sim_nccl_split_missing" => {
+            let (_ctx, comm) = sim_nccl_comm(1, Default::default());
+            let mut comm = comm.unwrap().into_communicator();
+            match comm.split(Some(0), 0) {
+                Err(e @ lockstep::CommError::Unsupported(_)) => {
+                    expect_contains("split without ncclCommSplit", &e.to_string(), &["ncclCommSplit", "2.18", "LOCKSTEP_NCCL_LIBRARY"])
+                }
+                other => panic!("split without ncclCommSplit: {:?}", other.map(|c| c.is_some())),
+            }
+            comm.barrier().unwrap();
+        }
+        "sim_staged_split" => sim_staged_split(),
         "sim_nccl_peer_never_joins" => {
             let (_ctx, comm) = sim_nccl_comm(2, short_timeout());
             let e = comm.err().expect("init must fail").to_string();
@@ -815,6 +831,68 @@ fn sim_staged() {
     }
 }
 
+/// `ncclCommSplit` on the simulated NCCL (one rank): no color gives no communicator, a color a
+/// working one-rank sub-communicator (created in progress and settled), `new_group` exchanges
+/// through device memory; colors and keys NCCL cannot take are refused; every communicator is
+/// destroyed once.
+fn sim_nccl_split() {
+    use lockstep::comm::{BackendKind, ReduceOp};
+    use lockstep::cuda::DeviceBuffer;
+    let (ctx, comm) = sim_nccl_comm(1, Default::default());
+    let mut comm = comm.unwrap().into_communicator();
+    let s = ctx.stream().unwrap();
+    assert!(comm.split(None, 0).unwrap().is_none(), "no color: no communicator");
+    let mut sub = comm.split(Some(3), -1).unwrap().expect("a one-rank sub-communicator");
+    assert_eq!((sub.rank(), sub.world_size(), sub.global_ranks(), sub.backend_kind()), (0, 1, vec![0], BackendKind::Nccl));
+    assert!(sub.is_sub_communicator() && !comm.is_sub_communicator());
+    collectives::check_all_dtypes_world1(&mut sub, &s).unwrap();
+    let mut g = comm.new_group(&[0]).unwrap().expect("rank 0 is a member");
+    let mut x = DeviceBuffer::from_host(&s, &[2.5f32; 4]).unwrap();
+    g.all_reduce_in_place(&mut x, ReduceOp::Sum).unwrap();
+    g.synchronize().unwrap();
+    assert_eq!(x.to_vec(&s).unwrap(), vec![2.5; 4]);
+    let e = comm.split(Some(u32::MAX), 0).unwrap_err().to_string();
+    expect_contains("color", &e, &["NCCL takes colors up to 2147483647"]);
+    let e = comm.split(Some(0), i64::MAX).unwrap_err().to_string();
+    expect_contains("key", &e, &["fit a C int"]);
+    comm.all_reduce_in_place(&mut x, ReduceOp::Sum).unwrap();
+    comm.synchronize().unwrap();
+    drop((sub, g, comm));
+    assert_eq!(counter("LOCKSTEP_NCCL_LIBRARY", "sim_destroy_calls"), 3);
+    assert_eq!(counter("LOCKSTEP_NCCL_LIBRARY", "sim_abort_calls"), 0);
+    assert!(ctx.check().is_ok());
+}
+
+/// Three ranks staging through one (simulated) GPU split by parity: device collectives in each
+/// subgroup, global ranks through the host communicator.
+fn sim_staged_split() {
+    use lockstep::comm::ReduceOp;
+    use lockstep::cuda::DeviceBuffer;
+    let res = lockstep::launch::launch(&lockstep::launch::LaunchConfig::new(3), |rc| {
+        let ctx = lockstep::cuda::Context::new(0)?;
+        let s = ctx.stream()?;
+        let mut comm = lockstep::staged::StagedBackend::new(&ctx, rc.comm)?.into_communicator();
+        let me = rc.rank;
+        let mut sub = comm.split(Some((me % 2) as u32), -(me as i64))?.ok_or("no sub-communicator")?;
+        let want: Vec<usize> = if me % 2 == 0 { vec![2, 0] } else { vec![1] };
+        let mut ok = sub.global_ranks() == want && sub.backend_kind() == lockstep::comm::BackendKind::Staged;
+        let mut x = DeviceBuffer::from_host(&s, &[me as f32; 100])?;
+        sub.all_reduce_in_place(&mut x, ReduceOp::Sum)?;
+        let sum: f32 = want.iter().map(|&g| g as f32).sum();
+        ok &= x.to_vec(&s)?.iter().all(|v| *v == sum);
+        let mut g = DeviceBuffer::<f32>::zeros(&s, want.len())?;
+        sub.all_gather(&DeviceBuffer::from_host(&s, &[me as f32])?, &mut g)?;
+        ok &= g.to_vec(&s)? == want.iter().map(|&g| g as f32).collect::<Vec<_>>();
+        sub.synchronize()?;
+        comm.barrier()?;
+        Ok(ok)
+    });
+    match res {
+        Ok(v) if v.iter().all(|b| *b) => {}
+        other => panic!("staged split: {other:?}"),
+    }
+}
+
 /// The device engine's host side on the simulated driver (host memory stands in for device
 /// memory): arena views and their overlap check, region copies, the asynchronous read-back,
 /// parameter upload/download through `Engine`, the index list, and a launch that cannot compile
@@ -895,6 +973,12 @@ fn main() {
         ("sim_device_engine_host_side", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda))]),
         ("sim_drop_error_is_deferred", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)), ("SIM_FAIL_FREE", "1".into())]),
         ("sim_nccl_collectives", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)), ("LOCKSTEP_NCCL_LIBRARY", s(&libs.sim_nccl))]),
+        ("sim_nccl_split", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)), ("LOCKSTEP_NCCL_LIBRARY", s(&libs.sim_nccl))]),
+        (
+            "sim_nccl_split_missing",
+            vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)), ("LOCKSTEP_NCCL_LIBRARY", s(&libs.sim_nccl_no_split))],
+        ),
+        ("sim_staged_split", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda))]),
         ("sim_nccl_peer_never_joins", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)), ("LOCKSTEP_NCCL_LIBRARY", s(&libs.sim_nccl))]),
         (
             "sim_nccl_async_error_aborts",

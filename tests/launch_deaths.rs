@@ -41,20 +41,24 @@ fn show(o: &Output) -> String {
 }
 
 /// A launcher killed and reaped if the test returns early; its marked processes are killed too.
+/// A launcher that was waited for leaves the marked processes alone: another launcher of the
+/// same job (same mark) may still be stopping its ranks, and `nothing_left` checks them later.
 struct Running {
     child: Option<Child>,
     mark: String,
+    waited: bool,
 }
 
 impl Running {
     fn spawn(c: &mut Command, mark: &str) -> Running {
         let child = c.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("spawn lockstep");
-        Running { child: Some(child), mark: mark.to_string() }
+        Running { child: Some(child), mark: mark.to_string(), waited: false }
     }
     fn pid(&self) -> i32 {
         self.child.as_ref().expect("running").id() as i32
     }
     fn wait_with_output(mut self) -> std::io::Result<Output> {
+        self.waited = true;
         self.child.take().expect("running").wait_with_output()
     }
 }
@@ -64,6 +68,9 @@ impl Drop for Running {
         if let Some(mut c) = self.child.take() {
             let _ = c.kill();
             let _ = c.wait();
+        }
+        if self.waited {
+            return;
         }
         for p in marked(&self.mark) {
             signal(p, libc::SIGKILL);
@@ -91,6 +98,10 @@ fn nothing_left(mark: &str) -> Result<(), String> {
     });
     let what: Vec<String> =
         left.iter().map(|p| std::fs::read_to_string(format!("/proc/{p}/cmdline")).unwrap_or_default().replace('\0', " ")).collect();
+    // The failure is reported; what was left does not outlive the test.
+    for p in &left {
+        signal(*p, libc::SIGKILL);
+    }
     check(gone, &format!("no process may be left {CLEANUP:?} after the launcher ended"), format!("{left:?}: {what:?}"))
 }
 

@@ -465,6 +465,11 @@ thread_local! {
     static GROUP: RefCell<GroupState> = RefCell::new(GroupState::default());
 }
 
+/// Whether this thread has a group open (lockstepGroupStart without its lockstepGroupEnd yet).
+pub(crate) fn in_group() -> bool {
+    GROUP.with(|g| g.borrow().depth > 0)
+}
+
 /// The entry point of every call on a communicator: run it, or record it in the open group.
 pub(crate) fn submit(name: &'static str, comm: lockstepComm_t, stream: *mut c_void, op: Op) -> lockstepResult_t {
     guard_comm(name, comm, |h| {

@@ -149,10 +149,10 @@ pub extern "C" fn lockstepCommAbort(comm: lockstepComm_t) -> lockstepResult_t {
 
 /// Split `comm` into sub-communicators: the ranks passing the same `color` (>= 0) form one, ranked
 /// by `key` (ties by rank in `comm`); a rank passing LOCKSTEP_SPLIT_NOCOLOR gets `*newcomm = NULL`.
-/// Collective over `comm`: every rank calls it. `config` is reserved: pass NULL.
-///
-/// Not available yet: returns lockstepInvalidUsage (see lockstepGetLastError) and sets
-/// `*newcomm = NULL`.
+/// Collective over `comm`: every rank calls it, outside a group. `config` is reserved: pass NULL.
+/// The new communicator has its own backend state (a shared-memory segment or an NCCL
+/// communicator from ncclCommSplit, NCCL >= 2.18) and is freed by lockstepCommDestroy; `comm`
+/// stays usable. On failure `*newcomm` is NULL.
 ///
 /// Thread safety: as the collectives.
 ///
@@ -178,14 +178,15 @@ pub unsafe extern "C" fn lockstepCommSplit(
                 "color {color} is negative: pass a color >= 0, or LOCKSTEP_SPLIT_NOCOLOR (-1) to join no new communicator"
             )));
         }
-        let _ = (h, key);
-        // TODO(split): sub-communicators are being added as
-        // `Communicator::split(color: Option<u32>, key: i64) -> Result<Option<Communicator>, CommError>`.
-        // Once it lands: lock `h`, call it with `(color >= 0).then_some(color as u32)` and
-        // `key as i64`, and store `handle::register(sub)` (or NULL for None) in `*out`.
-        Err(Failure::invalid_usage(
-            "lockstepCommSplit is not available yet: lockstep's communicators cannot be split in this version; create a separate communicator per group with lockstepCommInitRank",
-        ))
+        if exec::in_group() {
+            return Err(Failure::invalid_usage(
+                "lockstepCommSplit inside lockstepGroupStart/lockstepGroupEnd: split before the group starts (the new communicator is needed at once)",
+            ));
+        }
+        let color = u32::try_from(color).ok();
+        let sub = h.with_comm(|c| c.split(color, i64::from(key)).map_err(Failure::from))?;
+        *out = sub.map_or(std::ptr::null_mut(), handle::register);
+        Ok(())
     })
 }
 

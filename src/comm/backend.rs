@@ -138,6 +138,24 @@ pub trait Backend: Send {
     fn completion(&mut self) -> Result<Option<Box<dyn Completion>>, CommError> {
         Ok(None)
     }
+    /// Split the communicator into disjoint sub-communicators, as `ncclCommSplit` and
+    /// `MPI_Comm_split` do. Collective: every rank calls it, at the same point of its sequence of
+    /// calls. Ranks passing the same `color` form one new communicator, ranked by `(key, rank in
+    /// this communicator)`; ranks passing `None` take part but get `Ok(None)`. The new
+    /// communicators run independently of this one and of each other (this one stays usable).
+    fn split(&mut self, color: Option<u32>, key: i64) -> Result<Option<Box<dyn Backend>>, CommError> {
+        let _ = (color, key);
+        Err(CommError::Unsupported(format!(
+            "split (sub-communicators) is not supported on the {} backend; use the shm or nccl backend",
+            self.kind()
+        )))
+    }
+    /// For a sub-communicator made by [`split`](Self::split): the global rank (the rank in the
+    /// world communicator the splits started from) of each of its ranks. `None` for a world
+    /// communicator, and for backends that do not track it (the caller then asks the ranks).
+    fn global_ranks(&self) -> Option<Vec<usize>> {
+        None
+    }
     /// Allocate `bytes` of memory that peers can read directly (zero-copy collectives).
     fn alloc_shared(&mut self, bytes: usize) -> Result<Box<dyn SharedRegion>, CommError> {
         let _ = bytes;

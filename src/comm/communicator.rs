@@ -11,9 +11,9 @@ use std::sync::Arc;
 use std::marker::PhantomData;
 
 use super::backend::{Backend, BackendKind, Call, Completion, P2pOp, Splits};
-use super::error::CommError;
+use super::error::{rank_name, CommError};
 use super::shared::SharedBuffer;
-use crate::cuda::Context;
+use crate::cuda::{Context, CudaError, DeviceBuffer};
 use crate::types::{Buffer, BufferMut, CollKind, Dtype, Element, MemSpace, RawMem, ReduceOp};
 
 /// A group of ranks that run collectives together.
@@ -22,6 +22,9 @@ use crate::types::{Buffer, BufferMut, CollKind, Dtype, Element, MemSpace, RawMem
 /// a disagreement is reported on every rank as [`CommError::Mismatch`] rather than hanging.
 pub struct Communicator {
     backend: Box<dyn Backend>,
+    /// For a sub-communicator ([`split`](Self::split)): the global rank of each rank; `None` for
+    /// a world communicator.
+    global: Option<Arc<[usize]>>,
 }
 
 impl fmt::Debug for Communicator {
@@ -30,6 +33,7 @@ impl fmt::Debug for Communicator {
             .field("backend", &self.backend.kind())
             .field("rank", &self.backend.rank())
             .field("world_size", &self.backend.world_size())
+            .field("global_ranks", &self.global)
             .finish()
     }
 }
@@ -37,7 +41,8 @@ impl fmt::Debug for Communicator {
 impl Communicator {
     /// Wrap a backend.
     pub fn from_backend(backend: Box<dyn Backend>) -> Communicator {
-        Communicator { backend }
+        let global = backend.global_ranks().map(Arc::from);
+        Communicator { backend, global }
     }
 
     /// This rank, in `0..world_size()`.
@@ -93,13 +98,28 @@ impl Communicator {
         self.backend.p2p(ops)
     }
 
-    /// Tell the peers that this rank refused a call locally (see [`Backend::reject`]).
-    pub(crate) fn reject_call(&mut self, kind: CollKind, dtype: Dtype, reason: &CommError) {
+    /// Tell the peers that this rank refused a call locally (see [`Backend::reject`]): for
+    /// bindings that check arguments before reaching the typed methods (the Python package), so
+    /// the peers' matching call fails with a mismatch naming this rank instead of waiting.
+    pub fn reject_call(&mut self, kind: CollKind, dtype: Dtype, reason: &CommError) {
         self.backend.reject(kind, dtype, reason);
     }
 
     fn invalid(&self, op: CollKind, detail: String) -> CommError {
-        CommError::InvalidArgument { op, rank: self.rank(), detail }
+        match &self.global {
+            // Errors name global ranks; the detail speaks of this communicator's ranks, so say
+            // which one this is.
+            Some(g) => CommError::InvalidArgument {
+                op,
+                rank: g[self.rank()],
+                detail: format!(
+                    "{detail} (this is rank {} of a sub-communicator of {} ranks; roots and peers are its ranks)",
+                    self.rank(),
+                    self.world_size()
+                ),
+            },
+            None => CommError::InvalidArgument { op, rank: self.rank(), detail },
+        }
     }
 
     /// A call refused locally: let the backend tell the peers (so they fail too instead of pairing
@@ -507,6 +527,132 @@ impl Communicator {
             }
             None => Err(self.invalid(op, "recv_counts add up to more than usize::MAX".into())),
         }
+    }
+
+    // --------------------------------------------------------------------------------------------
+    // Sub-communicators
+
+    /// The global rank of each rank of this communicator: the rank it has in the world
+    /// communicator the [`split`](Self::split)s started from (`0..world_size()` for a world
+    /// communicator). Errors of a sub-communicator name global ranks, followed by the rank in the
+    /// sub-communicator: `rank 3 (rank 1 of this sub-communicator)`.
+    pub fn global_ranks(&self) -> Vec<usize> {
+        match &self.global {
+            Some(g) => g.to_vec(),
+            None => (0..self.world_size()).collect(),
+        }
+    }
+
+    /// This rank's global rank (see [`global_ranks`](Self::global_ranks)).
+    pub fn global_rank(&self) -> usize {
+        self.global.as_ref().map_or(self.rank(), |g| g[self.rank()])
+    }
+
+    /// Whether this communicator was made by [`split`](Self::split) or [`new_group`](Self::new_group).
+    pub fn is_sub_communicator(&self) -> bool {
+        self.global.is_some()
+    }
+
+    /// Split this communicator into disjoint sub-communicators, as `ncclCommSplit` and
+    /// `MPI_Comm_split` do. Every rank must call it, at the same point of its sequence of calls
+    /// (it runs collectives on this communicator, which count in [`seq`](Self::seq)). Ranks that
+    /// pass the same `color` form one sub-communicator, in which they are ranked by `key`, ties
+    /// broken by their rank here (so `key = 0` everywhere keeps this communicator's order, and
+    /// `key = -rank` reverses it); ranks that pass `None` get `Ok(None)`.
+    ///
+    /// The sub-communicators are independent of this one and of each other: they may run
+    /// collectives at the same time (from other threads, each communicator used by one thread at a
+    /// time), and this communicator stays usable. Splits nest: a sub-communicator can be split
+    /// again, and its [`global_ranks`](Self::global_ranks) still name world ranks.
+    ///
+    /// Backends: shm (a new shared segment per sub-communicator, see the crate README), nccl
+    /// (`ncclCommSplit`; colors up to `i32::MAX` and keys that fit an `i32`), staged (splits its
+    /// host communicator).
+    pub fn split(&mut self, color: Option<u32>, key: i64) -> Result<Option<Communicator>, CommError> {
+        let Some(backend) = self.backend.split(color, key)? else { return Ok(None) };
+        let mut child = Communicator::from_backend(backend);
+        let (n, me) = (child.world_size(), child.rank());
+        if child.global.is_none() {
+            // The backend does not know who its members are (NCCL): ask them.
+            let all = child.all_gather_u64(self.global_rank() as u64)?;
+            child.global = Some(all.iter().map(|&g| g as usize).collect());
+        }
+        let mine = self.global_rank();
+        match &child.global {
+            Some(g) if g.len() == n && g[me] == mine => Ok(Some(child)),
+            g => Err(CommError::Setup(format!(
+                "split: the {} backend made a sub-communicator of {n} ranks in which this rank (global rank {mine}) is rank {me}, but its global ranks are {g:?}; this is a bug in lockstep",
+                self.backend_kind()
+            ))),
+        }
+    }
+
+    /// A sub-communicator of the ranks `ranks` (ranks of this communicator), as
+    /// `torch.distributed.new_group`: every rank of this communicator must call it with the same
+    /// set of ranks (checked: a rank that passes another set makes the call fail on every rank
+    /// with [`CommError::Mismatch`]); the members get the new communicator, the others `Ok(None)`.
+    /// As in torch, the list is a set: the new ranks follow this communicator's order whatever
+    /// the order of `ranks` (use [`split`](Self::split) with a key for another order). An empty
+    /// list, a rank out of range or a duplicate is refused on the rank that passed it
+    /// ([`CommError::InvalidArgument`]) and on its peers (a mismatch naming it).
+    pub fn new_group(&mut self, ranks: &[usize]) -> Result<Option<Communicator>, CommError> {
+        let n = self.world_size();
+        let mut set = ranks.to_vec();
+        set.sort_unstable();
+        let problem = if set.is_empty() {
+            Some("the rank list is empty; a group needs at least one rank".to_string())
+        } else if let Some(r) = set.iter().find(|&&r| r >= n) {
+            Some(format!("rank {r} in {ranks:?} is out of range for world size {n}"))
+        } else {
+            set.windows(2).find(|w| w[0] == w[1]).map(|w| format!("rank {} appears more than once in {ranks:?}", w[0]))
+        };
+        if let Some(p) = problem {
+            let e = self.invalid(CollKind::AllGather, format!("new_group: {p}"));
+            // The peers' exchange below fails too, naming this rank, instead of waiting for it.
+            self.backend.reject(CollKind::AllGather, Dtype::U64, &e);
+            return Err(e);
+        }
+        // Every rank must pass the same set: compare a fingerprint (FNV-1a over the set).
+        let fp = set.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &r| (h ^ r as u64).wrapping_mul(0x100_0000_01b3));
+        let all = self.all_gather_u64(fp)?;
+        let differ: Vec<String> = (0..n).filter(|&r| all[r] != all[0]).map(|r| self.rank_name(r)).collect();
+        if !differ.is_empty() {
+            return Err(CommError::Mismatch {
+                seq: self.seq(),
+                detail: format!(
+                    "new_group: {} passed another set of ranks than {}; every rank must pass the same ranks",
+                    differ.join(", "),
+                    self.rank_name(0)
+                ),
+            });
+        }
+        let member = set.binary_search(&self.rank()).is_ok();
+        self.split(member.then_some(0), 0)
+    }
+
+    /// How errors name rank `r` of this communicator.
+    fn rank_name(&self, r: usize) -> String {
+        rank_name(self.global.as_deref(), r)
+    }
+
+    /// Every rank's `v`, in rank order: an all-gather through host memory, or device memory on
+    /// device communicators.
+    fn all_gather_u64(&mut self, v: u64) -> Result<Vec<u64>, CommError> {
+        let n = self.world_size();
+        let Some(ctx) = self.device_context() else {
+            let mut out = vec![0u64; n];
+            self.all_gather(&[v][..], &mut out[..])?;
+            return Ok(out);
+        };
+        let cuda = |e: CudaError| CommError::Backend { backend: "cuda", message: format!("exchanging split data through the device: {e}") };
+        let stream = ctx.stream().map_err(cuda)?;
+        let send = DeviceBuffer::from_host(&stream, &[v]).map_err(cuda)?;
+        let mut recv = DeviceBuffer::<u64>::zeros(&stream, n).map_err(cuda)?;
+        // The zeroing must land before the communicator's stream writes the result.
+        stream.synchronize().map_err(cuda)?;
+        self.all_gather(&send, &mut recv)?;
+        self.synchronize()?;
+        recv.to_vec(&stream).map_err(cuda)
     }
 
     // --------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ pub enum CommError {
     InvalidArgument {
         /// The collective.
         op: CollKind,
-        /// The calling rank.
+        /// The calling rank (its global rank, in a sub-communicator).
         rank: usize,
         /// What is wrong and what was expected.
         detail: String,
@@ -25,11 +25,11 @@ pub enum CommError {
         detail: String,
     },
     /// A peer process died or left the communicator while others waited for it.
-    #[error("rank {lost_rank} (pid {pid}) {how} while rank {rank} was in {op} #{seq}; the job cannot continue: restart it (the launcher reports the lost rank's exit status)")]
+    #[error("rank {lost_rank} (pid {pid}) {how} while rank {rank} was in {op} #{seq}{group}; the job cannot continue: restart it (the launcher reports the lost rank's exit status)")]
     PeerLost {
-        /// This rank.
+        /// This rank (its global rank, in a sub-communicator).
         rank: usize,
-        /// The rank that is gone.
+        /// The rank that is gone (its global rank, in a sub-communicator).
         lost_rank: usize,
         /// Its process id.
         pid: i32,
@@ -39,11 +39,14 @@ pub enum CommError {
         op: CollKind,
         /// Its sequence number.
         seq: u64,
+        /// Empty on a world communicator; on a sub-communicator (see
+        /// [`Communicator::split`](super::Communicator::split)), where the two ranks sit in it.
+        group: String,
     },
     /// Another rank detected a failure and aborted the communicator.
     #[error("communicator aborted by rank {by}: {reason}")]
     Aborted {
-        /// The rank that aborted.
+        /// The rank that aborted (its global rank, in a sub-communicator).
         by: usize,
         /// Why.
         reason: String,
@@ -51,7 +54,7 @@ pub enum CommError {
     /// Some ranks did not arrive within the timeout.
     #[error("{op} #{seq} on rank {rank} timed out after {secs:.1} s: {detail} (raise LOCKSTEP_TIMEOUT_S if this is expected)")]
     Timeout {
-        /// This rank.
+        /// This rank (its global rank, in a sub-communicator).
         rank: usize,
         /// The collective.
         op: CollKind,
@@ -85,4 +88,15 @@ pub enum CommError {
         /// Its message.
         message: String,
     },
+}
+
+/// How errors name rank `r` of a communicator whose rank `i` is global rank `global[i]` (`None`:
+/// a world communicator, whose ranks are the global ranks): `rank 3 (rank 1 of this
+/// sub-communicator)`, so a report names the process the launcher knows, and the rank the
+/// program used.
+pub(crate) fn rank_name(global: Option<&[usize]>, r: usize) -> String {
+    match global.and_then(|g| g.get(r)) {
+        Some(g) => format!("rank {g} (rank {r} of this sub-communicator)"),
+        None => format!("rank {r}"),
+    }
 }

@@ -16,6 +16,7 @@ mod shared;
 
 pub use backend::{Backend, BackendKind, Call, Completion, P2pOp, Splits};
 pub use communicator::{Communicator, Group, Work};
+pub(crate) use error::rank_name;
 pub use error::CommError;
 pub use shared::{SharedBuffer, SharedRegion};
 // The vocabulary, re-exported so `comm` reads as the whole collective API.

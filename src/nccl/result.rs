@@ -17,6 +17,8 @@ use crate::cuda::CudaError;
 
 use super::error::{hint, NcclError};
 
+/// `NCCL_SPLIT_NOCOLOR`: `ncclCommSplit`'s color for ranks that join no new communicator.
+pub(crate) const SPLIT_NOCOLOR: c_int = -1;
 /// `ncclSuccess`.
 pub(crate) const SUCCESS: c_int = 0;
 /// `ncclInProgress` (non-blocking communicators).
@@ -60,6 +62,8 @@ fn_table! {
         optional {
             ncclCommInitRankConfig = "ncclCommInitRankConfig": fn(*mut ncclComm_t, c_int, ncclUniqueId, c_int, *mut ncclConfig_t) -> c_int;
             ncclCommFinalize = "ncclCommFinalize": fn(ncclComm_t) -> c_int;
+            // Optional so that a library without it still runs everything but `split`.
+            ncclCommSplit = "ncclCommSplit": fn(ncclComm_t, c_int, c_int, *mut ncclComm_t, *mut ncclConfig_t) -> c_int;
         }
     }
 }

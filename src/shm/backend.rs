@@ -16,6 +16,12 @@ pub struct ShmComm {
     poisoned: Option<String>,
     /// This rank's positions in the point-to-point mailboxes.
     p2p: P2p,
+    /// Names this communicator's segment, for the names of its sub-communicators' segments: the
+    /// job id of a named segment, a sub-communicator's own tag; `None` for an anonymous segment
+    /// (the header's creator then names it).
+    tag: Option<String>,
+    /// Splits this rank has made of this communicator (numbers the sub-communicators' segments).
+    splits: u64,
 }
 
 impl std::fmt::Debug for ShmComm {
@@ -28,7 +34,29 @@ impl ShmComm {
     /// A communicator over a joined channel, allocating shared buffers from `heap`.
     pub(crate) fn new(ch: Channel, heap: Arc<Mutex<Heap>>) -> ShmComm {
         let p2p = P2p::new(ch.world(), ch.config().cma_bytes, ch.config().fault_refuse_direct);
-        ShmComm { ch, heap, poisoned: None, p2p }
+        ShmComm { ch, heap, poisoned: None, p2p, tag: None, splits: 0 }
+    }
+
+    /// Set the tag that names this communicator's segment (see `shm::split`).
+    pub(crate) fn with_tag(mut self, tag: &str) -> ShmComm {
+        self.tag = Some(tag.to_string());
+        self
+    }
+
+    /// The tag of this communicator's segment, if it has one.
+    pub(crate) fn tag(&self) -> Option<&str> {
+        self.tag.as_deref()
+    }
+
+    /// Count one more split of this communicator; returns its number (from 1).
+    pub(crate) fn next_split(&mut self) -> u64 {
+        self.splits += 1;
+        self.splits
+    }
+
+    /// The channel (for `shm::split`, which reads the peers' processes and settings).
+    pub(crate) fn channel(&self) -> &Channel {
+        &self.ch
     }
 
     fn run_call(&mut self, call: &Call, cx: Ctx) -> Result<(), CommError> {
@@ -73,14 +101,17 @@ impl Backend for ShmComm {
 
     fn run(&mut self, call: &Call) -> Result<(), CommError> {
         if let Some(reason) = &self.poisoned {
-            return Err(CommError::Aborted { by: self.ch.rank(), reason: format!("an earlier collective failed: {reason}") });
+            return Err(CommError::Aborted {
+                by: self.ch.global(self.ch.rank()),
+                reason: format!("an earlier collective failed: {reason}"),
+            });
         }
         for (what, m) in [("send", call.send), ("recv", call.recv)] {
             if m.space != MemSpace::Host && m.len > 0 {
                 let e = CommError::Unsupported(format!(
-                    "{} on rank {}: the {what} buffer is device memory, which the shared-memory backend cannot read; use the NCCL backend or copy it to the host",
+                    "{} on {}: the {what} buffer is device memory, which the shared-memory backend cannot read; use the NCCL backend or copy it to the host",
                     call.kind,
-                    self.ch.rank()
+                    self.ch.who(self.ch.rank())
                 ));
                 self.reject(call.kind, call.dtype, &e);
                 return Err(e);
@@ -97,20 +128,20 @@ impl Backend for ShmComm {
 
     fn p2p(&mut self, ops: &[P2pOp]) -> Result<(), CommError> {
         if let Some(reason) = &self.poisoned {
-            return Err(CommError::Aborted { by: self.ch.rank(), reason: format!("an earlier call failed: {reason}") });
+            return Err(CommError::Aborted { by: self.ch.global(self.ch.rank()), reason: format!("an earlier call failed: {reason}") });
         }
         for o in ops {
             if o.mem.space != MemSpace::Host && o.mem.len > 0 {
                 return Err(CommError::Unsupported(format!(
-                    "{} on rank {}: the buffer is device memory, which the shared-memory backend cannot read; use the NCCL backend or copy it to the host",
+                    "{} on {}: the buffer is device memory, which the shared-memory backend cannot read; use the NCCL backend or copy it to the host",
                     o.kind,
-                    self.ch.rank()
+                    self.ch.who(self.ch.rank())
                 )));
             }
             if o.peer >= self.ch.world() || !o.kind.is_p2p() {
                 return Err(CommError::InvalidArgument {
                     op: o.kind,
-                    rank: self.ch.rank(),
+                    rank: self.ch.global(self.ch.rank()),
                     detail: format!("a point-to-point operation needs kind send or recv and a peer below {}", self.ch.world()),
                 });
             }
@@ -137,6 +168,15 @@ impl Backend for ShmComm {
 
     fn seq(&self) -> u64 {
         self.ch.seq()
+    }
+
+    fn split(&mut self, color: Option<u32>, key: i64) -> Result<Option<Box<dyn Backend>>, CommError> {
+        // `shm::split` (an inherent method there: it builds on bootstrap, which builds on this file).
+        Ok(self.split_shm(color, key)?.map(|c| Box::new(c) as Box<dyn Backend>))
+    }
+
+    fn global_ranks(&self) -> Option<Vec<usize>> {
+        self.ch.global_ranks().map(|g| g.to_vec())
     }
 
     fn alloc_shared(&mut self, bytes: usize) -> Result<Box<dyn SharedRegion>, CommError> {

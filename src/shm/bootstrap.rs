@@ -14,7 +14,7 @@ use super::config::ShmConfig;
 use super::segment::{available_cpus, futex_wait, futex_wake_all, show_bytes, NoSpace, PeerWatch, SegName, Segment, SHM_DIR};
 use super::stale::{creator_identity, creator_in, creator_of, Creator};
 use super::sync::{Header, Layout, HEADER_BYTES, MAGIC, STATE_JOINED, STATE_LEFT, VERSION};
-use crate::comm::{CommError, Communicator};
+use crate::comm::{rank_name, CommError, Communicator};
 
 /// A shared segment prepared for `world` ranks, created by the parent before it forks.
 #[derive(Debug, Clone)]
@@ -24,7 +24,7 @@ pub struct ShmJob {
     cfg: ShmConfig,
 }
 
-fn init_header(seg: &Segment, layout: &Layout, cfg: &ShmConfig) {
+pub(crate) fn init_header(seg: &Segment, layout: &Layout, cfg: &ShmConfig) {
     // SAFETY: the segment starts with a Header-sized, 64-byte aligned (page-aligned mapping) region
     // that nobody else reads before `magic` is set.
     let h = unsafe { &*(seg.base() as *const Header) };
@@ -44,7 +44,7 @@ fn init_header(seg: &Segment, layout: &Layout, cfg: &ShmConfig) {
 
 /// Reserve what every collective touches (header, control blocks, slots) before anything
 /// touches it, so a small `/dev/shm` or a memory limit is an error here, not a SIGBUS later.
-fn reserve_backed(seg: &Segment, layout: &Layout) -> Result<(), CommError> {
+pub(crate) fn reserve_backed(seg: &Segment, layout: &Layout) -> Result<(), CommError> {
     seg.reserve(0, layout.backed()).map_err(|e| no_room(&e, layout))
 }
 
@@ -91,7 +91,7 @@ impl ShmJob {
 
     /// Join as `rank` (called in each forked child).
     pub fn join(&self, rank: usize) -> Result<ShmComm, CommError> {
-        join(self.seg.clone(), self.layout, self.cfg.clone(), rank, None)
+        join(self.seg.clone(), self.layout, self.cfg.clone(), rank, None, None)
     }
 
     /// Join as `rank` and wrap the result in a [`Communicator`].
@@ -100,26 +100,52 @@ impl ShmJob {
     }
 }
 
+/// How the ranks of a sub-communicator join its segment (see `shm::split`).
+pub(crate) struct SubJoin {
+    /// The global rank of each rank, which its errors name.
+    pub global: Arc<[usize]>,
+    /// Each rank's process (known from the parent communicator), so that a member that dies
+    /// before it has joined fails the join at once rather than at the join timeout.
+    pub pids: Vec<i32>,
+    /// The parent's spin time. The process is placed already: a sub-communicator binds no CPU.
+    pub spin: Duration,
+}
+
 /// Join a segment whose header is initialised as `rank`: claim the rank's control block, wait for
 /// every rank to arrive, then watch the peers' processes. With `name`, the last rank to arrive
-/// removes the segment's name.
-fn join(seg: Arc<Segment>, layout: Layout, cfg: ShmConfig, rank: usize, name: Option<&SegName>) -> Result<ShmComm, CommError> {
+/// removes the segment's name. `sub`: the segment is a sub-communicator's.
+pub(crate) fn join(
+    seg: Arc<Segment>,
+    layout: Layout,
+    cfg: ShmConfig,
+    rank: usize,
+    name: Option<&SegName>,
+    sub: Option<&SubJoin>,
+) -> Result<ShmComm, CommError> {
     let world = layout.world;
     if rank >= world {
         return Err(CommError::Setup(format!("rank {rank} is out of range for world size {world}")));
     }
     let heap = Arc::new(Mutex::new(Heap::new(layout.heap_off(rank), layout.heap_bytes)));
-    let spin = cfg.spin.unwrap_or(if world > available_cpus() { Duration::from_micros(2) } else { Duration::from_micros(20) });
-    if cfg.bind_cpu {
+    let spin = match sub {
+        Some(s) => s.spin,
+        None => cfg.spin.unwrap_or(if world > available_cpus() { Duration::from_micros(2) } else { Duration::from_micros(20) }),
+    };
+    if cfg.bind_cpu && sub.is_none() {
         bind_to_cpu(rank, world);
     }
+    let global = sub.map(|s| s.global.clone());
+    let who = |r: usize| rank_name(global.as_deref(), r);
     let join_timeout = cfg.join_timeout;
     // From here on, an early return drops `c`, which marks this rank's control block as left
     // (see the Drop below), as the communicator would.
     let mut c = Channel::new(seg, layout, cfg, rank, spin);
+    if let Some(g) = &global {
+        c.set_global(g.clone());
+    }
     let me = c.ctrl(rank);
     if me.state.compare_exchange(0, STATE_JOINED, SeqCst, SeqCst).is_err() {
-        return Err(CommError::Setup(format!("rank {rank} has already joined this communicator (pid {})", me.pid.load(Relaxed))));
+        return Err(CommError::Setup(format!("{} has already joined this communicator (pid {})", who(rank), me.pid.load(Relaxed))));
     }
     // Touch our own slots now (reserved by the creator) so collectives never page-fault on them.
     c.seg().prefault(layout.slot_off(rank, 0), 2 * layout.slot_bytes);
@@ -150,22 +176,34 @@ fn join(seg: Arc<Segment>, layout: Layout, cfg: ShmConfig, rank: usize, name: Op
         }
         let waited = start.elapsed();
         if waited > join_timeout {
-            let missing: Vec<usize> = (0..world).filter(|&r| c.ctrl(r).state.load(Acquire) == 0).collect();
+            let missing: Vec<String> = (0..world).filter(|&r| c.ctrl(r).state.load(Acquire) == 0).map(who).collect();
             return Err(CommError::Setup(format!(
-                "rank {rank}: ranks {missing:?} did not join within {:.0} s (LOCKSTEP_JOIN_TIMEOUT_S); did every rank start?",
+                "{}: {} did not join within {:.0} s (LOCKSTEP_JOIN_TIMEOUT_S); did every rank start?",
+                who(rank),
+                missing.join(", "),
                 join_timeout.as_secs_f64()
             )));
         }
         for (r, watch) in watches.iter_mut().enumerate() {
             let peer = c.ctrl(r);
-            let (state, pid) = (peer.state.load(Acquire), peer.pid.load(Acquire));
-            if r == rank || state == 0 || pid == 0 {
+            let (state, mut pid) = (peer.state.load(Acquire), peer.pid.load(Acquire));
+            if r == rank {
                 continue;
+            }
+            if state == 0 || pid == 0 {
+                // Not joined yet: the members of a sub-communicator are known processes.
+                match sub.and_then(|s| s.pids.get(r)) {
+                    Some(&p) if p > 0 => pid = p,
+                    _ => continue,
+                }
             }
             if state == STATE_LEFT || watch.get_or_insert_with(|| PeerWatch::new(pid)).is_dead() {
                 return Err(CommError::Setup(format!(
-                    "rank {rank}: rank {r} (pid {pid}) {} before all ranks had joined; the job cannot start: restart it (the launcher reports that rank's exit status)",
-                    if state == STATE_LEFT { "gave up" } else { "died" }
+                    "{}: {} (pid {pid}) {} before all ranks had joined; the {} cannot start: restart it (the launcher reports that rank's exit status)",
+                    who(rank),
+                    who(r),
+                    if state == STATE_LEFT { "gave up" } else { "died" },
+                    if sub.is_some() { "sub-communicator" } else { "job" }
                 )));
             }
         }
@@ -190,7 +228,7 @@ impl ShmComm {
                 return Err(e);
             }
             init_header(&seg, &layout, &cfg);
-            return join(Arc::new(seg), layout, cfg, rank, Some(&name));
+            return join(Arc::new(seg), layout, cfg, rank, Some(&name), None).map(|c| c.with_tag(job_id));
         }
         let start = Instant::now();
         // Poll for the segment with exponential back-off (it has no futex to sleep on before it
@@ -215,7 +253,7 @@ impl ShmComm {
                     // id, which rank 0 is about to replace: joining it would wait for nobody.
                     let leftover = matches!(creator_in(h), Creator::Dead(_));
                     if seg.len() >= layout.total && !leftover {
-                        return join(Arc::new(seg), layout, cfg, rank, Some(&name));
+                        return join(Arc::new(seg), layout, cfg, rank, Some(&name), None).map(|c| c.with_tag(job_id));
                     }
                 }
             }
@@ -234,7 +272,7 @@ impl ShmComm {
 /// Create job `job_id`'s named segment. A segment of that name whose creator is dead (a job
 /// killed before all its ranks joined, run again with the same id) is removed at once and the
 /// creation retried; one whose creator lives, or cannot be checked, is an error that says so.
-fn create_named(name: &SegName, job_id: &str, layout: &Layout) -> Result<Segment, CommError> {
+pub(crate) fn create_named(name: &SegName, job_id: &str, layout: &Layout) -> Result<Segment, CommError> {
     let exists = |e: &CommError| matches!(e, CommError::Os { source, .. } if source.raw_os_error() == Some(libc::EEXIST));
     match Segment::create_named(name, layout.total) {
         Err(e) if exists(&e) => match creator_of(name) {

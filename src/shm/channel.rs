@@ -17,7 +17,7 @@ use super::sync::{
     Abort, Ctrl, Desc, Header, Layout, ABORT_DIED, ABORT_LEFT, ABORT_TIMEOUT, INVALID, SHARED_RECV, SHARED_SEND, STAGE_NT, STATE_LEFT,
 };
 use super::tune::StageTuner;
-use crate::comm::{Call, CollKind, CommError, Dtype, MemSpace, RawMem, ReduceOp};
+use crate::comm::{rank_name, Call, CollKind, CommError, Dtype, MemSpace, RawMem, ReduceOp};
 
 /// Where a phase is, for error messages.
 #[derive(Clone, Copy)]
@@ -51,6 +51,9 @@ pub(crate) struct Channel {
     /// Direct copies between ranks (`process_vm_readv`) were refused once: every rank learnt it
     /// in the same phase, so all stop offering them.
     pub(crate) direct_refused: bool,
+    /// A sub-communicator's global ranks (see `shm::split`), which its errors name; `None` for a
+    /// world communicator.
+    global: Option<Arc<[usize]>>,
 }
 
 impl Channel {
@@ -74,6 +77,51 @@ impl Channel {
             timing: None,
             staging: (None, Duration::ZERO),
             direct_refused: false,
+            global: None,
+        }
+    }
+
+    /// Make this the channel of a sub-communicator whose rank `i` is global rank `global[i]`.
+    pub(crate) fn set_global(&mut self, global: Arc<[usize]>) {
+        self.global = Some(global);
+    }
+
+    /// The global ranks of a sub-communicator's ranks (`None`: a world communicator).
+    pub(crate) fn global_ranks(&self) -> Option<&Arc<[usize]>> {
+        self.global.as_ref()
+    }
+
+    /// The global rank of rank `r`.
+    pub(crate) fn global(&self, r: usize) -> usize {
+        self.global.as_ref().and_then(|g| g.get(r).copied()).unwrap_or(r)
+    }
+
+    /// How errors name rank `r`: `rank 3`, or in a sub-communicator `rank 3 (rank 1 of this
+    /// sub-communicator)`.
+    pub(crate) fn who(&self, r: usize) -> String {
+        rank_name(self.global.as_deref(), r)
+    }
+
+    /// The error for peer `r`, gone (`died`, or left the communicator) while this rank waited for
+    /// it in `op` #`seq`; global ranks, and in a sub-communicator where the two sit in it.
+    pub(crate) fn peer_lost(&self, r: usize, died: bool, op: CollKind, seq: u64) -> CommError {
+        let group = match &self.global {
+            Some(_) => format!(
+                " of a sub-communicator (rank {} is its rank {r}, rank {} its rank {})",
+                self.global(r),
+                self.global(self.rank),
+                self.rank
+            ),
+            None => String::new(),
+        };
+        CommError::PeerLost {
+            rank: self.global(self.rank),
+            lost_rank: self.global(r),
+            pid: self.ctrl(r).pid.load(Relaxed),
+            how: if died { "died" } else { "left the communicator" },
+            op,
+            seq,
+            group,
         }
     }
 
@@ -232,9 +280,15 @@ impl Channel {
         // A rank that comes late finds its peers' phase published even though they gave up on
         // it (timed out) and went on: it must fail too, naming the same culprit, not read
         // buffers their callers own again. One load of a line nobody writes while all is well.
-        if self.header().abort.by.load(Acquire) != 0 {
-            if let Some(e) = self.peer_abort(cx) {
-                return Err(e);
+        let a = &self.header().abort;
+        if a.by.load(Acquire) != 0 {
+            // An abort recorded in a later collective (a peer that finished this one went on and
+            // lost a rank there) does not undo this phase: this rank's next call fails instead.
+            let later = a.ready.load(Acquire) != 0 && a.at_seq.load(Relaxed) > cx.seq;
+            if !later {
+                if let Some(e) = self.peer_abort(cx) {
+                    return Err(e);
+                }
             }
         }
         Ok(p)
@@ -307,11 +361,17 @@ impl Channel {
             }
             let died = self.peers[r].as_ref().is_some_and(|w| w.is_dead());
             let left = c.state.load(Acquire) == STATE_LEFT;
+            // A peer publishes its progress before it leaves or exits: one that reached the target
+            // and then went away between the two loads above did its part of this phase.
+            if (died || left) && c.progress.load(Acquire) >= target {
+                continue;
+            }
             if died || left {
                 // Tell ranks that wait on someone else too.
                 self.record_abort(|a| {
                     a.how.store(if died { ABORT_DIED } else { ABORT_LEFT }, Relaxed);
                     a.rank.store(r as u32 + 1, Relaxed);
+                    a.at_seq.store(cx.seq, Relaxed);
                 });
                 return Err(self.lost(r, died, cx));
             }
@@ -340,19 +400,19 @@ impl Channel {
                 .iter()
                 .map(|&r| {
                     let (seq, kind) = self.position(r);
-                    stuck_text(r, seq, kind, cx.op, cx.seq)
+                    stuck_text(&self.who(r), self.global(r), seq, kind, cx.op, cx.seq)
                 })
                 .collect();
             return Err(CommError::Timeout {
-                rank: self.rank,
+                rank: self.global(self.rank),
                 op: cx.op,
                 seq: cx.seq,
                 secs: waited.as_secs_f64(),
                 detail: format!(
-                    "{} not arrived: {}; this rank (rank {}) is at #{}",
+                    "{} not arrived: {}; this rank ({}) is at #{}",
                     if missing.len() == 1 { "one rank has".to_string() } else { format!("{} ranks have", missing.len()) },
                     missing.join(", "),
-                    self.rank,
+                    self.who(self.rank),
                     cx.seq
                 ),
             });
@@ -391,7 +451,7 @@ impl Channel {
         }
         let culprit = a.rank.load(Relaxed) as usize;
         if a.ready.load(Acquire) == 0 || culprit == 0 {
-            return Some(CommError::Aborted { by, reason: "it hit an unrecoverable error".into() });
+            return Some(CommError::Aborted { by: self.global(by), reason: "it hit an unrecoverable error".into() });
         }
         let culprit = culprit - 1;
         Some(match a.how.load(Relaxed) {
@@ -403,11 +463,12 @@ impl Channel {
                 let at_seq = a.at_seq.load(Relaxed);
                 let more = a.missing.load(Relaxed).saturating_sub(1);
                 CommError::Aborted {
-                    by,
+                    by: self.global(by),
                     reason: format!(
-                        "{}{}: rank {by} timed out after {:.1} s waiting for it in {at_kind} #{at_seq} (raise LOCKSTEP_TIMEOUT_S if this is expected)",
-                        stuck_text(culprit, a.culprit_seq.load(Relaxed), kind, at_kind, at_seq),
+                        "{}{}: {} timed out after {:.1} s waiting for it in {at_kind} #{at_seq} (raise LOCKSTEP_TIMEOUT_S if this is expected)",
+                        stuck_text(&self.who(culprit), self.global(culprit), a.culprit_seq.load(Relaxed), kind, at_kind, at_seq),
                         if more > 0 { format!(", and {more} more rank(s) had not arrived") } else { String::new() },
+                        self.who(by),
                         a.waited_ms.load(Relaxed) as f64 / 1e3,
                     ),
                 }
@@ -416,14 +477,7 @@ impl Channel {
     }
 
     fn lost(&self, r: usize, died: bool, cx: Ctx) -> CommError {
-        CommError::PeerLost {
-            rank: self.rank,
-            lost_rank: r,
-            pid: self.ctrl(r).pid.load(Relaxed),
-            how: if died { "died" } else { "left the communicator" },
-            op: cx.op,
-            seq: cx.seq,
-        }
+        self.peer_lost(r, died, cx.op, cx.seq)
     }
 
     // ----------------------------------------------------------------------------------------
@@ -478,7 +532,7 @@ impl Channel {
         self.write_desc(p, d);
         self.phase(cx)?;
         let descs: Vec<Desc> = (0..self.world).map(|r| if r == self.rank { d } else { self.read_desc(r, p) }).collect();
-        check_descs(&descs, self.seq)?;
+        check_descs(&descs, self.seq, &|r| self.who(r))?;
         Ok((descs, p))
     }
 
@@ -569,15 +623,16 @@ impl Channel {
 }
 
 /// Where a rank that has not arrived at `op` #`seq` is: in it (it entered the collective but does
-/// not progress), or before it (at an earlier collective, or none yet).
-fn stuck_text(r: usize, r_seq: u64, r_kind: Option<CollKind>, op: CollKind, seq: u64) -> String {
+/// not progress), or before it (at an earlier collective, or none yet). `who` names the rank,
+/// `g` is its global rank.
+fn stuck_text(who: &str, g: usize, r_seq: u64, r_kind: Option<CollKind>, op: CollKind, seq: u64) -> String {
     if r_seq >= seq {
-        format!("rank {r} is stuck in {} #{r_seq}", r_kind.unwrap_or(op))
+        format!("{who} is stuck in {} #{r_seq}", r_kind.unwrap_or(op))
     } else if r_seq == 0 {
-        format!("rank {r} is stuck before {op} #{seq} (rank {r} is at collective #0: it has not started any)")
+        format!("{who} is stuck before {op} #{seq} (rank {g} is at collective #0: it has not started any)")
     } else {
         let k = r_kind.map(|k| format!(", {k}")).unwrap_or_default();
-        format!("rank {r} is stuck before {op} #{seq} (rank {r} is at collective #{r_seq}{k})")
+        format!("{who} is stuck before {op} #{seq} (rank {g} is at collective #{r_seq}{k})")
     }
 }
 
@@ -596,14 +651,16 @@ fn desc_call(d: &Desc) -> String {
     s + ")"
 }
 
-/// Compare every rank's descriptor with rank 0's; on disagreement, name every rank that differs.
-fn check_descs(descs: &[Desc], seq: u64) -> Result<(), CommError> {
-    let invalid: Vec<String> = (0..descs.len()).filter(|&r| descs[r].flags & INVALID != 0).map(|r| r.to_string()).collect();
-    if !invalid.is_empty() {
-        let kind = CollKind::from_u8(descs[invalid[0].parse::<usize>().unwrap_or(0)].kind).map(|k| k.name()).unwrap_or("?");
+/// Compare every rank's descriptor with rank 0's; on disagreement, name every rank that differs
+/// (`who` names a rank).
+fn check_descs(descs: &[Desc], seq: u64, who: &dyn Fn(usize) -> String) -> Result<(), CommError> {
+    let invalid: Vec<usize> = (0..descs.len()).filter(|&r| descs[r].flags & INVALID != 0).collect();
+    if let Some(&first) = invalid.first() {
+        let kind = CollKind::from_u8(descs[first].kind).map(|k| k.name()).unwrap_or("?");
+        let names: Vec<String> = invalid.iter().map(|&r| who(r)).collect();
         return Err(CommError::Mismatch {
             seq,
-            detail: format!("rank {} refused its {kind} call with invalid arguments (its own error says which)", invalid.join(", rank ")),
+            detail: format!("{} refused its {kind} call with invalid arguments (its own error says which)", names.join(", ")),
         });
     }
     let key = |d: &Desc| {
@@ -621,9 +678,9 @@ fn check_descs(descs: &[Desc], seq: u64) -> Result<(), CommError> {
     if differ.is_empty() {
         return Ok(());
     }
-    let mut parts = vec![format!("rank 0 called {}", desc_call(&descs[0]))];
+    let mut parts = vec![format!("{} called {}", who(0), desc_call(&descs[0]))];
     for r in differ.iter().take(8) {
-        parts.push(format!("rank {r} called {}", desc_call(&descs[*r])));
+        parts.push(format!("{} called {}", who(*r), desc_call(&descs[*r])));
     }
     if differ.len() > 8 {
         parts.push(format!("and {} more ranks differ", differ.len() - 8));
@@ -652,10 +709,23 @@ mod tests {
         let mut a =
             Desc { kind: CollKind::AllReduce as u8, dtype: Dtype::F32 as u8, op: ReduceOp::Sum as u8, count: 100, ..Default::default() };
         let b = Desc { count: 101, ..a };
-        let e = check_descs(&[a, a, b], 5).unwrap_err().to_string();
+        let world = |r: usize| rank_name(None, r);
+        let e = check_descs(&[a, a, b], 5, &world).unwrap_err().to_string();
         assert!(e.contains("rank 2 called all_reduce(count=101, dtype=f32, op=sum)"), "{e}");
         assert!(e.contains("rank 0 called all_reduce(count=100"), "{e}");
+        // In a sub-communicator, ranks are named by their global rank first.
+        let global = [5usize, 1, 3];
+        let sub = |r: usize| rank_name(Some(&global), r);
+        let e = check_descs(&[a, a, b], 5, &sub).unwrap_err().to_string();
+        assert!(e.contains("rank 3 (rank 2 of this sub-communicator) called all_reduce(count=101"), "{e}");
+        assert!(e.contains("rank 5 (rank 0 of this sub-communicator) called all_reduce(count=100"), "{e}");
+        let refused = Desc { flags: INVALID, ..a };
+        let e = check_descs(&[a, refused, refused], 6, &sub).unwrap_err().to_string();
+        assert!(
+            e.contains("rank 1 (rank 1 of this sub-communicator), rank 3 (rank 2 of this sub-communicator) refused its all_reduce"),
+            "{e}"
+        );
         a.root = 3; // root does not matter for all_reduce
-        assert!(check_descs(&[a, Desc { root: 0, ..a }], 1).is_ok());
+        assert!(check_descs(&[a, Desc { root: 0, ..a }], 1, &world).is_ok());
     }
 }

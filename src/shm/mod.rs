@@ -12,12 +12,17 @@
 //!   same slots in rounds; point-to-point sends and receives go through a mailbox per ordered
 //!   pair of ranks, apart from the collectives (see `algo::p2p`). Large messages of both are
 //!   copied once, straight from the peer's memory, where the kernel allows it (`direct`).
+//! * Sub-communicators ([`Communicator::split`](crate::comm::Communicator::split)) get a
+//!   segment of their own, named after the parent's, so they run beside the parent and each
+//!   other without sharing anything; their errors name global ranks (see `split`).
 //! * Every reduction sums sources in rank order 0..n, so all ranks get bit-identical results, and
 //!   the same inputs give the same bits every run, whatever the path.
 //!
 //! Files, by concept (as NCCL separates bootstrap, transport and collectives); each depends only
 //! on those listed after it, so there is no cycle:
 //!
+//! * `split`: sub-communicators: the parent's ranks exchange colors and keys, the members of a
+//!   color create and join a segment through `bootstrap`.
 //! * `bootstrap`: job setup: [`ShmJob`], header initialisation, joining ([`ShmJob::join`],
 //!   [`ShmComm::join_named`]), removing the segment's name, leaving.
 //! * `backend`: [`ShmComm`] and its [`Backend`](crate::comm::Backend) impl, which dispatches to
@@ -41,6 +46,7 @@ mod config;
 mod direct;
 mod reduce;
 mod segment;
+mod split;
 mod stale;
 mod sync;
 mod tune;

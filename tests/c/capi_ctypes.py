@@ -119,21 +119,17 @@ ok(lib.lockstepRecv(d, 4096, Int64, prv, comm, None), comm)
 ok(lib.lockstepGroupEnd(), comm)
 check(list(d) == [prv * 7 + i for i in range(4096)], f"ring: {list(d)[:4]}")
 
-# Split: verified when available, otherwise the documented refusal.
+# Split: ranks of one parity, ordered by rank.
 sub = Comm(1)
-code = lib.lockstepCommSplit(comm, rank % 2, rank, byref(sub), None)
-if code == Success:
-    m = c_int()
-    ok(lib.lockstepCommCount(sub, byref(m)))
-    check(m.value == len(range(rank % 2, n, 2)), f"split: {m.value} ranks")
-    x, y = c_int32(rank), c_int32()
-    ok(lib.lockstepAllReduce(byref(x), byref(y), 1, Int32, Sum, sub, None), sub)
-    check(y.value == sum(range(rank % 2, n, 2)), f"split all-reduce: {y.value}")
-    ok(lib.lockstepCommDestroy(sub))
-    print(f"rank {rank}: ctypes split: verified")
-else:
-    check(code == InvalidUsage and "not available yet" in last_error(comm) and not sub.value, f"split: {code}: {last_error(comm)}")
-    print(f"rank {rank}: ctypes split: not available yet")
+ok(lib.lockstepCommSplit(comm, rank % 2, rank, byref(sub), None), comm)
+m = c_int()
+ok(lib.lockstepCommCount(sub, byref(m)))
+check(m.value == len(range(rank % 2, n, 2)), f"split: {m.value} ranks")
+x, y = c_int32(rank), c_int32()
+ok(lib.lockstepAllReduce(byref(x), byref(y), 1, Int32, Sum, sub, None), sub)
+check(y.value == sum(range(rank % 2, n, 2)), f"split all-reduce: {y.value}")
+ok(lib.lockstepCommDestroy(sub))
+print(f"rank {rank}: ctypes split: verified")
 
 # Mismatched counts: an error code and a message on every rank, and the communicator still works.
 if n > 1:

@@ -264,26 +264,44 @@ static void send_recv(lockstepComm_t comm, int n) {
 
 static void split(lockstepComm_t comm, int n) {
     lockstepComm_t sub = (lockstepComm_t)1;
-    lockstepResult_t r = lockstepCommSplit(comm, g_rank % 2, -g_rank, &sub, NULL);
-    if (r == lockstepSuccess) {
-        /* Ranks of one parity, ordered by key (descending rank). */
-        int count = 0, me = -1, members = (n + 1 - g_rank % 2) / 2;
-        OK(lockstepCommCount(sub, &count));
-        OK(lockstepCommUserRank(sub, &me));
-        CHECK(count == members, "split: %d ranks, want %d", count, members);
-        CHECK(me == members - 1 - g_rank / 2, "split: rank %d by key", me);
-        int32_t x = g_rank, sum = 0, want = 0;
-        for (int q = g_rank % 2; q < n; q += 2) want += q;
-        OK(lockstepAllReduce(&x, &sum, 1, lockstepInt32, lockstepSum, sub, NULL));
-        CHECK(sum == want, "split all-reduce: got %d, want %d", sum, want);
-        OK(lockstepCommDestroy(sub));
-        printf("rank %d: split: verified\n", g_rank);
+    OK(lockstepCommSplit(comm, g_rank % 2, -g_rank, &sub, NULL));
+    /* Ranks of one parity, ordered by key (descending rank). */
+    int count = 0, me = -1, members = (n + 1 - g_rank % 2) / 2;
+    OK(lockstepCommCount(sub, &count));
+    OK(lockstepCommUserRank(sub, &me));
+    CHECK(count == members, "split: %d ranks, want %d", count, members);
+    CHECK(me == members - 1 - g_rank / 2, "split: rank %d by key", me);
+    int32_t x = g_rank, sum = 0, want = 0;
+    for (int q = g_rank % 2; q < n; q += 2) want += q;
+    OK(lockstepAllReduce(&x, &sum, 1, lockstepInt32, lockstepSum, sub, NULL));
+    CHECK(sum == want, "split all-reduce: got %d, want %d", sum, want);
+    /* The parent still works while the child exists. */
+    x = 1;
+    OK(lockstepAllReduce(&x, &sum, 1, lockstepInt32, lockstepSum, comm, NULL));
+    CHECK(sum == n, "parent all-reduce after split: got %d, want %d", sum, n);
+    OK(lockstepCommDestroy(sub));
+
+    /* The last rank opts out: it gets NULL, the others a communicator without it. */
+    sub = (lockstepComm_t)1;
+    OK(lockstepCommSplit(comm, g_rank == n - 1 ? LOCKSTEP_SPLIT_NOCOLOR : 7, 0, &sub, NULL));
+    if (g_rank == n - 1) {
+        CHECK(sub == NULL, "NOCOLOR split: newcomm %p, want NULL", (void *)sub);
     } else {
-        const char *msg = lockstepGetLastError(comm);
-        CHECK(r == lockstepInvalidUsage && strstr(msg, "not available yet") && sub == NULL,
-              "split: %d (%s), newcomm %p", (int)r, msg, (void *)sub);
-        printf("rank %d: split: not available yet\n", g_rank);
+        OK(lockstepCommCount(sub, &count));
+        CHECK(count == n - 1, "split without the last rank: %d ranks, want %d", count, n - 1);
+        x = g_rank;
+        OK(lockstepAllReduce(&x, &sum, 1, lockstepInt32, lockstepMax, sub, NULL));
+        CHECK(sum == n - 2, "split max: got %d, want %d", sum, n - 2);
+        OK(lockstepCommDestroy(sub));
     }
+
+    /* Inside a group: refused on every rank at once, before anything is exchanged. */
+    OK(lockstepGroupStart());
+    lockstepResult_t r = lockstepCommSplit(comm, 0, 0, &sub, NULL);
+    OK(lockstepGroupEnd());
+    CHECK(r == lockstepInvalidUsage && sub == NULL && strstr(lockstepGetLastError(comm), "inside lockstepGroupStart"),
+          "split in a group: %d (%s)", (int)r, lockstepGetLastError(comm));
+    printf("rank %d: split: verified\n", g_rank);
 }
 
 static void error_paths(lockstepComm_t comm, int n) {

@@ -4,7 +4,8 @@
  * initialising (a peer that never joins), unless SIM_NCCL_RDZV_DIR names a directory: then the
  * ranks of one unique id meet there through one file each (processes of a multi-node test), and
  * collectives still only copy. Fault injection: SIM_NCCL_ASYNC_ERROR=1 makes
- * ncclCommGetAsyncError report ncclRemoteError after the first collective. */
+ * ncclCommGetAsyncError report ncclRemoteError after the first collective. ncclCommSplit: see
+ * below. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -47,6 +48,19 @@ int ncclCommInitRankConfig(comm_t** c, int nranks, ncclUniqueId id, int rank, cf
     return cfg->blocking == 0 ? 7 : ((*c)->state == 0 ? 0 : 5);
 }
 int ncclCommGetAsyncError(comm_t* c, int* st) { progress(c); *st = (getenv("SIM_NCCL_ASYNC_ERROR") && c->ops > 0) ? 6 : c->state; return 0; }
+/* ncclCommSplit (NCCL >= 2.18) for a one-rank parent: color -1 (NCCL_SPLIT_NOCOLOR) gives no
+ * communicator, any other color a one-rank one (in progress on a non-blocking config, like init).
+ * Built without it (-DSIM_NO_SPLIT) to stand for a library that lacks the call. */
+#ifndef SIM_NO_SPLIT
+int ncclCommSplit(comm_t* c, int color, int key, comm_t** out, cfg_head* cfg) {
+    if (c->state != 0 || c->nranks != 1) return 5;
+    if (color == -1) { *out = NULL; return 0; }
+    if (color < 0) return 4;
+    ncclUniqueId id; memset(&id, 0, sizeof id); snprintf(id.internal, 64, "%s-split-%d-%d", c->key, color, key);
+    *out = make(1, 0, &id);
+    return cfg && cfg->blocking == 0 ? 7 : 0;
+}
+#endif
 int ncclCommAbort(comm_t* c) { abort_calls++; free(c); return 0; }
 int ncclCommFinalize(comm_t* c) { return 0; }
 int ncclCommDestroy(comm_t* c) { destroy_calls++; free(c); return 0; }

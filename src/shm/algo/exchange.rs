@@ -60,6 +60,16 @@ pub(crate) fn exchange(ch: &mut Channel, call: &Call, cx: Ctx) -> Result<(), Com
     let recv = call.recv.addr as *mut u8;
     let v = call.kind.is_v();
     let p0 = ch.next_phase();
+    // Small equal blocks (all_to_all, scatter): the data rides in the descriptors' phase, one
+    // phase in all. Every rank decides the same way (the count is the same on every rank, or the
+    // descriptor check fails the call everywhere).
+    let one_phase = !v && n > 1 && n * call.count * esz <= ch.small_bytes().min(ch.slot_bytes());
+    if one_phase && (call.kind == CollKind::AllToAll || me == call.root) {
+        // SAFETY: our own slot of phase p0 holds `small_bytes` or more; the send buffer holds
+        // n × count elements (checked by the communicator); nobody reads the slot before we
+        // publish p0.
+        unsafe { copy_block(send, ch.slot(me, p0), n * call.count * esz, false) };
+    }
     if v {
         // Counts go through the slot of the first phase: n send counts, n receive counts, then the
         // n send displacements (for the zero-copy path). The slot holds at least 4 KiB per peer
@@ -101,13 +111,25 @@ pub(crate) fn exchange(ch: &mut Channel, call: &Call, cx: Ctx) -> Result<(), Com
                 send_displ[r * n + j] = vals[2 * n + j] as usize;
             }
         }
-        check_counts(&m, &recv_from, n, call.kind, cx.seq)?;
+        check_counts(&m, &recv_from, n, call.kind, cx.seq, &|r| ch.who(r))?;
         m
     } else {
         let c = call.count;
         (0..n * n).map(|k| if call.kind == CollKind::AllToAll || k / n == call.root { c } else { 0 }).collect()
     };
     let nt = ch.nt_for(plan.recv.iter().map(|&(_, c)| c).sum::<usize>() * esz);
+    if one_phase {
+        for i in (0..n).filter(|&i| m[i * n + me] > 0) {
+            let (off, cnt) = plan.recv[i];
+            // SAFETY: rank i staged its whole send (n × count elements) in its slot of phase p0
+            // before publishing it, and does not write that slot again before we publish p0 + 1;
+            // our block from it lies in recv (checked by the communicator).
+            let from = unsafe { ch.slot(i, p0).add(plan_displ(call, me) * esz) };
+            // SAFETY: as above.
+            unsafe { copy_block(from, recv.add(off * esz), cnt * esz, false) };
+        }
+        return Ok(());
+    }
     // Our own block: straight from send to recv.
     let (so, sc) = plan.send[me];
     if sc > 0 {
@@ -202,8 +224,16 @@ fn plan_displ(call: &Call, j: usize) -> usize {
     }
 }
 
-/// Every rank's send count to every peer must be that peer's receive count from it.
-fn check_counts(sends: &[usize], recvs: &[usize], n: usize, kind: CollKind, seq: u64) -> Result<(), CommError> {
+/// Every rank's send count to every peer must be that peer's receive count from it (`who` names
+/// a rank).
+fn check_counts(
+    sends: &[usize],
+    recvs: &[usize],
+    n: usize,
+    kind: CollKind,
+    seq: u64,
+    who: &dyn Fn(usize) -> String,
+) -> Result<(), CommError> {
     let mut bad = Vec::new();
     let mut more = 0;
     for i in 0..n {
@@ -211,7 +241,8 @@ fn check_counts(sends: &[usize], recvs: &[usize], n: usize, kind: CollKind, seq:
             let (s, r) = (sends[i * n + j], recvs[i * n + j]);
             if s != r {
                 if bad.len() < 8 {
-                    bad.push(format!("rank {i} sends {s} elements to rank {j} but rank {j} expects {r} from rank {i}"));
+                    let (wi, wj) = (who(i), who(j));
+                    bad.push(format!("{wi} sends {s} elements to {wj} but {wj} expects {r} from {wi}"));
                 } else {
                     more += 1;
                 }
@@ -236,8 +267,9 @@ mod tests {
         // 2 ranks: rank 0 sends 3 to rank 1, but rank 1 expects 4 from rank 0.
         let sends = [1, 3, 2, 5];
         let recvs = [1, 4, 2, 5];
-        let e = check_counts(&sends, &recvs, 2, CollKind::AllToAllV, 7).unwrap_err().to_string();
+        let who = |r: usize| format!("rank {r}");
+        let e = check_counts(&sends, &recvs, 2, CollKind::AllToAllV, 7, &who).unwrap_err().to_string();
         assert!(e.contains("rank 0 sends 3 elements to rank 1 but rank 1 expects 4 from rank 0"), "{e}");
-        assert!(check_counts(&sends, &sends, 2, CollKind::AllToAllV, 7).is_ok());
+        assert!(check_counts(&sends, &sends, 2, CollKind::AllToAllV, 7, &who).is_ok());
     }
 }

@@ -407,10 +407,11 @@ fn check_header(ch: &Channel, pc: &PairCtrl, peer: usize, me: usize, k: u64, dty
     pc.matched.store(k, SeqCst);
     ch.wake_sleepers();
     let dt = Dtype::from_u8(dtype as u8).map_or("?", |d| d.name());
+    let (peer, me) = (ch.who(peer), ch.who(me));
     Some(CommError::Mismatch {
         seq: k,
         detail: format!(
-            "point-to-point message #{k} from rank {peer} to rank {me} is send(count={count}, dtype={dt}) but the matching recv on rank {me} is recv(count={}, dtype={}); a send and the recv it matches (in order, per pair of ranks) must agree, and this pair of ranks cannot exchange messages any more",
+            "point-to-point message #{k} from {peer} to {me} is send(count={count}, dtype={dt}) but the matching recv on {me} is recv(count={}, dtype={}); a send and the recv it matches (in order, per pair of ranks) must agree, and this pair of ranks cannot exchange messages any more",
             s.op.mem.len,
             s.op.dtype
         ),
@@ -431,13 +432,13 @@ fn pair(ch: &Channel, src: usize, dst: usize) -> (&PairCtrl, *mut u8, u64) {
 /// The error of an operation on a pair whose receiver found a disagreement.
 fn mismatch(ch: &Channel, pc: &PairCtrl, src: usize, dst: usize, s: &OpState) -> CommError {
     let bad = pc.bad.load(Acquire);
-    let _ = ch;
+    let (src, dst) = (ch.who(src), ch.who(dst));
     if s.op.kind == CollKind::Send && s.msg == Some(bad) {
         let dt = Dtype::from_u8(pc.bad_dtype.load(Relaxed) as u8).map_or("?", |d| d.name());
         return CommError::Mismatch {
             seq: bad,
             detail: format!(
-                "point-to-point message #{bad} from rank {src} to rank {dst} is send(count={}, dtype={}) but the matching recv on rank {dst} is recv(count={}, dtype={dt}); a send and the recv it matches (in order, per pair of ranks) must agree, and this pair of ranks cannot exchange messages any more",
+                "point-to-point message #{bad} from {src} to {dst} is send(count={}, dtype={}) but the matching recv on {dst} is recv(count={}, dtype={dt}); a send and the recv it matches (in order, per pair of ranks) must agree, and this pair of ranks cannot exchange messages any more",
                 s.op.mem.len,
                 s.op.dtype,
                 pc.bad_count.load(Relaxed)
@@ -447,7 +448,7 @@ fn mismatch(ch: &Channel, pc: &PairCtrl, src: usize, dst: usize, s: &OpState) ->
     CommError::Mismatch {
         seq: bad,
         detail: format!(
-            "point-to-point message #{bad} from rank {src} to rank {dst} did not match its recv, so this pair of ranks cannot exchange messages any more ({} of {} elements of {} here)",
+            "point-to-point message #{bad} from {src} to {dst} did not match its recv, so this pair of ranks cannot exchange messages any more ({} of {} elements of {} here)",
             s.op.kind, s.op.mem.len, s.op.dtype
         ),
     }
@@ -542,37 +543,29 @@ impl Waiter {
         let pending = st.iter().filter(|s| !s.finished);
         for s in pending.clone() {
             if let Some(died) = ch.peer_gone(s.op.peer) {
-                self.gone = Some(CommError::PeerLost {
-                    rank: me,
-                    lost_rank: s.op.peer,
-                    pid: ch.ctrl(s.op.peer).pid.load(Relaxed),
-                    how: if died { "died" } else { "left the communicator" },
-                    op: s.op.kind,
-                    seq: s.msg.unwrap_or(0),
-                });
+                self.gone = Some(ch.peer_lost(s.op.peer, died, s.op.kind, s.msg.unwrap_or(0)));
                 return Ok(());
             }
         }
         if waited >= ch.config().timeout {
             let first = st.iter().find(|s| !s.finished);
             let what: Vec<String> = pending
-                .map(|s| match (s.op.kind, s.msg) {
-                    (CollKind::Send, None) => {
-                        format!("send to rank {}: its mailbox is full (rank {} is not receiving)", s.op.peer, s.op.peer)
+                .map(|s| {
+                    let (peer, g) = (ch.who(s.op.peer), ch.global(s.op.peer));
+                    match (s.op.kind, s.msg) {
+                        (CollKind::Send, None) => format!("send to {peer}: its mailbox is full (rank {g} is not receiving)"),
+                        (CollKind::Send, Some(k)) => format!("send #{k} to {peer}: rank {g} has not posted the matching recv"),
+                        (_, None) => format!("recv from {peer}: rank {g} has not sent"),
+                        (_, Some(k)) => format!("recv #{k} from {peer}: {} of {} bytes arrived", s.done, s.bytes),
                     }
-                    (CollKind::Send, Some(k)) => {
-                        format!("send #{k} to rank {}: rank {} has not posted the matching recv", s.op.peer, s.op.peer)
-                    }
-                    (_, None) => format!("recv from rank {}: rank {} has not sent", s.op.peer, s.op.peer),
-                    (_, Some(k)) => format!("recv #{k} from rank {}: {} of {} bytes arrived", s.op.peer, s.done, s.bytes),
                 })
                 .collect();
             return Err(CommError::Timeout {
-                rank: me,
+                rank: ch.global(me),
                 op: first.map_or(CollKind::Send, |s| s.op.kind),
                 seq: first.and_then(|s| s.msg).unwrap_or(0),
                 secs: waited.as_secs_f64(),
-                detail: format!("waiting on rank {me} for: {}", what.join("; ")),
+                detail: format!("waiting on {} for: {}", ch.who(me), what.join("; ")),
             });
         }
         Ok(())

@@ -1,0 +1,30 @@
+"""lockstep: collective communication (shared memory on one node, NCCL on GPUs) for Python.
+
+* ``lockstep.notebook_launcher(function, args=(), num_processes=None, ...)`` forks ranks from a
+  notebook kernel or a script; each runs ``function(*args)`` with ``lockstep.comm()`` ready, and
+  the caller gets every rank's return value (Accelerate's signature).
+* ``lockstep.init_from_env()`` joins a job started by ``lockstep launch``, torchrun, mpirun or
+  srun (inside a ``notebook_launcher`` rank it returns that rank's communicator).
+* ``lockstep.Communicator`` runs every collective on buffer-protocol objects (numpy arrays,
+  bytearray, memoryview, array.array) and DLPack objects in host memory (torch CPU tensors), in
+  place or out of place, with the GIL released while it runs.
+
+``import lockstep.torch`` registers the torch.distributed backend ``"lockstep"``.
+
+Element types come from the buffer's format: float32/64, float16, int8/32/64, uint8/32/64;
+bfloat16 has no buffer-protocol format and comes only through DLPack (a bf16 torch tensor).
+"""
+
+from ._native import CommError, Communicator, __version__
+from ._launcher import RankError, check_fork_safe, comm, init_from_env, notebook_launcher
+
+__all__ = [
+    "CommError",
+    "Communicator",
+    "RankError",
+    "check_fork_safe",
+    "comm",
+    "init_from_env",
+    "notebook_launcher",
+    "__version__",
+]

@@ -1,0 +1,270 @@
+"""``import lockstep.torch`` registers the torch.distributed backend ``"lockstep"`` (CPU tensors):
+
+    import torch.distributed as dist
+    import lockstep.torch  # noqa: F401
+    dist.init_process_group("lockstep")  # under torchrun, `lockstep launch`, mpirun, or any env://
+
+Inside a :func:`lockstep.notebook_launcher` rank of a caller that imported torch, the default
+process group is already initialised on this backend (check ``dist.is_initialized()`` before
+calling ``init_process_group``).
+
+Every process group (the default one and each ``new_group``) gets its own shared-memory
+communicator, joined under an id that the group's rank 0 publishes in torch's store. Collectives
+run synchronously on the calling thread, with the GIL released; ``async_op=True`` gives a
+``Work`` that has already completed (its future holds the result, as DDP's reducer expects). A
+mismatch between ranks, a dead peer or a timeout raises ``RuntimeError`` (``lockstep.CommError``)
+naming the ranks instead of hanging.
+
+Implemented: all_reduce (and coalesced), broadcast, reduce, all_gather, all_gather_into_tensor
+(and coalesced), reduce_scatter, reduce_scatter_tensor (and coalesced), gather, scatter,
+all_to_all, all_to_all_single, send, recv, barrier, new_group. Not: CUDA tensors (the backend is
+registered for "cpu"), recv from any source, batched ``batch_isend_irecv`` coalescing, bitwise
+and PREMUL_SUM reductions.
+"""
+
+import uuid
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import ReduceOp, _create_work_from_future
+from torch.futures import Future
+
+from . import _native
+
+BACKEND = "lockstep"
+
+_OPS = {
+    ReduceOp.RedOpType.SUM: "sum",
+    ReduceOp.RedOpType.PRODUCT: "prod",
+    ReduceOp.RedOpType.MIN: "min",
+    ReduceOp.RedOpType.MAX: "max",
+    ReduceOp.RedOpType.AVG: "avg",
+}
+
+
+def _op(reduce_op):
+    kind = reduce_op.op if isinstance(reduce_op, ReduceOp) else reduce_op
+    try:
+        return _OPS[kind]
+    except KeyError:
+        raise ValueError(f"the lockstep backend does not support reduce op {kind}; it has SUM, PRODUCT, MIN, MAX and AVG") from None
+
+
+def _buf(t):
+    """The memory of a CPU tensor as lockstep takes it: numpy's view (the cheapest export), or
+    the tensor itself through DLPack for bfloat16, which numpy lacks."""
+    if not t.is_cpu:
+        raise TypeError(f"the lockstep torch backend takes CPU tensors so far; got one on {t.device}")
+    if t.requires_grad:
+        t = t.detach()
+    return t if t.dtype == torch.bfloat16 else t.numpy()
+
+
+def _done(result, opts=None):
+    """The Work of a call that has completed. torch's blocking wrappers (``async_op=False``) say
+    so in ``opts.asyncOp`` and accept None, which saves making a future on the hot path."""
+    if opts is not None and getattr(opts, "asyncOp", True) is False:
+        return None
+    fut = Future()
+    fut.set_result(result)
+    return _create_work_from_future(fut)
+
+
+def _flat(tensors, dtype):
+    """One contiguous tensor holding `tensors` back to back (they are copied)."""
+    if not tensors:
+        return torch.empty(0, dtype=dtype)
+    return torch.cat([t.detach().reshape(-1) for t in tensors])
+
+
+def _split_out(flat, outs):
+    at = 0
+    for o in outs:
+        n = o.numel()
+        o.copy_(flat[at : at + n].view(o.shape))
+        at += n
+
+
+class ProcessGroupLockstep(dist.ProcessGroup):
+    """A torch.distributed process group running on a lockstep communicator."""
+
+    def __init__(self, comm, rank, world_size):
+        super().__init__(rank, world_size)
+        self._comm = comm
+        self._rank = rank
+        self._world_size = world_size
+
+    @property
+    def comm(self):
+        """The underlying :class:`lockstep.Communicator`."""
+        return self._comm
+
+    def getBackendName(self):
+        return BACKEND
+
+    def size(self):
+        return self._world_size
+
+    def rank(self):
+        return self._rank
+
+    def __repr__(self):
+        return f"ProcessGroupLockstep(rank={self._rank}, world_size={self._world_size})"
+
+    # Reductions -----------------------------------------------------------------------------
+
+    def allreduce(self, tensors, opts=None):
+        op = _op(opts.reduceOp) if opts is not None else "sum"
+        for t in tensors:
+            self._comm.all_reduce(_buf(t), None, op)
+        return _done(tensors, opts)
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        return self.allreduce(tensors, opts)
+
+    def reduce(self, tensors, opts):
+        op = _op(opts.reduceOp)
+        for t in tensors:
+            self._comm.reduce(_buf(t), None, op, opts.rootRank)
+        return _done(tensors, opts)
+
+    def reduce_scatter(self, outputs, input_lists, opts):
+        op = _op(opts.reduceOp)
+        for out, ins in zip(outputs, input_lists):
+            if len(ins) != self._world_size:
+                raise ValueError(f"reduce_scatter needs one input tensor per rank ({self._world_size}), got {len(ins)}")
+            flat = _flat(ins, out.dtype)
+            if out.is_contiguous():
+                self._comm.reduce_scatter(_buf(flat), _buf(out), op)
+            else:
+                tmp = torch.empty(out.numel(), dtype=out.dtype)
+                self._comm.reduce_scatter(_buf(flat), _buf(tmp), op)
+                out.copy_(tmp.view(out.shape))
+        return _done(outputs, opts)
+
+    def reduce_scatter_single(self, output, input, opts):
+        self._comm.reduce_scatter(_buf(input), _buf(output), _op(opts.reduceOp))
+        return _done(output, opts)
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts):
+        for o, i in zip(outputs, inputs):
+            self.reduce_scatter_single(o, i, opts)
+        return _done(outputs, opts)
+
+    # Data movement --------------------------------------------------------------------------
+
+    def broadcast(self, tensors, opts):
+        for t in tensors:
+            self._comm.broadcast(_buf(t), None, opts.rootRank)
+        return _done(tensors, opts)
+
+    def allgather(self, output_lists, inputs, opts=None):
+        for outs, inp in zip(output_lists, inputs):
+            flat = torch.empty(inp.numel() * self._world_size, dtype=inp.dtype)
+            self._comm.all_gather(_buf(inp), _buf(flat))
+            _split_out(flat, outs)
+        return _done(output_lists, opts)
+
+    def all_gather_single(self, output, input, opts=None):
+        self._comm.all_gather(_buf(input), _buf(output))
+        return _done(output, opts)
+
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
+        for o, i in zip(outputs, inputs):
+            self._comm.all_gather(_buf(i), _buf(o))
+        return _done(outputs, opts)
+
+    def gather(self, output_lists, inputs, opts):
+        root = opts.rootRank
+        for i, inp in enumerate(inputs):
+            if self._rank == root:
+                flat = torch.empty(inp.numel() * self._world_size, dtype=inp.dtype)
+                self._comm.gather(_buf(inp), _buf(flat), root)
+                _split_out(flat, output_lists[i])
+            else:
+                self._comm.gather(_buf(inp), None, root)
+        return _done(output_lists, opts)
+
+    def scatter(self, outputs, input_lists, opts):
+        root = opts.rootRank
+        for i, out in enumerate(outputs):
+            send = _buf(_flat(input_lists[i], out.dtype)) if self._rank == root else None
+            if out.is_contiguous():
+                self._comm.scatter(send, _buf(out), root)
+            else:
+                tmp = torch.empty(out.numel(), dtype=out.dtype)
+                self._comm.scatter(send, _buf(tmp), root)
+                out.copy_(tmp.view(out.shape))
+        return _done(outputs, opts)
+
+    def alltoall(self, outputs, inputs, opts=None):
+        send = _flat(inputs, inputs[0].dtype if inputs else torch.float32)
+        recv = torch.empty(sum(o.numel() for o in outputs), dtype=send.dtype)
+        self._comm.all_to_all_v(_buf(send), [t.numel() for t in inputs], _buf(recv), [o.numel() for o in outputs])
+        _split_out(recv, outputs)
+        return _done(outputs, opts)
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        if not output_split_sizes and not input_split_sizes:
+            self._comm.all_to_all(_buf(input), _buf(output))
+            return _done(output, opts)
+        n = self._world_size
+
+        def counts(t, splits):
+            rows = t.shape[0] if t.dim() > 0 else 1
+            per_row = t.numel() // rows if rows else 0
+            if not splits:
+                if rows % n:
+                    raise ValueError(f"all_to_all_single: {rows} rows do not split evenly over {n} ranks; pass split sizes")
+                splits = [rows // n] * n
+            return [s * per_row for s in splits]
+
+        self._comm.all_to_all_v(_buf(input), counts(input, input_split_sizes), _buf(output), counts(output, output_split_sizes))
+        return _done(output, opts)
+
+    # Point to point and barrier --------------------------------------------------------------
+
+    def send(self, tensors, dst, tag=0):
+        for t in tensors:
+            self._comm.send(_buf(t), dst)
+        return _done(tensors)
+
+    def recv(self, tensors, src, tag=0):
+        for t in tensors:
+            self._comm.recv(_buf(t), src)
+        return _done(tensors)
+
+    def recv_anysource(self, tensors, tag=0):
+        raise RuntimeError("the lockstep backend cannot receive from any source: name the sending rank")
+
+    def barrier(self, opts=None):
+        self._comm.barrier()
+        return _done(None, opts)
+
+    # Names used by torch releases before 2.9 for the same operations.
+    _allgather_base = all_gather_single
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+    _reduce_scatter_base = reduce_scatter_single
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+    alltoall_base = all_to_all_single
+
+
+_KEY = "lockstep/job_id"
+
+
+def _create(opts, backend_options=None):
+    """torch's creator (extended API): one lockstep communicator per process group. The group's
+    rank 0 names the shared segment; the others read the name from the group's store."""
+    rank, size, store = opts.group_rank, opts.group_size, opts.store
+    if rank == 0:
+        store.set(_KEY, f"torch-{uuid.uuid4().hex[:16]}")
+    job_id = store.get(_KEY).decode()
+    return ProcessGroupLockstep(_native.join_named(job_id, rank, size), rank, size)
+
+
+def _register():
+    if BACKEND.upper() not in dist.Backend._plugins:
+        dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu"])
+
+
+_register()

@@ -1,0 +1,566 @@
+//! `lockstep.Communicator`: every collective of the Rust [`Communicator`] on buffer-protocol
+//! objects, with the GIL released while the collective runs.
+//!
+//! Conventions of the Python API: `recv=None` means the in-place form where one exists (the
+//! result lands in `send`); arguments a rank does not use (gather's `recv` off the root,
+//! scatter's `send` off the root) may be `None`. Each method returns the buffer holding the
+//! result (`None` on ranks that receive nothing).
+//!
+//! A call refused here (wrong type, non-contiguous, read-only, overlapping) is also reported to
+//! the peers through [`Communicator::reject_call`], as the Rust API does for the checks it makes
+//! itself, so they fail with a mismatch naming this rank instead of waiting for their timeout.
+
+use std::sync::Mutex;
+
+use lockstep::comm::Group;
+use lockstep::half::{bf16, f16};
+use lockstep::{CollKind, CommError, Communicator, Dtype, ReduceOp};
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+
+use crate::buffer::{HostMem, View};
+use crate::errors::comm_err;
+
+/// Run `$body` with `$T` bound to the Rust element type of `$dt`.
+macro_rules! dispatch {
+    ($dt:expr, $T:ident => $body:expr) => {
+        match $dt {
+            Dtype::F32 => {
+                type $T = f32;
+                $body
+            }
+            Dtype::F64 => {
+                type $T = f64;
+                $body
+            }
+            Dtype::F16 => {
+                type $T = f16;
+                $body
+            }
+            Dtype::BF16 => {
+                type $T = bf16;
+                $body
+            }
+            Dtype::I32 => {
+                type $T = i32;
+                $body
+            }
+            Dtype::I64 => {
+                type $T = i64;
+                $body
+            }
+            Dtype::U8 => {
+                type $T = u8;
+                $body
+            }
+            Dtype::I8 => {
+                type $T = i8;
+                $body
+            }
+            Dtype::U32 => {
+                type $T = u32;
+                $body
+            }
+            Dtype::U64 => {
+                type $T = u64;
+                $body
+            }
+            other => Err(CommError::Unsupported(format!("element type {other} is not supported by the Python bindings yet"))),
+        }
+    };
+}
+
+fn parse_op(op: &str) -> PyResult<ReduceOp> {
+    op.parse::<ReduceOp>().map_err(PyValueError::new_err)
+}
+
+/// A group of ranks running collectives together: `lockstep.init_from_env()` under a launcher,
+/// or `lockstep.comm()` inside `notebook_launcher`. Every rank must make the same sequence of
+/// calls with the same counts, dtype, op and root; a disagreement raises `lockstep.CommError` on
+/// every rank, naming the ranks, instead of hanging. Calls from several threads are serialised.
+#[pyclass(frozen, name = "Communicator", module = "lockstep")]
+pub struct PyComm {
+    inner: Mutex<Option<Communicator>>,
+    rank: usize,
+    world: usize,
+    backend: String,
+}
+
+impl PyComm {
+    /// Wrap a Rust communicator.
+    pub fn new(c: Communicator) -> PyComm {
+        PyComm { rank: c.rank(), world: c.world_size(), backend: c.backend_kind().to_string(), inner: Mutex::new(Some(c)) }
+    }
+
+    /// Run `f` on the communicator with the GIL released.
+    fn run<F>(&self, py: Python<'_>, f: F) -> PyResult<()>
+    where
+        F: FnOnce(&mut Communicator) -> Result<(), CommError> + Send,
+    {
+        py.detach(|| {
+            let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+            match g.as_mut() {
+                Some(c) => f(c),
+                None => Err(CommError::Unsupported(format!("rank {}: this communicator was closed; make a new one", self.rank))),
+            }
+        })
+        .map_err(comm_err)
+    }
+
+    /// Refuse a call locally: tell the peers, return `err` for the caller to raise.
+    fn refuse(&self, kind: CollKind, dtype: Dtype, err: PyErr) -> PyErr {
+        let detail = Python::attach(|py| err.value(py).to_string());
+        let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(c) = g.as_mut() {
+            let reason = CommError::InvalidArgument { op: kind, rank: self.rank, detail };
+            c.reject_call(kind, dtype, &reason);
+        }
+        err
+    }
+
+    /// Export `obj` for `kind`, refusing the call (peers included) when that fails.
+    fn view(&self, kind: CollKind, obj: &Bound<'_, PyAny>, what: &str) -> PyResult<View> {
+        View::new(obj, what).map_err(|e| self.refuse(kind, Dtype::U8, e))
+    }
+
+    /// Export `obj` for writing.
+    fn view_mut(&self, kind: CollKind, obj: &Bound<'_, PyAny>, what: &str) -> PyResult<(View, HostMem)> {
+        let v = self.view(kind, obj, what)?;
+        let m = v.mem_mut(what).map_err(|e| self.refuse(kind, v.dtype, e))?;
+        Ok((v, m))
+    }
+
+    /// Send and recv views of an out-of-place call: same dtype, no shared byte.
+    fn pair(&self, kind: CollKind, send: &Bound<'_, PyAny>, recv: &Bound<'_, PyAny>) -> PyResult<(View, View, HostMem)> {
+        let s = self.view(kind, send, "send")?;
+        let (r, rm) = self.view_mut(kind, recv, "recv")?;
+        if s.dtype != r.dtype {
+            return Err(self.refuse(
+                kind,
+                s.dtype,
+                PyTypeError::new_err(format!("send holds {} but recv holds {}; they must have the same element type", s.dtype, r.dtype)),
+            ));
+        }
+        if s.overlaps(&r) {
+            return Err(self.refuse(
+                kind,
+                s.dtype,
+                PyValueError::new_err(format!(
+                    "send and recv share memory; pass separate buffers, or use the in-place form ({kind} with recv=None)"
+                )),
+            ));
+        }
+        Ok((s, r, rm))
+    }
+
+    /// Optional view for an argument only some ranks use (None: empty).
+    fn optional(&self, kind: CollKind, obj: Option<&Bound<'_, PyAny>>, what: &str, write: bool) -> PyResult<(Option<View>, HostMem)> {
+        match obj {
+            None => Ok((None, HostMem::empty())),
+            Some(o) if write => self.view_mut(kind, o, what).map(|(v, m)| (Some(v), m)),
+            Some(o) => self.view(kind, o, what).map(|v| {
+                let m = v.mem();
+                (Some(v), m)
+            }),
+        }
+    }
+
+    /// The dtype of a call whose buffers are all optional on this rank: the first one present
+    /// (both present: they must agree).
+    fn common_dtype(&self, kind: CollKind, a: &Option<View>, b: &Option<View>) -> PyResult<Dtype> {
+        match (a, b) {
+            (Some(x), Some(y)) if x.dtype != y.dtype => Err(self.refuse(
+                kind,
+                x.dtype,
+                PyTypeError::new_err(format!("send holds {} but recv holds {}; they must have the same element type", x.dtype, y.dtype)),
+            )),
+            (Some(x), Some(y)) if x.overlaps(y) => {
+                Err(self.refuse(kind, x.dtype, PyValueError::new_err("send and recv share memory; pass separate buffers")))
+            }
+            (Some(x), _) | (None, Some(x)) => Ok(x.dtype),
+            (None, None) => Err(self.refuse(
+                kind,
+                Dtype::U8,
+                PyValueError::new_err(format!("{kind} needs at least one of send and recv on this rank (rank {})", self.rank)),
+            )),
+        }
+    }
+}
+
+fn counts_to_displs(counts: &[usize]) -> Vec<usize> {
+    let mut at = 0usize;
+    counts
+        .iter()
+        .map(|&c| {
+            let d = at;
+            at = at.saturating_add(c);
+            d
+        })
+        .collect()
+}
+
+#[pymethods]
+impl PyComm {
+    /// This rank, in `0..world_size`.
+    #[getter]
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Number of ranks.
+    #[getter]
+    fn world_size(&self) -> usize {
+        self.world
+    }
+
+    /// The backend running the collectives (`"shm"`, `"nccl"`, `"staged"`).
+    #[getter]
+    fn backend(&self) -> &str {
+        &self.backend
+    }
+
+    /// Number of collectives issued so far on this rank.
+    #[getter]
+    fn seq(&self) -> u64 {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner()).as_ref().map_or(0, |c| c.seq())
+    }
+
+    fn __repr__(&self) -> String {
+        format!("<lockstep.Communicator rank {} of {} ({})>", self.rank, self.world, self.backend)
+    }
+
+    /// Element-wise reduction of every rank's `send` into `recv` (same length); `recv=None`
+    /// reduces in place into `send`. `op`: "sum", "prod", "min", "max", "avg".
+    #[pyo3(signature = (send, recv=None, op="sum"))]
+    fn all_reduce<'py>(
+        &self,
+        py: Python<'py>,
+        send: Bound<'py, PyAny>,
+        recv: Option<Bound<'py, PyAny>>,
+        op: &str,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let kind = CollKind::AllReduce;
+        let op = parse_op(op).map_err(|e| self.refuse(kind, Dtype::U8, e))?;
+        let Some(recv) = recv.filter(|r| !r.is(&send)) else {
+            return self.all_reduce_in_place(py, send, op.name());
+        };
+        let (s, _r, mut rm) = self.pair(kind, &send, &recv)?;
+        let (dt, sm) = (s.dtype, s.mem());
+        self.run(py, move |c| dispatch!(dt, T => c.all_reduce::<T, _, _>(&sm, &mut rm, op)))?;
+        Ok(recv)
+    }
+
+    /// In-place all-reduce: `buf` is both input and result.
+    #[pyo3(signature = (buf, op="sum"))]
+    fn all_reduce_in_place<'py>(&self, py: Python<'py>, buf: Bound<'py, PyAny>, op: &str) -> PyResult<Bound<'py, PyAny>> {
+        let kind = CollKind::AllReduce;
+        let op = parse_op(op).map_err(|e| self.refuse(kind, Dtype::U8, e))?;
+        let (v, mut m) = self.view_mut(kind, &buf, "buf")?;
+        let dt = v.dtype;
+        self.run(py, move |c| dispatch!(dt, T => c.all_reduce_in_place::<T, _>(&mut m, op)))?;
+        Ok(buf)
+    }
+
+    /// Copy `send` of rank `root` into `recv` of every rank (`send` is read on the root only, and
+    /// must have recv's length everywhere); `recv=None` broadcasts in place into `send`.
+    #[pyo3(signature = (send, recv=None, root=0))]
+    fn broadcast<'py>(
+        &self,
+        py: Python<'py>,
+        send: Bound<'py, PyAny>,
+        recv: Option<Bound<'py, PyAny>>,
+        root: usize,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let Some(recv) = recv.filter(|r| !r.is(&send)) else {
+            return self.broadcast_in_place(py, send, root);
+        };
+        let (s, _r, mut rm) = self.pair(CollKind::Broadcast, &send, &recv)?;
+        let (dt, sm) = (s.dtype, s.mem());
+        self.run(py, move |c| dispatch!(dt, T => c.broadcast::<T, _, _>(&sm, &mut rm, root)))?;
+        Ok(recv)
+    }
+
+    /// In-place broadcast: `buf` of rank `root` is copied into `buf` of every rank.
+    #[pyo3(signature = (buf, root=0))]
+    fn broadcast_in_place<'py>(&self, py: Python<'py>, buf: Bound<'py, PyAny>, root: usize) -> PyResult<Bound<'py, PyAny>> {
+        let (v, mut m) = self.view_mut(CollKind::Broadcast, &buf, "buf")?;
+        let dt = v.dtype;
+        self.run(py, move |c| dispatch!(dt, T => c.broadcast_in_place::<T, _>(&mut m, root)))?;
+        Ok(buf)
+    }
+
+    /// Reduce every rank's `send` into `recv` on `root` (`recv` is not used elsewhere and may be
+    /// None there); `recv=None` on the root reduces in place into `send`. Returns the result
+    /// buffer on the root, None elsewhere.
+    #[pyo3(signature = (send, recv=None, op="sum", root=0))]
+    fn reduce<'py>(
+        &self,
+        py: Python<'py>,
+        send: Bound<'py, PyAny>,
+        recv: Option<Bound<'py, PyAny>>,
+        op: &str,
+        root: usize,
+    ) -> PyResult<Option<Bound<'py, PyAny>>> {
+        let kind = CollKind::Reduce;
+        let op = parse_op(op).map_err(|e| self.refuse(kind, Dtype::U8, e))?;
+        let Some(recv) = recv.filter(|r| !r.is(&send)) else {
+            return self.reduce_in_place(py, send, op.name(), root);
+        };
+        let (s, _r, mut rm) = self.pair(kind, &send, &recv)?;
+        let (dt, sm) = (s.dtype, s.mem());
+        self.run(py, move |c| dispatch!(dt, T => c.reduce::<T, _, _>(&sm, &mut rm, op, root)))?;
+        Ok((self.rank == root).then_some(recv))
+    }
+
+    /// In-place reduce: on `root`, `buf` receives the result; elsewhere it is left unchanged.
+    #[pyo3(signature = (buf, op="sum", root=0))]
+    fn reduce_in_place<'py>(&self, py: Python<'py>, buf: Bound<'py, PyAny>, op: &str, root: usize) -> PyResult<Option<Bound<'py, PyAny>>> {
+        let kind = CollKind::Reduce;
+        let op = parse_op(op).map_err(|e| self.refuse(kind, Dtype::U8, e))?;
+        let (v, mut m) = self.view_mut(kind, &buf, "buf")?;
+        let dt = v.dtype;
+        self.run(py, move |c| dispatch!(dt, T => c.reduce_in_place::<T, _>(&mut m, op, root)))?;
+        Ok((self.rank == root).then_some(buf))
+    }
+
+    /// Concatenate every rank's `send` in rank order into every rank's `recv`
+    /// (`len(recv) == len(send) * world_size`); `recv=None` gathers in place: `send` is then the
+    /// whole result buffer, with this rank's block already at `[rank*c:(rank+1)*c]`.
+    #[pyo3(signature = (send, recv=None))]
+    fn all_gather<'py>(&self, py: Python<'py>, send: Bound<'py, PyAny>, recv: Option<Bound<'py, PyAny>>) -> PyResult<Bound<'py, PyAny>> {
+        let Some(recv) = recv else {
+            return self.all_gather_in_place(py, send);
+        };
+        let (s, _r, mut rm) = self.pair(CollKind::AllGather, &send, &recv)?;
+        let (dt, sm) = (s.dtype, s.mem());
+        self.run(py, move |c| dispatch!(dt, T => c.all_gather::<T, _, _>(&sm, &mut rm)))?;
+        Ok(recv)
+    }
+
+    /// In-place all-gather: this rank's contribution is already at `buf[rank*c:(rank+1)*c]`
+    /// with `c = len(buf) // world_size`.
+    fn all_gather_in_place<'py>(&self, py: Python<'py>, buf: Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+        let (v, mut m) = self.view_mut(CollKind::AllGather, &buf, "buf")?;
+        let dt = v.dtype;
+        self.run(py, move |c| dispatch!(dt, T => c.all_gather_in_place::<T, _>(&mut m)))?;
+        Ok(buf)
+    }
+
+    /// Concatenate every rank's `send` into `recv` on `root` (`len(send) * world_size`
+    /// elements; `recv` may be None off the root). Returns `recv` on the root, None elsewhere.
+    #[pyo3(signature = (send, recv=None, root=0))]
+    fn gather<'py>(
+        &self,
+        py: Python<'py>,
+        send: Bound<'py, PyAny>,
+        recv: Option<Bound<'py, PyAny>>,
+        root: usize,
+    ) -> PyResult<Option<Bound<'py, PyAny>>> {
+        let kind = CollKind::Gather;
+        let s = self.view(kind, &send, "send")?;
+        let sm = s.mem();
+        let (r, mut rm) = self.optional(kind, recv.as_ref(), "recv", true)?;
+        let s = Some(s);
+        let dt = self.common_dtype(kind, &s, &r)?;
+        self.run(py, move |c| dispatch!(dt, T => c.gather::<T, _, _>(&sm, &mut rm, root)))?;
+        Ok(recv.filter(|_| self.rank == root))
+    }
+
+    /// Reduce every rank's `send` (`len(recv) * world_size` elements) and leave block `rank` of
+    /// the result in `recv`; `recv=None` works in place: the block lands at
+    /// `send[rank*c:(rank+1)*c]`, `c = len(send) // world_size`.
+    #[pyo3(signature = (send, recv=None, op="sum"))]
+    fn reduce_scatter<'py>(
+        &self,
+        py: Python<'py>,
+        send: Bound<'py, PyAny>,
+        recv: Option<Bound<'py, PyAny>>,
+        op: &str,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let kind = CollKind::ReduceScatter;
+        let Some(recv) = recv else {
+            return self.reduce_scatter_in_place(py, send, op);
+        };
+        let op = parse_op(op).map_err(|e| self.refuse(kind, Dtype::U8, e))?;
+        let (s, _r, mut rm) = self.pair(kind, &send, &recv)?;
+        let (dt, sm) = (s.dtype, s.mem());
+        self.run(py, move |c| dispatch!(dt, T => c.reduce_scatter::<T, _, _>(&sm, &mut rm, op)))?;
+        Ok(recv)
+    }
+
+    /// In-place reduce-scatter: the result block lands at `buf[rank*c:(rank+1)*c]`.
+    #[pyo3(signature = (buf, op="sum"))]
+    fn reduce_scatter_in_place<'py>(&self, py: Python<'py>, buf: Bound<'py, PyAny>, op: &str) -> PyResult<Bound<'py, PyAny>> {
+        let kind = CollKind::ReduceScatter;
+        let op = parse_op(op).map_err(|e| self.refuse(kind, Dtype::U8, e))?;
+        let (v, mut m) = self.view_mut(kind, &buf, "buf")?;
+        let dt = v.dtype;
+        self.run(py, move |c| dispatch!(dt, T => c.reduce_scatter_in_place::<T, _>(&mut m, op)))?;
+        Ok(buf)
+    }
+
+    /// Personalised exchange with equal blocks: block `j` of `send` goes to rank `j`, block `i`
+    /// of `recv` comes from rank `i` (`len(send) == len(recv)`, a multiple of the world size).
+    fn all_to_all<'py>(&self, py: Python<'py>, send: Bound<'py, PyAny>, recv: Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+        let (s, _r, mut rm) = self.pair(CollKind::AllToAll, &send, &recv)?;
+        let (dt, sm) = (s.dtype, s.mem());
+        self.run(py, move |c| dispatch!(dt, T => c.all_to_all::<T, _, _>(&sm, &mut rm)))?;
+        Ok(recv)
+    }
+
+    /// Personalised exchange with per-peer counts (`MPI_Alltoallv`): `send_counts[j]` elements
+    /// from `send_displs[j]` go to rank `j`, rank `i`'s block lands at `recv_displs[i]`
+    /// (`recv_counts[i]` elements). Displacements default to the packed prefix sums of the counts.
+    #[pyo3(signature = (send, send_counts, recv, recv_counts, send_displs=None, recv_displs=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn all_to_all_v<'py>(
+        &self,
+        py: Python<'py>,
+        send: Bound<'py, PyAny>,
+        send_counts: Vec<usize>,
+        recv: Bound<'py, PyAny>,
+        recv_counts: Vec<usize>,
+        send_displs: Option<Vec<usize>>,
+        recv_displs: Option<Vec<usize>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let (s, _r, mut rm) = self.pair(CollKind::AllToAllV, &send, &recv)?;
+        let (dt, sm) = (s.dtype, s.mem());
+        let sd = send_displs.unwrap_or_else(|| counts_to_displs(&send_counts));
+        let rd = recv_displs.unwrap_or_else(|| counts_to_displs(&recv_counts));
+        self.run(py, move |c| dispatch!(dt, T => c.all_to_all_v::<T, _, _>(&sm, &send_counts, &sd, &mut rm, &recv_counts, &rd)))?;
+        Ok(recv)
+    }
+
+    /// Hand block `j` of the root's `send` (`world_size * len(recv)` elements) to rank `j`'s
+    /// `recv`; `send` is not read off the root and may be None there.
+    #[pyo3(signature = (send, recv, root=0))]
+    fn scatter<'py>(
+        &self,
+        py: Python<'py>,
+        send: Option<Bound<'py, PyAny>>,
+        recv: Bound<'py, PyAny>,
+        root: usize,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let kind = CollKind::Scatter;
+        let (s, sm) = self.optional(kind, send.as_ref(), "send", false)?;
+        let (r, mut rm) = self.view_mut(kind, &recv, "recv")?;
+        let dt = self.common_dtype(kind, &s, &Some(r))?;
+        self.run(py, move |c| dispatch!(dt, T => c.scatter::<T, _, _>(&sm, &mut rm, root)))?;
+        Ok(recv)
+    }
+
+    /// Concatenate every rank's `send` (of per-rank lengths `recv_counts`, the same list on every
+    /// rank) in rank order into every rank's `recv` (`sum(recv_counts)` elements).
+    fn all_gather_v<'py>(
+        &self,
+        py: Python<'py>,
+        send: Bound<'py, PyAny>,
+        recv: Bound<'py, PyAny>,
+        recv_counts: Vec<usize>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let (s, _r, mut rm) = self.pair(CollKind::AllGatherV, &send, &recv)?;
+        let (dt, sm) = (s.dtype, s.mem());
+        self.run(py, move |c| dispatch!(dt, T => c.all_gather_v::<T, _, _>(&sm, &mut rm, &recv_counts)))?;
+        Ok(recv)
+    }
+
+    /// Concatenate every rank's `send` (of per-rank lengths) into `recv` on `root`, where
+    /// `recv_counts[i]` is rank `i`'s length; `recv` and `recv_counts` may be None off the root.
+    #[pyo3(signature = (send, recv=None, recv_counts=None, root=0))]
+    fn gather_v<'py>(
+        &self,
+        py: Python<'py>,
+        send: Bound<'py, PyAny>,
+        recv: Option<Bound<'py, PyAny>>,
+        recv_counts: Option<Vec<usize>>,
+        root: usize,
+    ) -> PyResult<Option<Bound<'py, PyAny>>> {
+        let kind = CollKind::GatherV;
+        let s = self.view(kind, &send, "send")?;
+        let sm = s.mem();
+        let (r, mut rm) = self.optional(kind, recv.as_ref(), "recv", true)?;
+        let s = Some(s);
+        let dt = self.common_dtype(kind, &s, &r)?;
+        let counts = recv_counts.unwrap_or_default();
+        self.run(py, move |c| dispatch!(dt, T => c.gather_v::<T, _, _>(&sm, &mut rm, &counts, root)))?;
+        Ok(recv.filter(|_| self.rank == root))
+    }
+
+    /// Send `buf` to rank `peer` (blocking until `peer` has posted the matching `recv`). Two ranks
+    /// that send to each other first need `group`.
+    fn send(&self, py: Python<'_>, buf: Bound<'_, PyAny>, peer: usize) -> PyResult<()> {
+        let v = self.view(CollKind::Send, &buf, "buf")?;
+        let (dt, m) = (v.dtype, v.mem());
+        self.run(py, move |c| dispatch!(dt, T => c.send::<T, _>(&m, peer)))
+    }
+
+    /// Receive into `buf` the next message rank `peer` sends to this rank (same count and dtype).
+    fn recv<'py>(&self, py: Python<'py>, buf: Bound<'py, PyAny>, peer: usize) -> PyResult<Bound<'py, PyAny>> {
+        let (v, mut m) = self.view_mut(CollKind::Recv, &buf, "buf")?;
+        let dt = v.dtype;
+        self.run(py, move |c| dispatch!(dt, T => c.recv::<T, _>(&mut m, peer)))?;
+        Ok(buf)
+    }
+
+    /// Post several sends and receives together so that none waits on another (a ring exchange,
+    /// all pairs): `ops` is a list of `("send", buf, peer)` and `("recv", buf, peer)` tuples.
+    fn group(&self, py: Python<'_>, ops: Vec<(String, Bound<'_, PyAny>, usize)>) -> PyResult<()> {
+        let mut views = Vec::with_capacity(ops.len());
+        let mut posts: Vec<(bool, Dtype, usize, HostMem)> = Vec::with_capacity(ops.len());
+        for (i, (what, obj, peer)) in ops.iter().enumerate() {
+            let send = match what.as_str() {
+                "send" => true,
+                "recv" => false,
+                other => {
+                    return Err(self.refuse(
+                        CollKind::Send,
+                        Dtype::U8,
+                        PyValueError::new_err(format!("group: ops[{i}] is {other:?}; each op is (\"send\" or \"recv\", buffer, peer)")),
+                    ))
+                }
+            };
+            let kind = if send { CollKind::Send } else { CollKind::Recv };
+            let name = format!("ops[{i}] buffer");
+            let v = self.view(kind, obj, &name)?;
+            let m = if send { v.mem() } else { v.mem_mut(&name).map_err(|e| self.refuse(kind, v.dtype, e))? };
+            posts.push((send, v.dtype, *peer, m));
+            views.push(v);
+        }
+        let posts = &mut posts;
+        self.run(py, move |c| {
+            c.group(|g: &mut Group<'_>| {
+                for (send, dt, peer, m) in posts.iter_mut() {
+                    let (send, dt, peer) = (*send, *dt, *peer);
+                    if send {
+                        dispatch!(dt, T => g.send::<T, _>(&*m, peer))?;
+                    } else {
+                        dispatch!(dt, T => g.recv::<T, _>(m, peer))?;
+                    }
+                }
+                Ok(())
+            })
+        })?;
+        drop(views);
+        Ok(())
+    }
+
+    /// Wait until every rank has reached this call.
+    fn barrier(&self, py: Python<'_>) -> PyResult<()> {
+        self.run(py, |c| c.barrier())
+    }
+
+    /// Leave the communicator (peers still waiting on this rank get an error instead of a
+    /// hang). Later calls raise. Also done when the object is garbage-collected.
+    fn close(&self, py: Python<'_>) {
+        py.detach(|| drop(self.inner.lock().unwrap_or_else(|p| p.into_inner()).take()));
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    fn __exit__(&self, py: Python<'_>, _t: Py<PyAny>, _v: Py<PyAny>, _tb: Py<PyAny>) -> bool {
+        self.close(py);
+        false
+    }
+}

@@ -1,0 +1,114 @@
+//! `lockstep._native`: the Rust half of the Python package `lockstep` (see `python/lockstep/`
+//! for the Python half: `notebook_launcher`, `comm()`, the documented API).
+//!
+//! What lives here: [`comm::PyComm`] (`lockstep.Communicator`) and the buffer-protocol glue
+//! (`buffer.rs`), `init_from_env`, the shared segment a `notebook_launcher` call forks its
+//! ranks around ([`ShmJob`]), and the pre-fork checks (CUDA initialised in this process, malformed
+//! `LOCKSTEP_*` variables) and post-fork set-up of the Rust library.
+
+// Every `unsafe` block carries a `// SAFETY:` comment in the form clippy recognises.
+#![warn(clippy::undocumented_unsafe_blocks)]
+
+use std::sync::Mutex;
+
+use pyo3::exceptions::PyRuntimeError;
+use pyo3::prelude::*;
+
+mod buffer;
+mod comm;
+mod errors;
+
+use comm::PyComm;
+use errors::comm_err;
+
+/// Join the job described by the launcher's environment (`lockstep launch`, torchrun, mpirun,
+/// srun): the Rust `Communicator::from_env`. Blocks (without the GIL) until every rank of the
+/// node has joined.
+#[pyfunction]
+fn init_from_env(py: Python<'_>) -> PyResult<PyComm> {
+    let c = py.detach(lockstep::Communicator::from_env).map_err(comm_err)?;
+    Ok(PyComm::new(c))
+}
+
+/// Why forking ranks from this process would fail, or None: CUDA already initialised here (by
+/// lockstep, or by anyone else: torch, pynvml, cupy; the driver itself is asked), or a malformed
+/// `LOCKSTEP_*` variable.
+#[pyfunction]
+fn fork_refusal() -> Option<String> {
+    if let Err(e) = lockstep::cuda::init::check_fork_safe() {
+        return Some(e);
+    }
+    lockstep::types::env::check_all().err().map(|e| e.to_string())
+}
+
+/// A shared segment prepared for `world` ranks forked from this process (an anonymous memfd:
+/// nothing to clean up in /dev/shm, it goes when the last process mapping it does). Each forked
+/// rank calls `communicator(rank)` once.
+#[pyclass(frozen, module = "lockstep._native")]
+struct ShmJob {
+    job: Mutex<Option<lockstep::shm::ShmJob>>,
+}
+
+#[pymethods]
+impl ShmJob {
+    #[new]
+    fn new(world: usize) -> PyResult<ShmJob> {
+        let job = lockstep::shm::ShmJob::new(world).map_err(comm_err)?;
+        Ok(ShmJob { job: Mutex::new(Some(job)) })
+    }
+
+    /// Join as `rank` (in a forked child); waits without the GIL until every rank has joined.
+    fn communicator(&self, py: Python<'_>, rank: usize) -> PyResult<PyComm> {
+        let job = self.job.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let job = job.ok_or_else(|| PyRuntimeError::new_err("this ShmJob was closed"))?;
+        let c = py.detach(|| job.communicator(rank)).map_err(comm_err)?;
+        Ok(PyComm::new(c))
+    }
+
+    /// Drop this process's mapping (the parent, once every rank is forked).
+    fn close(&self) {
+        drop(self.job.lock().unwrap_or_else(|p| p.into_inner()).take());
+    }
+}
+
+/// Join the shared segment named after `job_id` as `rank` of `world` ranks of this node, started
+/// separately (the torch backend: one segment per process group, its id agreed through torch's
+/// store). Rank 0 creates it; the name is removed once every rank has joined. Settings come from
+/// the `LOCKSTEP_SHM_*` variables.
+#[pyfunction]
+fn join_named(py: Python<'_>, job_id: &str, rank: usize, world: usize) -> PyResult<PyComm> {
+    let c = py
+        .detach(|| {
+            let cfg = lockstep::shm::ShmConfig::from_env()?;
+            lockstep::shm::ShmComm::join_named(job_id, rank, world, cfg)
+        })
+        .map_err(comm_err)?;
+    Ok(PyComm::new(lockstep::Communicator::from_backend(Box::new(c))))
+}
+
+/// In a freshly forked rank: ask the kernel to SIGKILL this process when the thread that forked
+/// it dies (a killed notebook kernel leaves no rank behind). Returns False when the parent is
+/// already gone (`parent_pid` is not our parent any more): the rank should exit at once.
+#[pyfunction]
+fn die_with_parent(parent_pid: i32) -> bool {
+    // SAFETY: prctl(PR_SET_PDEATHSIG) takes an integer signal number; no pointers.
+    let rc = unsafe {
+        libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0 as libc::c_ulong, 0 as libc::c_ulong, 0 as libc::c_ulong)
+    };
+    // SAFETY: getppid has no preconditions.
+    let ppid = unsafe { libc::getppid() };
+    rc == 0 && ppid == parent_pid
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyComm>()?;
+    m.add_class::<ShmJob>()?;
+    m.add("CommError", m.py().get_type::<errors::CommError>())?;
+    m.add_function(wrap_pyfunction!(init_from_env, m)?)?;
+    m.add_function(wrap_pyfunction!(fork_refusal, m)?)?;
+    m.add_function(wrap_pyfunction!(die_with_parent, m)?)?;
+    m.add_function(wrap_pyfunction!(join_named, m)?)?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

@@ -1,0 +1,43 @@
+"""Shared helpers: launching ranks and checking that nothing is left behind."""
+
+import glob
+import os
+
+import pytest
+
+import lockstep
+
+
+def children():
+    """Pids of this process's live or zombie children (from /proc, every thread)."""
+    out = set()
+    for f in glob.glob(f"/proc/{os.getpid()}/task/*/children"):
+        try:
+            with open(f) as fh:
+                out.update(int(p) for p in fh.read().split())
+        except OSError:
+            pass
+    return out
+
+
+def shm_entries():
+    """lockstep's names in /dev/shm."""
+    return {p for p in glob.glob("/dev/shm/*") if "lockstep" in os.path.basename(p)}
+
+
+def open_fds():
+    return set(os.listdir("/proc/self/fd"))
+
+
+@pytest.fixture
+def no_leftovers():
+    """Fail the test if it leaves a child process, a /dev/shm segment or a descriptor behind."""
+    shm0, fds0 = shm_entries(), open_fds()
+    yield
+    assert children() == set(), "a rank process (or one it started) is still there"
+    assert shm_entries() - shm0 == set(), "a lockstep segment was left in /dev/shm"
+    assert open_fds() - fds0 == set(), "the launcher leaked file descriptors"
+
+
+def launch(world, fn, *args):
+    return lockstep.notebook_launcher(fn, args, num_processes=world)

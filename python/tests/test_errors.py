@@ -1,0 +1,144 @@
+"""Wrong buffers raise TypeError/ValueError on the calling rank, and the peers' matching call fails
+with lockstep.CommError instead of hanging; mismatches raise CommError naming the ranks."""
+
+import numpy as np
+import pytest
+
+import lockstep
+from conftest import launch
+
+
+def one_rank_refused(bad, exc):
+    """Rank 0 makes the call `bad(c)` that must raise `exc`; rank 1 makes a valid all-reduce at the
+    same point, which must fail with CommError; then both make a valid call that must succeed."""
+
+    def body():
+        c = lockstep.comm()
+        if c.rank == 0:
+            with pytest.raises(exc) as e:
+                bad(c)
+        else:
+            with pytest.raises(lockstep.CommError) as e:
+                c.all_reduce(np.ones(4, np.float32))
+        x = np.ones(3)
+        c.all_reduce(x)
+        return str(e.value), x.tolist()
+
+    (m0, x0), (m1, x1) = launch(2, body)
+    assert x0 == x1 == [2.0, 2.0, 2.0], "the ranks must be back in step after the refused call"
+    assert "rank 0" in m1, m1
+    return m0, m1
+
+
+def test_not_a_buffer():
+    m0, _ = one_rank_refused(lambda c: c.all_reduce([1.0, 2.0]), TypeError)
+    assert "list" in m0 and "buffer protocol" in m0
+
+
+def test_non_contiguous():
+    m0, _ = one_rank_refused(lambda c: c.all_reduce(np.ones(8, np.float32)[::2]), ValueError)
+    assert "not C-contiguous" in m0 and "ascontiguousarray" in m0
+
+
+def test_fortran_order_is_refused():
+    m0, _ = one_rank_refused(lambda c: c.all_reduce(np.ones((3, 4), np.float32, order="F")), ValueError)
+    assert "not C-contiguous" in m0
+
+
+@pytest.mark.parametrize(
+    "arr, word",
+    [
+        (np.ones(4, np.bool_), '"?"'),
+        (np.ones(4, np.int16), "16-bit"),
+        (np.ones(4, np.complex64), "Zf"),
+        (np.ones(4, np.dtype(">f4")), "byte order"),
+    ],
+)
+def test_unsupported_element_types(arr, word):
+    m0, _ = one_rank_refused(lambda c: c.all_reduce(arr), TypeError)
+    assert word in m0, m0
+
+
+def test_read_only_result():
+    def bad(c):
+        a = np.ones(4, np.float32)
+        a.setflags(write=False)
+        c.all_reduce(a)
+
+    m0, _ = one_rank_refused(bad, ValueError)
+    assert "read-only" in m0
+
+
+def test_dtype_disagreement_between_send_and_recv():
+    m0, _ = one_rank_refused(lambda c: c.all_reduce(np.ones(4, np.float32), np.ones(4, np.float64)), TypeError)
+    assert "float32" in m0 or "f32" in m0
+
+
+def test_overlapping_send_and_recv():
+    def bad(c):
+        a = np.ones(8, np.float32)
+        c.all_reduce(a[:4], a[2:6])
+
+    m0, _ = one_rank_refused(bad, ValueError)
+    assert "share memory" in m0
+
+
+def test_misaligned():
+    def bad(c):
+        a = np.frombuffer(bytearray(20), dtype=np.float32, offset=1, count=4)
+        c.all_reduce(a, np.zeros(4, np.float32))
+
+    m0, _ = one_rank_refused(bad, ValueError)
+    assert "aligned" in m0
+
+
+def test_unknown_op():
+    m0, _ = one_rank_refused(lambda c: c.all_reduce(np.ones(4), op="mean"), ValueError)
+    assert "mean" in m0 and "sum" in m0
+
+
+def test_length_error_from_the_rust_checks():
+    m0, _ = one_rank_refused(lambda c: c.all_reduce(np.ones(4), np.ones(5)), lockstep.CommError)
+    assert "4 elements" in m0 and "5" in m0
+
+
+def test_count_mismatch_between_ranks_names_them():
+    def body():
+        c = lockstep.comm()
+        with pytest.raises(lockstep.CommError) as e:
+            c.all_reduce(np.ones(4 + c.rank))
+        return str(e.value)
+
+    for m in launch(2, body):
+        assert "mismatch" in m and "rank 0" in m and "rank 1" in m, m
+
+
+def test_comm_error_is_a_runtime_error():
+    assert issubclass(lockstep.CommError, RuntimeError)
+    assert lockstep.CommError.__module__ == "lockstep"
+
+
+def test_closed_communicator():
+    def body():
+        c = lockstep.comm()
+        c.close()
+        with pytest.raises(lockstep.CommError, match="closed"):
+            c.barrier()
+        return True
+
+    assert launch(1, body) == [True]
+
+
+def test_wrong_group_op():
+    def body():
+        c = lockstep.comm()
+        with pytest.raises(ValueError, match="send.*recv"):
+            c.group([("sendrecv", np.ones(2), 0)])
+        return True
+
+    assert launch(1, body) == [True]
+
+
+def test_comm_outside_a_rank():
+    with pytest.raises(RuntimeError, match="notebook_launcher"):
+        lockstep.comm()

@@ -1,0 +1,240 @@
+"""torch CPU tensors, directly (DLPack) and through `tensor.numpy()` (the buffer protocol).
+Skipped when torch is not installed (CI does not install it)."""
+
+import pytest
+
+try:
+    import torch
+except ImportError:
+    pytest.skip("skipped: torch not installed", allow_module_level=True)
+
+import lockstep
+
+
+def test_torch_cpu_tensor_in_place_through_numpy():
+    def body():
+        c = lockstep.comm()
+        t = torch.full((4, 3), float(c.rank + 1))
+        c.all_reduce(t.numpy())  # in place: the tensor itself holds the sum
+        g = torch.zeros(c.world_size * 2, dtype=torch.int64)
+        c.all_gather(torch.full((2,), c.rank, dtype=torch.int64).numpy(), g.numpy())
+        return t, g
+
+    for t, g in lockstep.notebook_launcher(body, num_processes=2):
+        assert torch.equal(t, torch.full((4, 3), 3.0))
+        assert g.tolist() == [0, 0, 1, 1]
+
+
+def test_torch_import_in_the_caller_does_not_block_forking():
+    assert not torch.cuda.is_initialized()
+    lockstep.check_fork_safe()
+    assert lockstep.notebook_launcher(lambda: torch.ones(2).sum().item(), num_processes=2) == [2.0, 2.0]
+
+
+def test_torch_tensors_directly_through_dlpack_including_bfloat16():
+    def body():
+        c = lockstep.comm()
+        t = torch.full((5,), float(c.rank + 1), dtype=torch.bfloat16)
+        c.all_reduce(t)  # no buffer protocol on tensors: DLPack
+        out = torch.zeros(4, dtype=torch.float32)
+        c.all_gather(torch.full((2,), float(c.rank)), out)
+        with pytest.raises(ValueError, match="not C-contiguous"):
+            c.all_reduce(torch.ones(4, 4).t())
+        return t, out
+
+    for t, out in lockstep.notebook_launcher(body, num_processes=2):
+        assert t.dtype == torch.bfloat16 and torch.equal(t, torch.full((5,), 3.0, dtype=torch.bfloat16))
+        assert out.tolist() == [0.0, 0.0, 1.0, 1.0]
+
+
+def _collectives():
+    import torch.distributed as dist
+
+    r, n = dist.get_rank(), dist.get_world_size()
+    out = {"init": (dist.is_initialized(), dist.get_backend(), n)}
+    for op, name in [(dist.ReduceOp.SUM, "sum"), (dist.ReduceOp.MAX, "max"), (dist.ReduceOp.PRODUCT, "prod"), (dist.ReduceOp.MIN, "min")]:
+        t = torch.arange(4, dtype=torch.float32) + r + 1
+        dist.all_reduce(t, op=op)
+        out[name] = t
+    t = torch.full((3,), float(r))
+    w = dist.all_reduce(t, async_op=True)
+    w.wait()
+    out["async"] = (t, w.is_completed(), [x.clone() for x in w.get_future().value()])
+    b = torch.full((2,), float(r), dtype=torch.bfloat16)
+    dist.all_reduce(b)
+    out["bf16"] = b
+    t = torch.full((2,), float(r))
+    dist.broadcast(t, src=n - 1)
+    out["broadcast"] = t
+    t = torch.full((2,), float(r + 1))
+    dist.reduce(t, dst=0)
+    out["reduce"] = t
+    lst = [torch.zeros(2) for _ in range(n)]
+    dist.all_gather(lst, torch.full((2,), float(r)))
+    out["all_gather"] = lst
+    big = torch.zeros(2 * n, dtype=torch.int64)
+    dist.all_gather_into_tensor(big, torch.full((2,), r, dtype=torch.int64))
+    out["all_gather_into_tensor"] = big
+    o = torch.zeros(2)
+    dist.reduce_scatter(o, [torch.full((2,), float(r + 10 * j)) for j in range(n)])
+    out["reduce_scatter"] = o
+    o = torch.zeros(2)
+    dist.reduce_scatter_tensor(o, torch.arange(2 * n, dtype=torch.float32) * (r + 1))
+    out["reduce_scatter_tensor"] = o
+    g = [torch.zeros(1) for _ in range(n)] if r == 0 else None
+    dist.gather(torch.full((1,), float(r)), g, dst=0)
+    out["gather"] = g
+    s = torch.zeros(2)
+    dist.scatter(s, [torch.full((2,), float(j * 7)) for j in range(n)] if r == 1 else None, src=1)
+    out["scatter"] = s
+    outs = [torch.zeros(1) for _ in range(n)]
+    dist.all_to_all(outs, [torch.full((1,), float(10 * r + j)) for j in range(n)])
+    out["all_to_all"] = outs
+    o = torch.zeros(n)
+    dist.all_to_all_single(o, torch.arange(n, dtype=torch.float32) + 10 * r)
+    out["all_to_all_single"] = o
+    # Uneven: rank r sends j+1 rows to rank j.
+    inp = torch.full((sum(j + 1 for j in range(n)), 2), float(r))
+    o = torch.zeros(((r + 1) * n, 2))
+    dist.all_to_all_single(o, inp, output_split_sizes=[r + 1] * n, input_split_sizes=[j + 1 for j in range(n)])
+    out["all_to_all_uneven"] = o
+    if r == 0:
+        dist.send(torch.full((3,), 5.0), dst=1)
+        req = dist.irecv(x := torch.zeros(3), src=1)
+        req.wait()
+        out["p2p"] = x
+    elif r == 1:
+        x = torch.zeros(3)
+        dist.recv(x, src=0)
+        dist.isend(x * 2, dst=0).wait()
+        out["p2p"] = x
+    dist.barrier()
+    sub = dist.new_group([0, n - 1])
+    if r in (0, n - 1):
+        t = torch.full((2,), float(r))
+        dist.all_reduce(t, group=sub)
+        out["new_group"] = t
+    dist.barrier()
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_torch_distributed_on_the_lockstep_backend(world):
+    res = lockstep.notebook_launcher(_collectives, num_processes=world)
+    n = world
+    for r, o in enumerate(res):
+        assert o["init"] == (True, "lockstep", n)
+        base = torch.arange(4, dtype=torch.float32)
+        assert torch.equal(o["sum"], sum(base + q + 1 for q in range(n)))
+        assert torch.equal(o["max"], base + n)
+        prod = torch.ones(4)
+        for q in range(n):
+            prod = prod * (base + q + 1)
+        assert torch.equal(o["prod"], prod)
+        assert torch.equal(o["min"], base + 1)
+        t, done, fut = o["async"]
+        assert done and torch.equal(t, torch.full((3,), float(sum(range(n))))) and torch.equal(fut[0], t)
+        assert o["bf16"].dtype == torch.bfloat16 and o["bf16"].float().tolist() == [float(sum(range(n)))] * 2
+        assert o["broadcast"].tolist() == [float(n - 1)] * 2
+        if r == 0:
+            assert o["reduce"].tolist() == [float(sum(range(1, n + 1)))] * 2
+            assert [x.item() for x in o["gather"]] == [float(q) for q in range(n)]
+        assert [x.tolist() for x in o["all_gather"]] == [[float(q)] * 2 for q in range(n)]
+        assert o["all_gather_into_tensor"].tolist() == [q for q in range(n) for _ in range(2)]
+        assert o["reduce_scatter"].tolist() == [float(sum(q + 10 * r for q in range(n)))] * 2
+        full = sum(torch.arange(2 * n, dtype=torch.float32) * (q + 1) for q in range(n))
+        assert o["reduce_scatter_tensor"].tolist() == full[2 * r : 2 * r + 2].tolist()
+        assert o["scatter"].tolist() == [float(r * 7)] * 2
+        assert [x.item() for x in o["all_to_all"]] == [float(10 * q + r) for q in range(n)]
+        assert o["all_to_all_single"].tolist() == [float(r + 10 * q) for q in range(n)]
+        assert o["all_to_all_uneven"][:, 0].tolist() == [float(q) for q in range(n) for _ in range(r + 1)]
+        if r == 0:
+            assert o["p2p"].tolist() == [10.0] * 3
+        if r == 1:
+            assert o["p2p"].tolist() == [5.0] * 3
+        if r in (0, n - 1):
+            assert o["new_group"].tolist() == [float(n - 1)] * 2
+
+
+def test_torch_mismatch_raises_naming_the_ranks():
+    def body():
+        import torch.distributed as dist
+
+        with pytest.raises(RuntimeError) as e:
+            dist.all_reduce(torch.ones(4 + dist.get_rank()))
+        return str(e.value)
+
+    for m in lockstep.notebook_launcher(body, num_processes=2):
+        assert "mismatch" in m and "rank 0" in m and "rank 1" in m, m
+
+
+def _ddp_train(backend, steps=20):
+    """A small model trained with PyTorch's own DDP, from a fixed seed, on `backend`."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    pg = dist.new_group(backend="gloo") if backend == "gloo" else None
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    ddp = DDP(model, process_group=pg)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(100 + dist.get_rank())
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(32, 8, generator=g)
+        y = x.sum(dim=1, keepdim=True)
+        loss = torch.nn.functional.mse_loss(ddp(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return [p.detach().clone() for p in model.parameters()], losses
+
+
+def test_ddp_matches_gloo():
+    def body():
+        return _ddp_train("lockstep"), _ddp_train("gloo")
+
+    res = lockstep.notebook_launcher(body, num_processes=2)
+    (p_lock0, l_lock0), (p_gloo0, _) = res[0]
+    (p_lock1, _), _ = res[1]
+    for a, b in zip(p_lock0, p_lock1):
+        assert torch.equal(a, b), "DDP keeps the replicas identical"
+    for a, b in zip(p_lock0, p_gloo0):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert l_lock0[-1] < l_lock0[0]
+
+
+def test_init_process_group_under_torchrun_variables():
+    """Two processes started separately with torchrun's variables: init_process_group("lockstep")
+    through env://, then a collective and a subgroup."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import textwrap
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = textwrap.dedent(
+        """
+        import torch, torch.distributed as dist, lockstep.torch
+        dist.init_process_group("lockstep")
+        t = torch.full((3,), float(dist.get_rank() + 1))
+        dist.all_reduce(t)
+        g = dist.new_group([0, 1])
+        dist.all_reduce(t, group=g)
+        print("ok", dist.get_rank(), dist.get_backend(), t.tolist())
+        dist.destroy_process_group()
+        """
+    )
+    env = dict(os.environ, WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for r in range(2)
+    ]
+    for r, p in enumerate(procs):
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        assert f"ok {r} lockstep [6.0, 6.0, 6.0]" in out, out
