@@ -21,7 +21,7 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src")
 LAYERS = [
     ["types", "store"],
     ["cuda"],
-    ["comm"],
+    ["comm", "config"],
     ["shm", "nccl", "staged"],
     ["rendezvous", "train"],
     ["launch"],

@@ -11,6 +11,7 @@
 //! | [`types`] | the vocabulary: [`Dtype`], [`ReduceOp`], [`CollKind`], the [`Buffer`]/[`BufferMut`] traits |
 //! | [`store`] | the TCP rendezvous store that multi-node jobs meet through |
 //! | [`cuda`] | CUDA driver + NVRTC loaded at run time: discovery, the single-init guard, contexts, streams, memory, a source-keyed compile cache, graphs |
+//! | `config` (feature `config`) | the configuration file `lockstep config` writes and `lockstep launch` reads |
 //! | [`comm`] | the backend-agnostic [`Communicator`], the [`Backend`](comm::Backend) trait, [`CommError`] |
 //! | [`shm`] | the shared-memory backend for the ranks of one node |
 //! | [`nccl`] | NCCL loaded at run time: a backend on device buffers with an abort watchdog |
@@ -42,6 +43,8 @@ pub mod bench;
 #[cfg(feature = "capi")]
 pub mod capi;
 pub mod comm;
+#[cfg(feature = "config")]
+pub mod config;
 pub mod launch;
 pub mod nccl;
 pub mod rendezvous;

@@ -188,6 +188,25 @@ pub fn describe_state() -> String {
 /// Fork a child that initialises CUDA the way a rank would and reports (device count, driver
 /// version) through a pipe. Leaves this process uninitialised. Used for `LOCKSTEP_DEBUG=1`.
 pub fn probe_child() -> Result<String, String> {
+    fork_probe(probe_in_this_process)
+}
+
+/// The number of CUDA devices a rank would see, counted by a forked child (this process stays
+/// uninitialised, so it may still fork ranks). `Ok(0)` without a driver library; an error when
+/// the driver is there but cannot be initialised. Backs `--nproc-per-node auto` and `backend = "auto"`.
+pub fn probe_device_count_child() -> Result<usize, String> {
+    if !super::driver_present() {
+        return Ok(0);
+    }
+    let s = fork_probe(|| {
+        ensure_init()?;
+        Ok(driver::device_get_count()?.to_string())
+    })?;
+    s.trim().parse().map_err(|_| format!("the CUDA probe process reported {s:?} instead of a device count (lockstep bug)"))
+}
+
+/// Run `probe` in a forked child and return what it reported through a pipe.
+fn fork_probe(probe: fn() -> Result<String, CudaError>) -> Result<String, String> {
     check_fork_safe_no_probe()?;
     let mut fds = [0 as libc::c_int; 2];
     // SAFETY: `fds` is a valid array of two ints.
@@ -203,7 +222,7 @@ pub fn probe_child() -> Result<String, String> {
     }
     if pid == 0 {
         drop(rd);
-        let msg = match probe_in_this_process() {
+        let msg = match probe() {
             Ok(s) => format!("ok {s}"),
             Err(e) => format!("err {e}"),
         };

@@ -214,13 +214,16 @@ pub const SPIN_US: Var = Var { name: "LOCKSTEP_SPIN_US", kind: Kind::Count { min
 pub const CPU_BIND: Var = Var { name: "LOCKSTEP_CPU_BIND", kind: Kind::Choice(&["core", "none"]) };
 /// How long the ranks of a shared segment wait for each other to join.
 pub const JOIN_TIMEOUT_S: Var = Var { name: "LOCKSTEP_JOIN_TIMEOUT_S", kind: Kind::Secs };
+/// Path of the configuration file (`lockstep::config`; `lockstep launch` passes the file it read
+/// on to its ranks).
+pub const CONFIG: Var = Var { name: "LOCKSTEP_CONFIG", kind: Kind::Text };
 
 /// The `LOCKSTEP_*` variables of a simple kind, with what each accepts; each reader parses its
 /// variable through the same [`Var`], so this table and the readers cannot disagree. Free-form
 /// ones are not listed: library paths (`LOCKSTEP_*_LIBRARY`), `LOCKSTEP_SHM_DIR` (checked where
 /// a named segment is made: an absolute path to a directory), NVRTC options, the log filter
 /// (`LOCKSTEP_LOG`, checked by the binaries), the token (`LOCKSTEP_TOKEN`, which has its own
-/// rules), the config path, and the checkpoint fault injection (`LOCKSTEP_FAULT_SAVE`).
+/// rules), and the checkpoint fault injection (`LOCKSTEP_FAULT_SAVE`).
 pub const CHECKED: &[Var] = &[
     TIMEOUT_S,
     RDZV_TIMEOUT_S,
@@ -241,6 +244,7 @@ pub const CHECKED: &[Var] = &[
     SPIN_US,
     CPU_BIND,
     JOIN_TIMEOUT_S,
+    CONFIG,
 ];
 
 impl Var {

@@ -1,6 +1,7 @@
 //! The vocabulary every layer shares: element types, reduction operators, collective names and
 //! the buffer traits through which a collective sees memory (host, shared segment or device), and
-//! strict parsing of `LOCKSTEP_*` environment variables ([`env`](mod@env)).
+//! strict parsing of `LOCKSTEP_*` environment variables ([`env`](mod@env)), and atomic file
+//! replacement ([`write_atomic`]).
 //!
 //! This is the bottom layer: it imports nothing from the rest of the crate, so `cuda`, `comm`,
 //! the backends and the engine can all speak it without depending on one another.
@@ -9,7 +10,9 @@ mod buffer;
 mod coll;
 mod dtype;
 pub mod env;
+mod file;
 
 pub use buffer::{Buffer, BufferMut, MemSpace, RawMem};
 pub use coll::CollKind;
 pub use dtype::{Dtype, Element, ReduceOp};
+pub use file::{write_atomic, WriteError};
