@@ -117,6 +117,12 @@ pub struct JobSpec {
     pub rdzv_timeout: Duration,
     /// The program and its arguments.
     pub program: Vec<OsString>,
+    /// More variables for every rank, set over the launcher's own environment (`lockstep
+    /// launch` passes `LOCKSTEP_BACKEND` and `LOCKSTEP_CONFIG` from its configuration this way).
+    pub rank_env: Vec<(String, String)>,
+    /// Prefix each line of a rank's output with `[rank N] ` (lines that are JSON objects never
+    /// are, so `--json` output parses line by line); off: the lines as the ranks wrote them.
+    pub prefix: bool,
 }
 
 /// A job id unique on this host: launcher pid plus wall-clock nanoseconds.
@@ -160,10 +166,21 @@ impl JobSpec {
     fn validate(&self) -> Result<(), LaunchError> {
         let bad = |m: String| Err(LaunchError::Setup(m));
         if self.nproc_per_node == 0 {
-            return bad("--nproc-per-node must be at least 1".into());
+            return bad("--nproc-per-node 0: each node needs at least 1 rank (or `auto`: one per GPU, else 2)".into());
         }
-        if self.nnodes == 0 || self.node_rank >= self.nnodes {
-            return bad(format!("--node-rank {} is out of range for --nnodes {} (use 0..{})", self.node_rank, self.nnodes, self.nnodes));
+        if self.nnodes == 0 {
+            return bad("--nnodes 0: a job runs on at least 1 node (leave --nnodes out for a single-node job)".into());
+        }
+        if self.node_rank >= self.nnodes {
+            return bad(format!(
+                "--node-rank {} is out of range for --nnodes {}: nodes are numbered 0 to {}, one launcher each",
+                self.node_rank,
+                self.nnodes,
+                self.nnodes - 1
+            ));
+        }
+        if let Some((k, _)) = self.rank_env.iter().find(|(k, v)| k.is_empty() || k.contains(['=', '\0']) || v.contains('\0')) {
+            return bad(format!("the rank variable {k:?} cannot be passed to a program (empty, or contains '=' or a NUL byte)"));
         }
         if self.program.is_empty() {
             return bad("no program given: use `lockstep launch [options] -- program args...`".into());
@@ -203,6 +220,16 @@ pub fn run_job(spec: &JobSpec) -> Result<i32, LaunchError> {
     // A malformed variable the ranks would read stops the job here, once, not in every rank.
     crate::types::env::check_all().map_err(|e| LaunchError::Setup(e.to_string()))?;
     let start = Instant::now();
+    let cpus = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    if spec.nproc_per_node > cpus {
+        // Ranks that wait spin, then yield: oversubscribed, every collective waits for a rank
+        // that is not running. It works (tests do it), but it is slow.
+        tracing::warn!(
+            "{} ranks on this node, but only {cpus} CPU(s) are available to this process: ranks will share CPUs and collectives will be slow; \
+             start at most {cpus} (--nproc-per-node)",
+            spec.nproc_per_node
+        );
+    }
     sweep_stale_segments();
     let world = spec.nproc_per_node * spec.nnodes;
     // Only a single-node job gets here without a token (`validate`); its ranks never use it.
@@ -238,7 +265,10 @@ pub fn run_job(spec: &JobSpec) -> Result<i32, LaunchError> {
     let log_dir = spec.log_dir.as_deref().map(LogDir::prepare).transpose()?;
     let base = spec.node_rank * spec.nproc_per_node;
     let outputs = (base..base + spec.nproc_per_node)
-        .map(|rank| RankOutput::new(rank, spec.ranks_filter.as_ref().is_none_or(|f| f.contains(&rank)), log_dir.as_ref()))
+        .map(|rank| {
+            let o = RankOutput::new(rank, spec.ranks_filter.as_ref().is_none_or(|f| f.contains(&rank)), log_dir.as_ref())?;
+            Ok::<_, LaunchError>(if spec.prefix { o } else { o.without_prefix() })
+        })
         .collect::<Result<Vec<_>, _>>()?;
 
     // Start the ranks, the first one leading a new process group.
@@ -256,6 +286,7 @@ pub fn run_job(spec: &JobSpec) -> Result<i32, LaunchError> {
         ("LOCKSTEP_RDZV_TIMEOUT_S".into(), spec.rdzv_timeout.as_secs_f64().to_string()),
     ];
     let mut common = common;
+    common.extend(spec.rank_env.iter().cloned());
     if std::io::IsTerminal::is_terminal(&std::io::stderr()) {
         // The ranks' stderr is a pipe, but what they print ends on a terminal: progress bars may
         // draw (`\r` redraws are forwarded one by one, see output.rs).

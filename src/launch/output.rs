@@ -152,6 +152,12 @@ impl RankOutput {
         })
     }
 
+    /// Print this rank's lines without the `[rank N] ` prefix (`lockstep launch --no-prefix`).
+    pub fn without_prefix(mut self) -> RankOutput {
+        self.prefix.clear();
+        self
+    }
+
     /// Take `data` read from `stream`; emit every complete segment.
     pub fn feed(&mut self, stream: Stream, data: &[u8]) {
         self.pending[stream as usize].extend_from_slice(data);
@@ -196,7 +202,12 @@ impl RankOutput {
                 // go before the prefix, or they would erase it.
                 let k = leading_csi_len(seg);
                 out.extend_from_slice(&seg[..k]);
-                out.extend_from_slice(&self.prefix);
+                // A line that is a JSON object stays as it is, so that `--json` output parses
+                // line by line under the launcher (the object says which rank wrote it, if it
+                // needs to).
+                if !(seg.ends_with(b"\n") && is_json_object(&seg[k..])) {
+                    out.extend_from_slice(&self.prefix);
+                }
                 out.extend_from_slice(&seg[k..]);
             }
         }
@@ -220,6 +231,138 @@ pub(crate) fn leading_csi_len(seg: &[u8]) -> usize {
         i += 2 + end + 1;
     }
     i
+}
+
+/// Whether `line` (surrounding whitespace aside) is one JSON object: a recognizer of the JSON
+/// grammar (RFC 8259), without building values. Lines longer than [`MAX_PENDING`] are cut
+/// before they get here, which bounds the work.
+pub(crate) fn is_json_object(line: &[u8]) -> bool {
+    let mut p = Json { s: line, i: 0, depth: 0 };
+    p.ws();
+    if p.peek() != Some(b'{') || !p.value() {
+        return false;
+    }
+    p.ws();
+    p.i == line.len()
+}
+
+/// The state of [`is_json_object`].
+struct Json<'a> {
+    s: &'a [u8],
+    i: usize,
+    depth: usize,
+}
+
+impl Json<'_> {
+    fn peek(&self) -> Option<u8> {
+        self.s.get(self.i).copied()
+    }
+    fn eat(&mut self, b: u8) -> bool {
+        let ok = self.peek() == Some(b);
+        self.i += ok as usize;
+        ok
+    }
+    fn ws(&mut self) {
+        while matches!(self.peek(), Some(b' ' | b'\t' | b'\n' | b'\r')) {
+            self.i += 1;
+        }
+    }
+    fn value(&mut self) -> bool {
+        self.ws();
+        match self.peek() {
+            Some(b'{') => self.nested(b'}', true),
+            Some(b'[') => self.nested(b']', false),
+            Some(b'"') => self.string(),
+            Some(b't') => self.word(b"true"),
+            Some(b'f') => self.word(b"false"),
+            Some(b'n') => self.word(b"null"),
+            Some(b'-' | b'0'..=b'9') => self.number(),
+            _ => false,
+        }
+    }
+    /// An object (`keyed`) or an array, from its opening bracket.
+    fn nested(&mut self, close: u8, keyed: bool) -> bool {
+        // Deep nesting is refused rather than recursed into without bound.
+        if self.depth >= 128 {
+            return false;
+        }
+        self.depth += 1;
+        self.i += 1;
+        self.ws();
+        let ok = self.eat(close)
+            || loop {
+                if keyed {
+                    self.ws();
+                    if !(self.string() && {
+                        self.ws();
+                        self.eat(b':')
+                    }) {
+                        break false;
+                    }
+                }
+                if !self.value() {
+                    break false;
+                }
+                self.ws();
+                if self.eat(close) {
+                    break true;
+                }
+                if !self.eat(b',') {
+                    break false;
+                }
+            };
+        self.depth -= 1;
+        ok
+    }
+    fn string(&mut self) -> bool {
+        if !self.eat(b'"') {
+            return false;
+        }
+        while let Some(c) = self.peek() {
+            self.i += 1;
+            match c {
+                b'"' => return true,
+                b'\\' => match self.peek() {
+                    Some(b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't') => self.i += 1,
+                    Some(b'u') if self.s.len() >= self.i + 5 && self.s[self.i + 1..self.i + 5].iter().all(u8::is_ascii_hexdigit) => {
+                        self.i += 5
+                    }
+                    _ => return false,
+                },
+                0..=0x1f => return false,
+                _ => {}
+            }
+        }
+        false
+    }
+    fn word(&mut self, w: &[u8]) -> bool {
+        let ok = self.s[self.i..].starts_with(w);
+        self.i += if ok { w.len() } else { 0 };
+        ok
+    }
+    fn digits(&mut self) -> usize {
+        let n = self.s[self.i..].iter().take_while(|b| b.is_ascii_digit()).count();
+        self.i += n;
+        n
+    }
+    fn number(&mut self) -> bool {
+        self.eat(b'-');
+        if self.eat(b'0') {
+            // No leading zeros.
+        } else if self.digits() == 0 {
+            return false;
+        }
+        if self.eat(b'.') && self.digits() == 0 {
+            return false;
+        }
+        if self.eat(b'e') || self.eat(b'E') {
+            let _ = self.eat(b'+') || self.eat(b'-');
+            if self.digits() == 0 {
+                return false;
+            }
+        }
+        true
+    }
 }
 
 /// Write a batch to the launcher's own stdout or stderr.
@@ -337,6 +480,35 @@ mod tests {
         assert_eq!(leading_csi_len(b"\x1b[2"), 0);
         let (s, _) = segs(b"\r\x1b[2K10%\r\x1b[2K20%\n", false);
         assert_eq!(s, vec!["\r", "\x1b[2K10%\r", "\x1b[2K20%\n"]);
+    }
+
+    #[test]
+    fn json_objects_are_recognised() {
+        for ok in [
+            "{}\n",
+            "{\"epoch\": 1, \"loss\": 0.4384, \"acc\": -1.5e-3, \"ok\": true, \"x\": null}\n",
+            "  {\"a\": [1, {\"b\": \"c\\\"\\u00e9\"}, []], \"d\": {}}  \n",
+        ] {
+            assert!(is_json_object(ok.as_bytes()), "{ok:?}");
+        }
+        for bad in [
+            "[1, 2]\n",
+            "{\"a\": 1} trailing\n",
+            "{a: 1}\n",
+            "{\"a\": 01}\n",
+            "{\"a\": 1,}\n",
+            "{\"a\" 1}\n",
+            "{\"a\": \"unterminated}\n",
+            "{\"a\": tru}\n",
+            "{\"a\": 1.}\n",
+            "epoch 1/4 {x}\n",
+            "{\n",
+            "",
+        ] {
+            assert!(!is_json_object(bad.as_bytes()), "{bad:?}");
+        }
+        let deep = format!("{}1{}", "{\"a\":".repeat(200), "}".repeat(200));
+        assert!(!is_json_object(deep.as_bytes()));
     }
 
     #[test]
