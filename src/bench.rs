@@ -1,10 +1,14 @@
 //! `lockstep bench`: an nccl-tests-style collective benchmark over the fork launcher.
 //!
-//! One row per size: size (bytes), count, type, op, time (µs), algbw (GB/s), busbw (GB/s), #wrong.
-//! Time is the median over iterations of each rank's per-call time, maxed over ranks; every size is
-//! verified after timing, and any wrong element makes the command fail. Bus bandwidth uses the
-//! nccl-tests factors: all-reduce 2(n-1)/n, all-gather and reduce-scatter (n-1)/n on the total size,
-//! broadcast/reduce 1.
+//! One row per size, with nccl-tests' columns: size (bytes), count, type, redop, root, then time
+//! (µs), algbw, busbw (GB/s) and #wrong for the out-of-place call and again for the in-place one
+//! (where the communicator has an in-place form). Time is the median over iterations of each
+//! rank's per-call time, maxed over ranks; every size is verified after timing (unless
+//! `check` is off), and any wrong element makes the command fail. Bus bandwidth uses the
+//! nccl-tests factors: all-reduce 2(n-1)/n, all-gather and reduce-scatter (n-1)/n on the total
+//! size, broadcast/reduce 1. The summary gives the wrong elements and the average bus bandwidth;
+//! a barrier has no size and reports its latency only. A size of 0 times a real zero-byte call.
+//! Output: [`render`] as text (nccl-tests' table), CSV or JSON.
 
 use std::time::Instant;
 
@@ -37,6 +41,50 @@ impl std::str::FromStr for Buffers {
     }
 }
 
+/// How [`render`] prints the rows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum Format {
+    /// nccl-tests' table, `#` comment lines around it.
+    #[default]
+    Text,
+    /// A header line, then one line per size (no comments, no summary: [`wrong_total`] and
+    /// [`avg_busbw`] are in the JSON form).
+    Csv,
+    /// One JSON object on one line: the settings, the rows and the summary.
+    Json,
+}
+
+impl std::str::FromStr for Format {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Format, String> {
+        match s {
+            "text" => Ok(Format::Text),
+            "csv" => Ok(Format::Csv),
+            "json" => Ok(Format::Json),
+            _ => Err(format!("unknown output format '{s}' (expected text, csv or json)")),
+        }
+    }
+}
+
+/// A size in bytes: digits with an optional `K`, `M` or `G` suffix (powers of 1024, either
+/// case, as nccl-tests' `-b 8 -e 128M` read).
+pub fn parse_size(s: &str) -> Result<usize, String> {
+    let t = s.trim();
+    let (digits, shift) = match t.char_indices().last() {
+        Some((i, 'k' | 'K')) => (&t[..i], 10),
+        Some((i, 'm' | 'M')) => (&t[..i], 20),
+        Some((i, 'g' | 'G')) => (&t[..i], 30),
+        _ => (t, 0),
+    };
+    let bad = || format!("{s:?} is not a size: give bytes as digits with an optional K, M or G suffix (powers of 1024), e.g. 8, 64K, 128M");
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(bad());
+    }
+    let n: usize = digits.parse().map_err(|_| bad())?;
+    n.checked_mul(1usize << shift).ok_or_else(|| format!("{s:?} is too large a size"))
+}
+
 /// What to measure (the `lockstep bench` binary fills it from its flags).
 #[derive(Clone, Debug)]
 pub struct BenchOptions {
@@ -49,18 +97,24 @@ pub struct BenchOptions {
     pub dtype: Dtype,
     /// Reduction operator (for all_reduce, reduce, reduce_scatter).
     pub redop: ReduceOp,
-    /// Explicit sizes in bytes (overrides `min_bytes`/`max_bytes` when not empty).
+    /// Root of rooted collectives (broadcast, reduce, gather, scatter).
+    pub root: usize,
+    /// Explicit sizes in bytes (overrides `min_bytes`/`max_bytes`/`factor` when not empty).
     pub sizes: Vec<usize>,
-    /// Smallest size in bytes (sizes double up to `max_bytes`).
+    /// Smallest size in bytes (nccl-tests' `-b`).
     pub min_bytes: usize,
-    /// Largest size in bytes.
+    /// Largest size in bytes (`-e`).
     pub max_bytes: usize,
+    /// Each size is the previous one times this (`-f`, at least 2).
+    pub factor: usize,
     /// Buffer placement.
     pub buffers: Buffers,
-    /// Timed iterations per size (0: chosen from the size).
+    /// Timed iterations per size (0: chosen from the size; `-n`).
     pub iters: usize,
-    /// Untimed warm-up iterations per size.
+    /// Untimed warm-up iterations per size (`-w`).
     pub warmup: usize,
+    /// Verify the results (`-c 1`).
+    pub check: bool,
     /// Device: `cpu` (shared memory) or `cuda` (NCCL).
     pub device: String,
 }
@@ -72,15 +126,31 @@ impl Default for BenchOptions {
             op: CollKind::AllReduce,
             dtype: Dtype::F32,
             redop: ReduceOp::Sum,
+            root: 0,
             sizes: Vec::new(),
             min_bytes: 8,
             max_bytes: 256 << 20,
+            factor: 2,
             buffers: Buffers::Ordinary,
             iters: 0,
             warmup: 5,
+            check: true,
             device: "cpu".into(),
         }
     }
+}
+
+/// One timed variant (out-of-place or in-place) of one size.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Timing {
+    /// Median time per call in microseconds (max over ranks).
+    pub time_us: f64,
+    /// Algorithm bandwidth, GB/s.
+    pub algbw: f64,
+    /// Bus bandwidth, GB/s.
+    pub busbw: f64,
+    /// Wrong elements found by verification (all ranks); `None` when not verified.
+    pub wrong: Option<u64>,
 }
 
 /// One measured row.
@@ -90,14 +160,37 @@ pub struct Row {
     pub bytes: usize,
     /// Element count, as nccl-tests counts it.
     pub count: usize,
-    /// Median time per call in microseconds (max over ranks).
-    pub time_us: f64,
-    /// Algorithm bandwidth, GB/s.
-    pub algbw: f64,
-    /// Bus bandwidth, GB/s.
-    pub busbw: f64,
-    /// Wrong elements found by verification (all ranks).
-    pub wrong: u64,
+    /// Root of a rooted collective.
+    pub root: Option<usize>,
+    /// The out-of-place call (separate send and receive buffers).
+    pub out_of_place: Timing,
+    /// The in-place call, for collectives that have one.
+    pub in_place: Option<Timing>,
+}
+
+/// Whether `op` has a root.
+pub fn is_rooted(op: CollKind) -> bool {
+    matches!(op, CollKind::Broadcast | CollKind::Reduce | CollKind::Gather | CollKind::Scatter)
+}
+
+/// Whether `lockstep bench` times an in-place form of `op`.
+pub fn has_in_place(op: CollKind) -> bool {
+    matches!(op, CollKind::AllReduce | CollKind::Broadcast | CollKind::Reduce | CollKind::AllGather | CollKind::ReduceScatter)
+}
+
+/// Wrong elements over every row and variant.
+pub fn wrong_total(rows: &[Row]) -> u64 {
+    rows.iter().flat_map(|r| std::iter::once(r.out_of_place).chain(r.in_place)).filter_map(|t| t.wrong).sum()
+}
+
+/// Average bus bandwidth over every row and variant (nccl-tests' `# Avg bus bandwidth`).
+pub fn avg_busbw(rows: &[Row]) -> f64 {
+    let v: Vec<f64> = rows.iter().flat_map(|r| std::iter::once(r.out_of_place).chain(r.in_place)).map(|t| t.busbw).collect();
+    if v.is_empty() {
+        0.0
+    } else {
+        v.iter().sum::<f64>() / v.len() as f64
+    }
 }
 
 /// Bus-bandwidth factor of nccl-tests for a collective on `n` ranks.
@@ -110,7 +203,12 @@ pub fn bus_factor(op: CollKind, n: usize) -> f64 {
     }
 }
 
-fn sizes(a: &BenchOptions, esz: usize, n: usize) -> Vec<usize> {
+/// The sizes in bytes of the rows: rounded down to whole elements (per rank, for collectives
+/// that split the buffer), at least one unit unless 0; a barrier has one row of size 0.
+pub fn sizes(a: &BenchOptions, esz: usize, n: usize) -> Vec<usize> {
+    if a.op == CollKind::Barrier {
+        return vec![0];
+    }
     let quantum = match a.op {
         CollKind::AllGather | CollKind::ReduceScatter | CollKind::Gather | CollKind::AllToAll | CollKind::Scatter => esz * n,
         _ => esz,
@@ -119,14 +217,20 @@ fn sizes(a: &BenchOptions, esz: usize, n: usize) -> Vec<usize> {
         a.sizes.clone()
     } else {
         let mut v = Vec::new();
-        let mut s = a.min_bytes.max(1);
+        let mut s = a.min_bytes;
         while s <= a.max_bytes {
             v.push(s);
-            s *= 2;
+            // From 0, the next size is the smallest real one.
+            s = match if s == 0 { Some(1) } else { s.checked_mul(a.factor.max(2)) } {
+                Some(next) => next,
+                None => break,
+            };
         }
         v
     };
-    raw.into_iter().map(|s| (s / quantum).max(1) * quantum).collect()
+    let mut out: Vec<usize> = raw.into_iter().map(|s| if s == 0 { 0 } else { (s / quantum).max(1) * quantum }).collect();
+    out.dedup();
+    out
 }
 
 trait BenchElem: Element {
@@ -252,16 +356,24 @@ impl<T: Element> Buf<T> {
             }
         }
     }
+    /// Overwrite the contents with `data` (same length).
+    fn fill(&mut self, data: &[T], place: &Place) -> Result<(), CommError> {
+        match self {
+            Buf::Vec(v) => v.copy_from_slice(data),
+            Buf::Shared(b) => b.copy_from_slice(data),
+            Buf::Device(d) => {
+                let stream = &place.device.as_ref().expect("device buffer without a device").1;
+                d.copy_from_host(stream, data).map_err(cuda_err)?;
+                stream.synchronize().map_err(cuda_err)?;
+            }
+        }
+        Ok(())
+    }
 }
 
-/// Time and verify one size on this rank: returns (median µs, wrong elements).
-fn one_size<T: BenchElem>(comm: &mut Communicator, place: &Place, a: &BenchOptions, bytes: usize) -> Result<(f64, u64), CommError> {
-    let (me, n) = (comm.rank(), comm.world_size());
-    let esz = std::mem::size_of::<T>();
-    let op = a.redop;
-    let root = 0;
-    // Per-rank send and receive element counts.
-    let (scount, rcount) = match a.op {
+/// Per-rank element counts of a collective of `bytes`: (send, receive).
+fn counts(op: CollKind, bytes: usize, esz: usize, n: usize) -> Result<(usize, usize), CommError> {
+    Ok(match op {
         CollKind::AllReduce | CollKind::Broadcast | CollKind::Reduce => (bytes / esz, bytes / esz),
         CollKind::AllGather | CollKind::Gather => (bytes / esz / n, bytes / esz),
         CollKind::ReduceScatter => (bytes / esz, bytes / esz / n),
@@ -273,8 +385,77 @@ fn one_size<T: BenchElem>(comm: &mut Communicator, place: &Place, a: &BenchOptio
         other => {
             return Err(CommError::Unsupported(format!("lockstep bench does not time {other}; see --help for the operations it does")))
         }
-    };
-    let send: Buf<T> = Buf::new(comm, (0..scount).map(|i| T::from_i(pattern(op, me, i, n))).collect(), place)?;
+    })
+}
+
+/// Wrong elements of `r`, this rank's output of the out-of-place form (the in-place forms are
+/// checked on the same layout).
+fn count_wrong<T: BenchElem>(a: &BenchOptions, r: &[T], me: usize, n: usize, scount: usize) -> usize {
+    let (op, root, rcount) = (a.redop, a.root, r.len());
+    match a.op {
+        CollKind::AllReduce => (0..rcount).filter(|&i| r[i] != expected::<T>(op, i, n)).count(),
+        CollKind::Reduce if me == root => (0..rcount).filter(|&i| r[i] != expected::<T>(op, i, n)).count(),
+        CollKind::ReduceScatter => (0..rcount).filter(|&i| r[i] != expected::<T>(op, me * rcount + i, n)).count(),
+        CollKind::Broadcast => (0..rcount).filter(|&i| r[i] != T::from_i(pattern(op, root, i, n))).count(),
+        CollKind::AllGather => (0..rcount).filter(|&i| r[i] != T::from_i(pattern(op, i / scount.max(1), i % scount.max(1), n))).count(),
+        CollKind::AllToAll => {
+            let c = rcount / n;
+            (0..rcount).filter(|&i| r[i] != T::from_i(pattern(op, i / c.max(1), me * c + i % c.max(1), n))).count()
+        }
+        CollKind::Scatter => (0..rcount).filter(|&i| r[i] != T::from_i(pattern(op, root, me * rcount + i, n))).count(),
+        CollKind::Send if me < 2 => (0..rcount).filter(|&i| r[i] != T::from_i(pattern(op, 1 - me, i, n))).count(),
+        CollKind::Gather if me == root => {
+            (0..rcount).filter(|&i| r[i] != T::from_i(pattern(op, i / scount.max(1), i % scount.max(1), n))).count()
+        }
+        _ => 0,
+    }
+}
+
+/// Time `iters` calls after `warmup` untimed ones; the median per call, in seconds.
+fn time_calls(
+    comm: &mut Communicator,
+    a: &BenchOptions,
+    iters: usize,
+    mut call: impl FnMut(&mut Communicator) -> Result<(), CommError>,
+) -> Result<f64, CommError> {
+    for _ in 0..a.warmup {
+        call(comm)?;
+    }
+    comm.barrier()?;
+    comm.synchronize()?;
+    let mut times = Vec::with_capacity(iters);
+    for _ in 0..iters {
+        let t = Instant::now();
+        call(comm)?;
+        // Device backends enqueue: the time of a call includes its completion.
+        comm.synchronize()?;
+        times.push(t.elapsed().as_secs_f64());
+    }
+    times.sort_by(|x, y| x.total_cmp(y));
+    Ok(times[times.len() / 2])
+}
+
+/// This rank's (median µs, wrong elements) of one variant.
+type Measured = (f64, u64);
+
+/// Time and verify one size on this rank: the out-of-place form, and the in-place one where
+/// there is one.
+fn one_size<T: BenchElem>(
+    comm: &mut Communicator,
+    place: &Place,
+    a: &BenchOptions,
+    bytes: usize,
+) -> Result<(Measured, Option<Measured>), CommError> {
+    let (me, n) = (comm.rank(), comm.world_size());
+    let esz = std::mem::size_of::<T>();
+    let (op, root) = (a.redop, a.root);
+    let (scount, rcount) = counts(a.op, bytes, esz, n)?;
+    let iters = if a.iters > 0 { a.iters } else { ((4usize << 30) / bytes.max(1)).clamp(9, 2000) };
+    // Ping-pong reports the one-way latency: half the round trip (as osu_latency).
+    let per_call = if a.op == CollKind::Send { 0.5 } else { 1.0 };
+
+    let send_data: Vec<T> = (0..scount).map(|i| T::from_i(pattern(op, me, i, n))).collect();
+    let send: Buf<T> = Buf::new(comm, send_data.clone(), place)?;
     let mut recv: Buf<T> = Buf::new(comm, vec![T::default(); rcount], place)?;
     let call = |comm: &mut Communicator, send: &Buf<T>, recv: &mut Buf<T>| -> Result<(), CommError> {
         match a.op {
@@ -291,48 +472,59 @@ fn one_size<T: BenchElem>(comm: &mut Communicator, place: &Place, a: &BenchOptio
             CollKind::Send if me == 1 => comm.recv(recv.m(), 0).and_then(|_| comm.send(send.b(), 0)),
             CollKind::Send => Ok(()),
             other => Err(CommError::Unsupported(format!("lockstep bench does not time {other}"))),
-        }?;
-        // Device backends enqueue: the time of a call includes its completion.
-        comm.synchronize()
-    };
-    let iters = if a.iters > 0 { a.iters } else { ((4usize << 30) / bytes.max(1)).clamp(9, 2000) };
-    for _ in 0..a.warmup {
-        call(comm, &send, &mut recv)?;
-    }
-    comm.barrier()?;
-    comm.synchronize()?;
-    let mut times = Vec::with_capacity(iters);
-    for _ in 0..iters {
-        let t = Instant::now();
-        call(comm, &send, &mut recv)?;
-        times.push(t.elapsed().as_secs_f64());
-    }
-    times.sort_by(|x, y| x.total_cmp(y));
-    // Verify the last call's output.
-    let r = recv.host(place)?;
-    let wrong = match a.op {
-        CollKind::AllReduce => (0..rcount).filter(|&i| r[i] != expected::<T>(op, i, n)).count(),
-        CollKind::Reduce if me == root => (0..rcount).filter(|&i| r[i] != expected::<T>(op, i, n)).count(),
-        CollKind::ReduceScatter => (0..rcount).filter(|&i| r[i] != expected::<T>(op, me * rcount + i, n)).count(),
-        CollKind::Broadcast => (0..rcount).filter(|&i| r[i] != T::from_i(pattern(op, root, i, n))).count(),
-        CollKind::AllGather => (0..rcount).filter(|&i| r[i] != T::from_i(pattern(op, i / scount.max(1), i % scount.max(1), n))).count(),
-        CollKind::AllToAll => {
-            let c = rcount / n;
-            (0..rcount).filter(|&i| r[i] != T::from_i(pattern(op, i / c.max(1), me * c + i % c.max(1), n))).count()
         }
-        CollKind::Scatter => (0..rcount).filter(|&i| r[i] != T::from_i(pattern(op, root, me * rcount + i, n))).count(),
-        CollKind::Send if me < 2 => (0..rcount).filter(|&i| r[i] != T::from_i(pattern(op, 1 - me, i, n))).count(),
-        CollKind::Gather if me == root => {
-            (0..rcount).filter(|&i| r[i] != T::from_i(pattern(op, i / scount.max(1), i % scount.max(1), n))).count()
-        }
-        _ => 0,
     };
-    // Ping-pong reports the one-way latency: half the round trip (as osu_latency).
-    let per_call = if a.op == CollKind::Send { 0.5 } else { 1.0 };
-    Ok((times[times.len() / 2] * 1e6 * per_call, wrong as u64))
+    let t = time_calls(comm, a, iters, |c| call(c, &send, &mut recv))?;
+    // The inputs never change, so the last call's output is the one to verify.
+    let wrong = if a.check { count_wrong(a, &recv.host(place)?, me, n, scount) } else { 0 };
+    let oop = (t * 1e6 * per_call, wrong as u64);
+    drop(recv);
+    drop(send);
+    if !has_in_place(a.op) {
+        return Ok((oop, None));
+    }
+
+    // In place: one buffer of the larger side, laid out as the out-of-place output would be.
+    let len = scount.max(rcount);
+    let initial: Vec<T> = match a.op {
+        CollKind::AllGather => {
+            let mut v = vec![T::default(); len];
+            v[me * scount..(me + 1) * scount].copy_from_slice(&send_data);
+            v
+        }
+        _ => send_data,
+    };
+    let mut buf: Buf<T> = Buf::new(comm, initial.clone(), place)?;
+    let call_in_place = |comm: &mut Communicator, buf: &mut Buf<T>| -> Result<(), CommError> {
+        match a.op {
+            CollKind::AllReduce => comm.all_reduce_in_place(buf.m(), op),
+            CollKind::Broadcast => comm.broadcast_in_place(buf.m(), root),
+            CollKind::Reduce => comm.reduce_in_place(buf.m(), op, root),
+            CollKind::AllGather => comm.all_gather_in_place(buf.m()),
+            CollKind::ReduceScatter => comm.reduce_scatter_in_place(buf.m(), op),
+            other => Err(CommError::Unsupported(format!("lockstep bench has no in-place {other}"))),
+        }
+    };
+    // The timed calls reduce their own outputs again (values drift, as in nccl-tests); the
+    // verified call starts from the initial contents.
+    let t = time_calls(comm, a, iters, |c| call_in_place(c, &mut buf))?;
+    let wrong = if a.check {
+        buf.fill(&initial, place)?;
+        comm.barrier()?;
+        call_in_place(comm, &mut buf)?;
+        comm.synchronize()?;
+        let r = buf.host(place)?;
+        let out = if a.op == CollKind::ReduceScatter { &r[me * rcount..(me + 1) * rcount] } else { &r[..] };
+        count_wrong(a, out, me, n, scount)
+    } else {
+        0
+    };
+    Ok((oop, Some((t * 1e6, wrong as u64))))
 }
 
-fn rank_main<T: BenchElem>(ctx: RankContext, a: &BenchOptions) -> RankResult<Vec<(f64, u64)>> {
+type RankRows = Vec<(Measured, Option<Measured>)>;
+
+fn rank_main<T: BenchElem>(ctx: RankContext, a: &BenchOptions) -> RankResult<RankRows> {
     let n = ctx.world_size;
     let (mut comm, place) = if a.device == "cuda" {
         // NCCL on this rank's device, or staging through shared memory when ranks share a GPU.
@@ -349,17 +541,32 @@ fn rank_main<T: BenchElem>(ctx: RankContext, a: &BenchOptions) -> RankResult<Vec
     Ok(out)
 }
 
-/// Run the benchmark and return the rows (rank results merged).
-pub fn measure(a: &BenchOptions) -> Result<Vec<Row>, String> {
+/// Check the options before anything starts.
+fn validate(a: &BenchOptions) -> Result<(), String> {
     if a.device != "cpu" && a.device != "cuda" {
         return Err(format!("--device {}: expected cpu (shared memory) or cuda (NCCL)", a.device));
     }
     if a.nprocs == 0 {
-        return Err("--nprocs must be at least 1".into());
+        return Err("--nprocs 0: the benchmark needs at least 1 rank".into());
     }
     if a.op == CollKind::Send && a.nprocs < 2 {
         return Err("--op pingpong needs --nprocs 2 (or more: ranks 0 and 1 exchange, the others wait)".into());
     }
+    if a.factor < 2 && a.sizes.is_empty() && a.min_bytes < a.max_bytes {
+        return Err(format!("-f {}: the step factor must be at least 2 (sizes grow from -b to -e by it)", a.factor));
+    }
+    if a.sizes.is_empty() && a.min_bytes > a.max_bytes && a.op != CollKind::Barrier {
+        return Err(format!("-b {} is larger than -e {}: no size to time", a.min_bytes, a.max_bytes));
+    }
+    if is_rooted(a.op) && a.root >= a.nprocs {
+        return Err(format!("--root {} is not a rank of {} (use 0 to {})", a.root, a.nprocs, a.nprocs - 1));
+    }
+    Ok(())
+}
+
+/// Run the benchmark and return the rows (rank results merged).
+pub fn measure(a: &BenchOptions) -> Result<Vec<Row>, String> {
+    validate(a)?;
     let cfg = LaunchConfig::new(a.nprocs);
     let res = match a.dtype {
         Dtype::F32 => launch(&cfg, |ctx| rank_main::<f32>(ctx, a)),
@@ -376,24 +583,34 @@ pub fn measure(a: &BenchOptions) -> Result<Vec<Row>, String> {
     .map_err(|e| e.to_string())?;
     let n = a.nprocs;
     let esz = a.dtype.size();
-    // Slowest rank's median time, and every rank's wrong elements.
-    let merged: Vec<(f64, u64)> =
-        (0..res[0].len()).map(|i| (res.iter().map(|r| r[i].0).fold(0.0, f64::max), res.iter().map(|r| r[i].1).sum())).collect();
+    let timing = |bytes: usize, ms: Vec<Measured>| {
+        // The slowest rank's median time, and every rank's wrong elements.
+        let t = ms.iter().map(|m| m.0).fold(0.0, f64::max);
+        let algbw = if t > 0.0 { bytes as f64 / (t * 1e-6) / 1e9 } else { 0.0 };
+        Timing { time_us: t, algbw, busbw: algbw * bus_factor(a.op, n), wrong: a.check.then(|| ms.iter().map(|m| m.1).sum()) }
+    };
     let rows = sizes(a, esz, n)
         .into_iter()
-        .zip(&merged)
-        .map(|(bytes, &(t, wrong))| {
-            let algbw = bytes as f64 / (t * 1e-6) / 1e9;
-            Row { bytes, count: bytes / esz, time_us: t, algbw, busbw: algbw * bus_factor(a.op, n), wrong }
+        .enumerate()
+        .map(|(i, bytes)| {
+            let oop = res.iter().map(|r| r[i].0).collect();
+            let ip: Option<Vec<Measured>> = res.iter().map(|r| r[i].1).collect();
+            Row {
+                bytes,
+                count: bytes / esz,
+                root: is_rooted(a.op).then_some(a.root),
+                out_of_place: timing(bytes, oop),
+                in_place: ip.map(|ip| timing(bytes, ip)),
+            }
         })
         .collect();
     Ok(rows)
 }
 
-/// Format rows as an nccl-tests-style table.
-pub fn table(a: &BenchOptions, rows: &[Row]) -> String {
-    let mut s = format!(
-        "# lockstep bench: {} ranks, {} on {} buffers, backend {}\n",
+/// The first comment line: ranks, operation, buffers, backend.
+fn title(a: &BenchOptions) -> String {
+    format!(
+        "lockstep bench: {} ranks, {} on {} buffers, backend {}",
         a.nprocs,
         if a.op == CollKind::Send { "pingpong (send/recv between ranks 0 and 1, one-way time)" } else { a.op.name() },
         match (a.device.as_str(), a.buffers) {
@@ -402,17 +619,218 @@ pub fn table(a: &BenchOptions, rows: &[Row]) -> String {
             (_, Buffers::Shared) => "shared",
         },
         if a.device == "cuda" { "nccl (or shm staging when ranks share a GPU)" } else { "shm" }
+    )
+}
+
+fn redop_name(a: &BenchOptions) -> &'static str {
+    if a.op.has_op() {
+        a.redop.name()
+    } else {
+        "none"
+    }
+}
+
+fn wrong_text(w: Option<u64>) -> String {
+    w.map(|w| w.to_string()).unwrap_or_else(|| "N/A".into())
+}
+
+/// Print the rows in `format`.
+pub fn render(a: &BenchOptions, rows: &[Row], format: Format) -> String {
+    match format {
+        Format::Text => table(a, rows),
+        Format::Csv => csv(a, rows),
+        Format::Json => json(a, rows),
+    }
+}
+
+/// The rows as nccl-tests prints them: out-of-place and in-place columns side by side, then the
+/// wrong elements and the average bus bandwidth; a barrier as its latency alone.
+pub fn table(a: &BenchOptions, rows: &[Row]) -> String {
+    let mut s = format!("# {}\n", title(a));
+    let iters = if a.iters > 0 { a.iters.to_string() } else { "auto".into() };
+    let wrong = wrong_total(rows);
+    let ok = if wrong == 0 { "OK" } else { "FAILED" };
+    if a.op == CollKind::Barrier {
+        s += &format!("# warmup iters: {} iters: {iters} validation: {}\n#\n", a.warmup, a.check as u8);
+        s += &format!("# {:>10}\n# {:>10}\n", "time", "(us)");
+        for r in rows {
+            s += &format!("  {:>10.2}\n", r.out_of_place.time_us);
+        }
+        let avg = rows.iter().map(|r| r.out_of_place.time_us).sum::<f64>() / rows.len().max(1) as f64;
+        s += &format!("# Avg latency          : {avg:.2} us\n");
+        return s;
+    }
+    let range = if a.sizes.is_empty() {
+        format!("minBytes {} maxBytes {} step: {}(factor)", a.min_bytes, a.max_bytes, a.factor)
+    } else {
+        format!("sizes {}", a.sizes.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(","))
+    };
+    s += &format!("# {range} warmup iters: {} iters: {iters} validation: {}\n#\n", a.warmup, a.check as u8);
+    s += &format!("# {:>10}  {:>12}  {:>8}  {:>6}  {:>6}  {:^31}  {:^31}\n", "", "", "", "", "", "out-of-place", "in-place");
+    s += &format!(
+        "# {:>10}  {:>12}  {:>8}  {:>6}  {:>6}  {:>7}  {:>6}  {:>6}  {:>6}  {:>7}  {:>6}  {:>6}  {:>6}\n",
+        "size", "count", "type", "redop", "root", "time", "algbw", "busbw", "#wrong", "time", "algbw", "busbw", "#wrong"
     );
     s += &format!(
-        "{:>12} {:>12} {:>6} {:>6} {:>10} {:>8} {:>8} {:>7}\n",
-        "size(B)", "count", "type", "redop", "time(us)", "algbw", "busbw", "#wrong"
+        "# {:>10}  {:>12}  {:>8}  {:>6}  {:>6}  {:>7}  {:>6}  {:>6}  {:>6}  {:>7}  {:>6}  {:>6}  {:>6}\n",
+        "(B)", "(elements)", "", "", "", "(us)", "(GB/s)", "(GB/s)", "", "(us)", "(GB/s)", "(GB/s)", ""
     );
+    let cell = |t: Option<Timing>| match t {
+        Some(t) => format!("  {:>7}  {:>6.2}  {:>6.2}  {:>6}", time_text(t.time_us), t.algbw, t.busbw, wrong_text(t.wrong)),
+        None => format!("  {:>7}  {:>6}  {:>6}  {:>6}", "N/A", "N/A", "N/A", "N/A"),
+    };
     for r in rows {
-        let redop = if a.op.has_op() { a.redop.name() } else { "none" };
+        let root = r.root.map(|x| x as i64).unwrap_or(-1);
+        s += &format!("  {:>10}  {:>12}  {:>8}  {:>6}  {:>6}", r.bytes, r.count, a.dtype.to_string(), redop_name(a), root);
+        s += &cell(Some(r.out_of_place));
+        s += &cell(r.in_place);
+        s += "\n";
+    }
+    s += &format!("# Out of bounds values : {wrong} {ok}\n");
+    s += &format!("# Avg bus bandwidth    : {:.4} \n#\n", avg_busbw(rows));
+    s
+}
+
+/// nccl-tests' time cell: two decimals below 10 000 µs, one above, none from 1 s.
+fn time_text(us: f64) -> String {
+    if us < 1e4 {
+        format!("{us:.2}")
+    } else if us < 1e6 {
+        format!("{us:.1}")
+    } else {
+        format!("{us:.0}")
+    }
+}
+
+/// The rows as CSV: a header line, then one line per size; empty cells where there is no
+/// in-place form or no verification.
+pub fn csv(a: &BenchOptions, rows: &[Row]) -> String {
+    let mut s = String::from(
+        "op,ranks,size_bytes,count,type,redop,root,oop_time_us,oop_algbw_gbs,oop_busbw_gbs,oop_wrong,ip_time_us,ip_algbw_gbs,ip_busbw_gbs,ip_wrong\n",
+    );
+    let cells = |t: Option<Timing>| match t {
+        Some(t) => format!("{:.3},{:.4},{:.4},{}", t.time_us, t.algbw, t.busbw, t.wrong.map(|w| w.to_string()).unwrap_or_default()),
+        None => ",,,".into(),
+    };
+    let op = if a.op == CollKind::Send { "pingpong" } else { a.op.name() };
+    for r in rows {
+        let root = r.root.map(|x| x.to_string()).unwrap_or_default();
         s += &format!(
-            "{:>12} {:>12} {:>6} {:>6} {:>10.2} {:>8.2} {:>8.2} {:>7}\n",
-            r.bytes, r.count, a.dtype, redop, r.time_us, r.algbw, r.busbw, r.wrong
+            "{op},{},{},{},{},{},{root},{},{}\n",
+            a.nprocs,
+            r.bytes,
+            r.count,
+            a.dtype,
+            redop_name(a),
+            cells(Some(r.out_of_place)),
+            cells(r.in_place)
         );
     }
     s
+}
+
+/// A finite number as JSON (`null` otherwise: JSON has no infinities).
+fn json_num(v: f64) -> String {
+    if v.is_finite() {
+        format!("{v}")
+    } else {
+        "null".into()
+    }
+}
+
+/// The run as one JSON object on one line: settings, rows, wrong elements, average bus bandwidth.
+pub fn json(a: &BenchOptions, rows: &[Row]) -> String {
+    let timing = |t: Option<Timing>| match t {
+        Some(t) => format!(
+            "{{\"time_us\":{},\"algbw_gbs\":{},\"busbw_gbs\":{},\"wrong\":{}}}",
+            json_num(t.time_us),
+            json_num(t.algbw),
+            json_num(t.busbw),
+            t.wrong.map(|w| w.to_string()).unwrap_or_else(|| "null".into())
+        ),
+        None => "null".into(),
+    };
+    let items: Vec<String> = rows
+        .iter()
+        .map(|r| {
+            format!(
+                "{{\"size_bytes\":{},\"count\":{},\"root\":{},\"out_of_place\":{},\"in_place\":{}}}",
+                r.bytes,
+                r.count,
+                r.root.map(|x| x.to_string()).unwrap_or_else(|| "null".into()),
+                timing(Some(r.out_of_place)),
+                timing(r.in_place)
+            )
+        })
+        .collect();
+    let op = if a.op == CollKind::Send { "pingpong" } else { a.op.name() };
+    format!(
+        "{{\"op\":\"{op}\",\"ranks\":{},\"type\":\"{}\",\"redop\":\"{}\",\"device\":\"{}\",\"warmup\":{},\"iters\":{},\"check\":{},\"rows\":[{}],\"wrong\":{},\"avg_busbw_gbs\":{}}}\n",
+        a.nprocs,
+        a.dtype,
+        redop_name(a),
+        if a.device == "cuda" { "cuda" } else { "cpu" },
+        a.warmup,
+        a.iters,
+        a.check,
+        items.join(","),
+        wrong_total(rows),
+        json_num(avg_busbw(rows))
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_take_suffixes() {
+        assert_eq!(parse_size("8"), Ok(8));
+        assert_eq!(parse_size("0"), Ok(0));
+        assert_eq!(parse_size("64K"), Ok(64 << 10));
+        assert_eq!(parse_size("128m"), Ok(128 << 20));
+        assert_eq!(parse_size("2G"), Ok(2 << 30));
+        for bad in ["", "M", "1.5M", "-8", "8KB", "8 K", "0x10"] {
+            assert!(parse_size(bad).unwrap_err().contains("is not a size"), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn size_rows() {
+        let a = BenchOptions { min_bytes: 0, max_bytes: 64, factor: 4, ..Default::default() };
+        assert_eq!(sizes(&a, 4, 2), vec![0, 4, 16, 64]);
+        let a = BenchOptions { min_bytes: 8, max_bytes: 1 << 20, factor: 32, ..Default::default() };
+        assert_eq!(sizes(&a, 4, 2), vec![8, 256, 8192, 262144]);
+        let a = BenchOptions { op: CollKind::AllGather, sizes: vec![0, 1, 100], ..Default::default() };
+        assert_eq!(sizes(&a, 4, 4), vec![0, 16, 96]);
+        let a = BenchOptions { op: CollKind::Barrier, sizes: vec![8, 16], ..Default::default() };
+        assert_eq!(sizes(&a, 4, 2), vec![0]);
+        let a = BenchOptions { min_bytes: 8, max_bytes: usize::MAX, ..Default::default() };
+        assert!(sizes(&a, 4, 2).len() < 70);
+    }
+
+    #[test]
+    fn rendering() {
+        let t = Timing { time_us: 10.0, algbw: 1.0, busbw: 2.0, wrong: Some(0) };
+        let rows = vec![
+            Row { bytes: 0, count: 0, root: Some(1), out_of_place: Timing { algbw: 0.0, busbw: 0.0, ..t }, in_place: None },
+            Row { bytes: 1024, count: 256, root: Some(1), out_of_place: t, in_place: Some(Timing { busbw: 4.0, wrong: None, ..t }) },
+        ];
+        let a = BenchOptions { op: CollKind::Broadcast, root: 1, ..Default::default() };
+        assert_eq!(avg_busbw(&rows), 2.0);
+        let text = table(&a, &rows);
+        assert!(text.contains("out-of-place") && text.contains("in-place") && text.contains("root"), "{text}");
+        assert!(text.contains("# Avg bus bandwidth    : 2.0000"), "{text}");
+        let line = text.lines().find(|l| l.trim_start().starts_with("1024")).unwrap();
+        let cols: Vec<&str> = line.split_whitespace().collect();
+        assert_eq!(cols, ["1024", "256", "f32", "none", "1", "10.00", "1.00", "2.00", "0", "10.00", "1.00", "4.00", "N/A"], "{line}");
+        let csv = csv(&a, &rows);
+        assert_eq!(csv.lines().count(), 3);
+        assert_eq!(csv.lines().nth(1).unwrap().split(',').count(), csv.lines().next().unwrap().split(',').count());
+        let j = json(&a, &rows);
+        assert!(j.starts_with("{\"op\":\"broadcast\"") && j.contains("\"in_place\":null") && j.contains("\"avg_busbw_gbs\":2"), "{j}");
+        let b = BenchOptions { op: CollKind::Barrier, ..Default::default() };
+        let text = table(&b, &rows[..1]);
+        assert!(!text.contains("busbw") && !text.contains("size") && text.contains("Avg latency"), "{text}");
+    }
 }

@@ -18,7 +18,11 @@ def parse(out):
     rows = {}
     for line in out.splitlines():
         f = line.split()
-        if len(f) == 8 and f[0].isdigit():
+        # lockstep bench: nccl-tests' 13 columns (size count type redop root, then time algbw busbw
+        # #wrong out of place and in place); the baselines: 8 (size count type op time algbw busbw #wrong).
+        if len(f) == 13 and f[0].isdigit():
+            rows[int(f[0])] = (float(f[5]), float(f[7]), int(f[8]))
+        elif len(f) == 8 and f[0].isdigit():
             rows[int(f[0])] = (float(f[4]), float(f[6]), int(f[7]))
     return rows
 
