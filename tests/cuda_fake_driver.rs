@@ -235,6 +235,32 @@ fn scenario(name: &str) {
             assert!(check_fork_safe().is_ok(), "the probe must leave the parent uninitialised");
             assert_eq!(fake_init_calls(), 0);
         }
+        "sim_gpus_pick_defaults" => {
+            // Three simulated GPUs: the forked probe counts them, this process stays uninitialised,
+            // and `lockstep config` / `launch --nproc-per-node auto --backend auto` follow them.
+            assert_eq!(lockstep::config::count_gpus(), Ok(3));
+            assert!(check_fork_safe().is_ok(), "counting GPUs must leave the parent uninitialised");
+            let bin = env!("CARGO_BIN_EXE_lockstep");
+            let dir = std::env::temp_dir().join(format!("lockstep-sim-gpus-{}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&dir);
+            let path = dir.join("config.toml");
+            let o = std::process::Command::new(bin).env("XDG_CONFIG_HOME", &dir).args(["config", "--path"]).arg(&path).output().unwrap();
+            let text = std::fs::read_to_string(&path).unwrap_or_default();
+            assert!(o.status.success(), "{o:?}");
+            for want in ["num_processes = 3", "backend = \"nccl\"", "mixed_precision = \"bf16\""] {
+                assert!(text.contains(want), "with 3 GPUs the default config has {want}:\n{text}");
+            }
+            let o = std::process::Command::new(bin)
+                .env("XDG_CONFIG_HOME", &dir)
+                .env_remove("LOCKSTEP_BACKEND")
+                .args(["launch", "--nproc-per-node", "auto", "--backend", "auto", "--", "sh", "-c", "echo $WORLD_SIZE $LOCKSTEP_BACKEND"])
+                .output()
+                .unwrap();
+            let mut lines: Vec<String> = String::from_utf8_lossy(&o.stdout).lines().map(String::from).collect();
+            lines.sort();
+            assert_eq!(lines, ["[rank 0] 3 nccl", "[rank 1] 3 nccl", "[rank 2] 3 nccl"], "{o:?}");
+            let _ = std::fs::remove_dir_all(&dir);
+        }
         "missing_override" => {
             let e = lockstep::cuda::device_count().unwrap_err().to_string();
             expect_contains(
@@ -320,16 +346,19 @@ fn scenario(name: &str) {
                     dtype: lockstep::comm::Dtype::F32,
                     redop: lockstep::comm::ReduceOp::Sum,
                     sizes: vec![8, 4096, 1 << 20],
-                    min_bytes: 8,
-                    max_bytes: 8,
                     buffers: lockstep::bench::Buffers::Ordinary,
                     iters: 3,
                     warmup: 1,
                     device: "cuda".into(),
+                    ..Default::default()
                 };
                 let rows = lockstep::bench::measure(&a).unwrap_or_else(|e| panic!("{op} on {nprocs} ranks: {e}"));
                 assert_eq!(rows.len(), 3);
-                assert!(rows.iter().all(|r| r.wrong == 0 && r.time_us > 0.0), "{op} on {nprocs} ranks: {rows:?}");
+                let ok = |t: &lockstep::bench::Timing| t.wrong == Some(0) && t.time_us > 0.0;
+                assert!(
+                    rows.iter().all(|r| ok(&r.out_of_place) && r.in_place.as_ref().is_some_and(ok)),
+                    "{op} on {nprocs} ranks: {rows:?}"
+                );
             }
         }
         "sim_device_engine_host_side" => sim_device_engine_host_side(),
@@ -962,6 +991,7 @@ fn main() {
         ("foreign_init_refused", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.cuda))]),
         ("guard_is_per_process", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.cuda))]),
         ("probe_child_reports", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.cuda))]),
+        ("sim_gpus_pick_defaults", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)), ("SIM_CUDA_DEVICES", "3".into())]),
         ("missing_override", vec![("LOCKSTEP_CUDA_LIBRARY", "/nonexistent/libcuda.so.1".into())]),
         ("missing_default_search", vec![]),
         ("missing_symbol", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.cuda_broken))]),

@@ -16,6 +16,11 @@ const TOKEN: &str = "launch-cli-test-token-0123";
 fn lockstep() -> Command {
     let mut c = Command::new(BIN);
     c.env_remove("LOCKSTEP_TOKEN").env_remove("RANK").env_remove("WORLD_SIZE");
+    // No configuration file of the user's, and none of the variables that override one.
+    c.env("XDG_CONFIG_HOME", "/nonexistent/lockstep-test-config");
+    for v in ["LOCKSTEP_CONFIG", "LOCKSTEP_BACKEND", "MASTER_ADDR", "MASTER_PORT"] {
+        c.env_remove(v);
+    }
     c
 }
 
@@ -608,7 +613,7 @@ fn config_and_env() -> Result<(), String> {
     let o = lockstep().args(["config", "--path"]).arg(&p).output().map_err(|e| e.to_string())?;
     check(o.status.success(), "config must succeed", show(&o))?;
     let t = std::fs::read_to_string(&p).map_err(|e| e.to_string())?;
-    check(t.contains("nproc_per_node = ") && t.contains("backend = ") && t.contains("mixed_precision = "), "config has the keys", &t)?;
+    check(t.contains("num_processes = ") && t.contains("backend = ") && t.contains("mixed_precision = "), "config has the keys", &t)?;
     let o = lockstep().args(["config", "--path"]).arg(&p).output().map_err(|e| e.to_string())?;
     check(o.status.code() == Some(1) && text(&o).1.contains("--force"), "existing config is kept without --force", show(&o))?;
     let o = lockstep()
@@ -617,7 +622,7 @@ fn config_and_env() -> Result<(), String> {
         .output()
         .map_err(|e| e.to_string())?;
     let t = std::fs::read_to_string(&p).map_err(|e| e.to_string())?;
-    check(o.status.success() && t.contains("nproc_per_node = 3") && t.contains("backend = \"shm\""), "overrides are written", &t)?;
+    check(o.status.success() && t.contains("num_processes = 3") && t.contains("backend = \"shm\""), "overrides are written", &t)?;
     // `launch` without --nproc-per-node takes the config file's value.
     let o = lockstep()
         .env("LOCKSTEP_CONFIG", &p)
@@ -628,7 +633,7 @@ fn config_and_env() -> Result<(), String> {
     lines.sort();
     check(
         o.status.success() && lines == ["[rank 0] 0/3", "[rank 1] 1/3", "[rank 2] 2/3"],
-        "config's nproc_per_node is the default",
+        "config's num_processes is the default",
         show(&o),
     )?;
     let o = lockstep().args(["env"]).output().map_err(|e| e.to_string())?;

@@ -1,18 +1,20 @@
 //! The `lockstep` command: `launch` (start a multi-process job), `selftest` (check a job's
-//! communicator), `config` (write a default configuration file), `env` (print the environment).
+//! communicator), `config` (write the configuration file), `env` (print the environment and the
+//! configuration in force), `bench` (collective benchmark).
 //!
 //! `main` only parses arguments, calls [`run`], and maps the result to an exit code. Raw CLI
 //! values (the clap structs) are turned into validated settings ([`lockstep::launch::JobSpec`])
 //! before anything starts.
 
 use std::ffi::OsString;
-use std::io::Write;
-use std::path::PathBuf;
+use std::io::{BufRead, Write};
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use clap::{Parser, Subcommand, ValueEnum};
-use lockstep::bench::{BenchOptions, Buffers};
+use clap::{Parser, Subcommand};
+use lockstep::bench::{BenchOptions, Buffers, Format};
+use lockstep::config::{self, BackendChoice, MixedPrecision};
 use lockstep::{CollKind, Dtype, ReduceOp};
 
 mod common;
@@ -26,15 +28,21 @@ struct Cli {
     /// Only errors.
     #[arg(short, long, global = true, conflicts_with = "verbose")]
     quiet: bool,
+    /// Configuration file (default: $LOCKSTEP_CONFIG, else $XDG_CONFIG_HOME/lockstep/config.toml,
+    /// else ~/.config/lockstep/config.toml).
+    #[arg(long, global = true, value_name = "FILE")]
+    config: Option<PathBuf>,
     #[command(subcommand)]
     cmd: Cmd,
 }
 
-/// Options of `lockstep bench` (turned into [`BenchOptions`]).
+/// Options of `lockstep bench` (turned into [`BenchOptions`]). Sizes take K, M and G suffixes
+/// (powers of 1024), as nccl-tests' do.
 #[derive(Clone, Debug, clap::Args)]
+#[command(after_help = BENCH_HELP)]
 struct BenchArgs {
     /// Number of ranks.
-    #[arg(long, short = 'n', default_value_t = 2)]
+    #[arg(long, default_value_t = config::DEFAULT_NUM_PROCESSES)]
     nprocs: usize,
     /// Collective to time (all_reduce, broadcast, reduce, all_gather, gather, reduce_scatter,
     /// barrier, all_to_all, scatter), or pingpong: send/recv between ranks 0 and 1, reporting the
@@ -42,33 +50,57 @@ struct BenchArgs {
     #[arg(long, default_value = "all_reduce", value_parser = parse_bench_op)]
     op: CollKind,
     /// Element type.
-    #[arg(long, default_value = "f32")]
+    #[arg(long, short = 'd', default_value = "f32")]
     dtype: Dtype,
     /// Reduction operator (for all_reduce, reduce, reduce_scatter).
-    #[arg(long, default_value = "sum")]
+    #[arg(long, short = 'o', default_value = "sum")]
     redop: ReduceOp,
-    /// Explicit sizes in bytes, comma-separated (overrides --min-bytes/--max-bytes).
-    #[arg(long, value_delimiter = ',')]
+    /// Root rank of rooted collectives (broadcast, reduce, gather, scatter).
+    #[arg(long, short = 'r', default_value_t = 0)]
+    root: usize,
+    /// Explicit sizes in bytes, comma-separated, e.g. 0,4K,1M (overrides -b/-e/-f).
+    #[arg(long, value_delimiter = ',', value_parser = lockstep::bench::parse_size)]
     sizes: Vec<usize>,
-    /// Smallest size in bytes (sizes double up to --max-bytes).
-    #[arg(long, default_value_t = 8)]
+    /// Smallest size in bytes (nccl-tests' -b); 0 times a real zero-byte call.
+    #[arg(long, short = 'b', visible_alias = "minbytes", default_value = "8", value_parser = lockstep::bench::parse_size)]
     min_bytes: usize,
-    /// Largest size in bytes.
-    #[arg(long, default_value_t = 256 << 20)]
+    /// Largest size in bytes (nccl-tests' -e).
+    #[arg(long, short = 'e', visible_alias = "maxbytes", default_value = "256M", value_parser = lockstep::bench::parse_size)]
     max_bytes: usize,
+    /// Multiply the size by this factor from one row to the next (nccl-tests' -f).
+    #[arg(long, short = 'f', visible_alias = "stepfactor", default_value_t = 2)]
+    factor: usize,
+    /// Timed iterations per size, 0: chosen from the size (nccl-tests' -n).
+    #[arg(long, short = 'n', default_value_t = 0)]
+    iters: usize,
+    /// Untimed warm-up iterations per size (nccl-tests' -w).
+    #[arg(long, short = 'w', visible_alias = "warmup_iters", default_value_t = 5)]
+    warmup: usize,
+    /// Verify the results, 1 or 0 (nccl-tests' -c); unverified rows show N/A in #wrong.
+    #[arg(long, short = 'c', default_value_t = 1, value_parser = clap::value_parser!(u8).range(0..=1))]
+    check: u8,
     /// Buffer placement: ordinary or shared.
     #[arg(long, default_value = "ordinary")]
     buffers: Buffers,
-    /// Timed iterations per size (0: chosen from the size).
-    #[arg(long, default_value_t = 0)]
-    iters: usize,
-    /// Untimed warm-up iterations per size.
-    #[arg(long, default_value_t = 5)]
-    warmup: usize,
     /// Device: cpu (shared memory) or cuda (NCCL).
     #[arg(long, default_value = "cpu")]
     device: String,
+    /// Output: text (nccl-tests' table), csv (one header line, one line per size) or json (one object).
+    #[arg(long, default_value = "text")]
+    format: Format,
 }
+
+const BENCH_HELP: &str = "\
+Columns, as nccl-tests prints them: size count type redop root | time algbw busbw #wrong, for the
+out-of-place call and then the in-place one (N/A where lockstep has no in-place form of the
+collective). root is -1 for collectives without one. Times are in microseconds: the median over the
+iterations of each rank's time per call, the slowest rank's. The last lines give the wrong elements
+found and the average bus bandwidth. Barrier has no size: one row, its latency.
+
+Examples:
+  lockstep bench -b 8 -e 128M -f 2            # all-reduce, f32, 2 ranks
+  lockstep bench --nprocs 4 --op broadcast -r 1 --sizes 0,4K,1M
+  lockstep bench --op barrier --format json";
 
 impl From<BenchArgs> for BenchOptions {
     fn from(a: BenchArgs) -> BenchOptions {
@@ -77,12 +109,15 @@ impl From<BenchArgs> for BenchOptions {
             op: a.op,
             dtype: a.dtype,
             redop: a.redop,
+            root: a.root,
             sizes: a.sizes,
             min_bytes: a.min_bytes,
             max_bytes: a.max_bytes,
+            factor: a.factor,
             buffers: a.buffers,
             iters: a.iters,
             warmup: a.warmup,
+            check: a.check == 1,
             device: a.device,
         }
     }
@@ -96,17 +131,29 @@ fn parse_bench_op(s: &str) -> Result<CollKind, String> {
     }
 }
 
-/// `lockstep bench`: print the table; exit code 1 if any element was wrong.
+/// `lockstep bench`: print the results; exit code 1 if any element was wrong.
 fn bench(a: BenchArgs) -> Result<i32, String> {
+    let format = a.format;
     let o = BenchOptions::from(a);
+    warn_oversubscribed(o.nprocs);
     let rows = lockstep::bench::measure(&o)?;
-    print!("{}", lockstep::bench::table(&o, &rows));
-    let wrong: u64 = rows.iter().map(|r| r.wrong).sum();
+    print!("{}", lockstep::bench::render(&o, &rows, format));
+    let wrong = lockstep::bench::wrong_total(&rows);
     if wrong > 0 {
         eprintln!("lockstep bench: {wrong} wrong elements: results are incorrect");
         return Ok(1);
     }
     Ok(0)
+}
+
+/// Warn when more ranks than CPUs would run on this node.
+fn warn_oversubscribed(ranks: usize) {
+    let cpus = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    if ranks > cpus {
+        eprintln!(
+            "lockstep: warning: {ranks} ranks on {cpus} available CPU(s): ranks will share CPUs and collectives will be slow; use at most {cpus}"
+        );
+    }
 }
 
 #[derive(Subcommand, Debug)]
@@ -115,9 +162,9 @@ enum Cmd {
     Launch(LaunchArgs),
     /// Join the job from the environment, run one verified all-reduce and a barrier.
     Selftest(SelftestArgs),
-    /// Write a default configuration file.
+    /// Write the configuration file (the machine's defaults, or answers with --interactive).
     Config(ConfigArgs),
-    /// Print version, OS, CPU and accelerator information.
+    /// Print version, OS, CPU and accelerator information, and the configuration in force.
     Env,
     /// nccl-tests-style collective benchmark (verifies every result).
     Bench(BenchArgs),
@@ -127,10 +174,17 @@ enum Cmd {
 const LAUNCH_HELP: &str = "\
 Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT,
 LOCKSTEP_JOB_ID, LOCKSTEP_TOKEN, LOCKSTEP_NODE_RANK, LOCKSTEP_NNODES, LOCKSTEP_LAUNCHER_PID,
-LOCKSTEP_RDZV_TIMEOUT_S (and LOCKSTEP_CONSOLE_TTY=1 when the launcher's stderr is a terminal);
-Communicator::from_env() reads them. Output is printed line by line as `[rank N] ...`. The first
-failing rank stops the others (SIGTERM, SIGKILL after --grace-s) and the launcher exits with its code
-(128+signal for a signal).
+LOCKSTEP_RDZV_TIMEOUT_S (and LOCKSTEP_CONSOLE_TTY=1 when the launcher's stderr is a terminal,
+LOCKSTEP_BACKEND when --backend or the configuration file chooses one, LOCKSTEP_CONFIG when a
+configuration file was read); Communicator::from_env() reads them. Output is printed line by line as
+`[rank N] ...`, except lines that are JSON objects, which are printed as they are so that `--json`
+output parses line by line (--no-prefix: no prefix at all). The first failing rank stops the others
+(SIGTERM, SIGKILL after --grace-s) and the launcher exits with its code (128+signal for a signal).
+
+Settings come from, first to last: the flag, the environment (MASTER_ADDR, MASTER_PORT,
+LOCKSTEP_BACKEND), the configuration file (`lockstep config` writes it; `lockstep env` shows the one
+in force), the default. --num_processes counts the ranks of all nodes, as Accelerate's does;
+--nproc-per-node (torchrun's --nproc_per_node) those of this node.
 
 Stopping: Ctrl-C (SIGINT) and SIGTERM are forwarded to every rank, SIGHUP (a closed terminal or ssh
 session) as SIGTERM; ranks still running after --grace-s are killed. A second Ctrl-C or SIGTERM kills
@@ -148,30 +202,68 @@ but puts it on the command line, where every user of the machine can read it wit
 
 Examples:
   lockstep launch --nproc-per-node 4 -- ./train --epochs 2
+  lockstep launch --nproc-per-node auto -- ./train     # one rank per GPU, else 2
   # two nodes (or two launchers on one host); node 0 prints the token it generated:
   lockstep launch --nproc-per-node 2 --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 -- ./train
   LOCKSTEP_TOKEN=<token> lockstep launch --nproc-per-node 2 --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 -- ./train
   # or the same token file (chmod 600) on every node:
   lockstep launch --nproc-per-node 2 --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --token-file ~/.lockstep-token -- ./train";
 
+/// A number of ranks, or `auto`: one per GPU of this machine, else [`config::DEFAULT_NUM_PROCESSES`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Procs {
+    Auto,
+    N(usize),
+}
+
+fn parse_procs(s: &str) -> Result<Procs, String> {
+    match s.trim() {
+        "auto" => Ok(Procs::Auto),
+        t => match t.parse::<usize>() {
+            Ok(0) => Err("0 ranks cannot run anything: give at least 1, or `auto` (one per GPU, else 2)".into()),
+            Ok(n) => Ok(Procs::N(n)),
+            Err(_) => Err(format!("{t:?} is not a number of ranks: give a whole number of at least 1, or `auto`")),
+        },
+    }
+}
+
+fn parse_backend(s: &str) -> Result<BackendChoice, String> {
+    s.parse()
+}
+
+fn parse_precision(s: &str) -> Result<MixedPrecision, String> {
+    s.parse()
+}
+
 #[derive(clap::Args, Debug)]
 #[command(after_help = LAUNCH_HELP)]
 struct LaunchArgs {
-    /// Ranks to start on this node (default: `nproc_per_node` of the config file, else 1).
+    /// Ranks to start on this node: a number, or `auto` (one per GPU, else 2). Default: the
+    /// configuration file's num_processes / num_machines, else 2.
+    #[arg(long, visible_alias = "nproc_per_node", value_name = "N|auto", value_parser = parse_procs)]
+    nproc_per_node: Option<Procs>,
+    /// Ranks of the whole job, over all nodes (Accelerate's --num_processes; a multiple of
+    /// --nnodes), or `auto` (one per GPU of each node, else 2 per node).
+    #[arg(long = "num_processes", visible_alias = "num-processes", value_name = "N|auto", value_parser = parse_procs, conflicts_with = "nproc_per_node")]
+    num_processes: Option<Procs>,
+    /// Number of nodes in the job (default: the configuration's num_machines, else 1).
     #[arg(long)]
-    nproc_per_node: Option<usize>,
-    /// Number of nodes in the job.
-    #[arg(long, default_value_t = 1)]
-    nnodes: usize,
-    /// This node's index, 0..nnodes.
-    #[arg(long, default_value_t = 0)]
-    node_rank: usize,
-    /// Address of node 0 (its launcher hosts the rendezvous store).
-    #[arg(long, default_value = "127.0.0.1")]
-    master_addr: String,
-    /// Port of the rendezvous store (only opened when nnodes > 1).
-    #[arg(long, default_value_t = 29500)]
-    master_port: u16,
+    nnodes: Option<usize>,
+    /// This node's index, 0..nnodes (default: the configuration's machine_rank, else 0).
+    #[arg(long)]
+    node_rank: Option<usize>,
+    /// Address of node 0, whose launcher hosts the rendezvous store (default: $MASTER_ADDR, else
+    /// the configuration's main_process_ip, else 127.0.0.1).
+    #[arg(long)]
+    master_addr: Option<String>,
+    /// Port of the rendezvous store, opened only when nnodes > 1 (default: $MASTER_PORT, else the
+    /// configuration's main_process_port, else 29500).
+    #[arg(long)]
+    master_port: Option<u16>,
+    /// Backend of the ranks: shm, nccl or auto (nccl when this machine has a GPU); passed to them
+    /// as LOCKSTEP_BACKEND (default: $LOCKSTEP_BACKEND, else the configuration's backend, else shm).
+    #[arg(long, value_parser = parse_backend)]
+    backend: Option<BackendChoice>,
     /// Shared secret of a multi-node job, at least 16 bytes, the same on every node (default:
     /// --token-file, else $LOCKSTEP_TOKEN, else generated on node 0). Visible to every user in
     /// `ps`: prefer LOCKSTEP_TOKEN or --token-file.
@@ -181,12 +273,15 @@ struct LaunchArgs {
     /// only by you (chmod 600).
     #[arg(long, value_name = "PATH")]
     token_file: Option<PathBuf>,
-    /// Write each rank's output to DIR/rank-N.log as well.
+    /// Write each rank's output to DIR/rank-N.log as well (torchrun's --tee).
     #[arg(long, value_name = "DIR")]
     log_dir: Option<PathBuf>,
     /// Show only these ranks' output, e.g. `0` or `0,2-3`.
     #[arg(long, value_name = "RANKS")]
     ranks_filter: Option<String>,
+    /// Print the ranks' lines as they wrote them, without the `[rank N] ` prefix.
+    #[arg(long)]
+    no_prefix: bool,
     /// Let the other ranks run on when one fails (they see the failure through the backend).
     #[arg(long)]
     no_fail_fast: bool,
@@ -212,36 +307,39 @@ struct SelftestArgs {
     count: usize,
 }
 
-#[derive(Clone, Copy, Debug, ValueEnum)]
-enum Backend {
-    Shm,
-    Nccl,
-}
-
-#[derive(Clone, Copy, Debug, ValueEnum)]
-enum Precision {
-    No,
-    Fp16,
-    Bf16,
-}
-
 #[derive(clap::Args, Debug)]
 struct ConfigArgs {
-    /// Where to write (default: $LOCKSTEP_CONFIG, else $XDG_CONFIG_HOME/lockstep/config.toml, else ~/.config/lockstep/config.toml).
+    /// Where to write (default: --config, else $LOCKSTEP_CONFIG, else
+    /// $XDG_CONFIG_HOME/lockstep/config.toml, else ~/.config/lockstep/config.toml).
     #[arg(long)]
     path: Option<PathBuf>,
     /// Overwrite an existing file.
     #[arg(long)]
     force: bool,
-    /// Processes per node (default: GPUs listed by `nvidia-smi -L`, else 2).
-    #[arg(long)]
-    nproc_per_node: Option<usize>,
-    /// Backend (default: nccl with GPUs, else shm).
-    #[arg(long, value_enum)]
-    backend: Option<Backend>,
-    /// Mixed precision (default: bf16 with GPUs, else no).
-    #[arg(long, value_enum)]
-    mixed_precision: Option<Precision>,
+    /// Ask Accelerate's questions on standard input (an empty answer takes the default shown).
+    #[arg(long, short = 'i')]
+    interactive: bool,
+    /// Ranks of the whole job (default: GPUs of this machine, else 2, times --num-machines).
+    #[arg(long, visible_aliases = ["num_processes", "nproc-per-node", "nproc_per_node"], value_name = "N|auto", value_parser = parse_procs)]
+    num_processes: Option<Procs>,
+    /// Machines of the job (default 1).
+    #[arg(long, visible_alias = "num_machines")]
+    num_machines: Option<usize>,
+    /// This machine's index (default 0).
+    #[arg(long, visible_alias = "machine_rank")]
+    machine_rank: Option<usize>,
+    /// Address of machine 0 (default 127.0.0.1).
+    #[arg(long, visible_alias = "main_process_ip")]
+    main_process_ip: Option<String>,
+    /// Port of the rendezvous store (default 29500).
+    #[arg(long, visible_alias = "main_process_port")]
+    main_process_port: Option<u16>,
+    /// Backend: shm, nccl or auto (default: nccl with GPUs, else shm).
+    #[arg(long, value_parser = parse_backend)]
+    backend: Option<BackendChoice>,
+    /// Mixed precision: no, fp16 or bf16 (default: bf16 with GPUs, else no).
+    #[arg(long, visible_alias = "mixed_precision", value_parser = parse_precision)]
+    mixed_precision: Option<MixedPrecision>,
 }
 
 fn main() -> ExitCode {
@@ -260,15 +358,13 @@ fn main() -> ExitCode {
 }
 
 fn run(cli: Cli) -> Result<i32, String> {
+    let file = cli.config.as_deref();
     match cli.cmd {
         Cmd::Bench(a) => bench(a),
-        Cmd::Launch(a) => launch(a),
+        Cmd::Launch(a) => launch(a, file),
         Cmd::Selftest(a) => selftest(a),
-        Cmd::Config(a) => config(a),
-        Cmd::Env => {
-            env_report();
-            Ok(0)
-        }
+        Cmd::Config(a) => write_config(a, file),
+        Cmd::Env => Ok(env_report(file)),
     }
 }
 
@@ -358,18 +454,90 @@ or save it in a file only you can read and pass --token-file FILE:
     );
 }
 
-fn launch(a: LaunchArgs) -> Result<i32, String> {
-    let nproc_per_node = match a.nproc_per_node {
-        Some(n) => n,
-        None => config_nproc()?.unwrap_or(1),
+/// GPUs of this machine, probed once (a forked child counts them: this process never
+/// initialises CUDA, so it may still fork and exec ranks).
+struct Gpus(Option<usize>);
+
+impl Gpus {
+    fn get(&mut self, why: &str) -> Result<usize, String> {
+        if let Some(n) = self.0 {
+            return Ok(n);
+        }
+        let n = config::count_gpus()
+            .map_err(|e| format!("{why} needs the number of GPUs, but the CUDA probe failed: {e}; give the value explicitly instead"))?;
+        self.0 = Some(n);
+        Ok(n)
+    }
+}
+
+/// `MASTER_ADDR` / `MASTER_PORT` of the launcher's environment, parsed strictly (a malformed
+/// value is an error naming it, never ignored).
+fn env_master() -> Result<(Option<String>, Option<u16>), String> {
+    use lockstep::types::env;
+    let addr = env::raw("MASTER_ADDR").map_err(|e| e.to_string())?.map(|v| env::parse_text("MASTER_ADDR", &v)).transpose();
+    let port = env::raw("MASTER_PORT").map_err(|e| e.to_string())?.map(|v| env::parse_count("MASTER_PORT", &v, 1, 65535)).transpose();
+    Ok((addr.map_err(|e| e.to_string())?, port.map_err(|e| e.to_string())?.map(|p| p as u16)))
+}
+
+fn launch(a: LaunchArgs, file: Option<&Path>) -> Result<i32, String> {
+    let loaded = config::load(file).map_err(|e| e.to_string())?;
+    let cfg = &loaded.config;
+    let mut gpus = Gpus(None);
+    let nnodes = a.nnodes.or(cfg.num_machines).unwrap_or(1);
+    if nnodes == 0 {
+        return Err("--nnodes 0: a job runs on at least 1 node (leave --nnodes out for a single-node job)".into());
+    }
+    let node_rank = a.node_rank.or(cfg.machine_rank).unwrap_or(0);
+    let nproc_per_node = match (a.nproc_per_node, a.num_processes) {
+        (Some(Procs::N(n)), _) => n,
+        (Some(Procs::Auto), _) | (None, Some(Procs::Auto)) => config::auto_processes_per_machine(gpus.get("`auto` ranks")?),
+        (None, Some(Procs::N(total))) => {
+            if total % nnodes != 0 {
+                return Err(format!(
+                    "--num_processes {total} counts the ranks of all {nnodes} nodes, so it must be a multiple of --nnodes {nnodes} (or give --nproc-per-node, the ranks of this node)"
+                ));
+            }
+            total / nnodes
+        }
+        (None, None) => cfg.processes_per_machine().unwrap_or(config::DEFAULT_NUM_PROCESSES),
     };
+    let (env_addr, env_port) = env_master()?;
+    let master_addr = a.master_addr.or(env_addr).or(cfg.main_process_ip.clone()).unwrap_or_else(|| config::DEFAULT_MAIN_PROCESS_IP.into());
+    let master_port = a.master_port.or(env_port).or(cfg.main_process_port).unwrap_or(config::DEFAULT_MAIN_PROCESS_PORT);
+
+    let mut rank_env = Vec::new();
+    // The backend: the flag, else LOCKSTEP_BACKEND (the ranks inherit it), else the file's.
+    let env_backend = lockstep::types::env::BACKEND.choice().map_err(|e| e.to_string())?;
+    let chosen = match (a.backend, env_backend, cfg.backend) {
+        (Some(b), _, _) => Some((b, "--backend".to_string())),
+        (None, Some(e), file_backend) => {
+            if let Some(f) = file_backend.filter(|f| f.name() != e) {
+                tracing::info!("LOCKSTEP_BACKEND={e} overrides backend = \"{f}\" of {}", loaded.path.display());
+            }
+            None
+        }
+        (None, None, Some(b)) => Some((b, format!("backend = \"{b}\" of {}", loaded.path.display()))),
+        (None, None, None) => None,
+    };
+    if let Some((b, from)) = chosen {
+        let n = if b == BackendChoice::Auto { gpus.get(&format!("{from} (auto)"))? } else { 0 };
+        let resolved = b.resolve(n);
+        tracing::debug!("the ranks use the {resolved} backend ({from})");
+        rank_env.push(("LOCKSTEP_BACKEND".to_string(), resolved.to_string()));
+    }
+    // The ranks (train-cnn) read the same file, wherever it was named.
+    if loaded.exists {
+        let abs = std::path::absolute(&loaded.path).map_err(|e| format!("cannot resolve {}: {e}", loaded.path.display()))?;
+        let abs = abs.to_str().ok_or_else(|| format!("the config file path {} is not UTF-8; use another path", abs.display()))?;
+        rank_env.push(("LOCKSTEP_CONFIG".to_string(), abs.to_string()));
+    }
     let token = job_token(a.token, a.token_file.as_deref())?;
     let mut spec = lockstep::launch::JobSpec {
         nproc_per_node,
-        nnodes: a.nnodes,
-        node_rank: a.node_rank,
-        master_addr: a.master_addr,
-        master_port: a.master_port,
+        nnodes,
+        node_rank,
+        master_addr,
+        master_port,
         token,
         log_dir: a.log_dir,
         ranks_filter: a.ranks_filter.as_deref().map(parse_ranks).transpose()?,
@@ -377,6 +545,8 @@ fn launch(a: LaunchArgs) -> Result<i32, String> {
         grace: secs("--grace-s", a.grace_s)?,
         rdzv_timeout: rdzv_timeout(a.rdzv_timeout_s)?,
         program: a.program,
+        rank_env,
+        prefix: !a.no_prefix,
     };
     if let Some(t) = spec.ensure_token().map_err(|e| e.to_string())? {
         if spec.nnodes > 1 {
@@ -434,89 +604,149 @@ fn selftest(a: SelftestArgs) -> Result<i32, String> {
 // ---------------------------------------------------------------------------------------------
 // config
 
-fn default_config_path() -> Result<PathBuf, String> {
-    if let Some(p) = std::env::var_os("LOCKSTEP_CONFIG") {
-        return Ok(PathBuf::from(p));
-    }
-    if let Some(x) = std::env::var_os("XDG_CONFIG_HOME").filter(|x| !x.is_empty()) {
-        return Ok(PathBuf::from(x).join("lockstep/config.toml"));
-    }
-    let home = std::env::var_os("HOME").ok_or("HOME is not set: pass --path")?;
-    Ok(PathBuf::from(home).join(".config/lockstep/config.toml"))
+/// Questions on standard input, answers checked; a wrong answer is asked again.
+struct Asker<R: BufRead> {
+    input: R,
 }
 
-/// `nproc_per_node` from the config file, if there is one.
-fn config_nproc() -> Result<Option<usize>, String> {
-    let Ok(path) = default_config_path() else { return Ok(None) };
-    let Ok(text) = std::fs::read_to_string(&path) else { return Ok(None) };
-    for line in text.lines() {
-        if let Some((k, v)) = line.split_once('=') {
-            if k.trim() == "nproc_per_node" {
-                let v = v.trim().trim_matches('"');
-                return v.parse().map(Some).map_err(|_| {
-                    format!("{}: nproc_per_node = {v:?} is not a number; fix it or rerun `lockstep config --force`", path.display())
-                });
+impl<R: BufRead> Asker<R> {
+    /// Ask `question` with `default` shown; an empty answer takes it.
+    fn ask<T: std::fmt::Display>(&mut self, question: &str, default: T, parse: impl Fn(&str) -> Result<T, String>) -> Result<T, String> {
+        loop {
+            print!("{question} [{default}]: ");
+            let _ = std::io::stdout().flush();
+            let mut line = String::new();
+            let n = self.input.read_line(&mut line).map_err(|e| format!("cannot read the answer from standard input: {e}"))?;
+            if n == 0 {
+                println!();
+                return Err(format!("standard input ended before the answer to {question:?}; nothing was written"));
+            }
+            let t = line.trim();
+            if t.is_empty() {
+                return Ok(default);
+            }
+            match parse(t) {
+                Ok(v) => return Ok(v),
+                Err(e) => println!("  {e}; try again"),
             }
         }
     }
-    Ok(None)
 }
 
-/// GPUs listed by `nvidia-smi -L` (a separate process: CUDA is never initialised here).
-fn count_gpus() -> Option<usize> {
-    let out = std::process::Command::new("nvidia-smi").arg("-L").stderr(std::process::Stdio::null()).output().ok()?;
-    if !out.status.success() {
-        return None;
+fn count_at_least(min: usize) -> impl Fn(&str) -> Result<usize, String> {
+    move |s| match s.parse::<usize>() {
+        Ok(n) if n >= min => Ok(n),
+        _ => Err(format!("{s:?} is not a whole number of at least {min}")),
     }
-    let n = String::from_utf8_lossy(&out.stdout).lines().filter(|l| l.starts_with("GPU ")).count();
-    (n > 0).then_some(n)
 }
 
-fn config(a: ConfigArgs) -> Result<i32, String> {
-    let path = match a.path {
-        Some(p) => p,
-        None => default_config_path()?,
+/// Accelerate's questions (`accelerate config`), for the keys lockstep has.
+fn interview(input: impl BufRead, d: config::Config) -> Result<config::Config, String> {
+    let mut q = Asker { input };
+    let backend = q.ask(
+        "Which backend will the ranks use? (shm: CPU shared memory, nccl: GPUs, auto: nccl when the machine has a GPU)",
+        d.backend.unwrap_or_default(),
+        parse_backend,
+    )?;
+    let machines = q.ask(
+        "How many different machines will you use (use more than 1 for multi-node training)?",
+        d.num_machines.unwrap_or(1),
+        count_at_least(1),
+    )?;
+    let (mut rank, mut ip, mut port) = (0, d.main_process_ip.clone(), d.main_process_port);
+    if machines > 1 {
+        rank = q.ask("What is the rank of this machine?", d.machine_rank.unwrap_or(0).min(machines - 1), |s| match s.parse::<usize>() {
+            Ok(r) if r < machines => Ok(r),
+            _ => Err(format!("{s:?} is not a machine rank from 0 to {}", machines - 1)),
+        })?;
+        ip = Some(q.ask(
+            "What is the IP address of the machine that will host the main process?",
+            ip.unwrap_or_else(|| config::DEFAULT_MAIN_PROCESS_IP.into()),
+            |s| if s.chars().any(char::is_whitespace) { Err(format!("{s:?} is not an address")) } else { Ok(s.to_string()) },
+        )?);
+        port = Some(q.ask(
+            "What is the port you will use to communicate with the main process?",
+            port.unwrap_or(config::DEFAULT_MAIN_PROCESS_PORT),
+            |s| match s.parse::<u16>() {
+                Ok(p) if p > 0 => Ok(p),
+                _ => Err(format!("{s:?} is not a port from 1 to 65535")),
+            },
+        )?);
+    }
+    let per_machine = d.processes_per_machine().unwrap_or(config::DEFAULT_NUM_PROCESSES);
+    let total =
+        q.ask(
+            "How many processes in total will you use (all machines together)?",
+            per_machine * machines,
+            move |s| match count_at_least(1)(s)? {
+                n if n % machines == 0 => Ok(n),
+                n => Err(format!("{n} processes cannot be shared evenly by {machines} machines")),
+            },
+        )?;
+    let mp = q.ask("Do you wish to use mixed precision? (no, fp16, bf16)", d.mixed_precision.unwrap_or_default(), parse_precision)?;
+    Ok(config::Config {
+        num_processes: Some(total),
+        num_machines: Some(machines),
+        machine_rank: Some(rank),
+        main_process_ip: Some(ip.unwrap_or_else(|| config::DEFAULT_MAIN_PROCESS_IP.into())),
+        main_process_port: Some(port.unwrap_or(config::DEFAULT_MAIN_PROCESS_PORT)),
+        mixed_precision: Some(mp),
+        backend: Some(backend),
+    })
+}
+
+/// `lockstep config`: the machine's defaults (flags override them), or the answers to the
+/// questions with `--interactive` (the flags' values are the defaults offered).
+fn write_config(a: ConfigArgs, file: Option<&Path>) -> Result<i32, String> {
+    let path = match a.path.as_deref().or(file) {
+        Some(p) => p.to_path_buf(),
+        None => config::locate(None).map_err(|e| e.to_string())?.0,
     };
-    if path.exists() && !a.force {
-        return Err(format!("{} already exists; pass --force to overwrite it", path.display()));
+    if !a.force && std::fs::symlink_metadata(&path).is_ok() {
+        return Err(config::ConfigError::Exists { path }.to_string());
     }
-    let gpus = count_gpus();
-    let nproc = a.nproc_per_node.unwrap_or(gpus.unwrap_or(2));
-    if nproc == 0 {
-        return Err("--nproc-per-node must be at least 1".into());
+    // A forked probe counts the GPUs: this process never initialises CUDA.
+    let probe = config::count_gpus();
+    let gpus = *probe.as_ref().unwrap_or(&0);
+    if let Err(e) = &probe {
+        eprintln!("lockstep: warning: the CUDA probe failed ({e}); writing the defaults of a machine without GPUs");
     }
-    let backend = a.backend.unwrap_or(if gpus.is_some() { Backend::Nccl } else { Backend::Shm });
-    let mp = a.mixed_precision.unwrap_or(if gpus.is_some() { Precision::Bf16 } else { Precision::No });
-    let name = |v: &dyn ValueEnumName| v.name();
-    let text = format!(
-        "# lockstep configuration, written by `lockstep config`\n# GPUs found: {}\nnproc_per_node = {nproc}\nbackend = \"{}\"\nmixed_precision = \"{}\"\n",
-        gpus.map(|n| n.to_string()).unwrap_or_else(|| "none (nvidia-smi not found or no GPU)".into()),
-        name(&backend),
-        name(&mp)
-    );
-    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    let machines = a.num_machines.unwrap_or(1);
+    if machines == 0 {
+        return Err("--num-machines 0: a job runs on at least 1 machine".into());
     }
-    std::fs::write(&path, &text).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
-    println!("wrote {}:\n{text}", path.display());
+    let total = match a.num_processes {
+        Some(Procs::N(n)) => n,
+        Some(Procs::Auto) | None => config::auto_processes_per_machine(gpus) * machines,
+    };
+    let defaults = config::Config {
+        num_processes: Some(total),
+        num_machines: Some(machines),
+        machine_rank: Some(a.machine_rank.unwrap_or(0)),
+        main_process_ip: Some(a.main_process_ip.unwrap_or_else(|| config::DEFAULT_MAIN_PROCESS_IP.into())),
+        main_process_port: Some(a.main_process_port.unwrap_or(config::DEFAULT_MAIN_PROCESS_PORT)),
+        mixed_precision: Some(a.mixed_precision.unwrap_or(if gpus > 0 { MixedPrecision::Bf16 } else { MixedPrecision::No })),
+        backend: Some(a.backend.unwrap_or(if gpus > 0 { BackendChoice::Nccl } else { BackendChoice::Shm })),
+    };
+    let c = if a.interactive { interview(std::io::stdin().lock(), defaults)? } else { defaults };
+    // The same checks as reading it back: what is written always loads.
+    let text = c.to_toml();
+    config::Config::from_toml(&text, &path).map_err(|e| e.to_string())?;
+    c.write(&path, a.force).map_err(|e| e.to_string())?;
+    let found = match &probe {
+        Ok(0) => "no GPU found".to_string(),
+        Ok(n) => format!("{n} GPU(s) found"),
+        Err(_) => "GPU probe failed".to_string(),
+    };
+    println!("wrote {} ({found}):\n{text}", path.display());
     Ok(0)
-}
-
-/// The name clap uses for a value.
-trait ValueEnumName {
-    fn name(&self) -> String;
-}
-
-impl<T: ValueEnum> ValueEnumName for T {
-    fn name(&self) -> String {
-        self.to_possible_value().map(|v| v.get_name().to_string()).unwrap_or_default()
-    }
 }
 
 // ---------------------------------------------------------------------------------------------
 // env
 
-fn env_report() {
+/// Print the report; 1 when the configuration file cannot be used (the report says why).
+fn env_report(file: Option<&Path>) -> i32 {
     let read = |p: &str| std::fs::read_to_string(p).unwrap_or_default();
     let os = read("/etc/os-release")
         .lines()
@@ -536,8 +766,64 @@ fn env_report() {
     let _ = writeln!(o, "memory:  {mem}");
     let host = lockstep::rendezvous::host_id().unwrap_or_else(|e| format!("unknown: {e}"));
     let _ = writeln!(o, "host id: {host}");
+    let code = match config_report(file) {
+        Ok(text) => {
+            let _ = write!(o, "{text}");
+            0
+        }
+        Err(e) => {
+            let _ = writeln!(o, "config:  error: {e}");
+            1
+        }
+    };
     let _ = writeln!(o, "cuda/nccl:");
     // Library discovery and version queries only: nothing here calls cuInit, so `lockstep env`
     // never leaves CUDA initialised behind a notebook's back.
     let _ = write!(o, "{}", lockstep::report::env_report());
+    code
+}
+
+/// The configuration in force: the file, and each setting with where it comes from (the
+/// environment overrides the file, which overrides the default).
+fn config_report(file: Option<&Path>) -> Result<String, String> {
+    let l = config::load(file).map_err(|e| e.to_string())?;
+    let c = &l.config;
+    let mut s = format!(
+        "config:  {} ({}{})\n",
+        l.path.display(),
+        l.origin,
+        if l.exists { "" } else { "; not found: defaults in force; write one with `lockstep config`" }
+    );
+    let (env_addr, env_port) = env_master()?;
+    let env_backend = lockstep::types::env::BACKEND.choice().map_err(|e| e.to_string())?;
+    let from = |set: bool| if set { "file" } else { "default" };
+    let mut row = |key: &str, value: String, source: String| s += &format!("  {key:<18} = {value:<12} ({source})\n");
+    let per = c.processes_per_machine();
+    row(
+        "num_processes",
+        c.num_processes.unwrap_or(config::DEFAULT_NUM_PROCESSES * c.num_machines.unwrap_or(1)).to_string(),
+        format!("{}; {} per machine", from(c.num_processes.is_some()), per.unwrap_or(config::DEFAULT_NUM_PROCESSES)),
+    );
+    row("num_machines", c.num_machines.unwrap_or(1).to_string(), from(c.num_machines.is_some()).into());
+    row("machine_rank", c.machine_rank.unwrap_or(0).to_string(), from(c.machine_rank.is_some()).into());
+    let (ip, ip_from) = match (&env_addr, &c.main_process_ip) {
+        (Some(e), _) => (e.clone(), "environment: MASTER_ADDR".to_string()),
+        (None, Some(f)) => (f.clone(), "file".into()),
+        (None, None) => (config::DEFAULT_MAIN_PROCESS_IP.into(), "default".into()),
+    };
+    row("main_process_ip", format!("{ip:?}"), ip_from);
+    let (port, port_from) = match (env_port, c.main_process_port) {
+        (Some(e), _) => (e, "environment: MASTER_PORT"),
+        (None, Some(f)) => (f, "file"),
+        (None, None) => (config::DEFAULT_MAIN_PROCESS_PORT, "default"),
+    };
+    row("main_process_port", port.to_string(), port_from.into());
+    row("mixed_precision", format!("{:?}", c.mixed_precision.unwrap_or_default().name()), from(c.mixed_precision.is_some()).into());
+    let (b, b_from) = match (env_backend, c.backend) {
+        (Some(e), _) => (e.to_string(), "environment: LOCKSTEP_BACKEND"),
+        (None, Some(f)) => (f.name().to_string(), "file"),
+        (None, None) => ("shm".into(), "default"),
+    };
+    row("backend", format!("{b:?}"), b_from.into());
+    Ok(s)
 }

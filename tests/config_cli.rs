@@ -1,0 +1,413 @@
+//! The configuration file and the settings of `lockstep launch`, end to end against the built
+//! binary: `lockstep config` (defaults, flags, `--interactive` answers on stdin), rejection of bad
+//! files (key, file and line named), the backend of the file reaching the ranks, MASTER_ADDR /
+//! MASTER_PORT, `--nproc-per-node auto` and its aliases, nonsense counts, JSON lines that parse
+//! under the launcher, and carriage-return redraws reaching a terminal (`script`). Sequential
+//! (`harness = false`): several tests start multi-rank jobs on a two-core machine.
+
+mod common;
+
+use std::io::Write;
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+
+use common::{check, free_port, scratch};
+
+const BIN: &str = env!("CARGO_BIN_EXE_lockstep");
+const TOKEN: &str = "config-cli-test-token-0123";
+
+/// `lockstep` with no configuration file of the user's (an empty XDG directory) and none of the
+/// variables that would change the launch.
+fn lockstep(xdg: &Path) -> Command {
+    let mut c = Command::new(BIN);
+    c.env("XDG_CONFIG_HOME", xdg);
+    for v in ["LOCKSTEP_TOKEN", "LOCKSTEP_CONFIG", "LOCKSTEP_BACKEND", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"] {
+        c.env_remove(v);
+    }
+    c
+}
+
+fn out(c: &mut Command) -> Result<Output, String> {
+    c.stdin(Stdio::null()).output().map_err(|e| e.to_string())
+}
+
+fn text(o: &Output) -> (String, String) {
+    (String::from_utf8_lossy(&o.stdout).into_owned(), String::from_utf8_lossy(&o.stderr).into_owned())
+}
+
+fn show(o: &Output) -> String {
+    let (a, b) = text(o);
+    format!("status: {:?}\n--- stdout ---\n{a}\n--- stderr ---\n{b}", o.status)
+}
+
+/// The sorted stdout lines of a launch.
+fn lines(o: &Output) -> Vec<String> {
+    let mut v: Vec<String> = text(o).0.lines().map(String::from).collect();
+    v.sort();
+    v
+}
+
+fn write(p: &Path, s: &str) -> Result<(), String> {
+    std::fs::write(p, s).map_err(|e| format!("{}: {e}", p.display()))
+}
+
+fn config_written_read_and_shown() -> Result<(), String> {
+    let d = scratch("cfg-roundtrip");
+    let p = d.join("sub/config.toml");
+    let o = out(lockstep(&d).args(["config", "--path"]).arg(&p))?;
+    check(o.status.success(), "config succeeds", show(&o))?;
+    let t = std::fs::read_to_string(&p).map_err(|e| e.to_string())?;
+    for k in ["num_processes = 2", "num_machines = 1", "machine_rank = 0", "main_process_ip = \"127.0.0.1\"", "main_process_port = 29500"] {
+        check(t.contains(k), &format!("the default file (no GPU here) has {k}"), &t)?;
+    }
+    check(t.contains("mixed_precision = \"no\"") && t.contains("backend = \"shm\""), "CPU defaults", &t)?;
+    // What was written reads back through the library as the same values.
+    let c = lockstep::config::Config::read(&p).map_err(|e| e.to_string())?;
+    check(c.num_processes == Some(2) && c.backend == Some(lockstep::config::BackendChoice::Shm), "round trip", format!("{c:?}"))?;
+    let o = out(lockstep(&d).args(["config", "--path"]).arg(&p))?;
+    check(o.status.code() == Some(1) && text(&o).1.contains("--force"), "an existing file is kept without --force", show(&o))?;
+    let o = out(lockstep(&d)
+        .args(["config", "--force", "--backend", "nccl", "--num-processes", "3", "--mixed-precision", "bf16", "--path"])
+        .arg(&p))?;
+    let t = std::fs::read_to_string(&p).map_err(|e| e.to_string())?;
+    check(
+        o.status.success() && t.contains("num_processes = 3") && t.contains("backend = \"nccl\"") && t.contains("\"bf16\""),
+        "flags are written",
+        &t,
+    )?;
+    // `env` shows the file in force and each value's source; the environment overrides the file.
+    let o = out(lockstep(&d).args(["--config"]).arg(&p).args(["env"]).env("MASTER_PORT", "31234"))?;
+    let s = text(&o).0;
+    check(o.status.success() && s.contains(&format!("config:  {} (--config)", p.display())), "env names the file", show(&o))?;
+    check(
+        s.lines().any(|l| l.contains("num_processes") && l.contains("3") && l.contains("(file; 3 per machine)")),
+        "env: num_processes",
+        &s,
+    )?;
+    check(s.lines().any(|l| l.contains("backend") && l.contains("\"nccl\"") && l.contains("(file)")), "env: backend", &s)?;
+    check(
+        s.lines().any(|l| l.contains("main_process_port") && l.contains("31234") && l.contains("MASTER_PORT")),
+        "env: port from env",
+        &s,
+    )?;
+    // The default location: `config` writes there, `env` reads it.
+    let o = out(lockstep(&d).args(["config"]))?;
+    let default = d.join("lockstep/config.toml");
+    check(o.status.success() && default.exists(), "config writes to $XDG_CONFIG_HOME/lockstep/config.toml", show(&o))?;
+    let o = out(lockstep(&d).args(["env"]))?;
+    check(text(&o).0.contains(&format!("config:  {} (the default location)", default.display())), "env finds it", show(&o))?;
+    // No temporary is left beside the file.
+    let names: Vec<String> =
+        std::fs::read_dir(p.parent().unwrap()).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into()).collect();
+    check(names == ["config.toml"], "only the file in its directory", format!("{names:?}"))
+}
+
+fn config_interactive() -> Result<(), String> {
+    let d = scratch("cfg-interactive");
+    let p = d.join("config.toml");
+    let ask = |answers: &str| -> Result<Output, String> {
+        let mut c = lockstep(&d);
+        c.args(["config", "--interactive", "--force", "--path"])
+            .arg(&p)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let mut child = c.spawn().map_err(|e| e.to_string())?;
+        child.stdin.take().unwrap().write_all(answers.as_bytes()).map_err(|e| e.to_string())?;
+        child.wait_with_output().map_err(|e| e.to_string())
+    };
+    // backend (a wrong answer, asked again), machines, rank, address, port, processes, precision.
+    let o = ask("gpu\nshm\n2\n1\n10.1.2.3\n29555\n4\nbf16\n")?;
+    check(o.status.success(), "interactive config succeeds", show(&o))?;
+    let s = text(&o).0;
+    for q in [
+        "Which backend",
+        "How many different machines",
+        "What is the rank of this machine",
+        "IP address",
+        "port",
+        "processes in total",
+        "mixed precision",
+    ] {
+        check(s.contains(q), &format!("asks {q:?}"), &s)?;
+    }
+    check(s.contains("try again"), "a wrong answer is asked again", &s)?;
+    let c = lockstep::config::Config::read(&p).map_err(|e| e.to_string())?;
+    let want = lockstep::config::Config {
+        num_processes: Some(4),
+        num_machines: Some(2),
+        machine_rank: Some(1),
+        main_process_ip: Some("10.1.2.3".into()),
+        main_process_port: Some(29555),
+        mixed_precision: Some(lockstep::config::MixedPrecision::Bf16),
+        backend: Some(lockstep::config::BackendChoice::Shm),
+    };
+    check(c == want, "the answers are written", format!("{c:?}"))?;
+    // Empty answers take the defaults; one machine skips the multi-machine questions.
+    let o = ask("\n1\n\n\n")?;
+    let c = lockstep::config::Config::read(&p).map_err(|e| e.to_string())?;
+    check(
+        o.status.success() && c.num_processes == Some(2) && c.num_machines == Some(1) && !text(&o).0.contains("rank of this machine"),
+        "defaults on empty answers",
+        format!("{c:?}\n{}", show(&o)),
+    )?;
+    // Input that ends early writes nothing.
+    std::fs::remove_file(&p).map_err(|e| e.to_string())?;
+    let o = ask("shm\n")?;
+    check(o.status.code() == Some(1) && text(&o).1.contains("standard input ended") && !p.exists(), "early EOF is an error", show(&o))
+}
+
+fn bad_files_are_named() -> Result<(), String> {
+    let d = scratch("cfg-bad");
+    let p = d.join("c.toml");
+    let launch = |p: &Path| out(lockstep(&d).arg("--config").arg(p).args(["launch", "--", "true"]));
+    let cases: &[(&str, &str, &str, &str)] = &[
+        ("num_processes = 2\n# ok\nnum_procs = 3\n", "line 3", "num_procs", "unknown field"),
+        ("backend = \"gpu\"\n", "line 1", "backend", "unknown variant"),
+        ("mixed_precision = \"fp8\"\n", "line 1", "mixed_precision", "fp8"),
+        ("num_processes = \"four\"\n", "line 1", "num_processes", "string"),
+        ("\nnum_processes = 0\n", "line 2", "num_processes", "at least 1"),
+        ("num_machines = 2\nmachine_rank = 5\n", "line 2", "machine_rank", "out of range"),
+        ("main_process_port = 99999\n", "line 1", "main_process_port", "99999"),
+        ("[launch]\nnproc = 2\n", "line 1", "launch", "unknown field"),
+        ("num_processes = 2 3\n", "line 1", "num_processes", ""),
+        ("nproc_per_node = 4\n", "line 1", "nproc_per_node", "write `num_processes`"),
+    ];
+    for (body, line, key, what) in cases {
+        write(&p, body)?;
+        let o = launch(&p)?;
+        let e = text(&o).1;
+        check(
+            o.status.code() == Some(1)
+                && e.contains(&format!("config file {}, {line}, key `{key}`", p.display()))
+                && e.contains(what)
+                && !text(&o).0.contains("[rank"),
+            &format!("{body:?} is refused naming the file, {line} and `{key}`"),
+            show(&o),
+        )?;
+    }
+    // A comment after a value is TOML: the file works.
+    write(&p, "num_processes = 3 # ranks\nbackend = \"shm\"   # CPU\n")?;
+    let o = out(lockstep(&d).arg("--config").arg(&p).args(["launch", "--", "sh", "-c", "echo $RANK/$WORLD_SIZE"]))?;
+    check(o.status.success() && lines(&o) == ["[rank 0] 0/3", "[rank 1] 1/3", "[rank 2] 2/3"], "comments after values", show(&o))?;
+    // A file named by LOCKSTEP_CONFIG or --config must exist.
+    let o = out(lockstep(&d).env("LOCKSTEP_CONFIG", d.join("missing.toml")).args(["launch", "--", "true"]))?;
+    check(o.status.code() == Some(1) && text(&o).1.contains("(named by LOCKSTEP_CONFIG) does not exist"), "missing named file", show(&o))?;
+    let o = out(lockstep(&d).env("LOCKSTEP_CONFIG", "a\tb").args(["launch", "--", "true"]))?;
+    check(o.status.code() == Some(1) && text(&o).1.contains("LOCKSTEP_CONFIG="), "malformed LOCKSTEP_CONFIG is named", show(&o))
+}
+
+fn backend_of_the_file_reaches_the_ranks() -> Result<(), String> {
+    let d = scratch("cfg-backend");
+    let p = d.join("c.toml");
+    write(&p, "num_processes = 2\nbackend = \"nccl\"\n")?;
+    let echo = ["launch", "--", "sh", "-c", "echo $LOCKSTEP_BACKEND $LOCKSTEP_CONFIG"];
+    let abs = std::fs::canonicalize(&p).map_err(|e| e.to_string())?;
+    let o = out(lockstep(&d).arg("--config").arg(&p).args(echo))?;
+    let want = |b: &str| (0..2).map(|r| format!("[rank {r}] {b} {}", abs.display())).collect::<Vec<_>>();
+    check(o.status.success() && lines(&o) == want("nccl"), "backend = nccl reaches every rank, with the file", show(&o))?;
+    // The flag overrides the environment, which overrides the file.
+    let o = out(lockstep(&d).arg("--config").arg(&p).env("LOCKSTEP_BACKEND", "shm").args(echo))?;
+    check(o.status.success() && lines(&o) == want("shm"), "LOCKSTEP_BACKEND overrides the file", show(&o))?;
+    let o =
+        out(lockstep(&d).arg("--config").arg(&p).env("LOCKSTEP_BACKEND", "nccl").args(["launch", "--backend", "shm"]).args(&echo[1..]))?;
+    check(o.status.success() && lines(&o) == want("shm"), "--backend overrides both", show(&o))?;
+    // auto: nccl only with a GPU; this machine's forked probe decides.
+    write(&p, "backend = \"auto\"\n")?;
+    let gpus = lockstep::config::count_gpus().unwrap_or(0);
+    let o = out(lockstep(&d).arg("--config").arg(&p).args(echo))?;
+    check(o.status.success() && lines(&o) == want(if gpus > 0 { "nccl" } else { "shm" }), "auto follows the GPUs", show(&o))?;
+    // The ranks really build the backend the file names: without NCCL here, selftest fails
+    // naming it rather than quietly running on shared memory.
+    if gpus == 0 {
+        write(&p, "backend = \"nccl\"\n")?;
+        let o = out(lockstep(&d).arg("--config").arg(&p).args(["launch", "--nproc-per-node", "1", "--", BIN, "selftest"]))?;
+        let e = text(&o).1.to_lowercase();
+        check(
+            !o.status.success() && (e.contains("nccl") || e.contains("cuda")) && !text(&o).0.contains("selftest ok"),
+            "a nccl job without NCCL fails naming it",
+            show(&o),
+        )?;
+    }
+    Ok(())
+}
+
+fn master_addr_and_port() -> Result<(), String> {
+    let d = scratch("cfg-master");
+    let echo = ["launch", "--nproc-per-node", "1", "--", "sh", "-c", "echo $MASTER_ADDR:$MASTER_PORT"];
+    let o = out(lockstep(&d).env("MASTER_PORT", "31111").env("MASTER_ADDR", "localhost").args(echo))?;
+    check(o.status.success() && lines(&o) == ["[rank 0] localhost:31111"], "MASTER_ADDR/MASTER_PORT reach the ranks", show(&o))?;
+    let o = out(lockstep(&d).env("MASTER_PORT", "31111").args(["launch", "--master-port", "31112"]).args(&echo[1..]))?;
+    check(o.status.success() && lines(&o) == ["[rank 0] 127.0.0.1:31112"], "the flag overrides MASTER_PORT", show(&o))?;
+    let p = d.join("c.toml");
+    write(&p, "main_process_ip = \"127.0.0.1\"\nmain_process_port = 31113\n")?;
+    let o = out(lockstep(&d).arg("--config").arg(&p).args(echo))?;
+    check(o.status.success() && lines(&o) == ["[rank 0] 127.0.0.1:31113"], "the file's port without MASTER_PORT", show(&o))?;
+    let o = out(lockstep(&d).arg("--config").arg(&p).env("MASTER_PORT", "31114").args(echo))?;
+    check(o.status.success() && lines(&o) == ["[rank 0] 127.0.0.1:31114"], "MASTER_PORT overrides the file", show(&o))?;
+    let o = out(lockstep(&d).env("MASTER_PORT", "31x").args(echo))?;
+    check(
+        o.status.code() == Some(1) && text(&o).1.contains("MASTER_PORT=\"31x\" is invalid"),
+        "a malformed MASTER_PORT is named",
+        show(&o),
+    )?;
+    // Two nodes: node 0 listens on the port MASTER_PORT names (node 1 is given it by flag).
+    let port = free_port().to_string();
+    let mut kids = Vec::new();
+    for r in ["0", "1"] {
+        let mut c = lockstep(&d);
+        c.env("LOCKSTEP_TOKEN", TOKEN).args(["launch", "--nproc-per-node", "1", "--nnodes", "2", "--node-rank", r]);
+        if r == "0" {
+            c.env("MASTER_PORT", &port);
+        } else {
+            c.args(["--master-port", &port]);
+        }
+        c.args(["--", BIN, "selftest"]).stdout(Stdio::piped()).stderr(Stdio::piped());
+        kids.push(c.spawn().map_err(|e| e.to_string())?);
+    }
+    let outs: Vec<Output> = kids.into_iter().map(|k| k.wait_with_output().map_err(|e| e.to_string())).collect::<Result<_, _>>()?;
+    check(
+        outs.iter().all(|o| o.status.success()) && text(&outs[0]).0.contains("selftest ok: 2 ranks"),
+        "node 0's store listens on MASTER_PORT",
+        outs.iter().map(show).collect::<Vec<_>>().join("\n"),
+    )
+}
+
+fn process_counts() -> Result<(), String> {
+    let d = scratch("cfg-counts");
+    let ws = ["--", "sh", "-c", "echo $WORLD_SIZE"];
+    let world = |args: &[&str]| -> Result<(Output, Vec<String>), String> {
+        let o = out(lockstep(&d).arg("launch").args(args).args(ws))?;
+        let l = lines(&o);
+        Ok((o, l))
+    };
+    let gpus = lockstep::config::count_gpus().unwrap_or(0);
+    let auto = if gpus > 0 { gpus } else { lockstep::config::DEFAULT_NUM_PROCESSES };
+    let (o, l) = world(&["--nproc-per-node", "auto"])?;
+    check(
+        o.status.success() && l.len() == auto && l.iter().all(|x| x.ends_with(&format!(" {auto}"))),
+        "auto: one per GPU, else 2",
+        show(&o),
+    )?;
+    let (o, l) = world(&[])?;
+    check(o.status.success() && l.len() == lockstep::config::DEFAULT_NUM_PROCESSES, "the default number of ranks", show(&o))?;
+    for alias in ["--nproc_per_node", "--num_processes", "--num-processes"] {
+        let (o, l) = world(&[alias, "3"])?;
+        check(o.status.success() && l.len() == 3, &format!("{alias} 3"), show(&o))?;
+    }
+    let o = out(lockstep(&d).args(["launch", "--num_processes", "3", "--nnodes", "2"]).args(ws))?;
+    check(o.status.code() == Some(1) && text(&o).1.contains("must be a multiple of --nnodes 2"), "uneven total", show(&o))?;
+    // Nonsense counts get messages that say what is wrong.
+    let o = out(lockstep(&d).args(["launch", "--nnodes", "0"]).args(ws))?;
+    check(o.status.code() == Some(1) && text(&o).1.contains("--nnodes 0: a job runs on at least 1 node"), "--nnodes 0", show(&o))?;
+    let o = out(lockstep(&d).args(["launch", "--nproc-per-node", "0"]).args(ws))?;
+    check(o.status.code() == Some(2) && text(&o).1.contains("0 ranks cannot run anything"), "--nproc-per-node 0", show(&o))?;
+    let o = out(lockstep(&d).args(["launch", "--nproc-per-node", "many"]).args(ws))?;
+    check(o.status.code() == Some(2) && text(&o).1.contains("is not a number of ranks"), "--nproc-per-node many", show(&o))?;
+    let o = out(lockstep(&d)
+        .env("LOCKSTEP_TOKEN", TOKEN)
+        .args(["launch", "--nproc-per-node", "1", "--nnodes", "2", "--node-rank", "2"])
+        .args(ws))?;
+    check(
+        o.status.code() == Some(1) && text(&o).1.contains("--node-rank 2 is out of range for --nnodes 2: nodes are numbered 0 to 1"),
+        "node rank >= nnodes",
+        show(&o),
+    )?;
+    // More ranks than CPUs start, with a warning.
+    let cpus = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    let n = (cpus + 1).to_string();
+    let (o, l) = world(&["--nproc-per-node", &n])?;
+    let e = text(&o).1;
+    check(
+        o.status.success() && l.len() == cpus + 1 && e.contains("WARN") && e.contains(&format!("only {cpus} CPU(s)")),
+        "oversubscription warns",
+        show(&o),
+    )
+}
+
+fn json_lines_parse_under_the_launcher() -> Result<(), String> {
+    let d = scratch("cfg-json");
+    // Real JSON from a lockstep program, JSON the shell writes (nesting, escapes), and text.
+    let script = r#"printf '{"rank": %s, "loss": 0.4384, "tags": ["a", {"b": "c\\"d"}], "ok": true}\n' $RANK; echo "epoch 1/4 step $RANK"; printf '{not json}\n'"#;
+    let o = out(lockstep(&d).args(["launch", "--nproc-per-node", "2", "--", "sh", "-c", script]))?;
+    check(o.status.success(), "the job succeeds", show(&o))?;
+    let s = text(&o).0;
+    let mut objects = 0;
+    for line in s.lines() {
+        if line.starts_with('{') && line.ends_with('}') && !line.contains("not json") {
+            let v: serde_json::Value = serde_json::from_str(line).map_err(|e| format!("{line:?} does not parse: {e}\n{s}"))?;
+            check(v["loss"] == 0.4384, "the object is intact", line)?;
+            objects += 1;
+        } else {
+            check(line.starts_with("[rank "), "other lines keep their prefix", line)?;
+        }
+    }
+    check(objects == 2 && s.contains("[rank 1] {not json}"), "one object per rank, unprefixed; text prefixed", &s)?;
+    // A program's --json output: every line parses.
+    let o = out(lockstep(&d).args([
+        "launch",
+        "--nproc-per-node",
+        "2",
+        "--",
+        BIN,
+        "bench",
+        "--nprocs",
+        "1",
+        "--sizes",
+        "8",
+        "-n",
+        "2",
+        "--format",
+        "json",
+    ]))?;
+    let s = text(&o).0;
+    let parsed: Vec<serde_json::Value> =
+        s.lines().map(serde_json::from_str).collect::<Result<_, _>>().map_err(|e| format!("{e}\n{}", show(&o)))?;
+    check(
+        o.status.success() && parsed.len() == 2 && parsed.iter().all(|v| v["wrong"] == 0),
+        "every stdout line of the ranks parses",
+        show(&o),
+    )?;
+    // --no-prefix: text lines as written.
+    let o = out(lockstep(&d).args(["launch", "--nproc-per-node", "2", "--no-prefix", "--", "sh", "-c", "echo r$RANK"]))?;
+    check(o.status.success() && lines(&o) == ["r0", "r1"], "--no-prefix", show(&o))
+}
+
+fn carriage_returns_reach_a_terminal() -> Result<(), String> {
+    let d = scratch("cfg-tty");
+    if Command::new("script").arg("--version").output().is_err() {
+        return Err("`script` (util-linux) is needed to give the launcher a terminal".into());
+    }
+    let cmd = format!(
+        "{BIN} launch --nproc-per-node 1 -- sh -c 'printf \"10%%\\r20%%\\r30%%\\n\"; printf \"\\033[2K40%%\\r\\033[2K50%%\\n\" >&2; echo tty=$LOCKSTEP_CONSOLE_TTY'"
+    );
+    let mut script = Command::new("script");
+    script.env("XDG_CONFIG_HOME", &d).args(["-qec", &cmd, "/dev/null"]);
+    for v in ["LOCKSTEP_CONFIG", "LOCKSTEP_BACKEND", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"] {
+        script.env_remove(v);
+    }
+    let o = out(&mut script)?;
+    let s = String::from_utf8_lossy(&o.stdout).into_owned();
+    // The terminal turns "\n" into "\r\n"; the redraws arrive one by one, each with its prefix,
+    // a clear-line sequence before the prefix.
+    check(o.status.success(), "the job succeeds under script", show(&o))?;
+    check(s.contains("[rank 0] 10%\r[rank 0] 20%\r[rank 0] 30%\r\n"), "stdout redraws arrive intact", format!("{s:?}"))?;
+    check(s.contains("\x1b[2K[rank 0] 40%\r\x1b[2K[rank 0] 50%"), "stderr redraws keep the clear-line first", format!("{s:?}"))?;
+    check(s.contains("[rank 0] tty=1"), "rank 0 is told it may draw", format!("{s:?}"))?;
+    // Off a terminal the ranks are not told so.
+    let o = out(lockstep(&d).args(["launch", "--nproc-per-node", "1", "--", "sh", "-c", "echo tty=$LOCKSTEP_CONSOLE_TTY"]))?;
+    check(lines(&o) == ["[rank 0] tty="], "no terminal, no LOCKSTEP_CONSOLE_TTY", show(&o))
+}
+
+fn main() -> std::process::ExitCode {
+    common::run(&[
+        ("config_written_read_and_shown", config_written_read_and_shown),
+        ("config_interactive", config_interactive),
+        ("bad_files_are_named", bad_files_are_named),
+        ("backend_of_the_file_reaches_the_ranks", backend_of_the_file_reaches_the_ranks),
+        ("master_addr_and_port", master_addr_and_port),
+        ("process_counts", process_counts),
+        ("json_lines_parse_under_the_launcher", json_lines_parse_under_the_launcher),
+        ("carriage_returns_reach_a_terminal", carriage_returns_reach_a_terminal),
+    ])
+}
