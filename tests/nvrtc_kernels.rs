@@ -19,6 +19,8 @@ use lockstep::train::device::kernels::KernelId;
 
 /// Set in the child processes that check one NVRTC each.
 const CHILD: &str = "LOCKSTEP_NVRTC_KERNELS_CHILD";
+/// Set (to `major.minor`) in the child that only checks which NVRTC discovery picks.
+const EXPECT: &str = "LOCKSTEP_NVRTC_KERNELS_EXPECT";
 
 /// Every `libnvrtc.so.*` under `.ci-deps/*/nvidia/*/lib` (crate root and working directory).
 fn installed_wheels() -> Vec<PathBuf> {
@@ -115,6 +117,13 @@ fn main() {
             return;
         }
     };
+    if let Ok(want) = std::env::var(EXPECT) {
+        let got = format!("{}.{}", info.version.0, info.version.1);
+        assert_eq!(got, want, "discovery chose {} ({})", info.path, info.reason);
+        assert!(info.reason.contains("newest usable") && info.reason.contains("also found"), "{}", info.reason);
+        println!("  chose NVRTC {got} ({})", info.reason);
+        return;
+    }
     let mut n = check_this_nvrtc(&info);
     if std::env::var_os(CHILD).is_some() || std::env::var_os("LOCKSTEP_NVRTC_LIBRARY").is_some() {
         println!("\ntest result: ok. {n} passed; 0 failed");
@@ -128,6 +137,29 @@ fn main() {
         let newest = wheels.iter().filter_map(|w| wheel_version(w)).max();
         assert_eq!(Some(info.version), newest, "discovery chose NVRTC {:?} ({}) over a newer wheel in {wheels:?}", info.version, info.path);
         println!("test discovery_prefers_the_newest_nvrtc ... ok");
+        n += 1;
+    }
+    if wheels.len() >= 2 {
+        // The same wheels in one folder, named so that the oldest comes first in the search
+        // order (descending names): discovery must still take the newest.
+        let mut by_age: Vec<(Option<(i32, i32)>, &PathBuf)> = wheels.iter().map(|w| (wheel_version(w), w)).collect();
+        by_age.sort();
+        let dir = std::env::temp_dir().join(format!("lockstep-nvrtc-order-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        for (i, (_, w)) in by_age.iter().enumerate() {
+            std::os::unix::fs::symlink(w, dir.join(format!("libnvrtc.so.order{}", 9 - i))).unwrap();
+        }
+        let newest = by_age.last().and_then(|(v, _)| *v).expect("wheel versions");
+        let st = std::process::Command::new(std::env::current_exe().expect("this test binary"))
+            .env(CHILD, "1")
+            .env(EXPECT, format!("{}.{}", newest.0, newest.1))
+            .env("LOCKSTEP_NVRTC_LIBRARY", &dir)
+            .status()
+            .expect("run this test binary");
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(st.success(), "discovery did not prefer the newest NVRTC when an older one came first ({st})");
+        println!("test newest_nvrtc_wins_over_the_first_found ... ok");
         n += 1;
     }
     for w in wheels.iter().filter(|w| **w != chosen) {
