@@ -33,6 +33,11 @@
 //     values, a few hundred per thread: well within one block.
 //   forward_eval: elementwise, grid (ceil_div(batch*channels*hw, 256)), block 256; grid-stride,
 //     so a capped grid is fine.
+//
+// FMA contraction (NVRTC's default -fmad=true, kept for speed): shift = bias - mean*scale,
+// y = x*scale + shift, the eval y = t*weight + bias and the backward g - mg - xhat*mgx each
+// compile to one fused multiply-add. The CPU twins (kernels/twins.rs) use f32::mul_add for
+// exactly these, so the fused ReLU's mask (y > 0) does not flip on a rounding difference.
 #include "common.cuh"
 
 // ----------------------------------------------------------------------------

@@ -129,8 +129,10 @@ template <> __device__ __forceinline__ bf16_t zero_of<bf16_t>() { bf16_t z; z.bi
 // Launch geometry (every GEMM kernel in conv2d.cu and linear.cu):
 //   block = GEMM_THREADS (128) threads, 1-D
 //   grid  = (ceil_div(N, GEMM_BN), ceil_div(M, GEMM_BM), splits)
-// blockIdx.z selects a contiguous slice of K ("split-K"); with splits > 1 the partial products
-// must be added atomically, which only the accumulating epilogues (weight gradients) allow.
+// blockIdx.z selects a contiguous slice of K ("split-K"); with splits > 1 each slice's partial
+// products go to its own plane of a workspace (accumulate_out), and splitk_reduce_f32
+// (elementwise.cu) adds the planes in slice order: only the accumulating epilogues (weight
+// gradients) take that path. No atomics, so results are bit-identical run to run.
 //
 // The operands are not materialised: the caller passes loader functors a(m, k) and b(k, n)
 // (only called with m < M, k < K, n < N) that compute addresses, which is how conv2d does
@@ -346,9 +348,8 @@ __device__ __forceinline__ void gemm_tile(int M, int N, int K, const LoadA& la, 
                                   (const T(*)[GEMM_BK + GemmPad<T>::value])Bs);
         __syncthreads();
     }
-    // A block whose K slice is empty (more splits than BK chunks) still owns zeros: skip it so
-    // the accumulating epilogues do no useless atomics.
-    if (k_begin >= k_end) return;
+    // A block whose K slice is empty (more splits than BK chunks) still stores its zeros: with
+    // split-K every slice owns a whole plane of the partials, which the reduction reads.
 
 #if defined(LOCKSTEP_MMA_BF16)
     const bool is_mma = mma_layout;
@@ -383,9 +384,14 @@ __device__ __forceinline__ void gemm_tile(int M, int N, int K, const LoadA& la, 
     }
 }
 
-// Epilogue helper for accumulating outputs (parameter gradients): plain += when the launch has
-// one K slice (deterministic), atomicAdd when split-K blocks share the output element.
-__device__ __forceinline__ void accumulate_out(float* p, float v) {
-    if (gridDim.z > 1) atomicAdd(p, v);
-    else *p += v;
+// Epilogue helper for accumulating outputs (parameter gradients), element i of `out`:
+//   one K slice (gridDim.z == 1): out[i] += v (partials is unused and may be NULL);
+//   split-K (gridDim.z > 1): the slice's partial sum OVERWRITES partials[blockIdx.z * plane + i]
+//     (plane = elements of out; the workspace holds gridDim.z planes), and the caller then runs
+//     splitk_reduce_f32(out, partials, gridDim.z, plane), which adds the planes in slice order.
+// Every block writes each in-range element of its tile exactly once, so no atomics are needed
+// and the sum order is fixed: bit-identical run to run and in CUDA graphs.
+__device__ __forceinline__ void accumulate_out(float* out, float* partials, long long plane, long long i, float v) {
+    if (gridDim.z > 1) partials[(long long)blockIdx.z * plane + i] = v;
+    else out[i] += v;
 }

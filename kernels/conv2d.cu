@@ -4,7 +4,7 @@
 // Entry points (CPU twins in train::layers::conv2d take the same tensors in the same order):
 //   conv2d_forward_{f32,bf16}          (out, inp, weight, bias, shape...)
 //   conv2d_backward_input_{f32,bf16}   (dinp, dout, weight, shape...)
-//   conv2d_backward_weight_{f32,bf16}  (dweight, dout, inp, shape...)
+//   conv2d_backward_weight_{f32,bf16}  (dweight, partials, dout, inp, shape...)
 //   conv2d_backward_bias_{f32,bf16}    (dbias, dout, batch, out_c, out_h, out_w)
 // where shape... = batch, in_c, in_h, in_w, out_c, kh, kw, stride, pad (all int, Rust i32) and
 //   out_h = (in_h + 2*pad - kh) / stride + 1,  out_w = (in_w + 2*pad - kw) / stride + 1
@@ -37,9 +37,12 @@
 // Launch geometry:
 //   GEMM kernels: block GEMM_THREADS = 128, grid (ceil_div(N, 64), ceil_div(M, 64), splits).
 //     splits must be 1 for forward and backward_input (they overwrite). backward_weight accepts
-//     splits > 1 (split-K, atomicAdd into dweight): its N x M grid is tiny (1 block for the first
-//     FashionMNIST conv) while K = batch*out_h*out_w is large, so pick splits ~ 2*SM count /
-//     (grid.x*grid.y), capped at ceil_div(K, 32). splits = 1 is deterministic.
+//     splits > 1 (split-K): its N x M grid is tiny (1 block for the first FashionMNIST conv)
+//     while K = batch*out_h*out_w is large, so pick splits ~ 2*SM count / (grid.x*grid.y),
+//     capped at ceil_div(K, 32). With splits = 1 it adds into dweight and `partials` is unused
+//     (may be NULL); with splits > 1 slice z overwrites plane z of `partials` (splits planes of
+//     out_c*in_c*kh*kw floats) and the caller runs splitk_reduce_f32(dweight, partials, splits,
+//     out_c*in_c*kh*kw) (elementwise.cu) next. Deterministic either way (no atomics).
 //   conv2d_backward_bias_*: grid (out_c), block 256 (any multiple of 32 up to 1024).
 #include "common.cuh"
 
@@ -166,12 +169,14 @@ struct StoreConvDinp {
     }
 };
 
-// dw[oc, kk] += acc.
+// dw[oc, kk] += acc, or the split-K partial into its plane (accumulate_out).
 struct StoreConvDweight {
     float* dw;
+    float* part;
     int K;
+    long long plane;
     __device__ __forceinline__ void operator()(int oc, int kk, float v) const {
-        accumulate_out(&dw[(long long)oc * K + kk], v);
+        accumulate_out(dw, part, plane, (long long)oc * K + kk, v);
     }
 };
 
@@ -199,11 +204,12 @@ __device__ __forceinline__ void conv2d_backward_input_impl(float* dinp, const T*
 }
 
 template <typename T>
-__device__ __forceinline__ void conv2d_backward_weight_impl(float* dweight, const T* dout, const T* inp, ConvShape s) {
+__device__ __forceinline__ void conv2d_backward_weight_impl(float* dweight, float* partials, const T* dout, const T* inp,
+                                                            ConvShape s) {
     const int M = s.out_c, N = s.in_c * s.kh * s.kw, K = s.batch * s.out_h * s.out_w;
     DyRows<T> a{dout, s};
     Im2colT<T> b{Im2col<T>{inp, s}};
-    StoreConvDweight st{dweight, N};
+    StoreConvDweight st{dweight, partials, N, (long long)M * N};
     // Both operands are contiguous along the output-pixel index, which is K here.
     gemm_tile<T, true, true>(M, N, K, a, b, st);
 }
@@ -252,15 +258,17 @@ conv2d_backward_input_bf16(float* dinp, const bf16_t* dout, const bf16_t* weight
 }
 
 extern "C" __global__ void __launch_bounds__(GEMM_THREADS)
-conv2d_backward_weight_f32(float* dweight, const float* dout, const float* inp, int batch, int in_c, int in_h, int in_w,
-                           int out_c, int kh, int kw, int stride, int pad) {
-    conv2d_backward_weight_impl<float>(dweight, dout, inp, make_conv_shape(batch, in_c, in_h, in_w, out_c, kh, kw, stride, pad));
+conv2d_backward_weight_f32(float* dweight, float* partials, const float* dout, const float* inp, int batch, int in_c,
+                           int in_h, int in_w, int out_c, int kh, int kw, int stride, int pad) {
+    conv2d_backward_weight_impl<float>(dweight, partials, dout, inp,
+                                       make_conv_shape(batch, in_c, in_h, in_w, out_c, kh, kw, stride, pad));
 }
 
 extern "C" __global__ void __launch_bounds__(GEMM_THREADS)
-conv2d_backward_weight_bf16(float* dweight, const bf16_t* dout, const bf16_t* inp, int batch, int in_c, int in_h,
-                            int in_w, int out_c, int kh, int kw, int stride, int pad) {
-    conv2d_backward_weight_impl<bf16_t>(dweight, dout, inp, make_conv_shape(batch, in_c, in_h, in_w, out_c, kh, kw, stride, pad));
+conv2d_backward_weight_bf16(float* dweight, float* partials, const bf16_t* dout, const bf16_t* inp, int batch,
+                            int in_c, int in_h, int in_w, int out_c, int kh, int kw, int stride, int pad) {
+    conv2d_backward_weight_impl<bf16_t>(dweight, partials, dout, inp,
+                                        make_conv_shape(batch, in_c, in_h, in_w, out_c, kh, kw, stride, pad));
 }
 
 extern "C" __global__ void conv2d_backward_bias_f32(float* dbias, const float* dout, int batch, int out_c, int out_h,

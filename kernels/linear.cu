@@ -4,7 +4,7 @@
 // Entry points (CPU twins in train::layers::linear take the same tensors in the same order):
 //   linear_forward_{f32,bf16}          (out, inp, weight, bias, batch, in_f, out_f, relu)
 //   linear_backward_input_{f32,bf16}   (dinp, dout, weight, batch, in_f, out_f)
-//   linear_backward_weight_{f32,bf16}  (dweight, dout, inp, batch, in_f, out_f)
+//   linear_backward_weight_{f32,bf16}  (dweight, partials, dout, inp, batch, in_f, out_f)
 //   linear_backward_bias_{f32,bf16}    (dbias, dout, batch, out_f)
 // All sizes are int (Rust i32); relu is an int flag (0 = off, nonzero = fused ReLU).
 //
@@ -32,7 +32,10 @@
 // Launch geometry:
 //   GEMM kernels: block GEMM_THREADS = 128, grid (ceil_div(N, 64), ceil_div(M, 64), splits).
 //     backward_input: splits must be 1 (it overwrites).
-//     backward_weight: splits >= 1 (split-K over the batch, atomicAdd into dweight).
+//     backward_weight: splits >= 1 (split-K over the batch). splits = 1 adds into dweight
+//       (`partials` unused, may be NULL); splits > 1 overwrites plane z of `partials` (splits
+//       planes of out_f*in_f floats) and the caller runs splitk_reduce_f32(dweight, partials,
+//       splits, out_f*in_f) next: no atomics, deterministic (see accumulate_out in common.cuh).
 //     forward: splits = 1 is the normal, deterministic mode. splits > 1 is split-K for a small
 //       output with a long K - the FashionMNIST fc1 (64 x 3136 -> 64) is a single 64x64 tile,
 //       i.e. one block on one SM, so ~8-16 splits help. Then the caller must zero `out` first,
@@ -91,9 +94,11 @@ struct StoreOverwrite {
 
 struct StoreAccumulate {
     float* d;
+    float* part;
     int ld;
+    long long plane;
     __device__ __forceinline__ void operator()(int r, int c, float v) const {
-        accumulate_out(&d[(long long)r * ld + c], v);
+        accumulate_out(d, part, plane, (long long)r * ld + c, v);
     }
 };
 
@@ -122,11 +127,11 @@ __device__ __forceinline__ void linear_backward_input_impl(float* dinp, const T*
 }
 
 template <typename T>
-__device__ __forceinline__ void linear_backward_weight_impl(float* dweight, const T* dout, const T* inp, int batch,
-                                                            int in_f, int out_f) {
+__device__ __forceinline__ void linear_backward_weight_impl(float* dweight, float* partials, const T* dout, const T* inp,
+                                                            int batch, int in_f, int out_f) {
     ColMajor<T> a{dout, out_f};      // dyᵀ[o, b] = dy[b, o]: m = o contiguous
     RowMajor<T> b{inp, in_f};        // x[b, i]: n = i contiguous
-    StoreAccumulate st{dweight, in_f};
+    StoreAccumulate st{dweight, partials, in_f, (long long)out_f * in_f};
     gemm_tile<T, false, false>(out_f, in_f, batch, a, b, st);
 }
 
@@ -165,13 +170,15 @@ linear_backward_input_bf16(float* dinp, const bf16_t* dout, const bf16_t* weight
 }
 
 extern "C" __global__ void __launch_bounds__(GEMM_THREADS)
-linear_backward_weight_f32(float* dweight, const float* dout, const float* inp, int batch, int in_f, int out_f) {
-    linear_backward_weight_impl<float>(dweight, dout, inp, batch, in_f, out_f);
+linear_backward_weight_f32(float* dweight, float* partials, const float* dout, const float* inp, int batch, int in_f,
+                          int out_f) {
+    linear_backward_weight_impl<float>(dweight, partials, dout, inp, batch, in_f, out_f);
 }
 
 extern "C" __global__ void __launch_bounds__(GEMM_THREADS)
-linear_backward_weight_bf16(float* dweight, const bf16_t* dout, const bf16_t* inp, int batch, int in_f, int out_f) {
-    linear_backward_weight_impl<bf16_t>(dweight, dout, inp, batch, in_f, out_f);
+linear_backward_weight_bf16(float* dweight, float* partials, const bf16_t* dout, const bf16_t* inp, int batch, int in_f,
+                          int out_f) {
+    linear_backward_weight_impl<bf16_t>(dweight, partials, dout, inp, batch, in_f, out_f);
 }
 
 extern "C" __global__ void linear_backward_bias_f32(float* dbias, const float* dout, int batch, int out_f) {

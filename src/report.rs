@@ -11,6 +11,7 @@ pub fn env_report() -> String {
     let nccl = match crate::nccl::result::core() {
         Ok(n) => {
             let mut t = format!("  nccl   : {} (found via {})\n", n.path, n.origin);
+            t.push_str(&format!("           chosen: {}\n", n.reason));
             t.push_str(&format!("           ncclGetVersion = {} ({})\n", n.version, nccl_version_string(n.version)));
             if let Err(e) = crate::nccl::check_library() {
                 t.push_str(&format!("           incomplete: {}\n", indent(&e.to_string())));

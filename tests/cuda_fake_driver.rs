@@ -510,10 +510,16 @@ fn scenario(name: &str) {
         }
         "nccl_env_rank" => {
             // One rank of the multi-node job below, started by `lockstep launch`.
-            let mut comm = lockstep::Communicator::from_env().unwrap_or_else(|e| panic!("from_env: {e}"));
+            let comm = lockstep::Communicator::from_env().unwrap_or_else(|e| panic!("from_env: {e}"));
             assert_eq!(comm.backend_kind(), lockstep::comm::BackendKind::Nccl);
             assert_eq!(comm.world_size(), 4);
             let ctx = comm.device_context().expect("an NCCL communicator has a device");
+            // What train-cnn --device cuda does with it: 4 ranks on 2-GPU nodes keep their NCCL
+            // communicator (the policy once compared the GPUs with the global 4 and staged it).
+            let (mut comm, kept) =
+                lockstep::rendezvous::device_communicator(comm, 0).unwrap_or_else(|e| panic!("device_communicator: {e}"));
+            assert!(std::sync::Arc::ptr_eq(&ctx, &kept), "the communicator's own context");
+            assert_eq!((comm.backend_kind(), comm.world_size()), (lockstep::comm::BackendKind::Nccl, 4));
             let s = ctx.stream().unwrap();
             let mut x = lockstep::cuda::DeviceBuffer::<f32>::zeros(&s, 4).unwrap();
             comm.all_reduce_in_place(&mut x, lockstep::comm::ReduceOp::Sum).unwrap();

@@ -2,6 +2,8 @@
 //! the CPU-twin executor and the shared-memory communicator. Exercises the gradient average, the
 //! BatchNorm-state broadcast and the metric sums exactly as a GPU run sequences them (the GPU
 //! executor routes the same calls to NCCL or the staged backend). Replicas must stay identical.
+//! Also: the initial broadcast from rank 0, the per-epoch checkpoint and `--resume` (which
+//! `train-cnn --device cuda` runs through the same `train_device`).
 //! `harness = false`: the launcher forks, which must not happen from a multi-threaded harness.
 
 mod common;
@@ -9,7 +11,7 @@ mod common;
 use lockstep::launch::{launch, LaunchConfig, RankContext};
 use lockstep::train::data;
 use lockstep::train::device::{train_device, CpuExec, DeviceOptions};
-use lockstep::train::trainer::{Silent, TrainConfig};
+use lockstep::train::trainer::{EpochReport, Observer, Silent, TrainConfig};
 
 fn two_ranks_stay_identical() -> Result<(), String> {
     let dir = common::scratch("device-dist");
@@ -34,6 +36,82 @@ fn two_ranks_stay_identical() -> Result<(), String> {
     common::check(a.3 == 4, "4 steps per rank (15 images, batch 4)", format!("{a:?}"))
 }
 
+/// Ranks that initialise differently (another seed each) still train identical replicas: rank
+/// 0's parameters and BatchNorm statistics are broadcast before the first step.
+fn initial_weights_come_from_rank_0() -> Result<(), String> {
+    let dir = common::scratch("device-dist-bcast");
+    data::write_synthetic(&dir, 16, 4, 5).map_err(|e| e.to_string())?;
+    let train = data::load_split(&dir, true).map_err(|e| e.to_string())?;
+    let test = data::load_split(&dir, false).map_err(|e| e.to_string())?;
+    let _ = std::fs::remove_dir_all(&dir);
+    let out = launch(&LaunchConfig::new(2), |mut ctx: RankContext| {
+        let cfg = TrainConfig { epochs: 1, batch_size: 4, seed: 7 + ctx.rank as u64, ..Default::default() };
+        let opts = DeviceOptions { loss_every: 1, ..Default::default() };
+        let out = train_device(&cfg, &opts, &train, &test, |len| Ok(CpuExec::new(len)), Some(&mut ctx.comm), &mut Silent)?;
+        Ok(out.params.iter().map(|p| p.to_bits() as u64).fold(0u64, |h, b| h.wrapping_mul(1_000_003).wrapping_add(b)))
+    })
+    .map_err(|e| e.to_string())?;
+    common::check(out[0] == out[1], "parameters identical on both ranks although their seeds differ", format!("hashes {out:?}"))
+}
+
+/// Checks after each epoch that the checkpoint on disk is that epoch's (saved every epoch, not
+/// only at the end).
+struct SavedEachEpoch {
+    path: std::path::PathBuf,
+    seen: Vec<u64>,
+}
+
+impl Observer for SavedEachEpoch {
+    fn epoch_end(&mut self, _report: &EpochReport) {
+        let mut model = lockstep::train::model::Model::fashion_cnn(1).unwrap();
+        let mut opt = lockstep::train::optim::Adam::new(model.num_params(), 0.005);
+        if let Ok(res) = lockstep::train::checkpoint::resume(&self.path, &mut model, &mut opt) {
+            self.seen.push(res.state.epoch);
+        }
+    }
+}
+
+/// `--save` writes after every epoch; `--resume` from epoch 1's file then continues to exactly
+/// the parameters of an uninterrupted run (the twins are deterministic, the checkpoint holds
+/// parameters, Adam moments and step, and BatchNorm statistics exactly).
+fn save_every_epoch_and_resume_bit_identically() -> Result<(), String> {
+    let dir = common::scratch("device-resume");
+    data::write_synthetic(&dir, 20, 4, 9).map_err(|e| e.to_string())?;
+    let train = data::load_split(&dir, true).map_err(|e| e.to_string())?;
+    let test = data::load_split(&dir, false).map_err(|e| e.to_string())?;
+    let opts = DeviceOptions { loss_every: 2, ..Default::default() };
+    let e = |e: lockstep::train::device::DeviceError| e.to_string();
+    let run = |cfg: &TrainConfig, obs: &mut dyn Observer| train_device(cfg, &opts, &train, &test, |len| Ok(CpuExec::new(len)), None, obs);
+    let full = dir.join("full.safetensors");
+    let mut obs = SavedEachEpoch { path: full.clone(), seen: Vec::new() };
+    let straight = run(&TrainConfig { epochs: 2, batch_size: 8, save: Some(full.clone()), ..Default::default() }, &mut obs).map_err(e)?;
+    common::check(obs.seen == [1, 2], "a checkpoint of epoch 1, then of epoch 2, on disk as each epoch ends", format!("{:?}", obs.seen))?;
+    let half = dir.join("half.safetensors");
+    run(&TrainConfig { epochs: 1, batch_size: 8, save: Some(half.clone()), ..Default::default() }, &mut Silent).map_err(e)?;
+    let resumed = run(&TrainConfig { epochs: 2, batch_size: 8, resume: Some(half), ..Default::default() }, &mut Silent).map_err(e)?;
+    let _ = std::fs::remove_dir_all(&dir);
+    common::check(
+        resumed.reports.len() == 1 && resumed.reports[0].epoch == 2,
+        "the resumed run trains epoch 2 only",
+        format!("{:?}", resumed.reports),
+    )?;
+    let differ = straight.params.iter().zip(&resumed.params).position(|(a, b)| a.to_bits() != b.to_bits());
+    common::check(
+        differ.is_none(),
+        "resumed parameters bit-identical to the uninterrupted run",
+        format!("first difference at {differ:?}"),
+    )?;
+    common::check(
+        straight.reports[1].train_loss == resumed.reports[0].train_loss,
+        "the same epoch-2 training loss",
+        format!("{} vs {}", straight.reports[1].train_loss, resumed.reports[0].train_loss),
+    )
+}
+
 fn main() -> std::process::ExitCode {
-    common::run(&[("two_ranks_stay_identical", two_ranks_stay_identical)])
+    common::run(&[
+        ("two_ranks_stay_identical", two_ranks_stay_identical),
+        ("initial_weights_come_from_rank_0", initial_weights_come_from_rank_0),
+        ("save_every_epoch_and_resume_bit_identically", save_every_epoch_and_resume_bit_identically),
+    ])
 }

@@ -22,7 +22,7 @@ use close::{assert_close, Tol};
 use half::bf16;
 use lockstep::cuda::{DeviceBuffer, KernelGrid};
 use lockstep::train::device::kernels::{twins, BucketEntry, KernelId};
-use lockstep::train::device::plan::{AdamHyper, Arena, Arg, BnTensors, Builder, ConvLaunch, LossTensors, Op, Region};
+use lockstep::train::device::plan::{splitk_workspace_len, AdamHyper, Arena, Arg, BnTensors, Builder, ConvLaunch, LossTensors, Op, Region};
 use lockstep::train::device::{CpuExec, Exec, GpuExec};
 use lockstep::train::layers::Conv2dParams;
 use lockstep::train::rng::Rng;
@@ -120,8 +120,9 @@ fn main() {
     r.run("elementwise_and_casts", || {
         for n in [1usize, 3, 65, 1000, 70_001] {
             let mut l = Lay::default();
-            let (x, y, o, h) = (l.f(n), l.f(n), l.f(n), l.b(n));
+            let (x, y, o, h, parts) = (l.f(n), l.f(n), l.f(n), l.b(n), l.f(3 * n));
             let ops = vec![
+                op(KernelId::Elementwise, "splitk_reduce_f32", vec![Arg::Out(y), Arg::In(parts), Arg::I32(3), Arg::I64(n as i64)], n),
                 op(KernelId::Elementwise, "axpy_f32", vec![Arg::Out(y), Arg::In(x), Arg::F32(0.75), Arg::I64(n as i64)], n),
                 op(KernelId::Elementwise, "scale_f32", vec![Arg::Out(y), Arg::F32(-1.5), Arg::I64(n as i64)], n),
                 op(KernelId::Activation, "relu_forward_f32", vec![Arg::Out(o), Arg::In(y), Arg::I32(n as i32)], n),
@@ -164,7 +165,10 @@ fn main() {
                 let (x, wt, dy) = (opnd(&mut l, n * ic * h * w), opnd(&mut l, oc * cp.k()), opnd(&mut l, n * oc * oh * ow));
                 let (bias, y, dx, dw, db) = (l.f(oc), l.f(n * oc * oh * ow), l.f(n * ic * h * w), l.f(oc * cp.k()), l.f(oc));
                 let s = ConvLaunch { p: cp, batch: n, in_h: h, in_w: w };
-                let mut ops = Builder::new(sm);
+                // Split-K weight gradient: the partial planes are compared too (the twin cuts K
+                // the same way), then the reduction.
+                let ws = l.f(splitk_workspace_len(oc, cp.k(), n * oh * ow));
+                let mut ops = Builder::with_splitk(sm, ws);
                 ops.conv_forward(bf, y, x, wt, bias, s);
                 ops.conv_backward_input(bf, dx, dy, wt, s);
                 ops.conv_backward_weight(bf, dw, dy, x, s);
@@ -189,7 +193,8 @@ fn main() {
                 let opnd = |l: &mut Lay, len: usize| if bf { l.b(len) } else { l.f(len) };
                 let (x, wt, dy) = (opnd(&mut l, n * inf), opnd(&mut l, outf * inf), opnd(&mut l, n * outf));
                 let (bias, y, yr, dx, dw, db) = (l.f(outf), l.f(n * outf), l.f(n * outf), l.f(n * inf), l.f(outf * inf), l.f(outf));
-                let mut ops = Builder::new(sm);
+                let ws = l.f(splitk_workspace_len(outf, inf, n));
+                let mut ops = Builder::with_splitk(sm, ws);
                 ops.linear_forward(bf, y, x, wt, bias, n, inf, outf, false);
                 ops.linear_forward(bf, yr, x, wt, bias, n, inf, outf, true);
                 ops.linear_backward_input(bf, dx, dy, wt, n, inf, outf);

@@ -8,8 +8,9 @@
 //! Tolerances on per-step losses (|got - want| <= atol + rtol * |want|): fp32 without TF32
 //! 1e-3 / 5e-3 over 20 steps (summation order differs, and Adam amplifies sign noise on the
 //! BN-cancelled conv biases into the trajectory); with TF32 5e-2 / 5e-2; bf16: the first 2 steps
-//! 2e-2 / 5e-2, then "learns like the CPU"; graphs vs plain launches 1e-5 / 1e-5 (split-K atomics
-//! make the order of additions differ run to run).
+//! 2e-2 / 5e-2, then "learns like the CPU". Graph replay vs plain launches, and two runs of the
+//! same steps, must be bit-identical (losses and parameters): split-K weight gradients sum their
+//! slices in a fixed order (no atomics), so nothing depends on block scheduling.
 
 #[path = "common/close.rs"]
 mod close;
@@ -67,7 +68,7 @@ fn gpu_losses(
     steps: usize,
     precision: Precision,
     graphs: bool,
-) -> Result<(Vec<f32>, f64), String> {
+) -> Result<(Vec<f32>, f64, Vec<f32>), String> {
     let e = |e: lockstep::train::device::DeviceError| e.to_string();
     let t = plan::Tensors::new(model, b, precision).map_err(e)?;
     let exec = GpuExec::new(ctx, t.arena_len, graphs).map_err(|e| e.to_string())?;
@@ -84,7 +85,8 @@ fn gpu_losses(
     if graphs && eng.exec.graph_count() != 1 {
         return Err(format!("expected one captured graph for one batch size, found {}", eng.exec.graph_count()));
     }
-    Ok((out, per_step_ms))
+    let params = eng.params().map_err(e)?;
+    Ok((out, per_step_ms, params))
 }
 
 /// The train-cnn binary: `LOCKSTEP_TRAIN_CNN`, else next to this test binary's folder
@@ -142,7 +144,7 @@ fn main() {
 
     r.run("twenty_steps_match_cpu_engine_fp32", || {
         let want = cpu_losses(&model, &train, &idx, 64, 20);
-        let (got, ms) = gpu_losses(&ctx, &model, &train, &idx, 64, 20, Precision::Fp32, true)?;
+        let (got, ms, _) = gpu_losses(&ctx, &model, &train, &idx, 64, 20, Precision::Fp32, true)?;
         println!("    gpu {ms:.3} ms/step (with a loss read-back per step); losses {got:?}");
         let tol = if tf32 { Tol::new(5e-2, 5e-2) } else { Tol::new(1e-3, 5e-3) };
         assert_close("fp32 losses, GPU vs CPU engine", &got, &want, tol)
@@ -150,7 +152,7 @@ fn main() {
 
     r.run("bf16_steps_agree_then_learn", || {
         let want = cpu_losses(&model, &train, &idx, 64, 20);
-        let (got, _) = gpu_losses(&ctx, &model, &train, &idx, 64, 20, Precision::Bf16, true)?;
+        let (got, _, _) = gpu_losses(&ctx, &model, &train, &idx, 64, 20, Precision::Bf16, true)?;
         assert_close("bf16 losses, first 2 steps", &got[..2], &want[..2], Tol::new(2e-2, 5e-2))?;
         let tail = |v: &[f32]| v[15..].iter().sum::<f32>() / 5.0;
         if !(got.iter().all(|l| l.is_finite()) && tail(&got) < 0.5 * got[0] + 0.5 * tail(&want).max(0.0)) {
@@ -159,10 +161,30 @@ fn main() {
         Ok(())
     });
 
-    r.run("graph_replay_matches_plain_launches", || {
-        let (a, _) = gpu_losses(&ctx, &model, &train, &idx, 64, 5, Precision::Fp32, true)?;
-        let (b, _) = gpu_losses(&ctx, &model, &train, &idx, 64, 5, Precision::Fp32, false)?;
-        assert_close("graph vs plain", &a, &b, Tol::new(1e-5, 1e-5))
+    // Bit-identical: the same steps give the same bits, replayed from a graph or launched one
+    // by one, and run after run (fp32 and bf16).
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+    let same = |what: &str, a: &(Vec<f32>, f64, Vec<f32>), b: &(Vec<f32>, f64, Vec<f32>)| -> Result<(), String> {
+        if bits(&a.0) != bits(&b.0) {
+            return Err(format!("{what}: losses differ in their bits:\n{:?}\n{:?}", a.0, b.0));
+        }
+        match a.2.iter().zip(&b.2).position(|(x, y)| x.to_bits() != y.to_bits()) {
+            Some(i) => Err(format!("{what}: parameter {i} differs: {:e} vs {:e}", a.2[i], b.2[i])),
+            None => Ok(()),
+        }
+    };
+    r.run("graph_replay_matches_plain_launches_bitwise", || {
+        let a = gpu_losses(&ctx, &model, &train, &idx, 64, 5, Precision::Fp32, true)?;
+        let b = gpu_losses(&ctx, &model, &train, &idx, 64, 5, Precision::Fp32, false)?;
+        same("graph vs plain", &a, &b)
+    });
+    r.run("two_runs_are_bit_identical", || {
+        for precision in [Precision::Fp32, Precision::Bf16] {
+            let a = gpu_losses(&ctx, &model, &train, &idx, 64, 8, precision, true)?;
+            let b = gpu_losses(&ctx, &model, &train, &idx, 64, 8, precision, true)?;
+            same(&format!("{precision:?}, run 1 vs run 2"), &a, &b)?;
+        }
+        Ok(())
     });
 
     r.run("train_device_epoch_with_partial_batch", || {

@@ -101,7 +101,12 @@ fn conv2d_twins_match_the_layer() {
         twins::conv2d_backward_input_f32(&mut dx, &dy, &wt, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8]);
         ok(assert_close(&name("dinp"), &dx, &dx_ref, F32));
         let (mut dw, mut db) = (dp0[..wt.len()].to_vec(), dp0[wt.len()..].to_vec());
-        twins::conv2d_backward_weight_f32(&mut dw, &dy, &x, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8]);
+        // Split-K as the device plans it: 3 slices into planes (every one overwritten, NaN
+        // would show otherwise), dweight untouched until the reduction adds them in order.
+        let mut part = vec![f32::NAN; 3 * wt.len()];
+        twins::conv2d_backward_weight_f32(&mut dw, &mut part, &dy, &x, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8]);
+        assert_eq!(dw, dp0[..wt.len()], "{}: split-K must not touch dweight before the reduction", name("dweight"));
+        twins::splitk_reduce_f32(&mut dw, &part, 3, wt.len() as i64);
         twins::conv2d_backward_bias_f32(&mut db, &dy, n as i32, oc as i32, oh as i32, ow as i32);
         ok(assert_close(&name("dweight"), &dw, &dp_ref[..wt.len()], WINOGRAD_DW));
         ok(assert_close(&name("dbias"), &db, &dp_ref[wt.len()..], F32));
@@ -115,7 +120,7 @@ fn conv2d_twins_match_the_layer() {
         twins::conv2d_backward_input_bf16(&mut dx, &dyb, &wb, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8]);
         ok(assert_close(&name("dinp bf16"), &dx, &dxr_ref, F32));
         let (mut dw, mut db) = (dp0[..wt.len()].to_vec(), dp0[wt.len()..].to_vec());
-        twins::conv2d_backward_weight_bf16(&mut dw, &dyb, &xb, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8]);
+        twins::conv2d_backward_weight_bf16(&mut dw, &mut [], &dyb, &xb, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8]);
         twins::conv2d_backward_bias_bf16(&mut db, &dyb, n as i32, oc as i32, oh as i32, ow as i32);
         ok(assert_close(&name("dweight bf16"), &dw, &dpr_ref[..wt.len()], WINOGRAD_DW));
         ok(assert_close(&name("dbias bf16"), &db, &dpr_ref[wt.len()..], F32));
@@ -158,7 +163,9 @@ fn linear_twins_match_the_layers() {
         twins::linear_backward_input_f32(&mut dx, &dy, &wt, ni, ii, oi);
         ok(assert_close(&name("dinp"), &dx, &dx_ref, F32));
         let (mut dw, mut db) = (dp0[..outf * inf].to_vec(), dp0[outf * inf..].to_vec());
-        twins::linear_backward_weight_f32(&mut dw, &dy, &x, ni, ii, oi);
+        let mut part = vec![f32::NAN; 2 * outf * inf];
+        twins::linear_backward_weight_f32(&mut dw, &mut part, &dy, &x, ni, ii, oi);
+        twins::splitk_reduce_f32(&mut dw, &part, 2, (outf * inf) as i64);
         twins::linear_backward_bias_f32(&mut db, &dy, ni, oi);
         ok(assert_close(&name("dweight"), &dw, &dp_ref[..outf * inf], F32));
         ok(assert_close(&name("dbias"), &db, &dp_ref[outf * inf..], F32));
@@ -172,7 +179,7 @@ fn linear_twins_match_the_layers() {
         twins::linear_backward_input_bf16(&mut dx, &dyb, &wb, ni, ii, oi);
         ok(assert_close(&name("dinp bf16"), &dx, &dx2, F32));
         let (mut dw, mut db) = (dp0[..outf * inf].to_vec(), dp0[outf * inf..].to_vec());
-        twins::linear_backward_weight_bf16(&mut dw, &dyb, &xb, ni, ii, oi);
+        twins::linear_backward_weight_bf16(&mut dw, &mut [], &dyb, &xb, ni, ii, oi);
         twins::linear_backward_bias_bf16(&mut db, &dyb, ni, oi);
         ok(assert_close(&name("dweight bf16"), &dw, &dp2[..outf * inf], F32));
         ok(assert_close(&name("dbias bf16"), &db, &dp2[outf * inf..], F32));

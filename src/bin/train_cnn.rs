@@ -148,8 +148,8 @@ struct Config {
 }
 
 fn validate(a: &Args, train_len: usize, cuda: bool) -> Result<Config, CliError> {
-    if cuda && (a.resume.is_some() || a.sync_bn) {
-        return Err(CliError::Usage("--resume and --sync-bn are CPU-only for now; drop them or use --device cpu".into()));
+    if cuda && a.sync_bn {
+        return Err(CliError::Usage("--sync-bn is CPU-only for now; drop it or use --device cpu".into()));
     }
     if a.loss_every == 0 {
         return Err(CliError::Usage("--loss-every must be at least 1".into()));
@@ -363,7 +363,7 @@ fn run() -> Result<(), CliError> {
             true
         }
         // CPU-only features keep `auto` on the CPU instead of failing.
-        Device::Auto => args.resume.is_none() && !args.sync_bn && cuda_usable().is_ok(),
+        Device::Auto => !args.sync_bn && cuda_usable().is_ok(),
     };
     // Load before forking: the ranks share the parent's pages instead of each decompressing.
     let (mut train_set, test_set) = data::load_splits(&args.data)?;

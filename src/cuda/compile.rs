@@ -22,13 +22,23 @@ pub struct NvrtcInfo {
     pub version: (i32, i32),
     /// Remarks from discovery (e.g. newer than the driver).
     pub notes: Vec<String>,
+    /// Why discovery chose this NVRTC (and which others it found).
+    pub reason: String,
+    /// The `libnvrtc-builtins` preloaded for it.
+    pub builtins: String,
 }
 
 impl NvrtcInfo {
     /// Load NVRTC (no GPU needed) and describe it.
     pub fn load() -> Result<NvrtcInfo, CudaError> {
         let n = nvrtc::api()?;
-        Ok(NvrtcInfo { path: n.path.clone(), version: n.version, notes: n.notes.clone() })
+        Ok(NvrtcInfo {
+            path: n.path.clone(),
+            version: n.version,
+            notes: n.notes.clone(),
+            reason: n.reason.clone(),
+            builtins: n.builtins.path.clone(),
+        })
     }
 }
 

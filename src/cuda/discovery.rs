@@ -7,10 +7,16 @@
 //! 1. the override variable (`LOCKSTEP_CUDA_LIBRARY`, `LOCKSTEP_NVRTC_LIBRARY`,
 //!    `LOCKSTEP_NCCL_LIBRARY`): a file, or a folder to search; when set, nothing else is tried;
 //! 2. the standard sonames through the dynamic loader (`LD_LIBRARY_PATH`, ldconfig cache);
-//! 3. Python wheel folders (`site-packages/nvidia/*/lib` under `VIRTUAL_ENV`, `CONDA_PREFIX`,
+//! 3. Python wheel folders (`site-packages/nvidia/*/lib` under `VIRTUAL_ENV`, `CONDA_PREFIX`, the
+//!    site-packages of the `python3` on `PATH` (asked once per process, so an un-activated
+//!    virtual environment or conda install whose interpreter is on `PATH` counts),
 //!    `/usr/local/lib/python3*`, `/usr/lib/python3`, `~/.local/lib/python3*`, and `.ci-deps/*`);
 //! 4. CUDA toolkit folders (`CUDA_HOME`, `CUDA_PATH`, `/usr/local/cuda*`, `/opt/cuda`), and for
 //!    the driver the distribution and container folders.
+//!
+//! The driver and NCCL take the first usable candidate in that order. NVRTC takes the newest
+//! usable one ([`load_newest`]): several are often installed side by side (a toolkit, PyTorch's
+//! wheel, a venv), and an older one found first should not win over a newer one.
 //!
 //! A failure lists every place tried and says how to point lockstep at the library.
 
@@ -79,7 +85,7 @@ impl LibKind {
     }
 
     /// What to install when the library is missing.
-    const fn install_hint(self) -> &'static str {
+    pub(crate) const fn install_hint(self) -> &'static str {
         match self {
             LibKind::Driver => "install the NVIDIA driver (it provides libcuda.so.1)",
             LibKind::Nvrtc => "install the CUDA toolkit, or `pip install nvidia-cuda-nvrtc-cu12` (CUDA 12) / `nvidia-cuda-nvrtc` (CUDA 13)",
@@ -107,14 +113,14 @@ pub(crate) struct Loaded {
     pub origin: String,
     /// Remarks made while choosing (e.g. "NVRTC newer than the driver").
     pub notes: Vec<String>,
+    /// Why this candidate was chosen (for `lockstep env`).
+    pub reason: String,
 }
 
 /// What a probe says about a loaded candidate.
 pub(crate) enum Verdict {
     /// Use it.
     Accept,
-    /// Usable, but keep looking for a better one; use this one if nothing better turns up.
-    Fallback(String),
     /// Not usable (reason).
     Reject(String),
 }
@@ -134,30 +140,95 @@ fn dir_entries_with_prefix(dir: &Path, prefix: &str) -> Vec<PathBuf> {
     v
 }
 
-/// Python `site-packages`/`dist-packages` folders worth scanning (cheap: no interpreter is run).
+/// What the interpreter prints: its site-packages folders (system, user, and any `sys.path`
+/// entry that is one), one per line. No CUDA or NVIDIA package is imported.
+const PYTHON_SITE_SCRIPT: &str = "import site, sys
+p = list(getattr(site, 'getsitepackages', lambda: [])())
+try:
+    p.append(site.getusersitepackages())
+except Exception:
+    pass
+p += [x for x in sys.path if x.rstrip('/').endswith(('site-packages', 'dist-packages'))]
+print('\\n'.join(p))
+";
+
+/// How long the interpreter may take before it is killed (a broken `.pth` hook must not hang
+/// library discovery).
+const PYTHON_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// The site-packages folders that `python` reports, in its order; empty when it cannot be run,
+/// fails or times out (said at debug level: a machine without Python is normal).
+pub(crate) fn site_dirs_of(python: &Path) -> Vec<PathBuf> {
+    use std::io::Read as _;
+    use std::process::{Command, Stdio};
+    let child =
+        Command::new(python).args(["-c", PYTHON_SITE_SCRIPT]).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::null()).spawn();
+    let mut child = match child {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::debug!("library discovery: cannot run {}: {e}", python.display());
+            return Vec::new();
+        }
+    };
+    let start = std::time::Instant::now();
+    let status = loop {
+        match child.try_wait() {
+            Ok(Some(st)) => break Some(st),
+            Ok(None) if start.elapsed() < PYTHON_TIMEOUT => std::thread::sleep(std::time::Duration::from_millis(5)),
+            _ => {
+                let _ = child.kill();
+                let _ = child.wait();
+                break None;
+            }
+        }
+    };
+    let mut out = String::new();
+    if let Some(mut so) = child.stdout.take() {
+        let _ = so.read_to_string(&mut out);
+    }
+    match status {
+        Some(st) if st.success() => out.lines().map(str::trim).filter(|l| !l.is_empty()).map(PathBuf::from).collect(),
+        Some(st) => {
+            tracing::debug!("library discovery: {} exited with {st}; its site-packages are not searched", python.display());
+            Vec::new()
+        }
+        None => {
+            tracing::debug!(
+                "library discovery: {} did not answer within {} s; its site-packages are not searched",
+                python.display(),
+                PYTHON_TIMEOUT.as_secs()
+            );
+            Vec::new()
+        }
+    }
+}
+
+/// The site-packages of the `python3` on `PATH`, asked once per process.
+fn path_python_site_dirs() -> &'static [PathBuf] {
+    static DIRS: std::sync::OnceLock<Vec<PathBuf>> = std::sync::OnceLock::new();
+    DIRS.get_or_init(|| site_dirs_of(Path::new("python3")))
+}
+
+/// Python `site-packages`/`dist-packages` folders worth scanning.
 fn python_site_dirs() -> Vec<PathBuf> {
+    let mut out = Vec::new();
     let mut roots: Vec<PathBuf> = Vec::new();
     for var in ["VIRTUAL_ENV", "CONDA_PREFIX"] {
         if let Some(p) = env_nonempty(var) {
             roots.push(PathBuf::from(p).join("lib"));
         }
     }
+    push_site_dirs(&roots, &mut out);
+    // An environment whose interpreter is on PATH without being activated (PyTorch's venv run
+    // by its full path, a conda base) sets neither variable: ask that interpreter.
+    out.extend(path_python_site_dirs().iter().filter(|d| d.is_dir()).cloned());
+    let mut roots: Vec<PathBuf> = Vec::new();
     roots.push(PathBuf::from("/usr/local/lib"));
     roots.push(PathBuf::from("/usr/lib"));
     if let Some(home) = env_nonempty("HOME") {
         roots.push(PathBuf::from(home).join(".local/lib"));
     }
-    let mut out = Vec::new();
-    for root in roots {
-        for py in dir_entries_with_prefix(&root, "python3") {
-            for leaf in ["site-packages", "dist-packages"] {
-                let d = py.join(leaf);
-                if d.is_dir() {
-                    out.push(d);
-                }
-            }
-        }
-    }
+    push_site_dirs(&roots, &mut out);
     // `pip install --target .ci-deps/<name>` (see .ci/install-nvrtc.sh), relative to the working
     // directory and to the crate root (tests run in the crate root).
     for base in [PathBuf::from(".ci-deps"), PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".ci-deps")] {
@@ -173,6 +244,20 @@ fn python_site_dirs() -> Vec<PathBuf> {
         fresh
     });
     out
+}
+
+/// `root/python3*/{site,dist}-packages` folders that exist, for each root.
+fn push_site_dirs(roots: &[PathBuf], out: &mut Vec<PathBuf>) {
+    for root in roots {
+        for py in dir_entries_with_prefix(root, "python3") {
+            for leaf in ["site-packages", "dist-packages"] {
+                let d = py.join(leaf);
+                if d.is_dir() {
+                    out.push(d);
+                }
+            }
+        }
+    }
 }
 
 /// CUDA toolkit roots.
@@ -192,7 +277,9 @@ fn toolkit_roots() -> Vec<PathBuf> {
 /// Folders searched for `kind` after the sonames.
 pub fn search_dirs(kind: LibKind) -> Vec<PathBuf> {
     let mut dirs = Vec::new();
-    for site in python_site_dirs() {
+    // The driver comes in no wheel: do not run Python for it.
+    let sites = if kind.wheel_subdirs().is_empty() { Vec::new() } else { python_site_dirs() };
+    for site in sites {
         for sub in kind.wheel_subdirs() {
             dirs.push(site.join("nvidia").join(sub));
         }
@@ -268,44 +355,97 @@ fn resolved_path(lib: &Library, symbol: &str, fallback: &str) -> String {
 pub(crate) fn load(kind: LibKind, symbol: &str, mut probe: impl FnMut(&Library, &str) -> Verdict) -> Result<Loaded, CudaError> {
     let mut tried: Vec<String> = Vec::new();
     let mut seen: Vec<String> = Vec::new();
-    let mut fallback: Option<Loaded> = None;
     for c in candidates(kind) {
-        // SAFETY: loading a shared library runs its initialisers; the CUDA, NVRTC and NCCL
-        // libraries have no initialiser with preconditions on the caller.
-        let lib = match unsafe { Library::new(&c.spec) } {
-            Ok(l) => l,
-            Err(e) => {
-                tried.push(format!("{} ({}): {}", c.spec, c.origin, short_dl_error(&e, &c.spec)));
-                continue;
-            }
-        };
-        let path = resolved_path(&lib, symbol, &c.spec);
-        if seen.contains(&path) {
-            continue;
-        }
-        seen.push(path.clone());
+        let Some((lib, path)) = open_candidate(&c, symbol, &mut tried, &mut seen) else { continue };
         match probe(&lib, &path) {
             Verdict::Accept => {
-                let mut notes = Vec::new();
-                if let Some(fb) = fallback.take() {
-                    drop(fb);
-                    notes.push("a newer library was also found and skipped".to_string());
-                }
-                return Ok(Loaded { lib, path, origin: c.origin, notes });
-            }
-            Verdict::Fallback(why) => {
-                tried.push(format!("{path} ({}): usable but {why}", c.origin));
-                if fallback.is_none() {
-                    fallback = Some(Loaded { lib, path, origin: c.origin, notes: vec![why] });
-                }
+                let reason = first_usable_reason(kind, &c);
+                return Ok(Loaded { lib, path, origin: c.origin, notes: Vec::new(), reason });
             }
             Verdict::Reject(why) => tried.push(format!("{path} ({}): rejected: {why}", c.origin)),
         }
     }
-    if let Some(fb) = fallback {
-        return Ok(fb);
+    Err(not_found(kind, tried))
+}
+
+/// Why the first usable candidate `c` was taken.
+fn first_usable_reason(kind: LibKind, c: &Candidate) -> String {
+    if c.origin.starts_with(kind.env_var()) {
+        format!("set by {}", kind.env_var())
+    } else {
+        "the first usable candidate in the search order".to_string()
     }
-    let mut searched = tried;
+}
+
+/// What a probe of [`load_newest`] says about one loaded candidate.
+pub(crate) enum Ranked {
+    /// Usable: higher `rank` wins, ties go to the earlier candidate; `label` names it in the
+    /// report (e.g. its version); `notes` are remarks kept if it is chosen.
+    Usable { rank: u64, label: String, notes: Vec<String> },
+    /// Not usable (reason).
+    Reject(String),
+}
+
+/// Load every candidate for `kind`, keep the one its probe ranks highest (the earliest on ties),
+/// unload the others. The chosen library's `reason` names the ones passed over.
+pub(crate) fn load_newest(kind: LibKind, symbol: &str, mut probe: impl FnMut(&Library, &str) -> Ranked) -> Result<Loaded, CudaError> {
+    let mut tried: Vec<String> = Vec::new();
+    let mut seen: Vec<String> = Vec::new();
+    // (rank, label, loaded) of the best so far; the others' (label, path).
+    let mut best: Option<(u64, String, Loaded)> = None;
+    let mut others: Vec<String> = Vec::new();
+    for c in candidates(kind) {
+        let Some((lib, path)) = open_candidate(&c, symbol, &mut tried, &mut seen) else { continue };
+        match probe(&lib, &path) {
+            Ranked::Usable { rank, label, notes } => {
+                if best.as_ref().is_some_and(|(r, _, _)| *r >= rank) {
+                    others.push(format!("{label} at {path}"));
+                    continue;
+                }
+                if let Some((_, l, old)) = best.take() {
+                    others.push(format!("{l} at {}", old.path));
+                }
+                let reason = first_usable_reason(kind, &c);
+                best = Some((rank, label, Loaded { lib, path, origin: c.origin, notes, reason }));
+            }
+            Ranked::Reject(why) => {
+                tried.push(format!("{path} ({}): rejected: {why}", c.origin));
+                others.push(format!("{path} (rejected: {why})"));
+            }
+        }
+    }
+    let Some((_, label, mut loaded)) = best else { return Err(not_found(kind, tried)) };
+    if !others.is_empty() {
+        loaded.reason = format!("the newest usable one ({label}); also found: {}", others.join("; "));
+    } else if !loaded.reason.starts_with("set by") {
+        loaded.reason = format!("the only usable one found ({label})");
+    }
+    Ok(loaded)
+}
+
+/// `dlopen` one candidate and resolve the file it maps; `None` (with the reason in `tried`) when
+/// it does not load, or when it is a file already seen under another name.
+fn open_candidate(c: &Candidate, symbol: &str, tried: &mut Vec<String>, seen: &mut Vec<String>) -> Option<(Library, String)> {
+    // SAFETY: loading a shared library runs its initialisers; the CUDA, NVRTC and NCCL
+    // libraries have no initialiser with preconditions on the caller.
+    let lib = match unsafe { Library::new(&c.spec) } {
+        Ok(l) => l,
+        Err(e) => {
+            tried.push(format!("{} ({}): {}", c.spec, c.origin, short_dl_error(&e, &c.spec)));
+            return None;
+        }
+    };
+    let path = resolved_path(&lib, symbol, &c.spec);
+    if seen.contains(&path) {
+        return None;
+    }
+    seen.push(path.clone());
+    Some((lib, path))
+}
+
+/// The error when no candidate of `kind` is usable: every place tried, and how to point lockstep
+/// at the library.
+fn not_found(kind: LibKind, mut searched: Vec<String>) -> CudaError {
     if env_nonempty(kind.env_var()).is_none() {
         searched.push(format!(
             "folders with no {}*: {}",
@@ -313,12 +453,7 @@ pub(crate) fn load(kind: LibKind, symbol: &str, mut probe: impl FnMut(&Library, 
             search_dirs(kind).iter().map(|d| d.display().to_string()).collect::<Vec<_>>().join(", ")
         ));
     }
-    Err(CudaError::LibraryNotFound {
-        library: kind.name(),
-        searched: searched.join("\n  "),
-        env_var: kind.env_var(),
-        hint: kind.install_hint(),
-    })
+    CudaError::LibraryNotFound { library: kind.name(), searched: searched.join("\n  "), env_var: kind.env_var(), hint: kind.install_hint() }
 }
 
 /// The loader's own message for a `libloading` error (libloading keeps it in `source()`).
@@ -372,6 +507,43 @@ mod tests {
     fn nccl_sonames_include_so_2() {
         assert!(LibKind::Nccl.sonames().contains(&"libnccl.so.2"));
         assert!(LibKind::Driver.sonames().contains(&"libcuda.so.1"));
+    }
+
+    /// The interpreter's answer is read line by line; a failing or missing interpreter gives
+    /// nothing (no error: a machine without Python is normal).
+    #[test]
+    fn site_dirs_come_from_the_interpreter() {
+        let dir = std::env::temp_dir().join(format!("lockstep-fake-python-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let script = |name: &str, body: &str| {
+            use std::os::unix::fs::PermissionsExt as _;
+            let p = dir.join(name);
+            std::fs::write(&p, format!("#!/bin/sh\n{body}\n")).unwrap();
+            std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
+            p
+        };
+        // The fake checks it was given the site script, as python3 would run it.
+        let ok = script("python-ok", "case \"$2\" in *getsitepackages*) ;; *) exit 3;; esac\nprintf '/venv/lib/python3.12/site-packages\\n\\n  /home/u/.local/lib/python3.12/site-packages  \\n'");
+        assert_eq!(
+            site_dirs_of(&ok),
+            [PathBuf::from("/venv/lib/python3.12/site-packages"), PathBuf::from("/home/u/.local/lib/python3.12/site-packages")]
+        );
+        assert!(site_dirs_of(&script("python-fails", "echo /x; exit 1")).is_empty());
+        assert!(site_dirs_of(&dir.join("no-such-python")).is_empty());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// The real interpreter (when there is one) names folders that exist or at least look like
+    /// site-packages, and runs in well under the timeout.
+    #[test]
+    fn python3_on_path_is_asked() {
+        let t = std::time::Instant::now();
+        let dirs = site_dirs_of(Path::new("python3"));
+        assert!(t.elapsed() < PYTHON_TIMEOUT);
+        for d in &dirs {
+            let s = d.to_string_lossy();
+            assert!(s.contains("packages"), "{s}");
+        }
     }
 
     #[test]

@@ -434,17 +434,22 @@ impl NcclComm {
         Ok(r)
     }
 
-    /// Send `buf` to `peer` (enqueued on the stream; pair with `recv` on the peer).
+    /// Send `buf` to `peer` (enqueued on the stream; pair with `recv` on the peer). Ordered after
+    /// the work already enqueued on the context's other streams, like every collective (see
+    /// `Producers`): a buffer filled on another stream is complete before it is sent.
     pub fn send<T: Element>(&mut self, buf: &DeviceBuffer<T>, peer: usize) -> Result<(), NcclError> {
         self.check_peer(peer, "send")?;
         self.check_device(buf.device(), "send")?;
+        self.producers.order(&self.stream)?;
         self.send_raw(buf.device_ptr() as usize, buf.len(), T::DTYPE, peer)
     }
 
-    /// Receive into `buf` from `peer`.
+    /// Receive into `buf` from `peer` (ordered after the other streams' work, as [`send`](Self::send):
+    /// e.g. a zero-fill of `buf` on another stream cannot land after the data).
     pub fn recv<T: Element>(&mut self, buf: &mut DeviceBuffer<T>, peer: usize) -> Result<(), NcclError> {
         self.check_peer(peer, "recv")?;
         self.check_device(buf.device(), "recv")?;
+        self.producers.order(&self.stream)?;
         self.recv_raw(buf.device_ptr() as usize, buf.len(), T::DTYPE, peer)
     }
 

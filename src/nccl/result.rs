@@ -74,6 +74,8 @@ pub(crate) struct NcclCore {
     loaded: discovery::Loaded,
     pub path: String,
     pub origin: String,
+    /// Why this library was chosen.
+    pub reason: String,
     /// `ncclGetVersion` code.
     pub version: i32,
     pub f: NcclCoreFns,
@@ -114,7 +116,7 @@ fn load_core() -> Result<NcclCore, CudaError> {
     let mut version = 0;
     // SAFETY: valid out-pointer.
     unsafe { (f.ncclGetVersion)(&mut version) };
-    Ok(NcclCore { path: loaded.path.clone(), origin: loaded.origin.clone(), loaded, version, f })
+    Ok(NcclCore { path: loaded.path.clone(), origin: loaded.origin.clone(), reason: loaded.reason.clone(), loaded, version, f })
 }
 
 /// The full table.

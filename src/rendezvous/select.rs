@@ -9,6 +9,11 @@
 //! | ranks share a GPU, `NCCL_MULTI_RANK_GPU_ENABLE=1`, NCCL ≥ 2.30 | loads | NCCL multi-rank mode |
 //! | ranks share a GPU otherwise | any | [`StagedBackend`] (logged at info level, with the reason at warn level when the user asked for NCCL's mode) |
 //!
+//! "Ranks on this node" is the size of the host communicator the policy gets: a shared-memory
+//! communicator, so every one of its ranks runs on this node (never the job's global world
+//! size). A communicator that is already a device one (NCCL from [`nccl_across_nodes`], or one
+//! this policy built) is kept as it is.
+//!
 //! Multi-node jobs with `LOCKSTEP_BACKEND=nccl` need one GPU per rank; their unique id travels
 //! through the rendezvous store ([`nccl_across_nodes`]).
 
@@ -87,13 +92,14 @@ pub(crate) enum DeviceChoice {
     Staged,
 }
 
-/// The policy, without side effects: `world` ranks on this node, `gpus` visible devices, and
-/// whether NCCL's multi-rank mode was asked for and is available (`multi_rank_ok`, evaluated
-/// lazily: it loads NCCL).
-pub(crate) fn choose(world: usize, gpus: usize, multi_rank_ok: impl FnOnce() -> bool) -> DeviceChoice {
-    if world <= 1 {
+/// The policy, without side effects: `local_ranks` ranks on this node (not the global world
+/// size: a 16-rank job on two 8-GPU nodes has 8 here), `gpus` visible devices, and whether NCCL's
+/// multi-rank mode was asked for and is available (`multi_rank_ok`, evaluated lazily: it loads
+/// NCCL).
+pub(crate) fn choose(local_ranks: usize, gpus: usize, multi_rank_ok: impl FnOnce() -> bool) -> DeviceChoice {
+    if local_ranks <= 1 {
         DeviceChoice::Staged
-    } else if gpus >= world {
+    } else if gpus >= local_ranks {
         DeviceChoice::Nccl { multi_rank: false }
     } else if multi_rank_ok() {
         DeviceChoice::Nccl { multi_rank: true }
@@ -110,7 +116,17 @@ pub(crate) fn choose(world: usize, gpus: usize, multi_rank_ok: impl FnOnce() -> 
 ///
 /// Returns the communicator and the CUDA context of the rank's device (local rank modulo the
 /// number of visible devices), on which device buffers for it must be allocated.
+///
+/// `host` is normally the node's shared-memory communicator, whose ranks all run on this node.
+/// A communicator that already is a device one (`Communicator::from_env` with
+/// `LOCKSTEP_BACKEND=nccl`, which across nodes builds NCCL directly) is returned unchanged, with
+/// its context: wrapping it again would stage device buffers into a communicator that takes only
+/// device buffers.
 pub fn device_communicator(mut host: Communicator, local_rank: usize) -> Result<(Communicator, Arc<Context>), CommError> {
+    if let Some(ctx) = host.device_context() {
+        tracing::debug!(rank = host.rank(), backend = ?host.backend_kind(), "already a device communicator: kept as it is");
+        return Ok((host, ctx));
+    }
     let cuda = |e: CudaError| CommError::Backend { backend: "cuda", message: e.to_string() };
     // The environment is checked before CUDA is touched.
     let opts = crate::nccl::NcclOptions::from_env().map_err(|e| CommError::Setup(e.to_string()))?;
@@ -123,6 +139,7 @@ pub fn device_communicator(mut host: Communicator, local_rank: usize) -> Result<
     let gpus = gpus as usize;
     let ordinal = (local_rank % gpus) as i32;
     let ctx = Context::new(ordinal).map_err(cuda)?;
+    // A host (shared-memory) communicator: all of its ranks share this node.
     let (rank, world) = (host.rank(), host.world_size());
     let choice = choose(world, gpus, nccl_multi_rank_gpu);
     tracing::debug!(rank, world, gpus, device = ordinal, ?choice, "device backend selected");
@@ -149,5 +166,7 @@ mod tests {
         assert_eq!(choose(2, 2, || unreachable!()), DeviceChoice::Nccl { multi_rank: false });
         assert_eq!(choose(4, 2, || true), DeviceChoice::Nccl { multi_rank: true });
         assert_eq!(choose(4, 2, || false), DeviceChoice::Staged);
+        // Two nodes of 8 GPUs and 8 ranks each: the policy sees the node's 8 ranks, not 16.
+        assert_eq!(choose(8, 8, || unreachable!()), DeviceChoice::Nccl { multi_rank: false });
     }
 }

@@ -41,18 +41,24 @@ pub fn context_or_skip() -> Arc<Context> {
     Context::new(0).unwrap_or_else(|e| panic!("Context::new(0): {e}"))
 }
 
-/// A tiny harness: run named checks, print ok/FAILED, exit non-zero on failure.
+/// A tiny harness: run named checks, print ok/FAILED, exit non-zero on failure. The first
+/// command-line argument that is not a flag keeps only the checks whose name contains it (as
+/// libtest's filter), e.g. to run one group under compute-sanitizer.
 pub struct Runner {
     passed: usize,
     failed: Vec<String>,
+    filter: Option<String>,
 }
 
 impl Runner {
     pub fn new() -> Runner {
-        Runner { passed: 0, failed: Vec::new() }
+        Runner { passed: 0, failed: Vec::new(), filter: std::env::args().skip(1).find(|a| !a.starts_with('-')) }
     }
 
     pub fn run(&mut self, name: &str, f: impl FnOnce() -> Result<(), String>) {
+        if self.filter.as_ref().is_some_and(|p| !name.contains(p.as_str())) {
+            return;
+        }
         match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
             Ok(Ok(())) => {
                 println!("test {name} ... ok");

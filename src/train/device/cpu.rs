@@ -158,6 +158,21 @@ impl CpuExec {
                 out.push((0, Val::F(o)));
             }};
         }
+        // Weight gradients: (dweight, partials, dout, inp, sizes...); both f32 buffers are written.
+        macro_rules! conv_dw {
+            ($f:path, $t:ident) => {{
+                let (mut o, mut part, a, b) = (v.f(0), v.f(1), v.$t(2), v.$t(3));
+                $f(&mut o, &mut part, &a, &b, v.si(4), v.si(5), v.si(6), v.si(7), v.si(8), v.si(9), v.si(10), v.si(11), v.si(12));
+                out.extend([(0, Val::F(o)), (1, Val::F(part))]);
+            }};
+        }
+        macro_rules! lin_dw {
+            ($f:path, $t:ident) => {{
+                let (mut o, mut part, a, b) = (v.f(0), v.f(1), v.$t(2), v.$t(3));
+                $f(&mut o, &mut part, &a, &b, v.si(4), v.si(5), v.si(6));
+                out.extend([(0, Val::F(o)), (1, Val::F(part))]);
+            }};
+        }
         macro_rules! lin3 {
             ($f:path, $t:ident) => {{
                 let (mut o, a, b) = (v.f(0), v.$t(1), v.$t(2));
@@ -180,6 +195,11 @@ impl CpuExec {
                 let (mut y, x) = (v.f(0), v.f(1));
                 twins::axpy_f32(&mut y, &x, v.sf(2), v.sl(3));
                 out.push((0, Val::F(y)));
+            }
+            "splitk_reduce_f32" => {
+                let (mut o, p) = (v.f(0), v.f(1));
+                twins::splitk_reduce_f32(&mut o, &p, v.si(2), v.sl(3));
+                out.push((0, Val::F(o)));
             }
             "relu_forward_f32" => {
                 let (mut o, x) = (v.f(0), v.f(1));
@@ -227,8 +247,8 @@ impl CpuExec {
             "conv2d_forward_bf16" => conv_fwd!(twins::conv2d_forward_bf16, b),
             "conv2d_backward_input_f32" => conv!(twins::conv2d_backward_input_f32, f),
             "conv2d_backward_input_bf16" => conv!(twins::conv2d_backward_input_bf16, b),
-            "conv2d_backward_weight_f32" => conv!(twins::conv2d_backward_weight_f32, f),
-            "conv2d_backward_weight_bf16" => conv!(twins::conv2d_backward_weight_bf16, b),
+            "conv2d_backward_weight_f32" => conv_dw!(twins::conv2d_backward_weight_f32, f),
+            "conv2d_backward_weight_bf16" => conv_dw!(twins::conv2d_backward_weight_bf16, b),
             "conv2d_backward_bias_f32" | "conv2d_backward_bias_bf16" => {
                 let mut o = v.f(0);
                 if op.name.ends_with("f32") {
@@ -250,8 +270,8 @@ impl CpuExec {
             }
             "linear_backward_input_f32" => lin3!(twins::linear_backward_input_f32, f),
             "linear_backward_input_bf16" => lin3!(twins::linear_backward_input_bf16, b),
-            "linear_backward_weight_f32" => lin3!(twins::linear_backward_weight_f32, f),
-            "linear_backward_weight_bf16" => lin3!(twins::linear_backward_weight_bf16, b),
+            "linear_backward_weight_f32" => lin_dw!(twins::linear_backward_weight_f32, f),
+            "linear_backward_weight_bf16" => lin_dw!(twins::linear_backward_weight_bf16, b),
             "linear_backward_bias_f32" | "linear_backward_bias_bf16" => {
                 let mut o = v.f(0);
                 if op.name.ends_with("f32") {

@@ -162,6 +162,12 @@ impl<E: Exec> Engine<E> {
 
 /// Train the recipe CNN (`Model::fashion_cnn`) on the executor `make_exec` builds for the given arena sizes (f32, i32,
 /// bf16 elements): the GPU one in `train-cnn --device cuda`, the CPU twins in tests. `comm` joins the ranks (gradient average, metrics); `None` trains alone.
+///
+/// As the CPU trainer: `cfg.resume` loads a checkpoint (parameters, BatchNorm statistics, Adam
+/// moments and step) on every rank and continues from its epoch; rank 0's parameters and
+/// BatchNorm statistics are then broadcast, so replicas start identical whatever each rank
+/// initialised or loaded; `cfg.save` is written by rank 0 after every epoch (all ranks wait
+/// for it).
 pub fn train_device<E: Exec>(
     cfg: &TrainConfig,
     opts: &DeviceOptions,
@@ -171,23 +177,43 @@ pub fn train_device<E: Exec>(
     mut comm: Option<&mut Communicator>,
     obs: &mut dyn Observer,
 ) -> Result<TrainOutcome, DeviceError> {
-    if cfg.resume.is_some() {
-        return Err(DeviceError::Config("--resume is not supported with --device cuda yet; resume on --device cpu".into()));
-    }
     if cfg.sync_bn {
         return Err(DeviceError::Config("--sync-bn is not supported with --device cuda yet; drop it or use --device cpu".into()));
     }
     let (rank, world) = comm.as_deref().map(|c| (c.rank(), c.world_size())).unwrap_or((0, 1));
     let mut model = Model::fashion_cnn(cfg.batch_size)?;
     model.init(cfg.seed);
+    if let (Some(path), 0) = (&cfg.save, rank) {
+        // A save path that cannot work fails now, not after the first epoch.
+        checkpoint::check_target(path, checkpoint::estimate_bytes(model.num_params()))?;
+    }
+    let mut opt = crate::train::optim::Adam::new(model.num_params(), cfg.lr);
+    let first_epoch = match &cfg.resume {
+        Some(path) => resume_into(path, &mut model, &mut opt, rank, world)?,
+        None => 0,
+    };
+    // The layout reads the (possibly resumed) BatchNorm statistics from the model.
     let layout = Tensors::new(&model, cfg.batch_size, opts.precision)?;
     let mut eng = Engine::new(make_exec(layout.arena_len)?, &model, cfg.batch_size, opts.precision)?;
+    if cfg.resume.is_some() {
+        eng.exec.write_f32(eng.t.m, &opt.m)?;
+        eng.exec.write_f32(eng.t.v, &opt.v)?;
+        eng.step = opt.step;
+    }
+    if let Some(c) = comm.as_deref_mut() {
+        if world > 1 {
+            // Replicas start identical: rank 0's parameters and running statistics win (DDP's
+            // initial broadcast), instead of trusting every rank to derive the same ones.
+            eng.exec.broadcast(c, eng.t.params)?;
+            eng.exec.broadcast(c, eng.t.bn_state)?;
+        }
+    }
     eng.upload_dataset(train_set, test_set)?;
     let mut sampler = DistributedSampler::new(train_set.len(), world, rank, true, cfg.seed);
     let mut idx = Vec::with_capacity(sampler.num_samples());
     let mut reports = Vec::new();
     let every = opts.loss_every.max(1);
-    for epoch in 0..cfg.epochs {
+    for epoch in first_epoch..cfg.epochs {
         let t0 = Instant::now();
         sampler.indices(epoch, &mut idx);
         eng.set_index_list(&idx, false)?;
@@ -254,33 +280,87 @@ pub fn train_device<E: Exec>(
             images_per_s: tot[1] / train_s.max(1e-9),
             steps,
         };
+        if let Some(path) = &cfg.save {
+            if rank == 0 {
+                let ts = TrainState { epoch: epoch + 1, step: eng.step, seed: cfg.seed, world_size: world as u64 };
+                save_checkpoint(&mut eng, &mut model, cfg.lr, path, &ts)?;
+            }
+            // Nobody races ahead (and possibly reads the file) before it is complete.
+            if let Some(c) = comm.as_deref_mut() {
+                c.barrier()?;
+            }
+        }
         obs.epoch_end(&report);
         reports.push(report);
     }
     let params = eng.params()?;
-    if let Some(path) = &cfg.save {
-        if rank == 0 {
-            model.params.copy_from_slice(&params);
-            let mut opt = crate::train::optim::Adam::new(model.num_params(), cfg.lr);
-            opt.step = eng.step;
-            opt.m = eng.exec.read_f32(eng.t.m)?;
-            opt.v = eng.exec.read_f32(eng.t.v)?;
-            let st = eng.exec.read_f32(eng.t.bn_state)?;
-            let base = eng.t.bn_state.off;
-            for s in model.state_mut() {
-                match s {
-                    StateMut::F32(name, v) => {
-                        let r = eng.t.bn_names.iter().find(|(n, _)| *n == name).map(|(_, r)| *r).ok_or_else(|| {
-                            DeviceError::Config(format!("the device engine keeps no copy of state {name}, so it cannot checkpoint it"))
-                        })?;
-                        v.copy_from_slice(&st[r.off - base..r.off - base + r.len]);
-                    }
-                    StateMut::I64(_, v) => *v = eng.step as i64,
-                }
+    Ok(TrainOutcome { reports, params, activation_bytes: eng.t.arena_len.0 * 4 + eng.t.arena_len.1 * 4 + eng.t.arena_len.2 * 2 })
+}
+
+/// `--resume` on the device engine: load the newest complete checkpoint at `path` into `model`
+/// (parameters, BatchNorm statistics) and `opt` (moments, step), as the CPU trainer does; returns
+/// the epoch to continue from. A checkpoint of another world size is refused (the data order
+/// would differ).
+fn resume_into(
+    path: &std::path::Path,
+    model: &mut Model,
+    opt: &mut crate::train::optim::Adam,
+    rank: usize,
+    world: usize,
+) -> Result<u64, DeviceError> {
+    let resumed = checkpoint::resume(path, model, opt)?;
+    if rank == 0 {
+        for why in &resumed.passed_over {
+            tracing::warn!("resume: passed over {why}");
+        }
+        tracing::info!(
+            "resuming from the {} checkpoint: {} and {} (epoch {}, step {})",
+            resumed.source,
+            resumed.model_file.display(),
+            resumed.optim_file.display(),
+            resumed.state.epoch,
+            resumed.state.step
+        );
+    }
+    let st = resumed.state;
+    if st.world_size != world as u64 {
+        return Err(DeviceError::Config(format!(
+            "checkpoint {} was written by a {}-rank run; resume it with --nprocs {} to continue the same data order",
+            path.display(),
+            st.world_size,
+            st.world_size
+        )));
+    }
+    Ok(st.epoch)
+}
+
+/// Write the device state as a checkpoint (the CPU trainer's format: PyTorch names, Adam state
+/// beside): parameters, moments and BatchNorm statistics read back into `model` and an Adam.
+fn save_checkpoint<E: Exec>(
+    eng: &mut Engine<E>,
+    model: &mut Model,
+    lr: f32,
+    path: &std::path::Path,
+    ts: &TrainState,
+) -> Result<(), DeviceError> {
+    model.params.copy_from_slice(&eng.params()?);
+    let mut opt = crate::train::optim::Adam::new(model.num_params(), lr);
+    opt.step = eng.step;
+    opt.m = eng.exec.read_f32(eng.t.m)?;
+    opt.v = eng.exec.read_f32(eng.t.v)?;
+    let st = eng.exec.read_f32(eng.t.bn_state)?;
+    let base = eng.t.bn_state.off;
+    for s in model.state_mut() {
+        match s {
+            StateMut::F32(name, v) => {
+                let r = eng.t.bn_names.iter().find(|(n, _)| *n == name).map(|(_, r)| *r).ok_or_else(|| {
+                    DeviceError::Config(format!("the device engine keeps no copy of state {name}, so it cannot checkpoint it"))
+                })?;
+                v.copy_from_slice(&st[r.off - base..r.off - base + r.len]);
             }
-            let ts = TrainState { epoch: cfg.epochs, step: eng.step, seed: cfg.seed, world_size: world as u64 };
-            checkpoint::save(path, &mut model, &opt, &ts)?;
+            StateMut::I64(_, v) => *v = eng.step as i64,
         }
     }
-    Ok(TrainOutcome { reports, params, activation_bytes: eng.t.arena_len.0 * 4 + eng.t.arena_len.1 * 4 + eng.t.arena_len.2 * 2 })
+    checkpoint::save(path, model, &opt, ts)?;
+    Ok(())
 }

@@ -8,7 +8,14 @@
 //! Arithmetic: f32, with the kernel's conventions (activation gradients OVERWRITTEN, parameter
 //! gradients ACCUMULATED). GEMM-shaped sums (conv, linear) accumulate in f32 like the kernels'
 //! tiles; per-channel statistics (BatchNorm) and the loss accumulate in f64, a closer stand-in for
-//! the kernels' tree reductions than one long sequential f32 sum. `_bf16` twins take
+//! the kernels' tree reductions than one long sequential f32 sum.
+//!
+//! FMA contraction: NVRTC compiles with `-fmad=true` (its default, kept because it is faster and
+//! more accurate), so the GPU evaluates `a * b + c` as one `fmaf`. Where a rounding difference
+//! decides something discrete (BatchNorm's output feeds the fused ReLU's mask: a value that
+//! rounds to +0 on one side and to a tiny positive number on the other flips the mask), the twin
+//! uses [`f32::mul_add`] for the same expressions, so both sides round once. Elsewhere the
+//! tolerances absorb the last-bit differences. `_bf16` twins take
 //! `half::bf16` operands, widen them exactly, and accumulate in f32 as the kernels do.
 //! A `NULL`-able pointer (conv/linear bias, BatchNorm `out` when `relu = 0`, the SGD buffer when
 //! `momentum = 0`) is an `Option` or may be an empty slice, as documented per function.
@@ -65,6 +72,55 @@ pub fn axpy_f32(y: &mut [f32], x: &[f32], alpha: f32, n: i64) {
     y[..n as usize].iter_mut().zip(x).for_each(|(y, x)| *y += alpha * x);
 }
 
+/// `out[i] += partials[i] + partials[n + i] + ... + partials[(splits - 1) * n + i]`, the planes
+/// summed in slice order from plane 0 and added to `out` once (the second half of a split-K
+/// weight gradient; see [`conv2d_backward_weight_f32`]).
+pub fn splitk_reduce_f32(out: &mut [f32], partials: &[f32], splits: i32, n: i64) {
+    let n = n as usize;
+    for (i, o) in out[..n].iter_mut().enumerate() {
+        let mut s = partials[i];
+        for z in 1..splits.max(1) as usize {
+            s += partials[z * n + i];
+        }
+        *o += s;
+    }
+}
+
+/// The K range of each split-K slice, as `gemm_tile` (common.cuh) cuts it: `splits` slices of
+/// `ceil(ceil(K / splits) / 32) * 32` (the last ones shorter, possibly empty).
+pub fn split_k_ranges(k: usize, splits: usize) -> Vec<std::ops::Range<usize>> {
+    let splits = splits.max(1);
+    let chunk = k.div_ceil(splits).div_ceil(GEMM_BK) * GEMM_BK;
+    (0..splits).map(|z| (z * chunk).min(k)..((z + 1) * chunk).min(k)).collect()
+}
+
+/// K chunk of the GEMM core (`GEMM_BK` in common.cuh).
+const GEMM_BK: usize = 32;
+
+/// Store a weight gradient as the kernels do (`accumulate_out` in common.cuh): with `partials`
+/// empty, `dweight[e] += sum(e, 0..K)`; otherwise `partials` holds `splits` planes of
+/// `dweight.len()` values and plane `z` is overwritten with `sum(e, slice z)`.
+fn store_weight_grad(
+    dweight: &mut [f32],
+    partials: &mut [f32],
+    plane: usize,
+    k: usize,
+    sum: impl Fn(usize, std::ops::Range<usize>) -> f32,
+) {
+    if partials.is_empty() {
+        for (e, d) in dweight[..plane].iter_mut().enumerate() {
+            *d += sum(e, 0..k);
+        }
+        return;
+    }
+    let splits = partials.len() / plane.max(1);
+    for (z, r) in split_k_ranges(k, splits).into_iter().enumerate() {
+        for e in 0..plane {
+            partials[z * plane + e] = sum(e, r.clone());
+        }
+    }
+}
+
 // ------------------------------------------------------------------------------------------------
 // activation.cu
 
@@ -119,10 +175,12 @@ pub fn batchnorm2d_forward_train_f32(
         running_mean[ch] = (1.0 - momentum) * running_mean[ch] + momentum * mean;
         running_var[ch] = (1.0 - momentum) * running_var[ch] + momentum * unbiased;
         let scale = invstd * weight[ch];
-        let shift = bias[ch] - mean * scale;
+        // FMA contraction as the kernel gets it (see the module docs): `bias - mean * scale` and
+        // `x * scale + shift` are each one fused multiply-add on the GPU.
+        let shift = (-mean).mul_add(scale, bias[ch]);
         for b in 0..n {
             for i in plane(b) {
-                let y = inp[i] * scale + shift;
+                let y = inp[i].mul_add(scale, shift);
                 out[i] = if relu != 0 { y.max(0.0) } else { y };
             }
         }
@@ -148,7 +206,7 @@ pub fn batchnorm2d_forward_eval_f32(
     for i in 0..batch as usize * c * hw {
         let ch = (i / hw) % c;
         let invstd = 1.0 / (running_var[ch] + eps).sqrt();
-        let y = (inp[i] - running_mean[ch]) * invstd * weight[ch] + bias[ch];
+        let y = ((inp[i] - running_mean[ch]) * invstd).mul_add(weight[ch], bias[ch]);
         out[i] = if relu != 0 { y.max(0.0) } else { y };
     }
 }
@@ -194,7 +252,7 @@ pub fn batchnorm2d_backward_f32(
         for b in 0..n {
             for i in plane(b) {
                 let xhat = (inp[i] - mean) * invstd;
-                dinp[i] = k * (g(i) - mg - xhat * mgx);
+                dinp[i] = k * (-xhat).mul_add(mgx, g(i) - mg);
             }
         }
     }
@@ -330,6 +388,7 @@ fn conv2d_backward_input_t<T: Operand>(
 #[allow(clippy::too_many_arguments)]
 fn conv2d_backward_weight_t<T: Operand>(
     dweight: &mut [f32],
+    partials: &mut [f32],
     dout: &[T],
     inp: &[T],
     batch: i32,
@@ -345,32 +404,40 @@ fn conv2d_backward_weight_t<T: Operand>(
     let cp = conv_params(in_c, out_c, kh, kw, stride, pad);
     let (ih, iw) = (in_h as usize, in_w as usize);
     let (oh, ow) = (cp.out_h(ih), cp.out_w(iw));
-    for oc in 0..cp.out_c {
-        for ic in 0..cp.in_c {
-            for ky in 0..cp.kh {
-                for kx in 0..cp.kw {
-                    let mut acc = 0.0f32;
-                    for n in 0..batch as usize {
-                        for oy in 0..oh {
-                            let iy = (oy * cp.stride + ky) as isize - cp.pad as isize;
-                            if iy < 0 || iy >= ih as isize {
-                                continue;
-                            }
-                            for ox in 0..ow {
-                                let ix = (ox * cp.stride + kx) as isize - cp.pad as isize;
-                                if ix < 0 || ix >= iw as isize {
-                                    continue;
-                                }
-                                let g = dout[((n * cp.out_c + oc) * oh + oy) * ow + ox].f();
-                                acc += g * inp[((n * cp.in_c + ic) * ih + iy as usize) * iw + ix as usize].f();
-                            }
-                        }
+    let k = cp.k();
+    // Element e = (oc, ic, ky, kx) of dweight, summed over GEMM K indices q = (n, oy, ox) in `qs`.
+    let sum = |e: usize, qs: std::ops::Range<usize>| {
+        let (oc, kk) = (e / k, e % k);
+        let (ic, r) = (kk / (cp.kh * cp.kw), kk % (cp.kh * cp.kw));
+        let (ky, kx) = (r / cp.kw, r % cp.kw);
+        let mut acc = 0.0f32;
+        let ohw = oh * ow;
+        if qs.is_empty() || ohw == 0 {
+            return acc;
+        }
+        // In q order (as the GEMM's K), row by row: n, then oy, then ox within the slice.
+        for n in qs.start / ohw..=(qs.end - 1) / ohw {
+            let (lo, hi) = (qs.start.max(n * ohw) - n * ohw, qs.end.min((n + 1) * ohw) - n * ohw);
+            for oy in lo / ow..=(hi - 1) / ow {
+                let iy = (oy * cp.stride + ky) as isize - cp.pad as isize;
+                if iy < 0 || iy >= ih as isize {
+                    continue;
+                }
+                let ox_lo = if oy == lo / ow { lo % ow } else { 0 };
+                let ox_hi = if oy == (hi - 1) / ow { (hi - 1) % ow + 1 } else { ow };
+                let (grow, xrow) = (((n * cp.out_c + oc) * oh + oy) * ow, ((n * cp.in_c + ic) * ih + iy as usize) * iw);
+                for ox in ox_lo..ox_hi {
+                    let ix = (ox * cp.stride + kx) as isize - cp.pad as isize;
+                    if ix < 0 || ix >= iw as isize {
+                        continue;
                     }
-                    dweight[((oc * cp.in_c + ic) * cp.kh + ky) * cp.kw + kx] += acc;
+                    acc += dout[grow + ox].f() * inp[xrow + ix as usize].f();
                 }
             }
         }
-    }
+        acc
+    };
+    store_weight_grad(dweight, partials, cp.out_c * k, batch as usize * oh * ow, sum);
 }
 
 fn conv2d_backward_bias_t<T: Operand>(dbias: &mut [f32], dout: &[T], batch: i32, out_c: i32, out_h: i32, out_w: i32) {
@@ -426,12 +493,16 @@ twin_pair!(
     )
 );
 twin_pair!(
-    /// `dweight += Σ dout * im2col(inp)` (accumulated).
+    /// `dweight += Σ dout * im2col(inp)` (accumulated) when `partials` is empty (one K slice).
+    /// Split-K: `partials` holds `splits` planes of `dweight.len()` values; plane `z` is
+    /// overwritten with slice `z`'s sum (K = batch*out_h*out_w cut by [`split_k_ranges`]) and
+    /// `dweight` is untouched until [`splitk_reduce_f32`] adds the planes.
     conv2d_backward_weight_f32,
     /// bf16 operands: see [`conv2d_backward_weight_f32`].
     conv2d_backward_weight_bf16,
     conv2d_backward_weight_t(
         dweight: (&mut [f32]),
+        partials: (&mut [f32]),
         dout: op,
         inp: op,
         batch: (i32),
@@ -493,17 +564,26 @@ fn linear_backward_input_t<T: Operand>(dinp: &mut [f32], dout: &[T], weight: &[T
     }
 }
 
-fn linear_backward_weight_t<T: Operand>(dweight: &mut [f32], dout: &[T], inp: &[T], batch: i32, in_f: i32, out_f: i32) {
+fn linear_backward_weight_t<T: Operand>(
+    dweight: &mut [f32],
+    partials: &mut [f32],
+    dout: &[T],
+    inp: &[T],
+    batch: i32,
+    in_f: i32,
+    out_f: i32,
+) {
     let (inf, outf) = (in_f as usize, out_f as usize);
-    for o in 0..outf {
-        for i in 0..inf {
-            let mut acc = 0.0f32;
-            for b in 0..batch as usize {
-                acc += dout[b * outf + o].f() * inp[b * inf + i].f();
-            }
-            dweight[o * inf + i] += acc;
+    // Element e = (o, i) of dweight, summed over the batch rows in `bs` (the GEMM's K).
+    let sum = |e: usize, bs: std::ops::Range<usize>| {
+        let (o, i) = (e / inf, e % inf);
+        let mut acc = 0.0f32;
+        for b in bs {
+            acc += dout[b * outf + o].f() * inp[b * inf + i].f();
         }
-    }
+        acc
+    };
+    store_weight_grad(dweight, partials, outf * inf, batch as usize, sum);
 }
 
 fn linear_backward_bias_t<T: Operand>(dbias: &mut [f32], dout: &[T], batch: i32, out_f: i32) {
@@ -532,11 +612,20 @@ twin_pair!(
     linear_backward_input_t(dinp: (&mut [f32]), dout: op, weight: op, batch: (i32), in_f: (i32), out_f: (i32))
 );
 twin_pair!(
-    /// `dweight += doutᵀ · inp` (accumulated).
+    /// `dweight += doutᵀ · inp` (accumulated) when `partials` is empty; split-K (K = batch) into
+    /// the planes of `partials` otherwise, as [`conv2d_backward_weight_f32`].
     linear_backward_weight_f32,
     /// bf16 operands: see [`linear_backward_weight_f32`].
     linear_backward_weight_bf16,
-    linear_backward_weight_t(dweight: (&mut [f32]), dout: op, inp: op, batch: (i32), in_f: (i32), out_f: (i32))
+    linear_backward_weight_t(
+        dweight: (&mut [f32]),
+        partials: (&mut [f32]),
+        dout: op,
+        inp: op,
+        batch: (i32),
+        in_f: (i32),
+        out_f: (i32)
+    )
 );
 twin_pair!(
     /// `dbias += Σ_b dout` (accumulated).
@@ -814,6 +903,7 @@ pub const TWINS: &[&str] = &[
     "fill_f32",
     "scale_f32",
     "axpy_f32",
+    "splitk_reduce_f32",
     "relu_forward_f32",
     "relu_backward_f32",
     "batchnorm2d_forward_train_f32",

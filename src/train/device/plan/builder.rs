@@ -35,6 +35,29 @@ fn split_k(m: usize, n: usize, k: usize, sm_count: usize) -> usize {
     (2 * sm_count / tiles.max(1)).clamp(1, k.div_ceil(GEMM_BK).max(1))
 }
 
+/// SM count the split-K workspace is sized for ([`splitk_workspace_len`]): above every current
+/// GPU's. A device with more SMs still runs correctly, with fewer slices than it could use.
+pub const SPLIT_K_MAX_SMS: usize = 256;
+
+/// Floats of split-K workspace a weight gradient C[M, N] over K needs on any device of up to
+/// [`SPLIT_K_MAX_SMS`] SMs (the layout reserves the largest over the model's GEMMs).
+pub fn splitk_workspace_len(m: usize, n: usize, k: usize) -> usize {
+    let splits = split_k(m, n, k, SPLIT_K_MAX_SMS);
+    if splits > 1 {
+        splits * m * n
+    } else {
+        0
+    }
+}
+
+/// Slices actually launched for `splits` wanted: `gemm_tile` cuts K into chunks of
+/// `ceil(ceil(K / splits) / 32) * 32`, so the last wanted slices may be empty; launching only the
+/// non-empty ones keeps every plane of the workspace meaningful and saves their blocks.
+fn nonempty_splits(k: usize, splits: usize) -> usize {
+    let chunk = k.div_ceil(splits.max(1)).div_ceil(GEMM_BK) * GEMM_BK;
+    k.div_ceil(chunk.max(1)).max(1)
+}
+
 fn i(v: usize) -> Arg {
     Arg::I32(v as i32)
 }
@@ -69,6 +92,10 @@ pub struct Builder {
     pub ops: Vec<Op>,
     /// SMs of the device (split-K sizing; any positive value is correct).
     pub sm_count: usize,
+    /// Split-K workspace (f32): weight gradients split K into slices whose partial sums land in
+    /// planes of this region, then `splitk_reduce_f32` adds them in slice order (deterministic).
+    /// Empty: no split-K (one slice, the kernel adds into the gradient directly).
+    pub splitk: Region,
 }
 
 fn suffix(bf16: bool, f32_name: &'static str, bf16_name: &'static str) -> &'static str {
@@ -80,9 +107,41 @@ fn suffix(bf16: bool, f32_name: &'static str, bf16_name: &'static str) -> &'stat
 }
 
 impl Builder {
-    /// An empty op list.
+    /// An empty op list, without split-K workspace (weight gradients in one K slice).
     pub fn new(sm_count: usize) -> Builder {
-        Builder { ops: Vec::new(), sm_count: sm_count.max(1) }
+        Builder::with_splitk(sm_count, Region { arena: Arena::F32, off: 0, len: 0 })
+    }
+
+    /// An empty op list whose weight gradients may split K over the f32 workspace `splitk`
+    /// (as many slices as fit in it, up to the SM-based [`split_k`] choice).
+    pub fn with_splitk(sm_count: usize, splitk: Region) -> Builder {
+        Builder { ops: Vec::new(), sm_count: sm_count.max(1), splitk }
+    }
+
+    /// The slices for a weight gradient C[M, N] over K, and the partials region they write (empty
+    /// for one slice): the SM-based choice, cut to what the workspace holds and to non-empty slices.
+    fn weight_split(&self, m: usize, n: usize, k: usize) -> (usize, Region) {
+        let plane = m * n;
+        let fits = if plane == 0 || self.splitk.arena != Arena::F32 { 1 } else { self.splitk.len / plane };
+        let splits = nonempty_splits(k, split_k(m, n, k, self.sm_count).min(fits.max(1)));
+        if splits > 1 {
+            (splits, self.splitk.prefix(splits * plane))
+        } else {
+            (1, self.splitk.prefix(0))
+        }
+    }
+
+    /// `splitk_reduce_f32` after a split-K weight gradient (nothing for one slice): 1-D over the
+    /// gradient, block 256.
+    fn reduce_splits(&mut self, dweight: Region, partials: Region, splits: usize) {
+        if splits > 1 {
+            self.push(
+                KernelId::Elementwise,
+                "splitk_reduce_f32",
+                vec![Arg::Out(dweight), Arg::In(partials), i(splits), Arg::I64(dweight.len as i64)],
+                KernelGrid::for_elements(dweight.len),
+            );
+        }
     }
 
     fn push(&mut self, kernel: KernelId, name: &'static str, args: Vec<Arg>, cfg: KernelGrid) {
@@ -147,15 +206,17 @@ impl Builder {
         self.push(KernelId::Conv2d, name, a, gemm_cfg(s.p.in_c, s.batch * s.in_h * s.in_w, 1));
     }
 
-    /// `conv2d_backward_weight_*`: GEMM M = out_c, N = in_c*kh*kw, K = batch*out_h*out_w, split-K
-    /// (atomics into the accumulated dweight).
+    /// `conv2d_backward_weight_*`: GEMM M = out_c, N = in_c*kh*kw, K = batch*out_h*out_w,
+    /// split-K into the workspace then `splitk_reduce_f32` into the accumulated dweight.
     pub fn conv_backward_weight(&mut self, bf16: bool, dweight: Region, dout: Region, inp: Region, s: ConvLaunch) {
         let (oh, ow) = s.out_hw();
         let (m, n, k) = (s.p.out_c, s.p.k(), s.batch * oh * ow);
-        let mut a = vec![Arg::Out(dweight), Arg::In(dout), Arg::In(inp)];
+        let (splits, partials) = self.weight_split(m, n, k);
+        let mut a = vec![Arg::Out(dweight), Arg::Out(partials), Arg::In(dout), Arg::In(inp)];
         a.extend(s.shape_args());
         let name = suffix(bf16, "conv2d_backward_weight_f32", "conv2d_backward_weight_bf16");
-        self.push(KernelId::Conv2d, name, a, gemm_cfg(m, n, split_k(m, n, k, self.sm_count)));
+        self.push(KernelId::Conv2d, name, a, gemm_cfg(m, n, splits));
+        self.reduce_splits(dweight, partials, splits);
     }
 
     /// `conv2d_backward_bias_*`: grid (out_c), block 256.
@@ -204,7 +265,8 @@ impl Builder {
         self.push(KernelId::Linear, suffix(bf16, "linear_backward_input_f32", "linear_backward_input_bf16"), a, gemm_cfg(batch, in_f, 1));
     }
 
-    /// `linear_backward_weight_*`: GEMM M = out_f, N = in_f, K = batch, split-K.
+    /// `linear_backward_weight_*`: GEMM M = out_f, N = in_f, K = batch, split-K into the
+    /// workspace then `splitk_reduce_f32` (as [`Builder::conv_backward_weight`]).
     #[allow(clippy::too_many_arguments)]
     pub fn linear_backward_weight(
         &mut self,
@@ -216,14 +278,15 @@ impl Builder {
         in_f: usize,
         out_f: usize,
     ) {
-        let a = vec![Arg::Out(dweight), Arg::In(dout), Arg::In(inp), i(batch), i(in_f), i(out_f)];
-        let splits = split_k(out_f, in_f, batch, self.sm_count);
+        let (splits, partials) = self.weight_split(out_f, in_f, batch);
+        let a = vec![Arg::Out(dweight), Arg::Out(partials), Arg::In(dout), Arg::In(inp), i(batch), i(in_f), i(out_f)];
         self.push(
             KernelId::Linear,
             suffix(bf16, "linear_backward_weight_f32", "linear_backward_weight_bf16"),
             a,
             gemm_cfg(out_f, in_f, splits),
         );
+        self.reduce_splits(dweight, partials, splits);
     }
 
     /// `linear_backward_bias_*`: grid ceil(out_f/256), block 256.
@@ -429,5 +492,65 @@ impl Builder {
             Arg::I32(step as i32),
         ];
         self.push(KernelId::Optim, "adam_step_f32", a, KernelGrid::for_elements(params.len));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ws(len: usize) -> Region {
+        Region { arena: Arena::F32, off: 1000, len }
+    }
+
+    /// Every split-K launch writes whole planes inside the workspace with no empty slice, and is
+    /// followed by the reduction over exactly those planes into the gradient.
+    #[test]
+    fn split_k_uses_the_workspace_and_reduces_in_order() {
+        let dw = Region { arena: Arena::F32, off: 0, len: 32 * 25 };
+        let (x, dy) =
+            (Region { arena: Arena::F32, off: 100_000, len: 64 * 784 }, Region { arena: Arena::F32, off: 200_000, len: 64 * 32 * 784 });
+        let s = ConvLaunch { p: Conv2dParams { in_c: 1, out_c: 32, kh: 5, kw: 5, stride: 1, pad: 2 }, batch: 64, in_h: 28, in_w: 28 };
+        for (sm, room) in [(132usize, usize::MAX), (132, 7 * 800), (1, usize::MAX), (8, 0)] {
+            let room = room.min(splitk_workspace_len(32, 25, 64 * 784));
+            let mut b = Builder::with_splitk(sm, ws(room));
+            b.conv_backward_weight(false, dw, dy, x, s);
+            let splits = b.ops[0].cfg.grid.2 as usize;
+            let Arg::Out(part) = b.ops[0].args[1] else { panic!("partials is not written") };
+            if splits == 1 {
+                assert_eq!((b.ops.len(), part.len), (1, 0), "sm {sm} room {room}: one slice, no reduction");
+                continue;
+            }
+            assert!(part.off >= 1000 && part.off + part.len <= 1000 + room, "sm {sm}: {part:?} outside the workspace of {room}");
+            assert_eq!(part.len, splits * dw.len);
+            let k = 64 * 784;
+            let ranges = crate::train::device::kernels::twins::split_k_ranges(k, splits);
+            assert!(ranges.iter().all(|r| !r.is_empty()) && ranges.last().unwrap().end == k, "sm {sm}: {ranges:?}");
+            assert_eq!(b.ops[1].name, "splitk_reduce_f32");
+            assert_eq!(b.ops[1].args, vec![Arg::Out(dw), Arg::In(part), Arg::I32(splits as i32), Arg::I64(dw.len as i64)]);
+            b.ops.iter().for_each(|o| o.check_signature().unwrap());
+        }
+        // 132 SMs: conv1's single tile takes 264 slices, the workspace sized for 256 SMs holds them.
+        let mut b = Builder::with_splitk(132, ws(splitk_workspace_len(32, 25, 64 * 784)));
+        b.conv_backward_weight(true, dw, dy, x, s);
+        assert_eq!(b.ops[0].cfg.grid.2 as usize, nonempty_splits(64 * 784, 264));
+        assert!(b.ops[0].cfg.grid.2 > 256, "{:?}", b.ops[0].cfg);
+        // A workspace with room for 7 planes caps the slices at 7.
+        let mut b = Builder::with_splitk(132, ws(7 * 800));
+        b.conv_backward_weight(false, dw, dy, x, s);
+        assert_eq!(b.ops[0].cfg.grid.2, 7);
+    }
+
+    #[test]
+    fn nonempty_splits_cover_k_without_empty_slices() {
+        for k in [1usize, 31, 32, 33, 100, 1056, 50_176] {
+            for want in [1usize, 2, 3, 7, 32, 264, 5000] {
+                let got = nonempty_splits(k, want.min(k.div_ceil(GEMM_BK)));
+                let r = crate::train::device::kernels::twins::split_k_ranges(k, got);
+                assert!(r.iter().all(|r| !r.is_empty()), "k {k} want {want}: {r:?}");
+                assert_eq!((r[0].start, r.last().unwrap().end), (0, k));
+                assert!(r.windows(2).all(|w| w[0].end == w[1].start));
+            }
+        }
     }
 }

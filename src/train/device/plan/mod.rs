@@ -10,6 +10,6 @@ mod builder;
 mod ir;
 mod schedule;
 
-pub use builder::{Builder, ConvLaunch};
+pub use builder::{splitk_workspace_len, Builder, ConvLaunch, SPLIT_K_MAX_SMS};
 pub use ir::{AdamHyper, Arena, Arg, BnTensors, LossTensors, Op, ParamAt, Precision, Region};
 pub use schedule::Tensors;

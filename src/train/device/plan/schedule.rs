@@ -16,12 +16,21 @@
 //! bf16 parameter copy; the BatchNorm running statistics (contiguous, one broadcast), then each
 //! BatchNorm's saved batch statistics; the batch's sample ids and labels; the input and every
 //! stage's output (and pooling argmax) in forward order; the loss tensors; the gradients in
-//! backward order; the bf16 copies of the GEMM operands (inputs in forward order, output
-//! gradients in backward order). Every region is 16-element aligned.
+//! backward order; the split-K workspace of the weight gradients; the bf16 copies of the GEMM
+//! operands (inputs in forward order, output gradients in backward order). Every region is
+//! 16-element aligned.
+//!
+//! Split-K: a weight gradient whose output tile grid is small (conv1's is one tile) splits its
+//! K = batch x pixels into slices that run on many SMs. Each slice writes its partial sums to its
+//! own plane of the workspace and `splitk_reduce_f32` adds the planes in slice order, so the
+//! result does not depend on which block finishes first: the step is bit-identical run to run
+//! and between graph replay and plain launches. The workspace is sized for `SPLIT_K_MAX_SMS`
+//! (`builder.rs`; the SM count is not known when the arenas are laid out); stages run in stream
+//! order, so one workspace serves them all.
 
 use std::any::Any;
 
-use super::builder::{Builder, ConvLaunch};
+use super::builder::{splitk_workspace_len, Builder, ConvLaunch};
 use super::ir::{Arena, BnTensors, LossTensors, Op, ParamAt, Precision, Region};
 use crate::train::device::error::DeviceError;
 use crate::train::layers::{BatchNorm2d, Conv2d, Conv2dParams, Flatten, Layer, Linear, MaxPool2d, Relu};
@@ -194,6 +203,8 @@ pub struct Tensors {
     pub loss: LossTensors,
     /// Gradient at the logits `(B, classes)`.
     pub dlogits: Region,
+    /// Split-K workspace of the weight gradients (f32; empty when no GEMM needs one).
+    pub splitk: Region,
     /// Elements of each arena: (f32, i32, bf16).
     pub arena_len: (usize, usize, usize),
     stages: Vec<Stage>,
@@ -367,6 +378,18 @@ impl Tensors {
             };
             dout = s.din.unwrap_or(UNSET);
         }
+        // The largest split-K workspace any weight gradient wants, at the full batch (more K,
+        // more slices).
+        let splitk_len = stages
+            .iter()
+            .map(|s| match s.kind {
+                Kind::Conv { p, in_h, in_w, .. } => splitk_workspace_len(p.out_c, p.k(), batch * p.out_h(in_h) * p.out_w(in_w)),
+                Kind::Linear { in_f, out_f, .. } => splitk_workspace_len(out_f, in_f, batch),
+                _ => 0,
+            })
+            .max()
+            .unwrap_or(0);
+        let splitk = a.take(f, splitk_len);
         let mut t_bf = |n: usize| a.take(b16, if bf { n } else { 0 });
         for s in stages.iter_mut().filter(|s| s.kind.is_gemm()) {
             s.bf_in = t_bf(batch * s.in_per);
@@ -393,6 +416,7 @@ impl Tensors {
             logits,
             loss,
             dlogits,
+            splitk,
             arena_len: (a.len[0], a.len[1], a.len[2]),
             stages,
         })
@@ -525,7 +549,7 @@ impl Tensors {
     /// `loss_sum` as `b * mean_loss`), backward. The gradient all-reduce and the optimizer run
     /// outside (the collective is on another stream; Adam's step count changes every step).
     pub fn train_step(&self, b: usize, precision: Precision, sm_count: usize) -> Vec<Op> {
-        let mut ops = Builder::new(sm_count);
+        let mut ops = Builder::with_splitk(sm_count, self.splitk);
         self.forward(&mut ops, b, precision, true);
         ops.axpy(self.loss.loss_sum, self.loss.mean_loss, b as f32);
         self.backward(&mut ops, b, precision);
@@ -635,6 +659,7 @@ mod tests {
                 "maxpool2d_backward_f32",
                 "relu_backward_f32",
                 "conv2d_backward_weight_bf16",
+                "splitk_reduce_f32",
                 "conv2d_backward_bias_bf16",
             ]
         );
