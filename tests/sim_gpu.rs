@@ -4,8 +4,8 @@
 //!
 //! - `shim_semantics` (and `_concurrent`, blocks on 2 OS threads in a shuffled order): the shim's
 //!   own self-test kernels (`tests/simt/selftest.cu`): shuffles of every kind and width against
-//!   CUDA's documented formulas, ballots, atomics, barriers with returned threads, per-block
-//!   shared memory; and misuse (a deadlock, a shuffle over returned lanes, `__trap`) failing the
+//!   CUDA's documented formulas, ballots, half warps shuffling and voting over disjoint masks at
+//!   once, atomics, barriers with returned threads, per-block shared memory; and misuse (a deadlock, a shuffle over returned lanes, `__trap`) failing the
 //!   launch with the reason;
 //! - `kernel_trap_fails_the_launch`: `linear_forward_f32`'s own `__trap` (fused ReLU with split-K);
 //! - `steps_match_cpu_engine_{fp32,tf32,bf16}`: the device engine's whole training step (captured
@@ -205,6 +205,32 @@ fn shim_semantics() -> Result<(), String> {
     f("simt_ballot")?.launch(grid(1, 64)).arg_mut(&mut out).scalar(pattern).run(&s).map_err(c)?;
     if out.to_vec(&s).map_err(c)? != vec![pattern, pattern] {
         return Err(format!("ballot: {:?}, want {pattern:#x} twice", out.to_vec(&s)));
+    }
+
+    let mut out = DeviceBuffer::<i32>::zeros(&s, 64).map_err(c)?;
+    let mut ballots = DeviceBuffer::<i32>::zeros(&s, 4).map_err(c)?;
+    f("simt_shfl_halves")?.launch(grid(1, 64)).arg_mut(&mut out).arg_mut(&mut ballots).run(&s).map_err(c)?;
+    let want: Vec<i32> = (0..64)
+        .map(|t| {
+            let (lane, warp) = (t % 32, t / 32);
+            let src = if lane < 16 {
+                lane ^ 1
+            } else if lane - 16 + 2 < 16 {
+                lane + 2
+            } else {
+                lane
+            };
+            1000 * warp + src
+        })
+        .collect();
+    let votes = |lanes: std::ops::Range<u32>| lanes.filter(|l| l % 3 == 0).fold(0u32, |m, l| m | 1 << l) as i32;
+    let want_ballots = [votes(0..16), votes(16..32), votes(0..16), votes(16..32)];
+    if out.to_vec(&s).map_err(c)? != want || ballots.to_vec(&s).map_err(c)? != want_ballots {
+        return Err(format!(
+            "half-warp operations over disjoint masks: {:?} / ballots {:?}, want {want:?} / {want_ballots:?}",
+            out.to_vec(&s),
+            ballots.to_vec(&s)
+        ));
     }
 
     let (blocks, threads) = (37u32, 96u32);

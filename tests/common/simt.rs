@@ -24,7 +24,7 @@
 //! `-mfma` where the CPU has FMA (else `fmaf` is a slow library call).
 //!
 //! Dynamic shared memory (`extern __shared__`) is not supported: no kernel uses it, and a kernel
-//! that did would fail to link here, naming the array.
+//! that did would fail to link here (`--no-undefined`), naming the array.
 #![allow(dead_code)]
 
 use std::ffi::OsString;
@@ -55,6 +55,7 @@ pub static SELFTEST: KernelSource = KernelSource {
             args: &[ArgKind::PtrMut(Dtype::I32), ArgKind::Scalar(Dtype::I32), ArgKind::Scalar(Dtype::I32), ArgKind::Scalar(Dtype::I32)],
         },
         KernelSig { name: "simt_ballot", args: &[ArgKind::PtrMut(Dtype::I32), ArgKind::Scalar(Dtype::I32)] },
+        KernelSig { name: "simt_shfl_halves", args: &[ArgKind::PtrMut(Dtype::I32), ArgKind::PtrMut(Dtype::I32)] },
         KernelSig { name: "simt_atomics", args: &[ArgKind::PtrMut(Dtype::I32), ArgKind::PtrMut(Dtype::F32), ArgKind::PtrMut(Dtype::I32)] },
         KernelSig { name: "simt_early_exit", args: &[ArgKind::PtrMut(Dtype::I32), ArgKind::Scalar(Dtype::I32)] },
         KernelSig { name: "simt_shared_per_block", args: &[ArgKind::PtrMut(Dtype::I32)] },
@@ -402,7 +403,9 @@ the crate's signature table ({codes}; build.rs parses the same declaration): fix
         strings(&["-shared", "-fPIC", "-O1", "-o", &obj("libnvrtc.so.12"), &obj("fake/sim_nvrtc.c"), "-Wl,-soname,libnvrtc.so.12"]),
     ));
     run_all(cmds);
-    let mut link = vec!["-shared".to_string(), "-o".into(), obj("libcuda.so.1"), "-Wl,-soname,libcuda.so.1".into()];
+    // --no-undefined: a kernel declaring `extern __shared__` (dynamic shared memory, which the shim
+    // does not support) fails here, naming the array, instead of when the driver is loaded.
+    let mut link = vec!["-shared".to_string(), "-o".into(), obj("libcuda.so.1"), "-Wl,-soname,libcuda.so.1,--no-undefined".into()];
     link.extend([obj("fake/sim_cuda.o"), obj("simt/simt.o"), obj("units/registry.o")]);
     link.extend((0..units.len()).map(|u| obj(&format!("units/k_u{u}.o"))));
     link.push("-pthread".into());

@@ -21,6 +21,24 @@ extern "C" __global__ void simt_ballot(int* out, int pattern) {
     if (threadIdx.x % 32 == 0) out[threadIdx.x / 32] = (int)b;
 }
 
+// The halves of each warp run warp operations over disjoint masks at the same time: lanes
+// 0-15 shuffle (xor 1) and vote among themselves, lanes 16-31 shuffle down by 2 within width 16
+// and vote among themselves. out[tid] = the shuffle's result; ballots[2 * warp + half] = the
+// vote of `lane % 3 == 0` (a ballot has only the bits of the lanes in its mask).
+extern "C" __global__ void simt_shfl_halves(int* out, int* ballots) {
+    const int tid = threadIdx.x, lane = tid % 32;
+    const int v = 1000 * (tid / 32) + lane;
+    if (lane < 16) {
+        out[tid] = __shfl_xor_sync(0x0000ffffu, v, 1);
+        const unsigned int b = __ballot_sync(0x0000ffffu, lane % 3 == 0);
+        if (lane == 0) ballots[2 * (tid / 32)] = (int)b;
+    } else {
+        out[tid] = __shfl_down_sync(0xffff0000u, v, 2, 16);
+        const unsigned int b = __ballot_sync(0xffff0000u, lane % 3 == 0);
+        if (lane == 16) ballots[2 * (tid / 32) + 1] = (int)b;
+    }
+}
+
 // Every thread of every block adds 1 to counter[0] (int) and 0.5 to sum[0] (float, exactly
 // representable partial sums), and records the largest global thread id in maxid[0].
 extern "C" __global__ void simt_atomics(int* counter, float* sum, int* maxid) {

@@ -219,13 +219,20 @@ struct Fiber : ThreadState {
     float fc[4];
 };
 
-struct Warp {
-    unsigned int exists;   // lanes that exist (a partial last warp has fewer)
-    unsigned int live;     // lanes that have not returned
-    unsigned int arrived;  // lanes waiting in the pending operation
-    unsigned int mask;     // the pending operation's mask
-    int kind;              // the pending operation
+// A warp operation some lanes of `mask` wait in. Lanes of one warp may run operations over
+// disjoint masks at the same time (e.g. each half of a divergent warp shuffling among itself).
+struct Group {
+    unsigned int mask;
+    unsigned int arrived;
+    int kind;
     int width;
+};
+
+struct Warp {
+    unsigned int exists;  // lanes that exist (a partial last warp has fewer)
+    unsigned int live;    // lanes that have not returned
+    int ngroups;          // pending operations (disjoint masks)
+    Group groups[32];
 };
 
 // A deterministic generator for the shuffled mode (splitmix64).
@@ -319,8 +326,9 @@ std::string describe_waits(const Block* b) {
     }
     for (size_t w = 0; w < b->warps.size(); ++w) {
         const Warp& wp = b->warps[w];
-        if (wp.arrived) {
-            warps += format("; warp %zu: lanes %08x wait in %s (mask %08x, live lanes %08x)", w, wp.arrived, op_name(wp.kind), wp.mask,
+        for (int g = 0; g < wp.ngroups; ++g) {
+            const Group& gr = wp.groups[g];
+            warps += format("; warp %zu: lanes %08x wait in %s (mask %08x, live lanes %08x)", w, gr.arrived, op_name(gr.kind), gr.mask,
                             wp.live);
         }
     }
@@ -363,10 +371,13 @@ void fiber_main(Fiber* f) {
     b->live--;
     Warp& w = b->warps[f->warp];
     w.live &= ~(1u << f->lane);
-    if (w.arrived && (w.mask & (1u << f->lane))) {
-        fail_block(b, f,
-                   format("%s returned while lanes %08x of its warp wait for it in %s (mask %08x)", where(f).c_str(), w.arrived,
-                          op_name(w.kind), w.mask));
+    for (int g = 0; g < w.ngroups; ++g) {
+        const Group& gr = w.groups[g];
+        if (gr.mask & (1u << f->lane)) {
+            fail_block(b, f,
+                       format("%s returned while lanes %08x of its warp wait for it in %s (mask %08x)", where(f).c_str(), gr.arrived,
+                              op_name(gr.kind), gr.mask));
+        }
     }
     // Returned threads do not take part in barriers: this may complete one.
     if (b->live > 0 && b->at_barrier == b->live) release_barrier(b);
@@ -463,39 +474,42 @@ void mma_complete(Block* b, unsigned int w, int kind) {
     }
 }
 
-// Every lane of `mask` has arrived: compute each one's result and let them all run.
-void warp_complete(Block* b, unsigned int wi, Fiber* self) {
+// Every lane of group `gi` has arrived: compute each one's result, let them all run, and retire
+// the group.
+void warp_complete(Block* b, unsigned int wi, int gi, Fiber* self) {
     Warp& w = b->warps[wi];
-    if (w.kind == OP_MMA_BF16 || w.kind == OP_MMA_TF32) {
-        mma_complete(b, wi, w.kind);
-    } else if (w.kind == OP_BALLOT) {
+    const Group g = w.groups[gi];
+    w.groups[gi] = w.groups[--w.ngroups];
+    if (g.kind == OP_MMA_BF16 || g.kind == OP_MMA_TF32) {
+        mma_complete(b, wi, g.kind);
+    } else if (g.kind == OP_BALLOT) {
         uint64_t bits = 0;
         for (unsigned int l = 0; l < 32; ++l)
-            if ((w.mask >> l) & 1u) bits |= (b->fibers[wi * 32 + l].in != 0 ? 1ull : 0ull) << l;
+            if ((g.mask >> l) & 1u) bits |= (b->fibers[wi * 32 + l].in != 0 ? 1ull : 0ull) << l;
         for (unsigned int l = 0; l < 32; ++l)
-            if ((w.mask >> l) & 1u) b->fibers[wi * 32 + l].out = bits;
-    } else if (w.kind != OP_SYNC) {
+            if ((g.mask >> l) & 1u) b->fibers[wi * 32 + l].out = bits;
+    } else if (g.kind != OP_SYNC) {
         for (unsigned int l = 0; l < 32; ++l) {
-            if (!((w.mask >> l) & 1u)) continue;
+            if (!((g.mask >> l) & 1u)) continue;
             Fiber& f = b->fibers[wi * 32 + l];
-            int s = shfl_source(w.kind, l, f.arg, w.width);
+            int s = shfl_source(g.kind, l, f.arg, g.width);
             if (s < 0) {
                 f.out = f.in;
-            } else if (!((w.mask >> s) & 1u)) {
+            } else if (!((g.mask >> s) & 1u)) {
                 fail_block(b, self,
                            format("%s: lane %u of warp %u reads lane %d, which is not in the mask %08x (undefined on a GPU)",
-                                  op_name(w.kind), l, wi, s, w.mask));
+                                  op_name(g.kind), l, wi, s, g.mask));
             } else {
                 f.out = b->fibers[wi * 32 + (unsigned int)s].in;
             }
         }
     }
     for (unsigned int l = 0; l < 32; ++l)
-        if ((w.mask >> l) & 1u) b->fibers[wi * 32 + l].state = RUNNABLE;
-    w.arrived = 0;
+        if ((g.mask >> l) & 1u) b->fibers[wi * 32 + l].state = RUNNABLE;
 }
 
-// Arrive at the warp barrier of operation `kind`; returns once every lane of `mask` has.
+// Arrive at the warp barrier of operation `kind` over `mask`; returns once every lane of the
+// mask has.
 void warp_arrive(Fiber* f, int kind, unsigned int mask, int width) {
     Block* b = f->blk;
     Warp& w = b->warps[f->warp];
@@ -517,18 +531,24 @@ void warp_arrive(Fiber* f, int kind, unsigned int mask, int width) {
     if (width < 1 || width > 32 || (width & (width - 1)) != 0) {
         fail_block(b, f, format("%s at %s: width %d is not a power of two up to 32", op_name(kind), where(f).c_str(), width));
     }
-    if (w.arrived == 0) {
-        w.kind = kind;
-        w.mask = mask;
-        w.width = width;
-    } else if (w.kind != kind || w.mask != mask || w.width != width) {
-        fail_block(b, f,
-                   format("warp %u diverges: lanes %08x wait in %s (mask %08x, width %d) while %s calls %s (mask %08x, width %d)", f->warp,
-                          w.arrived, op_name(w.kind), w.mask, w.width, where(f).c_str(), op_name(kind), mask, width));
+    int gi = -1;
+    for (int i = 0; i < w.ngroups; ++i) {
+        const Group& g = w.groups[i];
+        if (g.mask == mask && g.kind == kind && g.width == width) {
+            gi = i;
+        } else if (g.mask & mask) {
+            fail_block(b, f,
+                       format("warp %u diverges: lanes %08x wait in %s (mask %08x, width %d) while %s calls %s (mask %08x, width %d)",
+                              f->warp, g.arrived, op_name(g.kind), g.mask, g.width, where(f).c_str(), op_name(kind), mask, width));
+        }
     }
-    w.arrived |= me;
-    if ((w.arrived & mask) == mask) {
-        warp_complete(b, f->warp, f);
+    if (gi < 0) {
+        gi = w.ngroups++;
+        w.groups[gi] = Group{mask, 0, kind, width};
+    }
+    w.groups[gi].arrived |= me;
+    if (w.groups[gi].arrived == mask) {
+        warp_complete(b, f->warp, gi, f);
         return;
     }
     f->state = AT_WARP;
@@ -628,6 +648,7 @@ bool run_block(Block& b, const unsigned int grid[3], const unsigned int block[3]
         const unsigned int lanes = std::min(32u, n - w * 32);
         b.warps[w].exists = lanes == 32 ? 0xffffffffu : ((1u << lanes) - 1);
         b.warps[w].live = b.warps[w].exists;
+        b.warps[w].ngroups = 0;
     }
     while (stacks.size() < n) stacks.push_back(take_stack());
     for (unsigned int i = 0; i < n; ++i) {

@@ -15,7 +15,7 @@
 //     exited, a lane outside the block, or lanes disagreeing on the operation fail the launch.
 //   - __shared__ is `thread_local`: one OS thread runs one block at a time, so every block sees
 //     its own copy (static shared memory; dynamic `extern __shared__` is not supported and
-//     fails to link, see README of the shim in tests/common/simt.rs).
+//     fails to link: building the simulated driver stops with an undefined symbol).
 //   - atomics are real (GCC __atomic builtins), so blocks may run on several OS threads at once
 //     (LOCKSTEP_SIMT_WORKERS) and in a shuffled order (LOCKSTEP_SIMT_SHUFFLE), which exposes
 //     kernels whose result depends on the order of their atomics.
