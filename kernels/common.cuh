@@ -179,29 +179,41 @@ struct GemmAcc {
 #if defined(LOCKSTEP_MMA_BF16)
 // D = A·B + D for one m16n8k16 bf16 fragment (f32 accumulate).
 __device__ __forceinline__ void mma_bf16_16816(float* c, const unsigned int* a, const unsigned int* b) {
+#ifdef SIMT_MMA_BF16_M16N8K16  // host-C++ SIMT shim (tests/simt); never defined under NVRTC
+    SIMT_MMA_BF16_M16N8K16(c, a, b);
+#else
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
         "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#endif
 }
 #endif
 
 #if defined(LOCKSTEP_MMA_TF32)
 // f32 -> tf32 with round-to-nearest (ties away), as cuBLAS/cuDNN do before TF32 mma.
 __device__ __forceinline__ unsigned int f32_to_tf32(float x) {
+#ifdef SIMT_CVT_RNA_TF32
+    return SIMT_CVT_RNA_TF32(x);
+#else
     unsigned int r;
     asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
     return r;
+#endif
 }
 
 // D = A·B + D for one m16n8k8 TF32 fragment (f32 accumulate).
 __device__ __forceinline__ void mma_tf32_1688(float* c, const unsigned int* a, const unsigned int* b) {
+#ifdef SIMT_MMA_TF32_M16N8K8
+    SIMT_MMA_TF32_M16N8K8(c, a, b);
+#else
     asm volatile(
         "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
         "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#endif
 }
 #endif
 

@@ -12,9 +12,11 @@ use std::time::Duration;
 
 #[path = "common/collectives.rs"]
 mod collectives;
+#[path = "common/simt.rs"]
+mod simt;
 
-/// Simulated driver and NCCL: host memory stands in for device memory (see the files).
-const SIM_CUDA_C: &str = include_str!("fake/sim_cuda.c");
+/// Simulated NCCL: host memory stands in for device memory (see the file). The simulated driver,
+/// with the real kernels under the SIMT shim, and NVRTC come from `common/simt.rs`.
 const SIM_NCCL_C: &str = include_str!("fake/sim_nccl.c");
 
 /// A fake `libcuda.so.1`: `cuDeviceGetCount` answers NOT_INITIALIZED (3) until `cuInit`.
@@ -74,21 +76,23 @@ struct Libs {
     nccl: PathBuf,
     nccl_old: PathBuf,
     sim_cuda: PathBuf,
+    sim_nvrtc: PathBuf,
     sim_nccl: PathBuf,
     sim_nccl_no_split: PathBuf,
 }
 
 fn build_libs(root: &Path) -> Libs {
+    let sim = simt::SimGpu::build();
     let l = Libs {
         cuda: root.join("cuda/libcuda.so.1"),
         cuda_broken: root.join("cuda-broken/libcuda.so.1"),
         nccl: root.join("nccl/libnccl.so.2"),
         nccl_old: root.join("nccl-old/libnccl.so.2"),
-        sim_cuda: root.join("sim-cuda/libcuda.so.1"),
+        sim_cuda: sim.cuda.clone(),
+        sim_nvrtc: sim.nvrtc.clone(),
         sim_nccl: root.join("sim-nccl/libnccl.so.2"),
         sim_nccl_no_split: root.join("sim-nccl-no-split/libnccl.so.2"),
     };
-    cc(SIM_CUDA_C, &l.sim_cuda, &[]);
     cc(SIM_NCCL_C, &l.sim_nccl, &[]);
     cc(SIM_NCCL_C, &l.sim_nccl_no_split, &["-DSIM_NO_SPLIT"]);
     cc(FAKE_CUDA_C, &l.cuda, &[]);
@@ -606,7 +610,11 @@ fn staged_refusal_fails_peers_fast() {
 /// `NCCL_MULTI_RANK_GPU_ENABLE=1`, two ranks on one simulated GPU and a simulated NCCL 2.30,
 /// both log NCCL's multi-rank mode at debug level (and staging with an older NCCL).
 fn one_selection_policy() {
-    let data = std::path::Path::new(lockstep::train::data::DEFAULT_DATA_DIR);
+    // A small synthetic set: train-cnn trains for real on the simulated GPU now, so its
+    // evaluation must stay short.
+    let data = std::env::temp_dir().join(format!("lockstep-sim-policy-data-{}", std::process::id()));
+    std::fs::create_dir_all(&data).unwrap();
+    lockstep::train::data::write_synthetic(&data, 128, 64, 3).unwrap();
     let rdzv = std::env::temp_dir().join(format!("lockstep-sim-policy-{}", std::process::id()));
     for (version, want) in [("23000", "choice=Nccl { multi_rank: true }"), ("21803", "choice=Staged")] {
         std::fs::create_dir_all(&rdzv).unwrap();
@@ -614,14 +622,9 @@ fn one_selection_policy() {
         selftest
             .args(["launch", "--nproc-per-node", "2", "--", env!("CARGO_BIN_EXE_lockstep"), "selftest"])
             .env("LOCKSTEP_BACKEND", "nccl");
-        let mut runs = vec![("lockstep launch -- lockstep selftest", selftest)];
-        if data.join("train-images-idx3-ubyte.gz").exists() {
-            let mut train = Command::new(env!("CARGO_BIN_EXE_train-cnn"));
-            train.args(["--device", "cuda", "--nprocs", "2", "--epochs", "1", "--limit-train", "128"]);
-            runs.push(("train-cnn --device cuda", train));
-        } else {
-            println!("skipped: train-cnn half (FashionMNIST not installed: apt-get install dataset-fashion-mnist)");
-        }
+        let mut train = Command::new(env!("CARGO_BIN_EXE_train-cnn"));
+        train.args(["--device", "cuda", "--nprocs", "2", "--epochs", "1", "--data"]).arg(&data);
+        let runs = vec![("lockstep launch -- lockstep selftest", selftest), ("train-cnn --device cuda", train)];
         for (what, mut cmd) in runs {
             let out = cmd
                 .env("NCCL_MULTI_RANK_GPU_ENABLE", "1")
@@ -632,8 +635,7 @@ fn one_selection_policy() {
                 .output()
                 .unwrap();
             let err = String::from_utf8_lossy(&out.stderr);
-            // train-cnn may stop later (the simulator launches only a few kernels); the choice is
-            // made and logged before that, once per rank.
+            // The choice is made and logged once per rank, before any training.
             for rank in 0..2 {
                 let line = format!("device backend selected rank={rank} world=2 gpus=1 device=0 {want}");
                 assert!(err.contains(&line), "{what} with NCCL {version}: expected `{line}`:\n{err}");
@@ -642,6 +644,7 @@ fn one_selection_policy() {
         }
         let _ = std::fs::remove_dir_all(&rdzv);
     }
+    let _ = std::fs::remove_dir_all(&data);
 }
 
 fn nccl_across_nodes_via_store() {
@@ -725,8 +728,9 @@ fn sim_memory_kernels_events() {
     }
     assert_eq!(counter("LOCKSTEP_CUDA_LIBRARY", "sim_live_allocs"), 0, "every device buffer is freed on drop");
 
-    // Kernels: NVRTC compiles the real source (when installed); the simulator runs host twins, so
-    // this checks argument marshalling and the launch builder's checks.
+    // Kernels: NVRTC compiles the real source (when installed; its image loads as a foreign one);
+    // the simulator runs the same source compiled under the SIMT shim, so this checks argument
+    // marshalling, the launch builder's checks and graph capture.
     let axpy = match ctx.function(KernelId::Elementwise.source(), "axpy_f32") {
         Ok(f) => f,
         Err(e) if e.to_string().contains("NVRTC library (libnvrtc) not found") => {
@@ -930,8 +934,9 @@ fn sim_staged_split() {
 
 /// The device engine's host side on the simulated driver (host memory stands in for device
 /// memory): arena views and their overlap check, region copies, the asynchronous read-back,
-/// parameter upload/download through `Engine`, the index list, and a launch that cannot compile
-/// (no NVRTC here) failing with an error instead of a panic.
+/// parameter upload/download through `Engine`, the index list, and a step whose kernels cannot
+/// compile (the simulated NVRTC fails on purpose, SIM_NVRTC_FAIL=1) failing with an error instead
+/// of a panic. (Steps that run: tests/sim_gpu.rs.)
 #[allow(clippy::single_range_in_vec_init)]
 fn sim_device_engine_host_side() {
     use lockstep::train::device::{plan, Engine, Exec, GpuExec, Precision};
@@ -972,13 +977,13 @@ fn sim_device_engine_host_side() {
     eng.exec.write_f32(eng.t.loss.loss_sum, &[12.5]).unwrap();
     eng.exec.start_read(eng.t.loss.loss_sum).unwrap();
     assert_eq!(eng.exec.finish_read().unwrap(), vec![12.5]);
-    // The step's kernels need NVRTC (maybe absent) and the simulator knows only the elementwise
-    // ones: the step fails with an error naming the cause, never a panic.
+    // The step's kernels do not compile: the step fails with an error naming the cause, never a
+    // panic.
     let e = match eng.train_step(0, 3, 0.01, None) {
-        Ok(()) => panic!("the simulator cannot run the CNN kernels, yet the step succeeded"),
+        Ok(()) => panic!("the kernels cannot compile, yet the step succeeded"),
         Err(e) => e.to_string(),
     };
-    assert!(e.contains("NVRTC") || e.contains("gather_batch_f32"), "{e}");
+    expect_contains("step without kernels", &e, &["NVRTC", "compile failure injected by SIM_NVRTC_FAIL"]);
     drop(eng);
     assert!(ctx.check().is_ok(), "no deferred errors");
 }
@@ -1006,7 +1011,14 @@ fn main() {
         ("old_nccl_rejected", vec![("LOCKSTEP_NCCL_LIBRARY", s(&libs.nccl_old))]),
         ("sim_memory_kernels_events", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda))]),
         ("sim_bench_device", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)), ("LOCKSTEP_NCCL_LIBRARY", s(&libs.sim_nccl))]),
-        ("sim_device_engine_host_side", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda))]),
+        (
+            "sim_device_engine_host_side",
+            vec![
+                ("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)),
+                ("LOCKSTEP_NVRTC_LIBRARY", s(&libs.sim_nvrtc)),
+                ("SIM_NVRTC_FAIL", "1".into()),
+            ],
+        ),
         ("sim_drop_error_is_deferred", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)), ("SIM_FAIL_FREE", "1".into())]),
         ("sim_nccl_collectives", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)), ("LOCKSTEP_NCCL_LIBRARY", s(&libs.sim_nccl))]),
         ("sim_nccl_split", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)), ("LOCKSTEP_NCCL_LIBRARY", s(&libs.sim_nccl))]),
@@ -1053,7 +1065,14 @@ fn main() {
         ("unique_id_exchange_over_shm", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)), ("LOCKSTEP_NCCL_LIBRARY", s(&libs.sim_nccl))]),
         ("nccl_across_nodes_via_store", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)), ("LOCKSTEP_NCCL_LIBRARY", s(&libs.sim_nccl))]),
         ("staged_refusal_fails_peers_fast", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda))]),
-        ("one_selection_policy", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)), ("LOCKSTEP_NCCL_LIBRARY", s(&libs.sim_nccl))]),
+        (
+            "one_selection_policy",
+            vec![
+                ("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)),
+                ("LOCKSTEP_NCCL_LIBRARY", s(&libs.sim_nccl)),
+                ("LOCKSTEP_NVRTC_LIBRARY", s(&libs.sim_nvrtc)),
+            ],
+        ),
         (
             "nccl_multi_rank_gpu",
             vec![

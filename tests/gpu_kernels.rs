@@ -3,8 +3,11 @@
 //! [`Op`] runs on `GpuExec` (the kernel) and `CpuExec` (the twin) from identical arenas, and every
 //! region it writes is compared with `assert_close`.
 //!
-//! Without a driver it prints `skipped: no CUDA driver` (and fails under LOCKSTEP_REQUIRE_GPU=1).
-//! Kernels are built with `-DLOCKSTEP_NO_TF32` unless `LOCKSTEP_NVRTC_OPTIONS` is already set.
+//! Without a driver (and without LOCKSTEP_REQUIRE_GPU=1, which makes that a failure) the same
+//! checks run on the simulated GPU: the real kernel sources compiled as host C++ under the SIMT
+//! shim (`tests/simt`, built by `tests/common/simt.rs`), once with TF32 off, once on and once
+//! without tensor cores. Kernels are built with `-DLOCKSTEP_NO_TF32` unless
+//! `LOCKSTEP_NVRTC_OPTIONS` is already set.
 //!
 //! Tolerances (|got - want| <= atol + rtol * |want|):
 //! - f32 GEMMs (conv, linear) without TF32: 1e-4 / 1e-4; with TF32: 2e-3*sqrt(K) / 1e-2;
@@ -17,6 +20,8 @@
 mod close;
 #[path = "common/gpu.rs"]
 mod gpu;
+#[path = "common/simt.rs"]
+mod simt;
 
 use close::{assert_close, Tol};
 use half::bf16;
@@ -102,6 +107,7 @@ fn op(kernel: KernelId, name: &'static str, args: Vec<Arg>, n: usize) -> Op {
 }
 
 fn main() {
+    simt::run_on_sim_without_gpu(&[("TF32 off", "-DLOCKSTEP_NO_TF32"), ("TF32 on", ""), ("no tensor cores", "-DLOCKSTEP_NO_TENSOR_CORES")]);
     gpu::driver_or_skip();
     if std::env::var_os("LOCKSTEP_NVRTC_OPTIONS").is_none() {
         std::env::set_var("LOCKSTEP_NVRTC_OPTIONS", "-DLOCKSTEP_NO_TF32");
