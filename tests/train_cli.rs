@@ -34,10 +34,14 @@ fn clean(c: &mut Command) -> &mut Command {
     c
 }
 
-/// The trainer's arguments for 2 ranks, 1 epoch of 8 steps (128 images per rank, batches of 16).
+/// The trainer's arguments for 2 ranks, 1 epoch (unless `extra` says) of 8 steps (128 images
+/// per rank, batches of 16).
 fn args(extra: &[&str]) -> Vec<String> {
-    let mut v: Vec<String> = ["--device", "cpu", "--epochs", "1", "--batch-size", "16", "--data"].iter().map(|s| s.to_string()).collect();
+    let mut v: Vec<String> = ["--device", "cpu", "--batch-size", "16", "--data"].iter().map(|s| s.to_string()).collect();
     v.push(root().1.display().to_string());
+    if !extra.contains(&"--epochs") {
+        v.extend(["--epochs".to_string(), "1".to_string()]);
+    }
     v.extend(extra.iter().map(|s| s.to_string()));
     v
 }
