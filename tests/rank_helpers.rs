@@ -112,10 +112,8 @@ fn ordering(local: bool) -> Result<(), String> {
         if *leads && !seen.iter().all(|n| leader_files.contains(n)) {
             return Err(format!("leader rank {r} ran after others: it saw {seen:?}"));
         }
-        if !*leads {
-            if !leader_files.iter().all(|w| seen.contains(w)) {
-                return Err(format!("rank {r} ran before the leaders {leaders:?} finished: it saw {seen:?}"));
-            }
+        if !*leads && !leader_files.iter().all(|w| seen.contains(w)) {
+            return Err(format!("rank {r} ran before the leaders {leaders:?} finished: it saw {seen:?}"));
         }
         if *after != WORLD {
             return Err(format!("rank {r} returned before every rank's f finished ({after} of {WORLD} files)"));

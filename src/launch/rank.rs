@@ -220,9 +220,9 @@ impl RankContext {
         }
         let mut out = Vec::with_capacity(all.len());
         for i in 0..m {
-            for r in 0..world {
+            for (r, &d) in displs.iter().enumerate() {
                 if i < real(r) {
-                    let s = displs[r] + i * item_len;
+                    let s = d + i * item_len;
                     out.extend_from_slice(&all[s..s + item_len]);
                 }
             }
