@@ -265,6 +265,30 @@ fn config_refusals() -> Result<(), String> {
     Ok(())
 }
 
+/// The device engine (run here on its CPU twins) implements none of the options yet: each is
+/// refused with a message naming it, never ignored; weight decay, which it has, is accepted.
+fn device_engine_refuses_what_it_lacks() -> Result<(), String> {
+    use lockstep::train::device::{train_device, CpuExec, DeviceOptions};
+    let (tr, te) = load(16, 4);
+    let base = TrainConfig { epochs: 1, batch_size: 8, ..TrainConfig::default() };
+    let cases: Vec<(TrainConfig, Option<&str>)> = vec![
+        (TrainConfig { optimizer: OptimizerKind::Sgd { momentum: 0.9 }, ..base.clone() }, Some("--optimizer sgd is not supported with --device cuda")),
+        (TrainConfig { grad_accum: 2, ..base.clone() }, Some("--grad-accum is not supported with --device cuda")),
+        (TrainConfig { clip_grad_norm: Some(1.0), ..base.clone() }, Some("--clip-grad-norm is not supported with --device cuda")),
+        (TrainConfig { epochs: 0, ..base.clone() }, Some("epochs is 0")),
+        (TrainConfig { weight_decay: 0.01, ..base.clone() }, None),
+    ];
+    for (cfg, want) in cases {
+        let r = train_device(&cfg, &DeviceOptions::default(), &tr, &te, |len| Ok(CpuExec::new(len)), None, &mut Silent);
+        match (r, want) {
+            (Err(e), Some(w)) if e.to_string().contains(w) => {}
+            (Ok(out), None) if out.reports.len() == 1 && out.params.iter().all(|p| p.is_finite()) => {}
+            (r, w) => return Err(format!("want {w:?}, got {:?}", r.map(|o| o.reports).map_err(|e| e.to_string()))),
+        }
+    }
+    Ok(())
+}
+
 fn main() -> std::process::ExitCode {
     common::run(&[
         ("clip_grad_norm_unit", clip_grad_norm_unit),
@@ -274,5 +298,6 @@ fn main() -> std::process::ExitCode {
         ("clipping_bounds_the_update_on_three_ranks", clipping_bounds_the_update_on_three_ranks),
         ("sgd_step_matches_pytorch", sgd_step_matches_pytorch),
         ("sgd_learns", sgd_learns),
+        ("device_engine_refuses_what_it_lacks", device_engine_refuses_what_it_lacks),
     ])
 }
