@@ -129,8 +129,30 @@ macro_rules! from_str_by_name {
         }
     };
 }
-from_str_by_name!(MixedPrecision, "mixed_precision");
 from_str_by_name!(BackendChoice, "backend");
+
+impl std::str::FromStr for MixedPrecision {
+    type Err = String;
+    /// `no`, `fp16` or `bf16` (Accelerate's values), and `fp32` for `no` (train-cnn's
+    /// `--precision fp32`).
+    fn from_str(s: &str) -> Result<MixedPrecision, String> {
+        let s = s.trim();
+        if s.eq_ignore_ascii_case("fp32") {
+            return Ok(MixedPrecision::No);
+        }
+        MixedPrecision::ALL
+            .iter()
+            .copied()
+            .find(|v| v.name().eq_ignore_ascii_case(s))
+            .ok_or_else(|| format!("mixed_precision: {s:?} is not a precision: use no (fp32), fp16 or bf16"))
+    }
+}
+
+impl std::fmt::Display for MixedPrecision {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
 
 /// The contents of a configuration file: `None` where the file does not set the key.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]

@@ -4,8 +4,17 @@
 //! values (`Args`) are validated into a [`lockstep::train::trainer::TrainConfig`] in one place.
 //! With `--nprocs N` the binary forks its own ranks through `lockstep::launch::launch`; under
 //! `lockstep launch` (environment `LOCKSTEP_JOB_ID`, `RANK`, `WORLD_SIZE`) it joins instead.
-//! Rank 0 alone prints: a progress bar per epoch on a terminal, then one line (or, with
-//! `--json`, one JSON object) per epoch.
+//! Rank 0 alone prints (`console.rs`): a progress bar on a terminal (also under `lockstep
+//! launch`), per-step lines off one (`--log-every`), one line (or, with `--json`, one JSON object)
+//! per epoch, and the peak RSS of every rank; `--metrics` and `--plot` write files.
+//!
+//! The rank function works on a [`RankContext`] (forked, or built from the launcher's
+//! environment) and uses its helpers: `set_seed` (every rank must pass the same seed),
+//! `is_main_process` for output, and an all-gather of each rank's peak RSS.
+//!
+//! Precision (`--precision no|fp16|bf16`, the config's `mixed_precision`) is never a silent
+//! fallback: the CPU engine trains in fp32 and refuses the others; CUDA trains bf16, and refuses
+//! fp16 until fp16 kernels exist (`lockstep::train::precision`).
 //!
 //! `--device cuda` trains with the `kernels/*.cu` kernels (`lockstep::train::device`): each rank
 //! initialises CUDA itself after the fork, on GPU `local_rank % device_count`, and averages
@@ -13,23 +22,28 @@
 //! GPU). `--device auto` picks CUDA when a forked probe process finds a driver and a device, so
 //! the parent never initialises CUDA before forking.
 
-use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, ValueEnum};
 
 mod common;
-use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+#[path = "train_cnn/console.rs"]
+mod console;
+#[path = "train_cnn/plot.rs"]
+mod plot;
+
+use console::{Console, ConsoleOptions};
 use lockstep::comm::Communicator;
 use lockstep::cuda;
 use lockstep::launch::{launch, LaunchConfig, RankContext};
 use lockstep::train::checkpoint;
 use lockstep::train::data::{self, Dataset, DEFAULT_DATA_DIR};
-use lockstep::train::device::{self, DeviceOptions, GpuExec, Precision};
+use lockstep::train::device::{self, DeviceOptions, GpuExec};
 use lockstep::train::kernels;
+use lockstep::train::precision::MixedPrecision;
 use lockstep::train::schedule::Schedule;
-use lockstep::train::trainer::{self, EpochReport, Observer, Silent, TrainConfig};
+use lockstep::train::trainer::{self, Observer, OptimizerKind, Silent, TrainConfig};
 
 /// Where to train.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -53,22 +67,55 @@ enum Sched {
     Onecycle,
 }
 
+/// Optimizer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Optim {
+    /// Adam (PyTorch defaults; the recipe).
+    Adam,
+    /// SGD with momentum (--momentum) and weight decay (--weight-decay).
+    Sgd,
+}
+
 /// Raw command-line values.
 #[derive(Parser, Debug)]
 #[command(name = "train-cnn", version, about = "Train the FashionMNIST CNN with data-parallel CPU ranks or CUDA GPUs (lockstep)")]
 struct Args {
-    /// Ranks to fork (ignored when started by `lockstep launch`).
-    #[arg(long, default_value_t = 2)]
+    /// Ranks to fork (ignored when started by `lockstep launch`) [default: the config file's
+    /// num_processes / num_machines, else 2].
+    #[arg(long = "nprocs", value_name = "N")]
+    nprocs_flag: Option<usize>,
+    /// `--nprocs`, or what the configuration file or the default says (set by `apply_config`).
+    #[arg(skip)]
     nprocs: usize,
+    /// The configuration file `lockstep config` writes [default: $LOCKSTEP_CONFIG, else the
+    /// user's lockstep/config.toml]; it supplies the defaults of --nprocs and --precision.
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
     /// Epochs to train.
     #[arg(long, default_value_t = 4)]
     epochs: u64,
     /// Images per rank per step.
     #[arg(long, default_value_t = 64)]
     batch_size: usize,
-    /// Adam learning rate.
+    /// Learning rate.
     #[arg(long, default_value_t = 0.005)]
     lr: f32,
+    /// Optimizer.
+    #[arg(long, value_enum, default_value_t = Optim::Adam)]
+    optimizer: Optim,
+    /// SGD momentum (with --optimizer sgd).
+    #[arg(long, default_value_t = 0.9)]
+    momentum: f32,
+    /// L2 penalty added to the gradient (Adam and SGD, as PyTorch's weight_decay).
+    #[arg(long, default_value_t = 0.0)]
+    weight_decay: f32,
+    /// Micro-batches of --batch-size per optimizer step; gradients are averaged over ranks once
+    /// per step, after the last (DDP's no_sync). CPU only.
+    #[arg(long, default_value_t = 1)]
+    grad_accum: usize,
+    /// Clip the global L2 norm of the averaged gradients to this (clip_grad_norm_). CPU only.
+    #[arg(long)]
+    clip_grad_norm: Option<f32>,
     /// Seed for initialisation and shuffling.
     #[arg(long, default_value_t = 42)]
     seed: u64,
@@ -90,6 +137,17 @@ struct Args {
     /// Print one JSON object per epoch on stdout instead of text.
     #[arg(long)]
     json: bool,
+    /// A line per N steps (`epoch 1/4 step 100/469 loss 0.4384 ...`; a JSON object with --json).
+    /// Default: every 100 steps when stdout is not a terminal, none under the progress bar.
+    #[arg(long, value_name = "N")]
+    log_every: Option<usize>,
+    /// Write JSON lines here: one per reported step, one per epoch, a summary (rewritten
+    /// atomically after every epoch).
+    #[arg(long, value_name = "FILE")]
+    metrics: Option<PathBuf>,
+    /// Draw training loss and test accuracy per epoch into this SVG file.
+    #[arg(long, value_name = "FILE")]
+    plot: Option<PathBuf>,
     /// More diagnostics (-v debug, -vv trace); LOCKSTEP_LOG=FILTER overrides.
     #[arg(short, long, action = clap::ArgAction::Count)]
     verbose: u8,
@@ -108,9 +166,15 @@ struct Args {
     /// Gradient bucket size in MiB.
     #[arg(long, default_value_t = 25)]
     bucket_mib: usize,
-    /// GEMM precision on CUDA: fp32 or bf16 (f32 master weights and optimizer state either way).
-    #[arg(long, default_value = "fp32")]
-    precision: Precision,
+    /// Mixed precision: no (fp32), bf16 (CUDA: bf16 GEMM operands, f32 accumulation and master
+    /// weights) or fp16 (refused: no fp16 kernels yet). The CPU trains in fp32 only and refuses
+    /// the others rather than ignore them.
+    /// [default: the config file's mixed_precision, else no]
+    #[arg(long = "precision", value_name = "no|fp16|bf16")]
+    precision_flag: Option<MixedPrecision>,
+    /// `--precision`, or the configuration file's `mixed_precision` (set by `apply_config`).
+    #[arg(skip)]
+    precision: MixedPrecision,
     /// On CUDA, read the training loss back every N steps.
     #[arg(long, default_value_t = 50)]
     loss_every: usize,
@@ -126,6 +190,8 @@ enum CliError {
     NoCuda(String),
     #[error("{0}")]
     Usage(String),
+    #[error("{0}")]
+    Output(String),
     #[error(transparent)]
     Data(#[from] data::DataError),
     #[error("joining the job from the environment failed: {0}")]
@@ -144,18 +210,53 @@ struct Config {
     graphs: bool,
     nprocs: usize,
     threads: usize,
-    json: bool,
+    console: ConsoleOptions,
+}
+
+/// The flags that only the CPU engine implements, as given.
+fn cpu_only_flags(a: &Args) -> Vec<&'static str> {
+    let mut v = Vec::new();
+    if a.sync_bn {
+        v.push("--sync-bn");
+    }
+    if a.optimizer != Optim::Adam {
+        v.push("--optimizer sgd");
+    }
+    if a.grad_accum != 1 {
+        v.push("--grad-accum");
+    }
+    if a.clip_grad_norm.is_some() {
+        v.push("--clip-grad-norm");
+    }
+    v
 }
 
 fn validate(a: &Args, train_len: usize, cuda: bool) -> Result<Config, CliError> {
-    if cuda && a.sync_bn {
-        return Err(CliError::Usage("--sync-bn is CPU-only for now; drop it or use --device cpu".into()));
+    let cpu_only = cpu_only_flags(a);
+    if cuda && !cpu_only.is_empty() {
+        return Err(CliError::Usage(format!(
+            "{} {} CPU-only for now; drop them or use --device cpu",
+            cpu_only.join(", "),
+            if cpu_only.len() == 1 { "is" } else { "are" }
+        )));
     }
+    let precision = if cuda {
+        a.precision.device_precision().map_err(|e| CliError::Usage(format!("--precision: {e}")))?
+    } else {
+        a.precision.check_cpu().map_err(|e| CliError::Usage(format!("--precision: {e}")))?;
+        device::Precision::Fp32
+    };
     if a.loss_every == 0 {
         return Err(CliError::Usage("--loss-every must be at least 1".into()));
     }
+    if a.log_every == Some(0) {
+        return Err(CliError::Usage("--log-every 0 would log nothing; pass at least 1 (or drop the flag)".into()));
+    }
     if a.nprocs == 0 || a.batch_size == 0 || a.threads == 0 {
         return Err(CliError::Usage("--nprocs, --batch-size and --threads must be at least 1".into()));
+    }
+    if a.grad_accum == 0 {
+        return Err(CliError::Usage("--grad-accum 0 would never step; pass at least 1 (1 = no accumulation)".into()));
     }
     if a.epochs == 0 {
         return Err(CliError::Usage("--epochs 0 would train nothing; pass at least 1".into()));
@@ -165,6 +266,27 @@ fn validate(a: &Args, train_len: usize, cuda: bool) -> Result<Config, CliError> 
     }
     if !(a.lr.is_finite() && a.lr > 0.0) {
         return Err(CliError::Usage(format!("--lr must be a positive number, got {}", a.lr)));
+    }
+    if !(a.weight_decay.is_finite() && a.weight_decay >= 0.0) {
+        return Err(CliError::Usage(format!("--weight-decay must be 0 or a positive number, got {}", a.weight_decay)));
+    }
+    if a.optimizer == Optim::Sgd && !(a.momentum.is_finite() && (0.0..1.0).contains(&a.momentum)) {
+        return Err(CliError::Usage(format!("--momentum must be in [0, 1), got {}", a.momentum)));
+    }
+    if let Some(c) = a.clip_grad_norm {
+        if !(c.is_finite() && c > 0.0) {
+            return Err(CliError::Usage(format!("--clip-grad-norm must be a positive number, got {c}")));
+        }
+    }
+    if a.optimizer == Optim::Sgd && (a.save.is_some() || a.resume.is_some()) {
+        return Err(CliError::Usage("--save and --resume keep Adam's state only; use --optimizer adam with them, or drop them".into()));
+    }
+    if let Some(p) = &a.metrics {
+        console::check_output_path("--metrics", p).map_err(CliError::Usage)?;
+    }
+    if let Some(p) = &a.plot {
+        console::check_output_path("--plot", p).map_err(CliError::Usage)?;
+        plot::check_format(p).map_err(CliError::Usage)?;
     }
     // Catch path mistakes before an epoch of work, not after it: the directory exists and takes
     // a new file, no checkpoint name is a directory, and one checkpoint fits.
@@ -186,7 +308,7 @@ fn validate(a: &Args, train_len: usize, cuda: bool) -> Result<Config, CliError> 
             )));
         }
     }
-    let steps_per_epoch = train_len.div_ceil(a.nprocs).div_ceil(a.batch_size) as u64;
+    let steps_per_epoch = train_len.div_ceil(a.nprocs).div_ceil(a.batch_size).div_ceil(a.grad_accum) as u64;
     let total = steps_per_epoch * a.epochs;
     let schedule = match a.schedule {
         Sched::Constant => Schedule::Constant,
@@ -204,13 +326,26 @@ fn validate(a: &Args, train_len: usize, cuda: bool) -> Result<Config, CliError> 
             save: a.save.clone(),
             resume: a.resume.clone(),
             sync_bn: a.sync_bn,
+            optimizer: match a.optimizer {
+                Optim::Adam => OptimizerKind::Adam,
+                Optim::Sgd => OptimizerKind::Sgd { momentum: a.momentum },
+            },
+            weight_decay: a.weight_decay,
+            grad_accum: a.grad_accum,
+            clip_grad_norm: a.clip_grad_norm,
         },
         cuda,
-        device: DeviceOptions { precision: a.precision, loss_every: a.loss_every },
+        device: DeviceOptions { precision, loss_every: a.loss_every },
         graphs: !a.no_graphs,
         nprocs: a.nprocs,
         threads: a.threads,
-        json: a.json,
+        console: ConsoleOptions {
+            json: a.json,
+            log_every: a.log_every,
+            bar: console::bar_wanted(a.json).map_err(CliError::Usage)?,
+            metrics: a.metrics.clone(),
+            plot: a.plot.clone(),
+        },
     })
 }
 
@@ -233,54 +368,6 @@ fn comm_from_env() -> Option<Result<Communicator, String>> {
     Some(Communicator::from_env().map_err(|e| e.to_string()))
 }
 
-/// Rank 0's output: progress bar on a terminal, and one line or JSON object per epoch.
-struct Printer {
-    json: bool,
-    bar: Option<ProgressBar>,
-}
-
-impl Observer for Printer {
-    fn epoch_start(&mut self, epoch: u64, epochs: u64, steps: usize) {
-        if !std::io::stdout().is_terminal() {
-            return;
-        }
-        let bar = ProgressBar::with_draw_target(Some(steps as u64), ProgressDrawTarget::stdout());
-        if let Ok(style) = ProgressStyle::default_bar().template("epoch {prefix} [{bar:30}] {pos}/{len} {msg}") {
-            bar.set_style(style.progress_chars("=> "));
-        }
-        bar.set_prefix(format!("{epoch}/{epochs}"));
-        self.bar = Some(bar);
-    }
-    fn step(&mut self, step: usize, loss: f32, images_per_s: f64) {
-        if let Some(bar) = &self.bar {
-            bar.set_position(step as u64);
-            if step.is_multiple_of(10) {
-                bar.set_message(format!("loss {loss:.3}  {images_per_s:.0} img/s"));
-            }
-        }
-    }
-    fn epoch_end(&mut self, r: &EpochReport) {
-        if let Some(bar) = self.bar.take() {
-            bar.finish_and_clear();
-        }
-        let mut out = std::io::stdout().lock();
-        let _ = if self.json {
-            writeln!(
-                out,
-                "{{\"epoch\":{},\"epochs\":{},\"train_loss\":{:.6},\"test_acc\":{:.4},\"test_count\":{},\"epoch_s\":{:.3},\"images_per_s\":{:.1},\"steps\":{}}}",
-                r.epoch, r.epochs, r.train_loss, r.test_acc, r.test_count, r.epoch_s, r.images_per_s, r.steps
-            )
-        } else {
-            writeln!(
-                out,
-                "epoch {}/{}  loss {:.4}  test acc {:.2} %  {:.1} s  ({:.0} img/s)",
-                r.epoch, r.epochs, r.train_loss, r.test_acc, r.epoch_s, r.images_per_s
-            )
-        };
-        let _ = out.flush();
-    }
-}
-
 /// Peak resident set size of this process in KiB (VmHWM), if readable.
 fn peak_rss_kib() -> u64 {
     std::fs::read_to_string("/proc/self/status")
@@ -289,34 +376,43 @@ fn peak_rss_kib() -> u64 {
         .unwrap_or(0)
 }
 
+/// Rank 0's console, or nothing on the other ranks.
+fn console_for(ctx: &RankContext, cfg: &Config) -> Option<Console> {
+    ctx.is_main_process().then(|| Console::new(cfg.console.clone()))
+}
+
+/// Every rank's peak RSS (KiB, rank order) through `comm`, at the end of the run.
+fn gather_rss(comm: &mut Communicator) -> Result<Vec<u64>, lockstep::CommError> {
+    let mut all = vec![0u64; comm.world_size()];
+    comm.all_gather(&[peak_rss_kib()][..], &mut all[..])?;
+    Ok(all)
+}
+
+/// What a rank returns: its final test accuracy.
+type RankOut = Result<f64, Box<dyn std::error::Error + Send + Sync>>;
+
 /// One CUDA rank: its own context (CUDA is first initialised here, after the fork), a device
 /// communicator built from the host one, then the device engine.
-fn run_rank_cuda(
-    host: Communicator,
-    local_rank: usize,
-    cfg: &Config,
-    train_set: &Dataset,
-    test_set: &Dataset,
-) -> Result<(f64, u64), Box<dyn std::error::Error + Send + Sync>> {
-    let rank = host.rank();
+fn run_rank_cuda(mut ctx: RankContext, cfg: &Config, train_set: &Dataset, test_set: &Dataset) -> RankOut {
+    ctx.set_seed(cfg.train.seed)?;
+    let mut console = console_for(&ctx, cfg);
+    // A host communicator of the same ranks for the RSS summary: the device one may take device
+    // buffers only.
+    let mut side = ctx.comm.split(Some(0), 0)?.ok_or("split with a color returned no communicator")?;
     // The same backend policy as every other entry point (NCCL, NCCL's multi-rank mode, or
     // staging), so `train-cnn` and `lockstep` never disagree about a job.
-    let (mut comm, ctx) = lockstep::rendezvous::device_communicator(host, local_rank)?;
-    let make = |len| Ok(GpuExec::new(&ctx, len, cfg.graphs)?);
-    let out = if rank == 0 {
-        device::train_device(
-            &cfg.train,
-            &cfg.device,
-            train_set,
-            test_set,
-            make,
-            Some(&mut comm),
-            &mut Printer { json: cfg.json, bar: None },
-        )?
-    } else {
-        device::train_device(&cfg.train, &cfg.device, train_set, test_set, make, Some(&mut comm), &mut Silent)?
+    let (mut comm, dctx) = lockstep::rendezvous::device_communicator(ctx.comm, ctx.local_rank)?;
+    let make = |len| Ok(GpuExec::new(&dctx, len, cfg.graphs)?);
+    let obs: &mut dyn Observer = match console.as_mut() {
+        Some(c) => c,
+        None => &mut Silent,
     };
-    Ok((out.reports.last().map(|r| r.test_acc).unwrap_or(0.0), peak_rss_kib()))
+    let out = device::train_device(&cfg.train, &cfg.device, train_set, test_set, make, Some(&mut comm), obs)?;
+    let rss = gather_rss(&mut side)?;
+    if let Some(c) = console.as_mut() {
+        c.finish(&rss).map_err(CliError::Output)?;
+    }
+    Ok(out.reports.last().map(|r| r.test_acc).unwrap_or(0.0))
 }
 
 /// Whether `--device auto` should use CUDA: a driver library loads and a forked probe process
@@ -332,30 +428,41 @@ fn cuda_usable() -> Result<(), String> {
     Ok(())
 }
 
-/// One rank's work; returns (final test accuracy, peak RSS KiB).
-fn run_rank(comm: &mut Communicator, cfg: &Config, train_set: &Dataset, test_set: &Dataset) -> Result<(f64, u64), trainer::TrainError> {
+/// One CPU rank's work; returns its final test accuracy.
+fn run_rank(mut ctx: RankContext, cfg: &Config, train_set: &Dataset, test_set: &Dataset) -> RankOut {
     kernels::set_threads(cfg.threads);
-    let rank = comm.rank();
-    let out = if rank == 0 {
-        trainer::train(&cfg.train, train_set, test_set, comm, &mut Printer { json: cfg.json, bar: None })?
-    } else {
-        trainer::train(&cfg.train, train_set, test_set, comm, &mut Silent)?
+    ctx.set_seed(cfg.train.seed)?;
+    let mut console = console_for(&ctx, cfg);
+    let obs: &mut dyn Observer = match console.as_mut() {
+        Some(c) => c,
+        None => &mut Silent,
     };
-    Ok((out.reports.last().map(|r| r.test_acc).unwrap_or(0.0), peak_rss_kib()))
+    let out = trainer::train(&cfg.train, train_set, test_set, &mut ctx.comm, obs)?;
+    let rss = gather_rss(&mut ctx.comm)?;
+    if let Some(c) = console.as_mut() {
+        c.finish(&rss).map_err(CliError::Output)?;
+    }
+    Ok(out.reports.last().map(|r| r.test_acc).unwrap_or(0.0))
 }
 
-fn print_rss(json: bool, rss: &[u64]) {
-    let mib: Vec<String> = rss.iter().map(|k| format!("{:.1}", *k as f64 / 1024.0)).collect();
-    if json {
-        println!("{{\"peak_rss_mib\":[{}]}}", mib.join(","));
-    } else {
-        println!("peak RSS per rank: {} MiB", mib.join(", "));
+/// Fill in what the command line left to the configuration file (`lockstep config`): flags win,
+/// then the file, then the defaults `lockstep launch` uses too. Under `lockstep launch` the
+/// launcher passes the file it read as LOCKSTEP_CONFIG, so both read the same one.
+fn apply_config(args: &mut Args) -> Result<(), CliError> {
+    let loaded = lockstep::config::load(args.config.as_deref()).map_err(|e| CliError::Usage(e.to_string()))?;
+    let file = &loaded.config;
+    args.nprocs = args.nprocs_flag.or(file.processes_per_machine()).unwrap_or(lockstep::config::DEFAULT_NUM_PROCESSES);
+    args.precision = args.precision_flag.or(file.mixed_precision).unwrap_or_default();
+    if loaded.exists {
+        tracing::debug!("configuration file {}: {} ranks, precision {}", loaded.path.display(), args.nprocs, args.precision);
     }
+    Ok(())
 }
 
 fn run() -> Result<(), CliError> {
-    let args = Args::parse();
+    let mut args = Args::parse();
     common::init_logging(args.verbose, args.quiet).map_err(CliError::Usage)?;
+    apply_config(&mut args)?;
     let cuda = match args.device {
         Device::Cpu => false,
         Device::Cuda => {
@@ -363,7 +470,7 @@ fn run() -> Result<(), CliError> {
             true
         }
         // CPU-only features keep `auto` on the CPU instead of failing.
-        Device::Auto => !args.sync_bn && cuda_usable().is_ok(),
+        Device::Auto => cpu_only_flags(&args).is_empty() && cuda_usable().is_ok(),
     };
     // Load before forking: the ranks share the parent's pages instead of each decompressing.
     let (mut train_set, test_set) = data::load_splits(&args.data)?;
@@ -375,35 +482,47 @@ fn run() -> Result<(), CliError> {
         std::env::set_var("LOCKSTEP_CPU_BIND", "none");
     }
     if let Some(joined) = comm_from_env() {
-        let mut comm = joined.map_err(CliError::Join)?;
+        let comm = joined.map_err(CliError::Join)?;
         let cfg = validate(&args, train_set.len(), cuda)?;
         let cfg = Config { nprocs: comm.world_size(), ..cfg };
-        let rank0 = comm.rank() == 0;
-        let rss = if cfg.cuda {
-            let local = std::env::var("LOCAL_RANK").ok().and_then(|v| v.parse().ok()).unwrap_or(comm.rank());
-            run_rank_cuda(comm, local, &cfg, &train_set, &test_set).map_err(|e| CliError::Join(format!("CUDA rank: {e}")))?.1
-        } else {
-            run_rank(&mut comm, &cfg, &train_set, &test_set)?.1
-        };
-        if rank0 {
-            print_rss(cfg.json, &[rss]);
-        }
-        return Ok(());
+        let info = lockstep::rendezvous::EnvInfo::from_env().map_err(|e| CliError::Join(e.to_string()))?;
+        let ctx = RankContext { rank: comm.rank(), local_rank: info.local_rank, world_size: comm.world_size(), comm };
+        let run = if cfg.cuda { run_rank_cuda } else { run_rank };
+        return run(ctx, &cfg, &train_set, &test_set).map(drop).map_err(rank_error);
     }
     let cfg = validate(&args, train_set.len(), cuda)?;
+    if cfg.console.bar {
+        // The forked ranks' stdout is a pipe to this process, which forwards it to the terminal:
+        // tell rank 0 it may draw.
+        std::env::set_var(lockstep::types::env::CONSOLE_TTY.name, "1");
+    }
     let mut lc = LaunchConfig::new(cfg.nprocs);
     // JSON lines must reach stdout as they are, without the launcher's `[rank N]` prefix (only
     // rank 0 prints).
-    lc.capture_output = !cfg.json;
-    let results = launch(&lc, |mut ctx: RankContext| {
-        if cfg.cuda {
-            run_rank_cuda(ctx.comm, ctx.local_rank, &cfg, &train_set, &test_set)
-        } else {
-            run_rank(&mut ctx.comm, &cfg, &train_set, &test_set).map_err(|e| e.into())
-        }
-    })?;
-    print_rss(cfg.json, &results.iter().map(|r| r.1).collect::<Vec<_>>());
+    lc.capture_output = !cfg.console.json;
+    launch(
+        &lc,
+        |ctx: RankContext| {
+            if cfg.cuda {
+                run_rank_cuda(ctx, &cfg, &train_set, &test_set)
+            } else {
+                run_rank(ctx, &cfg, &train_set, &test_set)
+            }
+        },
+    )?;
     Ok(())
+}
+
+/// A rank's error as the command's: a file that could not be written stays an output error,
+/// anything else is the training's.
+fn rank_error(e: Box<dyn std::error::Error + Send + Sync>) -> CliError {
+    match e.downcast::<CliError>() {
+        Ok(c) => *c,
+        Err(e) => match e.downcast::<trainer::TrainError>() {
+            Ok(t) => CliError::Train(*t),
+            Err(e) => CliError::Join(e.to_string()),
+        },
+    }
 }
 
 fn main() -> ExitCode {

@@ -5,9 +5,7 @@
 //! (`$XDG_CACHE_HOME/lockstep` or `~/.cache/lockstep`) is keyed by a hash of the source, headers,
 //! options and NVRTC version, plus the GPU arch and driver version.
 
-use std::io::Write as _;
-use std::os::unix::fs::OpenOptionsExt as _;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use super::error::CudaError;
 use super::nvrtc::{self, Output};
@@ -100,32 +98,15 @@ pub fn compile_cubin_cached(src: &KernelSource, cc: (i32, i32), driver_version: 
     }
     let cubin = n.compile(src.name, src.source, src.headers, &opts, Output::Cubin)?;
     // A cache that cannot be written only costs a recompile next time: say so, and carry on.
-    if let Err(e) = write_atomic(&path, &cubin) {
+    let stored = match path.parent() {
+        Some(dir) => std::fs::create_dir_all(dir).map_err(|e| e.to_string()),
+        None => Err("the cache path has no folder".into()),
+    }
+    .and_then(|()| crate::types::write_atomic(&path, &cubin, 0o644).map_err(|e| e.to_string()));
+    if let Err(e) = stored {
         tracing::warn!("kernel cache: could not store {}: {e}; {} will be compiled again next time", path.display(), src.name);
     }
     Ok((cubin, false))
-}
-
-/// Write `bytes` to `path` so that readers see either nothing or the whole file: a fresh
-/// temporary file next to it (`O_EXCL|O_NOFOLLOW`), fsync, rename over `path`, fsync the folder.
-fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    let dir = path.parent().ok_or_else(|| std::io::Error::other("cache path has no folder"))?;
-    std::fs::create_dir_all(dir)?;
-    let name = path.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
-    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
-    let tmp = dir.join(format!(".{name}.tmp.{}.{nanos}", std::process::id()));
-    let written = (|| {
-        let mut f = std::fs::OpenOptions::new().write(true).create_new(true).custom_flags(libc::O_NOFOLLOW).open(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()?;
-        drop(f);
-        std::fs::rename(&tmp, path)
-    })();
-    if written.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    written?;
-    std::fs::File::open(dir)?.sync_all()
 }
 
 #[cfg(test)]
@@ -149,17 +130,5 @@ mod tests {
         assert_ne!(base, cache_path(&other, &o("-a"), (12, 9), (8, 0), 12040), "source text");
         let other = KernelSource { headers: &[("h.cuh", "2")], ..SRC };
         assert_ne!(base, cache_path(&other, &o("-a"), (12, 9), (8, 0), 12040), "header text");
-    }
-
-    #[test]
-    fn atomic_write_replaces_and_leaves_no_temporary() {
-        let dir = std::env::temp_dir().join(format!("lockstep-cache-test-{}", std::process::id()));
-        let path = dir.join("sub").join("k.cubin");
-        write_atomic(&path, b"one").unwrap();
-        write_atomic(&path, b"two").unwrap();
-        assert_eq!(std::fs::read(&path).unwrap(), b"two");
-        let left: Vec<_> = std::fs::read_dir(path.parent().unwrap()).unwrap().map(|e| e.unwrap().file_name()).collect();
-        assert_eq!(left, vec![std::ffi::OsString::from("k.cubin")], "temporary files removed");
-        let _ = std::fs::remove_dir_all(&dir);
     }
 }

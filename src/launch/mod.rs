@@ -44,5 +44,5 @@ mod wire;
 pub use child::monotonic_ns;
 pub use exec::{run_job, JobSpec};
 pub use fork::{launch, LaunchConfig};
-pub use rank::{RankContext, RankResult};
+pub use rank::{RankContext, RankResult, SaveError};
 pub use report::{summary, LaunchError, RankFailure};

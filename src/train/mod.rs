@@ -10,10 +10,12 @@
 //! | `layers/` | one file per layer: forward + backward, CPU reference, gradient check |
 //! | `model.rs` | [`Model`](model::Model): named layers over flat parameters, the recipe CNN |
 //! | `optim.rs`, `schedule.rs` | Adam / SGD with PyTorch semantics; constant, cosine, one-cycle |
+//! | `precision.rs` | `mixed_precision` (no / fp16 / bf16) per engine, refusals, dynamic loss scaling |
+//! | `seed.rs` | `RankContext::set_seed`: one seed for every generator of the engine, checked across ranks |
 //! | `data.rs`, `sampler.rs` | IDX reader with validation; distributed sampler and metric counts |
 //! | `checkpoint.rs` | safetensors with PyTorch `state_dict` names, atomic writes, resume |
 //! | `device/` | the same CNN on CUDA: a launch plan per step (CUDA graph), GPU and CPU-twin executors |
-//! | `trainer.rs` | the data-parallel loop: broadcast, bucketed gradient all-reduce, evaluation |
+//! | `trainer.rs` | the data-parallel loop: broadcast, bucketed gradient all-reduce (gradient accumulation, clipping), evaluation |
 
 pub mod checkpoint;
 pub mod data;
@@ -22,9 +24,11 @@ pub mod kernels;
 pub mod layers;
 pub mod model;
 pub mod optim;
+pub mod precision;
 pub mod rng;
 pub mod sampler;
 pub mod schedule;
+pub mod seed;
 pub mod tensor;
 pub mod trainer;
 pub(crate) mod winograd;

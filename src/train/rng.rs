@@ -1,5 +1,30 @@
 //! A small seeded random generator (PCG-XSH-RR 64/32) so runs are reproducible bit for bit and
-//! the generator's position can be saved in a checkpoint as two integers.
+//! the generator's position can be saved in a checkpoint as two integers, and the process-wide
+//! seed ([`set_global_seed`]) that Accelerate-style `set_seed` sets.
+//!
+//! The engine keeps no hidden generator state: every generator it uses is made from one seed
+//! (parameter initialisation on stream 1, each epoch's data order on stream `0x5a4d` with
+//! `seed + epoch`). [`global_seed`] is the seed a [`TrainConfig`](super::trainer::TrainConfig)
+//! starts from, so setting it once seeds all of them.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// The seed used when nobody set one (the recipe's).
+pub const DEFAULT_SEED: u64 = 42;
+
+static GLOBAL_SEED: AtomicU64 = AtomicU64::new(DEFAULT_SEED);
+
+/// Set this process's seed for every generator the engine makes from now on: the default
+/// [`TrainConfig`](super::trainer::TrainConfig) takes it (initialisation and data order). On a
+/// job, prefer `RankContext::set_seed`, which also checks that every rank passed the same one.
+pub fn set_global_seed(seed: u64) {
+    GLOBAL_SEED.store(seed, Ordering::Relaxed);
+}
+
+/// The seed set by [`set_global_seed`], or [`DEFAULT_SEED`].
+pub fn global_seed() -> u64 {
+    GLOBAL_SEED.load(Ordering::Relaxed)
+}
 
 /// PCG32 generator: 64-bit state, 32-bit output.
 #[derive(Clone, Debug, PartialEq, Eq)]

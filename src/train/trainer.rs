@@ -11,6 +11,12 @@
 //!
 //! Nothing is allocated per step: activations, gradients, index and label buffers are sized once
 //! and reused (a smaller last batch only shrinks the view).
+//!
+//! Options beyond the recipe: SGD with momentum instead of Adam ([`OptimizerKind`]); gradient
+//! accumulation over `grad_accum` micro-batches with the all-reduce only after the last one (DDP's
+//! `no_sync`), weighted so the step equals one step on the concatenated batch
+//! ([`step_gradients`]); and clipping of the global gradient norm after the all-reduce
+//! ([`clip_grad_norm`]), identical on every rank because the gradients are.
 
 use std::ops::{Deref, DerefMut, Range};
 use std::path::PathBuf;
@@ -19,7 +25,7 @@ use std::time::Instant;
 use super::checkpoint::{self, CheckpointError, TrainState};
 use super::data::Dataset;
 use super::model::{Model, ModelError, StateMut};
-use super::optim::Adam;
+use super::optim::{Adam, Sgd};
 use super::sampler::{counts_for_metrics, DistributedSampler};
 use super::schedule::Schedule;
 use crate::comm::SharedBuffer;
@@ -40,6 +46,58 @@ pub enum TrainError {
     /// The configuration cannot work.
     #[error("invalid training configuration: {0}")]
     Config(String),
+    /// The gradients stopped being finite numbers (found while clipping their norm).
+    #[error("the gradient norm is {norm} at optimizer step {step}: training diverged; lower --lr (or the clipping threshold), or check the data")]
+    NonFinite {
+        /// The norm found.
+        norm: f64,
+        /// The optimizer step (1-based).
+        step: u64,
+    },
+}
+
+/// Which optimizer updates the parameters.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum OptimizerKind {
+    /// `torch.optim.Adam` with PyTorch's defaults (the recipe).
+    Adam,
+    /// `torch.optim.SGD` with this momentum (0 for plain SGD).
+    Sgd {
+        /// Momentum factor.
+        momentum: f32,
+    },
+}
+
+/// The optimizer of a run, with its state.
+enum Optimizer {
+    Adam(Adam),
+    Sgd(Sgd),
+}
+
+impl Optimizer {
+    fn new(kind: OptimizerKind, n: usize, lr: f32, weight_decay: f32) -> Optimizer {
+        match kind {
+            OptimizerKind::Adam => {
+                let mut a = Adam::new(n, lr);
+                a.weight_decay = weight_decay;
+                Optimizer::Adam(a)
+            }
+            OptimizerKind::Sgd { momentum } => Optimizer::Sgd(Sgd::new(lr, momentum, weight_decay)),
+        }
+    }
+
+    fn step(&mut self, lr: f32, params: &mut [f32], grads: &[f32]) {
+        match self {
+            Optimizer::Adam(a) => {
+                a.lr = lr;
+                a.step(params, grads);
+            }
+            Optimizer::Sgd(s) => {
+                s.lr = lr;
+                s.step(params, grads);
+            }
+        }
+    }
 }
 
 /// Validated settings of a training run.
@@ -49,7 +107,7 @@ pub struct TrainConfig {
     pub epochs: u64,
     /// Images per rank per step.
     pub batch_size: usize,
-    /// Base learning rate (Adam).
+    /// Base learning rate.
     pub lr: f32,
     /// Seed for initialisation and shuffling.
     pub seed: u64,
@@ -64,6 +122,16 @@ pub struct TrainConfig {
     /// Synchronise BatchNorm batch statistics over ranks (PyTorch `SyncBatchNorm`); off by
     /// default, as in the recipe, where each rank normalises with its own batch.
     pub sync_bn: bool,
+    /// The optimizer (Adam in the recipe).
+    pub optimizer: OptimizerKind,
+    /// L2 penalty added to the gradient by the optimizer (PyTorch's `weight_decay`).
+    pub weight_decay: f32,
+    /// Micro-batches of `batch_size` per optimizer step (at least 1); the gradients are averaged
+    /// over ranks once per step, after the last one.
+    pub grad_accum: usize,
+    /// Clip the global L2 norm of the averaged gradients to this (PyTorch's
+    /// `clip_grad_norm_`); `None` leaves them alone.
+    pub clip_grad_norm: Option<f32>,
 }
 
 impl Default for TrainConfig {
@@ -72,12 +140,17 @@ impl Default for TrainConfig {
             epochs: 4,
             batch_size: 64,
             lr: 0.005,
-            seed: 42,
+            // `set_seed` (or `rng::set_global_seed`) moves every default run's generators.
+            seed: super::rng::global_seed(),
             schedule: Schedule::Constant,
             bucket_bytes: 25 << 20,
             save: None,
             resume: None,
             sync_bn: false,
+            optimizer: OptimizerKind::Adam,
+            weight_decay: 0.0,
+            grad_accum: 1,
+            clip_grad_norm: None,
         }
     }
 }
@@ -101,6 +174,49 @@ pub struct EpochReport {
     pub images_per_s: f64,
     /// Optimizer steps in this epoch.
     pub steps: usize,
+}
+
+impl TrainConfig {
+    /// Optimizer steps in one epoch over `train_len` samples on `world` ranks: each rank's shard
+    /// of `ceil(train_len / world)` samples in micro-batches of `batch_size`, `grad_accum` of them
+    /// per step (the last step of an epoch may take fewer).
+    pub fn steps_per_epoch(&self, train_len: usize, world: usize) -> usize {
+        train_len.div_ceil(world.max(1)).div_ceil(self.batch_size.max(1)).div_ceil(self.grad_accum.max(1))
+    }
+
+    /// Check what `train` cannot work with, each error naming the setting.
+    pub fn check(&self) -> Result<(), TrainError> {
+        let bad = |m: String| Err(TrainError::Config(m));
+        if self.epochs == 0 {
+            return bad("epochs is 0, which would train nothing; pass at least 1".into());
+        }
+        if self.batch_size == 0 {
+            return bad("batch size must be at least 1".into());
+        }
+        if self.grad_accum == 0 {
+            return bad("gradient accumulation of 0 micro-batches; pass at least 1 (1 = no accumulation)".into());
+        }
+        if !(self.lr.is_finite() && self.lr > 0.0) {
+            return bad(format!("learning rate {} must be a positive number", self.lr));
+        }
+        if !(self.weight_decay.is_finite() && self.weight_decay >= 0.0) {
+            return bad(format!("weight decay {} must be 0 or a positive number", self.weight_decay));
+        }
+        if let OptimizerKind::Sgd { momentum } = self.optimizer {
+            if !(momentum.is_finite() && (0.0..1.0).contains(&momentum)) {
+                return bad(format!("SGD momentum {momentum} must be in [0, 1)"));
+            }
+        }
+        if let Some(c) = self.clip_grad_norm {
+            if !(c.is_finite() && c > 0.0) {
+                return bad(format!("gradient clipping threshold {c} must be a positive number"));
+            }
+        }
+        if self.optimizer != OptimizerKind::Adam && (self.save.is_some() || self.resume.is_some()) {
+            return bad("checkpoints hold Adam's state only, so --save and --resume need --optimizer adam; drop them or use Adam".into());
+        }
+        Ok(())
+    }
 }
 
 /// Receives progress (rank 0 gives a real one; other ranks a no-op).
@@ -215,6 +331,81 @@ fn load_batch(model: &mut Model, data: &Dataset, idx: &[usize], labels: &mut Vec
     }
 }
 
+/// Multiply every gradient by `k`.
+fn scale(grads: &mut [f32], k: f32) {
+    for g in grads.iter_mut() {
+        *g *= k;
+    }
+}
+
+/// The gradients of one optimizer step, averaged over ranks, in `grads`: forward and backward on
+/// each micro-batch of sample ids in `micro`, accumulated locally with no communication (DDP's
+/// `no_sync`), then one bucketed all-reduce. Each micro-batch's mean-loss gradient is weighted by
+/// its size, so the step equals one step on the micro-batches concatenated (for a model without
+/// batch statistics; BatchNorm normalises each micro-batch on its own, as in PyTorch). Returns the
+/// size-weighted sum of the micro-batch losses and the number of samples.
+///
+/// With a single micro-batch this is the plain step: no pass over the gradients beyond the zeroing.
+#[allow(clippy::too_many_arguments)]
+pub fn step_gradients(
+    model: &mut Model,
+    data: &Dataset,
+    micro: &[&[usize]],
+    grads: &mut [f32],
+    labels: &mut Vec<u8>,
+    comm: &mut Communicator,
+    buckets: &[Range<usize>],
+    sync_bn: bool,
+) -> Result<(f64, usize), TrainError> {
+    let world = comm.world_size();
+    grads.fill(0.0);
+    let (mut loss_sum, mut n, mut prev) = (0.0f64, 0usize, 0usize);
+    for chunk in micro {
+        let b = chunk.len();
+        // Invariant: after micro-batch k, grads = sum_j (b_j / b_k) g_j. Rescaling only when the
+        // size changes keeps equal micro-batches (all but an epoch's last) free of extra passes.
+        if prev != 0 && prev != b {
+            scale(grads, prev as f32 / b as f32);
+        }
+        load_batch(model, data, chunk, labels);
+        let loss = if sync_bn && world > 1 {
+            let mut sum = |b: &mut [f64]| comm.all_reduce_in_place(b, ReduceOp::Sum);
+            model.forward_with(true, Some(&mut sum))?;
+            let loss = model.loss(labels)?;
+            model.backward_with(labels, grads, Some(&mut sum))?;
+            loss
+        } else {
+            model.forward(true);
+            let loss = model.loss(labels)?;
+            model.backward(labels, grads);
+            loss
+        };
+        loss_sum += loss as f64 * b as f64;
+        n += b;
+        prev = b;
+    }
+    if micro.len() > 1 {
+        // sum_j (b_j / b_last) g_j  ->  sum_j (b_j / n) g_j
+        scale(grads, prev as f32 / n as f32);
+    }
+    all_reduce_grads(comm, grads, buckets)?;
+    Ok((loss_sum, n))
+}
+
+/// Scale `grads` so that their global L2 norm is at most `max_norm`, as PyTorch's
+/// `clip_grad_norm_` does (coefficient `max_norm / (norm + 1e-6)`, applied only when below 1).
+/// Returns the norm before clipping (summed in f64). A non-finite norm leaves the gradients
+/// alone. Called on gradients already averaged over ranks, it computes the same norm and makes
+/// the same change on every rank.
+pub fn clip_grad_norm(grads: &mut [f32], max_norm: f32) -> f64 {
+    let norm = grads.iter().map(|&g| g as f64 * g as f64).sum::<f64>().sqrt();
+    let coef = max_norm as f64 / (norm + 1e-6);
+    if norm.is_finite() && coef < 1.0 {
+        scale(grads, coef as f32);
+    }
+    norm
+}
+
 /// Test accuracy: every rank evaluates its shard, padding excluded, totals summed over ranks.
 pub fn evaluate(comm: &mut Communicator, model: &mut Model, test: &Dataset, batch: usize) -> Result<(u64, u64), TrainError> {
     let mut sampler = DistributedSampler::new(test.len(), comm.world_size(), comm.rank(), false, 0);
@@ -244,9 +435,7 @@ pub fn train(
     comm: &mut Communicator,
     obs: &mut dyn Observer,
 ) -> Result<TrainOutcome, TrainError> {
-    if cfg.batch_size == 0 {
-        return Err(TrainError::Config("batch size must be at least 1".into()));
-    }
+    cfg.check()?;
     if train_set.rows != 28 || train_set.cols != 28 || (!test_set.is_empty() && (test_set.rows != 28 || test_set.cols != 28)) {
         return Err(TrainError::Config(format!("the CNN expects 28x28 images, the dataset has {}x{}", train_set.rows, train_set.cols)));
     }
@@ -254,14 +443,16 @@ pub fn train(
     let mut model = Model::fashion_cnn(cfg.batch_size)?;
     model.init(cfg.seed);
     model.set_sync_bn(cfg.sync_bn && world > 1);
-    let mut opt = Adam::new(model.num_params(), cfg.lr);
+    let mut opt = Optimizer::new(cfg.optimizer, model.num_params(), cfg.lr, cfg.weight_decay);
+    // Optimizer steps taken (Adam keeps its own count too; a resume restores it).
+    let mut step_no = 0u64;
     let mut first_epoch = 0;
     if let (Some(path), 0) = (&cfg.save, rank) {
         // A save path that cannot work fails now, not after the first epoch.
         checkpoint::check_target(path, checkpoint::estimate_bytes(model.num_params()))?;
     }
-    if let Some(path) = &cfg.resume {
-        let resumed = checkpoint::resume(path, &mut model, &mut opt)?;
+    if let (Some(path), Optimizer::Adam(opt)) = (&cfg.resume, &mut opt) {
+        let resumed = checkpoint::resume(path, &mut model, opt)?;
         if rank == 0 {
             for why in &resumed.passed_over {
                 tracing::warn!("resume: passed over {why}");
@@ -285,6 +476,7 @@ pub fn train(
             )));
         }
         first_epoch = st.epoch;
+        step_no = st.step;
     }
     // Replicas start identical: rank 0's parameters (and BN state) win.
     if world > 1 {
@@ -300,36 +492,29 @@ pub fn train(
     let mut idx = Vec::with_capacity(sampler.num_samples());
     let mut labels = Vec::with_capacity(cfg.batch_size);
     let mut reports = Vec::new();
+    let accum = cfg.grad_accum.max(1);
     for epoch in first_epoch..cfg.epochs {
         let t0 = Instant::now();
         sampler.indices(epoch, &mut idx);
-        let steps = idx.len().div_ceil(cfg.batch_size);
+        let micro: Vec<&[usize]> = idx.chunks(cfg.batch_size).collect();
+        let steps = micro.len().div_ceil(accum);
         obs.epoch_start(epoch + 1, cfg.epochs, steps);
         let (mut loss_sum, mut loss_n) = (0.0f64, 0.0f64);
         let mut images = 0usize;
-        for (s, chunk) in idx.chunks(cfg.batch_size).enumerate() {
-            load_batch(&mut model, train_set, chunk, &mut labels);
-            let loss = if cfg.sync_bn && world > 1 {
-                let mut sum = |b: &mut [f64]| comm.all_reduce_in_place(b, ReduceOp::Sum);
-                model.forward_with(true, Some(&mut sum))?;
-                let loss = model.loss(&labels)?;
-                grads.fill(0.0);
-                model.backward_with(&labels, &mut grads, Some(&mut sum))?;
-                loss
-            } else {
-                model.forward(true);
-                let loss = model.loss(&labels)?;
-                grads.fill(0.0);
-                model.backward(&labels, &mut grads);
-                loss
-            };
-            all_reduce_grads(comm, &mut grads, &buckets)?;
-            opt.lr = cfg.schedule.lr(cfg.lr, opt.step);
-            opt.step(&mut model.params, &grads);
-            loss_sum += loss as f64 * chunk.len() as f64;
-            loss_n += chunk.len() as f64;
-            images += chunk.len();
-            obs.step(s + 1, loss, (images * world) as f64 / t0.elapsed().as_secs_f64().max(1e-9));
+        for (s, group) in micro.chunks(accum).enumerate() {
+            let (l, n) = step_gradients(&mut model, train_set, group, &mut grads, &mut labels, comm, &buckets, cfg.sync_bn)?;
+            step_no += 1;
+            if let Some(max) = cfg.clip_grad_norm {
+                let norm = clip_grad_norm(&mut grads, max);
+                if !norm.is_finite() {
+                    return Err(TrainError::NonFinite { norm, step: step_no });
+                }
+            }
+            opt.step(cfg.schedule.lr(cfg.lr, step_no - 1), &mut model.params, &grads);
+            loss_sum += l;
+            loss_n += n as f64;
+            images += n;
+            obs.step(s + 1, (l / n.max(1) as f64) as f32, (images * world) as f64 / t0.elapsed().as_secs_f64().max(1e-9));
         }
         let train_s = t0.elapsed().as_secs_f64();
         let mut tot = [loss_sum, loss_n];
@@ -346,10 +531,10 @@ pub fn train(
             images_per_s: tot[1] / train_s.max(1e-9),
             steps,
         };
-        if let Some(path) = &cfg.save {
+        if let (Some(path), Optimizer::Adam(opt)) = (&cfg.save, &opt) {
             if rank == 0 {
                 let st = TrainState { epoch: epoch + 1, step: opt.step, seed: cfg.seed, world_size: world as u64 };
-                checkpoint::save(path, &mut model, &opt, &st)?;
+                checkpoint::save(path, &mut model, opt, &st)?;
             }
             // Nobody races ahead (and possibly reads the file) before it is complete.
             comm.barrier()?;

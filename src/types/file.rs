@@ -8,7 +8,7 @@
 
 use std::ffi::{OsStr, OsString};
 use std::fs::File;
-use std::io::Write;
+use std::io::{Read, Write};
 use std::os::fd::AsFd;
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::path::{Path, PathBuf};
@@ -43,11 +43,12 @@ pub fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> Result<(), WriteErr
     let dir_flags = OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC;
     let dir = File::from(nix::fcntl::open(dir_path, dir_flags, Mode::empty()).map_err(errno("open the directory"))?);
     let create = OFlag::O_WRONLY | OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
-    // A name no other writer uses: pid and a counter, retried on the rare leftover of a crash.
+    // A name no other writer uses and nobody can plant ahead: pid and random bits, retried on
+    // the (vanishing) chance of a collision.
     let (tmp, fd) = {
         let mut attempt = 0u32;
         loop {
-            let tmp = temp_name(name, attempt);
+            let tmp = temp_name(name).map_err(|e| fail("read /dev/urandom for the temporary's name", e))?;
             match nix::fcntl::openat(dir.as_fd(), tmp.as_os_str(), create, Mode::from_bits_truncate(mode)) {
                 Ok(fd) => break (tmp, fd),
                 Err(Errno::EEXIST) if attempt < 100 => attempt += 1,
@@ -67,12 +68,16 @@ pub fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> Result<(), WriteErr
     dir.sync_all().map_err(|e| fail("fsync of the directory", e))
 }
 
-/// `.NAME.tmp-PID-N`: hidden, and tied to the writing process.
-fn temp_name(target: &OsStr, attempt: u32) -> OsString {
+/// `.NAME.tmp-PID-RANDOM`: hidden, tied to the writing process, and not guessable ahead by
+/// another user of a shared directory.
+fn temp_name(target: &OsStr) -> std::io::Result<OsString> {
+    let mut b = [0u8; 8];
+    File::open("/dev/urandom")?.read_exact(&mut b)?;
     let mut v = b".".to_vec();
     v.extend_from_slice(target.as_bytes());
-    v.extend_from_slice(format!(".tmp-{}-{attempt}", std::process::id()).as_bytes());
-    OsString::from_vec(v)
+    v.extend_from_slice(format!(".tmp-{}-", std::process::id()).as_bytes());
+    v.extend(b.iter().flat_map(|x| format!("{x:02x}").into_bytes()));
+    Ok(OsString::from_vec(v))
 }
 
 #[cfg(test)]
@@ -113,6 +118,17 @@ mod tests {
         assert!(!std::fs::symlink_metadata(&p).unwrap().file_type().is_symlink());
         let e = write_atomic(&d.join("no/such/file"), b"x", 0o600).unwrap_err();
         assert!(e.to_string().contains("open the directory") && e.to_string().contains("no/such/file"), "{e}");
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn a_directory_in_the_way_is_an_error_and_leaves_nothing() {
+        let d = scratch("dir");
+        std::fs::create_dir_all(d.join("sub")).unwrap();
+        assert!(write_atomic(&d.join("sub"), b"x", 0o600).is_err());
+        let names: Vec<_> = std::fs::read_dir(&d).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert_eq!(names, vec![OsString::from("sub")]);
+        assert!(write_atomic(Path::new("/"), b"x", 0o600).is_err());
         std::fs::remove_dir_all(&d).unwrap();
     }
 }

@@ -12,7 +12,7 @@ use crate::train::checkpoint::{self, TrainState};
 use crate::train::data::Dataset;
 use crate::train::model::{Model, ModelError, StateMut};
 use crate::train::sampler::DistributedSampler;
-use crate::train::trainer::{EpochReport, Observer, TrainConfig, TrainOutcome};
+use crate::train::trainer::{EpochReport, Observer, OptimizerKind, TrainConfig, TrainOutcome};
 
 /// Options of the device engine beyond [`TrainConfig`].
 #[derive(Clone, Copy, Debug)]
@@ -180,6 +180,20 @@ pub fn train_device<E: Exec>(
     if cfg.sync_bn {
         return Err(DeviceError::Config("--sync-bn is not supported with --device cuda yet; drop it or use --device cpu".into()));
     }
+    cfg.check().map_err(|e| DeviceError::Config(e.to_string()))?;
+    // The device step is one Adam launch after one all-reduce per batch: the options that change
+    // that are CPU-only for now, and said so rather than ignored.
+    if cfg.optimizer != OptimizerKind::Adam {
+        return Err(DeviceError::Config(
+            "--optimizer sgd is not supported with --device cuda yet; use --optimizer adam or --device cpu".into(),
+        ));
+    }
+    if cfg.grad_accum != 1 {
+        return Err(DeviceError::Config("--grad-accum is not supported with --device cuda yet; drop it or use --device cpu".into()));
+    }
+    if cfg.clip_grad_norm.is_some() {
+        return Err(DeviceError::Config("--clip-grad-norm is not supported with --device cuda yet; drop it or use --device cpu".into()));
+    }
     let (rank, world) = comm.as_deref().map(|c| (c.rank(), c.world_size())).unwrap_or((0, 1));
     let mut model = Model::fashion_cnn(cfg.batch_size)?;
     model.init(cfg.seed);
@@ -208,6 +222,7 @@ pub fn train_device<E: Exec>(
             eng.exec.broadcast(c, eng.t.bn_state)?;
         }
     }
+    eng.adam.weight_decay = cfg.weight_decay;
     eng.upload_dataset(train_set, test_set)?;
     let mut sampler = DistributedSampler::new(train_set.len(), world, rank, true, cfg.seed);
     let mut idx = Vec::with_capacity(sampler.num_samples());

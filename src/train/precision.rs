@@ -1,0 +1,243 @@
+//! Mixed precision: what a run asks for ([`MixedPrecision`], the `--precision` flag and the
+//! config's `mixed_precision` key), what each engine can do with it, and dynamic loss scaling
+//! ([`LossScaler`], the algorithm of `torch.cuda.amp.GradScaler` that Accelerate's fp16 mode uses).
+//!
+//! What runs where, never a silent fallback:
+//!
+//! | asked | CPU engine | CUDA engine |
+//! |---|---|---|
+//! | `no` (fp32) | fp32 | fp32 (TF32 tensor cores on sm_80+) |
+//! | `bf16` | refused: the CPU GEMMs are fp32 only | bf16 operands, f32 accumulation, f32 master weights |
+//! | `fp16` | refused | refused: there are no fp16 GEMM kernels yet |
+//!
+//! fp16 needs loss scaling because its range is small: gradients below 2^-24 flush to zero. The
+//! loss is multiplied by a large scale before backward; the gradients are divided by it before
+//! the optimizer; a step whose gradients overflowed (inf or NaN) is skipped and the scale halved,
+//! and after `growth_interval` clean steps the scale doubles. [`LossScaler`] is that logic, kept
+//! apart from any kernel so it is tested on its own; the fp16 device step will drive it once the
+//! fp16 kernels exist.
+
+use super::device::Precision;
+
+/// The precision a run asks for, as Accelerate's `mixed_precision` names it: the config file's
+/// type, so `--precision` and the file's key are one thing.
+pub use crate::config::MixedPrecision;
+
+/// A precision an engine cannot run.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PrecisionError {
+    /// The CPU engine computes in fp32 only.
+    #[error(
+        "precision {0} on the CPU: the CPU engine computes in fp32 only (its GEMMs have no 16-bit operands), and lockstep does not silently train in fp32 instead; use precision no (fp32) on the CPU, or --device cuda for bf16"
+    )]
+    CpuFp32Only(MixedPrecision),
+    /// No fp16 kernels.
+    #[error(
+        "precision fp16: lockstep has no fp16 GEMM kernels yet, so fp16 with loss scaling cannot run; use bf16 (16-bit operands with f32 accumulation, no loss scaling needed) or no (fp32)"
+    )]
+    NoFp16Kernels,
+    /// Loss-scaler settings that cannot work.
+    #[error("loss scaler: {0}")]
+    Scaler(String),
+}
+
+impl MixedPrecision {
+    /// The CUDA engine's GEMM precision for this request, or why it cannot run it.
+    pub fn device_precision(self) -> Result<Precision, PrecisionError> {
+        match self {
+            MixedPrecision::No => Ok(Precision::Fp32),
+            MixedPrecision::Bf16 => Ok(Precision::Bf16),
+            MixedPrecision::Fp16 => Err(PrecisionError::NoFp16Kernels),
+        }
+    }
+
+    /// Whether the CPU engine can run this request (fp32 only).
+    pub fn check_cpu(self) -> Result<(), PrecisionError> {
+        match self {
+            MixedPrecision::No => Ok(()),
+            other => Err(PrecisionError::CpuFp32Only(other)),
+        }
+    }
+}
+
+/// What to do with a step after [`LossScaler::update`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StepAction {
+    /// The gradients are finite: apply the optimizer step.
+    Apply,
+    /// The gradients overflowed: skip the optimizer step (the scale was lowered).
+    Skip,
+}
+
+/// Dynamic loss scaling with `torch.cuda.amp.GradScaler`'s algorithm and defaults.
+///
+/// Per step: multiply the loss (in practice, the gradient of the loss) by [`scale`](Self::scale)
+/// before backward; after the gradients are averaged over ranks, [`unscale`](Self::unscale)
+/// them, which also reports whether any is inf or NaN; then [`update`](Self::update) with that
+/// finding, and apply the optimizer step only on [`StepAction::Apply`]. Because the check runs on
+/// the averaged gradients (an inf or NaN on any rank spreads to all through the sum), every rank
+/// makes the same decision without a collective of its own.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LossScaler {
+    scale: f32,
+    growth_factor: f32,
+    backoff_factor: f32,
+    growth_interval: u32,
+    good_steps: u32,
+    skipped: u64,
+}
+
+impl Default for LossScaler {
+    fn default() -> LossScaler {
+        LossScaler { scale: 65536.0, growth_factor: 2.0, backoff_factor: 0.5, growth_interval: 2000, good_steps: 0, skipped: 0 }
+    }
+}
+
+/// The scale never leaves `[MIN_SCALE, MAX_SCALE]`: halving forever would reach 0 (and unscaling
+/// would divide by it), doubling forever would reach infinity.
+const MIN_SCALE: f32 = 1.0 / (1u64 << 24) as f32;
+const MAX_SCALE: f32 = (1u64 << 48) as f32;
+
+impl LossScaler {
+    /// A scaler starting at `init_scale`, multiplying the scale by `growth_factor` after
+    /// `growth_interval` consecutive finite steps and by `backoff_factor` on an overflow.
+    /// GradScaler's defaults are 65536, 2, 0.5 and 2000 ([`LossScaler::default`]).
+    pub fn new(init_scale: f32, growth_factor: f32, backoff_factor: f32, growth_interval: u32) -> Result<LossScaler, PrecisionError> {
+        if !(init_scale.is_finite() && (MIN_SCALE..=MAX_SCALE).contains(&init_scale)) {
+            return Err(PrecisionError::Scaler(format!("initial scale {init_scale} must be between 2^-24 and 2^48")));
+        }
+        if !(growth_factor.is_finite() && growth_factor > 1.0) {
+            return Err(PrecisionError::Scaler(format!("growth factor {growth_factor} must be above 1")));
+        }
+        if !(backoff_factor > 0.0 && backoff_factor < 1.0) {
+            return Err(PrecisionError::Scaler(format!("backoff factor {backoff_factor} must be between 0 and 1")));
+        }
+        if growth_interval == 0 {
+            return Err(PrecisionError::Scaler("growth interval must be at least 1 step".into()));
+        }
+        Ok(LossScaler { scale: init_scale, growth_factor, backoff_factor, growth_interval, good_steps: 0, skipped: 0 })
+    }
+
+    /// The current scale.
+    pub fn scale(&self) -> f32 {
+        self.scale
+    }
+
+    /// Steps skipped so far because their gradients overflowed.
+    pub fn skipped(&self) -> u64 {
+        self.skipped
+    }
+
+    /// Divide `grads` by the current scale in place; returns whether any gradient is inf or NaN
+    /// (then the step must be skipped, whatever the values).
+    pub fn unscale(&self, grads: &mut [f32]) -> bool {
+        let inv = 1.0 / self.scale;
+        let mut found_inf = false;
+        for g in grads.iter_mut() {
+            *g *= inv;
+            found_inf |= !g.is_finite();
+        }
+        found_inf
+    }
+
+    /// Record a step's finding and adjust the scale: an overflow halves it (backoff) and skips
+    /// the step; `growth_interval` finite steps in a row double it (growth).
+    pub fn update(&mut self, found_inf: bool) -> StepAction {
+        if found_inf {
+            self.scale = (self.scale * self.backoff_factor).max(MIN_SCALE);
+            self.good_steps = 0;
+            self.skipped += 1;
+            return StepAction::Skip;
+        }
+        self.good_steps += 1;
+        if self.good_steps == self.growth_interval {
+            self.scale = (self.scale * self.growth_factor).min(MAX_SCALE);
+            self.good_steps = 0;
+        }
+        StepAction::Apply
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parse_and_map() {
+        assert_eq!("no".parse(), Ok(MixedPrecision::No));
+        assert_eq!("fp32".parse(), Ok(MixedPrecision::No));
+        assert_eq!("fp16".parse(), Ok(MixedPrecision::Fp16));
+        assert_eq!("bf16".parse(), Ok(MixedPrecision::Bf16));
+        let e = "half".parse::<MixedPrecision>().unwrap_err().to_string();
+        assert!(e.contains("\"half\"") && e.contains("no (fp32), fp16 or bf16"), "{e}");
+        for p in [MixedPrecision::No, MixedPrecision::Fp16, MixedPrecision::Bf16] {
+            assert_eq!(p.to_string().parse(), Ok(p));
+        }
+        assert_eq!(MixedPrecision::No.device_precision(), Ok(Precision::Fp32));
+        assert_eq!(MixedPrecision::Bf16.device_precision(), Ok(Precision::Bf16));
+        assert_eq!(MixedPrecision::Fp16.device_precision(), Err(PrecisionError::NoFp16Kernels));
+        assert!(MixedPrecision::No.check_cpu().is_ok());
+        let e = MixedPrecision::Bf16.check_cpu().unwrap_err().to_string();
+        assert!(e.contains("bf16 on the CPU") && e.contains("fp32 only"), "{e}");
+        assert!(MixedPrecision::Fp16.check_cpu().is_err());
+    }
+
+    #[test]
+    fn overflow_skips_the_step_and_halves_the_scale() {
+        let mut s = LossScaler::default();
+        assert_eq!(s.scale(), 65536.0);
+        let mut g = [65536.0f32, -131072.0, 0.5];
+        assert!(!s.unscale(&mut g));
+        assert_eq!(g, [1.0, -2.0, 0.5 / 65536.0]);
+        assert_eq!(s.update(false), StepAction::Apply);
+        for bad in [f32::INFINITY, f32::NEG_INFINITY, f32::NAN] {
+            let mut g = [1.0f32, bad, 2.0];
+            assert!(s.unscale(&mut g), "{bad} must be found");
+        }
+        assert_eq!(s.update(true), StepAction::Skip);
+        assert_eq!((s.scale(), s.skipped()), (32768.0, 1));
+        assert_eq!(s.update(true), StepAction::Skip);
+        assert_eq!((s.scale(), s.skipped()), (16384.0, 2));
+    }
+
+    #[test]
+    fn grows_after_the_interval_of_clean_steps_and_an_overflow_restarts_the_count() {
+        let mut s = LossScaler::new(8.0, 2.0, 0.5, 3).unwrap();
+        for _ in 0..2 {
+            assert_eq!(s.update(false), StepAction::Apply);
+        }
+        assert_eq!(s.scale(), 8.0);
+        s.update(false);
+        assert_eq!(s.scale(), 16.0, "3 clean steps double it");
+        s.update(false);
+        s.update(false);
+        s.update(true);
+        assert_eq!(s.scale(), 8.0, "the overflow halves it");
+        s.update(false);
+        s.update(false);
+        assert_eq!(s.scale(), 8.0, "two clean steps after an overflow are not three");
+        s.update(false);
+        assert_eq!(s.scale(), 16.0);
+    }
+
+    #[test]
+    fn scale_stays_in_range_and_bad_settings_are_refused() {
+        let mut s = LossScaler::new(1.0, 2.0, 0.5, 1).unwrap();
+        for _ in 0..100 {
+            s.update(true);
+        }
+        assert_eq!(s.scale(), MIN_SCALE);
+        let mut g = [MIN_SCALE];
+        assert!(!s.unscale(&mut g));
+        assert_eq!(g, [1.0]);
+        for _ in 0..100 {
+            s.update(false);
+        }
+        assert_eq!(s.scale(), MAX_SCALE);
+        assert!(LossScaler::new(0.0, 2.0, 0.5, 1).is_err());
+        assert!(LossScaler::new(f32::INFINITY, 2.0, 0.5, 1).is_err());
+        assert!(LossScaler::new(1.0, 1.0, 0.5, 1).is_err());
+        assert!(LossScaler::new(1.0, 2.0, 1.0, 1).is_err());
+        assert!(LossScaler::new(1.0, 2.0, 0.5, 0).is_err());
+    }
+}
