@@ -33,6 +33,10 @@ from . import _native
 
 BACKEND = "lockstep"
 
+# Tensors go to the Rust extension as they are: it reads data_ptr/numel/dtype itself (much
+# cheaper than DLPack or tensor.numpy() for small messages).
+_native._register_torch()
+
 _OPS = {
     ReduceOp.RedOpType.SUM: "sum",
     ReduceOp.RedOpType.PRODUCT: "prod",
@@ -42,22 +46,15 @@ _OPS = {
 }
 
 
+_SUM = ReduceOp.SUM
+
+
 def _op(reduce_op):
     kind = reduce_op.op if isinstance(reduce_op, ReduceOp) else reduce_op
     try:
         return _OPS[kind]
     except KeyError:
         raise ValueError(f"the lockstep backend does not support reduce op {kind}; it has SUM, PRODUCT, MIN, MAX and AVG") from None
-
-
-def _buf(t):
-    """The memory of a CPU tensor as lockstep takes it: numpy's view (the cheapest export), or
-    the tensor itself through DLPack for bfloat16, which numpy lacks."""
-    if not t.is_cpu:
-        raise TypeError(f"the lockstep torch backend takes CPU tensors so far; got one on {t.device}")
-    if t.requires_grad:
-        t = t.detach()
-    return t if t.dtype == torch.bfloat16 else t.numpy()
 
 
 def _done(result, opts=None):
@@ -91,6 +88,9 @@ class ProcessGroupLockstep(dist.ProcessGroup):
     def __init__(self, comm, rank, world_size):
         super().__init__(rank, world_size)
         self._comm = comm
+        # An instance attribute wins over ProcessGroup's method, both for Python callers
+        # (dist.all_reduce) and for C++ ones (DDP's reducer, through pybind's override lookup).
+        self.allreduce = _native.TorchAllReduce(comm, _SUM, _op, _done)
         self._rank = rank
         self._world_size = world_size
 
@@ -113,11 +113,8 @@ class ProcessGroupLockstep(dist.ProcessGroup):
 
     # Reductions -----------------------------------------------------------------------------
 
-    def allreduce(self, tensors, opts=None):
-        op = _op(opts.reduceOp) if opts is not None else "sum"
-        for t in tensors:
-            self._comm.all_reduce(_buf(t), None, op)
-        return _done(tensors, opts)
+    # allreduce(tensors, opts=None) is an attribute set in __init__: lockstep._native's
+    # TorchAllReduce, the hot path of DDP and of every small all_reduce written in Rust.
 
     def allreduce_coalesced(self, tensors, opts=None):
         return self.allreduce(tensors, opts)
@@ -125,7 +122,7 @@ class ProcessGroupLockstep(dist.ProcessGroup):
     def reduce(self, tensors, opts):
         op = _op(opts.reduceOp)
         for t in tensors:
-            self._comm.reduce(_buf(t), None, op, opts.rootRank)
+            self._comm.reduce(t, None, op, opts.rootRank)
         return _done(tensors, opts)
 
     def reduce_scatter(self, outputs, input_lists, opts):
@@ -135,15 +132,15 @@ class ProcessGroupLockstep(dist.ProcessGroup):
                 raise ValueError(f"reduce_scatter needs one input tensor per rank ({self._world_size}), got {len(ins)}")
             flat = _flat(ins, out.dtype)
             if out.is_contiguous():
-                self._comm.reduce_scatter(_buf(flat), _buf(out), op)
+                self._comm.reduce_scatter(flat, out, op)
             else:
                 tmp = torch.empty(out.numel(), dtype=out.dtype)
-                self._comm.reduce_scatter(_buf(flat), _buf(tmp), op)
+                self._comm.reduce_scatter(flat, tmp, op)
                 out.copy_(tmp.view(out.shape))
         return _done(outputs, opts)
 
     def reduce_scatter_single(self, output, input, opts):
-        self._comm.reduce_scatter(_buf(input), _buf(output), _op(opts.reduceOp))
+        self._comm.reduce_scatter(input, output, _op(opts.reduceOp))
         return _done(output, opts)
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts):
@@ -155,23 +152,23 @@ class ProcessGroupLockstep(dist.ProcessGroup):
 
     def broadcast(self, tensors, opts):
         for t in tensors:
-            self._comm.broadcast(_buf(t), None, opts.rootRank)
+            self._comm.broadcast(t, None, opts.rootRank)
         return _done(tensors, opts)
 
     def allgather(self, output_lists, inputs, opts=None):
         for outs, inp in zip(output_lists, inputs):
             flat = torch.empty(inp.numel() * self._world_size, dtype=inp.dtype)
-            self._comm.all_gather(_buf(inp), _buf(flat))
+            self._comm.all_gather(inp, flat)
             _split_out(flat, outs)
         return _done(output_lists, opts)
 
     def all_gather_single(self, output, input, opts=None):
-        self._comm.all_gather(_buf(input), _buf(output))
+        self._comm.all_gather(input, output)
         return _done(output, opts)
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
         for o, i in zip(outputs, inputs):
-            self._comm.all_gather(_buf(i), _buf(o))
+            self._comm.all_gather(i, o)
         return _done(outputs, opts)
 
     def gather(self, output_lists, inputs, opts):
@@ -179,34 +176,34 @@ class ProcessGroupLockstep(dist.ProcessGroup):
         for i, inp in enumerate(inputs):
             if self._rank == root:
                 flat = torch.empty(inp.numel() * self._world_size, dtype=inp.dtype)
-                self._comm.gather(_buf(inp), _buf(flat), root)
+                self._comm.gather(inp, flat, root)
                 _split_out(flat, output_lists[i])
             else:
-                self._comm.gather(_buf(inp), None, root)
+                self._comm.gather(inp, None, root)
         return _done(output_lists, opts)
 
     def scatter(self, outputs, input_lists, opts):
         root = opts.rootRank
         for i, out in enumerate(outputs):
-            send = _buf(_flat(input_lists[i], out.dtype)) if self._rank == root else None
+            send = _flat(input_lists[i], out.dtype) if self._rank == root else None
             if out.is_contiguous():
-                self._comm.scatter(send, _buf(out), root)
+                self._comm.scatter(send, out, root)
             else:
                 tmp = torch.empty(out.numel(), dtype=out.dtype)
-                self._comm.scatter(send, _buf(tmp), root)
+                self._comm.scatter(send, tmp, root)
                 out.copy_(tmp.view(out.shape))
         return _done(outputs, opts)
 
     def alltoall(self, outputs, inputs, opts=None):
         send = _flat(inputs, inputs[0].dtype if inputs else torch.float32)
         recv = torch.empty(sum(o.numel() for o in outputs), dtype=send.dtype)
-        self._comm.all_to_all_v(_buf(send), [t.numel() for t in inputs], _buf(recv), [o.numel() for o in outputs])
+        self._comm.all_to_all_v(send, [t.numel() for t in inputs], recv, [o.numel() for o in outputs])
         _split_out(recv, outputs)
         return _done(outputs, opts)
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         if not output_split_sizes and not input_split_sizes:
-            self._comm.all_to_all(_buf(input), _buf(output))
+            self._comm.all_to_all(input, output)
             return _done(output, opts)
         n = self._world_size
 
@@ -219,19 +216,19 @@ class ProcessGroupLockstep(dist.ProcessGroup):
                 splits = [rows // n] * n
             return [s * per_row for s in splits]
 
-        self._comm.all_to_all_v(_buf(input), counts(input, input_split_sizes), _buf(output), counts(output, output_split_sizes))
+        self._comm.all_to_all_v(input, counts(input, input_split_sizes), output, counts(output, output_split_sizes))
         return _done(output, opts)
 
     # Point to point and barrier --------------------------------------------------------------
 
     def send(self, tensors, dst, tag=0):
         for t in tensors:
-            self._comm.send(_buf(t), dst)
+            self._comm.send(t, dst)
         return _done(tensors)
 
     def recv(self, tensors, src, tag=0):
         for t in tensors:
-            self._comm.recv(_buf(t), src)
+            self._comm.recv(t, src)
         return _done(tensors)
 
     def recv_anysource(self, tensors, tag=0):

@@ -187,6 +187,72 @@ impl PyComm {
     }
 }
 
+impl PyComm {
+    /// In-place all-reduce with the op already parsed (shared by the Python method and
+    /// [`TorchAllReduce`]).
+    fn all_reduce_in_place_op(&self, py: Python<'_>, buf: &Bound<'_, PyAny>, op: ReduceOp) -> PyResult<()> {
+        let (v, mut m) = self.view_mut(CollKind::AllReduce, buf, "buf")?;
+        let dt = v.dtype;
+        self.run(py, move |c| dispatch!(dt, T => c.all_reduce_in_place::<T, _>(&mut m, op)))
+    }
+}
+
+/// `ProcessGroupLockstep.allreduce` (lockstep/torch.py), the call DDP and every
+/// `dist.all_reduce` make, in Rust: set as an attribute of each process group, it takes torch's
+/// `(tensors, opts)` and reduces each tensor in place. Written here rather than in Python because
+/// at 8 bytes the Python method's own frame and attribute reads cost as much as the collective;
+/// what remains is torch's wrapper.
+#[pyclass(frozen, module = "lockstep._native")]
+pub struct TorchAllReduce {
+    comm: Py<PyComm>,
+    /// `ReduceOp.SUM`, compared with `opts.reduceOp` first (torch's reduce ops are new objects on
+    /// every read, so not comparable by identity).
+    sum: Py<PyAny>,
+    /// Python's `_op(reduce_op) -> str` for the other ops (and its error for unsupported ones).
+    op_name: Py<PyAny>,
+    /// Python's `_done(result) -> Work`, for callers that want a Work.
+    done: Py<PyAny>,
+}
+
+#[pymethods]
+impl TorchAllReduce {
+    #[new]
+    fn new(comm: Py<PyComm>, sum: Py<PyAny>, op_name: Py<PyAny>, done: Py<PyAny>) -> TorchAllReduce {
+        TorchAllReduce { comm, sum, op_name, done }
+    }
+
+    /// All-reduce each tensor of `tensors` in place with `opts.reduceOp` (sum without opts).
+    /// Returns a completed Work, or None when `opts.asyncOp` is False (torch's blocking wrappers
+    /// accept None).
+    #[pyo3(signature = (tensors, opts=None))]
+    fn __call__<'py>(&self, py: Python<'py>, tensors: Bound<'py, PyAny>, opts: Option<Bound<'py, PyAny>>) -> PyResult<Bound<'py, PyAny>> {
+        let comm = self.comm.get();
+        let (op, want_work) = match &opts {
+            None => (ReduceOp::Sum, true),
+            Some(o) => {
+                let rop = o.getattr(pyo3::intern!(py, "reduceOp"))?;
+                let op = if rop.eq(self.sum.bind(py))? {
+                    ReduceOp::Sum
+                } else {
+                    // An op lockstep lacks fails here; the peers are told, so they fail too.
+                    let name = self.op_name.bind(py).call1((rop,)).and_then(|n| n.extract::<String>());
+                    name.and_then(|n| parse_op(&n)).map_err(|e| comm.refuse(CollKind::AllReduce, Dtype::U8, e))?
+                };
+                let asynchronous = o.getattr(pyo3::intern!(py, "asyncOp"))?;
+                (op, !asynchronous.is(&*pyo3::types::PyBool::new(py, false)))
+            }
+        };
+        for t in tensors.try_iter()? {
+            comm.all_reduce_in_place_op(py, &t?, op)?;
+        }
+        if want_work {
+            self.done.bind(py).call1((tensors,))
+        } else {
+            Ok(py.None().into_bound(py))
+        }
+    }
+}
+
 fn counts_to_displs(counts: &[usize]) -> Vec<usize> {
     let mut at = 0usize;
     counts
@@ -253,11 +319,8 @@ impl PyComm {
     /// In-place all-reduce: `buf` is both input and result.
     #[pyo3(signature = (buf, op="sum"))]
     fn all_reduce_in_place<'py>(&self, py: Python<'py>, buf: Bound<'py, PyAny>, op: &str) -> PyResult<Bound<'py, PyAny>> {
-        let kind = CollKind::AllReduce;
-        let op = parse_op(op).map_err(|e| self.refuse(kind, Dtype::U8, e))?;
-        let (v, mut m) = self.view_mut(kind, &buf, "buf")?;
-        let dt = v.dtype;
-        self.run(py, move |c| dispatch!(dt, T => c.all_reduce_in_place::<T, _>(&mut m, op)))?;
+        let op = parse_op(op).map_err(|e| self.refuse(CollKind::AllReduce, Dtype::U8, e))?;
+        self.all_reduce_in_place_op(py, &buf, op)?;
         Ok(buf)
     }
 

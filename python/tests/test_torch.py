@@ -47,6 +47,64 @@ def test_torch_tensors_directly_through_dlpack_including_bfloat16():
         assert out.tolist() == [0.0, 0.0, 1.0, 1.0]
 
 
+def test_torch_tensors_read_directly_and_refused_with_reasons():
+    """Tensors are read through their own accessors (data_ptr, numel, dtype): parameters that
+    require grad, every dtype lockstep has, views at an offset; other devices, int16 and
+    non-contiguous tensors are refused on this rank and the peers' matching call fails."""
+
+    def body():
+        c = lockstep.comm()
+        r = c.rank
+        p = torch.nn.Parameter(torch.full((3,), float(r + 1)))
+        c.all_reduce(p)
+        out = {"param": p.detach().clone()}
+        for dt in (torch.float64, torch.float16, torch.int8, torch.int32, torch.int64, torch.uint8):
+            t = torch.full((2,), r + 1, dtype=dt)
+            c.all_reduce(t, op="max")
+            out[str(dt)] = t
+        base = torch.zeros(8)
+        view = base[4:]  # data_ptr is past the start of the storage
+        view.fill_(r + 1)
+        c.all_reduce(view)
+        out["view"] = base
+        errors = {}
+        for name, bad in [("meta", torch.empty(4, device="meta")), ("int16", torch.ones(4, dtype=torch.int16)), ("strided", torch.ones(4, 4)[:, 0])]:
+            with pytest.raises((TypeError, ValueError) if r == 0 else lockstep.CommError) as e:
+                c.all_reduce(bad if r == 0 else torch.ones(4))
+            errors[name] = (type(e.value).__name__, str(e.value))
+        c.barrier()
+        return out, errors
+
+    for r, (out, errors) in enumerate(lockstep.notebook_launcher(body, num_processes=2)):
+        assert out["param"].tolist() == [3.0] * 3
+        for dt in ("torch.float64", "torch.float16", "torch.int8", "torch.int32", "torch.int64", "torch.uint8"):
+            assert out[dt].tolist() == [2, 2], dt
+        assert out["view"].tolist() == [0.0] * 4 + [3.0] * 4
+        if r == 0:
+            assert errors["meta"][0] == "TypeError" and "on meta" in errors["meta"][1] and ".cpu()" in errors["meta"][1]
+            assert errors["int16"][0] == "TypeError" and "torch.int16 is not a lockstep element type" in errors["int16"][1]
+            assert errors["strided"][0] == "ValueError" and "not C-contiguous" in errors["strided"][1]
+        else:
+            # The peer's refusal reaches this rank as an error naming rank 0 rather than a hang.
+            for name, (kind, msg) in errors.items():
+                assert kind == "CommError" and "rank 0 refused its all_reduce" in msg, (name, msg)
+
+
+def test_unsupported_reduce_op_fails_on_every_rank():
+    def body():
+        import torch.distributed as dist
+
+        op = dist.ReduceOp.BAND if dist.get_rank() == 0 else dist.ReduceOp.SUM
+        with pytest.raises(Exception) as e:
+            dist.all_reduce(torch.ones(4, dtype=torch.int64), op=op)
+        dist.barrier()
+        return type(e.value).__name__, str(e.value)
+
+    (k0, m0), (k1, m1) = lockstep.notebook_launcher(body, num_processes=2)
+    assert k0 == "ValueError" and "does not support reduce op" in m0, m0
+    assert "rank 0" in m1, m1
+
+
 def _collectives():
     import torch.distributed as dist
 
