@@ -8,6 +8,15 @@ import pytest
 import lockstep
 
 
+def require_or_skip(what, hint):
+    """Skip the calling test module because `what` is not installed, printing "skipped: {what}
+    not installed"; fail instead when LOCKSTEP_REQUIRE_TORCH=1 (a run that must exercise the
+    torch tests, e.g. in a virtual environment that has torch)."""
+    if os.environ.get("LOCKSTEP_REQUIRE_TORCH") == "1":
+        pytest.fail(f"LOCKSTEP_REQUIRE_TORCH=1 but {what} is not installed ({hint})", pytrace=False)
+    pytest.skip(f"skipped: {what} not installed", allow_module_level=True)
+
+
 def children():
     """Pids of this process's live or zombie children (from /proc, every thread)."""
     out = set()

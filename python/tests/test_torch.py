@@ -1,12 +1,15 @@
-"""torch CPU tensors, directly (DLPack) and through `tensor.numpy()` (the buffer protocol).
-Skipped when torch is not installed (CI does not install it)."""
+"""torch CPU tensors, passed directly (read through data_ptr/numel/dtype) and through
+`tensor.numpy()` (the buffer protocol), and the torch.distributed backend. Skipped when torch is
+not installed (CI does not install it); LOCKSTEP_REQUIRE_TORCH=1 makes that a failure."""
 
 import pytest
+
+from conftest import require_or_skip
 
 try:
     import torch
 except ImportError:
-    pytest.skip("skipped: torch not installed", allow_module_level=True)
+    require_or_skip("torch", "pip install torch")
 
 import lockstep
 
