@@ -10,15 +10,17 @@
 //! the peers through [`Communicator::reject_call`], as the Rust API does for the checks it makes
 //! itself, so they fail with a mismatch naming this rank instead of waiting for their timeout.
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use lockstep::comm::Group;
+use lockstep::cuda::Context;
 use lockstep::half::{bf16, f16};
+use lockstep::types::MemSpace;
 use lockstep::{CollKind, CommError, Communicator, Dtype, ReduceOp};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 
-use crate::buffer::{HostMem, View};
+use crate::buffer::{Loc, Mem, View};
 use crate::errors::comm_err;
 
 /// Run `$body` with `$T` bound to the Rust element type of `$dt`.
@@ -84,27 +86,96 @@ pub struct PyComm {
     rank: usize,
     world: usize,
     backend: String,
+    /// The CUDA context of a device communicator (NCCL, staged): its buffers are device memory
+    /// of this device. None for host backends.
+    ctx: Option<Arc<Context>>,
+}
+
+fn cuda_err(e: lockstep::cuda::CudaError) -> CommError {
+    CommError::Backend { backend: "cuda", message: e.to_string() }
 }
 
 impl PyComm {
     /// Wrap a Rust communicator.
     pub fn new(c: Communicator) -> PyComm {
-        PyComm { rank: c.rank(), world: c.world_size(), backend: c.backend_kind().to_string(), inner: Mutex::new(Some(c)) }
+        PyComm {
+            rank: c.rank(),
+            world: c.world_size(),
+            backend: c.backend_kind().to_string(),
+            ctx: c.device_context(),
+            inner: Mutex::new(Some(c)),
+        }
+    }
+
+    /// The memory space of this communicator's buffers.
+    fn space(&self) -> MemSpace {
+        self.ctx.as_ref().map_or(MemSpace::Host, |c| MemSpace::Device(c.ordinal()))
     }
 
     /// Run `f` on the communicator with the GIL released.
+    ///
+    /// On a device communicator the call is made synchronous with the caller's CUDA work, as the
+    /// host backends' calls are: the device is synchronised first (the buffers were written by
+    /// kernels on streams lockstep does not know, torch's current stream for one; a context-wide
+    /// synchronisation covers them all), and the call's own stream after, so the result is there
+    /// for whatever the caller enqueues next.
     fn run<F>(&self, py: Python<'_>, f: F) -> PyResult<()>
     where
         F: FnOnce(&mut Communicator) -> Result<(), CommError> + Send,
     {
         py.detach(|| {
             let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
-            match g.as_mut() {
-                Some(c) => f(c),
-                None => Err(CommError::Unsupported(format!("rank {}: this communicator was closed; make a new one", self.rank))),
+            let Some(c) = g.as_mut() else {
+                return Err(CommError::Unsupported(format!("rank {}: this communicator was closed; make a new one", self.rank)));
+            };
+            if let Some(ctx) = &self.ctx {
+                ctx.bind().and_then(|_| ctx.synchronize()).map_err(cuda_err)?;
             }
+            f(c)?;
+            if self.ctx.is_some() {
+                c.synchronize()?;
+            }
+            Ok(())
         })
         .map_err(comm_err)
+    }
+
+    /// Check that `v` lives where this communicator's buffers must (host memory on a host
+    /// backend, this device's memory on a device backend), and set the space it is passed in.
+    fn place(&self, v: &mut View, what: &str) -> PyResult<()> {
+        match (v.loc, &self.ctx) {
+            (Loc::Host, None) => Ok(()),
+            (Loc::Cuda(_), None) => Err(PyTypeError::new_err(format!(
+                "{what} is CUDA device memory, but this communicator runs the {} backend on host memory: move it to the host \
+(tensor.cpu()), or make a device communicator (comm.to_device(), or lockstep.init_from_env() with LOCKSTEP_BACKEND=nccl)",
+                self.backend
+            ))),
+            // An empty buffer has no memory to speak of (numpy's zero-length arrays are host).
+            (Loc::Host, Some(ctx)) if v.len == 0 => {
+                v.space = MemSpace::Device(ctx.ordinal());
+                Ok(())
+            }
+            (Loc::Host, Some(ctx)) => Err(PyTypeError::new_err(format!(
+                "{what} is host memory, but this communicator runs the {} backend on CUDA device {}: pass device memory \
+(tensor.cuda({})), or use a host communicator for host buffers",
+                self.backend,
+                ctx.ordinal(),
+                ctx.ordinal()
+            ))),
+            (Loc::Cuda(dev), Some(ctx)) => {
+                let dev = dev.unwrap_or(ctx.ordinal());
+                if dev != ctx.ordinal() {
+                    return Err(PyValueError::new_err(format!(
+                        "{what} is on CUDA device {dev}, but this rank's communicator runs on device {}: move it there \
+(tensor.to('cuda:{}'))",
+                        ctx.ordinal(),
+                        ctx.ordinal()
+                    )));
+                }
+                v.space = MemSpace::Device(dev);
+                Ok(())
+            }
+        }
     }
 
     /// Refuse a call locally: tell the peers, return `err` for the caller to raise.
@@ -120,18 +191,20 @@ impl PyComm {
 
     /// Export `obj` for `kind`, refusing the call (peers included) when that fails.
     fn view(&self, kind: CollKind, obj: &Bound<'_, PyAny>, what: &str) -> PyResult<View> {
-        View::new(obj, what).map_err(|e| self.refuse(kind, Dtype::U8, e))
+        let mut v = View::new(obj, what).map_err(|e| self.refuse(kind, Dtype::U8, e))?;
+        self.place(&mut v, what).map_err(|e| self.refuse(kind, v.dtype, e))?;
+        Ok(v)
     }
 
     /// Export `obj` for writing.
-    fn view_mut(&self, kind: CollKind, obj: &Bound<'_, PyAny>, what: &str) -> PyResult<(View, HostMem)> {
+    fn view_mut(&self, kind: CollKind, obj: &Bound<'_, PyAny>, what: &str) -> PyResult<(View, Mem)> {
         let v = self.view(kind, obj, what)?;
         let m = v.mem_mut(what).map_err(|e| self.refuse(kind, v.dtype, e))?;
         Ok((v, m))
     }
 
     /// Send and recv views of an out-of-place call: same dtype, no shared byte.
-    fn pair(&self, kind: CollKind, send: &Bound<'_, PyAny>, recv: &Bound<'_, PyAny>) -> PyResult<(View, View, HostMem)> {
+    fn pair(&self, kind: CollKind, send: &Bound<'_, PyAny>, recv: &Bound<'_, PyAny>) -> PyResult<(View, View, Mem)> {
         let s = self.view(kind, send, "send")?;
         let (r, rm) = self.view_mut(kind, recv, "recv")?;
         if s.dtype != r.dtype {
@@ -154,9 +227,9 @@ impl PyComm {
     }
 
     /// Optional view for an argument only some ranks use (None: empty).
-    fn optional(&self, kind: CollKind, obj: Option<&Bound<'_, PyAny>>, what: &str, write: bool) -> PyResult<(Option<View>, HostMem)> {
+    fn optional(&self, kind: CollKind, obj: Option<&Bound<'_, PyAny>>, what: &str, write: bool) -> PyResult<(Option<View>, Mem)> {
         match obj {
-            None => Ok((None, HostMem::empty())),
+            None => Ok((None, Mem::empty(self.space()))),
             Some(o) if write => self.view_mut(kind, o, what).map(|(v, m)| (Some(v), m)),
             Some(o) => self.view(kind, o, what).map(|v| {
                 let m = v.mem();
@@ -212,13 +285,16 @@ pub struct TorchAllReduce {
     op_name: Py<PyAny>,
     /// Python's `_done(result) -> Work`, for callers that want a Work.
     done: Py<PyAny>,
+    /// Python's `allreduce` for tensors that are not on the CPU (CUDA: the group's device
+    /// communicator), called as `device(tensors, opts)`.
+    device: Py<PyAny>,
 }
 
 #[pymethods]
 impl TorchAllReduce {
     #[new]
-    fn new(comm: Py<PyComm>, sum: Py<PyAny>, op_name: Py<PyAny>, done: Py<PyAny>) -> TorchAllReduce {
-        TorchAllReduce { comm, sum, op_name, done }
+    fn new(comm: Py<PyComm>, sum: Py<PyAny>, op_name: Py<PyAny>, done: Py<PyAny>, device: Py<PyAny>) -> TorchAllReduce {
+        TorchAllReduce { comm, sum, op_name, done, device }
     }
 
     /// All-reduce each tensor of `tensors` in place with `opts.reduceOp` (sum without opts).
@@ -227,6 +303,12 @@ impl TorchAllReduce {
     #[pyo3(signature = (tensors, opts=None))]
     fn __call__<'py>(&self, py: Python<'py>, tensors: Bound<'py, PyAny>, opts: Option<Bound<'py, PyAny>>) -> PyResult<Bound<'py, PyAny>> {
         let comm = self.comm.get();
+        // torch passes tensors of one device per call.
+        if let Ok(first) = tensors.get_item(0) {
+            if !first.getattr(pyo3::intern!(py, "is_cpu"))?.is_truthy()? {
+                return self.device.bind(py).call1((tensors, opts));
+            }
+        }
         let (op, want_work) = match &opts {
             None => (ReduceOp::Sum, true),
             Some(o) => {
@@ -283,6 +365,45 @@ impl PyComm {
     #[getter]
     fn backend(&self) -> &str {
         &self.backend
+    }
+
+    /// The CUDA device this communicator's buffers live on (a device communicator), or None
+    /// (host backends).
+    #[getter]
+    fn device(&self) -> Option<i32> {
+        self.ctx.as_ref().map(|c| c.ordinal())
+    }
+
+    /// A device communicator made from this host one, for CUDA tensors (and any
+    /// `__cuda_array_interface__` or DLPack CUDA buffer): NCCL when every rank of the node has its
+    /// own GPU, otherwise staged through this communicator's shared memory. A collective: every
+    /// rank calls it. The rank uses device `local_rank % device count` (`local_rank` defaults to
+    /// `$LOCAL_RANK`, else this rank). CUDA is initialised here, in the rank. This communicator
+    /// is taken over (closed here; the new one owns or uses it).
+    #[pyo3(signature = (local_rank=None))]
+    fn to_device(&self, py: Python<'_>, local_rank: Option<usize>) -> PyResult<PyComm> {
+        let local_rank = match local_rank {
+            Some(r) => r,
+            None => match std::env::var("LOCAL_RANK") {
+                Ok(v) if !v.is_empty() => v
+                    .trim()
+                    .parse()
+                    .map_err(|_| PyValueError::new_err(format!("LOCAL_RANK={v:?} is not a rank number; pass local_rank explicitly")))?,
+                _ => self.rank,
+            },
+        };
+        if let Some(ctx) = &self.ctx {
+            return Err(PyValueError::new_err(format!(
+                "this communicator already runs the {} backend on CUDA device {}",
+                self.backend,
+                ctx.ordinal()
+            )));
+        }
+        let host = self.inner.lock().unwrap_or_else(|p| p.into_inner()).take();
+        let host = host
+            .ok_or_else(|| comm_err(CommError::Unsupported(format!("rank {}: this communicator was closed; make a new one", self.rank))))?;
+        let (c, _ctx) = py.detach(|| lockstep::rendezvous::device_communicator(host, local_rank)).map_err(comm_err)?;
+        Ok(PyComm::new(c))
     }
 
     /// Number of collectives issued so far on this rank.
@@ -569,7 +690,7 @@ impl PyComm {
     /// all pairs): `ops` is a list of `("send", buf, peer)` and `("recv", buf, peer)` tuples.
     fn group(&self, py: Python<'_>, ops: Vec<(String, Bound<'_, PyAny>, usize)>) -> PyResult<()> {
         let mut views = Vec::with_capacity(ops.len());
-        let mut posts: Vec<(bool, Dtype, usize, HostMem)> = Vec::with_capacity(ops.len());
+        let mut posts: Vec<(bool, Dtype, usize, Mem)> = Vec::with_capacity(ops.len());
         for (i, (what, obj, peer)) in ops.iter().enumerate() {
             let send = match what.as_str() {
                 "send" => true,
