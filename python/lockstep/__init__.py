@@ -15,13 +15,14 @@ Element types come from the buffer's format: float32/64, float16, int8/32/64, ui
 bfloat16 has no buffer-protocol format and comes only through DLPack (a bf16 torch tensor).
 """
 
-from ._native import CommError, Communicator, __version__
+from ._native import CommError, Communicator, SharedMemory, __version__
 from ._launcher import RankError, check_fork_safe, comm, init_from_env, notebook_launcher
 
 __all__ = [
     "CommError",
     "Communicator",
     "RankError",
+    "SharedMemory",
     "check_fork_safe",
     "comm",
     "init_from_env",

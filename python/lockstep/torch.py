@@ -24,6 +24,9 @@ Tensors are handed to the Rust extension as they are (it reads ``data_ptr``, ``n
 (``lockstep._native.TorchAllReduce``), so an 8-byte ``dist.all_reduce`` costs little more than
 torch's own Python wrapper.
 
+``empty_shared(*size, dtype=...)`` makes CPU tensors in a group's shared segment: collectives on
+them are zero-copy (the peers read and write them in place).
+
 Implemented: all_reduce (and coalesced), broadcast, reduce, all_gather, all_gather_into_tensor
 (and coalesced), reduce_scatter, reduce_scatter_tensor (and coalesced), gather, scatter,
 all_to_all, all_to_all_single, send, recv, barrier, new_group. Not: recv from any source, batched
@@ -280,6 +283,31 @@ class ProcessGroupLockstep(dist.ProcessGroup):
     _reduce_scatter_base = reduce_scatter_single
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
     alltoall_base = all_to_all_single
+
+
+def empty_shared(*size, dtype=torch.float32, group=None):
+    """A CPU tensor of `size` (zeroed) whose memory lives in the shared segment of `group`'s
+    lockstep communicator (the default group when None): collectives of that group on such
+    tensors, on every rank, read and write them in place instead of staging copies (zero-copy).
+    The tensor is ordinary otherwise (views, in-place ops, autograd all work); its memory goes
+    back to the segment's heap when the last view of it is freed. Needs numpy (the memory is
+    handed to torch through ``torch.from_numpy``)."""
+    import numpy as np
+
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    if not isinstance(pg, ProcessGroupLockstep):
+        raise TypeError(f"empty_shared needs a process group of the lockstep backend; got {type(pg).__name__}")
+    if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)):
+        size = tuple(size[0])
+    numel = 1
+    for n in size:
+        numel *= int(n)
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    mem = pg.comm.alloc_shared(max(numel * itemsize, 1))
+    # numpy keeps `mem` as the array's base, torch keeps the array: the memory lives as long as
+    # any tensor viewing it.
+    raw = torch.from_numpy(np.asarray(mem))
+    return raw[: numel * itemsize].view(dtype).view(size)
 
 
 _KEY = "lockstep/job_id"

@@ -16,7 +16,7 @@ use lockstep::comm::Group;
 use lockstep::cuda::Context;
 use lockstep::half::{bf16, f16};
 use lockstep::types::MemSpace;
-use lockstep::{CollKind, CommError, Communicator, Dtype, ReduceOp};
+use lockstep::{CollKind, CommError, Communicator, Dtype, ReduceOp, SharedBuffer};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 
@@ -406,6 +406,34 @@ impl PyComm {
         Ok(PyComm::new(c))
     }
 
+    /// `nbytes` of zeroed memory inside this communicator's shared segment, which the peers can
+    /// read directly: a collective whose buffers are such memory on every rank skips the staging
+    /// copies (zero-copy; for a 64 MiB all-reduce about half the memory traffic of ordinary
+    /// buffers, and two synchronisations instead of two per MiB). Returns a
+    /// [`SharedMemory`] that numpy views with `numpy.asarray(mem)` (uint8; `.view(dtype)` for
+    /// another type) and torch with `torch.from_numpy(...)`; `lockstep.torch.empty_shared` does
+    /// both. The memory returns to this rank's shared heap when the last view of it is gone.
+    /// Host (shared-memory) communicators only.
+    fn alloc_shared(&self, py: Python<'_>, nbytes: usize) -> PyResult<SharedMemory> {
+        if self.ctx.is_some() {
+            return Err(PyTypeError::new_err(format!(
+                "alloc_shared: this communicator runs the {} backend on CUDA device memory; shared host memory comes from \
+host (shared-memory) communicators",
+                self.backend
+            )));
+        }
+        let buf = py
+            .detach(|| {
+                let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+                match g.as_mut() {
+                    Some(c) => c.alloc_shared::<u8>(nbytes),
+                    None => Err(CommError::Unsupported(format!("rank {}: this communicator was closed; make a new one", self.rank))),
+                }
+            })
+            .map_err(comm_err)?;
+        Ok(SharedMemory { buf })
+    }
+
     /// Number of collectives issued so far on this rank.
     #[getter]
     fn seq(&self) -> u64 {
@@ -746,5 +774,53 @@ impl PyComm {
     fn __exit__(&self, py: Python<'_>, _t: Py<PyAny>, _v: Py<PyAny>, _tb: Py<PyAny>) -> bool {
         self.close(py);
         false
+    }
+}
+
+/// Memory in a communicator's shared segment (`Communicator.alloc_shared`): exposes
+/// `__array_interface__` (uint8, writable), so `numpy.asarray(mem)` views it and keeps this object
+/// (and so the memory) alive as the array's base.
+#[pyclass(frozen, module = "lockstep")]
+pub struct SharedMemory {
+    buf: SharedBuffer<u8>,
+}
+
+impl SharedMemory {
+    /// The address, taken without forming a Rust reference to bytes numpy may be writing.
+    fn addr(&self) -> usize {
+        lockstep::Buffer::<u8>::raw(&self.buf).addr
+    }
+
+    /// The size in bytes (same remark).
+    fn size(&self) -> usize {
+        lockstep::Buffer::<u8>::raw(&self.buf).len
+    }
+}
+
+#[pymethods]
+impl SharedMemory {
+    /// Size in bytes.
+    #[getter]
+    fn nbytes(&self) -> usize {
+        self.size()
+    }
+
+    /// numpy's array interface (version 3): a one-dimensional uint8 array over the memory.
+    #[getter]
+    fn __array_interface__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, pyo3::types::PyDict>> {
+        let d = pyo3::types::PyDict::new(py);
+        d.set_item("shape", (self.size(),))?;
+        d.set_item("typestr", "|u1")?;
+        d.set_item("data", (self.addr(), false))?;
+        d.set_item("version", 3)?;
+        Ok(d)
+    }
+
+    fn __len__(&self) -> usize {
+        self.size()
+    }
+
+    fn __repr__(&self) -> String {
+        format!("<lockstep.SharedMemory {} bytes at {:#x}>", self.size(), self.addr())
     }
 }

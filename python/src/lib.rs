@@ -105,6 +105,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyComm>()?;
     m.add_class::<ShmJob>()?;
     m.add_class::<comm::TorchAllReduce>()?;
+    m.add_class::<comm::SharedMemory>()?;
     m.add("CommError", m.py().get_type::<errors::CommError>())?;
     m.add_function(wrap_pyfunction!(init_from_env, m)?)?;
     m.add_function(wrap_pyfunction!(fork_refusal, m)?)?;

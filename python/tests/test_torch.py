@@ -299,3 +299,26 @@ def test_init_process_group_under_torchrun_variables():
         out, err = p.communicate(timeout=120)
         assert p.returncode == 0, err
         assert f"ok {r} lockstep [6.0, 6.0, 6.0]" in out, out
+
+
+def test_empty_shared_tensors_in_collectives():
+    def body():
+        import torch.distributed as dist
+
+        import lockstep.torch as lt
+
+        r = dist.get_rank()
+        t = lt.empty_shared(512, 1024)  # 2 MiB: above the one-phase size, so the zero-copy path
+        assert t.shape == (512, 1024) and t.dtype == torch.float32 and not t.any()
+        t.fill_(r + 1)
+        dist.all_reduce(t)
+        b = lt.empty_shared((3,), dtype=torch.bfloat16)
+        b.fill_(r)
+        dist.broadcast(b, src=1)
+        with pytest.raises(TypeError, match="lockstep backend"):
+            lt.empty_shared(4, group=dist.new_group(backend="gloo"))
+        return float(t.min()), float(t.max()), b.float().tolist()
+
+    for lo, hi, b in lockstep.notebook_launcher(body, num_processes=2):
+        assert lo == hi == 3.0
+        assert b == [1.0] * 3
