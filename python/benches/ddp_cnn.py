@@ -2,10 +2,12 @@
 FashionMNIST CNN (shared/seeds/002: Adam lr 0.005, batch 64 per rank, DistributedSampler), 2 CPU
 ranks forked by lockstep.notebook_launcher, one intra-op thread each.
 
-Both runs start from the same seed and see the same batches; they alternate epoch by epoch (a
-lockstep epoch, then the same epoch on gloo), so each pair of epoch times is measured back to back
-under the same machine load. With 2 ranks a sum of two gradients does not depend on the order
-it is taken in, so both backends should give the same model and the same accuracy.
+Both runs start from the same seed and see the same batches. They advance together, step by
+step: a training step (loading its batch included) of one model, then the same step of the
+other (which one goes first alternates), and likewise for the evaluation batches; each run's
+epoch time is the sum of its own steps. So both are measured back to back under the same machine load, even on a machine
+whose load changes by the second. With 2 ranks a sum of two gradients does not depend on the
+order it is taken in, so both backends should give the same model and the same accuracy.
 
     python python/benches/ddp_cnn.py [--epochs 4] [--data /usr/share/datasets/fashion-mnist]
                                      [--train-limit N] [--ranks 2]
@@ -55,28 +57,56 @@ class Run:
         self.test_len = len(test)
         self.test = DataLoader(test, batch_size=args.batch_size, sampler=DistributedSampler(test, world, rank, shuffle=False))
 
-    def epoch(self, e):
-        t0 = time.perf_counter()
+    def start(self, e):
+        """Begin epoch `e`: training mode, a fresh shuffle, the clock at zero."""
         self.sampler.set_epoch(e)
         self.model.train()
-        for x, y in self.train:
-            loss = F.cross_entropy(self.model(x), y)
-            self.opt.zero_grad()
-            loss.backward()
-            self.opt.step()
+        self.batches = iter(self.train)
+        self.seconds = 0.0
+
+    def train_step(self):
+        """One training step (loading the batch included); False once the epoch's data is done."""
+        t0 = time.perf_counter()
+        try:
+            x, y = next(self.batches)
+        except StopIteration:
+            return False
+        loss = F.cross_entropy(self.model(x), y)
+        self.opt.zero_grad()
+        loss.backward()
+        self.opt.step()
+        self.loss = loss.item()
+        self.seconds += time.perf_counter() - t0
+        return True
+
+    def start_eval(self):
         self.model.eval()
-        counts = torch.zeros(2, dtype=torch.int64)  # correct, seen (each test sample once)
-        seen = 0
+        self.batches = iter(self.test)
+        self.counts = torch.zeros(2, dtype=torch.int64)  # correct, seen (each test sample once)
+        self.seen = 0
+
+    def eval_step(self):
+        t0 = time.perf_counter()
+        try:
+            x, y = next(self.batches)
+        except StopIteration:
+            return False
         with torch.no_grad():
-            for x, y in self.test:
-                pred = self.model(x).argmax(1)
-                # Positions rank + world*i past the end are DistributedSampler's padding.
-                real = self.rank + self.world * (seen + torch.arange(len(y))) < self.test_len
-                counts[0] += ((pred == y) & real).sum()
-                counts[1] += real.sum()
-                seen += len(y)
-        dist.all_reduce(counts, group=self.group)
-        return time.perf_counter() - t0, 100.0 * counts[0].item() / counts[1].item(), loss.item()
+            pred = self.model(x).argmax(1)
+        # Positions rank + world*i past the end are DistributedSampler's padding.
+        real = self.rank + self.world * (self.seen + torch.arange(len(y))) < self.test_len
+        self.counts[0] += ((pred == y) & real).sum()
+        self.counts[1] += real.sum()
+        self.seen += len(y)
+        self.seconds += time.perf_counter() - t0
+        return True
+
+    def finish(self):
+        """The epoch's time and the test accuracy from the counts of every rank."""
+        t0 = time.perf_counter()
+        dist.all_reduce(self.counts, group=self.group)
+        self.seconds += time.perf_counter() - t0
+        return self.seconds, 100.0 * self.counts[0].item() / self.counts[1].item(), self.loss
 
 
 def body(args):
@@ -87,8 +117,17 @@ def body(args):
     out = []
     for e in range(args.epochs):
         for r in runs:
-            dist.barrier()
-            dt, acc, loss = r.epoch(e)
+            r.start(e)
+        # Who goes first alternates: the second of a pair finds the batch's images in cache.
+        i = 0
+        while all([r.train_step() for r in (runs if i % 2 == 0 else runs[::-1])]):
+            i += 1
+        for r in runs:
+            r.start_eval()
+        while all([r.eval_step() for r in (runs if i % 2 == 0 else runs[::-1])]):
+            i += 1
+        for r in runs:
+            dt, acc, loss = r.finish()
             if dist.get_rank() == 0:
                 print(f"epoch {e + 1}/{args.epochs} {r.name:8s} {dt:7.1f} s  test acc {acc:.2f} %  loss {loss:.4f}", flush=True)
             out.append((e + 1, r.name, dt, acc))
