@@ -13,6 +13,8 @@ order it is taken in, so both backends should give the same model and the same a
                                      [--train-limit N] [--ranks 2]
 
 Prints one line per epoch and backend (time: training + evaluation) and a summary table.
+notebook_launcher pins each rank to one CPU (LOCKSTEP_CPU_BIND=core, the default); on a machine
+shared with other jobs, LOCKSTEP_CPU_BIND=none lets the scheduler move a rank off a busy CPU.
 """
 
 import argparse
@@ -132,7 +134,7 @@ def body(args):
                 print(f"epoch {e + 1}/{args.epochs} {r.name:8s} {dt:7.1f} s  test acc {acc:.2f} %  loss {loss:.4f}", flush=True)
             out.append((e + 1, r.name, dt, acc))
     same = all(torch.equal(a, b) for a, b in zip(runs[0].model.parameters(), runs[1].model.parameters()))
-    return out, same
+    return out, same, sorted(os.sched_getaffinity(0))
 
 
 def main():
@@ -146,14 +148,14 @@ def main():
     p.add_argument("--train-limit", type=int, default=None, help="train on the first N samples only (quick runs)")
     args = p.parse_args()
     res = lockstep.notebook_launcher(body, args=(args,), num_processes=args.ranks)
-    rows, same = res[0]
+    rows, same, cpus = res[0]
     by = {(e, n): (dt, acc) for e, n, dt, acc in rows}
     print("\n| epoch | lockstep s | gloo s | gloo / lockstep | lockstep acc % | gloo acc % |")
     print("|---:|---:|---:|---:|---:|---:|")
     for e in range(1, args.epochs + 1):
         (lt, la), (gt, ga) = by[(e, "lockstep")], by[(e, "gloo")]
         print(f"| {e} | {lt:.1f} | {gt:.1f} | {gt / lt:.2f} | {la:.2f} | {ga:.2f} |")
-    print(f"\nfinal parameters identical on both backends: {same}")
+    print(f"\nfinal parameters identical on both backends: {same}; rank 0 may run on CPUs {cpus} (LOCKSTEP_CPU_BIND={os.environ.get('LOCKSTEP_CPU_BIND', 'core')})")
 
 
 if __name__ == "__main__":
