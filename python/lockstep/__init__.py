@@ -6,8 +6,12 @@
 * ``lockstep.init_from_env()`` joins a job started by ``lockstep launch``, torchrun, mpirun or
   srun (inside a ``notebook_launcher`` rank it returns that rank's communicator).
 * ``lockstep.Communicator`` runs every collective on buffer-protocol objects (numpy arrays,
-  bytearray, memoryview, array.array) and DLPack objects in host memory (torch CPU tensors), in
-  place or out of place, with the GIL released while it runs.
+  bytearray, memoryview, array.array), torch tensors and DLPack objects, in place or out of
+  place, with the GIL released while it runs. Host communicators take host memory;
+  ``comm.to_device()`` makes a device communicator (NCCL, or staged through shared memory) for
+  CUDA memory (torch CUDA tensors, ``__cuda_array_interface__`` objects, DLPack CUDA buffers).
+  ``comm.alloc_shared(nbytes)`` gives memory in the shared segment (a :class:`SharedMemory`;
+  ``numpy.asarray(mem)``) on which collectives are zero-copy.
 
 ``import lockstep.torch`` registers the torch.distributed backend ``"lockstep"``.
 
@@ -15,13 +19,14 @@ Element types come from the buffer's format: float32/64, float16, int8/32/64, ui
 bfloat16 has no buffer-protocol format and comes only through DLPack (a bf16 torch tensor).
 """
 
-from ._native import CommError, Communicator, __version__
+from ._native import CommError, Communicator, SharedMemory, __version__
 from ._launcher import RankError, check_fork_safe, comm, init_from_env, notebook_launcher
 
 __all__ = [
     "CommError",
     "Communicator",
     "RankError",
+    "SharedMemory",
     "check_fork_safe",
     "comm",
     "init_from_env",

@@ -1,4 +1,5 @@
-"""``import lockstep.torch`` registers the torch.distributed backend ``"lockstep"`` (CPU tensors):
+"""``import lockstep.torch`` registers the torch.distributed backend ``"lockstep"`` (CPU and CUDA
+tensors):
 
     import torch.distributed as dist
     import lockstep.torch  # noqa: F401
@@ -9,17 +10,27 @@ process group is already initialised on this backend (check ``dist.is_initialize
 calling ``init_process_group``).
 
 Every process group (the default one and each ``new_group``) gets its own shared-memory
-communicator, joined under an id that the group's rank 0 publishes in torch's store. Collectives
-run synchronously on the calling thread, with the GIL released; ``async_op=True`` gives a
+communicator, joined under an id that the group's rank 0 publishes in torch's store, and, at its
+first collective on CUDA tensors, a device communicator (NCCL when each rank has its own GPU,
+otherwise staged through shared memory; see ``Communicator.to_device``). Collectives run
+synchronously on the calling thread, with the GIL released (CUDA ones synchronise the device
+before and after, so they are ordered with the caller's streams); ``async_op=True`` gives a
 ``Work`` that has already completed (its future holds the result, as DDP's reducer expects). A
 mismatch between ranks, a dead peer or a timeout raises ``RuntimeError`` (``lockstep.CommError``)
 naming the ranks instead of hanging.
 
+Tensors are handed to the Rust extension as they are (it reads ``data_ptr``, ``numel``,
+``dtype``); ``allreduce``, the call DDP makes, is itself written in Rust
+(``lockstep._native.TorchAllReduce``), so an 8-byte ``dist.all_reduce`` costs little more than
+torch's own Python wrapper.
+
+``empty_shared(*size, dtype=...)`` makes CPU tensors in a group's shared segment: collectives on
+them are zero-copy (the peers read and write them in place).
+
 Implemented: all_reduce (and coalesced), broadcast, reduce, all_gather, all_gather_into_tensor
 (and coalesced), reduce_scatter, reduce_scatter_tensor (and coalesced), gather, scatter,
-all_to_all, all_to_all_single, send, recv, barrier, new_group. Not: CUDA tensors (the backend is
-registered for "cpu"), recv from any source, batched ``batch_isend_irecv`` coalescing, bitwise
-and PREMUL_SUM reductions.
+all_to_all, all_to_all_single, send, recv, barrier, new_group. Not: recv from any source, batched
+``batch_isend_irecv`` coalescing, bitwise and PREMUL_SUM reductions.
 """
 
 import uuid
@@ -33,6 +44,10 @@ from . import _native
 
 BACKEND = "lockstep"
 
+# Tensors go to the Rust extension as they are: it reads data_ptr/numel/dtype itself (much
+# cheaper than DLPack or tensor.numpy() for small messages).
+_native._register_torch()
+
 _OPS = {
     ReduceOp.RedOpType.SUM: "sum",
     ReduceOp.RedOpType.PRODUCT: "prod",
@@ -42,22 +57,15 @@ _OPS = {
 }
 
 
+_SUM = ReduceOp.SUM
+
+
 def _op(reduce_op):
     kind = reduce_op.op if isinstance(reduce_op, ReduceOp) else reduce_op
     try:
         return _OPS[kind]
     except KeyError:
         raise ValueError(f"the lockstep backend does not support reduce op {kind}; it has SUM, PRODUCT, MIN, MAX and AVG") from None
-
-
-def _buf(t):
-    """The memory of a CPU tensor as lockstep takes it: numpy's view (the cheapest export), or
-    the tensor itself through DLPack for bfloat16, which numpy lacks."""
-    if not t.is_cpu:
-        raise TypeError(f"the lockstep torch backend takes CPU tensors so far; got one on {t.device}")
-    if t.requires_grad:
-        t = t.detach()
-    return t if t.dtype == torch.bfloat16 else t.numpy()
 
 
 def _done(result, opts=None):
@@ -88,16 +96,47 @@ def _split_out(flat, outs):
 class ProcessGroupLockstep(dist.ProcessGroup):
     """A torch.distributed process group running on a lockstep communicator."""
 
-    def __init__(self, comm, rank, world_size):
+    def __init__(self, comm, rank, world_size, job_id=None):
         super().__init__(rank, world_size)
         self._comm = comm
+        self._job_id = job_id
+        self._device_comm = None
         self._rank = rank
         self._world_size = world_size
+        # An instance attribute wins over ProcessGroup's method, both for Python callers
+        # (dist.all_reduce) and for C++ ones (DDP's reducer, through pybind's override lookup).
+        self.allreduce = _native.TorchAllReduce(comm, _SUM, _op, _done, self._allreduce_device)
 
     @property
     def comm(self):
-        """The underlying :class:`lockstep.Communicator`."""
+        """The underlying :class:`lockstep.Communicator` (CPU tensors)."""
         return self._comm
+
+    def _on(self, t):
+        """The communicator for tensor `t`: the shared-memory one for CPU tensors, the device one
+        for CUDA tensors (made on first use)."""
+        # Tensors neither on the CPU nor CUDA go to the host communicator, which refuses them
+        # with a TypeError and tells the peers (they fail instead of waiting).
+        return self._device(t) if t.is_cuda else self._comm
+
+    def _device(self, t):
+        """The group's device communicator, made by the first collective on CUDA tensors (every
+        rank makes it at the same call, since torch's collectives are called with tensors on the
+        same kind of device everywhere): NCCL when each rank has its own GPU, else staged through
+        a second shared segment. Its device is the tensor's."""
+        if self._device_comm is None:
+            if self._job_id is None:
+                raise RuntimeError("this process group was made without a job id, so it cannot make a device communicator")
+            host = _native.join_named(f"{self._job_id}-cuda", self._rank, self._world_size)
+            self._device_comm = host.to_device(t.get_device())
+        return self._device_comm
+
+    def _allreduce_device(self, tensors, opts=None):
+        """allreduce on CUDA tensors (TorchAllReduce hands them here)."""
+        op = _op(opts.reduceOp) if opts is not None else "sum"
+        for t in tensors:
+            self._on(t).all_reduce_in_place(t, op)
+        return _done(tensors, opts)
 
     def getBackendName(self):
         return BACKEND
@@ -113,11 +152,8 @@ class ProcessGroupLockstep(dist.ProcessGroup):
 
     # Reductions -----------------------------------------------------------------------------
 
-    def allreduce(self, tensors, opts=None):
-        op = _op(opts.reduceOp) if opts is not None else "sum"
-        for t in tensors:
-            self._comm.all_reduce(_buf(t), None, op)
-        return _done(tensors, opts)
+    # allreduce(tensors, opts=None) is an attribute set in __init__: lockstep._native's
+    # TorchAllReduce, the hot path of DDP and of every small all_reduce written in Rust.
 
     def allreduce_coalesced(self, tensors, opts=None):
         return self.allreduce(tensors, opts)
@@ -125,7 +161,7 @@ class ProcessGroupLockstep(dist.ProcessGroup):
     def reduce(self, tensors, opts):
         op = _op(opts.reduceOp)
         for t in tensors:
-            self._comm.reduce(_buf(t), None, op, opts.rootRank)
+            self._on(t).reduce(t, None, op, opts.rootRank)
         return _done(tensors, opts)
 
     def reduce_scatter(self, outputs, input_lists, opts):
@@ -135,15 +171,15 @@ class ProcessGroupLockstep(dist.ProcessGroup):
                 raise ValueError(f"reduce_scatter needs one input tensor per rank ({self._world_size}), got {len(ins)}")
             flat = _flat(ins, out.dtype)
             if out.is_contiguous():
-                self._comm.reduce_scatter(_buf(flat), _buf(out), op)
+                self._on(out).reduce_scatter(flat, out, op)
             else:
-                tmp = torch.empty(out.numel(), dtype=out.dtype)
-                self._comm.reduce_scatter(_buf(flat), _buf(tmp), op)
+                tmp = torch.empty(out.numel(), dtype=out.dtype, device=out.device)
+                self._on(out).reduce_scatter(flat, tmp, op)
                 out.copy_(tmp.view(out.shape))
         return _done(outputs, opts)
 
     def reduce_scatter_single(self, output, input, opts):
-        self._comm.reduce_scatter(_buf(input), _buf(output), _op(opts.reduceOp))
+        self._on(input).reduce_scatter(input, output, _op(opts.reduceOp))
         return _done(output, opts)
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts):
@@ -155,58 +191,58 @@ class ProcessGroupLockstep(dist.ProcessGroup):
 
     def broadcast(self, tensors, opts):
         for t in tensors:
-            self._comm.broadcast(_buf(t), None, opts.rootRank)
+            self._on(t).broadcast(t, None, opts.rootRank)
         return _done(tensors, opts)
 
     def allgather(self, output_lists, inputs, opts=None):
         for outs, inp in zip(output_lists, inputs):
-            flat = torch.empty(inp.numel() * self._world_size, dtype=inp.dtype)
-            self._comm.all_gather(_buf(inp), _buf(flat))
+            flat = torch.empty(inp.numel() * self._world_size, dtype=inp.dtype, device=inp.device)
+            self._on(inp).all_gather(inp, flat)
             _split_out(flat, outs)
         return _done(output_lists, opts)
 
     def all_gather_single(self, output, input, opts=None):
-        self._comm.all_gather(_buf(input), _buf(output))
+        self._on(input).all_gather(input, output)
         return _done(output, opts)
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
         for o, i in zip(outputs, inputs):
-            self._comm.all_gather(_buf(i), _buf(o))
+            self._on(i).all_gather(i, o)
         return _done(outputs, opts)
 
     def gather(self, output_lists, inputs, opts):
         root = opts.rootRank
         for i, inp in enumerate(inputs):
             if self._rank == root:
-                flat = torch.empty(inp.numel() * self._world_size, dtype=inp.dtype)
-                self._comm.gather(_buf(inp), _buf(flat), root)
+                flat = torch.empty(inp.numel() * self._world_size, dtype=inp.dtype, device=inp.device)
+                self._on(inp).gather(inp, flat, root)
                 _split_out(flat, output_lists[i])
             else:
-                self._comm.gather(_buf(inp), None, root)
+                self._on(inp).gather(inp, None, root)
         return _done(output_lists, opts)
 
     def scatter(self, outputs, input_lists, opts):
         root = opts.rootRank
         for i, out in enumerate(outputs):
-            send = _buf(_flat(input_lists[i], out.dtype)) if self._rank == root else None
+            send = _flat(input_lists[i], out.dtype) if self._rank == root else None
             if out.is_contiguous():
-                self._comm.scatter(send, _buf(out), root)
+                self._on(out).scatter(send, out, root)
             else:
-                tmp = torch.empty(out.numel(), dtype=out.dtype)
-                self._comm.scatter(send, _buf(tmp), root)
+                tmp = torch.empty(out.numel(), dtype=out.dtype, device=out.device)
+                self._on(out).scatter(send, tmp, root)
                 out.copy_(tmp.view(out.shape))
         return _done(outputs, opts)
 
     def alltoall(self, outputs, inputs, opts=None):
         send = _flat(inputs, inputs[0].dtype if inputs else torch.float32)
-        recv = torch.empty(sum(o.numel() for o in outputs), dtype=send.dtype)
-        self._comm.all_to_all_v(_buf(send), [t.numel() for t in inputs], _buf(recv), [o.numel() for o in outputs])
+        recv = torch.empty(sum(o.numel() for o in outputs), dtype=send.dtype, device=send.device)
+        self._on(send).all_to_all_v(send, [t.numel() for t in inputs], recv, [o.numel() for o in outputs])
         _split_out(recv, outputs)
         return _done(outputs, opts)
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         if not output_split_sizes and not input_split_sizes:
-            self._comm.all_to_all(_buf(input), _buf(output))
+            self._on(input).all_to_all(input, output)
             return _done(output, opts)
         n = self._world_size
 
@@ -219,19 +255,19 @@ class ProcessGroupLockstep(dist.ProcessGroup):
                 splits = [rows // n] * n
             return [s * per_row for s in splits]
 
-        self._comm.all_to_all_v(_buf(input), counts(input, input_split_sizes), _buf(output), counts(output, output_split_sizes))
+        self._on(input).all_to_all_v(input, counts(input, input_split_sizes), output, counts(output, output_split_sizes))
         return _done(output, opts)
 
     # Point to point and barrier --------------------------------------------------------------
 
     def send(self, tensors, dst, tag=0):
         for t in tensors:
-            self._comm.send(_buf(t), dst)
+            self._on(t).send(t, dst)
         return _done(tensors)
 
     def recv(self, tensors, src, tag=0):
         for t in tensors:
-            self._comm.recv(_buf(t), src)
+            self._on(t).recv(t, src)
         return _done(tensors)
 
     def recv_anysource(self, tensors, tag=0):
@@ -249,6 +285,31 @@ class ProcessGroupLockstep(dist.ProcessGroup):
     alltoall_base = all_to_all_single
 
 
+def empty_shared(*size, dtype=torch.float32, group=None):
+    """A CPU tensor of `size` (zeroed) whose memory lives in the shared segment of `group`'s
+    lockstep communicator (the default group when None): collectives of that group on such
+    tensors, on every rank, read and write them in place instead of staging copies (zero-copy).
+    The tensor is ordinary otherwise (views, in-place ops, autograd all work); its memory goes
+    back to the segment's heap when the last view of it is freed. Needs numpy (the memory is
+    handed to torch through ``torch.from_numpy``)."""
+    import numpy as np
+
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    if not isinstance(pg, ProcessGroupLockstep):
+        raise TypeError(f"empty_shared needs a process group of the lockstep backend; got {type(pg).__name__}")
+    if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)):
+        size = tuple(size[0])
+    numel = 1
+    for n in size:
+        numel *= int(n)
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    mem = pg.comm.alloc_shared(max(numel * itemsize, 1))
+    # numpy keeps `mem` as the array's base, torch keeps the array: the memory lives as long as
+    # any tensor viewing it.
+    raw = torch.from_numpy(np.asarray(mem))
+    return raw[: numel * itemsize].view(dtype).view(size)
+
+
 _KEY = "lockstep/job_id"
 
 
@@ -259,12 +320,12 @@ def _create(opts, backend_options=None):
     if rank == 0:
         store.set(_KEY, f"torch-{uuid.uuid4().hex[:16]}")
     job_id = store.get(_KEY).decode()
-    return ProcessGroupLockstep(_native.join_named(job_id, rank, size), rank, size)
+    return ProcessGroupLockstep(_native.join_named(job_id, rank, size), rank, size, job_id)
 
 
 def _register():
     if BACKEND.upper() not in dist.Backend._plugins:
-        dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu"])
+        dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu", "cuda"])
 
 
 _register()

@@ -1,7 +1,7 @@
-//! Python buffers as collective buffers: the buffer protocol (numpy arrays, bytearray,
-//! memoryview, array.array, anything exporting `Py_buffer`) or else DLPack (torch tensors, which
-//! have no buffer protocol; bfloat16 comes only this way) turned into an address, a length and
-//! a [`Dtype`], with every check the collective cannot make itself (contiguity, writability,
+//! Python buffers as collective buffers: torch tensors (read directly, see [`torch_view`]), the
+//! buffer protocol (numpy arrays, bytearray, memoryview, array.array, anything exporting
+//! `Py_buffer`) or else DLPack (other array libraries' tensors) turned into an address, a length
+//! and a [`Dtype`], with every check the collective cannot make itself (contiguity, writability,
 //! alignment, element type).
 //!
 //! The buffer protocol is only part of the limited API from Python 3.11, while this module is
@@ -17,6 +17,8 @@ use lockstep::{Dtype, Element};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::ffi::{PyObject, Py_ssize_t};
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::PyType;
 
 /// CPython's `Py_buffer` (Include/pybuffer.h), identical from 3.3 to today.
 #[repr(C)]
@@ -50,11 +52,14 @@ enum Holder {
     Buffer(Box<PyBufferRaw>),
     /// A DLPack capsule, left unconsumed: the producer's deleter runs when it is collected.
     Capsule(#[allow(dead_code)] Py<PyAny>),
+    /// A torch tensor read through its own accessors, or a `__cuda_array_interface__` exporter
+    /// (held so that its memory stays alive).
+    Tensor(#[allow(dead_code)] Py<PyAny>),
 }
 
 /// A buffer exported by a Python object, held (and so kept alive and unresizable) until drop.
 /// Dropping needs the GIL, which every holder has: views are made and dropped in the bodies of
-/// `#[pymethods]`, and only their [`HostMem`] crosses into code that runs detached.
+/// `#[pymethods]`, and only their [`Mem`] crosses into code that runs detached.
 pub struct View {
     holder: Holder,
     addr: usize,
@@ -64,6 +69,21 @@ pub struct View {
     pub len: usize,
     /// The exporter refuses writes.
     pub readonly: bool,
+    /// Where the exporter says the memory is.
+    pub loc: Loc,
+    /// The memory space handed to the collective: host, or the device the communicator checked
+    /// (see `PyComm::view`; `__cuda_array_interface__` does not name the device).
+    pub space: MemSpace,
+}
+
+/// Where a buffer's memory lives, as its exporter describes it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Loc {
+    /// Host memory (the buffer protocol, CPU tensors, DLPack CPU or CUDA-host memory).
+    Host,
+    /// CUDA device memory, on this device when the exporter says which (torch and DLPack do,
+    /// `__cuda_array_interface__` does not).
+    Cuda(Option<i32>),
 }
 
 impl Drop for View {
@@ -91,6 +111,11 @@ impl View {
     /// Export `obj`'s memory: through the buffer protocol, or else through DLPack (torch tensors,
     /// which have no buffer protocol). `what` names the argument in messages ("send", "recv", ...).
     pub fn new(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<View> {
+        if let Some(t) = Torch::get(obj.py()) {
+            if obj.is_instance(t.tensor.bind(obj.py()))? {
+                return t.view(obj, what);
+            }
+        }
         // SAFETY: PyBufferRaw is plain data (pointers and integers); all-zero is a valid value to
         // hand to PyObject_GetBuffer, which fills it.
         let mut raw: Box<PyBufferRaw> = Box::new(unsafe { std::mem::zeroed() });
@@ -99,7 +124,16 @@ impl View {
         let rc = unsafe { PyObject_GetBuffer(obj.as_ptr(), &mut *raw, PYBUF_RECORDS_RO) };
         if rc != 0 {
             let cause = PyErr::take(obj.py());
+            if obj.hasattr("__cuda_array_interface__").unwrap_or(false) {
+                return View::from_cuda_array_interface(obj, what);
+            }
             if obj.hasattr("__dlpack__").unwrap_or(false) {
+                // A torch tensor met before torch was looked up: take the direct path from now on.
+                if let Some(t) = Torch::init(obj.py())? {
+                    if obj.is_instance(t.tensor.bind(obj.py()))? {
+                        return t.view(obj, what);
+                    }
+                }
                 return View::from_dlpack(obj, what);
             }
             let err = PyTypeError::new_err(format!(
@@ -112,7 +146,8 @@ bytearray, memoryview, array.array, a torch CPU tensor)",
         }
         // From here `raw` is owned by a View, so every early return releases it.
         let addr = raw.buf as usize;
-        let mut v = View { holder: Holder::Buffer(raw), addr, dtype: Dtype::U8, len: 0, readonly: false };
+        let mut v =
+            View { holder: Holder::Buffer(raw), addr, dtype: Dtype::U8, len: 0, readonly: false, loc: Loc::Host, space: MemSpace::Host };
         let Holder::Buffer(r) = &v.holder else { unreachable!("just built") };
         v.readonly = r.readonly != 0;
         let itemsize = usize::try_from(r.itemsize).unwrap_or(0);
@@ -166,13 +201,17 @@ bytearray, memoryview, array.array, a torch CPU tensor)",
         // SAFETY: a "dltensor" capsule holds a DLManagedTensor, valid while the capsule lives
         // (we hold it, unconsumed, for the life of the view).
         let t = unsafe { &(*(p as *const DLManagedTensor)).dl_tensor };
-        if t.device.device_type != DL_CPU && t.device.device_type != DL_CUDA_HOST {
-            return Err(PyTypeError::new_err(format!(
-                "{what} lives on DLPack device type {} (device {}); the Python bindings take host memory only so far \
-(CPU tensors; move it with .cpu())",
-                t.device.device_type, t.device.device_id
-            )));
-        }
+        let loc = match t.device.device_type {
+            DL_CPU | DL_CUDA_HOST => Loc::Host,
+            DL_CUDA => Loc::Cuda(Some(t.device.device_id)),
+            other => {
+                return Err(PyTypeError::new_err(format!(
+                    "{what} lives on DLPack device type {other} (device {}); lockstep takes host memory and CUDA device \
+memory (move it with .cpu())",
+                    t.device.device_id
+                )))
+            }
+        };
         let dtype = dl_dtype(t.dtype).map_err(|m| PyTypeError::new_err(format!("{what}: {m}")))?;
         let ndim = usize::try_from(t.ndim).unwrap_or(0);
         let shape: Vec<usize> = if ndim == 0 || t.shape.is_null() {
@@ -190,7 +229,58 @@ bytearray, memoryview, array.array, a torch CPU tensor)",
             }
         }
         let addr = (t.data as usize).wrapping_add(t.byte_offset as usize);
-        let v = View { holder: Holder::Capsule(capsule.unbind()), addr, dtype, len, readonly: false };
+        let v = View { holder: Holder::Capsule(capsule.unbind()), addr, dtype, len, readonly: false, loc, space: MemSpace::Host };
+        v.check_aligned(what)?;
+        Ok(v)
+    }
+
+    /// CUDA device memory described by `__cuda_array_interface__` (version 2 or 3: CuPy, Numba,
+    /// torch). The producer's stream is not used: a device communicator synchronises the device
+    /// before each call (see `PyComm::run`), which covers work on every stream.
+    fn from_cuda_array_interface(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<View> {
+        let bad = |m: String| PyTypeError::new_err(format!("{what}: __cuda_array_interface__ {m}"));
+        let cai = obj.getattr("__cuda_array_interface__")?;
+        let item = |k: &str| cai.get_item(k).map_err(|_| bad(format!("has no {k:?} entry")));
+        let (addr, readonly): (usize, bool) =
+            item("data")?.extract().map_err(|_| bad("\"data\" is not (pointer, read-only flag)".into()))?;
+        let shape: Vec<usize> = item("shape")?.extract().map_err(|_| bad("\"shape\" is not a tuple of sizes".into()))?;
+        let typestr: String = item("typestr")?.extract().map_err(|_| bad("\"typestr\" is not a string".into()))?;
+        if cai.get_item("mask").is_ok_and(|m| !m.is_none()) {
+            return Err(bad("has a mask; masked arrays are not supported".into()));
+        }
+        // numpy's typestr: byte order ('|' for single bytes), kind letter, item size in bytes.
+        let b = typestr.as_bytes();
+        let native = match b.first() {
+            Some(b'|') => true,
+            Some(b'<') => cfg!(target_endian = "little"),
+            Some(b'>') => cfg!(target_endian = "big"),
+            _ => false,
+        };
+        let itemsize: usize = typestr.get(2..).and_then(|n| n.parse().ok()).unwrap_or(0);
+        if !native || itemsize == 0 {
+            return Err(bad(format!("typestr {typestr:?} is not an element type in this machine's byte order")));
+        }
+        let kind = b[1];
+        let letter = match (kind, itemsize) {
+            (b'f', 2) => "e",
+            (b'f', 4) => "f",
+            (b'f', 8) => "d",
+            (b'i', _) => "q",
+            (b'u', _) => "Q",
+            _ => "?",
+        };
+        let dtype = dtype_of(letter, itemsize).map_err(|_| bad(format!("typestr {typestr:?} is not a lockstep element type")))?;
+        let len: usize = shape.iter().product();
+        if let Ok(st) = cai.get_item("strides") {
+            if !st.is_none() {
+                let st: Vec<isize> = st.extract().map_err(|_| bad("\"strides\" is not a tuple of byte strides".into()))?;
+                if len > 0 && !c_contiguous(&shape, &st, itemsize as isize) {
+                    return Err(not_contiguous(what, &shape, &st, "bytes"));
+                }
+            }
+        }
+        let v =
+            View { holder: Holder::Tensor(obj.clone().unbind()), addr, dtype, len, readonly, loc: Loc::Cuda(None), space: MemSpace::Host };
         v.check_aligned(what)?;
         Ok(v)
     }
@@ -208,13 +298,13 @@ bytearray, memoryview, array.array, a torch CPU tensor)",
     }
 
     /// This view for reading.
-    pub fn mem(&self) -> HostMem {
+    pub fn mem(&self) -> Mem {
         let addr = if self.len == 0 { self.dtype.size() } else { self.addr };
-        HostMem { addr, len: self.len }
+        Mem { addr, len: self.len, space: self.space }
     }
 
     /// This view for writing: refused when the exporter is read-only.
-    pub fn mem_mut(&self, what: &str) -> PyResult<HostMem> {
+    pub fn mem_mut(&self, what: &str) -> PyResult<Mem> {
         if self.readonly {
             return Err(PyValueError::new_err(format!(
                 "{what} is read-only, but the collective writes its result there; pass a writable buffer (for numpy, \
@@ -236,8 +326,104 @@ x.copy() or x.setflags(write=True) where allowed)"
     }
 }
 
+/// What the direct path for torch tensors needs from torch: the tensor type and the element types
+/// lockstep has, compared by identity (torch's dtypes are singletons).
+///
+/// Why not DLPack or `tensor.numpy()`: `__dlpack__` is Python code with its own checks and builds
+/// a capsule per call (about 4 µs), `numpy()` builds an array (about 1.2 µs); reading `data_ptr()`,
+/// `numel()`, `dtype` and `is_contiguous()` costs a fraction of that, and an 8-byte all-reduce
+/// through torch.distributed is otherwise dominated by it.
+pub(crate) struct Torch {
+    tensor: Py<PyType>,
+    dtypes: Vec<(Py<PyAny>, Dtype)>,
+}
+
+static TORCH: PyOnceLock<Option<Torch>> = PyOnceLock::new();
+
+impl Torch {
+    /// The table, if it was built already (never imports anything).
+    fn get(py: Python<'_>) -> Option<&Torch> {
+        TORCH.get(py).and_then(Option::as_ref)
+    }
+
+    /// Build the table once torch is imported (`lockstep.torch` calls this; so does the first
+    /// torch tensor that reaches [`View::new`]). None while torch is not imported: lockstep never
+    /// imports it itself (several seconds, and CUDA state a forking launcher must not inherit).
+    pub(crate) fn init(py: Python<'_>) -> PyResult<Option<&Torch>> {
+        if let Some(t) = TORCH.get(py) {
+            return Ok(t.as_ref());
+        }
+        let modules = py.import("sys")?.getattr("modules")?;
+        let Some(torch) = modules.get_item("torch").ok().filter(|m| !m.is_none()) else {
+            return Ok(None);
+        };
+        let tensor = torch.getattr("Tensor")?.cast_into::<PyType>()?.unbind();
+        let mut dtypes = Vec::new();
+        for (name, d) in [
+            ("float32", Dtype::F32),
+            ("float64", Dtype::F64),
+            ("float16", Dtype::F16),
+            ("bfloat16", Dtype::BF16),
+            ("int8", Dtype::I8),
+            ("int32", Dtype::I32),
+            ("int64", Dtype::I64),
+            ("uint8", Dtype::U8),
+            // From torch 2.3 on.
+            ("uint32", Dtype::U32),
+            ("uint64", Dtype::U64),
+        ] {
+            if let Some(dt) = torch.getattr_opt(name)? {
+                dtypes.push((dt.unbind(), d));
+            }
+        }
+        // Another thread may have won the race; either table is the same.
+        let _ = TORCH.set(py, Some(Torch { tensor, dtypes }));
+        Ok(Torch::get(py))
+    }
+
+    /// A view of a torch tensor `t` in host memory.
+    fn view(&self, t: &Bound<'_, PyAny>, what: &str) -> PyResult<View> {
+        let py = t.py();
+        let loc = if t.getattr(pyo3::intern!(py, "is_cpu"))?.is_truthy()? {
+            Loc::Host
+        } else if t.getattr(pyo3::intern!(py, "is_cuda"))?.is_truthy()? {
+            Loc::Cuda(Some(t.call_method0(pyo3::intern!(py, "get_device"))?.extract()?))
+        } else {
+            let device = t.getattr(pyo3::intern!(py, "device"))?;
+            return Err(PyTypeError::new_err(format!(
+                "{what} is a torch tensor on {device}; lockstep takes CPU tensors (host communicators) and CUDA tensors \
+(device communicators): move it with .cpu() or .cuda()"
+            )));
+        };
+        let dt = t.getattr(pyo3::intern!(py, "dtype"))?;
+        let Some(&(_, dtype)) = self.dtypes.iter().find(|(d, _)| d.bind(py).is(&dt)) else {
+            return Err(PyTypeError::new_err(format!(
+                "{what}: torch {dt} is not a lockstep element type (float32/64, float16, bfloat16, int8/32/64, \
+uint8/32/64; bool, int16 and complex are not)"
+            )));
+        };
+        let len: usize = t.call_method0(pyo3::intern!(py, "numel"))?.extract()?;
+        if len > 0 && !t.call_method0(pyo3::intern!(py, "is_contiguous"))?.is_truthy()? {
+            let shape: Vec<usize> = t.getattr(pyo3::intern!(py, "shape"))?.extract()?;
+            let strides: Vec<isize> = t.call_method0(pyo3::intern!(py, "stride"))?.extract()?;
+            return Err(not_contiguous(what, &shape, &strides, "elements"));
+        }
+        let addr: usize = t.call_method0(pyo3::intern!(py, "data_ptr"))?.extract()?;
+        let v = View { holder: Holder::Tensor(t.clone().unbind()), addr, dtype, len, readonly: false, loc, space: MemSpace::Host };
+        v.check_aligned(what)?;
+        Ok(v)
+    }
+}
+
+/// Look torch up for the direct tensor path (`lockstep.torch` calls it at import).
+#[pyfunction]
+pub fn _register_torch(py: Python<'_>) -> PyResult<bool> {
+    Ok(Torch::init(py)?.is_some())
+}
+
 // DLPack's ABI (dlpack.h, unchanged for the legacy unversioned tensor since v0.2).
 const DL_CPU: i32 = 1;
+const DL_CUDA: i32 = 2;
 const DL_CUDA_HOST: i32 = 3;
 
 #[repr(C)]
@@ -359,33 +545,36 @@ supported: NCCL has none either)"
 /// A host buffer by address, as the collectives take it. Built only from a live [`View`] (or as
 /// an empty buffer), which the caller keeps until the collective has returned.
 #[derive(Clone, Copy, Debug)]
-pub struct HostMem {
+pub struct Mem {
     addr: usize,
     len: usize,
+    space: MemSpace,
 }
 
-impl HostMem {
+impl Mem {
     /// An empty buffer for arguments a rank does not use (gather's recv off the root), at an
-    /// address aligned for any element type.
-    pub fn empty() -> HostMem {
-        HostMem { addr: 8, len: 0 }
+    /// address aligned for any element type, in the communicator's memory space.
+    pub fn empty(space: MemSpace) -> Mem {
+        Mem { addr: 8, len: 0, space }
     }
 }
 
-// SAFETY: a HostMem is made from a View that the caller holds for the whole collective (the
-// exporter keeps the memory alive and unresizable while exported), covering `len` elements of the
-// view's dtype, checked aligned; the collective functions are only instantiated with `T` equal
-// to that dtype (see `dispatch!`). An empty HostMem covers no byte.
-unsafe impl<T: Element> Buffer<T> for HostMem {
+// SAFETY: a Mem is made from a View that the caller holds for the whole collective (a
+// buffer-protocol exporter keeps the memory alive and unresizable while exported; a DLPack capsule
+// or a held torch tensor keeps its storage alive, and resizing a tensor from another thread while
+// a collective uses it is a data race on the caller's side, as with torch's own backends, which
+// read `data_ptr()` the same way), covering `len` elements of the view's dtype, checked aligned; the collective functions are only instantiated with `T` equal
+// to that dtype (see `dispatch!`). An empty Mem covers no byte.
+unsafe impl<T: Element> Buffer<T> for Mem {
     fn raw(&self) -> RawMem {
-        RawMem { addr: self.addr, len: self.len, space: MemSpace::Host }
+        RawMem { addr: self.addr, len: self.len, space: self.space }
     }
 }
 
 // SAFETY: as for `Buffer`; `mem_mut` only hands out writable views, and out-of-place calls are
 // refused when send and recv overlap, so nothing else reaches the bytes during the call.
-unsafe impl<T: Element> BufferMut<T> for HostMem {
+unsafe impl<T: Element> BufferMut<T> for Mem {
     fn raw_mut(&mut self) -> RawMem {
-        RawMem { addr: self.addr, len: self.len, space: MemSpace::Host }
+        RawMem { addr: self.addr, len: self.len, space: self.space }
     }
 }

@@ -10,15 +10,17 @@
 //! the peers through [`Communicator::reject_call`], as the Rust API does for the checks it makes
 //! itself, so they fail with a mismatch naming this rank instead of waiting for their timeout.
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use lockstep::comm::Group;
+use lockstep::cuda::Context;
 use lockstep::half::{bf16, f16};
-use lockstep::{CollKind, CommError, Communicator, Dtype, ReduceOp};
+use lockstep::types::MemSpace;
+use lockstep::{CollKind, CommError, Communicator, Dtype, ReduceOp, SharedBuffer};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 
-use crate::buffer::{HostMem, View};
+use crate::buffer::{Loc, Mem, View};
 use crate::errors::comm_err;
 
 /// Run `$body` with `$T` bound to the Rust element type of `$dt`.
@@ -84,27 +86,96 @@ pub struct PyComm {
     rank: usize,
     world: usize,
     backend: String,
+    /// The CUDA context of a device communicator (NCCL, staged): its buffers are device memory
+    /// of this device. None for host backends.
+    ctx: Option<Arc<Context>>,
+}
+
+fn cuda_err(e: lockstep::cuda::CudaError) -> CommError {
+    CommError::Backend { backend: "cuda", message: e.to_string() }
 }
 
 impl PyComm {
     /// Wrap a Rust communicator.
     pub fn new(c: Communicator) -> PyComm {
-        PyComm { rank: c.rank(), world: c.world_size(), backend: c.backend_kind().to_string(), inner: Mutex::new(Some(c)) }
+        PyComm {
+            rank: c.rank(),
+            world: c.world_size(),
+            backend: c.backend_kind().to_string(),
+            ctx: c.device_context(),
+            inner: Mutex::new(Some(c)),
+        }
+    }
+
+    /// The memory space of this communicator's buffers.
+    fn space(&self) -> MemSpace {
+        self.ctx.as_ref().map_or(MemSpace::Host, |c| MemSpace::Device(c.ordinal()))
     }
 
     /// Run `f` on the communicator with the GIL released.
+    ///
+    /// On a device communicator the call is made synchronous with the caller's CUDA work, as the
+    /// host backends' calls are: the device is synchronised first (the buffers were written by
+    /// kernels on streams lockstep does not know, torch's current stream for one; a context-wide
+    /// synchronisation covers them all), and the call's own stream after, so the result is there
+    /// for whatever the caller enqueues next.
     fn run<F>(&self, py: Python<'_>, f: F) -> PyResult<()>
     where
         F: FnOnce(&mut Communicator) -> Result<(), CommError> + Send,
     {
         py.detach(|| {
             let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
-            match g.as_mut() {
-                Some(c) => f(c),
-                None => Err(CommError::Unsupported(format!("rank {}: this communicator was closed; make a new one", self.rank))),
+            let Some(c) = g.as_mut() else {
+                return Err(CommError::Unsupported(format!("rank {}: this communicator was closed; make a new one", self.rank)));
+            };
+            if let Some(ctx) = &self.ctx {
+                ctx.bind().and_then(|_| ctx.synchronize()).map_err(cuda_err)?;
             }
+            f(c)?;
+            if self.ctx.is_some() {
+                c.synchronize()?;
+            }
+            Ok(())
         })
         .map_err(comm_err)
+    }
+
+    /// Check that `v` lives where this communicator's buffers must (host memory on a host
+    /// backend, this device's memory on a device backend), and set the space it is passed in.
+    fn place(&self, v: &mut View, what: &str) -> PyResult<()> {
+        match (v.loc, &self.ctx) {
+            (Loc::Host, None) => Ok(()),
+            (Loc::Cuda(_), None) => Err(PyTypeError::new_err(format!(
+                "{what} is CUDA device memory, but this communicator runs the {} backend on host memory: move it to the host \
+(tensor.cpu()), or make a device communicator (comm.to_device(), or lockstep.init_from_env() with LOCKSTEP_BACKEND=nccl)",
+                self.backend
+            ))),
+            // An empty buffer has no memory to speak of (numpy's zero-length arrays are host).
+            (Loc::Host, Some(ctx)) if v.len == 0 => {
+                v.space = MemSpace::Device(ctx.ordinal());
+                Ok(())
+            }
+            (Loc::Host, Some(ctx)) => Err(PyTypeError::new_err(format!(
+                "{what} is host memory, but this communicator runs the {} backend on CUDA device {}: pass device memory \
+(tensor.cuda({})), or use a host communicator for host buffers",
+                self.backend,
+                ctx.ordinal(),
+                ctx.ordinal()
+            ))),
+            (Loc::Cuda(dev), Some(ctx)) => {
+                let dev = dev.unwrap_or(ctx.ordinal());
+                if dev != ctx.ordinal() {
+                    return Err(PyValueError::new_err(format!(
+                        "{what} is on CUDA device {dev}, but this rank's communicator runs on device {}: move it there \
+(tensor.to('cuda:{}'))",
+                        ctx.ordinal(),
+                        ctx.ordinal()
+                    )));
+                }
+                v.space = MemSpace::Device(dev);
+                Ok(())
+            }
+        }
     }
 
     /// Refuse a call locally: tell the peers, return `err` for the caller to raise.
@@ -120,18 +191,20 @@ impl PyComm {
 
     /// Export `obj` for `kind`, refusing the call (peers included) when that fails.
     fn view(&self, kind: CollKind, obj: &Bound<'_, PyAny>, what: &str) -> PyResult<View> {
-        View::new(obj, what).map_err(|e| self.refuse(kind, Dtype::U8, e))
+        let mut v = View::new(obj, what).map_err(|e| self.refuse(kind, Dtype::U8, e))?;
+        self.place(&mut v, what).map_err(|e| self.refuse(kind, v.dtype, e))?;
+        Ok(v)
     }
 
     /// Export `obj` for writing.
-    fn view_mut(&self, kind: CollKind, obj: &Bound<'_, PyAny>, what: &str) -> PyResult<(View, HostMem)> {
+    fn view_mut(&self, kind: CollKind, obj: &Bound<'_, PyAny>, what: &str) -> PyResult<(View, Mem)> {
         let v = self.view(kind, obj, what)?;
         let m = v.mem_mut(what).map_err(|e| self.refuse(kind, v.dtype, e))?;
         Ok((v, m))
     }
 
     /// Send and recv views of an out-of-place call: same dtype, no shared byte.
-    fn pair(&self, kind: CollKind, send: &Bound<'_, PyAny>, recv: &Bound<'_, PyAny>) -> PyResult<(View, View, HostMem)> {
+    fn pair(&self, kind: CollKind, send: &Bound<'_, PyAny>, recv: &Bound<'_, PyAny>) -> PyResult<(View, View, Mem)> {
         let s = self.view(kind, send, "send")?;
         let (r, rm) = self.view_mut(kind, recv, "recv")?;
         if s.dtype != r.dtype {
@@ -154,9 +227,9 @@ impl PyComm {
     }
 
     /// Optional view for an argument only some ranks use (None: empty).
-    fn optional(&self, kind: CollKind, obj: Option<&Bound<'_, PyAny>>, what: &str, write: bool) -> PyResult<(Option<View>, HostMem)> {
+    fn optional(&self, kind: CollKind, obj: Option<&Bound<'_, PyAny>>, what: &str, write: bool) -> PyResult<(Option<View>, Mem)> {
         match obj {
-            None => Ok((None, HostMem::empty())),
+            None => Ok((None, Mem::empty(self.space()))),
             Some(o) if write => self.view_mut(kind, o, what).map(|(v, m)| (Some(v), m)),
             Some(o) => self.view(kind, o, what).map(|v| {
                 let m = v.mem();
@@ -183,6 +256,81 @@ impl PyComm {
                 Dtype::U8,
                 PyValueError::new_err(format!("{kind} needs at least one of send and recv on this rank (rank {})", self.rank)),
             )),
+        }
+    }
+}
+
+impl PyComm {
+    /// In-place all-reduce with the op already parsed (shared by the Python method and
+    /// [`TorchAllReduce`]).
+    fn all_reduce_in_place_op(&self, py: Python<'_>, buf: &Bound<'_, PyAny>, op: ReduceOp) -> PyResult<()> {
+        let (v, mut m) = self.view_mut(CollKind::AllReduce, buf, "buf")?;
+        let dt = v.dtype;
+        self.run(py, move |c| dispatch!(dt, T => c.all_reduce_in_place::<T, _>(&mut m, op)))
+    }
+}
+
+/// `ProcessGroupLockstep.allreduce` (lockstep/torch.py), the call DDP and every
+/// `dist.all_reduce` make, in Rust: set as an attribute of each process group, it takes torch's
+/// `(tensors, opts)` and reduces each tensor in place. Written here rather than in Python because
+/// at 8 bytes the Python method's own frame and attribute reads cost as much as the collective;
+/// what remains is torch's wrapper.
+#[pyclass(frozen, module = "lockstep._native")]
+pub struct TorchAllReduce {
+    comm: Py<PyComm>,
+    /// `ReduceOp.SUM`, compared with `opts.reduceOp` first (torch's reduce ops are new objects on
+    /// every read, so not comparable by identity).
+    sum: Py<PyAny>,
+    /// Python's `_op(reduce_op) -> str` for the other ops (and its error for unsupported ones).
+    op_name: Py<PyAny>,
+    /// Python's `_done(result) -> Work`, for callers that want a Work.
+    done: Py<PyAny>,
+    /// Python's `allreduce` for tensors that are not on the CPU (CUDA: the group's device
+    /// communicator), called as `device(tensors, opts)`.
+    device: Py<PyAny>,
+}
+
+#[pymethods]
+impl TorchAllReduce {
+    #[new]
+    fn new(comm: Py<PyComm>, sum: Py<PyAny>, op_name: Py<PyAny>, done: Py<PyAny>, device: Py<PyAny>) -> TorchAllReduce {
+        TorchAllReduce { comm, sum, op_name, done, device }
+    }
+
+    /// All-reduce each tensor of `tensors` in place with `opts.reduceOp` (sum without opts).
+    /// Returns a completed Work, or None when `opts.asyncOp` is False (torch's blocking wrappers
+    /// accept None).
+    #[pyo3(signature = (tensors, opts=None))]
+    fn __call__<'py>(&self, py: Python<'py>, tensors: Bound<'py, PyAny>, opts: Option<Bound<'py, PyAny>>) -> PyResult<Bound<'py, PyAny>> {
+        let comm = self.comm.get();
+        // torch passes tensors of one device per call.
+        if let Ok(first) = tensors.get_item(0) {
+            if !first.getattr(pyo3::intern!(py, "is_cpu"))?.is_truthy()? {
+                return self.device.bind(py).call1((tensors, opts));
+            }
+        }
+        let (op, want_work) = match &opts {
+            None => (ReduceOp::Sum, true),
+            Some(o) => {
+                let rop = o.getattr(pyo3::intern!(py, "reduceOp"))?;
+                let op = if rop.eq(self.sum.bind(py))? {
+                    ReduceOp::Sum
+                } else {
+                    // An op lockstep lacks fails here; the peers are told, so they fail too.
+                    let name = self.op_name.bind(py).call1((rop,)).and_then(|n| n.extract::<String>());
+                    name.and_then(|n| parse_op(&n)).map_err(|e| comm.refuse(CollKind::AllReduce, Dtype::U8, e))?
+                };
+                let asynchronous = o.getattr(pyo3::intern!(py, "asyncOp"))?;
+                (op, !asynchronous.is(&*pyo3::types::PyBool::new(py, false)))
+            }
+        };
+        for t in tensors.try_iter()? {
+            comm.all_reduce_in_place_op(py, &t?, op)?;
+        }
+        if want_work {
+            self.done.bind(py).call1((tensors,))
+        } else {
+            Ok(py.None().into_bound(py))
         }
     }
 }
@@ -219,6 +367,73 @@ impl PyComm {
         &self.backend
     }
 
+    /// The CUDA device this communicator's buffers live on (a device communicator), or None
+    /// (host backends).
+    #[getter]
+    fn device(&self) -> Option<i32> {
+        self.ctx.as_ref().map(|c| c.ordinal())
+    }
+
+    /// A device communicator made from this host one, for CUDA tensors (and any
+    /// `__cuda_array_interface__` or DLPack CUDA buffer): NCCL when every rank of the node has its
+    /// own GPU, otherwise staged through this communicator's shared memory. A collective: every
+    /// rank calls it. The rank uses device `local_rank % device count` (`local_rank` defaults to
+    /// `$LOCAL_RANK`, else this rank). CUDA is initialised here, in the rank. This communicator
+    /// is taken over (closed here; the new one owns or uses it).
+    #[pyo3(signature = (local_rank=None))]
+    fn to_device(&self, py: Python<'_>, local_rank: Option<usize>) -> PyResult<PyComm> {
+        let local_rank = match local_rank {
+            Some(r) => r,
+            None => match std::env::var("LOCAL_RANK") {
+                Ok(v) if !v.is_empty() => v
+                    .trim()
+                    .parse()
+                    .map_err(|_| PyValueError::new_err(format!("LOCAL_RANK={v:?} is not a rank number; pass local_rank explicitly")))?,
+                _ => self.rank,
+            },
+        };
+        if let Some(ctx) = &self.ctx {
+            return Err(PyValueError::new_err(format!(
+                "this communicator already runs the {} backend on CUDA device {}",
+                self.backend,
+                ctx.ordinal()
+            )));
+        }
+        let host = self.inner.lock().unwrap_or_else(|p| p.into_inner()).take();
+        let host = host
+            .ok_or_else(|| comm_err(CommError::Unsupported(format!("rank {}: this communicator was closed; make a new one", self.rank))))?;
+        let (c, _ctx) = py.detach(|| lockstep::rendezvous::device_communicator(host, local_rank)).map_err(comm_err)?;
+        Ok(PyComm::new(c))
+    }
+
+    /// `nbytes` of zeroed memory inside this communicator's shared segment, which the peers can
+    /// read directly: a collective whose buffers are such memory on every rank skips the staging
+    /// copies (zero-copy; for a 64 MiB all-reduce about half the memory traffic of ordinary
+    /// buffers, and two synchronisations instead of two per MiB). Returns a
+    /// [`SharedMemory`] that numpy views with `numpy.asarray(mem)` (uint8; `.view(dtype)` for
+    /// another type) and torch with `torch.from_numpy(...)`; `lockstep.torch.empty_shared` does
+    /// both. The memory returns to this rank's shared heap when the last view of it is gone.
+    /// Host (shared-memory) communicators only.
+    fn alloc_shared(&self, py: Python<'_>, nbytes: usize) -> PyResult<SharedMemory> {
+        if self.ctx.is_some() {
+            return Err(PyTypeError::new_err(format!(
+                "alloc_shared: this communicator runs the {} backend on CUDA device memory; shared host memory comes from \
+host (shared-memory) communicators",
+                self.backend
+            )));
+        }
+        let buf = py
+            .detach(|| {
+                let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+                match g.as_mut() {
+                    Some(c) => c.alloc_shared::<u8>(nbytes),
+                    None => Err(CommError::Unsupported(format!("rank {}: this communicator was closed; make a new one", self.rank))),
+                }
+            })
+            .map_err(comm_err)?;
+        Ok(SharedMemory { buf })
+    }
+
     /// Number of collectives issued so far on this rank.
     #[getter]
     fn seq(&self) -> u64 {
@@ -253,11 +468,8 @@ impl PyComm {
     /// In-place all-reduce: `buf` is both input and result.
     #[pyo3(signature = (buf, op="sum"))]
     fn all_reduce_in_place<'py>(&self, py: Python<'py>, buf: Bound<'py, PyAny>, op: &str) -> PyResult<Bound<'py, PyAny>> {
-        let kind = CollKind::AllReduce;
-        let op = parse_op(op).map_err(|e| self.refuse(kind, Dtype::U8, e))?;
-        let (v, mut m) = self.view_mut(kind, &buf, "buf")?;
-        let dt = v.dtype;
-        self.run(py, move |c| dispatch!(dt, T => c.all_reduce_in_place::<T, _>(&mut m, op)))?;
+        let op = parse_op(op).map_err(|e| self.refuse(CollKind::AllReduce, Dtype::U8, e))?;
+        self.all_reduce_in_place_op(py, &buf, op)?;
         Ok(buf)
     }
 
@@ -506,7 +718,7 @@ impl PyComm {
     /// all pairs): `ops` is a list of `("send", buf, peer)` and `("recv", buf, peer)` tuples.
     fn group(&self, py: Python<'_>, ops: Vec<(String, Bound<'_, PyAny>, usize)>) -> PyResult<()> {
         let mut views = Vec::with_capacity(ops.len());
-        let mut posts: Vec<(bool, Dtype, usize, HostMem)> = Vec::with_capacity(ops.len());
+        let mut posts: Vec<(bool, Dtype, usize, Mem)> = Vec::with_capacity(ops.len());
         for (i, (what, obj, peer)) in ops.iter().enumerate() {
             let send = match what.as_str() {
                 "send" => true,
@@ -562,5 +774,53 @@ impl PyComm {
     fn __exit__(&self, py: Python<'_>, _t: Py<PyAny>, _v: Py<PyAny>, _tb: Py<PyAny>) -> bool {
         self.close(py);
         false
+    }
+}
+
+/// Memory in a communicator's shared segment (`Communicator.alloc_shared`): exposes
+/// `__array_interface__` (uint8, writable), so `numpy.asarray(mem)` views it and keeps this object
+/// (and so the memory) alive as the array's base.
+#[pyclass(frozen, module = "lockstep")]
+pub struct SharedMemory {
+    buf: SharedBuffer<u8>,
+}
+
+impl SharedMemory {
+    /// The address, taken without forming a Rust reference to bytes numpy may be writing.
+    fn addr(&self) -> usize {
+        lockstep::Buffer::<u8>::raw(&self.buf).addr
+    }
+
+    /// The size in bytes (same remark).
+    fn size(&self) -> usize {
+        lockstep::Buffer::<u8>::raw(&self.buf).len
+    }
+}
+
+#[pymethods]
+impl SharedMemory {
+    /// Size in bytes.
+    #[getter]
+    fn nbytes(&self) -> usize {
+        self.size()
+    }
+
+    /// numpy's array interface (version 3): a one-dimensional uint8 array over the memory.
+    #[getter]
+    fn __array_interface__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, pyo3::types::PyDict>> {
+        let d = pyo3::types::PyDict::new(py);
+        d.set_item("shape", (self.size(),))?;
+        d.set_item("typestr", "|u1")?;
+        d.set_item("data", (self.addr(), false))?;
+        d.set_item("version", 3)?;
+        Ok(d)
+    }
+
+    fn __len__(&self) -> usize {
+        self.size()
+    }
+
+    fn __repr__(&self) -> String {
+        format!("<lockstep.SharedMemory {} bytes at {:#x}>", self.size(), self.addr())
     }
 }

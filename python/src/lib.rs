@@ -104,11 +104,14 @@ fn die_with_parent(parent_pid: i32) -> bool {
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyComm>()?;
     m.add_class::<ShmJob>()?;
+    m.add_class::<comm::TorchAllReduce>()?;
+    m.add_class::<comm::SharedMemory>()?;
     m.add("CommError", m.py().get_type::<errors::CommError>())?;
     m.add_function(wrap_pyfunction!(init_from_env, m)?)?;
     m.add_function(wrap_pyfunction!(fork_refusal, m)?)?;
     m.add_function(wrap_pyfunction!(die_with_parent, m)?)?;
     m.add_function(wrap_pyfunction!(join_named, m)?)?;
+    m.add_function(wrap_pyfunction!(buffer::_register_torch, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

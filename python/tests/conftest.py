@@ -2,10 +2,22 @@
 
 import glob
 import os
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 
 import lockstep
+
+
+def require_or_skip(what, hint):
+    """Skip the calling test module because `what` is not installed, printing "skipped: {what}
+    not installed"; fail instead when LOCKSTEP_REQUIRE_TORCH=1 (a run that must exercise the
+    torch tests, e.g. in a virtual environment that has torch)."""
+    if os.environ.get("LOCKSTEP_REQUIRE_TORCH") == "1":
+        pytest.fail(f"LOCKSTEP_REQUIRE_TORCH=1 but {what} is not installed ({hint})", pytrace=False)
+    pytest.skip(f"skipped: {what} not installed", allow_module_level=True)
 
 
 def children():
@@ -41,3 +53,22 @@ def no_leftovers():
 
 def launch(world, fn, *args):
     return lockstep.notebook_launcher(fn, args, num_processes=world)
+
+
+SIM_CUDA = Path(__file__).resolve().parents[2] / "tests" / "fake" / "sim_cuda.c"
+
+
+@pytest.fixture(scope="session")
+def fake_cuda(tmp_path_factory):
+    """The simulated CUDA driver of the Rust tests (device memory is host memory, copies are
+    memcpy), compiled as libcuda.so.1."""
+    cc = os.environ.get("CC", "cc")
+    if shutil.which(cc) is None:
+        if os.environ.get("LOCKSTEP_REQUIRE_CC") == "1":
+            pytest.fail("LOCKSTEP_REQUIRE_CC=1 but there is no C compiler (cc) to build the fake CUDA driver")
+        pytest.skip("skipped: no C compiler (cc) to build the fake CUDA driver")
+    if not SIM_CUDA.exists():
+        pytest.skip(f"skipped: {SIM_CUDA} not found (run from a lockstep checkout)")
+    out = tmp_path_factory.mktemp("fakecuda") / "libcuda.so.1"
+    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(out), str(SIM_CUDA)], check=True)
+    return out

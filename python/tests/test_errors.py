@@ -142,3 +142,17 @@ def test_wrong_group_op():
 def test_comm_outside_a_rank():
     with pytest.raises(RuntimeError, match="notebook_launcher"):
         lockstep.comm()
+
+
+class CudaArray:
+    """Claims to be CUDA device memory (`__cuda_array_interface__`), as CuPy arrays and torch CUDA
+    tensors do."""
+
+    def __init__(self, a):
+        self.a = a
+        self.__cuda_array_interface__ = {"shape": a.shape, "typestr": a.dtype.str, "data": (a.ctypes.data, False), "version": 3, "strides": None, "stream": 1}
+
+
+def test_cuda_memory_on_a_host_communicator():
+    m0, _ = one_rank_refused(lambda c: c.all_reduce(CudaArray(np.ones(4, np.float32))), TypeError)
+    assert "CUDA device memory" in m0 and "shm backend on host memory" in m0 and "to_device()" in m0, m0

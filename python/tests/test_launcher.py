@@ -3,7 +3,6 @@ behind, KeyboardInterrupt, and the refusal to fork once CUDA is initialised (fak
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -259,24 +258,6 @@ def test_keyboard_interrupt_stops_every_rank(how):
     time.sleep(0.2)
     assert [q for q in pids if alive(q)] == [], "a rank or a process it started survived"
     assert shm_entries() - shm0 == set()
-
-
-SIM_CUDA = REPO / "tests" / "fake" / "sim_cuda.c"
-
-
-@pytest.fixture(scope="module")
-def fake_cuda(tmp_path_factory):
-    """The simulated CUDA driver of the Rust tests, compiled as libcuda.so.1."""
-    cc = os.environ.get("CC", "cc")
-    if shutil.which(cc) is None:
-        if os.environ.get("LOCKSTEP_REQUIRE_CC") == "1":
-            pytest.fail("LOCKSTEP_REQUIRE_CC=1 but there is no C compiler (cc) to build the fake CUDA driver")
-        pytest.skip("skipped: no C compiler (cc) to build the fake CUDA driver")
-    if not SIM_CUDA.exists():
-        pytest.skip(f"skipped: {SIM_CUDA} not found (run from a lockstep checkout)")
-    out = tmp_path_factory.mktemp("fakecuda") / "libcuda.so.1"
-    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(out), str(SIM_CUDA)], check=True)
-    return out
 
 
 def test_refuses_when_cuda_was_initialised_in_the_caller(fake_cuda):

@@ -1,12 +1,15 @@
-"""torch CPU tensors, directly (DLPack) and through `tensor.numpy()` (the buffer protocol).
-Skipped when torch is not installed (CI does not install it)."""
+"""torch CPU tensors, passed directly (read through data_ptr/numel/dtype) and through
+`tensor.numpy()` (the buffer protocol), and the torch.distributed backend. Skipped when torch is
+not installed (CI does not install it); LOCKSTEP_REQUIRE_TORCH=1 makes that a failure."""
 
 import pytest
+
+from conftest import require_or_skip
 
 try:
     import torch
 except ImportError:
-    pytest.skip("skipped: torch not installed", allow_module_level=True)
+    require_or_skip("torch", "pip install torch")
 
 import lockstep
 
@@ -45,6 +48,64 @@ def test_torch_tensors_directly_through_dlpack_including_bfloat16():
     for t, out in lockstep.notebook_launcher(body, num_processes=2):
         assert t.dtype == torch.bfloat16 and torch.equal(t, torch.full((5,), 3.0, dtype=torch.bfloat16))
         assert out.tolist() == [0.0, 0.0, 1.0, 1.0]
+
+
+def test_torch_tensors_read_directly_and_refused_with_reasons():
+    """Tensors are read through their own accessors (data_ptr, numel, dtype): parameters that
+    require grad, every dtype lockstep has, views at an offset; other devices, int16 and
+    non-contiguous tensors are refused on this rank and the peers' matching call fails."""
+
+    def body():
+        c = lockstep.comm()
+        r = c.rank
+        p = torch.nn.Parameter(torch.full((3,), float(r + 1)))
+        c.all_reduce(p)
+        out = {"param": p.detach().clone()}
+        for dt in (torch.float64, torch.float16, torch.int8, torch.int32, torch.int64, torch.uint8):
+            t = torch.full((2,), r + 1, dtype=dt)
+            c.all_reduce(t, op="max")
+            out[str(dt)] = t
+        base = torch.zeros(8)
+        view = base[4:]  # data_ptr is past the start of the storage
+        view.fill_(r + 1)
+        c.all_reduce(view)
+        out["view"] = base
+        errors = {}
+        for name, bad in [("meta", torch.empty(4, device="meta")), ("int16", torch.ones(4, dtype=torch.int16)), ("strided", torch.ones(4, 4)[:, 0])]:
+            with pytest.raises((TypeError, ValueError) if r == 0 else lockstep.CommError) as e:
+                c.all_reduce(bad if r == 0 else torch.ones(4))
+            errors[name] = (type(e.value).__name__, str(e.value))
+        c.barrier()
+        return out, errors
+
+    for r, (out, errors) in enumerate(lockstep.notebook_launcher(body, num_processes=2)):
+        assert out["param"].tolist() == [3.0] * 3
+        for dt in ("torch.float64", "torch.float16", "torch.int8", "torch.int32", "torch.int64", "torch.uint8"):
+            assert out[dt].tolist() == [2, 2], dt
+        assert out["view"].tolist() == [0.0] * 4 + [3.0] * 4
+        if r == 0:
+            assert errors["meta"][0] == "TypeError" and "on meta" in errors["meta"][1] and ".cpu()" in errors["meta"][1]
+            assert errors["int16"][0] == "TypeError" and "torch.int16 is not a lockstep element type" in errors["int16"][1]
+            assert errors["strided"][0] == "ValueError" and "not C-contiguous" in errors["strided"][1]
+        else:
+            # The peer's refusal reaches this rank as an error naming rank 0 rather than a hang.
+            for name, (kind, msg) in errors.items():
+                assert kind == "CommError" and "rank 0 refused its all_reduce" in msg, (name, msg)
+
+
+def test_unsupported_reduce_op_fails_on_every_rank():
+    def body():
+        import torch.distributed as dist
+
+        op = dist.ReduceOp.BAND if dist.get_rank() == 0 else dist.ReduceOp.SUM
+        with pytest.raises(Exception) as e:
+            dist.all_reduce(torch.ones(4, dtype=torch.int64), op=op)
+        dist.barrier()
+        return type(e.value).__name__, str(e.value)
+
+    (k0, m0), (k1, m1) = lockstep.notebook_launcher(body, num_processes=2)
+    assert k0 == "ValueError" and "does not support reduce op" in m0, m0
+    assert "rank 0" in m1, m1
 
 
 def _collectives():
@@ -238,3 +299,26 @@ def test_init_process_group_under_torchrun_variables():
         out, err = p.communicate(timeout=120)
         assert p.returncode == 0, err
         assert f"ok {r} lockstep [6.0, 6.0, 6.0]" in out, out
+
+
+def test_empty_shared_tensors_in_collectives():
+    def body():
+        import torch.distributed as dist
+
+        import lockstep.torch as lt
+
+        r = dist.get_rank()
+        t = lt.empty_shared(512, 1024)  # 2 MiB: above the one-phase size, so the zero-copy path
+        assert t.shape == (512, 1024) and t.dtype == torch.float32 and not t.any()
+        t.fill_(r + 1)
+        dist.all_reduce(t)
+        b = lt.empty_shared((3,), dtype=torch.bfloat16)
+        b.fill_(r)
+        dist.broadcast(b, src=1)
+        with pytest.raises(TypeError, match="lockstep backend"):
+            lt.empty_shared(4, group=dist.new_group(backend="gloo"))
+        return float(t.min()), float(t.max()), b.float().tolist()
+
+    for lo, hi, b in lockstep.notebook_launcher(body, num_processes=2):
+        assert lo == hi == 3.0
+        assert b == [1.0] * 3
