@@ -546,7 +546,7 @@ mod tests {
     #[test]
     fn choices_parse_by_name() {
         assert_eq!("BF16".parse::<MixedPrecision>(), Ok(MixedPrecision::Bf16));
-        assert!("fp8".parse::<MixedPrecision>().unwrap_err().contains("no, fp16, bf16"));
+        assert!("fp8".parse::<MixedPrecision>().unwrap_err().contains("no (fp32), fp16 or bf16"));
         assert_eq!("auto".parse::<BackendChoice>(), Ok(BackendChoice::Auto));
         assert_eq!(
             (BackendChoice::Auto.resolve(0), BackendChoice::Auto.resolve(2), BackendChoice::Nccl.resolve(0)),

@@ -402,6 +402,20 @@ the crate's signature table ({codes}; build.rs parses the same declaration): fix
         cc.to_string(),
         strings(&["-shared", "-fPIC", "-O1", "-o", &obj("libnvrtc.so.12"), &obj("fake/sim_nvrtc.c"), "-Wl,-soname,libnvrtc.so.12"]),
     ));
+    // A real NVRTC has its builtins library beside it, and discovery refuses one without (every
+    // compile would fail): an empty one, named for the version sim_nvrtc.c reports (12.4).
+    write(&dir.join("fake/sim_nvrtc_builtins.c"), "/* the simulated NVRTC's builtins: nothing to provide */\n");
+    cmds.push((
+        cc.to_string(),
+        strings(&[
+            "-shared",
+            "-fPIC",
+            "-o",
+            &obj("libnvrtc-builtins.so.12.4"),
+            &obj("fake/sim_nvrtc_builtins.c"),
+            "-Wl,-soname,libnvrtc-builtins.so.12.4",
+        ]),
+    ));
     run_all(cmds);
     // --no-undefined: a kernel declaring `extern __shared__` (dynamic shared memory, which the shim
     // does not support) fails here, naming the array, instead of when the driver is loaded.
