@@ -113,7 +113,7 @@ impl Builder {
     }
 
     /// An empty op list whose weight gradients may split K over the f32 workspace `splitk`
-    /// (as many slices as fit in it, up to the SM-based [`split_k`] choice).
+    /// (as many slices as fit in it, up to the split chosen from the SM count).
     pub fn with_splitk(sm_count: usize, splitk: Region) -> Builder {
         Builder { ops: Vec::new(), sm_count: sm_count.max(1), splitk }
     }
