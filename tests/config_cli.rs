@@ -394,6 +394,23 @@ fn carriage_returns_reach_a_terminal() -> Result<(), String> {
     check(s.contains("[rank 0] 10%\r[rank 0] 20%\r[rank 0] 30%\r\n"), "stdout redraws arrive intact", format!("{s:?}"))?;
     check(s.contains("\x1b[2K[rank 0] 40%\r\x1b[2K[rank 0] 50%"), "stderr redraws keep the clear-line first", format!("{s:?}"))?;
     check(s.contains("[rank 0] tty=1"), "rank 0 is told it may draw", format!("{s:?}"))?;
+    // Only rank 0 reports, so only rank 0 is told; and bars go to stdout, so a terminal on stderr
+    // alone does not count.
+    let redirected = d.join("stdout.txt");
+    let cmd = format!(
+        "{BIN} launch --nproc-per-node 2 -- sh -c 'echo tty$RANK=$LOCKSTEP_CONSOLE_TTY'; {BIN} launch --nproc-per-node 1 -- sh -c 'echo redirected=$LOCKSTEP_CONSOLE_TTY' > {}",
+        redirected.display()
+    );
+    let mut script = Command::new("script");
+    script.env("XDG_CONFIG_HOME", &d).args(["-qec", &cmd, "/dev/null"]);
+    for v in ["LOCKSTEP_CONFIG", "LOCKSTEP_BACKEND", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCKSTEP_CONSOLE_TTY"] {
+        script.env_remove(v);
+    }
+    let o = out(&mut script)?;
+    let s = String::from_utf8_lossy(&o.stdout).into_owned();
+    check(s.contains("[rank 0] tty0=1") && s.contains("[rank 1] tty1=\r"), "rank 0 told, rank 1 not", format!("{s:?}"))?;
+    let r = std::fs::read_to_string(&redirected).map_err(|e| format!("{}: {e}", redirected.display()))?;
+    check(r == "[rank 0] redirected=\n", "stdout to a file: not told, though stderr is a terminal", format!("{r:?}"))?;
     // Off a terminal the ranks are not told so.
     let o = out(lockstep(&d).args(["launch", "--nproc-per-node", "1", "--", "sh", "-c", "echo tty=$LOCKSTEP_CONSOLE_TTY"]))?;
     check(lines(&o) == ["[rank 0] tty="], "no terminal, no LOCKSTEP_CONSOLE_TTY", show(&o))

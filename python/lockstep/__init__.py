@@ -13,6 +13,10 @@
   ``comm.alloc_shared(nbytes)`` gives memory in the shared segment (a :class:`SharedMemory`;
   ``numpy.asarray(mem)``) on which collectives are zero-copy.
 
+``lockstep.context()`` gives the rank's :class:`RankContext`: Accelerate's helpers
+(``is_main_process``, ``print``, ``save``, ``main_process_first``, ``wait_for_everyone``,
+``set_seed``, ``reduce``, ``gather_for_metrics``) under the names Accelerate and the Rust crate use.
+
 ``import lockstep.torch`` registers the torch.distributed backend ``"lockstep"``.
 
 Element types come from the buffer's format: float32/64, float16, int8/32/64, uint8/32/64;
@@ -21,14 +25,17 @@ bfloat16 has no buffer-protocol format and comes only through DLPack (a bf16 tor
 
 from ._native import CommError, Communicator, SharedMemory, __version__
 from ._launcher import RankError, check_fork_safe, comm, init_from_env, notebook_launcher
+from .helpers import RankContext, context
 
 __all__ = [
     "CommError",
     "Communicator",
+    "RankContext",
     "RankError",
     "SharedMemory",
     "check_fork_safe",
     "comm",
+    "context",
     "init_from_env",
     "notebook_launcher",
     "__version__",

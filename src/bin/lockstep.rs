@@ -174,7 +174,7 @@ enum Cmd {
 const LAUNCH_HELP: &str = "\
 Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT,
 LOCKSTEP_JOB_ID, LOCKSTEP_TOKEN, LOCKSTEP_NODE_RANK, LOCKSTEP_NNODES, LOCKSTEP_LAUNCHER_PID,
-LOCKSTEP_RDZV_TIMEOUT_S (and LOCKSTEP_CONSOLE_TTY=1 when the launcher's stderr is a terminal,
+LOCKSTEP_RDZV_TIMEOUT_S (and, for rank 0, LOCKSTEP_CONSOLE_TTY=1 when the launcher's stdout is a terminal,
 LOCKSTEP_BACKEND when --backend or the configuration file chooses one, LOCKSTEP_CONFIG when a
 configuration file was read); Communicator::from_env() reads them. Output is printed line by line as
 `[rank N] ...`, except lines that are JSON objects, which are printed as they are so that `--json`

@@ -287,11 +287,10 @@ pub fn run_job(spec: &JobSpec) -> Result<i32, LaunchError> {
     ];
     let mut common = common;
     common.extend(spec.rank_env.iter().cloned());
-    if std::io::IsTerminal::is_terminal(&std::io::stderr()) {
-        // The ranks' stderr is a pipe, but what they print ends on a terminal: progress bars may
-        // draw (`\r` redraws are forwarded one by one, see output.rs).
-        common.push(("LOCKSTEP_CONSOLE_TTY".into(), "1".into()));
-    }
+    // The ranks' stdout is a pipe, but what they print ends on this terminal: rank 0, the one
+    // that reports, may draw progress bars (`\r` redraws are forwarded one by one, see output.rs).
+    // Bars are drawn on stdout, so it is stdout that must be the terminal.
+    let console_tty = std::io::IsTerminal::is_terminal(&std::io::stdout());
     let mut procs: Vec<Proc> = Vec::with_capacity(spec.nproc_per_node);
     // Each guard removes the job's named segment if the launcher dies before doing it.
     let segment = crate::shm::named_segment_path(&job_id).and_then(|p| CString::new(p.into_os_string().into_vec()).ok());
@@ -305,6 +304,9 @@ pub fn run_job(spec: &JobSpec) -> Result<i32, LaunchError> {
         let mut env = common.clone();
         env.push(("RANK".into(), rank.to_string()));
         env.push(("LOCAL_RANK".into(), local.to_string()));
+        if console_tty && rank == 0 {
+            env.push(("LOCKSTEP_CONSOLE_TTY".into(), "1".into()));
+        }
         let started = ExecImage::new(&spec.program, &env).and_then(|image| {
             let setup = RankSetup {
                 pgid: Some(pgid),
