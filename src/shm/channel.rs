@@ -623,14 +623,19 @@ impl Channel {
                 detail: format!("the ranks took different paths for {}: their settings (fast_bytes) differ", call.kind),
             });
         }
-        let descs: Vec<Desc> = (0..self.world)
-            .map(|r| {
-                // SAFETY: rank r published this entry (its seq equals ours, acquire above) and
-                // does not rewrite it before this rank's next collective.
-                let h = unsafe { &*self.fast_hdr(r, seq) };
-                Desc { kind: h.kind, dtype: h.dtype, op: h.op, root: h.root as u64, count: h.count, seq, ..Desc::default() }
-            })
-            .collect();
+        let desc = |r: usize| {
+            // SAFETY: rank r published this entry (its seq equals ours, acquire above) and does
+            // not rewrite it before this rank's next collective.
+            let h = unsafe { &*self.fast_hdr(r, seq) };
+            Desc { kind: h.kind, dtype: h.dtype, op: h.op, root: h.root as u64, count: h.count, seq, ..Desc::default() }
+        };
+        // Compare every rank with rank 0 (as `check_descs` does) without allocating; build the
+        // report only when one differs.
+        let d0 = desc(0);
+        if (1..self.world).all(|r| same_call(&d0, &desc(r))) {
+            return Ok(());
+        }
+        let descs: Vec<Desc> = (0..self.world).map(desc).collect();
         check_descs(&descs, seq, &|r| self.who(r))
     }
 
@@ -738,6 +743,22 @@ fn desc_call(d: &Desc) -> String {
     s + ")"
 }
 
+/// Whether two descriptors describe the same call: kind, dtype, and the op, root and count where
+/// the kind has them.
+fn same_call(a: &Desc, b: &Desc) -> bool {
+    let key = |d: &Desc| {
+        let k = CollKind::from_u8(d.kind);
+        (
+            d.kind,
+            d.dtype,
+            if k.is_some_and(|k| k.has_op()) { d.op } else { 0 },
+            if k.is_some_and(|k| k.has_root()) { d.root } else { 0 },
+            if k == Some(CollKind::Barrier) { 0 } else { d.count },
+        )
+    };
+    key(a) == key(b)
+}
+
 /// Compare every rank's descriptor with rank 0's; on disagreement, name every rank that differs
 /// (`who` names a rank).
 fn check_descs(descs: &[Desc], seq: u64, who: &dyn Fn(usize) -> String) -> Result<(), CommError> {
@@ -750,18 +771,7 @@ fn check_descs(descs: &[Desc], seq: u64, who: &dyn Fn(usize) -> String) -> Resul
             detail: format!("{} refused its {kind} call with invalid arguments (its own error says which)", names.join(", ")),
         });
     }
-    let key = |d: &Desc| {
-        let k = CollKind::from_u8(d.kind);
-        (
-            d.kind,
-            d.dtype,
-            if k.is_some_and(|k| k.has_op()) { d.op } else { 0 },
-            if k.is_some_and(|k| k.has_root()) { d.root } else { 0 },
-            if k == Some(CollKind::Barrier) { 0 } else { d.count },
-        )
-    };
-    let k0 = key(&descs[0]);
-    let differ: Vec<usize> = (1..descs.len()).filter(|&r| key(&descs[r]) != k0).collect();
+    let differ: Vec<usize> = (1..descs.len()).filter(|&r| !same_call(&descs[0], &descs[r])).collect();
     if differ.is_empty() {
         return Ok(());
     }

@@ -115,16 +115,18 @@ pub(crate) struct PaddedU32(pub AtomicU32);
 pub(crate) struct Ctrl {
     /// Last published phase.
     pub progress: AtomicU64,
-    /// Collective sequence number the rank is in (for timeout reports).
-    pub coll_seq: AtomicU64,
     pub pid: AtomicI32,
     pub state: AtomicU32,
-    /// Kind + 1 of the collective `coll_seq` numbers (0 before the first), for timeout reports.
-    pub coll_kind: AtomicU32,
-    _pad: [u8; 36],
+    _pad: [u8; 48],
     /// Call descriptors, one per phase parity (see module docs).
     pub desc: [DescCell; 2],
-    _pad2: [u8; 64],
+    /// Collective sequence number the rank is in (for timeout reports). On a line of its own:
+    /// written at the start of every call, it would otherwise take the progress line, which the
+    /// peers poll, away from them on every call.
+    pub coll_seq: AtomicU64,
+    /// Kind + 1 of the collective `coll_seq` numbers (0 before the first), for timeout reports.
+    pub coll_kind: AtomicU32,
+    _pad2: [u8; 52],
 }
 
 /// A descriptor slot written by its owner before publishing and read by peers after waiting.
