@@ -718,6 +718,7 @@ pub fn csv(a: &BenchOptions, rows: &[Row]) -> String {
         Some(t) => format!("{:.3},{:.4},{:.4},{}", t.time_us, t.algbw, t.busbw, t.wrong.map(|w| w.to_string()).unwrap_or_default()),
         None => ",,,".into(),
     };
+    let p99 = |t: Option<Timing>| t.map(|t| format!("{:.3}", t.p99_us)).unwrap_or_default();
     let op = if a.op == CollKind::Send { "pingpong" } else { a.op.name() };
     for r in rows {
         let root = r.root.map(|x| x.to_string()).unwrap_or_default();
@@ -730,8 +731,8 @@ pub fn csv(a: &BenchOptions, rows: &[Row]) -> String {
             redop_name(a),
             cells(Some(r.out_of_place)),
             cells(r.in_place),
-            format!("{:.3}", r.out_of_place.p99_us),
-            r.in_place.map(|t| format!("{:.3}", t.p99_us)).unwrap_or_default()
+            p99(Some(r.out_of_place)),
+            p99(r.in_place)
         );
     }
     s

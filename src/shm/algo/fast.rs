@@ -90,12 +90,10 @@ pub(crate) fn run(ch: &mut Channel, call: &Call, cx: Ctx) -> Result<(), CommErro
             // SAFETY: the root's entry holds `block` bytes; recv holds `block` and lies outside.
             unsafe { copy_block(ch.fast_data(call.root), recv, block, false) };
         }
-        CollKind::AllGather | CollKind::Gather => {
-            if receives(me) {
-                for r in 0..n {
-                    // SAFETY: entry r holds `block` bytes; recv holds n*block on receivers.
-                    unsafe { copy_block(ch.fast_data(r), recv.add(r * block), block, false) };
-                }
+        CollKind::AllGather | CollKind::Gather if receives(me) => {
+            for r in 0..n {
+                // SAFETY: entry r holds `block` bytes; recv holds n*block on receivers.
+                unsafe { copy_block(ch.fast_data(r), recv.add(r * block), block, false) };
             }
         }
         CollKind::Scatter => {
