@@ -145,6 +145,9 @@ impl Default for BenchOptions {
 pub struct Timing {
     /// Median time per call in microseconds (max over ranks).
     pub time_us: f64,
+    /// 99th percentile of the time per call in microseconds (max over ranks): how far the slow
+    /// calls stray from the median.
+    pub p99_us: f64,
     /// Algorithm bandwidth, GB/s.
     pub algbw: f64,
     /// Bus bandwidth, GB/s.
@@ -411,13 +414,14 @@ fn count_wrong<T: BenchElem>(a: &BenchOptions, r: &[T], me: usize, n: usize, sco
     }
 }
 
-/// Time `iters` calls after `warmup` untimed ones; the median per call, in seconds.
+/// Time `iters` calls after `warmup` untimed ones; the median and the 99th percentile per call,
+/// in seconds.
 fn time_calls(
     comm: &mut Communicator,
     a: &BenchOptions,
     iters: usize,
     mut call: impl FnMut(&mut Communicator) -> Result<(), CommError>,
-) -> Result<f64, CommError> {
+) -> Result<(f64, f64), CommError> {
     for _ in 0..a.warmup {
         call(comm)?;
     }
@@ -432,11 +436,12 @@ fn time_calls(
         times.push(t.elapsed().as_secs_f64());
     }
     times.sort_by(|x, y| x.total_cmp(y));
-    Ok(times[times.len() / 2])
+    let p99 = times[(times.len() * 99 / 100).min(times.len() - 1)];
+    Ok((times[times.len() / 2], p99))
 }
 
-/// This rank's (median µs, wrong elements) of one variant.
-type Measured = (f64, u64);
+/// This rank's (median µs, wrong elements, 99th percentile µs) of one variant.
+type Measured = (f64, u64, f64);
 
 /// Time and verify one size on this rank: the out-of-place form, and the in-place one where
 /// there is one.
@@ -474,10 +479,10 @@ fn one_size<T: BenchElem>(
             other => Err(CommError::Unsupported(format!("lockstep bench does not time {other}"))),
         }
     };
-    let t = time_calls(comm, a, iters, |c| call(c, &send, &mut recv))?;
+    let (t, t99) = time_calls(comm, a, iters, |c| call(c, &send, &mut recv))?;
     // The inputs never change, so the last call's output is the one to verify.
     let wrong = if a.check { count_wrong(a, &recv.host(place)?, me, n, scount) } else { 0 };
-    let oop = (t * 1e6 * per_call, wrong as u64);
+    let oop = (t * 1e6 * per_call, wrong as u64, t99 * 1e6 * per_call);
     drop(recv);
     drop(send);
     if !has_in_place(a.op) {
@@ -507,7 +512,7 @@ fn one_size<T: BenchElem>(
     };
     // The timed calls reduce their own outputs again (values drift, as in nccl-tests); the
     // verified call starts from the initial contents.
-    let t = time_calls(comm, a, iters, |c| call_in_place(c, &mut buf))?;
+    let (t, t99) = time_calls(comm, a, iters, |c| call_in_place(c, &mut buf))?;
     let wrong = if a.check {
         buf.fill(&initial, place)?;
         comm.barrier()?;
@@ -519,7 +524,7 @@ fn one_size<T: BenchElem>(
     } else {
         0
     };
-    Ok((oop, Some((t * 1e6, wrong as u64))))
+    Ok((oop, Some((t * 1e6, wrong as u64, t99 * 1e6))))
 }
 
 type RankRows = Vec<(Measured, Option<Measured>)>;
@@ -587,7 +592,8 @@ pub fn measure(a: &BenchOptions) -> Result<Vec<Row>, String> {
         // The slowest rank's median time, and every rank's wrong elements.
         let t = ms.iter().map(|m| m.0).fold(0.0, f64::max);
         let algbw = if t > 0.0 { bytes as f64 / (t * 1e-6) / 1e9 } else { 0.0 };
-        Timing { time_us: t, algbw, busbw: algbw * bus_factor(a.op, n), wrong: a.check.then(|| ms.iter().map(|m| m.1).sum()) }
+        let p99_us = ms.iter().map(|m| m.2).fold(0.0, f64::max);
+        Timing { time_us: t, p99_us, algbw, busbw: algbw * bus_factor(a.op, n), wrong: a.check.then(|| ms.iter().map(|m| m.1).sum()) }
     };
     let rows = sizes(a, esz, n)
         .into_iter()
@@ -706,24 +712,27 @@ fn time_text(us: f64) -> String {
 /// in-place form or no verification.
 pub fn csv(a: &BenchOptions, rows: &[Row]) -> String {
     let mut s = String::from(
-        "op,ranks,size_bytes,count,type,redop,root,oop_time_us,oop_algbw_gbs,oop_busbw_gbs,oop_wrong,ip_time_us,ip_algbw_gbs,ip_busbw_gbs,ip_wrong\n",
+        "op,ranks,size_bytes,count,type,redop,root,oop_time_us,oop_algbw_gbs,oop_busbw_gbs,oop_wrong,ip_time_us,ip_algbw_gbs,ip_busbw_gbs,ip_wrong,oop_p99_us,ip_p99_us\n",
     );
     let cells = |t: Option<Timing>| match t {
         Some(t) => format!("{:.3},{:.4},{:.4},{}", t.time_us, t.algbw, t.busbw, t.wrong.map(|w| w.to_string()).unwrap_or_default()),
         None => ",,,".into(),
     };
+    let p99 = |t: Option<Timing>| t.map(|t| format!("{:.3}", t.p99_us)).unwrap_or_default();
     let op = if a.op == CollKind::Send { "pingpong" } else { a.op.name() };
     for r in rows {
         let root = r.root.map(|x| x.to_string()).unwrap_or_default();
         s += &format!(
-            "{op},{},{},{},{},{},{root},{},{}\n",
+            "{op},{},{},{},{},{},{root},{},{},{},{}\n",
             a.nprocs,
             r.bytes,
             r.count,
             a.dtype,
             redop_name(a),
             cells(Some(r.out_of_place)),
-            cells(r.in_place)
+            cells(r.in_place),
+            p99(Some(r.out_of_place)),
+            p99(r.in_place)
         );
     }
     s
@@ -742,8 +751,9 @@ fn json_num(v: f64) -> String {
 pub fn json(a: &BenchOptions, rows: &[Row]) -> String {
     let timing = |t: Option<Timing>| match t {
         Some(t) => format!(
-            "{{\"time_us\":{},\"algbw_gbs\":{},\"busbw_gbs\":{},\"wrong\":{}}}",
+            "{{\"time_us\":{},\"p99_us\":{},\"algbw_gbs\":{},\"busbw_gbs\":{},\"wrong\":{}}}",
             json_num(t.time_us),
+            json_num(t.p99_us),
             json_num(t.algbw),
             json_num(t.busbw),
             t.wrong.map(|w| w.to_string()).unwrap_or_else(|| "null".into())
@@ -811,7 +821,7 @@ mod tests {
 
     #[test]
     fn rendering() {
-        let t = Timing { time_us: 10.0, algbw: 1.0, busbw: 2.0, wrong: Some(0) };
+        let t = Timing { time_us: 10.0, p99_us: 12.0, algbw: 1.0, busbw: 2.0, wrong: Some(0) };
         let rows = vec![
             Row { bytes: 0, count: 0, root: Some(1), out_of_place: Timing { algbw: 0.0, busbw: 0.0, ..t }, in_place: None },
             Row { bytes: 1024, count: 256, root: Some(1), out_of_place: t, in_place: Some(Timing { busbw: 4.0, wrong: None, ..t }) },
@@ -827,8 +837,10 @@ mod tests {
         let csv = csv(&a, &rows);
         assert_eq!(csv.lines().count(), 3);
         assert_eq!(csv.lines().nth(1).unwrap().split(',').count(), csv.lines().next().unwrap().split(',').count());
+        assert!(csv.lines().nth(2).unwrap().ends_with(",12.000,12.000"), "{csv}");
         let j = json(&a, &rows);
         assert!(j.starts_with("{\"op\":\"broadcast\"") && j.contains("\"in_place\":null") && j.contains("\"avg_busbw_gbs\":2"), "{j}");
+        assert!(j.contains("\"time_us\":10,\"p99_us\":12,"), "{j}");
         let b = BenchOptions { op: CollKind::Barrier, ..Default::default() };
         let text = table(&b, &rows[..1]);
         assert!(!text.contains("busbw") && !text.contains("size") && text.contains("Avg latency"), "{text}");

@@ -722,6 +722,168 @@ fn t_over_1gib() -> Result<(), String> {
     Ok(())
 }
 
+// -------------------------------------------------------------------------------------------------
+// The fast path (per-rank payloads up to `fast_bytes`, one phase)
+
+/// Every collective of dtype T at counts around the fast-path threshold (per-rank payload just
+/// below, at and above `fast`), and odd small ones; returns failure messages.
+fn fast_ops<T: TestElem>(comm: &mut Communicator, fast: usize) -> Result<Vec<String>, CommError> {
+    let (me, n) = (comm.rank(), comm.world_size());
+    let dt = T::DTYPE;
+    let esz = dt.size();
+    let mut bad = Vec::new();
+    let root = n - 1;
+    // Counts whose per-rank payload (count × unit bytes) straddles the threshold.
+    let counts = |unit: usize| {
+        let t = fast / unit;
+        let mut v = vec![0, 1, 3, 5, t.saturating_sub(1), t, t + 1];
+        v.sort();
+        v.dedup();
+        v
+    };
+    let sum = ReduceOp::Sum;
+    for len in counts(esz) {
+        for op in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Prod] {
+            let send = input::<T>(op, me, n, len, 0);
+            let mut recv = vec![T::default(); len];
+            comm.all_reduce(&send, &mut recv, op)?;
+            if let Some(i) = (0..len).find(|&i| !close(recv[i].to_f64(), reference(op, i, n, dt), dt)) {
+                bad.push(format!("all_reduce {dt} {op} len {len}: [{i}] = {:?}", recv[i]));
+            }
+            let mut r = vec![T::default(); if me == root { len } else { 0 }];
+            comm.reduce(&send, &mut r, op, root)?;
+            if me == root && r != recv {
+                bad.push(format!("reduce {dt} {op} len {len} differs from all_reduce"));
+            }
+        }
+        let want = input::<T>(sum, root, n, len, 0);
+        let mut b = if me == root { want.clone() } else { vec![T::default(); len] };
+        comm.broadcast_in_place(&mut b, root)?;
+        if b != want {
+            bad.push(format!("broadcast {dt} len {len}"));
+        }
+        let mine = input::<T>(sum, me, n, len, 0);
+        let all: Vec<T> = (0..n).flat_map(|r| input::<T>(sum, r, n, len, 0)).collect();
+        let mut ag = vec![T::default(); len * n];
+        comm.all_gather(&mine, &mut ag)?;
+        if ag != all {
+            bad.push(format!("all_gather {dt} len {len}"));
+        }
+        let mut g = vec![T::default(); if me == root { len * n } else { 0 }];
+        comm.gather(&mine, &mut g, root)?;
+        if me == root && g != all {
+            bad.push(format!("gather {dt} len {len}"));
+        }
+    }
+    for len in counts(esz * n) {
+        let send = input::<T>(sum, me, n, len * n, 0);
+        let mut recv = vec![T::default(); len];
+        comm.reduce_scatter(&send, &mut recv, sum)?;
+        if let Some(i) = (0..len).find(|&i| !close(recv[i].to_f64(), reference(sum, me * len + i, n, dt), dt)) {
+            bad.push(format!("reduce_scatter {dt} len {len}: [{i}] = {:?}", recv[i]));
+        }
+        // Block j of rank r's input goes to rank j: rank `me` receives block `me` of every input.
+        let mut a2a = vec![T::default(); len * n];
+        comm.all_to_all(&send, &mut a2a)?;
+        let want: Vec<T> = (0..n).flat_map(|r| input::<T>(sum, r, n, len * n, 0)[me * len..(me + 1) * len].to_vec()).collect();
+        if a2a != want {
+            bad.push(format!("all_to_all {dt} len {len}"));
+        }
+        let ssend = if me == root { input::<T>(sum, root, n, len * n, 0) } else { Vec::new() };
+        let mut srecv = vec![T::default(); len];
+        comm.scatter(&ssend, &mut srecv, root)?;
+        if srecv[..] != input::<T>(sum, root, n, len * n, 0)[me * len..(me + 1) * len] {
+            bad.push(format!("scatter {dt} len {len}"));
+        }
+        comm.barrier()?;
+    }
+    Ok(bad)
+}
+
+/// Every collective, every dtype, world sizes 1 to 8, around the fast-path threshold (the default
+/// 4 KiB and a small one, 64 bytes, where the payload shares the line with the arguments).
+fn t_fast_path() -> Result<(), String> {
+    for fast in [4096usize, 64] {
+        for n in [1usize, 2, 3, 4, 8] {
+            let mut cfg = small_cfg(n);
+            cfg.shm.fast_bytes = fast;
+            let out = launch(&cfg, |mut ctx: RankContext| -> RankResult<Vec<String>> {
+                let c = &mut ctx.comm;
+                let mut bad = Vec::new();
+                bad.extend(fast_ops::<f32>(c, fast)?);
+                bad.extend(fast_ops::<f64>(c, fast)?);
+                bad.extend(fast_ops::<f16>(c, fast)?);
+                bad.extend(fast_ops::<bf16>(c, fast)?);
+                bad.extend(fast_ops::<i32>(c, fast)?);
+                bad.extend(fast_ops::<i64>(c, fast)?);
+                bad.extend(fast_ops::<u8>(c, fast)?);
+                bad.extend(fast_ops::<i8>(c, fast)?);
+                bad.extend(fast_ops::<u32>(c, fast)?);
+                bad.extend(fast_ops::<u64>(c, fast)?);
+                Ok(bad)
+            })
+            .map_err(|e| format!("fast_bytes {fast}, {n} ranks: {e}"))?;
+            let bad: Vec<String> =
+                out.into_iter().enumerate().flat_map(|(r, b)| b.into_iter().map(move |m| format!("rank {r}: {m}"))).collect();
+            if !bad.is_empty() {
+                return Err(format!("fast_bytes {fast}, {n} ranks:\n{}", bad.join("\n")));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Disagreements on the fast path are reported on every rank, also when one rank's arguments put
+/// it on the phased path (above the threshold) and the others' on the fast one, and when one rank
+/// refuses the call locally; the communicator stays usable.
+fn t_fast_mismatch() -> Result<(), String> {
+    type Case = (&'static str, &'static [&'static str]);
+    let cases: &[Case] = &[
+        ("across threshold", &["mismatch", "rank 0 called all_reduce(count=1024", "rank 1 called all_reduce(count=1025"]),
+        ("all_to_all count", &["mismatch", "rank 0 called all_to_all(count=2", "rank 2 called all_to_all(count=3"]),
+        ("scatter root", &["mismatch", "root=0", "root=1"]),
+        ("barrier vs all_gather", &["mismatch", "barrier", "all_gather"]),
+        ("gather dtype", &["mismatch", "dtype=f32", "dtype=f64"]),
+        ("refused", &["refused its all_reduce"]),
+    ];
+    for (case, needles) in cases {
+        let res = launch(&small_cfg(3), |mut ctx: RankContext| -> RankResult<String> {
+            let c = &mut ctx.comm;
+            let me = ctx.rank;
+            let r = match (*case, me) {
+                ("across threshold", 0) => c.all_reduce_in_place(&mut [1f32; 1024], ReduceOp::Sum),
+                ("across threshold", _) => c.all_reduce_in_place(&mut [1f32; 1025], ReduceOp::Sum),
+                ("all_to_all count", 2) => c.all_to_all(&[1f32; 9], &mut [0f32; 9]),
+                ("all_to_all count", _) => c.all_to_all(&[1f32; 6], &mut [0f32; 6]),
+                ("scatter root", 1) => c.scatter(&[1f32; 6], &mut [0f32; 2], 1),
+                ("scatter root", 0) => c.scatter(&[1f32; 6], &mut [0f32; 2], 0),
+                ("scatter root", _) => c.scatter(&[0f32; 0], &mut [0f32; 2], 0),
+                ("barrier vs all_gather", 1) => c.all_gather(&[1f32; 2], &mut [0f32; 6]),
+                ("barrier vs all_gather", _) => c.barrier(),
+                ("gather dtype", 1) => c.gather(&[1f64; 2], &mut [0f64; 0], 0),
+                ("gather dtype", _) => c.gather(&[1f32; 2], &mut vec![0f32; if me == 0 { 6 } else { 0 }], 0),
+                ("refused", 1) => c.all_reduce(&[1f32; 4], &mut [0f32; 5], ReduceOp::Sum),
+                ("refused", _) => c.all_reduce(&[1f32; 4], &mut [0f32; 4], ReduceOp::Sum),
+                _ => unreachable!(),
+            };
+            let msg = match r {
+                Err(e @ CommError::Mismatch { .. }) => e.to_string(),
+                // The refusing rank gets its own argument error.
+                Err(e) if *case == "refused" && me == 1 => format!("rank 1 refused its all_reduce call: {e}"),
+                other => return Err(format!("expected a mismatch error, got {other:?}").into()),
+            };
+            let mut y = [me as f32 + 1.0; 3];
+            c.all_reduce_in_place(&mut y, ReduceOp::Sum)?;
+            if y != [6.0; 3] {
+                return Err(format!("communicator unusable after mismatch: {y:?}").into());
+            }
+            Ok(msg.to_lowercase())
+        });
+        expect_all_err(res, needles).map_err(|e| format!("case {case}: {e}"))?;
+    }
+    Ok(())
+}
+
 /// A named test body.
 type TestFn = fn() -> Result<(), String>;
 
@@ -747,6 +909,8 @@ fn main() {
         ("local_error_on_one_rank", t_local_error_on_one_rank),
         ("tiny_slot_many_ranks", t_tiny_slot_many_ranks),
         ("over_1gib", t_over_1gib),
+        ("fast_path", t_fast_path),
+        ("fast_mismatch", t_fast_mismatch),
     ];
     let filter: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with('-')).collect();
     let (mut passed, mut failed) = (0, 0);

@@ -4,7 +4,7 @@
 use std::sync::{Arc, Mutex};
 
 use super::algo::p2p::P2p;
-use super::algo::{allreduce, broadcast, exchange, gather, reduce_scatter, small};
+use super::algo::{allreduce, broadcast, exchange, fast, gather, reduce_scatter, small};
 use super::alloc::{Heap, SharedAlloc};
 use super::channel::{Channel, Ctx};
 use crate::comm::{Backend, BackendKind, Call, CollKind, CommError, Dtype, MemSpace, P2pOp, SharedRegion};
@@ -61,6 +61,9 @@ impl ShmComm {
 
     fn run_call(&mut self, call: &Call, cx: Ctx) -> Result<(), CommError> {
         let ch = &mut self.ch;
+        if fast::eligible(ch, call) {
+            return fast::run(ch, call, cx);
+        }
         match call.kind {
             CollKind::Barrier => small::barrier(ch, call, cx),
             CollKind::AllReduce | CollKind::Reduce => allreduce::all_reduce(ch, call, cx),

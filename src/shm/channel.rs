@@ -14,7 +14,8 @@ use super::config::ShmConfig;
 use super::reduce::{copy_block, copy_block2, store_fence};
 use super::segment::{futex_wait, futex_wake_all, PeerWatch, Segment};
 use super::sync::{
-    Abort, Ctrl, Desc, Header, Layout, ABORT_DIED, ABORT_LEFT, ABORT_TIMEOUT, INVALID, SHARED_RECV, SHARED_SEND, STAGE_NT, STATE_LEFT,
+    Abort, Ctrl, Desc, FastHdr, Header, Layout, ABORT_DIED, ABORT_LEFT, ABORT_TIMEOUT, FAST_HDR, INVALID, SHARED_RECV, SHARED_SEND,
+    STAGE_NT, STATE_LEFT,
 };
 use super::tune::StageTuner;
 use crate::comm::{rank_name, Call, CollKind, CommError, Dtype, MemSpace, RawMem, ReduceOp};
@@ -263,9 +264,11 @@ impl Channel {
         self.progress
     }
 
-    fn all_reached(&self, target: u64, next: &mut usize) -> bool {
+    /// Whether every peer from `*next` on has arrived (`arrived(self, r)`), advancing `*next`
+    /// past those that have, so a later poll starts at the first one still missing.
+    fn all_arrived(&self, arrived: &impl Fn(&Channel, usize) -> bool, next: &mut usize) -> bool {
         while *next < self.world {
-            if *next != self.rank && self.ctrl(*next).progress.load(Acquire) < target {
+            if *next != self.rank && !arrived(self, *next) {
                 return false;
             }
             *next += 1;
@@ -277,9 +280,14 @@ impl Channel {
     pub(crate) fn phase(&mut self, cx: Ctx) -> Result<u64, CommError> {
         let p = self.publish();
         self.wait_all(p, cx)?;
-        // A rank that comes late finds its peers' phase published even though they gave up on
-        // it (timed out) and went on: it must fail too, naming the same culprit, not read
-        // buffers their callers own again. One load of a line nobody writes while all is well.
+        self.check_abort(cx)?;
+        Ok(p)
+    }
+
+    /// After a wait: a rank that comes late finds its peers' phase published even though they
+    /// gave up on it (timed out) and went on: it must fail too, naming the same culprit, not read
+    /// buffers their callers own again. One load of a line nobody writes while all is well.
+    fn check_abort(&self, cx: Ctx) -> Result<(), CommError> {
         let a = &self.header().abort;
         if a.by.load(Acquire) != 0 {
             // An abort recorded in a later collective (a peer that finished this one went on and
@@ -291,16 +299,22 @@ impl Channel {
                 }
             }
         }
-        Ok(p)
+        Ok(())
     }
 
     fn wait_all(&mut self, target: u64, cx: Ctx) -> Result<(), CommError> {
+        self.wait_for(&|ch: &Channel, r: usize| ch.ctrl(r).progress.load(Acquire) >= target, cx)
+    }
+
+    /// Wait until every peer `r` has arrived (`arrived(self, r)`): spin, then yield, then sleep
+    /// on the header's futex, checking the peers' health and the timeout while not spinning.
+    fn wait_for(&mut self, arrived: &impl Fn(&Channel, usize) -> bool, cx: Ctx) -> Result<(), CommError> {
         let mut next = 0;
-        // Fast path: spin on the peers' progress lines.
+        // Fast path: spin on the peers' lines.
         let mut i = 0u32;
         let mut start: Option<Instant> = None;
         loop {
-            if self.all_reached(target, &mut next) {
+            if self.all_arrived(arrived, &mut next) {
                 return Ok(());
             }
             std::hint::spin_loop();
@@ -317,7 +331,7 @@ impl Channel {
         let mut last_check = Instant::now();
         let mut nap = Duration::from_micros(500);
         loop {
-            if self.all_reached(target, &mut next) {
+            if self.all_arrived(arrived, &mut next) {
                 return Ok(());
             }
             let waited = start.elapsed();
@@ -326,7 +340,7 @@ impl Channel {
                 // yielding costs well under a microsecond when nobody else is runnable.
                 std::thread::yield_now();
                 for _ in 0..64 {
-                    if self.all_reached(target, &mut next) {
+                    if self.all_arrived(arrived, &mut next) {
                         return Ok(());
                     }
                     std::hint::spin_loop();
@@ -335,7 +349,7 @@ impl Channel {
                 let h = self.header();
                 h.sleepers.0.fetch_add(1, SeqCst);
                 let w = h.wake.0.load(SeqCst);
-                if !self.all_reached(target, &mut next) {
+                if !self.all_arrived(arrived, &mut next) {
                     futex_wait(&h.wake.0, w, nap);
                     nap = (nap * 2).min(Duration::from_millis(20)).min(self.cfg.peer_check);
                 }
@@ -343,27 +357,27 @@ impl Channel {
             }
             if last_check.elapsed() >= self.cfg.peer_check || waited < Duration::from_millis(2) && i.is_multiple_of(64) {
                 last_check = Instant::now();
-                self.check_peers(target, next, cx, start)?;
+                self.check_peers(arrived, next, cx, start)?;
             }
             i = i.wrapping_add(1);
         }
     }
 
     /// Slow-path health check: abort flag, dead or departed peers, overall timeout.
-    fn check_peers(&self, target: u64, next: usize, cx: Ctx, start: Instant) -> Result<(), CommError> {
+    fn check_peers(&self, arrived: &impl Fn(&Channel, usize) -> bool, next: usize, cx: Ctx, start: Instant) -> Result<(), CommError> {
         for r in next..self.world {
             if r == self.rank {
                 continue;
             }
             let c = self.ctrl(r);
-            if c.progress.load(Acquire) >= target {
+            if arrived(self, r) {
                 continue;
             }
             let died = self.peers[r].as_ref().is_some_and(|w| w.is_dead());
             let left = c.state.load(Acquire) == STATE_LEFT;
             // A peer publishes its progress before it leaves or exits: one that reached the target
             // and then went away between the two loads above did its part of this phase.
-            if (died || left) && c.progress.load(Acquire) >= target {
+            if (died || left) && arrived(self, r) {
                 continue;
             }
             if died || left {
@@ -381,7 +395,7 @@ impl Channel {
         }
         let waited = start.elapsed();
         if waited >= self.cfg.timeout {
-            let stuck: Vec<usize> = (0..self.world).filter(|&r| r != self.rank && self.ctrl(r).progress.load(Acquire) < target).collect();
+            let stuck: Vec<usize> = (0..self.world).filter(|&r| r != self.rank && !arrived(self, r)).collect();
             let first = stuck.first().copied().unwrap_or(self.rank);
             let (seq, kind) = self.position(first);
             // Peers that arrive later must not go on using this rank's buffers, and must name the
@@ -548,6 +562,84 @@ impl Channel {
     }
 
     // ----------------------------------------------------------------------------------------
+    // The fast path: one-phase collectives of small messages (see `algo::fast`)
+
+    /// Per-rank payloads up to this size take the fast path.
+    pub(crate) fn fast_bytes(&self) -> usize {
+        self.cfg.fast_bytes
+    }
+
+    fn fast_hdr(&self, r: usize, seq: u64) -> *mut FastHdr {
+        // SAFETY: fast entries lie inside the mapping by construction of the layout, 64-aligned.
+        unsafe { self.seg.base().add(self.layout.fast_entry_off(r, seq)) as *mut FastHdr }
+    }
+
+    /// The payload of rank `r`'s fast entry for the current collective (`FAST_MAX` bytes).
+    /// This rank writes its own before [`fast_exchange`](Self::fast_exchange); peers' entries
+    /// may be read after it, until this rank's next collective returns.
+    pub(crate) fn fast_data(&self, r: usize) -> *mut u8 {
+        // SAFETY: the payload follows the head inside the entry (FAST_HDR + FAST_MAX <= FAST_ENTRY).
+        unsafe { (self.fast_hdr(r, self.seq) as *mut u8).add(FAST_HDR) }
+    }
+
+    fn fast_seq(&self, r: usize) -> u64 {
+        // SAFETY: the head is in the mapping; `seq` is an atomic that only its owner writes.
+        unsafe { (*self.fast_hdr(r, self.seq)).seq.load(Acquire) }
+    }
+
+    /// The one phase of a fast collective: publish this rank's entry (its payload is already in
+    /// [`fast_data`](Self::fast_data)) with the call's arguments and number, wait until every
+    /// peer has published its entry for the same call, and compare the arguments as
+    /// [`begin`](Self::begin) does. A peer that took the phased path for this call (its
+    /// arguments put it above the threshold, or it refused the call) publishes a phase instead;
+    /// this rank then joins it through `begin`, so every rank reports the same mismatch and the
+    /// counters stay aligned.
+    pub(crate) fn fast_exchange(&mut self, call: &Call, cx: Ctx) -> Result<(), CommError> {
+        let seq = self.seq;
+        let h = self.fast_hdr(self.rank, seq);
+        // SAFETY: only this rank writes its own entry; peers read this parity's head only after
+        // the `seq` store below and stop before their next collective, which this rank's next
+        // collective waits for, so nobody reads it now (see `FastHdr`).
+        unsafe {
+            (*h).kind = call.kind as u8;
+            (*h).dtype = call.dtype as u8;
+            (*h).op = call.op as u8;
+            (*h).root = call.root as u32;
+            (*h).count = call.count as u64;
+            (*h).seq.store(seq, SeqCst);
+        }
+        self.wake_sleepers();
+        let mine = self.progress;
+        // A peer whose progress passed ours entered a phased call: it will not publish an entry.
+        let arrived = |ch: &Channel, r: usize| ch.fast_seq(r) == seq || ch.ctrl(r).progress.load(Acquire) > mine;
+        self.wait_for(&arrived, cx)?;
+        self.check_abort(cx)?;
+        if (0..self.world).any(|r| r != self.rank && self.fast_seq(r) != seq) {
+            self.begin(call, 0, 0, 0, cx)?;
+            // `begin` reports the disagreement that sent the peer there; equal arguments never
+            // take different paths, but should they, this is still a disagreement.
+            return Err(CommError::Mismatch {
+                seq,
+                detail: format!("the ranks took different paths for {}: their settings (fast_bytes) differ", call.kind),
+            });
+        }
+        let desc = |r: usize| {
+            // SAFETY: rank r published this entry (its seq equals ours, acquire above) and does
+            // not rewrite it before this rank's next collective.
+            let h = unsafe { &*self.fast_hdr(r, seq) };
+            Desc { kind: h.kind, dtype: h.dtype, op: h.op, root: h.root as u64, count: h.count, seq, ..Desc::default() }
+        };
+        // Compare every rank with rank 0 (as `check_descs` does) without allocating; build the
+        // report only when one differs.
+        let d0 = desc(0);
+        if (1..self.world).all(|r| same_call(&d0, &desc(r))) {
+            return Ok(());
+        }
+        let descs: Vec<Desc> = (0..self.world).map(desc).collect();
+        check_descs(&descs, seq, &|r| self.who(r))
+    }
+
+    // ----------------------------------------------------------------------------------------
     // Copies and the staging mode
 
     /// Copy into a user buffer: streaming stores when the message is large.
@@ -651,6 +743,22 @@ fn desc_call(d: &Desc) -> String {
     s + ")"
 }
 
+/// Whether two descriptors describe the same call: kind, dtype, and the op, root and count where
+/// the kind has them.
+fn same_call(a: &Desc, b: &Desc) -> bool {
+    let key = |d: &Desc| {
+        let k = CollKind::from_u8(d.kind);
+        (
+            d.kind,
+            d.dtype,
+            if k.is_some_and(|k| k.has_op()) { d.op } else { 0 },
+            if k.is_some_and(|k| k.has_root()) { d.root } else { 0 },
+            if k == Some(CollKind::Barrier) { 0 } else { d.count },
+        )
+    };
+    key(a) == key(b)
+}
+
 /// Compare every rank's descriptor with rank 0's; on disagreement, name every rank that differs
 /// (`who` names a rank).
 fn check_descs(descs: &[Desc], seq: u64, who: &dyn Fn(usize) -> String) -> Result<(), CommError> {
@@ -663,18 +771,7 @@ fn check_descs(descs: &[Desc], seq: u64, who: &dyn Fn(usize) -> String) -> Resul
             detail: format!("{} refused its {kind} call with invalid arguments (its own error says which)", names.join(", ")),
         });
     }
-    let key = |d: &Desc| {
-        let k = CollKind::from_u8(d.kind);
-        (
-            d.kind,
-            d.dtype,
-            if k.is_some_and(|k| k.has_op()) { d.op } else { 0 },
-            if k.is_some_and(|k| k.has_root()) { d.root } else { 0 },
-            if k == Some(CollKind::Barrier) { 0 } else { d.count },
-        )
-    };
-    let k0 = key(&descs[0]);
-    let differ: Vec<usize> = (1..descs.len()).filter(|&r| key(&descs[r]) != k0).collect();
+    let differ: Vec<usize> = (1..descs.len()).filter(|&r| !same_call(&descs[0], &descs[r])).collect();
     if differ.is_empty() {
         return Ok(());
     }

@@ -15,6 +15,11 @@ pub struct ShmConfig {
     /// All-reduce/reduce messages up to this size take the one-phase path
     /// (`LOCKSTEP_SHM_SMALL_BYTES`, default 16 KiB, at most `slot_bytes`).
     pub small_bytes: usize,
+    /// Collectives whose per-rank payload (what one rank contributes: its input, or a rooted
+    /// call's whole input on the root) is at most this many bytes take the one-phase fast path,
+    /// where the call's arguments and data cross between cores together (default 4 KiB, at most
+    /// 4 KiB; 0 turns the fast path off except for the barrier, which carries no data).
+    pub fast_bytes: usize,
     /// Virtual size of each rank's shared heap for `alloc_shared` (`LOCKSTEP_SHM_HEAP_BYTES`,
     /// default 4 GiB; only touched pages use memory).
     pub heap_bytes: usize,
@@ -64,6 +69,7 @@ impl Default for ShmConfig {
         ShmConfig {
             slot_bytes: 1 << 20,
             small_bytes: 16 << 10,
+            fast_bytes: 4 << 10,
             heap_bytes: 4 << 30,
             timeout: Duration::from_secs(600),
             peer_check: Duration::from_millis(100),
@@ -164,6 +170,7 @@ impl ShmConfig {
     pub fn normalized(mut self) -> ShmConfig {
         self.slot_bytes = self.slot_bytes.clamp(4096, 1 << 30).next_multiple_of(4096);
         self.small_bytes = self.small_bytes.min(self.slot_bytes);
+        self.fast_bytes = self.fast_bytes.min(super::sync::FAST_MAX);
         self.heap_bytes = self.heap_bytes.max(2 << 20).next_multiple_of(2 << 20);
         self.peer_check = self.peer_check.max(Duration::from_micros(100));
         self

@@ -4,8 +4,14 @@
 //!
 //! ```text
 //! [Header: 4 KiB] [Ctrl × world: 256 B each] [slots: world × 2 × slot_bytes]
-//! [mailboxes: world × world × (PairCtrl + mbox_bytes)] [heaps: world × heap_bytes]
+//! [fast entries: world × 2 × FAST_ENTRY] [mailboxes: world × world × (PairCtrl + mbox_bytes)]
+//! [heaps: world × heap_bytes]
 //! ```
+//!
+//! The fast entries carry the one-phase collectives of small messages (`algo::fast`): a rank
+//! writes its call's arguments and its payload side by side, then the entry's sequence number,
+//! so a peer that sees the number sees the call and (up to 40 bytes) the data in the same
+//! cache line. No `progress` phase is published for them; see [`FastHdr`].
 //!
 //! The mailboxes carry point-to-point messages (`shm::p2p`), one per ordered pair of ranks, apart
 //! from the slots and phases of the collectives, so the two never interfere.
@@ -32,7 +38,7 @@ use std::sync::atomic::{AtomicI32, AtomicU32, AtomicU64};
 /// "LOCKSTEP" in ASCII: written last by the creator, once the header is valid.
 pub(crate) const MAGIC: u64 = 0x4c4f_434b_5354_4550;
 /// Bump when the layout changes.
-pub(crate) const VERSION: u32 = 3;
+pub(crate) const VERSION: u32 = 4;
 /// Header size.
 pub(crate) const HEADER_BYTES: usize = 4096;
 /// Control block size per rank.
@@ -109,16 +115,18 @@ pub(crate) struct PaddedU32(pub AtomicU32);
 pub(crate) struct Ctrl {
     /// Last published phase.
     pub progress: AtomicU64,
-    /// Collective sequence number the rank is in (for timeout reports).
-    pub coll_seq: AtomicU64,
     pub pid: AtomicI32,
     pub state: AtomicU32,
-    /// Kind + 1 of the collective `coll_seq` numbers (0 before the first), for timeout reports.
-    pub coll_kind: AtomicU32,
-    _pad: [u8; 36],
+    _pad: [u8; 48],
     /// Call descriptors, one per phase parity (see module docs).
     pub desc: [DescCell; 2],
-    _pad2: [u8; 64],
+    /// Collective sequence number the rank is in (for timeout reports). On a line of its own:
+    /// written at the start of every call, it would otherwise take the progress line, which the
+    /// peers poll, away from them on every call.
+    pub coll_seq: AtomicU64,
+    /// Kind + 1 of the collective `coll_seq` numbers (0 before the first), for timeout reports.
+    pub coll_kind: AtomicU32,
+    _pad2: [u8; 52],
 }
 
 /// A descriptor slot written by its owner before publishing and read by peers after waiting.
@@ -198,6 +206,31 @@ pub(crate) struct FastBox {
     pub data: [AtomicU64; 5],
 }
 
+/// The head of a rank's fast entry for collective number `seq` (one of two, by the parity of
+/// `seq`). The owner writes the other fields and the payload after it, then `seq` (SeqCst, so the
+/// store is ordered before its check for sleepers); a peer that reads `seq` equal to the call's
+/// number (acquire) may read the rest. The owner rewrites an entry only two collectives later,
+/// after every peer has arrived at the collective in between (each collective waits for every
+/// rank), so by then nobody reads it.
+#[repr(C)]
+pub(crate) struct FastHdr {
+    pub seq: AtomicU64,
+    pub kind: u8,
+    pub dtype: u8,
+    pub op: u8,
+    pub _r: u8,
+    pub root: u32,
+    pub count: u64,
+}
+
+/// Bytes before a fast entry's payload.
+pub(crate) const FAST_HDR: usize = std::mem::size_of::<FastHdr>();
+/// Largest payload of a fast entry (the largest threshold `fast_bytes` may have).
+pub(crate) const FAST_MAX: usize = 4096;
+/// Bytes of one fast entry: head and payload, whole cache lines.
+pub(crate) const FAST_ENTRY: usize = (FAST_HDR + FAST_MAX).next_multiple_of(64);
+const _: () = assert!(FAST_HDR == 24);
+
 /// Largest message the fast box carries.
 pub(crate) const FAST_BYTES: usize = 40;
 
@@ -219,6 +252,8 @@ pub(crate) struct Layout {
     pub slot_bytes: usize,
     pub heap_bytes: usize,
     pub slots_off: usize,
+    /// Start of the fast entries (world × 2 × [`FAST_ENTRY`]).
+    pub fast_off: usize,
     /// Start of the point-to-point mailboxes and the ring bytes of each.
     pub p2p_off: usize,
     pub mbox_bytes: usize,
@@ -235,12 +270,14 @@ impl Layout {
         };
         let slots_off = (HEADER_BYTES + world * CTRL_BYTES).next_multiple_of(4096);
         let slots = world.checked_mul(2).and_then(|v| v.checked_mul(slot_bytes)).ok_or_else(too_big)?;
-        let p2p_off = slots_off.checked_add(slots).ok_or_else(too_big)?;
+        let fast_off = slots_off.checked_add(slots).ok_or_else(too_big)?;
+        let fast = world.checked_mul(2 * FAST_ENTRY).ok_or_else(too_big)?;
+        let p2p_off = fast_off.checked_add(fast).ok_or_else(too_big)?.next_multiple_of(4096);
         let mbox_bytes = mbox_bytes(world, slot_bytes);
         let mboxes = world.checked_mul(world).and_then(|p| p.checked_mul(PAIR_CTRL_BYTES + mbox_bytes)).ok_or_else(too_big)?;
         let heaps_off = p2p_off.checked_add(mboxes).ok_or_else(too_big)?.next_multiple_of(2 << 20);
         let total = world.checked_mul(heap_bytes).and_then(|h| h.checked_add(heaps_off)).filter(|t| *t < 1 << 46).ok_or_else(too_big)?;
-        Ok(Layout { world, slot_bytes, heap_bytes, slots_off, p2p_off, mbox_bytes, heaps_off, total })
+        Ok(Layout { world, slot_bytes, heap_bytes, slots_off, fast_off, p2p_off, mbox_bytes, heaps_off, total })
     }
 
     /// Bytes from the start that collectives and point-to-point calls touch whatever the user
@@ -256,6 +293,11 @@ impl Layout {
 
     pub(crate) fn slot_off(&self, rank: usize, parity: u64) -> usize {
         self.slots_off + (rank * 2 + (parity % 2) as usize) * self.slot_bytes
+    }
+
+    /// Offset of rank `rank`'s fast entry for collective number `seq` (by parity).
+    pub(crate) fn fast_entry_off(&self, rank: usize, seq: u64) -> usize {
+        self.fast_off + (rank * 2 + (seq % 2) as usize) * FAST_ENTRY
     }
 
     /// Offset of the mailbox from `src` to `dst`: its [`PairCtrl`], then `mbox_bytes` of ring.

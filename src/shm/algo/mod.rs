@@ -1,6 +1,8 @@
 //! The collective algorithms, one family per file, each a function over a [`Channel`](super::channel::Channel)
 //! that every rank of the call runs with the same arguments (the first phase checks that they agree).
 //!
+//! * [`fast`]: every collective whose per-rank payload fits `fast_bytes` (4 KiB), in one phase
+//!   through the ranks' fast entries, where the call's arguments travel with the data.
 //! * [`small`]: one-phase paths: the barrier, and all-reduce/reduce of messages up to
 //!   `small_bytes`, where every rank stages its whole input and reduces everything itself.
 //! * [`allreduce`]: larger all-reduce/reduce: staged reduce-scatter then all-gather through the
@@ -14,6 +16,7 @@
 pub(crate) mod allreduce;
 pub(crate) mod broadcast;
 pub(crate) mod exchange;
+pub(crate) mod fast;
 pub(crate) mod gather;
 pub(crate) mod p2p;
 pub(crate) mod reduce_scatter;
