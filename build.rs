@@ -67,6 +67,7 @@ fn arg_kind(ty: &str) -> Option<String> {
             "unsigned char" => "U8",
             "signed char" => "I8",
             "bf16_t" => "BF16",
+            "f16_t" => "F16",
             // A table of `struct BucketEntry` (data.cu): three 8-byte words per entry, uploaded
             // as i64 (its Rust twin is `train::device::kernels::BucketEntry`).
             "BucketEntry" => "I64",
@@ -79,7 +80,7 @@ fn arg_kind(ty: &str) -> Option<String> {
             Some(if konst { format!("ArgKind::Ptr(Dtype::{d})") } else { format!("ArgKind::PtrMut(Dtype::{d})") })
         }
         // Scalars are passed by value; a `const int` parameter is still an `int`.
-        None if base != "bf16_t" && base != "BucketEntry" => elem(base).map(|d| format!("ArgKind::Scalar(Dtype::{d})")),
+        None if !matches!(base, "bf16_t" | "f16_t" | "BucketEntry") => elem(base).map(|d| format!("ArgKind::Scalar(Dtype::{d})")),
         None => None,
     }
 }

@@ -2,9 +2,9 @@
 //
 // What lives here and why:
 //   - ceil_div and the warp/block reductions used by batchnorm, loss and the bias gradients;
-//   - a header-free bf16 type (bf16_t) with round-to-nearest-even conversion;
+//   - header-free bf16 and fp16 types (bf16_t, f16_t) with round-to-nearest-even conversion;
 //   - the tiled GEMM core (gemm_tile) that conv2d.cu (implicit GEMM) and linear.cu both use,
-//     with a tensor-core path (mma.sync: bf16 m16n8k16, TF32 m16n8k8) on sm_80+ and a plain
+//     with a tensor-core path (mma.sync: bf16 and f16 m16n8k16, TF32 m16n8k8) on sm_80+ and a plain
 //     shared-memory tiled FMA fallback everywhere else.
 //
 // Header-free on purpose. The brief asked for cuda_bf16.h and WMMA (mma.h). Verified with NVRTC
@@ -114,14 +114,78 @@ __device__ __forceinline__ bf16_t f32_to_bf16(float f) {
     return r;
 }
 
-// Uniform "as float" for the two operand types of the GEMM core.
+// IEEE binary16 (fp16) the same header-free way: 1 sign, 5 exponent, 10 mantissa bits. Its range
+// is small (largest finite 65504, smallest subnormal 2^-24), which is why fp16 training scales
+// the loss (src/train/precision.rs, LossScaler); the conversions below are what make overflow
+// visible: a value beyond the range becomes an infinity that the unscale check then finds.
+struct __align__(2) f16_t {
+    unsigned short bits;
+};
+
+// Exact widening (every fp16 value is an f32). Subnormals (exponent field 0) are m * 2^-24,
+// computed in f32 without rounding (m < 1024 and the factor is a power of two); NaN stays a quiet
+// NaN with its payload, as half::f16::to_f32 does.
+__device__ __forceinline__ float f16_to_f32(f16_t h) {
+    const unsigned int sign = ((unsigned int)h.bits & 0x8000u) << 16;
+    const unsigned int exp = ((unsigned int)h.bits >> 10) & 0x1fu;
+    const unsigned int man = (unsigned int)h.bits & 0x3ffu;
+    if (exp == 0x1fu) return __uint_as_float(sign | 0x7f800000u | (man ? (0x00400000u | (man << 13)) : 0u));
+    if (exp == 0u) {
+        const float mag = (float)man * 5.9604644775390625e-08f;  // 2^-24
+        return __uint_as_float(sign | __float_as_uint(mag));
+    }
+    return __uint_as_float(sign | ((exp + 112u) << 23) | (man << 13));  // rebias 15 -> 127
+}
+
+// Round to nearest, ties to even, as __float2half_rn and half::f16::from_f32 do: magnitudes from
+// 65520 up (halfway to the next power of two above 65504) become infinity, magnitudes below 2^-25
+// become zero, subnormals keep the bits they can; NaN stays a quiet NaN.
+__device__ __forceinline__ f16_t f32_to_f16(float f) {
+    const unsigned int x = __float_as_uint(f);
+    const unsigned int sign = (x >> 16) & 0x8000u;
+    const unsigned int exp = x & 0x7f800000u;
+    const unsigned int man = x & 0x007fffffu;
+    f16_t r;
+    if (exp == 0x7f800000u) {
+        r.bits = (unsigned short)(sign | 0x7c00u | (man ? (0x0200u | (man >> 13)) : 0u));
+        return r;
+    }
+    const int half_exp = (int)(exp >> 23) - 127 + 15;
+    if (half_exp >= 0x1f) {
+        r.bits = (unsigned short)(sign | 0x7c00u);
+        return r;
+    }
+    if (half_exp <= 0) {
+        if (14 - half_exp > 24) {
+            r.bits = (unsigned short)sign;  // below half the smallest subnormal: signed zero
+            return r;
+        }
+        const unsigned int m = man | 0x00800000u;
+        const int shift = 14 - half_exp;
+        unsigned int half_man = m >> shift;
+        const unsigned int round_bit = 1u << (shift - 1);
+        // Round up when the dropped part is above one half, or exactly one half with an odd result.
+        if ((m & round_bit) != 0u && (m & (3u * round_bit - 1u)) != 0u) half_man += 1u;
+        r.bits = (unsigned short)(sign | half_man);
+        return r;
+    }
+    const unsigned int hb = sign | ((unsigned int)half_exp << 10) | (man >> 13);
+    const unsigned int round_bit = 0x1000u;
+    // A carry out of the mantissa correctly bumps the exponent (up to infinity at the top).
+    r.bits = (unsigned short)(((man & round_bit) != 0u && (man & (3u * round_bit - 1u)) != 0u) ? hb + 1u : hb);
+    return r;
+}
+
+// Uniform "as float" for the operand types of the GEMM core.
 __device__ __forceinline__ float to_f32(float x) { return x; }
 __device__ __forceinline__ float to_f32(bf16_t x) { return bf16_to_f32(x); }
+__device__ __forceinline__ float to_f32(f16_t x) { return f16_to_f32(x); }
 
 // Zero of each operand type (out-of-range tile elements are zero-filled).
 template <typename T> __device__ __forceinline__ T zero_of();
 template <> __device__ __forceinline__ float zero_of<float>() { return 0.0f; }
 template <> __device__ __forceinline__ bf16_t zero_of<bf16_t>() { bf16_t z; z.bits = 0; return z; }
+template <> __device__ __forceinline__ f16_t zero_of<f16_t>() { f16_t z; z.bits = 0; return z; }
 
 // ----------------------------------------------------------------------------
 // GEMM core: C[M, N] = A[M, K] · B[K, N], tiled in shared memory
@@ -157,6 +221,7 @@ template <> __device__ __forceinline__ bf16_t zero_of<bf16_t>() { bf16_t z; z.bi
 template <typename T> struct GemmPad;
 template <> struct GemmPad<float> { enum { value = 4 }; };
 template <> struct GemmPad<bf16_t> { enum { value = 8 }; };
+template <> struct GemmPad<f16_t> { enum { value = 8 }; };
 
 // Tensor-core availability: decided per instantiation by overloads below, never by a runtime if,
 // so the mma path is not even compiled for archs that lack it.
@@ -177,13 +242,26 @@ struct GemmAcc {
 };
 
 #if defined(LOCKSTEP_MMA_BF16)
-// D = A·B + D for one m16n8k16 bf16 fragment (f32 accumulate).
-__device__ __forceinline__ void mma_bf16_16816(float* c, const unsigned int* a, const unsigned int* b) {
+// D = A·B + D for one m16n8k16 16-bit fragment (f32 accumulate); the operand type picks the
+// instruction. fp16 and bf16 share the fragment layout, so one GEMM body serves both.
+__device__ __forceinline__ void mma_16816(float* c, const unsigned int* a, const unsigned int* b, bf16_t) {
 #ifdef SIMT_MMA_BF16_M16N8K16  // host-C++ SIMT shim (tests/simt); never defined under NVRTC
     SIMT_MMA_BF16_M16N8K16(c, a, b);
 #else
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#endif
+}
+
+__device__ __forceinline__ void mma_16816(float* c, const unsigned int* a, const unsigned int* b, f16_t) {
+#ifdef SIMT_MMA_F16_M16N8K16
+    SIMT_MMA_F16_M16N8K16(c, a, b);
+#else
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
         "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
@@ -247,14 +325,15 @@ __device__ __forceinline__ bool gemm_compute(GemmAcc& acc, const T (*As)[GEMM_BK
 }
 
 #if defined(LOCKSTEP_MMA_BF16)
-__device__ __forceinline__ bool gemm_compute(GemmAcc& acc, const bf16_t (*As)[GEMM_BK + 8],
-                                             const bf16_t (*Bs)[GEMM_BK + 8]) {
+// Tensor-core body shared by the two 16-bit operand types (T = bf16_t or f16_t).
+template <typename T>
+__device__ __forceinline__ bool gemm_compute_mma16(GemmAcc& acc, const T (*As)[GEMM_BK + 8], const T (*Bs)[GEMM_BK + 8]) {
     const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
     const int g = lane / 4, t = lane % 4;
     const int wm = (warp / 2) * 32, wn = (warp % 2) * 32;
 #pragma unroll
     for (int kk = 0; kk < GEMM_BK; kk += 16) {
-        // Two bf16 per 32-bit register: element with the lower k in the low half (little endian).
+        // Two 16-bit values per 32-bit register: element with the lower k in the low half (little endian).
         unsigned int a[2][4], b[4][2];
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
@@ -273,9 +352,19 @@ __device__ __forceinline__ bool gemm_compute(GemmAcc& acc, const bf16_t (*As)[GE
 #pragma unroll
         for (int i = 0; i < 2; ++i)
 #pragma unroll
-            for (int j = 0; j < 4; ++j) mma_bf16_16816(acc.v[i][j], a[i], b[j]);
+            for (int j = 0; j < 4; ++j) mma_16816(acc.v[i][j], a[i], b[j], T());
     }
     return true;
+}
+
+__device__ __forceinline__ bool gemm_compute(GemmAcc& acc, const bf16_t (*As)[GEMM_BK + 8],
+                                             const bf16_t (*Bs)[GEMM_BK + 8]) {
+    return gemm_compute_mma16<bf16_t>(acc, As, Bs);
+}
+
+__device__ __forceinline__ bool gemm_compute(GemmAcc& acc, const f16_t (*As)[GEMM_BK + 8],
+                                             const f16_t (*Bs)[GEMM_BK + 8]) {
+    return gemm_compute_mma16<f16_t>(acc, As, Bs);
 }
 #endif
 

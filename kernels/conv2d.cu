@@ -2,10 +2,10 @@
 // implicit GEMM on the shared tiled core in common.cuh (tensor cores on sm_80+).
 //
 // Entry points (CPU twins in train::layers::conv2d take the same tensors in the same order):
-//   conv2d_forward_{f32,bf16}          (out, inp, weight, bias, shape...)
-//   conv2d_backward_input_{f32,bf16}   (dinp, dout, weight, shape...)
-//   conv2d_backward_weight_{f32,bf16}  (dweight, partials, dout, inp, shape...)
-//   conv2d_backward_bias_{f32,bf16}    (dbias, dout, batch, out_c, out_h, out_w)
+//   conv2d_forward_{f32,bf16,f16}          (out, inp, weight, bias, shape...)
+//   conv2d_backward_input_{f32,bf16,f16}   (dinp, dout, weight, shape...)
+//   conv2d_backward_weight_{f32,bf16,f16}  (dweight, partials, dout, inp, shape...)
+//   conv2d_backward_bias_{f32,bf16,f16}    (dbias, dout, batch, out_c, out_h, out_w)
 // where shape... = batch, in_c, in_h, in_w, out_c, kh, kw, stride, pad (all int, Rust i32) and
 //   out_h = (in_h + 2*pad - kh) / stride + 1,  out_w = (in_w + 2*pad - kw) / stride + 1
 // (Conv2dParams::out_h / out_w; the kernels recompute them from the same formula).
@@ -19,7 +19,8 @@
 // dtype: _f32 kernels take f32 everywhere (TF32 tensor cores on sm_80+ unless built with
 // -DLOCKSTEP_NO_TF32). _bf16 kernels take bf16 operands (inp, weight, dout) and accumulate in
 // f32; their outputs and bias are always f32, so BatchNorm etc. stay f32 and the optimizer sees
-// f32 gradients. bf16 copies are made with cast_f32_bf16 (data.cu).
+// f32 gradients. bf16 copies are made with cast_f32_bf16 (data.cu). _f16 kernels are the same
+// with IEEE fp16 operands (cast_f32_f16), for --precision fp16 with dynamic loss scaling.
 //
 // Math (x = inp, w = weight, y = out, dy = dout, sums over every index not on the left):
 //   forward:   y[n,oc,oy,ox]  = bias[oc] + Σ_{ic,ky,kx} w[oc,ic,ky,kx] * x[n,ic,oy*s-p+ky,ox*s-p+kx]
@@ -246,6 +247,12 @@ conv2d_forward_bf16(float* out, const bf16_t* inp, const bf16_t* weight, const f
 }
 
 extern "C" __global__ void __launch_bounds__(GEMM_THREADS)
+conv2d_forward_f16(float* out, const f16_t* inp, const f16_t* weight, const float* bias, int batch, int in_c,
+                    int in_h, int in_w, int out_c, int kh, int kw, int stride, int pad) {
+    conv2d_forward_impl<f16_t>(out, inp, weight, bias, make_conv_shape(batch, in_c, in_h, in_w, out_c, kh, kw, stride, pad));
+}
+
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS)
 conv2d_backward_input_f32(float* dinp, const float* dout, const float* weight, int batch, int in_c, int in_h, int in_w,
                           int out_c, int kh, int kw, int stride, int pad) {
     conv2d_backward_input_impl<float>(dinp, dout, weight, make_conv_shape(batch, in_c, in_h, in_w, out_c, kh, kw, stride, pad));
@@ -255,6 +262,12 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS)
 conv2d_backward_input_bf16(float* dinp, const bf16_t* dout, const bf16_t* weight, int batch, int in_c, int in_h,
                            int in_w, int out_c, int kh, int kw, int stride, int pad) {
     conv2d_backward_input_impl<bf16_t>(dinp, dout, weight, make_conv_shape(batch, in_c, in_h, in_w, out_c, kh, kw, stride, pad));
+}
+
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS)
+conv2d_backward_input_f16(float* dinp, const f16_t* dout, const f16_t* weight, int batch, int in_c, int in_h,
+                           int in_w, int out_c, int kh, int kw, int stride, int pad) {
+    conv2d_backward_input_impl<f16_t>(dinp, dout, weight, make_conv_shape(batch, in_c, in_h, in_w, out_c, kh, kw, stride, pad));
 }
 
 extern "C" __global__ void __launch_bounds__(GEMM_THREADS)
@@ -271,6 +284,13 @@ conv2d_backward_weight_bf16(float* dweight, float* partials, const bf16_t* dout,
                                         make_conv_shape(batch, in_c, in_h, in_w, out_c, kh, kw, stride, pad));
 }
 
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS)
+conv2d_backward_weight_f16(float* dweight, float* partials, const f16_t* dout, const f16_t* inp, int batch,
+                            int in_c, int in_h, int in_w, int out_c, int kh, int kw, int stride, int pad) {
+    conv2d_backward_weight_impl<f16_t>(dweight, partials, dout, inp,
+                                        make_conv_shape(batch, in_c, in_h, in_w, out_c, kh, kw, stride, pad));
+}
+
 extern "C" __global__ void conv2d_backward_bias_f32(float* dbias, const float* dout, int batch, int out_c, int out_h,
                                                     int out_w) {
     conv2d_backward_bias_impl<float>(dbias, dout, batch, out_c, out_h, out_w);
@@ -279,4 +299,9 @@ extern "C" __global__ void conv2d_backward_bias_f32(float* dbias, const float* d
 extern "C" __global__ void conv2d_backward_bias_bf16(float* dbias, const bf16_t* dout, int batch, int out_c, int out_h,
                                                      int out_w) {
     conv2d_backward_bias_impl<bf16_t>(dbias, dout, batch, out_c, out_h, out_w);
+}
+
+extern "C" __global__ void conv2d_backward_bias_f16(float* dbias, const f16_t* dout, int batch, int out_c, int out_h,
+                                                     int out_w) {
+    conv2d_backward_bias_impl<f16_t>(dbias, dout, batch, out_c, out_h, out_w);
 }

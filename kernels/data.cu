@@ -1,5 +1,5 @@
 // data.cu: data movement - batch gathering from the device-resident dataset, gradient bucket
-// flatten/unflatten for the all-reduce, and f32 <-> bf16 casts.
+// flatten/unflatten for the all-reduce, and f32 <-> bf16 / fp16 casts.
 //
 // Entry points (CPU twins in train::data / the trainer, same tensors in the same order):
 //   gather_batch_f32    (images, labels, dataset_images, dataset_labels, indices, batch, image_size)
@@ -7,6 +7,8 @@
 //   bucket_unflatten_f32(table, bucket, num_entries, scale)
 //   cast_f32_bf16       (out, inp, n)
 //   cast_bf16_f32       (out, inp, n)
+//   cast_f32_f16        (out, inp, n)
+//   cast_f16_f32        (out, inp, n)
 // batch, image_size, num_entries, n are int (Rust i32); scale is f32.
 //
 // gather_batch_f32: dataset_images is the whole u8 image set (num_images, image_size), e.g.
@@ -27,7 +29,10 @@
 //
 // cast_f32_bf16: out[i] = bf16(inp[i]) round-to-nearest-even (NaN stays NaN), as
 //   __float2bfloat16 and Rust's half::bf16::from_f32. cast_bf16_f32: exact widening.
-//   Launch: block 256, grid ceil_div(n, 256) (grid-stride).
+// cast_f32_f16: out[i] = fp16(inp[i]) round-to-nearest-even, beyond ±65504 (from 65520 on) to
+//   ±infinity, tiny values to subnormals or zero, as __float2half_rn and half::f16::from_f32;
+//   cast_f16_f32: exact widening.
+//   Launch (all four): block 256, grid ceil_div(n, 256) (grid-stride).
 #include "common.cuh"
 
 // ----------------------------------------------------------------------------
@@ -96,4 +101,12 @@ extern "C" __global__ void cast_f32_bf16(bf16_t* out, const float* inp, int n) {
 
 extern "C" __global__ void cast_bf16_f32(float* out, const bf16_t* inp, int n) {
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) out[i] = bf16_to_f32(inp[i]);
+}
+
+extern "C" __global__ void cast_f32_f16(f16_t* out, const float* inp, int n) {
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) out[i] = f32_to_f16(inp[i]);
+}
+
+extern "C" __global__ void cast_f16_f32(float* out, const f16_t* inp, int n) {
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) out[i] = f16_to_f32(inp[i]);
 }

@@ -2,10 +2,10 @@
 // the shared tiled GEMM core in common.cuh (tensor cores on sm_80+).
 //
 // Entry points (CPU twins in train::layers::linear take the same tensors in the same order):
-//   linear_forward_{f32,bf16}          (out, inp, weight, bias, batch, in_f, out_f, relu)
-//   linear_backward_input_{f32,bf16}   (dinp, dout, weight, batch, in_f, out_f)
-//   linear_backward_weight_{f32,bf16}  (dweight, partials, dout, inp, batch, in_f, out_f)
-//   linear_backward_bias_{f32,bf16}    (dbias, dout, batch, out_f)
+//   linear_forward_{f32,bf16,f16}          (out, inp, weight, bias, batch, in_f, out_f, relu)
+//   linear_backward_input_{f32,bf16,f16}   (dinp, dout, weight, batch, in_f, out_f)
+//   linear_backward_weight_{f32,bf16,f16}  (dweight, partials, dout, inp, batch, in_f, out_f)
+//   linear_backward_bias_{f32,bf16,f16}    (dbias, dout, batch, out_f)
 // All sizes are int (Rust i32); relu is an int flag (0 = off, nonzero = fused ReLU).
 //
 // Layouts (row-major): inp (batch, in_f); weight (out_f, in_f); bias (out_f); out (batch, out_f).
@@ -13,7 +13,8 @@
 // Gradient convention (llm.c): dinp is OVERWRITTEN; dweight and dbias are ACCUMULATED (+=).
 //
 // dtype: _f32 everywhere f32 (TF32 tensor cores on sm_80+ unless -DLOCKSTEP_NO_TF32). _bf16 takes
-// bf16 operands (inp, weight, dout), accumulates in f32 and writes f32 outputs; bias is f32.
+// bf16 operands (inp, weight, dout), accumulates in f32 and writes f32 outputs; bias is f32. _f16
+// is the same with IEEE fp16 operands (--precision fp16, with dynamic loss scaling).
 //
 // Math:
 //   forward:     y[b,o]  = bias[o] + Σ_i x[b,i] * W[o,i];  if relu: y = max(y, 0)
@@ -160,6 +161,12 @@ linear_forward_bf16(float* out, const bf16_t* inp, const bf16_t* weight, const f
 }
 
 extern "C" __global__ void __launch_bounds__(GEMM_THREADS)
+linear_forward_f16(float* out, const f16_t* inp, const f16_t* weight, const float* bias, int batch, int in_f,
+                    int out_f, int relu) {
+    linear_forward_impl<f16_t>(out, inp, weight, bias, batch, in_f, out_f, relu);
+}
+
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS)
 linear_backward_input_f32(float* dinp, const float* dout, const float* weight, int batch, int in_f, int out_f) {
     linear_backward_input_impl<float>(dinp, dout, weight, batch, in_f, out_f);
 }
@@ -167,6 +174,11 @@ linear_backward_input_f32(float* dinp, const float* dout, const float* weight, i
 extern "C" __global__ void __launch_bounds__(GEMM_THREADS)
 linear_backward_input_bf16(float* dinp, const bf16_t* dout, const bf16_t* weight, int batch, int in_f, int out_f) {
     linear_backward_input_impl<bf16_t>(dinp, dout, weight, batch, in_f, out_f);
+}
+
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS)
+linear_backward_input_f16(float* dinp, const f16_t* dout, const f16_t* weight, int batch, int in_f, int out_f) {
+    linear_backward_input_impl<f16_t>(dinp, dout, weight, batch, in_f, out_f);
 }
 
 extern "C" __global__ void __launch_bounds__(GEMM_THREADS)
@@ -181,10 +193,20 @@ linear_backward_weight_bf16(float* dweight, float* partials, const bf16_t* dout,
     linear_backward_weight_impl<bf16_t>(dweight, partials, dout, inp, batch, in_f, out_f);
 }
 
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS)
+linear_backward_weight_f16(float* dweight, float* partials, const f16_t* dout, const f16_t* inp, int batch, int in_f,
+                          int out_f) {
+    linear_backward_weight_impl<f16_t>(dweight, partials, dout, inp, batch, in_f, out_f);
+}
+
 extern "C" __global__ void linear_backward_bias_f32(float* dbias, const float* dout, int batch, int out_f) {
     linear_backward_bias_impl<float>(dbias, dout, batch, out_f);
 }
 
 extern "C" __global__ void linear_backward_bias_bf16(float* dbias, const bf16_t* dout, int batch, int out_f) {
     linear_backward_bias_impl<bf16_t>(dbias, dout, batch, out_f);
+}
+
+extern "C" __global__ void linear_backward_bias_f16(float* dbias, const f16_t* dout, int batch, int out_f) {
+    linear_backward_bias_impl<f16_t>(dbias, dout, batch, out_f);
 }

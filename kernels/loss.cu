@@ -4,6 +4,7 @@
 // Entry points (CPU twin: train::layers::loss::SoftmaxCrossEntropy, same tensors, same order):
 //   softmax_xent_forward_f32 (losses, probs, mean_loss, correct, logits, targets, batch, classes)
 //   softmax_xent_backward_f32(dlogits, probs, targets, batch, classes)
+//   softmax_xent_backward_scaled_f32(dlogits, probs, targets, batch, classes, scale)
 // batch, classes are int (Rust i32); targets are int32 class indices in [0, classes) (the
 // device labels written by gather_batch_f32).
 //
@@ -13,15 +14,19 @@
 //   mean_loss[0] = Σ_b losses[b] / batch              (OVERWRITTEN, one float)
 //   correct[0]   = #{b : argmax_j z_j == t}           (OVERWRITTEN, one int; first max wins ties)
 //   backward: dlogits[b,j] = (probs[b,j] - [j == t]) / batch        (OVERWRITTEN)
+//   backward_scaled: dlogits[b,j] = (probs[b,j] - [j == t]) * (scale[0] / batch)  (OVERWRITTEN)
 // The backward gradient is that of the *mean* loss; data-parallel averaging over ranks is done
-// by the gradient all-reduce, not here.
+// by the gradient all-reduce, not here. The scaled variant is fp16 training's loss scaling
+// (GradScaler's `scale(loss).backward()`) folded into the first gradient: `scale` is a device
+// pointer to the current loss scale, so a captured CUDA graph reads the value of the step it
+// replays in, and the host changes the scale without recapturing.
 //
 // Launch geometry:
 //   forward: grid (1), block 256 (any multiple of 32 up to 1024). One warp per row, rows strided
 //     by warp count, then one block reduction: a single block makes the mean and the count
 //     deterministic without atomics or a second launch, and at batch 64 x 10 classes one block
 //     is plenty (a 10 000-row eval batch is still only ~40 rows per warp).
-//   backward: elementwise, block 256, grid ceil_div(batch*classes, 256) (grid-stride).
+//   backward (both): elementwise, block 256, grid ceil_div(batch*classes, 256) (grid-stride).
 #include "common.cuh"
 
 // ----------------------------------------------------------------------------
@@ -83,5 +88,18 @@ extern "C" __global__ void softmax_xent_backward_f32(float* dlogits, const float
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x) {
         const int b = i / classes, j = i - b * classes;
         dlogits[i] = (probs[i] - (j == targets[b] ? 1.0f : 0.0f)) * inv_b;
+    }
+}
+
+extern "C" __global__ void softmax_xent_backward_scaled_f32(float* dlogits, const float* probs, const int* targets,
+                                                            int batch, int classes, const float* scale) {
+    const int total = batch * classes;
+    // One factor, so the result is (p - y) rounded once by the multiplication: with the scale a
+    // power of two (the loss scaler's), it equals the unscaled kernel's value times the scale
+    // exactly, unless the product leaves f32's range.
+    const float k = scale[0] / (float)batch;
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x) {
+        const int b = i / classes, j = i - b * classes;
+        dlogits[i] = (probs[i] - (j == targets[b] ? 1.0f : 0.0f)) * k;
     }
 }

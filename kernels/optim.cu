@@ -5,6 +5,7 @@
 // Entry points (CPU twins: train::optim::Adam::step / Sgd::step, same math, same order):
 //   adam_step_f32(params, grads, m, v, n, lr, beta1, beta2, eps, weight_decay, step)
 //   sgd_step_f32 (params, grads, buf, n, lr, momentum, dampening, weight_decay, nesterov, first)
+//   amp_unscale_f32(grads, found_inf, scale, n)
 // n, step, nesterov (0/1), first (0/1) are int (Rust i32); the rest f32.
 //
 // Adam (torch.optim.Adam, L2 weight decay added to the gradient, not AdamW), step t >= 1 is the
@@ -21,6 +22,13 @@
 //   p -= lr * g
 // `first` = 1 on the first step seeds the buffer with g, as PyTorch does (buf may be NULL when
 // momentum == 0).
+//
+// amp_unscale_f32 (fp16 loss scaling, torch's _amp_foreach_non_finite_check_and_unscale_):
+//   grads[i] *= 1 / scale[0];  found_inf[0] = 1 if any grads[i] is inf or NaN (after unscaling)
+// Runs on the gradients AFTER the all-reduce, so every rank sees the same values and reaches the
+// same verdict. found_inf is not cleared here: the caller zeroes it before (fill_f32), and
+// threads only ever store 1.0f into it, so the result does not depend on thread order. scale is
+// a device pointer (the value the step's backward used).
 //
 // Launch geometry: block 256, grid ceil_div(n, 256) or capped (grid-stride). Purely elementwise,
 // so the result is bit-identical across ranks given identical inputs - ranks stay in lockstep.
@@ -64,4 +72,19 @@ extern "C" __global__ void sgd_step_f32(float* params, const float* grads, float
         }
         params[i] = p - lr * g;
     }
+}
+
+// ----------------------------------------------------------------------------
+// loss-scale unscale and overflow check
+
+extern "C" __global__ void amp_unscale_f32(float* grads, float* found_inf, const float* scale, int n) {
+    const float inv = 1.0f / scale[0];
+    bool bad = false;
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+        const float g = grads[i] * inv;
+        grads[i] = g;
+        // An all-ones exponent is inf or NaN; a bit test, so no compiler flag can fold it away.
+        bad |= (__float_as_uint(g) & 0x7f800000u) == 0x7f800000u;
+    }
+    if (bad) found_inf[0] = 1.0f;
 }

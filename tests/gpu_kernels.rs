@@ -11,7 +11,7 @@
 //!
 //! Tolerances (|got - want| <= atol + rtol * |want|):
 //! - f32 GEMMs (conv, linear) without TF32: 1e-4 / 1e-4; with TF32: 2e-3*sqrt(K) / 1e-2;
-//! - bf16 GEMMs (same bf16 operands on both sides, f32 accumulation): 1e-3 / 1e-3;
+//! - bf16 and fp16 GEMMs (same 16-bit operands on both sides, f32 accumulation): 1e-3 / 1e-3;
 //! - BatchNorm (f32 tree reductions vs f64): 1e-4 / 1e-4; loss: 1e-5 / 1e-5;
 //! - Adam/SGD: 1e-6 / 1e-5; elementwise: 1e-6 / 1e-6 (FMA contraction); pooling, gather, casts,
 //!   bucket copies: exact.
@@ -24,11 +24,11 @@ mod gpu;
 mod simt;
 
 use close::{assert_close, Tol};
-use half::bf16;
+use half::{bf16, f16};
 use lockstep::cuda::{DeviceBuffer, KernelGrid};
 use lockstep::train::device::kernels::{twins, BucketEntry, KernelId};
 use lockstep::train::device::plan::{splitk_workspace_len, AdamHyper, Arena, Arg, BnTensors, Builder, ConvLaunch, LossTensors, Op, Region};
-use lockstep::train::device::{CpuExec, Exec, GpuExec};
+use lockstep::train::device::{CpuExec, Exec, GpuExec, Precision};
 use lockstep::train::layers::Conv2dParams;
 use lockstep::train::rng::Rng;
 
@@ -37,7 +37,7 @@ const EXACT: Tol = Tol::new(0.0, 0.0);
 /// Bump allocator for one case's arenas.
 #[derive(Default)]
 struct Lay {
-    len: [usize; 3],
+    len: [usize; 4],
 }
 
 impl Lay {
@@ -49,6 +49,9 @@ impl Lay {
     }
     fn b(&mut self, n: usize) -> Region {
         self.take(2, Arena::Bf16, n)
+    }
+    fn h(&mut self, n: usize) -> Region {
+        self.take(3, Arena::F16, n)
     }
     fn take(&mut self, k: usize, arena: Arena, n: usize) -> Region {
         let off = self.len[k];
@@ -72,14 +75,18 @@ fn compare(
     let f: Vec<f32> = (0..lay.len[0]).map(|_| rng.uniform(-1.0, 1.0)).collect();
     let i: Vec<i32> = (0..lay.len[1]).map(|_| rng.below(i32_bound.max(1)) as i32).collect();
     let b: Vec<bf16> = (0..lay.len[2]).map(|_| bf16::from_f32(rng.uniform(-1.0, 1.0))).collect();
+    let h: Vec<f16> = (0..lay.len[3]).map(|_| f16::from_f32(rng.uniform(-1.0, 1.0))).collect();
+    let lens = (lay.len[0], lay.len[1], lay.len[2], lay.len[3]);
     let images: Vec<u8> = (0..40 * 784).map(|_| rng.below(256) as u8).collect();
     let labels: Vec<u8> = (0..40).map(|_| rng.below(10) as u8).collect();
     let e = |e: lockstep::train::device::DeviceError| format!("{what}: {e}");
-    let mut c = CpuExec::new((lay.len[0], lay.len[1], lay.len[2]));
+    let mut c = CpuExec::new(lens);
     c.load_arenas(&f, &i, &b);
+    c.load_f16(&h);
     c.upload_dataset(&images, &labels).map_err(e)?;
-    let mut g = GpuExec::new(ctx, (lay.len[0], lay.len[1], lay.len[2]), false).map_err(|x| x.to_string())?;
+    let mut g = GpuExec::new(ctx, lens, false).map_err(|x| x.to_string())?;
     g.load_arenas(&f, &i, &b).map_err(|x| x.to_string())?;
+    g.load_f16(&h).map_err(|x| x.to_string())?;
     g.upload_dataset(&images, &labels).map_err(e)?;
     for op in ops {
         c.run(op).map_err(e)?;
@@ -87,6 +94,8 @@ fn compare(
     }
     let (cf, ci, cb) = c.dump_arenas();
     let (gf, gi, gb) = g.dump_arenas().map_err(|x| x.to_string())?;
+    let (ch, gh) = (c.dump_f16(), g.dump_f16().map_err(|x| x.to_string())?);
+    let h64 = |v: &[f16]| v.iter().map(|x| x.to_f64()).collect::<Vec<f64>>();
     for op in ops {
         for (k, a) in op.args.iter().enumerate() {
             let Arg::Out(r) = a else { continue };
@@ -95,6 +104,7 @@ fn compare(
                 Arena::F32 => assert_close(&name, &gf[r.range()], &cf[r.range()], tol)?,
                 Arena::I32 => assert_close(&name, &gi[r.range()], &ci[r.range()], EXACT)?,
                 Arena::Bf16 => assert_close(&name, &close::bf16_f64(&gb[r.range()]), &close::bf16_f64(&cb[r.range()]), EXACT)?,
+                Arena::F16 => assert_close(&name, &h64(&gh[r.range()]), &h64(&ch[r.range()]), EXACT)?,
                 _ => return Err(format!("{name}: writes a dataset arena")),
             }
         }
@@ -126,7 +136,7 @@ fn main() {
     r.run("elementwise_and_casts", || {
         for n in [1usize, 3, 65, 1000, 70_001] {
             let mut l = Lay::default();
-            let (x, y, o, h, parts) = (l.f(n), l.f(n), l.f(n), l.b(n), l.f(3 * n));
+            let (x, y, o, h, parts, hh, xh) = (l.f(n), l.f(n), l.f(n), l.b(n), l.f(3 * n), l.h(n), l.f(n));
             let ops = vec![
                 op(KernelId::Elementwise, "splitk_reduce_f32", vec![Arg::Out(y), Arg::In(parts), Arg::I32(3), Arg::I64(n as i64)], n),
                 op(KernelId::Elementwise, "axpy_f32", vec![Arg::Out(y), Arg::In(x), Arg::F32(0.75), Arg::I64(n as i64)], n),
@@ -134,6 +144,10 @@ fn main() {
                 op(KernelId::Activation, "relu_forward_f32", vec![Arg::Out(o), Arg::In(y), Arg::I32(n as i32)], n),
                 op(KernelId::Data, "cast_f32_bf16", vec![Arg::Out(h), Arg::In(o), Arg::I32(n as i32)], n),
                 op(KernelId::Data, "cast_bf16_f32", vec![Arg::Out(x), Arg::In(h), Arg::I32(n as i32)], n),
+                // Scaled up so fp16's rounding, subnormals and overflow to infinity all occur.
+                op(KernelId::Elementwise, "scale_f32", vec![Arg::Out(parts), Arg::F32(7e4), Arg::I64(n as i64)], n),
+                op(KernelId::Data, "cast_f32_f16", vec![Arg::Out(hh), Arg::In(parts.sub(0, n)), Arg::I32(n as i32)], n),
+                op(KernelId::Data, "cast_f16_f32", vec![Arg::Out(xh), Arg::In(hh), Arg::I32(n as i32)], n),
                 op(KernelId::Activation, "relu_backward_f32", vec![Arg::Out(y), Arg::In(o), Arg::In(x), Arg::I32(n as i32)], n),
                 op(KernelId::Elementwise, "fill_f32", vec![Arg::Out(o), Arg::F32(2.5), Arg::I64(n as i64)], n),
             ];
@@ -154,8 +168,9 @@ fn main() {
         Ok(())
     });
 
-    for bf in [false, true] {
-        let name = if bf { "conv2d_bf16" } else { "conv2d_f32" };
+    for prec in [Precision::Fp32, Precision::Bf16, Precision::Fp16] {
+        let bf = prec != Precision::Fp32;
+        let name = ["conv2d_f32", "conv2d_bf16", "conv2d_f16"][prec as usize];
         r.run(name, || {
             for &(n, ic, h, w, oc, k, s, p) in &[
                 (1usize, 1usize, 28usize, 28usize, 32usize, 5usize, 1usize, 2usize),
@@ -167,7 +182,11 @@ fn main() {
                 let cp = Conv2dParams { in_c: ic, out_c: oc, kh: k, kw: k, stride: s, pad: p };
                 let (oh, ow) = (cp.out_h(h), cp.out_w(w));
                 let mut l = Lay::default();
-                let opnd = |l: &mut Lay, len: usize| if bf { l.b(len) } else { l.f(len) };
+                let opnd = |l: &mut Lay, len: usize| match prec {
+                    Precision::Fp32 => l.f(len),
+                    Precision::Bf16 => l.b(len),
+                    Precision::Fp16 => l.h(len),
+                };
                 let (x, wt, dy) = (opnd(&mut l, n * ic * h * w), opnd(&mut l, oc * cp.k()), opnd(&mut l, n * oc * oh * ow));
                 let (bias, y, dx, dw, db) = (l.f(oc), l.f(n * oc * oh * ow), l.f(n * ic * h * w), l.f(oc * cp.k()), l.f(oc));
                 let s = ConvLaunch { p: cp, batch: n, in_h: h, in_w: w };
@@ -175,10 +194,10 @@ fn main() {
                 // the same way), then the reduction.
                 let ws = l.f(splitk_workspace_len(oc, cp.k(), n * oh * ow));
                 let mut ops = Builder::with_splitk(sm, ws);
-                ops.conv_forward(bf, y, x, wt, bias, s);
-                ops.conv_backward_input(bf, dx, dy, wt, s);
-                ops.conv_backward_weight(bf, dw, dy, x, s);
-                ops.conv_backward_bias(bf, db, dy, s);
+                ops.conv_forward(prec, y, x, wt, bias, s);
+                ops.conv_backward_input(prec, dx, dy, wt, s);
+                ops.conv_backward_weight(prec, dw, dy, x, s);
+                ops.conv_backward_bias(prec, db, dy, s);
                 let tol = if bf { bf_tol } else { gemm_tol(ic * k * k).max_of(gemm_tol(n * oh * ow)) };
                 compare(
                     &format!("{name} n={n} ic={ic} {h}x{w} oc={oc} k={k} s={} p={p}", s.p.stride),
@@ -192,20 +211,24 @@ fn main() {
             }
             Ok(())
         });
-        let name = if bf { "linear_bf16" } else { "linear_f32" };
+        let name = ["linear_f32", "linear_bf16", "linear_f16"][prec as usize];
         r.run(name, || {
             for &(n, inf, outf) in &[(1usize, 5usize, 3usize), (3, 3136, 64), (65, 17, 10), (64, 64, 10), (2, 70, 65)] {
                 let mut l = Lay::default();
-                let opnd = |l: &mut Lay, len: usize| if bf { l.b(len) } else { l.f(len) };
+                let opnd = |l: &mut Lay, len: usize| match prec {
+                    Precision::Fp32 => l.f(len),
+                    Precision::Bf16 => l.b(len),
+                    Precision::Fp16 => l.h(len),
+                };
                 let (x, wt, dy) = (opnd(&mut l, n * inf), opnd(&mut l, outf * inf), opnd(&mut l, n * outf));
                 let (bias, y, yr, dx, dw, db) = (l.f(outf), l.f(n * outf), l.f(n * outf), l.f(n * inf), l.f(outf * inf), l.f(outf));
                 let ws = l.f(splitk_workspace_len(outf, inf, n));
                 let mut ops = Builder::with_splitk(sm, ws);
-                ops.linear_forward(bf, y, x, wt, bias, n, inf, outf, false);
-                ops.linear_forward(bf, yr, x, wt, bias, n, inf, outf, true);
-                ops.linear_backward_input(bf, dx, dy, wt, n, inf, outf);
-                ops.linear_backward_weight(bf, dw, dy, x, n, inf, outf);
-                ops.linear_backward_bias(bf, db, dy, n, outf);
+                ops.linear_forward(prec, y, x, wt, bias, n, inf, outf, false);
+                ops.linear_forward(prec, yr, x, wt, bias, n, inf, outf, true);
+                ops.linear_backward_input(prec, dx, dy, wt, n, inf, outf);
+                ops.linear_backward_weight(prec, dw, dy, x, n, inf, outf);
+                ops.linear_backward_bias(prec, db, dy, n, outf);
                 let tol = if bf { bf_tol } else { gemm_tol(inf.max(outf).max(n)) };
                 compare(&format!("{name} n={n} in={inf} out={outf}"), &ctx, &l, &ops.ops, 1, tol, (n * 7 + inf) as u64)?;
             }

@@ -13,6 +13,13 @@
 //!   engine from the same initialisation; per-step losses within fp32 1e-3 / 5e-3 (as
 //!   tests/gpu_train.rs: summation order differs), TF32 5e-2 / 5e-2, bf16 first 2 steps
 //!   2e-2 / 5e-2 and finite after;
+//! - `steps_match_cpu_engine_fp16`: the same for fp16 with loss scaling (first 2 steps
+//!   2e-2 / 5e-2, as bf16; fp16 keeps more mantissa bits);
+//! - `fp16_overflow_skips_then_trains`: a loss scale of 2^40 makes the first steps overflow: each
+//!   is skipped with the parameters bit-unchanged and the scale halved, then steps apply (each
+//!   applied one changing the parameters, the scale kept), all in one captured graph;
+//! - `train_cnn_fp16_end_to_end`: `train-cnn --device cuda --precision fp16` learns (> 25 %) and
+//!   reports `skipped_steps` and `loss_scale` in its JSON epoch line;
 //! - `graph_replay_is_bit_identical_to_plain_launches`: 3 steps with and without graphs give the
 //!   same parameters bit for bit (the shim runs deterministically);
 //! - `two_runs_bit_identical_under_shuffled_blocks`: two runs of 2 steps with blocks on 2 OS
@@ -376,6 +383,96 @@ fn train_cnn_end_to_end(sim: &simt::SimGpu) -> Result<(), String> {
     Ok(())
 }
 
+/// fp16 on the simulated GPU with a loss scale of 2^40, captured graph and all: the first steps
+/// overflow and are skipped with the parameters bit-unchanged and the scale halving, then
+/// training proceeds with the scale the overflows left.
+fn fp16_overflow() -> Result<(), String> {
+    use lockstep::train::precision::{LossScaler, StepAction};
+    let (b, steps) = (16usize, 30usize);
+    let ctx = Context::new(0).map_err(|e| e.to_string())?;
+    let dir = synthetic("fp16", b * steps, 16);
+    let train = data::load_split(&dir, true).map_err(|e| e.to_string())?;
+    let _ = std::fs::remove_dir_all(&dir);
+    let mut model = Model::fashion_cnn(b).unwrap();
+    model.init(42);
+    let e = |e: lockstep::train::device::DeviceError| e.to_string();
+    let t = plan::Tensors::new(&model, b, Precision::Fp16).map_err(e)?;
+    let exec = GpuExec::new(&ctx, t.arena_len, true).map_err(|e| e.to_string())?;
+    let mut eng = Engine::new(exec, &model, b, Precision::Fp16).map_err(e)?;
+    let init = (1u64 << 40) as f32;
+    eng.set_loss_scaler(LossScaler::new(init, 2.0, 0.5, 2000).map_err(|e| e.to_string())?).map_err(e)?;
+    eng.upload_dataset(&train, &Dataset { rows: 28, cols: 28, ..Default::default() }).map_err(e)?;
+    let idx: Vec<usize> = (0..train.len()).collect();
+    eng.set_index_list(&idx, false).map_err(e)?;
+    let mut actions = Vec::new();
+    for s in 0..steps {
+        let before = digest(&eng.params().map_err(e)?);
+        let scale = eng.loss_scaler().map(|s| s.scale()).unwrap_or(0.0);
+        let a = eng.train_step(s * b, b, LR, None).map_err(e)?;
+        let after = digest(&eng.params().map_err(e)?);
+        let now = eng.loss_scaler().map(|s| s.scale()).unwrap_or(0.0);
+        match a {
+            StepAction::Skip if after != before || now != scale / 2.0 => {
+                return Err(format!(
+                    "step {s}: skipped, yet the parameters changed ({}) or the scale went {scale} -> {now}",
+                    after != before
+                ))
+            }
+            StepAction::Apply if after == before || now != scale => {
+                return Err(format!(
+                    "step {s}: applied, yet the parameters are unchanged ({}) or the scale went {scale} -> {now}",
+                    after == before
+                ))
+            }
+            _ => {}
+        }
+        actions.push(a == StepAction::Skip);
+    }
+    let skipped = actions.iter().filter(|&&s| s).count();
+    println!(
+        "    skipped {skipped} of {steps} steps, final scale {:?}, graphs {}",
+        eng.loss_scaler().map(|s| s.scale()),
+        eng.exec.graph_count()
+    );
+    // Skips come first; once the scale fits, steps apply (an occasional later overflow is
+    // GradScaler's normal behaviour, checked step by step above).
+    let first_apply = actions.iter().position(|&s| !s).ok_or("every step was skipped")?;
+    let applied_after = actions[first_apply..].iter().filter(|&&s| !s).count();
+    if first_apply < 10 || applied_after < 5 || eng.step as usize != steps - skipped {
+        return Err(format!("expected a run of skips then applied steps: {actions:?}, step count {}", eng.step));
+    }
+    if eng.exec.graph_count() != 1 {
+        return Err(format!("the fp16 step must stay one captured graph, found {}", eng.exec.graph_count()));
+    }
+    Ok(())
+}
+
+/// `train-cnn --device cuda --precision fp16` (2 ranks) on the simulated GPU learns, and its
+/// JSON epoch line reports the skipped steps and the loss scale.
+fn train_cnn_fp16_end_to_end(sim: &simt::SimGpu) -> Result<String, String> {
+    let dir = std::env::temp_dir().join(format!("lockstep-sim-gpu-e2e16-{}", std::process::id()));
+    let what = e2e_data(&dir);
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_train-cnn"));
+    cmd.args(["--device", "cuda", "--precision", "fp16", "--limit-train", "512", "--epochs", "1", "--json", "--data"]).arg(&dir);
+    sim.apply(&mut cmd);
+    let out = cmd.output().map_err(|e| e.to_string())?;
+    let _ = std::fs::remove_dir_all(&dir);
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let text = format!("{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    if !out.status.success() {
+        return Err(format!("train-cnn --precision fp16 failed ({}):\n{text}", out.status));
+    }
+    let acc = test_acc(&stdout).ok_or_else(|| format!("no test_acc in the output:\n{text}"))?;
+    let line = stdout.lines().find(|l| l.contains("\"test_acc\"")).unwrap_or_default();
+    if !line.contains("\"skipped_steps\":") || !line.contains("\"loss_scale\":") {
+        return Err(format!("the epoch line reports no skipped_steps / loss_scale: {line}"));
+    }
+    if acc < 25.0 {
+        return Err(format!("fp16 on {what}: test accuracy {acc:.2} % (want > 25 %; chance is 10 %)"));
+    }
+    Ok(format!("    fp16 on {what}: test accuracy {acc:.2} %; {line}\n"))
+}
+
 fn scenario(name: &str) -> Result<(), String> {
     match name {
         "shim_semantics" => shim_semantics(),
@@ -383,6 +480,8 @@ fn scenario(name: &str) -> Result<(), String> {
         "steps_fp32" => steps_match_cpu(Precision::Fp32, Tol::new(1e-3, 5e-3), 4),
         "steps_tf32" => steps_match_cpu(Precision::Fp32, Tol::new(5e-2, 5e-2), 4),
         "steps_bf16" => steps_match_cpu(Precision::Bf16, Tol::new(2e-2, 5e-2), 2),
+        "steps_fp16" => steps_match_cpu(Precision::Fp16, Tol::new(2e-2, 5e-2), 2),
+        "fp16_overflow" => fp16_overflow(),
         "graph_vs_plain" => {
             let ctx = Context::new(0).map_err(|e| e.to_string())?;
             let (la, pa) = device_run(&ctx, 32, 3, Precision::Fp32, true)?;
@@ -437,6 +536,8 @@ fn main() {
         ("steps_match_cpu_engine_fp32", Box::new(|| run("steps_fp32", &[no_tf32]))),
         ("steps_match_cpu_engine_tf32", Box::new(|| run("steps_tf32", &[]))),
         ("steps_match_cpu_engine_bf16", Box::new(|| run("steps_bf16", &[no_tf32]))),
+        ("steps_match_cpu_engine_fp16", Box::new(|| run("steps_fp16", &[no_tf32]))),
+        ("fp16_overflow_skips_then_trains", Box::new(|| run("fp16_overflow", &[no_tf32]))),
         ("graph_replay_is_bit_identical_to_plain_launches", Box::new(|| run("graph_vs_plain", &[no_tf32]))),
         (
             "two_runs_bit_identical_under_shuffled_blocks",
@@ -458,6 +559,7 @@ a kernel's result depends on the order of its floating-point atomics (split-K wi
             }),
         ),
         ("train_cnn_end_to_end", Box::new(|| train_cnn_end_to_end(&sim).map(|()| String::new()))),
+        ("train_cnn_fp16_end_to_end", Box::new(|| train_cnn_fp16_end_to_end(&sim))),
     ];
     let filter: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with('-')).collect();
     let (mut passed, mut failed) = (0, Vec::new());

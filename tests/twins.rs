@@ -17,7 +17,7 @@
 mod close;
 
 use close::{assert_close, Tol};
-use half::bf16;
+use half::{bf16, f16};
 use lockstep::train::data::Dataset;
 use lockstep::train::device::kernels::twins;
 use lockstep::train::device::{plan, CpuExec, Engine, Exec, Precision};
@@ -396,6 +396,52 @@ fn data_twins_are_exact() {
     for (g, w) in back.iter().zip(&b) {
         assert!(g.to_bits() == w.to_f32().to_bits() || g.is_nan());
     }
+    // fp16 casts against half::f16: the largest finite value, the first value that rounds to
+    // infinity (65520), a tie below it, subnormals, a tie at half the smallest subnormal (to 0),
+    // NaN and infinity; widening exact.
+    let x = [
+        1.0f32,
+        -2.5,
+        65504.0,
+        65519.0,
+        65520.0,
+        -7e4,
+        1.0 + 1.0 / 2048.0,
+        1e-7,
+        -3.0 * 2f32.powi(-26),
+        2f32.powi(-25),
+        6.1e-5,
+        f32::NAN,
+        f32::NEG_INFINITY,
+        1e-40,
+    ];
+    let mut h = vec![f16::ZERO; x.len()];
+    twins::cast_f32_f16(&mut h, &x, x.len() as i32);
+    for (g, &w) in h.iter().zip(&x) {
+        assert!(g.to_bits() == f16::from_f32(w).to_bits() || (w.is_nan() && g.is_nan()), "{w} -> {g}");
+    }
+    assert_eq!((h[3].to_f32(), h[4].to_f32(), h[9].to_bits()), (65504.0, f32::INFINITY, 0), "rounding at the edges");
+    let mut back = vec![0.0f32; x.len()];
+    twins::cast_f16_f32(&mut back, &h, x.len() as i32);
+    for (g, w) in back.iter().zip(&h) {
+        assert!(g.to_bits() == w.to_f32().to_bits() || g.is_nan());
+    }
+    // Loss scaling: the scaled loss gradient is the unscaled one times the (power-of-two) scale,
+    // bit for bit; unscaling restores it and flags inf/NaN only when there is one.
+    let (probs, targets) = (rand(&mut rng, 12).iter().map(|v| v.abs()).collect::<Vec<f32>>(), [2i32, 0, 3]);
+    let (mut d, mut ds) = (vec![0.0f32; 12], vec![0.0f32; 12]);
+    twins::softmax_xent_backward_f32(&mut d, &probs, &targets, 3, 4);
+    twins::softmax_xent_backward_scaled_f32(&mut ds, &probs, &targets, 3, 4, &[1024.0]);
+    assert!(d.iter().zip(&ds).all(|(a, b)| (a * 1024.0).to_bits() == b.to_bits()), "{d:?} vs {ds:?}");
+    let mut flag = [0.0f32];
+    twins::amp_unscale_f32(&mut ds, &mut flag, &[1024.0], 12);
+    assert_eq!((ds.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), flag[0]), (d.iter().map(|v| v.to_bits()).collect(), 0.0));
+    for bad in [f32::INFINITY, f32::NAN] {
+        let mut g = vec![1.0f32, bad, 2.0];
+        let mut flag = [0.0f32];
+        twins::amp_unscale_f32(&mut g, &mut flag, &[4.0], 3);
+        assert_eq!((g[0], g[2], flag[0]), (0.25, 0.5, 1.0), "{bad}");
+    }
     // bucket: flatten then unflatten with 1/world is the mean of one rank's copy.
     let (t0, t1) = (rand(&mut rng, 5), rand(&mut rng, 3));
     let mut bucket = vec![0.0; 8];
@@ -422,7 +468,7 @@ fn data_twins_are_exact() {
 #[test]
 fn device_plan_matches_kernel_signatures() {
     let model = Model::fashion_cnn(64).unwrap();
-    for precision in [Precision::Fp32, Precision::Bf16] {
+    for precision in [Precision::Fp32, Precision::Bf16, Precision::Fp16] {
         let t = plan::Tensors::new(&model, 64, precision).unwrap();
         for b in [1usize, 7, 64] {
             for ops in [t.train_step(b, precision, 132), t.eval_step(b, precision, 132)] {
@@ -466,7 +512,7 @@ fn device_step_on_twins_matches_the_cpu_engine() {
     let data = synthetic(batch * steps, 11);
     let mut model = Model::fashion_cnn(batch).unwrap();
     model.init(42);
-    for precision in [Precision::Fp32, Precision::Bf16] {
+    for precision in [Precision::Fp32, Precision::Bf16, Precision::Fp16] {
         let t = plan::Tensors::new(&model, batch, precision).unwrap();
         let mut eng = Engine::new(CpuExec::new(t.arena_len), &model, batch, precision).unwrap();
         eng.upload_dataset(&data, &Dataset { rows: 28, cols: 28, ..Default::default() }).unwrap();
@@ -499,11 +545,20 @@ fn device_step_on_twins_matches_the_cpu_engine() {
         if precision == Precision::Fp32 {
             ok(assert_close(&format!("fp32 losses over {steps} steps"), &dev_losses, &cpu_losses, Tol::new(1e-4, 1e-3)));
         } else {
-            // bf16 GEMM operands: the first steps agree to rounding; after that the trajectories
-            // (lr 0.005 on batches of 5 is a bumpy ride) only have to learn alike.
-            ok(assert_close("bf16 losses, first 2 steps", &dev_losses[..2], &cpu_losses[..2], Tol::new(2e-2, 5e-2)));
+            // bf16/fp16 GEMM operands: the first steps agree to rounding; after that the
+            // trajectories (lr 0.005 on batches of 5 is a bumpy ride) only have to learn alike.
+            // fp16 (11-bit significands, loss scale 65536) is held to the same bound as bf16.
+            let what = format!("{precision:?} losses, first 2 steps");
+            ok(assert_close(&what, &dev_losses[..2], &cpu_losses[..2], Tol::new(2e-2, 5e-2)));
             let tail = |v: &[f32]| v[steps - 5..].iter().sum::<f32>() / 5.0;
-            assert!(dev_losses.iter().all(|l| l.is_finite()) && tail(&dev_losses) < dev_losses[0], "bf16 should learn: {dev_losses:?}");
+            assert!(
+                dev_losses.iter().all(|l| l.is_finite()) && tail(&dev_losses) < dev_losses[0],
+                "{precision:?} should learn: {dev_losses:?}"
+            );
+            if precision == Precision::Fp16 {
+                let sc = eng.loss_scaler().expect("fp16 has a loss scaler");
+                assert_eq!((sc.skipped(), eng.step), (0, steps as u64), "no overflow at the default scale");
+            }
         }
         if precision == Precision::Fp32 {
             // Conv biases feed BatchNorm, which cancels them: their gradient is rounding noise,
@@ -625,4 +680,50 @@ fn train_device_runs_an_epoch_on_twins() {
     let r = &out.reports[0];
     assert_eq!((r.steps, r.test_count), (6, 13), "{r:?}");
     assert!(r.train_loss.is_finite() && r.train_loss > 0.0 && (0.0..=100.0).contains(&r.test_acc), "{r:?}");
+}
+
+/// fp16's dynamic loss scaling on the twins: a scale of 2^40 overflows the fp16 gradient copies,
+/// so the first steps are skipped with the parameters, the Adam moments and the step count
+/// bit-unchanged while the scale halves each time; once it is small enough, training proceeds.
+#[test]
+fn fp16_overflow_skips_steps_then_trains() {
+    use lockstep::train::precision::{LossScaler, StepAction};
+    let (batch, steps) = (4usize, 50usize);
+    let data = synthetic(batch * steps, 13);
+    let mut model = Model::fashion_cnn(batch).unwrap();
+    model.init(7);
+    let t = plan::Tensors::new(&model, batch, Precision::Fp16).unwrap();
+    let mut eng = Engine::new(CpuExec::new(t.arena_len), &model, batch, Precision::Fp16).unwrap();
+    let init = (1u64 << 40) as f32;
+    eng.set_loss_scaler(LossScaler::new(init, 2.0, 0.5, 2000).unwrap()).unwrap();
+    eng.upload_dataset(&data, &Dataset { rows: 28, cols: 28, ..Default::default() }).unwrap();
+    let idx: Vec<usize> = (0..data.len()).collect();
+    eng.set_index_list(&idx, false).unwrap();
+    let bits = |v: Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+    let (mut skipped, mut losses) = (0u64, Vec::new());
+    for s in 0..steps {
+        let before = (bits(eng.params().unwrap()), bits(eng.exec.read_f32(eng.t.m).unwrap()), eng.step);
+        let scale = eng.loss_scaler().unwrap().scale();
+        let action = eng.train_step(s * batch, batch, 0.005, None).unwrap();
+        losses.push(eng.last_loss().unwrap());
+        let sc = *eng.loss_scaler().unwrap();
+        if action == StepAction::Skip {
+            skipped += 1;
+            let after = (bits(eng.params().unwrap()), bits(eng.exec.read_f32(eng.t.m).unwrap()), eng.step);
+            assert!(after == before, "step {s}: a skipped step changed the parameters, the moments or the step count");
+            assert_eq!(sc.scale(), scale / 2.0, "step {s}: the scale halves on overflow");
+        } else {
+            assert_eq!(sc.scale(), scale, "step {s}: no growth within 2000 clean steps");
+            assert_eq!(eng.step, before.2 + 1);
+        }
+    }
+    let sc = *eng.loss_scaler().unwrap();
+    assert!(skipped >= 10, "2^40 must overflow fp16 for many steps, {skipped} skipped");
+    assert_eq!((sc.skipped(), eng.step), (skipped, steps as u64 - skipped));
+    assert!(eng.step >= 10, "training must proceed once the scale is small enough: {} steps applied", eng.step);
+    let mean5 = |v: &[f32]| v.iter().sum::<f32>() / 5.0;
+    assert!(
+        losses.iter().all(|l| l.is_finite()) && mean5(&losses[steps - 5..]) < mean5(&losses[..5]),
+        "fp16 should learn after the skips: {losses:?}"
+    );
 }

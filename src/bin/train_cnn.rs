@@ -13,8 +13,9 @@
 //! `is_main_process` for output, and an all-gather of each rank's peak RSS.
 //!
 //! Precision (`--precision no|fp16|bf16`, the config's `mixed_precision`) is never a silent
-//! fallback: the CPU engine trains in fp32 and refuses the others; CUDA trains bf16, and refuses
-//! fp16 until fp16 kernels exist (`lockstep::train::precision`).
+//! fallback: the CPU engine trains in fp32 and refuses the others; CUDA trains bf16, and fp16 with
+//! dynamic loss scaling (`lockstep::train::precision`): overflowing steps are skipped and counted
+//! (`skipped_steps` in the epoch line and the metrics file).
 //!
 //! `--device cuda` trains with the `kernels/*.cu` kernels (`lockstep::train::device`): each rank
 //! initialises CUDA itself after the fork, on GPU `local_rank % device_count`, and averages
@@ -167,8 +168,9 @@ struct Args {
     #[arg(long, default_value_t = 25)]
     bucket_mib: usize,
     /// Mixed precision: no (fp32), bf16 (CUDA: bf16 GEMM operands, f32 accumulation and master
-    /// weights) or fp16 (refused: no fp16 kernels yet). The CPU trains in fp32 only and refuses
-    /// the others rather than ignore them.
+    /// weights) or fp16 (CUDA: fp16 GEMM operands with dynamic loss scaling; a step whose
+    /// gradients overflow is skipped and counted). The CPU trains in fp32 only and refuses the
+    /// others rather than ignore them.
     /// [default: the config file's mixed_precision, else no]
     #[arg(long = "precision", value_name = "no|fp16|bf16")]
     precision_flag: Option<MixedPrecision>,
@@ -335,7 +337,7 @@ fn validate(a: &Args, train_len: usize, cuda: bool) -> Result<Config, CliError> 
             clip_grad_norm: a.clip_grad_norm,
         },
         cuda,
-        device: DeviceOptions { precision, loss_every: a.loss_every },
+        device: DeviceOptions { precision, loss_every: a.loss_every, ..Default::default() },
         graphs: !a.no_graphs,
         nprocs: a.nprocs,
         threads: a.threads,

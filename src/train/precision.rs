@@ -8,14 +8,18 @@
 //! |---|---|---|
 //! | `no` (fp32) | fp32 | fp32 (TF32 tensor cores on sm_80+) |
 //! | `bf16` | refused: the CPU GEMMs are fp32 only | bf16 operands, f32 accumulation, f32 master weights |
-//! | `fp16` | refused | refused: there are no fp16 GEMM kernels yet |
+//! | `fp16` | refused: the CPU GEMMs are fp32 only | fp16 operands, f32 accumulation, f32 master weights, dynamic loss scaling |
 //!
 //! fp16 needs loss scaling because its range is small: gradients below 2^-24 flush to zero. The
 //! loss is multiplied by a large scale before backward; the gradients are divided by it before
 //! the optimizer; a step whose gradients overflowed (inf or NaN) is skipped and the scale halved,
 //! and after `growth_interval` clean steps the scale doubles. [`LossScaler`] is that logic, kept
-//! apart from any kernel so it is tested on its own; the fp16 device step will drive it once the
-//! fp16 kernels exist.
+//! apart from any kernel so it is tested on its own. The CUDA engine drives it
+//! (`train::device::Engine::train_step`): the scale lives in device memory and multiplies the loss
+//! gradient inside the captured step; after the gradient all-reduce one kernel unscales the
+//! gradients and raises an overflow flag, the host reads that one flag and calls
+//! [`LossScaler::update`], and a skipped step changes no parameter and no optimizer state (Adam's
+//! step count included). The check runs on the averaged gradients, so every rank decides alike.
 
 use super::device::Precision;
 
@@ -28,14 +32,9 @@ pub use crate::config::MixedPrecision;
 pub enum PrecisionError {
     /// The CPU engine computes in fp32 only.
     #[error(
-        "precision {0} on the CPU: the CPU engine computes in fp32 only (its GEMMs have no 16-bit operands), and lockstep does not silently train in fp32 instead; use precision no (fp32) on the CPU, or --device cuda for bf16"
+        "precision {0} on the CPU: the CPU engine computes in fp32 only (its GEMMs have no 16-bit operands), and lockstep does not silently train in fp32 instead; use precision no (fp32) on the CPU, or --device cuda for bf16 or fp16"
     )]
     CpuFp32Only(MixedPrecision),
-    /// No fp16 kernels.
-    #[error(
-        "precision fp16: lockstep has no fp16 GEMM kernels yet, so fp16 with loss scaling cannot run; use bf16 (16-bit operands with f32 accumulation, no loss scaling needed) or no (fp32)"
-    )]
-    NoFp16Kernels,
     /// Loss-scaler settings that cannot work.
     #[error("loss scaler: {0}")]
     Scaler(String),
@@ -47,7 +46,7 @@ impl MixedPrecision {
         match self {
             MixedPrecision::No => Ok(Precision::Fp32),
             MixedPrecision::Bf16 => Ok(Precision::Bf16),
-            MixedPrecision::Fp16 => Err(PrecisionError::NoFp16Kernels),
+            MixedPrecision::Fp16 => Ok(Precision::Fp16),
         }
     }
 
@@ -77,7 +76,7 @@ pub enum StepAction {
 /// finding, and apply the optimizer step only on [`StepAction::Apply`]. Because the check runs on
 /// the averaged gradients (an inf or NaN on any rank spreads to all through the sum), every rank
 /// makes the same decision without a collective of its own.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct LossScaler {
     scale: f32,
     growth_factor: f32,
@@ -175,11 +174,12 @@ mod tests {
         }
         assert_eq!(MixedPrecision::No.device_precision(), Ok(Precision::Fp32));
         assert_eq!(MixedPrecision::Bf16.device_precision(), Ok(Precision::Bf16));
-        assert_eq!(MixedPrecision::Fp16.device_precision(), Err(PrecisionError::NoFp16Kernels));
+        assert_eq!(MixedPrecision::Fp16.device_precision(), Ok(Precision::Fp16));
         assert!(MixedPrecision::No.check_cpu().is_ok());
         let e = MixedPrecision::Bf16.check_cpu().unwrap_err().to_string();
         assert!(e.contains("bf16 on the CPU") && e.contains("fp32 only"), "{e}");
-        assert!(MixedPrecision::Fp16.check_cpu().is_err());
+        let e = MixedPrecision::Fp16.check_cpu().unwrap_err().to_string();
+        assert!(e.contains("fp16 on the CPU") && e.contains("--device cuda for bf16 or fp16"), "{e}");
     }
 
     #[test]

@@ -174,6 +174,11 @@ pub struct EpochReport {
     pub images_per_s: f64,
     /// Optimizer steps in this epoch.
     pub steps: usize,
+    /// Steps of this epoch whose optimizer update was skipped because the fp16 gradients
+    /// overflowed (dynamic loss scaling); 0 in other precisions.
+    pub skipped_steps: u64,
+    /// The fp16 loss scale at the end of the epoch; `None` when the run scales no loss.
+    pub loss_scale: Option<f32>,
 }
 
 impl TrainConfig {
@@ -530,6 +535,8 @@ pub fn train(
             epoch_s: t0.elapsed().as_secs_f64(),
             images_per_s: tot[1] / train_s.max(1e-9),
             steps,
+            skipped_steps: 0,
+            loss_scale: None,
         };
         if let (Some(path), Optimizer::Adam(opt)) = (&cfg.save, &opt) {
             if rank == 0 {

@@ -207,7 +207,7 @@ fn sig_codes(f: &KernelSig) -> String {
         Dtype::I8 => 'c',
         Dtype::U32 => 'u',
         Dtype::U64 => 'q',
-        Dtype::BF16 => 'h',
+        Dtype::BF16 | Dtype::F16 => 'h',
         _ => '?',
     };
     f.args

@@ -203,7 +203,7 @@ void give_stacks(std::vector<char*>& v) {
 
 enum State { RUNNABLE, AT_BARRIER, AT_WARP, DONE };
 
-enum { OP_MMA_BF16 = 100, OP_MMA_TF32 };
+enum { OP_MMA_BF16 = 100, OP_MMA_TF32, OP_MMA_F16 };
 
 struct Block;
 
@@ -272,6 +272,7 @@ const char* op_name(int kind) {
         case OP_SHFL_XOR: return "__shfl_xor_sync";
         case OP_BALLOT: return "__ballot_sync";
         case OP_MMA_BF16: return "mma.sync.m16n8k16.bf16";
+        case OP_MMA_F16: return "mma.sync.m16n8k16.f16";
         case OP_MMA_TF32: return "mma.sync.m16n8k8.tf32";
         default: return "a warp operation";
     }
@@ -410,8 +411,20 @@ float tf32_value(uint32_t bits) {
 
 float bf16_value(uint32_t reg, int half) { return from_bits<float>(half ? (reg & 0xffff0000u) : (reg << 16)); }
 
+// IEEE binary16 in the low (half 0) or high (half 1) 16 bits of a register, widened exactly.
+float f16_value(uint32_t reg, int half) {
+    const uint32_t h = half ? (reg >> 16) : (reg & 0xffffu);
+    const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+    if (exp == 0x1fu) return from_bits<float>(sign | 0x7f800000u | (man ? (0x00400000u | (man << 13)) : 0u));
+    if (exp == 0u) {
+        const float mag = (float)man * 5.9604644775390625e-08f;
+        return from_bits<float>(sign | (uint32_t)to_bits(mag));
+    }
+    return from_bits<float>(sign | ((exp + 112u) << 23) | (man << 13));
+}
+
 // D = A·B + C for the warp, from the PTX ISA fragment layouts ("Matrix Fragments for
-// mma.m16n8k16 with floating point type" and "for mma.m16n8k8", .bf16 and .tf32 rows), with
+// mma.m16n8k16 with floating point type" and "for mma.m16n8k8", .bf16/.f16 and .tf32 rows), with
 // groupID g = lane >> 2 and threadID_in_group t = lane % 4:
 //   C/D (16x8 f32): c0 (g, 2t), c1 (g, 2t+1), c2 (g+8, 2t), c3 (g+8, 2t+1)
 //   m16n8k16 .bf16 A (16x16): reg0 = a0,a1 (g, 2t..2t+1), reg1 = a2,a3 (g+8, 2t..), reg2 = a4,a5
@@ -424,18 +437,19 @@ float bf16_value(uint32_t reg, int half) { return from_bits<float>(half ? (reg &
 // the last bits: tests compare with tolerances.
 void mma_complete(Block* b, unsigned int w, int kind) {
     float A[16][16], B[16][8], C[16][8];
-    const int K = kind == OP_MMA_BF16 ? 16 : 8;
+    const int K = kind == OP_MMA_TF32 ? 8 : 16;
+    float (*value16)(uint32_t, int) = kind == OP_MMA_F16 ? f16_value : bf16_value;
     for (unsigned int lane = 0; lane < 32; ++lane) {
         const Fiber& f = b->fibers[w * 32 + lane];
         const int g = (int)lane >> 2, t = (int)lane & 3;
-        if (kind == OP_MMA_BF16) {
+        if (kind != OP_MMA_TF32) {
             for (int h = 0; h < 2; ++h) {
-                A[g][2 * t + h] = bf16_value(f.fa[0], h);
-                A[g + 8][2 * t + h] = bf16_value(f.fa[1], h);
-                A[g][2 * t + 8 + h] = bf16_value(f.fa[2], h);
-                A[g + 8][2 * t + 8 + h] = bf16_value(f.fa[3], h);
-                B[2 * t + h][g] = bf16_value(f.fb[0], h);
-                B[2 * t + 8 + h][g] = bf16_value(f.fb[1], h);
+                A[g][2 * t + h] = value16(f.fa[0], h);
+                A[g + 8][2 * t + h] = value16(f.fa[1], h);
+                A[g][2 * t + 8 + h] = value16(f.fa[2], h);
+                A[g + 8][2 * t + 8 + h] = value16(f.fa[3], h);
+                B[2 * t + h][g] = value16(f.fb[0], h);
+                B[2 * t + 8 + h][g] = value16(f.fb[1], h);
             }
         } else {
             A[g][t] = tf32_value(f.fa[0]);
@@ -480,7 +494,7 @@ void warp_complete(Block* b, unsigned int wi, int gi, Fiber* self) {
     Warp& w = b->warps[wi];
     const Group g = w.groups[gi];
     w.groups[gi] = w.groups[--w.ngroups];
-    if (g.kind == OP_MMA_BF16 || g.kind == OP_MMA_TF32) {
+    if (g.kind == OP_MMA_BF16 || g.kind == OP_MMA_TF32 || g.kind == OP_MMA_F16) {
         mma_complete(b, wi, g.kind);
     } else if (g.kind == OP_BALLOT) {
         uint64_t bits = 0;
@@ -586,6 +600,15 @@ void mma_m16n8k16_bf16(float* c, const unsigned int* a, const unsigned int* b) {
     std::memcpy(f->fb, b, 8);
     std::memcpy(f->fc, c, 16);
     warp_arrive(f, OP_MMA_BF16, 0xffffffffu, 32);
+    std::memcpy(c, f->fc, 16);
+}
+
+void mma_m16n8k16_f16(float* c, const unsigned int* a, const unsigned int* b) {
+    Fiber* f = checked_cur("mma.sync");
+    std::memcpy(f->fa, a, 16);
+    std::memcpy(f->fb, b, 8);
+    std::memcpy(f->fc, c, 16);
+    warp_arrive(f, OP_MMA_F16, 0xffffffffu, 32);
     std::memcpy(c, f->fc, 16);
 }
 

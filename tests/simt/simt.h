@@ -98,8 +98,9 @@ void sync_block();
 // Warp barrier over `mask` with an exchange: returns this lane's result of operation `kind`.
 enum WarpOp { OP_SYNC = 1, OP_SHFL_IDX, OP_SHFL_UP, OP_SHFL_DOWN, OP_SHFL_XOR, OP_BALLOT };
 uint64_t warp_op(WarpOp kind, unsigned int mask, uint64_t value, int arg, int width);
-// D = A·B + C on the warp's fragments (PTX ISA layouts): m16n8k16 bf16 and m16n8k8 tf32.
+// D = A·B + C on the warp's fragments (PTX ISA layouts): m16n8k16 bf16 and f16, m16n8k8 tf32.
 void mma_m16n8k16_bf16(float* c, const unsigned int* a, const unsigned int* b);
+void mma_m16n8k16_f16(float* c, const unsigned int* a, const unsigned int* b);
 void mma_m16n8k8_tf32(float* c, const unsigned int* a, const unsigned int* b);
 // Fail the launch (the driver returns CUDA_ERROR_LAUNCH_FAILED with `why` on stderr).
 [[noreturn]] void fail(const char* why);
@@ -132,6 +133,7 @@ inline T from_bits(uint64_t u) {
 
 // The hooks common.cuh uses in place of its inline PTX when they are defined (never under NVRTC).
 #define SIMT_MMA_BF16_M16N8K16(c, a, b) ::simt::mma_m16n8k16_bf16((c), (a), (b))
+#define SIMT_MMA_F16_M16N8K16(c, a, b) ::simt::mma_m16n8k16_f16((c), (a), (b))
 #define SIMT_MMA_TF32_M16N8K8(c, a, b) ::simt::mma_m16n8k8_tf32((c), (a), (b))
 #define SIMT_CVT_RNA_TF32(x) ::simt::cvt_rna_tf32(x)
 

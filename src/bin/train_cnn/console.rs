@@ -191,8 +191,13 @@ pub fn step_line(epoch: u64, epochs: u64, step: usize, steps: usize, loss: f32, 
 }
 
 fn epoch_json(r: &EpochReport) -> String {
+    // fp16's loss scaling adds its skipped steps and the scale (other precisions scale nothing).
+    let amp = match r.loss_scale {
+        Some(scale) => format!(",\"skipped_steps\":{},\"loss_scale\":{}", r.skipped_steps, num(scale as f64, 1)),
+        None => String::new(),
+    };
     format!(
-        "\"epoch\":{},\"epochs\":{},\"train_loss\":{:.6},\"test_acc\":{:.4},\"test_count\":{},\"epoch_s\":{:.3},\"images_per_s\":{:.1},\"steps\":{}",
+        "\"epoch\":{},\"epochs\":{},\"train_loss\":{:.6},\"test_acc\":{:.4},\"test_count\":{},\"epoch_s\":{:.3},\"images_per_s\":{:.1},\"steps\":{}{amp}",
         r.epoch, r.epochs, r.train_loss, r.test_acc, r.test_count, r.epoch_s, r.images_per_s, r.steps
     )
 }
@@ -253,8 +258,12 @@ impl Observer for Console {
         let text = if self.opts.json {
             format!("{{{}}}\n", epoch_json(r))
         } else {
+            let amp = match r.loss_scale {
+                Some(scale) => format!("  fp16: {} skipped, loss scale {scale}", r.skipped_steps),
+                None => String::new(),
+            };
             format!(
-                "epoch {}/{}  loss {:.4}  test acc {:.2} %  {:.1} s  ({:.0} img/s)\n",
+                "epoch {}/{}  loss {:.4}  test acc {:.2} %  {:.1} s  ({:.0} img/s){amp}\n",
                 r.epoch, r.epochs, r.train_loss, r.test_acc, r.epoch_s, r.images_per_s
             )
         };

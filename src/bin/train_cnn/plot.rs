@@ -75,6 +75,8 @@ mod tests {
             epoch_s: 1.0,
             images_per_s: 10.0,
             steps: 5,
+            skipped_steps: 0,
+            loss_scale: None,
         };
         let d = std::env::temp_dir().join(format!("lockstep-plot-{}", std::process::id()));
         std::fs::create_dir_all(&d).unwrap();

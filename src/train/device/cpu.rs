@@ -3,7 +3,7 @@
 //! device engine's whole step (plan, argument order, buffer plumbing, step sequencing) testable
 //! on machines without a GPU; it is a reference, not a fast path (the twins are naive loops).
 
-use half::bf16;
+use half::{bf16, f16};
 
 use super::error::DeviceError;
 use super::exec::Exec;
@@ -17,6 +17,7 @@ pub struct CpuExec {
     f32: Vec<f32>,
     i32: Vec<i32>,
     bf16: Vec<bf16>,
+    f16: Vec<f16>,
     images: Vec<u8>,
     labels: Vec<u8>,
     index_list: Vec<i32>,
@@ -28,6 +29,7 @@ enum Val {
     F(Vec<f32>),
     I(Vec<i32>),
     B(Vec<bf16>),
+    H(Vec<f16>),
     U(Vec<u8>),
     SI(i32),
     SF(f32),
@@ -54,6 +56,12 @@ impl Vals {
         match std::mem::replace(&mut self.0[k], Val::Taken) {
             Val::B(v) => v,
             _ => panic!("argument {k} is not a bf16 buffer"),
+        }
+    }
+    fn h(&mut self, k: usize) -> Vec<f16> {
+        match std::mem::replace(&mut self.0[k], Val::Taken) {
+            Val::H(v) => v,
+            _ => panic!("argument {k} is not an f16 buffer"),
         }
     }
     fn u(&mut self, k: usize) -> Vec<u8> {
@@ -84,16 +92,32 @@ impl Vals {
 
 impl CpuExec {
     /// Host arenas of the given sizes (zeroed).
-    pub fn new(arena_len: (usize, usize, usize)) -> CpuExec {
-        CpuExec { f32: vec![0.0; arena_len.0], i32: vec![0; arena_len.1], bf16: vec![bf16::ZERO; arena_len.2], ..Default::default() }
+    pub fn new(arena_len: (usize, usize, usize, usize)) -> CpuExec {
+        CpuExec {
+            f32: vec![0.0; arena_len.0],
+            i32: vec![0; arena_len.1],
+            bf16: vec![bf16::ZERO; arena_len.2],
+            f16: vec![f16::ZERO; arena_len.3],
+            ..Default::default()
+        }
     }
 
-    /// Replace the three arenas (tests fill them with random values).
+    /// Replace the f16 arena (length must match the layout's).
+    pub fn load_f16(&mut self, h: &[f16]) {
+        self.f16 = h.to_vec();
+    }
+
+    /// A copy of the f16 arena.
+    pub fn dump_f16(&self) -> Vec<f16> {
+        self.f16.clone()
+    }
+
+    /// Replace the f32, i32 and bf16 arenas (tests fill them with random values).
     pub fn load_arenas(&mut self, f: &[f32], i: &[i32], b: &[bf16]) {
         (self.f32, self.i32, self.bf16) = (f.to_vec(), i.to_vec(), b.to_vec());
     }
 
-    /// Copies of the three arenas.
+    /// Copies of the f32, i32 and bf16 arenas.
     pub fn dump_arenas(&self) -> (Vec<f32>, Vec<i32>, Vec<bf16>) {
         (self.f32.clone(), self.i32.clone(), self.bf16.clone())
     }
@@ -114,6 +138,7 @@ impl CpuExec {
             Arena::F32 => Val::F(self.f32[s].to_vec()),
             Arena::I32 => Val::I(self.i32[s].to_vec()),
             Arena::Bf16 => Val::B(self.bf16[s].to_vec()),
+            Arena::F16 => Val::H(self.f16[s].to_vec()),
             Arena::Images => Val::U(self.images[s].to_vec()),
             Arena::Labels => Val::U(self.labels[s].to_vec()),
         }
@@ -125,6 +150,7 @@ impl CpuExec {
             (Arena::F32, Val::F(x)) => self.f32[s].copy_from_slice(&x),
             (Arena::I32, Val::I(x)) => self.i32[s].copy_from_slice(&x),
             (Arena::Bf16, Val::B(x)) => self.bf16[s].copy_from_slice(&x),
+            (Arena::F16, Val::H(x)) => self.f16[s].copy_from_slice(&x),
             (a, _) => panic!("cannot store into {a:?}"),
         }
     }
@@ -245,16 +271,21 @@ impl CpuExec {
             }
             "conv2d_forward_f32" => conv_fwd!(twins::conv2d_forward_f32, f),
             "conv2d_forward_bf16" => conv_fwd!(twins::conv2d_forward_bf16, b),
+            "conv2d_forward_f16" => conv_fwd!(twins::conv2d_forward_f16, h),
             "conv2d_backward_input_f32" => conv!(twins::conv2d_backward_input_f32, f),
             "conv2d_backward_input_bf16" => conv!(twins::conv2d_backward_input_bf16, b),
+            "conv2d_backward_input_f16" => conv!(twins::conv2d_backward_input_f16, h),
             "conv2d_backward_weight_f32" => conv_dw!(twins::conv2d_backward_weight_f32, f),
             "conv2d_backward_weight_bf16" => conv_dw!(twins::conv2d_backward_weight_bf16, b),
-            "conv2d_backward_bias_f32" | "conv2d_backward_bias_bf16" => {
+            "conv2d_backward_weight_f16" => conv_dw!(twins::conv2d_backward_weight_f16, h),
+            "conv2d_backward_bias_f32" | "conv2d_backward_bias_bf16" | "conv2d_backward_bias_f16" => {
                 let mut o = v.f(0);
-                if op.name.ends_with("f32") {
+                if op.name.ends_with("_f32") {
                     twins::conv2d_backward_bias_f32(&mut o, &v.f(1), v.si(2), v.si(3), v.si(4), v.si(5));
-                } else {
+                } else if op.name.ends_with("_bf16") {
                     twins::conv2d_backward_bias_bf16(&mut o, &v.b(1), v.si(2), v.si(3), v.si(4), v.si(5));
+                } else {
+                    twins::conv2d_backward_bias_f16(&mut o, &v.h(1), v.si(2), v.si(3), v.si(4), v.si(5));
                 }
                 out.push((0, Val::F(o)));
             }
@@ -268,16 +299,25 @@ impl CpuExec {
                 twins::linear_forward_bf16(&mut o, &x, &w, Some(&b), v.si(4), v.si(5), v.si(6), v.si(7));
                 out.push((0, Val::F(o)));
             }
+            "linear_forward_f16" => {
+                let (mut o, x, w, b) = (v.f(0), v.h(1), v.h(2), v.f(3));
+                twins::linear_forward_f16(&mut o, &x, &w, Some(&b), v.si(4), v.si(5), v.si(6), v.si(7));
+                out.push((0, Val::F(o)));
+            }
             "linear_backward_input_f32" => lin3!(twins::linear_backward_input_f32, f),
             "linear_backward_input_bf16" => lin3!(twins::linear_backward_input_bf16, b),
+            "linear_backward_input_f16" => lin3!(twins::linear_backward_input_f16, h),
             "linear_backward_weight_f32" => lin_dw!(twins::linear_backward_weight_f32, f),
             "linear_backward_weight_bf16" => lin_dw!(twins::linear_backward_weight_bf16, b),
-            "linear_backward_bias_f32" | "linear_backward_bias_bf16" => {
+            "linear_backward_weight_f16" => lin_dw!(twins::linear_backward_weight_f16, h),
+            "linear_backward_bias_f32" | "linear_backward_bias_bf16" | "linear_backward_bias_f16" => {
                 let mut o = v.f(0);
-                if op.name.ends_with("f32") {
+                if op.name.ends_with("_f32") {
                     twins::linear_backward_bias_f32(&mut o, &v.f(1), v.si(2), v.si(3));
-                } else {
+                } else if op.name.ends_with("_bf16") {
                     twins::linear_backward_bias_bf16(&mut o, &v.b(1), v.si(2), v.si(3));
+                } else {
+                    twins::linear_backward_bias_f16(&mut o, &v.h(1), v.si(2), v.si(3));
                 }
                 out.push((0, Val::F(o)));
             }
@@ -291,6 +331,16 @@ impl CpuExec {
                 let (mut d, p, t) = (v.f(0), v.f(1), v.i(2));
                 twins::softmax_xent_backward_f32(&mut d, &p, &t, v.si(3), v.si(4));
                 out.push((0, Val::F(d)));
+            }
+            "softmax_xent_backward_scaled_f32" => {
+                let (mut d, p, t, sc) = (v.f(0), v.f(1), v.i(2), v.f(5));
+                twins::softmax_xent_backward_scaled_f32(&mut d, &p, &t, v.si(3), v.si(4), &sc);
+                out.push((0, Val::F(d)));
+            }
+            "amp_unscale_f32" => {
+                let (mut g, mut flag, sc) = (v.f(0), v.f(1), v.f(2));
+                twins::amp_unscale_f32(&mut g, &mut flag, &sc, v.si(3));
+                out.extend([(0, Val::F(g)), (1, Val::F(flag))]);
             }
             "adam_step_f32" => {
                 let (mut p, g, mut m, mut s) = (v.f(0), v.f(1), v.f(2), v.f(3));
@@ -325,6 +375,16 @@ impl CpuExec {
             "cast_bf16_f32" => {
                 let (mut o, x) = (v.f(0), v.b(1));
                 twins::cast_bf16_f32(&mut o, &x, v.si(2));
+                out.push((0, Val::F(o)));
+            }
+            "cast_f32_f16" => {
+                let (mut o, x) = (v.h(0), v.f(1));
+                twins::cast_f32_f16(&mut o, &x, v.si(2));
+                out.push((0, Val::H(o)));
+            }
+            "cast_f16_f32" => {
+                let (mut o, x) = (v.f(0), v.h(1));
+                twins::cast_f16_f32(&mut o, &x, v.si(2));
                 out.push((0, Val::F(o)));
             }
             other => {

@@ -11,6 +11,7 @@ use crate::comm::Communicator;
 use crate::train::checkpoint::{self, TrainState};
 use crate::train::data::Dataset;
 use crate::train::model::{Model, ModelError, StateMut};
+use crate::train::precision::{LossScaler, StepAction};
 use crate::train::sampler::DistributedSampler;
 use crate::train::trainer::{EpochReport, Observer, OptimizerKind, TrainConfig, TrainOutcome};
 
@@ -21,11 +22,14 @@ pub struct DeviceOptions {
     pub precision: Precision,
     /// Read the loss back every this many steps (at least 1).
     pub loss_every: usize,
+    /// The loss scaler fp16 starts from (unused in other precisions): GradScaler's defaults
+    /// unless a test forces overflows with a huge initial scale.
+    pub loss_scaler: LossScaler,
 }
 
 impl Default for DeviceOptions {
     fn default() -> Self {
-        DeviceOptions { precision: Precision::Fp32, loss_every: 50 }
+        DeviceOptions { precision: Precision::Fp32, loss_every: 50, loss_scaler: LossScaler::default() }
     }
 }
 
@@ -39,8 +43,11 @@ pub struct Engine<E: Exec> {
     pub precision: Precision,
     /// Adam hyper-parameters (lr comes per step).
     pub adam: AdamHyper,
-    /// Optimizer steps taken.
+    /// Optimizer steps taken (a step skipped by the loss scaler is not one).
     pub step: u64,
+    /// Dynamic loss scaling (fp16 only): the host half of it, driven by the device's overflow
+    /// flag once per step.
+    scaler: Option<LossScaler>,
     /// Offset of the test split in the dataset arenas (samples).
     test_offset: usize,
     plans: HashMap<u64, Vec<Op>>,
@@ -58,7 +65,31 @@ impl<E: Exec> Engine<E> {
         }
         exec.write_f32(t.bn_state, &t.bn_init)?;
         exec.write_f32(t.loss.loss_sum, &[0.0])?;
-        Ok(Engine { exec, t, precision, adam: AdamHyper::default(), step: 0, test_offset: 0, plans: HashMap::new() })
+        let scaler = precision.scales_loss().then(LossScaler::default);
+        if let Some(sc) = scaler {
+            exec.write_f32(t.amp.scale, &[sc.scale()])?;
+            exec.write_f32(t.amp.found_inf, &[0.0])?;
+        }
+        Ok(Engine { exec, t, precision, adam: AdamHyper::default(), step: 0, scaler, test_offset: 0, plans: HashMap::new() })
+    }
+
+    /// Replace the loss scaler (fp16; refused in other precisions, which scale nothing) and upload
+    /// its scale.
+    pub fn set_loss_scaler(&mut self, scaler: LossScaler) -> Result<(), DeviceError> {
+        if self.scaler.is_none() {
+            return Err(DeviceError::Config(format!(
+                "a loss scaler was given for precision {:?}, which does not scale the loss; only fp16 does",
+                self.precision
+            )));
+        }
+        self.exec.write_f32(self.t.amp.scale, &[scaler.scale()])?;
+        self.scaler = Some(scaler);
+        Ok(())
+    }
+
+    /// The loss scaler's state (fp16), e.g. its current scale and the steps it skipped.
+    pub fn loss_scaler(&self) -> Option<&LossScaler> {
+        self.scaler.as_ref()
     }
 
     /// Upload both splits once; evaluation ids are offset past the training split.
@@ -109,7 +140,14 @@ impl<E: Exec> Engine<E> {
     /// Forward + backward on ids `start..start + b` of the index list (adds `b * loss` to the
     /// device loss accumulator), the gradient average over ranks when `comm` has several, then
     /// one Adam step with learning rate `lr`.
-    pub fn train_step(&mut self, start: usize, b: usize, lr: f32, comm: Option<&mut Communicator>) -> Result<(), DeviceError> {
+    ///
+    /// In fp16 the backward is loss-scaled (inside the captured step), and after the all-reduce
+    /// `amp_unscale_f32` divides the gradients by the scale and flags an inf or NaN; the flag
+    /// (4 bytes) is read back, [`LossScaler::update`] decides, and on overflow the Adam launch is
+    /// skipped: parameters, moments and [`Engine::step`] stay as they were, and the returned
+    /// action is [`StepAction::Skip`]. Every rank unscales the same averaged gradients, so every
+    /// rank skips the same steps and the replicas stay identical.
+    pub fn train_step(&mut self, start: usize, b: usize, lr: f32, comm: Option<&mut Communicator>) -> Result<StepAction, DeviceError> {
         if b == 0 || b > self.t.batch {
             return Err(DeviceError::Config(format!("step of {b} images: the engine was built for 1..={}", self.t.batch)));
         }
@@ -124,10 +162,27 @@ impl<E: Exec> Engine<E> {
                 self.exec.all_reduce_mean(c, self.t.grads)?;
             }
         }
+        if let Some(mut sc) = self.scaler {
+            let mut ops = Builder::new(1);
+            ops.amp_unscale(self.t.grads, self.t.amp.found_inf, self.t.amp.scale);
+            self.exec.run(&ops.ops[0])?;
+            let found_inf = self.exec.read_f32(self.t.amp.found_inf)?[0] != 0.0;
+            let before = sc.scale();
+            let action = sc.update(found_inf);
+            if sc.scale() != before {
+                // Stream-ordered before the next step's backward reads it.
+                self.exec.write_f32(self.t.amp.scale, &[sc.scale()])?;
+            }
+            self.scaler = Some(sc);
+            if action == StepAction::Skip {
+                return Ok(StepAction::Skip);
+            }
+        }
         self.step += 1;
         let mut ops = Builder::new(1);
         ops.adam(self.t.params, self.t.grads, self.t.m, self.t.v, &self.adam, lr, self.step);
-        self.exec.run(&ops.ops[0])
+        self.exec.run(&ops.ops[0])?;
+        Ok(StepAction::Apply)
     }
 
     /// Evaluate ids `start..start + b` of the index list; returns the correct predictions.
@@ -161,7 +216,7 @@ impl<E: Exec> Engine<E> {
 }
 
 /// Train the recipe CNN (`Model::fashion_cnn`) on the executor `make_exec` builds for the given arena sizes (f32, i32,
-/// bf16 elements): the GPU one in `train-cnn --device cuda`, the CPU twins in tests. `comm` joins the ranks (gradient average, metrics); `None` trains alone.
+/// bf16, f16 elements): the GPU one in `train-cnn --device cuda`, the CPU twins in tests. `comm` joins the ranks (gradient average, metrics); `None` trains alone.
 ///
 /// As the CPU trainer: `cfg.resume` loads a checkpoint (parameters, BatchNorm statistics, Adam
 /// moments and step) on every rank and continues from its epoch; rank 0's parameters and
@@ -173,7 +228,7 @@ pub fn train_device<E: Exec>(
     opts: &DeviceOptions,
     train_set: &Dataset,
     test_set: &Dataset,
-    make_exec: impl FnOnce((usize, usize, usize)) -> Result<E, DeviceError>,
+    make_exec: impl FnOnce((usize, usize, usize, usize)) -> Result<E, DeviceError>,
     mut comm: Option<&mut Communicator>,
     obs: &mut dyn Observer,
 ) -> Result<TrainOutcome, DeviceError> {
@@ -209,6 +264,9 @@ pub fn train_device<E: Exec>(
     // The layout reads the (possibly resumed) BatchNorm statistics from the model.
     let layout = Tensors::new(&model, cfg.batch_size, opts.precision)?;
     let mut eng = Engine::new(make_exec(layout.arena_len)?, &model, cfg.batch_size, opts.precision)?;
+    if opts.precision.scales_loss() {
+        eng.set_loss_scaler(opts.loss_scaler)?;
+    }
     if cfg.resume.is_some() {
         eng.exec.write_f32(eng.t.m, &opt.m)?;
         eng.exec.write_f32(eng.t.v, &opt.v)?;
@@ -237,10 +295,13 @@ pub fn train_device<E: Exec>(
         obs.epoch_start(epoch + 1, cfg.epochs, steps);
         // (images seen when the pending read-back was started, the sum it will report)
         let (mut pending, mut last_sum, mut last_images, mut images) = (None::<usize>, 0.0f64, 0usize, 0usize);
+        let mut skipped = 0u64;
         for (s, start) in (0..idx.len()).step_by(cfg.batch_size).enumerate() {
             let b = cfg.batch_size.min(idx.len() - start);
             let lr = cfg.schedule.lr(cfg.lr, eng.step);
-            eng.train_step(start, b, lr, comm.as_deref_mut())?;
+            if eng.train_step(start, b, lr, comm.as_deref_mut())? == StepAction::Skip {
+                skipped += 1;
+            }
             images += b;
             if (s + 1) % every == 0 {
                 // Collect the read-back started `every` steps ago (long finished), start a new one.
@@ -294,7 +355,16 @@ pub fn train_device<E: Exec>(
             epoch_s: t0.elapsed().as_secs_f64(),
             images_per_s: tot[1] / train_s.max(1e-9),
             steps,
+            skipped_steps: skipped,
+            loss_scale: eng.loss_scaler().map(|s| s.scale()),
         };
+        if skipped > 0 && rank == 0 {
+            tracing::info!(
+                "epoch {}: {skipped} of {steps} steps skipped (fp16 gradients overflowed); loss scale now {}",
+                epoch + 1,
+                report.loss_scale.unwrap_or(1.0)
+            );
+        }
         if let Some(path) = &cfg.save {
             if rank == 0 {
                 let ts = TrainState { epoch: epoch + 1, step: eng.step, seed: cfg.seed, world_size: world as u64 };
@@ -309,7 +379,11 @@ pub fn train_device<E: Exec>(
         reports.push(report);
     }
     let params = eng.params()?;
-    Ok(TrainOutcome { reports, params, activation_bytes: eng.t.arena_len.0 * 4 + eng.t.arena_len.1 * 4 + eng.t.arena_len.2 * 2 })
+    Ok(TrainOutcome {
+        reports,
+        params,
+        activation_bytes: eng.t.arena_len.0 * 4 + eng.t.arena_len.1 * 4 + (eng.t.arena_len.2 + eng.t.arena_len.3) * 2,
+    })
 }
 
 /// `--resume` on the device engine: load the newest complete checkpoint at `path` into `model`

@@ -9,7 +9,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use half::bf16;
+use half::{bf16, f16};
 
 use super::error::DeviceError;
 use super::exec::Exec;
@@ -22,6 +22,7 @@ struct Arenas {
     f32: DeviceBuffer<f32>,
     i32: DeviceBuffer<i32>,
     bf16: DeviceBuffer<bf16>,
+    f16: DeviceBuffer<f16>,
     images: DeviceBuffer<u8>,
     labels: DeviceBuffer<u8>,
 }
@@ -48,6 +49,7 @@ fn arena_index(a: Arena) -> usize {
         Arena::Bf16 => 2,
         Arena::Images => 3,
         Arena::Labels => 4,
+        Arena::F16 => 5,
     }
 }
 
@@ -67,14 +69,14 @@ fn launch(a: &mut Arenas, funcs: &HashMap<&'static str, Function>, op: &Op, stre
         op: format!("launch {}", op.name),
         detail: "entry point not loaded (prefetch first)".into(),
     })?;
-    let lens = [a.f32.len(), a.i32.len(), a.bf16.len(), a.images.len(), a.labels.len()];
+    let lens = [a.f32.len(), a.i32.len(), a.bf16.len(), a.images.len(), a.labels.len(), a.f16.len()];
     // Dataset arenas are indexed by sample id from the region's offset to the end.
     let span = |r: &Region| match r.arena {
         Arena::Images | Arena::Labels => r.off..lens[arena_index(r.arena)],
         _ => r.range(),
     };
-    let mut reads: [Vec<std::ops::Range<usize>>; 5] = Default::default();
-    let mut writes: [Vec<std::ops::Range<usize>>; 5] = Default::default();
+    let mut reads: [Vec<std::ops::Range<usize>>; 6] = Default::default();
+    let mut writes: [Vec<std::ops::Range<usize>>; 6] = Default::default();
     for arg in &op.args {
         match arg {
             Arg::In(r) => reads[arena_index(r.arena)].push(span(r)),
@@ -88,10 +90,11 @@ fn launch(a: &mut Arenas, funcs: &HashMap<&'static str, Function>, op: &Op, stre
     let (rf, mut wf) = a.f32.split_views(&reads[0], &writes[0])?;
     let (ri, mut wi) = a.i32.split_views(&reads[1], &writes[1])?;
     let (rb, mut wb) = a.bf16.split_views(&reads[2], &writes[2])?;
+    let (rh, mut wh) = a.f16.split_views(&reads[5], &writes[5])?;
     let (rim, _) = a.images.split_views(&reads[3], &[])?;
     let (rlb, _) = a.labels.split_views(&reads[4], &[])?;
-    let (mut rf, mut ri, mut rb, mut rim, mut rlb) = (rf.iter(), ri.iter(), rb.iter(), rim.iter(), rlb.iter());
-    let (mut wf, mut wi, mut wb) = (wf.iter_mut(), wi.iter_mut(), wb.iter_mut());
+    let (mut rf, mut ri, mut rb, mut rh, mut rim, mut rlb) = (rf.iter(), ri.iter(), rb.iter(), rh.iter(), rim.iter(), rlb.iter());
+    let (mut wf, mut wi, mut wb, mut wh) = (wf.iter_mut(), wi.iter_mut(), wb.iter_mut(), wh.iter_mut());
     let missing =
         || CudaError::InvalidArgument { op: format!("launch {}", op.name), detail: "argument views out of step with the arguments".into() };
     let mut l = f.launch(op.cfg);
@@ -101,6 +104,7 @@ fn launch(a: &mut Arenas, funcs: &HashMap<&'static str, Function>, op: &Op, stre
                 Arena::F32 => l.arg(rf.next().ok_or_else(missing)?),
                 Arena::I32 => l.arg(ri.next().ok_or_else(missing)?),
                 Arena::Bf16 => l.arg(rb.next().ok_or_else(missing)?),
+                Arena::F16 => l.arg(rh.next().ok_or_else(missing)?),
                 Arena::Images => l.arg(rim.next().ok_or_else(missing)?),
                 Arena::Labels => l.arg(rlb.next().ok_or_else(missing)?),
             },
@@ -108,6 +112,7 @@ fn launch(a: &mut Arenas, funcs: &HashMap<&'static str, Function>, op: &Op, stre
                 Arena::F32 => l.arg_mut(wf.next().ok_or_else(missing)?),
                 Arena::I32 => l.arg_mut(wi.next().ok_or_else(missing)?),
                 Arena::Bf16 => l.arg_mut(wb.next().ok_or_else(missing)?),
+                Arena::F16 => l.arg_mut(wh.next().ok_or_else(missing)?),
                 Arena::Images | Arena::Labels => return Err(missing()),
             },
             Arg::I32(x) => l.scalar(*x),
@@ -119,14 +124,15 @@ fn launch(a: &mut Arenas, funcs: &HashMap<&'static str, Function>, op: &Op, stre
 }
 
 impl GpuExec {
-    /// Arenas of `arena_len` = (f32, i32, bf16) elements on `ctx`; `use_graphs` captures each
+    /// Arenas of `arena_len` = (f32, i32, bf16, f16) elements on `ctx`; `use_graphs` captures each
     /// step shape once and replays it (off: plain launches, for debugging).
-    pub fn new(ctx: &Arc<Context>, arena_len: (usize, usize, usize), use_graphs: bool) -> Result<GpuExec, CudaError> {
+    pub fn new(ctx: &Arc<Context>, arena_len: (usize, usize, usize, usize), use_graphs: bool) -> Result<GpuExec, CudaError> {
         let stream = ctx.stream()?;
         let a = Arenas {
             f32: DeviceBuffer::zeros(&stream, arena_len.0)?,
             i32: DeviceBuffer::zeros(&stream, arena_len.1)?,
             bf16: DeviceBuffer::zeros(&stream, arena_len.2)?,
+            f16: DeviceBuffer::zeros(&stream, arena_len.3)?,
             images: DeviceBuffer::zeros(&stream, 0)?,
             labels: DeviceBuffer::zeros(&stream, 0)?,
         };
@@ -145,17 +151,28 @@ impl GpuExec {
         })
     }
 
-    /// Replace the three arenas' contents (lengths must match; tests fill them with random values).
+    /// Replace the f32, i32 and bf16 arenas' contents (lengths must match; tests fill them with
+    /// random values). The f16 arena has [`GpuExec::load_f16`].
     pub fn load_arenas(&mut self, f: &[f32], i: &[i32], b: &[bf16]) -> Result<(), CudaError> {
         self.a.f32.copy_from_host(&self.stream, f)?;
         self.a.i32.copy_from_host(&self.stream, i)?;
         self.a.bf16.copy_from_host(&self.stream, b)
     }
 
-    /// Copies of the three arenas (waits for queued work).
+    /// Copies of the f32, i32 and bf16 arenas (waits for queued work).
     #[allow(clippy::type_complexity)]
     pub fn dump_arenas(&self) -> Result<(Vec<f32>, Vec<i32>, Vec<bf16>), CudaError> {
         Ok((self.a.f32.to_vec(&self.stream)?, self.a.i32.to_vec(&self.stream)?, self.a.bf16.to_vec(&self.stream)?))
+    }
+
+    /// Replace the f16 arena's contents (length must match).
+    pub fn load_f16(&mut self, h: &[f16]) -> Result<(), CudaError> {
+        self.a.f16.copy_from_host(&self.stream, h)
+    }
+
+    /// A copy of the f16 arena (waits for queued work).
+    pub fn dump_f16(&self) -> Result<Vec<f16>, CudaError> {
+        self.a.f16.to_vec(&self.stream)
     }
 
     /// The stream everything runs on.

@@ -162,7 +162,10 @@ mod tests {
         assert_eq!(conv[..4], [PtrMut(Dtype::F32), Ptr(Dtype::BF16), Ptr(Dtype::BF16), Ptr(Dtype::F32)]);
         assert_eq!(conv[4..], [Scalar(Dtype::I32); 9]);
         let names: Vec<&str> = KernelId::Linear.functions().iter().map(|s| s.name).collect();
-        assert_eq!(names.len(), 8, "{names:?}");
+        assert_eq!(names.len(), 12, "{names:?}");
+        let conv = sig(KernelId::Conv2d, "conv2d_forward_f16");
+        assert_eq!(conv[..4], [PtrMut(Dtype::F32), Ptr(Dtype::F16), Ptr(Dtype::F16), Ptr(Dtype::F32)]);
+        assert_eq!(sig(KernelId::Data, "cast_f32_f16"), &[PtrMut(Dtype::F16), Ptr(Dtype::F32), Scalar(Dtype::I32)]);
         assert_eq!(names[0], "linear_forward_f32", "source order");
     }
 

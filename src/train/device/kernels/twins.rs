@@ -15,15 +15,15 @@
 //! decides something discrete (BatchNorm's output feeds the fused ReLU's mask: a value that
 //! rounds to +0 on one side and to a tiny positive number on the other flips the mask), the twin
 //! uses [`f32::mul_add`] for the same expressions, so both sides round once. Elsewhere the
-//! tolerances absorb the last-bit differences. `_bf16` twins take
-//! `half::bf16` operands, widen them exactly, and accumulate in f32 as the kernels do.
+//! tolerances absorb the last-bit differences. `_bf16` and `_f16` twins take
+//! `half::bf16` / `half::f16` operands, widen them exactly, and accumulate in f32 as the kernels do.
 //! A `NULL`-able pointer (conv/linear bias, BatchNorm `out` when `relu = 0`, the SGD buffer when
 //! `momentum = 0`) is an `Option` or may be an empty slice, as documented per function.
 //!
 //! Sizes are trusted like the kernels trust them: a slice shorter than its shape says panics
 //! (index out of bounds), which in a test is the bug report.
 
-use half::bf16;
+use half::{bf16, f16};
 
 use crate::train::layers::Conv2dParams;
 
@@ -39,7 +39,7 @@ fn conv_params(in_c: i32, out_c: i32, kh: i32, kw: i32, stride: i32, pad: i32) -
     }
 }
 
-/// Exact widening of a kernel operand (f32 or bf16) to f32.
+/// Exact widening of a kernel operand (f32, bf16 or f16) to f32.
 trait Operand: Copy {
     fn f(self) -> f32;
 }
@@ -50,6 +50,12 @@ impl Operand for f32 {
     }
 }
 impl Operand for bf16 {
+    #[inline(always)]
+    fn f(self) -> f32 {
+        self.to_f32()
+    }
+}
+impl Operand for f16 {
     #[inline(always)]
     fn f(self) -> f32 {
         self.to_f32()
@@ -258,11 +264,12 @@ pub fn batchnorm2d_backward_f32(
     }
 }
 
-/// The f32 and bf16 twins of one kernel: both call the generic body with the same arguments; the
-/// arguments marked `op` are `&[f32]` in the first and `&[bf16]` in the second, the others keep
-/// the type given in parentheses.
+/// The f32, bf16 and f16 twins of one kernel: all call the generic body with the same
+/// arguments; the arguments marked `op` are `&[f32]`, `&[bf16]` and `&[f16]` in turn, the others
+/// keep the type given in parentheses.
 macro_rules! twin_pair {
-    ($(#[doc = $d32:literal])* $f32:ident, $(#[doc = $d16:literal])* $bf16:ident, $imp:ident($($arg:ident: $kind:tt),* $(,)?)) => {
+    ($(#[doc = $d32:literal])* $f32:ident, $(#[doc = $d16:literal])* $bf16:ident, $(#[doc = $dh:literal])* $f16:ident,
+     $imp:ident($($arg:ident: $kind:tt),* $(,)?)) => {
         $(#[doc = $d32])*
         #[allow(clippy::too_many_arguments)]
         pub fn $f32($($arg: twin_arg!($kind, f32)),*) {
@@ -271,6 +278,11 @@ macro_rules! twin_pair {
         $(#[doc = $d16])*
         #[allow(clippy::too_many_arguments)]
         pub fn $bf16($($arg: twin_arg!($kind, bf16)),*) {
+            $imp($($arg),*)
+        }
+        $(#[doc = $dh])*
+        #[allow(clippy::too_many_arguments)]
+        pub fn $f16($($arg: twin_arg!($kind, f16)),*) {
             $imp($($arg),*)
         }
     };
@@ -456,6 +468,8 @@ twin_pair!(
     conv2d_forward_f32,
     /// bf16 operands, f32 accumulation and output: see [`conv2d_forward_f32`].
     conv2d_forward_bf16,
+    /// fp16 operands, f32 accumulation and output: see [`conv2d_forward_f32`].
+    conv2d_forward_f16,
     conv2d_forward_t(
         out: (&mut [f32]),
         inp: op,
@@ -477,6 +491,8 @@ twin_pair!(
     conv2d_backward_input_f32,
     /// bf16 operands: see [`conv2d_backward_input_f32`].
     conv2d_backward_input_bf16,
+    /// fp16 operands: see [`conv2d_backward_input_f32`].
+    conv2d_backward_input_f16,
     conv2d_backward_input_t(
         dinp: (&mut [f32]),
         dout: op,
@@ -500,6 +516,8 @@ twin_pair!(
     conv2d_backward_weight_f32,
     /// bf16 operands: see [`conv2d_backward_weight_f32`].
     conv2d_backward_weight_bf16,
+    /// fp16 operands: see [`conv2d_backward_weight_f32`].
+    conv2d_backward_weight_f16,
     conv2d_backward_weight_t(
         dweight: (&mut [f32]),
         partials: (&mut [f32]),
@@ -521,6 +539,8 @@ twin_pair!(
     conv2d_backward_bias_f32,
     /// bf16 `dout`: see [`conv2d_backward_bias_f32`].
     conv2d_backward_bias_bf16,
+    /// fp16 `dout`: see [`conv2d_backward_bias_f32`].
+    conv2d_backward_bias_f16,
     conv2d_backward_bias_t(dbias: (&mut [f32]), dout: op, batch: (i32), out_c: (i32), out_h: (i32), out_w: (i32))
 );
 
@@ -602,6 +622,8 @@ twin_pair!(
     linear_forward_f32,
     /// bf16 operands: see [`linear_forward_f32`].
     linear_forward_bf16,
+    /// fp16 operands: see [`linear_forward_f32`].
+    linear_forward_f16,
     linear_forward_t(out: (&mut [f32]), inp: op, weight: op, bias: (Option<&[f32]>), batch: (i32), in_f: (i32), out_f: (i32), relu: (i32))
 );
 twin_pair!(
@@ -609,6 +631,8 @@ twin_pair!(
     linear_backward_input_f32,
     /// bf16 operands: see [`linear_backward_input_f32`].
     linear_backward_input_bf16,
+    /// fp16 operands: see [`linear_backward_input_f32`].
+    linear_backward_input_f16,
     linear_backward_input_t(dinp: (&mut [f32]), dout: op, weight: op, batch: (i32), in_f: (i32), out_f: (i32))
 );
 twin_pair!(
@@ -617,6 +641,8 @@ twin_pair!(
     linear_backward_weight_f32,
     /// bf16 operands: see [`linear_backward_weight_f32`].
     linear_backward_weight_bf16,
+    /// fp16 operands: see [`linear_backward_weight_f32`].
+    linear_backward_weight_f16,
     linear_backward_weight_t(
         dweight: (&mut [f32]),
         partials: (&mut [f32]),
@@ -632,6 +658,8 @@ twin_pair!(
     linear_backward_bias_f32,
     /// bf16 `dout`: see [`linear_backward_bias_f32`].
     linear_backward_bias_bf16,
+    /// fp16 `dout`: see [`linear_backward_bias_f32`].
+    linear_backward_bias_f16,
     linear_backward_bias_t(dbias: (&mut [f32]), dout: op, batch: (i32), out_f: (i32))
 );
 
@@ -675,6 +703,17 @@ pub fn softmax_xent_forward_f32(
     }
     mean_loss[0] = if batch > 0 { (total / batch as f64) as f32 } else { 0.0 };
     correct[0] = nc;
+}
+
+/// `dlogits = (probs - onehot(targets)) * (scale[0] / batch)` (overwritten): the loss-scaled
+/// gradient of fp16 training.
+pub fn softmax_xent_backward_scaled_f32(dlogits: &mut [f32], probs: &[f32], targets: &[i32], batch: i32, classes: i32, scale: &[f32]) {
+    let c = classes as usize;
+    let k = scale[0] / batch as f32;
+    for i in 0..batch as usize * c {
+        let (b, j) = (i / c, i % c);
+        dlogits[i] = (probs[i] - if j as i32 == targets[b] { 1.0 } else { 0.0 }) * k;
+    }
 }
 
 /// `dlogits = (probs - onehot(targets)) / batch` (overwritten).
@@ -721,6 +760,20 @@ pub fn adam_step_f32(
         v[i] = vi;
         let denom = vi.sqrt() / bc2_sqrt + eps;
         params[i] = p - step_size * mi / denom;
+    }
+}
+
+/// `grads *= 1 / scale[0]`; `found_inf[0] = 1` when any unscaled gradient is inf or NaN (left
+/// as it was otherwise: the step zeroes it first).
+pub fn amp_unscale_f32(grads: &mut [f32], found_inf: &mut [f32], scale: &[f32], n: i32) {
+    let inv = 1.0 / scale[0];
+    let mut bad = false;
+    for g in &mut grads[..n as usize] {
+        *g *= inv;
+        bad |= !g.is_finite();
+    }
+    if bad {
+        found_inf[0] = 1.0;
     }
 }
 
@@ -897,6 +950,20 @@ pub fn cast_bf16_f32(out: &mut [f32], inp: &[bf16], n: i32) {
     }
 }
 
+/// `out[i] = f16(inp[i])`, round to nearest even (beyond ±65504 to ±infinity, NaN stays NaN).
+pub fn cast_f32_f16(out: &mut [f16], inp: &[f32], n: i32) {
+    for i in 0..n as usize {
+        out[i] = f16::from_f32(inp[i]);
+    }
+}
+
+/// `out[i] = f32(inp[i])` (exact).
+pub fn cast_f16_f32(out: &mut [f32], inp: &[f16], n: i32) {
+    for i in 0..n as usize {
+        out[i] = inp[i].to_f32();
+    }
+}
+
 /// Every entry point that has a twin here, by kernel file (checked against the registry by a unit
 /// test, so a new kernel without a twin fails CI).
 pub const TWINS: &[&str] = &[
@@ -911,24 +978,34 @@ pub const TWINS: &[&str] = &[
     "batchnorm2d_backward_f32",
     "conv2d_forward_f32",
     "conv2d_forward_bf16",
+    "conv2d_forward_f16",
     "conv2d_backward_input_f32",
     "conv2d_backward_input_bf16",
+    "conv2d_backward_input_f16",
     "conv2d_backward_weight_f32",
     "conv2d_backward_weight_bf16",
+    "conv2d_backward_weight_f16",
     "conv2d_backward_bias_f32",
     "conv2d_backward_bias_bf16",
+    "conv2d_backward_bias_f16",
     "linear_forward_f32",
     "linear_forward_bf16",
+    "linear_forward_f16",
     "linear_backward_input_f32",
     "linear_backward_input_bf16",
+    "linear_backward_input_f16",
     "linear_backward_weight_f32",
     "linear_backward_weight_bf16",
+    "linear_backward_weight_f16",
     "linear_backward_bias_f32",
     "linear_backward_bias_bf16",
+    "linear_backward_bias_f16",
     "softmax_xent_forward_f32",
     "softmax_xent_backward_f32",
+    "softmax_xent_backward_scaled_f32",
     "adam_step_f32",
     "sgd_step_f32",
+    "amp_unscale_f32",
     "maxpool2d_forward_f32",
     "maxpool2d_backward_f32",
     "gather_batch_f32",
@@ -936,4 +1013,6 @@ pub const TWINS: &[&str] = &[
     "bucket_unflatten_f32",
     "cast_f32_bf16",
     "cast_bf16_f32",
+    "cast_f32_f16",
+    "cast_f16_f32",
 ];

@@ -6,7 +6,7 @@
 //! Conventions of the kernels carry over: activation gradients are overwritten, parameter
 //! gradients accumulate.
 
-use super::ir::{AdamHyper, Arena, Arg, BnTensors, LossTensors, Op, Region};
+use super::ir::{AdamHyper, Arena, Arg, BnTensors, LossTensors, Op, Precision, Region};
 use crate::cuda::KernelGrid;
 use crate::train::device::kernels::KernelId;
 use crate::train::layers::Conv2dParams;
@@ -98,11 +98,12 @@ pub struct Builder {
     pub splitk: Region,
 }
 
-fn suffix(bf16: bool, f32_name: &'static str, bf16_name: &'static str) -> &'static str {
-    if bf16 {
-        bf16_name
-    } else {
-        f32_name
+/// The entry point of a GEMM kernel for the operand precision: `[f32, bf16, f16]` names.
+fn pick(p: Precision, names: [&'static str; 3]) -> &'static str {
+    match p {
+        Precision::Fp32 => names[0],
+        Precision::Bf16 => names[1],
+        Precision::Fp16 => names[2],
     }
 }
 
@@ -168,9 +169,16 @@ impl Builder {
         );
     }
 
-    /// `cast_f32_bf16`: 1-D, block 256.
-    pub fn cast_to_bf16(&mut self, out: Region, inp: Region) {
-        self.push(KernelId::Data, "cast_f32_bf16", vec![Arg::Out(out), Arg::In(inp), i(inp.len)], KernelGrid::for_elements(inp.len));
+    /// `cast_f32_bf16` or `cast_f32_f16`, by the arena of `out`: 1-D, block 256.
+    pub fn cast_to_half(&mut self, out: Region, inp: Region) {
+        let name = if out.arena == Arena::F16 { "cast_f32_f16" } else { "cast_f32_bf16" };
+        self.push(KernelId::Data, name, vec![Arg::Out(out), Arg::In(inp), i(inp.len)], KernelGrid::for_elements(inp.len));
+    }
+
+    /// `amp_unscale_f32` over the flat gradients after the all-reduce: 1-D, block 256.
+    pub fn amp_unscale(&mut self, grads: Region, found_inf: Region, scale: Region) {
+        let a = vec![Arg::Out(grads), Arg::Out(found_inf), Arg::In(scale), i(grads.len)];
+        self.push(KernelId::Optim, "amp_unscale_f32", a, KernelGrid::for_elements(grads.len));
     }
 
     /// `gather_batch_f32`: block 256, grid (ceil(image_size/256), batch).
@@ -186,43 +194,43 @@ impl Builder {
     }
 
     /// `conv2d_forward_*`: GEMM M = out_c, N = batch*out_h*out_w, splits 1 (it overwrites).
-    pub fn conv_forward(&mut self, bf16: bool, out: Region, inp: Region, weight: Region, bias: Region, s: ConvLaunch) {
+    pub fn conv_forward(&mut self, p: Precision, out: Region, inp: Region, weight: Region, bias: Region, s: ConvLaunch) {
         let (oh, ow) = s.out_hw();
         let mut a = vec![Arg::Out(out), Arg::In(inp), Arg::In(weight), Arg::In(bias)];
         a.extend(s.shape_args());
         self.push(
             KernelId::Conv2d,
-            suffix(bf16, "conv2d_forward_f32", "conv2d_forward_bf16"),
+            pick(p, ["conv2d_forward_f32", "conv2d_forward_bf16", "conv2d_forward_f16"]),
             a,
             gemm_cfg(s.p.out_c, s.batch * oh * ow, 1),
         );
     }
 
     /// `conv2d_backward_input_*`: GEMM M = in_c, N = batch*in_h*in_w, splits 1 (it overwrites).
-    pub fn conv_backward_input(&mut self, bf16: bool, dinp: Region, dout: Region, weight: Region, s: ConvLaunch) {
+    pub fn conv_backward_input(&mut self, p: Precision, dinp: Region, dout: Region, weight: Region, s: ConvLaunch) {
         let mut a = vec![Arg::Out(dinp), Arg::In(dout), Arg::In(weight)];
         a.extend(s.shape_args());
-        let name = suffix(bf16, "conv2d_backward_input_f32", "conv2d_backward_input_bf16");
+        let name = pick(p, ["conv2d_backward_input_f32", "conv2d_backward_input_bf16", "conv2d_backward_input_f16"]);
         self.push(KernelId::Conv2d, name, a, gemm_cfg(s.p.in_c, s.batch * s.in_h * s.in_w, 1));
     }
 
     /// `conv2d_backward_weight_*`: GEMM M = out_c, N = in_c*kh*kw, K = batch*out_h*out_w,
     /// split-K into the workspace then `splitk_reduce_f32` into the accumulated dweight.
-    pub fn conv_backward_weight(&mut self, bf16: bool, dweight: Region, dout: Region, inp: Region, s: ConvLaunch) {
+    pub fn conv_backward_weight(&mut self, p: Precision, dweight: Region, dout: Region, inp: Region, s: ConvLaunch) {
         let (oh, ow) = s.out_hw();
         let (m, n, k) = (s.p.out_c, s.p.k(), s.batch * oh * ow);
         let (splits, partials) = self.weight_split(m, n, k);
         let mut a = vec![Arg::Out(dweight), Arg::Out(partials), Arg::In(dout), Arg::In(inp)];
         a.extend(s.shape_args());
-        let name = suffix(bf16, "conv2d_backward_weight_f32", "conv2d_backward_weight_bf16");
+        let name = pick(p, ["conv2d_backward_weight_f32", "conv2d_backward_weight_bf16", "conv2d_backward_weight_f16"]);
         self.push(KernelId::Conv2d, name, a, gemm_cfg(m, n, splits));
         self.reduce_splits(dweight, partials, splits);
     }
 
     /// `conv2d_backward_bias_*`: grid (out_c), block 256.
-    pub fn conv_backward_bias(&mut self, bf16: bool, dbias: Region, dout: Region, s: ConvLaunch) {
+    pub fn conv_backward_bias(&mut self, p: Precision, dbias: Region, dout: Region, s: ConvLaunch) {
         let (oh, ow) = s.out_hw();
-        let name = suffix(bf16, "conv2d_backward_bias_f32", "conv2d_backward_bias_bf16");
+        let name = pick(p, ["conv2d_backward_bias_f32", "conv2d_backward_bias_bf16", "conv2d_backward_bias_f16"]);
         self.push(
             KernelId::Conv2d,
             name,
@@ -235,7 +243,7 @@ impl Builder {
     #[allow(clippy::too_many_arguments)]
     pub fn linear_forward(
         &mut self,
-        bf16: bool,
+        p: Precision,
         out: Region,
         inp: Region,
         weight: Region,
@@ -246,14 +254,19 @@ impl Builder {
         relu: bool,
     ) {
         let a = vec![Arg::Out(out), Arg::In(inp), Arg::In(weight), Arg::In(bias), i(batch), i(in_f), i(out_f), i(relu as usize)];
-        self.push(KernelId::Linear, suffix(bf16, "linear_forward_f32", "linear_forward_bf16"), a, gemm_cfg(batch, out_f, 1));
+        self.push(
+            KernelId::Linear,
+            pick(p, ["linear_forward_f32", "linear_forward_bf16", "linear_forward_f16"]),
+            a,
+            gemm_cfg(batch, out_f, 1),
+        );
     }
 
     /// `linear_backward_input_*`: GEMM M = batch, N = in_f, splits 1.
     #[allow(clippy::too_many_arguments)]
     pub fn linear_backward_input(
         &mut self,
-        bf16: bool,
+        p: Precision,
         dinp: Region,
         dout: Region,
         weight: Region,
@@ -262,7 +275,12 @@ impl Builder {
         out_f: usize,
     ) {
         let a = vec![Arg::Out(dinp), Arg::In(dout), Arg::In(weight), i(batch), i(in_f), i(out_f)];
-        self.push(KernelId::Linear, suffix(bf16, "linear_backward_input_f32", "linear_backward_input_bf16"), a, gemm_cfg(batch, in_f, 1));
+        self.push(
+            KernelId::Linear,
+            pick(p, ["linear_backward_input_f32", "linear_backward_input_bf16", "linear_backward_input_f16"]),
+            a,
+            gemm_cfg(batch, in_f, 1),
+        );
     }
 
     /// `linear_backward_weight_*`: GEMM M = out_f, N = in_f, K = batch, split-K into the
@@ -270,7 +288,7 @@ impl Builder {
     #[allow(clippy::too_many_arguments)]
     pub fn linear_backward_weight(
         &mut self,
-        bf16: bool,
+        p: Precision,
         dweight: Region,
         dout: Region,
         inp: Region,
@@ -282,7 +300,7 @@ impl Builder {
         let a = vec![Arg::Out(dweight), Arg::Out(partials), Arg::In(dout), Arg::In(inp), i(batch), i(in_f), i(out_f)];
         self.push(
             KernelId::Linear,
-            suffix(bf16, "linear_backward_weight_f32", "linear_backward_weight_bf16"),
+            pick(p, ["linear_backward_weight_f32", "linear_backward_weight_bf16", "linear_backward_weight_f16"]),
             a,
             gemm_cfg(out_f, in_f, splits),
         );
@@ -290,8 +308,8 @@ impl Builder {
     }
 
     /// `linear_backward_bias_*`: grid ceil(out_f/256), block 256.
-    pub fn linear_backward_bias(&mut self, bf16: bool, dbias: Region, dout: Region, batch: usize, out_f: usize) {
-        let name = suffix(bf16, "linear_backward_bias_f32", "linear_backward_bias_bf16");
+    pub fn linear_backward_bias(&mut self, p: Precision, dbias: Region, dout: Region, batch: usize, out_f: usize) {
+        let name = pick(p, ["linear_backward_bias_f32", "linear_backward_bias_bf16", "linear_backward_bias_f16"]);
         self.push(KernelId::Linear, name, vec![Arg::Out(dbias), Arg::In(dout), i(batch), i(out_f)], cfg((out_f.div_ceil(256), 1, 1), 256));
     }
 
@@ -475,6 +493,13 @@ impl Builder {
         self.push(KernelId::Loss, "softmax_xent_backward_f32", a, KernelGrid::for_elements(batch * classes));
     }
 
+    /// `softmax_xent_backward_scaled_f32` (the loss scale read from `scale` on the device): 1-D
+    /// over batch*classes, block 256.
+    pub fn xent_backward_scaled(&mut self, dlogits: Region, probs: Region, labels: Region, batch: usize, classes: usize, scale: Region) {
+        let a = vec![Arg::Out(dlogits), Arg::In(probs), Arg::In(labels), i(batch), i(classes), Arg::In(scale)];
+        self.push(KernelId::Loss, "softmax_xent_backward_scaled_f32", a, KernelGrid::for_elements(batch * classes));
+    }
+
     /// `adam_step_f32` over the flat buffers: 1-D, block 256.
     #[allow(clippy::too_many_arguments)]
     pub fn adam(&mut self, params: Region, grads: Region, m: Region, v: Region, h: &AdamHyper, lr: f32, step: u64) {
@@ -514,7 +539,7 @@ mod tests {
         for (sm, room) in [(132usize, usize::MAX), (132, 7 * 800), (1, usize::MAX), (8, 0)] {
             let room = room.min(splitk_workspace_len(32, 25, 64 * 784));
             let mut b = Builder::with_splitk(sm, ws(room));
-            b.conv_backward_weight(false, dw, dy, x, s);
+            b.conv_backward_weight(Precision::Fp32, dw, dy, x, s);
             let splits = b.ops[0].cfg.grid.2 as usize;
             let Arg::Out(part) = b.ops[0].args[1] else { panic!("partials is not written") };
             if splits == 1 {
@@ -532,12 +557,12 @@ mod tests {
         }
         // 132 SMs: conv1's single tile takes 264 slices, the workspace sized for 256 SMs holds them.
         let mut b = Builder::with_splitk(132, ws(splitk_workspace_len(32, 25, 64 * 784)));
-        b.conv_backward_weight(true, dw, dy, x, s);
+        b.conv_backward_weight(Precision::Bf16, dw, dy, x, s);
         assert_eq!(b.ops[0].cfg.grid.2 as usize, nonempty_splits(64 * 784, 264));
         assert!(b.ops[0].cfg.grid.2 > 256, "{:?}", b.ops[0].cfg);
         // A workspace with room for 7 planes caps the slices at 7.
         let mut b = Builder::with_splitk(132, ws(7 * 800));
-        b.conv_backward_weight(false, dw, dy, x, s);
+        b.conv_backward_weight(Precision::Fp32, dw, dy, x, s);
         assert_eq!(b.ops[0].cfg.grid.2, 7);
     }
 

@@ -18,6 +18,8 @@ pub enum Arena {
     I32,
     /// bf16 copies of parameters, activations and gradients (`--precision bf16`).
     Bf16,
+    /// IEEE fp16 copies of parameters, activations and gradients (`--precision fp16`).
+    F16,
     /// The dataset's pixels, train split then test split (u8).
     Images,
     /// The dataset's labels, same order (u8).
@@ -31,6 +33,7 @@ impl Arena {
             Arena::F32 => Dtype::F32,
             Arena::I32 => Dtype::I32,
             Arena::Bf16 => Dtype::BF16,
+            Arena::F16 => Dtype::F16,
             Arena::Images | Arena::Labels => Dtype::U8,
         }
     }
@@ -127,6 +130,27 @@ pub enum Precision {
     /// bf16 operands for conv/linear (`_bf16` kernels, f32 accumulation); f32 master weights,
     /// optimizer state, BatchNorm and loss.
     Bf16,
+    /// IEEE fp16 operands for conv/linear (`_f16` kernels, f32 accumulation), f32 master weights
+    /// as for bf16, plus dynamic loss scaling: the loss gradient is multiplied by the scale, the
+    /// averaged gradients are unscaled and checked for inf/NaN, and an overflowing step is
+    /// skipped (`Engine::train_step`, `train::precision::LossScaler`).
+    Fp16,
+}
+
+impl Precision {
+    /// The arena of the 16-bit operand copies (`None` in fp32).
+    pub fn half_arena(self) -> Option<Arena> {
+        match self {
+            Precision::Fp32 => None,
+            Precision::Bf16 => Some(Arena::Bf16),
+            Precision::Fp16 => Some(Arena::F16),
+        }
+    }
+
+    /// Whether the step scales the loss (fp16 only).
+    pub fn scales_loss(self) -> bool {
+        self == Precision::Fp16
+    }
 }
 
 impl std::str::FromStr for Precision {
@@ -135,7 +159,8 @@ impl std::str::FromStr for Precision {
         match s {
             "fp32" | "f32" => Ok(Precision::Fp32),
             "bf16" => Ok(Precision::Bf16),
-            _ => Err(format!("unknown precision {s:?}: use fp32 or bf16")),
+            "fp16" | "f16" => Ok(Precision::Fp16),
+            _ => Err(format!("unknown precision {s:?}: use fp32, bf16 or fp16")),
         }
     }
 }
@@ -190,8 +215,19 @@ pub struct LossTensors {
     pub correct: Region,
 }
 
+/// Dynamic loss scaling's device state (fp16; both regions empty otherwise).
+#[derive(Clone, Copy, Debug)]
+pub struct AmpTensors {
+    /// The current loss scale `(1)`: read by the scaled loss backward inside the captured step
+    /// and by the unscale after the all-reduce, written by the host when the scaler changes it.
+    pub scale: Region,
+    /// 1.0 when the last unscaled gradients held an inf or NaN, else 0.0 `(1)`; zeroed in the
+    /// captured step, read back by the host after the unscale.
+    pub found_inf: Region,
+}
+
 /// Where one parameter tensor of the model lives (same offsets in params, grads, m, v and the
-/// bf16 copy).
+/// 16-bit copy).
 #[derive(Clone, Copy, Debug)]
 pub struct ParamAt {
     /// Offset in the flat vectors.

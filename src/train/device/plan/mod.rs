@@ -11,5 +11,5 @@ mod ir;
 mod schedule;
 
 pub use builder::{splitk_workspace_len, Builder, ConvLaunch, SPLIT_K_MAX_SMS};
-pub use ir::{AdamHyper, Arena, Arg, BnTensors, LossTensors, Op, ParamAt, Precision, Region};
+pub use ir::{AdamHyper, AmpTensors, Arena, Arg, BnTensors, LossTensors, Op, ParamAt, Precision, Region};
 pub use schedule::Tensors;

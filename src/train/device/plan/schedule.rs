@@ -13,12 +13,13 @@
 //! free: NCHW already is PyTorch's flatten order, so its output is its input region.
 //!
 //! Layout order (kept stable so plans stay comparable): parameters, gradients, Adam moments, the
-//! bf16 parameter copy; the BatchNorm running statistics (contiguous, one broadcast), then each
+//! 16-bit parameter copy; the BatchNorm running statistics (contiguous, one broadcast), then each
 //! BatchNorm's saved batch statistics; the batch's sample ids and labels; the input and every
-//! stage's output (and pooling argmax) in forward order; the loss tensors; the gradients in
-//! backward order; the split-K workspace of the weight gradients; the bf16 copies of the GEMM
-//! operands (inputs in forward order, output gradients in backward order). Every region is
-//! 16-element aligned.
+//! stage's output (and pooling argmax) in forward order; the loss tensors; fp16's loss scale and
+//! overflow flag; the gradients in backward order; the split-K workspace of the weight
+//! gradients; the 16-bit copies of the GEMM operands (inputs in forward order, output gradients
+//! in backward order). 16-bit copies live in the `Bf16` arena in bf16 precision and in the `F16`
+//! arena in fp16 precision. Every region is 16-element aligned.
 //!
 //! Split-K: a weight gradient whose output tile grid is small (conv1's is one tile) splits its
 //! K = batch x pixels into slices that run on many SMs. Each slice writes its partial sums to its
@@ -31,7 +32,7 @@
 use std::any::Any;
 
 use super::builder::{splitk_workspace_len, Builder, ConvLaunch};
-use super::ir::{Arena, BnTensors, LossTensors, Op, ParamAt, Precision, Region};
+use super::ir::{AmpTensors, Arena, BnTensors, LossTensors, Op, ParamAt, Precision, Region};
 use crate::train::device::error::DeviceError;
 use crate::train::layers::{BatchNorm2d, Conv2d, Conv2dParams, Flatten, Layer, Linear, MaxPool2d, Relu};
 use crate::train::model::{Model, ModelError};
@@ -77,7 +78,7 @@ enum Kind {
 }
 
 impl Kind {
-    /// Conv and linear run on the GEMM core and take bf16 operands in bf16 precision.
+    /// Conv and linear run on the GEMM core and take 16-bit operands in bf16 and fp16 precision.
     fn is_gemm(&self) -> bool {
         matches!(self, Kind::Conv { .. } | Kind::Linear { .. })
     }
@@ -98,10 +99,10 @@ struct Stage {
     /// Gradient at the input; `None` only for a conv or linear first stage (nothing upstream needs
     /// it, and their kernels can skip it). Every other stage has one: its kernel writes it.
     din: Option<Region>,
-    /// bf16 copy of the input, made in forward and kept for the weight gradient (GEMM stages in
-    /// bf16 precision; empty otherwise).
+    /// 16-bit copy of the input, made in forward and kept for the weight gradient (GEMM stages in
+    /// bf16 or fp16 precision; empty otherwise).
     bf_in: Region,
-    /// bf16 copy of the output gradient (after the fused ReLU's backward, for a linear one).
+    /// 16-bit copy of the output gradient (after the fused ReLU's backward, for a linear one).
     bf_dout: Region,
 }
 
@@ -138,9 +139,9 @@ fn known<'a>(name: &str, l: &'a dyn Layer) -> Result<Known<'a>, DeviceError> {
     }
 }
 
-/// Bump allocator over the three arenas.
+/// Bump allocator over the four tensor arenas.
 struct Alloc {
-    len: [usize; 3],
+    len: [usize; 4],
 }
 
 impl Alloc {
@@ -149,8 +150,9 @@ impl Alloc {
             Arena::F32 => 0,
             Arena::I32 => 1,
             Arena::Bf16 => 2,
+            Arena::F16 => 3,
             // The dataset arenas are uploaded whole, never carved into tensors.
-            Arena::Images | Arena::Labels => unreachable!("the schedule only allocates f32, i32 and bf16 tensors"),
+            Arena::Images | Arena::Labels => unreachable!("the schedule only allocates f32, i32, bf16 and f16 tensors"),
         };
         // Keep every region 16-element aligned (64 bytes for f32), so vector loads stay aligned.
         let off = self.len[k].next_multiple_of(16);
@@ -178,7 +180,8 @@ pub struct Tensors {
     pub m: Region,
     /// Adam second moments `(P)`.
     pub v: Region,
-    /// bf16 copy of the parameters `(P)` (bf16 precision only; empty otherwise).
+    /// 16-bit copy of the parameters `(P)`: bf16 in bf16 precision, fp16 (arena `F16`) in fp16
+    /// precision, empty in fp32.
     pub params_bf: Region,
     /// Running statistics of every BatchNorm layer (`running_mean` then `running_var`, layer by
     /// layer), contiguous for one broadcast.
@@ -205,8 +208,10 @@ pub struct Tensors {
     pub dlogits: Region,
     /// Split-K workspace of the weight gradients (f32; empty when no GEMM needs one).
     pub splitk: Region,
-    /// Elements of each arena: (f32, i32, bf16).
-    pub arena_len: (usize, usize, usize),
+    /// Loss-scaling state (fp16 precision; empty regions otherwise).
+    pub amp: AmpTensors,
+    /// Elements of each arena: (f32, i32, bf16, f16).
+    pub arena_len: (usize, usize, usize, usize),
     stages: Vec<Stage>,
 }
 
@@ -307,14 +312,14 @@ impl Tensors {
 
         // Pass 2: the layout, in the order the module documentation gives.
         let np = model.num_params();
-        let bf = precision == Precision::Bf16;
-        let (f, i32a, b16) = (Arena::F32, Arena::I32, Arena::Bf16);
-        let mut a = Alloc { len: [0; 3] };
+        let half = precision.half_arena();
+        let (f, i32a, b16) = (Arena::F32, Arena::I32, half.unwrap_or(Arena::Bf16));
+        let mut a = Alloc { len: [0; 4] };
         let params = a.take(f, np);
         let grads = a.take(f, np);
         let m = a.take(f, np);
         let v = a.take(f, np);
-        let params_bf = a.take(b16, if bf { np } else { 0 });
+        let params_bf = a.take(b16, if half.is_some() { np } else { 0 });
         let bn_state = a.take(f, bns.iter().map(|(_, b)| 2 * b.channels).sum());
         let (mut bn_names, mut bn_init, mut at) = (Vec::new(), Vec::new(), 0);
         let bn_stages = stages.iter_mut().filter_map(|s| match &mut s.kind {
@@ -364,6 +369,8 @@ impl Tensors {
             loss_sum: a.take(f, 1),
             correct: a.take(i32a, 1),
         };
+        let amp_len = if precision.scales_loss() { 1 } else { 0 };
+        let amp = AmpTensors { scale: a.take(f, amp_len), found_inf: a.take(f, amp_len) };
         let dlogits = a.take(f, batch * classes);
         let mut dout = dlogits;
         for (k, s) in stages.iter_mut().enumerate().rev() {
@@ -390,7 +397,7 @@ impl Tensors {
             .max()
             .unwrap_or(0);
         let splitk = a.take(f, splitk_len);
-        let mut t_bf = |n: usize| a.take(b16, if bf { n } else { 0 });
+        let mut t_bf = |n: usize| a.take(b16, if half.is_some() { n } else { 0 });
         for s in stages.iter_mut().filter(|s| s.kind.is_gemm()) {
             s.bf_in = t_bf(batch * s.in_per);
         }
@@ -417,7 +424,8 @@ impl Tensors {
             loss,
             dlogits,
             splitk,
-            arena_len: (a.len[0], a.len[1], a.len[2]),
+            amp,
+            arena_len: (a.len[0], a.len[1], a.len[2], a.len[3]),
             stages,
         })
     }
@@ -431,21 +439,22 @@ impl Tensors {
     /// eval: running statistics), ending with the loss and the correct count.
     pub fn forward(&self, ops: &mut Builder, b: usize, precision: Precision, train: bool) {
         assert!(b >= 1 && b <= self.batch, "batch {b} outside 1..={}", self.batch);
-        let bf = precision == Precision::Bf16;
+        let bf = precision.half_arena().is_some();
         let (pr, pbf) = (self.params, if bf { self.params_bf } else { self.params });
         let n = |r: Region, per: usize| r.prefix(b * per);
         let at = |flat: Region, p: ParamAt| flat.sub(p.off, p.len);
         if bf {
-            ops.cast_to_bf16(self.params_bf, self.params);
+            ops.cast_to_half(self.params_bf, self.params);
         }
         let image = self.image_size();
         ops.gather(n(self.x, image), n(self.labels, 1), n(self.indices, 1), b, image);
         for s in &self.stages {
             let (inp, out) = (n(s.inp, s.in_per), n(s.out, s.out_per));
-            // Operand of a GEMM: the bf16 copy (made here) in bf16 mode, the f32 tensor otherwise.
+            // Operand of a GEMM: the 16-bit copy (made here) in bf16/fp16 mode, the f32 tensor
+            // otherwise.
             let gemm_in = |ops: &mut Builder| {
                 if bf {
-                    ops.cast_to_bf16(n(s.bf_in, s.in_per), inp);
+                    ops.cast_to_half(n(s.bf_in, s.in_per), inp);
                     n(s.bf_in, s.in_per)
                 } else {
                     inp
@@ -454,7 +463,7 @@ impl Tensors {
             match s.kind {
                 Kind::Conv { p, in_h, in_w, weight, bias } => {
                     let x = gemm_in(ops);
-                    ops.conv_forward(bf, out, x, at(pbf, weight), at(pr, bias), ConvLaunch { p, batch: b, in_h, in_w });
+                    ops.conv_forward(precision, out, x, at(pbf, weight), at(pr, bias), ConvLaunch { p, batch: b, in_h, in_w });
                 }
                 Kind::BatchNorm { t, hw, momentum, eps, relu, weight, bias } => {
                     let (w, bi) = (at(pr, weight), at(pr, bias));
@@ -471,7 +480,7 @@ impl Tensors {
                 Kind::Flatten => {}
                 Kind::Linear { in_f, out_f, relu, weight, bias, .. } => {
                     let x = gemm_in(ops);
-                    ops.linear_forward(bf, out, x, at(pbf, weight), at(pr, bias), b, in_f, out_f, relu);
+                    ops.linear_forward(precision, out, x, at(pbf, weight), at(pr, bias), b, in_f, out_f, relu);
                 }
             }
         }
@@ -479,22 +488,31 @@ impl Tensors {
     }
 
     /// Backward for the last forward of `b` images, in exactly the reverse layer order; zeroes the
-    /// flat gradients first (parameter gradients accumulate).
+    /// flat gradients first (parameter gradients accumulate). In fp16 the loss gradient is
+    /// multiplied by the loss scale (`amp.scale`, read on the device), so every gradient below is
+    /// scaled, and the overflow flag `amp.found_inf` is zeroed for the unscale that follows the
+    /// all-reduce.
     pub fn backward(&self, ops: &mut Builder, b: usize, precision: Precision) {
-        let bf = precision == Precision::Bf16;
+        let bf = precision.half_arena().is_some();
         let (g, pbf) = (self.grads, if bf { self.params_bf } else { self.params });
         let n = |r: Region, per: usize| r.prefix(b * per);
         let at = |flat: Region, p: ParamAt| flat.sub(p.off, p.len);
         ops.fill(g, 0.0);
-        ops.xent_backward(n(self.dlogits, self.classes), n(self.loss.probs, self.classes), n(self.labels, 1), b, self.classes);
+        let (dz, probs, labels) = (n(self.dlogits, self.classes), n(self.loss.probs, self.classes), n(self.labels, 1));
+        if precision.scales_loss() {
+            ops.fill(self.amp.found_inf, 0.0);
+            ops.xent_backward_scaled(dz, probs, labels, b, self.classes, self.amp.scale);
+        } else {
+            ops.xent_backward(dz, probs, labels, b, self.classes);
+        }
         for s in self.stages.iter().rev() {
             let (inp, out, dout) = (n(s.inp, s.in_per), n(s.out, s.out_per), n(s.dout, s.out_per));
             let din = s.din.map(|d| n(d, s.in_per));
-            // The output gradient as a GEMM operand (bf16 copy made here in bf16 mode), and the
-            // input saved by forward (its bf16 copy is still in place).
+            // The output gradient as a GEMM operand (16-bit copy made here in bf16/fp16 mode), and
+            // the input saved by forward (its 16-bit copy is still in place).
             let gemm_dout = |ops: &mut Builder, d: Region| {
                 if bf {
-                    ops.cast_to_bf16(n(s.bf_dout, s.out_per), d);
+                    ops.cast_to_half(n(s.bf_dout, s.out_per), d);
                     n(s.bf_dout, s.out_per)
                 } else {
                     d
@@ -505,10 +523,10 @@ impl Tensors {
                 Kind::Conv { p, in_h, in_w, weight, bias } => {
                     let shape = ConvLaunch { p, batch: b, in_h, in_w };
                     let dy = gemm_dout(ops, dout);
-                    ops.conv_backward_weight(bf, at(g, weight), dy, saved_in(), shape);
-                    ops.conv_backward_bias(bf, at(g, bias), dy, shape);
+                    ops.conv_backward_weight(precision, at(g, weight), dy, saved_in(), shape);
+                    ops.conv_backward_bias(precision, at(g, bias), dy, shape);
                     if let Some(dx) = din {
-                        ops.conv_backward_input(bf, dx, dy, at(pbf, weight), shape);
+                        ops.conv_backward_input(precision, dx, dy, at(pbf, weight), shape);
                     }
                 }
                 Kind::BatchNorm { t, hw, relu, weight, bias, .. } => {
@@ -535,10 +553,10 @@ impl Tensors {
                         dout
                     };
                     let dy = gemm_dout(ops, d);
-                    ops.linear_backward_weight(bf, at(g, weight), dy, saved_in(), b, in_f, out_f);
-                    ops.linear_backward_bias(bf, at(g, bias), dy, b, out_f);
+                    ops.linear_backward_weight(precision, at(g, weight), dy, saved_in(), b, in_f, out_f);
+                    ops.linear_backward_bias(precision, at(g, bias), dy, b, out_f);
                     if let Some(dx) = din {
-                        ops.linear_backward_input(bf, dx, dy, at(pbf, weight), b, in_f, out_f);
+                        ops.linear_backward_input(precision, dx, dy, at(pbf, weight), b, in_f, out_f);
                     }
                 }
             }
@@ -547,7 +565,8 @@ impl Tensors {
 
     /// The captured part of a training step for `b` images: forward, loss (added into
     /// `loss_sum` as `b * mean_loss`), backward. The gradient all-reduce and the optimizer run
-    /// outside (the collective is on another stream; Adam's step count changes every step).
+    /// outside (the collective is on another stream; Adam's step count changes every step), and
+    /// so do fp16's unscale and overflow check, which must see the all-reduced gradients.
     pub fn train_step(&self, b: usize, precision: Precision, sm_count: usize) -> Vec<Op> {
         let mut ops = Builder::with_splitk(sm_count, self.splitk);
         self.forward(&mut ops, b, precision, true);
