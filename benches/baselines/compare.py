@@ -207,6 +207,8 @@ def main():
         print("|" + "---|" * len(hdr))
         for op in ops:
             for size in sizes:
+                if not any((state, op, name, size) in results for name in tools):
+                    continue  # no round of this op in this state
                 row = [op, fmt_size(size)]
                 t = {}
                 for name in mine + base:
