@@ -1,17 +1,55 @@
 #!/usr/bin/env python3
-"""Run `lockstep bench` and each available baseline back to back and print ratios.
+"""Run `lockstep bench` and each available baseline back to back, beside the machine's bound and
+cache-placement state, and print ratios in one markdown table per state.
 
 Usage: python3 benches/baselines/compare.py [--nprocs 2] [--sizes 8,1048576,67108864] [--rounds 3]
+           [--ops all_reduce,broadcast,all_gather,reduce_scatter] [--until-both-states]
+           [--max-minutes 30] [--threshold-ns 250]
 
 Baselines: Open MPI (benches/baselines/mpi_bench.c, built with mpicc when present) and
-torch.distributed gloo (benches/baselines/gloo_bench.py, when torch imports). Each round runs
-every tool once per op, alternating, and the median busbw / time over rounds is compared, since
-this machine's memory bandwidth drifts over minutes.
+torch.distributed gloo (benches/baselines/gloo_bench.py, when torch imports). Each round runs,
+per op, every tool once, alternating, then the bound, with a state probe before and after; the
+median time over the rounds of one state is compared, since this machine's memory bandwidth and
+core placement drift over minutes.
+
+Machine state (benches/baselines/c2c.c): two threads pinned to CPU 0 and CPU 1 ping-pong a cache
+line; p10 of 50 batch means, in ns per round trip. The hypervisor places the two vCPUs on cores
+that share an L3 or on cores that do not, and changes that within minutes. Threshold
+(--threshold-ns 250), from 312 probes over 35 minutes on the project machine (2026-11-22/23, one
+every ~6 s, load average 6-10 from other builds): the shared-cache state gave p10 = 44-238 ns
+(median 129; two probes near 44 ns, both vCPUs on one core's SMT threads; the three above 200 ns
+were lone probes between ~120 ns neighbours, i.e. interference, not a state). The other state
+did not occur during those 35 minutes; it costs 2-5x the shared-cache latency (issue 16; session
+2 saw Open MPI's 8 B all-reduce go from 0.22 to 0.44 us), i.e. at least ~2 x 129 = 260 ns. 250 ns
+lies between the highest shared-cache probe and that. Check it against the probe values this
+script prints once the other state shows up. A round whose probes before and after disagree is
+labelled "changed" and reported apart.
+
+Bound (benches/baselines/membw.c, `membw NPROCS X`): NPROCS threads pinned to CPUs 0..NPROCS-1
+each memcpy X bytes at the same moment; the bound is the median time of that, X chosen so each
+core moves the least memory traffic the collective needs (reads + writes of all ranks, spread
+evenly over the cores; a copy of X bytes reads X and writes X). For n ranks and size S as
+`lockstep bench` counts it (f32 sum):
+  all_reduce S        every input read once (n*S), every output written once (n*S):   X = S
+                      (on shared buffers: each rank reads its 1/n of every input and writes its
+                      1/n of every output, i.e. n concurrent copies of S)
+  broadcast S         the root's S read once, (n-1) outputs of S written:              X = S/2
+  all_gather S        S = output bytes; n inputs of S/n read once (S), n outputs of S: X = S(n+1)/(2n)
+  reduce_scatter S    S = input bytes; n inputs of S read once, n outputs of S/n:      X = S(n+1)/(2n)
+  all_to_all S        every input byte read once, every output byte written once:      X = S
+  pingpong S          one-way time of one message of S: S read, S written:             X = S/2
+At sizes whose copies fit in cache (1 MiB: 2 MiB per core), the copies run from cache, so the
+bound is the cache's and stricter than what any transfer between cores can reach.
+Any collective also moves at least one cache line from one core to another, so the bound is
+never below half the probe's round trip: bound = max(copy time, rtt/2). "x bound" = bound time /
+lockstep time (1.0 = at the bound); "x MPI" = Open MPI time / lockstep time (> 1: lockstep faster).
+The bound is measured only when NPROCS <= the CPUs of this machine.
 """
-import argparse, os, shutil, statistics, subprocess, sys
+import argparse, os, re, shutil, statistics, subprocess, sys, time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
+SHARED, NOT_SHARED, CHANGED = "shared cache", "no shared cache", "changed"
 
 
 def parse(out):
@@ -31,19 +69,75 @@ def run(cmd):
     p = subprocess.run(cmd, capture_output=True, text=True)
     if p.returncode != 0:
         sys.exit(f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
-    return parse(p.stdout)
+    return p.stdout
+
+
+def build_c(src, exe, *flags):
+    """Compile one of the C helpers beside this script into /tmp (once per run)."""
+    subprocess.run(["gcc", "-O2", *flags, "-o", exe, os.path.join(HERE, src)], check=True)
+    return exe
+
+
+def probe(c2c):
+    """ns per round trip of a cache line between CPU 0 and CPU 1 (p10 of 50 batches)."""
+    m = re.search(r"p10=([0-9.]+)", run([c2c, "0", "1", "50"]))
+    return float(m.group(1))
+
+
+def copy_bytes(op, size, n):
+    """X of the docstring: each core copies X bytes for the collective's least traffic."""
+    if op in ("all_reduce", "all_to_all"):
+        return size
+    if op in ("broadcast", "pingpong"):
+        return size // 2
+    if op in ("all_gather", "reduce_scatter"):
+        return size * (n + 1) // (2 * n)
+    return None
+
+
+def copies_us(membw, threads, x):
+    m = re.search(r"median_us ([0-9.]+)", run([membw, str(threads), str(x)]))
+    return float(m.group(1))
+
+
+def fmt_us(t):
+    if t >= 10000:
+        return f"{t / 1000:.2f} ms"
+    return f"{t:.2f} µs" if t < 10 else f"{t:.1f} µs"
+
+
+def fmt_size(b):
+    for unit, k in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if b >= k and b % k == 0:
+            return f"{b // k} {unit}"
+    return f"{b} B"
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nprocs", type=int, default=2)
     ap.add_argument("--sizes", default="8,1048576,67108864")
     ap.add_argument("--ops", default="all_reduce,broadcast,all_gather,reduce_scatter")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=3, help="rounds to run at least")
+    ap.add_argument("--until-both-states", action="store_true",
+                    help="after --rounds, go on until a whole round was seen in each state (see --max-minutes)")
+    ap.add_argument("--max-minutes", type=float, default=30.0, help="time cap of --until-both-states")
+    ap.add_argument("--threshold-ns", type=float, default=250.0,
+                    help="probe round trip below which the two CPUs count as sharing a cache")
+    ap.add_argument("--lockstep", default=os.path.join(ROOT, "target", "release", "lockstep"),
+                    help="the lockstep binary (default: target/release/lockstep, built when missing)")
     a = ap.parse_args()
-    lockstep = os.path.join(ROOT, "target", "release", "lockstep")
+    t_start = time.monotonic()
+    ops = a.ops.split(",")
+    sizes = [int(s) for s in a.sizes.split(",")]
+    lockstep = a.lockstep
     if not os.path.exists(lockstep):
         subprocess.run(["cargo", "build", "--release", "--bin", "lockstep"], cwd=ROOT, check=True)
+    c2c = build_c("c2c.c", "/tmp/lockstep_c2c", "-pthread")
+    cpus = os.cpu_count() or 1
+    membw = build_c("membw.c", "/tmp/lockstep_membw", "-mavx512f", "-pthread") if a.nprocs <= cpus else None
+    if membw is None:
+        print(f"# {a.nprocs} ranks on {cpus} CPUs: no bound (one copier per rank needs a CPU each)")
     tools = {}
     for buffers in ["ordinary", "shared"]:
         tools[f"lockstep/{buffers}"] = lambda op, b=buffers: [lockstep, "bench", "--nprocs", str(a.nprocs), "--op", op, "--sizes", a.sizes, "--buffers", b]
@@ -58,36 +152,83 @@ def main():
         tools["gloo"] = lambda op: [sys.executable, os.path.join(HERE, "gloo_bench.py"), "--nprocs", str(a.nprocs), "--op", op, "--sizes", a.sizes]
     else:
         print("# torch not importable: gloo baseline skipped")
-    results = {}
-    for op in a.ops.split(","):
-        for _ in range(a.rounds):
+
+    def state_of(ns):
+        return SHARED if ns < a.threshold_ns else NOT_SHARED
+
+    # (state, op, tool, size) -> [(time, busbw, wrong)]; (state, op, size) -> [bound us]
+    results, bounds, probes = {}, {}, {}
+    seen_rounds = {}  # state -> number of (round, op) blocks
+    rnd = 0
+    while True:
+        both = all(seen_rounds.get(s, 0) >= len(ops) for s in (SHARED, NOT_SHARED))
+        if rnd >= a.rounds and (not a.until_both_states or both):
+            break
+        if rnd >= a.rounds and time.monotonic() - t_start > a.max_minutes * 60:
+            print(f"# time cap of {a.max_minutes} min reached before both states were seen")
+            break
+        rnd += 1
+        for op in ops:
+            before = probe(c2c)
+            block = {}
             for name, cmd in tools.items():
-                for size, v in run(cmd(op)).items():
-                    results.setdefault((op, name, size), []).append(v)
-    base_names = [t for t in tools if not t.startswith("lockstep")]
-    print(f"\n# {a.nprocs} ranks, f32 sum, median of {a.rounds} back-to-back rounds; busbw in GB/s, time in us")
-    hdr = f"{'op':<15}{'size(B)':>11}  {'tool':<18}{'time(us)':>10}{'busbw':>8}{'#wrong':>7}"
-    for b in base_names:
-        hdr += f"{'x' + b:>12}"
-    print(hdr)
-    for op in a.ops.split(","):
-        for size in sorted({k[2] for k in results if k[0] == op}):
-            for name in tools:
-                vals = results.get((op, name, size))
-                if not vals:
-                    continue
-                t = statistics.median(v[0] for v in vals)
-                bw = statistics.median(v[1] for v in vals)
-                wrong = max(v[2] for v in vals)
-                line = f"{op:<15}{size:>11}  {name:<18}{t:>10.2f}{bw:>8.2f}{wrong:>7}"
-                if name.startswith("lockstep"):
-                    for b in base_names:
-                        bv = results.get((op, b, size))
-                        if bv:
-                            bt = statistics.median(v[0] for v in bv)
-                            # Speed-up: baseline time / lockstep time (same as busbw ratio).
-                            line += f"{bt / t:>11.2f}x"
-                print(line)
+                for size, v in parse(run(cmd(op))).items():
+                    block.setdefault((name, size), []).append(v)
+            bound = {}
+            for size in sizes:
+                x = copy_bytes(op, size, a.nprocs)
+                if membw is not None and x is not None:
+                    bound[size] = copies_us(membw, a.nprocs, x)
+            after = probe(c2c)
+            s0, s1 = state_of(before), state_of(after)
+            state = s0 if s0 == s1 else CHANGED
+            print(f"# round {rnd} {op}: probe {before:.0f} -> {after:.0f} ns per round trip: {state}", flush=True)
+            seen_rounds[state] = seen_rounds.get(state, 0) + 1
+            probes.setdefault(state, []).extend([before, after])
+            for (name, size), vs in block.items():
+                results.setdefault((state, op, name, size), []).extend(vs)
+            for size, t in bound.items():
+                # A collective moves at least one cache line one way: half the round trip.
+                bounds.setdefault((state, op, size), []).append(max(t, min(before, after) / 2000.0))
+
+    base = [t for t in tools if not t.startswith("lockstep")]
+    mine = [t for t in tools if t.startswith("lockstep")]
+    med = lambda vs, i: statistics.median(v[i] for v in vs)
+    for state in (SHARED, NOT_SHARED, CHANGED):
+        if state not in seen_rounds:
+            continue
+        ps = probes[state]
+        print(f"\n### {state}: {seen_rounds[state]} op-round(s), probe {min(ps):.0f}-{max(ps):.0f} ns per round trip "
+              f"({a.nprocs} ranks, f32 sum, median over the rounds; time per call)\n")
+        hdr = ["op", "size", *mine, *base, "bound"]
+        hdr += [f"{m.split('/')[1]} x {b}" for m in mine for b in base if b == "openmpi"]
+        hdr += [f"{m.split('/')[1]} x bound" for m in mine]
+        print("| " + " | ".join(hdr) + " |")
+        print("|" + "---|" * len(hdr))
+        for op in ops:
+            for size in sizes:
+                if not any((state, op, name, size) in results for name in tools):
+                    continue  # no round of this op in this state
+                row = [op, fmt_size(size)]
+                t = {}
+                for name in mine + base:
+                    vs = results.get((state, op, name, size))
+                    if vs:
+                        t[name] = med(vs, 0)
+                        wrong = max(v[2] for v in vs)
+                        row.append(fmt_us(t[name]) + (f" ({wrong} wrong!)" if wrong else ""))
+                    else:
+                        row.append("—")
+                bs = bounds.get((state, op, size))
+                bt = statistics.median(bs) if bs else None
+                row.append(fmt_us(bt) if bt else "—")
+                for m in mine:
+                    if "openmpi" in base:
+                        row.append(f"{t['openmpi'] / t[m]:.2f}" if m in t and "openmpi" in t else "—")
+                for m in mine:
+                    row.append(f"{bt / t[m]:.2f}" if m in t and bt else "—")
+                print("| " + " | ".join(row) + " |")
+    print(f"\n# {rnd} round(s) in {(time.monotonic() - t_start) / 60:.1f} min")
 
 
 if __name__ == "__main__":

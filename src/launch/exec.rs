@@ -295,7 +295,8 @@ pub fn run_job(spec: &JobSpec) -> Result<i32, LaunchError> {
     // Each guard removes the job's named segment if the launcher dies before doing it.
     let segment = crate::shm::named_segment_path(&job_id).and_then(|p| CString::new(p.into_os_string().into_vec()).ok());
     // Rank 0 starts first: its pid names the node's process group, which the others join. They
-    // start in parallel: every guard is forked before any is waited for.
+    // start in parallel: every guard is forked before any is waited for, rank 0's included (its
+    // guard reports the pid, and makes the group, before rank 0 execs).
     let mut pgid = 0;
     let mut pending = Vec::new();
     let mut failure: Option<(usize, std::io::Error, &str)> = None;
@@ -319,10 +320,10 @@ pub fn run_job(spec: &JobSpec) -> Result<i32, LaunchError> {
             guard::start(&setup, || {})
         });
         match started {
-            Ok(p) if local == 0 => match p.wait() {
-                Ok(g) => {
-                    pgid = g.rank_pid;
-                    procs.push(Proc::new(rank, g, None, o));
+            Ok(mut p) if local == 0 => match p.rank_pid() {
+                Ok(pid) => {
+                    pgid = pid;
+                    pending.push((rank, p, o));
                 }
                 Err(e) => {
                     failure = Some((rank, e, "start"));

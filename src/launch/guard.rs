@@ -4,7 +4,8 @@
 //! ```text
 //! launcher ──fork──▶ guard (child subreaper) ──fork──▶ rank (exec'd program, or the rank function)
 //!    │  control pipe ──▶ │   signals to forward; end of file = the launcher is gone
-//!    │ ◀── report pipe   │   START(rank pid) | SPAWN_FAILED(errno) | EXIT(wait status)
+//!    │ ◀── report pipe   │   FORKED(rank pid), then START(rank pid) | SPAWN_FAILED(errno),
+//!    │                    │   then EXIT(wait status)
 //! ```
 //!
 //! * The guard is forked (not exec'd) from the launcher and, like code between fork and exec,
@@ -41,6 +42,9 @@ use std::os::unix::ffi::OsStrExt;
 use super::child::{pipe, Exit};
 
 /// Report records, each `[tag, value]` as two native-endian `i32` (one atomic pipe write).
+/// FORKED comes first, as soon as the rank process exists (its process group too, when it leads
+/// one), so the launcher can start the next ranks without waiting for this one's exec.
+const FORKED: i32 = 4;
 const START: i32 = 1;
 const SPAWN_FAILED: i32 = 2;
 const EXIT: i32 = 3;
@@ -251,8 +255,8 @@ pub(crate) fn start(setup: &RankSetup, body: impl FnOnce()) -> std::io::Result<P
 }
 
 impl Pending {
-    /// Wait for the guard's first report: the running rank, or why it could not start.
-    pub fn wait(self) -> std::io::Result<Guarded> {
+    /// Read one whole report record (blocking): `None` when the guard closed the pipe first.
+    fn record(&self) -> Option<(i32, i32)> {
         let mut rec = [0u8; RECORD];
         let mut got = 0;
         while got < RECORD {
@@ -261,21 +265,44 @@ impl Pending {
             if n > 0 {
                 got += n as usize;
             } else if n == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
-                break;
+                return None;
             }
         }
-        let tag = i32::from_ne_bytes(rec[..4].try_into().expect("4 bytes"));
-        let val = i32::from_ne_bytes(rec[4..].try_into().expect("4 bytes"));
-        if got == RECORD && tag == START {
+        Some((i32::from_ne_bytes(rec[..4].try_into().expect("4 bytes")), i32::from_ne_bytes(rec[4..].try_into().expect("4 bytes"))))
+    }
+
+    /// The rank's pid as soon as its guard has forked it, before its exec is known to have
+    /// worked: the process group a rank with `pgid: Some(0)` leads exists from then on, so the
+    /// launcher can start the ranks that join it right away. [`wait`](Self::wait) still reports
+    /// whether the exec worked.
+    pub fn rank_pid(&mut self) -> std::io::Result<i32> {
+        match self.record() {
+            Some((FORKED, pid)) => Ok(pid),
+            r => Err(self.failed(r)),
+        }
+    }
+
+    /// The guard reported a failure or closed its report pipe: reap it, and say why.
+    fn failed(&self, r: Option<(i32, i32)>) -> std::io::Error {
+        // The guard exits right after a failure report (or died).
+        super::child::reap_blocking(self.pid);
+        match r {
+            Some((SPAWN_FAILED, errno)) => std::io::Error::from_raw_os_error(errno),
+            _ => std::io::Error::other("the rank's guard process died before starting the rank"),
+        }
+    }
+
+    /// Wait for the guard's report that the rank runs (its exec worked), or why it could not start.
+    pub fn wait(self) -> std::io::Result<Guarded> {
+        let mut r = self.record();
+        while let Some((FORKED, _)) = r {
+            r = self.record();
+        }
+        if let Some((START, val)) = r {
             set_nonblocking(&self.report);
             return Ok(Guarded { rank_pid: val, guard: self.guard, report: self.report, stdout: self.stdout, stderr: self.stderr });
         }
-        // The guard exits right after a failure report (or died): reap it.
-        super::child::reap_blocking(self.pid);
-        if got == RECORD && tag == SPAWN_FAILED {
-            return Err(std::io::Error::from_raw_os_error(val));
-        }
-        Err(std::io::Error::other("the rank's guard process died before starting the rank"))
+        Err(self.failed(r))
     }
 }
 
@@ -376,6 +403,14 @@ fn guard_main(setup: &RankSetup, fds: &GuardFds, launcher: i32, body: impl FnOnc
     if rank == 0 {
         rank_main(setup, fds, me, &saved, body);
     }
+    if setup.pgid == Some(0) {
+        // The rank calls this too; whichever runs first makes the group, so it exists before
+        // FORKED lets the launcher start ranks that join it. (After the rank's exec this fails
+        // with EACCES, harmlessly: the rank made the group before exec.)
+        // SAFETY: setpgid of our own child; async-signal-safe.
+        unsafe { libc::setpgid(rank, rank) };
+    }
+    report(fds.rep_w, FORKED, rank);
     // The guard keeps only its report and control pipes (and, until the exec is known to have
     // worked, the exec error pipe); its stdio becomes /dev/null.
     close_raw(fds.exec_w);

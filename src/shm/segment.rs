@@ -344,20 +344,40 @@ impl Segment {
         self.len
     }
 
-    /// Touch `[off, off+len)` so that later accesses do not page-fault. The range must be
-    /// reserved (see [`reserve`](Self::reserve)).
-    pub fn prefault(&self, off: usize, len: usize) {
-        let end = (off + len).min(self.len);
-        let mut o = off;
+    /// Back `[off, off+len)` with memory and map it writable in this process now, so neither a
+    /// SIGBUS (no room) nor a page fault can happen there later; an error (no room) instead.
+    ///
+    /// One `madvise(MADV_POPULATE_WRITE)` (Linux 5.14+) maps the pages (allocating those not
+    /// reserved yet) in one pass, and fails with an error rather than a SIGBUS. Touching the pages
+    /// instead took a read fault (with fault-around) and then a write-protect fault per page:
+    /// with 8 ranks about 4 000 faults, the largest part of a job's start-up CPU time. Older
+    /// kernels, and any failure (whose cause [`reserve`](Self::reserve) then reports), take the
+    /// slow way: reserve, then touch.
+    pub fn populate(&self, off: usize, len: usize) -> Result<(), NoSpace> {
+        let end = (off.saturating_add(len)).min(self.len).next_multiple_of(4096).min(self.len);
+        let start = off - off % 4096;
+        if end <= start {
+            return Ok(());
+        }
+        // SAFETY: [start, end) lies inside our mapping (page-aligned: the mapping is); populating
+        // changes no byte (new pages of a shared file mapping read as zero either way).
+        let r = unsafe { libc::madvise(self.base.add(start) as *mut libc::c_void, end - start, libc::MADV_POPULATE_WRITE) };
+        if r == 0 {
+            return Ok(());
+        }
+        self.reserve(start, end - start)?;
+        let mut o = start;
         while o < end {
-            // SAFETY: o is inside the mapping; a volatile read+write of the same byte does not change it
-            // and nobody else uses this region yet (called during setup only).
+            // SAFETY: o is inside the mapping and now backed; a volatile read+write of the same
+            // byte does not change it, and nobody else uses this region yet (called during setup
+            // only, before the rank has joined).
             unsafe {
                 let p = self.base.add(o);
                 std::ptr::write_volatile(p, std::ptr::read_volatile(p));
             }
             o += 4096;
         }
+        Ok(())
     }
 }
 
@@ -458,4 +478,42 @@ pub(crate) fn futex_wake_all(word: &std::sync::atomic::AtomicU32) {
 /// Number of CPUs this process may run on.
 pub(crate) fn available_cpus() -> usize {
     std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Minor page faults of this process so far.
+    fn minor_faults() -> i64 {
+        // SAFETY: getrusage with a valid out-pointer to a zeroed struct.
+        unsafe {
+            let mut u: libc::rusage = std::mem::zeroed();
+            libc::getrusage(libc::RUSAGE_SELF, &mut u);
+            u.ru_minflt
+        }
+    }
+
+    #[test]
+    fn populated_pages_are_backed_mapped_and_zero() {
+        let seg = Segment::anonymous(64 << 20).unwrap();
+        let (off, len) = (8 << 20, 4 << 20);
+        seg.populate(off + 100, len - 100).unwrap();
+        let before = minor_faults();
+        let mut sum = 0u64;
+        for o in (off..off + len).step_by(4096) {
+            // SAFETY: inside the mapping, populated above; nobody else uses it.
+            unsafe {
+                let p = seg.base().add(o);
+                sum += std::ptr::read_volatile(p) as u64;
+                std::ptr::write_volatile(p, 1);
+            }
+        }
+        // 1024 pages written without faulting (a few faults elsewhere in the process are noise).
+        assert!(minor_faults() - before < 64, "{} faults on populated pages", minor_faults() - before);
+        assert_eq!(sum, 0);
+        // Out-of-range and empty requests are clamped, not errors.
+        seg.populate(seg.len() - 10, 4096).unwrap();
+        seg.populate(0, 0).unwrap();
+    }
 }
