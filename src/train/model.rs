@@ -424,7 +424,7 @@ mod tests {
             b.backward(&labels, &mut gb);
             let scale = gb.iter().fold(0.0f32, |m, g| m.max(g.abs()));
             assert!(scale > 0.0);
-            for (e, (x, y)) in a.entries.iter().flat_map(|e| std::iter::repeat(e).take(e.range.len())).zip(ga.iter().zip(&gb)) {
+            for (e, (x, y)) in a.entries.iter().flat_map(|e| std::iter::repeat_n(e, e.range.len())).zip(ga.iter().zip(&gb)) {
                 assert!((x - y).abs() <= 1e-5 * scale, "step {step}: {} gradient {x} vs {y}", e.name);
             }
             // Same update on both, so they stay identical.

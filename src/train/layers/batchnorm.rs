@@ -311,6 +311,7 @@ impl BatchNorm2d {
     /// is written in one pass with no intermediate tensor. Accumulates `dgamma`, `dbeta` into `dp`
     /// and overwrites `dinp` when given. Equal to the unfused chain up to rounding (the sums skip
     /// the zeros, so they add in another order).
+    #[allow(clippy::too_many_arguments)] // the three fused layers' tensors and state
     pub(crate) fn backward_relu_pool(
         &mut self,
         p: &[f32],
