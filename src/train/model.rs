@@ -6,6 +6,12 @@
 //! each layer sees its own slice. Activations are kept per layer (`acts[i]` is layer `i`'s input,
 //! `acts[i + 1]` its output) and reused across steps; backward ping-pongs two gradient tensors,
 //! running the layers in exactly the reverse order of forward.
+//!
+//! A BatchNorm followed by a ReLU and a 2x2 max-pool runs as one fused pass each way
+//! (`BatchNorm2d::forward_relu_pool`): those three layers are bound by memory, not arithmetic,
+//! and fusing them skips writing and re-reading two activation-sized tensors (the BatchNorm and
+//! ReLU outputs, whose `acts` entries are then left unwritten). Measured in
+//! `benches/train_step.rs`; [`Model::set_fusion`] turns it off.
 
 use std::ops::Range;
 
@@ -70,6 +76,14 @@ pub struct Model {
     dbuf: [Tensor; 2], // gradient ping-pong, sized to the largest activation
     loss: SoftmaxCrossEntropy,
     classes: usize,
+    /// `fusable[i]`: layers `i..i + 3` are BatchNorm, ReLU and a 2x2 stride-2 max-pool over even
+    /// sides, which forward and backward run as one pass (`BatchNorm2d::forward_relu_pool`).
+    fusable: Vec<bool>,
+    /// `ran_fused[i]`: the last forward took the fused path for the group at `i` (so it left
+    /// `acts[i + 1]` and `acts[i + 2]` unwritten and backward must take it too).
+    ran_fused: Vec<bool>,
+    /// Whether forward fuses the groups of `fusable` (on by default; tests turn it off to compare).
+    fuse: bool,
 }
 
 impl Model {
@@ -94,7 +108,21 @@ impl Model {
         let classes = *dims.last().unwrap_or(&0);
         let biggest = acts.iter().map(|a| a.numel()).max().unwrap_or(0);
         let dbuf = [Tensor::zeros(&[biggest]), Tensor::zeros(&[biggest])];
-        Ok(Model { layers, layer_ranges, params: vec![0.0; off], entries, acts, dbuf, loss: SoftmaxCrossEntropy::default(), classes })
+        let fusable: Vec<bool> = (0..layers.len()).map(|i| fusable_at(&layers, &acts, i)).collect();
+        let ran_fused = vec![false; layers.len()];
+        Ok(Model {
+            layers,
+            layer_ranges,
+            params: vec![0.0; off],
+            entries,
+            acts,
+            dbuf,
+            loss: SoftmaxCrossEntropy::default(),
+            classes,
+            fusable,
+            ran_fused,
+            fuse: true,
+        })
     }
 
     /// The recipe's CNN with PyTorch module names, for `batch` images of 1x28x28.
@@ -159,15 +187,38 @@ impl Model {
     /// Forward where, in training, BatchNorm layers marked `sync` sum their statistics over
     /// ranks through `sum` (an all-reduce supplied by the trainer).
     pub fn forward_with<E>(&mut self, train: bool, mut sum: Option<&mut SumFn<'_, E>>) -> Result<(), E> {
-        for (i, (_, l)) in self.layers.iter_mut().enumerate() {
+        self.ran_fused.iter_mut().for_each(|f| *f = false);
+        let mut i = 0;
+        while i < self.layers.len() {
             let (before, after) = self.acts.split_at_mut(i + 1);
             let p = &self.params[self.layer_ranges[i].clone()];
+            let synced = train && sum.is_some();
+            if self.fuse && self.fusable[i] {
+                let (head, tail) = self.layers.split_at_mut(i + 1);
+                if let (Some(bn), Some(pool)) = (as_batchnorm(head[i].1.as_mut()), as_maxpool(tail[1].1.as_mut())) {
+                    if !(synced && bn.sync) {
+                        // BatchNorm + ReLU + pool in one pass, straight into the pool's output.
+                        bn.forward_relu_pool(p, &before[i], &mut after[2], &mut pool.argmax, train);
+                        self.ran_fused[i] = true;
+                        i += 3;
+                        continue;
+                    }
+                }
+            }
+            let l = &mut self.layers[i].1;
             match (train, sum.as_deref_mut(), as_batchnorm(l.as_mut())) {
                 (true, Some(f), Some(bn)) if bn.sync => bn.forward_synced(p, &before[i], &mut after[0], f)?,
                 _ => l.forward(p, &before[i], &mut after[0], train),
             }
+            i += 1;
         }
         Ok(())
+    }
+
+    /// Run BatchNorm + ReLU + max-pool groups as one fused pass (the default) or as three layers
+    /// (for comparing the two).
+    pub fn set_fusion(&mut self, fuse: bool) {
+        self.fuse = fuse;
     }
 
     /// Mark every BatchNorm layer as synchronised (`--sync-bn`) or local.
@@ -202,7 +253,25 @@ impl Model {
         let last = self.acts.len() - 1;
         self.loss.backward(&mut dout, self.acts[last].dims(), targets);
         let mut result = Ok(());
-        for i in (0..self.layers.len()).rev() {
+        let mut next = self.layers.len();
+        while next > 0 {
+            let i = next - 1;
+            if i >= 2 && self.ran_fused[i - 2] {
+                // The fused group ending at this pool: BatchNorm's input gradient in one pass.
+                // (`ran_fused` is only set where both downcasts succeeded.)
+                let g = i - 2;
+                let r = self.layer_ranges[g].clone();
+                let want = if g > 0 { Some(&mut dinp) } else { None };
+                let (p, dp) = (&self.params[r.clone()], &mut grads[r]);
+                let (head, tail) = self.layers.split_at_mut(g + 1);
+                if let (Some(bn), Some(pool)) = (as_batchnorm(head[g].1.as_mut()), as_maxpool(tail[1].1.as_mut())) {
+                    bn.backward_relu_pool(p, dp, &self.acts[g], &self.acts[g + 3], &dout, &pool.argmax, want);
+                    std::mem::swap(&mut dout, &mut dinp);
+                    next = g;
+                    continue;
+                }
+            }
+            next = i;
             let r = self.layer_ranges[i].clone();
             let want = if i > 0 { Some(&mut dinp) } else { None };
             let (p, dp) = (&self.params[r.clone()], &mut grads[r]);
@@ -275,10 +344,29 @@ impl Model {
     }
 }
 
-/// `layer` as a BatchNorm, for the synchronised-BatchNorm path (the only layer-specific step).
+/// `layer` as a BatchNorm, for the synchronised-BatchNorm path and the fused groups.
 fn as_batchnorm(layer: &mut dyn Layer) -> Option<&mut BatchNorm2d> {
     let any: &mut dyn std::any::Any = layer;
     any.downcast_mut::<BatchNorm2d>()
+}
+
+/// `layer` as a max-pool, for the fused groups.
+fn as_maxpool(layer: &mut dyn Layer) -> Option<&mut MaxPool2d> {
+    let any: &mut dyn std::any::Any = layer;
+    any.downcast_mut::<MaxPool2d>()
+}
+
+/// Whether layers `i..i + 3` are BatchNorm, ReLU and a 2x2 stride-2 max-pool over an input with
+/// even height and width (so every input value lies in exactly one window, which the fused
+/// backward relies on).
+fn fusable_at(layers: &[(String, Box<dyn Layer>)], acts: &[Tensor], i: usize) -> bool {
+    if i + 3 > layers.len() {
+        return false;
+    }
+    let any = |k: usize| -> &dyn std::any::Any { layers[i + k].1.as_ref() };
+    let pool_ok = any(2).downcast_ref::<MaxPool2d>().is_some_and(|p| p.kernel == 2 && p.stride == 2);
+    let even = matches!(acts[i].dims(), [_, _, h, w] if h % 2 == 0 && w % 2 == 0);
+    any(0).is::<BatchNorm2d>() && any(1).is::<Relu>() && pool_ok && even
 }
 
 #[cfg(test)]
@@ -307,6 +395,47 @@ mod tests {
             ]
         );
         assert_eq!(m.num_params(), 800 + 32 + 64 + 51200 + 64 + 128 + 3136 * 64 + 64 + 640 + 10);
+    }
+
+    /// The fused BatchNorm + ReLU + pool groups against the three layers run one by one: the
+    /// forward (training and evaluation) is bit-identical, the gradients equal up to rounding
+    /// (the fused sums skip the zeros), over several steps so the running statistics move too.
+    #[test]
+    fn fused_groups_match_separate_layers() {
+        let mut a = Model::fashion_cnn(6).unwrap();
+        a.init(3);
+        assert_eq!(a.fusable.iter().filter(|&&f| f).count(), 2, "both blocks of the recipe fuse");
+        let mut b = Model::fashion_cnn(6).unwrap();
+        b.init(3);
+        b.set_fusion(false);
+        let mut rng = Rng::new(4, 4);
+        let labels: Vec<u8> = (0..6).map(|i| (i * 7 % 10) as u8).collect();
+        for step in 0..3 {
+            let x: Vec<f32> = (0..6 * 784).map(|_| rng.uniform(-1.0, 1.0)).collect();
+            a.input_mut().data_mut().copy_from_slice(&x);
+            b.input_mut().data_mut().copy_from_slice(&x);
+            a.forward(true);
+            b.forward(true);
+            assert_eq!(a.logits().data(), b.logits().data(), "step {step}: training forward");
+            let (la, lb) = (a.loss(&labels).unwrap(), b.loss(&labels).unwrap());
+            assert_eq!(la, lb);
+            let (mut ga, mut gb) = (vec![0.0; a.num_params()], vec![0.0; b.num_params()]);
+            a.backward(&labels, &mut ga);
+            b.backward(&labels, &mut gb);
+            let scale = gb.iter().fold(0.0f32, |m, g| m.max(g.abs()));
+            assert!(scale > 0.0);
+            for (e, (x, y)) in a.entries.iter().flat_map(|e| std::iter::repeat_n(e, e.range.len())).zip(ga.iter().zip(&gb)) {
+                assert!((x - y).abs() <= 1e-5 * scale, "step {step}: {} gradient {x} vs {y}", e.name);
+            }
+            // Same update on both, so they stay identical.
+            for (p, g) in a.params.iter_mut().zip(&ga) {
+                *p -= 0.01 * g;
+            }
+            b.params.copy_from_slice(&a.params);
+            a.forward(false);
+            b.forward(false);
+            assert_eq!(a.logits().data(), b.logits().data(), "step {step}: evaluation forward");
+        }
     }
 
     #[test]

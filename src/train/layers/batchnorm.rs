@@ -239,6 +239,143 @@ impl BatchNorm2d {
         }
     }
 
+    /// BatchNorm, then ReLU, then a 2x2 stride-2 max-pool, in one pass over the normalised values
+    /// (the model's `module1.1..3` and `module2.1..3`): `out[N, C, H/2, W/2]` and the pool's
+    /// `argmax` are written; neither the BatchNorm nor the ReLU output is stored, which saves two
+    /// activation-sized writes and reads per block. Each value is computed exactly as the separate
+    /// layers do (`x * scale + shift`, `max(·, 0)`, first maximum wins), so `out` and `argmax` are
+    /// bit-identical to the unfused chain. `H` and `W` must be even (the model checks).
+    pub(crate) fn forward_relu_pool(&mut self, p: &[f32], inp: &Tensor, out: &mut Tensor, argmax: &mut Vec<u32>, train: bool) {
+        let c = self.channels;
+        if train {
+            let mut scratch = std::mem::take(&mut self.scratch);
+            scratch.resize(2 * c, 0.0);
+            let (mean, var) = scratch.split_at_mut(c);
+            let m = self.batch_stats(inp, mean, var);
+            self.update_stats(mean, var, m as f64);
+            self.scratch = scratch;
+        } else {
+            for ch in 0..c {
+                self.mean[ch] = self.running_mean[ch];
+                self.invstd[ch] = 1.0 / (self.running_var[ch] + self.eps).sqrt();
+            }
+        }
+        let (n, h, w) = (inp.dims()[0], inp.dims()[2], inp.dims()[3]);
+        let (oh, ow) = (h / 2, w / 2);
+        out.resize(&[n, c, oh, ow]);
+        argmax.resize(n * c * oh * ow, 0);
+        let (gamma, beta) = p.split_at(c);
+        let (x, y) = (inp.data(), out.data_mut());
+        let mut row = vec![0.0f32; 2 * w];
+        for plane in 0..n * c {
+            let ch = plane % c;
+            let scale = gamma[ch] * self.invstd[ch];
+            let shift = beta[ch] - self.mean[ch] * scale;
+            let xp = &x[plane * h * w..(plane + 1) * h * w];
+            let base = plane * oh * ow;
+            for oy in 0..oh {
+                // Normalise and rectify the window's two rows first (a vectorisable pass), then pool.
+                let r0 = 2 * oy * w;
+                for (o, &v) in row.iter_mut().zip(&xp[r0..r0 + 2 * w]) {
+                    *o = (v * scale + shift).max(0.0);
+                }
+                let (row0, row1) = row.split_at(w);
+                let yo = &mut y[base + oy * ow..base + (oy + 1) * ow];
+                let ao = &mut argmax[base + oy * ow..base + (oy + 1) * ow];
+                for ox in 0..ow {
+                    let cx = 2 * ox;
+                    let (mut best, mut bi) = (row0[cx], r0 + cx);
+                    if row0[cx + 1] > best {
+                        best = row0[cx + 1];
+                        bi = r0 + cx + 1;
+                    }
+                    if row1[cx] > best {
+                        best = row1[cx];
+                        bi = r0 + w + cx;
+                    }
+                    if row1[cx + 1] > best {
+                        best = row1[cx + 1];
+                        bi = r0 + w + cx + 1;
+                    }
+                    yo[ox] = best;
+                    ao[ox] = bi as u32;
+                }
+            }
+        }
+    }
+
+    /// Backward of [`BatchNorm2d::forward_relu_pool`] from the pooled output `pooled`, its
+    /// gradient `dpool` and the pool's `argmax`: the gradient reaching the BatchNorm output is
+    /// `dpool` at each window's maximum when that maximum is positive (the ReLU passed it), else 0,
+    /// so the per-channel sums visit one value per window instead of four, and the input gradient
+    /// is written in one pass with no intermediate tensor. Accumulates `dgamma`, `dbeta` into `dp`
+    /// and overwrites `dinp` when given. Equal to the unfused chain up to rounding (the sums skip
+    /// the zeros, so they add in another order).
+    #[allow(clippy::too_many_arguments)] // the three fused layers' tensors and state
+    pub(crate) fn backward_relu_pool(
+        &mut self,
+        p: &[f32],
+        dp: &mut [f32],
+        inp: &Tensor,
+        pooled: &Tensor,
+        dpool: &Tensor,
+        argmax: &[u32],
+        dinp: Option<&mut Tensor>,
+    ) {
+        let (n, c, h, w) = (inp.dims()[0], self.channels, inp.dims()[2], inp.dims()[3]);
+        let (hw, ohw) = (h * w, (h / 2) * (w / 2));
+        let (x, g, py) = (inp.data(), dpool.data(), pooled.data());
+        let (dgamma, dbeta) = dp.split_at_mut(c);
+        self.sums.resize(2 * c, 0.0);
+        let (sum_g, sum_gx) = self.sums.split_at_mut(c);
+        for ch in 0..c {
+            let (mu, is) = (self.mean[ch], self.invstd[ch]);
+            let (mut sg, mut sgx) = (0.0f64, 0.0f64);
+            for b in 0..n {
+                let plane = b * c + ch;
+                let xp = &x[plane * hw..(plane + 1) * hw];
+                let (mut a, mut bb) = (0.0f32, 0.0f32);
+                for o in plane * ohw..(plane + 1) * ohw {
+                    if py[o] > 0.0 {
+                        a += g[o];
+                        bb += g[o] * (xp[argmax[o] as usize] - mu);
+                    }
+                }
+                sg += a as f64;
+                sgx += (bb * is) as f64;
+            }
+            sum_g[ch] = sg as f32;
+            sum_gx[ch] = sgx as f32;
+            dbeta[ch] += sum_g[ch];
+            dgamma[ch] += sum_gx[ch];
+        }
+        let Some(dinp) = dinp else { return };
+        let m = (n * hw) as f32;
+        let gamma = &p[..c];
+        let (sum_g, sum_gx) = self.sums.split_at(c);
+        dinp.resize(inp.dims());
+        let d = dinp.data_mut();
+        for plane in 0..n * c {
+            let ch = plane % c;
+            let (mu, is) = (self.mean[ch], self.invstd[ch]);
+            let k = gamma[ch] * is / m;
+            let (sg, sgx) = (sum_g[ch], sum_gx[ch]);
+            let r = plane * hw..(plane + 1) * hw;
+            // Where no gradient arrives (the term `m * 0`, kept so the arithmetic is the unfused one).
+            let zero = m * 0.0;
+            for (o, &xv) in d[r.clone()].iter_mut().zip(&x[r.clone()]) {
+                *o = k * (zero - sg - (xv - mu) * is * sgx);
+            }
+            let (dp_, xp) = (&mut d[r.clone()], &x[r]);
+            for o in plane * ohw..(plane + 1) * ohw {
+                if py[o] > 0.0 {
+                    let i = argmax[o] as usize;
+                    dp_[i] = k * (m * g[o] - sg - (xp[i] - mu) * is * sgx);
+                }
+            }
+        }
+    }
+
     /// Training forward with batch statistics over all ranks (SyncBatchNorm): this rank's
     /// per-channel `Σx`, `Σx²` and count are summed through `sum` (an all-reduce), then every
     /// rank normalises with the global mean and variance.

@@ -11,7 +11,9 @@ pub struct MaxPool2d {
     pub kernel: usize,
     /// Step between windows.
     pub stride: usize,
-    argmax: Vec<u32>, // (N, C, OH, OW) index into the input plane
+    /// `(N, C, OH, OW)` index into the input plane of every window's maximum; written by the
+    /// fused BatchNorm + ReLU + pool forward too (`BatchNorm2d::forward_relu_pool`).
+    pub(crate) argmax: Vec<u32>,
 }
 
 impl MaxPool2d {
