@@ -150,6 +150,17 @@ impl StageTuner {
     }
 }
 
+/// Whether a collective whose per-rank message is `bytes` long should copy once, straight from the
+/// peers' ordinary buffers (`algo::single`), rather than twice through the slots.
+///
+/// Why by size: a direct copy costs a system call and the pinning of the peer's pages (a few
+/// microseconds), paid back from a few tens of KiB on, where staging's second copy costs more,
+/// all the more when the two cores share no cache (the staged lines then travel through memory
+/// twice). Below `small_bytes` the one-phase paths win. `cma_bytes` 0 turns it off.
+pub(crate) fn direct_for(bytes: usize, cma_bytes: usize, small_bytes: usize) -> bool {
+    cma_bytes > 0 && bytes >= cma_bytes && bytes > small_bytes
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -208,6 +219,14 @@ mod tests {
             }
         }
         assert!(spent_probing / clock < 0.03, "probing took {:.1} % of the time", 100.0 * spent_probing / clock);
+    }
+
+    #[test]
+    fn direct_copies_from_the_threshold_up() {
+        assert!(!direct_for(1 << 20, 0, 16 << 10), "0 turns it off");
+        assert!(!direct_for(16 << 10, 4 << 10, 16 << 10), "the small path keeps its sizes");
+        assert!(!direct_for((32 << 10) - 1, 32 << 10, 16 << 10));
+        assert!(direct_for(32 << 10, 32 << 10, 16 << 10));
     }
 
     #[test]
