@@ -894,10 +894,12 @@ fn t_fast_mismatch() -> Result<(), String> {
 // -------------------------------------------------------------------------------------------------
 // Single-copy collectives (direct reads of the peers' ordinary buffers, `shm::algo::single`)
 
-/// small_cfg with the single-copy threshold lowered to 4 KiB, so that `sizes` covers it.
+/// small_cfg with the single-copy threshold lowered to 4 KiB, so that `sizes` covers it, and
+/// streaming stores (above which the staged paths take over again) from 4 MiB only.
 fn single_cfg(n: usize) -> LaunchConfig {
     let mut cfg = small_cfg(n);
     cfg.shm.cma_bytes = 4096;
+    cfg.shm.nt_bytes = 4 << 20;
     cfg
 }
 
@@ -923,7 +925,7 @@ fn t_single_copy_refused() -> Result<(), String> {
 /// Hashes of all_reduce and reduce_scatter outputs on values whose sum depends on the order of
 /// addition, with `cma_bytes` as given.
 fn order_sensitive_hashes(n: usize, cma_bytes: usize) -> Result<Vec<Vec<u64>>, String> {
-    let mut cfg = small_cfg(n);
+    let mut cfg = single_cfg(n);
     cfg.shm.cma_bytes = cma_bytes;
     launch(&cfg, |mut ctx: RankContext| -> RankResult<Vec<u64>> {
         let hash = |y: &[f32]| y.iter().fold(0u64, |h, v| h.wrapping_mul(1099511628211).wrapping_add(v.to_bits() as u64));
@@ -1057,7 +1059,8 @@ fn t_single_copy_dead_peer() -> Result<(), String> {
     cfg.shm.timeout = Duration::from_secs(60);
     let dead = 1;
     let res = launch(&cfg, |mut ctx: RankContext| -> RankResult<String> {
-        let len = 4 << 20;
+        // 4 MiB per rank: below nt_bytes (8 MiB), where the single-copy path stops.
+        let len = 1 << 20;
         let x = vec![1f32; len];
         let mut y = vec![0f32; 2 * len];
         ctx.comm.all_gather(&x, &mut y)?;

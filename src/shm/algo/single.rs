@@ -56,7 +56,7 @@ pub(crate) fn offer(ch: &Channel, call: &Call, bytes: usize, allow: bool) -> boo
     allow
         && ch.world() > 1
         && !ch.direct_refused
-        && direct_for(bytes, ch.config().cma_bytes, ch.small_bytes())
+        && direct_for(bytes, ch.config().cma_bytes, ch.small_bytes(), ch.config().nt_bytes)
         && ch.share_flags(call, call.send.len * esz, call.recv.len * esz).0 == 0
 }
 
