@@ -100,6 +100,13 @@ fn sizes(n: usize, esz: usize, cfg: &ShmConfig) -> Vec<usize> {
     let unit = (64 / esz).max(1);
     let chunk = if n > 1 { (cfg.slot_bytes / (n - 1) / esz) / unit * unit * n } else { cfg.slot_bytes / esz };
     let mut v = vec![0, 1, 7, n.saturating_sub(1), n + 1, small, small + 1, chunk - 1, chunk + 1, 2 * chunk + 3];
+    // Around the single-copy threshold, when a test lowers it to a size the other tests can
+    // afford (per-rank bytes: the block of all_gather and reduce_scatter, the whole message of
+    // broadcast and all_reduce).
+    if cfg.cma_bytes > 0 && cfg.cma_bytes <= 8192 {
+        let t = cfg.cma_bytes / esz;
+        v.extend([t - 1, t, t + 1, 3 * t + 7]);
+    }
     v.sort();
     v.dedup();
     v
@@ -884,6 +891,217 @@ fn t_fast_mismatch() -> Result<(), String> {
     Ok(())
 }
 
+// -------------------------------------------------------------------------------------------------
+// Single-copy collectives (direct reads of the peers' ordinary buffers, `shm::algo::single`)
+
+/// small_cfg with the single-copy threshold lowered to 4 KiB, so that `sizes` covers it, and
+/// streaming stores (above which the staged paths take over again) from 4 MiB only.
+fn single_cfg(n: usize) -> LaunchConfig {
+    let mut cfg = small_cfg(n);
+    cfg.shm.cma_bytes = 4096;
+    cfg.shm.nt_bytes = 4 << 20;
+    cfg
+}
+
+/// Every collective, every dtype, every op, around the threshold and on odd counts, 2-4 ranks.
+fn t_single_copy() -> Result<(), String> {
+    for n in [2, 3, 4] {
+        all_collectives_cfg(single_cfg(n), false).map_err(|e| format!("world {n}: {e}"))?;
+    }
+    Ok(())
+}
+
+/// The kernel refuses (fault injection): the probe fails on every rank, the call is run again
+/// staged, and so are all later calls; every result still right.
+fn t_single_copy_refused() -> Result<(), String> {
+    for n in [2, 3] {
+        let mut cfg = single_cfg(n);
+        cfg.shm.fault_refuse_direct = true;
+        all_collectives_cfg(cfg, false).map_err(|e| format!("world {n}: {e}"))?;
+    }
+    Ok(())
+}
+
+/// Hashes of all_reduce and reduce_scatter outputs on values whose sum depends on the order of
+/// addition, with `cma_bytes` as given.
+fn order_sensitive_hashes(n: usize, cma_bytes: usize) -> Result<Vec<Vec<u64>>, String> {
+    let mut cfg = single_cfg(n);
+    cfg.shm.cma_bytes = cma_bytes;
+    launch(&cfg, |mut ctx: RankContext| -> RankResult<Vec<u64>> {
+        let hash = |y: &[f32]| y.iter().fold(0u64, |h, v| h.wrapping_mul(1099511628211).wrapping_add(v.to_bits() as u64));
+        let mut out = Vec::new();
+        for len in [1023usize, 1024, 1025, 5000, 100_003] {
+            let x: Vec<f32> =
+                (0..len * n).map(|i| ((i * 2654435761 + ctx.rank * 97) % 1000) as f32 * 1.37e-3 + 1e4 * (ctx.rank as f32 - 1.0)).collect();
+            let mut y = vec![0f32; len * n];
+            ctx.comm.all_reduce(&x, &mut y, ReduceOp::Sum)?;
+            out.push(hash(&y));
+            let mut z = vec![0f32; len];
+            ctx.comm.reduce_scatter(&x, &mut z, ReduceOp::Sum)?;
+            // Every rank's block, so that the ranks' hashes can be compared.
+            let mut all = vec![0f32; len * n];
+            ctx.comm.all_gather(&z, &mut all)?;
+            out.push(hash(&all));
+        }
+        Ok(out)
+    })
+    .map_err(|e| e.to_string())
+}
+
+/// The single-copy reductions give the staged path's bits, on every rank, run after run.
+fn t_single_copy_bits() -> Result<(), String> {
+    for n in [2, 3] {
+        let direct = order_sensitive_hashes(n, 4096)?;
+        let again = order_sensitive_hashes(n, 4096)?;
+        let staged = order_sensitive_hashes(n, 0)?;
+        if direct.iter().any(|r| *r != direct[0]) {
+            return Err(format!("world {n}: ranks disagree: {direct:?}"));
+        }
+        if direct != again {
+            return Err(format!("world {n}: runs disagree: {direct:?} vs {again:?}"));
+        }
+        if direct != staged {
+            return Err(format!("world {n}: single-copy {direct:?} differs from staged {staged:?}"));
+        }
+    }
+    Ok(())
+}
+
+/// Rank 0 passes shared buffers (no offer), rank 1 ordinary ones (an offer): every rank runs the
+/// call again staged, and the results are right; then all ordinary, direct.
+fn t_single_copy_mixed() -> Result<(), String> {
+    let out = launch(&single_cfg(2), |mut ctx: RankContext| -> RankResult<Vec<String>> {
+        let (me, n, len) = (ctx.rank, 2usize, 3001usize);
+        let c = &mut ctx.comm;
+        let mut bad = Vec::new();
+        for shared_on_0 in [true, false] {
+            let shared = shared_on_0 && me == 0;
+            let buf = |c: &mut Communicator, data: Vec<f32>| -> Result<Box<dyn BufLike<f32>>, CommError> {
+                if shared {
+                    let mut b = c.alloc_shared::<f32>(data.len())?;
+                    b.copy_from_slice(&data);
+                    Ok(Box::new(b))
+                } else {
+                    Ok(Box::new(data))
+                }
+            };
+            let x = buf(c, input::<f32>(ReduceOp::Sum, me, n, len * n, 0))?;
+            let mut y = buf(c, vec![0f32; len * n])?;
+            c.all_reduce(x.slice(), y.slice_mut(), ReduceOp::Sum)?;
+            if (0..len * n).any(|i| y.slice()[i] as f64 != reference(ReduceOp::Sum, i, n, Dtype::F32)) {
+                bad.push(format!("all_reduce wrong (rank 0 shared: {shared_on_0})"));
+            }
+            let mut z = buf(c, vec![0f32; len])?;
+            c.reduce_scatter(x.slice(), z.slice_mut(), ReduceOp::Sum)?;
+            if (0..len).any(|i| z.slice()[i] as f64 != reference(ReduceOp::Sum, me * len + i, n, Dtype::F32)) {
+                bad.push(format!("reduce_scatter wrong (rank 0 shared: {shared_on_0})"));
+            }
+            let mine = buf(c, input::<f32>(ReduceOp::Sum, me, n, len, 0))?;
+            let mut ag = buf(c, vec![0f32; len * n])?;
+            c.all_gather(mine.slice(), ag.slice_mut())?;
+            let all: Vec<f32> = (0..n).flat_map(|r| input::<f32>(ReduceOp::Sum, r, n, len, 0)).collect();
+            if ag.slice() != all.as_slice() {
+                bad.push(format!("all_gather wrong (rank 0 shared: {shared_on_0})"));
+            }
+            let mut b = buf(c, vec![0f32; len])?;
+            c.broadcast(mine.slice(), b.slice_mut(), 0)?;
+            if b.slice() != input::<f32>(ReduceOp::Sum, 0, n, len, 0).as_slice() {
+                bad.push(format!("broadcast wrong (rank 0 shared: {shared_on_0})"));
+            }
+        }
+        Ok(bad)
+    })
+    .map_err(|e| e.to_string())?;
+    let bad: Vec<String> = out.into_iter().flatten().collect();
+    if bad.is_empty() {
+        Ok(())
+    } else {
+        Err(bad.join("\n"))
+    }
+}
+
+/// Arguments that disagree at single-copy sizes are a mismatch on every rank, before anyone reads
+/// a peer's memory; the communicator stays usable.
+fn t_single_copy_mismatch() -> Result<(), String> {
+    for case in ["all_gather", "broadcast", "all_reduce", "reduce_scatter"] {
+        let res = launch(&single_cfg(2), |mut ctx: RankContext| -> RankResult<String> {
+            let (me, c) = (ctx.rank, &mut ctx.comm);
+            let len = 100_000 + me;
+            let x = vec![1f32; 2 * len];
+            let mut y = vec![0f32; 2 * len];
+            let r = match case {
+                "all_gather" => c.all_gather(&x[..len], &mut y[..2 * len]),
+                "broadcast" => c.broadcast(&x[..len], &mut y[..len], 0),
+                "all_reduce" => c.all_reduce(&x[..len], &mut y[..len], ReduceOp::Sum),
+                _ => c.reduce_scatter(&x[..2 * len], &mut y[..len], ReduceOp::Sum),
+            };
+            let msg = match r {
+                Err(e @ CommError::Mismatch { .. }) => e.to_string(),
+                other => return Err(format!("expected a mismatch error, got {other:?}").into()),
+            };
+            let mut z = vec![me as f32 + 1.0; 100_000];
+            c.all_reduce_in_place(&mut z, ReduceOp::Sum)?;
+            if z.iter().any(|v| *v != 3.0) {
+                return Err("communicator unusable after mismatch".into());
+            }
+            Ok(msg)
+        });
+        expect_all_err(res, &["mismatch", "count=100000", "count=100001"]).map_err(|e| format!("{case}: {e}"))?;
+    }
+    Ok(())
+}
+
+/// A rank dies while its peer reads its buffers (large all_gathers and all_reduces in a loop, the
+/// death timed from a thread): the survivor reports it, within 1 s, naming it.
+fn t_single_copy_dead_peer() -> Result<(), String> {
+    let mut cfg = LaunchConfig::new(2);
+    cfg.fail_fast = false;
+    cfg.shm.timeout = Duration::from_secs(60);
+    let dead = 1;
+    let res = launch(&cfg, |mut ctx: RankContext| -> RankResult<String> {
+        // 4 MiB per rank: below nt_bytes (8 MiB), where the single-copy path stops.
+        let len = 1 << 20;
+        let x = vec![1f32; len];
+        let mut y = vec![0f32; 2 * len];
+        ctx.comm.all_gather(&x, &mut y)?;
+        if ctx.rank == dead {
+            std::thread::spawn(|| {
+                std::thread::sleep(Duration::from_millis(30));
+                std::process::abort();
+            });
+        }
+        let mut last = Instant::now();
+        loop {
+            let r = ctx.comm.all_gather(&x, &mut y).and_then(|_| ctx.comm.all_reduce(&x, &mut y[..len], ReduceOp::Sum));
+            match r {
+                Ok(()) => last = Instant::now(),
+                Err(e) => {
+                    let took = last.elapsed();
+                    if took > Duration::from_secs(1) {
+                        return Err(format!("detection took {took:?}").into());
+                    }
+                    if !e.to_string().contains(&format!("rank {dead} (pid")) || !e.to_string().contains("died") {
+                        return Err(format!("error does not name the dead rank: {e}").into());
+                    }
+                    return Err(format!("OK-SURVIVOR {e}").into());
+                }
+            }
+        }
+    });
+    match res {
+        Err(LaunchError::RanksFailed(f)) => {
+            if !f.iter().any(|x| x.rank == dead && x.exit_code == 128 + libc::SIGABRT) {
+                return Err(format!("rank {dead} should have died of SIGABRT: {f:?}"));
+            }
+            if !f.iter().any(|x| x.rank == 0 && x.message.starts_with("OK-SURVIVOR")) {
+                return Err(format!("the survivor did not report the dead peer properly: {f:?}"));
+            }
+            Ok(())
+        }
+        other => Err(format!("unexpected outcome {other:?}")),
+    }
+}
+
 /// A named test body.
 type TestFn = fn() -> Result<(), String>;
 
@@ -911,6 +1129,12 @@ fn main() {
         ("over_1gib", t_over_1gib),
         ("fast_path", t_fast_path),
         ("fast_mismatch", t_fast_mismatch),
+        ("single_copy", t_single_copy),
+        ("single_copy_refused", t_single_copy_refused),
+        ("single_copy_bits", t_single_copy_bits),
+        ("single_copy_mixed", t_single_copy_mixed),
+        ("single_copy_mismatch", t_single_copy_mismatch),
+        ("single_copy_dead_peer", t_single_copy_dead_peer),
     ];
     let filter: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with('-')).collect();
     let (mut passed, mut failed) = (0, 0);

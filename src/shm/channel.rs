@@ -52,6 +52,12 @@ pub(crate) struct Channel {
     /// Direct copies between ranks (`process_vm_readv`) were refused once: every rank learnt it
     /// in the same phase, so all stop offering them.
     pub(crate) direct_refused: bool,
+    /// Every rank read every peer's memory once, in a probe phase (`algo::single`): from then on
+    /// a failed direct copy in a collective is an error, not a reason to stage.
+    pub(crate) direct_verified: bool,
+    /// Where the single-copy reductions land the peers' pieces before reducing them (reused
+    /// across calls, so no allocation or page fault in steady state).
+    pub(crate) scratch: Vec<u64>,
     /// A sub-communicator's global ranks (see `shm::split`), which its errors name; `None` for a
     /// world communicator.
     global: Option<Arc<[usize]>>,
@@ -78,6 +84,8 @@ impl Channel {
             timing: None,
             staging: (None, Duration::ZERO),
             direct_refused: false,
+            direct_verified: false,
+            scratch: Vec::new(),
             global: None,
         }
     }

@@ -26,6 +26,17 @@ pub(crate) fn allow_sibling_reads() {
 /// Copy `bytes` from `addr` in process `pid` into `dst` with `process_vm_readv`; false when the
 /// kernel refuses (no permission, no such process, not supported) or the copy comes up short.
 pub(crate) fn read_direct(pid: u64, addr: u64, dst: usize, bytes: usize) -> bool {
+    match read_direct_io(pid, addr, dst, bytes) {
+        Ok(()) => true,
+        Err(e) => {
+            tracing::debug!("process_vm_readv from pid {pid} failed ({e}); the message goes through the mailbox");
+            false
+        }
+    }
+}
+
+/// As [`read_direct`], with the reason of a failure (a short read is `UnexpectedEof`).
+pub(crate) fn read_direct_io(pid: u64, addr: u64, dst: usize, bytes: usize) -> std::io::Result<()> {
     let mut done = 0usize;
     while done < bytes {
         let local = libc::iovec { iov_base: (dst + done) as *mut libc::c_void, iov_len: bytes - done };
@@ -33,15 +44,17 @@ pub(crate) fn read_direct(pid: u64, addr: u64, dst: usize, bytes: usize) -> bool
         // SAFETY: `local` is the receive buffer's unfilled tail (writable, `bytes - done` bytes);
         // the kernel checks the remote range against the sender's mappings.
         let n = unsafe { libc::process_vm_readv(pid as libc::pid_t, &local, 1, &remote, 1, 0) };
-        if n <= 0 {
+        if n < 0 {
             let e = std::io::Error::last_os_error();
-            if n < 0 && e.raw_os_error() == Some(libc::EINTR) {
+            if e.raw_os_error() == Some(libc::EINTR) {
                 continue;
             }
-            tracing::debug!("process_vm_readv from pid {pid} failed ({e}); the message goes through the mailbox");
-            return false;
+            return Err(e);
+        }
+        if n == 0 {
+            return Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, format!("read {done} of {bytes} bytes")));
         }
         done += n as usize;
     }
-    true
+    Ok(())
 }

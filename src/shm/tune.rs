@@ -150,6 +150,21 @@ impl StageTuner {
     }
 }
 
+/// Whether a collective whose per-rank message is `bytes` long should copy once, straight from the
+/// peers' ordinary buffers (`algo::single`), rather than twice through the slots.
+///
+/// Why by size: a direct copy costs a system call and the pinning of the peer's pages (a few
+/// microseconds), paid back from a few tens of KiB on, where staging's second copy costs more,
+/// all the more when the two cores share no cache (the staged lines then travel through memory
+/// twice). Below `small_bytes` the one-phase paths win. From `nt_bytes` up the message no longer
+/// fits the caches and the staged paths write with streaming stores, while the kernel's copy
+/// writes through the cache (each destination line is read before it is written): measured on
+/// the project machine at 64 MiB, the direct path was 5-25 % slower there (RESULTS.md, session
+/// 6), so it stops below `nt_bytes`. `cma_bytes` 0 turns it off.
+pub(crate) fn direct_for(bytes: usize, cma_bytes: usize, small_bytes: usize, nt_bytes: usize) -> bool {
+    cma_bytes > 0 && bytes >= cma_bytes && bytes > small_bytes && bytes < nt_bytes
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -208,6 +223,16 @@ mod tests {
             }
         }
         assert!(spent_probing / clock < 0.03, "probing took {:.1} % of the time", 100.0 * spent_probing / clock);
+    }
+
+    #[test]
+    fn direct_copies_from_the_threshold_up() {
+        assert!(!direct_for(1 << 20, 0, 16 << 10, 8 << 20), "0 turns it off");
+        assert!(!direct_for(16 << 10, 4 << 10, 16 << 10, 8 << 20), "the small path keeps its sizes");
+        assert!(!direct_for((32 << 10) - 1, 32 << 10, 16 << 10, 8 << 20));
+        assert!(direct_for(32 << 10, 32 << 10, 16 << 10, 8 << 20));
+        assert!(direct_for((8 << 20) - 1, 32 << 10, 16 << 10, 8 << 20));
+        assert!(!direct_for(8 << 20, 32 << 10, 16 << 10, 8 << 20), "streaming staging from nt_bytes up");
     }
 
     #[test]

@@ -3,6 +3,7 @@
 //! rounds of `n × c_max` elements, or directly on the user buffers when they all live in the
 //! segment (zero-copy).
 
+use super::single::{self, Agreed};
 use super::small;
 use crate::comm::{Call, CollKind, CommError};
 use crate::shm::channel::{Channel, Ctx};
@@ -11,6 +12,11 @@ use crate::shm::sync::{Desc, SHARED_RECV, SHARED_SEND};
 
 /// all_reduce and reduce (`call.kind` tells which; only the root receives a reduce).
 pub(crate) fn all_reduce(ch: &mut Channel, call: &Call, cx: Ctx) -> Result<(), CommError> {
+    run(ch, call, cx, true)
+}
+
+/// `allow_direct` false: the staged re-run of a call whose ranks did not all offer direct reads.
+fn run(ch: &mut Channel, call: &Call, cx: Ctx, allow_direct: bool) -> Result<(), CommError> {
     let (n, me, esz) = (ch.world(), ch.rank(), call.dtype.size());
     let count = call.count;
     let bytes = count * esz;
@@ -26,6 +32,10 @@ pub(crate) fn all_reduce(ch: &mut Channel, call: &Call, cx: Ctx) -> Result<(), C
 
     // Zero-copy path when every rank's send (and the receivers' recv) is in the segment.
     let (flags, so, ro) = ch.share_flags(call, bytes, if receives(me) { bytes } else { 0 });
+    // Single-copy on ordinary buffers: all-reduce only (a reduce's non-roots have no output to
+    // hold their reduced part).
+    let direct = all && single::offer(ch, call, bytes, allow_direct);
+    let (flags, so, ro) = if direct { single::offer_desc(call, flags) } else { (flags, so, ro) };
     let mut p = ch.next_phase();
     let unit = (64 / esz).max(1);
     // The staged path stages the first round in this same phase, so write it before `begin`.
@@ -42,9 +52,17 @@ pub(crate) fn all_reduce(ch: &mut Channel, call: &Call, cx: Ctx) -> Result<(), C
             unsafe { copy_block(send.add((base + lo) * esz), ch.slot(me, p).add(idx * c_max * esz), (hi - lo) * esz, snt) };
         }
     };
-    let pre = ch.stage_pre(call.kind, bytes);
-    stage(ch, 0, count.min(round), p, pre);
+    if !direct {
+        let pre = ch.stage_pre(call.kind, bytes);
+        stage(ch, 0, count.min(round), p, pre);
+    }
     let (descs, _) = ch.begin(call, flags | ch.stage_flag(), so, ro, cx)?;
+    match single::agreed(&descs) {
+        Agreed::No => {}
+        Agreed::Yes if single::verified(ch, call, &descs, cx)? => return single::all_reduce(ch, call, &descs, cx),
+        // Nothing written yet: run the call again, staged.
+        _ => return run(ch, call, cx, false),
+    }
     let zero_copy = descs.iter().enumerate().all(|(r, d)| d.flags & SHARED_SEND != 0 && (!receives(r) || d.flags & SHARED_RECV != 0));
     if zero_copy {
         return all_reduce_zero_copy(ch, call, &descs, cx);
@@ -135,7 +153,7 @@ fn all_reduce_zero_copy(ch: &mut Channel, call: &Call, descs: &[Desc], cx: Ctx) 
 }
 
 /// Split `len` elements into `n` parts aligned to `unit` elements: part `j` is `[lo, hi)`.
-fn part(len: usize, n: usize, j: usize, unit: usize) -> (usize, usize) {
+pub(crate) fn part(len: usize, n: usize, j: usize, unit: usize) -> (usize, usize) {
     let q = len.div_ceil(n).next_multiple_of(unit);
     let lo = (j * q).min(len);
     let hi = ((j + 1) * q).min(len);

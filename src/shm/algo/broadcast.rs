@@ -1,12 +1,18 @@
 //! broadcast: the root stages the message chunk by chunk in its slot and every other rank copies
 //! it out; or, when the root's send buffer lives in the segment, everyone copies from it directly.
 
+use super::single::{self, Agreed};
 use crate::comm::{Call, CommError};
 use crate::shm::channel::{Channel, Ctx};
 use crate::shm::reduce::copy_block;
 use crate::shm::sync::SHARED_SEND;
 
 pub(crate) fn broadcast(ch: &mut Channel, call: &Call, cx: Ctx) -> Result<(), CommError> {
+    run(ch, call, cx, true)
+}
+
+/// `allow_direct` false: the staged re-run of a call whose ranks did not all offer direct reads.
+fn run(ch: &mut Channel, call: &Call, cx: Ctx, allow_direct: bool) -> Result<(), CommError> {
     let (n, me, esz) = (ch.world(), ch.rank(), call.dtype.size());
     let root = call.root;
     let bytes = call.count * esz;
@@ -15,14 +21,22 @@ pub(crate) fn broadcast(ch: &mut Channel, call: &Call, cx: Ctx) -> Result<(), Co
     let chunk = ch.slot_bytes();
     let nt = ch.nt_for(bytes);
     let (flags, so, ro) = ch.share_flags(call, if me == root { bytes } else { 0 }, 0);
+    let direct = single::offer(ch, call, bytes, allow_direct);
+    let (flags, so, ro) = if direct { single::offer_desc(call, flags) } else { (flags, so, ro) };
     let mut p = ch.next_phase();
-    let pre = ch.stage_pre(call.kind, bytes);
-    if me == root {
+    let pre = if direct { false } else { ch.stage_pre(call.kind, bytes) };
+    if me == root && !direct {
         // SAFETY: the slot holds `chunk` bytes; send holds `bytes`.
         unsafe { copy_block(send, ch.slot(me, p), bytes.min(chunk), pre) };
     }
     let (descs, _) = ch.begin(call, flags | ch.stage_flag(), so, ro, cx)?;
     let zero_copy = descs[root].flags & SHARED_SEND != 0 && bytes > ch.small_bytes();
+    match single::agreed(&descs) {
+        Agreed::No => {}
+        Agreed::Yes if single::verified(ch, call, &descs, cx)? => return single::broadcast(ch, call, &descs, cx),
+        // Nothing written yet: run the call again, staged.
+        _ => return run(ch, call, cx, false),
+    }
     let snt = ch.stage_agreed(call.kind, bytes, &descs, !zero_copy && n > 1);
     if me == root {
         // The staged path copies the rest chunk by chunk along with the staging, reading the

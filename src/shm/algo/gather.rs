@@ -2,6 +2,7 @@
 //! receivers copy every peer's block out; or, when every send buffer lives in the segment, the
 //! receivers copy from them directly.
 
+use super::single::{self, Agreed};
 use crate::comm::{Call, CollKind, CommError};
 use crate::shm::channel::{Channel, Ctx};
 use crate::shm::reduce::copy_block;
@@ -9,6 +10,11 @@ use crate::shm::sync::SHARED_SEND;
 
 /// all_gather and gather (`call.kind` tells which; only the root receives a gather).
 pub(crate) fn all_gather(ch: &mut Channel, call: &Call, cx: Ctx) -> Result<(), CommError> {
+    run(ch, call, cx, true)
+}
+
+/// `allow_direct` false: the staged re-run of a call whose ranks did not all offer direct reads.
+fn run(ch: &mut Channel, call: &Call, cx: Ctx, allow_direct: bool) -> Result<(), CommError> {
     let (n, me, esz) = (ch.world(), ch.rank(), call.dtype.size());
     let all = call.kind == CollKind::AllGather;
     let receives = all || me == call.root;
@@ -18,12 +24,22 @@ pub(crate) fn all_gather(ch: &mut Channel, call: &Call, cx: Ctx) -> Result<(), C
     let chunk = ch.slot_bytes();
     let nt = ch.nt_for(bytes * n);
     let (flags, so, ro) = ch.share_flags(call, bytes, 0);
+    let direct = single::offer(ch, call, bytes, allow_direct);
+    let (flags, so, ro) = if direct { single::offer_desc(call, flags) } else { (flags, so, ro) };
     let mut p = ch.next_phase();
-    let pre = ch.stage_pre(call.kind, bytes);
-    // SAFETY: the slot holds `chunk` bytes; send holds `bytes`.
-    unsafe { copy_block(send, ch.slot(me, p), bytes.min(chunk), pre) };
+    if !direct {
+        let pre = ch.stage_pre(call.kind, bytes);
+        // SAFETY: the slot holds `chunk` bytes; send holds `bytes`.
+        unsafe { copy_block(send, ch.slot(me, p), bytes.min(chunk), pre) };
+    }
     let (descs, _) = ch.begin(call, flags | ch.stage_flag(), so, ro, cx)?;
     let zero_copy = descs.iter().all(|d| d.flags & SHARED_SEND != 0) && bytes > ch.small_bytes();
+    match single::agreed(&descs) {
+        Agreed::No => {}
+        Agreed::Yes if single::verified(ch, call, &descs, cx)? => return single::all_gather(ch, call, &descs, cx),
+        // Nothing written yet: run the call again, staged.
+        _ => return run(ch, call, cx, false),
+    }
     let snt = ch.stage_agreed(call.kind, bytes, &descs, !zero_copy && n > 1);
     // Our own block: the staged path copies it chunk by chunk along with the staging.
     // SAFETY: (add) recv holds n*bytes on receivers.

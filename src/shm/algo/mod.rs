@@ -9,6 +9,8 @@
 //!   slots, or directly on the buffers when they all live in the segment.
 //! * [`broadcast`], [`gather`] (all-gather and gather), [`reduce_scatter`]: staged chunk by chunk
 //!   through the slots, or zero-copy.
+//! * [`single`]: broadcast, all-gather, reduce-scatter and all-reduce on ordinary buffers from
+//!   `cma_bytes` up: one copy, straight out of the peers' buffers (cross-memory attach).
 //! * [`exchange`]: all_to_all, all_to_all_v, scatter, all_gather_v and gather_v, staged in rounds
 //!   through the slots after a first phase that checks the per-pair counts.
 //! * [`p2p`]: point-to-point sends and receives through the per-pair mailboxes (no phases).
@@ -20,4 +22,5 @@ pub(crate) mod fast;
 pub(crate) mod gather;
 pub(crate) mod p2p;
 pub(crate) mod reduce_scatter;
+pub(crate) mod single;
 pub(crate) mod small;

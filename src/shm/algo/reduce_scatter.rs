@@ -2,12 +2,18 @@
 //! and reduces its own block from its input and the peers' staged copies; or, when every send
 //! buffer lives in the segment, reduces its block straight from them.
 
+use super::single::{self, Agreed};
 use crate::comm::{Call, CommError};
 use crate::shm::channel::{Channel, Ctx};
 use crate::shm::reduce::{copy_block, reduce_into, reduce_raw, Dst};
 use crate::shm::sync::SHARED_SEND;
 
 pub(crate) fn reduce_scatter(ch: &mut Channel, call: &Call, cx: Ctx) -> Result<(), CommError> {
+    run(ch, call, cx, true)
+}
+
+/// `allow_direct` false: the staged re-run of a call whose ranks did not all offer direct reads.
+fn run(ch: &mut Channel, call: &Call, cx: Ctx, allow_direct: bool) -> Result<(), CommError> {
     let (n, me, esz) = (ch.world(), ch.rank(), call.dtype.size());
     let c = call.count;
     let send = call.send.addr as *const u8;
@@ -29,11 +35,21 @@ pub(crate) fn reduce_scatter(ch: &mut Channel, call: &Call, cx: Ctx) -> Result<(
             unsafe { copy_block(send.add((j * c + off) * esz), ch.slot(me, p).add(idx * c_max * esz), len * esz, snt) };
         }
     };
+    let direct = single::offer(ch, call, c * esz, allow_direct);
+    let (flags, so, ro) = if direct { single::offer_desc(call, flags) } else { (flags, so, ro) };
     let mut p = ch.next_phase();
-    let pre = ch.stage_pre(call.kind, n * c * esz);
-    stage(ch, 0, c.min(c_max), p, pre);
+    if !direct {
+        let pre = ch.stage_pre(call.kind, n * c * esz);
+        stage(ch, 0, c.min(c_max), p, pre);
+    }
     let (descs, _) = ch.begin(call, flags | ch.stage_flag(), so, ro, cx)?;
     let zero_copy = descs.iter().all(|d| d.flags & SHARED_SEND != 0) && c * esz > ch.small_bytes();
+    match single::agreed(&descs) {
+        Agreed::No => {}
+        Agreed::Yes if single::verified(ch, call, &descs, cx)? => return single::reduce_scatter(ch, call, &descs, cx),
+        // Nothing written yet: run the call again, staged.
+        _ => return run(ch, call, cx, false),
+    }
     let snt = ch.stage_agreed(call.kind, n * c * esz, &descs, !zero_copy);
     if zero_copy {
         let sends: Vec<*const u8> = descs.iter().map(|d| ch.at(d.send_off) as *const u8).collect();
