@@ -3,6 +3,7 @@
 //! rounds of `n × c_max` elements, or directly on the user buffers when they all live in the
 //! segment (zero-copy).
 
+use super::part;
 use super::single::{self, Agreed};
 use super::small;
 use crate::comm::{Call, CollKind, CommError};
@@ -150,14 +151,6 @@ fn all_reduce_zero_copy(ch: &mut Channel, call: &Call, descs: &[Desc], cx: Ctx) 
     // Nobody returns (and reuses its buffers) before everyone has finished.
     ch.phase(cx)?;
     Ok(())
-}
-
-/// Split `len` elements into `n` parts aligned to `unit` elements: part `j` is `[lo, hi)`.
-pub(crate) fn part(len: usize, n: usize, j: usize, unit: usize) -> (usize, usize) {
-    let q = len.div_ceil(n).next_multiple_of(unit);
-    let lo = (j * q).min(len);
-    let hi = ((j + 1) * q).min(len);
-    (lo, hi)
 }
 
 #[cfg(test)]

@@ -24,3 +24,12 @@ pub(crate) mod p2p;
 pub(crate) mod reduce_scatter;
 pub(crate) mod single;
 pub(crate) mod small;
+
+/// Split `len` elements into `n` parts aligned to `unit` elements: part `j` is `[lo, hi)`. The
+/// all-reduce's reduce-scatter phase, staged or single-copy, gives part `j` to rank `j`.
+pub(crate) fn part(len: usize, n: usize, j: usize, unit: usize) -> (usize, usize) {
+    let q = len.div_ceil(n).next_multiple_of(unit);
+    let lo = (j * q).min(len);
+    let hi = ((j + 1) * q).min(len);
+    (lo, hi)
+}

@@ -24,7 +24,7 @@
 
 use std::sync::atomic::Ordering::Relaxed;
 
-use super::allreduce::part;
+use super::part;
 use crate::comm::{Call, CollKind, CommError};
 use crate::shm::channel::{Channel, Ctx};
 use crate::shm::direct::read_direct_io;
