@@ -108,10 +108,53 @@ fn save_every_epoch_and_resume_bit_identically() -> Result<(), String> {
     )
 }
 
+/// fp16 with dynamic loss scaling on 2 ranks: a starting scale of 2^26 overflows (fp16 tops out at 65504), and both ranks
+/// must skip the same steps (one verdict on the all-reduced gradients), halve the scale the same
+/// number of times and end with bit-identical parameters.
+fn fp16_ranks_agree_on_skips() -> Result<(), String> {
+    use lockstep::train::device::Precision;
+    use lockstep::train::precision::LossScaler;
+    let dir = common::scratch("device-dist-fp16");
+    data::write_synthetic(&dir, 48, 11, 3).map_err(|e| e.to_string())?;
+    let train = data::load_split(&dir, true).map_err(|e| e.to_string())?;
+    let test = data::load_split(&dir, false).map_err(|e| e.to_string())?;
+    let _ = std::fs::remove_dir_all(&dir);
+    // 48 images over 2 ranks, batch 4: 6 steps per rank per epoch, 2 epochs.
+    let cfg = TrainConfig { epochs: 2, batch_size: 4, ..Default::default() };
+    let out = launch(&LaunchConfig::new(2), |mut ctx: RankContext| {
+        let scaler = LossScaler::new(2f32.powi(26), 2.0, 0.5, 2000).map_err(|e| e.to_string())?;
+        let opts = DeviceOptions { loss_every: 1, precision: Precision::Fp16, loss_scaler: scaler };
+        let out = train_device(&cfg, &opts, &train, &test, |len| Ok(CpuExec::new(len)), Some(&mut ctx.comm), &mut Silent)?;
+        let bits: Vec<u32> = out.params.iter().map(|p| p.to_bits()).collect();
+        let skipped: Vec<u64> = out.reports.iter().map(|r| r.skipped_steps).collect();
+        let scales: Vec<Option<f32>> = out.reports.iter().map(|r| r.loss_scale).collect();
+        let finite = out.params.iter().all(|p| p.is_finite());
+        Ok((bits, skipped, scales, finite))
+    })
+    .map_err(|e| e.to_string())?;
+    let (a, b) = (&out[0], &out[1]);
+    let differ = a.0.iter().zip(&b.0).filter(|(x, y)| x != y).count();
+    common::check(differ == 0, "fp16 parameters bit-identical on both ranks", format!("{differ} of {} differ", a.0.len()))?;
+    common::check(
+        a.1 == b.1 && a.2 == b.2,
+        "the same skipped steps and loss scale on both ranks",
+        format!("{:?} {:?} vs {:?} {:?}", a.1, a.2, b.1, b.2),
+    )?;
+    let total: u64 = a.1.iter().sum();
+    common::check(
+        total > 0 && total < 12,
+        "2^26 overflows at first, then steps apply",
+        format!("skipped per epoch {:?} of 6 steps each", a.1),
+    )?;
+    common::check(a.2.last().copied().flatten().is_some_and(|s| s < 2f32.powi(26)), "the scale came down", format!("{:?}", a.2))?;
+    common::check(a.3, "finite parameters after the skipped steps", "a parameter is inf or NaN")
+}
+
 fn main() -> std::process::ExitCode {
     common::run(&[
         ("two_ranks_stay_identical", two_ranks_stay_identical),
         ("initial_weights_come_from_rank_0", initial_weights_come_from_rank_0),
         ("save_every_epoch_and_resume_bit_identically", save_every_epoch_and_resume_bit_identically),
+        ("fp16_ranks_agree_on_skips", fp16_ranks_agree_on_skips),
     ])
 }
