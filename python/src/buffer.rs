@@ -108,12 +108,23 @@ block; pass a contiguous copy (numpy.ascontiguousarray(x), tensor.contiguous()) 
 }
 
 impl View {
+    /// A view of `t`, known to be a CPU torch tensor (`t.is_cpu` read by the caller), or None
+    /// when `t` is not a torch tensor (or torch was not looked up yet): then use [`View::new`].
+    pub fn torch_cpu(t: &Bound<'_, PyAny>, what: &str) -> Option<PyResult<View>> {
+        let torch = Torch::get(t.py())?;
+        match t.is_instance(torch.tensor.bind(t.py())) {
+            Ok(true) => Some(torch.view(t, what, Some(true))),
+            Ok(false) => None,
+            Err(e) => Some(Err(e)),
+        }
+    }
+
     /// Export `obj`'s memory: through the buffer protocol, or else through DLPack (torch tensors,
     /// which have no buffer protocol). `what` names the argument in messages ("send", "recv", ...).
     pub fn new(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<View> {
         if let Some(t) = Torch::get(obj.py()) {
             if obj.is_instance(t.tensor.bind(obj.py()))? {
-                return t.view(obj, what);
+                return t.view(obj, what, None);
             }
         }
         // SAFETY: PyBufferRaw is plain data (pointers and integers); all-zero is a valid value to
@@ -131,7 +142,7 @@ impl View {
                 // A torch tensor met before torch was looked up: take the direct path from now on.
                 if let Some(t) = Torch::init(obj.py())? {
                     if obj.is_instance(t.tensor.bind(obj.py()))? {
-                        return t.view(obj, what);
+                        return t.view(obj, what, None);
                     }
                 }
                 return View::from_dlpack(obj, what);
@@ -381,10 +392,15 @@ impl Torch {
         Ok(Torch::get(py))
     }
 
-    /// A view of a torch tensor `t` in host memory.
-    fn view(&self, t: &Bound<'_, PyAny>, what: &str) -> PyResult<View> {
+    /// A view of a torch tensor `t`; `is_cpu` when the caller has read `t.is_cpu` already (the
+    /// torch backend's all-reduce does, to route CUDA tensors).
+    fn view(&self, t: &Bound<'_, PyAny>, what: &str, is_cpu: Option<bool>) -> PyResult<View> {
         let py = t.py();
-        let loc = if t.getattr(pyo3::intern!(py, "is_cpu"))?.is_truthy()? {
+        let cpu = match is_cpu {
+            Some(c) => c,
+            None => t.getattr(pyo3::intern!(py, "is_cpu"))?.is_truthy()?,
+        };
+        let loc = if cpu {
             Loc::Host
         } else if t.getattr(pyo3::intern!(py, "is_cuda"))?.is_truthy()? {
             Loc::Cuda(Some(t.call_method0(pyo3::intern!(py, "get_device"))?.extract()?))
