@@ -14,7 +14,7 @@
 //! - bf16 and fp16 GEMMs (same 16-bit operands on both sides, f32 accumulation): 1e-3 / 1e-3;
 //! - BatchNorm (f32 tree reductions vs f64): 1e-4 / 1e-4; loss: 1e-5 / 1e-5;
 //! - Adam/SGD: 1e-6 / 1e-5; elementwise: 1e-6 / 1e-6 (FMA contraction); pooling, gather, casts,
-//!   bucket copies: exact.
+//!   bucket copies, gradient-norm clipping (fixed-order f64 reductions): exact.
 
 #[path = "common/close.rs"]
 mod close;
@@ -27,7 +27,9 @@ use close::{assert_close, Tol};
 use half::{bf16, f16};
 use lockstep::cuda::{DeviceBuffer, KernelGrid};
 use lockstep::train::device::kernels::{twins, BucketEntry, KernelId};
-use lockstep::train::device::plan::{splitk_workspace_len, AdamHyper, Arena, Arg, BnTensors, Builder, ConvLaunch, LossTensors, Op, Region};
+use lockstep::train::device::plan::{
+    splitk_workspace_len, AdamHyper, Arena, Arg, BnTensors, Builder, ClipTensors, ConvLaunch, LossTensors, Op, Region, CLIP_PARTIALS,
+};
 use lockstep::train::device::{CpuExec, Exec, GpuExec, Precision};
 use lockstep::train::layers::Conv2dParams;
 use lockstep::train::rng::Rng;
@@ -316,6 +318,35 @@ fn main() {
                 ops.ops.push(op(KernelId::Optim, "sgd_step_f32", a, n));
             }
             compare(&format!("optimizers n={n}"), &ctx, &l, &ops.ops, 1, Tol::new(1e-6, 1e-5), n as u64)?;
+        }
+        Ok(())
+    });
+
+    r.run("clip_grad_norm", || {
+        // Bit-identical to the twins: the reductions have one fixed order (any grid). With and
+        // without clipping at work, a grid other than the builder's, and an inf gradient.
+        for n in [1usize, 3, 65, 1000, 70_001, 300_007] {
+            for (max_norm, grid) in [(0.5f32, None), (1e9, None), (0.5, Some(7u32)), (1.0, Some(1))] {
+                let mut l = Lay::default();
+                let g = l.f(n);
+                let c = ClipTensors { partials: l.f(CLIP_PARTIALS), coef: l.f(1), norm: l.f(1), nonfinite_step: l.i(1) };
+                let mut ops = Builder::new(sm);
+                if grid == Some(1) {
+                    ops.ops.push(op(
+                        KernelId::Elementwise,
+                        "fill_f32",
+                        vec![Arg::Out(g.sub(n / 2, 1)), Arg::F32(f32::INFINITY), Arg::I64(1)],
+                        1,
+                    ));
+                }
+                ops.clip_grad_norm(g, &c, max_norm, 5);
+                if let Some(blocks) = grid {
+                    let k = ops.ops.len() - 3;
+                    ops.ops[k].cfg.grid = (blocks, 1, 1);
+                }
+                let what = format!("clip_grad_norm n={n} max_norm={max_norm} grid={grid:?}");
+                compare(&what, &ctx, &l, &ops.ops, 1, EXACT, n as u64)?;
+            }
         }
         Ok(())
     });

@@ -15,6 +15,10 @@
 //!   2e-2 / 5e-2 and finite after;
 //! - `steps_match_cpu_engine_fp16`: the same for fp16 with loss scaling (first 2 steps
 //!   2e-2 / 5e-2, as bf16; fp16 keeps more mantissa bits);
+//! - `steps_match_cpu_engine_fp32_clipping` (threshold 0.05, clips most steps),
+//!   `..._fp32_clipping_idle` (1e6, never clips: parameters bit-identical to no clipping) and
+//!   `..._fp16_clipping`: the step with `--clip-grad-norm` against the CPU engine clipping alike,
+//!   same tolerances as above;
 //! - `fp16_overflow_skips_then_trains`: a loss scale of 2^40 makes the first steps overflow: each
 //!   is skipped with the parameters bit-unchanged and the scale halved, then steps apply (each
 //!   applied one changing the parameters, the scale kept), all in one captured graph;
@@ -30,7 +34,8 @@
 //!   FashionMNIST when installed, with its test set cut to 500 images to keep the run short;
 //!   else a synthetic set) reaches a test accuracy far above chance (> 25 %; 10 % is chance,
 //!   the CPU engine gets about 33 % from these 4 steps per rank) and within 8 points of the same
-//!   run with `--device cpu`.
+//!   run with `--device cpu`;
+//! - `train_cnn_clip_end_to_end`: the same with `--clip-grad-norm 1.0` on both devices.
 //!
 //! Every check runs in its own process (the driver and NVRTC are chosen once per process).
 
@@ -58,13 +63,14 @@ fn synthetic(tag: &str, n_train: usize, n_test: usize) -> PathBuf {
     dir
 }
 
-/// Losses of `steps` CPU-engine steps on batches `idx[s*b..(s+1)*b]` (as tests/gpu_train.rs).
-fn cpu_losses(model: &Model, data: &Dataset, idx: &[usize], b: usize, steps: usize) -> Vec<f32> {
+/// Losses of `steps` CPU-engine steps on batches `idx[s*b..(s+1)*b]` (as tests/gpu_train.rs),
+/// clipping the gradient norm to `clip` when given (then also the norms before clipping).
+fn cpu_losses(model: &Model, data: &Dataset, idx: &[usize], b: usize, steps: usize, clip: Option<f32>) -> (Vec<f32>, Vec<f64>) {
     let mut m = Model::fashion_cnn(b).unwrap();
     m.params.copy_from_slice(&model.params);
     let mut opt = Adam::new(m.num_params(), LR);
     let mut grads = vec![0.0f32; m.num_params()];
-    let mut out = Vec::new();
+    let (mut out, mut norms) = (Vec::new(), Vec::new());
     for s in 0..steps {
         let chunk = &idx[s * b..(s + 1) * b];
         let input = m.input_mut();
@@ -80,18 +86,23 @@ fn cpu_losses(model: &Model, data: &Dataset, idx: &[usize], b: usize, steps: usi
         out.push(m.loss(&labels).unwrap());
         grads.fill(0.0);
         m.backward(&labels, &mut grads);
+        if let Some(c) = clip {
+            norms.push(lockstep::train::trainer::clip_grad_norm(&mut grads, c));
+        }
         opt.step(&mut m.params, &grads);
     }
-    out
+    (out, norms)
 }
 
-/// `steps` device-engine steps: the losses and the final parameters.
+/// `steps` device-engine steps, clipping the gradient norm to `clip` when given: the losses and
+/// the final parameters.
 fn device_run(
     ctx: &std::sync::Arc<Context>,
     b: usize,
     steps: usize,
     precision: Precision,
     graphs: bool,
+    clip: Option<f32>,
 ) -> Result<(Vec<f32>, Vec<f32>), String> {
     let dir = synthetic("steps", b * steps, 16);
     let train = data::load_split(&dir, true).map_err(|e| e.to_string())?;
@@ -102,6 +113,7 @@ fn device_run(
     let t = plan::Tensors::new(&model, b, precision).map_err(e)?;
     let exec = GpuExec::new(ctx, t.arena_len, graphs).map_err(|e| e.to_string())?;
     let mut eng = Engine::new(exec, &model, b, precision).map_err(e)?;
+    eng.set_clip_grad_norm(clip).map_err(e)?;
     eng.upload_dataset(&train, &Dataset { rows: 28, cols: 28, ..Default::default() }).map_err(e)?;
     let idx: Vec<usize> = (0..train.len()).collect();
     eng.set_index_list(&idx, false).map_err(e)?;
@@ -110,6 +122,7 @@ fn device_run(
         eng.train_step(s * b, b, LR, None).map_err(e)?;
         losses.push(eng.last_loss().map_err(e)?);
     }
+    eng.check_grad_norm().map_err(e)?;
     if graphs && eng.exec.graph_count() != 1 {
         return Err(format!("expected one captured graph (captured once, then replayed), found {}", eng.exec.graph_count()));
     }
@@ -117,20 +130,37 @@ fn device_run(
 }
 
 fn steps_match_cpu(precision: Precision, tol: Tol, compared: usize) -> Result<(), String> {
+    steps_match_cpu_clipped(precision, tol, compared, None)
+}
+
+/// The device step against the CPU engine, both clipping the gradient norm to `clip` when given.
+/// A threshold below 1 must clip most steps (the CPU engine's norms say so) and change the
+/// device's parameters; one above the norms must leave them bit-identical to no clipping.
+fn steps_match_cpu_clipped(precision: Precision, tol: Tol, compared: usize, clip: Option<f32>) -> Result<(), String> {
     let (b, steps) = (32, 4);
     let ctx = Context::new(0).map_err(|e| e.to_string())?;
-    let (got, _) = device_run(&ctx, b, steps, precision, true)?;
+    let (got, params) = device_run(&ctx, b, steps, precision, true, clip)?;
     let dir = synthetic("cpu", b * steps, 16);
     let train = data::load_split(&dir, true).map_err(|e| e.to_string())?;
     let _ = std::fs::remove_dir_all(&dir);
     let mut model = Model::fashion_cnn(b).unwrap();
     model.init(42);
     let idx: Vec<usize> = (0..train.len()).collect();
-    let want = cpu_losses(&model, &train, &idx, b, steps);
-    println!("    device losses {got:?}\n    cpu    losses {want:?}");
+    let (want, norms) = cpu_losses(&model, &train, &idx, b, steps, clip);
+    println!("    device losses {got:?}\n    cpu    losses {want:?}\n    cpu gradient norms {norms:?}");
     assert_close("losses, simulated GPU vs CPU engine", &got[..compared], &want[..compared], tol)?;
     if !got.iter().all(|l| l.is_finite()) {
         return Err(format!("non-finite loss: {got:?}"));
+    }
+    if let Some(c) = clip {
+        let (_, unclipped) = device_run(&ctx, b, steps, precision, true, None)?;
+        let same = digest(&params) == digest(&unclipped);
+        if c < 1.0 && (norms.iter().filter(|&&n| n > c as f64).count() < steps / 2 || same) {
+            return Err(format!("clipping to {c} must act on most steps (CPU norms {norms:?}) and change the parameters"));
+        }
+        if c >= 1.0 && (norms.iter().any(|&n| n >= c as f64) || !same) {
+            return Err(format!("clipping to {c} must never act (CPU norms {norms:?}): the parameters must equal an unclipped run's"));
+        }
     }
     Ok(())
 }
@@ -321,7 +351,7 @@ fn kernel_trap_fails_the_launch() -> Result<(), String> {
 /// Print the digest of the parameters after 2 steps (for `two_runs_bit_identical_...`).
 fn params_digest() -> Result<(), String> {
     let ctx = Context::new(0).map_err(|e| e.to_string())?;
-    let (losses, params) = device_run(&ctx, 32, 2, Precision::Fp32, true)?;
+    let (losses, params) = device_run(&ctx, 32, 2, Precision::Fp32, true, None)?;
     println!("digest {:016x} losses {losses:?}", digest(&params));
     Ok(())
 }
@@ -355,13 +385,14 @@ fn test_acc(stdout: &str) -> Option<f64> {
         .next_back()
 }
 
-fn train_cnn_end_to_end(sim: &simt::SimGpu) -> Result<(), String> {
+/// `train-cnn` with `extra` flags on both devices (see the module documentation).
+fn train_cnn_end_to_end(sim: &simt::SimGpu, extra: &[&str]) -> Result<(), String> {
     let dir = std::env::temp_dir().join(format!("lockstep-sim-gpu-e2e-{}", std::process::id()));
     let what = e2e_data(&dir);
     let mut accs = Vec::new();
     for device in ["cuda", "cpu"] {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_train-cnn"));
-        cmd.args(["--device", device, "--limit-train", "512", "--epochs", "1", "--json", "--data"]).arg(&dir);
+        cmd.args(["--device", device, "--limit-train", "512", "--epochs", "1", "--json", "--data"]).arg(&dir).args(extra);
         sim.apply(&mut cmd);
         let t = std::time::Instant::now();
         let out = cmd.output().map_err(|e| e.to_string())?;
@@ -370,7 +401,7 @@ fn train_cnn_end_to_end(sim: &simt::SimGpu) -> Result<(), String> {
             return Err(format!("train-cnn --device {device} failed ({}):\n{text}", out.status));
         }
         let acc = test_acc(&String::from_utf8_lossy(&out.stdout)).ok_or_else(|| format!("no test_acc in the output:\n{text}"))?;
-        println!("    train-cnn --device {device} on {what}: test accuracy {acc:.2} % ({:.1} s)", t.elapsed().as_secs_f64());
+        println!("    train-cnn --device {device} {extra:?} on {what}: test accuracy {acc:.2} % ({:.1} s)", t.elapsed().as_secs_f64());
         accs.push(acc);
     }
     let _ = std::fs::remove_dir_all(&dir);
@@ -481,11 +512,14 @@ fn scenario(name: &str) -> Result<(), String> {
         "steps_tf32" => steps_match_cpu(Precision::Fp32, Tol::new(5e-2, 5e-2), 4),
         "steps_bf16" => steps_match_cpu(Precision::Bf16, Tol::new(2e-2, 5e-2), 2),
         "steps_fp16" => steps_match_cpu(Precision::Fp16, Tol::new(2e-2, 5e-2), 2),
+        "steps_fp32_clip" => steps_match_cpu_clipped(Precision::Fp32, Tol::new(1e-3, 5e-3), 4, Some(0.05)),
+        "steps_fp32_clip_idle" => steps_match_cpu_clipped(Precision::Fp32, Tol::new(1e-3, 5e-3), 4, Some(1e6)),
+        "steps_fp16_clip" => steps_match_cpu_clipped(Precision::Fp16, Tol::new(2e-2, 5e-2), 2, Some(0.05)),
         "fp16_overflow" => fp16_overflow(),
         "graph_vs_plain" => {
             let ctx = Context::new(0).map_err(|e| e.to_string())?;
-            let (la, pa) = device_run(&ctx, 32, 3, Precision::Fp32, true)?;
-            let (lb, pb) = device_run(&ctx, 32, 3, Precision::Fp32, false)?;
+            let (la, pa) = device_run(&ctx, 32, 3, Precision::Fp32, true, None)?;
+            let (lb, pb) = device_run(&ctx, 32, 3, Precision::Fp32, false, None)?;
             if la.iter().map(|x| x.to_bits()).ne(lb.iter().map(|x| x.to_bits())) || digest(&pa) != digest(&pb) {
                 let differ = pa.iter().zip(&pb).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
                 return Err(format!("graph replay differs from plain launches: losses {la:?} vs {lb:?}; {differ} parameters differ"));
@@ -537,6 +571,9 @@ fn main() {
         ("steps_match_cpu_engine_tf32", Box::new(|| run("steps_tf32", &[]))),
         ("steps_match_cpu_engine_bf16", Box::new(|| run("steps_bf16", &[no_tf32]))),
         ("steps_match_cpu_engine_fp16", Box::new(|| run("steps_fp16", &[no_tf32]))),
+        ("steps_match_cpu_engine_fp32_clipping", Box::new(|| run("steps_fp32_clip", &[no_tf32]))),
+        ("steps_match_cpu_engine_fp32_clipping_idle", Box::new(|| run("steps_fp32_clip_idle", &[no_tf32]))),
+        ("steps_match_cpu_engine_fp16_clipping", Box::new(|| run("steps_fp16_clip", &[no_tf32]))),
         ("fp16_overflow_skips_then_trains", Box::new(|| run("fp16_overflow", &[no_tf32]))),
         ("graph_replay_is_bit_identical_to_plain_launches", Box::new(|| run("graph_vs_plain", &[no_tf32]))),
         (
@@ -558,7 +595,8 @@ a kernel's result depends on the order of its floating-point atomics (split-K wi
                 Ok(digests.join("\n"))
             }),
         ),
-        ("train_cnn_end_to_end", Box::new(|| train_cnn_end_to_end(&sim).map(|()| String::new()))),
+        ("train_cnn_end_to_end", Box::new(|| train_cnn_end_to_end(&sim, &[]).map(|()| String::new()))),
+        ("train_cnn_clip_end_to_end", Box::new(|| train_cnn_end_to_end(&sim, &["--clip-grad-norm", "1.0"]).map(|()| String::new()))),
         ("train_cnn_fp16_end_to_end", Box::new(|| train_cnn_fp16_end_to_end(&sim))),
     ];
     let filter: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with('-')).collect();

@@ -727,3 +727,194 @@ fn fp16_overflow_skips_steps_then_trains() {
         "fp16 should learn after the skips: {losses:?}"
     );
 }
+
+/// The clipping twins (partial norms, coefficient, scale) against the CPU engine's
+/// `clip_grad_norm`: the same norm up to the f32 rounding of the partial norms, gradients scaled
+/// only when the norm exceeds the threshold (bit-unchanged otherwise), and a non-finite norm
+/// leaves the gradients alone and records the first step it happened at.
+#[test]
+fn clip_twins_match_clip_grad_norm() {
+    use lockstep::train::trainer::clip_grad_norm;
+    let np = plan::CLIP_PARTIALS;
+    let mut rng = Rng::new(8, 8);
+    for n in [1usize, 3, 65, 1001, 70_001, 300_007] {
+        for max_norm in [0.5f32, 1e9] {
+            let g = rand(&mut rng, n);
+            let mut want = g.clone();
+            let norm = clip_grad_norm(&mut want, max_norm);
+            let (mut parts, mut coef, mut got_norm, mut bad) = (vec![0.0f32; np], [0.0f32], [0.0f32], [0i32]);
+            twins::grad_norm_partials_f32(&mut parts, &g, n as i32, np as i32);
+            twins::grad_norm_coef_f32(&mut coef, &mut got_norm, &mut bad, &parts, np as i32, max_norm, 3);
+            let mut got = g.clone();
+            twins::clip_grad_scale_f32(&mut got, &coef, n as i32);
+            let what = format!("n={n} max_norm={max_norm}");
+            assert!((got_norm[0] as f64 - norm).abs() <= 1e-6 * norm, "{what}: norm {} vs {norm}", got_norm[0]);
+            assert_eq!(bad[0], 0, "{what}: a finite norm records no step");
+            if norm > max_norm as f64 {
+                assert!(coef[0] < 1.0, "{what}: norm {norm} must clip");
+                ok(assert_close(&format!("{what} clipped"), &got, &want, TIGHT));
+            } else {
+                assert_eq!(coef[0], 1.0, "{what}");
+                assert!(got.iter().zip(&g).all(|(a, b)| a.to_bits() == b.to_bits()), "{what}: unclipped gradients must not change");
+            }
+        }
+    }
+    // inf and NaN: coefficient 1, gradients untouched, the first step kept.
+    for bad_value in [f32::INFINITY, f32::NAN] {
+        let g = vec![1.0f32, bad_value, -2.0];
+        let (mut parts, mut coef, mut nm, mut bad) = (vec![0.0f32; np], [0.0f32], [0.0f32], [0i32]);
+        for step in [7, 9] {
+            twins::grad_norm_partials_f32(&mut parts, &g, 3, np as i32);
+            twins::grad_norm_coef_f32(&mut coef, &mut nm, &mut bad, &parts, np as i32, 1.0, step);
+        }
+        let mut got = g.clone();
+        twins::clip_grad_scale_f32(&mut got, &coef, 3);
+        assert_eq!((coef[0], bad[0], got[0], got[2]), (1.0, 7, 1.0, -2.0), "{bad_value}");
+        assert!(!nm[0].is_finite(), "{bad_value}: the norm is reported as it is");
+    }
+}
+
+/// Losses of `steps` CPU-engine steps (Adam, lr 0.005) on batches `idx[s*b..(s+1)*b]`, clipping
+/// the gradient norm to `clip` when given; also the norm before clipping at each step and the
+/// final parameters.
+fn cpu_engine_run(model: &Model, data: &Dataset, idx: &[usize], b: usize, steps: usize, clip: Option<f32>) -> (Vec<f32>, Vec<f64>, Model) {
+    let mut m = Model::fashion_cnn(b).unwrap();
+    m.params.copy_from_slice(&model.params);
+    let mut opt = Adam::new(m.num_params(), 0.005);
+    let mut grads = vec![0.0f32; m.num_params()];
+    let (mut losses, mut norms) = (Vec::new(), Vec::new());
+    for s in 0..steps {
+        let input = m.input_mut();
+        input.resize(&[b, 1, 28, 28]);
+        let mut labels = Vec::new();
+        for (dst, &i) in input.data_mut().chunks_exact_mut(784).zip(&idx[s * b..(s + 1) * b]) {
+            for (d, &p) in dst.iter_mut().zip(data.image(i)) {
+                *d = p as f32 / 255.0;
+            }
+            labels.push(data.labels[i]);
+        }
+        m.forward(true);
+        losses.push(m.loss(&labels).unwrap());
+        grads.fill(0.0);
+        m.backward(&labels, &mut grads);
+        if let Some(c) = clip {
+            norms.push(lockstep::train::trainer::clip_grad_norm(&mut grads, c));
+        }
+        opt.step(&mut m.params, &grads);
+    }
+    (losses, norms, m)
+}
+
+/// The device step with `--clip-grad-norm` on the twins against the CPU engine with the same
+/// clipping: a small threshold that clips most steps and a large one that never does, both
+/// within the tolerances of `device_step_on_twins_matches_the_cpu_engine`. Without clipping at
+/// work the device parameters are bit-identical to a run without clipping (the coefficient is 1).
+#[test]
+fn device_step_with_clipping_on_twins_matches_the_cpu_engine() {
+    // The data, order and length of `device_step_on_twins_matches_the_cpu_engine`.
+    let (batch, steps) = (5usize, 20usize);
+    let data = synthetic(batch * steps, 11);
+    let mut model = Model::fashion_cnn(batch).unwrap();
+    model.init(42);
+    let idx: Vec<usize> = (0..data.len()).rev().collect();
+    let device = |clip: Option<f32>| {
+        let t = plan::Tensors::new(&model, batch, Precision::Fp32).unwrap();
+        let mut eng = Engine::new(CpuExec::new(t.arena_len), &model, batch, Precision::Fp32).unwrap();
+        eng.set_clip_grad_norm(clip).unwrap();
+        eng.upload_dataset(&data, &Dataset { rows: 28, cols: 28, ..Default::default() }).unwrap();
+        eng.set_index_list(&idx, false).unwrap();
+        let (mut losses, mut norms) = (Vec::new(), Vec::new());
+        for s in 0..steps {
+            eng.train_step(s * batch, batch, 0.005, None).unwrap();
+            losses.push(eng.last_loss().unwrap());
+            norms.extend(eng.last_grad_norm().unwrap());
+        }
+        eng.check_grad_norm().unwrap();
+        (losses, norms, eng.params().unwrap())
+    };
+    let (_, _, unclipped) = device(None);
+    for max_norm in [0.05f32, 1e6] {
+        let (dev_losses, dev_norms, p) = device(Some(max_norm));
+        let (cpu_losses, cpu_norms, cpu_model) = cpu_engine_run(&model, &data, &idx, batch, steps, Some(max_norm));
+        let what = format!("clip {max_norm}");
+        ok(assert_close(&format!("{what}: losses"), &dev_losses, &cpu_losses, Tol::new(1e-4, 1e-3)));
+        ok(assert_close(&format!("{what}: gradient norms"), &dev_norms, &cpu_norms, Tol::new(1e-5, 1e-3)));
+        for e in cpu_model.entries.iter().filter(|e| !e.name.ends_with(".0.bias")) {
+            ok(assert_close(&format!("{what}: {}", e.name), &p[e.range.clone()], &cpu_model.params[e.range.clone()], Tol::new(1e-3, 1e-2)));
+        }
+        let same = p.iter().zip(&unclipped).all(|(a, b)| a.to_bits() == b.to_bits());
+        if max_norm < 1.0 {
+            let clipped = cpu_norms.iter().filter(|&&n| n > max_norm as f64).count();
+            assert!(clipped >= steps / 2, "{what} must clip most steps, clipped {clipped}: norms {cpu_norms:?}");
+            assert!(!same, "{what}: clipping changed nothing");
+        } else {
+            assert!(cpu_norms.iter().all(|&n| n < max_norm as f64), "{what} must never clip: norms {cpu_norms:?}");
+            assert!(same, "{what}: a threshold never reached must leave the parameters bit-identical to no clipping");
+        }
+    }
+}
+
+/// fp16 with clipping: steps that overflow are skipped before any clipping (a clipped inf would
+/// record a non-finite norm), and applied steps clip the unscaled gradients (the norm is the
+/// fp32 one, not 2^k times it).
+#[test]
+fn fp16_clipping_runs_after_the_unscale_and_not_on_skipped_steps() {
+    use lockstep::train::precision::{LossScaler, StepAction};
+    let (batch, steps) = (4usize, 30usize);
+    let data = synthetic(batch * steps, 23);
+    let mut model = Model::fashion_cnn(batch).unwrap();
+    model.init(7);
+    let t = plan::Tensors::new(&model, batch, Precision::Fp16).unwrap();
+    let mut eng = Engine::new(CpuExec::new(t.arena_len), &model, batch, Precision::Fp16).unwrap();
+    eng.set_loss_scaler(LossScaler::new((1u64 << 40) as f32, 2.0, 0.5, 2000).unwrap()).unwrap();
+    eng.set_clip_grad_norm(Some(0.1)).unwrap();
+    eng.upload_dataset(&data, &Dataset { rows: 28, cols: 28, ..Default::default() }).unwrap();
+    let idx: Vec<usize> = (0..data.len()).collect();
+    eng.set_index_list(&idx, false).unwrap();
+    let (mut skipped, mut applied_norms) = (0, Vec::new());
+    for s in 0..steps {
+        match eng.train_step(s * batch, batch, 0.005, None).unwrap() {
+            StepAction::Skip => skipped += 1,
+            StepAction::Apply => applied_norms.push(eng.last_grad_norm().unwrap().unwrap()),
+        }
+    }
+    eng.check_grad_norm().expect("no clipped step saw a non-finite norm: overflowed steps are skipped before clipping");
+    assert!(skipped >= 10 && applied_norms.len() >= 5, "{skipped} skipped, {} applied", applied_norms.len());
+    // Norms of the size of the fp32 CPU engine's at the start, not `scale` (>= 2^10) times it:
+    // the scale was divided out before the norm.
+    let scale = eng.loss_scaler().unwrap().scale();
+    let (_, cpu_norms, _) = cpu_engine_run(&model, &data, &idx, batch, 1, Some(0.1));
+    assert!(
+        scale >= 1024.0 && applied_norms.iter().all(|&n| n.is_finite() && (n as f64) < 10.0 * cpu_norms[0]),
+        "unscaled norms expected (fp32 norm at the start {}, scale {scale}): {applied_norms:?}",
+        cpu_norms[0]
+    );
+}
+
+/// A non-finite gradient norm under clipping is reported with the first step it happened at
+/// (the CPU engine stops there too); the gradients are left alone, as the CPU engine leaves them.
+#[test]
+fn clipping_reports_a_non_finite_norm() {
+    let batch = 4usize;
+    let data = synthetic(batch * 3, 25);
+    let mut model = Model::fashion_cnn(batch).unwrap();
+    model.init(7);
+    let t = plan::Tensors::new(&model, batch, Precision::Fp32).unwrap();
+    let mut eng = Engine::new(CpuExec::new(t.arena_len), &model, batch, Precision::Fp32).unwrap();
+    assert!(eng.set_clip_grad_norm(Some(0.0)).is_err() && eng.set_clip_grad_norm(Some(f32::NAN)).is_err());
+    eng.set_clip_grad_norm(Some(1.0)).unwrap();
+    eng.upload_dataset(&data, &Dataset { rows: 28, cols: 28, ..Default::default() }).unwrap();
+    let idx: Vec<usize> = (0..data.len()).collect();
+    eng.set_index_list(&idx, false).unwrap();
+    eng.train_step(0, batch, 0.005, None).unwrap();
+    eng.check_grad_norm().unwrap();
+    // A NaN weight of the last layer makes its gradients NaN from the next step on.
+    let last = model.entries.iter().rev().find(|e| e.name.ends_with("weight")).unwrap().range.start;
+    let mut p = eng.params().unwrap();
+    p[last] = f32::NAN;
+    eng.exec.write_f32(eng.t.params, &p).unwrap();
+    eng.train_step(batch, batch, 0.005, None).unwrap();
+    eng.train_step(2 * batch, batch, 0.005, None).unwrap();
+    let e = eng.check_grad_norm().unwrap_err().to_string();
+    assert!(e.contains("not finite at optimizer step 2") && e.contains("lower --lr"), "{e}");
+}

@@ -114,7 +114,8 @@ struct Args {
     /// per step, after the last (DDP's no_sync). CPU only.
     #[arg(long, default_value_t = 1)]
     grad_accum: usize,
-    /// Clip the global L2 norm of the averaged gradients to this (clip_grad_norm_). CPU only.
+    /// Clip the global L2 norm of the averaged gradients to this (clip_grad_norm_; in fp16 after
+    /// the unscale). CPU and CUDA.
     #[arg(long)]
     clip_grad_norm: Option<f32>,
     /// Seed for initialisation and shuffling.
@@ -226,9 +227,6 @@ fn cpu_only_flags(a: &Args) -> Vec<&'static str> {
     }
     if a.grad_accum != 1 {
         v.push("--grad-accum");
-    }
-    if a.clip_grad_norm.is_some() {
-        v.push("--clip-grad-norm");
     }
     v
 }

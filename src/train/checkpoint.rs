@@ -8,7 +8,11 @@
 //! - `PATH` with extension `optim.safetensors` (e.g. `model.optim.safetensors`): Adam moments
 //!   (`exp_avg.NAME`, `exp_avg_sq.NAME`) and, in the metadata, the step, the number of completed
 //!   epochs, the seed and the same `save_id`. The data order of an epoch is a pure function of
-//!   `seed + epoch`, so seed and epoch are the complete random-generator position.
+//!   `seed + epoch`, so seed and epoch are the complete random-generator position. An fp16 run
+//!   also stores its loss scaler there (`loss_scale`, `loss_scale_growth_tracker`,
+//!   `loss_scale_skipped` and the scaler's settings, [`ScalerState`]); a file without those keys
+//!   (fp32 and bf16 runs, and files written before they existed) loads with
+//!   [`TrainState::loss_scaler`] `None`.
 //!
 //! Beside them, `model.prev.safetensors` and `model.prev.optim.safetensors` hold the previous
 //! complete pair. Every save draws a fresh random `save_id` and writes it into both of its files:
@@ -51,6 +55,7 @@ use safetensors::{Dtype, SafeTensors, View};
 
 use super::model::{Model, StateMut};
 use super::optim::Adam;
+pub use super::precision::ScalerState;
 
 /// Environment variable that kills the saving process after a named step of a save (tests).
 pub const FAULT_ENV: &str = "LOCKSTEP_FAULT_SAVE";
@@ -126,7 +131,7 @@ pub enum CheckpointError {
 }
 
 /// Training progress stored next to the optimizer moments.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct TrainState {
     /// Completed epochs.
     pub epoch: u64,
@@ -136,7 +141,21 @@ pub struct TrainState {
     pub seed: u64,
     /// World size the run used (the data order depends on it).
     pub world_size: u64,
+    /// The fp16 loss scaler's state (`None` for runs that scale no loss, and for checkpoints
+    /// written before it was stored).
+    pub loss_scaler: Option<ScalerState>,
 }
+
+/// Metadata keys of [`ScalerState`] in the optimizer file (`loss_scale` is written first and
+/// decides whether the others must be there).
+const SCALER_KEYS: [&str; 6] = [
+    "loss_scale",
+    "loss_scale_growth_factor",
+    "loss_scale_backoff_factor",
+    "loss_scale_growth_interval",
+    "loss_scale_growth_tracker",
+    "loss_scale_skipped",
+];
 
 /// The optimizer file that goes with a model file.
 pub fn optim_path(path: &Path) -> PathBuf {
@@ -633,7 +652,7 @@ fn encode(path: &Path, model: &mut Model, opt: &Adam, state: &TrainState, save_i
         opt_tensors.push((format!("exp_avg.{}", e.name), f32_raw(e.dims.clone(), &opt.m[e.range.clone()])));
         opt_tensors.push((format!("exp_avg_sq.{}", e.name), f32_raw(e.dims.clone(), &opt.v[e.range.clone()])));
     }
-    let meta: HashMap<String, String> = [
+    let mut meta: HashMap<String, String> = [
         ("step", state.step.to_string()),
         ("epoch", state.epoch.to_string()),
         ("seed", state.seed.to_string()),
@@ -644,6 +663,18 @@ fn encode(path: &Path, model: &mut Model, opt: &Adam, state: &TrainState, save_i
     .into_iter()
     .map(|(k, v)| (k.to_string(), v))
     .collect();
+    if let Some(sc) = &state.loss_scaler {
+        // Rust prints an f32 with the fewest digits that parse back to the same bits.
+        let values = [
+            sc.scale.to_string(),
+            sc.growth_factor.to_string(),
+            sc.backoff_factor.to_string(),
+            sc.growth_interval.to_string(),
+            sc.good_steps.to_string(),
+            sc.skipped.to_string(),
+        ];
+        meta.extend(SCALER_KEYS.iter().map(|k| k.to_string()).zip(values));
+    }
     let model_meta = HashMap::from([
         ("format".to_string(), "pt".to_string()),
         ("step".to_string(), state.step.to_string()),
@@ -814,6 +845,36 @@ fn meta_u64(path: &Path, meta: &HashMap<String, String>, key: &str) -> Result<u6
     })
 }
 
+fn meta_num<T: FromStr>(path: &Path, meta: &HashMap<String, String>, key: &str) -> Result<T, CheckpointError> {
+    meta.get(key).and_then(|v| v.parse().ok()).ok_or_else(|| CheckpointError::Mismatch {
+        path: path.to_path_buf(),
+        name: format!("metadata {key}"),
+        why: "missing or not a number (the loss scaler's keys come together)".into(),
+    })
+}
+
+/// The loss scaler's state in an optimizer file's metadata, if it holds one.
+fn scaler_state(path: &Path, meta: &HashMap<String, String>) -> Result<Option<ScalerState>, CheckpointError> {
+    if !meta.contains_key(SCALER_KEYS[0]) {
+        return Ok(None);
+    }
+    let st = ScalerState {
+        scale: meta_num(path, meta, SCALER_KEYS[0])?,
+        growth_factor: meta_num(path, meta, SCALER_KEYS[1])?,
+        backoff_factor: meta_num(path, meta, SCALER_KEYS[2])?,
+        growth_interval: meta_num(path, meta, SCALER_KEYS[3])?,
+        good_steps: meta_num(path, meta, SCALER_KEYS[4])?,
+        skipped: meta_num(path, meta, SCALER_KEYS[5])?,
+    };
+    // Checked here, so a resume passes over a damaged file as over any other.
+    super::precision::LossScaler::from_state(st).map_err(|e| CheckpointError::Mismatch {
+        path: path.to_path_buf(),
+        name: "metadata loss_scale".into(),
+        why: e.to_string(),
+    })?;
+    Ok(Some(st))
+}
+
 fn load_model_bytes(path: &Path, bytes: &[u8], model: &mut Model) -> Result<(), CheckpointError> {
     let st = SafeTensors::deserialize(bytes).map_err(|e| CheckpointError::Format { path: path.to_path_buf(), msg: e.to_string() })?;
     let entries = model.entries.clone();
@@ -854,6 +915,7 @@ fn load_optim_bytes(path: &Path, bytes: &[u8], model: &Model, opt: &mut Adam) ->
         step: meta_u64(path, &meta, "step")?,
         seed: meta_u64(path, &meta, "seed")?,
         world_size: meta_u64(path, &meta, "world_size")?,
+        loss_scaler: scaler_state(path, &meta)?,
     };
     opt.step = state.step;
     Ok(state)
@@ -953,7 +1015,7 @@ mod tests {
         let (mut m, mut opt) = model_and_opt();
         m.params[0] = epoch as f32;
         opt.m[0] = epoch as f32;
-        save(path, &mut m, &opt, &TrainState { epoch, step: epoch * 10, seed: 1, world_size: 1 })
+        save(path, &mut m, &opt, &TrainState { epoch, step: epoch * 10, seed: 1, world_size: 1, loss_scaler: None })
     }
 
     /// (source, epoch from the metadata, epoch from the parameter, epoch from the moment).
@@ -970,6 +1032,61 @@ mod tests {
     }
 
     const FOUR: [&str; 4] = ["m.optim.safetensors", "m.prev.optim.safetensors", "m.prev.safetensors", "m.safetensors"];
+
+    /// The loss scaler's state goes through a save and a resume bit for bit; a file without it
+    /// (fp32 runs, older files) resumes with none; a file with only some of its keys is passed
+    /// over like any damaged file.
+    #[test]
+    fn loss_scaler_state_round_trips_and_older_files_load_without_it() {
+        let d = tmpdir("scaler");
+        let p = d.join("m.safetensors");
+        let sc = ScalerState {
+            scale: 2f32.powi(-3) * 3.0,
+            growth_factor: 1.7,
+            backoff_factor: 0.3,
+            growth_interval: 7,
+            good_steps: 5,
+            skipped: 11,
+        };
+        let (mut m, opt) = model_and_opt();
+        let st = TrainState { epoch: 1, step: 9, seed: 1, world_size: 2, loss_scaler: Some(sc) };
+        save(&p, &mut m, &opt, &st).unwrap();
+        let (mut m2, mut opt2) = model_and_opt();
+        let r = resume(&p, &mut m2, &mut opt2).unwrap();
+        assert_eq!(r.state, st);
+        let got = r.state.loss_scaler.unwrap();
+        assert_eq!((got.scale.to_bits(), got.growth_factor.to_bits()), (sc.scale.to_bits(), sc.growth_factor.to_bits()));
+
+        // An older file: the same metadata without the scaler keys.
+        save_epoch(&p, 2).unwrap();
+        let r = resume(&p, &mut m2, &mut opt2).unwrap();
+        assert_eq!((r.state.epoch, r.state.loss_scaler), (2, None));
+
+        // One scaler key lost: this pair is refused (naming the key) and the previous one used.
+        let opath = optim_path(&p);
+        let bytes = std::fs::read(&opath).unwrap();
+        let mut meta = file_meta(&opath, &bytes).unwrap();
+        let st3 = TrainState { epoch: 3, step: 30, seed: 1, world_size: 1, loss_scaler: Some(sc) };
+        save(&p, &mut m, &opt, &st3).unwrap();
+        let bytes = std::fs::read(&opath).unwrap();
+        let full = file_meta(&opath, &bytes).unwrap();
+        for k in SCALER_KEYS.iter().take(5) {
+            meta.insert(k.to_string(), full[*k].clone());
+        }
+        meta.insert("save_id".into(), full["save_id"].clone());
+        let st = SafeTensors::deserialize(&bytes).unwrap();
+        let raws: Vec<(String, Raw)> = st
+            .tensors()
+            .into_iter()
+            .map(|(n, t)| (n, Raw { dtype: t.dtype(), shape: t.shape().to_vec(), bytes: t.data().to_vec() }))
+            .collect();
+        std::fs::remove_file(&opath).unwrap();
+        std::fs::write(&opath, serialize(&opath, &raws, meta).unwrap()).unwrap();
+        let r = resume(&p, &mut m2, &mut opt2).unwrap();
+        assert_eq!((r.source, r.state.epoch), (Source::Previous, 2));
+        assert!(r.passed_over.iter().any(|w| w.contains("metadata loss_scale_skipped")), "{:?}", r.passed_over);
+        let _ = std::fs::remove_dir_all(&d);
+    }
 
     #[test]
     fn fault_step_names_parse_strictly() {

@@ -20,6 +20,8 @@
 //! gradients and raises an overflow flag, the host reads that one flag and calls
 //! [`LossScaler::update`], and a skipped step changes no parameter and no optimizer state (Adam's
 //! step count included). The check runs on the averaged gradients, so every rank decides alike.
+//! A checkpoint stores the scaler's whole state ([`ScalerState`]), so `--resume` continues with
+//! the same scale and growth count as an uninterrupted run.
 
 use super::device::Precision;
 
@@ -92,6 +94,25 @@ impl Default for LossScaler {
     }
 }
 
+/// Everything a [`LossScaler`] holds, so that a resumed run continues with the same scale and
+/// grows it at the same step as an uninterrupted one: the settings and GradScaler's
+/// `state_dict` (`scale`, `_growth_tracker`), plus the steps skipped so far.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ScalerState {
+    /// The current scale.
+    pub scale: f32,
+    /// Multiplier after `growth_interval` clean steps.
+    pub growth_factor: f32,
+    /// Multiplier on an overflow.
+    pub backoff_factor: f32,
+    /// Clean steps in a row that grow the scale.
+    pub growth_interval: u32,
+    /// Clean steps since the last growth or overflow (GradScaler's growth tracker).
+    pub good_steps: u32,
+    /// Steps skipped so far because their gradients overflowed.
+    pub skipped: u64,
+}
+
 /// The scale never leaves `[MIN_SCALE, MAX_SCALE]`: halving forever would reach 0 (and unscaling
 /// would divide by it), doubling forever would reach infinity.
 const MIN_SCALE: f32 = 1.0 / (1u64 << 24) as f32;
@@ -125,6 +146,34 @@ impl LossScaler {
     /// Steps skipped so far because their gradients overflowed.
     pub fn skipped(&self) -> u64 {
         self.skipped
+    }
+
+    /// The whole state, as a checkpoint stores it (GradScaler's `state_dict`, plus the count of
+    /// skipped steps).
+    pub fn state(&self) -> ScalerState {
+        ScalerState {
+            scale: self.scale,
+            growth_factor: self.growth_factor,
+            backoff_factor: self.backoff_factor,
+            growth_interval: self.growth_interval,
+            good_steps: self.good_steps,
+            skipped: self.skipped,
+        }
+    }
+
+    /// A scaler continuing exactly where [`state`](Self::state) left one (a resumed run). The
+    /// settings are checked as [`LossScaler::new`] checks them, and the clean-step count must be
+    /// below the growth interval (the scaler grows and restarts the count when it reaches it).
+    pub fn from_state(s: ScalerState) -> Result<LossScaler, PrecisionError> {
+        let mut sc = LossScaler::new(s.scale, s.growth_factor, s.backoff_factor, s.growth_interval)?;
+        if s.good_steps >= s.growth_interval {
+            return Err(PrecisionError::Scaler(format!(
+                "{} clean steps counted towards a growth interval of {}: the count is always below the interval",
+                s.good_steps, s.growth_interval
+            )));
+        }
+        (sc.good_steps, sc.skipped) = (s.good_steps, s.skipped);
+        Ok(sc)
     }
 
     /// Divide `grads` by the current scale in place; returns whether any gradient is inf or NaN
@@ -218,6 +267,24 @@ mod tests {
         assert_eq!(s.scale(), 8.0, "two clean steps after an overflow are not three");
         s.update(false);
         assert_eq!(s.scale(), 16.0);
+    }
+
+    #[test]
+    fn state_round_trips_and_the_restored_scaler_continues_alike() {
+        let mut a = LossScaler::new(1024.0, 2.0, 0.5, 3).unwrap();
+        for found_inf in [true, false, false] {
+            a.update(found_inf);
+        }
+        let st = a.state();
+        assert_eq!((st.scale, st.good_steps, st.skipped, st.growth_interval), (512.0, 2, 1, 3));
+        let mut b = LossScaler::from_state(st).unwrap();
+        assert_eq!(b, a);
+        // The next clean step grows both (the restored count is 2 of 3), not only the original.
+        a.update(false);
+        b.update(false);
+        assert_eq!((a.scale(), b.scale()), (1024.0, 1024.0));
+        assert!(LossScaler::from_state(ScalerState { good_steps: 3, ..st }).is_err());
+        assert!(LossScaler::from_state(ScalerState { scale: f32::NAN, ..st }).is_err());
     }
 
     #[test]

@@ -540,7 +540,7 @@ pub fn train(
         };
         if let (Some(path), Optimizer::Adam(opt)) = (&cfg.save, &opt) {
             if rank == 0 {
-                let st = TrainState { epoch: epoch + 1, step: opt.step, seed: cfg.seed, world_size: world as u64 };
+                let st = TrainState { epoch: epoch + 1, step: opt.step, seed: cfg.seed, world_size: world as u64, loss_scaler: None };
                 checkpoint::save(path, &mut model, opt, &st)?;
             }
             // Nobody races ahead (and possibly reads the file) before it is complete.

@@ -342,6 +342,21 @@ impl CpuExec {
                 twins::amp_unscale_f32(&mut g, &mut flag, &sc, v.si(3));
                 out.extend([(0, Val::F(g)), (1, Val::F(flag))]);
             }
+            "grad_norm_partials_f32" => {
+                let (mut p, g) = (v.f(0), v.f(1));
+                twins::grad_norm_partials_f32(&mut p, &g, v.si(2), v.si(3));
+                out.push((0, Val::F(p)));
+            }
+            "grad_norm_coef_f32" => {
+                let (mut c, mut nm, mut bad, p) = (v.f(0), v.f(1), v.i(2), v.f(3));
+                twins::grad_norm_coef_f32(&mut c, &mut nm, &mut bad, &p, v.si(4), v.sf(5), v.si(6));
+                out.extend([(0, Val::F(c)), (1, Val::F(nm)), (2, Val::I(bad))]);
+            }
+            "clip_grad_scale_f32" => {
+                let (mut g, c) = (v.f(0), v.f(1));
+                twins::clip_grad_scale_f32(&mut g, &c, v.si(2));
+                out.push((0, Val::F(g)));
+            }
             "adam_step_f32" => {
                 let (mut p, g, mut m, mut s) = (v.f(0), v.f(1), v.f(2), v.f(3));
                 twins::adam_step_f32(&mut p, &g, &mut m, &mut s, v.si(4), v.sf(5), v.sf(6), v.sf(7), v.sf(8), v.sf(9), v.si(10));

@@ -48,6 +48,8 @@ pub struct Engine<E: Exec> {
     /// Dynamic loss scaling (fp16 only): the host half of it, driven by the device's overflow
     /// flag once per step.
     scaler: Option<LossScaler>,
+    /// `--clip-grad-norm`: the threshold of the global L2 norm of the averaged gradients.
+    clip_grad_norm: Option<f32>,
     /// Offset of the test split in the dataset arenas (samples).
     test_offset: usize,
     plans: HashMap<u64, Vec<Op>>,
@@ -70,7 +72,17 @@ impl<E: Exec> Engine<E> {
             exec.write_f32(t.amp.scale, &[sc.scale()])?;
             exec.write_f32(t.amp.found_inf, &[0.0])?;
         }
-        Ok(Engine { exec, t, precision, adam: AdamHyper::default(), step: 0, scaler, test_offset: 0, plans: HashMap::new() })
+        Ok(Engine {
+            exec,
+            t,
+            precision,
+            adam: AdamHyper::default(),
+            step: 0,
+            scaler,
+            clip_grad_norm: None,
+            test_offset: 0,
+            plans: HashMap::new(),
+        })
     }
 
     /// Replace the loss scaler (fp16; refused in other precisions, which scale nothing) and upload
@@ -90,6 +102,39 @@ impl<E: Exec> Engine<E> {
     /// The loss scaler's state (fp16), e.g. its current scale and the steps it skipped.
     pub fn loss_scaler(&self) -> Option<&LossScaler> {
         self.scaler.as_ref()
+    }
+
+    /// Clip the global L2 norm of the averaged gradients to `max_norm` before every optimizer
+    /// step, as `torch.nn.utils.clip_grad_norm_` and the CPU engine's `--clip-grad-norm` do
+    /// (`None`: no clipping). The threshold must be a positive number.
+    pub fn set_clip_grad_norm(&mut self, max_norm: Option<f32>) -> Result<(), DeviceError> {
+        if let Some(c) = max_norm {
+            if !(c.is_finite() && c > 0.0) {
+                return Err(DeviceError::Config(format!("gradient clipping threshold {c}: use a positive number")));
+            }
+        }
+        self.clip_grad_norm = max_norm;
+        Ok(())
+    }
+
+    /// The global gradient norm the last clipped step computed (waits); `None` without clipping.
+    pub fn last_grad_norm(&mut self) -> Result<Option<f32>, DeviceError> {
+        match self.clip_grad_norm {
+            Some(_) => Ok(Some(self.exec.read_f32(self.t.clip.norm)?[0])),
+            None => Ok(None),
+        }
+    }
+
+    /// Fail if a clipped step found a gradient norm that is not finite (waits; the device
+    /// records the first such step, which the CPU engine would have stopped at).
+    pub fn check_grad_norm(&mut self) -> Result<(), DeviceError> {
+        if self.clip_grad_norm.is_none() {
+            return Ok(());
+        }
+        match self.exec.read_i32(self.t.clip.nonfinite_step)?[0] {
+            0 => Ok(()),
+            step => Err(DeviceError::NonFiniteGradNorm { step: step as u64 }),
+        }
     }
 
     /// Upload both splits once; evaluation ids are offset past the training split.
@@ -147,6 +192,11 @@ impl<E: Exec> Engine<E> {
     /// skipped: parameters, moments and [`Engine::step`] stay as they were, and the returned
     /// action is [`StepAction::Skip`]. Every rank unscales the same averaged gradients, so every
     /// rank skips the same steps and the replicas stay identical.
+    ///
+    /// With [`Engine::set_clip_grad_norm`], the gradients of an applied step are clipped right
+    /// before Adam (after the all-reduce and the unscale): three launches compute the norm and
+    /// the coefficient on the device and scale the gradients, with nothing read back. A norm that
+    /// is not finite leaves the gradients alone and is reported by [`Engine::check_grad_norm`].
     pub fn train_step(&mut self, start: usize, b: usize, lr: f32, comm: Option<&mut Communicator>) -> Result<StepAction, DeviceError> {
         if b == 0 || b > self.t.batch {
             return Err(DeviceError::Config(format!("step of {b} images: the engine was built for 1..={}", self.t.batch)));
@@ -180,8 +230,13 @@ impl<E: Exec> Engine<E> {
         }
         self.step += 1;
         let mut ops = Builder::new(1);
+        if let Some(max_norm) = self.clip_grad_norm {
+            ops.clip_grad_norm(self.t.grads, &self.t.clip, max_norm, self.step);
+        }
         ops.adam(self.t.params, self.t.grads, self.t.m, self.t.v, &self.adam, lr, self.step);
-        self.exec.run(&ops.ops[0])?;
+        for op in &ops.ops {
+            self.exec.run(op)?;
+        }
         Ok(StepAction::Apply)
     }
 
@@ -219,10 +274,11 @@ impl<E: Exec> Engine<E> {
 /// bf16, f16 elements): the GPU one in `train-cnn --device cuda`, the CPU twins in tests. `comm` joins the ranks (gradient average, metrics); `None` trains alone.
 ///
 /// As the CPU trainer: `cfg.resume` loads a checkpoint (parameters, BatchNorm statistics, Adam
-/// moments and step) on every rank and continues from its epoch; rank 0's parameters and
-/// BatchNorm statistics are then broadcast, so replicas start identical whatever each rank
-/// initialised or loaded; `cfg.save` is written by rank 0 after every epoch (all ranks wait
-/// for it).
+/// moments and step, and in fp16 the loss scaler's state) on every rank and continues from its
+/// epoch; rank 0's parameters and BatchNorm statistics are then broadcast, so replicas start
+/// identical whatever each rank initialised or loaded; `cfg.save` is written by rank 0 after
+/// every epoch (all ranks wait for it). `cfg.clip_grad_norm` clips on the device
+/// ([`Engine::set_clip_grad_norm`]); a non-finite norm stops training at the end of its epoch.
 pub fn train_device<E: Exec>(
     cfg: &TrainConfig,
     opts: &DeviceOptions,
@@ -246,9 +302,6 @@ pub fn train_device<E: Exec>(
     if cfg.grad_accum != 1 {
         return Err(DeviceError::Config("--grad-accum is not supported with --device cuda yet; drop it or use --device cpu".into()));
     }
-    if cfg.clip_grad_norm.is_some() {
-        return Err(DeviceError::Config("--clip-grad-norm is not supported with --device cuda yet; drop it or use --device cpu".into()));
-    }
     let (rank, world) = comm.as_deref().map(|c| (c.rank(), c.world_size())).unwrap_or((0, 1));
     let mut model = Model::fashion_cnn(cfg.batch_size)?;
     model.init(cfg.seed);
@@ -257,16 +310,37 @@ pub fn train_device<E: Exec>(
         checkpoint::check_target(path, checkpoint::estimate_bytes(model.num_params()))?;
     }
     let mut opt = crate::train::optim::Adam::new(model.num_params(), cfg.lr);
-    let first_epoch = match &cfg.resume {
-        Some(path) => resume_into(path, &mut model, &mut opt, rank, world)?,
-        None => 0,
+    let resumed = match &cfg.resume {
+        Some(path) => Some(resume_into(path, &mut model, &mut opt, rank, world)?),
+        None => None,
     };
+    let first_epoch = resumed.as_ref().map_or(0, |st| st.epoch);
     // The layout reads the (possibly resumed) BatchNorm statistics from the model.
     let layout = Tensors::new(&model, cfg.batch_size, opts.precision)?;
     let mut eng = Engine::new(make_exec(layout.arena_len)?, &model, cfg.batch_size, opts.precision)?;
     if opts.precision.scales_loss() {
-        eng.set_loss_scaler(opts.loss_scaler)?;
+        // A resumed fp16 run continues with the scale, growth count and skip count it saved.
+        let scaler = match resumed.as_ref().map(|st| st.loss_scaler) {
+            Some(Some(saved)) => LossScaler::from_state(saved).map_err(|e| DeviceError::Config(format!("resume: {e}")))?,
+            Some(None) => {
+                if rank == 0 {
+                    tracing::warn!(
+                        "resume: the checkpoint holds no loss-scaler state (written by an fp32 or bf16 run, or by an older lockstep); fp16 continues with a fresh scaler at scale {}",
+                        opts.loss_scaler.scale()
+                    );
+                }
+                opts.loss_scaler
+            }
+            None => opts.loss_scaler,
+        };
+        eng.set_loss_scaler(scaler)?;
+    } else if let (Some(Some(_)), 0) = (resumed.as_ref().map(|st| st.loss_scaler), rank) {
+        tracing::info!(
+            "resume: the checkpoint's loss-scaler state (an fp16 run) is not used: precision {:?} scales no loss",
+            opts.precision
+        );
     }
+    eng.set_clip_grad_norm(cfg.clip_grad_norm)?;
     if cfg.resume.is_some() {
         eng.exec.write_f32(eng.t.m, &opt.m)?;
         eng.exec.write_f32(eng.t.v, &opt.v)?;
@@ -319,6 +393,8 @@ pub fn train_device<E: Exec>(
             eng.exec.finish_read()?;
         }
         let loss_sum = eng.exec.read_f32(eng.t.loss.loss_sum)?[0] as f64;
+        // Every rank clipped the same averaged gradients, so every rank stops here alike.
+        eng.check_grad_norm()?;
         let train_s = t0.elapsed().as_secs_f64();
         let mut tot = [loss_sum, images as f64];
         if let Some(c) = comm.as_deref_mut() {
@@ -367,7 +443,13 @@ pub fn train_device<E: Exec>(
         }
         if let Some(path) = &cfg.save {
             if rank == 0 {
-                let ts = TrainState { epoch: epoch + 1, step: eng.step, seed: cfg.seed, world_size: world as u64 };
+                let ts = TrainState {
+                    epoch: epoch + 1,
+                    step: eng.step,
+                    seed: cfg.seed,
+                    world_size: world as u64,
+                    loss_scaler: eng.loss_scaler().map(LossScaler::state),
+                };
                 save_checkpoint(&mut eng, &mut model, cfg.lr, path, &ts)?;
             }
             // Nobody races ahead (and possibly reads the file) before it is complete.
@@ -388,15 +470,15 @@ pub fn train_device<E: Exec>(
 
 /// `--resume` on the device engine: load the newest complete checkpoint at `path` into `model`
 /// (parameters, BatchNorm statistics) and `opt` (moments, step), as the CPU trainer does; returns
-/// the epoch to continue from. A checkpoint of another world size is refused (the data order
-/// would differ).
+/// its training state (the epoch to continue from, the loss scaler's state). A checkpoint of
+/// another world size is refused (the data order would differ).
 fn resume_into(
     path: &std::path::Path,
     model: &mut Model,
     opt: &mut crate::train::optim::Adam,
     rank: usize,
     world: usize,
-) -> Result<u64, DeviceError> {
+) -> Result<TrainState, DeviceError> {
     let resumed = checkpoint::resume(path, model, opt)?;
     if rank == 0 {
         for why in &resumed.passed_over {
@@ -420,7 +502,7 @@ fn resume_into(
             st.world_size
         )));
     }
-    Ok(st.epoch)
+    Ok(st)
 }
 
 /// Write the device state as a checkpoint (the CPU trainer's format: PyTorch names, Adam state

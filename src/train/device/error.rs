@@ -30,6 +30,12 @@ pub enum DeviceError {
         /// What is missing.
         why: String,
     },
+    /// A step clipped with `--clip-grad-norm` found a gradient norm that is not finite.
+    #[error("the gradient norm is not finite at optimizer step {step}: training diverged; lower --lr (or the clipping threshold), or check the data")]
+    NonFiniteGradNorm {
+        /// The first such optimizer step (1-based).
+        step: u64,
+    },
     /// Writing a checkpoint failed.
     #[error(transparent)]
     Checkpoint(#[from] crate::train::checkpoint::CheckpointError),

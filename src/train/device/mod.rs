@@ -18,7 +18,9 @@
 //! `Communicator` (NCCL, or the staged shared-memory backend when ranks share a GPU) - the
 //! gradients already live in one flat buffer, so the whole buffer is the bucket and
 //! `bucket_flatten_f32` has nothing to gather. Adam then runs as one launch outside the graph,
-//! because its step count and learning rate are kernel arguments that change every step. The
+//! because its step count and learning rate are kernel arguments that change every step (with
+//! `--clip-grad-norm`, three launches before it compute the norm and scale the gradients on the
+//! device; in fp16 the unscale and its overflow flag come first). The
 //! loss accumulator is read back asynchronously every `loss_every` steps.
 //!
 //! Initialisation comes from the CPU engine (`Model::fashion_cnn` + `Model::init(seed)`), so the

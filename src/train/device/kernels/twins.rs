@@ -777,6 +777,75 @@ pub fn amp_unscale_f32(grads: &mut [f32], found_inf: &mut [f32], scale: &[f32], 
     }
 }
 
+/// Threads per block of the clipping reductions (`CLIP_THREADS` in optim.cu): the width of their
+/// fixed summation tree.
+pub const CLIP_THREADS: usize = 256;
+
+/// The kernels' pairwise tree over one block's thread sums (`clip_tree_sum` in optim.cu):
+/// `s[t] += s[t + stride]` for stride 128, 64, ..., 1.
+fn clip_tree_sum(mut s: [f64; CLIP_THREADS]) -> f64 {
+    let mut stride = CLIP_THREADS / 2;
+    while stride > 0 {
+        for t in 0..stride {
+            s[t] += s[t + stride];
+        }
+        stride /= 2;
+    }
+    s[0]
+}
+
+/// Partial gradient norms, in the kernel's exact order (so bit-identical to it): partial `k` is
+/// `sqrt` of the tree sum over threads `t` of the f64 sums of `g²` over elements
+/// `k*256 + t + j*num_partials*256`.
+pub fn grad_norm_partials_f32(partials: &mut [f32], grads: &[f32], n: i32, num_partials: i32) {
+    let (n, np) = (n.max(0) as usize, num_partials.max(0) as usize);
+    for (k, out) in partials[..np].iter_mut().enumerate() {
+        let mut s = [0.0f64; CLIP_THREADS];
+        for (t, acc) in s.iter_mut().enumerate() {
+            for &g in grads[..n].iter().skip(k * CLIP_THREADS + t).step_by(np * CLIP_THREADS) {
+                *acc += g as f64 * g as f64;
+            }
+        }
+        *out = clip_tree_sum(s).sqrt() as f32;
+    }
+}
+
+/// The clipping coefficient from the partial norms: `total = sqrt(Σ partials²)` (thread `t` sums
+/// partials `t, t + 256, ...` in f64, then the tree); `coef[0] = max_norm / (total + 1e-6)` when
+/// `total` is finite and that is below 1, else 1; `norm[0] = total`; a non-finite total records
+/// `step` in `nonfinite_step[0]` unless it already holds an earlier one (non-zero).
+pub fn grad_norm_coef_f32(
+    coef: &mut [f32],
+    norm: &mut [f32],
+    nonfinite_step: &mut [i32],
+    partials: &[f32],
+    num_partials: i32,
+    max_norm: f32,
+    step: i32,
+) {
+    let mut s = [0.0f64; CLIP_THREADS];
+    for (t, acc) in s.iter_mut().enumerate() {
+        for &p in partials[..num_partials.max(0) as usize].iter().skip(t).step_by(CLIP_THREADS) {
+            *acc += p as f64 * p as f64;
+        }
+    }
+    let total = clip_tree_sum(s).sqrt();
+    let c = max_norm as f64 / (total + 1e-6);
+    coef[0] = if total.is_finite() && c < 1.0 { c as f32 } else { 1.0 };
+    norm[0] = total as f32;
+    if !total.is_finite() && nonfinite_step[0] == 0 {
+        nonfinite_step[0] = step;
+    }
+}
+
+/// `grads[i] *= coef[0]` (the clipping coefficient, 1 when no clipping is needed).
+pub fn clip_grad_scale_f32(grads: &mut [f32], coef: &[f32], n: i32) {
+    let c = coef[0];
+    for g in &mut grads[..n.max(0) as usize] {
+        *g *= c;
+    }
+}
+
 /// One SGD step (momentum, dampening, Nesterov, L2 weight decay); `first != 0` seeds the buffer
 /// with the gradient. `buf` may be empty when `momentum == 0`.
 #[allow(clippy::too_many_arguments)]
@@ -1006,6 +1075,9 @@ pub const TWINS: &[&str] = &[
     "adam_step_f32",
     "sgd_step_f32",
     "amp_unscale_f32",
+    "grad_norm_partials_f32",
+    "grad_norm_coef_f32",
+    "clip_grad_scale_f32",
     "maxpool2d_forward_f32",
     "maxpool2d_backward_f32",
     "gather_batch_f32",

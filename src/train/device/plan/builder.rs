@@ -6,7 +6,7 @@
 //! Conventions of the kernels carry over: activation gradients are overwritten, parameter
 //! gradients accumulate.
 
-use super::ir::{AdamHyper, Arena, Arg, BnTensors, LossTensors, Op, Precision, Region};
+use super::ir::{AdamHyper, Arena, Arg, BnTensors, ClipTensors, LossTensors, Op, Precision, Region};
 use crate::cuda::KernelGrid;
 use crate::train::device::kernels::KernelId;
 use crate::train::layers::Conv2dParams;
@@ -34,6 +34,14 @@ fn split_k(m: usize, n: usize, k: usize, sm_count: usize) -> usize {
     let tiles = n.div_ceil(GEMM_TILE) * m.div_ceil(GEMM_TILE);
     (2 * sm_count / tiles.max(1)).clamp(1, k.div_ceil(GEMM_BK).max(1))
 }
+
+/// Partial norms of the gradient-norm clipping (`grad_norm_partials_f32`'s `num_partials`): a
+/// constant, not the device's SM count, so the summation order, and with it the norm, is the same
+/// on every GPU.
+pub const CLIP_PARTIALS: usize = 256;
+
+/// Threads per block of the clipping reductions (`CLIP_THREADS` in optim.cu).
+const CLIP_THREADS: u32 = 256;
 
 /// SM count the split-K workspace is sized for ([`splitk_workspace_len`]): above every current
 /// GPU's. A device with more SMs still runs correctly, with fewer slices than it could use.
@@ -179,6 +187,40 @@ impl Builder {
     pub fn amp_unscale(&mut self, grads: Region, found_inf: Region, scale: Region) {
         let a = vec![Arg::Out(grads), Arg::Out(found_inf), Arg::In(scale), i(grads.len)];
         self.push(KernelId::Optim, "amp_unscale_f32", a, KernelGrid::for_elements(grads.len));
+    }
+
+    /// `--clip-grad-norm` on the flat gradients (`clip_grad_norm_`): `grad_norm_partials_f32`
+    /// (block 256, one block per partial), `grad_norm_coef_f32` (one block of 256), then
+    /// `clip_grad_scale_f32` (1-D, block 256). `step` is the optimizer step being taken (1-based),
+    /// recorded on the device if the norm is not finite.
+    pub fn clip_grad_norm(&mut self, grads: Region, c: &ClipTensors, max_norm: f32, step: u64) {
+        let np = c.partials.len;
+        self.push(
+            KernelId::Optim,
+            "grad_norm_partials_f32",
+            vec![Arg::Out(c.partials), Arg::In(grads), i(grads.len), i(np)],
+            cfg((np, 1, 1), CLIP_THREADS),
+        );
+        self.push(
+            KernelId::Optim,
+            "grad_norm_coef_f32",
+            vec![
+                Arg::Out(c.coef),
+                Arg::Out(c.norm),
+                Arg::Out(c.nonfinite_step),
+                Arg::In(c.partials),
+                i(np),
+                Arg::F32(max_norm),
+                Arg::I32(step.min(i32::MAX as u64) as i32),
+            ],
+            cfg((1, 1, 1), CLIP_THREADS),
+        );
+        self.push(
+            KernelId::Optim,
+            "clip_grad_scale_f32",
+            vec![Arg::Out(grads), Arg::In(c.coef), i(grads.len)],
+            KernelGrid::for_elements(grads.len),
+        );
     }
 
     /// `gather_batch_f32`: block 256, grid (ceil(image_size/256), batch).

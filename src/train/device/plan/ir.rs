@@ -226,6 +226,20 @@ pub struct AmpTensors {
     pub found_inf: Region,
 }
 
+/// Gradient-norm clipping's device state (`--clip-grad-norm`; laid out in every precision, a
+/// few hundred floats). The coefficient never leaves the device, so clipping adds no read-back.
+#[derive(Clone, Copy, Debug)]
+pub struct ClipTensors {
+    /// Partial norms, one per block of `grad_norm_partials_f32` (`CLIP_PARTIALS`).
+    pub partials: Region,
+    /// The clipping coefficient `(1)`, 1 when the norm is within the threshold.
+    pub coef: Region,
+    /// The global gradient norm of the last clipped step `(1)`.
+    pub norm: Region,
+    /// The first optimizer step whose gradient norm was not finite, 0 if none `(1)`, i32.
+    pub nonfinite_step: Region,
+}
+
 /// Where one parameter tensor of the model lives (same offsets in params, grads, m, v and the
 /// 16-bit copy).
 #[derive(Clone, Copy, Debug)]

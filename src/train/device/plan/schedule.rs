@@ -31,8 +31,8 @@
 
 use std::any::Any;
 
-use super::builder::{splitk_workspace_len, Builder, ConvLaunch};
-use super::ir::{AmpTensors, Arena, BnTensors, LossTensors, Op, ParamAt, Precision, Region};
+use super::builder::{splitk_workspace_len, Builder, ConvLaunch, CLIP_PARTIALS};
+use super::ir::{AmpTensors, Arena, BnTensors, ClipTensors, LossTensors, Op, ParamAt, Precision, Region};
 use crate::train::device::error::DeviceError;
 use crate::train::layers::{BatchNorm2d, Conv2d, Conv2dParams, Flatten, Layer, Linear, MaxPool2d, Relu};
 use crate::train::model::{Model, ModelError};
@@ -210,6 +210,8 @@ pub struct Tensors {
     pub splitk: Region,
     /// Loss-scaling state (fp16 precision; empty regions otherwise).
     pub amp: AmpTensors,
+    /// Gradient-norm clipping state (used with `--clip-grad-norm`).
+    pub clip: ClipTensors,
     /// Elements of each arena: (f32, i32, bf16, f16).
     pub arena_len: (usize, usize, usize, usize),
     stages: Vec<Stage>,
@@ -371,6 +373,8 @@ impl Tensors {
         };
         let amp_len = if precision.scales_loss() { 1 } else { 0 };
         let amp = AmpTensors { scale: a.take(f, amp_len), found_inf: a.take(f, amp_len) };
+        let clip =
+            ClipTensors { partials: a.take(f, CLIP_PARTIALS), coef: a.take(f, 1), norm: a.take(f, 1), nonfinite_step: a.take(i32a, 1) };
         let dlogits = a.take(f, batch * classes);
         let mut dout = dlogits;
         for (k, s) in stages.iter_mut().enumerate().rev() {
@@ -425,6 +429,7 @@ impl Tensors {
             dlogits,
             splitk,
             amp,
+            clip,
             arena_len: (a.len[0], a.len[1], a.len[2], a.len[3]),
             stages,
         })
