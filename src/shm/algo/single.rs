@@ -33,9 +33,11 @@
 //! communicator probes every pair once (a one-byte read, and a one-byte write of the byte it
 //! read back where it was) and agrees on the result in one phase; a refusal (Yama, seccomp)
 //! makes every rank stage from then on. After a successful probe a failed copy is an error on
-//! every rank (a dead peer is reported as such by the phase).
+//! every rank; a dead peer is reported as such, by the phase, or after the verdict when it died
+//! once it had published its own (see `gone_peer`).
 
 use std::sync::atomic::Ordering::Relaxed;
+use std::time::{Duration, Instant};
 
 use super::part;
 use crate::comm::{Call, CollKind, CommError};
@@ -159,12 +161,36 @@ pub(crate) fn verified(ch: &mut Channel, call: &Call, descs: &[Desc], cx: Ctx) -
     }
 }
 
+/// How long a rank whose copy failed waits to see whether a peer is gone.
+const GONE_WAIT: Duration = Duration::from_millis(100);
+
+/// A peer that is gone (`died` or left), waiting up to `GONE_WAIT` for one. Why wait: a copy that
+/// fails after a successful probe almost always met a peer that is exiting. Its memory goes
+/// (the copy fails with ESRCH) a moment before its process is seen dead, and it may have
+/// published its verdict before it died, so the verdict phase completes: without the wait, the
+/// ranks would report the failed copy instead of the death.
+fn gone_peer(ch: &Channel) -> Option<(usize, bool)> {
+    let until = Instant::now() + GONE_WAIT;
+    loop {
+        if let Some(gone) = (0..ch.world()).filter(|&k| k != ch.rank()).find_map(|k| ch.peer_gone(k).map(|died| (k, died))) {
+            return Some(gone);
+        }
+        if Instant::now() >= until {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
 /// The phase that ends a single-copy step: nobody reuses its buffers before every peer has read
 /// them and written into them, and a failed copy fails the call on every rank.
 fn conclude(ch: &mut Channel, call: &Call, err: Option<std::io::Error>, cx: Ctx) -> Result<(), CommError> {
     let Some(r) = verdicts(ch, err.is_none(), cx)? else {
         return Ok(());
     };
+    if let Some((k, died)) = gone_peer(ch) {
+        return Err(ch.peer_lost(k, died, cx.op, cx.seq));
+    }
     let why = match err {
         Some(e) => format!("a direct copy to or from a peer's buffer (process_vm_readv/writev) failed ({e})"),
         None => format!("{} could not copy to or from a peer's buffer (process_vm_readv/writev)", ch.who(r)),
@@ -266,27 +292,32 @@ fn reduce_from_peers(
     }
     let scratch = ch.scratch.as_mut_ptr() as *mut u8;
     let pids: Vec<u64> = (0..n).map(|k| pid(ch, k)).collect();
+    // Out of place, the first peer's piece lands in our output, where its result goes: one buffer
+    // less in cache, and the reduction reads and writes the same lines. In place the output is
+    // our own input, which must not be overwritten before it is reduced.
+    let land = (own as usize != out as usize).then(|| (0..n).find(|&k| k != me)).flatten();
     let mut srcs = vec![own; n];
     let mut off = 0;
     while off < len {
         let m = piece.min(len - off);
         let at = ((shift + off) * esz) as u64;
+        // SAFETY: (add) `own` and `out` hold `len` elements from here (callers).
+        let (src, dst) = unsafe { (own.add(off * esz), out.add(off * esz)) };
         for k in (0..n).filter(|&k| k != me) {
             let idx = if k < me { k } else { k - 1 };
             // SAFETY: (add) within the scratch buffer: (n - 1) pieces of `piece` elements, 8-byte
             // aligned (a Vec<u64>), the alignment of every dtype's kernel.
-            let to = unsafe { scratch.add(idx * piece * esz) };
+            let to = if land == Some(k) { dst } else { unsafe { scratch.add(idx * piece * esz) } };
             if let Err(e) = read_direct_io(pids[k], descs[k].send_off + at, to as usize, m * esz) {
                 return Some(e);
             }
             srcs[k] = to;
         }
-        // SAFETY: (add) `own` and `out` hold `len` elements from here (callers).
-        let (src, dst) = unsafe { (own.add(off * esz), out.add(off * esz)) };
         srcs[me] = src;
-        // SAFETY: every source holds m elements (scratch pieces filled above, our own input);
-        // `out` holds `len` elements and is either our own source exactly (in place) or disjoint
-        // from every source (the scratch is ours alone).
+        // SAFETY: every source holds m elements (scratch pieces or our output's piece filled
+        // above, our own input); `dst` is exactly one source (our input in place, or the piece
+        // that landed in it) and disjoint from the others (the scratch is ours alone; output and
+        // input are equal or disjoint).
         unsafe { reduce_into(call.dtype, call.op, n, &srcs, &[Dst { ptr: dst, nt }], m) };
         if push {
             // Starting after ourselves spreads the writers over the peers.
