@@ -295,7 +295,7 @@ fn reduce_from_peers(
     // Out of place, the first peer's piece lands in our output, where its result goes: one buffer
     // less in cache, and the reduction reads and writes the same lines. In place the output is
     // our own input, which must not be overwritten before it is reduced.
-    let land = (own as usize != out as usize).then(|| (0..n).find(|&k| k != me)).flatten();
+    let land = (!std::ptr::eq(own, out)).then(|| (0..n).find(|&k| k != me)).flatten();
     let mut srcs = vec![own; n];
     let mut off = 0;
     while off < len {
