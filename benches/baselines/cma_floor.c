@@ -69,6 +69,8 @@ static const char *names[] = {
     "broadcast in place, split: 0 pushes S/2, 1 pulls S/2",
     "broadcast out of place, pull: 0 memcpy S; 1 pulls S",
     "broadcast out of place, split: 0 memcpy S + pushes S/4; 1 pulls 3S/4",
+    "broadcast out of place, halves: 0 memcpy+pushes S/2; 1 pulls+pushes S/2",
+    "broadcast out of place, halves in 128K chunks",
     "all_gather out of place, pull: each memcpy S/2 + pulls S/2",
     "all_gather out of place, push: each memcpy S/2 + pushes S/2",
     "all_gather in place, push: each pushes S/2",
@@ -127,14 +129,35 @@ int main(int argc, char **argv) {
                 case 2: if (me) PULL(out, pin, H); else PUSH(in + H, pout + H, H); break;
                 case 3: if (me) PULL(out, pin, S); else memcpy(out, in, S); break;
                 case 4: if (me) PULL(out, pin, S - Q); else { PUSH(in + S - Q, pout + S - Q, Q); memcpy(out, in, S); } break;
-                case 5: memcpy(out + me * H, in, H); PULL(out + peer * H, pin, H); break;
-                case 6: memcpy(out + me * H, in, H); PUSH(in, pout + me * H, H); break;
-                case 7: PUSH(in, pout + me * H, H); break;
-                case 8: memcpy(out, in, S); break;
-                case 9: memcpy(out, in, 3 * Q); break;
-                case 10: memcpy(out, in, H); break;
-                case 11: PUSH(in, pout + me * H, H); break;
-                case 12: PULL(out + peer * H, pin, H); break;
+                case 5:
+                    if (me) {
+                        PULL(out, pin, H);
+                        PUSH(out, pout, H);
+                    } else {
+                        memcpy(out + H, in + H, H);
+                        PUSH(in + H, pout + H, H);
+                    }
+                    break;
+                case 6:
+                    for (size_t o = 0; o < H; o += 131072) {
+                        size_t c = H - o < 131072 ? H - o : 131072;
+                        if (me) {
+                            PULL(out + o, pin + o, c);
+                            PUSH(out + o, pout + o, c);
+                        } else {
+                            memcpy(out + H + o, in + H + o, c);
+                            PUSH(out + H + o, pout + H + o, c);
+                        }
+                    }
+                    break;
+                case 7: memcpy(out + me * H, in, H); PULL(out + peer * H, pin, H); break;
+                case 8: memcpy(out + me * H, in, H); PUSH(in, pout + me * H, H); break;
+                case 9: PUSH(in, pout + me * H, H); break;
+                case 10: memcpy(out, in, S); break;
+                case 11: memcpy(out, in, 3 * Q); break;
+                case 12: memcpy(out, in, H); break;
+                case 13: PUSH(in, pout + me * H, H); break;
+                case 14: PULL(out + peer * H, pin, H); break;
                 }
                 barrier();
                 if (r >= 0) t[(size_t)v * reps * rounds + cnt[v]++] = now() - t0;
