@@ -209,8 +209,9 @@ fn conclude(ch: &mut Channel, call: &Call, err: Option<std::io::Error>, cx: Ctx)
 /// 1/n share gives every core (n - 1)/n of the message. Out of place the root also copies the
 /// whole message into its own output, so every core already copies about as much as the others
 /// without pushing; but its local copy is quicker than a peer's pull of lines that are in the
-/// root's cache, and a 1/(2n) share took the wait off the peers when the root's input was freshly
-/// written (RESULTS.md, session 7). Rounded down to whole cache lines.
+/// root's cache, and a 1/(2n) share was faster than none, both on the benchmark's unchanging
+/// input and on a freshly written one (`cma_floor`, RESULTS.md session 7). Rounded down to whole
+/// cache lines.
 fn push_share(bytes: usize, n: usize, in_place: bool) -> usize {
     let share = if in_place { bytes / n } else { bytes / (2 * n) };
     share / 64 * 64
@@ -226,7 +227,6 @@ pub(crate) fn broadcast(ch: &mut Channel, call: &Call, descs: &[Desc], cx: Ctx) 
     let head = bytes - share;
     let mut err = None;
     if me == root {
-        // Starting after ourselves spreads the pushes of several roots' calls over the peers.
         for j in (1..n).map(|s| (me + s) % n) {
             // Every non-root's output holds `bytes` (the descriptors agree on the count), and it
             // waits in `conclude` until we have written it.
