@@ -967,6 +967,81 @@ fn t_single_copy_bits() -> Result<(), String> {
     Ok(())
 }
 
+/// Every output of the pushing single-copy paths (broadcast: the root pushes a share while the
+/// others pull the rest; all_gather and gather: every rank pushes its block; all_reduce: every
+/// reduced piece pushed into the peers' outputs), out of place and in place, roots 0 and last,
+/// on sizes across the single-copy threshold and the push share's cache-line rounding, hashed
+/// per rank, with `cma_bytes` as given. The values make any wrong order of addition visible.
+fn push_path_hashes(n: usize, cma_bytes: usize) -> Result<Vec<Vec<u64>>, String> {
+    let mut cfg = single_cfg(n);
+    cfg.shm.cma_bytes = cma_bytes;
+    launch(&cfg, |mut ctx: RankContext| -> RankResult<Vec<u64>> {
+        let (me, c) = (ctx.rank, &mut ctx.comm);
+        let hash = |y: &[f32]| y.iter().fold(0u64, |h, v| h.wrapping_mul(1099511628211).wrapping_add(v.to_bits() as u64));
+        let val = |r: usize, i: usize| ((i * 2654435761 + r * 97) % 1000) as f32 * 1.37e-3 + 1e4 * (r as f32 - 1.0);
+        let mut out = Vec::new();
+        // Elements of f32: below, at and above the 4 KiB threshold (1024), shares of a few cache
+        // lines and none, odd counts, and the benchmarks' 1 MiB.
+        for len in [1000usize, 1023, 1024, 1025, 1031, 1040, 4099, 100_003, 262_144] {
+            let x: Vec<f32> = (0..len).map(|i| val(me, i)).collect();
+            let mut y = vec![0f32; len];
+            c.all_reduce(&x, &mut y, ReduceOp::Sum)?;
+            out.push(hash(&y));
+            let mut z = x.clone();
+            c.all_reduce_in_place(&mut z, ReduceOp::Sum)?;
+            out.push(hash(&z));
+            // The copies must also be right, not only equal to the staged path's.
+            let all: Vec<f32> = (0..n).flat_map(|r| (0..len).map(move |i| val(r, i))).collect();
+            for root in [0, n - 1] {
+                let want: Vec<f32> = (0..len).map(|i| val(root, i)).collect();
+                let mut b = vec![0f32; len];
+                c.broadcast(&x, &mut b, root)?;
+                out.push(hash(&b));
+                let mut bi = x.clone();
+                c.broadcast_in_place(&mut bi, root)?;
+                out.push(hash(&bi));
+                let mut g = vec![0f32; if me == root { len * n } else { 0 }];
+                c.gather(&x, &mut g, root)?;
+                out.push(hash(&g));
+                if b != want || bi != want || (me == root && g != all) {
+                    return Err(format!("broadcast or gather of {len} from root {root} wrong").into());
+                }
+            }
+            let mut ag = vec![0f32; len * n];
+            c.all_gather(&x, &mut ag)?;
+            out.push(hash(&ag));
+            let mut agi = vec![0f32; len * n];
+            agi[me * len..(me + 1) * len].copy_from_slice(&x);
+            c.all_gather_in_place(&mut agi)?;
+            out.push(hash(&agi));
+            if ag != all || agi != all {
+                return Err(format!("all_gather of {len} wrong").into());
+            }
+        }
+        Ok(out)
+    })
+    .map_err(|e| e.to_string())
+}
+
+/// The pushing single-copy paths give the staged path's bits, on every rank.
+fn t_single_copy_push() -> Result<(), String> {
+    for n in [2, 3] {
+        let direct = push_path_hashes(n, 4096)?;
+        let staged = push_path_hashes(n, 0)?;
+        for (r, (d, s)) in direct.iter().zip(&staged).enumerate() {
+            if let Some(i) = (0..d.len()).find(|&i| d[i] != s[i]) {
+                return Err(format!("world {n}, rank {r}: output #{i} differs between single-copy and staged"));
+            }
+        }
+        // Every output but the gathers' (empty on non-roots) is the same on every rank: per size,
+        // all_reduce (2), per root broadcast (2) and gather, all_gather (2).
+        if direct.iter().any(|d| (0..d.len()).filter(|i| !matches!(i % 10, 4 | 7)).any(|i| d[i] != direct[0][i])) {
+            return Err(format!("world {n}: the ranks' outputs differ"));
+        }
+    }
+    Ok(())
+}
+
 /// Rank 0 passes shared buffers (no offer), rank 1 ordinary ones (an offer): every rank runs the
 /// call again staged, and the results are right; then all ordinary, direct.
 fn t_single_copy_mixed() -> Result<(), String> {
@@ -1132,6 +1207,7 @@ fn main() {
         ("single_copy", t_single_copy),
         ("single_copy_refused", t_single_copy_refused),
         ("single_copy_bits", t_single_copy_bits),
+        ("single_copy_push", t_single_copy_push),
         ("single_copy_mixed", t_single_copy_mixed),
         ("single_copy_mismatch", t_single_copy_mismatch),
         ("single_copy_dead_peer", t_single_copy_dead_peer),

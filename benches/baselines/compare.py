@@ -4,7 +4,13 @@ cache-placement state, and print ratios in one markdown table per state.
 
 Usage: python3 benches/baselines/compare.py [--nprocs 2] [--sizes 8,1048576,67108864] [--rounds 3]
            [--ops all_reduce,broadcast,all_gather,reduce_scatter] [--until-both-states]
-           [--max-minutes 30] [--threshold-ns 250]
+           [--max-minutes 30] [--threshold-ns 250] [--buffers ordinary,shared] [--in-place]
+           [--before PATH]
+
+--buffers picks lockstep's buffer kinds (default both). --in-place adds lockstep's in-place times
+(the same runs' in-place columns) as tools "... in place": MPI_Bcast is in place by its API, so
+that is the like-for-like broadcast. --before PATH runs a second lockstep binary (e.g. the main
+branch's) on ordinary buffers in the same rounds, alternating with the others, as "before/...".
 
 Baselines: Open MPI (benches/baselines/mpi_bench.c, built with mpicc when present) and
 torch.distributed gloo (benches/baselines/gloo_bench.py, when torch imports). Each round runs,
@@ -53,16 +59,19 @@ SHARED, NOT_SHARED, CHANGED = "shared cache", "no shared cache", "changed"
 
 
 def parse(out):
-    rows = {}
+    """size -> (time, busbw, wrong) out of place, and size -> the same in place (lockstep only)."""
+    rows, in_place = {}, {}
     for line in out.splitlines():
         f = line.split()
         # lockstep bench: nccl-tests' 13 columns (size count type redop root, then time algbw busbw
         # #wrong out of place and in place); the baselines: 8 (size count type op time algbw busbw #wrong).
         if len(f) == 13 and f[0].isdigit():
             rows[int(f[0])] = (float(f[5]), float(f[7]), int(f[8]))
+            if f[9] != "N/A":
+                in_place[int(f[0])] = (float(f[9]), float(f[11]), int(f[12]) if f[12].isdigit() else 0)
         elif len(f) == 8 and f[0].isdigit():
             rows[int(f[0])] = (float(f[4]), float(f[6]), int(f[7]))
-    return rows
+    return rows, in_place
 
 
 def run(cmd):
@@ -126,6 +135,9 @@ def main():
                     help="probe round trip below which the two CPUs count as sharing a cache")
     ap.add_argument("--lockstep", default=os.path.join(ROOT, "target", "release", "lockstep"),
                     help="the lockstep binary (default: target/release/lockstep, built when missing)")
+    ap.add_argument("--buffers", default="ordinary,shared", help="lockstep's buffer kinds to run")
+    ap.add_argument("--in-place", action="store_true", help="also report lockstep's in-place times")
+    ap.add_argument("--before", help="a second lockstep binary to run on ordinary buffers in the same rounds")
     a = ap.parse_args()
     t_start = time.monotonic()
     ops = a.ops.split(",")
@@ -139,8 +151,11 @@ def main():
     if membw is None:
         print(f"# {a.nprocs} ranks on {cpus} CPUs: no bound (one copier per rank needs a CPU each)")
     tools = {}
-    for buffers in ["ordinary", "shared"]:
-        tools[f"lockstep/{buffers}"] = lambda op, b=buffers: [lockstep, "bench", "--nprocs", str(a.nprocs), "--op", op, "--sizes", a.sizes, "--buffers", b]
+    bench = lambda exe, b: lambda op: [exe, "bench", "--nprocs", str(a.nprocs), "--op", op, "--sizes", a.sizes, "--buffers", b]
+    if a.before:
+        tools["before/ordinary"] = bench(a.before, "ordinary")
+    for buffers in a.buffers.split(","):
+        tools[f"lockstep/{buffers}"] = bench(lockstep, buffers)
     if shutil.which("mpicc") and shutil.which("mpirun"):
         exe = "/tmp/lockstep_mpi_bench"
         subprocess.run(["mpicc", "-O2", "-o", exe, os.path.join(HERE, "mpi_bench.c")], check=True)
@@ -172,8 +187,11 @@ def main():
             before = probe(c2c)
             block = {}
             for name, cmd in tools.items():
-                for size, v in parse(run(cmd(op))).items():
+                rows, in_place = parse(run(cmd(op)))
+                for size, v in rows.items():
                     block.setdefault((name, size), []).append(v)
+                for size, v in in_place.items() if a.in_place else ():
+                    block.setdefault((f"{name} in place", size), []).append(v)
             bound = {}
             for size in sizes:
                 x = copy_bytes(op, size, a.nprocs)
@@ -191,8 +209,12 @@ def main():
                 # A collective moves at least one cache line one way: half the round trip.
                 bounds.setdefault((state, op, size), []).append(max(t, min(before, after) / 2000.0))
 
-    base = [t for t in tools if not t.startswith("lockstep")]
-    mine = [t for t in tools if t.startswith("lockstep")]
+    base = [t for t in tools if not t.startswith(("lockstep", "before"))]
+    mine = [t for t in tools if t.startswith(("lockstep", "before"))]
+    if a.in_place:
+        mine = [m for t in mine for m in (t, f"{t} in place")]
+    # Ratio columns name lockstep's tools without the "lockstep/" prefix.
+    label = lambda m: m.removeprefix("lockstep/")
     med = lambda vs, i: statistics.median(v[i] for v in vs)
     for state in (SHARED, NOT_SHARED, CHANGED):
         if state not in seen_rounds:
@@ -201,8 +223,8 @@ def main():
         print(f"\n### {state}: {seen_rounds[state]} op-round(s), probe {min(ps):.0f}-{max(ps):.0f} ns per round trip "
               f"({a.nprocs} ranks, f32 sum, median over the rounds; time per call)\n")
         hdr = ["op", "size", *mine, *base, "bound"]
-        hdr += [f"{m.split('/')[1]} x {b}" for m in mine for b in base if b == "openmpi"]
-        hdr += [f"{m.split('/')[1]} x bound" for m in mine]
+        hdr += [f"{label(m)} x {b}" for m in mine for b in base if b == "openmpi"]
+        hdr += [f"{label(m)} x bound" for m in mine]
         print("| " + " | ".join(hdr) + " |")
         print("|" + "---|" * len(hdr))
         for op in ops:

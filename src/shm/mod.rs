@@ -32,7 +32,7 @@
 //!   cross-rank argument check, the abort record every rank reports from, the staging mode.
 //! * `stale`: segments left behind by killed jobs: who created one, whether it still runs, and
 //!   removing the names of dead ones ([`reclaim_stale_segments`], [`unlink_named`]).
-//! * `direct`: cross-memory attach (`process_vm_readv`) between ranks.
+//! * `direct`: cross-memory attach (`process_vm_readv`, `process_vm_writev`) between ranks.
 //! * `alloc` (shared buffers), `config` (settings), `tune` (staging mode choice), `reduce`
 //!   (kernels and copies), `sync` (segment layout, control blocks), `segment` (OS calls, futex,
 //!   peer processes, segment names and memory reservation).

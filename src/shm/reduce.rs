@@ -185,11 +185,58 @@ pub(crate) struct Dst {
     pub nt: bool,
 }
 
+/// `d[i] = f(a[i], b[i])` in one pass, `d` equal to `a`, to `b`, or disjoint from both (and `a`
+/// distinct from `b`): the three cases keep the slices apart, so every loop vectorises.
+///
+/// # Safety
+/// As for [`reduce_typed`], with `a != b`.
+#[inline(always)]
+unsafe fn pair<T: Lane, F: Fn(T::Acc, T::Acc) -> T::Acc>(a: *const T, b: *const T, d: *mut T, count: usize, f: F) {
+    // SAFETY: every pointer is valid for `count` elements (caller); a mutable slice is made only
+    // of `d`, and only beside slices of the other, disjoint, source.
+    unsafe {
+        let out = std::slice::from_raw_parts_mut(d, count);
+        if std::ptr::eq(d, a) {
+            for (o, y) in out.iter_mut().zip(std::slice::from_raw_parts(b, count)) {
+                *o = T::store(f(o.load(), y.load()));
+            }
+        } else if std::ptr::eq(d, b) {
+            for (o, x) in out.iter_mut().zip(std::slice::from_raw_parts(a, count)) {
+                *o = T::store(f(x.load(), o.load()));
+            }
+        } else {
+            let (a, b) = (std::slice::from_raw_parts(a, count), std::slice::from_raw_parts(b, count));
+            for ((o, x), y) in out.iter_mut().zip(a).zip(b) {
+                *o = T::store(f(x.load(), y.load()));
+            }
+        }
+    }
+}
+
 /// # Safety
 /// Every `srcs[k]` and every destination must be valid for `count` elements of `T`; a destination
 /// may alias a source exactly (same address) but must not partially overlap one.
 #[inline(always)]
 unsafe fn reduce_typed<T: Lane>(op: ReduceOp, n_ranks: usize, srcs: &[*const u8], dsts: &[Dst], count: usize) {
+    // Two sources into one cached destination (every reduction of two ranks on ordinary buffers):
+    // one pass straight into the destination, no accumulator to fill and copy out. The same
+    // operations in the same order as below, so the same bits.
+    if let ([a, b], [d]) = (srcs, dsts) {
+        if !d.nt && a != b {
+            let (a, b, d) = (*a as *const T, *b as *const T, d.ptr as *mut T);
+            // SAFETY: forwarded caller contract; a != b.
+            unsafe {
+                match op {
+                    ReduceOp::Sum => pair::<T, _>(a, b, d, count, T::add),
+                    ReduceOp::Avg => pair::<T, _>(a, b, d, count, |x, y| T::div(T::add(x, y), n_ranks)),
+                    ReduceOp::Prod => pair::<T, _>(a, b, d, count, T::mul),
+                    ReduceOp::Min => pair::<T, _>(a, b, d, count, T::min),
+                    ReduceOp::Max => pair::<T, _>(a, b, d, count, T::max),
+                }
+            }
+            return;
+        }
+    }
     let mut acc = [T::Acc::default(); BLOCK];
     let mut out = [std::mem::MaybeUninit::<T>::uninit(); BLOCK];
     let mut start = 0;
@@ -409,6 +456,43 @@ mod tests {
         let mut d = vec![f16::ZERO; 5];
         reduce_slices(ReduceOp::Sum, &[&a, &b, &b], &mut d);
         assert!(d.iter().all(|v| v.to_f32() == 2050.0));
+    }
+
+    /// The one-pass path of two sources (one cached destination) gives the accumulator path's
+    /// bits (forced here by a second destination), for every op, in and out of place.
+    fn pair_matches_accumulator<T: crate::comm::Element>(gen: impl Fn(usize, usize) -> T) {
+        let n = 3001;
+        let a: Vec<T> = (0..n).map(|i| gen(i, 0)).collect();
+        let b: Vec<T> = (0..n).map(|i| gen(i, 1)).collect();
+        for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Prod, ReduceOp::Min, ReduceOp::Max] {
+            let mut want = vec![T::default(); n];
+            let mut spare = vec![T::default(); n];
+            let (pa, pb) = (a.as_ptr() as *const u8, b.as_ptr() as *const u8);
+            let two = [Dst { ptr: want.as_mut_ptr() as *mut u8, nt: false }, Dst { ptr: spare.as_mut_ptr() as *mut u8, nt: false }];
+            // SAFETY: every buffer holds n elements; the destinations are disjoint from the sources.
+            unsafe { reduce_into(T::DTYPE, op, 2, &[pa, pb], &two, n) };
+            let mut out = vec![T::default(); n];
+            // SAFETY: as above, one destination.
+            unsafe { reduce_raw(T::DTYPE, op, 2, &[pa, pb], out.as_mut_ptr() as *mut u8, n) };
+            assert_eq!(out, want, "{op} out of place");
+            for first in [true, false] {
+                let (mut x, mut y) = (a.clone(), b.clone());
+                let (px, py) = (x.as_mut_ptr(), y.as_mut_ptr());
+                let d = if first { px } else { py };
+                // SAFETY: the destination is exactly one of the sources.
+                unsafe { reduce_raw(T::DTYPE, op, 2, &[px as *const u8, py as *const u8], d as *mut u8, n) };
+                assert_eq!(if first { x } else { y }, want, "{op} in place on source {}", if first { 0 } else { 1 });
+            }
+        }
+    }
+
+    #[test]
+    fn two_sources_in_one_pass() {
+        pair_matches_accumulator::<f32>(|i, k| ((i * 2654435761 + k * 97) % 1000) as f32 * 1.37e-3 + 1e4 * k as f32);
+        pair_matches_accumulator::<f16>(|i, k| f16::from_f32(((i * 31 + k * 7) % 200) as f32 * 0.37 - 30.0));
+        pair_matches_accumulator::<bf16>(|i, k| bf16::from_f32(((i * 31 + k * 7) % 200) as f32 * 0.37 - 30.0));
+        pair_matches_accumulator::<i32>(|i, k| ((i * 7919 + k * 13) % 2001) as i32 - 1000);
+        pair_matches_accumulator::<u8>(|i, k| ((i * 7 + k * 101) % 256) as u8);
     }
 
     #[test]

@@ -157,7 +157,9 @@ pub(crate) struct Desc {
 pub(crate) const SHARED_SEND: u8 = 1;
 pub(crate) const SHARED_RECV: u8 = 2;
 /// `send_off` is the send buffer's address in the rank's own memory, which its peers may read
-/// with `process_vm_readv` (the exchanges' direct-copy path).
+/// with `process_vm_readv` (the exchanges' direct-copy path); in the single-copy collectives
+/// (`algo::single`) `recv_off` is the output's, which its peers may also write
+/// (`process_vm_writev`).
 pub(crate) const DIRECT: u8 = 16;
 /// The rank refused the call locally (bad arguments); its peers fail the matching call too.
 pub(crate) const INVALID: u8 = 4;

@@ -10,7 +10,8 @@
 //! * [`broadcast`], [`gather`] (all-gather and gather), [`reduce_scatter`]: staged chunk by chunk
 //!   through the slots, or zero-copy.
 //! * [`single`]: broadcast, all-gather, reduce-scatter and all-reduce on ordinary buffers from
-//!   `cma_bytes` up: one copy, straight out of the peers' buffers (cross-memory attach).
+//!   `cma_bytes` up: one copy, straight between the ranks' buffers (cross-memory attach, reads
+//!   and writes, so that every core copies).
 //! * [`exchange`]: all_to_all, all_to_all_v, scatter, all_gather_v and gather_v, staged in rounds
 //!   through the slots after a first phase that checks the per-pair counts.
 //! * [`p2p`]: point-to-point sends and receives through the per-pair mailboxes (no phases).

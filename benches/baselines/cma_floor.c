@@ -1,0 +1,175 @@
+/* The floor of the single-copy collectives on ordinary buffers (src/shm/algo/single.rs): the same
+ * copies as lockstep's paths, done by two bare processes with nothing else (no descriptors, no
+ * verdicts, no library), so that a collective's time can be set against what its copies alone
+ * cost on this machine.
+ *   gcc -O2 benches/baselines/cma_floor.c -o /tmp/cma_floor && /tmp/cma_floor [BYTES] [REPS] [ROUNDS]
+ * Two processes (fork) pinned to CPU 0 and CPU 1, each with its own page-aligned BYTES-long input
+ * and output, filled once. Every variant runs REPS timed repetitions (default 200) after 5
+ * untimed ones, every repetition between two spin barriers on a shared line (the time is rank
+ * 0's, barrier to barrier, so it includes one barrier); the variants take turns for ROUNDS rounds
+ * (default 10) so that drift hits them alike. Prints the median and p10 per variant. BYTES is the
+ * message as `lockstep bench` counts it (all_gather: the output; default 1 MiB).
+ * Set FRESH=1 to rewrite every input and read every output between repetitions (untimed), as an
+ * application does: the inputs are then modified lines in their owner's cache.
+ * "pull" is process_vm_readv from the peer, "push" process_vm_writev into the peer, "memcpy" a
+ * local copy. */
+#define _GNU_SOURCE
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/uio.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + t.tv_nsec * 1e-9;
+}
+
+static struct ctl {
+    _Atomic long seq[2];
+    pid_t pid[2];
+    char *in[2], *out[2];
+} *C;
+static int me;
+static long myseq;
+
+static void barrier(void) {
+    myseq++;
+    atomic_store(&C->seq[me], myseq);
+    while (atomic_load(&C->seq[1 - me]) < myseq) __builtin_ia32_pause();
+}
+
+static void cma(int write, char *local, char *remote, size_t n) {
+    if (!n) return;
+    struct iovec l = {local, n}, r = {remote, n};
+    pid_t p = C->pid[1 - me];
+    ssize_t got = write ? process_vm_writev(p, &l, 1, &r, 1, 0) : process_vm_readv(p, &l, 1, &r, 1, 0);
+    if (got != (ssize_t)n) {
+        perror(write ? "process_vm_writev" : "process_vm_readv");
+        exit(1);
+    }
+}
+#define PULL(local, remote, n) cma(0, local, remote, n)
+#define PUSH(local, remote, n) cma(1, local, remote, n)
+
+static int cmp(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+static const char *names[] = {
+    "barrier alone",
+    "broadcast in place, pull: 1 pulls S",
+    "broadcast in place, split: 0 pushes S/2, 1 pulls S/2",
+    "broadcast out of place, pull: 0 memcpy S; 1 pulls S",
+    "broadcast out of place, split: 0 memcpy S + pushes S/4; 1 pulls 3S/4",
+    "broadcast out of place, halves: 0 memcpy+pushes S/2; 1 pulls+pushes S/2",
+    "broadcast out of place, halves in 128K chunks",
+    "all_gather out of place, pull: each memcpy S/2 + pulls S/2",
+    "all_gather out of place, push: each memcpy S/2 + pushes S/2",
+    "all_gather in place, push: each pushes S/2",
+    "memcpy S on both (the copy each core does in oop broadcast)",
+    "memcpy 3S/4 on both (compare.py's all_gather bound)",
+    "memcpy S/2 on both (compare.py's broadcast bound)",
+    "push S/2 on both",
+    "pull S/2 on both",
+};
+#define NV (int)(sizeof names / sizeof *names)
+
+int main(int argc, char **argv) {
+    size_t S = argc > 1 ? strtoull(argv[1], NULL, 10) : 1 << 20;
+    int reps = argc > 2 ? atoi(argv[2]) : 200, rounds = argc > 3 ? atoi(argv[3]) : 10;
+    int fresh = getenv("FRESH") && atoi(getenv("FRESH"));
+    S = S / 256 * 256;
+    if (S == 0 || reps < 1 || rounds < 1) {
+        fprintf(stderr, "usage: cma_floor [BYTES >= 256] [REPS] [ROUNDS]\n");
+        return 2;
+    }
+    C = mmap(NULL, 4096, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    if (C == MAP_FAILED) return perror("mmap"), 1;
+    pid_t child = fork();
+    if (child < 0) return perror("fork"), 1;
+    me = child == 0;
+    cpu_set_t s;
+    CPU_ZERO(&s);
+    CPU_SET(me, &s);
+    if (sched_setaffinity(0, sizeof s, &s)) return perror("sched_setaffinity (2 CPUs needed)"), 1;
+    char *in, *out;
+    if (posix_memalign((void **)&in, 4096, S) || posix_memalign((void **)&out, 4096, S)) return perror("posix_memalign"), 1;
+    memset(in, 1 + me, S);
+    memset(out, 0, S);
+    C->pid[me] = getpid();
+    C->in[me] = in;
+    C->out[me] = out;
+    barrier();
+    int peer = 1 - me;
+    size_t H = S / 2, Q = S / 4;
+    double *t = malloc(sizeof(double) * (size_t)reps * rounds * NV);
+    int cnt[NV] = {0};
+    long sink = 0;
+    for (int rd = 0; rd < rounds; rd++)
+        for (int v = 0; v < NV; v++)
+            for (int r = -5; r < reps; r++) {
+                if (fresh) {
+                    for (size_t i = 0; i < S; i += 64) sink += out[i];
+                    memset(in, (int)(sink + r) & 0x7f, S);
+                }
+                barrier();
+                double t0 = now();
+                char *pin = C->in[peer], *pout = C->out[peer];
+                switch (v) {
+                case 0: break;
+                case 1: if (me) PULL(out, pin, S); break;
+                case 2: if (me) PULL(out, pin, H); else PUSH(in + H, pout + H, H); break;
+                case 3: if (me) PULL(out, pin, S); else memcpy(out, in, S); break;
+                case 4: if (me) PULL(out, pin, S - Q); else { PUSH(in + S - Q, pout + S - Q, Q); memcpy(out, in, S); } break;
+                case 5:
+                    if (me) {
+                        PULL(out, pin, H);
+                        PUSH(out, pout, H);
+                    } else {
+                        memcpy(out + H, in + H, H);
+                        PUSH(in + H, pout + H, H);
+                    }
+                    break;
+                case 6:
+                    for (size_t o = 0; o < H; o += 131072) {
+                        size_t c = H - o < 131072 ? H - o : 131072;
+                        if (me) {
+                            PULL(out + o, pin + o, c);
+                            PUSH(out + o, pout + o, c);
+                        } else {
+                            memcpy(out + H + o, in + H + o, c);
+                            PUSH(out + H + o, pout + H + o, c);
+                        }
+                    }
+                    break;
+                case 7: memcpy(out + me * H, in, H); PULL(out + peer * H, pin, H); break;
+                case 8: memcpy(out + me * H, in, H); PUSH(in, pout + me * H, H); break;
+                case 9: PUSH(in, pout + me * H, H); break;
+                case 10: memcpy(out, in, S); break;
+                case 11: memcpy(out, in, 3 * Q); break;
+                case 12: memcpy(out, in, H); break;
+                case 13: PUSH(in, pout + me * H, H); break;
+                case 14: PULL(out + peer * H, pin, H); break;
+                }
+                barrier();
+                if (r >= 0) t[(size_t)v * reps * rounds + cnt[v]++] = now() - t0;
+            }
+    if (me == 0) {
+        printf("cma_floor: %zu bytes, %d x %d repetitions per variant%s\n", S, rounds, reps, fresh ? ", fresh inputs" : "");
+        for (int v = 0; v < NV; v++) {
+            double *x = t + (size_t)v * reps * rounds;
+            qsort(x, cnt[v], sizeof(double), cmp);
+            printf("%-72s median_us %8.2f p10_us %8.2f\n", names[v], x[cnt[v] / 2] * 1e6, x[cnt[v] / 10] * 1e6);
+        }
+        waitpid(child, NULL, 0);
+    }
+    return (int)(sink & 0);
+}
