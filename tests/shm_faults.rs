@@ -400,6 +400,154 @@ fn t_small_shm_dir() -> Result<(), String> {
     no_children()
 }
 
+/// Bytes of the segment file whose name contains `needle` that this process has mapped (the
+/// `Rss` of its mappings in /proc/self/smaps); `None` when it has no such mapping.
+fn mapped_bytes(needle: &str) -> Option<u64> {
+    let smaps = std::fs::read_to_string("/proc/self/smaps").ok()?;
+    let (mut inside, mut total) = (false, None);
+    for line in smaps.lines() {
+        let first = line.split_whitespace().next().unwrap_or("");
+        if first.contains('-') && first.chars().all(|c| c.is_ascii_hexdigit() || c == '-') {
+            inside = line.contains(needle);
+        } else if let (true, Some(v)) = (inside, line.strip_prefix("Rss:")) {
+            let kib: u64 = v.trim().trim_end_matches("kB").trim().parse().ok()?;
+            total = Some(total.unwrap_or(0) + kib * 1024);
+        }
+    }
+    total
+}
+
+/// A rank maps its staging slots when it first runs a collective that stages data, and a mailbox
+/// when it first uses it, not when it joins: after joining and small (fast-path) collectives it
+/// has mapped less than a quarter of one slot; large collectives and point-to-point messages after
+/// them give exact results, and then both of its slots are mapped.
+fn t_slots_mapped_on_first_use() -> Result<(), String> {
+    let before = segments_in("/dev/shm");
+    let job = job_id("lazy");
+    let slot = 1usize << 20;
+    let out = fork_ranks(2, Duration::from_secs(20), |rank| {
+        // cma_bytes 0: the large message streams through the mailbox's ring.
+        let cfg = ShmConfig {
+            slot_bytes: slot,
+            heap_bytes: 2 << 20,
+            cma_bytes: 0,
+            join_timeout: Duration::from_secs(10),
+            ..ShmConfig::default()
+        };
+        let mut c = Communicator::from_backend(Box::new(ShmComm::join_named(&job, rank, 2, cfg).map_err(|e| e.to_string())?));
+        let mut small = [rank as i64 + 1; 64];
+        c.all_reduce_in_place(&mut small, ReduceOp::Sum).map_err(|e| e.to_string())?;
+        c.barrier().map_err(|e| e.to_string())?;
+        if small != [3; 64] {
+            return Err(format!("small all_reduce gave {:?}", &small[..4]));
+        }
+        let early = mapped_bytes(&job).ok_or("no mapping of the segment")?;
+        // 4 MiB: larger than a slot, so it streams through both slots in pieces.
+        let n = 1 << 20;
+        let mut big: Vec<f32> = (0..n).map(|i| (i % 1000) as f32 + rank as f32).collect();
+        c.all_reduce_in_place(&mut big, ReduceOp::Sum).map_err(|e| e.to_string())?;
+        if let Some(i) = (0..n).find(|&i| big[i] != 2.0 * (i % 1000) as f32 + 1.0) {
+            return Err(format!("large all_reduce: element {i} is {}", big[i]));
+        }
+        let msg: Vec<u32> = (0..100_000u32).map(|i| i ^ 0x5a5a).collect();
+        if rank == 0 {
+            c.send(&msg, 1).map_err(|e| e.to_string())?;
+        } else {
+            let mut got = vec![0u32; msg.len()];
+            c.recv(&mut got, 0).map_err(|e| e.to_string())?;
+            if got != msg {
+                return Err("the 400 kB message arrived changed".into());
+            }
+        }
+        c.all_reduce_in_place(&mut small, ReduceOp::Sum).map_err(|e| e.to_string())?;
+        if small != [6; 64] {
+            return Err(format!("small all_reduce after large ones gave {:?}", &small[..4]));
+        }
+        let late = mapped_bytes(&job).ok_or("no mapping of the segment")?;
+        Ok(format!("{early} {late}"))
+    })?;
+    for (r, e) in out.iter().enumerate() {
+        check(e.status == 0, &format!("rank {r} succeeded"), format!("{}: {}", e.describe(), e.msg))?;
+        let v: Vec<u64> = e.msg.split(' ').filter_map(|x| x.parse().ok()).collect();
+        check(v.len() == 2, "rank reported mapped bytes", &e.msg)?;
+        println!(
+            "  rank {r}: {} KiB of the segment mapped after join and small collectives, {} KiB after large ones",
+            v[0] / 1024,
+            v[1] / 1024
+        );
+        check(v[0] < slot as u64 / 4, &format!("rank {r} mapped under a quarter slot before staging anything"), format!("{} bytes", v[0]))?;
+        check(v[1] >= 2 * slot as u64, &format!("rank {r} mapped both its slots once it staged data"), format!("{} bytes", v[1]))?;
+    }
+    no_new_segments("/dev/shm", &before)?;
+    no_children()
+}
+
+/// A named segment fits its tmpfs when it is created, then something else fills the tmpfs: the
+/// first collective that needs a rank's slots fails on every rank with an error (the rank that
+/// found no room says so), without a SIGBUS and without waiting for the timeout.
+fn room_gone_scenario(dir: &str) -> Result<String, String> {
+    std::env::set_var("LOCKSTEP_SHM_DIR", dir);
+    let job = job_id("gone");
+    let t = Instant::now();
+    let out = fork_ranks(2, Duration::from_secs(20), |rank| {
+        // 2 ranks × 2 slots of 2 MiB: 8 MiB and the mailboxes, which fit the 16 MiB tmpfs.
+        let cfg = ShmConfig {
+            slot_bytes: 2 << 20,
+            heap_bytes: 2 << 20,
+            join_timeout: Duration::from_secs(10),
+            timeout: Duration::from_secs(30),
+            ..ShmConfig::from_env().expect("shm settings from the environment")
+        };
+        let mut c = Communicator::from_backend(Box::new(ShmComm::join_named(&job, rank, 2, cfg).map_err(|e| e.to_string())?));
+        c.barrier().map_err(|e| e.to_string())?;
+        if rank == 0 {
+            // Another job takes all but 5 MiB: room for one rank's slots (4 MiB), not both.
+            let keep = 5u64 << 20;
+            let free = free_bytes(dir);
+            let f = std::fs::File::create(format!("{dir}/filler")).map_err(|e| e.to_string())?;
+            use std::os::fd::AsRawFd;
+            // SAFETY: a descriptor we own.
+            let r = unsafe { libc::posix_fallocate(f.as_raw_fd(), 0, free.saturating_sub(keep) as libc::off_t) };
+            if r != 0 {
+                return Err(format!("filling {dir}: error {r}"));
+            }
+        }
+        c.barrier().map_err(|e| e.to_string())?;
+        let mut big = vec![1f32; 1 << 19];
+        match c.all_reduce_in_place(&mut big, ReduceOp::Sum) {
+            Ok(()) => Err("the all_reduce passed with no room for both ranks' slots".into()),
+            Err(e) => Ok(e.to_string()),
+        }
+    })?;
+    let took = t.elapsed();
+    let mut said = 0;
+    for (r, e) in out.iter().enumerate() {
+        check(e.status == 0, &format!("rank {r} got an error, not a signal (no SIGBUS)"), format!("{}: {}", e.describe(), e.msg))?;
+        said += e.msg.contains("no room for them any more") as usize;
+    }
+    check(said >= 1, "a rank's error says its slots found no room", format!("{:?}", out.iter().map(|e| &e.msg).collect::<Vec<_>>()))?;
+    check(took < Duration::from_secs(10), "every rank failed at once, not at the timeout", format!("{took:?}"))?;
+    Ok(format!("failed in {:.2} s: rank 0: {}; rank 1: {}", took.as_secs_f64(), out[0].msg, out[1].msg))
+}
+
+/// [`room_gone_scenario`] in a 16 MiB tmpfs of a private mount namespace (skipped without one).
+fn t_room_gone_after_creation() -> Result<(), String> {
+    let host_before = segments_in("/dev/shm");
+    let dir = common::scratch("room-gone");
+    let d = dir.to_str().ok_or("scratch path")?.to_string();
+    let r = in_private_namespace(|| {
+        mount_tmpfs(&d, 16)?;
+        room_gone_scenario(&d)
+    });
+    let _ = std::fs::remove_dir_all(&dir);
+    match r? {
+        Some(report) => println!("  {report}"),
+        None => println!("  skipped: needs a private mount namespace for its own small tmpfs"),
+    }
+    no_new_segments("/dev/shm", &host_before)?;
+    no_children()
+}
+
 /// LOCKSTEP_SHM_DIR must be an absolute path to an existing directory; anything else is refused
 /// by name before any segment is made.
 fn t_shm_dir_checked() -> Result<(), String> {
@@ -587,6 +735,8 @@ fn main() -> std::process::ExitCode {
         ("small_dev_shm", t_small_dev_shm),
         ("small_shm_dir", t_small_shm_dir),
         ("shm_dir_checked", t_shm_dir_checked),
+        ("slots_mapped_on_first_use", t_slots_mapped_on_first_use),
+        ("room_gone_after_creation", t_room_gone_after_creation),
         ("stale_segment_reclaimed", t_stale_segment_reclaimed),
         ("timeout_names_stuck_rank_everywhere", t_timeout_names_stuck_rank_everywhere),
     ])

@@ -120,6 +120,14 @@ impl Backend for ShmComm {
                 return Err(e);
             }
         }
+        // A call that may stage data maps this rank's slots first (once); if there is no room
+        // any more, the call is refused so the peers fail at once too, rather than waiting.
+        if !fast::eligible(&self.ch, call) {
+            if let Err(e) = self.ch.ensure_slots() {
+                self.reject(call.kind, call.dtype, &e);
+                return Err(e);
+            }
+        }
         let cx = self.ch.start_call(call.kind);
         let r = self.run_call(call, cx);
         self.ch.end_call(r.is_ok());

@@ -42,25 +42,54 @@ pub(crate) fn init_header(seg: &Segment, layout: &Layout, cfg: &ShmConfig) {
     h.magic.store(MAGIC, Release);
 }
 
-/// Reserve what every collective touches (header, control blocks, slots) before anything
-/// touches it, so a small `/dev/shm` or a memory limit is an error here, not a SIGBUS later.
+/// Back the fixed part of a new segment (header, control blocks, slots, mailboxes) so that no
+/// rank ever meets a SIGBUS there, and a small `/dev/shm` is an error here, at creation.
+///
+/// A named segment reserves only what every rank touches from its first call (header, control
+/// blocks, fast entries) and checks that its file system has room for the rest: each rank maps
+/// its own staging slots when it first runs a collective that stages data, and each mailbox when
+/// it first sends or receives through it ([`Segment::populate`], which allocates the pages and
+/// fails cleanly when there is no room after all, e.g. when another job took it meanwhile). So a
+/// job pays only for the memory it uses: a start-up whose collectives all take the fast path
+/// touches a few pages instead of reserving, mapping and freeing 2 MiB per rank (issue 16). An
+/// anonymous segment (a memfd: no file system to ask, only the memory cgroup) reserves all of it.
 pub(crate) fn reserve_backed(seg: &Segment, layout: &Layout) -> Result<(), CommError> {
-    seg.reserve(0, layout.backed()).map_err(|e| no_room(&e, layout))
+    if !seg.is_named() {
+        return seg.reserve(0, layout.backed()).map_err(|e| no_room(&e, layout));
+    }
+    seg.check_room(layout.backed()).map_err(|e| no_room(&e, layout))?;
+    seg.reserve(0, layout.slots_off).map_err(|e| no_room(&e, layout))?;
+    seg.reserve(layout.fast_off, layout.p2p_off - layout.fast_off).map_err(|e| no_room(&e, layout))
+}
+
+/// Where to make room, for the errors of a segment that does not fit.
+fn room_hint(e: &NoSpace) -> String {
+    match &e.dir {
+        Some(d) if d == Path::new(SHM_DIR) => {
+            format!("give {SHM_DIR} more room (Docker: --shm-size=1g), or set LOCKSTEP_SHM_DIR to a directory on a larger tmpfs")
+        }
+        Some(d) => format!("give {} more room (a larger tmpfs), or point LOCKSTEP_SHM_DIR elsewhere", d.display()),
+        None => "raise the memory limit of this process's cgroup".to_string(),
+    }
 }
 
 /// The error for a segment whose fixed part does not fit: what was needed, why, what to change.
 fn no_room(e: &NoSpace, layout: &Layout) -> CommError {
-    let room = match &e.dir {
-        Some(d) if d == Path::new(SHM_DIR) => {
-            format!("or give {SHM_DIR} more room (Docker: --shm-size=1g), or set LOCKSTEP_SHM_DIR to a directory on a larger tmpfs")
-        }
-        Some(d) => format!("or give {} more room (a larger tmpfs), or point LOCKSTEP_SHM_DIR elsewhere", d.display()),
-        None => "or raise the memory limit of this process's cgroup".to_string(),
-    };
     CommError::Setup(format!(
-        "{e}: the shared segment of {} ranks needs that much for its header and two staging slots of {} per rank. Lower LOCKSTEP_SHM_SLOT_BYTES (at least 4096 per peer), run fewer ranks per node, {room}",
+        "{e}: the shared segment of {} ranks needs that much for its header, two staging slots of {} per rank and its mailboxes. Lower LOCKSTEP_SHM_SLOT_BYTES (at least 4096 per peer), run fewer ranks per node, or {}",
         layout.world,
         show_bytes(layout.slot_bytes as u64),
+        room_hint(e)
+    ))
+}
+
+/// The error for memory of the fixed part that could not be mapped on first use (`what`: the
+/// rank's staging slots, a mailbox), although there was room at creation: something else has
+/// filled the file system (or the memory cgroup) since.
+pub(crate) fn no_room_now(e: &NoSpace, what: &str) -> CommError {
+    CommError::Unsupported(format!(
+        "{e}: {what} are mapped on first use and there is no room for them any more (the file system had room when the segment was created; something else has filled it since). Free shared memory, or {}",
+        room_hint(e)
     ))
 }
 
@@ -147,8 +176,8 @@ pub(crate) fn join(
     if me.state.compare_exchange(0, STATE_JOINED, SeqCst, SeqCst).is_err() {
         return Err(CommError::Setup(format!("{} has already joined this communicator (pid {})", who(rank), me.pid.load(Relaxed))));
     }
-    // Map our own slots now (reserved by the creator) so collectives never page-fault on them.
-    c.seg().populate(layout.slot_off(rank, 0), 2 * layout.slot_bytes).map_err(|e| no_room(&e, &layout))?;
+    // The rank's slots are mapped when it first stages data (Channel::ensure_slots), not here:
+    // a job whose collectives all take the fast path never touches them.
     me.progress.store(0, Relaxed);
     me.pid.store(std::process::id() as i32, Relaxed);
     let h = c.header();

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use super::config::ShmConfig;
 use super::reduce::{copy_block, copy_block2, store_fence};
-use super::segment::{futex_wait, futex_wake_all, PeerWatch, Segment};
+use super::segment::{futex_wait, futex_wake_all, show_bytes, PeerWatch, Segment};
 use super::sync::{
     Abort, Ctrl, Desc, FastHdr, Header, Layout, ABORT_DIED, ABORT_LEFT, ABORT_TIMEOUT, FAST_HDR, INVALID, SHARED_RECV, SHARED_SEND,
     STAGE_NT, STATE_LEFT,
@@ -61,6 +61,8 @@ pub(crate) struct Channel {
     /// A sub-communicator's global ranks (see `shm::split`), which its errors name; `None` for a
     /// world communicator.
     global: Option<Arc<[usize]>>,
+    /// This rank's two staging slots are mapped ([`ensure_slots`](Self::ensure_slots)).
+    slots_ready: bool,
 }
 
 impl Channel {
@@ -87,7 +89,29 @@ impl Channel {
             direct_verified: false,
             scratch: Vec::new(),
             global: None,
+            slots_ready: false,
         }
+    }
+
+    /// Map this rank's two staging slots (allocating their pages in a named segment) before the
+    /// first collective that may write them, so no collective page-faults on them, and a
+    /// file system that filled up since the segment was created is an error here, never a
+    /// SIGBUS. Done on first use rather than at join, because a job whose collectives all take
+    /// the fast path (a start-up check, small-message jobs) never touches the slots; a peer reads
+    /// a slot only after its owner wrote it in the same collective, so after this.
+    pub(crate) fn ensure_slots(&mut self) -> Result<(), CommError> {
+        if self.slots_ready {
+            return Ok(());
+        }
+        let (off, len) = (self.layout.slot_off(self.rank, 0), 2 * self.layout.slot_bytes);
+        self.seg.populate(off, len).map_err(|e| {
+            super::bootstrap::no_room_now(
+                &e,
+                &format!("the two staging slots of {} ({} each)", self.who(self.rank), show_bytes(self.layout.slot_bytes as u64)),
+            )
+        })?;
+        self.slots_ready = true;
+        Ok(())
     }
 
     /// Make this the channel of a sub-communicator whose rank `i` is global rank `global[i]`.
@@ -221,8 +245,10 @@ impl Channel {
         unsafe { &*(self.seg.base().add(self.layout.ctrl_off(r)) as *const Ctrl) }
     }
 
-    /// Rank `r`'s staging slot of phase `phase` (by parity).
+    /// Rank `r`'s staging slot of phase `phase` (by parity). This rank's own only after
+    /// [`ensure_slots`](Self::ensure_slots).
     pub(crate) fn slot(&self, r: usize, phase: u64) -> *mut u8 {
+        debug_assert!(r != self.rank || self.slots_ready, "a collective staged data before ensure_slots");
         // SAFETY: slot offsets lie inside the mapping by construction of the layout.
         unsafe { self.seg.base().add(self.layout.slot_off(r, phase)) }
     }
@@ -776,7 +802,10 @@ fn check_descs(descs: &[Desc], seq: u64, who: &dyn Fn(usize) -> String) -> Resul
         let names: Vec<String> = invalid.iter().map(|&r| who(r)).collect();
         return Err(CommError::Mismatch {
             seq,
-            detail: format!("{} refused its {kind} call with invalid arguments (its own error says which)", names.join(", ")),
+            detail: format!(
+                "{} refused its {kind} call (invalid arguments, or no room left for its staging slots: its own error says which)",
+                names.join(", ")
+            ),
         });
     }
     let differ: Vec<usize> = (1..descs.len()).filter(|&r| !same_call(&descs[0], &descs[r])).collect();

@@ -14,9 +14,11 @@
 //!
 //! Mappings use `MAP_NORESERVE` and the file is sized with `ftruncate`, which reserves nothing: a
 //! page the file system cannot supply when it is first touched kills the process with SIGBUS.
-//! So every range the backend touches is reserved first with [`Segment::reserve`]
-//! (`posix_fallocate`), which fails cleanly instead; the heap region is sized generously and
-//! reserved piece by piece as buffers are handed out.
+//! So every range the backend touches is backed first, by [`Segment::reserve`]
+//! (`posix_fallocate`) or [`Segment::populate`] (`madvise(MADV_POPULATE_WRITE)`), both of which
+//! fail cleanly instead: the control part of the segment at creation, each rank's staging slots
+//! and each mailbox on first use (by every rank that touches it), the heap piece by piece as
+//! buffers are handed out.
 
 use std::ffi::CString;
 use std::io;
@@ -334,6 +336,34 @@ impl Segment {
         })
     }
 
+    /// Whether the file system holding this named segment has `needed` bytes free (`fstatvfs`),
+    /// without allocating them: a refusal names the directory and what it has free. Creation
+    /// checks the whole fixed part this way and reserves only what every rank touches at once,
+    /// so that a job never pays for memory it does not use (slots and mailboxes are mapped, and
+    /// so allocated, on first use: see [`populate`](Self::populate)). Nothing is checked for an
+    /// anonymous segment, nor for a file system that reports no size (a tmpfs mounted with
+    /// `size=0`, which has no limit): the caller reserves what it needs instead.
+    pub fn check_room(&self, needed: usize) -> Result<(), NoSpace> {
+        let (Backing::Dir(dir), Some(fd)) = (&self.backing, &self.fd) else { return Ok(()) };
+        // SAFETY: zeroed statvfs is a valid out-parameter.
+        let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+        // SAFETY: a descriptor we own and a valid out-parameter.
+        if retry(|| unsafe { libc::fstatvfs(fd.as_raw_fd(), &mut st) }) != 0 || st.f_blocks == 0 {
+            // No answer, or no limit: the first use of a range reports a shortage (populate).
+            return Ok(());
+        }
+        let free = (st.f_bavail as u64).saturating_mul(st.f_frsize as u64);
+        if free >= needed as u64 {
+            return Ok(());
+        }
+        Err(NoSpace { dir: Some(dir.clone()), needed: needed as u64, free: Some(free), source: io::Error::from_raw_os_error(libc::ENOSPC) })
+    }
+
+    /// Whether this is a named segment (in `/dev/shm` or `LOCKSTEP_SHM_DIR`), not a memfd.
+    pub fn is_named(&self) -> bool {
+        matches!(self.backing, Backing::Dir(_))
+    }
+
     /// Base address of the mapping.
     pub fn base(&self) -> *mut u8 {
         self.base
@@ -346,13 +376,17 @@ impl Segment {
 
     /// Back `[off, off+len)` with memory and map it writable in this process now, so neither a
     /// SIGBUS (no room) nor a page fault can happen there later; an error (no room) instead.
+    /// Safe to call while other processes use the range (nothing is written), and again (pages
+    /// already there cost little).
     ///
     /// One `madvise(MADV_POPULATE_WRITE)` (Linux 5.14+) maps the pages (allocating those not
     /// reserved yet) in one pass, and fails with an error rather than a SIGBUS. Touching the pages
     /// instead took a read fault (with fault-around) and then a write-protect fault per page:
     /// with 8 ranks about 4 000 faults, the largest part of a job's start-up CPU time. Older
-    /// kernels, and any failure (whose cause [`reserve`](Self::reserve) then reports), take the
-    /// slow way: reserve, then touch.
+    /// kernels, and any failure (whose cause [`reserve`](Self::reserve) then reports), only
+    /// reserve the range: no SIGBUS either, and the pages fault in on first touch. (Touching them
+    /// here is not safe once the range is in use: a peer's store could fall between the read and
+    /// the write back of a byte.)
     pub fn populate(&self, off: usize, len: usize) -> Result<(), NoSpace> {
         let end = (off.saturating_add(len)).min(self.len).next_multiple_of(4096).min(self.len);
         let start = off - off % 4096;
@@ -365,19 +399,7 @@ impl Segment {
         if r == 0 {
             return Ok(());
         }
-        self.reserve(start, end - start)?;
-        let mut o = start;
-        while o < end {
-            // SAFETY: o is inside the mapping and now backed; a volatile read+write of the same
-            // byte does not change it, and nobody else uses this region yet (called during setup
-            // only, before the rank has joined).
-            unsafe {
-                let p = self.base.add(o);
-                std::ptr::write_volatile(p, std::ptr::read_volatile(p));
-            }
-            o += 4096;
-        }
-        Ok(())
+        self.reserve(start, end - start)
     }
 }
 

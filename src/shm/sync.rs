@@ -16,8 +16,11 @@
 //! The mailboxes carry point-to-point messages (`shm::p2p`), one per ordered pair of ranks, apart
 //! from the slots and phases of the collectives, so the two never interfere.
 //!
-//! Memory: the header, control blocks and slots ([`Layout::backed`]) are reserved in the file
-//! system when the segment is created; a heap range when `alloc_shared` hands it out. So a full
+//! Memory: the fixed part ([`Layout::backed`]: header, control blocks, slots, fast entries,
+//! mailboxes) must fit in the file system when the segment is created (checked, or for a memfd
+//! reserved); the header, control blocks and fast entries are reserved then, each rank's slots
+//! and each mailbox are mapped (allocated) by the ranks that use them before first use, and a
+//! heap range when `alloc_shared` hands it out (see `shm::bootstrap::reserve_backed`). So a full
 //! tmpfs (Docker's 64 MiB `/dev/shm`) or a memory cgroup limit shows up as an error there, never
 //! as a SIGBUS when a page is first touched.
 //!
@@ -282,9 +285,10 @@ impl Layout {
         Ok(Layout { world, slot_bytes, heap_bytes, slots_off, fast_off, p2p_off, mbox_bytes, heaps_off, total })
     }
 
-    /// Bytes from the start that collectives and point-to-point calls touch whatever the user
-    /// allocates: header, control blocks, slots and mailboxes. Reserved at creation; the heaps,
-    /// sized generously, are reserved per buffer.
+    /// Bytes from the start that collectives and point-to-point calls may touch whatever the
+    /// user allocates: header, control blocks, slots and mailboxes. Checked (or reserved) at
+    /// creation, backed by parts as they are first used; the heaps, sized generously, are
+    /// reserved per buffer.
     pub(crate) fn backed(&self) -> usize {
         self.p2p_off + self.world * self.world * (PAIR_CTRL_BYTES + self.mbox_bytes)
     }

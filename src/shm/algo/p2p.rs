@@ -74,6 +74,9 @@ pub(crate) struct P2p {
     st: Vec<OpState>,
     front_send: Vec<bool>,
     front_recv: Vec<bool>,
+    /// Mailboxes this rank has mapped: to each peer (sends) and from each peer (receives).
+    mapped_send: Vec<bool>,
+    mapped_recv: Vec<bool>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -111,13 +114,42 @@ impl P2p {
             st: Vec::new(),
             front_send: vec![false; world],
             front_recv: vec![false; world],
+            mapped_send: vec![false; world],
+            mapped_recv: vec![false; world],
         }
+    }
+
+    /// Map the mailboxes `ops` use that this rank has not used yet, control lines and ring
+    /// (allocating their pages in a named segment, see `shm::bootstrap::reserve_backed`): both
+    /// ends of a pair do so before touching it, so neither can meet a SIGBUS, and a job that sends
+    /// nothing point-to-point maps no mailbox.
+    fn map_mailboxes(&mut self, ch: &Channel, ops: &[P2pOp]) -> Result<(), CommError> {
+        let me = ch.rank();
+        for o in ops {
+            let (mapped, src, dst) = match o.kind {
+                CollKind::Send => (&mut self.mapped_send[o.peer], me, o.peer),
+                _ => (&mut self.mapped_recv[o.peer], o.peer, me),
+            };
+            if *mapped {
+                continue;
+            }
+            let l = ch.layout();
+            ch.seg().populate(l.pair_off(src, dst), PAIR_CTRL_BYTES + l.mbox_bytes).map_err(|e| {
+                crate::shm::bootstrap::no_room_now(
+                    &e,
+                    &format!("the mailbox from {} to {} and its control lines", ch.who(src), ch.who(dst)),
+                )
+            })?;
+            *mapped = true;
+        }
+        Ok(())
     }
 
     /// Run a group of operations (checked locally: peers in range, host buffers) to completion.
     /// A mismatch fails its own operation while the others go on; the first error is returned.
     /// A lost peer or a timeout ends the group at once.
     pub(crate) fn run(&mut self, ch: &Channel, ops: &[P2pOp]) -> Result<(), CommError> {
+        self.map_mailboxes(ch, ops)?;
         let mut st = std::mem::take(&mut self.st);
         st.clear();
         st.extend(ops.iter().map(|&op| OpState {
