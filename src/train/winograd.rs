@@ -50,9 +50,10 @@ const NN: usize = TT * TT;
 /// reciprocals keep the transform entries, hence the fp32 error, small.
 const POINTS: [f64; TT - 1] = [0.0, 1.0, -1.0, 2.0, -2.0, 0.5, -0.5];
 /// Samples per batch of GEMMs (16 tiles each on 14x14): each of the 64 GEMMs then has 32 rows,
-/// and a chunk's `V` and `M` (0.26 + 0.53 MB at conv2's 32 -> 64 channels, three such buffers in
-/// backward) stay in the 2 MB L2 with the transformed kernels (conv2 forward + backward at batch
-/// 64, CPU ms, best of 25 rounds in one process: 1 sample 11.7, 2: 11.4, 3: 12.0, 4: 12.9, 8: 14.2).
+/// and a chunk's `V` and `M` (0.26 + 0.53 MB at conv2's 32 -> 64 channels; backward uses the same
+/// two) stay in the 2 MB L2 with the transformed kernels (conv2 forward + backward at batch
+/// 64, CPU ms, best of 25 rounds in one process, two runs: 1 sample 11.7, 2: 11.4-11.9, 3: 12.0,
+/// 4: 12.9, 8: 14.2).
 const CHUNK: usize = 2;
 
 /// `A^T` (4x8), `G` (8x5), `B^T` (8x8) in f64.
