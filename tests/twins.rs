@@ -6,7 +6,8 @@
 //!
 //! Tolerances (|got - want| <= atol + rtol * |want|):
 //! - f32 twins vs layers: 1e-4 / 1e-4 (both f32; only the summation order differs), except the
-//!   conv weight gradient where the layer uses Winograd: 1e-3 / 1e-3;
+//!   conv weight gradient where the layer uses Winograd: 1e-3 / 1e-3, and the conv output and
+//!   input gradient of a Winograd-shaped layer: 2e-3 / 1e-4 (F(4x4,5x5)'s fp32 error);
 //! - bf16 twins vs the f32 layers on the same bf16-rounded inputs: 1e-4 / 1e-4 (bf16 products
 //!   are exact in f32), and vs unrounded inputs: 0.01*sqrt(K) / 2e-2 for a K-term sum (bf16
 //!   input rounding, 2^-9 relative per operand, grows like sqrt(K));
@@ -29,10 +30,15 @@ use lockstep::train::tensor::Tensor;
 
 const F32: Tol = Tol::new(1e-4, 1e-4);
 const TIGHT: Tol = Tol::new(1e-5, 1e-5);
-/// The CPU layer runs 5×5 "same" convolutions with 8+ input channels through Winograd F(2×2,5×5)
+/// The CPU layer runs 5×5 "same" convolutions with 8+ input channels through Winograd F(4×4,5×5)
 /// (`train::winograd`), whose weight gradient sums many transformed products: it matches the
-/// direct twin to 1e-3, as `train::winograd`'s own tests state.
+/// direct twin to 1e-3.
 const WINOGRAD_DW: Tol = Tol::new(1e-3, 1e-3);
+/// Output and input gradient of those layers: F(4×4,5×5) in fp32 is off by up to ~1e-5 of the
+/// output scale (`train::winograd`'s tests), and this test's conv3 (825-term sums of ±1 values)
+/// has outputs up to 38 and input gradients up to 53: measured worst |diff| 2.0e-4 and 4.5e-4,
+/// above `F32`'s absolute 1e-4. The bound leaves 4x over that.
+const WINOGRAD: Tol = Tol::new(2e-3, 1e-4);
 /// bf16 twins vs f32 math on unrounded inputs: each operand carries a relative rounding error of
 /// up to 2^-9, so a K-term sum of O(1) products drifts by about 2^-8 * sqrt(K) in absolute terms.
 fn bf16_vs_f32(k: usize) -> Tol {
@@ -92,14 +98,16 @@ fn conv2d_twins_match_the_layer() {
         };
         let sh = |n: usize| [n as i32, ic as i32, h as i32, w as i32, oc as i32, k as i32, k as i32, s as i32, p as i32];
         let a = sh(n);
+        // The layer's Winograd path (as `train::winograd::applies` decides) is checked at its bound.
+        let fwd = if k == 5 && s == 1 && p == 2 && ic >= 8 { WINOGRAD } else { F32 };
         // f32
         let (y_ref, dx_ref, dp_ref) = layer_run(&wt, &x, &dy);
         let mut y = vec![0.0; y_ref.len()];
         twins::conv2d_forward_f32(&mut y, &x, &wt, Some(&bias), a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8]);
-        ok(assert_close(&name("out"), &y, &y_ref, F32));
+        ok(assert_close(&name("out"), &y, &y_ref, fwd));
         let mut dx = vec![f32::NAN; x.len()];
         twins::conv2d_backward_input_f32(&mut dx, &dy, &wt, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8]);
-        ok(assert_close(&name("dinp"), &dx, &dx_ref, F32));
+        ok(assert_close(&name("dinp"), &dx, &dx_ref, fwd));
         let (mut dw, mut db) = (dp0[..wt.len()].to_vec(), dp0[wt.len()..].to_vec());
         // Split-K as the device plans it: 3 slices into planes (every one overwritten, NaN
         // would show otherwise), dweight untouched until the reduction adds them in order.
@@ -115,10 +123,10 @@ fn conv2d_twins_match_the_layer() {
         let ((wb, wr), (xb, xr), (dyb, dyr)) = (round_bf16(&wt), round_bf16(&x), round_bf16(&dy));
         let (yr_ref, dxr_ref, dpr_ref) = layer_run(&wr, &xr, &dyr);
         twins::conv2d_forward_bf16(&mut y, &xb, &wb, Some(&bias), a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8]);
-        ok(assert_close(&name("out bf16"), &y, &yr_ref, F32));
+        ok(assert_close(&name("out bf16"), &y, &yr_ref, fwd));
         ok(assert_close(&name("out bf16 vs f32"), &y, &y_ref, bf16_vs_f32(ic * k * k)));
         twins::conv2d_backward_input_bf16(&mut dx, &dyb, &wb, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8]);
-        ok(assert_close(&name("dinp bf16"), &dx, &dxr_ref, F32));
+        ok(assert_close(&name("dinp bf16"), &dx, &dxr_ref, fwd));
         let (mut dw, mut db) = (dp0[..wt.len()].to_vec(), dp0[wt.len()..].to_vec());
         twins::conv2d_backward_weight_bf16(&mut dw, &mut [], &dyb, &xb, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8]);
         twins::conv2d_backward_bias_bf16(&mut db, &dyb, n as i32, oc as i32, oh as i32, ow as i32);
@@ -127,7 +135,7 @@ fn conv2d_twins_match_the_layer() {
         // No bias (the kernel's NULL) is a plain convolution.
         twins::conv2d_forward_f32(&mut y, &x, &wt, None, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8]);
         let unbiased: Vec<f32> = y_ref.iter().enumerate().map(|(i, v)| v - bias[(i / (oh * ow)) % oc]).collect();
-        ok(assert_close(&name("out, no bias"), &y, &unbiased, F32));
+        ok(assert_close(&name("out, no bias"), &y, &unbiased, fwd));
     }
 }
 

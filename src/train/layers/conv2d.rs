@@ -1,5 +1,5 @@
 //! Conv2d (any stride and padding, no dilation or groups) as im2col + GEMM, one sample at a time,
-//! or as Winograd F(2x2, 5x5) for the layers that fit it.
+//! or as Winograd F(4x4, 5x5) for the layers that fit it.
 //!
 //! im2col path, per sample, with `K = in_c*kh*kw` and `P = out_h*out_w`:
 //! - forward:         `col = im2col(inp)`, `out[OC, P] = W[OC, K] · col + bias` (NCHW directly)
@@ -15,8 +15,9 @@
 //! (5 MB for conv1 at batch 64) so backward does not unroll the input again.
 //!
 //! 5x5 stride-1 "same" layers with 8+ input channels (conv2 of the recipe) take the Winograd
-//! F(2x2, 5x5) path of `train::winograd` instead, in all three directions: 2.8x fewer
-//! FLOPs than im2col + GEMM (conv2 forward + backward at batch 64: 55 -> 21 ms CPU).
+//! F(4x4, 5x5) path of `train::winograd` instead, in all three directions (conv2 forward +
+//! backward at batch 64: 55 ms CPU with im2col + GEMM, 21 ms with F(2x2, 5x5); the figures for
+//! F(4x4) are in benches/baselines/RESULTS.md, session 7).
 
 use super::batchnorm::lane_sum;
 use super::{Init, Layer, ParamSpec};
@@ -74,30 +75,18 @@ impl Conv2dParams {
 pub struct Conv2d {
     /// Shape parameters.
     pub params: Conv2dParams,
-    col: Vec<f32>,      // sample after sample, each (K, P): the unrolled input
-    saved: usize,       // samples whose columns `col` holds from a training forward (0: none)
-    dcol: Vec<f32>,     // (K, P) column gradient of one sample
-    dwt: Vec<f32>,      // (K, OC) weight gradient, transposed, summed over the samples
-    padded: Vec<f32>,   // one zero-padded input plane (im2col / col2im scratch)
-    wino: Winograd,     // Winograd forward and weight gradient (when `winograd::applies`)
-    wino_bwd: Winograd, // Winograd input gradient: forward of dout with flipped kernels
-    flipped: Vec<f32>,  // (C, OC, kh, kw) flipped kernels for `wino_bwd`
+    col: Vec<f32>,    // sample after sample, each (K, P): the unrolled input
+    saved: usize,     // samples whose columns `col` holds from a training forward (0: none)
+    dcol: Vec<f32>,   // (K, P) column gradient of one sample
+    dwt: Vec<f32>,    // (K, OC) weight gradient, transposed, summed over the samples
+    padded: Vec<f32>, // one zero-padded input plane (im2col / col2im scratch)
+    wino: Winograd,   // Winograd scratch (when `winograd::applies`)
 }
 
 impl Conv2d {
     /// A convolution with the given shape.
     pub fn new(params: Conv2dParams) -> Conv2d {
-        Conv2d {
-            params,
-            col: Vec::new(),
-            saved: 0,
-            dcol: Vec::new(),
-            dwt: Vec::new(),
-            padded: Vec::new(),
-            wino: Winograd::default(),
-            wino_bwd: Winograd::default(),
-            flipped: Vec::new(),
-        }
+        Conv2d { params, col: Vec::new(), saved: 0, dcol: Vec::new(), dwt: Vec::new(), padded: Vec::new(), wino: Winograd::default() }
     }
 
     fn winograd(&self) -> bool {
@@ -370,12 +359,11 @@ impl Layer for Conv2d {
             for (i, plane) in dout.data().chunks_exact(pp).enumerate() {
                 dbias[i % oc] += lane_sum(plane, |v| v);
             }
-            self.wino.weight_grad(inp.data(), dout.data(), n, cp.in_c, oc, h, w, dweight);
-            if let Some(d) = dinp {
+            let dx = dinp.map(|d| {
                 d.resize(inp.dims());
-                winograd::flip_kernels(weight, cp.in_c, oc, &mut self.flipped);
-                self.wino_bwd.forward(&self.flipped, None, dout.data(), n, oc, cp.in_c, h, w, d.data_mut());
-            }
+                d.data_mut()
+            });
+            self.wino.backward(weight, inp.data(), dout.data(), n, cp.in_c, oc, h, w, dweight, dx);
             return;
         }
         // Columns kept by the training forward of this batch, else recomputed sample by sample.
