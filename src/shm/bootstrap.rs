@@ -2,7 +2,6 @@
 //! through [`ShmJob`], separately exec'd ranks through [`ShmComm::join_named`] and a job id),
 //! removing the segment's name once everyone has mapped it, and leaving.
 
-use std::path::Path;
 use std::sync::atomic::Ordering::{Acquire, Relaxed, Release, SeqCst};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -11,7 +10,7 @@ use super::alloc::Heap;
 use super::backend::ShmComm;
 use super::channel::Channel;
 use super::config::ShmConfig;
-use super::segment::{available_cpus, futex_wait, futex_wake_all, show_bytes, NoSpace, PeerWatch, SegName, Segment, SHM_DIR};
+use super::segment::{available_cpus, futex_wait, futex_wake_all, room_hint, show_bytes, NoSpace, PeerWatch, SegName, Segment};
 use super::stale::{creator_identity, creator_in, creator_of, Creator};
 use super::sync::{Header, Layout, HEADER_BYTES, MAGIC, STATE_JOINED, STATE_LEFT, VERSION};
 use crate::comm::{rank_name, CommError, Communicator};
@@ -63,32 +62,12 @@ pub(crate) fn reserve_backed(seg: &Segment, layout: &Layout) -> Result<(), CommE
 }
 
 /// Where to make room, for the errors of a segment that does not fit.
-fn room_hint(e: &NoSpace) -> String {
-    match &e.dir {
-        Some(d) if d == Path::new(SHM_DIR) => {
-            format!("give {SHM_DIR} more room (Docker: --shm-size=1g), or set LOCKSTEP_SHM_DIR to a directory on a larger tmpfs")
-        }
-        Some(d) => format!("give {} more room (a larger tmpfs), or point LOCKSTEP_SHM_DIR elsewhere", d.display()),
-        None => "raise the memory limit of this process's cgroup".to_string(),
-    }
-}
-
 /// The error for a segment whose fixed part does not fit: what was needed, why, what to change.
 fn no_room(e: &NoSpace, layout: &Layout) -> CommError {
     CommError::Setup(format!(
         "{e}: the shared segment of {} ranks needs that much for its header, two staging slots of {} per rank and its mailboxes. Lower LOCKSTEP_SHM_SLOT_BYTES (at least 4096 per peer), run fewer ranks per node, or {}",
         layout.world,
         show_bytes(layout.slot_bytes as u64),
-        room_hint(e)
-    ))
-}
-
-/// The error for memory of the fixed part that could not be mapped on first use (`what`: the
-/// rank's staging slots, a mailbox), although there was room at creation: something else has
-/// filled the file system (or the memory cgroup) since.
-pub(crate) fn no_room_now(e: &NoSpace, what: &str) -> CommError {
-    CommError::Unsupported(format!(
-        "{e}: {what} are mapped on first use and there is no room for them any more (the file system had room when the segment was created; something else has filled it since). Free shared memory, or {}",
         room_hint(e)
     ))
 }

@@ -105,7 +105,7 @@ impl Channel {
         }
         let (off, len) = (self.layout.slot_off(self.rank, 0), 2 * self.layout.slot_bytes);
         self.seg.populate(off, len).map_err(|e| {
-            super::bootstrap::no_room_now(
+            super::segment::no_room_now(
                 &e,
                 &format!("the two staging slots of {} ({} each)", self.who(self.rank), show_bytes(self.layout.slot_bytes as u64)),
             )

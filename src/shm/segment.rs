@@ -502,6 +502,27 @@ pub(crate) fn available_cpus() -> usize {
     std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
 }
 
+/// What to change when a segment's file system (or cgroup) has no room: named for `e`'s place.
+pub(crate) fn room_hint(e: &NoSpace) -> String {
+    match &e.dir {
+        Some(d) if d == Path::new(SHM_DIR) => {
+            format!("give {SHM_DIR} more room (Docker: --shm-size=1g), or set LOCKSTEP_SHM_DIR to a directory on a larger tmpfs")
+        }
+        Some(d) => format!("give {} more room (a larger tmpfs), or point LOCKSTEP_SHM_DIR elsewhere", d.display()),
+        None => "raise the memory limit of this process's cgroup".to_string(),
+    }
+}
+
+/// The error for memory of the fixed part that could not be mapped on first use (`what`: the
+/// rank's staging slots, a mailbox), although there was room at creation: something else has
+/// filled the file system (or the memory cgroup) since.
+pub(crate) fn no_room_now(e: &NoSpace, what: &str) -> CommError {
+    CommError::Unsupported(format!(
+        "{e}: {what} are mapped on first use and there is no room for them any more (the file system had room when the segment was created; something else has filled it since). Free shared memory, or {}",
+        room_hint(e)
+    ))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

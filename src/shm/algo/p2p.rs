@@ -135,10 +135,7 @@ impl P2p {
             }
             let l = ch.layout();
             ch.seg().populate(l.pair_off(src, dst), PAIR_CTRL_BYTES + l.mbox_bytes).map_err(|e| {
-                crate::shm::bootstrap::no_room_now(
-                    &e,
-                    &format!("the mailbox from {} to {} and its control lines", ch.who(src), ch.who(dst)),
-                )
+                crate::shm::segment::no_room_now(&e, &format!("the mailbox from {} to {} and its control lines", ch.who(src), ch.who(dst)))
             })?;
             *mapped = true;
         }
