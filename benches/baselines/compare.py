@@ -50,27 +50,43 @@ Any collective also moves at least one cache line from one core to another, so t
 never below half the probe's round trip: bound = max(copy time, rtt/2). "x bound" = bound time /
 lockstep time (1.0 = at the bound); "x MPI" = Open MPI time / lockstep time (> 1: lockstep faster).
 The bound is measured only when NPROCS <= the CPUs of this machine.
+
+Tail latency: for sizes up to 4 KiB a second table per state gives p50 / p99 per call (each the
+slowest rank's, median over the rounds) for lockstep (`lockstep bench --format csv`) and Open MPI
+(mpi_bench.c's ninth column); gloo_bench.py reports no p99.
 """
 import argparse, os, re, shutil, statistics, subprocess, sys, time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 SHARED, NOT_SHARED, CHANGED = "shared cache", "no shared cache", "changed"
+# Sizes whose p50 / p99 get their own table.
+P99_MAX_BYTES = 4096
 
 
 def parse(out):
-    """size -> (time, busbw, wrong) out of place, and size -> the same in place (lockstep only)."""
+    """size -> (time, busbw, wrong, p99) out of place, and size -> the same in place (lockstep
+    only). p99 is None where the tool does not report it (gloo_bench.py)."""
     rows, in_place = {}, {}
+    num = lambda x: float(x) if x else None
     for line in out.splitlines():
         f = line.split()
-        # lockstep bench: nccl-tests' 13 columns (size count type redop root, then time algbw busbw
-        # #wrong out of place and in place); the baselines: 8 (size count type op time algbw busbw #wrong).
-        if len(f) == 13 and f[0].isdigit():
-            rows[int(f[0])] = (float(f[5]), float(f[7]), int(f[8]))
+        c = line.strip().split(",")
+        # lockstep bench --format csv: op,ranks,size_bytes,count,type,redop,root, then time algbw
+        # busbw wrong out of place and in place, then the p99s (out of place, in place).
+        if len(c) == 17 and c[2].isdigit():
+            size = int(c[2])
+            rows[size] = (float(c[7]), float(c[9]), int(c[10] or 0), num(c[15]))
+            if c[11]:
+                in_place[size] = (float(c[11]), float(c[13]), int(c[14] or 0), num(c[16]))
+        # lockstep bench's text: nccl-tests' 13 columns (a --before binary without p99 in csv).
+        elif len(f) == 13 and f[0].isdigit():
+            rows[int(f[0])] = (float(f[5]), float(f[7]), int(f[8]), None)
             if f[9] != "N/A":
-                in_place[int(f[0])] = (float(f[9]), float(f[11]), int(f[12]) if f[12].isdigit() else 0)
-        elif len(f) == 8 and f[0].isdigit():
-            rows[int(f[0])] = (float(f[4]), float(f[6]), int(f[7]))
+                in_place[int(f[0])] = (float(f[9]), float(f[11]), int(f[12]) if f[12].isdigit() else 0, None)
+        # The baselines: size count type op time algbw busbw #wrong [p99].
+        elif len(f) in (8, 9) and f[0].isdigit():
+            rows[int(f[0])] = (float(f[4]), float(f[6]), int(f[7]), float(f[8]) if len(f) == 9 else None)
     return rows, in_place
 
 
@@ -151,7 +167,7 @@ def main():
     if membw is None:
         print(f"# {a.nprocs} ranks on {cpus} CPUs: no bound (one copier per rank needs a CPU each)")
     tools = {}
-    bench = lambda exe, b: lambda op: [exe, "bench", "--nprocs", str(a.nprocs), "--op", op, "--sizes", a.sizes, "--buffers", b]
+    bench = lambda exe, b: lambda op: [exe, "bench", "--nprocs", str(a.nprocs), "--op", op, "--sizes", a.sizes, "--buffers", b, "--format", "csv"]
     if a.before:
         tools["before/ordinary"] = bench(a.before, "ordinary")
     for buffers in a.buffers.split(","):
@@ -250,6 +266,28 @@ def main():
                 for m in mine:
                     row.append(f"{bt / t[m]:.2f}" if m in t and bt else "—")
                 print("| " + " | ".join(row) + " |")
+        small = [z for z in sizes if z <= P99_MAX_BYTES]
+        if small:
+            # Tail latency where it matters most (issue 16: p99 within 3x of p50): per tool, the
+            # median over the rounds of each run's p50 and p99 (slowest rank), and their ratio.
+            tails = [m for m in mine + base if any((state, op, m, z) in results for op in ops for z in small)]
+            print(f"\n{state}: p50 / p99 per call (p99/p50), sizes up to {fmt_size(P99_MAX_BYTES)}\n")
+            hdr = ["op", "size", *tails]
+            print("| " + " | ".join(hdr) + " |")
+            print("|" + "---|" * len(hdr))
+            for op in ops:
+                for size in small:
+                    if not any((state, op, name, size) in results for name in tails):
+                        continue
+                    row = [op, fmt_size(size)]
+                    for name in tails:
+                        vs = [v for v in results.get((state, op, name, size), []) if v[3] is not None]
+                        if vs:
+                            p50, p99 = med(vs, 0), med(vs, 3)
+                            row.append(f"{fmt_us(p50)} / {fmt_us(p99)} ({p99 / p50:.1f})")
+                        else:
+                            row.append("—")
+                    print("| " + " | ".join(row) + " |")
     print(f"\n# {rnd} round(s) in {(time.monotonic() - t_start) / 60:.1f} min")
 
 

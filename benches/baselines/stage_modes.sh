@@ -18,8 +18,9 @@ if command -v mpicc >/dev/null && command -v mpirun >/dev/null; then
   MPI=/tmp/lockstep_mpi_bench
   mpicc -O2 -o $MPI benches/baselines/mpi_bench.c
 fi
-# Size and out-of-place time: lockstep bench prints 13 columns (nccl-tests'), mpi_bench 8.
-rows() { grep -v '^#' | awk '$1 ~ /^[0-9]+$/ { if (NF == 13) print $1, $6; else if (NF == 8) print $1, $5 }'; }
+# Size and out-of-place time: lockstep bench prints 13 columns (nccl-tests'), mpi_bench 9 (its
+# ninth is the p99).
+rows() { grep -v '^#' | awk '$1 ~ /^[0-9]+$/ { if (NF == 13) print $1, $6; else if (NF == 8 || NF == 9) print $1, $5 }'; }
 echo "round op size(B) auto cached streaming openmpi (us)"
 for r in $(seq "$ROUNDS"); do
   for op in $OPS; do
