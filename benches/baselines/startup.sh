@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
-# Start-up benchmark of the CLI launcher: whole-process wall time (median and p90 of RUNS runs) of
+# Start-up benchmark of the CLI launcher: whole-process wall time (median and p90 of RUNS runs,
+# after 3 warm-ups) and CPU time (median of user + system time of the launcher and every process
+# it waited for: guards and ranks, from wait4) of
 #   lockstep launch --nproc-per-node N -- lockstep selftest
-# for N = 2 (target <= 5 ms) and N = 8 (target <= 10 ms; issue 16), beside torchrun / mpirun when
-# they are installed. Uses hyperfine when present (apt-get install -y hyperfine), else a shell
-# timing loop. The load average is printed: on the 2-CPU project machine other jobs move these
-# figures by several times.
+# for N = 2 (target <= 5 ms) and N = 8 (target <= 10 ms; issue 16): every rank execs the program,
+# joins the named segment, runs one verified all-reduce and a barrier. Then the launcher's floor
+# (ranks running `true`), and mpirun / torchrun when they are installed. CPU time does not depend on what else runs on the machine the way wall time
+# does: on the 2-CPU project machine other jobs move wall times by several times, so the load
+# average is printed before and after.
 #
 # Usage: benches/baselines/startup.sh [path/to/lockstep]   (default: target/release/lockstep,
-#        built with `cargo build --release` if missing). RUNS=20 by default.
+#        built with `cargo build --release` if missing). RUNS=20 by default. Needs python3.
 # Reference numbers seen on the project machine are in startup.md beside this script.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -16,59 +19,59 @@ RUNS="${RUNS:-20}"
 if [[ ! -x "$BIN" ]]; then
   cargo build --release --bin lockstep >&2
 fi
+BIN="$(cd "$(dirname "$BIN")" && pwd)/$(basename "$BIN")"
 
-# median_ms CMD...: run CMD $RUNS times, print "median p90" of the wall time in ms.
-median_ms() {
-  if command -v hyperfine >/dev/null; then
-    local json
-    json="$(mktemp)"
-    if ! hyperfine -N --style none --warmup 3 --runs "$RUNS" --export-json "$json" "$*" >/dev/null 2>&1; then
-      echo "failed"
-      rm -f "$json"
-      return
-    fi
-    python3 -c 'import json,sys; t=sorted(json.load(open(sys.argv[1]))["results"][0]["times"]); n=len(t); print("%.1f %.1f" % ((t[(n-1)//2]+t[n//2])/2e-3, t[min(n-1, round(0.9*n)-1)]*1e3))' "$json"
-    rm -f "$json"
-  else
-    local ts=()
-    for _ in $(seq "$RUNS"); do
-      local t0 t1
-      t0=$(date +%s%N)
-      if ! "$@" >/dev/null 2>&1; then
-        echo "failed"
-        return
-      fi
-      t1=$(date +%s%N)
-      ts+=($(( (t1 - t0) / 1000 )))
-    done
-    printf '%s\n' "${ts[@]}" | sort -n | awk '{a[NR]=$1} END {p=int(0.9*NR+0.5); if (p<1) p=1; printf "%.1f %.1f\n", (a[int((NR+1)/2)]+a[int(NR/2)+1])/2000, a[p]/1000}'
-  fi
+# measure CMD...: run CMD 3 + $RUNS times; print "median p90 cpu" in ms, or "failed".
+measure() {
+  python3 - "$RUNS" "$@" <<'EOF'
+import os, sys, time, statistics
+runs, argv = int(sys.argv[1]), sys.argv[2:]
+null = os.open("/dev/null", os.O_WRONLY)
+wall, cpu = [], []
+for i in range(runs + 3):
+    t0 = time.perf_counter()
+    try:
+        pid = os.posix_spawnp(argv[0], argv, os.environ, file_actions=[(os.POSIX_SPAWN_DUP2, null, 1), (os.POSIX_SPAWN_DUP2, null, 2)])
+    except OSError:
+        print("failed"); sys.exit()
+    _, st, ru = os.wait4(pid, 0)
+    t1 = time.perf_counter()
+    if st != 0:
+        print("failed"); sys.exit()
+    if i >= 3:
+        wall.append((t1 - t0) * 1e3)
+        cpu.append((ru.ru_utime + ru.ru_stime) * 1e3)
+wall.sort()
+print("%.1f %.1f %.1f" % (statistics.median(wall), wall[min(len(wall) - 1, round(0.9 * len(wall)) - 1)], statistics.median(cpu)))
+EOF
 }
 
-report() { # name target_ms "median p90"
-  local verdict="" med p90
-  read -r med p90 <<<"$3"
+report() { # name target_ms "median p90 cpu"
+  local verdict="" med p90 cpu
+  read -r med p90 cpu <<<"$3"
   if [[ -n "$2" && "$med" != failed ]]; then
     verdict=$(awk -v m="$med" -v t="$2" 'BEGIN { print (m <= t) ? "ok (target <= " t " ms)" : "SLOW (target <= " t " ms)" }')
   fi
-  printf '%-52s median %8s ms  p90 %8s ms  %s\n' "$1" "$med" "${p90:-}" "$verdict"
+  printf '%-58s median %7s ms  p90 %7s ms  cpu %7s ms  %s\n' "$1" "$med" "${p90:-}" "${cpu:-}" "$verdict"
 }
 
 echo "start-up, median and p90 of $RUNS runs, $(nproc) CPUs, $(uname -r), load average $(cut -d' ' -f1-3 /proc/loadavg)"
-report "lockstep launch --nproc-per-node 2 -- selftest" 5 "$(median_ms "$BIN" launch --nproc-per-node 2 -- "$BIN" selftest)"
-report "lockstep launch --nproc-per-node 8 -- selftest" 10 "$(median_ms "$BIN" launch --nproc-per-node 8 -- "$BIN" selftest)"
-report "(floor) lockstep launch --nproc-per-node 2 -- true" "" "$(median_ms "$BIN" launch --nproc-per-node 2 -- true)"
+report "lockstep launch --nproc-per-node 2 -- lockstep selftest" 5 "$(measure "$BIN" launch --nproc-per-node 2 -- "$BIN" selftest)"
+report "lockstep launch --nproc-per-node 8 -- lockstep selftest" 10 "$(measure "$BIN" launch --nproc-per-node 8 -- "$BIN" selftest)"
+report "(floor) lockstep launch --nproc-per-node 2 -- true" "" "$(measure "$BIN" launch --nproc-per-node 2 -- true)"
+report "(floor) lockstep launch --nproc-per-node 8 -- true" "" "$(measure "$BIN" launch --nproc-per-node 8 -- true)"
 
 if command -v mpirun >/dev/null; then
   # Open MPI refuses root without these.
   export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-  report "mpirun -np 2 true" "" "$(median_ms mpirun --oversubscribe -np 2 true)"
-  report "mpirun -np 8 true" "" "$(median_ms mpirun --oversubscribe -np 8 true)"
+  report "mpirun -np 2 true" "" "$(measure mpirun --oversubscribe -np 2 true)"
+  report "mpirun -np 8 true" "" "$(measure mpirun --oversubscribe -np 8 true)"
 else
   echo "mpirun: not installed (skipped)"
 fi
 if command -v torchrun >/dev/null; then
-  report "torchrun --nproc-per-node 2 --no-python true" "" "$(median_ms torchrun --nproc-per-node 2 --no-python true)"
+  report "torchrun --nproc-per-node 2 --no-python true" "" "$(measure torchrun --nproc-per-node 2 --no-python true)"
 else
   echo "torchrun: not installed (skipped)"
 fi
+echo "load average after: $(cut -d' ' -f1-3 /proc/loadavg)"
