@@ -102,7 +102,9 @@ class _Rank:
         self.partial = {"out": b"", "err": b""}
         self.result = bytearray()
         self.result_done = False
-        self.outcome = None  # ("ok", value) or ("err", type, message, traceback, pickled exception)
+        # ("ok", value) or ("err", type, message, traceback, pickled exception, follows): follows
+        # is the rank whose failure the error is a consequence of (CommError.follows), or None.
+        self.outcome = None
         self.status = None  # exit code, or -signal, once reaped
         self.reaped_at = None
         self.stopped = False  # terminated by the launcher
@@ -329,7 +331,7 @@ def _rank_main(rank, job, function, args, pipes, others, parent, env, torch_dir)
             data = pickle.dumps(outcome, protocol=pickle.HIGHEST_PROTOCOL)
         except BaseException as e:
             why = f"rank {rank} returned a {type(outcome[1]).__name__} that cannot be pickled to send back: {type(e).__name__}: {e}"
-            data = pickle.dumps(("err", "PicklingError", why, why + "\n", None))
+            data = pickle.dumps(("err", "PicklingError", why, why + "\n", None, None))
             outcome = ("err",)
         view = memoryview(data)
         while view:
@@ -362,7 +364,8 @@ def _error_outcome(e):
         blob = pickle.dumps(e, protocol=pickle.HIGHEST_PROTOCOL)
     except BaseException:
         blob = None
-    return ("err", type(e).__qualname__, str(e), tb, blob)
+    follows = getattr(e, "follows", None) if isinstance(e, _native.CommError) else None
+    return ("err", type(e).__qualname__, str(e), tb, blob, follows if isinstance(follows, int) else None)
 
 
 def _killpg(pid, sig):
@@ -551,27 +554,39 @@ def _collect(ranks, first):
     """Return the values in rank order, or raise RankError for ``first`` (the first rank seen
     failing; otherwise the lowest failed rank not stopped by the launcher)."""
     failures = {}
+    own = set()  # ranks that failed by themselves (not stopped by the launcher)
     for rk in ranks:
         if rk.status == 0 and rk.outcome is not None and rk.outcome[0] == "ok":
             continue
         if rk.outcome is not None and rk.outcome[0] == "err":
-            _, etype, msg, _tb, _blob = rk.outcome
+            etype, msg = rk.outcome[1:3]
             failures[rk.rank] = f"{etype}: {msg}" if msg else etype
+            own.add(rk.rank)
         elif rk.stopped and first is not None and rk is not first:
-            desc = f"stopped by notebook_launcher after rank {first.rank} failed ({_describe_exit(rk)})"
+            failures[rk.rank] = f"stopped by notebook_launcher after rank {first.rank} failed ({_describe_exit(rk)})"
         else:
             desc = f"{_describe_exit(rk)} without sending a result"
             if rk.err_tail:
                 desc += "; last lines of its stderr:\n    " + "\n    ".join(rk.err_tail)
             failures[rk.rank] = desc
+            own.add(rk.rank)
         if first is None or (first.stopped and not rk.stopped):
             first = rk
     if first is None:
         return [rk.outcome[1] for rk in ranks]
+    # A rank whose error only reports another rank's failure (a lost peer, an abort) reaches the
+    # caller at about the moment that rank's own outcome does, often first: report the rank it
+    # names when that rank failed by itself, following the chain (at most once per rank).
+    for _ in ranks:
+        follows = first.outcome[5] if first.outcome is not None and first.outcome[0] == "err" else None
+        cause = ranks[follows] if isinstance(follows, int) and 0 <= follows < len(ranks) else None
+        if cause is None or cause is first or cause.rank not in own:
+            break
+        first = cause
     n = len(ranks)
     cause = None
     if first.outcome is not None and first.outcome[0] == "err":
-        _, etype, msg, tb, blob = first.outcome
+        etype, _msg, tb, blob = first.outcome[1:5]
         message = f"rank {first.rank} of {n} failed: {failures[first.rank]}\n\nTraceback of rank {first.rank}:\n{tb.rstrip()}"
         if blob is not None:
             try:

@@ -2,6 +2,7 @@
 
 use pyo3::create_exception;
 use pyo3::exceptions::PyRuntimeError;
+use pyo3::prelude::*;
 use pyo3::PyErr;
 
 create_exception!(
@@ -9,10 +10,36 @@ create_exception!(
     CommError,
     PyRuntimeError,
     "A collective or communicator setup failed: a mismatch between ranks, a dead or departed peer, a timeout, \
-or bad arguments caught by the Rust checks. The message is lockstep's, naming the ranks involved and what to do next."
+or bad arguments caught by the Rust checks. The message is lockstep's, naming the ranks involved and what to do next. \
+Attributes: `kind` (\"invalid_argument\", \"mismatch\", \"peer_lost\", \"aborted\", \"timeout\", \"unsupported\", \
+\"setup\", \"os\", \"backend\") and `follows` (the global rank whose failure this error is a consequence of: \
+the lost peer, or the rank that aborted the communicator; None otherwise)."
 );
 
-/// The Python exception for a Rust communicator error.
+/// The Python exception for a Rust communicator error, with its `kind` and `follows`
+/// attributes: `notebook_launcher` reads `follows` to report the rank that failed first rather
+/// than a peer that only saw it go (both reach the launcher at about the same moment).
 pub fn comm_err(e: lockstep::CommError) -> PyErr {
-    CommError::new_err(e.to_string())
+    use lockstep::CommError as E;
+    let (kind, follows) = match &e {
+        E::InvalidArgument { .. } => ("invalid_argument", None),
+        E::Mismatch { .. } => ("mismatch", None),
+        E::PeerLost { lost_rank, .. } => ("peer_lost", Some(*lost_rank)),
+        E::Aborted { by, .. } => ("aborted", Some(*by)),
+        E::Timeout { .. } => ("timeout", None),
+        E::Unsupported(_) => ("unsupported", None),
+        E::Setup(_) => ("setup", None),
+        E::Os { .. } => ("os", None),
+        E::Backend { .. } => ("backend", None),
+        _ => ("other", None),
+    };
+    let err = CommError::new_err(e.to_string());
+    Python::attach(|py| {
+        let v = err.value(py);
+        // Setting attributes on a fresh exception instance cannot fail short of memory; if it
+        // does, the exception still carries its message.
+        let _ = v.setattr("kind", kind);
+        let _ = v.setattr("follows", follows);
+    });
+    err
 }

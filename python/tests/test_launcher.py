@@ -114,6 +114,54 @@ def test_peer_death_seen_by_the_waiting_rank_without_fail_fast(no_leftovers):
     assert "CommError" in e.value.failures[0] and "rank 1" in e.value.failures[0], e.value.failures
 
 
+def test_comm_error_names_the_rank_it_follows(no_leftovers):
+    def body():
+        c = lockstep.comm()
+        if c.rank == 1:
+            c.close()  # leaves the communicator: rank 0's barrier reports it
+            return None
+        try:
+            c.barrier()
+        except lockstep.CommError as e:
+            return (e.kind, e.follows, str(e))
+        return "no error"
+
+    first, second = launch(2, body)
+    assert second is None
+    kind, follows, msg = first
+    assert (kind, follows) == ("peer_lost", 1), msg
+    assert "rank 1" in msg
+
+
+def test_root_cause_reported_when_the_consequence_arrives_first():
+    # Both outcomes are in; the launcher happened to read rank 0's first (its pipe was registered
+    # first): rank 0's CommError follows rank 1, which failed by itself, so rank 1 is reported.
+    from lockstep import _launcher
+
+    r0 = _launcher._Rank(0, 1, -1, -1, -1)
+    r1 = _launcher._Rank(1, 2, -1, -1, -1)
+    r0.outcome = ("err", "CommError", "rank 1 (pid 2) left the communicator while rank 0 was in barrier #1", "tb0\n", None, 1)
+    r1.outcome = ("err", "ValueError", "boom", "tb1\n", None, None)
+    r0.status, r1.status = 1, 1
+    r1.stopped = True  # signalled by fail-fast after rank 0 was seen first, already exiting
+    with pytest.raises(lockstep.RankError) as e:
+        _launcher._collect([r0, r1], r0)
+    assert e.value.rank == 1 and e.value.exc_type == "ValueError", str(e.value)
+    assert "rank 1 of 2 failed: ValueError: boom" in str(e.value)
+    assert "rank 0: CommError" in str(e.value)
+    # Without the link (an error of its own), the first rank seen stays the one reported.
+    r0.outcome = r0.outcome[:5] + (None,)
+    with pytest.raises(lockstep.RankError) as e:
+        _launcher._collect([r0, r1], r0)
+    assert e.value.rank == 0
+    # A rank the launcher stopped is not a cause: rank 0's error stays the report.
+    r0.outcome = r0.outcome[:5] + (1,)
+    r1.outcome = None
+    with pytest.raises(lockstep.RankError) as e:
+        _launcher._collect([r0, r1], r0)
+    assert e.value.rank == 0 and "stopped by notebook_launcher after rank 0 failed" in e.value.failures[1]
+
+
 def test_unpicklable_result_and_sys_exit(no_leftovers):
     with pytest.raises(lockstep.RankError, match="cannot be pickled"):
         launch(1, lambda: (lambda: 1))
