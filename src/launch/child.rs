@@ -146,6 +146,26 @@ pub(crate) fn getpgid(pid: i32) -> Option<i32> {
     (g >= 0).then_some(g)
 }
 
+/// Whether process `pid` has exited (a zombie not reaped yet, or gone): `pidfd_open` fails with
+/// ESRCH for a reaped process, and a pidfd polls readable once its process exited. `false` when
+/// it cannot tell (no pidfd support).
+pub(crate) fn has_exited(pid: i32) -> bool {
+    // SAFETY: raw syscall with integer arguments.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    if fd < 0 {
+        return std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH);
+    }
+    let fd = fd as libc::c_int;
+    let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+    // SAFETY: one valid pollfd, zero timeout; then closing the pidfd we opened.
+    let exited = unsafe {
+        let r = libc::poll(&mut p, 1, 0);
+        libc::close(fd);
+        r > 0
+    };
+    exited
+}
+
 /// `poll(2)` on `fds` for at most `timeout_ms` (EINTR, e.g. from a forwarded signal, just returns
 /// early: callers loop).
 pub(crate) fn poll(fds: &mut [libc::pollfd], timeout_ms: i32) {

@@ -27,6 +27,10 @@ use super::signals::{Counts, SignalPipe};
 /// what the ranks left behind.
 const GUARD_CLEANUP: Duration = Duration::from_secs(5);
 
+/// How long the launcher waits, when a rank fails, for the exit report of another rank that has
+/// already exited (its guard reports right after reaping it).
+const EXIT_REPORT_WAIT: Duration = Duration::from_millis(200);
+
 /// One supervised rank.
 pub(crate) struct Proc {
     pub rank: usize,
@@ -360,6 +364,32 @@ pub(crate) fn supervise(procs: &mut [Proc], opts: &Options, failed: impl Fn(&Pro
             p.drain(&[2], true);
             if failed(p) {
                 batch.push(i);
+            }
+        }
+        if root.is_none() && !batch.is_empty() {
+            // A peer that died first is often reported second: the survivor notices the death
+            // (the shm backend's lost-peer error) and exits before the dead rank's guard has
+            // reported it. Ranks whose process has already exited have their report on the way:
+            // wait for it (briefly, and only then) so the one killed by a signal is the root.
+            let in_flight: Vec<usize> =
+                (0..procs.len()).filter(|&i| procs[i].status.is_none() && child::has_exited(procs[i].pid)).collect();
+            let t = Instant::now();
+            for i in in_flight {
+                while procs[i].status.is_none() && procs[i].fds[3].is_some() && t.elapsed() < EXIT_REPORT_WAIT {
+                    let fd = procs[i].fds[3].as_ref().map(|f| f.as_raw_fd()).unwrap_or(-1);
+                    let mut p = [libc::pollfd { fd, events: libc::POLLIN, revents: 0 }];
+                    child::poll(&mut p, EXIT_REPORT_WAIT.saturating_sub(t.elapsed()).as_millis() as i32 + 1);
+                    procs[i].pump(3);
+                }
+                let p = &mut procs[i];
+                if p.status.is_some() && !p.noted {
+                    p.noted = true;
+                    p.elapsed = opts.start.elapsed();
+                    p.drain(&[2], true);
+                    if failed(p) {
+                        batch.push(i);
+                    }
+                }
             }
         }
         if root.is_none() {

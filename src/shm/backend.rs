@@ -59,9 +59,10 @@ impl ShmComm {
         &self.ch
     }
 
-    fn run_call(&mut self, call: &Call, cx: Ctx) -> Result<(), CommError> {
+    /// Run `call`; `fast`: it takes the fast path (`fast::eligible`, decided by the caller).
+    fn run_call(&mut self, call: &Call, cx: Ctx, fast: bool) -> Result<(), CommError> {
         let ch = &mut self.ch;
-        if fast::eligible(ch, call) {
+        if fast {
             return fast::run(ch, call, cx);
         }
         match call.kind {
@@ -122,14 +123,15 @@ impl Backend for ShmComm {
         }
         // A call that may stage data maps this rank's slots first (once); if there is no room
         // any more, the call is refused so the peers fail at once too, rather than waiting.
-        if !fast::eligible(&self.ch, call) {
+        let fast = fast::eligible(&self.ch, call);
+        if !fast {
             if let Err(e) = self.ch.ensure_slots() {
                 self.reject(call.kind, call.dtype, &e);
                 return Err(e);
             }
         }
         let cx = self.ch.start_call(call.kind);
-        let r = self.run_call(call, cx);
+        let r = self.run_call(call, cx, fast);
         self.ch.end_call(r.is_ok());
         if let Err(e) = &r {
             self.poison_on(e);
