@@ -158,12 +158,11 @@ pub(crate) fn has_exited(pid: i32) -> bool {
     let fd = fd as libc::c_int;
     let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
     // SAFETY: one valid pollfd, zero timeout; then closing the pidfd we opened.
-    let exited = unsafe {
+    unsafe {
         let r = libc::poll(&mut p, 1, 0);
         libc::close(fd);
         r > 0
-    };
-    exited
+    }
 }
 
 /// `poll(2)` on `fds` for at most `timeout_ms` (EINTR, e.g. from a forwarded signal, just returns
