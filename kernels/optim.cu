@@ -15,6 +15,8 @@
 // 1-based count *including* this step:
 //   g = grad + weight_decay * p
 //   m = beta1 * m + (1 - beta1) * g;   v = beta2 * v + (1 - beta2) * g²
+//   m, v = 0 where subnormal (|x| < FLT_MIN): explicit, as the CPU engine does (its x86 slow path
+//          on subnormal moments, train::optim::flush), so the bits agree on every device
 //   bc1 = 1 - beta1^t;  bc2 = 1 - beta2^t       (computed in f64, as the CPU twin does)
 //   p -= (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps)
 //
@@ -66,6 +68,9 @@
 // ----------------------------------------------------------------------------
 // Adam
 
+// x, or 0 when x is subnormal (the twin: train::optim::flush).
+__device__ __forceinline__ float flush_subnormal(float x) { return fabsf(x) < 1.17549435e-38f ? 0.0f : x; }
+
 extern "C" __global__ void adam_step_f32(float* params, const float* grads, float* m, float* v, int n, float lr,
                                          float beta1, float beta2, float eps, float weight_decay, int step) {
     // Bias corrections once per thread in f64 (pow in f32 loses digits of beta2^t near 1).
@@ -77,8 +82,8 @@ extern "C" __global__ void adam_step_f32(float* params, const float* grads, floa
         const float p = params[i];
         float g = grads[i];
         if (weight_decay != 0.0f) g += weight_decay * p;
-        const float mi = beta1 * m[i] + (1.0f - beta1) * g;
-        const float vi = beta2 * v[i] + (1.0f - beta2) * g * g;
+        const float mi = flush_subnormal(beta1 * m[i] + (1.0f - beta1) * g);
+        const float vi = flush_subnormal(beta2 * v[i] + (1.0f - beta2) * g * g);
         m[i] = mi;
         v[i] = vi;
         const float denom = sqrtf(vi) / bc2_sqrt + eps;

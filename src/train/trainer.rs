@@ -322,6 +322,13 @@ fn broadcast_bn_state(comm: &mut Communicator, model: &mut Model) -> Result<(), 
     Ok(())
 }
 
+/// CPU time of the calling thread, seconds (0 if the clock cannot be read: the figure is only
+/// logged).
+fn thread_cpu_s() -> f64 {
+    use nix::time::{clock_gettime, ClockId};
+    clock_gettime(ClockId::CLOCK_THREAD_CPUTIME_ID).map(|t| t.tv_sec() as f64 + t.tv_nsec() as f64 * 1e-9).unwrap_or(0.0)
+}
+
 /// Fill the model input with samples `idx` of `data` (pixels / 255) and `labels`.
 fn load_batch(model: &mut Model, data: &Dataset, idx: &[usize], labels: &mut Vec<u8>) {
     let (r, c) = (data.rows, data.cols);
@@ -362,6 +369,94 @@ pub fn step_gradients(
     buckets: &[Range<usize>],
     sync_bn: bool,
 ) -> Result<(f64, usize), TrainError> {
+    let out = local_gradients(model, data, micro, grads, labels, comm, sync_bn, &mut Phases::default())?;
+    all_reduce_grads(comm, grads, buckets)?;
+    Ok(out)
+}
+
+/// Wall and CPU time of each phase of an epoch on one rank, logged at debug level at the end of
+/// the epoch: what the step's CPU profile (`benches/train_step.rs`) does not show, such as the
+/// waiting at the gradient all-reduce for a slower rank, or time the rank was not running.
+#[derive(Default)]
+struct Phases {
+    /// Filling the input tensor (pixels to f32) and the labels.
+    batch: Lap,
+    /// Forward, loss and backward.
+    compute: Lap,
+    /// The gradient all-reduce, including the wait for the other ranks.
+    reduce: Lap,
+    /// Clipping and the optimizer step.
+    optim: Lap,
+    /// The observer (rank 0's progress output).
+    observe: Lap,
+    /// The end-of-epoch reductions, BatchNorm broadcast and evaluation.
+    eval: Lap,
+    /// Wall milliseconds of every step's forward + backward, for their spread.
+    steps_ms: Vec<f32>,
+}
+
+/// Accumulated wall and CPU time of one phase.
+#[derive(Default, Clone, Copy)]
+struct Lap {
+    wall: f64,
+    cpu: f64,
+}
+
+/// A running phase: started by [`Stopwatch::start`], added to a [`Lap`] by [`Stopwatch::stop`].
+struct Stopwatch {
+    wall: Instant,
+    cpu: f64,
+}
+
+impl Stopwatch {
+    fn start() -> Stopwatch {
+        Stopwatch { wall: Instant::now(), cpu: thread_cpu_s() }
+    }
+    /// Add the time since `start` to `lap`; returns the wall seconds.
+    fn stop(self, lap: &mut Lap) -> f64 {
+        let w = self.wall.elapsed().as_secs_f64();
+        lap.wall += w;
+        lap.cpu += thread_cpu_s() - self.cpu;
+        w
+    }
+}
+
+impl Phases {
+    /// One debug line: each phase as wall / CPU milliseconds, and the spread of the steps.
+    fn log(&mut self, rank: usize, epoch: u64, wall: f64) {
+        let f = |l: &Lap| format!("{:.0}/{:.0}", l.wall * 1e3, l.cpu * 1e3);
+        self.steps_ms.sort_by(f32::total_cmp);
+        let q = |p: f64| self.steps_ms.get(((self.steps_ms.len() as f64 - 1.0) * p).round() as usize).copied().unwrap_or(0.0);
+        tracing::debug!(
+            "rank {rank} epoch {epoch}: {:.0} ms wall; phases in ms wall/CPU: batches {}, forward+backward {}, all-reduce (with waiting) {}, \
+             optimizer {}, progress {}, evaluation {}; forward+backward per step min {:.1} median {:.1} p90 {:.1} max {:.1} ms",
+            wall * 1e3,
+            f(&self.batch),
+            f(&self.compute),
+            f(&self.reduce),
+            f(&self.optim),
+            f(&self.observe),
+            f(&self.eval),
+            q(0.0),
+            q(0.5),
+            q(0.9),
+            q(1.0)
+        );
+    }
+}
+
+/// [`step_gradients`] without the all-reduce: the gradients of this rank's micro-batches.
+#[allow(clippy::too_many_arguments)]
+fn local_gradients(
+    model: &mut Model,
+    data: &Dataset,
+    micro: &[&[usize]],
+    grads: &mut [f32],
+    labels: &mut Vec<u8>,
+    comm: &mut Communicator,
+    sync_bn: bool,
+    ph: &mut Phases,
+) -> Result<(f64, usize), TrainError> {
     let world = comm.world_size();
     grads.fill(0.0);
     let (mut loss_sum, mut n, mut prev) = (0.0f64, 0usize, 0usize);
@@ -372,7 +467,10 @@ pub fn step_gradients(
         if prev != 0 && prev != b {
             scale(grads, prev as f32 / b as f32);
         }
+        let t = Stopwatch::start();
         load_batch(model, data, chunk, labels);
+        t.stop(&mut ph.batch);
+        let t = Stopwatch::start();
         let loss = if sync_bn && world > 1 {
             let mut sum = |b: &mut [f64]| comm.all_reduce_in_place(b, ReduceOp::Sum);
             model.forward_with(true, Some(&mut sum))?;
@@ -385,6 +483,8 @@ pub fn step_gradients(
             model.backward(labels, grads);
             loss
         };
+        let w = t.stop(&mut ph.compute);
+        ph.steps_ms.push((w * 1e3) as f32);
         loss_sum += loss as f64 * b as f64;
         n += b;
         prev = b;
@@ -393,7 +493,6 @@ pub fn step_gradients(
         // sum_j (b_j / b_last) g_j  ->  sum_j (b_j / n) g_j
         scale(grads, prev as f32 / n as f32);
     }
-    all_reduce_grads(comm, grads, buckets)?;
     Ok((loss_sum, n))
 }
 
@@ -506,8 +605,13 @@ pub fn train(
         obs.epoch_start(epoch + 1, cfg.epochs, steps);
         let (mut loss_sum, mut loss_n) = (0.0f64, 0.0f64);
         let mut images = 0usize;
+        let mut ph = Phases { steps_ms: Vec::with_capacity(micro.len()), ..Phases::default() };
         for (s, group) in micro.chunks(accum).enumerate() {
-            let (l, n) = step_gradients(&mut model, train_set, group, &mut grads, &mut labels, comm, &buckets, cfg.sync_bn)?;
+            let (l, n) = local_gradients(&mut model, train_set, group, &mut grads, &mut labels, comm, cfg.sync_bn, &mut ph)?;
+            let t = Stopwatch::start();
+            all_reduce_grads(comm, &mut grads, &buckets)?;
+            t.stop(&mut ph.reduce);
+            let t = Stopwatch::start();
             step_no += 1;
             if let Some(max) = cfg.clip_grad_norm {
                 let norm = clip_grad_norm(&mut grads, max);
@@ -516,16 +620,22 @@ pub fn train(
                 }
             }
             opt.step(cfg.schedule.lr(cfg.lr, step_no - 1), &mut model.params, &grads);
+            t.stop(&mut ph.optim);
+            let t = Stopwatch::start();
             loss_sum += l;
             loss_n += n as f64;
             images += n;
             obs.step(s + 1, (l / n.max(1) as f64) as f32, (images * world) as f64 / t0.elapsed().as_secs_f64().max(1e-9));
+            t.stop(&mut ph.observe);
         }
         let train_s = t0.elapsed().as_secs_f64();
+        let t = Stopwatch::start();
         let mut tot = [loss_sum, loss_n];
         comm.all_reduce_in_place(&mut tot[..], ReduceOp::Sum)?;
         broadcast_bn_state(comm, &mut model)?;
         let (correct, counted) = evaluate(comm, &mut model, test_set, cfg.batch_size)?;
+        t.stop(&mut ph.eval);
+        ph.log(rank, epoch + 1, t0.elapsed().as_secs_f64());
         let report = EpochReport {
             epoch: epoch + 1,
             epochs: cfg.epochs,

@@ -754,8 +754,8 @@ pub fn adam_step_f32(
         if weight_decay != 0.0 {
             g += weight_decay * p;
         }
-        let mi = beta1 * m[i] + (1.0 - beta1) * g;
-        let vi = beta2 * v[i] + (1.0 - beta2) * g * g;
+        let mi = crate::train::optim::flush(beta1 * m[i] + (1.0 - beta1) * g);
+        let vi = crate::train::optim::flush(beta2 * v[i] + (1.0 - beta2) * g * g);
         m[i] = mi;
         v[i] = vi;
         let denom = vi.sqrt() / bc2_sqrt + eps;
