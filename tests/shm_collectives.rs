@@ -1083,6 +1083,15 @@ fn t_single_copy_mixed() -> Result<(), String> {
             if b.slice() != input::<f32>(ReduceOp::Sum, 0, n, len, 0).as_slice() {
                 bad.push(format!("broadcast wrong (rank 0 shared: {shared_on_0})"));
             }
+            // In place from either root: the root writes a share of the other's output only when
+            // both outputs lie in the segment, which here they never both do.
+            for root in 0..n {
+                let mut bi = buf(c, input::<f32>(ReduceOp::Sum, me, n, len, 0))?;
+                c.broadcast_in_place(bi.slice_mut(), root)?;
+                if bi.slice() != input::<f32>(ReduceOp::Sum, root, n, len, 0).as_slice() {
+                    bad.push(format!("broadcast in place from {root} wrong (rank 0 shared: {shared_on_0})"));
+                }
+            }
         }
         Ok(bad)
     })

@@ -39,7 +39,9 @@ evenly over the cores; a copy of X bytes reads X and writes X). For n ranks and 
   all_reduce S        every input read once (n*S), every output written once (n*S):   X = S
                       (on shared buffers: each rank reads its 1/n of every input and writes its
                       1/n of every output, i.e. n concurrent copies of S)
-  broadcast S         the root's S read once, (n-1) outputs of S written:              X = S/2
+  broadcast S         out of place: the root's S read once, n outputs of S written (the root's
+                      own output too):                                               X = S(n+1)/(2n)
+                      in place (the "in place" columns, and MPI_Bcast): (n-1) written: X = S/2
   all_gather S        S = output bytes; n inputs of S/n read once (S), n outputs of S: X = S(n+1)/(2n)
   reduce_scatter S    S = input bytes; n inputs of S read once, n outputs of S/n:      X = S(n+1)/(2n)
   all_to_all S        every input byte read once, every output byte written once:      X = S
@@ -109,13 +111,13 @@ def probe(c2c):
     return float(m.group(1))
 
 
-def copy_bytes(op, size, n):
+def copy_bytes(op, size, n, in_place=False):
     """X of the docstring: each core copies X bytes for the collective's least traffic."""
     if op in ("all_reduce", "all_to_all"):
         return size
-    if op in ("broadcast", "pingpong"):
+    if op == "pingpong" or (op == "broadcast" and in_place):
         return size // 2
-    if op in ("all_gather", "reduce_scatter"):
+    if op in ("all_gather", "reduce_scatter", "broadcast"):
         return size * (n + 1) // (2 * n)
     return None
 
@@ -208,11 +210,15 @@ def main():
                     block.setdefault((name, size), []).append(v)
                 for size, v in in_place.items() if a.in_place else ():
                     block.setdefault((f"{name} in place", size), []).append(v)
-            bound = {}
+            bound, bound_ip = {}, {}
             for size in sizes:
                 x = copy_bytes(op, size, a.nprocs)
                 if membw is not None and x is not None:
                     bound[size] = copies_us(membw, a.nprocs, x)
+                # Only broadcast's least traffic differs in place (the root writes no output).
+                xi = copy_bytes(op, size, a.nprocs, in_place=True)
+                if a.in_place and membw is not None and xi is not None and xi != x:
+                    bound_ip[size] = copies_us(membw, a.nprocs, xi)
             after = probe(c2c)
             s0, s1 = state_of(before), state_of(after)
             state = s0 if s0 == s1 else CHANGED
@@ -221,9 +227,10 @@ def main():
             probes.setdefault(state, []).extend([before, after])
             for (name, size), vs in block.items():
                 results.setdefault((state, op, name, size), []).extend(vs)
-            for size, t in bound.items():
-                # A collective moves at least one cache line one way: half the round trip.
-                bounds.setdefault((state, op, size), []).append(max(t, min(before, after) / 2000.0))
+            for key, bd in (("", bound), (" in place", bound_ip)):
+                for size, t in bd.items():
+                    # A collective moves at least one cache line one way: half the round trip.
+                    bounds.setdefault((state, op + key, size), []).append(max(t, min(before, after) / 2000.0))
 
     base = [t for t in tools if not t.startswith(("lockstep", "before"))]
     mine = [t for t in tools if t.startswith(("lockstep", "before"))]
@@ -259,12 +266,15 @@ def main():
                         row.append("—")
                 bs = bounds.get((state, op, size))
                 bt = statistics.median(bs) if bs else None
-                row.append(fmt_us(bt) if bt else "—")
+                bs_ip = bounds.get((state, op + " in place", size))
+                bt_ip = statistics.median(bs_ip) if bs_ip else bt
+                row.append((fmt_us(bt) if bt else "—") + (f" ({fmt_us(bt_ip)} in place)" if bs_ip else ""))
                 for m in mine:
                     if "openmpi" in base:
                         row.append(f"{t['openmpi'] / t[m]:.2f}" if m in t and "openmpi" in t else "—")
                 for m in mine:
-                    row.append(f"{bt / t[m]:.2f}" if m in t and bt else "—")
+                    b = bt_ip if m.endswith(" in place") else bt
+                    row.append(f"{b / t[m]:.2f}" if m in t and b else "—")
                 print("| " + " | ".join(row) + " |")
         small = [z for z in sizes if z <= P99_MAX_BYTES]
         if small:

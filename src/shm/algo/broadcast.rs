@@ -1,11 +1,12 @@
 //! broadcast: the root stages the message chunk by chunk in its slot and every other rank copies
-//! it out; or, when the root's send buffer lives in the segment, everyone copies from it directly.
+//! it out; or, when the root's send buffer lives in the segment, everyone copies from it directly
+//! (in place with every output in the segment too, the root writes a share of every output).
 
 use super::single::{self, Agreed};
 use crate::comm::{Call, CommError};
 use crate::shm::channel::{Channel, Ctx};
 use crate::shm::reduce::copy_block;
-use crate::shm::sync::SHARED_SEND;
+use crate::shm::sync::{SHARED_RECV, SHARED_SEND};
 
 pub(crate) fn broadcast(ch: &mut Channel, call: &Call, cx: Ctx) -> Result<(), CommError> {
     run(ch, call, cx, true)
@@ -20,7 +21,9 @@ fn run(ch: &mut Channel, call: &Call, cx: Ctx, allow_direct: bool) -> Result<(),
     let recv = call.recv.addr as *mut u8;
     let chunk = ch.slot_bytes();
     let nt = ch.nt_for(bytes);
-    let (flags, so, ro) = ch.share_flags(call, if me == root { bytes } else { 0 }, 0);
+    // Every output is offered too: when the root's input and every output lie in the segment and
+    // the root broadcasts in place, the root writes a share of each output itself (below).
+    let (flags, so, ro) = ch.share_flags(call, if me == root { bytes } else { 0 }, bytes);
     let direct = single::offer(ch, call, bytes, allow_direct);
     let (flags, so, ro) = if direct { single::offer_desc(call, flags) } else { (flags, so, ro) };
     let mut p = ch.next_phase();
@@ -48,9 +51,25 @@ fn run(ch: &mut Channel, call: &Call, cx: Ctx, allow_direct: bool) -> Result<(),
         return Ok(());
     }
     if zero_copy {
-        if me != root {
+        // In place the root has nothing of its own to copy; when every output lies in the
+        // segment it writes the tail share of each (1/n of the message) while the others read
+        // the rest, so every core copies (n - 1)/n instead of one core all of it. Out of place
+        // the root already copies the whole message into its own output. Every rank decides
+        // from the same descriptors, so all agree on the share.
+        let outputs_shared = descs.iter().all(|d| d.flags & SHARED_RECV != 0);
+        let in_place = descs[root].send_off == descs[root].recv_off;
+        let share = if outputs_shared && in_place { single::push_share(bytes, n, true) } else { 0 };
+        let head = bytes - share;
+        if me == root {
+            for j in (1..n).map(|s| (me + s) % n) {
+                // SAFETY: (add) head + share = bytes, which the root's input and every output
+                // (the descriptors agree on the count) hold; rank j's output lies in the segment
+                // and nobody else writes its tail until the phase below.
+                unsafe { ch.put(send.add(head), ch.at(descs[j].recv_off).add(head), share, nt) };
+            }
+        } else {
             // The root's send buffer lies in the segment and holds `bytes`.
-            ch.put(ch.at(descs[root].send_off), recv, bytes, nt);
+            ch.put(ch.at(descs[root].send_off), recv, head, nt);
         }
         ch.phase(cx)?;
         return Ok(());

@@ -212,7 +212,7 @@ fn conclude(ch: &mut Channel, call: &Call, err: Option<std::io::Error>, cx: Ctx)
 /// root's cache, and a 1/(2n) share was faster than none, both on the benchmark's unchanging
 /// input and on a freshly written one (`cma_floor`, RESULTS.md session 7). Rounded down to whole
 /// cache lines.
-fn push_share(bytes: usize, n: usize, in_place: bool) -> usize {
+pub(crate) fn push_share(bytes: usize, n: usize, in_place: bool) -> usize {
     let share = if in_place { bytes / n } else { bytes / (2 * n) };
     share / 64 * 64
 }
