@@ -31,42 +31,6 @@ fn parallelism() -> gemm::Parallelism {
     }
 }
 
-/// `fn $name(args)` that runs `$imp(args)` compiled for AVX-512 or AVX2+FMA when the CPU has
-/// them, else portable. The release build targets generic x86-64, so the element-wise loops of
-/// the layers (Winograd transforms, the fused BatchNorm + ReLU + pool) would otherwise be SSE2;
-/// `$imp` must be `#[inline(always)]` so that its body is compiled with each feature set. Rust
-/// contracts no multiply-add into an FMA on its own, so every version gives the same bits.
-macro_rules! dispatch {
-    ($name:ident, $imp:ident, ($($arg:ident: $ty:ty),*)) => {
-        #[allow(clippy::too_many_arguments)]
-        fn $name($($arg: $ty),*) {
-            #[cfg(target_arch = "x86_64")]
-            {
-                #[target_feature(enable = "avx512f,avx2,fma")]
-                #[allow(clippy::too_many_arguments)]
-                fn v4($($arg: $ty),*) {
-                    $imp($($arg),*)
-                }
-                #[target_feature(enable = "avx2,fma")]
-                #[allow(clippy::too_many_arguments)]
-                fn v3($($arg: $ty),*) {
-                    $imp($($arg),*)
-                }
-                if is_x86_feature_detected!("avx512f") {
-                    // SAFETY: the CPU supports every feature `v4` is compiled for (checked above).
-                    return unsafe { v4($($arg),*) };
-                }
-                if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-                    // SAFETY: the CPU supports every feature `v3` is compiled for (checked above).
-                    return unsafe { v3($($arg),*) };
-                }
-            }
-            $imp($($arg),*)
-        }
-    };
-}
-pub(crate) use dispatch;
-
 /// How an operand is stored in its slice.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Trans {
