@@ -7,6 +7,7 @@
 //! | `tensor.rs` | [`Tensor`](tensor::Tensor): shape + contiguous f32 storage, reused across steps |
 //! | `rng.rs` | [`Rng`](rng::Rng): seeded PCG32 for initialisation and shuffling |
 //! | `kernels.rs` | the one GEMM entry point (the `gemm` crate, runtime SIMD dispatch) |
+//! | `multiversion.rs` | `dispatch!`: element-wise loops compiled for AVX-512, AVX2 and portable, picked at run time |
 //! | `layers/` | one file per layer: forward + backward, CPU reference, gradient check |
 //! | `model.rs` | [`Model`](model::Model): named layers over flat parameters, the recipe CNN |
 //! | `optim.rs`, `schedule.rs` | Adam / SGD with PyTorch semantics; constant, cosine, one-cycle |
@@ -23,6 +24,7 @@ pub mod device;
 pub mod kernels;
 pub mod layers;
 pub mod model;
+pub(crate) mod multiversion;
 pub mod optim;
 pub mod precision;
 pub mod rng;

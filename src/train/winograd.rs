@@ -37,6 +37,7 @@
 //! bit-identical results.)
 
 use crate::train::kernels::{matmul_ld, Trans};
+use crate::train::multiversion::dispatch;
 
 /// Output tile edge.
 const MO: usize = 4;
@@ -416,37 +417,6 @@ unsafe fn transpose8x8(s: *const f32, ss: usize, d: *mut f32, ds: usize) {
         // SAFETY: the caller guarantees the eight 8-float destination rows are in bounds.
         unsafe { _mm256_storeu_ps(d.add(j * ds), v) };
     }
-}
-
-/// Run the body compiled for AVX-512 or AVX2+FMA when the CPU has them, else portable.
-macro_rules! dispatch {
-    ($name:ident, $imp:ident, ($($arg:ident: $ty:ty),*)) => {
-        #[allow(clippy::too_many_arguments)]
-        fn $name($($arg: $ty),*) {
-            #[cfg(target_arch = "x86_64")]
-            {
-                #[target_feature(enable = "avx512f,avx2,fma")]
-                #[allow(clippy::too_many_arguments)]
-                fn v4($($arg: $ty),*) {
-                    $imp($($arg),*)
-                }
-                #[target_feature(enable = "avx2,fma")]
-                #[allow(clippy::too_many_arguments)]
-                fn v3($($arg: $ty),*) {
-                    $imp($($arg),*)
-                }
-                if is_x86_feature_detected!("avx512f") {
-                    // SAFETY: the CPU supports every feature `v4` is compiled for (checked above).
-                    return unsafe { v4($($arg),*) };
-                }
-                if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-                    // SAFETY: the CPU supports every feature `v3` is compiled for (checked above).
-                    return unsafe { v3($($arg),*) };
-                }
-            }
-            $imp($($arg),*)
-        }
-    };
 }
 
 dispatch!(kernel_transform_inner, kernel_transform_impl, (g: &[[f32; KS]; TT], wt: &[f32], c: usize, oc: usize, ch: usize, tmp: &mut [f32], u: &mut [f32]));

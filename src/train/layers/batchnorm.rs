@@ -10,6 +10,7 @@
 //! `dinp = gamma·invstd/M · (M·dout − Σ dout − xhat·Σ dout·xhat)`.
 
 use super::{BufferMut, Init, Layer, ParamSpec, SumFn};
+use crate::train::multiversion::dispatch;
 use crate::train::tensor::Tensor;
 
 /// Batch normalisation over `[N, C, H, W]`, per channel.
@@ -35,6 +36,8 @@ pub struct BatchNorm2d {
     count: f64,        // values per channel behind the saved statistics (all ranks' with sync)
     scratch: Vec<f64>, // (2C+1) batch statistics / partial sums, reused so a step does not allocate
     sums: Vec<f32>,    // (2C) Σ dout and Σ dout·xhat in backward, reused
+    /// The fused backward's dense `M·dout` for one plane, reused.
+    sel: Vec<f32>,
 }
 
 impl BatchNorm2d {
@@ -53,6 +56,7 @@ impl BatchNorm2d {
             count: 0.0,
             scratch: vec![0.0; 2 * channels + 1],
             sums: vec![0.0; 2 * channels],
+            sel: Vec::new(),
         }
     }
 
@@ -79,6 +83,79 @@ impl BatchNorm2d {
             var[ch] = q / m as f64;
         }
         m
+    }
+}
+
+/// `if t { a } else { b }` on the bits, so it compiles to a blend and never to a branch.
+#[inline(always)]
+fn pick(t: bool, a: f32, b: f32) -> f32 {
+    let m = (t as u32).wrapping_neg();
+    f32::from_bits((a.to_bits() & m) | (b.to_bits() & !m))
+}
+
+dispatch!(pooled_sums, pooled_sums_impl, (x: &[f32], g: &[f32], py: &[f32], argmax: &[u32], sizes: (usize, usize), stats: (&[f32], &[f32]), sg: &mut [f64], sgx: &mut [f64]));
+
+/// The fused backward's per-channel sums, `Σ dout` and `Σ dout·xhat` over the values the ReLU
+/// and the pool passed: one per window (at its `argmax`, when the pooled value `py` is positive).
+/// Planes in memory order (each channel adds its planes in batch order, and the input is read
+/// as a stream), windows in 8 f32 lanes with a select rather than a branch: whether a window's
+/// maximum was positive is a coin toss the branch predictor loses half the time.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn pooled_sums_impl(x: &[f32], g: &[f32], py: &[f32], argmax: &[u32], sizes: (usize, usize), stats: (&[f32], &[f32]), sg: &mut [f64], sgx: &mut [f64]) {
+    let (hw, ohw) = sizes;
+    let (mean, invstd) = stats;
+    let c = sg.len();
+    for (plane, (xp, ((gp, pp), ap))) in x.chunks_exact(hw).zip(g.chunks_exact(ohw).zip(py.chunks_exact(ohw)).zip(argmax.chunks_exact(ohw))).enumerate() {
+        let ch = plane % c;
+        let mu = mean[ch];
+        // The clamp keeps a corrupt index inside the plane and lets the compiler drop the check.
+        let last = xp.len() - 1;
+        let at = |i: u32| xp[(i as usize).min(last)];
+        let (mut a, mut b) = ([0.0f32; 8], [0.0f32; 8]);
+        let (gc, pc, ac) = (gp.chunks_exact(8), pp.chunks_exact(8), ap.chunks_exact(8));
+        let (gr, pr, ar) = (gc.remainder(), pc.remainder(), ac.remainder());
+        for ((gs, ps), is) in gc.zip(pc).zip(ac) {
+            for l in 0..8 {
+                let on = ps[l] > 0.0;
+                a[l] += pick(on, gs[l], 0.0);
+                b[l] += pick(on, gs[l] * (at(is[l]) - mu), 0.0);
+            }
+        }
+        let (mut a1, mut b1) = (a.iter().sum::<f32>(), b.iter().sum::<f32>());
+        for ((&gv, &pv), &i) in gr.iter().zip(pr).zip(ar) {
+            if pv > 0.0 {
+                a1 += gv;
+                b1 += gv * (at(i) - mu);
+            }
+        }
+        sg[ch] += a1 as f64;
+        sgx[ch] += (b1 * invstd[ch]) as f64;
+    }
+}
+
+dispatch!(pooled_input_grad, pooled_input_grad_impl, (d: &mut [f32], xp: &[f32], gp: &[f32], pp: &[f32], ap: &[u32], sel: &mut [f32], k: [f32; 6]));
+
+/// One plane of the fused backward's input gradient: `k (M·dout − Σ dout − xhat·Σ dout·xhat)`
+/// with `dout` zero except at each window's maximum `ap` where the pooled value `pp` is positive
+/// (`k` = `[mean, invstd, γ·invstd/M, M, Σ dout, Σ dout·xhat]`). `M·dout` is first scattered
+/// into the dense `sel` (`M·0` everywhere else, the unfused chain's arithmetic) with a select
+/// and an unconditional store, not a branch (see [`pooled_sums_impl`]); one dense pass then
+/// writes the plane, and `sel` is reset for the next.
+#[inline(always)]
+fn pooled_input_grad_impl(d: &mut [f32], xp: &[f32], gp: &[f32], pp: &[f32], ap: &[u32], sel: &mut [f32], k: [f32; 6]) {
+    let [mu, is, k, m, sg, sgx] = k;
+    let zero = m * 0.0;
+    // The clamp keeps a corrupt index inside the plane and lets the compiler drop the check.
+    let last = sel.len().saturating_sub(1);
+    for ((&gv, &pv), &i) in gp.iter().zip(pp).zip(ap) {
+        sel[(i as usize).min(last)] = pick(pv > 0.0, m * gv, zero);
+    }
+    for ((o, &xv), &s) in d.iter_mut().zip(xp).zip(sel.iter()) {
+        *o = k * (s - sg - (xv - mu) * is * sgx);
+    }
+    for &i in ap {
+        sel[(i as usize).min(last)] = zero;
     }
 }
 
@@ -310,7 +387,7 @@ impl BatchNorm2d {
     /// so the per-channel sums visit one value per window instead of four, and the input gradient
     /// is written in one pass with no intermediate tensor. Accumulates `dgamma`, `dbeta` into `dp`
     /// and overwrites `dinp` when given. Equal to the unfused chain up to rounding (the sums skip
-    /// the zeros, so they add in another order).
+    /// the zeros and add in lanes, so in another order).
     #[allow(clippy::too_many_arguments)] // the three fused layers' tensors and state
     pub(crate) fn backward_relu_pool(
         &mut self,
@@ -322,58 +399,42 @@ impl BatchNorm2d {
         argmax: &[u32],
         dinp: Option<&mut Tensor>,
     ) {
-        let (n, c, h, w) = (inp.dims()[0], self.channels, inp.dims()[2], inp.dims()[3]);
+        let (c, h, w) = (self.channels, inp.dims()[2], inp.dims()[3]);
         let (hw, ohw) = (h * w, (h / 2) * (w / 2));
         let (x, g, py) = (inp.data(), dpool.data(), pooled.data());
         let (dgamma, dbeta) = dp.split_at_mut(c);
         self.sums.resize(2 * c, 0.0);
+        let mut acc = std::mem::take(&mut self.scratch);
+        acc.clear();
+        acc.resize(2 * c, 0.0);
+        let (sg, sgx) = acc.split_at_mut(c);
+        pooled_sums(x, g, py, argmax, (hw, ohw), (&self.mean, &self.invstd), sg, sgx);
         let (sum_g, sum_gx) = self.sums.split_at_mut(c);
         for ch in 0..c {
-            let (mu, is) = (self.mean[ch], self.invstd[ch]);
-            let (mut sg, mut sgx) = (0.0f64, 0.0f64);
-            for b in 0..n {
-                let plane = b * c + ch;
-                let xp = &x[plane * hw..(plane + 1) * hw];
-                let (mut a, mut bb) = (0.0f32, 0.0f32);
-                for o in plane * ohw..(plane + 1) * ohw {
-                    if py[o] > 0.0 {
-                        a += g[o];
-                        bb += g[o] * (xp[argmax[o] as usize] - mu);
-                    }
-                }
-                sg += a as f64;
-                sgx += (bb * is) as f64;
-            }
-            sum_g[ch] = sg as f32;
-            sum_gx[ch] = sgx as f32;
+            sum_g[ch] = sg[ch] as f32;
+            sum_gx[ch] = sgx[ch] as f32;
             dbeta[ch] += sum_g[ch];
             dgamma[ch] += sum_gx[ch];
         }
+        self.scratch = acc;
         let Some(dinp) = dinp else { return };
-        let m = (n * hw) as f32;
+        let m = (inp.dims()[0] * hw) as f32;
         let gamma = &p[..c];
         let (sum_g, sum_gx) = self.sums.split_at(c);
         dinp.resize(inp.dims());
         let d = dinp.data_mut();
-        for plane in 0..n * c {
+        let mut sel = std::mem::take(&mut self.sel);
+        sel.clear();
+        sel.resize(hw, m * 0.0);
+        for (plane, ((dp_, xp), ((gp, pp), ap))) in
+            d.chunks_exact_mut(hw).zip(x.chunks_exact(hw)).zip(g.chunks_exact(ohw).zip(py.chunks_exact(ohw)).zip(argmax.chunks_exact(ohw))).enumerate()
+        {
             let ch = plane % c;
             let (mu, is) = (self.mean[ch], self.invstd[ch]);
             let k = gamma[ch] * is / m;
-            let (sg, sgx) = (sum_g[ch], sum_gx[ch]);
-            let r = plane * hw..(plane + 1) * hw;
-            // Where no gradient arrives (the term `m * 0`, kept so the arithmetic is the unfused one).
-            let zero = m * 0.0;
-            for (o, &xv) in d[r.clone()].iter_mut().zip(&x[r.clone()]) {
-                *o = k * (zero - sg - (xv - mu) * is * sgx);
-            }
-            let (dp_, xp) = (&mut d[r.clone()], &x[r]);
-            for o in plane * ohw..(plane + 1) * ohw {
-                if py[o] > 0.0 {
-                    let i = argmax[o] as usize;
-                    dp_[i] = k * (m * g[o] - sg - (xp[i] - mu) * is * sgx);
-                }
-            }
+            pooled_input_grad(dp_, xp, gp, pp, ap, &mut sel, [mu, is, k, m, sum_g[ch], sum_gx[ch]]);
         }
+        self.sel = sel;
     }
 
     /// Training forward with batch statistics over all ranks (SyncBatchNorm): this rank's
