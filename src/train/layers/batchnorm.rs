@@ -63,26 +63,83 @@ impl BatchNorm2d {
     /// Per-channel batch mean and biased variance of `inp` written into `mean` and `var`;
     /// returns the number of values per channel.
     pub fn batch_stats(&self, inp: &Tensor, mean: &mut [f64], var: &mut [f64]) -> usize {
-        let (n, c, hw) = (inp.dims()[0], self.channels, inp.dims()[2] * inp.dims()[3]);
-        let x = inp.data();
-        let m = n * hw;
-        for ch in 0..c {
-            // f32 lanes within a plane (vectorises), f64 across planes (keeps precision for large
-            // batches); two passes so the variance does not suffer from cancellation.
-            let mut s = 0.0f64;
-            for b in 0..n {
-                s += lane_sum(&x[(b * c + ch) * hw..(b * c + ch + 1) * hw], |v| v) as f64;
-            }
-            let mu = s / m as f64;
-            let muf = mu as f32;
-            let mut q = 0.0f64;
-            for b in 0..n {
-                q += lane_sum(&x[(b * c + ch) * hw..(b * c + ch + 1) * hw], |v| (v - muf) * (v - muf)) as f64;
-            }
-            mean[ch] = mu;
-            var[ch] = q / m as f64;
-        }
+        let (c, hw) = (self.channels, inp.dims()[2] * inp.dims()[3]);
+        let m = inp.dims()[0] * hw;
+        plane_moments(inp.data(), hw, &mut mean[..c], &mut var[..c]);
         m
+    }
+}
+
+dispatch!(plane_moments, plane_moments_impl, (x: &[f32], hw: usize, mean: &mut [f64], var: &mut [f64]));
+
+/// Per-channel mean and biased variance of `x` (`[N, C, hw]`, `C = mean.len()`), reading `x`
+/// from memory once: each plane's sum, then its squared deviations from its own mean while it
+/// is still in L1 (f32 lanes within a plane, which vectorises), and the planes combined per
+/// channel in f64 (Chan et al.: `M2 = Σ M2_p + Σ n_p (mean_p − mean)²`). Two passes over the
+/// whole tensor, as a global-mean variance needs, cost a second trip to memory for a tensor
+/// (conv1's output, 6.4 MB) that does not fit in L2; the per-plane deviations keep the
+/// two-pass accuracy (no `Σx² − (Σx)²` cancellation).
+#[inline(always)]
+fn plane_moments_impl(x: &[f32], hw: usize, mean: &mut [f64], var: &mut [f64]) {
+    let c = mean.len();
+    let planes = x.len() / hw.max(1);
+    // Per plane: (mean_p, M2_p).
+    let mut pm = vec![(0.0f64, 0.0f64); planes];
+    for (xs, p) in x.chunks_exact(hw).zip(pm.iter_mut()) {
+        let mp = lane_sum(xs, |v| v) / hw as f32;
+        let m2 = lane_sum(xs, |v| (v - mp) * (v - mp));
+        *p = (mp as f64, m2 as f64);
+    }
+    let n = (planes / c.max(1)) as f64;
+    mean.fill(0.0);
+    for (i, &(mp, _)) in pm.iter().enumerate() {
+        mean[i % c] += mp;
+    }
+    for mu in mean.iter_mut() {
+        *mu /= n;
+    }
+    var.fill(0.0);
+    for (i, &(mp, m2)) in pm.iter().enumerate() {
+        let d = mp - mean[i % c];
+        var[i % c] += m2 + hw as f64 * d * d;
+    }
+    for v in var.iter_mut() {
+        *v /= n * hw as f64;
+    }
+}
+
+dispatch!(relu_pool_plane, relu_pool_plane_impl, (xs: &[f32], w: usize, affine: (f32, f32), corner: &[u32], scratch: (&mut [f32], &mut [u32]), y: &mut [f32], argmax: &mut [u32]));
+
+/// One plane of the fused forward: `v = max(x * scale + shift, 0)`, then each 2x2 stride-2
+/// window's maximum into `y` and its plane index into `argmax`, the first maximum winning in the
+/// order top-left (A), top-right (B), bottom-left (C), bottom-right (D), as the unfused pool.
+///
+/// In two passes that vectorise (a window at a time, the comparisons are branches the predictor
+/// loses on rectified data, and rows of 14 or 7 windows are too short for vector loops):
+/// 1. per row pair, the larger of each column's two values into `vmax` (the top one on a tie)
+///    and whether it came from the bottom row into `bottom`;
+/// 2. over all windows of the plane at once (a row pair of `vmax` is one row of windows), the
+///    larger of the even and odd column. The odd one (B or D) wins when strictly larger, and on
+///    a tie only when it is B against C, which is the only tie where it comes first.
+#[inline(always)]
+fn relu_pool_plane_impl(xs: &[f32], w: usize, affine: (f32, f32), corner: &[u32], scratch: (&mut [f32], &mut [u32]), y: &mut [f32], argmax: &mut [u32]) {
+    let (scale, shift) = affine;
+    let (vmax, bottom) = scratch;
+    for ((pair, vm), bt) in xs.chunks_exact(2 * w).zip(vmax.chunks_exact_mut(w)).zip(bottom.chunks_exact_mut(w)) {
+        let (top, bot) = pair.split_at(w);
+        for (((&t, &b), v), f) in top.iter().zip(bot).zip(vm.iter_mut()).zip(bt.iter_mut()) {
+            let (t, b) = ((t * scale + shift).max(0.0), (b * scale + shift).max(0.0));
+            let low = b > t;
+            *v = if low { b } else { t };
+            *f = low as u32;
+        }
+    }
+    let w32 = w as u32;
+    for ((((v2, f2), &c), yo), ao) in vmax.chunks_exact(2).zip(bottom.chunks_exact(2)).zip(corner).zip(y.iter_mut()).zip(argmax.iter_mut()) {
+        let odd = v2[1] > v2[0] || (v2[1] == v2[0] && f2[0] == 1 && f2[1] == 0);
+        *yo = if odd { v2[1] } else { v2[0] };
+        let f = if odd { f2[1] } else { f2[0] };
+        *ao = c + odd as u32 + f * w32;
     }
 }
 
@@ -343,41 +400,16 @@ impl BatchNorm2d {
         argmax.resize(n * c * oh * ow, 0);
         let (gamma, beta) = p.split_at(c);
         let (x, y) = (inp.data(), out.data_mut());
-        let mut row = vec![0.0f32; 2 * w];
-        for plane in 0..n * c {
+        let (hw, ohw) = (h * w, oh * ow);
+        // Every plane's window `j` has its top-left input at `2j + (j / ow) w` (`w = 2 ow`).
+        let corner: Vec<u32> = (0..ohw).map(|j| (2 * j + j / ow * w) as u32).collect();
+        let mut vmax = vec![0.0f32; oh * w];
+        let mut bottom = vec![0u32; oh * w];
+        for (plane, ((xs, yo), ao)) in x.chunks_exact(hw).zip(y.chunks_exact_mut(ohw)).zip(argmax.chunks_exact_mut(ohw)).enumerate() {
             let ch = plane % c;
             let scale = gamma[ch] * self.invstd[ch];
             let shift = beta[ch] - self.mean[ch] * scale;
-            let xp = &x[plane * h * w..(plane + 1) * h * w];
-            let base = plane * oh * ow;
-            for oy in 0..oh {
-                // Normalise and rectify the window's two rows first (a vectorisable pass), then pool.
-                let r0 = 2 * oy * w;
-                for (o, &v) in row.iter_mut().zip(&xp[r0..r0 + 2 * w]) {
-                    *o = (v * scale + shift).max(0.0);
-                }
-                let (row0, row1) = row.split_at(w);
-                let yo = &mut y[base + oy * ow..base + (oy + 1) * ow];
-                let ao = &mut argmax[base + oy * ow..base + (oy + 1) * ow];
-                for ox in 0..ow {
-                    let cx = 2 * ox;
-                    let (mut best, mut bi) = (row0[cx], r0 + cx);
-                    if row0[cx + 1] > best {
-                        best = row0[cx + 1];
-                        bi = r0 + cx + 1;
-                    }
-                    if row1[cx] > best {
-                        best = row1[cx];
-                        bi = r0 + w + cx;
-                    }
-                    if row1[cx + 1] > best {
-                        best = row1[cx + 1];
-                        bi = r0 + w + cx + 1;
-                    }
-                    yo[ox] = best;
-                    ao[ox] = bi as u32;
-                }
-            }
+            relu_pool_plane(xs, w, (scale, shift), &corner, (&mut vmax, &mut bottom), yo, ao);
         }
     }
 
