@@ -11,10 +11,13 @@
 //! (`BatchNorm2d::forward_relu_pool`): those three layers are bound by memory, not arithmetic,
 //! and fusing them skips writing and re-reading two activation-sized tensors (the BatchNorm and
 //! ReLU outputs, whose `acts` entries are then left unwritten). Measured in
-//! `benches/train_step.rs`; [`Model::set_fusion`] turns it off.
+//! `benches/train_step.rs`; [`Model::set_fusion`] turns it off. When the layer before such a
+//! group is a convolution whose backward runs sample by sample (conv1), backward hands it the
+//! group's input gradient one sample at a time instead of as a whole-batch tensor.
 
 use std::ops::Range;
 
+use super::layers::conv2d::DoutSource;
 use super::layers::{BatchNorm2d, BufferMut, Conv2d, Conv2dParams, Flatten, Layer, Linear, MaxPool2d, Relu, SoftmaxCrossEntropy, SumFn};
 use super::rng::Rng;
 use super::tensor::Tensor;
@@ -260,6 +263,12 @@ impl Model {
                 // The fused group ending at this pool: BatchNorm's input gradient in one pass.
                 // (`ran_fused` is only set where both downcasts succeeded.)
                 let g = i - 2;
+                if g > 0 && self.backward_into_conv(g, &dout, &mut dinp, grads) {
+                    // The convolution before the group took its output gradient sample by sample.
+                    std::mem::swap(&mut dout, &mut dinp);
+                    next = g - 1;
+                    continue;
+                }
                 let r = self.layer_ranges[g].clone();
                 let want = if g > 0 { Some(&mut dinp) } else { None };
                 let (p, dp) = (&self.params[r.clone()], &mut grads[r]);
@@ -290,6 +299,34 @@ impl Model {
         // The buffers go back even on error, so the model stays usable.
         self.dbuf = [dout, dinp];
         result
+    }
+
+    /// The fused group at `g` (BatchNorm, ReLU, pool) and the convolution at `g - 1` backward
+    /// together, when that convolution runs sample by sample: the group's input gradient is
+    /// made one sample at a time, straight into the convolution's per-sample buffer, instead
+    /// of as a whole-batch tensor written out and read back (conv1's output gradient is 6.4 MB
+    /// at batch 64, larger than L2). `dout` is the pool's output gradient; the convolution's
+    /// input gradient, if any, goes to `dinp`. Returns false, having done nothing, when the
+    /// layers are not of that shape.
+    fn backward_into_conv(&mut self, g: usize, dout: &Tensor, dinp: &mut Tensor, grads: &mut [f32]) -> bool {
+        let c = g - 1;
+        let (rc, rb) = (self.layer_ranges[c].clone(), self.layer_ranges[g].clone());
+        let (before, group) = self.layers.split_at_mut(g);
+        let (Some(conv), [bn, _relu, pool, ..]) = (as_conv(before[c].1.as_mut()), group) else { return false };
+        let (Some(bn), Some(pool)) = (as_batchnorm(bn.1.as_mut()), as_maxpool(pool.1.as_mut())) else { return false };
+        if !conv.streams_backward() {
+            return false;
+        }
+        let (lo, hi) = grads.split_at_mut(rb.start);
+        let (gconv, gbn) = (&mut lo[rc.clone()], &mut hi[..rb.len()]);
+        let (pconv, pbn) = (&self.params[rc], &self.params[rb]);
+        let (x, pooled) = (&self.acts[g], &self.acts[g + 3]);
+        bn.pooled_grad_sums(gbn, x, pooled, dout, &pool.argmax);
+        let argmax = &pool.argmax;
+        let mut fill = |b: usize, buf: &mut [f32]| bn.pooled_input_grad_sample(pbn, x, pooled, dout, argmax, b, buf);
+        let want = if c > 0 { Some(dinp) } else { None };
+        conv.backward_samples(pconv, gconv, &self.acts[c], DoutSource::Fill(&mut fill), want);
+        true
     }
 
     /// Predicted class of every sample of the last forward pass (written into `out`).
@@ -348,6 +385,12 @@ impl Model {
 fn as_batchnorm(layer: &mut dyn Layer) -> Option<&mut BatchNorm2d> {
     let any: &mut dyn std::any::Any = layer;
     any.downcast_mut::<BatchNorm2d>()
+}
+
+/// `layer` as a convolution, for the fused groups' streamed backward.
+fn as_conv(layer: &mut dyn Layer) -> Option<&mut Conv2d> {
+    let any: &mut dyn std::any::Any = layer;
+    any.downcast_mut::<Conv2d>()
 }
 
 /// `layer` as a max-pool, for the fused groups.

@@ -431,6 +431,18 @@ impl BatchNorm2d {
         argmax: &[u32],
         dinp: Option<&mut Tensor>,
     ) {
+        self.pooled_grad_sums(dp, inp, pooled, dpool, argmax);
+        let Some(dinp) = dinp else { return };
+        dinp.resize(inp.dims());
+        let per = inp.numel() / inp.dims()[0].max(1);
+        for (b, d) in dinp.data_mut().chunks_exact_mut(per).enumerate() {
+            self.pooled_input_grad_sample(p, inp, pooled, dpool, argmax, b, d);
+        }
+    }
+
+    /// The first half of [`BatchNorm2d::backward_relu_pool`]: the per-channel sums over the
+    /// batch (kept for the second half) and their accumulation into `dgamma`, `dbeta`.
+    pub(crate) fn pooled_grad_sums(&mut self, dp: &mut [f32], inp: &Tensor, pooled: &Tensor, dpool: &Tensor, argmax: &[u32]) {
         let (c, h, w) = (self.channels, inp.dims()[2], inp.dims()[3]);
         let (hw, ohw) = (h * w, (h / 2) * (w / 2));
         let (x, g, py) = (inp.data(), dpool.data(), pooled.data());
@@ -449,19 +461,28 @@ impl BatchNorm2d {
             dgamma[ch] += sum_gx[ch];
         }
         self.scratch = acc;
-        let Some(dinp) = dinp else { return };
+    }
+
+    /// The second half of [`BatchNorm2d::backward_relu_pool`] for sample `b` only: its input
+    /// gradient (`[C, H, W]`) into `d`, from the sums of [`BatchNorm2d::pooled_grad_sums`]. A
+    /// convolution before the group takes it sample by sample
+    /// ([`DoutSource::Fill`](super::conv2d::DoutSource)), so the batch's gradient is never
+    /// stored whole.
+    #[allow(clippy::too_many_arguments)] // the three fused layers' tensors and the sample
+    pub(crate) fn pooled_input_grad_sample(&mut self, p: &[f32], inp: &Tensor, pooled: &Tensor, dpool: &Tensor, argmax: &[u32], b: usize, d: &mut [f32]) {
+        let (c, h, w) = (self.channels, inp.dims()[2], inp.dims()[3]);
+        let (hw, ohw) = (h * w, (h / 2) * (w / 2));
         let m = (inp.dims()[0] * hw) as f32;
         let gamma = &p[..c];
         let (sum_g, sum_gx) = self.sums.split_at(c);
-        dinp.resize(inp.dims());
-        let d = dinp.data_mut();
+        let (xs, wins) = (b * c * hw..(b + 1) * c * hw, b * c * ohw..(b + 1) * c * ohw);
+        let (x, g, py, am) = (&inp.data()[xs], &dpool.data()[wins.clone()], &pooled.data()[wins.clone()], &argmax[wins]);
         let mut sel = std::mem::take(&mut self.sel);
         sel.clear();
         sel.resize(hw, m * 0.0);
-        for (plane, ((dp_, xp), ((gp, pp), ap))) in
-            d.chunks_exact_mut(hw).zip(x.chunks_exact(hw)).zip(g.chunks_exact(ohw).zip(py.chunks_exact(ohw)).zip(argmax.chunks_exact(ohw))).enumerate()
+        for (ch, ((dp_, xp), ((gp, pp), ap))) in
+            d.chunks_exact_mut(hw).zip(x.chunks_exact(hw)).zip(g.chunks_exact(ohw).zip(py.chunks_exact(ohw)).zip(am.chunks_exact(ohw))).enumerate()
         {
-            let ch = plane % c;
             let (mu, is) = (self.mean[ch], self.invstd[ch]);
             let k = gamma[ch] * is / m;
             pooled_input_grad(dp_, xp, gp, pp, ap, &mut sel, [mu, is, k, m, sum_g[ch], sum_gx[ch]]);

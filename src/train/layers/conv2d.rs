@@ -80,13 +80,14 @@ pub struct Conv2d {
     dcol: Vec<f32>,   // (K, P) column gradient of one sample
     dwt: Vec<f32>,    // (K, OC) weight gradient, transposed, summed over the samples
     padded: Vec<f32>, // one zero-padded input plane (im2col / col2im scratch)
+    gbuf: Vec<f32>,   // (OC, P) one sample's output gradient, when backward is fed sample by sample
     wino: Winograd,   // Winograd scratch (when `winograd::applies`)
 }
 
 impl Conv2d {
     /// A convolution with the given shape.
     pub fn new(params: Conv2dParams) -> Conv2d {
-        Conv2d { params, col: Vec::new(), saved: 0, dcol: Vec::new(), dwt: Vec::new(), padded: Vec::new(), wino: Winograd::default() }
+        Conv2d { params, col: Vec::new(), saved: 0, dcol: Vec::new(), dwt: Vec::new(), padded: Vec::new(), gbuf: Vec::new(), wino: Winograd::default() }
     }
 
     fn winograd(&self) -> bool {
@@ -348,7 +349,7 @@ impl Layer for Conv2d {
             self.saved = n;
         }
     }
-    fn backward(&mut self, p: &[f32], dp: &mut [f32], inp: &Tensor, _out: &Tensor, dout: &Tensor, mut dinp: Option<&mut Tensor>) {
+    fn backward(&mut self, p: &[f32], dp: &mut [f32], inp: &Tensor, _out: &Tensor, dout: &Tensor, dinp: Option<&mut Tensor>) {
         let cp = self.params;
         let (n, h, w) = (inp.dims()[0], inp.dims()[2], inp.dims()[3]);
         let (oh, ow) = (cp.out_h(h), cp.out_w(w));
@@ -366,6 +367,40 @@ impl Layer for Conv2d {
             self.wino.backward(weight, inp.data(), dout.data(), n, cp.in_c, oc, h, w, dweight, dx);
             return;
         }
+        self.backward_samples(p, dp, inp, DoutSource::Tensor(dout.data()), dinp);
+    }
+}
+
+/// Where [`Conv2d::backward_samples`] finds each sample's output gradient.
+pub(crate) enum DoutSource<'a> {
+    /// In a `[N, OC, OH, OW]` tensor.
+    Tensor(&'a [f32]),
+    /// Written on request, sample by sample, into the `[OC, OH, OW]` buffer it is given (a fused
+    /// layer after the convolution produces it there, so the batch's gradient never has to be
+    /// stored whole).
+    Fill(&'a mut dyn FnMut(usize, &mut [f32])),
+}
+
+impl Conv2d {
+    /// Whether backward runs sample by sample (im2col + GEMM), so it can take its output
+    /// gradient from [`DoutSource::Fill`].
+    pub(crate) fn streams_backward(&self) -> bool {
+        !self.winograd()
+    }
+
+    /// The im2col backward, one sample at a time, taking each sample's output gradient from
+    /// `src` (`inp` is `[N, C, H, W]`): accumulates the weight and bias gradients into `dp` and
+    /// overwrites `dinp` when given. Panics on the Winograd path (see [`Conv2d::streams_backward`]).
+    pub(crate) fn backward_samples(&mut self, p: &[f32], dp: &mut [f32], inp: &Tensor, mut src: DoutSource<'_>, mut dinp: Option<&mut Tensor>) {
+        assert!(self.streams_backward(), "the Winograd path does not run sample by sample");
+        let cp = self.params;
+        let (n, h, w) = (inp.dims()[0], inp.dims()[2], inp.dims()[3]);
+        let (oh, ow) = (cp.out_h(h), cp.out_w(w));
+        let (k, pp, oc) = (cp.k(), oh * ow, cp.out_c);
+        let mut gbuf = std::mem::take(&mut self.gbuf);
+        if let DoutSource::Fill(_) = src {
+            gbuf.resize(oc * pp, 0.0);
+        }
         // Columns kept by the training forward of this batch, else recomputed sample by sample.
         let have = self.saved == n;
         if !have {
@@ -381,8 +416,14 @@ impl Layer for Conv2d {
         }
         let (in_sz, out_sz) = (cp.in_c * h * w, oc * pp);
         for b in 0..n {
-            // The sample's dout is already the [OC, P] GEMM operand.
-            let g = &dout.data()[b * out_sz..(b + 1) * out_sz];
+            // The sample's dout is the [OC, P] GEMM operand as it lies.
+            let g: &[f32] = match &mut src {
+                DoutSource::Tensor(d) => &d[b * out_sz..(b + 1) * out_sz],
+                DoutSource::Fill(f) => {
+                    f(b, &mut gbuf);
+                    &gbuf
+                }
+            };
             for (plane, db) in g.chunks_exact(pp).zip(dbias.iter_mut()) {
                 *db += lane_sum(plane, |v| v);
             }
@@ -405,6 +446,7 @@ impl Layer for Conv2d {
                 *d += self.dwt[q * oc + c];
             }
         }
+        self.gbuf = gbuf;
     }
 }
 
