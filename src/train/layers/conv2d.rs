@@ -12,7 +12,9 @@
 //! transposed output). The weight gradient is computed transposed (`[K, OC]` scratch, added into
 //! `dW` at the end) because the `gemm` crate is faster with the short side as the destination's
 //! column count (2.64 -> 2.51 ms). In training, forward keeps the columns of the whole batch
-//! (5 MB for conv1 at batch 64) so backward does not unroll the input again.
+//! (5 MB for conv1 at batch 64) so backward does not unroll the input again. Backward can also
+//! take each sample's output gradient from the fused BatchNorm group after it as it is made
+//! (`DoutSource::Fill`), so conv1's 6.4 MB output gradient is never written out whole.
 //!
 //! 5x5 stride-1 "same" layers with 8+ input channels (conv2 of the recipe) take the Winograd
 //! F(4x4, 5x5) path of `train::winograd` instead, in all three directions (conv2 forward +
