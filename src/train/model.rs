@@ -12,8 +12,11 @@
 //! and fusing them skips writing and re-reading two activation-sized tensors (the BatchNorm and
 //! ReLU outputs, whose `acts` entries are then left unwritten). Measured in
 //! `benches/train_step.rs`; [`Model::set_fusion`] turns it off. When the layer before such a
-//! group is a convolution whose backward runs sample by sample (conv1), backward hands it the
-//! group's input gradient one sample at a time instead of as a whole-batch tensor.
+//! group is a convolution that runs sample by sample (conv1), the two are streamed together
+//! both ways: forward hands each sample's output to the BatchNorm while it is in cache
+//! (statistics, and pooling before normalising, which the monotonic BatchNorm + ReLU allows),
+//! and backward hands the convolution the group's input gradient one sample at a time, so
+//! neither direction re-reads a whole-batch activation (6.4 MB for conv1 at batch 64).
 
 use std::ops::Range;
 
@@ -193,9 +196,15 @@ impl Model {
         self.ran_fused.iter_mut().for_each(|f| *f = false);
         let mut i = 0;
         while i < self.layers.len() {
+            let synced = train && sum.is_some();
+            if self.fuse && i + 1 < self.layers.len() && self.fusable[i + 1] && self.forward_from_conv(i, train, synced) {
+                // A convolution fed the fused group after it sample by sample.
+                self.ran_fused[i + 1] = true;
+                i += 4;
+                continue;
+            }
             let (before, after) = self.acts.split_at_mut(i + 1);
             let p = &self.params[self.layer_ranges[i].clone()];
-            let synced = train && sum.is_some();
             if self.fuse && self.fusable[i] {
                 let (head, tail) = self.layers.split_at_mut(i + 1);
                 if let (Some(bn), Some(pool)) = (as_batchnorm(head[i].1.as_mut()), as_maxpool(tail[1].1.as_mut())) {
@@ -216,6 +225,34 @@ impl Model {
             i += 1;
         }
         Ok(())
+    }
+
+    /// The convolution at `c` and the fused group at `c + 1` forward together, when the
+    /// convolution runs sample by sample and the group's BatchNorm is not synchronised: each
+    /// sample's output goes from the convolution to the BatchNorm while it is in cache
+    /// (statistics and raw pooling, [`BatchNorm2d::stream_sample`]), and only the pooled values
+    /// are normalised afterwards. The convolution's output is still stored whole, for backward.
+    /// Returns false, having done nothing, when the layers are not of that shape.
+    fn forward_from_conv(&mut self, c: usize, train: bool, synced: bool) -> bool {
+        let g = c + 1;
+        let (rc, rb) = (self.layer_ranges[c].clone(), self.layer_ranges[g].clone());
+        let (head, group) = self.layers.split_at_mut(g);
+        let (Some(conv), [bn, _relu, pool, ..]) = (as_conv(head[c].1.as_mut()), group) else { return false };
+        let (Some(bn), Some(pool)) = (as_batchnorm(bn.1.as_mut()), as_maxpool(pool.1.as_mut())) else { return false };
+        if !conv.streams_samples() || (synced && bn.sync) {
+            return false;
+        }
+        let (pconv, pbn) = (&self.params[rc], &self.params[rb]);
+        let (before, after) = self.acts.split_at_mut(g);
+        let (conv_out, rest) = after.split_at_mut(1);
+        let (inp, conv_out, pooled) = (&before[c], &mut conv_out[0], &mut rest[2]);
+        let n = inp.dims()[0];
+        let dims = conv.params.out_dims(inp.dims()).expect("the model checked the shapes");
+        let argmax = &mut pool.argmax;
+        let mut sink = |b: usize, o: &[f32]| bn.stream_sample(pbn, n, b, o, (dims[2], dims[3]), argmax, train);
+        conv.forward_samples(pconv, inp, conv_out, train, Some(&mut sink));
+        bn.stream_finish(pbn, &dims, pooled, train);
+        true
     }
 
     /// Run BatchNorm + ReLU + max-pool groups as one fused pass (the default) or as three layers
@@ -314,7 +351,7 @@ impl Model {
         let (before, group) = self.layers.split_at_mut(g);
         let (Some(conv), [bn, _relu, pool, ..]) = (as_conv(before[c].1.as_mut()), group) else { return false };
         let (Some(bn), Some(pool)) = (as_batchnorm(bn.1.as_mut()), as_maxpool(pool.1.as_mut())) else { return false };
-        if !conv.streams_backward() {
+        if !conv.streams_samples() {
             return false;
         }
         let (lo, hi) = grads.split_at_mut(rb.start);
@@ -440,16 +477,26 @@ mod tests {
         assert_eq!(m.num_params(), 800 + 32 + 64 + 51200 + 64 + 128 + 3136 * 64 + 64 + 640 + 10);
     }
 
-    /// The fused BatchNorm + ReLU + pool groups against the three layers run one by one: the
-    /// forward (training and evaluation) is bit-identical, the gradients equal up to rounding
-    /// (the fused sums skip the zeros), over several steps so the running statistics move too.
+    /// The fused BatchNorm + ReLU + pool groups (the first streamed with conv1, the second not)
+    /// against the three layers run one by one: the forward (training and evaluation) is
+    /// bit-identical, the gradients equal up to rounding (the fused sums skip the zeros and add
+    /// in lanes), over several steps so the running statistics move too.
     #[test]
     fn fused_groups_match_separate_layers() {
         let mut a = Model::fashion_cnn(6).unwrap();
         a.init(3);
         assert_eq!(a.fusable.iter().filter(|&&f| f).count(), 2, "both blocks of the recipe fuse");
+        // Some negative BatchNorm weights, so the streamed forward's pooling of the raw input
+        // takes its minimum path (the normalisation is then decreasing) as well as the maximum.
+        for name in ["module1.1.weight", "module2.1.weight"] {
+            let r = a.entries.iter().find(|e| e.name == name).unwrap().range.clone();
+            for (k, g) in a.params[r].iter_mut().enumerate() {
+                *g = if k % 3 == 1 { -0.7 } else { 0.4 + 0.1 * k as f32 };
+            }
+        }
         let mut b = Model::fashion_cnn(6).unwrap();
         b.init(3);
+        b.params.copy_from_slice(&a.params);
         b.set_fusion(false);
         let mut rng = Rng::new(4, 4);
         let labels: Vec<u8> = (0..6).map(|i| (i * 7 % 10) as u8).collect();

@@ -38,6 +38,16 @@ pub struct BatchNorm2d {
     sums: Vec<f32>,    // (2C) Σ dout and Σ dout·xhat in backward, reused
     /// The fused backward's dense `M·dout` for one plane, reused.
     sel: Vec<f32>,
+    /// The streamed fused forward's per-plane (mean, M2), `[N, C]`.
+    moments: Vec<(f64, f64)>,
+    /// The streamed fused forward's input value at each window's maximum, `[N, C, H/2, W/2]`
+    /// (valid for the backward that follows when `raw_valid`).
+    raw: Vec<f32>,
+    raw_valid: bool,
+    /// The streamed forward's pooling scratch: window corners, column maxima and their rows.
+    corner: Vec<u32>,
+    vmax: Vec<f32>,
+    bottom: Vec<u32>,
 }
 
 impl BatchNorm2d {
@@ -57,6 +67,12 @@ impl BatchNorm2d {
             scratch: vec![0.0; 2 * channels + 1],
             sums: vec![0.0; 2 * channels],
             sel: Vec::new(),
+            moments: Vec::new(),
+            raw: Vec::new(),
+            raw_valid: false,
+            corner: Vec::new(),
+            vmax: Vec::new(),
+            bottom: Vec::new(),
         }
     }
 
@@ -81,16 +97,23 @@ dispatch!(plane_moments, plane_moments_impl, (x: &[f32], hw: usize, mean: &mut [
 /// two-pass accuracy (no `Σx² − (Σx)²` cancellation).
 #[inline(always)]
 fn plane_moments_impl(x: &[f32], hw: usize, mean: &mut [f64], var: &mut [f64]) {
+    let pm: Vec<(f64, f64)> = x.chunks_exact(hw).map(one_plane_moments).collect();
+    combine_moments(&pm, hw, mean, var);
+}
+
+/// One plane's mean and sum of squared deviations from it (f32 lanes, read twice from L1).
+#[inline(always)]
+fn one_plane_moments(xs: &[f32]) -> (f64, f64) {
+    let mp = lane_sum(xs, |v| v) / xs.len().max(1) as f32;
+    let m2 = lane_sum(xs, |v| (v - mp) * (v - mp));
+    (mp as f64, m2 as f64)
+}
+
+/// Per-channel mean and biased variance from the planes' `(mean_p, M2_p)` (`[N, C]`, `C =
+/// mean.len()`, `hw` values each), by Chan et al.'s `M2 = Σ M2_p + Σ n_p (mean_p − mean)²`.
+fn combine_moments(pm: &[(f64, f64)], hw: usize, mean: &mut [f64], var: &mut [f64]) {
     let c = mean.len();
-    let planes = x.len() / hw.max(1);
-    // Per plane: (mean_p, M2_p).
-    let mut pm = vec![(0.0f64, 0.0f64); planes];
-    for (xs, p) in x.chunks_exact(hw).zip(pm.iter_mut()) {
-        let mp = lane_sum(xs, |v| v) / hw as f32;
-        let m2 = lane_sum(xs, |v| (v - mp) * (v - mp));
-        *p = (mp as f64, m2 as f64);
-    }
-    let n = (planes / c.max(1)) as f64;
+    let n = (pm.len() / c.max(1)) as f64;
     mean.fill(0.0);
     for (i, &(mp, _)) in pm.iter().enumerate() {
         mean[i % c] += mp;
@@ -105,6 +128,35 @@ fn plane_moments_impl(x: &[f32], hw: usize, mean: &mut [f64], var: &mut [f64]) {
     }
     for v in var.iter_mut() {
         *v /= n * hw as f64;
+    }
+}
+
+dispatch!(pool_raw_plane, pool_raw_plane_impl, (x: &[f32], w: usize, min: bool, corner: &[u32], scratch: (&mut [f32], &mut [u32]), raw: &mut [f32], argmax: &mut [u32]));
+
+/// The 2x2 stride-2 maximum (minimum when `min`) of one plane's raw input `x`, first extreme
+/// winning in the order top-left, top-right, bottom-left, bottom-right: its value into `raw`
+/// and its plane index into `argmax`. The two vectorised passes of [`relu_pool_plane_impl`] on
+/// `s·x` (`s = ±1`; negation is exact, so the minimum is the maximum of `-x` with the same
+/// order), multiplied back by `s`.
+#[inline(always)]
+fn pool_raw_plane_impl(x: &[f32], w: usize, min: bool, corner: &[u32], scratch: (&mut [f32], &mut [u32]), raw: &mut [f32], argmax: &mut [u32]) {
+    let s = if min { -1.0f32 } else { 1.0 };
+    let (vmax, bottom) = scratch;
+    for ((pair, vm), bt) in x.chunks_exact(2 * w).zip(vmax.chunks_exact_mut(w)).zip(bottom.chunks_exact_mut(w)) {
+        let (top, bot) = pair.split_at(w);
+        for (((&t, &b), v), f) in top.iter().zip(bot).zip(vm.iter_mut()).zip(bt.iter_mut()) {
+            let (t, b) = (s * t, s * b);
+            let low = b > t;
+            *v = if low { b } else { t };
+            *f = low as u32;
+        }
+    }
+    let w32 = w as u32;
+    for ((((v2, f2), &c), r), ao) in vmax.chunks_exact(2).zip(bottom.chunks_exact(2)).zip(corner).zip(raw.iter_mut()).zip(argmax.iter_mut()) {
+        let odd = v2[1] > v2[0] || (v2[1] == v2[0] && f2[0] == 1 && f2[1] == 0);
+        *r = s * if odd { v2[1] } else { v2[0] };
+        let f = if odd { f2[1] } else { f2[0] };
+        *ao = c + odd as u32 + f * w32;
     }
 }
 
@@ -184,6 +236,40 @@ fn pooled_sums_impl(x: &[f32], g: &[f32], py: &[f32], argmax: &[u32], sizes: (us
             if pv > 0.0 {
                 a1 += gv;
                 b1 += gv * (at(i) - mu);
+            }
+        }
+        sg[ch] += a1 as f64;
+        sgx[ch] += (b1 * invstd[ch]) as f64;
+    }
+}
+
+dispatch!(pooled_sums_raw, pooled_sums_raw_impl, (raw: &[f32], g: &[f32], py: &[f32], ohw: usize, stats: (&[f32], &[f32]), sg: &mut [f64], sgx: &mut [f64]));
+
+/// [`pooled_sums_impl`] with each window's input value given contiguously in `raw` (kept by
+/// the streamed forward), instead of gathered from the input through `argmax`. The same sums in
+/// the same order, so the same bits.
+#[inline(always)]
+fn pooled_sums_raw_impl(raw: &[f32], g: &[f32], py: &[f32], ohw: usize, stats: (&[f32], &[f32]), sg: &mut [f64], sgx: &mut [f64]) {
+    let (mean, invstd) = stats;
+    let c = sg.len();
+    for (plane, ((xp, gp), pp)) in raw.chunks_exact(ohw).zip(g.chunks_exact(ohw)).zip(py.chunks_exact(ohw)).enumerate() {
+        let ch = plane % c;
+        let mu = mean[ch];
+        let (mut a, mut b) = ([0.0f32; 8], [0.0f32; 8]);
+        let (xc, gc, pc) = (xp.chunks_exact(8), gp.chunks_exact(8), pp.chunks_exact(8));
+        let (xr, gr, pr) = (xc.remainder(), gc.remainder(), pc.remainder());
+        for ((xs, gs), ps) in xc.zip(gc).zip(pc) {
+            for l in 0..8 {
+                let on = ps[l] > 0.0;
+                a[l] += pick(on, gs[l], 0.0);
+                b[l] += pick(on, gs[l] * (xs[l] - mu), 0.0);
+            }
+        }
+        let (mut a1, mut b1) = (a.iter().sum::<f32>(), b.iter().sum::<f32>());
+        for ((&xv, &gv), &pv) in xr.iter().zip(gr).zip(pr) {
+            if pv > 0.0 {
+                a1 += gv;
+                b1 += gv * (xv - mu);
             }
         }
         sg[ch] += a1 as f64;
@@ -398,6 +484,7 @@ impl BatchNorm2d {
         let (oh, ow) = (h / 2, w / 2);
         out.resize(&[n, c, oh, ow]);
         argmax.resize(n * c * oh * ow, 0);
+        self.raw_valid = false;
         let (gamma, beta) = p.split_at(c);
         let (x, y) = (inp.data(), out.data_mut());
         let (hw, ohw) = (h * w, oh * ow);
@@ -411,6 +498,77 @@ impl BatchNorm2d {
             let shift = beta[ch] - self.mean[ch] * scale;
             relu_pool_plane(xs, w, (scale, shift), &corner, (&mut vmax, &mut bottom), yo, ao);
         }
+    }
+
+    /// The fused forward fed sample by sample by the convolution before it, while each sample's
+    /// output is still in cache: sample `b`'s planes `xs` (`[C, H, W]`) get their moments (in
+    /// training) and are pooled *before* normalising, into the window values of `self.raw` and
+    /// the sample's part of `argmax` (`[C, H/2, W/2]`). [`BatchNorm2d::stream_finish`] then
+    /// normalises the pooled values only, so the batch's input is read from memory by no pass.
+    ///
+    /// This is exact because `v = max(x * scale + shift, 0)` is monotonic in `x` (non-decreasing
+    /// for `γ ≥ 0`, non-increasing for `γ < 0`, `scale = γ·invstd`): a window's largest `v` is
+    /// `v` of its largest `x` (smallest, for `γ < 0`), so the pooled output is bit-identical to
+    /// the unfused chain. Only the argmax can differ, where rounding or the ReLU makes several
+    /// `v` equal that were different `x`: it then names the window's largest input rather than
+    /// the first of the tied outputs (no gradient flows through a window whose maximum is 0).
+    #[allow(clippy::too_many_arguments)] // the sample, its place in the batch and the pool's argmax
+    pub(crate) fn stream_sample(&mut self, p: &[f32], n: usize, b: usize, xs: &[f32], hw: (usize, usize), argmax: &mut Vec<u32>, train: bool) {
+        let (c, (h, w)) = (self.channels, hw);
+        let (plane, ohw) = (h * w, (h / 2) * (w / 2));
+        if b == 0 {
+            self.moments.resize(n * c, (0.0, 0.0));
+            self.raw.resize(n * c * ohw, 0.0);
+            argmax.resize(n * c * ohw, 0);
+            self.raw_valid = false;
+        }
+        let gamma = &p[..c];
+        let wins = b * c * ohw..(b + 1) * c * ohw;
+        let (raw, am) = (&mut self.raw[wins.clone()], &mut argmax[wins]);
+        if self.corner.len() != ohw {
+            // Window `j`'s top-left input is at `2j + (j / ow) w` (`w = 2 ow`).
+            self.corner = (0..ohw).map(|j| (2 * j + j / (w / 2) * w) as u32).collect();
+        }
+        self.vmax.resize((h / 2) * w, 0.0);
+        self.bottom.resize((h / 2) * w, 0);
+        for (ch, ((x, r), a)) in xs.chunks_exact(plane).zip(raw.chunks_exact_mut(ohw)).zip(am.chunks_exact_mut(ohw)).enumerate() {
+            if train {
+                self.moments[b * c + ch] = one_plane_moments(x);
+            }
+            pool_raw_plane(x, w, gamma[ch] < 0.0, &self.corner, (&mut self.vmax, &mut self.bottom), r, a);
+        }
+    }
+
+    /// Finish the streamed fused forward of [`BatchNorm2d::stream_sample`]: the batch
+    /// statistics from the planes' moments (training) or the running ones, then
+    /// `out[N, C, H/2, W/2] = max(raw * scale + shift, 0)`.
+    pub(crate) fn stream_finish(&mut self, p: &[f32], dims: &[usize], out: &mut Tensor, train: bool) {
+        let (c, n, h, w) = (self.channels, dims[0], dims[2], dims[3]);
+        let ohw = (h / 2) * (w / 2);
+        if train {
+            let mut scratch = std::mem::take(&mut self.scratch);
+            scratch.resize(2 * c, 0.0);
+            let (mean, var) = scratch.split_at_mut(c);
+            combine_moments(&self.moments[..n * c], h * w, mean, var);
+            self.update_stats(mean, var, (n * h * w) as f64);
+            self.scratch = scratch;
+        } else {
+            for ch in 0..c {
+                self.mean[ch] = self.running_mean[ch];
+                self.invstd[ch] = 1.0 / (self.running_var[ch] + self.eps).sqrt();
+            }
+        }
+        out.resize(&[n, c, h / 2, w / 2]);
+        let (gamma, beta) = p.split_at(c);
+        for (plane, (y, r)) in out.data_mut().chunks_exact_mut(ohw).zip(self.raw.chunks_exact(ohw)).enumerate() {
+            let ch = plane % c;
+            let scale = gamma[ch] * self.invstd[ch];
+            let shift = beta[ch] - self.mean[ch] * scale;
+            for (o, &v) in y.iter_mut().zip(r) {
+                *o = (v * scale + shift).max(0.0);
+            }
+        }
+        self.raw_valid = train;
     }
 
     /// Backward of [`BatchNorm2d::forward_relu_pool`] from the pooled output `pooled`, its
@@ -452,7 +610,12 @@ impl BatchNorm2d {
         acc.clear();
         acc.resize(2 * c, 0.0);
         let (sg, sgx) = acc.split_at_mut(c);
-        pooled_sums(x, g, py, argmax, (hw, ohw), (&self.mean, &self.invstd), sg, sgx);
+        if self.raw_valid && self.raw.len() == py.len() {
+            // The streamed forward kept each window's input value: no gather from the input.
+            pooled_sums_raw(&self.raw, g, py, ohw, (&self.mean, &self.invstd), sg, sgx);
+        } else {
+            pooled_sums(x, g, py, argmax, (hw, ohw), (&self.mean, &self.invstd), sg, sgx);
+        }
         let (sum_g, sum_gx) = self.sums.split_at_mut(c);
         for ch in 0..c {
             sum_g[ch] = sg[ch] as f32;

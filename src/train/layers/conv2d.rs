@@ -324,32 +324,14 @@ impl Layer for Conv2d {
         let cp = self.params;
         let (n, h, w) = (inp.dims()[0], inp.dims()[2], inp.dims()[3]);
         let (oh, ow) = (cp.out_h(h), cp.out_w(w));
-        let (k, pp, oc) = (cp.k(), oh * ow, cp.out_c);
+        let (k, oc) = (cp.k(), cp.out_c);
         out.resize(&[n, oc, oh, ow]);
         if self.winograd() {
             let (weight, bias) = p.split_at(oc * k);
             self.wino.forward(weight, Some(bias), inp.data(), n, cp.in_c, oc, h, w, out.data_mut());
             return;
         }
-        // Training keeps every sample's columns for backward; evaluation reuses one sample's room.
-        let kept = if train { n } else { 1.min(n) };
-        self.col.resize(k * kept * pp, 0.0);
-        self.saved = 0;
-        let (weight, bias) = p.split_at(oc * k);
-        let (in_sz, out_sz) = (cp.in_c * h * w, oc * pp);
-        for b in 0..n {
-            let col = if train { &mut self.col[k * b * pp..k * (b + 1) * pp] } else { &mut self.col[..k * pp] };
-            im2col_fast(&cp, &inp.data()[b * in_sz..(b + 1) * in_sz], h, w, col, pp, &mut self.padded);
-            // out[OC, P] = W[OC, K] · col[K, P], straight into the sample's NCHW planes.
-            let o = &mut out.data_mut()[b * out_sz..(b + 1) * out_sz];
-            matmul(oc, pp, k, o, weight, Trans::No, col, Trans::No, false);
-            for (plane, &bv) in o.chunks_exact_mut(pp).zip(bias) {
-                plane.iter_mut().for_each(|v| *v += bv);
-            }
-        }
-        if train {
-            self.saved = n;
-        }
+        self.forward_samples(p, inp, out, train, None);
     }
     fn backward(&mut self, p: &[f32], dp: &mut [f32], inp: &Tensor, _out: &Tensor, dout: &Tensor, dinp: Option<&mut Tensor>) {
         let cp = self.params;
@@ -373,6 +355,9 @@ impl Layer for Conv2d {
     }
 }
 
+/// What [`Conv2d::forward_samples`] calls with each sample's index and output.
+pub(crate) type SampleSink<'a> = &'a mut dyn FnMut(usize, &[f32]);
+
 /// Where [`Conv2d::backward_samples`] finds each sample's output gradient.
 pub(crate) enum DoutSource<'a> {
     /// In a `[N, OC, OH, OW]` tensor.
@@ -384,17 +369,53 @@ pub(crate) enum DoutSource<'a> {
 }
 
 impl Conv2d {
-    /// Whether backward runs sample by sample (im2col + GEMM), so it can take its output
-    /// gradient from [`DoutSource::Fill`].
-    pub(crate) fn streams_backward(&self) -> bool {
+    /// Whether forward and backward run sample by sample (im2col + GEMM), so forward can hand
+    /// each sample's output to a sink and backward take its output gradient from
+    /// [`DoutSource::Fill`].
+    pub(crate) fn streams_samples(&self) -> bool {
         !self.winograd()
+    }
+
+    /// The im2col forward, one sample at a time (`out` is resized to `[N, OC, OH, OW]`): after
+    /// each sample's output is written, `sink(b, output)` sees it while it is still in cache
+    /// (the fused BatchNorm group after conv1 takes its statistics and pools there). Panics on
+    /// the Winograd path (see [`Conv2d::streams_samples`]).
+    pub(crate) fn forward_samples(&mut self, p: &[f32], inp: &Tensor, out: &mut Tensor, train: bool, mut sink: Option<SampleSink<'_>>) {
+        assert!(self.streams_samples(), "the Winograd path does not run sample by sample");
+        let cp = self.params;
+        let (n, h, w) = (inp.dims()[0], inp.dims()[2], inp.dims()[3]);
+        let (oh, ow) = (cp.out_h(h), cp.out_w(w));
+        let (k, pp, oc) = (cp.k(), oh * ow, cp.out_c);
+        out.resize(&[n, oc, oh, ow]);
+        // Training keeps every sample's columns for backward; evaluation reuses one sample's room.
+        let kept = if train { n } else { 1.min(n) };
+        self.col.resize(k * kept * pp, 0.0);
+        self.saved = 0;
+        let (weight, bias) = p.split_at(oc * k);
+        let (in_sz, out_sz) = (cp.in_c * h * w, oc * pp);
+        for b in 0..n {
+            let col = if train { &mut self.col[k * b * pp..k * (b + 1) * pp] } else { &mut self.col[..k * pp] };
+            im2col_fast(&cp, &inp.data()[b * in_sz..(b + 1) * in_sz], h, w, col, pp, &mut self.padded);
+            // out[OC, P] = W[OC, K] · col[K, P], straight into the sample's NCHW planes.
+            let o = &mut out.data_mut()[b * out_sz..(b + 1) * out_sz];
+            matmul(oc, pp, k, o, weight, Trans::No, col, Trans::No, false);
+            for (plane, &bv) in o.chunks_exact_mut(pp).zip(bias) {
+                plane.iter_mut().for_each(|v| *v += bv);
+            }
+            if let Some(f) = sink.as_deref_mut() {
+                f(b, o);
+            }
+        }
+        if train {
+            self.saved = n;
+        }
     }
 
     /// The im2col backward, one sample at a time, taking each sample's output gradient from
     /// `src` (`inp` is `[N, C, H, W]`): accumulates the weight and bias gradients into `dp` and
-    /// overwrites `dinp` when given. Panics on the Winograd path (see [`Conv2d::streams_backward`]).
+    /// overwrites `dinp` when given. Panics on the Winograd path (see [`Conv2d::streams_samples`]).
     pub(crate) fn backward_samples(&mut self, p: &[f32], dp: &mut [f32], inp: &Tensor, mut src: DoutSource<'_>, mut dinp: Option<&mut Tensor>) {
-        assert!(self.streams_backward(), "the Winograd path does not run sample by sample");
+        assert!(self.streams_samples(), "the Winograd path does not run sample by sample");
         let cp = self.params;
         let (n, h, w) = (inp.dims()[0], inp.dims()[2], inp.dims()[3]);
         let (oh, ow) = (cp.out_h(h), cp.out_w(w));
