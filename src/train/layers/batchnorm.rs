@@ -97,16 +97,47 @@ dispatch!(plane_moments, plane_moments_impl, (x: &[f32], hw: usize, mean: &mut [
 /// two-pass accuracy (no `Σx² − (Σx)²` cancellation).
 #[inline(always)]
 fn plane_moments_impl(x: &[f32], hw: usize, mean: &mut [f64], var: &mut [f64]) {
-    let pm: Vec<(f64, f64)> = x.chunks_exact(hw).map(one_plane_moments).collect();
+    // A plain loop: an iterator adapter's `fold` is a call the AVX version does not inline.
+    let mut pm = vec![(0.0, 0.0); x.len() / hw.max(1)];
+    for (xs, m) in x.chunks_exact(hw).zip(pm.iter_mut()) {
+        *m = one_plane_moments(xs);
+    }
     combine_moments(&pm, hw, mean, var);
 }
 
+dispatch!(plane_moments_into, plane_moments_into_impl, (xs: &[f32], out: &mut (f64, f64)));
+
+/// [`one_plane_moments`] into `out` (the form `dispatch!` takes).
+#[inline(always)]
+fn plane_moments_into_impl(xs: &[f32], out: &mut (f64, f64)) {
+    *out = one_plane_moments(xs);
+}
+
 /// One plane's mean and sum of squared deviations from it (f32 lanes, read twice from L1).
+/// The same arithmetic as [`lane_sum`], written without closures: a closure is not compiled
+/// with the AVX features of the `dispatch!` version that inlines this.
 #[inline(always)]
 fn one_plane_moments(xs: &[f32]) -> (f64, f64) {
-    let mp = lane_sum(xs, |v| v) / xs.len().max(1) as f32;
-    let m2 = lane_sum(xs, |v| (v - mp) * (v - mp));
-    (mp as f64, m2 as f64)
+    let (chunks, rest) = (xs.chunks_exact(8), xs.chunks_exact(8).remainder());
+    let mut acc = [0.0f32; 8];
+    for ch in chunks.clone() {
+        for i in 0..8 {
+            acc[i] += ch[i];
+        }
+    }
+    let s = acc.iter().sum::<f32>() + rest.iter().sum::<f32>();
+    let mp = s / xs.len().max(1) as f32;
+    let mut acc = [0.0f32; 8];
+    for ch in chunks {
+        for i in 0..8 {
+            acc[i] += (ch[i] - mp) * (ch[i] - mp);
+        }
+    }
+    let mut r = 0.0f32;
+    for &v in rest {
+        r += (v - mp) * (v - mp);
+    }
+    (mp as f64, (acc.iter().sum::<f32>() + r) as f64)
 }
 
 /// Per-channel mean and biased variance from the planes' `(mean_p, M2_p)` (`[N, C]`, `C =
@@ -533,7 +564,7 @@ impl BatchNorm2d {
         self.bottom.resize((h / 2) * w, 0);
         for (ch, ((x, r), a)) in xs.chunks_exact(plane).zip(raw.chunks_exact_mut(ohw)).zip(am.chunks_exact_mut(ohw)).enumerate() {
             if train {
-                self.moments[b * c + ch] = one_plane_moments(x);
+                plane_moments_into(x, &mut self.moments[b * c + ch]);
             }
             pool_raw_plane(x, w, gamma[ch] < 0.0, &self.corner, (&mut self.vmax, &mut self.bottom), r, a);
         }
