@@ -12,7 +12,9 @@
  * Set FRESH=1 to rewrite every input and read every output between repetitions (untimed), as an
  * application does: the inputs are then modified lines in their owner's cache.
  * "pull" is process_vm_readv from the peer, "push" process_vm_writev into the peer, "memcpy" a
- * local copy. */
+ * local copy. The "shm" variants do the same copies with memcpy between buffers in one shared
+ * mapping made before the fork (a tmpfs-backed MAP_SHARED, like lockstep's segment), as the
+ * zero-copy paths on shared buffers do. */
 #define _GNU_SOURCE
 #include <sched.h>
 #include <stdatomic.h>
@@ -35,6 +37,7 @@ static struct ctl {
     _Atomic long seq[2];
     pid_t pid[2];
     char *in[2], *out[2];
+    char *shin[2], *shout[2];
 } *C;
 static int me;
 static long myseq;
@@ -79,6 +82,9 @@ static const char *names[] = {
     "memcpy S/2 on both (compare.py's broadcast bound)",
     "push S/2 on both",
     "pull S/2 on both",
+    "broadcast in place, shm pull: 1 memcpy S from 0's shm input",
+    "broadcast in place, shm split: 0 memcpy S/2 into 1's shm output; 1 memcpy S/2",
+    "pull S/2 on both, shm (memcpy from the peer's shm input)",
 };
 #define NV (int)(sizeof names / sizeof *names)
 
@@ -93,6 +99,12 @@ int main(int argc, char **argv) {
     }
     C = mmap(NULL, 4096, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
     if (C == MAP_FAILED) return perror("mmap"), 1;
+    char *sh = mmap(NULL, 4 * S, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    if (sh == MAP_FAILED) return perror("mmap"), 1;
+    for (int r = 0; r < 2; r++) {
+        C->shin[r] = sh + (size_t)r * 2 * S;
+        C->shout[r] = sh + (size_t)r * 2 * S + S;
+    }
     pid_t child = fork();
     if (child < 0) return perror("fork"), 1;
     me = child == 0;
@@ -104,6 +116,8 @@ int main(int argc, char **argv) {
     if (posix_memalign((void **)&in, 4096, S) || posix_memalign((void **)&out, 4096, S)) return perror("posix_memalign"), 1;
     memset(in, 1 + me, S);
     memset(out, 0, S);
+    memset(C->shin[me], 1 + me, S);
+    memset(C->shout[me], 0, S);
     C->pid[me] = getpid();
     C->in[me] = in;
     C->out[me] = out;
@@ -158,6 +172,9 @@ int main(int argc, char **argv) {
                 case 12: memcpy(out, in, H); break;
                 case 13: PUSH(in, pout + me * H, H); break;
                 case 14: PULL(out + peer * H, pin, H); break;
+                case 15: if (me) memcpy(C->shout[1], C->shin[0], S); break;
+                case 16: if (me) memcpy(C->shout[1], C->shin[0], H); else memcpy(C->shout[1] + H, C->shin[0] + H, H); break;
+                case 17: memcpy(C->shout[me] + peer * H, C->shin[peer], H); break;
                 }
                 barrier();
                 if (r >= 0) t[(size_t)v * reps * rounds + cnt[v]++] = now() - t0;
