@@ -1043,9 +1043,20 @@ fn t_single_copy_push() -> Result<(), String> {
 }
 
 /// Rank 0 passes shared buffers (no offer), rank 1 ordinary ones (an offer): every rank runs the
-/// call again staged, and the results are right; then all ordinary, direct.
+/// call again staged, and the results are right; then all ordinary, direct. And the same with
+/// single-copy off (no offer anywhere): rank 0 then skips its staging, expecting zero-copy, and
+/// every rank runs the call again, staged, once it sees rank 1's ordinary buffers.
 fn t_single_copy_mixed() -> Result<(), String> {
-    let out = launch(&single_cfg(2), |mut ctx: RankContext| -> RankResult<Vec<String>> {
+    let mut no_direct = single_cfg(2);
+    no_direct.shm.cma_bytes = 0;
+    for (what, cfg) in [("single-copy on", single_cfg(2)), ("single-copy off", no_direct)] {
+        mixed_buffers(&cfg).map_err(|e| format!("{what}: {e}"))?;
+    }
+    Ok(())
+}
+
+fn mixed_buffers(cfg: &LaunchConfig) -> Result<(), String> {
+    let out = launch(cfg, |mut ctx: RankContext| -> RankResult<Vec<String>> {
         let (me, n, len) = (ctx.rank, 2usize, 3001usize);
         let c = &mut ctx.comm;
         let mut bad = Vec::new();

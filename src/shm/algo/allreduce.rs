@@ -40,8 +40,6 @@ fn run(ch: &mut Channel, call: &Call, cx: Ctx, allow_direct: bool) -> Result<(),
     let mut p = ch.next_phase();
     let unit = (64 / esz).max(1);
     // The staged path stages the first round in this same phase, so write it before `begin`.
-    // The chunk is decided from this rank's own flags only after begin; staging round 0 into
-    // our slot is harmless if we end up zero-copy.
     let c_max = (ch.slot_bytes() / (n - 1) / esz) / unit * unit;
     let round = n * c_max;
     let stage = |ch: &Channel, base: usize, len: usize, p: u64, snt: bool| {
@@ -53,7 +51,12 @@ fn run(ch: &mut Channel, call: &Call, cx: Ctx, allow_direct: bool) -> Result<(),
             unsafe { copy_block(send.add((base + lo) * esz), ch.slot(me, p).add(idx * c_max * esz), (hi - lo) * esz, snt) };
         }
     };
-    if !direct {
+    // A rank whose buffers lie in the segment expects the call to be zero-copy and stages
+    // nothing (round 0 would be copied for nobody); a peer's ordinary buffer rules that out, and
+    // every rank then sees it below and runs the call again, staged.
+    let qualifies = |r: usize, f: u8| f & SHARED_SEND != 0 && (!receives(r) || f & SHARED_RECV != 0);
+    let skip = allow_direct && qualifies(me, flags);
+    if !direct && !skip {
         let pre = ch.stage_pre(call.kind, bytes);
         stage(ch, 0, count.min(round), p, pre);
     }
@@ -64,7 +67,11 @@ fn run(ch: &mut Channel, call: &Call, cx: Ctx, allow_direct: bool) -> Result<(),
         // Nothing written yet: run the call again, staged.
         _ => return run(ch, call, cx, false),
     }
-    let zero_copy = descs.iter().enumerate().all(|(r, d)| d.flags & SHARED_SEND != 0 && (!receives(r) || d.flags & SHARED_RECV != 0));
+    let zero_copy = descs.iter().enumerate().all(|(r, d)| qualifies(r, d.flags));
+    if !zero_copy && allow_direct && descs.iter().enumerate().any(|(r, d)| qualifies(r, d.flags)) {
+        // Someone skipped its staging for a zero-copy call that is not one: again, staged.
+        return run(ch, call, cx, false);
+    }
     if zero_copy {
         return all_reduce_zero_copy(ch, call, &descs, cx);
     }

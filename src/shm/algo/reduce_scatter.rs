@@ -38,17 +38,26 @@ fn run(ch: &mut Channel, call: &Call, cx: Ctx, allow_direct: bool) -> Result<(),
     let direct = single::offer(ch, call, c * esz, allow_direct);
     let (flags, so, ro) = if direct { single::offer_desc(call, flags) } else { (flags, so, ro) };
     let mut p = ch.next_phase();
-    if !direct {
+    // A rank whose input lies in the segment expects the call to be zero-copy and stages
+    // nothing; a peer's ordinary input rules that out, and every rank then runs it again, staged.
+    let big = c * esz > ch.small_bytes();
+    let qualifies = |f: u8| f & SHARED_SEND != 0 && big;
+    let skip = allow_direct && qualifies(flags);
+    if !direct && !skip {
         let pre = ch.stage_pre(call.kind, n * c * esz);
         stage(ch, 0, c.min(c_max), p, pre);
     }
     let (descs, _) = ch.begin(call, flags | ch.stage_flag(), so, ro, cx)?;
-    let zero_copy = descs.iter().all(|d| d.flags & SHARED_SEND != 0) && c * esz > ch.small_bytes();
+    let zero_copy = descs.iter().all(|d| qualifies(d.flags));
     match single::agreed(&descs) {
         Agreed::No => {}
         Agreed::Yes if single::verified(ch, call, &descs, cx)? => return single::reduce_scatter(ch, call, &descs, cx),
         // Nothing written yet: run the call again, staged.
         _ => return run(ch, call, cx, false),
+    }
+    if !zero_copy && allow_direct && descs.iter().any(|d| qualifies(d.flags)) {
+        // Someone skipped its staging for a zero-copy call that is not one: again, staged.
+        return run(ch, call, cx, false);
     }
     let snt = ch.stage_agreed(call.kind, n * c * esz, &descs, !zero_copy);
     if zero_copy {
