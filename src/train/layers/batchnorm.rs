@@ -170,7 +170,15 @@ dispatch!(pool_raw_plane, pool_raw_plane_impl, (x: &[f32], w: usize, min: bool, 
 /// `s·x` (`s = ±1`; negation is exact, so the minimum is the maximum of `-x` with the same
 /// order), multiplied back by `s`.
 #[inline(always)]
-fn pool_raw_plane_impl(x: &[f32], w: usize, min: bool, corner: &[u32], scratch: (&mut [f32], &mut [u32]), raw: &mut [f32], argmax: &mut [u32]) {
+fn pool_raw_plane_impl(
+    x: &[f32],
+    w: usize,
+    min: bool,
+    corner: &[u32],
+    scratch: (&mut [f32], &mut [u32]),
+    raw: &mut [f32],
+    argmax: &mut [u32],
+) {
     let s = if min { -1.0f32 } else { 1.0 };
     let (vmax, bottom) = scratch;
     for ((pair, vm), bt) in x.chunks_exact(2 * w).zip(vmax.chunks_exact_mut(w)).zip(bottom.chunks_exact_mut(w)) {
@@ -183,7 +191,8 @@ fn pool_raw_plane_impl(x: &[f32], w: usize, min: bool, corner: &[u32], scratch: 
         }
     }
     let w32 = w as u32;
-    for ((((v2, f2), &c), r), ao) in vmax.chunks_exact(2).zip(bottom.chunks_exact(2)).zip(corner).zip(raw.iter_mut()).zip(argmax.iter_mut()) {
+    for ((((v2, f2), &c), r), ao) in vmax.chunks_exact(2).zip(bottom.chunks_exact(2)).zip(corner).zip(raw.iter_mut()).zip(argmax.iter_mut())
+    {
         let odd = v2[1] > v2[0] || (v2[1] == v2[0] && f2[0] == 1 && f2[1] == 0);
         *r = s * if odd { v2[1] } else { v2[0] };
         let f = if odd { f2[1] } else { f2[0] };
@@ -205,7 +214,15 @@ dispatch!(relu_pool_plane, relu_pool_plane_impl, (xs: &[f32], w: usize, affine: 
 ///    larger of the even and odd column. The odd one (B or D) wins when strictly larger, and on
 ///    a tie only when it is B against C, which is the only tie where it comes first.
 #[inline(always)]
-fn relu_pool_plane_impl(xs: &[f32], w: usize, affine: (f32, f32), corner: &[u32], scratch: (&mut [f32], &mut [u32]), y: &mut [f32], argmax: &mut [u32]) {
+fn relu_pool_plane_impl(
+    xs: &[f32],
+    w: usize,
+    affine: (f32, f32),
+    corner: &[u32],
+    scratch: (&mut [f32], &mut [u32]),
+    y: &mut [f32],
+    argmax: &mut [u32],
+) {
     let (scale, shift) = affine;
     let (vmax, bottom) = scratch;
     for ((pair, vm), bt) in xs.chunks_exact(2 * w).zip(vmax.chunks_exact_mut(w)).zip(bottom.chunks_exact_mut(w)) {
@@ -218,7 +235,8 @@ fn relu_pool_plane_impl(xs: &[f32], w: usize, affine: (f32, f32), corner: &[u32]
         }
     }
     let w32 = w as u32;
-    for ((((v2, f2), &c), yo), ao) in vmax.chunks_exact(2).zip(bottom.chunks_exact(2)).zip(corner).zip(y.iter_mut()).zip(argmax.iter_mut()) {
+    for ((((v2, f2), &c), yo), ao) in vmax.chunks_exact(2).zip(bottom.chunks_exact(2)).zip(corner).zip(y.iter_mut()).zip(argmax.iter_mut())
+    {
         let odd = v2[1] > v2[0] || (v2[1] == v2[0] && f2[0] == 1 && f2[1] == 0);
         *yo = if odd { v2[1] } else { v2[0] };
         let f = if odd { f2[1] } else { f2[0] };
@@ -242,11 +260,22 @@ dispatch!(pooled_sums, pooled_sums_impl, (x: &[f32], g: &[f32], py: &[f32], argm
 /// maximum was positive is a coin toss the branch predictor loses half the time.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn pooled_sums_impl(x: &[f32], g: &[f32], py: &[f32], argmax: &[u32], sizes: (usize, usize), stats: (&[f32], &[f32]), sg: &mut [f64], sgx: &mut [f64]) {
+fn pooled_sums_impl(
+    x: &[f32],
+    g: &[f32],
+    py: &[f32],
+    argmax: &[u32],
+    sizes: (usize, usize),
+    stats: (&[f32], &[f32]),
+    sg: &mut [f64],
+    sgx: &mut [f64],
+) {
     let (hw, ohw) = sizes;
     let (mean, invstd) = stats;
     let c = sg.len();
-    for (plane, (xp, ((gp, pp), ap))) in x.chunks_exact(hw).zip(g.chunks_exact(ohw).zip(py.chunks_exact(ohw)).zip(argmax.chunks_exact(ohw))).enumerate() {
+    for (plane, (xp, ((gp, pp), ap))) in
+        x.chunks_exact(hw).zip(g.chunks_exact(ohw).zip(py.chunks_exact(ohw)).zip(argmax.chunks_exact(ohw))).enumerate()
+    {
         let ch = plane % c;
         let mu = mean[ch];
         // The clamp keeps a corrupt index inside the plane and lets the compiler drop the check.
@@ -544,7 +573,16 @@ impl BatchNorm2d {
     /// `v` equal that were different `x`: it then names the window's largest input rather than
     /// the first of the tied outputs (no gradient flows through a window whose maximum is 0).
     #[allow(clippy::too_many_arguments)] // the sample, its place in the batch and the pool's argmax
-    pub(crate) fn stream_sample(&mut self, p: &[f32], n: usize, b: usize, xs: &[f32], hw: (usize, usize), argmax: &mut Vec<u32>, train: bool) {
+    pub(crate) fn stream_sample(
+        &mut self,
+        p: &[f32],
+        n: usize,
+        b: usize,
+        xs: &[f32],
+        hw: (usize, usize),
+        argmax: &mut Vec<u32>,
+        train: bool,
+    ) {
         let (c, (h, w)) = (self.channels, hw);
         let (plane, ohw) = (h * w, (h / 2) * (w / 2));
         if b == 0 {
@@ -663,7 +701,16 @@ impl BatchNorm2d {
     /// ([`DoutSource::Fill`](super::conv2d::DoutSource)), so the batch's gradient is never
     /// stored whole.
     #[allow(clippy::too_many_arguments)] // the three fused layers' tensors and the sample
-    pub(crate) fn pooled_input_grad_sample(&mut self, p: &[f32], inp: &Tensor, pooled: &Tensor, dpool: &Tensor, argmax: &[u32], b: usize, d: &mut [f32]) {
+    pub(crate) fn pooled_input_grad_sample(
+        &mut self,
+        p: &[f32],
+        inp: &Tensor,
+        pooled: &Tensor,
+        dpool: &Tensor,
+        argmax: &[u32],
+        b: usize,
+        d: &mut [f32],
+    ) {
         let (c, h, w) = (self.channels, inp.dims()[2], inp.dims()[3]);
         let (hw, ohw) = (h * w, (h / 2) * (w / 2));
         let m = (inp.dims()[0] * hw) as f32;
@@ -674,8 +721,11 @@ impl BatchNorm2d {
         let mut sel = std::mem::take(&mut self.sel);
         sel.clear();
         sel.resize(hw, m * 0.0);
-        for (ch, ((dp_, xp), ((gp, pp), ap))) in
-            d.chunks_exact_mut(hw).zip(x.chunks_exact(hw)).zip(g.chunks_exact(ohw).zip(py.chunks_exact(ohw)).zip(am.chunks_exact(ohw))).enumerate()
+        for (ch, ((dp_, xp), ((gp, pp), ap))) in d
+            .chunks_exact_mut(hw)
+            .zip(x.chunks_exact(hw))
+            .zip(g.chunks_exact(ohw).zip(py.chunks_exact(ohw)).zip(am.chunks_exact(ohw)))
+            .enumerate()
         {
             let (mu, is) = (self.mean[ch], self.invstd[ch]);
             let k = gamma[ch] * is / m;

@@ -89,7 +89,16 @@ pub struct Conv2d {
 impl Conv2d {
     /// A convolution with the given shape.
     pub fn new(params: Conv2dParams) -> Conv2d {
-        Conv2d { params, col: Vec::new(), saved: 0, dcol: Vec::new(), dwt: Vec::new(), padded: Vec::new(), gbuf: Vec::new(), wino: Winograd::default() }
+        Conv2d {
+            params,
+            col: Vec::new(),
+            saved: 0,
+            dcol: Vec::new(),
+            dwt: Vec::new(),
+            padded: Vec::new(),
+            gbuf: Vec::new(),
+            wino: Winograd::default(),
+        }
     }
 
     fn winograd(&self) -> bool {
@@ -414,7 +423,14 @@ impl Conv2d {
     /// The im2col backward, one sample at a time, taking each sample's output gradient from
     /// `src` (`inp` is `[N, C, H, W]`): accumulates the weight and bias gradients into `dp` and
     /// overwrites `dinp` when given. Panics on the Winograd path (see [`Conv2d::streams_samples`]).
-    pub(crate) fn backward_samples(&mut self, p: &[f32], dp: &mut [f32], inp: &Tensor, mut src: DoutSource<'_>, mut dinp: Option<&mut Tensor>) {
+    pub(crate) fn backward_samples(
+        &mut self,
+        p: &[f32],
+        dp: &mut [f32],
+        inp: &Tensor,
+        mut src: DoutSource<'_>,
+        mut dinp: Option<&mut Tensor>,
+    ) {
         assert!(self.streams_samples(), "the Winograd path does not run sample by sample");
         let cp = self.params;
         let (n, h, w) = (inp.dims()[0], inp.dims()[2], inp.dims()[3]);
