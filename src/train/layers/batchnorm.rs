@@ -256,8 +256,7 @@ dispatch!(pooled_sums, pooled_sums_impl, (x: &[f32], g: &[f32], py: &[f32], argm
 /// The fused backward's per-channel sums, `Σ dout` and `Σ dout·xhat` over the values the ReLU
 /// and the pool passed: one per window (at its `argmax`, when the pooled value `py` is positive).
 /// Planes in memory order (each channel adds its planes in batch order, and the input is read
-/// as a stream), windows in 8 f32 lanes with a select rather than a branch: whether a window's
-/// maximum was positive is a coin toss the branch predictor loses half the time.
+/// as a stream); each plane's windows by [`window_sums`].
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 fn pooled_sums_impl(
@@ -271,35 +270,12 @@ fn pooled_sums_impl(
     sgx: &mut [f64],
 ) {
     let (hw, ohw) = sizes;
-    let (mean, invstd) = stats;
-    let c = sg.len();
-    for (plane, (xp, ((gp, pp), ap))) in
-        x.chunks_exact(hw).zip(g.chunks_exact(ohw).zip(py.chunks_exact(ohw)).zip(argmax.chunks_exact(ohw))).enumerate()
-    {
-        let ch = plane % c;
-        let mu = mean[ch];
-        // The clamp keeps a corrupt index inside the plane and lets the compiler drop the check.
-        let last = xp.len() - 1;
-        let at = |i: u32| xp[(i as usize).min(last)];
-        let (mut a, mut b) = ([0.0f32; 8], [0.0f32; 8]);
-        let (gc, pc, ac) = (gp.chunks_exact(8), pp.chunks_exact(8), ap.chunks_exact(8));
-        let (gr, pr, ar) = (gc.remainder(), pc.remainder(), ac.remainder());
-        for ((gs, ps), is) in gc.zip(pc).zip(ac) {
-            for l in 0..8 {
-                let on = ps[l] > 0.0;
-                a[l] += pick(on, gs[l], 0.0);
-                b[l] += pick(on, gs[l] * (at(is[l]) - mu), 0.0);
-            }
-        }
-        let (mut a1, mut b1) = (a.iter().sum::<f32>(), b.iter().sum::<f32>());
-        for ((&gv, &pv), &i) in gr.iter().zip(pr).zip(ar) {
-            if pv > 0.0 {
-                a1 += gv;
-                b1 += gv * (at(i) - mu);
-            }
-        }
-        sg[ch] += a1 as f64;
-        sgx[ch] += (b1 * invstd[ch]) as f64;
+    let planes = x.chunks_exact(hw).zip(argmax.chunks_exact(ohw));
+    for (plane, ((xp, ap), (gp, pp))) in planes.zip(g.chunks_exact(ohw).zip(py.chunks_exact(ohw))).enumerate() {
+        // The clamps keep a corrupt index inside the plane and let the compiler drop the checks.
+        let (last, lasta) = (xp.len() - 1, ap.len() - 1);
+        let at = |o: usize| xp[(ap[o.min(lasta)] as usize).min(last)];
+        add_window_sums(plane, gp, pp, at, stats, sg, sgx);
     }
 }
 
@@ -310,31 +286,47 @@ dispatch!(pooled_sums_raw, pooled_sums_raw_impl, (raw: &[f32], g: &[f32], py: &[
 /// the same order, so the same bits.
 #[inline(always)]
 fn pooled_sums_raw_impl(raw: &[f32], g: &[f32], py: &[f32], ohw: usize, stats: (&[f32], &[f32]), sg: &mut [f64], sgx: &mut [f64]) {
-    let (mean, invstd) = stats;
-    let c = sg.len();
-    for (plane, ((xp, gp), pp)) in raw.chunks_exact(ohw).zip(g.chunks_exact(ohw)).zip(py.chunks_exact(ohw)).enumerate() {
-        let ch = plane % c;
-        let mu = mean[ch];
-        let (mut a, mut b) = ([0.0f32; 8], [0.0f32; 8]);
-        let (xc, gc, pc) = (xp.chunks_exact(8), gp.chunks_exact(8), pp.chunks_exact(8));
-        let (xr, gr, pr) = (xc.remainder(), gc.remainder(), pc.remainder());
-        for ((xs, gs), ps) in xc.zip(gc).zip(pc) {
-            for l in 0..8 {
-                let on = ps[l] > 0.0;
-                a[l] += pick(on, gs[l], 0.0);
-                b[l] += pick(on, gs[l] * (xs[l] - mu), 0.0);
-            }
-        }
-        let (mut a1, mut b1) = (a.iter().sum::<f32>(), b.iter().sum::<f32>());
-        for ((&xv, &gv), &pv) in xr.iter().zip(gr).zip(pr) {
-            if pv > 0.0 {
-                a1 += gv;
-                b1 += gv * (xv - mu);
-            }
-        }
-        sg[ch] += a1 as f64;
-        sgx[ch] += (b1 * invstd[ch]) as f64;
+    for (plane, (xp, (gp, pp))) in raw.chunks_exact(ohw).zip(g.chunks_exact(ohw).zip(py.chunks_exact(ohw))).enumerate() {
+        let last = xp.len() - 1;
+        add_window_sums(plane, gp, pp, |o| xp[o.min(last)], stats, sg, sgx);
     }
+}
+
+/// One plane's windows into its channel's sums (`plane % sg.len()`): `Σ dout` and, from
+/// `at(window)` (the input at the window's maximum), `Σ dout·xhat`, over the windows whose pooled
+/// value `pp` is positive. In 8 f32 lanes with a select rather than a branch: whether a window's
+/// maximum was positive is a coin toss the branch predictor loses half the time.
+#[inline(always)]
+fn add_window_sums(
+    plane: usize,
+    gp: &[f32],
+    pp: &[f32],
+    at: impl Fn(usize) -> f32,
+    stats: (&[f32], &[f32]),
+    sg: &mut [f64],
+    sgx: &mut [f64],
+) {
+    let ch = plane % sg.len();
+    let (mu, is) = (stats.0[ch], stats.1[ch]);
+    let (mut a, mut b) = ([0.0f32; 8], [0.0f32; 8]);
+    let (gc, pc) = (gp.chunks_exact(8), pp.chunks_exact(8));
+    let full = gp.len() - gc.remainder().len();
+    for (k, (gs, ps)) in gc.zip(pc).enumerate() {
+        for l in 0..8 {
+            let on = ps[l] > 0.0;
+            a[l] += pick(on, gs[l], 0.0);
+            b[l] += pick(on, gs[l] * (at(8 * k + l) - mu), 0.0);
+        }
+    }
+    let (mut a1, mut b1) = (a.iter().sum::<f32>(), b.iter().sum::<f32>());
+    for o in full..gp.len().min(pp.len()) {
+        if pp[o] > 0.0 {
+            a1 += gp[o];
+            b1 += gp[o] * (at(o) - mu);
+        }
+    }
+    sg[ch] += a1 as f64;
+    sgx[ch] += (b1 * is) as f64;
 }
 
 dispatch!(pooled_input_grad, pooled_input_grad_impl, (d: &mut [f32], xp: &[f32], gp: &[f32], pp: &[f32], ap: &[u32], sel: &mut [f32], k: [f32; 6]));
