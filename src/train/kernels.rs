@@ -2,11 +2,14 @@
 //! crate, so every layer calls GEMM through the same door.
 //!
 //! `gemm` picks AVX2/AVX-512 micro-kernels at run time, which is why the release profile can stay
-//! generic x86-64. Its entry point is an `unsafe fn` over raw pointers and strides; the single
-//! `unsafe` block of the training engine lives here, after every extent has been checked against
-//! the slice lengths, so callers cannot cause out-of-bounds access.
+//! generic x86-64. Its entry point is an `unsafe fn` over raw pointers and strides, called here
+//! after every extent has been checked against the slice lengths, so callers cannot cause
+//! out-of-bounds access. Small products with `B`'s rows contiguous go to
+//! [`microgemm`](crate::train::microgemm) instead, when the CPU has AVX-512 (same checks first).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
+
+use crate::train::microgemm;
 
 /// Threads GEMM may use in this process (1 = run on the calling thread, no pool).
 ///
@@ -86,6 +89,18 @@ pub fn matmul_ld(
             }
         }
         return;
+    }
+    // The engine's small products (Winograd, conv1) skip the gemm crate's packing and planning.
+    if tb == Trans::No && (threads() == 1 || m * n * k <= 1 << 18) {
+        let (rs, cs) = if ta == Trans::No { (lda, 1) } else { (1, lda) };
+        if microgemm::gemm(m, n, k, (&mut *dst, ldd), (a, rs, cs), (b, ldb), accumulate) {
+            return;
+        }
+    }
+    if ta == Trans::No && tb == Trans::Yes && (threads() == 1 || m * n * k <= 1 << 18) {
+        if microgemm::gemm_nt(m, n, k, (&mut *dst, ldd), (a, lda), (b, ldb), accumulate) {
+            return;
+        }
     }
     let (a_rs, a_cs) = match ta {
         Trans::No => (lda as isize, 1),

@@ -23,6 +23,7 @@ pub mod data;
 pub mod device;
 pub mod kernels;
 pub mod layers;
+pub(crate) mod microgemm;
 pub mod model;
 pub(crate) mod multiversion;
 pub mod optim;
