@@ -97,10 +97,12 @@ pub fn matmul_ld(
             return;
         }
     }
-    if ta == Trans::No && tb == Trans::Yes && (threads() == 1 || m * n * k <= 1 << 18) {
-        if microgemm::gemm_nt(m, n, k, (&mut *dst, ldd), (a, lda), (b, ldb), accumulate) {
-            return;
-        }
+    if ta == Trans::No
+        && tb == Trans::Yes
+        && (threads() == 1 || m * n * k <= 1 << 18)
+        && microgemm::gemm_nt(m, n, k, (&mut *dst, ldd), (a, lda), (b, ldb), accumulate)
+    {
+        return;
     }
     let (a_rs, a_cs) = match ta {
         Trans::No => (lda as isize, 1),

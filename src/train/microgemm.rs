@@ -177,20 +177,23 @@ mod x86 {
         acc: bool,
     ) {
         let mut i = 0;
-        // SAFETY (every call below): rows i..i + R' with i + R' <= m, inside the caller's bounds.
         while i + R <= m {
+            // SAFETY: rows i..i + R with i + R <= m, inside the caller's bounds.
             unsafe { block::<NV, R>(k, d.add(i * ldd), ldd, a.add(i * a_rs), a_rs, a_cs, b, ldb, acc) };
             i += R;
         }
         while i + 4 <= m {
+            // SAFETY: rows i..i + R with i + R <= m, inside the caller's bounds.
             unsafe { block::<NV, 4>(k, d.add(i * ldd), ldd, a.add(i * a_rs), a_rs, a_cs, b, ldb, acc) };
             i += 4;
         }
         while i + 2 <= m {
+            // SAFETY: rows i..i + R with i + R <= m, inside the caller's bounds.
             unsafe { block::<NV, 2>(k, d.add(i * ldd), ldd, a.add(i * a_rs), a_rs, a_cs, b, ldb, acc) };
             i += 2;
         }
         if i < m {
+            // SAFETY: rows i..i + R with i + R <= m, inside the caller's bounds.
             unsafe { block::<NV, 1>(k, d.add(i * ldd), ldd, a.add(i * a_rs), a_rs, a_cs, b, ldb, acc) };
         }
     }
@@ -266,16 +269,18 @@ mod x86 {
         acc: bool,
     ) {
         let mut i = 0;
-        // SAFETY (every call below): rows i..i + R with i + R <= m, inside the caller's bounds.
         while i + 4 <= m {
+            // SAFETY: rows i..i + R with i + R <= m, inside the caller's bounds.
             unsafe { cols_nt::<4>(n, k, d.add(i * ldd), ldd, a.add(i * lda), lda, b, ldb, acc) };
             i += 4;
         }
         while i + 2 <= m {
+            // SAFETY: rows i..i + R with i + R <= m, inside the caller's bounds.
             unsafe { cols_nt::<2>(n, k, d.add(i * ldd), ldd, a.add(i * lda), lda, b, ldb, acc) };
             i += 2;
         }
         if i < m {
+            // SAFETY: rows i..i + R with i + R <= m, inside the caller's bounds.
             unsafe { cols_nt::<1>(n, k, d.add(i * ldd), ldd, a.add(i * lda), lda, b, ldb, acc) };
         }
     }
@@ -298,16 +303,18 @@ mod x86 {
         acc: bool,
     ) {
         let mut j = 0;
-        // SAFETY (every call below): rows j..j + S of B with j + S <= n, columns j.. of dst.
         while j + 4 <= n {
+            // SAFETY: rows j..j + S of B with j + S <= n, and columns j..j + S of dst.
             unsafe { block_nt::<R, 4>(k, d.add(j), ldd, a, lda, b.add(j * ldb), ldb, acc) };
             j += 4;
         }
         while j + 2 <= n {
+            // SAFETY: rows j..j + S of B with j + S <= n, and columns j..j + S of dst.
             unsafe { block_nt::<R, 2>(k, d.add(j), ldd, a, lda, b.add(j * ldb), ldb, acc) };
             j += 2;
         }
         if j < n {
+            // SAFETY: rows j..j + S of B with j + S <= n, and columns j..j + S of dst.
             unsafe { block_nt::<R, 1>(k, d.add(j), ldd, a, lda, b.add(j * ldb), ldb, acc) };
         }
     }
