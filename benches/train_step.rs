@@ -10,8 +10,12 @@
 //! arithmetic could do directly. Element-wise layers are bound by memory, not FMAs: their share of
 //! the peak says how far from compute-bound they are, and their bytes moved are printed beside.
 //!
+//! Last, the engine's GEMM shapes and the training step with lockstep's small-product kernels
+//! (`microgemm`) against the `gemm` crate alone, alternating in this process.
+//!
 //! Run: `cargo bench --bench train_step`.
 
+use lockstep::train::kernels::{matmul_ld, set_small_kernels, Trans};
 use lockstep::train::layers::{BatchNorm2d, Conv2d, Conv2dParams, Layer, Linear, MaxPool2d, Relu, SoftmaxCrossEntropy};
 use lockstep::train::model::Model;
 use lockstep::train::optim::Adam;
@@ -211,4 +215,72 @@ fn main() {
         m.backward(&labels, &mut g);
     }) * 1e-3;
     println!("train_step_cpu unfused: forward {:.2} ms, step {:.2} ms (fused saves {:.1} %)", fu * 1e3, su * 1e3, 100.0 * (1.0 - s / su));
+
+    m.set_fusion(true);
+    gemm_paths(&mut m, &labels, &mut g, peak.best);
+}
+
+/// The engine's GEMM shapes (per call) and the whole step, with the small-product kernels on and
+/// off in turn: 5 alternations, min and median of each.
+fn gemm_paths(m: &mut Model, labels: &[u8], g: &mut [f32], peak: f64) {
+    // (name, m, n, k, A stored transposed, B stored transposed, row strides of dst, A, B)
+    let ts = |c: usize| 64 * c + 16; // Winograd tile stride (64 positions + a cache line)
+    let shapes: [(&str, usize, usize, usize, Trans, Trans, usize, usize, usize); 5] = [
+        ("winograd fwd 32x64x32", 32, 64, 32, Trans::No, Trans::No, ts(64), ts(32), 64),
+        ("winograd dW 32x64x32", 32, 64, 32, Trans::Yes, Trans::No, 64, ts(32), ts(64)),
+        ("winograd dX 32x32x64", 32, 32, 64, Trans::No, Trans::No, ts(32), ts(64), 32),
+        ("conv1 fwd 32x784x25", 32, 784, 25, Trans::No, Trans::No, 784, 25, 784),
+        ("conv1 dW 25x32x784", 25, 32, 784, Trans::No, Trans::Yes, 32, 784, 784),
+    ];
+    let med = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        (v[0], v[v.len() / 2])
+    };
+    println!("{:24} {:>14} {:>14} {:>8}", "gemm shape (us/call)", "microgemm", "gemm crate", "ratio");
+    for (name, mm, n, k, ta, tb, ldd, lda, ldb) in shapes {
+        let (ar, br) = (if ta == Trans::No { mm } else { k }, if tb == Trans::No { k } else { n });
+        let a: Vec<f32> = (0..ar * lda).map(|i| ((i % 7) as f32 - 3.0) * 0.1).collect();
+        let b: Vec<f32> = (0..br * ldb).map(|i| ((i % 5) as f32 - 2.0) * 0.1).collect();
+        let mut d = vec![0.0f32; mm * ldd];
+        let reps = (20_000_000 / (mm * n * k)).max(10);
+        let (mut on, mut off) = (Vec::new(), Vec::new());
+        for round in 0..10 {
+            set_small_kernels(round % 2 == 0);
+            let t = cpu_s();
+            for _ in 0..reps {
+                matmul_ld(mm, n, k, (&mut d, ldd), (&a, lda), ta, (&b, ldb), tb, true);
+            }
+            let us = (cpu_s() - t) / reps as f64 * 1e6;
+            if round % 2 == 0 {
+                on.push(us)
+            } else {
+                off.push(us)
+            }
+        }
+        let (fl, (on_min, _), (off_min, _)) = (2.0 * (mm * n * k) as f64, med(&mut on), med(&mut off));
+        println!(
+            "{name:24} {on_min:6.2} {:5.1}% {off_min:6.2} {:5.1}% {:7.2}x",
+            100.0 * fl / on_min * 1e-3 / peak,
+            100.0 * fl / off_min * 1e-3 / peak,
+            off_min / on_min
+        );
+    }
+    let (mut on, mut off) = (Vec::new(), Vec::new());
+    for round in 0..10 {
+        set_small_kernels(round % 2 == 0);
+        let s = time_ms(|| {
+            m.forward(true);
+            m.loss(labels).expect("labels in range");
+            g.fill(0.0);
+            m.backward(labels, g);
+        });
+        if round % 2 == 0 {
+            on.push(s)
+        } else {
+            off.push(s)
+        }
+    }
+    set_small_kernels(true);
+    let ((a0, a1), (b0, b1)) = (med(&mut on), med(&mut off));
+    println!("train_step_cpu microgemm: step {a0:.2} / {a1:.2} ms (min / median of 5), gemm crate alone {b0:.2} / {b1:.2} ms ({:.1} % less by the medians)", 100.0 * (1.0 - a1 / b1));
 }

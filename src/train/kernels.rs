@@ -7,7 +7,7 @@
 //! out-of-bounds access. Small products with `B`'s rows contiguous go to
 //! [`microgemm`](crate::train::microgemm) instead, when the CPU has AVX-512 (same checks first).
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use crate::train::microgemm;
 
@@ -32,6 +32,22 @@ fn parallelism() -> gemm::Parallelism {
         0 | 1 => gemm::Parallelism::None,
         n => gemm::Parallelism::Rayon(n),
     }
+}
+
+/// Whether small products may take [`microgemm`](crate::train::microgemm)'s kernels (on by
+/// default; the benchmarks turn it off to compare with the `gemm` crate in one process).
+static SMALL_KERNELS: AtomicBool = AtomicBool::new(true);
+
+/// Let small products take lockstep's own AVX-512 kernels (`true`, the default) or send every
+/// product to the `gemm` crate (`false`). Both give the same results up to rounding; the switch
+/// exists so that a benchmark can measure both paths back to back.
+pub fn set_small_kernels(on: bool) {
+    SMALL_KERNELS.store(on, Ordering::Relaxed);
+}
+
+/// Whether small products may take lockstep's own kernels (see [`set_small_kernels`]).
+pub fn small_kernels() -> bool {
+    SMALL_KERNELS.load(Ordering::Relaxed)
 }
 
 /// How an operand is stored in its slice.
@@ -91,17 +107,14 @@ pub fn matmul_ld(
         return;
     }
     // The engine's small products (Winograd, conv1) skip the gemm crate's packing and planning.
-    if tb == Trans::No && (threads() == 1 || m * n * k <= 1 << 18) {
+    let small = small_kernels() && (threads() == 1 || m * n * k <= 1 << 18);
+    if small && tb == Trans::No {
         let (rs, cs) = if ta == Trans::No { (lda, 1) } else { (1, lda) };
         if microgemm::gemm(m, n, k, (&mut *dst, ldd), (a, rs, cs), (b, ldb), accumulate) {
             return;
         }
     }
-    if ta == Trans::No
-        && tb == Trans::Yes
-        && (threads() == 1 || m * n * k <= 1 << 18)
-        && microgemm::gemm_nt(m, n, k, (&mut *dst, ldd), (a, lda), (b, ldb), accumulate)
-    {
+    if small && ta == Trans::No && tb == Trans::Yes && microgemm::gemm_nt(m, n, k, (&mut *dst, ldd), (a, lda), (b, ldb), accumulate) {
         return;
     }
     let (a_rs, a_cs) = match ta {
