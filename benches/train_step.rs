@@ -220,12 +220,14 @@ fn main() {
     gemm_paths(&mut m, &labels, &mut g, peak.best);
 }
 
+/// A GEMM of the engine: name, m, n, k, how A and B are stored, row strides of dst, A, B.
+type Shape = (&'static str, usize, usize, usize, Trans, Trans, usize, usize, usize);
+
 /// The engine's GEMM shapes (per call) and the whole step, with the small-product kernels on and
 /// off in turn: 5 alternations, min and median of each.
 fn gemm_paths(m: &mut Model, labels: &[u8], g: &mut [f32], peak: f64) {
-    // (name, m, n, k, A stored transposed, B stored transposed, row strides of dst, A, B)
     let ts = |c: usize| 64 * c + 16; // Winograd tile stride (64 positions + a cache line)
-    let shapes: [(&str, usize, usize, usize, Trans, Trans, usize, usize, usize); 5] = [
+    let shapes: [Shape; 5] = [
         ("winograd fwd 32x64x32", 32, 64, 32, Trans::No, Trans::No, ts(64), ts(32), 64),
         ("winograd dW 32x64x32", 32, 64, 32, Trans::Yes, Trans::No, 64, ts(32), ts(64)),
         ("winograd dX 32x32x64", 32, 32, 64, Trans::No, Trans::No, ts(32), ts(64), 32),
