@@ -237,31 +237,11 @@ unsafe fn reduce_typed<T: Lane>(op: ReduceOp, n_ranks: usize, srcs: &[*const u8]
             return;
         }
     }
-    // Small messages take a small accumulator: zeroing the full block (4-8 KB) cost more than an
-    // 8-byte reduction of three ranks.
-    if count <= SMALL_BLOCK {
-        // SAFETY: forwarded caller contract.
-        unsafe { reduce_blocks::<T, SMALL_BLOCK>(op, n_ranks, srcs, dsts, count) }
-    } else {
-        // SAFETY: forwarded caller contract.
-        unsafe { reduce_blocks::<T, BLOCK>(op, n_ranks, srcs, dsts, count) }
-    }
-}
-
-/// Elements per accumulator block of [`reduce_typed`] when the whole message fits.
-const SMALL_BLOCK: usize = 64;
-
-/// The general reduction of [`reduce_typed`], `B` elements at a time through an accumulator.
-///
-/// # Safety
-/// As [`reduce_typed`].
-#[inline(always)]
-unsafe fn reduce_blocks<T: Lane, const B: usize>(op: ReduceOp, n_ranks: usize, srcs: &[*const u8], dsts: &[Dst], count: usize) {
-    let mut acc = [T::Acc::default(); B];
-    let mut out = [std::mem::MaybeUninit::<T>::uninit(); B];
+    let mut acc = [T::Acc::default(); BLOCK];
+    let mut out = [std::mem::MaybeUninit::<T>::uninit(); BLOCK];
     let mut start = 0;
     while start < count {
-        let len = B.min(count - start);
+        let len = BLOCK.min(count - start);
         let acc = &mut acc[..len];
         // SAFETY: caller guarantees every source is valid for count elements; start+len <= count.
         let src = |k: usize| unsafe { std::slice::from_raw_parts((srcs[k] as *const T).add(start), len) };
