@@ -5,7 +5,7 @@
 //! generic x86-64. Its entry point is an `unsafe fn` over raw pointers and strides, called here
 //! after every extent has been checked against the slice lengths, so callers cannot cause
 //! out-of-bounds access. Small products with `B`'s rows contiguous go to
-//! [`microgemm`](crate::train::microgemm) instead, when the CPU has AVX-512 (same checks first).
+//! `train::microgemm` instead, when the CPU has AVX-512 (same checks first).
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
@@ -34,7 +34,7 @@ fn parallelism() -> gemm::Parallelism {
     }
 }
 
-/// Whether small products may take [`microgemm`](crate::train::microgemm)'s kernels (on by
+/// Whether small products may take `train::microgemm`'s kernels (on by
 /// default; the benchmarks turn it off to compare with the `gemm` crate in one process).
 static SMALL_KERNELS: AtomicBool = AtomicBool::new(true);
 
