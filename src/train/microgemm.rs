@@ -398,6 +398,22 @@ mod tests {
         }
     }
 
+    /// `got` within 1e-5·√k (relative) of `want` on the `m x n` block, and every element past a
+    /// row's `n` (up to the stride `ldd`) untouched from `start`.
+    fn assert_close((m, n, k): (usize, usize, usize), ldd: usize, (got, want, start): (&[f32], &[f32], &[f32]), what: &str) {
+        for i in 0..m {
+            for j in 0..ldd {
+                let (g, w) = (got[i * ldd + j], want[i * ldd + j]);
+                if j >= n {
+                    assert_eq!(g.to_bits(), start[i * ldd + j].to_bits(), "{what}: wrote past the row at ({i}, {j})");
+                } else {
+                    let tol = 1e-5 * (k as f32).sqrt() * (1.0 + w.abs());
+                    assert!((g - w).abs() <= tol, "m {m} n {n} k {k} {what}: ({i}, {j}) {g} vs {w}");
+                }
+            }
+        }
+    }
+
     fn fill(len: usize, seed: usize) -> Vec<f32> {
         (0..len).map(|i| (((i * 7919 + seed * 104729) % 2003) as f32 / 1001.0) - 1.0).collect()
     }
@@ -423,17 +439,7 @@ mod tests {
                         let (mut got, mut want) = (start.clone(), start.clone());
                         assert!(gemm(m, n, k, (&mut got, ldd), (&a, a_rs, a_cs), (&b, ldb), acc));
                         reference(m, n, k, &mut want, ldd, &a, a_rs, a_cs, &b, ldb, acc);
-                        for i in 0..m {
-                            for j in 0..ldd {
-                                let (g, w) = (got[i * ldd + j], want[i * ldd + j]);
-                                if j >= n {
-                                    assert_eq!(g.to_bits(), start[i * ldd + j].to_bits(), "wrote past the row at ({i}, {j})");
-                                } else {
-                                    let tol = 1e-5 * (k as f32).sqrt() * (1.0 + w.abs());
-                                    assert!((g - w).abs() <= tol, "m {m} n {n} k {k} t {transposed} acc {acc}: ({i}, {j}) {g} vs {w}");
-                                }
-                            }
-                        }
+                        assert_close((m, n, k), ldd, (&got, &want, &start), &format!("t {transposed} acc {acc}"));
                         checked += 1;
                     }
                 }
@@ -495,17 +501,7 @@ mod tests {
                                 *o = if acc { (*o as f64 + s) as f32 } else { s as f32 };
                             }
                         }
-                        for i in 0..m {
-                            for j in 0..ldd {
-                                let (g, w) = (got[i * ldd + j], want[i * ldd + j]);
-                                if j >= n {
-                                    assert_eq!(g.to_bits(), start[i * ldd + j].to_bits(), "wrote past the row at ({i}, {j})");
-                                } else {
-                                    let tol = 1e-5 * (k as f32).sqrt() * (1.0 + w.abs());
-                                    assert!((g - w).abs() <= tol, "m {m} n {n} k {k} acc {acc}: ({i}, {j}) {g} vs {w}");
-                                }
-                            }
-                        }
+                        assert_close((m, n, k), ldd, (&got, &want, &start), &format!("nt acc {acc}"));
                         checked += 1;
                     }
                 }
