@@ -31,8 +31,8 @@ const LIMIT: &str = "256";
 const BATCH: &str = "64";
 
 /// The scratch root and the synthetic data set, made once.
-fn root() -> &'static (PathBuf, PathBuf) {
-    static ROOT: OnceLock<(PathBuf, PathBuf)> = OnceLock::new();
+fn root() -> &'static (common::Scratch, PathBuf) {
+    static ROOT: OnceLock<(common::Scratch, PathBuf)> = OnceLock::new();
     ROOT.get_or_init(|| {
         let root = common::scratch("ckfaults");
         let data = root.join("data");

@@ -141,7 +141,7 @@ fn panics_and_exits_are_reported() -> Result<(), String> {
 fn log_dir_and_filter() -> Result<(), String> {
     let d = scratch("liblogs");
     let mut c = cfg(2);
-    c.log_dir = Some(d.clone());
+    c.log_dir = Some(d.to_path_buf());
     c.ranks_filter = Some(vec![]); // nothing on the console
     launch(&c, |ctx| {
         println!("hello from {}", ctx.rank);
@@ -290,7 +290,7 @@ fn each_rank_holds_only_its_own_pipes() -> Result<(), String> {
     let d = scratch("fds");
     let before: Vec<i32> = open_pipes().into_iter().map(|(fd, _)| fd).collect();
     let mut c = cfg(4);
-    c.log_dir = Some(d);
+    c.log_dir = Some(d.to_path_buf());
     let held = launch(&c, move |_ctx| {
         // Only what the launch created: the host's own pipes are not ours to judge.
         Ok(open_pipes().into_iter().filter(|(fd, _)| !before.contains(fd)).map(|(_, t)| t).collect::<Vec<String>>())

@@ -551,7 +551,8 @@ fn t_room_gone_after_creation() -> Result<(), String> {
 /// LOCKSTEP_SHM_DIR must be an absolute path to an existing directory; anything else is refused
 /// by name before any segment is made.
 fn t_shm_dir_checked() -> Result<(), String> {
-    let file = common::scratch("shm-dir").join("a-file");
+    let dir = common::scratch("shm-dir");
+    let file = dir.join("a-file");
     std::fs::write(&file, b"").map_err(|e| e.to_string())?;
     let cases = [
         ("/nonexistent/lockstep-shm".to_string(), "cannot be used"),

@@ -133,12 +133,46 @@ pub fn signal(pid: i32, sig: i32) {
     unsafe { libc::kill(pid, sig) };
 }
 
-/// A fresh scratch directory under the target dir.
-pub fn scratch(name: &str) -> std::path::PathBuf {
-    let d = std::env::temp_dir().join(format!("lockstep-test-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).expect("scratch dir");
-    d
+/// A fresh scratch directory under the temporary directory, removed with its contents when the
+/// process that made it drops it (a forked child that drops a copy leaves it alone).
+pub fn scratch(name: &str) -> Scratch {
+    let path = std::env::temp_dir().join(format!("lockstep-test-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&path);
+    std::fs::create_dir_all(&path).expect("scratch dir");
+    Scratch { path, owner: std::process::id() }
+}
+
+/// See [`scratch`]; derefs to its path.
+pub struct Scratch {
+    path: std::path::PathBuf,
+    owner: u32,
+}
+
+impl std::ops::Deref for Scratch {
+    type Target = std::path::Path;
+    fn deref(&self) -> &std::path::Path {
+        &self.path
+    }
+}
+
+impl AsRef<std::path::Path> for Scratch {
+    fn as_ref(&self) -> &std::path::Path {
+        &self.path
+    }
+}
+
+impl AsRef<std::ffi::OsStr> for Scratch {
+    fn as_ref(&self) -> &std::ffi::OsStr {
+        self.path.as_os_str()
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        if std::process::id() == self.owner {
+            let _ = std::fs::remove_dir_all(&self.path);
+        }
+    }
 }
 
 /// A TCP port that was free a moment ago.
