@@ -235,6 +235,7 @@ fn malformed_env_is_an_error() -> Result<(), String> {
         ("LOCKSTEP_SHM_NT_BYTES", "8e6", "a whole number from 0 to"),
         ("LOCKSTEP_SHM_CMA_BYTES", "32KiB", "a whole number from 0 to"),
         ("LOCKSTEP_SHM_STAGE", "fast", "one of: auto, cached, streaming, nt"),
+        ("LOCKSTEP_SHM_SINGLE_COPY", "yes", "one of: auto, always, never"),
         ("LOCKSTEP_PEER_CHECK_MS", "0", "a whole number from 1 to"),
         ("LOCKSTEP_SPIN_US", "2.5", "a whole number from 0 to 1000000"),
         ("LOCKSTEP_CPU_BIND", "yes", "one of: core, none"),

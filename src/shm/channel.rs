@@ -17,7 +17,7 @@ use super::sync::{
     Abort, Ctrl, Desc, FastHdr, Header, Layout, ABORT_DIED, ABORT_LEFT, ABORT_TIMEOUT, FAST_HDR, INVALID, SHARED_RECV, SHARED_SEND,
     STAGE_NT, STATE_LEFT,
 };
-use super::tune::StageTuner;
+use super::tune::Tuner;
 use crate::comm::{rank_name, Call, CollKind, CommError, Dtype, MemSpace, RawMem, ReduceOp};
 
 /// Where a phase is, for error messages.
@@ -44,9 +44,21 @@ pub(crate) struct Channel {
     nt_pending: bool,
     /// The current collective stages with streaming stores: fence before every publish.
     stage_nt: bool,
-    tuner: StageTuner,
-    /// Rank 0: the staged call in progress, to time: (class group, bytes, streaming, start).
+    tuner: Tuner,
+    /// The staged call in progress, to time: (class group, bytes, streaming, start).
     timing: Option<(usize, usize, bool, Instant)>,
+    /// This rank's time in its last timed call: (low 32 bits of its number, nanoseconds), sent
+    /// to rank 0 in the next descriptor.
+    report: (u32, u64),
+    /// Rank 0: its last timed call, waiting for the peers' times (see [`end_call`](Self::end_call)).
+    pending: Option<Pending>,
+    /// Single copy or staging, for collectives on ordinary buffers (`algo::single`).
+    pub(crate) single: Tuner,
+    /// The class (group, bytes) of the current call when it may take either path, from the
+    /// offer to the verdict (`algo::single`).
+    pub(crate) single_class: Option<(usize, usize)>,
+    /// The current call, to time for `single`: (group, bytes, single copy, start).
+    pub(crate) single_timing: Option<(usize, usize, bool, Instant)>,
     /// Rank 0: when it began staging the current call, then how long that took (until `begin`).
     staging: (Option<Instant>, Duration),
     /// Direct copies between ranks (`process_vm_readv`) were refused once: every rank learnt it
@@ -69,7 +81,8 @@ impl Channel {
     /// A channel for `rank` over a segment whose header is initialised. Joining (the control
     /// block's state, the wait for the others) is the caller's job, then [`watch_peers`](Self::watch_peers).
     pub(crate) fn new(seg: Arc<Segment>, layout: Layout, cfg: ShmConfig, rank: usize, spin: Duration) -> Channel {
-        let tuner = StageTuner::new(cfg.stage);
+        let tuner = Tuner::staging(cfg.stage);
+        let single = Tuner::single_copy(cfg.single_copy);
         Channel {
             seg,
             layout,
@@ -84,6 +97,11 @@ impl Channel {
             stage_nt: false,
             tuner,
             timing: None,
+            report: (0, 0),
+            pending: None,
+            single,
+            single_class: None,
+            single_timing: None,
             staging: (None, Duration::ZERO),
             direct_refused: false,
             direct_verified: false,
@@ -540,18 +558,54 @@ impl Channel {
         Ctx { op, seq: self.seq }
     }
 
-    /// Leave the collective: record rank 0's timing of a successful staged call, and fence the
-    /// streaming stores it issued so they are ordered before anything the caller does next.
+    /// Leave the collective: keep this rank's time in a successful timed call for the tuners,
+    /// and fence the streaming stores it issued so they are ordered before anything the caller
+    /// does next.
+    ///
+    /// Why every rank times the call: its cost is that of its slowest rank, and rank 0 alone
+    /// may see little of it (a staged broadcast's root only stages, its peers copy out). Each rank
+    /// sends its time to rank 0 in its next descriptor; rank 0 records the largest in `begin`.
     pub(crate) fn end_call(&mut self, ok: bool) {
-        if let Some((g, bytes, nt, t0)) = self.timing.take() {
-            if ok {
-                self.tuner.record(g, bytes, nt, t0.elapsed().as_secs_f64());
+        let stage = self.timing.take();
+        let single = self.single_timing.take();
+        self.single_class = None;
+        let start = match (stage, single) {
+            (Some(a), Some(b)) => Some(a.3.min(b.3)),
+            (a, b) => a.or(b).map(|t| t.3),
+        };
+        if let (Some(t0), true) = (start, ok) {
+            let secs = t0.elapsed().as_secs_f64();
+            self.report = (self.seq as u32, (secs * 1e9) as u64);
+            if self.rank == 0 {
+                let class = |t: Option<(usize, usize, bool, Instant)>| t.map(|(g, b, m, _)| (g, b, m));
+                self.pending = Some(Pending { seq: self.seq as u32, secs, stage: class(stage), single: class(single) });
             }
         }
         if self.nt_pending || self.stage_nt {
             store_fence();
             self.nt_pending = false;
             self.stage_nt = false;
+        }
+    }
+
+    /// Rank 0, once the descriptors are in: record its last timed call with the slowest time any
+    /// rank reported for it. A rank that did not time that call (it failed there) leaves the
+    /// measurement out.
+    fn record_pending(&mut self, descs: &[Desc]) {
+        let Some(p) = self.pending.take() else { return };
+        let mut secs = p.secs;
+        for d in descs.iter().skip(1) {
+            if d.took_seq != p.seq || d.took_ns == 0 {
+                return;
+            }
+            secs = secs.max(d.took_ns as f64 * 1e-9);
+        }
+        tracing::trace!(own = p.secs * 1e6, max = secs * 1e6, stage = ?p.stage, single = ?p.single, "tuner record");
+        if let Some((g, b, nt)) = p.stage {
+            self.tuner.record(g, b, nt, secs);
+        }
+        if let Some((g, b, single)) = p.single {
+            self.single.record(g, b, single, secs);
         }
     }
 
@@ -562,25 +616,29 @@ impl Channel {
         if let (Some(t), _) = self.staging {
             self.staging = (None, t.elapsed());
         }
+        let (took_seq, took_ns) = std::mem::take(&mut self.report);
         let d = Desc {
             kind: call.kind as u8,
             dtype: call.dtype as u8,
             op: call.op as u8,
             flags,
-            _r: 0,
+            took_seq,
             root: call.root as u64,
             count: call.count as u64,
             seq: self.seq,
             send_off,
             recv_off,
             pidns: crate::shm::direct::pid_namespace(),
-            _pad: 0,
+            took_ns,
         };
         let p = self.progress + 1;
         self.write_desc(p, d);
         self.phase(cx)?;
         let descs: Vec<Desc> = (0..self.world).map(|r| if r == self.rank { d } else { self.read_desc(r, p) }).collect();
         check_descs(&descs, self.seq, &|r| self.who(r))?;
+        if self.rank == 0 {
+            self.record_pending(&descs);
+        }
         Ok((descs, p))
     }
 
@@ -693,17 +751,24 @@ impl Channel {
         self.nt_pending |= nt;
     }
 
+    /// Start the clock of the current call now (see [`pre_begin`](Self::pre_begin)).
+    pub(crate) fn start_clock(&mut self) {
+        self.staging = (Some(Instant::now()), Duration::ZERO);
+    }
+
+    /// When the current call started, counting this rank's work before `begin` and everything
+    /// after it, but not the wait in `begin`, which is mostly how late the peers came.
+    pub(crate) fn pre_begin(&self) -> Instant {
+        Instant::now().checked_sub(self.staging.1).unwrap_or_else(Instant::now)
+    }
+
     /// Staging mode for the part of a staged call written before the descriptors are exchanged:
     /// rank 0 chooses, the others guess rank 0's last choice.
     pub(crate) fn stage_pre(&mut self, kind: CollKind, bytes: usize) -> bool {
         let g = stage_group(kind);
-        let nt = if self.rank == 0 {
-            let now = Instant::now();
-            self.staging = (Some(now), Duration::ZERO);
-            self.tuner.choose(g, bytes, now)
-        } else {
-            self.tuner.guess(g, bytes)
-        };
+        let now = Instant::now();
+        self.staging = (Some(now), Duration::ZERO);
+        let nt = if self.rank == 0 { self.tuner.choose(g, bytes, now) } else { self.tuner.guess(g, bytes) };
         self.stage_nt = nt;
         nt
     }
@@ -723,11 +788,8 @@ impl Channel {
     pub(crate) fn stage_agreed(&mut self, kind: CollKind, bytes: usize, descs: &[Desc], timed: bool) -> bool {
         let nt = descs[0].flags & STAGE_NT != 0;
         self.tuner.seen(stage_group(kind), bytes, nt);
-        if timed && self.rank == 0 {
-            // Counted: this rank's own staging before `begin` and everything after it; not
-            // counted: the wait in `begin`, which is mostly how late the peers came.
-            let start = Instant::now().checked_sub(self.staging.1).unwrap_or_else(Instant::now);
-            self.timing = Some((stage_group(kind), bytes, nt, start));
+        if timed {
+            self.timing = Some((stage_group(kind), bytes, nt, self.pre_begin()));
         }
         // Fences stay on if this rank guessed streaming for its first part.
         self.stage_nt |= nt;
@@ -822,8 +884,20 @@ fn check_descs(descs: &[Desc], seq: u64, who: &dyn Fn(usize) -> String) -> Resul
     Err(CommError::Mismatch { seq, detail: parts.join(", ") })
 }
 
+/// Rank 0's last timed call, recorded once every rank's time for it has arrived.
+struct Pending {
+    /// Low 32 bits of its number.
+    seq: u32,
+    /// Rank 0's own time.
+    secs: f64,
+    /// The classes and ways it was timed for: staging (group, bytes, streaming) and the path
+    /// (group, bytes, single copy).
+    stage: Option<(usize, usize, bool)>,
+    single: Option<(usize, usize, bool)>,
+}
+
 /// Tuning class of a collective's staging (see `shm::tune`).
-fn stage_group(kind: CollKind) -> usize {
+pub(crate) fn stage_group(kind: CollKind) -> usize {
     match kind {
         CollKind::AllReduce | CollKind::Reduce | CollKind::Barrier => 0,
         CollKind::Broadcast => 1,

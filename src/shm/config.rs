@@ -3,7 +3,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use super::tune::StageMode;
+use super::tune::{SingleCopyMode, StageMode};
 use crate::comm::CommError;
 
 /// Settings of one shared-memory communicator.
@@ -55,6 +55,11 @@ pub struct ShmConfig {
     /// sibling ranks may read its buffers; that restores the classic same-user ptrace rule for the
     /// rank.
     pub cma_bytes: usize,
+    /// Whether collectives on ordinary buffers copy once, straight between the ranks' buffers,
+    /// or twice, through the slots, where `cma_bytes` and `nt_bytes` allow both
+    /// (`LOCKSTEP_SHM_SINGLE_COPY=auto|always|never`, default auto: rank 0 times both and keeps
+    /// the faster, see [`SingleCopyMode`]).
+    pub single_copy: SingleCopyMode,
     /// Fault injection for tests: receivers refuse every direct copy, as a kernel that forbids
     /// cross-memory attach would, so the fallback to the mailbox is exercised.
     #[doc(hidden)]
@@ -80,6 +85,7 @@ impl Default for ShmConfig {
             bind_cpu: true,
             shm_dir: None,
             cma_bytes: 32 << 10,
+            single_copy: SingleCopyMode::Auto,
             fault_refuse_direct: false,
         }
     }
@@ -127,6 +133,10 @@ impl ShmConfig {
         }
         if let Some(n) = v::SHM_CMA_BYTES.count().map_err(bad)? {
             c.cma_bytes = n as usize;
+        }
+        if let Some(m) = v::SHM_SINGLE_COPY.choice().map_err(bad)? {
+            // `m` is one of SHM_SINGLE_COPY's choices.
+            c.single_copy = SingleCopyMode::parse(m).unwrap_or(SingleCopyMode::Auto);
         }
         if let Some(t) = v::JOIN_TIMEOUT_S.secs().map_err(bad)? {
             c.join_timeout = t;

@@ -57,4 +57,4 @@ pub use config::ShmConfig;
 pub use reduce::reduce_slices;
 pub(crate) use stale::named_segment_path;
 pub use stale::{reclaim_stale_segments, unlink_named};
-pub use tune::StageMode;
+pub use tune::{SingleCopyMode, StageMode};

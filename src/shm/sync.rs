@@ -144,7 +144,9 @@ pub(crate) struct Desc {
     pub dtype: u8,
     pub op: u8,
     pub flags: u8,
-    pub _r: u32,
+    /// Low 32 bits of the number of this rank's last timed call (0: none), whose time `took_ns`
+    /// gives: rank 0's tuners record the slowest rank's time (see `Channel::end_call`).
+    pub took_seq: u32,
     pub root: u64,
     pub count: u64,
     pub seq: u64,
@@ -154,7 +156,8 @@ pub(crate) struct Desc {
     pub recv_off: u64,
     /// The rank's pid namespace (inode), for direct copies between ranks (`DIRECT`).
     pub pidns: u64,
-    pub _pad: u64,
+    /// This rank's time in call `took_seq`, in nanoseconds (see `took_seq`).
+    pub took_ns: u64,
 }
 
 pub(crate) const SHARED_SEND: u8 = 1;

@@ -204,6 +204,8 @@ pub const SHM_HEAP_BYTES: Var = Var { name: "LOCKSTEP_SHM_HEAP_BYTES", kind: Kin
 pub const SHM_NT_BYTES: Var = Var { name: "LOCKSTEP_SHM_NT_BYTES", kind: Kind::Count { min: 0, max: 1 << 48 } };
 /// Point-to-point messages from this size are copied directly (`process_vm_readv`); 0 turns it off.
 pub const SHM_CMA_BYTES: Var = Var { name: "LOCKSTEP_SHM_CMA_BYTES", kind: Kind::Count { min: 0, max: 1 << 48 } };
+/// Collectives on ordinary buffers: a single copy between the ranks' buffers, staging, or timed (auto).
+pub const SHM_SINGLE_COPY: Var = Var { name: "LOCKSTEP_SHM_SINGLE_COPY", kind: Kind::Choice(&["auto", "always", "never"]) };
 /// How staged data is written into the slots.
 pub const SHM_STAGE: Var = Var { name: "LOCKSTEP_SHM_STAGE", kind: Kind::Choice(&["auto", "cached", "streaming", "nt"]) };
 /// How often a waiting rank checks that its peers live, in milliseconds.
@@ -240,6 +242,7 @@ pub const CHECKED: &[Var] = &[
     SHM_NT_BYTES,
     SHM_CMA_BYTES,
     SHM_STAGE,
+    SHM_SINGLE_COPY,
     PEER_CHECK_MS,
     SPIN_US,
     CPU_BIND,

@@ -4,7 +4,7 @@
 //! segment (zero-copy).
 
 use super::part;
-use super::single::{self, Agreed};
+use super::single::{self, Agreed, Attempt};
 use super::small;
 use crate::comm::{Call, CollKind, CommError};
 use crate::shm::channel::{Channel, Ctx};
@@ -13,11 +13,11 @@ use crate::shm::sync::{Desc, SHARED_RECV, SHARED_SEND};
 
 /// all_reduce and reduce (`call.kind` tells which; only the root receives a reduce).
 pub(crate) fn all_reduce(ch: &mut Channel, call: &Call, cx: Ctx) -> Result<(), CommError> {
-    run(ch, call, cx, true)
+    run(ch, call, cx, Attempt::First)
 }
 
-/// `allow_direct` false: the staged re-run of a call whose ranks did not all offer direct reads.
-fn run(ch: &mut Channel, call: &Call, cx: Ctx, allow_direct: bool) -> Result<(), CommError> {
+/// `attempt`: the first, or the re-run of a call whose ranks did not all offer direct reads.
+fn run(ch: &mut Channel, call: &Call, cx: Ctx, attempt: Attempt) -> Result<(), CommError> {
     let (n, me, esz) = (ch.world(), ch.rank(), call.dtype.size());
     let count = call.count;
     let bytes = count * esz;
@@ -35,7 +35,7 @@ fn run(ch: &mut Channel, call: &Call, cx: Ctx, allow_direct: bool) -> Result<(),
     let (flags, so, ro) = ch.share_flags(call, bytes, if receives(me) { bytes } else { 0 });
     // Single-copy on ordinary buffers: all-reduce only (a reduce's non-roots have no output to
     // hold their reduced part).
-    let direct = all && single::offer(ch, call, bytes, allow_direct);
+    let direct = all && single::offer(ch, call, bytes, attempt);
     let (flags, so, ro) = if direct { single::offer_desc(call, flags) } else { (flags, so, ro) };
     let mut p = ch.next_phase();
     let unit = (64 / esz).max(1);
@@ -55,22 +55,22 @@ fn run(ch: &mut Channel, call: &Call, cx: Ctx, allow_direct: bool) -> Result<(),
     // nothing (round 0 would be copied for nobody); a peer's ordinary buffer rules that out, and
     // every rank then sees it below and runs the call again, staged.
     let qualifies = |r: usize, f: u8| f & SHARED_SEND != 0 && (!receives(r) || f & SHARED_RECV != 0);
-    let skip = allow_direct && qualifies(me, flags);
+    let skip = attempt == Attempt::First && qualifies(me, flags);
     if !direct && !skip {
         let pre = ch.stage_pre(call.kind, bytes);
         stage(ch, 0, count.min(round), p, pre);
     }
     let (descs, _) = ch.begin(call, flags | ch.stage_flag(), so, ro, cx)?;
-    match single::agreed(&descs) {
+    match single::verdict(ch, &descs) {
         Agreed::No => {}
         Agreed::Yes if single::verified(ch, call, &descs, cx)? => return single::all_reduce(ch, call, &descs, cx),
-        // Nothing written yet: run the call again, staged.
-        _ => return run(ch, call, cx, false),
+        // Nothing written yet: run the call again, following rank 0's pick or staged.
+        a => return run(ch, call, cx, attempt.next(a)),
     }
     let zero_copy = descs.iter().enumerate().all(|(r, d)| qualifies(r, d.flags));
-    if !zero_copy && allow_direct && descs.iter().enumerate().any(|(r, d)| qualifies(r, d.flags)) {
+    if !zero_copy && attempt == Attempt::First && descs.iter().enumerate().any(|(r, d)| qualifies(r, d.flags)) {
         // Someone skipped its staging for a zero-copy call that is not one: again, staged.
-        return run(ch, call, cx, false);
+        return run(ch, call, cx, Attempt::Staged);
     }
     if zero_copy {
         return all_reduce_zero_copy(ch, call, &descs, cx);

@@ -2,18 +2,18 @@
 //! it out; or, when the root's send buffer lives in the segment, everyone copies from it directly
 //! (in place with every output in the segment too, the root writes a share of every output).
 
-use super::single::{self, Agreed};
+use super::single::{self, Agreed, Attempt};
 use crate::comm::{Call, CommError};
 use crate::shm::channel::{Channel, Ctx};
 use crate::shm::reduce::copy_block;
 use crate::shm::sync::{SHARED_RECV, SHARED_SEND};
 
 pub(crate) fn broadcast(ch: &mut Channel, call: &Call, cx: Ctx) -> Result<(), CommError> {
-    run(ch, call, cx, true)
+    run(ch, call, cx, Attempt::First)
 }
 
-/// `allow_direct` false: the staged re-run of a call whose ranks did not all offer direct reads.
-fn run(ch: &mut Channel, call: &Call, cx: Ctx, allow_direct: bool) -> Result<(), CommError> {
+/// `attempt`: the first, or the re-run of a call whose ranks did not all offer direct reads.
+fn run(ch: &mut Channel, call: &Call, cx: Ctx, attempt: Attempt) -> Result<(), CommError> {
     let (n, me, esz) = (ch.world(), ch.rank(), call.dtype.size());
     let root = call.root;
     let bytes = call.count * esz;
@@ -24,7 +24,7 @@ fn run(ch: &mut Channel, call: &Call, cx: Ctx, allow_direct: bool) -> Result<(),
     // Every output is offered too: when the root's input and every output lie in the segment and
     // the root broadcasts in place, the root writes a share of each output itself (below).
     let (flags, so, ro) = ch.share_flags(call, if me == root { bytes } else { 0 }, bytes);
-    let direct = single::offer(ch, call, bytes, allow_direct);
+    let direct = single::offer(ch, call, bytes, attempt);
     let (flags, so, ro) = if direct { single::offer_desc(call, flags) } else { (flags, so, ro) };
     let mut p = ch.next_phase();
     let pre = if direct { false } else { ch.stage_pre(call.kind, bytes) };
@@ -38,11 +38,11 @@ fn run(ch: &mut Channel, call: &Call, cx: Ctx, allow_direct: bool) -> Result<(),
     }
     let (descs, _) = ch.begin(call, flags | ch.stage_flag(), so, ro, cx)?;
     let zero_copy = descs[root].flags & SHARED_SEND != 0 && bytes > ch.small_bytes();
-    match single::agreed(&descs) {
+    match single::verdict(ch, &descs) {
         Agreed::No => {}
         Agreed::Yes if single::verified(ch, call, &descs, cx)? => return single::broadcast(ch, call, &descs, cx),
-        // Nothing written yet: run the call again, staged.
-        _ => return run(ch, call, cx, false),
+        // Nothing written yet: run the call again, following rank 0's pick or staged.
+        a => return run(ch, call, cx, attempt.next(a)),
     }
     let snt = ch.stage_agreed(call.kind, bytes, &descs, !zero_copy && n > 1);
     if me == root {

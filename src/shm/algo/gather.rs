@@ -2,7 +2,7 @@
 //! receivers copy every peer's block out; or, when every send buffer lives in the segment, the
 //! receivers copy from them directly.
 
-use super::single::{self, Agreed};
+use super::single::{self, Agreed, Attempt};
 use crate::comm::{Call, CollKind, CommError};
 use crate::shm::channel::{Channel, Ctx};
 use crate::shm::reduce::copy_block;
@@ -10,11 +10,11 @@ use crate::shm::sync::SHARED_SEND;
 
 /// all_gather and gather (`call.kind` tells which; only the root receives a gather).
 pub(crate) fn all_gather(ch: &mut Channel, call: &Call, cx: Ctx) -> Result<(), CommError> {
-    run(ch, call, cx, true)
+    run(ch, call, cx, Attempt::First)
 }
 
-/// `allow_direct` false: the staged re-run of a call whose ranks did not all offer direct reads.
-fn run(ch: &mut Channel, call: &Call, cx: Ctx, allow_direct: bool) -> Result<(), CommError> {
+/// `attempt`: the first, or the re-run of a call whose ranks did not all offer direct reads.
+fn run(ch: &mut Channel, call: &Call, cx: Ctx, attempt: Attempt) -> Result<(), CommError> {
     let (n, me, esz) = (ch.world(), ch.rank(), call.dtype.size());
     let all = call.kind == CollKind::AllGather;
     let receives = all || me == call.root;
@@ -24,7 +24,7 @@ fn run(ch: &mut Channel, call: &Call, cx: Ctx, allow_direct: bool) -> Result<(),
     let chunk = ch.slot_bytes();
     let nt = ch.nt_for(bytes * n);
     let (flags, so, ro) = ch.share_flags(call, bytes, 0);
-    let direct = single::offer(ch, call, bytes, allow_direct);
+    let direct = single::offer(ch, call, bytes, attempt);
     let (flags, so, ro) = if direct { single::offer_desc(call, flags) } else { (flags, so, ro) };
     let mut p = ch.next_phase();
     // A rank whose input lies in the segment expects the call to be zero-copy and stages
@@ -32,7 +32,7 @@ fn run(ch: &mut Channel, call: &Call, cx: Ctx, allow_direct: bool) -> Result<(),
     // out, and then every rank sees it below and runs the call again, staged.
     let big = bytes > ch.small_bytes();
     let qualifies = |f: u8| f & SHARED_SEND != 0 && big;
-    let skip = allow_direct && qualifies(flags);
+    let skip = attempt == Attempt::First && qualifies(flags);
     if !direct && !skip {
         let pre = ch.stage_pre(call.kind, bytes);
         // SAFETY: the slot holds `chunk` bytes; send holds `bytes`.
@@ -40,15 +40,15 @@ fn run(ch: &mut Channel, call: &Call, cx: Ctx, allow_direct: bool) -> Result<(),
     }
     let (descs, _) = ch.begin(call, flags | ch.stage_flag(), so, ro, cx)?;
     let zero_copy = descs.iter().all(|d| qualifies(d.flags));
-    match single::agreed(&descs) {
+    match single::verdict(ch, &descs) {
         Agreed::No => {}
         Agreed::Yes if single::verified(ch, call, &descs, cx)? => return single::all_gather(ch, call, &descs, cx),
-        // Nothing written yet: run the call again, staged.
-        _ => return run(ch, call, cx, false),
+        // Nothing written yet: run the call again, following rank 0's pick or staged.
+        a => return run(ch, call, cx, attempt.next(a)),
     }
-    if !zero_copy && allow_direct && descs.iter().any(|d| qualifies(d.flags)) {
+    if !zero_copy && attempt == Attempt::First && descs.iter().any(|d| qualifies(d.flags)) {
         // Someone skipped its staging for a zero-copy call that is not one: again, staged.
-        return run(ch, call, cx, false);
+        return run(ch, call, cx, Attempt::Staged);
     }
     let snt = ch.stage_agreed(call.kind, bytes, &descs, !zero_copy && n > 1);
     // Our own block: the staged path copies it chunk by chunk along with the staging.

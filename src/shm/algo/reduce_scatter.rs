@@ -2,18 +2,18 @@
 //! and reduces its own block from its input and the peers' staged copies; or, when every send
 //! buffer lives in the segment, reduces its block straight from them.
 
-use super::single::{self, Agreed};
+use super::single::{self, Agreed, Attempt};
 use crate::comm::{Call, CommError};
 use crate::shm::channel::{Channel, Ctx};
 use crate::shm::reduce::{copy_block, reduce_into, reduce_raw, Dst};
 use crate::shm::sync::SHARED_SEND;
 
 pub(crate) fn reduce_scatter(ch: &mut Channel, call: &Call, cx: Ctx) -> Result<(), CommError> {
-    run(ch, call, cx, true)
+    run(ch, call, cx, Attempt::First)
 }
 
-/// `allow_direct` false: the staged re-run of a call whose ranks did not all offer direct reads.
-fn run(ch: &mut Channel, call: &Call, cx: Ctx, allow_direct: bool) -> Result<(), CommError> {
+/// `attempt`: the first, or the re-run of a call whose ranks did not all offer direct reads.
+fn run(ch: &mut Channel, call: &Call, cx: Ctx, attempt: Attempt) -> Result<(), CommError> {
     let (n, me, esz) = (ch.world(), ch.rank(), call.dtype.size());
     let c = call.count;
     let send = call.send.addr as *const u8;
@@ -35,29 +35,29 @@ fn run(ch: &mut Channel, call: &Call, cx: Ctx, allow_direct: bool) -> Result<(),
             unsafe { copy_block(send.add((j * c + off) * esz), ch.slot(me, p).add(idx * c_max * esz), len * esz, snt) };
         }
     };
-    let direct = single::offer(ch, call, c * esz, allow_direct);
+    let direct = single::offer(ch, call, c * esz, attempt);
     let (flags, so, ro) = if direct { single::offer_desc(call, flags) } else { (flags, so, ro) };
     let mut p = ch.next_phase();
     // A rank whose input lies in the segment expects the call to be zero-copy and stages
     // nothing; a peer's ordinary input rules that out, and every rank then runs it again, staged.
     let big = c * esz > ch.small_bytes();
     let qualifies = |f: u8| f & SHARED_SEND != 0 && big;
-    let skip = allow_direct && qualifies(flags);
+    let skip = attempt == Attempt::First && qualifies(flags);
     if !direct && !skip {
         let pre = ch.stage_pre(call.kind, n * c * esz);
         stage(ch, 0, c.min(c_max), p, pre);
     }
     let (descs, _) = ch.begin(call, flags | ch.stage_flag(), so, ro, cx)?;
     let zero_copy = descs.iter().all(|d| qualifies(d.flags));
-    match single::agreed(&descs) {
+    match single::verdict(ch, &descs) {
         Agreed::No => {}
         Agreed::Yes if single::verified(ch, call, &descs, cx)? => return single::reduce_scatter(ch, call, &descs, cx),
-        // Nothing written yet: run the call again, staged.
-        _ => return run(ch, call, cx, false),
+        // Nothing written yet: run the call again, following rank 0's pick or staged.
+        a => return run(ch, call, cx, attempt.next(a)),
     }
-    if !zero_copy && allow_direct && descs.iter().any(|d| qualifies(d.flags)) {
+    if !zero_copy && attempt == Attempt::First && descs.iter().any(|d| qualifies(d.flags)) {
         // Someone skipped its staging for a zero-copy call that is not one: again, staged.
-        return run(ch, call, cx, false);
+        return run(ch, call, cx, Attempt::Staged);
     }
     let snt = ch.stage_agreed(call.kind, n * c * esz, &descs, !zero_copy);
     if zero_copy {

@@ -26,10 +26,13 @@
 //! so the bits are those of the staged path, on every rank, every run.
 //!
 //! Who takes this path: each rank offers it in its descriptor (`DIRECT`, with its buffers'
-//! addresses) when its buffers are ordinary and the tuner (`tune::direct_for`) picks it for the
-//! size; the path runs when every rank offered it from the same pid namespace. When only some
-//! offered (another configuration, shared buffers on some ranks), every rank runs the call again
-//! staged, with a new first phase: nothing was written yet. The first direct call of a
+//! addresses) when its buffers are ordinary, the size is one where both paths may run
+//! (`tune::direct_for`) and rank 0's tuner (`Channel::single`, `LOCKSTEP_SHM_SINGLE_COPY`) picks
+//! it: rank 0 times both paths per collective and size class and keeps the faster, and the
+//! others offer what rank 0 picked last for the class. The path runs when every rank offered it
+//! from the same pid namespace. When only some offered (rank 0 changed its pick, another
+//! configuration, shared buffers on some ranks), every rank runs the call again with a new first
+//! phase (nothing was written yet), following rank 0's pick, and staged if they still differ. The first direct call of a
 //! communicator probes every pair once (a one-byte read, and a one-byte write of the byte it
 //! read back where it was) and agrees on the result in one phase; a refusal (Yama, seccomp)
 //! makes every rank stage from then on. After a successful probe a failed copy is an error on
@@ -41,7 +44,7 @@ use std::time::{Duration, Instant};
 
 use super::part;
 use crate::comm::{Call, CollKind, CommError};
-use crate::shm::channel::{Channel, Ctx};
+use crate::shm::channel::{stage_group, Channel, Ctx};
 use crate::shm::direct::{read_direct_io, write_direct_io};
 use crate::shm::reduce::{reduce_into, Dst};
 use crate::shm::sync::{Desc, DIRECT};
@@ -63,16 +66,67 @@ pub(crate) enum Agreed {
     Mixed,
 }
 
+/// Which attempt at a call this is: a call whose ranks offered differently runs again.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Attempt {
+    /// The first: rank 0's tuner picks the path, the others guess rank 0's last pick for the
+    /// class (a wrong guess costs a second attempt, only when rank 0 changes its pick).
+    First,
+    /// After the ranks offered differently: each follows rank 0's pick, which all have now seen.
+    Follow,
+    /// Staged: the ranks cannot all take the single-copy path (buffers in the segment on some,
+    /// a refused probe, or offers that differed twice).
+    Staged,
+}
+
+impl Attempt {
+    /// The attempt after this one ended with `verdict` (not `No`, and `Yes` only when the probe
+    /// was refused).
+    pub(crate) fn next(self, verdict: Agreed) -> Attempt {
+        match (self, verdict) {
+            (Attempt::First, Agreed::Mixed) => Attempt::Follow,
+            _ => Attempt::Staged,
+        }
+    }
+}
+
 /// Whether this rank offers its buffers for direct reads in this call: `bytes` is the per-rank
-/// message size the tuner judges by, `allow` false on the staged re-run of a mixed call. A rank
-/// with either buffer in its shared heap does not offer: shared buffers take the zero-copy paths.
-pub(crate) fn offer(ch: &Channel, call: &Call, bytes: usize, allow: bool) -> bool {
+/// message size the tuner judges by. A rank with either buffer in its shared heap does not
+/// offer: shared buffers take the zero-copy paths. Where the sizes allow both paths, rank 0's
+/// tuner (`Channel::single`) picks one and the others follow (see [`Attempt`], [`verdict`]).
+pub(crate) fn offer(ch: &mut Channel, call: &Call, bytes: usize, attempt: Attempt) -> bool {
     let esz = call.dtype.size();
-    allow
+    let eligible = attempt != Attempt::Staged
         && ch.world() > 1
         && !ch.direct_refused
         && direct_for(bytes, ch.config().cma_bytes, ch.small_bytes(), ch.config().nt_bytes)
-        && ch.share_flags(call, call.send.len * esz, call.recv.len * esz).0 == 0
+        && ch.share_flags(call, call.send.len * esz, call.recv.len * esz).0 == 0;
+    if !eligible {
+        ch.single_class = None;
+        return false;
+    }
+    let g = stage_group(call.kind);
+    ch.single_class = Some((g, bytes));
+    ch.start_clock();
+    if ch.rank() == 0 && attempt == Attempt::First {
+        ch.single.choose(g, bytes, Instant::now())
+    } else {
+        ch.single.guess(g, bytes)
+    }
+}
+
+/// The verdict of every rank's descriptor, as [`agreed`]; for a call that could take either
+/// path, every rank also learns rank 0's pick for the class and starts timing the call under the
+/// path it takes (for rank 0's tuner, see `Channel::end_call`).
+pub(crate) fn verdict(ch: &mut Channel, descs: &[Desc]) -> Agreed {
+    let a = agreed(descs);
+    if let Some((g, bytes)) = ch.single_class.take() {
+        ch.single.seen(g, bytes, descs[0].flags & DIRECT != 0);
+        if a != Agreed::Mixed {
+            ch.single_timing = Some((g, bytes, a == Agreed::Yes, ch.pre_begin()));
+        }
+    }
+    a
 }
 
 /// Descriptor flags and offsets of a rank that offers its buffers: their addresses in its own
@@ -156,6 +210,8 @@ pub(crate) fn verified(ch: &mut Channel, call: &Call, descs: &[Desc], cx: Ctx) -
                 ch.who(r)
             );
             ch.direct_refused = true;
+            // The call runs again, staged, and is not timed for the choice there is no more.
+            ch.single_timing = None;
             Ok(false)
         }
     }
