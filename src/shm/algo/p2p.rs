@@ -320,6 +320,14 @@ impl P2p {
             return self.step_send(ch, s).map(|_| true);
         }
         if pc.matched.load(Acquire) >= k {
+            // A receiver that disagrees publishes `bad` before `matched` (see `check_header`),
+            // so `bad` may have been read above before it was set: read it again now that
+            // `matched` covers this message. Without this the send could succeed while its
+            // recv reports the mismatch (seen about once in 30 runs of the p2p_group case of
+            // tests/shm_p2p.rs's mismatch test).
+            if pc.bad.load(Acquire) != 0 {
+                return Err(mismatch(ch, pc, me, peer, s));
+            }
             s.finished = true;
             return Ok(true);
         }
