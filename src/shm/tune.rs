@@ -200,6 +200,13 @@ impl Tuner {
         self.fixed.unwrap_or(self.classes[index(group, bytes)].current)
     }
 
+    /// Whether `nt` is the way this class has settled on: the warm-up is over and it was the
+    /// faster way at the last decision.
+    pub(crate) fn settled_on(&self, group: usize, bytes: usize, nt: bool) -> bool {
+        let c = &self.classes[index(group, bytes)];
+        self.fixed.map_or(c.calls >= WARMUP && c.best == Some(nt), |f| f == nt)
+    }
+
     /// Rank 0's choice for this call, as read from its descriptor.
     pub(crate) fn seen(&mut self, group: usize, bytes: usize, nt: bool) {
         self.classes[index(group, bytes)].current = nt;
