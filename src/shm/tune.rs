@@ -363,6 +363,26 @@ mod tests {
         assert!(singles >= 19_990, "only {singles} of 20000 calls took the faster single copy");
     }
 
+    /// The path tuner counts a staged call only in the staging mode that has settled: none
+    /// during the staging tuner's warm-up, then only the faster mode's, and a fixed mode at once.
+    #[test]
+    fn settled_only_after_the_warm_up_and_only_the_faster_mode() {
+        let mut t = Tuner::staging(StageMode::Auto);
+        let t0 = Instant::now();
+        for _ in 0..WARMUP {
+            let nt = t.choose(3, 1 << 20, t0);
+            assert!(!t.settled_on(3, 1 << 20, nt), "settled during the warm-up");
+            t.record(3, 1 << 20, nt, if nt { 90e-6 } else { 45e-6 });
+        }
+        let nt = t.choose(3, 1 << 20, t0);
+        assert!(!nt, "cached stores were faster");
+        assert!(t.settled_on(3, 1 << 20, false));
+        assert!(!t.settled_on(3, 1 << 20, true), "a probe of the slower mode is not settled");
+        assert!(!t.settled_on(3, 4 << 20, false), "another class has its own warm-up");
+        let fixed = Tuner::staging(StageMode::Streaming);
+        assert!(fixed.settled_on(3, 1 << 20, true) && !fixed.settled_on(3, 1 << 20, false));
+    }
+
     #[test]
     fn fixed_modes_never_probe() {
         let mut t = Tuner::single_copy(SingleCopyMode::Always);
