@@ -59,7 +59,8 @@ pub(crate) struct Channel {
     pub(crate) single_class: Option<(usize, usize)>,
     /// The current call, to time for `single`: (group, bytes, single copy, start).
     pub(crate) single_timing: Option<(usize, usize, bool, Instant)>,
-    /// Rank 0: when it began staging the current call, then how long that took (until `begin`).
+    /// When this rank began the current call's work (its staging, or its offer of a single
+    /// copy), then how long that took until `begin` (see [`pre_begin`](Self::pre_begin)).
     staging: (Option<Instant>, Duration),
     /// Direct copies between ranks (`process_vm_readv`) were refused once: every rank learnt it
     /// in the same phase, so all stop offering them.

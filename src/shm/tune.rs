@@ -135,7 +135,7 @@ impl Tuner {
             StageMode::Cached => Some(false),
             StageMode::Streaming => Some(true),
         };
-        Tuner { fixed, what: "shm staging", names: ["cached stores", "streaming stores"], classes: vec![Class::default(); 4 * BUCKETS] }
+        Tuner::new(fixed, "shm staging", ["cached stores", "streaming stores"])
     }
 
     /// Staged (`false`) or single-copy (`true`) collectives on ordinary buffers.
@@ -145,7 +145,11 @@ impl Tuner {
             SingleCopyMode::Always => Some(true),
             SingleCopyMode::Never => Some(false),
         };
-        Tuner { fixed, what: "shm path", names: ["staging", "a single copy"], classes: vec![Class::default(); 4 * BUCKETS] }
+        Tuner::new(fixed, "shm path", ["staging", "a single copy"])
+    }
+
+    fn new(fixed: Option<bool>, what: &'static str, names: [&'static str; 2]) -> Tuner {
+        Tuner { fixed, what, names, classes: vec![Class::default(); 4 * BUCKETS] }
     }
 
     /// The mode rank 0 chooses for the next call of this class (`group` names the collective).
