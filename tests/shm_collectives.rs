@@ -546,6 +546,62 @@ fn cpu_time() -> f64 {
     ru.ru_utime.tv_sec as f64 + ru.ru_utime.tv_usec as f64 * 1e-6 + ru.ru_stime.tv_sec as f64 + ru.ru_stime.tv_usec as f64 * 1e-6
 }
 
+/// Ranks asleep on the futex are woken when the last rank arrives, not when their nap runs out:
+/// the last rank to publish checks for sleepers after its own wait (`Channel::wake_after_wait`).
+/// The late rank sleeps 40 ms before each call, by which time the others wait on the futex with
+/// naps of 10-20 ms; it passes the wall clock at its call in the data (max), and every other rank
+/// measures how long after that it returned. A missed wake-up costs a nap, so the median over the
+/// calls stays far below 5 ms only when the wake-ups come. Fast entries (8 B), phases (64 KiB in
+/// 8 KiB slots) and a broadcast from the late rank; 2 ranks, and 3 where a sleeper also waits on
+/// a rank that has arrived.
+fn t_sleepers_woken() -> Result<(), String> {
+    for n in [2usize, 3] {
+        let out = launch(&small_cfg(n), |mut ctx: RankContext| -> RankResult<String> {
+            let late = ctx.rank == ctx.world_size - 1;
+            let wall = || std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as i64).unwrap_or(0);
+            let mut lags = Vec::new();
+            ctx.comm.barrier()?;
+            for call in 0..9 {
+                if late {
+                    std::thread::sleep(Duration::from_millis(40));
+                }
+                let v = if late { wall() } else { 0 };
+                let got = match call % 3 {
+                    0 => {
+                        let mut x = [v];
+                        ctx.comm.all_reduce_in_place(&mut x, ReduceOp::Max)?;
+                        x[0]
+                    }
+                    1 => {
+                        let mut x = vec![v; 8192];
+                        ctx.comm.all_reduce_in_place(&mut x, ReduceOp::Max)?;
+                        x[8191]
+                    }
+                    _ => {
+                        let mut x = [v];
+                        ctx.comm.broadcast_in_place(&mut x, ctx.world_size - 1)?;
+                        x[0]
+                    }
+                };
+                lags.push(wall() - got);
+            }
+            lags.sort();
+            Ok(if late { String::new() } else { format!("{}", lags[lags.len() / 2]) })
+        })
+        .map_err(|e| e.to_string())?;
+        for (r, lag) in out.iter().enumerate().take(n - 1) {
+            let ns: i64 = lag.parse().map_err(|e| format!("rank {r}: {e}"))?;
+            if ns > 5_000_000 {
+                return Err(format!(
+                    "{n} ranks: rank {r} returned a median {:.1} ms after the late rank's call: the sleepers are not woken",
+                    ns as f64 / 1e6
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Ranks exec'd separately (here: forked without an inherited segment) find each other by job id,
 /// and the named segment is gone afterwards.
 fn t_named_segment_no_leak() -> Result<(), String> {
@@ -1274,6 +1330,7 @@ fn main() {
         ("dead_peer", t_dead_peer),
         ("peer_left", t_peer_left),
         ("timeout_and_no_spin", t_timeout_and_no_spin),
+        ("sleepers_woken", t_sleepers_woken),
         ("named_segment_no_leak", t_named_segment_no_leak),
         ("local_argument_errors", t_local_argument_errors),
         ("oversubscribed_8", t_oversubscribed_8),

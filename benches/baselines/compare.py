@@ -56,6 +56,12 @@ The bound is measured only when NPROCS <= the CPUs of this machine.
 Tail latency: for sizes up to 4 KiB a second table per state gives p50 / p99 per call (each the
 slowest rank's, median over the rounds) for lockstep (`lockstep bench --format csv`) and Open MPI
 (mpi_bench.c's ninth column); gloo_bench.py reports no p99.
+
+Floors per call (benches/baselines/xfloor.c, 2 ranks, sizes up to 4 KiB): each op-round also times
+two bare protocols on CPUs 0 and 1 with the same per-call clock reads: "exchange" (every rank
+hears from its peer in every call, what lockstep's same-call argument check needs), "eager" (a
+broadcast root that writes into a ring and returns, as Open MPI's does) and "clock" (the clock
+reads alone). The medians per state follow the tail table.
 """
 import argparse, os, re, shutil, statistics, subprocess, sys, time
 
@@ -168,6 +174,7 @@ def main():
     membw = build_c("membw.c", "/tmp/lockstep_membw", "-mavx512f", "-pthread") if a.nprocs <= cpus else None
     if membw is None:
         print(f"# {a.nprocs} ranks on {cpus} CPUs: no bound (one copier per rank needs a CPU each)")
+    xfloor = build_c("xfloor.c", "/tmp/lockstep_xfloor", "-pthread") if a.nprocs == 2 and cpus >= 2 else None
     tools = {}
     bench = lambda exe, b: lambda op: [exe, "bench", "--nprocs", str(a.nprocs), "--op", op, "--sizes", a.sizes, "--buffers", b, "--format", "csv"]
     if a.before:
@@ -191,6 +198,7 @@ def main():
 
     # (state, op, tool, size) -> [(time, busbw, wrong)]; (state, op, size) -> [bound us]
     results, bounds, probes = {}, {}, {}
+    floors = {}  # (state, protocol) -> [ns per call]
     seen_rounds = {}  # state -> number of (round, op) blocks
     rnd = 0
     while True:
@@ -219,14 +227,20 @@ def main():
                 xi = copy_bytes(op, size, a.nprocs, in_place=True)
                 if a.in_place and membw is not None and xi is not None and xi != x:
                     bound_ip[size] = copies_us(membw, a.nprocs, xi)
+            floor = {}
+            if xfloor is not None and any(z <= P99_MAX_BYTES for z in sizes):
+                floor = {m[0]: float(m[1]) for m in re.findall(r"xfloor (\w+) median_ns=([0-9.]+)", run([xfloor, "500000"]))}
             after = probe(c2c)
             s0, s1 = state_of(before), state_of(after)
             state = s0 if s0 == s1 else CHANGED
-            print(f"# round {rnd} {op}: probe {before:.0f} -> {after:.0f} ns per round trip: {state}", flush=True)
+            fl = "".join(f", {p} {ns:.0f} ns" for p, ns in floor.items() if p != "clock")
+            print(f"# round {rnd} {op}: probe {before:.0f} -> {after:.0f} ns per round trip: {state}{fl}", flush=True)
             seen_rounds[state] = seen_rounds.get(state, 0) + 1
             probes.setdefault(state, []).extend([before, after])
             for (name, size), vs in block.items():
                 results.setdefault((state, op, name, size), []).extend(vs)
+            for proto, ns in floor.items():
+                floors.setdefault((state, proto), []).append(ns)
             for key, bd in (("", bound), (" in place", bound_ip)):
                 for size, t in bd.items():
                     # A collective moves at least one cache line one way: half the round trip.
@@ -298,6 +312,10 @@ def main():
                         else:
                             row.append("—")
                     print("| " + " | ".join(row) + " |")
+        fl = {p: statistics.median(v) for (st, p), v in floors.items() if st == state}
+        if fl:
+            print(f"\n{state}: floors per call (xfloor.c, median over the op-rounds): "
+                  + ", ".join(f"{p} {fmt_us(ns / 1000.0)}" for p, ns in fl.items()))
     print(f"\n# {rnd} round(s) in {(time.monotonic() - t_start) / 60:.1f} min")
 
 

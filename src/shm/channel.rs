@@ -6,6 +6,7 @@
 //! The collective algorithms (`shm::algo`) are written against [`Channel`] only; job setup
 //! (`shm::bootstrap`) creates it and marks the rank as gone when it is dropped.
 
+use std::sync::atomic::fence;
 use std::sync::atomic::Ordering::{Acquire, Relaxed, Release, SeqCst};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -250,6 +251,23 @@ impl Channel {
         }
     }
 
+    /// Wake the sleepers after this rank published a phase or a fast entry with a release store
+    /// and waited for its peers.
+    ///
+    /// Why after the wait, and why a fence: a sequentially consistent store stalls the publisher
+    /// until its cache line is exclusive again, a peer's read away (about 9 ns of a 35 ns
+    /// exchange with a shared cache, `benches/baselines/xfloor.c`). A release store does not,
+    /// but then the check for sleepers below must not be read before the store is visible: the
+    /// fence orders them (the handshake of [`wait_for`](Self::wait_for)'s sleepers, whose
+    /// increment is a locked instruction, so one side always sees the other). Placed after the
+    /// wait, the fence finds the store long visible and costs about 1.5 ns. Waking late is
+    /// harmless: a sleeper waits for every peer, so the last rank to arrive wakes it, and that
+    /// rank's own wait ends at once.
+    fn wake_after_wait(&self) {
+        fence(SeqCst);
+        self.wake_sleepers();
+    }
+
     // ----------------------------------------------------------------------------------------
     // Segment access
 
@@ -308,12 +326,8 @@ impl Channel {
             self.nt_pending = false;
         }
         self.progress += 1;
-        self.ctrl(self.rank).progress.store(self.progress, SeqCst);
-        let h = self.header();
-        if h.sleepers.0.load(SeqCst) > 0 {
-            h.wake.0.fetch_add(1, SeqCst);
-            futex_wake_all(&h.wake.0);
-        }
+        // Release, not SeqCst: the sleepers are checked after the wait (`wake_after_wait`).
+        self.ctrl(self.rank).progress.store(self.progress, Release);
         self.progress
     }
 
@@ -332,7 +346,9 @@ impl Channel {
     /// Publish and wait for every peer to reach the same phase. Returns the phase number.
     pub(crate) fn phase(&mut self, cx: Ctx) -> Result<u64, CommError> {
         let p = self.publish();
-        self.wait_all(p, cx)?;
+        let waited = self.wait_all(p, cx);
+        self.wake_after_wait();
+        waited?;
         self.check_abort(cx)?;
         Ok(p)
     }
@@ -706,13 +722,15 @@ impl Channel {
             (*h).op = call.op as u8;
             (*h).root = call.root as u32;
             (*h).count = call.count as u64;
-            (*h).seq.store(seq, SeqCst);
+            // Release: the sleepers are checked after the wait (`wake_after_wait`).
+            (*h).seq.store(seq, Release);
         }
-        self.wake_sleepers();
         let mine = self.progress;
         // A peer whose progress passed ours entered a phased call: it will not publish an entry.
         let arrived = |ch: &Channel, r: usize| ch.fast_seq(r) == seq || ch.ctrl(r).progress.load(Acquire) > mine;
-        self.wait_for(&arrived, cx)?;
+        let waited = self.wait_for(&arrived, cx);
+        self.wake_after_wait();
+        waited?;
         self.check_abort(cx)?;
         if (0..self.world).any(|r| r != self.rank && self.fast_seq(r) != seq) {
             self.begin(call, 0, 0, 0, cx)?;
