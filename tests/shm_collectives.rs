@@ -547,7 +547,7 @@ fn cpu_time() -> f64 {
 }
 
 /// Ranks asleep on the futex are woken when the last rank arrives, not when their nap runs out:
-/// the last rank to publish checks for sleepers after its own wait (`Channel::wake_after_wait`).
+/// the last rank to publish checks for sleepers after its own wait (`Channel::wait_published`).
 /// The late rank sleeps 40 ms before each call, by which time the others wait on the futex with
 /// naps of 10-20 ms; it passes the wall clock at its call in the data (max), and every other rank
 /// measures how long after that it returned. A missed wake-up costs a nap, so the median over the

@@ -251,8 +251,9 @@ impl Channel {
         }
     }
 
-    /// Wake the sleepers after this rank published a phase or a fast entry with a release store
-    /// and waited for its peers.
+    /// After this rank published a phase or a fast entry with a release store: wait until every
+    /// peer has arrived (`arrived`), wake the sleepers, and fail if a peer aborted the call (see
+    /// [`check_abort`](Self::check_abort)).
     ///
     /// Why after the wait, and why a fence: a sequentially consistent store stalls the publisher
     /// until its cache line is exclusive again, a peer's read away (about 9 ns of a 35 ns
@@ -263,9 +264,12 @@ impl Channel {
     /// wait, the fence finds the store long visible and costs about 1.5 ns. Waking late is
     /// harmless: a sleeper waits for every peer, so the last rank to arrive wakes it, and that
     /// rank's own wait ends at once.
-    fn wake_after_wait(&self) {
+    fn wait_published(&mut self, arrived: &impl Fn(&Channel, usize) -> bool, cx: Ctx) -> Result<(), CommError> {
+        let waited = self.wait_for(arrived, cx);
         fence(SeqCst);
         self.wake_sleepers();
+        waited?;
+        self.check_abort(cx)
     }
 
     // ----------------------------------------------------------------------------------------
@@ -326,7 +330,7 @@ impl Channel {
             self.nt_pending = false;
         }
         self.progress += 1;
-        // Release, not SeqCst: the sleepers are checked after the wait (`wake_after_wait`).
+        // Release, not SeqCst: the sleepers are checked after the wait (`wait_published`).
         self.ctrl(self.rank).progress.store(self.progress, Release);
         self.progress
     }
@@ -346,10 +350,7 @@ impl Channel {
     /// Publish and wait for every peer to reach the same phase. Returns the phase number.
     pub(crate) fn phase(&mut self, cx: Ctx) -> Result<u64, CommError> {
         let p = self.publish();
-        let waited = self.wait_all(p, cx);
-        self.wake_after_wait();
-        waited?;
-        self.check_abort(cx)?;
+        self.wait_published(&|ch: &Channel, r: usize| ch.ctrl(r).progress.load(Acquire) >= p, cx)?;
         Ok(p)
     }
 
@@ -369,10 +370,6 @@ impl Channel {
             }
         }
         Ok(())
-    }
-
-    fn wait_all(&mut self, target: u64, cx: Ctx) -> Result<(), CommError> {
-        self.wait_for(&|ch: &Channel, r: usize| ch.ctrl(r).progress.load(Acquire) >= target, cx)
     }
 
     /// Wait until every peer `r` has arrived (`arrived(self, r)`): spin, then yield, then sleep
@@ -722,16 +719,13 @@ impl Channel {
             (*h).op = call.op as u8;
             (*h).root = call.root as u32;
             (*h).count = call.count as u64;
-            // Release: the sleepers are checked after the wait (`wake_after_wait`).
+            // Release: the sleepers are checked after the wait (`wait_published`).
             (*h).seq.store(seq, Release);
         }
         let mine = self.progress;
         // A peer whose progress passed ours entered a phased call: it will not publish an entry.
         let arrived = |ch: &Channel, r: usize| ch.fast_seq(r) == seq || ch.ctrl(r).progress.load(Acquire) > mine;
-        let waited = self.wait_for(&arrived, cx);
-        self.wake_after_wait();
-        waited?;
-        self.check_abort(cx)?;
+        self.wait_published(&arrived, cx)?;
         if (0..self.world).any(|r| r != self.rank && self.fast_seq(r) != seq) {
             self.begin(call, 0, 0, 0, cx)?;
             // `begin` reports the disagreement that sent the peer there; equal arguments never

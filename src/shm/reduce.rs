@@ -17,7 +17,7 @@ const BLOCK: usize = 1024;
 
 /// Element types as seen by the reduction: the accumulator type and the operators on it.
 trait Lane: Copy + 'static {
-    type Acc: Copy + Default + 'static;
+    type Acc: Copy + 'static;
     fn load(self) -> Self::Acc;
     fn store(a: Self::Acc) -> Self;
     fn add(a: Self::Acc, b: Self::Acc) -> Self::Acc;

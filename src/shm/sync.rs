@@ -216,10 +216,10 @@ pub(crate) struct FastBox {
 
 /// The head of a rank's fast entry for collective number `seq` (one of two, by the parity of
 /// `seq`). The owner writes the other fields and the payload after it, then `seq` (release; it
-/// checks for sleepers after its wait, behind a fence, see `Channel::wake_after_wait`); a peer that
-/// reads `seq` equal to the call's number (acquire) may read the rest. The owner rewrites an entry only two collectives later,
-/// after every peer has arrived at the collective in between (each collective waits for every
-/// rank), so by then nobody reads it.
+/// checks for sleepers after its wait, behind a fence, see `Channel::wait_published`); a peer
+/// that reads `seq` equal to the call's number (acquire) may read the rest. The owner rewrites an
+/// entry only two collectives later, after every peer has arrived at the collective in between
+/// (each collective waits for every rank), so by then nobody reads it.
 #[repr(C)]
 pub(crate) struct FastHdr {
     pub seq: AtomicU64,
