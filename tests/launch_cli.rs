@@ -563,6 +563,44 @@ fn missing_program_and_bad_options() -> Result<(), String> {
     )
 }
 
+/// An exec'd rank starts with the signal state an exec of the launcher's command would have
+/// (the guard starts it with clone + execve, not fork, and sets that state itself): nothing
+/// blocked, SIGPIPE at its default (as `std::process::Command` does), the launcher's own
+/// handlers (INT, TERM, HUP) back at the default, and what the launcher's parent ignored
+/// (QUIT: one the guard also ignores; USR1: one it never touches) still ignored.
+fn exec_rank_signal_state() -> Result<(), String> {
+    use std::os::unix::process::CommandExt;
+    let mut c = lockstep();
+    c.args(["launch", "--nproc-per-node", "1", "--", "sh", "-c", "grep -E '^Sig(Blk|Ign)' /proc/self/status"]);
+    // SAFETY: signal/sigprocmask between fork and exec are async-signal-safe.
+    unsafe {
+        c.pre_exec(|| {
+            for s in [libc::SIGQUIT, libc::SIGUSR1, libc::SIGPIPE] {
+                libc::signal(s, libc::SIG_IGN);
+            }
+            let mut set: libc::sigset_t = std::mem::zeroed();
+            libc::sigemptyset(&mut set);
+            libc::sigaddset(&mut set, libc::SIGUSR2);
+            libc::sigprocmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+            Ok(())
+        })
+    };
+    let o = c.output().map_err(|e| e.to_string())?;
+    let (out, _) = text(&o);
+    let mask = |name: &str| out.lines().find_map(|l| l.split_once(name).and_then(|(_, v)| u64::from_str_radix(v.trim(), 16).ok()));
+    let (Some(blk), Some(ign)) = (mask("SigBlk:"), mask("SigIgn:")) else {
+        return check(false, "the rank prints its signal masks", show(&o));
+    };
+    let bit = |s: i32| 1u64 << (s - 1);
+    check(o.status.success() && blk == 0, "nothing is blocked in the rank", show(&o))?;
+    check(ign & (bit(libc::SIGQUIT) | bit(libc::SIGUSR1)) == bit(libc::SIGQUIT) | bit(libc::SIGUSR1), "inherited ignores stay", show(&o))?;
+    check(
+        ign & (bit(libc::SIGPIPE) | bit(libc::SIGINT) | bit(libc::SIGTERM) | bit(libc::SIGHUP) | bit(libc::SIGCHLD)) == 0,
+        "SIGPIPE and the launcher's handled signals are at their default",
+        show(&o),
+    )
+}
+
 fn stale_segments_of_dead_launchers_are_removed() -> Result<(), String> {
     // Names in the launcher's job-id format whose launcher pid does not exist; one old, one new.
     let old = format!("/dev/shm/lockstep-7ffffff{}-abc", std::process::id() % 10);
@@ -670,6 +708,7 @@ fn main() -> std::process::ExitCode {
         ("token_rules", token_rules),
         ("generated_token_reaches_the_other_node", generated_token_reaches_the_other_node),
         ("missing_program_and_bad_options", missing_program_and_bad_options),
+        ("exec_rank_signal_state", exec_rank_signal_state),
         ("stale_segments_of_dead_launchers_are_removed", stale_segments_of_dead_launchers_are_removed),
         ("stale_segment_of_dead_creator_removed_at_once", stale_segment_of_dead_creator_removed_at_once),
         ("config_and_env", config_and_env),

@@ -2,7 +2,8 @@
 //! outlives the launcher, however the launcher dies (`kill -9` included).
 //!
 //! ```text
-//! launcher ──fork──▶ guard (child subreaper) ──fork──▶ rank (exec'd program, or the rank function)
+//! launcher ──fork──▶ guard (child subreaper) ──▶ rank: an exec'd program (clone + execve, as
+//!    │                    │                         posix_spawn does), or the rank function (fork)
 //!    │  control pipe ──▶ │   signals to forward; end of file = the launcher is gone
 //!    │ ◀── report pipe   │   FORKED(rank pid), then START(rank pid) | SPAWN_FAILED(errno),
 //!    │                    │   then EXIT(wait status)
@@ -394,14 +395,20 @@ fn guard_main(setup: &RankSetup, fds: &GuardFds, launcher: i32, body: impl FnOnc
     if unsafe { libc::getppid() } != launcher {
         exit_now(1);
     }
-    // SAFETY: see the spawn's fork; the rank branch never returns.
-    let rank = unsafe { libc::fork() };
+    let rank = match setup.exec {
+        Some(img) => spawn_exec_rank(setup, img, fds, me, &saved),
+        None => {
+            // SAFETY: see the spawn's fork; the rank branch never returns.
+            let rank = unsafe { libc::fork() };
+            if rank == 0 {
+                rank_main(setup, fds, me, &saved, body);
+            }
+            rank
+        }
+    };
     if rank < 0 {
         report(fds.rep_w, SPAWN_FAILED, errno());
         exit_now(1);
-    }
-    if rank == 0 {
-        rank_main(setup, fds, me, &saved, body);
     }
     if setup.pgid == Some(0) {
         // The rank calls this too; whichever runs first makes the group, so it exists before
@@ -445,9 +452,29 @@ fn guard_main(setup: &RankSetup, fds: &GuardFds, launcher: i32, body: impl FnOnc
     supervise_rank(fds, me, rank, setup.unlink_on_launcher_death)
 }
 
-/// The rank process: restore what the guard changed, set up stdio, group and parent-death
-/// signal, then exec or run the body.
+/// The rank process of a forked rank: restore what the guard changed, set up stdio, group and
+/// parent-death signal, then run the body.
 fn rank_main(setup: &RankSetup, fds: &GuardFds, guard: i32, saved: &Saved, body: impl FnOnce()) -> ! {
+    rank_stdio_and_group(setup, fds, guard);
+    // Signals as the launcher had them.
+    // SAFETY: restoring saved sigactions and mask through valid pointers.
+    unsafe {
+        for (i, &s) in IGNORED.iter().enumerate() {
+            libc::sigaction(s, &saved.actions[i], std::ptr::null_mut());
+        }
+        libc::sigaction(libc::SIGCHLD, &saved.actions[IGNORED.len()], std::ptr::null_mut());
+        libc::sigprocmask(libc::SIG_SETMASK, &saved.mask, std::ptr::null_mut());
+    }
+    close_raw(fds.exec_w);
+    body();
+    exit_now(1)
+}
+
+/// What the rank does first, forked or exec'd: join or lead its process group, die with its
+/// guard, take its standard descriptors, and close every descriptor of the guard's.
+/// Async-signal-safe system calls only, on the stack: it also runs in a child that shares the
+/// guard's memory (see [`spawn_exec_rank`]).
+fn rank_stdio_and_group(setup: &RankSetup, fds: &GuardFds, guard: i32) {
     // SAFETY: setpgid/prctl/getppid with plain arguments; async-signal-safe.
     unsafe {
         if let Some(g) = setup.pgid {
@@ -480,35 +507,99 @@ fn rank_main(setup: &RankSetup, fds: &GuardFds, guard: i32, saved: &Saved, body:
     for fd in [fds.rep_w, fds.ctl_r, fds.null, fds.out_w, fds.err_w, fds.exec_r] {
         close_raw(fd);
     }
-    // Signals as the launcher had them (exec resets handlers to the default anyway).
-    // SAFETY: restoring saved sigactions and mask through valid pointers.
+}
+
+/// Everything the exec'd rank's first moments need, on the guard's stack.
+struct ExecChild<'a> {
+    setup: &'a RankSetup<'a>,
+    img: &'a ExecImage,
+    fds: &'a GuardFds,
+    guard: i32,
+    saved: &'a Saved,
+}
+
+/// Start an exec'd rank the way `posix_spawn` does: `clone(CLONE_VM | CLONE_VFORK)` on a stack
+/// of its own, so that the guard's page tables are not copied and none of its pages becomes
+/// copy-on-write. On the project machine (a virtual machine) a fork costs 0.1–0.3 ms, and each
+/// page written afterwards on either side a 3 µs fault (RESULTS.md, "Session 13: launch time").
+/// The guard is suspended until the rank has exec'd or failed to. `posix_spawn` itself cannot be
+/// used: the rank must set its parent-death signal between the fork and the exec. Returns the
+/// rank's pid, or -1 with errno set.
+fn spawn_exec_rank(setup: &RankSetup, img: &ExecImage, fds: &GuardFds, guard: i32, saved: &Saved) -> i32 {
+    const STACK: usize = 64 * 1024;
+    // SAFETY: an anonymous private mapping; checked below and unmapped before returning.
+    let stack = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            STACK,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_STACK,
+            -1,
+            0,
+        )
+    };
+    if stack == libc::MAP_FAILED {
+        return -1;
+    }
+    let child = ExecChild { setup, img, fds, guard, saved };
+    // No signal handler may run in the child while it shares our memory: block everything
+    // across the clone; the child sets its handlers before it unblocks.
+    // SAFETY: zeroed sigset_t values are valid and filled by sigfillset/sigprocmask.
+    let mut all: libc::sigset_t = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    let mut mine: libc::sigset_t = unsafe { std::mem::zeroed() };
+    // SAFETY: sigfillset/sigprocmask with valid pointers. clone with CLONE_VM | CLONE_VFORK
+    // runs `exec_child` on the fresh stack (its top, 16-byte aligned, as the stack grows down)
+    // with a pointer to `child`, which outlives the call because we are suspended until the
+    // child execs or exits; the child only reads `child` and makes async-signal-safe system
+    // calls (its descriptor table and signal handlers are its own copies).
     unsafe {
-        for (i, &s) in IGNORED.iter().enumerate() {
-            libc::sigaction(s, &saved.actions[i], std::ptr::null_mut());
+        libc::sigfillset(&mut all);
+        libc::sigprocmask(libc::SIG_SETMASK, &all, &mut mine);
+        let pid = libc::clone(
+            exec_child,
+            (stack as *mut u8).add(STACK) as *mut libc::c_void,
+            libc::CLONE_VM | libc::CLONE_VFORK | libc::SIGCHLD,
+            &child as *const ExecChild as *mut libc::c_void,
+        );
+        let e = errno();
+        libc::sigprocmask(libc::SIG_SETMASK, &mine, std::ptr::null_mut());
+        libc::munmap(stack, STACK);
+        if pid < 0 {
+            *libc::__errno_location() = e;
         }
-        libc::sigaction(libc::SIGCHLD, &saved.actions[IGNORED.len()], std::ptr::null_mut());
-        libc::sigprocmask(libc::SIG_SETMASK, &saved.mask, std::ptr::null_mut());
+        pid
     }
-    if let Some(img) = setup.exec {
-        // Like std::process::Command: a program starts with SIGPIPE at its default and nothing
-        // blocked (Rust programs ignore SIGPIPE).
-        // SAFETY: plain signal calls; execve with NUL-terminated arrays built before the fork
-        // and alive in this copy of the launcher's memory.
-        unsafe {
-            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
-            let mut empty: libc::sigset_t = std::mem::zeroed();
-            libc::sigemptyset(&mut empty);
-            libc::sigprocmask(libc::SIG_SETMASK, &empty, std::ptr::null_mut());
-            libc::execve(img.path.as_ptr(), img.argv_ptrs.as_ptr(), img.envp_ptrs.as_ptr());
+}
+
+/// The exec'd rank, from its clone to its `execve`: the signal state an exec of the launcher's
+/// would leave (handled signals at their default, ignored ones still ignored), except that,
+/// like `std::process::Command`, SIGPIPE is at its default and nothing is blocked (Rust
+/// programs ignore SIGPIPE). On failure it sends errno through the exec error pipe.
+extern "C" fn exec_child(arg: *mut libc::c_void) -> libc::c_int {
+    // SAFETY: `arg` is the `ExecChild` that `spawn_exec_rank` keeps alive while we run.
+    let c = unsafe { &*(arg as *const ExecChild) };
+    rank_stdio_and_group(c.setup, c.fds, c.guard);
+    // SAFETY: sigaction/sigprocmask with valid pointers; execve with NUL-terminated arrays built
+    // before the guard's fork and alive in the guard's memory, which we share.
+    unsafe {
+        let mut dfl: libc::sigaction = std::mem::zeroed();
+        dfl.sa_sigaction = libc::SIG_DFL;
+        libc::sigemptyset(&mut dfl.sa_mask);
+        let signals = IGNORED.iter().copied().chain(std::iter::once(libc::SIGCHLD));
+        for (i, s) in signals.enumerate() {
+            let was_ignored = c.saved.actions[i].sa_sigaction == libc::SIG_IGN;
+            let act = if was_ignored && s != libc::SIGPIPE { &c.saved.actions[i] } else { &dfl };
+            libc::sigaction(s, act, std::ptr::null_mut());
         }
+        let mut empty: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut empty);
+        libc::sigprocmask(libc::SIG_SETMASK, &empty, std::ptr::null_mut());
+        libc::execve(c.img.path.as_ptr(), c.img.argv_ptrs.as_ptr(), c.img.envp_ptrs.as_ptr());
         let e = errno().to_ne_bytes();
-        // SAFETY: writing a valid 4-byte buffer to the exec error pipe.
-        unsafe { libc::write(fds.exec_w, e.as_ptr() as *const libc::c_void, 4) };
-        exit_now(127);
+        libc::write(c.fds.exec_w, e.as_ptr() as *const libc::c_void, 4);
+        libc::_exit(127)
     }
-    close_raw(fds.exec_w);
-    body();
-    exit_now(1)
 }
 
 /// Wait for the rank, forwarding the launcher's signals; then (or when the launcher is gone)
