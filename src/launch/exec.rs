@@ -296,7 +296,7 @@ pub fn run_job(spec: &JobSpec) -> Result<i32, LaunchError> {
     let segment = crate::shm::named_segment_path(&job_id).and_then(|p| CString::new(p.into_os_string().into_vec()).ok());
     // Rank 0 starts first: its pid names the node's process group, which the others join. They
     // start in parallel: every guard is forked before any is waited for, rank 0's included (its
-    // guard reports the pid, and makes the group, before rank 0 execs).
+    // guard reports the pid once the group exists: for an exec'd rank, as its execve begins).
     let mut pgid = 0;
     let mut pending = Vec::new();
     let mut failure: Option<(usize, std::io::Error, &str)> = None;

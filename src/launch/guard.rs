@@ -44,7 +44,8 @@ use super::child::{pipe, Exit};
 
 /// Report records, each `[tag, value]` as two native-endian `i32` (one atomic pipe write).
 /// FORKED comes first, as soon as the rank process exists (its process group too, when it leads
-/// one), so the launcher can start the next ranks without waiting for this one's exec.
+/// one), so the launcher can start the next ranks without waiting for this one to run. (An exec'd
+/// rank exists for the guard once its `execve` has begun: see [`spawn_exec_rank`].)
 const FORKED: i32 = 4;
 const START: i32 = 1;
 const SPAWN_FAILED: i32 = 2;
@@ -410,10 +411,10 @@ fn guard_main(setup: &RankSetup, fds: &GuardFds, launcher: i32, body: impl FnOnc
         report(fds.rep_w, SPAWN_FAILED, errno());
         exit_now(1);
     }
-    if setup.pgid == Some(0) {
-        // The rank calls this too; whichever runs first makes the group, so it exists before
-        // FORKED lets the launcher start ranks that join it. (After the rank's exec this fails
-        // with EACCES, harmlessly: the rank made the group before exec.)
+    if setup.pgid == Some(0) && setup.exec.is_none() {
+        // The forked rank calls this too; whichever runs first makes the group, so it exists
+        // before FORKED lets the launcher start ranks that join it. (An exec'd rank has made its
+        // group before the guard resumes.)
         // SAFETY: setpgid of our own child; async-signal-safe.
         unsafe { libc::setpgid(rank, rank) };
     }
@@ -526,12 +527,16 @@ struct ExecChild<'a> {
 /// used: the rank must set its parent-death signal between the fork and the exec. Returns the
 /// rank's pid, or -1 with errno set.
 fn spawn_exec_rank(setup: &RankSetup, img: &ExecImage, fds: &GuardFds, guard: i32, saved: &Saved) -> i32 {
+    // The child uses a few KiB; an overrun hits the inaccessible page below, not the guard's
+    // memory.
     const STACK: usize = 64 * 1024;
-    // SAFETY: an anonymous private mapping; checked below and unmapped before returning.
+    const GUARD_PAGE: usize = 4096;
+    // SAFETY: an anonymous private mapping, checked below and unmapped before returning; its
+    // lowest page is made inaccessible.
     let stack = unsafe {
         libc::mmap(
             std::ptr::null_mut(),
-            STACK,
+            GUARD_PAGE + STACK,
             libc::PROT_READ | libc::PROT_WRITE,
             libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_STACK,
             -1,
@@ -541,30 +546,39 @@ fn spawn_exec_rank(setup: &RankSetup, img: &ExecImage, fds: &GuardFds, guard: i3
     if stack == libc::MAP_FAILED {
         return -1;
     }
+    // SAFETY: the first page of the mapping made above.
+    if unsafe { libc::mprotect(stack, GUARD_PAGE, libc::PROT_NONE) } != 0 {
+        let e = errno();
+        // SAFETY: the mapping made above; errno restored for the caller.
+        unsafe {
+            libc::munmap(stack, GUARD_PAGE + STACK);
+            *libc::__errno_location() = e;
+        }
+        return -1;
+    }
     let child = ExecChild { setup, img, fds, guard, saved };
-    // No signal handler may run in the child while it shares our memory: block everything
-    // across the clone; the child sets its handlers before it unblocks.
-    // SAFETY: zeroed sigset_t values are valid and filled by sigfillset/sigprocmask.
-    let mut all: libc::sigset_t = unsafe { std::mem::zeroed() };
-    // SAFETY: as above.
-    let mut mine: libc::sigset_t = unsafe { std::mem::zeroed() };
-    // SAFETY: sigfillset/sigprocmask with valid pointers. clone with CLONE_VM | CLONE_VFORK
-    // runs `exec_child` on the fresh stack (its top, 16-byte aligned, as the stack grows down)
-    // with a pointer to `child`, which outlives the call because we are suspended until the
-    // child execs or exits; the child only reads `child` and makes async-signal-safe system
-    // calls (its descriptor table and signal handlers are its own copies).
+    // No signal handler may run in the child while it shares our memory: block every signal
+    // across the clone (the raw system call, as glibc's posix_spawn does: sigfillset leaves out
+    // the two glibc keeps for itself); the child resets its handlers before it unblocks.
+    let all: u64 = !0;
+    let mut mine: u64 = 0;
+    // SAFETY: rt_sigprocmask with valid pointers to 8-byte masks (the kernel's sigset size).
+    // clone with CLONE_VM | CLONE_VFORK runs `exec_child` on the fresh stack (from its top: the
+    // stack grows down; glibc aligns it) with a pointer to `child`, which outlives the call
+    // because we are suspended until the child execs or exits; the child only reads `child` and
+    // makes async-signal-safe system calls (its descriptor table and signal handlers are its own
+    // copies).
     unsafe {
-        libc::sigfillset(&mut all);
-        libc::sigprocmask(libc::SIG_SETMASK, &all, &mut mine);
+        libc::syscall(libc::SYS_rt_sigprocmask, libc::SIG_SETMASK, &all as *const u64, &mut mine as *mut u64, 8usize);
         let pid = libc::clone(
             exec_child,
-            (stack as *mut u8).add(STACK) as *mut libc::c_void,
+            (stack as *mut u8).add(GUARD_PAGE + STACK) as *mut libc::c_void,
             libc::CLONE_VM | libc::CLONE_VFORK | libc::SIGCHLD,
             &child as *const ExecChild as *mut libc::c_void,
         );
         let e = errno();
-        libc::sigprocmask(libc::SIG_SETMASK, &mine, std::ptr::null_mut());
-        libc::munmap(stack, STACK);
+        libc::syscall(libc::SYS_rt_sigprocmask, libc::SIG_SETMASK, &mine as *const u64, std::ptr::null_mut::<u64>(), 8usize);
+        libc::munmap(stack, GUARD_PAGE + STACK);
         if pid < 0 {
             *libc::__errno_location() = e;
         }
@@ -575,7 +589,9 @@ fn spawn_exec_rank(setup: &RankSetup, img: &ExecImage, fds: &GuardFds, guard: i3
 /// The exec'd rank, from its clone to its `execve`: the signal state an exec of the launcher's
 /// would leave (handled signals at their default, ignored ones still ignored), except that,
 /// like `std::process::Command`, SIGPIPE is at its default and nothing is blocked (Rust
-/// programs ignore SIGPIPE). On failure it sends errno through the exec error pipe.
+/// programs ignore SIGPIPE). Every signal with a handler (the guard's, or one the launcher's
+/// process installed) is reset before the mask is cleared, so no handler ever runs here, in the
+/// guard's memory. On failure it sends errno through the exec error pipe.
 extern "C" fn exec_child(arg: *mut libc::c_void) -> libc::c_int {
     // SAFETY: `arg` is the `ExecChild` that `spawn_exec_rank` keeps alive while we run.
     let c = unsafe { &*(arg as *const ExecChild) };
@@ -591,6 +607,16 @@ extern "C" fn exec_child(arg: *mut libc::c_void) -> libc::c_int {
             let was_ignored = c.saved.actions[i].sa_sigaction == libc::SIG_IGN;
             let act = if was_ignored && s != libc::SIGPIPE { &c.saved.actions[i] } else { &dfl };
             libc::sigaction(s, act, std::ptr::null_mut());
+        }
+        // The others, as glibc's posix_spawn does (sigaction refuses glibc's own two).
+        let mut cur: libc::sigaction = std::mem::zeroed();
+        for s in 1..=libc::SIGRTMAX() {
+            if IGNORED.contains(&s) || s == libc::SIGCHLD || libc::sigaction(s, std::ptr::null(), &mut cur) != 0 {
+                continue;
+            }
+            if cur.sa_sigaction != libc::SIG_DFL && cur.sa_sigaction != libc::SIG_IGN {
+                libc::sigaction(s, &dfl, std::ptr::null_mut());
+            }
         }
         let mut empty: libc::sigset_t = std::mem::zeroed();
         libc::sigemptyset(&mut empty);
