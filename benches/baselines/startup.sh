@@ -23,27 +23,7 @@ BIN="$(cd "$(dirname "$BIN")" && pwd)/$(basename "$BIN")"
 
 # measure CMD...: run CMD 3 + $RUNS times; print "median p90 cpu" in ms, or "failed".
 measure() {
-  python3 - "$RUNS" "$@" <<'EOF'
-import os, sys, time, statistics
-runs, argv = int(sys.argv[1]), sys.argv[2:]
-null = os.open("/dev/null", os.O_WRONLY)
-wall, cpu = [], []
-for i in range(runs + 3):
-    t0 = time.perf_counter()
-    try:
-        pid = os.posix_spawnp(argv[0], argv, os.environ, file_actions=[(os.POSIX_SPAWN_DUP2, null, 1), (os.POSIX_SPAWN_DUP2, null, 2)])
-    except OSError:
-        print("failed"); sys.exit()
-    _, st, ru = os.wait4(pid, 0)
-    t1 = time.perf_counter()
-    if st != 0:
-        print("failed"); sys.exit()
-    if i >= 3:
-        wall.append((t1 - t0) * 1e3)
-        cpu.append((ru.ru_utime + ru.ru_stime) * 1e3)
-wall.sort()
-print("%.1f %.1f %.1f" % (statistics.median(wall), wall[min(len(wall) - 1, round(0.9 * len(wall)) - 1)], statistics.median(cpu)))
-EOF
+  python3 benches/baselines/startup_ab.py --once "$RUNS" "$@"
 }
 
 report() { # name target_ms "median p90 cpu"
