@@ -952,6 +952,69 @@ fn t_fast_mismatch() -> Result<(), String> {
 
 /// small_cfg with the single-copy threshold lowered to 4 KiB, so that `sizes` covers it, and
 /// streaming stores (above which the staged paths take over again) from 4 MiB only.
+/// Staged all-gathers whose ranks differ in place / out of place from call to call (an
+/// out-of-place rank of a one-chunk all-gather stages after the descriptors, in one pass with its
+/// own block; an in-place rank stages before them), with ordinary stores (the one-pass AVX2 copy)
+/// and with streaming stores, one chunk and several, between broadcasts and all-reduces that
+/// stage in the same slots: every result right.
+fn t_all_gather_mixed_in_place() -> Result<(), String> {
+    for (n, nt_bytes) in [(2, 8 << 20), (3, 8 << 20), (2, 2048)] {
+        let mut cfg = LaunchConfig::new(n);
+        cfg.shm.slot_bytes = 64 << 10;
+        cfg.shm.small_bytes = 1024;
+        cfg.shm.cma_bytes = 0;
+        cfg.shm.nt_bytes = nt_bytes;
+        cfg.shm.timeout = Duration::from_secs(60);
+        cfg.shm = cfg.shm.clone().normalized();
+        let out = launch(&cfg, |mut ctx: RankContext| -> RankResult<Vec<String>> {
+            let c = &mut ctx.comm;
+            let (me, n) = (c.rank(), c.world_size());
+            let mut bad = Vec::new();
+            let val = |r: usize, it: usize, i: usize| ((r * 7919 + it * 131 + i) % 65_521) as f32;
+            for it in 0..12 {
+                for len in [1_500usize, 10_000, 16_384, 16_390, 40_000] {
+                    let in_place = (me + it + len) % 3 == 0;
+                    let mine: Vec<f32> = (0..len).map(|i| val(me, it, i)).collect();
+                    let want: Vec<f32> = (0..n).flat_map(|r| (0..len).map(move |i| val(r, it, i))).collect();
+                    let mut out = vec![-1f32; len * n];
+                    if in_place {
+                        out[me * len..(me + 1) * len].copy_from_slice(&mine);
+                        c.all_gather_in_place(&mut out)?;
+                    } else {
+                        c.all_gather(&mine, &mut out)?;
+                    }
+                    if out != want {
+                        let i = (0..out.len()).find(|&i| out[i] != want[i]).unwrap_or(0);
+                        bad.push(format!("all_gather it {it} len {len} in_place {in_place}: [{i}] = {}, want {}", out[i], want[i]));
+                    }
+                    // Other staged calls between, in the same slots.
+                    let root = it % n;
+                    let src: Vec<f32> = (0..len).map(|i| val(me, it + 1, i)).collect();
+                    let mut dst = vec![0f32; len];
+                    c.broadcast(&src, &mut dst, root)?;
+                    if (0..len).any(|i| dst[i] != val(root, it + 1, i)) {
+                        bad.push(format!("broadcast it {it} len {len} wrong"));
+                    }
+                    let mut sum = src.clone();
+                    c.all_reduce_in_place(&mut sum, ReduceOp::Sum)?;
+                    if (0..len).any(|i| sum[i] != (0..n).map(|r| val(r, it + 1, i)).sum::<f32>()) {
+                        bad.push(format!("all_reduce it {it} len {len} wrong"));
+                    }
+                }
+            }
+            bad.truncate(5);
+            Ok(bad)
+        })
+        .map_err(|e| format!("world {n}: {e}"))?;
+        let bad: Vec<String> =
+            out.into_iter().enumerate().flat_map(|(r, b)| b.into_iter().map(move |m| format!("world {n} rank {r}: {m}"))).collect();
+        if !bad.is_empty() {
+            return Err(bad.join("\n"));
+        }
+    }
+    Ok(())
+}
+
 fn single_cfg(n: usize) -> LaunchConfig {
     let mut cfg = small_cfg(n);
     cfg.shm.cma_bytes = 4096;
@@ -1324,6 +1387,7 @@ fn main() {
         ("collectives_world_4", t_collectives_world_4),
         ("collectives_world_8", t_collectives_world_8),
         ("collectives_stage_modes", t_collectives_stage_modes),
+        ("all_gather_mixed_in_place", t_all_gather_mixed_in_place),
         ("all_reduce_64mib", t_all_reduce_64mib),
         ("deterministic", t_deterministic),
         ("mismatch", t_mismatch),

@@ -14,7 +14,12 @@
  * "pull" is process_vm_readv from the peer, "push" process_vm_writev into the peer, "memcpy" a
  * local copy. The "shm" variants do the same copies with memcpy between buffers in one shared
  * mapping made before the fork (a tmpfs-backed MAP_SHARED, like lockstep's segment), as the
- * zero-copy paths on shared buffers do. */
+ * zero-copy paths on shared buffers do. The "staged" variants copy through staging slots in that
+ * mapping, as lockstep's staged paths on ordinary buffers do ("|" in their names is a barrier:
+ * the slots are complete); the slots alternate between two buffers from one repetition to the
+ * next, as lockstep's alternate by phase parity (one slot, rewritten while its lines sit in the
+ * peer's cache, took twice as long). `compare.py` runs the all_gather variants each op-round as
+ * the ordinary-buffer floor. ONLY=letters runs only those variants (a = the first listed below). */
 #define _GNU_SOURCE
 #include <sched.h>
 #include <stdatomic.h>
@@ -61,6 +66,18 @@ static void cma(int write, char *local, char *remote, size_t n) {
 #define PULL(local, remote, n) cma(0, local, remote, n)
 #define PUSH(local, remote, n) cma(1, local, remote, n)
 
+/* Read n bytes of src once and write them to a and to b, 32 bytes at a time (what lockstep's
+ * put2 does): the fused form of two copies of one source. */
+static void copy2(char *a, char *b, const char *src, size_t n) {
+    typedef long long v4 __attribute__((vector_size(32), aligned(1)));
+    for (size_t i = 0; i + 128 <= n; i += 128) {
+        v4 x0 = *(const v4 *)(src + i), x1 = *(const v4 *)(src + i + 32);
+        v4 x2 = *(const v4 *)(src + i + 64), x3 = *(const v4 *)(src + i + 96);
+        *(v4 *)(a + i) = x0, *(v4 *)(a + i + 32) = x1, *(v4 *)(a + i + 64) = x2, *(v4 *)(a + i + 96) = x3;
+        *(v4 *)(b + i) = x0, *(v4 *)(b + i + 32) = x1, *(v4 *)(b + i + 64) = x2, *(v4 *)(b + i + 96) = x3;
+    }
+}
+
 static int cmp(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;
     return (x > y) - (x < y);
@@ -85,6 +102,13 @@ static const char *names[] = {
     "broadcast in place, shm pull: 1 memcpy S from 0's shm input",
     "broadcast in place, shm split: 0 memcpy S/2 into 1's shm output; 1 memcpy S/2",
     "pull S/2 on both, shm (memcpy from the peer's shm input)",
+    "all_gather out of place, staged: each stages S/2 | copies own S/2, peer's S/2",
+    "all_gather out of place, staged, own copy first: own S/2, stage S/2 | peer's S/2",
+    "all_gather out of place, staged, fused: stage + own S/2 in one pass | peer's S/2",
+    "broadcast out of place, staged: 0 stages S | 0 memcpy S, 1 copies S out",
+    "broadcast out of place, staged, fused: 0 stages + memcpy S in one pass | 1 copies S out",
+    "all_gather staged, fused in 4 KiB memcpy pairs (lockstep's copy_block2 before)",
+    "memcpy S/2 three times on both (the staged all_gather's copies, no handshake)",
 };
 #define NV (int)(sizeof names / sizeof *names)
 
@@ -92,6 +116,8 @@ int main(int argc, char **argv) {
     size_t S = argc > 1 ? strtoull(argv[1], NULL, 10) : 1 << 20;
     int reps = argc > 2 ? atoi(argv[2]) : 200, rounds = argc > 3 ? atoi(argv[3]) : 10;
     int fresh = getenv("FRESH") && atoi(getenv("FRESH"));
+    /* ONLY=letters: run only these variants (a = the first, b = the second, ...). */
+    const char *only = getenv("ONLY");
     S = S / 256 * 256;
     if (S == 0 || reps < 1 || rounds < 1) {
         fprintf(stderr, "usage: cma_floor [BYTES >= 256] [REPS] [ROUNDS]\n");
@@ -129,7 +155,7 @@ int main(int argc, char **argv) {
     long sink = 0;
     for (int rd = 0; rd < rounds; rd++)
         for (int v = 0; v < NV; v++)
-            for (int r = -5; r < reps; r++) {
+            for (int r = -5; r < reps && (!only || strchr(only, 'a' + v)); r++) {
                 if (fresh) {
                     for (size_t i = 0; i < S; i += 64) sink += out[i];
                     memset(in, (int)(sink + r) & 0x7f, S);
@@ -137,6 +163,9 @@ int main(int argc, char **argv) {
                 barrier();
                 double t0 = now();
                 char *pin = C->in[peer], *pout = C->out[peer];
+                /* Staging slots alternate between two buffers by repetition, as lockstep's alternate
+                 * by phase parity. */
+                char *slot[2] = {r & 1 ? C->shout[0] : C->shin[0], r & 1 ? C->shout[1] : C->shin[1]};
                 switch (v) {
                 case 0: break;
                 case 1: if (me) PULL(out, pin, S); break;
@@ -175,6 +204,44 @@ int main(int argc, char **argv) {
                 case 15: if (me) memcpy(C->shout[1], C->shin[0], S); break;
                 case 16: if (me) memcpy(C->shout[1], C->shin[0], H); else memcpy(C->shout[1] + H, C->shin[0] + H, H); break;
                 case 17: memcpy(C->shout[me] + peer * H, C->shin[peer], H); break;
+                /* Staged through the shared mapping, as lockstep's staged paths on ordinary
+                 * buffers: shin[r] is rank r's slot; "|" is a barrier (the slot is complete). */
+                case 18:
+                    memcpy(slot[me], in, H);
+                    barrier();
+                    memcpy(out + me * H, in, H);
+                    memcpy(out + peer * H, slot[peer], H);
+                    break;
+                case 19:
+                    memcpy(out + me * H, in, H);
+                    memcpy(slot[me], in, H);
+                    barrier();
+                    memcpy(out + peer * H, slot[peer], H);
+                    break;
+                case 20:
+                    copy2(slot[me], out + me * H, in, H);
+                    barrier();
+                    memcpy(out + peer * H, slot[peer], H);
+                    break;
+                case 21:
+                    if (!me) memcpy(slot[0], in, S);
+                    barrier();
+                    if (me) memcpy(out, slot[0], S); else memcpy(out, in, S);
+                    break;
+                case 22:
+                    if (!me) copy2(slot[0], out, in, S);
+                    barrier();
+                    if (me) memcpy(out, slot[0], S);
+                    break;
+                case 23:
+                    for (size_t o = 0; o < H; o += 4096) {
+                        memcpy(slot[me] + o, in + o, 4096);
+                        memcpy(out + me * H + o, in + o, 4096);
+                    }
+                    barrier();
+                    memcpy(out + peer * H, slot[peer], H);
+                    break;
+                case 24: memcpy(out, in, H); memcpy(C->shin[me], in, H); memcpy(in, out, H); break;
                 }
                 barrier();
                 if (r >= 0) t[(size_t)v * reps * rounds + cnt[v]++] = now() - t0;
@@ -183,6 +250,7 @@ int main(int argc, char **argv) {
         printf("cma_floor: %zu bytes, %d x %d repetitions per variant%s\n", S, rounds, reps, fresh ? ", fresh inputs" : "");
         for (int v = 0; v < NV; v++) {
             double *x = t + (size_t)v * reps * rounds;
+            if (!cnt[v]) continue;
             qsort(x, cnt[v], sizeof(double), cmp);
             printf("%-72s median_us %8.2f p10_us %8.2f\n", names[v], x[cnt[v] / 2] * 1e6, x[cnt[v] / 10] * 1e6);
         }

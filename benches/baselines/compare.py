@@ -53,6 +53,18 @@ never below half the probe's round trip: bound = max(copy time, rtt/2). "x bound
 lockstep time (1.0 = at the bound); "x MPI" = Open MPI time / lockstep time (> 1: lockstep faster).
 The bound is measured only when NPROCS <= the CPUs of this machine.
 
+Ordinary-buffer floor of all_gather (benches/baselines/cma_floor.c, 2 ranks, 64 KiB-4 MiB): on
+ordinary (private) buffers out of place, every byte of a peer's block reaches this rank's output
+either through a shared mapping (the peer copies it in, this rank copies it out) or through the
+kernel (process_vm_readv/writev), and each rank also copies its own block. Each op-round times
+those copies done by two bare processes with nothing else, in every arrangement lockstep could use:
+staged (stage, then own copy and copy-out; own copy first; stage and own copy fused into one
+pass), single-copy (own copy and a pull, or a push). The "ordinary floor" is the fastest of them
+(median per variant, then the least), and "MPI / floor" = Open MPI's time / that floor: the most
+"x MPI" any implementation on ordinary buffers could show in that run (below 2: issue 16's 2x at
+that size cannot be met on ordinary buffers out of place). Staging in cma_floor alternates two
+slots as lockstep's phases do.
+
 Tail latency: for sizes up to 4 KiB a second table per state gives p50 / p99 per call (each the
 slowest rank's, median over the rounds) for lockstep (`lockstep bench --format csv`) and Open MPI
 (mpi_bench.c's ninth column); gloo_bench.py reports no p99.
@@ -70,6 +82,10 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 SHARED, NOT_SHARED, CHANGED = "shared cache", "no shared cache", "changed"
 # Sizes whose p50 / p99 get their own table.
 P99_MAX_BYTES = 4096
+# all_gather sizes that get the ordinary-buffer floor, and cma_floor's variants for it (letters
+# as its ONLY= takes them: pull, push, staged, own copy first, fused).
+OFLOOR_BYTES = (64 << 10, 4 << 20)
+OFLOOR_VARIANTS = "histu"
 
 
 def parse(out):
@@ -175,6 +191,7 @@ def main():
     if membw is None:
         print(f"# {a.nprocs} ranks on {cpus} CPUs: no bound (one copier per rank needs a CPU each)")
     xfloor = build_c("xfloor.c", "/tmp/lockstep_xfloor", "-pthread") if a.nprocs == 2 and cpus >= 2 else None
+    cma_floor = build_c("cma_floor.c", "/tmp/lockstep_cma_floor", "-mavx2") if a.nprocs == 2 and cpus >= 2 else None
     tools = {}
     bench = lambda exe, b: lambda op: [exe, "bench", "--nprocs", str(a.nprocs), "--op", op, "--sizes", a.sizes, "--buffers", b, "--format", "csv"]
     if a.before:
@@ -199,6 +216,7 @@ def main():
     # (state, op, tool, size) -> [(time, busbw, wrong)]; (state, op, size) -> [bound us]
     results, bounds, probes = {}, {}, {}
     floors = {}  # (state, protocol) -> [ns per call]
+    ofloors = {}  # (state, op, size) -> [us: the fastest ordinary-buffer arrangement]
     seen_rounds = {}  # state -> number of (round, op) blocks
     rnd = 0
     while True:
@@ -230,6 +248,12 @@ def main():
             floor = {}
             if xfloor is not None and any(z <= P99_MAX_BYTES for z in sizes):
                 floor = {m[0]: float(m[1]) for m in re.findall(r"xfloor (\w+) median_ns=([0-9.]+)", run([xfloor, "500000"]))}
+            ofloor = {}
+            for size in sizes:
+                if op == "all_gather" and cma_floor is not None and OFLOOR_BYTES[0] <= size <= OFLOOR_BYTES[1]:
+                    out = subprocess.run([cma_floor, str(size), "100", "3"], capture_output=True, text=True, check=True,
+                                         env={**os.environ, "ONLY": OFLOOR_VARIANTS}).stdout
+                    ofloor[size] = min(float(m) for m in re.findall(r"median_us\s+([0-9.]+)", out))
             after = probe(c2c)
             s0, s1 = state_of(before), state_of(after)
             state = s0 if s0 == s1 else CHANGED
@@ -241,6 +265,8 @@ def main():
                 results.setdefault((state, op, name, size), []).extend(vs)
             for proto, ns in floor.items():
                 floors.setdefault((state, proto), []).append(ns)
+            for size, us in ofloor.items():
+                ofloors.setdefault((state, op, size), []).append(us)
             for key, bd in (("", bound), (" in place", bound_ip)):
                 for size, t in bd.items():
                     # A collective moves at least one cache line one way: half the round trip.
@@ -262,6 +288,9 @@ def main():
         hdr = ["op", "size", *mine, *base, "bound"]
         hdr += [f"{label(m)} x {b}" for m in mine for b in base if b == "openmpi"]
         hdr += [f"{label(m)} x bound" for m in mine]
+        with_of = any(st == state for (st, _, _) in ofloors)
+        if with_of:
+            hdr += ["ordinary floor"] + (["MPI / floor"] if "openmpi" in base else [])
         print("| " + " | ".join(hdr) + " |")
         print("|" + "---|" * len(hdr))
         for op in ops:
@@ -289,6 +318,12 @@ def main():
                 for m in mine:
                     b = bt_ip if m.endswith(" in place") else bt
                     row.append(f"{b / t[m]:.2f}" if m in t and b else "—")
+                if with_of:
+                    ofs = ofloors.get((state, op, size))
+                    of = statistics.median(ofs) if ofs else None
+                    row.append(fmt_us(of) if of else "—")
+                    if "openmpi" in base:
+                        row.append(f"{t['openmpi'] / of:.2f}" if of and "openmpi" in t else "—")
                 print("| " + " | ".join(row) + " |")
         small = [z for z in sizes if z <= P99_MAX_BYTES]
         if small:

@@ -171,6 +171,9 @@ pub(crate) const DIRECT: u8 = 16;
 pub(crate) const INVALID: u8 = 4;
 /// Rank 0 chose streaming stores for the staging of this call (see `shm::tune`).
 pub(crate) const STAGE_NT: u8 = 8;
+/// The rank stages its block of this all-gather after the descriptors, not before
+/// (`algo::gather::late_stage`).
+pub(crate) const LATE_STAGE: u8 = 32;
 
 const _: () = assert!(std::mem::size_of::<Ctrl>() == CTRL_BYTES);
 const _: () = assert!(std::mem::size_of::<Desc>() == 64);
