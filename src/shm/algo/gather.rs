@@ -33,13 +33,12 @@ fn run(ch: &mut Channel, call: &Call, cx: Ctx, attempt: Attempt) -> Result<(), C
     let big = bytes > ch.small_bytes();
     let qualifies = |f: u8| f & SHARED_SEND != 0 && big;
     let skip = attempt == Attempt::First && qualifies(flags);
-    // Out of place, an all-gather of one chunk stages after the descriptors, in one pass with
-    // its own block (see `late_stage`). In place there is nothing to fuse, and staging before
+    // Out of place, a staged all-gather of one chunk stages after the descriptors, in one pass
+    // with its own block (see `late_stage`). In place there is nothing to fuse, and staging before
     // `begin` overlaps with the peers' arrival. Ranks may differ; each says which in its
-    // descriptor.
-    // (wrapping_add: the address is only compared.)
-    let late = all && n > 1 && bytes <= chunk && !std::ptr::eq(send, recv.wrapping_add(me * bytes));
-    let late = late && !direct && !skip;
+    // descriptor. (wrapping_add: the address is only compared.)
+    let own_in_place = std::ptr::eq(send, recv.wrapping_add(me * bytes));
+    let late = all && n > 1 && bytes <= chunk && !own_in_place && !direct && !skip;
     if !direct && !skip {
         let pre = ch.stage_pre(call.kind, bytes);
         if !late {
@@ -120,9 +119,7 @@ fn run(ch: &mut Channel, call: &Call, cx: Ctx, attempt: Attempt) -> Result<(), C
 ///
 /// Why after the descriptors: the one-pass copy writes the output, which must stay untouched
 /// when the call fails its argument check. The phase it costs is a fraction of a microsecond;
-/// the pass saves a read of the input: the bare copies of a 1 MiB all-gather on two cores took
-/// 28.7–29.0 µs fused against 33.2–33.7 µs one after the other (`cma_floor`, RESULTS.md
-/// session 14).
+/// the pass saves a read of the input (figures at `reduce::copy_block2`).
 fn late_stage(ch: &mut Channel, call: &Call, descs: &[Desc], p0: u64, snt: bool, nt: bool, cx: Ctx) -> Result<(), CommError> {
     let (n, me) = (ch.world(), ch.rank());
     let bytes = call.count * call.dtype.size();
