@@ -818,6 +818,18 @@ fn fast_ops<T: TestElem>(comm: &mut Communicator, fast: usize) -> Result<Vec<Str
             if me == root && r != recv {
                 bad.push(format!("reduce {dt} {op} len {len} differs from all_reduce"));
             }
+            // In place, this rank's own input is also the destination (the fast path reads it
+            // from the caller's buffer, not from its entry).
+            let mut ip = send.clone();
+            comm.all_reduce_in_place(&mut ip, op)?;
+            if ip != recv {
+                bad.push(format!("all_reduce in place {dt} {op} len {len} differs from out of place"));
+            }
+            let mut rip = send.clone();
+            comm.reduce_in_place(&mut rip, op, root)?;
+            if (me == root && rip != recv) || (me != root && rip != send) {
+                bad.push(format!("reduce in place {dt} {op} len {len}"));
+            }
         }
         let want = input::<T>(sum, root, n, len, 0);
         let mut b = if me == root { want.clone() } else { vec![T::default(); len] };
@@ -825,12 +837,24 @@ fn fast_ops<T: TestElem>(comm: &mut Communicator, fast: usize) -> Result<Vec<Str
         if b != want {
             bad.push(format!("broadcast {dt} len {len}"));
         }
+        let bsend = if me == root { want.clone() } else { vec![T::default(); len] };
+        let mut bo = vec![T::default(); len];
+        comm.broadcast(&bsend, &mut bo, root)?;
+        if bo != want {
+            bad.push(format!("broadcast out of place {dt} len {len}"));
+        }
         let mine = input::<T>(sum, me, n, len, 0);
         let all: Vec<T> = (0..n).flat_map(|r| input::<T>(sum, r, n, len, 0)).collect();
         let mut ag = vec![T::default(); len * n];
         comm.all_gather(&mine, &mut ag)?;
         if ag != all {
             bad.push(format!("all_gather {dt} len {len}"));
+        }
+        let mut agi = vec![T::default(); len * n];
+        agi[me * len..(me + 1) * len].copy_from_slice(&mine);
+        comm.all_gather_in_place(&mut agi)?;
+        if agi != all {
+            bad.push(format!("all_gather in place {dt} len {len}"));
         }
         let mut g = vec![T::default(); if me == root { len * n } else { 0 }];
         comm.gather(&mine, &mut g, root)?;
@@ -844,6 +868,11 @@ fn fast_ops<T: TestElem>(comm: &mut Communicator, fast: usize) -> Result<Vec<Str
         comm.reduce_scatter(&send, &mut recv, sum)?;
         if let Some(i) = (0..len).find(|&i| !close(recv[i].to_f64(), reference(sum, me * len + i, n, dt), dt)) {
             bad.push(format!("reduce_scatter {dt} len {len}: [{i}] = {:?}", recv[i]));
+        }
+        let mut rsi = send.clone();
+        comm.reduce_scatter_in_place(&mut rsi, sum)?;
+        if rsi[me * len..(me + 1) * len] != recv[..] {
+            bad.push(format!("reduce_scatter in place {dt} len {len} differs from out of place"));
         }
         // Block j of rank r's input goes to rank j: rank `me` receives block `me` of every input.
         let mut a2a = vec![T::default(); len * n];

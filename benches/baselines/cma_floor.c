@@ -18,8 +18,9 @@
  * mapping, as lockstep's staged paths on ordinary buffers do ("|" in their names is a barrier:
  * the slots are complete); the slots alternate between two buffers from one repetition to the
  * next, as lockstep's alternate by phase parity (one slot, rewritten while its lines sit in the
- * peer's cache, took twice as long). `compare.py` runs the all_gather variants each op-round as
- * the ordinary-buffer floor. ONLY=letters runs only those variants (a = the first listed below). */
+ * peer's cache, took twice as long). `compare.py` runs the out-of-place all_gather and broadcast
+ * variants each op-round as the ordinary-buffer floor. ONLY=letters runs only those variants (a =
+ * the first listed below). */
 #define _GNU_SOURCE
 #include <sched.h>
 #include <stdatomic.h>

@@ -53,13 +53,17 @@ never below half the probe's round trip: bound = max(copy time, rtt/2). "x bound
 lockstep time (1.0 = at the bound); "x MPI" = Open MPI time / lockstep time (> 1: lockstep faster).
 The bound is measured only when NPROCS <= the CPUs of this machine.
 
-Ordinary-buffer floor of all_gather (benches/baselines/cma_floor.c, 2 ranks, 64 KiB-4 MiB): on
-ordinary (private) buffers out of place, every byte of a peer's block reaches this rank's output
-either through a shared mapping (the peer copies it in, this rank copies it out) or through the
-kernel (process_vm_readv/writev), and each rank also copies its own block. Each op-round times
-those copies done by two bare processes with nothing else, in every arrangement lockstep could use:
-staged (stage, then own copy and copy-out; own copy first; stage and own copy fused into one
-pass), single-copy (own copy and a pull, or a push). The "ordinary floor" is the fastest of them
+Ordinary-buffer floor of all_gather and broadcast (benches/baselines/cma_floor.c, 2 ranks, 64 KiB-4
+MiB): on ordinary (private) buffers out of place, every byte of a peer's block reaches this rank's
+output either through a shared mapping (the peer copies it in, this rank copies it out) or through
+the kernel (process_vm_readv/writev), and each rank (a broadcast's root) also copies its own block
+into its output. Each op-round times those copies done by two bare processes with nothing else, in
+every arrangement lockstep could use. all_gather: staged (stage, then own copy and copy-out; own
+copy first; stage and own copy fused into one pass), single-copy (own copy and a pull, or a push).
+broadcast: staged (the root stages, then copies its own output while the receiver copies out;
+stage and own copy fused), single-copy (the receiver pulls all; the root pushes a quarter; each
+moves a half). Open MPI's broadcast is in place, so for broadcast the column says how far an
+out-of-place broadcast on ordinary buffers could get ahead of it. The "ordinary floor" is the fastest of them
 (median per variant, then the least), and "MPI / floor" = Open MPI's time / that floor: the most
 "x MPI" any implementation on ordinary buffers could show in that run (below 2: issue 16's 2x at
 that size cannot be met on ordinary buffers out of place). Staging in cma_floor alternates two
@@ -70,10 +74,11 @@ slowest rank's, median over the rounds) for lockstep (`lockstep bench --format c
 (mpi_bench.c's ninth column); gloo_bench.py reports no p99.
 
 Floors per call (benches/baselines/xfloor.c, 2 ranks, sizes up to 4 KiB): each op-round also times
-two bare protocols on CPUs 0 and 1 with the same per-call clock reads: "exchange" (every rank
+bare protocols on CPUs 0 and 1 with the same per-call clock reads: "exchange" (every rank
 hears from its peer in every call, what lockstep's same-call argument check needs), "eager" (a
-broadcast root that writes into a ring and returns, as Open MPI's does) and "clock" (the clock
-reads alone). The medians per state follow the tail table.
+broadcast root that writes into a ring and returns, as Open MPI's does), "clock" (the clock
+reads alone) and "own" (the exchange plus a read of the rank's own line after it: the extra
+crossing that lockstep's fast path avoids). The medians per state follow the tail table.
 """
 import argparse, os, re, shutil, statistics, subprocess, sys, time
 
@@ -82,10 +87,11 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 SHARED, NOT_SHARED, CHANGED = "shared cache", "no shared cache", "changed"
 # Sizes whose p50 / p99 get their own table.
 P99_MAX_BYTES = 4096
-# all_gather sizes that get the ordinary-buffer floor, and cma_floor's variants for it (letters
-# as its ONLY= takes them: pull, push, staged, own copy first, fused).
+# Sizes that get the ordinary-buffer floor, and cma_floor's variants per op (letters as its ONLY=
+# takes them). all_gather out of place: pull, push, staged, own copy first, fused. broadcast out of
+# place: pull, split, halves, halves in chunks, staged, staged and fused.
 OFLOOR_BYTES = (64 << 10, 4 << 20)
-OFLOOR_VARIANTS = "histu"
+OFLOOR_VARIANTS = {"all_gather": "histu", "broadcast": "defgvw"}
 
 
 def parse(out):
@@ -250,9 +256,9 @@ def main():
                 floor = {m[0]: float(m[1]) for m in re.findall(r"xfloor (\w+) median_ns=([0-9.]+)", run([xfloor, "500000"]))}
             ofloor = {}
             for size in sizes:
-                if op == "all_gather" and cma_floor is not None and OFLOOR_BYTES[0] <= size <= OFLOOR_BYTES[1]:
+                if op in OFLOOR_VARIANTS and cma_floor is not None and OFLOOR_BYTES[0] <= size <= OFLOOR_BYTES[1]:
                     out = subprocess.run([cma_floor, str(size), "100", "3"], capture_output=True, text=True, check=True,
-                                         env={**os.environ, "ONLY": OFLOOR_VARIANTS}).stdout
+                                         env={**os.environ, "ONLY": OFLOOR_VARIANTS[op]}).stdout
                     ofloor[size] = min(float(m) for m in re.findall(r"median_us\s+([0-9.]+)", out))
             after = probe(c2c)
             s0, s1 = state_of(before), state_of(after)

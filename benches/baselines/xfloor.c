@@ -17,6 +17,11 @@
  *             own line, which the root reads only when it comes round to a slot not yet acked. The root never
  *             hears from the receiver within a call, so the calls overlap.
  *   clock     Only the two clock reads of the timing: what every per-call time includes.
+ *   own       The exchange, then one read of the thread's own line (the number it just wrote).
+ *             On the AMD host of RESULTS.md this costs one more crossing between cores: the
+ *             peer's read took the modified line along (migratory sharing), so reading it back
+ *             misses. Why lockstep's fast path never reads its own entry after the exchange
+ *             (src/shm/algo/fast.rs; RESULTS.md, session 15).
  *
  * Prints one line per protocol: `xfloor <name> median_ns=...` (the slower thread's median).
  * compare.py prints them beside its tables; RESULTS.md (issue 16 goal 2) uses them. */
@@ -82,7 +87,14 @@ static void eager(int me, long k) {
     }
 }
 
-static int mode; /* 0 exchange, 1 eager, 2 clock */
+static volatile long sink;
+
+static void own(int me, long k) {
+    exchange(me, k);
+    sink = atomic_load_explicit(&entry[me][k & 1].v, memory_order_relaxed);
+}
+
+static int mode; /* 0 exchange, 1 eager, 2 clock, 3 own */
 
 static void *thread(void *arg) {
     int me = (int)(long)arg;
@@ -94,6 +106,7 @@ static void *thread(void *arg) {
         double a = now_ns();
         if (mode == 0) exchange(me, k);
         else if (mode == 1) eager(me, k);
+        else if (mode == 3) own(me, k);
         t[k - 1] = now_ns() - a;
     }
     /* The first tenth warms up. */
@@ -107,8 +120,8 @@ static void *thread(void *arg) {
 int main(int argc, char **argv) {
     calls = argc > 1 ? atol(argv[1]) : 2000000;
     if (calls < 100) calls = 100;
-    const char *names[] = {"exchange", "eager", "clock"};
-    for (mode = 0; mode < 3; mode++) {
+    const char *names[] = {"exchange", "eager", "clock", "own"};
+    for (mode = 0; mode < 4; mode++) {
         for (int i = 0; i < 2; i++)
             for (int j = 0; j < 2; j++) atomic_store(&entry[i][j].v, 0);
         for (int i = 0; i < RING; i++) atomic_store(&ring[i].v, 0);

@@ -736,6 +736,12 @@ impl Channel {
             });
         }
         let desc = |r: usize| {
+            if r == self.rank {
+                // Not read back from the entry: a peer that read it took the line along (see
+                // `algo::fast`). The same conversions as the entry's fields.
+                let (kind, dtype, op) = (call.kind as u8, call.dtype as u8, call.op as u8);
+                return Desc { kind, dtype, op, root: call.root as u32 as u64, count: call.count as u64, seq, ..Desc::default() };
+            }
             // SAFETY: rank r published this entry (its seq equals ours, acquire above) and does
             // not rewrite it before this rank's next collective.
             let h = unsafe { &*self.fast_hdr(r, seq) };

@@ -10,8 +10,15 @@
 //! as the same [`CommError::Mismatch`] everywhere, and what keeps an entry unread before its owner
 //! rewrites it two calls later.
 //!
-//! Reductions read the entries in rank order 0..n (the rank's own from its own entry), so every
-//! rank gets the same bits, as on the other paths.
+//! Reductions read the entries in rank order 0..n, so every rank gets the same bits, as on the
+//! other paths.
+//!
+//! After the exchange a rank never reads its own entry back: its own payload comes from the
+//! caller's send buffer, its own arguments from the call. Why: a peer that read the entry took
+//! the line with it (this AMD host hands a modified line to the reader outright, as a migratory
+//! line), and reading it back costs one more crossing between cores after the exchange, about
+//! 40 ns with a shared cache and 130–170 ns without one, where the exchange itself takes 70 and
+//! 280 ns (`benches/baselines/xfloor.c`'s `own` protocol; RESULTS.md, session 15).
 
 use crate::comm::{Call, CollKind, CommError};
 use crate::shm::channel::{Channel, Ctx};
@@ -61,6 +68,8 @@ pub(crate) fn run(ch: &mut Channel, call: &Call, cx: Ctx) -> Result<(), CommErro
     if c == 0 {
         return Ok(());
     }
+    // Rank r's payload: its entry, or for this rank the send buffer it was copied from.
+    let src = |r: usize| if r == me { send } else { ch.fast_data(r) as *const u8 };
     let receives = |r: usize| !matches!(call.kind, CollKind::Reduce | CollKind::Gather) || r == call.root;
     match call.kind {
         CollKind::AllReduce | CollKind::Reduce | CollKind::ReduceScatter => {
@@ -78,32 +87,40 @@ pub(crate) fn run(ch: &mut Channel, call: &Call, cx: Ctx) -> Result<(), CommErro
                 &mut big
             };
             for (r, s) in srcs.iter_mut().enumerate() {
-                // SAFETY: (add) every entry holds the rank's whole input, off + block <= its size.
-                *s = unsafe { ch.fast_data(r).add(off) };
+                let whole = if r == me { send } else { ch.fast_data(r) as *const u8 };
+                // SAFETY: (add) every entry and the send buffer hold the rank's whole input,
+                // off + block <= its size.
+                *s = unsafe { whole.add(off) };
             }
             // SAFETY: every source holds `c` elements (the arguments agree, checked above);
             // recv holds `c` elements on receiving ranks (checked by Communicator) and lies
-            // outside the entries.
+            // outside the entries; in place it equals this rank's source (the reduction allows
+            // a destination equal to a source).
             unsafe { reduce_raw(call.dtype, call.op, n, srcs, recv, c) };
         }
         CollKind::Broadcast => {
-            // SAFETY: the root's entry holds `block` bytes; recv holds `block` and lies outside.
-            unsafe { copy_block(ch.fast_data(call.root), recv, block, false) };
+            // SAFETY: the root's entry (the root's send buffer, on the root) holds `block` bytes;
+            // recv holds `block` and lies outside the entries, equal to send or disjoint.
+            unsafe { copy_block(src(call.root), recv, block, false) };
         }
         CollKind::AllGather | CollKind::Gather if receives(me) => {
             for r in 0..n {
-                // SAFETY: entry r holds `block` bytes; recv holds n*block on receivers.
-                unsafe { copy_block(ch.fast_data(r), recv.add(r * block), block, false) };
+                // SAFETY: entry r (send, for this rank) holds `block` bytes; recv holds n*block
+                // on receivers; in place, send is block `me` of recv.
+                unsafe { copy_block(src(r), recv.add(r * block), block, false) };
             }
         }
         CollKind::Scatter => {
-            // SAFETY: the root's entry holds n*block bytes; recv holds `block`.
-            unsafe { copy_block(ch.fast_data(call.root).add(me * block), recv, block, false) };
+            // SAFETY: the root's entry (send, on the root) holds n*block bytes; recv holds
+            // `block`, equal to block `me` of send in place or disjoint.
+            unsafe { copy_block(src(call.root).add(me * block), recv, block, false) };
         }
         CollKind::AllToAll => {
             for r in 0..n {
-                // SAFETY: entry r holds n*block bytes, block `me` is ours; recv holds n*block.
-                unsafe { copy_block(ch.fast_data(r).add(me * block), recv.add(r * block), block, false) };
+                // SAFETY: entry r (send, for this rank) holds n*block bytes, block `me` is ours;
+                // recv holds n*block, disjoint from send (Communicator refuses all-to-all in
+                // place).
+                unsafe { copy_block(src(r).add(me * block), recv.add(r * block), block, false) };
             }
         }
         _ => {}
