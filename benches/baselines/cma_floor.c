@@ -84,6 +84,18 @@ static int cmp(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
+/* a[i] = b[i] = x[i] + y[i] over n bytes of f32 (n a multiple of 128), 32 bytes at a time: the
+ * staged all-reduce's step, whose sum goes to the rank's output and to its slot for the peer (as
+ * lockstep's reduce_into with two destinations). */
+static void sum2(char *a, char *b, const char *x, const char *y, size_t n) {
+    typedef float v8 __attribute__((vector_size(32), aligned(1)));
+    for (size_t i = 0; i + 128 <= n; i += 128)
+        for (size_t j = 0; j < 128; j += 32) {
+            v8 v = *(const v8 *)(x + i + j) + *(const v8 *)(y + i + j);
+            *(v8 *)(a + i + j) = v, *(v8 *)(b + i + j) = v;
+        }
+}
+
 static const char *names[] = {
     "barrier alone",
     "broadcast in place, pull: 1 pulls S",
@@ -110,6 +122,7 @@ static const char *names[] = {
     "broadcast out of place, staged, fused: 0 stages + memcpy S in one pass | 1 copies S out",
     "all_gather staged, fused in 4 KiB memcpy pairs (lockstep's copy_block2 before)",
     "memcpy S/2 three times on both (the staged all_gather's copies, no handshake)",
+    "all_reduce out of place, staged: stage peer's S/2 | reduce own S/2 into output + slot | copy peer's S/2 out",
 };
 #define NV (int)(sizeof names / sizeof *names)
 
@@ -243,6 +256,16 @@ int main(int argc, char **argv) {
                     memcpy(out + peer * H, slot[peer], H);
                     break;
                 case 24: memcpy(out, in, H); memcpy(C->shin[me], in, H); memcpy(in, out, H); break;
+                case 25: {
+                    /* The result slot is the buffer the stage slot is not in this repetition. */
+                    char *res[2] = {r & 1 ? C->shin[0] : C->shout[0], r & 1 ? C->shin[1] : C->shout[1]};
+                    memcpy(slot[me], in + peer * H, H);
+                    barrier();
+                    sum2(out + me * H, res[me], in + me * H, slot[peer], H);
+                    barrier();
+                    memcpy(out + peer * H, res[peer], H);
+                    break;
+                }
                 }
                 barrier();
                 if (r >= 0) t[(size_t)v * reps * rounds + cnt[v]++] = now() - t0;

@@ -53,17 +53,20 @@ never below half the probe's round trip: bound = max(copy time, rtt/2). "x bound
 lockstep time (1.0 = at the bound); "x MPI" = Open MPI time / lockstep time (> 1: lockstep faster).
 The bound is measured only when NPROCS <= the CPUs of this machine.
 
-Ordinary-buffer floor of all_gather and broadcast (benches/baselines/cma_floor.c, 2 ranks, 64 KiB-4
-MiB): on ordinary (private) buffers out of place, every byte of a peer's block reaches this rank's
-output either through a shared mapping (the peer copies it in, this rank copies it out) or through
-the kernel (process_vm_readv/writev), and each rank (a broadcast's root) also copies its own block
-into its output. Each op-round times those copies done by two bare processes with nothing else, in
-every arrangement lockstep could use. all_gather: staged (stage, then own copy and copy-out; own
-copy first; stage and own copy fused into one pass), single-copy (own copy and a pull, or a push).
-broadcast: staged (the root stages, then copies its own output while the receiver copies out;
-stage and own copy fused), single-copy (the receiver pulls all; the root pushes a quarter; each
-moves a half). Open MPI's broadcast is in place, so for broadcast the column says how far an
-out-of-place broadcast on ordinary buffers could get ahead of it. The "ordinary floor" is the fastest of them
+Ordinary-buffer floor of all_gather, broadcast and all_reduce (benches/baselines/cma_floor.c, 2
+ranks, 64 KiB-4 MiB): on ordinary (private) buffers out of place, every byte of a peer's block
+reaches this rank's output either through a shared mapping (the peer copies it in, this rank
+copies it out) or through the kernel (process_vm_readv/writev), and each rank (a broadcast's root)
+also copies its own block into its output. Each op-round times those copies done by two bare
+processes with nothing else, in every arrangement lockstep could use. all_gather: staged (stage,
+then own copy and copy-out; own copy first; stage and own copy fused into one pass), single-copy
+(own copy and a pull, or a push). broadcast: staged (the root stages, then copies its own output
+while the receiver copies out; stage and own copy fused), single-copy (the receiver pulls all;
+the root pushes a quarter; each moves a half). Open MPI's broadcast is in place, so for broadcast
+the column says how far an out-of-place broadcast on ordinary buffers could get ahead of it.
+all_reduce: staged as lockstep's (each stages the half its peer reduces, reduces its own half
+into its output and a second slot, then copies the peer's result out), the f32 sums included.
+The "ordinary floor" is the fastest of them
 (median per variant, then the least), and "MPI / floor" = Open MPI's time / that floor: the most
 "x MPI" any implementation on ordinary buffers could show in that run (below 2: issue 16's 2x at
 that size cannot be met on ordinary buffers out of place). Staging in cma_floor alternates two
@@ -89,9 +92,10 @@ SHARED, NOT_SHARED, CHANGED = "shared cache", "no shared cache", "changed"
 P99_MAX_BYTES = 4096
 # Sizes that get the ordinary-buffer floor, and cma_floor's variants per op (letters as its ONLY=
 # takes them). all_gather out of place: pull, push, staged, own copy first, fused. broadcast out of
-# place: pull, split, halves, halves in chunks, staged, staged and fused.
+# place: pull, split, halves, halves in chunks, staged, staged and fused. all_reduce out of place:
+# staged (stage the peer's half, reduce the own half, copy the peer's result out).
 OFLOOR_BYTES = (64 << 10, 4 << 20)
-OFLOOR_VARIANTS = {"all_gather": "histu", "broadcast": "defgvw"}
+OFLOOR_VARIANTS = {"all_gather": "histu", "broadcast": "defgvw", "all_reduce": "z"}
 
 
 def parse(out):
