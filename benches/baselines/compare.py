@@ -65,7 +65,9 @@ while the receiver copies out; stage and own copy fused), single-copy (the recei
 the root pushes a quarter; each moves a half). Open MPI's broadcast is in place, so for broadcast
 the column says how far an out-of-place broadcast on ordinary buffers could get ahead of it.
 all_reduce: staged as lockstep's (each stages the half its peer reduces, reduces its own half
-into its output and a second slot, then copies the peer's result out), the f32 sums included.
+into its output and a second slot, then copies the peer's result out), the f32 sums included;
+only that arrangement so far: lockstep's single copy through the kernel has no variant in
+cma_floor yet, so where the tuner picks it lockstep can run below this "floor".
 The "ordinary floor" is the fastest of them
 (median per variant, then the least), and "MPI / floor" = Open MPI's time / that floor: the most
 "x MPI" any implementation on ordinary buffers could show in that run (below 2: issue 16's 2x at
