@@ -709,16 +709,27 @@ impl Channel {
     /// counters stay aligned.
     pub(crate) fn fast_exchange(&mut self, call: &Call, cx: Ctx) -> Result<(), CommError> {
         let seq = self.seq;
+        // This rank's call as its entry carries it (root in 32 bits), and as the check below
+        // compares it: the own entry is never read back (see `algo::fast`).
+        let own = Desc {
+            kind: call.kind as u8,
+            dtype: call.dtype as u8,
+            op: call.op as u8,
+            root: call.root as u32 as u64,
+            count: call.count as u64,
+            seq,
+            ..Desc::default()
+        };
         let h = self.fast_hdr(self.rank, seq);
         // SAFETY: only this rank writes its own entry; peers read this parity's head only after
         // the `seq` store below and stop before their next collective, which this rank's next
         // collective waits for, so nobody reads it now (see `FastHdr`).
         unsafe {
-            (*h).kind = call.kind as u8;
-            (*h).dtype = call.dtype as u8;
-            (*h).op = call.op as u8;
-            (*h).root = call.root as u32;
-            (*h).count = call.count as u64;
+            (*h).kind = own.kind;
+            (*h).dtype = own.dtype;
+            (*h).op = own.op;
+            (*h).root = own.root as u32;
+            (*h).count = own.count;
             // Release: the sleepers are checked after the wait (`wait_published`).
             (*h).seq.store(seq, Release);
         }
@@ -737,10 +748,7 @@ impl Channel {
         }
         let desc = |r: usize| {
             if r == self.rank {
-                // Not read back from the entry: a peer that read it took the line along (see
-                // `algo::fast`). The same conversions as the entry's fields.
-                let (kind, dtype, op) = (call.kind as u8, call.dtype as u8, call.op as u8);
-                return Desc { kind, dtype, op, root: call.root as u32 as u64, count: call.count as u64, seq, ..Desc::default() };
+                return own;
             }
             // SAFETY: rank r published this entry (its seq equals ours, acquire above) and does
             // not rewrite it before this rank's next collective.

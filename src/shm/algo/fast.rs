@@ -87,10 +87,9 @@ pub(crate) fn run(ch: &mut Channel, call: &Call, cx: Ctx) -> Result<(), CommErro
                 &mut big
             };
             for (r, s) in srcs.iter_mut().enumerate() {
-                let whole = if r == me { send } else { ch.fast_data(r) as *const u8 };
                 // SAFETY: (add) every entry and the send buffer hold the rank's whole input,
                 // off + block <= its size.
-                *s = unsafe { whole.add(off) };
+                *s = unsafe { src(r).add(off) };
             }
             // SAFETY: every source holds `c` elements (the arguments agree, checked above);
             // recv holds `c` elements on receiving ranks (checked by Communicator) and lies
