@@ -20,7 +20,7 @@
  * next, as lockstep's alternate by phase parity (one slot, rewritten while its lines sit in the
  * peer's cache, took twice as long). `compare.py` runs the out-of-place all_gather and broadcast
  * variants each op-round as the ordinary-buffer floor. ONLY=letters runs only those variants (a =
- * the first listed below). */
+ * the first listed below, z the 26th, then A, B, ...). */
 #define _GNU_SOURCE
 #include <sched.h>
 #include <stdatomic.h>
@@ -123,14 +123,19 @@ static const char *names[] = {
     "all_gather staged, fused in 4 KiB memcpy pairs (lockstep's copy_block2 before)",
     "memcpy S/2 three times on both (the staged all_gather's copies, no handshake)",
     "all_reduce out of place, staged: stage peer's S/2 | reduce own S/2 into output + slot | copy peer's S/2 out",
+    "all_gather in place, staged: each stages its S/2 block | copies peer's S/2 out",
+    "broadcast in place, staged, pipelined: 0 stages S while 1 copies out the last",
 };
 #define NV (int)(sizeof names / sizeof *names)
+
+/* The letter ONLY= names variant v by: a-z, then A-Z. */
+static int letter(int v) { return v < 26 ? 'a' + v : 'A' + v - 26; }
 
 int main(int argc, char **argv) {
     size_t S = argc > 1 ? strtoull(argv[1], NULL, 10) : 1 << 20;
     int reps = argc > 2 ? atoi(argv[2]) : 200, rounds = argc > 3 ? atoi(argv[3]) : 10;
     int fresh = getenv("FRESH") && atoi(getenv("FRESH"));
-    /* ONLY=letters: run only these variants (a = the first, b = the second, ...). */
+    /* ONLY=letters: run only these variants (a = the first, b = the second, ..., z, then A, B, ...). */
     const char *only = getenv("ONLY");
     S = S / 256 * 256;
     if (S == 0 || reps < 1 || rounds < 1) {
@@ -169,7 +174,7 @@ int main(int argc, char **argv) {
     long sink = 0;
     for (int rd = 0; rd < rounds; rd++)
         for (int v = 0; v < NV; v++)
-            for (int r = -5; r < reps && (!only || strchr(only, 'a' + v)); r++) {
+            for (int r = -5; r < reps && (!only || strchr(only, letter(v))); r++) {
                 if (fresh) {
                     for (size_t i = 0; i < S; i += 64) sink += out[i];
                     memset(in, (int)(sink + r) & 0x7f, S);
@@ -266,6 +271,22 @@ int main(int argc, char **argv) {
                     memcpy(out + peer * H, res[peer], H);
                     break;
                 }
+                /* In place: a rank's own block already lies in its output, so all_gather stages
+                 * it from there and copies only the peer's block out; broadcast's root copies
+                 * nothing into its own buffer. The staged broadcast's root returns once it has
+                 * staged (it has nothing to copy out), so in a loop of calls it stages the next
+                 * message while the receiver still copies out the last one from the other slot:
+                 * variant 27 times that overlap. all_gather cannot overlap so: each rank both
+                 * stages and copies out. */
+                case 26:
+                    memcpy(slot[me], out + me * H, H);
+                    barrier();
+                    memcpy(out + peer * H, slot[peer], H);
+                    break;
+                case 27:
+                    if (!me) memcpy(slot[0], in, S);
+                    else memcpy(out, r & 1 ? C->shin[0] : C->shout[0], S);
+                    break;
                 }
                 barrier();
                 if (r >= 0) t[(size_t)v * reps * rounds + cnt[v]++] = now() - t0;

@@ -64,6 +64,10 @@ then own copy and copy-out; own copy first; stage and own copy fused into one pa
 while the receiver copies out; stage and own copy fused), single-copy (the receiver pulls all;
 the root pushes a quarter; each moves a half). Open MPI's broadcast is in place, so for broadcast
 the column says how far an out-of-place broadcast on ordinary buffers could get ahead of it.
+With --in-place, the "in-place floor" does the same for the in-place forms, where a rank's own
+block already lies in its output: all_gather pushes or pulls the peer's block through the kernel,
+or stages its own block and copies the peer's out; broadcast's receiver pulls all, or the root
+pushes half and the receiver pulls half, or the root stages and the receiver copies out.
 all_reduce: staged as lockstep's (each stages the half its peer reduces, reduces its own half
 into its output and a second slot, then copies the peer's result out), the f32 sums included;
 only that arrangement so far: lockstep's single copy through the kernel has no variant in
@@ -98,6 +102,8 @@ P99_MAX_BYTES = 4096
 # staged (stage the peer's half, reduce the own half, copy the peer's result out).
 OFLOOR_BYTES = (64 << 10, 4 << 20)
 OFLOOR_VARIANTS = {"all_gather": "histu", "broadcast": "defgvw", "all_reduce": "z"}
+# In place (with --in-place): all_gather push, pull, staged; broadcast pull, split, staged.
+IFLOOR_VARIANTS = {"all_gather": "joA", "broadcast": "bcB"}
 
 
 def parse(out):
@@ -229,6 +235,7 @@ def main():
     results, bounds, probes = {}, {}, {}
     floors = {}  # (state, protocol) -> [ns per call]
     ofloors = {}  # (state, op, size) -> [us: the fastest ordinary-buffer arrangement]
+    ifloors = {}  # the same, in place
     seen_rounds = {}  # state -> number of (round, op) blocks
     rnd = 0
     while True:
@@ -260,12 +267,16 @@ def main():
             floor = {}
             if xfloor is not None and any(z <= P99_MAX_BYTES for z in sizes):
                 floor = {m[0]: float(m[1]) for m in re.findall(r"xfloor (\w+) median_ns=([0-9.]+)", run([xfloor, "500000"]))}
-            ofloor = {}
+            ofloor, ifloor = {}, {}
             for size in sizes:
                 if op in OFLOOR_VARIANTS and cma_floor is not None and OFLOOR_BYTES[0] <= size <= OFLOOR_BYTES[1]:
                     out = subprocess.run([cma_floor, str(size), "100", "3"], capture_output=True, text=True, check=True,
                                          env={**os.environ, "ONLY": OFLOOR_VARIANTS[op]}).stdout
                     ofloor[size] = min(float(m) for m in re.findall(r"median_us\s+([0-9.]+)", out))
+                if a.in_place and op in IFLOOR_VARIANTS and cma_floor is not None and OFLOOR_BYTES[0] <= size <= OFLOOR_BYTES[1]:
+                    out = subprocess.run([cma_floor, str(size), "100", "3"], capture_output=True, text=True, check=True,
+                                         env={**os.environ, "ONLY": IFLOOR_VARIANTS[op]}).stdout
+                    ifloor[size] = min(float(m) for m in re.findall(r"median_us\s+([0-9.]+)", out))
             after = probe(c2c)
             s0, s1 = state_of(before), state_of(after)
             state = s0 if s0 == s1 else CHANGED
@@ -279,6 +290,8 @@ def main():
                 floors.setdefault((state, proto), []).append(ns)
             for size, us in ofloor.items():
                 ofloors.setdefault((state, op, size), []).append(us)
+            for size, us in ifloor.items():
+                ifloors.setdefault((state, op, size), []).append(us)
             for key, bd in (("", bound), (" in place", bound_ip)):
                 for size, t in bd.items():
                     # A collective moves at least one cache line one way: half the round trip.
@@ -303,6 +316,9 @@ def main():
         with_of = any(st == state for (st, _, _) in ofloors)
         if with_of:
             hdr += ["ordinary floor"] + (["MPI / floor"] if "openmpi" in base else [])
+        with_if = any(st == state for (st, _, _) in ifloors)
+        if with_if:
+            hdr += ["in-place floor"] + (["MPI / in-place floor"] if "openmpi" in base else [])
         print("| " + " | ".join(hdr) + " |")
         print("|" + "---|" * len(hdr))
         for op in ops:
@@ -336,6 +352,12 @@ def main():
                     row.append(fmt_us(of) if of else "—")
                     if "openmpi" in base:
                         row.append(f"{t['openmpi'] / of:.2f}" if of and "openmpi" in t else "—")
+                if with_if:
+                    ifs = ifloors.get((state, op, size))
+                    fi = statistics.median(ifs) if ifs else None
+                    row.append(fmt_us(fi) if fi else "—")
+                    if "openmpi" in base:
+                        row.append(f"{t['openmpi'] / fi:.2f}" if fi and "openmpi" in t else "—")
                 print("| " + " | ".join(row) + " |")
         small = [z for z in sizes if z <= P99_MAX_BYTES]
         if small:

@@ -5,7 +5,8 @@
 #   lockstep launch --nproc-per-node N -- lockstep selftest
 # for N = 2 (target <= 5 ms) and N = 8 (target <= 10 ms; issue 16): every rank execs the program,
 # joins the named segment, runs one verified all-reduce and a barrier. Then the launcher's floor
-# (ranks running `true`), and mpirun / torchrun when they are installed. CPU time does not depend on what else runs on the machine the way wall time
+# (ranks running `true`), the ranks starting the executable alone (`lockstep --version`), and
+# mpirun / torchrun when they are installed. CPU time does not depend on what else runs on the machine the way wall time
 # does: on the 2-CPU project machine other jobs move wall times by several times, so the load
 # average is printed before and after.
 #
@@ -32,7 +33,7 @@ report() { # name target_ms "median p90 cpu"
   if [[ -n "$2" && "$med" != failed ]]; then
     verdict=$(awk -v m="$med" -v t="$2" 'BEGIN { print (m <= t) ? "ok (target <= " t " ms)" : "SLOW (target <= " t " ms)" }')
   fi
-  printf '%-58s median %7s ms  p90 %7s ms  cpu %7s ms  %s\n' "$1" "$med" "${p90:-}" "${cpu:-}" "$verdict"
+  printf '%-66s median %7s ms  p90 %7s ms  cpu %7s ms  %s\n' "$1" "$med" "${p90:-}" "${cpu:-}" "$verdict"
 }
 
 echo "start-up, median and p90 of $RUNS runs, $(nproc) CPUs, $(uname -r), load average $(cut -d' ' -f1-3 /proc/loadavg)"
@@ -40,6 +41,11 @@ report "lockstep launch --nproc-per-node 2 -- lockstep selftest" 5 "$(measure "$
 report "lockstep launch --nproc-per-node 8 -- lockstep selftest" 10 "$(measure "$BIN" launch --nproc-per-node 8 -- "$BIN" selftest)"
 report "(floor) lockstep launch --nproc-per-node 2 -- true" "" "$(measure "$BIN" launch --nproc-per-node 2 -- true)"
 report "(floor) lockstep launch --nproc-per-node 8 -- true" "" "$(measure "$BIN" launch --nproc-per-node 8 -- true)"
+# The ranks start and leave the lockstep executable itself, without joining: between `true` and
+# this lies the cost of starting the executable, between this and selftest what joining and the
+# collectives add.
+report "(binary) lockstep launch --nproc-per-node 2 -- lockstep --version" "" "$(measure "$BIN" launch --nproc-per-node 2 -- "$BIN" --version)"
+report "(binary) lockstep launch --nproc-per-node 8 -- lockstep --version" "" "$(measure "$BIN" launch --nproc-per-node 8 -- "$BIN" --version)"
 
 if command -v mpirun >/dev/null; then
   # Open MPI refuses root without these.
