@@ -104,6 +104,9 @@ OFLOOR_BYTES = (64 << 10, 4 << 20)
 OFLOOR_VARIANTS = {"all_gather": "histu", "broadcast": "defgvw", "all_reduce": "z"}
 # In place (with --in-place): all_gather push, pull, staged; broadcast pull, split, staged.
 IFLOOR_VARIANTS = {"all_gather": "joA", "broadcast": "bcB"}
+# The floor columns: name, Open MPI's ratio column, variants per op, whether only with --in-place.
+FLOOR_KINDS = (("ordinary floor", "MPI / floor", OFLOOR_VARIANTS, False),
+               ("in-place floor", "MPI / in-place floor", IFLOOR_VARIANTS, True))
 
 
 def parse(out):
@@ -234,8 +237,7 @@ def main():
     # (state, op, tool, size) -> [(time, busbw, wrong)]; (state, op, size) -> [bound us]
     results, bounds, probes = {}, {}, {}
     floors = {}  # (state, protocol) -> [ns per call]
-    ofloors = {}  # (state, op, size) -> [us: the fastest ordinary-buffer arrangement]
-    ifloors = {}  # the same, in place
+    ofloors = {}  # (kind, state, op, size) -> [us: the fastest ordinary-buffer arrangement]
     seen_rounds = {}  # state -> number of (round, op) blocks
     rnd = 0
     while True:
@@ -267,16 +269,14 @@ def main():
             floor = {}
             if xfloor is not None and any(z <= P99_MAX_BYTES for z in sizes):
                 floor = {m[0]: float(m[1]) for m in re.findall(r"xfloor (\w+) median_ns=([0-9.]+)", run([xfloor, "500000"]))}
-            ofloor, ifloor = {}, {}
+            ofloor = {}  # (kind, size) -> us
             for size in sizes:
-                if op in OFLOOR_VARIANTS and cma_floor is not None and OFLOOR_BYTES[0] <= size <= OFLOOR_BYTES[1]:
-                    out = subprocess.run([cma_floor, str(size), "100", "3"], capture_output=True, text=True, check=True,
-                                         env={**os.environ, "ONLY": OFLOOR_VARIANTS[op]}).stdout
-                    ofloor[size] = min(float(m) for m in re.findall(r"median_us\s+([0-9.]+)", out))
-                if a.in_place and op in IFLOOR_VARIANTS and cma_floor is not None and OFLOOR_BYTES[0] <= size <= OFLOOR_BYTES[1]:
-                    out = subprocess.run([cma_floor, str(size), "100", "3"], capture_output=True, text=True, check=True,
-                                         env={**os.environ, "ONLY": IFLOOR_VARIANTS[op]}).stdout
-                    ifloor[size] = min(float(m) for m in re.findall(r"median_us\s+([0-9.]+)", out))
+                for kind, _, variants, in_place_only in FLOOR_KINDS:
+                    if (a.in_place or not in_place_only) and op in variants and cma_floor is not None \
+                            and OFLOOR_BYTES[0] <= size <= OFLOOR_BYTES[1]:
+                        out = subprocess.run([cma_floor, str(size), "100", "3"], capture_output=True, text=True, check=True,
+                                             env={**os.environ, "ONLY": variants[op]}).stdout
+                        ofloor[kind, size] = min(float(m) for m in re.findall(r"median_us\s+([0-9.]+)", out))
             after = probe(c2c)
             s0, s1 = state_of(before), state_of(after)
             state = s0 if s0 == s1 else CHANGED
@@ -288,10 +288,8 @@ def main():
                 results.setdefault((state, op, name, size), []).extend(vs)
             for proto, ns in floor.items():
                 floors.setdefault((state, proto), []).append(ns)
-            for size, us in ofloor.items():
-                ofloors.setdefault((state, op, size), []).append(us)
-            for size, us in ifloor.items():
-                ifloors.setdefault((state, op, size), []).append(us)
+            for (kind, size), us in ofloor.items():
+                ofloors.setdefault((kind, state, op, size), []).append(us)
             for key, bd in (("", bound), (" in place", bound_ip)):
                 for size, t in bd.items():
                     # A collective moves at least one cache line one way: half the round trip.
@@ -313,12 +311,9 @@ def main():
         hdr = ["op", "size", *mine, *base, "bound"]
         hdr += [f"{label(m)} x {b}" for m in mine for b in base if b == "openmpi"]
         hdr += [f"{label(m)} x bound" for m in mine]
-        with_of = any(st == state for (st, _, _) in ofloors)
-        if with_of:
-            hdr += ["ordinary floor"] + (["MPI / floor"] if "openmpi" in base else [])
-        with_if = any(st == state for (st, _, _) in ifloors)
-        if with_if:
-            hdr += ["in-place floor"] + (["MPI / in-place floor"] if "openmpi" in base else [])
+        kinds = [(k, r) for k, r, _, _ in FLOOR_KINDS if any((k, state) == key[:2] for key in ofloors)]
+        for kind, ratio in kinds:
+            hdr += [kind] + ([ratio] if "openmpi" in base else [])
         print("| " + " | ".join(hdr) + " |")
         print("|" + "---|" * len(hdr))
         for op in ops:
@@ -346,18 +341,12 @@ def main():
                 for m in mine:
                     b = bt_ip if m.endswith(" in place") else bt
                     row.append(f"{b / t[m]:.2f}" if m in t and b else "—")
-                if with_of:
-                    ofs = ofloors.get((state, op, size))
+                for kind, _ in kinds:
+                    ofs = ofloors.get((kind, state, op, size))
                     of = statistics.median(ofs) if ofs else None
                     row.append(fmt_us(of) if of else "—")
                     if "openmpi" in base:
                         row.append(f"{t['openmpi'] / of:.2f}" if of and "openmpi" in t else "—")
-                if with_if:
-                    ifs = ifloors.get((state, op, size))
-                    fi = statistics.median(ifs) if ifs else None
-                    row.append(fmt_us(fi) if fi else "—")
-                    if "openmpi" in base:
-                        row.append(f"{t['openmpi'] / fi:.2f}" if fi and "openmpi" in t else "—")
                 print("| " + " | ".join(row) + " |")
         small = [z for z in sizes if z <= P99_MAX_BYTES]
         if small:
