@@ -497,9 +497,22 @@ pub(crate) fn futex_wake_all(word: &std::sync::atomic::AtomicU32) {
     }
 }
 
-/// Number of CPUs this process may run on.
+/// Number of CPUs this process may run on: its affinity mask, one system call. Not std's
+/// `available_parallelism`, which also reads the cgroup's CPU quota: under cgroup v1 that parses
+/// `/proc/self/mountinfo`, 35–80 µs a call on the project machine, paid by every rank of a launch
+/// (issue 16, goal 6). Ranks use the count only to choose how long to spin; the launcher, which
+/// reads the quota once, warns when ranks outnumber the CPUs.
 pub(crate) fn available_cpus() -> usize {
-    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+    // SAFETY: a zeroed cpu_set_t is a valid empty set; sched_getaffinity writes at most its size.
+    let counted = unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        (libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) == 0).then(|| libc::CPU_COUNT(&set) as usize)
+    };
+    match counted {
+        Some(n) if n > 0 => n,
+        // More CPUs than a cpu_set_t holds (EINVAL): std asks with a larger set.
+        _ => std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
+    }
 }
 
 /// What to change when a segment's file system (or cgroup) has no room: named for `e`'s place.
@@ -526,6 +539,15 @@ pub(crate) fn no_room_now(e: &NoSpace, what: &str) -> CommError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The affinity count is what std reports, or more when a cgroup quota lowers std's figure
+    /// (std reads the quota, the affinity mask does not); never zero.
+    #[test]
+    fn available_cpus_counts_the_affinity_mask() {
+        let std_count = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+        let n = available_cpus();
+        assert!(n >= 1 && n >= std_count, "available_cpus {n}, std {std_count}");
+    }
 
     /// Minor page faults of the calling thread so far (of this thread only: the unit tests run
     /// in parallel threads of one process, whose faults must not count).
