@@ -535,6 +535,50 @@ fn generated_token_reaches_the_other_node() -> Result<(), String> {
     check(text(&oa).0.contains("[rank 0] lockstep selftest ok: 2 ranks"), "one 2-rank job", show(&oa))
 }
 
+/// Rank 0 leads the node's process group and the other ranks join it, though their guards are
+/// forked before rank 0's pid is known (they learn the group through their control pipes). When
+/// rank 0 cannot start, the launcher says so promptly and leaves no guard or rank behind.
+fn ranks_share_rank0s_group_and_a_failed_rank0_leaves_nothing() -> Result<(), String> {
+    let o = lockstep()
+        .args(["launch", "--nproc-per-node", "4", "--", "sh", "-c", "echo pgrp $$ $(cut -d' ' -f5 /proc/$$/stat)"])
+        .output()
+        .map_err(|e| e.to_string())?;
+    check(o.status.success(), "four ranks of sh run", show(&o))?;
+    // "[rank R] pgrp PID PGRP" for each rank.
+    let mut groups = std::collections::BTreeMap::new();
+    for l in text(&o).0.lines() {
+        let f: Vec<&str> = l.split_whitespace().collect();
+        if let ["[rank", r, "pgrp", pid, pg] = f[..] {
+            groups.insert(r.trim_end_matches(']').to_string(), (pid.to_string(), pg.to_string()));
+        }
+    }
+    check(groups.len() == 4, "every rank printed its group", show(&o))?;
+    let (p0, g0) = groups.get("0").cloned().ok_or_else(|| format!("rank 0 printed nothing\n{}", show(&o)))?;
+    check(p0 == g0, "rank 0 leads the group", show(&o))?;
+    check(groups.values().all(|(_, g)| *g == g0), "every rank is in rank 0's group", show(&o))?;
+
+    // An executable whose interpreter does not exist: found on disk, refused by execve.
+    let dir = std::env::temp_dir().join(format!("lockstep-test-{}-badexec", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+    let prog = dir.join("prog");
+    std::fs::write(&prog, "#!/nonexistent/interpreter\n").map_err(|e| e.to_string())?;
+    std::fs::set_permissions(&prog, std::os::unix::fs::PermissionsExt::from_mode(0o755)).map_err(|e| e.to_string())?;
+    let t = std::time::Instant::now();
+    let o = lockstep().args(["launch", "--nproc-per-node", "4", "--"]).arg(&prog).output().map_err(|e| e.to_string())?;
+    let took = t.elapsed();
+    let _ = std::fs::remove_dir_all(&dir);
+    check(o.status.code() == Some(1) && text(&o).1.contains("cannot start rank 0"), "a rank 0 that cannot exec is reported", show(&o))?;
+    check(took < std::time::Duration::from_secs(5), &format!("the launcher gives up at once (took {took:?})"), show(&o))?;
+    // The test runs alone (harness = false): no guard may be left anywhere.
+    std::thread::sleep(std::time::Duration::from_millis(100));
+    let guards = std::fs::read_dir("/proc")
+        .map_err(|e| e.to_string())?
+        .flatten()
+        .filter(|e| std::fs::read_to_string(e.path().join("comm")).is_ok_and(|c| c.trim() == "lockstep-guard"))
+        .count();
+    check(guards == 0, &format!("no guard is left behind ({guards} found)"), show(&o))
+}
+
 fn missing_program_and_bad_options() -> Result<(), String> {
     let o = lockstep().args(["launch", "--nproc-per-node", "2", "--", "/nonexistent/prog"]).output().map_err(|e| e.to_string())?;
     check(o.status.code() == Some(1) && text(&o).1.contains("cannot start rank 0"), "missing program must be reported", show(&o))?;
@@ -708,6 +752,7 @@ fn main() -> std::process::ExitCode {
         ("token_rules", token_rules),
         ("generated_token_reaches_the_other_node", generated_token_reaches_the_other_node),
         ("missing_program_and_bad_options", missing_program_and_bad_options),
+        ("ranks_share_rank0s_group_and_a_failed_rank0_leaves_nothing", ranks_share_rank0s_group_and_a_failed_rank0_leaves_nothing),
         ("exec_rank_signal_state", exec_rank_signal_state),
         ("stale_segments_of_dead_launchers_are_removed", stale_segments_of_dead_launchers_are_removed),
         ("stale_segment_of_dead_creator_removed_at_once", stale_segment_of_dead_creator_removed_at_once),

@@ -34,7 +34,15 @@ where
     let (rd, wr) = pipe()?;
     let mut close_list = close.to_vec();
     close_list.push(rd.as_raw_fd());
-    let setup = RankSetup { pgid: None, capture, stdin_null: false, close: &close_list, exec: None, unlink_on_launcher_death: None };
+    let setup = RankSetup {
+        pgid: None,
+        pgid_from_launcher: false,
+        capture,
+        stdin_null: false,
+        close: &close_list,
+        exec: None,
+        unlink_on_launcher_death: None,
+    };
     let wr_fd = wr.as_raw_fd();
     let g = guard::spawn(&setup, || {
         // SAFETY: this runs in the rank, a copy of the parent's memory: nothing else in this

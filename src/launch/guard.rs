@@ -112,6 +112,10 @@ pub(crate) struct RankSetup<'a> {
     /// Process group: `Some(0)` leads a new one, `Some(g)` joins `g` (or leads a new one when
     /// `g` is gone), `None` stays in the guard's.
     pub pgid: Option<i32>,
+    /// The group to join comes later, through the control pipe ([`Pending::tell_group`]): the
+    /// guard waits for it before it starts the rank, so that the launcher can fork this guard
+    /// while the group's leader (rank 0) is still being started.
+    pub pgid_from_launcher: bool,
     /// stdout and stderr through pipes to the launcher.
     pub capture: bool,
     /// stdin from /dev/null.
@@ -284,6 +288,22 @@ impl Pending {
         }
     }
 
+    /// Tell a guard started with `pgid_from_launcher` the process group its rank joins.
+    pub fn tell_group(&self, pgid: i32) {
+        let b = pgid.to_ne_bytes();
+        // SAFETY: a four-byte write from a valid buffer to our pipe, empty until now (the
+        // control pipe carries nothing before the group), so it neither blocks nor splits.
+        unsafe { libc::write(self.guard.ctl.as_raw_fd(), b.as_ptr() as *const libc::c_void, b.len()) };
+    }
+
+    /// Give up on a guard that waits for its group (`pgid_from_launcher`): closing the control
+    /// pipe makes it exit without starting its rank; then reap it.
+    pub fn abandon(self) {
+        let Pending { pid, guard, .. } = self;
+        drop(guard);
+        super::child::reap_blocking(pid);
+    }
+
     /// The guard reported a failure or closed its report pipe: reap it, and say why.
     fn failed(&self, r: Option<(i32, i32)>) -> std::io::Error {
         // The guard exits right after a failure report (or died).
@@ -396,6 +416,19 @@ fn guard_main(setup: &RankSetup, fds: &GuardFds, launcher: i32, body: impl FnOnc
     if unsafe { libc::getppid() } != launcher {
         exit_now(1);
     }
+    let told;
+    let setup = if setup.pgid_from_launcher {
+        match read_group(fds.ctl_r) {
+            Some(g) => {
+                told = RankSetup { pgid: Some(g), pgid_from_launcher: false, ..*setup };
+                &told
+            }
+            // The launcher closed the pipe (it gave up starting the job, or died): no rank.
+            None => exit_now(1),
+        }
+    } else {
+        setup
+    };
     let rank = match setup.exec {
         Some(img) => spawn_exec_rank(setup, img, fds, me, &saved),
         None => {
@@ -451,6 +484,23 @@ fn guard_main(setup: &RankSetup, fds: &GuardFds, launcher: i32, body: impl FnOnc
     }
     report(fds.rep_w, START, rank);
     supervise_rank(fds, me, rank, setup.unlink_on_launcher_death)
+}
+
+/// The process group the launcher sends through the control pipe (four bytes, one atomic pipe
+/// write); `None` when the pipe closes first.
+fn read_group(ctl: RawFd) -> Option<i32> {
+    let mut b = [0u8; 4];
+    let mut got = 0;
+    while got < 4 {
+        // SAFETY: reading into the unfilled tail of a valid buffer.
+        let n = unsafe { libc::read(ctl, b[got..].as_mut_ptr() as *mut libc::c_void, 4 - got) };
+        if n > 0 {
+            got += n as usize;
+        } else if n == 0 || errno() != libc::EINTR {
+            return None;
+        }
+    }
+    Some(i32::from_ne_bytes(b))
 }
 
 /// The rank process of a forked rank: restore what the guard changed, set up stdio, group and
