@@ -348,21 +348,26 @@ pub fn run_job(spec: &JobSpec) -> Result<i32, LaunchError> {
         Some((rank, p, _)) if failure.is_none() => Some(p.rank_pid().map_err(|e| (*rank, e))),
         _ => None,
     };
-    let told = match leader {
+    // (told the others the group, rank 0's guard already reaped by its failed report)
+    let (told, leader_reaped) = match leader {
         Some(Ok(pid)) => {
             pgid = pid;
             for (_, p, _) in &pending[1..] {
                 p.tell_group(pid);
             }
-            true
+            (true, false)
         }
         Some(Err((rank, e))) => {
             failure = Some((rank, e, "start"));
-            false
+            (false, true)
         }
-        None => false,
+        None => (false, false),
     };
     for (i, (rank, p, o)) in pending.into_iter().enumerate() {
+        if i == 0 && leader_reaped {
+            // Nothing left to wait for: `rank_pid` reaped the guard when it failed.
+            continue;
+        }
         if i > 0 && !told {
             // Waiting for a group that will not come: let it go without starting its rank.
             p.abandon();
