@@ -7,7 +7,7 @@ mod common;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use common::{alive, check, free_port, grandchildren_of, scratch, signal, wait_until};
+use common::{alive, check, children_of, free_port, grandchildren_of, scratch, signal, wait_until};
 
 const BIN: &str = env!("CARGO_BIN_EXE_lockstep");
 /// A valid job token (at least 16 bytes), passed through the environment as users should.
@@ -461,6 +461,20 @@ fn token_rules() -> Result<(), String> {
     check(o.status.code() == Some(1) && text(&o).1.contains("5 byte(s) long, but at least 16"), "a short token is refused", show(&o))?;
     let o = lone_node1().args(["--token", "", "--", "true"]).output().map_err(|e| e.to_string())?;
     check(o.status.code() == Some(1) && text(&o).1.contains("at least 16"), "an empty --token is refused", show(&o))?;
+    // Long enough but obvious: refused with the reason and how to make a good one.
+    let o = lone_node1().env("LOCKSTEP_TOKEN", "aaaaaaaaaaaaaaaaaaaa").args(["--", "true"]).output().map_err(|e| e.to_string())?;
+    check(
+        o.status.code() == Some(1)
+            && text(&o).1.contains("the job token is one character repeated ('a' 20 times), which anyone can guess; leave it out on node 0 and `lockstep launch` generates one, or make one with `openssl rand -hex 16`"),
+        "a repeated character is refused",
+        show(&o),
+    )?;
+    let o = lone_node1().env("LOCKSTEP_TOKEN", "0123456789abcdef").args(["--", "true"]).output().map_err(|e| e.to_string())?;
+    check(
+        o.status.code() == Some(1) && text(&o).1.contains("the job token is a simple sequence (\"0123456789ab...\"), which anyone can guess"),
+        "a sequence is refused",
+        show(&o),
+    )?;
     // Node 1 without a token is told where to get node 0's.
     let o = lone_node1().args(["--", "true"]).output().map_err(|e| e.to_string())?;
     check(
@@ -569,14 +583,142 @@ fn ranks_share_rank0s_group_and_a_failed_rank0_leaves_nothing() -> Result<(), St
     let _ = std::fs::remove_dir_all(&dir);
     check(o.status.code() == Some(1) && text(&o).1.contains("cannot start rank 0"), "a rank 0 that cannot exec is reported", show(&o))?;
     check(took < std::time::Duration::from_secs(5), &format!("the launcher gives up at once (took {took:?})"), show(&o))?;
-    // The test runs alone (harness = false): no guard may be left anywhere.
+    // No guard of that launch may be left: a guard keeps its launcher's command line, which
+    // names the program (other jobs' guards on the machine do not count).
     std::thread::sleep(std::time::Duration::from_millis(100));
+    let ours = prog.to_string_lossy().into_owned();
     let guards = std::fs::read_dir("/proc")
         .map_err(|e| e.to_string())?
         .flatten()
         .filter(|e| std::fs::read_to_string(e.path().join("comm")).is_ok_and(|c| c.trim() == "lockstep-guard"))
+        .filter(|e| std::fs::read(e.path().join("cmdline")).is_ok_and(|c| String::from_utf8_lossy(&c).contains(&ours)))
         .count();
     check(guards == 0, &format!("no guard is left behind ({guards} found)"), show(&o))
+}
+
+/// The process groups the ranks of one launch printed ("[rank R] pgrp PID PGRP"): rank -> (pid, pgrp).
+fn groups_of(o: &Output) -> std::collections::BTreeMap<String, (String, String)> {
+    let mut groups = std::collections::BTreeMap::new();
+    for l in text(o).0.lines() {
+        let f: Vec<&str> = l.split_whitespace().collect();
+        if let ["[rank", r, "pgrp", pid, pg] = f[..] {
+            groups.insert(r.trim_end_matches(']').to_string(), (pid.to_string(), pg.to_string()));
+        }
+    }
+    groups
+}
+
+fn rank0_exiting_at_once_keeps_every_rank_in_its_group() -> Result<(), String> {
+    // Rank 0 ends the moment it starts; the others join its group after that. Its guard holds it
+    // unreaped until every rank has joined, so the group outlives it.
+    let script = "[ \"$RANK\" = 0 ] && exec echo pgrp $$ $$; echo pgrp $$ $(cut -d' ' -f5 /proc/$$/stat)";
+    for i in 0..30 {
+        let o = lockstep().args(["launch", "--nproc-per-node", "4", "--", "sh", "-c", script]).output().map_err(|e| e.to_string())?;
+        check(o.status.success(), &format!("launch {i}: four ranks of sh run"), show(&o))?;
+        let groups = groups_of(&o);
+        check(groups.len() == 4, &format!("launch {i}: every rank printed its group"), show(&o))?;
+        let (p0, _) = groups.get("0").cloned().ok_or_else(|| format!("rank 0 printed nothing\n{}", show(&o)))?;
+        check(groups.values().all(|(_, g)| *g == p0), &format!("launch {i}: every rank is in rank 0's group"), show(&o))?;
+    }
+    Ok(())
+}
+
+fn stopped_guard_does_not_hang_the_launcher() -> Result<(), String> {
+    // Rank 1 stops its own guard (its parent) and exits: the guard cannot report the exit, so the
+    // launcher must notice the exited rank, name the stopped guard and continue it.
+    let t = Instant::now();
+    let o = lockstep()
+        .args(["launch", "--nproc-per-node", "2", "--grace-s", "3", "--", "sh", "-c"])
+        .arg("if [ $RANK = 1 ]; then echo guard $PPID; kill -STOP $PPID; fi; echo done")
+        .output()
+        .map_err(|e| e.to_string())?;
+    let took = t.elapsed();
+    let (out, err) = text(&o);
+    let guard = out.lines().find_map(|l| l.strip_prefix("[rank 1] guard ")).ok_or_else(|| format!("rank 1 did not run\n{}", show(&o)))?;
+    check(o.status.success(), "the job ends with the ranks' status", show(&o))?;
+    check(
+        err.contains(&format!("its guard (pid {guard}) has not reported it: the guard is stopped (SIGSTOP or job control); continuing it (SIGCONT)")),
+        "the launcher names the stopped guard",
+        show(&o),
+    )?;
+    check(took < Duration::from_secs(3), &format!("the job ends within the grace period (took {took:?})"), show(&o))?;
+
+    // Ctrl-C while a guard is stopped: the job still ends within the grace period.
+    let mut c = lockstep();
+    c.args(["launch", "--nproc-per-node", "2", "--grace-s", "2", "--", "sh", "-c"]);
+    c.arg("if [ $RANK = 1 ]; then echo guard $PPID; kill -STOP $PPID; fi; echo ready; exec sleep 30");
+    let child = spawn_piped(&mut c);
+    let ranks = ranks_of(child.id() as i32, 2)?;
+    // Until rank 1 has stopped its guard.
+    let stopped = wait_until(Duration::from_secs(5), || {
+        children_of(child.id() as i32).iter().any(|g| std::fs::read_to_string(format!("/proc/{g}/stat")).is_ok_and(|s| s.contains(") T ")))
+    });
+    check(stopped, "rank 1 stopped its guard", "")?;
+    let t = Instant::now();
+    signal(child.id() as i32, libc::SIGINT);
+    let o = child.wait_with_output().map_err(|e| e.to_string())?;
+    let took = t.elapsed();
+    let (out, err) = text(&o);
+    let guard = out.lines().find_map(|l| l.strip_prefix("[rank 1] guard ")).unwrap_or("?");
+    check(o.status.code() == Some(130), "the launcher exits 130 after SIGINT", show(&o))?;
+    check(
+        err.contains(&format!("the guard (pid {guard}) of rank 1 is stopped: continuing it (SIGCONT)")),
+        "the launcher names the stopped guard",
+        show(&o),
+    )?;
+    check(took < Duration::from_secs(2), &format!("Ctrl-C ends the job within the grace period (took {took:?})"), show(&o))?;
+    check(ranks.iter().all(|p| !alive(*p)), "no rank may survive", format!("{ranks:?}"))
+}
+
+fn stopped_guard_does_not_hang_bench() -> Result<(), String> {
+    // `lockstep bench` forks its ranks under guards too: stop one guard while the ranks measure.
+    let mut c = lockstep();
+    c.args(["bench", "--nprocs", "2", "--sizes", "16M", "-n", "20", "-w", "1"]);
+    let child = spawn_piped(&mut c);
+    let me = child.id() as i32;
+    let name = |p: i32| std::fs::read_to_string(format!("/proc/{p}/comm")).map(|c| c.trim().to_string()).unwrap_or_default();
+    let mut guards = Vec::new();
+    let found = wait_until(Duration::from_secs(10), || {
+        guards = children_of(me).into_iter().filter(|&g| name(g) == "lockstep-guard").collect();
+        guards.len() == 2 && guards.iter().all(|&g| !children_of(g).is_empty())
+    });
+    check(found, "bench starts two guards, each with its rank", format!("{guards:?}"))?;
+    let ranks: Vec<i32> = guards.iter().flat_map(|&g| children_of(g)).collect();
+    check(ranks.iter().all(|&r| name(r) == "lockstep-rank"), "a forked rank is named apart from its guard in ps", format!("{ranks:?}"))?;
+    signal(guards[1], libc::SIGSTOP);
+    let t = Instant::now();
+    let o = child.wait_with_output().map_err(|e| e.to_string())?;
+    check(o.status.success(), "the benchmark completes", show(&o))?;
+    check(
+        text(&o).1.contains(&format!("its guard (pid {}) has not reported it: the guard is stopped", guards[1])),
+        "bench names the stopped guard",
+        show(&o),
+    )?;
+    check(t.elapsed() < Duration::from_secs(30), "bench ends", format!("{:?}", t.elapsed()))
+}
+
+fn launchers_with_different_settings_fail_at_once() -> Result<(), String> {
+    let port = free_port().to_string();
+    let node = |r: &str, n: &str| {
+        let mut c = lockstep();
+        c.env("LOCKSTEP_TOKEN", TOKEN);
+        c.args(["launch", "--nproc-per-node", n, "--nnodes", "2", "--node-rank", r, "--master-port", &port, "--rdzv-timeout-s", "20", "--", BIN, "selftest"]);
+        spawn_piped(&mut c)
+    };
+    let t = Instant::now();
+    let a = node("0", "2");
+    let b = node("1", "1");
+    let (oa, ob) = (a.wait_with_output().map_err(|e| e.to_string())?, b.wait_with_output().map_err(|e| e.to_string())?);
+    let took = t.elapsed();
+    let msg = "node 1 and node 0 of this job were started with different --nproc-per-node: 1 on node 1, 2 on node 0; \
+               start every node's launcher with the same --nproc-per-node, --nnodes and backend";
+    check(ob.status.code() == Some(1) && text(&ob).1.contains(msg), "node 1 names both values", show(&ob))?;
+    check(
+        oa.status.code() == Some(1) && text(&oa).1.contains(&format!("node 0 stopped its ranks because {msg}")),
+        "node 0 stops with the same message",
+        show(&oa),
+    )?;
+    check(took < Duration::from_secs(5), &format!("both fail long before the rendezvous timeout (took {took:?})"), "")
 }
 
 fn missing_program_and_bad_options() -> Result<(), String> {
@@ -753,6 +895,10 @@ fn main() -> std::process::ExitCode {
         ("generated_token_reaches_the_other_node", generated_token_reaches_the_other_node),
         ("missing_program_and_bad_options", missing_program_and_bad_options),
         ("ranks_share_rank0s_group_and_a_failed_rank0_leaves_nothing", ranks_share_rank0s_group_and_a_failed_rank0_leaves_nothing),
+        ("rank0_exiting_at_once_keeps_every_rank_in_its_group", rank0_exiting_at_once_keeps_every_rank_in_its_group),
+        ("stopped_guard_does_not_hang_the_launcher", stopped_guard_does_not_hang_the_launcher),
+        ("stopped_guard_does_not_hang_bench", stopped_guard_does_not_hang_bench),
+        ("launchers_with_different_settings_fail_at_once", launchers_with_different_settings_fail_at_once),
         ("exec_rank_signal_state", exec_rank_signal_state),
         ("stale_segments_of_dead_launchers_are_removed", stale_segments_of_dead_launchers_are_removed),
         ("stale_segment_of_dead_creator_removed_at_once", stale_segment_of_dead_creator_removed_at_once),

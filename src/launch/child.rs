@@ -165,6 +165,15 @@ pub(crate) fn has_exited(pid: i32) -> bool {
     }
 }
 
+/// The scheduler state of process `pid` from `/proc/<pid>/stat` (`R`, `S`, `T` stopped, `t`
+/// stopped by a debugger, `Z` zombie, ...); `None` when it is gone.
+pub(crate) fn proc_state(pid: i32) -> Option<char> {
+    let stat = std::fs::read(format!("/proc/{pid}/stat")).ok()?;
+    // "pid (comm) S ...": the command may hold ')' itself, so look after the last one.
+    let close = stat.iter().rposition(|&b| b == b')')?;
+    stat.get(close + 2).map(|&b| b as char)
+}
+
 /// `poll(2)` on `fds` for at most `timeout_ms` (EINTR, e.g. from a forwarded signal, just returns
 /// early: callers loop).
 pub(crate) fn poll(fds: &mut [libc::pollfd], timeout_ms: i32) {

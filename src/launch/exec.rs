@@ -36,6 +36,10 @@ use crate::store::{Store, StoreServer, TcpStore};
 /// Store key a launcher sets when its node fails: `"<exit code>\n<what happened>"`.
 pub const ABORT_KEY: &str = "lockstep/abort";
 
+/// Store key where node 0's launcher publishes the settings every launcher of the job must share
+/// ([`JobSpec::shared_settings`]), one `name=value` per line.
+const SETTINGS_KEY: &str = "lockstep/launch-settings";
+
 /// A launcher's link to the other nodes of a multi-node job: a connection to tell them about a
 /// local failure, and a watcher thread that makes `abort_fd` readable when another node failed.
 struct NodeLink {
@@ -163,6 +167,19 @@ impl JobSpec {
         Ok(Some(t))
     }
 
+    /// The settings every node's launcher must agree on, as (flag, value): a launcher given other
+    /// values would start ranks that wait for peers that never come.
+    fn shared_settings(&self) -> Vec<(&'static str, String)> {
+        let backend = self
+            .rank_env
+            .iter()
+            .find(|(k, _)| k == "LOCKSTEP_BACKEND")
+            .map(|(_, v)| v.clone())
+            .or_else(|| std::env::var("LOCKSTEP_BACKEND").ok())
+            .unwrap_or_else(|| "auto".into());
+        vec![("--nproc-per-node", self.nproc_per_node.to_string()), ("--nnodes", self.nnodes.to_string()), ("backend", backend)]
+    }
+
     fn validate(&self) -> Result<(), LaunchError> {
         let bad = |m: String| Err(LaunchError::Setup(m));
         if self.nproc_per_node == 0 {
@@ -212,6 +229,25 @@ impl JobSpec {
     }
 }
 
+fn encode_settings(settings: &[(&str, String)]) -> String {
+    settings.iter().map(|(k, v)| format!("{k}={v}\n")).collect()
+}
+
+/// The first setting where this node (`mine`) and node 0 (`theirs`, as [`encode_settings`]
+/// wrote it) differ, as the message both launchers report.
+fn settings_disagree(node: usize, mine: &[(&str, String)], theirs: &str) -> Option<String> {
+    let theirs: Vec<(&str, &str)> = theirs.lines().filter_map(|l| l.split_once('=')).collect();
+    mine.iter().find_map(|(k, v)| {
+        let t = theirs.iter().find(|(tk, _)| tk == k).map(|(_, tv)| *tv).unwrap_or("(not set: an older lockstep)");
+        (t != v).then(|| {
+            format!(
+                "node {node} and node 0 of this job were started with different {k}: {v} on node {node}, {t} on node 0; \
+                 start every node's launcher with the same --nproc-per-node, --nnodes and backend"
+            )
+        })
+    })
+}
+
 /// Run the job on this node and return the exit code the CLI should exit with: 0, the root-cause
 /// rank's code (128 + signal for a signal), or 128 + the signal that interrupted the launcher.
 /// The failure summary is printed to stderr.
@@ -246,6 +282,7 @@ pub fn run_job(spec: &JobSpec) -> Result<i32, LaunchError> {
     let _server = if spec.nnodes > 1 {
         if spec.node_rank == 0 {
             let server = StoreServer::start(&spec.master_addr, spec.master_port, &token).map_err(|e| LaunchError::Setup(e.to_string()))?;
+            server.set_local(SETTINGS_KEY, encode_settings(&spec.shared_settings()).as_bytes());
             server.set_local(JOB_ID_KEY, job_id.as_bytes());
             Some(server)
         } else {
@@ -253,6 +290,13 @@ pub fn run_job(spec: &JobSpec) -> Result<i32, LaunchError> {
                 .map_err(|e| LaunchError::Setup(e.to_string()))?;
             let v = c.wait_get(JOB_ID_KEY, spec.rdzv_timeout).map_err(|e| LaunchError::Setup(e.to_string()))?;
             job_id = String::from_utf8(v).map_err(|_| LaunchError::Setup("the job id in the rendezvous store is not UTF-8".into()))?;
+            // Node 0 publishes its settings before its job id, so they are there.
+            let theirs = c.get(SETTINGS_KEY).map_err(|e| LaunchError::Setup(e.to_string()))?.unwrap_or_default();
+            if let Some(msg) = settings_disagree(spec.node_rank, &spec.shared_settings(), &String::from_utf8_lossy(&theirs)) {
+                // Node 0's ranks have started: stop them through the abort key its launcher watches.
+                let _ = c.set(ABORT_KEY, format!("1\n{msg}").as_bytes());
+                return Err(LaunchError::Setup(msg));
+            }
             None
         }
     } else {
@@ -294,7 +338,8 @@ pub fn run_job(spec: &JobSpec) -> Result<i32, LaunchError> {
     let mut procs: Vec<Proc> = Vec::with_capacity(spec.nproc_per_node);
     // Each guard removes the job's named segment if the launcher dies before doing it.
     let segment = crate::shm::named_segment_path(&job_id).and_then(|p| CString::new(p.into_os_string().into_vec()).ok());
-    // Rank 0 leads the node's process group, which the others join; its pid is known once its
+    // Rank 0 leads the node's process group, which the others join (its guard holds it
+    // unreaped until they have: `RankSetup::hold_leader`); its pid is known once its
     // guard has started it (for an exec'd rank, once its execve has begun). Every guard is forked
     // before any is waited for, rank 0's first; the others wait for the group, which they learn
     // through their control pipes as soon as rank 0's guard reports the pid, so their forks
@@ -330,6 +375,7 @@ pub fn run_job(spec: &JobSpec) -> Result<i32, LaunchError> {
         let setup = RankSetup {
             pgid: if local == 0 { Some(0) } else { None },
             pgid_from_launcher: local > 0,
+            hold_leader: local == 0 && spec.nproc_per_node > 1,
             capture: true,
             stdin_null: true,
             close: &[],
@@ -380,10 +426,18 @@ pub fn run_job(spec: &JobSpec) -> Result<i32, LaunchError> {
         }
     }
     drop(images);
+    // Every rank that started has joined rank 0's group (its guard reports START only after the
+    // rank's setpgid and exec): rank 0's guard may reap it now. On a failure, `kill_all` below
+    // releases it with its SIGKILL.
+    if let (None, Some(p)) = (&failure, procs.first()) {
+        p.release_group();
+    }
     if let Some((rank, e, what)) = failure {
         supervise::kill_all(&mut procs);
         crate::shm::unlink_named(&job_id);
-        let msg = format!("cannot {what} rank {rank} ({}): {e}; check the program path and permissions", spec.program[0].to_string_lossy());
+        // An errno is execve's (or fork's); other errors explain themselves.
+        let hint = if e.raw_os_error().is_some() { "; check the program path and permissions" } else { "" };
+        let msg = format!("cannot {what} rank {rank} ({}): {e}{hint}", spec.program[0].to_string_lossy());
         if let Some(l) = &link {
             l.tell(1, &format!("node {}: {msg}", spec.node_rank));
         }

@@ -37,6 +37,7 @@ where
     let setup = RankSetup {
         pgid: None,
         pgid_from_launcher: false,
+        hold_leader: false,
         capture,
         stdin_null: false,
         close: &close_list,

@@ -5,8 +5,8 @@
 //! launcher ──fork──▶ guard (child subreaper) ──▶ rank: an exec'd program (clone + execve, as
 //!    │                    │                         posix_spawn does), or the rank function (fork)
 //!    │  control pipe ──▶ │   signals to forward; end of file = the launcher is gone
-//!    │ ◀── report pipe   │   FORKED(rank pid), then START(rank pid) | SPAWN_FAILED(errno),
-//!    │                    │   then EXIT(wait status)
+//!    │ ◀── report pipe   │   FORKED(rank pid), then START(rank pid) | SPAWN_FAILED(errno)
+//!    │                    │   | GROUP_FAILED(errno), then EXIT(wait status)
 //! ```
 //!
 //! * The guard is forked (not exec'd) from the launcher and, like code between fork and exec,
@@ -24,6 +24,11 @@
 //!   behind, then exits. A SIGKILL request from the launcher (the end of a grace period) kills
 //!   the whole subtree the same way; other signals go to the rank only (the launcher also signals
 //!   the ranks' process group, which reaches descendants that stayed in it).
+//! * The ranks of `lockstep launch` share one process group, led by rank 0, so one signal to
+//!   the group reaches everything they started. A group lives while it has a member, a zombie
+//!   included: rank 0's guard keeps its rank unreaped until the launcher says every rank has
+//!   joined, so a rank 0 that ends at once cannot take the group with it. A rank that cannot
+//!   join is reported (GROUP_FAILED) and does not run.
 //! * The guard stays in the launcher's process group and ignores the job-control and
 //!   termination signals a terminal or `kill` of the group sends (INT, QUIT, TERM, HUP, TSTP,
 //!   TTIN, TTOU): the launcher decides what the ranks get. Its stdio is /dev/null, so it never
@@ -50,7 +55,17 @@ const FORKED: i32 = 4;
 const START: i32 = 1;
 const SPAWN_FAILED: i32 = 2;
 const EXIT: i32 = 3;
+/// The rank could not join the process group it was given (value: errno); it did not start.
+const GROUP_FAILED: i32 = 5;
 const RECORD: usize = 8;
+
+/// Set in the four bytes an exec'd rank writes to the exec error pipe when the failure was its
+/// `setpgid`, not its `execve` (errno values are far below it).
+const GROUP_ERR_FLAG: i32 = 1 << 30;
+
+/// The control byte that releases a held group leader (see [`RankSetup::hold_leader`]). Every
+/// other byte is a signal number for the rank, and signal 0 is never one to forward.
+const RELEASE: u8 = 0;
 
 /// Signals the guard ignores (see the module docs); restored in the rank.
 const IGNORED: [libc::c_int; 8] =
@@ -116,6 +131,12 @@ pub(crate) struct RankSetup<'a> {
     /// guard waits for it before it starts the rank, so that the launcher can fork this guard
     /// while the group's leader (rank 0) is still being started.
     pub pgid_from_launcher: bool,
+    /// The rank leads a group that other ranks join after it has started: the guard keeps it
+    /// unreaped once it exits (a zombie still holds its process group) until the launcher
+    /// releases it ([`Guard::release`]), asks for a SIGKILL, or dies. Its exit is still reported
+    /// at once. Without this, a rank 0 that ends at once takes the group with it and the ranks
+    /// that join later find none.
+    pub hold_leader: bool,
     /// stdout and stderr through pipes to the launcher.
     pub capture: bool,
     /// stdin from /dev/null.
@@ -143,6 +164,14 @@ impl Guard {
         let b = sig as u8;
         // SAFETY: a one-byte write from a valid buffer to our pipe (non-blocking; a full pipe,
         // impossible with a few bytes per job, would just drop the byte).
+        unsafe { libc::write(self.ctl.as_raw_fd(), &b as *const u8 as *const libc::c_void, 1) };
+    }
+
+    /// Let a guard started with [`RankSetup::hold_leader`] reap its rank: every rank that joins
+    /// the group has joined it.
+    pub fn release(&self) {
+        let b = RELEASE;
+        // SAFETY: as in `signal`.
         unsafe { libc::write(self.ctl.as_raw_fd(), &b as *const u8 as *const libc::c_void, 1) };
     }
 
@@ -310,6 +339,10 @@ impl Pending {
         super::child::reap_blocking(self.pid);
         match r {
             Some((SPAWN_FAILED, errno)) => std::io::Error::from_raw_os_error(errno),
+            Some((GROUP_FAILED, errno)) => std::io::Error::other(format!(
+                "it could not join the job's process group ({}), so the launcher could not signal what it starts",
+                std::io::Error::from_raw_os_error(errno)
+            )),
             _ => std::io::Error::other("the rank's guard process died before starting the rank"),
         }
     }
@@ -474,8 +507,13 @@ fn guard_main(setup: &RankSetup, fds: &GuardFds, launcher: i32, body: impl FnOnc
         }
         close_raw(fds.exec_r);
         if got == 4 {
-            // execve failed: the rank wrote errno and exits.
-            report(fds.rep_w, SPAWN_FAILED, i32::from_ne_bytes(e));
+            // setpgid or execve failed: the rank wrote errno and exits.
+            let e = i32::from_ne_bytes(e);
+            if e & GROUP_ERR_FLAG != 0 {
+                report(fds.rep_w, GROUP_FAILED, e & !GROUP_ERR_FLAG);
+            } else {
+                report(fds.rep_w, SPAWN_FAILED, e);
+            }
             let mut st = 0;
             // SAFETY: waiting for our own child with a valid out-pointer.
             unsafe { libc::waitpid(rank, &mut st, 0) };
@@ -483,7 +521,7 @@ fn guard_main(setup: &RankSetup, fds: &GuardFds, launcher: i32, body: impl FnOnc
         }
     }
     report(fds.rep_w, START, rank);
-    supervise_rank(fds, me, rank, setup.unlink_on_launcher_death)
+    supervise_rank(fds, me, rank, setup.hold_leader, setup.unlink_on_launcher_death)
 }
 
 /// The process group the launcher sends through the control pipe (four bytes, one atomic pipe
@@ -506,7 +544,12 @@ fn read_group(ctl: RawFd) -> Option<i32> {
 /// The rank process of a forked rank: restore what the guard changed, set up stdio, group and
 /// parent-death signal, then run the body.
 fn rank_main(setup: &RankSetup, fds: &GuardFds, guard: i32, saved: &Saved, body: impl FnOnce()) -> ! {
-    rank_stdio_and_group(setup, fds, guard);
+    if rank_stdio_and_group(setup, fds, guard).is_err() {
+        exit_now(127);
+    }
+    // Its own name in ps/top, apart from its guard's (an exec'd rank takes its program's).
+    // SAFETY: prctl with a NUL-terminated name of at most 16 bytes.
+    unsafe { libc::prctl(libc::PR_SET_NAME, c"lockstep-rank".as_ptr() as libc::c_ulong, 0, 0, 0) };
     // Signals as the launcher had them.
     // SAFETY: restoring saved sigactions and mask through valid pointers.
     unsafe {
@@ -524,14 +567,16 @@ fn rank_main(setup: &RankSetup, fds: &GuardFds, guard: i32, saved: &Saved, body:
 /// What the rank does first, forked or exec'd: join or lead its process group, die with its
 /// guard, take its standard descriptors, and close every descriptor of the guard's.
 /// Async-signal-safe system calls only, on the stack: it also runs in a child that shares the
-/// guard's memory (see [`spawn_exec_rank`]).
-fn rank_stdio_and_group(setup: &RankSetup, fds: &GuardFds, guard: i32) {
+/// guard's memory (see [`spawn_exec_rank`]). Fails with the errno of a `setpgid` that did not
+/// work: a rank outside the job's group would escape the launcher's signals, so it must not run.
+fn rank_stdio_and_group(setup: &RankSetup, fds: &GuardFds, guard: i32) -> Result<(), i32> {
     // SAFETY: setpgid/prctl/getppid with plain arguments; async-signal-safe.
     unsafe {
         if let Some(g) = setup.pgid {
-            // The group's leader may be gone already: lead a new group then.
-            if libc::setpgid(0, g) != 0 && g != 0 {
-                libc::setpgid(0, 0);
+            // The group exists: its leader's guard holds the leader until every rank has joined
+            // (`RankSetup::hold_leader`).
+            if libc::setpgid(0, g) != 0 {
+                return Err(errno());
             }
         }
         if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0) != 0 || libc::getppid() != guard {
@@ -558,6 +603,7 @@ fn rank_stdio_and_group(setup: &RankSetup, fds: &GuardFds, guard: i32) {
     for fd in [fds.rep_w, fds.ctl_r, fds.null, fds.out_w, fds.err_w, fds.exec_r] {
         close_raw(fd);
     }
+    Ok(())
 }
 
 /// Everything the exec'd rank's first moments need, on the guard's stack.
@@ -645,7 +691,15 @@ fn spawn_exec_rank(setup: &RankSetup, img: &ExecImage, fds: &GuardFds, guard: i3
 extern "C" fn exec_child(arg: *mut libc::c_void) -> libc::c_int {
     // SAFETY: `arg` is the `ExecChild` that `spawn_exec_rank` keeps alive while we run.
     let c = unsafe { &*(arg as *const ExecChild) };
-    rank_stdio_and_group(c.setup, c.fds, c.guard);
+    if let Err(e) = rank_stdio_and_group(c.setup, c.fds, c.guard) {
+        let e = (e | GROUP_ERR_FLAG).to_ne_bytes();
+        // SAFETY: a 4-byte write from a valid buffer to our pipe, then _exit (no destructors:
+        // we share the guard's memory).
+        unsafe {
+            libc::write(c.fds.exec_w, e.as_ptr() as *const libc::c_void, 4);
+            libc::_exit(127)
+        }
+    }
     // SAFETY: sigaction/sigprocmask with valid pointers; execve with NUL-terminated arrays built
     // before the guard's fork and alive in the guard's memory, which we share.
     unsafe {
@@ -679,9 +733,11 @@ extern "C" fn exec_child(arg: *mut libc::c_void) -> libc::c_int {
 }
 
 /// Wait for the rank, forwarding the launcher's signals; then (or when the launcher is gone)
-/// kill the subtree and exit.
-fn supervise_rank(fds: &GuardFds, me: i32, rank: i32, unlink: Option<&CStr>) -> ! {
+/// kill the subtree and exit. With `hold`, an exited rank stays unreaped until the launcher
+/// releases it (see [`RankSetup::hold_leader`]).
+fn supervise_rank(fds: &GuardFds, me: i32, rank: i32, hold: bool, unlink: Option<&CStr>) -> ! {
     let mut rank_done = false;
+    let mut holding = hold;
     // SIGKILL the subtree: after the rank's exit, on the launcher's SIGKILL, or its death.
     let mut killing = false;
     let mut ctl_open = true;
@@ -689,11 +745,39 @@ fn supervise_rank(fds: &GuardFds, me: i32, rank: i32, unlink: Option<&CStr>) -> 
     loop {
         // Reap whatever ended (the rank, or orphans re-parented to us).
         let children_left = loop {
+            if holding {
+                // Look before reaping: the rank must stay a zombie, its group alive.
+                // SAFETY: zeroed siginfo_t is a valid out-buffer for waitid.
+                let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+                // SAFETY: waitid with a valid out-pointer; WNOWAIT leaves the child waitable.
+                let r = unsafe { libc::waitid(libc::P_ALL, 0, &mut info, libc::WEXITED | libc::WNOHANG | libc::WNOWAIT) };
+                if r < 0 {
+                    if errno() == libc::EINTR {
+                        continue;
+                    }
+                    break false;
+                }
+                // SAFETY: waitid filled `info` for a child (si_pid 0: none has exited).
+                let (pid, code, status) = unsafe { (info.si_pid(), info.si_code, info.si_status()) };
+                if pid == 0 {
+                    break true;
+                }
+                if pid != rank {
+                    // SAFETY: reaping that exited child, with a valid out-pointer.
+                    unsafe { libc::waitpid(pid, &mut 0, libc::WNOHANG) };
+                    continue;
+                }
+                if !rank_done {
+                    rank_done = true;
+                    report(fds.rep_w, EXIT, wait_status(code, status));
+                }
+                break true;
+            }
             let mut st = 0;
             // SAFETY: waitpid with a valid out-pointer.
             let r = unsafe { libc::waitpid(-1, &mut st, libc::WNOHANG) };
             if r > 0 {
-                if r == rank {
+                if r == rank && !rank_done {
                     rank_done = true;
                     report(fds.rep_w, EXIT, st);
                 }
@@ -747,15 +831,30 @@ fn supervise_rank(fds: &GuardFds, me: i32, rank: i32, unlink: Option<&CStr>) -> 
                 close_raw(fds.ctl_r);
                 killing = true;
             }
+            if !ctl_open {
+                holding = false;
+            }
             for &sig in &buf[..n.max(0) as usize] {
-                if sig as i32 == libc::SIGKILL {
+                if sig == RELEASE {
+                    holding = false;
+                } else if sig as i32 == libc::SIGKILL {
                     killing = true;
+                    holding = false;
                 } else if !rank_done {
                     // SAFETY: kill(2) of our own unreaped child (its pid cannot be reused).
                     unsafe { libc::kill(rank, sig as i32) };
                 }
             }
         }
+    }
+}
+
+/// The `waitpid` status of a child as `waitid` describes it.
+fn wait_status(code: i32, status: i32) -> i32 {
+    match code {
+        libc::CLD_EXITED => (status & 0xff) << 8,
+        libc::CLD_DUMPED => (status & 0x7f) | 0x80,
+        _ => status & 0x7f,
     }
 }
 

@@ -27,6 +27,14 @@ use super::signals::{Counts, SignalPipe};
 /// what the ranks left behind.
 const GUARD_CLEANUP: Duration = Duration::from_secs(5);
 
+/// How long the launcher waits for a guard's report of a rank that has exited before it looks
+/// at the guard (stopped by SIGSTOP or a debugger, a stopped guard never reports), and again
+/// after continuing it before it kills the guard.
+const GUARD_ANSWER: Duration = Duration::from_secs(1);
+
+/// How often the launcher checks for ranks that exited unreported.
+const GUARD_CHECK_EVERY: Duration = Duration::from_millis(200);
+
 /// How long the launcher waits, when a rank fails, for the exit report of another rank that has
 /// already exited (its guard reports right after reaping it).
 const EXIT_REPORT_WAIT: Duration = Duration::from_millis(200);
@@ -51,6 +59,12 @@ pub(crate) struct Proc {
     /// The launcher signalled this rank before it exited.
     pub terminated: bool,
     pub output: RankOutput,
+    /// When the launcher saw the rank's process gone while its guard had not reported it.
+    exited_unreported: Option<Instant>,
+    /// When the launcher continued the rank's silent guard (SIGCONT).
+    guard_continued: Option<Instant>,
+    /// The launcher killed the guard, which never reported: the rank's status is unknown.
+    guard_killed: bool,
 }
 
 impl Proc {
@@ -72,6 +86,63 @@ impl Proc {
             elapsed: Duration::ZERO,
             terminated: false,
             output,
+            exited_unreported: None,
+            guard_continued: None,
+            guard_killed: false,
+        }
+    }
+
+    /// A guard that does not report its exited rank (stopped by SIGSTOP or a debugger) would make
+    /// the launcher wait forever: continue it, and if it still does not answer, kill it (its
+    /// report pipe then closes, see [`Proc::guard_ended`]).
+    fn check_guard(&mut self) {
+        if self.status.is_some() || self.fds[3].is_none() || self.guard_killed {
+            return;
+        }
+        let Some(since) = self.exited_unreported else {
+            if child::has_exited(self.pid) {
+                self.exited_unreported = Some(Instant::now());
+            }
+            return;
+        };
+        if since.elapsed() < GUARD_ANSWER {
+            return;
+        }
+        let g = self.guard.pid;
+        let state = match child::proc_state(g) {
+            Some('T') => "stopped (SIGSTOP or job control)",
+            Some('t') => "stopped by a debugger",
+            Some('D') => "in uninterruptible sleep",
+            Some(_) => "running",
+            None => "gone",
+        };
+        match self.guard_continued {
+            None => {
+                tracing::warn!(
+                    "rank {} (pid {}) has exited, but its guard (pid {g}) has not reported it: the guard is {state}; continuing it (SIGCONT)",
+                    self.rank,
+                    self.pid
+                );
+                child::kill(g, libc::SIGCONT);
+                self.guard_continued = Some(Instant::now());
+            }
+            Some(t) if t.elapsed() >= GUARD_ANSWER => {
+                tracing::warn!(
+                    "the guard (pid {g}) of rank {} still does not answer ({state}): killing it; the rank's exit status is lost",
+                    self.rank
+                );
+                child::kill(g, libc::SIGKILL);
+                self.guard_killed = true;
+            }
+            Some(_) => {}
+        }
+    }
+
+    /// Continue the guard if it is stopped, so it reads what the launcher sends it.
+    fn wake_guard(&self) {
+        if let Some('T') = child::proc_state(self.guard.pid) {
+            tracing::warn!("the guard (pid {}) of rank {} is stopped: continuing it (SIGCONT)", self.guard.pid, self.rank);
+            child::kill(self.guard.pid, libc::SIGCONT);
         }
     }
 
@@ -82,6 +153,12 @@ impl Proc {
         v.push(self.guard.ctl_fd());
         v.extend(self.output.log_fd());
         v
+    }
+
+    /// Let rank 0's guard reap its rank once it exits: every rank has joined its group
+    /// ([`guard::RankSetup::hold_leader`]).
+    pub fn release_group(&self) {
+        self.guard.release();
     }
 
     /// Ask the guard to signal the rank (SIGKILL: the rank and everything it started).
@@ -122,7 +199,9 @@ impl Proc {
     /// exit, it was killed, and the rank with it (parent-death signal).
     fn guard_ended(&mut self) {
         child::reap_blocking(self.guard.pid);
-        if self.status.is_none() {
+        if self.status.is_none() && self.guard_killed {
+            self.status = Some(Exit::Signal(libc::SIGKILL));
+        } else if self.status.is_none() {
             tracing::warn!(
                 "the guard process (pid {}) of rank {} died before its rank; the rank was killed with it (was the guard killed by hand or by the OOM killer?)",
                 self.guard.pid,
@@ -241,6 +320,7 @@ pub(crate) fn supervise(procs: &mut [Proc], opts: &Options, failed: impl Fn(&Pro
     let mut killed = false;
     let mut remote_abort = false;
     let mut abort_closed = false;
+    let mut guards_checked = Instant::now();
     // Signal the process group first (reaches what the ranks started and kept in it), then,
     // through its guard, each live rank outside that group (one that left it, or every rank of
     // the library launcher, which has no group of its own): a rank gets each signal once, so a
@@ -253,6 +333,7 @@ pub(crate) fn supervise(procs: &mut [Proc], opts: &Options, failed: impl Fn(&Pro
         for p in procs.iter_mut() {
             if p.status.is_none() {
                 p.terminated = true;
+                p.wake_guard();
                 if sig == libc::SIGKILL || opts.pgid.is_none() || child::getpgid(p.pid) != opts.pgid {
                     p.signal(sig);
                 }
@@ -347,6 +428,14 @@ pub(crate) fn supervise(procs: &mut [Proc], opts: &Options, failed: impl Fn(&Pro
                 }
             }
             seen = c;
+        }
+
+        // 2b. Guards that stay silent about an exited rank.
+        if guards_checked.elapsed() >= GUARD_CHECK_EVERY {
+            guards_checked = Instant::now();
+            for p in procs.iter_mut() {
+                p.check_guard();
+            }
         }
 
         // 3. Exits. Ranks that ended since the last pass are seen together, so when a rank dies

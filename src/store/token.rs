@@ -1,7 +1,9 @@
 //! The job token: the shared secret every connection to the rendezvous store presents.
 //!
 //! * [`validate_token`]: 16 to 256 bytes, no whitespace or control characters (so a token read
-//!   from a file, the environment or a terminal is the same everywhere).
+//!   from a file, the environment or a terminal is the same everywhere), and not one of the
+//!   obvious ones a length check lets through: one character repeated, a sequence such as
+//!   `0123456789abcdef`, a short pattern repeated, or only a handful of different characters.
 //! * [`generate_token`]: 128 random bits from the kernel, as 32 hex digits (what `lockstep launch`
 //!   on node 0 uses when no token is given).
 //! * [`read_token_file`]: a token from a file, with the file's permission bits so the caller can
@@ -44,7 +46,53 @@ pub fn validate_token(token: &str) -> Result<(), StoreError> {
             "the job token contains whitespace or control characters, which get lost between shells, files and the environment; {how}"
         )));
     }
+    if let Some(why) = guessable(token.as_bytes()) {
+        return Err(StoreError::InvalidToken(format!("the job token {why}, which anyone can guess; {how}")));
+    }
     Ok(())
+}
+
+/// Fewest different bytes a token must hold: 16 random hex digits (64 bits) hold fewer than
+/// this with a probability below 1e-6, 32 of them (a generated token) below 1e-13.
+const MIN_DISTINCT: usize = 6;
+
+/// Why `t` (at least [`MIN_TOKEN_LEN`] bytes) is one of the tokens a person types when asked for
+/// a secret, or `None`. A token of random bytes fails none of these but with negligible odds.
+fn guessable(t: &[u8]) -> Option<String> {
+    if t.iter().all(|&b| b == t[0]) {
+        return Some(format!("is one character repeated ({:?} {} times)", t[0] as char, t.len()));
+    }
+    // A sequence: three quarters of the steps between neighbours are one same step
+    // ("abcdefghijklmnop", "0123456789abcdef0123", "zyxw...", "acegikmo...").
+    let steps: Vec<u8> = t.windows(2).map(|w| w[1].wrapping_sub(w[0])).collect();
+    let mut counts = [0usize; 256];
+    for &s in &steps {
+        counts[s as usize] += 1;
+    }
+    if counts.iter().max().is_some_and(|&m| 4 * m >= 3 * steps.len()) {
+        return Some(format!("is a simple sequence ({})", preview(t)));
+    }
+    // A short pattern repeated ("passwordpassword", "abcabcabc...").
+    if let Some(p) = (1..=t.len() / 2).find(|&p| t[p..].iter().zip(t).all(|(a, b)| a == b)) {
+        return Some(format!("repeats the {p}-character pattern {:?}", String::from_utf8_lossy(&t[..p])));
+    }
+    let mut seen = [false; 256];
+    t.iter().for_each(|&b| seen[b as usize] = true);
+    let distinct = seen.iter().filter(|&&s| s).count();
+    if distinct < MIN_DISTINCT {
+        return Some(format!("uses only {distinct} different characters (at least {MIN_DISTINCT} are required)"));
+    }
+    None
+}
+
+/// The first characters of a token, for a message about a token too obvious to be secret.
+fn preview(t: &[u8]) -> String {
+    let s = String::from_utf8_lossy(&t[..t.len().min(12)]);
+    if t.len() > 12 {
+        format!("\"{s}...\"")
+    } else {
+        format!("\"{s}\"")
+    }
 }
 
 /// A fresh token: 16 bytes from `/dev/urandom` as 32 lowercase hex digits.
@@ -151,7 +199,28 @@ mod tests {
         assert!(e.contains("5 byte(s) long") && e.contains("at least 16") && e.contains("openssl rand -hex 16"), "{e}");
         assert!(validate_token(&"x".repeat(MAX_TOKEN_LEN + 1)).is_err());
         validate_token("sixteen-bytes-ok").unwrap();
-        validate_token(&"x".repeat(MAX_TOKEN_LEN)).unwrap();
+        let long: String = (0..MAX_TOKEN_LEN).map(|i| char::from(b"q7Zk2fX9aLm4Pw0s"[(i * 7 + i / 16) % 16])).collect();
+        validate_token(&long).unwrap();
+    }
+
+    #[test]
+    fn obvious_tokens_are_refused_with_the_reason() {
+        let why = |t: &str| validate_token(t).unwrap_err().to_string();
+        let e = why("aaaaaaaaaaaaaaaa");
+        assert!(e.contains("the job token is one character repeated ('a' 16 times), which anyone can guess") && e.contains("openssl rand -hex 16"), "{e}");
+        assert!(why("0123456789abcdef").contains("the job token is a simple sequence (\"0123456789ab...\")"));
+        assert!(why("abcdefghijklmnopqrstuvwxyz").contains("is a simple sequence"));
+        assert!(why("zyxwvutsrqponmlk").contains("is a simple sequence"));
+        assert!(why("passwordpassword").contains("the job token repeats the 8-character pattern \"password\""));
+        assert!(why("abcabcabcabcabcabc").contains("repeats the 3-character pattern"));
+        assert!(why("aabbaabbaabbaabbxy").contains("uses only 4 different characters (at least 6 are required)"));
+        // What people should use passes: generated, `openssl rand -hex 16`, a passphrase.
+        for ok in ["3f9a0c7e51b2d846a1e07c3b9f25d468", "launch-cli-test-token-0123", "correct-horse-battery-staple"] {
+            validate_token(ok).unwrap();
+        }
+        for _ in 0..1000 {
+            validate_token(&generate_token().unwrap()).unwrap();
+        }
     }
 
     #[test]
@@ -177,12 +246,12 @@ mod tests {
             std::fs::set_permissions(&p, std::fs::Permissions::from_mode(mode)).unwrap();
             p
         };
-        let p = write("private", "0123456789abcdef0123\n", 0o600);
+        let p = write("private", "f3a9c07d2b6e1548aa91\n", 0o600);
         let f = read_token_file(&p).unwrap();
-        assert_eq!(f.token, "0123456789abcdef0123");
+        assert_eq!(f.token, "f3a9c07d2b6e1548aa91");
         assert!(!f.accessible_by_others(), "{f:?}");
-        assert!(!format!("{f:?}").contains("0123456789"), "the token must not show in Debug output");
-        let p = write("shared", "0123456789abcdef0123", 0o644);
+        assert!(!format!("{f:?}").contains("f3a9c07d2b"), "the token must not show in Debug output");
+        let p = write("shared", "f3a9c07d2b6e1548aa91", 0o644);
         assert!(read_token_file(&p).unwrap().accessible_by_others());
         let p = write("short", "abc\n", 0o600);
         let e = read_token_file(&p).unwrap_err().to_string();
