@@ -72,6 +72,12 @@ fn staged_child() {
 }
 
 fn main() {
+    // The staged ranks launched below wait for their peers at most LOCKSTEP_TIMEOUT_S, 60 s
+    // unless set: a hang must end as an error well inside a GPU lease of a few minutes, not
+    // after the 600 s default.
+    if std::env::var_os("LOCKSTEP_TIMEOUT_S").is_none() {
+        std::env::set_var("LOCKSTEP_TIMEOUT_S", "60");
+    }
     if std::env::var_os("LOCKSTEP_GPU_FOREIGN_CHILD").is_some() {
         foreign_child();
     }

@@ -100,6 +100,12 @@ fn train_cnn_path() -> std::path::PathBuf {
 }
 
 fn main() {
+    // The ranks launched below (and train-cnn's) wait for their peers at most
+    // LOCKSTEP_TIMEOUT_S, 60 s unless set: a hang must end as an error well inside a GPU lease
+    // of a few minutes, not after the 600 s default.
+    if std::env::var_os("LOCKSTEP_TIMEOUT_S").is_none() {
+        std::env::set_var("LOCKSTEP_TIMEOUT_S", "60");
+    }
     gpu::driver_or_skip();
     if std::env::var_os("LOCKSTEP_NVRTC_OPTIONS").is_none() {
         std::env::set_var("LOCKSTEP_NVRTC_OPTIONS", "-DLOCKSTEP_NO_TF32");

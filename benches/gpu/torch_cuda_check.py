@@ -1,0 +1,118 @@
+#!/usr/bin/env python3
+"""lockstep's Python package on CUDA tensors: two ranks forked by ``lockstep.notebook_launcher``
+on the ``"lockstep"`` torch.distributed backend, both on one GPU when the machine has one (the
+device communicator then stages through shared memory; with two GPUs each rank gets its own and
+NCCL runs), checking ``all_reduce`` (sum, average, bf16), ``broadcast``, ``all_gather`` (list and
+tensor forms) and DDP for a few steps (the replicas stay identical and the loss falls).
+
+Run by benches/gpu_verify.sh (step ``python``) with the wheel that benches/gpu_stage.sh built
+unpacked on PYTHONPATH; it needs torch with CUDA, so it can only be syntax-checked without a GPU.
+Prints one ``ok`` line per check and ``python torch CUDA: all checks passed``; exits 1 on the first
+failure (a rank's failure arrives as ``lockstep.RankError`` with that rank's traceback).
+
+The parent never touches CUDA: notebook_launcher refuses to fork once CUDA is initialised in the
+caller, so every CUDA call happens in the ranks.
+"""
+
+import os
+import sys
+
+import torch
+
+import lockstep
+
+WORLD = 2
+STEPS = 5
+
+
+def rank_body():
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import lockstep.torch  # noqa: F401  (registers the backend; the launcher already did)
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    dev = torch.device("cuda", local % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    out = {"device": str(dev), "backend": dist.get_backend()}
+
+    t = torch.full((1001,), float(rank + 1), device=dev)
+    dist.all_reduce(t)
+    out["sum"] = t.cpu()
+    t = torch.full((1001,), float(rank + 1), device=dev)
+    dist.all_reduce(t, op=dist.ReduceOp.AVG)
+    out["avg"] = t.cpu()
+    h = torch.full((257,), float(rank + 1), device=dev, dtype=torch.bfloat16)
+    dist.all_reduce(h)
+    out["bf16"] = h.cpu()
+
+    b = torch.arange(333, device=dev, dtype=torch.int64) if rank == world - 1 else torch.zeros(333, device=dev, dtype=torch.int64)
+    dist.broadcast(b, src=world - 1)
+    out["broadcast"] = b.cpu()
+
+    mine = torch.full((4,), float(rank), device=dev)
+    parts = [torch.empty(4, device=dev) for _ in range(world)]
+    dist.all_gather(parts, mine)
+    out["all_gather"] = [p.cpu() for p in parts]
+    flat = torch.empty(4 * world, device=dev)
+    dist.all_gather_into_tensor(flat, mine)
+    out["all_gather_into_tensor"] = flat.cpu()
+
+    # Which device communicator the group made at its first CUDA collective (information only).
+    try:
+        pg = dist.distributed_c10d._get_default_group()._get_backend(dev)
+        out["device_comm"] = pg._device_comm.backend
+    except Exception as e:  # the check does not depend on torch's private accessors
+        out["device_comm"] = f"unknown ({type(e).__name__})"
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1)).to(dev)
+    ddp = DDP(model, device_ids=[dev.index])
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    g = torch.Generator(device=dev).manual_seed(100 + rank)
+    losses = []
+    for _ in range(STEPS):
+        x = torch.randn(64, 16, device=dev, generator=g)
+        y = x.sum(dim=1, keepdim=True)
+        loss = torch.nn.functional.mse_loss(ddp(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    out["ddp_params"] = [p.detach().cpu() for p in model.parameters()]
+    out["ddp_losses"] = losses
+    torch.cuda.synchronize(dev)
+    return out
+
+
+def check(name, cond, detail):
+    if not cond:
+        print(f"FAILED {name}: {detail}", flush=True)
+        sys.exit(1)
+    print(f"ok {name}", flush=True)
+
+
+def main():
+    assert not torch.cuda.is_initialized(), "CUDA must not be initialised before forking the ranks"
+    res = lockstep.notebook_launcher(rank_body, num_processes=WORLD)
+    want_sum = float(WORLD * (WORLD + 1) // 2)
+    for r, o in enumerate(res):
+        print(f"rank {r}: {o['device']}, backend {o['backend']}, device communicator {o['device_comm']}", flush=True)
+        check(f"rank {r} all_reduce sum", torch.equal(o["sum"], torch.full((1001,), want_sum)), o["sum"][:4])
+        check(f"rank {r} all_reduce avg", torch.equal(o["avg"], torch.full((1001,), (WORLD + 1) / 2)), o["avg"][:4])
+        check(f"rank {r} all_reduce bf16", torch.equal(o["bf16"], torch.full((257,), want_sum, dtype=torch.bfloat16)), o["bf16"][:4])
+        check(f"rank {r} broadcast", torch.equal(o["broadcast"], torch.arange(333)), o["broadcast"][:4])
+        gathered = torch.cat(o["all_gather"])
+        want_g = torch.repeat_interleave(torch.arange(WORLD, dtype=torch.float32), 4)
+        check(f"rank {r} all_gather", torch.equal(gathered, want_g), gathered)
+        check(f"rank {r} all_gather_into_tensor", torch.equal(o["all_gather_into_tensor"], want_g), o["all_gather_into_tensor"])
+        losses = o["ddp_losses"]
+        check(f"rank {r} DDP learns", all(v == v for v in losses) and losses[-1] < losses[0], losses)  # v == v: not NaN
+    for a, b in zip(res[0]["ddp_params"], res[1]["ddp_params"]):
+        check("DDP replicas identical", torch.equal(a, b), (a - b).abs().max())
+    print("python torch CUDA: all checks passed", flush=True)
+
+
+if __name__ == "__main__":
+    main()
