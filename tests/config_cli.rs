@@ -325,6 +325,52 @@ fn process_counts() -> Result<(), String> {
     )
 }
 
+fn torchrun_and_accelerate_habits() -> Result<(), String> {
+    let d = scratch("cfg-habits");
+    // The program without `--`, its own options passed through untouched.
+    let o = out(lockstep(&d).args(["launch", "--nproc-per-node", "2", "sh", "-c", "echo args $RANK \"$@\"", "x", "--lr", "1", "-v"]))?;
+    let l = lines(&o);
+    check(o.status.success() && l.len() == 2 && l.iter().all(|x| x.ends_with("--lr 1 -v")), "the program needs no `--`", show(&o))?;
+    // torchrun's and Accelerate's spellings.
+    let env = "echo $WORLD_SIZE $OMP_NUM_THREADS $ACCELERATE_MIXED_PRECISION";
+    let cpus = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    let o = out(lockstep(&d)
+        .env_remove("OMP_NUM_THREADS")
+        .args(["launch", "--nproc_per_node", "cpu", "--standalone", "--node_rank", "0", "--master_addr", "127.0.0.1"])
+        .args(["--master_port", "29999", "--mixed_precision", "bf16", "sh", "-c", env]))?;
+    let want = format!("{cpus} 1 bf16");
+    check(o.status.success() && lines(&o).iter().all(|x| x.ends_with(&want)) && lines(&o).len() == cpus, "torchrun spellings; cpu ranks", show(&o))?;
+    let o = out(lockstep(&d).args(["launch", "--num_machines", "1", "--machine_rank", "0", "--main_process_port", "29999", "--num_processes", "2"]).args(["sh", "-c", env]))?;
+    check(o.status.success() && lines(&o).len() == 2, "Accelerate's spellings", show(&o))?;
+    // OMP_NUM_THREADS: the node's CPUs shared among its ranks, unless the user set it.
+    let o = out(lockstep(&d).env_remove("OMP_NUM_THREADS").args(["launch", "--nproc-per-node", "1", "sh", "-c", env]))?;
+    check(lines(&o).iter().all(|x| x.ends_with(&format!("1 {cpus}"))), "one rank gets every CPU", show(&o))?;
+    let o = out(lockstep(&d).env("OMP_NUM_THREADS", "7").args(["launch", "--nproc-per-node", "2", "sh", "-c", env]))?;
+    check(lines(&o).iter().all(|x| x.ends_with("2 7")), "a user's OMP_NUM_THREADS is kept", show(&o))?;
+    let o = out(lockstep(&d).args(["launch", "--standalone", "--nnodes", "2", "true"]))?;
+    check(
+        o.status.code() == Some(1) && text(&o).1.contains("--standalone is a single-node job, but --nnodes (or the configuration) asks for 2 nodes"),
+        "--standalone with several nodes is refused",
+        show(&o),
+    )?;
+    if lockstep::config::count_gpus().unwrap_or(0) == 0 {
+        let o = out(lockstep(&d).args(["launch", "--nproc-per-node", "gpu", "true"]))?;
+        check(o.status.code() == Some(1) && text(&o).1.contains("`gpu` starts one rank per GPU, but this machine has none"), "gpu without GPUs", show(&o))?;
+    }
+    // A misspelt option gets clap's tip, and never runs as the program.
+    let o = out(lockstep(&d).args(["launch", "--nproc-per-nod", "2", "true"]))?;
+    check(o.status.code() == Some(2) && text(&o).1.contains("tip: a similar argument exists: '--nproc-per-node'"), "a tip names the right spelling", show(&o))?;
+    // One meaning per flag: `config --nproc-per-node` counts per machine, as `launch` does.
+    let p = d.join("per-node.toml");
+    let o = out(lockstep(&d).args(["config", "--nproc-per-node", "4", "--num-machines", "2", "--path"]).arg(&p))?;
+    let t = std::fs::read_to_string(&p).map_err(|e| e.to_string())?;
+    check(o.status.success() && t.contains("num_processes = 8"), "--nproc-per-node 4 on 2 machines is 8 ranks in all", &t)?;
+    let p = d.join("total.toml");
+    let o = out(lockstep(&d).args(["config", "--num_processes", "4", "--num-machines", "2", "--path"]).arg(&p))?;
+    let t = std::fs::read_to_string(&p).map_err(|e| e.to_string())?;
+    check(o.status.success() && t.contains("num_processes = 4"), "--num_processes counts every machine's ranks", &t)
+}
+
 fn json_lines_parse_under_the_launcher() -> Result<(), String> {
     let d = scratch("cfg-json");
     // Real JSON from a lockstep program, JSON the shell writes (nesting, escapes), and text.
@@ -424,6 +470,7 @@ fn main() -> std::process::ExitCode {
         ("backend_of_the_file_reaches_the_ranks", backend_of_the_file_reaches_the_ranks),
         ("master_addr_and_port", master_addr_and_port),
         ("process_counts", process_counts),
+        ("torchrun_and_accelerate_habits", torchrun_and_accelerate_habits),
         ("json_lines_parse_under_the_launcher", json_lines_parse_under_the_launcher),
         ("carriage_returns_reach_a_terminal", carriage_returns_reach_a_terminal),
     ])

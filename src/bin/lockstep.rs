@@ -36,8 +36,8 @@ struct Cli {
     cmd: Cmd,
 }
 
-/// Options of `lockstep bench` (turned into [`BenchOptions`]). Sizes take K, M and G suffixes
-/// (powers of 1024), as nccl-tests' do.
+// Options of `lockstep bench`, turned into `BenchOptions` (a plain comment: clap would show a
+// doc comment here as the subcommand's help).
 #[derive(Clone, Debug, clap::Args)]
 #[command(after_help = BENCH_HELP)]
 struct BenchArgs {
@@ -170,7 +170,8 @@ enum Cmd {
     Config(ConfigArgs),
     /// Print version, OS, CPU and accelerator information, and the configuration in force.
     Env,
-    /// nccl-tests-style collective benchmark (verifies every result).
+    /// nccl-tests-style collective benchmark (verifies every result); sizes take K, M and G
+    /// suffixes (powers of 1024).
     Bench(BenchArgs),
     // -------------------------------------------------------------------------------------------
 }
@@ -178,7 +179,8 @@ enum Cmd {
 const LAUNCH_HELP: &str = "\
 Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT,
 LOCKSTEP_JOB_ID, LOCKSTEP_TOKEN, LOCKSTEP_NODE_RANK, LOCKSTEP_NNODES, LOCKSTEP_LAUNCHER_PID,
-LOCKSTEP_RDZV_TIMEOUT_S (and, for rank 0, LOCKSTEP_CONSOLE_TTY=1 when the launcher's stdout is a terminal,
+LOCKSTEP_RDZV_TIMEOUT_S, OMP_NUM_THREADS (CPUs / ranks of the node, unless set), ACCELERATE_MIXED_PRECISION
+(with --mixed-precision or the configuration's) (and, for rank 0, LOCKSTEP_CONSOLE_TTY=1 when the launcher's stdout is a terminal,
 LOCKSTEP_BACKEND when --backend or the configuration file chooses one, LOCKSTEP_CONFIG when a
 configuration file was read); Communicator::from_env() reads them. Output is printed line by line as
 `[rank N] ...`, except lines that are JSON objects, which are printed as they are so that `--json`
@@ -188,7 +190,10 @@ output parses line by line (--no-prefix: no prefix at all). The first failing ra
 Settings come from, first to last: the flag, the environment (MASTER_ADDR, MASTER_PORT,
 LOCKSTEP_BACKEND), the configuration file (`lockstep config` writes it; `lockstep env` shows the one
 in force), the default. --num_processes counts the ranks of all nodes, as Accelerate's does;
---nproc-per-node (torchrun's --nproc_per_node) those of this node.
+--nproc-per-node (torchrun's --nproc_per_node) those of this node. torchrun's and Accelerate's
+spellings are accepted (--nproc_per_node, --node_rank, --master_addr, --master_port, --standalone,
+--num_machines, --machine_rank, --main_process_ip, --main_process_port, --mixed_precision). The
+program starts at the first argument that is not an option; `--` before it is optional.
 
 Stopping: Ctrl-C (SIGINT) and SIGTERM are forwarded to every rank, SIGHUP (a closed terminal or ssh
 session) as SIGTERM; ranks still running after --grace-s are killed. A second Ctrl-C or SIGTERM kills
@@ -205,29 +210,50 @@ it on. Give it through LOCKSTEP_TOKEN or --token-file (a file only you can read)
 but puts it on the command line, where every user of the machine can read it with `ps`.
 
 Examples:
-  lockstep launch --nproc-per-node 4 -- ./train --epochs 2
-  lockstep launch --nproc-per-node auto -- ./train     # one rank per GPU, else 2
+  lockstep launch --nproc-per-node 4 ./train --epochs 2
+  lockstep launch --nproc_per_node gpu python3 train.py  # one rank per GPU
+  lockstep launch --nproc-per-node auto -- ./train       # one rank per GPU, else 2
   # two nodes (or two launchers on one host); node 0 prints the token it generated:
   lockstep launch --nproc-per-node 2 --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 -- ./train
   LOCKSTEP_TOKEN=<token> lockstep launch --nproc-per-node 2 --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 -- ./train
   # or the same token file (chmod 600) on every node:
   lockstep launch --nproc-per-node 2 --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --token-file ~/.lockstep-token -- ./train";
 
-/// A number of ranks, or `auto`: one per GPU of this machine, else [`config::DEFAULT_NUM_PROCESSES`].
+/// A number of ranks as torchrun takes it: a number, `auto` (one per GPU of this machine, else
+/// [`config::DEFAULT_NUM_PROCESSES`]), `gpu` (one per GPU) or `cpu` (one per CPU).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Procs {
     Auto,
+    Gpu,
+    Cpu,
     N(usize),
 }
 
 fn parse_procs(s: &str) -> Result<Procs, String> {
     match s.trim() {
         "auto" => Ok(Procs::Auto),
+        "gpu" => Ok(Procs::Gpu),
+        "cpu" => Ok(Procs::Cpu),
         t => match t.parse::<usize>() {
-            Ok(0) => Err("0 ranks cannot run anything: give at least 1, or `auto` (one per GPU, else 2)".into()),
+            Ok(0) => Err("0 ranks cannot run anything: give at least 1, or `auto` (one per GPU, else 2), `gpu` or `cpu`".into()),
             Ok(n) => Ok(Procs::N(n)),
-            Err(_) => Err(format!("{t:?} is not a number of ranks: give a whole number of at least 1, or `auto`")),
+            Err(_) => Err(format!("{t:?} is not a number of ranks: give a whole number of at least 1, or `auto`, `gpu` or `cpu`")),
         },
+    }
+}
+
+impl Procs {
+    /// Ranks per machine.
+    fn per_machine(self, gpus: &mut Gpus) -> Result<usize, String> {
+        match self {
+            Procs::N(n) => Ok(n),
+            Procs::Auto => Ok(config::auto_processes_per_machine(gpus.get("`auto` ranks")?)),
+            Procs::Gpu => match gpus.get("`gpu` ranks")? {
+                0 => Err("`gpu` starts one rank per GPU, but this machine has none: give a number of ranks, or `cpu`".into()),
+                n => Ok(n),
+            },
+            Procs::Cpu => Ok(std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)),
+        }
     }
 }
 
@@ -242,28 +268,41 @@ fn parse_precision(s: &str) -> Result<MixedPrecision, String> {
 #[derive(clap::Args, Debug)]
 #[command(after_help = LAUNCH_HELP)]
 struct LaunchArgs {
-    /// Ranks to start on this node: a number, or `auto` (one per GPU, else 2). Default: the
-    /// configuration file's num_processes / num_machines, else 2.
-    #[arg(long, visible_alias = "nproc_per_node", value_name = "N|auto", value_parser = parse_procs)]
+    /// Ranks to start on this node: a number, `auto` (one per GPU, else 2), `gpu` (one per GPU)
+    /// or `cpu` (one per CPU). Default: the configuration file's num_processes / num_machines,
+    /// else 2.
+    #[arg(long, visible_alias = "nproc_per_node", value_name = "N|auto|gpu|cpu", value_parser = parse_procs)]
     nproc_per_node: Option<Procs>,
     /// Ranks of the whole job, over all nodes (Accelerate's --num_processes; a multiple of
-    /// --nnodes), or `auto` (one per GPU of each node, else 2 per node).
-    #[arg(long = "num_processes", visible_alias = "num-processes", value_name = "N|auto", value_parser = parse_procs, conflicts_with = "nproc_per_node")]
+    /// --nnodes), or `auto`, `gpu`, `cpu` (per node, as for --nproc-per-node).
+    #[arg(long = "num_processes", visible_alias = "num-processes", value_name = "N|auto|gpu|cpu", value_parser = parse_procs, conflicts_with = "nproc_per_node")]
     num_processes: Option<Procs>,
-    /// Number of nodes in the job (default: the configuration's num_machines, else 1).
-    #[arg(long)]
+    /// Number of nodes in the job (Accelerate's --num_machines; default: the configuration's
+    /// num_machines, else 1).
+    #[arg(long, visible_aliases = ["num_machines", "num-machines"])]
     nnodes: Option<usize>,
-    /// This node's index, 0..nnodes (default: the configuration's machine_rank, else 0).
-    #[arg(long)]
+    /// This node's index, 0..nnodes (Accelerate's --machine_rank; default: the configuration's
+    /// machine_rank, else 0).
+    #[arg(long, visible_aliases = ["node_rank", "machine_rank", "machine-rank"])]
     node_rank: Option<usize>,
-    /// Address of node 0, whose launcher hosts the rendezvous store (default: $MASTER_ADDR, else
-    /// the configuration's main_process_ip, else 127.0.0.1).
-    #[arg(long)]
+    /// Address of node 0, whose launcher hosts the rendezvous store (Accelerate's
+    /// --main_process_ip; default: $MASTER_ADDR, else the configuration's main_process_ip, else
+    /// 127.0.0.1).
+    #[arg(long, visible_aliases = ["master_addr", "main_process_ip", "main-process-ip"])]
     master_addr: Option<String>,
-    /// Port of the rendezvous store, opened only when nnodes > 1 (default: $MASTER_PORT, else the
-    /// configuration's main_process_port, else 29500).
-    #[arg(long)]
+    /// Port of the rendezvous store, opened only when nnodes > 1 (Accelerate's
+    /// --main_process_port; default: $MASTER_PORT, else the configuration's main_process_port,
+    /// else 29500).
+    #[arg(long, visible_aliases = ["master_port", "main_process_port", "main-process-port"])]
     master_port: Option<u16>,
+    /// A single-node job with its own rendezvous, as torchrun's --standalone: what lockstep
+    /// does without --nnodes, so this only refuses --nnodes above 1.
+    #[arg(long)]
+    standalone: bool,
+    /// Mixed precision for Accelerate in the ranks: no, fp16 or bf16, exported as
+    /// ACCELERATE_MIXED_PRECISION (default: the configuration's mixed_precision, else not set).
+    #[arg(long, visible_alias = "mixed_precision", value_parser = parse_precision)]
+    mixed_precision: Option<MixedPrecision>,
     /// Backend of the ranks: shm, nccl or auto (nccl when this machine has a GPU); passed to them
     /// as LOCKSTEP_BACKEND (default: $LOCKSTEP_BACKEND, else the configuration's backend, else shm).
     #[arg(long, value_parser = parse_backend)]
@@ -296,8 +335,9 @@ struct LaunchArgs {
     /// store, and the ranks waiting for each other (default: $LOCKSTEP_RDZV_TIMEOUT_S, else 60).
     #[arg(long)]
     rdzv_timeout_s: Option<f64>,
-    /// The program to run and its arguments (after `--`).
-    #[arg(last = true, required = true, value_name = "PROGRAM")]
+    /// The program to run and its arguments: everything from the first argument that is not
+    /// an option on (`--` before it is optional, as with torchrun).
+    #[arg(trailing_var_arg = true, required = true, value_name = "PROGRAM")]
     program: Vec<OsString>,
 }
 
@@ -323,9 +363,14 @@ struct ConfigArgs {
     /// Ask Accelerate's questions on standard input (an empty answer takes the default shown).
     #[arg(long, short = 'i')]
     interactive: bool,
-    /// Ranks of the whole job (default: GPUs of this machine, else 2, times --num-machines).
-    #[arg(long, visible_aliases = ["num_processes", "nproc-per-node", "nproc_per_node"], value_name = "N|auto", value_parser = parse_procs)]
+    /// Ranks of the whole job, over all machines (default: GPUs of this machine, else 2, times
+    /// --num-machines).
+    #[arg(long, visible_alias = "num_processes", value_name = "N|auto|gpu|cpu", value_parser = parse_procs)]
     num_processes: Option<Procs>,
+    /// Ranks per machine, as `lockstep launch --nproc-per-node` reads it: the job gets this
+    /// times --num-machines.
+    #[arg(long, visible_alias = "nproc_per_node", value_name = "N|auto|gpu|cpu", value_parser = parse_procs, conflicts_with = "num_processes")]
+    nproc_per_node: Option<Procs>,
     /// Machines of the job (default 1).
     #[arg(long, visible_alias = "num_machines")]
     num_machines: Option<usize>,
@@ -491,10 +536,12 @@ fn launch(a: LaunchArgs, file: Option<&Path>) -> Result<i32, String> {
     if nnodes == 0 {
         return Err("--nnodes 0: a job runs on at least 1 node (leave --nnodes out for a single-node job)".into());
     }
+    if a.standalone && nnodes > 1 {
+        return Err(format!("--standalone is a single-node job, but --nnodes (or the configuration) asks for {nnodes} nodes: leave one out"));
+    }
     let node_rank = a.node_rank.or(cfg.machine_rank).unwrap_or(0);
     let nproc_per_node = match (a.nproc_per_node, a.num_processes) {
-        (Some(Procs::N(n)), _) => n,
-        (Some(Procs::Auto), _) | (None, Some(Procs::Auto)) => config::auto_processes_per_machine(gpus.get("`auto` ranks")?),
+        (Some(p), _) => p.per_machine(&mut gpus)?,
         (None, Some(Procs::N(total))) => {
             if total % nnodes != 0 {
                 return Err(format!(
@@ -503,6 +550,7 @@ fn launch(a: LaunchArgs, file: Option<&Path>) -> Result<i32, String> {
             }
             total / nnodes
         }
+        (None, Some(p)) => p.per_machine(&mut gpus)?,
         (None, None) => cfg.processes_per_machine().unwrap_or(config::DEFAULT_NUM_PROCESSES),
     };
     let (env_addr, env_port) = env_master()?;
@@ -528,6 +576,10 @@ fn launch(a: LaunchArgs, file: Option<&Path>) -> Result<i32, String> {
         let resolved = b.resolve(n);
         tracing::debug!("the ranks use the {resolved} backend ({from})");
         rank_env.push(("LOCKSTEP_BACKEND".to_string(), resolved.to_string()));
+    }
+    // Accelerate in the ranks reads its precision from here, as under `accelerate launch`.
+    if let Some(mp) = a.mixed_precision.or(cfg.mixed_precision) {
+        rank_env.push(("ACCELERATE_MIXED_PRECISION".to_string(), mp.name().to_string()));
     }
     // The ranks (train-cnn) read the same file, wherever it was named.
     if loaded.exists {
@@ -719,9 +771,11 @@ fn write_config(a: ConfigArgs, file: Option<&Path>) -> Result<i32, String> {
     if machines == 0 {
         return Err("--num-machines 0: a job runs on at least 1 machine".into());
     }
-    let total = match a.num_processes {
-        Some(Procs::N(n)) => n,
-        Some(Procs::Auto) | None => config::auto_processes_per_machine(gpus) * machines,
+    let mut known = Gpus(Some(gpus));
+    let total = match (a.num_processes, a.nproc_per_node) {
+        (Some(Procs::N(n)), _) => n,
+        (Some(p), _) | (None, Some(p)) => p.per_machine(&mut known)? * machines,
+        (None, None) => config::auto_processes_per_machine(gpus) * machines,
     };
     let defaults = config::Config {
         num_processes: Some(total),

@@ -330,6 +330,14 @@ pub fn run_job(spec: &JobSpec) -> Result<i32, LaunchError> {
         ("LOCKSTEP_RDZV_TIMEOUT_S".into(), spec.rdzv_timeout.as_secs_f64().to_string()),
     ];
     let mut common = common;
+    // As torchrun: ranks that would each start one OpenMP (or BLAS, or torch intra-op) thread
+    // per CPU of the node oversubscribe it as many times as there are ranks. Unless the user
+    // chose, each rank gets its share of the CPUs.
+    if std::env::var_os("OMP_NUM_THREADS").is_none() && spec.rank_env.iter().all(|(k, _)| k != "OMP_NUM_THREADS") {
+        let share = (cpus / spec.nproc_per_node).max(1);
+        tracing::debug!("OMP_NUM_THREADS is not set: each rank gets OMP_NUM_THREADS={share} ({cpus} CPUs, {} ranks on this node)", spec.nproc_per_node);
+        common.push(("OMP_NUM_THREADS".into(), share.to_string()));
+    }
     common.extend(spec.rank_env.iter().cloned());
     // The ranks' stdout is a pipe, but what they print ends on this terminal: rank 0, the one
     // that reports, may draw progress bars (`\r` redraws are forwarded one by one, see output.rs).
