@@ -63,6 +63,9 @@ const RECORD: usize = 8;
 /// `setpgid`, not its `execve` (errno values are far below it).
 const GROUP_ERR_FLAG: i32 = 1 << 30;
 
+/// How often (ms) the launcher looks at a guard that has not reported its starting rank yet.
+const START_CHECK_MS: i32 = 1000;
+
 /// The control byte that releases a held group leader (see [`RankSetup::hold_leader`]). Every
 /// other byte is a signal number for the rank, and signal 0 is never one to forward.
 const RELEASE: u8 = 0;
@@ -291,10 +294,37 @@ pub(crate) fn start(setup: &RankSetup, body: impl FnOnce()) -> std::io::Result<P
 
 impl Pending {
     /// Read one whole report record (blocking): `None` when the guard closed the pipe first.
+    /// A guard that stays silent is looked at every [`START_CHECK_MS`]: a stopped one (its rank
+    /// may stop it before it reports, `kill -STOP $PPID`) is continued, and one that still does
+    /// not answer after that is killed, so the launcher never waits on a process that cannot
+    /// answer.
     fn record(&self) -> Option<(i32, i32)> {
         let mut rec = [0u8; RECORD];
         let mut got = 0;
+        let mut continued = false;
         while got < RECORD {
+            let mut pfd = libc::pollfd { fd: self.report.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+            // SAFETY: poll on one valid pollfd.
+            let ready = unsafe { libc::poll(&mut pfd, 1, START_CHECK_MS) };
+            if ready < 0 {
+                // A signal to the launcher (EINTR): its handler counted it; look again.
+                continue;
+            }
+            if ready == 0 {
+                match super::child::proc_state(self.pid) {
+                    Some('T') | Some('t') if !continued => {
+                        tracing::warn!("the guard (pid {}) of a starting rank is stopped: continuing it (SIGCONT)", self.pid);
+                        super::child::kill(self.pid, libc::SIGCONT);
+                        continued = true;
+                    }
+                    Some('T') | Some('t') => {
+                        tracing::warn!("the guard (pid {}) of a starting rank still does not answer: killing it", self.pid);
+                        super::child::kill(self.pid, libc::SIGKILL);
+                    }
+                    _ => {}
+                }
+                continue;
+            }
             // SAFETY: reading into the unfilled tail of a valid buffer.
             let n = unsafe { libc::read(self.report.as_raw_fd(), rec[got..].as_mut_ptr() as *mut libc::c_void, RECORD - got) };
             if n > 0 {
