@@ -193,6 +193,11 @@ impl Backend for StagedBackend {
         BackendKind::Staged
     }
 
+    fn describe(&self) -> String {
+        // The host communicator logged its own line when it was made.
+        format!("device {} staged through host backend {}", self.ctx.ordinal(), self.inner.backend_kind())
+    }
+
     fn device(&self) -> Option<Arc<Context>> {
         Some(self.ctx.clone())
     }

@@ -371,6 +371,30 @@ fn torchrun_and_accelerate_habits() -> Result<(), String> {
     check(o.status.success() && t.contains("num_processes = 4"), "--num_processes counts every machine's ranks", &t)
 }
 
+fn init_line_on_request() -> Result<(), String> {
+    let d = scratch("cfg-init-line");
+    let run = |log: Option<&str>| {
+        let mut c = lockstep(&d);
+        c.args(["launch", "--nproc-per-node", "2", BIN, "selftest"]);
+        if let Some(l) = log {
+            c.env("LOCKSTEP_LOG", l);
+        }
+        out(&mut c)
+    };
+    let o = run(Some("info"))?;
+    let err = text(&o).1;
+    for r in 0..2 {
+        let line = err.lines().find(|l| l.contains(&format!("init: rank {r} of 2 backend shm host "))).unwrap_or("");
+        check(
+            o.status.success() && line.contains(&format!("lockstep {} init", env!("CARGO_PKG_VERSION"))) && line.contains(" pid ") && line.contains(" cpus ") && line.contains(" cma "),
+            &format!("LOCKSTEP_LOG=info: rank {r} logs its init line"),
+            show(&o),
+        )?;
+    }
+    let o = run(None)?;
+    check(o.status.success() && !text(&o).1.contains("init: rank"), "no init line by default", show(&o))
+}
+
 fn json_lines_parse_under_the_launcher() -> Result<(), String> {
     let d = scratch("cfg-json");
     // Real JSON from a lockstep program, JSON the shell writes (nesting, escapes), and text.
@@ -471,6 +495,7 @@ fn main() -> std::process::ExitCode {
         ("master_addr_and_port", master_addr_and_port),
         ("process_counts", process_counts),
         ("torchrun_and_accelerate_habits", torchrun_and_accelerate_habits),
+        ("init_line_on_request", init_line_on_request),
         ("json_lines_parse_under_the_launcher", json_lines_parse_under_the_launcher),
         ("carriage_returns_reach_a_terminal", carriage_returns_reach_a_terminal),
     ])

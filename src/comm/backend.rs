@@ -123,6 +123,12 @@ pub trait Backend: Send {
     fn device(&self) -> Option<Arc<Context>> {
         None
     }
+    /// What the communicator's init line says of this backend beyond rank, world and kind
+    /// (the shared-memory backend's CPU binding and single-copy threshold, NCCL's version and
+    /// device), as `key value` pairs separated by spaces.
+    fn describe(&self) -> String {
+        String::new()
+    }
     /// Run a group of point-to-point operations: all of them complete before it returns (host
     /// backends) or are enqueued together (device backends), so sends and receives posted in one
     /// group never wait on one another in a cycle.

@@ -40,9 +40,39 @@ impl fmt::Debug for Communicator {
 
 impl Communicator {
     /// Wrap a backend.
+    ///
+    /// Logs one INFO line (target `lockstep::init`), as `NCCL_DEBUG=INFO` does: version, rank,
+    /// world, backend, host, pid, and what the backend adds (CPU binding, single-copy threshold,
+    /// NCCL version and device).
     pub fn from_backend(backend: Box<dyn Backend>) -> Communicator {
         let global = backend.global_ranks().map(Arc::from);
-        Communicator { backend, global }
+        let c = Communicator { backend, global };
+        if tracing::enabled!(target: "lockstep::init", tracing::Level::INFO) {
+            tracing::info!(target: "lockstep::init", "{}", c.init_line());
+        }
+        c
+    }
+
+    /// The communicator's init line (see [`from_backend`](Self::from_backend)).
+    fn init_line(&self) -> String {
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_string()).unwrap_or_else(|_| "?".into());
+        let mut line = format!(
+            "lockstep {} init: rank {} of {} backend {} host {host} pid {}",
+            env!("CARGO_PKG_VERSION"),
+            self.backend.rank(),
+            self.backend.world_size(),
+            self.backend.kind(),
+            std::process::id()
+        );
+        if let Some(g) = &self.global {
+            line += &format!(" global_rank {}", g[self.backend.rank()]);
+        }
+        let more = self.backend.describe();
+        if !more.is_empty() {
+            line.push(' ');
+            line += &more;
+        }
+        line
     }
 
     /// This rank, in `0..world_size()`.
@@ -565,7 +595,7 @@ impl Communicator {
     /// time), and this communicator stays usable. Splits nest: a sub-communicator can be split
     /// again, and its [`global_ranks`](Self::global_ranks) still name world ranks.
     ///
-    /// Backends: shm (a new shared segment per sub-communicator, see the crate README), nccl
+    /// Backends: shm (a new shared segment per sub-communicator, see docs/rust.md), nccl
     /// (`ncclCommSplit`; colors up to `i32::MAX` and keys that fit an `i32`), staged (splits its
     /// host communicator).
     pub fn split(&mut self, color: Option<u32>, key: i64) -> Result<Option<Communicator>, CommError> {

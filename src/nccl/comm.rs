@@ -851,6 +851,11 @@ impl Backend for NcclComm {
         Some(self.ctx.clone())
     }
 
+    fn describe(&self) -> String {
+        let v = super::version().map(crate::cuda::nccl_version_string).unwrap_or_else(|_| "?".into());
+        format!("nccl {v} device {}", self.ctx.ordinal())
+    }
+
     fn run(&mut self, call: &Call) -> Result<(), CommError> {
         self.check_call(call)?;
         self.check_alive(call.kind.name())?;

@@ -103,6 +103,15 @@ impl Backend for ShmComm {
         BackendKind::Shm
     }
 
+    fn describe(&self) -> String {
+        // Cross-memory attach moves point-to-point messages of at least this size in one copy.
+        let cma = match self.ch.config().cma_bytes {
+            0 => "off".to_string(),
+            b => format!("from {b} B"),
+        };
+        format!("cpus {} cma {cma}", super::segment::affinity_text())
+    }
+
     fn run(&mut self, call: &Call) -> Result<(), CommError> {
         if let Some(reason) = &self.poisoned {
             return Err(CommError::Aborted {

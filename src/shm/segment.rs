@@ -515,6 +515,32 @@ pub(crate) fn available_cpus() -> usize {
     }
 }
 
+/// The CPUs this thread may run on, as a list of ranges (`0-3,8`), or `?` when it cannot tell:
+/// what the rank was bound to (`LOCKSTEP_CPU_BIND`), for the init line.
+pub(crate) fn affinity_text() -> String {
+    // SAFETY: as in `available_cpus`.
+    let set = unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
+            return "?".into();
+        }
+        set
+    };
+    // SAFETY: CPU_ISSET reads a valid set for indexes below CPU_SETSIZE.
+    let on: Vec<usize> = (0..libc::CPU_SETSIZE as usize).filter(|&c| unsafe { libc::CPU_ISSET(c, &set) }).collect();
+    let mut parts = Vec::new();
+    let mut i = 0;
+    while i < on.len() {
+        let mut j = i;
+        while j + 1 < on.len() && on[j + 1] == on[j] + 1 {
+            j += 1;
+        }
+        parts.push(if i == j { on[i].to_string() } else { format!("{}-{}", on[i], on[j]) });
+        i = j + 1;
+    }
+    parts.join(",")
+}
+
 /// What to change when a segment's file system (or cgroup) has no room: named for `e`'s place.
 pub(crate) fn room_hint(e: &NoSpace) -> String {
     match &e.dir {

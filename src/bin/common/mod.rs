@@ -2,8 +2,8 @@
 //!
 //! The library never prints; it emits `tracing` events. A binary decides what its user sees:
 //! `LOCKSTEP_LOG` (a `RUST_LOG`-style filter such as `debug` or `warn,lockstep::shm=debug`) wins,
-//! else `-q` (errors only), default (lockstep's notices and everyone's warnings), `-v` (debug), `-vv`
-//! (trace).
+//! else `-q` (errors only), default (lockstep's notices and everyone's warnings, but not each
+//! communicator's init line), `-v` (debug), `-vv` (trace).
 
 use tracing_subscriber::EnvFilter;
 
@@ -15,7 +15,9 @@ pub fn init_logging(verbose: u8, quiet: bool) -> Result<(), String> {
         })?,
         _ => EnvFilter::new(match (quiet, verbose) {
             (true, _) => "error",
-            (false, 0) => "warn,lockstep=info",
+            // Each communicator's init line only on request (-v, or LOCKSTEP_LOG=info), as NCCL's
+            // with NCCL_DEBUG=INFO: one line per rank per communicator is noise by default.
+            (false, 0) => "warn,lockstep=info,lockstep::init=warn",
             (false, 1) => "info,lockstep=debug",
             (false, _) => "debug,lockstep=trace",
         }),
