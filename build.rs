@@ -12,7 +12,8 @@
 //! A declaration the parser cannot map to a parameter kind fails the build, naming the file, the
 //! kernel and the parameter.
 //!
-//! With feature `capi` it also generates the C header (`OUT_DIR/lockstep.h`, see [`c_header`]).
+//! With feature `capi` it also generates the C header (`OUT_DIR/lockstep.h`, see [`c_header`]),
+//! and it gives the shared library its soname and export rule (see [`c_library`]).
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -150,9 +151,83 @@ fn static_name(file: &str) -> String {
     }
 }
 
-/// Feature `capi`: generate the C header from `src/capi/mod.rs` with cbindgen (`cbindgen.toml`)
-/// into `OUT_DIR/lockstep.h`, which tests/capi.rs compares with the checked-in
-/// `include/lockstep.h`. A stale checked-in copy gets a warning here, and is rewritten
+/// The package version (Cargo.toml) as the C library states it: `(major, minor, patch, pre-release)`.
+fn c_version() -> (u32, u32, u32, String) {
+    let num = |k: &str| {
+        let v = std::env::var(k).unwrap_or_else(|e| panic!("{k}: {e}"));
+        v.parse::<u32>().unwrap_or_else(|e| panic!("{k}={v:?}: {e}"))
+    };
+    let pre = std::env::var("CARGO_PKG_VERSION_PRE").unwrap_or_default();
+    (num("CARGO_PKG_VERSION_MAJOR"), num("CARGO_PKG_VERSION_MINOR"), num("CARGO_PKG_VERSION_PATCH"), pre)
+}
+
+/// The shared library (`liblockstep.so`, this crate's cdylib), linked through
+/// `.cargo/cc-static-libgcc`, which passes shared objects' arguments on unchanged:
+/// - soname `liblockstep.so.MAJOR` (MAJOR of Cargo.toml's version): a program linked against it
+///   records that name and loads whichever `liblockstep.so.MAJOR.*` the soname link points to;
+/// - a version script (`OUT_DIR/lockstep.map`) that exports `lockstep*` and hides everything else.
+///   rustc adds its own script listing the crate's `#[no_mangle]` items (all `lockstep*`) and the
+///   linker merges the two; `.ci/c-install.sh` checks the exported set with `nm -D`;
+/// - a link `liblockstep.so.MAJOR -> liblockstep.so` in the target directory (see
+///   [`soname_links`]), so programs linked against the build tree run from there.
+fn c_library() {
+    let (major, ..) = c_version();
+    let soname = format!("liblockstep.so.{major}");
+    let out = PathBuf::from(std::env::var("OUT_DIR").unwrap());
+    let map = out.join("lockstep.map");
+    std::fs::write(&map, "{\n  global: lockstep*;\n  local: *;\n};\n").unwrap_or_else(|e| panic!("write {}: {e}", map.display()));
+    println!("cargo:rustc-cdylib-link-arg=-Wl,-soname,{soname}");
+    println!("cargo:rustc-cdylib-link-arg=-Wl,--version-script={}", map.display());
+    soname_links(&out, &soname);
+}
+
+/// `liblockstep.so.MAJOR -> liblockstep.so` in the profile directory and its `deps/` (where cargo
+/// puts the library; OUT_DIR is `<target>/<profile>/build/<package>-<hash>/out`): a program linked
+/// with `-llockstep` against the build tree needs the soname there at run time (tests/capi.rs,
+/// the README's example). Made beside and renamed over, so concurrent builds never see a
+/// half-made link; an unexpected layout only gets a warning.
+fn soname_links(out: &Path, soname: &str) {
+    let profile = match out.ancestors().nth(3) {
+        Some(p) if out.ancestors().nth(2).and_then(Path::file_name) == Some("build".as_ref()) => p.to_path_buf(),
+        _ => {
+            println!("cargo:warning=OUT_DIR {} is not <target>/<profile>/build/*/out: no {soname} link made; programs linked against the build tree will not find the library", out.display());
+            return;
+        }
+    };
+    for dir in [profile.clone(), profile.join("deps")] {
+        let link = dir.join(soname);
+        if std::fs::read_link(&link).is_ok_and(|t| t == Path::new("liblockstep.so")) {
+            continue;
+        }
+        let tmp = dir.join(format!(".{soname}.tmp.{}", std::process::id()));
+        let _ = std::fs::remove_file(&tmp);
+        let made = std::fs::create_dir_all(&dir)
+            .and_then(|()| std::os::unix::fs::symlink("liblockstep.so", &tmp))
+            .and_then(|()| std::fs::rename(&tmp, &link));
+        if let Err(e) = made {
+            let _ = std::fs::remove_file(&tmp);
+            println!("cargo:warning=could not link {} -> liblockstep.so: {e}", link.display());
+        }
+    }
+}
+
+/// The version macros opening the header: `LOCKSTEP_MAJOR`, `LOCKSTEP_MINOR`, `LOCKSTEP_PATCH`,
+/// `LOCKSTEP_SUFFIX`, `LOCKSTEP_VERSION_CODE` and `LOCKSTEP_VERSION(X,Y,Z)`, as nccl.h's, from
+/// Cargo.toml's version (the code matches what lockstepGetVersion returns).
+#[cfg(feature = "capi")]
+fn version_macros() -> String {
+    let (major, minor, patch, pre) = c_version();
+    let code = major * 10000 + minor * 100 + patch;
+    format!(
+        "#define LOCKSTEP_MAJOR {major}\n#define LOCKSTEP_MINOR {minor}\n#define LOCKSTEP_PATCH {patch}\n#define LOCKSTEP_SUFFIX {pre:?}\n\n\
+         // MAJOR * 10000 + MINOR * 100 + PATCH, as NCCL encodes versions since 2.9 (lockstepGetVersion).\n\
+         #define LOCKSTEP_VERSION_CODE {code}\n#define LOCKSTEP_VERSION(X, Y, Z) ((X) * 10000 + (Y) * 100 + (Z))\n"
+    )
+}
+
+/// Feature `capi`: generate the C header from `src/capi/mod.rs` with cbindgen (`cbindgen.toml`,
+/// plus [`version_macros`]) into `OUT_DIR/lockstep.h`, which tests/capi.rs compares with the
+/// checked-in `include/lockstep.h`. A stale checked-in copy gets a warning here, and is rewritten
 /// (atomically) when `LOCKSTEP_UPDATE_HEADER=1`.
 #[cfg(feature = "capi")]
 fn c_header() {
@@ -160,7 +235,9 @@ fn c_header() {
     println!("cargo:rerun-if-changed={}", root.join("src/capi").display());
     println!("cargo:rerun-if-changed={}", root.join("cbindgen.toml").display());
     println!("cargo:rerun-if-env-changed=LOCKSTEP_UPDATE_HEADER");
-    let config = cbindgen::Config::from_file(root.join("cbindgen.toml")).unwrap_or_else(|e| panic!("cbindgen.toml: {e}"));
+    let mut config = cbindgen::Config::from_file(root.join("cbindgen.toml")).unwrap_or_else(|e| panic!("cbindgen.toml: {e}"));
+    let rest = config.after_includes.take().unwrap_or_default();
+    config.after_includes = Some(format!("\n{}\n{}", version_macros(), rest.trim_end()));
     let bindings = cbindgen::Builder::new()
         .with_config(config)
         .with_src(root.join("src/capi/mod.rs"))
@@ -204,6 +281,7 @@ fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
 fn main() {
     #[cfg(feature = "capi")]
     c_header();
+    c_library();
     let dir = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").unwrap()).join("kernels");
     // Re-run when a file is added or removed, and when any file changes.
     println!("cargo:rerun-if-changed={}", dir.display());

@@ -2,10 +2,13 @@
 //! outside, on the library of this very build:
 //!
 //! * checks that the checked-in `include/lockstep.h` is what cbindgen generates from `src/capi`
-//!   (build.rs writes it to this build's OUT_DIR), that its enums carry NCCL's values, and that the library
-//!   exports every function the header declares;
+//!   (build.rs writes it to this build's OUT_DIR), that its enums carry NCCL's values and its
+//!   version macros Cargo.toml's version, and that the library has the soname
+//!   `liblockstep.so.MAJOR` and exports exactly the functions the header declares;
 //! * compiles `tests/c/capi_test.c` with `cc -Werror` against the header and runs it under
-//!   `lockstep launch` with 2 and 3 ranks, and with ranks forked after lockstepGetUniqueId;
+//!   `lockstep launch` with 2 and 3 ranks, with ranks forked after lockstepGetUniqueId, and with
+//!   ranks forked into lockstepCommInitRankConfig (a config, a timeout that expires);
+//! * compiles `examples/c/hello.c` and runs it under `lockstep launch` with 3 ranks;
 //! * runs `tests/c/capi_ctypes.py` (Python's ctypes, no numpy) under `lockstep launch` with 2 and 3
 //!   ranks.
 //!
@@ -138,23 +141,21 @@ const NCCL_VALUES: &[(&str, i64)] = &[
     ("InvalidUsage", 5),
     ("RemoteError", 6),
     ("InProgress", 7),
-    ("NumResults", 8),
+    ("Timeout", 8),
+    ("NumResults", 9),
     ("Int8", 0),
-    ("Char", 0),
     ("Uint8", 1),
     ("Int32", 2),
-    ("Int", 2),
     ("Uint32", 3),
     ("Int64", 4),
     ("Uint64", 5),
     ("Float16", 6),
-    ("Half", 6),
     ("Float32", 7),
-    ("Float", 7),
     ("Float64", 8),
-    ("Double", 8),
     ("Bfloat16", 9),
-    ("NumTypes", 10),
+    ("Float8e4m3", 10),
+    ("Float8e5m2", 11),
+    ("NumTypes", 12),
     ("Sum", 0),
     ("Prod", 1),
     ("Max", 2),
@@ -163,12 +164,17 @@ const NCCL_VALUES: &[(&str, i64)] = &[
     ("NumOps", 5),
 ];
 
+/// NCCL's aliases of data types (`ncclChar` ...), and the enumerators they name.
+const ALIASES: &[(&str, &str)] = &[("Char", "Int8"), ("Int", "Int32"), ("Half", "Float16"), ("Float", "Float32"), ("Double", "Float64")];
+
 /// The functions of the C ABI.
 const FUNCTIONS: &[&str] = &[
     "lockstepGetVersion",
     "lockstepGetUniqueId",
     "lockstepCommInitRank",
+    "lockstepCommInitRankConfig",
     "lockstepCommInitFromEnv",
+    "lockstepCommFinalize",
     "lockstepCommDestroy",
     "lockstepCommAbort",
     "lockstepCommSplit",
@@ -178,10 +184,14 @@ const FUNCTIONS: &[&str] = &[
     "lockstepGetErrorString",
     "lockstepGetLastError",
     "lockstepAllReduce",
+    "lockstepBcast",
     "lockstepBroadcast",
     "lockstepReduce",
     "lockstepAllGather",
     "lockstepReduceScatter",
+    "lockstepAlltoAll",
+    "lockstepGather",
+    "lockstepScatter",
     "lockstepSend",
     "lockstepRecv",
     "lockstepGroupStart",
@@ -192,14 +202,33 @@ const FUNCTIONS: &[&str] = &[
 fn header_has_nccl_values_and_functions() -> Result<(), String> {
     let h = std::fs::read_to_string(Path::new(ROOT).join("include/lockstep.h")).map_err(|e| e.to_string())?;
     for (name, v) in NCCL_VALUES {
-        let (enum_form, macro_form) = (format!("lockstep{name} = {v},"), format!("#define lockstep{name} {v}\n"));
+        check(h.contains(&format!("lockstep{name} = {v},")), &format!("lockstep.h must define lockstep{name} as {v} (nccl{name})"), "")?;
+    }
+    for (alias, target) in ALIASES {
         check(
-            h.contains(&enum_form) || h.contains(&macro_form),
-            &format!("lockstep.h must define lockstep{name} as {v} (nccl{name})"),
+            h.contains(&format!("#define lockstep{alias} lockstep{target}\n")),
+            &format!("lockstep.h must define lockstep{alias} as lockstep{target} (nccl{alias})"),
             "",
         )?;
     }
     check(h.contains("#define LOCKSTEP_UNIQUE_ID_BYTES 128"), "lockstepUniqueId has 128 bytes, as ncclUniqueId", "")?;
+    // The version macros carry Cargo.toml's version (the code is what lockstepGetVersion returns).
+    let (major, minor, patch): (u32, u32, u32) = (
+        env!("CARGO_PKG_VERSION_MAJOR").parse().unwrap(),
+        env!("CARGO_PKG_VERSION_MINOR").parse().unwrap(),
+        env!("CARGO_PKG_VERSION_PATCH").parse().unwrap(),
+    );
+    for line in [
+        format!("#define LOCKSTEP_MAJOR {major}\n"),
+        format!("#define LOCKSTEP_MINOR {minor}\n"),
+        format!("#define LOCKSTEP_PATCH {patch}\n"),
+        format!("#define LOCKSTEP_VERSION_CODE {}\n", major * 10000 + minor * 100 + patch),
+        "#define LOCKSTEP_VERSION(X, Y, Z) ((X) * 10000 + (Y) * 100 + (Z))\n".to_string(),
+        "#define LOCKSTEP_CONFIG_INITIALIZER {".to_string(),
+        "#define LOCKSTEP_CONFIG_UNDEF_INT INT_MIN\n".to_string(),
+    ] {
+        check(h.contains(&line), &format!("lockstep.h must have `{}`", line.trim_end()), "")?;
+    }
     for f in FUNCTIONS {
         check(h.contains(&format!(" {f}(")) || h.contains(&format!("*{f}(")), &format!("lockstep.h must declare {f}"), "")?;
     }
@@ -208,6 +237,7 @@ fn header_has_nccl_values_and_functions() -> Result<(), String> {
         "} lockstepDataType_t;",
         "} lockstepRedOp_t;",
         "} lockstepUniqueId;",
+        "} lockstepConfig_t;",
         "typedef lockstepComm *lockstepComm_t;",
     ] {
         check(h.contains(t), &format!("lockstep.h must define `{t}`"), "")?;
@@ -228,6 +258,33 @@ fn library_exports_every_function() -> Result<(), String> {
     Ok(())
 }
 
+/// Run `prog args` and return its stdout, or an error with its output.
+fn tool(prog: &str, args: &[&str]) -> Result<String, String> {
+    let o = Command::new(prog).args(args).output().map_err(|e| format!("could not run {prog} (binutils): {e}"))?;
+    check(o.status.success(), &format!("{prog} {args:?} must succeed"), text(&o))?;
+    Ok(String::from_utf8_lossy(&o.stdout).into_owned())
+}
+
+/// The library's soname is `liblockstep.so.MAJOR`, a link by that name sits beside it (build.rs,
+/// for programs linked against the build tree), and it exports exactly the header's functions.
+fn library_soname_and_exports() -> Result<(), String> {
+    let b = built()?;
+    let so = b.so.to_str().ok_or("the library path is not UTF-8")?;
+    let soname = format!("liblockstep.so.{}", env!("CARGO_PKG_VERSION_MAJOR"));
+    let dynamic = tool("readelf", &["-d", so])?;
+    check(dynamic.contains(&format!("Library soname: [{soname}]")), &format!("{so} must have the soname {soname}"), &dynamic)?;
+    let link = b.so.with_file_name(&soname);
+    let target =
+        std::fs::read_link(&link).map_err(|e| format!("{} must link to liblockstep.so (build.rs makes it): {e}", link.display()))?;
+    check(target == Path::new("liblockstep.so"), &format!("{} must link to liblockstep.so", link.display()), format!("{target:?}"))?;
+    let mut exported: Vec<String> =
+        tool("nm", &["-D", "--defined-only", so])?.lines().filter_map(|l| l.split_whitespace().last()).map(str::to_string).collect();
+    exported.sort();
+    let mut want: Vec<String> = FUNCTIONS.iter().map(|f| f.to_string()).collect();
+    want.sort();
+    check(exported == want, &format!("{so} must export exactly the functions of lockstep.h"), format!("exported: {exported:?}"))
+}
+
 fn c_under_launch(n: usize) -> Result<(), String> {
     let bin = c_binary()?;
     let nproc = n.to_string();
@@ -236,7 +293,8 @@ fn c_under_launch(n: usize) -> Result<(), String> {
     check(o.status.success(), &format!("capi_test under lockstep launch with {n} ranks must pass every check"), text(&o))?;
     every_rank(&o, n, |r| format!("rank {r} of {n}: all checks passed"))?;
     every_rank(&o, n, |r| format!("rank {r}: mismatch: code 5 (invalid usage): lockstepAllReduce: collective"))?;
-    every_rank(&o, n, |r| format!("rank {r}: split: verified"))
+    every_rank(&o, n, |r| format!("rank {r}: split: verified"))?;
+    every_rank(&o, n, |r| format!("rank {r}: bcast/alltoall/gather/scatter: verified"))
 }
 
 fn c_launch_2() -> Result<(), String> {
@@ -277,6 +335,42 @@ fn c_unique_id_2() -> Result<(), String> {
 
 fn c_unique_id_3() -> Result<(), String> {
     c_unique_id(3)
+}
+
+/// `capi_test config N`: ranks forked into lockstepCommInitRankConfig run every check on a named,
+/// non-blocking communicator, then wait on a communicator with a 300 ms timeout for a rank that
+/// comes only once they have given up.
+fn c_config(n: usize) -> Result<(), String> {
+    let bin = c_binary()?;
+    let o = run_limited(&[bin.to_str().unwrap(), "config", &n.to_string()], &[])?;
+    check(o.status.success(), &format!("capi_test with {n} ranks joined by lockstepCommInitRankConfig must pass"), text(&o))?;
+    let out = String::from_utf8_lossy(&o.stdout);
+    for r in 0..n {
+        for want in [format!("rank {r} of {n}: all checks passed"), format!("rank {r}: config: verified")] {
+            check(out.contains(&want), &format!("forked rank {r} must report `{want}`"), text(&o))?;
+        }
+    }
+    // The first rank to give up on the late one times out; others may see it abort first.
+    check(out.contains(": timeout: code 8 (timeout"), "a waiting rank must fail with lockstepTimeout", text(&o))?;
+    check(out.contains(&format!("rank {}: late: code ", n - 1)), "the late rank's call must fail", text(&o))?;
+    check(out.contains(&format!("config: {n} ranks passed")), "the parent must see every rank pass", text(&o))
+}
+
+fn c_config_2() -> Result<(), String> {
+    c_config(2)
+}
+
+fn c_config_3() -> Result<(), String> {
+    c_config(3)
+}
+
+/// `examples/c/hello.c`, the example docs/c-abi.md and .ci/c-install.sh use, compiles and runs.
+fn hello_example() -> Result<(), String> {
+    let bin = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("hello");
+    compile_c(Path::new("examples/c/hello.c"), &bin)?;
+    let o = run_limited(&[env!("CARGO_BIN_EXE_lockstep"), "launch", "--nproc-per-node", "3", "--", bin.to_str().unwrap()], &[])?;
+    check(o.status.success(), "examples/c/hello.c must run under lockstep launch with 3 ranks", text(&o))?;
+    every_rank(&o, 3, |r| format!("rank {r} of 3: hello from lockstep {}, all-reduce sum 6 (checked)", env!("CARGO_PKG_VERSION")))
 }
 
 fn c_init_from_env_error() -> Result<(), String> {
@@ -341,11 +435,15 @@ fn main() -> std::process::ExitCode {
         ("header_is_current", header_is_current),
         ("header_has_nccl_values_and_functions", header_has_nccl_values_and_functions),
         ("library_exports_every_function", library_exports_every_function),
+        ("library_soname_and_exports", library_soname_and_exports),
         ("c_launch_2", c_launch_2),
         ("c_launch_3", c_launch_3),
         ("c_unique_id_2", c_unique_id_2),
         ("c_unique_id_3", c_unique_id_3),
+        ("c_config_2", c_config_2),
+        ("c_config_3", c_config_3),
         ("c_init_from_env_error", c_init_from_env_error),
+        ("hello_example", hello_example),
         ("readme_example", readme_example),
         ("ctypes_launch_2", ctypes_launch_2),
         ("ctypes_launch_3", ctypes_launch_3),

@@ -24,6 +24,9 @@ pub(crate) enum Op {
     Reduce { send: usize, recv: usize, count: usize, dtype: c_int, op: c_int, root: c_int },
     AllGather { send: usize, recv: usize, count: usize, dtype: c_int },
     ReduceScatter { send: usize, recv: usize, count: usize, dtype: c_int, op: c_int },
+    AllToAll { send: usize, recv: usize, count: usize, dtype: c_int },
+    Gather { send: usize, recv: usize, count: usize, dtype: c_int, root: c_int },
+    Scatter { send: usize, recv: usize, count: usize, dtype: c_int, root: c_int },
     Send { buf: usize, count: usize, dtype: c_int, peer: c_int },
     Recv { buf: usize, count: usize, dtype: c_int, peer: c_int },
     Barrier,
@@ -37,6 +40,9 @@ impl Op {
             Op::Reduce { .. } => CollKind::Reduce,
             Op::AllGather { .. } => CollKind::AllGather,
             Op::ReduceScatter { .. } => CollKind::ReduceScatter,
+            Op::AllToAll { .. } => CollKind::AllToAll,
+            Op::Gather { .. } => CollKind::Gather,
+            Op::Scatter { .. } => CollKind::Scatter,
             Op::Send { .. } => CollKind::Send,
             Op::Recv { .. } => CollKind::Recv,
             Op::Barrier => CollKind::Barrier,
@@ -51,6 +57,9 @@ impl Op {
             | Op::Reduce { dtype, .. }
             | Op::AllGather { dtype, .. }
             | Op::ReduceScatter { dtype, .. }
+            | Op::AllToAll { dtype, .. }
+            | Op::Gather { dtype, .. }
+            | Op::Scatter { dtype, .. }
             | Op::Send { dtype, .. }
             | Op::Recv { dtype, .. } => Some(dtype),
             Op::Barrier => None,
@@ -73,8 +82,10 @@ unsafe impl<T: crate::comm::Element> Buffer<T> for RawBuf {
 }
 
 // SAFETY: as for `Buffer`; a receive buffer is written only through this descriptor, and a send
-// buffer that overlaps it is refused unless it is NCCL's in-place form, which runs through the
-// communicator's in-place methods (one descriptor).
+// buffer that overlaps it is refused unless it is NCCL's in-place form: through the
+// communicator's in-place methods (one descriptor), or for gather and scatter, which have none, a
+// send block equal to the root's own receive block, which every backend copies onto itself as a
+// no-op (raw memory, no Rust references, so the aliasing is no borrow).
 unsafe impl<T: crate::comm::Element> BufferMut<T> for RawBuf {
     fn raw_mut(&mut self) -> RawMem {
         self.0
@@ -142,9 +153,15 @@ fn dtype_of(v: c_int) -> Result<Dtype, Failure> {
         7 => Dtype::F32,
         8 => Dtype::F64,
         9 => Dtype::BF16,
+        10 | 11 => {
+            let name = if v == 10 { "lockstepFloat8e4m3" } else { "lockstepFloat8e5m2" };
+            return Err(Failure::invalid_argument(format!(
+                "datatype {v} ({name}) is reserved at NCCL's value but not supported by lockstep yet: convert the data to lockstepFloat16 or lockstepBfloat16"
+            )));
+        }
         _ => {
             return Err(Failure::invalid_argument(format!(
-                "datatype {v} is not a lockstepDataType_t (0 = lockstepInt8 ... 9 = lockstepBfloat16)"
+                "datatype {v} is not a lockstepDataType_t (0 = lockstepInt8 ... 9 = lockstepBfloat16; 10 and 11, FP8, are reserved)"
             )))
         }
     })
@@ -252,7 +269,9 @@ fn check_rank(v: c_int, world: usize, what: &str) -> Result<usize, Failure> {
         .ok_or_else(|| Failure::invalid_argument(format!("{what} {v} is out of range for a communicator of {world} ranks (0..{})", world)))
 }
 
-/// A collective after its local checks: the typed call to make.
+/// A collective after its local checks: the typed call to make. Gather and scatter have no in-place
+/// methods: in place, the root's `s` (gather) or `r` (scatter) is its own block of the other
+/// buffer, which every backend copies onto itself as a no-op (as in the in-place all-gather).
 enum Coll {
     AllReduce { s: RawBuf, r: RawBuf, op: ReduceOp },
     AllReduceInPlace { b: RawBuf, op: ReduceOp },
@@ -264,6 +283,9 @@ enum Coll {
     AllGatherInPlace { b: RawBuf },
     ReduceScatter { s: RawBuf, r: RawBuf, op: ReduceOp },
     ReduceScatterInPlace { b: RawBuf, op: ReduceOp },
+    AllToAll { s: RawBuf, r: RawBuf },
+    Gather { s: RawBuf, r: RawBuf, root: usize },
+    Scatter { s: RawBuf, r: RawBuf, root: usize },
     Barrier,
 }
 
@@ -336,6 +358,51 @@ fn prepare(c: &Communicator, space: MemSpace, op: &Op) -> Result<(Dtype, Coll), 
                 (d, Coll::ReduceScatter { s, r, op })
             }
         }
+        Op::AllToAll { send, recv, count, dtype } => {
+            let d = dtype_of(dtype)?;
+            let total = times_world(count)?;
+            if send == recv && total > 0 {
+                return Err(Failure::invalid_argument(
+                    "sendbuff == recvbuff: lockstepAlltoAll has no in-place form (nor has ncclAlltoAll); use separate buffers",
+                ));
+            }
+            let s = checked_buf(send, total, d, space, "sendbuff")?;
+            let r = checked_buf(recv, total, d, space, "recvbuff")?;
+            disjoint(s, r, d.size())?;
+            (d, Coll::AllToAll { s, r })
+        }
+        Op::Gather { send, recv, count, dtype, root } => {
+            let d = dtype_of(dtype)?;
+            let root = check_rank(root, world, "root")?;
+            let s = checked_buf(send, count, d, space, "sendbuff")?;
+            // Only the root's recvbuff is written: elsewhere it may be NULL.
+            if rank != root {
+                (d, Coll::Gather { s, r: checked_buf(0, 0, d, space, "recvbuff")?, root })
+            } else {
+                let r = checked_buf(recv, times_world(count)?, d, space, "recvbuff")?;
+                // In place: the root's block already sits at recvbuff + root * count.
+                if count == 0 || send != recv.wrapping_add(root * count * d.size()) {
+                    disjoint(s, r, d.size())?;
+                }
+                (d, Coll::Gather { s, r, root })
+            }
+        }
+        Op::Scatter { send, recv, count, dtype, root } => {
+            let d = dtype_of(dtype)?;
+            let root = check_rank(root, world, "root")?;
+            let r = checked_buf(recv, count, d, space, "recvbuff")?;
+            // Only the root's sendbuff is read: elsewhere it may be NULL.
+            if rank != root {
+                (d, Coll::Scatter { s: checked_buf(0, 0, d, space, "sendbuff")?, r, root })
+            } else {
+                let s = checked_buf(send, times_world(count)?, d, space, "sendbuff")?;
+                // In place: the root's block is left at sendbuff + root * count.
+                if count == 0 || recv != send.wrapping_add(root * count * d.size()) {
+                    disjoint(s, r, d.size())?;
+                }
+                (d, Coll::Scatter { s, r, root })
+            }
+        }
         Op::Barrier => (Dtype::U8, Coll::Barrier),
         Op::Send { .. } | Op::Recv { .. } => {
             return Err(Failure::new(lockstepResult_t::lockstepInternalError, "a send/recv reached the collective path"))
@@ -372,6 +439,9 @@ fn run_coll(h: &lockstepComm, c: &mut Communicator, stream: usize, op: &Op) -> R
             Coll::AllGatherInPlace { mut b } => c.all_gather_in_place::<T, _>(&mut b),
             Coll::ReduceScatter { s, mut r, op } => c.reduce_scatter::<T, _, _>(&s, &mut r, op),
             Coll::ReduceScatterInPlace { mut b, op } => c.reduce_scatter_in_place::<T, _>(&mut b, op),
+            Coll::AllToAll { s, mut r } => c.all_to_all::<T, _, _>(&s, &mut r),
+            Coll::Gather { s, mut r, root } => c.gather::<T, _, _>(&s, &mut r, root),
+            Coll::Scatter { s, mut r, root } => c.scatter::<T, _, _>(&s, &mut r, root),
             Coll::Barrier => c.barrier(),
         }
     );

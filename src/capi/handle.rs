@@ -12,8 +12,9 @@ use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::ffi::{c_char, c_int, CStr, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
 
 use super::types::{lockstepResult_t, ResultArg};
 use crate::comm::{CommError, Communicator};
@@ -33,6 +34,24 @@ const fn digits(s: &str) -> c_int {
         i += 1;
     }
     v
+}
+
+/// What a communicator was made with: its config, or the defaults.
+#[derive(Clone, Debug)]
+pub(crate) struct Settings {
+    /// `commName`, quoted in the communicator's error messages.
+    pub(crate) name: Option<String>,
+    /// `blocking` (every call completes before it returns either way).
+    pub(crate) blocking: bool,
+    /// `timeoutMs`: how long a rank waits for its peers in one call; `None`: LOCKSTEP_TIMEOUT_S
+    /// or the backend's default.
+    pub(crate) timeout: Option<Duration>,
+}
+
+impl Default for Settings {
+    fn default() -> Settings {
+        Settings { name: None, blocking: true, timeout: None }
+    }
 }
 
 /// Why a call failed: its result code and a message saying what went wrong and what to do next.
@@ -69,19 +88,25 @@ impl From<CommError> for Failure {
             CommError::InvalidArgument { .. } => (lockstepInvalidArgument, false),
             // The ranks disagree on the call: a usage error, reported on every rank.
             CommError::Mismatch { .. } | CommError::Unsupported(_) => (lockstepInvalidUsage, false),
-            CommError::PeerLost { .. } | CommError::Aborted { .. } | CommError::Timeout { .. } => (lockstepRemoteError, true),
+            CommError::PeerLost { .. } | CommError::Aborted { .. } => (lockstepRemoteError, true),
+            CommError::Timeout { .. } => (lockstepTimeout, true),
             CommError::Setup(_) | CommError::Os { .. } => (lockstepSystemError, false),
             CommError::Backend { backend: "cuda", .. } => (lockstepUnhandledCudaError, false),
             CommError::Backend { .. } => (lockstepSystemError, false),
             #[allow(unreachable_patterns)]
             _ => (lockstepInternalError, false),
         };
-        Failure { code, msg: e.to_string(), fatal }
+        let mut msg = e.to_string();
+        if code == lockstepTimeout {
+            msg.push_str("; a communicator made with a lockstepConfig_t takes its timeout from the config's timeoutMs instead");
+        }
+        Failure { code, msg, fatal }
     }
 }
 
-/// A communicator (opaque): the ranks of one job, joined by lockstepCommInitRank or
-/// lockstepCommInitFromEnv, freed by lockstepCommDestroy or lockstepCommAbort.
+/// A communicator (opaque): the ranks of one job, joined by lockstepCommInitRank,
+/// lockstepCommInitRankConfig, lockstepCommInitFromEnv or lockstepCommSplit, freed by
+/// lockstepCommDestroy or lockstepCommAbort.
 pub struct lockstepComm {
     /// `None` once destroyed (operations still recorded for it in a group fail).
     comm: Mutex<Option<Communicator>>,
@@ -93,6 +118,10 @@ pub struct lockstepComm {
     last_error: Mutex<String>,
     /// `lockstepSuccess` until a failure breaks the communicator for good.
     async_error: AtomicI32,
+    /// What it was made with (lockstepConfig_t, or the defaults).
+    settings: Settings,
+    /// lockstepCommFinalize has run: only destroying it and asking about it remain.
+    finalized: AtomicBool,
 }
 
 impl lockstepComm {
@@ -106,6 +135,19 @@ impl lockstepComm {
 
     pub(crate) fn device(&self) -> Option<&Arc<Context>> {
         self.device.as_ref()
+    }
+
+    pub(crate) fn settings(&self) -> &Settings {
+        &self.settings
+    }
+
+    /// lockstepCommFinalize: wait for this rank's pending work, then for every rank to get here,
+    /// so that no peer is still in a call with this communicator; afterwards only destroying it
+    /// and asking about it remain.
+    pub(crate) fn finalize(&self) -> Result<(), Failure> {
+        self.with_comm(|c| c.synchronize().and_then(|()| c.barrier()).and_then(|()| c.synchronize()).map_err(Failure::from))?;
+        self.finalized.store(true, Ordering::Release);
+        Ok(())
     }
 
     pub(crate) fn async_error(&self) -> lockstepResult_t {
@@ -130,6 +172,11 @@ impl lockstepComm {
                 "the communicator was destroyed before this operation ran (lockstepCommDestroy inside the group)",
             ));
         };
+        if self.finalized.load(Ordering::Acquire) {
+            return Err(Failure::invalid_usage(
+                "the communicator was finalized (lockstepCommFinalize): it takes no more operations; destroy it with lockstepCommDestroy",
+            ));
+        }
         match catch_unwind(AssertUnwindSafe(|| f(c))) {
             Ok(Err(e)) => {
                 if e.fatal {
@@ -157,8 +204,16 @@ fn comms() -> MutexGuard<'static, BTreeMap<usize, Arc<lockstepComm>>> {
     COMMS.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-/// Register a new communicator and return its handle.
-pub(crate) fn register(c: Communicator) -> lockstepComm_t {
+/// Register a new communicator, made with `settings`, and return its handle.
+pub(crate) fn register(c: Communicator, settings: Settings) -> lockstepComm_t {
+    tracing::debug!(
+        rank = c.rank(),
+        world = c.world_size(),
+        name = settings.name.as_deref().unwrap_or(""),
+        blocking = settings.blocking,
+        timeout_ms = settings.timeout.map_or(0, |t| t.as_millis() as u64),
+        "C communicator registered"
+    );
     let h = Arc::new(lockstepComm {
         rank: c.rank(),
         world: c.world_size(),
@@ -166,6 +221,8 @@ pub(crate) fn register(c: Communicator) -> lockstepComm_t {
         comm: Mutex::new(Some(c)),
         last_error: Mutex::new(String::new()),
         async_error: AtomicI32::new(lockstepResult_t::lockstepSuccess as i32),
+        settings,
+        finalized: AtomicBool::new(false),
     });
     let ptr = Arc::as_ptr(&h) as lockstepComm_t;
     comms().insert(ptr as usize, h);
@@ -207,9 +264,13 @@ thread_local! {
     static RETURNED: RefCell<BTreeMap<usize, CString>> = const { RefCell::new(BTreeMap::new()) };
 }
 
-/// Keep `f`'s message for lockstepGetLastError: on the thread, and on `comm` when there is one.
+/// Keep `f`'s message for lockstepGetLastError: on the thread, and on `comm` when there is one
+/// (quoting the communicator's `commName`, when it has one).
 pub(crate) fn record(name: &str, comm: Option<&lockstepComm>, f: &Failure) -> String {
-    let msg = format!("{name}: {}", f.msg);
+    let msg = match comm.and_then(|h| h.settings.name.as_deref()) {
+        Some(n) => format!("{name} on communicator {n:?}: {}", f.msg),
+        None => format!("{name}: {}", f.msg),
+    };
     tracing::debug!(code = f.code as i32, "{msg}");
     if let Some(h) = comm {
         *h.last_error.lock().unwrap_or_else(PoisonError::into_inner) = msg.clone();
@@ -280,6 +341,7 @@ fn code_from_int(v: c_int) -> Option<lockstepResult_t> {
         5 => lockstepInvalidUsage,
         6 => lockstepRemoteError,
         7 => lockstepInProgress,
+        8 => lockstepTimeout,
         _ => return None,
     })
 }
@@ -296,6 +358,7 @@ pub(crate) fn error_string(result: ResultArg) -> &'static CStr {
         Some(lockstepInvalidUsage) => c"invalid usage",
         Some(lockstepRemoteError) => c"remote process exited, timed out or aborted the communicator",
         Some(lockstepInProgress) => c"lockstep operation in progress",
+        Some(lockstepTimeout) => c"timeout (a rank waited for its peers longer than the communicator's timeout)",
         Some(lockstepNumResults) | None => c"unknown result code",
     }
 }

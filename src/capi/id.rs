@@ -15,6 +15,7 @@
 
 use std::ffi::{c_char, c_int};
 use std::io::Read;
+use std::time::Duration;
 
 use super::handle::Failure;
 use super::types::{lockstepUniqueId, LOCKSTEP_UNIQUE_ID_BYTES};
@@ -47,8 +48,9 @@ pub(crate) fn make() -> Result<lockstepUniqueId, Failure> {
     Ok(lockstepUniqueId { internal: b.map(|x| x as c_char) })
 }
 
-/// Join the job of `id` as `rank` of `nranks`.
-pub(crate) fn init_rank(id: &lockstepUniqueId, nranks: c_int, rank: c_int) -> Result<Communicator, Failure> {
+/// Join the job of `id` as `rank` of `nranks`; `timeout` replaces the configured collective
+/// timeout (LOCKSTEP_TIMEOUT_S) when given.
+pub(crate) fn init_rank(id: &lockstepUniqueId, nranks: c_int, rank: c_int, timeout: Option<Duration>) -> Result<Communicator, Failure> {
     let world = usize::try_from(nranks)
         .ok()
         .filter(|&n| n >= 1)
@@ -70,7 +72,10 @@ pub(crate) fn init_rank(id: &lockstepUniqueId, nranks: c_int, rank: c_int) -> Re
         ));
     }
     let job = format!("capi-{}", String::from_utf8_lossy(job));
-    let cfg = ShmConfig::from_env().map_err(Failure::from)?;
+    let mut cfg = ShmConfig::from_env().map_err(Failure::from)?;
+    if let Some(t) = timeout {
+        cfg.timeout = t;
+    }
     let c = ShmComm::join_named(&job, me, world, cfg).map_err(Failure::from)?;
     Ok(Communicator::from_backend(Box::new(c)))
 }

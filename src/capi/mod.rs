@@ -1,8 +1,9 @@
 //! The C ABI (feature `capi`): `liblockstep.so` with `include/lockstep.h`, shaped like NCCL's
-//! `nccl.h` one for one with `lockstep` in place of `nccl`: the same functions, argument order and
-//! numeric values of data types, reduction operators and result codes, so C code written for NCCL
-//! ports by renaming. `lockstepCommInitFromEnv` (join the job a launcher started) and
-//! `lockstepBarrier` have no NCCL twin.
+//! `nccl.h` (2.30) with `lockstep` in place of `nccl`: the functions it has take NCCL's arguments
+//! in NCCL's order, and data types, reduction operators and result codes carry NCCL's values.
+//! `docs/c-abi.md` lists exactly what differs from nccl.h: the functions and types it lacks, the
+//! fields of `lockstepConfig_t`, and `lockstepCommInitFromEnv` (join the job a launcher started)
+//! and `lockstepBarrier`, which have no NCCL twin.
 //!
 //! The header is generated from this file by cbindgen (build.rs, with `cbindgen.toml`); the doc
 //! comments of the items below are the header's documentation. tests/capi.rs fails when the
@@ -25,6 +26,7 @@
 // `unsafe extern "C"` functions.
 #![deny(unsafe_op_in_unsafe_fn)]
 
+mod config;
 mod exec;
 mod handle;
 mod id;
@@ -32,16 +34,19 @@ mod types;
 
 use std::ffi::{c_char, c_int, c_void};
 
+use crate::comm::{CommError, Communicator};
+use crate::cuda::{CudaError, DeviceBuffer};
 use exec::Op;
 use handle::{guard, guard_comm, out_ptr, Failure};
 
 pub use handle::{lockstepComm, lockstepComm_t};
 pub use types::{
-    lockstepChar, lockstepDataType_t, lockstepDouble, lockstepFloat, lockstepHalf, lockstepInt, lockstepRedOp_t, lockstepResult_t,
-    lockstepUniqueId, DataTypeArg, RedOpArg, ResultArg, LOCKSTEP_SPLIT_NOCOLOR, LOCKSTEP_UNIQUE_ID_BYTES,
+    lockstepConfig_t, lockstepDataType_t, lockstepRedOp_t, lockstepResult_t, lockstepUniqueId, DataTypeArg, RedOpArg, ResultArg,
+    LOCKSTEP_API_MAGIC, LOCKSTEP_SPLIT_NOCOLOR, LOCKSTEP_UNIQUE_ID_BYTES,
 };
 
-/// The library version as `MAJOR * 10000 + MINOR * 100 + PATCH` (NCCL's encoding) in `*version`.
+/// The library version as `MAJOR * 10000 + MINOR * 100 + PATCH` (NCCL's encoding) in `*version`:
+/// LOCKSTEP_VERSION_CODE of the header the library was built with.
 ///
 /// Thread safety: any thread, any time.
 ///
@@ -98,8 +103,39 @@ pub unsafe extern "C" fn lockstepCommInitRank(
         // SAFETY: the caller passes NULL (refused by out_ptr) or a pointer valid for the write.
         let out = unsafe { out_ptr(comm, "comm") }?;
         *out = std::ptr::null_mut();
-        let made = id::init_rank(&commId, nranks, rank)?;
-        *out = handle::register(made);
+        let made = id::init_rank(&commId, nranks, rank, None)?;
+        *out = handle::register(made, handle::Settings::default());
+        Ok(())
+    })
+}
+
+/// As lockstepCommInitRank, with the settings of `config` (NULL: the defaults, as
+/// lockstepCommInitRank): `timeoutMs` (how long a rank waits for its peers in one call before it
+/// fails with lockstepTimeout), `commName` and `blocking`. The config is checked before anything
+/// else: one that LOCKSTEP_CONFIG_INITIALIZER did not initialise (wrong size, magic or version),
+/// or a field out of range, is lockstepInvalidArgument, and lockstepGetLastError(NULL) says which.
+///
+/// Thread safety: as lockstepCommInitRank.
+///
+/// # Safety
+/// `comm` is NULL (lockstepInvalidArgument) or valid for writing a lockstepComm_t; `config` is
+/// NULL or points to a lockstepConfig_t whose `commName` is NULL or a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn lockstepCommInitRankConfig(
+    comm: *mut lockstepComm_t,
+    nranks: c_int,
+    commId: lockstepUniqueId,
+    rank: c_int,
+    config: *mut lockstepConfig_t,
+) -> lockstepResult_t {
+    guard("lockstepCommInitRankConfig", || {
+        // SAFETY: the caller passes NULL (refused by out_ptr) or a pointer valid for the write.
+        let out = unsafe { out_ptr(comm, "comm") }?;
+        *out = std::ptr::null_mut();
+        // SAFETY: the caller passes NULL or a readable lockstepConfig_t (this function's contract).
+        let settings = unsafe { config::read(config) }?.unwrap_or_default();
+        let made = id::init_rank(&commId, nranks, rank, settings.timeout)?;
+        *out = handle::register(made, settings);
         Ok(())
     })
 }
@@ -121,8 +157,29 @@ pub unsafe extern "C" fn lockstepCommInitFromEnv(comm: *mut lockstepComm_t) -> l
         let out = unsafe { out_ptr(comm, "comm") }?;
         *out = std::ptr::null_mut();
         let made = crate::comm::Communicator::from_env().map_err(Failure::from)?;
-        *out = handle::register(made);
+        *out = handle::register(made, handle::Settings::default());
         Ok(())
+    })
+}
+
+/// Finish the communicator's work before it is destroyed: wait for this rank's pending work (none
+/// on host communicators), then for every rank to call lockstepCommFinalize, so that no rank is
+/// still in a call with `comm` when the ranks destroy it. Collective over `comm`: every rank calls
+/// it, outside a group. Afterwards `comm` takes no more operations (lockstepInvalidUsage), only
+/// lockstepCommDestroy, lockstepCommAbort and the queries (count, rank, errors). Unlike
+/// ncclCommFinalize it blocks until done: lockstepCommGetAsyncError never reports
+/// lockstepInProgress.
+///
+/// Thread safety: as the collectives.
+#[no_mangle]
+pub extern "C" fn lockstepCommFinalize(comm: lockstepComm_t) -> lockstepResult_t {
+    guard_comm("lockstepCommFinalize", comm, |h| {
+        if exec::in_group() {
+            return Err(Failure::invalid_usage(
+                "lockstepCommFinalize inside lockstepGroupStart/lockstepGroupEnd: finalize after the group has ended",
+            ));
+        }
+        h.finalize()
     })
 }
 
@@ -149,45 +206,105 @@ pub extern "C" fn lockstepCommAbort(comm: lockstepComm_t) -> lockstepResult_t {
 
 /// Split `comm` into sub-communicators: the ranks passing the same `color` (>= 0) form one, ranked
 /// by `key` (ties by rank in `comm`); a rank passing LOCKSTEP_SPLIT_NOCOLOR gets `*newcomm = NULL`.
-/// Collective over `comm`: every rank calls it, outside a group. `config` is reserved: pass NULL.
-/// The new communicator has its own backend state (a shared-memory segment or an NCCL
-/// communicator from ncclCommSplit, NCCL >= 2.18) and is freed by lockstepCommDestroy; `comm`
-/// stays usable. On failure `*newcomm` is NULL.
+/// Collective over `comm`: every rank calls it, outside a group. With `config` NULL the new
+/// communicator inherits `comm`'s settings; otherwise it takes the config's `commName` and
+/// `blocking`, checked as by lockstepCommInitRankConfig, while `timeoutMs` must stay
+/// LOCKSTEP_CONFIG_UNDEF_INT (the new communicator inherits `comm`'s timeout). The ranks first
+/// agree that every rank's arguments passed its checks: a rank whose arguments are refused
+/// (lockstepInvalidArgument) makes the others' split fail too (lockstepInvalidUsage, naming it)
+/// instead of leaving them waiting. The new communicator has its own backend state (a shared-memory
+/// segment or an NCCL communicator from ncclCommSplit, NCCL >= 2.18) and is freed by
+/// lockstepCommDestroy; `comm` stays usable. On failure `*newcomm` is NULL.
 ///
 /// Thread safety: as the collectives.
 ///
 /// # Safety
-/// `newcomm` is NULL (lockstepInvalidArgument) or valid for writing a lockstepComm_t.
+/// `newcomm` is NULL (lockstepInvalidArgument) or valid for writing a lockstepComm_t; `config` is
+/// NULL or points to a lockstepConfig_t whose `commName` is NULL or a NUL-terminated string.
 #[no_mangle]
 pub unsafe extern "C" fn lockstepCommSplit(
     comm: lockstepComm_t,
     color: c_int,
     key: c_int,
     newcomm: *mut lockstepComm_t,
-    config: *mut c_void,
+    config: *mut lockstepConfig_t,
 ) -> lockstepResult_t {
     guard_comm("lockstepCommSplit", comm, |h| {
         // SAFETY: the caller passes NULL (refused by out_ptr) or a pointer valid for the write.
         let out = unsafe { out_ptr(newcomm, "newcomm") }?;
         *out = std::ptr::null_mut();
-        if !config.is_null() {
-            return Err(Failure::invalid_argument("config must be NULL: lockstep has no communicator configuration yet"));
-        }
-        if color < LOCKSTEP_SPLIT_NOCOLOR {
-            return Err(Failure::invalid_argument(format!(
-                "color {color} is negative: pass a color >= 0, or LOCKSTEP_SPLIT_NOCOLOR (-1) to join no new communicator"
-            )));
-        }
         if exec::in_group() {
             return Err(Failure::invalid_usage(
                 "lockstepCommSplit inside lockstepGroupStart/lockstepGroupEnd: split before the group starts (the new communicator is needed at once)",
             ));
         }
-        let color = u32::try_from(color).ok();
-        let sub = h.with_comm(|c| c.split(color, i64::from(key)).map_err(Failure::from))?;
-        *out = sub.map_or(std::ptr::null_mut(), handle::register);
+        // SAFETY: the caller passes NULL or a readable lockstepConfig_t (this function's contract).
+        let checked = unsafe { split_settings(h.settings(), color, config) };
+        let sub = h.with_comm(|c| {
+            // Every rank learns whether every rank's arguments passed, so that a refused rank
+            // makes the split fail everywhere instead of leaving its peers waiting in it.
+            let passed = gather_flags(c, checked.is_ok()).map_err(Failure::from)?;
+            let refused: Vec<String> = (0..passed.len()).filter(|&r| passed[r] == 0).map(|r| r.to_string()).collect();
+            if let Err(f) = &checked {
+                return Err(f.clone());
+            }
+            if !refused.is_empty() {
+                let who = if refused.len() == 1 { format!("rank {}", refused[0]) } else { format!("ranks {}", refused.join(", ")) };
+                return Err(Failure::invalid_usage(format!(
+                    "{who} of this communicator refused their lockstepCommSplit arguments (their lockstepGetLastError says why), so no rank split: fix the arguments there"
+                )));
+            }
+            c.split(u32::try_from(color).ok(), i64::from(key)).map_err(Failure::from)
+        })?;
+        let settings = checked?;
+        *out = sub.map_or(std::ptr::null_mut(), |c| handle::register(c, settings));
         Ok(())
     })
+}
+
+/// Every rank's `flag` (0 or 1), in rank order: an all-gather through host memory, or device
+/// memory on device communicators (whose collectives take device buffers only).
+fn gather_flags(c: &mut Communicator, flag: bool) -> Result<Vec<u64>, CommError> {
+    let n = c.world_size();
+    let v = u64::from(flag);
+    let Some(ctx) = c.device_context() else {
+        let mut out = vec![0u64; n];
+        c.all_gather(&[v][..], &mut out[..])?;
+        return Ok(out);
+    };
+    let cuda = |e: CudaError| CommError::Backend {
+        backend: "cuda",
+        message: format!("lockstepCommSplit: exchanging the argument checks through the device: {e}"),
+    };
+    let stream = ctx.stream().map_err(cuda)?;
+    let send = DeviceBuffer::from_host(&stream, &[v]).map_err(cuda)?;
+    let mut recv = DeviceBuffer::<u64>::zeros(&stream, n).map_err(cuda)?;
+    // The zeroing must land before the communicator's stream writes the result.
+    stream.synchronize().map_err(cuda)?;
+    c.all_gather(&send, &mut recv)?;
+    c.synchronize()?;
+    recv.to_vec(&stream).map_err(cuda)
+}
+
+/// The local checks of lockstepCommSplit, and the new communicator's settings.
+///
+/// # Safety
+/// As for lockstepCommSplit's `config`.
+unsafe fn split_settings(parent: &handle::Settings, color: c_int, config: *const lockstepConfig_t) -> Result<handle::Settings, Failure> {
+    if color < LOCKSTEP_SPLIT_NOCOLOR {
+        return Err(Failure::invalid_argument(format!(
+            "color {color} is negative: pass a color >= 0, or LOCKSTEP_SPLIT_NOCOLOR (-1) to join no new communicator"
+        )));
+    }
+    // SAFETY: forwarded contract.
+    let Some(mut s) = (unsafe { config::read(config) })? else { return Ok(parent.clone()) };
+    if s.timeout.is_some() {
+        return Err(Failure::invalid_argument(
+            "config->timeoutMs is set, but a communicator made by lockstepCommSplit inherits the timeout of the one it splits: leave timeoutMs as LOCKSTEP_CONFIG_UNDEF_INT (set the timeout in lockstepCommInitRankConfig's config, or with LOCKSTEP_TIMEOUT_S)",
+        ));
+    }
+    s.timeout = parent.timeout;
+    Ok(s)
 }
 
 /// The number of ranks of `comm` in `*count`.
@@ -290,6 +407,26 @@ pub unsafe extern "C" fn lockstepAllReduce(
     )
 }
 
+/// Copy `count` elements of `buff` on rank `root` into `buff` on every other rank: lockstepBroadcast
+/// in place (NCCL marks ncclBcast deprecated, and keeps it).
+///
+/// Thread safety: as lockstepAllReduce.
+///
+/// # Safety
+/// `buff` is valid for `count` elements of `datatype` (read on the root, written elsewhere) until
+/// the call returns, aligned for it; host or device memory as for lockstepAllReduce.
+#[no_mangle]
+pub unsafe extern "C" fn lockstepBcast(
+    buff: *mut c_void,
+    count: usize,
+    datatype: DataTypeArg,
+    root: c_int,
+    comm: lockstepComm_t,
+    stream: *mut c_void,
+) -> lockstepResult_t {
+    exec::submit("lockstepBcast", comm, stream, Op::Broadcast { send: buff as usize, recv: buff as usize, count, dtype: datatype, root })
+}
+
 /// Copy `count` elements of `sendbuff` on rank `root` into `recvbuff` on every rank. `sendbuff` is
 /// read on the root only (other ranks may pass NULL). In place when `sendbuff == recvbuff`.
 ///
@@ -390,6 +527,85 @@ pub unsafe extern "C" fn lockstepReduceScatter(
         comm,
         stream,
         Op::ReduceScatter { send: sendbuff as usize, recv: recvbuff as usize, count: recvcount, dtype: datatype, op },
+    )
+}
+
+/// Personalised exchange: block `j` of `sendbuff` (`count` elements at `sendbuff + j * count`) goes
+/// to rank `j`, and block `i` of `recvbuff` comes from rank `i`; both buffers hold
+/// `nranks * count` elements. No in-place form: `sendbuff == recvbuff` is lockstepInvalidArgument.
+///
+/// Thread safety: as lockstepAllReduce.
+///
+/// # Safety
+/// As lockstepAllReduce, with both buffers valid for `nranks * count` elements.
+#[no_mangle]
+pub unsafe extern "C" fn lockstepAlltoAll(
+    sendbuff: *const c_void,
+    recvbuff: *mut c_void,
+    count: usize,
+    datatype: DataTypeArg,
+    comm: lockstepComm_t,
+    stream: *mut c_void,
+) -> lockstepResult_t {
+    exec::submit(
+        "lockstepAlltoAll",
+        comm,
+        stream,
+        Op::AllToAll { send: sendbuff as usize, recv: recvbuff as usize, count, dtype: datatype },
+    )
+}
+
+/// Gather every rank's `sendbuff` (`count` elements) into `recvbuff` on rank `root`, rank `i`'s at
+/// `recvbuff + i * count` (`nranks * count` elements). `recvbuff` is written on the root only
+/// (other ranks may pass NULL). In place when `sendbuff == recvbuff + root * count` elements on
+/// the root.
+///
+/// Thread safety: as lockstepAllReduce.
+///
+/// # Safety
+/// As lockstepAllReduce, with `recvbuff` valid for `nranks * count` elements on the root.
+#[no_mangle]
+pub unsafe extern "C" fn lockstepGather(
+    sendbuff: *const c_void,
+    recvbuff: *mut c_void,
+    count: usize,
+    datatype: DataTypeArg,
+    root: c_int,
+    comm: lockstepComm_t,
+    stream: *mut c_void,
+) -> lockstepResult_t {
+    exec::submit(
+        "lockstepGather",
+        comm,
+        stream,
+        Op::Gather { send: sendbuff as usize, recv: recvbuff as usize, count, dtype: datatype, root },
+    )
+}
+
+/// Hand block `i` of `sendbuff` on rank `root` (`count` elements at `sendbuff + i * count`,
+/// `nranks * count` in all) to rank `i`'s `recvbuff` (`count` elements). `sendbuff` is read on
+/// the root only (other ranks may pass NULL). In place when
+/// `recvbuff == sendbuff + root * count` elements on the root.
+///
+/// Thread safety: as lockstepAllReduce.
+///
+/// # Safety
+/// As lockstepAllReduce, with `sendbuff` valid for `nranks * count` elements on the root.
+#[no_mangle]
+pub unsafe extern "C" fn lockstepScatter(
+    sendbuff: *const c_void,
+    recvbuff: *mut c_void,
+    count: usize,
+    datatype: DataTypeArg,
+    root: c_int,
+    comm: lockstepComm_t,
+    stream: *mut c_void,
+) -> lockstepResult_t {
+    exec::submit(
+        "lockstepScatter",
+        comm,
+        stream,
+        Op::Scatter { send: sendbuff as usize, recv: recvbuff as usize, count, dtype: datatype, root },
     )
 }
 

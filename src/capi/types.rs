@@ -1,13 +1,17 @@
 //! The C types of `lockstep.h`: result codes, data types, reduction operators (NCCL's values),
-//! the unique id, and the constants.
+//! the unique id, the communicator configuration, and the constants.
 
-use std::ffi::{c_char, c_int};
+use std::ffi::{c_char, c_int, c_uint};
 
 /// Bytes in a `lockstepUniqueId` (as `NCCL_UNIQUE_ID_BYTES`).
 pub const LOCKSTEP_UNIQUE_ID_BYTES: usize = 128;
 
 /// `color` for `lockstepCommSplit`: this rank joins no new communicator (as `NCCL_SPLIT_NOCOLOR`).
 pub const LOCKSTEP_SPLIT_NOCOLOR: c_int = -1;
+
+/// The `magic` of a `lockstepConfig_t` that LOCKSTEP_CONFIG_INITIALIZER initialised (as
+/// `NCCL_API_MAGIC`, with another value, so an `ncclConfig_t` passed by mistake is refused).
+pub const LOCKSTEP_API_MAGIC: c_uint = 0x6c6b7374;
 
 /// Result codes, with NCCL's values (`ncclResult_t`). Every function returns one.
 #[repr(C)]
@@ -33,12 +37,15 @@ pub enum lockstepResult_t {
     lockstepRemoteError = 6,
     /// An operation is still in progress (never returned: every lockstep call completes).
     lockstepInProgress = 7,
+    /// A rank waited for its peers longer than the communicator's timeout (the config's
+    /// `timeoutMs`, or LOCKSTEP_TIMEOUT_S): the communicator is broken, destroy it.
+    lockstepTimeout = 8,
     /// The number of result codes.
-    lockstepNumResults = 8,
+    lockstepNumResults = 9,
 }
 
-/// Element types, with NCCL's values (`ncclDataType_t`). NCCL's aliases are macros:
-/// `lockstepChar`, `lockstepInt`, `lockstepHalf`, `lockstepFloat`, `lockstepDouble`.
+/// Element types, with NCCL's values (`ncclDataType_t`). NCCL's aliases are macros naming the
+/// enumerators: `lockstepChar`, `lockstepInt`, `lockstepHalf`, `lockstepFloat`, `lockstepDouble`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum lockstepDataType_t {
@@ -62,20 +69,13 @@ pub enum lockstepDataType_t {
     lockstepFloat64 = 8,
     /// bfloat16.
     lockstepBfloat16 = 9,
+    /// FP8 E4M3, NCCL's value reserved: not supported yet (lockstepInvalidArgument).
+    lockstepFloat8e4m3 = 10,
+    /// FP8 E5M2, NCCL's value reserved: not supported yet (lockstepInvalidArgument).
+    lockstepFloat8e5m2 = 11,
     /// The number of element types.
-    lockstepNumTypes = 10,
+    lockstepNumTypes = 12,
 }
-
-/// `lockstepInt8`, as `ncclChar`.
-pub const lockstepChar: c_int = 0;
-/// `lockstepInt32`, as `ncclInt`.
-pub const lockstepInt: c_int = 2;
-/// `lockstepFloat16`, as `ncclHalf`.
-pub const lockstepHalf: c_int = 6;
-/// `lockstepFloat32`, as `ncclFloat`.
-pub const lockstepFloat: c_int = 7;
-/// `lockstepFloat64`, as `ncclDouble`.
-pub const lockstepDouble: c_int = 8;
 
 /// Reduction operators, with NCCL's values (`ncclRedOp_t`). Integer sums and products wrap;
 /// `lockstepAvg` divides the sum by the number of ranks (integer division for integer types).
@@ -115,4 +115,30 @@ pub type ResultArg = c_int;
 pub struct lockstepUniqueId {
     /// Opaque contents.
     pub internal: [c_char; LOCKSTEP_UNIQUE_ID_BYTES],
+}
+
+/// Communicator settings for lockstepCommInitRankConfig and lockstepCommSplit, shaped like
+/// `ncclConfig_t`: declare it as `lockstepConfig_t config = LOCKSTEP_CONFIG_INITIALIZER;`, then
+/// set the fields you need. A field left at LOCKSTEP_CONFIG_UNDEF_INT / LOCKSTEP_CONFIG_UNDEF_PTR
+/// keeps its default. A config that LOCKSTEP_CONFIG_INITIALIZER did not initialise (wrong `size`,
+/// `magic` or `version`), or a field out of range, is lockstepInvalidArgument.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct lockstepConfig_t {
+    /// `sizeof(lockstepConfig_t)` (set by the initializer; do not change).
+    pub size: usize,
+    /// LOCKSTEP_API_MAGIC (set by the initializer; do not change).
+    pub magic: c_uint,
+    /// LOCKSTEP_VERSION_CODE of the header the program was built with (set by the initializer; do
+    /// not change).
+    pub version: c_uint,
+    /// 1 or 0, as NCCL's `blocking`. Every lockstep call completes before it returns, so both
+    /// behave alike: a non-blocking communicator never reports lockstepInProgress.
+    pub blocking: c_int,
+    /// Milliseconds a rank waits for its peers in one call before it fails with lockstepTimeout
+    /// (> 0; default LOCKSTEP_TIMEOUT_S, 600 s). No NCCL twin.
+    pub timeoutMs: c_int,
+    /// A name for the communicator (NUL-terminated, copied), quoted in its error messages, as
+    /// NCCL's `commName`.
+    pub commName: *const c_char,
 }

@@ -1,12 +1,16 @@
 /*
  * The C ABI of liblockstep.so, through include/lockstep.h: every collective with checked values,
  * every data type and reduction operator, NCCL's in-place forms, send/recv in a group (a ring
- * exchange, where every rank sends first) and outside one, split, and the error paths (mismatched
- * counts across ranks, bad arguments, a stream on a host communicator), each with its code and
- * lockstepGetLastError's message.
+ * exchange, where every rank sends first) and outside one, split (with and without a config),
+ * finalize, and the error paths (mismatched counts across ranks, bad arguments, reserved FP8
+ * types, configs LOCKSTEP_CONFIG_INITIALIZER did not make, a stream on a host communicator), each
+ * with its code and lockstepGetLastError's message.
  *
- *   capi_test env      under `lockstep launch`: lockstepCommInitFromEnv
- *   capi_test uid N    forks N ranks that join through lockstepGetUniqueId/lockstepCommInitRank
+ *   capi_test env       under `lockstep launch`: lockstepCommInitFromEnv
+ *   capi_test uid N     forks N ranks that join through lockstepGetUniqueId/lockstepCommInitRank
+ *   capi_test config N  forks N ranks that join through lockstepCommInitRankConfig (a name,
+ *                       non-blocking, a short timeout), run the checks above, then make the last
+ *                       rank late so that the others fail with lockstepTimeout
  *
  * Each rank prints "rank R of N: all checks passed" (and what the driver, tests/capi.rs, looks
  * for); the first failed check prints what was expected and exits 1. Built and run by
@@ -107,7 +111,8 @@ static int64_t val(int r, size_t i) { return (int64_t)(r + 1 + (int)(i % 3)); }
 
 static void all_reduce_every_type(lockstepComm_t comm, int n) {
     const size_t count = 1000;
-    for (int t = 0; t < lockstepNumTypes; t++) {
+    /* Every supported type: the FP8 values after lockstepBfloat16 are reserved (error_paths). */
+    for (int t = 0; t <= lockstepBfloat16; t++) {
         void *s = alloc(count, t), *d = alloc(count, t);
         for (size_t i = 0; i < count; i++) put(t, s, i, val(g_rank, i));
         OK(lockstepAllReduce(s, d, count, t, lockstepSum, comm, NULL));
@@ -262,6 +267,86 @@ static void send_recv(lockstepComm_t comm, int n) {
     free(d);
 }
 
+/* Element i of rank r's block for rank j in the exchanges: distinct for every (r, j, i). */
+static int32_t xval(int r, int j, size_t i) { return (int32_t)(r * 1000000 + j * 10000 + (int)i); }
+
+static void bcast_alltoall_gather_scatter(lockstepComm_t comm, int n) {
+    const size_t count = 777;
+    lockstepResult_t r;
+
+    /* Bcast: always in place, here from the last rank. */
+    double *b = alloc(count, lockstepFloat64);
+    for (size_t i = 0; i < count; i++) b[i] = g_rank == n - 1 ? 0.5 * (double)i : -1.0;
+    OK(lockstepBcast(b, count, lockstepFloat64, n - 1, comm, NULL));
+    for (size_t i = 0; i < count; i++) CHECK(b[i] == 0.5 * (double)i, "bcast element %zu: got %g", i, b[i]);
+
+    /* AlltoAll: block j of rank r's sendbuff lands in block r of rank j's recvbuff. */
+    int32_t *s = alloc(count * n, lockstepInt32), *d = alloc(count * n, lockstepInt32);
+    for (int j = 0; j < n; j++)
+        for (size_t i = 0; i < count; i++) s[j * count + i] = xval(g_rank, j, i), d[j * count + i] = -1;
+    OK(lockstepAlltoAll(s, d, count, lockstepInt32, comm, NULL));
+    for (int q = 0; q < n; q++)
+        for (size_t i = 0; i < count; i++)
+            CHECK(d[q * count + i] == xval(q, g_rank, i), "all-to-all block from rank %d element %zu: got %d, want %d", q, i,
+                  d[q * count + i], xval(q, g_rank, i));
+    /* No in-place form (nor in NCCL): refused on every rank, which stay in step. */
+    r = lockstepAlltoAll(s, s, count, lockstepInt32, comm, NULL);
+    CHECK(r == lockstepInvalidArgument && strstr(lockstepGetLastError(comm), "no in-place form"), "in-place all-to-all: %d: %s",
+          (int)r, lockstepGetLastError(comm));
+    /* Zero elements: nothing to move, buffers may be NULL. */
+    OK(lockstepAlltoAll(NULL, NULL, 0, lockstepInt32, comm, NULL));
+
+    /* Gather to rank 1 % n; recvbuff is written on the root only, so the others pass NULL. */
+    int root = 1 % n;
+    uint64_t *gs = alloc(count, lockstepUint64), *gd = alloc(count * n, lockstepUint64);
+    for (size_t i = 0; i < count; i++) gs[i] = (uint64_t)xval(g_rank, 0, i);
+    for (size_t i = 0; i < count * n; i++) gd[i] = 7;
+    OK(lockstepGather(gs, g_rank == root ? gd : NULL, count, lockstepUint64, root, comm, NULL));
+    for (int q = 0; q < n && g_rank == root; q++)
+        for (size_t i = 0; i < count; i++)
+            CHECK(gd[q * count + i] == (uint64_t)xval(q, 0, i), "gather block %d element %zu: got %llu", q, i,
+                  (unsigned long long)gd[q * count + i]);
+    for (size_t i = 0; i < count * n && g_rank != root; i++) CHECK(gd[i] == 7, "gather wrote a non-root's buffer");
+    /* In place to the last rank: its own block already sits at recvbuff + root * count. */
+    root = n - 1;
+    for (size_t i = 0; i < count * n; i++) gd[i] = 7;
+    if (g_rank == root) memcpy(gd + root * count, gs, count * sizeof *gs);
+    OK(lockstepGather(g_rank == root ? gd + root * count : gs, g_rank == root ? gd : NULL, count, lockstepUint64, root, comm, NULL));
+    for (int q = 0; q < n && g_rank == root; q++)
+        for (size_t i = 0; i < count; i++)
+            CHECK(gd[q * count + i] == (uint64_t)xval(q, 0, i), "in-place gather block %d element %zu: got %llu", q, i,
+                  (unsigned long long)gd[q * count + i]);
+
+    /* Scatter from the last rank; sendbuff is read on the root only, so the others pass NULL. */
+    float *ss = alloc(count * n, lockstepFloat32), *sd = alloc(count, lockstepFloat32);
+    for (int j = 0; j < n; j++)
+        for (size_t i = 0; i < count; i++) ss[j * count + i] = (float)(j * 1000 + (int)i);
+    for (size_t i = 0; i < count; i++) sd[i] = -1.0f;
+    OK(lockstepScatter(g_rank == root ? ss : NULL, sd, count, lockstepFloat32, root, comm, NULL));
+    for (size_t i = 0; i < count; i++)
+        CHECK(sd[i] == (float)(g_rank * 1000 + (int)i), "scatter element %zu: got %g", i, sd[i]);
+    /* In place from rank n / 2: its own block stays at sendbuff + root * count. */
+    root = n / 2;
+    for (size_t i = 0; i < count; i++) sd[i] = -1.0f;
+    float *mine = g_rank == root ? ss + root * count : sd;
+    OK(lockstepScatter(g_rank == root ? ss : NULL, mine, count, lockstepFloat32, root, comm, NULL));
+    for (size_t i = 0; i < count; i++)
+        CHECK(mine[i] == (float)(g_rank * 1000 + (int)i), "in-place scatter element %zu: got %g", i, mine[i]);
+    r = lockstepScatter(ss, sd, count, lockstepFloat32, n, comm, NULL);
+    CHECK(r == lockstepInvalidArgument && strstr(lockstepGetLastError(comm), "root"), "scatter bad root: %d", (int)r);
+
+    /* In a group: recorded, run in order at lockstepGroupEnd. */
+    for (size_t i = 0; i < count; i++) b[i] = g_rank == 0 ? 2.0 : 0.0;
+    OK(lockstepGroupStart());
+    OK(lockstepBcast(b, count, lockstepFloat64, 0, comm, NULL));
+    OK(lockstepAlltoAll(s, d, count, lockstepInt32, comm, NULL));
+    CHECK(b[0] == (g_rank == 0 ? 2.0 : 0.0), "a bcast ran before lockstepGroupEnd");
+    OK(lockstepGroupEnd());
+    CHECK(b[count - 1] == 2.0 && d[count * n - 1] == xval(n - 1, g_rank, count - 1), "grouped bcast/all-to-all");
+    free(b), free(s), free(d), free(gs), free(gd), free(ss), free(sd);
+    printf("rank %d: bcast/alltoall/gather/scatter: verified\n", g_rank);
+}
+
 static void split(lockstepComm_t comm, int n) {
     lockstepComm_t sub = (lockstepComm_t)1;
     OK(lockstepCommSplit(comm, g_rank % 2, -g_rank, &sub, NULL));
@@ -295,13 +380,104 @@ static void split(lockstepComm_t comm, int n) {
         OK(lockstepCommDestroy(sub));
     }
 
+    /* With a config: a name, quoted in the new communicator's messages, and blocking = 0. */
+    lockstepConfig_t cfg = LOCKSTEP_CONFIG_INITIALIZER;
+    cfg.commName = g_rank % 2 ? "odds" : "evens";
+    cfg.blocking = 0;
+    OK(lockstepCommSplit(comm, g_rank % 2, 0, &sub, &cfg));
+    lockstepResult_t r = lockstepAllReduce(&x, &sum, 1, (lockstepDataType_t)42, lockstepSum, sub, NULL);
+    CHECK(r == lockstepInvalidArgument && strstr(lockstepGetLastError(sub), g_rank % 2 ? "on communicator \"odds\"" : "on communicator \"evens\""),
+          "named split: %d: %s", (int)r, lockstepGetLastError(sub));
+    x = 1;
+    OK(lockstepAllReduce(&x, &sum, 1, lockstepInt32, lockstepSum, sub, NULL));
+    CHECK(sum == members, "named split all-reduce: got %d, want %d", sum, members);
+    OK(lockstepCommDestroy(sub));
+
+    /* A timeout in a split's config: refused on every rank (the new communicator inherits it). */
+    cfg.timeoutMs = 1000;
+    sub = (lockstepComm_t)1;
+    r = lockstepCommSplit(comm, 0, 0, &sub, &cfg);
+    CHECK(r == lockstepInvalidArgument && sub == NULL && strstr(lockstepGetLastError(comm), "timeoutMs"), "split timeout: %d: %s",
+          (int)r, lockstepGetLastError(comm));
+    /* One rank's bad arguments (a config LOCKSTEP_CONFIG_INITIALIZER did not make, a negative
+       color): it gets lockstepInvalidArgument, the others lockstepInvalidUsage naming it, and
+       nobody waits. */
+    for (int bad = 0; bad < 2 && n > 1; bad++) {
+        lockstepConfig_t junk;
+        memset(&junk, 0xA5, sizeof junk);
+        const int culprit = bad ? 0 : n - 1;
+        sub = (lockstepComm_t)1;
+        if (bad == 0)
+            r = lockstepCommSplit(comm, 0, 0, &sub, g_rank == culprit ? &junk : NULL);
+        else
+            r = lockstepCommSplit(comm, g_rank == culprit ? -5 : 0, 0, &sub, NULL);
+        const char *m = lockstepGetLastError(comm);
+        if (g_rank == culprit)
+            CHECK(r == lockstepInvalidArgument && strstr(m, bad ? "color -5" : "config->magic"), "split culprit: %d: %s", (int)r, m);
+        else
+            CHECK(r == lockstepInvalidUsage && strstr(m, "refused their lockstepCommSplit arguments"), "split peer: %d: %s", (int)r, m);
+        CHECK(sub == NULL, "a refused split left newcomm %p", (void *)sub);
+    }
+    /* The parent splits normally afterwards. */
+    OK(lockstepCommSplit(comm, 0, 0, &sub, NULL));
+    x = 1;
+    OK(lockstepAllReduce(&x, &sum, 1, lockstepInt32, lockstepSum, sub, NULL));
+    CHECK(sum == n, "split after refused splits: got %d, want %d", sum, n);
+    OK(lockstepCommDestroy(sub));
+
     /* Inside a group: refused on every rank at once, before anything is exchanged. */
     OK(lockstepGroupStart());
-    lockstepResult_t r = lockstepCommSplit(comm, 0, 0, &sub, NULL);
+    r = lockstepCommSplit(comm, 0, 0, &sub, NULL);
     OK(lockstepGroupEnd());
     CHECK(r == lockstepInvalidUsage && sub == NULL && strstr(lockstepGetLastError(comm), "inside lockstepGroupStart"),
           "split in a group: %d (%s)", (int)r, lockstepGetLastError(comm));
     printf("rank %d: split: verified\n", g_rank);
+}
+
+/* lockstepCommInitRankConfig with a config LOCKSTEP_CONFIG_INITIALIZER did not make, or a field
+   out of range: refused before anything else (the id, all zeros here, is never looked at). */
+static void config_refused(lockstepConfig_t cfg, const char *needle) {
+    lockstepUniqueId zero;
+    memset(&zero, 0, sizeof zero);
+    lockstepComm_t c = (lockstepComm_t)1;
+    lockstepResult_t r = lockstepCommInitRankConfig(&c, 2, zero, 0, &cfg);
+    const char *msg = lockstepGetLastError(NULL);
+    CHECK(r == lockstepInvalidArgument && c == NULL && strstr(msg, needle), "config refused for `%s`: %d: %s", needle, (int)r, msg);
+}
+
+static void config_errors(void) {
+    lockstepConfig_t cfg = LOCKSTEP_CONFIG_INITIALIZER;
+    CHECK(cfg.size == sizeof cfg && cfg.magic == LOCKSTEP_API_MAGIC && cfg.version == LOCKSTEP_VERSION_CODE &&
+              cfg.blocking == LOCKSTEP_CONFIG_UNDEF_INT && cfg.timeoutMs == LOCKSTEP_CONFIG_UNDEF_INT &&
+              cfg.commName == LOCKSTEP_CONFIG_UNDEF_PTR,
+          "LOCKSTEP_CONFIG_INITIALIZER");
+    lockstepConfig_t c = cfg;
+    memset(&c, 0xA5, sizeof c); /* never initialised */
+    config_refused(c, "config->magic");
+    c = cfg, c.magic = 0xcafebeef; /* NCCL_API_MAGIC: an ncclConfig_t */
+    config_refused(c, "LOCKSTEP_CONFIG_INITIALIZER");
+    c = cfg, c.size = sizeof cfg - 8;
+    config_refused(c, "config->size");
+    c = cfg, c.version = LOCKSTEP_VERSION_CODE + 1; /* a newer header than the library */
+    config_refused(c, "config->version");
+    c = cfg, c.version = 99;
+    config_refused(c, "config->version");
+    c = cfg, c.blocking = 2;
+    config_refused(c, "config->blocking");
+    c = cfg, c.timeoutMs = 0;
+    config_refused(c, "config->timeoutMs");
+    c = cfg, c.timeoutMs = -5;
+    config_refused(c, "config->timeoutMs");
+    /* A valid config gets past the config checks to the id's. */
+    lockstepUniqueId zero;
+    memset(&zero, 0, sizeof zero);
+    lockstepComm_t h = (lockstepComm_t)1;
+    c = cfg, c.blocking = 1, c.timeoutMs = 5000, c.commName = "ok";
+    lockstepResult_t r = lockstepCommInitRankConfig(&h, 2, zero, 0, &c);
+    CHECK(r == lockstepInvalidArgument && h == NULL && strstr(lockstepGetLastError(NULL), "lockstepGetUniqueId"), "valid config: %d: %s",
+          (int)r, lockstepGetLastError(NULL));
+    r = lockstepCommInitRankConfig(NULL, 2, zero, 0, &cfg);
+    CHECK(r == lockstepInvalidArgument && strstr(lockstepGetLastError(NULL), "comm is NULL"), "NULL comm: %d", (int)r);
 }
 
 static void error_paths(lockstepComm_t comm, int n) {
@@ -325,6 +501,13 @@ static void error_paths(lockstepComm_t comm, int n) {
     r = lockstepAllReduce(a, b, 8, (lockstepDataType_t)42, lockstepSum, comm, NULL);
     msg = lockstepGetLastError(comm);
     CHECK(r == lockstepInvalidArgument && strstr(msg, "datatype 42"), "bad datatype: %d: %s", (int)r, msg);
+    /* FP8: NCCL's values, reserved, not supported yet. */
+    r = lockstepAllReduce(a, b, 8, lockstepFloat8e4m3, lockstepSum, comm, NULL);
+    msg = lockstepGetLastError(comm);
+    CHECK(r == lockstepInvalidArgument && strstr(msg, "lockstepFloat8e4m3") && strstr(msg, "not supported"), "fp8 e4m3: %d: %s", (int)r, msg);
+    r = lockstepBcast(a, 8, lockstepFloat8e5m2, 0, comm, NULL);
+    msg = lockstepGetLastError(comm);
+    CHECK(r == lockstepInvalidArgument && strstr(msg, "lockstepFloat8e5m2"), "fp8 e5m2: %d: %s", (int)r, msg);
     r = lockstepReduce(a, b, 8, lockstepFloat32, (lockstepRedOp_t)9, 0, comm, NULL);
     CHECK(r == lockstepInvalidArgument && strstr(lockstepGetLastError(comm), "op 9"), "bad op: %d", (int)r);
     r = lockstepBroadcast(a, b, 8, lockstepFloat32, n, comm, NULL);
@@ -364,7 +547,10 @@ static void error_paths(lockstepComm_t comm, int n) {
     CHECK(r == lockstepInvalidArgument && c2 == NULL && strstr(lockstepGetLastError(NULL), "lockstepGetUniqueId"), "bad id: %d", (int)r);
     r = lockstepCommInitRank(&c2, 2, bad, 5);
     CHECK(r == lockstepInvalidArgument && strstr(lockstepGetLastError(NULL), "out of range"), "bad rank: %d", (int)r);
+    config_errors();
     CHECK(strcmp(lockstepGetErrorString(lockstepSuccess), "no error") == 0, "error string 0");
+    CHECK(strncmp(lockstepGetErrorString(lockstepTimeout), "timeout", 7) == 0, "error string 8");
+    CHECK(strcmp(lockstepGetErrorString(lockstepNumResults), "unknown result code") == 0, "error string 9");
     CHECK(strcmp(lockstepGetErrorString(lockstepInvalidUsage), "invalid usage") == 0, "error string 5");
     CHECK(strcmp(lockstepGetErrorString((lockstepResult_t)99), "unknown result code") == 0, "error string 99");
 }
@@ -372,7 +558,8 @@ static void error_paths(lockstepComm_t comm, int n) {
 static void run(lockstepComm_t comm, int expect_n) {
     int n = 0, rank = -1, version = 0;
     OK(lockstepGetVersion(&version));
-    CHECK(version >= 100, "version %d", version); /* 0.1.0 encodes as 100 */
+    CHECK(version == LOCKSTEP_VERSION_CODE, "library version %d, header LOCKSTEP_VERSION_CODE %d", version, LOCKSTEP_VERSION_CODE);
+    CHECK(LOCKSTEP_VERSION_CODE == LOCKSTEP_VERSION(LOCKSTEP_MAJOR, LOCKSTEP_MINOR, LOCKSTEP_PATCH), "LOCKSTEP_VERSION");
     OK(lockstepCommCount(comm, &n));
     OK(lockstepCommUserRank(comm, &rank));
     g_rank = rank;
@@ -385,10 +572,27 @@ static void run(lockstepComm_t comm, int expect_n) {
     reduce(comm, n);
     all_gather(comm, n);
     reduce_scatter(comm, n);
+    bcast_alltoall_gather_scatter(comm, n);
     send_recv(comm, n);
     split(comm, n);
     error_paths(comm, n);
     OK(lockstepBarrier(comm, NULL));
+    /* Finalize: collective, outside a group; afterwards only queries and destroy. */
+    OK(lockstepGroupStart());
+    lockstepResult_t fr = lockstepCommFinalize(comm);
+    OK(lockstepGroupEnd());
+    CHECK(fr == lockstepInvalidUsage && strstr(lockstepGetLastError(comm), "inside lockstepGroupStart"), "finalize in a group: %d", (int)fr);
+    OK(lockstepCommFinalize(comm));
+    float f = 1.0f;
+    fr = lockstepAllReduce(&f, &f, 1, lockstepFloat32, lockstepSum, comm, NULL);
+    CHECK(fr == lockstepInvalidUsage && strstr(lockstepGetLastError(comm), "finalized"), "call after finalize: %d: %s", (int)fr,
+          lockstepGetLastError(comm));
+    CHECK(lockstepCommFinalize(comm) == lockstepInvalidUsage, "second finalize");
+    int after = 0;
+    OK(lockstepCommCount(comm, &after));
+    lockstepResult_t async = lockstepNumResults;
+    OK(lockstepCommGetAsyncError(comm, &async));
+    CHECK(after == n && async == lockstepSuccess, "queries after finalize: count %d, async %d", after, (int)async);
     OK(lockstepCommDestroy(comm));
     /* The handle is gone: an error, not a crash. */
     lockstepResult_t r = lockstepCommCount(comm, &n);
@@ -398,6 +602,99 @@ static void run(lockstepComm_t comm, int expect_n) {
     fflush(stdout);
 }
 
+/* A communicator made with a 300 ms timeout, whose last rank arrives only once every other rank
+   has given up on it (it waits on `late`, a pipe they write to): the others fail with
+   lockstepTimeout (or lockstepRemoteError, when another waiting rank aborted the communicator
+   first), and so does the last rank's call, late. */
+static void timeout_run(lockstepUniqueId id, int n, int r, int late[2]) {
+    lockstepConfig_t cfg = LOCKSTEP_CONFIG_INITIALIZER;
+    cfg.timeoutMs = 300;
+    cfg.commName = "impatient";
+    lockstepComm_t comm = NULL;
+    OK(lockstepCommInitRankConfig(&comm, n, id, r, &cfg));
+    /* A local failure: the message quotes the communicator's name. */
+    CHECK(lockstepCommCount(comm, NULL) == lockstepInvalidArgument && strstr(lockstepGetLastError(comm), "on communicator \"impatient\""),
+          "named communicator: %s", lockstepGetLastError(comm));
+    int32_t x = 1, y = 0;
+    if (r < n - 1) {
+        lockstepResult_t res = lockstepAllReduce(&x, &y, 1, lockstepInt32, lockstepSum, comm, NULL);
+        const char *msg = lockstepGetLastError(comm);
+        CHECK(res == lockstepTimeout ? strstr(msg, "timed out") != NULL : res == lockstepRemoteError, "waiting for a late rank: %d: %s", (int)res, msg);
+        lockstepResult_t async = lockstepSuccess;
+        OK(lockstepCommGetAsyncError(comm, &async));
+        CHECK(async == res, "async error %d after %d", (int)async, (int)res);
+        printf("rank %d: timeout: code %d (%s): %s\n", r, (int)res, lockstepGetErrorString(res), msg);
+        fflush(stdout);
+        CHECK(write(late[1], "x", 1) == 1, "write to the late rank's pipe");
+    } else {
+        /* Only the waiting ranks write: should one die first, the read sees the end of the pipe. */
+        close(late[1]);
+        char buf[64];
+        size_t got = 0;
+        while (got < (size_t)(n - 1)) {
+            ssize_t k = read(late[0], buf, sizeof buf);
+            CHECK(k > 0, "the other ranks never reported their timeout");
+            got += (size_t)k;
+        }
+        lockstepResult_t res = lockstepAllReduce(&x, &y, 1, lockstepInt32, lockstepSum, comm, NULL);
+        CHECK(res == lockstepRemoteError || res == lockstepTimeout, "late rank: %d: %s", (int)res, lockstepGetLastError(comm));
+        printf("rank %d: late: code %d\n", r, (int)res);
+    }
+    OK(lockstepCommDestroy(comm));
+}
+
+/* Fork `n` ranks that each run `body(rank, arg)`, close `fds` (the parent's ends of the ranks'
+   pipe), and wait for them all. */
+static int fork_ranks(int n, void (*body)(int rank, void *arg), void *arg, const int fds[2]) {
+    fflush(stdout);
+    for (int r = 0; r < n; r++) {
+        pid_t pid = fork();
+        CHECK(pid >= 0, "fork failed");
+        if (pid == 0) {
+            g_rank = r;
+            body(r, arg);
+            fflush(stdout);
+            exit(0);
+        }
+    }
+    close(fds[0]);
+    close(fds[1]);
+    int failed = 0;
+    for (int r = 0; r < n; r++) {
+        int status = 0;
+        CHECK(wait(&status) > 0, "wait failed");
+        failed += !(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    }
+    return failed;
+}
+
+struct job {
+    int n;
+    lockstepUniqueId id, id2;
+    int late[2];
+};
+
+static void uid_rank(int r, void *arg) {
+    struct job *j = arg;
+    lockstepComm_t comm = NULL;
+    OK(lockstepCommInitRank(&comm, j->n, j->id, r));
+    run(comm, j->n);
+}
+
+static void config_rank(int r, void *arg) {
+    struct job *j = arg;
+    /* Named, non-blocking (calls complete before they return all the same), a generous timeout. */
+    lockstepConfig_t cfg = LOCKSTEP_CONFIG_INITIALIZER;
+    cfg.commName = "world";
+    cfg.blocking = 0;
+    cfg.timeoutMs = 120000;
+    lockstepComm_t comm = NULL;
+    OK(lockstepCommInitRankConfig(&comm, j->n, j->id, r, &cfg));
+    run(comm, j->n);
+    if (j->n > 1) timeout_run(j->id2, j->n, r, j->late);
+    printf("rank %d: config: verified\n", r);
+}
+
 int main(int argc, char **argv) {
     if (argc >= 2 && strcmp(argv[1], "env") == 0) {
         lockstepComm_t comm = NULL;
@@ -405,33 +702,19 @@ int main(int argc, char **argv) {
         run(comm, -1);
         return 0;
     }
-    if (argc >= 3 && strcmp(argv[1], "uid") == 0) {
-        int n = atoi(argv[2]);
-        CHECK(n >= 1 && n <= 64, "rank count %s", argv[2]);
-        lockstepUniqueId id;
-        OK(lockstepGetUniqueId(&id));
-        fflush(stdout);
-        for (int r = 0; r < n; r++) {
-            pid_t pid = fork();
-            CHECK(pid >= 0, "fork failed");
-            if (pid == 0) {
-                lockstepComm_t comm = NULL;
-                g_rank = r;
-                OK(lockstepCommInitRank(&comm, n, id, r));
-                run(comm, n);
-                exit(0);
-            }
-        }
-        int failed = 0;
-        for (int r = 0; r < n; r++) {
-            int status = 0;
-            CHECK(wait(&status) > 0, "wait failed");
-            failed += !(WIFEXITED(status) && WEXITSTATUS(status) == 0);
-        }
-        CHECK(failed == 0, "%d of %d forked ranks failed", failed, n);
-        printf("uid: %d ranks passed\n", n);
+    int config = argc >= 3 && strcmp(argv[1], "config") == 0;
+    if (argc >= 3 && (config || strcmp(argv[1], "uid") == 0)) {
+        struct job j;
+        j.n = atoi(argv[2]);
+        CHECK(j.n >= 1 && j.n <= 64, "rank count %s", argv[2]);
+        OK(lockstepGetUniqueId(&j.id));
+        OK(lockstepGetUniqueId(&j.id2));
+        CHECK(pipe(j.late) == 0, "pipe failed");
+        int failed = fork_ranks(j.n, config ? config_rank : uid_rank, &j, j.late);
+        CHECK(failed == 0, "%d of %d forked ranks failed", failed, j.n);
+        printf("%s: %d ranks passed\n", argv[1], j.n);
         return 0;
     }
-    fprintf(stderr, "usage: %s env | uid N\n", argv[0]);
+    fprintf(stderr, "usage: %s env | uid N | config N\n", argv[0]);
     return 2;
 }
