@@ -100,6 +100,11 @@ for b in lockstep train-cnn; do
 done
 [ -f target/release/liblockstep.so ] || { echo "gpu_stage: target/release/liblockstep.so missing: run cargo build --release --lib" >&2; exit 1; }
 objcopy --strip-debug target/release/liblockstep.so "$stage/lib/liblockstep.so"
+# Programs linked against it load it by its soname (liblockstep.so.MAJOR): a copy, not a link,
+# since the device tool's carry may leave links behind.
+soname=$(readelf -d target/release/liblockstep.so | sed -n 's/.*Library soname: \[\(.*\)\].*/\1/p')
+[ -n "$soname" ] || { echo "gpu_stage: target/release/liblockstep.so has no soname: build it with the default features (cargo build --release --lib)" >&2; exit 1; }
+cp "$stage/lib/liblockstep.so" "$stage/lib/$soname"
 for t in "${test_targets[@]}"; do
     src=$(newest_test "$t")
     objcopy --strip-debug "$src" "$stage/tests/$t"

@@ -158,7 +158,8 @@ fn warn_oversubscribed(ranks: usize) {
 
 // Deferred: a command builds only the arguments of the subcommand it runs (and `--help` all of
 // them). Every rank of `lockstep launch -- lockstep selftest` parses its command line, and
-// building all five subcommands' arguments cost 0.13 ms of CPU per rank on the project machine.
+// building all five subcommands' arguments is a measurable part of a rank's start
+// (`benches/baselines/startup.sh`).
 #[derive(Subcommand, Debug)]
 #[command(defer = true)]
 enum Cmd {

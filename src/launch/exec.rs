@@ -358,8 +358,8 @@ pub fn run_job(spec: &JobSpec) -> Result<i32, LaunchError> {
     let mut failure: Option<(usize, std::io::Error, &str)> = None;
     // Every rank's exec image is built before the first guard is forked, and freed after the
     // last one: each fork makes the launcher's heap copy-on-write again, so allocating or freeing
-    // between two forks costs the launcher page faults (about 3 µs each on the project machine)
-    // that building them all first does not.
+    // between two forks costs the launcher page faults (expensive in virtual machines) that
+    // building them all first does not.
     let mut images = Vec::with_capacity(spec.nproc_per_node);
     for local in 0..spec.nproc_per_node {
         let rank = base + local;

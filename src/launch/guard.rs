@@ -647,8 +647,8 @@ struct ExecChild<'a> {
 
 /// Start an exec'd rank the way `posix_spawn` does: `clone(CLONE_VM | CLONE_VFORK)` on a stack
 /// of its own, so that the guard's page tables are not copied and none of its pages becomes
-/// copy-on-write. On the project machine (a virtual machine) a fork costs 0.1–0.3 ms, and each
-/// page written afterwards on either side a 3 µs fault (RESULTS.md, "Session 13: launch time").
+/// copy-on-write: in a virtual machine a fork, and each page written afterwards on either side,
+/// cost far more than the exec itself (`benches/baselines/startup.sh` times launches).
 /// The guard is suspended until the rank has exec'd or failed to. `posix_spawn` itself cannot be
 /// used: the rank must set its parent-death signal between the fork and the exec. Returns the
 /// rank's pid, or -1 with errno set.

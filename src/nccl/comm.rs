@@ -852,7 +852,7 @@ impl Backend for NcclComm {
     }
 
     fn describe(&self) -> String {
-        let v = super::version().map(crate::cuda::nccl_version_string).unwrap_or_else(|_| "?".into());
+        let v = result::core().map(|c| crate::cuda::nccl_version_string(c.version)).unwrap_or_else(|_| "?".into());
         format!("nccl {v} device {}", self.ctx.ordinal())
     }
 

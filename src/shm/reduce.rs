@@ -387,9 +387,9 @@ pub(crate) unsafe fn copy_block(src: *const u8, dst: *mut u8, bytes: usize, nt: 
 /// the second copy of each piece reading it from L1. `dst` equal to `src` is skipped.
 ///
 /// Why one pass: the staged all-gather's own block and its staging copy are both made from the
-/// input. `benches/baselines/cma_floor.c` timed the bare copies of a 1 MiB all-gather on two
-/// cores (RESULTS.md, session 14): the two copies in one pass 28.7–29.0 µs, in 4 KiB pieces
-/// 31.4–31.6 µs, one after the other 33.2–33.7 µs.
+/// input, and one pass reads the input once where two passes read it twice.
+/// `benches/baselines/cma_floor.c` times the bare copies of an all-gather each way (one pass,
+/// 4 KiB pieces, one after the other).
 ///
 /// # Safety
 /// All ranges valid for `bytes`; `stage` disjoint from both; `dst` equal to `src` or disjoint.

@@ -499,8 +499,8 @@ pub(crate) fn futex_wake_all(word: &std::sync::atomic::AtomicU32) {
 
 /// Number of CPUs this process may run on: its affinity mask, one system call. Not std's
 /// `available_parallelism`, which also reads the cgroup's CPU quota: under cgroup v1 that parses
-/// `/proc/self/mountinfo`, 35–80 µs a call on the project machine, paid by every rank of a launch
-/// (issue 16, goal 6). Ranks use the count only to choose how long to spin; the launcher, which
+/// `/proc/self/mountinfo`, far dearer than the one system call, and paid by every rank of a
+/// launch (`benches/baselines/startup.sh` times launches). Ranks use the count only to choose how long to spin; the launcher, which
 /// reads the quota once, warns when ranks outnumber the CPUs.
 pub(crate) fn available_cpus() -> usize {
     // SAFETY: a zeroed cpu_set_t is a valid empty set; sched_getaffinity writes at most its size.

@@ -14,9 +14,9 @@
 //!
 //! Why single-copy versus staging: a direct copy saves staging's second copy but pays a system
 //! call and the pinning of the peer's pages, and the kernel copies through the cache. Which wins
-//! depends on the size, the collective and the cache placement: on the session-11 host, with the
-//! cores sharing a cache, a 1 MiB all-reduce took 125 µs single-copy and 62-84 µs staged, while a
-//! 256 KiB broadcast took 15 µs single-copy and 31 µs staged (RESULTS.md).
+//! depends on the size, the collective and the cache placement: with the cores sharing a cache,
+//! a 1 MiB all-reduce can be faster staged while a 256 KiB broadcast is faster single-copy
+//! (`lockstep bench` with `LOCKSTEP_SHM_SINGLE_COPY=always` and `never` shows both).
 //!
 //! No fixed choice is right, so rank 0 times every call of a class (collective, size bucket) under
 //! the way it chose, keeps the faster one and re-measures the other now and then. Every rank
@@ -257,9 +257,9 @@ impl Tuner {
 /// all the more when the two cores share no cache (the staged lines then travel through memory
 /// twice). Below `small_bytes` the one-phase paths win. From `nt_bytes` up the message no longer
 /// fits the caches and the staged paths write with streaming stores, while the kernel's copy
-/// writes through the cache (each destination line is read before it is written): measured on
-/// the project machine at 64 MiB, the direct path was 5-25 % slower there (RESULTS.md, session
-/// 6), so it stops below `nt_bytes`. `cma_bytes` 0 turns it off.
+/// writes through the cache (each destination line is read before it is written), so the direct
+/// path loses there (`lockstep bench` at 64 MiB, `LOCKSTEP_SHM_SINGLE_COPY=always` against
+/// `never`), and it stops below `nt_bytes`. `cma_bytes` 0 turns it off.
 pub(crate) fn direct_for(bytes: usize, cma_bytes: usize, small_bytes: usize, nt_bytes: usize) -> bool {
     cma_bytes > 0 && bytes >= cma_bytes && bytes > small_bytes && bytes < nt_bytes
 }

@@ -15,10 +15,9 @@
 //!
 //! After the exchange a rank never reads its own entry back: its own payload comes from the
 //! caller's send buffer, its own arguments from the call. Why: a peer that read the entry took
-//! the line with it (this AMD host hands a modified line to the reader outright, as a migratory
-//! line), and reading it back costs one more crossing between cores after the exchange, about
-//! 40 ns with a shared cache and 130–170 ns without one, where the exchange itself takes 70 and
-//! 280 ns (`benches/baselines/xfloor.c`'s `own` protocol; RESULTS.md, session 15).
+//! the line with it (CPUs that hand a modified line to its reader outright, as a migratory line,
+//! do), and reading it back costs one more crossing between cores after the exchange, a large
+//! part of the exchange's own cost (`benches/baselines/xfloor.c`'s `own` protocol measures it).
 
 use crate::comm::{Call, CollKind, CommError};
 use crate::shm::channel::{Channel, Ctx};

@@ -17,7 +17,7 @@
 //!   and each reduced piece, still in cache, is pushed into every peer's output at once: one
 //!   pass over the data and no second phase.
 //!
-//! Why push rather than pull: measured on the project machine (RESULTS.md, session 7), reading
+//! Why push rather than pull (`benches/baselines/cma_floor.c` measures both): reading
 //! lines a peer has just written (modified in its cache) is the slowest transfer there is, and
 //! writing into a peer's buffer from one's own cache is faster; with the peer's core pulling the
 //! rest at the same time, both cores copy.
@@ -266,7 +266,7 @@ fn conclude(ch: &mut Channel, call: &Call, err: Option<std::io::Error>, cx: Ctx)
 /// whole message into its own output, so every core already copies about as much as the others
 /// without pushing; but its local copy is quicker than a peer's pull of lines that are in the
 /// root's cache, and a 1/(2n) share was faster than none, both on the benchmark's unchanging
-/// input and on a freshly written one (`cma_floor`, RESULTS.md session 7). Rounded down to whole
+/// input and on a freshly written one (`benches/baselines/cma_floor.c`). Rounded down to whole
 /// cache lines.
 pub(crate) fn push_share(bytes: usize, n: usize, in_place: bool) -> usize {
     let share = if in_place { bytes / n } else { bytes / (2 * n) };
