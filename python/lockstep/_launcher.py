@@ -484,7 +484,9 @@ def _eof(sel, rk, fd, prefix):
                 rk.outcome = pickle.loads(bytes(rk.result))
             except BaseException as e:
                 why = f"the result sent back could not be unpickled here: {type(e).__name__}: {e}"
-                rk.outcome = ("err", "UnpicklingError", why, why + "\n", None)
+                # The same six fields as a rank's own error outcome (no pickled exception, no
+                # rank it follows), so _collect reads every error alike.
+                rk.outcome = ("err", "UnpicklingError", why, why + "\n", None, None)
         return
     if rk.partial[kind]:
         _emit(rk, kind, prefix, rk.partial[kind])

@@ -170,6 +170,25 @@ def test_unpicklable_result_and_sys_exit(no_leftovers):
         launch(1, lambda: sys.exit(4))
 
 
+class _FailsToUnpickle:
+    """Pickles in the rank, raises when the caller unpickles it."""
+
+    def __reduce__(self):
+        return (_refuse_to_unpickle, ())
+
+
+def _refuse_to_unpickle():
+    raise ValueError("this result cannot be rebuilt in the caller")
+
+
+def test_result_that_cannot_be_unpickled_is_a_rank_error(no_leftovers):
+    with pytest.raises(lockstep.RankError) as e:
+        launch(2, lambda: _FailsToUnpickle())
+    assert e.value.rank == 0
+    assert "could not be unpickled here: ValueError: this result cannot be rebuilt in the caller" in str(e.value)
+    assert set(e.value.failures) == {0, 1}
+
+
 def test_output_is_prefixed(capsys, no_leftovers):
     def body():
         c = lockstep.comm()
