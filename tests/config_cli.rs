@@ -339,8 +339,14 @@ fn torchrun_and_accelerate_habits() -> Result<(), String> {
         .args(["launch", "--nproc_per_node", "cpu", "--standalone", "--node_rank", "0", "--master_addr", "127.0.0.1"])
         .args(["--master_port", "29999", "--mixed_precision", "bf16", "sh", "-c", env]))?;
     let want = format!("{cpus} 1 bf16");
-    check(o.status.success() && lines(&o).iter().all(|x| x.ends_with(&want)) && lines(&o).len() == cpus, "torchrun spellings; cpu ranks", show(&o))?;
-    let o = out(lockstep(&d).args(["launch", "--num_machines", "1", "--machine_rank", "0", "--main_process_port", "29999", "--num_processes", "2"]).args(["sh", "-c", env]))?;
+    check(
+        o.status.success() && lines(&o).iter().all(|x| x.ends_with(&want)) && lines(&o).len() == cpus,
+        "torchrun spellings; cpu ranks",
+        show(&o),
+    )?;
+    let o = out(lockstep(&d)
+        .args(["launch", "--num_machines", "1", "--machine_rank", "0", "--main_process_port", "29999", "--num_processes", "2"])
+        .args(["sh", "-c", env]))?;
     check(o.status.success() && lines(&o).len() == 2, "Accelerate's spellings", show(&o))?;
     // OMP_NUM_THREADS: the node's CPUs shared among its ranks, unless the user set it.
     let o = out(lockstep(&d).env_remove("OMP_NUM_THREADS").args(["launch", "--nproc-per-node", "1", "sh", "-c", env]))?;
@@ -349,17 +355,26 @@ fn torchrun_and_accelerate_habits() -> Result<(), String> {
     check(lines(&o).iter().all(|x| x.ends_with("2 7")), "a user's OMP_NUM_THREADS is kept", show(&o))?;
     let o = out(lockstep(&d).args(["launch", "--standalone", "--nnodes", "2", "true"]))?;
     check(
-        o.status.code() == Some(1) && text(&o).1.contains("--standalone is a single-node job, but --nnodes (or the configuration) asks for 2 nodes"),
+        o.status.code() == Some(1)
+            && text(&o).1.contains("--standalone is a single-node job, but --nnodes (or the configuration) asks for 2 nodes"),
         "--standalone with several nodes is refused",
         show(&o),
     )?;
     if lockstep::config::count_gpus().unwrap_or(0) == 0 {
         let o = out(lockstep(&d).args(["launch", "--nproc-per-node", "gpu", "true"]))?;
-        check(o.status.code() == Some(1) && text(&o).1.contains("`gpu` starts one rank per GPU, but this machine has none"), "gpu without GPUs", show(&o))?;
+        check(
+            o.status.code() == Some(1) && text(&o).1.contains("`gpu` starts one rank per GPU, but this machine has none"),
+            "gpu without GPUs",
+            show(&o),
+        )?;
     }
     // A misspelt option gets clap's tip, and never runs as the program.
     let o = out(lockstep(&d).args(["launch", "--nproc-per-nod", "2", "true"]))?;
-    check(o.status.code() == Some(2) && text(&o).1.contains("tip: a similar argument exists: '--nproc-per-node'"), "a tip names the right spelling", show(&o))?;
+    check(
+        o.status.code() == Some(2) && text(&o).1.contains("tip: a similar argument exists: '--nproc-per-node'"),
+        "a tip names the right spelling",
+        show(&o),
+    )?;
     // One meaning per flag: `config --nproc-per-node` counts per machine, as `launch` does.
     let p = d.join("per-node.toml");
     let o = out(lockstep(&d).args(["config", "--nproc-per-node", "4", "--num-machines", "2", "--path"]).arg(&p))?;
@@ -386,7 +401,11 @@ fn init_line_on_request() -> Result<(), String> {
     for r in 0..2 {
         let line = err.lines().find(|l| l.contains(&format!("init: rank {r} of 2 backend shm host "))).unwrap_or("");
         check(
-            o.status.success() && line.contains(&format!("lockstep {} init", env!("CARGO_PKG_VERSION"))) && line.contains(" pid ") && line.contains(" cpus ") && line.contains(" cma "),
+            o.status.success()
+                && line.contains(&format!("lockstep {} init", env!("CARGO_PKG_VERSION")))
+                && line.contains(" pid ")
+                && line.contains(" cpus ")
+                && line.contains(" cma "),
             &format!("LOCKSTEP_LOG=info: rank {r} logs its init line"),
             show(&o),
         )?;

@@ -471,7 +471,8 @@ fn token_rules() -> Result<(), String> {
     )?;
     let o = lone_node1().env("LOCKSTEP_TOKEN", "0123456789abcdef").args(["--", "true"]).output().map_err(|e| e.to_string())?;
     check(
-        o.status.code() == Some(1) && text(&o).1.contains("the job token is a simple sequence (\"0123456789ab...\"), which anyone can guess"),
+        o.status.code() == Some(1)
+            && text(&o).1.contains("the job token is a simple sequence (\"0123456789ab...\"), which anyone can guess"),
         "a sequence is refused",
         show(&o),
     )?;
@@ -637,9 +638,11 @@ fn stopped_guard_does_not_hang_the_launcher() -> Result<(), String> {
             .map_err(|e| e.to_string())?;
         let took = t.elapsed();
         let (out, err) = text(&o);
-        let guard = out.lines().find_map(|l| l.strip_prefix("[rank 1] guard ")).ok_or_else(|| format!("rank 1 did not run\n{}", show(&o)))?;
+        let guard =
+            out.lines().find_map(|l| l.strip_prefix("[rank 1] guard ")).ok_or_else(|| format!("rank 1 did not run\n{}", show(&o)))?;
         check(o.status.success(), "the job ends with the ranks' status", show(&o))?;
-        let running = format!("its guard (pid {guard}) has not reported it: the guard is stopped (SIGSTOP or job control); continuing it (SIGCONT)");
+        let running =
+            format!("its guard (pid {guard}) has not reported it: the guard is stopped (SIGSTOP or job control); continuing it (SIGCONT)");
         let start = format!("the guard (pid {guard}) of a starting rank is stopped: continuing it (SIGCONT)");
         check(err.contains(&running) || (starting && err.contains(&start)), "the launcher names the stopped guard", show(&o))?;
         check(took < Duration::from_secs(3), &format!("the job ends within the grace period (took {took:?})"), show(&o))?;
@@ -707,7 +710,22 @@ fn launchers_with_different_settings_fail_at_once() -> Result<(), String> {
     let node = |r: &str, n: &str| {
         let mut c = lockstep();
         c.env("LOCKSTEP_TOKEN", TOKEN);
-        c.args(["launch", "--nproc-per-node", n, "--nnodes", "2", "--node-rank", r, "--master-port", &port, "--rdzv-timeout-s", "20", "--", BIN, "selftest"]);
+        c.args([
+            "launch",
+            "--nproc-per-node",
+            n,
+            "--nnodes",
+            "2",
+            "--node-rank",
+            r,
+            "--master-port",
+            &port,
+            "--rdzv-timeout-s",
+            "20",
+            "--",
+            BIN,
+            "selftest",
+        ]);
         spawn_piped(&mut c)
     };
     let t = Instant::now();

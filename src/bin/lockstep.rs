@@ -538,7 +538,9 @@ fn launch(a: LaunchArgs, file: Option<&Path>) -> Result<i32, String> {
         return Err("--nnodes 0: a job runs on at least 1 node (leave --nnodes out for a single-node job)".into());
     }
     if a.standalone && nnodes > 1 {
-        return Err(format!("--standalone is a single-node job, but --nnodes (or the configuration) asks for {nnodes} nodes: leave one out"));
+        return Err(format!(
+            "--standalone is a single-node job, but --nnodes (or the configuration) asks for {nnodes} nodes: leave one out"
+        ));
     }
     let node_rank = a.node_rank.or(cfg.machine_rank).unwrap_or(0);
     let nproc_per_node = match (a.nproc_per_node, a.num_processes) {

@@ -335,7 +335,10 @@ pub fn run_job(spec: &JobSpec) -> Result<i32, LaunchError> {
     // chose, each rank gets its share of the CPUs.
     if std::env::var_os("OMP_NUM_THREADS").is_none() && spec.rank_env.iter().all(|(k, _)| k != "OMP_NUM_THREADS") {
         let share = (cpus / spec.nproc_per_node).max(1);
-        tracing::debug!("OMP_NUM_THREADS is not set: each rank gets OMP_NUM_THREADS={share} ({cpus} CPUs, {} ranks on this node)", spec.nproc_per_node);
+        tracing::debug!(
+            "OMP_NUM_THREADS is not set: each rank gets OMP_NUM_THREADS={share} ({cpus} CPUs, {} ranks on this node)",
+            spec.nproc_per_node
+        );
         common.push(("OMP_NUM_THREADS".into(), share.to_string()));
     }
     common.extend(spec.rank_env.iter().cloned());

@@ -207,7 +207,11 @@ mod tests {
     fn obvious_tokens_are_refused_with_the_reason() {
         let why = |t: &str| validate_token(t).unwrap_err().to_string();
         let e = why("aaaaaaaaaaaaaaaa");
-        assert!(e.contains("the job token is one character repeated ('a' 16 times), which anyone can guess") && e.contains("openssl rand -hex 16"), "{e}");
+        assert!(
+            e.contains("the job token is one character repeated ('a' 16 times), which anyone can guess")
+                && e.contains("openssl rand -hex 16"),
+            "{e}"
+        );
         assert!(why("0123456789abcdef").contains("the job token is a simple sequence (\"0123456789ab...\")"));
         assert!(why("abcdefghijklmnopqrstuvwxyz").contains("is a simple sequence"));
         assert!(why("zyxwvutsrqponmlk").contains("is a simple sequence"));
