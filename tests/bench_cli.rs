@@ -81,6 +81,28 @@ fn nccl_tests_flags_and_columns() -> Result<(), String> {
     check(o.status.success() && r.len() == 1 && r[0][8] == "N/A" && r[0][12] == "N/A", "-c 0", show(&o))
 }
 
+fn nccl_tests_names() -> Result<(), String> {
+    // nccl-tests' type names time the same type as lockstep's.
+    for (theirs, ours) in [("float", "f32"), ("half", "f16"), ("bfloat16", "bf16"), ("double", "f64"), ("int8", "i8"), ("uint64", "u64")] {
+        let o = bench(&["--nprocs", "2", "-d", theirs, "--sizes", "64", "-n", "2", "-w", "1"])?;
+        let r = rows(&stdout(&o));
+        check(o.status.success() && r.len() == 1 && r[0][2] == ours, &format!("-d {theirs} times {ours}"), show(&o))?;
+    }
+    // Refused before any rank starts, with what to do instead.
+    let o = bench(&["-d", "all"])?;
+    check(
+        o.status.code() == Some(2) && String::from_utf8_lossy(&o.stderr).contains("-d all: the benchmark times one type per run"),
+        "-d all is refused",
+        show(&o),
+    )?;
+    let o = bench(&["--op", "all_to_all_v"])?;
+    check(
+        o.status.code() == Some(2) && String::from_utf8_lossy(&o.stderr).contains("all_to_all_v takes per-rank counts"),
+        "all_to_all_v is refused at parse time",
+        show(&o),
+    )
+}
+
 fn rooted_zero_byte_and_in_place() -> Result<(), String> {
     // A root column for rooted ops; a real zero-byte call; in-place columns where there is a form.
     let o = bench(&["--nprocs", "3", "--op", "broadcast", "-r", "2", "--sizes", "0,4K", "-n", "3", "-w", "1"])?;
@@ -167,6 +189,7 @@ fn barrier_csv_json() -> Result<(), String> {
 fn main() -> std::process::ExitCode {
     common::run(&[
         ("nccl_tests_flags_and_columns", nccl_tests_flags_and_columns),
+        ("nccl_tests_names", nccl_tests_names),
         ("rooted_zero_byte_and_in_place", rooted_zero_byte_and_in_place),
         ("barrier_csv_json", barrier_csv_json),
     ])

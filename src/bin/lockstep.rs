@@ -49,8 +49,9 @@ struct BenchArgs {
     /// one-way latency (half the round trip) and bandwidth, like osu_latency/osu_bw.
     #[arg(long, default_value = "all_reduce", value_parser = parse_bench_op)]
     op: CollKind,
-    /// Element type.
-    #[arg(long, short = 'd', default_value = "f32")]
+    /// Element type: lockstep's names (f32, bf16, i8, ...) or nccl-tests' (float, half,
+    /// bfloat16, double, int8, uint8, int32, uint32, int64, uint64).
+    #[arg(long, short = 'd', default_value = "f32", value_parser = parse_bench_dtype)]
     dtype: Dtype,
     /// Reduction operator (for all_reduce, reduce, reduce_scatter).
     #[arg(long, short = 'o', default_value = "sum")]
@@ -123,12 +124,39 @@ impl From<BenchArgs> for BenchOptions {
     }
 }
 
-/// `--op`: a collective's name, or `pingpong` (the point-to-point mode, carried as `send`).
+/// `--op`: a collective's name, or `pingpong` (the point-to-point mode, carried as `send`). The
+/// collectives of per-rank counts have no benchmark: they are refused here, not in the ranks.
 fn parse_bench_op(s: &str) -> Result<CollKind, String> {
     match s {
         "pingpong" | "ping-pong" => Ok(CollKind::Send),
-        _ => s.parse(),
+        _ => match s.parse()? {
+            k @ (CollKind::AllToAllV | CollKind::AllGatherV | CollKind::GatherV) => Err(format!(
+                "{} takes per-rank counts, which the benchmark does not choose: time all_to_all, all_gather or gather instead",
+                k.name()
+            )),
+            k => Ok(k),
+        },
     }
+}
+
+/// `-d`: lockstep's dtype names, or nccl-tests' (`-d float`). nccl-tests' `all` (every type in
+/// one run) is refused with what to run instead.
+fn parse_bench_dtype(s: &str) -> Result<Dtype, String> {
+    let name = match s.to_ascii_lowercase().as_str() {
+        "float" | "float32" => "f32",
+        "double" | "float64" => "f64",
+        "half" | "float16" => "f16",
+        "bfloat16" => "bf16",
+        "int8" | "char" => "i8",
+        "uint8" => "u8",
+        "int32" | "int" => "i32",
+        "uint32" => "u32",
+        "int64" => "i64",
+        "uint64" => "u64",
+        "all" => return Err("-d all: the benchmark times one type per run; run it once per type (-d f32, -d bf16, ...)".into()),
+        _ => return s.parse(),
+    };
+    name.parse()
 }
 
 /// `lockstep bench`: print the results; exit code 1 if any element was wrong.
