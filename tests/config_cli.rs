@@ -414,6 +414,41 @@ fn init_line_on_request() -> Result<(), String> {
     check(o.status.success() && !text(&o).1.contains("init: rank"), "no init line by default", show(&o))
 }
 
+fn multi_node_master_port_is_free_for_rank0() -> Result<(), String> {
+    // torch's env:// makes rank 0 host a store on MASTER_PORT. Under a multi-node launch the
+    // launchers' own store holds --master-port, so the ranks get another port, the same on every
+    // node, and find the launchers' store through LOCKSTEP_STORE_PORT.
+    let d = scratch("cfg-env-port");
+    let port = free_port().to_string();
+    let script = format!(
+        "echo ports $MASTER_PORT $LOCKSTEP_STORE_PORT; \
+         if [ $RANK = 0 ]; then python3 -c 'import os, socket; s = socket.socket(); s.bind((\"\", int(os.environ[\"MASTER_PORT\"]))); print(\"bound\")' || exit 9; fi; \
+         exec {BIN} selftest"
+    );
+    let mut kids = Vec::new();
+    for r in ["0", "1"] {
+        let mut c = lockstep(&d);
+        c.env("LOCKSTEP_TOKEN", TOKEN).args(["launch", "--nproc-per-node", "1", "--nnodes", "2", "--node-rank", r, "--master-port", &port]);
+        c.args(["--", "sh", "-c", &script]).stdout(Stdio::piped()).stderr(Stdio::piped());
+        kids.push(c.spawn().map_err(|e| e.to_string())?);
+    }
+    let outs: Vec<Output> = kids.into_iter().map(|k| k.wait_with_output().map_err(|e| e.to_string())).collect::<Result<_, _>>()?;
+    let all = outs.iter().map(show).collect::<Vec<_>>().join("\n");
+    check(outs.iter().all(|o| o.status.success()), "both nodes succeed", &all)?;
+    let ports: Vec<String> = outs
+        .iter()
+        .flat_map(|o| text(o).0.lines().filter_map(|l| l.split_once("ports ").map(|(_, p)| p.to_string())).collect::<Vec<_>>())
+        .collect();
+    check(ports.len() == 2 && ports[0] == ports[1], "every rank gets the same ports", &all)?;
+    let (master, store) = ports[0].split_once(' ').unwrap_or(("", ""));
+    check(store == port && master != port && master.parse::<u16>().is_ok(), "MASTER_PORT is not the launchers' store port", &all)?;
+    check(
+        text(&outs[0]).0.contains("bound") && text(&outs[0]).0.contains("selftest ok: 2 ranks"),
+        "rank 0 binds MASTER_PORT and the job runs",
+        &all,
+    )
+}
+
 fn json_lines_parse_under_the_launcher() -> Result<(), String> {
     let d = scratch("cfg-json");
     // Real JSON from a lockstep program, JSON the shell writes (nesting, escapes), and text.
@@ -512,6 +547,7 @@ fn main() -> std::process::ExitCode {
         ("bad_files_are_named", bad_files_are_named),
         ("backend_of_the_file_reaches_the_ranks", backend_of_the_file_reaches_the_ranks),
         ("master_addr_and_port", master_addr_and_port),
+        ("multi_node_master_port_is_free_for_rank0", multi_node_master_port_is_free_for_rank0),
         ("process_counts", process_counts),
         ("torchrun_and_accelerate_habits", torchrun_and_accelerate_habits),
         ("init_line_on_request", init_line_on_request),

@@ -36,6 +36,11 @@ use crate::store::{Store, StoreServer, TcpStore};
 /// Store key a launcher sets when its node fails: `"<exit code>\n<what happened>"`.
 pub const ABORT_KEY: &str = "lockstep/abort";
 
+/// Store key where node 0's launcher publishes the port its ranks get as `MASTER_PORT` in a
+/// multi-node job (decimal): its own store holds `--master-port`, so a rank 0 that hosts a
+/// store of its own there (torch's `env://`) needs another one.
+const RANK_PORT_KEY: &str = "lockstep/rank-master-port";
+
 /// Store key where node 0's launcher publishes the settings every launcher of the job must share
 /// ([`JobSpec::shared_settings`]), one `name=value` per line.
 const SETTINGS_KEY: &str = "lockstep/launch-settings";
@@ -229,6 +234,13 @@ impl JobSpec {
     }
 }
 
+/// A TCP port free on this machine now (the kernel's pick for port 0, on every address, as
+/// torch's store binds it). Another process may take it before the rank binds it: torchrun's
+/// standalone mode takes the same chance.
+fn free_port() -> std::io::Result<u16> {
+    Ok(std::net::TcpListener::bind(("0.0.0.0", 0))?.local_addr()?.port())
+}
+
 fn encode_settings(settings: &[(&str, String)]) -> String {
     settings.iter().map(|(k, v)| format!("{k}={v}\n")).collect()
 }
@@ -274,6 +286,9 @@ pub fn run_job(spec: &JobSpec) -> Result<i32, LaunchError> {
         None => crate::store::generate_token().map_err(|e| LaunchError::Setup(e.to_string()))?,
     };
     let mut job_id = new_job_id();
+    // The ranks' MASTER_PORT: --master-port, except in a multi-node job, where the launcher's
+    // store holds it (see RANK_PORT_KEY).
+    let mut rank_port = spec.master_port;
 
     // Rendezvous between launchers (multi-node only). Node 0 listens before anything else so a
     // busy port fails fast; the other nodes fetch node 0's job id, which also proves the address,
@@ -283,6 +298,8 @@ pub fn run_job(spec: &JobSpec) -> Result<i32, LaunchError> {
         if spec.node_rank == 0 {
             let server = StoreServer::start(&spec.master_addr, spec.master_port, &token).map_err(|e| LaunchError::Setup(e.to_string()))?;
             server.set_local(SETTINGS_KEY, encode_settings(&spec.shared_settings()).as_bytes());
+            rank_port = free_port().map_err(|e| LaunchError::Setup(format!("cannot find a free port for the ranks' MASTER_PORT: {e}")))?;
+            server.set_local(RANK_PORT_KEY, rank_port.to_string().as_bytes());
             server.set_local(JOB_ID_KEY, job_id.as_bytes());
             Some(server)
         } else {
@@ -290,8 +307,14 @@ pub fn run_job(spec: &JobSpec) -> Result<i32, LaunchError> {
                 .map_err(|e| LaunchError::Setup(e.to_string()))?;
             let v = c.wait_get(JOB_ID_KEY, spec.rdzv_timeout).map_err(|e| LaunchError::Setup(e.to_string()))?;
             job_id = String::from_utf8(v).map_err(|_| LaunchError::Setup("the job id in the rendezvous store is not UTF-8".into()))?;
-            // Node 0 publishes its settings before its job id, so they are there.
+            // Node 0 publishes its settings and the ranks' port before its job id, so they are there.
             let theirs = c.get(SETTINGS_KEY).map_err(|e| LaunchError::Setup(e.to_string()))?.unwrap_or_default();
+            let port = c.get(RANK_PORT_KEY).map_err(|e| LaunchError::Setup(e.to_string()))?.unwrap_or_default();
+            rank_port = String::from_utf8_lossy(&port).parse().map_err(|_| {
+                LaunchError::Setup(
+                    "node 0's launcher published no port for the ranks: start every node with the same lockstep version".into(),
+                )
+            })?;
             if let Some(msg) = settings_disagree(spec.node_rank, &spec.shared_settings(), &String::from_utf8_lossy(&theirs)) {
                 // Node 0's ranks have started: stop them through the abort key its launcher watches.
                 let _ = c.set(ABORT_KEY, format!("1\n{msg}").as_bytes());
@@ -320,7 +343,7 @@ pub fn run_job(spec: &JobSpec) -> Result<i32, LaunchError> {
         ("WORLD_SIZE".into(), world.to_string()),
         ("LOCAL_WORLD_SIZE".into(), spec.nproc_per_node.to_string()),
         ("MASTER_ADDR".into(), spec.master_addr.clone()),
-        ("MASTER_PORT".into(), spec.master_port.to_string()),
+        ("MASTER_PORT".into(), rank_port.to_string()),
         ("GROUP_RANK".into(), spec.node_rank.to_string()),
         ("LOCKSTEP_JOB_ID".into(), job_id.clone()),
         ("LOCKSTEP_TOKEN".into(), token.clone()),
@@ -330,6 +353,10 @@ pub fn run_job(spec: &JobSpec) -> Result<i32, LaunchError> {
         ("LOCKSTEP_RDZV_TIMEOUT_S".into(), spec.rdzv_timeout.as_secs_f64().to_string()),
     ];
     let mut common = common;
+    if spec.nnodes > 1 {
+        // The launchers' store, which the ranks join (`Communicator::from_env`).
+        common.push(("LOCKSTEP_STORE_PORT".into(), spec.master_port.to_string()));
+    }
     // As torchrun: ranks that would each start one OpenMP (or BLAS, or torch intra-op) thread
     // per CPU of the node oversubscribe it as many times as there are ranks. Unless the user
     // chose, each rank gets its share of the CPUs.

@@ -183,6 +183,9 @@ impl EnvInfo {
                     Some(v) => crate::types::env::NNODES.parse_count(&v).map_err(|e| setup(e.to_string()))? as usize,
                 };
                 job_id = get("LOCKSTEP_JOB_ID").unwrap_or_default();
+                // A multi-node launch gives its ranks the launchers' store here, and MASTER_PORT
+                // free for a store of rank 0's own (torch's env://).
+                master_port = store_port.or(master_port);
                 hosts_store = false;
             }
             Launcher::Torchrun => {
