@@ -311,6 +311,7 @@ impl Pending {
                 continue;
             }
             if ready == 0 {
+                // Only a stopped guard cannot answer; a slow one is left to report.
                 match super::child::proc_state(self.pid) {
                     Some('T') | Some('t') if !continued => {
                         tracing::warn!("the guard (pid {}) of a starting rank is stopped: continuing it (SIGCONT)", self.pid);

@@ -109,12 +109,12 @@ impl Proc {
             return;
         }
         let g = self.guard.pid;
+        // Only a stopped guard cannot answer: a running one that is merely slow (a loaded
+        // machine) reports soon, and killing it would lose the rank's status.
         let state = match child::proc_state(g) {
             Some('T') => "stopped (SIGSTOP or job control)",
             Some('t') => "stopped by a debugger",
-            Some('D') => "in uninterruptible sleep",
-            Some(_) => "running",
-            None => "gone",
+            _ => return,
         };
         match self.guard_continued {
             None => {
