@@ -11,8 +11,8 @@
 # Plans, in priority order (estimates, in seconds, sum to at most the budget less a reserve):
 #   main (default, --budget 480): env gpu_cuda kernels gpu_train train_fp32 train_bf16 nccl
 #       memcheck kernels_tf32 two_ranks_staged two_ranks_nccl capi python racecheck baselines
-#   second (--second, --budget 180; on the still-warm machine): compile_baselines racecheck_full
-#       bench_raw
+#       compile_baselines
+#   second (--second, --budget 180; on the still-warm machine): racecheck_full bench_raw
 # `--list` prints every step with its estimate, its own time limit and what it checks.
 #
 # Each step ends as one of:
@@ -78,25 +78,25 @@ declare -A EST LIMIT WHAT
 # seconds); the limit is the step's own bound, past which it is a hang (FAIL).
 step() { EST[$1]=$2; LIMIT[$1]=$3; WHAT[$1]=$4; }
 step env 10 60 "machine facts: GPU, driver, compute mode, runtime, CUDA/torch/NCCL, lockstep env"
-step gpu_cuda 20 120 "tests/gpu_cuda: contexts, memory, streams, graphs, the init guard, 3 staged ranks"
-step kernels 45 240 "tests/gpu_kernels, TF32 off: every kernel against its CPU twin"
-step gpu_train 65 300 "tests/gpu_train: GPU vs CPU engine, bit-identical runs, train-cnn 1 and 2 ranks"
-step train_fp32 40 240 "train-cnn --device cuda, fp32, 4 epochs of FashionMNIST"
-step train_bf16 30 240 "train-cnn --device cuda, bf16, 4 epochs"
-step nccl 25 150 "tests/gpu_nccl: every collective at world size 1, aborts, two NCCL ranks"
-step memcheck 80 400 "compute-sanitizer memcheck on tests/gpu_kernels"
-step kernels_tf32 25 240 "tests/gpu_kernels, TF32 on (the default options: train-cnn's compile cache)"
-step two_ranks_staged 25 180 "train-cnn, 2 ranks on one GPU staged through shared memory, 1 epoch"
+step gpu_cuda 10 120 "tests/gpu_cuda: contexts, memory, streams, graphs, the init guard, 3 staged ranks"
+step kernels 25 240 "tests/gpu_kernels, TF32 off: every kernel against its CPU twin"
+step gpu_train 20 300 "tests/gpu_train: GPU vs CPU engine, bit-identical runs, train-cnn 1 and 2 ranks"
+step train_fp32 35 240 "train-cnn --device cuda, fp32, 4 epochs of FashionMNIST"
+step train_bf16 25 240 "train-cnn --device cuda, bf16, 4 epochs"
+step nccl 15 150 "tests/gpu_nccl: every collective at world size 1, aborts, two NCCL ranks"
+step memcheck 20 400 "compute-sanitizer memcheck on tests/gpu_kernels"
+step kernels_tf32 15 240 "tests/gpu_kernels, TF32 on (the default options: train-cnn's compile cache)"
+step two_ranks_staged 15 180 "train-cnn, 2 ranks on one GPU staged through shared memory, 1 epoch"
 step two_ranks_nccl 25 180 "train-cnn, 2 NCCL ranks (2 GPUs, or one in NCCL >= 2.30 multi-rank mode)"
 step capi 10 90 "the C ABI: capi_test on host buffers, capi_cuda on device buffers with a CUDA stream"
-step python 30 180 "the Python wheel: lockstep.torch on CUDA tensors, 2 ranks, collectives and DDP"
+step python 25 180 "the Python wheel: lockstep.torch on CUDA tensors, 2 ranks, collectives and DDP"
 step racecheck 20 240 "compute-sanitizer racecheck on tests/gpu_kernels' GEMM checks (filter: linear)"
-step baselines 20 240 "PyTorch eager, fp32 and bf16, 2 epochs (benches/baselines/gpu_cnn.sh)"
-step compile_baselines 150 420 "PyTorch torch.compile(reduce-overhead), fp32 and bf16, 2 epochs"
-step racecheck_full 200 540 "compute-sanitizer racecheck on every tests/gpu_kernels check"
+step baselines 60 240 "PyTorch eager, fp32 and bf16, 2 epochs (benches/baselines/gpu_cnn.sh)"
+step compile_baselines 90 420 "PyTorch torch.compile(reduce-overhead), fp32, 2 epochs (bf16 compiles for longer: --only)"
+step racecheck_full 120 540 "compute-sanitizer racecheck on every tests/gpu_kernels check"
 step bench_raw 60 240 "lockstep bench --device cuda, 2 ranks, next to raw ncclAllReduce (nvcc)"
-MAIN_STEPS=(env gpu_cuda kernels gpu_train train_fp32 train_bf16 nccl memcheck kernels_tf32 two_ranks_staged two_ranks_nccl capi python racecheck baselines)
-SECOND_STEPS=(compile_baselines racecheck_full bench_raw)
+MAIN_STEPS=(env gpu_cuda kernels gpu_train train_fp32 train_bf16 nccl memcheck kernels_tf32 two_ranks_staged two_ranks_nccl capi python racecheck baselines compile_baselines)
+SECOND_STEPS=(racecheck_full bench_raw)
 # Steps the dry run rehearses on the simulated driver (they need no kernels).
 REHEARSED=" env nccl capi "
 
@@ -442,7 +442,8 @@ exit \$rc" ;;
             if [ "$TORCH" != 1 ]; then WHY="python3 has no torch"; elif [ -z "$wheel" ]; then WHY="no wheel in the stage (benches/gpu_stage.sh builds it)"; fi ;;
         baselines|compile_baselines)
             t=compile,lockstep; [ "$s" = compile_baselines ] && t=eager,lockstep
-            CMD="for p in fp32 bf16; do benches/baselines/gpu_cnn.sh '$BIN/train-cnn' --data '$data' --epochs 2 --skip $t --precision \$p || exit 1; done"
+            precisions="fp32 bf16"; [ "$s" = compile_baselines ] && precisions=fp32
+            CMD="for p in $precisions; do benches/baselines/gpu_cnn.sh '$BIN/train-cnn' --data '$data' --epochs 2 --skip $t --precision \$p || exit 1; done"
             if [ "$TORCH" != 1 ]; then WHY="python3 has no torch"; elif [ -z "$data" ]; then WHY="no FashionMNIST (stage it, or pass --data DIR)"; fi ;;
         bench_raw)
             sizes=8,1024,65536,1048576,16777216
