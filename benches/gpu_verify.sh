@@ -93,7 +93,7 @@ step python 25 180 "the Python wheel: lockstep.torch on CUDA tensors, 2 ranks, c
 step racecheck 20 240 "compute-sanitizer racecheck on tests/gpu_kernels' GEMM checks (filter: linear)"
 step baselines 60 240 "PyTorch eager, fp32 and bf16, 2 epochs (benches/baselines/gpu_cnn.sh)"
 step compile_baselines 90 420 "PyTorch torch.compile(reduce-overhead), fp32, 2 epochs (bf16 compiles for longer: --only)"
-step racecheck_full 120 540 "compute-sanitizer racecheck on every tests/gpu_kernels check"
+step racecheck_full 60 540 "compute-sanitizer racecheck on every tests/gpu_kernels check"
 step bench_raw 60 240 "lockstep bench --device cuda, 2 ranks, next to raw ncclAllReduce (nvcc)"
 MAIN_STEPS=(env gpu_cuda kernels gpu_train train_fp32 train_bf16 nccl memcheck kernels_tf32 two_ranks_staged two_ranks_nccl capi python racecheck baselines compile_baselines)
 SECOND_STEPS=(racecheck_full bench_raw)
@@ -363,7 +363,7 @@ EOF
         memcheck|racecheck|racecheck_full) grep -E 'ERROR SUMMARY|^test result' "$log" | tail -2 | tr '\n' ';' ;;
         baselines|compile_baselines) grep -E 'eager|compile' "$log" | tail -4 | tr -s ' ' | tr '\n' ';' ;;
         bench_raw) grep -E '^overhead' "$log" | tr '\n' ';' ;;
-        python) grep -E 'device communicator|all checks passed' "$log" | tail -3 | tr '\n' ';' ;;
+        python) grep -E 'rank 0: |rank 0 DDP:|all checks passed' "$log" | tail -3 | tr '\n' ';' ;;
         capi) echo "capi_test: $(grep -c 'all checks passed' "$log") ranks passed; capi_cuda: $(grep -c 'CUDA stream checks passed' "$log") ranks passed" ;;
         *) grep -E '^test result' "$log" | tail -1 ;;
     esac
