@@ -29,7 +29,7 @@ lib=$prefix/lib/liblockstep.so.$version
 if [ ! -f "$lib" ] || [ -L "$lib" ]; then fail "$lib is missing (or a link)"; fi
 [ "$(readlink "$prefix/lib/liblockstep.so.$major")" = "liblockstep.so.$version" ] || fail "liblockstep.so.$major does not link to liblockstep.so.$version"
 [ "$(readlink "$prefix/lib/liblockstep.so")" = "liblockstep.so.$major" ] || fail "liblockstep.so does not link to liblockstep.so.$major"
-cmp -s include/lockstep.h "$prefix/include/lockstep.h" || fail "the installed lockstep.h differs from include/lockstep.h"
+cmp -s crates/capi/include/lockstep.h "$prefix/include/lockstep.h" || fail "the installed lockstep.h differs from crates/capi/include/lockstep.h"
 
 # The soname, and nothing but the C ABI exported: exactly the functions the header declares.
 # (Outputs are captured before grep -q reads them: with pipefail, a grep that stops early would
@@ -42,7 +42,7 @@ grep -q "(SONAME) *Library soname: \[liblockstep.so.$major\]" <<<"$dynamic" || {
 exported=$(nm -D --defined-only "$lib" | awk '{ print $NF }' | sed 's/@.*//' | sort -u)
 others=$(grep -v '^lockstep' <<<"$exported" || true)
 [ -z "$others" ] || fail "$lib exports symbols outside lockstep*: $(tr '\n' ' ' <<<"$others")"
-declared=$(grep -o '\blockstep[A-Za-z0-9_]*(' include/lockstep.h | tr -d '(' | sort -u)
+declared=$(grep -o '\blockstep[A-Za-z0-9_]*(' crates/capi/include/lockstep.h | tr -d '(' | sort -u)
 [ "$exported" = "$declared" ] || {
     diff <(echo "$declared") <(echo "$exported") >&2 || true
     fail "the exported symbols (right) differ from the functions lockstep.h declares (left)"

@@ -23,9 +23,8 @@ LAYERS = [
     ["cuda"],
     ["comm", "config"],
     ["shm", "nccl", "staged"],
-    ["rendezvous", "train"],
+    ["rendezvous", "train", "report"],
     ["launch"],
-    ["bench", "report", "capi"],
     ["crate"],  # lib.rs: declarations and re-exports only
 ]
 

@@ -6,7 +6,8 @@
 #   benches/gpu_stage.sh [--no-build] [--stage DIR] [--data DIR | --no-data] [--no-wheel]
 #
 # What it does:
-#   1. cargo build --release --lib --bins --test gpu_cuda --test gpu_kernels --test gpu_nccl
+#   1. cargo build --release -p lockstep --bins --test gpu_cuda --test gpu_kernels --test gpu_nccl
+#      (and -p lockstep-cli -p lockstep-capi: the lockstep command, liblockstep.so)
 #      --test gpu_train, and the Python wheel (maturin build --release in python/: one abi3 wheel,
 #      so the GPU machine's Python 3.12 loads it); --no-build takes what target/ and
 #      python/target/wheels already hold
@@ -15,9 +16,9 @@
 #        bin/lockstep, bin/train-cnn, lib/liblockstep.so
 #        tests/{gpu_cuda,gpu_kernels,gpu_nccl,gpu_train}  (newest of each in target/release/deps;
 #        harness = false binaries, runnable as they are)
-#   3. compiles the C programs against include/lockstep.h and the staged library (rpath
+#   3. compiles the C programs against crates/capi/include/lockstep.h and the staged library (rpath
 #      $ORIGIN/../lib, so they run wherever the stage lands):
-#        capi/capi_test  (tests/c/capi_test.c: host buffers)
+#        capi/capi_test  (crates/capi/tests/c/capi_test.c: host buffers)
 #        capi/capi_cuda  (benches/gpu/capi_cuda.c: device buffers with a CUDA stream)
 #   4. python/lockstep-*.whl
 #   5. the FashionMNIST IDX files (.gz) into data/fashion-mnist, from --data (default
@@ -69,7 +70,8 @@ find_maturin() {
 if [ "$build" = 1 ]; then
     targets=()
     for t in "${test_targets[@]}"; do targets+=(--test "$t"); done
-    cargo build --release --lib --bins "${targets[@]}"
+    cargo build --release -p lockstep --bins "${targets[@]}"
+    cargo build --release -p lockstep-cli -p lockstep-capi
     if [ "$with_wheel" = 1 ]; then
         maturin=$(find_maturin)
         case "$maturin" in /*) ;; *) maturin=$root/$maturin ;; esac
@@ -98,12 +100,12 @@ for b in lockstep train-cnn; do
     [ -x "target/release/$b" ] || { echo "gpu_stage: target/release/$b missing: run cargo build --release --bins" >&2; exit 1; }
     objcopy --strip-debug "target/release/$b" "$stage/bin/$b"
 done
-[ -f target/release/liblockstep.so ] || { echo "gpu_stage: target/release/liblockstep.so missing: run cargo build --release --lib" >&2; exit 1; }
+[ -f target/release/liblockstep.so ] || { echo "gpu_stage: target/release/liblockstep.so missing: run cargo build --release -p lockstep-capi" >&2; exit 1; }
 objcopy --strip-debug target/release/liblockstep.so "$stage/lib/liblockstep.so"
 # Programs linked against it load it by its soname (liblockstep.so.MAJOR): a copy, not a link,
 # since the device tool's carry may leave links behind.
 soname=$(readelf -d target/release/liblockstep.so | sed -n 's/.*Library soname: \[\(.*\)\].*/\1/p')
-[ -n "$soname" ] || { echo "gpu_stage: target/release/liblockstep.so has no soname: build it with the default features (cargo build --release --lib)" >&2; exit 1; }
+[ -n "$soname" ] || { echo "gpu_stage: target/release/liblockstep.so has no soname: build it with cargo build --release -p lockstep-capi" >&2; exit 1; }
 cp "$stage/lib/liblockstep.so" "$stage/lib/$soname"
 for t in "${test_targets[@]}"; do
     src=$(newest_test "$t")
@@ -111,10 +113,10 @@ for t in "${test_targets[@]}"; do
 done
 
 # The C programs: -Werror as tests/capi.rs builds capi_test; $ORIGIN keeps the stage relocatable.
-for prog in capi_test:tests/c/capi_test.c capi_cuda:benches/gpu/capi_cuda.c; do
+for prog in capi_test:crates/capi/tests/c/capi_test.c capi_cuda:benches/gpu/capi_cuda.c; do
     name=${prog%%:*}
     # shellcheck disable=SC2016  # $ORIGIN is for the dynamic loader, not the shell
-    cc -std=c11 -O2 -Wall -Wextra -Werror -pedantic -I include "${prog#*:}" -o "$stage/capi/$name" \
+    cc -std=c11 -O2 -Wall -Wextra -Werror -pedantic -I crates/capi/include "${prog#*:}" -o "$stage/capi/$name" \
         -L "$stage/lib" -llockstep -ldl -Wl,--disable-new-dtags,-rpath,'$ORIGIN/../lib'
 done
 

@@ -10,7 +10,7 @@
 #
 # Usage: scripts/install-c.sh PREFIX
 #
-# It first runs `cargo build --release --lib` (default features, the build `cargo test --release`
+# It first runs `cargo build --release -p lockstep-capi` (the build `cargo test --release`
 # makes, so nothing is rebuilt after the tests), then checks that the library's soname, the
 # header's version macros and Cargo.toml's version agree before copying anything.
 #
@@ -54,22 +54,22 @@ soname=liblockstep.so.$major
 real=liblockstep.so.$version
 
 if [ "${LOCKSTEP_NO_BUILD:-0}" != 1 ]; then
-    cargo build --release --lib
+    cargo build --release -p lockstep-capi
 fi
 target=${CARGO_TARGET_DIR:-$(cargo metadata --no-deps --format-version 1 | sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p')}
 [ -n "$target" ] || die "could not find cargo's target directory (set CARGO_TARGET_DIR)"
 built=$target/release/liblockstep.so
-[ -f "$built" ] || die "$built is missing: build it with cargo build --release (feature capi, on by default)"
+[ -f "$built" ] || die "$built is missing: build it with cargo build --release -p lockstep-capi"
 
 # What is about to be installed must agree with itself.
 got=$(readelf -d "$built" | sed -n 's/.*Library soname: \[\(.*\)\].*/\1/p')
 [ "$got" = "$soname" ] || die "$built has soname \"$got\", not $soname: rebuild it (cargo build --release), build.rs sets the soname"
 exports=$(nm -D --defined-only "$built")
 grep -q ' lockstepGetVersion$' <<<"$exports" ||
-    die "$built exports no C ABI (built without feature capi, e.g. by a --no-default-features build): rebuild it with cargo build --release"
+    die "$built exports no C ABI: rebuild it with cargo build --release -p lockstep-capi"
 for part in MAJOR:"$major" MINOR:"$minor" PATCH:"$patch"; do
-    grep -q "^#define LOCKSTEP_${part%%:*} ${part#*:}\$" include/lockstep.h ||
-        die "include/lockstep.h does not define LOCKSTEP_${part%%:*} ${part#*:} (Cargo.toml's version is $version): regenerate it with LOCKSTEP_UPDATE_HEADER=1 cargo build --release"
+    grep -q "^#define LOCKSTEP_${part%%:*} ${part#*:}\$" crates/capi/include/lockstep.h ||
+        die "crates/capi/include/lockstep.h does not define LOCKSTEP_${part%%:*} ${part#*:} (Cargo.toml's version is $version): regenerate it with LOCKSTEP_UPDATE_HEADER=1 cargo build --release"
 done
 
 mkdir -p "$destdir$libdir/pkgconfig" "$destdir$includedir"
@@ -84,7 +84,7 @@ mv -f "$tmp" "$destdir$libdir/$real"
 ln -sfn "$real" "$destdir$libdir/$soname"
 ln -sfn "$soname" "$destdir$libdir/liblockstep.so"
 
-install -m 0644 include/lockstep.h "$destdir$includedir/.lockstep.h.tmp.$$"
+install -m 0644 crates/capi/include/lockstep.h "$destdir$includedir/.lockstep.h.tmp.$$"
 mv -f "$destdir$includedir/.lockstep.h.tmp.$$" "$destdir$includedir/lockstep.h"
 
 # pkg-config paths relative to ${prefix} where they lie under it, so the file can be relocated

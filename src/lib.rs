@@ -18,15 +18,16 @@
 //! | [`staged`] | device buffers staged through a host communicator (ranks sharing a GPU) |
 //! | [`rendezvous`] | `Communicator::from_env` and [`device_communicator`](rendezvous::device_communicator), the one backend policy |
 //! | `train` (feature `train`) | the autograd-free training engine and its GPU device engine |
+//! | [`report`] | the environment report (`lockstep env`, and any embedding's bug report) |
 //! | [`launch`](mod@launch) | [`launch()`] forks ranks running a closure; [`launch::run_job`] backs `lockstep launch` |
-//! | [`bench`](mod@bench), [`report`] | `lockstep bench` measurements, the `lockstep env` report |
-//! | `capi` (feature `capi`) | the NCCL-shaped C ABI of `liblockstep.so` (`include/lockstep.h`) |
 //!
 //! With `default-features = false` only the collectives, the launcher, the store and the CUDA/NCCL
-//! loading are built. The library never prints: diagnostics are [`tracing`] events.
+//! loading are built. The library never prints: diagnostics are [`tracing`] events. The command
+//! `lockstep` is the crate `crates/cli`, the C ABI (`liblockstep.so`) the crate `crates/capi`, the
+//! Python extension `python/`.
 //!
 //! Safety model: `unsafe` lives only in the modules that talk to the OS or to foreign libraries
-//! (`shm`, `launch`'s post-fork code, `cuda`, `nccl`, `capi`); every block carries a `// SAFETY:` line.
+//! (`shm`, `launch`'s post-fork code, `cuda`, `nccl`); every block carries a `// SAFETY:` line.
 //!
 //! Fork rules: a process that forks ranks must not have initialised CUDA, and a forked child
 //! must not rely on locks another thread of the parent may hold.
@@ -39,9 +40,6 @@ pub mod store;
 pub mod types;
 #[macro_use]
 pub mod cuda;
-pub mod bench;
-#[cfg(feature = "capi")]
-pub mod capi;
 pub mod comm;
 #[cfg(feature = "config")]
 pub mod config;

@@ -10,6 +10,8 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 
+#[path = "common/bins.rs"]
+mod bins;
 #[path = "common/collectives.rs"]
 mod collectives;
 #[path = "common/simt.rs"]
@@ -244,7 +246,7 @@ fn scenario(name: &str) {
             // and `lockstep config` / `launch --nproc-per-node auto --backend auto` follow them.
             assert_eq!(lockstep::config::count_gpus(), Ok(3));
             assert!(check_fork_safe().is_ok(), "counting GPUs must leave the parent uninitialised");
-            let bin = env!("CARGO_BIN_EXE_lockstep");
+            let bin = bins::lockstep_bin();
             let dir = std::env::temp_dir().join(format!("lockstep-sim-gpus-{}", std::process::id()));
             let _ = std::fs::remove_dir_all(&dir);
             let path = dir.join("config.toml");
@@ -344,25 +346,20 @@ fn scenario(name: &str) {
             // `lockstep bench --device cuda`, end to end on the simulator: NCCL at 1 rank, the staged
             // shared-memory backend when 2 ranks share the one simulated GPU; every result verified.
             for (nprocs, op) in [(1, "all_reduce"), (2, "all_reduce"), (2, "all_gather"), (2, "broadcast")] {
-                let a = lockstep::bench::BenchOptions {
-                    nprocs,
-                    op: op.parse().unwrap(),
-                    dtype: lockstep::comm::Dtype::F32,
-                    redop: lockstep::comm::ReduceOp::Sum,
-                    sizes: vec![8, 4096, 1 << 20],
-                    buffers: lockstep::bench::Buffers::Ordinary,
-                    iters: 3,
-                    warmup: 1,
-                    device: "cuda".into(),
-                    ..Default::default()
-                };
-                let rows = lockstep::bench::measure(&a).unwrap_or_else(|e| panic!("{op} on {nprocs} ranks: {e}"));
-                assert_eq!(rows.len(), 3);
-                let ok = |t: &lockstep::bench::Timing| t.wrong == Some(0) && t.time_us > 0.0;
-                assert!(
-                    rows.iter().all(|r| ok(&r.out_of_place) && r.in_place.as_ref().is_some_and(ok)),
-                    "{op} on {nprocs} ranks: {rows:?}"
-                );
+                let n = nprocs.to_string();
+                let o = Command::new(bins::lockstep_bin())
+                    .args(["bench", "--device", "cuda", "--nprocs", &n, "--op", op, "--sizes", "8,4096,1M", "-n", "3", "-w", "1"])
+                    .args(["--format", "json"])
+                    .output()
+                    .unwrap();
+                let text = String::from_utf8_lossy(&o.stdout);
+                assert!(o.status.success(), "{op} on {nprocs} ranks: {o:?}");
+                let v: serde_json::Value =
+                    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{op} on {nprocs} ranks: not JSON ({e}): {text}"));
+                let rows = v["rows"].as_array().cloned().unwrap_or_default();
+                assert_eq!(rows.len(), 3, "{op} on {nprocs} ranks: {v}");
+                let ok = |t: &serde_json::Value| t["wrong"] == 0 && t["time_us"].as_f64().is_some_and(|x| x > 0.0);
+                assert!(rows.iter().all(|r| ok(&r["out_of_place"]) && ok(&r["in_place"])), "{op} on {nprocs} ranks: {v}");
             }
         }
         "sim_device_engine_host_side" => sim_device_engine_host_side(),
@@ -618,10 +615,8 @@ fn one_selection_policy() {
     let rdzv = std::env::temp_dir().join(format!("lockstep-sim-policy-{}", std::process::id()));
     for (version, want) in [("23000", "choice=Nccl { multi_rank: true }"), ("21803", "choice=Staged")] {
         std::fs::create_dir_all(&rdzv).unwrap();
-        let mut selftest = Command::new(env!("CARGO_BIN_EXE_lockstep"));
-        selftest
-            .args(["launch", "--nproc-per-node", "2", "--", env!("CARGO_BIN_EXE_lockstep"), "selftest"])
-            .env("LOCKSTEP_BACKEND", "nccl");
+        let mut selftest = Command::new(bins::lockstep_bin());
+        selftest.args(["launch", "--nproc-per-node", "2", "--", bins::lockstep_bin(), "selftest"]).env("LOCKSTEP_BACKEND", "nccl");
         let mut train = Command::new(env!("CARGO_BIN_EXE_train-cnn"));
         train.args(["--device", "cuda", "--nprocs", "2", "--epochs", "1", "--data"]).arg(&data);
         let runs = vec![("lockstep launch -- lockstep selftest", selftest), ("train-cnn --device cuda", train)];
@@ -654,7 +649,7 @@ fn nccl_across_nodes_via_store() {
         let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
         let kids: Vec<_> = (0..2)
             .map(|node| {
-                Command::new(env!("CARGO_BIN_EXE_lockstep"))
+                Command::new(bins::lockstep_bin())
                     .args(["launch", "--nproc-per-node", &per_node.to_string(), "--nnodes", "2", "--node-rank", &node.to_string()])
                     .args(["--master-port", &port, "--"])
                     .arg(std::env::current_exe().unwrap())

@@ -11,7 +11,6 @@ use std::process::{Command, Output};
 use std::sync::OnceLock;
 
 const BIN: &str = env!("CARGO_BIN_EXE_train-cnn");
-const LOCKSTEP: &str = env!("CARGO_BIN_EXE_lockstep");
 
 /// A scratch directory with 256 training and 64 test images.
 fn root() -> &'static (PathBuf, PathBuf) {
@@ -189,7 +188,7 @@ fn json_metrics_and_plot() -> Result<(), String> {
 /// Under `lockstep launch` every rank joins from the environment; rank 0's summary still covers
 /// both ranks, and the text output carries the launcher's prefix only.
 fn launched_run_reports_every_rank() -> Result<(), String> {
-    let mut c = Command::new(LOCKSTEP);
+    let mut c = Command::new(common::lockstep_bin());
     clean(&mut c).args(["launch", "--nproc-per-node", "2", "--", BIN]).args(args(&["--log-every", "4"]));
     let o = c.output().map_err(|e| e.to_string())?;
     if !o.status.success() {
@@ -224,7 +223,7 @@ fn quote(args: &[String]) -> String {
 fn progress_bar_under_a_pseudo_terminal() -> Result<(), String> {
     let a = args(&["--epochs", "2"]);
     let direct = format!("'{BIN}' --nprocs 2 {}", quote(&a));
-    let launched = format!("'{LOCKSTEP}' launch --nproc-per-node 2 -- '{BIN}' {}", quote(&a));
+    let launched = format!("'{}' launch --nproc-per-node 2 -- '{BIN}' {}", common::lockstep_bin(), quote(&a));
     for (what, cmd) in [("train-cnn", direct), ("lockstep launch", launched)] {
         let Some(out) = under_pty(&cmd)? else {
             println!("    skipped: `script` (util-linux) is not installed");

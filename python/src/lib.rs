@@ -100,6 +100,16 @@ fn die_with_parent(parent_pid: i32) -> bool {
     rc == 0 && ppid == parent_pid
 }
 
+/// The `lockstep` command (`lockstep launch`, `bench`, `env`, `config`, `selftest`) run in this
+/// process with `argv` (the program name first), returning its exit status: the `lockstep`
+/// console script and `python -m lockstep`. It prints as the binary does and installs the stderr
+/// log subscriber, so it is only for a process that is this command. The GIL is released for the
+/// whole run (a `launch` waits for its job).
+#[pyfunction]
+fn cli_main(py: Python<'_>, argv: Vec<std::ffi::OsString>) -> u8 {
+    py.detach(|| lockstep_cli::run_args(argv))
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyComm>()?;
@@ -108,6 +118,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<comm::SharedMemory>()?;
     m.add("CommError", m.py().get_type::<errors::CommError>())?;
     m.add_function(wrap_pyfunction!(init_from_env, m)?)?;
+    m.add_function(wrap_pyfunction!(cli_main, m)?)?;
     m.add_function(wrap_pyfunction!(fork_refusal, m)?)?;
     m.add_function(wrap_pyfunction!(die_with_parent, m)?)?;
     m.add_function(wrap_pyfunction!(join_named, m)?)?;

@@ -322,3 +322,32 @@ def test_empty_shared_tensors_in_collectives():
     for lo, hi, b in lockstep.notebook_launcher(body, num_processes=2):
         assert lo == hi == 3.0
         assert b == [1.0] * 3
+
+
+def test_init_process_group_finds_lockstep_without_importing_it():
+    """torch >= 2.15 finds backends through the `torch.distributed.backends` entry points the
+    wheel declares: a fresh interpreter that never imports lockstep initialises a group on it."""
+    import subprocess
+    import sys
+    import textwrap
+
+    from importlib.metadata import entry_points
+
+    names = [e.name for e in entry_points(group="torch.distributed.backends")]
+    assert "lockstep" in names, f"the installed package declares no torch.distributed.backends entry point: {names}"
+    if not hasattr(torch.distributed.Backend, "_ensure_backend_registered"):
+        pytest.skip(f"skipped: torch {torch.__version__} does not look up backend entry points (torch >= 2.15 does)")
+    code = textwrap.dedent(
+        """
+        import sys, torch, torch.distributed as dist
+        store = dist.HashStore()
+        dist.init_process_group("lockstep", store=store, rank=0, world_size=1)
+        t = torch.arange(4.0)
+        dist.all_reduce(t)
+        print("ok", dist.get_backend(), t.tolist())
+        dist.destroy_process_group()
+        """
+    )
+    o = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert o.returncode == 0, o.stderr
+    assert "ok lockstep [0.0, 1.0, 2.0, 3.0]" in o.stdout, o.stdout

@@ -166,6 +166,18 @@ impl Context {
         driver::ctx_synchronize()
     }
 
+    /// Wait for the work queued so far on `stream`, a CUDA stream of this context that lockstep did
+    /// not create (a `cudaStream_t` handed over by a C caller or a framework), given as its handle.
+    ///
+    /// # Safety
+    /// `stream` is 0 (the legacy default stream) or a stream of this context that stays alive for
+    /// the call: CUDA's behaviour on a destroyed or foreign handle is undefined.
+    pub unsafe fn synchronize_foreign_stream(&self, stream: usize) -> Result<(), CudaError> {
+        self.check()?;
+        self.bind()?;
+        driver::stream_synchronize(stream as driver::CUstream)
+    }
+
     /// A new non-blocking stream.
     pub fn stream(self: &Arc<Self>) -> Result<Stream, CudaError> {
         self.check()?;

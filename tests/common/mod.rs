@@ -3,6 +3,10 @@
 //! look-ups for checking that no process is left behind.
 #![allow(dead_code)]
 
+mod bins;
+#[allow(unused_imports)]
+pub use bins::lockstep_bin;
+
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 

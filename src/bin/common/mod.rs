@@ -1,4 +1,5 @@
-//! What both binaries share: the diagnostics subscriber.
+//! The diagnostics subscriber of `train-cnn` (the `lockstep` command has the same rules, in
+//! `crates/cli/src/logging.rs`).
 //!
 //! The library never prints; it emits `tracing` events. A binary decides what its user sees:
 //! `LOCKSTEP_LOG` (a `RUST_LOG`-style filter such as `debug` or `warn,lockstep::shm=debug`) wins,

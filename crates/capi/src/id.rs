@@ -19,8 +19,8 @@ use std::time::Duration;
 
 use super::handle::Failure;
 use super::types::{lockstepUniqueId, LOCKSTEP_UNIQUE_ID_BYTES};
-use crate::comm::Communicator;
-use crate::shm::{ShmComm, ShmConfig};
+use runtime::comm::Communicator;
+use runtime::shm::{ShmComm, ShmConfig};
 
 const MAGIC: &[u8; 8] = b"lockstep";
 const LAYOUT: u32 = 1;
@@ -29,7 +29,7 @@ const HOST: std::ops::Range<usize> = 48..56;
 
 /// FNV-1a of this host's identity (host name and boot id, or LOCKSTEP_HOST_ID).
 fn host_hash() -> Result<u64, Failure> {
-    let id = crate::rendezvous::host_id().map_err(|e| Failure::system(e.to_string()))?;
+    let id = runtime::rendezvous::host_id().map_err(|e| Failure::system(e.to_string()))?;
     Ok(id.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)))
 }
 

@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use super::handle::{self, guard_comm, lockstepComm, lockstepComm_t, Failure};
 use super::types::lockstepResult_t;
-use crate::comm::{Buffer, BufferMut, CollKind, CommError, Communicator, Dtype, MemSpace, RawMem, ReduceOp};
+use runtime::comm::{Buffer, BufferMut, CollKind, CommError, Communicator, Dtype, MemSpace, RawMem, ReduceOp};
 
 /// One C call on a communicator, with its arguments as passed (checked when it runs).
 #[derive(Clone, Copy, Debug)]
@@ -75,7 +75,7 @@ struct RawBuf(RawMem);
 // (lockstep.h: valid for `count` elements of `datatype`, aligned, until the call returns; buffers
 // equal or disjoint), and handed to the communicator only under the Rust element type of that
 // datatype (the `typed!` dispatch), within the C call (or the group end) it came with.
-unsafe impl<T: crate::comm::Element> Buffer<T> for RawBuf {
+unsafe impl<T: runtime::comm::Element> Buffer<T> for RawBuf {
     fn raw(&self) -> RawMem {
         self.0
     }
@@ -86,7 +86,7 @@ unsafe impl<T: crate::comm::Element> Buffer<T> for RawBuf {
 // communicator's in-place methods (one descriptor), or for gather and scatter, which have none, a
 // send block equal to the root's own receive block, which every backend copies onto itself as a
 // no-op (raw memory, no Rust references, so the aliasing is no borrow).
-unsafe impl<T: crate::comm::Element> BufferMut<T> for RawBuf {
+unsafe impl<T: runtime::comm::Element> BufferMut<T> for RawBuf {
     fn raw_mut(&mut self) -> RawMem {
         self.0
     }
@@ -105,11 +105,11 @@ macro_rules! typed {
                 $body
             }
             Dtype::F16 => {
-                type $T = half::f16;
+                type $T = runtime::half::f16;
                 $body
             }
             Dtype::BF16 => {
-                type $T = half::bf16;
+                type $T = runtime::half::bf16;
                 $body
             }
             Dtype::I32 => {
@@ -136,6 +136,8 @@ macro_rules! typed {
                 type $T = u64;
                 $body
             }
+            // `Dtype` is non-exhaustive; `dtype_of` only produces the types above.
+            other => return Err(CommError::Unsupported(format!("data type {other:?} has no C ABI code")).into()),
         }
     };
 }
@@ -217,9 +219,10 @@ fn place(h: &lockstepComm, stream: usize) -> Result<Place, Failure> {
 /// completed when this returns (so later work on the caller's stream sees its result).
 fn before_device(h: &lockstepComm, p: Place) -> Result<(), Failure> {
     if let (Place::Device(_, stream), Some(ctx)) = (p, h.device()) {
-        let cuda = |e: crate::cuda::CudaError| Failure::new(lockstepResult_t::lockstepUnhandledCudaError, e.to_string());
-        ctx.bind().map_err(cuda)?;
-        crate::cuda::driver::stream_synchronize(stream as crate::cuda::driver::CUstream).map_err(cuda)?;
+        let cuda = |e: runtime::cuda::CudaError| Failure::new(lockstepResult_t::lockstepUnhandledCudaError, e.to_string());
+        // SAFETY: `stream` is the caller's cudaStream_t, which lockstep.h requires to be a live
+        // stream of the communicator's device for the duration of the call.
+        unsafe { ctx.synchronize_foreign_stream(stream) }.map_err(cuda)?;
     }
     Ok(())
 }

@@ -1,7 +1,7 @@
-//! The C ABI (`liblockstep.so`, `include/lockstep.h`, feature `capi`, a default one) from the
-//! outside, on the library of this very build:
+//! The C ABI (`liblockstep.so`, `crates/capi/include/lockstep.h`) from the outside, on the library
+//! of this very build:
 //!
-//! * checks that the checked-in `include/lockstep.h` is what cbindgen generates from `src/capi`
+//! * checks that the checked-in `include/lockstep.h` is what cbindgen generates from `src/lib.rs`
 //!   (build.rs writes it to this build's OUT_DIR), that its enums carry NCCL's values and its
 //!   version macros Cargo.toml's version, and that the library has the soname
 //!   `liblockstep.so.MAJOR` and exports exactly the functions the header declares;
@@ -14,8 +14,11 @@
 //!
 //! The C program and the Python script check every value themselves and exit non-zero on the
 //! first wrong one; this driver checks their exit status and that every rank reported.
+//!
+//! The launcher is the `lockstep` binary of the root package, which `cargo test --release` at the
+//! repository root builds in the same target directory (see [`launcher`]).
 
-#[path = "common/mod.rs"]
+#[path = "../../../tests/common/mod.rs"]
 mod common;
 
 use std::path::{Path, PathBuf};
@@ -24,7 +27,10 @@ use std::sync::OnceLock;
 
 use common::check;
 
-const ROOT: &str = env!("CARGO_MANIFEST_DIR");
+/// The repository root: the paths below are relative to it.
+const ROOT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../..");
+/// The checked-in header, relative to ROOT.
+const HEADER: &str = "crates/capi/include/lockstep.h";
 /// Seconds one C or Python job may take (each runs in well under a second).
 const JOB_LIMIT_S: &str = "120";
 
@@ -34,6 +40,25 @@ struct Built {
     so: PathBuf,
     /// The header cbindgen generated (build.rs, OUT_DIR).
     generated: PathBuf,
+}
+
+/// The `lockstep` launcher of this build: `target/<profile>/lockstep`, beside the `deps/` this test
+/// binary runs from. Only the root package can name it with `CARGO_BIN_EXE_lockstep`; running this
+/// test alone (`cargo test -p lockstep-capi`) needs it built first.
+fn launcher() -> Result<String, String> {
+    static BIN: OnceLock<Result<String, String>> = OnceLock::new();
+    BIN.get_or_init(|| {
+        let exe = std::env::current_exe().map_err(|e| format!("current_exe: {e}"))?;
+        let bin = exe.parent().and_then(Path::parent).map(|d| d.join("lockstep")).ok_or("the test binary has no profile directory")?;
+        if !bin.is_file() {
+            return Err(format!(
+                "the launcher {} is missing: run `cargo test --release` at the repository root, or build it first (`cargo build --release --bin lockstep`)",
+                bin.display()
+            ));
+        }
+        Ok(bin.to_string_lossy().into_owned())
+    })
+    .clone()
 }
 
 /// `liblockstep.so` of this build: beside this test binary (cargo puts both in `deps/`), or
@@ -71,7 +96,7 @@ fn compile_c(src: &Path, out: &Path) -> Result<(), String> {
     let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
     let o = Command::new(&cc)
         .current_dir(ROOT)
-        .args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-pedantic", "-I", "include"])
+        .args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-pedantic", "-I", "crates/capi/include"])
         .arg(src)
         .arg("-o")
         .arg(out)
@@ -94,7 +119,7 @@ fn c_binary() -> Result<&'static PathBuf, String> {
     static BIN: OnceLock<Result<PathBuf, String>> = OnceLock::new();
     BIN.get_or_init(|| {
         let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("capi_test");
-        compile_c(Path::new("tests/c/capi_test.c"), &out)?;
+        compile_c(Path::new("crates/capi/tests/c/capi_test.c"), &out)?;
         Ok(out)
     })
     .as_ref()
@@ -114,7 +139,7 @@ fn every_rank(o: &Output, n: usize, line: impl Fn(usize) -> String) -> Result<()
 fn header_is_current() -> Result<(), String> {
     let b = built()?;
     let generated = std::fs::read_to_string(&b.generated).map_err(|e| format!("read {}: {e}", b.generated.display()))?;
-    let checked_in = Path::new(ROOT).join("include/lockstep.h");
+    let checked_in = Path::new(ROOT).join(HEADER);
     let ours = std::fs::read_to_string(&checked_in).map_err(|e| format!("read {}: {e}", checked_in.display()))?;
     if generated == ours {
         return Ok(());
@@ -122,7 +147,7 @@ fn header_is_current() -> Result<(), String> {
     let (g, c): (Vec<&str>, Vec<&str>) = (generated.lines().collect(), ours.lines().collect());
     let at = (0..g.len().max(c.len())).find(|&i| g.get(i) != c.get(i)).unwrap_or(0);
     Err(format!(
-        "include/lockstep.h is stale: src/capi generates a different header ({}).\nFirst difference, line {}:\n  checked in: {:?}\n  generated:  {:?}\nRegenerate it: cp {} include/lockstep.h (or LOCKSTEP_UPDATE_HEADER=1 cargo build --release)",
+        "include/lockstep.h is stale: crates/capi/src generates a different header ({}).\nFirst difference, line {}:\n  checked in: {:?}\n  generated:  {:?}\nRegenerate it: cp {} crates/capi/include/lockstep.h (or LOCKSTEP_UPDATE_HEADER=1 cargo build --release)",
         b.generated.display(),
         at + 1,
         c.get(at).copied().unwrap_or("<end of file>"),
@@ -200,7 +225,7 @@ const FUNCTIONS: &[&str] = &[
 ];
 
 fn header_has_nccl_values_and_functions() -> Result<(), String> {
-    let h = std::fs::read_to_string(Path::new(ROOT).join("include/lockstep.h")).map_err(|e| e.to_string())?;
+    let h = std::fs::read_to_string(Path::new(ROOT).join(HEADER)).map_err(|e| e.to_string())?;
     for (name, v) in NCCL_VALUES {
         check(h.contains(&format!("lockstep{name} = {v},")), &format!("lockstep.h must define lockstep{name} as {v} (nccl{name})"), "")?;
     }
@@ -288,7 +313,8 @@ fn library_soname_and_exports() -> Result<(), String> {
 fn c_under_launch(n: usize) -> Result<(), String> {
     let bin = c_binary()?;
     let nproc = n.to_string();
-    let launcher = env!("CARGO_BIN_EXE_lockstep");
+    let launcher = launcher()?;
+    let launcher = launcher.as_str();
     let o = run_limited(&[launcher, "launch", "--nproc-per-node", &nproc, "--", bin.to_str().unwrap(), "env"], &[])?;
     check(o.status.success(), &format!("capi_test under lockstep launch with {n} ranks must pass every check"), text(&o))?;
     every_rank(&o, n, |r| format!("rank {r} of {n}: all checks passed"))?;
@@ -368,7 +394,7 @@ fn c_config_3() -> Result<(), String> {
 fn hello_example() -> Result<(), String> {
     let bin = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("hello");
     compile_c(Path::new("examples/c/hello.c"), &bin)?;
-    let o = run_limited(&[env!("CARGO_BIN_EXE_lockstep"), "launch", "--nproc-per-node", "3", "--", bin.to_str().unwrap()], &[])?;
+    let o = run_limited(&[launcher()?.as_str(), "launch", "--nproc-per-node", "3", "--", bin.to_str().unwrap()], &[])?;
     check(o.status.success(), "examples/c/hello.c must run under lockstep launch with 3 ranks", text(&o))?;
     every_rank(&o, 3, |r| format!("rank {r} of 3: hello from lockstep {}, all-reduce sum 6 (checked)", env!("CARGO_PKG_VERSION")))
 }
@@ -398,7 +424,7 @@ fn readme_example() -> Result<(), String> {
     let (src, bin) = (dir.join("readme_example.c"), dir.join("readme_example"));
     std::fs::write(&src, format!("{code}\n")).map_err(|e| format!("write {}: {e}", src.display()))?;
     compile_c(&src, &bin)?;
-    let o = run_limited(&[env!("CARGO_BIN_EXE_lockstep"), "launch", "--nproc-per-node", "2", "--", bin.to_str().unwrap()], &[])?;
+    let o = run_limited(&[launcher()?.as_str(), "launch", "--nproc-per-node", "2", "--", bin.to_str().unwrap()], &[])?;
     check(o.status.success(), "the README's C example must run under lockstep launch with 2 ranks", text(&o))?;
     every_rank(&o, 2, |r| format!("rank {r} of 2: mean 0.5, from rank {}", 1 - r))
 }
@@ -406,10 +432,11 @@ fn readme_example() -> Result<(), String> {
 fn ctypes_under_launch(n: usize) -> Result<(), String> {
     let b = built()?;
     let nproc = n.to_string();
-    let launcher = env!("CARGO_BIN_EXE_lockstep");
+    let launcher = launcher()?;
+    let launcher = launcher.as_str();
     let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
     let o = run_limited(
-        &[launcher, "launch", "--nproc-per-node", &nproc, "--", &python, "tests/c/capi_ctypes.py", b.so.to_str().unwrap()],
+        &[launcher, "launch", "--nproc-per-node", &nproc, "--", &python, "crates/capi/tests/c/capi_ctypes.py", b.so.to_str().unwrap()],
         &[],
     )?;
     check(

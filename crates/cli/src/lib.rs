@@ -2,9 +2,11 @@
 //! communicator), `config` (write the configuration file), `env` (print the environment and the
 //! configuration in force), `bench` (collective benchmark).
 //!
-//! `main` only parses arguments, calls [`run`], and maps the result to an exit code. Raw CLI
-//! values (the clap structs) are turned into validated settings ([`lockstep::launch::JobSpec`])
-//! before anything starts.
+//! [`main`] (the binary's) and [`run_args`] (the Python package's `lockstep` console script) only
+//! parse arguments, run the subcommand and map the result to an exit status. Raw CLI values (the
+//! clap structs) are turned into validated settings ([`lockstep::launch::JobSpec`]) before
+//! anything starts. One module per concern beside this file: [`bench`] (the measurements behind
+//! `lockstep bench`), `logging` (what the user sees of the library's `tracing` events).
 
 use std::ffi::OsString;
 use std::io::{BufRead, Write};
@@ -12,12 +14,13 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
+use bench::{BenchOptions, Buffers, Format};
 use clap::{Parser, Subcommand};
-use lockstep::bench::{BenchOptions, Buffers, Format};
 use lockstep::config::{self, BackendChoice, MixedPrecision};
 use lockstep::{CollKind, Dtype, ReduceOp};
 
-mod common;
+pub mod bench;
+mod logging;
 
 #[derive(Parser, Debug)]
 #[command(name = "lockstep", version, about = "Collective-communication runtime: launcher and tools")]
@@ -60,13 +63,13 @@ struct BenchArgs {
     #[arg(long, short = 'r', default_value_t = 0)]
     root: usize,
     /// Explicit sizes in bytes, comma-separated, e.g. 0,4K,1M (overrides -b/-e/-f).
-    #[arg(long, value_delimiter = ',', value_parser = lockstep::bench::parse_size)]
+    #[arg(long, value_delimiter = ',', value_parser = bench::parse_size)]
     sizes: Vec<usize>,
     /// Smallest size in bytes (nccl-tests' -b); 0 times a real zero-byte call.
-    #[arg(long, short = 'b', visible_alias = "minbytes", default_value = "8", value_parser = lockstep::bench::parse_size)]
+    #[arg(long, short = 'b', visible_alias = "minbytes", default_value = "8", value_parser = bench::parse_size)]
     min_bytes: usize,
     /// Largest size in bytes (nccl-tests' -e).
-    #[arg(long, short = 'e', visible_alias = "maxbytes", default_value = "256M", value_parser = lockstep::bench::parse_size)]
+    #[arg(long, short = 'e', visible_alias = "maxbytes", default_value = "256M", value_parser = bench::parse_size)]
     max_bytes: usize,
     /// Multiply the size by this factor from one row to the next (nccl-tests' -f).
     #[arg(long, short = 'f', visible_alias = "stepfactor", default_value_t = 2)]
@@ -164,9 +167,9 @@ fn bench(a: BenchArgs) -> Result<i32, String> {
     let format = a.format;
     let o = BenchOptions::from(a);
     warn_oversubscribed(o.nprocs);
-    let rows = lockstep::bench::measure(&o)?;
-    print!("{}", lockstep::bench::render(&o, &rows, format));
-    let wrong = lockstep::bench::wrong_total(&rows);
+    let rows = bench::measure(&o)?;
+    print!("{}", bench::render(&o, &rows, format));
+    let wrong = bench::wrong_total(&rows);
     if wrong > 0 {
         eprintln!("lockstep bench: {wrong} wrong elements: results are incorrect");
         return Ok(1);
@@ -420,17 +423,38 @@ struct ConfigArgs {
     mixed_precision: Option<MixedPrecision>,
 }
 
-fn main() -> ExitCode {
-    let cli = Cli::parse();
-    if let Err(e) = common::init_logging(cli.verbose, cli.quiet) {
+/// The `lockstep` binary: [`run_args`] with the process's arguments.
+pub fn main() -> ExitCode {
+    ExitCode::from(run_args(std::env::args_os()))
+}
+
+/// Run the `lockstep` command with `args` (the first is the program name, as in `argv`) and return
+/// its exit status: 0 on success, 2 for a usage error (clap's), 1 when the command failed, or for
+/// `launch` the job's own status. It prints what the binary prints (help, reports, errors on
+/// stderr) and installs the stderr log subscriber, so it is for a process that is this command:
+/// the binary, or the Python package's `lockstep` console script.
+pub fn run_args<I, T>(args: I) -> u8
+where
+    I: IntoIterator<Item = T>,
+    T: Into<OsString> + Clone,
+{
+    let cli = match Cli::try_parse_from(args) {
+        Ok(cli) => cli,
+        Err(e) => {
+            // --help and --version are "errors" that print to stdout and exit 0.
+            let _ = e.print();
+            return e.exit_code().clamp(0, 255) as u8;
+        }
+    };
+    if let Err(e) = logging::init_logging(cli.verbose, cli.quiet) {
         eprintln!("lockstep: error: {e}");
-        return ExitCode::from(2);
+        return 2;
     }
     match run(cli) {
-        Ok(code) => ExitCode::from(code.clamp(0, 255) as u8),
+        Ok(code) => code.clamp(0, 255) as u8,
         Err(e) => {
             eprintln!("lockstep: error: {e}");
-            ExitCode::from(1)
+            1
         }
     }
 }

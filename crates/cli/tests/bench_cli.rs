@@ -3,6 +3,7 @@
 //! barrier as latency only, and real zero-byte calls. Sequential (`harness = false`): every run
 //! forks ranks.
 
+#[path = "../../../tests/common/mod.rs"]
 mod common;
 
 use std::process::{Command, Output, Stdio};

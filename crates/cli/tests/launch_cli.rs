@@ -2,6 +2,7 @@
 //! (`CARGO_BIN_EXE_lockstep`). Sequential (`harness = false`): several tests time the launcher's
 //! reactions, and the machine has two cores.
 
+#[path = "../../../tests/common/mod.rs"]
 mod common;
 
 use std::process::{Child, Command, Output, Stdio};

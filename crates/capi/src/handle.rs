@@ -17,8 +17,8 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use super::types::{lockstepResult_t, ResultArg};
-use crate::comm::{CommError, Communicator};
-use crate::cuda::Context;
+use runtime::comm::{CommError, Communicator};
+use runtime::cuda::Context;
 
 /// `MAJOR * 10000 + MINOR * 100 + PATCH` of this crate, as NCCL encodes its version.
 pub(crate) const VERSION_CODE: c_int = digits(env!("CARGO_PKG_VERSION_MAJOR")) * 10000

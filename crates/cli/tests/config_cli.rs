@@ -5,6 +5,7 @@
 //! under the launcher, and carriage-return redraws reaching a terminal (`script`). Sequential
 //! (`harness = false`): several tests start multi-rank jobs on a two-core machine.
 
+#[path = "../../../tests/common/mod.rs"]
 mod common;
 
 use std::io::Write;

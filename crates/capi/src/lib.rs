@@ -1,4 +1,4 @@
-//! The C ABI (feature `capi`): `liblockstep.so` with `include/lockstep.h`, shaped like NCCL's
+//! The C ABI: `liblockstep.so` with `include/lockstep.h`, shaped like NCCL's
 //! `nccl.h` (2.30) with `lockstep` in place of `nccl`: the functions it has take NCCL's arguments
 //! in NCCL's order, and data types, reduction operators and result codes carry NCCL's values.
 //! `docs/c-abi.md` lists exactly what differs from nccl.h: the functions and types it lacks, the
@@ -34,10 +34,10 @@ mod types;
 
 use std::ffi::{c_char, c_int, c_void};
 
-use crate::comm::{CommError, Communicator};
-use crate::cuda::{CudaError, DeviceBuffer};
 use exec::Op;
 use handle::{guard, guard_comm, out_ptr, Failure};
+use runtime::comm::{CommError, Communicator};
+use runtime::cuda::{CudaError, DeviceBuffer};
 
 pub use handle::{lockstepComm, lockstepComm_t};
 pub use types::{
@@ -156,7 +156,7 @@ pub unsafe extern "C" fn lockstepCommInitFromEnv(comm: *mut lockstepComm_t) -> l
         // SAFETY: the caller passes NULL (refused by out_ptr) or a pointer valid for the write.
         let out = unsafe { out_ptr(comm, "comm") }?;
         *out = std::ptr::null_mut();
-        let made = crate::comm::Communicator::from_env().map_err(Failure::from)?;
+        let made = runtime::comm::Communicator::from_env().map_err(Failure::from)?;
         *out = handle::register(made, handle::Settings::default());
         Ok(())
     })

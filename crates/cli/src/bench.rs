@@ -12,13 +12,13 @@
 
 use std::time::Instant;
 
-use half::{bf16, f16};
+use lockstep::half::{bf16, f16};
 
 use std::sync::Arc;
 
-use crate::comm::{Buffer, BufferMut, CollKind, CommError, Communicator, Dtype, Element, ReduceOp};
-use crate::cuda::{Context, DeviceBuffer, Stream};
-use crate::launch::{launch, LaunchConfig, RankContext, RankResult};
+use lockstep::comm::{Buffer, BufferMut, CollKind, CommError, Communicator, Dtype, Element, ReduceOp};
+use lockstep::cuda::{Context, DeviceBuffer, Stream};
+use lockstep::launch::{launch, LaunchConfig, RankContext, RankResult};
 
 /// Where the benchmark buffers live.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -265,7 +265,6 @@ fn pattern(op: ReduceOp, rank: usize, i: usize, n: usize) -> usize {
 fn expected<T: BenchElem>(op: ReduceOp, i: usize, n: usize) -> T {
     let v: Vec<usize> = (0..n).map(|r| pattern(op, r, i, n)).collect();
     let r = match op {
-        ReduceOp::Sum => v.iter().sum(),
         ReduceOp::Prod => v.iter().product(),
         ReduceOp::Min => *v.iter().min().unwrap_or(&0),
         ReduceOp::Max => *v.iter().max().unwrap_or(&0),
@@ -276,6 +275,8 @@ fn expected<T: BenchElem>(op: ReduceOp, i: usize, n: usize) -> T {
             }
             s / n
         }
+        // Sum (`validate` admits no operator but these five: `ReduceOp` may grow).
+        _ => v.iter().sum(),
     };
     T::from_i(r)
 }
@@ -303,7 +304,7 @@ fn from_f64<T: BenchElem>(v: f64) -> T {
 /// A buffer of any placement.
 enum Buf<T: Element> {
     Vec(Vec<T>),
-    Shared(crate::comm::SharedBuffer<T>),
+    Shared(lockstep::comm::SharedBuffer<T>),
     Device(DeviceBuffer<T>),
 }
 
@@ -313,7 +314,7 @@ struct Place {
     device: Option<(Arc<Context>, Stream)>,
 }
 
-fn cuda_err(e: crate::cuda::CudaError) -> CommError {
+fn cuda_err(e: lockstep::cuda::CudaError) -> CommError {
     CommError::Backend { backend: "cuda", message: e.to_string() }
 }
 
@@ -533,7 +534,7 @@ fn rank_main<T: BenchElem>(ctx: RankContext, a: &BenchOptions) -> RankResult<Ran
     let n = ctx.world_size;
     let (mut comm, place) = if a.device == "cuda" {
         // NCCL on this rank's device, or staging through shared memory when ranks share a GPU.
-        let (dev, cx) = crate::rendezvous::device_communicator(ctx.comm, ctx.local_rank)?;
+        let (dev, cx) = lockstep::rendezvous::device_communicator(ctx.comm, ctx.local_rank)?;
         let stream = cx.stream().map_err(cuda_err)?;
         (dev, Place { buffers: a.buffers, device: Some((cx, stream)) })
     } else {
@@ -553,6 +554,9 @@ fn validate(a: &BenchOptions) -> Result<(), String> {
     }
     if a.nprocs == 0 {
         return Err("--nprocs 0: the benchmark needs at least 1 rank".into());
+    }
+    if !matches!(a.redop, ReduceOp::Sum | ReduceOp::Prod | ReduceOp::Min | ReduceOp::Max | ReduceOp::Avg) {
+        return Err(format!("-o {:?}: lockstep bench verifies sum, prod, min, max and avg only", a.redop));
     }
     if a.op == CollKind::Send && a.nprocs < 2 {
         return Err("--op pingpong needs --nprocs 2 (or more: ranks 0 and 1 exchange, the others wait)".into());
@@ -584,6 +588,7 @@ pub fn measure(a: &BenchOptions) -> Result<Vec<Row>, String> {
         Dtype::I8 => launch(&cfg, |ctx| rank_main::<i8>(ctx, a)),
         Dtype::U32 => launch(&cfg, |ctx| rank_main::<u32>(ctx, a)),
         Dtype::U64 => launch(&cfg, |ctx| rank_main::<u64>(ctx, a)),
+        other => return Err(format!("lockstep bench has no data type {other:?}")),
     }
     .map_err(|e| e.to_string())?;
     let n = a.nprocs;

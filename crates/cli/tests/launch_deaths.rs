@@ -7,6 +7,7 @@
 //! descendant inherits, and /proc is scanned for it. Sequential (`harness = false`): the tests
 //! time the launcher's reactions.
 
+#[path = "../../../tests/common/mod.rs"]
 mod common;
 
 use std::io::{Read, Write};

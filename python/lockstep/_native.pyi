@@ -1,0 +1,171 @@
+"""Type stub for ``lockstep._native``, the Rust half of the package (python/src/*.rs).
+
+Keep in step with the ``#[pyfunction]``s, ``#[pyclass]``es and the ``#[pymodule] fn _native``
+of python/src; tests/test_stubs.py compares this file with the built extension.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Literal, Sequence, final
+
+# A collective buffer: anything exporting the buffer protocol (numpy arrays, bytearray,
+# memoryview, array.array), a torch tensor, a DLPack object, or a `__cuda_array_interface__`
+# object (device communicators). Checked at run time (contiguity, writability, alignment, element
+# type), so it cannot be expressed statically. Stub-only: not an attribute of the module.
+_Buffer = Any
+
+__all__ = [
+    "Communicator",
+    "ShmJob",
+    "TorchAllReduce",
+    "SharedMemory",
+    "CommError",
+    "init_from_env",
+    "cli_main",
+    "fork_refusal",
+    "die_with_parent",
+    "join_named",
+    "_register_torch",
+    "__version__",
+]
+
+__version__: str
+
+class CommError(RuntimeError):
+    # Set by the Rust side on every CommError it raises (absent on one made by hand).
+    # One of "invalid_argument", "mismatch", "peer_lost", "aborted", "timeout", "unsupported",
+    # "setup", "os", "backend", "other".
+    kind: str
+    # The global rank whose failure this error follows from (the lost peer, or the rank that
+    # aborted the communicator); None otherwise.
+    follows: int | None
+
+# No constructor: made by init_from_env(), join_named(), ShmJob.communicator() or to_device().
+@final
+class Communicator:
+    @property
+    def rank(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
+    # "shm", "nccl" or "staged".
+    @property
+    def backend(self) -> str: ...
+    # The CUDA device of a device communicator; None for host backends.
+    @property
+    def device(self) -> int | None: ...
+    # Number of collectives issued so far on this rank (0 once closed).
+    @property
+    def seq(self) -> int: ...
+    # A collective; takes this communicator over (it is closed, the new one owns or uses it).
+    # local_rank defaults to $LOCAL_RANK, else this rank.
+    def to_device(self, local_rank: int | None = None) -> Communicator: ...
+    # Zeroed memory in the shared segment; host (shared-memory) communicators only.
+    def alloc_shared(self, nbytes: int) -> SharedMemory: ...
+    def __repr__(self) -> str: ...
+    # op: "sum", "prod", "min", "max", "avg". recv=None (or recv is send): in place.
+    # Each collective returns the buffer holding the result.
+    def all_reduce(self, send: _Buffer, recv: _Buffer | None = None, op: str = "sum") -> _Buffer: ...
+    def all_reduce_in_place(self, buf: _Buffer, op: str = "sum") -> _Buffer: ...
+    def broadcast(self, send: _Buffer, recv: _Buffer | None = None, root: int = 0) -> _Buffer: ...
+    def broadcast_in_place(self, buf: _Buffer, root: int = 0) -> _Buffer: ...
+    # The result buffer on the root, None elsewhere.
+    def reduce(self, send: _Buffer, recv: _Buffer | None = None, op: str = "sum", root: int = 0) -> _Buffer | None: ...
+    def reduce_in_place(self, buf: _Buffer, op: str = "sum", root: int = 0) -> _Buffer | None: ...
+    def all_gather(self, send: _Buffer, recv: _Buffer | None = None) -> _Buffer: ...
+    def all_gather_in_place(self, buf: _Buffer) -> _Buffer: ...
+    # recv may be None off the root; returns recv on the root, None elsewhere.
+    def gather(self, send: _Buffer, recv: _Buffer | None = None, root: int = 0) -> _Buffer | None: ...
+    def reduce_scatter(self, send: _Buffer, recv: _Buffer | None = None, op: str = "sum") -> _Buffer: ...
+    def reduce_scatter_in_place(self, buf: _Buffer, op: str = "sum") -> _Buffer: ...
+    def all_to_all(self, send: _Buffer, recv: _Buffer) -> _Buffer: ...
+    # Displacements default to the packed prefix sums of the counts.
+    def all_to_all_v(
+        self,
+        send: _Buffer,
+        send_counts: Sequence[int],
+        recv: _Buffer,
+        recv_counts: Sequence[int],
+        send_displs: Sequence[int] | None = None,
+        recv_displs: Sequence[int] | None = None,
+    ) -> _Buffer: ...
+    # send is not read off the root and may be None there.
+    def scatter(self, send: _Buffer | None, recv: _Buffer, root: int = 0) -> _Buffer: ...
+    def all_gather_v(self, send: _Buffer, recv: _Buffer, recv_counts: Sequence[int]) -> _Buffer: ...
+    # recv and recv_counts may be None off the root; returns recv on the root, None elsewhere.
+    def gather_v(
+        self,
+        send: _Buffer,
+        recv: _Buffer | None = None,
+        recv_counts: Sequence[int] | None = None,
+        root: int = 0,
+    ) -> _Buffer | None: ...
+    # Blocks until peer has posted the matching recv.
+    def send(self, buf: _Buffer, peer: int) -> None: ...
+    def recv(self, buf: _Buffer, peer: int) -> _Buffer: ...
+    # ops: ("send", buf, peer) and ("recv", buf, peer) tuples, posted together.
+    def group(self, ops: Sequence[tuple[str, _Buffer, int]]) -> None: ...
+    def barrier(self) -> None: ...
+    # Later calls raise; also done when the object is garbage-collected.
+    def close(self) -> None: ...
+    def __enter__(self) -> Communicator: ...
+    # Closes the communicator; never suppresses the exception.
+    def __exit__(self, _t: object, _v: object, _tb: object) -> Literal[False]: ...
+
+# A shared segment for `world` ranks forked from this process; each forked rank calls
+# communicator(rank) once, the parent close() once every rank is forked.
+@final
+class ShmJob:
+    def __new__(cls, world: int) -> ShmJob: ...
+    # Blocks (without the GIL) until every rank has joined.
+    def communicator(self, rank: int) -> Communicator: ...
+    def close(self) -> None: ...
+
+# ProcessGroupLockstep.allreduce (lockstep/torch.py), in Rust.
+@final
+class TorchAllReduce:
+    # sum: torch's ReduceOp.SUM; op_name(reduce_op) -> op name; done(tensors) -> Work;
+    # device(tensors, opts): the all-reduce for tensors that are not on the CPU.
+    def __new__(
+        cls,
+        comm: Communicator,
+        sum: Any,
+        op_name: Callable[[Any], str],
+        done: Callable[[Any], Any],
+        device: Callable[[Any, Any], Any],
+    ) -> TorchAllReduce: ...
+    # Reduces each tensor in place; returns done(tensors) (a completed Work), None when
+    # opts.asyncOp is False, or device(tensors, opts) for non-CPU tensors.
+    def __call__(self, tensors: Iterable[Any], opts: Any | None = None) -> Any: ...
+
+# No constructor: made by Communicator.alloc_shared(). numpy.asarray(mem) views it (uint8).
+@final
+class SharedMemory:
+    # Size in bytes.
+    @property
+    def nbytes(self) -> int: ...
+    # numpy's array interface, version 3: shape, typestr "|u1", data (address, read-only flag).
+    @property
+    def __array_interface__(self) -> dict[str, Any]: ...
+    def __len__(self) -> int: ...
+    def __repr__(self) -> str: ...
+
+# Blocks (without the GIL) until every rank of the node has joined.
+def init_from_env() -> Communicator: ...
+
+# The `lockstep` command run in this process (argv: program name first); returns its exit
+# status (0-255). Installs the stderr log subscriber: only for a process that is this command.
+def cli_main(argv: Sequence[str]) -> int: ...
+
+# Why forking ranks from this process would fail (CUDA initialised here, a malformed
+# LOCKSTEP_* variable), or None.
+def fork_refusal() -> str | None: ...
+
+# PR_SET_PDEATHSIG(SIGKILL) in a forked rank; False when parent_pid is no longer the parent
+# (the rank should exit at once).
+def die_with_parent(parent_pid: int) -> bool: ...
+
+# Joins the named segment; rank 0 creates it. Settings from the LOCKSTEP_SHM_* variables.
+def join_named(job_id: str, rank: int, world: int) -> Communicator: ...
+
+# Builds the direct torch-tensor path once torch is imported; False while it is not.
+def _register_torch() -> bool: ...
