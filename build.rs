@@ -18,7 +18,12 @@ use std::path::{Path, PathBuf};
 /// Files in `dir` with extension `ext`, sorted for a reproducible table.
 fn files_with_ext(dir: &Path, ext: &str) -> Vec<PathBuf> {
     let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
-        .map(|rd| rd.filter_map(|e| e.ok()).map(|e| e.path()).filter(|p| p.extension().map(|x| x == ext).unwrap_or(false)).collect())
+        .map(|rd| {
+            rd.filter_map(|e| e.ok())
+                .map(|e| e.path())
+                .filter(|p| p.extension().map(|x| x == ext).unwrap_or(false))
+                .collect()
+        })
         .unwrap_or_default();
     v.sort();
     v
@@ -38,8 +43,15 @@ fn strip_comments(src: &str) -> String {
                 i += 1;
             }
         } else if b[i..].starts_with(b"/*") {
-            let end = src[i + 2..].find("*/").map(|e| i + 2 + e + 2).unwrap_or(b.len());
-            out.extend(b[i..end].iter().map(|&c| if c == b'\n' { b'\n' } else { b' ' }));
+            let end = src[i + 2..]
+                .find("*/")
+                .map(|e| i + 2 + e + 2)
+                .unwrap_or(b.len());
+            out.extend(
+                b[i..end]
+                    .iter()
+                    .map(|&c| if c == b'\n' { b'\n' } else { b' ' }),
+            );
             i = end;
         } else {
             out.push(b[i]);
@@ -75,10 +87,16 @@ fn arg_kind(ty: &str) -> Option<String> {
     match base.strip_suffix('*') {
         Some(pointee) => {
             let d = elem(pointee.trim_end())?;
-            Some(if konst { format!("ArgKind::Ptr(Dtype::{d})") } else { format!("ArgKind::PtrMut(Dtype::{d})") })
+            Some(if konst {
+                format!("ArgKind::Ptr(Dtype::{d})")
+            } else {
+                format!("ArgKind::PtrMut(Dtype::{d})")
+            })
         }
         // Scalars are passed by value; a `const int` parameter is still an `int`.
-        None if !matches!(base, "bf16_t" | "f16_t" | "BucketEntry") => elem(base).map(|d| format!("ArgKind::Scalar(Dtype::{d})")),
+        None if !matches!(base, "bf16_t" | "f16_t" | "BucketEntry") => {
+            elem(base).map(|d| format!("ArgKind::Scalar(Dtype::{d})"))
+        }
         None => None,
     }
 }
@@ -101,26 +119,41 @@ fn entry_points(file: &str, src: &str) -> Result<Vec<Entry>, String> {
         let Some(r) = rest.strip_prefix("__global__") else {
             return Err(here("`extern \"C\"` not followed by `__global__` (only kernels may be extern \"C\" here)"));
         };
-        let Some(r) = r.trim_start().strip_prefix("void") else { return Err(here("a kernel must return void")) };
+        let Some(r) = r.trim_start().strip_prefix("void") else {
+            return Err(here("a kernel must return void"));
+        };
         let mut r = r.trim_start();
         if let Some(lb) = r.strip_prefix("__launch_bounds__") {
-            let close = lb.find(')').ok_or_else(|| here("unterminated __launch_bounds__("))?;
+            let close = lb
+                .find(')')
+                .ok_or_else(|| here("unterminated __launch_bounds__("))?;
             r = lb[close + 1..].trim_start();
         }
-        let name_len = r.find(|c: char| !(c.is_ascii_alphanumeric() || c == '_')).unwrap_or(r.len());
+        let name_len = r
+            .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+            .unwrap_or(r.len());
         let name = &r[..name_len];
         if name.is_empty() {
             return Err(here("no kernel name after `extern \"C\" __global__ void`"));
         }
         let r = r[name_len..].trim_start();
-        let Some(r) = r.strip_prefix('(') else { return Err(here(&format!("{name}: no parameter list"))) };
-        let close = r.find(')').ok_or_else(|| here(&format!("{name}: unterminated parameter list")))?;
+        let Some(r) = r.strip_prefix('(') else {
+            return Err(here(&format!("{name}: no parameter list")));
+        };
+        let close = r
+            .find(')')
+            .ok_or_else(|| here(&format!("{name}: unterminated parameter list")))?;
         let mut args = Vec::new();
         for (k, p) in r[..close].split(',').enumerate() {
-            let words: Vec<&str> = p.split_whitespace().filter(|w| *w != "__restrict__").collect();
+            let words: Vec<&str> = p
+                .split_whitespace()
+                .filter(|w| *w != "__restrict__")
+                .collect();
             // The last word is the parameter name (possibly with the `*` attached to it).
             let joined = words.join(" ");
-            let split = joined.rfind([' ', '*']).ok_or_else(|| here(&format!("{name}: parameter {k} `{p}` has no name")))?;
+            let split = joined
+                .rfind([' ', '*'])
+                .ok_or_else(|| here(&format!("{name}: parameter {k} `{p}` has no name")))?;
             let ty = joined[..=split].trim_end().replace(" *", "*");
             let ty = ty.trim();
             let kind = arg_kind(ty).ok_or_else(|| {
@@ -128,11 +161,16 @@ fn entry_points(file: &str, src: &str) -> Result<Vec<Entry>, String> {
             })?;
             args.push(kind);
         }
-        out.push(Entry { name: name.to_string(), args });
+        out.push(Entry {
+            name: name.to_string(),
+            args,
+        });
         rest = &r[close..];
     }
     if out.is_empty() {
-        return Err(format!("kernels/{file}: no `extern \"C\" __global__` entry point"));
+        return Err(format!(
+            "kernels/{file}: no `extern \"C\" __global__` entry point"
+        ));
     }
     Ok(out)
 }
@@ -140,7 +178,10 @@ fn entry_points(file: &str, src: &str) -> Result<Vec<Entry>, String> {
 /// `conv2d.cu` -> `CONV2D`.
 fn static_name(file: &str) -> String {
     let stem = file.trim_end_matches(".cu").to_ascii_uppercase();
-    let s: String = stem.chars().map(|c| if c.is_ascii_alphanumeric() { c } else { '_' }).collect();
+    let s: String = stem
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+        .collect();
     if s.starts_with(|c: char| c.is_ascii_digit()) {
         format!("K_{s}")
     } else {
@@ -163,29 +204,55 @@ fn main() {
     );
     for f in &headers {
         let file = f.file_name().unwrap().to_string_lossy();
-        writeln!(out, "    ({file:?}, include_str!({:?})),", f.display().to_string()).unwrap();
+        writeln!(
+            out,
+            "    ({file:?}, include_str!({:?})),",
+            f.display().to_string()
+        )
+        .unwrap();
     }
     out.push_str("];\n");
     let mut all = Vec::new();
     for f in &sources {
         let file = f.file_name().unwrap().to_string_lossy().into_owned();
-        let text = std::fs::read_to_string(f).unwrap_or_else(|e| panic!("read {}: {e}", f.display()));
+        let text =
+            std::fs::read_to_string(f).unwrap_or_else(|e| panic!("read {}: {e}", f.display()));
         let entries = entry_points(&file, &text).unwrap_or_else(|e| panic!("{e}"));
         let ident = static_name(&file);
         let names: Vec<String> = entries.iter().map(|e| format!("`{}`", e.name)).collect();
         writeln!(out, "/// `kernels/{file}`: {}.", names.join(", ")).unwrap();
-        writeln!(out, "pub(crate) static {ident}: KernelSource = KernelSource {{").unwrap();
+        writeln!(
+            out,
+            "pub(crate) static {ident}: KernelSource = KernelSource {{"
+        )
+        .unwrap();
         writeln!(out, "    name: {file:?},").unwrap();
-        writeln!(out, "    source: include_str!({:?}),", f.display().to_string()).unwrap();
+        writeln!(
+            out,
+            "    source: include_str!({:?}),",
+            f.display().to_string()
+        )
+        .unwrap();
         out.push_str("    headers: KERNEL_HEADERS,\n    functions: &[\n");
         for e in &entries {
-            writeln!(out, "        KernelSig {{ name: {:?}, args: &[{}] }},", e.name, e.args.join(", ")).unwrap();
+            writeln!(
+                out,
+                "        KernelSig {{ name: {:?}, args: &[{}] }},",
+                e.name,
+                e.args.join(", ")
+            )
+            .unwrap();
         }
         out.push_str("    ],\n};\n");
         all.push(ident);
     }
     out.push_str("/// Every embedded `kernels/*.cu`, in file-name order (the registry test checks it against `KernelId::ALL`).\n#[cfg(test)]\npub(crate) static ALL_SOURCES: &[&KernelSource] = &[");
-    out.push_str(&all.iter().map(|i| format!("&{i}")).collect::<Vec<_>>().join(", "));
+    out.push_str(
+        &all.iter()
+            .map(|i| format!("&{i}"))
+            .collect::<Vec<_>>()
+            .join(", "),
+    );
     out.push_str("];\n");
     let dest = PathBuf::from(std::env::var("OUT_DIR").unwrap()).join("kernels.rs");
     std::fs::write(&dest, out).expect("write OUT_DIR/kernels.rs");

@@ -50,10 +50,18 @@ fn time_in_ranks(nranks: usize, op: CollKind, bytes: usize, iters: u64) -> Durat
 
 fn collectives(c: &mut Criterion) {
     let quick = std::env::var("LOCKSTEP_BENCH_QUICK").is_ok_and(|v| v == "1");
-    let sizes: Vec<usize> =
-        if quick { vec![8, 1 << 20, 64 << 20] } else { vec![8, 1 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20, 256 << 20] };
+    let sizes: Vec<usize> = if quick {
+        vec![8, 1 << 20, 64 << 20]
+    } else {
+        vec![8, 1 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20, 256 << 20]
+    };
     for nranks in [2usize, 4] {
-        for op in [CollKind::AllReduce, CollKind::Broadcast, CollKind::AllGather, CollKind::ReduceScatter] {
+        for op in [
+            CollKind::AllReduce,
+            CollKind::Broadcast,
+            CollKind::AllGather,
+            CollKind::ReduceScatter,
+        ] {
             let mut g = c.benchmark_group(format!("shm_{op}_{nranks}r"));
             g.sample_size(10);
             g.warm_up_time(Duration::from_millis(300));

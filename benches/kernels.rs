@@ -28,19 +28,30 @@ fn main() {
             return;
         }
     };
-    let mut c =
-        Criterion::default().warm_up_time(Duration::from_millis(300)).measurement_time(Duration::from_secs(1)).configure_from_args();
+    let mut c = Criterion::default()
+        .warm_up_time(Duration::from_millis(300))
+        .measurement_time(Duration::from_secs(1))
+        .configure_from_args();
     for precision in [Precision::Fp32, Precision::Bf16] {
         let model = Model::fashion_cnn(BATCH).expect("the recipe CNN");
         let t = Tensors::new(&model, BATCH, precision).expect("tensors");
         let mut g = GpuExec::new(&ctx, t.arena_len, false).expect("device arenas");
         // Small finite values everywhere (zeros would make some kernels take short cuts), and a
         // dataset of blank images for the gather (sample ids are 0).
-        let pattern = |n: usize, k: usize| (0..n).map(|i| ((i * 7 + k) % 17) as f32 * 0.01 - 0.08).collect::<Vec<f32>>();
+        let pattern = |n: usize, k: usize| {
+            (0..n)
+                .map(|i| ((i * 7 + k) % 17) as f32 * 0.01 - 0.08)
+                .collect::<Vec<f32>>()
+        };
         let f = pattern(t.arena_len.0, 0);
-        let b: Vec<half::bf16> = pattern(t.arena_len.2, 3).into_iter().map(half::bf16::from_f32).collect();
-        g.load_arenas(&f, &vec![0; t.arena_len.1], &b).expect("arenas");
-        g.upload_dataset(&vec![0u8; BATCH * 784], &[0u8; BATCH]).expect("dataset");
+        let b: Vec<half::bf16> = pattern(t.arena_len.2, 3)
+            .into_iter()
+            .map(half::bf16::from_f32)
+            .collect();
+        g.load_arenas(&f, &vec![0; t.arena_len.1], &b)
+            .expect("arenas");
+        g.upload_dataset(&vec![0u8; BATCH * 784], &[0u8; BATCH])
+            .expect("dataset");
         let ops = t.train_step(BATCH, precision, g.sm_count());
         let (start, end) = (ctx.event().expect("event"), ctx.event().expect("event"));
         let mut group = c.benchmark_group(format!("kernels/{precision:?}"));

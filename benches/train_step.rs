@@ -16,7 +16,9 @@
 //! Run: `cargo bench --bench train_step`.
 
 use lockstep::train::kernels::{matmul_ld, set_small_kernels, Trans};
-use lockstep::train::layers::{BatchNorm2d, Conv2d, Conv2dParams, Layer, Linear, MaxPool2d, Relu, SoftmaxCrossEntropy};
+use lockstep::train::layers::{
+    BatchNorm2d, Conv2d, Conv2dParams, Layer, Linear, MaxPool2d, Relu, SoftmaxCrossEntropy,
+};
 use lockstep::train::model::Model;
 use lockstep::train::optim::Adam;
 use lockstep::train::tensor::Tensor;
@@ -27,7 +29,9 @@ use nix::time::{clock_gettime, ClockId};
 mod fma_peak;
 
 fn cpu_s() -> f64 {
-    clock_gettime(ClockId::CLOCK_PROCESS_CPUTIME_ID).map(|t| t.tv_sec() as f64 + t.tv_nsec() as f64 * 1e-9).unwrap_or(0.0)
+    clock_gettime(ClockId::CLOCK_PROCESS_CPUTIME_ID)
+        .map(|t| t.tv_sec() as f64 + t.tv_nsec() as f64 * 1e-9)
+        .unwrap_or(0.0)
 }
 
 /// Repetitions of each timed call (the best of `ROUNDS` means of `REPS` is kept).
@@ -54,13 +58,34 @@ fn layer_ms(l: &mut dyn Layer, dims: &[usize], need_dinp: bool) -> (f64, f64) {
     let p: Vec<f32> = (0..np).map(|i| ((i % 13) as f32 - 6.0) * 0.01).collect();
     let mut dp = vec![0.0f32; np];
     let n: usize = dims.iter().product();
-    let inp = Tensor::from_vec(dims, (0..n).map(|i| ((i * 7919) % 255) as f32 / 255.0 - 0.5).collect()).expect("dims");
+    let inp = Tensor::from_vec(
+        dims,
+        (0..n)
+            .map(|i| ((i * 7919) % 255) as f32 / 255.0 - 0.5)
+            .collect(),
+    )
+    .expect("dims");
     let mut out = Tensor::default();
     l.forward(&p, &inp, &mut out, true);
-    let dout = Tensor::from_vec(out.dims(), (0..out.numel()).map(|i| ((i * 31) % 17) as f32 * 0.001 - 0.008).collect()).expect("dims");
+    let dout = Tensor::from_vec(
+        out.dims(),
+        (0..out.numel())
+            .map(|i| ((i * 31) % 17) as f32 * 0.001 - 0.008)
+            .collect(),
+    )
+    .expect("dims");
     let mut dinp = Tensor::default();
     let f = time_ms(|| l.forward(&p, &inp, &mut out, true));
-    let b = time_ms(|| l.backward(&p, &mut dp, &inp, &out, &dout, if need_dinp { Some(&mut dinp) } else { None }));
+    let b = time_ms(|| {
+        l.backward(
+            &p,
+            &mut dp,
+            &inp,
+            &out,
+            &dout,
+            if need_dinp { Some(&mut dinp) } else { None },
+        )
+    });
     (f, b)
 }
 
@@ -76,8 +101,17 @@ struct Flops {
 /// `x * scale + shift` after the centring) and backward 8; ReLU 1 each way; max-pool 3 compares
 /// per output forward and 1 per input backward; softmax cross-entropy 5 per logit; Adam 12 per
 /// parameter (moments, square root, divide, update).
-fn flops(kind: &str, inp: &[usize], out: &[usize], conv: Option<&Conv2dParams>, dinp: bool) -> Flops {
-    let (ni, no) = (inp.iter().product::<usize>() as f64, out.iter().product::<usize>() as f64);
+fn flops(
+    kind: &str,
+    inp: &[usize],
+    out: &[usize],
+    conv: Option<&Conv2dParams>,
+    dinp: bool,
+) -> Flops {
+    let (ni, no) = (
+        inp.iter().product::<usize>() as f64,
+        out.iter().product::<usize>() as f64,
+    );
     let bytes = 4.0 * (2.0 * ni + 2.0 * no);
     let (fwd, bwd) = match (kind, conv) {
         ("conv2d", Some(cp)) => {
@@ -102,28 +136,87 @@ type Case = (&'static str, Box<dyn Layer>, Vec<usize>, bool);
 fn main() {
     // The peak first, on an idle-as-possible core: best of 9 rounds of 0.2 s.
     let peak = fma_peak::measure(0.2);
-    println!("fma peak: {} {:.1} GFLOP/s best, {:.1} median (1 thread)", peak.kind, peak.best, peak.median);
-    let conv = |i, o| Conv2dParams { in_c: i, out_c: o, kh: 5, kw: 5, stride: 1, pad: 2 };
+    println!(
+        "fma peak: {} {:.1} GFLOP/s best, {:.1} median (1 thread)",
+        peak.kind, peak.best, peak.median
+    );
+    let conv = |i, o| Conv2dParams {
+        in_c: i,
+        out_c: o,
+        kh: 5,
+        kw: 5,
+        stride: 1,
+        pad: 2,
+    };
     let (c1, c2) = (conv(1, 32), conv(32, 64));
     // Backward as in the model: the first layer needs no input gradient. conv2 is also timed
     // without it, which isolates the weight gradient (the difference is the input gradient).
     let layers: Vec<Case> = vec![
-        ("conv1", Box::new(Conv2d::new(c1)), vec![64, 1, 28, 28], false),
-        ("bn1", Box::new(BatchNorm2d::new(32)), vec![64, 32, 28, 28], true),
+        (
+            "conv1",
+            Box::new(Conv2d::new(c1)),
+            vec![64, 1, 28, 28],
+            false,
+        ),
+        (
+            "bn1",
+            Box::new(BatchNorm2d::new(32)),
+            vec![64, 32, 28, 28],
+            true,
+        ),
         ("relu1", Box::new(Relu), vec![64, 32, 28, 28], true),
-        ("pool1", Box::new(MaxPool2d::new(2, 2)), vec![64, 32, 28, 28], true),
-        ("conv2", Box::new(Conv2d::new(c2)), vec![64, 32, 14, 14], true),
-        ("conv2.wgrad", Box::new(Conv2d::new(c2)), vec![64, 32, 14, 14], false),
-        ("bn2", Box::new(BatchNorm2d::new(64)), vec![64, 64, 14, 14], true),
+        (
+            "pool1",
+            Box::new(MaxPool2d::new(2, 2)),
+            vec![64, 32, 28, 28],
+            true,
+        ),
+        (
+            "conv2",
+            Box::new(Conv2d::new(c2)),
+            vec![64, 32, 14, 14],
+            true,
+        ),
+        (
+            "conv2.wgrad",
+            Box::new(Conv2d::new(c2)),
+            vec![64, 32, 14, 14],
+            false,
+        ),
+        (
+            "bn2",
+            Box::new(BatchNorm2d::new(64)),
+            vec![64, 64, 14, 14],
+            true,
+        ),
         ("relu2", Box::new(Relu), vec![64, 64, 14, 14], true),
-        ("pool2", Box::new(MaxPool2d::new(2, 2)), vec![64, 64, 14, 14], true),
-        ("linear1", Box::new(Linear::new(3136, 64)), vec![64, 3136], true),
+        (
+            "pool2",
+            Box::new(MaxPool2d::new(2, 2)),
+            vec![64, 64, 14, 14],
+            true,
+        ),
+        (
+            "linear1",
+            Box::new(Linear::new(3136, 64)),
+            vec![64, 3136],
+            true,
+        ),
         ("relu3", Box::new(Relu), vec![64, 64], true),
         ("linear2", Box::new(Linear::new(64, 10)), vec![64, 64], true),
     ];
     println!(
         "{:12} {:>9} {:>9} {:>9} {:>9} {:>8} {:>8} {:>7} {:>7} {:>8}",
-        "layer", "fwd ms", "bwd ms", "fwd MFLOP", "bwd MFLOP", "fwd GF/s", "bwd GF/s", "fwd %pk", "bwd %pk", "fwd GB/s"
+        "layer",
+        "fwd ms",
+        "bwd ms",
+        "fwd MFLOP",
+        "bwd MFLOP",
+        "fwd GF/s",
+        "bwd GF/s",
+        "fwd %pk",
+        "bwd %pk",
+        "fwd GB/s"
     );
     let (mut tf, mut tb, mut ff, mut fb) = (0.0, 0.0, 0.0, 0.0);
     for (name, mut l, dims, d) in layers {
@@ -151,7 +244,11 @@ fn main() {
         }
     }
     // Loss and optimizer, at the recipe's sizes.
-    let logits = Tensor::from_vec(&[64, 10], (0..640).map(|i| ((i * 13) % 7) as f32 * 0.3).collect()).expect("dims");
+    let logits = Tensor::from_vec(
+        &[64, 10],
+        (0..640).map(|i| ((i * 13) % 7) as f32 * 0.3).collect(),
+    )
+    .expect("dims");
     let labels: Vec<u8> = (0..64).map(|i| (i % 10) as u8).collect();
     let mut ce = SoftmaxCrossEntropy::default();
     let mut dl = Tensor::default();
@@ -159,7 +256,12 @@ fn main() {
         std::hint::black_box(ce.forward(&logits, &labels));
     });
     let lb = time_ms(|| ce.backward(&mut dl, logits.dims(), &labels));
-    println!("{:12} {lf:9.3} {lb:9.3} {:9.3} {:9.3}", "loss", 5.0 * 640.0 * 1e-6, 640.0 * 1e-6);
+    println!(
+        "{:12} {lf:9.3} {lb:9.3} {:9.3} {:9.3}",
+        "loss",
+        5.0 * 640.0 * 1e-6,
+        640.0 * 1e-6
+    );
     let mut m = Model::fashion_cnn(64).expect("the recipe model builds");
     m.init(1);
     let np = m.num_params();
@@ -214,35 +316,110 @@ fn main() {
         g.fill(0.0);
         m.backward(&labels, &mut g);
     }) * 1e-3;
-    println!("train_step_cpu unfused: forward {:.2} ms, step {:.2} ms (fused saves {:.1} %)", fu * 1e3, su * 1e3, 100.0 * (1.0 - s / su));
+    println!(
+        "train_step_cpu unfused: forward {:.2} ms, step {:.2} ms (fused saves {:.1} %)",
+        fu * 1e3,
+        su * 1e3,
+        100.0 * (1.0 - s / su)
+    );
 
     m.set_fusion(true);
     gemm_paths(&mut m, &labels, &mut g, peak.best);
 }
 
 /// A GEMM of the engine: name, m, n, k, how A and B are stored, row strides of dst, A, B.
-type Shape = (&'static str, usize, usize, usize, Trans, Trans, usize, usize, usize);
+type Shape = (
+    &'static str,
+    usize,
+    usize,
+    usize,
+    Trans,
+    Trans,
+    usize,
+    usize,
+    usize,
+);
 
 /// The engine's GEMM shapes (per call) and the whole step, with the small-product kernels on and
 /// off in turn: 5 alternations, min and median of each.
 fn gemm_paths(m: &mut Model, labels: &[u8], g: &mut [f32], peak: f64) {
     let ts = |c: usize| 64 * c + 16; // Winograd tile stride (64 positions + a cache line)
     let shapes: [Shape; 5] = [
-        ("winograd fwd 32x64x32", 32, 64, 32, Trans::No, Trans::No, ts(64), ts(32), 64),
-        ("winograd dW 32x64x32", 32, 64, 32, Trans::Yes, Trans::No, 64, ts(32), ts(64)),
-        ("winograd dX 32x32x64", 32, 32, 64, Trans::No, Trans::No, ts(32), ts(64), 32),
-        ("conv1 fwd 32x784x25", 32, 784, 25, Trans::No, Trans::No, 784, 25, 784),
-        ("conv1 dW 25x32x784", 25, 32, 784, Trans::No, Trans::Yes, 32, 784, 784),
+        (
+            "winograd fwd 32x64x32",
+            32,
+            64,
+            32,
+            Trans::No,
+            Trans::No,
+            ts(64),
+            ts(32),
+            64,
+        ),
+        (
+            "winograd dW 32x64x32",
+            32,
+            64,
+            32,
+            Trans::Yes,
+            Trans::No,
+            64,
+            ts(32),
+            ts(64),
+        ),
+        (
+            "winograd dX 32x32x64",
+            32,
+            32,
+            64,
+            Trans::No,
+            Trans::No,
+            ts(32),
+            ts(64),
+            32,
+        ),
+        (
+            "conv1 fwd 32x784x25",
+            32,
+            784,
+            25,
+            Trans::No,
+            Trans::No,
+            784,
+            25,
+            784,
+        ),
+        (
+            "conv1 dW 25x32x784",
+            25,
+            32,
+            784,
+            Trans::No,
+            Trans::Yes,
+            32,
+            784,
+            784,
+        ),
     ];
     let med = |v: &mut Vec<f64>| {
         v.sort_by(f64::total_cmp);
         (v[0], v[v.len() / 2])
     };
-    println!("{:24} {:>14} {:>14} {:>8}", "gemm shape (us/call)", "microgemm", "gemm crate", "ratio");
+    println!(
+        "{:24} {:>14} {:>14} {:>8}",
+        "gemm shape (us/call)", "microgemm", "gemm crate", "ratio"
+    );
     for (name, mm, n, k, ta, tb, ldd, lda, ldb) in shapes {
-        let (ar, br) = (if ta == Trans::No { mm } else { k }, if tb == Trans::No { k } else { n });
-        let a: Vec<f32> = (0..ar * lda).map(|i| ((i % 7) as f32 - 3.0) * 0.1).collect();
-        let b: Vec<f32> = (0..br * ldb).map(|i| ((i % 5) as f32 - 2.0) * 0.1).collect();
+        let (ar, br) = (
+            if ta == Trans::No { mm } else { k },
+            if tb == Trans::No { k } else { n },
+        );
+        let a: Vec<f32> = (0..ar * lda)
+            .map(|i| ((i % 7) as f32 - 3.0) * 0.1)
+            .collect();
+        let b: Vec<f32> = (0..br * ldb)
+            .map(|i| ((i % 5) as f32 - 2.0) * 0.1)
+            .collect();
         let mut d = vec![0.0f32; mm * ldd];
         let reps = (20_000_000 / (mm * n * k)).max(10);
         let (mut on, mut off) = (Vec::new(), Vec::new());
@@ -259,7 +436,8 @@ fn gemm_paths(m: &mut Model, labels: &[u8], g: &mut [f32], peak: f64) {
                 off.push(us)
             }
         }
-        let (fl, (on_min, _), (off_min, _)) = (2.0 * (mm * n * k) as f64, med(&mut on), med(&mut off));
+        let (fl, (on_min, _), (off_min, _)) =
+            (2.0 * (mm * n * k) as f64, med(&mut on), med(&mut off));
         println!(
             "{name:24} {on_min:6.2} {:5.1}% {off_min:6.2} {:5.1}% {:7.2}x",
             100.0 * fl / on_min * 1e-3 / peak,

@@ -111,11 +111,18 @@ pub fn measure(secs: f64) -> Peak {
         rates.push(calls as f64 * flops_per_call / t.elapsed().as_secs_f64() / 1e9);
     }
     rates.sort_by(f64::total_cmp);
-    Peak { kind, best: rates[rates.len() - 1], median: rates[rates.len() / 2] }
+    Peak {
+        kind,
+        best: rates[rates.len() - 1],
+        median: rates[rates.len() / 2],
+    }
 }
 
 fn main() {
-    let secs: f64 = std::env::args().nth(1).and_then(|a| a.parse().ok()).unwrap_or(0.5);
+    let secs: f64 = std::env::args()
+        .nth(1)
+        .and_then(|a| a.parse().ok())
+        .unwrap_or(0.5);
     let p = measure(secs);
     println!(
         "fma_peak: {}, {CHAINS} chains, 1 thread: best {:.1} GFLOP/s, median {:.1} GFLOP/s (9 rounds of {secs} s)",

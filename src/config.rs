@@ -42,8 +42,15 @@ pub const DEFAULT_MAIN_PROCESS_IP: &str = "127.0.0.1";
 pub const DEFAULT_MAIN_PROCESS_PORT: u16 = 29500;
 
 /// The keys a configuration file may hold, in the order `lockstep config` writes them.
-pub const KEYS: &[&str] =
-    &["num_processes", "num_machines", "machine_rank", "main_process_ip", "main_process_port", "mixed_precision", "backend"];
+pub const KEYS: &[&str] = &[
+    "num_processes",
+    "num_machines",
+    "machine_rank",
+    "main_process_ip",
+    "main_process_port",
+    "mixed_precision",
+    "backend",
+];
 
 /// `mixed_precision`: the arithmetic of training (Accelerate's names).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -73,7 +80,11 @@ pub enum BackendChoice {
 
 impl MixedPrecision {
     /// Every value, for help texts and questions.
-    pub const ALL: &'static [MixedPrecision] = &[MixedPrecision::No, MixedPrecision::Fp16, MixedPrecision::Bf16];
+    pub const ALL: &'static [MixedPrecision] = &[
+        MixedPrecision::No,
+        MixedPrecision::Fp16,
+        MixedPrecision::Bf16,
+    ];
 
     /// The name in the file: `no`, `fp16` or `bf16`.
     pub fn name(self) -> &'static str {
@@ -87,7 +98,8 @@ impl MixedPrecision {
 
 impl BackendChoice {
     /// Every value, for help texts and questions.
-    pub const ALL: &'static [BackendChoice] = &[BackendChoice::Shm, BackendChoice::Nccl, BackendChoice::Auto];
+    pub const ALL: &'static [BackendChoice] =
+        &[BackendChoice::Shm, BackendChoice::Nccl, BackendChoice::Auto];
 
     /// The name in the file: `shm`, `nccl` or `auto`.
     pub fn name(self) -> &'static str {
@@ -116,10 +128,14 @@ macro_rules! from_str_by_name {
             type Err = String;
             fn from_str(s: &str) -> Result<$t, String> {
                 let s = s.trim();
-                <$t>::ALL.iter().copied().find(|v| v.name().eq_ignore_ascii_case(s)).ok_or_else(|| {
-                    let names: Vec<&str> = <$t>::ALL.iter().map(|v| v.name()).collect();
-                    format!("{}: {s:?} is not one of {}", $what, names.join(", "))
-                })
+                <$t>::ALL
+                    .iter()
+                    .copied()
+                    .find(|v| v.name().eq_ignore_ascii_case(s))
+                    .ok_or_else(|| {
+                        let names: Vec<&str> = <$t>::ALL.iter().map(|v| v.name()).collect();
+                        format!("{}: {s:?} is not one of {}", $what, names.join(", "))
+                    })
             }
         }
         impl std::fmt::Display for $t {
@@ -144,7 +160,9 @@ impl std::str::FromStr for MixedPrecision {
             .iter()
             .copied()
             .find(|v| v.name().eq_ignore_ascii_case(s))
-            .ok_or_else(|| format!("mixed_precision: {s:?} is not a precision: use no (fp32), fp16 or bf16"))
+            .ok_or_else(|| {
+                format!("mixed_precision: {s:?} is not a precision: use no (fp32), fp16 or bf16")
+            })
     }
 }
 
@@ -268,7 +286,11 @@ struct Raw {
 
 /// 1-based line of byte `at` in `text`.
 fn line_of(text: &str, at: usize) -> usize {
-    text.as_bytes()[..at.min(text.len())].iter().filter(|b| **b == b'\n').count() + 1
+    text.as_bytes()[..at.min(text.len())]
+        .iter()
+        .filter(|b| **b == b'\n')
+        .count()
+        + 1
 }
 
 /// The key of the line holding byte `at`: the text before `=` (or inside `[...]` for a table).
@@ -306,7 +328,11 @@ impl Config {
         })?;
         let at = |s: &std::ops::Range<usize>| s.start;
         let nonzero = |v: &Option<Spanned<usize>>, key: &str| match v {
-            Some(s) if *s.get_ref() == 0 => Err(invalid(at(&s.span()), Some(key.into()), format!("{key} = 0: it must be at least 1"))),
+            Some(s) if *s.get_ref() == 0 => Err(invalid(
+                at(&s.span()),
+                Some(key.into()),
+                format!("{key} = 0: it must be at least 1"),
+            )),
             _ => Ok(v.as_ref().map(|s| *s.get_ref())),
         };
         let num_processes = nonzero(&raw.num_processes, "num_processes")?;
@@ -366,14 +392,18 @@ impl Config {
 
     /// Read and parse `path`.
     pub fn read(path: &Path) -> Result<Config, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.to_path_buf(), source })?;
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
         Config::from_toml(&text, path)
     }
 
     /// Ranks per machine: `num_processes / num_machines`, when the file sets `num_processes`
     /// (the division is exact: [`Config::from_toml`] checks it).
     pub fn processes_per_machine(&self) -> Option<usize> {
-        self.num_processes.map(|n| n / self.num_machines.unwrap_or(1).max(1))
+        self.num_processes
+            .map(|n| n / self.num_machines.unwrap_or(1).max(1))
     }
 
     /// The file's text: the keys it sets, each with a comment saying what it means.
@@ -385,13 +415,41 @@ impl Config {
             }
         };
         let quoted = |v: &str| toml::Value::String(v.to_string()).to_string();
-        line("num_processes", self.num_processes.map(|n| n.to_string()), "ranks of the whole job, over all machines");
-        line("num_machines", self.num_machines.map(|n| n.to_string()), "machines, each running one `lockstep launch`");
-        line("machine_rank", self.machine_rank.map(|n| n.to_string()), "this machine's index, from 0");
-        line("main_process_ip", self.main_process_ip.as_deref().map(quoted), "address of machine 0 (the rendezvous store)");
-        line("main_process_port", self.main_process_port.map(|n| n.to_string()), "port of the rendezvous store (multi-machine jobs)");
-        line("mixed_precision", self.mixed_precision.map(|m| quoted(m.name())), "no | fp16 | bf16");
-        line("backend", self.backend.map(|b| quoted(b.name())), "shm | nccl | auto (nccl when this machine has a GPU)");
+        line(
+            "num_processes",
+            self.num_processes.map(|n| n.to_string()),
+            "ranks of the whole job, over all machines",
+        );
+        line(
+            "num_machines",
+            self.num_machines.map(|n| n.to_string()),
+            "machines, each running one `lockstep launch`",
+        );
+        line(
+            "machine_rank",
+            self.machine_rank.map(|n| n.to_string()),
+            "this machine's index, from 0",
+        );
+        line(
+            "main_process_ip",
+            self.main_process_ip.as_deref().map(quoted),
+            "address of machine 0 (the rendezvous store)",
+        );
+        line(
+            "main_process_port",
+            self.main_process_port.map(|n| n.to_string()),
+            "port of the rendezvous store (multi-machine jobs)",
+        );
+        line(
+            "mixed_precision",
+            self.mixed_precision.map(|m| quoted(m.name())),
+            "no | fp16 | bf16",
+        );
+        line(
+            "backend",
+            self.backend.map(|b| quoted(b.name())),
+            "shm | nccl | auto (nccl when this machine has a GPU)",
+        );
         s
     }
 
@@ -399,10 +457,15 @@ impl Config {
     /// error unless `overwrite`.
     pub fn write(&self, path: &Path, overwrite: bool) -> Result<(), ConfigError> {
         if !overwrite && std::fs::symlink_metadata(path).is_ok() {
-            return Err(ConfigError::Exists { path: path.to_path_buf() });
+            return Err(ConfigError::Exists {
+                path: path.to_path_buf(),
+            });
         }
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-            std::fs::create_dir_all(dir).map_err(|source| ConfigError::CreateDir { path: dir.to_path_buf(), source })?;
+            std::fs::create_dir_all(dir).map_err(|source| ConfigError::CreateDir {
+                path: dir.to_path_buf(),
+                source,
+            })?;
         }
         crate::types::write_atomic(path, self.to_toml().as_bytes(), 0o644)?;
         Ok(())
@@ -414,7 +477,9 @@ pub fn default_path() -> Result<PathBuf, ConfigError> {
     if let Some(x) = std::env::var_os("XDG_CONFIG_HOME").filter(|x| !x.is_empty()) {
         return Ok(PathBuf::from(x).join("lockstep/config.toml"));
     }
-    let home = std::env::var_os("HOME").filter(|h| !h.is_empty()).ok_or(ConfigError::NoHome)?;
+    let home = std::env::var_os("HOME")
+        .filter(|h| !h.is_empty())
+        .ok_or(ConfigError::NoHome)?;
     Ok(PathBuf::from(home).join(".config/lockstep/config.toml"))
 }
 
@@ -450,12 +515,24 @@ pub fn load(flag: Option<&Path>) -> Result<Loaded, ConfigError> {
     match std::fs::read_to_string(&path) {
         Ok(text) => {
             let config = Config::from_toml(&text, &path)?;
-            Ok(Loaded { path, origin, exists: true, config })
+            Ok(Loaded {
+                path,
+                origin,
+                exists: true,
+                config,
+            })
         }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound && origin == Origin::Default => {
-            Ok(Loaded { path, origin, exists: false, config: Config::default() })
+            Ok(Loaded {
+                path,
+                origin,
+                exists: false,
+                config: Config::default(),
+            })
         }
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(ConfigError::Missing { path, origin }),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            Err(ConfigError::Missing { path, origin })
+        }
         Err(source) => Err(ConfigError::Read { path, source }),
     }
 }
@@ -487,8 +564,13 @@ mod tests {
         match parse(t) {
             Err(e @ ConfigError::Invalid { .. }) => {
                 let m = e.to_string();
-                let ConfigError::Invalid { line, key, .. } = e else { unreachable!() };
-                assert!(m.contains("/x/config.toml") && m.contains(&format!("line {line}")), "{m}");
+                let ConfigError::Invalid { line, key, .. } = e else {
+                    unreachable!()
+                };
+                assert!(
+                    m.contains("/x/config.toml") && m.contains(&format!("line {line}")),
+                    "{m}"
+                );
                 (line, key, m)
             }
             other => panic!("{t:?}: expected Invalid, got {other:?}"),
@@ -511,7 +593,10 @@ mod tests {
         assert_eq!(parse("").unwrap(), Config::default());
         let t = "num_processes = 4 # ranks\n# a comment\nbackend = \"nccl\"   # GPUs\n";
         let c = parse(t).unwrap();
-        assert_eq!((c.num_processes, c.backend), (Some(4), Some(BackendChoice::Nccl)));
+        assert_eq!(
+            (c.num_processes, c.backend),
+            (Some(4), Some(BackendChoice::Nccl))
+        );
     }
 
     #[test]
@@ -527,14 +612,37 @@ mod tests {
         let (line, key, m) = invalid("num_processes = \"four\"\n");
         assert_eq!((line, key.as_deref()), (1, Some("num_processes")));
         assert!(m.contains("four") || m.contains("string"), "{m}");
-        assert_eq!(invalid("x = 1\nnum_processes = 0\n").1.as_deref(), Some("x"));
-        assert_eq!(invalid("num_processes = 0\n").1.as_deref(), Some("num_processes"));
-        assert_eq!(invalid("num_processes = -1\n").1.as_deref(), Some("num_processes"));
-        assert_eq!(invalid("main_process_port = 70000\n").1.as_deref(), Some("main_process_port"));
-        assert_eq!(invalid("main_process_port = 0\n").1.as_deref(), Some("main_process_port"));
+        assert_eq!(
+            invalid("x = 1\nnum_processes = 0\n").1.as_deref(),
+            Some("x")
+        );
+        assert_eq!(
+            invalid("num_processes = 0\n").1.as_deref(),
+            Some("num_processes")
+        );
+        assert_eq!(
+            invalid("num_processes = -1\n").1.as_deref(),
+            Some("num_processes")
+        );
+        assert_eq!(
+            invalid("main_process_port = 70000\n").1.as_deref(),
+            Some("main_process_port")
+        );
+        assert_eq!(
+            invalid("main_process_port = 0\n").1.as_deref(),
+            Some("main_process_port")
+        );
         assert_eq!(invalid("num_machines = 2\nmachine_rank = 2\n").0, 2);
-        assert_eq!(invalid("num_processes = 3\nnum_machines = 2\n").1.as_deref(), Some("num_processes"));
-        assert_eq!(invalid("main_process_ip = \"a b\"\n").1.as_deref(), Some("main_process_ip"));
+        assert_eq!(
+            invalid("num_processes = 3\nnum_machines = 2\n")
+                .1
+                .as_deref(),
+            Some("num_processes")
+        );
+        assert_eq!(
+            invalid("main_process_ip = \"a b\"\n").1.as_deref(),
+            Some("main_process_ip")
+        );
         let (line, key, m) = invalid("num_processes = 2\n[launch]\nx = 1\n");
         assert_eq!((line, key.as_deref()), (2, Some("launch")));
         assert!(m.contains("unknown field"), "{m}");
@@ -546,12 +654,22 @@ mod tests {
     #[test]
     fn choices_parse_by_name() {
         assert_eq!("BF16".parse::<MixedPrecision>(), Ok(MixedPrecision::Bf16));
-        assert!("fp8".parse::<MixedPrecision>().unwrap_err().contains("no (fp32), fp16 or bf16"));
+        assert!("fp8"
+            .parse::<MixedPrecision>()
+            .unwrap_err()
+            .contains("no (fp32), fp16 or bf16"));
         assert_eq!("auto".parse::<BackendChoice>(), Ok(BackendChoice::Auto));
         assert_eq!(
-            (BackendChoice::Auto.resolve(0), BackendChoice::Auto.resolve(2), BackendChoice::Nccl.resolve(0)),
+            (
+                BackendChoice::Auto.resolve(0),
+                BackendChoice::Auto.resolve(2),
+                BackendChoice::Nccl.resolve(0)
+            ),
             ("shm", "nccl", "nccl")
         );
-        assert_eq!((auto_processes_per_machine(0), auto_processes_per_machine(8)), (DEFAULT_NUM_PROCESSES, 8));
+        assert_eq!(
+            (auto_processes_per_machine(0), auto_processes_per_machine(8)),
+            (DEFAULT_NUM_PROCESSES, 8)
+        );
     }
 }

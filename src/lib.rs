@@ -52,6 +52,8 @@ pub mod staged;
 #[cfg(feature = "train")]
 pub mod train;
 
-pub use comm::{Buffer, BufferMut, CollKind, CommError, Communicator, Dtype, Element, ReduceOp, SharedBuffer};
+pub use comm::{
+    Buffer, BufferMut, CollKind, CommError, Communicator, Dtype, Element, ReduceOp, SharedBuffer,
+};
 pub use half;
 pub use launch::{launch, LaunchConfig, RankContext, RankResult};

@@ -12,16 +12,31 @@ pub fn env_report() -> String {
         Ok(n) => {
             let mut t = format!("  nccl   : {} (found via {})\n", n.path, n.origin);
             t.push_str(&format!("           chosen: {}\n", n.reason));
-            t.push_str(&format!("           ncclGetVersion = {} ({})\n", n.version, nccl_version_string(n.version)));
+            t.push_str(&format!(
+                "           ncclGetVersion = {} ({})\n",
+                n.version,
+                nccl_version_string(n.version)
+            ));
             if let Err(e) = crate::nccl::check_library() {
-                t.push_str(&format!("           incomplete: {}\n", indent(&e.to_string())));
+                t.push_str(&format!(
+                    "           incomplete: {}\n",
+                    indent(&e.to_string())
+                ));
             }
             t
         }
-        Err(e) => format!("  nccl   : not found\n           {}\n", indent(&e.to_string())),
+        Err(e) => format!(
+            "  nccl   : not found\n           {}\n",
+            indent(&e.to_string())
+        ),
     };
     s.push_str(&nccl);
-    for var in ["CUDA_VISIBLE_DEVICES", "LOCKSTEP_CUDA_LIBRARY", "LOCKSTEP_NVRTC_LIBRARY", "LOCKSTEP_NCCL_LIBRARY"] {
+    for var in [
+        "CUDA_VISIBLE_DEVICES",
+        "LOCKSTEP_CUDA_LIBRARY",
+        "LOCKSTEP_NVRTC_LIBRARY",
+        "LOCKSTEP_NCCL_LIBRARY",
+    ] {
         if let Ok(v) = std::env::var(var) {
             s.push_str(&format!("  {var}={v}\n"));
         }

@@ -66,7 +66,11 @@ impl StagedBackend {
         Communicator::from_backend(Box::new(self))
     }
 
-    fn ensure(ctx: &Arc<Context>, buf: &mut PinnedBuffer<u8>, bytes: usize) -> Result<(), CudaError> {
+    fn ensure(
+        ctx: &Arc<Context>,
+        buf: &mut PinnedBuffer<u8>,
+        bytes: usize,
+    ) -> Result<(), CudaError> {
         if buf.len() < bytes {
             *buf = PinnedBuffer::zeros(ctx, bytes.next_power_of_two())?;
         }
@@ -74,14 +78,19 @@ impl StagedBackend {
     }
 
     fn cuda_err(&self, call: &Call, e: CudaError) -> CommError {
-        CommError::Backend { backend: "staged", message: format!("{} on rank {}: {e}", call.kind, self.inner.rank()) }
+        CommError::Backend {
+            backend: "staged",
+            message: format!("{} on rank {}: {e}", call.kind, self.inner.rank()),
+        }
     }
 
     fn staged(&mut self, call: &Call) -> Result<(), StageError> {
         let sz = call.dtype.size();
         let (s, r) = (call.send, call.recv);
         let (sb, rb) = (s.len * sz, r.len * sz);
-        let within = |inner: RawMem, ib: usize, outer: RawMem, ob: usize| inner.addr >= outer.addr && inner.addr + ib <= outer.addr + ob;
+        let within = |inner: RawMem, ib: usize, outer: RawMem, ob: usize| {
+            inner.addr >= outer.addr && inner.addr + ib <= outer.addr + ob
+        };
         self.ctx.bind()?;
         self.producers.order(&self.stream)?;
         // Which region is staged where: one region when one buffer contains the other.
@@ -107,21 +116,36 @@ impl StagedBackend {
         }
         self.stream.synchronize()?;
         let host_call = Call {
-            send: RawMem { addr: host_send, len: s.len, space: MemSpace::Host },
-            recv: RawMem { addr: host_recv, len: r.len, space: MemSpace::Host },
+            send: RawMem {
+                addr: host_send,
+                len: s.len,
+                space: MemSpace::Host,
+            },
+            recv: RawMem {
+                addr: host_recv,
+                len: r.len,
+                space: MemSpace::Host,
+            },
             ..*call
         };
-        self.inner.run_checked(&host_call).map_err(StageError::Comm)?;
+        self.inner
+            .run_checked(&host_call)
+            .map_err(StageError::Comm)?;
         // Copy back only where the collective wrote: every rank, or the root for reduce/gather.
         let writes = match call.kind {
-            CollKind::Reduce | CollKind::Gather | CollKind::GatherV => self.inner.rank() == call.root,
+            CollKind::Reduce | CollKind::Gather | CollKind::GatherV => {
+                self.inner.rank() == call.root
+            }
             CollKind::Barrier => false,
             _ => true,
         };
         if writes && rb > 0 {
             // SAFETY: `r` is a device range of `rb` bytes on this context (checked by `run`);
             // `host_recv` points into a live pinned staging buffer of at least `rb` bytes.
-            unsafe { self.stream.memcpy_htod_raw(r.addr as u64, host_recv as *const u8, rb)? };
+            unsafe {
+                self.stream
+                    .memcpy_htod_raw(r.addr as u64, host_recv as *const u8, rb)?
+            };
             self.stream.synchronize()?;
         }
         Ok(())
@@ -153,15 +177,30 @@ impl StagedBackend {
             if op.kind == CollKind::Send {
                 self.d2h(op.mem.addr, *off, op.mem.len * op.dtype.size())?;
             }
-            host_ops.push(P2pOp { mem: RawMem { addr: base + off, len: op.mem.len, space: MemSpace::Host }, ..*op });
+            host_ops.push(P2pOp {
+                mem: RawMem {
+                    addr: base + off,
+                    len: op.mem.len,
+                    space: MemSpace::Host,
+                },
+                ..*op
+            });
         }
         self.stream.synchronize()?;
-        self.inner.p2p_checked(&host_ops).map_err(StageError::Comm)?;
+        self.inner
+            .p2p_checked(&host_ops)
+            .map_err(StageError::Comm)?;
         for (op, off) in ops.iter().zip(&offsets) {
             if on_device(op) && op.kind == CollKind::Recv {
                 // SAFETY: `op.mem` is a device range of this context (checked by `p2p`); the
                 // staging block at `off` holds its `len × size` bytes.
-                unsafe { self.stream.memcpy_htod_raw(op.mem.addr as u64, (base + off) as *const u8, op.mem.len * op.dtype.size())? };
+                unsafe {
+                    self.stream.memcpy_htod_raw(
+                        op.mem.addr as u64,
+                        (base + off) as *const u8,
+                        op.mem.len * op.dtype.size(),
+                    )?
+                };
             }
         }
         self.stream.synchronize()?;
@@ -171,12 +210,18 @@ impl StagedBackend {
     fn d2h(&mut self, src: usize, offset: usize, bytes: usize) -> Result<(), CudaError> {
         // SAFETY: `src` is a device range of `bytes` bytes on this context; `stage_a` holds at
         // least `offset + bytes` bytes and is not touched until the stream is synchronized.
-        unsafe { self.stream.memcpy_dtoh_raw(self.stage_a.as_mut_ptr().add(offset), src as u64, bytes) }
+        unsafe {
+            self.stream
+                .memcpy_dtoh_raw(self.stage_a.as_mut_ptr().add(offset), src as u64, bytes)
+        }
     }
 
     fn d2h_b(&mut self, src: usize, bytes: usize) -> Result<(), CudaError> {
         // SAFETY: as in `d2h`, for `stage_b`.
-        unsafe { self.stream.memcpy_dtoh_raw(self.stage_b.as_mut_ptr(), src as u64, bytes) }
+        unsafe {
+            self.stream
+                .memcpy_dtoh_raw(self.stage_b.as_mut_ptr(), src as u64, bytes)
+        }
     }
 }
 
@@ -195,7 +240,11 @@ impl Backend for StagedBackend {
 
     fn describe(&self) -> String {
         // The host communicator logged its own line when it was made.
-        format!("device {} staged through host backend {}", self.ctx.ordinal(), self.inner.backend_kind())
+        format!(
+            "device {} staged through host backend {}",
+            self.ctx.ordinal(),
+            self.inner.backend_kind()
+        )
     }
 
     fn device(&self) -> Option<Arc<Context>> {
@@ -203,10 +252,13 @@ impl Backend for StagedBackend {
     }
 
     fn run(&mut self, call: &Call) -> Result<(), CommError> {
-        let dev = [call.send, call.recv].iter().filter(|m| m.len > 0).find_map(|m| match m.space {
-            MemSpace::Device(d) => Some(d),
-            MemSpace::Host => None,
-        });
+        let dev = [call.send, call.recv]
+            .iter()
+            .filter(|m| m.len > 0)
+            .find_map(|m| match m.space {
+                MemSpace::Device(d) => Some(d),
+                MemSpace::Host => None,
+            });
         let Some(dev) = dev else {
             // Host buffers: straight to the host backend.
             return self.inner.run_checked(call);
@@ -215,7 +267,10 @@ impl Backend for StagedBackend {
             return Err(CommError::InvalidArgument {
                 op: call.kind,
                 rank: self.inner.rank(),
-                detail: format!("buffer is on device {dev} but this rank stages through device {}", self.ctx.ordinal()),
+                detail: format!(
+                    "buffer is on device {dev} but this rank stages through device {}",
+                    self.ctx.ordinal()
+                ),
             });
         }
         self.staged(call).map_err(|e| match e {
@@ -225,19 +280,26 @@ impl Backend for StagedBackend {
     }
 
     fn p2p(&mut self, ops: &[P2pOp]) -> Result<(), CommError> {
-        let wrong = ops.iter().find(|op| op.mem.len > 0 && matches!(op.mem.space, MemSpace::Device(d) if d != self.ctx.ordinal()));
+        let wrong = ops.iter().find(|op| {
+            op.mem.len > 0 && matches!(op.mem.space, MemSpace::Device(d) if d != self.ctx.ordinal())
+        });
         if let Some(op) = wrong {
             return Err(CommError::InvalidArgument {
                 op: op.kind,
                 rank: self.inner.rank(),
-                detail: format!("buffer is on {:?} but this rank stages through device {}", op.mem.space, self.ctx.ordinal()),
+                detail: format!(
+                    "buffer is on {:?} but this rank stages through device {}",
+                    op.mem.space,
+                    self.ctx.ordinal()
+                ),
             });
         }
         self.staged_p2p(ops).map_err(|e| match e {
             StageError::Comm(e) => e,
-            StageError::Cuda(e) => {
-                CommError::Backend { backend: "staged", message: format!("send/recv on rank {}: {e}", self.inner.rank()) }
-            }
+            StageError::Cuda(e) => CommError::Backend {
+                backend: "staged",
+                message: format!("send/recv on rank {}: {e}", self.inner.rank()),
+            },
         })
     }
 
@@ -249,25 +311,39 @@ impl Backend for StagedBackend {
 
     fn synchronize(&mut self) -> Result<(), CommError> {
         self.inner.synchronize()?;
-        self.stream.synchronize().map_err(|e| CommError::Backend { backend: "staged", message: e.to_string() })
+        self.stream.synchronize().map_err(|e| CommError::Backend {
+            backend: "staged",
+            message: e.to_string(),
+        })
     }
 
     fn seq(&self) -> u64 {
         self.inner.seq()
     }
 
-    fn split(&mut self, color: Option<u32>, key: i64) -> Result<Option<Box<dyn Backend>>, CommError> {
+    fn split(
+        &mut self,
+        color: Option<u32>,
+        key: i64,
+    ) -> Result<Option<Box<dyn Backend>>, CommError> {
         // The host communicator splits; the sub-communicator stages through the same device.
-        let Some(inner) = self.inner.split(color, key)? else { return Ok(None) };
+        let Some(inner) = self.inner.split(color, key)? else {
+            return Ok(None);
+        };
         let rank = inner.global_rank();
         let child = StagedBackend::new(&self.ctx, inner).map_err(|e| CommError::Backend {
             backend: "staged",
-            message: format!("split on rank {rank}: setting up the sub-communicator's staging on device {}: {e}", self.ctx.ordinal()),
+            message: format!(
+                "split on rank {rank}: setting up the sub-communicator's staging on device {}: {e}",
+                self.ctx.ordinal()
+            ),
         })?;
         Ok(Some(Box::new(child)))
     }
 
     fn global_ranks(&self) -> Option<Vec<usize>> {
-        self.inner.is_sub_communicator().then(|| self.inner.global_ranks())
+        self.inner
+            .is_sub_communicator()
+            .then(|| self.inner.global_ranks())
     }
 }

@@ -36,21 +36,42 @@ fn main() -> std::process::ExitCode {
     let world = 3;
     // Moved into the closure and consumed there: only an FnOnce can do this.
     let notes: Vec<String> = (0..world).map(|r| format!("rank {r} was here")).collect();
-    let res = launch(&LaunchConfig::new(world), move |mut ctx: RankContext| -> RankResult<Summary> {
-        let mut t = Tensor { shape: vec![2, 5], data: vec![ctx.rank as f32 + 1.0; 10] };
-        ctx.comm.all_reduce_in_place(&mut t, ReduceOp::Sum)?;
-        let mut gathered = Tensor { shape: vec![world, 2, 5], data: vec![0.0; 10 * world] };
-        ctx.comm.all_gather(&t, &mut gathered)?;
-        // A locally refused call is an error value, not a panic.
-        let mut short = Tensor { shape: vec![3], data: vec![0.0; 3] };
-        match ctx.comm.all_reduce(&t, &mut short, ReduceOp::Sum) {
-            Err(CommError::InvalidArgument { .. }) => {}
-            other => return Err(format!("a length mismatch must be refused locally, got {other:?}").into()),
-        }
-        let mut notes = notes;
-        let note = notes.drain(..).nth(ctx.rank);
-        Ok(Summary { rank: ctx.rank, shape: gathered.shape, sum: gathered.data.iter().map(|&x| x as f64).sum(), note })
-    });
+    let res = launch(
+        &LaunchConfig::new(world),
+        move |mut ctx: RankContext| -> RankResult<Summary> {
+            let mut t = Tensor {
+                shape: vec![2, 5],
+                data: vec![ctx.rank as f32 + 1.0; 10],
+            };
+            ctx.comm.all_reduce_in_place(&mut t, ReduceOp::Sum)?;
+            let mut gathered = Tensor {
+                shape: vec![world, 2, 5],
+                data: vec![0.0; 10 * world],
+            };
+            ctx.comm.all_gather(&t, &mut gathered)?;
+            // A locally refused call is an error value, not a panic.
+            let mut short = Tensor {
+                shape: vec![3],
+                data: vec![0.0; 3],
+            };
+            match ctx.comm.all_reduce(&t, &mut short, ReduceOp::Sum) {
+                Err(CommError::InvalidArgument { .. }) => {}
+                other => {
+                    return Err(
+                        format!("a length mismatch must be refused locally, got {other:?}").into(),
+                    )
+                }
+            }
+            let mut notes = notes;
+            let note = notes.drain(..).nth(ctx.rank);
+            Ok(Summary {
+                rank: ctx.rank,
+                shape: gathered.shape,
+                sum: gathered.data.iter().map(|&x| x as f64).sum(),
+                note,
+            })
+        },
+    );
     let want_sum = (1..=world).sum::<usize>() as f64 * 10.0 * world as f64;
     match res {
         Ok(v)

@@ -25,7 +25,12 @@ use lockstep::train::checkpoint::{SaveStep, FAULT_ENV};
 
 const BIN: &str = env!("CARGO_BIN_EXE_train-cnn");
 /// The names a checkpoint at `ck/model.safetensors` leaves once two saves completed.
-const FOUR: [&str; 4] = ["model.optim.safetensors", "model.prev.optim.safetensors", "model.prev.safetensors", "model.safetensors"];
+const FOUR: [&str; 4] = [
+    "model.optim.safetensors",
+    "model.prev.optim.safetensors",
+    "model.prev.safetensors",
+    "model.safetensors",
+];
 /// Training images per run and per step: 4 steps an epoch on one rank.
 const LIMIT: &str = "256";
 const BATCH: &str = "64";
@@ -45,10 +50,27 @@ fn root() -> &'static (common::Scratch, PathBuf) {
 /// `train-cnn` on one CPU rank with the synthetic data, `--json` epochs on stdout.
 fn train_cnn(epochs: u64) -> Command {
     let mut c = Command::new(BIN);
-    for v in ["LOCKSTEP_JOB_ID", "RANK", "WORLD_SIZE", "LOCKSTEP_LOG", FAULT_ENV] {
+    for v in [
+        "LOCKSTEP_JOB_ID",
+        "RANK",
+        "WORLD_SIZE",
+        "LOCKSTEP_LOG",
+        FAULT_ENV,
+    ] {
         c.env_remove(v);
     }
-    c.args(["--device", "cpu", "--nprocs", "1", "--batch-size", BATCH, "--limit-train", LIMIT, "--json", "--epochs"]);
+    c.args([
+        "--device",
+        "cpu",
+        "--nprocs",
+        "1",
+        "--batch-size",
+        BATCH,
+        "--limit-train",
+        LIMIT,
+        "--json",
+        "--epochs",
+    ]);
     c.arg(epochs.to_string()).arg("--data").arg(&root().1);
     c
 }
@@ -72,12 +94,24 @@ fn stderr(o: &Output) -> String {
 
 /// The epochs the run reported (`"epoch":N` of each JSON line).
 fn epochs_run(o: &Output) -> Vec<u64> {
-    String::from_utf8_lossy(&o.stdout).lines().filter_map(|l| l.strip_prefix("{\"epoch\":")?.split(',').next()?.parse().ok()).collect()
+    String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .filter_map(|l| {
+            l.strip_prefix("{\"epoch\":")?
+                .split(',')
+                .next()?
+                .parse()
+                .ok()
+        })
+        .collect()
 }
 
 fn names(d: &Path) -> Vec<String> {
     let mut v: Vec<String> = match std::fs::read_dir(d) {
-        Ok(rd) => rd.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect(),
+        Ok(rd) => rd
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect(),
         Err(_) => Vec::new(),
     };
     v.sort();
@@ -91,8 +125,13 @@ fn temps(d: &Path) -> usize {
 /// Every tensor of a safetensors file by name (the metadata, with its save id, left out).
 fn tensors(p: &Path) -> Result<Tensors, String> {
     let bytes = std::fs::read(p).map_err(|e| format!("{}: {e}", p.display()))?;
-    let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| format!("{}: {e}", p.display()))?;
-    Ok(st.tensors().into_iter().map(|(n, t)| (n, t.data().to_vec())).collect())
+    let st = safetensors::SafeTensors::deserialize(&bytes)
+        .map_err(|e| format!("{}: {e}", p.display()))?;
+    Ok(st
+        .tensors()
+        .into_iter()
+        .map(|(n, t)| (n, t.data().to_vec()))
+        .collect())
 }
 
 /// Every file under `d` (recursively, symlinks not followed) with its size and contents.
@@ -132,8 +171,17 @@ fn reference() -> Result<&'static (Tensors, Tensors), String> {
     let mut c = train_cnn(3);
     c.arg("--save").arg(&ck);
     let o = run(c)?;
-    check(o.status.success() && epochs_run(&o) == [1, 2, 3], "the uninterrupted run", show(&o))?;
-    Ok(REF.get_or_init(|| (tensors(&ck).unwrap_or_default(), tensors(&d.join("model.optim.safetensors")).unwrap_or_default())))
+    check(
+        o.status.success() && epochs_run(&o) == [1, 2, 3],
+        "the uninterrupted run",
+        show(&o),
+    )?;
+    Ok(REF.get_or_init(|| {
+        (
+            tensors(&ck).unwrap_or_default(),
+            tensors(&d.join("model.optim.safetensors")).unwrap_or_default(),
+        )
+    }))
 }
 
 /// A checkpoint directory holding a complete 1-epoch save, made once and copied per test.
@@ -147,7 +195,11 @@ fn epoch_one() -> Result<PathBuf, String> {
     let mut c = train_cnn(1);
     c.arg("--save").arg(d.join("model.safetensors"));
     let o = run(c)?;
-    check(o.status.success() && epochs_run(&o) == [1], "the 1-epoch run", show(&o))?;
+    check(
+        o.status.success() && epochs_run(&o) == [1],
+        "the 1-epoch run",
+        show(&o),
+    )?;
     Ok(ONE.get_or_init(|| d).clone())
 }
 
@@ -176,11 +228,17 @@ fn kill_at(step: SaveStep) -> Result<Row, String> {
 
     let t = Instant::now();
     let mut c = train_cnn(2);
-    c.arg("--resume").arg(&ck).arg("--save").arg(&ck).env(FAULT_ENV, step.name());
+    c.arg("--resume")
+        .arg(&ck)
+        .arg("--save")
+        .arg(&ck)
+        .env(FAULT_ENV, step.name());
     let killed = run(c)?;
     let killed_s = t.elapsed().as_secs_f64();
     check(
-        !killed.status.success() && stderr(&killed).contains(&format!("{FAULT_ENV}={step}")) && stderr(&killed).contains("SIGKILL"),
+        !killed.status.success()
+            && stderr(&killed).contains(&format!("{FAULT_ENV}={step}"))
+            && stderr(&killed).contains("SIGKILL"),
         "the save is killed at the step",
         show(&killed),
     )?;
@@ -200,16 +258,55 @@ fn kill_at(step: SaveStep) -> Result<Row, String> {
         &format!("the resume after a kill at {step} starts from the newest committed save, epoch {expect}"),
         show(&resumed),
     )?;
-    check(epochs_run(&resumed) == (expect + 1..=3).collect::<Vec<_>>(), "the remaining epochs run", show(&resumed))?;
-    check(names(&ckdir) == FOUR, "the checkpoint directory holds the two pairs and no temporary file", format!("{:?}", names(&ckdir)))?;
-    check(snapshot(&w, &ckdir) == before, "nothing outside the checkpoint directory changed", "")?;
+    check(
+        epochs_run(&resumed) == (expect + 1..=3).collect::<Vec<_>>(),
+        "the remaining epochs run",
+        show(&resumed),
+    )?;
+    check(
+        names(&ckdir) == FOUR,
+        "the checkpoint directory holds the two pairs and no temporary file",
+        format!("{:?}", names(&ckdir)),
+    )?;
+    check(
+        snapshot(&w, &ckdir) == before,
+        "nothing outside the checkpoint directory changed",
+        "",
+    )?;
     let (model, optim) = reference()?;
-    check(&tensors(&ck)? == model, "the final model equals the uninterrupted run's bit for bit", "")?;
-    check(&tensors(&ckdir.join("model.optim.safetensors"))? == optim, "so does the optimizer state", "")?;
-    let line = err.lines().find(|l| l.contains("resuming from")).unwrap_or_default();
-    let from = line.split(" and ").nth(1).and_then(|s| s.rsplit('/').next()).unwrap_or("?").to_string();
-    let via = if from.starts_with("model.prev.optim") { "kept optimizer file" } else { "live pair" };
-    Ok((step.to_string(), format!("latest, epoch {expect} ({via})"), temps_after_kill, temps(&ckdir), killed_s, resumed_s))
+    check(
+        &tensors(&ck)? == model,
+        "the final model equals the uninterrupted run's bit for bit",
+        "",
+    )?;
+    check(
+        &tensors(&ckdir.join("model.optim.safetensors"))? == optim,
+        "so does the optimizer state",
+        "",
+    )?;
+    let line = err
+        .lines()
+        .find(|l| l.contains("resuming from"))
+        .unwrap_or_default();
+    let from = line
+        .split(" and ")
+        .nth(1)
+        .and_then(|s| s.rsplit('/').next())
+        .unwrap_or("?")
+        .to_string();
+    let via = if from.starts_with("model.prev.optim") {
+        "kept optimizer file"
+    } else {
+        "live pair"
+    };
+    Ok((
+        step.to_string(),
+        format!("latest, epoch {expect} ({via})"),
+        temps_after_kill,
+        temps(&ckdir),
+        killed_s,
+        resumed_s,
+    ))
 }
 
 fn kill_at_every_save_step() -> Result<(), String> {
@@ -218,7 +315,10 @@ fn kill_at_every_save_step() -> Result<(), String> {
     for step in SaveStep::ALL {
         rows.push(kill_at(step).map_err(|e| format!("kill at {step}:\n{e}"))?);
     }
-    println!("  {:<16} {:<42} {:>11} {:>12} {:>8} {:>9}", "fault step", "resumed from", "tmp (kill)", "tmp (saved)", "kill s", "resume s");
+    println!(
+        "  {:<16} {:<42} {:>11} {:>12} {:>8} {:>9}",
+        "fault step", "resumed from", "tmp (kill)", "tmp (saved)", "kill s", "resume s"
+    );
     for (s, from, a, b, k, r) in &rows {
         println!("  {s:<16} {from:<42} {a:>11} {b:>12} {k:>8.2} {r:>9.2}");
     }
@@ -234,7 +334,11 @@ fn damaged_latest_resumes_the_previous_pair() -> Result<(), String> {
     let mut c = train_cnn(2);
     c.arg("--resume").arg(&ck).arg("--save").arg(&ck);
     let o = run(c)?;
-    check(o.status.success() && names(&ckdir) == FOUR, "a second save keeps the first as the previous pair", show(&o))?;
+    check(
+        o.status.success() && names(&ckdir) == FOUR,
+        "a second save keeps the first as the previous pair",
+        show(&o),
+    )?;
     // Half the latest model file, as a failing disk or a careless copy might leave it.
     let bytes = std::fs::read(&ck).map_err(|e| e.to_string())?;
     std::fs::write(&ck, &bytes[..bytes.len() / 2]).map_err(|e| e.to_string())?;
@@ -252,32 +356,52 @@ fn damaged_latest_resumes_the_previous_pair() -> Result<(), String> {
         show(&o),
     )?;
     let (model, _) = reference()?;
-    check(&tensors(&ck)? == model, "and the run ends where the uninterrupted one does", "")
+    check(
+        &tensors(&ck)? == model,
+        "and the run ends where the uninterrupted one does",
+        "",
+    )
 }
 
 /// A directory in which this user cannot create a file, if one can be found.
 fn unwritable_dir() -> Option<PathBuf> {
-    let probe =
-        |d: &Path| std::fs::File::create(d.join(".lockstep-probe")).map(|_| std::fs::remove_file(d.join(".lockstep-probe"))).is_err();
+    let probe = |d: &Path| {
+        std::fs::File::create(d.join(".lockstep-probe"))
+            .map(|_| std::fs::remove_file(d.join(".lockstep-probe")))
+            .is_err()
+    };
     let d = root().0.join("readonly");
     let _ = std::fs::create_dir_all(&d);
-    let _ = std::process::Command::new("chmod").arg("0555").arg(&d).status();
+    let _ = std::process::Command::new("chmod")
+        .arg("0555")
+        .arg(&d)
+        .status();
     if probe(&d) {
         return Some(d);
     }
     // root ignores permission bits; sysfs refuses new files even to root.
-    [Path::new("/sys")].into_iter().find(|d| d.is_dir() && probe(d)).map(Path::to_path_buf)
+    [Path::new("/sys")]
+        .into_iter()
+        .find(|d| d.is_dir() && probe(d))
+        .map(Path::to_path_buf)
 }
 
 fn save_path_problems_fail_before_training() -> Result<(), String> {
     let w = root().0.join("bad-targets");
     std::fs::create_dir_all(w.join("adir")).map_err(|e| e.to_string())?;
-    let cases: Vec<(PathBuf, &str)> =
-        vec![(w.join("adir"), "is a directory"), (w.join("missing/sub/model.safetensors"), "does not exist; create it first")];
+    let cases: Vec<(PathBuf, &str)> = vec![
+        (w.join("adir"), "is a directory"),
+        (
+            w.join("missing/sub/model.safetensors"),
+            "does not exist; create it first",
+        ),
+    ];
     let mut cases = cases;
     match unwritable_dir() {
         Some(d) => cases.push((d.join("model.safetensors"), "cannot create a file in")),
-        None => println!("  skipped: the unwritable-directory case (no directory refuses this user's files)"),
+        None => println!(
+            "  skipped: the unwritable-directory case (no directory refuses this user's files)"
+        ),
     }
     for (path, says) in cases {
         let t = Instant::now();
@@ -286,29 +410,50 @@ fn save_path_problems_fail_before_training() -> Result<(), String> {
         let o = run(c)?;
         let err = stderr(&o);
         check(
-            o.status.code() == Some(2) && err.contains(&path.display().to_string()) && err.contains(says) && epochs_run(&o).is_empty(),
+            o.status.code() == Some(2)
+                && err.contains(&path.display().to_string())
+                && err.contains(says)
+                && epochs_run(&o).is_empty(),
             &format!("--save {} fails at once saying {says:?}", path.display()),
             show(&o),
         )?;
-        check(t.elapsed().as_secs_f64() < 10.0, "before any training", format!("{:?}", t.elapsed()))?;
+        check(
+            t.elapsed().as_secs_f64() < 10.0,
+            "before any training",
+            format!("{:?}", t.elapsed()),
+        )?;
     }
     let mut c = train_cnn(1);
-    c.arg("--save").arg(w.join("model.safetensors")).env(FAULT_ENV, "after-rename");
+    c.arg("--save")
+        .arg(w.join("model.safetensors"))
+        .env(FAULT_ENV, "after-rename");
     let o = run(c)?;
     let err = stderr(&o);
     check(
-        o.status.code() == Some(2) && err.contains("\"after-rename\"") && SaveStep::ALL.iter().all(|s| err.contains(s.name())),
+        o.status.code() == Some(2)
+            && err.contains("\"after-rename\"")
+            && SaveStep::ALL.iter().all(|s| err.contains(s.name())),
         "a misspelt fault step is refused with the list of valid ones",
         show(&o),
     )?;
-    check(names(&w) == ["adir"], "and nothing was written", format!("{:?}", names(&w)))
+    check(
+        names(&w) == ["adir"],
+        "and nothing was written",
+        format!("{:?}", names(&w)),
+    )
 }
 
 fn main() -> std::process::ExitCode {
     let code = common::run(&[
         ("kill_at_every_save_step", kill_at_every_save_step),
-        ("damaged_latest_resumes_the_previous_pair", damaged_latest_resumes_the_previous_pair),
-        ("save_path_problems_fail_before_training", save_path_problems_fail_before_training),
+        (
+            "damaged_latest_resumes_the_previous_pair",
+            damaged_latest_resumes_the_previous_pair,
+        ),
+        (
+            "save_path_problems_fail_before_training",
+            save_path_problems_fail_before_training,
+        ),
     ]);
     if code == std::process::ExitCode::SUCCESS {
         let _ = std::fs::remove_dir_all(&root().0);

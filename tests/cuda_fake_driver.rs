@@ -118,7 +118,9 @@ fn counter(var: &str, name: &str) -> i32 {
     // SAFETY: the fake library has no initialisers; the symbol has the declared C prototype.
     unsafe {
         let lib = libloading::Library::new(&path).unwrap();
-        let f = lib.get::<unsafe extern "C" fn() -> i32>(sym.as_bytes()).unwrap();
+        let f = lib
+            .get::<unsafe extern "C" fn() -> i32>(sym.as_bytes())
+            .unwrap();
         f()
     }
 }
@@ -126,15 +128,22 @@ fn counter(var: &str, name: &str) -> i32 {
 fn sim_nccl_comm(
     world: usize,
     opts: lockstep::nccl::NcclOptions,
-) -> (Arc<lockstep::cuda::Context>, Result<lockstep::nccl::NcclComm, lockstep::nccl::NcclError>) {
+) -> (
+    Arc<lockstep::cuda::Context>,
+    Result<lockstep::nccl::NcclComm, lockstep::nccl::NcclError>,
+) {
     let ctx = lockstep::cuda::Context::new(0).unwrap();
-    let mut exchange = |_rank: usize, id: Option<&[u8; 128]>| id.copied().ok_or_else(|| "no peer".to_string());
+    let mut exchange =
+        |_rank: usize, id: Option<&[u8; 128]>| id.copied().ok_or_else(|| "no peer".to_string());
     let comm = lockstep::nccl::NcclComm::new(&ctx, 0, world, &mut exchange, opts);
     (ctx, comm)
 }
 
 fn short_timeout() -> lockstep::nccl::NcclOptions {
-    lockstep::nccl::NcclOptions { timeout: Duration::from_millis(500), ..Default::default() }
+    lockstep::nccl::NcclOptions {
+        timeout: Duration::from_millis(500),
+        ..Default::default()
+    }
 }
 
 #[inline(never)]
@@ -147,7 +156,10 @@ fn expect_contains(what: &str, text: &str, needles: &[&str]) {
         println!("== {what}:\n{text}\n");
     }
     for n in needles {
-        assert!(text.contains(n), "{what}: expected to find {n:?} in:\n----\n{text}\n----");
+        assert!(
+            text.contains(n),
+            "{what}: expected to find {n:?} in:\n----\n{text}\n----"
+        );
     }
 }
 
@@ -157,8 +169,19 @@ fn scenario(name: &str) {
         "guard_records_location" => {
             assert!(check_fork_safe().is_ok(), "nothing loaded yet");
             let report = lockstep::report::env_report();
-            expect_contains("env_report", &report, &["libcuda.so.1", "12040 (CUDA 12.4)", "initialised in this process: no"]);
-            assert!(check_fork_safe().is_ok(), "loaded but not initialised must be fork-safe");
+            expect_contains(
+                "env_report",
+                &report,
+                &[
+                    "libcuda.so.1",
+                    "12040 (CUDA 12.4)",
+                    "initialised in this process: no",
+                ],
+            );
+            assert!(
+                check_fork_safe().is_ok(),
+                "loaded but not initialised must be fork-safe"
+            );
             init_cuda_from_here();
             lockstep::cuda::init::ensure_init().unwrap();
             assert_eq!(fake_init_calls(), 1, "cuInit must run once per process");
@@ -177,28 +200,57 @@ fn scenario(name: &str) {
                     "lockstep::launch",
                 ],
             );
-            let launch_err = lockstep::launch::launch(&lockstep::launch::LaunchConfig::new(2), |_ctx| Ok(0u64)).unwrap_err().to_string();
-            expect_contains("launch", &launch_err, &["CUDA was already initialised", "init_cuda_from_here"]);
-            expect_contains("probe_child", &probe_child().unwrap_err(), &["already initialised"]);
-            expect_contains("env_report", &lockstep::report::env_report(), &["initialised in this process: yes, by lockstep"]);
+            let launch_err =
+                lockstep::launch::launch(&lockstep::launch::LaunchConfig::new(2), |_ctx| Ok(0u64))
+                    .unwrap_err()
+                    .to_string();
+            expect_contains(
+                "launch",
+                &launch_err,
+                &["CUDA was already initialised", "init_cuda_from_here"],
+            );
+            expect_contains(
+                "probe_child",
+                &probe_child().unwrap_err(),
+                &["already initialised"],
+            );
+            expect_contains(
+                "env_report",
+                &lockstep::report::env_report(),
+                &["initialised in this process: yes, by lockstep"],
+            );
         }
         "foreign_init_refused" => {
             let path = std::env::var("LOCKSTEP_CUDA_LIBRARY").unwrap();
             // SAFETY: the fake has no initialisers.
             let lib = unsafe { libloading::Library::new(&path) }.unwrap();
-            assert!(check_fork_safe().is_ok(), "mapped but not initialised must be fork-safe");
+            assert!(
+                check_fork_safe().is_ok(),
+                "mapped but not initialised must be fork-safe"
+            );
             // Initialise behind lockstep's back, as a foreign library would.
             // SAFETY: cuInit(unsigned) of the fake.
-            let rc = unsafe { lib.get::<unsafe extern "C" fn(u32) -> i32>(b"cuInit\0").unwrap()(0) };
+            let rc = unsafe {
+                lib.get::<unsafe extern "C" fn(u32) -> i32>(b"cuInit\0")
+                    .unwrap()(0)
+            };
             assert_eq!(rc, 0);
             let err = check_fork_safe().unwrap_err();
             expect_contains(
                 "check_fork_safe",
                 &err,
-                &["outside lockstep", "libcuda.so.1", "cuDeviceGetCount succeeds", "move all CUDA work into the rank function"],
+                &[
+                    "outside lockstep",
+                    "libcuda.so.1",
+                    "cuDeviceGetCount succeeds",
+                    "move all CUDA work into the rank function",
+                ],
             );
             assert!(init_record().is_none());
-            let launch_err = lockstep::launch::launch(&lockstep::launch::LaunchConfig::new(1), |_ctx| Ok(0u64)).unwrap_err().to_string();
+            let launch_err =
+                lockstep::launch::launch(&lockstep::launch::LaunchConfig::new(1), |_ctx| Ok(0u64))
+                    .unwrap_err()
+                    .to_string();
             expect_contains("launch", &launch_err, &["outside lockstep"]);
         }
         "guard_is_per_process" => {
@@ -218,8 +270,14 @@ fn scenario(name: &str) {
             let mut st = 0;
             // SAFETY: our child.
             unsafe { libc::waitpid(pid, &mut st, 0) };
-            assert!(libc::WIFEXITED(st) && libc::WEXITSTATUS(st) == 0, "child guard checks failed (status {st})");
-            assert!(check_fork_safe().is_ok(), "the child's cuInit must not mark the parent");
+            assert!(
+                libc::WIFEXITED(st) && libc::WEXITSTATUS(st) == 0,
+                "child guard checks failed (status {st})"
+            );
+            assert!(
+                check_fork_safe().is_ok(),
+                "the child's cuInit must not mark the parent"
+            );
             assert!(init_record().is_none());
             // Parent initialises now; a child forked afterwards does not inherit lockstep's record
             // (pid differs) but still sees the inherited driver state as foreign.
@@ -227,44 +285,88 @@ fn scenario(name: &str) {
             // SAFETY: as above.
             let pid = unsafe { libc::fork() };
             if pid == 0 {
-                let ok = init_record().is_none() && check_fork_safe().map_err(|e| e.contains("outside lockstep")) == Err(true);
+                let ok = init_record().is_none()
+                    && check_fork_safe().map_err(|e| e.contains("outside lockstep")) == Err(true);
                 // SAFETY: as above.
                 unsafe { libc::_exit(if ok { 0 } else { 1 }) };
             }
             // SAFETY: our child.
             unsafe { libc::waitpid(pid, &mut st, 0) };
-            assert!(libc::WIFEXITED(st) && libc::WEXITSTATUS(st) == 0, "post-init child checks failed (status {st})");
+            assert!(
+                libc::WIFEXITED(st) && libc::WEXITSTATUS(st) == 0,
+                "post-init child checks failed (status {st})"
+            );
         }
         "probe_child_reports" => {
             let s = probe_child().expect("probe");
-            expect_contains("probe_child", &s, &["2 device(s)", "CUDA 12.4", "libcuda.so.1"]);
-            assert!(check_fork_safe().is_ok(), "the probe must leave the parent uninitialised");
+            expect_contains(
+                "probe_child",
+                &s,
+                &["2 device(s)", "CUDA 12.4", "libcuda.so.1"],
+            );
+            assert!(
+                check_fork_safe().is_ok(),
+                "the probe must leave the parent uninitialised"
+            );
             assert_eq!(fake_init_calls(), 0);
         }
         "sim_gpus_pick_defaults" => {
             // Three simulated GPUs: the forked probe counts them, this process stays uninitialised,
             // and `lockstep config` / `launch --nproc-per-node auto --backend auto` follow them.
             assert_eq!(lockstep::config::count_gpus(), Ok(3));
-            assert!(check_fork_safe().is_ok(), "counting GPUs must leave the parent uninitialised");
+            assert!(
+                check_fork_safe().is_ok(),
+                "counting GPUs must leave the parent uninitialised"
+            );
             let bin = bins::lockstep_bin();
-            let dir = std::env::temp_dir().join(format!("lockstep-sim-gpus-{}", std::process::id()));
+            let dir =
+                std::env::temp_dir().join(format!("lockstep-sim-gpus-{}", std::process::id()));
             let _ = std::fs::remove_dir_all(&dir);
             let path = dir.join("config.toml");
-            let o = std::process::Command::new(bin).env("XDG_CONFIG_HOME", &dir).args(["config", "--path"]).arg(&path).output().unwrap();
+            let o = std::process::Command::new(bin)
+                .env("XDG_CONFIG_HOME", &dir)
+                .args(["config", "--path"])
+                .arg(&path)
+                .output()
+                .unwrap();
             let text = std::fs::read_to_string(&path).unwrap_or_default();
             assert!(o.status.success(), "{o:?}");
-            for want in ["num_processes = 3", "backend = \"nccl\"", "mixed_precision = \"bf16\""] {
-                assert!(text.contains(want), "with 3 GPUs the default config has {want}:\n{text}");
+            for want in [
+                "num_processes = 3",
+                "backend = \"nccl\"",
+                "mixed_precision = \"bf16\"",
+            ] {
+                assert!(
+                    text.contains(want),
+                    "with 3 GPUs the default config has {want}:\n{text}"
+                );
             }
             let o = std::process::Command::new(bin)
                 .env("XDG_CONFIG_HOME", &dir)
                 .env_remove("LOCKSTEP_BACKEND")
-                .args(["launch", "--nproc-per-node", "auto", "--backend", "auto", "--", "sh", "-c", "echo $WORLD_SIZE $LOCKSTEP_BACKEND"])
+                .args([
+                    "launch",
+                    "--nproc-per-node",
+                    "auto",
+                    "--backend",
+                    "auto",
+                    "--",
+                    "sh",
+                    "-c",
+                    "echo $WORLD_SIZE $LOCKSTEP_BACKEND",
+                ])
                 .output()
                 .unwrap();
-            let mut lines: Vec<String> = String::from_utf8_lossy(&o.stdout).lines().map(String::from).collect();
+            let mut lines: Vec<String> = String::from_utf8_lossy(&o.stdout)
+                .lines()
+                .map(String::from)
+                .collect();
             lines.sort();
-            assert_eq!(lines, ["[rank 0] 3 nccl", "[rank 1] 3 nccl", "[rank 2] 3 nccl"], "{o:?}");
+            assert_eq!(
+                lines,
+                ["[rank 0] 3 nccl", "[rank 1] 3 nccl", "[rank 2] 3 nccl"],
+                "{o:?}"
+            );
             let _ = std::fs::remove_dir_all(&dir);
         }
         "missing_override" => {
@@ -272,12 +374,20 @@ fn scenario(name: &str) {
             expect_contains(
                 "device_count",
                 &e,
-                &["CUDA driver library (libcuda) not found", "/nonexistent/libcuda.so.1", "LOCKSTEP_CUDA_LIBRARY"],
+                &[
+                    "CUDA driver library (libcuda) not found",
+                    "/nonexistent/libcuda.so.1",
+                    "LOCKSTEP_CUDA_LIBRARY",
+                ],
             );
             let e = lockstep::cuda::Context::new(0).unwrap_err().to_string();
             expect_contains("Context::new", &e, &["not found"]);
             assert!(check_fork_safe().is_ok());
-            expect_contains("env_report", &lockstep::report::env_report(), &["driver : not found", "/nonexistent/libcuda.so.1"]);
+            expect_contains(
+                "env_report",
+                &lockstep::report::env_report(),
+                &["driver : not found", "/nonexistent/libcuda.so.1"],
+            );
         }
         "missing_default_search" => {
             if lockstep::cuda::driver_present() {
@@ -298,45 +408,86 @@ fn scenario(name: &str) {
         }
         "missing_symbol" => {
             let e = lockstep::cuda::device_count().unwrap_err().to_string();
-            expect_contains("device_count", &e, &["no symbol `cuDriverGetVersion`", "LOCKSTEP_CUDA_LIBRARY"]);
+            expect_contains(
+                "device_count",
+                &e,
+                &["no symbol `cuDriverGetVersion`", "LOCKSTEP_CUDA_LIBRARY"],
+            );
         }
         "driver_symbols_missing_is_error" => {
             // The fake exports only the probe calls: the safe layer must fail cleanly, not panic.
             let e = lockstep::cuda::Context::new(0).unwrap_err().to_string();
-            expect_contains("Context::new", &e, &["has no symbol `cuDeviceGet`", "libcuda.so.1"]);
+            expect_contains(
+                "Context::new",
+                &e,
+                &["has no symbol `cuDeviceGet`", "libcuda.so.1"],
+            );
             let e = lockstep::cuda::Context::new(5).unwrap_err().to_string();
-            expect_contains("Context::new(5)", &e, &["ordinal 5 out of range", "2 device(s)"]);
+            expect_contains(
+                "Context::new(5)",
+                &e,
+                &["ordinal 5 out of range", "2 device(s)"],
+            );
         }
         "fake_nccl" => {
             assert_eq!(lockstep::nccl::version().unwrap(), 21803);
             let id = lockstep::nccl::unique_id().unwrap();
             assert_eq!(id[1], 4);
             let e = lockstep::nccl::check_library().unwrap_err().to_string();
-            expect_contains("check_library", &e, &["has no symbol `ncclCommInitRank`", "LOCKSTEP_NCCL_LIBRARY"]);
+            expect_contains(
+                "check_library",
+                &e,
+                &["has no symbol `ncclCommInitRank`", "LOCKSTEP_NCCL_LIBRARY"],
+            );
             expect_contains(
                 "env_report",
                 &lockstep::report::env_report(),
-                &["libnccl.so.2", "ncclGetVersion = 21803 (2.18.3)", "incomplete"],
+                &[
+                    "libnccl.so.2",
+                    "ncclGetVersion = 21803 (2.18.3)",
+                    "incomplete",
+                ],
             );
         }
         "old_nccl_rejected" => {
             let e = lockstep::nccl::version().unwrap_err().to_string();
-            expect_contains("nccl::version", &e, &["older than 2.18", "LOCKSTEP_NCCL_LIBRARY"]);
+            expect_contains(
+                "nccl::version",
+                &e,
+                &["older than 2.18", "LOCKSTEP_NCCL_LIBRARY"],
+            );
         }
         "missing_nccl_and_nvrtc" => {
             let e = lockstep::nccl::version().unwrap_err().to_string();
             expect_contains(
                 "nccl::version",
                 &e,
-                &["NCCL library (libnccl) not found", "/nonexistent/libnccl.so.2", "LOCKSTEP_NCCL_LIBRARY"],
+                &[
+                    "NCCL library (libnccl) not found",
+                    "/nonexistent/libnccl.so.2",
+                    "LOCKSTEP_NCCL_LIBRARY",
+                ],
             );
-            let e = lockstep::cuda::compile_ptx(KernelId::Elementwise.source(), "compute_80").unwrap_err().to_string();
-            expect_contains("compile_ptx", &e, &["NVRTC library (libnvrtc) not found", "LOCKSTEP_NVRTC_LIBRARY", "nvidia-cuda-nvrtc"]);
+            let e = lockstep::cuda::compile_ptx(KernelId::Elementwise.source(), "compute_80")
+                .unwrap_err()
+                .to_string();
+            expect_contains(
+                "compile_ptx",
+                &e,
+                &[
+                    "NVRTC library (libnvrtc) not found",
+                    "LOCKSTEP_NVRTC_LIBRARY",
+                    "nvidia-cuda-nvrtc",
+                ],
+            );
         }
         "debug_probe" => {
             // LOCKSTEP_DEBUG=1: the fork check also forks a probe child that reports through
             // tracing; this process shows it on stderr the way the binaries do.
-            tracing_subscriber::fmt().with_writer(std::io::stderr).without_time().init();
+            tracing_subscriber::fmt()
+                .with_writer(std::io::stderr)
+                .without_time()
+                .init();
             check_fork_safe().expect("fork-safe");
             assert!(init_record().is_none());
             assert_eq!(fake_init_calls(), 0);
@@ -345,21 +496,46 @@ fn scenario(name: &str) {
         "sim_bench_device" => {
             // `lockstep bench --device cuda`, end to end on the simulator: NCCL at 1 rank, the staged
             // shared-memory backend when 2 ranks share the one simulated GPU; every result verified.
-            for (nprocs, op) in [(1, "all_reduce"), (2, "all_reduce"), (2, "all_gather"), (2, "broadcast")] {
+            for (nprocs, op) in [
+                (1, "all_reduce"),
+                (2, "all_reduce"),
+                (2, "all_gather"),
+                (2, "broadcast"),
+            ] {
                 let n = nprocs.to_string();
                 let o = Command::new(bins::lockstep_bin())
-                    .args(["bench", "--device", "cuda", "--nprocs", &n, "--op", op, "--sizes", "8,4096,1M", "-n", "3", "-w", "1"])
+                    .args([
+                        "bench",
+                        "--device",
+                        "cuda",
+                        "--nprocs",
+                        &n,
+                        "--op",
+                        op,
+                        "--sizes",
+                        "8,4096,1M",
+                        "-n",
+                        "3",
+                        "-w",
+                        "1",
+                    ])
                     .args(["--format", "json"])
                     .output()
                     .unwrap();
                 let text = String::from_utf8_lossy(&o.stdout);
                 assert!(o.status.success(), "{op} on {nprocs} ranks: {o:?}");
-                let v: serde_json::Value =
-                    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{op} on {nprocs} ranks: not JSON ({e}): {text}"));
+                let v: serde_json::Value = serde_json::from_str(&text)
+                    .unwrap_or_else(|e| panic!("{op} on {nprocs} ranks: not JSON ({e}): {text}"));
                 let rows = v["rows"].as_array().cloned().unwrap_or_default();
                 assert_eq!(rows.len(), 3, "{op} on {nprocs} ranks: {v}");
-                let ok = |t: &serde_json::Value| t["wrong"] == 0 && t["time_us"].as_f64().is_some_and(|x| x > 0.0);
-                assert!(rows.iter().all(|r| ok(&r["out_of_place"]) && ok(&r["in_place"])), "{op} on {nprocs} ranks: {v}");
+                let ok = |t: &serde_json::Value| {
+                    t["wrong"] == 0 && t["time_us"].as_f64().is_some_and(|x| x > 0.0)
+                };
+                assert!(
+                    rows.iter()
+                        .all(|r| ok(&r["out_of_place"]) && ok(&r["in_place"])),
+                    "{op} on {nprocs} ranks: {v}"
+                );
             }
         }
         "sim_device_engine_host_side" => sim_device_engine_host_side(),
@@ -371,7 +547,11 @@ fn scenario(name: &str) {
             expect_contains(
                 "deferred",
                 &e,
-                &["an earlier release of a device buffer of 8 f32 elements failed", "cuMemFree", "CUDA_ERROR_INVALID_VALUE"],
+                &[
+                    "an earlier release of a device buffer of 8 f32 elements failed",
+                    "cuMemFree",
+                    "CUDA_ERROR_INVALID_VALUE",
+                ],
             );
             assert!(ctx.check().is_ok(), "reported once");
         }
@@ -389,11 +569,22 @@ fn scenario(name: &str) {
             nc.wait("send/recv").unwrap();
             assert_eq!(b.to_vec(&s).unwrap(), vec![1, 2, 3]);
             let e = nc.send(&a, 3).unwrap_err().to_string();
-            expect_contains("send to peer 3", &e, &["peer 3 out of range for world size 1"]);
+            expect_contains(
+                "send to peer 3",
+                &e,
+                &["peer 3 out of range for world size 1"],
+            );
             let mut comm = nc.into_communicator();
             let (h, mut hr) = (vec![1f32; 4], vec![0f32; 4]);
-            let e = comm.all_reduce(&h, &mut hr, lockstep::comm::ReduceOp::Sum).unwrap_err().to_string();
-            expect_contains("host buffers", &e, &["host memory", "device memory only", "DeviceBuffer"]);
+            let e = comm
+                .all_reduce(&h, &mut hr, lockstep::comm::ReduceOp::Sum)
+                .unwrap_err()
+                .to_string();
+            expect_contains(
+                "host buffers",
+                &e,
+                &["host memory", "device memory only", "DeviceBuffer"],
+            );
             // A collective orders itself after the context's other streams: `s` (which wrote the
             // buffers) and `s2` each get an event the communicator's stream waits on, so callers
             // need not synchronise their producer streams first.
@@ -401,9 +592,13 @@ fn scenario(name: &str) {
             let d = lockstep::cuda::DeviceBuffer::from_host(&s, &[1f32, 2.0]).unwrap();
             let mut r = lockstep::cuda::DeviceBuffer::<f32>::zeros(&s2, 2).unwrap();
             let waits = counter("LOCKSTEP_CUDA_LIBRARY", "sim_stream_waits");
-            comm.all_reduce(&d, &mut r, lockstep::comm::ReduceOp::Sum).unwrap();
+            comm.all_reduce(&d, &mut r, lockstep::comm::ReduceOp::Sum)
+                .unwrap();
             let added = counter("LOCKSTEP_CUDA_LIBRARY", "sim_stream_waits") - waits;
-            assert!(added >= 2, "the collective waited on {added} producer streams, expected at least 2 (s and s2)");
+            assert!(
+                added >= 2,
+                "the collective waited on {added} producer streams, expected at least 2 (s and s2)"
+            );
             let w = comm.all_reduce_async(&d, &mut r, lockstep::comm::ReduceOp::Sum);
             assert!(w.is_completed(), "the simulated stream is done at once");
             w.wait().unwrap();
@@ -419,10 +614,15 @@ fn scenario(name: &str) {
             let (_ctx, comm) = sim_nccl_comm(1, Default::default());
             let mut comm = comm.unwrap().into_communicator();
             match comm.split(Some(0), 0) {
-                Err(e @ lockstep::CommError::Unsupported(_)) => {
-                    expect_contains("split without ncclCommSplit", &e.to_string(), &["ncclCommSplit", "2.18", "LOCKSTEP_NCCL_LIBRARY"])
-                }
-                other => panic!("split without ncclCommSplit: {:?}", other.map(|c| c.is_some())),
+                Err(e @ lockstep::CommError::Unsupported(_)) => expect_contains(
+                    "split without ncclCommSplit",
+                    &e.to_string(),
+                    &["ncclCommSplit", "2.18", "LOCKSTEP_NCCL_LIBRARY"],
+                ),
+                other => panic!(
+                    "split without ncclCommSplit: {:?}",
+                    other.map(|c| c.is_some())
+                ),
             }
             comm.barrier().unwrap();
         }
@@ -430,7 +630,15 @@ fn scenario(name: &str) {
         "sim_nccl_peer_never_joins" => {
             let (_ctx, comm) = sim_nccl_comm(2, short_timeout());
             let e = comm.err().expect("init must fail").to_string();
-            expect_contains("init", &e, &["ncclCommInitRank(rank=0, nranks=2", "did not finish within 0.5 s", "aborted"]);
+            expect_contains(
+                "init",
+                &e,
+                &[
+                    "ncclCommInitRank(rank=0, nranks=2",
+                    "did not finish within 0.5 s",
+                    "aborted",
+                ],
+            );
             assert_eq!(counter("LOCKSTEP_NCCL_LIBRARY", "sim_abort_calls"), 1);
         }
         "sim_nccl_async_error_aborts" => {
@@ -438,23 +646,40 @@ fn scenario(name: &str) {
             let mut comm = comm.unwrap().into_communicator();
             let s = ctx.stream().unwrap();
             let mut x = lockstep::cuda::DeviceBuffer::<f32>::zeros(&s, 16).unwrap();
-            comm.all_reduce_in_place(&mut x, lockstep::comm::ReduceOp::Sum).unwrap();
+            comm.all_reduce_in_place(&mut x, lockstep::comm::ReduceOp::Sum)
+                .unwrap();
             let e = comm.synchronize().unwrap_err().to_string();
             expect_contains("synchronize", &e, &["remote process exited", "(async)"]);
             assert_eq!(counter("LOCKSTEP_NCCL_LIBRARY", "sim_abort_calls"), 1);
-            let e = comm.all_reduce_in_place(&mut x, lockstep::comm::ReduceOp::Sum).unwrap_err().to_string();
+            let e = comm
+                .all_reduce_in_place(&mut x, lockstep::comm::ReduceOp::Sum)
+                .unwrap_err()
+                .to_string();
             expect_contains("after abort", &e, &["aborted earlier"]);
             drop(comm);
-            assert_eq!(counter("LOCKSTEP_NCCL_LIBRARY", "sim_destroy_calls"), 0, "an aborted communicator is not destroyed again");
+            assert_eq!(
+                counter("LOCKSTEP_NCCL_LIBRARY", "sim_destroy_calls"),
+                0,
+                "an aborted communicator is not destroyed again"
+            );
         }
         "sim_nccl_timeout_aborts" => {
             let (ctx, comm) = sim_nccl_comm(1, short_timeout());
             let mut comm = comm.unwrap().into_communicator();
             let s = ctx.stream().unwrap();
             let mut x = lockstep::cuda::DeviceBuffer::<f32>::zeros(&s, 16).unwrap();
-            comm.all_reduce_in_place(&mut x, lockstep::comm::ReduceOp::Max).unwrap();
+            comm.all_reduce_in_place(&mut x, lockstep::comm::ReduceOp::Max)
+                .unwrap();
             let e = comm.synchronize().unwrap_err().to_string();
-            expect_contains("synchronize", &e, &["did not finish within 0.5 s", "aborted", "LOCKSTEP_TIMEOUT_S"]);
+            expect_contains(
+                "synchronize",
+                &e,
+                &[
+                    "did not finish within 0.5 s",
+                    "aborted",
+                    "LOCKSTEP_TIMEOUT_S",
+                ],
+            );
             assert_eq!(counter("LOCKSTEP_NCCL_LIBRARY", "sim_abort_calls"), 1);
             let e = comm.barrier().unwrap_err().to_string();
             expect_contains("barrier after abort", &e, &["aborted earlier"]);
@@ -470,20 +695,33 @@ fn scenario(name: &str) {
             let w = comm.all_reduce_in_place_async(&mut x, lockstep::comm::ReduceOp::Sum);
             assert!(!w.is_completed(), "a call on a stuck stream is pending");
             let e = w.wait().unwrap_err().to_string();
-            expect_contains("Work::wait", &e, &["did not finish within 0.5 s", "aborted"]);
-            assert!(t.elapsed() < std::time::Duration::from_secs(3), "the Work waited {:?}", t.elapsed());
+            expect_contains(
+                "Work::wait",
+                &e,
+                &["did not finish within 0.5 s", "aborted"],
+            );
+            assert!(
+                t.elapsed() < std::time::Duration::from_secs(3),
+                "the Work waited {:?}",
+                t.elapsed()
+            );
             assert_eq!(counter("LOCKSTEP_NCCL_LIBRARY", "sim_abort_calls"), 1);
             let e = comm.barrier().unwrap_err().to_string();
             expect_contains("barrier after a Work's abort", &e, &["aborted earlier"]);
         }
         "sim_nccl_liveness_check_aborts" => {
-            let check: lockstep::nccl::AbortCheck = Arc::new(|| Some("rank 1 (pid 4242) died".to_string()));
-            let opts = lockstep::nccl::NcclOptions { abort_check: Some(check), ..Default::default() };
+            let check: lockstep::nccl::AbortCheck =
+                Arc::new(|| Some("rank 1 (pid 4242) died".to_string()));
+            let opts = lockstep::nccl::NcclOptions {
+                abort_check: Some(check),
+                ..Default::default()
+            };
             let (ctx, comm) = sim_nccl_comm(1, opts);
             let mut comm = comm.unwrap().into_communicator();
             let s = ctx.stream().unwrap();
             let mut x = lockstep::cuda::DeviceBuffer::<f32>::zeros(&s, 16).unwrap();
-            comm.all_reduce_in_place(&mut x, lockstep::comm::ReduceOp::Sum).unwrap();
+            comm.all_reduce_in_place(&mut x, lockstep::comm::ReduceOp::Sum)
+                .unwrap();
             let e = comm.synchronize().unwrap_err().to_string();
             expect_contains("synchronize", &e, &["rank 1 (pid 4242) died", "aborted"]);
         }
@@ -491,17 +729,26 @@ fn scenario(name: &str) {
         "unique_id_exchange_over_shm" => {
             use lockstep::nccl::UniqueIdExchange;
             // Three ranks: rank 0's id reaches everyone through the launcher's communicator.
-            let ids = lockstep::launch::launch(&lockstep::launch::LaunchConfig::new(3), |mut rc| {
-                let mine: [u8; 128] = std::array::from_fn(|i| (i * 7 + 3) as u8);
-                let got = rc.comm.exchange(rc.rank, if rc.rank == 0 { Some(&mine) } else { None })?;
-                Ok(got == mine)
-            })
-            .unwrap();
+            let ids =
+                lockstep::launch::launch(&lockstep::launch::LaunchConfig::new(3), |mut rc| {
+                    let mine: [u8; 128] = std::array::from_fn(|i| (i * 7 + 3) as u8);
+                    let got = rc
+                        .comm
+                        .exchange(rc.rank, if rc.rank == 0 { Some(&mine) } else { None })?;
+                    Ok(got == mine)
+                })
+                .unwrap();
             assert_eq!(ids, vec![true; 3]);
             // One rank, end to end: the simulated NCCL initialises with the id from the exchange.
             let ok = lockstep::launch::launch(&lockstep::launch::LaunchConfig::new(1), |mut rc| {
                 let ctx = lockstep::cuda::Context::new(0)?;
-                let nc = lockstep::nccl::NcclComm::new(&ctx, rc.rank, rc.world_size, &mut rc.comm, Default::default())?;
+                let nc = lockstep::nccl::NcclComm::new(
+                    &ctx,
+                    rc.rank,
+                    rc.world_size,
+                    &mut rc.comm,
+                    Default::default(),
+                )?;
                 let mut comm = nc.into_communicator();
                 comm.barrier()?;
                 Ok(true)
@@ -511,19 +758,29 @@ fn scenario(name: &str) {
         }
         "nccl_env_rank" => {
             // One rank of the multi-node job below, started by `lockstep launch`.
-            let comm = lockstep::Communicator::from_env().unwrap_or_else(|e| panic!("from_env: {e}"));
+            let comm =
+                lockstep::Communicator::from_env().unwrap_or_else(|e| panic!("from_env: {e}"));
             assert_eq!(comm.backend_kind(), lockstep::comm::BackendKind::Nccl);
             assert_eq!(comm.world_size(), 4);
-            let ctx = comm.device_context().expect("an NCCL communicator has a device");
+            let ctx = comm
+                .device_context()
+                .expect("an NCCL communicator has a device");
             // What train-cnn --device cuda does with it: 4 ranks on 2-GPU nodes keep their NCCL
             // communicator (the policy once compared the GPUs with the global 4 and staged it).
-            let (mut comm, kept) =
-                lockstep::rendezvous::device_communicator(comm, 0).unwrap_or_else(|e| panic!("device_communicator: {e}"));
-            assert!(std::sync::Arc::ptr_eq(&ctx, &kept), "the communicator's own context");
-            assert_eq!((comm.backend_kind(), comm.world_size()), (lockstep::comm::BackendKind::Nccl, 4));
+            let (mut comm, kept) = lockstep::rendezvous::device_communicator(comm, 0)
+                .unwrap_or_else(|e| panic!("device_communicator: {e}"));
+            assert!(
+                std::sync::Arc::ptr_eq(&ctx, &kept),
+                "the communicator's own context"
+            );
+            assert_eq!(
+                (comm.backend_kind(), comm.world_size()),
+                (lockstep::comm::BackendKind::Nccl, 4)
+            );
             let s = ctx.stream().unwrap();
             let mut x = lockstep::cuda::DeviceBuffer::<f32>::zeros(&s, 4).unwrap();
-            comm.all_reduce_in_place(&mut x, lockstep::comm::ReduceOp::Sum).unwrap();
+            comm.all_reduce_in_place(&mut x, lockstep::comm::ReduceOp::Sum)
+                .unwrap();
             comm.barrier().unwrap();
             comm.synchronize().unwrap();
             println!("rank {} nccl ok on device {}", comm.rank(), ctx.ordinal());
@@ -535,9 +792,11 @@ fn scenario(name: &str) {
             // Two ranks, one GPU, NCCL_MULTI_RANK_GPU_ENABLE=1: NCCL's multi-rank mode when the
             // loaded NCCL is 2.30 or newer, staging through shared memory otherwise.
             std::fs::create_dir_all(std::env::var("SIM_NCCL_RDZV_DIR").unwrap()).unwrap();
-            let new_enough = std::env::var("SIM_NCCL_VERSION").is_ok_and(|v| v.parse::<i32>().unwrap() >= 23000);
+            let new_enough =
+                std::env::var("SIM_NCCL_VERSION").is_ok_and(|v| v.parse::<i32>().unwrap() >= 23000);
             let kinds = lockstep::launch::launch(&lockstep::launch::LaunchConfig::new(2), |rc| {
-                let (mut comm, ctx) = lockstep::rendezvous::device_communicator(rc.comm, rc.local_rank)?;
+                let (mut comm, ctx) =
+                    lockstep::rendezvous::device_communicator(rc.comm, rc.local_rank)?;
                 let s = ctx.stream()?;
                 let mut x = lockstep::cuda::DeviceBuffer::<f32>::zeros(&s, 8)?;
                 comm.all_reduce_in_place(&mut x, lockstep::comm::ReduceOp::Sum)?;
@@ -545,7 +804,11 @@ fn scenario(name: &str) {
                 Ok(comm.backend_kind() == lockstep::comm::BackendKind::Nccl)
             })
             .unwrap();
-            assert_eq!(kinds, vec![new_enough; 2], "NCCL multi-rank mode used (per rank)");
+            assert_eq!(
+                kinds,
+                vec![new_enough; 2],
+                "NCCL multi-rank mode used (per rank)"
+            );
         }
         "nvrtc_compile_goes_through_guard" => {
             // NVRTC 12.x dlopens libcuda.so.1 and calls cuInit while compiling: lockstep routes that
@@ -558,9 +821,16 @@ fn scenario(name: &str) {
                 }
                 Err(e) => panic!("{e}"),
             }
-            assert!(init_record().is_some(), "compiling must initialise through the guard");
+            assert!(
+                init_record().is_some(),
+                "compiling must initialise through the guard"
+            );
             let e = check_fork_safe().unwrap_err();
-            expect_contains("check_fork_safe after compile", &e, &["by lockstep", "compile_ptx"]);
+            expect_contains(
+                "check_fork_safe after compile",
+                &e,
+                &["by lockstep", "compile_ptx"],
+            );
         }
         other => panic!("unknown scenario {other}"),
     }
@@ -585,7 +855,9 @@ fn staged_refusal_fails_peers_fast() {
         let send = DeviceBuffer::from_host(&s, &[1.0f32; 8])?;
         let mut recv = DeviceBuffer::<f32>::zeros(&s, if rc.rank == 1 { 4 } else { 8 })?;
         let t = std::time::Instant::now();
-        let e = comm.all_reduce(&send, &mut recv, ReduceOp::Sum).expect_err("the call must fail on every rank");
+        let e = comm
+            .all_reduce(&send, &mut recv, ReduceOp::Sum)
+            .expect_err("the call must fail on every rank");
         let ms = t.elapsed().as_secs_f64() * 1e3;
         let kind = match e {
             lockstep::CommError::Mismatch { .. } => "mismatch",
@@ -609,17 +881,37 @@ fn staged_refusal_fails_peers_fast() {
 fn one_selection_policy() {
     // A small synthetic set: train-cnn trains for real on the simulated GPU now, so its
     // evaluation must stay short.
-    let data = std::env::temp_dir().join(format!("lockstep-sim-policy-data-{}", std::process::id()));
+    let data =
+        std::env::temp_dir().join(format!("lockstep-sim-policy-data-{}", std::process::id()));
     std::fs::create_dir_all(&data).unwrap();
     lockstep::train::data::write_synthetic(&data, 128, 64, 3).unwrap();
     let rdzv = std::env::temp_dir().join(format!("lockstep-sim-policy-{}", std::process::id()));
-    for (version, want) in [("23000", "choice=Nccl { multi_rank: true }"), ("21803", "choice=Staged")] {
+    for (version, want) in [
+        ("23000", "choice=Nccl { multi_rank: true }"),
+        ("21803", "choice=Staged"),
+    ] {
         std::fs::create_dir_all(&rdzv).unwrap();
         let mut selftest = Command::new(bins::lockstep_bin());
-        selftest.args(["launch", "--nproc-per-node", "2", "--", bins::lockstep_bin(), "selftest"]).env("LOCKSTEP_BACKEND", "nccl");
+        selftest
+            .args([
+                "launch",
+                "--nproc-per-node",
+                "2",
+                "--",
+                bins::lockstep_bin(),
+                "selftest",
+            ])
+            .env("LOCKSTEP_BACKEND", "nccl");
         let mut train = Command::new(env!("CARGO_BIN_EXE_train-cnn"));
-        train.args(["--device", "cuda", "--nprocs", "2", "--epochs", "1", "--data"]).arg(&data);
-        let runs = vec![("lockstep launch -- lockstep selftest", selftest), ("train-cnn --device cuda", train)];
+        train
+            .args([
+                "--device", "cuda", "--nprocs", "2", "--epochs", "1", "--data",
+            ])
+            .arg(&data);
+        let runs = vec![
+            ("lockstep launch -- lockstep selftest", selftest),
+            ("train-cnn --device cuda", train),
+        ];
         for (what, mut cmd) in runs {
             let out = cmd
                 .env("NCCL_MULTI_RANK_GPU_ENABLE", "1")
@@ -632,8 +924,12 @@ fn one_selection_policy() {
             let err = String::from_utf8_lossy(&out.stderr);
             // The choice is made and logged once per rank, before any training.
             for rank in 0..2 {
-                let line = format!("device backend selected rank={rank} world=2 gpus=1 device=0 {want}");
-                assert!(err.contains(&line), "{what} with NCCL {version}: expected `{line}`:\n{err}");
+                let line =
+                    format!("device backend selected rank={rank} world=2 gpus=1 device=0 {want}");
+                assert!(
+                    err.contains(&line),
+                    "{what} with NCCL {version}: expected `{line}`:\n{err}"
+                );
             }
             println!("{what}, NCCL {version}: {want} on both ranks");
         }
@@ -646,11 +942,24 @@ fn nccl_across_nodes_via_store() {
     let rdzv = std::env::temp_dir().join(format!("lockstep-sim-rdzv-{}", std::process::id()));
     std::fs::create_dir_all(&rdzv).unwrap();
     let run = |per_node: usize| -> Vec<std::process::Output> {
-        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port()
+            .to_string();
         let kids: Vec<_> = (0..2)
             .map(|node| {
                 Command::new(bins::lockstep_bin())
-                    .args(["launch", "--nproc-per-node", &per_node.to_string(), "--nnodes", "2", "--node-rank", &node.to_string()])
+                    .args([
+                        "launch",
+                        "--nproc-per-node",
+                        &per_node.to_string(),
+                        "--nnodes",
+                        "2",
+                        "--node-rank",
+                        &node.to_string(),
+                    ])
                     .args(["--master-port", &port, "--"])
                     .arg(std::env::current_exe().unwrap())
                     .env("LOCKSTEP_TOKEN", "fake-driver-sim-token")
@@ -666,10 +975,18 @@ fn nccl_across_nodes_via_store() {
                     .unwrap()
             })
             .collect();
-        kids.into_iter().map(|k| k.wait_with_output().unwrap()).collect()
+        kids.into_iter()
+            .map(|k| k.wait_with_output().unwrap())
+            .collect()
     };
-    let show =
-        |o: &std::process::Output| format!("{:?}\n{}{}", o.status, String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    let show = |o: &std::process::Output| {
+        format!(
+            "{:?}\n{}{}",
+            o.status,
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        )
+    };
     let outs = run(2);
     for o in &outs {
         assert!(o.status.success(), "{}", show(o));
@@ -677,11 +994,20 @@ fn nccl_across_nodes_via_store() {
     let all = format!("{}{}", show(&outs[0]), show(&outs[1]));
     for r in 0..4 {
         // Local rank → device on each host.
-        assert!(all.contains(&format!("rank {r} nccl ok on device {}", r % 2)), "{all}");
+        assert!(
+            all.contains(&format!("rank {r} nccl ok on device {}", r % 2)),
+            "{all}"
+        );
     }
     // All four ranks met under one id: rank 0's.
-    let files: Vec<String> = std::fs::read_dir(&rdzv).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
-    let keys: std::collections::BTreeSet<&str> = files.iter().map(|f| f.rsplit_once('.').unwrap().0).collect();
+    let files: Vec<String> = std::fs::read_dir(&rdzv)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    let keys: std::collections::BTreeSet<&str> = files
+        .iter()
+        .map(|f| f.rsplit_once('.').unwrap().0)
+        .collect();
     assert_eq!((files.len(), keys.len()), (4, 1), "{files:?}");
     // Three ranks per host, two simulated GPUs each: refused on every rank, no hang.
     let outs = run(3);
@@ -689,7 +1015,12 @@ fn nccl_across_nodes_via_store() {
     assert!(outs.iter().all(|o| !o.status.success()), "{all}");
     // Whichever node's rank fails first stops the other node's ranks (fail-fast), so only the
     // first failure's message is certain to appear.
-    assert!(["host-0", "host-1"].iter().any(|h| all.contains(&format!("3 ranks run on host {h}, which has 2 visible GPU(s)"))), "{all}");
+    assert!(
+        ["host-0", "host-1"].iter().any(|h| all.contains(&format!(
+            "3 ranks run on host {h}, which has 2 visible GPU(s)"
+        ))),
+        "{all}"
+    );
     let _ = std::fs::remove_dir_all(&rdzv);
 }
 
@@ -698,13 +1029,22 @@ fn sim_memory_kernels_events() {
     use lockstep::train::device::kernels::twins;
     let ctx = Context::new(0).unwrap();
     let info = ctx.info().unwrap();
-    assert_eq!((info.name.as_str(), info.compute_capability), ("Simulated GPU", (8, 0)));
+    assert_eq!(
+        (info.name.as_str(), info.compute_capability),
+        ("Simulated GPU", (8, 0))
+    );
     let s = ctx.stream().unwrap();
     {
         let host: Vec<f32> = (0..1000).map(|i| i as f32 * 0.5).collect();
         let d = DeviceBuffer::from_host(&s, &host).unwrap();
         assert_eq!(d.to_vec(&s).unwrap(), host);
-        assert_eq!(DeviceBuffer::<i64>::zeros(&s, 77).unwrap().to_vec(&s).unwrap(), vec![0i64; 77]);
+        assert_eq!(
+            DeviceBuffer::<i64>::zeros(&s, 77)
+                .unwrap()
+                .to_vec(&s)
+                .unwrap(),
+            vec![0i64; 77]
+        );
         let mut d2 = DeviceBuffer::<f32>::alloc(&ctx, 1000).unwrap();
         d2.copy_from_device_async(&s, &d).unwrap();
         let mut pinned = PinnedBuffer::<f32>::zeros(&ctx, 1000).unwrap();
@@ -721,7 +1061,11 @@ fn sim_memory_kernels_events() {
         use lockstep::comm::Buffer;
         assert_eq!(d.raw().space, lockstep::comm::MemSpace::Device(0));
     }
-    assert_eq!(counter("LOCKSTEP_CUDA_LIBRARY", "sim_live_allocs"), 0, "every device buffer is freed on drop");
+    assert_eq!(
+        counter("LOCKSTEP_CUDA_LIBRARY", "sim_live_allocs"),
+        0,
+        "every device buffer is freed on drop"
+    );
 
     // Kernels: NVRTC compiles the real source (when installed; its image loads as a foreign one);
     // the simulator runs the same source compiled under the SIMT shim, so this checks argument
@@ -739,16 +1083,36 @@ fn sim_memory_kernels_events() {
     let mut y_cpu: Vec<f32> = (0..n).map(|i| (i % 5) as f32).collect();
     let mut y = DeviceBuffer::from_host(&s, &y_cpu).unwrap();
     let dx = DeviceBuffer::from_host(&s, &x).unwrap();
-    axpy.launch(KernelGrid::for_elements(n)).arg_mut(&mut y).arg(&dx).scalar(2.0f32).scalar(n as i64).elements(n).run(&s).unwrap();
+    axpy.launch(KernelGrid::for_elements(n))
+        .arg_mut(&mut y)
+        .arg(&dx)
+        .scalar(2.0f32)
+        .scalar(n as i64)
+        .elements(n)
+        .run(&s)
+        .unwrap();
     twins::axpy_f32(&mut y_cpu, &x, 2.0, n as i64);
     assert_eq!(y.to_vec(&s).unwrap(), y_cpu);
-    let fill = ctx.function(KernelId::Elementwise.source(), "fill_f32").unwrap();
-    fill.launch(KernelGrid::for_elements(n)).arg_mut(&mut y).scalar(-3.5f32).scalar(n as i64).run(&s).unwrap();
+    let fill = ctx
+        .function(KernelId::Elementwise.source(), "fill_f32")
+        .unwrap();
+    fill.launch(KernelGrid::for_elements(n))
+        .arg_mut(&mut y)
+        .scalar(-3.5f32)
+        .scalar(n as i64)
+        .run(&s)
+        .unwrap();
     assert_eq!(y.to_vec(&s).unwrap(), vec![-3.5f32; n]);
     let x64 = DeviceBuffer::<f64>::zeros(&s, 10).unwrap();
     let host = vec![0f32; n];
     let bad = [
-        (axpy.launch(KernelGrid::for_elements(n)).arg_mut(&mut y).scalar(1.0f32).run(&s), "2 arguments given, the kernel takes 4"),
+        (
+            axpy.launch(KernelGrid::for_elements(n))
+                .arg_mut(&mut y)
+                .scalar(1.0f32)
+                .run(&s),
+            "2 arguments given, the kernel takes 4",
+        ),
         (
             axpy.launch(KernelGrid::for_elements(n))
                 .arg_mut(&mut DeviceBuffer::<f32>::zeros(&s, 10).unwrap())
@@ -788,25 +1152,51 @@ fn sim_memory_kernels_events() {
         ),
     ];
     for (r, needle) in bad {
-        expect_contains("launch check", &r.err().map(|e| e.to_string()).unwrap_or_default(), &[needle]);
+        expect_contains(
+            "launch check",
+            &r.err().map(|e| e.to_string()).unwrap_or_default(),
+            &[needle],
+        );
     }
-    let e = ctx.function(KernelId::Elementwise.source(), "nope").err().unwrap().to_string();
-    expect_contains("unknown entry point", &e, &["declares no entry point nope", "axpy_f32"]);
+    let e = ctx
+        .function(KernelId::Elementwise.source(), "nope")
+        .err()
+        .unwrap()
+        .to_string();
+    expect_contains(
+        "unknown entry point",
+        &e,
+        &["declares no entry point nope", "axpy_f32"],
+    );
     // Graphs: a failing body still ends the capture; a real capture records, replay runs it.
     let e = lockstep::cuda::Graph::capture(&s, |_| {
-        Err(lockstep::cuda::CudaError::InvalidArgument { op: "body".into(), detail: "failed on purpose".into() })
+        Err(lockstep::cuda::CudaError::InvalidArgument {
+            op: "body".into(),
+            detail: "failed on purpose".into(),
+        })
     })
     .err()
     .unwrap()
     .to_string();
     expect_contains("failing capture body", &e, &["failed on purpose"]);
-    let scale = ctx.function(KernelId::Elementwise.source(), "scale_f32").unwrap();
+    let scale = ctx
+        .function(KernelId::Elementwise.source(), "scale_f32")
+        .unwrap();
     let mut g = DeviceBuffer::from_host(&s, &[1.0f32; 64]).unwrap();
     let graph = lockstep::cuda::Graph::capture(&s, |st| {
-        scale.launch(KernelGrid::for_elements(64)).arg_mut(&mut g).scalar(2.0f32).scalar(64i64).run(st)
+        scale
+            .launch(KernelGrid::for_elements(64))
+            .arg_mut(&mut g)
+            .scalar(2.0f32)
+            .scalar(64i64)
+            .run(st)
     })
     .unwrap();
-    assert_eq!(g.to_vec(&s).unwrap(), vec![1.0f32; 64], "capturing must not run the work");
+    assert_eq!(
+        g.to_vec(&s).unwrap(),
+        vec![1.0f32; 64],
+        "capturing must not run the work"
+    );
     for _ in 0..3 {
         graph.replay(&s).unwrap();
     }
@@ -836,15 +1226,30 @@ fn sim_staged() {
         comm.all_gather(&mine, &mut g)?;
         let want_g: Vec<f32> = (0..30).map(|i| (i / 10) as f32).collect();
         ok &= g.to_vec(&s)? == want_g;
-        let mut gi = DeviceBuffer::from_host(&s, &(0..30).map(|i| if i / 10 == rank { r } else { -9.0 }).collect::<Vec<f32>>())?;
+        let mut gi = DeviceBuffer::from_host(
+            &s,
+            &(0..30)
+                .map(|i| if i / 10 == rank { r } else { -9.0 })
+                .collect::<Vec<f32>>(),
+        )?;
         comm.all_gather_in_place(&mut gi)?;
         ok &= gi.to_vec(&s)? == want_g;
         let mut keep = DeviceBuffer::from_host(&s, &[-1.0f32; 30])?;
         comm.gather(&mine, &mut keep, 1)?;
-        ok &= keep.to_vec(&s)? == if rank == 1 { want_g.clone() } else { vec![-1.0; 30] };
+        ok &= keep.to_vec(&s)?
+            == if rank == 1 {
+                want_g.clone()
+            } else {
+                vec![-1.0; 30]
+            };
         let mut red = DeviceBuffer::from_host(&s, &[-1.0f32; 10])?;
         comm.reduce(&mine, &mut red, ReduceOp::Max, 2)?;
-        ok &= red.to_vec(&s)? == if rank == 2 { vec![2.0; 10] } else { vec![-1.0; 10] };
+        ok &= red.to_vec(&s)?
+            == if rank == 2 {
+                vec![2.0; 10]
+            } else {
+                vec![-1.0; 10]
+            };
         let mut rs = DeviceBuffer::from_host(&s, &(0..30).map(|i| i as f32).collect::<Vec<f32>>())?;
         comm.reduce_scatter_in_place(&mut rs, ReduceOp::Sum)?;
         let v = rs.to_vec(&s)?;
@@ -875,9 +1280,23 @@ fn sim_nccl_split() {
     let (ctx, comm) = sim_nccl_comm(1, Default::default());
     let mut comm = comm.unwrap().into_communicator();
     let s = ctx.stream().unwrap();
-    assert!(comm.split(None, 0).unwrap().is_none(), "no color: no communicator");
-    let mut sub = comm.split(Some(3), -1).unwrap().expect("a one-rank sub-communicator");
-    assert_eq!((sub.rank(), sub.world_size(), sub.global_ranks(), sub.backend_kind()), (0, 1, vec![0], BackendKind::Nccl));
+    assert!(
+        comm.split(None, 0).unwrap().is_none(),
+        "no color: no communicator"
+    );
+    let mut sub = comm
+        .split(Some(3), -1)
+        .unwrap()
+        .expect("a one-rank sub-communicator");
+    assert_eq!(
+        (
+            sub.rank(),
+            sub.world_size(),
+            sub.global_ranks(),
+            sub.backend_kind()
+        ),
+        (0, 1, vec![0], BackendKind::Nccl)
+    );
     assert!(sub.is_sub_communicator() && !comm.is_sub_communicator());
     collectives::check_all_dtypes_world1(&mut sub, &s).unwrap();
     let mut g = comm.new_group(&[0]).unwrap().expect("rank 0 is a member");
@@ -907,9 +1326,12 @@ fn sim_staged_split() {
         let s = ctx.stream()?;
         let mut comm = lockstep::staged::StagedBackend::new(&ctx, rc.comm)?.into_communicator();
         let me = rc.rank;
-        let mut sub = comm.split(Some((me % 2) as u32), -(me as i64))?.ok_or("no sub-communicator")?;
+        let mut sub = comm
+            .split(Some((me % 2) as u32), -(me as i64))?
+            .ok_or("no sub-communicator")?;
         let want: Vec<usize> = if me % 2 == 0 { vec![2, 0] } else { vec![1] };
-        let mut ok = sub.global_ranks() == want && sub.backend_kind() == lockstep::comm::BackendKind::Staged;
+        let mut ok =
+            sub.global_ranks() == want && sub.backend_kind() == lockstep::comm::BackendKind::Staged;
         let mut x = DeviceBuffer::from_host(&s, &[me as f32; 100])?;
         sub.all_reduce_in_place(&mut x, ReduceOp::Sum)?;
         let sum: f32 = want.iter().map(|&g| g as f32).sum();
@@ -938,25 +1360,46 @@ fn sim_device_engine_host_side() {
     let ctx = lockstep::cuda::Context::new(0).unwrap();
     let s = ctx.stream().unwrap();
     // views
-    let mut b = lockstep::cuda::DeviceBuffer::from_host(&s, &[0f32, 1., 2., 3., 4., 5., 6., 7.]).unwrap();
+    let mut b =
+        lockstep::cuda::DeviceBuffer::from_host(&s, &[0f32, 1., 2., 3., 4., 5., 6., 7.]).unwrap();
     let refused = |r: Result<_, lockstep::cuda::CudaError>, what: &str| match r {
         Ok(_) => panic!("{what} accepted"),
         Err(e) => e.to_string(),
     };
-    let e = refused(b.split_views(&[0..4], &[3..6]).map(|_| ()), "overlapping write");
-    expect_contains("split_views overlap", &e, &["written range 3..6 overlaps 0..4"]);
+    let e = refused(
+        b.split_views(&[0..4], &[3..6]).map(|_| ()),
+        "overlapping write",
+    );
+    expect_contains(
+        "split_views overlap",
+        &e,
+        &["written range 3..6 overlaps 0..4"],
+    );
     let e = refused(b.split_views(&[], &[6..9]).map(|_| ()), "out-of-range view");
-    expect_contains("split_views range", &e, &["range 6..9 is outside the buffer of 8 f32 elements"]);
-    assert!(b.split_views(&[0..2, 1..3], &[4..6, 6..8]).is_ok(), "disjoint writes, overlapping reads");
+    expect_contains(
+        "split_views range",
+        &e,
+        &["range 6..9 is outside the buffer of 8 f32 elements"],
+    );
+    assert!(
+        b.split_views(&[0..2, 1..3], &[4..6, 6..8]).is_ok(),
+        "disjoint writes, overlapping reads"
+    );
     // region copies and the read-back
     let mut dst = lockstep::cuda::DeviceBuffer::<f32>::zeros(&s, 4).unwrap();
     dst.copy_region_async(&s, 1, &b, 5, 3).unwrap();
     assert_eq!(dst.to_vec(&s).unwrap(), vec![0., 5., 6., 7.]);
-    assert!(dst.copy_region_async(&s, 2, &b, 0, 3).is_err(), "destination overrun refused");
+    assert!(
+        dst.copy_region_async(&s, 2, &b, 0, 3).is_err(),
+        "destination overrun refused"
+    );
     let mut rb = lockstep::cuda::HostReadback::<f32>::new(&ctx, 2).unwrap();
     rb.start(&s, &b.view(2..4).unwrap()).unwrap();
     assert_eq!(rb.wait().unwrap(), &[2., 3.]);
-    assert!(rb.start(&s, &b.view(0..3).unwrap()).is_err(), "length mismatch refused");
+    assert!(
+        rb.start(&s, &b.view(0..3).unwrap()).is_err(),
+        "length mismatch refused"
+    );
     // the engine's uploads and downloads
     let mut model = lockstep::train::model::Model::fashion_cnn(4).unwrap();
     model.init(3);
@@ -965,10 +1408,16 @@ fn sim_device_engine_host_side() {
     let mut eng = Engine::new(exec, &model, 4, Precision::Fp32).unwrap();
     assert_eq!(eng.params().unwrap(), model.params);
     let st = eng.exec.read_f32(eng.t.bn_state).unwrap();
-    assert!(st[..32].iter().all(|&v| v == 0.0) && st[32..64].iter().all(|&v| v == 1.0), "running mean 0, var 1");
+    assert!(
+        st[..32].iter().all(|&v| v == 0.0) && st[32..64].iter().all(|&v| v == 1.0),
+        "running mean 0, var 1"
+    );
     eng.set_index_list(&[9, 8, 7, 6, 5], false).unwrap();
     eng.exec.select_indices(eng.t.indices.prefix(3), 2).unwrap();
-    assert_eq!(eng.exec.read_i32(eng.t.indices.prefix(3)).unwrap(), vec![7, 6, 5]);
+    assert_eq!(
+        eng.exec.read_i32(eng.t.indices.prefix(3)).unwrap(),
+        vec![7, 6, 5]
+    );
     eng.exec.write_f32(eng.t.loss.loss_sum, &[12.5]).unwrap();
     eng.exec.start_read(eng.t.loss.loss_sum).unwrap();
     assert_eq!(eng.exec.finish_read().unwrap(), vec![12.5]);
@@ -978,7 +1427,11 @@ fn sim_device_engine_host_side() {
         Ok(_) => panic!("the kernels cannot compile, yet the step succeeded"),
         Err(e) => e.to_string(),
     };
-    expect_contains("step without kernels", &e, &["NVRTC", "compile failure injected by SIM_NVRTC_FAIL"]);
+    expect_contains(
+        "step without kernels",
+        &e,
+        &["NVRTC", "compile failure injected by SIM_NVRTC_FAIL"],
+    );
     drop(eng);
     assert!(ctx.check().is_ok(), "no deferred errors");
 }
@@ -988,24 +1441,72 @@ fn main() {
         scenario(&name);
         return;
     }
-    let filter: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with('-')).collect();
+    let filter: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with('-'))
+        .collect();
     let root = std::env::temp_dir().join(format!("lockstep-fake-libs-{}", std::process::id()));
     let libs = build_libs(&root);
     let s = |p: &PathBuf| p.display().to_string();
     let cases: Vec<(&str, Vec<(&str, String)>)> = vec![
-        ("guard_records_location", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.cuda))]),
-        ("foreign_init_refused", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.cuda))]),
-        ("guard_is_per_process", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.cuda))]),
-        ("probe_child_reports", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.cuda))]),
-        ("sim_gpus_pick_defaults", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)), ("SIM_CUDA_DEVICES", "3".into())]),
-        ("missing_override", vec![("LOCKSTEP_CUDA_LIBRARY", "/nonexistent/libcuda.so.1".into())]),
+        (
+            "guard_records_location",
+            vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.cuda))],
+        ),
+        (
+            "foreign_init_refused",
+            vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.cuda))],
+        ),
+        (
+            "guard_is_per_process",
+            vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.cuda))],
+        ),
+        (
+            "probe_child_reports",
+            vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.cuda))],
+        ),
+        (
+            "sim_gpus_pick_defaults",
+            vec![
+                ("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)),
+                ("SIM_CUDA_DEVICES", "3".into()),
+            ],
+        ),
+        (
+            "missing_override",
+            vec![("LOCKSTEP_CUDA_LIBRARY", "/nonexistent/libcuda.so.1".into())],
+        ),
         ("missing_default_search", vec![]),
-        ("missing_symbol", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.cuda_broken))]),
-        ("driver_symbols_missing_is_error", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.cuda))]),
-        ("fake_nccl", vec![("LOCKSTEP_NCCL_LIBRARY", s(&libs.nccl)), ("LOCKSTEP_CUDA_LIBRARY", s(&libs.cuda))]),
-        ("old_nccl_rejected", vec![("LOCKSTEP_NCCL_LIBRARY", s(&libs.nccl_old))]),
-        ("sim_memory_kernels_events", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda))]),
-        ("sim_bench_device", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)), ("LOCKSTEP_NCCL_LIBRARY", s(&libs.sim_nccl))]),
+        (
+            "missing_symbol",
+            vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.cuda_broken))],
+        ),
+        (
+            "driver_symbols_missing_is_error",
+            vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.cuda))],
+        ),
+        (
+            "fake_nccl",
+            vec![
+                ("LOCKSTEP_NCCL_LIBRARY", s(&libs.nccl)),
+                ("LOCKSTEP_CUDA_LIBRARY", s(&libs.cuda)),
+            ],
+        ),
+        (
+            "old_nccl_rejected",
+            vec![("LOCKSTEP_NCCL_LIBRARY", s(&libs.nccl_old))],
+        ),
+        (
+            "sim_memory_kernels_events",
+            vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda))],
+        ),
+        (
+            "sim_bench_device",
+            vec![
+                ("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)),
+                ("LOCKSTEP_NCCL_LIBRARY", s(&libs.sim_nccl)),
+            ],
+        ),
         (
             "sim_device_engine_host_side",
             vec![
@@ -1014,15 +1515,45 @@ fn main() {
                 ("SIM_NVRTC_FAIL", "1".into()),
             ],
         ),
-        ("sim_drop_error_is_deferred", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)), ("SIM_FAIL_FREE", "1".into())]),
-        ("sim_nccl_collectives", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)), ("LOCKSTEP_NCCL_LIBRARY", s(&libs.sim_nccl))]),
-        ("sim_nccl_split", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)), ("LOCKSTEP_NCCL_LIBRARY", s(&libs.sim_nccl))]),
+        (
+            "sim_drop_error_is_deferred",
+            vec![
+                ("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)),
+                ("SIM_FAIL_FREE", "1".into()),
+            ],
+        ),
+        (
+            "sim_nccl_collectives",
+            vec![
+                ("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)),
+                ("LOCKSTEP_NCCL_LIBRARY", s(&libs.sim_nccl)),
+            ],
+        ),
+        (
+            "sim_nccl_split",
+            vec![
+                ("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)),
+                ("LOCKSTEP_NCCL_LIBRARY", s(&libs.sim_nccl)),
+            ],
+        ),
         (
             "sim_nccl_split_missing",
-            vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)), ("LOCKSTEP_NCCL_LIBRARY", s(&libs.sim_nccl_no_split))],
+            vec![
+                ("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)),
+                ("LOCKSTEP_NCCL_LIBRARY", s(&libs.sim_nccl_no_split)),
+            ],
         ),
-        ("sim_staged_split", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda))]),
-        ("sim_nccl_peer_never_joins", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)), ("LOCKSTEP_NCCL_LIBRARY", s(&libs.sim_nccl))]),
+        (
+            "sim_staged_split",
+            vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda))],
+        ),
+        (
+            "sim_nccl_peer_never_joins",
+            vec![
+                ("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)),
+                ("LOCKSTEP_NCCL_LIBRARY", s(&libs.sim_nccl)),
+            ],
+        ),
         (
             "sim_nccl_async_error_aborts",
             vec![
@@ -1056,10 +1587,28 @@ fn main() {
                 ("SIM_STREAM_STUCK", "1".into()),
             ],
         ),
-        ("sim_staged_ranks_share_a_gpu", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda))]),
-        ("unique_id_exchange_over_shm", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)), ("LOCKSTEP_NCCL_LIBRARY", s(&libs.sim_nccl))]),
-        ("nccl_across_nodes_via_store", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)), ("LOCKSTEP_NCCL_LIBRARY", s(&libs.sim_nccl))]),
-        ("staged_refusal_fails_peers_fast", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda))]),
+        (
+            "sim_staged_ranks_share_a_gpu",
+            vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda))],
+        ),
+        (
+            "unique_id_exchange_over_shm",
+            vec![
+                ("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)),
+                ("LOCKSTEP_NCCL_LIBRARY", s(&libs.sim_nccl)),
+            ],
+        ),
+        (
+            "nccl_across_nodes_via_store",
+            vec![
+                ("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)),
+                ("LOCKSTEP_NCCL_LIBRARY", s(&libs.sim_nccl)),
+            ],
+        ),
+        (
+            "staged_refusal_fails_peers_fast",
+            vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda))],
+        ),
         (
             "one_selection_policy",
             vec![
@@ -1087,13 +1636,25 @@ fn main() {
                 ("SIM_NCCL_RDZV_DIR", s(&root.join("rdzv-multi-rank-old"))),
             ],
         ),
-        ("nvrtc_compile_goes_through_guard", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda))]),
-        ("debug_probe", vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.cuda)), ("LOCKSTEP_DEBUG", "1".into())]),
+        (
+            "nvrtc_compile_goes_through_guard",
+            vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda))],
+        ),
+        (
+            "debug_probe",
+            vec![
+                ("LOCKSTEP_CUDA_LIBRARY", s(&libs.cuda)),
+                ("LOCKSTEP_DEBUG", "1".into()),
+            ],
+        ),
         (
             "missing_nccl_and_nvrtc",
             vec![
                 ("LOCKSTEP_NCCL_LIBRARY", "/nonexistent/libnccl.so.2".into()),
-                ("LOCKSTEP_NVRTC_LIBRARY", "/nonexistent/libnvrtc.so.12".into()),
+                (
+                    "LOCKSTEP_NVRTC_LIBRARY",
+                    "/nonexistent/libnvrtc.so.12".into(),
+                ),
             ],
         ),
     ];
@@ -1122,7 +1683,8 @@ fn main() {
         }
         let out = cmd.output().expect("re-run the test binary");
         let stderr = String::from_utf8_lossy(&out.stderr);
-        let stderr_ok = *name != "debug_probe" || stderr.contains("CUDA probe: a rank can initialise CUDA: 2 device(s)");
+        let stderr_ok = *name != "debug_probe"
+            || stderr.contains("CUDA probe: a rank can initialise CUDA: 2 device(s)");
         if out.status.success() && stderr_ok {
             if std::env::var_os("LOCKSTEP_FAKE_VERBOSE").is_some() {
                 print!("{}", String::from_utf8_lossy(&out.stdout));
@@ -1130,12 +1692,20 @@ fn main() {
             println!("test {name} ... ok");
             passed += 1;
         } else {
-            println!("test {name} ... FAILED\n{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+            println!(
+                "test {name} ... FAILED\n{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
             failed.push(*name);
         }
     }
     let _ = std::fs::remove_dir_all(&root);
-    println!("\ntest result: {}. {passed} passed; {} failed", if failed.is_empty() { "ok" } else { "FAILED" }, failed.len());
+    println!(
+        "\ntest result: {}. {passed} passed; {} failed",
+        if failed.is_empty() { "ok" } else { "FAILED" },
+        failed.len()
+    );
     if !failed.is_empty() {
         println!("failed: {failed:?}");
         std::process::exit(1);

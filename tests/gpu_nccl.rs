@@ -26,7 +26,10 @@ use lockstep::cuda::DeviceBuffer;
 use lockstep::nccl::{NcclComm, NcclOptions};
 
 fn solo_exchange() -> impl FnMut(usize, Option<&[u8; 128]>) -> Result<[u8; 128], String> {
-    |_rank, id| id.copied().ok_or_else(|| "world size 1 has no peer to receive from".to_string())
+    |_rank, id| {
+        id.copied()
+            .ok_or_else(|| "world size 1 has no peer to receive from".to_string())
+    }
 }
 
 /// The name of the two-rank check (the skip line and gpu_verify.sh's report use it).
@@ -71,10 +74,17 @@ fn two_ranks_child() {
         };
         let ctx = lockstep::cuda::Context::new(ordinal)?;
         if rc.rank == 0 {
-            let mode = if gpus >= 2 { "one GPU per rank" } else { "both on GPU 0, NCCL multi-rank mode" };
+            let mode = if gpus >= 2 {
+                "one GPU per rank"
+            } else {
+                "both on GPU 0, NCCL multi-rank mode"
+            };
             println!("  two ranks: {mode}");
         }
-        let opts = NcclOptions { timeout: Duration::from_secs(10), ..nccl_opts() };
+        let opts = NcclOptions {
+            timeout: Duration::from_secs(10),
+            ..nccl_opts()
+        };
         let nc = NcclComm::new(&ctx, rc.rank, rc.world_size, &mut rc.comm, opts)?;
         let s = ctx.stream()?;
         let mut comm = nc.into_communicator();
@@ -107,8 +117,19 @@ fn two_ranks_child() {
         comm.synchronize()?;
         let want_g = vec![0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0];
         let (gv, kv, rv) = (g.to_vec(&s)?, keep.to_vec(&s)?, rs.to_vec(&s)?);
-        if gv != want_g || kv != if rc.rank == 1 { want_g.clone() } else { vec![-1.0; 8] } || rv != [2.0; 4] {
-            return Err(bad("all_gather/gather/reduce_scatter", [gv, kv, rv].concat()));
+        if gv != want_g
+            || kv
+                != if rc.rank == 1 {
+                    want_g.clone()
+                } else {
+                    vec![-1.0; 8]
+                }
+            || rv != [2.0; 4]
+        {
+            return Err(bad(
+                "all_gather/gather/reduce_scatter",
+                [gv, kv, rv].concat(),
+            ));
         }
         // Rank 1 leaves without a word; rank 0's next collective must fail, not hang.
         if rc.rank == 1 {
@@ -118,7 +139,9 @@ fn two_ranks_child() {
         comm.all_reduce_in_place(&mut x, ReduceOp::Sum)?;
         match comm.synchronize() {
             Err(e) if e.to_string().contains("aborted") => Ok(1),
-            other => Err(format!("rank 0 after rank 1 left: expected an abort, got {other:?}").into()),
+            other => {
+                Err(format!("rank 0 after rank 1 left: expected an abort, got {other:?}").into())
+            }
         }
     });
     match res {
@@ -144,9 +167,11 @@ fn two_ranks(nccl_code: i32) -> TwoRanks {
     let mut cmd = std::process::Command::new(std::env::current_exe().unwrap());
     // NCCL reads its own variable at init; it is set only where the library has the mode.
     if multi_rank_capable(nccl_code) {
-        cmd.env(CHILD_VAR, "multi-rank").env("NCCL_MULTI_RANK_GPU_ENABLE", "1");
+        cmd.env(CHILD_VAR, "multi-rank")
+            .env("NCCL_MULTI_RANK_GPU_ENABLE", "1");
     } else {
-        cmd.env(CHILD_VAR, "one-gpu-each").env_remove("NCCL_MULTI_RANK_GPU_ENABLE");
+        cmd.env(CHILD_VAR, "one-gpu-each")
+            .env_remove("NCCL_MULTI_RANK_GPU_ENABLE");
     }
     match cmd.status() {
         Err(e) => TwoRanks::Ran(Err(e.to_string())),
@@ -174,7 +199,10 @@ fn main() {
     // kept out of its counts, so it never reads as passed. Same filter rule as the runner's.
     let filter = std::env::args().skip(1).find(|a| !a.starts_with('-'));
     let mut skipped: Vec<(&str, String)> = Vec::new();
-    if filter.as_ref().is_none_or(|p| TWO_RANKS.contains(p.as_str())) {
+    if filter
+        .as_ref()
+        .is_none_or(|p| TWO_RANKS.contains(p.as_str()))
+    {
         match two_ranks(nccl_code) {
             TwoRanks::Ran(result) => r.run(TWO_RANKS, || result),
             TwoRanks::Cannot(why) if std::env::var(REQUIRE_VAR).as_deref() == Ok("1") => {
@@ -190,7 +218,10 @@ fn main() {
     println!("  NCCL {}", lockstep::cuda::nccl_version_string(nccl_code));
 
     r.run("abort_when_a_peer_never_joins", || {
-        let opts = NcclOptions { timeout: Duration::from_secs(3), ..nccl_opts() };
+        let opts = NcclOptions {
+            timeout: Duration::from_secs(3),
+            ..nccl_opts()
+        };
         match NcclComm::new(&ctx, 0, 2, &mut solo_exchange(), opts) {
             Err(e) if e.to_string().contains("aborted") => Ok(()),
             Err(e) => Err(format!("unexpected error: {e}")),
@@ -198,7 +229,8 @@ fn main() {
         }
     });
 
-    let mut nc = NcclComm::new(&ctx, 0, 1, &mut solo_exchange(), nccl_opts()).expect("NCCL init at world size 1");
+    let mut nc = NcclComm::new(&ctx, 0, 1, &mut solo_exchange(), nccl_opts())
+        .expect("NCCL init at world size 1");
     let s = ctx.stream().unwrap();
 
     r.run("send_recv_self_in_group", || {
@@ -222,11 +254,15 @@ fn main() {
     r.run("host_buffers_refused", || {
         let (a, mut b) = (vec![1f32; 4], vec![0f32; 4]);
         match comm.all_reduce(&a, &mut b, ReduceOp::Sum) {
-            Err(lockstep::comm::CommError::Unsupported(m)) if m.contains("device memory only") => Ok(()),
+            Err(lockstep::comm::CommError::Unsupported(m)) if m.contains("device memory only") => {
+                Ok(())
+            }
             other => Err(format!("expected Unsupported, got {other:?}")),
         }
     });
-    r.run("collectives_ops_dtypes_world1", || collectives::check_all_dtypes_world1(&mut comm, &s));
+    r.run("collectives_ops_dtypes_world1", || {
+        collectives::check_all_dtypes_world1(&mut comm, &s)
+    });
     for (name, why) in &skipped {
         println!("skipped (not counted as passed): {name}: {why}");
     }

@@ -25,7 +25,10 @@ use lockstep::train::optim::Adam;
 use lockstep::train::trainer::{Silent, TrainConfig};
 
 fn synthetic_dir(n_train: usize, n_test: usize) -> std::path::PathBuf {
-    let dir = std::env::temp_dir().join(format!("lockstep-gpu-train-{}-{n_train}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!(
+        "lockstep-gpu-train-{}-{n_train}",
+        std::process::id()
+    ));
     std::fs::create_dir_all(&dir).unwrap();
     data::write_synthetic(&dir, n_train, n_test, 5).unwrap();
     dir
@@ -73,7 +76,15 @@ fn gpu_losses(
     let t = plan::Tensors::new(model, b, precision).map_err(e)?;
     let exec = GpuExec::new(ctx, t.arena_len, graphs).map_err(|e| e.to_string())?;
     let mut eng = Engine::new(exec, model, b, precision).map_err(e)?;
-    eng.upload_dataset(data, &Dataset { rows: 28, cols: 28, ..Default::default() }).map_err(e)?;
+    eng.upload_dataset(
+        data,
+        &Dataset {
+            rows: 28,
+            cols: 28,
+            ..Default::default()
+        },
+    )
+    .map_err(e)?;
     eng.set_index_list(idx, false).map_err(e)?;
     let mut out = Vec::new();
     let t0 = std::time::Instant::now();
@@ -83,7 +94,10 @@ fn gpu_losses(
     }
     let per_step_ms = t0.elapsed().as_secs_f64() * 1e3 / steps as f64;
     if graphs && eng.exec.graph_count() != 1 {
-        return Err(format!("expected one captured graph for one batch size, found {}", eng.exec.graph_count()));
+        return Err(format!(
+            "expected one captured graph for one batch size, found {}",
+            eng.exec.graph_count()
+        ));
     }
     let params = eng.params().map_err(e)?;
     Ok((out, per_step_ms, params))
@@ -95,8 +109,12 @@ fn train_cnn_path() -> std::path::PathBuf {
     if let Some(p) = std::env::var_os("LOCKSTEP_TRAIN_CNN") {
         return p.into();
     }
-    let beside = std::env::current_exe().ok().and_then(|e| Some(e.parent()?.parent()?.join("train-cnn")));
-    beside.filter(|p| p.is_file()).unwrap_or_else(|| env!("CARGO_BIN_EXE_train-cnn").into())
+    let beside = std::env::current_exe()
+        .ok()
+        .and_then(|e| Some(e.parent()?.parent()?.join("train-cnn")));
+    beside
+        .filter(|p| p.is_file())
+        .unwrap_or_else(|| env!("CARGO_BIN_EXE_train-cnn").into())
 }
 
 fn main() {
@@ -120,29 +138,60 @@ fn main() {
     for nprocs in [1, 2] {
         r.run(&format!("train_cnn_device_cuda_{nprocs}_ranks"), || {
             let out = std::process::Command::new(train_cnn_path())
-                .args(["--device", "cuda", "--nprocs", &nprocs.to_string(), "--epochs", "2", "--data"])
+                .args([
+                    "--device",
+                    "cuda",
+                    "--nprocs",
+                    &nprocs.to_string(),
+                    "--epochs",
+                    "2",
+                    "--data",
+                ])
                 .arg(&dir)
                 .output()
                 .map_err(|e| e.to_string())?;
-            let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-            println!("{}", text.lines().map(|l| format!("    {l}")).collect::<Vec<_>>().join("\n"));
+            let text = format!(
+                "{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+            println!(
+                "{}",
+                text.lines()
+                    .map(|l| format!("    {l}"))
+                    .collect::<Vec<_>>()
+                    .join("\n")
+            );
             if !out.status.success() {
                 return Err(format!("train-cnn failed ({}):\n{text}", out.status));
             }
             let acc: f64 = text
                 .lines()
-                .filter_map(|l| l.split("test acc ").nth(1)?.split_whitespace().next()?.parse().ok())
+                .filter_map(|l| {
+                    l.split("test acc ")
+                        .nth(1)?
+                        .split_whitespace()
+                        .next()?
+                        .parse()
+                        .ok()
+                })
                 .next_back()
                 .ok_or("no accuracy line")?;
             // Same bar as tests/train_dist.rs for the CPU engine: far above chance (10 %).
             if acc < 50.0 {
-                return Err(format!("test accuracy {acc} % after 2 epochs on the synthetic set (expected > 50 %)"));
+                return Err(format!(
+                    "test accuracy {acc} % after 2 epochs on the synthetic set (expected > 50 %)"
+                ));
             }
             Ok(())
         });
     }
     let ctx = gpu::context_or_skip();
-    println!("  device: {:?}; TF32 {}", ctx.info().map(|i| i.name).unwrap_or_default(), if tf32 { "on" } else { "off" });
+    println!(
+        "  device: {:?}; TF32 {}",
+        ctx.info().map(|i| i.name).unwrap_or_default(),
+        if tf32 { "on" } else { "off" }
+    );
     let train = data::load_split(&dir, true).unwrap();
     let mut model = Model::fashion_cnn(64).unwrap();
     model.init(42);
@@ -152,17 +201,30 @@ fn main() {
         let want = cpu_losses(&model, &train, &idx, 64, 20);
         let (got, ms, _) = gpu_losses(&ctx, &model, &train, &idx, 64, 20, Precision::Fp32, true)?;
         println!("    gpu {ms:.3} ms/step (with a loss read-back per step); losses {got:?}");
-        let tol = if tf32 { Tol::new(5e-2, 5e-2) } else { Tol::new(1e-3, 5e-3) };
+        let tol = if tf32 {
+            Tol::new(5e-2, 5e-2)
+        } else {
+            Tol::new(1e-3, 5e-3)
+        };
         assert_close("fp32 losses, GPU vs CPU engine", &got, &want, tol)
     });
 
     r.run("bf16_steps_agree_then_learn", || {
         let want = cpu_losses(&model, &train, &idx, 64, 20);
         let (got, _, _) = gpu_losses(&ctx, &model, &train, &idx, 64, 20, Precision::Bf16, true)?;
-        assert_close("bf16 losses, first 2 steps", &got[..2], &want[..2], Tol::new(2e-2, 5e-2))?;
+        assert_close(
+            "bf16 losses, first 2 steps",
+            &got[..2],
+            &want[..2],
+            Tol::new(2e-2, 5e-2),
+        )?;
         let tail = |v: &[f32]| v[15..].iter().sum::<f32>() / 5.0;
-        if !(got.iter().all(|l| l.is_finite()) && tail(&got) < 0.5 * got[0] + 0.5 * tail(&want).max(0.0)) {
-            return Err(format!("bf16 does not learn like fp32: bf16 {got:?}\ncpu {want:?}"));
+        if !(got.iter().all(|l| l.is_finite())
+            && tail(&got) < 0.5 * got[0] + 0.5 * tail(&want).max(0.0))
+        {
+            return Err(format!(
+                "bf16 does not learn like fp32: bf16 {got:?}\ncpu {want:?}"
+            ));
         }
         Ok(())
     });
@@ -170,12 +232,26 @@ fn main() {
     // Bit-identical: the same steps give the same bits, replayed from a graph or launched one
     // by one, and run after run (fp32 and bf16).
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
-    let same = |what: &str, a: &(Vec<f32>, f64, Vec<f32>), b: &(Vec<f32>, f64, Vec<f32>)| -> Result<(), String> {
+    let same = |what: &str,
+                a: &(Vec<f32>, f64, Vec<f32>),
+                b: &(Vec<f32>, f64, Vec<f32>)|
+     -> Result<(), String> {
         if bits(&a.0) != bits(&b.0) {
-            return Err(format!("{what}: losses differ in their bits:\n{:?}\n{:?}", a.0, b.0));
+            return Err(format!(
+                "{what}: losses differ in their bits:\n{:?}\n{:?}",
+                a.0, b.0
+            ));
         }
-        match a.2.iter().zip(&b.2).position(|(x, y)| x.to_bits() != y.to_bits()) {
-            Some(i) => Err(format!("{what}: parameter {i} differs: {:e} vs {:e}", a.2[i], b.2[i])),
+        match a
+            .2
+            .iter()
+            .zip(&b.2)
+            .position(|(x, y)| x.to_bits() != y.to_bits())
+        {
+            Some(i) => Err(format!(
+                "{what}: parameter {i} differs: {:e} vs {:e}",
+                a.2[i], b.2[i]
+            )),
             None => Ok(()),
         }
     };
@@ -197,10 +273,17 @@ fn main() {
         let test = data::load_split(&dir, false).map_err(|e| e.to_string())?;
         let mut small = train.clone();
         small.truncate(1000); // 15 full batches and one of 40
-        let cfg = TrainConfig { epochs: 2, batch_size: 64, ..Default::default() };
+        let cfg = TrainConfig {
+            epochs: 2,
+            batch_size: 64,
+            ..Default::default()
+        };
         let out = lockstep::train::device::train_device(
             &cfg,
-            &DeviceOptions { loss_every: 4, ..Default::default() },
+            &DeviceOptions {
+                loss_every: 4,
+                ..Default::default()
+            },
             &small,
             &test,
             |len| Ok(GpuExec::new(&ctx, len, true)?),
@@ -210,7 +293,10 @@ fn main() {
         .map_err(|e| e.to_string())?;
         let last = out.reports.last().ok_or("no report")?;
         println!("    {last:?}");
-        if last.test_count != 512 || last.test_acc < 50.0 || last.train_loss >= out.reports[0].train_loss {
+        if last.test_count != 512
+            || last.test_acc < 50.0
+            || last.train_loss >= out.reports[0].train_loss
+        {
             return Err(format!("unexpected reports {:?}", out.reports));
         }
         Ok(())

@@ -20,7 +20,11 @@ fn cfg(n: usize) -> LaunchConfig {
 
 fn ready_time_and_repeated_launch() -> Result<(), String> {
     // Each launch: t0 before the call; every rank reports when its communicator was ready.
-    let fds = || std::fs::read_dir("/proc/self/fd").map(|d| d.count()).unwrap_or(0);
+    let fds = || {
+        std::fs::read_dir("/proc/self/fd")
+            .map(|d| d.count())
+            .unwrap_or(0)
+    };
     let fds_before = fds();
     let mut worst = Vec::new();
     for _ in 0..7 {
@@ -40,9 +44,17 @@ fn ready_time_and_repeated_launch() -> Result<(), String> {
     worst.sort_by(|a, b| a.partial_cmp(b).expect("finite"));
     let median = worst[worst.len() / 2];
     println!("    launch → every rank ready (2 ranks): median {median:.2} ms, all {worst:.2?}");
-    check(fds() == fds_before, "repeated launches leak no file descriptors", format!("{fds_before} before, {} after", fds()))?;
+    check(
+        fds() == fds_before,
+        "repeated launches leak no file descriptors",
+        format!("{fds_before} before, {} after", fds()),
+    )?;
     // The target is 10 ms; allow slack for a loaded 2-core CI machine.
-    check(median < 50.0, "ranks must be ready quickly", format!("median {median:.2} ms"))
+    check(
+        median < 50.0,
+        "ranks must be ready quickly",
+        format!("median {median:.2} ms"),
+    )
 }
 
 fn fail_fast_error_reports_root_cause() -> Result<(), String> {
@@ -55,21 +67,41 @@ fn fail_fast_error_reports_root_cause() -> Result<(), String> {
         std::thread::sleep(Duration::from_secs(30));
         Ok(0)
     });
-    let Err(e @ LaunchError::RanksFailed(_)) = r else { return check(false, "launch must fail", "") };
+    let Err(e @ LaunchError::RanksFailed(_)) = r else {
+        return check(false, "launch must fail", "");
+    };
     let f = e.failures();
     check(
-        f[0].rank == 1 && f[0].message == "boom on purpose" && f[0].exit_code == 1 && !f[0].terminated_by_launcher,
+        f[0].rank == 1
+            && f[0].message == "boom on purpose"
+            && f[0].exit_code == 1
+            && !f[0].terminated_by_launcher,
         "root cause first",
         format!("{e}"),
     )?;
-    check(f[0].stderr_tail == vec!["about to fail".to_string()], "stderr tail is kept", format!("{:?}", f[0].stderr_tail))?;
     check(
-        f.len() == 3 && f[1..].iter().all(|x| x.terminated_by_launcher && x.exit_code == 128 + libc::SIGTERM),
+        f[0].stderr_tail == vec!["about to fail".to_string()],
+        "stderr tail is kept",
+        format!("{:?}", f[0].stderr_tail),
+    )?;
+    check(
+        f.len() == 3
+            && f[1..]
+                .iter()
+                .all(|x| x.terminated_by_launcher && x.exit_code == 128 + libc::SIGTERM),
         "others terminated",
         format!("{e}"),
     )?;
-    check(e.exit_code() == 1 && e.to_string().contains("failed first"), "summary", format!("{e}"))?;
-    check(t.elapsed() < Duration::from_secs(2), "fast", format!("{:?}", t.elapsed()))
+    check(
+        e.exit_code() == 1 && e.to_string().contains("failed first"),
+        "summary",
+        format!("{e}"),
+    )?;
+    check(
+        t.elapsed() < Duration::from_secs(2),
+        "fast",
+        format!("{:?}", t.elapsed()),
+    )
 }
 
 fn kill9_rank_gives_peer_lost() -> Result<(), String> {
@@ -86,11 +118,18 @@ fn kill9_rank_gives_peer_lost() -> Result<(), String> {
         }
         Ok(())
     });
-    let Err(e) = r else { return check(false, "launch must fail", "") };
+    let Err(e) = r else {
+        return check(false, "launch must fail", "");
+    };
     let f = e.failures();
-    check(f.len() == 2 && f[0].rank == 1 && f[0].exit_code == 137, "root cause is the killed rank", format!("{e}"))?;
     check(
-        f[1].message.contains("rank 1 (pid") && f[1].message.contains("died while rank 0 was in all_reduce"),
+        f.len() == 2 && f[0].rank == 1 && f[0].exit_code == 137,
+        "root cause is the killed rank",
+        format!("{e}"),
+    )?;
+    check(
+        f[1].message.contains("rank 1 (pid")
+            && f[1].message.contains("died while rank 0 was in all_reduce"),
         "survivor reports PeerLost",
         format!("{e}"),
     )
@@ -108,15 +147,27 @@ fn hung_rank_is_named_after_the_timeout() -> Result<(), String> {
         ctx.comm.all_reduce_in_place(&mut v[..], ReduceOp::Sum)?;
         Ok(())
     });
-    let Err(e) = r else { return check(false, "launch must fail", "") };
+    let Err(e) = r else {
+        return check(false, "launch must fail", "");
+    };
     let f = e.failures();
     check(
-        f[0].rank == 0 && f[0].message.contains("timed out") && f[0].message.contains("rank 1 is at collective #0"),
+        f[0].rank == 0
+            && f[0].message.contains("timed out")
+            && f[0].message.contains("rank 1 is at collective #0"),
         "the waiting rank names the hung one",
         format!("{e}"),
     )?;
-    check(f.len() == 2 && f[1].terminated_by_launcher, "the hung rank is terminated", format!("{e}"))?;
-    check(t.elapsed() < Duration::from_secs(3), "prompt", format!("{:?}", t.elapsed()))
+    check(
+        f.len() == 2 && f[1].terminated_by_launcher,
+        "the hung rank is terminated",
+        format!("{e}"),
+    )?;
+    check(
+        t.elapsed() < Duration::from_secs(3),
+        "prompt",
+        format!("{:?}", t.elapsed()),
+    )
 }
 
 fn panics_and_exits_are_reported() -> Result<(), String> {
@@ -126,16 +177,28 @@ fn panics_and_exits_are_reported() -> Result<(), String> {
         }
         Ok(())
     });
-    let Err(e) = r else { return check(false, "launch must fail", "") };
-    check(e.failures()[0].message.contains("rank zero panics") && e.failures()[0].exit_code == 101, "panic message", format!("{e}"))?;
+    let Err(e) = r else {
+        return check(false, "launch must fail", "");
+    };
+    check(
+        e.failures()[0].message.contains("rank zero panics") && e.failures()[0].exit_code == 101,
+        "panic message",
+        format!("{e}"),
+    )?;
     let r = launch(&cfg(2), |ctx| -> lockstep::launch::RankResult<()> {
         if ctx.rank == 1 {
             std::process::exit(7);
         }
         Ok(())
     });
-    let Err(e) = r else { return check(false, "launch must fail", "") };
-    check(e.exit_code() == 7, "exit code of the root cause", format!("{e}"))
+    let Err(e) = r else {
+        return check(false, "launch must fail", "");
+    };
+    check(
+        e.exit_code() == 7,
+        "exit code of the root cause",
+        format!("{e}"),
+    )
 }
 
 fn log_dir_and_filter() -> Result<(), String> {
@@ -149,7 +212,8 @@ fn log_dir_and_filter() -> Result<(), String> {
     })
     .map_err(|e| e.to_string())?;
     for r in 0..2 {
-        let t = std::fs::read_to_string(d.join(format!("rank-{r}.log"))).map_err(|e| e.to_string())?;
+        let t =
+            std::fs::read_to_string(d.join(format!("rank-{r}.log"))).map_err(|e| e.to_string())?;
         check(t == format!("hello from {r}\n"), "log file content", &t)?;
     }
     Ok(())
@@ -157,12 +221,15 @@ fn log_dir_and_filter() -> Result<(), String> {
 
 fn mode_of(p: &std::path::Path) -> u32 {
     use std::os::unix::fs::PermissionsExt;
-    std::fs::symlink_metadata(p).map(|m| m.permissions().mode() & 0o7777).unwrap_or(0)
+    std::fs::symlink_metadata(p)
+        .map(|m| m.permissions().mode() & 0o7777)
+        .unwrap_or(0)
 }
 
 fn chmod(p: &std::path::Path, mode: u32) -> Result<(), String> {
     use std::os::unix::fs::PermissionsExt;
-    std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode)).map_err(|e| format!("chmod {}: {e}", p.display()))
+    std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode))
+        .map_err(|e| format!("chmod {}: {e}", p.display()))
 }
 
 /// Launch `n` quiet ranks that each log one line into `dir`.
@@ -188,41 +255,81 @@ fn log_dir_is_not_hijacked() -> Result<(), String> {
     std::fs::create_dir(&links).map_err(|e| e.to_string())?;
     std::os::unix::fs::symlink(&victim, links.join("rank-0.log")).map_err(|e| e.to_string())?;
     let e = launch_logging(1, &links).err().unwrap_or_default();
-    check(e.contains("rank-0.log") && e.contains("symbolic link"), "a symbolic link under a log name is refused", &e)?;
-    check(std::fs::read_to_string(&victim).ok().as_deref() == Some("precious"), "the link's target is unchanged", "")?;
+    check(
+        e.contains("rank-0.log") && e.contains("symbolic link"),
+        "a symbolic link under a log name is refused",
+        &e,
+    )?;
+    check(
+        std::fs::read_to_string(&victim).ok().as_deref() == Some("precious"),
+        "the link's target is unchanged",
+        "",
+    )?;
 
     // A hard link to another file: truncating it would empty the other name.
     let hard = d.join("hard");
     std::fs::create_dir(&hard).map_err(|e| e.to_string())?;
     std::fs::hard_link(&victim, hard.join("rank-0.log")).map_err(|e| e.to_string())?;
     let e = launch_logging(1, &hard).err().unwrap_or_default();
-    check(e.contains("hard links"), "a log name with another hard link is refused", &e)?;
-    check(std::fs::read_to_string(&victim).ok().as_deref() == Some("precious"), "the other name is unchanged", "")?;
+    check(
+        e.contains("hard links"),
+        "a log name with another hard link is refused",
+        &e,
+    )?;
+    check(
+        std::fs::read_to_string(&victim).ok().as_deref() == Some("precious"),
+        "the other name is unchanged",
+        "",
+    )?;
 
     // Writable by the group, no sticky bit: anyone in the group could plant files. Refused.
     let shared = d.join("shared");
     std::fs::create_dir(&shared).map_err(|e| e.to_string())?;
     chmod(&shared, 0o775)?;
     let e = launch_logging(1, &shared).err().unwrap_or_default();
-    check(e.contains("sticky") && e.contains("chmod go-w"), "a group-writable directory without the sticky bit is refused", &e)?;
-    check(std::fs::read_dir(&shared).map(|r| r.count()).unwrap_or(1) == 0, "and nothing is written there", "")?;
+    check(
+        e.contains("sticky") && e.contains("chmod go-w"),
+        "a group-writable directory without the sticky bit is refused",
+        &e,
+    )?;
+    check(
+        std::fs::read_dir(&shared).map(|r| r.count()).unwrap_or(1) == 0,
+        "and nothing is written there",
+        "",
+    )?;
 
     // Sticky and world-writable (like /tmp): our own old log is reused (emptied), another
     // user's file under a log name is refused.
     let sticky = d.join("sticky");
     std::fs::create_dir(&sticky).map_err(|e| e.to_string())?;
     chmod(&sticky, 0o1777)?;
-    std::fs::write(sticky.join("rank-0.log"), "an old, longer log of an earlier run\n").map_err(|e| e.to_string())?;
+    std::fs::write(
+        sticky.join("rank-0.log"),
+        "an old, longer log of an earlier run\n",
+    )
+    .map_err(|e| e.to_string())?;
     launch_logging(1, &sticky)?;
     let t = std::fs::read_to_string(sticky.join("rank-0.log")).map_err(|e| e.to_string())?;
-    check(t == "log line of rank 0\n", "our own old log is truncated and rewritten", &t)?;
+    check(
+        t == "log line of rank 0\n",
+        "our own old log is truncated and rewritten",
+        &t,
+    )?;
     if nix::unistd::geteuid().is_root() {
         let theirs = sticky.join("rank-1.log");
         std::fs::write(&theirs, "theirs").map_err(|e| e.to_string())?;
         std::os::unix::fs::chown(&theirs, Some(65534), Some(65534)).map_err(|e| e.to_string())?;
         let e = launch_logging(2, &sticky).err().unwrap_or_default();
-        check(e.contains("rank-1.log") && e.contains("belongs to uid 65534"), "another user's file under a log name is refused", &e)?;
-        check(std::fs::read_to_string(&theirs).ok().as_deref() == Some("theirs"), "and left alone", "")?;
+        check(
+            e.contains("rank-1.log") && e.contains("belongs to uid 65534"),
+            "another user's file under a log name is refused",
+            &e,
+        )?;
+        check(
+            std::fs::read_to_string(&theirs).ok().as_deref() == Some("theirs"),
+            "and left alone",
+            "",
+        )?;
     } else {
         println!("  skipped: another user's file (only root can make one here)");
     }
@@ -230,8 +337,16 @@ fn log_dir_is_not_hijacked() -> Result<(), String> {
     // A new log directory (and its missing parent) is created; the directory itself 0700.
     let fresh = d.join("new/logs");
     launch_logging(2, &fresh)?;
-    check(mode_of(&fresh) == 0o700, "a new log directory is private", format!("{:o}", mode_of(&fresh)))?;
-    check(mode_of(&fresh.join("rank-1.log")) == 0o600, "new log files are private", format!("{:o}", mode_of(&fresh.join("rank-1.log"))))?;
+    check(
+        mode_of(&fresh) == 0o700,
+        "a new log directory is private",
+        format!("{:o}", mode_of(&fresh)),
+    )?;
+    check(
+        mode_of(&fresh.join("rank-1.log")) == 0o600,
+        "new log files are private",
+        format!("{:o}", mode_of(&fresh.join("rank-1.log"))),
+    )?;
     let _ = std::fs::remove_dir_all(&d);
     Ok(())
 }
@@ -255,30 +370,59 @@ fn child_output_mode() {
 
 fn output_is_line_atomic_and_prefixed() -> Result<(), String> {
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
-    let o = Command::new(exe).env("LOCKSTEP_TEST_MODE", "output").output().map_err(|e| e.to_string())?;
+    let o = Command::new(exe)
+        .env("LOCKSTEP_TEST_MODE", "output")
+        .output()
+        .map_err(|e| e.to_string())?;
     let out = String::from_utf8_lossy(&o.stdout);
-    check(o.status.success(), "child launch failed", String::from_utf8_lossy(&o.stderr))?;
+    check(
+        o.status.success(),
+        "child launch failed",
+        String::from_utf8_lossy(&o.stderr),
+    )?;
     let mut counts = [0usize; 4];
     for line in out.lines() {
         let ok = (0..4).find(|r| {
             line.strip_prefix(&format!("[rank {r}] {r}-"))
                 .and_then(|x| x.strip_suffix(&format!("-{r}")))
-                .is_some_and(|mid| !mid.is_empty() && mid.len() % 10 == 0 && mid.as_bytes().chunks(10).all(|c| c == b"abcdefghij"))
+                .is_some_and(|mid| {
+                    !mid.is_empty()
+                        && mid.len() % 10 == 0
+                        && mid.as_bytes().chunks(10).all(|c| c == b"abcdefghij")
+                })
         });
         match ok {
             Some(r) => counts[r] += 1,
-            None => return check(false, "every line must be one rank's whole line", format!("bad line: {line:?}")),
+            None => {
+                return check(
+                    false,
+                    "every line must be one rank's whole line",
+                    format!("bad line: {line:?}"),
+                )
+            }
         }
     }
-    check(counts == [3000; 4], "every line arrives", format!("{counts:?}"))
+    check(
+        counts == [3000; 4],
+        "every line arrives",
+        format!("{counts:?}"),
+    )
 }
 
 /// Pipes (and log files) this process holds, by descriptor number.
 fn open_pipes() -> Vec<(i32, String)> {
     let mut v = Vec::new();
-    for e in std::fs::read_dir("/proc/self/fd").into_iter().flatten().flatten() {
-        let Ok(fd) = e.file_name().to_string_lossy().parse::<i32>() else { continue };
-        let target = std::fs::read_link(e.path()).map(|p| p.display().to_string()).unwrap_or_default();
+    for e in std::fs::read_dir("/proc/self/fd")
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        let Ok(fd) = e.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let target = std::fs::read_link(e.path())
+            .map(|p| p.display().to_string())
+            .unwrap_or_default();
         if fd > 2 && (target.starts_with("pipe:") || target.ends_with(".log")) {
             v.push((fd, target));
         }
@@ -293,12 +437,20 @@ fn each_rank_holds_only_its_own_pipes() -> Result<(), String> {
     c.log_dir = Some(d.to_path_buf());
     let held = launch(&c, move |_ctx| {
         // Only what the launch created: the host's own pipes are not ours to judge.
-        Ok(open_pipes().into_iter().filter(|(fd, _)| !before.contains(fd)).map(|(_, t)| t).collect::<Vec<String>>())
+        Ok(open_pipes()
+            .into_iter()
+            .filter(|(fd, _)| !before.contains(fd))
+            .map(|(_, t)| t)
+            .collect::<Vec<String>>())
     })
     .map_err(|e| e.to_string())?;
     for (r, h) in held.iter().enumerate() {
         // stdout and stderr are dup'd onto 1 and 2; the result pipe is the one left.
-        check(h.len() == 1, &format!("rank {r} holds only its result pipe"), format!("{h:?}"))?;
+        check(
+            h.len() == 1,
+            &format!("rank {r} holds only its result pipe"),
+            format!("{h:?}"),
+        )?;
     }
     Ok(())
 }
@@ -316,8 +468,11 @@ fn child_grandchildren_mode() {
 fn host_killed_takes_everything_with_it() -> Result<(), String> {
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
     let mark = new_mark("lib-kill9");
-    let mut host =
-        Command::new(exe).env("LOCKSTEP_TEST_MODE", "grandchildren").env("LOCKSTEP_TEST_MARK", &mark).spawn().map_err(|e| e.to_string())?;
+    let mut host = Command::new(exe)
+        .env("LOCKSTEP_TEST_MODE", "grandchildren")
+        .env("LOCKSTEP_TEST_MARK", &mark)
+        .spawn()
+        .map_err(|e| e.to_string())?;
     // Host, 2 guards, 2 ranks, 2 sleeps.
     let started = wait_until(Duration::from_secs(5), || marked(&mark).len() >= 7);
     let n = marked(&mark).len();
@@ -328,8 +483,16 @@ fn host_killed_takes_everything_with_it() -> Result<(), String> {
     for p in &left {
         signal(*p, libc::SIGKILL);
     }
-    check(started, "the ranks start their grandchildren", format!("{n} marked processes"))?;
-    check(gone, "nothing outlives the host's kill -9 by more than 2 s", format!("left: {left:?}"))
+    check(
+        started,
+        "the ranks start their grandchildren",
+        format!("{n} marked processes"),
+    )?;
+    check(
+        gone,
+        "nothing outlives the host's kill -9 by more than 2 s",
+        format!("left: {left:?}"),
+    )
 }
 
 /// A malformed `LOCKSTEP_*` variable makes `launch` refuse before forking, naming it, even though
@@ -342,13 +505,29 @@ fn malformed_env_refuses_launch() -> Result<(), String> {
     let r = launch(&c, |_ctx| Ok(std::process::id()));
     std::env::remove_var("LOCKSTEP_SHM_STAGE");
     let took = t.elapsed();
-    let Err(e @ LaunchError::Setup(_)) = r else { return check(false, "launch must refuse", format!("{r:?}")) };
+    let Err(e @ LaunchError::Setup(_)) = r else {
+        return check(false, "launch must refuse", format!("{r:?}"));
+    };
     let m = e.to_string();
-    check(m.contains("LOCKSTEP_SHM_STAGE=\"fast\" is invalid: expected one of: auto, cached, streaming, nt"), "the variable is named", &m)?;
-    check(took < Duration::from_millis(500), "at once", format!("{took:?}"))?;
+    check(
+        m.contains(
+            "LOCKSTEP_SHM_STAGE=\"fast\" is invalid: expected one of: auto, cached, streaming, nt",
+        ),
+        "the variable is named",
+        &m,
+    )?;
+    check(
+        took < Duration::from_millis(500),
+        "at once",
+        format!("{took:?}"),
+    )?;
     // Once fixed, the same config launches.
     let pids = launch(&cfg(2), |_ctx| Ok(std::process::id())).map_err(|e| e.to_string())?;
-    check(pids.len() == 2, "a clean environment launches", format!("{pids:?}"))
+    check(
+        pids.len() == 2,
+        "a clean environment launches",
+        format!("{pids:?}"),
+    )
 }
 
 fn main() -> std::process::ExitCode {
@@ -358,16 +537,37 @@ fn main() -> std::process::ExitCode {
         _ => {}
     }
     common::run(&[
-        ("ready_time_and_repeated_launch", ready_time_and_repeated_launch),
-        ("fail_fast_error_reports_root_cause", fail_fast_error_reports_root_cause),
+        (
+            "ready_time_and_repeated_launch",
+            ready_time_and_repeated_launch,
+        ),
+        (
+            "fail_fast_error_reports_root_cause",
+            fail_fast_error_reports_root_cause,
+        ),
         ("kill9_rank_gives_peer_lost", kill9_rank_gives_peer_lost),
-        ("hung_rank_is_named_after_the_timeout", hung_rank_is_named_after_the_timeout),
-        ("panics_and_exits_are_reported", panics_and_exits_are_reported),
+        (
+            "hung_rank_is_named_after_the_timeout",
+            hung_rank_is_named_after_the_timeout,
+        ),
+        (
+            "panics_and_exits_are_reported",
+            panics_and_exits_are_reported,
+        ),
         ("log_dir_and_filter", log_dir_and_filter),
         ("log_dir_is_not_hijacked", log_dir_is_not_hijacked),
-        ("output_is_line_atomic_and_prefixed", output_is_line_atomic_and_prefixed),
-        ("each_rank_holds_only_its_own_pipes", each_rank_holds_only_its_own_pipes),
-        ("host_killed_takes_everything_with_it", host_killed_takes_everything_with_it),
+        (
+            "output_is_line_atomic_and_prefixed",
+            output_is_line_atomic_and_prefixed,
+        ),
+        (
+            "each_rank_holds_only_its_own_pipes",
+            each_rank_holds_only_its_own_pipes,
+        ),
+        (
+            "host_killed_takes_everything_with_it",
+            host_killed_takes_everything_with_it,
+        ),
         ("malformed_env_refuses_launch", malformed_env_refuses_launch),
     ])
 }

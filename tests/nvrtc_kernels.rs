@@ -25,12 +25,21 @@ const EXPECT: &str = "LOCKSTEP_NVRTC_KERNELS_EXPECT";
 /// Every `libnvrtc.so.*` under `.ci-deps/*/nvidia/*/lib` (crate root and working directory).
 fn installed_wheels() -> Vec<PathBuf> {
     let mut out = Vec::new();
-    for base in [PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".ci-deps"), PathBuf::from(".ci-deps")] {
-        let Ok(deps) = std::fs::read_dir(&base) else { continue };
+    for base in [
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".ci-deps"),
+        PathBuf::from(".ci-deps"),
+    ] {
+        let Ok(deps) = std::fs::read_dir(&base) else {
+            continue;
+        };
         for dep in deps.flatten() {
-            let Ok(pkgs) = std::fs::read_dir(dep.path().join("nvidia")) else { continue };
+            let Ok(pkgs) = std::fs::read_dir(dep.path().join("nvidia")) else {
+                continue;
+            };
             for pkg in pkgs.flatten() {
-                let Ok(files) = std::fs::read_dir(pkg.path().join("lib")) else { continue };
+                let Ok(files) = std::fs::read_dir(pkg.path().join("lib")) else {
+                    continue;
+                };
                 for f in files.flatten() {
                     if f.file_name().to_string_lossy().starts_with("libnvrtc.so.") {
                         let p = std::fs::canonicalize(f.path()).unwrap_or(f.path());
@@ -59,7 +68,10 @@ fn wheel_version(lib: &Path) -> Option<(i32, i32)> {
 
 /// Compile every kernel with the NVRTC this process loads; returns the number of checks.
 fn check_this_nvrtc(info: &NvrtcInfo) -> usize {
-    println!("NVRTC {}.{} from {}", info.version.0, info.version.1, info.path);
+    println!(
+        "NVRTC {}.{} from {}",
+        info.version.0, info.version.1, info.path
+    );
     println!("  chosen: {}", info.reason);
     println!("  builtins: {}", info.builtins);
     // A compile error carries NVRTC's log (file, line, message) and the options used.
@@ -69,18 +81,31 @@ fn check_this_nvrtc(info: &NvrtcInfo) -> usize {
         headers: &[],
         functions: &[],
     };
-    let e = compile_ptx(&BROKEN, "compute_80").expect_err("a broken kernel must not compile").to_string();
-    assert!(e.contains("broken.cu") && e.contains("undefined_name") && e.contains("(2)"), "{e}");
+    let e = compile_ptx(&BROKEN, "compute_80")
+        .expect_err("a broken kernel must not compile")
+        .to_string();
+    assert!(
+        e.contains("broken.cu") && e.contains("undefined_name") && e.contains("(2)"),
+        "{e}"
+    );
     assert!(e.contains("--gpu-architecture=compute_80"), "{e}");
     println!("test compile_error_reports_the_nvrtc_log ... ok");
     let mut n = 1;
     for id in KernelId::ALL {
         for arch in ["compute_80", "compute_90"] {
-            let ptx = compile_ptx(id.source(), arch).unwrap_or_else(|e| panic!("{id} for {arch}:\n{e}"));
+            let ptx =
+                compile_ptx(id.source(), arch).unwrap_or_else(|e| panic!("{id} for {arch}:\n{e}"));
             let target = format!(".target sm_{}", &arch[8..]);
-            assert!(ptx.contains(&target), "{id} for {arch}: PTX lacks {target:?}");
+            assert!(
+                ptx.contains(&target),
+                "{id} for {arch}: PTX lacks {target:?}"
+            );
             for sig in id.functions() {
-                assert!(ptx.contains(&format!(".entry {}(", sig.name)), "{id} for {arch}: PTX has no entry {}", sig.name);
+                assert!(
+                    ptx.contains(&format!(".entry {}(", sig.name)),
+                    "{id} for {arch}: PTX has no entry {}",
+                    sig.name
+                );
             }
             println!("test ptx {id} {arch} ... ok ({} bytes)", ptx.len());
             n += 1;
@@ -90,9 +115,13 @@ fn check_this_nvrtc(info: &NvrtcInfo) -> usize {
     let dir = std::env::temp_dir().join(format!("lockstep-nvrtc-cache-{}", std::process::id()));
     std::env::set_var("XDG_CACHE_HOME", &dir);
     for id in KernelId::ALL {
-        let (a, hit_a) = compile_cubin_cached(id.source(), (8, 0), 12040).unwrap_or_else(|e| panic!("{id} cubin sm_80:\n{e}"));
+        let (a, hit_a) = compile_cubin_cached(id.source(), (8, 0), 12040)
+            .unwrap_or_else(|e| panic!("{id} cubin sm_80:\n{e}"));
         let (b, hit_b) = compile_cubin_cached(id.source(), (8, 0), 12040).unwrap();
-        assert!(!hit_a && hit_b, "{id}: expected a cache miss then a hit, got {hit_a} then {hit_b}");
+        assert!(
+            !hit_a && hit_b,
+            "{id}: expected a cache miss then a hit, got {hit_a} then {hit_b}"
+        );
         assert_eq!(a, b);
         assert_eq!(&a[..4], b"\x7fELF", "{id}: CUBIN is not an ELF image");
         let (_, hit_c) = compile_cubin_cached(id.source(), (9, 0), 12040).unwrap();
@@ -120,7 +149,11 @@ fn main() {
     if let Ok(want) = std::env::var(EXPECT) {
         let got = format!("{}.{}", info.version.0, info.version.1);
         assert_eq!(got, want, "discovery chose {} ({})", info.path, info.reason);
-        assert!(info.reason.contains("newest usable") && info.reason.contains("also found"), "{}", info.reason);
+        assert!(
+            info.reason.contains("newest usable") && info.reason.contains("also found"),
+            "{}",
+            info.reason
+        );
         println!("  chose NVRTC {got} ({})", info.reason);
         return;
     }
@@ -135,14 +168,21 @@ fn main() {
         // Discovery prefers the newest NVRTC (all of these are usable): never an older wheel
         // that happens to come first in the search.
         let newest = wheels.iter().filter_map(|w| wheel_version(w)).max();
-        assert_eq!(Some(info.version), newest, "discovery chose NVRTC {:?} ({}) over a newer wheel in {wheels:?}", info.version, info.path);
+        assert_eq!(
+            Some(info.version),
+            newest,
+            "discovery chose NVRTC {:?} ({}) over a newer wheel in {wheels:?}",
+            info.version,
+            info.path
+        );
         println!("test discovery_prefers_the_newest_nvrtc ... ok");
         n += 1;
     }
     if wheels.len() >= 2 {
         // The same wheels in one folder, named so that the oldest comes first in the search
         // order (descending names): discovery must still take the newest.
-        let mut by_age: Vec<(Option<(i32, i32)>, &PathBuf)> = wheels.iter().map(|w| (wheel_version(w), w)).collect();
+        let mut by_age: Vec<(Option<(i32, i32)>, &PathBuf)> =
+            wheels.iter().map(|w| (wheel_version(w), w)).collect();
         by_age.sort();
         let dir = std::env::temp_dir().join(format!("lockstep-nvrtc-order-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
@@ -158,7 +198,10 @@ fn main() {
             .status()
             .expect("run this test binary");
         let _ = std::fs::remove_dir_all(&dir);
-        assert!(st.success(), "discovery did not prefer the newest NVRTC when an older one came first ({st})");
+        assert!(
+            st.success(),
+            "discovery did not prefer the newest NVRTC when an older one came first ({st})"
+        );
         println!("test newest_nvrtc_wins_over_the_first_found ... ok");
         n += 1;
     }
@@ -169,7 +212,11 @@ fn main() {
             .env("LOCKSTEP_NVRTC_LIBRARY", w)
             .status()
             .expect("run this test binary for another NVRTC");
-        assert!(st.success(), "kernels do not compile with {} ({st})", w.display());
+        assert!(
+            st.success(),
+            "kernels do not compile with {} ({st})",
+            w.display()
+        );
         n += 1;
     }
     println!("\ntest result: ok. {n} passed; 0 failed");

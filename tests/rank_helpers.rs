@@ -17,7 +17,10 @@ use lockstep::{CommError, ReduceOp};
 const WORLD: usize = 3;
 
 fn tmp(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("lockstep-rank-helpers-{}-{name}", std::process::id()));
+    let d = std::env::temp_dir().join(format!(
+        "lockstep-rank-helpers-{}-{name}",
+        std::process::id()
+    ));
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).expect("temp dir");
     d
@@ -35,9 +38,17 @@ fn who_is_main_and_print() -> Result<(), String> {
     let res = run(|ctx: RankContext| {
         let mut out = Vec::new();
         ctx.print_to(&mut out, format_args!("hello from rank {}", ctx.rank))?;
-        Ok((ctx.is_main_process(), ctx.is_local_main_process(), String::from_utf8(out)?))
+        Ok((
+            ctx.is_main_process(),
+            ctx.is_local_main_process(),
+            String::from_utf8(out)?,
+        ))
     })?;
-    let want = vec![(true, true, "hello from rank 0\n".to_string()), (false, false, String::new()), (false, false, String::new())];
+    let want = vec![
+        (true, true, "hello from rank 0\n".to_string()),
+        (false, false, String::new()),
+        (false, false, String::new()),
+    ];
     if res != want {
         return Err(format!("got {res:?}\nwant {want:?}"));
     }
@@ -53,21 +64,32 @@ fn save_on_main_only_and_atomic() -> Result<(), String> {
         // After the barrier every rank sees the complete file of the main process.
         Ok((wrote, std::fs::read_to_string(&path)?))
     })?;
-    let names: Vec<String> =
-        std::fs::read_dir(&d).map_err(|e| e.to_string())?.map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    let names: Vec<String> = std::fs::read_dir(&d)
+        .map_err(|e| e.to_string())?
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
     let _ = std::fs::remove_dir_all(&d);
     let wrote: Vec<bool> = res.iter().map(|r| r.0).collect();
     if wrote != [true, false, false] {
         return Err(format!("save returned {wrote:?}; only rank 0 writes"));
     }
     if res.iter().any(|r| r.1 != "written by rank 0") {
-        return Err(format!("ranks read {:?}", res.iter().map(|r| &r.1).collect::<Vec<_>>()));
+        return Err(format!(
+            "ranks read {:?}",
+            res.iter().map(|r| &r.1).collect::<Vec<_>>()
+        ));
     }
     if names != ["metrics.json"] {
-        return Err(format!("the directory holds {names:?}: temporary files were left"));
+        return Err(format!(
+            "the directory holds {names:?}: temporary files were left"
+        ));
     }
     // A path that cannot be saved is an error naming it (on the main process).
-    let bad = run(|ctx: RankContext| Ok(ctx.save("/nonexistent-dir/x.bin", b"x").map_err(|e| e.to_string())))?;
+    let bad = run(|ctx: RankContext| {
+        Ok(ctx
+            .save("/nonexistent-dir/x.bin", b"x")
+            .map_err(|e| e.to_string()))
+    })?;
     match &bad[0] {
         Err(m) if m.contains("/nonexistent-dir/x.bin") && m.contains("directory exists") => {}
         other => return Err(format!("rank 0 saving into a missing directory: {other:?}")),
@@ -86,7 +108,11 @@ fn ordering(local: bool) -> Result<(), String> {
         // Pretend to be 2 nodes for the per-node variant: ranks 0 and 2 lead a node each.
         let local_rank = if local { ctx.rank % 2 } else { ctx.local_rank };
         let mut ctx = RankContext { local_rank, ..ctx };
-        let leads = if local { ctx.is_local_main_process() } else { ctx.is_main_process() };
+        let leads = if local {
+            ctx.is_local_main_process()
+        } else {
+            ctx.is_main_process()
+        };
         let me = ctx.rank;
         let dir = d.clone();
         let body = move || -> std::io::Result<Vec<String>> {
@@ -94,13 +120,18 @@ fn ordering(local: bool) -> Result<(), String> {
                 // Slow on purpose: the others must wait for it, not race it.
                 std::thread::sleep(Duration::from_millis(300));
             }
-            let mut seen: Vec<String> =
-                std::fs::read_dir(&dir)?.map(|e| e.map(|e| e.file_name().to_string_lossy().into_owned())).collect::<Result<_, _>>()?;
+            let mut seen: Vec<String> = std::fs::read_dir(&dir)?
+                .map(|e| e.map(|e| e.file_name().to_string_lossy().into_owned()))
+                .collect::<Result<_, _>>()?;
             seen.sort();
             std::fs::write(dir.join(format!("done-{me}")), b"")?;
             Ok(seen)
         };
-        let seen = if local { ctx.local_main_process_first(body)? } else { ctx.main_process_first(body)? }?;
+        let seen = if local {
+            ctx.local_main_process_first(body)?
+        } else {
+            ctx.main_process_first(body)?
+        }?;
         let after = std::fs::read_dir(&d)?.count();
         Ok((leads, seen, after))
     })?;
@@ -113,10 +144,14 @@ fn ordering(local: bool) -> Result<(), String> {
             return Err(format!("leader rank {r} ran after others: it saw {seen:?}"));
         }
         if !*leads && !leader_files.iter().all(|w| seen.contains(w)) {
-            return Err(format!("rank {r} ran before the leaders {leaders:?} finished: it saw {seen:?}"));
+            return Err(format!(
+                "rank {r} ran before the leaders {leaders:?} finished: it saw {seen:?}"
+            ));
         }
         if *after != WORLD {
-            return Err(format!("rank {r} returned before every rank's f finished ({after} of {WORLD} files)"));
+            return Err(format!(
+                "rank {r} returned before every rank's f finished ({after} of {WORLD} files)"
+            ));
         }
     }
     Ok(())
@@ -138,7 +173,9 @@ fn wait_for_everyone() -> Result<(), String> {
         Ok(t.elapsed().as_secs_f64())
     })?;
     if let Some((r, s)) = res.iter().enumerate().find(|(_, &s)| s < 0.29) {
-        return Err(format!("rank {r} left the barrier after {s:.3} s, before the slowest rank arrived (0.3 s)"));
+        return Err(format!(
+            "rank {r} left the barrier after {s:.3} s, before the slowest rank arrived (0.3 s)"
+        ));
     }
     Ok(())
 }
@@ -157,11 +194,23 @@ fn set_seed_moves_every_generator_and_is_checked() -> Result<(), String> {
         };
         let moved = order(after) != order(before);
         // Different seeds on different ranks: refused everywhere, nothing changed.
-        let e = ctx.set_seed(ctx.rank as u64).expect_err("different seeds must be refused");
-        Ok((before, after, moved, TrainConfig::default().seed, e.to_string()))
+        let e = ctx
+            .set_seed(ctx.rank as u64)
+            .expect_err("different seeds must be refused");
+        Ok((
+            before,
+            after,
+            moved,
+            TrainConfig::default().seed,
+            e.to_string(),
+        ))
     })?;
     for (r, (before, after, moved, kept, e)) in res.iter().enumerate() {
-        if *before != lockstep::train::rng::DEFAULT_SEED || *after != 1234 || !moved || *kept != 1234 {
+        if *before != lockstep::train::rng::DEFAULT_SEED
+            || *after != 1234
+            || !moved
+            || *kept != 1234
+        {
             return Err(format!("rank {r}: default seed {before} -> {after} (order moved: {moved}), after the refused call {kept}"));
         }
         if !(e.contains("different seeds") && e.contains("from 0 to 2")) {
@@ -186,7 +235,10 @@ fn gather_for_metrics_drops_padding() -> Result<(), String> {
             sh.indices(3, &mut sidx);
             let mut batched = Vec::new();
             for (b, chunk) in sidx.chunks(2).enumerate() {
-                let vals: Vec<i64> = chunk.iter().flat_map(|&i| [i as i64, -(i as i64)]).collect();
+                let vals: Vec<i64> = chunk
+                    .iter()
+                    .flat_map(|&i| [i as i64, -(i as i64)])
+                    .collect();
                 batched.extend(ctx.gather_for_metrics(&vals, 2, len, 2 * b)?);
             }
             Ok((whole, batched))
@@ -197,10 +249,14 @@ fn gather_for_metrics_drops_padding() -> Result<(), String> {
         let want_batched: Vec<i64> = perm.iter().flat_map(|&i| [i as i64, -(i as i64)]).collect();
         for (r, (whole, batched)) in res.iter().enumerate() {
             if *whole != (0..len as u64).collect::<Vec<_>>() {
-                return Err(format!("len {len}, rank {r}: whole shard gathered {whole:?}"));
+                return Err(format!(
+                    "len {len}, rank {r}: whole shard gathered {whole:?}"
+                ));
             }
             if *batched != want_batched {
-                return Err(format!("len {len}, rank {r}: batches gathered {batched:?}, want {want_batched:?}"));
+                return Err(format!(
+                    "len {len}, rank {r}: batches gathered {batched:?}, want {want_batched:?}"
+                ));
             }
         }
     }
@@ -208,7 +264,9 @@ fn gather_for_metrics_drops_padding() -> Result<(), String> {
     // of waiting.
     let res = run(|mut ctx: RankContext| {
         let item = if ctx.rank == 1 { 0 } else { 1 };
-        Ok(ctx.gather_for_metrics(&[1.0f32, 2.0], item, 6, 0).map_err(|e| e.to_string()))
+        Ok(ctx
+            .gather_for_metrics(&[1.0f32, 2.0], item, 6, 0)
+            .map_err(|e| e.to_string()))
     })?;
     match &res[1] {
         Err(m) if m.contains("item_len is 0") => {}
@@ -235,7 +293,11 @@ fn reduce_scalars() -> Result<(), String> {
     }
     // A communicator error surfaces as an error value.
     let e: Result<Vec<String>, String> = run(|mut ctx: RankContext| {
-        let r = if ctx.rank == 2 { ctx.reduce(1u64, ReduceOp::Sum).map(|_| ()) } else { ctx.reduce(1u32, ReduceOp::Sum).map(|_| ()) };
+        let r = if ctx.rank == 2 {
+            ctx.reduce(1u64, ReduceOp::Sum).map(|_| ())
+        } else {
+            ctx.reduce(1u32, ReduceOp::Sum).map(|_| ())
+        };
         Ok(match r {
             Err(CommError::Mismatch { .. }) => "mismatch".to_string(),
             other => format!("{other:?}"),
@@ -243,7 +305,9 @@ fn reduce_scalars() -> Result<(), String> {
     });
     match e {
         Ok(v) if v.iter().all(|s| s == "mismatch") => Ok(()),
-        other => Err(format!("a dtype disagreement must be a mismatch on every rank: {other:?}")),
+        other => Err(format!(
+            "a dtype disagreement must be a mismatch on every rank: {other:?}"
+        )),
     }
 }
 
@@ -254,8 +318,14 @@ fn main() -> std::process::ExitCode {
         ("main_process_first", main_process_first),
         ("local_main_process_first", local_main_process_first),
         ("wait_for_everyone", wait_for_everyone),
-        ("set_seed_moves_every_generator_and_is_checked", set_seed_moves_every_generator_and_is_checked),
-        ("gather_for_metrics_drops_padding", gather_for_metrics_drops_padding),
+        (
+            "set_seed_moves_every_generator_and_is_checked",
+            set_seed_moves_every_generator_and_is_checked,
+        ),
+        (
+            "gather_for_metrics_drops_padding",
+            gather_for_metrics_drops_padding,
+        ),
         ("reduce_scalars", reduce_scalars),
     ])
 }

@@ -88,7 +88,9 @@ fn close(got: f64, want: f64, dtype: Dtype) -> bool {
 }
 
 fn input<T: TestElem>(op: ReduceOp, rank: usize, n: usize, len: usize, offset: usize) -> Vec<T> {
-    (0..len).map(|i| T::from_f64(value(op, rank, i + offset, n))).collect()
+    (0..len)
+        .map(|i| T::from_f64(value(op, rank, i + offset, n)))
+        .collect()
 }
 
 /// Sizes that hit every path: empty, tiny, around the world size, around the small-path threshold
@@ -98,8 +100,23 @@ fn sizes(n: usize, esz: usize, cfg: &ShmConfig) -> Vec<usize> {
     let cfg = &cfg.clone().normalized_for(n);
     let small = cfg.small_bytes / esz;
     let unit = (64 / esz).max(1);
-    let chunk = if n > 1 { (cfg.slot_bytes / (n - 1) / esz) / unit * unit * n } else { cfg.slot_bytes / esz };
-    let mut v = vec![0, 1, 7, n.saturating_sub(1), n + 1, small, small + 1, chunk - 1, chunk + 1, 2 * chunk + 3];
+    let chunk = if n > 1 {
+        (cfg.slot_bytes / (n - 1) / esz) / unit * unit * n
+    } else {
+        cfg.slot_bytes / esz
+    };
+    let mut v = vec![
+        0,
+        1,
+        7,
+        n.saturating_sub(1),
+        n + 1,
+        small,
+        small + 1,
+        chunk - 1,
+        chunk + 1,
+        2 * chunk + 3,
+    ];
     // Around the single-copy threshold, when a test lowers it to a size the other tests can
     // afford (per-rank bytes: the block of all_gather and reduce_scatter, the whole message of
     // broadcast and all_reduce).
@@ -113,7 +130,11 @@ fn sizes(n: usize, esz: usize, cfg: &ShmConfig) -> Vec<usize> {
 }
 
 /// Run every collective with every op on dtype T and check the results; returns failure messages.
-fn check_dtype<T: TestElem>(comm: &mut Communicator, cfg: &ShmConfig, shared: bool) -> Result<Vec<String>, CommError> {
+fn check_dtype<T: TestElem>(
+    comm: &mut Communicator,
+    cfg: &ShmConfig,
+    shared: bool,
+) -> Result<Vec<String>, CommError> {
     let (me, n) = (comm.rank(), comm.world_size());
     let dt = T::DTYPE;
     let mut bad = Vec::new();
@@ -138,7 +159,9 @@ fn check_dtype<T: TestElem>(comm: &mut Communicator, cfg: &ShmConfig, shared: bo
             let send = buf(comm, input::<T>(op, me, n, len, 0))?;
             let mut recv = buf(comm, vec![T::default(); len])?;
             comm.all_reduce(send.slice(), recv.slice_mut(), op)?;
-            if let Some(i) = (0..len).find(|&i| !close(recv.slice()[i].to_f64(), reference(op, i, n, dt), dt)) {
+            if let Some(i) =
+                (0..len).find(|&i| !close(recv.slice()[i].to_f64(), reference(op, i, n, dt), dt))
+            {
                 fail(format!(
                     "all_reduce {dt} {op} len {len} shared={shared}: [{i}] = {:?}, want {}",
                     recv.slice()[i],
@@ -154,13 +177,21 @@ fn check_dtype<T: TestElem>(comm: &mut Communicator, cfg: &ShmConfig, shared: bo
             let mut rrecv = buf(comm, vec![T::default(); if me == root { len } else { 0 }])?;
             comm.reduce(send.slice(), rrecv.slice_mut(), op, root)?;
             if me == root && rrecv.slice() != recv.slice() {
-                fail(format!("reduce {dt} {op} len {len} shared={shared} differs from all_reduce"));
+                fail(format!(
+                    "reduce {dt} {op} len {len} shared={shared} differs from all_reduce"
+                ));
             }
             // reduce_scatter: block r of the result.
             let rs_send = buf(comm, input::<T>(op, me, n, len * n, 0))?;
             let mut rs_recv = buf(comm, vec![T::default(); len])?;
             comm.reduce_scatter(rs_send.slice(), rs_recv.slice_mut(), op)?;
-            if let Some(i) = (0..len).find(|&i| !close(rs_recv.slice()[i].to_f64(), reference(op, me * len + i, n, dt), dt)) {
+            if let Some(i) = (0..len).find(|&i| {
+                !close(
+                    rs_recv.slice()[i].to_f64(),
+                    reference(op, me * len + i, n, dt),
+                    dt,
+                )
+            }) {
                 fail(format!(
                     "reduce_scatter {dt} {op} len {len} shared={shared}: [{i}] = {:?}, want {}",
                     rs_recv.slice()[i],
@@ -170,7 +201,9 @@ fn check_dtype<T: TestElem>(comm: &mut Communicator, cfg: &ShmConfig, shared: bo
             let mut rs_in = buf(comm, input::<T>(op, me, n, len * n, 0))?;
             comm.reduce_scatter_in_place(rs_in.slice_mut(), op)?;
             if rs_in.slice()[me * len..(me + 1) * len] != *rs_recv.slice() {
-                fail(format!("reduce_scatter_in_place {dt} {op} len {len} shared={shared} differs"));
+                fail(format!(
+                    "reduce_scatter_in_place {dt} {op} len {len} shared={shared} differs"
+                ));
             }
         }
         // broadcast from the last rank.
@@ -185,10 +218,14 @@ fn check_dtype<T: TestElem>(comm: &mut Communicator, cfg: &ShmConfig, shared: bo
         let mut dst = buf(comm, vec![T::default(); len])?;
         comm.broadcast(src.slice(), dst.slice_mut(), root)?;
         if dst.slice() != want.as_slice() {
-            fail(format!("broadcast (out of place) {dt} len {len} shared={shared} wrong"));
+            fail(format!(
+                "broadcast (out of place) {dt} len {len} shared={shared} wrong"
+            ));
         }
         // all_gather and gather.
-        let all: Vec<T> = (0..n).flat_map(|r| input::<T>(ReduceOp::Sum, r, n, len, 0)).collect();
+        let all: Vec<T> = (0..n)
+            .flat_map(|r| input::<T>(ReduceOp::Sum, r, n, len, 0))
+            .collect();
         let mut ag = buf(comm, vec![T::default(); len * n])?;
         comm.all_gather(src.slice(), ag.slice_mut())?;
         if ag.slice() != all.as_slice() {
@@ -198,9 +235,14 @@ fn check_dtype<T: TestElem>(comm: &mut Communicator, cfg: &ShmConfig, shared: bo
         agi.slice_mut()[me * len..(me + 1) * len].copy_from_slice(&mine);
         comm.all_gather_in_place(agi.slice_mut())?;
         if agi.slice() != all.as_slice() {
-            fail(format!("all_gather_in_place {dt} len {len} shared={shared} wrong"));
+            fail(format!(
+                "all_gather_in_place {dt} len {len} shared={shared} wrong"
+            ));
         }
-        let mut g = buf(comm, vec![T::default(); if me == root { len * n } else { 0 }])?;
+        let mut g = buf(
+            comm,
+            vec![T::default(); if me == root { len * n } else { 0 }],
+        )?;
         comm.gather(src.slice(), g.slice_mut(), root)?;
         if me == root && g.slice() != all.as_slice() {
             fail(format!("gather {dt} len {len} shared={shared} wrong"));
@@ -269,7 +311,11 @@ fn all_collectives_cfg(cfg: LaunchConfig, shared: bool) -> Result<(), String> {
         Ok(bad)
     })
     .map_err(|e| e.to_string())?;
-    let bad: Vec<String> = out.into_iter().enumerate().flat_map(|(r, b)| b.into_iter().map(move |m| format!("rank {r}: {m}"))).collect();
+    let bad: Vec<String> = out
+        .into_iter()
+        .enumerate()
+        .flat_map(|(r, b)| b.into_iter().map(move |m| format!("rank {r}: {m}")))
+        .collect();
     if bad.is_empty() {
         Ok(())
     } else {
@@ -338,7 +384,12 @@ fn t_all_reduce_64mib() -> Result<(), String> {
                 b.copy_from_slice(&x);
             }
             ctx.comm.broadcast_in_place(&mut b, 0)?;
-            wrong += (0..len).filter(|&i| b[i] != x[i] && me == 0 || me != 0 && b[i] != input::<f32>(ReduceOp::Sum, 0, n, 1, i)[0]).count();
+            wrong += (0..len)
+                .filter(|&i| {
+                    b[i] != x[i] && me == 0
+                        || me != 0 && b[i] != input::<f32>(ReduceOp::Sum, 0, n, 1, i)[0]
+                })
+                .count();
             Ok(wrong)
         })
         .map_err(|e| e.to_string())?;
@@ -352,23 +403,36 @@ fn t_all_reduce_64mib() -> Result<(), String> {
 /// Float results are bit-identical on every rank and across runs.
 fn t_deterministic() -> Result<(), String> {
     let run = || {
-        launch(&small_cfg(3), |mut ctx: RankContext| -> RankResult<Vec<u64>> {
-            let mut sums = Vec::new();
-            for len in [5usize, 300, 5000, 100_000] {
-                // Values whose sum depends on the order of addition.
-                let x: Vec<f32> =
-                    (0..len).map(|i| ((i * 2654435761 + ctx.rank * 97) % 1000) as f32 * 1.37e-3 + 1e4 * (ctx.rank as f32 - 1.0)).collect();
-                let mut y = vec![0f32; len];
-                ctx.comm.all_reduce(&x, &mut y, ReduceOp::Sum)?;
-                let h = y.iter().fold(0u64, |h, v| h.wrapping_mul(1099511628211).wrapping_add(v.to_bits() as u64));
-                let xb: Vec<bf16> = x.iter().map(|v| bf16::from_f32(*v)).collect();
-                let mut yb = vec![bf16::ZERO; len];
-                ctx.comm.all_reduce(&xb, &mut yb, ReduceOp::Avg)?;
-                let hb = yb.iter().fold(0u64, |h, v| h.wrapping_mul(1099511628211).wrapping_add(v.to_bits() as u64));
-                sums.push(h ^ hb.rotate_left(17));
-            }
-            Ok(sums)
-        })
+        launch(
+            &small_cfg(3),
+            |mut ctx: RankContext| -> RankResult<Vec<u64>> {
+                let mut sums = Vec::new();
+                for len in [5usize, 300, 5000, 100_000] {
+                    // Values whose sum depends on the order of addition.
+                    let x: Vec<f32> = (0..len)
+                        .map(|i| {
+                            ((i * 2654435761 + ctx.rank * 97) % 1000) as f32 * 1.37e-3
+                                + 1e4 * (ctx.rank as f32 - 1.0)
+                        })
+                        .collect();
+                    let mut y = vec![0f32; len];
+                    ctx.comm.all_reduce(&x, &mut y, ReduceOp::Sum)?;
+                    let h = y.iter().fold(0u64, |h, v| {
+                        h.wrapping_mul(1099511628211)
+                            .wrapping_add(v.to_bits() as u64)
+                    });
+                    let xb: Vec<bf16> = x.iter().map(|v| bf16::from_f32(*v)).collect();
+                    let mut yb = vec![bf16::ZERO; len];
+                    ctx.comm.all_reduce(&xb, &mut yb, ReduceOp::Avg)?;
+                    let hb = yb.iter().fold(0u64, |h, v| {
+                        h.wrapping_mul(1099511628211)
+                            .wrapping_add(v.to_bits() as u64)
+                    });
+                    sums.push(h ^ hb.rotate_left(17));
+                }
+                Ok(sums)
+            },
+        )
         .map_err(|e| e.to_string())
     };
     let a = run()?;
@@ -399,43 +463,69 @@ fn expect_all_err(res: Result<Vec<String>, LaunchError>, needles: &[&str]) -> Re
 fn t_mismatch() -> Result<(), String> {
     type Case = (&'static str, &'static [&'static str]);
     let cases: &[Case] = &[
-        ("count", &["mismatch", "rank 0 called all_reduce(count=10", "rank 1 called all_reduce(count=11"]),
-        ("kind", &["mismatch", "rank 0 called all_reduce", "rank 1 called broadcast"]),
-        ("dtype", &["mismatch", "dtype=f32", "rank 1 called all_reduce(count=10, dtype=i32"]),
+        (
+            "count",
+            &[
+                "mismatch",
+                "rank 0 called all_reduce(count=10",
+                "rank 1 called all_reduce(count=11",
+            ],
+        ),
+        (
+            "kind",
+            &[
+                "mismatch",
+                "rank 0 called all_reduce",
+                "rank 1 called broadcast",
+            ],
+        ),
+        (
+            "dtype",
+            &[
+                "mismatch",
+                "dtype=f32",
+                "rank 1 called all_reduce(count=10, dtype=i32",
+            ],
+        ),
         ("op", &["mismatch", "op=sum", "op=max"]),
         ("root", &["mismatch", "root=0", "root=1"]),
         ("large", &["mismatch", "count=1000000", "count=1000001"]),
     ];
     for (case, needles) in cases {
-        let res = launch(&small_cfg(2), |mut ctx: RankContext| -> RankResult<String> {
-            let c = &mut ctx.comm;
-            let me = ctx.rank;
-            let mut x = [1f32; 11];
-            let r = match (*case, me) {
-                ("count", 0) => c.all_reduce_in_place(&mut x[..10], ReduceOp::Sum),
-                ("count", _) => c.all_reduce_in_place(&mut x[..11], ReduceOp::Sum),
-                ("kind", 0) => c.all_reduce_in_place(&mut x[..10], ReduceOp::Sum),
-                ("kind", _) => c.broadcast_in_place(&mut x[..10], 0),
-                ("dtype", 0) => c.all_reduce_in_place(&mut x[..10], ReduceOp::Sum),
-                ("dtype", _) => c.all_reduce_in_place(&mut [1i32; 10], ReduceOp::Sum),
-                ("op", 0) => c.all_reduce_in_place(&mut x[..10], ReduceOp::Sum),
-                ("op", _) => c.all_reduce_in_place(&mut x[..10], ReduceOp::Max),
-                ("root", r) => c.broadcast_in_place(&mut x[..10], r),
-                ("large", r) => c.all_reduce_in_place(&mut vec![0f32; 1_000_000 + r], ReduceOp::Sum),
-                _ => unreachable!(),
-            };
-            let msg = match r {
-                Err(e @ CommError::Mismatch { .. }) => e.to_string(),
-                other => return Err(format!("expected a mismatch error, got {other:?}").into()),
-            };
-            // Still usable: a correct all-reduce works.
-            let mut y = vec![me as f32 + 1.0; 1000];
-            c.all_reduce_in_place(&mut y, ReduceOp::Sum)?;
-            if y.iter().any(|v| *v != 3.0) {
-                return Err("communicator unusable after mismatch".into());
-            }
-            Ok(msg)
-        });
+        let res = launch(
+            &small_cfg(2),
+            |mut ctx: RankContext| -> RankResult<String> {
+                let c = &mut ctx.comm;
+                let me = ctx.rank;
+                let mut x = [1f32; 11];
+                let r = match (*case, me) {
+                    ("count", 0) => c.all_reduce_in_place(&mut x[..10], ReduceOp::Sum),
+                    ("count", _) => c.all_reduce_in_place(&mut x[..11], ReduceOp::Sum),
+                    ("kind", 0) => c.all_reduce_in_place(&mut x[..10], ReduceOp::Sum),
+                    ("kind", _) => c.broadcast_in_place(&mut x[..10], 0),
+                    ("dtype", 0) => c.all_reduce_in_place(&mut x[..10], ReduceOp::Sum),
+                    ("dtype", _) => c.all_reduce_in_place(&mut [1i32; 10], ReduceOp::Sum),
+                    ("op", 0) => c.all_reduce_in_place(&mut x[..10], ReduceOp::Sum),
+                    ("op", _) => c.all_reduce_in_place(&mut x[..10], ReduceOp::Max),
+                    ("root", r) => c.broadcast_in_place(&mut x[..10], r),
+                    ("large", r) => {
+                        c.all_reduce_in_place(&mut vec![0f32; 1_000_000 + r], ReduceOp::Sum)
+                    }
+                    _ => unreachable!(),
+                };
+                let msg = match r {
+                    Err(e @ CommError::Mismatch { .. }) => e.to_string(),
+                    other => return Err(format!("expected a mismatch error, got {other:?}").into()),
+                };
+                // Still usable: a correct all-reduce works.
+                let mut y = vec![me as f32 + 1.0; 1000];
+                c.all_reduce_in_place(&mut y, ReduceOp::Sum)?;
+                if y.iter().any(|v| *v != 3.0) {
+                    return Err("communicator unusable after mismatch".into());
+                }
+                Ok(msg)
+            },
+        );
         expect_all_err(res, needles).map_err(|e| format!("case {case}: {e}"))?;
     }
     Ok(())
@@ -454,12 +544,18 @@ fn t_dead_peer() -> Result<(), String> {
                 std::process::abort();
             }
             let t = Instant::now();
-            let e = ctx.comm.all_reduce_in_place(&mut x, ReduceOp::Sum).err().ok_or("no error")?;
+            let e = ctx
+                .comm
+                .all_reduce_in_place(&mut x, ReduceOp::Sum)
+                .err()
+                .ok_or("no error")?;
             let took = t.elapsed();
             if took > Duration::from_secs(1) {
                 return Err(format!("detection took {took:?}").into());
             }
-            if !e.to_string().contains(&format!("rank {dead} (pid")) || !e.to_string().contains("died") {
+            if !e.to_string().contains(&format!("rank {dead} (pid"))
+                || !e.to_string().contains("died")
+            {
                 return Err(format!("error does not name the dead rank: {e}").into());
             }
             // Fail on purpose so the message comes back through the failure list.
@@ -467,12 +563,21 @@ fn t_dead_peer() -> Result<(), String> {
         });
         match res {
             Err(LaunchError::RanksFailed(f)) => {
-                if !f.iter().any(|x| x.rank == dead && x.exit_code == 128 + libc::SIGABRT) {
+                if !f
+                    .iter()
+                    .any(|x| x.rank == dead && x.exit_code == 128 + libc::SIGABRT)
+                {
                     return Err(format!("rank {dead} should have died of SIGABRT: {f:?}"));
                 }
                 let survivors: Vec<_> = f.iter().filter(|x| x.rank != dead).collect();
-                if survivors.len() != n - 1 || survivors.iter().any(|s| !s.message.starts_with("OK-SURVIVOR")) {
-                    return Err(format!("survivors did not report the dead peer properly: {f:?}"));
+                if survivors.len() != n - 1
+                    || survivors
+                        .iter()
+                        .any(|s| !s.message.starts_with("OK-SURVIVOR"))
+                {
+                    return Err(format!(
+                        "survivors did not report the dead peer properly: {f:?}"
+                    ));
                 }
             }
             other => return Err(format!("unexpected outcome {other:?}")),
@@ -517,7 +622,11 @@ fn t_timeout_and_no_spin() -> Result<(), String> {
         }
         let cpu0 = cpu_time();
         let t = Instant::now();
-        let e = ctx.comm.all_reduce_in_place(&mut [1f32; 4], ReduceOp::Sum).err().ok_or("no timeout")?;
+        let e = ctx
+            .comm
+            .all_reduce_in_place(&mut [1f32; 4], ReduceOp::Sum)
+            .err()
+            .ok_or("no timeout")?;
         let cpu = cpu_time() - cpu0;
         Ok(format!("{:.2} {:.3} {e}", t.elapsed().as_secs_f64(), cpu))
     })
@@ -527,14 +636,19 @@ fn t_timeout_and_no_spin() -> Result<(), String> {
     let wall: f64 = it.next().unwrap().parse().unwrap();
     let cpu: f64 = it.next().unwrap().parse().unwrap();
     let msg = it.next().unwrap();
-    if !(msg.contains("timed out") && msg.contains("rank 1 is at collective #1") && msg.contains("at #2")) {
+    if !(msg.contains("timed out")
+        && msg.contains("rank 1 is at collective #1")
+        && msg.contains("at #2"))
+    {
         return Err(format!("unexpected timeout message: {msg}"));
     }
     if !(0.7..1.5).contains(&wall) {
         return Err(format!("timeout after {wall} s, expected ~0.8 s"));
     }
     if cpu > 0.25 * wall {
-        return Err(format!("waiting rank used {cpu:.3} s of CPU in {wall:.2} s: it spins"));
+        return Err(format!(
+            "waiting rank used {cpu:.3} s of CPU in {wall:.2} s: it spins"
+        ));
     }
     Ok(())
 }
@@ -543,7 +657,10 @@ fn cpu_time() -> f64 {
     let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
     // SAFETY: valid out-parameter.
     unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) };
-    ru.ru_utime.tv_sec as f64 + ru.ru_utime.tv_usec as f64 * 1e-6 + ru.ru_stime.tv_sec as f64 + ru.ru_stime.tv_usec as f64 * 1e-6
+    ru.ru_utime.tv_sec as f64
+        + ru.ru_utime.tv_usec as f64 * 1e-6
+        + ru.ru_stime.tv_sec as f64
+        + ru.ru_stime.tv_usec as f64 * 1e-6
 }
 
 /// Ranks asleep on the futex are woken when the last rank arrives, not when their nap runs out:
@@ -556,38 +673,50 @@ fn cpu_time() -> f64 {
 /// a rank that has arrived.
 fn t_sleepers_woken() -> Result<(), String> {
     for n in [2usize, 3] {
-        let out = launch(&small_cfg(n), |mut ctx: RankContext| -> RankResult<String> {
-            let late = ctx.rank == ctx.world_size - 1;
-            let wall = || std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as i64).unwrap_or(0);
-            let mut lags = Vec::new();
-            ctx.comm.barrier()?;
-            for call in 0..9 {
-                if late {
-                    std::thread::sleep(Duration::from_millis(40));
-                }
-                let v = if late { wall() } else { 0 };
-                let got = match call % 3 {
-                    0 => {
-                        let mut x = [v];
-                        ctx.comm.all_reduce_in_place(&mut x, ReduceOp::Max)?;
-                        x[0]
-                    }
-                    1 => {
-                        let mut x = vec![v; 8192];
-                        ctx.comm.all_reduce_in_place(&mut x, ReduceOp::Max)?;
-                        x[8191]
-                    }
-                    _ => {
-                        let mut x = [v];
-                        ctx.comm.broadcast_in_place(&mut x, ctx.world_size - 1)?;
-                        x[0]
-                    }
+        let out = launch(
+            &small_cfg(n),
+            |mut ctx: RankContext| -> RankResult<String> {
+                let late = ctx.rank == ctx.world_size - 1;
+                let wall = || {
+                    std::time::SystemTime::now()
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .map(|d| d.as_nanos() as i64)
+                        .unwrap_or(0)
                 };
-                lags.push(wall() - got);
-            }
-            lags.sort();
-            Ok(if late { String::new() } else { format!("{}", lags[lags.len() / 2]) })
-        })
+                let mut lags = Vec::new();
+                ctx.comm.barrier()?;
+                for call in 0..9 {
+                    if late {
+                        std::thread::sleep(Duration::from_millis(40));
+                    }
+                    let v = if late { wall() } else { 0 };
+                    let got = match call % 3 {
+                        0 => {
+                            let mut x = [v];
+                            ctx.comm.all_reduce_in_place(&mut x, ReduceOp::Max)?;
+                            x[0]
+                        }
+                        1 => {
+                            let mut x = vec![v; 8192];
+                            ctx.comm.all_reduce_in_place(&mut x, ReduceOp::Max)?;
+                            x[8191]
+                        }
+                        _ => {
+                            let mut x = [v];
+                            ctx.comm.broadcast_in_place(&mut x, ctx.world_size - 1)?;
+                            x[0]
+                        }
+                    };
+                    lags.push(wall() - got);
+                }
+                lags.sort();
+                Ok(if late {
+                    String::new()
+                } else {
+                    format!("{}", lags[lags.len() / 2])
+                })
+            },
+        )
         .map_err(|e| e.to_string())?;
         for (r, lag) in out.iter().enumerate().take(n - 1) {
             let ns: i64 = lag.parse().map_err(|e| format!("rank {r}: {e}"))?;
@@ -605,7 +734,11 @@ fn t_sleepers_woken() -> Result<(), String> {
 /// Ranks exec'd separately (here: forked without an inherited segment) find each other by job id,
 /// and the named segment is gone afterwards.
 fn t_named_segment_no_leak() -> Result<(), String> {
-    let job = format!("test-{}-{}", std::process::id(), Instant::now().elapsed().subsec_nanos());
+    let job = format!(
+        "test-{}-{}",
+        std::process::id(),
+        Instant::now().elapsed().subsec_nanos()
+    );
     let n = 3;
     let mut pids = Vec::new();
     for rank in 0..n {
@@ -613,11 +746,15 @@ fn t_named_segment_no_leak() -> Result<(), String> {
         let pid = unsafe { libc::fork() };
         if pid == 0 {
             let code = (|| -> Result<(), String> {
-                let cfg = ShmConfig { heap_bytes: 8 << 20, ..ShmConfig::default() };
+                let cfg = ShmConfig {
+                    heap_bytes: 8 << 20,
+                    ..ShmConfig::default()
+                };
                 let backend = ShmComm::join_named(&job, rank, n, cfg).map_err(|e| e.to_string())?;
                 let mut c = Communicator::from_backend(Box::new(backend));
                 let mut x = vec![rank as i64; 100_000];
-                c.all_reduce_in_place(&mut x, ReduceOp::Sum).map_err(|e| e.to_string())?;
+                c.all_reduce_in_place(&mut x, ReduceOp::Sum)
+                    .map_err(|e| e.to_string())?;
                 if x.iter().any(|v| *v != 3) {
                     return Err("wrong sum".into());
                 }
@@ -651,19 +788,35 @@ fn t_named_segment_no_leak() -> Result<(), String> {
 
 /// Bad local arguments are refused before any rank waits.
 fn t_local_argument_errors() -> Result<(), String> {
-    let out = launch(&small_cfg(2), |mut ctx: RankContext| -> RankResult<Vec<String>> {
-        let c = &mut ctx.comm;
-        let e = vec![
-            c.all_reduce(&[1f32; 4], &mut [0f32; 5], ReduceOp::Sum).unwrap_err().to_string(),
-            c.broadcast_in_place(&mut [0f32; 4], 2).unwrap_err().to_string(),
-            c.all_gather(&[1f32; 4], &mut [0f32; 7]).unwrap_err().to_string(),
-            c.reduce_scatter(&[1f32; 7], &mut [0f32; 3], ReduceOp::Sum).unwrap_err().to_string(),
-        ];
-        c.barrier()?;
-        Ok(e)
-    })
+    let out = launch(
+        &small_cfg(2),
+        |mut ctx: RankContext| -> RankResult<Vec<String>> {
+            let c = &mut ctx.comm;
+            let e = vec![
+                c.all_reduce(&[1f32; 4], &mut [0f32; 5], ReduceOp::Sum)
+                    .unwrap_err()
+                    .to_string(),
+                c.broadcast_in_place(&mut [0f32; 4], 2)
+                    .unwrap_err()
+                    .to_string(),
+                c.all_gather(&[1f32; 4], &mut [0f32; 7])
+                    .unwrap_err()
+                    .to_string(),
+                c.reduce_scatter(&[1f32; 7], &mut [0f32; 3], ReduceOp::Sum)
+                    .unwrap_err()
+                    .to_string(),
+            ];
+            c.barrier()?;
+            Ok(e)
+        },
+    )
     .map_err(|e| e.to_string())?;
-    let want = ["recv has 5", "root 2 is out of range", "recv has 7 elements but must have", "send has 7 elements but must have"];
+    let want = [
+        "recv has 5",
+        "root 2 is out of range",
+        "recv has 7 elements but must have",
+        "send has 7 elements but must have",
+    ];
     for (got, w) in out[0].iter().zip(want) {
         if !got.contains(w) {
             return Err(format!("'{got}' lacks '{w}'"));
@@ -675,20 +828,28 @@ fn t_local_argument_errors() -> Result<(), String> {
 /// Only one rank passes bad arguments: the others' matching call fails too, naming it, and the
 /// next calls pair up correctly.
 fn t_local_error_on_one_rank() -> Result<(), String> {
-    let out = launch(&small_cfg(3), |mut ctx: RankContext| -> RankResult<String> {
-        let c = &mut ctx.comm;
-        let first = if ctx.rank == 1 {
-            c.all_reduce(&[1f32; 4], &mut [0f32; 5], ReduceOp::Sum).unwrap_err().to_string()
-        } else {
-            c.all_reduce(&[1f32; 4], &mut [0f32; 4], ReduceOp::Sum).err().map(|e| e.to_string()).unwrap_or_else(|| "no error".into())
-        };
-        let mut x = [ctx.rank as f32 + 1.0; 4];
-        c.all_reduce_in_place(&mut x, ReduceOp::Sum)?;
-        if x != [6.0; 4] {
-            return Err(format!("next call paired wrongly: {x:?}").into());
-        }
-        Ok(first)
-    })
+    let out = launch(
+        &small_cfg(3),
+        |mut ctx: RankContext| -> RankResult<String> {
+            let c = &mut ctx.comm;
+            let first = if ctx.rank == 1 {
+                c.all_reduce(&[1f32; 4], &mut [0f32; 5], ReduceOp::Sum)
+                    .unwrap_err()
+                    .to_string()
+            } else {
+                c.all_reduce(&[1f32; 4], &mut [0f32; 4], ReduceOp::Sum)
+                    .err()
+                    .map(|e| e.to_string())
+                    .unwrap_or_else(|| "no error".into())
+            };
+            let mut x = [ctx.rank as f32 + 1.0; 4];
+            c.all_reduce_in_place(&mut x, ReduceOp::Sum)?;
+            if x != [6.0; 4] {
+                return Err(format!("next call paired wrongly: {x:?}").into());
+            }
+            Ok(first)
+        },
+    )
     .map_err(|e| e.to_string())?;
     if !out[1].contains("recv has 5") {
         return Err(format!("rank 1: {}", out[1]));
@@ -766,18 +927,24 @@ fn t_world_64() -> Result<(), String> {
 
 /// A message over 1 GiB (u8, odd length) goes through the bounded staging slots intact.
 fn t_over_1gib() -> Result<(), String> {
-    let out = launch(&LaunchConfig::new(2), |mut ctx: RankContext| -> RankResult<usize> {
-        let len = (1usize << 30) + 3;
-        let mut x = vec![0u8; len];
-        for (i, v) in x.iter_mut().enumerate().step_by(4093) {
-            *v = (i % 7) as u8 + ctx.rank as u8;
-        }
-        ctx.comm.all_reduce_in_place(&mut x, ReduceOp::Sum)?;
-        let wrong = (0..len).step_by(4093).filter(|&i| x[i] != 2 * (i % 7) as u8 + 1).count()
-            + (x[1] != 0) as usize
-            + (x[len - 1] != if (len - 1).is_multiple_of(4093) { 1 } else { 0 }) as usize;
-        Ok(wrong)
-    })
+    let out = launch(
+        &LaunchConfig::new(2),
+        |mut ctx: RankContext| -> RankResult<usize> {
+            let len = (1usize << 30) + 3;
+            let mut x = vec![0u8; len];
+            for (i, v) in x.iter_mut().enumerate().step_by(4093) {
+                *v = (i % 7) as u8 + ctx.rank as u8;
+            }
+            ctx.comm.all_reduce_in_place(&mut x, ReduceOp::Sum)?;
+            let wrong = (0..len)
+                .step_by(4093)
+                .filter(|&i| x[i] != 2 * (i % 7) as u8 + 1)
+                .count()
+                + (x[1] != 0) as usize
+                + (x[len - 1] != if (len - 1).is_multiple_of(4093) { 1 } else { 0 }) as usize;
+            Ok(wrong)
+        },
+    )
     .map_err(|e| e.to_string())?;
     if out.iter().any(|w| *w != 0) {
         return Err(format!("wrong elements {out:?}"));
@@ -810,20 +977,29 @@ fn fast_ops<T: TestElem>(comm: &mut Communicator, fast: usize) -> Result<Vec<Str
             let send = input::<T>(op, me, n, len, 0);
             let mut recv = vec![T::default(); len];
             comm.all_reduce(&send, &mut recv, op)?;
-            if let Some(i) = (0..len).find(|&i| !close(recv[i].to_f64(), reference(op, i, n, dt), dt)) {
-                bad.push(format!("all_reduce {dt} {op} len {len}: [{i}] = {:?}", recv[i]));
+            if let Some(i) =
+                (0..len).find(|&i| !close(recv[i].to_f64(), reference(op, i, n, dt), dt))
+            {
+                bad.push(format!(
+                    "all_reduce {dt} {op} len {len}: [{i}] = {:?}",
+                    recv[i]
+                ));
             }
             let mut r = vec![T::default(); if me == root { len } else { 0 }];
             comm.reduce(&send, &mut r, op, root)?;
             if me == root && r != recv {
-                bad.push(format!("reduce {dt} {op} len {len} differs from all_reduce"));
+                bad.push(format!(
+                    "reduce {dt} {op} len {len} differs from all_reduce"
+                ));
             }
             // In place, this rank's own input is also the destination (the fast path reads it
             // from the caller's buffer, not from its entry).
             let mut ip = send.clone();
             comm.all_reduce_in_place(&mut ip, op)?;
             if ip != recv {
-                bad.push(format!("all_reduce in place {dt} {op} len {len} differs from out of place"));
+                bad.push(format!(
+                    "all_reduce in place {dt} {op} len {len} differs from out of place"
+                ));
             }
             let mut rip = send.clone();
             comm.reduce_in_place(&mut rip, op, root)?;
@@ -832,12 +1008,20 @@ fn fast_ops<T: TestElem>(comm: &mut Communicator, fast: usize) -> Result<Vec<Str
             }
         }
         let want = input::<T>(sum, root, n, len, 0);
-        let mut b = if me == root { want.clone() } else { vec![T::default(); len] };
+        let mut b = if me == root {
+            want.clone()
+        } else {
+            vec![T::default(); len]
+        };
         comm.broadcast_in_place(&mut b, root)?;
         if b != want {
             bad.push(format!("broadcast {dt} len {len}"));
         }
-        let bsend = if me == root { want.clone() } else { vec![T::default(); len] };
+        let bsend = if me == root {
+            want.clone()
+        } else {
+            vec![T::default(); len]
+        };
         let mut bo = vec![T::default(); len];
         comm.broadcast(&bsend, &mut bo, root)?;
         if bo != want {
@@ -866,22 +1050,35 @@ fn fast_ops<T: TestElem>(comm: &mut Communicator, fast: usize) -> Result<Vec<Str
         let send = input::<T>(sum, me, n, len * n, 0);
         let mut recv = vec![T::default(); len];
         comm.reduce_scatter(&send, &mut recv, sum)?;
-        if let Some(i) = (0..len).find(|&i| !close(recv[i].to_f64(), reference(sum, me * len + i, n, dt), dt)) {
-            bad.push(format!("reduce_scatter {dt} len {len}: [{i}] = {:?}", recv[i]));
+        if let Some(i) =
+            (0..len).find(|&i| !close(recv[i].to_f64(), reference(sum, me * len + i, n, dt), dt))
+        {
+            bad.push(format!(
+                "reduce_scatter {dt} len {len}: [{i}] = {:?}",
+                recv[i]
+            ));
         }
         let mut rsi = send.clone();
         comm.reduce_scatter_in_place(&mut rsi, sum)?;
         if rsi[me * len..(me + 1) * len] != recv[..] {
-            bad.push(format!("reduce_scatter in place {dt} len {len} differs from out of place"));
+            bad.push(format!(
+                "reduce_scatter in place {dt} len {len} differs from out of place"
+            ));
         }
         // Block j of rank r's input goes to rank j: rank `me` receives block `me` of every input.
         let mut a2a = vec![T::default(); len * n];
         comm.all_to_all(&send, &mut a2a)?;
-        let want: Vec<T> = (0..n).flat_map(|r| input::<T>(sum, r, n, len * n, 0)[me * len..(me + 1) * len].to_vec()).collect();
+        let want: Vec<T> = (0..n)
+            .flat_map(|r| input::<T>(sum, r, n, len * n, 0)[me * len..(me + 1) * len].to_vec())
+            .collect();
         if a2a != want {
             bad.push(format!("all_to_all {dt} len {len}"));
         }
-        let ssend = if me == root { input::<T>(sum, root, n, len * n, 0) } else { Vec::new() };
+        let ssend = if me == root {
+            input::<T>(sum, root, n, len * n, 0)
+        } else {
+            Vec::new()
+        };
         let mut srecv = vec![T::default(); len];
         comm.scatter(&ssend, &mut srecv, root)?;
         if srecv[..] != input::<T>(sum, root, n, len * n, 0)[me * len..(me + 1) * len] {
@@ -915,8 +1112,11 @@ fn t_fast_path() -> Result<(), String> {
                 Ok(bad)
             })
             .map_err(|e| format!("fast_bytes {fast}, {n} ranks: {e}"))?;
-            let bad: Vec<String> =
-                out.into_iter().enumerate().flat_map(|(r, b)| b.into_iter().map(move |m| format!("rank {r}: {m}"))).collect();
+            let bad: Vec<String> = out
+                .into_iter()
+                .enumerate()
+                .flat_map(|(r, b)| b.into_iter().map(move |m| format!("rank {r}: {m}")))
+                .collect();
             if !bad.is_empty() {
                 return Err(format!("fast_bytes {fast}, {n} ranks:\n{}", bad.join("\n")));
             }
@@ -931,46 +1131,74 @@ fn t_fast_path() -> Result<(), String> {
 fn t_fast_mismatch() -> Result<(), String> {
     type Case = (&'static str, &'static [&'static str]);
     let cases: &[Case] = &[
-        ("across threshold", &["mismatch", "rank 0 called all_reduce(count=1024", "rank 1 called all_reduce(count=1025"]),
-        ("all_to_all count", &["mismatch", "rank 0 called all_to_all(count=2", "rank 2 called all_to_all(count=3"]),
+        (
+            "across threshold",
+            &[
+                "mismatch",
+                "rank 0 called all_reduce(count=1024",
+                "rank 1 called all_reduce(count=1025",
+            ],
+        ),
+        (
+            "all_to_all count",
+            &[
+                "mismatch",
+                "rank 0 called all_to_all(count=2",
+                "rank 2 called all_to_all(count=3",
+            ],
+        ),
         ("scatter root", &["mismatch", "root=0", "root=1"]),
-        ("barrier vs all_gather", &["mismatch", "barrier", "all_gather"]),
+        (
+            "barrier vs all_gather",
+            &["mismatch", "barrier", "all_gather"],
+        ),
         ("gather dtype", &["mismatch", "dtype=f32", "dtype=f64"]),
         ("refused", &["refused its all_reduce"]),
     ];
     for (case, needles) in cases {
-        let res = launch(&small_cfg(3), |mut ctx: RankContext| -> RankResult<String> {
-            let c = &mut ctx.comm;
-            let me = ctx.rank;
-            let r = match (*case, me) {
-                ("across threshold", 0) => c.all_reduce_in_place(&mut [1f32; 1024], ReduceOp::Sum),
-                ("across threshold", _) => c.all_reduce_in_place(&mut [1f32; 1025], ReduceOp::Sum),
-                ("all_to_all count", 2) => c.all_to_all(&[1f32; 9], &mut [0f32; 9]),
-                ("all_to_all count", _) => c.all_to_all(&[1f32; 6], &mut [0f32; 6]),
-                ("scatter root", 1) => c.scatter(&[1f32; 6], &mut [0f32; 2], 1),
-                ("scatter root", 0) => c.scatter(&[1f32; 6], &mut [0f32; 2], 0),
-                ("scatter root", _) => c.scatter(&[0f32; 0], &mut [0f32; 2], 0),
-                ("barrier vs all_gather", 1) => c.all_gather(&[1f32; 2], &mut [0f32; 6]),
-                ("barrier vs all_gather", _) => c.barrier(),
-                ("gather dtype", 1) => c.gather(&[1f64; 2], &mut [0f64; 0], 0),
-                ("gather dtype", _) => c.gather(&[1f32; 2], &mut vec![0f32; if me == 0 { 6 } else { 0 }], 0),
-                ("refused", 1) => c.all_reduce(&[1f32; 4], &mut [0f32; 5], ReduceOp::Sum),
-                ("refused", _) => c.all_reduce(&[1f32; 4], &mut [0f32; 4], ReduceOp::Sum),
-                _ => unreachable!(),
-            };
-            let msg = match r {
-                Err(e @ CommError::Mismatch { .. }) => e.to_string(),
-                // The refusing rank gets its own argument error.
-                Err(e) if *case == "refused" && me == 1 => format!("rank 1 refused its all_reduce call: {e}"),
-                other => return Err(format!("expected a mismatch error, got {other:?}").into()),
-            };
-            let mut y = [me as f32 + 1.0; 3];
-            c.all_reduce_in_place(&mut y, ReduceOp::Sum)?;
-            if y != [6.0; 3] {
-                return Err(format!("communicator unusable after mismatch: {y:?}").into());
-            }
-            Ok(msg.to_lowercase())
-        });
+        let res = launch(
+            &small_cfg(3),
+            |mut ctx: RankContext| -> RankResult<String> {
+                let c = &mut ctx.comm;
+                let me = ctx.rank;
+                let r = match (*case, me) {
+                    ("across threshold", 0) => {
+                        c.all_reduce_in_place(&mut [1f32; 1024], ReduceOp::Sum)
+                    }
+                    ("across threshold", _) => {
+                        c.all_reduce_in_place(&mut [1f32; 1025], ReduceOp::Sum)
+                    }
+                    ("all_to_all count", 2) => c.all_to_all(&[1f32; 9], &mut [0f32; 9]),
+                    ("all_to_all count", _) => c.all_to_all(&[1f32; 6], &mut [0f32; 6]),
+                    ("scatter root", 1) => c.scatter(&[1f32; 6], &mut [0f32; 2], 1),
+                    ("scatter root", 0) => c.scatter(&[1f32; 6], &mut [0f32; 2], 0),
+                    ("scatter root", _) => c.scatter(&[0f32; 0], &mut [0f32; 2], 0),
+                    ("barrier vs all_gather", 1) => c.all_gather(&[1f32; 2], &mut [0f32; 6]),
+                    ("barrier vs all_gather", _) => c.barrier(),
+                    ("gather dtype", 1) => c.gather(&[1f64; 2], &mut [0f64; 0], 0),
+                    ("gather dtype", _) => {
+                        c.gather(&[1f32; 2], &mut vec![0f32; if me == 0 { 6 } else { 0 }], 0)
+                    }
+                    ("refused", 1) => c.all_reduce(&[1f32; 4], &mut [0f32; 5], ReduceOp::Sum),
+                    ("refused", _) => c.all_reduce(&[1f32; 4], &mut [0f32; 4], ReduceOp::Sum),
+                    _ => unreachable!(),
+                };
+                let msg = match r {
+                    Err(e @ CommError::Mismatch { .. }) => e.to_string(),
+                    // The refusing rank gets its own argument error.
+                    Err(e) if *case == "refused" && me == 1 => {
+                        format!("rank 1 refused its all_reduce call: {e}")
+                    }
+                    other => return Err(format!("expected a mismatch error, got {other:?}").into()),
+                };
+                let mut y = [me as f32 + 1.0; 3];
+                c.all_reduce_in_place(&mut y, ReduceOp::Sum)?;
+                if y != [6.0; 3] {
+                    return Err(format!("communicator unusable after mismatch: {y:?}").into());
+                }
+                Ok(msg.to_lowercase())
+            },
+        );
         expect_all_err(res, needles).map_err(|e| format!("case {case}: {e}"))?;
     }
     Ok(())
@@ -1004,7 +1232,9 @@ fn t_all_gather_mixed_in_place() -> Result<(), String> {
                 for len in [1_500usize, 10_000, 16_384, 16_390, 40_000] {
                     let in_place = (me + it + len) % 3 == 0;
                     let mine: Vec<f32> = (0..len).map(|i| val(me, it, i)).collect();
-                    let want: Vec<f32> = (0..n).flat_map(|r| (0..len).map(move |i| val(r, it, i))).collect();
+                    let want: Vec<f32> = (0..n)
+                        .flat_map(|r| (0..len).map(move |i| val(r, it, i)))
+                        .collect();
                     let mut out = vec![-1f32; len * n];
                     if in_place {
                         out[me * len..(me + 1) * len].copy_from_slice(&mine);
@@ -1014,7 +1244,10 @@ fn t_all_gather_mixed_in_place() -> Result<(), String> {
                     }
                     if out != want {
                         let i = (0..out.len()).find(|&i| out[i] != want[i]).unwrap_or(0);
-                        bad.push(format!("all_gather it {it} len {len} in_place {in_place}: [{i}] = {}, want {}", out[i], want[i]));
+                        bad.push(format!(
+                            "all_gather it {it} len {len} in_place {in_place}: [{i}] = {}, want {}",
+                            out[i], want[i]
+                        ));
                     }
                     // Other staged calls between, in the same slots.
                     let root = it % n;
@@ -1035,8 +1268,14 @@ fn t_all_gather_mixed_in_place() -> Result<(), String> {
             Ok(bad)
         })
         .map_err(|e| format!("world {n}: {e}"))?;
-        let bad: Vec<String> =
-            out.into_iter().enumerate().flat_map(|(r, b)| b.into_iter().map(move |m| format!("world {n} rank {r}: {m}"))).collect();
+        let bad: Vec<String> = out
+            .into_iter()
+            .enumerate()
+            .flat_map(|(r, b)| {
+                b.into_iter()
+                    .map(move |m| format!("world {n} rank {r}: {m}"))
+            })
+            .collect();
         if !bad.is_empty() {
             return Err(bad.join("\n"));
         }
@@ -1082,22 +1321,30 @@ fn t_single_copy_auto() -> Result<(), String> {
         cfg.shm.single_copy = SingleCopyMode::Auto;
         let out = launch(&cfg, move |mut ctx: RankContext| -> RankResult<u64> {
             let (me, c) = (ctx.rank, &mut ctx.comm);
-            let val = |r: usize, i: usize| ((i * 2654435761 + r * 97) % 1000) as f32 * 1.37e-3 + 1e4 * (r as f32 - 1.0);
+            let val = |r: usize, i: usize| {
+                ((i * 2654435761 + r * 97) % 1000) as f32 * 1.37e-3 + 1e4 * (r as f32 - 1.0)
+            };
             let len = 3001usize;
             let x: Vec<f32> = (0..len).map(|i| val(me, i)).collect();
-            let all: Vec<f32> = (0..n).flat_map(|r| (0..len).map(move |i| val(r, i))).collect();
+            let all: Vec<f32> = (0..n)
+                .flat_map(|r| (0..len).map(move |i| val(r, i)))
+                .collect();
             let (mut first, mut h) = (None, 0u64);
             for call in 0..40 {
                 let mut y = vec![0f32; len];
                 c.all_reduce(&x, &mut y, ReduceOp::Sum)?;
                 let bits: Vec<u32> = y.iter().map(|v| v.to_bits()).collect();
                 if *first.get_or_insert_with(|| bits.clone()) != bits {
-                    return Err(format!("all_reduce call {call}: other bits than the first call").into());
+                    return Err(
+                        format!("all_reduce call {call}: other bits than the first call").into(),
+                    );
                 }
                 for (i, v) in y.iter().enumerate() {
                     let want: f32 = (0..n).map(|r| val(r, i)).sum();
                     if (v - want).abs() > 1e-2 {
-                        return Err(format!("all_reduce call {call}: [{i}] = {v}, want {want}").into());
+                        return Err(
+                            format!("all_reduce call {call}: [{i}] = {v}, want {want}").into()
+                        );
                     }
                 }
                 let mut g = vec![0f32; len * n];
@@ -1106,7 +1353,11 @@ fn t_single_copy_auto() -> Result<(), String> {
                     return Err(format!("all_gather call {call}: wrong output").into());
                 }
                 let root = call % n;
-                let mut b = if me == root { x.clone() } else { vec![0f32; len] };
+                let mut b = if me == root {
+                    x.clone()
+                } else {
+                    vec![0f32; len]
+                };
                 c.broadcast_in_place(&mut b, root)?;
                 if b.iter().enumerate().any(|(i, v)| *v != val(root, i)) {
                     return Err(format!("broadcast call {call} from {root}: wrong output").into());
@@ -1116,7 +1367,9 @@ fn t_single_copy_auto() -> Result<(), String> {
                 if z.iter().enumerate().any(|(i, v)| *v != all[me * len + i]) {
                     return Err(format!("reduce_scatter call {call}: wrong output").into());
                 }
-                h = bits.iter().fold(h, |h, b| h.wrapping_mul(1099511628211).wrapping_add(*b as u64));
+                h = bits.iter().fold(h, |h, b| {
+                    h.wrapping_mul(1099511628211).wrapping_add(*b as u64)
+                });
             }
             Ok(h)
         })
@@ -1134,11 +1387,20 @@ fn order_sensitive_hashes(n: usize, cma_bytes: usize) -> Result<Vec<Vec<u64>>, S
     let mut cfg = single_cfg(n);
     cfg.shm.cma_bytes = cma_bytes;
     launch(&cfg, |mut ctx: RankContext| -> RankResult<Vec<u64>> {
-        let hash = |y: &[f32]| y.iter().fold(0u64, |h, v| h.wrapping_mul(1099511628211).wrapping_add(v.to_bits() as u64));
+        let hash = |y: &[f32]| {
+            y.iter().fold(0u64, |h, v| {
+                h.wrapping_mul(1099511628211)
+                    .wrapping_add(v.to_bits() as u64)
+            })
+        };
         let mut out = Vec::new();
         for len in [1023usize, 1024, 1025, 5000, 100_003] {
-            let x: Vec<f32> =
-                (0..len * n).map(|i| ((i * 2654435761 + ctx.rank * 97) % 1000) as f32 * 1.37e-3 + 1e4 * (ctx.rank as f32 - 1.0)).collect();
+            let x: Vec<f32> = (0..len * n)
+                .map(|i| {
+                    ((i * 2654435761 + ctx.rank * 97) % 1000) as f32 * 1.37e-3
+                        + 1e4 * (ctx.rank as f32 - 1.0)
+                })
+                .collect();
             let mut y = vec![0f32; len * n];
             ctx.comm.all_reduce(&x, &mut y, ReduceOp::Sum)?;
             out.push(hash(&y));
@@ -1167,7 +1429,9 @@ fn t_single_copy_bits() -> Result<(), String> {
             return Err(format!("world {n}: runs disagree: {direct:?} vs {again:?}"));
         }
         if direct != staged {
-            return Err(format!("world {n}: single-copy {direct:?} differs from staged {staged:?}"));
+            return Err(format!(
+                "world {n}: single-copy {direct:?} differs from staged {staged:?}"
+            ));
         }
     }
     Ok(())
@@ -1183,12 +1447,21 @@ fn push_path_hashes(n: usize, cma_bytes: usize) -> Result<Vec<Vec<u64>>, String>
     cfg.shm.cma_bytes = cma_bytes;
     launch(&cfg, |mut ctx: RankContext| -> RankResult<Vec<u64>> {
         let (me, c) = (ctx.rank, &mut ctx.comm);
-        let hash = |y: &[f32]| y.iter().fold(0u64, |h, v| h.wrapping_mul(1099511628211).wrapping_add(v.to_bits() as u64));
-        let val = |r: usize, i: usize| ((i * 2654435761 + r * 97) % 1000) as f32 * 1.37e-3 + 1e4 * (r as f32 - 1.0);
+        let hash = |y: &[f32]| {
+            y.iter().fold(0u64, |h, v| {
+                h.wrapping_mul(1099511628211)
+                    .wrapping_add(v.to_bits() as u64)
+            })
+        };
+        let val = |r: usize, i: usize| {
+            ((i * 2654435761 + r * 97) % 1000) as f32 * 1.37e-3 + 1e4 * (r as f32 - 1.0)
+        };
         let mut out = Vec::new();
         // Elements of f32: below, at and above the 4 KiB threshold (1024), shares of a few cache
         // lines and none, odd counts, and the benchmarks' 1 MiB.
-        for len in [1000usize, 1023, 1024, 1025, 1031, 1040, 4099, 100_003, 262_144] {
+        for len in [
+            1000usize, 1023, 1024, 1025, 1031, 1040, 4099, 100_003, 262_144,
+        ] {
             let x: Vec<f32> = (0..len).map(|i| val(me, i)).collect();
             let mut y = vec![0f32; len];
             c.all_reduce(&x, &mut y, ReduceOp::Sum)?;
@@ -1197,7 +1470,9 @@ fn push_path_hashes(n: usize, cma_bytes: usize) -> Result<Vec<Vec<u64>>, String>
             c.all_reduce_in_place(&mut z, ReduceOp::Sum)?;
             out.push(hash(&z));
             // The copies must also be right, not only equal to the staged path's.
-            let all: Vec<f32> = (0..n).flat_map(|r| (0..len).map(move |i| val(r, i))).collect();
+            let all: Vec<f32> = (0..n)
+                .flat_map(|r| (0..len).map(move |i| val(r, i)))
+                .collect();
             for root in [0, n - 1] {
                 let want: Vec<f32> = (0..len).map(|i| val(root, i)).collect();
                 let mut b = vec![0f32; len];
@@ -1210,7 +1485,9 @@ fn push_path_hashes(n: usize, cma_bytes: usize) -> Result<Vec<Vec<u64>>, String>
                 c.gather(&x, &mut g, root)?;
                 out.push(hash(&g));
                 if b != want || bi != want || (me == root && g != all) {
-                    return Err(format!("broadcast or gather of {len} from root {root} wrong").into());
+                    return Err(
+                        format!("broadcast or gather of {len} from root {root} wrong").into(),
+                    );
                 }
             }
             let mut ag = vec![0f32; len * n];
@@ -1236,12 +1513,18 @@ fn t_single_copy_push() -> Result<(), String> {
         let staged = push_path_hashes(n, 0)?;
         for (r, (d, s)) in direct.iter().zip(&staged).enumerate() {
             if let Some(i) = (0..d.len()).find(|&i| d[i] != s[i]) {
-                return Err(format!("world {n}, rank {r}: output #{i} differs between single-copy and staged"));
+                return Err(format!(
+                    "world {n}, rank {r}: output #{i} differs between single-copy and staged"
+                ));
             }
         }
         // Every output but the gathers' (empty on non-roots) is the same on every rank: per size,
         // all_reduce (2), per root broadcast (2) and gather, all_gather (2).
-        if direct.iter().any(|d| (0..d.len()).filter(|i| !matches!(i % 10, 4 | 7)).any(|i| d[i] != direct[0][i])) {
+        if direct.iter().any(|d| {
+            (0..d.len())
+                .filter(|i| !matches!(i % 10, 4 | 7))
+                .any(|i| d[i] != direct[0][i])
+        }) {
             return Err(format!("world {n}: the ranks' outputs differ"));
         }
     }
@@ -1255,7 +1538,10 @@ fn t_single_copy_push() -> Result<(), String> {
 fn t_single_copy_mixed() -> Result<(), String> {
     let mut no_direct = single_cfg(2);
     no_direct.shm.cma_bytes = 0;
-    for (what, cfg) in [("single-copy on", single_cfg(2)), ("single-copy off", no_direct)] {
+    for (what, cfg) in [
+        ("single-copy on", single_cfg(2)),
+        ("single-copy off", no_direct),
+    ] {
         mixed_buffers(&cfg).map_err(|e| format!("{what}: {e}"))?;
     }
     Ok(())
@@ -1268,7 +1554,9 @@ fn mixed_buffers(cfg: &LaunchConfig) -> Result<(), String> {
         let mut bad = Vec::new();
         for shared_on_0 in [true, false] {
             let shared = shared_on_0 && me == 0;
-            let buf = |c: &mut Communicator, data: Vec<f32>| -> Result<Box<dyn BufLike<f32>>, CommError> {
+            let buf = |c: &mut Communicator,
+                       data: Vec<f32>|
+             -> Result<Box<dyn BufLike<f32>>, CommError> {
                 if shared {
                     let mut b = c.alloc_shared::<f32>(data.len())?;
                     b.copy_from_slice(&data);
@@ -1280,18 +1568,26 @@ fn mixed_buffers(cfg: &LaunchConfig) -> Result<(), String> {
             let x = buf(c, input::<f32>(ReduceOp::Sum, me, n, len * n, 0))?;
             let mut y = buf(c, vec![0f32; len * n])?;
             c.all_reduce(x.slice(), y.slice_mut(), ReduceOp::Sum)?;
-            if (0..len * n).any(|i| y.slice()[i] as f64 != reference(ReduceOp::Sum, i, n, Dtype::F32)) {
+            if (0..len * n)
+                .any(|i| y.slice()[i] as f64 != reference(ReduceOp::Sum, i, n, Dtype::F32))
+            {
                 bad.push(format!("all_reduce wrong (rank 0 shared: {shared_on_0})"));
             }
             let mut z = buf(c, vec![0f32; len])?;
             c.reduce_scatter(x.slice(), z.slice_mut(), ReduceOp::Sum)?;
-            if (0..len).any(|i| z.slice()[i] as f64 != reference(ReduceOp::Sum, me * len + i, n, Dtype::F32)) {
-                bad.push(format!("reduce_scatter wrong (rank 0 shared: {shared_on_0})"));
+            if (0..len).any(|i| {
+                z.slice()[i] as f64 != reference(ReduceOp::Sum, me * len + i, n, Dtype::F32)
+            }) {
+                bad.push(format!(
+                    "reduce_scatter wrong (rank 0 shared: {shared_on_0})"
+                ));
             }
             let mine = buf(c, input::<f32>(ReduceOp::Sum, me, n, len, 0))?;
             let mut ag = buf(c, vec![0f32; len * n])?;
             c.all_gather(mine.slice(), ag.slice_mut())?;
-            let all: Vec<f32> = (0..n).flat_map(|r| input::<f32>(ReduceOp::Sum, r, n, len, 0)).collect();
+            let all: Vec<f32> = (0..n)
+                .flat_map(|r| input::<f32>(ReduceOp::Sum, r, n, len, 0))
+                .collect();
             if ag.slice() != all.as_slice() {
                 bad.push(format!("all_gather wrong (rank 0 shared: {shared_on_0})"));
             }
@@ -1306,7 +1602,9 @@ fn mixed_buffers(cfg: &LaunchConfig) -> Result<(), String> {
                 let mut bi = buf(c, input::<f32>(ReduceOp::Sum, me, n, len, 0))?;
                 c.broadcast_in_place(bi.slice_mut(), root)?;
                 if bi.slice() != input::<f32>(ReduceOp::Sum, root, n, len, 0).as_slice() {
-                    bad.push(format!("broadcast in place from {root} wrong (rank 0 shared: {shared_on_0})"));
+                    bad.push(format!(
+                        "broadcast in place from {root} wrong (rank 0 shared: {shared_on_0})"
+                    ));
                 }
             }
         }
@@ -1325,29 +1623,33 @@ fn mixed_buffers(cfg: &LaunchConfig) -> Result<(), String> {
 /// a peer's memory; the communicator stays usable.
 fn t_single_copy_mismatch() -> Result<(), String> {
     for case in ["all_gather", "broadcast", "all_reduce", "reduce_scatter"] {
-        let res = launch(&single_cfg(2), |mut ctx: RankContext| -> RankResult<String> {
-            let (me, c) = (ctx.rank, &mut ctx.comm);
-            let len = 100_000 + me;
-            let x = vec![1f32; 2 * len];
-            let mut y = vec![0f32; 2 * len];
-            let r = match case {
-                "all_gather" => c.all_gather(&x[..len], &mut y[..2 * len]),
-                "broadcast" => c.broadcast(&x[..len], &mut y[..len], 0),
-                "all_reduce" => c.all_reduce(&x[..len], &mut y[..len], ReduceOp::Sum),
-                _ => c.reduce_scatter(&x[..2 * len], &mut y[..len], ReduceOp::Sum),
-            };
-            let msg = match r {
-                Err(e @ CommError::Mismatch { .. }) => e.to_string(),
-                other => return Err(format!("expected a mismatch error, got {other:?}").into()),
-            };
-            let mut z = vec![me as f32 + 1.0; 100_000];
-            c.all_reduce_in_place(&mut z, ReduceOp::Sum)?;
-            if z.iter().any(|v| *v != 3.0) {
-                return Err("communicator unusable after mismatch".into());
-            }
-            Ok(msg)
-        });
-        expect_all_err(res, &["mismatch", "count=100000", "count=100001"]).map_err(|e| format!("{case}: {e}"))?;
+        let res = launch(
+            &single_cfg(2),
+            |mut ctx: RankContext| -> RankResult<String> {
+                let (me, c) = (ctx.rank, &mut ctx.comm);
+                let len = 100_000 + me;
+                let x = vec![1f32; 2 * len];
+                let mut y = vec![0f32; 2 * len];
+                let r = match case {
+                    "all_gather" => c.all_gather(&x[..len], &mut y[..2 * len]),
+                    "broadcast" => c.broadcast(&x[..len], &mut y[..len], 0),
+                    "all_reduce" => c.all_reduce(&x[..len], &mut y[..len], ReduceOp::Sum),
+                    _ => c.reduce_scatter(&x[..2 * len], &mut y[..len], ReduceOp::Sum),
+                };
+                let msg = match r {
+                    Err(e @ CommError::Mismatch { .. }) => e.to_string(),
+                    other => return Err(format!("expected a mismatch error, got {other:?}").into()),
+                };
+                let mut z = vec![me as f32 + 1.0; 100_000];
+                c.all_reduce_in_place(&mut z, ReduceOp::Sum)?;
+                if z.iter().any(|v| *v != 3.0) {
+                    return Err("communicator unusable after mismatch".into());
+                }
+                Ok(msg)
+            },
+        );
+        expect_all_err(res, &["mismatch", "count=100000", "count=100001"])
+            .map_err(|e| format!("{case}: {e}"))?;
     }
     Ok(())
 }
@@ -1374,7 +1676,10 @@ fn t_single_copy_dead_peer() -> Result<(), String> {
         }
         let mut last = Instant::now();
         loop {
-            let r = ctx.comm.all_gather(&x, &mut y).and_then(|_| ctx.comm.all_reduce(&x, &mut y[..len], ReduceOp::Sum));
+            let r = ctx
+                .comm
+                .all_gather(&x, &mut y)
+                .and_then(|_| ctx.comm.all_reduce(&x, &mut y[..len], ReduceOp::Sum));
             match r {
                 Ok(()) => last = Instant::now(),
                 Err(e) => {
@@ -1382,7 +1687,9 @@ fn t_single_copy_dead_peer() -> Result<(), String> {
                     if took > Duration::from_secs(1) {
                         return Err(format!("detection took {took:?}").into());
                     }
-                    if !e.to_string().contains(&format!("rank {dead} (pid")) || !e.to_string().contains("died") {
+                    if !e.to_string().contains(&format!("rank {dead} (pid"))
+                        || !e.to_string().contains("died")
+                    {
                         return Err(format!("error does not name the dead rank: {e}").into());
                     }
                     return Err(format!("OK-SURVIVOR {e}").into());
@@ -1392,11 +1699,19 @@ fn t_single_copy_dead_peer() -> Result<(), String> {
     });
     match res {
         Err(LaunchError::RanksFailed(f)) => {
-            if !f.iter().any(|x| x.rank == dead && x.exit_code == 128 + libc::SIGABRT) {
+            if !f
+                .iter()
+                .any(|x| x.rank == dead && x.exit_code == 128 + libc::SIGABRT)
+            {
                 return Err(format!("rank {dead} should have died of SIGABRT: {f:?}"));
             }
-            if !f.iter().any(|x| x.rank == 0 && x.message.starts_with("OK-SURVIVOR")) {
-                return Err(format!("the survivor did not report the dead peer properly: {f:?}"));
+            if !f
+                .iter()
+                .any(|x| x.rank == 0 && x.message.starts_with("OK-SURVIVOR"))
+            {
+                return Err(format!(
+                    "the survivor did not report the dead peer properly: {f:?}"
+                ));
             }
             Ok(())
         }
@@ -1442,7 +1757,10 @@ fn main() {
         ("single_copy_mismatch", t_single_copy_mismatch),
         ("single_copy_dead_peer", t_single_copy_dead_peer),
     ];
-    let filter: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with('-')).collect();
+    let filter: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with('-'))
+        .collect();
     let (mut passed, mut failed) = (0, 0);
     for (name, t) in tests {
         if !filter.is_empty() && !filter.iter().any(|f| name.contains(f.as_str())) {
@@ -1453,11 +1771,17 @@ fn main() {
         match r {
             Ok(()) => {
                 passed += 1;
-                println!("test {name} ... ok ({:.2} s)", start.elapsed().as_secs_f64());
+                println!(
+                    "test {name} ... ok ({:.2} s)",
+                    start.elapsed().as_secs_f64()
+                );
             }
             Err(e) => {
                 failed += 1;
-                println!("test {name} ... FAILED ({:.2} s)\n{e}", start.elapsed().as_secs_f64());
+                println!(
+                    "test {name} ... FAILED ({:.2} s)\n{e}",
+                    start.elapsed().as_secs_f64()
+                );
             }
         }
     }

@@ -25,7 +25,10 @@ fn cpu_time() -> f64 {
     let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
     // SAFETY: valid out-parameter.
     unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) };
-    ru.ru_utime.tv_sec as f64 + ru.ru_utime.tv_usec as f64 * 1e-6 + ru.ru_stime.tv_sec as f64 + ru.ru_stime.tv_usec as f64 * 1e-6
+    ru.ru_utime.tv_sec as f64
+        + ru.ru_utime.tv_usec as f64 * 1e-6
+        + ru.ru_stime.tv_sec as f64
+        + ru.ru_stime.tv_usec as f64 * 1e-6
 }
 
 /// What a forked rank reported: its exit status (`waitpid` form) and the line it wrote.
@@ -47,7 +50,11 @@ impl Ended {
 /// Fork `n` ranks running `f(rank)`; each writes its result (one line) to a pipe and `_exit`s 0
 /// on `Ok`, 1 on `Err`. Waits at most `deadline` for all of them, then kills what is left (and
 /// fails): no process outlives the call.
-fn fork_ranks(n: usize, deadline: Duration, f: impl Fn(usize) -> Result<String, String>) -> Result<Vec<Ended>, String> {
+fn fork_ranks(
+    n: usize,
+    deadline: Duration,
+    f: impl Fn(usize) -> Result<String, String>,
+) -> Result<Vec<Ended>, String> {
     let mut fds = [0; 2];
     // SAFETY: valid out-array of two fds.
     if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
@@ -93,7 +100,11 @@ fn fork_ranks(n: usize, deadline: Duration, f: impl Fn(usize) -> Result<String, 
             late = true;
             break;
         }
-        let mut p = libc::pollfd { fd: rd, events: libc::POLLIN, revents: 0 };
+        let mut p = libc::pollfd {
+            fd: rd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
         // SAFETY: one valid pollfd.
         let r = unsafe { libc::poll(&mut p, 1, left.as_millis().max(1) as i32) };
         if r <= 0 {
@@ -112,7 +123,12 @@ fn fork_ranks(n: usize, deadline: Duration, f: impl Fn(usize) -> Result<String, 
             common::signal(*p, libc::SIGKILL);
         }
     }
-    let mut out: Vec<Ended> = (0..n).map(|_| Ended { status: 0, msg: String::new() }).collect();
+    let mut out: Vec<Ended> = (0..n)
+        .map(|_| Ended {
+            status: 0,
+            msg: String::new(),
+        })
+        .collect();
     for (rank, pid) in pids.iter().enumerate() {
         let mut st = 0;
         // SAFETY: our child; valid out-parameter.
@@ -134,17 +150,29 @@ fn fork_ranks(n: usize, deadline: Duration, f: impl Fn(usize) -> Result<String, 
 
 /// `lockstep-*` names in `dir`.
 fn segments_in(dir: &str) -> Vec<String> {
-    let Ok(rd) = std::fs::read_dir(dir) else { return Vec::new() };
-    let mut v: Vec<String> =
-        rd.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).filter(|n| n.starts_with("lockstep-")).collect();
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut v: Vec<String> = rd
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("lockstep-"))
+        .collect();
     v.sort();
     v
 }
 
 /// Fails when `after` holds segment names `before` did not.
 fn no_new_segments(dir: &str, before: &[String]) -> Result<(), String> {
-    let new: Vec<String> = segments_in(dir).into_iter().filter(|n| !before.contains(n)).collect();
-    check(new.is_empty(), &format!("no segment left behind in {dir}"), format!("{new:?}"))
+    let new: Vec<String> = segments_in(dir)
+        .into_iter()
+        .filter(|n| !before.contains(n))
+        .collect();
+    check(
+        new.is_empty(),
+        &format!("no segment left behind in {dir}"),
+        format!("{new:?}"),
+    )
 }
 
 // -------------------------------------------------------------------------------------------------
@@ -156,7 +184,12 @@ fn t_join_wait_cpu() -> Result<(), String> {
     let before = segments_in("/dev/shm");
     let world = 16;
     let late = Duration::from_secs(2);
-    let cfg = ShmConfig { slot_bytes: 64 << 10, heap_bytes: 2 << 20, bind_cpu: false, ..ShmConfig::default() };
+    let cfg = ShmConfig {
+        slot_bytes: 64 << 10,
+        heap_bytes: 2 << 20,
+        bind_cpu: false,
+        ..ShmConfig::default()
+    };
     let job = ShmJob::with_config(world, cfg).map_err(|e| e.to_string())?;
     let t = Instant::now();
     let out = fork_ranks(world, Duration::from_secs(20), |rank| {
@@ -174,7 +207,11 @@ fn t_join_wait_cpu() -> Result<(), String> {
     let mut total = 0.0;
     let mut walls = Vec::new();
     for (r, e) in out.iter().enumerate() {
-        check(e.status == 0, &format!("rank {r} succeeded"), format!("{}: {}", e.describe(), e.msg))?;
+        check(
+            e.status == 0,
+            &format!("rank {r} succeeded"),
+            format!("{}: {}", e.describe(), e.msg),
+        )?;
         let v: Vec<f64> = e.msg.split(' ').filter_map(|x| x.parse().ok()).collect();
         check(v.len() == 2, "rank reported cpu and wall time", &e.msg)?;
         if r < world - 1 {
@@ -188,25 +225,40 @@ fn t_join_wait_cpu() -> Result<(), String> {
         total * 1e3,
         total / min_wall * 100.0
     );
-    check(min_wall >= late.as_secs_f64() * 0.9, "the ranks waited for the late one", format!("{walls:?}"))?;
+    check(
+        min_wall >= late.as_secs_f64() * 0.9,
+        "the ranks waited for the late one",
+        format!("{walls:?}"),
+    )?;
     check(
         total < 0.05 * late.as_secs_f64(),
         "15 waiting ranks use under 5 % of one CPU",
         format!("{:.1} ms in {min_wall:.2} s", total * 1e3),
     )?;
-    check(took < Duration::from_secs(10), "done within 10 s", format!("{took:?}"))?;
+    check(
+        took < Duration::from_secs(10),
+        "done within 10 s",
+        format!("{took:?}"),
+    )?;
     no_new_segments("/dev/shm", &before)
 }
 
 /// No child process of this test process is left.
 fn no_children() -> Result<(), String> {
     let left = common::children_of(std::process::id() as i32);
-    check(left.is_empty(), "no process left behind", format!("{left:?}"))
+    check(
+        left.is_empty(),
+        "no process left behind",
+        format!("{left:?}"),
+    )
 }
 
 /// A job id no other test run uses.
 fn job_id(what: &str) -> String {
-    let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
     format!("test-{what}-{}-{t:x}", std::process::id())
 }
 
@@ -224,12 +276,27 @@ fn free_bytes(dir: &str) -> u64 {
 
 /// Mount a tmpfs of `mib` MiB on `dir`.
 fn mount_tmpfs(dir: &str, mib: usize) -> Result<(), String> {
-    let (src, fs, target) = (c"tmpfs", c"tmpfs", std::ffi::CString::new(dir).expect("path"));
+    let (src, fs, target) = (
+        c"tmpfs",
+        c"tmpfs",
+        std::ffi::CString::new(dir).expect("path"),
+    );
     let opts = std::ffi::CString::new(format!("size={mib}m,mode=1777")).expect("opts");
     // SAFETY: valid C strings; a fresh tmpfs mount.
-    let r = unsafe { libc::mount(src.as_ptr(), target.as_ptr(), fs.as_ptr(), 0, opts.as_ptr() as *const libc::c_void) };
+    let r = unsafe {
+        libc::mount(
+            src.as_ptr(),
+            target.as_ptr(),
+            fs.as_ptr(),
+            0,
+            opts.as_ptr() as *const libc::c_void,
+        )
+    };
     if r != 0 {
-        return Err(format!("mount tmpfs on {dir}: {}", std::io::Error::last_os_error()));
+        return Err(format!(
+            "mount tmpfs on {dir}: {}",
+            std::io::Error::last_os_error()
+        ));
     }
     Ok(())
 }
@@ -239,10 +306,23 @@ fn private_mount_namespace() -> Result<(), String> {
     // SAFETY: plain syscalls in a single-threaded child.
     unsafe {
         if libc::unshare(libc::CLONE_NEWNS) != 0 {
-            return Err(format!("unshare(CLONE_NEWNS): {}", std::io::Error::last_os_error()));
+            return Err(format!(
+                "unshare(CLONE_NEWNS): {}",
+                std::io::Error::last_os_error()
+            ));
         }
-        if libc::mount(c"none".as_ptr(), c"/".as_ptr(), std::ptr::null(), libc::MS_REC | libc::MS_PRIVATE, std::ptr::null()) != 0 {
-            return Err(format!("making / private: {}", std::io::Error::last_os_error()));
+        if libc::mount(
+            c"none".as_ptr(),
+            c"/".as_ptr(),
+            std::ptr::null(),
+            libc::MS_REC | libc::MS_PRIVATE,
+            std::ptr::null(),
+        ) != 0
+        {
+            return Err(format!(
+                "making / private: {}",
+                std::io::Error::last_os_error()
+            ));
         }
     }
     Ok(())
@@ -251,11 +331,19 @@ fn private_mount_namespace() -> Result<(), String> {
 /// Run `f` in a forked child inside a private mount namespace. `Ok(Some(report))`, or
 /// `Ok(None)` when no mount namespace can be made here.
 fn in_private_namespace(f: impl Fn() -> Result<String, String>) -> Result<Option<String>, String> {
-    let out = fork_ranks(1, Duration::from_secs(40), |_| match private_mount_namespace() {
-        Ok(()) => f(),
-        Err(e) => Ok(format!("unavailable: {e}")),
-    })?;
-    check(out[0].status == 0, "the scenario passed", format!("{}: {}", out[0].describe(), out[0].msg))?;
+    let out = fork_ranks(
+        1,
+        Duration::from_secs(40),
+        |_| match private_mount_namespace() {
+            Ok(()) => f(),
+            Err(e) => Ok(format!("unavailable: {e}")),
+        },
+    )?;
+    check(
+        out[0].status == 0,
+        "the scenario passed",
+        format!("{}: {}", out[0].describe(), out[0].msg),
+    )?;
     Ok(if out[0].msg.starts_with("unavailable:") {
         println!("  no private mount namespace ({})", out[0].msg);
         None
@@ -289,19 +377,47 @@ fn small_shm_scenario(dir: Option<&str>, cap_mib: usize) -> Result<String, Strin
     let free = free_bytes(shown);
     let t = Instant::now();
     let e = match ShmComm::join_named(&job_id("small"), 0, world, cfg(slot)) {
-        Ok(_) => return Err(format!("a {needed}-byte segment was created in a {cap_mib} MiB {shown}")),
+        Ok(_) => {
+            return Err(format!(
+                "a {needed}-byte segment was created in a {cap_mib} MiB {shown}"
+            ))
+        }
         Err(e) => e.to_string(),
     };
     let took = t.elapsed();
-    let summary = format!("creation refused in {:.1} ms: {e}", took.as_secs_f64() * 1e3);
+    let summary = format!(
+        "creation refused in {:.1} ms: {e}",
+        took.as_secs_f64() * 1e3
+    );
     // The segment also holds per-pair point-to-point mailboxes, so the named size is at least the
     // header and slots, and more than what is free.
-    let named: Option<usize> = e.split("cannot reserve ").nth(1).and_then(|t| t.split(' ').next()).and_then(|n| n.parse().ok());
-    check(named.is_some_and(|n| n >= needed && n as u64 > free), &format!("the creation error names at least {needed} bytes needed"), &e)?;
-    for want in [shown.to_string(), format!("{free} bytes"), "free".into(), "LOCKSTEP_SHM_SLOT_BYTES".into()] {
-        check(e.contains(&want), &format!("the creation error names '{want}'"), &e)?;
+    let named: Option<usize> = e
+        .split("cannot reserve ")
+        .nth(1)
+        .and_then(|t| t.split(' ').next())
+        .and_then(|n| n.parse().ok());
+    check(
+        named.is_some_and(|n| n >= needed && n as u64 > free),
+        &format!("the creation error names at least {needed} bytes needed"),
+        &e,
+    )?;
+    for want in [
+        shown.to_string(),
+        format!("{free} bytes"),
+        "free".into(),
+        "LOCKSTEP_SHM_SLOT_BYTES".into(),
+    ] {
+        check(
+            e.contains(&want),
+            &format!("the creation error names '{want}'"),
+            &e,
+        )?;
     }
-    check(took < Duration::from_secs(1), "the creation error comes at once", format!("{took:?}"))?;
+    check(
+        took < Duration::from_secs(1),
+        "the creation error comes at once",
+        format!("{took:?}"),
+    )?;
     no_new_segments(shown, &before)?;
 
     // A job that fits; rank 0 asks for a shared buffer twice the size of the tmpfs.
@@ -309,10 +425,16 @@ fn small_shm_scenario(dir: Option<&str>, cap_mib: usize) -> Result<String, Strin
     let big = cap_mib << 21;
     let t = Instant::now();
     let out = fork_ranks(2, Duration::from_secs(20), |rank| {
-        let mut c = Communicator::from_backend(Box::new(ShmComm::join_named(&job, rank, 2, cfg(1 << 20)).map_err(|e| e.to_string())?));
+        let mut c = Communicator::from_backend(Box::new(
+            ShmComm::join_named(&job, rank, 2, cfg(1 << 20)).map_err(|e| e.to_string())?,
+        ));
         let refused = if rank == 0 {
             match c.alloc_shared::<u8>(big) {
-                Ok(_) => return Err(format!("a {big}-byte shared buffer was handed out in a {cap_mib} MiB {shown}")),
+                Ok(_) => {
+                    return Err(format!(
+                        "a {big}-byte shared buffer was handed out in a {cap_mib} MiB {shown}"
+                    ))
+                }
                 Err(e) => e.to_string(),
             }
         } else {
@@ -320,7 +442,8 @@ fn small_shm_scenario(dir: Option<&str>, cap_mib: usize) -> Result<String, Strin
         };
         let mut x = c.alloc_shared::<f32>(100_000).map_err(|e| e.to_string())?;
         x.fill(rank as f32 + 1.0);
-        c.all_reduce_in_place(&mut x, ReduceOp::Sum).map_err(|e| e.to_string())?;
+        c.all_reduce_in_place(&mut x, ReduceOp::Sum)
+            .map_err(|e| e.to_string())?;
         if x.iter().any(|v| *v != 3.0) {
             return Err("wrong sum".into());
         }
@@ -335,10 +458,23 @@ fn small_shm_scenario(dir: Option<&str>, cap_mib: usize) -> Result<String, Strin
         )?;
     }
     let e = &out[0].msg;
-    for want in [shown.to_string(), format!("{} bytes", big.next_multiple_of(4096)), "free".into(), "cannot reserve".into()] {
-        check(e.contains(&want), &format!("the alloc_shared error names '{want}'"), e)?;
+    for want in [
+        shown.to_string(),
+        format!("{} bytes", big.next_multiple_of(4096)),
+        "free".into(),
+        "cannot reserve".into(),
+    ] {
+        check(
+            e.contains(&want),
+            &format!("the alloc_shared error names '{want}'"),
+            e,
+        )?;
     }
-    check(ran < Duration::from_secs(10), "the fitting job ran within 10 s", format!("{ran:?}"))?;
+    check(
+        ran < Duration::from_secs(10),
+        "the fitting job ran within 10 s",
+        format!("{ran:?}"),
+    )?;
     no_new_segments(shown, &before)?;
     Ok(format!(
         "in a {cap_mib} MiB tmpfs on {shown}: {summary}; the fitting job ran in {:.2} s, refusing a {big}-byte buffer: {e}",
@@ -360,7 +496,11 @@ fn t_small_dev_shm() -> Result<(), String> {
             println!("  skipped: a small /dev/shm needs a private mount namespace; small_shm_dir covers the same with LOCKSTEP_SHM_DIR")
         }
     }
-    check(t.elapsed() < Duration::from_secs(40), "done within 40 s", format!("{:?}", t.elapsed()))?;
+    check(
+        t.elapsed() < Duration::from_secs(40),
+        "done within 40 s",
+        format!("{:?}", t.elapsed()),
+    )?;
     no_new_segments("/dev/shm", &host_before)?;
     no_children()
 }
@@ -395,7 +535,11 @@ fn t_small_shm_dir() -> Result<(), String> {
     };
     let _ = std::fs::remove_dir_all(&dir);
     println!("  {}", r?);
-    check(t.elapsed() < Duration::from_secs(40), "done within 40 s", format!("{:?}", t.elapsed()))?;
+    check(
+        t.elapsed() < Duration::from_secs(40),
+        "done within 40 s",
+        format!("{:?}", t.elapsed()),
+    )?;
     no_new_segments("/dev/shm", &host_before)?;
     no_children()
 }
@@ -434,9 +578,12 @@ fn t_slots_mapped_on_first_use() -> Result<(), String> {
             join_timeout: Duration::from_secs(10),
             ..ShmConfig::default()
         };
-        let mut c = Communicator::from_backend(Box::new(ShmComm::join_named(&job, rank, 2, cfg).map_err(|e| e.to_string())?));
+        let mut c = Communicator::from_backend(Box::new(
+            ShmComm::join_named(&job, rank, 2, cfg).map_err(|e| e.to_string())?,
+        ));
         let mut small = [rank as i64 + 1; 64];
-        c.all_reduce_in_place(&mut small, ReduceOp::Sum).map_err(|e| e.to_string())?;
+        c.all_reduce_in_place(&mut small, ReduceOp::Sum)
+            .map_err(|e| e.to_string())?;
         c.barrier().map_err(|e| e.to_string())?;
         if small != [3; 64] {
             return Err(format!("small all_reduce gave {:?}", &small[..4]));
@@ -445,7 +592,8 @@ fn t_slots_mapped_on_first_use() -> Result<(), String> {
         // 4 MiB: larger than a slot, so it streams through both slots in pieces.
         let n = 1 << 20;
         let mut big: Vec<f32> = (0..n).map(|i| (i % 1000) as f32 + rank as f32).collect();
-        c.all_reduce_in_place(&mut big, ReduceOp::Sum).map_err(|e| e.to_string())?;
+        c.all_reduce_in_place(&mut big, ReduceOp::Sum)
+            .map_err(|e| e.to_string())?;
         if let Some(i) = (0..n).find(|&i| big[i] != 2.0 * (i % 1000) as f32 + 1.0) {
             return Err(format!("large all_reduce: element {i} is {}", big[i]));
         }
@@ -459,15 +607,23 @@ fn t_slots_mapped_on_first_use() -> Result<(), String> {
                 return Err("the 400 kB message arrived changed".into());
             }
         }
-        c.all_reduce_in_place(&mut small, ReduceOp::Sum).map_err(|e| e.to_string())?;
+        c.all_reduce_in_place(&mut small, ReduceOp::Sum)
+            .map_err(|e| e.to_string())?;
         if small != [6; 64] {
-            return Err(format!("small all_reduce after large ones gave {:?}", &small[..4]));
+            return Err(format!(
+                "small all_reduce after large ones gave {:?}",
+                &small[..4]
+            ));
         }
         let late = mapped_bytes(&job).ok_or("no mapping of the segment")?;
         Ok(format!("{early} {late}"))
     })?;
     for (r, e) in out.iter().enumerate() {
-        check(e.status == 0, &format!("rank {r} succeeded"), format!("{}: {}", e.describe(), e.msg))?;
+        check(
+            e.status == 0,
+            &format!("rank {r} succeeded"),
+            format!("{}: {}", e.describe(), e.msg),
+        )?;
         let v: Vec<u64> = e.msg.split(' ').filter_map(|x| x.parse().ok()).collect();
         check(v.len() == 2, "rank reported mapped bytes", &e.msg)?;
         println!(
@@ -475,8 +631,16 @@ fn t_slots_mapped_on_first_use() -> Result<(), String> {
             v[0] / 1024,
             v[1] / 1024
         );
-        check(v[0] < slot as u64 / 4, &format!("rank {r} mapped under a quarter slot before staging anything"), format!("{} bytes", v[0]))?;
-        check(v[1] >= 2 * slot as u64, &format!("rank {r} mapped both its slots once it staged data"), format!("{} bytes", v[1]))?;
+        check(
+            v[0] < slot as u64 / 4,
+            &format!("rank {r} mapped under a quarter slot before staging anything"),
+            format!("{} bytes", v[0]),
+        )?;
+        check(
+            v[1] >= 2 * slot as u64,
+            &format!("rank {r} mapped both its slots once it staged data"),
+            format!("{} bytes", v[1]),
+        )?;
     }
     no_new_segments("/dev/shm", &before)?;
     no_children()
@@ -498,7 +662,9 @@ fn room_gone_scenario(dir: &str) -> Result<String, String> {
             timeout: Duration::from_secs(30),
             ..ShmConfig::from_env().expect("shm settings from the environment")
         };
-        let mut c = Communicator::from_backend(Box::new(ShmComm::join_named(&job, rank, 2, cfg).map_err(|e| e.to_string())?));
+        let mut c = Communicator::from_backend(Box::new(
+            ShmComm::join_named(&job, rank, 2, cfg).map_err(|e| e.to_string())?,
+        ));
         c.barrier().map_err(|e| e.to_string())?;
         if rank == 0 {
             // Another job takes all but 5 MiB: room for one rank's slots (4 MiB), not both.
@@ -507,7 +673,9 @@ fn room_gone_scenario(dir: &str) -> Result<String, String> {
             let f = std::fs::File::create(format!("{dir}/filler")).map_err(|e| e.to_string())?;
             use std::os::fd::AsRawFd;
             // SAFETY: a descriptor we own.
-            let r = unsafe { libc::posix_fallocate(f.as_raw_fd(), 0, free.saturating_sub(keep) as libc::off_t) };
+            let r = unsafe {
+                libc::posix_fallocate(f.as_raw_fd(), 0, free.saturating_sub(keep) as libc::off_t)
+            };
             if r != 0 {
                 return Err(format!("filling {dir}: error {r}"));
             }
@@ -522,12 +690,29 @@ fn room_gone_scenario(dir: &str) -> Result<String, String> {
     let took = t.elapsed();
     let mut said = 0;
     for (r, e) in out.iter().enumerate() {
-        check(e.status == 0, &format!("rank {r} got an error, not a signal (no SIGBUS)"), format!("{}: {}", e.describe(), e.msg))?;
+        check(
+            e.status == 0,
+            &format!("rank {r} got an error, not a signal (no SIGBUS)"),
+            format!("{}: {}", e.describe(), e.msg),
+        )?;
         said += e.msg.contains("no room for them any more") as usize;
     }
-    check(said >= 1, "a rank's error says its slots found no room", format!("{:?}", out.iter().map(|e| &e.msg).collect::<Vec<_>>()))?;
-    check(took < Duration::from_secs(10), "every rank failed at once, not at the timeout", format!("{took:?}"))?;
-    Ok(format!("failed in {:.2} s: rank 0: {}; rank 1: {}", took.as_secs_f64(), out[0].msg, out[1].msg))
+    check(
+        said >= 1,
+        "a rank's error says its slots found no room",
+        format!("{:?}", out.iter().map(|e| &e.msg).collect::<Vec<_>>()),
+    )?;
+    check(
+        took < Duration::from_secs(10),
+        "every rank failed at once, not at the timeout",
+        format!("{took:?}"),
+    )?;
+    Ok(format!(
+        "failed in {:.2} s: rank 0: {}; rank 1: {}",
+        took.as_secs_f64(),
+        out[0].msg,
+        out[1].msg
+    ))
 }
 
 /// [`room_gone_scenario`] in a 16 MiB tmpfs of a private mount namespace (skipped without one).
@@ -561,7 +746,10 @@ fn t_shm_dir_checked() -> Result<(), String> {
         (String::new(), "not an absolute path"),
     ];
     for (dir, why) in cases {
-        let cfg = ShmConfig { shm_dir: Some(dir.clone().into()), ..ShmConfig::default() };
+        let cfg = ShmConfig {
+            shm_dir: Some(dir.clone().into()),
+            ..ShmConfig::default()
+        };
         let e = match ShmComm::join_named(&job_id("dir"), 0, 1, cfg) {
             Ok(_) => return Err(format!("LOCKSTEP_SHM_DIR={dir:?} was accepted")),
             Err(e) => e.to_string(),
@@ -580,7 +768,12 @@ fn t_shm_dir_checked() -> Result<(), String> {
 /// fail within half a second naming it, instead of at the join timeout.
 fn t_join_peer_death() -> Result<(), String> {
     let before = segments_in("/dev/shm");
-    let cfg = ShmConfig { slot_bytes: 64 << 10, heap_bytes: 2 << 20, join_timeout: Duration::from_secs(30), ..ShmConfig::default() };
+    let cfg = ShmConfig {
+        slot_bytes: 64 << 10,
+        heap_bytes: 2 << 20,
+        join_timeout: Duration::from_secs(30),
+        ..ShmConfig::default()
+    };
     let job = ShmJob::with_config(3, cfg).map_err(|e| e.to_string())?;
     let t = Instant::now();
     let out = fork_ranks(3, Duration::from_secs(10), |rank| match rank {
@@ -606,12 +799,31 @@ fn t_join_peer_death() -> Result<(), String> {
         }
     })?;
     drop(job);
-    check(libc::WIFEXITED(out[1].status) && libc::WEXITSTATUS(out[1].status) == 9, "rank 1 died as planned", out[1].describe())?;
-    let (secs, msg) = out[0].msg.split_once(' ').ok_or_else(|| format!("rank 0: {}", out[0].msg))?;
+    check(
+        libc::WIFEXITED(out[1].status) && libc::WEXITSTATUS(out[1].status) == 9,
+        "rank 1 died as planned",
+        out[1].describe(),
+    )?;
+    let (secs, msg) = out[0]
+        .msg
+        .split_once(' ')
+        .ok_or_else(|| format!("rank 0: {}", out[0].msg))?;
     let secs: f64 = secs.parse().map_err(|_| out[0].msg.clone())?;
-    check(msg.contains("rank 1 (pid") && msg.contains("died before all ranks had joined"), "rank 0's error names the dead rank", msg)?;
-    check((0.25..0.8).contains(&secs), "rank 0 noticed within 0.5 s of the death", format!("{secs:.3} s"))?;
-    check(t.elapsed() < Duration::from_secs(5), "done within 5 s", format!("{:?}", t.elapsed()))?;
+    check(
+        msg.contains("rank 1 (pid") && msg.contains("died before all ranks had joined"),
+        "rank 0's error names the dead rank",
+        msg,
+    )?;
+    check(
+        (0.25..0.8).contains(&secs),
+        "rank 0 noticed within 0.5 s of the death",
+        format!("{secs:.3} s"),
+    )?;
+    check(
+        t.elapsed() < Duration::from_secs(5),
+        "done within 5 s",
+        format!("{:?}", t.elapsed()),
+    )?;
     no_new_segments("/dev/shm", &before)?;
     no_children()
 }
@@ -623,13 +835,20 @@ fn creator_waiting(job: &str) -> Result<i32, String> {
     // SAFETY: single-threaded test process; the child only runs lockstep code and _exits.
     let pid = unsafe { libc::fork() };
     if pid == 0 {
-        let cfg = ShmConfig { heap_bytes: 2 << 20, slot_bytes: 64 << 10, join_timeout: Duration::from_secs(30), ..ShmConfig::default() };
+        let cfg = ShmConfig {
+            heap_bytes: 2 << 20,
+            slot_bytes: 64 << 10,
+            join_timeout: Duration::from_secs(30),
+            ..ShmConfig::default()
+        };
         let r = ShmComm::join_named(job, 0, 2, cfg);
         // SAFETY: leave the child without running the parent's destructors.
         unsafe { libc::_exit(r.is_err() as i32) };
     }
     // The header is written right after the file is created and reserved: give it a moment.
-    if !common::wait_until(Duration::from_secs(5), || std::path::Path::new(&path).exists()) {
+    if !common::wait_until(Duration::from_secs(5), || {
+        std::path::Path::new(&path).exists()
+    }) {
         common::signal(pid, libc::SIGKILL);
         // SAFETY: our child.
         unsafe { libc::waitpid(pid, std::ptr::null_mut(), 0) };
@@ -650,7 +869,10 @@ fn kill_and_reap(pid: i32) {
 fn t_stale_segment_reclaimed() -> Result<(), String> {
     let before = segments_in("/dev/shm");
     let (dead, live) = (job_id("dead"), job_id("live"));
-    let (dead_path, live_path) = (format!("/dev/shm/lockstep-{dead}"), format!("/dev/shm/lockstep-{live}"));
+    let (dead_path, live_path) = (
+        format!("/dev/shm/lockstep-{dead}"),
+        format!("/dev/shm/lockstep-{live}"),
+    );
     let a = creator_waiting(&dead)?;
     let b = match creator_waiting(&live) {
         Ok(b) => b,
@@ -660,13 +882,20 @@ fn t_stale_segment_reclaimed() -> Result<(), String> {
         }
     };
     kill_and_reap(a);
-    check(std::path::Path::new(&dead_path).exists(), "a killed creator leaves its segment behind", &dead_path)?;
+    check(
+        std::path::Path::new(&dead_path).exists(),
+        "a killed creator leaves its segment behind",
+        &dead_path,
+    )?;
     let t = Instant::now();
     // The fallback rule (for segments without a readable header) says "never" here, so what is
     // removed is removed on the header's word alone.
     let removed = lockstep::shm::reclaim_stale_segments(&|_, _| false);
     let took = t.elapsed();
-    let (dead_gone, live_kept) = (!std::path::Path::new(&dead_path).exists(), std::path::Path::new(&live_path).exists());
+    let (dead_gone, live_kept) = (
+        !std::path::Path::new(&dead_path).exists(),
+        std::path::Path::new(&live_path).exists(),
+    );
     kill_and_reap(b);
     check(
         dead_gone && removed.iter().any(|p| p.display().to_string() == dead_path),
@@ -674,16 +903,32 @@ fn t_stale_segment_reclaimed() -> Result<(), String> {
         format!("{removed:?}"),
     )?;
     check(live_kept, "a running creator's segment is kept", &live_path)?;
-    check(took < Duration::from_millis(500), "the sweep takes under 0.5 s", format!("{took:?}"))?;
+    check(
+        took < Duration::from_millis(500),
+        "the sweep takes under 0.5 s",
+        format!("{took:?}"),
+    )?;
 
     // Same job id again: rank 0 finds the leftover of its dead creator, removes it and runs.
-    check(std::path::Path::new(&live_path).exists(), "the second creator's segment is left after its kill", &live_path)?;
+    check(
+        std::path::Path::new(&live_path).exists(),
+        "the second creator's segment is left after its kill",
+        &live_path,
+    )?;
     let t = Instant::now();
     let out = fork_ranks(2, Duration::from_secs(20), |rank| {
-        let cfg = ShmConfig { heap_bytes: 2 << 20, slot_bytes: 64 << 10, join_timeout: Duration::from_secs(10), ..ShmConfig::default() };
-        let mut c = Communicator::from_backend(Box::new(ShmComm::join_named(&live, rank, 2, cfg).map_err(|e| e.to_string())?));
+        let cfg = ShmConfig {
+            heap_bytes: 2 << 20,
+            slot_bytes: 64 << 10,
+            join_timeout: Duration::from_secs(10),
+            ..ShmConfig::default()
+        };
+        let mut c = Communicator::from_backend(Box::new(
+            ShmComm::join_named(&live, rank, 2, cfg).map_err(|e| e.to_string())?,
+        ));
         let mut x = [rank as i64 + 1; 8];
-        c.all_reduce_in_place(&mut x, ReduceOp::Sum).map_err(|e| e.to_string())?;
+        c.all_reduce_in_place(&mut x, ReduceOp::Sum)
+            .map_err(|e| e.to_string())?;
         if x != [3; 8] {
             return Err(format!("wrong sum {x:?}"));
         }
@@ -691,9 +936,17 @@ fn t_stale_segment_reclaimed() -> Result<(), String> {
     })?;
     let took = t.elapsed();
     for (r, e) in out.iter().enumerate() {
-        check(e.status == 0, &format!("rank {r} of the rerun with the same job id succeeded"), format!("{}: {}", e.describe(), e.msg))?;
+        check(
+            e.status == 0,
+            &format!("rank {r} of the rerun with the same job id succeeded"),
+            format!("{}: {}", e.describe(), e.msg),
+        )?;
     }
-    check(took < Duration::from_secs(3), "the rerun with the same job id took under 3 s", format!("{took:?}"))?;
+    check(
+        took < Duration::from_secs(3),
+        "the rerun with the same job id took under 3 s",
+        format!("{took:?}"),
+    )?;
     no_new_segments("/dev/shm", &before)?;
     no_children()
 }
@@ -702,7 +955,12 @@ fn t_stale_segment_reclaimed() -> Result<(), String> {
 /// that of the rank that timed out first, names rank 2 and the collective.
 fn t_timeout_names_stuck_rank_everywhere() -> Result<(), String> {
     let mut cfg = LaunchConfig::new(4);
-    cfg.shm = ShmConfig { slot_bytes: 64 << 10, heap_bytes: 2 << 20, timeout: Duration::from_millis(800), ..ShmConfig::default() };
+    cfg.shm = ShmConfig {
+        slot_bytes: 64 << 10,
+        heap_bytes: 2 << 20,
+        timeout: Duration::from_millis(800),
+        ..ShmConfig::default()
+    };
     cfg.fail_fast = false;
     let t = Instant::now();
     let out = launch(&cfg, |mut ctx: RankContext| -> RankResult<(f64, String)> {
@@ -711,21 +969,35 @@ fn t_timeout_names_stuck_rank_everywhere() -> Result<(), String> {
             std::thread::sleep(Duration::from_millis(1500));
         }
         let t = Instant::now();
-        let e = ctx.comm.all_reduce_in_place(&mut [1f32; 4], ReduceOp::Sum).err().ok_or("all_reduce passed")?;
+        let e = ctx
+            .comm
+            .all_reduce_in_place(&mut [1f32; 4], ReduceOp::Sum)
+            .err()
+            .ok_or("all_reduce passed")?;
         Ok((t.elapsed().as_secs_f64(), e.to_string()))
     })
     .map_err(|e| e.to_string())?;
     let took = t.elapsed();
     for (r, (secs, msg)) in out.iter().enumerate() {
         check(
-            msg.contains("rank 2 is stuck before all_reduce #2 (rank 2 is at collective #1, barrier)"),
+            msg.contains(
+                "rank 2 is stuck before all_reduce #2 (rank 2 is at collective #1, barrier)",
+            ),
             &format!("rank {r}'s error names the stuck rank and collective"),
             msg,
         )?;
         let bound = if r == 2 { 0.0..0.5 } else { 0.7..2.0 };
-        check(bound.contains(secs), &format!("rank {r} failed after {bound:?} s"), format!("{secs:.2} s: {msg}"))?;
+        check(
+            bound.contains(secs),
+            &format!("rank {r} failed after {bound:?} s"),
+            format!("{secs:.2} s: {msg}"),
+        )?;
     }
-    check(took < Duration::from_secs(6), "done within 6 s", format!("{took:?}"))?;
+    check(
+        took < Duration::from_secs(6),
+        "done within 6 s",
+        format!("{took:?}"),
+    )?;
     no_children()
 }
 
@@ -739,6 +1011,9 @@ fn main() -> std::process::ExitCode {
         ("slots_mapped_on_first_use", t_slots_mapped_on_first_use),
         ("room_gone_after_creation", t_room_gone_after_creation),
         ("stale_segment_reclaimed", t_stale_segment_reclaimed),
-        ("timeout_names_stuck_rank_everywhere", t_timeout_names_stuck_rank_everywhere),
+        (
+            "timeout_names_stuck_rank_everywhere",
+            t_timeout_names_stuck_rank_everywhere,
+        ),
     ])
 }

@@ -56,7 +56,12 @@ fn cfg(n: usize) -> LaunchConfig {
 
 /// Block sizes in elements: empty, one, odd, and above a staging slot (and a mailbox).
 fn sizes(n: usize, esz: usize) -> Vec<usize> {
-    let slot = ShmConfig { slot_bytes: 8192, ..ShmConfig::default() }.normalized_for(n).slot_bytes;
+    let slot = ShmConfig {
+        slot_bytes: 8192,
+        ..ShmConfig::default()
+    }
+    .normalized_for(n)
+    .slot_bytes;
     vec![0, 1, 7, 3 * slot / esz + 5]
 }
 
@@ -108,17 +113,26 @@ fn src<T: Element>(c: &mut Communicator, v: Vec<T>, shared: bool) -> Result<Src<
 
 fn check_exchanges<T: TestElem>(c: &mut Communicator) -> Result<Vec<String>, CommError> {
     let mut bad = check_exchanges_with::<T>(c, false)?;
-    bad.extend(check_exchanges_with::<T>(c, true)?.into_iter().map(|b| format!("{b} (shared send buffers)")));
+    bad.extend(
+        check_exchanges_with::<T>(c, true)?
+            .into_iter()
+            .map(|b| format!("{b} (shared send buffers)")),
+    );
     Ok(bad)
 }
 
-fn check_exchanges_with<T: TestElem>(c: &mut Communicator, shared: bool) -> Result<Vec<String>, CommError> {
+fn check_exchanges_with<T: TestElem>(
+    c: &mut Communicator,
+    shared: bool,
+) -> Result<Vec<String>, CommError> {
     let (me, n) = (c.rank(), c.world_size());
     let dt = T::DTYPE;
     let mut bad = Vec::new();
     for len in sizes(n, dt.size()) {
         // all_to_all (and its async form on the last size).
-        let send: Vec<T> = (0..n * len).map(|k| val(me, k / len.max(1), k % len.max(1))).collect();
+        let send: Vec<T> = (0..n * len)
+            .map(|k| val(me, k / len.max(1), k % len.max(1)))
+            .collect();
         let send = src(c, send, shared)?;
         let mut recv = vec![sentinel::<T>(); n * len];
         if len > 7 {
@@ -142,13 +156,24 @@ fn check_exchanges_with<T: TestElem>(c: &mut Communicator, shared: bool) -> Resu
         let send = src(c, send, shared)?;
         let mut recv = vec![sentinel::<T>(); rlen];
         c.all_to_all_v(&send[..], &sc, &sd, &mut recv, &rc, &rd)?;
-        let want: Vec<T> = (0..n).flat_map(|i| (0..rc[i]).map(move |k| val(i, me, k)).chain([sentinel()])).collect();
+        let want: Vec<T> = (0..n)
+            .flat_map(|i| (0..rc[i]).map(move |k| val(i, me, k)).chain([sentinel()]))
+            .collect();
         if let Some(k) = (0..rlen).find(|&k| recv[k] != want[k]) {
-            bad.push(format!("all_to_all_v {dt} len {len}: [{k}] = {:?}", recv[k]));
+            bad.push(format!(
+                "all_to_all_v {dt} len {len}: [{k}] = {:?}",
+                recv[k]
+            ));
         }
         // scatter from the last rank; other ranks pass an empty send.
         let root = n - 1;
-        let send: Vec<T> = if me == root { (0..n * len).map(|k| val(root, k / len.max(1), k % len.max(1))).collect() } else { vec![] };
+        let send: Vec<T> = if me == root {
+            (0..n * len)
+                .map(|k| val(root, k / len.max(1), k % len.max(1)))
+                .collect()
+        } else {
+            vec![]
+        };
         let send = src(c, send, shared)?;
         let mut recv = vec![sentinel::<T>(); len];
         c.scatter(&send[..], &mut recv, root)?;
@@ -160,14 +185,23 @@ fn check_exchanges_with<T: TestElem>(c: &mut Communicator, shared: bool) -> Resu
         let send: Vec<T> = (0..counts[me]).map(|k| val(me, 0, k)).collect();
         let send = src(c, send, shared)?;
         let total: usize = counts.iter().sum();
-        let want: Vec<T> = (0..n).flat_map(|r| (0..counts[r]).map(move |k| val(r, 0, k))).collect();
+        let want: Vec<T> = (0..n)
+            .flat_map(|r| (0..counts[r]).map(move |k| val(r, 0, k)))
+            .collect();
         let mut recv = vec![sentinel::<T>(); total];
         c.all_gather_v(&send[..], &mut recv, &counts)?;
         if let Some(k) = (0..total).find(|&k| recv[k] != want[k]) {
-            bad.push(format!("all_gather_v {dt} len {len}: [{k}] = {:?}", recv[k]));
+            bad.push(format!(
+                "all_gather_v {dt} len {len}: [{k}] = {:?}",
+                recv[k]
+            ));
         }
         let root = n / 2;
-        let mut recv = if me == root { vec![sentinel::<T>(); total] } else { vec![] };
+        let mut recv = if me == root {
+            vec![sentinel::<T>(); total]
+        } else {
+            vec![]
+        };
         let rcounts: &[usize] = if me == root { &counts } else { &[] };
         c.gather_v(&send[..], &mut recv, rcounts, root)?;
         if me == root {
@@ -187,7 +221,11 @@ fn check_p2p<T: TestElem>(c: &mut Communicator) -> Result<Vec<String>, CommError
     let mut bad = Vec::new();
     let mut check = |what: &str, got: &[T], src: usize, salt: usize| {
         if let Some(k) = (0..got.len()).find(|&k| got[k] != val(src, me + salt, k)) {
-            bad.push(format!("{what} {dt} len {} from {src}: [{k}] = {:?}", got.len(), got[k]));
+            bad.push(format!(
+                "{what} {dt} len {} from {src}: [{k}] = {:?}",
+                got.len(),
+                got[k]
+            ));
         }
     };
     for len in sizes(n, dt.size()) {
@@ -214,7 +252,9 @@ fn check_p2p<T: TestElem>(c: &mut Communicator) -> Result<Vec<String>, CommError
         })?;
         check("ring", &inb, left, 0);
         // All pairs, oneself included, in one group: every send posted before every recv.
-        let outs: Vec<Vec<T>> = (0..n).map(|p| (0..len).map(|k| val(me, p, k)).collect()).collect();
+        let outs: Vec<Vec<T>> = (0..n)
+            .map(|p| (0..len).map(|k| val(me, p, k)).collect())
+            .collect();
         let mut ins: Vec<Vec<T>> = vec![vec![sentinel::<T>(); len]; n];
         c.group(|g| {
             for (p, o) in outs.iter().enumerate() {
@@ -233,7 +273,11 @@ fn check_p2p<T: TestElem>(c: &mut Communicator) -> Result<Vec<String>, CommError
     // each rank receiving from the previous and sending to the next in one group: in order per pair.
     let big = sizes(n, dt.size())[3];
     let lens = [big, 3, big / 2];
-    let outs: Vec<Vec<T>> = lens.iter().enumerate().map(|(m, &l)| (0..l).map(|k| val(me, me + 1 + m, k)).collect()).collect();
+    let outs: Vec<Vec<T>> = lens
+        .iter()
+        .enumerate()
+        .map(|(m, &l)| (0..l).map(|k| val(me, me + 1 + m, k)).collect())
+        .collect();
     let mut ins: Vec<Vec<T>> = lens.iter().map(|&l| vec![sentinel::<T>(); l]).collect();
     c.group(|g| {
         if me + 1 < n {
@@ -275,7 +319,11 @@ macro_rules! every_dtype {
 
 fn report(out: Result<Vec<Vec<String>>, LaunchError>) -> Result<(), String> {
     let out = out.map_err(|e| e.to_string())?;
-    let bad: Vec<String> = out.into_iter().enumerate().flat_map(|(r, b)| b.into_iter().map(move |m| format!("rank {r}: {m}"))).collect();
+    let bad: Vec<String> = out
+        .into_iter()
+        .enumerate()
+        .flat_map(|(r, b)| b.into_iter().map(move |m| format!("rank {r}: {m}")))
+        .collect();
     if bad.is_empty() {
         Ok(())
     } else {
@@ -287,7 +335,13 @@ fn t_exchanges() -> Result<(), String> {
     // Default paths (staged, direct copies for large blocks, zero-copy from shared buffers), and
     // with every direct copy refused (the ranks agree on it and stage instead).
     for refuse in [false, true] {
-        exchanges(refuse).map_err(|e| if refuse { format!("direct copies refused: {e}") } else { e })?;
+        exchanges(refuse).map_err(|e| {
+            if refuse {
+                format!("direct copies refused: {e}")
+            } else {
+                e
+            }
+        })?;
     }
     Ok(())
 }
@@ -300,8 +354,13 @@ fn exchanges(refuse: bool) -> Result<(), String> {
             cfg.shm.cma_bytes = 1;
             cfg.shm.fault_refuse_direct = true;
         }
-        report(launch(&cfg, |mut ctx: RankContext| -> RankResult<Vec<String>> { Ok(every_dtype!(check_exchanges, &mut ctx.comm)) }))
-            .map_err(|e| format!("world {n}: {e}"))?;
+        report(launch(
+            &cfg,
+            |mut ctx: RankContext| -> RankResult<Vec<String>> {
+                Ok(every_dtype!(check_exchanges, &mut ctx.comm))
+            },
+        ))
+        .map_err(|e| format!("world {n}: {e}"))?;
         if t.elapsed() > Duration::from_secs(10) {
             return Err(format!("world {n} took {:?}", t.elapsed()));
         }
@@ -313,8 +372,11 @@ fn t_p2p_and_groups() -> Result<(), String> {
     // Every path a message can take: the fast box (small), the mailbox stream, and the direct
     // copy from the sender's memory (large; default threshold), then with direct copies off, and
     // with every direct copy refused by the receiver (fallback to the stream mid-message).
-    let paths: [(&str, usize, bool); 3] =
-        [("default", ShmConfig::default().cma_bytes, false), ("mailbox only", 0, false), ("direct copies refused", 1, true)];
+    let paths: [(&str, usize, bool); 3] = [
+        ("default", ShmConfig::default().cma_bytes, false),
+        ("mailbox only", 0, false),
+        ("direct copies refused", 1, true),
+    ];
     for (path, cma_bytes, refuse) in paths {
         for n in 1..=5 {
             let mut c = cfg(n);
@@ -329,16 +391,21 @@ fn t_p2p_and_groups() -> Result<(), String> {
 fn p2p_and_groups(n: usize, cfg: LaunchConfig) -> Result<(), String> {
     {
         let t = Instant::now();
-        report(launch(&cfg, |mut ctx: RankContext| -> RankResult<Vec<String>> {
-            let mut bad = every_dtype!(check_p2p, &mut ctx.comm);
-            // Point-to-point traffic left the collectives in step.
-            let mut x = vec![1u32; 100];
-            ctx.comm.all_reduce_in_place_async(&mut x, ReduceOp::Sum).wait()?;
-            if x.iter().any(|&v| v as usize != ctx.world_size) {
-                bad.push("all_reduce after point-to-point is wrong".into());
-            }
-            Ok(bad)
-        }))
+        report(launch(
+            &cfg,
+            |mut ctx: RankContext| -> RankResult<Vec<String>> {
+                let mut bad = every_dtype!(check_p2p, &mut ctx.comm);
+                // Point-to-point traffic left the collectives in step.
+                let mut x = vec![1u32; 100];
+                ctx.comm
+                    .all_reduce_in_place_async(&mut x, ReduceOp::Sum)
+                    .wait()?;
+                if x.iter().any(|&v| v as usize != ctx.world_size) {
+                    bad.push("all_reduce after point-to-point is wrong".into());
+                }
+                Ok(bad)
+            },
+        ))
         .map_err(|e| format!("world {n}: {e}"))?;
         if t.elapsed() > Duration::from_secs(10) {
             return Err(format!("world {n} took {:?}: a group waited", t.elapsed()));
@@ -349,45 +416,54 @@ fn p2p_and_groups(n: usize, cfg: LaunchConfig) -> Result<(), String> {
 
 /// The nonblocking collectives give the same results as the blocking ones.
 fn t_async_forms() -> Result<(), String> {
-    report(launch(&cfg(3), |mut ctx: RankContext| -> RankResult<Vec<String>> {
-        let c = &mut ctx.comm;
-        let (me, n) = (c.rank(), c.world_size());
-        let mut bad = Vec::new();
-        let send: Vec<f32> = (0..3000).map(|i| (i % 7 + me) as f32).collect();
-        let mut a = vec![0f32; 3000];
-        let w = c.all_reduce_async(&send, &mut a, ReduceOp::Sum);
-        if !w.is_completed() {
-            bad.push("host work not completed".into());
-        }
-        w.wait()?;
-        if (0..3000).any(|i| a[i] != (3 * (i % 7) + 3) as f32) {
-            bad.push("all_reduce_async".into());
-        }
-        let mut b = vec![0f32; 3000];
-        c.broadcast_async(&send, &mut b, 1).wait()?;
-        if (0..3000).any(|i| b[i] != (i % 7 + 1) as f32) {
-            bad.push("broadcast_async".into());
-        }
-        let mut g = vec![0f32; 3000 * n];
-        c.all_gather_async(&send, &mut g).wait()?;
-        if (0..3000 * n).any(|i| g[i] != (i % 3000 % 7 + i / 3000) as f32) {
-            bad.push("all_gather_async".into());
-        }
-        let mut r = vec![0f32; 1000];
-        c.reduce_scatter_async(&send, &mut r, ReduceOp::Max).wait()?;
-        if (0..1000).any(|i| r[i] != ((me * 1000 + i) % 7 + 2) as f32) {
-            bad.push("reduce_scatter_async".into());
-        }
-        // An error comes back through the handle.
-        match c.all_to_all_async(&send[..10], &mut a[..10]).wait() {
-            Err(CommError::InvalidArgument { .. }) => {}
-            other => bad.push(format!("all_to_all_async of 10 on 3 ranks should be refused: {other:?}")),
-        }
-        Ok(bad)
-    }))
+    report(launch(
+        &cfg(3),
+        |mut ctx: RankContext| -> RankResult<Vec<String>> {
+            let c = &mut ctx.comm;
+            let (me, n) = (c.rank(), c.world_size());
+            let mut bad = Vec::new();
+            let send: Vec<f32> = (0..3000).map(|i| (i % 7 + me) as f32).collect();
+            let mut a = vec![0f32; 3000];
+            let w = c.all_reduce_async(&send, &mut a, ReduceOp::Sum);
+            if !w.is_completed() {
+                bad.push("host work not completed".into());
+            }
+            w.wait()?;
+            if (0..3000).any(|i| a[i] != (3 * (i % 7) + 3) as f32) {
+                bad.push("all_reduce_async".into());
+            }
+            let mut b = vec![0f32; 3000];
+            c.broadcast_async(&send, &mut b, 1).wait()?;
+            if (0..3000).any(|i| b[i] != (i % 7 + 1) as f32) {
+                bad.push("broadcast_async".into());
+            }
+            let mut g = vec![0f32; 3000 * n];
+            c.all_gather_async(&send, &mut g).wait()?;
+            if (0..3000 * n).any(|i| g[i] != (i % 3000 % 7 + i / 3000) as f32) {
+                bad.push("all_gather_async".into());
+            }
+            let mut r = vec![0f32; 1000];
+            c.reduce_scatter_async(&send, &mut r, ReduceOp::Max)
+                .wait()?;
+            if (0..1000).any(|i| r[i] != ((me * 1000 + i) % 7 + 2) as f32) {
+                bad.push("reduce_scatter_async".into());
+            }
+            // An error comes back through the handle.
+            match c.all_to_all_async(&send[..10], &mut a[..10]).wait() {
+                Err(CommError::InvalidArgument { .. }) => {}
+                other => bad.push(format!(
+                    "all_to_all_async of 10 on 3 ranks should be refused: {other:?}"
+                )),
+            }
+            Ok(bad)
+        },
+    ))
 }
 
-fn expect_all_err(res: Result<Vec<String>, LaunchError>, needles: &[&[&str]]) -> Result<(), String> {
+fn expect_all_err(
+    res: Result<Vec<String>, LaunchError>,
+    needles: &[&[&str]],
+) -> Result<(), String> {
     let msgs = res.map_err(|e| format!("ranks failed instead of returning errors: {e}"))?;
     for (r, m) in msgs.iter().enumerate() {
         for n in needles[r.min(needles.len() - 1)] {
@@ -404,14 +480,61 @@ fn expect_all_err(res: Result<Vec<String>, LaunchError>, needles: &[&[&str]]) ->
 fn t_mismatch() -> Result<(), String> {
     type Case = (&'static str, &'static [&'static [&'static str]]);
     let cases: &[Case] = &[
-        ("p2p_count", &[&["mismatch", "send(count=10, dtype=f32)", "recv(count=11, dtype=f32)"]]),
-        ("p2p_dtype", &[&["mismatch", "send(count=10, dtype=f32)", "recv(count=10, dtype=i32)"]]),
-        ("p2p_group", &[&["mismatch", "send(count=10, dtype=f32)", "recv(count=11, dtype=f32)"]]),
-        ("a2av", &[&["mismatch", "rank 0 sends 3 elements to rank 1 but rank 1 expects 4 from rank 0"]]),
-        ("a2a", &[&["mismatch", "all_to_all(count=5", "all_to_all(count=6"]]),
-        ("scatter", &[&["mismatch", "scatter(count=5, dtype=f32, root=0)", "root=1"]]),
-        ("agv", &[&["mismatch", "all_gather_v counts disagree", "rank 1 sends 2 elements to rank 0 but rank 0 expects 3 from rank 1"]]),
-        ("gv", &[&["mismatch", "gather_v counts disagree", "rank 1 sends 2 elements to rank 0 but rank 0 expects 3 from rank 1"]]),
+        (
+            "p2p_count",
+            &[&[
+                "mismatch",
+                "send(count=10, dtype=f32)",
+                "recv(count=11, dtype=f32)",
+            ]],
+        ),
+        (
+            "p2p_dtype",
+            &[&[
+                "mismatch",
+                "send(count=10, dtype=f32)",
+                "recv(count=10, dtype=i32)",
+            ]],
+        ),
+        (
+            "p2p_group",
+            &[&[
+                "mismatch",
+                "send(count=10, dtype=f32)",
+                "recv(count=11, dtype=f32)",
+            ]],
+        ),
+        (
+            "a2av",
+            &[&[
+                "mismatch",
+                "rank 0 sends 3 elements to rank 1 but rank 1 expects 4 from rank 0",
+            ]],
+        ),
+        (
+            "a2a",
+            &[&["mismatch", "all_to_all(count=5", "all_to_all(count=6"]],
+        ),
+        (
+            "scatter",
+            &[&["mismatch", "scatter(count=5, dtype=f32, root=0)", "root=1"]],
+        ),
+        (
+            "agv",
+            &[&[
+                "mismatch",
+                "all_gather_v counts disagree",
+                "rank 1 sends 2 elements to rank 0 but rank 0 expects 3 from rank 1",
+            ]],
+        ),
+        (
+            "gv",
+            &[&[
+                "mismatch",
+                "gather_v counts disagree",
+                "rank 1 sends 2 elements to rank 0 but rank 0 expects 3 from rank 1",
+            ]],
+        ),
     ];
     for (case, needles) in cases {
         let res = launch(&cfg(2), |mut ctx: RankContext| -> RankResult<String> {
@@ -433,7 +556,11 @@ fn t_mismatch() -> Result<(), String> {
                     g.recv(&mut y[..11], 0)
                 }),
                 ("a2av", _) => {
-                    let (sc, rc): ([usize; 2], [usize; 2]) = if me == 0 { ([1, 3], [1, 2]) } else { ([2, 2], [4, 2]) };
+                    let (sc, rc): ([usize; 2], [usize; 2]) = if me == 0 {
+                        ([1, 3], [1, 2])
+                    } else {
+                        ([2, 2], [4, 2])
+                    };
                     c.all_to_all_v(&x, &sc, &[0, 4], &mut y, &rc, &[0, 6])
                 }
                 ("a2a", _) => c.all_to_all(&x[..10 + 2 * me], &mut y[..10 + 2 * me]),
@@ -469,7 +596,16 @@ fn t_mismatch() -> Result<(), String> {
 /// A rank that dies while its peer waits for it in each new operation: the peer gets PeerLost
 /// naming it, within a second.
 fn t_dead_peer() -> Result<(), String> {
-    let ops = ["recv", "send_big", "group", "all_to_all", "all_to_all_v", "scatter", "all_gather_v", "gather_v"];
+    let ops = [
+        "recv",
+        "send_big",
+        "group",
+        "all_to_all",
+        "all_to_all_v",
+        "scatter",
+        "all_gather_v",
+        "gather_v",
+    ];
     for op in ops {
         let mut cfg = cfg(2);
         cfg.fail_fast = false;
@@ -490,7 +626,9 @@ fn t_dead_peer() -> Result<(), String> {
                     g.recv(&mut out, 1)
                 }),
                 "all_to_all" => c.all_to_all(&big, &mut out),
-                "all_to_all_v" => c.all_to_all_v(&big, &[10, 10], &[0, 10], &mut out, &[10, 10], &[0, 10]),
+                "all_to_all_v" => {
+                    c.all_to_all_v(&big, &[10, 10], &[0, 10], &mut out, &[10, 10], &[0, 10])
+                }
                 "scatter" => c.scatter(&big, &mut out[..50_000], 0),
                 "all_gather_v" => c.all_gather_v(&big[..10], &mut out[..20], &[10, 10]),
                 _ => c.gather_v(&big[..10], &mut out[..20], &[10, 10], 0),
@@ -500,7 +638,9 @@ fn t_dead_peer() -> Result<(), String> {
             if took > Duration::from_secs(1) {
                 return Err(format!("{op}: detection took {took:?}").into());
             }
-            if !matches!(e, CommError::PeerLost { lost_rank: 1, .. }) || !e.to_string().contains("died") {
+            if !matches!(e, CommError::PeerLost { lost_rank: 1, .. })
+                || !e.to_string().contains("died")
+            {
                 return Err(format!("{op}: error is not PeerLost naming rank 1: {e}").into());
             }
             // A poisoned communicator refuses further work.
@@ -511,8 +651,13 @@ fn t_dead_peer() -> Result<(), String> {
         });
         match res {
             Err(LaunchError::RanksFailed(f)) => {
-                if !f.iter().any(|x| x.rank == 0 && x.message.starts_with("OK-SURVIVOR")) {
-                    return Err(format!("{op}: survivor did not report the dead peer properly: {f:?}"));
+                if !f
+                    .iter()
+                    .any(|x| x.rank == 0 && x.message.starts_with("OK-SURVIVOR"))
+                {
+                    return Err(format!(
+                        "{op}: survivor did not report the dead peer properly: {f:?}"
+                    ));
                 }
             }
             other => return Err(format!("{op}: unexpected outcome {other:?}")),
@@ -590,7 +735,10 @@ fn main() {
         ("dead_peer", t_dead_peer),
         ("timeout_and_local_errors", t_timeout_and_local_errors),
     ];
-    let filter: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with('-')).collect();
+    let filter: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with('-'))
+        .collect();
     let (mut passed, mut failed) = (0, 0);
     for (name, t) in tests {
         if !filter.is_empty() && !filter.iter().any(|f| name.contains(f.as_str())) {
@@ -601,11 +749,17 @@ fn main() {
         match r {
             Ok(()) => {
                 passed += 1;
-                println!("test {name} ... ok ({:.2} s)", start.elapsed().as_secs_f64());
+                println!(
+                    "test {name} ... ok ({:.2} s)",
+                    start.elapsed().as_secs_f64()
+                );
             }
             Err(e) => {
                 failed += 1;
-                println!("test {name} ... FAILED ({:.2} s)\n{e}", start.elapsed().as_secs_f64());
+                println!(
+                    "test {name} ... FAILED ({:.2} s)\n{e}",
+                    start.elapsed().as_secs_f64()
+                );
             }
         }
     }

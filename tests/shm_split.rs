@@ -38,8 +38,14 @@ fn all_ok<R>(res: Result<Vec<R>, LaunchError>) -> Result<Vec<R>, String> {
 /// A job whose ranks return their failures as a list: none may have any.
 fn report(n: usize, res: Result<Vec<Vec<String>>, LaunchError>) -> Result<(), String> {
     let out = all_ok(res).map_err(|e| format!("world {n}: {e}"))?;
-    let bad: Vec<String> =
-        out.into_iter().enumerate().flat_map(|(r, v)| v.into_iter().map(move |m| format!("world {n} rank {r}: {m}"))).collect();
+    let bad: Vec<String> = out
+        .into_iter()
+        .enumerate()
+        .flat_map(|(r, v)| {
+            v.into_iter()
+                .map(move |m| format!("world {n} rank {r}: {m}"))
+        })
+        .collect();
     if bad.is_empty() {
         Ok(())
     } else {
@@ -49,7 +55,12 @@ fn report(n: usize, res: Result<Vec<Vec<String>>, LaunchError>) -> Result<(), St
 
 /// The members of rank `me`'s color, in their new order, when every rank `r` passes
 /// `color(r)` and `key(r)`.
-fn members(n: usize, me: usize, color: impl Fn(usize) -> Option<u32>, key: impl Fn(usize) -> i64) -> Option<Vec<usize>> {
+fn members(
+    n: usize,
+    me: usize,
+    color: impl Fn(usize) -> Option<u32>,
+    key: impl Fn(usize) -> i64,
+) -> Option<Vec<usize>> {
     let c = color(me)?;
     let mut m: Vec<usize> = (0..n).filter(|&r| color(r) == Some(c)).collect();
     m.sort_by_key(|&r| (key(r), r));
@@ -58,11 +69,20 @@ fn members(n: usize, me: usize, color: impl Fn(usize) -> Option<u32>, key: impl 
 
 /// Check a sub-communicator against the members it should have (global ranks, in order), and run
 /// collectives on it; returns failures.
-fn check_sub(c: &mut Communicator, want: &[usize], me_global: usize) -> Result<Vec<String>, CommError> {
+fn check_sub(
+    c: &mut Communicator,
+    want: &[usize],
+    me_global: usize,
+) -> Result<Vec<String>, CommError> {
     let mut bad = Vec::new();
     let m = want.len();
     let my = want.iter().position(|&g| g == me_global).expect("a member");
-    if c.rank() != my || c.world_size() != m || c.global_ranks() != want || c.global_rank() != me_global || !c.is_sub_communicator() {
+    if c.rank() != my
+        || c.world_size() != m
+        || c.global_ranks() != want
+        || c.global_rank() != me_global
+        || !c.is_sub_communicator()
+    {
         bad.push(format!(
             "rank {} of {} with global ranks {:?} (global rank {}), want rank {my} of {m} with {want:?}",
             c.rank(),
@@ -74,12 +94,18 @@ fn check_sub(c: &mut Communicator, want: &[usize], me_global: usize) -> Result<V
     }
     // The sum of the members' global ranks, in a message of several chunks.
     let len = 5000;
-    let x: Vec<u64> = (0..len).map(|i| me_global as u64 * 1000 + i as u64).collect();
+    let x: Vec<u64> = (0..len)
+        .map(|i| me_global as u64 * 1000 + i as u64)
+        .collect();
     let mut y = vec![0u64; len];
     c.all_reduce(&x, &mut y, ReduceOp::Sum)?;
     let s: u64 = want.iter().map(|&g| g as u64 * 1000).sum();
     if let Some(i) = (0..len).find(|&i| y[i] != s + (m * i) as u64) {
-        bad.push(format!("all_reduce of global ranks: [{i}] = {}, want {}", y[i], s + (m * i) as u64));
+        bad.push(format!(
+            "all_reduce of global ranks: [{i}] = {}, want {}",
+            y[i],
+            s + (m * i) as u64
+        ));
     }
     // all_gather: every member's global rank, in sub-communicator order.
     let mut g = vec![0u64; m];
@@ -112,42 +138,53 @@ fn check_sub(c: &mut Communicator, want: &[usize], me_global: usize) -> Result<V
 fn check_world(c: &mut Communicator, n: usize) -> Result<Vec<String>, CommError> {
     let mut x = vec![1i64; 100];
     c.all_reduce_in_place(&mut x, ReduceOp::Sum)?;
-    Ok(if x.iter().all(|&v| v == n as i64) { vec![] } else { vec![format!("world all_reduce after splits: {}", x[0])] })
+    Ok(if x.iter().all(|&v| v == n as i64) {
+        vec![]
+    } else {
+        vec![format!("world all_reduce after splits: {}", x[0])]
+    })
 }
 
 /// Split by parity with `key = -rank` (reversed order), and with no color on some ranks.
 fn t_split_parity_and_none() -> Result<(), String> {
     for n in WORLDS {
-        let res = launch(&cfg(n), move |mut ctx: RankContext| -> RankResult<Vec<String>> {
-            let (c, me) = (&mut ctx.comm, ctx.rank);
-            let mut bad = Vec::new();
-            let color = |r: usize| Some((r % 2) as u32);
-            let key = |r: usize| -(r as i64);
-            let want = members(n, me, color, key).unwrap();
-            match c.split(color(me), key(me))? {
-                Some(mut sub) => bad.extend(check_sub(&mut sub, &want, me)?),
-                None => bad.push("parity split gave no communicator".into()),
-            }
-            // Rank 0 takes no part; the others, in their order.
-            let color = |r: usize| (r != 0).then_some(7);
-            match (c.split(color(me), 0)?, members(n, me, color, |_| 0)) {
-                (Some(mut sub), Some(want)) => bad.extend(check_sub(&mut sub, &want, me)?),
-                (None, None) => {}
-                (got, want) => bad.push(format!("color {:?}: got a communicator: {}, want {want:?}", color(me), got.is_some())),
-            }
-            // Every rank without a color: nobody gets one, and the parent stays in step.
-            if c.split(None, 3)?.is_some() {
-                bad.push("split(None) gave a communicator".into());
-            }
-            // Equal keys keep the parent's order.
-            let want: Vec<usize> = (0..n).collect();
-            match c.split(Some(0), 5)? {
-                Some(mut sub) => bad.extend(check_sub(&mut sub, &want, me)?),
-                None => bad.push("split of everyone gave no communicator".into()),
-            }
-            bad.extend(check_world(c, n)?);
-            Ok(bad)
-        });
+        let res = launch(
+            &cfg(n),
+            move |mut ctx: RankContext| -> RankResult<Vec<String>> {
+                let (c, me) = (&mut ctx.comm, ctx.rank);
+                let mut bad = Vec::new();
+                let color = |r: usize| Some((r % 2) as u32);
+                let key = |r: usize| -(r as i64);
+                let want = members(n, me, color, key).unwrap();
+                match c.split(color(me), key(me))? {
+                    Some(mut sub) => bad.extend(check_sub(&mut sub, &want, me)?),
+                    None => bad.push("parity split gave no communicator".into()),
+                }
+                // Rank 0 takes no part; the others, in their order.
+                let color = |r: usize| (r != 0).then_some(7);
+                match (c.split(color(me), 0)?, members(n, me, color, |_| 0)) {
+                    (Some(mut sub), Some(want)) => bad.extend(check_sub(&mut sub, &want, me)?),
+                    (None, None) => {}
+                    (got, want) => bad.push(format!(
+                        "color {:?}: got a communicator: {}, want {want:?}",
+                        color(me),
+                        got.is_some()
+                    )),
+                }
+                // Every rank without a color: nobody gets one, and the parent stays in step.
+                if c.split(None, 3)?.is_some() {
+                    bad.push("split(None) gave a communicator".into());
+                }
+                // Equal keys keep the parent's order.
+                let want: Vec<usize> = (0..n).collect();
+                match c.split(Some(0), 5)? {
+                    Some(mut sub) => bad.extend(check_sub(&mut sub, &want, me)?),
+                    None => bad.push("split of everyone gave no communicator".into()),
+                }
+                bad.extend(check_world(c, n)?);
+                Ok(bad)
+            },
+        );
         report(n, res)?;
     }
     Ok(())
@@ -157,44 +194,64 @@ fn t_split_parity_and_none() -> Result<(), String> {
 /// lists on the rank that passed them and on its peers, disagreeing sets.
 fn t_new_group() -> Result<(), String> {
     for n in WORLDS {
-        let res = launch(&cfg(n), move |mut ctx: RankContext| -> RankResult<Vec<String>> {
-            let (c, me) = (&mut ctx.comm, ctx.rank);
-            let mut bad = Vec::new();
-            // The last rank and rank 0, listed backwards.
-            let list: Vec<usize> = if n > 1 { vec![n - 1, 0] } else { vec![0] };
-            let mut want = list.clone();
-            want.sort();
-            match (c.new_group(&list)?, want.contains(&me)) {
-                (Some(mut g), true) => bad.extend(check_sub(&mut g, &want, me)?),
-                (None, false) => {}
-                (g, member) => bad.push(format!("new_group({list:?}): got a communicator: {}, member: {member}", g.is_some())),
-            }
-            // Every rank.
-            let all: Vec<usize> = (0..n).rev().collect();
-            match c.new_group(&all)? {
-                Some(mut g) => bad.extend(check_sub(&mut g, &(0..n).collect::<Vec<_>>(), me)?),
-                None => bad.push("new_group of every rank gave no communicator".into()),
-            }
-            // The last rank passes a bad list: refused there, a mismatch naming it elsewhere.
-            for (what, badlist) in [("empty", vec![]), ("out of range", vec![0, n]), ("duplicate", vec![0, 0])] {
-                let l = if me == n - 1 { badlist } else { vec![0] };
-                match (me == n - 1, c.new_group(&l)) {
-                    (true, Err(CommError::InvalidArgument { .. })) => {}
-                    (false, Err(e @ CommError::Mismatch { .. })) if e.to_string().contains(&format!("rank {} refused", n - 1)) => {}
-                    (_, r) => bad.push(format!("new_group with a list {what} on rank {}: {:?}", n - 1, r.map(|g| g.is_some()))),
+        let res = launch(
+            &cfg(n),
+            move |mut ctx: RankContext| -> RankResult<Vec<String>> {
+                let (c, me) = (&mut ctx.comm, ctx.rank);
+                let mut bad = Vec::new();
+                // The last rank and rank 0, listed backwards.
+                let list: Vec<usize> = if n > 1 { vec![n - 1, 0] } else { vec![0] };
+                let mut want = list.clone();
+                want.sort();
+                match (c.new_group(&list)?, want.contains(&me)) {
+                    (Some(mut g), true) => bad.extend(check_sub(&mut g, &want, me)?),
+                    (None, false) => {}
+                    (g, member) => bad.push(format!(
+                        "new_group({list:?}): got a communicator: {}, member: {member}",
+                        g.is_some()
+                    )),
                 }
-            }
-            // Two ranks disagree on the set: every rank fails, naming the odd one.
-            if n > 1 {
-                let l = if me == 1 { vec![1] } else { vec![0] };
-                match c.new_group(&l) {
-                    Err(e @ CommError::Mismatch { .. }) if e.to_string().contains("rank 1 passed another set of ranks than rank 0") => {}
-                    r => bad.push(format!("new_group with disagreeing sets: {:?}", r.map(|g| g.is_some()))),
+                // Every rank.
+                let all: Vec<usize> = (0..n).rev().collect();
+                match c.new_group(&all)? {
+                    Some(mut g) => bad.extend(check_sub(&mut g, &(0..n).collect::<Vec<_>>(), me)?),
+                    None => bad.push("new_group of every rank gave no communicator".into()),
                 }
-            }
-            bad.extend(check_world(c, n)?);
-            Ok(bad)
-        });
+                // The last rank passes a bad list: refused there, a mismatch naming it elsewhere.
+                for (what, badlist) in [
+                    ("empty", vec![]),
+                    ("out of range", vec![0, n]),
+                    ("duplicate", vec![0, 0]),
+                ] {
+                    let l = if me == n - 1 { badlist } else { vec![0] };
+                    match (me == n - 1, c.new_group(&l)) {
+                        (true, Err(CommError::InvalidArgument { .. })) => {}
+                        (false, Err(e @ CommError::Mismatch { .. }))
+                            if e.to_string().contains(&format!("rank {} refused", n - 1)) => {}
+                        (_, r) => bad.push(format!(
+                            "new_group with a list {what} on rank {}: {:?}",
+                            n - 1,
+                            r.map(|g| g.is_some())
+                        )),
+                    }
+                }
+                // Two ranks disagree on the set: every rank fails, naming the odd one.
+                if n > 1 {
+                    let l = if me == 1 { vec![1] } else { vec![0] };
+                    match c.new_group(&l) {
+                        Err(e @ CommError::Mismatch { .. })
+                            if e.to_string()
+                                .contains("rank 1 passed another set of ranks than rank 0") => {}
+                        r => bad.push(format!(
+                            "new_group with disagreeing sets: {:?}",
+                            r.map(|g| g.is_some())
+                        )),
+                    }
+                }
+                bad.extend(check_world(c, n)?);
+                Ok(bad)
+            },
+        );
         report(n, res)?;
     }
     Ok(())
@@ -203,31 +260,39 @@ fn t_new_group() -> Result<(), String> {
 /// A split of a split: global ranks compose; the middle communicator stays usable.
 fn t_nested() -> Result<(), String> {
     for n in WORLDS {
-        let res = launch(&cfg(n), move |mut ctx: RankContext| -> RankResult<Vec<String>> {
-            let (c, me) = (&mut ctx.comm, ctx.rank);
-            let mut bad = Vec::new();
-            // Everyone, reversed: sub-rank s is global rank n-1-s.
-            let mut rev = c.split(Some(0), -(me as i64))?.ok_or("no communicator")?;
-            let want: Vec<usize> = (0..n).rev().collect();
-            bad.extend(check_sub(&mut rev, &want, me)?);
-            // Split that by the parity of the sub-rank, reversed again.
-            let s = rev.rank();
-            let mut inner = rev.split(Some((s % 2) as u32), -(s as i64))?.ok_or("no inner communicator")?;
-            let mut want_inner: Vec<usize> = (0..n).filter(|&t| t % 2 == s % 2).collect();
-            want_inner.sort_by_key(|&t| -(t as i64));
-            let want_inner: Vec<usize> = want_inner.iter().map(|&t| want[t]).collect();
-            bad.extend(check_sub(&mut inner, &want_inner, me)?);
-            // And once more, with new_group of the inner communicator's first rank.
-            let third = inner.new_group(&[0])?;
-            match (third, inner.rank() == 0) {
-                (Some(mut t), true) => bad.extend(check_sub(&mut t, &[me], me)?),
-                (None, false) => {}
-                (t, first) => bad.push(format!("new_group(&[0]) of the inner communicator: got one: {}, first: {first}", t.is_some())),
-            }
-            bad.extend(check_sub(&mut rev, &want, me)?);
-            bad.extend(check_world(c, n)?);
-            Ok(bad)
-        });
+        let res = launch(
+            &cfg(n),
+            move |mut ctx: RankContext| -> RankResult<Vec<String>> {
+                let (c, me) = (&mut ctx.comm, ctx.rank);
+                let mut bad = Vec::new();
+                // Everyone, reversed: sub-rank s is global rank n-1-s.
+                let mut rev = c.split(Some(0), -(me as i64))?.ok_or("no communicator")?;
+                let want: Vec<usize> = (0..n).rev().collect();
+                bad.extend(check_sub(&mut rev, &want, me)?);
+                // Split that by the parity of the sub-rank, reversed again.
+                let s = rev.rank();
+                let mut inner = rev
+                    .split(Some((s % 2) as u32), -(s as i64))?
+                    .ok_or("no inner communicator")?;
+                let mut want_inner: Vec<usize> = (0..n).filter(|&t| t % 2 == s % 2).collect();
+                want_inner.sort_by_key(|&t| -(t as i64));
+                let want_inner: Vec<usize> = want_inner.iter().map(|&t| want[t]).collect();
+                bad.extend(check_sub(&mut inner, &want_inner, me)?);
+                // And once more, with new_group of the inner communicator's first rank.
+                let third = inner.new_group(&[0])?;
+                match (third, inner.rank() == 0) {
+                    (Some(mut t), true) => bad.extend(check_sub(&mut t, &[me], me)?),
+                    (None, false) => {}
+                    (t, first) => bad.push(format!(
+                        "new_group(&[0]) of the inner communicator: got one: {}, first: {first}",
+                        t.is_some()
+                    )),
+                }
+                bad.extend(check_sub(&mut rev, &want, me)?);
+                bad.extend(check_world(c, n)?);
+                Ok(bad)
+            },
+        );
         report(n, res)?;
     }
     Ok(())
@@ -238,77 +303,110 @@ fn t_nested() -> Result<(), String> {
 /// is checked.
 fn t_concurrent() -> Result<(), String> {
     for n in WORLDS {
-        let res = launch(&cfg(n), move |mut ctx: RankContext| -> RankResult<Vec<String>> {
-            let me = ctx.rank;
-            let want = members(n, me, |r| Some((r % 2) as u32), |r| -(r as i64)).unwrap();
-            let mut sub = ctx.comm.split(Some((me % 2) as u32), -(me as i64))?.ok_or("no communicator")?;
-            let world = &mut ctx.comm;
-            // Each thread raises its flag after its first iteration and does not begin its last
-            // before the other's flag is up, so the two loops surely overlap.
-            let (sub_started, world_started) = (AtomicBool::new(false), AtomicBool::new(false));
-            let (sub_started, world_started) = (&sub_started, &world_started);
-            let (sub_bad, world_bad) = std::thread::scope(|s| {
-                let want = &want;
-                let sub_thread = s.spawn(move || -> Result<Vec<String>, CommError> {
-                    let (m, my) = (sub.world_size(), sub.rank());
+        let res = launch(
+            &cfg(n),
+            move |mut ctx: RankContext| -> RankResult<Vec<String>> {
+                let me = ctx.rank;
+                let want = members(n, me, |r| Some((r % 2) as u32), |r| -(r as i64)).unwrap();
+                let mut sub = ctx
+                    .comm
+                    .split(Some((me % 2) as u32), -(me as i64))?
+                    .ok_or("no communicator")?;
+                let world = &mut ctx.comm;
+                // Each thread raises its flag after its first iteration and does not begin its last
+                // before the other's flag is up, so the two loops surely overlap.
+                let (sub_started, world_started) = (AtomicBool::new(false), AtomicBool::new(false));
+                let (sub_started, world_started) = (&sub_started, &world_started);
+                let (sub_bad, world_bad) = std::thread::scope(|s| {
+                    let want = &want;
+                    let sub_thread = s.spawn(move || -> Result<Vec<String>, CommError> {
+                        let (m, my) = (sub.world_size(), sub.rank());
+                        let mut bad = Vec::new();
+                        for it in 0..ITERS {
+                            rendezvous(it, sub_started, world_started);
+                            // all_reduce (sizes from one chunk to several), then all_to_all.
+                            let len = 1 + (it * 997) % 6000;
+                            let x: Vec<i64> = (0..len)
+                                .map(|i| (me * 100_000 + it * 10 + i) as i64)
+                                .collect();
+                            let mut y = vec![0i64; len];
+                            sub.all_reduce(&x, &mut y, ReduceOp::Sum)?;
+                            let base: i64 = want.iter().map(|&g| (g * 100_000) as i64).sum();
+                            if let Some(i) =
+                                (0..len).find(|&i| y[i] != base + (m * (it * 10 + i)) as i64)
+                            {
+                                bad.push(format!(
+                                    "sub all_reduce iteration {it}: [{i}] = {}",
+                                    y[i]
+                                ));
+                            }
+                            let blk = 1 + it % 700;
+                            let send: Vec<u32> = (0..m * blk)
+                                .map(|k| (me * 1_000_000 + (k / blk) * 1000 + k % blk) as u32)
+                                .collect();
+                            let mut recv = vec![0u32; m * blk];
+                            sub.all_to_all(&send, &mut recv)?;
+                            if let Some(k) = (0..m * blk).find(|&k| {
+                                recv[k] != (want[k / blk] * 1_000_000 + my * 1000 + k % blk) as u32
+                            }) {
+                                bad.push(format!(
+                                    "sub all_to_all iteration {it}: [{k}] = {}",
+                                    recv[k]
+                                ));
+                            }
+                        }
+                        Ok(bad)
+                    });
                     let mut bad = Vec::new();
-                    for it in 0..ITERS {
-                        rendezvous(it, sub_started, world_started);
-                        // all_reduce (sizes from one chunk to several), then all_to_all.
-                        let len = 1 + (it * 997) % 6000;
-                        let x: Vec<i64> = (0..len).map(|i| (me * 100_000 + it * 10 + i) as i64).collect();
-                        let mut y = vec![0i64; len];
-                        sub.all_reduce(&x, &mut y, ReduceOp::Sum)?;
-                        let base: i64 = want.iter().map(|&g| (g * 100_000) as i64).sum();
-                        if let Some(i) = (0..len).find(|&i| y[i] != base + (m * (it * 10 + i)) as i64) {
-                            bad.push(format!("sub all_reduce iteration {it}: [{i}] = {}", y[i]));
+                    let world_run = (|| -> Result<(), CommError> {
+                        for it in 0..ITERS {
+                            rendezvous(it, world_started, sub_started);
+                            // all_gather, then broadcast from a rotating root, then reduce_scatter.
+                            let len = 1 + (it * 389) % 3000;
+                            let x: Vec<f64> = (0..len).map(|i| (me * 7 + it + i) as f64).collect();
+                            let mut g = vec![0f64; len * n];
+                            world.all_gather(&x, &mut g)?;
+                            if let Some(k) = (0..len * n)
+                                .find(|&k| g[k] != ((k / len) * 7 + it + k % len) as f64)
+                            {
+                                bad.push(format!(
+                                    "world all_gather iteration {it}: [{k}] = {}",
+                                    g[k]
+                                ));
+                            }
+                            let root = it % n;
+                            let mut b = vec![(me + it) as u8; 1 + it * 31];
+                            world.broadcast_in_place(&mut b, root)?;
+                            if b.iter().any(|&v| v != (root + it) as u8) {
+                                bad.push(format!("world broadcast iteration {it}: {}", b[0]));
+                            }
+                            let c = 1 + it % 500;
+                            let s: Vec<i32> = (0..c * n).map(|k| (k + me) as i32).collect();
+                            let mut r = vec![0i32; c];
+                            world.reduce_scatter(&s, &mut r, ReduceOp::Sum)?;
+                            let total_me: i32 = (0..n as i32).sum();
+                            if let Some(i) =
+                                (0..c).find(|&i| r[i] != ((me * c + i) * n) as i32 + total_me)
+                            {
+                                bad.push(format!(
+                                    "world reduce_scatter iteration {it}: [{i}] = {}",
+                                    r[i]
+                                ));
+                            }
                         }
-                        let blk = 1 + it % 700;
-                        let send: Vec<u32> = (0..m * blk).map(|k| (me * 1_000_000 + (k / blk) * 1000 + k % blk) as u32).collect();
-                        let mut recv = vec![0u32; m * blk];
-                        sub.all_to_all(&send, &mut recv)?;
-                        if let Some(k) = (0..m * blk).find(|&k| recv[k] != (want[k / blk] * 1_000_000 + my * 1000 + k % blk) as u32) {
-                            bad.push(format!("sub all_to_all iteration {it}: [{k}] = {}", recv[k]));
-                        }
-                    }
-                    Ok(bad)
+                        Ok(())
+                    })();
+                    (
+                        sub_thread.join().expect("subgroup thread panicked"),
+                        world_run.map(|_| bad),
+                    )
                 });
-                let mut bad = Vec::new();
-                let world_run = (|| -> Result<(), CommError> {
-                    for it in 0..ITERS {
-                        rendezvous(it, world_started, sub_started);
-                        // all_gather, then broadcast from a rotating root, then reduce_scatter.
-                        let len = 1 + (it * 389) % 3000;
-                        let x: Vec<f64> = (0..len).map(|i| (me * 7 + it + i) as f64).collect();
-                        let mut g = vec![0f64; len * n];
-                        world.all_gather(&x, &mut g)?;
-                        if let Some(k) = (0..len * n).find(|&k| g[k] != ((k / len) * 7 + it + k % len) as f64) {
-                            bad.push(format!("world all_gather iteration {it}: [{k}] = {}", g[k]));
-                        }
-                        let root = it % n;
-                        let mut b = vec![(me + it) as u8; 1 + it * 31];
-                        world.broadcast_in_place(&mut b, root)?;
-                        if b.iter().any(|&v| v != (root + it) as u8) {
-                            bad.push(format!("world broadcast iteration {it}: {}", b[0]));
-                        }
-                        let c = 1 + it % 500;
-                        let s: Vec<i32> = (0..c * n).map(|k| (k + me) as i32).collect();
-                        let mut r = vec![0i32; c];
-                        world.reduce_scatter(&s, &mut r, ReduceOp::Sum)?;
-                        let total_me: i32 = (0..n as i32).sum();
-                        if let Some(i) = (0..c).find(|&i| r[i] != ((me * c + i) * n) as i32 + total_me) {
-                            bad.push(format!("world reduce_scatter iteration {it}: [{i}] = {}", r[i]));
-                        }
-                    }
-                    Ok(())
-                })();
-                (sub_thread.join().expect("subgroup thread panicked"), world_run.map(|_| bad))
-            });
-            let mut bad = sub_bad?;
-            bad.extend(world_bad?);
-            bad.extend(check_world(world, n)?);
-            Ok(bad)
-        });
+                let mut bad = sub_bad?;
+                bad.extend(world_bad?);
+                bad.extend(check_world(world, n)?);
+                Ok(bad)
+            },
+        );
         report(n, res)?;
     }
     Ok(())
@@ -329,7 +427,11 @@ fn rendezvous(it: usize, mine: &AtomicBool, other: &AtomicBool) {
 
 /// The subgroup used by the error tests, and its members in order: every rank but rank 0 (every
 /// rank in a world of two), reversed, so local and global ranks differ.
-fn error_group(c: &mut Communicator, n: usize, me: usize) -> Result<(Option<Communicator>, Vec<usize>), CommError> {
+fn error_group(
+    c: &mut Communicator,
+    n: usize,
+    me: usize,
+) -> Result<(Option<Communicator>, Vec<usize>), CommError> {
     let color = |r: usize| (n == 2 || r != 0).then_some(1);
     let want = members(n, me, color, |r| -(r as i64)).unwrap_or_default();
     Ok((c.split(color(me), -(me as i64))?, want))
@@ -339,49 +441,52 @@ fn error_group(c: &mut Communicator, n: usize, me: usize) -> Result<(Option<Comm
 /// mismatch naming global ranks (and the subgroup's ranks); both communicators stay usable.
 fn t_mismatch_in_subgroup() -> Result<(), String> {
     for n in 2..=5 {
-        let res = launch(&cfg(n), move |mut ctx: RankContext| -> RankResult<Vec<String>> {
-            let (c, me) = (&mut ctx.comm, ctx.rank);
-            let mut bad = Vec::new();
-            let (sub, want) = error_group(c, n, me)?;
-            if let Some(mut sub) = sub {
-                // Sub-rank 0 (global rank n-1) passes 11 elements, the others 10.
-                let odd = want[0];
-                let len = if me == odd { 11 } else { 10 };
-                let x = vec![1f32; len];
-                let mut y = vec![0f32; len];
-                let t = Instant::now();
-                match sub.all_reduce(&x, &mut y, ReduceOp::Sum) {
-                    Err(e @ CommError::Mismatch { .. }) => {
-                        let msg = e.to_string();
-                        let need = [
+        let res = launch(
+            &cfg(n),
+            move |mut ctx: RankContext| -> RankResult<Vec<String>> {
+                let (c, me) = (&mut ctx.comm, ctx.rank);
+                let mut bad = Vec::new();
+                let (sub, want) = error_group(c, n, me)?;
+                if let Some(mut sub) = sub {
+                    // Sub-rank 0 (global rank n-1) passes 11 elements, the others 10.
+                    let odd = want[0];
+                    let len = if me == odd { 11 } else { 10 };
+                    let x = vec![1f32; len];
+                    let mut y = vec![0f32; len];
+                    let t = Instant::now();
+                    match sub.all_reduce(&x, &mut y, ReduceOp::Sum) {
+                        Err(e @ CommError::Mismatch { .. }) => {
+                            let msg = e.to_string();
+                            let need = [
                             format!("rank {odd} (rank 0 of this sub-communicator) called all_reduce(count=11"),
                             format!("rank {} (rank 1 of this sub-communicator) called all_reduce(count=10", want[1]),
                         ];
-                        for s in need {
-                            if !msg.contains(&s) {
-                                bad.push(format!("mismatch message lacks {s:?}: {msg}"));
+                            for s in need {
+                                if !msg.contains(&s) {
+                                    bad.push(format!("mismatch message lacks {s:?}: {msg}"));
+                                }
                             }
                         }
+                        r => bad.push(format!("expected a mismatch, got {r:?}")),
                     }
-                    r => bad.push(format!("expected a mismatch, got {r:?}")),
-                }
-                if t.elapsed() > Duration::from_secs(2) {
-                    bad.push(format!("mismatch took {:?}", t.elapsed()));
-                }
-                // Refused locally on one member: the others get a mismatch naming it globally.
-                let root = if me == odd { 99 } else { 0 };
-                let mut b = vec![0u8; 4];
-                match (me == odd, sub.broadcast_in_place(&mut b, root)) {
+                    if t.elapsed() > Duration::from_secs(2) {
+                        bad.push(format!("mismatch took {:?}", t.elapsed()));
+                    }
+                    // Refused locally on one member: the others get a mismatch naming it globally.
+                    let root = if me == odd { 99 } else { 0 };
+                    let mut b = vec![0u8; 4];
+                    match (me == odd, sub.broadcast_in_place(&mut b, root)) {
                     (true, Err(CommError::InvalidArgument { rank, .. })) if rank == odd => {}
                     (false, Err(e @ CommError::Mismatch { .. }))
                         if e.to_string().contains(&format!("rank {odd} (rank 0 of this sub-communicator) refused its broadcast call")) => {}
                     (_, r) => bad.push(format!("broadcast with root 99 on global rank {odd}: {r:?}")),
                 }
-                bad.extend(check_sub(&mut sub, &want, me)?);
-            }
-            bad.extend(check_world(c, n)?);
-            Ok(bad)
-        });
+                    bad.extend(check_sub(&mut sub, &want, me)?);
+                }
+                bad.extend(check_world(c, n)?);
+                Ok(bad)
+            },
+        );
         report(n, res)?;
     }
     Ok(())
@@ -405,7 +510,10 @@ fn t_dead_peer_in_subgroup() -> Result<(), String> {
             let e = match sub {
                 Some(mut sub) => {
                     let mut x = vec![1f32; 50_000];
-                    let e = sub.all_reduce_in_place(&mut x, ReduceOp::Sum).err().ok_or("subgroup all_reduce succeeded")?;
+                    let e = sub
+                        .all_reduce_in_place(&mut x, ReduceOp::Sum)
+                        .err()
+                        .ok_or("subgroup all_reduce succeeded")?;
                     let my = sub.rank();
                     let msg = e.to_string();
                     let place = format!("of a sub-communicator (rank {victim} is its rank 0, rank {me} its rank {my})");
@@ -426,7 +534,10 @@ fn t_dead_peer_in_subgroup() -> Result<(), String> {
                 None => {
                     let e = c.barrier().err().ok_or("world barrier succeeded")?;
                     if !matches!(e, CommError::PeerLost { lost_rank, .. } if lost_rank == victim) {
-                        return Err(format!("world error is not PeerLost naming rank {victim}: {e}").into());
+                        return Err(format!(
+                            "world error is not PeerLost naming rank {victim}: {e}"
+                        )
+                        .into());
                     }
                     e
                 }
@@ -444,9 +555,14 @@ fn t_dead_peer_in_subgroup() -> Result<(), String> {
         });
         match res {
             Err(LaunchError::RanksFailed(f)) => {
-                let survivors: Vec<_> = f.iter().filter(|x| x.message.starts_with("OK-SURVIVOR")).collect();
+                let survivors: Vec<_> = f
+                    .iter()
+                    .filter(|x| x.message.starts_with("OK-SURVIVOR"))
+                    .collect();
                 if survivors.len() != n - 1 {
-                    return Err(format!("world {n}: not every survivor reported the dead peer properly: {f:#?}"));
+                    return Err(format!(
+                        "world {n}: not every survivor reported the dead peer properly: {f:#?}"
+                    ));
                 }
             }
             other => return Err(format!("world {n}: unexpected outcome {other:?}")),
@@ -460,34 +576,37 @@ fn t_timeout_in_subgroup() -> Result<(), String> {
     for n in 2..=5 {
         let mut cfg = cfg(n);
         cfg.shm.timeout = Duration::from_millis(400);
-        let res = launch(&cfg, move |mut ctx: RankContext| -> RankResult<Vec<String>> {
-            let (c, me) = (&mut ctx.comm, ctx.rank);
-            let mut bad = Vec::new();
-            let (sub, want) = error_group(c, n, me)?;
-            let Some(mut sub) = sub else { return Ok(bad) };
-            let late = want[0];
-            if me == late {
-                std::thread::sleep(Duration::from_millis(1000));
-                // It arrives after its peers gave up: it fails too, naming itself.
-                if sub.barrier().is_ok() {
-                    bad.push("the late rank's barrier succeeded".into());
+        let res = launch(
+            &cfg,
+            move |mut ctx: RankContext| -> RankResult<Vec<String>> {
+                let (c, me) = (&mut ctx.comm, ctx.rank);
+                let mut bad = Vec::new();
+                let (sub, want) = error_group(c, n, me)?;
+                let Some(mut sub) = sub else { return Ok(bad) };
+                let late = want[0];
+                if me == late {
+                    std::thread::sleep(Duration::from_millis(1000));
+                    // It arrives after its peers gave up: it fails too, naming itself.
+                    if sub.barrier().is_ok() {
+                        bad.push("the late rank's barrier succeeded".into());
+                    }
+                    return Ok(bad);
                 }
-                return Ok(bad);
-            }
-            match sub.barrier() {
-                Err(e @ (CommError::Timeout { .. } | CommError::Aborted { .. })) => {
-                    let msg = e.to_string();
-                    let s = format!(
+                match sub.barrier() {
+                    Err(e @ (CommError::Timeout { .. } | CommError::Aborted { .. })) => {
+                        let msg = e.to_string();
+                        let s = format!(
                         "rank {late} (rank 0 of this sub-communicator) is stuck before barrier #1 (rank {late} is at collective #0"
                     );
-                    if !msg.contains(&s) {
-                        bad.push(format!("timeout message lacks {s:?}: {msg}"));
+                        if !msg.contains(&s) {
+                            bad.push(format!("timeout message lacks {s:?}: {msg}"));
+                        }
                     }
+                    r => bad.push(format!("expected a timeout, got {r:?}")),
                 }
-                r => bad.push(format!("expected a timeout, got {r:?}")),
-            }
-            Ok(bad)
-        });
+                Ok(bad)
+            },
+        );
         report(n, res)?;
     }
     Ok(())
@@ -496,7 +615,12 @@ fn t_timeout_in_subgroup() -> Result<(), String> {
 /// The named segments in `dir` whose name starts with `prefix`.
 fn segments(dir: &Path, prefix: &str) -> Vec<String> {
     std::fs::read_dir(dir)
-        .map(|d| d.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).filter(|f| f.starts_with(prefix)).collect())
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|f| f.starts_with(prefix))
+                .collect()
+        })
         .unwrap_or_default()
 }
 
@@ -513,43 +637,56 @@ fn t_segments_removed() -> Result<(), String> {
             let mut cfg = cfg(n);
             cfg.shm.shm_dir = dir.clone();
             let (shown2, prefix2) = (shown.clone(), prefix.clone());
-            let res = launch(&cfg, move |mut ctx: RankContext| -> RankResult<Vec<String>> {
-                let (c, me) = (&mut ctx.comm, ctx.rank);
-                let mut bad = Vec::new();
-                let mut keep = Vec::new();
-                for round in 0..3 {
-                    if let Some(mut s) = c.split((me % (round + 1) != 0).then_some(round as u32), 0)? {
-                        if let Some(inner) = s.split(Some(0), -(me as i64))? {
-                            keep.push(inner);
+            let res = launch(
+                &cfg,
+                move |mut ctx: RankContext| -> RankResult<Vec<String>> {
+                    let (c, me) = (&mut ctx.comm, ctx.rank);
+                    let mut bad = Vec::new();
+                    let mut keep = Vec::new();
+                    for round in 0..3 {
+                        if let Some(mut s) =
+                            c.split((me % (round + 1) != 0).then_some(round as u32), 0)?
+                        {
+                            if let Some(inner) = s.split(Some(0), -(me as i64))? {
+                                keep.push(inner);
+                            }
+                            keep.push(s);
                         }
-                        keep.push(s);
                     }
-                }
-                if let Some(g) = c.new_group(&[0])? {
-                    keep.push(g);
-                }
-                // Every member has joined: no name is left, though the communicators live.
-                c.barrier()?;
-                let left = segments(&shown2, &prefix2);
-                if !left.is_empty() {
-                    bad.push(format!("segments still named in {} while the communicators live: {left:?}", shown2.display()));
-                }
-                for k in keep.iter_mut() {
-                    k.barrier()?;
-                }
-                Ok(bad)
-            });
+                    if let Some(g) = c.new_group(&[0])? {
+                        keep.push(g);
+                    }
+                    // Every member has joined: no name is left, though the communicators live.
+                    c.barrier()?;
+                    let left = segments(&shown2, &prefix2);
+                    if !left.is_empty() {
+                        bad.push(format!(
+                            "segments still named in {} while the communicators live: {left:?}",
+                            shown2.display()
+                        ));
+                    }
+                    for k in keep.iter_mut() {
+                        k.barrier()?;
+                    }
+                    Ok(bad)
+                },
+            );
             report(n, res)?;
             let left = segments(&shown, &prefix);
             if !left.is_empty() {
-                return Err(format!("world {n}: segments left in {} after the job: {left:?}", shown.display()));
+                return Err(format!(
+                    "world {n}: segments left in {} after the job: {left:?}",
+                    shown.display()
+                ));
             }
         }
     }
     let left: Vec<String> = segments(&private, "");
     let _ = std::fs::remove_dir_all(&private);
     if !left.is_empty() {
-        return Err(format!("files left in the private segment directory: {left:?}"));
+        return Err(format!(
+            "files left in the private segment directory: {left:?}"
+        ));
     }
     Ok(())
 }
@@ -567,7 +704,10 @@ fn main() {
         ("timeout_in_subgroup", t_timeout_in_subgroup),
         ("segments_removed", t_segments_removed),
     ];
-    let filter: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with('-')).collect();
+    let filter: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with('-'))
+        .collect();
     let (mut passed, mut failed) = (0, 0);
     for (name, t) in tests {
         if !filter.is_empty() && !filter.iter().any(|f| name.contains(f.as_str())) {
@@ -578,11 +718,17 @@ fn main() {
         match r {
             Ok(()) => {
                 passed += 1;
-                println!("test {name} ... ok ({:.2} s)", start.elapsed().as_secs_f64());
+                println!(
+                    "test {name} ... ok ({:.2} s)",
+                    start.elapsed().as_secs_f64()
+                );
             }
             Err(e) => {
                 failed += 1;
-                println!("test {name} ... FAILED ({:.2} s)\n{e}", start.elapsed().as_secs_f64());
+                println!(
+                    "test {name} ... FAILED ({:.2} s)\n{e}",
+                    start.elapsed().as_secs_f64()
+                );
             }
         }
     }

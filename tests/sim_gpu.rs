@@ -65,7 +65,14 @@ fn synthetic(tag: &str, n_train: usize, n_test: usize) -> PathBuf {
 
 /// Losses of `steps` CPU-engine steps on batches `idx[s*b..(s+1)*b]` (as tests/gpu_train.rs),
 /// clipping the gradient norm to `clip` when given (then also the norms before clipping).
-fn cpu_losses(model: &Model, data: &Dataset, idx: &[usize], b: usize, steps: usize, clip: Option<f32>) -> (Vec<f32>, Vec<f64>) {
+fn cpu_losses(
+    model: &Model,
+    data: &Dataset,
+    idx: &[usize],
+    b: usize,
+    steps: usize,
+    clip: Option<f32>,
+) -> (Vec<f32>, Vec<f64>) {
     let mut m = Model::fashion_cnn(b).unwrap();
     m.params.copy_from_slice(&model.params);
     let mut opt = Adam::new(m.num_params(), LR);
@@ -114,7 +121,15 @@ fn device_run(
     let exec = GpuExec::new(ctx, t.arena_len, graphs).map_err(|e| e.to_string())?;
     let mut eng = Engine::new(exec, &model, b, precision).map_err(e)?;
     eng.set_clip_grad_norm(clip).map_err(e)?;
-    eng.upload_dataset(&train, &Dataset { rows: 28, cols: 28, ..Default::default() }).map_err(e)?;
+    eng.upload_dataset(
+        &train,
+        &Dataset {
+            rows: 28,
+            cols: 28,
+            ..Default::default()
+        },
+    )
+    .map_err(e)?;
     let idx: Vec<usize> = (0..train.len()).collect();
     eng.set_index_list(&idx, false).map_err(e)?;
     let mut losses = Vec::new();
@@ -124,7 +139,10 @@ fn device_run(
     }
     eng.check_grad_norm().map_err(e)?;
     if graphs && eng.exec.graph_count() != 1 {
-        return Err(format!("expected one captured graph (captured once, then replayed), found {}", eng.exec.graph_count()));
+        return Err(format!(
+            "expected one captured graph (captured once, then replayed), found {}",
+            eng.exec.graph_count()
+        ));
     }
     Ok((losses, eng.params().map_err(e)?))
 }
@@ -136,7 +154,12 @@ fn steps_match_cpu(precision: Precision, tol: Tol, compared: usize) -> Result<()
 /// The device step against the CPU engine, both clipping the gradient norm to `clip` when given.
 /// A threshold below 1 must clip most steps (the CPU engine's norms say so) and change the
 /// device's parameters; one above the norms must leave them bit-identical to no clipping.
-fn steps_match_cpu_clipped(precision: Precision, tol: Tol, compared: usize, clip: Option<f32>) -> Result<(), String> {
+fn steps_match_cpu_clipped(
+    precision: Precision,
+    tol: Tol,
+    compared: usize,
+    clip: Option<f32>,
+) -> Result<(), String> {
     let (b, steps) = (32, 4);
     let ctx = Context::new(0).map_err(|e| e.to_string())?;
     let (got, params) = device_run(&ctx, b, steps, precision, true, clip)?;
@@ -147,8 +170,15 @@ fn steps_match_cpu_clipped(precision: Precision, tol: Tol, compared: usize, clip
     model.init(42);
     let idx: Vec<usize> = (0..train.len()).collect();
     let (want, norms) = cpu_losses(&model, &train, &idx, b, steps, clip);
-    println!("    device losses {got:?}\n    cpu    losses {want:?}\n    cpu gradient norms {norms:?}");
-    assert_close("losses, simulated GPU vs CPU engine", &got[..compared], &want[..compared], tol)?;
+    println!(
+        "    device losses {got:?}\n    cpu    losses {want:?}\n    cpu gradient norms {norms:?}"
+    );
+    assert_close(
+        "losses, simulated GPU vs CPU engine",
+        &got[..compared],
+        &want[..compared],
+        tol,
+    )?;
     if !got.iter().all(|l| l.is_finite()) {
         return Err(format!("non-finite loss: {got:?}"));
     }
@@ -167,7 +197,11 @@ fn steps_match_cpu_clipped(precision: Precision, tol: Tol, compared: usize, clip
 
 /// FNV-1a of the bits of `v`.
 fn digest(v: &[f32]) -> u64 {
-    v.iter().flat_map(|x| x.to_bits().to_le_bytes()).fold(0xcbf29ce484222325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100000001b3))
+    v.iter()
+        .flat_map(|x| x.to_bits().to_le_bytes())
+        .fold(0xcbf29ce484222325u64, |h, b| {
+            (h ^ b as u64).wrapping_mul(0x100000001b3)
+        })
 }
 
 fn sim_counter_text(name: &str) -> String {
@@ -177,7 +211,9 @@ fn sim_counter_text(name: &str) -> String {
     // `const char* name(void)` returning a NUL-terminated static buffer.
     unsafe {
         let lib = libloading::Library::new(&path).unwrap();
-        let f = lib.get::<unsafe extern "C" fn() -> *const std::ffi::c_char>(sym.as_bytes()).unwrap();
+        let f = lib
+            .get::<unsafe extern "C" fn() -> *const std::ffi::c_char>(sym.as_bytes())
+            .unwrap();
         std::ffi::CStr::from_ptr(f()).to_string_lossy().into_owned()
     }
 }
@@ -220,18 +256,32 @@ fn shim_semantics() -> Result<(), String> {
     let ctx = Context::new(0).map_err(c)?;
     let s = ctx.stream().map_err(c)?;
     let f = |name: &str| ctx.function(&simt::SELFTEST, name).map_err(c);
-    let grid = |blocks: u32, threads: u32| KernelGrid { grid: (blocks, 1, 1), block: (threads, 1, 1), shared_mem: 0 };
+    let grid = |blocks: u32, threads: u32| KernelGrid {
+        grid: (blocks, 1, 1),
+        block: (threads, 1, 1),
+        shared_mem: 0,
+    };
 
     let shfl = f("simt_shfl")?;
     for kind in 0..4 {
         for width in [32, 16, 8, 4, 1] {
             for arg in [0, 1, 3, 5, 16, 31] {
                 let mut out = DeviceBuffer::<i32>::zeros(&s, 64).map_err(c)?;
-                shfl.launch(grid(1, 64)).arg_mut(&mut out).scalar(kind).scalar(arg).scalar(width).run(&s).map_err(c)?;
+                shfl.launch(grid(1, 64))
+                    .arg_mut(&mut out)
+                    .scalar(kind)
+                    .scalar(arg)
+                    .scalar(width)
+                    .run(&s)
+                    .map_err(c)?;
                 let got = out.to_vec(&s).map_err(c)?;
-                let want: Vec<i32> = (0..64).map(|t| shfl_expected(kind, arg, width, t)).collect();
+                let want: Vec<i32> = (0..64)
+                    .map(|t| shfl_expected(kind, arg, width, t))
+                    .collect();
                 if got != want {
-                    return Err(format!("shuffle kind {kind} arg {arg} width {width}:\n got {got:?}\nwant {want:?}"));
+                    return Err(format!(
+                        "shuffle kind {kind} arg {arg} width {width}:\n got {got:?}\nwant {want:?}"
+                    ));
                 }
             }
         }
@@ -239,14 +289,27 @@ fn shim_semantics() -> Result<(), String> {
 
     let mut out = DeviceBuffer::<i32>::zeros(&s, 2).map_err(c)?;
     let pattern = 0x5a5a_0ff1u32 as i32;
-    f("simt_ballot")?.launch(grid(1, 64)).arg_mut(&mut out).scalar(pattern).run(&s).map_err(c)?;
+    f("simt_ballot")?
+        .launch(grid(1, 64))
+        .arg_mut(&mut out)
+        .scalar(pattern)
+        .run(&s)
+        .map_err(c)?;
     if out.to_vec(&s).map_err(c)? != vec![pattern, pattern] {
-        return Err(format!("ballot: {:?}, want {pattern:#x} twice", out.to_vec(&s)));
+        return Err(format!(
+            "ballot: {:?}, want {pattern:#x} twice",
+            out.to_vec(&s)
+        ));
     }
 
     let mut out = DeviceBuffer::<i32>::zeros(&s, 64).map_err(c)?;
     let mut ballots = DeviceBuffer::<i32>::zeros(&s, 4).map_err(c)?;
-    f("simt_shfl_halves")?.launch(grid(1, 64)).arg_mut(&mut out).arg_mut(&mut ballots).run(&s).map_err(c)?;
+    f("simt_shfl_halves")?
+        .launch(grid(1, 64))
+        .arg_mut(&mut out)
+        .arg_mut(&mut ballots)
+        .run(&s)
+        .map_err(c)?;
     let want: Vec<i32> = (0..64)
         .map(|t| {
             let (lane, warp) = (t % 32, t / 32);
@@ -260,7 +323,9 @@ fn shim_semantics() -> Result<(), String> {
             1000 * warp + src
         })
         .collect();
-    let votes = |lanes: std::ops::Range<u32>| lanes.filter(|l| l % 3 == 0).fold(0u32, |m, l| m | 1 << l) as i32;
+    let votes = |lanes: std::ops::Range<u32>| {
+        lanes.filter(|l| l % 3 == 0).fold(0u32, |m, l| m | 1 << l) as i32
+    };
     let want_ballots = [votes(0..16), votes(16..32), votes(0..16), votes(16..32)];
     if out.to_vec(&s).map_err(c)? != want || ballots.to_vec(&s).map_err(c)? != want_ballots {
         return Err(format!(
@@ -274,38 +339,76 @@ fn shim_semantics() -> Result<(), String> {
     let mut counter = DeviceBuffer::<i32>::zeros(&s, 1).map_err(c)?;
     let mut sum = DeviceBuffer::<f32>::zeros(&s, 1).map_err(c)?;
     let mut maxid = DeviceBuffer::<i32>::zeros(&s, 1).map_err(c)?;
-    f("simt_atomics")?.launch(grid(blocks, threads)).arg_mut(&mut counter).arg_mut(&mut sum).arg_mut(&mut maxid).run(&s).map_err(c)?;
+    f("simt_atomics")?
+        .launch(grid(blocks, threads))
+        .arg_mut(&mut counter)
+        .arg_mut(&mut sum)
+        .arg_mut(&mut maxid)
+        .run(&s)
+        .map_err(c)?;
     let n = (blocks * threads) as i32;
-    let got = (counter.to_vec(&s).map_err(c)?[0], sum.to_vec(&s).map_err(c)?[0], maxid.to_vec(&s).map_err(c)?[0]);
+    let got = (
+        counter.to_vec(&s).map_err(c)?[0],
+        sum.to_vec(&s).map_err(c)?[0],
+        maxid.to_vec(&s).map_err(c)?[0],
+    );
     if got != (n, n as f32 * 0.5, n - 1) {
-        return Err(format!("atomics: (count, sum, max) = {got:?}, want ({n}, {}, {})", n as f32 * 0.5, n - 1));
+        return Err(format!(
+            "atomics: (count, sum, max) = {got:?}, want ({n}, {}, {})",
+            n as f32 * 0.5,
+            n - 1
+        ));
     }
 
     let keep = 45;
     let mut out = DeviceBuffer::<i32>::zeros(&s, 128).map_err(c)?;
-    f("simt_early_exit")?.launch(grid(1, 128)).arg_mut(&mut out).scalar(keep).run(&s).map_err(c)?;
+    f("simt_early_exit")?
+        .launch(grid(1, 128))
+        .arg_mut(&mut out)
+        .scalar(keep)
+        .run(&s)
+        .map_err(c)?;
     let got = out.to_vec(&s).map_err(c)?;
     let total = (0..keep).sum::<i32>();
-    if got[..keep as usize].iter().any(|&v| v != total) || got[keep as usize..].iter().any(|&v| v != 0) {
-        return Err(format!("barrier with {keep} of 128 threads left: {got:?} (want {total} for the first {keep})"));
+    if got[..keep as usize].iter().any(|&v| v != total)
+        || got[keep as usize..].iter().any(|&v| v != 0)
+    {
+        return Err(format!(
+            "barrier with {keep} of 128 threads left: {got:?} (want {total} for the first {keep})"
+        ));
     }
 
     let mut out = DeviceBuffer::<i32>::from_host(&s, &[-1; 9]).map_err(c)?;
-    f("simt_shared_per_block")?.launch(grid(9, 256)).arg_mut(&mut out).run(&s).map_err(c)?;
+    f("simt_shared_per_block")?
+        .launch(grid(9, 256))
+        .arg_mut(&mut out)
+        .run(&s)
+        .map_err(c)?;
     if out.to_vec(&s).map_err(c)? != vec![0; 9] {
-        return Err(format!("shared memory is not per block: wrong elements per block {:?}", out.to_vec(&s)));
+        return Err(format!(
+            "shared memory is not per block: wrong elements per block {:?}",
+            out.to_vec(&s)
+        ));
     }
 
     let misuse = f("simt_misuse")?;
     for (what, needle) in [(0, "deadlock"), (1, "returned"), (2, "__trap() called")] {
         let mut out = DeviceBuffer::<i32>::zeros(&s, 32).map_err(c)?;
-        let e = match misuse.launch(grid(2, 32)).arg_mut(&mut out).scalar(what).run(&s) {
+        let e = match misuse
+            .launch(grid(2, 32))
+            .arg_mut(&mut out)
+            .scalar(what)
+            .run(&s)
+        {
             Ok(()) => return Err(format!("misuse {what} ({needle}) launched fine")),
             Err(e) => e.to_string(),
         };
         let why = sim_counter_text("sim_last_launch_error");
         println!("    misuse {what}: {e}\n      {why}");
-        if !e.contains("CUDA_ERROR_LAUNCH_FAILED") || !why.contains(needle) || !why.contains("simt_misuse") {
+        if !e.contains("CUDA_ERROR_LAUNCH_FAILED")
+            || !why.contains(needle)
+            || !why.contains("simt_misuse")
+        {
             return Err(format!("misuse {what}: expected CUDA_ERROR_LAUNCH_FAILED and `{needle}`, got {e:?} / {why:?}"));
         }
     }
@@ -322,28 +425,41 @@ fn kernel_trap_fails_the_launch() -> Result<(), String> {
     let w = DeviceBuffer::from_host(&s, &vec![0.25f32; outf * inf]).map_err(c)?;
     let bias = DeviceBuffer::from_host(&s, &vec![0.0f32; outf]).map_err(c)?;
     let mut y = DeviceBuffer::<f32>::zeros(&s, b * outf).map_err(c)?;
-    let f = ctx.function(KernelId::Linear.source(), "linear_forward_f32").map_err(c)?;
+    let f = ctx
+        .function(KernelId::Linear.source(), "linear_forward_f32")
+        .map_err(c)?;
     let run = |y: &mut DeviceBuffer<f32>, relu: i32, splits: u32| {
-        f.launch(KernelGrid { grid: (1, 1, splits), block: (128, 1, 1), shared_mem: 0 })
-            .arg_mut(y)
-            .arg(&x)
-            .arg(&w)
-            .arg(&bias)
-            .scalar(b as i32)
-            .scalar(inf as i32)
-            .scalar(outf as i32)
-            .scalar(relu)
-            .run(&s)
+        f.launch(KernelGrid {
+            grid: (1, 1, splits),
+            block: (128, 1, 1),
+            shared_mem: 0,
+        })
+        .arg_mut(y)
+        .arg(&x)
+        .arg(&w)
+        .arg(&bias)
+        .scalar(b as i32)
+        .scalar(inf as i32)
+        .scalar(outf as i32)
+        .scalar(relu)
+        .run(&s)
     };
     run(&mut y, 1, 1).map_err(c)?;
     if y.to_vec(&s).map_err(c)? != vec![0.5 * 0.25 * inf as f32; b * outf] {
         return Err(format!("linear forward: {:?}", y.to_vec(&s)));
     }
-    let e = run(&mut y, 1, 2).err().ok_or("a fused ReLU with split-K must trap")?.to_string();
+    let e = run(&mut y, 1, 2)
+        .err()
+        .ok_or("a fused ReLU with split-K must trap")?
+        .to_string();
     let why = sim_counter_text("sim_last_launch_error");
     println!("    {e}\n      {why}");
-    if !e.contains("CUDA_ERROR_LAUNCH_FAILED") || !why.contains("linear_forward_f32: __trap() called") {
-        return Err(format!("expected the kernel's __trap as a failed launch, got {e:?} / {why:?}"));
+    if !e.contains("CUDA_ERROR_LAUNCH_FAILED")
+        || !why.contains("linear_forward_f32: __trap() called")
+    {
+        return Err(format!(
+            "expected the kernel's __trap as a failed launch, got {e:?} / {why:?}"
+        ));
     }
     Ok(())
 }
@@ -364,9 +480,16 @@ fn e2e_data(dir: &Path) -> &'static str {
         Ok((train, test)) => {
             for (prefix, d, n) in [("train", &train, 512usize), ("t10k", &test, 500)] {
                 let n = n.min(d.len());
-                std::fs::write(dir.join(format!("{prefix}-images-idx3-ubyte")), data::encode_idx(&[n, 28, 28], &d.images[..n * 784]))
-                    .unwrap();
-                std::fs::write(dir.join(format!("{prefix}-labels-idx1-ubyte")), data::encode_idx(&[n], &d.labels[..n])).unwrap();
+                std::fs::write(
+                    dir.join(format!("{prefix}-images-idx3-ubyte")),
+                    data::encode_idx(&[n, 28, 28], &d.images[..n * 784]),
+                )
+                .unwrap();
+                std::fs::write(
+                    dir.join(format!("{prefix}-labels-idx1-ubyte")),
+                    data::encode_idx(&[n], &d.labels[..n]),
+                )
+                .unwrap();
             }
             "FashionMNIST (first 512 training and 500 test images)"
         }
@@ -381,7 +504,15 @@ fn test_acc(stdout: &str) -> Option<f64> {
     stdout
         .lines()
         .filter(|l| l.contains("\"test_acc\""))
-        .filter_map(|l| l.split("\"test_acc\":").nth(1)?.split([',', '}']).next()?.trim().parse().ok())
+        .filter_map(|l| {
+            l.split("\"test_acc\":")
+                .nth(1)?
+                .split([',', '}'])
+                .next()?
+                .trim()
+                .parse()
+                .ok()
+        })
         .next_back()
 }
 
@@ -392,15 +523,34 @@ fn train_cnn_end_to_end(sim: &simt::SimGpu, extra: &[&str]) -> Result<(), String
     let mut accs = Vec::new();
     for device in ["cuda", "cpu"] {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_train-cnn"));
-        cmd.args(["--device", device, "--limit-train", "512", "--epochs", "1", "--json", "--data"]).arg(&dir).args(extra);
+        cmd.args([
+            "--device",
+            device,
+            "--limit-train",
+            "512",
+            "--epochs",
+            "1",
+            "--json",
+            "--data",
+        ])
+        .arg(&dir)
+        .args(extra);
         sim.apply(&mut cmd);
         let t = std::time::Instant::now();
         let out = cmd.output().map_err(|e| e.to_string())?;
-        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
         if !out.status.success() {
-            return Err(format!("train-cnn --device {device} failed ({}):\n{text}", out.status));
+            return Err(format!(
+                "train-cnn --device {device} failed ({}):\n{text}",
+                out.status
+            ));
         }
-        let acc = test_acc(&String::from_utf8_lossy(&out.stdout)).ok_or_else(|| format!("no test_acc in the output:\n{text}"))?;
+        let acc = test_acc(&String::from_utf8_lossy(&out.stdout))
+            .ok_or_else(|| format!("no test_acc in the output:\n{text}"))?;
         println!("    train-cnn --device {device} {extra:?} on {what}: test accuracy {acc:.2} % ({:.1} s)", t.elapsed().as_secs_f64());
         accs.push(acc);
     }
@@ -431,8 +581,17 @@ fn fp16_overflow() -> Result<(), String> {
     let exec = GpuExec::new(&ctx, t.arena_len, true).map_err(|e| e.to_string())?;
     let mut eng = Engine::new(exec, &model, b, Precision::Fp16).map_err(e)?;
     let init = (1u64 << 40) as f32;
-    eng.set_loss_scaler(LossScaler::new(init, 2.0, 0.5, 2000).map_err(|e| e.to_string())?).map_err(e)?;
-    eng.upload_dataset(&train, &Dataset { rows: 28, cols: 28, ..Default::default() }).map_err(e)?;
+    eng.set_loss_scaler(LossScaler::new(init, 2.0, 0.5, 2000).map_err(|e| e.to_string())?)
+        .map_err(e)?;
+    eng.upload_dataset(
+        &train,
+        &Dataset {
+            rows: 28,
+            cols: 28,
+            ..Default::default()
+        },
+    )
+    .map_err(e)?;
     let idx: Vec<usize> = (0..train.len()).collect();
     eng.set_index_list(&idx, false).map_err(e)?;
     let mut actions = Vec::new();
@@ -467,13 +626,22 @@ fn fp16_overflow() -> Result<(), String> {
     );
     // Skips come first; once the scale fits, steps apply (an occasional later overflow is
     // GradScaler's normal behaviour, checked step by step above).
-    let first_apply = actions.iter().position(|&s| !s).ok_or("every step was skipped")?;
+    let first_apply = actions
+        .iter()
+        .position(|&s| !s)
+        .ok_or("every step was skipped")?;
     let applied_after = actions[first_apply..].iter().filter(|&&s| !s).count();
     if first_apply < 10 || applied_after < 5 || eng.step as usize != steps - skipped {
-        return Err(format!("expected a run of skips then applied steps: {actions:?}, step count {}", eng.step));
+        return Err(format!(
+            "expected a run of skips then applied steps: {actions:?}, step count {}",
+            eng.step
+        ));
     }
     if eng.exec.graph_count() != 1 {
-        return Err(format!("the fp16 step must stay one captured graph, found {}", eng.exec.graph_count()));
+        return Err(format!(
+            "the fp16 step must stay one captured graph, found {}",
+            eng.exec.graph_count()
+        ));
     }
     Ok(())
 }
@@ -484,24 +652,48 @@ fn train_cnn_fp16_end_to_end(sim: &simt::SimGpu) -> Result<String, String> {
     let dir = std::env::temp_dir().join(format!("lockstep-sim-gpu-e2e16-{}", std::process::id()));
     let what = e2e_data(&dir);
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_train-cnn"));
-    cmd.args(["--device", "cuda", "--precision", "fp16", "--limit-train", "512", "--epochs", "1", "--json", "--data"]).arg(&dir);
+    cmd.args([
+        "--device",
+        "cuda",
+        "--precision",
+        "fp16",
+        "--limit-train",
+        "512",
+        "--epochs",
+        "1",
+        "--json",
+        "--data",
+    ])
+    .arg(&dir);
     sim.apply(&mut cmd);
     let out = cmd.output().map_err(|e| e.to_string())?;
     let _ = std::fs::remove_dir_all(&dir);
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     let text = format!("{stdout}{}", String::from_utf8_lossy(&out.stderr));
     if !out.status.success() {
-        return Err(format!("train-cnn --precision fp16 failed ({}):\n{text}", out.status));
+        return Err(format!(
+            "train-cnn --precision fp16 failed ({}):\n{text}",
+            out.status
+        ));
     }
     let acc = test_acc(&stdout).ok_or_else(|| format!("no test_acc in the output:\n{text}"))?;
-    let line = stdout.lines().find(|l| l.contains("\"test_acc\"")).unwrap_or_default();
+    let line = stdout
+        .lines()
+        .find(|l| l.contains("\"test_acc\""))
+        .unwrap_or_default();
     if !line.contains("\"skipped_steps\":") || !line.contains("\"loss_scale\":") {
-        return Err(format!("the epoch line reports no skipped_steps / loss_scale: {line}"));
+        return Err(format!(
+            "the epoch line reports no skipped_steps / loss_scale: {line}"
+        ));
     }
     if acc < 25.0 {
-        return Err(format!("fp16 on {what}: test accuracy {acc:.2} % (want > 25 %; chance is 10 %)"));
+        return Err(format!(
+            "fp16 on {what}: test accuracy {acc:.2} % (want > 25 %; chance is 10 %)"
+        ));
     }
-    Ok(format!("    fp16 on {what}: test accuracy {acc:.2} %; {line}\n"))
+    Ok(format!(
+        "    fp16 on {what}: test accuracy {acc:.2} %; {line}\n"
+    ))
 }
 
 fn scenario(name: &str) -> Result<(), String> {
@@ -512,16 +704,31 @@ fn scenario(name: &str) -> Result<(), String> {
         "steps_tf32" => steps_match_cpu(Precision::Fp32, Tol::new(5e-2, 5e-2), 4),
         "steps_bf16" => steps_match_cpu(Precision::Bf16, Tol::new(2e-2, 5e-2), 2),
         "steps_fp16" => steps_match_cpu(Precision::Fp16, Tol::new(2e-2, 5e-2), 2),
-        "steps_fp32_clip" => steps_match_cpu_clipped(Precision::Fp32, Tol::new(1e-3, 5e-3), 4, Some(0.05)),
-        "steps_fp32_clip_idle" => steps_match_cpu_clipped(Precision::Fp32, Tol::new(1e-3, 5e-3), 4, Some(1e6)),
-        "steps_fp16_clip" => steps_match_cpu_clipped(Precision::Fp16, Tol::new(2e-2, 5e-2), 2, Some(0.05)),
+        "steps_fp32_clip" => {
+            steps_match_cpu_clipped(Precision::Fp32, Tol::new(1e-3, 5e-3), 4, Some(0.05))
+        }
+        "steps_fp32_clip_idle" => {
+            steps_match_cpu_clipped(Precision::Fp32, Tol::new(1e-3, 5e-3), 4, Some(1e6))
+        }
+        "steps_fp16_clip" => {
+            steps_match_cpu_clipped(Precision::Fp16, Tol::new(2e-2, 5e-2), 2, Some(0.05))
+        }
         "fp16_overflow" => fp16_overflow(),
         "graph_vs_plain" => {
             let ctx = Context::new(0).map_err(|e| e.to_string())?;
             let (la, pa) = device_run(&ctx, 32, 3, Precision::Fp32, true, None)?;
             let (lb, pb) = device_run(&ctx, 32, 3, Precision::Fp32, false, None)?;
-            if la.iter().map(|x| x.to_bits()).ne(lb.iter().map(|x| x.to_bits())) || digest(&pa) != digest(&pb) {
-                let differ = pa.iter().zip(&pb).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+            if la
+                .iter()
+                .map(|x| x.to_bits())
+                .ne(lb.iter().map(|x| x.to_bits()))
+                || digest(&pa) != digest(&pb)
+            {
+                let differ = pa
+                    .iter()
+                    .zip(&pb)
+                    .filter(|(a, b)| a.to_bits() != b.to_bits())
+                    .count();
                 return Err(format!("graph replay differs from plain launches: losses {la:?} vs {lb:?}; {differ} parameters differ"));
             }
             Ok(())
@@ -546,12 +753,17 @@ fn main() {
     let run = |name: &str, env: &[(&str, &str)]| -> Result<String, String> {
         let mut cmd = Command::new(&exe);
         sim.apply(&mut cmd);
-        cmd.env("LOCKSTEP_SIM_SCENARIO", name).env_remove("LOCKSTEP_NVRTC_OPTIONS");
+        cmd.env("LOCKSTEP_SIM_SCENARIO", name)
+            .env_remove("LOCKSTEP_NVRTC_OPTIONS");
         for (k, v) in env {
             cmd.env(k, v);
         }
         let out = cmd.output().map_err(|e| e.to_string())?;
-        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
         if out.status.success() {
             Ok(text)
         } else {
@@ -564,25 +776,74 @@ fn main() {
         ("shim_semantics", Box::new(|| run("shim_semantics", &[]))),
         (
             "shim_semantics_concurrent",
-            Box::new(|| run("shim_semantics", &[("LOCKSTEP_SIMT_WORKERS", "2"), ("LOCKSTEP_SIMT_SHUFFLE", "7")])),
+            Box::new(|| {
+                run(
+                    "shim_semantics",
+                    &[
+                        ("LOCKSTEP_SIMT_WORKERS", "2"),
+                        ("LOCKSTEP_SIMT_SHUFFLE", "7"),
+                    ],
+                )
+            }),
         ),
-        ("kernel_trap_fails_the_launch", Box::new(|| run("kernel_trap_fails_the_launch", &[]))),
-        ("steps_match_cpu_engine_fp32", Box::new(|| run("steps_fp32", &[no_tf32]))),
-        ("steps_match_cpu_engine_tf32", Box::new(|| run("steps_tf32", &[]))),
-        ("steps_match_cpu_engine_bf16", Box::new(|| run("steps_bf16", &[no_tf32]))),
-        ("steps_match_cpu_engine_fp16", Box::new(|| run("steps_fp16", &[no_tf32]))),
-        ("steps_match_cpu_engine_fp32_clipping", Box::new(|| run("steps_fp32_clip", &[no_tf32]))),
-        ("steps_match_cpu_engine_fp32_clipping_idle", Box::new(|| run("steps_fp32_clip_idle", &[no_tf32]))),
-        ("steps_match_cpu_engine_fp16_clipping", Box::new(|| run("steps_fp16_clip", &[no_tf32]))),
-        ("fp16_overflow_skips_then_trains", Box::new(|| run("fp16_overflow", &[no_tf32]))),
-        ("graph_replay_is_bit_identical_to_plain_launches", Box::new(|| run("graph_vs_plain", &[no_tf32]))),
+        (
+            "kernel_trap_fails_the_launch",
+            Box::new(|| run("kernel_trap_fails_the_launch", &[])),
+        ),
+        (
+            "steps_match_cpu_engine_fp32",
+            Box::new(|| run("steps_fp32", &[no_tf32])),
+        ),
+        (
+            "steps_match_cpu_engine_tf32",
+            Box::new(|| run("steps_tf32", &[])),
+        ),
+        (
+            "steps_match_cpu_engine_bf16",
+            Box::new(|| run("steps_bf16", &[no_tf32])),
+        ),
+        (
+            "steps_match_cpu_engine_fp16",
+            Box::new(|| run("steps_fp16", &[no_tf32])),
+        ),
+        (
+            "steps_match_cpu_engine_fp32_clipping",
+            Box::new(|| run("steps_fp32_clip", &[no_tf32])),
+        ),
+        (
+            "steps_match_cpu_engine_fp32_clipping_idle",
+            Box::new(|| run("steps_fp32_clip_idle", &[no_tf32])),
+        ),
+        (
+            "steps_match_cpu_engine_fp16_clipping",
+            Box::new(|| run("steps_fp16_clip", &[no_tf32])),
+        ),
+        (
+            "fp16_overflow_skips_then_trains",
+            Box::new(|| run("fp16_overflow", &[no_tf32])),
+        ),
+        (
+            "graph_replay_is_bit_identical_to_plain_launches",
+            Box::new(|| run("graph_vs_plain", &[no_tf32])),
+        ),
         (
             "two_runs_bit_identical_under_shuffled_blocks",
             Box::new(|| {
                 let mut digests = Vec::new();
                 for seed in ["1", "2"] {
-                    let out = run("params_digest", &[no_tf32, ("LOCKSTEP_SIMT_WORKERS", "2"), ("LOCKSTEP_SIMT_SHUFFLE", seed)])?;
-                    let line = out.lines().find(|l| l.starts_with("digest ")).ok_or_else(|| format!("no digest line:\n{out}"))?.to_string();
+                    let out = run(
+                        "params_digest",
+                        &[
+                            no_tf32,
+                            ("LOCKSTEP_SIMT_WORKERS", "2"),
+                            ("LOCKSTEP_SIMT_SHUFFLE", seed),
+                        ],
+                    )?;
+                    let line = out
+                        .lines()
+                        .find(|l| l.starts_with("digest "))
+                        .ok_or_else(|| format!("no digest line:\n{out}"))?
+                        .to_string();
                     digests.push(line);
                 }
                 if digests[0] != digests[1] {
@@ -595,11 +856,25 @@ a kernel's result depends on the order of its floating-point atomics (split-K wi
                 Ok(digests.join("\n"))
             }),
         ),
-        ("train_cnn_end_to_end", Box::new(|| train_cnn_end_to_end(&sim, &[]).map(|()| String::new()))),
-        ("train_cnn_clip_end_to_end", Box::new(|| train_cnn_end_to_end(&sim, &["--clip-grad-norm", "1.0"]).map(|()| String::new()))),
-        ("train_cnn_fp16_end_to_end", Box::new(|| train_cnn_fp16_end_to_end(&sim))),
+        (
+            "train_cnn_end_to_end",
+            Box::new(|| train_cnn_end_to_end(&sim, &[]).map(|()| String::new())),
+        ),
+        (
+            "train_cnn_clip_end_to_end",
+            Box::new(|| {
+                train_cnn_end_to_end(&sim, &["--clip-grad-norm", "1.0"]).map(|()| String::new())
+            }),
+        ),
+        (
+            "train_cnn_fp16_end_to_end",
+            Box::new(|| train_cnn_fp16_end_to_end(&sim)),
+        ),
     ];
-    let filter: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with('-')).collect();
+    let filter: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with('-'))
+        .collect();
     let (mut passed, mut failed) = (0, Vec::new());
     for (name, check) in &checks {
         if !filter.is_empty() && !filter.iter().any(|f| name.contains(f.as_str())) {
@@ -620,7 +895,11 @@ a kernel's result depends on the order of its floating-point atomics (split-K wi
             }
         }
     }
-    println!("\ntest result: {}. {passed} passed; {} failed", if failed.is_empty() { "ok" } else { "FAILED" }, failed.len());
+    println!(
+        "\ntest result: {}. {passed} passed; {} failed",
+        if failed.is_empty() { "ok" } else { "FAILED" },
+        failed.len()
+    );
     if !failed.is_empty() {
         println!("failed: {failed:?}");
         std::process::exit(1);

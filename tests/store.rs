@@ -40,7 +40,10 @@ fn set_get_wait_add_barrier() {
     h.join().unwrap();
     let t = Instant::now();
     let e = a.wait(&["never"], Duration::from_millis(100)).unwrap_err();
-    assert!(matches!(e, StoreError::Timeout { .. }) && t.elapsed() < Duration::from_secs(2), "{e}");
+    assert!(
+        matches!(e, StoreError::Timeout { .. }) && t.elapsed() < Duration::from_secs(2),
+        "{e}"
+    );
     assert!(e.to_string().contains("\"never\""), "{e}");
 }
 
@@ -52,7 +55,11 @@ fn wrong_token_is_rejected() {
     assert!(matches!(e, StoreError::WrongToken { .. }), "{e}");
     assert!(e.to_string().contains("rejected this job's token"), "{e}");
     // A first wrong token is answered at once, so a misconfigured node learns quickly.
-    assert!(t.elapsed() < Duration::from_millis(500), "{:?}", t.elapsed());
+    assert!(
+        t.elapsed() < Duration::from_millis(500),
+        "{:?}",
+        t.elapsed()
+    );
     client(port, "right-token-0123456789").unwrap();
 }
 
@@ -75,7 +82,10 @@ fn malformed_and_oversized_messages_do_not_crash_the_store() {
     assert!(r.len() > 5 && r[4] == 4, "expected BAD_REQUEST, got {r:?}");
     // A truncated HELLO inside a valid frame.
     let r = raw_exchange(port, &[3, 0, 0, 0, 1, 1, 0]);
-    assert!(r.len() > 5 && r[4] == 4 && String::from_utf8_lossy(&r).contains("truncated"), "{r:?}");
+    assert!(
+        r.len() > 5 && r[4] == 4 && String::from_utf8_lossy(&r).contains("truncated"),
+        "{r:?}"
+    );
     // Garbage op before HELLO.
     let r = raw_exchange(port, &[1, 0, 0, 0, 99]);
     assert!(r.len() > 5 && r[4] == 4, "{r:?}");
@@ -91,7 +101,10 @@ fn malformed_and_oversized_messages_do_not_crash_the_store() {
     msg.extend_from_slice(&[1, 0, 0, 0, 77]);
     let r = raw_exchange(port, &msg);
     assert_eq!(&r[..5], &[1, 0, 0, 0, 0], "HELLO ok first: {r:?}");
-    assert!(String::from_utf8_lossy(&r).contains("unknown request type 77"), "{r:?}");
+    assert!(
+        String::from_utf8_lossy(&r).contains("unknown request type 77"),
+        "{r:?}"
+    );
     // The store still serves well-behaved clients.
     let mut c = client(port, TOK).unwrap();
     c.set("still", b"alive").unwrap();
@@ -105,13 +118,23 @@ fn malformed_and_oversized_messages_do_not_crash_the_store() {
 fn busy_port_is_named() {
     let (_s, port) = server(TOK);
     let e = StoreServer::start("127.0.0.1", port, TOK).unwrap_err();
-    assert!(matches!(e, StoreError::PortInUse { port: p, .. } if p == port), "{e}");
-    assert!(e.to_string().contains(&format!("port {port}")) && e.to_string().contains("--master-port"), "{e}");
+    assert!(
+        matches!(e, StoreError::PortInUse { port: p, .. } if p == port),
+        "{e}"
+    );
+    assert!(
+        e.to_string().contains(&format!("port {port}")) && e.to_string().contains("--master-port"),
+        "{e}"
+    );
 }
 
 #[test]
 fn unreachable_master_retries_then_fails() {
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
     let t = Instant::now();
     let e = TcpStore::connect("127.0.0.1", port, TOK, Duration::from_millis(500)).unwrap_err();
     assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
@@ -119,12 +142,19 @@ fn unreachable_master_retries_then_fails() {
         StoreError::Unreachable { attempts, .. } => assert!(*attempts > 1, "{e}"),
         _ => panic!("unexpected {e}"),
     }
-    assert!(e.to_string().contains("is the node-0 launcher running"), "{e}");
+    assert!(
+        e.to_string().contains("is the node-0 launcher running"),
+        "{e}"
+    );
 }
 
 #[test]
 fn late_server_is_found_by_retrying_client() {
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
     let h = std::thread::spawn(move || {
         std::thread::sleep(Duration::from_millis(200));
         let s = StoreServer::start("127.0.0.1", port, TOK).unwrap();
@@ -140,11 +170,17 @@ fn late_server_is_found_by_retrying_client() {
 fn short_tokens_are_refused_on_both_sides() {
     for bad in ["", "t", "fifteen-bytes!!"] {
         let e = StoreServer::start("127.0.0.1", 0, bad).unwrap_err();
-        assert!(matches!(e, StoreError::InvalidToken(_)) && e.to_string().contains("at least 16"), "{bad:?}: {e}");
+        assert!(
+            matches!(e, StoreError::InvalidToken(_)) && e.to_string().contains("at least 16"),
+            "{bad:?}: {e}"
+        );
         // The client refuses before connecting anywhere: port 9 (discard) is never contacted.
         let t = Instant::now();
         let e = TcpStore::connect("127.0.0.1", 9, bad, Duration::from_secs(5)).unwrap_err();
-        assert!(matches!(e, StoreError::InvalidToken(_)) && t.elapsed() < Duration::from_millis(100), "{bad:?}: {e}");
+        assert!(
+            matches!(e, StoreError::InvalidToken(_)) && t.elapsed() < Duration::from_millis(100),
+            "{bad:?}: {e}"
+        );
     }
 }
 
@@ -172,10 +208,21 @@ fn silent_peer_is_named_within_the_rendezvous_timeout() {
     let took = t.elapsed();
     assert!(matches!(e, StoreError::NotStore { .. }), "{e}");
     let m = e.to_string();
-    assert!(m.contains(&format!("the peer at 127.0.0.1:{port} does not speak the lockstep store protocol")), "{m}");
-    assert!(m.contains("sent no answer") && m.contains("--master-port"), "{m}");
+    assert!(
+        m.contains(&format!(
+            "the peer at 127.0.0.1:{port} does not speak the lockstep store protocol"
+        )),
+        "{m}"
+    );
+    assert!(
+        m.contains("sent no answer") && m.contains("--master-port"),
+        "{m}"
+    );
     // Bounded by the rendezvous timeout (800 ms), not a fixed 10 s.
-    assert!(took >= Duration::from_millis(700) && took < Duration::from_millis(1500), "{took:?}");
+    assert!(
+        took >= Duration::from_millis(700) && took < Duration::from_millis(1500),
+        "{took:?}"
+    );
 }
 
 #[test]
@@ -189,9 +236,18 @@ fn garbage_answer_is_named_at_once() {
     let t = Instant::now();
     let e = TcpStore::connect("127.0.0.1", port, TOK, Duration::from_secs(10)).unwrap_err();
     assert!(matches!(e, StoreError::NotStore { .. }), "{e}");
-    assert!(e.to_string().contains("does not speak the lockstep store protocol") && e.to_string().contains("HTTP"), "{e}");
+    assert!(
+        e.to_string()
+            .contains("does not speak the lockstep store protocol")
+            && e.to_string().contains("HTTP"),
+        "{e}"
+    );
     // Garbage is not retried: the answer comes long before the 10 s rendezvous timeout.
-    assert!(t.elapsed() < Duration::from_millis(500), "{:?}", t.elapsed());
+    assert!(
+        t.elapsed() < Duration::from_millis(500),
+        "{:?}",
+        t.elapsed()
+    );
 }
 
 #[test]
@@ -201,8 +257,14 @@ fn peer_that_hangs_up_is_retried_then_named() {
     let t = Instant::now();
     let e = TcpStore::connect("127.0.0.1", port, TOK, Duration::from_millis(600)).unwrap_err();
     match &e {
-        StoreError::NotStore { detail, .. } => assert!(detail.contains("closed each without answering"), "{e}"),
+        StoreError::NotStore { detail, .. } => {
+            assert!(detail.contains("closed each without answering"), "{e}")
+        }
         _ => panic!("unexpected {e}"),
     }
-    assert!(t.elapsed() < Duration::from_millis(1500), "{:?}", t.elapsed());
+    assert!(
+        t.elapsed() < Duration::from_millis(1500),
+        "{:?}",
+        t.elapsed()
+    );
 }

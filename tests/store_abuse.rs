@@ -22,7 +22,8 @@ const TOK: &str = "abuse-test-token-0123456789";
 const MAX_HELLO_FRAME: usize = lockstep::store::MAX_HELLO_FRAME;
 
 fn server(limits: ServerLimits) -> Result<(StoreServer, SocketAddr), String> {
-    let s = StoreServer::start_with_limits("127.0.0.1", 0, TOK, limits).map_err(|e| e.to_string())?;
+    let s =
+        StoreServer::start_with_limits("127.0.0.1", 0, TOK, limits).map_err(|e| e.to_string())?;
     let a = s.local_addr();
     Ok((s, a))
 }
@@ -49,11 +50,19 @@ fn read_to_close(s: &mut TcpStream, limit: Duration) -> (Vec<u8>, Option<Duratio
     let mut out = Vec::new();
     let mut buf = [0u8; 1024];
     while t.elapsed() < limit {
-        let _ = s.set_read_timeout(Some(limit.saturating_sub(t.elapsed()).max(Duration::from_millis(1))));
+        let _ = s.set_read_timeout(Some(
+            limit
+                .saturating_sub(t.elapsed())
+                .max(Duration::from_millis(1)),
+        ));
         match s.read(&mut buf) {
             Ok(0) => return (out, Some(t.elapsed())),
             Ok(n) => out.extend_from_slice(&buf[..n]),
-            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut | ErrorKind::Interrupted) => {}
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    ErrorKind::WouldBlock | ErrorKind::TimedOut | ErrorKind::Interrupted
+                ) => {}
             Err(_) => return (out, Some(t.elapsed())),
         }
     }
@@ -67,15 +76,23 @@ fn bad_request(r: &[u8]) -> Option<String> {
 
 /// The well-behaved client: connect, set, get.
 fn serve_check(addr: SocketAddr, key: &str) -> Result<(), String> {
-    let mut c = TcpStore::connect("127.0.0.1", addr.port(), TOK, Duration::from_secs(5)).map_err(|e| e.to_string())?;
+    let mut c = TcpStore::connect("127.0.0.1", addr.port(), TOK, Duration::from_secs(5))
+        .map_err(|e| e.to_string())?;
     c.set(key, b"v").map_err(|e| e.to_string())?;
     let v = c.get(key).map_err(|e| e.to_string())?;
-    check(v.as_deref() == Some(&b"v"[..]), "set then get returns the value", format!("{v:?}"))
+    check(
+        v.as_deref() == Some(&b"v"[..]),
+        "set then get returns the value",
+        format!("{v:?}"),
+    )
 }
 
 fn vm_rss_kib() -> u64 {
     let s = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    s.lines().find_map(|l| l.strip_prefix("VmRSS:")).and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok()).unwrap_or(0)
+    s.lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0)
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -84,17 +101,22 @@ fn garbage_gets_an_error_and_the_door() -> Result<(), String> {
     let (_s, addr) = server(ServerLimits::default())?;
     // An HTTP request: "GET " read as a frame length of half a gigabyte.
     let mut c = connect(addr)?;
-    c.write_all(b"GET / HTTP/1.1\r\nHost: store\r\n\r\n").map_err(|e| e.to_string())?;
+    c.write_all(b"GET / HTTP/1.1\r\nHost: store\r\n\r\n")
+        .map_err(|e| e.to_string())?;
     let (r, closed) = read_to_close(&mut c, Duration::from_secs(1));
     let msg = bad_request(&r).unwrap_or_default();
     check(
-        closed.is_some() && msg.contains(&format!("exceeds the limit of {MAX_HELLO_FRAME} before authentication")),
+        closed.is_some()
+            && msg.contains(&format!(
+                "exceeds the limit of {MAX_HELLO_FRAME} before authentication"
+            )),
         "an HTTP request is answered BAD_REQUEST and closed within 1 s",
         format!("{r:?} closed after {closed:?}"),
     )?;
     // Binary garbage in a well-formed small frame.
     let mut c = connect(addr)?;
-    c.write_all(&[5, 0, 0, 0, 0xde, 0xad, 0xbe, 0xef, 0]).map_err(|e| e.to_string())?;
+    c.write_all(&[5, 0, 0, 0, 0xde, 0xad, 0xbe, 0xef, 0])
+        .map_err(|e| e.to_string())?;
     let (r, closed) = read_to_close(&mut c, Duration::from_secs(1));
     let msg = bad_request(&r).unwrap_or_default();
     check(
@@ -110,31 +132,50 @@ fn oversized_hello_frame_is_refused() -> Result<(), String> {
     // One byte over the pre-authentication limit (the old server buffered up to 1 MiB here).
     for n in [MAX_HELLO_FRAME + 1, 1 << 20] {
         let mut c = connect(addr)?;
-        c.write_all(&(n as u32).to_le_bytes()).map_err(|e| e.to_string())?;
+        c.write_all(&(n as u32).to_le_bytes())
+            .map_err(|e| e.to_string())?;
         let _ = c.write_all(&[0u8; 64]);
         let (r, closed) = read_to_close(&mut c, Duration::from_secs(1));
         check(
             closed.is_some()
-                && bad_request(&r).is_some_and(|m| m.contains(&format!("frame of {n} bytes exceeds the limit of {MAX_HELLO_FRAME}"))),
+                && bad_request(&r).is_some_and(|m| {
+                    m.contains(&format!(
+                        "frame of {n} bytes exceeds the limit of {MAX_HELLO_FRAME}"
+                    ))
+                }),
             "an oversized first frame is refused and closed within 1 s",
-            format!("{n}: {:?} closed after {closed:?}", String::from_utf8_lossy(&r)),
+            format!(
+                "{n}: {:?} closed after {closed:?}",
+                String::from_utf8_lossy(&r)
+            ),
         )?;
     }
     // Exactly the limit is read: a HELLO padded to MAX_HELLO_FRAME with a wrong token is answered
     // BAD_TOKEN (status 3), not refused for its size.
     let pad = "x".repeat(MAX_HELLO_FRAME - 9);
     let f = hello(&pad);
-    check(f.len() == 4 + MAX_HELLO_FRAME, "test frame has the limit's size", f.len())?;
+    check(
+        f.len() == 4 + MAX_HELLO_FRAME,
+        "test frame has the limit's size",
+        f.len(),
+    )?;
     let mut c = connect(addr)?;
     c.write_all(&f).map_err(|e| e.to_string())?;
     let (r, closed) = read_to_close(&mut c, Duration::from_secs(1));
-    check(closed.is_some() && r == [1, 0, 0, 0, 3], "a frame of exactly the limit is checked (BAD_TOKEN)", format!("{r:?}"))?;
+    check(
+        closed.is_some() && r == [1, 0, 0, 0, 3],
+        "a frame of exactly the limit is checked (BAD_TOKEN)",
+        format!("{r:?}"),
+    )?;
     serve_check(addr, "after-oversize")
 }
 
 fn trickling_client_is_dropped_at_the_handshake_deadline() -> Result<(), String> {
     let deadline = Duration::from_secs(1);
-    let (_s, addr) = server(ServerLimits { handshake_timeout: deadline, ..ServerLimits::default() })?;
+    let (_s, addr) = server(ServerLimits {
+        handshake_timeout: deadline,
+        ..ServerLimits::default()
+    })?;
     let mut c = connect(addr)?;
     let t = Instant::now();
     // A valid small length, then the body one byte every 200 ms: every read finds a byte, so
@@ -155,7 +196,11 @@ fn trickling_client_is_dropped_at_the_handshake_deadline() -> Result<(), String>
             break Some((t.elapsed(), r));
         }
     };
-    let Some((at, r)) = closed else { return Err(format!("the trickling client was still connected after 5 s ({sent} bytes sent)")) };
+    let Some((at, r)) = closed else {
+        return Err(format!(
+            "the trickling client was still connected after 5 s ({sent} bytes sent)"
+        ));
+    };
     check(
         at >= Duration::from_millis(900) && at < Duration::from_millis(2000),
         "the trickling client is closed at the 1 s handshake deadline (within 0.9..2 s)",
@@ -205,7 +250,11 @@ fn thousand_unauthenticated_connections() -> Result<(), String> {
     let t = Instant::now();
     serve_check(addr, "amid-the-flood")?;
     let served = t.elapsed();
-    check(served < Duration::from_secs(2), "the authenticated client completes set/get within 2 s", format!("{served:?}"))?;
+    check(
+        served < Duration::from_secs(2),
+        "the authenticated client completes set/get within 2 s",
+        format!("{served:?}"),
+    )?;
     let rss2 = vm_rss_kib();
     check(
         rss1.max(rss2) < 64 * 1024,
@@ -244,7 +293,10 @@ fn thousand_unauthenticated_connections() -> Result<(), String> {
 
 fn wrong_tokens_are_throttled() -> Result<(), String> {
     let delay = Duration::from_millis(40);
-    let (_s, addr) = server(ServerLimits { wrong_token_delay: delay, ..ServerLimits::default() })?;
+    let (_s, addr) = server(ServerLimits {
+        wrong_token_delay: delay,
+        ..ServerLimits::default()
+    })?;
     let t = Instant::now();
     // 50 guesses from 5 connections in parallel: the delay applies to the source, not the connection.
     let threads: Vec<_> = (0..5)
@@ -252,9 +304,18 @@ fn wrong_tokens_are_throttled() -> Result<(), String> {
             std::thread::spawn(move || -> Result<(), String> {
                 for j in 0..10 {
                     let guess = format!("guess-{i}-{j}-0123456789abcdef");
-                    match TcpStore::connect("127.0.0.1", addr.port(), &guess, Duration::from_secs(10)) {
+                    match TcpStore::connect(
+                        "127.0.0.1",
+                        addr.port(),
+                        &guess,
+                        Duration::from_secs(10),
+                    ) {
                         Err(StoreError::WrongToken { .. }) => {}
-                        other => return Err(format!("guess {guess}: expected WrongToken, got {other:?}")),
+                        other => {
+                            return Err(format!(
+                                "guess {guess}: expected WrongToken, got {other:?}"
+                            ))
+                        }
                     }
                 }
                 Ok(())
@@ -262,14 +323,23 @@ fn wrong_tokens_are_throttled() -> Result<(), String> {
         })
         .collect();
     for h in threads {
-        h.join().map_err(|_| "guessing thread panicked".to_string())??;
+        h.join()
+            .map_err(|_| "guessing thread panicked".to_string())??;
     }
     let took = t.elapsed();
-    check(took >= delay * 49, "50 wrong tokens take at least 49 x 40 ms = 1.96 s", format!("{took:?}"))?;
+    check(
+        took >= delay * 49,
+        "50 wrong tokens take at least 49 x 40 ms = 1.96 s",
+        format!("{took:?}"),
+    )?;
     // The right token from the same source gets in once the last delay has run out.
     let t = Instant::now();
     serve_check(addr, "after-guesses")?;
-    check(t.elapsed() < delay + Duration::from_millis(500), "the right token is accepted right after", format!("{:?}", t.elapsed()))
+    check(
+        t.elapsed() < delay + Duration::from_millis(500),
+        "the right token is accepted right after",
+        format!("{:?}", t.elapsed()),
+    )
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -291,8 +361,10 @@ fn emfile_server() -> ExitCode {
         for line in std::io::stdin().lock().lines() {
             if line.map_err(|e| e.to_string())?.trim() == "cpu" {
                 let u = getrusage(UsageWho::RUSAGE_SELF).map_err(|e| e.to_string())?;
-                let secs = |t: nix::sys::time::TimeVal| t.tv_sec() as f64 + t.tv_usec() as f64 * 1e-6;
-                writeln!(out, "cpu {}", secs(u.user_time()) + secs(u.system_time())).map_err(|e| e.to_string())?;
+                let secs =
+                    |t: nix::sys::time::TimeVal| t.tv_sec() as f64 + t.tv_usec() as f64 * 1e-6;
+                writeln!(out, "cpu {}", secs(u.user_time()) + secs(u.system_time()))
+                    .map_err(|e| e.to_string())?;
                 out.flush().map_err(|e| e.to_string())?;
             }
         }
@@ -324,7 +396,11 @@ impl ChildServer {
             .map_err(|e| e.to_string())?;
         let lines = BufReader::new(child.stdout.take().ok_or("no stdout")?);
         let mut c = ChildServer { child, lines };
-        let port: u16 = c.line()?.strip_prefix("port ").and_then(|p| p.parse().ok()).ok_or("the child server printed no port")?;
+        let port: u16 = c
+            .line()?
+            .strip_prefix("port ")
+            .and_then(|p| p.parse().ok())
+            .ok_or("the child server printed no port")?;
         Ok((c, SocketAddr::from(([127, 0, 0, 1], port))))
     }
 
@@ -337,9 +413,14 @@ impl ChildServer {
     /// CPU seconds the child has used so far.
     fn cpu(&mut self) -> Result<f64, String> {
         let stdin = self.child.stdin.as_mut().ok_or("no stdin")?;
-        stdin.write_all(b"cpu\n").and_then(|_| stdin.flush()).map_err(|e| e.to_string())?;
+        stdin
+            .write_all(b"cpu\n")
+            .and_then(|_| stdin.flush())
+            .map_err(|e| e.to_string())?;
         let l = self.line()?;
-        l.strip_prefix("cpu ").and_then(|v| v.parse().ok()).ok_or_else(|| format!("bad cpu line {l:?}"))
+        l.strip_prefix("cpu ")
+            .and_then(|v| v.parse().ok())
+            .ok_or_else(|| format!("bad cpu line {l:?}"))
     }
 }
 
@@ -362,10 +443,18 @@ fn fd_exhaustion_does_not_spin_and_recovers() -> Result<(), String> {
         match TcpStore::connect("127.0.0.1", addr.port(), TOK, Duration::from_millis(300)) {
             Ok(c) => held.push(c),
             Err(StoreError::NotStore { .. }) => break true,
-            Err(e) => return Err(format!("unexpected error while filling the descriptor table: {e}")),
+            Err(e) => {
+                return Err(format!(
+                    "unexpected error while filling the descriptor table: {e}"
+                ))
+            }
         }
     };
-    check(exhausted, "the server runs out of descriptors", format!("{} connections held", held.len()))?;
+    check(
+        exhausted,
+        "the server runs out of descriptors",
+        format!("{} connections held", held.len()),
+    )?;
     // A client waits in the listen queue, HELLO sent, while `accept` keeps failing.
     let mut queued = connect(addr)?;
     queued.write_all(&hello(TOK)).map_err(|e| e.to_string())?;
@@ -375,13 +464,21 @@ fn fd_exhaustion_does_not_spin_and_recovers() -> Result<(), String> {
     let mut worst = Duration::ZERO;
     while t.elapsed() < Duration::from_secs(1) {
         let r = Instant::now();
-        held[0].set("during-exhaustion", b"1").map_err(|e| e.to_string())?;
-        held[1].get("during-exhaustion").map_err(|e| e.to_string())?;
+        held[0]
+            .set("during-exhaustion", b"1")
+            .map_err(|e| e.to_string())?;
+        held[1]
+            .get("during-exhaustion")
+            .map_err(|e| e.to_string())?;
         worst = worst.max(r.elapsed());
         std::thread::sleep(Duration::from_millis(50));
     }
     let cpu = child.cpu()? - cpu0;
-    check(cpu < 0.3, "the server uses under 0.3 s of CPU in 1 s out of descriptors (no accept spin)", format!("{cpu:.3} s"))?;
+    check(
+        cpu < 0.3,
+        "the server uses under 0.3 s of CPU in 1 s out of descriptors (no accept spin)",
+        format!("{cpu:.3} s"),
+    )?;
     check(
         worst < Duration::from_millis(500),
         "authenticated connections are served during the exhaustion (each request < 0.5 s)",
@@ -406,7 +503,11 @@ fn fd_exhaustion_does_not_spin_and_recovers() -> Result<(), String> {
     )?;
     let t = Instant::now();
     serve_check(addr, "after-exhaustion")?;
-    check(t.elapsed() < Duration::from_secs(1), "a new client is served within 1 s", format!("{:?}", t.elapsed()))?;
+    check(
+        t.elapsed() < Duration::from_secs(1),
+        "a new client is served within 1 s",
+        format!("{:?}", t.elapsed()),
+    )?;
     println!("    {cpu:.3} s of server CPU during 1 s out of descriptors; worst authenticated request {worst:?}");
     Ok(())
 }
@@ -418,7 +519,11 @@ fn raise_nofile() -> Result<(), String> {
         setrlimit(Resource::RLIMIT_NOFILE, hard.min(4096), hard).map_err(|e| e.to_string())?;
     }
     let (soft, _) = getrlimit(Resource::RLIMIT_NOFILE).map_err(|e| e.to_string())?;
-    check(soft >= 2048, "RLIMIT_NOFILE allows 2048 descriptors (raise the hard limit: ulimit -Hn)", soft)
+    check(
+        soft >= 2048,
+        "RLIMIT_NOFILE allows 2048 descriptors (raise the hard limit: ulimit -Hn)",
+        soft,
+    )
 }
 
 fn main() -> ExitCode {
@@ -430,11 +535,26 @@ fn main() -> ExitCode {
         return ExitCode::FAILURE;
     }
     common::run(&[
-        ("garbage_gets_an_error_and_the_door", garbage_gets_an_error_and_the_door),
-        ("oversized_hello_frame_is_refused", oversized_hello_frame_is_refused),
-        ("trickling_client_is_dropped_at_the_handshake_deadline", trickling_client_is_dropped_at_the_handshake_deadline),
-        ("thousand_unauthenticated_connections", thousand_unauthenticated_connections),
+        (
+            "garbage_gets_an_error_and_the_door",
+            garbage_gets_an_error_and_the_door,
+        ),
+        (
+            "oversized_hello_frame_is_refused",
+            oversized_hello_frame_is_refused,
+        ),
+        (
+            "trickling_client_is_dropped_at_the_handshake_deadline",
+            trickling_client_is_dropped_at_the_handshake_deadline,
+        ),
+        (
+            "thousand_unauthenticated_connections",
+            thousand_unauthenticated_connections,
+        ),
         ("wrong_tokens_are_throttled", wrong_tokens_are_throttled),
-        ("fd_exhaustion_does_not_spin_and_recovers", fd_exhaustion_does_not_spin_and_recovers),
+        (
+            "fd_exhaustion_does_not_spin_and_recovers",
+            fd_exhaustion_does_not_spin_and_recovers,
+        ),
     ])
 }

@@ -61,7 +61,10 @@ fn metric_counts_exact() -> TestResult {
             .map_err(|e| e.to_string())?;
             for (c, n) in res {
                 if n != len as u64 || c != len.div_ceil(2) as u64 {
-                    return Err(format!("world {world}, len {len}: counted {n} (correct {c}), expected {len} ({})", len.div_ceil(2)));
+                    return Err(format!(
+                        "world {world}, len {len}: counted {n} (correct {c}), expected {len} ({})",
+                        len.div_ceil(2)
+                    ));
                 }
             }
         }
@@ -83,9 +86,18 @@ fn run2(cfg: &TrainConfig, tr: &Dataset, te: &Dataset) -> Result<Vec<RankRun>, S
     launch(&LaunchConfig::new(2), |mut ctx: RankContext| {
         let mut obs = Losses::default();
         let out = trainer::train(cfg, tr, te, &mut ctx.comm, &mut obs)?;
-        let el: Vec<f64> = out.reports.iter().map(|r: &EpochReport| r.train_loss).collect();
+        let el: Vec<f64> = out
+            .reports
+            .iter()
+            .map(|r: &EpochReport| r.train_loss)
+            .collect();
         let acc: Vec<f64> = out.reports.iter().map(|r| r.test_acc).collect();
-        let sum: f64 = out.params.iter().enumerate().map(|(i, &p)| p as f64 * (1.0 + (i % 7) as f64)).sum();
+        let sum: f64 = out
+            .params
+            .iter()
+            .enumerate()
+            .map(|(i, &p)| p as f64 * (1.0 + (i % 7) as f64))
+            .sum();
         Ok((obs.0, el, acc, sum))
     })
     .map_err(|e| e.to_string())
@@ -93,7 +105,10 @@ fn run2(cfg: &TrainConfig, tr: &Dataset, te: &Dataset) -> Result<Vec<RankRun>, S
 
 fn short_run_learns_and_is_deterministic() -> TestResult {
     let (tr, te) = load(2000, 2000);
-    let cfg = TrainConfig { epochs: 1, ..TrainConfig::default() };
+    let cfg = TrainConfig {
+        epochs: 1,
+        ..TrainConfig::default()
+    };
     let a = run2(&cfg, &tr, &te)?;
     let steps = &a[0].0;
     let n = steps.len();
@@ -102,10 +117,14 @@ fn short_run_learns_and_is_deterministic() -> TestResult {
     let acc = a[0].2[0];
     println!("    2 ranks, {} train images, {n} steps: loss {head:.3} -> {tail:.3}, test acc {acc:.2} % on {} images", tr.len(), te.len());
     if tail >= head * 0.8 {
-        return Err(format!("loss did not fall: first steps {head:.3}, last steps {tail:.3}"));
+        return Err(format!(
+            "loss did not fall: first steps {head:.3}, last steps {tail:.3}"
+        ));
     }
     if acc < 50.0 {
-        return Err(format!("accuracy {acc:.2} % is not far above chance (10 %)"));
+        return Err(format!(
+            "accuracy {acc:.2} % is not far above chance (10 %)"
+        ));
     }
     if a[0].3 != a[1].3 || a[0].2 != a[1].2 {
         return Err("the two replicas ended with different parameters or metrics".into());
@@ -122,12 +141,33 @@ fn resume_on_two_ranks_matches_straight_run() -> TestResult {
     let d = std::env::temp_dir().join(format!("lockstep-train-resume-{}", std::process::id()));
     std::fs::create_dir_all(&d).map_err(|e| e.to_string())?;
     let ck = d.join("model.safetensors");
-    let base = TrainConfig { epochs: 2, ..TrainConfig::default() };
+    let base = TrainConfig {
+        epochs: 2,
+        ..TrainConfig::default()
+    };
     let straight = run2(&base, &tr, &te)?;
-    run2(&TrainConfig { epochs: 1, save: Some(ck.clone()), ..base.clone() }, &tr, &te)?;
-    let resumed = run2(&TrainConfig { resume: Some(ck.clone()), ..base.clone() }, &tr, &te)?;
+    run2(
+        &TrainConfig {
+            epochs: 1,
+            save: Some(ck.clone()),
+            ..base.clone()
+        },
+        &tr,
+        &te,
+    )?;
+    let resumed = run2(
+        &TrainConfig {
+            resume: Some(ck.clone()),
+            ..base.clone()
+        },
+        &tr,
+        &te,
+    )?;
     let _ = std::fs::remove_dir_all(&d);
-    if resumed[0].1[0] != straight[0].1[1] || resumed[0].3 != straight[0].3 || resumed[1].3 != straight[1].3 {
+    if resumed[0].1[0] != straight[0].1[1]
+        || resumed[0].3 != straight[0].3
+        || resumed[1].3 != straight[1].3
+    {
         return Err(format!(
             "resumed epoch 2 loss {} vs straight {}; params {} vs {}",
             resumed[0].1[0], straight[0].1[1], resumed[0].3, straight[0].3
@@ -188,7 +228,10 @@ fn sync_bn_matches_single_large_batch() -> TestResult {
         for (name, a, b) in [("grad", &g1, g2), ("running stats", &r1, r2)] {
             let scale = a.iter().fold(0.0f32, |m, x| m.max(x.abs()));
             if let Some(i) = (0..a.len()).find(|&i| (a[i] - b[i]).abs() > 1e-4 * scale + 1e-6) {
-                return Err(format!("rank {rank}: {name}[{i}] single {} vs synced {} (max |value| {scale})", a[i], b[i]));
+                return Err(format!(
+                    "rank {rank}: {name}[{i}] single {} vs synced {} (max |value| {scale})",
+                    a[i], b[i]
+                ));
             }
         }
     }
@@ -214,15 +257,33 @@ fn cli_refuses_empty_runs() -> TestResult {
     let d = dir.display().to_string();
     let b = bad.display().to_string();
     let cases: [(&[&str], i32, &str); 3] = [
-        (&["--data", &d, "--epochs", "0"], 2, "--epochs 0 would train nothing"),
-        (&["--data", &d, "--limit-train", "0"], 2, "--limit-train 0 leaves no training images"),
-        (&["--data", &b, "--epochs", "1"], 1, "t10k-images-idx3-ubyte holds 10×10 images but the training split"),
+        (
+            &["--data", &d, "--epochs", "0"],
+            2,
+            "--epochs 0 would train nothing",
+        ),
+        (
+            &["--data", &d, "--limit-train", "0"],
+            2,
+            "--limit-train 0 leaves no training images",
+        ),
+        (
+            &["--data", &b, "--epochs", "1"],
+            1,
+            "t10k-images-idx3-ubyte holds 10×10 images but the training split",
+        ),
     ];
     for (args, code, want) in cases {
         let t = Instant::now();
-        let out = std::process::Command::new(env!("CARGO_BIN_EXE_train-cnn")).args(args).output().map_err(|e| e.to_string())?;
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_train-cnn"))
+            .args(args)
+            .output()
+            .map_err(|e| e.to_string())?;
         let err = String::from_utf8_lossy(&out.stderr);
-        if out.status.code() != Some(code) || !err.contains(want) || t.elapsed().as_secs_f64() > 10.0 {
+        if out.status.code() != Some(code)
+            || !err.contains(want)
+            || t.elapsed().as_secs_f64() > 10.0
+        {
             return Err(format!(
                 "train-cnn {args:?}: exit {:?} after {:.1} s, stderr: {err}",
                 out.status.code(),
@@ -237,13 +298,29 @@ fn cli_refuses_empty_runs() -> TestResult {
 fn main() -> std::process::ExitCode {
     let tests: [(&str, TestFn); 5] = [
         ("cli_refuses_empty_runs", cli_refuses_empty_runs),
-        ("sync_bn_matches_single_large_batch", sync_bn_matches_single_large_batch),
+        (
+            "sync_bn_matches_single_large_batch",
+            sync_bn_matches_single_large_batch,
+        ),
         ("metric_counts_exact_world_1_to_4", metric_counts_exact),
-        ("short_run_learns_and_is_deterministic", short_run_learns_and_is_deterministic),
-        ("resume_on_two_ranks_matches_straight_run", resume_on_two_ranks_matches_straight_run),
+        (
+            "short_run_learns_and_is_deterministic",
+            short_run_learns_and_is_deterministic,
+        ),
+        (
+            "resume_on_two_ranks_matches_straight_run",
+            resume_on_two_ranks_matches_straight_run,
+        ),
     ];
     let (_, real) = data_dir();
-    println!("data: {}", if real { "FashionMNIST at the default path" } else { "synthetic IDX files (dataset not installed)" });
+    println!(
+        "data: {}",
+        if real {
+            "FashionMNIST at the default path"
+        } else {
+            "synthetic IDX files (dataset not installed)"
+        }
+    );
     let (mut passed, mut failed) = (0, 0);
     for (name, f) in tests {
         let t = Instant::now();

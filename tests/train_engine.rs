@@ -71,7 +71,13 @@ fn idx_reader_rejects_corrupt_files_with_named_errors() {
     // Count mismatch.
     let l2 = write("two-labels", &data::encode_idx(&[2], &[1, 2]));
     let e = msg(data::load_pair(&ip, &l2).unwrap_err());
-    assert!(e.contains("ok-images") && e.contains("two-labels") && e.contains("3 images") && e.contains("2 labels"), "{e}");
+    assert!(
+        e.contains("ok-images")
+            && e.contains("two-labels")
+            && e.contains("3 images")
+            && e.contains("2 labels"),
+        "{e}"
+    );
     // Label out of range.
     let bad = write("bad-labels", &data::encode_idx(&[3], &[1, 12, 3]));
     let e = msg(data::load_pair(&ip, &bad).unwrap_err());
@@ -82,7 +88,10 @@ fn idx_reader_rejects_corrupt_files_with_named_errors() {
     assert!(e.contains("broken.gz-images"), "{e}");
     // Missing directory: install hint.
     let e = msg(data::load_split(&d.join("nope"), true).unwrap_err());
-    assert!(e.contains("apt-get install dataset-fashion-mnist") && e.contains("--data"), "{e}");
+    assert!(
+        e.contains("apt-get install dataset-fashion-mnist") && e.contains("--data"),
+        "{e}"
+    );
     let _ = std::fs::remove_dir_all(&d);
 }
 
@@ -97,14 +106,29 @@ fn checkpoint_round_trip_and_resume_equality() {
     let (tr, te) = small_data(640, 300);
     let d = tmpdir("ckpt");
     let ck = d.join("model.safetensors");
-    let base = TrainConfig { epochs: 2, batch_size: 64, ..TrainConfig::default() };
+    let base = TrainConfig {
+        epochs: 2,
+        batch_size: 64,
+        ..TrainConfig::default()
+    };
 
     let straight = run(&base, &tr, &te);
     let again = run(&base, &tr, &te);
-    assert_eq!(straight.reports[1].train_loss, again.reports[1].train_loss, "same seed, same losses");
+    assert_eq!(
+        straight.reports[1].train_loss, again.reports[1].train_loss,
+        "same seed, same losses"
+    );
     assert_eq!(straight.params, again.params, "same seed, same parameters");
 
-    let first = run(&TrainConfig { epochs: 1, save: Some(ck.clone()), ..base.clone() }, &tr, &te);
+    let first = run(
+        &TrainConfig {
+            epochs: 1,
+            save: Some(ck.clone()),
+            ..base.clone()
+        },
+        &tr,
+        &te,
+    );
     assert!(ck.exists() && checkpoint::optim_path(&ck).exists());
     assert_eq!(first.reports.len(), 1);
 
@@ -122,7 +146,13 @@ fn checkpoint_round_trip_and_resume_equality() {
     let stf = safetensors::SafeTensors::deserialize(&bytes).unwrap();
     let mut names = stf.names();
     names.sort();
-    for n in ["module1.0.weight", "module1.1.running_var", "module2.1.num_batches_tracked", "linear1.weight", "linear2.bias"] {
+    for n in [
+        "module1.0.weight",
+        "module1.1.running_var",
+        "module2.1.num_batches_tracked",
+        "linear1.weight",
+        "linear2.bias",
+    ] {
         assert!(names.contains(&n), "missing {n} in {names:?}");
     }
     let nbt = stf.tensor("module1.1.num_batches_tracked").unwrap();
@@ -131,12 +161,25 @@ fn checkpoint_round_trip_and_resume_equality() {
     assert_eq!(stf.tensor("linear1.weight").unwrap().shape(), &[64, 3136]);
 
     // Resume continues exactly where the first run stopped.
-    let resumed = run(&TrainConfig { resume: Some(ck.clone()), ..base.clone() }, &tr, &te);
+    let resumed = run(
+        &TrainConfig {
+            resume: Some(ck.clone()),
+            ..base.clone()
+        },
+        &tr,
+        &te,
+    );
     assert_eq!(resumed.reports.len(), 1);
     assert_eq!(resumed.reports[0].epoch, 2);
-    assert_eq!(resumed.reports[0].train_loss, straight.reports[1].train_loss);
+    assert_eq!(
+        resumed.reports[0].train_loss,
+        straight.reports[1].train_loss
+    );
     assert_eq!(resumed.reports[0].test_acc, straight.reports[1].test_acc);
-    assert_eq!(resumed.params, straight.params, "resumed run must match the straight run bit for bit");
+    assert_eq!(
+        resumed.params, straight.params,
+        "resumed run must match the straight run bit for bit"
+    );
     let _ = std::fs::remove_dir_all(&d);
 }
 
@@ -147,6 +190,9 @@ fn corrupt_checkpoint_is_a_clear_error() {
     std::fs::write(&p, b"not a checkpoint").unwrap();
     let mut m = Model::fashion_cnn(1).unwrap();
     let e = checkpoint::load_model(&p, &mut m).unwrap_err().to_string();
-    assert!(e.contains("m.safetensors") && e.contains("not a valid safetensors"), "{e}");
+    assert!(
+        e.contains("m.safetensors") && e.contains("not a valid safetensors"),
+        "{e}"
+    );
     let _ = std::fs::remove_dir_all(&d);
 }

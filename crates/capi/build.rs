@@ -7,10 +7,16 @@ use std::path::{Path, PathBuf};
 fn c_version() -> (u32, u32, u32, String) {
     let num = |k: &str| {
         let v = std::env::var(k).unwrap_or_else(|e| panic!("{k}: {e}"));
-        v.parse::<u32>().unwrap_or_else(|e| panic!("{k}={v:?}: {e}"))
+        v.parse::<u32>()
+            .unwrap_or_else(|e| panic!("{k}={v:?}: {e}"))
     };
     let pre = std::env::var("CARGO_PKG_VERSION_PRE").unwrap_or_default();
-    (num("CARGO_PKG_VERSION_MAJOR"), num("CARGO_PKG_VERSION_MINOR"), num("CARGO_PKG_VERSION_PATCH"), pre)
+    (
+        num("CARGO_PKG_VERSION_MAJOR"),
+        num("CARGO_PKG_VERSION_MINOR"),
+        num("CARGO_PKG_VERSION_PATCH"),
+        pre,
+    )
 }
 
 /// The shared library (`liblockstep.so`, this crate's cdylib), linked through
@@ -27,9 +33,13 @@ fn c_library() {
     let soname = format!("liblockstep.so.{major}");
     let out = PathBuf::from(std::env::var("OUT_DIR").unwrap());
     let map = out.join("lockstep.map");
-    std::fs::write(&map, "{\n  global: lockstep*;\n  local: *;\n};\n").unwrap_or_else(|e| panic!("write {}: {e}", map.display()));
+    std::fs::write(&map, "{\n  global: lockstep*;\n  local: *;\n};\n")
+        .unwrap_or_else(|e| panic!("write {}: {e}", map.display()));
     println!("cargo:rustc-cdylib-link-arg=-Wl,-soname,{soname}");
-    println!("cargo:rustc-cdylib-link-arg=-Wl,--version-script={}", map.display());
+    println!(
+        "cargo:rustc-cdylib-link-arg=-Wl,--version-script={}",
+        map.display()
+    );
     soname_links(&out, &soname);
 }
 
@@ -40,7 +50,9 @@ fn c_library() {
 /// half-made link; an unexpected layout only gets a warning.
 fn soname_links(out: &Path, soname: &str) {
     let profile = match out.ancestors().nth(3) {
-        Some(p) if out.ancestors().nth(2).and_then(Path::file_name) == Some("build".as_ref()) => p.to_path_buf(),
+        Some(p) if out.ancestors().nth(2).and_then(Path::file_name) == Some("build".as_ref()) => {
+            p.to_path_buf()
+        }
         _ => {
             println!("cargo:warning=OUT_DIR {} is not <target>/<profile>/build/*/out: no {soname} link made; programs linked against the build tree will not find the library", out.display());
             return;
@@ -58,7 +70,10 @@ fn soname_links(out: &Path, soname: &str) {
             .and_then(|()| std::fs::rename(&tmp, &link));
         if let Err(e) = made {
             let _ = std::fs::remove_file(&tmp);
-            println!("cargo:warning=could not link {} -> liblockstep.so: {e}", link.display());
+            println!(
+                "cargo:warning=could not link {} -> liblockstep.so: {e}",
+                link.display()
+            );
         }
     }
 }
@@ -83,16 +98,22 @@ fn version_macros() -> String {
 fn c_header() {
     let root = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").unwrap());
     println!("cargo:rerun-if-changed={}", root.join("src").display());
-    println!("cargo:rerun-if-changed={}", root.join("cbindgen.toml").display());
+    println!(
+        "cargo:rerun-if-changed={}",
+        root.join("cbindgen.toml").display()
+    );
     println!("cargo:rerun-if-env-changed=LOCKSTEP_UPDATE_HEADER");
-    let mut config = cbindgen::Config::from_file(root.join("cbindgen.toml")).unwrap_or_else(|e| panic!("cbindgen.toml: {e}"));
+    let mut config = cbindgen::Config::from_file(root.join("cbindgen.toml"))
+        .unwrap_or_else(|e| panic!("cbindgen.toml: {e}"));
     let rest = config.after_includes.take().unwrap_or_default();
     config.after_includes = Some(format!("\n{}\n{}", version_macros(), rest.trim_end()));
     let bindings = cbindgen::Builder::new()
         .with_config(config)
         .with_src(root.join("src/lib.rs"))
         .generate()
-        .unwrap_or_else(|e| panic!("cbindgen could not generate the C header from src/lib.rs: {e}"));
+        .unwrap_or_else(|e| {
+            panic!("cbindgen could not generate the C header from src/lib.rs: {e}")
+        });
     let mut text = Vec::new();
     bindings.write(&mut text);
     let out = PathBuf::from(std::env::var("OUT_DIR").unwrap()).join("lockstep.h");
@@ -102,7 +123,8 @@ fn c_header() {
         return;
     }
     if std::env::var("LOCKSTEP_UPDATE_HEADER").as_deref() == Ok("1") {
-        write_atomically(&checked_in, &text).unwrap_or_else(|e| panic!("update {}: {e}", checked_in.display()));
+        write_atomically(&checked_in, &text)
+            .unwrap_or_else(|e| panic!("update {}: {e}", checked_in.display()));
     } else {
         println!(
             "cargo:warning=include/lockstep.h differs from what src/capi generates ({}): regenerate it with LOCKSTEP_UPDATE_HEADER=1 cargo build --release",
@@ -117,9 +139,19 @@ fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     use std::io::Write as _;
     let dir = path.parent().expect("a file path has a parent");
     std::fs::create_dir_all(dir)?;
-    let tmp = dir.join(format!(".{}.tmp.{}", path.file_name().unwrap().to_string_lossy(), std::process::id()));
-    let mut f = std::fs::OpenOptions::new().write(true).create_new(true).open(&tmp)?;
-    let done = f.write_all(bytes).and_then(|()| f.sync_all()).and_then(|()| std::fs::rename(&tmp, path));
+    let tmp = dir.join(format!(
+        ".{}.tmp.{}",
+        path.file_name().unwrap().to_string_lossy(),
+        std::process::id()
+    ));
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&tmp)?;
+    let done = f
+        .write_all(bytes)
+        .and_then(|()| f.sync_all())
+        .and_then(|()| std::fs::rename(&tmp, path));
     if done.is_err() {
         let _ = std::fs::remove_file(&tmp);
     }

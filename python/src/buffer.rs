@@ -97,7 +97,10 @@ impl Drop for View {
 }
 
 fn type_name(obj: &Bound<'_, PyAny>) -> String {
-    obj.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".into())
+    obj.get_type()
+        .name()
+        .map(|n| n.to_string())
+        .unwrap_or_else(|_| "?".into())
 }
 
 fn not_contiguous(what: &str, shape: &[usize], strides: &[isize], unit: &str) -> PyErr {
@@ -157,9 +160,18 @@ bytearray, memoryview, array.array, a torch CPU tensor)",
         }
         // From here `raw` is owned by a View, so every early return releases it.
         let addr = raw.buf as usize;
-        let mut v =
-            View { holder: Holder::Buffer(raw), addr, dtype: Dtype::U8, len: 0, readonly: false, loc: Loc::Host, space: MemSpace::Host };
-        let Holder::Buffer(r) = &v.holder else { unreachable!("just built") };
+        let mut v = View {
+            holder: Holder::Buffer(raw),
+            addr,
+            dtype: Dtype::U8,
+            len: 0,
+            readonly: false,
+            loc: Loc::Host,
+            space: MemSpace::Host,
+        };
+        let Holder::Buffer(r) = &v.holder else {
+            unreachable!("just built")
+        };
         v.readonly = r.readonly != 0;
         let itemsize = usize::try_from(r.itemsize).unwrap_or(0);
         let ndim = usize::try_from(r.ndim).unwrap_or(0);
@@ -167,9 +179,12 @@ bytearray, memoryview, array.array, a torch CPU tensor)",
             "B".to_string()
         } else {
             // SAFETY: a non-null format is a NUL-terminated string owned by the view.
-            unsafe { CStr::from_ptr(r.format) }.to_string_lossy().into_owned()
+            unsafe { CStr::from_ptr(r.format) }
+                .to_string_lossy()
+                .into_owned()
         };
-        v.dtype = dtype_of(&format, itemsize).map_err(|m| PyTypeError::new_err(format!("{what}: {m}")))?;
+        v.dtype = dtype_of(&format, itemsize)
+            .map_err(|m| PyTypeError::new_err(format!("{what}: {m}")))?;
         // Shape and strides (NULL shape: one dimension of len/itemsize; NULL strides: C order).
         let shape: Vec<usize> = if ndim == 0 {
             Vec::new()
@@ -177,7 +192,10 @@ bytearray, memoryview, array.array, a torch CPU tensor)",
             vec![usize::try_from(r.len).unwrap_or(0) / itemsize.max(1)]
         } else {
             // SAFETY: with PyBUF_ND the exporter fills `shape` with `ndim` entries.
-            unsafe { std::slice::from_raw_parts(r.shape, ndim) }.iter().map(|&s| s.max(0) as usize).collect()
+            unsafe { std::slice::from_raw_parts(r.shape, ndim) }
+                .iter()
+                .map(|&s| s.max(0) as usize)
+                .collect()
         };
         let len: usize = shape.iter().product();
         if !r.strides.is_null() && ndim > 0 {
@@ -196,7 +214,10 @@ bytearray, memoryview, array.array, a torch CPU tensor)",
     /// `max_version` is asked for). Host memory only.
     fn from_dlpack(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<View> {
         let capsule = obj.call_method0("__dlpack__").map_err(|e| {
-            let err = PyTypeError::new_err(format!("{what}: the {}'s __dlpack__() failed: {e}", type_name(obj)));
+            let err = PyTypeError::new_err(format!(
+                "{what}: the {}'s __dlpack__() failed: {e}",
+                type_name(obj)
+            ));
             err.set_cause(obj.py(), Some(e));
             err
         })?;
@@ -205,7 +226,10 @@ bytearray, memoryview, array.array, a torch CPU tensor)",
         let p = unsafe { pyo3::ffi::PyCapsule_GetPointer(capsule.as_ptr(), c"dltensor".as_ptr()) };
         if p.is_null() {
             let cause = PyErr::take(obj.py());
-            let err = PyTypeError::new_err(format!("{what}: the {}'s __dlpack__() did not return a DLPack capsule", type_name(obj)));
+            let err = PyTypeError::new_err(format!(
+                "{what}: the {}'s __dlpack__() did not return a DLPack capsule",
+                type_name(obj)
+            ));
             err.set_cause(obj.py(), cause);
             return Err(err);
         }
@@ -229,18 +253,32 @@ memory (move it with .cpu())",
             Vec::new()
         } else {
             // SAFETY: DLPack gives `ndim` shape entries.
-            unsafe { std::slice::from_raw_parts(t.shape, ndim) }.iter().map(|&s| s.max(0) as usize).collect()
+            unsafe { std::slice::from_raw_parts(t.shape, ndim) }
+                .iter()
+                .map(|&s| s.max(0) as usize)
+                .collect()
         };
         let len: usize = shape.iter().product();
         if !t.strides.is_null() && ndim > 0 {
             // SAFETY: non-NULL strides have `ndim` entries (in elements).
-            let st: Vec<isize> = unsafe { std::slice::from_raw_parts(t.strides, ndim) }.iter().map(|&s| s as isize).collect();
+            let st: Vec<isize> = unsafe { std::slice::from_raw_parts(t.strides, ndim) }
+                .iter()
+                .map(|&s| s as isize)
+                .collect();
             if len > 0 && !c_contiguous(&shape, &st, 1) {
                 return Err(not_contiguous(what, &shape, &st, "elements"));
             }
         }
         let addr = (t.data as usize).wrapping_add(t.byte_offset as usize);
-        let v = View { holder: Holder::Capsule(capsule.unbind()), addr, dtype, len, readonly: false, loc, space: MemSpace::Host };
+        let v = View {
+            holder: Holder::Capsule(capsule.unbind()),
+            addr,
+            dtype,
+            len,
+            readonly: false,
+            loc,
+            space: MemSpace::Host,
+        };
         v.check_aligned(what)?;
         Ok(v)
     }
@@ -251,11 +289,19 @@ memory (move it with .cpu())",
     fn from_cuda_array_interface(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<View> {
         let bad = |m: String| PyTypeError::new_err(format!("{what}: __cuda_array_interface__ {m}"));
         let cai = obj.getattr("__cuda_array_interface__")?;
-        let item = |k: &str| cai.get_item(k).map_err(|_| bad(format!("has no {k:?} entry")));
-        let (addr, readonly): (usize, bool) =
-            item("data")?.extract().map_err(|_| bad("\"data\" is not (pointer, read-only flag)".into()))?;
-        let shape: Vec<usize> = item("shape")?.extract().map_err(|_| bad("\"shape\" is not a tuple of sizes".into()))?;
-        let typestr: String = item("typestr")?.extract().map_err(|_| bad("\"typestr\" is not a string".into()))?;
+        let item = |k: &str| {
+            cai.get_item(k)
+                .map_err(|_| bad(format!("has no {k:?} entry")))
+        };
+        let (addr, readonly): (usize, bool) = item("data")?
+            .extract()
+            .map_err(|_| bad("\"data\" is not (pointer, read-only flag)".into()))?;
+        let shape: Vec<usize> = item("shape")?
+            .extract()
+            .map_err(|_| bad("\"shape\" is not a tuple of sizes".into()))?;
+        let typestr: String = item("typestr")?
+            .extract()
+            .map_err(|_| bad("\"typestr\" is not a string".into()))?;
         if cai.get_item("mask").is_ok_and(|m| !m.is_none()) {
             return Err(bad("has a mask; masked arrays are not supported".into()));
         }
@@ -269,7 +315,9 @@ memory (move it with .cpu())",
         };
         let itemsize: usize = typestr.get(2..).and_then(|n| n.parse().ok()).unwrap_or(0);
         if !native || itemsize == 0 {
-            return Err(bad(format!("typestr {typestr:?} is not an element type in this machine's byte order")));
+            return Err(bad(format!(
+                "typestr {typestr:?} is not an element type in this machine's byte order"
+            )));
         }
         let kind = b[1];
         let letter = match (kind, itemsize) {
@@ -280,18 +328,31 @@ memory (move it with .cpu())",
             (b'u', _) => "Q",
             _ => "?",
         };
-        let dtype = dtype_of(letter, itemsize).map_err(|_| bad(format!("typestr {typestr:?} is not a lockstep element type")))?;
+        let dtype = dtype_of(letter, itemsize).map_err(|_| {
+            bad(format!(
+                "typestr {typestr:?} is not a lockstep element type"
+            ))
+        })?;
         let len: usize = shape.iter().product();
         if let Ok(st) = cai.get_item("strides") {
             if !st.is_none() {
-                let st: Vec<isize> = st.extract().map_err(|_| bad("\"strides\" is not a tuple of byte strides".into()))?;
+                let st: Vec<isize> = st
+                    .extract()
+                    .map_err(|_| bad("\"strides\" is not a tuple of byte strides".into()))?;
                 if len > 0 && !c_contiguous(&shape, &st, itemsize as isize) {
                     return Err(not_contiguous(what, &shape, &st, "bytes"));
                 }
             }
         }
-        let v =
-            View { holder: Holder::Tensor(obj.clone().unbind()), addr, dtype, len, readonly, loc: Loc::Cuda(None), space: MemSpace::Host };
+        let v = View {
+            holder: Holder::Tensor(obj.clone().unbind()),
+            addr,
+            dtype,
+            len,
+            readonly,
+            loc: Loc::Cuda(None),
+            space: MemSpace::Host,
+        };
         v.check_aligned(what)?;
         Ok(v)
     }
@@ -310,8 +371,16 @@ memory (move it with .cpu())",
 
     /// This view for reading.
     pub fn mem(&self) -> Mem {
-        let addr = if self.len == 0 { self.dtype.size() } else { self.addr };
-        Mem { addr, len: self.len, space: self.space }
+        let addr = if self.len == 0 {
+            self.dtype.size()
+        } else {
+            self.addr
+        };
+        Mem {
+            addr,
+            len: self.len,
+            space: self.space,
+        }
     }
 
     /// This view for writing: refused when the exporter is read-only.
@@ -403,7 +472,9 @@ impl Torch {
         let loc = if cpu {
             Loc::Host
         } else if t.getattr(pyo3::intern!(py, "is_cuda"))?.is_truthy()? {
-            Loc::Cuda(Some(t.call_method0(pyo3::intern!(py, "get_device"))?.extract()?))
+            Loc::Cuda(Some(
+                t.call_method0(pyo3::intern!(py, "get_device"))?.extract()?,
+            ))
         } else {
             let device = t.getattr(pyo3::intern!(py, "device"))?;
             return Err(PyTypeError::new_err(format!(
@@ -419,13 +490,25 @@ uint8/32/64; bool, int16 and complex are not)"
             )));
         };
         let len: usize = t.call_method0(pyo3::intern!(py, "numel"))?.extract()?;
-        if len > 0 && !t.call_method0(pyo3::intern!(py, "is_contiguous"))?.is_truthy()? {
+        if len > 0
+            && !t
+                .call_method0(pyo3::intern!(py, "is_contiguous"))?
+                .is_truthy()?
+        {
             let shape: Vec<usize> = t.getattr(pyo3::intern!(py, "shape"))?.extract()?;
             let strides: Vec<isize> = t.call_method0(pyo3::intern!(py, "stride"))?.extract()?;
             return Err(not_contiguous(what, &shape, &strides, "elements"));
         }
         let addr: usize = t.call_method0(pyo3::intern!(py, "data_ptr"))?.extract()?;
-        let v = View { holder: Holder::Tensor(t.clone().unbind()), addr, dtype, len, readonly: false, loc, space: MemSpace::Host };
+        let v = View {
+            holder: Holder::Tensor(t.clone().unbind()),
+            addr,
+            dtype,
+            len,
+            readonly: false,
+            loc,
+            space: MemSpace::Host,
+        };
         v.check_aligned(what)?;
         Ok(v)
     }
@@ -571,7 +654,11 @@ impl Mem {
     /// An empty buffer for arguments a rank does not use (gather's recv off the root), at an
     /// address aligned for any element type, in the communicator's memory space.
     pub fn empty(space: MemSpace) -> Mem {
-        Mem { addr: 8, len: 0, space }
+        Mem {
+            addr: 8,
+            len: 0,
+            space,
+        }
     }
 }
 
@@ -583,7 +670,11 @@ impl Mem {
 // to that dtype (see `dispatch!`). An empty Mem covers no byte.
 unsafe impl<T: Element> Buffer<T> for Mem {
     fn raw(&self) -> RawMem {
-        RawMem { addr: self.addr, len: self.len, space: self.space }
+        RawMem {
+            addr: self.addr,
+            len: self.len,
+            space: self.space,
+        }
     }
 }
 
@@ -591,6 +682,10 @@ unsafe impl<T: Element> Buffer<T> for Mem {
 // refused when send and recv overlap, so nothing else reaches the bytes during the call.
 unsafe impl<T: Element> BufferMut<T> for Mem {
     fn raw_mut(&mut self) -> RawMem {
-        RawMem { addr: self.addr, len: self.len, space: self.space }
+        RawMem {
+            addr: self.addr,
+            len: self.len,
+            space: self.space,
+        }
     }
 }

@@ -68,7 +68,9 @@ macro_rules! dispatch {
                 type $T = u64;
                 $body
             }
-            other => Err(CommError::Unsupported(format!("element type {other} is not supported by the Python bindings yet"))),
+            other => Err(CommError::Unsupported(format!(
+                "element type {other} is not supported by the Python bindings yet"
+            ))),
         }
     };
 }
@@ -93,7 +95,10 @@ pub struct PyComm {
 }
 
 fn cuda_err(e: lockstep::cuda::CudaError) -> CommError {
-    CommError::Backend { backend: "cuda", message: e.to_string() }
+    CommError::Backend {
+        backend: "cuda",
+        message: e.to_string(),
+    }
 }
 
 impl PyComm {
@@ -110,7 +115,9 @@ impl PyComm {
 
     /// The memory space of this communicator's buffers.
     fn space(&self) -> MemSpace {
-        self.ctx.as_ref().map_or(MemSpace::Host, |c| MemSpace::Device(c.ordinal()))
+        self.ctx
+            .as_ref()
+            .map_or(MemSpace::Host, |c| MemSpace::Device(c.ordinal()))
     }
 
     /// Run `f` on the communicator with the GIL released.
@@ -127,10 +134,15 @@ impl PyComm {
         py.detach(|| {
             let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
             let Some(c) = g.as_mut() else {
-                return Err(CommError::Unsupported(format!("rank {}: this communicator was closed; make a new one", self.rank)));
+                return Err(CommError::Unsupported(format!(
+                    "rank {}: this communicator was closed; make a new one",
+                    self.rank
+                )));
             };
             if let Some(ctx) = &self.ctx {
-                ctx.bind().and_then(|_| ctx.synchronize()).map_err(cuda_err)?;
+                ctx.bind()
+                    .and_then(|_| ctx.synchronize())
+                    .map_err(cuda_err)?;
             }
             f(c)?;
             if self.ctx.is_some() {
@@ -184,7 +196,11 @@ impl PyComm {
         let detail = Python::attach(|py| err.value(py).to_string());
         let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(c) = g.as_mut() {
-            let reason = CommError::InvalidArgument { op: kind, rank: self.rank, detail };
+            let reason = CommError::InvalidArgument {
+                op: kind,
+                rank: self.rank,
+                detail,
+            };
             c.reject_call(kind, dtype, &reason);
         }
         err
@@ -193,26 +209,40 @@ impl PyComm {
     /// Export `obj` for `kind`, refusing the call (peers included) when that fails.
     fn view(&self, kind: CollKind, obj: &Bound<'_, PyAny>, what: &str) -> PyResult<View> {
         let mut v = View::new(obj, what).map_err(|e| self.refuse(kind, Dtype::U8, e))?;
-        self.place(&mut v, what).map_err(|e| self.refuse(kind, v.dtype, e))?;
+        self.place(&mut v, what)
+            .map_err(|e| self.refuse(kind, v.dtype, e))?;
         Ok(v)
     }
 
     /// Export `obj` for writing.
-    fn view_mut(&self, kind: CollKind, obj: &Bound<'_, PyAny>, what: &str) -> PyResult<(View, Mem)> {
+    fn view_mut(
+        &self,
+        kind: CollKind,
+        obj: &Bound<'_, PyAny>,
+        what: &str,
+    ) -> PyResult<(View, Mem)> {
         let v = self.view(kind, obj, what)?;
         let m = v.mem_mut(what).map_err(|e| self.refuse(kind, v.dtype, e))?;
         Ok((v, m))
     }
 
     /// Send and recv views of an out-of-place call: same dtype, no shared byte.
-    fn pair(&self, kind: CollKind, send: &Bound<'_, PyAny>, recv: &Bound<'_, PyAny>) -> PyResult<(View, View, Mem)> {
+    fn pair(
+        &self,
+        kind: CollKind,
+        send: &Bound<'_, PyAny>,
+        recv: &Bound<'_, PyAny>,
+    ) -> PyResult<(View, View, Mem)> {
         let s = self.view(kind, send, "send")?;
         let (r, rm) = self.view_mut(kind, recv, "recv")?;
         if s.dtype != r.dtype {
             return Err(self.refuse(
                 kind,
                 s.dtype,
-                PyTypeError::new_err(format!("send holds {} but recv holds {}; they must have the same element type", s.dtype, r.dtype)),
+                PyTypeError::new_err(format!(
+                    "send holds {} but recv holds {}; they must have the same element type",
+                    s.dtype, r.dtype
+                )),
             ));
         }
         if s.overlaps(&r) {
@@ -228,7 +258,13 @@ impl PyComm {
     }
 
     /// Optional view for an argument only some ranks use (None: empty).
-    fn optional(&self, kind: CollKind, obj: Option<&Bound<'_, PyAny>>, what: &str, write: bool) -> PyResult<(Option<View>, Mem)> {
+    fn optional(
+        &self,
+        kind: CollKind,
+        obj: Option<&Bound<'_, PyAny>>,
+        what: &str,
+        write: bool,
+    ) -> PyResult<(Option<View>, Mem)> {
         match obj {
             None => Ok((None, Mem::empty(self.space()))),
             Some(o) if write => self.view_mut(kind, o, what).map(|(v, m)| (Some(v), m)),
@@ -246,16 +282,24 @@ impl PyComm {
             (Some(x), Some(y)) if x.dtype != y.dtype => Err(self.refuse(
                 kind,
                 x.dtype,
-                PyTypeError::new_err(format!("send holds {} but recv holds {}; they must have the same element type", x.dtype, y.dtype)),
+                PyTypeError::new_err(format!(
+                    "send holds {} but recv holds {}; they must have the same element type",
+                    x.dtype, y.dtype
+                )),
             )),
-            (Some(x), Some(y)) if x.overlaps(y) => {
-                Err(self.refuse(kind, x.dtype, PyValueError::new_err("send and recv share memory; pass separate buffers")))
-            }
+            (Some(x), Some(y)) if x.overlaps(y) => Err(self.refuse(
+                kind,
+                x.dtype,
+                PyValueError::new_err("send and recv share memory; pass separate buffers"),
+            )),
             (Some(x), _) | (None, Some(x)) => Ok(x.dtype),
             (None, None) => Err(self.refuse(
                 kind,
                 Dtype::U8,
-                PyValueError::new_err(format!("{kind} needs at least one of send and recv on this rank (rank {})", self.rank)),
+                PyValueError::new_err(format!(
+                    "{kind} needs at least one of send and recv on this rank (rank {})",
+                    self.rank
+                )),
             )),
         }
     }
@@ -264,23 +308,42 @@ impl PyComm {
 impl PyComm {
     /// In-place all-reduce with the op already parsed (shared by the Python method and
     /// [`TorchAllReduce`]).
-    fn all_reduce_in_place_op(&self, py: Python<'_>, buf: &Bound<'_, PyAny>, op: ReduceOp) -> PyResult<()> {
+    fn all_reduce_in_place_op(
+        &self,
+        py: Python<'_>,
+        buf: &Bound<'_, PyAny>,
+        op: ReduceOp,
+    ) -> PyResult<()> {
         let (v, mut m) = self.view_mut(CollKind::AllReduce, buf, "buf")?;
         let dt = v.dtype;
-        self.run(py, move |c| dispatch!(dt, T => c.all_reduce_in_place::<T, _>(&mut m, op)))
+        self.run(
+            py,
+            move |c| dispatch!(dt, T => c.all_reduce_in_place::<T, _>(&mut m, op)),
+        )
     }
 
     /// [`all_reduce_in_place_op`](Self::all_reduce_in_place_op) on a tensor whose `is_cpu` the
     /// caller read already (True): one attribute read less on the 8-byte path.
-    fn all_reduce_cpu_tensor(&self, py: Python<'_>, t: &Bound<'_, PyAny>, op: ReduceOp) -> PyResult<()> {
+    fn all_reduce_cpu_tensor(
+        &self,
+        py: Python<'_>,
+        t: &Bound<'_, PyAny>,
+        op: ReduceOp,
+    ) -> PyResult<()> {
         let Some(v) = View::torch_cpu(t, "buf") else {
             return self.all_reduce_in_place_op(py, t, op);
         };
         let mut v = v.map_err(|e| self.refuse(CollKind::AllReduce, Dtype::U8, e))?;
-        self.place(&mut v, "buf").map_err(|e| self.refuse(CollKind::AllReduce, v.dtype, e))?;
-        let mut m = v.mem_mut("buf").map_err(|e| self.refuse(CollKind::AllReduce, v.dtype, e))?;
+        self.place(&mut v, "buf")
+            .map_err(|e| self.refuse(CollKind::AllReduce, v.dtype, e))?;
+        let mut m = v
+            .mem_mut("buf")
+            .map_err(|e| self.refuse(CollKind::AllReduce, v.dtype, e))?;
         let dt = v.dtype;
-        self.run(py, move |c| dispatch!(dt, T => c.all_reduce_in_place::<T, _>(&mut m, op)))
+        self.run(
+            py,
+            move |c| dispatch!(dt, T => c.all_reduce_in_place::<T, _>(&mut m, op)),
+        )
     }
 }
 
@@ -307,15 +370,32 @@ pub struct TorchAllReduce {
 #[pymethods]
 impl TorchAllReduce {
     #[new]
-    fn new(comm: Py<PyComm>, sum: Py<PyAny>, op_name: Py<PyAny>, done: Py<PyAny>, device: Py<PyAny>) -> TorchAllReduce {
-        TorchAllReduce { comm, sum, op_name, done, device }
+    fn new(
+        comm: Py<PyComm>,
+        sum: Py<PyAny>,
+        op_name: Py<PyAny>,
+        done: Py<PyAny>,
+        device: Py<PyAny>,
+    ) -> TorchAllReduce {
+        TorchAllReduce {
+            comm,
+            sum,
+            op_name,
+            done,
+            device,
+        }
     }
 
     /// All-reduce each tensor of `tensors` in place with `opts.reduceOp` (sum without opts).
     /// Returns a completed Work, or None when `opts.asyncOp` is False (torch's blocking wrappers
     /// accept None).
     #[pyo3(signature = (tensors, opts=None))]
-    fn __call__<'py>(&self, py: Python<'py>, tensors: Bound<'py, PyAny>, opts: Option<Bound<'py, PyAny>>) -> PyResult<Bound<'py, PyAny>> {
+    fn __call__<'py>(
+        &self,
+        py: Python<'py>,
+        tensors: Bound<'py, PyAny>,
+        opts: Option<Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
         let comm = self.comm.get();
         // torch passes a list of tensors of one device per call (read without raising: an
         // exception costs more than the 8-byte collective).
@@ -339,8 +419,13 @@ impl TorchAllReduce {
                     ReduceOp::Sum
                 } else {
                     // An op lockstep lacks fails here; the peers are told, so they fail too.
-                    let name = self.op_name.bind(py).call1((rop,)).and_then(|n| n.extract::<String>());
-                    name.and_then(|n| parse_op(&n)).map_err(|e| comm.refuse(CollKind::AllReduce, Dtype::U8, e))?
+                    let name = self
+                        .op_name
+                        .bind(py)
+                        .call1((rop,))
+                        .and_then(|n| n.extract::<String>());
+                    name.and_then(|n| parse_op(&n))
+                        .map_err(|e| comm.refuse(CollKind::AllReduce, Dtype::U8, e))?
                 };
                 let asynchronous = o.getattr(pyo3::intern!(py, "asyncOp"))?;
                 (op, !asynchronous.is(&*pyo3::types::PyBool::new(py, false)))
@@ -348,7 +433,9 @@ impl TorchAllReduce {
         };
         match tensors.cast::<PyList>() {
             // One tensor (every dist.all_reduce): its is_cpu was read above.
-            Ok(list) if list.len() == 1 => comm.all_reduce_cpu_tensor(py, &list.get_item(0)?, op)?,
+            Ok(list) if list.len() == 1 => {
+                comm.all_reduce_cpu_tensor(py, &list.get_item(0)?, op)?
+            }
             _ => {
                 for t in tensors.try_iter()? {
                     comm.all_reduce_in_place_op(py, &t?, op)?;
@@ -402,7 +489,7 @@ impl PyComm {
         self.ctx.as_ref().map(|c| c.ordinal())
     }
 
-    /// A device communicator made from this host one, for CUDA tensors (and any
+    /// A device communicator made from this (host) communicator, for CUDA tensors (and any
     /// `__cuda_array_interface__` or DLPack CUDA buffer): NCCL when every rank of the node has its
     /// own GPU, otherwise staged through this communicator's shared memory. A collective: every
     /// rank calls it. The rank uses device `local_rank % device count` (`local_rank` defaults to
@@ -413,10 +500,11 @@ impl PyComm {
         let local_rank = match local_rank {
             Some(r) => r,
             None => match std::env::var("LOCAL_RANK") {
-                Ok(v) if !v.is_empty() => v
-                    .trim()
-                    .parse()
-                    .map_err(|_| PyValueError::new_err(format!("LOCAL_RANK={v:?} is not a rank number; pass local_rank explicitly")))?,
+                Ok(v) if !v.is_empty() => v.trim().parse().map_err(|_| {
+                    PyValueError::new_err(format!(
+                        "LOCAL_RANK={v:?} is not a rank number; pass local_rank explicitly"
+                    ))
+                })?,
                 _ => self.rank,
             },
         };
@@ -428,9 +516,15 @@ impl PyComm {
             )));
         }
         let host = self.inner.lock().unwrap_or_else(|p| p.into_inner()).take();
-        let host = host
-            .ok_or_else(|| comm_err(CommError::Unsupported(format!("rank {}: this communicator was closed; make a new one", self.rank))))?;
-        let (c, _ctx) = py.detach(|| lockstep::rendezvous::device_communicator(host, local_rank)).map_err(comm_err)?;
+        let host = host.ok_or_else(|| {
+            comm_err(CommError::Unsupported(format!(
+                "rank {}: this communicator was closed; make a new one",
+                self.rank
+            )))
+        })?;
+        let (c, _ctx) = py
+            .detach(|| lockstep::rendezvous::device_communicator(host, local_rank))
+            .map_err(comm_err)?;
         Ok(PyComm::new(c))
     }
 
@@ -455,7 +549,10 @@ host (shared-memory) communicators",
                 let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
                 match g.as_mut() {
                     Some(c) => c.alloc_shared::<u8>(nbytes),
-                    None => Err(CommError::Unsupported(format!("rank {}: this communicator was closed; make a new one", self.rank))),
+                    None => Err(CommError::Unsupported(format!(
+                        "rank {}: this communicator was closed; make a new one",
+                        self.rank
+                    ))),
                 }
             })
             .map_err(comm_err)?;
@@ -465,11 +562,18 @@ host (shared-memory) communicators",
     /// Number of collectives issued so far on this rank.
     #[getter]
     fn seq(&self) -> u64 {
-        self.inner.lock().unwrap_or_else(|p| p.into_inner()).as_ref().map_or(0, |c| c.seq())
+        self.inner
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .map_or(0, |c| c.seq())
     }
 
     fn __repr__(&self) -> String {
-        format!("<lockstep.Communicator rank {} of {} ({})>", self.rank, self.world, self.backend)
+        format!(
+            "<lockstep.Communicator rank {} of {} ({})>",
+            self.rank, self.world, self.backend
+        )
     }
 
     /// Element-wise reduction of every rank's `send` into `recv` (same length); `recv=None`
@@ -489,13 +593,21 @@ host (shared-memory) communicators",
         };
         let (s, _r, mut rm) = self.pair(kind, &send, &recv)?;
         let (dt, sm) = (s.dtype, s.mem());
-        self.run(py, move |c| dispatch!(dt, T => c.all_reduce::<T, _, _>(&sm, &mut rm, op)))?;
+        self.run(
+            py,
+            move |c| dispatch!(dt, T => c.all_reduce::<T, _, _>(&sm, &mut rm, op)),
+        )?;
         Ok(recv)
     }
 
     /// In-place all-reduce: `buf` is both input and result.
     #[pyo3(signature = (buf, op="sum"))]
-    fn all_reduce_in_place<'py>(&self, py: Python<'py>, buf: Bound<'py, PyAny>, op: &str) -> PyResult<Bound<'py, PyAny>> {
+    fn all_reduce_in_place<'py>(
+        &self,
+        py: Python<'py>,
+        buf: Bound<'py, PyAny>,
+        op: &str,
+    ) -> PyResult<Bound<'py, PyAny>> {
         let op = parse_op(op).map_err(|e| self.refuse(CollKind::AllReduce, Dtype::U8, e))?;
         self.all_reduce_in_place_op(py, &buf, op)?;
         Ok(buf)
@@ -516,16 +628,27 @@ host (shared-memory) communicators",
         };
         let (s, _r, mut rm) = self.pair(CollKind::Broadcast, &send, &recv)?;
         let (dt, sm) = (s.dtype, s.mem());
-        self.run(py, move |c| dispatch!(dt, T => c.broadcast::<T, _, _>(&sm, &mut rm, root)))?;
+        self.run(
+            py,
+            move |c| dispatch!(dt, T => c.broadcast::<T, _, _>(&sm, &mut rm, root)),
+        )?;
         Ok(recv)
     }
 
     /// In-place broadcast: `buf` of rank `root` is copied into `buf` of every rank.
     #[pyo3(signature = (buf, root=0))]
-    fn broadcast_in_place<'py>(&self, py: Python<'py>, buf: Bound<'py, PyAny>, root: usize) -> PyResult<Bound<'py, PyAny>> {
+    fn broadcast_in_place<'py>(
+        &self,
+        py: Python<'py>,
+        buf: Bound<'py, PyAny>,
+        root: usize,
+    ) -> PyResult<Bound<'py, PyAny>> {
         let (v, mut m) = self.view_mut(CollKind::Broadcast, &buf, "buf")?;
         let dt = v.dtype;
-        self.run(py, move |c| dispatch!(dt, T => c.broadcast_in_place::<T, _>(&mut m, root)))?;
+        self.run(
+            py,
+            move |c| dispatch!(dt, T => c.broadcast_in_place::<T, _>(&mut m, root)),
+        )?;
         Ok(buf)
     }
 
@@ -548,18 +671,30 @@ host (shared-memory) communicators",
         };
         let (s, _r, mut rm) = self.pair(kind, &send, &recv)?;
         let (dt, sm) = (s.dtype, s.mem());
-        self.run(py, move |c| dispatch!(dt, T => c.reduce::<T, _, _>(&sm, &mut rm, op, root)))?;
+        self.run(
+            py,
+            move |c| dispatch!(dt, T => c.reduce::<T, _, _>(&sm, &mut rm, op, root)),
+        )?;
         Ok((self.rank == root).then_some(recv))
     }
 
     /// In-place reduce: on `root`, `buf` receives the result; elsewhere it is left unchanged.
     #[pyo3(signature = (buf, op="sum", root=0))]
-    fn reduce_in_place<'py>(&self, py: Python<'py>, buf: Bound<'py, PyAny>, op: &str, root: usize) -> PyResult<Option<Bound<'py, PyAny>>> {
+    fn reduce_in_place<'py>(
+        &self,
+        py: Python<'py>,
+        buf: Bound<'py, PyAny>,
+        op: &str,
+        root: usize,
+    ) -> PyResult<Option<Bound<'py, PyAny>>> {
         let kind = CollKind::Reduce;
         let op = parse_op(op).map_err(|e| self.refuse(kind, Dtype::U8, e))?;
         let (v, mut m) = self.view_mut(kind, &buf, "buf")?;
         let dt = v.dtype;
-        self.run(py, move |c| dispatch!(dt, T => c.reduce_in_place::<T, _>(&mut m, op, root)))?;
+        self.run(
+            py,
+            move |c| dispatch!(dt, T => c.reduce_in_place::<T, _>(&mut m, op, root)),
+        )?;
         Ok((self.rank == root).then_some(buf))
     }
 
@@ -567,22 +702,37 @@ host (shared-memory) communicators",
     /// (`len(recv) == len(send) * world_size`); `recv=None` gathers in place: `send` is then the
     /// whole result buffer, with this rank's block already at `[rank*c:(rank+1)*c]`.
     #[pyo3(signature = (send, recv=None))]
-    fn all_gather<'py>(&self, py: Python<'py>, send: Bound<'py, PyAny>, recv: Option<Bound<'py, PyAny>>) -> PyResult<Bound<'py, PyAny>> {
+    fn all_gather<'py>(
+        &self,
+        py: Python<'py>,
+        send: Bound<'py, PyAny>,
+        recv: Option<Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
         let Some(recv) = recv else {
             return self.all_gather_in_place(py, send);
         };
         let (s, _r, mut rm) = self.pair(CollKind::AllGather, &send, &recv)?;
         let (dt, sm) = (s.dtype, s.mem());
-        self.run(py, move |c| dispatch!(dt, T => c.all_gather::<T, _, _>(&sm, &mut rm)))?;
+        self.run(
+            py,
+            move |c| dispatch!(dt, T => c.all_gather::<T, _, _>(&sm, &mut rm)),
+        )?;
         Ok(recv)
     }
 
     /// In-place all-gather: this rank's contribution is already at `buf[rank*c:(rank+1)*c]`
     /// with `c = len(buf) // world_size`.
-    fn all_gather_in_place<'py>(&self, py: Python<'py>, buf: Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+    fn all_gather_in_place<'py>(
+        &self,
+        py: Python<'py>,
+        buf: Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
         let (v, mut m) = self.view_mut(CollKind::AllGather, &buf, "buf")?;
         let dt = v.dtype;
-        self.run(py, move |c| dispatch!(dt, T => c.all_gather_in_place::<T, _>(&mut m)))?;
+        self.run(
+            py,
+            move |c| dispatch!(dt, T => c.all_gather_in_place::<T, _>(&mut m)),
+        )?;
         Ok(buf)
     }
 
@@ -602,7 +752,10 @@ host (shared-memory) communicators",
         let (r, mut rm) = self.optional(kind, recv.as_ref(), "recv", true)?;
         let s = Some(s);
         let dt = self.common_dtype(kind, &s, &r)?;
-        self.run(py, move |c| dispatch!(dt, T => c.gather::<T, _, _>(&sm, &mut rm, root)))?;
+        self.run(
+            py,
+            move |c| dispatch!(dt, T => c.gather::<T, _, _>(&sm, &mut rm, root)),
+        )?;
         Ok(recv.filter(|_| self.rank == root))
     }
 
@@ -624,27 +777,46 @@ host (shared-memory) communicators",
         let op = parse_op(op).map_err(|e| self.refuse(kind, Dtype::U8, e))?;
         let (s, _r, mut rm) = self.pair(kind, &send, &recv)?;
         let (dt, sm) = (s.dtype, s.mem());
-        self.run(py, move |c| dispatch!(dt, T => c.reduce_scatter::<T, _, _>(&sm, &mut rm, op)))?;
+        self.run(
+            py,
+            move |c| dispatch!(dt, T => c.reduce_scatter::<T, _, _>(&sm, &mut rm, op)),
+        )?;
         Ok(recv)
     }
 
     /// In-place reduce-scatter: the result block lands at `buf[rank*c:(rank+1)*c]`.
     #[pyo3(signature = (buf, op="sum"))]
-    fn reduce_scatter_in_place<'py>(&self, py: Python<'py>, buf: Bound<'py, PyAny>, op: &str) -> PyResult<Bound<'py, PyAny>> {
+    fn reduce_scatter_in_place<'py>(
+        &self,
+        py: Python<'py>,
+        buf: Bound<'py, PyAny>,
+        op: &str,
+    ) -> PyResult<Bound<'py, PyAny>> {
         let kind = CollKind::ReduceScatter;
         let op = parse_op(op).map_err(|e| self.refuse(kind, Dtype::U8, e))?;
         let (v, mut m) = self.view_mut(kind, &buf, "buf")?;
         let dt = v.dtype;
-        self.run(py, move |c| dispatch!(dt, T => c.reduce_scatter_in_place::<T, _>(&mut m, op)))?;
+        self.run(
+            py,
+            move |c| dispatch!(dt, T => c.reduce_scatter_in_place::<T, _>(&mut m, op)),
+        )?;
         Ok(buf)
     }
 
     /// Personalised exchange with equal blocks: block `j` of `send` goes to rank `j`, block `i`
     /// of `recv` comes from rank `i` (`len(send) == len(recv)`, a multiple of the world size).
-    fn all_to_all<'py>(&self, py: Python<'py>, send: Bound<'py, PyAny>, recv: Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+    fn all_to_all<'py>(
+        &self,
+        py: Python<'py>,
+        send: Bound<'py, PyAny>,
+        recv: Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
         let (s, _r, mut rm) = self.pair(CollKind::AllToAll, &send, &recv)?;
         let (dt, sm) = (s.dtype, s.mem());
-        self.run(py, move |c| dispatch!(dt, T => c.all_to_all::<T, _, _>(&sm, &mut rm)))?;
+        self.run(
+            py,
+            move |c| dispatch!(dt, T => c.all_to_all::<T, _, _>(&sm, &mut rm)),
+        )?;
         Ok(recv)
     }
 
@@ -685,7 +857,10 @@ host (shared-memory) communicators",
         let (s, sm) = self.optional(kind, send.as_ref(), "send", false)?;
         let (r, mut rm) = self.view_mut(kind, &recv, "recv")?;
         let dt = self.common_dtype(kind, &s, &Some(r))?;
-        self.run(py, move |c| dispatch!(dt, T => c.scatter::<T, _, _>(&sm, &mut rm, root)))?;
+        self.run(
+            py,
+            move |c| dispatch!(dt, T => c.scatter::<T, _, _>(&sm, &mut rm, root)),
+        )?;
         Ok(recv)
     }
 
@@ -700,7 +875,10 @@ host (shared-memory) communicators",
     ) -> PyResult<Bound<'py, PyAny>> {
         let (s, _r, mut rm) = self.pair(CollKind::AllGatherV, &send, &recv)?;
         let (dt, sm) = (s.dtype, s.mem());
-        self.run(py, move |c| dispatch!(dt, T => c.all_gather_v::<T, _, _>(&sm, &mut rm, &recv_counts)))?;
+        self.run(
+            py,
+            move |c| dispatch!(dt, T => c.all_gather_v::<T, _, _>(&sm, &mut rm, &recv_counts)),
+        )?;
         Ok(recv)
     }
 
@@ -722,7 +900,10 @@ host (shared-memory) communicators",
         let s = Some(s);
         let dt = self.common_dtype(kind, &s, &r)?;
         let counts = recv_counts.unwrap_or_default();
-        self.run(py, move |c| dispatch!(dt, T => c.gather_v::<T, _, _>(&sm, &mut rm, &counts, root)))?;
+        self.run(
+            py,
+            move |c| dispatch!(dt, T => c.gather_v::<T, _, _>(&sm, &mut rm, &counts, root)),
+        )?;
         Ok(recv.filter(|_| self.rank == root))
     }
 
@@ -735,10 +916,18 @@ host (shared-memory) communicators",
     }
 
     /// Receive into `buf` the next message rank `peer` sends to this rank (same count and dtype).
-    fn recv<'py>(&self, py: Python<'py>, buf: Bound<'py, PyAny>, peer: usize) -> PyResult<Bound<'py, PyAny>> {
+    fn recv<'py>(
+        &self,
+        py: Python<'py>,
+        buf: Bound<'py, PyAny>,
+        peer: usize,
+    ) -> PyResult<Bound<'py, PyAny>> {
         let (v, mut m) = self.view_mut(CollKind::Recv, &buf, "buf")?;
         let dt = v.dtype;
-        self.run(py, move |c| dispatch!(dt, T => c.recv::<T, _>(&mut m, peer)))?;
+        self.run(
+            py,
+            move |c| dispatch!(dt, T => c.recv::<T, _>(&mut m, peer)),
+        )?;
         Ok(buf)
     }
 
@@ -762,7 +951,12 @@ host (shared-memory) communicators",
             let kind = if send { CollKind::Send } else { CollKind::Recv };
             let name = format!("ops[{i}] buffer");
             let v = self.view(kind, obj, &name)?;
-            let m = if send { v.mem() } else { v.mem_mut(&name).map_err(|e| self.refuse(kind, v.dtype, e))? };
+            let m = if send {
+                v.mem()
+            } else {
+                v.mem_mut(&name)
+                    .map_err(|e| self.refuse(kind, v.dtype, e))?
+            };
             posts.push((send, v.dtype, *peer, m));
             views.push(v);
         }
@@ -835,7 +1029,10 @@ impl SharedMemory {
 
     /// numpy's array interface (version 3): a one-dimensional uint8 array over the memory.
     #[getter]
-    fn __array_interface__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, pyo3::types::PyDict>> {
+    fn __array_interface__<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> PyResult<Bound<'py, pyo3::types::PyDict>> {
         let d = pyo3::types::PyDict::new(py);
         d.set_item("shape", (self.size(),))?;
         d.set_item("typestr", "|u1")?;
@@ -849,6 +1046,10 @@ impl SharedMemory {
     }
 
     fn __repr__(&self) -> String {
-        format!("<lockstep.SharedMemory {} bytes at {:#x}>", self.size(), self.addr())
+        format!(
+            "<lockstep.SharedMemory {} bytes at {:#x}>",
+            self.size(),
+            self.addr()
+        )
     }
 }

@@ -26,7 +26,9 @@ use errors::comm_err;
 /// node has joined.
 #[pyfunction]
 fn init_from_env(py: Python<'_>) -> PyResult<PyComm> {
-    let c = py.detach(lockstep::Communicator::from_env).map_err(comm_err)?;
+    let c = py
+        .detach(lockstep::Communicator::from_env)
+        .map_err(comm_err)?;
     Ok(PyComm::new(c))
 }
 
@@ -38,7 +40,9 @@ fn fork_refusal() -> Option<String> {
     if let Err(e) = lockstep::cuda::init::check_fork_safe() {
         return Some(e);
     }
-    lockstep::types::env::check_all().err().map(|e| e.to_string())
+    lockstep::types::env::check_all()
+        .err()
+        .map(|e| e.to_string())
 }
 
 /// A shared segment prepared for `world` ranks forked from this process (an anonymous memfd:
@@ -54,7 +58,9 @@ impl ShmJob {
     #[new]
     fn new(world: usize) -> PyResult<ShmJob> {
         let job = lockstep::shm::ShmJob::new(world).map_err(comm_err)?;
-        Ok(ShmJob { job: Mutex::new(Some(job)) })
+        Ok(ShmJob {
+            job: Mutex::new(Some(job)),
+        })
     }
 
     /// Join as `rank` (in a forked child); waits without the GIL until every rank has joined.
@@ -83,7 +89,9 @@ fn join_named(py: Python<'_>, job_id: &str, rank: usize, world: usize) -> PyResu
             lockstep::shm::ShmComm::join_named(job_id, rank, world, cfg)
         })
         .map_err(comm_err)?;
-    Ok(PyComm::new(lockstep::Communicator::from_backend(Box::new(c))))
+    Ok(PyComm::new(lockstep::Communicator::from_backend(Box::new(
+        c,
+    ))))
 }
 
 /// In a freshly forked rank: ask the kernel to SIGKILL this process when the thread that forked
@@ -93,7 +101,13 @@ fn join_named(py: Python<'_>, job_id: &str, rank: usize, world: usize) -> PyResu
 fn die_with_parent(parent_pid: i32) -> bool {
     // SAFETY: prctl(PR_SET_PDEATHSIG) takes an integer signal number; no pointers.
     let rc = unsafe {
-        libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0 as libc::c_ulong, 0 as libc::c_ulong, 0 as libc::c_ulong)
+        libc::prctl(
+            libc::PR_SET_PDEATHSIG,
+            libc::SIGKILL as libc::c_ulong,
+            0 as libc::c_ulong,
+            0 as libc::c_ulong,
+            0 as libc::c_ulong,
+        )
     };
     // SAFETY: getppid has no preconditions.
     let ppid = unsafe { libc::getppid() };

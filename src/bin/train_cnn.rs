@@ -79,7 +79,11 @@ enum Optim {
 
 /// Raw command-line values.
 #[derive(Parser, Debug)]
-#[command(name = "train-cnn", version, about = "Train the FashionMNIST CNN with data-parallel CPU ranks or CUDA GPUs (lockstep)")]
+#[command(
+    name = "train-cnn",
+    version,
+    about = "Train the FashionMNIST CNN with data-parallel CPU ranks or CUDA GPUs (lockstep)"
+)]
 struct Args {
     /// Ranks to fork (ignored when started by `lockstep launch`) [default: the config file's
     /// num_processes / num_machines, else 2].
@@ -241,41 +245,66 @@ fn validate(a: &Args, train_len: usize, cuda: bool) -> Result<Config, CliError> 
         )));
     }
     let precision = if cuda {
-        a.precision.device_precision().map_err(|e| CliError::Usage(format!("--precision: {e}")))?
+        a.precision
+            .device_precision()
+            .map_err(|e| CliError::Usage(format!("--precision: {e}")))?
     } else {
-        a.precision.check_cpu().map_err(|e| CliError::Usage(format!("--precision: {e}")))?;
+        a.precision
+            .check_cpu()
+            .map_err(|e| CliError::Usage(format!("--precision: {e}")))?;
         device::Precision::Fp32
     };
     if a.loss_every == 0 {
         return Err(CliError::Usage("--loss-every must be at least 1".into()));
     }
     if a.log_every == Some(0) {
-        return Err(CliError::Usage("--log-every 0 would log nothing; pass at least 1 (or drop the flag)".into()));
+        return Err(CliError::Usage(
+            "--log-every 0 would log nothing; pass at least 1 (or drop the flag)".into(),
+        ));
     }
     if a.nprocs == 0 || a.batch_size == 0 || a.threads == 0 {
-        return Err(CliError::Usage("--nprocs, --batch-size and --threads must be at least 1".into()));
+        return Err(CliError::Usage(
+            "--nprocs, --batch-size and --threads must be at least 1".into(),
+        ));
     }
     if a.grad_accum == 0 {
-        return Err(CliError::Usage("--grad-accum 0 would never step; pass at least 1 (1 = no accumulation)".into()));
+        return Err(CliError::Usage(
+            "--grad-accum 0 would never step; pass at least 1 (1 = no accumulation)".into(),
+        ));
     }
     if a.epochs == 0 {
-        return Err(CliError::Usage("--epochs 0 would train nothing; pass at least 1".into()));
+        return Err(CliError::Usage(
+            "--epochs 0 would train nothing; pass at least 1".into(),
+        ));
     }
     if train_len == 0 {
-        return Err(CliError::Usage("--limit-train 0 leaves no training images; pass at least 1 (or drop the flag)".into()));
+        return Err(CliError::Usage(
+            "--limit-train 0 leaves no training images; pass at least 1 (or drop the flag)".into(),
+        ));
     }
     if !(a.lr.is_finite() && a.lr > 0.0) {
-        return Err(CliError::Usage(format!("--lr must be a positive number, got {}", a.lr)));
+        return Err(CliError::Usage(format!(
+            "--lr must be a positive number, got {}",
+            a.lr
+        )));
     }
     if !(a.weight_decay.is_finite() && a.weight_decay >= 0.0) {
-        return Err(CliError::Usage(format!("--weight-decay must be 0 or a positive number, got {}", a.weight_decay)));
+        return Err(CliError::Usage(format!(
+            "--weight-decay must be 0 or a positive number, got {}",
+            a.weight_decay
+        )));
     }
     if a.optimizer == Optim::Sgd && !(a.momentum.is_finite() && (0.0..1.0).contains(&a.momentum)) {
-        return Err(CliError::Usage(format!("--momentum must be in [0, 1), got {}", a.momentum)));
+        return Err(CliError::Usage(format!(
+            "--momentum must be in [0, 1), got {}",
+            a.momentum
+        )));
     }
     if let Some(c) = a.clip_grad_norm {
         if !(c.is_finite() && c > 0.0) {
-            return Err(CliError::Usage(format!("--clip-grad-norm must be a positive number, got {c}")));
+            return Err(CliError::Usage(format!(
+                "--clip-grad-norm must be a positive number, got {c}"
+            )));
         }
     }
     if a.optimizer == Optim::Sgd && (a.save.is_some() || a.resume.is_some()) {
@@ -292,10 +321,16 @@ fn validate(a: &Args, train_len: usize, cuda: bool) -> Result<Config, CliError> 
     // a new file, no checkpoint name is a directory, and one checkpoint fits.
     let fault = checkpoint::fault_from_env().map_err(|e| CliError::Usage(e.to_string()))?;
     if let Some(save) = &a.save {
-        let params = lockstep::train::model::Model::fashion_cnn(1).map_err(trainer::TrainError::from)?.num_params();
-        checkpoint::check_target(save, checkpoint::estimate_bytes(params)).map_err(|e| CliError::Usage(format!("--save: {e}")))?;
+        let params = lockstep::train::model::Model::fashion_cnn(1)
+            .map_err(trainer::TrainError::from)?
+            .num_params();
+        checkpoint::check_target(save, checkpoint::estimate_bytes(params))
+            .map_err(|e| CliError::Usage(format!("--save: {e}")))?;
     } else if let Some(step) = fault {
-        return Err(CliError::Usage(format!("{}={step} needs --save (it kills a save)", checkpoint::FAULT_ENV)));
+        return Err(CliError::Usage(format!(
+            "{}={step} needs --save (it kills a save)",
+            checkpoint::FAULT_ENV
+        )));
     }
     if let Some(resume) = &a.resume {
         // The live model file, or the kept previous one, must be there; `checkpoint::resume`
@@ -308,12 +343,20 @@ fn validate(a: &Args, train_len: usize, cuda: bool) -> Result<Config, CliError> 
             )));
         }
     }
-    let steps_per_epoch = train_len.div_ceil(a.nprocs).div_ceil(a.batch_size).div_ceil(a.grad_accum) as u64;
+    let steps_per_epoch = train_len
+        .div_ceil(a.nprocs)
+        .div_ceil(a.batch_size)
+        .div_ceil(a.grad_accum) as u64;
     let total = steps_per_epoch * a.epochs;
     let schedule = match a.schedule {
         Sched::Constant => Schedule::Constant,
         Sched::Cosine => Schedule::Cosine { total, min_lr: 0.0 },
-        Sched::Onecycle => Schedule::OneCycle { total, pct_start: 0.3, div: 25.0, final_div: 1e4 },
+        Sched::Onecycle => Schedule::OneCycle {
+            total,
+            pct_start: 0.3,
+            div: 25.0,
+            final_div: 1e4,
+        },
     };
     Ok(Config {
         train: TrainConfig {
@@ -328,14 +371,20 @@ fn validate(a: &Args, train_len: usize, cuda: bool) -> Result<Config, CliError> 
             sync_bn: a.sync_bn,
             optimizer: match a.optimizer {
                 Optim::Adam => OptimizerKind::Adam,
-                Optim::Sgd => OptimizerKind::Sgd { momentum: a.momentum },
+                Optim::Sgd => OptimizerKind::Sgd {
+                    momentum: a.momentum,
+                },
             },
             weight_decay: a.weight_decay,
             grad_accum: a.grad_accum,
             clip_grad_norm: a.clip_grad_norm,
         },
         cuda,
-        device: DeviceOptions { precision, loss_every: a.loss_every, ..Default::default() },
+        device: DeviceOptions {
+            precision,
+            loss_every: a.loss_every,
+            ..Default::default()
+        },
         graphs: !a.no_graphs,
         nprocs: a.nprocs,
         threads: a.threads,
@@ -372,13 +421,18 @@ fn comm_from_env() -> Option<Result<Communicator, String>> {
 fn peak_rss_kib() -> u64 {
     std::fs::read_to_string("/proc/self/status")
         .ok()
-        .and_then(|s| s.lines().find(|l| l.starts_with("VmHWM:")).and_then(|l| l.split_whitespace().nth(1)?.parse().ok()))
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+        })
         .unwrap_or(0)
 }
 
 /// Rank 0's console, or nothing on the other ranks.
 fn console_for(ctx: &RankContext, cfg: &Config) -> Option<Console> {
-    ctx.is_main_process().then(|| Console::new(cfg.console.clone()))
+    ctx.is_main_process()
+        .then(|| Console::new(cfg.console.clone()))
 }
 
 /// Every rank's peak RSS (KiB, rank order) through `comm`, at the end of the run.
@@ -393,12 +447,20 @@ type RankOut = Result<f64, Box<dyn std::error::Error + Send + Sync>>;
 
 /// One CUDA rank: its own context (CUDA is first initialised here, after the fork), a device
 /// communicator built from the host one, then the device engine.
-fn run_rank_cuda(mut ctx: RankContext, cfg: &Config, train_set: &Dataset, test_set: &Dataset) -> RankOut {
+fn run_rank_cuda(
+    mut ctx: RankContext,
+    cfg: &Config,
+    train_set: &Dataset,
+    test_set: &Dataset,
+) -> RankOut {
     ctx.set_seed(cfg.train.seed)?;
     let mut console = console_for(&ctx, cfg);
     // A host communicator of the same ranks for the RSS summary: the device one may take device
     // buffers only.
-    let mut side = ctx.comm.split(Some(0), 0)?.ok_or("split with a color returned no communicator")?;
+    let mut side = ctx
+        .comm
+        .split(Some(0), 0)?
+        .ok_or("split with a color returned no communicator")?;
     // The same backend policy as every other entry point (NCCL, NCCL's multi-rank mode, or
     // staging), so `train-cnn` and `lockstep` never disagree about a job.
     let (mut comm, dctx) = lockstep::rendezvous::device_communicator(ctx.comm, ctx.local_rank)?;
@@ -407,7 +469,15 @@ fn run_rank_cuda(mut ctx: RankContext, cfg: &Config, train_set: &Dataset, test_s
         Some(c) => c,
         None => &mut Silent,
     };
-    let out = device::train_device(&cfg.train, &cfg.device, train_set, test_set, make, Some(&mut comm), obs)?;
+    let out = device::train_device(
+        &cfg.train,
+        &cfg.device,
+        train_set,
+        test_set,
+        make,
+        Some(&mut comm),
+        obs,
+    )?;
     let rss = gather_rss(&mut side)?;
     if let Some(c) = console.as_mut() {
         c.finish(&rss).map_err(CliError::Output)?;
@@ -429,7 +499,12 @@ fn cuda_usable() -> Result<(), String> {
 }
 
 /// One CPU rank's work; returns its final test accuracy.
-fn run_rank(mut ctx: RankContext, cfg: &Config, train_set: &Dataset, test_set: &Dataset) -> RankOut {
+fn run_rank(
+    mut ctx: RankContext,
+    cfg: &Config,
+    train_set: &Dataset,
+    test_set: &Dataset,
+) -> RankOut {
     kernels::set_threads(cfg.threads);
     ctx.set_seed(cfg.train.seed)?;
     let mut console = console_for(&ctx, cfg);
@@ -449,12 +524,24 @@ fn run_rank(mut ctx: RankContext, cfg: &Config, train_set: &Dataset, test_set: &
 /// then the file, then the defaults `lockstep launch` uses too. Under `lockstep launch` the
 /// launcher passes the file it read as LOCKSTEP_CONFIG, so both read the same one.
 fn apply_config(args: &mut Args) -> Result<(), CliError> {
-    let loaded = lockstep::config::load(args.config.as_deref()).map_err(|e| CliError::Usage(e.to_string()))?;
+    let loaded = lockstep::config::load(args.config.as_deref())
+        .map_err(|e| CliError::Usage(e.to_string()))?;
     let file = &loaded.config;
-    args.nprocs = args.nprocs_flag.or(file.processes_per_machine()).unwrap_or(lockstep::config::DEFAULT_NUM_PROCESSES);
-    args.precision = args.precision_flag.or(file.mixed_precision).unwrap_or_default();
+    args.nprocs = args
+        .nprocs_flag
+        .or(file.processes_per_machine())
+        .unwrap_or(lockstep::config::DEFAULT_NUM_PROCESSES);
+    args.precision = args
+        .precision_flag
+        .or(file.mixed_precision)
+        .unwrap_or_default();
     if loaded.exists {
-        tracing::debug!("configuration file {}: {} ranks, precision {}", loaded.path.display(), args.nprocs, args.precision);
+        tracing::debug!(
+            "configuration file {}: {} ranks, precision {}",
+            loaded.path.display(),
+            args.nprocs,
+            args.precision
+        );
     }
     Ok(())
 }
@@ -484,11 +571,22 @@ fn run() -> Result<(), CliError> {
     if let Some(joined) = comm_from_env() {
         let comm = joined.map_err(CliError::Join)?;
         let cfg = validate(&args, train_set.len(), cuda)?;
-        let cfg = Config { nprocs: comm.world_size(), ..cfg };
-        let info = lockstep::rendezvous::EnvInfo::from_env().map_err(|e| CliError::Join(e.to_string()))?;
-        let ctx = RankContext { rank: comm.rank(), local_rank: info.local_rank, world_size: comm.world_size(), comm };
+        let cfg = Config {
+            nprocs: comm.world_size(),
+            ..cfg
+        };
+        let info =
+            lockstep::rendezvous::EnvInfo::from_env().map_err(|e| CliError::Join(e.to_string()))?;
+        let ctx = RankContext {
+            rank: comm.rank(),
+            local_rank: info.local_rank,
+            world_size: comm.world_size(),
+            comm,
+        };
         let run = if cfg.cuda { run_rank_cuda } else { run_rank };
-        return run(ctx, &cfg, &train_set, &test_set).map(drop).map_err(rank_error);
+        return run(ctx, &cfg, &train_set, &test_set)
+            .map(drop)
+            .map_err(rank_error);
     }
     let cfg = validate(&args, train_set.len(), cuda)?;
     if cfg.console.bar {
@@ -500,16 +598,13 @@ fn run() -> Result<(), CliError> {
     // JSON lines must reach stdout as they are, without the launcher's `[rank N]` prefix (only
     // rank 0 prints).
     lc.capture_output = !cfg.console.json;
-    launch(
-        &lc,
-        |ctx: RankContext| {
-            if cfg.cuda {
-                run_rank_cuda(ctx, &cfg, &train_set, &test_set)
-            } else {
-                run_rank(ctx, &cfg, &train_set, &test_set)
-            }
-        },
-    )?;
+    launch(&lc, |ctx: RankContext| {
+        if cfg.cuda {
+            run_rank_cuda(ctx, &cfg, &train_set, &test_set)
+        } else {
+            run_rank(ctx, &cfg, &train_set, &test_set)
+        }
+    })?;
     Ok(())
 }
 

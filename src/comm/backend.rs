@@ -149,7 +149,11 @@ pub trait Backend: Send {
     /// calls. Ranks passing the same `color` form one new communicator, ranked by `(key, rank in
     /// this communicator)`; ranks passing `None` take part but get `Ok(None)`. The new
     /// communicators run independently of this one and of each other (this one stays usable).
-    fn split(&mut self, color: Option<u32>, key: i64) -> Result<Option<Box<dyn Backend>>, CommError> {
+    fn split(
+        &mut self,
+        color: Option<u32>,
+        key: i64,
+    ) -> Result<Option<Box<dyn Backend>>, CommError> {
         let _ = (color, key);
         Err(CommError::Unsupported(format!(
             "split (sub-communicators) is not supported on the {} backend; use the shm or nccl backend",
@@ -165,6 +169,9 @@ pub trait Backend: Send {
     /// Allocate `bytes` of memory that peers can read directly (zero-copy collectives).
     fn alloc_shared(&mut self, bytes: usize) -> Result<Box<dyn SharedRegion>, CommError> {
         let _ = bytes;
-        Err(CommError::Unsupported(format!("the {} backend has no shared host buffers", self.kind())))
+        Err(CommError::Unsupported(format!(
+            "the {} backend has no shared host buffers",
+            self.kind()
+        )))
     }
 }

@@ -55,7 +55,9 @@ impl Communicator {
 
     /// The communicator's init line (see [`from_backend`](Self::from_backend)).
     fn init_line(&self) -> String {
-        let host = std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_string()).unwrap_or_else(|_| "?".into());
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .map(|h| h.trim().to_string())
+            .unwrap_or_else(|_| "?".into());
         let mut line = format!(
             "lockstep {} init: rank {} of {} backend {} host {host} pid {}",
             env!("CARGO_PKG_VERSION"),
@@ -110,9 +112,9 @@ impl Communicator {
     /// whose buffers are all shared on every rank skip the staging copies (the analog of NCCL's
     /// registered buffers).
     pub fn alloc_shared<T: Element>(&mut self, len: usize) -> Result<SharedBuffer<T>, CommError> {
-        let bytes = len
-            .checked_mul(std::mem::size_of::<T>())
-            .ok_or_else(|| CommError::Unsupported(format!("alloc_shared: {len} elements overflow")))?;
+        let bytes = len.checked_mul(std::mem::size_of::<T>()).ok_or_else(|| {
+            CommError::Unsupported(format!("alloc_shared: {len} elements overflow"))
+        })?;
         let alloc = self.backend.alloc_shared(bytes)?;
         Ok(SharedBuffer::new(alloc, len))
     }
@@ -169,14 +171,26 @@ impl Communicator {
 
     fn check_root(&self, op: CollKind, root: usize) -> Result<(), CommError> {
         if root >= self.world_size() {
-            return Err(self.invalid(op, format!("root {root} is out of range for world size {}", self.world_size())));
+            return Err(self.invalid(
+                op,
+                format!(
+                    "root {root} is out of range for world size {}",
+                    self.world_size()
+                ),
+            ));
         }
         Ok(())
     }
 
     fn check_space(&self, op: CollKind, a: RawMem, b: RawMem) -> Result<(), CommError> {
         if a.space != b.space && a.len > 0 && b.len > 0 {
-            return Err(self.invalid(op, format!("send buffer is in {:?} but receive buffer is in {:?}", a.space, b.space)));
+            return Err(self.invalid(
+                op,
+                format!(
+                    "send buffer is in {:?} but receive buffer is in {:?}",
+                    a.space, b.space
+                ),
+            ));
         }
         Ok(())
     }
@@ -194,7 +208,16 @@ impl Communicator {
         if let Err(e) = self.check_space(kind, send, recv) {
             return self.rejected::<T>(kind, e);
         }
-        let call = Call { kind, dtype: T::DTYPE, op, root, count, send, recv, splits: Splits::default() };
+        let call = Call {
+            kind,
+            dtype: T::DTYPE,
+            op,
+            root,
+            count,
+            send,
+            recv,
+            splits: Splits::default(),
+        };
         self.backend.run(&call)
     }
 
@@ -211,13 +234,29 @@ impl Communicator {
         if let Err(e) = self.check_space(kind, send, recv) {
             return self.rejected::<T>(kind, e);
         }
-        let call = Call { kind, dtype: T::DTYPE, op: ReduceOp::Sum, root, count, send, recv, splits };
+        let call = Call {
+            kind,
+            dtype: T::DTYPE,
+            op: ReduceOp::Sum,
+            root,
+            count,
+            send,
+            recv,
+            splits,
+        };
         self.backend.run(&call)
     }
 
     /// Check that `counts`/`displs` have one entry per rank and every block lies in a buffer of
     /// `len` elements; `what` names them ("send" or "recv").
-    fn check_splits(&self, op: CollKind, what: &str, counts: &[usize], displs: &[usize], len: usize) -> Result<(), CommError> {
+    fn check_splits(
+        &self,
+        op: CollKind,
+        what: &str,
+        counts: &[usize],
+        displs: &[usize],
+        len: usize,
+    ) -> Result<(), CommError> {
         let n = self.world_size();
         if counts.len() != n || displs.len() != n {
             return Err(self.invalid(
@@ -259,21 +298,33 @@ impl Communicator {
     ) -> Result<(), CommError> {
         let (s, r) = (send.raw(), recv.raw_mut());
         if s.len != r.len {
-            return self.reject_err::<T>(
-                self.invalid(CollKind::AllReduce, format!("send has {} elements but recv has {}; they must be equal", s.len, r.len)),
-            );
+            return self.reject_err::<T>(self.invalid(
+                CollKind::AllReduce,
+                format!(
+                    "send has {} elements but recv has {}; they must be equal",
+                    s.len, r.len
+                ),
+            ));
         }
         self.call::<T>(CollKind::AllReduce, op, 0, s.len, s, r)
     }
 
     /// In-place all-reduce: `buf` is both input and result.
-    pub fn all_reduce_in_place<T: Element, B: BufferMut<T> + ?Sized>(&mut self, buf: &mut B, op: ReduceOp) -> Result<(), CommError> {
+    pub fn all_reduce_in_place<T: Element, B: BufferMut<T> + ?Sized>(
+        &mut self,
+        buf: &mut B,
+        op: ReduceOp,
+    ) -> Result<(), CommError> {
         let r = buf.raw_mut();
         self.call::<T>(CollKind::AllReduce, op, 0, r.len, r, r)
     }
 
     /// Copy `buf` of rank `root` into `buf` of every rank.
-    pub fn broadcast_in_place<T: Element, B: BufferMut<T> + ?Sized>(&mut self, buf: &mut B, root: usize) -> Result<(), CommError> {
+    pub fn broadcast_in_place<T: Element, B: BufferMut<T> + ?Sized>(
+        &mut self,
+        buf: &mut B,
+        root: usize,
+    ) -> Result<(), CommError> {
         if let Err(e) = self.check_root(CollKind::Broadcast, root) {
             return self.rejected::<T>(CollKind::Broadcast, e);
         }
@@ -294,9 +345,13 @@ impl Communicator {
         }
         let (s, r) = (send.raw(), recv.raw_mut());
         if s.len != r.len {
-            return self.reject_err::<T>(
-                self.invalid(CollKind::Broadcast, format!("send has {} elements but recv has {}; they must be equal", s.len, r.len)),
-            );
+            return self.reject_err::<T>(self.invalid(
+                CollKind::Broadcast,
+                format!(
+                    "send has {} elements but recv has {}; they must be equal",
+                    s.len, r.len
+                ),
+            ));
         }
         self.call::<T>(CollKind::Broadcast, ReduceOp::Sum, root, r.len, s, r)
     }
@@ -315,12 +370,13 @@ impl Communicator {
         }
         let (s, r) = (send.raw(), recv.raw_mut());
         if self.rank() == root && s.len != r.len {
-            return self.reject_err::<T>(
-                self.invalid(
-                    CollKind::Reduce,
-                    format!("send has {} elements but recv on the root has {}; they must be equal", s.len, r.len),
+            return self.reject_err::<T>(self.invalid(
+                CollKind::Reduce,
+                format!(
+                    "send has {} elements but recv on the root has {}; they must be equal",
+                    s.len, r.len
                 ),
-            );
+            ));
         }
         self.call::<T>(CollKind::Reduce, op, root, s.len, s, r)
     }
@@ -351,7 +407,12 @@ impl Communicator {
         if r.len != s.len * n {
             return self.reject_err::<T>(self.invalid(
                 CollKind::AllGather,
-                format!("recv has {} elements but must have send.len() × world_size = {} × {n} = {}", r.len, s.len, s.len * n),
+                format!(
+                    "recv has {} elements but must have send.len() × world_size = {} × {n} = {}",
+                    r.len,
+                    s.len,
+                    s.len * n
+                ),
             ));
         }
         self.call::<T>(CollKind::AllGather, ReduceOp::Sum, 0, s.len, s, r)
@@ -359,16 +420,27 @@ impl Communicator {
 
     /// In-place all-gather: this rank's contribution is already at `buf[rank*c..(rank+1)*c]` with
     /// `c = buf.len() / world_size`.
-    pub fn all_gather_in_place<T: Element, B: BufferMut<T> + ?Sized>(&mut self, buf: &mut B) -> Result<(), CommError> {
+    pub fn all_gather_in_place<T: Element, B: BufferMut<T> + ?Sized>(
+        &mut self,
+        buf: &mut B,
+    ) -> Result<(), CommError> {
         let r = buf.raw_mut();
         let n = self.world_size();
         if r.len % n != 0 {
-            return self.reject_err::<T>(
-                self.invalid(CollKind::AllGather, format!("in-place buffer has {} elements, not a multiple of world size {n}", r.len)),
-            );
+            return self.reject_err::<T>(self.invalid(
+                CollKind::AllGather,
+                format!(
+                    "in-place buffer has {} elements, not a multiple of world size {n}",
+                    r.len
+                ),
+            ));
         }
         let c = r.len / n;
-        let s = RawMem { addr: r.addr + self.rank() * c * std::mem::size_of::<T>(), len: c, space: r.space };
+        let s = RawMem {
+            addr: r.addr + self.rank() * c * std::mem::size_of::<T>(),
+            len: c,
+            space: r.space,
+        };
         self.call::<T>(CollKind::AllGather, ReduceOp::Sum, 0, c, s, r)
     }
 
@@ -388,7 +460,11 @@ impl Communicator {
         if self.rank() == root && r.len != s.len * n {
             return self.reject_err::<T>(self.invalid(
                 CollKind::Gather,
-                format!("recv on the root has {} elements but must have send.len() × world_size = {}", r.len, s.len * n),
+                format!(
+                    "recv on the root has {} elements but must have send.len() × world_size = {}",
+                    r.len,
+                    s.len * n
+                ),
             ));
         }
         self.call::<T>(CollKind::Gather, ReduceOp::Sum, root, s.len, s, r)
@@ -407,7 +483,12 @@ impl Communicator {
         if s.len != r.len * n {
             return self.reject_err::<T>(self.invalid(
                 CollKind::ReduceScatter,
-                format!("send has {} elements but must have recv.len() × world_size = {} × {n} = {}", s.len, r.len, r.len * n),
+                format!(
+                    "send has {} elements but must have recv.len() × world_size = {} × {n} = {}",
+                    s.len,
+                    r.len,
+                    r.len * n
+                ),
             ));
         }
         self.call::<T>(CollKind::ReduceScatter, op, 0, r.len, s, r)
@@ -415,16 +496,28 @@ impl Communicator {
 
     /// In-place reduce-scatter: the result block lands at `buf[rank*c..(rank+1)*c]`,
     /// `c = buf.len() / world_size`.
-    pub fn reduce_scatter_in_place<T: Element, B: BufferMut<T> + ?Sized>(&mut self, buf: &mut B, op: ReduceOp) -> Result<(), CommError> {
+    pub fn reduce_scatter_in_place<T: Element, B: BufferMut<T> + ?Sized>(
+        &mut self,
+        buf: &mut B,
+        op: ReduceOp,
+    ) -> Result<(), CommError> {
         let s = buf.raw_mut();
         let n = self.world_size();
         if s.len % n != 0 {
-            return self.reject_err::<T>(
-                self.invalid(CollKind::ReduceScatter, format!("in-place buffer has {} elements, not a multiple of world size {n}", s.len)),
-            );
+            return self.reject_err::<T>(self.invalid(
+                CollKind::ReduceScatter,
+                format!(
+                    "in-place buffer has {} elements, not a multiple of world size {n}",
+                    s.len
+                ),
+            ));
         }
         let c = s.len / n;
-        let r = RawMem { addr: s.addr + self.rank() * c * std::mem::size_of::<T>(), len: c, space: s.space };
+        let r = RawMem {
+            addr: s.addr + self.rank() * c * std::mem::size_of::<T>(),
+            len: c,
+            space: s.space,
+        };
         self.call::<T>(CollKind::ReduceScatter, op, 0, c, s, r)
     }
 
@@ -470,7 +563,12 @@ impl Communicator {
         {
             return self.rejected::<T>(op, e);
         }
-        let splits = Splits { send_counts, send_displs, recv_counts, recv_displs };
+        let splits = Splits {
+            send_counts,
+            send_displs,
+            recv_counts,
+            recv_displs,
+        };
         self.call_split::<T>(op, 0, s.len, s, r, splits)
     }
 
@@ -511,7 +609,11 @@ impl Communicator {
             Ok(d) => d,
             Err(e) => return self.rejected::<T>(op, e),
         };
-        let splits = Splits { recv_counts, recv_displs: &displs, ..Splits::default() };
+        let splits = Splits {
+            recv_counts,
+            recv_displs: &displs,
+            ..Splits::default()
+        };
         self.call_split::<T>(op, 0, s.len, s, r, splits)
     }
 
@@ -537,24 +639,50 @@ impl Communicator {
             Ok(d) => d,
             Err(e) => return self.rejected::<T>(op, e),
         };
-        let splits = Splits { recv_counts, recv_displs: &displs, ..Splits::default() };
+        let splits = Splits {
+            recv_counts,
+            recv_displs: &displs,
+            ..Splits::default()
+        };
         self.call_split::<T>(op, root, s.len, s, r, splits)
     }
 
     /// Local checks of a receiving rank of `all_gather_v`/`gather_v`; returns the displacements.
-    fn check_gather_v(&self, op: CollKind, s: RawMem, r: RawMem, recv_counts: &[usize]) -> Result<Vec<usize>, CommError> {
+    fn check_gather_v(
+        &self,
+        op: CollKind,
+        s: RawMem,
+        r: RawMem,
+        recv_counts: &[usize],
+    ) -> Result<Vec<usize>, CommError> {
         let (n, me) = (self.world_size(), self.rank());
         if recv_counts.len() != n {
-            return Err(self.invalid(op, format!("recv_counts has {} entries; it needs one per rank ({n})", recv_counts.len())));
+            return Err(self.invalid(
+                op,
+                format!(
+                    "recv_counts has {} entries; it needs one per rank ({n})",
+                    recv_counts.len()
+                ),
+            ));
         }
         if recv_counts[me] != s.len {
-            return Err(self.invalid(op, format!("recv_counts[{me}] = {} but this rank's send has {} elements", recv_counts[me], s.len)));
+            return Err(self.invalid(
+                op,
+                format!(
+                    "recv_counts[{me}] = {} but this rank's send has {} elements",
+                    recv_counts[me], s.len
+                ),
+            ));
         }
         match Self::prefix(recv_counts) {
             Some((d, total)) if total == r.len => Ok(d),
-            Some((_, total)) => {
-                Err(self.invalid(op, format!("recv has {} elements but recv_counts add up to {total}; they must be equal", r.len)))
-            }
+            Some((_, total)) => Err(self.invalid(
+                op,
+                format!(
+                    "recv has {} elements but recv_counts add up to {total}; they must be equal",
+                    r.len
+                ),
+            )),
             None => Err(self.invalid(op, "recv_counts add up to more than usize::MAX".into())),
         }
     }
@@ -598,8 +726,14 @@ impl Communicator {
     /// Backends: shm (a new shared segment per sub-communicator, see docs/rust.md), nccl
     /// (`ncclCommSplit`; colors up to `i32::MAX` and keys that fit an `i32`), staged (splits its
     /// host communicator).
-    pub fn split(&mut self, color: Option<u32>, key: i64) -> Result<Option<Communicator>, CommError> {
-        let Some(backend) = self.backend.split(color, key)? else { return Ok(None) };
+    pub fn split(
+        &mut self,
+        color: Option<u32>,
+        key: i64,
+    ) -> Result<Option<Communicator>, CommError> {
+        let Some(backend) = self.backend.split(color, key)? else {
+            return Ok(None);
+        };
         let mut child = Communicator::from_backend(backend);
         let (n, me) = (child.world_size(), child.rank());
         if child.global.is_none() {
@@ -632,9 +766,13 @@ impl Communicator {
         let problem = if set.is_empty() {
             Some("the rank list is empty; a group needs at least one rank".to_string())
         } else if let Some(r) = set.iter().find(|&&r| r >= n) {
-            Some(format!("rank {r} in {ranks:?} is out of range for world size {n}"))
+            Some(format!(
+                "rank {r} in {ranks:?} is out of range for world size {n}"
+            ))
         } else {
-            set.windows(2).find(|w| w[0] == w[1]).map(|w| format!("rank {} appears more than once in {ranks:?}", w[0]))
+            set.windows(2)
+                .find(|w| w[0] == w[1])
+                .map(|w| format!("rank {} appears more than once in {ranks:?}", w[0]))
         };
         if let Some(p) = problem {
             let e = self.invalid(CollKind::AllGather, format!("new_group: {p}"));
@@ -643,9 +781,14 @@ impl Communicator {
             return Err(e);
         }
         // Every rank must pass the same set: compare a fingerprint (FNV-1a over the set).
-        let fp = set.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &r| (h ^ r as u64).wrapping_mul(0x100_0000_01b3));
+        let fp = set.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &r| {
+            (h ^ r as u64).wrapping_mul(0x100_0000_01b3)
+        });
         let all = self.all_gather_u64(fp)?;
-        let differ: Vec<String> = (0..n).filter(|&r| all[r] != all[0]).map(|r| self.rank_name(r)).collect();
+        let differ: Vec<String> = (0..n)
+            .filter(|&r| all[r] != all[0])
+            .map(|r| self.rank_name(r))
+            .collect();
         if !differ.is_empty() {
             return Err(CommError::Mismatch {
                 seq: self.seq(),
@@ -674,7 +817,10 @@ impl Communicator {
             self.all_gather(&[v][..], &mut out[..])?;
             return Ok(out);
         };
-        let cuda = |e: CudaError| CommError::Backend { backend: "cuda", message: format!("exchanging split data through the device: {e}") };
+        let cuda = |e: CudaError| CommError::Backend {
+            backend: "cuda",
+            message: format!("exchanging split data through the device: {e}"),
+        };
         let stream = ctx.stream().map_err(cuda)?;
         let send = DeviceBuffer::from_host(&stream, &[v]).map_err(cuda)?;
         let mut recv = DeviceBuffer::<u64>::zeros(&stream, n).map_err(cuda)?;
@@ -697,15 +843,33 @@ impl Communicator {
     /// mailbox is streamed through it while `peer` takes it). So two ranks that both send to each
     /// other before receiving wait forever (until the timeout): post such exchanges in one
     /// [`group`](Self::group). Sending to oneself needs a group with the matching `recv`.
-    pub fn send<T: Element, S: Buffer<T> + ?Sized>(&mut self, buf: &S, peer: usize) -> Result<(), CommError> {
-        let op = P2pOp { kind: CollKind::Send, peer, dtype: T::DTYPE, mem: buf.raw() };
+    pub fn send<T: Element, S: Buffer<T> + ?Sized>(
+        &mut self,
+        buf: &S,
+        peer: usize,
+    ) -> Result<(), CommError> {
+        let op = P2pOp {
+            kind: CollKind::Send,
+            peer,
+            dtype: T::DTYPE,
+            mem: buf.raw(),
+        };
         self.p2p_single(op)
     }
 
     /// Receive into `buf` the next message `peer` sends to this rank (blocking; see [`send`](Self::send)).
     /// `buf.len()` must equal the sent count, and the dtypes must agree.
-    pub fn recv<T: Element, R: BufferMut<T> + ?Sized>(&mut self, buf: &mut R, peer: usize) -> Result<(), CommError> {
-        let op = P2pOp { kind: CollKind::Recv, peer, dtype: T::DTYPE, mem: buf.raw_mut() };
+    pub fn recv<T: Element, R: BufferMut<T> + ?Sized>(
+        &mut self,
+        buf: &mut R,
+        peer: usize,
+    ) -> Result<(), CommError> {
+        let op = P2pOp {
+            kind: CollKind::Recv,
+            peer,
+            dtype: T::DTYPE,
+            mem: buf.raw_mut(),
+        };
         self.p2p_single(op)
     }
 
@@ -726,7 +890,13 @@ impl Communicator {
 
     fn check_peer(&self, kind: CollKind, peer: usize) -> Result<(), CommError> {
         if peer >= self.world_size() {
-            return Err(self.invalid(kind, format!("peer {peer} is out of range for world size {}", self.world_size())));
+            return Err(self.invalid(
+                kind,
+                format!(
+                    "peer {peer} is out of range for world size {}",
+                    self.world_size()
+                ),
+            ));
         }
         Ok(())
     }
@@ -740,9 +910,19 @@ impl Communicator {
     where
         F: FnOnce(&mut Group<'b>) -> Result<(), CommError>,
     {
-        let mut g = Group { ops: Vec::new(), rank: self.rank(), world: self.world_size(), _bufs: PhantomData };
+        let mut g = Group {
+            ops: Vec::new(),
+            rank: self.rank(),
+            world: self.world_size(),
+            _bufs: PhantomData,
+        };
         f(&mut g)?;
-        let selfs = |k: CollKind| g.ops.iter().filter(|o| o.peer == g.rank && o.kind == k).count();
+        let selfs = |k: CollKind| {
+            g.ops
+                .iter()
+                .filter(|o| o.peer == g.rank && o.kind == k)
+                .count()
+        };
         let (ss, sr) = (selfs(CollKind::Send), selfs(CollKind::Recv));
         if ss != sr {
             return Err(self.invalid(
@@ -775,7 +955,11 @@ impl Communicator {
     }
 
     /// Nonblocking [`all_reduce_in_place`](Self::all_reduce_in_place) (see [`all_reduce_async`](Self::all_reduce_async)).
-    pub fn all_reduce_in_place_async<'a, T: Element, B: BufferMut<T> + ?Sized>(&mut self, buf: &'a mut B, op: ReduceOp) -> Work<'a> {
+    pub fn all_reduce_in_place_async<'a, T: Element, B: BufferMut<T> + ?Sized>(
+        &mut self,
+        buf: &'a mut B,
+        op: ReduceOp,
+    ) -> Work<'a> {
         {
             let r = self.all_reduce_in_place(buf, op);
             self.work(r)
@@ -796,7 +980,11 @@ impl Communicator {
     }
 
     /// Nonblocking [`broadcast_in_place`](Self::broadcast_in_place) (see [`all_reduce_async`](Self::all_reduce_async)).
-    pub fn broadcast_in_place_async<'a, T: Element, B: BufferMut<T> + ?Sized>(&mut self, buf: &'a mut B, root: usize) -> Work<'a> {
+    pub fn broadcast_in_place_async<'a, T: Element, B: BufferMut<T> + ?Sized>(
+        &mut self,
+        buf: &'a mut B,
+        root: usize,
+    ) -> Work<'a> {
         {
             let r = self.broadcast_in_place(buf, root);
             self.work(r)
@@ -842,7 +1030,11 @@ impl Communicator {
 
     /// Nonblocking [`send`](Self::send) (see [`all_reduce_async`](Self::all_reduce_async)): on host
     /// backends it blocks like `send`, so exchanges where both sides send first need a [`group`](Self::group).
-    pub fn send_async<'a, T: Element, S: Buffer<T> + ?Sized>(&mut self, buf: &'a S, peer: usize) -> Work<'a> {
+    pub fn send_async<'a, T: Element, S: Buffer<T> + ?Sized>(
+        &mut self,
+        buf: &'a S,
+        peer: usize,
+    ) -> Work<'a> {
         {
             let r = self.send(buf, peer);
             self.work(r)
@@ -850,7 +1042,11 @@ impl Communicator {
     }
 
     /// Nonblocking [`recv`](Self::recv) (see [`send_async`](Self::send_async)).
-    pub fn recv_async<'a, T: Element, R: BufferMut<T> + ?Sized>(&mut self, buf: &'a mut R, peer: usize) -> Work<'a> {
+    pub fn recv_async<'a, T: Element, R: BufferMut<T> + ?Sized>(
+        &mut self,
+        buf: &'a mut R,
+        peer: usize,
+    ) -> Work<'a> {
         {
             let r = self.recv(buf, peer);
             self.work(r)
@@ -881,7 +1077,10 @@ impl Communicator {
     }
 
     /// Nonblocking [`all_gather_in_place`](Self::all_gather_in_place) (see [`all_reduce_async`](Self::all_reduce_async)).
-    pub fn all_gather_in_place_async<'a, T: Element, B: BufferMut<T> + ?Sized>(&mut self, buf: &'a mut B) -> Work<'a> {
+    pub fn all_gather_in_place_async<'a, T: Element, B: BufferMut<T> + ?Sized>(
+        &mut self,
+        buf: &'a mut B,
+    ) -> Work<'a> {
         let r = self.all_gather_in_place(buf);
         self.work(r)
     }
@@ -898,7 +1097,11 @@ impl Communicator {
     }
 
     /// Nonblocking [`reduce_scatter_in_place`](Self::reduce_scatter_in_place) (see [`all_reduce_async`](Self::all_reduce_async)).
-    pub fn reduce_scatter_in_place_async<'a, T: Element, B: BufferMut<T> + ?Sized>(&mut self, buf: &'a mut B, op: ReduceOp) -> Work<'a> {
+    pub fn reduce_scatter_in_place_async<'a, T: Element, B: BufferMut<T> + ?Sized>(
+        &mut self,
+        buf: &'a mut B,
+        op: ReduceOp,
+    ) -> Work<'a> {
         let r = self.reduce_scatter_in_place(buf, op);
         self.work(r)
     }
@@ -914,7 +1117,14 @@ impl Communicator {
         recv_counts: &[usize],
         recv_displs: &[usize],
     ) -> Work<'a> {
-        let r = self.all_to_all_v(send, send_counts, send_displs, recv, recv_counts, recv_displs);
+        let r = self.all_to_all_v(
+            send,
+            send_counts,
+            send_displs,
+            recv,
+            recv_counts,
+            recv_displs,
+        );
         self.work(r)
     }
 
@@ -971,7 +1181,10 @@ impl Communicator {
     /// completion on the device; elsewhere the call has completed.
     fn work<'a>(&mut self, r: Result<(), CommError>) -> Work<'a> {
         match r.and_then(|()| self.backend.completion()) {
-            Ok(Some(c)) => Work { state: WorkState::Pending(c), _bufs: PhantomData },
+            Ok(Some(c)) => Work {
+                state: WorkState::Pending(c),
+                _bufs: PhantomData,
+            },
             Ok(None) => Work::finished(Ok(())),
             Err(e) => Work::finished(Err(e)),
         }
@@ -979,7 +1192,11 @@ impl Communicator {
 
     /// Wait until every rank has reached this call.
     pub fn barrier(&mut self) -> Result<(), CommError> {
-        let empty = RawMem { addr: 0, len: 0, space: MemSpace::Host };
+        let empty = RawMem {
+            addr: 0,
+            len: 0,
+            space: MemSpace::Host,
+        };
         self.call::<u8>(CollKind::Barrier, ReduceOp::Sum, 0, 0, empty, empty)
     }
 }
@@ -995,7 +1212,10 @@ pub struct Group<'b> {
 
 impl fmt::Debug for Group<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Group").field("rank", &self.rank).field("ops", &self.ops.len()).finish()
+        f.debug_struct("Group")
+            .field("rank", &self.rank)
+            .field("ops", &self.ops.len())
+            .finish()
     }
 }
 
@@ -1005,7 +1225,10 @@ impl<'b> Group<'b> {
             return Err(CommError::InvalidArgument {
                 op: op.kind,
                 rank: self.rank,
-                detail: format!("peer {} is out of range for world size {}", op.peer, self.world),
+                detail: format!(
+                    "peer {} is out of range for world size {}",
+                    op.peer, self.world
+                ),
             });
         }
         self.ops.push(op);
@@ -1013,13 +1236,31 @@ impl<'b> Group<'b> {
     }
 
     /// Post a send of `buf` to `peer` (see [`Communicator::send`]).
-    pub fn send<T: Element, S: Buffer<T> + ?Sized>(&mut self, buf: &'b S, peer: usize) -> Result<(), CommError> {
-        self.post(P2pOp { kind: CollKind::Send, peer, dtype: T::DTYPE, mem: buf.raw() })
+    pub fn send<T: Element, S: Buffer<T> + ?Sized>(
+        &mut self,
+        buf: &'b S,
+        peer: usize,
+    ) -> Result<(), CommError> {
+        self.post(P2pOp {
+            kind: CollKind::Send,
+            peer,
+            dtype: T::DTYPE,
+            mem: buf.raw(),
+        })
     }
 
     /// Post a receive into `buf` from `peer` (see [`Communicator::recv`]).
-    pub fn recv<T: Element, R: BufferMut<T> + ?Sized>(&mut self, buf: &'b mut R, peer: usize) -> Result<(), CommError> {
-        self.post(P2pOp { kind: CollKind::Recv, peer, dtype: T::DTYPE, mem: buf.raw_mut() })
+    pub fn recv<T: Element, R: BufferMut<T> + ?Sized>(
+        &mut self,
+        buf: &'b mut R,
+        peer: usize,
+    ) -> Result<(), CommError> {
+        self.post(P2pOp {
+            kind: CollKind::Recv,
+            peer,
+            dtype: T::DTYPE,
+            mem: buf.raw_mut(),
+        })
     }
 }
 
@@ -1058,7 +1299,10 @@ impl fmt::Debug for Work<'_> {
 impl Work<'_> {
     /// A handle for a call that has already completed with `result`.
     pub(crate) fn finished(result: Result<(), CommError>) -> Self {
-        Work { state: WorkState::Done(result), _bufs: PhantomData }
+        Work {
+            state: WorkState::Done(result),
+            _bufs: PhantomData,
+        }
     }
 
     /// Whether the call has completed (always, on host backends); a failed call counts as

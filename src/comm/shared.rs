@@ -39,7 +39,11 @@ impl<T: Element> SharedBuffer<T> {
     /// Type `region` as `len` elements; the caller checked `len * size_of::<T>() <= bytes()`.
     pub(crate) fn new(region: Box<dyn SharedRegion>, len: usize) -> SharedBuffer<T> {
         debug_assert!(len * std::mem::size_of::<T>() <= region.bytes());
-        SharedBuffer { region, len, _t: PhantomData }
+        SharedBuffer {
+            region,
+            len,
+            _t: PhantomData,
+        }
     }
 }
 
@@ -63,7 +67,11 @@ impl<T: Element> DerefMut for SharedBuffer<T> {
 // SAFETY: the view covers exactly the region's typed prefix, which lives as long as `self`.
 unsafe impl<T: Element> Buffer<T> for SharedBuffer<T> {
     fn raw(&self) -> RawMem {
-        RawMem { addr: self.region.as_ptr() as usize, len: self.len, space: MemSpace::Host }
+        RawMem {
+            addr: self.region.as_ptr() as usize,
+            len: self.len,
+            space: MemSpace::Host,
+        }
     }
 }
 

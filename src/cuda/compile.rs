@@ -43,9 +43,14 @@ impl NvrtcInfo {
 /// Compile `src` to PTX for a virtual arch such as `compute_80` (no GPU needed).
 pub fn compile_ptx(src: &KernelSource, arch: &str) -> Result<String, CudaError> {
     let n = nvrtc::api()?;
-    let opts = vec![format!("--gpu-architecture={arch}"), "-default-device".to_string()];
+    let opts = vec![
+        format!("--gpu-architecture={arch}"),
+        "-default-device".to_string(),
+    ];
     let ptx = n.compile(src.name, src.source, src.headers, &opts, Output::Ptx)?;
-    Ok(String::from_utf8_lossy(&ptx).trim_end_matches('\0').to_string())
+    Ok(String::from_utf8_lossy(&ptx)
+        .trim_end_matches('\0')
+        .to_string())
 }
 
 /// Extra NVRTC options from `LOCKSTEP_NVRTC_OPTIONS` (whitespace-separated, e.g.
@@ -53,9 +58,14 @@ pub fn compile_ptx(src: &KernelSource, arch: &str) -> Result<String, CudaError> 
 /// part in the disk-cache key, so switching them never loads a stale image. A value that is not
 /// UTF-8 is an error naming the variable (never silently no options).
 pub fn extra_nvrtc_options() -> Result<Vec<String>, crate::types::env::EnvError> {
-    static OPTS: std::sync::OnceLock<Result<Vec<String>, crate::types::env::EnvError>> = std::sync::OnceLock::new();
+    static OPTS: std::sync::OnceLock<Result<Vec<String>, crate::types::env::EnvError>> =
+        std::sync::OnceLock::new();
     OPTS.get_or_init(|| {
-        Ok(crate::types::env::raw("LOCKSTEP_NVRTC_OPTIONS")?.unwrap_or_default().split_whitespace().map(str::to_string).collect())
+        Ok(crate::types::env::raw("LOCKSTEP_NVRTC_OPTIONS")?
+            .unwrap_or_default()
+            .split_whitespace()
+            .map(str::to_string)
+            .collect())
     })
     .clone()
 }
@@ -73,7 +83,13 @@ pub fn cache_dir() -> PathBuf {
 
 /// The cache file of `src` compiled with `opts` by NVRTC `nvrtc_version` for `cc` and driver
 /// `driver_version`: the hash covers the text, the headers, the options and the NVRTC version.
-fn cache_path(src: &KernelSource, opts: &[String], nvrtc_version: (i32, i32), cc: (i32, i32), driver_version: i32) -> PathBuf {
+fn cache_path(
+    src: &KernelSource,
+    opts: &[String],
+    nvrtc_version: (i32, i32),
+    cc: (i32, i32),
+    driver_version: i32,
+) -> PathBuf {
     let optstr = opts.join(" ");
     let nv = format!("{}.{}", nvrtc_version.0, nvrtc_version.1);
     let mut parts = src.content_parts();
@@ -81,15 +97,30 @@ fn cache_path(src: &KernelSource, opts: &[String], nvrtc_version: (i32, i32), cc
     parts.push(nv.as_bytes());
     let hash = fnv1a(&parts);
     let stem = src.name.trim_end_matches(".cu");
-    cache_dir().join("kernels").join(format!("{stem}-sm{}{}-drv{driver_version}-{hash:016x}.cubin", cc.0, cc.1))
+    cache_dir().join("kernels").join(format!(
+        "{stem}-sm{}{}-drv{driver_version}-{hash:016x}.cubin",
+        cc.0, cc.1
+    ))
 }
 
 /// CUBIN for `src` on arch `sm_{major}{minor}`, from the disk cache or NVRTC. Returns the image
 /// and whether it came from the cache.
-pub fn compile_cubin_cached(src: &KernelSource, cc: (i32, i32), driver_version: i32) -> Result<(Vec<u8>, bool), CudaError> {
+pub fn compile_cubin_cached(
+    src: &KernelSource,
+    cc: (i32, i32),
+    driver_version: i32,
+) -> Result<(Vec<u8>, bool), CudaError> {
     let n = nvrtc::api()?;
-    let mut opts = vec![format!("--gpu-architecture=sm_{}{}", cc.0, cc.1), "-default-device".to_string()];
-    opts.extend(extra_nvrtc_options().map_err(|e| CudaError::InvalidArgument { op: "NVRTC options".into(), detail: e.to_string() })?);
+    let mut opts = vec![
+        format!("--gpu-architecture=sm_{}{}", cc.0, cc.1),
+        "-default-device".to_string(),
+    ];
+    opts.extend(
+        extra_nvrtc_options().map_err(|e| CudaError::InvalidArgument {
+            op: "NVRTC options".into(),
+            detail: e.to_string(),
+        })?,
+    );
     let path = cache_path(src, &opts, n.version, cc, driver_version);
     if let Ok(bytes) = std::fs::read(&path) {
         if !bytes.is_empty() {
@@ -104,7 +135,11 @@ pub fn compile_cubin_cached(src: &KernelSource, cc: (i32, i32), driver_version: 
     }
     .and_then(|()| crate::types::write_atomic(&path, &cubin, 0o644).map_err(|e| e.to_string()));
     if let Err(e) = stored {
-        tracing::warn!("kernel cache: could not store {}: {e}; {} will be compiled again next time", path.display(), src.name);
+        tracing::warn!(
+            "kernel cache: could not store {}: {e}; {} will be compiled again next time",
+            path.display(),
+            src.name
+        );
     }
     Ok((cubin, false))
 }
@@ -113,7 +148,12 @@ pub fn compile_cubin_cached(src: &KernelSource, cc: (i32, i32), driver_version: 
 mod tests {
     use super::*;
 
-    static SRC: KernelSource = KernelSource { name: "t.cu", source: "x", headers: &[("h.cuh", "1")], functions: &[] };
+    static SRC: KernelSource = KernelSource {
+        name: "t.cu",
+        source: "x",
+        headers: &[("h.cuh", "1")],
+        functions: &[],
+    };
 
     #[test]
     fn cache_key_covers_options_versions_and_arch() {
@@ -121,14 +161,44 @@ mod tests {
         let base = cache_path(&SRC, &o("-a"), (12, 9), (8, 0), 12040);
         assert_eq!(base, cache_path(&SRC, &o("-a"), (12, 9), (8, 0), 12040));
         let name = base.file_name().unwrap().to_string_lossy().into_owned();
-        assert!(name.starts_with("t-sm80-drv12040-") && name.ends_with(".cubin"), "{name}");
-        assert_ne!(base, cache_path(&SRC, &o("-b"), (12, 9), (8, 0), 12040), "options");
-        assert_ne!(base, cache_path(&SRC, &o("-a"), (13, 0), (8, 0), 12040), "NVRTC version");
-        assert_ne!(base, cache_path(&SRC, &o("-a"), (12, 9), (9, 0), 12040), "arch");
-        assert_ne!(base, cache_path(&SRC, &o("-a"), (12, 9), (8, 0), 13000), "driver");
+        assert!(
+            name.starts_with("t-sm80-drv12040-") && name.ends_with(".cubin"),
+            "{name}"
+        );
+        assert_ne!(
+            base,
+            cache_path(&SRC, &o("-b"), (12, 9), (8, 0), 12040),
+            "options"
+        );
+        assert_ne!(
+            base,
+            cache_path(&SRC, &o("-a"), (13, 0), (8, 0), 12040),
+            "NVRTC version"
+        );
+        assert_ne!(
+            base,
+            cache_path(&SRC, &o("-a"), (12, 9), (9, 0), 12040),
+            "arch"
+        );
+        assert_ne!(
+            base,
+            cache_path(&SRC, &o("-a"), (12, 9), (8, 0), 13000),
+            "driver"
+        );
         let other = KernelSource { source: "y", ..SRC };
-        assert_ne!(base, cache_path(&other, &o("-a"), (12, 9), (8, 0), 12040), "source text");
-        let other = KernelSource { headers: &[("h.cuh", "2")], ..SRC };
-        assert_ne!(base, cache_path(&other, &o("-a"), (12, 9), (8, 0), 12040), "header text");
+        assert_ne!(
+            base,
+            cache_path(&other, &o("-a"), (12, 9), (8, 0), 12040),
+            "source text"
+        );
+        let other = KernelSource {
+            headers: &[("h.cuh", "2")],
+            ..SRC
+        };
+        assert_ne!(
+            base,
+            cache_path(&other, &o("-a"), (12, 9), (8, 0), 12040),
+            "header text"
+        );
     }
 }

@@ -76,7 +76,9 @@ unsafe impl Sync for Context {}
 
 impl std::fmt::Debug for Context {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Context").field("ordinal", &self.ordinal).finish()
+        f.debug_struct("Context")
+            .field("ordinal", &self.ordinal)
+            .finish()
     }
 }
 
@@ -124,7 +126,10 @@ impl Context {
 
     /// Record a failure from a `Drop`; reported by the next [`check`](Self::check).
     pub(crate) fn record_err(&self, what: String, e: CudaError) {
-        self.deferred.lock().unwrap_or_else(|p| p.into_inner()).push((what, e));
+        self.deferred
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push((what, e));
     }
 
     /// Report (once) the first failure recorded while dropping objects of this context.
@@ -134,12 +139,18 @@ impl Context {
             return Ok(());
         }
         let (what, e) = d.remove(0);
-        Err(CudaError::Deferred { what, source: Box::new(e) })
+        Err(CudaError::Deferred {
+            what,
+            source: Box::new(e),
+        })
     }
 
     /// Compute capability (major, minor).
     pub fn compute_capability(&self) -> Result<(i32, i32), CudaError> {
-        Ok((driver::device_get_attribute(self.dev, driver::ATTR_CC_MAJOR)?, driver::device_get_attribute(self.dev, driver::ATTR_CC_MINOR)?))
+        Ok((
+            driver::device_get_attribute(self.dev, driver::ATTR_CC_MAJOR)?,
+            driver::device_get_attribute(self.dev, driver::ATTR_CC_MINOR)?,
+        ))
     }
 
     /// Name, arch, SM count and memory of the device.
@@ -183,8 +194,14 @@ impl Context {
         self.check()?;
         self.bind()?;
         let raw = driver::stream_create(driver::STREAM_NON_BLOCKING)?;
-        self.streams.lock().unwrap_or_else(|p| p.into_inner()).push(raw as usize);
-        Ok(Stream { ctx: self.clone(), raw })
+        self.streams
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(raw as usize);
+        Ok(Stream {
+            ctx: self.clone(),
+            raw,
+        })
     }
 
     /// A new event without timing (cheaper to record and wait on), for ordering and completion.
@@ -192,7 +209,10 @@ impl Context {
         self.check()?;
         self.bind()?;
         let raw = driver::event_create(driver::EVENT_DISABLE_TIMING)?;
-        Ok(Event { ctx: self.clone(), raw })
+        Ok(Event {
+            ctx: self.clone(),
+            raw,
+        })
     }
 
     /// A new event (timing enabled).
@@ -200,11 +220,16 @@ impl Context {
         self.check()?;
         self.bind()?;
         let raw = driver::event_create(0)?;
-        Ok(Event { ctx: self.clone(), raw })
+        Ok(Event {
+            ctx: self.clone(),
+            raw,
+        })
     }
 
     /// The loaded-module cache, locked (see `Context::module` in `module.rs`).
-    pub(crate) fn module_cache(&self) -> MutexGuard<'_, HashMap<ModuleKey, Arc<dyn Any + Send + Sync>>> {
+    pub(crate) fn module_cache(
+        &self,
+    ) -> MutexGuard<'_, HashMap<ModuleKey, Arc<dyn Any + Send + Sync>>> {
         self.modules.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
@@ -216,7 +241,10 @@ impl Drop for Context {
         self.modules.get_mut().map(|m| m.clear()).ok();
         if let Err(e) = driver::primary_ctx_release(self.dev) {
             // Nobody is left to report to: the context is gone. Say it once on stderr.
-            tracing::error!("releasing the CUDA context of device {} failed: {e}", self.ordinal);
+            tracing::error!(
+                "releasing the CUDA context of device {} failed: {e}",
+                self.ordinal
+            );
         }
     }
 }
@@ -271,7 +299,10 @@ impl Drop for Stream {
         streams.retain(|s| *s != self.raw as usize);
         // SAFETY: we own the stream; nothing uses it after drop. cuStreamDestroy lets pending
         // work finish.
-        let r = self.ctx.bind().and_then(|_| unsafe { driver::stream_destroy(self.raw) });
+        let r = self
+            .ctx
+            .bind()
+            .and_then(|_| unsafe { driver::stream_destroy(self.raw) });
         drop(streams);
         if let Err(e) = r {
             self.ctx.record_err("a stream".into(), e);
@@ -291,7 +322,10 @@ pub struct Producers {
 impl Producers {
     /// Fences for consumers on `ctx`'s streams.
     pub fn new(ctx: &Arc<Context>) -> Producers {
-        Producers { ctx: ctx.clone(), events: HashMap::new() }
+        Producers {
+            ctx: ctx.clone(),
+            events: HashMap::new(),
+        }
     }
 
     /// Make later work on `consumer` wait for everything enqueued so far on the context's other
@@ -305,7 +339,10 @@ impl Producers {
                 std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
                 std::collections::hash_map::Entry::Vacant(v) => {
                     let raw = driver::event_create(driver::EVENT_DISABLE_TIMING)?;
-                    v.insert(Event { ctx: self.ctx.clone(), raw })
+                    v.insert(Event {
+                        ctx: self.ctx.clone(),
+                        raw,
+                    })
                 }
             };
             // The stream is live: it is in the list, whose lock its `Drop` needs.
@@ -356,7 +393,10 @@ impl Event {
 impl Drop for Event {
     fn drop(&mut self) {
         // SAFETY: we own the event; nothing uses it after drop.
-        let r = self.ctx.bind().and_then(|_| unsafe { driver::event_destroy(self.raw) });
+        let r = self
+            .ctx
+            .bind()
+            .and_then(|_| unsafe { driver::event_destroy(self.raw) });
         if let Err(e) = r {
             self.ctx.record_err("an event".into(), e);
         }

@@ -61,7 +61,12 @@ impl LibKind {
     pub const fn sonames(self) -> &'static [&'static str] {
         match self {
             LibKind::Driver => &["libcuda.so.1", "libcuda.so"],
-            LibKind::Nvrtc => &["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so.11.2", "libnvrtc.so"],
+            LibKind::Nvrtc => &[
+                "libnvrtc.so.13",
+                "libnvrtc.so.12",
+                "libnvrtc.so.11.2",
+                "libnvrtc.so",
+            ],
             LibKind::Nccl => &["libnccl.so.2", "libnccl.so"],
         }
     }
@@ -132,9 +137,14 @@ fn env_nonempty(var: &str) -> Option<String> {
 
 /// Entries of `dir` whose names start with `prefix`, sorted descending (newest version first).
 fn dir_entries_with_prefix(dir: &Path, prefix: &str) -> Vec<PathBuf> {
-    let Ok(rd) = std::fs::read_dir(dir) else { return Vec::new() };
-    let mut v: Vec<PathBuf> =
-        rd.filter_map(|e| e.ok()).filter(|e| e.file_name().to_string_lossy().starts_with(prefix)).map(|e| e.path()).collect();
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut v: Vec<PathBuf> = rd
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().starts_with(prefix))
+        .map(|e| e.path())
+        .collect();
     v.sort();
     v.reverse();
     v
@@ -161,8 +171,12 @@ const PYTHON_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 pub(crate) fn site_dirs_of(python: &Path) -> Vec<PathBuf> {
     use std::io::Read as _;
     use std::process::{Command, Stdio};
-    let child =
-        Command::new(python).args(["-c", PYTHON_SITE_SCRIPT]).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::null()).spawn();
+    let child = Command::new(python)
+        .args(["-c", PYTHON_SITE_SCRIPT])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn();
     let mut child = match child {
         Ok(c) => c,
         Err(e) => {
@@ -174,7 +188,9 @@ pub(crate) fn site_dirs_of(python: &Path) -> Vec<PathBuf> {
     let status = loop {
         match child.try_wait() {
             Ok(Some(st)) => break Some(st),
-            Ok(None) if start.elapsed() < PYTHON_TIMEOUT => std::thread::sleep(std::time::Duration::from_millis(5)),
+            Ok(None) if start.elapsed() < PYTHON_TIMEOUT => {
+                std::thread::sleep(std::time::Duration::from_millis(5))
+            }
             _ => {
                 let _ = child.kill();
                 let _ = child.wait();
@@ -187,9 +203,17 @@ pub(crate) fn site_dirs_of(python: &Path) -> Vec<PathBuf> {
         let _ = so.read_to_string(&mut out);
     }
     match status {
-        Some(st) if st.success() => out.lines().map(str::trim).filter(|l| !l.is_empty()).map(PathBuf::from).collect(),
+        Some(st) if st.success() => out
+            .lines()
+            .map(str::trim)
+            .filter(|l| !l.is_empty())
+            .map(PathBuf::from)
+            .collect(),
         Some(st) => {
-            tracing::debug!("library discovery: {} exited with {st}; its site-packages are not searched", python.display());
+            tracing::debug!(
+                "library discovery: {} exited with {st}; its site-packages are not searched",
+                python.display()
+            );
             Vec::new()
         }
         None => {
@@ -221,7 +245,12 @@ fn python_site_dirs() -> Vec<PathBuf> {
     push_site_dirs(&roots, &mut out);
     // An environment whose interpreter is on PATH without being activated (PyTorch's venv run
     // by its full path, a conda base) sets neither variable: ask that interpreter.
-    out.extend(path_python_site_dirs().iter().filter(|d| d.is_dir()).cloned());
+    out.extend(
+        path_python_site_dirs()
+            .iter()
+            .filter(|d| d.is_dir())
+            .cloned(),
+    );
     let mut roots: Vec<PathBuf> = Vec::new();
     roots.push(PathBuf::from("/usr/local/lib"));
     roots.push(PathBuf::from("/usr/lib"));
@@ -231,7 +260,10 @@ fn python_site_dirs() -> Vec<PathBuf> {
     push_site_dirs(&roots, &mut out);
     // `pip install --target .ci-deps/<name>` (see .ci/install-nvrtc.sh), relative to the working
     // directory and to the crate root (tests run in the crate root).
-    for base in [PathBuf::from(".ci-deps"), PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".ci-deps")] {
+    for base in [
+        PathBuf::from(".ci-deps"),
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".ci-deps"),
+    ] {
         for d in dir_entries_with_prefix(&base, "") {
             out.push(d);
         }
@@ -278,19 +310,33 @@ fn toolkit_roots() -> Vec<PathBuf> {
 pub fn search_dirs(kind: LibKind) -> Vec<PathBuf> {
     let mut dirs = Vec::new();
     // The driver comes in no wheel: do not run Python for it.
-    let sites = if kind.wheel_subdirs().is_empty() { Vec::new() } else { python_site_dirs() };
+    let sites = if kind.wheel_subdirs().is_empty() {
+        Vec::new()
+    } else {
+        python_site_dirs()
+    };
     for site in sites {
         for sub in kind.wheel_subdirs() {
             dirs.push(site.join("nvidia").join(sub));
         }
     }
-    let arch = if cfg!(target_arch = "aarch64") { "sbsa-linux" } else { "x86_64-linux" };
+    let arch = if cfg!(target_arch = "aarch64") {
+        "sbsa-linux"
+    } else {
+        "x86_64-linux"
+    };
     for root in toolkit_roots() {
         dirs.push(root.join("lib64"));
         dirs.push(root.join("targets").join(arch).join("lib"));
     }
     if kind == LibKind::Driver {
-        for d in ["/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib/wsl/lib", "/usr/local/nvidia/lib64"] {
+        for d in [
+            "/usr/lib/x86_64-linux-gnu",
+            "/usr/lib/aarch64-linux-gnu",
+            "/usr/lib64",
+            "/usr/lib/wsl/lib",
+            "/usr/local/nvidia/lib64",
+        ] {
             dirs.push(PathBuf::from(d));
         }
     }
@@ -302,27 +348,45 @@ pub fn search_dirs(kind: LibKind) -> Vec<PathBuf> {
 /// silently skipped).
 pub fn candidates(kind: LibKind) -> Vec<Candidate> {
     if let Err(e) = crate::types::env::raw(kind.env_var()) {
-        return vec![Candidate { spec: e.value.clone(), origin: e.to_string() }];
+        return vec![Candidate {
+            spec: e.value.clone(),
+            origin: e.to_string(),
+        }];
     }
     if let Some(p) = env_nonempty(kind.env_var()) {
         let path = PathBuf::from(&p);
         if path.is_dir() {
             return dir_entries_with_prefix(&path, kind.file_prefix())
                 .into_iter()
-                .map(|f| Candidate { spec: f.display().to_string(), origin: format!("{} folder", kind.env_var()) })
+                .map(|f| Candidate {
+                    spec: f.display().to_string(),
+                    origin: format!("{} folder", kind.env_var()),
+                })
                 .collect();
         }
-        return vec![Candidate { spec: p, origin: kind.env_var().to_string() }];
+        return vec![Candidate {
+            spec: p,
+            origin: kind.env_var().to_string(),
+        }];
     }
-    let mut out: Vec<Candidate> =
-        kind.sonames().iter().map(|s| Candidate { spec: s.to_string(), origin: "dynamic loader search path".into() }).collect();
+    let mut out: Vec<Candidate> = kind
+        .sonames()
+        .iter()
+        .map(|s| Candidate {
+            spec: s.to_string(),
+            origin: "dynamic loader search path".into(),
+        })
+        .collect();
     for dir in search_dirs(kind) {
         for f in dir_entries_with_prefix(&dir, kind.file_prefix()) {
             // Skip the driver's link-time stub: it answers every call with CUDA_ERROR_STUB_LIBRARY.
             if f.to_string_lossy().contains("/stubs/") {
                 continue;
             }
-            out.push(Candidate { spec: f.display().to_string(), origin: dir.display().to_string() });
+            out.push(Candidate {
+                spec: f.display().to_string(),
+                origin: dir.display().to_string(),
+            });
         }
     }
     out
@@ -332,8 +396,14 @@ pub fn candidates(kind: LibKind) -> Vec<Candidate> {
 fn resolved_path(lib: &Library, symbol: &str, fallback: &str) -> String {
     let name = format!("{symbol}\0");
     // SAFETY: we only take the symbol's address (as an opaque pointer), never call it.
-    let addr = unsafe { lib.get::<*const libc::c_void>(name.as_bytes()).ok().map(|s| *s) };
-    let Some(addr) = addr else { return fallback.to_string() };
+    let addr = unsafe {
+        lib.get::<*const libc::c_void>(name.as_bytes())
+            .ok()
+            .map(|s| *s)
+    };
+    let Some(addr) = addr else {
+        return fallback.to_string();
+    };
     let mut info: libc::Dl_info = libc::Dl_info {
         dli_fname: std::ptr::null(),
         dli_fbase: std::ptr::null_mut(),
@@ -346,21 +416,37 @@ fn resolved_path(lib: &Library, symbol: &str, fallback: &str) -> String {
         return fallback.to_string();
     }
     // SAFETY: dladdr returned a NUL-terminated path owned by the loader.
-    let p = unsafe { CStr::from_ptr(info.dli_fname) }.to_string_lossy().into_owned();
-    std::fs::canonicalize(&p).map(|c| c.display().to_string()).unwrap_or(p)
+    let p = unsafe { CStr::from_ptr(info.dli_fname) }
+        .to_string_lossy()
+        .into_owned();
+    std::fs::canonicalize(&p)
+        .map(|c| c.display().to_string())
+        .unwrap_or(p)
 }
 
 /// Load the first acceptable candidate for `kind`. `probe` gets each loaded library; `symbol` is
 /// any symbol the library exports (used to resolve its path).
-pub(crate) fn load(kind: LibKind, symbol: &str, mut probe: impl FnMut(&Library, &str) -> Verdict) -> Result<Loaded, CudaError> {
+pub(crate) fn load(
+    kind: LibKind,
+    symbol: &str,
+    mut probe: impl FnMut(&Library, &str) -> Verdict,
+) -> Result<Loaded, CudaError> {
     let mut tried: Vec<String> = Vec::new();
     let mut seen: Vec<String> = Vec::new();
     for c in candidates(kind) {
-        let Some((lib, path)) = open_candidate(&c, symbol, &mut tried, &mut seen) else { continue };
+        let Some((lib, path)) = open_candidate(&c, symbol, &mut tried, &mut seen) else {
+            continue;
+        };
         match probe(&lib, &path) {
             Verdict::Accept => {
                 let reason = first_usable_reason(kind, &c);
-                return Ok(Loaded { lib, path, origin: c.origin, notes: Vec::new(), reason });
+                return Ok(Loaded {
+                    lib,
+                    path,
+                    origin: c.origin,
+                    notes: Vec::new(),
+                    reason,
+                });
             }
             Verdict::Reject(why) => tried.push(format!("{path} ({}): rejected: {why}", c.origin)),
         }
@@ -381,21 +467,31 @@ fn first_usable_reason(kind: LibKind, c: &Candidate) -> String {
 pub(crate) enum Ranked {
     /// Usable: higher `rank` wins, ties go to the earlier candidate; `label` names it in the
     /// report (e.g. its version); `notes` are remarks kept if it is chosen.
-    Usable { rank: u64, label: String, notes: Vec<String> },
+    Usable {
+        rank: u64,
+        label: String,
+        notes: Vec<String>,
+    },
     /// Not usable (reason).
     Reject(String),
 }
 
 /// Load every candidate for `kind`, keep the one its probe ranks highest (the earliest on ties),
 /// unload the others. The chosen library's `reason` names the ones passed over.
-pub(crate) fn load_newest(kind: LibKind, symbol: &str, mut probe: impl FnMut(&Library, &str) -> Ranked) -> Result<Loaded, CudaError> {
+pub(crate) fn load_newest(
+    kind: LibKind,
+    symbol: &str,
+    mut probe: impl FnMut(&Library, &str) -> Ranked,
+) -> Result<Loaded, CudaError> {
     let mut tried: Vec<String> = Vec::new();
     let mut seen: Vec<String> = Vec::new();
     // (rank, label, loaded) of the best so far; the others' (label, path).
     let mut best: Option<(u64, String, Loaded)> = None;
     let mut others: Vec<String> = Vec::new();
     for c in candidates(kind) {
-        let Some((lib, path)) = open_candidate(&c, symbol, &mut tried, &mut seen) else { continue };
+        let Some((lib, path)) = open_candidate(&c, symbol, &mut tried, &mut seen) else {
+            continue;
+        };
         match probe(&lib, &path) {
             Ranked::Usable { rank, label, notes } => {
                 if best.as_ref().is_some_and(|(r, _, _)| *r >= rank) {
@@ -406,7 +502,17 @@ pub(crate) fn load_newest(kind: LibKind, symbol: &str, mut probe: impl FnMut(&Li
                     others.push(format!("{l} at {}", old.path));
                 }
                 let reason = first_usable_reason(kind, &c);
-                best = Some((rank, label, Loaded { lib, path, origin: c.origin, notes, reason }));
+                best = Some((
+                    rank,
+                    label,
+                    Loaded {
+                        lib,
+                        path,
+                        origin: c.origin,
+                        notes,
+                        reason,
+                    },
+                ));
             }
             Ranked::Reject(why) => {
                 tried.push(format!("{path} ({}): rejected: {why}", c.origin));
@@ -414,9 +520,14 @@ pub(crate) fn load_newest(kind: LibKind, symbol: &str, mut probe: impl FnMut(&Li
             }
         }
     }
-    let Some((_, label, mut loaded)) = best else { return Err(not_found(kind, tried)) };
+    let Some((_, label, mut loaded)) = best else {
+        return Err(not_found(kind, tried));
+    };
     if !others.is_empty() {
-        loaded.reason = format!("the newest usable one ({label}); also found: {}", others.join("; "));
+        loaded.reason = format!(
+            "the newest usable one ({label}); also found: {}",
+            others.join("; ")
+        );
     } else if !loaded.reason.starts_with("set by") {
         loaded.reason = format!("the only usable one found ({label})");
     }
@@ -425,13 +536,23 @@ pub(crate) fn load_newest(kind: LibKind, symbol: &str, mut probe: impl FnMut(&Li
 
 /// `dlopen` one candidate and resolve the file it maps; `None` (with the reason in `tried`) when
 /// it does not load, or when it is a file already seen under another name.
-fn open_candidate(c: &Candidate, symbol: &str, tried: &mut Vec<String>, seen: &mut Vec<String>) -> Option<(Library, String)> {
+fn open_candidate(
+    c: &Candidate,
+    symbol: &str,
+    tried: &mut Vec<String>,
+    seen: &mut Vec<String>,
+) -> Option<(Library, String)> {
     // SAFETY: loading a shared library runs its initialisers; the CUDA, NVRTC and NCCL
     // libraries have no initialiser with preconditions on the caller.
     let lib = match unsafe { Library::new(&c.spec) } {
         Ok(l) => l,
         Err(e) => {
-            tried.push(format!("{} ({}): {}", c.spec, c.origin, short_dl_error(&e, &c.spec)));
+            tried.push(format!(
+                "{} ({}): {}",
+                c.spec,
+                c.origin,
+                short_dl_error(&e, &c.spec)
+            ));
             return None;
         }
     };
@@ -450,10 +571,19 @@ fn not_found(kind: LibKind, mut searched: Vec<String>) -> CudaError {
         searched.push(format!(
             "folders with no {}*: {}",
             kind.file_prefix(),
-            search_dirs(kind).iter().map(|d| d.display().to_string()).collect::<Vec<_>>().join(", ")
+            search_dirs(kind)
+                .iter()
+                .map(|d| d.display().to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
         ));
     }
-    CudaError::LibraryNotFound { library: kind.name(), searched: searched.join("\n  "), env_var: kind.env_var(), hint: kind.install_hint() }
+    CudaError::LibraryNotFound {
+        library: kind.name(),
+        searched: searched.join("\n  "),
+        env_var: kind.env_var(),
+        hint: kind.install_hint(),
+    }
 }
 
 /// The loader's own message for a `libloading` error (libloading keeps it in `source()`).
@@ -470,7 +600,9 @@ pub(crate) fn dl_error(e: &libloading::Error) -> String {
 /// `dlopen` errors start with the path that was tried; drop it, keep the reason.
 fn short_dl_error(e: &libloading::Error, spec: &str) -> String {
     let m = dl_error(e);
-    m.strip_prefix(spec).map(|r| r.trim_start_matches(':').trim().to_string()).unwrap_or(m)
+    m.strip_prefix(spec)
+        .map(|r| r.trim_start_matches(':').trim().to_string())
+        .unwrap_or(m)
 }
 
 /// Format a CUDA-style version number (`12040` → `12.4`).
@@ -526,7 +658,10 @@ mod tests {
         let ok = script("python-ok", "case \"$2\" in *getsitepackages*) ;; *) exit 3;; esac\nprintf '/venv/lib/python3.12/site-packages\\n\\n  /home/u/.local/lib/python3.12/site-packages  \\n'");
         assert_eq!(
             site_dirs_of(&ok),
-            [PathBuf::from("/venv/lib/python3.12/site-packages"), PathBuf::from("/home/u/.local/lib/python3.12/site-packages")]
+            [
+                PathBuf::from("/venv/lib/python3.12/site-packages"),
+                PathBuf::from("/home/u/.local/lib/python3.12/site-packages")
+            ]
         );
         assert!(site_dirs_of(&script("python-fails", "echo /x; exit 1")).is_empty());
         assert!(site_dirs_of(&dir.join("no-such-python")).is_empty());
@@ -548,14 +683,31 @@ mod tests {
 
     #[test]
     fn search_dirs_cover_toolkit_and_wheels() {
-        let d: Vec<String> = search_dirs(LibKind::Nvrtc).iter().map(|p| p.display().to_string()).collect();
+        let d: Vec<String> = search_dirs(LibKind::Nvrtc)
+            .iter()
+            .map(|p| p.display().to_string())
+            .collect();
         assert!(d.iter().any(|p| p == "/opt/cuda/lib64"), "{d:?}");
-        assert!(d.iter().any(|p| p.ends_with("targets/x86_64-linux/lib") || p.ends_with("targets/sbsa-linux/lib")), "{d:?}");
+        assert!(
+            d.iter().any(|p| p.ends_with("targets/x86_64-linux/lib")
+                || p.ends_with("targets/sbsa-linux/lib")),
+            "{d:?}"
+        );
         if !python_site_dirs().is_empty() {
-            assert!(d.iter().any(|p| p.ends_with("nvidia/cuda_nvrtc/lib")), "{d:?}");
+            assert!(
+                d.iter().any(|p| p.ends_with("nvidia/cuda_nvrtc/lib")),
+                "{d:?}"
+            );
             assert!(d.iter().any(|p| p.ends_with("nvidia/cu13/lib")), "{d:?}");
         }
-        let drv: Vec<String> = search_dirs(LibKind::Driver).iter().map(|p| p.display().to_string()).collect();
-        assert!(drv.iter().any(|p| p == "/usr/lib/x86_64-linux-gnu") && !drv.iter().any(|p| p.contains("stubs")), "{drv:?}");
+        let drv: Vec<String> = search_dirs(LibKind::Driver)
+            .iter()
+            .map(|p| p.display().to_string())
+            .collect();
+        assert!(
+            drv.iter().any(|p| p == "/usr/lib/x86_64-linux-gnu")
+                && !drv.iter().any(|p| p.contains("stubs")),
+            "{drv:?}"
+        );
     }
 }

@@ -11,7 +11,9 @@
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 use std::sync::OnceLock;
 
-pub(crate) use cudarc::driver::sys::{CUcontext, CUdevice, CUdeviceptr, CUevent, CUfunction, CUgraph, CUgraphExec, CUmodule, CUstream};
+pub(crate) use cudarc::driver::sys::{
+    CUcontext, CUdevice, CUdeviceptr, CUevent, CUfunction, CUgraph, CUgraphExec, CUmodule, CUstream,
+};
 
 use super::discovery::{self, LibKind, Loaded, Verdict};
 use super::error::{driver_hint, CudaError, DriverStatus};
@@ -111,23 +113,33 @@ pub(crate) fn core() -> Result<&'static DriverCore, CudaError> {
 
 fn load_core() -> Result<DriverCore, CudaError> {
     let mut missing: Option<CudaError> = None;
-    let loaded = discovery::load(LibKind::Driver, "cuInit", |lib, path| match CoreFns::resolve(lib) {
-        Ok(_) => Verdict::Accept,
-        Err((sym, detail)) => {
-            missing.get_or_insert(CudaError::MissingSymbol {
-                library: LibKind::Driver.name(),
-                path: path.to_string(),
-                symbol: sym,
-                detail: detail.clone(),
-                env_var: LibKind::Driver.env_var(),
-            });
-            Verdict::Reject(format!("no symbol {sym}"))
-        }
-    });
+    let loaded = discovery::load(
+        LibKind::Driver,
+        "cuInit",
+        |lib, path| match CoreFns::resolve(lib) {
+            Ok(_) => Verdict::Accept,
+            Err((sym, detail)) => {
+                missing.get_or_insert(CudaError::MissingSymbol {
+                    library: LibKind::Driver.name(),
+                    path: path.to_string(),
+                    symbol: sym,
+                    detail: detail.clone(),
+                    env_var: LibKind::Driver.env_var(),
+                });
+                Verdict::Reject(format!("no symbol {sym}"))
+            }
+        },
+    );
     let loaded = match loaded {
         Ok(l) => l,
         // A lone candidate (the override) that lacked a symbol: say which symbol.
-        Err(e) => return Err(if std::env::var(LibKind::Driver.env_var()).is_ok() { missing.unwrap_or(e) } else { e }),
+        Err(e) => {
+            return Err(if std::env::var(LibKind::Driver.env_var()).is_ok() {
+                missing.unwrap_or(e)
+            } else {
+                e
+            })
+        }
     };
     let f = CoreFns::resolve(&loaded.lib).map_err(|(sym, detail)| CudaError::MissingSymbol {
         library: LibKind::Driver.name(),
@@ -136,7 +148,12 @@ fn load_core() -> Result<DriverCore, CudaError> {
         detail,
         env_var: LibKind::Driver.env_var(),
     })?;
-    Ok(DriverCore { path: loaded.path.clone(), origin: loaded.origin.clone(), loaded, f })
+    Ok(DriverCore {
+        path: loaded.path.clone(),
+        origin: loaded.origin.clone(),
+        loaded,
+        f,
+    })
 }
 
 /// The full driver table (loads the library first).
@@ -191,7 +208,11 @@ pub(crate) fn status(code: c_int) -> DriverStatus {
             message = unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned();
         }
     }
-    DriverStatus { code, name, message }
+    DriverStatus {
+        code,
+        name,
+        message,
+    }
 }
 
 /// Map a driver status to `Result`, naming the call.
@@ -199,7 +220,11 @@ pub(crate) fn check(code: c_int, call: impl FnOnce() -> String) -> Result<(), Cu
     if code == SUCCESS {
         Ok(())
     } else {
-        Err(CudaError::Driver { call: call(), status: status(code), hint: driver_hint(code) })
+        Err(CudaError::Driver {
+            call: call(),
+            status: status(code),
+            hint: driver_hint(code),
+        })
     }
 }
 
@@ -229,7 +254,9 @@ pub(crate) fn device_get_name(dev: CUdevice) -> Result<String, CudaError> {
     let rc = unsafe { (api()?.cuDeviceGetName)(buf.as_mut_ptr(), buf.len() as c_int, dev) };
     check(rc, || format!("cuDeviceGetName(device={dev})"))?;
     // SAFETY: the driver NUL-terminates within the buffer.
-    Ok(unsafe { CStr::from_ptr(buf.as_ptr()) }.to_string_lossy().into_owned())
+    Ok(unsafe { CStr::from_ptr(buf.as_ptr()) }
+        .to_string_lossy()
+        .into_owned())
 }
 
 /// `CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT`.
@@ -244,7 +271,9 @@ pub(crate) fn device_get_attribute(dev: CUdevice, attr: c_int) -> Result<i32, Cu
     let mut v: c_int = 0;
     // SAFETY: valid out-pointer.
     let rc = unsafe { (api()?.cuDeviceGetAttribute)(&mut v, attr, dev) };
-    check(rc, || format!("cuDeviceGetAttribute(attr={attr}, device={dev})"))?;
+    check(rc, || {
+        format!("cuDeviceGetAttribute(attr={attr}, device={dev})")
+    })?;
     Ok(v)
 }
 
@@ -393,13 +422,16 @@ pub(crate) fn event_synchronize(e: CUevent) -> Result<(), CudaError> {
 /// `cuEventElapsedTime_v2` (CUDA ≥ 12.8) or `cuEventElapsedTime`, in milliseconds.
 pub(crate) fn event_elapsed_ms(start: CUevent, end: CUevent) -> Result<f32, CudaError> {
     let a = api()?;
-    let f = a.cuEventElapsedTime_v2.or(a.cuEventElapsedTime).ok_or_else(|| CudaError::MissingSymbol {
-        library: LibKind::Driver.name(),
-        path: core().map(|c| c.path.clone()).unwrap_or_default(),
-        symbol: "cuEventElapsedTime",
-        detail: "neither cuEventElapsedTime_v2 nor cuEventElapsedTime is exported".into(),
-        env_var: LibKind::Driver.env_var(),
-    })?;
+    let f = a
+        .cuEventElapsedTime_v2
+        .or(a.cuEventElapsedTime)
+        .ok_or_else(|| CudaError::MissingSymbol {
+            library: LibKind::Driver.name(),
+            path: core().map(|c| c.path.clone()).unwrap_or_default(),
+            symbol: "cuEventElapsedTime",
+            detail: "neither cuEventElapsedTime_v2 nor cuEventElapsedTime is exported".into(),
+            env_var: LibKind::Driver.env_var(),
+        })?;
     let mut ms = 0f32;
     // SAFETY: live events, valid out-pointer.
     let rc = unsafe { f(&mut ms, start, end) };
@@ -450,7 +482,12 @@ pub(crate) unsafe fn mem_free_host(p: *mut c_void) -> Result<(), CudaError> {
 ///
 /// # Safety
 /// `[p, p+bytes)` must be device memory that stays allocated until the stream reaches the call.
-pub(crate) unsafe fn memset_d8_async(p: CUdeviceptr, value: u8, bytes: usize, s: CUstream) -> Result<(), CudaError> {
+pub(crate) unsafe fn memset_d8_async(
+    p: CUdeviceptr,
+    value: u8,
+    bytes: usize,
+    s: CUstream,
+) -> Result<(), CudaError> {
     let rc = (api()?.cuMemsetD8Async)(p, value, bytes, s);
     check(rc, || format!("cuMemsetD8Async(ptr={p:#x}, bytes={bytes})"))
 }
@@ -460,9 +497,16 @@ pub(crate) unsafe fn memset_d8_async(p: CUdeviceptr, value: u8, bytes: usize, s:
 /// # Safety
 /// `src` must be readable for `bytes` and `dst` writable device memory, both valid until the
 /// stream reaches the copy.
-pub(crate) unsafe fn memcpy_htod_async(dst: CUdeviceptr, src: *const c_void, bytes: usize, s: CUstream) -> Result<(), CudaError> {
+pub(crate) unsafe fn memcpy_htod_async(
+    dst: CUdeviceptr,
+    src: *const c_void,
+    bytes: usize,
+    s: CUstream,
+) -> Result<(), CudaError> {
     let rc = (api()?.cuMemcpyHtoDAsync)(dst, src, bytes, s);
-    check(rc, || format!("cuMemcpyHtoDAsync(dst={dst:#x}, bytes={bytes})"))
+    check(rc, || {
+        format!("cuMemcpyHtoDAsync(dst={dst:#x}, bytes={bytes})")
+    })
 }
 
 /// `cuMemcpyDtoHAsync_v2`.
@@ -470,18 +514,32 @@ pub(crate) unsafe fn memcpy_htod_async(dst: CUdeviceptr, src: *const c_void, byt
 /// # Safety
 /// `dst` must be writable for `bytes` and `src` device memory, both valid until the stream reaches
 /// the copy.
-pub(crate) unsafe fn memcpy_dtoh_async(dst: *mut c_void, src: CUdeviceptr, bytes: usize, s: CUstream) -> Result<(), CudaError> {
+pub(crate) unsafe fn memcpy_dtoh_async(
+    dst: *mut c_void,
+    src: CUdeviceptr,
+    bytes: usize,
+    s: CUstream,
+) -> Result<(), CudaError> {
     let rc = (api()?.cuMemcpyDtoHAsync)(dst, src, bytes, s);
-    check(rc, || format!("cuMemcpyDtoHAsync(src={src:#x}, bytes={bytes})"))
+    check(rc, || {
+        format!("cuMemcpyDtoHAsync(src={src:#x}, bytes={bytes})")
+    })
 }
 
 /// `cuMemcpyDtoDAsync_v2`.
 ///
 /// # Safety
 /// Both ranges must be device memory valid until the stream reaches the copy.
-pub(crate) unsafe fn memcpy_dtod_async(dst: CUdeviceptr, src: CUdeviceptr, bytes: usize, s: CUstream) -> Result<(), CudaError> {
+pub(crate) unsafe fn memcpy_dtod_async(
+    dst: CUdeviceptr,
+    src: CUdeviceptr,
+    bytes: usize,
+    s: CUstream,
+) -> Result<(), CudaError> {
     let rc = (api()?.cuMemcpyDtoDAsync)(dst, src, bytes, s);
-    check(rc, || format!("cuMemcpyDtoDAsync(dst={dst:#x}, src={src:#x}, bytes={bytes})"))
+    check(rc, || {
+        format!("cuMemcpyDtoDAsync(dst={dst:#x}, src={src:#x}, bytes={bytes})")
+    })
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -493,7 +551,9 @@ pub(crate) fn module_load_data(image: &[u8]) -> Result<CUmodule, CudaError> {
     // SAFETY: `image` is a complete CUBIN/PTX image (PTX is NUL-terminated by the caller) that
     // the driver copies during the call.
     let rc = unsafe { (api()?.cuModuleLoadData)(&mut m, image.as_ptr().cast()) };
-    check(rc, || format!("cuModuleLoadData(image of {} bytes)", image.len()))?;
+    check(rc, || {
+        format!("cuModuleLoadData(image of {} bytes)", image.len())
+    })?;
     Ok(m)
 }
 
@@ -508,8 +568,10 @@ pub(crate) unsafe fn module_unload(m: CUmodule) -> Result<(), CudaError> {
 
 /// `cuModuleGetFunction`.
 pub(crate) fn module_get_function(m: CUmodule, name: &str) -> Result<CUfunction, CudaError> {
-    let cname = std::ffi::CString::new(name)
-        .map_err(|_| CudaError::InvalidArgument { op: "cuModuleGetFunction".into(), detail: format!("name {name:?} contains NUL") })?;
+    let cname = std::ffi::CString::new(name).map_err(|_| CudaError::InvalidArgument {
+        op: "cuModuleGetFunction".into(),
+        detail: format!("name {name:?} contains NUL"),
+    })?;
     let mut f: CUfunction = std::ptr::null_mut();
     // SAFETY: live module, NUL-terminated name, valid out-pointer.
     let rc = unsafe { (api()?.cuModuleGetFunction)(&mut f, m, cname.as_ptr()) };
@@ -530,8 +592,22 @@ pub(crate) unsafe fn launch_kernel(
     s: CUstream,
     params: *mut *mut c_void,
 ) -> Result<(), CudaError> {
-    let rc = (api()?.cuLaunchKernel)(f, grid.0, grid.1, grid.2, block.0, block.1, block.2, shared, s, params, std::ptr::null_mut());
-    check(rc, || format!("cuLaunchKernel(grid={grid:?}, block={block:?}, shared={shared})"))
+    let rc = (api()?.cuLaunchKernel)(
+        f,
+        grid.0,
+        grid.1,
+        grid.2,
+        block.0,
+        block.1,
+        block.2,
+        shared,
+        s,
+        params,
+        std::ptr::null_mut(),
+    );
+    check(rc, || {
+        format!("cuLaunchKernel(grid={grid:?}, block={block:?}, shared={shared})")
+    })
 }
 
 // ---------------------------------------------------------------------------------------------

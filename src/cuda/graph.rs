@@ -17,7 +17,10 @@ unsafe impl Send for Graph {}
 impl Graph {
     /// Capture everything `f` enqueues on `stream` (thread-local capture mode) into a graph. The
     /// work is recorded, not run.
-    pub fn capture(stream: &Stream, f: impl FnOnce(&Stream) -> Result<(), CudaError>) -> Result<Graph, CudaError> {
+    pub fn capture(
+        stream: &Stream,
+        f: impl FnOnce(&Stream) -> Result<(), CudaError>,
+    ) -> Result<Graph, CudaError> {
         let ctx = stream.context().clone();
         ctx.bind()?;
         driver::stream_begin_capture(stream.raw())?;
@@ -56,7 +59,10 @@ impl Graph {
 impl Drop for Graph {
     fn drop(&mut self) {
         // SAFETY: we own both handles; nothing uses them after drop.
-        let r = self.ctx.bind().and_then(|_| unsafe { driver::graph_destroy(self.exec, self.graph) });
+        let r = self
+            .ctx
+            .bind()
+            .and_then(|_| unsafe { driver::graph_destroy(self.exec, self.graph) });
         if let Err(e) = r {
             self.ctx.record_err("a CUDA graph".into(), e);
         }

@@ -63,7 +63,10 @@ pub fn ensure_init() -> Result<(), CudaError> {
     let thread = std::thread::current();
     *rec = Some(InitRecord {
         pid,
-        thread: thread.name().map(str::to_string).unwrap_or_else(|| format!("{:?}", thread.id())),
+        thread: thread
+            .name()
+            .map(str::to_string)
+            .unwrap_or_else(|| format!("{:?}", thread.id())),
         backtrace: trim_backtrace(&Backtrace::force_capture().to_string()),
     });
     INIT_PID.store(pid, Ordering::Release);
@@ -95,7 +98,10 @@ pub fn init_record() -> Option<InitRecord> {
 fn trim_backtrace(bt: &str) -> String {
     let lines: Vec<&str> = bt.lines().collect();
     // Frames are "  N: symbol" followed by "at file:line" lines; start at our own frame.
-    let start = lines.iter().position(|l| l.contains("lockstep::cuda::init::ensure_init")).unwrap_or(0);
+    let start = lines
+        .iter()
+        .position(|l| l.contains("lockstep::cuda::init::ensure_init"))
+        .unwrap_or(0);
     let end = lines
         .iter()
         .position(|l| {
@@ -105,17 +111,25 @@ fn trim_backtrace(bt: &str) -> String {
                 || l.contains("__libc_start")
         })
         .unwrap_or(lines.len());
-    let kept: Vec<&str> = lines[start..end.max(start)].iter().take(60).copied().collect();
+    let kept: Vec<&str> = lines[start..end.max(start)]
+        .iter()
+        .take(60)
+        .copied()
+        .collect();
     kept.join("\n")
 }
 
 /// Is `libcuda` mapped into this process? Returns its path (from `/proc/self/maps`).
 fn mapped_driver_path() -> Option<String> {
     let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
-    let override_name =
-        std::env::var("LOCKSTEP_CUDA_LIBRARY").ok().and_then(|p| std::fs::canonicalize(p).ok()).map(|p| p.display().to_string());
+    let override_name = std::env::var("LOCKSTEP_CUDA_LIBRARY")
+        .ok()
+        .and_then(|p| std::fs::canonicalize(p).ok())
+        .map(|p| p.display().to_string());
     for line in maps.lines() {
-        let Some(path) = line.split_whitespace().nth(5) else { continue };
+        let Some(path) = line.split_whitespace().nth(5) else {
+            continue;
+        };
         let file = path.rsplit('/').next().unwrap_or(path);
         if file.starts_with("libcuda.so") || override_name.as_deref() == Some(path) {
             return Some(path.to_string());
@@ -129,9 +143,15 @@ fn mapped_driver_path() -> Option<String> {
 fn foreign_initialised(path: &str) -> Option<bool> {
     // RTLD_NOLOAD: only get a handle if the library is already loaded; never load it ourselves.
     // SAFETY: the library is already mapped, so no initialiser runs.
-    let lib = unsafe { libloading::os::unix::Library::open(Some(path), libc::RTLD_NOLOAD | libc::RTLD_LAZY) }.ok()?;
+    let lib = unsafe {
+        libloading::os::unix::Library::open(Some(path), libc::RTLD_NOLOAD | libc::RTLD_LAZY)
+    }
+    .ok()?;
     // SAFETY: the C prototype of cuDeviceGetCount is `CUresult (int*)`.
-    let f = unsafe { lib.get::<unsafe extern "C" fn(*mut libc::c_int) -> libc::c_int>(b"cuDeviceGetCount\0") }.ok()?;
+    let f = unsafe {
+        lib.get::<unsafe extern "C" fn(*mut libc::c_int) -> libc::c_int>(b"cuDeviceGetCount\0")
+    }
+    .ok()?;
     let mut n: libc::c_int = 0;
     // SAFETY: valid out-pointer; before cuInit this only reports NOT_INITIALIZED.
     let rc = unsafe { f(&mut n) };
@@ -164,7 +184,11 @@ cuDeviceGetCount succeeds, so some code called cuInit (another library, or a CUD
             ));
         }
     }
-    if crate::types::env::DEBUG.flag().map_err(|e| e.to_string())?.unwrap_or(false) {
+    if crate::types::env::DEBUG
+        .flag()
+        .map_err(|e| e.to_string())?
+        .unwrap_or(false)
+    {
         static ONCE: std::sync::Once = std::sync::Once::new();
         ONCE.call_once(|| match probe_child() {
             Ok(s) => tracing::info!("CUDA probe: {s}"),
@@ -202,7 +226,9 @@ pub fn probe_device_count_child() -> Result<usize, String> {
         ensure_init()?;
         Ok(driver::device_get_count()?.to_string())
     })?;
-    s.trim().parse().map_err(|_| format!("the CUDA probe process reported {s:?} instead of a device count (lockstep bug)"))
+    s.trim().parse().map_err(|_| {
+        format!("the CUDA probe process reported {s:?} instead of a device count (lockstep bug)")
+    })
 }
 
 /// Run `probe` in a forked child and return what it reported through a pipe.
@@ -243,13 +269,17 @@ fn fork_probe(probe: fn() -> Result<String, CudaError>) -> Result<String, String
     } else if let Some(e) = out.strip_prefix("err ") {
         Err(e.to_string())
     } else {
-        Err(format!("the probe process (pid {pid}) died without reporting (wait status {status})"))
+        Err(format!(
+            "the probe process (pid {pid}) died without reporting (wait status {status})"
+        ))
     }
 }
 
 fn check_fork_safe_no_probe() -> Result<(), String> {
     let pid = getpid();
-    if INIT_PID.load(Ordering::Acquire) == pid || mapped_driver_path().and_then(|p| foreign_initialised(&p)) == Some(true) {
+    if INIT_PID.load(Ordering::Acquire) == pid
+        || mapped_driver_path().and_then(|p| foreign_initialised(&p)) == Some(true)
+    {
         return Err(format!("CUDA is already initialised in this process (pid {pid}); a forked probe could not use it. {FIX}"));
     }
     Ok(())

@@ -16,7 +16,10 @@ use super::error::CudaError;
 
 fn bytes_of<T>(len: usize, op: &str) -> Result<usize, CudaError> {
     len.checked_mul(std::mem::size_of::<T>())
-        .ok_or_else(|| CudaError::InvalidArgument { op: op.into(), detail: format!("{len} elements overflow usize bytes") })
+        .ok_or_else(|| CudaError::InvalidArgument {
+            op: op.into(),
+            detail: format!("{len} elements overflow usize bytes"),
+        })
 }
 
 /// A typed allocation in device memory (freed on drop).
@@ -34,7 +37,14 @@ unsafe impl<T: Element> Sync for DeviceBuffer<T> {}
 
 impl<T: Element> std::fmt::Debug for DeviceBuffer<T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "DeviceBuffer<{}>(len={}, device={}, ptr={:#x})", T::DTYPE, self.len, self.ctx.ordinal(), self.ptr)
+        write!(
+            f,
+            "DeviceBuffer<{}>(len={}, device={}, ptr={:#x})",
+            T::DTYPE,
+            self.len,
+            self.ctx.ordinal(),
+            self.ptr
+        )
     }
 }
 
@@ -46,7 +56,12 @@ impl<T: Element> DeviceBuffer<T> {
         let bytes = bytes_of::<T>(len, "DeviceBuffer::alloc")?;
         // cuMemAlloc refuses 0 bytes; keep a valid one-byte allocation so the pointer is real.
         let ptr = driver::mem_alloc(bytes.max(1))?;
-        Ok(DeviceBuffer { ctx: ctx.clone(), ptr, len, _t: PhantomData })
+        Ok(DeviceBuffer {
+            ctx: ctx.clone(),
+            ptr,
+            len,
+            _t: PhantomData,
+        })
     }
 
     /// Allocate `len` zeroed elements (zeroed in `stream` order).
@@ -87,7 +102,10 @@ impl<T: Element> DeviceBuffer<T> {
         if other != self.len {
             return Err(CudaError::InvalidArgument {
                 op: op.into(),
-                detail: format!("lengths differ: device buffer has {} elements, the other side {other}", self.len),
+                detail: format!(
+                    "lengths differ: device buffer has {} elements, the other side {other}",
+                    self.len
+                ),
             });
         }
         Ok(())
@@ -97,7 +115,11 @@ impl<T: Element> DeviceBuffer<T> {
         if s.context().ordinal() != self.ctx.ordinal() {
             return Err(CudaError::InvalidArgument {
                 op: op.into(),
-                detail: format!("buffer is on device {}, stream on device {}", self.ctx.ordinal(), s.context().ordinal()),
+                detail: format!(
+                    "buffer is on device {}, stream on device {}",
+                    self.ctx.ordinal(),
+                    s.context().ordinal()
+                ),
             });
         }
         self.ctx.bind()
@@ -108,7 +130,14 @@ impl<T: Element> DeviceBuffer<T> {
         self.check_stream(stream, "DeviceBuffer::zero_async")?;
         // SAFETY: the allocation holds len*size_of::<T>() bytes and lives until its drop, which
         // frees with cuMemFree (that waits for pending work).
-        unsafe { driver::memset_d8_async(self.ptr, 0, self.len * std::mem::size_of::<T>(), stream.raw()) }
+        unsafe {
+            driver::memset_d8_async(
+                self.ptr,
+                0,
+                self.len * std::mem::size_of::<T>(),
+                stream.raw(),
+            )
+        }
     }
 
     /// Copy `src` to the device and wait.
@@ -116,7 +145,14 @@ impl<T: Element> DeviceBuffer<T> {
         self.check_len(src.len(), "DeviceBuffer::copy_from_host")?;
         self.check_stream(stream, "DeviceBuffer::copy_from_host")?;
         // SAFETY: lengths match; `src` is borrowed until the synchronize below returns.
-        unsafe { driver::memcpy_htod_async(self.ptr, src.as_ptr().cast(), std::mem::size_of_val(src), stream.raw())? };
+        unsafe {
+            driver::memcpy_htod_async(
+                self.ptr,
+                src.as_ptr().cast(),
+                std::mem::size_of_val(src),
+                stream.raw(),
+            )?
+        };
         stream.synchronize()
     }
 
@@ -125,7 +161,14 @@ impl<T: Element> DeviceBuffer<T> {
         self.check_len(dst.len(), "DeviceBuffer::copy_to_host")?;
         self.check_stream(stream, "DeviceBuffer::copy_to_host")?;
         // SAFETY: lengths match; `dst` is borrowed mutably until the synchronize below returns.
-        unsafe { driver::memcpy_dtoh_async(dst.as_mut_ptr().cast(), self.ptr, std::mem::size_of_val(dst), stream.raw())? };
+        unsafe {
+            driver::memcpy_dtoh_async(
+                dst.as_mut_ptr().cast(),
+                self.ptr,
+                std::mem::size_of_val(dst),
+                stream.raw(),
+            )?
+        };
         stream.synchronize()
     }
 
@@ -137,12 +180,23 @@ impl<T: Element> DeviceBuffer<T> {
     }
 
     /// Device-to-device copy of `src` into `self`, in stream order (no wait).
-    pub fn copy_from_device_async(&mut self, stream: &Stream, src: &DeviceBuffer<T>) -> Result<(), CudaError> {
+    pub fn copy_from_device_async(
+        &mut self,
+        stream: &Stream,
+        src: &DeviceBuffer<T>,
+    ) -> Result<(), CudaError> {
         self.check_len(src.len, "DeviceBuffer::copy_from_device_async")?;
         self.check_stream(stream, "DeviceBuffer::copy_from_device_async")?;
         // SAFETY: both are live device allocations of the same length; both are freed with
         // cuMemFree, which waits for pending work.
-        unsafe { driver::memcpy_dtod_async(self.ptr, src.ptr, self.len * std::mem::size_of::<T>(), stream.raw()) }
+        unsafe {
+            driver::memcpy_dtod_async(
+                self.ptr,
+                src.ptr,
+                self.len * std::mem::size_of::<T>(),
+                stream.raw(),
+            )
+        }
     }
 
     /// Host-to-device copy from pinned memory, in stream order (no wait).
@@ -150,20 +204,38 @@ impl<T: Element> DeviceBuffer<T> {
     /// # Safety
     /// `src` must not be dropped or written before the stream has reached the copy (synchronize
     /// the stream or an event recorded after it).
-    pub unsafe fn copy_from_pinned_async(&mut self, stream: &Stream, src: &PinnedBuffer<T>) -> Result<(), CudaError> {
+    pub unsafe fn copy_from_pinned_async(
+        &mut self,
+        stream: &Stream,
+        src: &PinnedBuffer<T>,
+    ) -> Result<(), CudaError> {
         self.check_len(src.len, "DeviceBuffer::copy_from_pinned_async")?;
         self.check_stream(stream, "DeviceBuffer::copy_from_pinned_async")?;
-        driver::memcpy_htod_async(self.ptr, src.ptr.cast(), self.len * std::mem::size_of::<T>(), stream.raw())
+        driver::memcpy_htod_async(
+            self.ptr,
+            src.ptr.cast(),
+            self.len * std::mem::size_of::<T>(),
+            stream.raw(),
+        )
     }
 
     /// Device-to-host copy into pinned memory, in stream order (no wait).
     ///
     /// # Safety
     /// `dst` must not be dropped, read or written before the stream has reached the copy.
-    pub unsafe fn copy_to_pinned_async(&self, stream: &Stream, dst: &mut PinnedBuffer<T>) -> Result<(), CudaError> {
+    pub unsafe fn copy_to_pinned_async(
+        &self,
+        stream: &Stream,
+        dst: &mut PinnedBuffer<T>,
+    ) -> Result<(), CudaError> {
         self.check_len(dst.len, "DeviceBuffer::copy_to_pinned_async")?;
         self.check_stream(stream, "DeviceBuffer::copy_to_pinned_async")?;
-        driver::memcpy_dtoh_async(dst.ptr.cast(), self.ptr, self.len * std::mem::size_of::<T>(), stream.raw())
+        driver::memcpy_dtoh_async(
+            dst.ptr.cast(),
+            self.ptr,
+            self.len * std::mem::size_of::<T>(),
+            stream.raw(),
+        )
     }
 }
 
@@ -175,7 +247,12 @@ impl Stream {
     /// # Safety
     /// `dst` must be a live device range of at least `bytes` bytes in this stream's context, and
     /// `src` valid for reads of `bytes` bytes until the stream has reached the copy.
-    pub unsafe fn memcpy_htod_raw(&self, dst: u64, src: *const u8, bytes: usize) -> Result<(), CudaError> {
+    pub unsafe fn memcpy_htod_raw(
+        &self,
+        dst: u64,
+        src: *const u8,
+        bytes: usize,
+    ) -> Result<(), CudaError> {
         driver::memcpy_htod_async(dst as CUdeviceptr, src.cast(), bytes, self.raw())
     }
 
@@ -184,7 +261,12 @@ impl Stream {
     /// # Safety
     /// `src` must be a live device range of at least `bytes` bytes in this stream's context, and
     /// `dst` valid for writes of `bytes` bytes, untouched until the stream has reached the copy.
-    pub unsafe fn memcpy_dtoh_raw(&self, dst: *mut u8, src: u64, bytes: usize) -> Result<(), CudaError> {
+    pub unsafe fn memcpy_dtoh_raw(
+        &self,
+        dst: *mut u8,
+        src: u64,
+        bytes: usize,
+    ) -> Result<(), CudaError> {
         driver::memcpy_dtoh_async(dst.cast(), src as CUdeviceptr, bytes, self.raw())
     }
 }
@@ -192,9 +274,15 @@ impl Stream {
 impl<T: Element> Drop for DeviceBuffer<T> {
     fn drop(&mut self) {
         // SAFETY: we own the allocation; cuMemFree waits for work that still uses it.
-        let r = self.ctx.bind().and_then(|_| unsafe { driver::mem_free(self.ptr) });
+        let r = self
+            .ctx
+            .bind()
+            .and_then(|_| unsafe { driver::mem_free(self.ptr) });
         if let Err(e) = r {
-            self.ctx.record_err(format!("a device buffer of {} {} elements", self.len, T::DTYPE), e);
+            self.ctx.record_err(
+                format!("a device buffer of {} {} elements", self.len, T::DTYPE),
+                e,
+            );
         }
     }
 }
@@ -202,7 +290,11 @@ impl<T: Element> Drop for DeviceBuffer<T> {
 // SAFETY: the view covers exactly the allocation, which lives as long as `self`.
 unsafe impl<T: Element> Buffer<T> for DeviceBuffer<T> {
     fn raw(&self) -> RawMem {
-        RawMem { addr: self.ptr as usize, len: self.len, space: MemSpace::Device(self.ctx.ordinal()) }
+        RawMem {
+            addr: self.ptr as usize,
+            len: self.len,
+            space: MemSpace::Device(self.ctx.ordinal()),
+        }
     }
 }
 
@@ -234,7 +326,11 @@ impl<T: Element> PinnedBuffer<T> {
         let p = driver::mem_host_alloc(bytes)?;
         // SAFETY: `p` points to `bytes` writable bytes; zero is a valid value of every Element.
         unsafe { std::ptr::write_bytes(p.cast::<u8>(), 0, bytes) };
-        Ok(PinnedBuffer { ctx: ctx.clone(), ptr: p.cast(), len })
+        Ok(PinnedBuffer {
+            ctx: ctx.clone(),
+            ptr: p.cast(),
+            len,
+        })
     }
 }
 
@@ -256,7 +352,10 @@ impl<T: Element> std::ops::DerefMut for PinnedBuffer<T> {
 impl<T: Element> Drop for PinnedBuffer<T> {
     fn drop(&mut self) {
         // SAFETY: we own the allocation.
-        let r = self.ctx.bind().and_then(|_| unsafe { driver::mem_free_host(self.ptr.cast()) });
+        let r = self
+            .ctx
+            .bind()
+            .and_then(|_| unsafe { driver::mem_free_host(self.ptr.cast()) });
         if let Err(e) = r {
             self.ctx.record_err("a pinned host buffer".into(), e);
         }
@@ -322,16 +421,27 @@ impl<T: Element> DeviceBuffer<T> {
         if r.start > r.end || r.end > self.len {
             return Err(CudaError::InvalidArgument {
                 op: op.into(),
-                detail: format!("range {r:?} is outside the buffer of {} {} elements; fix the caller's offsets", self.len, T::DTYPE),
+                detail: format!(
+                    "range {r:?} is outside the buffer of {} {} elements; fix the caller's offsets",
+                    self.len,
+                    T::DTYPE
+                ),
             });
         }
         let addr = self.ptr as usize + r.start * std::mem::size_of::<T>();
-        Ok(RawMem { addr, len: r.len(), space: MemSpace::Device(self.ctx.ordinal()) })
+        Ok(RawMem {
+            addr,
+            len: r.len(),
+            space: MemSpace::Device(self.ctx.ordinal()),
+        })
     }
 
     /// A read-only view of elements `r`.
     pub fn view(&self, r: std::ops::Range<usize>) -> Result<DeviceView<'_, T>, CudaError> {
-        Ok(DeviceView { raw: self.range_raw(&r, "DeviceBuffer::view")?, _b: PhantomData })
+        Ok(DeviceView {
+            raw: self.range_raw(&r, "DeviceBuffer::view")?,
+            _b: PhantomData,
+        })
     }
 
     /// Read views of `reads` and writable views of `writes`, all at once. Every write range must
@@ -342,8 +452,9 @@ impl<T: Element> DeviceBuffer<T> {
         reads: &[std::ops::Range<usize>],
         writes: &[std::ops::Range<usize>],
     ) -> Result<(Vec<DeviceView<'_, T>>, Vec<DeviceViewMut<'_, T>>), CudaError> {
-        let overlap =
-            |a: &std::ops::Range<usize>, b: &std::ops::Range<usize>| !a.is_empty() && !b.is_empty() && a.start < b.end && b.start < a.end;
+        let overlap = |a: &std::ops::Range<usize>, b: &std::ops::Range<usize>| {
+            !a.is_empty() && !b.is_empty() && a.start < b.end && b.start < a.end
+        };
         for (i, w) in writes.iter().enumerate() {
             let clash = writes
                 .iter()
@@ -354,17 +465,29 @@ impl<T: Element> DeviceBuffer<T> {
             if let Some(o) = clash {
                 return Err(CudaError::InvalidArgument {
                     op: "DeviceBuffer::split_views".into(),
-                    detail: format!("written range {w:?} overlaps {o:?}; give the kernel separate tensors"),
+                    detail: format!(
+                        "written range {w:?} overlaps {o:?}; give the kernel separate tensors"
+                    ),
                 });
             }
         }
         let r = reads
             .iter()
-            .map(|r| Ok(DeviceView { raw: self.range_raw(r, "DeviceBuffer::split_views")?, _b: PhantomData }))
+            .map(|r| {
+                Ok(DeviceView {
+                    raw: self.range_raw(r, "DeviceBuffer::split_views")?,
+                    _b: PhantomData,
+                })
+            })
             .collect::<Result<Vec<_>, CudaError>>()?;
         let w = writes
             .iter()
-            .map(|r| Ok(DeviceViewMut { raw: self.range_raw(r, "DeviceBuffer::split_views")?, _b: PhantomData }))
+            .map(|r| {
+                Ok(DeviceViewMut {
+                    raw: self.range_raw(r, "DeviceBuffer::split_views")?,
+                    _b: PhantomData,
+                })
+            })
             .collect::<Result<Vec<_>, CudaError>>()?;
         Ok((r, w))
     }
@@ -379,8 +502,14 @@ impl<T: Element> DeviceBuffer<T> {
         src_off: usize,
         len: usize,
     ) -> Result<(), CudaError> {
-        let d = self.range_raw(&(dst_off..dst_off.saturating_add(len)), "DeviceBuffer::copy_region_async")?;
-        let s = src.range_raw(&(src_off..src_off.saturating_add(len)), "DeviceBuffer::copy_region_async")?;
+        let d = self.range_raw(
+            &(dst_off..dst_off.saturating_add(len)),
+            "DeviceBuffer::copy_region_async",
+        )?;
+        let s = src.range_raw(
+            &(src_off..src_off.saturating_add(len)),
+            "DeviceBuffer::copy_region_async",
+        )?;
         self.check_stream(stream, "DeviceBuffer::copy_region_async")?;
         if len == 0 {
             return Ok(());
@@ -388,7 +517,14 @@ impl<T: Element> DeviceBuffer<T> {
         // SAFETY: both ranges were checked to lie inside live device allocations (`self` is
         // borrowed mutably, so the destination is not aliased by another Rust view); cuMemFree
         // waits for pending work before releasing either.
-        unsafe { driver::memcpy_dtod_async(d.addr as CUdeviceptr, s.addr as CUdeviceptr, len * std::mem::size_of::<T>(), stream.raw()) }
+        unsafe {
+            driver::memcpy_dtod_async(
+                d.addr as CUdeviceptr,
+                s.addr as CUdeviceptr,
+                len * std::mem::size_of::<T>(),
+                stream.raw(),
+            )
+        }
     }
 }
 
@@ -409,12 +545,20 @@ pub struct HostReadback<T: Element> {
 impl<T: Element> HostReadback<T> {
     /// A read-back area of `len` elements on `ctx`.
     pub fn new(ctx: &Arc<Context>, len: usize) -> Result<Self, CudaError> {
-        Ok(HostReadback { host: PinnedBuffer::zeros(ctx, len)?, done: ctx.event()?, in_flight: false })
+        Ok(HostReadback {
+            host: PinnedBuffer::zeros(ctx, len)?,
+            done: ctx.event()?,
+            in_flight: false,
+        })
     }
 
     /// Enqueue a copy of `src` (exactly `len` elements) on `stream`. Waits first if a previous
     /// copy is still in flight.
-    pub fn start<B: Buffer<T> + ?Sized>(&mut self, stream: &Stream, src: &B) -> Result<(), CudaError> {
+    pub fn start<B: Buffer<T> + ?Sized>(
+        &mut self,
+        stream: &Stream,
+        src: &B,
+    ) -> Result<(), CudaError> {
         if self.in_flight {
             self.done.synchronize()?;
             self.in_flight = false;
@@ -435,7 +579,14 @@ impl<T: Element> HostReadback<T> {
         stream.context().bind()?;
         // SAFETY: the destination is our own pinned allocation of the same length, not handed out
         // until the event recorded below has completed (`wait`/`ready`), and `Drop` waits for it.
-        unsafe { driver::memcpy_dtoh_async(self.host.ptr.cast(), r.addr as CUdeviceptr, r.len * std::mem::size_of::<T>(), stream.raw())? };
+        unsafe {
+            driver::memcpy_dtoh_async(
+                self.host.ptr.cast(),
+                r.addr as CUdeviceptr,
+                r.len * std::mem::size_of::<T>(),
+                stream.raw(),
+            )?
+        };
         self.done.record(stream)?;
         self.in_flight = true;
         Ok(())
@@ -461,7 +612,9 @@ impl<T: Element> Drop for HostReadback<T> {
         if self.in_flight {
             // The pinned memory must not be freed under a running copy.
             if let Err(e) = self.done.synchronize() {
-                self.host.ctx.record_err("waiting for a read-back copy".into(), e);
+                self.host
+                    .ctx
+                    .record_err("waiting for a read-back copy".into(), e);
             }
         }
     }

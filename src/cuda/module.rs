@@ -43,22 +43,39 @@ impl Module {
         let drv = driver::core()?.driver_version()?;
         let (image, from_cache) = compile_cubin_cached(src, ctx.compute_capability()?, drv)?;
         let raw = driver::module_load_data(&image)?;
-        Ok(Module { ctx: Arc::downgrade(ctx), ctx_raw: ctx.raw(), raw, source: *src, from_cache })
+        Ok(Module {
+            ctx: Arc::downgrade(ctx),
+            ctx_raw: ctx.raw(),
+            raw,
+            source: *src,
+            from_cache,
+        })
     }
 
     /// Look up entry point `name` (must be declared in the source's `functions`).
     pub fn function(self: &Arc<Self>, name: &str) -> Result<Function, CudaError> {
-        let sig = self.source.signature(name).ok_or_else(|| CudaError::InvalidArgument {
-            op: format!("Module::function({name})"),
-            detail: format!(
-                "{} declares no entry point {name}; declared: {:?}",
-                self.source.name,
-                self.source.functions.iter().map(|s| s.name).collect::<Vec<_>>()
-            ),
-        })?;
+        let sig = self
+            .source
+            .signature(name)
+            .ok_or_else(|| CudaError::InvalidArgument {
+                op: format!("Module::function({name})"),
+                detail: format!(
+                    "{} declares no entry point {name}; declared: {:?}",
+                    self.source.name,
+                    self.source
+                        .functions
+                        .iter()
+                        .map(|s| s.name)
+                        .collect::<Vec<_>>()
+                ),
+            })?;
         driver::ctx_set_current(self.ctx_raw)?;
         let raw = driver::module_get_function(self.raw, name)?;
-        Ok(Function { module: self.clone(), raw, sig })
+        Ok(Function {
+            module: self.clone(),
+            raw,
+            sig,
+        })
     }
 }
 
@@ -101,7 +118,11 @@ impl Context {
     }
 
     /// Entry point `name` of `src` (loading the module on first use).
-    pub fn function(self: &Arc<Self>, src: &KernelSource, name: &str) -> Result<Function, CudaError> {
+    pub fn function(
+        self: &Arc<Self>,
+        src: &KernelSource,
+        name: &str,
+    ) -> Result<Function, CudaError> {
         self.module(src)?.function(name)
     }
 }
@@ -133,7 +154,12 @@ impl Function {
 
     /// Start a launch with geometry `cfg`.
     pub fn launch(&self, cfg: KernelGrid) -> Launch<'_> {
-        Launch { f: self, cfg, args: Vec::new(), min_len: None }
+        Launch {
+            f: self,
+            cfg,
+            args: Vec::new(),
+            min_len: None,
+        }
     }
 }
 
@@ -154,7 +180,11 @@ impl KernelGrid {
     pub fn for_elements(n: usize) -> KernelGrid {
         let block = 256u32;
         let grid = n.div_ceil(block as usize).clamp(1, 65535) as u32;
-        KernelGrid { grid: (grid, 1, 1), block: (block, 1, 1), shared_mem: 0 }
+        KernelGrid {
+            grid: (grid, 1, 1),
+            block: (block, 1, 1),
+            shared_mem: 0,
+        }
     }
 }
 
@@ -187,8 +217,17 @@ impl KernelScalar for i64 {
 
 #[derive(Clone, Copy, Debug)]
 enum ArgVal {
-    Ptr { addr: u64, len: usize, space: MemSpace, dtype: Dtype, mutable: bool },
-    Scalar { dtype: Dtype, bits: u64 },
+    Ptr {
+        addr: u64,
+        len: usize,
+        space: MemSpace,
+        dtype: Dtype,
+        mutable: bool,
+    },
+    Scalar {
+        dtype: Dtype,
+        bits: u64,
+    },
 }
 
 /// A launch under construction: arguments are checked against the entry point's signature
@@ -204,20 +243,35 @@ impl<'a> Launch<'a> {
     /// A read-only device buffer argument.
     pub fn arg<T: Element, B: Buffer<T> + ?Sized>(mut self, b: &'a B) -> Self {
         let r = b.raw();
-        self.args.push(ArgVal::Ptr { addr: r.addr as u64, len: r.len, space: r.space, dtype: T::DTYPE, mutable: false });
+        self.args.push(ArgVal::Ptr {
+            addr: r.addr as u64,
+            len: r.len,
+            space: r.space,
+            dtype: T::DTYPE,
+            mutable: false,
+        });
         self
     }
 
     /// A written device buffer argument.
     pub fn arg_mut<T: Element, B: BufferMut<T> + ?Sized>(mut self, b: &'a mut B) -> Self {
         let r = b.raw_mut();
-        self.args.push(ArgVal::Ptr { addr: r.addr as u64, len: r.len, space: r.space, dtype: T::DTYPE, mutable: true });
+        self.args.push(ArgVal::Ptr {
+            addr: r.addr as u64,
+            len: r.len,
+            space: r.space,
+            dtype: T::DTYPE,
+            mutable: true,
+        });
         self
     }
 
     /// A scalar argument.
     pub fn scalar<T: KernelScalar>(mut self, v: T) -> Self {
-        self.args.push(ArgVal::Scalar { dtype: T::DTYPE, bits: v.bits() });
+        self.args.push(ArgVal::Scalar {
+            dtype: T::DTYPE,
+            bits: v.bits(),
+        });
         self
     }
 
@@ -229,39 +283,79 @@ impl<'a> Launch<'a> {
 
     fn check(&self, ordinal: i32) -> Result<(), CudaError> {
         let sig = self.f.sig;
-        let bad = |detail: String| CudaError::InvalidArgument { op: format!("launch {}", sig.name), detail };
+        let bad = |detail: String| CudaError::InvalidArgument {
+            op: format!("launch {}", sig.name),
+            detail,
+        };
         if self.args.len() != sig.args.len() {
-            return Err(bad(format!("{} arguments given, the kernel takes {} ({:?})", self.args.len(), sig.args.len(), sig.args)));
+            return Err(bad(format!(
+                "{} arguments given, the kernel takes {} ({:?})",
+                self.args.len(),
+                sig.args.len(),
+                sig.args
+            )));
         }
         for (i, (a, k)) in self.args.iter().zip(sig.args).enumerate() {
             match (a, k) {
-                (ArgVal::Ptr { dtype, mutable, space, len, .. }, ArgKind::Ptr(want) | ArgKind::PtrMut(want)) => {
+                (
+                    ArgVal::Ptr {
+                        dtype,
+                        mutable,
+                        space,
+                        len,
+                        ..
+                    },
+                    ArgKind::Ptr(want) | ArgKind::PtrMut(want),
+                ) => {
                     if dtype != want {
-                        return Err(bad(format!("argument {i} is a {dtype} buffer, the kernel expects {want}")));
+                        return Err(bad(format!(
+                            "argument {i} is a {dtype} buffer, the kernel expects {want}"
+                        )));
                     }
                     if matches!(k, ArgKind::PtrMut(_)) && !mutable {
-                        return Err(bad(format!("argument {i} is written by the kernel: pass it with arg_mut")));
+                        return Err(bad(format!(
+                            "argument {i} is written by the kernel: pass it with arg_mut"
+                        )));
                     }
                     if *space != MemSpace::Device(ordinal) {
-                        return Err(bad(format!("argument {i} lives in {space:?}, the launch runs on Device({ordinal})")));
+                        return Err(bad(format!(
+                            "argument {i} lives in {space:?}, the launch runs on Device({ordinal})"
+                        )));
                     }
                     if let Some(n) = self.min_len {
                         if *len < n {
-                            return Err(bad(format!("argument {i} holds {len} elements, the launch covers {n}")));
+                            return Err(bad(format!(
+                                "argument {i} holds {len} elements, the launch covers {n}"
+                            )));
                         }
                     }
                 }
                 (ArgVal::Scalar { dtype, .. }, ArgKind::Scalar(want)) => {
                     if dtype != want {
-                        return Err(bad(format!("argument {i} is a {dtype} scalar, the kernel expects {want}")));
+                        return Err(bad(format!(
+                            "argument {i} is a {dtype} scalar, the kernel expects {want}"
+                        )));
                     }
                 }
-                (got, want) => return Err(bad(format!("argument {i} is {got:?}, the kernel expects {want:?}"))),
+                (got, want) => {
+                    return Err(bad(format!(
+                        "argument {i} is {got:?}, the kernel expects {want:?}"
+                    )))
+                }
             }
         }
         let (g, b) = (self.cfg.grid, self.cfg.block);
-        if g.0 == 0 || g.1 == 0 || g.2 == 0 || b.0 == 0 || b.1 == 0 || b.2 == 0 || b.0 * b.1 * b.2 > 1024 {
-            return Err(bad(format!("invalid geometry grid={g:?} block={b:?} (each ≥ 1, ≤ 1024 threads per block)")));
+        if g.0 == 0
+            || g.1 == 0
+            || g.2 == 0
+            || b.0 == 0
+            || b.1 == 0
+            || b.2 == 0
+            || b.0 * b.1 * b.2 > 1024
+        {
+            return Err(bad(format!(
+                "invalid geometry grid={g:?} block={b:?} (each ≥ 1, ≤ 1024 threads per block)"
+            )));
         }
         Ok(())
     }
@@ -286,13 +380,25 @@ impl<'a> Launch<'a> {
                 ArgVal::Scalar { bits, .. } => *bits,
             })
             .collect();
-        let mut params: Vec<*mut c_void> = slots.iter_mut().map(|s| s as *mut u64 as *mut c_void).collect();
+        let mut params: Vec<*mut c_void> = slots
+            .iter_mut()
+            .map(|s| s as *mut u64 as *mut c_void)
+            .collect();
         // SAFETY: `check` verified one argument per parameter with matching kind and dtype, that
         // every buffer is device memory of this context holding the required elements (the
         // borrows in `self` keep them alive until this call returns; device memory is freed with
         // cuMemFree, which waits for pending work). Scalars are stored little-endian in 8-byte
         // slots, so the first sizeof(T) bytes hold the value.
-        unsafe { driver::launch_kernel(self.f.raw, self.cfg.grid, self.cfg.block, self.cfg.shared_mem, stream.raw(), params.as_mut_ptr()) }
+        unsafe {
+            driver::launch_kernel(
+                self.f.raw,
+                self.cfg.grid,
+                self.cfg.block,
+                self.cfg.shared_mem,
+                stream.raw(),
+                params.as_mut_ptr(),
+            )
+        }
     }
 }
 
@@ -302,14 +408,41 @@ mod tests {
 
     #[test]
     fn cache_key_covers_text_headers_and_entry_points() {
-        const F: &[KernelSig] = &[KernelSig { name: "f", args: &[ArgKind::Scalar(Dtype::I32)] }];
-        const G: &[KernelSig] = &[KernelSig { name: "f", args: &[ArgKind::Scalar(Dtype::I64)] }];
-        let a = KernelSource { name: "a.cu", source: "x", headers: &[("h.cuh", "1")], functions: F };
+        const F: &[KernelSig] = &[KernelSig {
+            name: "f",
+            args: &[ArgKind::Scalar(Dtype::I32)],
+        }];
+        const G: &[KernelSig] = &[KernelSig {
+            name: "f",
+            args: &[ArgKind::Scalar(Dtype::I64)],
+        }];
+        let a = KernelSource {
+            name: "a.cu",
+            source: "x",
+            headers: &[("h.cuh", "1")],
+            functions: F,
+        };
         assert_eq!(cache_key(&a), cache_key(&a), "stable");
-        assert_ne!(cache_key(&a), cache_key(&KernelSource { functions: G, ..a }), "entry-point table");
-        assert_ne!(cache_key(&a), cache_key(&KernelSource { source: "y", ..a }), "text");
-        assert_ne!(cache_key(&a), cache_key(&KernelSource { headers: &[], ..a }), "headers");
-        assert_ne!(cache_key(&a), cache_key(&KernelSource { name: "b.cu", ..a }), "name");
+        assert_ne!(
+            cache_key(&a),
+            cache_key(&KernelSource { functions: G, ..a }),
+            "entry-point table"
+        );
+        assert_ne!(
+            cache_key(&a),
+            cache_key(&KernelSource { source: "y", ..a }),
+            "text"
+        );
+        assert_ne!(
+            cache_key(&a),
+            cache_key(&KernelSource { headers: &[], ..a }),
+            "headers"
+        );
+        assert_ne!(
+            cache_key(&a),
+            cache_key(&KernelSource { name: "b.cu", ..a }),
+            "name"
+        );
     }
 
     #[test]

@@ -83,16 +83,27 @@ pub(crate) fn builtins_soname(version: (i32, i32)) -> String {
 /// Load the builtins of the NVRTC at `nvrtc_path` (version `version`): the file beside it, else the
 /// soname through the loader's search path. `global` makes its symbols and soname visible to
 /// NVRTC's own `dlopen`. The error says where it looked.
-pub(crate) fn load_builtins(nvrtc_path: &str, version: (i32, i32), global: bool) -> Result<Builtins, String> {
+pub(crate) fn load_builtins(
+    nvrtc_path: &str,
+    version: (i32, i32),
+    global: bool,
+) -> Result<Builtins, String> {
     use libloading::os::unix::{Library, RTLD_GLOBAL, RTLD_LOCAL, RTLD_NOW};
     let soname = builtins_soname(version);
     let flags = RTLD_NOW | if global { RTLD_GLOBAL } else { RTLD_LOCAL };
-    let beside = std::path::Path::new(nvrtc_path).parent().map(|d| d.join(&soname));
+    let beside = std::path::Path::new(nvrtc_path)
+        .parent()
+        .map(|d| d.join(&soname));
     let mut why = Vec::new();
     if let Some(file) = beside.as_ref().filter(|f| f.exists()) {
         // SAFETY: loading the NVRTC builtins runs its initialisers, which have no preconditions.
         match unsafe { Library::open(Some(file), flags) } {
-            Ok(lib) => return Ok(Builtins { path: file.display().to_string(), lib }),
+            Ok(lib) => {
+                return Ok(Builtins {
+                    path: file.display().to_string(),
+                    lib,
+                })
+            }
             Err(e) => why.push(format!("{}: {}", file.display(), discovery::dl_error(&e))),
         }
     } else if let Some(file) = &beside {
@@ -100,9 +111,15 @@ pub(crate) fn load_builtins(nvrtc_path: &str, version: (i32, i32), global: bool)
     }
     // SAFETY: as above.
     match unsafe { Library::open(Some(&soname), flags) } {
-        Ok(lib) => Ok(Builtins { path: format!("{soname} (dynamic loader search path)"), lib }),
+        Ok(lib) => Ok(Builtins {
+            path: format!("{soname} (dynamic loader search path)"),
+            lib,
+        }),
         Err(e) => {
-            why.push(format!("{soname} through the dynamic loader: {}", discovery::dl_error(&e)));
+            why.push(format!(
+                "{soname} through the dynamic loader: {}",
+                discovery::dl_error(&e)
+            ));
             Err(format!(
                 "its builtins library does not load ({}), so every compile would fail with NVRTC_ERROR_BUILTIN_OPERATION_FAILURE; install the matching {soname} beside it",
                 why.join("; ")
@@ -127,29 +144,37 @@ fn version_of(f: &NvrtcFns) -> (i32, i32) {
 
 fn load() -> Result<NvrtcLib, CudaError> {
     // The driver's CUDA version, when a driver is present (loading it does not initialise CUDA).
-    let driver = super::driver::core().ok().and_then(|c| c.driver_version().ok());
-    let loaded = discovery::load_newest(LibKind::Nvrtc, "nvrtcVersion", |lib, path| match NvrtcFns::resolve(lib) {
-        Err((sym, _)) => Ranked::Reject(format!("no symbol {sym}")),
-        Ok(f) => {
-            let (maj, min) = version_of(&f);
-            if let Err(why) = load_builtins(path, (maj, min), false) {
-                return Ranked::Reject(why);
-            }
-            let code = maj * 1000 + min * 10;
-            let mut notes = Vec::new();
-            let fits = match driver {
-                Some(d) if code > d => {
-                    notes.push(format!(
+    let driver = super::driver::core()
+        .ok()
+        .and_then(|c| c.driver_version().ok());
+    let loaded = discovery::load_newest(LibKind::Nvrtc, "nvrtcVersion", |lib, path| {
+        match NvrtcFns::resolve(lib) {
+            Err((sym, _)) => Ranked::Reject(format!("no symbol {sym}")),
+            Ok(f) => {
+                let (maj, min) = version_of(&f);
+                if let Err(why) = load_builtins(path, (maj, min), false) {
+                    return Ranked::Reject(why);
+                }
+                let code = maj * 1000 + min * 10;
+                let mut notes = Vec::new();
+                let fits = match driver {
+                    Some(d) if code > d => {
+                        notes.push(format!(
                         "NVRTC {maj}.{min} is newer than the driver (CUDA {}): its PTX would be refused; lockstep compiles CUBIN instead. \
 Install an NVRTC no newer than the driver (or update the driver) if compilation for this GPU fails",
                         discovery::cuda_version_string(d)
                     ));
-                    false
+                        false
+                    }
+                    _ => true,
+                };
+                // No newer than the driver first, then the newest.
+                Ranked::Usable {
+                    rank: ((fits as u64) << 32) | code.max(0) as u64,
+                    label: format!("NVRTC {maj}.{min}"),
+                    notes,
                 }
-                _ => true,
-            };
-            // No newer than the driver first, then the newest.
-            Ranked::Usable { rank: ((fits as u64) << 32) | code.max(0) as u64, label: format!("NVRTC {maj}.{min}"), notes }
+            }
         }
     })?;
     let f = NvrtcFns::resolve(&loaded.lib).map_err(|(sym, detail)| CudaError::MissingSymbol {
@@ -161,17 +186,25 @@ Install an NVRTC no newer than the driver (or update the driver) if compilation 
     })?;
     let version = version_of(&f);
     // Preloaded for good: NVRTC's dlopen of the soname at compile time then finds this file.
-    let builtins = load_builtins(&loaded.path, version, true).map_err(|why| CudaError::LibraryNotFound {
-        library: LibKind::Nvrtc.name(),
-        searched: format!("{}: {why}", loaded.path),
-        env_var: LibKind::Nvrtc.env_var(),
-        hint: LibKind::Nvrtc.install_hint(),
-    })?;
+    let builtins =
+        load_builtins(&loaded.path, version, true).map_err(|why| CudaError::LibraryNotFound {
+            library: LibKind::Nvrtc.name(),
+            searched: format!("{}: {why}", loaded.path),
+            env_var: LibKind::Nvrtc.env_var(),
+            hint: LibKind::Nvrtc.install_hint(),
+        })?;
     for note in &loaded.notes {
         // Only newer-than-driver NVRTCs were found: say so once, where the user will see it.
         tracing::warn!("using {} ({note})", loaded.path);
     }
-    tracing::debug!("NVRTC {}.{}: {} ({}); builtins {}", version.0, version.1, loaded.path, loaded.reason, builtins.path);
+    tracing::debug!(
+        "NVRTC {}.{}: {} ({}); builtins {}",
+        version.0,
+        version.1,
+        loaded.path,
+        loaded.reason,
+        builtins.path
+    );
     Ok(NvrtcLib {
         path: loaded.path.clone(),
         origin: loaded.origin.clone(),
@@ -208,7 +241,11 @@ impl NvrtcLib {
         if code == 0 {
             return Ok(());
         }
-        Err(NvrtcError::Call { call: call.to_string(), code, message: self.error_string(code) })
+        Err(NvrtcError::Call {
+            call: call.to_string(),
+            code,
+            message: self.error_string(code),
+        })
     }
 
     /// Compile `source` (named `program`) with in-memory `headers` (name, text) and `options`.
@@ -230,8 +267,14 @@ impl NvrtcLib {
         };
         let csrc = nul(source)?;
         let cname = nul(program)?;
-        let hdr_src: Vec<CString> = headers.iter().map(|(_, s)| nul(s)).collect::<Result<_, _>>()?;
-        let hdr_names: Vec<CString> = headers.iter().map(|(n, _)| nul(n)).collect::<Result<_, _>>()?;
+        let hdr_src: Vec<CString> = headers
+            .iter()
+            .map(|(_, s)| nul(s))
+            .collect::<Result<_, _>>()?;
+        let hdr_names: Vec<CString> = headers
+            .iter()
+            .map(|(n, _)| nul(n))
+            .collect::<Result<_, _>>()?;
         let hdr_src_p: Vec<*const c_char> = hdr_src.iter().map(|c| c.as_ptr()).collect();
         let hdr_names_p: Vec<*const c_char> = hdr_names.iter().map(|c| c.as_ptr()).collect();
         let copts: Vec<CString> = options.iter().map(|o| nul(o)).collect::<Result<_, _>>()?;
@@ -266,11 +309,16 @@ impl NvrtcLib {
         out: Output,
     ) -> Result<Vec<u8>, NvrtcError> {
         // SAFETY: `prog` is live; the option pointers are valid NUL-terminated strings.
-        let rc = unsafe { (self.f.nvrtcCompileProgram)(prog, copts_p.len() as c_int, copts_p.as_ptr()) };
+        let rc =
+            unsafe { (self.f.nvrtcCompileProgram)(prog, copts_p.len() as c_int, copts_p.as_ptr()) };
         if rc != 0 {
             let log = self.log(prog);
             if rc == 6 {
-                return Err(NvrtcError::Compile { program: program.into(), options: options.join(" "), log });
+                return Err(NvrtcError::Compile {
+                    program: program.into(),
+                    options: options.join(" "),
+                    log,
+                });
             }
             return Err(NvrtcError::Call {
                 call: format!("nvrtcCompileProgram({program}, [{}])", options.join(" ")),
@@ -279,7 +327,11 @@ impl NvrtcLib {
             });
         }
         let (size_fn, get_fn, what) = match out {
-            Output::Ptx => (Some(self.f.nvrtcGetPTXSize), Some(self.f.nvrtcGetPTX), "PTX"),
+            Output::Ptx => (
+                Some(self.f.nvrtcGetPTXSize),
+                Some(self.f.nvrtcGetPTX),
+                "PTX",
+            ),
             Output::Cubin => (self.f.nvrtcGetCUBINSize, self.f.nvrtcGetCUBIN, "CUBIN"),
         };
         let (Some(size_fn), Some(get_fn)) = (size_fn, get_fn) else {
@@ -291,10 +343,16 @@ impl NvrtcLib {
         };
         let mut n = 0usize;
         // SAFETY: live, compiled program; valid out-pointer.
-        self.check(unsafe { size_fn(prog, &mut n) }, &format!("nvrtcGet{what}Size({program})"))?;
+        self.check(
+            unsafe { size_fn(prog, &mut n) },
+            &format!("nvrtcGet{what}Size({program})"),
+        )?;
         let mut buf = vec![0u8; n];
         // SAFETY: `buf` holds the `n` bytes NVRTC asked for.
-        self.check(unsafe { get_fn(prog, buf.as_mut_ptr().cast()) }, &format!("nvrtcGet{what}({program})"))?;
+        self.check(
+            unsafe { get_fn(prog, buf.as_mut_ptr().cast()) },
+            &format!("nvrtcGet{what}({program})"),
+        )?;
         Ok(buf)
     }
 
@@ -307,7 +365,10 @@ impl NvrtcLib {
         let mut buf = vec![0u8; n];
         // SAFETY: `buf` holds `n` bytes.
         unsafe { (self.f.nvrtcGetProgramLog)(prog, buf.as_mut_ptr().cast()) };
-        String::from_utf8_lossy(&buf).trim_end_matches('\0').trim().to_string()
+        String::from_utf8_lossy(&buf)
+            .trim_end_matches('\0')
+            .trim()
+            .to_string()
     }
 }
 
@@ -319,9 +380,17 @@ mod tests {
     /// through the loader, and the compile failure it prevents.
     #[test]
     fn missing_builtins_are_named() {
-        let e = load_builtins("/nonexistent/lib/libnvrtc.so.99", (99, 7), false).err().expect("no such builtins");
-        assert!(e.contains("/nonexistent/lib/libnvrtc-builtins.so.99.7"), "{e}");
-        assert!(e.contains("libnvrtc-builtins.so.99.7 through the dynamic loader"), "{e}");
+        let e = load_builtins("/nonexistent/lib/libnvrtc.so.99", (99, 7), false)
+            .err()
+            .expect("no such builtins");
+        assert!(
+            e.contains("/nonexistent/lib/libnvrtc-builtins.so.99.7"),
+            "{e}"
+        );
+        assert!(
+            e.contains("libnvrtc-builtins.so.99.7 through the dynamic loader"),
+            "{e}"
+        );
         assert!(e.contains("NVRTC_ERROR_BUILTIN_OPERATION_FAILURE"), "{e}");
         assert_eq!(builtins_soname((13, 0)), "libnvrtc-builtins.so.13.0");
     }

@@ -10,27 +10,48 @@ pub fn cuda_report() -> String {
     s.push_str("lockstep CUDA environment\n");
     match driver::core() {
         Ok(core) => {
-            s.push_str(&format!("  driver : {} (found via {})\n", core.path, core.origin));
+            s.push_str(&format!(
+                "  driver : {} (found via {})\n",
+                core.path, core.origin
+            ));
             s.push_str(&format!("           chosen: {}\n", core.loaded.reason));
             match core.driver_version() {
-                Ok(v) => s.push_str(&format!("           cuDriverGetVersion = {v} (CUDA {})\n", cuda_version_string(v))),
+                Ok(v) => s.push_str(&format!(
+                    "           cuDriverGetVersion = {v} (CUDA {})\n",
+                    cuda_version_string(v)
+                )),
                 Err(e) => s.push_str(&format!("           cuDriverGetVersion failed: {e}\n")),
             }
-            s.push_str(&format!("           initialised in this process: {}\n", init::describe_state()));
+            s.push_str(&format!(
+                "           initialised in this process: {}\n",
+                init::describe_state()
+            ));
         }
-        Err(e) => s.push_str(&format!("  driver : not found\n           {}\n", indent(&e.to_string()))),
+        Err(e) => s.push_str(&format!(
+            "  driver : not found\n           {}\n",
+            indent(&e.to_string())
+        )),
     }
     match nvrtc::api() {
         Ok(n) => {
             s.push_str(&format!("  nvrtc  : {} (found via {})\n", n.path, n.origin));
-            s.push_str(&format!("           nvrtcVersion = {}.{}\n", n.version.0, n.version.1));
+            s.push_str(&format!(
+                "           nvrtcVersion = {}.{}\n",
+                n.version.0, n.version.1
+            ));
             s.push_str(&format!("           chosen: {}\n", n.reason));
-            s.push_str(&format!("           builtins: {} (preloaded)\n", n.builtins.path));
+            s.push_str(&format!(
+                "           builtins: {} (preloaded)\n",
+                n.builtins.path
+            ));
             for note in &n.notes {
                 s.push_str(&format!("           note: {note}\n"));
             }
         }
-        Err(e) => s.push_str(&format!("  nvrtc  : not found\n           {}\n", indent(&e.to_string()))),
+        Err(e) => s.push_str(&format!(
+            "  nvrtc  : not found\n           {}\n",
+            indent(&e.to_string())
+        )),
     }
     s
 }

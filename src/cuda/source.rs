@@ -88,10 +88,18 @@ pub(crate) fn fnv1a(parts: &[&[u8]]) -> u64 {
 mod tests {
     use super::*;
 
-    const SIGS: &[KernelSig] = &[KernelSig { name: "k", args: &[ArgKind::PtrMut(Dtype::F32), ArgKind::Scalar(Dtype::I32)] }];
+    const SIGS: &[KernelSig] = &[KernelSig {
+        name: "k",
+        args: &[ArgKind::PtrMut(Dtype::F32), ArgKind::Scalar(Dtype::I32)],
+    }];
 
     fn src(text: &'static str, headers: &'static [(&'static str, &'static str)]) -> KernelSource {
-        KernelSource { name: "t.cu", source: text, headers, functions: SIGS }
+        KernelSource {
+            name: "t.cu",
+            source: text,
+            headers,
+            functions: SIGS,
+        }
     }
 
     #[test]
@@ -108,9 +116,21 @@ mod tests {
     fn content_hash_covers_text_and_headers() {
         let base = src("x", &[("h.cuh", "1")]).content_hash();
         assert_eq!(base, src("x", &[("h.cuh", "1")]).content_hash());
-        assert_ne!(base, src("y", &[("h.cuh", "1")]).content_hash(), "source text");
-        assert_ne!(base, src("x", &[("h.cuh", "2")]).content_hash(), "header text");
-        assert_ne!(base, src("x", &[("g.cuh", "1")]).content_hash(), "header name");
+        assert_ne!(
+            base,
+            src("y", &[("h.cuh", "1")]).content_hash(),
+            "source text"
+        );
+        assert_ne!(
+            base,
+            src("x", &[("h.cuh", "2")]).content_hash(),
+            "header text"
+        );
+        assert_ne!(
+            base,
+            src("x", &[("g.cuh", "1")]).content_hash(),
+            "header name"
+        );
         assert_ne!(base, src("x", &[]).content_hash(), "header count");
     }
 

@@ -100,7 +100,13 @@ pub(crate) fn read_avail(fd: &impl AsRawFd, buf: &mut Vec<u8>) -> ReadState {
     let mut tmp = [0u8; 65536];
     loop {
         // SAFETY: tmp is a valid writable buffer of the given length.
-        let n = unsafe { libc::read(fd.as_raw_fd(), tmp.as_mut_ptr() as *mut libc::c_void, tmp.len()) };
+        let n = unsafe {
+            libc::read(
+                fd.as_raw_fd(),
+                tmp.as_mut_ptr() as *mut libc::c_void,
+                tmp.len(),
+            )
+        };
         if n > 0 {
             buf.extend_from_slice(&tmp[..n as usize]);
             return ReadState::Data;
@@ -156,7 +162,11 @@ pub(crate) fn has_exited(pid: i32) -> bool {
         return std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH);
     }
     let fd = fd as libc::c_int;
-    let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+    let mut p = libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
     // SAFETY: one valid pollfd, zero timeout; then closing the pidfd we opened.
     unsafe {
         let r = libc::poll(&mut p, 1, 0);
@@ -183,7 +193,10 @@ pub(crate) fn poll(fds: &mut [libc::pollfd], timeout_ms: i32) {
 
 /// Monotonic clock in nanoseconds (`CLOCK_MONOTONIC`, comparable across processes of one host).
 pub fn monotonic_ns() -> u64 {
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
     // SAFETY: ts is a valid out-parameter.
     unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64

@@ -56,11 +56,18 @@ struct NodeLink {
 impl NodeLink {
     fn new(spec: &JobSpec, token: &str) -> Result<NodeLink, LaunchError> {
         let connect = || {
-            TcpStore::connect(&spec.master_addr, spec.master_port, token, spec.rdzv_timeout).map_err(|e| LaunchError::Setup(e.to_string()))
+            TcpStore::connect(
+                &spec.master_addr,
+                spec.master_port,
+                token,
+                spec.rdzv_timeout,
+            )
+            .map_err(|e| LaunchError::Setup(e.to_string()))
         };
         let notify = RefCell::new(connect()?);
         let mut watch = connect()?;
-        let (abort_fd, wr) = child::pipe().map_err(|e| LaunchError::Setup(format!("cannot create a pipe: {e}")))?;
+        let (abort_fd, wr) =
+            child::pipe().map_err(|e| LaunchError::Setup(format!("cannot create a pipe: {e}")))?;
         let abort_msg = Arc::new(Mutex::new(None));
         let msg = abort_msg.clone();
         // The launcher execs its ranks (never forks without exec), so a thread here is safe.
@@ -70,7 +77,8 @@ impl NodeLink {
                 match watch.wait(&[ABORT_KEY], Duration::from_secs(24 * 3600)) {
                     Ok(()) => {
                         let v = watch.get(ABORT_KEY).ok().flatten().unwrap_or_default();
-                        *msg.lock().unwrap_or_else(|p| p.into_inner()) = Some(String::from_utf8_lossy(&v).into_owned());
+                        *msg.lock().unwrap_or_else(|p| p.into_inner()) =
+                            Some(String::from_utf8_lossy(&v).into_owned());
                         let _ = std::fs::File::from(wr).write_all(b"!");
                         return;
                     }
@@ -80,17 +88,28 @@ impl NodeLink {
                 }
             })
             .map_err(|e| LaunchError::Setup(format!("cannot start the abort watcher: {e}")))?;
-        Ok(NodeLink { notify, abort_fd, abort_msg })
+        Ok(NodeLink {
+            notify,
+            abort_fd,
+            abort_msg,
+        })
     }
 
     /// Tell the other nodes this one failed (best effort: the store may be gone).
     fn tell(&self, code: i32, what: &str) {
-        let _ = self.notify.borrow_mut().set(ABORT_KEY, format!("{code}\n{what}").as_bytes());
+        let _ = self
+            .notify
+            .borrow_mut()
+            .set(ABORT_KEY, format!("{code}\n{what}").as_bytes());
     }
 
     /// The failure another node reported: (exit code, description).
     fn remote(&self) -> Option<(i32, String)> {
-        let m = self.abort_msg.lock().unwrap_or_else(|p| p.into_inner()).clone()?;
+        let m = self
+            .abort_msg
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()?;
         let (code, what) = m.split_once('\n').unwrap_or(("1", m.as_str()));
         Some((code.trim().parse().unwrap_or(1), what.to_string()))
     }
@@ -134,9 +153,12 @@ pub struct JobSpec {
     pub prefix: bool,
 }
 
-/// A job id unique on this host: launcher pid plus wall-clock nanoseconds.
+/// A job id unique on this machine: launcher pid plus wall-clock nanoseconds.
 fn new_job_id() -> String {
-    let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
     format!("{:x}-{:x}", std::process::id(), t & 0xffff_ffff_ffff)
 }
 
@@ -149,8 +171,13 @@ fn new_job_id() -> String {
 /// in another pid namespace sharing /dev/shm is safe.
 fn sweep_stale_segments() {
     crate::shm::reclaim_stale_segments(&|id, age| {
-        let Some((pid, t)) = id.split_once('-') else { return false };
-        let (Ok(pid), true) = (i32::from_str_radix(pid, 16), !t.is_empty() && t.chars().all(|c| c.is_ascii_hexdigit())) else {
+        let Some((pid, t)) = id.split_once('-') else {
+            return false;
+        };
+        let (Ok(pid), true) = (
+            i32::from_str_radix(pid, 16),
+            !t.is_empty() && t.chars().all(|c| c.is_ascii_hexdigit()),
+        ) else {
             return false;
         };
         let old = age.is_some_and(|a| a > Duration::from_secs(300));
@@ -182,7 +209,11 @@ impl JobSpec {
             .map(|(_, v)| v.clone())
             .or_else(|| std::env::var("LOCKSTEP_BACKEND").ok())
             .unwrap_or_else(|| "auto".into());
-        vec![("--nproc-per-node", self.nproc_per_node.to_string()), ("--nnodes", self.nnodes.to_string()), ("backend", backend)]
+        vec![
+            ("--nproc-per-node", self.nproc_per_node.to_string()),
+            ("--nnodes", self.nnodes.to_string()),
+            ("backend", backend),
+        ]
     }
 
     fn validate(&self) -> Result<(), LaunchError> {
@@ -201,11 +232,17 @@ impl JobSpec {
                 self.nnodes - 1
             ));
         }
-        if let Some((k, _)) = self.rank_env.iter().find(|(k, v)| k.is_empty() || k.contains(['=', '\0']) || v.contains('\0')) {
+        if let Some((k, _)) = self
+            .rank_env
+            .iter()
+            .find(|(k, v)| k.is_empty() || k.contains(['=', '\0']) || v.contains('\0'))
+        {
             return bad(format!("the rank variable {k:?} cannot be passed to a program (empty, or contains '=' or a NUL byte)"));
         }
         if self.program.is_empty() {
-            return bad("no program given: use `lockstep launch [options] -- program args...`".into());
+            return bad(
+                "no program given: use `lockstep launch [options] -- program args...`".into(),
+            );
         }
         if self.nnodes > 1 {
             match &self.token {
@@ -221,8 +258,15 @@ impl JobSpec {
                 Some(t) => crate::store::validate_token(t).map_err(|e| LaunchError::Setup(e.to_string()))?,
             }
         }
-        if let Some(r) = self.ranks_filter.as_ref().and_then(|f| f.iter().find(|r| **r >= self.nproc_per_node * self.nnodes)) {
-            return bad(format!("--ranks-filter names rank {r}, but the job has ranks 0..{}", self.nproc_per_node * self.nnodes));
+        if let Some(r) = self
+            .ranks_filter
+            .as_ref()
+            .and_then(|f| f.iter().find(|r| **r >= self.nproc_per_node * self.nnodes))
+        {
+            return bad(format!(
+                "--ranks-filter names rank {r}, but the job has ranks 0..{}",
+                self.nproc_per_node * self.nnodes
+            ));
         }
         if self.rdzv_timeout.is_zero() {
             return bad("the rendezvous timeout must be greater than 0 seconds".into());
@@ -238,7 +282,9 @@ impl JobSpec {
 /// torch's store binds it). Another process may take it before the rank binds it: torchrun's
 /// standalone mode takes the same chance.
 fn free_port() -> std::io::Result<u16> {
-    Ok(std::net::TcpListener::bind(("0.0.0.0", 0))?.local_addr()?.port())
+    Ok(std::net::TcpListener::bind(("0.0.0.0", 0))?
+        .local_addr()?
+        .port())
 }
 
 fn encode_settings(settings: &[(&str, String)]) -> String {
@@ -268,7 +314,9 @@ pub fn run_job(spec: &JobSpec) -> Result<i32, LaunchError> {
     // A malformed variable the ranks would read stops the job here, once, not in every rank.
     crate::types::env::check_all().map_err(|e| LaunchError::Setup(e.to_string()))?;
     let start = Instant::now();
-    let cpus = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    let cpus = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
     if spec.nproc_per_node > cpus {
         // Ranks that wait spin, then yield: oversubscribed, every collective waits for a rank
         // that is not running. It works (tests do it), but it is slow.
@@ -296,26 +344,53 @@ pub fn run_job(spec: &JobSpec) -> Result<i32, LaunchError> {
     // for the shared segment (see `Communicator::from_env`).
     let _server = if spec.nnodes > 1 {
         if spec.node_rank == 0 {
-            let server = StoreServer::start(&spec.master_addr, spec.master_port, &token).map_err(|e| LaunchError::Setup(e.to_string()))?;
-            server.set_local(SETTINGS_KEY, encode_settings(&spec.shared_settings()).as_bytes());
-            rank_port = free_port().map_err(|e| LaunchError::Setup(format!("cannot find a free port for the ranks' MASTER_PORT: {e}")))?;
+            let server = StoreServer::start(&spec.master_addr, spec.master_port, &token)
+                .map_err(|e| LaunchError::Setup(e.to_string()))?;
+            server.set_local(
+                SETTINGS_KEY,
+                encode_settings(&spec.shared_settings()).as_bytes(),
+            );
+            rank_port = free_port().map_err(|e| {
+                LaunchError::Setup(format!(
+                    "cannot find a free port for the ranks' MASTER_PORT: {e}"
+                ))
+            })?;
             server.set_local(RANK_PORT_KEY, rank_port.to_string().as_bytes());
             server.set_local(JOB_ID_KEY, job_id.as_bytes());
             Some(server)
         } else {
-            let mut c = TcpStore::connect(&spec.master_addr, spec.master_port, &token, spec.rdzv_timeout)
+            let mut c = TcpStore::connect(
+                &spec.master_addr,
+                spec.master_port,
+                &token,
+                spec.rdzv_timeout,
+            )
+            .map_err(|e| LaunchError::Setup(e.to_string()))?;
+            let v = c
+                .wait_get(JOB_ID_KEY, spec.rdzv_timeout)
                 .map_err(|e| LaunchError::Setup(e.to_string()))?;
-            let v = c.wait_get(JOB_ID_KEY, spec.rdzv_timeout).map_err(|e| LaunchError::Setup(e.to_string()))?;
-            job_id = String::from_utf8(v).map_err(|_| LaunchError::Setup("the job id in the rendezvous store is not UTF-8".into()))?;
+            job_id = String::from_utf8(v).map_err(|_| {
+                LaunchError::Setup("the job id in the rendezvous store is not UTF-8".into())
+            })?;
             // Node 0 publishes its settings and the ranks' port before its job id, so they are there.
-            let theirs = c.get(SETTINGS_KEY).map_err(|e| LaunchError::Setup(e.to_string()))?.unwrap_or_default();
-            let port = c.get(RANK_PORT_KEY).map_err(|e| LaunchError::Setup(e.to_string()))?.unwrap_or_default();
+            let theirs = c
+                .get(SETTINGS_KEY)
+                .map_err(|e| LaunchError::Setup(e.to_string()))?
+                .unwrap_or_default();
+            let port = c
+                .get(RANK_PORT_KEY)
+                .map_err(|e| LaunchError::Setup(e.to_string()))?
+                .unwrap_or_default();
             rank_port = String::from_utf8_lossy(&port).parse().map_err(|_| {
                 LaunchError::Setup(
                     "node 0's launcher published no port for the ranks: start every node with the same lockstep version".into(),
                 )
             })?;
-            if let Some(msg) = settings_disagree(spec.node_rank, &spec.shared_settings(), &String::from_utf8_lossy(&theirs)) {
+            if let Some(msg) = settings_disagree(
+                spec.node_rank,
+                &spec.shared_settings(),
+                &String::from_utf8_lossy(&theirs),
+            ) {
                 // Node 0's ranks have started: stop them through the abort key its launcher watches.
                 let _ = c.set(ABORT_KEY, format!("1\n{msg}").as_bytes());
                 return Err(LaunchError::Setup(msg));
@@ -326,14 +401,23 @@ pub fn run_job(spec: &JobSpec) -> Result<i32, LaunchError> {
         None
     };
 
-    let link = if spec.nnodes > 1 { Some(NodeLink::new(spec, &token)?) } else { None };
-    let signals = SignalPipe::install().map_err(|e| LaunchError::Setup(format!("cannot install signal handlers: {e}")))?;
+    let link = if spec.nnodes > 1 {
+        Some(NodeLink::new(spec, &token)?)
+    } else {
+        None
+    };
+    let signals = SignalPipe::install()
+        .map_err(|e| LaunchError::Setup(format!("cannot install signal handlers: {e}")))?;
     // Every log file is opened (safely, see output.rs) before any rank starts.
     let log_dir = spec.log_dir.as_deref().map(LogDir::prepare).transpose()?;
     let base = spec.node_rank * spec.nproc_per_node;
     let outputs = (base..base + spec.nproc_per_node)
         .map(|rank| {
-            let o = RankOutput::new(rank, spec.ranks_filter.as_ref().is_none_or(|f| f.contains(&rank)), log_dir.as_ref())?;
+            let o = RankOutput::new(
+                rank,
+                spec.ranks_filter.as_ref().is_none_or(|f| f.contains(&rank)),
+                log_dir.as_ref(),
+            )?;
             Ok::<_, LaunchError>(if spec.prefix { o } else { o.without_prefix() })
         })
         .collect::<Result<Vec<_>, _>>()?;
@@ -349,8 +433,14 @@ pub fn run_job(spec: &JobSpec) -> Result<i32, LaunchError> {
         ("LOCKSTEP_TOKEN".into(), token.clone()),
         ("LOCKSTEP_NODE_RANK".into(), spec.node_rank.to_string()),
         ("LOCKSTEP_NNODES".into(), spec.nnodes.to_string()),
-        ("LOCKSTEP_LAUNCHER_PID".into(), std::process::id().to_string()),
-        ("LOCKSTEP_RDZV_TIMEOUT_S".into(), spec.rdzv_timeout.as_secs_f64().to_string()),
+        (
+            "LOCKSTEP_LAUNCHER_PID".into(),
+            std::process::id().to_string(),
+        ),
+        (
+            "LOCKSTEP_RDZV_TIMEOUT_S".into(),
+            spec.rdzv_timeout.as_secs_f64().to_string(),
+        ),
     ];
     let mut common = common;
     if spec.nnodes > 1 {
@@ -360,7 +450,9 @@ pub fn run_job(spec: &JobSpec) -> Result<i32, LaunchError> {
     // As torchrun: ranks that would each start one OpenMP (or BLAS, or torch intra-op) thread
     // per CPU of the node oversubscribe it as many times as there are ranks. Unless the user
     // chose, each rank gets its share of the CPUs.
-    if std::env::var_os("OMP_NUM_THREADS").is_none() && spec.rank_env.iter().all(|(k, _)| k != "OMP_NUM_THREADS") {
+    if std::env::var_os("OMP_NUM_THREADS").is_none()
+        && spec.rank_env.iter().all(|(k, _)| k != "OMP_NUM_THREADS")
+    {
         let share = (cpus / spec.nproc_per_node).max(1);
         tracing::debug!(
             "OMP_NUM_THREADS is not set: each rank gets OMP_NUM_THREADS={share} ({cpus} CPUs, {} ranks on this node)",
@@ -375,7 +467,8 @@ pub fn run_job(spec: &JobSpec) -> Result<i32, LaunchError> {
     let console_tty = std::io::IsTerminal::is_terminal(&std::io::stdout());
     let mut procs: Vec<Proc> = Vec::with_capacity(spec.nproc_per_node);
     // Each guard removes the job's named segment if the launcher dies before doing it.
-    let segment = crate::shm::named_segment_path(&job_id).and_then(|p| CString::new(p.into_os_string().into_vec()).ok());
+    let segment = crate::shm::named_segment_path(&job_id)
+        .and_then(|p| CString::new(p.into_os_string().into_vec()).ok());
     // Rank 0 leads the node's process group, which the others join (its guard holds it
     // unreaped until they have: `RankSetup::hold_leader`); its pid is known once its
     // guard has started it (for an exec'd rank, once its execve has begun). Every guard is forked
@@ -407,7 +500,11 @@ pub fn run_job(spec: &JobSpec) -> Result<i32, LaunchError> {
             }
         }
     }
-    let outputs = if failure.is_some() { Vec::new() } else { outputs };
+    let outputs = if failure.is_some() {
+        Vec::new()
+    } else {
+        outputs
+    };
     for (local, (o, image)) in outputs.into_iter().zip(&images).enumerate() {
         let rank = base + local;
         let setup = RankSetup {
@@ -474,8 +571,15 @@ pub fn run_job(spec: &JobSpec) -> Result<i32, LaunchError> {
         supervise::kill_all(&mut procs);
         crate::shm::unlink_named(&job_id);
         // An errno is execve's (or fork's); other errors explain themselves.
-        let hint = if e.raw_os_error().is_some() { "; check the program path and permissions" } else { "" };
-        let msg = format!("cannot {what} rank {rank} ({}): {e}{hint}", spec.program[0].to_string_lossy());
+        let hint = if e.raw_os_error().is_some() {
+            "; check the program path and permissions"
+        } else {
+            ""
+        };
+        let msg = format!(
+            "cannot {what} rank {rank} ({}): {e}{hint}",
+            spec.program[0].to_string_lossy()
+        );
         if let Some(l) = &link {
             l.tell(1, &format!("node {}: {msg}", spec.node_rank));
         }
@@ -486,7 +590,15 @@ pub fn run_job(spec: &JobSpec) -> Result<i32, LaunchError> {
     let tell = |p: &Proc| {
         // Ranks this launcher stopped are consequences, not news for the other nodes.
         if let (Some(l), Some(st), false) = (&link, p.status, p.terminated) {
-            l.tell(st.code(), &format!("rank {} (pid {}) on node {node} {}", p.rank, p.pid, st.describe()));
+            l.tell(
+                st.code(),
+                &format!(
+                    "rank {} (pid {}) on node {node} {}",
+                    p.rank,
+                    p.pid,
+                    st.describe()
+                ),
+            );
         }
     };
     let opts = Options {
@@ -498,13 +610,17 @@ pub fn run_job(spec: &JobSpec) -> Result<i32, LaunchError> {
         on_first_failure: Some(&tell),
         start,
     };
-    let outcome = supervise::supervise(&mut procs, &opts, |p| p.status != Some(child::Exit::Code(0)));
+    let outcome = supervise::supervise(&mut procs, &opts, |p| {
+        p.status != Some(child::Exit::Code(0))
+    });
     // Normally the last rank to join has removed the name already; this covers jobs whose ranks
     // died before all joined.
     crate::shm::unlink_named(&job_id);
 
     // Stopped because another node failed: exit with that node's root-cause code.
-    if let (true, Some((code, what))) = (outcome.remote_abort, link.as_ref().and_then(|l| l.remote())) {
+    if let (true, Some((code, what))) =
+        (outcome.remote_abort, link.as_ref().and_then(|l| l.remote()))
+    {
         if outcome.root.is_none_or(|r| procs[r].terminated) {
             tracing::error!("node {node} stopped its ranks because {what}");
             return Ok(code);
@@ -515,17 +631,38 @@ pub fn run_job(spec: &JobSpec) -> Result<i32, LaunchError> {
     // briefly, unless a rank had already failed on its own, whose code then wins.
     if let Some(sig) = outcome.interrupted {
         let on_its_own = outcome.root.filter(|r| !procs[*r].terminated);
-        let code = on_its_own.and_then(|r| procs[r].status).map(|st| st.code()).unwrap_or(128 + sig);
+        let code = on_its_own
+            .and_then(|r| procs[r].status)
+            .map(|st| st.code())
+            .unwrap_or(128 + sig);
         if let Some(l) = &link {
-            l.tell(code, &format!("the launcher of node {node} got {}", child::signal_name(sig)));
+            l.tell(
+                code,
+                &format!(
+                    "the launcher of node {node} got {}",
+                    child::signal_name(sig)
+                ),
+            );
         }
         if on_its_own.is_none() {
-            let ends: Vec<String> = procs.iter().filter_map(|p| p.status.map(|st| format!("rank {} {}", p.rank, st.describe()))).collect();
-            tracing::warn!("stopped by {}: {}", child::signal_name(sig), ends.join("; "));
+            let ends: Vec<String> = procs
+                .iter()
+                .filter_map(|p| {
+                    p.status
+                        .map(|st| format!("rank {} {}", p.rank, st.describe()))
+                })
+                .collect();
+            tracing::warn!(
+                "stopped by {}: {}",
+                child::signal_name(sig),
+                ends.join("; ")
+            );
             return Ok(code);
         }
     }
-    let Some(root) = outcome.root else { return Ok(0) };
+    let Some(root) = outcome.root else {
+        return Ok(0);
+    };
     let mut failures = Vec::new();
     for (i, p) in procs.iter().enumerate() {
         let st = p.status.expect("all reaped");

@@ -78,8 +78,14 @@ where
         return Err(LaunchError::Setup("nprocs must be at least 1".into()));
     }
     let start = Instant::now();
-    let mut outputs = rank_outputs(cfg.nprocs, cfg.log_dir.as_deref(), cfg.ranks_filter.as_deref())?.into_iter();
-    let job = ShmJob::with_config(cfg.nprocs, cfg.shm.clone()).map_err(|e| LaunchError::Setup(e.to_string()))?;
+    let mut outputs = rank_outputs(
+        cfg.nprocs,
+        cfg.log_dir.as_deref(),
+        cfg.ranks_filter.as_deref(),
+    )?
+    .into_iter();
+    let job = ShmJob::with_config(cfg.nprocs, cfg.shm.clone())
+        .map_err(|e| LaunchError::Setup(e.to_string()))?;
     let mut ranks: Vec<Proc> = Vec::with_capacity(cfg.nprocs);
     // Each child takes `f` out of its own copy of this frame and calls it once; this process
     // never calls it and drops it after the last fork.
@@ -90,11 +96,18 @@ where
         let mut close: Vec<i32> = ranks.iter().flat_map(Proc::raw_fds).collect();
         close.extend(outputs.as_slice().iter().filter_map(|o| o.log_fd()));
         match forked::spawn(rank, cfg.nprocs, &job, &mut f, cfg.capture_output, &close) {
-            Ok((g, rd)) => ranks.push(Proc::new(rank, g, Some(rd), outputs.next().expect("one output per rank"))),
+            Ok((g, rd)) => ranks.push(Proc::new(
+                rank,
+                g,
+                Some(rd),
+                outputs.next().expect("one output per rank"),
+            )),
             Err(e) => {
                 supervise::kill_all(&mut ranks);
                 drop(ManuallyDrop::into_inner(f));
-                return Err(LaunchError::Setup(format!("fork of rank {rank} failed: {e}")));
+                return Err(LaunchError::Setup(format!(
+                    "fork of rank {rank} failed: {e}"
+                )));
             }
         }
     }
@@ -109,7 +122,10 @@ where
         on_first_failure: None,
         start,
     };
-    let ok = |p: &Proc| p.status == Some(child::Exit::Code(0)) && wire::decode_outcome::<R>(&p.result_bytes).is_some_and(|o| o.is_ok());
+    let ok = |p: &Proc| {
+        p.status == Some(child::Exit::Code(0))
+            && wire::decode_outcome::<R>(&p.result_bytes).is_some_and(|o| o.is_ok())
+    };
     let outcome = supervise::supervise(&mut ranks, &opts, |p| !ok(p));
     let mut results: BTreeMap<usize, R> = BTreeMap::new();
     let mut failures = Vec::new();

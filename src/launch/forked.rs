@@ -64,10 +64,17 @@ where
     R: Serialize + DeserializeOwned,
     F: FnOnce(RankContext) -> RankResult<R>,
 {
-    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| -> Result<R, String> {
-        let comm = job.communicator(rank).map_err(|e| e.to_string())?;
-        f(RankContext { rank, local_rank: rank, world_size: world, comm }).map_err(|e| e.to_string())
-    }));
+    let outcome =
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| -> Result<R, String> {
+            let comm = job.communicator(rank).map_err(|e| e.to_string())?;
+            f(RankContext {
+                rank,
+                local_rank: rank,
+                world_size: world,
+                comm,
+            })
+            .map_err(|e| e.to_string())
+        }));
     let (outcome, code) = match outcome {
         Ok(Ok(v)) => (Ok(v), 0),
         Ok(Err(m)) => (Err(m), 1),

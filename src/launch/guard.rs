@@ -71,8 +71,16 @@ const START_CHECK_MS: i32 = 1000;
 const RELEASE: u8 = 0;
 
 /// Signals the guard ignores (see the module docs); restored in the rank.
-const IGNORED: [libc::c_int; 8] =
-    [libc::SIGINT, libc::SIGQUIT, libc::SIGTERM, libc::SIGHUP, libc::SIGTSTP, libc::SIGTTIN, libc::SIGTTOU, libc::SIGPIPE];
+const IGNORED: [libc::c_int; 8] = [
+    libc::SIGINT,
+    libc::SIGQUIT,
+    libc::SIGTERM,
+    libc::SIGHUP,
+    libc::SIGTSTP,
+    libc::SIGTTIN,
+    libc::SIGTTOU,
+    libc::SIGPIPE,
+];
 
 /// A program prepared for `execve` in the rank: every string built before the fork.
 pub(crate) struct ExecImage {
@@ -87,10 +95,18 @@ impl ExecImage {
     /// `program args`, found on `PATH` when it has no `/`, with this process's environment plus
     /// `env` (which overrides).
     pub fn new(program: &[OsString], env: &[(String, String)]) -> std::io::Result<ExecImage> {
-        let (first, _) = program.split_first().ok_or_else(|| std::io::Error::other("no program given"))?;
-        let cstr = |b: &[u8]| CString::new(b).map_err(|_| std::io::Error::other("an argument or variable contains a NUL byte"));
+        let (first, _) = program
+            .split_first()
+            .ok_or_else(|| std::io::Error::other("no program given"))?;
+        let cstr = |b: &[u8]| {
+            CString::new(b)
+                .map_err(|_| std::io::Error::other("an argument or variable contains a NUL byte"))
+        };
         let path = cstr(resolve(first)?.as_os_str().as_bytes())?;
-        let argv: Vec<CString> = program.iter().map(|a| cstr(a.as_bytes())).collect::<Result<_, _>>()?;
+        let argv: Vec<CString> = program
+            .iter()
+            .map(|a| cstr(a.as_bytes()))
+            .collect::<Result<_, _>>()?;
         let mut envp = Vec::new();
         for (k, v) in std::env::vars_os() {
             if env.iter().all(|(n, _)| n.as_bytes() != k.as_bytes()) {
@@ -103,8 +119,19 @@ impl ExecImage {
         for (k, v) in env {
             envp.push(cstr(format!("{k}={v}").as_bytes())?);
         }
-        let ptrs = |v: &[CString]| v.iter().map(|c| c.as_ptr()).chain(std::iter::once(std::ptr::null())).collect();
-        Ok(ExecImage { argv_ptrs: ptrs(&argv), envp_ptrs: ptrs(&envp), path, _argv: argv, _envp: envp })
+        let ptrs = |v: &[CString]| {
+            v.iter()
+                .map(|c| c.as_ptr())
+                .chain(std::iter::once(std::ptr::null()))
+                .collect()
+        };
+        Ok(ExecImage {
+            argv_ptrs: ptrs(&argv),
+            envp_ptrs: ptrs(&envp),
+            path,
+            _argv: argv,
+            _envp: envp,
+        })
     }
 }
 
@@ -117,12 +144,20 @@ fn resolve(program: &OsString) -> std::io::Result<std::path::PathBuf> {
     }
     let path = std::env::var_os("PATH").unwrap_or_else(|| "/usr/local/bin:/usr/bin:/bin".into());
     for dir in std::env::split_paths(&path) {
-        let p = if dir.as_os_str().is_empty() { std::path::PathBuf::from(".") } else { dir }.join(program);
+        let p = if dir.as_os_str().is_empty() {
+            std::path::PathBuf::from(".")
+        } else {
+            dir
+        }
+        .join(program);
         if std::fs::metadata(&p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0) {
             return Ok(p);
         }
     }
-    Err(std::io::Error::new(std::io::ErrorKind::NotFound, format!("{} not found on PATH", program.to_string_lossy())))
+    Err(std::io::Error::new(
+        std::io::ErrorKind::NotFound,
+        format!("{} not found on PATH", program.to_string_lossy()),
+    ))
 }
 
 /// How to set up the rank process.
@@ -167,7 +202,13 @@ impl Guard {
         let b = sig as u8;
         // SAFETY: a one-byte write from a valid buffer to our pipe (non-blocking; a full pipe,
         // impossible with a few bytes per job, would just drop the byte).
-        unsafe { libc::write(self.ctl.as_raw_fd(), &b as *const u8 as *const libc::c_void, 1) };
+        unsafe {
+            libc::write(
+                self.ctl.as_raw_fd(),
+                &b as *const u8 as *const libc::c_void,
+                1,
+            )
+        };
     }
 
     /// Let a guard started with [`RankSetup::hold_leader`] reap its rank: every rank that joins
@@ -175,7 +216,13 @@ impl Guard {
     pub fn release(&self) {
         let b = RELEASE;
         // SAFETY: as in `signal`.
-        unsafe { libc::write(self.ctl.as_raw_fd(), &b as *const u8 as *const libc::c_void, 1) };
+        unsafe {
+            libc::write(
+                self.ctl.as_raw_fd(),
+                &b as *const u8 as *const libc::c_void,
+                1,
+            )
+        };
     }
 
     /// The control pipe's descriptor (which later ranks must not inherit).
@@ -230,8 +277,16 @@ pub(crate) struct Pending {
 pub(crate) fn start(setup: &RankSetup, body: impl FnOnce()) -> std::io::Result<Pending> {
     let (rep_r, rep_w) = pipe()?;
     let (ctl_r, ctl_w) = pipe()?;
-    let out = if setup.capture { Some((pipe()?, pipe()?)) } else { None };
-    let exec_err = if setup.exec.is_some() { Some(pipe()?) } else { None };
+    let out = if setup.capture {
+        Some((pipe()?, pipe()?))
+    } else {
+        None
+    };
+    let exec_err = if setup.exec.is_some() {
+        Some(pipe()?)
+    } else {
+        None
+    };
     let devnull = CString::new("/dev/null").expect("no NUL");
     // SAFETY: valid C string; the fd is owned below.
     let null = unsafe { libc::open(devnull.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC) };
@@ -289,7 +344,13 @@ pub(crate) fn start(setup: &RankSetup, body: impl FnOnce()) -> std::io::Result<P
     drop(exec_err);
     let guard = Guard { pid, ctl: ctl_w };
     set_nonblocking(&guard.ctl);
-    Ok(Pending { pid, guard, report: rep_r, stdout, stderr })
+    Ok(Pending {
+        pid,
+        guard,
+        report: rep_r,
+        stdout,
+        stderr,
+    })
 }
 
 impl Pending {
@@ -303,7 +364,11 @@ impl Pending {
         let mut got = 0;
         let mut continued = false;
         while got < RECORD {
-            let mut pfd = libc::pollfd { fd: self.report.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+            let mut pfd = libc::pollfd {
+                fd: self.report.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            };
             // SAFETY: poll on one valid pollfd.
             let ready = unsafe { libc::poll(&mut pfd, 1, START_CHECK_MS) };
             if ready < 0 {
@@ -327,14 +392,24 @@ impl Pending {
                 continue;
             }
             // SAFETY: reading into the unfilled tail of a valid buffer.
-            let n = unsafe { libc::read(self.report.as_raw_fd(), rec[got..].as_mut_ptr() as *mut libc::c_void, RECORD - got) };
+            let n = unsafe {
+                libc::read(
+                    self.report.as_raw_fd(),
+                    rec[got..].as_mut_ptr() as *mut libc::c_void,
+                    RECORD - got,
+                )
+            };
             if n > 0 {
                 got += n as usize;
-            } else if n == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
+            } else if n == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::EINTR)
+            {
                 return None;
             }
         }
-        Some((i32::from_ne_bytes(rec[..4].try_into().expect("4 bytes")), i32::from_ne_bytes(rec[4..].try_into().expect("4 bytes"))))
+        Some((
+            i32::from_ne_bytes(rec[..4].try_into().expect("4 bytes")),
+            i32::from_ne_bytes(rec[4..].try_into().expect("4 bytes")),
+        ))
     }
 
     /// The rank's pid as soon as its guard has forked it, before its exec is known to have
@@ -353,7 +428,13 @@ impl Pending {
         let b = pgid.to_ne_bytes();
         // SAFETY: a four-byte write from a valid buffer to our pipe, empty until now (the
         // control pipe carries nothing before the group), so it neither blocks nor splits.
-        unsafe { libc::write(self.guard.ctl.as_raw_fd(), b.as_ptr() as *const libc::c_void, b.len()) };
+        unsafe {
+            libc::write(
+                self.guard.ctl.as_raw_fd(),
+                b.as_ptr() as *const libc::c_void,
+                b.len(),
+            )
+        };
     }
 
     /// Give up on a guard that waits for its group (`pgid_from_launcher`): closing the control
@@ -386,7 +467,13 @@ impl Pending {
         }
         if let Some((START, val)) = r {
             set_nonblocking(&self.report);
-            return Ok(Guarded { rank_pid: val, guard: self.guard, report: self.report, stdout: self.stdout, stderr: self.stderr });
+            return Ok(Guarded {
+                rank_pid: val,
+                guard: self.guard,
+                report: self.report,
+                stdout: self.stdout,
+                stderr: self.stderr,
+            });
         }
         Err(self.failed(r))
     }
@@ -415,7 +502,9 @@ fn close_raw(fd: RawFd) {
 }
 
 fn errno() -> i32 {
-    std::io::Error::last_os_error().raw_os_error().unwrap_or(libc::EIO)
+    std::io::Error::last_os_error()
+        .raw_os_error()
+        .unwrap_or(libc::EIO)
 }
 
 /// Write one report record (EINTR retried; errors ignored: the launcher may be gone).
@@ -471,7 +560,13 @@ fn guard_main(setup: &RankSetup, fds: &GuardFds, launcher: i32, body: impl FnOnc
         libc::sigprocmask(libc::SIG_BLOCK, &block, &mut saved.mask);
         libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1 as libc::c_ulong, 0, 0, 0);
         // Its name in ps/top/pstree (its command line stays the launcher's).
-        libc::prctl(libc::PR_SET_NAME, c"lockstep-guard".as_ptr() as libc::c_ulong, 0, 0, 0);
+        libc::prctl(
+            libc::PR_SET_NAME,
+            c"lockstep-guard".as_ptr() as libc::c_ulong,
+            0,
+            0,
+            0,
+        );
     }
     // SAFETY: getpid has no preconditions.
     let me = unsafe { libc::getpid() };
@@ -484,7 +579,11 @@ fn guard_main(setup: &RankSetup, fds: &GuardFds, launcher: i32, body: impl FnOnc
     let setup = if setup.pgid_from_launcher {
         match read_group(fds.ctl_r) {
             Some(g) => {
-                told = RankSetup { pgid: Some(g), pgid_from_launcher: false, ..*setup };
+                told = RankSetup {
+                    pgid: Some(g),
+                    pgid_from_launcher: false,
+                    ..*setup
+                };
                 &told
             }
             // The launcher closed the pipe (it gave up starting the job, or died): no rank.
@@ -529,7 +628,13 @@ fn guard_main(setup: &RankSetup, fds: &GuardFds, launcher: i32, body: impl FnOnc
         let mut got = 0;
         while got < 4 {
             // SAFETY: reading into the unfilled tail of a valid buffer.
-            let n = unsafe { libc::read(fds.exec_r, e[got..].as_mut_ptr() as *mut libc::c_void, 4 - got) };
+            let n = unsafe {
+                libc::read(
+                    fds.exec_r,
+                    e[got..].as_mut_ptr() as *mut libc::c_void,
+                    4 - got,
+                )
+            };
             if n > 0 {
                 got += n as usize;
             } else if n == 0 || errno() != libc::EINTR {
@@ -552,7 +657,13 @@ fn guard_main(setup: &RankSetup, fds: &GuardFds, launcher: i32, body: impl FnOnc
         }
     }
     report(fds.rep_w, START, rank);
-    supervise_rank(fds, me, rank, setup.hold_leader, setup.unlink_on_launcher_death)
+    supervise_rank(
+        fds,
+        me,
+        rank,
+        setup.hold_leader,
+        setup.unlink_on_launcher_death,
+    )
 }
 
 /// The process group the launcher sends through the control pipe (four bytes, one atomic pipe
@@ -574,20 +685,38 @@ fn read_group(ctl: RawFd) -> Option<i32> {
 
 /// The rank process of a forked rank: restore what the guard changed, set up stdio, group and
 /// parent-death signal, then run the body.
-fn rank_main(setup: &RankSetup, fds: &GuardFds, guard: i32, saved: &Saved, body: impl FnOnce()) -> ! {
+fn rank_main(
+    setup: &RankSetup,
+    fds: &GuardFds,
+    guard: i32,
+    saved: &Saved,
+    body: impl FnOnce(),
+) -> ! {
     if rank_stdio_and_group(setup, fds, guard).is_err() {
         exit_now(127);
     }
     // Its own name in ps/top, apart from its guard's (an exec'd rank takes its program's).
     // SAFETY: prctl with a NUL-terminated name of at most 16 bytes.
-    unsafe { libc::prctl(libc::PR_SET_NAME, c"lockstep-rank".as_ptr() as libc::c_ulong, 0, 0, 0) };
+    unsafe {
+        libc::prctl(
+            libc::PR_SET_NAME,
+            c"lockstep-rank".as_ptr() as libc::c_ulong,
+            0,
+            0,
+            0,
+        )
+    };
     // Signals as the launcher had them.
     // SAFETY: restoring saved sigactions and mask through valid pointers.
     unsafe {
         for (i, &s) in IGNORED.iter().enumerate() {
             libc::sigaction(s, &saved.actions[i], std::ptr::null_mut());
         }
-        libc::sigaction(libc::SIGCHLD, &saved.actions[IGNORED.len()], std::ptr::null_mut());
+        libc::sigaction(
+            libc::SIGCHLD,
+            &saved.actions[IGNORED.len()],
+            std::ptr::null_mut(),
+        );
         libc::sigprocmask(libc::SIG_SETMASK, &saved.mask, std::ptr::null_mut());
     }
     close_raw(fds.exec_w);
@@ -610,7 +739,15 @@ fn rank_stdio_and_group(setup: &RankSetup, fds: &GuardFds, guard: i32) -> Result
                 return Err(errno());
             }
         }
-        if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0) != 0 || libc::getppid() != guard {
+        if libc::prctl(
+            libc::PR_SET_PDEATHSIG,
+            libc::SIGKILL as libc::c_ulong,
+            0,
+            0,
+            0,
+        ) != 0
+            || libc::getppid() != guard
+        {
             libc::_exit(128 + libc::SIGKILL);
         }
     }
@@ -631,7 +768,9 @@ fn rank_stdio_and_group(setup: &RankSetup, fds: &GuardFds, guard: i32) -> Result
             close_raw(s);
         }
     }
-    for fd in [fds.rep_w, fds.ctl_r, fds.null, fds.out_w, fds.err_w, fds.exec_r] {
+    for fd in [
+        fds.rep_w, fds.ctl_r, fds.null, fds.out_w, fds.err_w, fds.exec_r,
+    ] {
         close_raw(fd);
     }
     Ok(())
@@ -653,7 +792,13 @@ struct ExecChild<'a> {
 /// The guard is suspended until the rank has exec'd or failed to. `posix_spawn` itself cannot be
 /// used: the rank must set its parent-death signal between the fork and the exec. Returns the
 /// rank's pid, or -1 with errno set.
-fn spawn_exec_rank(setup: &RankSetup, img: &ExecImage, fds: &GuardFds, guard: i32, saved: &Saved) -> i32 {
+fn spawn_exec_rank(
+    setup: &RankSetup,
+    img: &ExecImage,
+    fds: &GuardFds,
+    guard: i32,
+    saved: &Saved,
+) -> i32 {
     // The child uses a few KiB; an overrun hits the inaccessible page below, not the guard's
     // memory.
     const STACK: usize = 64 * 1024;
@@ -683,7 +828,13 @@ fn spawn_exec_rank(setup: &RankSetup, img: &ExecImage, fds: &GuardFds, guard: i3
         }
         return -1;
     }
-    let child = ExecChild { setup, img, fds, guard, saved };
+    let child = ExecChild {
+        setup,
+        img,
+        fds,
+        guard,
+        saved,
+    };
     // No signal handler may run in the child while it shares our memory: block every signal
     // across the clone (the raw system call, as glibc's posix_spawn does: sigfillset leaves out
     // the two glibc keeps for itself); the child resets its handlers before it unblocks.
@@ -696,7 +847,13 @@ fn spawn_exec_rank(setup: &RankSetup, img: &ExecImage, fds: &GuardFds, guard: i3
     // makes async-signal-safe system calls (its descriptor table and signal handlers are its own
     // copies).
     unsafe {
-        libc::syscall(libc::SYS_rt_sigprocmask, libc::SIG_SETMASK, &all as *const u64, &mut mine as *mut u64, 8usize);
+        libc::syscall(
+            libc::SYS_rt_sigprocmask,
+            libc::SIG_SETMASK,
+            &all as *const u64,
+            &mut mine as *mut u64,
+            8usize,
+        );
         let pid = libc::clone(
             exec_child,
             (stack as *mut u8).add(GUARD_PAGE + STACK) as *mut libc::c_void,
@@ -704,7 +861,13 @@ fn spawn_exec_rank(setup: &RankSetup, img: &ExecImage, fds: &GuardFds, guard: i3
             &child as *const ExecChild as *mut libc::c_void,
         );
         let e = errno();
-        libc::syscall(libc::SYS_rt_sigprocmask, libc::SIG_SETMASK, &mine as *const u64, std::ptr::null_mut::<u64>(), 8usize);
+        libc::syscall(
+            libc::SYS_rt_sigprocmask,
+            libc::SIG_SETMASK,
+            &mine as *const u64,
+            std::ptr::null_mut::<u64>(),
+            8usize,
+        );
         libc::munmap(stack, GUARD_PAGE + STACK);
         if pid < 0 {
             *libc::__errno_location() = e;
@@ -737,16 +900,26 @@ extern "C" fn exec_child(arg: *mut libc::c_void) -> libc::c_int {
         let mut dfl: libc::sigaction = std::mem::zeroed();
         dfl.sa_sigaction = libc::SIG_DFL;
         libc::sigemptyset(&mut dfl.sa_mask);
-        let signals = IGNORED.iter().copied().chain(std::iter::once(libc::SIGCHLD));
+        let signals = IGNORED
+            .iter()
+            .copied()
+            .chain(std::iter::once(libc::SIGCHLD));
         for (i, s) in signals.enumerate() {
             let was_ignored = c.saved.actions[i].sa_sigaction == libc::SIG_IGN;
-            let act = if was_ignored && s != libc::SIGPIPE { &c.saved.actions[i] } else { &dfl };
+            let act = if was_ignored && s != libc::SIGPIPE {
+                &c.saved.actions[i]
+            } else {
+                &dfl
+            };
             libc::sigaction(s, act, std::ptr::null_mut());
         }
         // The others, as glibc's posix_spawn does (sigaction refuses glibc's own two).
         let mut cur: libc::sigaction = std::mem::zeroed();
         for s in 1..=libc::SIGRTMAX() {
-            if IGNORED.contains(&s) || s == libc::SIGCHLD || libc::sigaction(s, std::ptr::null(), &mut cur) != 0 {
+            if IGNORED.contains(&s)
+                || s == libc::SIGCHLD
+                || libc::sigaction(s, std::ptr::null(), &mut cur) != 0
+            {
                 continue;
             }
             if cur.sa_sigaction != libc::SIG_DFL && cur.sa_sigaction != libc::SIG_IGN {
@@ -756,7 +929,11 @@ extern "C" fn exec_child(arg: *mut libc::c_void) -> libc::c_int {
         let mut empty: libc::sigset_t = std::mem::zeroed();
         libc::sigemptyset(&mut empty);
         libc::sigprocmask(libc::SIG_SETMASK, &empty, std::ptr::null_mut());
-        libc::execve(c.img.path.as_ptr(), c.img.argv_ptrs.as_ptr(), c.img.envp_ptrs.as_ptr());
+        libc::execve(
+            c.img.path.as_ptr(),
+            c.img.argv_ptrs.as_ptr(),
+            c.img.envp_ptrs.as_ptr(),
+        );
         let e = errno().to_ne_bytes();
         libc::write(c.fds.exec_w, e.as_ptr() as *const libc::c_void, 4);
         libc::_exit(127)
@@ -781,7 +958,14 @@ fn supervise_rank(fds: &GuardFds, me: i32, rank: i32, hold: bool, unlink: Option
                 // SAFETY: zeroed siginfo_t is a valid out-buffer for waitid.
                 let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
                 // SAFETY: waitid with a valid out-pointer; WNOWAIT leaves the child waitable.
-                let r = unsafe { libc::waitid(libc::P_ALL, 0, &mut info, libc::WEXITED | libc::WNOHANG | libc::WNOWAIT) };
+                let r = unsafe {
+                    libc::waitid(
+                        libc::P_ALL,
+                        0,
+                        &mut info,
+                        libc::WEXITED | libc::WNOHANG | libc::WNOWAIT,
+                    )
+                };
                 if r < 0 {
                     if errno() == libc::EINTR {
                         continue;
@@ -789,7 +973,8 @@ fn supervise_rank(fds: &GuardFds, me: i32, rank: i32, hold: bool, unlink: Option
                     break false;
                 }
                 // SAFETY: waitid filled `info` for a child (si_pid 0: none has exited).
-                let (pid, code, status) = unsafe { (info.si_pid(), info.si_code, info.si_status()) };
+                let (pid, code, status) =
+                    unsafe { (info.si_pid(), info.si_code, info.si_status()) };
                 if pid == 0 {
                     break true;
                 }
@@ -837,17 +1022,29 @@ fn supervise_rank(fds: &GuardFds, me: i32, rank: i32, hold: bool, unlink: Option
             }
             kill_children(me);
         }
-        let mut pfd = libc::pollfd { fd: if ctl_open { fds.ctl_r } else { -1 }, events: libc::POLLIN, revents: 0 };
+        let mut pfd = libc::pollfd {
+            fd: if ctl_open { fds.ctl_r } else { -1 },
+            events: libc::POLLIN,
+            revents: 0,
+        };
         // While killing, look again soon even without SIGCHLD (a child may be in uninterruptible
         // sleep); otherwise sleep until a child exits or the launcher writes or dies.
-        let ts = libc::timespec { tv_sec: (backoff_ms / 1000) as libc::time_t, tv_nsec: (backoff_ms % 1000) * 1_000_000 };
+        let ts = libc::timespec {
+            tv_sec: (backoff_ms / 1000) as libc::time_t,
+            tv_nsec: (backoff_ms % 1000) * 1_000_000,
+        };
         // SAFETY: zeroed sigset is valid; emptied below.
         let mut open: libc::sigset_t = unsafe { std::mem::zeroed() };
         // SAFETY: ppoll with one valid pollfd, a valid timespec (or null) and a valid mask that
         // unblocks SIGCHLD for the duration of the wait.
         unsafe {
             libc::sigemptyset(&mut open);
-            libc::ppoll(&mut pfd, 1, if killing { &ts } else { std::ptr::null() }, &open);
+            libc::ppoll(
+                &mut pfd,
+                1,
+                if killing { &ts } else { std::ptr::null() },
+                &open,
+            );
         }
         if killing {
             backoff_ms = (backoff_ms * 2).min(1000);
@@ -855,7 +1052,8 @@ fn supervise_rank(fds: &GuardFds, me: i32, rank: i32, hold: bool, unlink: Option
         if ctl_open && pfd.revents != 0 {
             let mut buf = [0u8; 64];
             // SAFETY: reading into a valid buffer (poll said it will not block).
-            let n = unsafe { libc::read(fds.ctl_r, buf.as_mut_ptr() as *mut libc::c_void, buf.len()) };
+            let n =
+                unsafe { libc::read(fds.ctl_r, buf.as_mut_ptr() as *mut libc::c_void, buf.len()) };
             if n == 0 || (n < 0 && errno() != libc::EINTR && errno() != libc::EAGAIN) {
                 // The launcher is gone.
                 ctl_open = false;
@@ -894,7 +1092,12 @@ fn wait_status(code: i32, status: i32) -> i32 {
 /// left reaches the whole subtree.
 fn kill_children(me: i32) -> usize {
     // SAFETY: open/getdents64/close on our own buffers; async-signal-safe system calls.
-    let dir = unsafe { libc::open(c"/proc".as_ptr(), libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC) };
+    let dir = unsafe {
+        libc::open(
+            c"/proc".as_ptr(),
+            libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC,
+        )
+    };
     if dir < 0 {
         return 0;
     }
@@ -970,7 +1173,10 @@ fn ppid_of(pid: i32) -> Option<i32> {
     // (path[i + 5] is the terminating NUL.)
     // SAFETY: open/read/close with a NUL-terminated path and a valid buffer.
     let (n, buf) = unsafe {
-        let fd = libc::open(path.as_ptr() as *const libc::c_char, libc::O_RDONLY | libc::O_CLOEXEC);
+        let fd = libc::open(
+            path.as_ptr() as *const libc::c_char,
+            libc::O_RDONLY | libc::O_CLOEXEC,
+        );
         if fd < 0 {
             return None;
         }
@@ -1058,6 +1264,9 @@ mod tests {
     fn resolve_finds_programs_on_path() {
         assert!(resolve(&"sh".into()).is_ok_and(|p| p.is_absolute() || p.starts_with(".")));
         assert!(resolve(&"no-such-program-lockstep".into()).is_err());
-        assert_eq!(resolve(&"./x".into()).unwrap(), std::path::PathBuf::from("./x"));
+        assert_eq!(
+            resolve(&"./x".into()).unwrap(),
+            std::path::PathBuf::from("./x")
+        );
     }
 }

@@ -59,10 +59,13 @@ impl LogDir {
     /// one: a directory others can write to without the sticky bit is refused, since anyone
     /// could then replace the log files.
     pub fn prepare(path: &Path) -> Result<LogDir, LaunchError> {
-        let setup = |what: String| LaunchError::Setup(format!("log directory {}: {what}", path.display()));
-        if matches!(std::fs::symlink_metadata(path), Err(e) if e.kind() == std::io::ErrorKind::NotFound) {
+        let setup =
+            |what: String| LaunchError::Setup(format!("log directory {}: {what}", path.display()));
+        if matches!(std::fs::symlink_metadata(path), Err(e) if e.kind() == std::io::ErrorKind::NotFound)
+        {
             if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
-                std::fs::create_dir_all(parent).map_err(|e| setup(format!("cannot create its parent: {e}")))?;
+                std::fs::create_dir_all(parent)
+                    .map_err(|e| setup(format!("cannot create its parent: {e}")))?;
             }
             match std::fs::DirBuilder::new().mode(0o700).create(path) {
                 Ok(()) => {}
@@ -76,7 +79,8 @@ impl LogDir {
             .custom_flags(libc::O_DIRECTORY)
             .open(path)
             .map_err(|e| setup(format!("cannot open it: {e}; pass a directory")))?;
-        let st = nix::sys::stat::fstat(dir.as_fd()).map_err(|e| setup(format!("cannot stat it: {e}")))?;
+        let st = nix::sys::stat::fstat(dir.as_fd())
+            .map_err(|e| setup(format!("cannot stat it: {e}")))?;
         let mode = st.st_mode & 0o7777;
         if mode & 0o022 != 0 && mode & 0o1000 == 0 {
             return Err(setup(format!(
@@ -86,7 +90,10 @@ impl LogDir {
                 path.display()
             )));
         }
-        Ok(LogDir { path: path.to_path_buf(), dir })
+        Ok(LogDir {
+            path: path.to_path_buf(),
+            dir,
+        })
     }
 
     /// Open `rank-N.log` for writing, empty: a new file (`O_CREAT|O_EXCL|O_NOFOLLOW`, mode
@@ -97,7 +104,12 @@ impl LogDir {
         let p = self.path.join(&name);
         let refuse = |why: String| LaunchError::Setup(format!("log file {}: {why}", p.display()));
         let fd = self.dir.as_fd();
-        let create = OFlag::O_WRONLY | OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC | OFlag::O_NOCTTY;
+        let create = OFlag::O_WRONLY
+            | OFlag::O_CREAT
+            | OFlag::O_EXCL
+            | OFlag::O_NOFOLLOW
+            | OFlag::O_CLOEXEC
+            | OFlag::O_NOCTTY;
         match nix::fcntl::openat(fd, name.as_str(), create, Mode::from_bits_truncate(0o600)) {
             Ok(f) => return Ok(File::from(f)),
             // Also what a symbolic link under the name gives (O_EXCL never follows one).
@@ -105,7 +117,11 @@ impl LogDir {
             Err(e) => return Err(refuse(format!("cannot create it: {e}"))),
         }
         // O_NONBLOCK: a FIFO under the name must not block the launcher.
-        let existing = OFlag::O_WRONLY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC | OFlag::O_NOCTTY | OFlag::O_NONBLOCK;
+        let existing = OFlag::O_WRONLY
+            | OFlag::O_NOFOLLOW
+            | OFlag::O_CLOEXEC
+            | OFlag::O_NOCTTY
+            | OFlag::O_NONBLOCK;
         let f = match nix::fcntl::openat(fd, name.as_str(), existing, Mode::empty()) {
             Ok(f) => f,
             Err(Errno::ELOOP) => return Err(refuse(
@@ -114,10 +130,13 @@ impl LogDir {
             )),
             Err(e) => return Err(refuse(format!("it exists and cannot be opened ({e}); remove it or choose another --log-dir"))),
         };
-        let st = nix::sys::stat::fstat(f.as_fd()).map_err(|e| refuse(format!("cannot stat it: {e}")))?;
+        let st =
+            nix::sys::stat::fstat(f.as_fd()).map_err(|e| refuse(format!("cannot stat it: {e}")))?;
         let uid = nix::unistd::geteuid().as_raw();
         if st.st_mode & libc::S_IFMT != libc::S_IFREG {
-            return Err(refuse("it is not a regular file; remove it or choose another --log-dir".into()));
+            return Err(refuse(
+                "it is not a regular file; remove it or choose another --log-dir".into(),
+            ));
         }
         if st.st_uid != uid {
             return Err(refuse(format!(
@@ -131,14 +150,19 @@ impl LogDir {
                 st.st_nlink
             )));
         }
-        nix::unistd::ftruncate(f.as_fd(), 0).map_err(|e| refuse(format!("cannot truncate it: {e}")))?;
+        nix::unistd::ftruncate(f.as_fd(), 0)
+            .map_err(|e| refuse(format!("cannot truncate it: {e}")))?;
         Ok(File::from(f))
     }
 }
 
 impl RankOutput {
     /// Output of `rank`; `show` puts it on the console, `log_dir` adds `rank-N.log` there.
-    pub fn new(rank: usize, show: bool, log_dir: Option<&LogDir>) -> Result<RankOutput, LaunchError> {
+    pub fn new(
+        rank: usize,
+        show: bool,
+        log_dir: Option<&LogDir>,
+    ) -> Result<RankOutput, LaunchError> {
         let log = match log_dir {
             Some(d) => Some(d.open(rank)?),
             None => None,
@@ -190,7 +214,9 @@ impl RankOutput {
                 let _ = log.write_all(seg);
             }
             if stream == Stream::Err && seg.ends_with(b"\n") {
-                let line = String::from_utf8_lossy(seg).trim_end_matches(['\n', '\r']).to_string();
+                let line = String::from_utf8_lossy(seg)
+                    .trim_end_matches(['\n', '\r'])
+                    .to_string();
                 if self.tail.len() == TAIL_LINES {
                     self.tail.pop_front();
                 }
@@ -224,7 +250,9 @@ pub(crate) fn leading_csi_len(seg: &[u8]) -> usize {
     let mut i = 0;
     while seg.len() > i + 1 && seg[i] == 0x1b && seg[i + 1] == b'[' {
         // Parameter and intermediate bytes are 0x20..=0x3f; the final byte is 0x40..=0x7e.
-        let Some(end) = seg[i + 2..].iter().position(|b| !(0x20..=0x3f).contains(b)) else { break };
+        let Some(end) = seg[i + 2..].iter().position(|b| !(0x20..=0x3f).contains(b)) else {
+            break;
+        };
         if !(0x40..=0x7e).contains(&seg[i + 2 + end]) {
             break;
         }
@@ -237,7 +265,11 @@ pub(crate) fn leading_csi_len(seg: &[u8]) -> usize {
 /// grammar (RFC 8259), without building values. Lines longer than [`MAX_PENDING`] are cut
 /// before they get here, which bounds the work.
 pub(crate) fn is_json_object(line: &[u8]) -> bool {
-    let mut p = Json { s: line, i: 0, depth: 0 };
+    let mut p = Json {
+        s: line,
+        i: 0,
+        depth: 0,
+    };
     p.ws();
     if p.peek() != Some(b'{') || !p.value() {
         return false;
@@ -324,7 +356,12 @@ impl Json<'_> {
                 b'"' => return true,
                 b'\\' => match self.peek() {
                     Some(b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't') => self.i += 1,
-                    Some(b'u') if self.s.len() >= self.i + 5 && self.s[self.i + 1..self.i + 5].iter().all(u8::is_ascii_hexdigit) => {
+                    Some(b'u')
+                        if self.s.len() >= self.i + 5
+                            && self.s[self.i + 1..self.i + 5]
+                                .iter()
+                                .all(u8::is_ascii_hexdigit) =>
+                    {
                         self.i += 5
                     }
                     _ => return false,
@@ -341,7 +378,10 @@ impl Json<'_> {
         ok
     }
     fn digits(&mut self) -> usize {
-        let n = self.s[self.i..].iter().take_while(|b| b.is_ascii_digit()).count();
+        let n = self.s[self.i..]
+            .iter()
+            .take_while(|b| b.is_ascii_digit())
+            .count();
         self.i += n;
         n
     }
@@ -399,7 +439,11 @@ pub(crate) fn split_segments(buf: &[u8], at_eof: bool) -> Segments {
     while i < buf.len() {
         match buf[i] {
             b'\n' => {
-                let end = if i > start && buf[i - 1] == b'\r' { i - 1 } else { i };
+                let end = if i > start && buf[i - 1] == b'\r' {
+                    i - 1
+                } else {
+                    i
+                };
                 let mut s = buf[start..end].to_vec();
                 s.push(b'\n');
                 segments.push(s);
@@ -427,7 +471,10 @@ pub(crate) fn split_segments(buf: &[u8], at_eof: bool) -> Segments {
         segments.push(s);
         start = buf.len();
     }
-    Segments { segments, consumed: start }
+    Segments {
+        segments,
+        consumed: start,
+    }
 }
 
 /// Per-rank console/log output set up for `world` ranks.
@@ -451,20 +498,35 @@ mod tests {
 
     fn segs(b: &[u8], eof: bool) -> (Vec<String>, usize) {
         let s = split_segments(b, eof);
-        (s.segments.iter().map(|x| String::from_utf8_lossy(x).into_owned()).collect(), s.consumed)
+        (
+            s.segments
+                .iter()
+                .map(|x| String::from_utf8_lossy(x).into_owned())
+                .collect(),
+            s.consumed,
+        )
     }
 
     #[test]
     fn lines_and_partials() {
-        assert_eq!(segs(b"a\nbc\nde", false), (vec!["a\n".into(), "bc\n".into()], 5));
-        assert_eq!(segs(b"a\nbc\nde", true), (vec!["a\n".into(), "bc\n".into(), "de\n".into()], 7));
+        assert_eq!(
+            segs(b"a\nbc\nde", false),
+            (vec!["a\n".into(), "bc\n".into()], 5)
+        );
+        assert_eq!(
+            segs(b"a\nbc\nde", true),
+            (vec!["a\n".into(), "bc\n".into(), "de\n".into()], 7)
+        );
         assert_eq!(segs(b"", true), (vec![], 0));
     }
 
     #[test]
     fn carriage_returns() {
         // Progress redraws are forwarded one by one; CRLF is a line end.
-        assert_eq!(segs(b"10%\r20%\r30%\n", false), (vec!["10%\r".into(), "20%\r".into(), "30%\n".into()], 12));
+        assert_eq!(
+            segs(b"10%\r20%\r30%\n", false),
+            (vec!["10%\r".into(), "20%\r".into(), "30%\n".into()], 12)
+        );
         assert_eq!(segs(b"x\r\ny", false), (vec!["x\n".into()], 3));
         // A trailing CR waits: it may be the start of CRLF.
         assert_eq!(segs(b"50%\r", false), (vec![], 0));

@@ -88,12 +88,19 @@ impl RankContext {
     /// The write is atomic: readers see the old file or the whole new one, never a part
     /// ([`write_atomic`](crate::types::write_atomic)). Not collective: a rank that reads the file afterwards calls
     /// [`wait_for_everyone`](Self::wait_for_everyone) after the save first.
-    pub fn save(&self, path: impl AsRef<Path>, contents: impl AsRef<[u8]>) -> Result<bool, SaveError> {
+    pub fn save(
+        &self,
+        path: impl AsRef<Path>,
+        contents: impl AsRef<[u8]>,
+    ) -> Result<bool, SaveError> {
         if !self.is_main_process() {
             return Ok(false);
         }
         let path = path.as_ref();
-        crate::types::write_atomic(path, contents.as_ref(), 0o644).map_err(|source| SaveError { path: path.to_path_buf(), source })?;
+        crate::types::write_atomic(path, contents.as_ref(), 0o644).map_err(|source| SaveError {
+            path: path.to_path_buf(),
+            source,
+        })?;
         Ok(true)
     }
 
@@ -173,7 +180,11 @@ impl RankContext {
     ) -> Result<Vec<T>, CommError> {
         let world = self.world_size.max(1);
         let per_rank = dataset_len.div_ceil(world);
-        let bad = |detail: String| CommError::InvalidArgument { op: CollKind::AllGatherV, rank: self.rank, detail };
+        let bad = |detail: String| CommError::InvalidArgument {
+            op: CollKind::AllGatherV,
+            rank: self.rank,
+            detail,
+        };
         let m = if item_len == 0 {
             Err(bad("gather_for_metrics: item_len is 0; pass the number of values per sample (1 for a label or a loss)".into()))
         } else if !local.len().is_multiple_of(item_len) {
@@ -202,7 +213,11 @@ impl RankContext {
         // prefix of the shard; the same arithmetic on every rank (all_gather_v checks that the
         // ranks agree on the counts).
         let real = |r: usize| -> usize {
-            let total = if dataset_len > r { (dataset_len - r).div_ceil(world) } else { 0 };
+            let total = if dataset_len > r {
+                (dataset_len - r).div_ceil(world)
+            } else {
+                0
+            };
             total.saturating_sub(first).min(m)
         };
         let counts: Vec<usize> = (0..world).map(|r| real(r) * item_len).collect();

@@ -45,7 +45,11 @@ impl LaunchError {
 
     /// The exit code a CLI should return: the root-cause rank's (1 when there is none).
     pub fn exit_code(&self) -> i32 {
-        self.failures().first().map(|f| f.exit_code).filter(|c| *c != 0).unwrap_or(1)
+        self.failures()
+            .first()
+            .map(|f| f.exit_code)
+            .filter(|c| *c != 0)
+            .unwrap_or(1)
     }
 }
 
@@ -62,7 +66,11 @@ pub fn summary(failures: &[RankFailure]) -> String {
         s += DIVIDER;
         return s;
     };
-    let others = failures.iter().filter(|f| !f.terminated_by_launcher).count().saturating_sub(1);
+    let others = failures
+        .iter()
+        .filter(|f| !f.terminated_by_launcher)
+        .count()
+        .saturating_sub(1);
     s += &format!(
         "lockstep: rank {} (pid {}) failed first: {} (exit {}) after {:.2} s{}\n",
         root.rank,
@@ -70,7 +78,11 @@ pub fn summary(failures: &[RankFailure]) -> String {
         root.message,
         root.exit_code,
         root.elapsed.as_secs_f64(),
-        if others > 0 { format!("; {others} other rank(s) failed on their own") } else { String::new() }
+        if others > 0 {
+            format!("; {others} other rank(s) failed on their own")
+        } else {
+            String::new()
+        }
     );
     if !root.stderr_tail.is_empty() {
         let skip = root.stderr_tail.len().saturating_sub(TAIL_SHOWN);
@@ -87,7 +99,11 @@ pub fn summary(failures: &[RankFailure]) -> String {
             f.message,
             f.exit_code,
             f.elapsed.as_secs_f64(),
-            if f.terminated_by_launcher { ", terminated by the launcher" } else { "" }
+            if f.terminated_by_launcher {
+                ", terminated by the launcher"
+            } else {
+                ""
+            }
         );
         if !f.terminated_by_launcher {
             if let Some(l) = f.stderr_tail.last() {
@@ -117,7 +133,10 @@ mod tests {
         let e = LaunchError::RanksFailed(vec![f(1, 3, false), f(0, 143, true)]);
         let s = e.to_string();
         assert!(s.starts_with(DIVIDER) && s.ends_with(DIVIDER), "{s}");
-        assert!(s.contains("rank 1 (pid 101) failed first: exited with code 3 (exit 3) after 1.50 s"), "{s}");
+        assert!(
+            s.contains("rank 1 (pid 101) failed first: exited with code 3 (exit 3) after 1.50 s"),
+            "{s}"
+        );
         assert!(s.contains("  | boom"), "{s}");
         assert!(s.contains("terminated by the launcher"), "{s}");
         assert_eq!(e.exit_code(), 3);

@@ -64,7 +64,9 @@ impl SignalPipe {
             }
         }
         // SAFETY: fds[0] was just created and is owned here.
-        Ok(SignalPipe { read: unsafe { OwnedFd::from_raw_fd(fds[0]) } })
+        Ok(SignalPipe {
+            read: unsafe { OwnedFd::from_raw_fd(fds[0]) },
+        })
     }
 
     /// The fd to poll.
@@ -77,7 +79,18 @@ impl SignalPipe {
     pub fn take(&self) -> Counts {
         let mut buf = [0u8; 64];
         // SAFETY: reading into a valid buffer from our non-blocking fd.
-        while unsafe { libc::read(self.read.as_raw_fd(), buf.as_mut_ptr() as *mut libc::c_void, buf.len()) } > 0 {}
-        Counts { int: INTS.load(Ordering::SeqCst), term: TERMS.load(Ordering::SeqCst), hup: HUPS.load(Ordering::SeqCst) }
+        while unsafe {
+            libc::read(
+                self.read.as_raw_fd(),
+                buf.as_mut_ptr() as *mut libc::c_void,
+                buf.len(),
+            )
+        } > 0
+        {}
+        Counts {
+            int: INTS.load(Ordering::SeqCst),
+            term: TERMS.load(Ordering::SeqCst),
+            hup: HUPS.load(Ordering::SeqCst),
+        }
     }
 }

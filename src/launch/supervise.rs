@@ -141,7 +141,11 @@ impl Proc {
     /// Continue the guard if it is stopped, so it reads what the launcher sends it.
     fn wake_guard(&self) {
         if let Some('T') = child::proc_state(self.guard.pid) {
-            tracing::warn!("the guard (pid {}) of rank {} is stopped: continuing it (SIGCONT)", self.guard.pid, self.rank);
+            tracing::warn!(
+                "the guard (pid {}) of rank {} is stopped: continuing it (SIGCONT)",
+                self.guard.pid,
+                self.rank
+            );
             child::kill(self.guard.pid, libc::SIGCONT);
         }
     }
@@ -169,7 +173,9 @@ impl Proc {
     /// Read what is available on pipe `k` (0 stdout, 1 stderr, 2 result, 3 report); close it at
     /// end of file, flushing a last unterminated output line.
     fn pump(&mut self, k: usize) -> ReadState {
-        let Some(fd) = &self.fds[k] else { return ReadState::Eof };
+        let Some(fd) = &self.fds[k] else {
+            return ReadState::Eof;
+        };
         let mut buf = Vec::new();
         let st = child::read_avail(fd, &mut buf);
         match k {
@@ -249,7 +255,11 @@ pub(crate) fn wait_for_guards(procs: &mut [Proc], limit: Duration) {
         let mut who = Vec::new();
         for (i, p) in procs.iter().enumerate() {
             if let Some(fd) = &p.fds[3] {
-                pfds.push(libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 });
+                pfds.push(libc::pollfd {
+                    fd: fd.as_raw_fd(),
+                    events: libc::POLLIN,
+                    revents: 0,
+                });
                 who.push(i);
             }
         }
@@ -310,7 +320,11 @@ pub(crate) struct Outcome {
 }
 
 /// Supervise `procs` until all have exited; `failed` tells whether an exited rank failed.
-pub(crate) fn supervise(procs: &mut [Proc], opts: &Options, failed: impl Fn(&Proc) -> bool) -> Outcome {
+pub(crate) fn supervise(
+    procs: &mut [Proc],
+    opts: &Options,
+    failed: impl Fn(&Proc) -> bool,
+) -> Outcome {
     // Index of the root-cause rank, once one has failed.
     let mut root: Option<usize> = None;
     let mut interrupted: Option<i32> = None;
@@ -334,7 +348,8 @@ pub(crate) fn supervise(procs: &mut [Proc], opts: &Options, failed: impl Fn(&Pro
             if p.status.is_none() {
                 p.terminated = true;
                 p.wake_guard();
-                if sig == libc::SIGKILL || opts.pgid.is_none() || child::getpgid(p.pid) != opts.pgid {
+                if sig == libc::SIGKILL || opts.pgid.is_none() || child::getpgid(p.pid) != opts.pgid
+                {
                     p.signal(sig);
                 }
             } else if sig == libc::SIGKILL {
@@ -349,23 +364,36 @@ pub(crate) fn supervise(procs: &mut [Proc], opts: &Options, failed: impl Fn(&Pro
         for (i, p) in procs.iter().enumerate() {
             for k in 0..4 {
                 if let Some(fd) = &p.fds[k] {
-                    pfds.push(libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 });
+                    pfds.push(libc::pollfd {
+                        fd: fd.as_raw_fd(),
+                        events: libc::POLLIN,
+                        revents: 0,
+                    });
                     who.push((i, k));
                 }
             }
         }
         if let Some(s) = opts.signals {
-            pfds.push(libc::pollfd { fd: s.fd().as_raw_fd(), events: libc::POLLIN, revents: 0 });
+            pfds.push(libc::pollfd {
+                fd: s.fd().as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            });
             who.push((usize::MAX, 4));
         }
         if let (Some(fd), false) = (opts.remote_abort, remote_abort || abort_closed) {
-            pfds.push(libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 });
+            pfds.push(libc::pollfd {
+                fd: fd.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            });
             who.push((usize::MAX, 5));
         }
         // Wake at least every 200 ms (harmless), and in time for the SIGKILL deadline.
         let mut timeout_ms: i64 = 200;
         if let (Some(t), false) = (term_at, killed) {
-            timeout_ms = timeout_ms.min(opts.grace.saturating_sub(t.elapsed()).as_millis() as i64 + 1);
+            timeout_ms =
+                timeout_ms.min(opts.grace.saturating_sub(t.elapsed()).as_millis() as i64 + 1);
         }
         child::poll(&mut pfds, timeout_ms as i32);
         for (n, pfd) in pfds.iter().enumerate() {
@@ -408,7 +436,11 @@ pub(crate) fn supervise(procs: &mut [Proc], opts: &Options, failed: impl Fn(&Pro
                     };
                     // Ranks may not expect a hang-up (or ignore it, as under nohup): they get
                     // the ordinary request to stop.
-                    let fwd = if sig == libc::SIGHUP { libc::SIGTERM } else { sig };
+                    let fwd = if sig == libc::SIGHUP {
+                        libc::SIGTERM
+                    } else {
+                        sig
+                    };
                     tracing::warn!(
                         "got {}: sending {} to every rank (SIGKILL after {:.1} s; a further Ctrl-C or SIGTERM kills them at once)",
                         child::signal_name(sig),
@@ -460,14 +492,28 @@ pub(crate) fn supervise(procs: &mut [Proc], opts: &Options, failed: impl Fn(&Pro
             // (the shm backend's lost-peer error) and exits before the dead rank's guard has
             // reported it. Ranks whose process has already exited have their report on the way:
             // wait for it (briefly, and only then) so the one killed by a signal is the root.
-            let in_flight: Vec<usize> =
-                (0..procs.len()).filter(|&i| procs[i].status.is_none() && child::has_exited(procs[i].pid)).collect();
+            let in_flight: Vec<usize> = (0..procs.len())
+                .filter(|&i| procs[i].status.is_none() && child::has_exited(procs[i].pid))
+                .collect();
             let t = Instant::now();
             for i in in_flight {
-                while procs[i].status.is_none() && procs[i].fds[3].is_some() && t.elapsed() < EXIT_REPORT_WAIT {
-                    let fd = procs[i].fds[3].as_ref().map(|f| f.as_raw_fd()).unwrap_or(-1);
-                    let mut p = [libc::pollfd { fd, events: libc::POLLIN, revents: 0 }];
-                    child::poll(&mut p, EXIT_REPORT_WAIT.saturating_sub(t.elapsed()).as_millis() as i32 + 1);
+                while procs[i].status.is_none()
+                    && procs[i].fds[3].is_some()
+                    && t.elapsed() < EXIT_REPORT_WAIT
+                {
+                    let fd = procs[i].fds[3]
+                        .as_ref()
+                        .map(|f| f.as_raw_fd())
+                        .unwrap_or(-1);
+                    let mut p = [libc::pollfd {
+                        fd,
+                        events: libc::POLLIN,
+                        revents: 0,
+                    }];
+                    child::poll(
+                        &mut p,
+                        EXIT_REPORT_WAIT.saturating_sub(t.elapsed()).as_millis() as i32 + 1,
+                    );
                     procs[i].pump(3);
                 }
                 let p = &mut procs[i];
@@ -482,8 +528,14 @@ pub(crate) fn supervise(procs: &mut [Proc], opts: &Options, failed: impl Fn(&Pro
             }
         }
         if root.is_none() {
-            let by_signal = |i: &usize| matches!(procs[*i].status, Some(Exit::Signal(_))) && !procs[*i].terminated;
-            root = batch.iter().copied().find(by_signal).or_else(|| batch.first().copied());
+            let by_signal = |i: &usize| {
+                matches!(procs[*i].status, Some(Exit::Signal(_))) && !procs[*i].terminated
+            };
+            root = batch
+                .iter()
+                .copied()
+                .find(by_signal)
+                .or_else(|| batch.first().copied());
             if let (Some(r), Some(f)) = (root, opts.on_first_failure) {
                 f(&procs[r]);
             }
@@ -514,5 +566,9 @@ pub(crate) fn supervise(procs: &mut [Proc], opts: &Options, failed: impl Fn(&Pro
         child::kill(-g, libc::SIGKILL);
     }
     wait_for_guards(procs, GUARD_CLEANUP);
-    Outcome { root, interrupted, remote_abort }
+    Outcome {
+        root,
+        interrupted,
+        remote_abort,
+    }
 }

@@ -12,7 +12,10 @@ use std::ffi::{c_int, c_void};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::comm::{Backend, BackendKind, Call, CollKind, CommError, Communicator, Completion, Element, MemSpace, P2pOp};
+use crate::comm::{
+    Backend, BackendKind, Call, CollKind, CommError, Communicator, Completion, Element, MemSpace,
+    P2pOp,
+};
 use crate::cuda::{Context, DeviceBuffer, Event, Producers, Stream};
 
 use super::error::NcclError;
@@ -35,10 +38,14 @@ impl<F: FnMut(usize, Option<&[u8; 128]>) -> Result<[u8; 128], String>> UniqueIdE
 impl UniqueIdExchange for Communicator {
     fn exchange(&mut self, rank: usize, id: Option<&[u8; 128]>) -> Result<[u8; 128], String> {
         if rank != self.rank() {
-            return Err(format!("exchange called as rank {rank} on the communicator of rank {}", self.rank()));
+            return Err(format!(
+                "exchange called as rank {rank} on the communicator of rank {}",
+                self.rank()
+            ));
         }
         let mut buf: Vec<u8> = id.map(|i| i.to_vec()).unwrap_or_else(|| vec![0u8; 128]);
-        self.broadcast_in_place(&mut buf, 0).map_err(|e| e.to_string())?;
+        self.broadcast_in_place(&mut buf, 0)
+            .map_err(|e| e.to_string())?;
         let mut out = [0u8; 128];
         out.copy_from_slice(&buf);
         Ok(out)
@@ -59,16 +66,24 @@ pub struct StoreExchange<'a> {
 impl UniqueIdExchange for StoreExchange<'_> {
     fn exchange(&mut self, rank: usize, id: Option<&[u8; 128]>) -> Result<[u8; 128], String> {
         if let Some(id) = id {
-            self.store.set(&self.key, id).map_err(|e| format!("publishing the NCCL unique id: {e}"))?;
+            self.store
+                .set(&self.key, id)
+                .map_err(|e| format!("publishing the NCCL unique id: {e}"))?;
             return Ok(*id);
         }
-        let v = self
-            .store
-            .wait_get(&self.key, self.timeout)
-            .map_err(|e| format!("rank {rank} waiting for rank 0's NCCL unique id under {:?}: {e}", self.key))?;
-        v.as_slice()
-            .try_into()
-            .map_err(|_| format!("the store holds {} bytes under {:?}, not a 128-byte NCCL unique id", v.len(), self.key))
+        let v = self.store.wait_get(&self.key, self.timeout).map_err(|e| {
+            format!(
+                "rank {rank} waiting for rank 0's NCCL unique id under {:?}: {e}",
+                self.key
+            )
+        })?;
+        v.as_slice().try_into().map_err(|_| {
+            format!(
+                "the store holds {} bytes under {:?}, not a 128-byte NCCL unique id",
+                v.len(),
+                self.key
+            )
+        })
     }
 }
 
@@ -91,7 +106,11 @@ impl Default for NcclOptions {
     /// A 300 s timeout, non-blocking init, no liveness check (the environment is not read: see
     /// [`NcclOptions::from_env`]).
     fn default() -> Self {
-        NcclOptions { timeout: Duration::from_secs(300), nonblocking_init: true, abort_check: None }
+        NcclOptions {
+            timeout: Duration::from_secs(300),
+            nonblocking_init: true,
+            abort_check: None,
+        }
     }
 }
 
@@ -207,21 +226,32 @@ impl NcclCompletion {
     /// liveness check failed.
     fn poll(&self) -> Result<bool, NcclError> {
         if let Some(reason) = self.shared.aborted() {
-            return Err(NcclError::Aborted { what: self.what.clone(), rank: self.shared.rank, reason });
+            return Err(NcclError::Aborted {
+                what: self.what.clone(),
+                rank: self.shared.rank,
+                reason,
+            });
         }
         if self.event.query()? {
             return Ok(true);
         }
         if let Some(st) = self.shared.async_error()? {
             if st != SUCCESS && st != IN_PROGRESS {
-                let e = result::check(st, Some(self.shared.comm), || format!("{} (async)", self.what)).unwrap_err();
+                let e = result::check(st, Some(self.shared.comm), || {
+                    format!("{} (async)", self.what)
+                })
+                .unwrap_err();
                 self.shared.abort(&e.to_string());
                 return Err(e);
             }
         }
         if let Some(reason) = self.abort_check.as_ref().and_then(|c| c()) {
             self.shared.abort(&reason);
-            return Err(NcclError::Aborted { what: self.what.clone(), rank: self.shared.rank, reason });
+            return Err(NcclError::Aborted {
+                what: self.what.clone(),
+                rank: self.shared.rank,
+                reason,
+            });
         }
         Ok(false)
     }
@@ -238,7 +268,12 @@ impl Completion for NcclCompletion {
             return Ok(());
         }
         self.shared.abort(&format!("{} timed out", self.what));
-        Err(NcclError::Timeout { what: self.what.clone(), rank: self.shared.rank, secs: self.timeout.as_secs_f64() }.into())
+        Err(NcclError::Timeout {
+            what: self.what.clone(),
+            rank: self.shared.rank,
+            secs: self.timeout.as_secs_f64(),
+        }
+        .into())
     }
 }
 
@@ -248,7 +283,10 @@ pub fn unique_id() -> Result<[u8; 128], NcclError> {
     Ok(id.internal.map(|c| c as u8))
 }
 
-fn wait_until(deadline: Instant, mut done: impl FnMut() -> Result<bool, NcclError>) -> Result<bool, NcclError> {
+fn wait_until(
+    deadline: Instant,
+    mut done: impl FnMut() -> Result<bool, NcclError>,
+) -> Result<bool, NcclError> {
     let mut sleep = Duration::from_micros(20);
     loop {
         if done()? {
@@ -272,26 +310,38 @@ impl NcclComm {
         opts: NcclOptions,
     ) -> Result<NcclComm, NcclError> {
         if world == 0 || rank >= world {
-            return Err(invalid_arg(format!("rank {rank} out of range for world size {world}")));
+            return Err(invalid_arg(format!(
+                "rank {rank} out of range for world size {world}"
+            )));
         }
         let api = result::api()?;
         ctx.bind()?;
         let id_bytes = if rank == 0 {
             let id = unique_id()?;
-            exchange.exchange(0, Some(&id)).map_err(|detail| NcclError::Exchange { rank, detail })?
+            exchange
+                .exchange(0, Some(&id))
+                .map_err(|detail| NcclError::Exchange { rank, detail })?
         } else {
-            exchange.exchange(rank, None).map_err(|detail| NcclError::Exchange { rank, detail })?
+            exchange
+                .exchange(rank, None)
+                .map_err(|detail| NcclError::Exchange { rank, detail })?
         };
-        let id = ncclUniqueId { internal: id_bytes.map(|b| b as _) };
+        let id = ncclUniqueId {
+            internal: id_bytes.map(|b| b as _),
+        };
         let stream = ctx.stream()?;
         let scratch = DeviceBuffer::<f32>::zeros(&stream, 1)?;
         let mut comm: ncclComm_t = std::ptr::null_mut();
-        let what = format!("ncclCommInitRank(rank={rank}, nranks={world}, device={})", ctx.ordinal());
+        let what = format!(
+            "ncclCommInitRank(rank={rank}, nranks={world}, device={})",
+            ctx.ordinal()
+        );
         match (opts.nonblocking_init, api.ncclCommInitRankConfig) {
             (true, Some(init_cfg)) => {
                 let mut cfg = result::config(false);
                 // SAFETY: valid out-pointer, id by value, config initialised as NCCL_CONFIG_INITIALIZER.
-                let rc = unsafe { init_cfg(&mut comm, world as c_int, id, rank as c_int, &mut cfg) };
+                let rc =
+                    unsafe { init_cfg(&mut comm, world as c_int, id, rank as c_int, &mut cfg) };
                 if rc != IN_PROGRESS {
                     if let Err(e) = result::check(rc, Some(comm), || what.clone()) {
                         if !comm.is_null() {
@@ -304,13 +354,29 @@ impl NcclComm {
             }
             _ => {
                 // SAFETY: valid out-pointer, id by value; blocks until every rank has joined.
-                let rc = unsafe { (api.ncclCommInitRank)(&mut comm, world as c_int, id, rank as c_int) };
+                let rc =
+                    unsafe { (api.ncclCommInitRank)(&mut comm, world as c_int, id, rank as c_int) };
                 result::check(rc, None, || what.clone())?;
             }
         }
-        let shared = Arc::new(Shared { comm, rank, state: Mutex::new(State::default()) });
+        let shared = Arc::new(Shared {
+            comm,
+            rank,
+            state: Mutex::new(State::default()),
+        });
         let producers = Producers::new(ctx);
-        let mut me = NcclComm { ctx: ctx.clone(), stream, comm, shared, rank, world, seq: 0, opts, scratch, producers };
+        let mut me = NcclComm {
+            ctx: ctx.clone(),
+            stream,
+            comm,
+            shared,
+            rank,
+            world,
+            seq: 0,
+            opts,
+            scratch,
+            producers,
+        };
         me.settle(IN_PROGRESS, &what)?;
         Ok(me)
     }
@@ -333,7 +399,10 @@ impl NcclComm {
     fn async_error(&self) -> Result<c_int, NcclError> {
         match self.shared.async_error()? {
             Some(code) => Ok(code),
-            None => Err(self.check_alive("ncclCommGetAsyncError").err().unwrap_or_else(|| invalid_arg("the communicator is gone".into()))),
+            None => Err(self
+                .check_alive("ncclCommGetAsyncError")
+                .err()
+                .unwrap_or_else(|| invalid_arg("the communicator is gone".into()))),
         }
     }
 
@@ -344,9 +413,11 @@ impl NcclComm {
 
     fn check_alive(&self, op: &str) -> Result<(), NcclError> {
         match self.shared.aborted() {
-            Some(r) => {
-                Err(NcclError::Aborted { what: op.into(), rank: self.rank, reason: format!("the communicator was aborted earlier: {r}") })
-            }
+            Some(r) => Err(NcclError::Aborted {
+                what: op.into(),
+                rank: self.rank,
+                reason: format!("the communicator was aborted earlier: {r}"),
+            }),
             None => Ok(()),
         }
     }
@@ -365,7 +436,11 @@ impl NcclComm {
         })?;
         if !ok {
             self.abort(&format!("{what} timed out"));
-            return Err(NcclError::Timeout { what: what.into(), rank: self.rank, secs: self.opts.timeout.as_secs_f64() });
+            return Err(NcclError::Timeout {
+                what: what.into(),
+                rank: self.rank,
+                secs: self.opts.timeout.as_secs_f64(),
+            });
         }
         if last != SUCCESS {
             let e = result::check(last, Some(self.comm), || what.to_string()).unwrap_err();
@@ -388,11 +463,17 @@ impl NcclComm {
             }
             let st = self.async_error()?;
             if st != SUCCESS && st != IN_PROGRESS {
-                failure = Some(result::check(st, Some(self.comm), || format!("{what} (async)")).unwrap_err());
+                failure = Some(
+                    result::check(st, Some(self.comm), || format!("{what} (async)")).unwrap_err(),
+                );
                 return Ok(true);
             }
             if let Some(reason) = self.opts.abort_check.as_ref().and_then(|c| c()) {
-                failure = Some(NcclError::Aborted { what: what.into(), rank: self.rank, reason });
+                failure = Some(NcclError::Aborted {
+                    what: what.into(),
+                    rank: self.rank,
+                    reason,
+                });
                 return Ok(true);
             }
             Ok(false)
@@ -410,7 +491,11 @@ impl NcclComm {
         }
         if !done {
             self.abort(&format!("{what} timed out"));
-            return Err(NcclError::Timeout { what: what.into(), rank: self.rank, secs: self.opts.timeout.as_secs_f64() });
+            return Err(NcclError::Timeout {
+                what: what.into(),
+                rank: self.rank,
+                secs: self.opts.timeout.as_secs_f64(),
+            });
         }
         Ok(())
     }
@@ -420,11 +505,16 @@ impl NcclComm {
     }
 
     /// Run `f` between `ncclGroupStart` and `ncclGroupEnd` (fuses the calls it makes).
-    pub fn group<R>(&mut self, f: impl FnOnce(&mut Self) -> Result<R, NcclError>) -> Result<R, NcclError> {
+    pub fn group<R>(
+        &mut self,
+        f: impl FnOnce(&mut Self) -> Result<R, NcclError>,
+    ) -> Result<R, NcclError> {
         self.check_alive("ncclGroupStart")?;
         let api = result::api()?;
         // SAFETY: no arguments.
-        result::check(unsafe { (api.ncclGroupStart)() }, None, || "ncclGroupStart".into())?;
+        result::check(unsafe { (api.ncclGroupStart)() }, None, || {
+            "ncclGroupStart".into()
+        })?;
         let r = f(self);
         // SAFETY: no arguments; always closes the group opened above.
         let rc = unsafe { (api.ncclGroupEnd)() };
@@ -437,7 +527,11 @@ impl NcclComm {
     /// Send `buf` to `peer` (enqueued on the stream; pair with `recv` on the peer). Ordered after
     /// the work already enqueued on the context's other streams, like every collective (see
     /// `Producers`): a buffer filled on another stream is complete before it is sent.
-    pub fn send<T: Element>(&mut self, buf: &DeviceBuffer<T>, peer: usize) -> Result<(), NcclError> {
+    pub fn send<T: Element>(
+        &mut self,
+        buf: &DeviceBuffer<T>,
+        peer: usize,
+    ) -> Result<(), NcclError> {
         self.check_peer(peer, "send")?;
         self.check_device(buf.device(), "send")?;
         self.producers.order(&self.stream)?;
@@ -446,7 +540,11 @@ impl NcclComm {
 
     /// Receive into `buf` from `peer` (ordered after the other streams' work, as [`send`](Self::send):
     /// e.g. a zero-fill of `buf` on another stream cannot land after the data).
-    pub fn recv<T: Element>(&mut self, buf: &mut DeviceBuffer<T>, peer: usize) -> Result<(), NcclError> {
+    pub fn recv<T: Element>(
+        &mut self,
+        buf: &mut DeviceBuffer<T>,
+        peer: usize,
+    ) -> Result<(), NcclError> {
         self.check_peer(peer, "recv")?;
         self.check_device(buf.device(), "recv")?;
         self.producers.order(&self.stream)?;
@@ -455,38 +553,84 @@ impl NcclComm {
 
     fn check_peer(&self, peer: usize, op: &str) -> Result<(), NcclError> {
         if peer >= self.world {
-            return Err(invalid_arg(format!("{op}: peer {peer} out of range for world size {}", self.world)));
+            return Err(invalid_arg(format!(
+                "{op}: peer {peer} out of range for world size {}",
+                self.world
+            )));
         }
         Ok(())
     }
 
     fn check_device(&self, dev: i32, op: &str) -> Result<(), NcclError> {
         if dev != self.ctx.ordinal() {
-            return Err(invalid_arg(format!("{op}: buffer is on device {dev} but the communicator on device {}", self.ctx.ordinal())));
+            return Err(invalid_arg(format!(
+                "{op}: buffer is on device {dev} but the communicator on device {}",
+                self.ctx.ordinal()
+            )));
         }
         Ok(())
     }
 
-    fn send_raw(&mut self, addr: usize, count: usize, dtype: crate::comm::Dtype, peer: usize) -> Result<(), NcclError> {
+    fn send_raw(
+        &mut self,
+        addr: usize,
+        count: usize,
+        dtype: crate::comm::Dtype,
+        peer: usize,
+    ) -> Result<(), NcclError> {
         self.check_alive("ncclSend")?;
         let s = self.raw_stream();
         // SAFETY: `addr` is a live device buffer of `count` elements on this device (checked by the
         // callers); the stream belongs to this communicator's context.
-        let rc = unsafe { (result::api()?.ncclSend)(addr as *const c_void, count, result::nccl_dtype(dtype), peer as c_int, self.comm, s) };
-        self.settle(rc, &format!("ncclSend(count={count}, dtype={dtype}, peer={peer})"))
+        let rc = unsafe {
+            (result::api()?.ncclSend)(
+                addr as *const c_void,
+                count,
+                result::nccl_dtype(dtype),
+                peer as c_int,
+                self.comm,
+                s,
+            )
+        };
+        self.settle(
+            rc,
+            &format!("ncclSend(count={count}, dtype={dtype}, peer={peer})"),
+        )
     }
 
-    fn recv_raw(&mut self, addr: usize, count: usize, dtype: crate::comm::Dtype, peer: usize) -> Result<(), NcclError> {
+    fn recv_raw(
+        &mut self,
+        addr: usize,
+        count: usize,
+        dtype: crate::comm::Dtype,
+        peer: usize,
+    ) -> Result<(), NcclError> {
         self.check_alive("ncclRecv")?;
         let s = self.raw_stream();
         // SAFETY: as for `send_raw`; the buffer is writable.
-        let rc = unsafe { (result::api()?.ncclRecv)(addr as *mut c_void, count, result::nccl_dtype(dtype), peer as c_int, self.comm, s) };
-        self.settle(rc, &format!("ncclRecv(count={count}, dtype={dtype}, peer={peer})"))
+        let rc = unsafe {
+            (result::api()?.ncclRecv)(
+                addr as *mut c_void,
+                count,
+                result::nccl_dtype(dtype),
+                peer as c_int,
+                self.comm,
+                s,
+            )
+        };
+        self.settle(
+            rc,
+            &format!("ncclRecv(count={count}, dtype={dtype}, peer={peer})"),
+        )
     }
 
     /// Check a call's buffers before enqueueing: device buffers of this device, sizes, root.
     fn check_call(&self, call: &Call) -> Result<(), CommError> {
-        let invalid = |detail: String| CommError::InvalidArgument { op: call.kind, rank: self.rank, detail };
+        let invalid = |detail: String| CommError::InvalidArgument {
+            op: call.kind,
+            rank: self.rank,
+            detail,
+        };
         for (name, m) in [("send", call.send), ("recv", call.recv)] {
             if m.len == 0 {
                 continue;
@@ -505,7 +649,10 @@ impl NcclComm {
             }
         }
         if call.kind.has_root() && call.root >= self.world {
-            return Err(invalid(format!("root {} is out of range for world size {}", call.root, self.world)));
+            return Err(invalid(format!(
+                "root {} is out of range for world size {}",
+                call.root, self.world
+            )));
         }
         let n = self.world;
         let is_root = self.rank == call.root;
@@ -529,10 +676,16 @@ impl NcclComm {
             }
         };
         if call.send.len < need_send {
-            return Err(invalid(format!("send buffer has {} elements, {} are needed", call.send.len, need_send)));
+            return Err(invalid(format!(
+                "send buffer has {} elements, {} are needed",
+                call.send.len, need_send
+            )));
         }
         if call.recv.len < need_recv {
-            return Err(invalid(format!("recv buffer has {} elements, {} are needed", call.recv.len, need_recv)));
+            return Err(invalid(format!(
+                "recv buffer has {} elements, {} are needed",
+                call.recv.len, need_recv
+            )));
         }
         Ok(())
     }
@@ -540,10 +693,21 @@ impl NcclComm {
     fn enqueue(&mut self, call: &Call) -> Result<(), NcclError> {
         let api = result::api()?;
         self.ctx.bind()?;
-        let (dt, op, s, comm) = (result::nccl_dtype(call.dtype), result::nccl_op(call.op), self.raw_stream(), self.comm);
-        let (sp, rp) = (call.send.addr as *const c_void, call.recv.addr as *mut c_void);
+        let (dt, op, s, comm) = (
+            result::nccl_dtype(call.dtype),
+            result::nccl_op(call.op),
+            self.raw_stream(),
+            self.comm,
+        );
+        let (sp, rp) = (
+            call.send.addr as *const c_void,
+            call.recv.addr as *mut c_void,
+        );
         let root = call.root as c_int;
-        let what = format!("nccl {}(count={}, dtype={}, op={}, root={})", call.kind, call.count, call.dtype, call.op, call.root);
+        let what = format!(
+            "nccl {}(count={}, dtype={}, op={}, root={})",
+            call.kind, call.count, call.dtype, call.op, call.root
+        );
         // SAFETY: (all arms) `check_call` verified that every non-empty buffer is device memory of
         // this communicator's device with at least the elements NCCL will touch; the stream belongs
         // to this context; the communicator is live (not aborted).
@@ -553,11 +717,15 @@ impl NcclComm {
                 CollKind::Broadcast => (api.ncclBroadcast)(sp, rp, call.count, dt, root, comm, s),
                 CollKind::Reduce => (api.ncclReduce)(sp, rp, call.count, dt, op, root, comm, s),
                 CollKind::AllGather => (api.ncclAllGather)(sp, rp, call.count, dt, comm, s),
-                CollKind::ReduceScatter => (api.ncclReduceScatter)(sp, rp, call.count, dt, op, comm, s),
-                CollKind::Gather => return self.gather(call),
-                CollKind::AllToAll | CollKind::AllToAllV | CollKind::Scatter | CollKind::AllGatherV | CollKind::GatherV => {
-                    return self.exchange(call)
+                CollKind::ReduceScatter => {
+                    (api.ncclReduceScatter)(sp, rp, call.count, dt, op, comm, s)
                 }
+                CollKind::Gather => return self.gather(call),
+                CollKind::AllToAll
+                | CollKind::AllToAllV
+                | CollKind::Scatter
+                | CollKind::AllGatherV
+                | CollKind::GatherV => return self.exchange(call),
                 CollKind::Barrier => {
                     let p = self.scratch.device_ptr() as *mut c_void;
                     let rc = (api.ncclAllReduce)(
@@ -604,7 +772,14 @@ impl NcclComm {
                             me.ctx.bind()?;
                             // SAFETY: both ranges are device memory of this device checked by
                             // `check_call` (send ≥ count, recv ≥ count·world elements).
-                            unsafe { crate::cuda::driver::memcpy_dtod_async(dst as u64, send.addr as u64, bytes, me.stream.raw())? };
+                            unsafe {
+                                crate::cuda::driver::memcpy_dtod_async(
+                                    dst as u64,
+                                    send.addr as u64,
+                                    bytes,
+                                    me.stream.raw(),
+                                )?
+                            };
                         }
                     } else {
                         me.recv_raw(dst, count, dtype, peer)?;
@@ -637,29 +812,97 @@ fn exchange_plan(call: &Call, rank: usize, world: usize) -> (Vec<Block>, Vec<Blo
     let peers = 0..world;
     match call.kind {
         CollKind::AllToAll => (
-            peers.clone().map(|p| Block { peer: p, addr: at(send, p * c), count: c }).collect(),
-            peers.map(|p| Block { peer: p, addr: at(recv, p * c), count: c }).collect(),
+            peers
+                .clone()
+                .map(|p| Block {
+                    peer: p,
+                    addr: at(send, p * c),
+                    count: c,
+                })
+                .collect(),
+            peers
+                .map(|p| Block {
+                    peer: p,
+                    addr: at(recv, p * c),
+                    count: c,
+                })
+                .collect(),
         ),
         CollKind::AllToAllV => (
-            peers.clone().map(|p| Block { peer: p, addr: at(send, sp.send_displs[p]), count: sp.send_counts[p] }).collect(),
-            peers.map(|p| Block { peer: p, addr: at(recv, sp.recv_displs[p]), count: sp.recv_counts[p] }).collect(),
+            peers
+                .clone()
+                .map(|p| Block {
+                    peer: p,
+                    addr: at(send, sp.send_displs[p]),
+                    count: sp.send_counts[p],
+                })
+                .collect(),
+            peers
+                .map(|p| Block {
+                    peer: p,
+                    addr: at(recv, sp.recv_displs[p]),
+                    count: sp.recv_counts[p],
+                })
+                .collect(),
         ),
         CollKind::Scatter => {
-            let sends =
-                if rank == call.root { peers.map(|p| Block { peer: p, addr: at(send, p * c), count: c }).collect() } else { vec![] };
-            (sends, vec![Block { peer: call.root, addr: recv, count: c }])
-        }
-        CollKind::AllGatherV => (
-            peers.clone().map(|p| Block { peer: p, addr: send, count: c }).collect(),
-            peers.map(|p| Block { peer: p, addr: at(recv, sp.recv_displs[p]), count: sp.recv_counts[p] }).collect(),
-        ),
-        CollKind::GatherV => {
-            let recvs = if rank == call.root {
-                peers.map(|p| Block { peer: p, addr: at(recv, sp.recv_displs[p]), count: sp.recv_counts[p] }).collect()
+            let sends = if rank == call.root {
+                peers
+                    .map(|p| Block {
+                        peer: p,
+                        addr: at(send, p * c),
+                        count: c,
+                    })
+                    .collect()
             } else {
                 vec![]
             };
-            (vec![Block { peer: call.root, addr: send, count: c }], recvs)
+            (
+                sends,
+                vec![Block {
+                    peer: call.root,
+                    addr: recv,
+                    count: c,
+                }],
+            )
+        }
+        CollKind::AllGatherV => (
+            peers
+                .clone()
+                .map(|p| Block {
+                    peer: p,
+                    addr: send,
+                    count: c,
+                })
+                .collect(),
+            peers
+                .map(|p| Block {
+                    peer: p,
+                    addr: at(recv, sp.recv_displs[p]),
+                    count: sp.recv_counts[p],
+                })
+                .collect(),
+        ),
+        CollKind::GatherV => {
+            let recvs = if rank == call.root {
+                peers
+                    .map(|p| Block {
+                        peer: p,
+                        addr: at(recv, sp.recv_displs[p]),
+                        count: sp.recv_counts[p],
+                    })
+                    .collect()
+            } else {
+                vec![]
+            };
+            (
+                vec![Block {
+                    peer: call.root,
+                    addr: send,
+                    count: c,
+                }],
+                recvs,
+            )
         }
         _ => (vec![], vec![]),
     }
@@ -691,7 +934,14 @@ impl NcclComm {
                     me.ctx.bind()?;
                     // SAFETY: both blocks lie within device buffers of this device, as checked by
                     // `check_call` and the communicator's split checks.
-                    unsafe { crate::cuda::driver::memcpy_dtod_async(r.addr as u64, s.addr as u64, s.count * size, me.stream.raw())? };
+                    unsafe {
+                        crate::cuda::driver::memcpy_dtod_async(
+                            r.addr as u64,
+                            s.addr as u64,
+                            s.count * size,
+                            me.stream.raw(),
+                        )?
+                    };
                 }
             }
             for b in sends.iter().filter(|b| b.peer != rank && b.count > 0) {
@@ -711,7 +961,10 @@ impl NcclComm {
                 return Err(CommError::InvalidArgument {
                     op: op.kind,
                     rank: self.rank,
-                    detail: format!("peer {} is out of range for world size {}", op.peer, self.world),
+                    detail: format!(
+                        "peer {} is out of range for world size {}",
+                        op.peer, self.world
+                    ),
                 });
             }
             if op.mem.len == 0 {
@@ -743,18 +996,35 @@ impl NcclComm {
     /// [`Backend::split`]): `None` is `NCCL_SPLIT_NOCOLOR`. Colors above `i32::MAX` and keys
     /// outside `i32` are refused (NCCL takes C ints). The new communicator has its own stream and
     /// this one's options.
-    pub fn split_comm(&mut self, color: Option<u32>, key: i64) -> Result<Option<NcclComm>, CommError> {
+    pub fn split_comm(
+        &mut self,
+        color: Option<u32>,
+        key: i64,
+    ) -> Result<Option<NcclComm>, CommError> {
         let color = match color {
             None => result::SPLIT_NOCOLOR,
-            Some(c) => {
-                c_int::try_from(c).map_err(|_| CommError::Unsupported(format!("split: NCCL takes colors up to {}, not {c}", c_int::MAX)))?
-            }
+            Some(c) => c_int::try_from(c).map_err(|_| {
+                CommError::Unsupported(format!(
+                    "split: NCCL takes colors up to {}, not {c}",
+                    c_int::MAX
+                ))
+            })?,
         };
-        let key =
-            c_int::try_from(key).map_err(|_| CommError::Unsupported(format!("split: NCCL takes keys that fit a C int, not {key}")))?;
+        let key = c_int::try_from(key).map_err(|_| {
+            CommError::Unsupported(format!(
+                "split: NCCL takes keys that fit a C int, not {key}"
+            ))
+        })?;
         let Some(split) = result::api().map_err(NcclError::from)?.ncclCommSplit else {
-            let lib =
-                result::core().map(|c| format!("{} (NCCL {})", c.path, crate::cuda::nccl_version_string(c.version))).unwrap_or_default();
+            let lib = result::core()
+                .map(|c| {
+                    format!(
+                        "{} (NCCL {})",
+                        c.path,
+                        crate::cuda::nccl_version_string(c.version)
+                    )
+                })
+                .unwrap_or_default();
             return Err(CommError::Unsupported(format!(
                 "split needs ncclCommSplit, which NCCL has since 2.18, but the loaded library {lib} lacks it; point LOCKSTEP_NCCL_LIBRARY at NCCL 2.18 or newer"
             )));
@@ -764,14 +1034,23 @@ impl NcclComm {
 
     fn split_with(
         &mut self,
-        split: unsafe extern "C" fn(ncclComm_t, c_int, c_int, *mut ncclComm_t, *mut result::ncclConfig_t) -> c_int,
+        split: unsafe extern "C" fn(
+            ncclComm_t,
+            c_int,
+            c_int,
+            *mut ncclComm_t,
+            *mut result::ncclConfig_t,
+        ) -> c_int,
         color: c_int,
         key: c_int,
     ) -> Result<Option<NcclComm>, NcclError> {
         self.check_alive("ncclCommSplit")?;
         let api = result::api()?;
         self.ctx.bind()?;
-        let what = format!("ncclCommSplit(color={color}, key={key}) on rank {}", self.rank);
+        let what = format!(
+            "ncclCommSplit(color={color}, key={key}) on rank {}",
+            self.rank
+        );
         let mut cfg = result::config(!self.opts.nonblocking_init);
         let mut child: ncclComm_t = std::ptr::null_mut();
         // SAFETY: live parent communicator (not aborted), valid out-pointer, config laid out as
@@ -791,7 +1070,10 @@ impl NcclComm {
                 hint: super::error::hint(3),
             });
         }
-        let parts = self.ctx.stream().and_then(|s| DeviceBuffer::<f32>::zeros(&s, 1).map(|b| (s, b)));
+        let parts = self
+            .ctx
+            .stream()
+            .and_then(|s| DeviceBuffer::<f32>::zeros(&s, 1).map(|b| (s, b)));
         let (stream, scratch) = match parts {
             Ok(p) => p,
             Err(e) => {
@@ -801,7 +1083,11 @@ impl NcclComm {
             }
         };
         // Until the new ranks are known, failures name this rank (of the parent).
-        let shared = Arc::new(Shared { comm: child, rank: self.rank, state: Mutex::new(State::default()) });
+        let shared = Arc::new(Shared {
+            comm: child,
+            rank: self.rank,
+            state: Mutex::new(State::default()),
+        });
         let producers = Producers::new(&self.ctx);
         let mut c = NcclComm {
             ctx: self.ctx.clone(),
@@ -822,16 +1108,27 @@ impl NcclComm {
         }
         let (mut n, mut r): (c_int, c_int) = (0, 0);
         // SAFETY: live, initialised communicator; valid out-pointers.
-        result::check(unsafe { (api.ncclCommCount)(child, &mut n) }, Some(child), || "ncclCommCount".into())?;
+        result::check(
+            unsafe { (api.ncclCommCount)(child, &mut n) },
+            Some(child),
+            || "ncclCommCount".into(),
+        )?;
         // SAFETY: as above.
-        result::check(unsafe { (api.ncclCommUserRank)(child, &mut r) }, Some(child), || "ncclCommUserRank".into())?;
+        result::check(
+            unsafe { (api.ncclCommUserRank)(child, &mut r) },
+            Some(child),
+            || "ncclCommUserRank".into(),
+        )?;
         (c.rank, c.world) = (r as usize, n as usize);
         Ok(Some(c))
     }
 }
 
 fn invalid_arg(detail: String) -> NcclError {
-    NcclError::Cuda(crate::cuda::CudaError::InvalidArgument { op: "NcclComm".into(), detail })
+    NcclError::Cuda(crate::cuda::CudaError::InvalidArgument {
+        op: "NcclComm".into(),
+        detail,
+    })
 }
 
 impl Backend for NcclComm {
@@ -852,7 +1149,9 @@ impl Backend for NcclComm {
     }
 
     fn describe(&self) -> String {
-        let v = result::core().map(|c| crate::cuda::nccl_version_string(c.version)).unwrap_or_else(|_| "?".into());
+        let v = result::core()
+            .map(|c| crate::cuda::nccl_version_string(c.version))
+            .unwrap_or_else(|_| "?".into());
         format!("nccl {v} device {}", self.ctx.ordinal())
     }
 
@@ -860,7 +1159,9 @@ impl Backend for NcclComm {
         self.check_call(call)?;
         self.check_alive(call.kind.name())?;
         self.seq += 1;
-        self.producers.order(&self.stream).map_err(NcclError::from)?;
+        self.producers
+            .order(&self.stream)
+            .map_err(NcclError::from)?;
         self.enqueue(call).map_err(CommError::from)
     }
 
@@ -893,7 +1194,9 @@ impl Backend for NcclComm {
         self.check_alive("send/recv")?;
         self.ctx.bind().map_err(NcclError::from)?;
         self.seq += 1;
-        self.producers.order(&self.stream).map_err(NcclError::from)?;
+        self.producers
+            .order(&self.stream)
+            .map_err(NcclError::from)?;
         self.group(|me| {
             for op in ops {
                 match op.kind {
@@ -906,8 +1209,14 @@ impl Backend for NcclComm {
         .map_err(CommError::from)
     }
 
-    fn split(&mut self, color: Option<u32>, key: i64) -> Result<Option<Box<dyn Backend>>, CommError> {
-        Ok(self.split_comm(color, key)?.map(|c| Box::new(c) as Box<dyn Backend>))
+    fn split(
+        &mut self,
+        color: Option<u32>,
+        key: i64,
+    ) -> Result<Option<Box<dyn Backend>>, CommError> {
+        Ok(self
+            .split_comm(color, key)?
+            .map(|c| Box::new(c) as Box<dyn Backend>))
     }
 }
 
@@ -925,7 +1234,10 @@ impl Drop for NcclComm {
             // SAFETY: live communicator.
             let rc = unsafe { fin(self.comm) };
             if let Err(e) = self.settle(rc, "ncclCommFinalize") {
-                self.ctx.record_err("an NCCL communicator".into(), crate::cuda::CudaError::Io(e.to_string()));
+                self.ctx.record_err(
+                    "an NCCL communicator".into(),
+                    crate::cuda::CudaError::Io(e.to_string()),
+                );
                 ok = false;
             }
         }
@@ -936,7 +1248,10 @@ impl Drop for NcclComm {
             let rc = unsafe { (api.ncclCommDestroy)(self.comm) };
             st.destroyed = true;
             if rc != SUCCESS {
-                self.ctx.record_err("an NCCL communicator".into(), crate::cuda::CudaError::Io(format!("ncclCommDestroy returned {rc}")));
+                self.ctx.record_err(
+                    "an NCCL communicator".into(),
+                    crate::cuda::CudaError::Io(format!("ncclCommDestroy returned {rc}")),
+                );
             }
         }
     }

@@ -71,6 +71,9 @@ pub enum NcclError {
 
 impl From<NcclError> for CommError {
     fn from(e: NcclError) -> CommError {
-        CommError::Backend { backend: "nccl", message: e.to_string() }
+        CommError::Backend {
+            backend: "nccl",
+            message: e.to_string(),
+        }
     }
 }

@@ -8,7 +8,8 @@ use std::ffi::{c_char, c_int, c_void, CStr};
 use std::sync::OnceLock;
 
 pub(crate) use cudarc::nccl::sys::{
-    cudaStream_t, ncclComm_t, ncclConfig_v21700 as ncclConfig_t, ncclDataType_t, ncclRedOp_t, ncclUniqueId,
+    cudaStream_t, ncclComm_t, ncclConfig_v21700 as ncclConfig_t, ncclDataType_t, ncclRedOp_t,
+    ncclUniqueId,
 };
 
 use crate::comm::{Dtype, ReduceOp};
@@ -93,30 +94,46 @@ pub(crate) fn core() -> Result<&'static NcclCore, CudaError> {
 }
 
 fn load_core() -> Result<NcclCore, CudaError> {
-    let loaded = discovery::load(LibKind::Nccl, "ncclGetVersion", |lib, _| match NcclCoreFns::resolve(lib) {
-        Err((sym, _)) => Verdict::Reject(format!("no symbol {sym}")),
-        Ok(f) => {
-            let mut v = 0;
-            // SAFETY: valid out-pointer.
-            unsafe { (f.ncclGetVersion)(&mut v) };
-            if v < MIN_VERSION {
-                Verdict::Reject(format!("NCCL {} is older than 2.18", discovery::nccl_version_string(v)))
-            } else {
-                Verdict::Accept
-            }
-        }
-    })?;
-    let f = NcclCoreFns::resolve(&loaded.lib).map_err(|(sym, detail)| CudaError::MissingSymbol {
-        library: LibKind::Nccl.name(),
-        path: loaded.path.clone(),
-        symbol: sym,
-        detail,
-        env_var: LibKind::Nccl.env_var(),
-    })?;
+    let loaded =
+        discovery::load(
+            LibKind::Nccl,
+            "ncclGetVersion",
+            |lib, _| match NcclCoreFns::resolve(lib) {
+                Err((sym, _)) => Verdict::Reject(format!("no symbol {sym}")),
+                Ok(f) => {
+                    let mut v = 0;
+                    // SAFETY: valid out-pointer.
+                    unsafe { (f.ncclGetVersion)(&mut v) };
+                    if v < MIN_VERSION {
+                        Verdict::Reject(format!(
+                            "NCCL {} is older than 2.18",
+                            discovery::nccl_version_string(v)
+                        ))
+                    } else {
+                        Verdict::Accept
+                    }
+                }
+            },
+        )?;
+    let f =
+        NcclCoreFns::resolve(&loaded.lib).map_err(|(sym, detail)| CudaError::MissingSymbol {
+            library: LibKind::Nccl.name(),
+            path: loaded.path.clone(),
+            symbol: sym,
+            detail,
+            env_var: LibKind::Nccl.env_var(),
+        })?;
     let mut version = 0;
     // SAFETY: valid out-pointer.
     unsafe { (f.ncclGetVersion)(&mut version) };
-    Ok(NcclCore { path: loaded.path.clone(), origin: loaded.origin.clone(), reason: loaded.reason.clone(), loaded, version, f })
+    Ok(NcclCore {
+        path: loaded.path.clone(),
+        origin: loaded.origin.clone(),
+        reason: loaded.reason.clone(),
+        loaded,
+        version,
+        f,
+    })
 }
 
 /// The full table.
@@ -136,7 +153,11 @@ pub(crate) fn api() -> Result<&'static NcclFns, CudaError> {
 }
 
 /// Map a status to `Result`, naming the call; `comm` adds `ncclGetLastError` text.
-pub(crate) fn check(code: c_int, comm: Option<ncclComm_t>, call: impl FnOnce() -> String) -> Result<(), NcclError> {
+pub(crate) fn check(
+    code: c_int,
+    comm: Option<ncclComm_t>,
+    call: impl FnOnce() -> String,
+) -> Result<(), NcclError> {
     if code == SUCCESS {
         return Ok(());
     }
@@ -154,14 +175,23 @@ pub(crate) fn check(code: c_int, comm: Option<ncclComm_t>, call: impl FnOnce() -
             let p = unsafe { gle(comm.unwrap_or(std::ptr::null_mut())) };
             if !p.is_null() {
                 // SAFETY: see above.
-                let s = unsafe { CStr::from_ptr(p) }.to_string_lossy().trim().to_string();
+                let s = unsafe { CStr::from_ptr(p) }
+                    .to_string_lossy()
+                    .trim()
+                    .to_string();
                 if !s.is_empty() {
                     last = format!("; {s}");
                 }
             }
         }
     }
-    Err(NcclError::Call { call: call(), code, message, last, hint: hint(code) })
+    Err(NcclError::Call {
+        call: call(),
+        code,
+        message,
+        last,
+        hint: hint(code),
+    })
 }
 
 /// `ncclGetUniqueId` (rank 0 only, after the fork).

@@ -2,7 +2,7 @@
 //! backend. The launcher may be `lockstep launch`, torchrun (or torch's `env://` variables),
 //! Open MPI's `mpirun` or Slurm's `srun` (see `vars`).
 //!
-//! * One node (every rank on this host): the local ranks join a named shared-memory segment
+//! * One node (every rank on this machine): the local ranks join a named shared-memory segment
 //!   derived from the job's identity (`LOCKSTEP_JOB_ID`, torchrun's run id and master address,
 //!   mpirun's job id, or Slurm's job and step ids); local rank 0 creates it. No port is used.
 //! * Several nodes: every rank connects to the rendezvous store at `MASTER_ADDR` (under srun: the
@@ -43,7 +43,11 @@ fn ranges(v: &[usize]) -> String {
         while j + 1 < v.len() && v[j + 1] == v[j] + 1 {
             j += 1;
         }
-        out.push(if j == i { v[i].to_string() } else { format!("{}-{}", v[i], v[j]) });
+        out.push(if j == i {
+            v[i].to_string()
+        } else {
+            format!("{}-{}", v[i], v[j])
+        });
         i = j + 1;
     }
     out.join(", ")
@@ -88,7 +92,10 @@ impl Communicator {
         crate::types::env::check_all().map_err(env_err)?;
         let info = EnvInfo::from_env()?;
         // Backend choice (`LOCKSTEP_BACKEND`, default shm).
-        let backend = crate::types::env::BACKEND.choice().map_err(env_err)?.unwrap_or("shm");
+        let backend = crate::types::env::BACKEND
+            .choice()
+            .map_err(env_err)?
+            .unwrap_or("shm");
         let cfg = ShmConfig::from_env()?;
         tracing::debug!(
             rank = info.rank,
@@ -107,7 +114,10 @@ impl Communicator {
             }
             return Ok(host);
         }
-        let timeout = crate::types::env::RDZV_TIMEOUT_S.secs().map_err(env_err)?.unwrap_or(Duration::from_secs(60));
+        let timeout = crate::types::env::RDZV_TIMEOUT_S
+            .secs()
+            .map_err(env_err)?
+            .unwrap_or(Duration::from_secs(60));
         let port = info.master_port.ok_or_else(|| {
             setup(format!(
                 "MASTER_PORT is not set, but this {}-node job started by {} needs a port for lockstep's rendezvous store (set MASTER_PORT or LOCKSTEP_STORE_PORT, the same on every node)",
@@ -127,7 +137,11 @@ impl Communicator {
         let server = if info.hosts_store {
             let server = StoreServer::start(&info.master_addr, port, &token).map_err(st)?;
             server.set_local(JOB_ID_KEY, info.job_id.as_bytes());
-            tracing::debug!("rank 0 hosts the rendezvous store on {}:{port} for {}", info.master_addr, info.launcher.name());
+            tracing::debug!(
+                "rank 0 hosts the rendezvous store on {}:{port} for {}",
+                info.master_addr,
+                info.launcher.name()
+            );
             Some(server)
         } else {
             None
@@ -137,7 +151,9 @@ impl Communicator {
         // Tell the host we are done with the store (even on failure, so it does not wait for us).
         let _ = store.set(&format!("lockstep/joined/{}", info.rank), b"1");
         if let Some(server) = server {
-            let keys: Vec<String> = (0..info.world_size).map(|r| format!("lockstep/joined/{r}")).collect();
+            let keys: Vec<String> = (0..info.world_size)
+                .map(|r| format!("lockstep/joined/{r}"))
+                .collect();
             let refs: Vec<&str> = keys.iter().map(|s| s.as_str()).collect();
             let done = store.wait(&refs, timeout).map_err(st);
             drop(server);
@@ -158,19 +174,28 @@ fn rendezvous_through_store(
     let st = |e: crate::store::StoreError| setup(format!("rank {}: {e}", info.rank));
     // Publish where this rank runs, then learn where every rank runs.
     let me = host_id().map_err(env_err)?;
-    store.set(&format!("lockstep/host/{}", info.rank), me.as_bytes()).map_err(st)?;
-    let keys: Vec<String> = (0..info.world_size).map(|r| format!("lockstep/host/{r}")).collect();
+    store
+        .set(&format!("lockstep/host/{}", info.rank), me.as_bytes())
+        .map_err(st)?;
+    let keys: Vec<String> = (0..info.world_size)
+        .map(|r| format!("lockstep/host/{r}"))
+        .collect();
     let refs: Vec<&str> = keys.iter().map(|s| s.as_str()).collect();
     match store.wait(&refs, timeout) {
         Err(crate::store::StoreError::Timeout { .. }) => {
-            let arrived: Vec<bool> = keys.iter().map(|k| store.get(k).ok().flatten().is_some()).collect();
+            let arrived: Vec<bool> = keys
+                .iter()
+                .map(|k| store.get(k).ok().flatten().is_some())
+                .collect();
             return Err(setup(missing_peers(info, timeout, |r| arrived[r])));
         }
         r => r.map_err(st)?,
     }
     let mut hosts = Vec::with_capacity(info.world_size);
     for k in &keys {
-        hosts.push(String::from_utf8_lossy(&store.get(k).map_err(st)?.unwrap_or_default()).into_owned());
+        hosts.push(
+            String::from_utf8_lossy(&store.get(k).map_err(st)?.unwrap_or_default()).into_owned(),
+        );
     }
     let spans_hosts = hosts.iter().any(|h| *h != me);
     if backend == "nccl" && spans_hosts {
@@ -185,9 +210,10 @@ fn rendezvous_through_store(
             name(&hosts[r])
         )));
     }
-    // Every rank shares this host: one shared-memory communicator under the store host's job id.
+    // Every rank shares this machine: one shared-memory communicator under the store host's job id.
     let job = store.wait_get(JOB_ID_KEY, timeout).map_err(st)?;
-    let job = String::from_utf8(job).map_err(|_| setup("the job id in the rendezvous store is not UTF-8".into()))?;
+    let job = String::from_utf8(job)
+        .map_err(|_| setup("the job id in the rendezvous store is not UTF-8".into()))?;
     let c = ShmComm::join_named(&job, info.rank, info.world_size, cfg)?;
     let host = Communicator::from_backend(Box::new(c));
     if backend == "nccl" {
@@ -217,12 +243,27 @@ mod tests {
             token: None,
         };
         let m = missing_peers(&info, Duration::from_millis(1500), |r| r < 2 || r == 3);
-        assert!(m.starts_with("rank 1: ranks 2, 4-5 (nodes 1-2) did not reach the rendezvous within 1.5 s"), "{m}");
+        assert!(
+            m.starts_with(
+                "rank 1: ranks 2, 4-5 (nodes 1-2) did not reach the rendezvous within 1.5 s"
+            ),
+            "{m}"
+        );
         let m = missing_peers(&info, Duration::from_secs(2), |r| r != 5);
-        assert!(m.contains("rank 5 (node 2) did not") && m.contains("launcher of node 2 start"), "{m}");
+        assert!(
+            m.contains("rank 5 (node 2) did not") && m.contains("launcher of node 2 start"),
+            "{m}"
+        );
         assert_eq!(ranges(&[0, 1, 2, 5, 7, 8]), "0-2, 5, 7-8");
-        let torchrun = EnvInfo { launcher: Launcher::Torchrun, ..info };
+        let torchrun = EnvInfo {
+            launcher: Launcher::Torchrun,
+            ..info
+        };
         let m = missing_peers(&torchrun, Duration::from_secs(2), |r| r != 4);
-        assert!(m.starts_with("rank 1: rank 4 did not reach the rendezvous within 2.0 s") && m.contains("torchrun job"), "{m}");
+        assert!(
+            m.starts_with("rank 1: rank 4 did not reach the rendezvous within 2.0 s")
+                && m.contains("torchrun job"),
+            "{m}"
+        );
     }
 }

@@ -36,7 +36,9 @@ fn nccl_multi_rank_gpu() -> bool {
     }
     match crate::nccl::version() {
         Ok(v) if v >= 23000 => {
-            tracing::info!("ranks share a GPU: NCCL {v} multi-rank mode (NCCL_MULTI_RANK_GPU_ENABLE=1)");
+            tracing::info!(
+                "ranks share a GPU: NCCL {v} multi-rank mode (NCCL_MULTI_RANK_GPU_ENABLE=1)"
+            );
             true
         }
         Ok(v) => {
@@ -64,22 +66,36 @@ pub(crate) fn nccl_across_nodes(
     hosts: &[String],
     timeout: Duration,
 ) -> Result<Communicator, CommError> {
-    let cuda = |e: CudaError| CommError::Backend { backend: "cuda", message: e.to_string() };
+    let cuda = |e: CudaError| CommError::Backend {
+        backend: "cuda",
+        message: e.to_string(),
+    };
     // The environment is checked before CUDA is touched.
     let opts = crate::nccl::NcclOptions::from_env().map_err(|e| CommError::Setup(e.to_string()))?;
     let gpus = crate::cuda::device_count().map_err(cuda)?.max(0) as usize;
     let here = hosts.iter().filter(|h| **h == hosts[info.rank]).count();
     if here > gpus {
-        let name = hosts[info.rank].split('/').next().unwrap_or("?").to_string();
+        let name = hosts[info.rank]
+            .split('/')
+            .next()
+            .unwrap_or("?")
+            .to_string();
         return Err(CommError::Unsupported(format!(
             "LOCKSTEP_BACKEND=nccl across nodes: {here} ranks run on host {name}, which has {gpus} visible GPU(s); every rank of a multi-node job needs its own GPU (ranks may share a GPU only in a one-node job, through staging); start at most {gpus} rank(s) per node"
         )));
     }
     let ctx = Context::new(info.local_rank as i32).map_err(cuda)?;
     let generation = NCCL_GENERATION.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let mut ex = crate::nccl::StoreExchange { store, key: format!("lockstep/nccl/unique-id/{generation}"), timeout };
+    let mut ex = crate::nccl::StoreExchange {
+        store,
+        key: format!("lockstep/nccl/unique-id/{generation}"),
+        timeout,
+    };
     let nccl = crate::nccl::NcclComm::new(&ctx, info.rank, info.world_size, &mut ex, opts)
-        .map_err(|e| CommError::Backend { backend: "nccl", message: e.to_string() })?;
+        .map_err(|e| CommError::Backend {
+            backend: "nccl",
+            message: e.to_string(),
+        })?;
     Ok(Communicator::from_backend(Box::new(nccl)))
 }
 
@@ -96,7 +112,11 @@ pub(crate) enum DeviceChoice {
 /// size: a 16-rank job on two 8-GPU nodes has 8 here), `gpus` visible devices, and whether NCCL's
 /// multi-rank mode was asked for and is available (`multi_rank_ok`, evaluated lazily: it loads
 /// NCCL).
-pub(crate) fn choose(local_ranks: usize, gpus: usize, multi_rank_ok: impl FnOnce() -> bool) -> DeviceChoice {
+pub(crate) fn choose(
+    local_ranks: usize,
+    gpus: usize,
+    multi_rank_ok: impl FnOnce() -> bool,
+) -> DeviceChoice {
     if local_ranks <= 1 {
         DeviceChoice::Staged
     } else if gpus >= local_ranks {
@@ -122,12 +142,18 @@ pub(crate) fn choose(local_ranks: usize, gpus: usize, multi_rank_ok: impl FnOnce
 /// `LOCKSTEP_BACKEND=nccl`, which across nodes builds NCCL directly) is returned unchanged, with
 /// its context: wrapping it again would stage device buffers into a communicator that takes only
 /// device buffers.
-pub fn device_communicator(mut host: Communicator, local_rank: usize) -> Result<(Communicator, Arc<Context>), CommError> {
+pub fn device_communicator(
+    mut host: Communicator,
+    local_rank: usize,
+) -> Result<(Communicator, Arc<Context>), CommError> {
     if let Some(ctx) = host.device_context() {
         tracing::debug!(rank = host.rank(), backend = ?host.backend_kind(), "already a device communicator: kept as it is");
         return Ok((host, ctx));
     }
-    let cuda = |e: CudaError| CommError::Backend { backend: "cuda", message: e.to_string() };
+    let cuda = |e: CudaError| CommError::Backend {
+        backend: "cuda",
+        message: e.to_string(),
+    };
     // The environment is checked before CUDA is touched.
     let opts = crate::nccl::NcclOptions::from_env().map_err(|e| CommError::Setup(e.to_string()))?;
     let gpus = crate::cuda::device_count().map_err(cuda)?;
@@ -142,15 +168,27 @@ pub fn device_communicator(mut host: Communicator, local_rank: usize) -> Result<
     // A host (shared-memory) communicator: all of its ranks share this node.
     let (rank, world) = (host.rank(), host.world_size());
     let choice = choose(world, gpus, nccl_multi_rank_gpu);
-    tracing::debug!(rank, world, gpus, device = ordinal, ?choice, "device backend selected");
+    tracing::debug!(
+        rank,
+        world,
+        gpus,
+        device = ordinal,
+        ?choice,
+        "device backend selected"
+    );
     match choice {
         DeviceChoice::Staged => {
             let staged = StagedBackend::new(&ctx, host).map_err(cuda)?;
             Ok((Communicator::from_backend(Box::new(staged)), ctx))
         }
         DeviceChoice::Nccl { .. } => {
-            let nccl = crate::nccl::NcclComm::new(&ctx, rank, world, &mut host, opts)
-                .map_err(|e| CommError::Backend { backend: "nccl", message: e.to_string() })?;
+            let nccl =
+                crate::nccl::NcclComm::new(&ctx, rank, world, &mut host, opts).map_err(|e| {
+                    CommError::Backend {
+                        backend: "nccl",
+                        message: e.to_string(),
+                    }
+                })?;
             Ok((Communicator::from_backend(Box::new(nccl)), ctx))
         }
     }
@@ -163,10 +201,19 @@ mod tests {
     #[test]
     fn policy_table() {
         assert_eq!(choose(1, 8, || unreachable!()), DeviceChoice::Staged);
-        assert_eq!(choose(2, 2, || unreachable!()), DeviceChoice::Nccl { multi_rank: false });
-        assert_eq!(choose(4, 2, || true), DeviceChoice::Nccl { multi_rank: true });
+        assert_eq!(
+            choose(2, 2, || unreachable!()),
+            DeviceChoice::Nccl { multi_rank: false }
+        );
+        assert_eq!(
+            choose(4, 2, || true),
+            DeviceChoice::Nccl { multi_rank: true }
+        );
         assert_eq!(choose(4, 2, || false), DeviceChoice::Staged);
         // Two nodes of 8 GPUs and 8 ranks each: the policy sees the node's 8 ranks, not 16.
-        assert_eq!(choose(8, 8, || unreachable!()), DeviceChoice::Nccl { multi_rank: false });
+        assert_eq!(
+            choose(8, 8, || unreachable!()),
+            DeviceChoice::Nccl { multi_rank: false }
+        );
     }
 }

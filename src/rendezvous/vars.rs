@@ -1,5 +1,5 @@
 //! The variables a launcher sets for its ranks ([`EnvInfo`]), read strictly, and the identity of
-//! this host.
+//! this machine.
 
 use crate::comm::CommError;
 
@@ -77,7 +77,11 @@ type Lookup<'a> = &'a dyn Fn(&str) -> Option<String>;
 fn num(get: Lookup, name: &str) -> Result<Option<usize>, CommError> {
     match get(name) {
         None => Ok(None),
-        Some(v) => v.trim().parse().map(Some).map_err(|_| setup(format!("{name}={v:?} is not a non-negative integer"))),
+        Some(v) => v
+            .trim()
+            .parse()
+            .map(Some)
+            .map_err(|_| setup(format!("{name}={v:?} is not a non-negative integer"))),
     }
 }
 
@@ -92,7 +96,9 @@ fn port(get: Lookup, name: &str) -> Result<Option<u16>, CommError> {
         None => Ok(None),
         Some(p) => match p.trim().parse::<u16>() {
             Ok(n) if n > 0 => Ok(Some(n)),
-            _ => Err(setup(format!("{name}={p:?} is not a port number (1-65535)"))),
+            _ => Err(setup(format!(
+                "{name}={p:?} is not a port number (1-65535)"
+            ))),
         },
     }
 }
@@ -136,7 +142,10 @@ pub(crate) fn slurm_tasks_on_node(spec: &str, node: usize) -> Option<usize> {
     let mut at = 0;
     for part in spec.split(',') {
         let (n, reps) = match part.split_once("(x") {
-            Some((n, r)) => (n.trim().parse::<usize>().ok()?, r.trim_end_matches(')').parse::<usize>().ok()?),
+            Some((n, r)) => (
+                n.trim().parse::<usize>().ok()?,
+                r.trim_end_matches(')').parse::<usize>().ok()?,
+            ),
             None => (part.trim().parse::<usize>().ok()?, 1),
         };
         if node < at + reps {
@@ -152,7 +161,12 @@ impl EnvInfo {
     pub fn from_env() -> Result<EnvInfo, CommError> {
         // The lookup treats a value that is not UTF-8 as unset: lockstep's own variables must not
         // vanish silently.
-        for name in ["LOCKSTEP_TOKEN", "LOCKSTEP_JOB_ID", "LOCKSTEP_NNODES", "LOCKSTEP_STORE_PORT"] {
+        for name in [
+            "LOCKSTEP_TOKEN",
+            "LOCKSTEP_JOB_ID",
+            "LOCKSTEP_NNODES",
+            "LOCKSTEP_STORE_PORT",
+        ] {
             crate::types::env::raw(name).map_err(|e| setup(e.to_string()))?;
         }
         EnvInfo::from_lookup(&var)
@@ -180,7 +194,9 @@ impl EnvInfo {
                 // No silent clamp of 0 nodes to 1.
                 nnodes = match get("LOCKSTEP_NNODES") {
                     None => 1,
-                    Some(v) => crate::types::env::NNODES.parse_count(&v).map_err(|e| setup(e.to_string()))? as usize,
+                    Some(v) => crate::types::env::NNODES
+                        .parse_count(&v)
+                        .map_err(|e| setup(e.to_string()))? as usize,
                 };
                 job_id = get("LOCKSTEP_JOB_ID").unwrap_or_default();
                 // A multi-node launch gives its ranks the launchers' store here, and MASTER_PORT
@@ -193,7 +209,9 @@ impl EnvInfo {
                 world_size = required(get, "WORLD_SIZE", launcher)?;
                 local_rank = num(get, "LOCAL_RANK")?.unwrap_or(rank);
                 local_world_size = num(get, "LOCAL_WORLD_SIZE")?.unwrap_or(world_size);
-                nnodes = num(get, "GROUP_WORLD_SIZE")?.unwrap_or_else(|| world_size.div_ceil(local_world_size.max(1))).max(1);
+                nnodes = num(get, "GROUP_WORLD_SIZE")?
+                    .unwrap_or_else(|| world_size.div_ceil(local_world_size.max(1)))
+                    .max(1);
                 // torchrun's own store listens on MASTER_PORT; ours takes the next port.
                 let base = master_port.ok_or_else(|| {
                     setup("MASTER_PORT is not set: torchrun and torch's env:// set it; set it to the port rank 0 can listen on".into())
@@ -211,7 +229,11 @@ impl EnvInfo {
                 world_size = required(get, "OMPI_COMM_WORLD_SIZE", launcher)?;
                 local_rank = required(get, "OMPI_COMM_WORLD_LOCAL_RANK", launcher)?;
                 local_world_size = required(get, "OMPI_COMM_WORLD_LOCAL_SIZE", launcher)?;
-                nnodes = if local_world_size == world_size { 1 } else { world_size.div_ceil(local_world_size.max(1)).max(2) };
+                nnodes = if local_world_size == world_size {
+                    1
+                } else {
+                    world_size.div_ceil(local_world_size.max(1)).max(2)
+                };
                 let id = get("OMPI_MCA_ess_base_jobid")
                     .or_else(|| get("PMIX_NAMESPACE"))
                     .ok_or_else(|| setup("mpirun set OMPI_COMM_WORLD_RANK but neither OMPI_MCA_ess_base_jobid nor PMIX_NAMESPACE: cannot tell this job from another".into()))?;
@@ -223,7 +245,10 @@ impl EnvInfo {
                 rank = required(get, "SLURM_PROCID", launcher)?;
                 world_size = required(get, "SLURM_NTASKS", launcher)?;
                 local_rank = required(get, "SLURM_LOCALID", launcher)?;
-                let nodes = num(get, "SLURM_STEP_NUM_NODES")?.or(num(get, "SLURM_NNODES")?).unwrap_or(1).max(1);
+                let nodes = num(get, "SLURM_STEP_NUM_NODES")?
+                    .or(num(get, "SLURM_NNODES")?)
+                    .unwrap_or(1)
+                    .max(1);
                 let node = num(get, "SLURM_NODEID")?.unwrap_or(0);
                 local_world_size = match get("SLURM_STEP_TASKS_PER_NODE").or_else(|| get("SLURM_TASKS_PER_NODE")) {
                     Some(spec) => slurm_tasks_on_node(&spec, node)
@@ -238,15 +263,23 @@ impl EnvInfo {
                 let step = get("SLURM_STEP_ID").unwrap_or_else(|| "0".into());
                 job_id = format!("srun-{job}-{step}");
                 if master_addr.is_none() {
-                    master_addr = get("SLURM_STEP_NODELIST").or_else(|| get("SLURM_JOB_NODELIST")).and_then(|l| first_slurm_host(&l));
+                    master_addr = get("SLURM_STEP_NODELIST")
+                        .or_else(|| get("SLURM_JOB_NODELIST"))
+                        .and_then(|l| first_slurm_host(&l));
                 }
                 // A port derived from the job id, so every node computes the same one without
                 // talking to the others; MASTER_PORT or LOCKSTEP_STORE_PORT override it.
-                master_port = store_port.or(master_port).or(Some(20000 + (job % 20000) as u16));
+                master_port = store_port
+                    .or(master_port)
+                    .or(Some(20000 + (job % 20000) as u16));
                 hosts_store = rank == 0;
             }
         }
-        if world_size == 0 || rank >= world_size || local_rank >= local_world_size || local_world_size > world_size {
+        if world_size == 0
+            || rank >= world_size
+            || local_rank >= local_world_size
+            || local_world_size > world_size
+        {
             return Err(setup(format!(
                 "inconsistent rank variables from {}: rank {rank}, world size {world_size}, local rank {local_rank}, local world size {local_world_size}",
                 launcher.name()
@@ -273,15 +306,23 @@ impl EnvInfo {
     }
 }
 
-/// An id of this host: `LOCKSTEP_HOST_ID` if set (for containers that share a kernel but not
+/// An id of this machine: `LOCKSTEP_HOST_ID` if set (for containers that share a kernel but not
 /// memory, and for tests; text without control characters), else its name plus the kernel's boot
 /// id.
 pub fn host_id() -> Result<String, crate::types::env::EnvError> {
     if let Some(h) = crate::types::env::HOST_ID.text()? {
         return Ok(h);
     }
-    let read = |p: &str| std::fs::read_to_string(p).map(|s| s.trim().to_string()).unwrap_or_default();
-    Ok(format!("{}/{}", read("/proc/sys/kernel/hostname"), read("/proc/sys/kernel/random/boot_id")))
+    let read = |p: &str| {
+        std::fs::read_to_string(p)
+            .map(|s| s.trim().to_string())
+            .unwrap_or_default()
+    };
+    Ok(format!(
+        "{}/{}",
+        read("/proc/sys/kernel/hostname"),
+        read("/proc/sys/kernel/random/boot_id")
+    ))
 }
 
 #[cfg(test)]
@@ -289,37 +330,85 @@ mod tests {
     use super::*;
 
     fn info(vars: &[(&str, &str)]) -> Result<EnvInfo, CommError> {
-        let table: Vec<(String, String)> = vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
-        EnvInfo::from_lookup(&move |k: &str| table.iter().find(|(n, v)| n == k && !v.is_empty()).map(|(_, v)| v.clone()))
+        let table: Vec<(String, String)> = vars
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        EnvInfo::from_lookup(&move |k: &str| {
+            table
+                .iter()
+                .find(|(n, v)| n == k && !v.is_empty())
+                .map(|(_, v)| v.clone())
+        })
     }
 
     #[test]
     fn lockstep_single_node_needs_no_port() {
         let i = info(&[("RANK", "1"), ("WORLD_SIZE", "2"), ("LOCKSTEP_JOB_ID", "j")]).unwrap();
         assert_eq!(i.launcher, Launcher::Lockstep);
-        assert_eq!((i.rank, i.local_rank, i.world_size, i.local_world_size, i.master_port), (1, 1, 2, 2, None));
+        assert_eq!(
+            (
+                i.rank,
+                i.local_rank,
+                i.world_size,
+                i.local_world_size,
+                i.master_port
+            ),
+            (1, 1, 2, 2, None)
+        );
         assert!(i.single_node() && !i.hosts_store);
     }
 
     #[test]
     fn lockstep_multi_node_and_errors() {
-        let base = [("RANK", "3"), ("LOCAL_RANK", "1"), ("WORLD_SIZE", "4"), ("LOCAL_WORLD_SIZE", "2"), ("LOCKSTEP_NNODES", "2")];
+        let base = [
+            ("RANK", "3"),
+            ("LOCAL_RANK", "1"),
+            ("WORLD_SIZE", "4"),
+            ("LOCAL_WORLD_SIZE", "2"),
+            ("LOCKSTEP_NNODES", "2"),
+        ];
         let mut v = base.to_vec();
         v.extend([("LOCKSTEP_JOB_ID", "j"), ("MASTER_PORT", "29500")]);
         let i = info(&v).unwrap();
         assert!(!i.single_node());
         assert_eq!(i.master_port, Some(29500));
-        let e = info(&[("WORLD_SIZE", "2"), ("LOCKSTEP_JOB_ID", "j")]).unwrap_err().to_string();
-        assert!(e.contains("RANK is not set, but the environment looks like lockstep"), "{e}");
-        let e = info(&[("RANK", "2"), ("WORLD_SIZE", "2"), ("LOCKSTEP_JOB_ID", "j")]).unwrap_err().to_string();
+        let e = info(&[("WORLD_SIZE", "2"), ("LOCKSTEP_JOB_ID", "j")])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("RANK is not set, but the environment looks like lockstep"),
+            "{e}"
+        );
+        let e = info(&[("RANK", "2"), ("WORLD_SIZE", "2"), ("LOCKSTEP_JOB_ID", "j")])
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("inconsistent rank variables"), "{e}");
-        let e = info(&[("RANK", "x"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "1")]).unwrap_err().to_string();
-        assert!(e.contains("RANK=\"x\" is not a non-negative integer"), "{e}");
+        let e = info(&[("RANK", "x"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "1")])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("RANK=\"x\" is not a non-negative integer"),
+            "{e}"
+        );
         let e = info(&[("MASTER_PORT", "1")]).unwrap_err().to_string();
-        assert!(e.contains("no launcher variables found") && e.contains("torchrun, mpirun or srun"), "{e}");
+        assert!(
+            e.contains("no launcher variables found") && e.contains("torchrun, mpirun or srun"),
+            "{e}"
+        );
         // No silent clamp of 0 nodes to 1.
-        let e = info(&[("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCKSTEP_JOB_ID", "j"), ("LOCKSTEP_NNODES", "0")]).unwrap_err().to_string();
-        assert!(e.contains("LOCKSTEP_NNODES=\"0\" is invalid: expected a whole number from 1"), "{e}");
+        let e = info(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "2"),
+            ("LOCKSTEP_JOB_ID", "j"),
+            ("LOCKSTEP_NNODES", "0"),
+        ])
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("LOCKSTEP_NNODES=\"0\" is invalid: expected a whole number from 1"),
+            "{e}"
+        );
     }
 
     #[test]
@@ -335,12 +424,29 @@ mod tests {
         ];
         let i = info(&v).unwrap();
         assert_eq!(i.launcher, Launcher::Torchrun);
-        assert_eq!((i.rank, i.local_rank, i.nnodes, i.master_port, i.hosts_store), (3, 1, 2, Some(29501), false));
-        assert_eq!((i.job_id.as_str(), i.master_addr.as_str()), ("torchrun-abc-10.0.0.1-29500", "10.0.0.1"));
-        let e = info(&[("RANK", "0"), ("WORLD_SIZE", "2")]).unwrap_err().to_string();
+        assert_eq!(
+            (i.rank, i.local_rank, i.nnodes, i.master_port, i.hosts_store),
+            (3, 1, 2, Some(29501), false)
+        );
+        assert_eq!(
+            (i.job_id.as_str(), i.master_addr.as_str()),
+            ("torchrun-abc-10.0.0.1-29500", "10.0.0.1")
+        );
+        let e = info(&[("RANK", "0"), ("WORLD_SIZE", "2")])
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("MASTER_PORT is not set"), "{e}");
-        let i = info(&[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "29500"), ("LOCKSTEP_STORE_PORT", "4000")]).unwrap();
-        assert_eq!((i.master_port, i.hosts_store, i.single_node()), (Some(4000), true, true));
+        let i = info(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_PORT", "29500"),
+            ("LOCKSTEP_STORE_PORT", "4000"),
+        ])
+        .unwrap();
+        assert_eq!(
+            (i.master_port, i.hosts_store, i.single_node()),
+            (Some(4000), true, true)
+        );
     }
 
     #[test]
@@ -354,9 +460,21 @@ mod tests {
         ];
         let i = info(&v).unwrap();
         assert_eq!(i.launcher, Launcher::OpenMpi);
-        assert_eq!((i.rank, i.local_rank, i.world_size, i.nnodes, i.job_id.as_str()), (1, 1, 2, 1, "mpirun-737083393"));
+        assert_eq!(
+            (
+                i.rank,
+                i.local_rank,
+                i.world_size,
+                i.nnodes,
+                i.job_id.as_str()
+            ),
+            (1, 1, 2, 1, "mpirun-737083393")
+        );
         let e = info(&v[..4]).unwrap_err().to_string();
-        assert!(e.contains("neither OMPI_MCA_ess_base_jobid nor PMIX_NAMESPACE"), "{e}");
+        assert!(
+            e.contains("neither OMPI_MCA_ess_base_jobid nor PMIX_NAMESPACE"),
+            "{e}"
+        );
     }
 
     #[test]
@@ -374,9 +492,24 @@ mod tests {
         ];
         let i = info(&v).unwrap();
         assert_eq!(i.launcher, Launcher::Slurm);
-        assert_eq!((i.rank, i.local_rank, i.world_size, i.local_world_size, i.nnodes), (5, 1, 7, 2, 4));
-        assert_eq!((i.job_id.as_str(), i.master_addr.as_str(), i.master_port), ("srun-12345-3", "gpu07", Some(20000 + 12345)));
-        assert_eq!(first_slurm_host("node[01-04,07],gpu5").as_deref(), Some("node01"));
+        assert_eq!(
+            (
+                i.rank,
+                i.local_rank,
+                i.world_size,
+                i.local_world_size,
+                i.nnodes
+            ),
+            (5, 1, 7, 2, 4)
+        );
+        assert_eq!(
+            (i.job_id.as_str(), i.master_addr.as_str(), i.master_port),
+            ("srun-12345-3", "gpu07", Some(20000 + 12345))
+        );
+        assert_eq!(
+            first_slurm_host("node[01-04,07],gpu5").as_deref(),
+            Some("node01")
+        );
         assert_eq!(first_slurm_host("login3,node2").as_deref(), Some("login3"));
         assert_eq!(slurm_tasks_on_node("2(x3),1", 3), Some(1));
         assert_eq!(slurm_tasks_on_node("2(x3),1", 4), None);

@@ -23,7 +23,12 @@ pub(crate) struct Heap {
 
 impl Heap {
     pub(crate) fn new(start: usize, len: usize) -> Heap {
-        Heap { free: vec![(start, len)], start, len, quarantined: false }
+        Heap {
+            free: vec![(start, len)],
+            start,
+            len,
+            quarantined: false,
+        }
     }
 
     pub(crate) fn quarantine(&mut self) {
@@ -90,7 +95,11 @@ pub(crate) struct SharedAlloc {
 }
 
 impl SharedAlloc {
-    pub(crate) fn new(seg: Arc<Segment>, heap: Arc<Mutex<Heap>>, bytes: usize) -> Result<SharedAlloc, CommError> {
+    pub(crate) fn new(
+        seg: Arc<Segment>,
+        heap: Arc<Mutex<Heap>>,
+        bytes: usize,
+    ) -> Result<SharedAlloc, CommError> {
         let align = if bytes >= 64 << 10 { 4096 } else { 64 };
         let off = {
             let mut h = heap.lock().unwrap_or_else(|e| e.into_inner());
@@ -106,7 +115,9 @@ impl SharedAlloc {
         // The heap is sized generously and only reserved piece by piece: back this buffer now, so
         // a full /dev/shm is this error rather than a SIGBUS when the zeroing below touches it.
         if let Err(e) = seg.reserve(off, bytes) {
-            heap.lock().unwrap_or_else(|p| p.into_inner()).release(off, bytes);
+            heap.lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .release(off, bytes);
             return Err(CommError::Unsupported(format!(
                 "alloc_shared: {e}. Free other shared buffers or allocate less; make room there or set LOCKSTEP_SHM_DIR to a larger tmpfs (LOCKSTEP_SHM_HEAP_BYTES only bounds the address space, lowering it does not help)"
             )));
@@ -114,7 +125,12 @@ impl SharedAlloc {
         // SAFETY: [off, off+bytes) lies in this rank's heap region of the live mapping and was just
         // handed out exclusively to this allocation. Zeroing gives deterministic initial contents.
         unsafe { std::ptr::write_bytes(seg.base().add(off), 0, bytes) };
-        Ok(SharedAlloc { seg, heap, off, bytes })
+        Ok(SharedAlloc {
+            seg,
+            heap,
+            off,
+            bytes,
+        })
     }
 }
 

@@ -7,7 +7,9 @@ use super::algo::p2p::P2p;
 use super::algo::{allreduce, broadcast, exchange, fast, gather, reduce_scatter, small};
 use super::alloc::{Heap, SharedAlloc};
 use super::channel::{Channel, Ctx};
-use crate::comm::{Backend, BackendKind, Call, CollKind, CommError, Dtype, MemSpace, P2pOp, SharedRegion};
+use crate::comm::{
+    Backend, BackendKind, Call, CollKind, CommError, Dtype, MemSpace, P2pOp, SharedRegion,
+};
 
 /// One rank's handle on a shared-memory communicator.
 pub struct ShmComm {
@@ -26,15 +28,30 @@ pub struct ShmComm {
 
 impl std::fmt::Debug for ShmComm {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ShmComm").field("rank", &self.ch.rank()).field("world", &self.ch.world()).field("seq", &self.ch.seq()).finish()
+        f.debug_struct("ShmComm")
+            .field("rank", &self.ch.rank())
+            .field("world", &self.ch.world())
+            .field("seq", &self.ch.seq())
+            .finish()
     }
 }
 
 impl ShmComm {
     /// A communicator over a joined channel, allocating shared buffers from `heap`.
     pub(crate) fn new(ch: Channel, heap: Arc<Mutex<Heap>>) -> ShmComm {
-        let p2p = P2p::new(ch.world(), ch.config().cma_bytes, ch.config().fault_refuse_direct);
-        ShmComm { ch, heap, poisoned: None, p2p, tag: None, splits: 0 }
+        let p2p = P2p::new(
+            ch.world(),
+            ch.config().cma_bytes,
+            ch.config().fault_refuse_direct,
+        );
+        ShmComm {
+            ch,
+            heap,
+            poisoned: None,
+            p2p,
+            tag: None,
+            splits: 0,
+        }
     }
 
     /// Set the tag that names this communicator's segment (see `shm::split`).
@@ -71,9 +88,11 @@ impl ShmComm {
             CollKind::Broadcast => broadcast::broadcast(ch, call, cx),
             CollKind::AllGather | CollKind::Gather => gather::all_gather(ch, call, cx),
             CollKind::ReduceScatter => reduce_scatter::reduce_scatter(ch, call, cx),
-            CollKind::AllToAll | CollKind::AllToAllV | CollKind::Scatter | CollKind::AllGatherV | CollKind::GatherV => {
-                exchange::exchange(ch, call, cx)
-            }
+            CollKind::AllToAll
+            | CollKind::AllToAllV
+            | CollKind::Scatter
+            | CollKind::AllGatherV
+            | CollKind::GatherV => exchange::exchange(ch, call, cx),
             CollKind::Send | CollKind::Recv => Err(CommError::Unsupported(format!(
                 "{} is point-to-point: call Communicator::{} (the collective path cannot run it)",
                 call.kind, call.kind
@@ -82,10 +101,16 @@ impl ShmComm {
     }
 
     fn poison_on(&mut self, e: &CommError) {
-        if matches!(e, CommError::PeerLost { .. } | CommError::Timeout { .. } | CommError::Aborted { .. }) {
+        if matches!(
+            e,
+            CommError::PeerLost { .. } | CommError::Timeout { .. } | CommError::Aborted { .. }
+        ) {
             self.poisoned = Some(e.to_string());
             // A peer may still touch buffers of the failed call: never hand their memory out again.
-            self.heap.lock().unwrap_or_else(|p| p.into_inner()).quarantine();
+            self.heap
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .quarantine();
         }
     }
 }
@@ -150,7 +175,10 @@ impl Backend for ShmComm {
 
     fn p2p(&mut self, ops: &[P2pOp]) -> Result<(), CommError> {
         if let Some(reason) = &self.poisoned {
-            return Err(CommError::Aborted { by: self.ch.global(self.ch.rank()), reason: format!("an earlier call failed: {reason}") });
+            return Err(CommError::Aborted {
+                by: self.ch.global(self.ch.rank()),
+                reason: format!("an earlier call failed: {reason}"),
+            });
         }
         for o in ops {
             if o.mem.space != MemSpace::Host && o.mem.len > 0 {
@@ -164,7 +192,10 @@ impl Backend for ShmComm {
                 return Err(CommError::InvalidArgument {
                     op: o.kind,
                     rank: self.ch.global(self.ch.rank()),
-                    detail: format!("a point-to-point operation needs kind send or recv and a peer below {}", self.ch.world()),
+                    detail: format!(
+                        "a point-to-point operation needs kind send or recv and a peer below {}",
+                        self.ch.world()
+                    ),
                 });
             }
         }
@@ -192,9 +223,15 @@ impl Backend for ShmComm {
         self.ch.seq()
     }
 
-    fn split(&mut self, color: Option<u32>, key: i64) -> Result<Option<Box<dyn Backend>>, CommError> {
+    fn split(
+        &mut self,
+        color: Option<u32>,
+        key: i64,
+    ) -> Result<Option<Box<dyn Backend>>, CommError> {
         // `shm::split` (an inherent method there: it builds on bootstrap, which builds on this file).
-        Ok(self.split_shm(color, key)?.map(|c| Box::new(c) as Box<dyn Backend>))
+        Ok(self
+            .split_shm(color, key)?
+            .map(|c| Box::new(c) as Box<dyn Backend>))
     }
 
     fn global_ranks(&self) -> Option<Vec<usize>> {
@@ -202,6 +239,10 @@ impl Backend for ShmComm {
     }
 
     fn alloc_shared(&mut self, bytes: usize) -> Result<Box<dyn SharedRegion>, CommError> {
-        Ok(Box::new(SharedAlloc::new(self.ch.seg().clone(), self.heap.clone(), bytes)?))
+        Ok(Box::new(SharedAlloc::new(
+            self.ch.seg().clone(),
+            self.heap.clone(),
+            bytes,
+        )?))
     }
 }

@@ -10,7 +10,10 @@ use super::alloc::Heap;
 use super::backend::ShmComm;
 use super::channel::Channel;
 use super::config::ShmConfig;
-use super::segment::{available_cpus, futex_wait, futex_wake_all, room_hint, show_bytes, NoSpace, PeerWatch, SegName, Segment};
+use super::segment::{
+    available_cpus, futex_wait, futex_wake_all, room_hint, show_bytes, NoSpace, PeerWatch, SegName,
+    Segment,
+};
 use super::stale::{creator_identity, creator_in, creator_of, Creator};
 use super::sync::{Header, Layout, HEADER_BYTES, MAGIC, STATE_JOINED, STATE_LEFT, VERSION};
 use crate::comm::{rank_name, CommError, Communicator};
@@ -32,7 +35,8 @@ pub(crate) fn init_header(seg: &Segment, layout: &Layout, cfg: &ShmConfig) {
     h.slot_bytes.store(layout.slot_bytes as u64, Relaxed);
     h.heap_bytes.store(layout.heap_bytes as u64, Relaxed);
     h.total_bytes.store(layout.total as u64, Relaxed);
-    h.small_bytes.store(cfg.small_bytes.min(layout.slot_bytes) as u64, Relaxed);
+    h.small_bytes
+        .store(cfg.small_bytes.min(layout.slot_bytes) as u64, Relaxed);
     h.nt_bytes.store(cfg.nt_bytes as u64, Relaxed);
     let (pid, pidns, start) = creator_identity();
     h.creator_pid.store(pid, Relaxed);
@@ -54,11 +58,16 @@ pub(crate) fn init_header(seg: &Segment, layout: &Layout, cfg: &ShmConfig) {
 /// anonymous segment (a memfd: no file system to ask, only the memory cgroup) reserves all of it.
 pub(crate) fn reserve_backed(seg: &Segment, layout: &Layout) -> Result<(), CommError> {
     if !seg.is_named() {
-        return seg.reserve(0, layout.backed()).map_err(|e| no_room(&e, layout));
+        return seg
+            .reserve(0, layout.backed())
+            .map_err(|e| no_room(&e, layout));
     }
-    seg.check_room(layout.backed()).map_err(|e| no_room(&e, layout))?;
-    seg.reserve(0, layout.slots_off).map_err(|e| no_room(&e, layout))?;
-    seg.reserve(layout.fast_off, layout.p2p_off - layout.fast_off).map_err(|e| no_room(&e, layout))
+    seg.check_room(layout.backed())
+        .map_err(|e| no_room(&e, layout))?;
+    seg.reserve(0, layout.slots_off)
+        .map_err(|e| no_room(&e, layout))?;
+    seg.reserve(layout.fast_off, layout.p2p_off - layout.fast_off)
+        .map_err(|e| no_room(&e, layout))
 }
 
 /// Where to make room, for the errors of a segment that does not fit.
@@ -82,14 +91,20 @@ impl ShmJob {
     /// Create an anonymous segment for `world` ranks.
     pub fn with_config(world: usize, cfg: ShmConfig) -> Result<ShmJob, CommError> {
         if world == 0 || world > 1024 {
-            return Err(CommError::Setup(format!("world size {world} is out of range 1..=1024")));
+            return Err(CommError::Setup(format!(
+                "world size {world} is out of range 1..=1024"
+            )));
         }
         let cfg = cfg.normalized_for(world);
         let layout = Layout::new(world, cfg.slot_bytes, cfg.heap_bytes)?;
         let seg = Segment::anonymous(layout.total)?;
         reserve_backed(&seg, &layout)?;
         init_header(&seg, &layout, &cfg);
-        Ok(ShmJob { seg: Arc::new(seg), layout, cfg })
+        Ok(ShmJob {
+            seg: Arc::new(seg),
+            layout,
+            cfg,
+        })
     }
 
     /// Number of ranks the segment was made for.
@@ -99,7 +114,14 @@ impl ShmJob {
 
     /// Join as `rank` (called in each forked child).
     pub fn join(&self, rank: usize) -> Result<ShmComm, CommError> {
-        join(self.seg.clone(), self.layout, self.cfg.clone(), rank, None, None)
+        join(
+            self.seg.clone(),
+            self.layout,
+            self.cfg.clone(),
+            rank,
+            None,
+            None,
+        )
     }
 
     /// Join as `rank` and wrap the result in a [`Communicator`].
@@ -132,12 +154,21 @@ pub(crate) fn join(
 ) -> Result<ShmComm, CommError> {
     let world = layout.world;
     if rank >= world {
-        return Err(CommError::Setup(format!("rank {rank} is out of range for world size {world}")));
+        return Err(CommError::Setup(format!(
+            "rank {rank} is out of range for world size {world}"
+        )));
     }
-    let heap = Arc::new(Mutex::new(Heap::new(layout.heap_off(rank), layout.heap_bytes)));
+    let heap = Arc::new(Mutex::new(Heap::new(
+        layout.heap_off(rank),
+        layout.heap_bytes,
+    )));
     let spin = match sub {
         Some(s) => s.spin,
-        None => cfg.spin.unwrap_or(if world > available_cpus() { Duration::from_micros(2) } else { Duration::from_micros(20) }),
+        None => cfg.spin.unwrap_or(if world > available_cpus() {
+            Duration::from_micros(2)
+        } else {
+            Duration::from_micros(20)
+        }),
     };
     if cfg.bind_cpu && sub.is_none() {
         bind_to_cpu(rank, world);
@@ -152,8 +183,16 @@ pub(crate) fn join(
         c.set_global(g.clone());
     }
     let me = c.ctrl(rank);
-    if me.state.compare_exchange(0, STATE_JOINED, SeqCst, SeqCst).is_err() {
-        return Err(CommError::Setup(format!("{} has already joined this communicator (pid {})", who(rank), me.pid.load(Relaxed))));
+    if me
+        .state
+        .compare_exchange(0, STATE_JOINED, SeqCst, SeqCst)
+        .is_err()
+    {
+        return Err(CommError::Setup(format!(
+            "{} has already joined this communicator (pid {})",
+            who(rank),
+            me.pid.load(Relaxed)
+        )));
     }
     // The rank's slots are mapped when it first stages data (Channel::ensure_slots), not here:
     // a job whose collectives all take the fast path never touches them.
@@ -184,7 +223,10 @@ pub(crate) fn join(
         }
         let waited = start.elapsed();
         if waited > join_timeout {
-            let missing: Vec<String> = (0..world).filter(|&r| c.ctrl(r).state.load(Acquire) == 0).map(who).collect();
+            let missing: Vec<String> = (0..world)
+                .filter(|&r| c.ctrl(r).state.load(Acquire) == 0)
+                .map(who)
+                .collect();
             return Err(CommError::Setup(format!(
                 "{}: {} did not join within {:.0} s (LOCKSTEP_JOIN_TIMEOUT_S); did every rank start?",
                 who(rank),
@@ -215,7 +257,11 @@ pub(crate) fn join(
                 )));
             }
         }
-        futex_wait(&h.wake.0, w, (join_timeout - waited).min(Duration::from_millis(200)) + Duration::from_millis(1));
+        futex_wait(
+            &h.wake.0,
+            w,
+            (join_timeout - waited).min(Duration::from_millis(200)) + Duration::from_millis(1),
+        );
     }
     c.watch_peers();
     Ok(ShmComm::new(c, heap))
@@ -225,7 +271,12 @@ impl ShmComm {
     /// Join the named segment of job `job_id` as `rank` of `world` (ranks exec'd separately on one
     /// node). Rank 0 creates the segment (in `/dev/shm`, or `cfg.shm_dir`); the others wait for
     /// it. The name is removed once all ranks have mapped it.
-    pub fn join_named(job_id: &str, rank: usize, world: usize, cfg: ShmConfig) -> Result<ShmComm, CommError> {
+    pub fn join_named(
+        job_id: &str,
+        rank: usize,
+        world: usize,
+        cfg: ShmConfig,
+    ) -> Result<ShmComm, CommError> {
         let cfg = cfg.normalized_for(world);
         let name = SegName::new(cfg.checked_shm_dir()?, job_id)?;
         let layout = Layout::new(world, cfg.slot_bytes, cfg.heap_bytes)?;
@@ -236,7 +287,8 @@ impl ShmComm {
                 return Err(e);
             }
             init_header(&seg, &layout, &cfg);
-            return join(Arc::new(seg), layout, cfg, rank, Some(&name), None).map(|c| c.with_tag(job_id));
+            return join(Arc::new(seg), layout, cfg, rank, Some(&name), None)
+                .map(|c| c.with_tag(job_id));
         }
         let start = Instant::now();
         // Poll for the segment with exponential back-off (it has no futex to sleep on before it
@@ -249,8 +301,11 @@ impl ShmComm {
                 // SAFETY: the mapping is at least HEADER_BYTES long and page-aligned.
                 let h = unsafe { &*(seg.base() as *const Header) };
                 if h.magic.load(Acquire) == MAGIC {
-                    let (w, slot, heap) =
-                        (h.world.load(Relaxed) as usize, h.slot_bytes.load(Relaxed) as usize, h.heap_bytes.load(Relaxed) as usize);
+                    let (w, slot, heap) = (
+                        h.world.load(Relaxed) as usize,
+                        h.slot_bytes.load(Relaxed) as usize,
+                        h.heap_bytes.load(Relaxed) as usize,
+                    );
                     if h.version.load(Relaxed) != VERSION || w != world {
                         return Err(CommError::Setup(format!(
                             "segment {name} was made for world size {w} (layout v{}), this rank expects {world} (v{VERSION}); are two jobs using the same job id?",
@@ -263,7 +318,8 @@ impl ShmComm {
                     // id, which rank 0 is about to replace: joining it would wait for nobody.
                     let leftover = matches!(creator_in(h), Creator::Dead(_));
                     if seg.len() >= layout.total && !leftover {
-                        return join(Arc::new(seg), layout, cfg, rank, Some(&name), None).map(|c| c.with_tag(job_id));
+                        return join(Arc::new(seg), layout, cfg, rank, Some(&name), None)
+                            .map(|c| c.with_tag(job_id));
                     }
                 }
             }
@@ -282,7 +338,11 @@ impl ShmComm {
 /// Create job `job_id`'s named segment. A segment of that name whose creator is dead (a job
 /// killed before all its ranks joined, run again with the same id) is removed at once and the
 /// creation retried; one whose creator lives, or cannot be checked, is an error that says so.
-pub(crate) fn create_named(name: &SegName, job_id: &str, layout: &Layout) -> Result<Segment, CommError> {
+pub(crate) fn create_named(
+    name: &SegName,
+    job_id: &str,
+    layout: &Layout,
+) -> Result<Segment, CommError> {
     let exists = |e: &CommError| matches!(e, CommError::Os { source, .. } if source.raw_os_error() == Some(libc::EEXIST));
     match Segment::create_named(name, layout.total) {
         Err(e) if exists(&e) => match creator_of(name) {
@@ -325,7 +385,9 @@ fn bind_to_cpu(rank: usize, world: usize) {
         if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
             return;
         }
-        let cpus: Vec<usize> = (0..libc::CPU_SETSIZE as usize).filter(|&c| libc::CPU_ISSET(c, &set)).collect();
+        let cpus: Vec<usize> = (0..libc::CPU_SETSIZE as usize)
+            .filter(|&c| libc::CPU_ISSET(c, &set))
+            .collect();
         if cpus.len() < world {
             return;
         }

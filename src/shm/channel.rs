@@ -15,8 +15,8 @@ use super::config::ShmConfig;
 use super::reduce::{copy_block, copy_block2, store_fence};
 use super::segment::{futex_wait, futex_wake_all, show_bytes, PeerWatch, Segment};
 use super::sync::{
-    Abort, Ctrl, Desc, FastHdr, Header, Layout, ABORT_DIED, ABORT_LEFT, ABORT_TIMEOUT, FAST_HDR, INVALID, SHARED_RECV, SHARED_SEND,
-    STAGE_NT, STATE_LEFT,
+    Abort, Ctrl, Desc, FastHdr, Header, Layout, ABORT_DIED, ABORT_LEFT, ABORT_TIMEOUT, FAST_HDR,
+    INVALID, SHARED_RECV, SHARED_SEND, STAGE_NT, STATE_LEFT,
 };
 use super::tune::Tuner;
 use crate::comm::{rank_name, Call, CollKind, CommError, Dtype, MemSpace, RawMem, ReduceOp};
@@ -82,7 +82,13 @@ pub(crate) struct Channel {
 impl Channel {
     /// A channel for `rank` over a segment whose header is initialised. Joining (the control
     /// block's state, the wait for the others) is the caller's job, then [`watch_peers`](Self::watch_peers).
-    pub(crate) fn new(seg: Arc<Segment>, layout: Layout, cfg: ShmConfig, rank: usize, spin: Duration) -> Channel {
+    pub(crate) fn new(
+        seg: Arc<Segment>,
+        layout: Layout,
+        cfg: ShmConfig,
+        rank: usize,
+        spin: Duration,
+    ) -> Channel {
         let tuner = Tuner::staging(cfg.stage);
         let single = Tuner::single_copy(cfg.single_copy);
         Channel {
@@ -123,11 +129,18 @@ impl Channel {
         if self.slots_ready {
             return Ok(());
         }
-        let (off, len) = (self.layout.slot_off(self.rank, 0), 2 * self.layout.slot_bytes);
+        let (off, len) = (
+            self.layout.slot_off(self.rank, 0),
+            2 * self.layout.slot_bytes,
+        );
         self.seg.populate(off, len).map_err(|e| {
             super::segment::no_room_now(
                 &e,
-                &format!("the two staging slots of {} ({} each)", self.who(self.rank), show_bytes(self.layout.slot_bytes as u64)),
+                &format!(
+                    "the two staging slots of {} ({} each)",
+                    self.who(self.rank),
+                    show_bytes(self.layout.slot_bytes as u64)
+                ),
             )
         })?;
         self.slots_ready = true;
@@ -146,7 +159,10 @@ impl Channel {
 
     /// The global rank of rank `r`.
     pub(crate) fn global(&self, r: usize) -> usize {
-        self.global.as_ref().and_then(|g| g.get(r).copied()).unwrap_or(r)
+        self.global
+            .as_ref()
+            .and_then(|g| g.get(r).copied())
+            .unwrap_or(r)
     }
 
     /// How errors name rank `r`: `rank 3`, or in a sub-communicator `rank 3 (rank 1 of this
@@ -171,7 +187,11 @@ impl Channel {
             rank: self.global(self.rank),
             lost_rank: self.global(r),
             pid: self.ctrl(r).pid.load(Relaxed),
-            how: if died { "died" } else { "left the communicator" },
+            how: if died {
+                "died"
+            } else {
+                "left the communicator"
+            },
             op,
             seq,
             group,
@@ -180,8 +200,15 @@ impl Channel {
 
     /// Start watching every peer's process (their pids are written once all ranks have joined).
     pub(crate) fn watch_peers(&mut self) {
-        self.peers =
-            (0..self.world).map(|r| if r == self.rank { None } else { Some(PeerWatch::new(self.ctrl(r).pid.load(Acquire))) }).collect();
+        self.peers = (0..self.world)
+            .map(|r| {
+                if r == self.rank {
+                    None
+                } else {
+                    Some(PeerWatch::new(self.ctrl(r).pid.load(Acquire)))
+                }
+            })
+            .collect();
     }
 
     pub(crate) fn rank(&self) -> usize {
@@ -236,7 +263,12 @@ impl Channel {
     /// Whether peer `r` is gone: `Some(true)` if its process died, `Some(false)` if it left the
     /// communicator, `None` while it is there (point-to-point waits check their own peers).
     pub(crate) fn peer_gone(&self, r: usize) -> Option<bool> {
-        if self.peers.get(r).and_then(|w| w.as_ref()).is_some_and(|w| w.is_dead()) {
+        if self
+            .peers
+            .get(r)
+            .and_then(|w| w.as_ref())
+            .is_some_and(|w| w.is_dead())
+        {
             return Some(true);
         }
         (self.ctrl(r).state.load(Acquire) == STATE_LEFT).then_some(false)
@@ -264,7 +296,11 @@ impl Channel {
     /// wait, the fence finds the store long visible and costs about 1.5 ns. Waking late is
     /// harmless: a sleeper waits for every peer, so the last rank to arrive wakes it, and that
     /// rank's own wait ends at once.
-    fn wait_published(&mut self, arrived: &impl Fn(&Channel, usize) -> bool, cx: Ctx) -> Result<(), CommError> {
+    fn wait_published(
+        &mut self,
+        arrived: &impl Fn(&Channel, usize) -> bool,
+        cx: Ctx,
+    ) -> Result<(), CommError> {
         let waited = self.wait_for(arrived, cx);
         fence(SeqCst);
         self.wake_sleepers();
@@ -289,7 +325,10 @@ impl Channel {
     /// Rank `r`'s staging slot of phase `phase` (by parity). This rank's own only after
     /// [`ensure_slots`](Self::ensure_slots).
     pub(crate) fn slot(&self, r: usize, phase: u64) -> *mut u8 {
-        debug_assert!(r != self.rank || self.slots_ready, "a collective staged data before ensure_slots");
+        debug_assert!(
+            r != self.rank || self.slots_ready,
+            "a collective staged data before ensure_slots"
+        );
         // SAFETY: slot offsets lie inside the mapping by construction of the layout.
         unsafe { self.seg.base().add(self.layout.slot_off(r, phase)) }
     }
@@ -305,7 +344,8 @@ impl Channel {
     fn shared_off(&self, addr: usize, bytes: usize) -> Option<u64> {
         let lo = self.seg.base() as usize + self.layout.heap_off(self.rank);
         let hi = lo + self.layout.heap_bytes;
-        (addr >= lo && addr + bytes <= hi && bytes > 0).then(|| (addr - self.seg.base() as usize) as u64)
+        (addr >= lo && addr + bytes <= hi && bytes > 0)
+            .then(|| (addr - self.seg.base() as usize) as u64)
     }
 
     fn write_desc(&self, phase: u64, d: Desc) {
@@ -350,7 +390,10 @@ impl Channel {
     /// Publish and wait for every peer to reach the same phase. Returns the phase number.
     pub(crate) fn phase(&mut self, cx: Ctx) -> Result<u64, CommError> {
         let p = self.publish();
-        self.wait_published(&|ch: &Channel, r: usize| ch.ctrl(r).progress.load(Acquire) >= p, cx)?;
+        self.wait_published(
+            &|ch: &Channel, r: usize| ch.ctrl(r).progress.load(Acquire) >= p,
+            cx,
+        )?;
         Ok(p)
     }
 
@@ -374,7 +417,11 @@ impl Channel {
 
     /// Wait until every peer `r` has arrived (`arrived(self, r)`): spin, then yield, then sleep
     /// on the header's futex, checking the peers' health and the timeout while not spinning.
-    fn wait_for(&mut self, arrived: &impl Fn(&Channel, usize) -> bool, cx: Ctx) -> Result<(), CommError> {
+    fn wait_for(
+        &mut self,
+        arrived: &impl Fn(&Channel, usize) -> bool,
+        cx: Ctx,
+    ) -> Result<(), CommError> {
         let mut next = 0;
         // Fast path: spin on the peers' lines.
         let mut i = 0u32;
@@ -417,11 +464,15 @@ impl Channel {
                 let w = h.wake.0.load(SeqCst);
                 if !self.all_arrived(arrived, &mut next) {
                     futex_wait(&h.wake.0, w, nap);
-                    nap = (nap * 2).min(Duration::from_millis(20)).min(self.cfg.peer_check);
+                    nap = (nap * 2)
+                        .min(Duration::from_millis(20))
+                        .min(self.cfg.peer_check);
                 }
                 h.sleepers.0.fetch_sub(1, SeqCst);
             }
-            if last_check.elapsed() >= self.cfg.peer_check || waited < Duration::from_millis(2) && i.is_multiple_of(64) {
+            if last_check.elapsed() >= self.cfg.peer_check
+                || waited < Duration::from_millis(2) && i.is_multiple_of(64)
+            {
                 last_check = Instant::now();
                 self.check_peers(arrived, next, cx, start)?;
             }
@@ -430,7 +481,13 @@ impl Channel {
     }
 
     /// Slow-path health check: abort flag, dead or departed peers, overall timeout.
-    fn check_peers(&self, arrived: &impl Fn(&Channel, usize) -> bool, next: usize, cx: Ctx, start: Instant) -> Result<(), CommError> {
+    fn check_peers(
+        &self,
+        arrived: &impl Fn(&Channel, usize) -> bool,
+        next: usize,
+        cx: Ctx,
+        start: Instant,
+    ) -> Result<(), CommError> {
         for r in next..self.world {
             if r == self.rank {
                 continue;
@@ -449,7 +506,8 @@ impl Channel {
             if died || left {
                 // Tell ranks that wait on someone else too.
                 self.record_abort(|a| {
-                    a.how.store(if died { ABORT_DIED } else { ABORT_LEFT }, Relaxed);
+                    a.how
+                        .store(if died { ABORT_DIED } else { ABORT_LEFT }, Relaxed);
                     a.rank.store(r as u32 + 1, Relaxed);
                     a.at_seq.store(cx.seq, Relaxed);
                 });
@@ -461,7 +519,9 @@ impl Channel {
         }
         let waited = start.elapsed();
         if waited >= self.cfg.timeout {
-            let stuck: Vec<usize> = (0..self.world).filter(|&r| r != self.rank && !arrived(self, r)).collect();
+            let stuck: Vec<usize> = (0..self.world)
+                .filter(|&r| r != self.rank && !arrived(self, r))
+                .collect();
             let first = stuck.first().copied().unwrap_or(self.rank);
             let (seq, kind) = self.position(first);
             // Peers that arrive later must not go on using this rank's buffers, and must name the
@@ -470,7 +530,8 @@ impl Channel {
                 a.how.store(ABORT_TIMEOUT, Relaxed);
                 a.rank.store(first as u32 + 1, Relaxed);
                 a.culprit_seq.store(seq, Relaxed);
-                a.culprit_kind.store(kind.map_or(0, |k| k as u32 + 1), Relaxed);
+                a.culprit_kind
+                    .store(kind.map_or(0, |k| k as u32 + 1), Relaxed);
                 a.missing.store(stuck.len() as u32, Relaxed);
                 a.at_kind.store(cx.op as u32 + 1, Relaxed);
                 a.at_seq.store(cx.seq, Relaxed);
@@ -490,7 +551,11 @@ impl Channel {
                 secs: waited.as_secs_f64(),
                 detail: format!(
                     "{} not arrived: {}; this rank ({}) is at #{}",
-                    if missing.len() == 1 { "one rank has".to_string() } else { format!("{} ranks have", missing.len()) },
+                    if missing.len() == 1 {
+                        "one rank has".to_string()
+                    } else {
+                        format!("{} ranks have", missing.len())
+                    },
                     missing.join(", "),
                     self.who(self.rank),
                     cx.seq
@@ -504,13 +569,23 @@ impl Channel {
     fn position(&self, r: usize) -> (u64, Option<CollKind>) {
         let c = self.ctrl(r);
         let kind = c.coll_kind.load(Relaxed);
-        (c.coll_seq.load(Relaxed), if kind == 0 { None } else { CollKind::from_u8((kind - 1) as u8) })
+        (
+            c.coll_seq.load(Relaxed),
+            if kind == 0 {
+                None
+            } else {
+                CollKind::from_u8((kind - 1) as u8)
+            },
+        )
     }
 
     /// Abort the communicator for every rank, describing why with `fill`, unless a peer did first.
     fn record_abort(&self, fill: impl FnOnce(&Abort)) {
         let a = &self.header().abort;
-        if a.by.compare_exchange(0, self.rank as u32 + 1, SeqCst, SeqCst).is_ok() {
+        if a.by
+            .compare_exchange(0, self.rank as u32 + 1, SeqCst, SeqCst)
+            .is_ok()
+        {
             fill(a);
             a.ready.store(1, Release);
         }
@@ -531,15 +606,23 @@ impl Channel {
         }
         let culprit = a.rank.load(Relaxed) as usize;
         if a.ready.load(Acquire) == 0 || culprit == 0 {
-            return Some(CommError::Aborted { by: self.global(by), reason: "it hit an unrecoverable error".into() });
+            return Some(CommError::Aborted {
+                by: self.global(by),
+                reason: "it hit an unrecoverable error".into(),
+            });
         }
         let culprit = culprit - 1;
         Some(match a.how.load(Relaxed) {
             ABORT_DIED | ABORT_LEFT => self.lost(culprit, a.how.load(Relaxed) == ABORT_DIED, cx),
             _ => {
                 let kind = a.culprit_kind.load(Relaxed);
-                let kind = if kind == 0 { None } else { CollKind::from_u8((kind - 1) as u8) };
-                let at_kind = CollKind::from_u8((a.at_kind.load(Relaxed).max(1) - 1) as u8).unwrap_or(cx.op);
+                let kind = if kind == 0 {
+                    None
+                } else {
+                    CollKind::from_u8((kind - 1) as u8)
+                };
+                let at_kind =
+                    CollKind::from_u8((a.at_kind.load(Relaxed).max(1) - 1) as u8).unwrap_or(cx.op);
                 let at_seq = a.at_seq.load(Relaxed);
                 let more = a.missing.load(Relaxed).saturating_sub(1);
                 CommError::Aborted {
@@ -591,8 +674,14 @@ impl Channel {
             let secs = t0.elapsed().as_secs_f64();
             self.report = (self.seq as u32, (secs * 1e9) as u64);
             if self.rank == 0 {
-                let class = |t: Option<(usize, usize, bool, Instant)>| t.map(|(g, b, m, _)| (g, b, m));
-                self.pending = Some(Pending { seq: self.seq as u32, secs, stage: class(stage), single: class(single) });
+                let class =
+                    |t: Option<(usize, usize, bool, Instant)>| t.map(|(g, b, m, _)| (g, b, m));
+                self.pending = Some(Pending {
+                    seq: self.seq as u32,
+                    secs,
+                    stage: class(stage),
+                    single: class(single),
+                });
             }
         }
         if self.nt_pending || self.stage_nt {
@@ -622,7 +711,9 @@ impl Channel {
         // its warm-up, and in its probes, it runs the other way on purpose, and those times
         // (streaming stores at 1 MiB with a shared cache: 2x) would make staging look slower
         // than it is. The path tuner then waits, choosing staged, until staging has settled.
-        let staged_as_settled = p.stage.is_none_or(|(g, b, nt)| self.tuner.settled_on(g, b, nt));
+        let staged_as_settled = p
+            .stage
+            .is_none_or(|(g, b, nt)| self.tuner.settled_on(g, b, nt));
         if let Some((g, b, single)) = p.single {
             if single || staged_as_settled {
                 self.single.record(g, b, single, secs);
@@ -633,7 +724,14 @@ impl Channel {
     /// First phase of every collective: publish the descriptor (and whatever the caller staged in
     /// the slot of this phase), wait for all, and compare descriptors. Returns every rank's
     /// descriptor, and the phase number.
-    pub(crate) fn begin(&mut self, call: &Call, flags: u8, send_off: u64, recv_off: u64, cx: Ctx) -> Result<(Vec<Desc>, u64), CommError> {
+    pub(crate) fn begin(
+        &mut self,
+        call: &Call,
+        flags: u8,
+        send_off: u64,
+        recv_off: u64,
+        cx: Ctx,
+    ) -> Result<(Vec<Desc>, u64), CommError> {
         if let (Some(t), _) = self.staging {
             self.staging = (None, t.elapsed());
         }
@@ -655,7 +753,15 @@ impl Channel {
         let p = self.progress + 1;
         self.write_desc(p, d);
         self.phase(cx)?;
-        let descs: Vec<Desc> = (0..self.world).map(|r| if r == self.rank { d } else { self.read_desc(r, p) }).collect();
+        let descs: Vec<Desc> = (0..self.world)
+            .map(|r| {
+                if r == self.rank {
+                    d
+                } else {
+                    self.read_desc(r, p)
+                }
+            })
+            .collect();
         check_descs(&descs, self.seq, &|r| self.who(r))?;
         if self.rank == 0 {
             self.record_pending(&descs);
@@ -669,8 +775,21 @@ impl Channel {
     /// a lost peer).
     pub(crate) fn refuse(&mut self, kind: CollKind, dtype: Dtype) -> Result<(), CommError> {
         let cx = self.start_call(kind);
-        let empty = RawMem { addr: 0, len: 0, space: MemSpace::Host };
-        let call = Call { kind, dtype, op: ReduceOp::Sum, root: 0, count: 0, send: empty, recv: empty, splits: Default::default() };
+        let empty = RawMem {
+            addr: 0,
+            len: 0,
+            space: MemSpace::Host,
+        };
+        let call = Call {
+            kind,
+            dtype,
+            op: ReduceOp::Sum,
+            root: 0,
+            count: 0,
+            send: empty,
+            recv: empty,
+            splits: Default::default(),
+        };
         self.begin(&call, INVALID, 0, 0, cx).map(|_| ())
     }
 
@@ -735,7 +854,9 @@ impl Channel {
         }
         let mine = self.progress;
         // A peer whose progress passed ours entered a phased call: it will not publish an entry.
-        let arrived = |ch: &Channel, r: usize| ch.fast_seq(r) == seq || ch.ctrl(r).progress.load(Acquire) > mine;
+        let arrived = |ch: &Channel, r: usize| {
+            ch.fast_seq(r) == seq || ch.ctrl(r).progress.load(Acquire) > mine
+        };
         self.wait_published(&arrived, cx)?;
         if (0..self.world).any(|r| r != self.rank && self.fast_seq(r) != seq) {
             self.begin(call, 0, 0, 0, cx)?;
@@ -743,7 +864,10 @@ impl Channel {
             // take different paths, but should they, this is still a disagreement.
             return Err(CommError::Mismatch {
                 seq,
-                detail: format!("the ranks took different paths for {}: their settings (fast_bytes) differ", call.kind),
+                detail: format!(
+                    "the ranks took different paths for {}: their settings (fast_bytes) differ",
+                    call.kind
+                ),
             });
         }
         let desc = |r: usize| {
@@ -753,7 +877,15 @@ impl Channel {
             // SAFETY: rank r published this entry (its seq equals ours, acquire above) and does
             // not rewrite it before this rank's next collective.
             let h = unsafe { &*self.fast_hdr(r, seq) };
-            Desc { kind: h.kind, dtype: h.dtype, op: h.op, root: h.root as u64, count: h.count, seq, ..Desc::default() }
+            Desc {
+                kind: h.kind,
+                dtype: h.dtype,
+                op: h.op,
+                root: h.root as u64,
+                count: h.count,
+                seq,
+                ..Desc::default()
+            }
         };
         // Compare every rank with rank 0 (as `check_descs` does) without allocating; build the
         // report only when one differs.
@@ -779,7 +911,15 @@ impl Channel {
     ///
     /// # Safety
     /// As for [`copy_block2`].
-    pub(crate) unsafe fn put2(&mut self, src: *const u8, slot: *mut u8, slot_nt: bool, dst: *mut u8, nt: bool, bytes: usize) {
+    pub(crate) unsafe fn put2(
+        &mut self,
+        src: *const u8,
+        slot: *mut u8,
+        slot_nt: bool,
+        dst: *mut u8,
+        nt: bool,
+        bytes: usize,
+    ) {
         // SAFETY: forwarded contract.
         unsafe { copy_block2(src, slot, slot_nt, dst, nt, bytes) };
         self.nt_pending |= nt;
@@ -793,7 +933,9 @@ impl Channel {
     /// When the current call started, counting this rank's work before `begin` and everything
     /// after it, but not the wait in `begin`, which is mostly how late the peers came.
     pub(crate) fn pre_begin(&self) -> Instant {
-        Instant::now().checked_sub(self.staging.1).unwrap_or_else(Instant::now)
+        Instant::now()
+            .checked_sub(self.staging.1)
+            .unwrap_or_else(Instant::now)
     }
 
     /// Staging mode for the part of a staged call written before the descriptors are exchanged:
@@ -802,7 +944,11 @@ impl Channel {
         let g = stage_group(kind);
         let now = Instant::now();
         self.staging = (Some(now), Duration::ZERO);
-        let nt = if self.rank == 0 { self.tuner.choose(g, bytes, now) } else { self.tuner.guess(g, bytes) };
+        let nt = if self.rank == 0 {
+            self.tuner.choose(g, bytes, now)
+        } else {
+            self.tuner.guess(g, bytes)
+        };
         self.stage_nt = nt;
         nt
     }
@@ -819,7 +965,13 @@ impl Channel {
     /// The mode every rank uses once the descriptors are in: rank 0's. When the call stages
     /// (`timed`), rank 0 times it from here: every rank has arrived, so the time measures the
     /// transfer, not how late a peer came.
-    pub(crate) fn stage_agreed(&mut self, kind: CollKind, bytes: usize, descs: &[Desc], timed: bool) -> bool {
+    pub(crate) fn stage_agreed(
+        &mut self,
+        kind: CollKind,
+        bytes: usize,
+        descs: &[Desc],
+        timed: bool,
+    ) -> bool {
         let nt = descs[0].flags & STAGE_NT != 0;
         self.tuner.seen(stage_group(kind), bytes, nt);
         if timed {
@@ -836,10 +988,16 @@ impl Channel {
     }
 
     /// Offsets and flags for zero-copy: which of this rank's buffers live in its shared heap.
-    pub(crate) fn share_flags(&self, call: &Call, send_bytes: usize, recv_bytes: usize) -> (u8, u64, u64) {
+    pub(crate) fn share_flags(
+        &self,
+        call: &Call,
+        send_bytes: usize,
+        recv_bytes: usize,
+    ) -> (u8, u64, u64) {
         let s = self.shared_off(call.send.addr, send_bytes);
         let r = self.shared_off(call.recv.addr, recv_bytes);
-        let flags = if s.is_some() { SHARED_SEND } else { 0 } | if r.is_some() { SHARED_RECV } else { 0 };
+        let flags =
+            if s.is_some() { SHARED_SEND } else { 0 } | if r.is_some() { SHARED_RECV } else { 0 };
         (flags, s.unwrap_or(0), r.unwrap_or(0))
     }
 }
@@ -847,7 +1005,14 @@ impl Channel {
 /// Where a rank that has not arrived at `op` #`seq` is: in it (it entered the collective but does
 /// not progress), or before it (at an earlier collective, or none yet). `who` names the rank,
 /// `g` is its global rank.
-fn stuck_text(who: &str, g: usize, r_seq: u64, r_kind: Option<CollKind>, op: CollKind, seq: u64) -> String {
+fn stuck_text(
+    who: &str,
+    g: usize,
+    r_seq: u64,
+    r_kind: Option<CollKind>,
+    op: CollKind,
+    seq: u64,
+) -> String {
     if r_seq >= seq {
         format!("{who} is stuck in {} #{r_seq}", r_kind.unwrap_or(op))
     } else if r_seq == 0 {
@@ -864,7 +1029,10 @@ fn desc_call(d: &Desc) -> String {
     let mut s = format!("{kind}(count={}, dtype={dtype}", d.count);
     if let Some(k) = CollKind::from_u8(d.kind) {
         if k.has_op() {
-            s += &format!(", op={}", ReduceOp::from_u8(d.op).map(|o| o.name()).unwrap_or("?"));
+            s += &format!(
+                ", op={}",
+                ReduceOp::from_u8(d.op).map(|o| o.name()).unwrap_or("?")
+            );
         }
         if k.has_root() {
             s += &format!(", root={}", d.root);
@@ -881,9 +1049,21 @@ fn same_call(a: &Desc, b: &Desc) -> bool {
         (
             d.kind,
             d.dtype,
-            if k.is_some_and(|k| k.has_op()) { d.op } else { 0 },
-            if k.is_some_and(|k| k.has_root()) { d.root } else { 0 },
-            if k == Some(CollKind::Barrier) { 0 } else { d.count },
+            if k.is_some_and(|k| k.has_op()) {
+                d.op
+            } else {
+                0
+            },
+            if k.is_some_and(|k| k.has_root()) {
+                d.root
+            } else {
+                0
+            },
+            if k == Some(CollKind::Barrier) {
+                0
+            } else {
+                d.count
+            },
         )
     };
     key(a) == key(b)
@@ -892,9 +1072,13 @@ fn same_call(a: &Desc, b: &Desc) -> bool {
 /// Compare every rank's descriptor with rank 0's; on disagreement, name every rank that differs
 /// (`who` names a rank).
 fn check_descs(descs: &[Desc], seq: u64, who: &dyn Fn(usize) -> String) -> Result<(), CommError> {
-    let invalid: Vec<usize> = (0..descs.len()).filter(|&r| descs[r].flags & INVALID != 0).collect();
+    let invalid: Vec<usize> = (0..descs.len())
+        .filter(|&r| descs[r].flags & INVALID != 0)
+        .collect();
     if let Some(&first) = invalid.first() {
-        let kind = CollKind::from_u8(descs[first].kind).map(|k| k.name()).unwrap_or("?");
+        let kind = CollKind::from_u8(descs[first].kind)
+            .map(|k| k.name())
+            .unwrap_or("?");
         let names: Vec<String> = invalid.iter().map(|&r| who(r)).collect();
         return Err(CommError::Mismatch {
             seq,
@@ -904,7 +1088,9 @@ fn check_descs(descs: &[Desc], seq: u64, who: &dyn Fn(usize) -> String) -> Resul
             ),
         });
     }
-    let differ: Vec<usize> = (1..descs.len()).filter(|&r| !same_call(&descs[0], &descs[r])).collect();
+    let differ: Vec<usize> = (1..descs.len())
+        .filter(|&r| !same_call(&descs[0], &descs[r]))
+        .collect();
     if differ.is_empty() {
         return Ok(());
     }
@@ -915,7 +1101,10 @@ fn check_descs(descs: &[Desc], seq: u64, who: &dyn Fn(usize) -> String) -> Resul
     if differ.len() > 8 {
         parts.push(format!("and {} more ranks differ", differ.len() - 8));
     }
-    Err(CommError::Mismatch { seq, detail: parts.join(", ") })
+    Err(CommError::Mismatch {
+        seq,
+        detail: parts.join(", "),
+    })
 }
 
 /// Rank 0's last timed call, recorded once every rank's time for it has arrived.
@@ -948,21 +1137,40 @@ mod tests {
 
     #[test]
     fn mismatch_names_ranks() {
-        let mut a =
-            Desc { kind: CollKind::AllReduce as u8, dtype: Dtype::F32 as u8, op: ReduceOp::Sum as u8, count: 100, ..Default::default() };
+        let mut a = Desc {
+            kind: CollKind::AllReduce as u8,
+            dtype: Dtype::F32 as u8,
+            op: ReduceOp::Sum as u8,
+            count: 100,
+            ..Default::default()
+        };
         let b = Desc { count: 101, ..a };
         let world = |r: usize| rank_name(None, r);
         let e = check_descs(&[a, a, b], 5, &world).unwrap_err().to_string();
-        assert!(e.contains("rank 2 called all_reduce(count=101, dtype=f32, op=sum)"), "{e}");
+        assert!(
+            e.contains("rank 2 called all_reduce(count=101, dtype=f32, op=sum)"),
+            "{e}"
+        );
         assert!(e.contains("rank 0 called all_reduce(count=100"), "{e}");
         // In a sub-communicator, ranks are named by their global rank first.
         let global = [5usize, 1, 3];
         let sub = |r: usize| rank_name(Some(&global), r);
         let e = check_descs(&[a, a, b], 5, &sub).unwrap_err().to_string();
-        assert!(e.contains("rank 3 (rank 2 of this sub-communicator) called all_reduce(count=101"), "{e}");
-        assert!(e.contains("rank 5 (rank 0 of this sub-communicator) called all_reduce(count=100"), "{e}");
-        let refused = Desc { flags: INVALID, ..a };
-        let e = check_descs(&[a, refused, refused], 6, &sub).unwrap_err().to_string();
+        assert!(
+            e.contains("rank 3 (rank 2 of this sub-communicator) called all_reduce(count=101"),
+            "{e}"
+        );
+        assert!(
+            e.contains("rank 5 (rank 0 of this sub-communicator) called all_reduce(count=100"),
+            "{e}"
+        );
+        let refused = Desc {
+            flags: INVALID,
+            ..a
+        };
+        let e = check_descs(&[a, refused, refused], 6, &sub)
+            .unwrap_err()
+            .to_string();
         assert!(
             e.contains("rank 1 (rank 1 of this sub-communicator), rank 3 (rank 2 of this sub-communicator) refused its all_reduce"),
             "{e}"

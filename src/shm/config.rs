@@ -151,7 +151,9 @@ impl ShmConfig {
     /// an absolute path to an existing directory (every rank must name the same one, whatever its
     /// working directory).
     pub fn checked_shm_dir(&self) -> Result<Option<&Path>, CommError> {
-        let Some(d) = self.shm_dir.as_deref() else { return Ok(None) };
+        let Some(d) = self.shm_dir.as_deref() else {
+            return Ok(None);
+        };
         let bad = |why: String| {
             Err(CommError::Setup(format!(
                 "{SHM_DIR_VAR}={:?} {why}; set it to an existing directory on a tmpfs with room for the segment (e.g. mount -t tmpfs -o size=2g tmpfs /mnt/lockstep-shm), or unset it to use /dev/shm",

@@ -172,7 +172,12 @@ fn combine<T: Lane, F: Fn(T::Acc, T::Acc) -> T::Acc>(acc: &mut [T::Acc], src: &[
 
 /// The first pass of a block: writes every element of `acc` (`a` and `b` have its length).
 #[inline(always)]
-fn combine2<T: Lane, F: Fn(T::Acc, T::Acc) -> T::Acc>(acc: &mut [MaybeUninit<T::Acc>], a: &[T], b: &[T], f: F) {
+fn combine2<T: Lane, F: Fn(T::Acc, T::Acc) -> T::Acc>(
+    acc: &mut [MaybeUninit<T::Acc>],
+    a: &[T],
+    b: &[T],
+    f: F,
+) {
     for ((o, x), y) in acc.iter_mut().zip(a).zip(b) {
         o.write(f(x.load(), y.load()));
     }
@@ -194,7 +199,13 @@ pub(crate) struct Dst {
 /// # Safety
 /// As for [`reduce_typed`], with `a != b`.
 #[inline(always)]
-unsafe fn pair<T: Lane, F: Fn(T::Acc, T::Acc) -> T::Acc>(a: *const T, b: *const T, d: *mut T, count: usize, f: F) {
+unsafe fn pair<T: Lane, F: Fn(T::Acc, T::Acc) -> T::Acc>(
+    a: *const T,
+    b: *const T,
+    d: *mut T,
+    count: usize,
+    f: F,
+) {
     // SAFETY: every pointer is valid for `count` elements (caller); a mutable slice is made only
     // of `d`, and only beside slices of the other, disjoint, source.
     unsafe {
@@ -208,7 +219,10 @@ unsafe fn pair<T: Lane, F: Fn(T::Acc, T::Acc) -> T::Acc>(a: *const T, b: *const 
                 *o = T::store(f(x.load(), o.load()));
             }
         } else {
-            let (a, b) = (std::slice::from_raw_parts(a, count), std::slice::from_raw_parts(b, count));
+            let (a, b) = (
+                std::slice::from_raw_parts(a, count),
+                std::slice::from_raw_parts(b, count),
+            );
             for ((o, x), y) in out.iter_mut().zip(a).zip(b) {
                 *o = T::store(f(x.load(), y.load()));
             }
@@ -220,7 +234,13 @@ unsafe fn pair<T: Lane, F: Fn(T::Acc, T::Acc) -> T::Acc>(a: *const T, b: *const 
 /// Every `srcs[k]` and every destination must be valid for `count` elements of `T`; a destination
 /// may alias a source exactly (same address) but must not partially overlap one.
 #[inline(always)]
-unsafe fn reduce_typed<T: Lane>(op: ReduceOp, n_ranks: usize, srcs: &[*const u8], dsts: &[Dst], count: usize) {
+unsafe fn reduce_typed<T: Lane>(
+    op: ReduceOp,
+    n_ranks: usize,
+    srcs: &[*const u8],
+    dsts: &[Dst],
+    count: usize,
+) {
     // Two sources into one cached destination (every reduction of two ranks on ordinary buffers):
     // one pass straight into the destination, no accumulator to fill and copy out. The same
     // operations in the same order as below, so the same bits.
@@ -231,7 +251,9 @@ unsafe fn reduce_typed<T: Lane>(op: ReduceOp, n_ranks: usize, srcs: &[*const u8]
             unsafe {
                 match op {
                     ReduceOp::Sum => pair::<T, _>(a, b, d, count, T::add),
-                    ReduceOp::Avg => pair::<T, _>(a, b, d, count, |x, y| T::div(T::add(x, y), n_ranks)),
+                    ReduceOp::Avg => {
+                        pair::<T, _>(a, b, d, count, |x, y| T::div(T::add(x, y), n_ranks))
+                    }
                     ReduceOp::Prod => pair::<T, _>(a, b, d, count, T::mul),
                     ReduceOp::Min => pair::<T, _>(a, b, d, count, T::min),
                     ReduceOp::Max => pair::<T, _>(a, b, d, count, T::max),
@@ -250,7 +272,8 @@ unsafe fn reduce_typed<T: Lane>(op: ReduceOp, n_ranks: usize, srcs: &[*const u8]
         let len = BLOCK.min(count - start);
         let first = &mut acc[..len];
         // SAFETY: caller guarantees every source is valid for count elements; start+len <= count.
-        let src = |k: usize| unsafe { std::slice::from_raw_parts((srcs[k] as *const T).add(start), len) };
+        let src =
+            |k: usize| unsafe { std::slice::from_raw_parts((srcs[k] as *const T).add(start), len) };
         let rest = if srcs.len() >= 2 {
             let (a, b) = (src(0), src(1));
             match op {
@@ -290,7 +313,14 @@ unsafe fn reduce_typed<T: Lane>(op: ReduceOp, n_ranks: usize, srcs: &[*const u8]
         for d in dsts {
             // SAFETY: out[..len] is initialised; the destination is valid for count elements and
             // every aliasing source block was fully read above.
-            unsafe { copy_block(out.as_ptr() as *const u8, d.ptr.add(start * std::mem::size_of::<T>()), bytes, d.nt) };
+            unsafe {
+                copy_block(
+                    out.as_ptr() as *const u8,
+                    d.ptr.add(start * std::mem::size_of::<T>()),
+                    bytes,
+                    d.nt,
+                )
+            };
         }
         start += len;
     }
@@ -301,12 +331,24 @@ unsafe fn reduce_typed<T: Lane>(op: ReduceOp, n_ranks: usize, srcs: &[*const u8]
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn reduce_avx2<T: Lane>(op: ReduceOp, n_ranks: usize, srcs: &[*const u8], dsts: &[Dst], count: usize) {
+unsafe fn reduce_avx2<T: Lane>(
+    op: ReduceOp,
+    n_ranks: usize,
+    srcs: &[*const u8],
+    dsts: &[Dst],
+    count: usize,
+) {
     // SAFETY: forwarded caller contract; the body is the generic loop compiled with AVX2.
     unsafe { reduce_typed::<T>(op, n_ranks, srcs, dsts, count) }
 }
 
-unsafe fn reduce_dispatch<T: Lane>(op: ReduceOp, n_ranks: usize, srcs: &[*const u8], dsts: &[Dst], count: usize) {
+unsafe fn reduce_dispatch<T: Lane>(
+    op: ReduceOp,
+    n_ranks: usize,
+    srcs: &[*const u8],
+    dsts: &[Dst],
+    count: usize,
+) {
     #[cfg(target_arch = "x86_64")]
     {
         if has_avx2() {
@@ -355,7 +397,11 @@ pub(crate) unsafe fn copy_block(src: *const u8, dst: *mut u8, bytes: usize, nt: 
         // SAFETY: within both ranges.
         unsafe { std::ptr::copy_nonoverlapping(src, dst, head) };
         // SAFETY: head <= bytes, so both offsets stay within their ranges.
-        let (mut s, mut d, mut left) = (unsafe { src.add(head) }, unsafe { dst.add(head) }, bytes - head);
+        let (mut s, mut d, mut left) = (
+            unsafe { src.add(head) },
+            unsafe { dst.add(head) },
+            bytes - head,
+        );
         while left >= 64 {
             // SAFETY: 64 bytes remain in both ranges; d is 16-byte aligned; unaligned loads.
             unsafe {
@@ -393,7 +439,14 @@ pub(crate) unsafe fn copy_block(src: *const u8, dst: *mut u8, bytes: usize, nt: 
 ///
 /// # Safety
 /// All ranges valid for `bytes`; `stage` disjoint from both; `dst` equal to `src` or disjoint.
-pub(crate) unsafe fn copy_block2(src: *const u8, stage: *mut u8, stage_nt: bool, dst: *mut u8, nt: bool, bytes: usize) {
+pub(crate) unsafe fn copy_block2(
+    src: *const u8,
+    stage: *mut u8,
+    stage_nt: bool,
+    dst: *mut u8,
+    nt: bool,
+    bytes: usize,
+) {
     #[cfg(target_arch = "x86_64")]
     if !stage_nt && !nt && !std::ptr::eq(src, dst as *const u8) && has_avx2() {
         // SAFETY: the CPU supports AVX2 (checked at run time); forwarded contract.
@@ -426,8 +479,12 @@ unsafe fn copy2_avx2(src: *const u8, a: *mut u8, b: *mut u8, bytes: usize) {
         // SAFETY: 128 bytes from `at` lie within every range; unaligned loads and stores.
         unsafe {
             let s = src.add(at) as *const __m256i;
-            let (x0, x1, x2, x3) =
-                (_mm256_loadu_si256(s), _mm256_loadu_si256(s.add(1)), _mm256_loadu_si256(s.add(2)), _mm256_loadu_si256(s.add(3)));
+            let (x0, x1, x2, x3) = (
+                _mm256_loadu_si256(s),
+                _mm256_loadu_si256(s.add(1)),
+                _mm256_loadu_si256(s.add(2)),
+                _mm256_loadu_si256(s.add(3)),
+            );
             for d in [a.add(at) as *mut __m256i, b.add(at) as *mut __m256i] {
                 _mm256_storeu_si256(d, x0);
                 _mm256_storeu_si256(d.add(1), x1);
@@ -450,7 +507,14 @@ unsafe fn copy2_avx2(src: *const u8, a: *mut u8, b: *mut u8, bytes: usize) {
 /// # Safety
 /// Every source and destination must be valid and aligned for `count` elements of `dtype`; a
 /// destination may equal a source but must not partially overlap one. `srcs` must not be empty.
-pub(crate) unsafe fn reduce_into(dtype: Dtype, op: ReduceOp, n_ranks: usize, srcs: &[*const u8], dsts: &[Dst], count: usize) {
+pub(crate) unsafe fn reduce_into(
+    dtype: Dtype,
+    op: ReduceOp,
+    n_ranks: usize,
+    srcs: &[*const u8],
+    dsts: &[Dst],
+    count: usize,
+) {
     debug_assert!(!srcs.is_empty());
     // SAFETY: forwarded caller contract.
     unsafe {
@@ -473,18 +537,49 @@ pub(crate) unsafe fn reduce_into(dtype: Dtype, op: ReduceOp, n_ranks: usize, src
 ///
 /// # Safety
 /// As [`reduce_into`].
-pub(crate) unsafe fn reduce_raw(dtype: Dtype, op: ReduceOp, n_ranks: usize, srcs: &[*const u8], dst: *mut u8, count: usize) {
+pub(crate) unsafe fn reduce_raw(
+    dtype: Dtype,
+    op: ReduceOp,
+    n_ranks: usize,
+    srcs: &[*const u8],
+    dst: *mut u8,
+    count: usize,
+) {
     // SAFETY: forwarded caller contract.
-    unsafe { reduce_into(dtype, op, n_ranks, srcs, &[Dst { ptr: dst, nt: false }], count) }
+    unsafe {
+        reduce_into(
+            dtype,
+            op,
+            n_ranks,
+            srcs,
+            &[Dst {
+                ptr: dst,
+                nt: false,
+            }],
+            count,
+        )
+    }
 }
 
 /// Safe reference reduction over typed slices, used by tests and by the bench's verification.
 pub fn reduce_slices<T: crate::comm::Element>(op: ReduceOp, srcs: &[&[T]], dst: &mut [T]) {
-    assert!(!srcs.is_empty() && srcs.iter().all(|s| s.len() == dst.len()), "reduce_slices: length mismatch");
+    assert!(
+        !srcs.is_empty() && srcs.iter().all(|s| s.len() == dst.len()),
+        "reduce_slices: length mismatch"
+    );
     let ptrs: Vec<*const u8> = srcs.iter().map(|s| s.as_ptr() as *const u8).collect();
     // SAFETY: lengths checked above; slices are valid and aligned; dst does not overlap a shared
     // borrow (the borrow checker forbids it).
-    unsafe { reduce_raw(T::DTYPE, op, srcs.len(), &ptrs, dst.as_mut_ptr() as *mut u8, dst.len()) }
+    unsafe {
+        reduce_raw(
+            T::DTYPE,
+            op,
+            srcs.len(),
+            &ptrs,
+            dst.as_mut_ptr() as *mut u8,
+            dst.len(),
+        )
+    }
 }
 
 #[cfg(test)]
@@ -502,13 +597,36 @@ mod tests {
                     let mut a = vec![0xAAu8; len + 200];
                     let mut b = vec![0x55u8; len + 200];
                     // SAFETY: src holds shift + len bytes; a and b hold 100 + len + 100, disjoint.
-                    unsafe { copy_block2(src.as_ptr().add(shift), a.as_mut_ptr().add(100), snt, b.as_mut_ptr().add(100), nt, len) };
+                    unsafe {
+                        copy_block2(
+                            src.as_ptr().add(shift),
+                            a.as_mut_ptr().add(100),
+                            snt,
+                            b.as_mut_ptr().add(100),
+                            nt,
+                            len,
+                        )
+                    };
                     store_fence();
                     let want = &src[shift..shift + len];
-                    assert_eq!(&a[100..100 + len], want, "stage, len {len} shift {shift} nt {snt}/{nt}");
-                    assert_eq!(&b[100..100 + len], want, "dst, len {len} shift {shift} nt {snt}/{nt}");
-                    assert!(a[..100].iter().chain(&a[100 + len..]).all(|&x| x == 0xAA), "stage overrun, len {len}");
-                    assert!(b[..100].iter().chain(&b[100 + len..]).all(|&x| x == 0x55), "dst overrun, len {len}");
+                    assert_eq!(
+                        &a[100..100 + len],
+                        want,
+                        "stage, len {len} shift {shift} nt {snt}/{nt}"
+                    );
+                    assert_eq!(
+                        &b[100..100 + len],
+                        want,
+                        "dst, len {len} shift {shift} nt {snt}/{nt}"
+                    );
+                    assert!(
+                        a[..100].iter().chain(&a[100 + len..]).all(|&x| x == 0xAA),
+                        "stage overrun, len {len}"
+                    );
+                    assert!(
+                        b[..100].iter().chain(&b[100 + len..]).all(|&x| x == 0x55),
+                        "dst overrun, len {len}"
+                    );
                 }
             }
         }
@@ -539,11 +657,26 @@ mod tests {
         let n = 3001;
         let a: Vec<T> = (0..n).map(|i| gen(i, 0)).collect();
         let b: Vec<T> = (0..n).map(|i| gen(i, 1)).collect();
-        for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Prod, ReduceOp::Min, ReduceOp::Max] {
+        for op in [
+            ReduceOp::Sum,
+            ReduceOp::Avg,
+            ReduceOp::Prod,
+            ReduceOp::Min,
+            ReduceOp::Max,
+        ] {
             let mut want = vec![T::default(); n];
             let mut spare = vec![T::default(); n];
             let (pa, pb) = (a.as_ptr() as *const u8, b.as_ptr() as *const u8);
-            let two = [Dst { ptr: want.as_mut_ptr() as *mut u8, nt: false }, Dst { ptr: spare.as_mut_ptr() as *mut u8, nt: false }];
+            let two = [
+                Dst {
+                    ptr: want.as_mut_ptr() as *mut u8,
+                    nt: false,
+                },
+                Dst {
+                    ptr: spare.as_mut_ptr() as *mut u8,
+                    nt: false,
+                },
+            ];
             // SAFETY: every buffer holds n elements; the destinations are disjoint from the sources.
             unsafe { reduce_into(T::DTYPE, op, 2, &[pa, pb], &two, n) };
             let mut out = vec![T::default(); n];
@@ -555,17 +688,37 @@ mod tests {
                 let (px, py) = (x.as_mut_ptr(), y.as_mut_ptr());
                 let d = if first { px } else { py };
                 // SAFETY: the destination is exactly one of the sources.
-                unsafe { reduce_raw(T::DTYPE, op, 2, &[px as *const u8, py as *const u8], d as *mut u8, n) };
-                assert_eq!(if first { x } else { y }, want, "{op} in place on source {}", if first { 0 } else { 1 });
+                unsafe {
+                    reduce_raw(
+                        T::DTYPE,
+                        op,
+                        2,
+                        &[px as *const u8, py as *const u8],
+                        d as *mut u8,
+                        n,
+                    )
+                };
+                assert_eq!(
+                    if first { x } else { y },
+                    want,
+                    "{op} in place on source {}",
+                    if first { 0 } else { 1 }
+                );
             }
         }
     }
 
     #[test]
     fn two_sources_in_one_pass() {
-        pair_matches_accumulator::<f32>(|i, k| ((i * 2654435761 + k * 97) % 1000) as f32 * 1.37e-3 + 1e4 * k as f32);
-        pair_matches_accumulator::<f16>(|i, k| f16::from_f32(((i * 31 + k * 7) % 200) as f32 * 0.37 - 30.0));
-        pair_matches_accumulator::<bf16>(|i, k| bf16::from_f32(((i * 31 + k * 7) % 200) as f32 * 0.37 - 30.0));
+        pair_matches_accumulator::<f32>(|i, k| {
+            ((i * 2654435761 + k * 97) % 1000) as f32 * 1.37e-3 + 1e4 * k as f32
+        });
+        pair_matches_accumulator::<f16>(|i, k| {
+            f16::from_f32(((i * 31 + k * 7) % 200) as f32 * 0.37 - 30.0)
+        });
+        pair_matches_accumulator::<bf16>(|i, k| {
+            bf16::from_f32(((i * 31 + k * 7) % 200) as f32 * 0.37 - 30.0)
+        });
         pair_matches_accumulator::<i32>(|i, k| ((i * 7919 + k * 13) % 2001) as i32 - 1000);
         pair_matches_accumulator::<u8>(|i, k| ((i * 7 + k * 101) % 256) as u8);
     }

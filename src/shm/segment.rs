@@ -57,7 +57,10 @@ unsafe impl Send for Segment {}
 unsafe impl Sync for Segment {}
 
 fn os_err(call: impl Into<String>) -> CommError {
-    CommError::Os { call: call.into(), source: io::Error::last_os_error() }
+    CommError::Os {
+        call: call.into(),
+        source: io::Error::last_os_error(),
+    }
 }
 
 /// Retry a libc call while it fails with EINTR.
@@ -72,10 +75,23 @@ fn retry<F: FnMut() -> libc::c_int>(mut f: F) -> libc::c_int {
 }
 
 fn map_fd(fd: libc::c_int, len: usize, writable: bool, what: &str) -> Result<*mut u8, CommError> {
-    let prot = if writable { libc::PROT_READ | libc::PROT_WRITE } else { libc::PROT_READ };
+    let prot = if writable {
+        libc::PROT_READ | libc::PROT_WRITE
+    } else {
+        libc::PROT_READ
+    };
     // SAFETY: mapping a valid fd with a fresh address chosen by the kernel; no existing memory is
     // affected. The result is checked against MAP_FAILED.
-    let p = unsafe { libc::mmap(std::ptr::null_mut(), len, prot, libc::MAP_SHARED | libc::MAP_NORESERVE, fd, 0) };
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            prot,
+            libc::MAP_SHARED | libc::MAP_NORESERVE,
+            fd,
+            0,
+        )
+    };
     if p == libc::MAP_FAILED {
         return Err(os_err(format!("mmap({what}, {len} bytes)")));
     }
@@ -154,10 +170,17 @@ pub(crate) struct NoSpace {
 
 impl std::fmt::Display for NoSpace {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "cannot reserve {} of shared memory ", show_bytes(self.needed))?;
+        write!(
+            f,
+            "cannot reserve {} of shared memory ",
+            show_bytes(self.needed)
+        )?;
         match &self.dir {
             Some(d) => write!(f, "in {}", d.display())?,
-            None => write!(f, "for an anonymous segment (a memfd, limited by this process's memory cgroup)")?,
+            None => write!(
+                f,
+                "for an anonymous segment (a memfd, limited by this process's memory cgroup)"
+            )?,
         }
         if let Some(free) = self.free {
             write!(f, ", which has {} free", show_bytes(free))?;
@@ -184,7 +207,10 @@ impl SegName {
                 "invalid job id {job_id:?}: it must be 1 to 246 bytes without '/' or NUL (check LOCKSTEP_JOB_ID)"
             )));
         }
-        Ok(SegName { dir: dir.map(Path::to_path_buf), file })
+        Ok(SegName {
+            dir: dir.map(Path::to_path_buf),
+            file,
+        })
     }
 
     /// The directory holding the segment.
@@ -202,12 +228,16 @@ impl SegName {
         let flags = flags | libc::O_CLOEXEC | libc::O_NOFOLLOW;
         match &self.dir {
             None => {
-                let Ok(name) = CString::new(format!("/{}", self.file)) else { return -1 };
+                let Ok(name) = CString::new(format!("/{}", self.file)) else {
+                    return -1;
+                };
                 // SAFETY: valid C string, constant flags and mode.
                 retry(|| unsafe { libc::shm_open(name.as_ptr(), flags, mode) })
             }
             Some(_) => {
-                let Ok(path) = CString::new(self.path().as_os_str().as_bytes()) else { return -1 };
+                let Ok(path) = CString::new(self.path().as_os_str().as_bytes()) else {
+                    return -1;
+                };
                 // SAFETY: valid C string, constant flags and mode.
                 retry(|| unsafe { libc::open(path.as_ptr(), flags, mode as libc::c_uint) })
             }
@@ -251,7 +281,12 @@ impl Segment {
         let fd = owned(fd);
         truncate(&fd, len, "memfd")?;
         let base = map_fd(fd.as_raw_fd(), len, true, "memfd")?;
-        Ok(Segment { base, len, fd: Some(fd), backing: Backing::Anonymous })
+        Ok(Segment {
+            base,
+            len,
+            fd: Some(fd),
+            backing: Backing::Anonymous,
+        })
     }
 
     /// Create the named segment `name` of `len` bytes (`O_CREAT | O_EXCL | O_NOFOLLOW`, mode 0600).
@@ -264,9 +299,15 @@ impl Segment {
             return Err(os_err(format!("creating {name} (O_CREAT|O_EXCL)")));
         }
         let fd = owned(fd);
-        let made = truncate(&fd, len, &name.to_string()).and_then(|_| map_fd(fd.as_raw_fd(), len, true, &name.to_string()));
+        let made = truncate(&fd, len, &name.to_string())
+            .and_then(|_| map_fd(fd.as_raw_fd(), len, true, &name.to_string()));
         match made {
-            Ok(base) => Ok(Segment { base, len, fd: Some(fd), backing: Backing::Dir(name.dir().to_path_buf()) }),
+            Ok(base) => Ok(Segment {
+                base,
+                len,
+                fd: Some(fd),
+                backing: Backing::Dir(name.dir().to_path_buf()),
+            }),
             Err(e) => {
                 name.unlink();
                 Err(e)
@@ -286,14 +327,21 @@ impl Segment {
         Segment::open_existing(name, len, false)
     }
 
-    fn open_existing(name: &SegName, min_len: usize, join: bool) -> Result<Option<Segment>, CommError> {
+    fn open_existing(
+        name: &SegName,
+        min_len: usize,
+        join: bool,
+    ) -> Result<Option<Segment>, CommError> {
         let fd = name.open(if join { libc::O_RDWR } else { libc::O_RDONLY }, 0);
         if fd < 0 {
             let e = io::Error::last_os_error();
             if e.raw_os_error() == Some(libc::ENOENT) {
                 return Ok(None);
             }
-            return Err(CommError::Os { call: format!("opening {name}"), source: e });
+            return Err(CommError::Os {
+                call: format!("opening {name}"),
+                source: e,
+            });
         }
         let fd = owned(fd);
         let len = file_len(&fd, &name.to_string())?;
@@ -304,24 +352,46 @@ impl Segment {
         let base = map_fd(fd.as_raw_fd(), map_len, join, &name.to_string())?;
         // A peek never reserves: it lets its descriptor go at once.
         let fd = if join { Some(fd) } else { None };
-        Ok(Some(Segment { base, len: map_len, fd, backing: Backing::Dir(name.dir().to_path_buf()) }))
+        Ok(Some(Segment {
+            base,
+            len: map_len,
+            fd,
+            backing: Backing::Dir(name.dir().to_path_buf()),
+        }))
     }
 
     /// Back `[off, off+len)` of the segment with memory now (`posix_fallocate`), so touching it
     /// later cannot raise SIGBUS. Already reserved pages cost nothing.
     pub fn reserve(&self, off: usize, len: usize) -> Result<(), NoSpace> {
-        let end = (off.saturating_add(len)).min(self.len).next_multiple_of(4096);
+        let end = (off.saturating_add(len))
+            .min(self.len)
+            .next_multiple_of(4096);
         let off = off - off % 4096;
         if end <= off {
             return Ok(());
         }
-        let no_fd = || io::Error::new(io::ErrorKind::Unsupported, "the segment was mapped without its descriptor");
+        let no_fd = || {
+            io::Error::new(
+                io::ErrorKind::Unsupported,
+                "the segment was mapped without its descriptor",
+            )
+        };
         let r = match &self.fd {
             Some(fd) => loop {
                 // SAFETY: plain syscall on an fd we own; posix_fallocate returns the error number.
-                let r = unsafe { libc::posix_fallocate(fd.as_raw_fd(), off as libc::off_t, (end - off) as libc::off_t) };
+                let r = unsafe {
+                    libc::posix_fallocate(
+                        fd.as_raw_fd(),
+                        off as libc::off_t,
+                        (end - off) as libc::off_t,
+                    )
+                };
                 if r != libc::EINTR {
-                    break if r == 0 { Ok(()) } else { Err(io::Error::from_raw_os_error(r)) };
+                    break if r == 0 {
+                        Ok(())
+                    } else {
+                        Err(io::Error::from_raw_os_error(r))
+                    };
                 }
             },
             None => Err(no_fd()),
@@ -332,7 +402,12 @@ impl Segment {
                 Backing::Dir(d) => Some(d.clone()),
             };
             let free = dir.as_deref().and_then(free_bytes);
-            NoSpace { dir, needed: (end - off) as u64, free, source }
+            NoSpace {
+                dir,
+                needed: (end - off) as u64,
+                free,
+                source,
+            }
         })
     }
 
@@ -344,7 +419,9 @@ impl Segment {
     /// anonymous segment, nor for a file system that reports no size (a tmpfs mounted with
     /// `size=0`, which has no limit): the caller reserves what it needs instead.
     pub fn check_room(&self, needed: usize) -> Result<(), NoSpace> {
-        let (Backing::Dir(dir), Some(fd)) = (&self.backing, &self.fd) else { return Ok(()) };
+        let (Backing::Dir(dir), Some(fd)) = (&self.backing, &self.fd) else {
+            return Ok(());
+        };
         // SAFETY: zeroed statvfs is a valid out-parameter.
         let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
         // SAFETY: a descriptor we own and a valid out-parameter.
@@ -356,7 +433,12 @@ impl Segment {
         if free >= needed as u64 {
             return Ok(());
         }
-        Err(NoSpace { dir: Some(dir.clone()), needed: needed as u64, free: Some(free), source: io::Error::from_raw_os_error(libc::ENOSPC) })
+        Err(NoSpace {
+            dir: Some(dir.clone()),
+            needed: needed as u64,
+            free: Some(free),
+            source: io::Error::from_raw_os_error(libc::ENOSPC),
+        })
     }
 
     /// Whether this is a named segment (in `/dev/shm` or `LOCKSTEP_SHM_DIR`), not a memfd.
@@ -388,14 +470,23 @@ impl Segment {
     /// here is not safe once the range is in use: a peer's store could fall between the read and
     /// the write back of a byte.)
     pub fn populate(&self, off: usize, len: usize) -> Result<(), NoSpace> {
-        let end = (off.saturating_add(len)).min(self.len).next_multiple_of(4096).min(self.len);
+        let end = (off.saturating_add(len))
+            .min(self.len)
+            .next_multiple_of(4096)
+            .min(self.len);
         let start = off - off % 4096;
         if end <= start {
             return Ok(());
         }
         // SAFETY: [start, end) lies inside our mapping (page-aligned: the mapping is); populating
         // changes no byte (new pages of a shared file mapping read as zero either way).
-        let r = unsafe { libc::madvise(self.base.add(start) as *mut libc::c_void, end - start, libc::MADV_POPULATE_WRITE) };
+        let r = unsafe {
+            libc::madvise(
+                self.base.add(start) as *mut libc::c_void,
+                end - start,
+                libc::MADV_POPULATE_WRITE,
+            )
+        };
         if r == 0 {
             return Ok(());
         }
@@ -419,14 +510,19 @@ pub(crate) fn proc_start(pid: i32) -> Option<(u64, bool)> {
     let f: Vec<&str> = rest.split_whitespace().collect();
     // `rest` starts at field 3 (state); field 22 is starttime.
     let start = f.get(19)?.parse().ok()?;
-    Some((start, f.first().is_some_and(|st| st.starts_with(['Z', 'X']))))
+    Some((
+        start,
+        f.first().is_some_and(|st| st.starts_with(['Z', 'X'])),
+    ))
 }
 
 /// Inode of this process's pid namespace (`/proc/self/ns/pid`): pids mean the same thing to two
 /// processes only when theirs are equal. 0 when unknown.
 pub(crate) fn pid_namespace() -> u64 {
     use std::os::unix::fs::MetadataExt;
-    std::fs::metadata("/proc/self/ns/pid").map(|m| m.ino()).unwrap_or(0)
+    std::fs::metadata("/proc/self/ns/pid")
+        .map(|m| m.ino())
+        .unwrap_or(0)
 }
 
 /// A handle to another process that tells whether it has exited, zombie or not.
@@ -442,7 +538,14 @@ impl PeerWatch {
     pub fn new(pid: i32) -> PeerWatch {
         // SAFETY: raw syscall with plain integer arguments.
         let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
-        PeerWatch { pid, pidfd: if fd >= 0 { Some(fd as libc::c_int) } else { None } }
+        PeerWatch {
+            pid,
+            pidfd: if fd >= 0 {
+                Some(fd as libc::c_int)
+            } else {
+                None
+            },
+        }
     }
 
     /// The watched pid.
@@ -454,17 +557,26 @@ impl PeerWatch {
     /// True once the process has exited (or was never there).
     pub fn is_dead(&self) -> bool {
         if let Some(fd) = self.pidfd {
-            let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+            let mut p = libc::pollfd {
+                fd,
+                events: libc::POLLIN,
+                revents: 0,
+            };
             // SAFETY: one valid pollfd, zero timeout.
             let r = unsafe { libc::poll(&mut p, 1, 0) };
             return r > 0 && (p.revents & (libc::POLLIN | libc::POLLHUP)) != 0;
         }
         // SAFETY: signal 0 only checks existence.
-        if unsafe { libc::kill(self.pid, 0) } != 0 && io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH) {
+        if unsafe { libc::kill(self.pid, 0) } != 0
+            && io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH)
+        {
             return true;
         }
         match std::fs::read_to_string(format!("/proc/{}/stat", self.pid)) {
-            Ok(s) => s.rsplit_once(')').map(|(_, rest)| rest.trim_start().starts_with(['Z', 'X'])).unwrap_or(false),
+            Ok(s) => s
+                .rsplit_once(')')
+                .map(|(_, rest)| rest.trim_start().starts_with(['Z', 'X']))
+                .unwrap_or(false),
             Err(_) => true,
         }
     }
@@ -480,12 +592,27 @@ impl Drop for PeerWatch {
 }
 
 /// Sleep on a futex word in shared memory until it differs from `expected` or `timeout` passes.
-pub(crate) fn futex_wait(word: &std::sync::atomic::AtomicU32, expected: u32, timeout: std::time::Duration) {
-    let ts = libc::timespec { tv_sec: timeout.as_secs() as libc::time_t, tv_nsec: timeout.subsec_nanos() as libc::c_long };
+pub(crate) fn futex_wait(
+    word: &std::sync::atomic::AtomicU32,
+    expected: u32,
+    timeout: std::time::Duration,
+) {
+    let ts = libc::timespec {
+        tv_sec: timeout.as_secs() as libc::time_t,
+        tv_nsec: timeout.subsec_nanos() as libc::c_long,
+    };
     // SAFETY: word points into a live shared mapping; FUTEX_WAIT (not PRIVATE) because the word is
     // shared between processes; the timeout is a valid timespec. Spurious wake-ups are fine: callers loop.
     unsafe {
-        libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAIT, expected, &ts as *const libc::timespec, 0usize, 0u32);
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAIT,
+            expected,
+            &ts as *const libc::timespec,
+            0usize,
+            0u32,
+        );
     }
 }
 
@@ -493,7 +620,15 @@ pub(crate) fn futex_wait(word: &std::sync::atomic::AtomicU32, expected: u32, tim
 pub(crate) fn futex_wake_all(word: &std::sync::atomic::AtomicU32) {
     // SAFETY: word points into a live shared mapping.
     unsafe {
-        libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAKE, i32::MAX, 0usize, 0usize, 0u32);
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAKE,
+            i32::MAX,
+            0usize,
+            0usize,
+            0u32,
+        );
     }
 }
 
@@ -506,12 +641,15 @@ pub(crate) fn available_cpus() -> usize {
     // SAFETY: a zeroed cpu_set_t is a valid empty set; sched_getaffinity writes at most its size.
     let counted = unsafe {
         let mut set: libc::cpu_set_t = std::mem::zeroed();
-        (libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) == 0).then(|| libc::CPU_COUNT(&set) as usize)
+        (libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) == 0)
+            .then(|| libc::CPU_COUNT(&set) as usize)
     };
     match counted {
         Some(n) if n > 0 => n,
         // More CPUs than a cpu_set_t holds (EINVAL): std asks with a larger set.
-        _ => std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
+        _ => std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1),
     }
 }
 
@@ -527,7 +665,9 @@ pub(crate) fn affinity_text() -> String {
         set
     };
     // SAFETY: CPU_ISSET reads a valid set for indexes below CPU_SETSIZE.
-    let on: Vec<usize> = (0..libc::CPU_SETSIZE as usize).filter(|&c| unsafe { libc::CPU_ISSET(c, &set) }).collect();
+    let on: Vec<usize> = (0..libc::CPU_SETSIZE as usize)
+        .filter(|&c| unsafe { libc::CPU_ISSET(c, &set) })
+        .collect();
     let mut parts = Vec::new();
     let mut i = 0;
     while i < on.len() {
@@ -535,7 +675,11 @@ pub(crate) fn affinity_text() -> String {
         while j + 1 < on.len() && on[j + 1] == on[j] + 1 {
             j += 1;
         }
-        parts.push(if i == j { on[i].to_string() } else { format!("{}-{}", on[i], on[j]) });
+        parts.push(if i == j {
+            on[i].to_string()
+        } else {
+            format!("{}-{}", on[i], on[j])
+        });
         i = j + 1;
     }
     parts.join(",")
@@ -547,7 +691,10 @@ pub(crate) fn room_hint(e: &NoSpace) -> String {
         Some(d) if d == Path::new(SHM_DIR) => {
             format!("give {SHM_DIR} more room (Docker: --shm-size=1g), or set LOCKSTEP_SHM_DIR to a directory on a larger tmpfs")
         }
-        Some(d) => format!("give {} more room (a larger tmpfs), or point LOCKSTEP_SHM_DIR elsewhere", d.display()),
+        Some(d) => format!(
+            "give {} more room (a larger tmpfs), or point LOCKSTEP_SHM_DIR elsewhere",
+            d.display()
+        ),
         None => "raise the memory limit of this process's cgroup".to_string(),
     }
 }
@@ -570,9 +717,14 @@ mod tests {
     /// (std reads the quota, the affinity mask does not); never zero.
     #[test]
     fn available_cpus_counts_the_affinity_mask() {
-        let std_count = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+        let std_count = std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1);
         let n = available_cpus();
-        assert!(n >= 1 && n >= std_count, "available_cpus {n}, std {std_count}");
+        assert!(
+            n >= 1 && n >= std_count,
+            "available_cpus {n}, std {std_count}"
+        );
     }
 
     /// Minor page faults of the calling thread so far (of this thread only: the unit tests run
@@ -602,7 +754,11 @@ mod tests {
             }
         }
         // 1024 pages written without faulting (a few faults of this thread's own stack or allocator are noise).
-        assert!(minor_faults() - before < 64, "{} faults on populated pages", minor_faults() - before);
+        assert!(
+            minor_faults() - before < 64,
+            "{} faults on populated pages",
+            minor_faults() - before
+        );
         assert_eq!(sum, 0);
         // Out-of-range and empty requests are clamped, not errors.
         seg.populate(seg.len() - 10, 4096).unwrap();

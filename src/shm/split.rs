@@ -46,13 +46,20 @@ struct Member {
 
 impl ShmComm {
     /// Split this communicator (see [`Backend::split`]): `Ok(None)` for ranks with no color.
-    pub(crate) fn split_shm(&mut self, color: Option<u32>, key: i64) -> Result<Option<ShmComm>, CommError> {
+    pub(crate) fn split_shm(
+        &mut self,
+        color: Option<u32>,
+        key: i64,
+    ) -> Result<Option<ShmComm>, CommError> {
         let k = self.next_split();
         let n = self.world_size();
         let all = self.gather_i64(&[color.map_or(-1, i64::from), key, k as i64])?;
         // Ranks whose earlier splits failed differently would name different segments; the
         // failure paths below fail every rank, so this is a guard, not an expected error.
-        let behind: Vec<String> = (0..n).filter(|&r| all[3 * r + 2] != k as i64).map(|r| self.channel().who(r)).collect();
+        let behind: Vec<String> = (0..n)
+            .filter(|&r| all[3 * r + 2] != k as i64)
+            .map(|r| self.channel().who(r))
+            .collect();
         if !behind.is_empty() {
             return Err(CommError::Mismatch {
                 seq: self.seq(),
@@ -72,7 +79,10 @@ impl ShmComm {
         // Every creation must have worked before anyone joins: otherwise the members of a color
         // whose creator failed would wait for its segment until the join timeout.
         let ok = self.gather_i64(&[member.is_ok() as i64])?;
-        let failed: Vec<String> = (0..n).filter(|&r| ok[r] == 0).map(|r| self.channel().who(r)).collect();
+        let failed: Vec<String> = (0..n)
+            .filter(|&r| ok[r] == 0)
+            .map(|r| self.channel().who(r))
+            .collect();
         if !failed.is_empty() {
             return Err(match member {
                 Ok(m) => {
@@ -108,8 +118,16 @@ impl ShmComm {
             op: ReduceOp::Sum,
             root: 0,
             count: c,
-            send: RawMem { addr: vals.as_ptr() as usize, len: c, space: MemSpace::Host },
-            recv: RawMem { addr: out.as_mut_ptr() as usize, len: out.len(), space: MemSpace::Host },
+            send: RawMem {
+                addr: vals.as_ptr() as usize,
+                len: c,
+                space: MemSpace::Host,
+            },
+            recv: RawMem {
+                addr: out.as_mut_ptr() as usize,
+                len: out.len(),
+                space: MemSpace::Host,
+            },
             splits: Splits::default(),
         };
         match self.run(&call) {
@@ -130,7 +148,11 @@ impl ShmComm {
             return t.to_string();
         }
         let h = self.channel().header();
-        format!("p{}.{}", h.creator_pid.load(Relaxed), h.creator_start.load(Relaxed))
+        format!(
+            "p{}.{}",
+            h.creator_pid.load(Relaxed),
+            h.creator_start.load(Relaxed)
+        )
     }
 
     /// This rank's part in split `k` with color `c`: its place among the members, and (on the
@@ -138,13 +160,22 @@ impl ShmComm {
     fn prepare(&self, k: u64, c: u32, colors: &[i64], keys: &[i64]) -> Result<Member, CommError> {
         let ch = self.channel();
         let me = self.rank();
-        let mut members: Vec<usize> = (0..colors.len()).filter(|&r| colors[r] == i64::from(c)).collect();
+        let mut members: Vec<usize> = (0..colors.len())
+            .filter(|&r| colors[r] == i64::from(c))
+            .collect();
         let creator = members[0];
         members.sort_by_key(|&r| (keys[r], r));
         let rank = members.iter().position(|&r| r == me).unwrap_or(0);
         let global: Arc<[usize]> = members.iter().map(|&r| ch.global(r)).collect();
-        let pids = members.iter().map(|&r| ch.ctrl(r).pid.load(Acquire)).collect();
-        let sub = SubJoin { global, pids, spin: ch.spin() };
+        let pids = members
+            .iter()
+            .map(|&r| ch.ctrl(r).pid.load(Acquire))
+            .collect();
+        let sub = SubJoin {
+            global,
+            pids,
+            spin: ch.spin(),
+        };
         let tag = format!("{}.s{k}c{c}", self.segment_tag());
         let cfg = ch.config().clone().normalized_for(members.len());
         let name = SegName::new(cfg.checked_shm_dir()?, &tag)?;
@@ -160,14 +191,30 @@ impl ShmComm {
         } else {
             None
         };
-        Ok(Member { name, tag, cfg, layout, rank, created, sub })
+        Ok(Member {
+            name,
+            tag,
+            cfg,
+            layout,
+            rank,
+            created,
+            sub,
+        })
     }
 }
 
 impl Member {
     /// Join the sub-communicator's segment, which exists: every creator reported success.
     fn join(self) -> Result<ShmComm, CommError> {
-        let Member { name, tag, cfg, layout, rank, created, sub } = self;
+        let Member {
+            name,
+            tag,
+            cfg,
+            layout,
+            rank,
+            created,
+            sub,
+        } = self;
         let (seg, layout) = match created {
             Some(seg) => (seg, layout),
             None => {
@@ -181,13 +228,20 @@ impl Member {
                 // fields are atomics.
                 let h = unsafe { &*(seg.base() as *const Header) };
                 let world = layout.world;
-                if h.magic.load(Acquire) != MAGIC || h.version.load(Relaxed) != VERSION || h.world.load(Relaxed) as usize != world {
+                if h.magic.load(Acquire) != MAGIC
+                    || h.version.load(Relaxed) != VERSION
+                    || h.world.load(Relaxed) as usize != world
+                {
                     return Err(CommError::Setup(format!(
                         "split: segment {name} is not the sub-communicator of {world} ranks this rank expects; does another job use the same job id?"
                     )));
                 }
                 // The creator's sizes win, as for a world segment.
-                let layout = Layout::new(world, h.slot_bytes.load(Relaxed) as usize, h.heap_bytes.load(Relaxed) as usize)?;
+                let layout = Layout::new(
+                    world,
+                    h.slot_bytes.load(Relaxed) as usize,
+                    h.heap_bytes.load(Relaxed) as usize,
+                )?;
                 if seg.len() < layout.total {
                     return Err(gone());
                 }

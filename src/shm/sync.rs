@@ -273,22 +273,52 @@ pub(crate) struct Layout {
 }
 
 impl Layout {
-    pub(crate) fn new(world: usize, slot_bytes: usize, heap_bytes: usize) -> Result<Layout, crate::comm::CommError> {
+    pub(crate) fn new(
+        world: usize,
+        slot_bytes: usize,
+        heap_bytes: usize,
+    ) -> Result<Layout, crate::comm::CommError> {
         let too_big = || {
             crate::comm::CommError::Setup(format!(
                 "a segment for {world} ranks with {slot_bytes}-byte slots and {heap_bytes}-byte heaps does not fit the address space; lower LOCKSTEP_SHM_HEAP_BYTES"
             ))
         };
         let slots_off = (HEADER_BYTES + world * CTRL_BYTES).next_multiple_of(4096);
-        let slots = world.checked_mul(2).and_then(|v| v.checked_mul(slot_bytes)).ok_or_else(too_big)?;
+        let slots = world
+            .checked_mul(2)
+            .and_then(|v| v.checked_mul(slot_bytes))
+            .ok_or_else(too_big)?;
         let fast_off = slots_off.checked_add(slots).ok_or_else(too_big)?;
         let fast = world.checked_mul(2 * FAST_ENTRY).ok_or_else(too_big)?;
-        let p2p_off = fast_off.checked_add(fast).ok_or_else(too_big)?.next_multiple_of(4096);
+        let p2p_off = fast_off
+            .checked_add(fast)
+            .ok_or_else(too_big)?
+            .next_multiple_of(4096);
         let mbox_bytes = mbox_bytes(world, slot_bytes);
-        let mboxes = world.checked_mul(world).and_then(|p| p.checked_mul(PAIR_CTRL_BYTES + mbox_bytes)).ok_or_else(too_big)?;
-        let heaps_off = p2p_off.checked_add(mboxes).ok_or_else(too_big)?.next_multiple_of(2 << 20);
-        let total = world.checked_mul(heap_bytes).and_then(|h| h.checked_add(heaps_off)).filter(|t| *t < 1 << 46).ok_or_else(too_big)?;
-        Ok(Layout { world, slot_bytes, heap_bytes, slots_off, fast_off, p2p_off, mbox_bytes, heaps_off, total })
+        let mboxes = world
+            .checked_mul(world)
+            .and_then(|p| p.checked_mul(PAIR_CTRL_BYTES + mbox_bytes))
+            .ok_or_else(too_big)?;
+        let heaps_off = p2p_off
+            .checked_add(mboxes)
+            .ok_or_else(too_big)?
+            .next_multiple_of(2 << 20);
+        let total = world
+            .checked_mul(heap_bytes)
+            .and_then(|h| h.checked_add(heaps_off))
+            .filter(|t| *t < 1 << 46)
+            .ok_or_else(too_big)?;
+        Ok(Layout {
+            world,
+            slot_bytes,
+            heap_bytes,
+            slots_off,
+            fast_off,
+            p2p_off,
+            mbox_bytes,
+            heaps_off,
+            total,
+        })
     }
 
     /// Bytes from the start that collectives and point-to-point calls may touch whatever the

@@ -149,7 +149,12 @@ impl Tuner {
     }
 
     fn new(fixed: Option<bool>, what: &'static str, names: [&'static str; 2]) -> Tuner {
-        Tuner { fixed, what, names, classes: vec![Class::default(); 4 * BUCKETS] }
+        Tuner {
+            fixed,
+            what,
+            names,
+            classes: vec![Class::default(); 4 * BUCKETS],
+        }
     }
 
     /// The mode rank 0 chooses for the next call of this class (`group` names the collective).
@@ -186,9 +191,12 @@ impl Tuner {
             return !best;
         }
         let other = if best { first } else { second };
-        let due = c
-            .last_probe
-            .is_none_or(|t| now.duration_since(t) >= PROBE_MIN.max(Duration::from_secs_f64(other * PROBE_RATIO * PROBE_CALLS as f64)));
+        let due = c.last_probe.is_none_or(|t| {
+            now.duration_since(t)
+                >= PROBE_MIN.max(Duration::from_secs_f64(
+                    other * PROBE_RATIO * PROBE_CALLS as f64,
+                ))
+        });
         if due {
             c.last_probe = Some(now);
             c.probe_left = PROBE_CALLS - 1;
@@ -201,14 +209,16 @@ impl Tuner {
     /// The mode a rank other than 0 should guess for the part it stages before the call's
     /// descriptors arrive: the one rank 0 used last for this class.
     pub(crate) fn guess(&self, group: usize, bytes: usize) -> bool {
-        self.fixed.unwrap_or(self.classes[index(group, bytes)].current)
+        self.fixed
+            .unwrap_or(self.classes[index(group, bytes)].current)
     }
 
     /// Whether `nt` is the way this class has settled on: the warm-up is over and it was the
     /// faster way at the last decision.
     pub(crate) fn settled_on(&self, group: usize, bytes: usize, nt: bool) -> bool {
         let c = &self.classes[index(group, bytes)];
-        self.fixed.map_or(c.calls >= WARMUP && c.best == Some(nt), |f| f == nt)
+        self.fixed
+            .map_or(c.calls >= WARMUP && c.best == Some(nt), |f| f == nt)
     }
 
     /// Rank 0's choice for this call, as read from its descriptor.
@@ -260,7 +270,12 @@ impl Tuner {
 /// writes through the cache (each destination line is read before it is written), so the direct
 /// path loses there (`lockstep bench` at 64 MiB, `LOCKSTEP_SHM_SINGLE_COPY=always` against
 /// `never`), and it stops below `nt_bytes`. `cma_bytes` 0 turns it off.
-pub(crate) fn direct_for(bytes: usize, cma_bytes: usize, small_bytes: usize, nt_bytes: usize) -> bool {
+pub(crate) fn direct_for(
+    bytes: usize,
+    cma_bytes: usize,
+    small_bytes: usize,
+    nt_bytes: usize,
+) -> bool {
     cma_bytes > 0 && bytes >= cma_bytes && bytes > small_bytes && bytes < nt_bytes
 }
 
@@ -322,17 +337,27 @@ mod tests {
                 spent_probing += secs;
             }
         }
-        assert!(spent_probing / clock < 0.03, "probing took {:.1} % of the time", 100.0 * spent_probing / clock);
+        assert!(
+            spent_probing / clock < 0.03,
+            "probing took {:.1} % of the time",
+            100.0 * spent_probing / clock
+        );
     }
 
     #[test]
     fn direct_copies_from_the_threshold_up() {
         assert!(!direct_for(1 << 20, 0, 16 << 10, 8 << 20), "0 turns it off");
-        assert!(!direct_for(16 << 10, 4 << 10, 16 << 10, 8 << 20), "the small path keeps its sizes");
+        assert!(
+            !direct_for(16 << 10, 4 << 10, 16 << 10, 8 << 20),
+            "the small path keeps its sizes"
+        );
         assert!(!direct_for((32 << 10) - 1, 32 << 10, 16 << 10, 8 << 20));
         assert!(direct_for(32 << 10, 32 << 10, 16 << 10, 8 << 20));
         assert!(direct_for((8 << 20) - 1, 32 << 10, 16 << 10, 8 << 20));
-        assert!(!direct_for(8 << 20, 32 << 10, 16 << 10, 8 << 20), "streaming staging from nt_bytes up");
+        assert!(
+            !direct_for(8 << 20, 32 << 10, 16 << 10, 8 << 20),
+            "streaming staging from nt_bytes up"
+        );
     }
 
     /// Rank 0 records a call when the next one begins, after choosing for that one: the choice
@@ -359,12 +384,18 @@ mod tests {
         let staged_faster = |single: bool| if single { 30e-6 } else { 15e-6 };
         run(&mut t, 20, &staged_faster);
         let singles = run(&mut t, 20_000, &staged_faster);
-        assert!(singles <= 2 * PROBE_CALLS as usize, "{singles} of 20000 calls took the slower single copy");
+        assert!(
+            singles <= 2 * PROBE_CALLS as usize,
+            "{singles} of 20000 calls took the slower single copy"
+        );
         // Then the single copy gets faster: a probe finds it and the choice follows.
         let single_faster = |single: bool| if single { 10e-6 } else { 15e-6 };
         run(&mut t, 50_000, &single_faster);
         let singles = run(&mut t, 20_000, &single_faster);
-        assert!(singles >= 19_990, "only {singles} of 20000 calls took the faster single copy");
+        assert!(
+            singles >= 19_990,
+            "only {singles} of 20000 calls took the faster single copy"
+        );
     }
 
     /// The path tuner counts a staged call only in the staging mode that has settled: none
@@ -381,8 +412,14 @@ mod tests {
         let nt = t.choose(3, 1 << 20, t0);
         assert!(!nt, "cached stores were faster");
         assert!(t.settled_on(3, 1 << 20, false));
-        assert!(!t.settled_on(3, 1 << 20, true), "a probe of the slower mode is not settled");
-        assert!(!t.settled_on(3, 4 << 20, false), "another class has its own warm-up");
+        assert!(
+            !t.settled_on(3, 1 << 20, true),
+            "a probe of the slower mode is not settled"
+        );
+        assert!(
+            !t.settled_on(3, 4 << 20, false),
+            "another class has its own warm-up"
+        );
         let fixed = Tuner::staging(StageMode::Streaming);
         assert!(fixed.settled_on(3, 1 << 20, true) && !fixed.settled_on(3, 1 << 20, false));
     }
@@ -394,7 +431,10 @@ mod tests {
         assert!(t.guess(1, 1 << 20));
         let mut t = Tuner::single_copy(SingleCopyMode::Never);
         assert!((0..10).all(|_| !t.choose(1, 1 << 20, Instant::now())));
-        assert_eq!(SingleCopyMode::parse("always"), Some(SingleCopyMode::Always));
+        assert_eq!(
+            SingleCopyMode::parse("always"),
+            Some(SingleCopyMode::Always)
+        );
         assert_eq!(SingleCopyMode::parse("sometimes"), None);
         let mut t = Tuner::staging(StageMode::Streaming);
         assert!((0..10).all(|_| t.choose(0, 4096, Instant::now())));

@@ -24,7 +24,9 @@ pub enum StoreError {
         source: std::io::Error,
     },
     /// The master address does not resolve.
-    #[error("cannot resolve rendezvous address {addr}: {detail}; check --master-addr / MASTER_ADDR")]
+    #[error(
+        "cannot resolve rendezvous address {addr}: {detail}; check --master-addr / MASTER_ADDR"
+    )]
     Resolve {
         /// `host:port`.
         addr: String,
@@ -83,7 +85,9 @@ pub enum StoreError {
         secs: f64,
     },
     /// The server answered something this client does not understand, or rejected a request.
-    #[error("rendezvous store protocol error: {0}; are all nodes running the same lockstep version?")]
+    #[error(
+        "rendezvous store protocol error: {0}; are all nodes running the same lockstep version?"
+    )]
     Protocol(String),
     /// The connection failed mid-request.
     #[error("rendezvous store {op} failed: {source}; the node-0 launcher may have exited (look at its output)")]
@@ -110,7 +114,8 @@ pub trait Store {
     /// Wait for `key` and return its value.
     fn wait_get(&mut self, key: &str, timeout: Duration) -> Result<Vec<u8>, StoreError> {
         self.wait(&[key], timeout)?;
-        self.get(key)?.ok_or_else(|| StoreError::Protocol(format!("key {key:?} vanished after wait")))
+        self.get(key)?
+            .ok_or_else(|| StoreError::Protocol(format!("key {key:?} vanished after wait")))
     }
 
     /// Block until `n` participants have called `barrier` with the same `name` (use a fresh name

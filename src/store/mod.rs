@@ -21,4 +21,6 @@ mod token;
 
 pub use kv::{Store, StoreError};
 pub use tcp::{ServerLimits, StoreServer, TcpStore, MAX_HELLO_FRAME};
-pub use token::{generate_token, read_token_file, validate_token, TokenFile, MAX_TOKEN_LEN, MIN_TOKEN_LEN};
+pub use token::{
+    generate_token, read_token_file, validate_token, TokenFile, MAX_TOKEN_LEN, MIN_TOKEN_LEN,
+};

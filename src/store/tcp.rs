@@ -97,7 +97,10 @@ struct Cursor<'a>(&'a [u8]);
 impl<'a> Cursor<'a> {
     fn take(&mut self, n: usize) -> Result<&'a [u8], String> {
         if self.0.len() < n {
-            return Err(format!("message truncated: wanted {n} more bytes, {} left", self.0.len()));
+            return Err(format!(
+                "message truncated: wanted {n} more bytes, {} left",
+                self.0.len()
+            ));
         }
         let (a, b) = self.0.split_at(n);
         self.0 = b;
@@ -107,10 +110,14 @@ impl<'a> Cursor<'a> {
         Ok(self.take(1)?[0])
     }
     fn u32(&mut self) -> Result<u32, String> {
-        Ok(u32::from_le_bytes(self.take(4)?.try_into().expect("4 bytes")))
+        Ok(u32::from_le_bytes(
+            self.take(4)?.try_into().expect("4 bytes"),
+        ))
     }
     fn u64(&mut self) -> Result<u64, String> {
-        Ok(u64::from_le_bytes(self.take(8)?.try_into().expect("8 bytes")))
+        Ok(u64::from_le_bytes(
+            self.take(8)?.try_into().expect("8 bytes"),
+        ))
     }
     fn bytes(&mut self) -> Result<&'a [u8], String> {
         let n = self.u32()? as usize;
@@ -207,7 +214,9 @@ pub struct StoreServer {
 
 impl std::fmt::Debug for StoreServer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("StoreServer").field("addr", &self.addr).finish()
+        f.debug_struct("StoreServer")
+            .field("addr", &self.addr)
+            .finish()
     }
 }
 
@@ -219,9 +228,17 @@ impl StoreServer {
     }
 
     /// [`start`](StoreServer::start) with explicit limits (tests shorten the handshake deadline).
-    pub fn start_with_limits(host: &str, port: u16, token: &str, limits: ServerLimits) -> Result<StoreServer, StoreError> {
+    pub fn start_with_limits(
+        host: &str,
+        port: u16,
+        token: &str,
+        limits: ServerLimits,
+    ) -> Result<StoreServer, StoreError> {
         validate_token(token)?;
-        if limits.max_pending == 0 || limits.max_connections == 0 || limits.handshake_timeout.is_zero() {
+        if limits.max_pending == 0
+            || limits.max_connections == 0
+            || limits.handshake_timeout.is_zero()
+        {
             return Err(StoreError::Limits(format!(
                 "max_pending, max_connections and handshake_timeout must all be above zero, got {limits:?}"
             )));
@@ -229,13 +246,26 @@ impl StoreServer {
         let addr = format!("{host}:{port}");
         let listener = match TcpListener::bind(&addr) {
             Ok(l) => l,
-            Err(e) if e.kind() == ErrorKind::AddrInUse => return Err(StoreError::PortInUse { host: host.to_string(), port }),
+            Err(e) if e.kind() == ErrorKind::AddrInUse => {
+                return Err(StoreError::PortInUse {
+                    host: host.to_string(),
+                    port,
+                })
+            }
             Err(e) => return Err(StoreError::Bind { addr, source: e }),
         };
-        let local = listener.local_addr().map_err(|e| StoreError::Bind { addr: addr.clone(), source: e })?;
+        let local = listener.local_addr().map_err(|e| StoreError::Bind {
+            addr: addr.clone(),
+            source: e,
+        })?;
         // Non-blocking so one `poll` serves the listener and every pending handshake, and an
         // accept loop ends when the queue is empty.
-        listener.set_nonblocking(true).map_err(|e| StoreError::Bind { addr: addr.clone(), source: e })?;
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| StoreError::Bind {
+                addr: addr.clone(),
+                source: e,
+            })?;
         let stop = Arc::new(AtomicBool::new(false));
         let shared = Arc::new(Shared::default());
         let gk = Gatekeeper {
@@ -255,7 +285,12 @@ impl StoreServer {
             .name("lockstep-store".into())
             .spawn(move || gk.run())
             .map_err(|e| StoreError::Bind { addr, source: e })?;
-        Ok(StoreServer { addr: local, stop, shared, gatekeeper: Some(gatekeeper) })
+        Ok(StoreServer {
+            addr: local,
+            stop,
+            shared,
+            gatekeeper: Some(gatekeeper),
+        })
     }
 
     /// The address the server listens on.
@@ -379,17 +414,29 @@ impl Gatekeeper {
                 wake = wake.min(t);
             }
             // Round up, so the loop does not wake a fraction of a millisecond early again and again.
-            let ms = wake.saturating_duration_since(now).as_micros().div_ceil(1000).clamp(1, 250) as u16;
+            let ms = wake
+                .saturating_duration_since(now)
+                .as_micros()
+                .div_ceil(1000)
+                .clamp(1, 250) as u16;
             // Complete handshakes wait for their gate, not for bytes: polling them would spin on
             // their readable (or hung-up) sockets.
-            let ids: Vec<u64> = self.pending.iter().filter(|(_, p)| !p.complete()).map(|(id, _)| *id).collect();
+            let ids: Vec<u64> = self
+                .pending
+                .iter()
+                .filter(|(_, p)| !p.complete())
+                .map(|(id, _)| *id)
+                .collect();
             let (listener_ready, readable) = {
                 let mut fds = Vec::with_capacity(ids.len() + 1);
                 if listen {
                     fds.push(PollFd::new(self.listener.as_fd(), PollFlags::POLLIN));
                 }
                 for id in &ids {
-                    fds.push(PollFd::new(self.pending[id].stream.as_fd(), PollFlags::POLLIN));
+                    fds.push(PollFd::new(
+                        self.pending[id].stream.as_fd(),
+                        PollFlags::POLLIN,
+                    ));
                 }
                 match nix::poll::poll(&mut fds, PollTimeout::from(ms)) {
                     Ok(_) => {}
@@ -403,7 +450,12 @@ impl Gatekeeper {
                 }
                 let ready = |f: &PollFd| f.revents().is_some_and(|r| !r.is_empty());
                 let off = usize::from(listen);
-                let readable: Vec<u64> = ids.iter().zip(&fds[off..]).filter(|(_, f)| ready(f)).map(|(id, _)| *id).collect();
+                let readable: Vec<u64> = ids
+                    .iter()
+                    .zip(&fds[off..])
+                    .filter(|(_, f)| ready(f))
+                    .map(|(id, _)| *id)
+                    .collect();
                 (listen && ready(&fds[0]), readable)
             };
             for id in readable {
@@ -417,10 +469,11 @@ impl Gatekeeper {
 
     /// The instant before which no token from `source` is checked, if that is still ahead.
     fn gate(&self, source: Source) -> Option<Instant> {
-        let g = self
-            .gates
-            .get(&source)
-            .or_else(|| (self.gates.len() >= MAX_GATED_SOURCES).then(|| self.gates.get(&Source::Overflow)).flatten());
+        let g = self.gates.get(&source).or_else(|| {
+            (self.gates.len() >= MAX_GATED_SOURCES)
+                .then(|| self.gates.get(&Source::Overflow))
+                .flatten()
+        });
         g.copied()
     }
 
@@ -437,7 +490,13 @@ impl Gatekeeper {
                     let id = self.next_id;
                     self.next_id += 1;
                     let now = Instant::now();
-                    let p = Pending { stream, source: Source::of(peer.ip()), accepted: now, buf: Vec::new(), body_len: None };
+                    let p = Pending {
+                        stream,
+                        source: Source::of(peer.ip()),
+                        accepted: now,
+                        buf: Vec::new(),
+                        body_len: None,
+                    };
                     self.pending.insert(id, p);
                     if self.pending.len() > self.limits.max_pending {
                         // The oldest has had the longest to authenticate; a real client sends its
@@ -452,20 +511,29 @@ impl Gatekeeper {
                     }
                 }
                 Err(e) if e.kind() == ErrorKind::WouldBlock => return,
-                Err(e) if matches!(e.kind(), ErrorKind::Interrupted | ErrorKind::ConnectionAborted) => {}
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        ErrorKind::Interrupted | ErrorKind::ConnectionAborted
+                    ) => {}
                 Err(e) => {
                     // Out of descriptors (EMFILE/ENFILE) or memory. An unauthenticated connection
                     // that has had its chance gives its descriptor to the next in line (as when
                     // `max_pending` is reached); one accepted just now may still be waiting for
                     // its HELLO to arrive, and is kept.
-                    let oldest = self.pending.first_key_value().filter(|(_, p)| p.accepted.elapsed() >= EVICT_GRACE).map(|(id, _)| *id);
+                    let oldest = self
+                        .pending
+                        .first_key_value()
+                        .filter(|(_, p)| p.accepted.elapsed() >= EVICT_GRACE)
+                        .map(|(id, _)| *id);
                     if let (Some(libc::EMFILE), Some(id)) = (e.raw_os_error(), oldest) {
                         self.pending.remove(&id);
                         continue;
                     }
                     // Otherwise the connection stays queued in the kernel, and the listener
                     // would poll ready again at once: stop listening for a doubling pause.
-                    self.pause = (self.pause * 2).clamp(Duration::from_millis(10), MAX_ACCEPT_PAUSE);
+                    self.pause =
+                        (self.pause * 2).clamp(Duration::from_millis(10), MAX_ACCEPT_PAUSE);
                     if self.pause == Duration::from_millis(10) {
                         tracing::warn!(
                             "rendezvous store: cannot accept connections ({e}); retrying with pauses of up to {MAX_ACCEPT_PAUSE:?}"
@@ -480,7 +548,9 @@ impl Gatekeeper {
 
     /// Read what has arrived on pending connection `id`, closing it on error or oversize.
     fn read_pending(&mut self, id: u64) {
-        let Some(p) = self.pending.get_mut(&id) else { return };
+        let Some(p) = self.pending.get_mut(&id) else {
+            return;
+        };
         match read_hello_bytes(p) {
             ReadState::Waiting | ReadState::Complete => {}
             ReadState::Closed => {
@@ -500,11 +570,19 @@ impl Gatekeeper {
     /// Close the connections whose handshake deadline has passed.
     fn expire(&mut self, now: Instant) {
         let timeout = self.limits.handshake_timeout;
-        let late: Vec<u64> = self.pending.iter().filter(|(_, p)| p.accepted + timeout <= now).map(|(id, _)| *id).collect();
+        let late: Vec<u64> = self
+            .pending
+            .iter()
+            .filter(|(_, p)| p.accepted + timeout <= now)
+            .map(|(id, _)| *id)
+            .collect();
         for id in late {
             if let Some(p) = self.pending.remove(&id) {
                 let secs = self.limits.handshake_timeout.as_secs_f64();
-                reject_pending(p.stream, &format!("the handshake was not completed within {secs:.1} s of connecting"));
+                reject_pending(
+                    p.stream,
+                    &format!("the handshake was not completed within {secs:.1} s of connecting"),
+                );
             }
         }
     }
@@ -515,7 +593,12 @@ impl Gatekeeper {
         if self.gates.len() >= MAX_GATED_SOURCES / 2 {
             self.gates.retain(|_, t| *t > now);
         }
-        let ready: Vec<u64> = self.pending.iter().filter(|(_, p)| p.complete()).map(|(id, _)| *id).collect();
+        let ready: Vec<u64> = self
+            .pending
+            .iter()
+            .filter(|(_, p)| p.complete())
+            .map(|(id, _)| *id)
+            .collect();
         for id in ready {
             self.check_hello(id, now);
         }
@@ -524,20 +607,32 @@ impl Gatekeeper {
     /// Check the complete HELLO of pending connection `id` unless its source is held back by an
     /// earlier wrong token; admit it, answer BAD_TOKEN, or reject it.
     fn check_hello(&mut self, id: u64, now: Instant) {
-        let Some(source) = self.pending.get(&id).map(|p| p.source) else { return };
+        let Some(source) = self.pending.get(&id).map(|p| p.source) else {
+            return;
+        };
         // A wrong token just now from the same source holds back the rest of its queue.
         if self.gate(source).is_some_and(|g| g > now) {
             return;
         }
-        let Some(mut p) = self.pending.remove(&id) else { return };
+        let Some(mut p) = self.pending.remove(&id) else {
+            return;
+        };
         match parse_hello(&p.buf[4..]) {
             Err(msg) => reject_pending(p.stream, &msg),
             Ok(t) if tokens_equal(&self.token, t) => self.admit(p.stream),
             Ok(_) => {
                 let first = !self.gates.contains_key(&source);
-                let key = if first && self.gates.len() >= MAX_GATED_SOURCES { Source::Overflow } else { source };
+                let key = if first && self.gates.len() >= MAX_GATED_SOURCES {
+                    Source::Overflow
+                } else {
+                    source
+                };
                 self.gates.insert(key, now + self.limits.wrong_token_delay);
-                let peer = p.stream.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "?".into());
+                let peer = p
+                    .stream
+                    .peer_addr()
+                    .map(|a| a.to_string())
+                    .unwrap_or_else(|_| "?".into());
                 if first {
                     tracing::warn!("rendezvous store: {peer} presented a wrong token (further tries from there are throttled)");
                 } else {
@@ -552,7 +647,10 @@ impl Gatekeeper {
     fn admit(&mut self, mut stream: TcpStream) {
         let limit = self.limits.max_connections;
         if self.live.load(Ordering::SeqCst) >= limit {
-            reject_pending(stream, &format!("the store is serving its limit of {limit} connections; try again later"));
+            reject_pending(
+                stream,
+                &format!("the store is serving its limit of {limit} connections; try again later"),
+            );
             return;
         }
         if stream.set_nonblocking(false).is_err() {
@@ -560,17 +658,21 @@ impl Gatekeeper {
         }
         self.live.fetch_add(1, Ordering::SeqCst);
         let (shared, live) = (self.shared.clone(), self.live.clone());
-        let spawned = std::thread::Builder::new().name("lockstep-store-conn".into()).spawn(move || {
-            if write_frame(&mut stream, &[ST_OK]).is_ok() {
-                serve(stream, &shared);
-            }
-            live.fetch_sub(1, Ordering::SeqCst);
-        });
+        let spawned = std::thread::Builder::new()
+            .name("lockstep-store-conn".into())
+            .spawn(move || {
+                if write_frame(&mut stream, &[ST_OK]).is_ok() {
+                    serve(stream, &shared);
+                }
+                live.fetch_sub(1, Ordering::SeqCst);
+            });
         if let Err(e) = spawned {
             // The closure, and with it the connection, is gone: the client sees it closed
             // without an answer and retries.
             self.live.fetch_sub(1, Ordering::SeqCst);
-            tracing::warn!("rendezvous store: cannot start a thread for an authenticated connection: {e}");
+            tracing::warn!(
+                "rendezvous store: cannot start a thread for an authenticated connection: {e}"
+            );
         }
     }
 }
@@ -626,7 +728,10 @@ fn serve(mut s: TcpStream, shared: &Shared) {
             Ok(b) => b,
             Err(FrameError::Closed(_)) => return,
             Err(FrameError::TooLarge(n)) => {
-                reject(&mut s, &format!("frame of {n} bytes exceeds the limit of {MAX_FRAME}"));
+                reject(
+                    &mut s,
+                    &format!("frame of {n} bytes exceeds the limit of {MAX_FRAME}"),
+                );
                 return;
             }
         };
@@ -660,7 +765,9 @@ fn parse_hello(body: &[u8]) -> Result<&[u8], String> {
     let t = c.bytes()?;
     c.end()?;
     if version != VERSION {
-        return Err(format!("protocol version {version} is not supported (server speaks {VERSION})"));
+        return Err(format!(
+            "protocol version {version} is not supported (server speaks {VERSION})"
+        ));
     }
     Ok(t)
 }
@@ -709,7 +816,11 @@ fn handle(body: &[u8], shared: &Shared) -> Result<Vec<u8>, String> {
                 if now >= deadline {
                     return Ok(vec![ST_TIMEOUT]);
                 }
-                m = shared.changed.wait_timeout(m, deadline - now).unwrap_or_else(|p| p.into_inner()).0;
+                m = shared
+                    .changed
+                    .wait_timeout(m, deadline - now)
+                    .unwrap_or_else(|p| p.into_inner())
+                    .0;
             }
         }
         OP_ADD => {
@@ -761,7 +872,12 @@ impl TcpStore {
     /// wrong token is not retried (retrying cannot fix it), nor is a peer that accepts the
     /// connection but answers garbage or nothing: that is [`StoreError::NotStore`], reported
     /// at the latest when `connect_timeout` runs out.
-    pub fn connect(host: &str, port: u16, token: &str, connect_timeout: Duration) -> Result<TcpStore, StoreError> {
+    pub fn connect(
+        host: &str,
+        port: u16,
+        token: &str,
+        connect_timeout: Duration,
+    ) -> Result<TcpStore, StoreError> {
         validate_token(token)?;
         let addr = format!("{host}:{port}");
         let start = Instant::now();
@@ -773,7 +889,10 @@ impl TcpStore {
             attempts += 1;
             let left = deadline.saturating_duration_since(Instant::now());
             let (err, was_closed) = match resolve(&addr) {
-                Ok(sa) => match TcpStream::connect_timeout(&sa, left.clamp(Duration::from_millis(10), Duration::from_secs(2))) {
+                Ok(sa) => match TcpStream::connect_timeout(
+                    &sa,
+                    left.clamp(Duration::from_millis(10), Duration::from_secs(2)),
+                ) {
                     Ok(s) => match handshake(s, &addr, token, deadline) {
                         Ok(st) => return Ok(st),
                         Err(HelloError::Final(e)) => return Err(e),
@@ -784,7 +903,9 @@ impl TcpStore {
                     },
                     Err(e) => (e, false),
                 },
-                Err(StoreError::Resolve { detail, .. }) if start.elapsed() < connect_timeout => (std::io::Error::other(detail), false),
+                Err(StoreError::Resolve { detail, .. }) if start.elapsed() < connect_timeout => {
+                    (std::io::Error::other(detail), false)
+                }
                 Err(e) => return Err(e),
             };
             if Instant::now() + backoff > deadline {
@@ -797,7 +918,12 @@ impl TcpStore {
                         ),
                     });
                 }
-                return Err(StoreError::Unreachable { addr, attempts, secs, source: err });
+                return Err(StoreError::Unreachable {
+                    addr,
+                    attempts,
+                    secs,
+                    source: err,
+                });
             }
             std::thread::sleep(backoff);
             backoff = (backoff * 2).min(Duration::from_secs(1));
@@ -811,19 +937,34 @@ impl TcpStore {
 
     /// Send one request and read its reply (status byte first, never empty). `timeout` bounds the
     /// wait for the reply so a vanished server turns into an error instead of a hang.
-    fn request(&mut self, op: &'static str, body: &[u8], timeout: Option<Duration>) -> Result<Vec<u8>, StoreError> {
-        self.stream.set_read_timeout(timeout).map_err(|e| StoreError::Io { op, source: e })?;
+    fn request(
+        &mut self,
+        op: &'static str,
+        body: &[u8],
+        timeout: Option<Duration>,
+    ) -> Result<Vec<u8>, StoreError> {
+        self.stream
+            .set_read_timeout(timeout)
+            .map_err(|e| StoreError::Io { op, source: e })?;
         write_frame(&mut self.stream, body).map_err(|e| StoreError::Io { op, source: e })?;
         let r = match read_frame(&mut self.stream) {
             Ok(r) => r,
             Err(FrameError::Closed(e)) => return Err(StoreError::Io { op, source: e }),
-            Err(FrameError::TooLarge(n)) => return Err(StoreError::Protocol(format!("{op}: reply of {n} bytes exceeds the limit"))),
+            Err(FrameError::TooLarge(n)) => {
+                return Err(StoreError::Protocol(format!(
+                    "{op}: reply of {n} bytes exceeds the limit"
+                )))
+            }
         };
         match r.first() {
             None => Err(StoreError::Protocol(format!("{op}: empty reply"))),
             Some(&ST_BAD_REQUEST) => {
-                let msg = Cursor(&r[1..]).key().unwrap_or_else(|_| "(unreadable message)".into());
-                Err(StoreError::Protocol(format!("{op} rejected by the server: {msg}")))
+                let msg = Cursor(&r[1..])
+                    .key()
+                    .unwrap_or_else(|_| "(unreadable message)".into());
+                Err(StoreError::Protocol(format!(
+                    "{op} rejected by the server: {msg}"
+                )))
             }
             Some(_) => Ok(r),
         }
@@ -833,14 +974,28 @@ impl TcpStore {
 /// Present `token` on a fresh connection and read the answer, all by `deadline` (but allowing at
 /// least [`MIN_HELLO_WAIT`]): a deadline for the whole answer, not per read, so a peer that
 /// trickles bytes cannot hold the client past it either.
-fn handshake(mut s: TcpStream, addr: &str, token: &str, deadline: Instant) -> Result<TcpStore, HelloError> {
+fn handshake(
+    mut s: TcpStream,
+    addr: &str,
+    token: &str,
+    deadline: Instant,
+) -> Result<TcpStore, HelloError> {
     let until = deadline.max(Instant::now() + MIN_HELLO_WAIT);
-    let not_store = |detail: String| HelloError::Final(StoreError::NotStore { addr: addr.to_string(), detail });
+    let not_store = |detail: String| {
+        HelloError::Final(StoreError::NotStore {
+            addr: addr.to_string(),
+            detail,
+        })
+    };
     let _ = s.set_nodelay(true);
     let mut req = vec![OP_HELLO];
     req.extend_from_slice(&VERSION.to_le_bytes());
     put_bytes(&mut req, token.as_bytes());
-    let _ = s.set_write_timeout(Some(until.saturating_duration_since(Instant::now()).max(Duration::from_millis(1))));
+    let _ = s.set_write_timeout(Some(
+        until
+            .saturating_duration_since(Instant::now())
+            .max(Duration::from_millis(1)),
+    ));
     // A few dozen bytes into a fresh socket's empty buffer: a failure means the peer is gone.
     write_frame(&mut s, &req).map_err(HelloError::Closed)?;
     let waited = |t0: Instant| t0.elapsed().as_secs_f64();
@@ -849,7 +1004,10 @@ fn handshake(mut s: TcpStream, addr: &str, token: &str, deadline: Instant) -> Re
     match read_until(&mut s, &mut head, until) {
         Ok(()) => {}
         Err((0, e)) if e.kind() == ErrorKind::TimedOut => {
-            return Err(not_store(format!("it accepted the connection but sent no answer to the handshake in {:.1} s", waited(t0))))
+            return Err(not_store(format!(
+                "it accepted the connection but sent no answer to the handshake in {:.1} s",
+                waited(t0)
+            )))
         }
         Err((0, e)) => return Err(HelloError::Closed(e)),
         Err((k, e)) => {
@@ -861,18 +1019,35 @@ fn handshake(mut s: TcpStream, addr: &str, token: &str, deadline: Instant) -> Re
     }
     let n = u32::from_le_bytes(head) as usize;
     if n == 0 || n > MAX_HELLO_REPLY {
-        return Err(not_store(format!("its answer begins {:?}, which is not a lockstep store reply", String::from_utf8_lossy(&head))));
+        return Err(not_store(format!(
+            "its answer begins {:?}, which is not a lockstep store reply",
+            String::from_utf8_lossy(&head)
+        )));
     }
     let mut r = vec![0u8; n];
     if let Err((k, e)) = read_until(&mut s, &mut r, until) {
-        return Err(not_store(format!("its answer announced {n} bytes, but only {k} came before {e}")));
+        return Err(not_store(format!(
+            "its answer announced {n} bytes, but only {k} came before {e}"
+        )));
     }
     let _ = s.set_write_timeout(None);
-    let reject = |r: &[u8]| Cursor(r).key().unwrap_or_else(|_| "(unreadable message)".into());
+    let reject = |r: &[u8]| {
+        Cursor(r)
+            .key()
+            .unwrap_or_else(|_| "(unreadable message)".into())
+    };
     match r[0] {
-        ST_OK if n == 1 => Ok(TcpStore { stream: s, addr: addr.to_string() }),
-        ST_BAD_TOKEN if n == 1 => Err(HelloError::Final(StoreError::WrongToken { addr: addr.to_string() })),
-        ST_BAD_REQUEST => Err(HelloError::Final(StoreError::Protocol(format!("hello rejected by the server: {}", reject(&r[1..]))))),
+        ST_OK if n == 1 => Ok(TcpStore {
+            stream: s,
+            addr: addr.to_string(),
+        }),
+        ST_BAD_TOKEN if n == 1 => Err(HelloError::Final(StoreError::WrongToken {
+            addr: addr.to_string(),
+        })),
+        ST_BAD_REQUEST => Err(HelloError::Final(StoreError::Protocol(format!(
+            "hello rejected by the server: {}",
+            reject(&r[1..])
+        )))),
         _ => Err(not_store(format!(
             "its answer ({n} bytes beginning {:?}) is not a lockstep store reply",
             String::from_utf8_lossy(&r[..n.min(16)])
@@ -882,7 +1057,11 @@ fn handshake(mut s: TcpStream, addr: &str, token: &str, deadline: Instant) -> Re
 
 /// Fill `buf` from `s` by `until`. On failure: how many bytes came, and why it stopped
 /// (`TimedOut` at the deadline, `UnexpectedEof` when the peer closed).
-fn read_until(s: &mut TcpStream, buf: &mut [u8], until: Instant) -> Result<(), (usize, std::io::Error)> {
+fn read_until(
+    s: &mut TcpStream,
+    buf: &mut [u8],
+    until: Instant,
+) -> Result<(), (usize, std::io::Error)> {
     let mut got = 0;
     while got < buf.len() {
         let left = until.saturating_duration_since(Instant::now());
@@ -894,7 +1073,11 @@ fn read_until(s: &mut TcpStream, buf: &mut [u8], until: Instant) -> Result<(), (
             Ok(0) => return Err((got, ErrorKind::UnexpectedEof.into())),
             Ok(k) => got += k,
             // A socket read timeout shows as WouldBlock (EAGAIN); the loop checks the deadline.
-            Err(e) if matches!(e.kind(), ErrorKind::Interrupted | ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    ErrorKind::Interrupted | ErrorKind::WouldBlock | ErrorKind::TimedOut
+                ) => {}
             Err(e) => return Err((got, e)),
         }
     }
@@ -902,14 +1085,22 @@ fn read_until(s: &mut TcpStream, buf: &mut [u8], until: Instant) -> Result<(), (
 }
 
 fn resolve(addr: &str) -> Result<SocketAddr, StoreError> {
-    let mut it = addr.to_socket_addrs().map_err(|e| StoreError::Resolve { addr: addr.to_string(), detail: e.to_string() })?;
-    it.next().ok_or_else(|| StoreError::Resolve { addr: addr.to_string(), detail: "no addresses".into() })
+    let mut it = addr.to_socket_addrs().map_err(|e| StoreError::Resolve {
+        addr: addr.to_string(),
+        detail: e.to_string(),
+    })?;
+    it.next().ok_or_else(|| StoreError::Resolve {
+        addr: addr.to_string(),
+        detail: "no addresses".into(),
+    })
 }
 
 /// Requests carry small payloads; reject anything the server would refuse anyway, up front.
 fn check_size(what: &str, n: usize) -> Result<(), StoreError> {
     if n > MAX_FRAME - 64 {
-        return Err(StoreError::Protocol(format!("{what} of {n} bytes is too large for the rendezvous store (limit {MAX_FRAME})")));
+        return Err(StoreError::Protocol(format!(
+            "{what} of {n} bytes is too large for the rendezvous store (limit {MAX_FRAME})"
+        )));
     }
     Ok(())
 }
@@ -930,9 +1121,16 @@ impl Store for TcpStore {
         put_bytes(&mut req, key.as_bytes());
         let r = self.request("get", &req, Some(Duration::from_secs(30)))?;
         match r[0] {
-            ST_OK => Ok(Some(Cursor(&r[1..]).bytes().map_err(StoreError::Protocol)?.to_vec())),
+            ST_OK => Ok(Some(
+                Cursor(&r[1..])
+                    .bytes()
+                    .map_err(StoreError::Protocol)?
+                    .to_vec(),
+            )),
             ST_NOT_FOUND => Ok(None),
-            s => Err(StoreError::Protocol(format!("unexpected GET reply status {s}"))),
+            s => Err(StoreError::Protocol(format!(
+                "unexpected GET reply status {s}"
+            ))),
         }
     }
 
@@ -947,8 +1145,13 @@ impl Store for TcpStore {
         let r = self.request("wait", &req, Some(timeout + Duration::from_secs(10)))?;
         match r[0] {
             ST_OK => Ok(()),
-            ST_TIMEOUT => Err(StoreError::Timeout { keys: keys.iter().map(|k| k.to_string()).collect(), secs: timeout.as_secs_f64() }),
-            s => Err(StoreError::Protocol(format!("unexpected WAIT reply status {s}"))),
+            ST_TIMEOUT => Err(StoreError::Timeout {
+                keys: keys.iter().map(|k| k.to_string()).collect(),
+                secs: timeout.as_secs_f64(),
+            }),
+            s => Err(StoreError::Protocol(format!(
+                "unexpected WAIT reply status {s}"
+            ))),
         }
     }
 

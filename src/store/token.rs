@@ -47,7 +47,9 @@ pub fn validate_token(token: &str) -> Result<(), StoreError> {
         )));
     }
     if let Some(why) = guessable(token.as_bytes()) {
-        return Err(StoreError::InvalidToken(format!("the job token {why}, which anyone can guess; {how}")));
+        return Err(StoreError::InvalidToken(format!(
+            "the job token {why}, which anyone can guess; {how}"
+        )));
     }
     Ok(())
 }
@@ -60,7 +62,11 @@ const MIN_DISTINCT: usize = 6;
 /// a secret, or `None`. A token of random bytes fails none of these but with negligible odds.
 fn guessable(t: &[u8]) -> Option<String> {
     if t.iter().all(|&b| b == t[0]) {
-        return Some(format!("is one character repeated ({:?} {} times)", t[0] as char, t.len()));
+        return Some(format!(
+            "is one character repeated ({:?} {} times)",
+            t[0] as char,
+            t.len()
+        ));
     }
     // A sequence: three quarters of the steps between neighbours are one same step
     // ("abcdefghijklmnop", "0123456789abcdef0123", "zyxw...", "acegikmo...").
@@ -69,18 +75,27 @@ fn guessable(t: &[u8]) -> Option<String> {
     for &s in &steps {
         counts[s as usize] += 1;
     }
-    if counts.iter().max().is_some_and(|&m| 4 * m >= 3 * steps.len()) {
+    if counts
+        .iter()
+        .max()
+        .is_some_and(|&m| 4 * m >= 3 * steps.len())
+    {
         return Some(format!("is a simple sequence ({})", preview(t)));
     }
     // A short pattern repeated ("passwordpassword", "abcabcabc...").
     if let Some(p) = (1..=t.len() / 2).find(|&p| t[p..].iter().zip(t).all(|(a, b)| a == b)) {
-        return Some(format!("repeats the {p}-character pattern {:?}", String::from_utf8_lossy(&t[..p])));
+        return Some(format!(
+            "repeats the {p}-character pattern {:?}",
+            String::from_utf8_lossy(&t[..p])
+        ));
     }
     let mut seen = [false; 256];
     t.iter().for_each(|&b| seen[b as usize] = true);
     let distinct = seen.iter().filter(|&&s| s).count();
     if distinct < MIN_DISTINCT {
-        return Some(format!("uses only {distinct} different characters (at least {MIN_DISTINCT} are required)"));
+        return Some(format!(
+            "uses only {distinct} different characters (at least {MIN_DISTINCT} are required)"
+        ));
     }
     None
 }
@@ -99,7 +114,10 @@ fn preview(t: &[u8]) -> String {
 pub fn generate_token() -> Result<String, StoreError> {
     let mut b = [0u8; 16];
     let read = std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut b));
-    read.map_err(|e| StoreError::TokenSource { what: "read 16 random bytes from /dev/urandom for the job token".into(), source: e })?;
+    read.map_err(|e| StoreError::TokenSource {
+        what: "read 16 random bytes from /dev/urandom for the job token".into(),
+        source: e,
+    })?;
     Ok(b.iter().map(|x| format!("{x:02x}")).collect())
 }
 
@@ -114,7 +132,10 @@ pub struct TokenFile {
 impl std::fmt::Debug for TokenFile {
     // The token is a secret: keep it out of debug output and logs.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("TokenFile").field("token", &"<hidden>").field("mode", &format_args!("{:o}", self.mode)).finish()
+        f.debug_struct("TokenFile")
+            .field("token", &"<hidden>")
+            .field("mode", &format_args!("{:o}", self.mode))
+            .finish()
     }
 }
 
@@ -128,28 +149,45 @@ impl TokenFile {
 
 /// Read and validate the token in `path` (`lockstep launch --token-file PATH`).
 pub fn read_token_file(path: &Path) -> Result<TokenFile, StoreError> {
-    let err = |what: &str, e: std::io::Error| StoreError::TokenSource { what: format!("{what} token file {}", path.display()), source: e };
+    let err = |what: &str, e: std::io::Error| StoreError::TokenSource {
+        what: format!("{what} token file {}", path.display()),
+        source: e,
+    };
     let f = std::fs::File::open(path).map_err(|e| err("open", e))?;
     let meta = f.metadata().map_err(|e| err("inspect", e))?;
     if !meta.is_file() {
-        return Err(StoreError::InvalidToken(format!("token file {} is not a regular file", path.display())));
+        return Err(StoreError::InvalidToken(format!(
+            "token file {} is not a regular file",
+            path.display()
+        )));
     }
     let mut raw = Vec::new();
-    f.take(MAX_TOKEN_FILE + 1).read_to_end(&mut raw).map_err(|e| err("read", e))?;
+    f.take(MAX_TOKEN_FILE + 1)
+        .read_to_end(&mut raw)
+        .map_err(|e| err("read", e))?;
     if raw.len() as u64 > MAX_TOKEN_FILE {
         return Err(StoreError::InvalidToken(format!(
             "token file {} is larger than {MAX_TOKEN_FILE} bytes; it should hold only the token",
             path.display()
         )));
     }
-    let text = String::from_utf8(raw)
-        .map_err(|_| StoreError::InvalidToken(format!("token file {} is not UTF-8 text; it should hold only the token", path.display())))?;
+    let text = String::from_utf8(raw).map_err(|_| {
+        StoreError::InvalidToken(format!(
+            "token file {} is not UTF-8 text; it should hold only the token",
+            path.display()
+        ))
+    })?;
     let token = text.trim().to_string();
     validate_token(&token).map_err(|e| match e {
-        StoreError::InvalidToken(m) => StoreError::InvalidToken(format!("{} (in token file {})", m, path.display())),
+        StoreError::InvalidToken(m) => {
+            StoreError::InvalidToken(format!("{} (in token file {})", m, path.display()))
+        }
         other => other,
     })?;
-    Ok(TokenFile { token, mode: meta.permissions().mode() & 0o7777 })
+    Ok(TokenFile {
+        token,
+        mode: meta.permissions().mode() & 0o7777,
+    })
 }
 
 /// Whether the token a peer `given` equals the `expected` one, in time that depends only on
@@ -191,15 +229,28 @@ mod tests {
 
     #[test]
     fn short_long_and_blank_tokens_are_refused() {
-        for bad in ["", "t", "fifteen-bytes!!", "sixteen bytes ok", "tab\there-and-more-bytes"] {
+        for bad in [
+            "",
+            "t",
+            "fifteen-bytes!!",
+            "sixteen bytes ok",
+            "tab\there-and-more-bytes",
+        ] {
             let e = validate_token(bad).unwrap_err();
             assert!(matches!(e, StoreError::InvalidToken(_)), "{bad:?}: {e}");
         }
         let e = validate_token("short").unwrap_err().to_string();
-        assert!(e.contains("5 byte(s) long") && e.contains("at least 16") && e.contains("openssl rand -hex 16"), "{e}");
+        assert!(
+            e.contains("5 byte(s) long")
+                && e.contains("at least 16")
+                && e.contains("openssl rand -hex 16"),
+            "{e}"
+        );
         assert!(validate_token(&"x".repeat(MAX_TOKEN_LEN + 1)).is_err());
         validate_token("sixteen-bytes-ok").unwrap();
-        let long: String = (0..MAX_TOKEN_LEN).map(|i| char::from(b"q7Zk2fX9aLm4Pw0s"[(i * 7 + i / 16) % 16])).collect();
+        let long: String = (0..MAX_TOKEN_LEN)
+            .map(|i| char::from(b"q7Zk2fX9aLm4Pw0s"[(i * 7 + i / 16) % 16]))
+            .collect();
         validate_token(&long).unwrap();
     }
 
@@ -208,18 +259,26 @@ mod tests {
         let why = |t: &str| validate_token(t).unwrap_err().to_string();
         let e = why("aaaaaaaaaaaaaaaa");
         assert!(
-            e.contains("the job token is one character repeated ('a' 16 times), which anyone can guess")
-                && e.contains("openssl rand -hex 16"),
+            e.contains(
+                "the job token is one character repeated ('a' 16 times), which anyone can guess"
+            ) && e.contains("openssl rand -hex 16"),
             "{e}"
         );
-        assert!(why("0123456789abcdef").contains("the job token is a simple sequence (\"0123456789ab...\")"));
+        assert!(why("0123456789abcdef")
+            .contains("the job token is a simple sequence (\"0123456789ab...\")"));
         assert!(why("abcdefghijklmnopqrstuvwxyz").contains("is a simple sequence"));
         assert!(why("zyxwvutsrqponmlk").contains("is a simple sequence"));
-        assert!(why("passwordpassword").contains("the job token repeats the 8-character pattern \"password\""));
+        assert!(why("passwordpassword")
+            .contains("the job token repeats the 8-character pattern \"password\""));
         assert!(why("abcabcabcabcabcabc").contains("repeats the 3-character pattern"));
-        assert!(why("aabbaabbaabbaabbxy").contains("uses only 4 different characters (at least 6 are required)"));
+        assert!(why("aabbaabbaabbaabbxy")
+            .contains("uses only 4 different characters (at least 6 are required)"));
         // What people should use passes: generated, `openssl rand -hex 16`, a passphrase.
-        for ok in ["3f9a0c7e51b2d846a1e07c3b9f25d468", "launch-cli-test-token-0123", "correct-horse-battery-staple"] {
+        for ok in [
+            "3f9a0c7e51b2d846a1e07c3b9f25d468",
+            "launch-cli-test-token-0123",
+            "correct-horse-battery-staple",
+        ] {
             validate_token(ok).unwrap();
         }
         for _ in 0..1000 {
@@ -244,7 +303,12 @@ mod tests {
         let write = |name: &str, text: &str, mode: u32| {
             let p = dir.join(name);
             let _ = std::fs::remove_file(&p);
-            let mut f = std::fs::OpenOptions::new().write(true).create_new(true).mode(mode).open(&p).unwrap();
+            let mut f = std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(mode)
+                .open(&p)
+                .unwrap();
             std::io::Write::write_all(&mut f, text.as_bytes()).unwrap();
             // The umask may have cleared bits; set exactly what the test wants.
             std::fs::set_permissions(&p, std::fs::Permissions::from_mode(mode)).unwrap();
@@ -254,14 +318,22 @@ mod tests {
         let f = read_token_file(&p).unwrap();
         assert_eq!(f.token, "f3a9c07d2b6e1548aa91");
         assert!(!f.accessible_by_others(), "{f:?}");
-        assert!(!format!("{f:?}").contains("f3a9c07d2b"), "the token must not show in Debug output");
+        assert!(
+            !format!("{f:?}").contains("f3a9c07d2b"),
+            "the token must not show in Debug output"
+        );
         let p = write("shared", "f3a9c07d2b6e1548aa91", 0o644);
         assert!(read_token_file(&p).unwrap().accessible_by_others());
         let p = write("short", "abc\n", 0o600);
         let e = read_token_file(&p).unwrap_err().to_string();
         assert!(e.contains("at least 16") && e.contains("short"), "{e}");
-        let e = read_token_file(&dir.join("missing")).unwrap_err().to_string();
-        assert!(e.contains("open token file") && e.contains("missing"), "{e}");
+        let e = read_token_file(&dir.join("missing"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("open token file") && e.contains("missing"),
+            "{e}"
+        );
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -159,14 +159,20 @@ const SCALER_KEYS: [&str; 6] = [
 
 /// The optimizer file that goes with a model file.
 pub fn optim_path(path: &Path) -> PathBuf {
-    let stem = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+    let stem = path
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default();
     path.with_file_name(format!("{stem}.optim.safetensors"))
 }
 
 /// Where the previous complete model file of the checkpoint at `path` is kept (its optimizer
 /// file is [`optim_path`] of this).
 pub fn prev_path(path: &Path) -> PathBuf {
-    let stem = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+    let stem = path
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default();
     path.with_file_name(format!("{stem}.prev.safetensors"))
 }
 
@@ -247,7 +253,10 @@ impl FromStr for SaveStep {
         SaveStep::ALL
             .into_iter()
             .find(|k| k.name() == s)
-            .ok_or_else(|| CheckpointError::FaultSpec { value: s.to_string(), valid: SaveStep::ALL.map(SaveStep::name).join(", ") })
+            .ok_or_else(|| CheckpointError::FaultSpec {
+                value: s.to_string(),
+                valid: SaveStep::ALL.map(SaveStep::name).join(", "),
+            })
     }
 }
 
@@ -270,7 +279,10 @@ pub fn fault_from_env() -> Result<Option<SaveStep>, CheckpointError> {
 /// exactly as when the machine or an operator kills a trainer).
 fn reached(fault: Option<SaveStep>, step: SaveStep, path: &Path) {
     if fault == Some(step) {
-        tracing::warn!("{FAULT_ENV}={step}: killing this process during the save of {}", path.display());
+        tracing::warn!(
+            "{FAULT_ENV}={step}: killing this process during the save of {}",
+            path.display()
+        );
         let _ = nix::sys::signal::raise(nix::sys::signal::Signal::SIGKILL);
         std::process::abort();
     }
@@ -293,9 +305,13 @@ struct Files {
 impl Files {
     fn of(path: &Path) -> Result<Files, CheckpointError> {
         let name = |p: PathBuf| p.file_name().map(OsStr::to_os_string);
-        let model = path.file_name().map(OsStr::to_os_string).ok_or_else(|| CheckpointError::Target {
-            path: path.to_path_buf(),
-            why: "the path names no file; pass a file path such as checkpoints/model.safetensors".into(),
+        let model = path.file_name().map(OsStr::to_os_string).ok_or_else(|| {
+            CheckpointError::Target {
+                path: path.to_path_buf(),
+                why:
+                    "the path names no file; pass a file path such as checkpoints/model.safetensors"
+                        .into(),
+            }
         })?;
         let dir = match path.parent() {
             Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
@@ -303,10 +319,21 @@ impl Files {
         };
         let prev = prev_path(path);
         // All three derived names exist whenever `path` has a file name.
-        let (Some(optim), Some(prev_optim), Some(prev_model)) = (name(optim_path(path)), name(optim_path(&prev)), name(prev)) else {
-            return Err(CheckpointError::Target { path: path.to_path_buf(), why: "the path names no file".into() });
+        let (Some(optim), Some(prev_optim), Some(prev_model)) =
+            (name(optim_path(path)), name(optim_path(&prev)), name(prev))
+        else {
+            return Err(CheckpointError::Target {
+                path: path.to_path_buf(),
+                why: "the path names no file".into(),
+            });
         };
-        Ok(Files { dir, model, optim, prev_model, prev_optim })
+        Ok(Files {
+            dir,
+            model,
+            optim,
+            prev_model,
+            prev_optim,
+        })
     }
 
     fn all(&self) -> [&OsStr; 4] {
@@ -344,7 +371,12 @@ enum Kind {
 /// into place after its optimizer file is on disk under one of the two optimizer names, so
 /// `(Live, Prev)` is the newest complete state right after a save was killed between its
 /// optimizer rename and its commit.
-const PAIRS: [(Slot, Slot); 4] = [(Slot::Live, Slot::Live), (Slot::Live, Slot::Prev), (Slot::Prev, Slot::Prev), (Slot::Prev, Slot::Live)];
+const PAIRS: [(Slot, Slot); 4] = [
+    (Slot::Live, Slot::Live),
+    (Slot::Live, Slot::Prev),
+    (Slot::Prev, Slot::Prev),
+    (Slot::Prev, Slot::Live),
+];
 
 /// The checkpoint's directory, held open: every name is created, renamed and removed relative
 /// to this descriptor, so replacing the directory path midway cannot redirect a save.
@@ -356,24 +388,46 @@ struct Dir {
 impl Dir {
     fn open(files: &Files, save: &Path) -> Result<Dir, CheckpointError> {
         let dir = &files.dir;
-        let target = |why: String| CheckpointError::Target { path: save.to_path_buf(), why };
-        match std::fs::OpenOptions::new().read(true).custom_flags(libc::O_DIRECTORY).open(dir) {
-            Ok(file) => Ok(Dir { path: dir.clone(), file }),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                Err(target(format!("directory {} does not exist; create it first", dir.display())))
+        let target = |why: String| CheckpointError::Target {
+            path: save.to_path_buf(),
+            why,
+        };
+        match std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_DIRECTORY)
+            .open(dir)
+        {
+            Ok(file) => Ok(Dir {
+                path: dir.clone(),
+                file,
+            }),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(target(format!(
+                "directory {} does not exist; create it first",
+                dir.display()
+            ))),
+            Err(e) if e.raw_os_error() == Some(libc::ENOTDIR) => {
+                Err(target(format!("{} is not a directory", dir.display())))
             }
-            Err(e) if e.raw_os_error() == Some(libc::ENOTDIR) => Err(target(format!("{} is not a directory", dir.display()))),
-            Err(e) => Err(target(format!("cannot open directory {}: {e}", dir.display()))),
+            Err(e) => Err(target(format!(
+                "cannot open directory {}: {e}",
+                dir.display()
+            ))),
         }
     }
 
     fn io(&self, name: &OsStr, e: Errno) -> CheckpointError {
-        CheckpointError::Io { path: self.path.join(name), source: std::io::Error::from(e) }
+        CheckpointError::Io {
+            path: self.path.join(name),
+            source: std::io::Error::from(e),
+        }
     }
 
     /// fsync the directory, making the renames in it durable.
     fn sync(&self) -> Result<(), CheckpointError> {
-        self.file.sync_all().map_err(|source| CheckpointError::Io { path: self.path.clone(), source })
+        self.file.sync_all().map_err(|source| CheckpointError::Io {
+            path: self.path.clone(),
+            source,
+        })
     }
 
     /// Type and owner of `name`, without following a symbolic link; `None` if absent.
@@ -391,7 +445,10 @@ fn random_hex() -> Result<String, CheckpointError> {
     let mut b = [0u8; 8];
     std::fs::File::open("/dev/urandom")
         .and_then(|mut f| f.read_exact(&mut b))
-        .map_err(|source| CheckpointError::Io { path: PathBuf::from("/dev/urandom"), source })?;
+        .map_err(|source| CheckpointError::Io {
+            path: PathBuf::from("/dev/urandom"),
+            source,
+        })?;
     Ok(b.iter().map(|x| format!("{x:02x}")).collect())
 }
 
@@ -420,13 +477,26 @@ impl<'d> Temp<'d> {
     /// Create a fresh temporary for `target`: `O_EXCL` refuses any existing name, symbolic
     /// links included, so nothing planted in the directory is ever opened.
     fn create(dir: &'d Dir, target: &OsStr) -> Result<Temp<'d>, CheckpointError> {
-        let flags = OFlag::O_WRONLY | OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
+        let flags =
+            OFlag::O_WRONLY | OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
         let mut last = Errno::EEXIST;
         // A clash of 64 random bits means someone is guessing; a few tries settle it.
         for _ in 0..4 {
             let name = temp_name(target)?;
-            match nix::fcntl::openat(dir.file.as_fd(), name.as_os_str(), flags, Mode::from_bits_truncate(0o666)) {
-                Ok(fd) => return Ok(Temp { dir, name, file: Some(File::from(fd)), live: true }),
+            match nix::fcntl::openat(
+                dir.file.as_fd(),
+                name.as_os_str(),
+                flags,
+                Mode::from_bits_truncate(0o666),
+            ) {
+                Ok(fd) => {
+                    return Ok(Temp {
+                        dir,
+                        name,
+                        file: Some(File::from(fd)),
+                        live: true,
+                    })
+                }
                 Err(Errno::EEXIST) => last = Errno::EEXIST,
                 Err(e) => return Err(dir.io(&name, e)),
             }
@@ -436,7 +506,12 @@ impl<'d> Temp<'d> {
 
     /// A name `link` already gave a file: owned from here on (removed on drop).
     fn adopt(dir: &'d Dir, name: OsString) -> Temp<'d> {
-        Temp { dir, name, file: None, live: true }
+        Temp {
+            dir,
+            name,
+            file: None,
+            live: true,
+        }
     }
 
     fn path(&self) -> PathBuf {
@@ -446,7 +521,9 @@ impl<'d> Temp<'d> {
     fn write(&mut self, bytes: &[u8]) -> Result<(), CheckpointError> {
         let path = self.path();
         match &mut self.file {
-            Some(f) => f.write_all(bytes).map_err(|source| CheckpointError::Io { path, source }),
+            Some(f) => f
+                .write_all(bytes)
+                .map_err(|source| CheckpointError::Io { path, source }),
             None => Ok(()),
         }
     }
@@ -454,7 +531,9 @@ impl<'d> Temp<'d> {
     fn sync(&mut self) -> Result<(), CheckpointError> {
         let path = self.path();
         match &mut self.file {
-            Some(f) => f.sync_all().map_err(|source| CheckpointError::Io { path, source }),
+            Some(f) => f
+                .sync_all()
+                .map_err(|source| CheckpointError::Io { path, source }),
             None => Ok(()),
         }
     }
@@ -464,7 +543,8 @@ impl<'d> Temp<'d> {
     fn rename_to(mut self, target: &OsStr) -> Result<(), CheckpointError> {
         self.file = None;
         let fd = self.dir.file.as_fd();
-        nix::fcntl::renameat(fd, self.name.as_os_str(), fd, target).map_err(|e| self.dir.io(target, e))?;
+        nix::fcntl::renameat(fd, self.name.as_os_str(), fd, target)
+            .map_err(|e| self.dir.io(target, e))?;
         self.live = false;
         Ok(())
     }
@@ -473,8 +553,15 @@ impl<'d> Temp<'d> {
 impl Drop for Temp<'_> {
     fn drop(&mut self) {
         if self.live {
-            if let Err(e) = nix::unistd::unlinkat(self.dir.file.as_fd(), self.name.as_os_str(), UnlinkatFlags::NoRemoveDir) {
-                tracing::warn!("checkpoint: could not remove the temporary file {}: {e}", self.path().display());
+            if let Err(e) = nix::unistd::unlinkat(
+                self.dir.file.as_fd(),
+                self.name.as_os_str(),
+                UnlinkatFlags::NoRemoveDir,
+            ) {
+                tracing::warn!(
+                    "checkpoint: could not remove the temporary file {}: {e}",
+                    self.path().display()
+                );
             }
         }
     }
@@ -482,7 +569,10 @@ impl Drop for Temp<'_> {
 
 /// Whether a process `pid` exists (a permission error means it does, under another user).
 fn pid_alive(pid: i32) -> bool {
-    !matches!(nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None), Err(Errno::ESRCH))
+    !matches!(
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None),
+        Err(Errno::ESRCH)
+    )
 }
 
 /// Remove the temporaries that killed saves of this checkpoint left: our naming, a regular file
@@ -493,7 +583,10 @@ fn remove_stale_temps(dir: &Dir, files: &Files) -> usize {
     let rd = match std::fs::read_dir(&dir.path) {
         Ok(rd) => rd,
         Err(e) => {
-            tracing::warn!("checkpoint: cannot list {} to remove stale temporary files: {e}", dir.path.display());
+            tracing::warn!(
+                "checkpoint: cannot list {} to remove stale temporary files: {e}",
+                dir.path.display()
+            );
             return 0;
         }
     };
@@ -501,23 +594,46 @@ fn remove_stale_temps(dir: &Dir, files: &Files) -> usize {
     let mut removed = 0;
     for entry in rd.flatten() {
         let name = entry.file_name();
-        let Some(rest) = prefixes.iter().find_map(|p| name.as_bytes().strip_prefix(p.as_slice())) else { continue };
-        let pid = rest.split(|&c| c == b'-').next().and_then(|p| std::str::from_utf8(p).ok()?.parse::<i32>().ok());
-        let Some(pid) = pid.filter(|&p| p > 0) else { continue };
+        let Some(rest) = prefixes
+            .iter()
+            .find_map(|p| name.as_bytes().strip_prefix(p.as_slice()))
+        else {
+            continue;
+        };
+        let pid = rest
+            .split(|&c| c == b'-')
+            .next()
+            .and_then(|p| std::str::from_utf8(p).ok()?.parse::<i32>().ok());
+        let Some(pid) = pid.filter(|&p| p > 0) else {
+            continue;
+        };
         if pid != me && pid_alive(pid) {
-            tracing::debug!("checkpoint: leaving {}: process {pid} may still be saving", dir.path.join(&name).display());
+            tracing::debug!(
+                "checkpoint: leaving {}: process {pid} may still be saving",
+                dir.path.join(&name).display()
+            );
             continue;
         }
         let ours = matches!(dir.lstat(&name), Ok(Some(st)) if st.st_mode & libc::S_IFMT == libc::S_IFREG && st.st_uid == uid);
         if !ours {
             continue;
         }
-        match nix::unistd::unlinkat(dir.file.as_fd(), name.as_os_str(), UnlinkatFlags::NoRemoveDir) {
+        match nix::unistd::unlinkat(
+            dir.file.as_fd(),
+            name.as_os_str(),
+            UnlinkatFlags::NoRemoveDir,
+        ) {
             Ok(()) => {
                 removed += 1;
-                tracing::debug!("checkpoint: removed {} (left by a killed save)", dir.path.join(&name).display());
+                tracing::debug!(
+                    "checkpoint: removed {} (left by a killed save)",
+                    dir.path.join(&name).display()
+                );
             }
-            Err(e) => tracing::warn!("checkpoint: could not remove stale {}: {e}", dir.path.join(&name).display()),
+            Err(e) => tracing::warn!(
+                "checkpoint: could not remove stale {}: {e}",
+                dir.path.join(&name).display()
+            ),
         }
     }
     removed
@@ -545,11 +661,20 @@ fn keep_as(dir: &Dir, src: &OsStr, dst: &OsStr) -> Result<(), CheckpointError> {
             }
         }
         Err(Errno::EPERM | Errno::EOPNOTSUPP | Errno::EMLINK) => {
-            tracing::debug!("checkpoint: {} cannot be hard-linked; copying it", dir.path.join(src).display());
+            tracing::debug!(
+                "checkpoint: {} cannot be hard-linked; copying it",
+                dir.path.join(src).display()
+            );
             let flags = OFlag::O_RDONLY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
             let mut bytes = Vec::new();
-            let f = nix::fcntl::openat(fd, src, flags, Mode::empty()).map_err(|e| dir.io(src, e))?;
-            File::from(f).read_to_end(&mut bytes).map_err(|source| CheckpointError::Io { path: dir.path.join(src), source })?;
+            let f =
+                nix::fcntl::openat(fd, src, flags, Mode::empty()).map_err(|e| dir.io(src, e))?;
+            File::from(f)
+                .read_to_end(&mut bytes)
+                .map_err(|source| CheckpointError::Io {
+                    path: dir.path.join(src),
+                    source,
+                })?;
             let mut t = Temp::create(dir, dst)?;
             t.write(&bytes)?;
             t.sync()?;
@@ -567,7 +692,10 @@ pub fn check_target(path: &Path, need_bytes: u64) -> Result<(), CheckpointError>
     fault_from_env()?;
     let files = Files::of(path)?;
     let dir = Dir::open(&files, path)?;
-    let target = |why: String| CheckpointError::Target { path: path.to_path_buf(), why };
+    let target = |why: String| CheckpointError::Target {
+        path: path.to_path_buf(),
+        why,
+    };
     for name in files.all() {
         let Some(st) = dir.lstat(name)? else { continue };
         let p = files.path(name);
@@ -581,7 +709,12 @@ pub fn check_target(path: &Path, need_bytes: u64) -> Result<(), CheckpointError>
                     p.join("model.safetensors").display()
                 )))
             }
-            _ => return Err(target(format!("{} is not a regular file; remove it or choose another path", p.display()))),
+            _ => {
+                return Err(target(format!(
+                    "{} is not a regular file; remove it or choose another path",
+                    p.display()
+                )))
+            }
         }
     }
     match Temp::create(&dir, &files.model) {
@@ -594,10 +727,16 @@ pub fn check_target(path: &Path, need_bytes: u64) -> Result<(), CheckpointError>
         }
         Err(e) => return Err(e),
     }
-    let vfs = nix::sys::statvfs::fstatvfs(dir.file.as_fd()).map_err(|e| dir.io(OsStr::new(""), e))?;
+    let vfs =
+        nix::sys::statvfs::fstatvfs(dir.file.as_fd()).map_err(|e| dir.io(OsStr::new(""), e))?;
     let avail = (vfs.blocks_available() as u64).saturating_mul(vfs.fragment_size() as u64);
     if avail < need_bytes {
-        return Err(CheckpointError::NoSpace { path: path.to_path_buf(), dir: dir.path.clone(), need: need_bytes, avail });
+        return Err(CheckpointError::NoSpace {
+            path: path.to_path_buf(),
+            dir: dir.path.clone(),
+            need: need_bytes,
+            avail,
+        });
     }
     Ok(())
 }
@@ -624,19 +763,40 @@ impl View for &Raw {
 }
 
 fn f32_raw(shape: Vec<usize>, v: &[f32]) -> Raw {
-    Raw { dtype: Dtype::F32, shape, bytes: v.iter().flat_map(|x| x.to_le_bytes()).collect() }
+    Raw {
+        dtype: Dtype::F32,
+        shape,
+        bytes: v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+    }
 }
 
-fn serialize(path: &Path, tensors: &[(String, Raw)], meta: HashMap<String, String>) -> Result<Vec<u8>, CheckpointError> {
-    safetensors::serialize(tensors.iter().map(|(n, r)| (n.clone(), r)), Some(meta))
-        .map_err(|e| CheckpointError::Format { path: path.to_path_buf(), msg: e.to_string() })
+fn serialize(
+    path: &Path,
+    tensors: &[(String, Raw)],
+    meta: HashMap<String, String>,
+) -> Result<Vec<u8>, CheckpointError> {
+    safetensors::serialize(tensors.iter().map(|(n, r)| (n.clone(), r)), Some(meta)).map_err(|e| {
+        CheckpointError::Format {
+            path: path.to_path_buf(),
+            msg: e.to_string(),
+        }
+    })
 }
 
 /// The bytes of the model file and of the optimizer file, both stamped with `save_id`.
-fn encode(path: &Path, model: &mut Model, opt: &Adam, state: &TrainState, save_id: &str) -> Result<(Vec<u8>, Vec<u8>), CheckpointError> {
+fn encode(
+    path: &Path,
+    model: &mut Model,
+    opt: &Adam,
+    state: &TrainState,
+    save_id: &str,
+) -> Result<(Vec<u8>, Vec<u8>), CheckpointError> {
     let mut tensors: Vec<(String, Raw)> = Vec::new();
     for e in &model.entries {
-        tensors.push((e.name.clone(), f32_raw(e.dims.clone(), &model.params[e.range.clone()])));
+        tensors.push((
+            e.name.clone(),
+            f32_raw(e.dims.clone(), &model.params[e.range.clone()]),
+        ));
     }
     for s in model.state_mut() {
         match s {
@@ -644,13 +804,26 @@ fn encode(path: &Path, model: &mut Model, opt: &Adam, state: &TrainState, save_i
                 let len = v.len();
                 tensors.push((n, f32_raw(vec![len], v)))
             }
-            StateMut::I64(n, v) => tensors.push((n, Raw { dtype: Dtype::I64, shape: vec![], bytes: v.to_le_bytes().to_vec() })),
+            StateMut::I64(n, v) => tensors.push((
+                n,
+                Raw {
+                    dtype: Dtype::I64,
+                    shape: vec![],
+                    bytes: v.to_le_bytes().to_vec(),
+                },
+            )),
         }
     }
     let mut opt_tensors = Vec::new();
     for e in &model.entries {
-        opt_tensors.push((format!("exp_avg.{}", e.name), f32_raw(e.dims.clone(), &opt.m[e.range.clone()])));
-        opt_tensors.push((format!("exp_avg_sq.{}", e.name), f32_raw(e.dims.clone(), &opt.v[e.range.clone()])));
+        opt_tensors.push((
+            format!("exp_avg.{}", e.name),
+            f32_raw(e.dims.clone(), &opt.m[e.range.clone()]),
+        ));
+        opt_tensors.push((
+            format!("exp_avg_sq.{}", e.name),
+            f32_raw(e.dims.clone(), &opt.v[e.range.clone()]),
+        ));
     }
     let mut meta: HashMap<String, String> = [
         ("step", state.step.to_string()),
@@ -680,18 +853,29 @@ fn encode(path: &Path, model: &mut Model, opt: &Adam, state: &TrainState, save_i
         ("step".to_string(), state.step.to_string()),
         ("save_id".to_string(), save_id.to_string()),
     ]);
-    Ok((serialize(path, &tensors, model_meta)?, serialize(&optim_path(path), &opt_tensors, meta)?))
+    Ok((
+        serialize(path, &tensors, model_meta)?,
+        serialize(&optim_path(path), &opt_tensors, meta)?,
+    ))
 }
 
 /// Save the model (PyTorch names) and the optimizer with the training state, crash-consistently
 /// (see the module documentation for the protocol; the rename of the model file commits).
-pub fn save(path: &Path, model: &mut Model, opt: &Adam, state: &TrainState) -> Result<(), CheckpointError> {
+pub fn save(
+    path: &Path,
+    model: &mut Model,
+    opt: &Adam,
+    state: &TrainState,
+) -> Result<(), CheckpointError> {
     let fault = fault_from_env()?;
     let files = Files::of(path)?;
     let dir = Dir::open(&files, path)?;
     let stale = remove_stale_temps(&dir, &files);
     if stale > 0 {
-        tracing::info!("checkpoint: removed {stale} temporary file(s) left by an interrupted save of {}", path.display());
+        tracing::info!(
+            "checkpoint: removed {stale} temporary file(s) left by an interrupted save of {}",
+            path.display()
+        );
     }
     let save_id = random_hex()?;
     let (model_bytes, optim_bytes) = encode(path, model, opt, state, &save_id)?;
@@ -713,7 +897,10 @@ pub fn save(path: &Path, model: &mut Model, opt: &Adam, state: &TrainState) -> R
         PAIRS.into_iter().find(|&(m, o)| probe.pair(m, o).is_ok())
     };
     if newest.is_none() {
-        tracing::debug!("checkpoint: no complete checkpoint at {} yet; nothing to keep as the previous one", path.display());
+        tracing::debug!(
+            "checkpoint: no complete checkpoint at {} yet; nothing to keep as the previous one",
+            path.display()
+        );
     }
     if let Some((Slot::Live, _)) = newest {
         keep_as(&dir, &files.model, &files.prev_model)?;
@@ -733,14 +920,23 @@ pub fn save(path: &Path, model: &mut Model, opt: &Adam, state: &TrainState) -> R
     reached(fault, SaveStep::Committed, path);
     dir.sync()?;
     reached(fault, SaveStep::Done, path);
-    tracing::debug!("checkpoint: saved {} (epoch {}, step {}, save id {save_id})", path.display(), state.epoch, state.step);
+    tracing::debug!(
+        "checkpoint: saved {} (epoch {}, step {}, save id {save_id})",
+        path.display(),
+        state.epoch,
+        state.step
+    );
     Ok(())
 }
 
 /// The whole of a regular file; `None` if absent. Opened non-blocking so a FIFO planted under a
 /// checkpoint name cannot hang the reader.
 fn read_regular(path: &Path) -> Result<Option<Vec<u8>>, String> {
-    let mut f = match std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY).open(path) {
+    let mut f = match std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
+        .open(path)
+    {
         Ok(f) => f,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
         Err(e) => return Err(format!("{}: {e}", path.display())),
@@ -751,13 +947,16 @@ fn read_regular(path: &Path) -> Result<Option<Vec<u8>>, String> {
         Err(e) => return Err(format!("{}: {e}", path.display())),
     }
     let mut bytes = Vec::new();
-    f.read_to_end(&mut bytes).map_err(|e| format!("{}: {e}", path.display()))?;
+    f.read_to_end(&mut bytes)
+        .map_err(|e| format!("{}: {e}", path.display()))?;
     Ok(Some(bytes))
 }
 
 fn file_meta(path: &Path, bytes: &[u8]) -> Result<HashMap<String, String>, CheckpointError> {
-    let (_, header) =
-        SafeTensors::read_metadata(bytes).map_err(|e| CheckpointError::Format { path: path.to_path_buf(), msg: e.to_string() })?;
+    let (_, header) = SafeTensors::read_metadata(bytes).map_err(|e| CheckpointError::Format {
+        path: path.to_path_buf(),
+        msg: e.to_string(),
+    })?;
     Ok(header.metadata().clone().unwrap_or_default())
 }
 
@@ -779,7 +978,10 @@ struct Probe<'f> {
 
 impl<'f> Probe<'f> {
     fn new(files: &'f Files) -> Probe<'f> {
-        Probe { files, cache: [None, None, None, None] }
+        Probe {
+            files,
+            cache: [None, None, None, None],
+        }
     }
 
     fn path(&self, slot: Slot, kind: Kind) -> PathBuf {
@@ -796,7 +998,10 @@ impl<'f> Probe<'f> {
     fn bytes(&self, slot: Slot, kind: Kind) -> Result<&[u8], String> {
         match &self.cache[slot as usize * 2 + kind as usize] {
             Some(Ok(Some(b))) => Ok(b),
-            Some(Ok(None)) | None => Err(format!("{} does not exist", self.path(slot, kind).display())),
+            Some(Ok(None)) | None => Err(format!(
+                "{} does not exist",
+                self.path(slot, kind).display()
+            )),
             Some(Err(e)) => Err(e.clone()),
         }
     }
@@ -812,7 +1017,10 @@ impl<'f> Probe<'f> {
         match (pair_key(&mm), pair_key(&om)) {
             (Some(a), Some(b)) if a == b => Ok((mb, ob)),
             (a, b) => {
-                let show = |k: Option<(&str, &str)>| k.map(|(what, v)| format!("{what} {v}")).unwrap_or_else(|| "no save id".into());
+                let show = |k: Option<(&str, &str)>| {
+                    k.map(|(what, v)| format!("{what} {v}"))
+                        .unwrap_or_else(|| "no save id".into())
+                };
                 Err(format!(
                     "{} ({}) and {} ({}) come from different saves (an interrupted save)",
                     mp.display(),
@@ -825,11 +1033,25 @@ impl<'f> Probe<'f> {
     }
 }
 
-fn read_f32(path: &Path, st: &SafeTensors, name: &str, dims: &[usize], dst: &mut [f32]) -> Result<(), CheckpointError> {
-    let mm = |why: String| CheckpointError::Mismatch { path: path.to_path_buf(), name: name.to_string(), why };
+fn read_f32(
+    path: &Path,
+    st: &SafeTensors,
+    name: &str,
+    dims: &[usize],
+    dst: &mut [f32],
+) -> Result<(), CheckpointError> {
+    let mm = |why: String| CheckpointError::Mismatch {
+        path: path.to_path_buf(),
+        name: name.to_string(),
+        why,
+    };
     let t = st.tensor(name).map_err(|_| mm("missing".into()))?;
     if t.dtype() != Dtype::F32 || t.shape() != dims {
-        return Err(mm(format!("expected f32 {dims:?}, found {:?} {:?}", t.dtype(), t.shape())));
+        return Err(mm(format!(
+            "expected f32 {dims:?}, found {:?} {:?}",
+            t.dtype(),
+            t.shape()
+        )));
     }
     for (d, c) in dst.iter_mut().zip(t.data().chunks_exact(4)) {
         *d = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
@@ -837,24 +1059,39 @@ fn read_f32(path: &Path, st: &SafeTensors, name: &str, dims: &[usize], dst: &mut
     Ok(())
 }
 
-fn meta_u64(path: &Path, meta: &HashMap<String, String>, key: &str) -> Result<u64, CheckpointError> {
-    meta.get(key).and_then(|v| v.parse().ok()).ok_or_else(|| CheckpointError::Mismatch {
-        path: path.to_path_buf(),
-        name: format!("metadata {key}"),
-        why: "missing or not a number".into(),
-    })
+fn meta_u64(
+    path: &Path,
+    meta: &HashMap<String, String>,
+    key: &str,
+) -> Result<u64, CheckpointError> {
+    meta.get(key)
+        .and_then(|v| v.parse().ok())
+        .ok_or_else(|| CheckpointError::Mismatch {
+            path: path.to_path_buf(),
+            name: format!("metadata {key}"),
+            why: "missing or not a number".into(),
+        })
 }
 
-fn meta_num<T: FromStr>(path: &Path, meta: &HashMap<String, String>, key: &str) -> Result<T, CheckpointError> {
-    meta.get(key).and_then(|v| v.parse().ok()).ok_or_else(|| CheckpointError::Mismatch {
-        path: path.to_path_buf(),
-        name: format!("metadata {key}"),
-        why: "missing or not a number (the loss scaler's keys come together)".into(),
-    })
+fn meta_num<T: FromStr>(
+    path: &Path,
+    meta: &HashMap<String, String>,
+    key: &str,
+) -> Result<T, CheckpointError> {
+    meta.get(key)
+        .and_then(|v| v.parse().ok())
+        .ok_or_else(|| CheckpointError::Mismatch {
+            path: path.to_path_buf(),
+            name: format!("metadata {key}"),
+            why: "missing or not a number (the loss scaler's keys come together)".into(),
+        })
 }
 
 /// The loss scaler's state in an optimizer file's metadata, if it holds one.
-fn scaler_state(path: &Path, meta: &HashMap<String, String>) -> Result<Option<ScalerState>, CheckpointError> {
+fn scaler_state(
+    path: &Path,
+    meta: &HashMap<String, String>,
+) -> Result<Option<ScalerState>, CheckpointError> {
     if !meta.contains_key(SCALER_KEYS[0]) {
         return Ok(None);
     }
@@ -876,10 +1113,19 @@ fn scaler_state(path: &Path, meta: &HashMap<String, String>) -> Result<Option<Sc
 }
 
 fn load_model_bytes(path: &Path, bytes: &[u8], model: &mut Model) -> Result<(), CheckpointError> {
-    let st = SafeTensors::deserialize(bytes).map_err(|e| CheckpointError::Format { path: path.to_path_buf(), msg: e.to_string() })?;
+    let st = SafeTensors::deserialize(bytes).map_err(|e| CheckpointError::Format {
+        path: path.to_path_buf(),
+        msg: e.to_string(),
+    })?;
     let entries = model.entries.clone();
     for e in &entries {
-        read_f32(path, &st, &e.name, &e.dims, &mut model.params[e.range.clone()])?;
+        read_f32(
+            path,
+            &st,
+            &e.name,
+            &e.dims,
+            &mut model.params[e.range.clone()],
+        )?;
     }
     for s in model.state_mut() {
         match s {
@@ -895,7 +1141,13 @@ fn load_model_bytes(path: &Path, bytes: &[u8], model: &mut Model) -> Result<(), 
                 })?;
                 match (t.dtype(), <[u8; 8]>::try_from(t.data())) {
                     (Dtype::I64, Ok(b)) => *v = i64::from_le_bytes(b),
-                    _ => return Err(CheckpointError::Mismatch { path: path.to_path_buf(), name: n, why: "expected one i64".into() }),
+                    _ => {
+                        return Err(CheckpointError::Mismatch {
+                            path: path.to_path_buf(),
+                            name: n,
+                            why: "expected one i64".into(),
+                        })
+                    }
                 }
             }
         }
@@ -903,12 +1155,32 @@ fn load_model_bytes(path: &Path, bytes: &[u8], model: &mut Model) -> Result<(), 
     Ok(())
 }
 
-fn load_optim_bytes(path: &Path, bytes: &[u8], model: &Model, opt: &mut Adam) -> Result<TrainState, CheckpointError> {
+fn load_optim_bytes(
+    path: &Path,
+    bytes: &[u8],
+    model: &Model,
+    opt: &mut Adam,
+) -> Result<TrainState, CheckpointError> {
     let meta = file_meta(path, bytes)?;
-    let st = SafeTensors::deserialize(bytes).map_err(|e| CheckpointError::Format { path: path.to_path_buf(), msg: e.to_string() })?;
+    let st = SafeTensors::deserialize(bytes).map_err(|e| CheckpointError::Format {
+        path: path.to_path_buf(),
+        msg: e.to_string(),
+    })?;
     for e in &model.entries {
-        read_f32(path, &st, &format!("exp_avg.{}", e.name), &e.dims, &mut opt.m[e.range.clone()])?;
-        read_f32(path, &st, &format!("exp_avg_sq.{}", e.name), &e.dims, &mut opt.v[e.range.clone()])?;
+        read_f32(
+            path,
+            &st,
+            &format!("exp_avg.{}", e.name),
+            &e.dims,
+            &mut opt.m[e.range.clone()],
+        )?;
+        read_f32(
+            path,
+            &st,
+            &format!("exp_avg_sq.{}", e.name),
+            &e.dims,
+            &mut opt.v[e.range.clone()],
+        )?;
     }
     let state = TrainState {
         epoch: meta_u64(path, &meta, "epoch")?,
@@ -923,7 +1195,10 @@ fn load_optim_bytes(path: &Path, bytes: &[u8], model: &Model, opt: &mut Adam) ->
 
 /// Load the model weights and buffers from `path` (a PyTorch-named safetensors file).
 pub fn load_model(path: &Path, model: &mut Model) -> Result<(), CheckpointError> {
-    let bytes = std::fs::read(path).map_err(|source| CheckpointError::Io { path: path.to_path_buf(), source })?;
+    let bytes = std::fs::read(path).map_err(|source| CheckpointError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
     load_model_bytes(path, &bytes, model)
 }
 
@@ -964,8 +1239,10 @@ pub struct Resumed {
 /// the live pair, else the live model with the kept optimizer file (a save killed before its
 /// commit), else the kept previous pair. On error `model` and `opt` may hold a partial load.
 pub fn resume(path: &Path, model: &mut Model, opt: &mut Adam) -> Result<Resumed, CheckpointError> {
-    let files = Files::of(path)
-        .map_err(|_| CheckpointError::NoCompleteState { path: path.to_path_buf(), tried: "the path names no file".into() })?;
+    let files = Files::of(path).map_err(|_| CheckpointError::NoCompleteState {
+        path: path.to_path_buf(),
+        tried: "the path names no file".into(),
+    })?;
     let mut probe = Probe::new(&files);
     let mut passed_over: Vec<String> = Vec::new();
     for (m, o) in PAIRS {
@@ -976,14 +1253,27 @@ pub fn resume(path: &Path, model: &mut Model, opt: &mut Adam) -> Result<Resumed,
         });
         match loaded {
             Ok(state) => {
-                let source = if m == Slot::Live { Source::Latest } else { Source::Previous };
-                return Ok(Resumed { state, source, model_file: mp, optim_file: op, passed_over });
+                let source = if m == Slot::Live {
+                    Source::Latest
+                } else {
+                    Source::Previous
+                };
+                return Ok(Resumed {
+                    state,
+                    source,
+                    model_file: mp,
+                    optim_file: op,
+                    passed_over,
+                });
             }
             Err(why) if !passed_over.contains(&why) => passed_over.push(why),
             Err(_) => {}
         }
     }
-    Err(CheckpointError::NoCompleteState { path: path.to_path_buf(), tried: passed_over.join("; ") })
+    Err(CheckpointError::NoCompleteState {
+        path: path.to_path_buf(),
+        tried: passed_over.join("; "),
+    })
 }
 
 /// Load model, optimizer moments and training state (for `--resume`); see [`resume`], which
@@ -997,7 +1287,8 @@ mod tests {
     use super::*;
 
     fn tmpdir(name: &str) -> PathBuf {
-        let d = std::env::temp_dir().join(format!("lockstep-ckpt-unit-{}-{name}", std::process::id()));
+        let d =
+            std::env::temp_dir().join(format!("lockstep-ckpt-unit-{}-{name}", std::process::id()));
         let _ = std::fs::remove_dir_all(&d);
         std::fs::create_dir_all(&d).unwrap();
         d
@@ -1015,23 +1306,48 @@ mod tests {
         let (mut m, mut opt) = model_and_opt();
         m.params[0] = epoch as f32;
         opt.m[0] = epoch as f32;
-        save(path, &mut m, &opt, &TrainState { epoch, step: epoch * 10, seed: 1, world_size: 1, loss_scaler: None })
+        save(
+            path,
+            &mut m,
+            &opt,
+            &TrainState {
+                epoch,
+                step: epoch * 10,
+                seed: 1,
+                world_size: 1,
+                loss_scaler: None,
+            },
+        )
     }
 
     /// (source, epoch from the metadata, epoch from the parameter, epoch from the moment).
     fn resumed(path: &Path) -> Result<(Source, u64, f32, f32, Vec<String>), CheckpointError> {
         let (mut m, mut opt) = model_and_opt();
         let r = resume(path, &mut m, &mut opt)?;
-        Ok((r.source, r.state.epoch, m.params[0], opt.m[0], r.passed_over))
+        Ok((
+            r.source,
+            r.state.epoch,
+            m.params[0],
+            opt.m[0],
+            r.passed_over,
+        ))
     }
 
     fn names(d: &Path) -> Vec<String> {
-        let mut v: Vec<String> = std::fs::read_dir(d).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+        let mut v: Vec<String> = std::fs::read_dir(d)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
         v.sort();
         v
     }
 
-    const FOUR: [&str; 4] = ["m.optim.safetensors", "m.prev.optim.safetensors", "m.prev.safetensors", "m.safetensors"];
+    const FOUR: [&str; 4] = [
+        "m.optim.safetensors",
+        "m.prev.optim.safetensors",
+        "m.prev.safetensors",
+        "m.safetensors",
+    ];
 
     /// The loss scaler's state goes through a save and a resume bit for bit; a file without it
     /// (fp32 runs, older files) resumes with none; a file with only some of its keys is passed
@@ -1049,13 +1365,22 @@ mod tests {
             skipped: 11,
         };
         let (mut m, opt) = model_and_opt();
-        let st = TrainState { epoch: 1, step: 9, seed: 1, world_size: 2, loss_scaler: Some(sc) };
+        let st = TrainState {
+            epoch: 1,
+            step: 9,
+            seed: 1,
+            world_size: 2,
+            loss_scaler: Some(sc),
+        };
         save(&p, &mut m, &opt, &st).unwrap();
         let (mut m2, mut opt2) = model_and_opt();
         let r = resume(&p, &mut m2, &mut opt2).unwrap();
         assert_eq!(r.state, st);
         let got = r.state.loss_scaler.unwrap();
-        assert_eq!((got.scale.to_bits(), got.growth_factor.to_bits()), (sc.scale.to_bits(), sc.growth_factor.to_bits()));
+        assert_eq!(
+            (got.scale.to_bits(), got.growth_factor.to_bits()),
+            (sc.scale.to_bits(), sc.growth_factor.to_bits())
+        );
 
         // An older file: the same metadata without the scaler keys.
         save_epoch(&p, 2).unwrap();
@@ -1066,7 +1391,13 @@ mod tests {
         let opath = optim_path(&p);
         let bytes = std::fs::read(&opath).unwrap();
         let mut meta = file_meta(&opath, &bytes).unwrap();
-        let st3 = TrainState { epoch: 3, step: 30, seed: 1, world_size: 1, loss_scaler: Some(sc) };
+        let st3 = TrainState {
+            epoch: 3,
+            step: 30,
+            seed: 1,
+            world_size: 1,
+            loss_scaler: Some(sc),
+        };
         save(&p, &mut m, &opt, &st3).unwrap();
         let bytes = std::fs::read(&opath).unwrap();
         let full = file_meta(&opath, &bytes).unwrap();
@@ -1078,13 +1409,28 @@ mod tests {
         let raws: Vec<(String, Raw)> = st
             .tensors()
             .into_iter()
-            .map(|(n, t)| (n, Raw { dtype: t.dtype(), shape: t.shape().to_vec(), bytes: t.data().to_vec() }))
+            .map(|(n, t)| {
+                (
+                    n,
+                    Raw {
+                        dtype: t.dtype(),
+                        shape: t.shape().to_vec(),
+                        bytes: t.data().to_vec(),
+                    },
+                )
+            })
             .collect();
         std::fs::remove_file(&opath).unwrap();
         std::fs::write(&opath, serialize(&opath, &raws, meta).unwrap()).unwrap();
         let r = resume(&p, &mut m2, &mut opt2).unwrap();
         assert_eq!((r.source, r.state.epoch), (Source::Previous, 2));
-        assert!(r.passed_over.iter().any(|w| w.contains("metadata loss_scale_skipped")), "{:?}", r.passed_over);
+        assert!(
+            r.passed_over
+                .iter()
+                .any(|w| w.contains("metadata loss_scale_skipped")),
+            "{:?}",
+            r.passed_over
+        );
         let _ = std::fs::remove_dir_all(&d);
     }
 
@@ -1107,7 +1453,11 @@ mod tests {
         let p = d.join("m.safetensors");
         save_epoch(&p, 1).unwrap();
         save_epoch(&p, 2).unwrap();
-        assert_eq!(names(&d), FOUR, "the live and the previous pair, nothing else");
+        assert_eq!(
+            names(&d),
+            FOUR,
+            "the live and the previous pair, nothing else"
+        );
         let (src, epoch, w, m, passed) = resumed(&p).unwrap();
         assert_eq!((src, epoch, w, m), (Source::Latest, 2, 2.0, 2.0));
         assert!(passed.is_empty(), "{passed:?}");
@@ -1116,11 +1466,19 @@ mod tests {
         std::fs::write(&p, b"torn").unwrap();
         let (src, epoch, w, m, passed) = resumed(&p).unwrap();
         assert_eq!((src, epoch, w, m), (Source::Previous, 1, 1.0, 1.0));
-        assert!(passed.iter().any(|r| r.contains("m.safetensors") && r.contains("not a valid safetensors")), "{passed:?}");
+        assert!(
+            passed
+                .iter()
+                .any(|r| r.contains("m.safetensors") && r.contains("not a valid safetensors")),
+            "{passed:?}"
+        );
 
         std::fs::remove_file(d.join("m.prev.safetensors")).unwrap();
         let e = resumed(&p).unwrap_err().to_string();
-        assert!(e.contains("no complete checkpoint") && e.contains("m.prev.safetensors does not exist"), "{e}");
+        assert!(
+            e.contains("no complete checkpoint") && e.contains("m.prev.safetensors does not exist"),
+            "{e}"
+        );
         let _ = std::fs::remove_dir_all(&d);
     }
 
@@ -1136,22 +1494,40 @@ mod tests {
         std::fs::create_dir(&other).unwrap();
         save_epoch(&other.join("m.safetensors"), 3).unwrap();
         // Kept as a save keeps them: hard links.
-        for (live, prev) in [("m.safetensors", "m.prev.safetensors"), ("m.optim.safetensors", "m.prev.optim.safetensors")] {
+        for (live, prev) in [
+            ("m.safetensors", "m.prev.safetensors"),
+            ("m.optim.safetensors", "m.prev.optim.safetensors"),
+        ] {
             std::fs::remove_file(d.join(prev)).unwrap();
             std::fs::hard_link(d.join(live), d.join(prev)).unwrap();
         }
         // A new file, as the rename makes it (copying onto the name would write into the link).
         std::fs::remove_file(d.join("m.optim.safetensors")).unwrap();
-        std::fs::copy(other.join("m.optim.safetensors"), d.join("m.optim.safetensors")).unwrap();
+        std::fs::copy(
+            other.join("m.optim.safetensors"),
+            d.join("m.optim.safetensors"),
+        )
+        .unwrap();
         std::fs::remove_dir_all(&other).unwrap();
 
         let (src, epoch, w, m, passed) = resumed(&p).unwrap();
-        assert_eq!((src, epoch, w, m), (Source::Latest, 2, 2.0, 2.0), "the committed save, with its kept optimizer file");
-        assert!(passed.iter().any(|r| r.contains("different saves")), "{passed:?}");
+        assert_eq!(
+            (src, epoch, w, m),
+            (Source::Latest, 2, 2.0, 2.0),
+            "the committed save, with its kept optimizer file"
+        );
+        assert!(
+            passed.iter().any(|r| r.contains("different saves")),
+            "{passed:?}"
+        );
 
         // The next save must keep (model 2, optimizer 2) as the previous pair, not the torn 3.
         save_epoch(&p, 4).unwrap();
-        assert_eq!(names(&d), FOUR, "no temporary left (the kept model file was a link of the live one)");
+        assert_eq!(
+            names(&d),
+            FOUR,
+            "no temporary left (the kept model file was a link of the live one)"
+        );
         assert_eq!(resumed(&p).unwrap().1, 4);
         std::fs::write(&p, b"torn").unwrap();
         let (src, epoch, w, m, _) = resumed(&p).unwrap();
@@ -1163,10 +1539,20 @@ mod tests {
     fn stale_temporaries_go_running_saves_and_other_files_stay() {
         let d = tmpdir("stale");
         let p = d.join("m.safetensors");
-        let dead = (100_000..4_000_000).rev().find(|&pid| !pid_alive(pid)).expect("a free pid");
-        let stale = [format!(".m.safetensors.tmp-{dead}-00ff00ff00ff00ff"), format!(".m.prev.optim.safetensors.tmp-{dead}-1")];
+        let dead = (100_000..4_000_000)
+            .rev()
+            .find(|&pid| !pid_alive(pid))
+            .expect("a free pid");
+        let stale = [
+            format!(".m.safetensors.tmp-{dead}-00ff00ff00ff00ff"),
+            format!(".m.prev.optim.safetensors.tmp-{dead}-1"),
+        ];
         // Pid 1 runs: a save there may be in progress. The last one is not ours.
-        let keep = [".m.optim.safetensors.tmp-1-abcdef".to_string(), format!(".x.safetensors.tmp-{dead}-1"), "notes.txt".into()];
+        let keep = [
+            ".m.optim.safetensors.tmp-1-abcdef".to_string(),
+            format!(".x.safetensors.tmp-{dead}-1"),
+            "notes.txt".into(),
+        ];
         for n in stale.iter().chain(&keep) {
             std::fs::write(d.join(n), b"x").unwrap();
         }
@@ -1191,7 +1577,10 @@ mod tests {
         std::fs::write(d.join("m.prev.safetensors").join("f"), b"x").unwrap();
         assert!(save_epoch(&p, 2).is_err());
         let left = names(&d);
-        assert!(!left.iter().any(|n| n.contains(".tmp-")), "temporaries left: {left:?}");
+        assert!(
+            !left.iter().any(|n| n.contains(".tmp-")),
+            "temporaries left: {left:?}"
+        );
         assert_eq!(resumed(&p).unwrap().1, 1);
         let _ = std::fs::remove_dir_all(&d);
     }
@@ -1212,8 +1601,18 @@ mod tests {
         save_epoch(&p, 1).unwrap();
         save_epoch(&p, 2).unwrap();
         for n in FOUR {
-            assert_eq!(std::fs::read(victims.join(n)).unwrap(), b"precious", "{n} was written through");
-            assert!(std::fs::symlink_metadata(ck.join(n)).unwrap().file_type().is_file(), "{n} is a file now");
+            assert_eq!(
+                std::fs::read(victims.join(n)).unwrap(),
+                b"precious",
+                "{n} was written through"
+            );
+            assert!(
+                std::fs::symlink_metadata(ck.join(n))
+                    .unwrap()
+                    .file_type()
+                    .is_file(),
+                "{n} is a file now"
+            );
         }
         assert_eq!(names(&ck), FOUR);
         assert_eq!(resumed(&p).unwrap().1, 2);
@@ -1225,17 +1624,31 @@ mod tests {
         let d = tmpdir("target");
         let msg = |p: &Path, need| check_target(p, need).unwrap_err().to_string();
         let e = msg(&d, 1);
-        assert!(e.contains(&d.display().to_string()) && e.contains("is a directory"), "{e}");
+        assert!(
+            e.contains(&d.display().to_string()) && e.contains("is a directory"),
+            "{e}"
+        );
         let e = msg(&d.join("no/such/m.safetensors"), 1);
         assert!(e.contains("does not exist; create it first"), "{e}");
-        nix::unistd::mkfifo(&d.join("m.optim.safetensors"), Mode::from_bits_truncate(0o600)).unwrap();
+        nix::unistd::mkfifo(
+            &d.join("m.optim.safetensors"),
+            Mode::from_bits_truncate(0o600),
+        )
+        .unwrap();
         let e = msg(&d.join("m.safetensors"), 1);
-        assert!(e.contains("m.optim.safetensors is not a regular file"), "{e}");
+        assert!(
+            e.contains("m.optim.safetensors is not a regular file"),
+            "{e}"
+        );
         std::fs::remove_file(d.join("m.optim.safetensors")).unwrap();
         let e = msg(&d.join("m.safetensors"), u64::MAX);
         assert!(e.contains("MiB available"), "{e}");
         check_target(&d.join("m.safetensors"), estimate_bytes(1000)).unwrap();
-        assert!(names(&d).is_empty(), "the probe file is removed: {:?}", names(&d));
+        assert!(
+            names(&d).is_empty(),
+            "the probe file is removed: {:?}",
+            names(&d)
+        );
         let _ = std::fs::remove_dir_all(&d);
     }
 }

@@ -135,11 +135,16 @@ impl Dataset {
 
 /// Read the whole file, decompressing when it starts with the gzip magic.
 fn read_bytes(path: &Path) -> Result<Vec<u8>, DataError> {
-    let io = |source| DataError::Io { path: path.to_path_buf(), source };
+    let io = |source| DataError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
     let raw = std::fs::read(path).map_err(io)?;
     if raw.starts_with(&[0x1f, 0x8b]) {
         let mut out = Vec::with_capacity(raw.len() * 4);
-        flate2::read::GzDecoder::new(&raw[..]).read_to_end(&mut out).map_err(io)?;
+        flate2::read::GzDecoder::new(&raw[..])
+            .read_to_end(&mut out)
+            .map_err(io)?;
         Ok(out)
     } else {
         Ok(raw)
@@ -152,21 +157,44 @@ pub fn read_idx(path: &Path, ndims: usize) -> Result<(Vec<usize>, Vec<u8>), Data
     let expected_magic = 0x0800 | ndims as u32;
     let header = 4 + 4 * ndims;
     if bytes.len() < 4 {
-        return Err(DataError::Truncated { path: path.to_path_buf(), expected: header, got: bytes.len() });
+        return Err(DataError::Truncated {
+            path: path.to_path_buf(),
+            expected: header,
+            got: bytes.len(),
+        });
     }
     let magic = u32::from_be_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]);
     if magic != expected_magic {
-        return Err(DataError::BadMagic { path: path.to_path_buf(), found: magic, expected: expected_magic, dims: ndims });
+        return Err(DataError::BadMagic {
+            path: path.to_path_buf(),
+            found: magic,
+            expected: expected_magic,
+            dims: ndims,
+        });
     }
     if bytes.len() < header {
-        return Err(DataError::Truncated { path: path.to_path_buf(), expected: header, got: bytes.len() });
+        return Err(DataError::Truncated {
+            path: path.to_path_buf(),
+            expected: header,
+            got: bytes.len(),
+        });
     }
-    let dims: Vec<usize> =
-        (0..ndims).map(|i| u32::from_be_bytes(bytes[4 + 4 * i..8 + 4 * i].try_into().unwrap_or([0; 4])) as usize).collect();
-    let n = dims.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).unwrap_or(usize::MAX);
+    let dims: Vec<usize> = (0..ndims)
+        .map(|i| {
+            u32::from_be_bytes(bytes[4 + 4 * i..8 + 4 * i].try_into().unwrap_or([0; 4])) as usize
+        })
+        .collect();
+    let n = dims
+        .iter()
+        .try_fold(1usize, |a, &d| a.checked_mul(d))
+        .unwrap_or(usize::MAX);
     let expected = header.saturating_add(n);
     if bytes.len() < expected {
-        return Err(DataError::Truncated { path: path.to_path_buf(), expected, got: bytes.len() });
+        return Err(DataError::Truncated {
+            path: path.to_path_buf(),
+            expected,
+            got: bytes.len(),
+        });
     }
     bytes.truncate(expected);
     bytes.drain(..header);
@@ -199,9 +227,18 @@ pub fn load_pair(images_path: &Path, labels_path: &Path) -> Result<Dataset, Data
         });
     }
     if let Some((index, &label)) = labels.iter().enumerate().find(|(_, &l)| l > 9) {
-        return Err(DataError::BadLabel { path: labels_path.to_path_buf(), label, index });
+        return Err(DataError::BadLabel {
+            path: labels_path.to_path_buf(),
+            label,
+            index,
+        });
     }
-    Ok(Dataset { images, labels, rows: idims[1], cols: idims[2] })
+    Ok(Dataset {
+        images,
+        labels,
+        rows: idims[1],
+        cols: idims[2],
+    })
 }
 
 /// Load the training (`train = true`, `train-*`) or test (`t10k-*`) split from `dir`.
@@ -215,7 +252,10 @@ fn load_split_at(dir: &Path, train: bool) -> Result<(Dataset, PathBuf), DataErro
     let labels = find(dir, &format!("{prefix}-labels-idx1-ubyte"))?;
     let d = load_pair(&images, &labels)?;
     if d.is_empty() {
-        return Err(DataError::Empty { path: images, split: if train { "train" } else { "test" } });
+        return Err(DataError::Empty {
+            path: images,
+            split: if train { "train" } else { "test" },
+        });
     }
     Ok((d, images))
 }
@@ -251,7 +291,12 @@ pub fn encode_idx(dims: &[usize], data: &[u8]) -> Vec<u8> {
 /// Write a small synthetic, learnable 10-class dataset in IDX format into `dir` (train and test
 /// splits), for tests on machines without the real dataset. Class `k` is a bright bar at a
 /// class-specific position plus noise.
-pub fn write_synthetic(dir: &Path, n_train: usize, n_test: usize, seed: u64) -> std::io::Result<()> {
+pub fn write_synthetic(
+    dir: &Path,
+    n_train: usize,
+    n_test: usize,
+    seed: u64,
+) -> std::io::Result<()> {
     let mut rng = super::rng::Rng::new(seed, 77);
     for (prefix, n) in [("train", n_train), ("t10k", n_test)] {
         let mut images = vec![0u8; n * 784];
@@ -270,8 +315,14 @@ pub fn write_synthetic(dir: &Path, n_train: usize, n_test: usize, seed: u64) -> 
                 }
             }
         }
-        std::fs::write(dir.join(format!("{prefix}-images-idx3-ubyte")), encode_idx(&[n, 28, 28], &images))?;
-        std::fs::write(dir.join(format!("{prefix}-labels-idx1-ubyte")), encode_idx(&[n], &labels))?;
+        std::fs::write(
+            dir.join(format!("{prefix}-images-idx3-ubyte")),
+            encode_idx(&[n, 28, 28], &images),
+        )?;
+        std::fs::write(
+            dir.join(format!("{prefix}-labels-idx1-ubyte")),
+            encode_idx(&[n], &labels),
+        )?;
     }
     Ok(())
 }
@@ -281,8 +332,16 @@ mod tests {
     use super::*;
 
     fn write(dir: &Path, prefix: &str, n: usize, rows: usize, cols: usize) {
-        std::fs::write(dir.join(format!("{prefix}-images-idx3-ubyte")), encode_idx(&[n, rows, cols], &vec![7u8; n * rows * cols])).unwrap();
-        std::fs::write(dir.join(format!("{prefix}-labels-idx1-ubyte")), encode_idx(&[n], &vec![3u8; n])).unwrap();
+        std::fs::write(
+            dir.join(format!("{prefix}-images-idx3-ubyte")),
+            encode_idx(&[n, rows, cols], &vec![7u8; n * rows * cols]),
+        )
+        .unwrap();
+        std::fs::write(
+            dir.join(format!("{prefix}-labels-idx1-ubyte")),
+            encode_idx(&[n], &vec![3u8; n]),
+        )
+        .unwrap();
     }
 
     #[test]
@@ -292,17 +351,28 @@ mod tests {
         write(&dir, "train", 0, 28, 28);
         write(&dir, "t10k", 5, 28, 28);
         let e = load_splits(&dir).unwrap_err().to_string();
-        assert!(e.contains("train-images-idx3-ubyte holds no images") && e.contains("non-empty train split"), "{e}");
+        assert!(
+            e.contains("train-images-idx3-ubyte holds no images")
+                && e.contains("non-empty train split"),
+            "{e}"
+        );
         write(&dir, "train", 4, 28, 28);
         write(&dir, "t10k", 0, 28, 28);
         let e = load_splits(&dir).unwrap_err().to_string();
         assert!(e.contains("t10k-images-idx3-ubyte holds no images"), "{e}");
         write(&dir, "t10k", 5, 10, 10);
         let e = load_splits(&dir).unwrap_err().to_string();
-        assert!(e.contains("t10k-images-idx3-ubyte holds 10×10 images but the training split") && e.contains("holds 28×28"), "{e}");
+        assert!(
+            e.contains("t10k-images-idx3-ubyte holds 10×10 images but the training split")
+                && e.contains("holds 28×28"),
+            "{e}"
+        );
         write(&dir, "t10k", 5, 28, 28);
         let (train, test) = load_splits(&dir).unwrap();
-        assert_eq!((train.len(), test.len(), test.rows, test.cols), (4, 5, 28, 28));
+        assert_eq!(
+            (train.len(), test.len(), test.rows, test.cols),
+            (4, 5, 28, 28)
+        );
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

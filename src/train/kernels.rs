@@ -65,7 +65,17 @@ pub enum Trans {
 /// overwritten (activations). Panics if a slice is shorter than its shape says: that is a bug in
 /// the caller's shape math, never user input.
 #[allow(clippy::too_many_arguments)]
-pub fn matmul(m: usize, n: usize, k: usize, dst: &mut [f32], a: &[f32], ta: Trans, b: &[f32], tb: Trans, accumulate: bool) {
+pub fn matmul(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: &mut [f32],
+    a: &[f32],
+    ta: Trans,
+    b: &[f32],
+    tb: Trans,
+    accumulate: bool,
+) {
     let lda = if ta == Trans::No { k } else { m };
     let ldb = if tb == Trans::No { n } else { k };
     matmul_ld(m, n, k, (dst, n), (a, lda), ta, (b, ldb), tb, accumulate)
@@ -90,11 +100,32 @@ pub fn matmul_ld(
     // Stored shapes (rows x cols) of the three matrices.
     let (ar, ac) = if ta == Trans::No { (m, k) } else { (k, m) };
     let (br, bc) = if tb == Trans::No { (k, n) } else { (n, k) };
-    let extent = |rows: usize, cols: usize, ld: usize| if rows == 0 || cols == 0 { 0 } else { (rows - 1) * ld + cols };
-    assert!(ldd >= n && lda >= ac && ldb >= bc, "matmul: a row stride is shorter than its row");
-    assert!(dst.len() >= extent(m, n, ldd), "matmul: dst has {} elements, needs {m}x{n} (stride {ldd})", dst.len());
-    assert!(a.len() >= extent(ar, ac, lda), "matmul: A has {} elements, needs {ar}x{ac} (stride {lda})", a.len());
-    assert!(b.len() >= extent(br, bc, ldb), "matmul: B has {} elements, needs {br}x{bc} (stride {ldb})", b.len());
+    let extent = |rows: usize, cols: usize, ld: usize| {
+        if rows == 0 || cols == 0 {
+            0
+        } else {
+            (rows - 1) * ld + cols
+        }
+    };
+    assert!(
+        ldd >= n && lda >= ac && ldb >= bc,
+        "matmul: a row stride is shorter than its row"
+    );
+    assert!(
+        dst.len() >= extent(m, n, ldd),
+        "matmul: dst has {} elements, needs {m}x{n} (stride {ldd})",
+        dst.len()
+    );
+    assert!(
+        a.len() >= extent(ar, ac, lda),
+        "matmul: A has {} elements, needs {ar}x{ac} (stride {lda})",
+        a.len()
+    );
+    assert!(
+        b.len() >= extent(br, bc, ldb),
+        "matmul: B has {} elements, needs {br}x{bc} (stride {ldb})",
+        b.len()
+    );
     if m == 0 || n == 0 {
         return;
     }
@@ -114,7 +145,11 @@ pub fn matmul_ld(
             return;
         }
     }
-    if small && ta == Trans::No && tb == Trans::Yes && microgemm::gemm_nt(m, n, k, (&mut *dst, ldd), (a, lda), (b, ldb), accumulate) {
+    if small
+        && ta == Trans::No
+        && tb == Trans::Yes
+        && microgemm::gemm_nt(m, n, k, (&mut *dst, ldd), (a, lda), (b, ldb), accumulate)
+    {
         return;
     }
     let (a_rs, a_cs) = match ta {
@@ -156,13 +191,31 @@ pub fn matmul_ld(
 
 /// Naive reference for [`matmul`], used by tests to check the fast path.
 #[allow(clippy::too_many_arguments)]
-pub fn matmul_cpu(m: usize, n: usize, k: usize, dst: &mut [f32], a: &[f32], ta: Trans, b: &[f32], tb: Trans, accumulate: bool) {
+pub fn matmul_cpu(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: &mut [f32],
+    a: &[f32],
+    ta: Trans,
+    b: &[f32],
+    tb: Trans,
+    accumulate: bool,
+) {
     for i in 0..m {
         for j in 0..n {
             let mut s = 0.0f64;
             for p in 0..k {
-                let av = if ta == Trans::No { a[i * k + p] } else { a[p * m + i] };
-                let bv = if tb == Trans::No { b[p * n + j] } else { b[j * k + p] };
+                let av = if ta == Trans::No {
+                    a[i * k + p]
+                } else {
+                    a[p * m + i]
+                };
+                let bv = if tb == Trans::No {
+                    b[p * n + j]
+                } else {
+                    b[j * k + p]
+                };
                 s += av as f64 * bv as f64;
             }
             let d = &mut dst[i * n + j];
@@ -203,18 +256,40 @@ mod tests {
                     matmul(m, n, k, &mut d1, &a, ta, &b, tb, acc);
                     matmul_cpu(m, n, k, &mut d2, &a, ta, &b, tb, acc);
                     for (x, y) in d1.iter().zip(&d2) {
-                        assert!((x - y).abs() < tol, "{m}x{n}x{k} {ta:?} {tb:?} {acc}: {x} vs {y}");
+                        assert!(
+                            (x - y).abs() < tol,
+                            "{m}x{n}x{k} {ta:?} {tb:?} {acc}: {x} vs {y}"
+                        );
                     }
                     // Strided: every operand row padded by 2 elements (padding left untouched).
-                    let pad =
-                        |v: &[f32], cols: usize| -> Vec<f32> { v.chunks(cols).flat_map(|r| r.iter().copied().chain([7.0, 7.0])).collect() };
-                    let (ac, bc) = (if ta == Trans::No { k } else { m }, if tb == Trans::No { n } else { k });
+                    let pad = |v: &[f32], cols: usize| -> Vec<f32> {
+                        v.chunks(cols)
+                            .flat_map(|r| r.iter().copied().chain([7.0, 7.0]))
+                            .collect()
+                    };
+                    let (ac, bc) = (
+                        if ta == Trans::No { k } else { m },
+                        if tb == Trans::No { n } else { k },
+                    );
                     let (ap, bp) = (pad(&a, ac), pad(&b, bc));
                     let mut d3 = pad(&vec![0.5f32; m * n], n);
-                    matmul_ld(m, n, k, (&mut d3, n + 2), (&ap, ac + 2), ta, (&bp, bc + 2), tb, acc);
+                    matmul_ld(
+                        m,
+                        n,
+                        k,
+                        (&mut d3, n + 2),
+                        (&ap, ac + 2),
+                        ta,
+                        (&bp, bc + 2),
+                        tb,
+                        acc,
+                    );
                     for (i, y) in d2.iter().enumerate() {
                         let x = d3[(i / n) * (n + 2) + i % n];
-                        assert!((x - y).abs() < tol, "strided {m}x{n}x{k} {ta:?} {tb:?} {acc}: {x} vs {y}");
+                        assert!(
+                            (x - y).abs() < tol,
+                            "strided {m}x{n}x{k} {ta:?} {tb:?} {acc}: {x} vs {y}"
+                        );
                     }
                     assert!(d3.chunks(n + 2).all(|r| r[n] == 7.0 && r[n + 1] == 7.0));
                 }

@@ -41,8 +41,14 @@ pub(crate) fn gemm(
     if m == 0 || n == 0 {
         return true;
     }
-    assert!(ldd >= n && ldb >= n, "microgemm: a row stride is shorter than its row");
-    assert!(dst.len() > (m - 1) * ldd + n - 1, "microgemm: dst too short");
+    assert!(
+        ldd >= n && ldb >= n,
+        "microgemm: a row stride is shorter than its row"
+    );
+    assert!(
+        dst.len() > (m - 1) * ldd + n - 1,
+        "microgemm: dst too short"
+    );
     if k == 0 {
         if !accumulate {
             for i in 0..m {
@@ -51,14 +57,29 @@ pub(crate) fn gemm(
         }
         return true;
     }
-    assert!(a.len() > (m - 1) * a_rs + (k - 1) * a_cs, "microgemm: A too short");
+    assert!(
+        a.len() > (m - 1) * a_rs + (k - 1) * a_cs,
+        "microgemm: A too short"
+    );
     assert!(b.len() > (k - 1) * ldb + n - 1, "microgemm: B too short");
     #[cfg(target_arch = "x86_64")]
     // SAFETY: the CPU has AVX-512F (has_avx512 above). Every element the kernel touches is
     // dst[i * ldd + j], a[i * a_rs + p * a_cs] or b[p * ldb + j] for i < m, j < n, p < k, and the
     // largest of each was checked against its slice's length above; dst is a distinct &mut slice.
     unsafe {
-        x86::run(m, n, k, dst.as_mut_ptr(), ldd, a.as_ptr(), a_rs, a_cs, b.as_ptr(), ldb, accumulate)
+        x86::run(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            ldd,
+            a.as_ptr(),
+            a_rs,
+            a_cs,
+            b.as_ptr(),
+            ldb,
+            accumulate,
+        )
     };
     true
 }
@@ -89,8 +110,14 @@ pub(crate) fn gemm_nt(
     if m == 0 || n == 0 {
         return true;
     }
-    assert!(ldd >= n && lda >= k && ldb >= k, "microgemm: a row stride is shorter than its row");
-    assert!(dst.len() > (m - 1) * ldd + n - 1, "microgemm: dst too short");
+    assert!(
+        ldd >= n && lda >= k && ldb >= k,
+        "microgemm: a row stride is shorter than its row"
+    );
+    assert!(
+        dst.len() > (m - 1) * ldd + n - 1,
+        "microgemm: dst too short"
+    );
     assert!(a.len() > (m - 1) * lda + k - 1, "microgemm: A too short");
     assert!(b.len() > (n - 1) * ldb + k - 1, "microgemm: B too short");
     #[cfg(target_arch = "x86_64")]
@@ -99,7 +126,18 @@ pub(crate) fn gemm_nt(
     // load, which touches no element past p = k - 1) and writes dst[i * ldd + j]; the largest of
     // each was checked against its slice's length above.
     unsafe {
-        x86::run_nt(m, n, k, dst.as_mut_ptr(), ldd, a.as_ptr(), lda, b.as_ptr(), ldb, accumulate)
+        x86::run_nt(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            ldd,
+            a.as_ptr(),
+            lda,
+            b.as_ptr(),
+            ldb,
+            accumulate,
+        )
     };
     true
 }
@@ -179,22 +217,70 @@ mod x86 {
         let mut i = 0;
         while i + R <= m {
             // SAFETY: rows i..i + R with i + R <= m, inside the caller's bounds.
-            unsafe { block::<NV, R>(k, d.add(i * ldd), ldd, a.add(i * a_rs), a_rs, a_cs, b, ldb, acc) };
+            unsafe {
+                block::<NV, R>(
+                    k,
+                    d.add(i * ldd),
+                    ldd,
+                    a.add(i * a_rs),
+                    a_rs,
+                    a_cs,
+                    b,
+                    ldb,
+                    acc,
+                )
+            };
             i += R;
         }
         while i + 4 <= m {
             // SAFETY: rows i..i + R with i + R <= m, inside the caller's bounds.
-            unsafe { block::<NV, 4>(k, d.add(i * ldd), ldd, a.add(i * a_rs), a_rs, a_cs, b, ldb, acc) };
+            unsafe {
+                block::<NV, 4>(
+                    k,
+                    d.add(i * ldd),
+                    ldd,
+                    a.add(i * a_rs),
+                    a_rs,
+                    a_cs,
+                    b,
+                    ldb,
+                    acc,
+                )
+            };
             i += 4;
         }
         while i + 2 <= m {
             // SAFETY: rows i..i + R with i + R <= m, inside the caller's bounds.
-            unsafe { block::<NV, 2>(k, d.add(i * ldd), ldd, a.add(i * a_rs), a_rs, a_cs, b, ldb, acc) };
+            unsafe {
+                block::<NV, 2>(
+                    k,
+                    d.add(i * ldd),
+                    ldd,
+                    a.add(i * a_rs),
+                    a_rs,
+                    a_cs,
+                    b,
+                    ldb,
+                    acc,
+                )
+            };
             i += 2;
         }
         if i < m {
             // SAFETY: rows i..i + R with i + R <= m, inside the caller's bounds.
-            unsafe { block::<NV, 1>(k, d.add(i * ldd), ldd, a.add(i * a_rs), a_rs, a_cs, b, ldb, acc) };
+            unsafe {
+                block::<NV, 1>(
+                    k,
+                    d.add(i * ldd),
+                    ldd,
+                    a.add(i * a_rs),
+                    a_rs,
+                    a_cs,
+                    b,
+                    ldb,
+                    acc,
+                )
+            };
         }
     }
 
@@ -342,7 +428,11 @@ mod x86 {
         while p < k {
             // The last vector of a row is partial when 16 does not divide k: masked loads read
             // only elements p..k (and fault on none past them), the rest of the lanes are zero.
-            let mask: __mmask16 = if k - p >= 16 { 0xffff } else { (1u16 << (k - p)) - 1 };
+            let mask: __mmask16 = if k - p >= 16 {
+                0xffff
+            } else {
+                (1u16 << (k - p)) - 1
+            };
             let mut bv = [_mm512_setzero_ps(); S];
             for s in 0..S {
                 // SAFETY: row s of B, elements p..min(p + 16, k), by the mask.
@@ -391,55 +481,104 @@ mod tests {
     ) {
         for i in 0..m {
             for j in 0..n {
-                let s: f64 = (0..k).map(|p| a[i * a_rs + p * a_cs] as f64 * b[p * ldb + j] as f64).sum();
+                let s: f64 = (0..k)
+                    .map(|p| a[i * a_rs + p * a_cs] as f64 * b[p * ldb + j] as f64)
+                    .sum();
                 let o = &mut d[i * ldd + j];
-                *o = if acc { (*o as f64 + s) as f32 } else { s as f32 };
+                *o = if acc {
+                    (*o as f64 + s) as f32
+                } else {
+                    s as f32
+                };
             }
         }
     }
 
     /// `got` within 1e-5·√k (relative) of `want` on the `m x n` block, and every element past a
     /// row's `n` (up to the stride `ldd`) untouched from `start`.
-    fn assert_close((m, n, k): (usize, usize, usize), ldd: usize, (got, want, start): (&[f32], &[f32], &[f32]), what: &str) {
+    fn assert_close(
+        (m, n, k): (usize, usize, usize),
+        ldd: usize,
+        (got, want, start): (&[f32], &[f32], &[f32]),
+        what: &str,
+    ) {
         for i in 0..m {
             for j in 0..ldd {
                 let (g, w) = (got[i * ldd + j], want[i * ldd + j]);
                 if j >= n {
-                    assert_eq!(g.to_bits(), start[i * ldd + j].to_bits(), "{what}: wrote past the row at ({i}, {j})");
+                    assert_eq!(
+                        g.to_bits(),
+                        start[i * ldd + j].to_bits(),
+                        "{what}: wrote past the row at ({i}, {j})"
+                    );
                 } else {
                     let tol = 1e-5 * (k as f32).sqrt() * (1.0 + w.abs());
-                    assert!((g - w).abs() <= tol, "m {m} n {n} k {k} {what}: ({i}, {j}) {g} vs {w}");
+                    assert!(
+                        (g - w).abs() <= tol,
+                        "m {m} n {n} k {k} {what}: ({i}, {j}) {g} vs {w}"
+                    );
                 }
             }
         }
     }
 
     fn fill(len: usize, seed: usize) -> Vec<f32> {
-        (0..len).map(|i| (((i * 7919 + seed * 104729) % 2003) as f32 / 1001.0) - 1.0).collect()
+        (0..len)
+            .map(|i| (((i * 7919 + seed * 104729) % 2003) as f32 / 1001.0) - 1.0)
+            .collect()
     }
 
     #[test]
     fn matches_reference_over_shapes_strides_and_layouts() {
         if !has_avx512() {
-            println!("skipped: this CPU has no AVX-512F (the kernel declines and the gemm crate runs)");
-            assert!(!gemm(1, 16, 1, (&mut [0.0; 16], 16), (&[0.0], 1, 1), (&[0.0; 16], 16), false));
+            println!(
+                "skipped: this CPU has no AVX-512F (the kernel declines and the gemm crate runs)"
+            );
+            assert!(!gemm(
+                1,
+                16,
+                1,
+                (&mut [0.0; 16], 16),
+                (&[0.0], 1, 1),
+                (&[0.0; 16], 16),
+                false
+            ));
             return;
         }
         let mut checked = 0;
         for &m in &[1, 2, 3, 5, 6, 7, 11, 12, 13, 25, 32, 33] {
             for &n in &[16, 32, 48, 64, 80, 784] {
                 for &k in &[1, 2, 25, 32, 64] {
-                    for &(transposed, acc) in &[(false, false), (true, false), (false, true), (true, true)] {
+                    for &(transposed, acc) in
+                        &[(false, false), (true, false), (false, true), (true, true)]
+                    {
                         // Padded strides, as the Winograd layout has; A stored [m, k] or [k, m].
                         let (ldd, ldb) = (n + 16, n + 3);
-                        let (a_rs, a_cs, alen) = if transposed { (1, m + 5, k * (m + 5)) } else { (k + 7, 1, m * (k + 7)) };
+                        let (a_rs, a_cs, alen) = if transposed {
+                            (1, m + 5, k * (m + 5))
+                        } else {
+                            (k + 7, 1, m * (k + 7))
+                        };
                         let a = fill(alen, m + k);
                         let b = fill(k * ldb, n);
                         let start = fill(m * ldd, 3);
                         let (mut got, mut want) = (start.clone(), start.clone());
-                        assert!(gemm(m, n, k, (&mut got, ldd), (&a, a_rs, a_cs), (&b, ldb), acc));
+                        assert!(gemm(
+                            m,
+                            n,
+                            k,
+                            (&mut got, ldd),
+                            (&a, a_rs, a_cs),
+                            (&b, ldb),
+                            acc
+                        ));
                         reference(m, n, k, &mut want, ldd, &a, a_rs, a_cs, &b, ldb, acc);
-                        assert_close((m, n, k), ldd, (&got, &want, &start), &format!("t {transposed} acc {acc}"));
+                        assert_close(
+                            (m, n, k),
+                            ldd,
+                            (&got, &want, &start),
+                            &format!("t {transposed} acc {acc}"),
+                        );
                         checked += 1;
                     }
                 }
@@ -451,10 +590,16 @@ mod tests {
     #[test]
     fn declines_what_it_does_not_cover() {
         let mut d = [0.0f32; 64];
-        assert!(!gemm(1, 8, 1, (&mut d, 8), (&[1.0], 1, 1), (&[1.0; 8], 8), false), "n not a multiple of 16");
+        assert!(
+            !gemm(1, 8, 1, (&mut d, 8), (&[1.0], 1, 1), (&[1.0; 8], 8), false),
+            "n not a multiple of 16"
+        );
         let a = vec![0.0f32; MAX_K + 1];
         let b = vec![0.0f32; (MAX_K + 1) * 16];
-        assert!(!gemm(1, 16, MAX_K + 1, (&mut d, 16), (&a, 1, 1), (&b, 16), false), "k over MAX_K");
+        assert!(
+            !gemm(1, 16, MAX_K + 1, (&mut d, 16), (&a, 1, 1), (&b, 16), false),
+            "k over MAX_K"
+        );
         assert_eq!(d, [0.0; 64], "a declined call touched dst");
     }
 
@@ -471,14 +616,27 @@ mod tests {
         for _ in 0..3 {
             let mut again = vec![1.0f32; m * n];
             assert!(gemm(m, n, k, (&mut again, n), (&a, k, 1), (&b, n), false));
-            assert!(first.iter().zip(&again).all(|(x, y)| x.to_bits() == y.to_bits()));
+            assert!(first
+                .iter()
+                .zip(&again)
+                .all(|(x, y)| x.to_bits() == y.to_bits()));
         }
     }
     #[test]
     fn nt_matches_reference_over_shapes() {
         if !has_avx512() {
-            println!("skipped: this CPU has no AVX-512F (the kernel declines and the gemm crate runs)");
-            assert!(!gemm_nt(1, 1, 1, (&mut [0.0], 1), (&[0.0], 1), (&[0.0], 1), false));
+            println!(
+                "skipped: this CPU has no AVX-512F (the kernel declines and the gemm crate runs)"
+            );
+            assert!(!gemm_nt(
+                1,
+                1,
+                1,
+                (&mut [0.0], 1),
+                (&[0.0], 1),
+                (&[0.0], 1),
+                false
+            ));
             return;
         }
         let mut checked = 0;
@@ -496,12 +654,23 @@ mod tests {
                         // ldb) reading of Bᵀ rows.
                         for i in 0..m {
                             for j in 0..n {
-                                let s: f64 = (0..k).map(|p| a[i * lda + p] as f64 * b[j * ldb + p] as f64).sum();
+                                let s: f64 = (0..k)
+                                    .map(|p| a[i * lda + p] as f64 * b[j * ldb + p] as f64)
+                                    .sum();
                                 let o = &mut want[i * ldd + j];
-                                *o = if acc { (*o as f64 + s) as f32 } else { s as f32 };
+                                *o = if acc {
+                                    (*o as f64 + s) as f32
+                                } else {
+                                    s as f32
+                                };
                             }
                         }
-                        assert_close((m, n, k), ldd, (&got, &want, &start), &format!("nt acc {acc}"));
+                        assert_close(
+                            (m, n, k),
+                            ldd,
+                            (&got, &want, &start),
+                            &format!("nt acc {acc}"),
+                        );
                         checked += 1;
                     }
                 }

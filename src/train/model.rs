@@ -21,7 +21,10 @@
 use std::ops::Range;
 
 use super::layers::conv2d::DoutSource;
-use super::layers::{BatchNorm2d, BufferMut, Conv2d, Conv2dParams, Flatten, Layer, Linear, MaxPool2d, Relu, SoftmaxCrossEntropy, SumFn};
+use super::layers::{
+    BatchNorm2d, BufferMut, Conv2d, Conv2dParams, Flatten, Layer, Linear, MaxPool2d, Relu,
+    SoftmaxCrossEntropy, SumFn,
+};
 use super::rng::Rng;
 use super::tensor::Tensor;
 
@@ -94,7 +97,10 @@ pub struct Model {
 
 impl Model {
     /// Build a model from named layers, checking that they chain for `input` dimensions.
-    pub fn new(layers: Vec<(String, Box<dyn Layer>)>, input: &[usize]) -> Result<Model, ModelError> {
+    pub fn new(
+        layers: Vec<(String, Box<dyn Layer>)>,
+        input: &[usize],
+    ) -> Result<Model, ModelError> {
         let mut dims = input.to_vec();
         let mut entries = Vec::new();
         let mut layer_ranges = Vec::new();
@@ -104,17 +110,28 @@ impl Model {
             let start = off;
             for s in l.param_specs() {
                 let n = s.numel();
-                entries.push(ParamEntry { name: format!("{name}.{}", s.name), dims: s.dims.clone(), range: off..off + n });
+                entries.push(ParamEntry {
+                    name: format!("{name}.{}", s.name),
+                    dims: s.dims.clone(),
+                    range: off..off + n,
+                });
                 off += n;
             }
             layer_ranges.push(start..off);
-            dims = l.out_dims(&dims).map_err(|why| ModelError::Shape { name: name.clone(), kind: l.kind(), dims: dims.clone(), why })?;
+            dims = l.out_dims(&dims).map_err(|why| ModelError::Shape {
+                name: name.clone(),
+                kind: l.kind(),
+                dims: dims.clone(),
+                why,
+            })?;
             acts.push(Tensor::zeros(&dims));
         }
         let classes = *dims.last().unwrap_or(&0);
         let biggest = acts.iter().map(|a| a.numel()).max().unwrap_or(0);
         let dbuf = [Tensor::zeros(&[biggest]), Tensor::zeros(&[biggest])];
-        let fusable: Vec<bool> = (0..layers.len()).map(|i| fusable_at(&layers, &acts, i)).collect();
+        let fusable: Vec<bool> = (0..layers.len())
+            .map(|i| fusable_at(&layers, &acts, i))
+            .collect();
         let ran_fused = vec![false; layers.len()];
         Ok(Model {
             layers,
@@ -133,7 +150,16 @@ impl Model {
 
     /// The recipe's CNN with PyTorch module names, for `batch` images of 1x28x28.
     pub fn fashion_cnn(batch: usize) -> Result<Model, ModelError> {
-        let conv = |in_c, out_c| Conv2d::new(Conv2dParams { in_c, out_c, kh: 5, kw: 5, stride: 1, pad: 2 });
+        let conv = |in_c, out_c| {
+            Conv2d::new(Conv2dParams {
+                in_c,
+                out_c,
+                kh: 5,
+                kw: 5,
+                stride: 1,
+                pad: 2,
+            })
+        };
         let l: Vec<(&str, Box<dyn Layer>)> = vec![
             ("module1.0", Box::new(conv(1, 32))),
             ("module1.1", Box::new(BatchNorm2d::new(32))),
@@ -148,7 +174,10 @@ impl Model {
             ("relu", Box::new(Relu)),
             ("linear2", Box::new(Linear::new(64, 10))),
         ];
-        Model::new(l.into_iter().map(|(n, b)| (n.to_string(), b)).collect(), &[batch, 1, 28, 28])
+        Model::new(
+            l.into_iter().map(|(n, b)| (n.to_string(), b)).collect(),
+            &[batch, 1, 28, 28],
+        )
     }
 
     /// Initialise parameters as PyTorch does by default, module by module in order, from `seed`.
@@ -192,12 +221,20 @@ impl Model {
 
     /// Forward where, in training, BatchNorm layers marked `sync` sum their statistics over
     /// ranks through `sum` (an all-reduce supplied by the trainer).
-    pub fn forward_with<E>(&mut self, train: bool, mut sum: Option<&mut SumFn<'_, E>>) -> Result<(), E> {
+    pub fn forward_with<E>(
+        &mut self,
+        train: bool,
+        mut sum: Option<&mut SumFn<'_, E>>,
+    ) -> Result<(), E> {
         self.ran_fused.iter_mut().for_each(|f| *f = false);
         let mut i = 0;
         while i < self.layers.len() {
             let synced = train && sum.is_some();
-            if self.fuse && i + 1 < self.layers.len() && self.fusable[i + 1] && self.forward_from_conv(i, train, synced) {
+            if self.fuse
+                && i + 1 < self.layers.len()
+                && self.fusable[i + 1]
+                && self.forward_from_conv(i, train, synced)
+            {
                 // A convolution fed the fused group after it sample by sample.
                 self.ran_fused[i + 1] = true;
                 i += 4;
@@ -207,7 +244,10 @@ impl Model {
             let p = &self.params[self.layer_ranges[i].clone()];
             if self.fuse && self.fusable[i] {
                 let (head, tail) = self.layers.split_at_mut(i + 1);
-                if let (Some(bn), Some(pool)) = (as_batchnorm(head[i].1.as_mut()), as_maxpool(tail[1].1.as_mut())) {
+                if let (Some(bn), Some(pool)) = (
+                    as_batchnorm(head[i].1.as_mut()),
+                    as_maxpool(tail[1].1.as_mut()),
+                ) {
                     if !(synced && bn.sync) {
                         // BatchNorm + ReLU + pool in one pass, straight into the pool's output.
                         bn.forward_relu_pool(p, &before[i], &mut after[2], &mut pool.argmax, train);
@@ -219,7 +259,9 @@ impl Model {
             }
             let l = &mut self.layers[i].1;
             match (train, sum.as_deref_mut(), as_batchnorm(l.as_mut())) {
-                (true, Some(f), Some(bn)) if bn.sync => bn.forward_synced(p, &before[i], &mut after[0], f)?,
+                (true, Some(f), Some(bn)) if bn.sync => {
+                    bn.forward_synced(p, &before[i], &mut after[0], f)?
+                }
                 _ => l.forward(p, &before[i], &mut after[0], train),
             }
             i += 1;
@@ -237,8 +279,13 @@ impl Model {
         let g = c + 1;
         let (rc, rb) = (self.layer_ranges[c].clone(), self.layer_ranges[g].clone());
         let (head, group) = self.layers.split_at_mut(g);
-        let (Some(conv), [bn, _relu, pool, ..]) = (as_conv(head[c].1.as_mut()), group) else { return false };
-        let (Some(bn), Some(pool)) = (as_batchnorm(bn.1.as_mut()), as_maxpool(pool.1.as_mut())) else { return false };
+        let (Some(conv), [bn, _relu, pool, ..]) = (as_conv(head[c].1.as_mut()), group) else {
+            return false;
+        };
+        let (Some(bn), Some(pool)) = (as_batchnorm(bn.1.as_mut()), as_maxpool(pool.1.as_mut()))
+        else {
+            return false;
+        };
         if !conv.streams_samples() || (synced && bn.sync) {
             return false;
         }
@@ -247,9 +294,13 @@ impl Model {
         let (conv_out, rest) = after.split_at_mut(1);
         let (inp, conv_out, pooled) = (&before[c], &mut conv_out[0], &mut rest[2]);
         let n = inp.dims()[0];
-        let dims = conv.params.out_dims(inp.dims()).expect("the model checked the shapes");
+        let dims = conv
+            .params
+            .out_dims(inp.dims())
+            .expect("the model checked the shapes");
         let argmax = &mut pool.argmax;
-        let mut sink = |b: usize, o: &[f32]| bn.stream_sample(pbn, n, b, o, (dims[2], dims[3]), argmax, train);
+        let mut sink =
+            |b: usize, o: &[f32]| bn.stream_sample(pbn, n, b, o, (dims[2], dims[3]), argmax, train);
         conv.forward_samples(pconv, inp, conv_out, train, Some(&mut sink));
         bn.stream_finish(pbn, &dims, pooled, train);
         true
@@ -273,7 +324,10 @@ impl Model {
     /// Mean cross-entropy of the last forward pass against `targets`.
     pub fn loss(&mut self, targets: &[u8]) -> Result<f32, ModelError> {
         if let Some(&label) = targets.iter().find(|&&t| t as usize >= self.classes) {
-            return Err(ModelError::Label { label, classes: self.classes });
+            return Err(ModelError::Label {
+                label,
+                classes: self.classes,
+            });
         }
         let logits = self.acts.last().expect("a model has an input tensor");
         Ok(self.loss.forward(logits, targets))
@@ -288,10 +342,16 @@ impl Model {
 
     /// Backward matching [`Model::forward_with`]: synchronised BatchNorm layers sum their
     /// input-gradient statistics over ranks through `sum`.
-    pub fn backward_with<E>(&mut self, targets: &[u8], grads: &mut [f32], mut sum: Option<&mut SumFn<'_, E>>) -> Result<(), E> {
+    pub fn backward_with<E>(
+        &mut self,
+        targets: &[u8],
+        grads: &mut [f32],
+        mut sum: Option<&mut SumFn<'_, E>>,
+    ) -> Result<(), E> {
         let [mut dout, mut dinp] = std::mem::take(&mut self.dbuf);
         let last = self.acts.len() - 1;
-        self.loss.backward(&mut dout, self.acts[last].dims(), targets);
+        self.loss
+            .backward(&mut dout, self.acts[last].dims(), targets);
         let mut result = Ok(());
         let mut next = self.layers.len();
         while next > 0 {
@@ -310,8 +370,19 @@ impl Model {
                 let want = if g > 0 { Some(&mut dinp) } else { None };
                 let (p, dp) = (&self.params[r.clone()], &mut grads[r]);
                 let (head, tail) = self.layers.split_at_mut(g + 1);
-                if let (Some(bn), Some(pool)) = (as_batchnorm(head[g].1.as_mut()), as_maxpool(tail[1].1.as_mut())) {
-                    bn.backward_relu_pool(p, dp, &self.acts[g], &self.acts[g + 3], &dout, &pool.argmax, want);
+                if let (Some(bn), Some(pool)) = (
+                    as_batchnorm(head[g].1.as_mut()),
+                    as_maxpool(tail[1].1.as_mut()),
+                ) {
+                    bn.backward_relu_pool(
+                        p,
+                        dp,
+                        &self.acts[g],
+                        &self.acts[g + 3],
+                        &dout,
+                        &pool.argmax,
+                        want,
+                    );
                     std::mem::swap(&mut dout, &mut dinp);
                     next = g;
                     continue;
@@ -345,12 +416,23 @@ impl Model {
     /// at batch 64, larger than L2). `dout` is the pool's output gradient; the convolution's
     /// input gradient, if any, goes to `dinp`. Returns false, having done nothing, when the
     /// layers are not of that shape.
-    fn backward_into_conv(&mut self, g: usize, dout: &Tensor, dinp: &mut Tensor, grads: &mut [f32]) -> bool {
+    fn backward_into_conv(
+        &mut self,
+        g: usize,
+        dout: &Tensor,
+        dinp: &mut Tensor,
+        grads: &mut [f32],
+    ) -> bool {
         let c = g - 1;
         let (rc, rb) = (self.layer_ranges[c].clone(), self.layer_ranges[g].clone());
         let (before, group) = self.layers.split_at_mut(g);
-        let (Some(conv), [bn, _relu, pool, ..]) = (as_conv(before[c].1.as_mut()), group) else { return false };
-        let (Some(bn), Some(pool)) = (as_batchnorm(bn.1.as_mut()), as_maxpool(pool.1.as_mut())) else { return false };
+        let (Some(conv), [bn, _relu, pool, ..]) = (as_conv(before[c].1.as_mut()), group) else {
+            return false;
+        };
+        let (Some(bn), Some(pool)) = (as_batchnorm(bn.1.as_mut()), as_maxpool(pool.1.as_mut()))
+        else {
+            return false;
+        };
         if !conv.streams_samples() {
             return false;
         }
@@ -360,9 +442,17 @@ impl Model {
         let (x, pooled) = (&self.acts[g], &self.acts[g + 3]);
         bn.pooled_grad_sums(gbn, x, pooled, dout, &pool.argmax);
         let argmax = &pool.argmax;
-        let mut fill = |b: usize, buf: &mut [f32]| bn.pooled_input_grad_sample(pbn, x, pooled, dout, argmax, b, buf);
+        let mut fill = |b: usize, buf: &mut [f32]| {
+            bn.pooled_input_grad_sample(pbn, x, pooled, dout, argmax, b, buf)
+        };
         let want = if c > 0 { Some(dinp) } else { None };
-        conv.backward_samples(pconv, gconv, &self.acts[c], DoutSource::Fill(&mut fill), want);
+        conv.backward_samples(
+            pconv,
+            gconv,
+            &self.acts[c],
+            DoutSource::Fill(&mut fill),
+            want,
+        );
         true
     }
 
@@ -409,12 +499,19 @@ impl Model {
 
     /// Names of all layers in order, with their kinds.
     pub fn layer_names(&self) -> Vec<(String, &'static str)> {
-        self.layers.iter().map(|(n, l)| (n.clone(), l.kind())).collect()
+        self.layers
+            .iter()
+            .map(|(n, l)| (n.clone(), l.kind()))
+            .collect()
     }
 
     /// Bytes held by activation and scratch tensors (for memory reporting).
     pub fn activation_bytes(&self) -> usize {
-        self.acts.iter().chain(self.dbuf.iter()).map(|t| t.capacity_bytes()).sum()
+        self.acts
+            .iter()
+            .chain(self.dbuf.iter())
+            .map(|t| t.capacity_bytes())
+            .sum()
     }
 }
 
@@ -444,7 +541,9 @@ fn fusable_at(layers: &[(String, Box<dyn Layer>)], acts: &[Tensor], i: usize) ->
         return false;
     }
     let any = |k: usize| -> &dyn std::any::Any { layers[i + k].1.as_ref() };
-    let pool_ok = any(2).downcast_ref::<MaxPool2d>().is_some_and(|p| p.kernel == 2 && p.stride == 2);
+    let pool_ok = any(2)
+        .downcast_ref::<MaxPool2d>()
+        .is_some_and(|p| p.kernel == 2 && p.stride == 2);
     let even = matches!(acts[i].dims(), [_, _, h, w] if h % 2 == 0 && w % 2 == 0);
     any(0).is::<BatchNorm2d>() && any(1).is::<Relu>() && pool_ok && even
 }
@@ -474,7 +573,10 @@ mod tests {
                 "linear2.bias"
             ]
         );
-        assert_eq!(m.num_params(), 800 + 32 + 64 + 51200 + 64 + 128 + 3136 * 64 + 64 + 640 + 10);
+        assert_eq!(
+            m.num_params(),
+            800 + 32 + 64 + 51200 + 64 + 128 + 3136 * 64 + 64 + 640 + 10
+        );
     }
 
     /// The fused BatchNorm + ReLU + pool groups (the first streamed with conv1, the second not)
@@ -485,13 +587,27 @@ mod tests {
     fn fused_groups_match_separate_layers() {
         let mut a = Model::fashion_cnn(6).unwrap();
         a.init(3);
-        assert_eq!(a.fusable.iter().filter(|&&f| f).count(), 2, "both blocks of the recipe fuse");
+        assert_eq!(
+            a.fusable.iter().filter(|&&f| f).count(),
+            2,
+            "both blocks of the recipe fuse"
+        );
         // Some negative BatchNorm weights, so the streamed forward's pooling of the raw input
         // takes its minimum path (the normalisation is then decreasing) as well as the maximum.
         for name in ["module1.1.weight", "module2.1.weight"] {
-            let r = a.entries.iter().find(|e| e.name == name).unwrap().range.clone();
+            let r = a
+                .entries
+                .iter()
+                .find(|e| e.name == name)
+                .unwrap()
+                .range
+                .clone();
             for (k, g) in a.params[r].iter_mut().enumerate() {
-                *g = if k % 3 == 1 { -0.7 } else { 0.4 + 0.1 * k as f32 };
+                *g = if k % 3 == 1 {
+                    -0.7
+                } else {
+                    0.4 + 0.1 * k as f32
+                };
             }
         }
         let mut b = Model::fashion_cnn(6).unwrap();
@@ -506,7 +622,11 @@ mod tests {
             b.input_mut().data_mut().copy_from_slice(&x);
             a.forward(true);
             b.forward(true);
-            assert_eq!(a.logits().data(), b.logits().data(), "step {step}: training forward");
+            assert_eq!(
+                a.logits().data(),
+                b.logits().data(),
+                "step {step}: training forward"
+            );
             let (la, lb) = (a.loss(&labels).unwrap(), b.loss(&labels).unwrap());
             assert_eq!(la, lb);
             let (mut ga, mut gb) = (vec![0.0; a.num_params()], vec![0.0; b.num_params()]);
@@ -514,8 +634,17 @@ mod tests {
             b.backward(&labels, &mut gb);
             let scale = gb.iter().fold(0.0f32, |m, g| m.max(g.abs()));
             assert!(scale > 0.0);
-            for (e, (x, y)) in a.entries.iter().flat_map(|e| std::iter::repeat_n(e, e.range.len())).zip(ga.iter().zip(&gb)) {
-                assert!((x - y).abs() <= 1e-5 * scale, "step {step}: {} gradient {x} vs {y}", e.name);
+            for (e, (x, y)) in a
+                .entries
+                .iter()
+                .flat_map(|e| std::iter::repeat_n(e, e.range.len()))
+                .zip(ga.iter().zip(&gb))
+            {
+                assert!(
+                    (x - y).abs() <= 1e-5 * scale,
+                    "step {step}: {} gradient {x} vs {y}",
+                    e.name
+                );
             }
             // Same update on both, so they stay identical.
             for (p, g) in a.params.iter_mut().zip(&ga) {
@@ -524,7 +653,11 @@ mod tests {
             b.params.copy_from_slice(&a.params);
             a.forward(false);
             b.forward(false);
-            assert_eq!(a.logits().data(), b.logits().data(), "step {step}: evaluation forward");
+            assert_eq!(
+                a.logits().data(),
+                b.logits().data(),
+                "step {step}: evaluation forward"
+            );
         }
     }
 
@@ -532,7 +665,14 @@ mod tests {
     fn init_bounds_follow_pytorch() {
         let mut m = Model::fashion_cnn(1).unwrap();
         m.init(42);
-        let get = |n: &str| m.entries.iter().find(|e| e.name == n).unwrap().range.clone();
+        let get = |n: &str| {
+            m.entries
+                .iter()
+                .find(|e| e.name == n)
+                .unwrap()
+                .range
+                .clone()
+        };
         let w = &m.params[get("module2.0.weight")];
         let bound = 1.0 / 800f32.sqrt();
         assert!(w.iter().all(|x| x.abs() <= bound));

@@ -30,7 +30,16 @@ pub struct Adam {
 impl Adam {
     /// Adam for `n` parameters with PyTorch defaults and learning rate `lr`.
     pub fn new(n: usize, lr: f32) -> Adam {
-        Adam { lr, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0, step: 0, m: vec![0.0; n], v: vec![0.0; n] }
+        Adam {
+            lr,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0,
+            step: 0,
+            m: vec![0.0; n],
+            v: vec![0.0; n],
+        }
     }
 
     /// One update of `params` from `grads`.
@@ -42,7 +51,12 @@ impl Adam {
         let step_size = (self.lr as f64 / bc1) as f32;
         let bc2_sqrt = bc2.sqrt() as f32;
         let (b1, b2, eps, wd) = (self.beta1, self.beta2, self.eps, self.weight_decay);
-        for (((p, &g0), m), v) in params.iter_mut().zip(grads).zip(self.m.iter_mut()).zip(self.v.iter_mut()) {
+        for (((p, &g0), m), v) in params
+            .iter_mut()
+            .zip(grads)
+            .zip(self.m.iter_mut())
+            .zip(self.v.iter_mut())
+        {
             let g = if wd != 0.0 { g0 + wd * *p } else { g0 };
             *m = flush(b1 * *m + (1.0 - b1) * g);
             *v = flush(b2 * *v + (1.0 - b2) * g * g);
@@ -90,7 +104,14 @@ pub struct Sgd {
 impl Sgd {
     /// SGD with learning rate `lr` and `momentum`.
     pub fn new(lr: f32, momentum: f32, weight_decay: f32) -> Sgd {
-        Sgd { lr, momentum, dampening: 0.0, weight_decay, nesterov: false, buf: Vec::new() }
+        Sgd {
+            lr,
+            momentum,
+            dampening: 0.0,
+            weight_decay,
+            nesterov: false,
+            buf: Vec::new(),
+        }
     }
 
     /// One update of `params` from `grads`.
@@ -103,8 +124,16 @@ impl Sgd {
             let mut g = g0 + self.weight_decay * *p;
             if self.momentum != 0.0 {
                 let b = &mut self.buf[i];
-                *b = if first { g } else { self.momentum * *b + (1.0 - self.dampening) * g };
-                g = if self.nesterov { g + self.momentum * *b } else { *b };
+                *b = if first {
+                    g
+                } else {
+                    self.momentum * *b + (1.0 - self.dampening) * g
+                };
+                g = if self.nesterov {
+                    g + self.momentum * *b
+                } else {
+                    *b
+                };
             }
             *p -= self.lr * g;
         }
@@ -155,7 +184,11 @@ mod tests {
         let (mut q, mut m, mut v) = (p, [0.0f32; 3], [0.0f32; 3]);
         let mut unflushed_went_subnormal = false;
         for t in 1..=1500u64 {
-            let g = if t <= 5 { [1e-3f32, -2e-4, 0.1] } else { [0.0, 0.0, 1e-3] };
+            let g = if t <= 5 {
+                [1e-3f32, -2e-4, 0.1]
+            } else {
+                [0.0, 0.0, 1e-3]
+            };
             a.step(&mut p, &g);
             let bc1 = 1.0 - (0.9f32 as f64).powi(t as i32);
             let bc2 = 1.0 - (0.999f32 as f64).powi(t as i32);
@@ -166,11 +199,24 @@ mod tests {
                 q[i] -= ss * m[i] / (v[i].sqrt() / bs + 1e-8);
                 unflushed_went_subnormal |= m[i].is_subnormal();
             }
-            assert!(a.m.iter().chain(&a.v).all(|x| !x.is_subnormal()), "step {t}: a subnormal moment");
-            assert_eq!(p.map(f32::to_bits), q.map(f32::to_bits), "step {t}: parameters moved differently");
+            assert!(
+                a.m.iter().chain(&a.v).all(|x| !x.is_subnormal()),
+                "step {t}: a subnormal moment"
+            );
+            assert_eq!(
+                p.map(f32::to_bits),
+                q.map(f32::to_bits),
+                "step {t}: parameters moved differently"
+            );
         }
-        assert!(unflushed_went_subnormal, "the case must reach the subnormal range unflushed");
+        assert!(
+            unflushed_went_subnormal,
+            "the case must reach the subnormal range unflushed"
+        );
         assert_eq!((a.m[0], a.m[1]), (0.0, 0.0));
-        assert!(a.v[0] > 0.0, "the second moment decays more slowly and stays normal");
+        assert!(
+            a.v[0] > 0.0,
+            "the second moment decays more slowly and stays normal"
+        );
     }
 }

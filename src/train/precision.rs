@@ -90,7 +90,14 @@ pub struct LossScaler {
 
 impl Default for LossScaler {
     fn default() -> LossScaler {
-        LossScaler { scale: 65536.0, growth_factor: 2.0, backoff_factor: 0.5, growth_interval: 2000, good_steps: 0, skipped: 0 }
+        LossScaler {
+            scale: 65536.0,
+            growth_factor: 2.0,
+            backoff_factor: 0.5,
+            growth_interval: 2000,
+            good_steps: 0,
+            skipped: 0,
+        }
     }
 }
 
@@ -122,20 +129,40 @@ impl LossScaler {
     /// A scaler starting at `init_scale`, multiplying the scale by `growth_factor` after
     /// `growth_interval` consecutive finite steps and by `backoff_factor` on an overflow.
     /// GradScaler's defaults are 65536, 2, 0.5 and 2000 ([`LossScaler::default`]).
-    pub fn new(init_scale: f32, growth_factor: f32, backoff_factor: f32, growth_interval: u32) -> Result<LossScaler, PrecisionError> {
+    pub fn new(
+        init_scale: f32,
+        growth_factor: f32,
+        backoff_factor: f32,
+        growth_interval: u32,
+    ) -> Result<LossScaler, PrecisionError> {
         if !(init_scale.is_finite() && (MIN_SCALE..=MAX_SCALE).contains(&init_scale)) {
-            return Err(PrecisionError::Scaler(format!("initial scale {init_scale} must be between 2^-24 and 2^48")));
+            return Err(PrecisionError::Scaler(format!(
+                "initial scale {init_scale} must be between 2^-24 and 2^48"
+            )));
         }
         if !(growth_factor.is_finite() && growth_factor > 1.0) {
-            return Err(PrecisionError::Scaler(format!("growth factor {growth_factor} must be above 1")));
+            return Err(PrecisionError::Scaler(format!(
+                "growth factor {growth_factor} must be above 1"
+            )));
         }
         if !(backoff_factor > 0.0 && backoff_factor < 1.0) {
-            return Err(PrecisionError::Scaler(format!("backoff factor {backoff_factor} must be between 0 and 1")));
+            return Err(PrecisionError::Scaler(format!(
+                "backoff factor {backoff_factor} must be between 0 and 1"
+            )));
         }
         if growth_interval == 0 {
-            return Err(PrecisionError::Scaler("growth interval must be at least 1 step".into()));
+            return Err(PrecisionError::Scaler(
+                "growth interval must be at least 1 step".into(),
+            ));
         }
-        Ok(LossScaler { scale: init_scale, growth_factor, backoff_factor, growth_interval, good_steps: 0, skipped: 0 })
+        Ok(LossScaler {
+            scale: init_scale,
+            growth_factor,
+            backoff_factor,
+            growth_interval,
+            good_steps: 0,
+            skipped: 0,
+        })
     }
 
     /// The current scale.
@@ -165,7 +192,12 @@ impl LossScaler {
     /// settings are checked as [`LossScaler::new`] checks them, and the clean-step count must be
     /// below the growth interval (the scaler grows and restarts the count when it reaches it).
     pub fn from_state(s: ScalerState) -> Result<LossScaler, PrecisionError> {
-        let mut sc = LossScaler::new(s.scale, s.growth_factor, s.backoff_factor, s.growth_interval)?;
+        let mut sc = LossScaler::new(
+            s.scale,
+            s.growth_factor,
+            s.backoff_factor,
+            s.growth_interval,
+        )?;
         if s.good_steps >= s.growth_interval {
             return Err(PrecisionError::Scaler(format!(
                 "{} clean steps counted towards a growth interval of {}: the count is always below the interval",
@@ -217,8 +249,15 @@ mod tests {
         assert_eq!("fp16".parse(), Ok(MixedPrecision::Fp16));
         assert_eq!("bf16".parse(), Ok(MixedPrecision::Bf16));
         let e = "half".parse::<MixedPrecision>().unwrap_err().to_string();
-        assert!(e.contains("\"half\"") && e.contains("no (fp32), fp16 or bf16"), "{e}");
-        for p in [MixedPrecision::No, MixedPrecision::Fp16, MixedPrecision::Bf16] {
+        assert!(
+            e.contains("\"half\"") && e.contains("no (fp32), fp16 or bf16"),
+            "{e}"
+        );
+        for p in [
+            MixedPrecision::No,
+            MixedPrecision::Fp16,
+            MixedPrecision::Bf16,
+        ] {
             assert_eq!(p.to_string().parse(), Ok(p));
         }
         assert_eq!(MixedPrecision::No.device_precision(), Ok(Precision::Fp32));
@@ -226,9 +265,15 @@ mod tests {
         assert_eq!(MixedPrecision::Fp16.device_precision(), Ok(Precision::Fp16));
         assert!(MixedPrecision::No.check_cpu().is_ok());
         let e = MixedPrecision::Bf16.check_cpu().unwrap_err().to_string();
-        assert!(e.contains("bf16 on the CPU") && e.contains("fp32 only"), "{e}");
+        assert!(
+            e.contains("bf16 on the CPU") && e.contains("fp32 only"),
+            "{e}"
+        );
         let e = MixedPrecision::Fp16.check_cpu().unwrap_err().to_string();
-        assert!(e.contains("fp16 on the CPU") && e.contains("--device cuda for bf16 or fp16"), "{e}");
+        assert!(
+            e.contains("fp16 on the CPU") && e.contains("--device cuda for bf16 or fp16"),
+            "{e}"
+        );
     }
 
     #[test]
@@ -264,7 +309,11 @@ mod tests {
         assert_eq!(s.scale(), 8.0, "the overflow halves it");
         s.update(false);
         s.update(false);
-        assert_eq!(s.scale(), 8.0, "two clean steps after an overflow are not three");
+        assert_eq!(
+            s.scale(),
+            8.0,
+            "two clean steps after an overflow are not three"
+        );
         s.update(false);
         assert_eq!(s.scale(), 16.0);
     }
@@ -276,15 +325,26 @@ mod tests {
             a.update(found_inf);
         }
         let st = a.state();
-        assert_eq!((st.scale, st.good_steps, st.skipped, st.growth_interval), (512.0, 2, 1, 3));
+        assert_eq!(
+            (st.scale, st.good_steps, st.skipped, st.growth_interval),
+            (512.0, 2, 1, 3)
+        );
         let mut b = LossScaler::from_state(st).unwrap();
         assert_eq!(b, a);
         // The next clean step grows both (the restored count is 2 of 3), not only the original.
         a.update(false);
         b.update(false);
         assert_eq!((a.scale(), b.scale()), (1024.0, 1024.0));
-        assert!(LossScaler::from_state(ScalerState { good_steps: 3, ..st }).is_err());
-        assert!(LossScaler::from_state(ScalerState { scale: f32::NAN, ..st }).is_err());
+        assert!(LossScaler::from_state(ScalerState {
+            good_steps: 3,
+            ..st
+        })
+        .is_err());
+        assert!(LossScaler::from_state(ScalerState {
+            scale: f32::NAN,
+            ..st
+        })
+        .is_err());
     }
 
     #[test]

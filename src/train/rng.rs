@@ -39,7 +39,10 @@ impl Rng {
     /// A generator for `seed` on stream `stream` (different streams give independent sequences,
     /// e.g. one for initialisation and one per epoch's shuffle).
     pub fn new(seed: u64, stream: u64) -> Rng {
-        let mut r = Rng { state: 0, inc: (stream << 1) | 1 };
+        let mut r = Rng {
+            state: 0,
+            inc: (stream << 1) | 1,
+        };
         r.next_u32();
         r.state = r.state.wrapping_add(seed);
         r.next_u32();
@@ -48,7 +51,10 @@ impl Rng {
 
     /// Rebuild a generator from a saved position ([`Rng::position`]).
     pub fn from_position(state: u64, inc: u64) -> Rng {
-        Rng { state, inc: inc | 1 }
+        Rng {
+            state,
+            inc: inc | 1,
+        }
     }
 
     /// The generator's position, to save and restore with [`Rng::from_position`].

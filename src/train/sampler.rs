@@ -28,8 +28,21 @@ pub struct DistributedSampler {
 
 impl DistributedSampler {
     /// A sampler for `rank` of `world` over `len` samples.
-    pub fn new(len: usize, world: usize, rank: usize, shuffle: bool, seed: u64) -> DistributedSampler {
-        DistributedSampler { len, world: world.max(1), rank, shuffle, seed, perm: Vec::with_capacity(len) }
+    pub fn new(
+        len: usize,
+        world: usize,
+        rank: usize,
+        shuffle: bool,
+        seed: u64,
+    ) -> DistributedSampler {
+        DistributedSampler {
+            len,
+            world: world.max(1),
+            rank,
+            shuffle,
+            seed,
+            perm: Vec::with_capacity(len),
+        }
     }
 
     /// Samples per rank: `ceil(len / world)`.
@@ -49,7 +62,11 @@ impl DistributedSampler {
             return;
         }
         let total = self.num_samples() * self.world;
-        out.extend((self.rank..total).step_by(self.world).map(|pos| self.perm[pos % self.len]));
+        out.extend(
+            (self.rank..total)
+                .step_by(self.world)
+                .map(|pos| self.perm[pos % self.len]),
+        );
     }
 
     /// Whether this rank's `i`-th sample is a real one rather than padding (position < len).
@@ -60,7 +77,11 @@ impl DistributedSampler {
 
 /// Sum `(correct, counted)` over ranks, where each rank counted only its real (non-padding)
 /// samples. Every rank gets the totals.
-pub fn counts_for_metrics(comm: &mut Communicator, correct: u64, counted: u64) -> Result<(u64, u64), CommError> {
+pub fn counts_for_metrics(
+    comm: &mut Communicator,
+    correct: u64,
+    counted: u64,
+) -> Result<(u64, u64), CommError> {
     let mut buf = [correct as i64, counted as i64];
     comm.all_reduce_in_place(&mut buf[..], ReduceOp::Sum)?;
     Ok((buf[0] as u64, buf[1] as u64))

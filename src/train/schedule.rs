@@ -36,8 +36,17 @@ impl Schedule {
     pub fn lr(&self, base: f32, step: u64) -> f32 {
         match *self {
             Schedule::Constant => base,
-            Schedule::Cosine { total, min_lr } => cos_anneal(base as f64, min_lr as f64, step as f64 / total.max(1) as f64) as f32,
-            Schedule::OneCycle { total, pct_start, div, final_div } => {
+            Schedule::Cosine { total, min_lr } => cos_anneal(
+                base as f64,
+                min_lr as f64,
+                step as f64 / total.max(1) as f64,
+            ) as f32,
+            Schedule::OneCycle {
+                total,
+                pct_start,
+                div,
+                final_div,
+            } => {
                 let initial = base as f64 / div as f64;
                 let fin = initial / final_div as f64;
                 // PyTorch's phase ends: warm-up ends at pct*total - 1, annealing at total - 1.
@@ -45,7 +54,11 @@ impl Schedule {
                 let end = (total as f64 - 1.0).max(up_end + 1.0);
                 let s = step as f64;
                 if s <= up_end {
-                    cos_anneal(initial, base as f64, if up_end > 0.0 { s / up_end } else { 1.0 }) as f32
+                    cos_anneal(
+                        initial,
+                        base as f64,
+                        if up_end > 0.0 { s / up_end } else { 1.0 },
+                    ) as f32
                 } else {
                     cos_anneal(base as f64, fin, (s - up_end) / (end - up_end)) as f32
                 }
@@ -61,11 +74,19 @@ mod tests {
     #[test]
     fn schedules_hit_their_ends() {
         assert_eq!(Schedule::Constant.lr(0.1, 77), 0.1);
-        let c = Schedule::Cosine { total: 100, min_lr: 0.0 };
+        let c = Schedule::Cosine {
+            total: 100,
+            min_lr: 0.0,
+        };
         assert!((c.lr(1.0, 0) - 1.0).abs() < 1e-6);
         assert!((c.lr(1.0, 50) - 0.5).abs() < 1e-6);
         assert!(c.lr(1.0, 100).abs() < 1e-6);
-        let o = Schedule::OneCycle { total: 100, pct_start: 0.3, div: 25.0, final_div: 1e4 };
+        let o = Schedule::OneCycle {
+            total: 100,
+            pct_start: 0.3,
+            div: 25.0,
+            final_div: 1e4,
+        };
         assert!((o.lr(1.0, 0) - 0.04).abs() < 1e-6);
         assert!((o.lr(1.0, 29) - 1.0).abs() < 1e-6);
         assert!((o.lr(1.0, 99) - 0.04e-4).abs() < 1e-8);

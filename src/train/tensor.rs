@@ -32,12 +32,20 @@ impl Tensor {
     /// A zero-filled tensor of the given dimensions.
     pub fn zeros(dims: &[usize]) -> Tensor {
         let n = dims.iter().product();
-        Tensor { dims: dims.to_vec(), data: vec![0.0; n], len: n }
+        Tensor {
+            dims: dims.to_vec(),
+            data: vec![0.0; n],
+            len: n,
+        }
     }
 
     /// A tensor from data; `None` if the length does not match the dimensions.
     pub fn from_vec(dims: &[usize], data: Vec<f32>) -> Option<Tensor> {
-        (dims.iter().product::<usize>() == data.len()).then(|| Tensor { dims: dims.to_vec(), len: data.len(), data })
+        (dims.iter().product::<usize>() == data.len()).then(|| Tensor {
+            dims: dims.to_vec(),
+            len: data.len(),
+            data,
+        })
     }
 
     /// Dimensions, outermost first.

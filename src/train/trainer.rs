@@ -186,7 +186,10 @@ impl TrainConfig {
     /// of `ceil(train_len / world)` samples in micro-batches of `batch_size`, `grad_accum` of them
     /// per step (the last step of an epoch may take fewer).
     pub fn steps_per_epoch(&self, train_len: usize, world: usize) -> usize {
-        train_len.div_ceil(world.max(1)).div_ceil(self.batch_size.max(1)).div_ceil(self.grad_accum.max(1))
+        train_len
+            .div_ceil(world.max(1))
+            .div_ceil(self.batch_size.max(1))
+            .div_ceil(self.grad_accum.max(1))
     }
 
     /// Check what `train` cannot work with, each error naming the setting.
@@ -199,13 +202,22 @@ impl TrainConfig {
             return bad("batch size must be at least 1".into());
         }
         if self.grad_accum == 0 {
-            return bad("gradient accumulation of 0 micro-batches; pass at least 1 (1 = no accumulation)".into());
+            return bad(
+                "gradient accumulation of 0 micro-batches; pass at least 1 (1 = no accumulation)"
+                    .into(),
+            );
         }
         if !(self.lr.is_finite() && self.lr > 0.0) {
-            return bad(format!("learning rate {} must be a positive number", self.lr));
+            return bad(format!(
+                "learning rate {} must be a positive number",
+                self.lr
+            ));
         }
         if !(self.weight_decay.is_finite() && self.weight_decay >= 0.0) {
-            return bad(format!("weight decay {} must be 0 or a positive number", self.weight_decay));
+            return bad(format!(
+                "weight decay {} must be 0 or a positive number",
+                self.weight_decay
+            ));
         }
         if let OptimizerKind::Sgd { momentum } = self.optimizer {
             if !(momentum.is_finite() && (0.0..1.0).contains(&momentum)) {
@@ -214,7 +226,9 @@ impl TrainConfig {
         }
         if let Some(c) = self.clip_grad_norm {
             if !(c.is_finite() && c > 0.0) {
-                return bad(format!("gradient clipping threshold {c} must be a positive number"));
+                return bad(format!(
+                    "gradient clipping threshold {c} must be a positive number"
+                ));
             }
         }
         if self.optimizer != OptimizerKind::Adam && (self.save.is_some() || self.resume.is_some()) {
@@ -294,7 +308,11 @@ pub fn buckets(model: &Model, bucket_bytes: usize) -> Vec<Range<usize>> {
 }
 
 /// Average gradients over ranks, bucket by bucket, in a fixed order.
-fn all_reduce_grads(comm: &mut Communicator, grads: &mut [f32], buckets: &[Range<usize>]) -> Result<(), CommError> {
+fn all_reduce_grads(
+    comm: &mut Communicator,
+    grads: &mut [f32],
+    buckets: &[Range<usize>],
+) -> Result<(), CommError> {
     if comm.world_size() == 1 {
         return Ok(());
     }
@@ -326,7 +344,9 @@ fn broadcast_bn_state(comm: &mut Communicator, model: &mut Model) -> Result<(), 
 /// logged).
 fn thread_cpu_s() -> f64 {
     use nix::time::{clock_gettime, ClockId};
-    clock_gettime(ClockId::CLOCK_THREAD_CPUTIME_ID).map(|t| t.tv_sec() as f64 + t.tv_nsec() as f64 * 1e-9).unwrap_or(0.0)
+    clock_gettime(ClockId::CLOCK_THREAD_CPUTIME_ID)
+        .map(|t| t.tv_sec() as f64 + t.tv_nsec() as f64 * 1e-9)
+        .unwrap_or(0.0)
 }
 
 /// Fill the model input with samples `idx` of `data` (pixels / 255) and `labels`.
@@ -369,7 +389,16 @@ pub fn step_gradients(
     buckets: &[Range<usize>],
     sync_bn: bool,
 ) -> Result<(f64, usize), TrainError> {
-    let out = local_gradients(model, data, micro, grads, labels, comm, sync_bn, &mut Phases::default())?;
+    let out = local_gradients(
+        model,
+        data,
+        micro,
+        grads,
+        labels,
+        comm,
+        sync_bn,
+        &mut Phases::default(),
+    )?;
     all_reduce_grads(comm, grads, buckets)?;
     Ok(out)
 }
@@ -410,7 +439,10 @@ struct Stopwatch {
 
 impl Stopwatch {
     fn start() -> Stopwatch {
-        Stopwatch { wall: Instant::now(), cpu: thread_cpu_s() }
+        Stopwatch {
+            wall: Instant::now(),
+            cpu: thread_cpu_s(),
+        }
     }
     /// Add the time since `start` to `lap`; returns the wall seconds.
     fn stop(self, lap: &mut Lap) -> f64 {
@@ -426,7 +458,12 @@ impl Phases {
     fn log(&mut self, rank: usize, epoch: u64, wall: f64) {
         let f = |l: &Lap| format!("{:.0}/{:.0}", l.wall * 1e3, l.cpu * 1e3);
         self.steps_ms.sort_by(f32::total_cmp);
-        let q = |p: f64| self.steps_ms.get(((self.steps_ms.len() as f64 - 1.0) * p).round() as usize).copied().unwrap_or(0.0);
+        let q = |p: f64| {
+            self.steps_ms
+                .get(((self.steps_ms.len() as f64 - 1.0) * p).round() as usize)
+                .copied()
+                .unwrap_or(0.0)
+        };
         tracing::debug!(
             "rank {rank} epoch {epoch}: {:.0} ms wall; phases in ms wall/CPU: batches {}, forward+backward {}, all-reduce (with waiting) {}, \
              optimizer {}, progress {}, evaluation {}; forward+backward per step min {:.1} median {:.1} p90 {:.1} max {:.1} ms",
@@ -502,7 +539,11 @@ fn local_gradients(
 /// alone. Called on gradients already averaged over ranks, it computes the same norm and makes
 /// the same change on every rank.
 pub fn clip_grad_norm(grads: &mut [f32], max_norm: f32) -> f64 {
-    let norm = grads.iter().map(|&g| g as f64 * g as f64).sum::<f64>().sqrt();
+    let norm = grads
+        .iter()
+        .map(|&g| g as f64 * g as f64)
+        .sum::<f64>()
+        .sqrt();
     let coef = max_norm as f64 / (norm + 1e-6);
     if norm.is_finite() && coef < 1.0 {
         scale(grads, coef as f32);
@@ -511,7 +552,12 @@ pub fn clip_grad_norm(grads: &mut [f32], max_norm: f32) -> f64 {
 }
 
 /// Test accuracy: every rank evaluates its shard, padding excluded, totals summed over ranks.
-pub fn evaluate(comm: &mut Communicator, model: &mut Model, test: &Dataset, batch: usize) -> Result<(u64, u64), TrainError> {
+pub fn evaluate(
+    comm: &mut Communicator,
+    model: &mut Model,
+    test: &Dataset,
+    batch: usize,
+) -> Result<(u64, u64), TrainError> {
     let mut sampler = DistributedSampler::new(test.len(), comm.world_size(), comm.rank(), false, 0);
     let mut idx = Vec::with_capacity(sampler.num_samples());
     sampler.indices(0, &mut idx);
@@ -540,8 +586,14 @@ pub fn train(
     obs: &mut dyn Observer,
 ) -> Result<TrainOutcome, TrainError> {
     cfg.check()?;
-    if train_set.rows != 28 || train_set.cols != 28 || (!test_set.is_empty() && (test_set.rows != 28 || test_set.cols != 28)) {
-        return Err(TrainError::Config(format!("the CNN expects 28x28 images, the dataset has {}x{}", train_set.rows, train_set.cols)));
+    if train_set.rows != 28
+        || train_set.cols != 28
+        || (!test_set.is_empty() && (test_set.rows != 28 || test_set.cols != 28))
+    {
+        return Err(TrainError::Config(format!(
+            "the CNN expects 28x28 images, the dataset has {}x{}",
+            train_set.rows, train_set.cols
+        )));
     }
     let (rank, world) = (comm.rank(), comm.world_size());
     let mut model = Model::fashion_cnn(cfg.batch_size)?;
@@ -605,9 +657,21 @@ pub fn train(
         obs.epoch_start(epoch + 1, cfg.epochs, steps);
         let (mut loss_sum, mut loss_n) = (0.0f64, 0.0f64);
         let mut images = 0usize;
-        let mut ph = Phases { steps_ms: Vec::with_capacity(micro.len()), ..Phases::default() };
+        let mut ph = Phases {
+            steps_ms: Vec::with_capacity(micro.len()),
+            ..Phases::default()
+        };
         for (s, group) in micro.chunks(accum).enumerate() {
-            let (l, n) = local_gradients(&mut model, train_set, group, &mut grads, &mut labels, comm, cfg.sync_bn, &mut ph)?;
+            let (l, n) = local_gradients(
+                &mut model,
+                train_set,
+                group,
+                &mut grads,
+                &mut labels,
+                comm,
+                cfg.sync_bn,
+                &mut ph,
+            )?;
             let t = Stopwatch::start();
             all_reduce_grads(comm, &mut grads, &buckets)?;
             t.stop(&mut ph.reduce);
@@ -616,16 +680,27 @@ pub fn train(
             if let Some(max) = cfg.clip_grad_norm {
                 let norm = clip_grad_norm(&mut grads, max);
                 if !norm.is_finite() {
-                    return Err(TrainError::NonFinite { norm, step: step_no });
+                    return Err(TrainError::NonFinite {
+                        norm,
+                        step: step_no,
+                    });
                 }
             }
-            opt.step(cfg.schedule.lr(cfg.lr, step_no - 1), &mut model.params, &grads);
+            opt.step(
+                cfg.schedule.lr(cfg.lr, step_no - 1),
+                &mut model.params,
+                &grads,
+            );
             t.stop(&mut ph.optim);
             let t = Stopwatch::start();
             loss_sum += l;
             loss_n += n as f64;
             images += n;
-            obs.step(s + 1, (l / n.max(1) as f64) as f32, (images * world) as f64 / t0.elapsed().as_secs_f64().max(1e-9));
+            obs.step(
+                s + 1,
+                (l / n.max(1) as f64) as f32,
+                (images * world) as f64 / t0.elapsed().as_secs_f64().max(1e-9),
+            );
             t.stop(&mut ph.observe);
         }
         let train_s = t0.elapsed().as_secs_f64();
@@ -650,7 +725,13 @@ pub fn train(
         };
         if let (Some(path), Optimizer::Adam(opt)) = (&cfg.save, &opt) {
             if rank == 0 {
-                let st = TrainState { epoch: epoch + 1, step: opt.step, seed: cfg.seed, world_size: world as u64, loss_scaler: None };
+                let st = TrainState {
+                    epoch: epoch + 1,
+                    step: opt.step,
+                    seed: cfg.seed,
+                    world_size: world as u64,
+                    loss_scaler: None,
+                };
                 checkpoint::save(path, &mut model, opt, &st)?;
             }
             // Nobody races ahead (and possibly reads the file) before it is complete.
@@ -659,5 +740,9 @@ pub fn train(
         obs.epoch_end(&report);
         reports.push(report);
     }
-    Ok(TrainOutcome { reports, params: model.params.clone(), activation_bytes: model.activation_bytes() })
+    Ok(TrainOutcome {
+        reports,
+        params: model.params.clone(),
+        activation_bytes: model.activation_bytes(),
+    })
 }

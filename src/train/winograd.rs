@@ -79,7 +79,10 @@ pub fn toom_cook() -> Mats {
         row[np] = if i == MO - 1 { 1.0 } else { 0.0 };
     }
     for j in 0..np {
-        let f: f64 = (0..np).filter(|&l| l != j).map(|l| pts[j] - pts[l]).product();
+        let f: f64 = (0..np)
+            .filter(|&l| l != j)
+            .map(|l| pts[j] - pts[l])
+            .product();
         for k in 0..KS {
             g[j][k] = pts[j].powi(k as i32) / f;
         }
@@ -112,7 +115,9 @@ pub fn toom_cook() -> Mats {
 #[allow(clippy::needless_range_loop)] // index arithmetic reads clearer as in the formulas
 fn solve(mut a: [[f64; TT]; TT], mut b: [f64; TT]) -> [f64; TT] {
     for col in 0..TT {
-        let piv = (col..TT).max_by(|&x, &y| a[x][col].abs().total_cmp(&a[y][col].abs())).unwrap_or(col);
+        let piv = (col..TT)
+            .max_by(|&x, &y| a[x][col].abs().total_cmp(&a[y][col].abs()))
+            .unwrap_or(col);
         a.swap(col, piv);
         b.swap(col, piv);
         for r in col + 1..TT {
@@ -202,18 +207,46 @@ impl Winograd {
             let s = ch.min(n - start);
             let t = s * tps;
             for j in 0..s {
-                pad_hwc(&inp[(start + j) * in_sz..(start + j + 1) * in_sz], c, h, w, wp, xp);
+                pad_hwc(
+                    &inp[(start + j) * in_sz..(start + j + 1) * in_sz],
+                    c,
+                    h,
+                    w,
+                    wp,
+                    xp,
+                );
                 input_transform(xp, c, th, tw, wp, v, j * tps, cols);
             }
             for xi in 0..NN {
                 // M_ξ[T, OC] = V_ξ[T, C] · U_ξ[C, OC]; V_ξ and M_ξ are every 64th row block.
-                let (mx, vx, ux) =
-                    (&mut m[xi * oc..t * tile_stride(oc)], &v[xi * c..t * tile_stride(c)], &u[xi * c * oc..(xi + 1) * c * oc]);
-                matmul_ld(t, oc, c, (mx, tile_stride(oc)), (vx, tile_stride(c)), Trans::No, (ux, oc), Trans::No, false);
+                let (mx, vx, ux) = (
+                    &mut m[xi * oc..t * tile_stride(oc)],
+                    &v[xi * c..t * tile_stride(c)],
+                    &u[xi * c * oc..(xi + 1) * c * oc],
+                );
+                matmul_ld(
+                    t,
+                    oc,
+                    c,
+                    (mx, tile_stride(oc)),
+                    (vx, tile_stride(c)),
+                    Trans::No,
+                    (ux, oc),
+                    Trans::No,
+                    false,
+                );
             }
             for j in 0..s {
                 output_transform(m, oc, th, tw, j * tps, stage);
-                hwc_to_nchw(stage, oc, h, w, MO * tw, bias, &mut out[(start + j) * out_sz..(start + j + 1) * out_sz]);
+                hwc_to_nchw(
+                    stage,
+                    oc,
+                    h,
+                    w,
+                    MO * tw,
+                    bias,
+                    &mut out[(start + j) * out_sz..(start + j + 1) * out_sz],
+                );
             }
         }
     }
@@ -248,8 +281,16 @@ impl Winograd {
         let (hp, wp) = (MO * th + KS - 1, MO * tw + KS - 1);
         let ch = CHUNK.min(n);
         let want_dx = dinp.is_some();
-        let uf = if want_dx { kernel_transform(weight, c, oc, true, &mut self.uf) } else { &[] };
-        let stage = aligned(&mut self.stage, if want_dx { MO * th * MO * tw * c } else { 0 }, false);
+        let uf = if want_dx {
+            kernel_transform(weight, c, oc, true, &mut self.uf)
+        } else {
+            &[]
+        };
+        let stage = aligned(
+            &mut self.stage,
+            if want_dx { MO * th * MO * tw * c } else { 0 },
+            false,
+        );
         let v = aligned(&mut self.v, ch * tps * tile_stride(c), false);
         let m = aligned(&mut self.m, ch * tps * tile_stride(oc), false);
         let xp = aligned(&mut self.xp, hp * wp * c, true);
@@ -263,20 +304,49 @@ impl Winograd {
             let t = s * tps;
             for j in 0..s {
                 let xj = &mut xpd[j * pd..(j + 1) * pd];
-                pad_hwc(&dout[(start + j) * out_sz..(start + j + 1) * out_sz], oc, h, w, wp, xj);
+                pad_hwc(
+                    &dout[(start + j) * out_sz..(start + j + 1) * out_sz],
+                    oc,
+                    h,
+                    w,
+                    wp,
+                    xj,
+                );
                 dout_transform(xj, oc, th, tw, wp, m, j * tps);
             }
             for j in 0..s {
-                pad_hwc(&inp[(start + j) * in_sz..(start + j + 1) * in_sz], c, h, w, wp, xp);
+                pad_hwc(
+                    &inp[(start + j) * in_sz..(start + j + 1) * in_sz],
+                    c,
+                    h,
+                    w,
+                    wp,
+                    xp,
+                );
                 input_transform(xp, c, th, tw, wp, v, j * tps, cols);
             }
             for xi in 0..NN {
                 // dU_ξ[C, OC] += V_ξ^T[C, T] · dM_ξ[T, OC]
-                let (dux, vx, mx) =
-                    (&mut du[xi * c * oc..(xi + 1) * c * oc], &v[xi * c..t * tile_stride(c)], &m[xi * oc..t * tile_stride(oc)]);
-                matmul_ld(c, oc, t, (dux, oc), (vx, tile_stride(c)), Trans::Yes, (mx, tile_stride(oc)), Trans::No, true);
+                let (dux, vx, mx) = (
+                    &mut du[xi * c * oc..(xi + 1) * c * oc],
+                    &v[xi * c..t * tile_stride(c)],
+                    &m[xi * oc..t * tile_stride(oc)],
+                );
+                matmul_ld(
+                    c,
+                    oc,
+                    t,
+                    (dux, oc),
+                    (vx, tile_stride(c)),
+                    Trans::Yes,
+                    (mx, tile_stride(oc)),
+                    Trans::No,
+                    true,
+                );
             }
-            let Some(dx) = dinp.as_deref_mut() else { continue };
+            let Some(dx) = dinp.as_deref_mut() else {
+                continue;
+            };
             // B^T dY B into M (consumed above), then the GEMMs into V (consumed too): the input
             // gradient reuses the two buffers instead of adding a third.
             for j in 0..s {
@@ -284,13 +354,34 @@ impl Winograd {
             }
             for xi in 0..NN {
                 // dX_ξ[T, C] = Vd_ξ[T, OC] · Uf_ξ[OC, C]
-                let (dxx, vx, ux) =
-                    (&mut v[xi * c..t * tile_stride(c)], &m[xi * oc..t * tile_stride(oc)], &uf[xi * oc * c..(xi + 1) * oc * c]);
-                matmul_ld(t, c, oc, (dxx, tile_stride(c)), (vx, tile_stride(oc)), Trans::No, (ux, c), Trans::No, false);
+                let (dxx, vx, ux) = (
+                    &mut v[xi * c..t * tile_stride(c)],
+                    &m[xi * oc..t * tile_stride(oc)],
+                    &uf[xi * oc * c..(xi + 1) * oc * c],
+                );
+                matmul_ld(
+                    t,
+                    c,
+                    oc,
+                    (dxx, tile_stride(c)),
+                    (vx, tile_stride(oc)),
+                    Trans::No,
+                    (ux, c),
+                    Trans::No,
+                    false,
+                );
             }
             for j in 0..s {
                 output_transform(v, c, th, tw, j * tps, stage);
-                hwc_to_nchw(stage, c, h, w, MO * tw, None, &mut dx[(start + j) * in_sz..(start + j + 1) * in_sz]);
+                hwc_to_nchw(
+                    stage,
+                    c,
+                    h,
+                    w,
+                    MO * tw,
+                    None,
+                    &mut dx[(start + j) * in_sz..(start + j + 1) * in_sz],
+                );
             }
         }
         kernel_grad_transform(du, c, oc, dweight);
@@ -331,25 +422,47 @@ fn pad_hwc(x: &[f32], c: usize, h: usize, w: usize, wp: usize, xp: &mut [f32]) {
 /// the transforms. Scalar, these were ~7 % of a training step (one strided access per element);
 /// with AVX they go in 8x8 register blocks, and a ragged edge (14-wide maps) is covered by one
 /// more block overlapping the previous one (a pure copy may write an element twice).
-fn transpose(src: &[f32], sp: (usize, usize), rows: usize, cols: usize, dst: &mut [f32], dp: (usize, usize)) {
+fn transpose(
+    src: &[f32],
+    sp: (usize, usize),
+    rows: usize,
+    cols: usize,
+    dst: &mut [f32],
+    dp: (usize, usize),
+) {
     let (stride, off) = sp;
     let (dstride, doff) = dp;
     if rows == 0 || cols == 0 {
         return;
     }
     // Every element touched below lies within these bounds (checked once, for the SIMD path).
-    assert!(off + (rows - 1) * stride + cols <= src.len(), "transpose: source too short");
-    assert!(doff + (cols - 1) * dstride + rows <= dst.len(), "transpose: destination too short");
+    assert!(
+        off + (rows - 1) * stride + cols <= src.len(),
+        "transpose: source too short"
+    );
+    assert!(
+        doff + (cols - 1) * dstride + rows <= dst.len(),
+        "transpose: destination too short"
+    );
     #[cfg(target_arch = "x86_64")]
     if rows >= 8 && cols >= 8 && is_x86_feature_detected!("avx") {
-        let starts = |n: usize| (0..n - 7).step_by(8).chain((!n.is_multiple_of(8)).then(|| n - 8));
+        let starts = |n: usize| {
+            (0..n - 7)
+                .step_by(8)
+                .chain((!n.is_multiple_of(8)).then(|| n - 8))
+        };
         for i0 in starts(rows) {
             for j0 in starts(cols) {
                 // SAFETY: the CPU has AVX (checked above); the block reads src[off + (i0+i)*stride
                 // + j0 .. +8] and writes dst[doff + (j0+j)*dstride + i0 .. +8] for i, j < 8, with
                 // i0 + 8 <= rows and j0 + 8 <= cols, inside the extents asserted above.
                 unsafe {
-                    transpose8x8(src.as_ptr().add(off + i0 * stride + j0), stride, dst.as_mut_ptr().add(doff + j0 * dstride + i0), dstride)
+                    transpose8x8(
+                        src.as_ptr().add(off + i0 * stride + j0),
+                        stride,
+                        dst.as_mut_ptr().add(doff + j0 * dstride + i0),
+                        dstride,
+                    )
                 };
             }
         }
@@ -426,7 +539,13 @@ dispatch!(kernel_grad_inner, kernel_grad_impl, (g: &[[f32; KS]; TT], du: &[f32],
 /// kernels of one input channel are first gathered as `wt[k, l, oc]`. With `flip`, the kernels of
 /// the input gradient instead: `U[ξ, OC, C]` from `g'[c, oc][k][l] = weight[oc, c][4-k][4-l]` (the
 /// input gradient of a same-padded stride-1 convolution is the convolution of `dout` with these).
-fn kernel_transform<'a>(weight: &[f32], c: usize, oc: usize, flip: bool, buf: &'a mut Vec<f32>) -> &'a [f32] {
+fn kernel_transform<'a>(
+    weight: &[f32],
+    c: usize,
+    oc: usize,
+    flip: bool,
+    buf: &'a mut Vec<f32>,
+) -> &'a [f32] {
     let g = kernel_matrix();
     // Input and output channels of the transformed kernels.
     let (ci, co) = if flip { (oc, c) } else { (c, oc) };
@@ -453,7 +572,15 @@ fn kernel_transform<'a>(weight: &[f32], c: usize, oc: usize, flip: bool, buf: &'
 }
 
 #[inline(always)]
-fn kernel_transform_impl(gm: &[[f32; KS]; TT], wt: &[f32], c: usize, oc: usize, ch: usize, tmp: &mut [f32], u: &mut [f32]) {
+fn kernel_transform_impl(
+    gm: &[[f32; KS]; TT],
+    wt: &[f32],
+    c: usize,
+    oc: usize,
+    ch: usize,
+    tmp: &mut [f32],
+    u: &mut [f32],
+) {
     // tmp[a, l, :] = Σ_k G[a][k] wt[k, l, :]
     tmp.fill(0.0);
     for a in 0..TT {
@@ -463,7 +590,10 @@ fn kernel_transform_impl(gm: &[[f32; KS]; TT], wt: &[f32], c: usize, oc: usize, 
                 continue;
             }
             for l in 0..KS {
-                let (d, s) = (&mut tmp[(a * KS + l) * oc..(a * KS + l + 1) * oc], &wt[(k * KS + l) * oc..(k * KS + l + 1) * oc]);
+                let (d, s) = (
+                    &mut tmp[(a * KS + l) * oc..(a * KS + l + 1) * oc],
+                    &wt[(k * KS + l) * oc..(k * KS + l + 1) * oc],
+                );
                 for (x, &y) in d.iter_mut().zip(s) {
                     *x += g * y;
                 }
@@ -479,7 +609,10 @@ fn kernel_transform_impl(gm: &[[f32; KS]; TT], wt: &[f32], c: usize, oc: usize, 
                 if g == 0.0 {
                     continue;
                 }
-                for (x, &y) in d.iter_mut().zip(&tmp[(a * KS + l) * oc..(a * KS + l + 1) * oc]) {
+                for (x, &y) in d
+                    .iter_mut()
+                    .zip(&tmp[(a * KS + l) * oc..(a * KS + l + 1) * oc])
+                {
                     *x += g * y;
                 }
             }
@@ -503,7 +636,15 @@ fn kernel_grad_transform(du: &[f32], c: usize, oc: usize, dweight: &mut [f32]) {
 }
 
 #[inline(always)]
-fn kernel_grad_impl(gm: &[[f32; KS]; TT], du: &[f32], c: usize, oc: usize, ch: usize, tmp: &mut [f32], dwt: &mut [f32]) {
+fn kernel_grad_impl(
+    gm: &[[f32; KS]; TT],
+    du: &[f32],
+    c: usize,
+    oc: usize,
+    ch: usize,
+    tmp: &mut [f32],
+    dwt: &mut [f32],
+) {
     // tmp[a, l, :] = Σ_b dU[a, b, ch, :] G[b][l]
     tmp.fill(0.0);
     for a in 0..TT {
@@ -514,7 +655,10 @@ fn kernel_grad_impl(gm: &[[f32; KS]; TT], du: &[f32], c: usize, oc: usize, ch: u
                 if g == 0.0 {
                     continue;
                 }
-                for (x, &y) in tmp[(a * KS + l) * oc..(a * KS + l + 1) * oc].iter_mut().zip(s) {
+                for (x, &y) in tmp[(a * KS + l) * oc..(a * KS + l + 1) * oc]
+                    .iter_mut()
+                    .zip(s)
+                {
                     *x += g * y;
                 }
             }
@@ -529,7 +673,10 @@ fn kernel_grad_impl(gm: &[[f32; KS]; TT], du: &[f32], c: usize, oc: usize, ch: u
                 continue;
             }
             for l in 0..KS {
-                let (d, s) = (&mut dwt[(k * KS + l) * oc..(k * KS + l + 1) * oc], &tmp[(a * KS + l) * oc..(a * KS + l + 1) * oc]);
+                let (d, s) = (
+                    &mut dwt[(k * KS + l) * oc..(k * KS + l + 1) * oc],
+                    &tmp[(a * KS + l) * oc..(a * KS + l + 1) * oc],
+                );
                 for (x, &y) in d.iter_mut().zip(s) {
                     *x += g * y;
                 }
@@ -579,9 +726,18 @@ fn mul<const L: usize>(mut a: [f32; L], s: f32) -> [f32; L] {
 #[inline(always)]
 fn bt8<const L: usize>(d: [[f32; L]; TT]) -> [[f32; L]; TT] {
     let [d0, d1, d2, d3, d4, d5, d6, d7] = d;
-    let (e1, q1) = (sub(add(d2, d6), mul(d4, 4.25)), sub(add(d1, d5), mul(d3, 4.25)));
-    let (e2, q2) = (sub(add(mul(d2, 0.25), d6), mul(d4, 1.25)), sub(add(mul(d1, 0.5), mul(d5, 2.0)), mul(d3, 2.5)));
-    let (e3, q3) = (sub(add(mul(d2, 4.0), d6), mul(d4, 5.0)), sub(add(mul(d1, 2.0), mul(d5, 0.5)), mul(d3, 2.5)));
+    let (e1, q1) = (
+        sub(add(d2, d6), mul(d4, 4.25)),
+        sub(add(d1, d5), mul(d3, 4.25)),
+    );
+    let (e2, q2) = (
+        sub(add(mul(d2, 0.25), d6), mul(d4, 1.25)),
+        sub(add(mul(d1, 0.5), mul(d5, 2.0)), mul(d3, 2.5)),
+    );
+    let (e3, q3) = (
+        sub(add(mul(d2, 4.0), d6), mul(d4, 5.0)),
+        sub(add(mul(d1, 2.0), mul(d5, 0.5)), mul(d3, 2.5)),
+    );
     [
         add(sub(d6, d0), mul(sub(d2, d4), 5.25)),
         add(e1, q1),
@@ -616,7 +772,16 @@ fn a8<const L: usize>(y: [[f32; L]; MO]) -> [[f32; L]; TT] {
     let (e1, q1) = (add(y0, y2), add(y1, y3));
     let (e2, q2) = (add(y0, mul(y2, 4.0)), add(mul(y1, 2.0), mul(y3, 8.0)));
     let (e3, q3) = (add(y0, mul(y2, 0.25)), add(mul(y1, 0.5), mul(y3, 0.125)));
-    [y0, add(e1, q1), sub(e1, q1), add(e2, q2), sub(e2, q2), add(e3, q3), sub(e3, q3), y3]
+    [
+        y0,
+        add(e1, q1),
+        sub(e1, q1),
+        add(e2, q2),
+        sub(e2, q2),
+        add(e3, q3),
+        sub(e3, q3),
+        y3,
+    ]
 }
 
 #[inline(always)]
@@ -628,7 +793,11 @@ fn load<const L: usize>(src: &[f32]) -> [f32; L] {
 
 /// `N` lane blocks of `src` at `base, base + stride, ...`.
 #[inline(always)]
-fn gather<const L: usize, const N: usize>(src: &[f32], base: usize, stride: usize) -> [[f32; L]; N] {
+fn gather<const L: usize, const N: usize>(
+    src: &[f32],
+    base: usize,
+    stride: usize,
+) -> [[f32; L]; N] {
     // A loop, not `array::from_fn`: a closure is not compiled with the caller's target features.
     let mut out = [[0.0f32; L]; N];
     for (i, o) in out.iter_mut().enumerate() {
@@ -644,7 +813,16 @@ fn gather<const L: usize, const N: usize>(src: &[f32], base: usize, stride: usiz
 /// and shared: 20 column transforms per row of 4 tiles instead of 32.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn input_transform_impl(xp: &[f32], c: usize, th: usize, tw: usize, wp: usize, v: &mut [f32], t0: usize, cols: &mut [f32]) {
+fn input_transform_impl(
+    xp: &[f32],
+    c: usize,
+    th: usize,
+    tw: usize,
+    wp: usize,
+    v: &mut [f32],
+    t0: usize,
+    cols: &mut [f32],
+) {
     let full = c - c % LANES;
     for ty in 0..th {
         for c0 in (0..full).step_by(LANES) {
@@ -658,7 +836,17 @@ fn input_transform_impl(xp: &[f32], c: usize, th: usize, tw: usize, wp: usize, v
 
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn input_row<const L: usize>(xp: &[f32], c: usize, c0: usize, ty: usize, tw: usize, wp: usize, v: &mut [f32], t0: usize, cols: &mut [f32]) {
+fn input_row<const L: usize>(
+    xp: &[f32],
+    c: usize,
+    c0: usize,
+    ty: usize,
+    tw: usize,
+    wp: usize,
+    v: &mut [f32],
+    t0: usize,
+    cols: &mut [f32],
+) {
     // cols[x][a] = Σ_i B^T[a][i] d[4ty + i][x]
     for x in 0..wp {
         let col = bt8(gather::<L, TT>(xp, (MO * ty * wp + x) * c + c0, wp * c));
@@ -699,7 +887,16 @@ fn output_transform_impl(m: &[f32], oc: usize, th: usize, tw: usize, t0: usize, 
 
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn output_tile<const L: usize>(m: &[f32], oc: usize, o0: usize, ty: usize, tx: usize, tw: usize, tile: usize, stage: &mut [f32]) {
+fn output_tile<const L: usize>(
+    m: &[f32],
+    oc: usize,
+    o0: usize,
+    ty: usize,
+    tx: usize,
+    tw: usize,
+    tile: usize,
+    stage: &mut [f32],
+) {
     // r[a][j] = Σ_b M[a][b] A^T[j][b] (rows first), then Y[i][j] = Σ_a A^T[i][a] r[a][j].
     let base = tile * tile_stride(oc) + o0;
     let mut r = [[[0.0f32; L]; MO]; TT];
@@ -708,7 +905,9 @@ fn output_tile<const L: usize>(m: &[f32], oc: usize, o0: usize, ty: usize, tx: u
     }
     let w2 = MO * tw;
     for j in 0..MO {
-        let y = at8([r[0][j], r[1][j], r[2][j], r[3][j], r[4][j], r[5][j], r[6][j], r[7][j]]);
+        let y = at8([
+            r[0][j], r[1][j], r[2][j], r[3][j], r[4][j], r[5][j], r[6][j], r[7][j],
+        ]);
         for (i, yi) in y.iter().enumerate() {
             stage[((MO * ty + i) * w2 + MO * tx + j) * oc + o0..][..L].copy_from_slice(yi);
         }
@@ -719,7 +918,15 @@ fn output_tile<const L: usize>(m: &[f32], oc: usize, o0: usize, ty: usize, tx: u
 /// `[Hp, Wp, OC]` with the map at offset (2, 2) and zeros around it (the padded copy the input
 /// gradient transforms too): the transpose of the output transform.
 #[inline(always)]
-fn dout_transform_impl(xpd: &[f32], oc: usize, th: usize, tw: usize, wp: usize, m: &mut [f32], t0: usize) {
+fn dout_transform_impl(
+    xpd: &[f32],
+    oc: usize,
+    th: usize,
+    tw: usize,
+    wp: usize,
+    m: &mut [f32],
+    t0: usize,
+) {
     let full = oc - oc % LANES;
     for ty in 0..th {
         for tx in 0..tw {
@@ -736,7 +943,16 @@ fn dout_transform_impl(xpd: &[f32], oc: usize, th: usize, tw: usize, wp: usize, 
 
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn dout_tile<const L: usize>(xpd: &[f32], oc: usize, o0: usize, ty: usize, tx: usize, wp: usize, m: &mut [f32], tile: usize) {
+fn dout_tile<const L: usize>(
+    xpd: &[f32],
+    oc: usize,
+    o0: usize,
+    ty: usize,
+    tx: usize,
+    wp: usize,
+    m: &mut [f32],
+    tile: usize,
+) {
     const P: usize = KS / 2;
     // g[i][b] = Σ_j dY[i][j] A^T[j][b] (rows first), then dM[a][b] = Σ_i A^T[i][a] g[i][b].
     let base = ((MO * ty + P) * wp + MO * tx + P) * oc + o0;
@@ -755,7 +971,15 @@ fn dout_tile<const L: usize>(xpd: &[f32], oc: usize, o0: usize, ty: usize, tx: u
 
 /// `dst[:, y, x] = stage[y, x, :] (+ bias)` for one sample, cropping `stage` (`[H2, W2, C]`).
 #[allow(clippy::too_many_arguments)]
-fn hwc_to_nchw(stage: &[f32], c: usize, h: usize, w: usize, w2: usize, bias: Option<&[f32]>, dst: &mut [f32]) {
+fn hwc_to_nchw(
+    stage: &[f32],
+    c: usize,
+    h: usize,
+    w: usize,
+    w2: usize,
+    bias: Option<&[f32]>,
+    dst: &mut [f32],
+) {
     for y in 0..h {
         transpose(stage, (c, y * w2 * c), w, c, dst, (h * w, y * w));
     }
@@ -810,7 +1034,12 @@ mod tests {
             let unit: [[f32; 1]; TT] = std::array::from_fn(|i| [(i == k) as u8 as f32]);
             let col = bt8(unit);
             for a in 0..TT {
-                assert!((col[a][0] as f64 - bt[a][k]).abs() < 1e-9, "B^T[{a}][{k}] {} vs {}", col[a][0], bt[a][k]);
+                assert!(
+                    (col[a][0] as f64 - bt[a][k]).abs() < 1e-9,
+                    "B^T[{a}][{k}] {} vs {}",
+                    col[a][0],
+                    bt[a][k]
+                );
             }
             let col = at8(unit);
             for i in 0..MO {
@@ -829,7 +1058,12 @@ mod tests {
     /// Direct same-padded 5x5 convolution and its two gradients in f64: `out`, `dW` from `dout`,
     /// `dX` from `dout` (the references the fp32 Winograd error is measured against).
     #[allow(clippy::type_complexity)]
-    fn direct(x: &[f32], wt: &[f32], g: &[f32], (n, c, oc, h, w): (usize, usize, usize, usize, usize)) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+    fn direct(
+        x: &[f32],
+        wt: &[f32],
+        g: &[f32],
+        (n, c, oc, h, w): (usize, usize, usize, usize, usize),
+    ) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
         let mut out = vec![0.0f64; n * oc * h * w];
         let mut dw = vec![0.0f64; oc * c * 25];
         let mut dx = vec![0.0f64; n * c * h * w];
@@ -842,8 +1076,10 @@ mod tests {
                         for ch in 0..c {
                             for k in 0..5 {
                                 for l in 0..5 {
-                                    let (iy, ix) = (y as isize + k as isize - 2, xx as isize + l as isize - 2);
-                                    if iy >= 0 && ix >= 0 && (iy as usize) < h && (ix as usize) < w {
+                                    let (iy, ix) =
+                                        (y as isize + k as isize - 2, xx as isize + l as isize - 2);
+                                    if iy >= 0 && ix >= 0 && (iy as usize) < h && (ix as usize) < w
+                                    {
                                         let xi = ((b * c + ch) * h + iy as usize) * w + ix as usize;
                                         let wi = ((o * c + ch) * 5 + k) * 5 + l;
                                         out[oi] += x[xi] as f64 * wt[wi] as f64;
@@ -864,7 +1100,10 @@ mod tests {
     fn rel_err(got: &[f32], want: &[f64]) -> f64 {
         assert_eq!(got.len(), want.len());
         let scale = want.iter().fold(0.0f64, |m, &r| m.max(r.abs()));
-        got.iter().zip(want).fold(0.0f64, |m, (&a, &r)| m.max((a as f64 - r).abs())) / scale
+        got.iter()
+            .zip(want)
+            .fold(0.0f64, |m, (&a, &r)| m.max((a as f64 - r).abs()))
+            / scale
     }
 
     /// Bound on [`rel_err`] for the fp32 transforms and GEMMs. Measured on these tests' data
@@ -882,14 +1121,22 @@ mod tests {
     #[test]
     fn forward_and_gradients_match_direct_conv() {
         let mut rng = Rng::new(21, 1);
-        for (n, c, oc, h, w) in
-            [(CHUNK + 3, 12, 6, 7, 9), (2, 8, 16, 14, 14), (3, 33, 20, 5, 6), (CHUNK + 1, 8, 5, 6, 7), (2, 32, 64, 14, 14)]
-        {
+        for (n, c, oc, h, w) in [
+            (CHUNK + 3, 12, 6, 7, 9),
+            (2, 8, 16, 14, 14),
+            (3, 33, 20, 5, 6),
+            (CHUNK + 1, 8, 5, 6, 7),
+            (2, 32, 64, 14, 14),
+        ] {
             let bound = 1.0 / ((25 * c) as f32).sqrt();
             let x: Vec<f32> = (0..n * c * h * w).map(|_| rng.uniform(-1.0, 1.0)).collect();
-            let wt: Vec<f32> = (0..oc * c * 25).map(|_| rng.uniform(-bound, bound)).collect();
+            let wt: Vec<f32> = (0..oc * c * 25)
+                .map(|_| rng.uniform(-bound, bound))
+                .collect();
             let b: Vec<f32> = (0..oc).map(|_| rng.uniform(-bound, bound)).collect();
-            let g: Vec<f32> = (0..n * oc * h * w).map(|_| rng.uniform(-1.0, 1.0)).collect();
+            let g: Vec<f32> = (0..n * oc * h * w)
+                .map(|_| rng.uniform(-1.0, 1.0))
+                .collect();
             let (mut want, dw_ref, dx_ref) = direct(&x, &wt, &g, (n, c, oc, h, w));
             for (i, r) in want.iter_mut().enumerate() {
                 *r += b[(i / (h * w)) % oc] as f64;
@@ -905,7 +1152,10 @@ mod tests {
             wg.backward(&wt, &x, &g, n, c, oc, h, w, &mut dw, Some(&mut dx));
             dw.iter_mut().for_each(|v| *v -= 0.5);
             let e = rel_err(&dw, &dw_ref);
-            assert!(e < TOL, "{n}x{c}->{oc} {h}x{w}: weight gradient error {e:e}");
+            assert!(
+                e < TOL,
+                "{n}x{c}->{oc} {h}x{w}: weight gradient error {e:e}"
+            );
             // Without the input gradient, the same weight gradient.
             let mut dw2 = vec![0.5; oc * c * 25];
             wg.backward(&wt, &x, &g, n, c, oc, h, w, &mut dw2, None);

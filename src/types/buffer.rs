@@ -66,7 +66,11 @@ pub unsafe trait BufferMut<T: Element>: Buffer<T> {
 unsafe impl<T: Element, B: AsRef<[T]> + ?Sized> Buffer<T> for B {
     fn raw(&self) -> RawMem {
         let s = self.as_ref();
-        RawMem { addr: s.as_ptr() as usize, len: s.len(), space: MemSpace::Host }
+        RawMem {
+            addr: s.as_ptr() as usize,
+            len: s.len(),
+            space: MemSpace::Host,
+        }
     }
 }
 
@@ -75,6 +79,10 @@ unsafe impl<T: Element, B: AsRef<[T]> + ?Sized> Buffer<T> for B {
 unsafe impl<T: Element, B: AsRef<[T]> + AsMut<[T]> + ?Sized> BufferMut<T> for B {
     fn raw_mut(&mut self) -> RawMem {
         let s = self.as_mut();
-        RawMem { addr: s.as_mut_ptr() as usize, len: s.len(), space: MemSpace::Host }
+        RawMem {
+            addr: s.as_mut_ptr() as usize,
+            len: s.len(),
+            space: MemSpace::Host,
+        }
     }
 }

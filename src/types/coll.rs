@@ -78,18 +78,31 @@ impl CollKind {
 
     /// Whether the call has a root rank.
     pub const fn has_root(self) -> bool {
-        matches!(self, CollKind::Broadcast | CollKind::Reduce | CollKind::Gather | CollKind::Scatter | CollKind::GatherV)
+        matches!(
+            self,
+            CollKind::Broadcast
+                | CollKind::Reduce
+                | CollKind::Gather
+                | CollKind::Scatter
+                | CollKind::GatherV
+        )
     }
 
     /// Whether the call has a reduction operator.
     pub const fn has_op(self) -> bool {
-        matches!(self, CollKind::AllReduce | CollKind::Reduce | CollKind::ReduceScatter)
+        matches!(
+            self,
+            CollKind::AllReduce | CollKind::Reduce | CollKind::ReduceScatter
+        )
     }
 
     /// Whether the per-rank counts differ between ranks (the v-variants): their consistency is
     /// checked pair by pair rather than by comparing one count.
     pub const fn is_v(self) -> bool {
-        matches!(self, CollKind::AllToAllV | CollKind::AllGatherV | CollKind::GatherV)
+        matches!(
+            self,
+            CollKind::AllToAllV | CollKind::AllGatherV | CollKind::GatherV
+        )
     }
 
     /// Whether this is a point-to-point operation rather than a collective.

@@ -34,8 +34,18 @@ pub enum Dtype {
 
 impl Dtype {
     /// Every dtype, in declaration order (handy for tests and CLIs).
-    pub const ALL: [Dtype; 10] =
-        [Dtype::F32, Dtype::F64, Dtype::F16, Dtype::BF16, Dtype::I32, Dtype::I64, Dtype::U8, Dtype::I8, Dtype::U32, Dtype::U64];
+    pub const ALL: [Dtype; 10] = [
+        Dtype::F32,
+        Dtype::F64,
+        Dtype::F16,
+        Dtype::BF16,
+        Dtype::I32,
+        Dtype::I64,
+        Dtype::U8,
+        Dtype::I8,
+        Dtype::U32,
+        Dtype::U64,
+    ];
 
     /// Size of one element in bytes.
     pub const fn size(self) -> usize {
@@ -109,7 +119,13 @@ pub enum ReduceOp {
 
 impl ReduceOp {
     /// Every operator.
-    pub const ALL: [ReduceOp; 5] = [ReduceOp::Sum, ReduceOp::Prod, ReduceOp::Min, ReduceOp::Max, ReduceOp::Avg];
+    pub const ALL: [ReduceOp; 5] = [
+        ReduceOp::Sum,
+        ReduceOp::Prod,
+        ReduceOp::Min,
+        ReduceOp::Max,
+        ReduceOp::Avg,
+    ];
 
     /// Lowercase name (`sum`, `prod`, ...).
     pub const fn name(self) -> &'static str {
@@ -140,7 +156,9 @@ impl std::str::FromStr for ReduceOp {
             .iter()
             .copied()
             .find(|o| o.name() == s.to_ascii_lowercase())
-            .ok_or_else(|| format!("unknown reduce op '{s}' (expected one of sum, prod, min, max, avg)"))
+            .ok_or_else(|| {
+                format!("unknown reduce op '{s}' (expected one of sum, prod, min, max, avg)")
+            })
     }
 }
 
@@ -149,7 +167,9 @@ mod sealed {
 }
 
 /// A type that can travel through a collective. Sealed: the set matches NCCL's types.
-pub trait Element: sealed::Sealed + Copy + Send + Sync + PartialEq + Default + fmt::Debug + 'static {
+pub trait Element:
+    sealed::Sealed + Copy + Send + Sync + PartialEq + Default + fmt::Debug + 'static
+{
     /// The run-time tag of this type.
     const DTYPE: Dtype;
 }

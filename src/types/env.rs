@@ -34,7 +34,11 @@ pub struct EnvError {
 }
 
 fn err(name: &str, value: &str, expected: impl Into<String>) -> EnvError {
-    EnvError { name: name.to_string(), value: value.to_string(), expected: expected.into() }
+    EnvError {
+        name: name.to_string(),
+        value: value.to_string(),
+        expected: expected.into(),
+    }
 }
 
 /// Largest accepted number of seconds (about 31 years): far beyond any real timeout, and small
@@ -93,14 +97,22 @@ pub fn parse_flag(name: &str, raw: &str) -> Result<bool, EnvError> {
 /// One of `choices`, exactly (after trimming whitespace).
 pub fn parse_choice<'a>(name: &str, raw: &str, choices: &[&'a str]) -> Result<&'a str, EnvError> {
     let s = raw.trim();
-    choices.iter().find(|c| **c == s).copied().ok_or_else(|| err(name, raw, format!("one of: {}", choices.join(", "))))
+    choices
+        .iter()
+        .find(|c| **c == s)
+        .copied()
+        .ok_or_else(|| err(name, raw, format!("one of: {}", choices.join(", "))))
 }
 
 /// Free text without control characters (names, ids).
 pub fn parse_text(name: &str, raw: &str) -> Result<String, EnvError> {
     let s = raw.trim();
     if s.chars().any(char::is_control) {
-        return Err(err(name, raw, "text without control characters (tabs, newlines, escapes)"));
+        return Err(err(
+            name,
+            raw,
+            "text without control characters (tabs, newlines, escapes)",
+        ));
     }
     Ok(s.to_string())
 }
@@ -126,7 +138,9 @@ pub fn secs(name: &str) -> Result<Option<Duration>, EnvError> {
 
 /// [`parse_count`] of `name`, `None` when unset.
 pub fn count(name: &str, min: u64, max: u64) -> Result<Option<u64>, EnvError> {
-    raw(name)?.map(|v| parse_count(name, &v, min, max)).transpose()
+    raw(name)?
+        .map(|v| parse_count(name, &v, min, max))
+        .transpose()
 }
 
 /// [`parse_flag`] of `name`, `None` when unset.
@@ -136,7 +150,9 @@ pub fn flag(name: &str) -> Result<Option<bool>, EnvError> {
 
 /// [`parse_choice`] of `name`, `None` when unset.
 pub fn choice<'a>(name: &str, choices: &[&'a str]) -> Result<Option<&'a str>, EnvError> {
-    raw(name)?.map(|v| parse_choice(name, &v, choices)).transpose()
+    raw(name)?
+        .map(|v| parse_choice(name, &v, choices))
+        .transpose()
 }
 
 /// [`parse_text`] of `name`, `None` when unset.
@@ -177,48 +193,135 @@ pub struct Var {
 pub const BACKENDS: &[&str] = &["shm", "nccl"];
 
 /// Collective timeout of the shared-memory backend and of the NCCL communicator.
-pub const TIMEOUT_S: Var = Var { name: "LOCKSTEP_TIMEOUT_S", kind: Kind::Secs };
+pub const TIMEOUT_S: Var = Var {
+    name: "LOCKSTEP_TIMEOUT_S",
+    kind: Kind::Secs,
+};
 /// How long a rank of a multi-node job waits in the rendezvous (set by `lockstep launch`).
-pub const RDZV_TIMEOUT_S: Var = Var { name: "LOCKSTEP_RDZV_TIMEOUT_S", kind: Kind::Secs };
+pub const RDZV_TIMEOUT_S: Var = Var {
+    name: "LOCKSTEP_RDZV_TIMEOUT_S",
+    kind: Kind::Secs,
+};
 /// The backend `Communicator::from_env` builds.
-pub const BACKEND: Var = Var { name: "LOCKSTEP_BACKEND", kind: Kind::Choice(BACKENDS) };
+pub const BACKEND: Var = Var {
+    name: "LOCKSTEP_BACKEND",
+    kind: Kind::Choice(BACKENDS),
+};
 /// CUDA initialisation probe logging.
-pub const DEBUG: Var = Var { name: "LOCKSTEP_DEBUG", kind: Kind::Flag };
+pub const DEBUG: Var = Var {
+    name: "LOCKSTEP_DEBUG",
+    kind: Kind::Flag,
+};
 /// Nodes of a `lockstep launch` job (set by the launcher).
-pub const NNODES: Var = Var { name: "LOCKSTEP_NNODES", kind: Kind::Count { min: 1, max: 1 << 20 } };
+pub const NNODES: Var = Var {
+    name: "LOCKSTEP_NNODES",
+    kind: Kind::Count {
+        min: 1,
+        max: 1 << 20,
+    },
+};
 /// This host's identity in a multi-node rendezvous.
-pub const HOST_ID: Var = Var { name: "LOCKSTEP_HOST_ID", kind: Kind::Text };
+pub const HOST_ID: Var = Var {
+    name: "LOCKSTEP_HOST_ID",
+    kind: Kind::Text,
+};
 /// The job's identity (set by `lockstep launch`; the shared segment's name is derived from it).
-pub const JOB_ID: Var = Var { name: "LOCKSTEP_JOB_ID", kind: Kind::Text };
+pub const JOB_ID: Var = Var {
+    name: "LOCKSTEP_JOB_ID",
+    kind: Kind::Text,
+};
 /// Port of lockstep's rendezvous store under torchrun, mpirun and srun.
-pub const STORE_PORT: Var = Var { name: "LOCKSTEP_STORE_PORT", kind: Kind::Count { min: 1, max: 65535 } };
+pub const STORE_PORT: Var = Var {
+    name: "LOCKSTEP_STORE_PORT",
+    kind: Kind::Count { min: 1, max: 65535 },
+};
 /// Set by the launcher for its ranks' programs (progress bars may draw).
-pub const CONSOLE_TTY: Var = Var { name: "LOCKSTEP_CONSOLE_TTY", kind: Kind::Flag };
+pub const CONSOLE_TTY: Var = Var {
+    name: "LOCKSTEP_CONSOLE_TTY",
+    kind: Kind::Flag,
+};
 /// Bytes of each staging slot of the shared-memory backend (rounded up to a multiple of 4096).
-pub const SHM_SLOT_BYTES: Var = Var { name: "LOCKSTEP_SHM_SLOT_BYTES", kind: Kind::Count { min: 4096, max: 1 << 30 } };
+pub const SHM_SLOT_BYTES: Var = Var {
+    name: "LOCKSTEP_SHM_SLOT_BYTES",
+    kind: Kind::Count {
+        min: 4096,
+        max: 1 << 30,
+    },
+};
 /// Largest message of the one-phase all-reduce path (used up to the slot size).
-pub const SHM_SMALL_BYTES: Var = Var { name: "LOCKSTEP_SHM_SMALL_BYTES", kind: Kind::Count { min: 0, max: 1 << 30 } };
+pub const SHM_SMALL_BYTES: Var = Var {
+    name: "LOCKSTEP_SHM_SMALL_BYTES",
+    kind: Kind::Count {
+        min: 0,
+        max: 1 << 30,
+    },
+};
 /// Address space of each rank's shared heap (rounded up to a multiple of 2 MiB).
-pub const SHM_HEAP_BYTES: Var = Var { name: "LOCKSTEP_SHM_HEAP_BYTES", kind: Kind::Count { min: 2 << 20, max: 1 << 44 } };
+pub const SHM_HEAP_BYTES: Var = Var {
+    name: "LOCKSTEP_SHM_HEAP_BYTES",
+    kind: Kind::Count {
+        min: 2 << 20,
+        max: 1 << 44,
+    },
+};
 /// Output size from which staged data is written with streaming stores.
-pub const SHM_NT_BYTES: Var = Var { name: "LOCKSTEP_SHM_NT_BYTES", kind: Kind::Count { min: 0, max: 1 << 48 } };
+pub const SHM_NT_BYTES: Var = Var {
+    name: "LOCKSTEP_SHM_NT_BYTES",
+    kind: Kind::Count {
+        min: 0,
+        max: 1 << 48,
+    },
+};
 /// Point-to-point messages from this size are copied directly (`process_vm_readv`); 0 turns it off.
-pub const SHM_CMA_BYTES: Var = Var { name: "LOCKSTEP_SHM_CMA_BYTES", kind: Kind::Count { min: 0, max: 1 << 48 } };
+pub const SHM_CMA_BYTES: Var = Var {
+    name: "LOCKSTEP_SHM_CMA_BYTES",
+    kind: Kind::Count {
+        min: 0,
+        max: 1 << 48,
+    },
+};
 /// Collectives on ordinary buffers: a single copy between the ranks' buffers, staging, or timed (auto).
-pub const SHM_SINGLE_COPY: Var = Var { name: "LOCKSTEP_SHM_SINGLE_COPY", kind: Kind::Choice(&["auto", "always", "never"]) };
+pub const SHM_SINGLE_COPY: Var = Var {
+    name: "LOCKSTEP_SHM_SINGLE_COPY",
+    kind: Kind::Choice(&["auto", "always", "never"]),
+};
 /// How staged data is written into the slots.
-pub const SHM_STAGE: Var = Var { name: "LOCKSTEP_SHM_STAGE", kind: Kind::Choice(&["auto", "cached", "streaming", "nt"]) };
+pub const SHM_STAGE: Var = Var {
+    name: "LOCKSTEP_SHM_STAGE",
+    kind: Kind::Choice(&["auto", "cached", "streaming", "nt"]),
+};
 /// How often a waiting rank checks that its peers live, in milliseconds.
-pub const PEER_CHECK_MS: Var = Var { name: "LOCKSTEP_PEER_CHECK_MS", kind: Kind::Count { min: 1, max: 3_600_000 } };
+pub const PEER_CHECK_MS: Var = Var {
+    name: "LOCKSTEP_PEER_CHECK_MS",
+    kind: Kind::Count {
+        min: 1,
+        max: 3_600_000,
+    },
+};
 /// Microseconds a waiting rank spins before yielding (0: yield at once).
-pub const SPIN_US: Var = Var { name: "LOCKSTEP_SPIN_US", kind: Kind::Count { min: 0, max: 1_000_000 } };
+pub const SPIN_US: Var = Var {
+    name: "LOCKSTEP_SPIN_US",
+    kind: Kind::Count {
+        min: 0,
+        max: 1_000_000,
+    },
+};
 /// Whether each rank is pinned to one CPU.
-pub const CPU_BIND: Var = Var { name: "LOCKSTEP_CPU_BIND", kind: Kind::Choice(&["core", "none"]) };
+pub const CPU_BIND: Var = Var {
+    name: "LOCKSTEP_CPU_BIND",
+    kind: Kind::Choice(&["core", "none"]),
+};
 /// How long the ranks of a shared segment wait for each other to join.
-pub const JOIN_TIMEOUT_S: Var = Var { name: "LOCKSTEP_JOIN_TIMEOUT_S", kind: Kind::Secs };
+pub const JOIN_TIMEOUT_S: Var = Var {
+    name: "LOCKSTEP_JOIN_TIMEOUT_S",
+    kind: Kind::Secs,
+};
 /// Path of the configuration file (`lockstep::config`; `lockstep launch` passes the file it read
 /// on to its ranks).
-pub const CONFIG: Var = Var { name: "LOCKSTEP_CONFIG", kind: Kind::Text };
+pub const CONFIG: Var = Var {
+    name: "LOCKSTEP_CONFIG",
+    kind: Kind::Text,
+};
 
 /// The `LOCKSTEP_*` variables of a simple kind, with what each accepts; each reader parses its
 /// variable through the same [`Var`], so this table and the readers cannot disagree. Free-form
@@ -254,7 +357,14 @@ impl Var {
     /// The error for a reader that asks this variable for the wrong kind (a lockstep bug, named
     /// as such rather than a panic).
     fn wrong_kind(&self, wanted: &str) -> EnvError {
-        err(self.name, "", format!("{wanted} (lockstep bug: the variable is declared as {:?})", self.kind))
+        err(
+            self.name,
+            "",
+            format!(
+                "{wanted} (lockstep bug: the variable is declared as {:?})",
+                self.kind
+            ),
+        )
     }
 
     /// [`secs`] of a [`Kind::Secs`] variable.
@@ -337,12 +447,36 @@ mod tests {
         assert_eq!(parse_secs("T", "30"), Ok(Duration::from_secs(30)));
         assert_eq!(parse_secs("T", " 2.5 "), Ok(Duration::from_millis(2500)));
         assert_eq!(parse_secs("T", ".5"), Ok(Duration::from_millis(500)));
-        assert_eq!(parse_secs("T", "1e9"), Err(err("T", "1e9", parse_secs("T", "x").unwrap_err().expected)));
-        for bad in ["3s", "-1", "abc", "0", "0.0", "", "inf", "NaN", "+3", "1.2.3", ".", "2000000000", "3 s"] {
+        assert_eq!(
+            parse_secs("T", "1e9"),
+            Err(err("T", "1e9", parse_secs("T", "x").unwrap_err().expected))
+        );
+        for bad in [
+            "3s",
+            "-1",
+            "abc",
+            "0",
+            "0.0",
+            "",
+            "inf",
+            "NaN",
+            "+3",
+            "1.2.3",
+            ".",
+            "2000000000",
+            "3 s",
+        ] {
             let e = parse_secs("LOCKSTEP_TIMEOUT_S", bad).unwrap_err();
-            assert_eq!((e.name.as_str(), e.value.as_str()), ("LOCKSTEP_TIMEOUT_S", bad));
+            assert_eq!(
+                (e.name.as_str(), e.value.as_str()),
+                ("LOCKSTEP_TIMEOUT_S", bad)
+            );
             let m = e.to_string();
-            assert!(m.contains(&format!("LOCKSTEP_TIMEOUT_S={bad:?}")) && m.contains("number of seconds greater than 0"), "{m}");
+            assert!(
+                m.contains(&format!("LOCKSTEP_TIMEOUT_S={bad:?}"))
+                    && m.contains("number of seconds greater than 0"),
+                "{m}"
+            );
         }
     }
 
@@ -355,7 +489,10 @@ mod tests {
         }
         assert_eq!(parse_flag("F", "1"), Ok(true));
         assert_eq!(parse_flag("F", "Off"), Ok(false));
-        assert!(parse_flag("F", "2").unwrap_err().to_string().contains("1 or 0"));
+        assert!(parse_flag("F", "2")
+            .unwrap_err()
+            .to_string()
+            .contains("1 or 0"));
         assert_eq!(parse_choice("B", "nccl", BACKENDS), Ok("nccl"));
         let e = parse_choice("B", "carrier-pigeon", BACKENDS).unwrap_err();
         assert!(e.to_string().contains("one of: shm, nccl"), "{e}");
@@ -366,8 +503,16 @@ mod tests {
     #[test]
     fn a_reader_of_the_wrong_kind_gets_an_error() {
         let e = TIMEOUT_S.count().unwrap_err();
-        assert!(e.name == "LOCKSTEP_TIMEOUT_S" && e.expected.contains("lockstep bug"), "{e}");
-        assert!(BACKEND.secs().is_err() && SPIN_US.flag().is_err() && HOST_ID.choice().is_err() && DEBUG.text().is_err());
+        assert!(
+            e.name == "LOCKSTEP_TIMEOUT_S" && e.expected.contains("lockstep bug"),
+            "{e}"
+        );
+        assert!(
+            BACKEND.secs().is_err()
+                && SPIN_US.flag().is_err()
+                && HOST_ID.choice().is_err()
+                && DEBUG.text().is_err()
+        );
         let names: std::collections::HashSet<&str> = CHECKED.iter().map(|v| v.name).collect();
         assert_eq!(names.len(), CHECKED.len(), "each variable once");
     }
@@ -375,7 +520,11 @@ mod tests {
     #[test]
     fn every_checked_variable_refuses_garbage() {
         for v in CHECKED {
-            let bad = if v.kind == Kind::Text { "bad\u{1b}[0m" } else { "3 s?" };
+            let bad = if v.kind == Kind::Text {
+                "bad\u{1b}[0m"
+            } else {
+                "3 s?"
+            };
             let e = check_value(v.name, bad, v.kind).unwrap_err();
             assert_eq!(e.name, v.name);
         }

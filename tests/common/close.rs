@@ -20,9 +20,18 @@ impl Tol {
 }
 
 /// Compare `got` with the reference `want` element by element; `Err` lists the first mismatches.
-pub fn assert_close<G: Copy + Into<f64>, W: Copy + Into<f64>>(name: &str, got: &[G], want: &[W], tol: Tol) -> Result<(), String> {
+pub fn assert_close<G: Copy + Into<f64>, W: Copy + Into<f64>>(
+    name: &str,
+    got: &[G],
+    want: &[W],
+    tol: Tol,
+) -> Result<(), String> {
     if got.len() != want.len() {
-        return Err(format!("{name}: length {} but the reference has {}", got.len(), want.len()));
+        return Err(format!(
+            "{name}: length {} but the reference has {}",
+            got.len(),
+            want.len()
+        ));
     }
     let (mut bad, mut skipped, mut worst) = (Vec::new(), 0usize, 0.0f64);
     for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
@@ -39,7 +48,9 @@ pub fn assert_close<G: Copy + Into<f64>, W: Copy + Into<f64>>(name: &str, got: &
         if bad_value {
             worst = worst.max(err / lim.max(f64::MIN_POSITIVE));
             if bad.len() < 10 {
-                bad.push(format!("  {name}[{i}]: got {g:.8e}, want {w:.8e} (|diff| {err:.3e} > {lim:.3e})"));
+                bad.push(format!(
+                    "  {name}[{i}]: got {g:.8e}, want {w:.8e} (|diff| {err:.3e} > {lim:.3e})"
+                ));
             } else {
                 break;
             }

@@ -5,13 +5,21 @@ use lockstep::comm::{CollKind, Communicator, Element, ReduceOp};
 use lockstep::cuda::{DeviceBuffer, Stream};
 
 /// Every collective × op (in place and out of place) on `T`, at world size 1.
-pub fn check_all_world1<T: Element>(comm: &mut Communicator, s: &Stream, gen: impl Fn(usize) -> T) -> Result<(), String> {
+pub fn check_all_world1<T: Element>(
+    comm: &mut Communicator,
+    s: &Stream,
+    gen: impl Fn(usize) -> T,
+) -> Result<(), String> {
     let n = 257;
     let host: Vec<T> = (0..n).map(&gen).collect();
     let e = |e: lockstep::comm::CommError| e.to_string();
     let c = |e: lockstep::cuda::CudaError| e.to_string();
     for kind in CollKind::ALL {
-        let ops: Vec<ReduceOp> = if kind.has_op() { ReduceOp::ALL.to_vec() } else { vec![ReduceOp::Sum] };
+        let ops: Vec<ReduceOp> = if kind.has_op() {
+            ReduceOp::ALL.to_vec()
+        } else {
+            vec![ReduceOp::Sum]
+        };
         for op in ops {
             let send = DeviceBuffer::from_host(s, &host).map_err(c)?;
             let mut recv = DeviceBuffer::<T>::zeros(s, n).map_err(c)?;
@@ -57,9 +65,13 @@ pub fn check_all_world1<T: Element>(comm: &mut Communicator, s: &Stream, gen: im
                     // nonblocking form is checked too: its Work waits for the device.
                     match kind {
                         CollKind::AllToAll => comm.all_to_all(&send, &mut recv).map_err(e)?,
-                        CollKind::AllToAllV => comm.all_to_all_v(&send, &[n], &[0], &mut recv, &[n], &[0]).map_err(e)?,
+                        CollKind::AllToAllV => comm
+                            .all_to_all_v(&send, &[n], &[0], &mut recv, &[n], &[0])
+                            .map_err(e)?,
                         CollKind::Scatter => comm.scatter(&send, &mut recv, 0).map_err(e)?,
-                        CollKind::AllGatherV => comm.all_gather_v(&send, &mut recv, &[n]).map_err(e)?,
+                        CollKind::AllGatherV => {
+                            comm.all_gather_v(&send, &mut recv, &[n]).map_err(e)?
+                        }
                         CollKind::GatherV => comm.gather_v(&send, &mut recv, &[n], 0).map_err(e)?,
                         _ => comm
                             .group(|g| {
@@ -71,7 +83,11 @@ pub fn check_all_world1<T: Element>(comm: &mut Communicator, s: &Stream, gen: im
                     let w = comm.all_to_all_async(&send, &mut inplace);
                     w.wait().map_err(e)?;
                 }
-                other => return Err(format!("{other}: not covered by this check yet; add it here")),
+                other => {
+                    return Err(format!(
+                        "{other}: not covered by this check yet; add it here"
+                    ))
+                }
             }
             comm.synchronize().map_err(e)?;
             let (got, got_in) = (recv.to_vec(s).map_err(c)?, inplace.to_vec(s).map_err(c)?);

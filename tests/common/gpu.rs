@@ -52,11 +52,19 @@ pub struct Runner {
 
 impl Runner {
     pub fn new() -> Runner {
-        Runner { passed: 0, failed: Vec::new(), filter: std::env::args().skip(1).find(|a| !a.starts_with('-')) }
+        Runner {
+            passed: 0,
+            failed: Vec::new(),
+            filter: std::env::args().skip(1).find(|a| !a.starts_with('-')),
+        }
     }
 
     pub fn run(&mut self, name: &str, f: impl FnOnce() -> Result<(), String>) {
-        if self.filter.as_ref().is_some_and(|p| !name.contains(p.as_str())) {
+        if self
+            .filter
+            .as_ref()
+            .is_some_and(|p| !name.contains(p.as_str()))
+        {
             return;
         }
         match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
@@ -78,7 +86,11 @@ impl Runner {
     pub fn finish(self) {
         println!(
             "\ntest result: {}. {} passed; {} failed",
-            if self.failed.is_empty() { "ok" } else { "FAILED" },
+            if self.failed.is_empty() {
+                "ok"
+            } else {
+                "FAILED"
+            },
             self.passed,
             self.failed.len()
         );

@@ -38,7 +38,10 @@ pub fn run(tests: &[Test]) -> ExitCode {
             }
             Err(m) => {
                 failed += 1;
-                println!("test {name} ... FAILED ({:.2} s)", t.elapsed().as_secs_f64());
+                println!(
+                    "test {name} ... FAILED ({:.2} s)",
+                    t.elapsed().as_secs_f64()
+                );
                 failures.push((name, m));
             }
         }
@@ -59,14 +62,21 @@ pub fn check(cond: bool, what: &str, detail: impl std::fmt::Display) -> Result<(
     if cond {
         Ok(())
     } else {
-        Err(format!("{what}\n{}\n{detail}\n{}", "=".repeat(60), "=".repeat(60)))
+        Err(format!(
+            "{what}\n{}\n{detail}\n{}",
+            "=".repeat(60),
+            "=".repeat(60)
+        ))
     }
 }
 
 /// Whether `pid` exists and is not a zombie.
 pub fn alive(pid: i32) -> bool {
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Ok(s) => s.rsplit_once(')').map(|(_, rest)| !rest.trim_start().starts_with(['Z', 'X'])).unwrap_or(false),
+        Ok(s) => s
+            .rsplit_once(')')
+            .map(|(_, rest)| !rest.trim_start().starts_with(['Z', 'X']))
+            .unwrap_or(false),
         Err(_) => false,
     }
 }
@@ -74,9 +84,13 @@ pub fn alive(pid: i32) -> bool {
 /// Direct children of `pid`, from /proc.
 pub fn children_of(pid: i32) -> Vec<i32> {
     let mut v = Vec::new();
-    let Ok(rd) = std::fs::read_dir("/proc") else { return v };
+    let Ok(rd) = std::fs::read_dir("/proc") else {
+        return v;
+    };
     for e in rd.flatten() {
-        let Ok(p) = e.file_name().to_string_lossy().parse::<i32>() else { continue };
+        let Ok(p) = e.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
         if let Ok(s) = std::fs::read_to_string(format!("/proc/{p}/stat")) {
             if let Some((_, rest)) = s.rsplit_once(')') {
                 let f: Vec<&str> = rest.split_whitespace().collect();
@@ -102,10 +116,16 @@ pub fn grandchildren_of(pid: i32) -> Vec<i32> {
 pub fn marked(mark: &str) -> Vec<i32> {
     let needle = format!("LOCKSTEP_TEST_MARK={mark}");
     let mut v = Vec::new();
-    let Ok(rd) = std::fs::read_dir("/proc") else { return v };
+    let Ok(rd) = std::fs::read_dir("/proc") else {
+        return v;
+    };
     for e in rd.flatten() {
-        let Ok(p) = e.file_name().to_string_lossy().parse::<i32>() else { continue };
-        let Ok(env) = std::fs::read(format!("/proc/{p}/environ")) else { continue };
+        let Ok(p) = e.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let Ok(env) = std::fs::read(format!("/proc/{p}/environ")) else {
+            continue;
+        };
         if env.split(|b| *b == 0).any(|kv| kv == needle.as_bytes()) && alive(p) {
             v.push(p);
         }
@@ -143,7 +163,10 @@ pub fn scratch(name: &str) -> Scratch {
     let path = std::env::temp_dir().join(format!("lockstep-test-{}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&path);
     std::fs::create_dir_all(&path).expect("scratch dir");
-    Scratch { path, owner: std::process::id() }
+    Scratch {
+        path,
+        owner: std::process::id(),
+    }
 }
 
 /// See [`scratch`]; derefs to its path.
@@ -181,5 +204,9 @@ impl Drop for Scratch {
 
 /// A TCP port that was free a moment ago.
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr")
+        .port()
 }

@@ -52,20 +52,51 @@ pub static SELFTEST: KernelSource = KernelSource {
     functions: &[
         KernelSig {
             name: "simt_shfl",
-            args: &[ArgKind::PtrMut(Dtype::I32), ArgKind::Scalar(Dtype::I32), ArgKind::Scalar(Dtype::I32), ArgKind::Scalar(Dtype::I32)],
+            args: &[
+                ArgKind::PtrMut(Dtype::I32),
+                ArgKind::Scalar(Dtype::I32),
+                ArgKind::Scalar(Dtype::I32),
+                ArgKind::Scalar(Dtype::I32),
+            ],
         },
-        KernelSig { name: "simt_ballot", args: &[ArgKind::PtrMut(Dtype::I32), ArgKind::Scalar(Dtype::I32)] },
-        KernelSig { name: "simt_shfl_halves", args: &[ArgKind::PtrMut(Dtype::I32), ArgKind::PtrMut(Dtype::I32)] },
-        KernelSig { name: "simt_atomics", args: &[ArgKind::PtrMut(Dtype::I32), ArgKind::PtrMut(Dtype::F32), ArgKind::PtrMut(Dtype::I32)] },
-        KernelSig { name: "simt_early_exit", args: &[ArgKind::PtrMut(Dtype::I32), ArgKind::Scalar(Dtype::I32)] },
-        KernelSig { name: "simt_shared_per_block", args: &[ArgKind::PtrMut(Dtype::I32)] },
-        KernelSig { name: "simt_misuse", args: &[ArgKind::PtrMut(Dtype::I32), ArgKind::Scalar(Dtype::I32)] },
+        KernelSig {
+            name: "simt_ballot",
+            args: &[ArgKind::PtrMut(Dtype::I32), ArgKind::Scalar(Dtype::I32)],
+        },
+        KernelSig {
+            name: "simt_shfl_halves",
+            args: &[ArgKind::PtrMut(Dtype::I32), ArgKind::PtrMut(Dtype::I32)],
+        },
+        KernelSig {
+            name: "simt_atomics",
+            args: &[
+                ArgKind::PtrMut(Dtype::I32),
+                ArgKind::PtrMut(Dtype::F32),
+                ArgKind::PtrMut(Dtype::I32),
+            ],
+        },
+        KernelSig {
+            name: "simt_early_exit",
+            args: &[ArgKind::PtrMut(Dtype::I32), ArgKind::Scalar(Dtype::I32)],
+        },
+        KernelSig {
+            name: "simt_shared_per_block",
+            args: &[ArgKind::PtrMut(Dtype::I32)],
+        },
+        KernelSig {
+            name: "simt_misuse",
+            args: &[ArgKind::PtrMut(Dtype::I32), ArgKind::Scalar(Dtype::I32)],
+        },
     ],
 };
 
 /// Build variants: name and the defines NVRTC would get for it (sim_nvrtc.c and sim_cuda.c
 /// choose among these names).
-const VARIANTS: &[(&str, &[&str])] = &[("tc", &[]), ("notf32", &["-DLOCKSTEP_NO_TF32"]), ("fma", &["-DLOCKSTEP_NO_TENSOR_CORES"])];
+const VARIANTS: &[(&str, &[&str])] = &[
+    ("tc", &[]),
+    ("notf32", &["-DLOCKSTEP_NO_TF32"]),
+    ("fma", &["-DLOCKSTEP_NO_TENSOR_CORES"]),
+];
 
 /// The built simulated GPU.
 pub struct SimGpu {
@@ -85,8 +116,16 @@ impl SimGpu {
         let root = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("simt");
         let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
         let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
-        let mut flags: Vec<String> =
-            ["-std=c++17", "-O2", "-fPIC", "-fno-strict-aliasing", "-ffp-contract=off"].iter().map(|s| s.to_string()).collect();
+        let mut flags: Vec<String> = [
+            "-std=c++17",
+            "-O2",
+            "-fPIC",
+            "-fno-strict-aliasing",
+            "-ffp-contract=off",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
         if cpu_has_fma() {
             flags.push("-mfma".into());
         }
@@ -115,7 +154,11 @@ impl SimGpu {
         }
         let hash = fnv1a(&key);
         let dir = root.join(format!("{hash:016x}"));
-        let sim = SimGpu { cuda: dir.join("libcuda.so.1"), nvrtc: dir.join("libnvrtc.so.12"), cache: dir.join("xdg-cache") };
+        let sim = SimGpu {
+            cuda: dir.join("libcuda.so.1"),
+            nvrtc: dir.join("libnvrtc.so.12"),
+            cache: dir.join("xdg-cache"),
+        };
         if sim.cuda.is_file() && sim.nvrtc.is_file() {
             return sim;
         }
@@ -126,7 +169,11 @@ impl SimGpu {
         // Publish atomically: another test process may have finished the same build first.
         if std::fs::rename(&tmp, &dir).is_err() {
             let _ = std::fs::remove_dir_all(&tmp);
-            assert!(sim.cuda.is_file(), "could not publish the simulated GPU build in {}", dir.display());
+            assert!(
+                sim.cuda.is_file(),
+                "could not publish the simulated GPU build in {}",
+                dir.display()
+            );
         }
         println!(
             "  built the simulated GPU (SIMT shim, {} kernel files) in {:.1} s: {}",
@@ -148,7 +195,11 @@ impl SimGpu {
 
     /// Apply [`SimGpu::env`] to `cmd`, dropping settings that would change how the shim runs.
     pub fn apply(&self, cmd: &mut Command) {
-        for v in ["LOCKSTEP_SIMT_SHUFFLE", "LOCKSTEP_SIMT_WORKERS", "LOCKSTEP_NCCL_LIBRARY"] {
+        for v in [
+            "LOCKSTEP_SIMT_SHUFFLE",
+            "LOCKSTEP_SIMT_WORKERS",
+            "LOCKSTEP_NCCL_LIBRARY",
+        ] {
             cmd.env_remove(v);
         }
         for (k, v) in self.env() {
@@ -176,8 +227,11 @@ pub fn run_on_sim_without_gpu(modes: &[(&str, &str)]) {
         let mut cmd = Command::new(&exe);
         cmd.args(std::env::args_os().skip(1));
         sim.apply(&mut cmd);
-        cmd.env("LOCKSTEP_SIMT_CHILD", "1").env("LOCKSTEP_NVRTC_OPTIONS", opts);
-        let st = cmd.status().expect("re-run the test binary on the simulated GPU");
+        cmd.env("LOCKSTEP_SIMT_CHILD", "1")
+            .env("LOCKSTEP_NVRTC_OPTIONS", opts);
+        let st = cmd
+            .status()
+            .expect("re-run the test binary on the simulated GPU");
         if !st.success() {
             failed.push(*label);
         }
@@ -222,7 +276,9 @@ fn sig_codes(f: &KernelSig) -> String {
 }
 
 fn cpu_has_fma() -> bool {
-    cfg!(target_arch = "x86_64") && std::fs::read_to_string("/proc/cpuinfo").is_ok_and(|s| s.split_whitespace().any(|w| w == "fma"))
+    cfg!(target_arch = "x86_64")
+        && std::fs::read_to_string("/proc/cpuinfo")
+            .is_ok_and(|s| s.split_whitespace().any(|w| w == "fma"))
 }
 
 fn tool_version(tool: &str) -> Vec<u8> {
@@ -253,7 +309,10 @@ fn write(path: &Path, text: &str) {
 /// standard outputs in order; panic with the output of those that fail.
 fn run_all(cmds: Vec<(String, Vec<String>)>) -> Vec<Vec<u8>> {
     let next = std::sync::atomic::AtomicUsize::new(0);
-    let jobs = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2).min(cmds.len().max(1));
+    let jobs = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(2)
+        .min(cmds.len().max(1));
     let results = std::sync::Mutex::new(vec![Vec::new(); cmds.len()]);
     let errors = std::sync::Mutex::new(Vec::new());
     std::thread::scope(|s| {
@@ -277,7 +336,11 @@ fn run_all(cmds: Vec<(String, Vec<String>)>) -> Vec<Vec<u8>> {
         }
     });
     let errors = errors.into_inner().unwrap();
-    assert!(errors.is_empty(), "building the simulated GPU failed:\n{}", errors.join("\n"));
+    assert!(
+        errors.is_empty(),
+        "building the simulated GPU failed:\n{}",
+        errors.join("\n")
+    );
     results.into_inner().unwrap()
 }
 
@@ -285,7 +348,13 @@ fn strings(v: &[&str]) -> Vec<String> {
     v.iter().map(|s| s.to_string()).collect()
 }
 
-fn build_into(dir: &Path, cxx: &str, cc: &str, flags: &[String], sources: &[&'static KernelSource]) {
+fn build_into(
+    dir: &Path,
+    cxx: &str,
+    cc: &str,
+    flags: &[String],
+    sources: &[&'static KernelSource],
+) {
     write(&dir.join("simt/simt.h"), SIMT_H);
     write(&dir.join("simt/simt_launch.h"), SIMT_LAUNCH_H);
     write(&dir.join("simt/simt.cpp"), SIMT_CPP);
@@ -304,8 +373,17 @@ fn build_into(dir: &Path, cxx: &str, cc: &str, flags: &[String], sources: &[&'st
         for s in sources {
             let mut args = flags.to_vec();
             args.extend(strings(defines));
-            args.extend(["-include".to_string(), dir.join("simt/simt.h").display().to_string(), "-E".into(), "-P".into()]);
-            args.extend(["-x".to_string(), "c++".into(), dir.join("kernels").join(s.name).display().to_string()]);
+            args.extend([
+                "-include".to_string(),
+                dir.join("simt/simt.h").display().to_string(),
+                "-E".into(),
+                "-P".into(),
+            ]);
+            args.extend([
+                "-x".to_string(),
+                "c++".into(),
+                dir.join("kernels").join(s.name).display().to_string(),
+            ]);
             pre.push((cxx.to_string(), args));
         }
     }
@@ -328,12 +406,20 @@ fn build_into(dir: &Path, cxx: &str, cc: &str, flags: &[String], sources: &[&'st
     for (u, (si, _, vi)) in units.iter().enumerate() {
         let s = sources[*si];
         let ns = format!("simt_u{u}");
-        let mut t = format!("// @generated by tests/common/simt.rs: kernels/{} as built for variant {}\n", s.name, VARIANTS[*vi].0);
+        let mut t = format!(
+            "// @generated by tests/common/simt.rs: kernels/{} as built for variant {}\n",
+            s.name, VARIANTS[*vi].0
+        );
         t.push_str("#include \"simt_launch.h\"\n");
         for f in s.functions {
             writeln!(t, "#define {0} {1}__{0}", f.name, ns).unwrap();
         }
-        writeln!(t, "namespace {ns} {{\n#include \"../kernels/{}\"\n}}", s.name).unwrap();
+        writeln!(
+            t,
+            "namespace {ns} {{\n#include \"../kernels/{}\"\n}}",
+            s.name
+        )
+        .unwrap();
         for f in s.functions {
             writeln!(t, "#undef {}", f.name).unwrap();
         }
@@ -361,17 +447,35 @@ the crate's signature table ({codes}; build.rs parses the same declaration): fix
         write(&src, &t);
         let mut args = flags.to_vec();
         args.extend(VARIANTS[*vi].1.iter().map(|d| d.to_string()));
-        args.extend(["-Wall", "-Wno-unknown-pragmas", "-Wno-unused-function", "-include"].map(String::from));
+        args.extend(
+            [
+                "-Wall",
+                "-Wno-unknown-pragmas",
+                "-Wno-unused-function",
+                "-include",
+            ]
+            .map(String::from),
+        );
         args.push(dir.join("simt/simt.h").display().to_string());
         args.push(format!("-I{}", dir.join("simt").display()));
-        args.extend(["-c".into(), src.display().to_string(), "-o".into(), dir.join(format!("units/k_u{u}.o")).display().to_string()]);
+        args.extend([
+            "-c".into(),
+            src.display().to_string(),
+            "-o".into(),
+            dir.join(format!("units/k_u{u}.o")).display().to_string(),
+        ]);
         cmds.push((cxx.to_string(), args));
     }
     // The registry: every variant's kernels by name.
     let mut reg = String::from("// @generated by tests/common/simt.rs: the kernels of every build variant.\n#include \"simt_launch.h\"\n");
     for (u, (si, _, _)) in units.iter().enumerate() {
         for f in sources[*si].functions {
-            writeln!(reg, "extern \"C\" const simt_kernel simt_k_u{u}__{};", f.name).unwrap();
+            writeln!(
+                reg,
+                "extern \"C\" const simt_kernel simt_k_u{u}__{};",
+                f.name
+            )
+            .unwrap();
         }
     }
     let mut table = Vec::new();
@@ -382,29 +486,77 @@ the crate's signature table ({codes}; build.rs parses the same declaration): fix
                 entries.push(format!("&simt_k_u{}__{}", unit_of[vi][si], f.name));
             }
         }
-        writeln!(reg, "static const simt_kernel* const variant_{name}[] = {{{}}};", entries.join(", ")).unwrap();
+        writeln!(
+            reg,
+            "static const simt_kernel* const variant_{name}[] = {{{}}};",
+            entries.join(", ")
+        )
+        .unwrap();
         table.push(format!("{{\"{name}\", variant_{name}, {}}}", entries.len()));
     }
-    writeln!(reg, "extern \"C\" const simt_variant simt_variants[] = {{{}}};", table.join(", ")).unwrap();
-    writeln!(reg, "extern \"C\" const int simt_nvariants = {};", VARIANTS.len()).unwrap();
+    writeln!(
+        reg,
+        "extern \"C\" const simt_variant simt_variants[] = {{{}}};",
+        table.join(", ")
+    )
+    .unwrap();
+    writeln!(
+        reg,
+        "extern \"C\" const int simt_nvariants = {};",
+        VARIANTS.len()
+    )
+    .unwrap();
     write(&dir.join("units/registry.cpp"), &reg);
     let obj = |p: &str| dir.join(p).display().to_string();
     let mut cxx_args = flags.to_vec();
     cxx_args.extend(["-Wall", "-Wextra", "-Werror"].map(String::from));
     let mut shim = cxx_args.clone();
-    shim.extend([format!("-I{}", obj("simt")), "-c".into(), obj("simt/simt.cpp"), "-o".into(), obj("simt/simt.o")]);
+    shim.extend([
+        format!("-I{}", obj("simt")),
+        "-c".into(),
+        obj("simt/simt.cpp"),
+        "-o".into(),
+        obj("simt/simt.o"),
+    ]);
     cmds.push((cxx.to_string(), shim));
     let mut regc = cxx_args.clone();
-    regc.extend([format!("-I{}", obj("simt")), "-c".into(), obj("units/registry.cpp"), "-o".into(), obj("units/registry.o")]);
+    regc.extend([
+        format!("-I{}", obj("simt")),
+        "-c".into(),
+        obj("units/registry.cpp"),
+        "-o".into(),
+        obj("units/registry.o"),
+    ]);
     cmds.push((cxx.to_string(), regc));
-    cmds.push((cc.to_string(), strings(&["-fPIC", "-O1", "-c", &obj("fake/sim_cuda.c"), "-o", &obj("fake/sim_cuda.o")])));
     cmds.push((
         cc.to_string(),
-        strings(&["-shared", "-fPIC", "-O1", "-o", &obj("libnvrtc.so.12"), &obj("fake/sim_nvrtc.c"), "-Wl,-soname,libnvrtc.so.12"]),
+        strings(&[
+            "-fPIC",
+            "-O1",
+            "-c",
+            &obj("fake/sim_cuda.c"),
+            "-o",
+            &obj("fake/sim_cuda.o"),
+        ]),
+    ));
+    cmds.push((
+        cc.to_string(),
+        strings(&[
+            "-shared",
+            "-fPIC",
+            "-O1",
+            "-o",
+            &obj("libnvrtc.so.12"),
+            &obj("fake/sim_nvrtc.c"),
+            "-Wl,-soname,libnvrtc.so.12",
+        ]),
     ));
     // A real NVRTC has its builtins library beside it, and discovery refuses one without (every
     // compile would fail): an empty one, named for the version sim_nvrtc.c reports (12.4).
-    write(&dir.join("fake/sim_nvrtc_builtins.c"), "/* the simulated NVRTC's builtins: nothing to provide */\n");
+    write(
+        &dir.join("fake/sim_nvrtc_builtins.c"),
+        "/* the simulated NVRTC's builtins: nothing to provide */\n",
+    );
     cmds.push((
         cc.to_string(),
         strings(&[
@@ -419,8 +571,17 @@ the crate's signature table ({codes}; build.rs parses the same declaration): fix
     run_all(cmds);
     // --no-undefined: a kernel declaring `extern __shared__` (dynamic shared memory, which the shim
     // does not support) fails here, naming the array, instead of when the driver is loaded.
-    let mut link = vec!["-shared".to_string(), "-o".into(), obj("libcuda.so.1"), "-Wl,-soname,libcuda.so.1,--no-undefined".into()];
-    link.extend([obj("fake/sim_cuda.o"), obj("simt/simt.o"), obj("units/registry.o")]);
+    let mut link = vec![
+        "-shared".to_string(),
+        "-o".into(),
+        obj("libcuda.so.1"),
+        "-Wl,-soname,libcuda.so.1,--no-undefined".into(),
+    ];
+    link.extend([
+        obj("fake/sim_cuda.o"),
+        obj("simt/simt.o"),
+        obj("units/registry.o"),
+    ]);
     link.extend((0..units.len()).map(|u| obj(&format!("units/k_u{u}.o"))));
     link.push("-pthread".into());
     run_all(vec![(cxx.to_string(), link)]);

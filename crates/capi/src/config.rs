@@ -25,7 +25,9 @@ pub(crate) unsafe fn read(config: *const lockstepConfig_t) -> Result<Option<Sett
         return Ok(None);
     }
     if !config.is_aligned() {
-        return Err(Failure::invalid_argument(format!("config ({config:p}) is not aligned for a lockstepConfig_t")));
+        return Err(Failure::invalid_argument(format!(
+            "config ({config:p}) is not aligned for a lockstepConfig_t"
+        )));
     }
     // The header fields first: `size`, `magic` and `version` open every layout.
     // SAFETY: non-null and aligned (checked), readable (the caller's contract); any bits are a
@@ -77,7 +79,15 @@ pub(crate) unsafe fn read(config: *const lockstepConfig_t) -> Result<Option<Sett
         None
     } else {
         // SAFETY: non-null, and a NUL-terminated string (the caller's contract); copied at once.
-        Some(unsafe { CStr::from_ptr(c.commName) }.to_string_lossy().into_owned())
+        Some(
+            unsafe { CStr::from_ptr(c.commName) }
+                .to_string_lossy()
+                .into_owned(),
+        )
     };
-    Ok(Some(Settings { name, blocking, timeout }))
+    Ok(Some(Settings {
+        name,
+        blocking,
+        timeout,
+    }))
 }

@@ -14,21 +14,80 @@ use std::sync::Arc;
 
 use super::handle::{self, guard_comm, lockstepComm, lockstepComm_t, Failure};
 use super::types::lockstepResult_t;
-use runtime::comm::{Buffer, BufferMut, CollKind, CommError, Communicator, Dtype, MemSpace, RawMem, ReduceOp};
+use runtime::comm::{
+    Buffer, BufferMut, CollKind, CommError, Communicator, Dtype, MemSpace, RawMem, ReduceOp,
+};
 
 /// One C call on a communicator, with its arguments as passed (checked when it runs).
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum Op {
-    AllReduce { send: usize, recv: usize, count: usize, dtype: c_int, op: c_int },
-    Broadcast { send: usize, recv: usize, count: usize, dtype: c_int, root: c_int },
-    Reduce { send: usize, recv: usize, count: usize, dtype: c_int, op: c_int, root: c_int },
-    AllGather { send: usize, recv: usize, count: usize, dtype: c_int },
-    ReduceScatter { send: usize, recv: usize, count: usize, dtype: c_int, op: c_int },
-    AllToAll { send: usize, recv: usize, count: usize, dtype: c_int },
-    Gather { send: usize, recv: usize, count: usize, dtype: c_int, root: c_int },
-    Scatter { send: usize, recv: usize, count: usize, dtype: c_int, root: c_int },
-    Send { buf: usize, count: usize, dtype: c_int, peer: c_int },
-    Recv { buf: usize, count: usize, dtype: c_int, peer: c_int },
+    AllReduce {
+        send: usize,
+        recv: usize,
+        count: usize,
+        dtype: c_int,
+        op: c_int,
+    },
+    Broadcast {
+        send: usize,
+        recv: usize,
+        count: usize,
+        dtype: c_int,
+        root: c_int,
+    },
+    Reduce {
+        send: usize,
+        recv: usize,
+        count: usize,
+        dtype: c_int,
+        op: c_int,
+        root: c_int,
+    },
+    AllGather {
+        send: usize,
+        recv: usize,
+        count: usize,
+        dtype: c_int,
+    },
+    ReduceScatter {
+        send: usize,
+        recv: usize,
+        count: usize,
+        dtype: c_int,
+        op: c_int,
+    },
+    AllToAll {
+        send: usize,
+        recv: usize,
+        count: usize,
+        dtype: c_int,
+    },
+    Gather {
+        send: usize,
+        recv: usize,
+        count: usize,
+        dtype: c_int,
+        root: c_int,
+    },
+    Scatter {
+        send: usize,
+        recv: usize,
+        count: usize,
+        dtype: c_int,
+        root: c_int,
+    },
+    Send {
+        buf: usize,
+        count: usize,
+        dtype: c_int,
+        peer: c_int,
+    },
+    Recv {
+        buf: usize,
+        count: usize,
+        dtype: c_int,
+        peer: c_int,
+    },
     Barrier,
 }
 
@@ -137,7 +196,11 @@ macro_rules! typed {
                 $body
             }
             // `Dtype` is non-exhaustive; `dtype_of` only produces the types above.
-            other => return Err(CommError::Unsupported(format!("data type {other:?} has no C ABI code")).into()),
+            other => {
+                return Err(
+                    CommError::Unsupported(format!("data type {other:?} has no C ABI code")).into(),
+                )
+            }
         }
     };
 }
@@ -219,7 +282,9 @@ fn place(h: &lockstepComm, stream: usize) -> Result<Place, Failure> {
 /// completed when this returns (so later work on the caller's stream sees its result).
 fn before_device(h: &lockstepComm, p: Place) -> Result<(), Failure> {
     if let (Place::Device(_, stream), Some(ctx)) = (p, h.device()) {
-        let cuda = |e: runtime::cuda::CudaError| Failure::new(lockstepResult_t::lockstepUnhandledCudaError, e.to_string());
+        let cuda = |e: runtime::cuda::CudaError| {
+            Failure::new(lockstepResult_t::lockstepUnhandledCudaError, e.to_string())
+        };
         // SAFETY: `stream` is the caller's cudaStream_t, which lockstep.h requires to be a live
         // stream of the communicator's device for the duration of the call.
         unsafe { ctx.synchronize_foreign_stream(stream) }.map_err(cuda)?;
@@ -236,20 +301,38 @@ fn after_device(c: &mut Communicator, p: Place) -> Result<(), Failure> {
 
 /// A checked buffer of `len` elements of `dtype` at `addr` (`what` names it in errors). Empty
 /// buffers get a dangling aligned address, whatever was passed.
-fn checked_buf(addr: usize, len: usize, dtype: Dtype, space: MemSpace, what: &str) -> Result<RawBuf, Failure> {
+fn checked_buf(
+    addr: usize,
+    len: usize,
+    dtype: Dtype,
+    space: MemSpace,
+    what: &str,
+) -> Result<RawBuf, Failure> {
     let size = dtype.size();
     if len == 0 {
-        return Ok(RawBuf(RawMem { addr: size, len: 0, space }));
+        return Ok(RawBuf(RawMem {
+            addr: size,
+            len: 0,
+            space,
+        }));
     }
     if addr == 0 {
-        return Err(Failure::invalid_argument(format!("{what} is NULL but must hold {len} elements of {dtype}")));
+        return Err(Failure::invalid_argument(format!(
+            "{what} is NULL but must hold {len} elements of {dtype}"
+        )));
     }
     if !addr.is_multiple_of(size) {
-        return Err(Failure::invalid_argument(format!("{what} ({addr:#x}) is not aligned for {dtype} ({size} bytes)")));
+        return Err(Failure::invalid_argument(format!(
+            "{what} ({addr:#x}) is not aligned for {dtype} ({size} bytes)"
+        )));
     }
     match len.checked_mul(size) {
-        Some(b) if b <= isize::MAX as usize && addr.checked_add(b).is_some() => Ok(RawBuf(RawMem { addr, len, space })),
-        _ => Err(Failure::invalid_argument(format!("{what}: {len} elements of {dtype} do not fit in the address space"))),
+        Some(b) if b <= isize::MAX as usize && addr.checked_add(b).is_some() => {
+            Ok(RawBuf(RawMem { addr, len, space }))
+        }
+        _ => Err(Failure::invalid_argument(format!(
+            "{what}: {len} elements of {dtype} do not fit in the address space"
+        ))),
     }
 }
 
@@ -269,26 +352,77 @@ fn check_rank(v: c_int, world: usize, what: &str) -> Result<usize, Failure> {
     usize::try_from(v)
         .ok()
         .filter(|&r| r < world)
-        .ok_or_else(|| Failure::invalid_argument(format!("{what} {v} is out of range for a communicator of {world} ranks (0..{})", world)))
+        .ok_or_else(|| {
+            Failure::invalid_argument(format!(
+                "{what} {v} is out of range for a communicator of {world} ranks (0..{})",
+                world
+            ))
+        })
 }
 
 /// A collective after its local checks: the typed call to make. Gather and scatter have no in-place
 /// methods: in place, the root's `s` (gather) or `r` (scatter) is its own block of the other
 /// buffer, which every backend copies onto itself as a no-op (as in the in-place all-gather).
 enum Coll {
-    AllReduce { s: RawBuf, r: RawBuf, op: ReduceOp },
-    AllReduceInPlace { b: RawBuf, op: ReduceOp },
-    Broadcast { s: RawBuf, r: RawBuf, root: usize },
-    BroadcastInPlace { b: RawBuf, root: usize },
-    Reduce { s: RawBuf, r: RawBuf, op: ReduceOp, root: usize },
-    ReduceInPlace { b: RawBuf, op: ReduceOp, root: usize },
-    AllGather { s: RawBuf, r: RawBuf },
-    AllGatherInPlace { b: RawBuf },
-    ReduceScatter { s: RawBuf, r: RawBuf, op: ReduceOp },
-    ReduceScatterInPlace { b: RawBuf, op: ReduceOp },
-    AllToAll { s: RawBuf, r: RawBuf },
-    Gather { s: RawBuf, r: RawBuf, root: usize },
-    Scatter { s: RawBuf, r: RawBuf, root: usize },
+    AllReduce {
+        s: RawBuf,
+        r: RawBuf,
+        op: ReduceOp,
+    },
+    AllReduceInPlace {
+        b: RawBuf,
+        op: ReduceOp,
+    },
+    Broadcast {
+        s: RawBuf,
+        r: RawBuf,
+        root: usize,
+    },
+    BroadcastInPlace {
+        b: RawBuf,
+        root: usize,
+    },
+    Reduce {
+        s: RawBuf,
+        r: RawBuf,
+        op: ReduceOp,
+        root: usize,
+    },
+    ReduceInPlace {
+        b: RawBuf,
+        op: ReduceOp,
+        root: usize,
+    },
+    AllGather {
+        s: RawBuf,
+        r: RawBuf,
+    },
+    AllGatherInPlace {
+        b: RawBuf,
+    },
+    ReduceScatter {
+        s: RawBuf,
+        r: RawBuf,
+        op: ReduceOp,
+    },
+    ReduceScatterInPlace {
+        b: RawBuf,
+        op: ReduceOp,
+    },
+    AllToAll {
+        s: RawBuf,
+        r: RawBuf,
+    },
+    Gather {
+        s: RawBuf,
+        r: RawBuf,
+        root: usize,
+    },
+    Scatter {
+        s: RawBuf,
+        r: RawBuf,
+        root: usize,
+    },
     Barrier,
 }
 
@@ -296,13 +430,27 @@ enum Coll {
 fn prepare(c: &Communicator, space: MemSpace, op: &Op) -> Result<(Dtype, Coll), Failure> {
     let (rank, world) = (c.rank(), c.world_size());
     let times_world = |count: usize| {
-        count.checked_mul(world).ok_or_else(|| Failure::invalid_argument(format!("count {count} × {world} ranks overflows")))
+        count.checked_mul(world).ok_or_else(|| {
+            Failure::invalid_argument(format!("count {count} × {world} ranks overflows"))
+        })
     };
     Ok(match *op {
-        Op::AllReduce { send, recv, count, dtype, op } => {
+        Op::AllReduce {
+            send,
+            recv,
+            count,
+            dtype,
+            op,
+        } => {
             let (d, op) = (dtype_of(dtype)?, op_of(op)?);
             if send == recv {
-                (d, Coll::AllReduceInPlace { b: checked_buf(recv, count, d, space, "recvbuff")?, op })
+                (
+                    d,
+                    Coll::AllReduceInPlace {
+                        b: checked_buf(recv, count, d, space, "recvbuff")?,
+                        op,
+                    },
+                )
             } else {
                 let s = checked_buf(send, count, d, space, "sendbuff")?;
                 let r = checked_buf(recv, count, d, space, "recvbuff")?;
@@ -310,7 +458,13 @@ fn prepare(c: &Communicator, space: MemSpace, op: &Op) -> Result<(Dtype, Coll), 
                 (d, Coll::AllReduce { s, r, op })
             }
         }
-        Op::Broadcast { send, recv, count, dtype, root } => {
+        Op::Broadcast {
+            send,
+            recv,
+            count,
+            dtype,
+            root,
+        } => {
             let d = dtype_of(dtype)?;
             let root = check_rank(root, world, "root")?;
             let r = checked_buf(recv, count, d, space, "recvbuff")?;
@@ -323,21 +477,43 @@ fn prepare(c: &Communicator, space: MemSpace, op: &Op) -> Result<(Dtype, Coll), 
                 (d, Coll::Broadcast { s, r, root })
             }
         }
-        Op::Reduce { send, recv, count, dtype, op, root } => {
+        Op::Reduce {
+            send,
+            recv,
+            count,
+            dtype,
+            op,
+            root,
+        } => {
             let (d, op) = (dtype_of(dtype)?, op_of(op)?);
             let root = check_rank(root, world, "root")?;
             if send == recv {
-                (d, Coll::ReduceInPlace { b: checked_buf(send, count, d, space, "sendbuff")?, op, root })
+                (
+                    d,
+                    Coll::ReduceInPlace {
+                        b: checked_buf(send, count, d, space, "sendbuff")?,
+                        op,
+                        root,
+                    },
+                )
             } else {
                 let s = checked_buf(send, count, d, space, "sendbuff")?;
                 // Only the root's recvbuff is written: elsewhere it may be NULL.
-                let r =
-                    if rank == root { checked_buf(recv, count, d, space, "recvbuff")? } else { checked_buf(0, 0, d, space, "recvbuff")? };
+                let r = if rank == root {
+                    checked_buf(recv, count, d, space, "recvbuff")?
+                } else {
+                    checked_buf(0, 0, d, space, "recvbuff")?
+                };
                 disjoint(s, r, d.size())?;
                 (d, Coll::Reduce { s, r, op, root })
             }
         }
-        Op::AllGather { send, recv, count, dtype } => {
+        Op::AllGather {
+            send,
+            recv,
+            count,
+            dtype,
+        } => {
             let d = dtype_of(dtype)?;
             let r = checked_buf(recv, times_world(count)?, d, space, "recvbuff")?;
             // In place: this rank's block already sits at recvbuff + rank * sendcount.
@@ -349,7 +525,13 @@ fn prepare(c: &Communicator, space: MemSpace, op: &Op) -> Result<(Dtype, Coll), 
                 (d, Coll::AllGather { s, r })
             }
         }
-        Op::ReduceScatter { send, recv, count, dtype, op } => {
+        Op::ReduceScatter {
+            send,
+            recv,
+            count,
+            dtype,
+            op,
+        } => {
             let (d, op) = (dtype_of(dtype)?, op_of(op)?);
             let s = checked_buf(send, times_world(count)?, d, space, "sendbuff")?;
             // In place: the result block lands at sendbuff + rank * recvcount.
@@ -361,7 +543,12 @@ fn prepare(c: &Communicator, space: MemSpace, op: &Op) -> Result<(Dtype, Coll), 
                 (d, Coll::ReduceScatter { s, r, op })
             }
         }
-        Op::AllToAll { send, recv, count, dtype } => {
+        Op::AllToAll {
+            send,
+            recv,
+            count,
+            dtype,
+        } => {
             let d = dtype_of(dtype)?;
             let total = times_world(count)?;
             if send == recv && total > 0 {
@@ -374,13 +561,26 @@ fn prepare(c: &Communicator, space: MemSpace, op: &Op) -> Result<(Dtype, Coll), 
             disjoint(s, r, d.size())?;
             (d, Coll::AllToAll { s, r })
         }
-        Op::Gather { send, recv, count, dtype, root } => {
+        Op::Gather {
+            send,
+            recv,
+            count,
+            dtype,
+            root,
+        } => {
             let d = dtype_of(dtype)?;
             let root = check_rank(root, world, "root")?;
             let s = checked_buf(send, count, d, space, "sendbuff")?;
             // Only the root's recvbuff is written: elsewhere it may be NULL.
             if rank != root {
-                (d, Coll::Gather { s, r: checked_buf(0, 0, d, space, "recvbuff")?, root })
+                (
+                    d,
+                    Coll::Gather {
+                        s,
+                        r: checked_buf(0, 0, d, space, "recvbuff")?,
+                        root,
+                    },
+                )
             } else {
                 let r = checked_buf(recv, times_world(count)?, d, space, "recvbuff")?;
                 // In place: the root's block already sits at recvbuff + root * count.
@@ -390,13 +590,26 @@ fn prepare(c: &Communicator, space: MemSpace, op: &Op) -> Result<(Dtype, Coll), 
                 (d, Coll::Gather { s, r, root })
             }
         }
-        Op::Scatter { send, recv, count, dtype, root } => {
+        Op::Scatter {
+            send,
+            recv,
+            count,
+            dtype,
+            root,
+        } => {
             let d = dtype_of(dtype)?;
             let root = check_rank(root, world, "root")?;
             let r = checked_buf(recv, count, d, space, "recvbuff")?;
             // Only the root's sendbuff is read: elsewhere it may be NULL.
             if rank != root {
-                (d, Coll::Scatter { s: checked_buf(0, 0, d, space, "sendbuff")?, r, root })
+                (
+                    d,
+                    Coll::Scatter {
+                        s: checked_buf(0, 0, d, space, "sendbuff")?,
+                        r,
+                        root,
+                    },
+                )
             } else {
                 let s = checked_buf(send, times_world(count)?, d, space, "sendbuff")?;
                 // In place: the root's block is left at sendbuff + root * count.
@@ -408,7 +621,10 @@ fn prepare(c: &Communicator, space: MemSpace, op: &Op) -> Result<(Dtype, Coll), 
         }
         Op::Barrier => (Dtype::U8, Coll::Barrier),
         Op::Send { .. } | Op::Recv { .. } => {
-            return Err(Failure::new(lockstepResult_t::lockstepInternalError, "a send/recv reached the collective path"))
+            return Err(Failure::new(
+                lockstepResult_t::lockstepInternalError,
+                "a send/recv reached the collective path",
+            ))
         }
     })
 }
@@ -421,10 +637,20 @@ fn run_coll(h: &lockstepComm, c: &mut Communicator, stream: usize, op: &Op) -> R
         Ok(x) => x,
         Err(f) => {
             let kind = op.kind();
-            let e = CommError::InvalidArgument { op: kind, rank: c.rank(), detail: f.msg };
-            let dtype = op.dtype_arg().and_then(|v| dtype_of(v).ok()).unwrap_or(Dtype::U8);
+            let e = CommError::InvalidArgument {
+                op: kind,
+                rank: c.rank(),
+                detail: f.msg,
+            };
+            let dtype = op
+                .dtype_arg()
+                .and_then(|v| dtype_of(v).ok())
+                .unwrap_or(Dtype::U8);
             c.reject_call(kind, dtype, &e);
-            return Err(Failure { msg: e.to_string(), ..f });
+            return Err(Failure {
+                msg: e.to_string(),
+                ..f
+            });
         }
     };
     before_device(h, p)?;
@@ -441,7 +667,8 @@ fn run_coll(h: &lockstepComm, c: &mut Communicator, stream: usize, op: &Op) -> R
             Coll::AllGather { s, mut r } => c.all_gather::<T, _, _>(&s, &mut r),
             Coll::AllGatherInPlace { mut b } => c.all_gather_in_place::<T, _>(&mut b),
             Coll::ReduceScatter { s, mut r, op } => c.reduce_scatter::<T, _, _>(&s, &mut r, op),
-            Coll::ReduceScatterInPlace { mut b, op } => c.reduce_scatter_in_place::<T, _>(&mut b, op),
+            Coll::ReduceScatterInPlace { mut b, op } =>
+                c.reduce_scatter_in_place::<T, _>(&mut b, op),
             Coll::AllToAll { s, mut r } => c.all_to_all::<T, _, _>(&s, &mut r),
             Coll::Gather { s, mut r, root } => c.gather::<T, _, _>(&s, &mut r, root),
             Coll::Scatter { s, mut r, root } => c.scatter::<T, _, _>(&s, &mut r, root),
@@ -463,20 +690,52 @@ struct P2p {
 
 fn prepare_p2p(h: &lockstepComm, world: usize, stream: usize, op: &Op) -> Result<P2p, Failure> {
     let (send, buf, count, dtype, peer) = match *op {
-        Op::Send { buf, count, dtype, peer } => (true, buf, count, dtype, peer),
-        Op::Recv { buf, count, dtype, peer } => (false, buf, count, dtype, peer),
-        _ => return Err(Failure::new(lockstepResult_t::lockstepInternalError, "a collective reached the send/recv path")),
+        Op::Send {
+            buf,
+            count,
+            dtype,
+            peer,
+        } => (true, buf, count, dtype, peer),
+        Op::Recv {
+            buf,
+            count,
+            dtype,
+            peer,
+        } => (false, buf, count, dtype, peer),
+        _ => {
+            return Err(Failure::new(
+                lockstepResult_t::lockstepInternalError,
+                "a collective reached the send/recv path",
+            ))
+        }
     };
     let place = place(h, stream)?;
     let dtype = dtype_of(dtype)?;
     let peer = check_rank(peer, world, "peer")?;
-    let buf = checked_buf(buf, count, dtype, place.space(), if send { "sendbuff" } else { "recvbuff" })?;
-    Ok(P2p { send, peer, dtype, buf, place })
+    let buf = checked_buf(
+        buf,
+        count,
+        dtype,
+        place.space(),
+        if send { "sendbuff" } else { "recvbuff" },
+    )?;
+    Ok(P2p {
+        send,
+        peer,
+        dtype,
+        buf,
+        place,
+    })
 }
 
 /// Run sends and receives: one alone (blocking, as Communicator::send/recv), or several together
 /// (`grouped`, through Communicator::group). Nothing runs when one of them fails its checks.
-fn run_p2p(h: &lockstepComm, c: &mut Communicator, ops: &[(usize, Op)], grouped: bool) -> Result<(), Failure> {
+fn run_p2p(
+    h: &lockstepComm,
+    c: &mut Communicator,
+    ops: &[(usize, Op)],
+    grouped: bool,
+) -> Result<(), Failure> {
     let mut items = Vec::with_capacity(ops.len());
     for (stream, op) in ops {
         items.push(prepare_p2p(h, c.world_size(), *stream, op)?);
@@ -490,7 +749,15 @@ fn run_p2p(h: &lockstepComm, c: &mut Communicator, ops: &[(usize, Op)], grouped:
             for it in items {
                 let (peer, send) = (it.peer, it.send);
                 let buf = &mut it.buf;
-                typed!(it.dtype, T, if send { g.send::<T, RawBuf>(buf, peer)? } else { g.recv::<T, RawBuf>(buf, peer)? });
+                typed!(
+                    it.dtype,
+                    T,
+                    if send {
+                        g.send::<T, RawBuf>(buf, peer)?
+                    } else {
+                        g.recv::<T, RawBuf>(buf, peer)?
+                    }
+                );
             }
             Ok(())
         })
@@ -498,7 +765,15 @@ fn run_p2p(h: &lockstepComm, c: &mut Communicator, ops: &[(usize, Op)], grouped:
         let mut r = Ok(());
         for it in &mut items {
             let peer = it.peer;
-            r = typed!(it.dtype, T, if it.send { c.send::<T, RawBuf>(&it.buf, peer) } else { c.recv::<T, RawBuf>(&mut it.buf, peer) });
+            r = typed!(
+                it.dtype,
+                T,
+                if it.send {
+                    c.send::<T, RawBuf>(&it.buf, peer)
+                } else {
+                    c.recv::<T, RawBuf>(&mut it.buf, peer)
+                }
+            );
             if r.is_err() {
                 break;
             }
@@ -544,7 +819,12 @@ pub(crate) fn in_group() -> bool {
 }
 
 /// The entry point of every call on a communicator: run it, or record it in the open group.
-pub(crate) fn submit(name: &'static str, comm: lockstepComm_t, stream: *mut c_void, op: Op) -> lockstepResult_t {
+pub(crate) fn submit(
+    name: &'static str,
+    comm: lockstepComm_t,
+    stream: *mut c_void,
+    op: Op,
+) -> lockstepResult_t {
     guard_comm(name, comm, |h| {
         let stream = stream as usize;
         let recorded = GROUP.with(|g| {
@@ -552,7 +832,12 @@ pub(crate) fn submit(name: &'static str, comm: lockstepComm_t, stream: *mut c_vo
             if g.depth == 0 {
                 return false;
             }
-            g.ops.push(Pending { name, comm: h.clone(), stream, op });
+            g.ops.push(Pending {
+                name,
+                comm: h.clone(),
+                stream,
+                op,
+            });
             true
         });
         if recorded {
@@ -566,7 +851,10 @@ pub(crate) fn submit(name: &'static str, comm: lockstepComm_t, stream: *mut c_vo
 pub(crate) fn group_start() -> Result<(), Failure> {
     GROUP.with(|g| {
         let mut g = g.borrow_mut();
-        g.depth = g.depth.checked_add(1).ok_or_else(|| Failure::invalid_usage("too many nested lockstepGroupStart calls"))?;
+        g.depth = g
+            .depth
+            .checked_add(1)
+            .ok_or_else(|| Failure::invalid_usage("too many nested lockstepGroupStart calls"))?;
         Ok(())
     })
 }
@@ -578,10 +866,16 @@ pub(crate) fn group_end() -> Result<(), Failure> {
     let ops = GROUP.with(|g| {
         let mut g = g.borrow_mut();
         if g.depth == 0 {
-            return Err(Failure::invalid_usage("lockstepGroupEnd without a matching lockstepGroupStart"));
+            return Err(Failure::invalid_usage(
+                "lockstepGroupEnd without a matching lockstepGroupStart",
+            ));
         }
         g.depth -= 1;
-        Ok(if g.depth == 0 { std::mem::take(&mut g.ops) } else { Vec::new() })
+        Ok(if g.depth == 0 {
+            std::mem::take(&mut g.ops)
+        } else {
+            Vec::new()
+        })
     })?;
     let mut first: Option<Failure> = None;
     let mut i = 0;
@@ -595,10 +889,16 @@ pub(crate) fn group_end() -> Result<(), Failure> {
             }
             let batch: Vec<(usize, Op)> = ops[i..j].iter().map(|q| (q.stream, q.op)).collect();
             i = j;
-            (p.comm.with_comm(|c| run_p2p(&p.comm, c, &batch, true)), "lockstepSend/lockstepRecv")
+            (
+                p.comm.with_comm(|c| run_p2p(&p.comm, c, &batch, true)),
+                "lockstepSend/lockstepRecv",
+            )
         } else {
             i += 1;
-            (p.comm.with_comm(|c| run_coll(&p.comm, c, p.stream, &p.op)), p.name)
+            (
+                p.comm.with_comm(|c| run_coll(&p.comm, c, p.stream, &p.op)),
+                p.name,
+            )
         };
         if let Err(f) = r {
             let msg = handle::record(name, Some(&p.comm), &f);

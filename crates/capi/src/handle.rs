@@ -50,7 +50,11 @@ pub(crate) struct Settings {
 
 impl Default for Settings {
     fn default() -> Settings {
-        Settings { name: None, blocking: true, timeout: None }
+        Settings {
+            name: None,
+            blocking: true,
+            timeout: None,
+        }
     }
 }
 
@@ -65,7 +69,11 @@ pub(crate) struct Failure {
 
 impl Failure {
     pub(crate) fn new(code: lockstepResult_t, msg: impl Into<String>) -> Failure {
-        Failure { code, msg: msg.into(), fatal: false }
+        Failure {
+            code,
+            msg: msg.into(),
+            fatal: false,
+        }
     }
 
     pub(crate) fn invalid_argument(msg: impl Into<String>) -> Failure {
@@ -91,7 +99,9 @@ impl From<CommError> for Failure {
             CommError::PeerLost { .. } | CommError::Aborted { .. } => (lockstepRemoteError, true),
             CommError::Timeout { .. } => (lockstepTimeout, true),
             CommError::Setup(_) | CommError::Os { .. } => (lockstepSystemError, false),
-            CommError::Backend { backend: "cuda", .. } => (lockstepUnhandledCudaError, false),
+            CommError::Backend {
+                backend: "cuda", ..
+            } => (lockstepUnhandledCudaError, false),
             CommError::Backend { .. } => (lockstepSystemError, false),
             #[allow(unreachable_patterns)]
             _ => (lockstepInternalError, false),
@@ -145,23 +155,35 @@ impl lockstepComm {
     /// so that no peer is still in a call with this communicator; afterwards only destroying it
     /// and asking about it remain.
     pub(crate) fn finalize(&self) -> Result<(), Failure> {
-        self.with_comm(|c| c.synchronize().and_then(|()| c.barrier()).and_then(|()| c.synchronize()).map_err(Failure::from))?;
+        self.with_comm(|c| {
+            c.synchronize()
+                .and_then(|()| c.barrier())
+                .and_then(|()| c.synchronize())
+                .map_err(Failure::from)
+        })?;
         self.finalized.store(true, Ordering::Release);
         Ok(())
     }
 
     pub(crate) fn async_error(&self) -> lockstepResult_t {
-        code_from_int(self.async_error.load(Ordering::Acquire)).unwrap_or(lockstepResult_t::lockstepInternalError)
+        code_from_int(self.async_error.load(Ordering::Acquire))
+            .unwrap_or(lockstepResult_t::lockstepInternalError)
     }
 
     fn break_with(&self, code: lockstepResult_t) {
-        let _ = self.async_error.compare_exchange(0, code as i32, Ordering::AcqRel, Ordering::Acquire);
+        let _ =
+            self.async_error
+                .compare_exchange(0, code as i32, Ordering::AcqRel, Ordering::Acquire);
     }
 
     /// Run `f` on the communicator, under its lock. A panic inside breaks the communicator (its
     /// state may be half-updated): later calls are refused.
-    pub(crate) fn with_comm<R>(&self, f: impl FnOnce(&mut Communicator) -> Result<R, Failure>) -> Result<R, Failure> {
-        let mut guard: MutexGuard<'_, Option<Communicator>> = self.comm.lock().unwrap_or_else(PoisonError::into_inner);
+    pub(crate) fn with_comm<R>(
+        &self,
+        f: impl FnOnce(&mut Communicator) -> Result<R, Failure>,
+    ) -> Result<R, Failure> {
+        let mut guard: MutexGuard<'_, Option<Communicator>> =
+            self.comm.lock().unwrap_or_else(PoisonError::into_inner);
         if self.async_error() == lockstepResult_t::lockstepInternalError {
             return Err(Failure::invalid_usage(
                 "this communicator is unusable after an internal error in an earlier call (see that call's message); destroy it and create a new one",
@@ -280,14 +302,24 @@ pub(crate) fn record(name: &str, comm: Option<&lockstepComm>, f: &Failure) -> St
 }
 
 fn panic_failure(p: &(dyn Any + Send)) -> Failure {
-    let what = p.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| p.downcast_ref::<String>().cloned()).unwrap_or_default();
+    let what = p
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_default();
     Failure::new(
         lockstepResult_t::lockstepInternalError,
-        format!("internal error (a bug in lockstep; please report it with this message): panic: {what}"),
+        format!(
+            "internal error (a bug in lockstep; please report it with this message): panic: {what}"
+        ),
     )
 }
 
-fn finish(name: &str, comm: Option<&lockstepComm>, r: std::thread::Result<Result<(), Failure>>) -> lockstepResult_t {
+fn finish(
+    name: &str,
+    comm: Option<&lockstepComm>,
+    r: std::thread::Result<Result<(), Failure>>,
+) -> lockstepResult_t {
     let f = match r {
         Ok(Ok(())) => return lockstepResult_t::lockstepSuccess,
         Ok(Err(f)) => f,
@@ -304,7 +336,11 @@ pub(crate) fn guard(name: &str, f: impl FnOnce() -> Result<(), Failure>) -> lock
 
 /// Run entry point `name` on communicator `comm` (looked up first) and map its outcome to a
 /// result code; a failure's message is kept on the communicator too.
-pub(crate) fn guard_comm(name: &str, comm: lockstepComm_t, f: impl FnOnce(&Arc<lockstepComm>) -> Result<(), Failure>) -> lockstepResult_t {
+pub(crate) fn guard_comm(
+    name: &str,
+    comm: lockstepComm_t,
+    f: impl FnOnce(&Arc<lockstepComm>) -> Result<(), Failure>,
+) -> lockstepResult_t {
     let mut found: Option<Arc<lockstepComm>> = None;
     let r = catch_unwind(AssertUnwindSafe(|| {
         let h = lookup(comm)?;
@@ -321,10 +357,14 @@ pub(crate) fn guard_comm(name: &str, comm: lockstepComm_t, f: impl FnOnce(&Arc<l
 /// `p` is NULL or valid for writes of a `T` for the returned lifetime.
 pub(crate) unsafe fn out_ptr<'a, T>(p: *mut T, what: &str) -> Result<&'a mut T, Failure> {
     if p.is_null() {
-        return Err(Failure::invalid_argument(format!("{what} is NULL: pass a pointer to where the result goes")));
+        return Err(Failure::invalid_argument(format!(
+            "{what} is NULL: pass a pointer to where the result goes"
+        )));
     }
     if !p.is_aligned() {
-        return Err(Failure::invalid_argument(format!("{what} ({p:p}) is not aligned for its type")));
+        return Err(Failure::invalid_argument(format!(
+            "{what} ({p:p}) is not aligned for its type"
+        )));
     }
     // SAFETY: non-null and aligned (checked), valid for writes (the caller's contract).
     Ok(unsafe { &mut *p })
@@ -351,14 +391,24 @@ pub(crate) fn error_string(result: ResultArg) -> &'static CStr {
     use lockstepResult_t::*;
     match code_from_int(result) {
         Some(lockstepSuccess) => c"no error",
-        Some(lockstepUnhandledCudaError) => c"unhandled cuda error (run with NCCL_DEBUG=INFO for details)",
-        Some(lockstepSystemError) => c"unhandled system error (an operating-system call or the communicator's setup failed)",
-        Some(lockstepInternalError) => c"internal error - please report this issue to the lockstep developers",
+        Some(lockstepUnhandledCudaError) => {
+            c"unhandled cuda error (run with NCCL_DEBUG=INFO for details)"
+        }
+        Some(lockstepSystemError) => {
+            c"unhandled system error (an operating-system call or the communicator's setup failed)"
+        }
+        Some(lockstepInternalError) => {
+            c"internal error - please report this issue to the lockstep developers"
+        }
         Some(lockstepInvalidArgument) => c"invalid argument",
         Some(lockstepInvalidUsage) => c"invalid usage",
-        Some(lockstepRemoteError) => c"remote process exited, timed out or aborted the communicator",
+        Some(lockstepRemoteError) => {
+            c"remote process exited, timed out or aborted the communicator"
+        }
         Some(lockstepInProgress) => c"lockstep operation in progress",
-        Some(lockstepTimeout) => c"timeout (a rank waited for its peers longer than the communicator's timeout)",
+        Some(lockstepTimeout) => {
+            c"timeout (a rank waited for its peers longer than the communicator's timeout)"
+        }
         Some(lockstepNumResults) | None => c"unknown result code",
     }
 }
@@ -371,12 +421,20 @@ pub(crate) fn last_error(comm: lockstepComm_t) -> *const c_char {
             LAST_ERROR.with(|l| l.borrow().clone())
         } else {
             match lookup(comm) {
-                Ok(h) => h.last_error.lock().unwrap_or_else(PoisonError::into_inner).clone(),
+                Ok(h) => h
+                    .last_error
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .clone(),
                 Err(f) => format!("lockstepGetLastError: {}", f.msg),
             }
         };
         // Messages hold no NUL; should one ever, cut there rather than fail.
-        let bytes: Vec<u8> = msg.into_bytes().into_iter().take_while(|&b| b != 0).collect();
+        let bytes: Vec<u8> = msg
+            .into_bytes()
+            .into_iter()
+            .take_while(|&b| b != 0)
+            .collect();
         RETURNED.with(|r| {
             let mut r = r.borrow_mut();
             // Copies for communicators destroyed since are not needed any more.

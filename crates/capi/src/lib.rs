@@ -41,8 +41,9 @@ use runtime::cuda::{CudaError, DeviceBuffer};
 
 pub use handle::{lockstepComm, lockstepComm_t};
 pub use types::{
-    lockstepConfig_t, lockstepDataType_t, lockstepRedOp_t, lockstepResult_t, lockstepUniqueId, DataTypeArg, RedOpArg, ResultArg,
-    LOCKSTEP_API_MAGIC, LOCKSTEP_SPLIT_NOCOLOR, LOCKSTEP_UNIQUE_ID_BYTES,
+    lockstepConfig_t, lockstepDataType_t, lockstepRedOp_t, lockstepResult_t, lockstepUniqueId,
+    DataTypeArg, RedOpArg, ResultArg, LOCKSTEP_API_MAGIC, LOCKSTEP_SPLIT_NOCOLOR,
+    LOCKSTEP_UNIQUE_ID_BYTES,
 };
 
 /// The library version as `MAJOR * 10000 + MINOR * 100 + PATCH` (NCCL's encoding) in `*version`:
@@ -62,7 +63,7 @@ pub unsafe extern "C" fn lockstepGetVersion(version: *mut c_int) -> lockstepResu
     })
 }
 
-/// Make a new unique id (a fresh random job id and this host's identity) in `*uniqueId`. Call it
+/// Make a new unique id (a fresh random job id and this machine's identity) in `*uniqueId`. Call it
 /// on one rank and pass the id to every rank's lockstepCommInitRank. Each call gives a new id: a
 /// job needs exactly one.
 ///
@@ -274,7 +275,9 @@ fn gather_flags(c: &mut Communicator, flag: bool) -> Result<Vec<u64>, CommError>
     };
     let cuda = |e: CudaError| CommError::Backend {
         backend: "cuda",
-        message: format!("lockstepCommSplit: exchanging the argument checks through the device: {e}"),
+        message: format!(
+            "lockstepCommSplit: exchanging the argument checks through the device: {e}"
+        ),
     };
     let stream = ctx.stream().map_err(cuda)?;
     let send = DeviceBuffer::from_host(&stream, &[v]).map_err(cuda)?;
@@ -290,14 +293,20 @@ fn gather_flags(c: &mut Communicator, flag: bool) -> Result<Vec<u64>, CommError>
 ///
 /// # Safety
 /// As for lockstepCommSplit's `config`.
-unsafe fn split_settings(parent: &handle::Settings, color: c_int, config: *const lockstepConfig_t) -> Result<handle::Settings, Failure> {
+unsafe fn split_settings(
+    parent: &handle::Settings,
+    color: c_int,
+    config: *const lockstepConfig_t,
+) -> Result<handle::Settings, Failure> {
     if color < LOCKSTEP_SPLIT_NOCOLOR {
         return Err(Failure::invalid_argument(format!(
             "color {color} is negative: pass a color >= 0, or LOCKSTEP_SPLIT_NOCOLOR (-1) to join no new communicator"
         )));
     }
     // SAFETY: forwarded contract.
-    let Some(mut s) = (unsafe { config::read(config) })? else { return Ok(parent.clone()) };
+    let Some(mut s) = (unsafe { config::read(config) })? else {
+        return Ok(parent.clone());
+    };
     if s.timeout.is_some() {
         return Err(Failure::invalid_argument(
             "config->timeoutMs is set, but a communicator made by lockstepCommSplit inherits the timeout of the one it splits: leave timeoutMs as LOCKSTEP_CONFIG_UNDEF_INT (set the timeout in lockstepCommInitRankConfig's config, or with LOCKSTEP_TIMEOUT_S)",
@@ -314,7 +323,10 @@ unsafe fn split_settings(parent: &handle::Settings, color: c_int, config: *const
 /// # Safety
 /// `count` is NULL (lockstepInvalidArgument) or valid for writing an int.
 #[no_mangle]
-pub unsafe extern "C" fn lockstepCommCount(comm: lockstepComm_t, count: *mut c_int) -> lockstepResult_t {
+pub unsafe extern "C" fn lockstepCommCount(
+    comm: lockstepComm_t,
+    count: *mut c_int,
+) -> lockstepResult_t {
     guard_comm("lockstepCommCount", comm, |h| {
         // SAFETY: the caller passes NULL (refused by out_ptr) or a pointer valid for an int write.
         let out = unsafe { out_ptr(count, "count") }?;
@@ -330,7 +342,10 @@ pub unsafe extern "C" fn lockstepCommCount(comm: lockstepComm_t, count: *mut c_i
 /// # Safety
 /// `rank` is NULL (lockstepInvalidArgument) or valid for writing an int.
 #[no_mangle]
-pub unsafe extern "C" fn lockstepCommUserRank(comm: lockstepComm_t, rank: *mut c_int) -> lockstepResult_t {
+pub unsafe extern "C" fn lockstepCommUserRank(
+    comm: lockstepComm_t,
+    rank: *mut c_int,
+) -> lockstepResult_t {
     guard_comm("lockstepCommUserRank", comm, |h| {
         // SAFETY: the caller passes NULL (refused by out_ptr) or a pointer valid for an int write.
         let out = unsafe { out_ptr(rank, "rank") }?;
@@ -349,7 +364,10 @@ pub unsafe extern "C" fn lockstepCommUserRank(comm: lockstepComm_t, rank: *mut c
 /// # Safety
 /// `asyncError` is NULL (lockstepInvalidArgument) or valid for writing a lockstepResult_t.
 #[no_mangle]
-pub unsafe extern "C" fn lockstepCommGetAsyncError(comm: lockstepComm_t, asyncError: *mut lockstepResult_t) -> lockstepResult_t {
+pub unsafe extern "C" fn lockstepCommGetAsyncError(
+    comm: lockstepComm_t,
+    asyncError: *mut lockstepResult_t,
+) -> lockstepResult_t {
     guard_comm("lockstepCommGetAsyncError", comm, |h| {
         // SAFETY: the caller passes NULL (refused by out_ptr) or a pointer valid for the write.
         let out = unsafe { out_ptr(asyncError, "asyncError") }?;
@@ -403,7 +421,13 @@ pub unsafe extern "C" fn lockstepAllReduce(
         "lockstepAllReduce",
         comm,
         stream,
-        Op::AllReduce { send: sendbuff as usize, recv: recvbuff as usize, count, dtype: datatype, op },
+        Op::AllReduce {
+            send: sendbuff as usize,
+            recv: recvbuff as usize,
+            count,
+            dtype: datatype,
+            op,
+        },
     )
 }
 
@@ -424,7 +448,18 @@ pub unsafe extern "C" fn lockstepBcast(
     comm: lockstepComm_t,
     stream: *mut c_void,
 ) -> lockstepResult_t {
-    exec::submit("lockstepBcast", comm, stream, Op::Broadcast { send: buff as usize, recv: buff as usize, count, dtype: datatype, root })
+    exec::submit(
+        "lockstepBcast",
+        comm,
+        stream,
+        Op::Broadcast {
+            send: buff as usize,
+            recv: buff as usize,
+            count,
+            dtype: datatype,
+            root,
+        },
+    )
 }
 
 /// Copy `count` elements of `sendbuff` on rank `root` into `recvbuff` on every rank. `sendbuff` is
@@ -448,7 +483,13 @@ pub unsafe extern "C" fn lockstepBroadcast(
         "lockstepBroadcast",
         comm,
         stream,
-        Op::Broadcast { send: sendbuff as usize, recv: recvbuff as usize, count, dtype: datatype, root },
+        Op::Broadcast {
+            send: sendbuff as usize,
+            recv: recvbuff as usize,
+            count,
+            dtype: datatype,
+            root,
+        },
     )
 }
 
@@ -475,7 +516,14 @@ pub unsafe extern "C" fn lockstepReduce(
         "lockstepReduce",
         comm,
         stream,
-        Op::Reduce { send: sendbuff as usize, recv: recvbuff as usize, count, dtype: datatype, op, root },
+        Op::Reduce {
+            send: sendbuff as usize,
+            recv: recvbuff as usize,
+            count,
+            dtype: datatype,
+            op,
+            root,
+        },
     )
 }
 
@@ -500,7 +548,12 @@ pub unsafe extern "C" fn lockstepAllGather(
         "lockstepAllGather",
         comm,
         stream,
-        Op::AllGather { send: sendbuff as usize, recv: recvbuff as usize, count: sendcount, dtype: datatype },
+        Op::AllGather {
+            send: sendbuff as usize,
+            recv: recvbuff as usize,
+            count: sendcount,
+            dtype: datatype,
+        },
     )
 }
 
@@ -526,7 +579,13 @@ pub unsafe extern "C" fn lockstepReduceScatter(
         "lockstepReduceScatter",
         comm,
         stream,
-        Op::ReduceScatter { send: sendbuff as usize, recv: recvbuff as usize, count: recvcount, dtype: datatype, op },
+        Op::ReduceScatter {
+            send: sendbuff as usize,
+            recv: recvbuff as usize,
+            count: recvcount,
+            dtype: datatype,
+            op,
+        },
     )
 }
 
@@ -551,7 +610,12 @@ pub unsafe extern "C" fn lockstepAlltoAll(
         "lockstepAlltoAll",
         comm,
         stream,
-        Op::AllToAll { send: sendbuff as usize, recv: recvbuff as usize, count, dtype: datatype },
+        Op::AllToAll {
+            send: sendbuff as usize,
+            recv: recvbuff as usize,
+            count,
+            dtype: datatype,
+        },
     )
 }
 
@@ -578,7 +642,13 @@ pub unsafe extern "C" fn lockstepGather(
         "lockstepGather",
         comm,
         stream,
-        Op::Gather { send: sendbuff as usize, recv: recvbuff as usize, count, dtype: datatype, root },
+        Op::Gather {
+            send: sendbuff as usize,
+            recv: recvbuff as usize,
+            count,
+            dtype: datatype,
+            root,
+        },
     )
 }
 
@@ -605,7 +675,13 @@ pub unsafe extern "C" fn lockstepScatter(
         "lockstepScatter",
         comm,
         stream,
-        Op::Scatter { send: sendbuff as usize, recv: recvbuff as usize, count, dtype: datatype, root },
+        Op::Scatter {
+            send: sendbuff as usize,
+            recv: recvbuff as usize,
+            count,
+            dtype: datatype,
+            root,
+        },
     )
 }
 
@@ -629,7 +705,17 @@ pub unsafe extern "C" fn lockstepSend(
     comm: lockstepComm_t,
     stream: *mut c_void,
 ) -> lockstepResult_t {
-    exec::submit("lockstepSend", comm, stream, Op::Send { buf: sendbuff as usize, count, dtype: datatype, peer })
+    exec::submit(
+        "lockstepSend",
+        comm,
+        stream,
+        Op::Send {
+            buf: sendbuff as usize,
+            count,
+            dtype: datatype,
+            peer,
+        },
+    )
 }
 
 /// Receive `count` elements from rank `peer` into `recvbuff` (see lockstepSend).
@@ -648,7 +734,17 @@ pub unsafe extern "C" fn lockstepRecv(
     comm: lockstepComm_t,
     stream: *mut c_void,
 ) -> lockstepResult_t {
-    exec::submit("lockstepRecv", comm, stream, Op::Recv { buf: recvbuff as usize, count, dtype: datatype, peer })
+    exec::submit(
+        "lockstepRecv",
+        comm,
+        stream,
+        Op::Recv {
+            buf: recvbuff as usize,
+            count,
+            dtype: datatype,
+            peer,
+        },
+    )
 }
 
 /// Start a group: until the matching lockstepGroupEnd, this thread's calls on communicators
@@ -681,6 +777,9 @@ pub extern "C" fn lockstepGroupEnd() -> lockstepResult_t {
 /// # Safety
 /// `stream` is NULL or a live CUDA stream (device communicators).
 #[no_mangle]
-pub unsafe extern "C" fn lockstepBarrier(comm: lockstepComm_t, stream: *mut c_void) -> lockstepResult_t {
+pub unsafe extern "C" fn lockstepBarrier(
+    comm: lockstepComm_t,
+    stream: *mut c_void,
+) -> lockstepResult_t {
     exec::submit("lockstepBarrier", comm, stream, Op::Barrier)
 }

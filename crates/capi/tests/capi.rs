@@ -69,23 +69,39 @@ fn built() -> Result<Built, String> {
     let so = [dir.join("liblockstep.so"), dir.join("../liblockstep.so")]
         .into_iter()
         .find(|p| p.is_file())
-        .ok_or_else(|| format!("liblockstep.so is not beside {} (is cdylib in [lib] crate-type?)", exe.display()))?;
-    Ok(Built { so, generated: PathBuf::from(env!("OUT_DIR")).join("lockstep.h") })
+        .ok_or_else(|| {
+            format!(
+                "liblockstep.so is not beside {} (is cdylib in [lib] crate-type?)",
+                exe.display()
+            )
+        })?;
+    Ok(Built {
+        so,
+        generated: PathBuf::from(env!("OUT_DIR")).join("lockstep.h"),
+    })
 }
 
 fn text(o: &Output) -> String {
-    format!("status: {}\n--- stdout\n{}--- stderr\n{}", o.status, String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
+    format!(
+        "status: {}\n--- stdout\n{}--- stderr\n{}",
+        o.status,
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
 }
 
 /// Run `args` under coreutils' `timeout` (status 124 when it ran past JOB_LIMIT_S), without the
 /// environment variables in `unset`.
 fn run_limited(args: &[&str], unset: &[&str]) -> Result<Output, String> {
     let mut c = Command::new("timeout");
-    c.args(["-k", "5", JOB_LIMIT_S]).args(args).current_dir(ROOT);
+    c.args(["-k", "5", JOB_LIMIT_S])
+        .args(args)
+        .current_dir(ROOT);
     for k in unset {
         c.env_remove(k);
     }
-    c.output().map_err(|e| format!("could not run {args:?} under timeout: {e}"))
+    c.output()
+        .map_err(|e| format!("could not run {args:?} under timeout: {e}"))
 }
 
 /// Compile the C file `src` (relative to the repository) against include/lockstep.h and
@@ -96,7 +112,15 @@ fn compile_c(src: &Path, out: &Path) -> Result<(), String> {
     let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
     let o = Command::new(&cc)
         .current_dir(ROOT)
-        .args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-pedantic", "-I", "crates/capi/include"])
+        .args([
+            "-std=c11",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+            "-pedantic",
+            "-I",
+            "crates/capi/include",
+        ])
         .arg(src)
         .arg("-o")
         .arg(out)
@@ -105,12 +129,20 @@ fn compile_c(src: &Path, out: &Path) -> Result<(), String> {
         .arg("-llockstep")
         // DT_RPATH (not RUNPATH) is searched before LD_LIBRARY_PATH, which cargo points at
         // target/release too: the program loads this build's library, not a stale copy.
-        .arg(format!("-Wl,--disable-new-dtags,-rpath,{}", lib_dir.display()))
+        .arg(format!(
+            "-Wl,--disable-new-dtags,-rpath,{}",
+            lib_dir.display()
+        ))
         .output()
-        .map_err(|e| format!("could not run the C compiler {cc:?} (install gcc, or set CC): {e}"))?;
+        .map_err(|e| {
+            format!("could not run the C compiler {cc:?} (install gcc, or set CC): {e}")
+        })?;
     check(
         o.status.success(),
-        &format!("{} must compile cleanly (-Wall -Wextra -Werror -pedantic) against include/lockstep.h", src.display()),
+        &format!(
+            "{} must compile cleanly (-Wall -Wextra -Werror -pedantic) against include/lockstep.h",
+            src.display()
+        ),
         text(&o),
     )
 }
@@ -131,21 +163,29 @@ fn every_rank(o: &Output, n: usize, line: impl Fn(usize) -> String) -> Result<()
     let out = String::from_utf8_lossy(&o.stdout);
     for r in 0..n {
         let want = format!("[rank {r}] {}", line(r));
-        check(out.lines().any(|l| l.starts_with(&want)), &format!("rank {r} must report `{want}`"), text(o))?;
+        check(
+            out.lines().any(|l| l.starts_with(&want)),
+            &format!("rank {r} must report `{want}`"),
+            text(o),
+        )?;
     }
     Ok(())
 }
 
 fn header_is_current() -> Result<(), String> {
     let b = built()?;
-    let generated = std::fs::read_to_string(&b.generated).map_err(|e| format!("read {}: {e}", b.generated.display()))?;
+    let generated = std::fs::read_to_string(&b.generated)
+        .map_err(|e| format!("read {}: {e}", b.generated.display()))?;
     let checked_in = Path::new(ROOT).join(HEADER);
-    let ours = std::fs::read_to_string(&checked_in).map_err(|e| format!("read {}: {e}", checked_in.display()))?;
+    let ours = std::fs::read_to_string(&checked_in)
+        .map_err(|e| format!("read {}: {e}", checked_in.display()))?;
     if generated == ours {
         return Ok(());
     }
     let (g, c): (Vec<&str>, Vec<&str>) = (generated.lines().collect(), ours.lines().collect());
-    let at = (0..g.len().max(c.len())).find(|&i| g.get(i) != c.get(i)).unwrap_or(0);
+    let at = (0..g.len().max(c.len()))
+        .find(|&i| g.get(i) != c.get(i))
+        .unwrap_or(0);
     Err(format!(
         "include/lockstep.h is stale: crates/capi/src generates a different header ({}).\nFirst difference, line {}:\n  checked in: {:?}\n  generated:  {:?}\nRegenerate it: cp {} crates/capi/include/lockstep.h (or LOCKSTEP_UPDATE_HEADER=1 cargo build --release)",
         b.generated.display(),
@@ -190,7 +230,13 @@ const NCCL_VALUES: &[(&str, i64)] = &[
 ];
 
 /// NCCL's aliases of data types (`ncclChar` ...), and the enumerators they name.
-const ALIASES: &[(&str, &str)] = &[("Char", "Int8"), ("Int", "Int32"), ("Half", "Float16"), ("Float", "Float32"), ("Double", "Float64")];
+const ALIASES: &[(&str, &str)] = &[
+    ("Char", "Int8"),
+    ("Int", "Int32"),
+    ("Half", "Float16"),
+    ("Float", "Float32"),
+    ("Double", "Float64"),
+];
 
 /// The functions of the C ABI.
 const FUNCTIONS: &[&str] = &[
@@ -227,7 +273,11 @@ const FUNCTIONS: &[&str] = &[
 fn header_has_nccl_values_and_functions() -> Result<(), String> {
     let h = std::fs::read_to_string(Path::new(ROOT).join(HEADER)).map_err(|e| e.to_string())?;
     for (name, v) in NCCL_VALUES {
-        check(h.contains(&format!("lockstep{name} = {v},")), &format!("lockstep.h must define lockstep{name} as {v} (nccl{name})"), "")?;
+        check(
+            h.contains(&format!("lockstep{name} = {v},")),
+            &format!("lockstep.h must define lockstep{name} as {v} (nccl{name})"),
+            "",
+        )?;
     }
     for (alias, target) in ALIASES {
         check(
@@ -236,7 +286,11 @@ fn header_has_nccl_values_and_functions() -> Result<(), String> {
             "",
         )?;
     }
-    check(h.contains("#define LOCKSTEP_UNIQUE_ID_BYTES 128"), "lockstepUniqueId has 128 bytes, as ncclUniqueId", "")?;
+    check(
+        h.contains("#define LOCKSTEP_UNIQUE_ID_BYTES 128"),
+        "lockstepUniqueId has 128 bytes, as ncclUniqueId",
+        "",
+    )?;
     // The version macros carry Cargo.toml's version (the code is what lockstepGetVersion returns).
     let (major, minor, patch): (u32, u32, u32) = (
         env!("CARGO_PKG_VERSION_MAJOR").parse().unwrap(),
@@ -247,15 +301,26 @@ fn header_has_nccl_values_and_functions() -> Result<(), String> {
         format!("#define LOCKSTEP_MAJOR {major}\n"),
         format!("#define LOCKSTEP_MINOR {minor}\n"),
         format!("#define LOCKSTEP_PATCH {patch}\n"),
-        format!("#define LOCKSTEP_VERSION_CODE {}\n", major * 10000 + minor * 100 + patch),
+        format!(
+            "#define LOCKSTEP_VERSION_CODE {}\n",
+            major * 10000 + minor * 100 + patch
+        ),
         "#define LOCKSTEP_VERSION(X, Y, Z) ((X) * 10000 + (Y) * 100 + (Z))\n".to_string(),
         "#define LOCKSTEP_CONFIG_INITIALIZER {".to_string(),
         "#define LOCKSTEP_CONFIG_UNDEF_INT INT_MIN\n".to_string(),
     ] {
-        check(h.contains(&line), &format!("lockstep.h must have `{}`", line.trim_end()), "")?;
+        check(
+            h.contains(&line),
+            &format!("lockstep.h must have `{}`", line.trim_end()),
+            "",
+        )?;
     }
     for f in FUNCTIONS {
-        check(h.contains(&format!(" {f}(")) || h.contains(&format!("*{f}(")), &format!("lockstep.h must declare {f}"), "")?;
+        check(
+            h.contains(&format!(" {f}(")) || h.contains(&format!("*{f}(")),
+            &format!("lockstep.h must declare {f}"),
+            "",
+        )?;
     }
     for t in [
         "} lockstepResult_t;",
@@ -274,19 +339,31 @@ fn library_exports_every_function() -> Result<(), String> {
     let b = built()?;
     // SAFETY: loading liblockstep.so runs no initialisers of its own (a Rust cdylib); the symbols
     // are only looked up, never called.
-    let lib = unsafe { libloading::Library::new(&b.so) }.map_err(|e| format!("dlopen {}: {e}", b.so.display()))?;
+    let lib = unsafe { libloading::Library::new(&b.so) }
+        .map_err(|e| format!("dlopen {}: {e}", b.so.display()))?;
     for f in FUNCTIONS {
         // SAFETY: the symbol is only checked for presence.
         let sym = unsafe { lib.get::<*const ()>(f.as_bytes()) };
-        check(sym.is_ok(), &format!("{} must export {f}", b.so.display()), format!("{:?}", sym.err()))?;
+        check(
+            sym.is_ok(),
+            &format!("{} must export {f}", b.so.display()),
+            format!("{:?}", sym.err()),
+        )?;
     }
     Ok(())
 }
 
 /// Run `prog args` and return its stdout, or an error with its output.
 fn tool(prog: &str, args: &[&str]) -> Result<String, String> {
-    let o = Command::new(prog).args(args).output().map_err(|e| format!("could not run {prog} (binutils): {e}"))?;
-    check(o.status.success(), &format!("{prog} {args:?} must succeed"), text(&o))?;
+    let o = Command::new(prog)
+        .args(args)
+        .output()
+        .map_err(|e| format!("could not run {prog} (binutils): {e}"))?;
+    check(
+        o.status.success(),
+        &format!("{prog} {args:?} must succeed"),
+        text(&o),
+    )?;
     Ok(String::from_utf8_lossy(&o.stdout).into_owned())
 }
 
@@ -297,17 +374,36 @@ fn library_soname_and_exports() -> Result<(), String> {
     let so = b.so.to_str().ok_or("the library path is not UTF-8")?;
     let soname = format!("liblockstep.so.{}", env!("CARGO_PKG_VERSION_MAJOR"));
     let dynamic = tool("readelf", &["-d", so])?;
-    check(dynamic.contains(&format!("Library soname: [{soname}]")), &format!("{so} must have the soname {soname}"), &dynamic)?;
+    check(
+        dynamic.contains(&format!("Library soname: [{soname}]")),
+        &format!("{so} must have the soname {soname}"),
+        &dynamic,
+    )?;
     let link = b.so.with_file_name(&soname);
-    let target =
-        std::fs::read_link(&link).map_err(|e| format!("{} must link to liblockstep.so (build.rs makes it): {e}", link.display()))?;
-    check(target == Path::new("liblockstep.so"), &format!("{} must link to liblockstep.so", link.display()), format!("{target:?}"))?;
-    let mut exported: Vec<String> =
-        tool("nm", &["-D", "--defined-only", so])?.lines().filter_map(|l| l.split_whitespace().last()).map(str::to_string).collect();
+    let target = std::fs::read_link(&link).map_err(|e| {
+        format!(
+            "{} must link to liblockstep.so (build.rs makes it): {e}",
+            link.display()
+        )
+    })?;
+    check(
+        target == Path::new("liblockstep.so"),
+        &format!("{} must link to liblockstep.so", link.display()),
+        format!("{target:?}"),
+    )?;
+    let mut exported: Vec<String> = tool("nm", &["-D", "--defined-only", so])?
+        .lines()
+        .filter_map(|l| l.split_whitespace().last())
+        .map(str::to_string)
+        .collect();
     exported.sort();
     let mut want: Vec<String> = FUNCTIONS.iter().map(|f| f.to_string()).collect();
     want.sort();
-    check(exported == want, &format!("{so} must export exactly the functions of lockstep.h"), format!("exported: {exported:?}"))
+    check(
+        exported == want,
+        &format!("{so} must export exactly the functions of lockstep.h"),
+        format!("exported: {exported:?}"),
+    )
 }
 
 fn c_under_launch(n: usize) -> Result<(), String> {
@@ -315,12 +411,31 @@ fn c_under_launch(n: usize) -> Result<(), String> {
     let nproc = n.to_string();
     let launcher = launcher()?;
     let launcher = launcher.as_str();
-    let o = run_limited(&[launcher, "launch", "--nproc-per-node", &nproc, "--", bin.to_str().unwrap(), "env"], &[])?;
-    check(o.status.success(), &format!("capi_test under lockstep launch with {n} ranks must pass every check"), text(&o))?;
+    let o = run_limited(
+        &[
+            launcher,
+            "launch",
+            "--nproc-per-node",
+            &nproc,
+            "--",
+            bin.to_str().unwrap(),
+            "env",
+        ],
+        &[],
+    )?;
+    check(
+        o.status.success(),
+        &format!("capi_test under lockstep launch with {n} ranks must pass every check"),
+        text(&o),
+    )?;
     every_rank(&o, n, |r| format!("rank {r} of {n}: all checks passed"))?;
-    every_rank(&o, n, |r| format!("rank {r}: mismatch: code 5 (invalid usage): lockstepAllReduce: collective"))?;
+    every_rank(&o, n, |r| {
+        format!("rank {r}: mismatch: code 5 (invalid usage): lockstepAllReduce: collective")
+    })?;
     every_rank(&o, n, |r| format!("rank {r}: split: verified"))?;
-    every_rank(&o, n, |r| format!("rank {r}: bcast/alltoall/gather/scatter: verified"))
+    every_rank(&o, n, |r| {
+        format!("rank {r}: bcast/alltoall/gather/scatter: verified")
+    })
 }
 
 fn c_launch_2() -> Result<(), String> {
@@ -333,7 +448,12 @@ fn c_launch_3() -> Result<(), String> {
 
 fn capi_segments() -> Vec<String> {
     std::fs::read_dir("/dev/shm")
-        .map(|rd| rd.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).filter(|n| n.starts_with("lockstep-capi-")).collect())
+        .map(|rd| {
+            rd.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.starts_with("lockstep-capi-"))
+                .collect()
+        })
         .unwrap_or_default()
 }
 
@@ -348,11 +468,26 @@ fn c_unique_id(n: usize) -> Result<(), String> {
     )?;
     let out = String::from_utf8_lossy(&o.stdout);
     for r in 0..n {
-        check(out.contains(&format!("rank {r} of {n}: all checks passed")), &format!("forked rank {r} must report"), text(&o))?;
+        check(
+            out.contains(&format!("rank {r} of {n}: all checks passed")),
+            &format!("forked rank {r} must report"),
+            text(&o),
+        )?;
     }
-    check(out.contains(&format!("uid: {n} ranks passed")), "the parent must see every rank pass", text(&o))?;
-    let left: Vec<String> = capi_segments().into_iter().filter(|s| !before.contains(s)).collect();
-    check(left.is_empty(), "the job's shared segment must not outlive the join", format!("{left:?}"))
+    check(
+        out.contains(&format!("uid: {n} ranks passed")),
+        "the parent must see every rank pass",
+        text(&o),
+    )?;
+    let left: Vec<String> = capi_segments()
+        .into_iter()
+        .filter(|s| !before.contains(s))
+        .collect();
+    check(
+        left.is_empty(),
+        "the job's shared segment must not outlive the join",
+        format!("{left:?}"),
+    )
 }
 
 fn c_unique_id_2() -> Result<(), String> {
@@ -369,17 +504,40 @@ fn c_unique_id_3() -> Result<(), String> {
 fn c_config(n: usize) -> Result<(), String> {
     let bin = c_binary()?;
     let o = run_limited(&[bin.to_str().unwrap(), "config", &n.to_string()], &[])?;
-    check(o.status.success(), &format!("capi_test with {n} ranks joined by lockstepCommInitRankConfig must pass"), text(&o))?;
+    check(
+        o.status.success(),
+        &format!("capi_test with {n} ranks joined by lockstepCommInitRankConfig must pass"),
+        text(&o),
+    )?;
     let out = String::from_utf8_lossy(&o.stdout);
     for r in 0..n {
-        for want in [format!("rank {r} of {n}: all checks passed"), format!("rank {r}: config: verified")] {
-            check(out.contains(&want), &format!("forked rank {r} must report `{want}`"), text(&o))?;
+        for want in [
+            format!("rank {r} of {n}: all checks passed"),
+            format!("rank {r}: config: verified"),
+        ] {
+            check(
+                out.contains(&want),
+                &format!("forked rank {r} must report `{want}`"),
+                text(&o),
+            )?;
         }
     }
     // The first rank to give up on the late one times out; others may see it abort first.
-    check(out.contains(": timeout: code 8 (timeout"), "a waiting rank must fail with lockstepTimeout", text(&o))?;
-    check(out.contains(&format!("rank {}: late: code ", n - 1)), "the late rank's call must fail", text(&o))?;
-    check(out.contains(&format!("config: {n} ranks passed")), "the parent must see every rank pass", text(&o))
+    check(
+        out.contains(": timeout: code 8 (timeout"),
+        "a waiting rank must fail with lockstepTimeout",
+        text(&o),
+    )?;
+    check(
+        out.contains(&format!("rank {}: late: code ", n - 1)),
+        "the late rank's call must fail",
+        text(&o),
+    )?;
+    check(
+        out.contains(&format!("config: {n} ranks passed")),
+        "the parent must see every rank pass",
+        text(&o),
+    )
 }
 
 fn c_config_2() -> Result<(), String> {
@@ -394,19 +552,49 @@ fn c_config_3() -> Result<(), String> {
 fn hello_example() -> Result<(), String> {
     let bin = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("hello");
     compile_c(Path::new("examples/c/hello.c"), &bin)?;
-    let o = run_limited(&[launcher()?.as_str(), "launch", "--nproc-per-node", "3", "--", bin.to_str().unwrap()], &[])?;
-    check(o.status.success(), "examples/c/hello.c must run under lockstep launch with 3 ranks", text(&o))?;
-    every_rank(&o, 3, |r| format!("rank {r} of 3: hello from lockstep {}, all-reduce sum 6 (checked)", env!("CARGO_PKG_VERSION")))
+    let o = run_limited(
+        &[
+            launcher()?.as_str(),
+            "launch",
+            "--nproc-per-node",
+            "3",
+            "--",
+            bin.to_str().unwrap(),
+        ],
+        &[],
+    )?;
+    check(
+        o.status.success(),
+        "examples/c/hello.c must run under lockstep launch with 3 ranks",
+        text(&o),
+    )?;
+    every_rank(&o, 3, |r| {
+        format!(
+            "rank {r} of 3: hello from lockstep {}, all-reduce sum 6 (checked)",
+            env!("CARGO_PKG_VERSION")
+        )
+    })
 }
 
 fn c_init_from_env_error() -> Result<(), String> {
     let bin = c_binary()?;
     // Outside any launcher: lockstepCommInitFromEnv has no job to join.
-    let launcher_vars =
-        ["RANK", "WORLD_SIZE", "LOCAL_RANK", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "SLURM_PROCID", "LOCKSTEP_JOB_ID"];
+    let launcher_vars = [
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+        "SLURM_PROCID",
+        "LOCKSTEP_JOB_ID",
+    ];
     let o = run_limited(&[bin.to_str().unwrap(), "env"], &launcher_vars)?;
     let err = String::from_utf8_lossy(&o.stderr);
-    check(!o.status.success(), "lockstepCommInitFromEnv must fail outside a launcher", text(&o))?;
+    check(
+        !o.status.success(),
+        "lockstepCommInitFromEnv must fail outside a launcher",
+        text(&o),
+    )?;
     check(
         err.contains("lockstepCommInitFromEnv(&comm) returned 2 (unhandled system error")
             && err.contains("lockstepCommInitFromEnv: communicator setup failed: no launcher variables found"),
@@ -417,16 +605,41 @@ fn c_init_from_env_error() -> Result<(), String> {
 
 /// The C example of the README's "From C" section compiles and runs as shown.
 fn readme_example() -> Result<(), String> {
-    let readme = std::fs::read_to_string(Path::new(ROOT).join("README.md")).map_err(|e| e.to_string())?;
-    let section = readme.split("\n## From C\n").nth(1).ok_or("README.md has no `## From C` section")?;
-    let code = section.split("```c\n").nth(1).and_then(|c| c.split("\n```").next()).ok_or("the `From C` section has no ```c block")?;
+    let readme =
+        std::fs::read_to_string(Path::new(ROOT).join("README.md")).map_err(|e| e.to_string())?;
+    let section = readme
+        .split("\n## From C\n")
+        .nth(1)
+        .ok_or("README.md has no `## From C` section")?;
+    let code = section
+        .split("```c\n")
+        .nth(1)
+        .and_then(|c| c.split("\n```").next())
+        .ok_or("the `From C` section has no ```c block")?;
     let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
     let (src, bin) = (dir.join("readme_example.c"), dir.join("readme_example"));
-    std::fs::write(&src, format!("{code}\n")).map_err(|e| format!("write {}: {e}", src.display()))?;
+    std::fs::write(&src, format!("{code}\n"))
+        .map_err(|e| format!("write {}: {e}", src.display()))?;
     compile_c(&src, &bin)?;
-    let o = run_limited(&[launcher()?.as_str(), "launch", "--nproc-per-node", "2", "--", bin.to_str().unwrap()], &[])?;
-    check(o.status.success(), "the README's C example must run under lockstep launch with 2 ranks", text(&o))?;
-    every_rank(&o, 2, |r| format!("rank {r} of 2: mean 0.5, from rank {}", 1 - r))
+    let o = run_limited(
+        &[
+            launcher()?.as_str(),
+            "launch",
+            "--nproc-per-node",
+            "2",
+            "--",
+            bin.to_str().unwrap(),
+        ],
+        &[],
+    )?;
+    check(
+        o.status.success(),
+        "the README's C example must run under lockstep launch with 2 ranks",
+        text(&o),
+    )?;
+    every_rank(&o, 2, |r| {
+        format!("rank {r} of 2: mean 0.5, from rank {}", 1 - r)
+    })
 }
 
 fn ctypes_under_launch(n: usize) -> Result<(), String> {
@@ -436,7 +649,16 @@ fn ctypes_under_launch(n: usize) -> Result<(), String> {
     let launcher = launcher.as_str();
     let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
     let o = run_limited(
-        &[launcher, "launch", "--nproc-per-node", &nproc, "--", &python, "crates/capi/tests/c/capi_ctypes.py", b.so.to_str().unwrap()],
+        &[
+            launcher,
+            "launch",
+            "--nproc-per-node",
+            &nproc,
+            "--",
+            &python,
+            "crates/capi/tests/c/capi_ctypes.py",
+            b.so.to_str().unwrap(),
+        ],
         &[],
     )?;
     check(
@@ -446,7 +668,9 @@ fn ctypes_under_launch(n: usize) -> Result<(), String> {
     )?;
     every_rank(&o, n, |r| format!("rank {r} of {n}: ctypes checks passed"))?;
     every_rank(&o, n, |r| format!("rank {r}: ctypes split: verified"))?;
-    every_rank(&o, n, |r| format!("rank {r}: ctypes mismatch: code 5: lockstepAllReduce: collective"))
+    every_rank(&o, n, |r| {
+        format!("rank {r}: ctypes mismatch: code 5: lockstepAllReduce: collective")
+    })
 }
 
 fn ctypes_launch_2() -> Result<(), String> {
@@ -460,8 +684,14 @@ fn ctypes_launch_3() -> Result<(), String> {
 fn main() -> std::process::ExitCode {
     common::run(&[
         ("header_is_current", header_is_current),
-        ("header_has_nccl_values_and_functions", header_has_nccl_values_and_functions),
-        ("library_exports_every_function", library_exports_every_function),
+        (
+            "header_has_nccl_values_and_functions",
+            header_has_nccl_values_and_functions,
+        ),
+        (
+            "library_exports_every_function",
+            library_exports_every_function,
+        ),
         ("library_soname_and_exports", library_soname_and_exports),
         ("c_launch_2", c_launch_2),
         ("c_launch_3", c_launch_3),

@@ -16,7 +16,9 @@ use lockstep::half::{bf16, f16};
 
 use std::sync::Arc;
 
-use lockstep::comm::{Buffer, BufferMut, CollKind, CommError, Communicator, Dtype, Element, ReduceOp};
+use lockstep::comm::{
+    Buffer, BufferMut, CollKind, CommError, Communicator, Dtype, Element, ReduceOp,
+};
 use lockstep::cuda::{Context, DeviceBuffer, Stream};
 use lockstep::launch::{launch, LaunchConfig, RankContext, RankResult};
 
@@ -36,7 +38,9 @@ impl std::str::FromStr for Buffers {
         match s {
             "ordinary" => Ok(Buffers::Ordinary),
             "shared" => Ok(Buffers::Shared),
-            _ => Err(format!("unknown buffer placement '{s}' (expected ordinary or shared)")),
+            _ => Err(format!(
+                "unknown buffer placement '{s}' (expected ordinary or shared)"
+            )),
         }
     }
 }
@@ -62,7 +66,9 @@ impl std::str::FromStr for Format {
             "text" => Ok(Format::Text),
             "csv" => Ok(Format::Csv),
             "json" => Ok(Format::Json),
-            _ => Err(format!("unknown output format '{s}' (expected text, csv or json)")),
+            _ => Err(format!(
+                "unknown output format '{s}' (expected text, csv or json)"
+            )),
         }
     }
 }
@@ -77,12 +83,15 @@ pub fn parse_size(s: &str) -> Result<usize, String> {
         Some((i, 'g' | 'G')) => (&t[..i], 30),
         _ => (t, 0),
     };
-    let bad = || format!("{s:?} is not a size: give bytes as digits with an optional K, M or G suffix (powers of 1024), e.g. 8, 64K, 128M");
+    let bad = || {
+        format!("{s:?} is not a size: give bytes as digits with an optional K, M or G suffix (powers of 1024), e.g. 8, 64K, 128M")
+    };
     if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
         return Err(bad());
     }
     let n: usize = digits.parse().map_err(|_| bad())?;
-    n.checked_mul(1usize << shift).ok_or_else(|| format!("{s:?} is too large a size"))
+    n.checked_mul(1usize << shift)
+        .ok_or_else(|| format!("{s:?} is too large a size"))
 }
 
 /// What to measure (the `lockstep bench` binary fills it from its flags).
@@ -173,22 +182,39 @@ pub struct Row {
 
 /// Whether `op` has a root.
 pub fn is_rooted(op: CollKind) -> bool {
-    matches!(op, CollKind::Broadcast | CollKind::Reduce | CollKind::Gather | CollKind::Scatter)
+    matches!(
+        op,
+        CollKind::Broadcast | CollKind::Reduce | CollKind::Gather | CollKind::Scatter
+    )
 }
 
 /// Whether `lockstep bench` times an in-place form of `op`.
 pub fn has_in_place(op: CollKind) -> bool {
-    matches!(op, CollKind::AllReduce | CollKind::Broadcast | CollKind::Reduce | CollKind::AllGather | CollKind::ReduceScatter)
+    matches!(
+        op,
+        CollKind::AllReduce
+            | CollKind::Broadcast
+            | CollKind::Reduce
+            | CollKind::AllGather
+            | CollKind::ReduceScatter
+    )
 }
 
 /// Wrong elements over every row and variant.
 pub fn wrong_total(rows: &[Row]) -> u64 {
-    rows.iter().flat_map(|r| std::iter::once(r.out_of_place).chain(r.in_place)).filter_map(|t| t.wrong).sum()
+    rows.iter()
+        .flat_map(|r| std::iter::once(r.out_of_place).chain(r.in_place))
+        .filter_map(|t| t.wrong)
+        .sum()
 }
 
 /// Average bus bandwidth over every row and variant (nccl-tests' `# Avg bus bandwidth`).
 pub fn avg_busbw(rows: &[Row]) -> f64 {
-    let v: Vec<f64> = rows.iter().flat_map(|r| std::iter::once(r.out_of_place).chain(r.in_place)).map(|t| t.busbw).collect();
+    let v: Vec<f64> = rows
+        .iter()
+        .flat_map(|r| std::iter::once(r.out_of_place).chain(r.in_place))
+        .map(|t| t.busbw)
+        .collect();
     if v.is_empty() {
         0.0
     } else {
@@ -201,7 +227,9 @@ pub fn bus_factor(op: CollKind, n: usize) -> f64 {
     let n = n as f64;
     match op {
         CollKind::AllReduce => 2.0 * (n - 1.0) / n,
-        CollKind::AllGather | CollKind::ReduceScatter | CollKind::AllToAll | CollKind::Scatter => (n - 1.0) / n,
+        CollKind::AllGather | CollKind::ReduceScatter | CollKind::AllToAll | CollKind::Scatter => {
+            (n - 1.0) / n
+        }
         _ => 1.0,
     }
 }
@@ -213,7 +241,11 @@ pub fn sizes(a: &BenchOptions, esz: usize, n: usize) -> Vec<usize> {
         return vec![0];
     }
     let quantum = match a.op {
-        CollKind::AllGather | CollKind::ReduceScatter | CollKind::Gather | CollKind::AllToAll | CollKind::Scatter => esz * n,
+        CollKind::AllGather
+        | CollKind::ReduceScatter
+        | CollKind::Gather
+        | CollKind::AllToAll
+        | CollKind::Scatter => esz * n,
         _ => esz,
     };
     let raw: Vec<usize> = if !a.sizes.is_empty() {
@@ -224,14 +256,27 @@ pub fn sizes(a: &BenchOptions, esz: usize, n: usize) -> Vec<usize> {
         while s <= a.max_bytes {
             v.push(s);
             // From 0, the next size is the smallest real one.
-            s = match if s == 0 { Some(1) } else { s.checked_mul(a.factor.max(2)) } {
+            s = match if s == 0 {
+                Some(1)
+            } else {
+                s.checked_mul(a.factor.max(2))
+            } {
                 Some(next) => next,
                 None => break,
             };
         }
         v
     };
-    let mut out: Vec<usize> = raw.into_iter().map(|s| if s == 0 { 0 } else { (s / quantum).max(1) * quantum }).collect();
+    let mut out: Vec<usize> = raw
+        .into_iter()
+        .map(|s| {
+            if s == 0 {
+                0
+            } else {
+                (s / quantum).max(1) * quantum
+            }
+        })
+        .collect();
     out.dedup();
     out
 }
@@ -298,7 +343,8 @@ fn from_f64<T: BenchElem>(v: f64) -> T {
         Dtype::BF16 => Box::new(bf16::from_f32(v as f32)),
         _ => Box::new(v as i64),
     };
-    *any.downcast::<T>().unwrap_or_else(|_| Box::new(T::default()))
+    *any.downcast::<T>()
+        .unwrap_or_else(|_| Box::new(T::default()))
 }
 
 /// A buffer of any placement.
@@ -315,7 +361,10 @@ struct Place {
 }
 
 fn cuda_err(e: lockstep::cuda::CudaError) -> CommError {
-    CommError::Backend { backend: "cuda", message: e.to_string() }
+    CommError::Backend {
+        backend: "cuda",
+        message: e.to_string(),
+    }
 }
 
 impl<T: Element> Buf<T> {
@@ -355,7 +404,11 @@ impl<T: Element> Buf<T> {
             Buf::Vec(v) => Ok(v.clone()),
             Buf::Shared(b) => Ok(b.to_vec()),
             Buf::Device(d) => {
-                let stream = &place.device.as_ref().expect("device buffer without a device").1;
+                let stream = &place
+                    .device
+                    .as_ref()
+                    .expect("device buffer without a device")
+                    .1;
                 d.to_vec(stream).map_err(cuda_err)
             }
         }
@@ -366,7 +419,11 @@ impl<T: Element> Buf<T> {
             Buf::Vec(v) => v.copy_from_slice(data),
             Buf::Shared(b) => b.copy_from_slice(data),
             Buf::Device(d) => {
-                let stream = &place.device.as_ref().expect("device buffer without a device").1;
+                let stream = &place
+                    .device
+                    .as_ref()
+                    .expect("device buffer without a device")
+                    .1;
                 d.copy_from_host(stream, data).map_err(cuda_err)?;
                 stream.synchronize().map_err(cuda_err)?;
             }
@@ -387,30 +444,54 @@ fn counts(op: CollKind, bytes: usize, esz: usize, n: usize) -> Result<(usize, us
         // Ping-pong: ranks 0 and 1 bounce one message of `bytes` (the others wait at the barriers).
         CollKind::Send => (bytes / esz, bytes / esz),
         other => {
-            return Err(CommError::Unsupported(format!("lockstep bench does not time {other}; see --help for the operations it does")))
+            return Err(CommError::Unsupported(format!(
+                "lockstep bench does not time {other}; see --help for the operations it does"
+            )))
         }
     })
 }
 
 /// Wrong elements of `r`, this rank's output of the out-of-place form (the in-place forms are
 /// checked on the same layout).
-fn count_wrong<T: BenchElem>(a: &BenchOptions, r: &[T], me: usize, n: usize, scount: usize) -> usize {
+fn count_wrong<T: BenchElem>(
+    a: &BenchOptions,
+    r: &[T],
+    me: usize,
+    n: usize,
+    scount: usize,
+) -> usize {
     let (op, root, rcount) = (a.redop, a.root, r.len());
     match a.op {
-        CollKind::AllReduce => (0..rcount).filter(|&i| r[i] != expected::<T>(op, i, n)).count(),
-        CollKind::Reduce if me == root => (0..rcount).filter(|&i| r[i] != expected::<T>(op, i, n)).count(),
-        CollKind::ReduceScatter => (0..rcount).filter(|&i| r[i] != expected::<T>(op, me * rcount + i, n)).count(),
-        CollKind::Broadcast => (0..rcount).filter(|&i| r[i] != T::from_i(pattern(op, root, i, n))).count(),
-        CollKind::AllGather => (0..rcount).filter(|&i| r[i] != T::from_i(pattern(op, i / scount.max(1), i % scount.max(1), n))).count(),
+        CollKind::AllReduce => (0..rcount)
+            .filter(|&i| r[i] != expected::<T>(op, i, n))
+            .count(),
+        CollKind::Reduce if me == root => (0..rcount)
+            .filter(|&i| r[i] != expected::<T>(op, i, n))
+            .count(),
+        CollKind::ReduceScatter => (0..rcount)
+            .filter(|&i| r[i] != expected::<T>(op, me * rcount + i, n))
+            .count(),
+        CollKind::Broadcast => (0..rcount)
+            .filter(|&i| r[i] != T::from_i(pattern(op, root, i, n)))
+            .count(),
+        CollKind::AllGather => (0..rcount)
+            .filter(|&i| r[i] != T::from_i(pattern(op, i / scount.max(1), i % scount.max(1), n)))
+            .count(),
         CollKind::AllToAll => {
             let c = rcount / n;
-            (0..rcount).filter(|&i| r[i] != T::from_i(pattern(op, i / c.max(1), me * c + i % c.max(1), n))).count()
+            (0..rcount)
+                .filter(|&i| r[i] != T::from_i(pattern(op, i / c.max(1), me * c + i % c.max(1), n)))
+                .count()
         }
-        CollKind::Scatter => (0..rcount).filter(|&i| r[i] != T::from_i(pattern(op, root, me * rcount + i, n))).count(),
-        CollKind::Send if me < 2 => (0..rcount).filter(|&i| r[i] != T::from_i(pattern(op, 1 - me, i, n))).count(),
-        CollKind::Gather if me == root => {
-            (0..rcount).filter(|&i| r[i] != T::from_i(pattern(op, i / scount.max(1), i % scount.max(1), n))).count()
-        }
+        CollKind::Scatter => (0..rcount)
+            .filter(|&i| r[i] != T::from_i(pattern(op, root, me * rcount + i, n)))
+            .count(),
+        CollKind::Send if me < 2 => (0..rcount)
+            .filter(|&i| r[i] != T::from_i(pattern(op, 1 - me, i, n)))
+            .count(),
+        CollKind::Gather if me == root => (0..rcount)
+            .filter(|&i| r[i] != T::from_i(pattern(op, i / scount.max(1), i % scount.max(1), n)))
+            .count(),
         _ => 0,
     }
 }
@@ -456,33 +537,50 @@ fn one_size<T: BenchElem>(
     let esz = std::mem::size_of::<T>();
     let (op, root) = (a.redop, a.root);
     let (scount, rcount) = counts(a.op, bytes, esz, n)?;
-    let iters = if a.iters > 0 { a.iters } else { ((4usize << 30) / bytes.max(1)).clamp(9, 2000) };
+    let iters = if a.iters > 0 {
+        a.iters
+    } else {
+        ((4usize << 30) / bytes.max(1)).clamp(9, 2000)
+    };
     // Ping-pong reports the one-way latency: half the round trip (as osu_latency).
     let per_call = if a.op == CollKind::Send { 0.5 } else { 1.0 };
 
-    let send_data: Vec<T> = (0..scount).map(|i| T::from_i(pattern(op, me, i, n))).collect();
+    let send_data: Vec<T> = (0..scount)
+        .map(|i| T::from_i(pattern(op, me, i, n)))
+        .collect();
     let send: Buf<T> = Buf::new(comm, send_data.clone(), place)?;
     let mut recv: Buf<T> = Buf::new(comm, vec![T::default(); rcount], place)?;
-    let call = |comm: &mut Communicator, send: &Buf<T>, recv: &mut Buf<T>| -> Result<(), CommError> {
-        match a.op {
-            CollKind::AllReduce => comm.all_reduce(send.b(), recv.m(), op),
-            CollKind::Broadcast => comm.broadcast(send.b(), recv.m(), root),
-            CollKind::Reduce => comm.reduce(send.b(), recv.m(), op, root),
-            CollKind::AllGather => comm.all_gather(send.b(), recv.m()),
-            CollKind::Gather => comm.gather(send.b(), recv.m(), root),
-            CollKind::ReduceScatter => comm.reduce_scatter(send.b(), recv.m(), op),
-            CollKind::Barrier => comm.barrier(),
-            CollKind::AllToAll => comm.all_to_all(send.b(), recv.m()),
-            CollKind::Scatter => comm.scatter(send.b(), recv.m(), root),
-            CollKind::Send if me == 0 => comm.send(send.b(), 1).and_then(|_| comm.recv(recv.m(), 1)),
-            CollKind::Send if me == 1 => comm.recv(recv.m(), 0).and_then(|_| comm.send(send.b(), 0)),
-            CollKind::Send => Ok(()),
-            other => Err(CommError::Unsupported(format!("lockstep bench does not time {other}"))),
-        }
-    };
+    let call =
+        |comm: &mut Communicator, send: &Buf<T>, recv: &mut Buf<T>| -> Result<(), CommError> {
+            match a.op {
+                CollKind::AllReduce => comm.all_reduce(send.b(), recv.m(), op),
+                CollKind::Broadcast => comm.broadcast(send.b(), recv.m(), root),
+                CollKind::Reduce => comm.reduce(send.b(), recv.m(), op, root),
+                CollKind::AllGather => comm.all_gather(send.b(), recv.m()),
+                CollKind::Gather => comm.gather(send.b(), recv.m(), root),
+                CollKind::ReduceScatter => comm.reduce_scatter(send.b(), recv.m(), op),
+                CollKind::Barrier => comm.barrier(),
+                CollKind::AllToAll => comm.all_to_all(send.b(), recv.m()),
+                CollKind::Scatter => comm.scatter(send.b(), recv.m(), root),
+                CollKind::Send if me == 0 => {
+                    comm.send(send.b(), 1).and_then(|_| comm.recv(recv.m(), 1))
+                }
+                CollKind::Send if me == 1 => {
+                    comm.recv(recv.m(), 0).and_then(|_| comm.send(send.b(), 0))
+                }
+                CollKind::Send => Ok(()),
+                other => Err(CommError::Unsupported(format!(
+                    "lockstep bench does not time {other}"
+                ))),
+            }
+        };
     let (t, t99) = time_calls(comm, a, iters, |c| call(c, &send, &mut recv))?;
     // The inputs never change, so the last call's output is the one to verify.
-    let wrong = if a.check { count_wrong(a, &recv.host(place)?, me, n, scount) } else { 0 };
+    let wrong = if a.check {
+        count_wrong(a, &recv.host(place)?, me, n, scount)
+    } else {
+        0
+    };
     let oop = (t * 1e6 * per_call, wrong as u64, t99 * 1e6 * per_call);
     drop(recv);
     drop(send);
@@ -508,7 +606,9 @@ fn one_size<T: BenchElem>(
             CollKind::Reduce => comm.reduce_in_place(buf.m(), op, root),
             CollKind::AllGather => comm.all_gather_in_place(buf.m()),
             CollKind::ReduceScatter => comm.reduce_scatter_in_place(buf.m(), op),
-            other => Err(CommError::Unsupported(format!("lockstep bench has no in-place {other}"))),
+            other => Err(CommError::Unsupported(format!(
+                "lockstep bench has no in-place {other}"
+            ))),
         }
     };
     // The timed calls reduce their own outputs again (values drift, as in nccl-tests); the
@@ -520,7 +620,11 @@ fn one_size<T: BenchElem>(
         call_in_place(comm, &mut buf)?;
         comm.synchronize()?;
         let r = buf.host(place)?;
-        let out = if a.op == CollKind::ReduceScatter { &r[me * rcount..(me + 1) * rcount] } else { &r[..] };
+        let out = if a.op == CollKind::ReduceScatter {
+            &r[me * rcount..(me + 1) * rcount]
+        } else {
+            &r[..]
+        };
         count_wrong(a, out, me, n, scount)
     } else {
         0
@@ -536,9 +640,21 @@ fn rank_main<T: BenchElem>(ctx: RankContext, a: &BenchOptions) -> RankResult<Ran
         // NCCL on this rank's device, or staging through shared memory when ranks share a GPU.
         let (dev, cx) = lockstep::rendezvous::device_communicator(ctx.comm, ctx.local_rank)?;
         let stream = cx.stream().map_err(cuda_err)?;
-        (dev, Place { buffers: a.buffers, device: Some((cx, stream)) })
+        (
+            dev,
+            Place {
+                buffers: a.buffers,
+                device: Some((cx, stream)),
+            },
+        )
     } else {
-        (ctx.comm, Place { buffers: a.buffers, device: None })
+        (
+            ctx.comm,
+            Place {
+                buffers: a.buffers,
+                device: None,
+            },
+        )
     };
     let mut out = Vec::new();
     for bytes in sizes(a, std::mem::size_of::<T>(), n) {
@@ -550,25 +666,48 @@ fn rank_main<T: BenchElem>(ctx: RankContext, a: &BenchOptions) -> RankResult<Ran
 /// Check the options before anything starts.
 fn validate(a: &BenchOptions) -> Result<(), String> {
     if a.device != "cpu" && a.device != "cuda" {
-        return Err(format!("--device {}: expected cpu (shared memory) or cuda (NCCL)", a.device));
+        return Err(format!(
+            "--device {}: expected cpu (shared memory) or cuda (NCCL)",
+            a.device
+        ));
     }
     if a.nprocs == 0 {
         return Err("--nprocs 0: the benchmark needs at least 1 rank".into());
     }
-    if !matches!(a.redop, ReduceOp::Sum | ReduceOp::Prod | ReduceOp::Min | ReduceOp::Max | ReduceOp::Avg) {
-        return Err(format!("-o {:?}: lockstep bench verifies sum, prod, min, max and avg only", a.redop));
+    if !matches!(
+        a.redop,
+        ReduceOp::Sum | ReduceOp::Prod | ReduceOp::Min | ReduceOp::Max | ReduceOp::Avg
+    ) {
+        return Err(format!(
+            "-o {:?}: lockstep bench verifies sum, prod, min, max and avg only",
+            a.redop
+        ));
     }
     if a.op == CollKind::Send && a.nprocs < 2 {
-        return Err("--op pingpong needs --nprocs 2 (or more: ranks 0 and 1 exchange, the others wait)".into());
+        return Err(
+            "--op pingpong needs --nprocs 2 (or more: ranks 0 and 1 exchange, the others wait)"
+                .into(),
+        );
     }
     if a.factor < 2 && a.sizes.is_empty() && a.min_bytes < a.max_bytes {
-        return Err(format!("-f {}: the step factor must be at least 2 (sizes grow from -b to -e by it)", a.factor));
+        return Err(format!(
+            "-f {}: the step factor must be at least 2 (sizes grow from -b to -e by it)",
+            a.factor
+        ));
     }
     if a.sizes.is_empty() && a.min_bytes > a.max_bytes && a.op != CollKind::Barrier {
-        return Err(format!("-b {} is larger than -e {}: no size to time", a.min_bytes, a.max_bytes));
+        return Err(format!(
+            "-b {} is larger than -e {}: no size to time",
+            a.min_bytes, a.max_bytes
+        ));
     }
     if is_rooted(a.op) && a.root >= a.nprocs {
-        return Err(format!("--root {} is not a rank of {} (use 0 to {})", a.root, a.nprocs, a.nprocs - 1));
+        return Err(format!(
+            "--root {} is not a rank of {} (use 0 to {})",
+            a.root,
+            a.nprocs,
+            a.nprocs - 1
+        ));
     }
     Ok(())
 }
@@ -596,9 +735,19 @@ pub fn measure(a: &BenchOptions) -> Result<Vec<Row>, String> {
     let timing = |bytes: usize, ms: Vec<Measured>| {
         // The slowest rank's median time, and every rank's wrong elements.
         let t = ms.iter().map(|m| m.0).fold(0.0, f64::max);
-        let algbw = if t > 0.0 { bytes as f64 / (t * 1e-6) / 1e9 } else { 0.0 };
+        let algbw = if t > 0.0 {
+            bytes as f64 / (t * 1e-6) / 1e9
+        } else {
+            0.0
+        };
         let p99_us = ms.iter().map(|m| m.2).fold(0.0, f64::max);
-        Timing { time_us: t, p99_us, algbw, busbw: algbw * bus_factor(a.op, n), wrong: a.check.then(|| ms.iter().map(|m| m.1).sum()) }
+        Timing {
+            time_us: t,
+            p99_us,
+            algbw,
+            busbw: algbw * bus_factor(a.op, n),
+            wrong: a.check.then(|| ms.iter().map(|m| m.1).sum()),
+        }
     };
     let rows = sizes(a, esz, n)
         .into_iter()
@@ -623,13 +772,21 @@ fn title(a: &BenchOptions) -> String {
     format!(
         "lockstep bench: {} ranks, {} on {} buffers, backend {}",
         a.nprocs,
-        if a.op == CollKind::Send { "pingpong (send/recv between ranks 0 and 1, one-way time)" } else { a.op.name() },
+        if a.op == CollKind::Send {
+            "pingpong (send/recv between ranks 0 and 1, one-way time)"
+        } else {
+            a.op.name()
+        },
         match (a.device.as_str(), a.buffers) {
             ("cuda", _) => "device",
             (_, Buffers::Ordinary) => "ordinary",
             (_, Buffers::Shared) => "shared",
         },
-        if a.device == "cuda" { "nccl (or shm staging when ranks share a GPU)" } else { "shm" }
+        if a.device == "cuda" {
+            "nccl (or shm staging when ranks share a GPU)"
+        } else {
+            "shm"
+        }
     )
 }
 
@@ -658,26 +815,50 @@ pub fn render(a: &BenchOptions, rows: &[Row], format: Format) -> String {
 /// wrong elements and the average bus bandwidth; a barrier as its latency alone.
 pub fn table(a: &BenchOptions, rows: &[Row]) -> String {
     let mut s = format!("# {}\n", title(a));
-    let iters = if a.iters > 0 { a.iters.to_string() } else { "auto".into() };
+    let iters = if a.iters > 0 {
+        a.iters.to_string()
+    } else {
+        "auto".into()
+    };
     let wrong = wrong_total(rows);
     let ok = if wrong == 0 { "OK" } else { "FAILED" };
     if a.op == CollKind::Barrier {
-        s += &format!("# warmup iters: {} iters: {iters} validation: {}\n#\n", a.warmup, a.check as u8);
+        s += &format!(
+            "# warmup iters: {} iters: {iters} validation: {}\n#\n",
+            a.warmup, a.check as u8
+        );
         s += &format!("# {:>10}\n# {:>10}\n", "time", "(us)");
         for r in rows {
             s += &format!("  {:>10.2}\n", r.out_of_place.time_us);
         }
-        let avg = rows.iter().map(|r| r.out_of_place.time_us).sum::<f64>() / rows.len().max(1) as f64;
+        let avg =
+            rows.iter().map(|r| r.out_of_place.time_us).sum::<f64>() / rows.len().max(1) as f64;
         s += &format!("# Avg latency          : {avg:.2} us\n");
         return s;
     }
     let range = if a.sizes.is_empty() {
-        format!("minBytes {} maxBytes {} step: {}(factor)", a.min_bytes, a.max_bytes, a.factor)
+        format!(
+            "minBytes {} maxBytes {} step: {}(factor)",
+            a.min_bytes, a.max_bytes, a.factor
+        )
     } else {
-        format!("sizes {}", a.sizes.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(","))
+        format!(
+            "sizes {}",
+            a.sizes
+                .iter()
+                .map(|x| x.to_string())
+                .collect::<Vec<_>>()
+                .join(",")
+        )
     };
-    s += &format!("# {range} warmup iters: {} iters: {iters} validation: {}\n#\n", a.warmup, a.check as u8);
-    s += &format!("# {:>10}  {:>12}  {:>8}  {:>6}  {:>6}  {:^31}  {:^31}\n", "", "", "", "", "", "out-of-place", "in-place");
+    s += &format!(
+        "# {range} warmup iters: {} iters: {iters} validation: {}\n#\n",
+        a.warmup, a.check as u8
+    );
+    s += &format!(
+        "# {:>10}  {:>12}  {:>8}  {:>6}  {:>6}  {:^31}  {:^31}\n",
+        "", "", "", "", "", "out-of-place", "in-place"
+    );
     s += &format!(
         "# {:>10}  {:>12}  {:>8}  {:>6}  {:>6}  {:>7}  {:>6}  {:>6}  {:>6}  {:>7}  {:>6}  {:>6}  {:>6}\n",
         "size", "count", "type", "redop", "root", "time", "algbw", "busbw", "#wrong", "time", "algbw", "busbw", "#wrong"
@@ -687,12 +868,25 @@ pub fn table(a: &BenchOptions, rows: &[Row]) -> String {
         "(B)", "(elements)", "", "", "", "(us)", "(GB/s)", "(GB/s)", "", "(us)", "(GB/s)", "(GB/s)", ""
     );
     let cell = |t: Option<Timing>| match t {
-        Some(t) => format!("  {:>7}  {:>6.2}  {:>6.2}  {:>6}", time_text(t.time_us), t.algbw, t.busbw, wrong_text(t.wrong)),
+        Some(t) => format!(
+            "  {:>7}  {:>6.2}  {:>6.2}  {:>6}",
+            time_text(t.time_us),
+            t.algbw,
+            t.busbw,
+            wrong_text(t.wrong)
+        ),
         None => format!("  {:>7}  {:>6}  {:>6}  {:>6}", "N/A", "N/A", "N/A", "N/A"),
     };
     for r in rows {
         let root = r.root.map(|x| x as i64).unwrap_or(-1);
-        s += &format!("  {:>10}  {:>12}  {:>8}  {:>6}  {:>6}", r.bytes, r.count, a.dtype.to_string(), redop_name(a), root);
+        s += &format!(
+            "  {:>10}  {:>12}  {:>8}  {:>6}  {:>6}",
+            r.bytes,
+            r.count,
+            a.dtype.to_string(),
+            redop_name(a),
+            root
+        );
         s += &cell(Some(r.out_of_place));
         s += &cell(r.in_place);
         s += "\n";
@@ -720,11 +914,21 @@ pub fn csv(a: &BenchOptions, rows: &[Row]) -> String {
         "op,ranks,size_bytes,count,type,redop,root,oop_time_us,oop_algbw_gbs,oop_busbw_gbs,oop_wrong,ip_time_us,ip_algbw_gbs,ip_busbw_gbs,ip_wrong,oop_p99_us,ip_p99_us\n",
     );
     let cells = |t: Option<Timing>| match t {
-        Some(t) => format!("{:.3},{:.4},{:.4},{}", t.time_us, t.algbw, t.busbw, t.wrong.map(|w| w.to_string()).unwrap_or_default()),
+        Some(t) => format!(
+            "{:.3},{:.4},{:.4},{}",
+            t.time_us,
+            t.algbw,
+            t.busbw,
+            t.wrong.map(|w| w.to_string()).unwrap_or_default()
+        ),
         None => ",,,".into(),
     };
     let p99 = |t: Option<Timing>| t.map(|t| format!("{:.3}", t.p99_us)).unwrap_or_default();
-    let op = if a.op == CollKind::Send { "pingpong" } else { a.op.name() };
+    let op = if a.op == CollKind::Send {
+        "pingpong"
+    } else {
+        a.op.name()
+    };
     for r in rows {
         let root = r.root.map(|x| x.to_string()).unwrap_or_default();
         s += &format!(
@@ -761,7 +965,9 @@ pub fn json(a: &BenchOptions, rows: &[Row]) -> String {
             json_num(t.p99_us),
             json_num(t.algbw),
             json_num(t.busbw),
-            t.wrong.map(|w| w.to_string()).unwrap_or_else(|| "null".into())
+            t.wrong
+                .map(|w| w.to_string())
+                .unwrap_or_else(|| "null".into())
         ),
         None => "null".into(),
     };
@@ -778,7 +984,11 @@ pub fn json(a: &BenchOptions, rows: &[Row]) -> String {
             )
         })
         .collect();
-    let op = if a.op == CollKind::Send { "pingpong" } else { a.op.name() };
+    let op = if a.op == CollKind::Send {
+        "pingpong"
+    } else {
+        a.op.name()
+    };
     format!(
         "{{\"op\":\"{op}\",\"ranks\":{},\"type\":\"{}\",\"redop\":\"{}\",\"device\":\"{}\",\"warmup\":{},\"iters\":{},\"check\":{},\"rows\":[{}],\"wrong\":{},\"avg_busbw_gbs\":{}}}\n",
         a.nprocs,
@@ -806,48 +1016,133 @@ mod tests {
         assert_eq!(parse_size("128m"), Ok(128 << 20));
         assert_eq!(parse_size("2G"), Ok(2 << 30));
         for bad in ["", "M", "1.5M", "-8", "8KB", "8 K", "0x10"] {
-            assert!(parse_size(bad).unwrap_err().contains("is not a size"), "{bad:?}");
+            assert!(
+                parse_size(bad).unwrap_err().contains("is not a size"),
+                "{bad:?}"
+            );
         }
     }
 
     #[test]
     fn size_rows() {
-        let a = BenchOptions { min_bytes: 0, max_bytes: 64, factor: 4, ..Default::default() };
+        let a = BenchOptions {
+            min_bytes: 0,
+            max_bytes: 64,
+            factor: 4,
+            ..Default::default()
+        };
         assert_eq!(sizes(&a, 4, 2), vec![0, 4, 16, 64]);
-        let a = BenchOptions { min_bytes: 8, max_bytes: 1 << 20, factor: 32, ..Default::default() };
+        let a = BenchOptions {
+            min_bytes: 8,
+            max_bytes: 1 << 20,
+            factor: 32,
+            ..Default::default()
+        };
         assert_eq!(sizes(&a, 4, 2), vec![8, 256, 8192, 262144]);
-        let a = BenchOptions { op: CollKind::AllGather, sizes: vec![0, 1, 100], ..Default::default() };
+        let a = BenchOptions {
+            op: CollKind::AllGather,
+            sizes: vec![0, 1, 100],
+            ..Default::default()
+        };
         assert_eq!(sizes(&a, 4, 4), vec![0, 16, 96]);
-        let a = BenchOptions { op: CollKind::Barrier, sizes: vec![8, 16], ..Default::default() };
+        let a = BenchOptions {
+            op: CollKind::Barrier,
+            sizes: vec![8, 16],
+            ..Default::default()
+        };
         assert_eq!(sizes(&a, 4, 2), vec![0]);
-        let a = BenchOptions { min_bytes: 8, max_bytes: usize::MAX, ..Default::default() };
+        let a = BenchOptions {
+            min_bytes: 8,
+            max_bytes: usize::MAX,
+            ..Default::default()
+        };
         assert!(sizes(&a, 4, 2).len() < 70);
     }
 
     #[test]
     fn rendering() {
-        let t = Timing { time_us: 10.0, p99_us: 12.0, algbw: 1.0, busbw: 2.0, wrong: Some(0) };
+        let t = Timing {
+            time_us: 10.0,
+            p99_us: 12.0,
+            algbw: 1.0,
+            busbw: 2.0,
+            wrong: Some(0),
+        };
         let rows = vec![
-            Row { bytes: 0, count: 0, root: Some(1), out_of_place: Timing { algbw: 0.0, busbw: 0.0, ..t }, in_place: None },
-            Row { bytes: 1024, count: 256, root: Some(1), out_of_place: t, in_place: Some(Timing { busbw: 4.0, wrong: None, ..t }) },
+            Row {
+                bytes: 0,
+                count: 0,
+                root: Some(1),
+                out_of_place: Timing {
+                    algbw: 0.0,
+                    busbw: 0.0,
+                    ..t
+                },
+                in_place: None,
+            },
+            Row {
+                bytes: 1024,
+                count: 256,
+                root: Some(1),
+                out_of_place: t,
+                in_place: Some(Timing {
+                    busbw: 4.0,
+                    wrong: None,
+                    ..t
+                }),
+            },
         ];
-        let a = BenchOptions { op: CollKind::Broadcast, root: 1, ..Default::default() };
+        let a = BenchOptions {
+            op: CollKind::Broadcast,
+            root: 1,
+            ..Default::default()
+        };
         assert_eq!(avg_busbw(&rows), 2.0);
         let text = table(&a, &rows);
-        assert!(text.contains("out-of-place") && text.contains("in-place") && text.contains("root"), "{text}");
+        assert!(
+            text.contains("out-of-place") && text.contains("in-place") && text.contains("root"),
+            "{text}"
+        );
         assert!(text.contains("# Avg bus bandwidth    : 2.0000"), "{text}");
-        let line = text.lines().find(|l| l.trim_start().starts_with("1024")).unwrap();
+        let line = text
+            .lines()
+            .find(|l| l.trim_start().starts_with("1024"))
+            .unwrap();
         let cols: Vec<&str> = line.split_whitespace().collect();
-        assert_eq!(cols, ["1024", "256", "f32", "none", "1", "10.00", "1.00", "2.00", "0", "10.00", "1.00", "4.00", "N/A"], "{line}");
+        assert_eq!(
+            cols,
+            [
+                "1024", "256", "f32", "none", "1", "10.00", "1.00", "2.00", "0", "10.00", "1.00",
+                "4.00", "N/A"
+            ],
+            "{line}"
+        );
         let csv = csv(&a, &rows);
         assert_eq!(csv.lines().count(), 3);
-        assert_eq!(csv.lines().nth(1).unwrap().split(',').count(), csv.lines().next().unwrap().split(',').count());
-        assert!(csv.lines().nth(2).unwrap().ends_with(",12.000,12.000"), "{csv}");
+        assert_eq!(
+            csv.lines().nth(1).unwrap().split(',').count(),
+            csv.lines().next().unwrap().split(',').count()
+        );
+        assert!(
+            csv.lines().nth(2).unwrap().ends_with(",12.000,12.000"),
+            "{csv}"
+        );
         let j = json(&a, &rows);
-        assert!(j.starts_with("{\"op\":\"broadcast\"") && j.contains("\"in_place\":null") && j.contains("\"avg_busbw_gbs\":2"), "{j}");
+        assert!(
+            j.starts_with("{\"op\":\"broadcast\"")
+                && j.contains("\"in_place\":null")
+                && j.contains("\"avg_busbw_gbs\":2"),
+            "{j}"
+        );
         assert!(j.contains("\"time_us\":10,\"p99_us\":12,"), "{j}");
-        let b = BenchOptions { op: CollKind::Barrier, ..Default::default() };
+        let b = BenchOptions {
+            op: CollKind::Barrier,
+            ..Default::default()
+        };
         let text = table(&b, &rows[..1]);
-        assert!(!text.contains("busbw") && !text.contains("size") && text.contains("Avg latency"), "{text}");
+        assert!(
+            !text.contains("busbw") && !text.contains("size") && text.contains("Avg latency"),
+            "{text}"
+        );
     }
 }

@@ -23,7 +23,11 @@ pub mod bench;
 mod logging;
 
 #[derive(Parser, Debug)]
-#[command(name = "lockstep", version, about = "Collective-communication runtime: launcher and tools")]
+#[command(
+    name = "lockstep",
+    version,
+    about = "Collective-communication runtime: launcher and tools"
+)]
 struct Cli {
     /// More diagnostics (-v debug, -vv trace); LOCKSTEP_LOG=FILTER overrides.
     #[arg(short, long, action = clap::ArgAction::Count, global = true)]
@@ -179,7 +183,9 @@ fn bench(a: BenchArgs) -> Result<i32, String> {
 
 /// Warn when more ranks than CPUs would run on this node.
 fn warn_oversubscribed(ranks: usize) {
-    let cpus = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    let cpus = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
     if ranks > cpus {
         eprintln!(
             "lockstep: warning: {ranks} ranks on {cpus} available CPU(s): ranks will share CPUs and collectives will be slow; use at most {cpus}"
@@ -480,7 +486,10 @@ fn parse_ranks(s: &str) -> Result<Vec<usize>, String> {
         let bad = || format!("--ranks-filter: {part:?} is not a rank or a range like 0-3");
         match part.split_once('-') {
             Some((a, b)) => {
-                let (a, b): (usize, usize) = (a.trim().parse().map_err(|_| bad())?, b.trim().parse().map_err(|_| bad())?);
+                let (a, b): (usize, usize) = (
+                    a.trim().parse().map_err(|_| bad())?,
+                    b.trim().parse().map_err(|_| bad())?,
+                );
                 if a > b {
                     return Err(bad());
                 }
@@ -496,7 +505,9 @@ fn parse_ranks(s: &str) -> Result<Vec<usize>, String> {
 
 fn secs(name: &str, s: f64) -> Result<Duration, String> {
     if !(s.is_finite() && s >= 0.0) {
-        return Err(format!("{name} must be a non-negative number of seconds, got {s}"));
+        return Err(format!(
+            "{name} must be a non-negative number of seconds, got {s}"
+        ));
     }
     Ok(Duration::from_secs_f64(s))
 }
@@ -504,18 +515,25 @@ fn secs(name: &str, s: f64) -> Result<Duration, String> {
 /// --rdzv-timeout-s, else LOCKSTEP_RDZV_TIMEOUT_S, else 60 s; it must be greater than 0.
 fn rdzv_timeout(flag: Option<f64>) -> Result<Duration, String> {
     let Some(s) = flag else {
-        let env = lockstep::types::env::RDZV_TIMEOUT_S.secs().map_err(|e| e.to_string())?;
+        let env = lockstep::types::env::RDZV_TIMEOUT_S
+            .secs()
+            .map_err(|e| e.to_string())?;
         return Ok(env.unwrap_or(Duration::from_secs(60)));
     };
     if !(s.is_finite() && s > 0.0 && s <= lockstep::types::env::MAX_SECS) {
-        return Err(format!("--rdzv-timeout-s must be a number of seconds greater than 0, got {s}"));
+        return Err(format!(
+            "--rdzv-timeout-s must be a number of seconds greater than 0, got {s}"
+        ));
     }
     Ok(Duration::from_secs_f64(s))
 }
 
 /// The job token from --token, --token-file or LOCKSTEP_TOKEN (in that order), with warnings
 /// where other users may read it.
-fn job_token(token: Option<String>, token_file: Option<&std::path::Path>) -> Result<Option<String>, String> {
+fn job_token(
+    token: Option<String>,
+    token_file: Option<&std::path::Path>,
+) -> Result<Option<String>, String> {
     if let Some(t) = token {
         eprintln!(
             "lockstep: warning: --token puts the job token on the command line, where every user of this machine can read it (`ps`, /proc/PID/cmdline); pass it through LOCKSTEP_TOKEN or --token-file instead"
@@ -541,8 +559,16 @@ fn job_token(token: Option<String>, token_file: Option<&std::path::Path>) -> Res
 
 /// Tell the user how to start the other nodes with the token node 0 generated.
 fn announce_token(spec: &lockstep::launch::JobSpec, token: &str) {
-    let program: Vec<String> = spec.program.iter().map(|a| a.to_string_lossy().into_owned()).collect();
-    let nodes = if spec.nnodes == 2 { "1".to_string() } else { format!("1..{}", spec.nnodes - 1) };
+    let program: Vec<String> = spec
+        .program
+        .iter()
+        .map(|a| a.to_string_lossy().into_owned())
+        .collect();
+    let nodes = if spec.nnodes == 2 {
+        "1".to_string()
+    } else {
+        format!("1..{}", spec.nnodes - 1)
+    };
     eprintln!(
         "lockstep: no job token was given, so node 0 generated one. Start the launchers of node(s) {nodes} with it, through the environment (not --token: other users can read command lines with `ps`):
   LOCKSTEP_TOKEN={token} lockstep launch --nproc-per-node {} --nnodes {} --node-rank <N> --master-addr {} --master-port {} -- {}
@@ -576,9 +602,18 @@ impl Gpus {
 /// value is an error naming it, never ignored).
 fn env_master() -> Result<(Option<String>, Option<u16>), String> {
     use lockstep::types::env;
-    let addr = env::raw("MASTER_ADDR").map_err(|e| e.to_string())?.map(|v| env::parse_text("MASTER_ADDR", &v)).transpose();
-    let port = env::raw("MASTER_PORT").map_err(|e| e.to_string())?.map(|v| env::parse_count("MASTER_PORT", &v, 1, 65535)).transpose();
-    Ok((addr.map_err(|e| e.to_string())?, port.map_err(|e| e.to_string())?.map(|p| p as u16)))
+    let addr = env::raw("MASTER_ADDR")
+        .map_err(|e| e.to_string())?
+        .map(|v| env::parse_text("MASTER_ADDR", &v))
+        .transpose();
+    let port = env::raw("MASTER_PORT")
+        .map_err(|e| e.to_string())?
+        .map(|v| env::parse_count("MASTER_PORT", &v, 1, 65535))
+        .transpose();
+    Ok((
+        addr.map_err(|e| e.to_string())?,
+        port.map_err(|e| e.to_string())?.map(|p| p as u16),
+    ))
 }
 
 fn launch(a: LaunchArgs, file: Option<&Path>) -> Result<i32, String> {
@@ -587,7 +622,10 @@ fn launch(a: LaunchArgs, file: Option<&Path>) -> Result<i32, String> {
     let mut gpus = Gpus(None);
     let nnodes = a.nnodes.or(cfg.num_machines).unwrap_or(1);
     if nnodes == 0 {
-        return Err("--nnodes 0: a job runs on at least 1 node (leave --nnodes out for a single-node job)".into());
+        return Err(
+            "--nnodes 0: a job runs on at least 1 node (leave --nnodes out for a single-node job)"
+                .into(),
+        );
     }
     if a.standalone && nnodes > 1 {
         return Err(format!(
@@ -606,40 +644,70 @@ fn launch(a: LaunchArgs, file: Option<&Path>) -> Result<i32, String> {
             total / nnodes
         }
         (None, Some(p)) => p.per_machine(&mut gpus)?,
-        (None, None) => cfg.processes_per_machine().unwrap_or(config::DEFAULT_NUM_PROCESSES),
+        (None, None) => cfg
+            .processes_per_machine()
+            .unwrap_or(config::DEFAULT_NUM_PROCESSES),
     };
     let (env_addr, env_port) = env_master()?;
-    let master_addr = a.master_addr.or(env_addr).or(cfg.main_process_ip.clone()).unwrap_or_else(|| config::DEFAULT_MAIN_PROCESS_IP.into());
-    let master_port = a.master_port.or(env_port).or(cfg.main_process_port).unwrap_or(config::DEFAULT_MAIN_PROCESS_PORT);
+    let master_addr = a
+        .master_addr
+        .or(env_addr)
+        .or(cfg.main_process_ip.clone())
+        .unwrap_or_else(|| config::DEFAULT_MAIN_PROCESS_IP.into());
+    let master_port = a
+        .master_port
+        .or(env_port)
+        .or(cfg.main_process_port)
+        .unwrap_or(config::DEFAULT_MAIN_PROCESS_PORT);
 
     let mut rank_env = Vec::new();
     // The backend: the flag, else LOCKSTEP_BACKEND (the ranks inherit it), else the file's.
-    let env_backend = lockstep::types::env::BACKEND.choice().map_err(|e| e.to_string())?;
+    let env_backend = lockstep::types::env::BACKEND
+        .choice()
+        .map_err(|e| e.to_string())?;
     let chosen = match (a.backend, env_backend, cfg.backend) {
         (Some(b), _, _) => Some((b, "--backend".to_string())),
         (None, Some(e), file_backend) => {
             if let Some(f) = file_backend.filter(|f| f.name() != e) {
-                tracing::info!("LOCKSTEP_BACKEND={e} overrides backend = \"{f}\" of {}", loaded.path.display());
+                tracing::info!(
+                    "LOCKSTEP_BACKEND={e} overrides backend = \"{f}\" of {}",
+                    loaded.path.display()
+                );
             }
             None
         }
-        (None, None, Some(b)) => Some((b, format!("backend = \"{b}\" of {}", loaded.path.display()))),
+        (None, None, Some(b)) => {
+            Some((b, format!("backend = \"{b}\" of {}", loaded.path.display())))
+        }
         (None, None, None) => None,
     };
     if let Some((b, from)) = chosen {
-        let n = if b == BackendChoice::Auto { gpus.get(&format!("{from} (auto)"))? } else { 0 };
+        let n = if b == BackendChoice::Auto {
+            gpus.get(&format!("{from} (auto)"))?
+        } else {
+            0
+        };
         let resolved = b.resolve(n);
         tracing::debug!("the ranks use the {resolved} backend ({from})");
         rank_env.push(("LOCKSTEP_BACKEND".to_string(), resolved.to_string()));
     }
     // Accelerate in the ranks reads its precision from here, as under `accelerate launch`.
     if let Some(mp) = a.mixed_precision.or(cfg.mixed_precision) {
-        rank_env.push(("ACCELERATE_MIXED_PRECISION".to_string(), mp.name().to_string()));
+        rank_env.push((
+            "ACCELERATE_MIXED_PRECISION".to_string(),
+            mp.name().to_string(),
+        ));
     }
     // The ranks (train-cnn) read the same file, wherever it was named.
     if loaded.exists {
-        let abs = std::path::absolute(&loaded.path).map_err(|e| format!("cannot resolve {}: {e}", loaded.path.display()))?;
-        let abs = abs.to_str().ok_or_else(|| format!("the config file path {} is not UTF-8; use another path", abs.display()))?;
+        let abs = std::path::absolute(&loaded.path)
+            .map_err(|e| format!("cannot resolve {}: {e}", loaded.path.display()))?;
+        let abs = abs.to_str().ok_or_else(|| {
+            format!(
+                "the config file path {} is not UTF-8; use another path",
+                abs.display()
+            )
+        })?;
         rank_env.push(("LOCKSTEP_CONFIG".to_string(), abs.to_string()));
     }
     let token = job_token(a.token, a.token_file.as_deref())?;
@@ -686,16 +754,24 @@ fn selftest(a: SelftestArgs) -> Result<i32, String> {
         buf.iter_mut().for_each(|x| *x = (rank + 1) as f32);
         match &device {
             Some(stream) => {
-                let mut d = lockstep::cuda::DeviceBuffer::from_host(stream, &buf).map_err(|e| e.to_string())?;
+                let mut d = lockstep::cuda::DeviceBuffer::from_host(stream, &buf)
+                    .map_err(|e| e.to_string())?;
                 stream.synchronize().map_err(|e| e.to_string())?;
-                comm.all_reduce_in_place(&mut d, lockstep::ReduceOp::Sum).map_err(|e| e.to_string())?;
+                comm.all_reduce_in_place(&mut d, lockstep::ReduceOp::Sum)
+                    .map_err(|e| e.to_string())?;
                 comm.synchronize().map_err(|e| e.to_string())?;
                 buf = d.to_vec(stream).map_err(|e| e.to_string())?;
             }
-            None => comm.all_reduce_in_place(&mut buf[..], lockstep::ReduceOp::Sum).map_err(|e| e.to_string())?,
+            None => comm
+                .all_reduce_in_place(&mut buf[..], lockstep::ReduceOp::Sum)
+                .map_err(|e| e.to_string())?,
         }
         if let Some(i) = buf.iter().position(|x| *x != expect) {
-            return Err(format!("selftest: rank {rank}, all-reduce #{}: element {i} is {} but should be {expect}", it + 1, buf[i]));
+            return Err(format!(
+                "selftest: rank {rank}, all-reduce #{}: element {i} is {} but should be {expect}",
+                it + 1,
+                buf[i]
+            ));
         }
     }
     comm.barrier().map_err(|e| e.to_string())?;
@@ -722,15 +798,25 @@ struct Asker<R: BufRead> {
 
 impl<R: BufRead> Asker<R> {
     /// Ask `question` with `default` shown; an empty answer takes it.
-    fn ask<T: std::fmt::Display>(&mut self, question: &str, default: T, parse: impl Fn(&str) -> Result<T, String>) -> Result<T, String> {
+    fn ask<T: std::fmt::Display>(
+        &mut self,
+        question: &str,
+        default: T,
+        parse: impl Fn(&str) -> Result<T, String>,
+    ) -> Result<T, String> {
         loop {
             print!("{question} [{default}]: ");
             let _ = std::io::stdout().flush();
             let mut line = String::new();
-            let n = self.input.read_line(&mut line).map_err(|e| format!("cannot read the answer from standard input: {e}"))?;
+            let n = self
+                .input
+                .read_line(&mut line)
+                .map_err(|e| format!("cannot read the answer from standard input: {e}"))?;
             if n == 0 {
                 println!();
-                return Err(format!("standard input ended before the answer to {question:?}; nothing was written"));
+                return Err(format!(
+                    "standard input ended before the answer to {question:?}; nothing was written"
+                ));
             }
             let t = line.trim();
             if t.is_empty() {
@@ -766,14 +852,27 @@ fn interview(input: impl BufRead, d: config::Config) -> Result<config::Config, S
     )?;
     let (mut rank, mut ip, mut port) = (0, d.main_process_ip.clone(), d.main_process_port);
     if machines > 1 {
-        rank = q.ask("What is the rank of this machine?", d.machine_rank.unwrap_or(0).min(machines - 1), |s| match s.parse::<usize>() {
-            Ok(r) if r < machines => Ok(r),
-            _ => Err(format!("{s:?} is not a machine rank from 0 to {}", machines - 1)),
-        })?;
+        rank = q.ask(
+            "What is the rank of this machine?",
+            d.machine_rank.unwrap_or(0).min(machines - 1),
+            |s| match s.parse::<usize>() {
+                Ok(r) if r < machines => Ok(r),
+                _ => Err(format!(
+                    "{s:?} is not a machine rank from 0 to {}",
+                    machines - 1
+                )),
+            },
+        )?;
         ip = Some(q.ask(
             "What is the IP address of the machine that will host the main process?",
             ip.unwrap_or_else(|| config::DEFAULT_MAIN_PROCESS_IP.into()),
-            |s| if s.chars().any(char::is_whitespace) { Err(format!("{s:?} is not an address")) } else { Ok(s.to_string()) },
+            |s| {
+                if s.chars().any(char::is_whitespace) {
+                    Err(format!("{s:?} is not an address"))
+                } else {
+                    Ok(s.to_string())
+                }
+            },
         )?);
         port = Some(q.ask(
             "What is the port you will use to communicate with the main process?",
@@ -784,17 +883,24 @@ fn interview(input: impl BufRead, d: config::Config) -> Result<config::Config, S
             },
         )?);
     }
-    let per_machine = d.processes_per_machine().unwrap_or(config::DEFAULT_NUM_PROCESSES);
-    let total =
-        q.ask(
-            "How many processes in total will you use (all machines together)?",
-            per_machine * machines,
-            move |s| match count_at_least(1)(s)? {
-                n if n % machines == 0 => Ok(n),
-                n => Err(format!("{n} processes cannot be shared evenly by {machines} machines")),
-            },
-        )?;
-    let mp = q.ask("Do you wish to use mixed precision? (no, fp16, bf16)", d.mixed_precision.unwrap_or_default(), parse_precision)?;
+    let per_machine = d
+        .processes_per_machine()
+        .unwrap_or(config::DEFAULT_NUM_PROCESSES);
+    let total = q.ask(
+        "How many processes in total will you use (all machines together)?",
+        per_machine * machines,
+        move |s| match count_at_least(1)(s)? {
+            n if n % machines == 0 => Ok(n),
+            n => Err(format!(
+                "{n} processes cannot be shared evenly by {machines} machines"
+            )),
+        },
+    )?;
+    let mp = q.ask(
+        "Do you wish to use mixed precision? (no, fp16, bf16)",
+        d.mixed_precision.unwrap_or_default(),
+        parse_precision,
+    )?;
     Ok(config::Config {
         num_processes: Some(total),
         num_machines: Some(machines),
@@ -836,12 +942,30 @@ fn write_config(a: ConfigArgs, file: Option<&Path>) -> Result<i32, String> {
         num_processes: Some(total),
         num_machines: Some(machines),
         machine_rank: Some(a.machine_rank.unwrap_or(0)),
-        main_process_ip: Some(a.main_process_ip.unwrap_or_else(|| config::DEFAULT_MAIN_PROCESS_IP.into())),
-        main_process_port: Some(a.main_process_port.unwrap_or(config::DEFAULT_MAIN_PROCESS_PORT)),
-        mixed_precision: Some(a.mixed_precision.unwrap_or(if gpus > 0 { MixedPrecision::Bf16 } else { MixedPrecision::No })),
-        backend: Some(a.backend.unwrap_or(if gpus > 0 { BackendChoice::Nccl } else { BackendChoice::Shm })),
+        main_process_ip: Some(
+            a.main_process_ip
+                .unwrap_or_else(|| config::DEFAULT_MAIN_PROCESS_IP.into()),
+        ),
+        main_process_port: Some(
+            a.main_process_port
+                .unwrap_or(config::DEFAULT_MAIN_PROCESS_PORT),
+        ),
+        mixed_precision: Some(a.mixed_precision.unwrap_or(if gpus > 0 {
+            MixedPrecision::Bf16
+        } else {
+            MixedPrecision::No
+        })),
+        backend: Some(a.backend.unwrap_or(if gpus > 0 {
+            BackendChoice::Nccl
+        } else {
+            BackendChoice::Shm
+        })),
     };
-    let c = if a.interactive { interview(std::io::stdin().lock(), defaults)? } else { defaults };
+    let c = if a.interactive {
+        interview(std::io::stdin().lock(), defaults)?
+    } else {
+        defaults
+    };
     // The same checks as reading it back: what is written always loads.
     let text = c.to_toml();
     config::Config::from_toml(&text, &path).map_err(|e| e.to_string())?;
@@ -863,18 +987,33 @@ fn env_report(file: Option<&Path>) -> i32 {
     let read = |p: &str| std::fs::read_to_string(p).unwrap_or_default();
     let os = read("/etc/os-release")
         .lines()
-        .find_map(|l| l.strip_prefix("PRETTY_NAME=").map(|v| v.trim_matches('"').to_string()))
+        .find_map(|l| {
+            l.strip_prefix("PRETTY_NAME=")
+                .map(|v| v.trim_matches('"').to_string())
+        })
         .unwrap_or_else(|| "unknown".into());
     let kernel = read("/proc/sys/kernel/osrelease").trim().to_string();
     let cpu = read("/proc/cpuinfo")
         .lines()
-        .find_map(|l| l.strip_prefix("model name").map(|v| v.trim_start_matches([' ', '\t', ':']).to_string()))
+        .find_map(|l| {
+            l.strip_prefix("model name")
+                .map(|v| v.trim_start_matches([' ', '\t', ':']).to_string())
+        })
         .unwrap_or_else(|| std::env::consts::ARCH.into());
-    let cpus = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
-    let mem = read("/proc/meminfo").lines().find_map(|l| l.strip_prefix("MemTotal:").map(|v| v.trim().to_string())).unwrap_or_default();
+    let cpus = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
+    let mem = read("/proc/meminfo")
+        .lines()
+        .find_map(|l| l.strip_prefix("MemTotal:").map(|v| v.trim().to_string()))
+        .unwrap_or_default();
     let mut o = std::io::stdout().lock();
     let _ = writeln!(o, "lockstep {}", env!("CARGO_PKG_VERSION"));
-    let _ = writeln!(o, "os:      {os} (Linux {kernel}, {})", std::env::consts::ARCH);
+    let _ = writeln!(
+        o,
+        "os:      {os} (Linux {kernel}, {})",
+        std::env::consts::ARCH
+    );
     let _ = writeln!(o, "cpu:     {cpu}, {cpus} available");
     let _ = writeln!(o, "memory:  {mem}");
     let host = lockstep::rendezvous::host_id().unwrap_or_else(|e| format!("unknown: {e}"));
@@ -905,20 +1044,42 @@ fn config_report(file: Option<&Path>) -> Result<String, String> {
         "config:  {} ({}{})\n",
         l.path.display(),
         l.origin,
-        if l.exists { "" } else { "; not found: defaults in force; write one with `lockstep config`" }
+        if l.exists {
+            ""
+        } else {
+            "; not found: defaults in force; write one with `lockstep config`"
+        }
     );
     let (env_addr, env_port) = env_master()?;
-    let env_backend = lockstep::types::env::BACKEND.choice().map_err(|e| e.to_string())?;
+    let env_backend = lockstep::types::env::BACKEND
+        .choice()
+        .map_err(|e| e.to_string())?;
     let from = |set: bool| if set { "file" } else { "default" };
-    let mut row = |key: &str, value: String, source: String| s += &format!("  {key:<18} = {value:<12} ({source})\n");
+    let mut row = |key: &str, value: String, source: String| {
+        s += &format!("  {key:<18} = {value:<12} ({source})\n")
+    };
     let per = c.processes_per_machine();
     row(
         "num_processes",
-        c.num_processes.unwrap_or(config::DEFAULT_NUM_PROCESSES * c.num_machines.unwrap_or(1)).to_string(),
-        format!("{}; {} per machine", from(c.num_processes.is_some()), per.unwrap_or(config::DEFAULT_NUM_PROCESSES)),
+        c.num_processes
+            .unwrap_or(config::DEFAULT_NUM_PROCESSES * c.num_machines.unwrap_or(1))
+            .to_string(),
+        format!(
+            "{}; {} per machine",
+            from(c.num_processes.is_some()),
+            per.unwrap_or(config::DEFAULT_NUM_PROCESSES)
+        ),
     );
-    row("num_machines", c.num_machines.unwrap_or(1).to_string(), from(c.num_machines.is_some()).into());
-    row("machine_rank", c.machine_rank.unwrap_or(0).to_string(), from(c.machine_rank.is_some()).into());
+    row(
+        "num_machines",
+        c.num_machines.unwrap_or(1).to_string(),
+        from(c.num_machines.is_some()).into(),
+    );
+    row(
+        "machine_rank",
+        c.machine_rank.unwrap_or(0).to_string(),
+        from(c.machine_rank.is_some()).into(),
+    );
     let (ip, ip_from) = match (&env_addr, &c.main_process_ip) {
         (Some(e), _) => (e.clone(), "environment: MASTER_ADDR".to_string()),
         (None, Some(f)) => (f.clone(), "file".into()),
@@ -931,7 +1092,11 @@ fn config_report(file: Option<&Path>) -> Result<String, String> {
         (None, None) => (config::DEFAULT_MAIN_PROCESS_PORT, "default"),
     };
     row("main_process_port", port.to_string(), port_from.into());
-    row("mixed_precision", format!("{:?}", c.mixed_precision.unwrap_or_default().name()), from(c.mixed_precision.is_some()).into());
+    row(
+        "mixed_precision",
+        format!("{:?}", c.mixed_precision.unwrap_or_default().name()),
+        from(c.mixed_precision.is_some()).into(),
+    );
     let (b, b_from) = match (env_backend, c.backend) {
         (Some(e), _) => (e.to_string(), "environment: LOCKSTEP_BACKEND"),
         (None, Some(f)) => (f.name().to_string(), "file"),
@@ -956,7 +1121,9 @@ mod tests {
             Cmd::Selftest(a) => assert_eq!((a.iters, a.count), (3, 1024)),
             other => panic!("parsed as {other:?}"),
         }
-        let cli = Cli::try_parse_from(["lockstep", "launch", "--nproc-per-node", "2", "--", "true"]).unwrap();
+        let cli =
+            Cli::try_parse_from(["lockstep", "launch", "--nproc-per-node", "2", "--", "true"])
+                .unwrap();
         assert!(matches!(cli.cmd, Cmd::Launch(ref a) if a.program == ["true"]));
         assert!(Cli::try_parse_from(["lockstep", "selftest", "--nproc-per-node", "2"]).is_err());
         let mut cmd = Cli::command();

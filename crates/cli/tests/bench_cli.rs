@@ -13,7 +13,12 @@ use common::check;
 const BIN: &str = env!("CARGO_BIN_EXE_lockstep");
 
 fn bench(args: &[&str]) -> Result<Output, String> {
-    Command::new(BIN).arg("bench").args(args).stdin(Stdio::null()).output().map_err(|e| e.to_string())
+    Command::new(BIN)
+        .arg("bench")
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| e.to_string())
 }
 
 fn show(o: &Output) -> String {
@@ -31,12 +36,17 @@ fn stdout(o: &Output) -> String {
 
 /// The table's data rows, split into columns.
 fn rows(s: &str) -> Vec<Vec<String>> {
-    s.lines().filter(|l| !l.starts_with('#') && !l.trim().is_empty()).map(|l| l.split_whitespace().map(String::from).collect()).collect()
+    s.lines()
+        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+        .map(|l| l.split_whitespace().map(String::from).collect())
+        .collect()
 }
 
 /// The value after `# Avg bus bandwidth    :`.
 fn avg_busbw(s: &str) -> Option<f64> {
-    s.lines().find_map(|l| l.strip_prefix("# Avg bus bandwidth    :")).and_then(|v| v.trim().parse().ok())
+    s.lines()
+        .find_map(|l| l.strip_prefix("# Avg bus bandwidth    :"))
+        .and_then(|v| v.trim().parse().ok())
 }
 
 fn json(o: &Output) -> Result<serde_json::Value, String> {
@@ -45,60 +55,157 @@ fn json(o: &Output) -> Result<serde_json::Value, String> {
 
 fn nccl_tests_flags_and_columns() -> Result<(), String> {
     // -b/-e with suffixes, -f, -n, -w: 8, 64, 512, 4096, 32768 (the next, 256K, is past -e 64K).
-    let o = bench(&["--nprocs", "2", "-b", "8", "-e", "64K", "-f", "8", "-n", "3", "-w", "1"])?;
+    let o = bench(&[
+        "--nprocs", "2", "-b", "8", "-e", "64K", "-f", "8", "-n", "3", "-w", "1",
+    ])?;
     let s = stdout(&o);
     check(o.status.success(), "bench succeeds", show(&o))?;
     let r = rows(&s);
     let sizes: Vec<&str> = r.iter().map(|c| c[0].as_str()).collect();
-    check(sizes == ["8", "64", "512", "4096", "32768"], "-b 8 -e 64K -f 8", &s)?;
-    check(r.iter().all(|c| c.len() == 13 && c[4] == "-1" && c[8] == "0" && c[12] == "0"), "13 columns, root -1, nothing wrong", &s)?;
-    check(r.iter().all(|c| c[1].parse::<usize>().ok() == c[0].parse::<usize>().ok().map(|b| b / 4)), "count = bytes / 4 (f32)", &s)?;
-    for h in
-        ["out-of-place", "in-place", "#wrong", "algbw", "busbw", "redop", "root", "minBytes 8 maxBytes 65536 step: 8(factor)", "iters: 3"]
-    {
+    check(
+        sizes == ["8", "64", "512", "4096", "32768"],
+        "-b 8 -e 64K -f 8",
+        &s,
+    )?;
+    check(
+        r.iter()
+            .all(|c| c.len() == 13 && c[4] == "-1" && c[8] == "0" && c[12] == "0"),
+        "13 columns, root -1, nothing wrong",
+        &s,
+    )?;
+    check(
+        r.iter()
+            .all(|c| c[1].parse::<usize>().ok() == c[0].parse::<usize>().ok().map(|b| b / 4)),
+        "count = bytes / 4 (f32)",
+        &s,
+    )?;
+    for h in [
+        "out-of-place",
+        "in-place",
+        "#wrong",
+        "algbw",
+        "busbw",
+        "redop",
+        "root",
+        "minBytes 8 maxBytes 65536 step: 8(factor)",
+        "iters: 3",
+    ] {
         check(s.contains(h), &format!("header shows {h:?}"), &s)?;
     }
-    check(s.contains("# Out of bounds values : 0 OK"), "wrong-elements line", &s)?;
+    check(
+        s.contains("# Out of bounds values : 0 OK"),
+        "wrong-elements line",
+        &s,
+    )?;
     let avg = avg_busbw(&s).ok_or_else(|| format!("no Avg bus bandwidth line\n{s}"))?;
     // The average of every busbw cell, out-of-place and in-place (within the printed rounding).
-    let cells: Vec<f64> = r.iter().flat_map(|c| [c[7].parse::<f64>().unwrap(), c[11].parse::<f64>().unwrap()]).collect();
+    let cells: Vec<f64> = r
+        .iter()
+        .flat_map(|c| [c[7].parse::<f64>().unwrap(), c[11].parse::<f64>().unwrap()])
+        .collect();
     let mean = cells.iter().sum::<f64>() / cells.len() as f64;
-    check(avg > 0.0 && (avg - mean).abs() <= 0.01, "Avg bus bandwidth is the mean of the busbw columns", format!("{avg} vs {mean}\n{s}"))?;
+    check(
+        avg > 0.0 && (avg - mean).abs() <= 0.01,
+        "Avg bus bandwidth is the mean of the busbw columns",
+        format!("{avg} vs {mean}\n{s}"),
+    )?;
     // Old flags still work (.ci/run uses them), and the long names of -b/-e take suffixes too.
-    let o = bench(&["--nprocs", "2", "--min-bytes", "1K", "--max-bytes", "1K", "--iters", "2", "--warmup", "0"])?;
-    check(o.status.success() && rows(&stdout(&o)).len() == 1 && rows(&stdout(&o))[0][0] == "1024", "--min-bytes 1K", show(&o))?;
-    let o = bench(&["--nprocs", "4", "--op", "all_gather", "--sizes", "4096,1M", "--buffers", "shared", "-n", "2"])?;
-    check(o.status.success() && rows(&stdout(&o)).len() == 2 && rows(&stdout(&o))[1][0] == "1048576", ".ci/run's shape", show(&o))?;
+    let o = bench(&[
+        "--nprocs",
+        "2",
+        "--min-bytes",
+        "1K",
+        "--max-bytes",
+        "1K",
+        "--iters",
+        "2",
+        "--warmup",
+        "0",
+    ])?;
+    check(
+        o.status.success() && rows(&stdout(&o)).len() == 1 && rows(&stdout(&o))[0][0] == "1024",
+        "--min-bytes 1K",
+        show(&o),
+    )?;
+    let o = bench(&[
+        "--nprocs",
+        "4",
+        "--op",
+        "all_gather",
+        "--sizes",
+        "4096,1M",
+        "--buffers",
+        "shared",
+        "-n",
+        "2",
+    ])?;
+    check(
+        o.status.success() && rows(&stdout(&o)).len() == 2 && rows(&stdout(&o))[1][0] == "1048576",
+        ".ci/run's shape",
+        show(&o),
+    )?;
     // Bad sizes and factors are refused with a message.
     let o = bench(&["-b", "1.5M"])?;
-    check(o.status.code() == Some(2) && show(&o).contains("is not a size"), "-b 1.5M refused", show(&o))?;
+    check(
+        o.status.code() == Some(2) && show(&o).contains("is not a size"),
+        "-b 1.5M refused",
+        show(&o),
+    )?;
     let o = bench(&["-b", "8", "-e", "64", "-f", "1"])?;
-    check(o.status.code() == Some(1) && show(&o).contains("step factor must be at least 2"), "-f 1 refused", show(&o))?;
+    check(
+        o.status.code() == Some(1) && show(&o).contains("step factor must be at least 2"),
+        "-f 1 refused",
+        show(&o),
+    )?;
     let o = bench(&["-b", "64", "-e", "8"])?;
-    check(o.status.code() == Some(1) && show(&o).contains("is larger than -e"), "-b > -e refused", show(&o))?;
+    check(
+        o.status.code() == Some(1) && show(&o).contains("is larger than -e"),
+        "-b > -e refused",
+        show(&o),
+    )?;
     // -c 0: not verified, N/A in #wrong.
     let o = bench(&["--nprocs", "2", "--sizes", "64", "-c", "0", "-n", "2"])?;
     let r = rows(&stdout(&o));
-    check(o.status.success() && r.len() == 1 && r[0][8] == "N/A" && r[0][12] == "N/A", "-c 0", show(&o))
+    check(
+        o.status.success() && r.len() == 1 && r[0][8] == "N/A" && r[0][12] == "N/A",
+        "-c 0",
+        show(&o),
+    )
 }
 
 fn nccl_tests_names() -> Result<(), String> {
     // nccl-tests' type names time the same type as lockstep's.
-    for (theirs, ours) in [("float", "f32"), ("half", "f16"), ("bfloat16", "bf16"), ("double", "f64"), ("int8", "i8"), ("uint64", "u64")] {
-        let o = bench(&["--nprocs", "2", "-d", theirs, "--sizes", "64", "-n", "2", "-w", "1"])?;
+    for (theirs, ours) in [
+        ("float", "f32"),
+        ("half", "f16"),
+        ("bfloat16", "bf16"),
+        ("double", "f64"),
+        ("int8", "i8"),
+        ("uint64", "u64"),
+    ] {
+        let o = bench(&[
+            "--nprocs", "2", "-d", theirs, "--sizes", "64", "-n", "2", "-w", "1",
+        ])?;
         let r = rows(&stdout(&o));
-        check(o.status.success() && r.len() == 1 && r[0][2] == ours, &format!("-d {theirs} times {ours}"), show(&o))?;
+        check(
+            o.status.success() && r.len() == 1 && r[0][2] == ours,
+            &format!("-d {theirs} times {ours}"),
+            show(&o),
+        )?;
     }
     // Refused before any rank starts, with what to do instead.
     let o = bench(&["-d", "all"])?;
     check(
-        o.status.code() == Some(2) && String::from_utf8_lossy(&o.stderr).contains("-d all: the benchmark times one type per run"),
+        o.status.code() == Some(2)
+            && String::from_utf8_lossy(&o.stderr)
+                .contains("-d all: the benchmark times one type per run"),
         "-d all is refused",
         show(&o),
     )?;
     let o = bench(&["--op", "all_to_all_v"])?;
     check(
-        o.status.code() == Some(2) && String::from_utf8_lossy(&o.stderr).contains("all_to_all_v takes per-rank counts"),
+        o.status.code() == Some(2)
+            && String::from_utf8_lossy(&o.stderr).contains("all_to_all_v takes per-rank counts"),
         "all_to_all_v is refused at parse time",
         show(&o),
     )
@@ -106,20 +213,58 @@ fn nccl_tests_names() -> Result<(), String> {
 
 fn rooted_zero_byte_and_in_place() -> Result<(), String> {
     // A root column for rooted ops; a real zero-byte call; in-place columns where there is a form.
-    let o = bench(&["--nprocs", "3", "--op", "broadcast", "-r", "2", "--sizes", "0,4K", "-n", "3", "-w", "1"])?;
+    let o = bench(&[
+        "--nprocs",
+        "3",
+        "--op",
+        "broadcast",
+        "-r",
+        "2",
+        "--sizes",
+        "0,4K",
+        "-n",
+        "3",
+        "-w",
+        "1",
+    ])?;
     let s = stdout(&o);
     let r = rows(&s);
     check(o.status.success() && r.len() == 2, "two rows", show(&o))?;
-    check(r[0][0] == "0" && r[0][1] == "0" && r[0][4] == "2", "size 0 stays 0 (count 0), root 2", &s)?;
-    check(r[0][5].parse::<f64>().is_ok_and(|t| t > 0.0), "the zero-byte call took time: it ran", &s)?;
-    check(r[1][0] == "4096" && r[1][4] == "2" && r[1][9] != "N/A", "4K with root and in-place", &s)?;
-    let o = bench(&["--nprocs", "2", "--op", "all_reduce", "--sizes", "0", "--format", "json", "-n", "3"])?;
+    check(
+        r[0][0] == "0" && r[0][1] == "0" && r[0][4] == "2",
+        "size 0 stays 0 (count 0), root 2",
+        &s,
+    )?;
+    check(
+        r[0][5].parse::<f64>().is_ok_and(|t| t > 0.0),
+        "the zero-byte call took time: it ran",
+        &s,
+    )?;
+    check(
+        r[1][0] == "4096" && r[1][4] == "2" && r[1][9] != "N/A",
+        "4K with root and in-place",
+        &s,
+    )?;
+    let o = bench(&[
+        "--nprocs",
+        "2",
+        "--op",
+        "all_reduce",
+        "--sizes",
+        "0",
+        "--format",
+        "json",
+        "-n",
+        "3",
+    ])?;
     let v = json(&o)?;
     let row = &v["rows"][0];
     check(
         row["size_bytes"] == 0
             && row["count"] == 0
-            && row["out_of_place"]["time_us"].as_f64().is_some_and(|t| t > 0.0)
+            && row["out_of_place"]["time_us"]
+                .as_f64()
+                .is_some_and(|t| t > 0.0)
             && row["in_place"]["wrong"] == 0,
         "zero-byte all_reduce, both forms",
         &v,
@@ -134,20 +279,46 @@ fn rooted_zero_byte_and_in_place() -> Result<(), String> {
         ("all_to_all", false),
         ("pingpong", false),
     ] {
-        let o = bench(&["--nprocs", "2", "--op", op, "--sizes", "64,4096", "-n", "3", "-w", "1", "--format", "json"])?;
+        let o = bench(&[
+            "--nprocs", "2", "--op", op, "--sizes", "64,4096", "-n", "3", "-w", "1", "--format",
+            "json",
+        ])?;
         let v = json(&o)?;
         let rows = v["rows"].as_array().cloned().unwrap_or_default();
         let ok = o.status.success()
             && v["wrong"] == 0
             && rows.len() == 2
-            && rows.iter().all(|r| r["out_of_place"]["wrong"] == 0 && (r["in_place"].is_null() != in_place));
+            && rows
+                .iter()
+                .all(|r| r["out_of_place"]["wrong"] == 0 && (r["in_place"].is_null() != in_place));
         check(ok, &format!("{op}: in-place {in_place}"), show(&o))?;
         let rooted = matches!(op, "reduce" | "gather" | "scatter");
-        check(rows.iter().all(|r| r["root"].is_null() != rooted), &format!("{op}: root column"), show(&o))?;
+        check(
+            rows.iter().all(|r| r["root"].is_null() != rooted),
+            &format!("{op}: root column"),
+            show(&o),
+        )?;
     }
     // In place with a reduction that is not a sum, and a small type.
-    let o = bench(&["--nprocs", "3", "--op", "all_reduce", "-o", "max", "-d", "bf16", "--sizes", "6K", "-n", "5"])?;
-    check(o.status.success() && stdout(&o).contains("# Out of bounds values : 0 OK"), "max on bf16", show(&o))
+    let o = bench(&[
+        "--nprocs",
+        "3",
+        "--op",
+        "all_reduce",
+        "-o",
+        "max",
+        "-d",
+        "bf16",
+        "--sizes",
+        "6K",
+        "-n",
+        "5",
+    ])?;
+    check(
+        o.status.success() && stdout(&o).contains("# Out of bounds values : 0 OK"),
+        "max on bf16",
+        show(&o),
+    )
 }
 
 fn barrier_csv_json() -> Result<(), String> {
@@ -155,33 +326,71 @@ fn barrier_csv_json() -> Result<(), String> {
     let s = stdout(&o);
     let r = rows(&s);
     check(
-        o.status.success() && r.len() == 1 && r[0].len() == 1 && r[0][0].parse::<f64>().is_ok_and(|t| t > 0.0),
+        o.status.success()
+            && r.len() == 1
+            && r[0].len() == 1
+            && r[0][0].parse::<f64>().is_ok_and(|t| t > 0.0),
         "barrier: one latency",
         &s,
     )?;
-    check(!s.contains("busbw") && !s.contains("size") && !s.contains("count") && s.contains("# Avg latency"), "no size columns", &s)?;
-    let o = bench(&["--nprocs", "2", "--op", "barrier", "--format", "json", "-n", "5"])?;
+    check(
+        !s.contains("busbw")
+            && !s.contains("size")
+            && !s.contains("count")
+            && s.contains("# Avg latency"),
+        "no size columns",
+        &s,
+    )?;
+    let o = bench(&[
+        "--nprocs", "2", "--op", "barrier", "--format", "json", "-n", "5",
+    ])?;
     let v = json(&o)?;
-    check(v["op"] == "barrier" && v["rows"].as_array().map(Vec::len) == Some(1), "barrier JSON", &v)?;
+    check(
+        v["op"] == "barrier" && v["rows"].as_array().map(Vec::len) == Some(1),
+        "barrier JSON",
+        &v,
+    )?;
     // CSV: a header and one line per size, every line with the same number of fields.
-    let o = bench(&["--nprocs", "2", "--sizes", "8,1K,64K", "--format", "csv", "-n", "2"])?;
+    let o = bench(&[
+        "--nprocs", "2", "--sizes", "8,1K,64K", "--format", "csv", "-n", "2",
+    ])?;
     let s = stdout(&o);
     let lines: Vec<Vec<&str>> = s.lines().map(|l| l.split(',').collect()).collect();
-    check(o.status.success() && lines.len() == 4 && lines.iter().all(|l| l.len() == lines[0].len()), "CSV shape", &s)?;
     check(
-        lines[0][..4] == ["op", "ranks", "size_bytes", "count"] && lines[3][2] == "65536" && lines[3][0] == "all_reduce",
+        o.status.success() && lines.len() == 4 && lines.iter().all(|l| l.len() == lines[0].len()),
+        "CSV shape",
+        &s,
+    )?;
+    check(
+        lines[0][..4] == ["op", "ranks", "size_bytes", "count"]
+            && lines[3][2] == "65536"
+            && lines[3][0] == "all_reduce",
         "CSV cells",
         &s,
     )?;
-    let i = lines[0].iter().position(|h| *h == "ip_wrong").ok_or("no ip_wrong column")?;
-    check(lines[1..].iter().all(|l| l[i] == "0"), "in-place verified in CSV", &s)?;
+    let i = lines[0]
+        .iter()
+        .position(|h| *h == "ip_wrong")
+        .ok_or("no ip_wrong column")?;
+    check(
+        lines[1..].iter().all(|l| l[i] == "0"),
+        "in-place verified in CSV",
+        &s,
+    )?;
     // JSON: one object with the rows and the summary.
-    let o = bench(&["--nprocs", "2", "-b", "1K", "-e", "4K", "--format", "json", "-n", "2"])?;
+    let o = bench(&[
+        "--nprocs", "2", "-b", "1K", "-e", "4K", "--format", "json", "-n", "2",
+    ])?;
     let v = json(&o)?;
     let rows = v["rows"].as_array().cloned().unwrap_or_default();
-    let sizes: Vec<u64> = rows.iter().filter_map(|r| r["size_bytes"].as_u64()).collect();
+    let sizes: Vec<u64> = rows
+        .iter()
+        .filter_map(|r| r["size_bytes"].as_u64())
+        .collect();
     check(
-        sizes == [1024, 2048, 4096] && v["wrong"] == 0 && v["avg_busbw_gbs"].as_f64().is_some_and(|b| b > 0.0),
+        sizes == [1024, 2048, 4096]
+            && v["wrong"] == 0
+            && v["avg_busbw_gbs"].as_f64().is_some_and(|b| b > 0.0),
         "JSON rows and summary",
         &v,
     )
@@ -191,7 +400,10 @@ fn main() -> std::process::ExitCode {
     common::run(&[
         ("nccl_tests_flags_and_columns", nccl_tests_flags_and_columns),
         ("nccl_tests_names", nccl_tests_names),
-        ("rooted_zero_byte_and_in_place", rooted_zero_byte_and_in_place),
+        (
+            "rooted_zero_byte_and_in_place",
+            rooted_zero_byte_and_in_place,
+        ),
         ("barrier_csv_json", barrier_csv_json),
     ])
 }

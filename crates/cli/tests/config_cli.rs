@@ -22,7 +22,15 @@ const TOKEN: &str = "config-cli-test-token-0123";
 fn lockstep(xdg: &Path) -> Command {
     let mut c = Command::new(BIN);
     c.env("XDG_CONFIG_HOME", xdg);
-    for v in ["LOCKSTEP_TOKEN", "LOCKSTEP_CONFIG", "LOCKSTEP_BACKEND", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"] {
+    for v in [
+        "LOCKSTEP_TOKEN",
+        "LOCKSTEP_CONFIG",
+        "LOCKSTEP_BACKEND",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "RANK",
+        "WORLD_SIZE",
+    ] {
         c.env_remove(v);
     }
     c
@@ -33,12 +41,18 @@ fn out(c: &mut Command) -> Result<Output, String> {
 }
 
 fn text(o: &Output) -> (String, String) {
-    (String::from_utf8_lossy(&o.stdout).into_owned(), String::from_utf8_lossy(&o.stderr).into_owned())
+    (
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    )
 }
 
 fn show(o: &Output) -> String {
     let (a, b) = text(o);
-    format!("status: {:?}\n--- stdout ---\n{a}\n--- stderr ---\n{b}", o.status)
+    format!(
+        "status: {:?}\n--- stdout ---\n{a}\n--- stderr ---\n{b}",
+        o.status
+    )
 }
 
 /// The sorted stdout lines of a launch.
@@ -58,49 +72,118 @@ fn config_written_read_and_shown() -> Result<(), String> {
     let o = out(lockstep(&d).args(["config", "--path"]).arg(&p))?;
     check(o.status.success(), "config succeeds", show(&o))?;
     let t = std::fs::read_to_string(&p).map_err(|e| e.to_string())?;
-    for k in ["num_processes = 2", "num_machines = 1", "machine_rank = 0", "main_process_ip = \"127.0.0.1\"", "main_process_port = 29500"] {
-        check(t.contains(k), &format!("the default file (no GPU here) has {k}"), &t)?;
+    for k in [
+        "num_processes = 2",
+        "num_machines = 1",
+        "machine_rank = 0",
+        "main_process_ip = \"127.0.0.1\"",
+        "main_process_port = 29500",
+    ] {
+        check(
+            t.contains(k),
+            &format!("the default file (no GPU here) has {k}"),
+            &t,
+        )?;
     }
-    check(t.contains("mixed_precision = \"no\"") && t.contains("backend = \"shm\""), "CPU defaults", &t)?;
+    check(
+        t.contains("mixed_precision = \"no\"") && t.contains("backend = \"shm\""),
+        "CPU defaults",
+        &t,
+    )?;
     // What was written reads back through the library as the same values.
     let c = lockstep::config::Config::read(&p).map_err(|e| e.to_string())?;
-    check(c.num_processes == Some(2) && c.backend == Some(lockstep::config::BackendChoice::Shm), "round trip", format!("{c:?}"))?;
+    check(
+        c.num_processes == Some(2) && c.backend == Some(lockstep::config::BackendChoice::Shm),
+        "round trip",
+        format!("{c:?}"),
+    )?;
     let o = out(lockstep(&d).args(["config", "--path"]).arg(&p))?;
-    check(o.status.code() == Some(1) && text(&o).1.contains("--force"), "an existing file is kept without --force", show(&o))?;
+    check(
+        o.status.code() == Some(1) && text(&o).1.contains("--force"),
+        "an existing file is kept without --force",
+        show(&o),
+    )?;
     let o = out(lockstep(&d)
-        .args(["config", "--force", "--backend", "nccl", "--num-processes", "3", "--mixed-precision", "bf16", "--path"])
+        .args([
+            "config",
+            "--force",
+            "--backend",
+            "nccl",
+            "--num-processes",
+            "3",
+            "--mixed-precision",
+            "bf16",
+            "--path",
+        ])
         .arg(&p))?;
     let t = std::fs::read_to_string(&p).map_err(|e| e.to_string())?;
     check(
-        o.status.success() && t.contains("num_processes = 3") && t.contains("backend = \"nccl\"") && t.contains("\"bf16\""),
+        o.status.success()
+            && t.contains("num_processes = 3")
+            && t.contains("backend = \"nccl\"")
+            && t.contains("\"bf16\""),
         "flags are written",
         &t,
     )?;
     // `env` shows the file in force and each value's source; the environment overrides the file.
-    let o = out(lockstep(&d).args(["--config"]).arg(&p).args(["env"]).env("MASTER_PORT", "31234"))?;
+    let o = out(lockstep(&d)
+        .args(["--config"])
+        .arg(&p)
+        .args(["env"])
+        .env("MASTER_PORT", "31234"))?;
     let s = text(&o).0;
-    check(o.status.success() && s.contains(&format!("config:  {} (--config)", p.display())), "env names the file", show(&o))?;
     check(
-        s.lines().any(|l| l.contains("num_processes") && l.contains("3") && l.contains("(file; 3 per machine)")),
+        o.status.success() && s.contains(&format!("config:  {} (--config)", p.display())),
+        "env names the file",
+        show(&o),
+    )?;
+    check(
+        s.lines().any(|l| {
+            l.contains("num_processes") && l.contains("3") && l.contains("(file; 3 per machine)")
+        }),
         "env: num_processes",
         &s,
     )?;
-    check(s.lines().any(|l| l.contains("backend") && l.contains("\"nccl\"") && l.contains("(file)")), "env: backend", &s)?;
     check(
-        s.lines().any(|l| l.contains("main_process_port") && l.contains("31234") && l.contains("MASTER_PORT")),
+        s.lines()
+            .any(|l| l.contains("backend") && l.contains("\"nccl\"") && l.contains("(file)")),
+        "env: backend",
+        &s,
+    )?;
+    check(
+        s.lines().any(|l| {
+            l.contains("main_process_port") && l.contains("31234") && l.contains("MASTER_PORT")
+        }),
         "env: port from env",
         &s,
     )?;
     // The default location: `config` writes there, `env` reads it.
     let o = out(lockstep(&d).args(["config"]))?;
     let default = d.join("lockstep/config.toml");
-    check(o.status.success() && default.exists(), "config writes to $XDG_CONFIG_HOME/lockstep/config.toml", show(&o))?;
+    check(
+        o.status.success() && default.exists(),
+        "config writes to $XDG_CONFIG_HOME/lockstep/config.toml",
+        show(&o),
+    )?;
     let o = out(lockstep(&d).args(["env"]))?;
-    check(text(&o).0.contains(&format!("config:  {} (the default location)", default.display())), "env finds it", show(&o))?;
+    check(
+        text(&o).0.contains(&format!(
+            "config:  {} (the default location)",
+            default.display()
+        )),
+        "env finds it",
+        show(&o),
+    )?;
     // No temporary is left beside the file.
-    let names: Vec<String> =
-        std::fs::read_dir(p.parent().unwrap()).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into()).collect();
-    check(names == ["config.toml"], "only the file in its directory", format!("{names:?}"))
+    let names: Vec<String> = std::fs::read_dir(p.parent().unwrap())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into())
+        .collect();
+    check(
+        names == ["config.toml"],
+        "only the file in its directory",
+        format!("{names:?}"),
+    )
 }
 
 fn config_interactive() -> Result<(), String> {
@@ -114,7 +197,12 @@ fn config_interactive() -> Result<(), String> {
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
         let mut child = c.spawn().map_err(|e| e.to_string())?;
-        child.stdin.take().unwrap().write_all(answers.as_bytes()).map_err(|e| e.to_string())?;
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(answers.as_bytes())
+            .map_err(|e| e.to_string())?;
         child.wait_with_output().map_err(|e| e.to_string())
     };
     // backend (a wrong answer, asked again), machines, rank, address, port, processes, precision.
@@ -148,31 +236,83 @@ fn config_interactive() -> Result<(), String> {
     let o = ask("\n1\n\n\n")?;
     let c = lockstep::config::Config::read(&p).map_err(|e| e.to_string())?;
     check(
-        o.status.success() && c.num_processes == Some(2) && c.num_machines == Some(1) && !text(&o).0.contains("rank of this machine"),
+        o.status.success()
+            && c.num_processes == Some(2)
+            && c.num_machines == Some(1)
+            && !text(&o).0.contains("rank of this machine"),
         "defaults on empty answers",
         format!("{c:?}\n{}", show(&o)),
     )?;
     // Input that ends early writes nothing.
     std::fs::remove_file(&p).map_err(|e| e.to_string())?;
     let o = ask("shm\n")?;
-    check(o.status.code() == Some(1) && text(&o).1.contains("standard input ended") && !p.exists(), "early EOF is an error", show(&o))
+    check(
+        o.status.code() == Some(1) && text(&o).1.contains("standard input ended") && !p.exists(),
+        "early EOF is an error",
+        show(&o),
+    )
 }
 
 fn bad_files_are_named() -> Result<(), String> {
     let d = scratch("cfg-bad");
     let p = d.join("c.toml");
-    let launch = |p: &Path| out(lockstep(&d).arg("--config").arg(p).args(["launch", "--", "true"]));
+    let launch = |p: &Path| {
+        out(lockstep(&d)
+            .arg("--config")
+            .arg(p)
+            .args(["launch", "--", "true"]))
+    };
     let cases: &[(&str, &str, &str, &str)] = &[
-        ("num_processes = 2\n# ok\nnum_procs = 3\n", "line 3", "num_procs", "unknown field"),
-        ("backend = \"gpu\"\n", "line 1", "backend", "unknown variant"),
-        ("mixed_precision = \"fp8\"\n", "line 1", "mixed_precision", "fp8"),
-        ("num_processes = \"four\"\n", "line 1", "num_processes", "string"),
-        ("\nnum_processes = 0\n", "line 2", "num_processes", "at least 1"),
-        ("num_machines = 2\nmachine_rank = 5\n", "line 2", "machine_rank", "out of range"),
-        ("main_process_port = 99999\n", "line 1", "main_process_port", "99999"),
+        (
+            "num_processes = 2\n# ok\nnum_procs = 3\n",
+            "line 3",
+            "num_procs",
+            "unknown field",
+        ),
+        (
+            "backend = \"gpu\"\n",
+            "line 1",
+            "backend",
+            "unknown variant",
+        ),
+        (
+            "mixed_precision = \"fp8\"\n",
+            "line 1",
+            "mixed_precision",
+            "fp8",
+        ),
+        (
+            "num_processes = \"four\"\n",
+            "line 1",
+            "num_processes",
+            "string",
+        ),
+        (
+            "\nnum_processes = 0\n",
+            "line 2",
+            "num_processes",
+            "at least 1",
+        ),
+        (
+            "num_machines = 2\nmachine_rank = 5\n",
+            "line 2",
+            "machine_rank",
+            "out of range",
+        ),
+        (
+            "main_process_port = 99999\n",
+            "line 1",
+            "main_process_port",
+            "99999",
+        ),
         ("[launch]\nnproc = 2\n", "line 1", "launch", "unknown field"),
         ("num_processes = 2 3\n", "line 1", "num_processes", ""),
-        ("nproc_per_node = 4\n", "line 1", "nproc_per_node", "write `num_processes`"),
+        (
+            "nproc_per_node = 4\n",
+            "line 1",
+            "nproc_per_node",
+            "write `num_processes`",
+        ),
     ];
     for (body, line, key, what) in cases {
         write(&p, body)?;
@@ -189,43 +329,111 @@ fn bad_files_are_named() -> Result<(), String> {
     }
     // A comment after a value is TOML: the file works.
     write(&p, "num_processes = 3 # ranks\nbackend = \"shm\"   # CPU\n")?;
-    let o = out(lockstep(&d).arg("--config").arg(&p).args(["launch", "--", "sh", "-c", "echo $RANK/$WORLD_SIZE"]))?;
-    check(o.status.success() && lines(&o) == ["[rank 0] 0/3", "[rank 1] 1/3", "[rank 2] 2/3"], "comments after values", show(&o))?;
+    let o = out(lockstep(&d).arg("--config").arg(&p).args([
+        "launch",
+        "--",
+        "sh",
+        "-c",
+        "echo $RANK/$WORLD_SIZE",
+    ]))?;
+    check(
+        o.status.success() && lines(&o) == ["[rank 0] 0/3", "[rank 1] 1/3", "[rank 2] 2/3"],
+        "comments after values",
+        show(&o),
+    )?;
     // A file named by LOCKSTEP_CONFIG or --config must exist.
-    let o = out(lockstep(&d).env("LOCKSTEP_CONFIG", d.join("missing.toml")).args(["launch", "--", "true"]))?;
-    check(o.status.code() == Some(1) && text(&o).1.contains("(named by LOCKSTEP_CONFIG) does not exist"), "missing named file", show(&o))?;
-    let o = out(lockstep(&d).env("LOCKSTEP_CONFIG", "a\tb").args(["launch", "--", "true"]))?;
-    check(o.status.code() == Some(1) && text(&o).1.contains("LOCKSTEP_CONFIG="), "malformed LOCKSTEP_CONFIG is named", show(&o))
+    let o = out(lockstep(&d)
+        .env("LOCKSTEP_CONFIG", d.join("missing.toml"))
+        .args(["launch", "--", "true"]))?;
+    check(
+        o.status.code() == Some(1)
+            && text(&o)
+                .1
+                .contains("(named by LOCKSTEP_CONFIG) does not exist"),
+        "missing named file",
+        show(&o),
+    )?;
+    let o = out(lockstep(&d)
+        .env("LOCKSTEP_CONFIG", "a\tb")
+        .args(["launch", "--", "true"]))?;
+    check(
+        o.status.code() == Some(1) && text(&o).1.contains("LOCKSTEP_CONFIG="),
+        "malformed LOCKSTEP_CONFIG is named",
+        show(&o),
+    )
 }
 
 fn backend_of_the_file_reaches_the_ranks() -> Result<(), String> {
     let d = scratch("cfg-backend");
     let p = d.join("c.toml");
     write(&p, "num_processes = 2\nbackend = \"nccl\"\n")?;
-    let echo = ["launch", "--", "sh", "-c", "echo $LOCKSTEP_BACKEND $LOCKSTEP_CONFIG"];
+    let echo = [
+        "launch",
+        "--",
+        "sh",
+        "-c",
+        "echo $LOCKSTEP_BACKEND $LOCKSTEP_CONFIG",
+    ];
     let abs = std::fs::canonicalize(&p).map_err(|e| e.to_string())?;
     let o = out(lockstep(&d).arg("--config").arg(&p).args(echo))?;
-    let want = |b: &str| (0..2).map(|r| format!("[rank {r}] {b} {}", abs.display())).collect::<Vec<_>>();
-    check(o.status.success() && lines(&o) == want("nccl"), "backend = nccl reaches every rank, with the file", show(&o))?;
+    let want = |b: &str| {
+        (0..2)
+            .map(|r| format!("[rank {r}] {b} {}", abs.display()))
+            .collect::<Vec<_>>()
+    };
+    check(
+        o.status.success() && lines(&o) == want("nccl"),
+        "backend = nccl reaches every rank, with the file",
+        show(&o),
+    )?;
     // The flag overrides the environment, which overrides the file.
-    let o = out(lockstep(&d).arg("--config").arg(&p).env("LOCKSTEP_BACKEND", "shm").args(echo))?;
-    check(o.status.success() && lines(&o) == want("shm"), "LOCKSTEP_BACKEND overrides the file", show(&o))?;
-    let o =
-        out(lockstep(&d).arg("--config").arg(&p).env("LOCKSTEP_BACKEND", "nccl").args(["launch", "--backend", "shm"]).args(&echo[1..]))?;
-    check(o.status.success() && lines(&o) == want("shm"), "--backend overrides both", show(&o))?;
+    let o = out(lockstep(&d)
+        .arg("--config")
+        .arg(&p)
+        .env("LOCKSTEP_BACKEND", "shm")
+        .args(echo))?;
+    check(
+        o.status.success() && lines(&o) == want("shm"),
+        "LOCKSTEP_BACKEND overrides the file",
+        show(&o),
+    )?;
+    let o = out(lockstep(&d)
+        .arg("--config")
+        .arg(&p)
+        .env("LOCKSTEP_BACKEND", "nccl")
+        .args(["launch", "--backend", "shm"])
+        .args(&echo[1..]))?;
+    check(
+        o.status.success() && lines(&o) == want("shm"),
+        "--backend overrides both",
+        show(&o),
+    )?;
     // auto: nccl only with a GPU; this machine's forked probe decides.
     write(&p, "backend = \"auto\"\n")?;
     let gpus = lockstep::config::count_gpus().unwrap_or(0);
     let o = out(lockstep(&d).arg("--config").arg(&p).args(echo))?;
-    check(o.status.success() && lines(&o) == want(if gpus > 0 { "nccl" } else { "shm" }), "auto follows the GPUs", show(&o))?;
+    check(
+        o.status.success() && lines(&o) == want(if gpus > 0 { "nccl" } else { "shm" }),
+        "auto follows the GPUs",
+        show(&o),
+    )?;
     // The ranks really build the backend the file names: without NCCL here, selftest fails
     // naming it rather than quietly running on shared memory.
     if gpus == 0 {
         write(&p, "backend = \"nccl\"\n")?;
-        let o = out(lockstep(&d).arg("--config").arg(&p).args(["launch", "--nproc-per-node", "1", "--", BIN, "selftest"]))?;
+        let o = out(lockstep(&d).arg("--config").arg(&p).args([
+            "launch",
+            "--nproc-per-node",
+            "1",
+            "--",
+            BIN,
+            "selftest",
+        ]))?;
         let e = text(&o).1.to_lowercase();
         check(
-            !o.status.success() && (e.contains("nccl") || e.contains("cuda")) && !text(&o).0.contains("selftest ok"),
+            !o.status.success()
+                && (e.contains("nccl") || e.contains("cuda"))
+                && !text(&o).0.contains("selftest ok"),
             "a nccl job without NCCL fails naming it",
             show(&o),
         )?;
@@ -235,17 +443,54 @@ fn backend_of_the_file_reaches_the_ranks() -> Result<(), String> {
 
 fn master_addr_and_port() -> Result<(), String> {
     let d = scratch("cfg-master");
-    let echo = ["launch", "--nproc-per-node", "1", "--", "sh", "-c", "echo $MASTER_ADDR:$MASTER_PORT"];
-    let o = out(lockstep(&d).env("MASTER_PORT", "31111").env("MASTER_ADDR", "localhost").args(echo))?;
-    check(o.status.success() && lines(&o) == ["[rank 0] localhost:31111"], "MASTER_ADDR/MASTER_PORT reach the ranks", show(&o))?;
-    let o = out(lockstep(&d).env("MASTER_PORT", "31111").args(["launch", "--master-port", "31112"]).args(&echo[1..]))?;
-    check(o.status.success() && lines(&o) == ["[rank 0] 127.0.0.1:31112"], "the flag overrides MASTER_PORT", show(&o))?;
+    let echo = [
+        "launch",
+        "--nproc-per-node",
+        "1",
+        "--",
+        "sh",
+        "-c",
+        "echo $MASTER_ADDR:$MASTER_PORT",
+    ];
+    let o = out(lockstep(&d)
+        .env("MASTER_PORT", "31111")
+        .env("MASTER_ADDR", "localhost")
+        .args(echo))?;
+    check(
+        o.status.success() && lines(&o) == ["[rank 0] localhost:31111"],
+        "MASTER_ADDR/MASTER_PORT reach the ranks",
+        show(&o),
+    )?;
+    let o = out(lockstep(&d)
+        .env("MASTER_PORT", "31111")
+        .args(["launch", "--master-port", "31112"])
+        .args(&echo[1..]))?;
+    check(
+        o.status.success() && lines(&o) == ["[rank 0] 127.0.0.1:31112"],
+        "the flag overrides MASTER_PORT",
+        show(&o),
+    )?;
     let p = d.join("c.toml");
-    write(&p, "main_process_ip = \"127.0.0.1\"\nmain_process_port = 31113\n")?;
+    write(
+        &p,
+        "main_process_ip = \"127.0.0.1\"\nmain_process_port = 31113\n",
+    )?;
     let o = out(lockstep(&d).arg("--config").arg(&p).args(echo))?;
-    check(o.status.success() && lines(&o) == ["[rank 0] 127.0.0.1:31113"], "the file's port without MASTER_PORT", show(&o))?;
-    let o = out(lockstep(&d).arg("--config").arg(&p).env("MASTER_PORT", "31114").args(echo))?;
-    check(o.status.success() && lines(&o) == ["[rank 0] 127.0.0.1:31114"], "MASTER_PORT overrides the file", show(&o))?;
+    check(
+        o.status.success() && lines(&o) == ["[rank 0] 127.0.0.1:31113"],
+        "the file's port without MASTER_PORT",
+        show(&o),
+    )?;
+    let o = out(lockstep(&d)
+        .arg("--config")
+        .arg(&p)
+        .env("MASTER_PORT", "31114")
+        .args(echo))?;
+    check(
+        o.status.success() && lines(&o) == ["[rank 0] 127.0.0.1:31114"],
+        "MASTER_PORT overrides the file",
+        show(&o),
+    )?;
     let o = out(lockstep(&d).env("MASTER_PORT", "31x").args(echo))?;
     check(
         o.status.code() == Some(1) && text(&o).1.contains("MASTER_PORT=\"31x\" is invalid"),
@@ -257,18 +502,32 @@ fn master_addr_and_port() -> Result<(), String> {
     let mut kids = Vec::new();
     for r in ["0", "1"] {
         let mut c = lockstep(&d);
-        c.env("LOCKSTEP_TOKEN", TOKEN).args(["launch", "--nproc-per-node", "1", "--nnodes", "2", "--node-rank", r]);
+        c.env("LOCKSTEP_TOKEN", TOKEN).args([
+            "launch",
+            "--nproc-per-node",
+            "1",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            r,
+        ]);
         if r == "0" {
             c.env("MASTER_PORT", &port);
         } else {
             c.args(["--master-port", &port]);
         }
-        c.args(["--", BIN, "selftest"]).stdout(Stdio::piped()).stderr(Stdio::piped());
+        c.args(["--", BIN, "selftest"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
         kids.push(c.spawn().map_err(|e| e.to_string())?);
     }
-    let outs: Vec<Output> = kids.into_iter().map(|k| k.wait_with_output().map_err(|e| e.to_string())).collect::<Result<_, _>>()?;
+    let outs: Vec<Output> = kids
+        .into_iter()
+        .map(|k| k.wait_with_output().map_err(|e| e.to_string()))
+        .collect::<Result<_, _>>()?;
     check(
-        outs.iter().all(|o| o.status.success()) && text(&outs[0]).0.contains("selftest ok: 2 ranks"),
+        outs.iter().all(|o| o.status.success())
+            && text(&outs[0]).0.contains("selftest ok: 2 ranks"),
         "node 0's store listens on MASTER_PORT",
         outs.iter().map(show).collect::<Vec<_>>().join("\n"),
     )
@@ -283,7 +542,11 @@ fn process_counts() -> Result<(), String> {
         Ok((o, l))
     };
     let gpus = lockstep::config::count_gpus().unwrap_or(0);
-    let auto = if gpus > 0 { gpus } else { lockstep::config::DEFAULT_NUM_PROCESSES };
+    let auto = if gpus > 0 {
+        gpus
+    } else {
+        lockstep::config::DEFAULT_NUM_PROCESSES
+    };
     let (o, l) = world(&["--nproc-per-node", "auto"])?;
     check(
         o.status.success() && l.len() == auto && l.iter().all(|x| x.ends_with(&format!(" {auto}"))),
@@ -291,36 +554,85 @@ fn process_counts() -> Result<(), String> {
         show(&o),
     )?;
     let (o, l) = world(&[])?;
-    check(o.status.success() && l.len() == lockstep::config::DEFAULT_NUM_PROCESSES, "the default number of ranks", show(&o))?;
+    check(
+        o.status.success() && l.len() == lockstep::config::DEFAULT_NUM_PROCESSES,
+        "the default number of ranks",
+        show(&o),
+    )?;
     for alias in ["--nproc_per_node", "--num_processes", "--num-processes"] {
         let (o, l) = world(&[alias, "3"])?;
-        check(o.status.success() && l.len() == 3, &format!("{alias} 3"), show(&o))?;
+        check(
+            o.status.success() && l.len() == 3,
+            &format!("{alias} 3"),
+            show(&o),
+        )?;
     }
-    let o = out(lockstep(&d).args(["launch", "--num_processes", "3", "--nnodes", "2"]).args(ws))?;
-    check(o.status.code() == Some(1) && text(&o).1.contains("must be a multiple of --nnodes 2"), "uneven total", show(&o))?;
-    // Nonsense counts get messages that say what is wrong.
-    let o = out(lockstep(&d).args(["launch", "--nnodes", "0"]).args(ws))?;
-    check(o.status.code() == Some(1) && text(&o).1.contains("--nnodes 0: a job runs on at least 1 node"), "--nnodes 0", show(&o))?;
-    let o = out(lockstep(&d).args(["launch", "--nproc-per-node", "0"]).args(ws))?;
-    check(o.status.code() == Some(2) && text(&o).1.contains("0 ranks cannot run anything"), "--nproc-per-node 0", show(&o))?;
-    let o = out(lockstep(&d).args(["launch", "--nproc-per-node", "many"]).args(ws))?;
-    check(o.status.code() == Some(2) && text(&o).1.contains("is not a number of ranks"), "--nproc-per-node many", show(&o))?;
     let o = out(lockstep(&d)
-        .env("LOCKSTEP_TOKEN", TOKEN)
-        .args(["launch", "--nproc-per-node", "1", "--nnodes", "2", "--node-rank", "2"])
+        .args(["launch", "--num_processes", "3", "--nnodes", "2"])
         .args(ws))?;
     check(
-        o.status.code() == Some(1) && text(&o).1.contains("--node-rank 2 is out of range for --nnodes 2: nodes are numbered 0 to 1"),
+        o.status.code() == Some(1) && text(&o).1.contains("must be a multiple of --nnodes 2"),
+        "uneven total",
+        show(&o),
+    )?;
+    // Nonsense counts get messages that say what is wrong.
+    let o = out(lockstep(&d).args(["launch", "--nnodes", "0"]).args(ws))?;
+    check(
+        o.status.code() == Some(1)
+            && text(&o)
+                .1
+                .contains("--nnodes 0: a job runs on at least 1 node"),
+        "--nnodes 0",
+        show(&o),
+    )?;
+    let o = out(lockstep(&d)
+        .args(["launch", "--nproc-per-node", "0"])
+        .args(ws))?;
+    check(
+        o.status.code() == Some(2) && text(&o).1.contains("0 ranks cannot run anything"),
+        "--nproc-per-node 0",
+        show(&o),
+    )?;
+    let o = out(lockstep(&d)
+        .args(["launch", "--nproc-per-node", "many"])
+        .args(ws))?;
+    check(
+        o.status.code() == Some(2) && text(&o).1.contains("is not a number of ranks"),
+        "--nproc-per-node many",
+        show(&o),
+    )?;
+    let o = out(lockstep(&d)
+        .env("LOCKSTEP_TOKEN", TOKEN)
+        .args([
+            "launch",
+            "--nproc-per-node",
+            "1",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "2",
+        ])
+        .args(ws))?;
+    check(
+        o.status.code() == Some(1)
+            && text(&o).1.contains(
+                "--node-rank 2 is out of range for --nnodes 2: nodes are numbered 0 to 1",
+            ),
         "node rank >= nnodes",
         show(&o),
     )?;
     // More ranks than CPUs start, with a warning.
-    let cpus = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    let cpus = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
     let n = (cpus + 1).to_string();
     let (o, l) = world(&["--nproc-per-node", &n])?;
     let e = text(&o).1;
     check(
-        o.status.success() && l.len() == cpus + 1 && e.contains("WARN") && e.contains(&format!("only {cpus} CPU(s)")),
+        o.status.success()
+            && l.len() == cpus + 1
+            && e.contains("WARN")
+            && e.contains(&format!("only {cpus} CPU(s)")),
         "oversubscription warns",
         show(&o),
     )
@@ -329,31 +641,103 @@ fn process_counts() -> Result<(), String> {
 fn torchrun_and_accelerate_habits() -> Result<(), String> {
     let d = scratch("cfg-habits");
     // The program without `--`, its own options passed through untouched.
-    let o = out(lockstep(&d).args(["launch", "--nproc-per-node", "2", "sh", "-c", "echo args $RANK \"$@\"", "x", "--lr", "1", "-v"]))?;
+    let o = out(lockstep(&d).args([
+        "launch",
+        "--nproc-per-node",
+        "2",
+        "sh",
+        "-c",
+        "echo args $RANK \"$@\"",
+        "x",
+        "--lr",
+        "1",
+        "-v",
+    ]))?;
     let l = lines(&o);
-    check(o.status.success() && l.len() == 2 && l.iter().all(|x| x.ends_with("--lr 1 -v")), "the program needs no `--`", show(&o))?;
+    check(
+        o.status.success() && l.len() == 2 && l.iter().all(|x| x.ends_with("--lr 1 -v")),
+        "the program needs no `--`",
+        show(&o),
+    )?;
     // torchrun's and Accelerate's spellings.
     let env = "echo $WORLD_SIZE $OMP_NUM_THREADS $ACCELERATE_MIXED_PRECISION";
-    let cpus = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    let cpus = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
     let o = out(lockstep(&d)
         .env_remove("OMP_NUM_THREADS")
-        .args(["launch", "--nproc_per_node", "cpu", "--standalone", "--node_rank", "0", "--master_addr", "127.0.0.1"])
-        .args(["--master_port", "29999", "--mixed_precision", "bf16", "sh", "-c", env]))?;
+        .args([
+            "launch",
+            "--nproc_per_node",
+            "cpu",
+            "--standalone",
+            "--node_rank",
+            "0",
+            "--master_addr",
+            "127.0.0.1",
+        ])
+        .args([
+            "--master_port",
+            "29999",
+            "--mixed_precision",
+            "bf16",
+            "sh",
+            "-c",
+            env,
+        ]))?;
     let want = format!("{cpus} 1 bf16");
     check(
-        o.status.success() && lines(&o).iter().all(|x| x.ends_with(&want)) && lines(&o).len() == cpus,
+        o.status.success()
+            && lines(&o).iter().all(|x| x.ends_with(&want))
+            && lines(&o).len() == cpus,
         "torchrun spellings; cpu ranks",
         show(&o),
     )?;
     let o = out(lockstep(&d)
-        .args(["launch", "--num_machines", "1", "--machine_rank", "0", "--main_process_port", "29999", "--num_processes", "2"])
+        .args([
+            "launch",
+            "--num_machines",
+            "1",
+            "--machine_rank",
+            "0",
+            "--main_process_port",
+            "29999",
+            "--num_processes",
+            "2",
+        ])
         .args(["sh", "-c", env]))?;
-    check(o.status.success() && lines(&o).len() == 2, "Accelerate's spellings", show(&o))?;
+    check(
+        o.status.success() && lines(&o).len() == 2,
+        "Accelerate's spellings",
+        show(&o),
+    )?;
     // OMP_NUM_THREADS: the node's CPUs shared among its ranks, unless the user set it.
-    let o = out(lockstep(&d).env_remove("OMP_NUM_THREADS").args(["launch", "--nproc-per-node", "1", "sh", "-c", env]))?;
-    check(lines(&o).iter().all(|x| x.ends_with(&format!("1 {cpus}"))), "one rank gets every CPU", show(&o))?;
-    let o = out(lockstep(&d).env("OMP_NUM_THREADS", "7").args(["launch", "--nproc-per-node", "2", "sh", "-c", env]))?;
-    check(lines(&o).iter().all(|x| x.ends_with("2 7")), "a user's OMP_NUM_THREADS is kept", show(&o))?;
+    let o = out(lockstep(&d).env_remove("OMP_NUM_THREADS").args([
+        "launch",
+        "--nproc-per-node",
+        "1",
+        "sh",
+        "-c",
+        env,
+    ]))?;
+    check(
+        lines(&o).iter().all(|x| x.ends_with(&format!("1 {cpus}"))),
+        "one rank gets every CPU",
+        show(&o),
+    )?;
+    let o = out(lockstep(&d).env("OMP_NUM_THREADS", "7").args([
+        "launch",
+        "--nproc-per-node",
+        "2",
+        "sh",
+        "-c",
+        env,
+    ]))?;
+    check(
+        lines(&o).iter().all(|x| x.ends_with("2 7")),
+        "a user's OMP_NUM_THREADS is kept",
+        show(&o),
+    )?;
     let o = out(lockstep(&d).args(["launch", "--standalone", "--nnodes", "2", "true"]))?;
     check(
         o.status.code() == Some(1)
@@ -364,7 +748,10 @@ fn torchrun_and_accelerate_habits() -> Result<(), String> {
     if lockstep::config::count_gpus().unwrap_or(0) == 0 {
         let o = out(lockstep(&d).args(["launch", "--nproc-per-node", "gpu", "true"]))?;
         check(
-            o.status.code() == Some(1) && text(&o).1.contains("`gpu` starts one rank per GPU, but this machine has none"),
+            o.status.code() == Some(1)
+                && text(&o)
+                    .1
+                    .contains("`gpu` starts one rank per GPU, but this machine has none"),
             "gpu without GPUs",
             show(&o),
         )?;
@@ -372,19 +759,48 @@ fn torchrun_and_accelerate_habits() -> Result<(), String> {
     // A misspelt option gets clap's tip, and never runs as the program.
     let o = out(lockstep(&d).args(["launch", "--nproc-per-nod", "2", "true"]))?;
     check(
-        o.status.code() == Some(2) && text(&o).1.contains("tip: a similar argument exists: '--nproc-per-node'"),
+        o.status.code() == Some(2)
+            && text(&o)
+                .1
+                .contains("tip: a similar argument exists: '--nproc-per-node'"),
         "a tip names the right spelling",
         show(&o),
     )?;
     // One meaning per flag: `config --nproc-per-node` counts per machine, as `launch` does.
     let p = d.join("per-node.toml");
-    let o = out(lockstep(&d).args(["config", "--nproc-per-node", "4", "--num-machines", "2", "--path"]).arg(&p))?;
+    let o = out(lockstep(&d)
+        .args([
+            "config",
+            "--nproc-per-node",
+            "4",
+            "--num-machines",
+            "2",
+            "--path",
+        ])
+        .arg(&p))?;
     let t = std::fs::read_to_string(&p).map_err(|e| e.to_string())?;
-    check(o.status.success() && t.contains("num_processes = 8"), "--nproc-per-node 4 on 2 machines is 8 ranks in all", &t)?;
+    check(
+        o.status.success() && t.contains("num_processes = 8"),
+        "--nproc-per-node 4 on 2 machines is 8 ranks in all",
+        &t,
+    )?;
     let p = d.join("total.toml");
-    let o = out(lockstep(&d).args(["config", "--num_processes", "4", "--num-machines", "2", "--path"]).arg(&p))?;
+    let o = out(lockstep(&d)
+        .args([
+            "config",
+            "--num_processes",
+            "4",
+            "--num-machines",
+            "2",
+            "--path",
+        ])
+        .arg(&p))?;
     let t = std::fs::read_to_string(&p).map_err(|e| e.to_string())?;
-    check(o.status.success() && t.contains("num_processes = 4"), "--num_processes counts every machine's ranks", &t)
+    check(
+        o.status.success() && t.contains("num_processes = 4"),
+        "--num_processes counts every machine's ranks",
+        &t,
+    )
 }
 
 fn init_line_on_request() -> Result<(), String> {
@@ -400,7 +816,10 @@ fn init_line_on_request() -> Result<(), String> {
     let o = run(Some("info"))?;
     let err = text(&o).1;
     for r in 0..2 {
-        let line = err.lines().find(|l| l.contains(&format!("init: rank {r} of 2 backend shm host "))).unwrap_or("");
+        let line = err
+            .lines()
+            .find(|l| l.contains(&format!("init: rank {r} of 2 backend shm host ")))
+            .unwrap_or("");
         check(
             o.status.success()
                 && line.contains(&format!("lockstep {} init", env!("CARGO_PKG_VERSION")))
@@ -412,7 +831,11 @@ fn init_line_on_request() -> Result<(), String> {
         )?;
     }
     let o = run(None)?;
-    check(o.status.success() && !text(&o).1.contains("init: rank"), "no init line by default", show(&o))
+    check(
+        o.status.success() && !text(&o).1.contains("init: rank"),
+        "no init line by default",
+        show(&o),
+    )
 }
 
 fn multi_node_master_port_is_free_for_rank0() -> Result<(), String> {
@@ -429,20 +852,53 @@ fn multi_node_master_port_is_free_for_rank0() -> Result<(), String> {
     let mut kids = Vec::new();
     for r in ["0", "1"] {
         let mut c = lockstep(&d);
-        c.env("LOCKSTEP_TOKEN", TOKEN).args(["launch", "--nproc-per-node", "1", "--nnodes", "2", "--node-rank", r, "--master-port", &port]);
-        c.args(["--", "sh", "-c", &script]).stdout(Stdio::piped()).stderr(Stdio::piped());
+        c.env("LOCKSTEP_TOKEN", TOKEN).args([
+            "launch",
+            "--nproc-per-node",
+            "1",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            r,
+            "--master-port",
+            &port,
+        ]);
+        c.args(["--", "sh", "-c", &script])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
         kids.push(c.spawn().map_err(|e| e.to_string())?);
     }
-    let outs: Vec<Output> = kids.into_iter().map(|k| k.wait_with_output().map_err(|e| e.to_string())).collect::<Result<_, _>>()?;
+    let outs: Vec<Output> = kids
+        .into_iter()
+        .map(|k| k.wait_with_output().map_err(|e| e.to_string()))
+        .collect::<Result<_, _>>()?;
     let all = outs.iter().map(show).collect::<Vec<_>>().join("\n");
-    check(outs.iter().all(|o| o.status.success()), "both nodes succeed", &all)?;
+    check(
+        outs.iter().all(|o| o.status.success()),
+        "both nodes succeed",
+        &all,
+    )?;
     let ports: Vec<String> = outs
         .iter()
-        .flat_map(|o| text(o).0.lines().filter_map(|l| l.split_once("ports ").map(|(_, p)| p.to_string())).collect::<Vec<_>>())
+        .flat_map(|o| {
+            text(o)
+                .0
+                .lines()
+                .filter_map(|l| l.split_once("ports ").map(|(_, p)| p.to_string()))
+                .collect::<Vec<_>>()
+        })
         .collect();
-    check(ports.len() == 2 && ports[0] == ports[1], "every rank gets the same ports", &all)?;
+    check(
+        ports.len() == 2 && ports[0] == ports[1],
+        "every rank gets the same ports",
+        &all,
+    )?;
     let (master, store) = ports[0].split_once(' ').unwrap_or(("", ""));
-    check(store == port && master != port && master.parse::<u16>().is_ok(), "MASTER_PORT is not the launchers' store port", &all)?;
+    check(
+        store == port && master != port && master.parse::<u16>().is_ok(),
+        "MASTER_PORT is not the launchers' store port",
+        &all,
+    )?;
     check(
         text(&outs[0]).0.contains("bound") && text(&outs[0]).0.contains("selftest ok: 2 ranks"),
         "rank 0 binds MASTER_PORT and the job runs",
@@ -460,14 +916,23 @@ fn json_lines_parse_under_the_launcher() -> Result<(), String> {
     let mut objects = 0;
     for line in s.lines() {
         if line.starts_with('{') && line.ends_with('}') && !line.contains("not json") {
-            let v: serde_json::Value = serde_json::from_str(line).map_err(|e| format!("{line:?} does not parse: {e}\n{s}"))?;
+            let v: serde_json::Value = serde_json::from_str(line)
+                .map_err(|e| format!("{line:?} does not parse: {e}\n{s}"))?;
             check(v["loss"] == 0.4384, "the object is intact", line)?;
             objects += 1;
         } else {
-            check(line.starts_with("[rank "), "other lines keep their prefix", line)?;
+            check(
+                line.starts_with("[rank "),
+                "other lines keep their prefix",
+                line,
+            )?;
         }
     }
-    check(objects == 2 && s.contains("[rank 1] {not json}"), "one object per rank, unprefixed; text prefixed", &s)?;
+    check(
+        objects == 2 && s.contains("[rank 1] {not json}"),
+        "one object per rank, unprefixed; text prefixed",
+        &s,
+    )?;
     // A program's --json output: every line parses.
     let o = out(lockstep(&d).args([
         "launch",
@@ -486,16 +951,32 @@ fn json_lines_parse_under_the_launcher() -> Result<(), String> {
         "json",
     ]))?;
     let s = text(&o).0;
-    let parsed: Vec<serde_json::Value> =
-        s.lines().map(serde_json::from_str).collect::<Result<_, _>>().map_err(|e| format!("{e}\n{}", show(&o)))?;
+    let parsed: Vec<serde_json::Value> = s
+        .lines()
+        .map(serde_json::from_str)
+        .collect::<Result<_, _>>()
+        .map_err(|e| format!("{e}\n{}", show(&o)))?;
     check(
         o.status.success() && parsed.len() == 2 && parsed.iter().all(|v| v["wrong"] == 0),
         "every stdout line of the ranks parses",
         show(&o),
     )?;
     // --no-prefix: text lines as written.
-    let o = out(lockstep(&d).args(["launch", "--nproc-per-node", "2", "--no-prefix", "--", "sh", "-c", "echo r$RANK"]))?;
-    check(o.status.success() && lines(&o) == ["r0", "r1"], "--no-prefix", show(&o))
+    let o = out(lockstep(&d).args([
+        "launch",
+        "--nproc-per-node",
+        "2",
+        "--no-prefix",
+        "--",
+        "sh",
+        "-c",
+        "echo r$RANK",
+    ]))?;
+    check(
+        o.status.success() && lines(&o) == ["r0", "r1"],
+        "--no-prefix",
+        show(&o),
+    )
 }
 
 fn carriage_returns_reach_a_terminal() -> Result<(), String> {
@@ -507,18 +988,43 @@ fn carriage_returns_reach_a_terminal() -> Result<(), String> {
         "{BIN} launch --nproc-per-node 1 -- sh -c 'printf \"10%%\\r20%%\\r30%%\\n\"; printf \"\\033[2K40%%\\r\\033[2K50%%\\n\" >&2; echo tty=$LOCKSTEP_CONSOLE_TTY'"
     );
     let mut script = Command::new("script");
-    script.env("XDG_CONFIG_HOME", &d).args(["-qec", &cmd, "/dev/null"]);
-    for v in ["LOCKSTEP_CONFIG", "LOCKSTEP_BACKEND", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"] {
+    script
+        .env("XDG_CONFIG_HOME", &d)
+        .args(["-qec", &cmd, "/dev/null"]);
+    for v in [
+        "LOCKSTEP_CONFIG",
+        "LOCKSTEP_BACKEND",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "RANK",
+        "WORLD_SIZE",
+    ] {
         script.env_remove(v);
     }
     let o = out(&mut script)?;
     let s = String::from_utf8_lossy(&o.stdout).into_owned();
     // The terminal turns "\n" into "\r\n"; the redraws arrive one by one, each with its prefix,
     // a clear-line sequence before the prefix.
-    check(o.status.success(), "the job succeeds under script", show(&o))?;
-    check(s.contains("[rank 0] 10%\r[rank 0] 20%\r[rank 0] 30%\r\n"), "stdout redraws arrive intact", format!("{s:?}"))?;
-    check(s.contains("\x1b[2K[rank 0] 40%\r\x1b[2K[rank 0] 50%"), "stderr redraws keep the clear-line first", format!("{s:?}"))?;
-    check(s.contains("[rank 0] tty=1"), "rank 0 is told it may draw", format!("{s:?}"))?;
+    check(
+        o.status.success(),
+        "the job succeeds under script",
+        show(&o),
+    )?;
+    check(
+        s.contains("[rank 0] 10%\r[rank 0] 20%\r[rank 0] 30%\r\n"),
+        "stdout redraws arrive intact",
+        format!("{s:?}"),
+    )?;
+    check(
+        s.contains("\x1b[2K[rank 0] 40%\r\x1b[2K[rank 0] 50%"),
+        "stderr redraws keep the clear-line first",
+        format!("{s:?}"),
+    )?;
+    check(
+        s.contains("[rank 0] tty=1"),
+        "rank 0 is told it may draw",
+        format!("{s:?}"),
+    )?;
     // Only rank 0 reports, so only rank 0 is told; and bars go to stdout, so a terminal on stderr
     // alone does not count.
     let redirected = d.join("stdout.txt");
@@ -527,32 +1033,81 @@ fn carriage_returns_reach_a_terminal() -> Result<(), String> {
         redirected.display()
     );
     let mut script = Command::new("script");
-    script.env("XDG_CONFIG_HOME", &d).args(["-qec", &cmd, "/dev/null"]);
-    for v in ["LOCKSTEP_CONFIG", "LOCKSTEP_BACKEND", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCKSTEP_CONSOLE_TTY"] {
+    script
+        .env("XDG_CONFIG_HOME", &d)
+        .args(["-qec", &cmd, "/dev/null"]);
+    for v in [
+        "LOCKSTEP_CONFIG",
+        "LOCKSTEP_BACKEND",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "RANK",
+        "WORLD_SIZE",
+        "LOCKSTEP_CONSOLE_TTY",
+    ] {
         script.env_remove(v);
     }
     let o = out(&mut script)?;
     let s = String::from_utf8_lossy(&o.stdout).into_owned();
-    check(s.contains("[rank 0] tty0=1") && s.contains("[rank 1] tty1=\r"), "rank 0 told, rank 1 not", format!("{s:?}"))?;
-    let r = std::fs::read_to_string(&redirected).map_err(|e| format!("{}: {e}", redirected.display()))?;
-    check(r == "[rank 0] redirected=\n", "stdout to a file: not told, though stderr is a terminal", format!("{r:?}"))?;
+    check(
+        s.contains("[rank 0] tty0=1") && s.contains("[rank 1] tty1=\r"),
+        "rank 0 told, rank 1 not",
+        format!("{s:?}"),
+    )?;
+    let r = std::fs::read_to_string(&redirected)
+        .map_err(|e| format!("{}: {e}", redirected.display()))?;
+    check(
+        r == "[rank 0] redirected=\n",
+        "stdout to a file: not told, though stderr is a terminal",
+        format!("{r:?}"),
+    )?;
     // Off a terminal the ranks are not told so.
-    let o = out(lockstep(&d).args(["launch", "--nproc-per-node", "1", "--", "sh", "-c", "echo tty=$LOCKSTEP_CONSOLE_TTY"]))?;
-    check(lines(&o) == ["[rank 0] tty="], "no terminal, no LOCKSTEP_CONSOLE_TTY", show(&o))
+    let o = out(lockstep(&d).args([
+        "launch",
+        "--nproc-per-node",
+        "1",
+        "--",
+        "sh",
+        "-c",
+        "echo tty=$LOCKSTEP_CONSOLE_TTY",
+    ]))?;
+    check(
+        lines(&o) == ["[rank 0] tty="],
+        "no terminal, no LOCKSTEP_CONSOLE_TTY",
+        show(&o),
+    )
 }
 
 fn main() -> std::process::ExitCode {
     common::run(&[
-        ("config_written_read_and_shown", config_written_read_and_shown),
+        (
+            "config_written_read_and_shown",
+            config_written_read_and_shown,
+        ),
         ("config_interactive", config_interactive),
         ("bad_files_are_named", bad_files_are_named),
-        ("backend_of_the_file_reaches_the_ranks", backend_of_the_file_reaches_the_ranks),
+        (
+            "backend_of_the_file_reaches_the_ranks",
+            backend_of_the_file_reaches_the_ranks,
+        ),
         ("master_addr_and_port", master_addr_and_port),
-        ("multi_node_master_port_is_free_for_rank0", multi_node_master_port_is_free_for_rank0),
+        (
+            "multi_node_master_port_is_free_for_rank0",
+            multi_node_master_port_is_free_for_rank0,
+        ),
         ("process_counts", process_counts),
-        ("torchrun_and_accelerate_habits", torchrun_and_accelerate_habits),
+        (
+            "torchrun_and_accelerate_habits",
+            torchrun_and_accelerate_habits,
+        ),
         ("init_line_on_request", init_line_on_request),
-        ("json_lines_parse_under_the_launcher", json_lines_parse_under_the_launcher),
-        ("carriage_returns_reach_a_terminal", carriage_returns_reach_a_terminal),
+        (
+            "json_lines_parse_under_the_launcher",
+            json_lines_parse_under_the_launcher,
+        ),
+        (
+            "carriage_returns_reach_a_terminal",
+            carriage_returns_reach_a_terminal,
+        ),
     ])
 }

@@ -16,22 +16,35 @@ const TOKEN: &str = "launch-cli-test-token-0123";
 
 fn lockstep() -> Command {
     let mut c = Command::new(BIN);
-    c.env_remove("LOCKSTEP_TOKEN").env_remove("RANK").env_remove("WORLD_SIZE");
+    c.env_remove("LOCKSTEP_TOKEN")
+        .env_remove("RANK")
+        .env_remove("WORLD_SIZE");
     // No configuration file of the user's, and none of the variables that override one.
     c.env("XDG_CONFIG_HOME", "/nonexistent/lockstep-test-config");
-    for v in ["LOCKSTEP_CONFIG", "LOCKSTEP_BACKEND", "MASTER_ADDR", "MASTER_PORT"] {
+    for v in [
+        "LOCKSTEP_CONFIG",
+        "LOCKSTEP_BACKEND",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    ] {
         c.env_remove(v);
     }
     c
 }
 
 fn text(o: &Output) -> (String, String) {
-    (String::from_utf8_lossy(&o.stdout).into_owned(), String::from_utf8_lossy(&o.stderr).into_owned())
+    (
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    )
 }
 
 fn show(o: &Output) -> String {
     let (a, b) = text(o);
-    format!("status: {:?}\n--- stdout ---\n{a}\n--- stderr ---\n{b}", o.status)
+    format!(
+        "status: {:?}\n--- stdout ---\n{a}\n--- stderr ---\n{b}",
+        o.status
+    )
 }
 
 /// A running launcher that is killed and reaped if a test returns early.
@@ -62,7 +75,12 @@ impl Drop for Running {
 }
 
 fn spawn_piped(c: &mut Command) -> Running {
-    Running(Some(c.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("spawn lockstep")))
+    Running(Some(
+        c.stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn lockstep"),
+    ))
 }
 
 /// Wait for `n` ranks under launcher `pid` (each under its guard), then return their pids.
@@ -72,28 +90,50 @@ fn ranks_of(pid: i32, n: usize) -> Result<Vec<i32>, String> {
         kids = grandchildren_of(pid);
         kids.len() >= n
     });
-    check(ok, "the launcher did not start its ranks", format!("grandchildren of {pid}: {kids:?}"))?;
+    check(
+        ok,
+        "the launcher did not start its ranks",
+        format!("grandchildren of {pid}: {kids:?}"),
+    )?;
     Ok(kids)
 }
 
 fn env_of(pid: i32, key: &str) -> Option<String> {
     let e = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
-    e.split(|b| *b == 0).find_map(|kv| kv.strip_prefix(format!("{key}=").as_bytes()).map(|v| String::from_utf8_lossy(v).into_owned()))
+    e.split(|b| *b == 0).find_map(|kv| {
+        kv.strip_prefix(format!("{key}=").as_bytes())
+            .map(|v| String::from_utf8_lossy(v).into_owned())
+    })
 }
 
 fn now_ns() -> u128 {
-    SystemTime::now().duration_since(UNIX_EPOCH).expect("clock").as_nanos()
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .expect("clock")
+        .as_nanos()
 }
 
 // ------------------------------------------------------------------------------------------------
 
 fn selftest_two_and_eight_ranks() -> Result<(), String> {
     for n in [2, 8] {
-        let o =
-            lockstep().args(["launch", "--nproc-per-node", &n.to_string(), "--", BIN, "selftest"]).output().map_err(|e| e.to_string())?;
+        let o = lockstep()
+            .args([
+                "launch",
+                "--nproc-per-node",
+                &n.to_string(),
+                "--",
+                BIN,
+                "selftest",
+            ])
+            .output()
+            .map_err(|e| e.to_string())?;
         let (out, _) = text(&o);
         check(
-            o.status.success() && out.contains(&format!("[rank 0] lockstep selftest ok: {n} ranks, backend shm")),
+            o.status.success()
+                && out.contains(&format!(
+                    "[rank 0] lockstep selftest ok: {n} ranks, backend shm"
+                )),
             "selftest failed",
             show(&o),
         )?;
@@ -107,13 +147,28 @@ fn fail_fast_exit_code() -> Result<(), String> {
         "echo $$ > {d}/pid.$RANK; if [ \"$RANK\" = 1 ]; then sleep 0.3; echo 'rank one fails' >&2; date +%s%N > {d}/t1; exit 3; fi; exec sleep 30",
         d = d.display()
     );
-    let o = lockstep().args(["launch", "--nproc-per-node", "3", "--", "sh", "-c", &script]).output().map_err(|e| e.to_string())?;
+    let o = lockstep()
+        .args(["launch", "--nproc-per-node", "3", "--", "sh", "-c", &script])
+        .output()
+        .map_err(|e| e.to_string())?;
     let end = now_ns();
     let (_, err) = text(&o);
-    check(o.status.code() == Some(3), "launcher must exit with the failing rank's code 3", show(&o))?;
-    let t1: u128 = std::fs::read_to_string(d.join("t1")).map_err(|e| e.to_string())?.trim().parse().map_err(|_| "bad t1".to_string())?;
+    check(
+        o.status.code() == Some(3),
+        "launcher must exit with the failing rank's code 3",
+        show(&o),
+    )?;
+    let t1: u128 = std::fs::read_to_string(d.join("t1"))
+        .map_err(|e| e.to_string())?
+        .trim()
+        .parse()
+        .map_err(|_| "bad t1".to_string())?;
     let lag = (end.saturating_sub(t1)) as f64 / 1e9;
-    check(lag < 1.0, "launcher must exit within 1 s of the failure", format!("lag {lag:.3} s\n{}", show(&o)))?;
+    check(
+        lag < 1.0,
+        "launcher must exit within 1 s of the failure",
+        format!("lag {lag:.3} s\n{}", show(&o)),
+    )?;
     check(
         err.contains("rank 1 (pid")
             && err.contains("failed first: exited with code 3")
@@ -128,96 +183,231 @@ fn fail_fast_exit_code() -> Result<(), String> {
             .trim()
             .parse()
             .map_err(|_| "bad pid".to_string())?;
-        check(!alive(pid), "the other ranks must be gone", format!("rank {r} pid {pid} alive"))?;
+        check(
+            !alive(pid),
+            "the other ranks must be gone",
+            format!("rank {r} pid {pid} alive"),
+        )?;
     }
-    println!("    fail-fast: launcher exited {:.1} ms after rank 1's exit", lag * 1e3);
+    println!(
+        "    fail-fast: launcher exited {:.1} ms after rank 1's exit",
+        lag * 1e3
+    );
     Ok(())
 }
 
 fn kill9_rank_mid_all_reduce() -> Result<(), String> {
     // --no-fail-fast lets the survivor notice the loss itself (PeerLost) before the report.
     let mut c = lockstep();
-    c.args(["launch", "--nproc-per-node", "2", "--no-fail-fast", "--", BIN, "selftest", "--iters", "1000000000", "--count", "4096"]);
+    c.args([
+        "launch",
+        "--nproc-per-node",
+        "2",
+        "--no-fail-fast",
+        "--",
+        BIN,
+        "selftest",
+        "--iters",
+        "1000000000",
+        "--count",
+        "4096",
+    ]);
     let child = spawn_piped(&mut c);
     let ranks = ranks_of(child.id() as i32, 2)?;
     std::thread::sleep(Duration::from_millis(300));
-    let r1 = *ranks.iter().find(|p| env_of(**p, "RANK").as_deref() == Some("1")).ok_or("no rank 1")?;
+    let r1 = *ranks
+        .iter()
+        .find(|p| env_of(**p, "RANK").as_deref() == Some("1"))
+        .ok_or("no rank 1")?;
     signal(r1, libc::SIGKILL);
     let t = Instant::now();
     let o = child.wait_with_output().map_err(|e| e.to_string())?;
     let (_, err) = text(&o);
-    check(o.status.code() == Some(137), "launcher must exit 128+9 for the SIGKILLed root cause", show(&o))?;
-    check(err.contains("rank 1 (pid") && err.contains("SIGKILL"), "summary must name rank 1 and SIGKILL", show(&o))?;
-    check(err.contains("died while rank 0 was in all_reduce"), "the survivor must report the lost peer", show(&o))?;
-    check(t.elapsed() < Duration::from_secs(3), "the survivor must notice within seconds", format!("{:?}", t.elapsed()))
+    check(
+        o.status.code() == Some(137),
+        "launcher must exit 128+9 for the SIGKILLed root cause",
+        show(&o),
+    )?;
+    check(
+        err.contains("rank 1 (pid") && err.contains("SIGKILL"),
+        "summary must name rank 1 and SIGKILL",
+        show(&o),
+    )?;
+    check(
+        err.contains("died while rank 0 was in all_reduce"),
+        "the survivor must report the lost peer",
+        show(&o),
+    )?;
+    check(
+        t.elapsed() < Duration::from_secs(3),
+        "the survivor must notice within seconds",
+        format!("{:?}", t.elapsed()),
+    )
 }
 
 fn kill9_rank_fail_fast() -> Result<(), String> {
     let mut c = lockstep();
-    c.args(["launch", "--nproc-per-node", "2", "--", BIN, "selftest", "--iters", "1000000000"]);
+    c.args([
+        "launch",
+        "--nproc-per-node",
+        "2",
+        "--",
+        BIN,
+        "selftest",
+        "--iters",
+        "1000000000",
+    ]);
     let child = spawn_piped(&mut c);
     let ranks = ranks_of(child.id() as i32, 2)?;
     std::thread::sleep(Duration::from_millis(200));
-    let r1 = *ranks.iter().find(|p| env_of(**p, "RANK").as_deref() == Some("1")).ok_or("no rank 1")?;
+    let r1 = *ranks
+        .iter()
+        .find(|p| env_of(**p, "RANK").as_deref() == Some("1"))
+        .ok_or("no rank 1")?;
     signal(r1, libc::SIGKILL);
     let o = child.wait_with_output().map_err(|e| e.to_string())?;
-    check(o.status.code() == Some(137), "launcher must exit 137", show(&o))?;
-    check(ranks.iter().all(|p| !alive(*p)), "no rank may survive", format!("{ranks:?}"))
+    check(
+        o.status.code() == Some(137),
+        "launcher must exit 137",
+        show(&o),
+    )?;
+    check(
+        ranks.iter().all(|p| !alive(*p)),
+        "no rank may survive",
+        format!("{ranks:?}"),
+    )
 }
 
 fn kill9_launcher_leaves_nothing() -> Result<(), String> {
     let mut c = lockstep();
-    c.args(["launch", "--nproc-per-node", "3", "--", "sh", "-c", "exec sleep 30"]);
+    c.args([
+        "launch",
+        "--nproc-per-node",
+        "3",
+        "--",
+        "sh",
+        "-c",
+        "exec sleep 30",
+    ]);
     let child = spawn_piped(&mut c);
     let ranks = ranks_of(child.id() as i32, 3)?;
     signal(child.id() as i32, libc::SIGKILL);
     let _ = child.wait();
     let gone = wait_until(Duration::from_secs(2), || ranks.iter().all(|p| !alive(*p)));
-    check(gone, "every rank must die with the launcher", format!("alive: {:?}", ranks.iter().filter(|p| alive(**p)).collect::<Vec<_>>()))
+    check(
+        gone,
+        "every rank must die with the launcher",
+        format!(
+            "alive: {:?}",
+            ranks.iter().filter(|p| alive(**p)).collect::<Vec<_>>()
+        ),
+    )
 }
 
 fn sigint_reaches_every_rank() -> Result<(), String> {
     let mut c = lockstep();
-    c.args(["launch", "--nproc-per-node", "2", "--", "sh", "-c", "exec sleep 30"]);
+    c.args([
+        "launch",
+        "--nproc-per-node",
+        "2",
+        "--",
+        "sh",
+        "-c",
+        "exec sleep 30",
+    ]);
     let child = spawn_piped(&mut c);
     let ranks = ranks_of(child.id() as i32, 2)?;
     std::thread::sleep(Duration::from_millis(100));
     let t = Instant::now();
     signal(child.id() as i32, libc::SIGINT);
     let o = child.wait_with_output().map_err(|e| e.to_string())?;
-    check(o.status.code() == Some(130), "launcher must exit 130 after SIGINT", show(&o))?;
-    check(t.elapsed() < Duration::from_secs(1), "SIGINT must stop the job at once", format!("{:?}", t.elapsed()))?;
-    check(ranks.iter().all(|p| !alive(*p)), "no rank may survive", format!("{ranks:?}"))
+    check(
+        o.status.code() == Some(130),
+        "launcher must exit 130 after SIGINT",
+        show(&o),
+    )?;
+    check(
+        t.elapsed() < Duration::from_secs(1),
+        "SIGINT must stop the job at once",
+        format!("{:?}", t.elapsed()),
+    )?;
+    check(
+        ranks.iter().all(|p| !alive(*p)),
+        "no rank may survive",
+        format!("{ranks:?}"),
+    )
 }
 
 fn sigterm_reaches_every_rank() -> Result<(), String> {
     let mut c = lockstep();
-    c.args(["launch", "--nproc-per-node", "2", "--", "sh", "-c", "exec sleep 30"]);
+    c.args([
+        "launch",
+        "--nproc-per-node",
+        "2",
+        "--",
+        "sh",
+        "-c",
+        "exec sleep 30",
+    ]);
     let child = spawn_piped(&mut c);
     let ranks = ranks_of(child.id() as i32, 2)?;
     std::thread::sleep(Duration::from_millis(100));
     signal(child.id() as i32, libc::SIGTERM);
     let o = child.wait_with_output().map_err(|e| e.to_string())?;
-    check(o.status.code() == Some(143) && text(&o).1.contains("stopped by SIGTERM"), "launcher must exit 143 after SIGTERM", show(&o))?;
-    check(ranks.iter().all(|p| !alive(*p)), "no rank may survive", format!("{ranks:?}"))
+    check(
+        o.status.code() == Some(143) && text(&o).1.contains("stopped by SIGTERM"),
+        "launcher must exit 143 after SIGTERM",
+        show(&o),
+    )?;
+    check(
+        ranks.iter().all(|p| !alive(*p)),
+        "no rank may survive",
+        format!("{ranks:?}"),
+    )
 }
 
 fn second_sigint_kills_at_once() -> Result<(), String> {
     let mut c = lockstep();
     // Ranks that ignore SIGINT and SIGTERM: only the second Ctrl-C (SIGKILL) stops them.
-    c.args(["launch", "--nproc-per-node", "2", "--grace-s", "30", "--", "sh", "-c", "trap '' INT TERM; exec sleep 30"]);
+    c.args([
+        "launch",
+        "--nproc-per-node",
+        "2",
+        "--grace-s",
+        "30",
+        "--",
+        "sh",
+        "-c",
+        "trap '' INT TERM; exec sleep 30",
+    ]);
     let mut child = spawn_piped(&mut c);
     let ranks = ranks_of(child.id() as i32, 2)?;
     std::thread::sleep(Duration::from_millis(100));
     signal(child.id() as i32, libc::SIGINT);
     std::thread::sleep(Duration::from_millis(300));
-    check(child.try_wait().map_err(|e| e.to_string())?.is_none(), "ranks ignoring SIGINT keep the job alive during the grace period", "")?;
+    check(
+        child.try_wait().map_err(|e| e.to_string())?.is_none(),
+        "ranks ignoring SIGINT keep the job alive during the grace period",
+        "",
+    )?;
     let t = Instant::now();
     signal(child.id() as i32, libc::SIGINT);
     let o = child.wait_with_output().map_err(|e| e.to_string())?;
-    check(t.elapsed() < Duration::from_secs(1), "the second SIGINT must kill at once", format!("{:?}\n{}", t.elapsed(), show(&o)))?;
-    check(o.status.code() == Some(130), "the launcher exits 128+SIGINT even though the ranks needed SIGKILL", show(&o))?;
-    check(ranks.iter().all(|p| !alive(*p)), "no rank may survive", format!("{ranks:?}"))
+    check(
+        t.elapsed() < Duration::from_secs(1),
+        "the second SIGINT must kill at once",
+        format!("{:?}\n{}", t.elapsed(), show(&o)),
+    )?;
+    check(
+        o.status.code() == Some(130),
+        "the launcher exits 128+SIGINT even though the ranks needed SIGKILL",
+        show(&o),
+    )?;
+    check(
+        ranks.iter().all(|p| !alive(*p)),
+        "no rank may survive",
+        format!("{ranks:?}"),
+    )
 }
 
 fn output_is_line_atomic_and_prefixed() -> Result<(), String> {
@@ -226,7 +416,10 @@ fn output_is_line_atomic_and_prefixed() -> Result<(), String> {
     let script = format!(
         "if [ $RANK = 0 ]; then printf '10%%\\r20%%\\r30%%\\n'; fi; yes \"$RANK-0123456789abcdefghijklmnopqrstuvwxyz-$RANK\" | head -n {n}"
     );
-    let o = lockstep().args(["launch", "--nproc-per-node", "4", "--", "sh", "-c", &script]).output().map_err(|e| e.to_string())?;
+    let o = lockstep()
+        .args(["launch", "--nproc-per-node", "4", "--", "sh", "-c", &script])
+        .output()
+        .map_err(|e| e.to_string())?;
     let (out, _) = text(&o);
     check(o.status.success(), "job failed", show(&o))?;
     let mut counts = [0usize; 4];
@@ -235,28 +428,58 @@ fn output_is_line_atomic_and_prefixed() -> Result<(), String> {
         if ["[rank 0] 10%", "[rank 0] 20%", "[rank 0] 30%"].contains(&body) {
             continue;
         }
-        let ok = (0..4).find(|r| body == format!("[rank {r}] {r}-0123456789abcdefghijklmnopqrstuvwxyz-{r}"));
+        let ok = (0..4)
+            .find(|r| body == format!("[rank {r}] {r}-0123456789abcdefghijklmnopqrstuvwxyz-{r}"));
         match ok {
             Some(r) => counts[r] += 1,
-            None => return check(false, "every line must be one rank's whole line with its prefix", format!("bad line: {body:?}")),
+            None => {
+                return check(
+                    false,
+                    "every line must be one rank's whole line with its prefix",
+                    format!("bad line: {body:?}"),
+                )
+            }
         }
     }
-    check(counts == [n; 4], "every line must arrive", format!("{counts:?}"))?;
-    check(out.contains("[rank 0] 10%\r[rank 0] 20%\r[rank 0] 30%\n"), "\\r segments are forwarded one by one", "")
+    check(
+        counts == [n; 4],
+        "every line must arrive",
+        format!("{counts:?}"),
+    )?;
+    check(
+        out.contains("[rank 0] 10%\r[rank 0] 20%\r[rank 0] 30%\n"),
+        "\\r segments are forwarded one by one",
+        "",
+    )
 }
 
 fn log_dir_and_ranks_filter() -> Result<(), String> {
     let d = scratch("logs");
     let o = lockstep()
-        .args(["launch", "--nproc-per-node", "2", "--ranks-filter", "1", "--log-dir"])
+        .args([
+            "launch",
+            "--nproc-per-node",
+            "2",
+            "--ranks-filter",
+            "1",
+            "--log-dir",
+        ])
         .arg(&d)
         .args(["--", "sh", "-c", "echo out $RANK; echo err $RANK >&2"])
         .output()
         .map_err(|e| e.to_string())?;
     let (out, err) = text(&o);
-    check(o.status.success() && out == "[rank 1] out 1\n" && err == "[rank 1] err 1\n", "only rank 1 is shown", show(&o))?;
+    check(
+        o.status.success() && out == "[rank 1] out 1\n" && err == "[rank 1] err 1\n",
+        "only rank 1 is shown",
+        show(&o),
+    )?;
     let log0 = std::fs::read_to_string(d.join("rank-0.log")).map_err(|e| e.to_string())?;
-    check(log0.contains("out 0\n") && log0.contains("err 0\n"), "rank 0's log has both streams", &log0)
+    check(
+        log0.contains("out 0\n") && log0.contains("err 0\n"),
+        "rank 0's log has both streams",
+        &log0,
+    )
 }
 
 fn log_dir_links_and_permissions() -> Result<(), String> {
@@ -279,22 +502,40 @@ fn log_dir_links_and_permissions() -> Result<(), String> {
     let o = run(&links)?;
     let (out, err) = text(&o);
     check(
-        !o.status.success() && err.contains("rank-1.log") && err.contains("symbolic link") && out.is_empty(),
+        !o.status.success()
+            && err.contains("rank-1.log")
+            && err.contains("symbolic link")
+            && out.is_empty(),
         "a planted link is refused",
         show(&o),
     )?;
-    check(std::fs::read_to_string(&victim).ok().as_deref() == Some("precious"), "the link's target is unchanged", "")?;
+    check(
+        std::fs::read_to_string(&victim).ok().as_deref() == Some("precious"),
+        "the link's target is unchanged",
+        "",
+    )?;
     // A group-writable directory without the sticky bit.
     let shared = d.join("shared");
     std::fs::create_dir(&shared).map_err(|e| e.to_string())?;
-    std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o770)).map_err(|e| e.to_string())?;
+    std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o770))
+        .map_err(|e| e.to_string())?;
     let o = run(&shared)?;
-    check(!o.status.success() && text(&o).1.contains("without the sticky bit"), "a group-writable directory is refused", show(&o))?;
+    check(
+        !o.status.success() && text(&o).1.contains("without the sticky bit"),
+        "a group-writable directory is refused",
+        show(&o),
+    )?;
     // A new directory is made 0700 and the job runs.
     let fresh = d.join("fresh");
     let o = run(&fresh)?;
-    let mode = std::fs::metadata(&fresh).map(|m| m.permissions().mode() & 0o7777).unwrap_or(0);
-    check(o.status.success() && mode == 0o700, "a new log directory is created 0700", format!("mode {mode:o}\n{}", show(&o)))?;
+    let mode = std::fs::metadata(&fresh)
+        .map(|m| m.permissions().mode() & 0o7777)
+        .unwrap_or(0);
+    check(
+        o.status.success() && mode == 0o700,
+        "a new log directory is created 0700",
+        format!("mode {mode:o}\n{}", show(&o)),
+    )?;
     let log1 = std::fs::read_to_string(fresh.join("rank-1.log")).map_err(|e| e.to_string())?;
     check(log1 == "out 1\n", "and the ranks log there", &log1)
 }
@@ -304,35 +545,87 @@ fn two_launchers_form_one_job() -> Result<(), String> {
     let node = |r: &str| {
         let mut c = lockstep();
         c.env("LOCKSTEP_TOKEN", TOKEN);
-        c.args(["launch", "--nproc-per-node", "2", "--nnodes", "2", "--node-rank", r, "--master-port", &port, "--", BIN, "selftest"]);
+        c.args([
+            "launch",
+            "--nproc-per-node",
+            "2",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            r,
+            "--master-port",
+            &port,
+            "--",
+            BIN,
+            "selftest",
+        ]);
         spawn_piped(&mut c)
     };
     let a = node("0");
     let b = node("1");
-    let (oa, ob) = (a.wait_with_output().map_err(|e| e.to_string())?, b.wait_with_output().map_err(|e| e.to_string())?);
-    check(oa.status.success() && ob.status.success(), "both launchers must succeed", format!("{}\n{}", show(&oa), show(&ob)))?;
-    check(text(&oa).0.contains("[rank 0] lockstep selftest ok: 4 ranks, backend shm"), "one 4-rank job", show(&oa))
+    let (oa, ob) = (
+        a.wait_with_output().map_err(|e| e.to_string())?,
+        b.wait_with_output().map_err(|e| e.to_string())?,
+    );
+    check(
+        oa.status.success() && ob.status.success(),
+        "both launchers must succeed",
+        format!("{}\n{}", show(&oa), show(&ob)),
+    )?;
+    check(
+        text(&oa)
+            .0
+            .contains("[rank 0] lockstep selftest ok: 4 ranks, backend shm"),
+        "one 4-rank job",
+        show(&oa),
+    )
 }
 
 fn failure_on_one_node_stops_the_other() -> Result<(), String> {
     let port = free_port().to_string();
-    let script = "if [ $RANK = 3 ]; then sleep 0.3; echo 'rank three fails' >&2; exit 3; fi; exec sleep 30";
+    let script =
+        "if [ $RANK = 3 ]; then sleep 0.3; echo 'rank three fails' >&2; exit 3; fi; exec sleep 30";
     let node = |r: &str| {
         let mut c = lockstep();
         c.env("LOCKSTEP_TOKEN", TOKEN);
-        c.args(["launch", "--nproc-per-node", "2", "--nnodes", "2", "--node-rank", r, "--master-port", &port, "--", "sh", "-c", script]);
+        c.args([
+            "launch",
+            "--nproc-per-node",
+            "2",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            r,
+            "--master-port",
+            &port,
+            "--",
+            "sh",
+            "-c",
+            script,
+        ]);
         spawn_piped(&mut c)
     };
     let (a, b) = (node("0"), node("1"));
     let t = Instant::now();
-    let (oa, ob) = (a.wait_with_output().map_err(|e| e.to_string())?, b.wait_with_output().map_err(|e| e.to_string())?);
-    check(ob.status.code() == Some(3) && text(&ob).1.contains("rank three fails"), "node 1 reports its failing rank", show(&ob))?;
+    let (oa, ob) = (
+        a.wait_with_output().map_err(|e| e.to_string())?,
+        b.wait_with_output().map_err(|e| e.to_string())?,
+    );
+    check(
+        ob.status.code() == Some(3) && text(&ob).1.contains("rank three fails"),
+        "node 1 reports its failing rank",
+        show(&ob),
+    )?;
     check(
         oa.status.code() == Some(3) && text(&oa).1.contains("because rank 3 (pid"),
         "node 0 stops and exits with the root cause's code",
         show(&oa),
     )?;
-    check(t.elapsed() < Duration::from_millis(1500), "both stop within a second of the failure", format!("{:?}", t.elapsed()))
+    check(
+        t.elapsed() < Duration::from_millis(1500),
+        "both stop within a second of the failure",
+        format!("{:?}", t.elapsed()),
+    )
 }
 
 fn cross_host_cpu_job_is_refused() -> Result<(), String> {
@@ -340,12 +633,32 @@ fn cross_host_cpu_job_is_refused() -> Result<(), String> {
     let node = |r: &str, host: &str| {
         let mut c = lockstep();
         c.env("LOCKSTEP_HOST_ID", host).env("LOCKSTEP_TOKEN", TOKEN);
-        c.args(["launch", "--nproc-per-node", "1", "--nnodes", "2", "--node-rank", r, "--master-port", &port, "--", BIN, "selftest"]);
+        c.args([
+            "launch",
+            "--nproc-per-node",
+            "1",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            r,
+            "--master-port",
+            &port,
+            "--",
+            BIN,
+            "selftest",
+        ]);
         spawn_piped(&mut c)
     };
     let (a, b) = (node("0", "hostA"), node("1", "hostB"));
-    let (oa, ob) = (a.wait_with_output().map_err(|e| e.to_string())?, b.wait_with_output().map_err(|e| e.to_string())?);
-    check(!oa.status.success() && !ob.status.success(), "both must fail", format!("{}\n{}", show(&oa), show(&ob)))?;
+    let (oa, ob) = (
+        a.wait_with_output().map_err(|e| e.to_string())?,
+        b.wait_with_output().map_err(|e| e.to_string())?,
+    );
+    check(
+        !oa.status.success() && !ob.status.success(),
+        "both must fail",
+        format!("{}\n{}", show(&oa), show(&ob)),
+    )?;
     // Whichever node's rank fails first reports why; the other node may be stopped before its rank does.
     let both = format!("{}{}", text(&oa).1, text(&ob).1);
     check(
@@ -357,10 +670,24 @@ fn cross_host_cpu_job_is_refused() -> Result<(), String> {
 
 fn busy_port_is_named() -> Result<(), String> {
     let l = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
-    let port = l.local_addr().map_err(|e| e.to_string())?.port().to_string();
+    let port = l
+        .local_addr()
+        .map_err(|e| e.to_string())?
+        .port()
+        .to_string();
     let o = lockstep()
         .env("LOCKSTEP_TOKEN", TOKEN)
-        .args(["launch", "--nproc-per-node", "1", "--nnodes", "2", "--master-port", &port, "--", "true"])
+        .args([
+            "launch",
+            "--nproc-per-node",
+            "1",
+            "--nnodes",
+            "2",
+            "--master-port",
+            &port,
+            "--",
+            "true",
+        ])
         .output()
         .map_err(|e| e.to_string())?;
     let (_, err) = text(&o);
@@ -378,7 +705,18 @@ fn wrong_token_and_unreachable_master() -> Result<(), String> {
     let port = free_port().to_string();
     let mut c = lockstep();
     c.env("LOCKSTEP_TOKEN", "right-token-0123456789");
-    c.args(["launch", "--nproc-per-node", "1", "--nnodes", "2", "--master-port", &port, "--", "sleep", "30"]);
+    c.args([
+        "launch",
+        "--nproc-per-node",
+        "1",
+        "--nnodes",
+        "2",
+        "--master-port",
+        &port,
+        "--",
+        "sleep",
+        "30",
+    ]);
     let a = spawn_piped(&mut c);
     let o = lockstep()
         .env("LOCKSTEP_TOKEN", "wrong-token-0123456789")
@@ -401,7 +739,11 @@ fn wrong_token_and_unreachable_master() -> Result<(), String> {
         .map_err(|e| e.to_string())?;
     signal(a.id() as i32, libc::SIGTERM);
     let _ = a.wait();
-    check(o.status.code() == Some(1) && text(&o).1.contains("rejected this job's token"), "wrong token must be reported", show(&o))?;
+    check(
+        o.status.code() == Some(1) && text(&o).1.contains("rejected this job's token"),
+        "wrong token must be reported",
+        show(&o),
+    )?;
     let t = Instant::now();
     let o = lockstep()
         .env("LOCKSTEP_TOKEN", TOKEN)
@@ -427,68 +769,133 @@ fn wrong_token_and_unreachable_master() -> Result<(), String> {
         "unreachable master must be reported",
         show(&o),
     )?;
-    check(t.elapsed() < Duration::from_secs(4), "retries are bounded by --rdzv-timeout-s", format!("{:?}", t.elapsed()))?;
+    check(
+        t.elapsed() < Duration::from_secs(4),
+        "retries are bounded by --rdzv-timeout-s",
+        format!("{:?}", t.elapsed()),
+    )?;
     // A port whose holder accepts connections (the kernel's listen queue) but never answers.
     let silent = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
     let sport = silent.local_addr().map_err(|e| e.to_string())?.port();
     let t = Instant::now();
     let o = lockstep()
         .env("LOCKSTEP_TOKEN", TOKEN)
-        .args(["launch", "--nproc-per-node", "1", "--nnodes", "2", "--node-rank", "1", "--master-port", &sport.to_string()])
+        .args([
+            "launch",
+            "--nproc-per-node",
+            "1",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--master-port",
+            &sport.to_string(),
+        ])
         .args(["--rdzv-timeout-s", "1", "--", "true"])
         .output()
         .map_err(|e| e.to_string())?;
     check(
         o.status.code() == Some(1)
-            && text(&o).1.contains(&format!("the peer at 127.0.0.1:{sport} does not speak the lockstep store protocol")),
+            && text(&o).1.contains(&format!(
+                "the peer at 127.0.0.1:{sport} does not speak the lockstep store protocol"
+            )),
         "a port that accepts but never answers is named",
         show(&o),
     )?;
-    check(t.elapsed() < Duration::from_secs(3), "within --rdzv-timeout-s (1 s), not a fixed 10 s", format!("{:?}", t.elapsed()))
+    check(
+        t.elapsed() < Duration::from_secs(3),
+        "within --rdzv-timeout-s (1 s), not a fixed 10 s",
+        format!("{:?}", t.elapsed()),
+    )
 }
 
 /// Node 1 of a two-node job whose node 0 is nowhere: gets as far as the token checks and the
 /// rendezvous, then fails fast.
 fn lone_node1() -> Command {
     let mut c = lockstep();
-    c.args(["launch", "--nproc-per-node", "1", "--nnodes", "2", "--node-rank", "1", "--master-port", &free_port().to_string()]);
+    c.args([
+        "launch",
+        "--nproc-per-node",
+        "1",
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "1",
+        "--master-port",
+        &free_port().to_string(),
+    ]);
     c.args(["--rdzv-timeout-s", "0.2"]);
     c
 }
 
 fn token_rules() -> Result<(), String> {
     // Too short, from any source.
-    let o = lone_node1().env("LOCKSTEP_TOKEN", "short").args(["--", "true"]).output().map_err(|e| e.to_string())?;
-    check(o.status.code() == Some(1) && text(&o).1.contains("5 byte(s) long, but at least 16"), "a short token is refused", show(&o))?;
-    let o = lone_node1().args(["--token", "", "--", "true"]).output().map_err(|e| e.to_string())?;
-    check(o.status.code() == Some(1) && text(&o).1.contains("at least 16"), "an empty --token is refused", show(&o))?;
+    let o = lone_node1()
+        .env("LOCKSTEP_TOKEN", "short")
+        .args(["--", "true"])
+        .output()
+        .map_err(|e| e.to_string())?;
+    check(
+        o.status.code() == Some(1) && text(&o).1.contains("5 byte(s) long, but at least 16"),
+        "a short token is refused",
+        show(&o),
+    )?;
+    let o = lone_node1()
+        .args(["--token", "", "--", "true"])
+        .output()
+        .map_err(|e| e.to_string())?;
+    check(
+        o.status.code() == Some(1) && text(&o).1.contains("at least 16"),
+        "an empty --token is refused",
+        show(&o),
+    )?;
     // Long enough but obvious: refused with the reason and how to make a good one.
-    let o = lone_node1().env("LOCKSTEP_TOKEN", "aaaaaaaaaaaaaaaaaaaa").args(["--", "true"]).output().map_err(|e| e.to_string())?;
+    let o = lone_node1()
+        .env("LOCKSTEP_TOKEN", "aaaaaaaaaaaaaaaaaaaa")
+        .args(["--", "true"])
+        .output()
+        .map_err(|e| e.to_string())?;
     check(
         o.status.code() == Some(1)
             && text(&o).1.contains("the job token is one character repeated ('a' 20 times), which anyone can guess; leave it out on node 0 and `lockstep launch` generates one, or make one with `openssl rand -hex 16`"),
         "a repeated character is refused",
         show(&o),
     )?;
-    let o = lone_node1().env("LOCKSTEP_TOKEN", "0123456789abcdef").args(["--", "true"]).output().map_err(|e| e.to_string())?;
+    let o = lone_node1()
+        .env("LOCKSTEP_TOKEN", "0123456789abcdef")
+        .args(["--", "true"])
+        .output()
+        .map_err(|e| e.to_string())?;
     check(
         o.status.code() == Some(1)
-            && text(&o).1.contains("the job token is a simple sequence (\"0123456789ab...\"), which anyone can guess"),
+            && text(&o).1.contains(
+                "the job token is a simple sequence (\"0123456789ab...\"), which anyone can guess",
+            ),
         "a sequence is refused",
         show(&o),
     )?;
     // Node 1 without a token is told where to get node 0's.
-    let o = lone_node1().args(["--", "true"]).output().map_err(|e| e.to_string())?;
+    let o = lone_node1()
+        .args(["--", "true"])
+        .output()
+        .map_err(|e| e.to_string())?;
     check(
-        o.status.code() == Some(1) && text(&o).1.contains("node 1 of a multi-node job needs the job's token"),
+        o.status.code() == Some(1)
+            && text(&o)
+                .1
+                .contains("node 1 of a multi-node job needs the job's token"),
         "node 1 needs a token",
         show(&o),
     )?;
     // --token works but warns that `ps` shows it.
-    let o = lone_node1().args(["--token", TOKEN, "--", "true"]).output().map_err(|e| e.to_string())?;
+    let o = lone_node1()
+        .args(["--token", TOKEN, "--", "true"])
+        .output()
+        .map_err(|e| e.to_string())?;
     let err = text(&o).1;
     check(
-        err.contains("warning: --token puts the job token on the command line") && err.contains("could not reach the rendezvous store"),
+        err.contains("warning: --token puts the job token on the command line")
+            && err.contains("could not reach the rendezvous store"),
         "--token is accepted with a warning",
         show(&o),
     )?;
@@ -496,16 +903,33 @@ fn token_rules() -> Result<(), String> {
     let d = scratch("token-rules");
     let f = d.join("shared-token");
     std::fs::write(&f, format!("{TOKEN}\n")).map_err(|e| e.to_string())?;
-    std::fs::set_permissions(&f, std::os::unix::fs::PermissionsExt::from_mode(0o644)).map_err(|e| e.to_string())?;
-    let o = lone_node1().arg("--token-file").arg(&f).args(["--", "true"]).output().map_err(|e| e.to_string())?;
+    std::fs::set_permissions(&f, std::os::unix::fs::PermissionsExt::from_mode(0o644))
+        .map_err(|e| e.to_string())?;
+    let o = lone_node1()
+        .arg("--token-file")
+        .arg(&f)
+        .args(["--", "true"])
+        .output()
+        .map_err(|e| e.to_string())?;
     let err = text(&o).1;
     check(
-        err.contains("has mode 644") && err.contains("chmod 600") && err.contains("could not reach the rendezvous store"),
+        err.contains("has mode 644")
+            && err.contains("chmod 600")
+            && err.contains("could not reach the rendezvous store"),
         "a token file readable by others is used with a warning",
         show(&o),
     )?;
-    let o = lone_node1().args(["--token", TOKEN, "--token-file"]).arg(&f).args(["--", "true"]).output().map_err(|e| e.to_string())?;
-    check(o.status.code() == Some(2) && text(&o).1.contains("cannot be used with"), "--token and --token-file conflict", show(&o))
+    let o = lone_node1()
+        .args(["--token", TOKEN, "--token-file"])
+        .arg(&f)
+        .args(["--", "true"])
+        .output()
+        .map_err(|e| e.to_string())?;
+    check(
+        o.status.code() == Some(2) && text(&o).1.contains("cannot be used with"),
+        "--token and --token-file conflict",
+        show(&o),
+    )
 }
 
 fn generated_token_reaches_the_other_node() -> Result<(), String> {
@@ -516,27 +940,75 @@ fn generated_token_reaches_the_other_node() -> Result<(), String> {
     let err0 = d.join("node0.err");
     let f = std::fs::File::create(&err0).map_err(|e| e.to_string())?;
     let mut c = lockstep();
-    c.args(["launch", "--nproc-per-node", "1", "--nnodes", "2", "--node-rank", "0", "--master-port", &port, "--", BIN, "selftest"]);
-    let a = Running(Some(c.stdout(Stdio::piped()).stderr(Stdio::from(f)).spawn().map_err(|e| e.to_string())?));
+    c.args([
+        "launch",
+        "--nproc-per-node",
+        "1",
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "0",
+        "--master-port",
+        &port,
+        "--",
+        BIN,
+        "selftest",
+    ]);
+    let a = Running(Some(
+        c.stdout(Stdio::piped())
+            .stderr(Stdio::from(f))
+            .spawn()
+            .map_err(|e| e.to_string())?,
+    ));
     let mut token = None;
     wait_until(Duration::from_secs(5), || {
         let t = std::fs::read_to_string(&err0).unwrap_or_default();
-        token = t.split_whitespace().find_map(|w| w.strip_prefix("LOCKSTEP_TOKEN=")).map(String::from);
+        token = t
+            .split_whitespace()
+            .find_map(|w| w.strip_prefix("LOCKSTEP_TOKEN="))
+            .map(String::from);
         token.is_some()
     });
     let printed = std::fs::read_to_string(&err0).unwrap_or_default();
-    let Some(token) = token else { return Err(format!("node 0 printed no generated token:\n{printed}")) };
-    check(token.len() == 32 && token.chars().all(|c| c.is_ascii_hexdigit()), "a 128-bit hex token", &printed)?;
-    check(printed.contains("--token-file") && printed.contains("not --token"), "the hint names the safe ways to pass it", &printed)?;
+    let Some(token) = token else {
+        return Err(format!("node 0 printed no generated token:\n{printed}"));
+    };
+    check(
+        token.len() == 32 && token.chars().all(|c| c.is_ascii_hexdigit()),
+        "a 128-bit hex token",
+        &printed,
+    )?;
+    check(
+        printed.contains("--token-file") && printed.contains("not --token"),
+        "the hint names the safe ways to pass it",
+        &printed,
+    )?;
     // Node 1 reads it from a private file.
     let tf = d.join("token");
     {
         use std::os::unix::fs::OpenOptionsExt;
-        let mut w = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&tf).map_err(|e| e.to_string())?;
-        std::io::Write::write_all(&mut w, format!("{token}\n").as_bytes()).map_err(|e| e.to_string())?;
+        let mut w = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&tf)
+            .map_err(|e| e.to_string())?;
+        std::io::Write::write_all(&mut w, format!("{token}\n").as_bytes())
+            .map_err(|e| e.to_string())?;
     }
     let ob = lockstep()
-        .args(["launch", "--nproc-per-node", "1", "--nnodes", "2", "--node-rank", "1", "--master-port", &port, "--token-file"])
+        .args([
+            "launch",
+            "--nproc-per-node",
+            "1",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--master-port",
+            &port,
+            "--token-file",
+        ])
         .arg(&tf)
         .args(["--", BIN, "selftest"])
         .output()
@@ -547,8 +1019,18 @@ fn generated_token_reaches_the_other_node() -> Result<(), String> {
         "both launchers succeed with the generated token",
         format!("{}\n{printed}\n{}", show(&oa), show(&ob)),
     )?;
-    check(!text(&ob).1.contains("warning"), "a private token file draws no warning", show(&ob))?;
-    check(text(&oa).0.contains("[rank 0] lockstep selftest ok: 2 ranks"), "one 2-rank job", show(&oa))
+    check(
+        !text(&ob).1.contains("warning"),
+        "a private token file draws no warning",
+        show(&ob),
+    )?;
+    check(
+        text(&oa)
+            .0
+            .contains("[rank 0] lockstep selftest ok: 2 ranks"),
+        "one 2-rank job",
+        show(&oa),
+    )
 }
 
 /// Rank 0 leads the node's process group and the other ranks join it, though their guards are
@@ -556,7 +1038,15 @@ fn generated_token_reaches_the_other_node() -> Result<(), String> {
 /// rank 0 cannot start, the launcher says so promptly and leaves no guard or rank behind.
 fn ranks_share_rank0s_group_and_a_failed_rank0_leaves_nothing() -> Result<(), String> {
     let o = lockstep()
-        .args(["launch", "--nproc-per-node", "4", "--", "sh", "-c", "echo pgrp $$ $(cut -d' ' -f5 /proc/$$/stat)"])
+        .args([
+            "launch",
+            "--nproc-per-node",
+            "4",
+            "--",
+            "sh",
+            "-c",
+            "echo pgrp $$ $(cut -d' ' -f5 /proc/$$/stat)",
+        ])
         .output()
         .map_err(|e| e.to_string())?;
     check(o.status.success(), "four ranks of sh run", show(&o))?;
@@ -565,26 +1055,49 @@ fn ranks_share_rank0s_group_and_a_failed_rank0_leaves_nothing() -> Result<(), St
     for l in text(&o).0.lines() {
         let f: Vec<&str> = l.split_whitespace().collect();
         if let ["[rank", r, "pgrp", pid, pg] = f[..] {
-            groups.insert(r.trim_end_matches(']').to_string(), (pid.to_string(), pg.to_string()));
+            groups.insert(
+                r.trim_end_matches(']').to_string(),
+                (pid.to_string(), pg.to_string()),
+            );
         }
     }
     check(groups.len() == 4, "every rank printed its group", show(&o))?;
-    let (p0, g0) = groups.get("0").cloned().ok_or_else(|| format!("rank 0 printed nothing\n{}", show(&o)))?;
+    let (p0, g0) = groups
+        .get("0")
+        .cloned()
+        .ok_or_else(|| format!("rank 0 printed nothing\n{}", show(&o)))?;
     check(p0 == g0, "rank 0 leads the group", show(&o))?;
-    check(groups.values().all(|(_, g)| *g == g0), "every rank is in rank 0's group", show(&o))?;
+    check(
+        groups.values().all(|(_, g)| *g == g0),
+        "every rank is in rank 0's group",
+        show(&o),
+    )?;
 
     // An executable whose interpreter does not exist: found on disk, refused by execve.
     let dir = std::env::temp_dir().join(format!("lockstep-test-{}-badexec", std::process::id()));
     std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
     let prog = dir.join("prog");
     std::fs::write(&prog, "#!/nonexistent/interpreter\n").map_err(|e| e.to_string())?;
-    std::fs::set_permissions(&prog, std::os::unix::fs::PermissionsExt::from_mode(0o755)).map_err(|e| e.to_string())?;
+    std::fs::set_permissions(&prog, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+        .map_err(|e| e.to_string())?;
     let t = std::time::Instant::now();
-    let o = lockstep().args(["launch", "--nproc-per-node", "4", "--"]).arg(&prog).output().map_err(|e| e.to_string())?;
+    let o = lockstep()
+        .args(["launch", "--nproc-per-node", "4", "--"])
+        .arg(&prog)
+        .output()
+        .map_err(|e| e.to_string())?;
     let took = t.elapsed();
     let _ = std::fs::remove_dir_all(&dir);
-    check(o.status.code() == Some(1) && text(&o).1.contains("cannot start rank 0"), "a rank 0 that cannot exec is reported", show(&o))?;
-    check(took < std::time::Duration::from_secs(5), &format!("the launcher gives up at once (took {took:?})"), show(&o))?;
+    check(
+        o.status.code() == Some(1) && text(&o).1.contains("cannot start rank 0"),
+        "a rank 0 that cannot exec is reported",
+        show(&o),
+    )?;
+    check(
+        took < std::time::Duration::from_secs(5),
+        &format!("the launcher gives up at once (took {took:?})"),
+        show(&o),
+    )?;
     // No guard of that launch may be left: a guard keeps its launcher's command line, which
     // names the program (other jobs' guards on the machine do not count).
     std::thread::sleep(std::time::Duration::from_millis(100));
@@ -592,10 +1105,20 @@ fn ranks_share_rank0s_group_and_a_failed_rank0_leaves_nothing() -> Result<(), St
     let guards = std::fs::read_dir("/proc")
         .map_err(|e| e.to_string())?
         .flatten()
-        .filter(|e| std::fs::read_to_string(e.path().join("comm")).is_ok_and(|c| c.trim() == "lockstep-guard"))
-        .filter(|e| std::fs::read(e.path().join("cmdline")).is_ok_and(|c| String::from_utf8_lossy(&c).contains(&ours)))
+        .filter(|e| {
+            std::fs::read_to_string(e.path().join("comm"))
+                .is_ok_and(|c| c.trim() == "lockstep-guard")
+        })
+        .filter(|e| {
+            std::fs::read(e.path().join("cmdline"))
+                .is_ok_and(|c| String::from_utf8_lossy(&c).contains(&ours))
+        })
         .count();
-    check(guards == 0, &format!("no guard is left behind ({guards} found)"), show(&o))
+    check(
+        guards == 0,
+        &format!("no guard is left behind ({guards} found)"),
+        show(&o),
+    )
 }
 
 /// The process groups the ranks of one launch printed ("[rank R] pgrp PID PGRP"): rank -> (pid, pgrp).
@@ -604,7 +1127,10 @@ fn groups_of(o: &Output) -> std::collections::BTreeMap<String, (String, String)>
     for l in text(o).0.lines() {
         let f: Vec<&str> = l.split_whitespace().collect();
         if let ["[rank", r, "pgrp", pid, pg] = f[..] {
-            groups.insert(r.trim_end_matches(']').to_string(), (pid.to_string(), pg.to_string()));
+            groups.insert(
+                r.trim_end_matches(']').to_string(),
+                (pid.to_string(), pg.to_string()),
+            );
         }
     }
     groups
@@ -613,14 +1139,33 @@ fn groups_of(o: &Output) -> std::collections::BTreeMap<String, (String, String)>
 fn rank0_exiting_at_once_keeps_every_rank_in_its_group() -> Result<(), String> {
     // Rank 0 ends the moment it starts; the others join its group after that. Its guard holds it
     // unreaped until every rank has joined, so the group outlives it.
-    let script = "[ \"$RANK\" = 0 ] && exec echo pgrp $$ $$; echo pgrp $$ $(cut -d' ' -f5 /proc/$$/stat)";
+    let script =
+        "[ \"$RANK\" = 0 ] && exec echo pgrp $$ $$; echo pgrp $$ $(cut -d' ' -f5 /proc/$$/stat)";
     for i in 0..30 {
-        let o = lockstep().args(["launch", "--nproc-per-node", "4", "--", "sh", "-c", script]).output().map_err(|e| e.to_string())?;
-        check(o.status.success(), &format!("launch {i}: four ranks of sh run"), show(&o))?;
+        let o = lockstep()
+            .args(["launch", "--nproc-per-node", "4", "--", "sh", "-c", script])
+            .output()
+            .map_err(|e| e.to_string())?;
+        check(
+            o.status.success(),
+            &format!("launch {i}: four ranks of sh run"),
+            show(&o),
+        )?;
         let groups = groups_of(&o);
-        check(groups.len() == 4, &format!("launch {i}: every rank printed its group"), show(&o))?;
-        let (p0, _) = groups.get("0").cloned().ok_or_else(|| format!("rank 0 printed nothing\n{}", show(&o)))?;
-        check(groups.values().all(|(_, g)| *g == p0), &format!("launch {i}: every rank is in rank 0's group"), show(&o))?;
+        check(
+            groups.len() == 4,
+            &format!("launch {i}: every rank printed its group"),
+            show(&o),
+        )?;
+        let (p0, _) = groups
+            .get("0")
+            .cloned()
+            .ok_or_else(|| format!("rank 0 printed nothing\n{}", show(&o)))?;
+        check(
+            groups.values().all(|(_, g)| *g == p0),
+            &format!("launch {i}: every rank is in rank 0's group"),
+            show(&o),
+        )?;
     }
     Ok(())
 }
@@ -633,31 +1178,69 @@ fn stopped_guard_does_not_hang_the_launcher() -> Result<(), String> {
     for (pause, starting) in [("", true), ("sleep 0.3;", false)] {
         let t = Instant::now();
         let o = lockstep()
-            .args(["launch", "--nproc-per-node", "2", "--grace-s", "3", "--", "sh", "-c"])
-            .arg(format!("if [ $RANK = 1 ]; then {pause} echo guard $PPID; kill -STOP $PPID; fi; echo done"))
+            .args([
+                "launch",
+                "--nproc-per-node",
+                "2",
+                "--grace-s",
+                "3",
+                "--",
+                "sh",
+                "-c",
+            ])
+            .arg(format!(
+                "if [ $RANK = 1 ]; then {pause} echo guard $PPID; kill -STOP $PPID; fi; echo done"
+            ))
             .output()
             .map_err(|e| e.to_string())?;
         let took = t.elapsed();
         let (out, err) = text(&o);
-        let guard =
-            out.lines().find_map(|l| l.strip_prefix("[rank 1] guard ")).ok_or_else(|| format!("rank 1 did not run\n{}", show(&o)))?;
-        check(o.status.success(), "the job ends with the ranks' status", show(&o))?;
+        let guard = out
+            .lines()
+            .find_map(|l| l.strip_prefix("[rank 1] guard "))
+            .ok_or_else(|| format!("rank 1 did not run\n{}", show(&o)))?;
+        check(
+            o.status.success(),
+            "the job ends with the ranks' status",
+            show(&o),
+        )?;
         let running =
             format!("its guard (pid {guard}) has not reported it: the guard is stopped (SIGSTOP or job control); continuing it (SIGCONT)");
-        let start = format!("the guard (pid {guard}) of a starting rank is stopped: continuing it (SIGCONT)");
-        check(err.contains(&running) || (starting && err.contains(&start)), "the launcher names the stopped guard", show(&o))?;
-        check(took < Duration::from_secs(3), &format!("the job ends within the grace period (took {took:?})"), show(&o))?;
+        let start = format!(
+            "the guard (pid {guard}) of a starting rank is stopped: continuing it (SIGCONT)"
+        );
+        check(
+            err.contains(&running) || (starting && err.contains(&start)),
+            "the launcher names the stopped guard",
+            show(&o),
+        )?;
+        check(
+            took < Duration::from_secs(3),
+            &format!("the job ends within the grace period (took {took:?})"),
+            show(&o),
+        )?;
     }
 
     // Ctrl-C while a guard is stopped: the job still ends within the grace period.
     let mut c = lockstep();
-    c.args(["launch", "--nproc-per-node", "2", "--grace-s", "2", "--", "sh", "-c"]);
+    c.args([
+        "launch",
+        "--nproc-per-node",
+        "2",
+        "--grace-s",
+        "2",
+        "--",
+        "sh",
+        "-c",
+    ]);
     c.arg("if [ $RANK = 1 ]; then sleep 0.3; echo guard $PPID; kill -STOP $PPID; fi; echo ready; exec sleep 30");
     let child = spawn_piped(&mut c);
     let ranks = ranks_of(child.id() as i32, 2)?;
     // Until rank 1 has stopped its guard.
     let stopped = wait_until(Duration::from_secs(5), || {
-        children_of(child.id() as i32).iter().any(|g| std::fs::read_to_string(format!("/proc/{g}/stat")).is_ok_and(|s| s.contains(") T ")))
+        children_of(child.id() as i32).iter().any(|g| {
+            std::fs::read_to_string(format!("/proc/{g}/stat")).is_ok_and(|s| s.contains(") T "))
+        })
     });
     check(stopped, "rank 1 stopped its guard", "")?;
     let t = Instant::now();
@@ -665,45 +1248,87 @@ fn stopped_guard_does_not_hang_the_launcher() -> Result<(), String> {
     let o = child.wait_with_output().map_err(|e| e.to_string())?;
     let took = t.elapsed();
     let (out, err) = text(&o);
-    let guard = out.lines().find_map(|l| l.strip_prefix("[rank 1] guard ")).unwrap_or("?");
-    check(o.status.code() == Some(130), "the launcher exits 130 after SIGINT", show(&o))?;
+    let guard = out
+        .lines()
+        .find_map(|l| l.strip_prefix("[rank 1] guard "))
+        .unwrap_or("?");
+    check(
+        o.status.code() == Some(130),
+        "the launcher exits 130 after SIGINT",
+        show(&o),
+    )?;
     // (Found by the signal, or, on a machine slow enough that the launcher was still starting
     // ranks, while it waited for the guard's report.)
     check(
-        err.contains(&format!("the guard (pid {guard}) of rank 1 is stopped: continuing it (SIGCONT)"))
-            || err.contains(&format!("the guard (pid {guard}) of a starting rank is stopped: continuing it (SIGCONT)")),
+        err.contains(&format!(
+            "the guard (pid {guard}) of rank 1 is stopped: continuing it (SIGCONT)"
+        )) || err.contains(&format!(
+            "the guard (pid {guard}) of a starting rank is stopped: continuing it (SIGCONT)"
+        )),
         "the launcher names the stopped guard",
         show(&o),
     )?;
-    check(took < Duration::from_secs(2), &format!("Ctrl-C ends the job within the grace period (took {took:?})"), show(&o))?;
-    check(ranks.iter().all(|p| !alive(*p)), "no rank may survive", format!("{ranks:?}"))
+    check(
+        took < Duration::from_secs(2),
+        &format!("Ctrl-C ends the job within the grace period (took {took:?})"),
+        show(&o),
+    )?;
+    check(
+        ranks.iter().all(|p| !alive(*p)),
+        "no rank may survive",
+        format!("{ranks:?}"),
+    )
 }
 
 fn stopped_guard_does_not_hang_bench() -> Result<(), String> {
     // `lockstep bench` forks its ranks under guards too: stop one guard while the ranks measure.
     let mut c = lockstep();
-    c.args(["bench", "--nprocs", "2", "--sizes", "16M", "-n", "20", "-w", "1"]);
+    c.args([
+        "bench", "--nprocs", "2", "--sizes", "16M", "-n", "20", "-w", "1",
+    ]);
     let child = spawn_piped(&mut c);
     let me = child.id() as i32;
-    let name = |p: i32| std::fs::read_to_string(format!("/proc/{p}/comm")).map(|c| c.trim().to_string()).unwrap_or_default();
+    let name = |p: i32| {
+        std::fs::read_to_string(format!("/proc/{p}/comm"))
+            .map(|c| c.trim().to_string())
+            .unwrap_or_default()
+    };
     let mut guards = Vec::new();
     let found = wait_until(Duration::from_secs(10), || {
-        guards = children_of(me).into_iter().filter(|&g| name(g) == "lockstep-guard").collect();
+        guards = children_of(me)
+            .into_iter()
+            .filter(|&g| name(g) == "lockstep-guard")
+            .collect();
         guards.len() == 2 && guards.iter().all(|&g| !children_of(g).is_empty())
     });
-    check(found, "bench starts two guards, each with its rank", format!("{guards:?}"))?;
+    check(
+        found,
+        "bench starts two guards, each with its rank",
+        format!("{guards:?}"),
+    )?;
     let ranks: Vec<i32> = guards.iter().flat_map(|&g| children_of(g)).collect();
-    check(ranks.iter().all(|&r| name(r) == "lockstep-rank"), "a forked rank is named apart from its guard in ps", format!("{ranks:?}"))?;
+    check(
+        ranks.iter().all(|&r| name(r) == "lockstep-rank"),
+        "a forked rank is named apart from its guard in ps",
+        format!("{ranks:?}"),
+    )?;
     signal(guards[1], libc::SIGSTOP);
     let t = Instant::now();
     let o = child.wait_with_output().map_err(|e| e.to_string())?;
     check(o.status.success(), "the benchmark completes", show(&o))?;
     check(
-        text(&o).1.contains(&format!("its guard (pid {}) has not reported it: the guard is stopped", guards[1])),
+        text(&o).1.contains(&format!(
+            "its guard (pid {}) has not reported it: the guard is stopped",
+            guards[1]
+        )),
         "bench names the stopped guard",
         show(&o),
     )?;
-    check(t.elapsed() < Duration::from_secs(30), "bench ends", format!("{:?}", t.elapsed()))
+    check(
+        t.elapsed() < Duration::from_secs(30),
+        "bench ends",
+        format!("{:?}", t.elapsed()),
+    )
 }
 
 fn launchers_with_different_settings_fail_at_once() -> Result<(), String> {
@@ -732,42 +1357,92 @@ fn launchers_with_different_settings_fail_at_once() -> Result<(), String> {
     let t = Instant::now();
     let a = node("0", "2");
     let b = node("1", "1");
-    let (oa, ob) = (a.wait_with_output().map_err(|e| e.to_string())?, b.wait_with_output().map_err(|e| e.to_string())?);
+    let (oa, ob) = (
+        a.wait_with_output().map_err(|e| e.to_string())?,
+        b.wait_with_output().map_err(|e| e.to_string())?,
+    );
     let took = t.elapsed();
     let msg = "node 1 and node 0 of this job were started with different --nproc-per-node: 1 on node 1, 2 on node 0; \
                start every node's launcher with the same --nproc-per-node, --nnodes and backend";
-    check(ob.status.code() == Some(1) && text(&ob).1.contains(msg), "node 1 names both values", show(&ob))?;
     check(
-        oa.status.code() == Some(1) && text(&oa).1.contains(&format!("node 0 stopped its ranks because {msg}")),
+        ob.status.code() == Some(1) && text(&ob).1.contains(msg),
+        "node 1 names both values",
+        show(&ob),
+    )?;
+    check(
+        oa.status.code() == Some(1)
+            && text(&oa)
+                .1
+                .contains(&format!("node 0 stopped its ranks because {msg}")),
         "node 0 stops with the same message",
         show(&oa),
     )?;
-    check(took < Duration::from_secs(5), &format!("both fail long before the rendezvous timeout (took {took:?})"), "")
+    check(
+        took < Duration::from_secs(5),
+        &format!("both fail long before the rendezvous timeout (took {took:?})"),
+        "",
+    )
 }
 
 fn missing_program_and_bad_options() -> Result<(), String> {
-    let o = lockstep().args(["launch", "--nproc-per-node", "2", "--", "/nonexistent/prog"]).output().map_err(|e| e.to_string())?;
-    check(o.status.code() == Some(1) && text(&o).1.contains("cannot start rank 0"), "missing program must be reported", show(&o))?;
-    let o =
-        lockstep().args(["launch", "--nproc-per-node", "2", "--ranks-filter", "0,5", "--", "true"]).output().map_err(|e| e.to_string())?;
-    check(o.status.code() == Some(1) && text(&o).1.contains("--ranks-filter names rank 5"), "out-of-range filter is rejected", show(&o))?;
-    let o = lockstep().args(["launch", "--bogus", "--", "true"]).output().map_err(|e| e.to_string())?;
-    check(o.status.code() == Some(2), "unknown options are rejected", show(&o))?;
+    let o = lockstep()
+        .args(["launch", "--nproc-per-node", "2", "--", "/nonexistent/prog"])
+        .output()
+        .map_err(|e| e.to_string())?;
+    check(
+        o.status.code() == Some(1) && text(&o).1.contains("cannot start rank 0"),
+        "missing program must be reported",
+        show(&o),
+    )?;
+    let o = lockstep()
+        .args([
+            "launch",
+            "--nproc-per-node",
+            "2",
+            "--ranks-filter",
+            "0,5",
+            "--",
+            "true",
+        ])
+        .output()
+        .map_err(|e| e.to_string())?;
+    check(
+        o.status.code() == Some(1) && text(&o).1.contains("--ranks-filter names rank 5"),
+        "out-of-range filter is rejected",
+        show(&o),
+    )?;
+    let o = lockstep()
+        .args(["launch", "--bogus", "--", "true"])
+        .output()
+        .map_err(|e| e.to_string())?;
+    check(
+        o.status.code() == Some(2),
+        "unknown options are rejected",
+        show(&o),
+    )?;
     let o = lockstep()
         .env("LOCKSTEP_BACKEND", "carrier-pigeon")
         .args(["launch", "--nproc-per-node", "1", "--", BIN, "selftest"])
         .output()
         .map_err(|e| e.to_string())?;
     check(
-        o.status.code() == Some(1) && text(&o).1.contains("LOCKSTEP_BACKEND=\"carrier-pigeon\" is invalid: expected one of: shm, nccl"),
+        o.status.code() == Some(1)
+            && text(&o).1.contains(
+                "LOCKSTEP_BACKEND=\"carrier-pigeon\" is invalid: expected one of: shm, nccl",
+            ),
         "unknown backend is named",
         show(&o),
     )?;
-    let o = lockstep().args(["selftest"]).output().map_err(|e| e.to_string())?;
+    let o = lockstep()
+        .args(["selftest"])
+        .output()
+        .map_err(|e| e.to_string())?;
     check(
         o.status.code() == Some(1)
             && text(&o).1.contains("no launcher variables found")
-            && text(&o).1.contains("start this program with `lockstep launch"),
+            && text(&o)
+                .1
+                .contains("start this program with `lockstep launch"),
         "selftest outside a job says how to start it",
         show(&o),
     )
@@ -781,7 +1456,15 @@ fn missing_program_and_bad_options() -> Result<(), String> {
 fn exec_rank_signal_state() -> Result<(), String> {
     use std::os::unix::process::CommandExt;
     let mut c = lockstep();
-    c.args(["launch", "--nproc-per-node", "1", "--", "sh", "-c", "grep -E '^Sig(Blk|Ign)' /proc/self/status"]);
+    c.args([
+        "launch",
+        "--nproc-per-node",
+        "1",
+        "--",
+        "sh",
+        "-c",
+        "grep -E '^Sig(Blk|Ign)' /proc/self/status",
+    ]);
     // SAFETY: signal/sigprocmask between fork and exec are async-signal-safe.
     unsafe {
         c.pre_exec(|| {
@@ -797,15 +1480,33 @@ fn exec_rank_signal_state() -> Result<(), String> {
     };
     let o = c.output().map_err(|e| e.to_string())?;
     let (out, _) = text(&o);
-    let mask = |name: &str| out.lines().find_map(|l| l.split_once(name).and_then(|(_, v)| u64::from_str_radix(v.trim(), 16).ok()));
+    let mask = |name: &str| {
+        out.lines().find_map(|l| {
+            l.split_once(name)
+                .and_then(|(_, v)| u64::from_str_radix(v.trim(), 16).ok())
+        })
+    };
     let (Some(blk), Some(ign)) = (mask("SigBlk:"), mask("SigIgn:")) else {
         return check(false, "the rank prints its signal masks", show(&o));
     };
     let bit = |s: i32| 1u64 << (s - 1);
-    check(o.status.success() && blk == 0, "nothing is blocked in the rank", show(&o))?;
-    check(ign & (bit(libc::SIGQUIT) | bit(libc::SIGUSR1)) == bit(libc::SIGQUIT) | bit(libc::SIGUSR1), "inherited ignores stay", show(&o))?;
     check(
-        ign & (bit(libc::SIGPIPE) | bit(libc::SIGINT) | bit(libc::SIGTERM) | bit(libc::SIGHUP) | bit(libc::SIGCHLD)) == 0,
+        o.status.success() && blk == 0,
+        "nothing is blocked in the rank",
+        show(&o),
+    )?;
+    check(
+        ign & (bit(libc::SIGQUIT) | bit(libc::SIGUSR1)) == bit(libc::SIGQUIT) | bit(libc::SIGUSR1),
+        "inherited ignores stay",
+        show(&o),
+    )?;
+    check(
+        ign & (bit(libc::SIGPIPE)
+            | bit(libc::SIGINT)
+            | bit(libc::SIGTERM)
+            | bit(libc::SIGHUP)
+            | bit(libc::SIGCHLD))
+            == 0,
         "SIGPIPE and the launcher's handled signals are at their default",
         show(&o),
     )
@@ -818,12 +1519,26 @@ fn stale_segments_of_dead_launchers_are_removed() -> Result<(), String> {
     for p in [&old, &new] {
         std::fs::write(p, b"").map_err(|e| e.to_string())?;
     }
-    let f = std::fs::File::options().write(true).open(&old).map_err(|e| e.to_string())?;
-    f.set_modified(SystemTime::now() - Duration::from_secs(3600)).map_err(|e| e.to_string())?;
-    let o = lockstep().args(["launch", "--nproc-per-node", "1", "--", "true"]).output().map_err(|e| e.to_string())?;
-    let (old_gone, new_kept) = (!std::path::Path::new(&old).exists(), std::path::Path::new(&new).exists());
+    let f = std::fs::File::options()
+        .write(true)
+        .open(&old)
+        .map_err(|e| e.to_string())?;
+    f.set_modified(SystemTime::now() - Duration::from_secs(3600))
+        .map_err(|e| e.to_string())?;
+    let o = lockstep()
+        .args(["launch", "--nproc-per-node", "1", "--", "true"])
+        .output()
+        .map_err(|e| e.to_string())?;
+    let (old_gone, new_kept) = (
+        !std::path::Path::new(&old).exists(),
+        std::path::Path::new(&new).exists(),
+    );
     let _ = std::fs::remove_file(&new);
-    check(o.status.success() && old_gone && new_kept, "old stale segment removed, recent one kept", format!("{old_gone} {new_kept}"))
+    check(
+        o.status.success() && old_gone && new_kept,
+        "old stale segment removed, recent one kept",
+        format!("{old_gone} {new_kept}"),
+    )
 }
 
 /// A segment whose header names a creator that was killed is removed by the next launch at once,
@@ -834,43 +1549,90 @@ fn stale_segment_of_dead_creator_removed_at_once() -> Result<(), String> {
     // SAFETY: the child only runs lockstep code and _exits.
     let pid = unsafe { libc::fork() };
     if pid == 0 {
-        let cfg = lockstep::shm::ShmConfig { heap_bytes: 2 << 20, join_timeout: Duration::from_secs(30), ..Default::default() };
+        let cfg = lockstep::shm::ShmConfig {
+            heap_bytes: 2 << 20,
+            join_timeout: Duration::from_secs(30),
+            ..Default::default()
+        };
         // Rank 0 of 2 creates the segment and waits for rank 1, which never comes.
         let r = lockstep::shm::ShmComm::join_named(&job, 0, 2, cfg);
         // SAFETY: leave the child without running the parent's destructors.
         unsafe { libc::_exit(r.is_err() as i32) };
     }
-    let appeared = wait_until(Duration::from_secs(5), || std::path::Path::new(&path).exists());
+    let appeared = wait_until(Duration::from_secs(5), || {
+        std::path::Path::new(&path).exists()
+    });
     std::thread::sleep(Duration::from_millis(100));
     signal(pid, libc::SIGKILL);
     // SAFETY: our child.
     unsafe { libc::waitpid(pid, std::ptr::null_mut(), 0) };
-    check(appeared && std::path::Path::new(&path).exists(), "a killed creator leaves its segment", &path)?;
+    check(
+        appeared && std::path::Path::new(&path).exists(),
+        "a killed creator leaves its segment",
+        &path,
+    )?;
     let t = Instant::now();
-    let o = lockstep().args(["launch", "--nproc-per-node", "1", "--", "true"]).output().map_err(|e| e.to_string())?;
+    let o = lockstep()
+        .args(["launch", "--nproc-per-node", "1", "--", "true"])
+        .output()
+        .map_err(|e| e.to_string())?;
     let gone = !std::path::Path::new(&path).exists();
     if !gone {
         lockstep::shm::unlink_named(&job);
     }
-    check(o.status.success() && gone, "the next launch removed it at once", format!("gone={gone} after {:?}\n{}", t.elapsed(), show(&o)))
+    check(
+        o.status.success() && gone,
+        "the next launch removed it at once",
+        format!("gone={gone} after {:?}\n{}", t.elapsed(), show(&o)),
+    )
 }
 
 fn config_and_env() -> Result<(), String> {
     let d = scratch("config");
     let p = d.join("sub/config.toml");
-    let o = lockstep().args(["config", "--path"]).arg(&p).output().map_err(|e| e.to_string())?;
+    let o = lockstep()
+        .args(["config", "--path"])
+        .arg(&p)
+        .output()
+        .map_err(|e| e.to_string())?;
     check(o.status.success(), "config must succeed", show(&o))?;
     let t = std::fs::read_to_string(&p).map_err(|e| e.to_string())?;
-    check(t.contains("num_processes = ") && t.contains("backend = ") && t.contains("mixed_precision = "), "config has the keys", &t)?;
-    let o = lockstep().args(["config", "--path"]).arg(&p).output().map_err(|e| e.to_string())?;
-    check(o.status.code() == Some(1) && text(&o).1.contains("--force"), "existing config is kept without --force", show(&o))?;
+    check(
+        t.contains("num_processes = ")
+            && t.contains("backend = ")
+            && t.contains("mixed_precision = "),
+        "config has the keys",
+        &t,
+    )?;
     let o = lockstep()
-        .args(["config", "--force", "--backend", "shm", "--nproc-per-node", "3", "--path"])
+        .args(["config", "--path"])
+        .arg(&p)
+        .output()
+        .map_err(|e| e.to_string())?;
+    check(
+        o.status.code() == Some(1) && text(&o).1.contains("--force"),
+        "existing config is kept without --force",
+        show(&o),
+    )?;
+    let o = lockstep()
+        .args([
+            "config",
+            "--force",
+            "--backend",
+            "shm",
+            "--nproc-per-node",
+            "3",
+            "--path",
+        ])
         .arg(&p)
         .output()
         .map_err(|e| e.to_string())?;
     let t = std::fs::read_to_string(&p).map_err(|e| e.to_string())?;
-    check(o.status.success() && t.contains("num_processes = 3") && t.contains("backend = \"shm\""), "overrides are written", &t)?;
+    check(
+        o.status.success() && t.contains("num_processes = 3") && t.contains("backend = \"shm\""),
+        "overrides are written",
+        &t,
+    )?;
     // `launch` without --nproc-per-node takes the config file's value.
     let o = lockstep()
         .env("LOCKSTEP_CONFIG", &p)
@@ -884,7 +1646,10 @@ fn config_and_env() -> Result<(), String> {
         "config's num_processes is the default",
         show(&o),
     )?;
-    let o = lockstep().args(["env"]).output().map_err(|e| e.to_string())?;
+    let o = lockstep()
+        .args(["env"])
+        .output()
+        .map_err(|e| e.to_string())?;
     let (out, _) = text(&o);
     check(
         o.status.success()
@@ -903,29 +1668,74 @@ fn main() -> std::process::ExitCode {
         ("fail_fast_exit_code", fail_fast_exit_code),
         ("kill9_rank_mid_all_reduce", kill9_rank_mid_all_reduce),
         ("kill9_rank_fail_fast", kill9_rank_fail_fast),
-        ("kill9_launcher_leaves_nothing", kill9_launcher_leaves_nothing),
+        (
+            "kill9_launcher_leaves_nothing",
+            kill9_launcher_leaves_nothing,
+        ),
         ("sigint_reaches_every_rank", sigint_reaches_every_rank),
         ("sigterm_reaches_every_rank", sigterm_reaches_every_rank),
         ("second_sigint_kills_at_once", second_sigint_kills_at_once),
-        ("output_is_line_atomic_and_prefixed", output_is_line_atomic_and_prefixed),
+        (
+            "output_is_line_atomic_and_prefixed",
+            output_is_line_atomic_and_prefixed,
+        ),
         ("log_dir_and_ranks_filter", log_dir_and_ranks_filter),
-        ("log_dir_links_and_permissions", log_dir_links_and_permissions),
+        (
+            "log_dir_links_and_permissions",
+            log_dir_links_and_permissions,
+        ),
         ("two_launchers_form_one_job", two_launchers_form_one_job),
-        ("failure_on_one_node_stops_the_other", failure_on_one_node_stops_the_other),
-        ("cross_host_cpu_job_is_refused", cross_host_cpu_job_is_refused),
+        (
+            "failure_on_one_node_stops_the_other",
+            failure_on_one_node_stops_the_other,
+        ),
+        (
+            "cross_host_cpu_job_is_refused",
+            cross_host_cpu_job_is_refused,
+        ),
         ("busy_port_is_named", busy_port_is_named),
-        ("wrong_token_and_unreachable_master", wrong_token_and_unreachable_master),
+        (
+            "wrong_token_and_unreachable_master",
+            wrong_token_and_unreachable_master,
+        ),
         ("token_rules", token_rules),
-        ("generated_token_reaches_the_other_node", generated_token_reaches_the_other_node),
-        ("missing_program_and_bad_options", missing_program_and_bad_options),
-        ("ranks_share_rank0s_group_and_a_failed_rank0_leaves_nothing", ranks_share_rank0s_group_and_a_failed_rank0_leaves_nothing),
-        ("rank0_exiting_at_once_keeps_every_rank_in_its_group", rank0_exiting_at_once_keeps_every_rank_in_its_group),
-        ("stopped_guard_does_not_hang_the_launcher", stopped_guard_does_not_hang_the_launcher),
-        ("stopped_guard_does_not_hang_bench", stopped_guard_does_not_hang_bench),
-        ("launchers_with_different_settings_fail_at_once", launchers_with_different_settings_fail_at_once),
+        (
+            "generated_token_reaches_the_other_node",
+            generated_token_reaches_the_other_node,
+        ),
+        (
+            "missing_program_and_bad_options",
+            missing_program_and_bad_options,
+        ),
+        (
+            "ranks_share_rank0s_group_and_a_failed_rank0_leaves_nothing",
+            ranks_share_rank0s_group_and_a_failed_rank0_leaves_nothing,
+        ),
+        (
+            "rank0_exiting_at_once_keeps_every_rank_in_its_group",
+            rank0_exiting_at_once_keeps_every_rank_in_its_group,
+        ),
+        (
+            "stopped_guard_does_not_hang_the_launcher",
+            stopped_guard_does_not_hang_the_launcher,
+        ),
+        (
+            "stopped_guard_does_not_hang_bench",
+            stopped_guard_does_not_hang_bench,
+        ),
+        (
+            "launchers_with_different_settings_fail_at_once",
+            launchers_with_different_settings_fail_at_once,
+        ),
         ("exec_rank_signal_state", exec_rank_signal_state),
-        ("stale_segments_of_dead_launchers_are_removed", stale_segments_of_dead_launchers_are_removed),
-        ("stale_segment_of_dead_creator_removed_at_once", stale_segment_of_dead_creator_removed_at_once),
+        (
+            "stale_segments_of_dead_launchers_are_removed",
+            stale_segments_of_dead_launchers_are_removed,
+        ),
+        (
+            "stale_segment_of_dead_creator_removed_at_once",
+            stale_segment_of_dead_creator_removed_at_once,
+        ),
         ("config_and_env", config_and_env),
     ])
 }

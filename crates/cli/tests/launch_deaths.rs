@@ -25,7 +25,10 @@ const CLEANUP: Duration = Duration::from_secs(2);
 /// `lockstep` with a clean rendezvous environment and the test's mark.
 fn lockstep(mark: &str) -> Command {
     let mut c = Command::new(BIN);
-    c.env_remove("LOCKSTEP_TOKEN").env_remove("RANK").env_remove("WORLD_SIZE").env("LOCKSTEP_TEST_MARK", mark);
+    c.env_remove("LOCKSTEP_TOKEN")
+        .env_remove("RANK")
+        .env_remove("WORLD_SIZE")
+        .env("LOCKSTEP_TEST_MARK", mark);
     for v in lockstep::types::env::CHECKED {
         c.env_remove(v.name);
     }
@@ -52,8 +55,16 @@ struct Running {
 
 impl Running {
     fn spawn(c: &mut Command, mark: &str) -> Running {
-        let child = c.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("spawn lockstep");
-        Running { child: Some(child), mark: mark.to_string(), waited: false }
+        let child = c
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn lockstep");
+        Running {
+            child: Some(child),
+            mark: mark.to_string(),
+            waited: false,
+        }
     }
     fn pid(&self) -> i32 {
         self.child.as_ref().expect("running").id() as i32
@@ -97,18 +108,31 @@ fn nothing_left(mark: &str) -> Result<(), String> {
         left = marked(mark);
         left.is_empty()
     });
-    let what: Vec<String> =
-        left.iter().map(|p| std::fs::read_to_string(format!("/proc/{p}/cmdline")).unwrap_or_default().replace('\0', " ")).collect();
+    let what: Vec<String> = left
+        .iter()
+        .map(|p| {
+            std::fs::read_to_string(format!("/proc/{p}/cmdline"))
+                .unwrap_or_default()
+                .replace('\0', " ")
+        })
+        .collect();
     // The failure is reported; what was left does not outlive the test.
     for p in &left {
         signal(*p, libc::SIGKILL);
     }
-    check(gone, &format!("no process may be left {CLEANUP:?} after the launcher ended"), format!("{left:?}: {what:?}"))
+    check(
+        gone,
+        &format!("no process may be left {CLEANUP:?} after the launcher ended"),
+        format!("{left:?}: {what:?}"),
+    )
 }
 
 fn env_of(pid: i32, key: &str) -> Option<String> {
     let e = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
-    e.split(|b| *b == 0).find_map(|kv| kv.strip_prefix(format!("{key}=").as_bytes()).map(|v| String::from_utf8_lossy(v).into_owned()))
+    e.split(|b| *b == 0).find_map(|kv| {
+        kv.strip_prefix(format!("{key}=").as_bytes())
+            .map(|v| String::from_utf8_lossy(v).into_owned())
+    })
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -119,9 +143,22 @@ fn sighup_sends_sigterm_then_exits_129() -> Result<(), String> {
     let mark = new_mark("hup");
     let d = scratch("hup");
     // The handler takes 0.4 s: a second SIGHUP meanwhile must not turn into SIGKILL.
-    let script = format!("trap 'sleep 0.4; echo $RANK > {}/term.$RANK; exit 0' TERM; sleep 1000 & wait", d.display());
+    let script = format!(
+        "trap 'sleep 0.4; echo $RANK > {}/term.$RANK; exit 0' TERM; sleep 1000 & wait",
+        d.display()
+    );
     let mut c = lockstep(&mark);
-    c.args(["launch", "--nproc-per-node", "2", "--grace-s", "5", "--", "sh", "-c", &script]);
+    c.args([
+        "launch",
+        "--nproc-per-node",
+        "2",
+        "--grace-s",
+        "5",
+        "--",
+        "sh",
+        "-c",
+        &script,
+    ]);
     let l = Running::spawn(&mut c, &mark);
     ranks_of(l.pid(), 2)?;
     std::thread::sleep(Duration::from_millis(200));
@@ -131,13 +168,32 @@ fn sighup_sends_sigterm_then_exits_129() -> Result<(), String> {
     signal(l.pid(), libc::SIGHUP);
     let o = l.wait_with_output().map_err(|e| e.to_string())?;
     let took = t.elapsed();
-    check(o.status.code() == Some(129), "the launcher exits 128+SIGHUP", show(&o))?;
+    check(
+        o.status.code() == Some(129),
+        "the launcher exits 128+SIGHUP",
+        show(&o),
+    )?;
     for r in 0..2 {
-        check(d.join(format!("term.{r}")).exists(), &format!("rank {r} got SIGTERM and finished its handler"), show(&o))?;
+        check(
+            d.join(format!("term.{r}")).exists(),
+            &format!("rank {r} got SIGTERM and finished its handler"),
+            show(&o),
+        )?;
     }
-    check(String::from_utf8_lossy(&o.stderr).contains("got SIGHUP: sending SIGTERM"), "the launcher says what it did", show(&o))?;
-    check(took < Duration::from_secs(3), "the job stops once the handlers finish, well within the 5 s grace", format!("{took:?}"))?;
-    println!("    SIGHUP → exit 129 after {:.0} ms (handlers take 400 ms)", took.as_secs_f64() * 1e3);
+    check(
+        String::from_utf8_lossy(&o.stderr).contains("got SIGHUP: sending SIGTERM"),
+        "the launcher says what it did",
+        show(&o),
+    )?;
+    check(
+        took < Duration::from_secs(3),
+        "the job stops once the handlers finish, well within the 5 s grace",
+        format!("{took:?}"),
+    )?;
+    println!(
+        "    SIGHUP → exit 129 after {:.0} ms (handlers take 400 ms)",
+        took.as_secs_f64() * 1e3
+    );
     nothing_left(&mark)
 }
 
@@ -153,7 +209,10 @@ fn kill9_launcher_kills_every_descendant() -> Result<(), String> {
     c.args(["launch", "--nproc-per-node", "2", "--", "sh", "-c", &script]);
     let l = Running::spawn(&mut c, &mark);
     let ranks = ranks_of(l.pid(), 2)?;
-    let job = ranks.iter().find_map(|p| env_of(*p, "LOCKSTEP_JOB_ID")).ok_or("no LOCKSTEP_JOB_ID in the ranks")?;
+    let job = ranks
+        .iter()
+        .find_map(|p| env_of(*p, "LOCKSTEP_JOB_ID"))
+        .ok_or("no LOCKSTEP_JOB_ID in the ranks")?;
     let segment = std::path::PathBuf::from(format!("/dev/shm/lockstep-{job}"));
     // 2 ranks + 3 sleeps each, plus 2 guards and the launcher (which carry the mark too).
     let mut n = 0;
@@ -171,9 +230,20 @@ fn kill9_launcher_kills_every_descendant() -> Result<(), String> {
     nothing_left(&mark)?;
     let took = t.elapsed();
     let o = l.wait_with_output().map_err(|e| e.to_string())?;
-    check(o.status.code().is_none(), "the launcher was killed", show(&o))?;
-    check(!segment.exists(), "the guards remove the job's named segment", segment.display())?;
-    println!("    kill -9 → {n} processes gone after {:.0} ms", took.as_secs_f64() * 1e3);
+    check(
+        o.status.code().is_none(),
+        "the launcher was killed",
+        show(&o),
+    )?;
+    check(
+        !segment.exists(),
+        "the guards remove the job's named segment",
+        segment.display(),
+    )?;
+    println!(
+        "    kill -9 → {n} processes gone after {:.0} ms",
+        took.as_secs_f64() * 1e3
+    );
     Ok(())
 }
 
@@ -182,7 +252,17 @@ fn kill9_launcher_kills_every_descendant() -> Result<(), String> {
 fn sigint_with_stubborn_ranks_exits_130() -> Result<(), String> {
     let mark = new_mark("int");
     let mut c = lockstep(&mark);
-    c.args(["launch", "--nproc-per-node", "2", "--grace-s", "0.5", "--", "sh", "-c", "trap '' INT TERM; sleep 1000 & exec sleep 1000"]);
+    c.args([
+        "launch",
+        "--nproc-per-node",
+        "2",
+        "--grace-s",
+        "0.5",
+        "--",
+        "sh",
+        "-c",
+        "trap '' INT TERM; sleep 1000 & exec sleep 1000",
+    ]);
     let l = Running::spawn(&mut c, &mark);
     ranks_of(l.pid(), 2)?;
     std::thread::sleep(Duration::from_millis(100));
@@ -190,7 +270,11 @@ fn sigint_with_stubborn_ranks_exits_130() -> Result<(), String> {
     signal(l.pid(), libc::SIGINT);
     let o = l.wait_with_output().map_err(|e| e.to_string())?;
     let took = t.elapsed();
-    check(o.status.code() == Some(130), "exit 128+SIGINT although the ranks needed SIGKILL", show(&o))?;
+    check(
+        o.status.code() == Some(130),
+        "exit 128+SIGINT although the ranks needed SIGKILL",
+        show(&o),
+    )?;
     check(
         took >= Duration::from_millis(450) && took < Duration::from_millis(1500),
         "SIGKILL comes after the 0.5 s grace period",
@@ -200,12 +284,26 @@ fn sigint_with_stubborn_ranks_exits_130() -> Result<(), String> {
     // SIGTERM the same way: 143.
     let mark = new_mark("term");
     let mut c = lockstep(&mark);
-    c.args(["launch", "--nproc-per-node", "2", "--grace-s", "0.3", "--", "sh", "-c", "trap '' INT TERM; exec sleep 1000"]);
+    c.args([
+        "launch",
+        "--nproc-per-node",
+        "2",
+        "--grace-s",
+        "0.3",
+        "--",
+        "sh",
+        "-c",
+        "trap '' INT TERM; exec sleep 1000",
+    ]);
     let l = Running::spawn(&mut c, &mark);
     ranks_of(l.pid(), 2)?;
     signal(l.pid(), libc::SIGTERM);
     let o = l.wait_with_output().map_err(|e| e.to_string())?;
-    check(o.status.code() == Some(143), "exit 128+SIGTERM although the ranks needed SIGKILL", show(&o))?;
+    check(
+        o.status.code() == Some(143),
+        "exit 128+SIGTERM although the ranks needed SIGKILL",
+        show(&o),
+    )?;
     nothing_left(&mark)
 }
 
@@ -229,19 +327,59 @@ fn malformed_env_is_an_error() -> Result<(), String> {
         ("LOCKSTEP_BACKEND", "gpu", "one of: shm, nccl"),
         ("LOCKSTEP_DEBUG", "maybe", "1 or 0"),
         ("LOCKSTEP_NNODES", "0", "a whole number from 1"),
-        ("LOCKSTEP_SHM_SLOT_BYTES", "1M", "a whole number from 4096 to 1073741824"),
-        ("LOCKSTEP_SHM_SLOT_BYTES", "100", "a whole number from 4096 to 1073741824"),
-        ("LOCKSTEP_SHM_SMALL_BYTES", "16k", "a whole number from 0 to"),
-        ("LOCKSTEP_SHM_HEAP_BYTES", "-5", "a whole number from 2097152 to"),
+        (
+            "LOCKSTEP_SHM_SLOT_BYTES",
+            "1M",
+            "a whole number from 4096 to 1073741824",
+        ),
+        (
+            "LOCKSTEP_SHM_SLOT_BYTES",
+            "100",
+            "a whole number from 4096 to 1073741824",
+        ),
+        (
+            "LOCKSTEP_SHM_SMALL_BYTES",
+            "16k",
+            "a whole number from 0 to",
+        ),
+        (
+            "LOCKSTEP_SHM_HEAP_BYTES",
+            "-5",
+            "a whole number from 2097152 to",
+        ),
         ("LOCKSTEP_SHM_NT_BYTES", "8e6", "a whole number from 0 to"),
-        ("LOCKSTEP_SHM_CMA_BYTES", "32KiB", "a whole number from 0 to"),
-        ("LOCKSTEP_SHM_STAGE", "fast", "one of: auto, cached, streaming, nt"),
-        ("LOCKSTEP_SHM_SINGLE_COPY", "yes", "one of: auto, always, never"),
+        (
+            "LOCKSTEP_SHM_CMA_BYTES",
+            "32KiB",
+            "a whole number from 0 to",
+        ),
+        (
+            "LOCKSTEP_SHM_STAGE",
+            "fast",
+            "one of: auto, cached, streaming, nt",
+        ),
+        (
+            "LOCKSTEP_SHM_SINGLE_COPY",
+            "yes",
+            "one of: auto, always, never",
+        ),
         ("LOCKSTEP_PEER_CHECK_MS", "0", "a whole number from 1 to"),
-        ("LOCKSTEP_SPIN_US", "2.5", "a whole number from 0 to 1000000"),
+        (
+            "LOCKSTEP_SPIN_US",
+            "2.5",
+            "a whole number from 0 to 1000000",
+        ),
         ("LOCKSTEP_CPU_BIND", "yes", "one of: core, none"),
-        ("LOCKSTEP_STORE_PORT", "70000", "a whole number from 1 to 65535"),
-        ("LOCKSTEP_HOST_ID", "node\ta", "text without control characters"),
+        (
+            "LOCKSTEP_STORE_PORT",
+            "70000",
+            "a whole number from 1 to 65535",
+        ),
+        (
+            "LOCKSTEP_HOST_ID",
+            "node\ta",
+            "text without control characters",
+        ),
     ];
     let mut slowest = Duration::ZERO;
     for (var, val, expected) in cases {
@@ -256,19 +394,40 @@ fn malformed_env_is_an_error() -> Result<(), String> {
         slowest = slowest.max(took);
         let err = String::from_utf8_lossy(&o.stderr);
         check(
-            o.status.code() == Some(1) && err.contains(&format!("{var}={val:?} is invalid: expected")) && err.contains(expected),
+            o.status.code() == Some(1)
+                && err.contains(&format!("{var}={val:?} is invalid: expected"))
+                && err.contains(expected),
             &format!("{var}={val} must be refused by name, with what it accepts"),
             show(&o),
         )?;
-        check(took < REFUSED_WITHIN, &format!("{var}={val} refused within {REFUSED_WITHIN:?}"), format!("{took:?}"))?;
+        check(
+            took < REFUSED_WITHIN,
+            &format!("{var}={val} refused within {REFUSED_WITHIN:?}"),
+            format!("{took:?}"),
+        )?;
         check(!err.contains("[rank"), "before any rank starts", show(&o))?;
         nothing_left(&mark)?;
     }
     // A token that is not UTF-8 is named, not taken for a missing one.
     let mark = new_mark("env-token");
     let o = lockstep(&mark)
-        .env("LOCKSTEP_TOKEN", std::ffi::OsString::from_vec(b"token-\xff-0123456789abcdef".to_vec()))
-        .args(["launch", "--nproc-per-node", "1", "--nnodes", "2", "--node-rank", "1", "--master-port", "1", "--", "true"])
+        .env(
+            "LOCKSTEP_TOKEN",
+            std::ffi::OsString::from_vec(b"token-\xff-0123456789abcdef".to_vec()),
+        )
+        .args([
+            "launch",
+            "--nproc-per-node",
+            "1",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--master-port",
+            "1",
+            "--",
+            "true",
+        ])
         .output()
         .map_err(|e| e.to_string())?;
     check(
@@ -279,7 +438,10 @@ fn malformed_env_is_an_error() -> Result<(), String> {
         show(&o),
     )?;
     // A rank started without the launcher checks the same variables (shm tuning included).
-    for (var, val) in [("LOCKSTEP_TIMEOUT_S", "3s"), ("LOCKSTEP_SHM_SLOT_BYTES", "1M")] {
+    for (var, val) in [
+        ("LOCKSTEP_TIMEOUT_S", "3s"),
+        ("LOCKSTEP_SHM_SLOT_BYTES", "1M"),
+    ] {
         let mark = new_mark("env-rank");
         let t = Instant::now();
         let o = lockstep(&mark)
@@ -292,19 +454,28 @@ fn malformed_env_is_an_error() -> Result<(), String> {
             .map_err(|e| e.to_string())?;
         slowest = slowest.max(t.elapsed());
         check(
-            o.status.code() == Some(1) && String::from_utf8_lossy(&o.stderr).contains(&format!("{var}={val:?} is invalid")),
+            o.status.code() == Some(1)
+                && String::from_utf8_lossy(&o.stderr)
+                    .contains(&format!("{var}={val:?} is invalid")),
             &format!("Communicator::from_env refuses {var}={val} too"),
             show(&o),
         )?;
     }
     // --rdzv-timeout-s 0 is refused as well.
-    let o = lockstep(&new_mark("env-flag")).args(["launch", "--rdzv-timeout-s", "0", "--", "true"]).output().map_err(|e| e.to_string())?;
+    let o = lockstep(&new_mark("env-flag"))
+        .args(["launch", "--rdzv-timeout-s", "0", "--", "true"])
+        .output()
+        .map_err(|e| e.to_string())?;
     check(
         o.status.code() == Some(1) && String::from_utf8_lossy(&o.stderr).contains("greater than 0"),
         "a zero timeout is refused",
         show(&o),
     )?;
-    println!("    {} malformed values refused with exit 1, slowest after {:.0} ms", cases.len() + 3, slowest.as_secs_f64() * 1e3);
+    println!(
+        "    {} malformed values refused with exit 1, slowest after {:.0} ms",
+        cases.len() + 3,
+        slowest.as_secs_f64() * 1e3
+    );
     Ok(())
 }
 
@@ -315,7 +486,19 @@ fn node0_honours_rdzv_timeout() -> Result<(), String> {
     let port = free_port().to_string();
     let mut c = lockstep(&mark);
     c.env("LOCKSTEP_TOKEN", TOKEN);
-    c.args(["launch", "--nproc-per-node", "2", "--nnodes", "2", "--node-rank", "0", "--master-port", &port, "--rdzv-timeout-s", "2"]);
+    c.args([
+        "launch",
+        "--nproc-per-node",
+        "2",
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "0",
+        "--master-port",
+        &port,
+        "--rdzv-timeout-s",
+        "2",
+    ]);
     c.args(["--", BIN, "selftest"]);
     let t = Instant::now();
     let l = Running::spawn(&mut c, &mark);
@@ -328,9 +511,20 @@ fn node0_honours_rdzv_timeout() -> Result<(), String> {
         "the message names the missing ranks and node",
         show(&o),
     )?;
-    check(!err.contains("lockstep/host/0") && !err.contains("ranks 0-"), "and only those", show(&o))?;
-    check(took >= Duration::from_secs(2) && took < Duration::from_secs(5), "within the 2 s timeout plus a margin", format!("{took:?}"))?;
-    println!("    node 0 alone, --rdzv-timeout-s 2 → failed after {:.2} s", took.as_secs_f64());
+    check(
+        !err.contains("lockstep/host/0") && !err.contains("ranks 0-"),
+        "and only those",
+        show(&o),
+    )?;
+    check(
+        took >= Duration::from_secs(2) && took < Duration::from_secs(5),
+        "within the 2 s timeout plus a margin",
+        format!("{took:?}"),
+    )?;
+    println!(
+        "    node 0 alone, --rdzv-timeout-s 2 → failed after {:.2} s",
+        took.as_secs_f64()
+    );
     nothing_left(&mark)
 }
 
@@ -342,28 +536,60 @@ fn rdzv_timeout_names_only_the_missing_node() -> Result<(), String> {
     let node = |r: &str| {
         let mut c = lockstep(&mark);
         c.env("LOCKSTEP_TOKEN", TOKEN);
-        c.args(["launch", "--nproc-per-node", "1", "--nnodes", "3", "--node-rank", r, "--master-port", &port, "--rdzv-timeout-s", "2"]);
+        c.args([
+            "launch",
+            "--nproc-per-node",
+            "1",
+            "--nnodes",
+            "3",
+            "--node-rank",
+            r,
+            "--master-port",
+            &port,
+            "--rdzv-timeout-s",
+            "2",
+        ]);
         c.args(["--", BIN, "selftest"]);
         Running::spawn(&mut c, &mark)
     };
     let t = Instant::now();
     let (a, b) = (node("0"), node("1"));
-    let (oa, ob) = (a.wait_with_output().map_err(|e| e.to_string())?, b.wait_with_output().map_err(|e| e.to_string())?);
+    let (oa, ob) = (
+        a.wait_with_output().map_err(|e| e.to_string())?,
+        b.wait_with_output().map_err(|e| e.to_string())?,
+    );
     let took = t.elapsed();
     let both = format!("{}\n{}", show(&oa), show(&ob));
-    check(oa.status.code() == Some(1) && ob.status.code() == Some(1), "both nodes fail", &both)?;
+    check(
+        oa.status.code() == Some(1) && ob.status.code() == Some(1),
+        "both nodes fail",
+        &both,
+    )?;
     // The first rank to time out stops the job (the other node's ranks are then stopped by the
     // launchers), so at least one rank reports; every report names rank 2 on node 2 only.
-    let reports: Vec<&str> = both.lines().filter(|l| l.contains("did not reach the rendezvous")).collect();
-    check(!reports.is_empty(), "a rank reports the rendezvous timeout", &both)?;
+    let reports: Vec<&str> = both
+        .lines()
+        .filter(|l| l.contains("did not reach the rendezvous"))
+        .collect();
+    check(
+        !reports.is_empty(),
+        "a rank reports the rendezvous timeout",
+        &both,
+    )?;
     for l in &reports {
         check(
-            l.contains("rank 2 (node 2) did not reach the rendezvous within 2.0 s") && !l.contains("ranks ") && !l.contains("(nodes "),
+            l.contains("rank 2 (node 2) did not reach the rendezvous within 2.0 s")
+                && !l.contains("ranks ")
+                && !l.contains("(nodes "),
             "the report names rank 2 on node 2, and no rank that arrived",
             &both,
         )?;
     }
-    check(took >= Duration::from_secs(2) && took < Duration::from_secs(5), "within the 2 s timeout plus a margin", format!("{took:?}"))?;
+    check(
+        took >= Duration::from_secs(2) && took < Duration::from_secs(5),
+        "within the 2 s timeout plus a margin",
+        format!("{took:?}"),
+    )?;
     println!("    nodes 0-1 of 3, --rdzv-timeout-s 2 → both failed after {:.2} s naming rank 2 (node 2) only", took.as_secs_f64());
     nothing_left(&mark)
 }
@@ -395,31 +621,52 @@ fn foreign_master_port_is_named() -> Result<(), String> {
         while matches!(s.read(&mut b), Ok(n) if n > 0) {}
     })?;
     // (port, --rdzv-timeout-s, what the port does, time allowed)
-    let cases = [(http, "5", "answers HTTP", Duration::from_secs(2)), (silent, "1.5", "never answers", Duration::from_millis(3000))];
+    let cases = [
+        (http, "5", "answers HTTP", Duration::from_secs(2)),
+        (silent, "1.5", "never answers", Duration::from_millis(3000)),
+    ];
     let mut times = Vec::new();
     for (port, timeout, what, within) in cases {
         let mark = new_mark("impostor");
         let t = Instant::now();
         let o = lockstep(&mark)
             .env("LOCKSTEP_TOKEN", TOKEN)
-            .args(["launch", "--nproc-per-node", "1", "--nnodes", "2", "--node-rank", "1", "--master-port", &port.to_string()])
+            .args([
+                "launch",
+                "--nproc-per-node",
+                "1",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                "1",
+                "--master-port",
+                &port.to_string(),
+            ])
             .args(["--rdzv-timeout-s", timeout, "--", BIN, "selftest"])
             .output()
             .map_err(|e| e.to_string())?;
         let took = t.elapsed();
         let err = String::from_utf8_lossy(&o.stderr);
         check(
-            o.status.code() == Some(1) && err.contains(&format!("the peer at 127.0.0.1:{port} does not speak the lockstep store protocol")),
+            o.status.code() == Some(1)
+                && err.contains(&format!(
+                    "the peer at 127.0.0.1:{port} does not speak the lockstep store protocol"
+                )),
             &format!("a master port that {what} is named as not lockstep's"),
             show(&o),
         )?;
         check(!err.contains("[rank"), "no rank starts", show(&o))?;
         check(
             took < within,
-            &format!("a port that {what} is reported within {within:?} (--rdzv-timeout-s {timeout})"),
+            &format!(
+                "a port that {what} is reported within {within:?} (--rdzv-timeout-s {timeout})"
+            ),
             format!("{took:?}"),
         )?;
-        times.push(format!("{what} (--rdzv-timeout-s {timeout}): {:.2} s", took.as_secs_f64()));
+        times.push(format!(
+            "{what} (--rdzv-timeout-s {timeout}): {:.2} s",
+            took.as_secs_f64()
+        ));
         nothing_left(&mark)?;
     }
     println!("    foreign master port named: {}", times.join("; "));
@@ -428,7 +675,10 @@ fn foreign_master_port_is_named() -> Result<(), String> {
 
 /// Raise this process's descriptor limit to at least `n` (the hard limit permitting).
 fn raise_nofile(n: u64) -> Result<(), String> {
-    let mut rl = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    let mut rl = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
     // SAFETY: getrlimit/setrlimit with a valid pointer to a local struct.
     unsafe {
         if libc::getrlimit(libc::RLIMIT_NOFILE, &mut rl) != 0 {
@@ -441,7 +691,11 @@ fn raise_nofile(n: u64) -> Result<(), String> {
             }
         }
     }
-    check(rl.rlim_cur >= n, &format!("room for {n} descriptors"), format!("hard limit {}", rl.rlim_max))
+    check(
+        rl.rlim_cur >= n,
+        &format!("room for {n} descriptors"),
+        format!("hard limit {}", rl.rlim_max),
+    )
 }
 
 /// One hostile connection to `addr`: a hello frame announced and left unfinished (just under the
@@ -472,13 +726,29 @@ fn two_node_job_completes_under_attack() -> Result<(), String> {
     let node = |r: &str| {
         let mut c = lockstep(&mark);
         c.env("LOCKSTEP_TOKEN", TOKEN);
-        c.args(["launch", "--nproc-per-node", "2", "--nnodes", "2", "--node-rank", r, "--master-port", &port.to_string()]);
+        c.args([
+            "launch",
+            "--nproc-per-node",
+            "2",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            r,
+            "--master-port",
+            &port.to_string(),
+        ]);
         c.args(["--rdzv-timeout-s", "30", "--", BIN, "selftest"]);
         Running::spawn(&mut c, &mark)
     };
     let a = node("0");
     let addr: std::net::SocketAddr = ([127, 0, 0, 1], port).into();
-    check(wait_until(Duration::from_secs(5), || std::net::TcpStream::connect(addr).is_ok()), "node 0 listens on its master port", port)?;
+    check(
+        wait_until(Duration::from_secs(5), || {
+            std::net::TcpStream::connect(addr).is_ok()
+        }),
+        "node 0 listens on its master port",
+        port,
+    )?;
     let stop = Arc::new(AtomicBool::new(false));
     let (opened, held) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
     let attacker = {
@@ -526,18 +796,29 @@ fn two_node_job_completes_under_attack() -> Result<(), String> {
     // Node 1 starts amid the flood.
     let t = Instant::now();
     let b = node("1");
-    let (oa, ob) = (a.wait_with_output().map_err(|e| e.to_string())?, b.wait_with_output().map_err(|e| e.to_string())?);
+    let (oa, ob) = (
+        a.wait_with_output().map_err(|e| e.to_string())?,
+        b.wait_with_output().map_err(|e| e.to_string())?,
+    );
     let took = t.elapsed();
     stop.store(true, Ordering::Relaxed);
     let _ = attacker.join();
     let during = opened.load(Ordering::Relaxed) - before;
-    check(oa.status.success() && ob.status.success(), "both launchers succeed during the attack", format!("{}\n{}", show(&oa), show(&ob)))?;
+    check(
+        oa.status.success() && ob.status.success(),
+        "both launchers succeed during the attack",
+        format!("{}\n{}", show(&oa), show(&ob)),
+    )?;
     check(
         String::from_utf8_lossy(&oa.stdout).contains("[rank 0] lockstep selftest ok: 4 ranks"),
         "one 4-rank job ran its collectives",
         show(&oa),
     )?;
-    check(took < Duration::from_secs(10), "the job completes within 10 s of node 1's start", format!("{took:?}"))?;
+    check(
+        took < Duration::from_secs(10),
+        "the job completes within 10 s of node 1's start",
+        format!("{took:?}"),
+    )?;
     println!(
         "    {} of 1000 hostile connections open when node 1 started, {during} more opened while the job ran; the 2-node job completed in {:.2} s",
         held.load(Ordering::Relaxed),
@@ -548,13 +829,28 @@ fn two_node_job_completes_under_attack() -> Result<(), String> {
 
 fn main() -> std::process::ExitCode {
     common::run(&[
-        ("sighup_sends_sigterm_then_exits_129", sighup_sends_sigterm_then_exits_129),
-        ("kill9_launcher_kills_every_descendant", kill9_launcher_kills_every_descendant),
-        ("sigint_with_stubborn_ranks_exits_130", sigint_with_stubborn_ranks_exits_130),
+        (
+            "sighup_sends_sigterm_then_exits_129",
+            sighup_sends_sigterm_then_exits_129,
+        ),
+        (
+            "kill9_launcher_kills_every_descendant",
+            kill9_launcher_kills_every_descendant,
+        ),
+        (
+            "sigint_with_stubborn_ranks_exits_130",
+            sigint_with_stubborn_ranks_exits_130,
+        ),
         ("malformed_env_is_an_error", malformed_env_is_an_error),
         ("node0_honours_rdzv_timeout", node0_honours_rdzv_timeout),
-        ("rdzv_timeout_names_only_the_missing_node", rdzv_timeout_names_only_the_missing_node),
+        (
+            "rdzv_timeout_names_only_the_missing_node",
+            rdzv_timeout_names_only_the_missing_node,
+        ),
         ("foreign_master_port_is_named", foreign_master_port_is_named),
-        ("two_node_job_completes_under_attack", two_node_job_completes_under_attack),
+        (
+            "two_node_job_completes_under_attack",
+            two_node_job_completes_under_attack,
+        ),
     ])
 }

@@ -55,7 +55,9 @@ pub struct ConsoleOptions {
 /// Whether text output goes to a terminal: stdout is one, or the launcher says its console is
 /// (`LOCKSTEP_CONSOLE_TTY=1`). A malformed value is an error naming it.
 pub fn console_is_terminal() -> Result<bool, String> {
-    let said = lockstep::types::env::CONSOLE_TTY.flag().map_err(|e| e.to_string())?;
+    let said = lockstep::types::env::CONSOLE_TTY
+        .flag()
+        .map_err(|e| e.to_string())?;
     Ok(std::io::stdout().is_terminal() || said == Some(true))
 }
 
@@ -109,7 +111,11 @@ impl Console {
     fn line(&mut self, text: &str) {
         let mut out = std::io::stdout().lock();
         // A closed stdout must not stop the training: the result still reaches the files.
-        let _ = if self.bar_up { write!(out, "{CLEAR}{text}") } else { write!(out, "{text}") };
+        let _ = if self.bar_up {
+            write!(out, "{CLEAR}{text}")
+        } else {
+            write!(out, "{text}")
+        };
         let _ = out.flush();
         self.bar_up = false;
         self.last_draw = None;
@@ -121,7 +127,13 @@ impl Console {
             return;
         }
         self.last_draw = Some(now);
-        let bar = render_bar(self.epoch, self.epochs, step, self.steps, Some((loss, images_per_s)));
+        let bar = render_bar(
+            self.epoch,
+            self.epochs,
+            step,
+            self.steps,
+            Some((loss, images_per_s)),
+        );
         let mut out = std::io::stdout().lock();
         let _ = write!(out, "{CLEAR}{bar}\r");
         let _ = out.flush();
@@ -154,14 +166,20 @@ impl Console {
     /// The end of the run: the peak RSS of every rank (KiB, rank order) on the console and in the
     /// metrics file, the files written a last time. An error writing them is returned now.
     pub fn finish(&mut self, rss_kib: &[u64]) -> Result<(), String> {
-        let mib: Vec<String> = rss_kib.iter().map(|k| format!("{:.1}", *k as f64 / 1024.0)).collect();
+        let mib: Vec<String> = rss_kib
+            .iter()
+            .map(|k| format!("{:.1}", *k as f64 / 1024.0))
+            .collect();
         let text = if self.opts.json {
             format!("{{\"peak_rss_mib\":[{}]}}\n", mib.join(","))
         } else {
             format!("peak RSS per rank: {} MiB\n", mib.join(", "))
         };
         self.line(&text);
-        self.records.push(format!("{{\"kind\":\"summary\",\"peak_rss_mib\":[{}]}}", mib.join(",")));
+        self.records.push(format!(
+            "{{\"kind\":\"summary\",\"peak_rss_mib\":[{}]}}",
+            mib.join(",")
+        ));
         self.write_files();
         match self.file_error.take() {
             Some(e) => Err(e),
@@ -171,8 +189,16 @@ impl Console {
 }
 
 /// `epoch 1/4 [=====>     ] 120/469 loss 0.4384 2345 img/s`.
-pub fn render_bar(epoch: u64, epochs: u64, pos: usize, len: usize, stats: Option<(f32, f64)>) -> String {
-    let done = (pos.min(len) * BAR_WIDTH).checked_div(len).unwrap_or(BAR_WIDTH);
+pub fn render_bar(
+    epoch: u64,
+    epochs: u64,
+    pos: usize,
+    len: usize,
+    stats: Option<(f32, f64)>,
+) -> String {
+    let done = (pos.min(len) * BAR_WIDTH)
+        .checked_div(len)
+        .unwrap_or(BAR_WIDTH);
     let mut bar = "=".repeat(done);
     if done < BAR_WIDTH {
         bar.push('>');
@@ -186,14 +212,25 @@ pub fn render_bar(epoch: u64, epochs: u64, pos: usize, len: usize, stats: Option
 }
 
 /// `epoch 1/4 step 100/469 loss 0.4384 2345 img/s`: the seed's per-step line.
-pub fn step_line(epoch: u64, epochs: u64, step: usize, steps: usize, loss: f32, images_per_s: f64) -> String {
+pub fn step_line(
+    epoch: u64,
+    epochs: u64,
+    step: usize,
+    steps: usize,
+    loss: f32,
+    images_per_s: f64,
+) -> String {
     format!("epoch {epoch}/{epochs} step {step}/{steps} loss {loss:.4} {images_per_s:.0} img/s")
 }
 
 fn epoch_json(r: &EpochReport) -> String {
     // fp16's loss scaling adds its skipped steps and the scale (other precisions scale nothing).
     let amp = match r.loss_scale {
-        Some(scale) => format!(",\"skipped_steps\":{},\"loss_scale\":{}", r.skipped_steps, num(scale as f64, 1)),
+        Some(scale) => format!(
+            ",\"skipped_steps\":{},\"loss_scale\":{}",
+            r.skipped_steps,
+            num(scale as f64, 1)
+        ),
         None => String::new(),
     };
     format!(
@@ -268,7 +305,8 @@ impl Observer for Console {
             )
         };
         self.line(&text);
-        self.records.push(format!("{{\"kind\":\"epoch\",{}}}", epoch_json(r)));
+        self.records
+            .push(format!("{{\"kind\":\"epoch\",{}}}", epoch_json(r)));
         self.history.push(r.clone());
         self.write_files();
     }
@@ -283,13 +321,23 @@ pub fn check_output_path(flag: &str, path: &Path) -> Result<(), String> {
         _ => Path::new("."),
     };
     if path.file_name().is_none() {
-        return Err(format!("{flag} {}: the path names no file; pass a file path", path.display()));
+        return Err(format!(
+            "{flag} {}: the path names no file; pass a file path",
+            path.display()
+        ));
     }
     if !dir.is_dir() {
-        return Err(format!("{flag} {}: directory {} does not exist; create it first", path.display(), dir.display()));
+        return Err(format!(
+            "{flag} {}: directory {} does not exist; create it first",
+            path.display(),
+            dir.display()
+        ));
     }
     if path.is_dir() {
-        return Err(format!("{flag} {}: is a directory; pass a file path", path.display()));
+        return Err(format!(
+            "{flag} {}: is a directory; pass a file path",
+            path.display()
+        ));
     }
     Ok(())
 }
@@ -300,13 +348,26 @@ mod tests {
 
     #[test]
     fn bar_and_step_line_shapes() {
-        assert_eq!(render_bar(1, 4, 0, 10, None), format!("epoch 1/4 [>{}] 0/10", " ".repeat(29)));
+        assert_eq!(
+            render_bar(1, 4, 0, 10, None),
+            format!("epoch 1/4 [>{}] 0/10", " ".repeat(29))
+        );
         assert_eq!(
             render_bar(2, 4, 5, 10, Some((0.43843, 2345.4))),
-            format!("epoch 2/4 [{}>{}] 5/10 loss 0.4384 2345 img/s", "=".repeat(15), " ".repeat(14))
+            format!(
+                "epoch 2/4 [{}>{}] 5/10 loss 0.4384 2345 img/s",
+                "=".repeat(15),
+                " ".repeat(14)
+            )
         );
-        assert_eq!(render_bar(4, 4, 10, 10, None), format!("epoch 4/4 [{}] 10/10", "=".repeat(30)));
-        assert_eq!(step_line(1, 4, 100, 469, 0.43843934, 2345.6), "epoch 1/4 step 100/469 loss 0.4384 2346 img/s");
+        assert_eq!(
+            render_bar(4, 4, 10, 10, None),
+            format!("epoch 4/4 [{}] 10/10", "=".repeat(30))
+        );
+        assert_eq!(
+            step_line(1, 4, 100, 469, 0.43843934, 2345.6),
+            "epoch 1/4 step 100/469 loss 0.4384 2346 img/s"
+        );
         assert_eq!(num(f64::NAN, 2), "null");
     }
 }

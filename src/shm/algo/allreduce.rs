@@ -36,7 +36,11 @@ fn run(ch: &mut Channel, call: &Call, cx: Ctx, attempt: Attempt) -> Result<(), C
     // Single-copy on ordinary buffers: all-reduce only (a reduce's non-roots have no output to
     // hold their reduced part).
     let direct = all && single::offer(ch, call, bytes, attempt);
-    let (flags, so, ro) = if direct { single::offer_desc(call, flags) } else { (flags, so, ro) };
+    let (flags, so, ro) = if direct {
+        single::offer_desc(call, flags)
+    } else {
+        (flags, so, ro)
+    };
     let mut p = ch.next_phase();
     let unit = (64 / esz).max(1);
     // The staged path stages the first round in this same phase, so write it before `begin`.
@@ -48,13 +52,21 @@ fn run(ch: &mut Channel, call: &Call, cx: Ctx, attempt: Attempt) -> Result<(), C
             let idx = if j < me { j } else { j - 1 };
             // SAFETY: send is valid for count elements and base+hi <= count; the slot has room
             // for (n-1)*c_max elements and hi-lo <= c_max.
-            unsafe { copy_block(send.add((base + lo) * esz), ch.slot(me, p).add(idx * c_max * esz), (hi - lo) * esz, snt) };
+            unsafe {
+                copy_block(
+                    send.add((base + lo) * esz),
+                    ch.slot(me, p).add(idx * c_max * esz),
+                    (hi - lo) * esz,
+                    snt,
+                )
+            };
         }
     };
     // A rank whose buffers lie in the segment expects the call to be zero-copy and stages
     // nothing (round 0 would be copied for nobody); a peer's ordinary buffer rules that out, and
     // every rank then sees it below and runs the call again, staged.
-    let qualifies = |r: usize, f: u8| f & SHARED_SEND != 0 && (!receives(r) || f & SHARED_RECV != 0);
+    let qualifies =
+        |r: usize, f: u8| f & SHARED_SEND != 0 && (!receives(r) || f & SHARED_RECV != 0);
     let skip = attempt == Attempt::First && qualifies(me, flags);
     if !direct && !skip {
         let pre = ch.stage_pre(call.kind, bytes);
@@ -63,12 +75,17 @@ fn run(ch: &mut Channel, call: &Call, cx: Ctx, attempt: Attempt) -> Result<(), C
     let (descs, _) = ch.begin(call, flags | ch.stage_flag(), so, ro, cx)?;
     match single::verdict(ch, &descs) {
         Agreed::No => {}
-        Agreed::Yes if single::verified(ch, call, &descs, cx)? => return single::all_reduce(ch, call, &descs, cx),
+        Agreed::Yes if single::verified(ch, call, &descs, cx)? => {
+            return single::all_reduce(ch, call, &descs, cx)
+        }
         // Nothing written yet: run the call again, following rank 0's pick or staged.
         a => return run(ch, call, cx, attempt.next(a)),
     }
     let zero_copy = descs.iter().enumerate().all(|(r, d)| qualifies(r, d.flags));
-    if !zero_copy && attempt == Attempt::First && descs.iter().enumerate().any(|(r, d)| qualifies(r, d.flags)) {
+    if !zero_copy
+        && attempt == Attempt::First
+        && descs.iter().enumerate().any(|(r, d)| qualifies(r, d.flags))
+    {
         // Someone skipped its staging for a zero-copy call that is not one: again, staged.
         return run(ch, call, cx, Attempt::Staged);
     }
@@ -107,11 +124,17 @@ fn run(ch: &mut Channel, call: &Call, cx: Ctx, attempt: Attempt) -> Result<(), C
         if hi > lo {
             let mut dsts = Vec::with_capacity(2);
             if others_need {
-                dsts.push(Dst { ptr: out_slot, nt: snt });
+                dsts.push(Dst {
+                    ptr: out_slot,
+                    nt: snt,
+                });
             }
             if receives(me) {
                 // SAFETY: recv holds count elements on receivers.
-                dsts.push(Dst { ptr: unsafe { recv.add((base + lo) * esz) }, nt });
+                dsts.push(Dst {
+                    ptr: unsafe { recv.add((base + lo) * esz) },
+                    nt,
+                });
             }
             // SAFETY: out_slot holds slot_bytes >= c_max elements >= hi-lo; sources valid; recv
             // may equal our own source exactly (in place).
@@ -123,7 +146,12 @@ fn run(ch: &mut Channel, call: &Call, cx: Ctx, attempt: Attempt) -> Result<(), C
                 let (lo, hi) = part(len, n, j, unit);
                 // SAFETY: peer j wrote hi-lo elements of its part into its slot of phase p;
                 // recv holds count elements.
-                ch.put(ch.slot(j, p), unsafe { recv.add((base + lo) * esz) }, (hi - lo) * esz, nt);
+                ch.put(
+                    ch.slot(j, p),
+                    unsafe { recv.add((base + lo) * esz) },
+                    (hi - lo) * esz,
+                    nt,
+                );
             }
         }
         base += len;
@@ -131,14 +159,26 @@ fn run(ch: &mut Channel, call: &Call, cx: Ctx, attempt: Attempt) -> Result<(), C
     Ok(())
 }
 
-fn all_reduce_zero_copy(ch: &mut Channel, call: &Call, descs: &[Desc], cx: Ctx) -> Result<(), CommError> {
+fn all_reduce_zero_copy(
+    ch: &mut Channel,
+    call: &Call,
+    descs: &[Desc],
+    cx: Ctx,
+) -> Result<(), CommError> {
     let (n, me, esz) = (ch.world(), ch.rank(), call.dtype.size());
     let count = call.count;
     let unit = (64 / esz).max(1);
     // Rounds small enough that the reduced chunk is still in cache when it is copied out.
     let sub = ((32 << 10) / esz).max(unit);
-    let dests: Vec<usize> = if call.kind == CollKind::AllReduce { (0..n).collect() } else { vec![call.root] };
-    let sends: Vec<*const u8> = descs.iter().map(|d| ch.at(d.send_off) as *const u8).collect();
+    let dests: Vec<usize> = if call.kind == CollKind::AllReduce {
+        (0..n).collect()
+    } else {
+        vec![call.root]
+    };
+    let sends: Vec<*const u8> = descs
+        .iter()
+        .map(|d| ch.at(d.send_off) as *const u8)
+        .collect();
     let recvs: Vec<*mut u8> = descs.iter().map(|d| ch.at(d.recv_off)).collect();
     let nt = ch.nt_for(count * esz);
     let (mlo, mhi) = part(count, n, me, unit);
@@ -150,7 +190,13 @@ fn all_reduce_zero_copy(ch: &mut Channel, call: &Call, descs: &[Desc], cx: Ctx) 
         // receive buffer during this collective.
         unsafe {
             let srcs: Vec<*const u8> = sends.iter().map(|s| s.add(at * esz)).collect();
-            let dsts: Vec<Dst> = dests.iter().map(|&d| Dst { ptr: recvs[d].add(at * esz), nt }).collect();
+            let dsts: Vec<Dst> = dests
+                .iter()
+                .map(|&d| Dst {
+                    ptr: recvs[d].add(at * esz),
+                    nt,
+                })
+                .collect();
             reduce_into(call.dtype, call.op, n, &srcs, &dsts, len);
         }
         at += len;

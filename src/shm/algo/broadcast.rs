@@ -25,9 +25,17 @@ fn run(ch: &mut Channel, call: &Call, cx: Ctx, attempt: Attempt) -> Result<(), C
     // the root broadcasts in place, the root writes a share of each output itself (below).
     let (flags, so, ro) = ch.share_flags(call, if me == root { bytes } else { 0 }, bytes);
     let direct = single::offer(ch, call, bytes, attempt);
-    let (flags, so, ro) = if direct { single::offer_desc(call, flags) } else { (flags, so, ro) };
+    let (flags, so, ro) = if direct {
+        single::offer_desc(call, flags)
+    } else {
+        (flags, so, ro)
+    };
     let mut p = ch.next_phase();
-    let pre = if direct { false } else { ch.stage_pre(call.kind, bytes) };
+    let pre = if direct {
+        false
+    } else {
+        ch.stage_pre(call.kind, bytes)
+    };
     // Whether the call will be zero-copy depends on the root's descriptor alone (below), so the
     // root knows it now and stages nothing: that first chunk would be copied for nobody (a
     // whole 1 MiB message, which cost a 1 MiB in-place broadcast on shared buffers 3x its time).
@@ -40,7 +48,9 @@ fn run(ch: &mut Channel, call: &Call, cx: Ctx, attempt: Attempt) -> Result<(), C
     let zero_copy = descs[root].flags & SHARED_SEND != 0 && bytes > ch.small_bytes();
     match single::verdict(ch, &descs) {
         Agreed::No => {}
-        Agreed::Yes if single::verified(ch, call, &descs, cx)? => return single::broadcast(ch, call, &descs, cx),
+        Agreed::Yes if single::verified(ch, call, &descs, cx)? => {
+            return single::broadcast(ch, call, &descs, cx)
+        }
         // Nothing written yet: run the call again, following rank 0's pick or staged.
         a => return run(ch, call, cx, attempt.next(a)),
     }
@@ -48,7 +58,11 @@ fn run(ch: &mut Channel, call: &Call, cx: Ctx, attempt: Attempt) -> Result<(), C
     if me == root {
         // The staged path copies the rest chunk by chunk along with the staging, reading the
         // send buffer once. send and recv hold `bytes` each and are equal or disjoint.
-        let own = if n == 1 || zero_copy { bytes } else { bytes.min(chunk) };
+        let own = if n == 1 || zero_copy {
+            bytes
+        } else {
+            bytes.min(chunk)
+        };
         ch.put(send, recv, own, nt);
     }
     if n == 1 {
@@ -62,14 +76,25 @@ fn run(ch: &mut Channel, call: &Call, cx: Ctx, attempt: Attempt) -> Result<(), C
         // from the same descriptors, so all agree on the share.
         let outputs_shared = descs.iter().all(|d| d.flags & SHARED_RECV != 0);
         let in_place = descs[root].send_off == descs[root].recv_off;
-        let share = if outputs_shared && in_place { single::push_share(bytes, n, true) } else { 0 };
+        let share = if outputs_shared && in_place {
+            single::push_share(bytes, n, true)
+        } else {
+            0
+        };
         let head = bytes - share;
         if me == root {
             for j in (1..n).map(|s| (me + s) % n) {
                 // SAFETY: (add) head + share = bytes, which the root's input and every output
                 // (the descriptors agree on the count) hold; rank j's output lies in the segment
                 // and nobody else writes its tail until the phase below.
-                unsafe { ch.put(send.add(head), ch.at(descs[j].recv_off).add(head), share, nt) };
+                unsafe {
+                    ch.put(
+                        send.add(head),
+                        ch.at(descs[j].recv_off).add(head),
+                        share,
+                        nt,
+                    )
+                };
             }
         } else {
             // The root's send buffer lies in the segment and holds `bytes`.
@@ -94,7 +119,16 @@ fn run(ch: &mut Channel, call: &Call, cx: Ctx, attempt: Attempt) -> Result<(), C
         if me == root {
             // SAFETY: as above, next chunk, into the slot and the root's own output at once;
             // the slot is disjoint from both user buffers.
-            unsafe { ch.put2(send.add(off), ch.slot(me, p), snt, recv.add(off), nt, chunk.min(bytes - off)) };
+            unsafe {
+                ch.put2(
+                    send.add(off),
+                    ch.slot(me, p),
+                    snt,
+                    recv.add(off),
+                    nt,
+                    chunk.min(bytes - off),
+                )
+            };
         }
         ch.phase(cx)?;
     }

@@ -30,23 +30,45 @@ fn plan(call: &Call, n: usize, me: usize) -> Plan {
     let sp = &call.splits;
     let zero = vec![(0, 0); n];
     match call.kind {
-        CollKind::AllToAll => Plan { send: (0..n).map(|j| (j * c, c)).collect(), recv: (0..n).map(|i| (i * c, c)).collect() },
+        CollKind::AllToAll => Plan {
+            send: (0..n).map(|j| (j * c, c)).collect(),
+            recv: (0..n).map(|i| (i * c, c)).collect(),
+        },
         CollKind::Scatter => {
-            let send = if me == call.root { (0..n).map(|j| (j * c, c)).collect() } else { zero.clone() };
+            let send = if me == call.root {
+                (0..n).map(|j| (j * c, c)).collect()
+            } else {
+                zero.clone()
+            };
             let mut recv = zero;
             recv[call.root] = (0, c);
             Plan { send, recv }
         }
         CollKind::AllToAllV => Plan {
-            send: (0..n).map(|j| (sp.send_displs[j], sp.send_counts[j])).collect(),
-            recv: (0..n).map(|i| (sp.recv_displs[i], sp.recv_counts[i])).collect(),
+            send: (0..n)
+                .map(|j| (sp.send_displs[j], sp.send_counts[j]))
+                .collect(),
+            recv: (0..n)
+                .map(|i| (sp.recv_displs[i], sp.recv_counts[i]))
+                .collect(),
         },
-        CollKind::AllGatherV => Plan { send: vec![(0, c); n], recv: (0..n).map(|i| (sp.recv_displs[i], sp.recv_counts[i])).collect() },
+        CollKind::AllGatherV => Plan {
+            send: vec![(0, c); n],
+            recv: (0..n)
+                .map(|i| (sp.recv_displs[i], sp.recv_counts[i]))
+                .collect(),
+        },
         // GatherV (the dispatcher sends nothing else here).
         _ => {
             let mut send = zero.clone();
             send[call.root] = (0, c);
-            let recv = if me == call.root { (0..n).map(|i| (sp.recv_displs[i], sp.recv_counts[i])).collect() } else { zero };
+            let recv = if me == call.root {
+                (0..n)
+                    .map(|i| (sp.recv_displs[i], sp.recv_counts[i]))
+                    .collect()
+            } else {
+                zero
+            };
             Plan { send, recv }
         }
     }
@@ -82,7 +104,14 @@ pub(crate) fn exchange(ch: &mut Channel, call: &Call, cx: Ctx) -> Result<(), Com
             .chain(plan.send.iter().map(|&(o, _)| o as u64))
             .collect();
         // SAFETY: our own slot of phase p0, 2n u64 fit (above); nobody reads it before we publish.
-        unsafe { copy_block(counts.as_ptr() as *const u8, ch.slot(me, p0), counts.len() * 8, false) };
+        unsafe {
+            copy_block(
+                counts.as_ptr() as *const u8,
+                ch.slot(me, p0),
+                counts.len() * 8,
+                false,
+            )
+        };
     }
     // The per-rank counts of the v-variants differ between ranks: they are checked below, pair by
     // pair, so the descriptors carry none.
@@ -104,7 +133,14 @@ pub(crate) fn exchange(ch: &mut Channel, call: &Call, cx: Ctx) -> Result<(), Com
             let mut vals = vec![0u64; 3 * n];
             // SAFETY: rank r staged 3n u64 in its slot of phase p0 before publishing it, and
             // nobody writes that slot again before everyone has published p0 + 1.
-            unsafe { copy_block(ch.slot(r, p0), vals.as_mut_ptr() as *mut u8, 3 * n * 8, false) };
+            unsafe {
+                copy_block(
+                    ch.slot(r, p0),
+                    vals.as_mut_ptr() as *mut u8,
+                    3 * n * 8,
+                    false,
+                )
+            };
             for j in 0..n {
                 m[r * n + j] = vals[j] as usize;
                 recv_from[j * n + r] = vals[n + j] as usize;
@@ -115,7 +151,15 @@ pub(crate) fn exchange(ch: &mut Channel, call: &Call, cx: Ctx) -> Result<(), Com
         m
     } else {
         let c = call.count;
-        (0..n * n).map(|k| if call.kind == CollKind::AllToAll || k / n == call.root { c } else { 0 }).collect()
+        (0..n * n)
+            .map(|k| {
+                if call.kind == CollKind::AllToAll || k / n == call.root {
+                    c
+                } else {
+                    0
+                }
+            })
+            .collect()
     };
     let nt = ch.nt_for(plan.recv.iter().map(|&(_, c)| c).sum::<usize>() * esz);
     if one_phase {
@@ -135,10 +179,16 @@ pub(crate) fn exchange(ch: &mut Channel, call: &Call, cx: Ctx) -> Result<(), Com
     if sc > 0 {
         // SAFETY: the communicator checked both blocks lie within their buffers; the blocks are
         // equal or disjoint (distinct borrows).
-        ch.put(unsafe { send.add(so * esz) }, unsafe { recv.add(plan.recv[me].0 * esz) }, sc * esz, nt);
+        ch.put(
+            unsafe { send.add(so * esz) },
+            unsafe { recv.add(plan.recv[me].0 * esz) },
+            sc * esz,
+            nt,
+        );
     }
     // A rank that sends nothing to its peers (a scatter's non-roots) need not share its buffer.
-    let shares = |r: usize| descs[r].flags & SHARED_SEND != 0 || (0..n).all(|j| j == r || m[r * n + j] == 0);
+    let shares =
+        |r: usize| descs[r].flags & SHARED_SEND != 0 || (0..n).all(|j| j == r || m[r * n + j] == 0);
     if n > 1 && (0..n).all(shares) {
         for i in (0..n).filter(|&i| i != me && m[i * n + me] > 0) {
             let (off, cnt) = plan.recv[i];
@@ -146,7 +196,12 @@ pub(crate) fn exchange(ch: &mut Channel, call: &Call, cx: Ctx) -> Result<(), Com
             // `shared_off`), and its block for us is `cnt` elements at the displacement it
             // published (checked against its buffer by its communicator); our block from it lies
             // in recv (checked by ours). Rank i does not touch its buffer until the phase below.
-            ch.put(unsafe { ch.at(descs[i].send_off).add(send_displ[i * n + me] * esz) }, unsafe { recv.add(off * esz) }, cnt * esz, nt);
+            ch.put(
+                unsafe { ch.at(descs[i].send_off).add(send_displ[i * n + me] * esz) },
+                unsafe { recv.add(off * esz) },
+                cnt * esz,
+                nt,
+            );
         }
         // Our peers have read our send buffer once everyone has published this phase.
         ch.phase(cx)?;
@@ -155,10 +210,17 @@ pub(crate) fn exchange(ch: &mut Channel, call: &Call, cx: Ctx) -> Result<(), Com
     // Ordinary buffers, large blocks: each rank copies its blocks once, straight out of its peers'
     // memory, if every rank offered its buffer and the kernel lets it; the result is agreed in one
     // phase (a refusal anywhere sends everyone down the staged path below, for good).
-    let offers =
-        |r: usize| (descs[r].flags & DIRECT != 0 && descs[r].pidns == descs[me].pidns) || (0..n).all(|j| j == r || m[r * n + j] == 0);
-    let largest = (0..n * n).filter(|k| k / n != k % n).map(|k| m[k] * esz).max().unwrap_or(0);
-    if n > 1 && largest >= ch.config().cma_bytes && ch.config().cma_bytes > 0 && (0..n).all(offers) {
+    let offers = |r: usize| {
+        (descs[r].flags & DIRECT != 0 && descs[r].pidns == descs[me].pidns)
+            || (0..n).all(|j| j == r || m[r * n + j] == 0)
+    };
+    let largest = (0..n * n)
+        .filter(|k| k / n != k % n)
+        .map(|k| m[k] * esz)
+        .max()
+        .unwrap_or(0);
+    if n > 1 && largest >= ch.config().cma_bytes && ch.config().cma_bytes > 0 && (0..n).all(offers)
+    {
         let mut ok = true;
         for i in (0..n).filter(|&i| i != me && m[i * n + me] > 0) {
             let (off, cnt) = plan.recv[i];
@@ -166,7 +228,12 @@ pub(crate) fn exchange(ch: &mut Channel, call: &Call, cx: Ctx) -> Result<(), Com
             // Rank i's block for us lies in its send buffer (checked by its communicator); ours
             // from it in recv (checked by ours); rank i waits in the phase below meanwhile.
             if ch.config().fault_refuse_direct
-                || !read_direct(pid, descs[i].send_off + (send_displ[i * n + me] * esz) as u64, call.recv.addr + off * esz, cnt * esz)
+                || !read_direct(
+                    pid,
+                    descs[i].send_off + (send_displ[i * n + me] * esz) as u64,
+                    call.recv.addr + off * esz,
+                    cnt * esz,
+                )
             {
                 ok = false;
                 break;
@@ -185,10 +252,18 @@ pub(crate) fn exchange(ch: &mut Channel, call: &Call, cx: Ctx) -> Result<(), Com
         ch.direct_refused = true;
     }
     // Rank i's outgoing peers, and the bytes of each piece it stages per round.
-    let dests: Vec<Vec<usize>> = (0..n).map(|i| (0..n).filter(|&j| j != i && m[i * n + j] > 0).collect()).collect();
-    let piece: Vec<usize> = dests.iter().map(|d| (ch.slot_bytes() / d.len().max(1)) / 64 * 64).collect();
-    let rounds =
-        (0..n).flat_map(|i| dests[i].iter().map(move |&j| (i, j))).map(|(i, j)| (m[i * n + j] * esz).div_ceil(piece[i])).max().unwrap_or(0);
+    let dests: Vec<Vec<usize>> = (0..n)
+        .map(|i| (0..n).filter(|&j| j != i && m[i * n + j] > 0).collect())
+        .collect();
+    let piece: Vec<usize> = dests
+        .iter()
+        .map(|d| (ch.slot_bytes() / d.len().max(1)) / 64 * 64)
+        .collect();
+    let rounds = (0..n)
+        .flat_map(|i| dests[i].iter().map(move |&j| (i, j)))
+        .map(|(i, j)| (m[i * n + j] * esz).div_ceil(piece[i]))
+        .max()
+        .unwrap_or(0);
     for r in 0..rounds {
         let p = ch.next_phase();
         for (idx, &j) in dests[me].iter().enumerate() {
@@ -197,7 +272,14 @@ pub(crate) fn exchange(ch: &mut Channel, call: &Call, cx: Ctx) -> Result<(), Com
             if at < bytes {
                 // SAFETY: the piece lies in our send block (checked by the communicator) and in
                 // our slot (idx < dests.len(), piece × dests.len() <= slot_bytes).
-                unsafe { copy_block(send.add(off * esz + at), ch.slot(me, p).add(idx * piece[me]), piece[me].min(bytes - at), false) };
+                unsafe {
+                    copy_block(
+                        send.add(off * esz + at),
+                        ch.slot(me, p).add(idx * piece[me]),
+                        piece[me].min(bytes - at),
+                        false,
+                    )
+                };
             }
         }
         ch.phase(cx)?;
@@ -208,7 +290,12 @@ pub(crate) fn exchange(ch: &mut Channel, call: &Call, cx: Ctx) -> Result<(), Com
             if at < bytes {
                 // SAFETY: rank i staged this piece in its slot of phase p (same plan, same
                 // matrix); it lies in our recv block from rank i, which the communicator checked.
-                ch.put(unsafe { ch.slot(i, p).add(idx * piece[i]) }, unsafe { recv.add(off * esz + at) }, piece[i].min(bytes - at), nt);
+                ch.put(
+                    unsafe { ch.slot(i, p).add(idx * piece[i]) },
+                    unsafe { recv.add(off * esz + at) },
+                    piece[i].min(bytes - at),
+                    nt,
+                );
             }
         }
     }
@@ -242,7 +329,9 @@ fn check_counts(
             if s != r {
                 if bad.len() < 8 {
                     let (wi, wj) = (who(i), who(j));
-                    bad.push(format!("{wi} sends {s} elements to {wj} but {wj} expects {r} from {wi}"));
+                    bad.push(format!(
+                        "{wi} sends {s} elements to {wj} but {wj} expects {r} from {wi}"
+                    ));
                 } else {
                     more += 1;
                 }
@@ -255,7 +344,10 @@ fn check_counts(
     if more > 0 {
         bad.push(format!("and {more} more pairs disagree"));
     }
-    Err(CommError::Mismatch { seq, detail: format!("{kind} counts disagree: {}", bad.join("; ")) })
+    Err(CommError::Mismatch {
+        seq,
+        detail: format!("{kind} counts disagree: {}", bad.join("; ")),
+    })
 }
 
 #[cfg(test)]
@@ -268,8 +360,13 @@ mod tests {
         let sends = [1, 3, 2, 5];
         let recvs = [1, 4, 2, 5];
         let who = |r: usize| format!("rank {r}");
-        let e = check_counts(&sends, &recvs, 2, CollKind::AllToAllV, 7, &who).unwrap_err().to_string();
-        assert!(e.contains("rank 0 sends 3 elements to rank 1 but rank 1 expects 4 from rank 0"), "{e}");
+        let e = check_counts(&sends, &recvs, 2, CollKind::AllToAllV, 7, &who)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("rank 0 sends 3 elements to rank 1 but rank 1 expects 4 from rank 0"),
+            "{e}"
+        );
         assert!(check_counts(&sends, &sends, 2, CollKind::AllToAllV, 7, &who).is_ok());
     }
 }

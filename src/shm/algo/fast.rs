@@ -29,10 +29,16 @@ fn payload(call: &Call, n: usize, me: usize) -> Option<usize> {
     let block = call.count.checked_mul(call.dtype.size())?;
     match call.kind {
         CollKind::Barrier => Some(0),
-        CollKind::AllReduce | CollKind::Reduce | CollKind::AllGather | CollKind::Gather => Some(block),
+        CollKind::AllReduce | CollKind::Reduce | CollKind::AllGather | CollKind::Gather => {
+            Some(block)
+        }
         CollKind::Broadcast => Some(if me == call.root { block } else { 0 }),
         CollKind::ReduceScatter | CollKind::AllToAll => block.checked_mul(n),
-        CollKind::Scatter => Some(if me == call.root { block.checked_mul(n)? } else { 0 }),
+        CollKind::Scatter => Some(if me == call.root {
+            block.checked_mul(n)?
+        } else {
+            0
+        }),
         _ => None,
     }
 }
@@ -48,7 +54,8 @@ fn decisive(call: &Call, n: usize) -> Option<usize> {
 
 /// Whether `call` takes the fast path on this channel.
 pub(crate) fn eligible(ch: &Channel, call: &Call) -> bool {
-    call.kind == CollKind::Barrier || decisive(call, ch.world()).is_some_and(|b| b <= ch.fast_bytes())
+    call.kind == CollKind::Barrier
+        || decisive(call, ch.world()).is_some_and(|b| b <= ch.fast_bytes())
 }
 
 /// Run `call` on the fast path (the caller checked [`eligible`]).
@@ -68,15 +75,26 @@ pub(crate) fn run(ch: &mut Channel, call: &Call, cx: Ctx) -> Result<(), CommErro
         return Ok(());
     }
     // Rank r's payload: its entry, or for this rank the send buffer it was copied from.
-    let src = |r: usize| if r == me { send } else { ch.fast_data(r) as *const u8 };
-    let receives = |r: usize| !matches!(call.kind, CollKind::Reduce | CollKind::Gather) || r == call.root;
+    let src = |r: usize| {
+        if r == me {
+            send
+        } else {
+            ch.fast_data(r) as *const u8
+        }
+    };
+    let receives =
+        |r: usize| !matches!(call.kind, CollKind::Reduce | CollKind::Gather) || r == call.root;
     match call.kind {
         CollKind::AllReduce | CollKind::Reduce | CollKind::ReduceScatter => {
             if !receives(me) {
                 return Ok(());
             }
             // Reduce-scatter reduces block `me` of every input.
-            let off = if call.kind == CollKind::ReduceScatter { me * block } else { 0 };
+            let off = if call.kind == CollKind::ReduceScatter {
+                me * block
+            } else {
+                0
+            };
             let mut buf = [std::ptr::null::<u8>(); 16];
             let mut big = Vec::new();
             let srcs: &mut [*const u8] = if n <= buf.len() {

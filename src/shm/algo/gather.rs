@@ -25,7 +25,11 @@ fn run(ch: &mut Channel, call: &Call, cx: Ctx, attempt: Attempt) -> Result<(), C
     let nt = ch.nt_for(bytes * n);
     let (flags, so, ro) = ch.share_flags(call, bytes, 0);
     let direct = single::offer(ch, call, bytes, attempt);
-    let (flags, so, ro) = if direct { single::offer_desc(call, flags) } else { (flags, so, ro) };
+    let (flags, so, ro) = if direct {
+        single::offer_desc(call, flags)
+    } else {
+        (flags, so, ro)
+    };
     let mut p = ch.next_phase();
     // A rank whose input lies in the segment expects the call to be zero-copy and stages
     // nothing (its first chunk would be copied for nobody); a peer's ordinary input rules that
@@ -46,11 +50,19 @@ fn run(ch: &mut Channel, call: &Call, cx: Ctx, attempt: Attempt) -> Result<(), C
             unsafe { copy_block(send, ch.slot(me, p), bytes.min(chunk), pre) };
         }
     }
-    let (descs, _) = ch.begin(call, flags | ch.stage_flag() | if late { LATE_STAGE } else { 0 }, so, ro, cx)?;
+    let (descs, _) = ch.begin(
+        call,
+        flags | ch.stage_flag() | if late { LATE_STAGE } else { 0 },
+        so,
+        ro,
+        cx,
+    )?;
     let zero_copy = descs.iter().all(|d| qualifies(d.flags));
     match single::verdict(ch, &descs) {
         Agreed::No => {}
-        Agreed::Yes if single::verified(ch, call, &descs, cx)? => return single::all_gather(ch, call, &descs, cx),
+        Agreed::Yes if single::verified(ch, call, &descs, cx)? => {
+            return single::all_gather(ch, call, &descs, cx)
+        }
         // Nothing written yet: run the call again, following rank 0's pick or staged.
         a => return run(ch, call, cx, attempt.next(a)),
     }
@@ -64,10 +76,23 @@ fn run(ch: &mut Channel, call: &Call, cx: Ctx, attempt: Attempt) -> Result<(), C
     }
     // Our own block: the staged path copies it chunk by chunk along with the staging.
     // SAFETY: (add) recv holds n*bytes on receivers.
-    let own = if receives { Some(unsafe { recv.add(me * bytes) }) } else { None };
+    let own = if receives {
+        Some(unsafe { recv.add(me * bytes) })
+    } else {
+        None
+    };
     if let Some(own) = own {
         // send is either disjoint from our block or exactly it.
-        ch.put(send, own, if n == 1 || zero_copy { bytes } else { bytes.min(chunk) }, nt);
+        ch.put(
+            send,
+            own,
+            if n == 1 || zero_copy {
+                bytes
+            } else {
+                bytes.min(chunk)
+            },
+            nt,
+        );
     }
     if n == 1 {
         return Ok(());
@@ -76,7 +101,12 @@ fn run(ch: &mut Channel, call: &Call, cx: Ctx, attempt: Attempt) -> Result<(), C
         if receives {
             for j in (0..n).filter(|&j| j != me) {
                 // SAFETY: (add) within recv. Peer j's send lies in the segment and holds `bytes`.
-                ch.put(ch.at(descs[j].send_off), unsafe { recv.add(j * bytes) }, bytes, nt);
+                ch.put(
+                    ch.at(descs[j].send_off),
+                    unsafe { recv.add(j * bytes) },
+                    bytes,
+                    nt,
+                );
             }
         }
         ch.phase(cx)?;
@@ -120,7 +150,15 @@ fn run(ch: &mut Channel, call: &Call, cx: Ctx, attempt: Attempt) -> Result<(), C
 /// Why after the descriptors: the one-pass copy writes the output, which must stay untouched
 /// when the call fails its argument check. The phase it costs is a fraction of a microsecond;
 /// the pass saves a read of the input (figures at `reduce::copy_block2`).
-fn late_stage(ch: &mut Channel, call: &Call, descs: &[Desc], p0: u64, snt: bool, nt: bool, cx: Ctx) -> Result<(), CommError> {
+fn late_stage(
+    ch: &mut Channel,
+    call: &Call,
+    descs: &[Desc],
+    p0: u64,
+    snt: bool,
+    nt: bool,
+    cx: Ctx,
+) -> Result<(), CommError> {
     let (n, me) = (ch.world(), ch.rank());
     let bytes = call.count * call.dtype.size();
     let (send, recv) = (call.send.addr as *const u8, call.recv.addr as *mut u8);

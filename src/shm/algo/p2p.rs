@@ -107,7 +107,11 @@ impl P2p {
             recv_msgs: vec![0; world],
             fast_last: vec![0; world],
             no_direct: vec![false; world],
-            direct_min: if direct_min == 0 { usize::MAX } else { direct_min },
+            direct_min: if direct_min == 0 {
+                usize::MAX
+            } else {
+                direct_min
+            },
             pid: std::process::id() as u64,
             pidns: pid_namespace(),
             refuse_direct,
@@ -134,9 +138,18 @@ impl P2p {
                 continue;
             }
             let l = ch.layout();
-            ch.seg().populate(l.pair_off(src, dst), PAIR_CTRL_BYTES + l.mbox_bytes).map_err(|e| {
-                crate::shm::segment::no_room_now(&e, &format!("the mailbox from {} to {} and its control lines", ch.who(src), ch.who(dst)))
-            })?;
+            ch.seg()
+                .populate(l.pair_off(src, dst), PAIR_CTRL_BYTES + l.mbox_bytes)
+                .map_err(|e| {
+                    crate::shm::segment::no_room_now(
+                        &e,
+                        &format!(
+                            "the mailbox from {} to {} and its control lines",
+                            ch.who(src),
+                            ch.who(dst)
+                        ),
+                    )
+                })?;
             *mapped = true;
         }
         Ok(())
@@ -167,7 +180,11 @@ impl P2p {
         let mut first_err: Option<CommError> = None;
         let mut waiter = Waiter::new();
         loop {
-            let fp = if waiter.sleepy() { fingerprint(ch, st) } else { 0 };
+            let fp = if waiter.sleepy() {
+                fingerprint(ch, st)
+            } else {
+                0
+            };
             self.front_send.iter_mut().for_each(|f| *f = false);
             self.front_recv.iter_mut().for_each(|f| *f = false);
             let mut progressed = false;
@@ -214,7 +231,10 @@ impl P2p {
         if pc.bad.load(Acquire) != 0 {
             return Err(mismatch(ch, pc, me, peer, s));
         }
-        if s.msg.is_none() && s.bytes <= FAST_BYTES && self.fast_last[peer] <= pc.matched.load(Acquire) {
+        if s.msg.is_none()
+            && s.bytes <= FAST_BYTES
+            && self.fast_last[peer] <= pc.matched.load(Acquire)
+        {
             // The fast box is free (its last message was matched): the whole message goes there.
             self.send_msgs[peer] += 1;
             let k = self.send_msgs[peer];
@@ -224,7 +244,13 @@ impl P2p {
             let mut words = [0u64; FAST_BYTES / 8];
             // SAFETY: `bytes` <= FAST_BYTES bytes of the send buffer are readable (its length)
             // and fit in `words`.
-            unsafe { std::ptr::copy_nonoverlapping(s.op.mem.addr as *const u8, words.as_mut_ptr() as *mut u8, s.bytes) };
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    s.op.mem.addr as *const u8,
+                    words.as_mut_ptr() as *mut u8,
+                    s.bytes,
+                )
+            };
             for (slot, w) in fb.data.iter().zip(words) {
                 slot.store(w, Relaxed);
             }
@@ -281,7 +307,9 @@ impl P2p {
                 break;
             }
             let at = *pos % cap;
-            let len = (free as usize).min(s.bytes - s.done).min((cap - at) as usize);
+            let len = (free as usize)
+                .min(s.bytes - s.done)
+                .min((cap - at) as usize);
             // SAFETY: [done, done+len) lies in the send buffer (bytes = its length); the ring
             // range [at, at+len) is inside the ring and released by the receiver (free).
             unsafe { copy_block(src.add(s.done), ring.add(at as usize), len, false) };
@@ -361,7 +389,13 @@ impl P2p {
                 }
                 // SAFETY: the receive buffer holds `bytes` (<= FAST_BYTES, as the sender's count
                 // equals ours) writable bytes.
-                unsafe { std::ptr::copy_nonoverlapping(words.as_ptr() as *const u8, s.op.mem.addr as *mut u8, s.bytes) };
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        words.as_ptr() as *const u8,
+                        s.op.mem.addr as *mut u8,
+                        s.bytes,
+                    )
+                };
                 s.finished = true;
                 pc.matched.store(k, SeqCst);
                 ch.wake_sleepers();
@@ -381,7 +415,10 @@ impl P2p {
             }
             *pos += HDR;
             if h.flags & DIRECT != 0 {
-                if h.pidns == self.pidns && !self.refuse_direct && read_direct(h.pid, h.addr, s.op.mem.addr, s.bytes) {
+                if h.pidns == self.pidns
+                    && !self.refuse_direct
+                    && read_direct(h.pid, h.addr, s.op.mem.addr, s.bytes)
+                {
                     s.done = s.bytes;
                     s.finished = true;
                     pc.taken.store(*pos, SeqCst);
@@ -407,7 +444,9 @@ impl P2p {
                 break;
             }
             let at = *pos % cap;
-            let len = (avail as usize).min(s.bytes - s.done).min((cap - at) as usize);
+            let len = (avail as usize)
+                .min(s.bytes - s.done)
+                .min((cap - at) as usize);
             // SAFETY: the sender wrote [pos, pos+len) of the stream before publishing `sent`;
             // [done, done+len) lies in the receive buffer.
             unsafe { copy_block(ring.add(at as usize), dst.add(s.done), len, false) };
@@ -434,7 +473,16 @@ impl P2p {
 /// against the recv; on a disagreement, publish it (the pair becomes unusable) and return the
 /// error.
 #[allow(clippy::too_many_arguments)]
-fn check_header(ch: &Channel, pc: &PairCtrl, peer: usize, me: usize, k: u64, dtype: u64, count: u64, s: &OpState) -> Option<CommError> {
+fn check_header(
+    ch: &Channel,
+    pc: &PairCtrl,
+    peer: usize,
+    me: usize,
+    k: u64,
+    dtype: u64,
+    count: u64,
+    s: &OpState,
+) -> Option<CommError> {
     if dtype == s.op.dtype as u64 && count == s.op.mem.len as u64 {
         return None;
     }
@@ -462,7 +510,11 @@ fn pair(ch: &Channel, src: usize, dst: usize) -> (&PairCtrl, *mut u8, u64) {
     // PairCtrl (atomics only) followed by `mbox_bytes` of ring.
     unsafe {
         let base = ch.seg().base().add(l.pair_off(src, dst));
-        (&*(base as *const PairCtrl), base.add(PAIR_CTRL_BYTES), l.mbox_bytes as u64)
+        (
+            &*(base as *const PairCtrl),
+            base.add(PAIR_CTRL_BYTES),
+            l.mbox_bytes as u64,
+        )
     }
 }
 
@@ -496,7 +548,11 @@ fn mismatch(ch: &Channel, pc: &PairCtrl, src: usize, dst: usize, s: &OpState) ->
 fn fingerprint(ch: &Channel, st: &[OpState]) -> u64 {
     let me = ch.rank();
     st.iter().filter(|s| !s.finished).fold(0u64, |acc, s| {
-        let (src, dst) = if s.op.kind == CollKind::Send { (me, s.op.peer) } else { (s.op.peer, me) };
+        let (src, dst) = if s.op.kind == CollKind::Send {
+            (me, s.op.peer)
+        } else {
+            (s.op.peer, me)
+        };
         let (pc, _, _) = pair(ch, src, dst);
         acc.wrapping_add(pc.sent.load(SeqCst))
             .wrapping_add(pc.taken.load(SeqCst))
@@ -522,7 +578,13 @@ struct Waiter {
 
 impl Waiter {
     fn new() -> Waiter {
-        Waiter { since: None, last_check: None, nap: Duration::from_micros(500), spins: 0, gone: None }
+        Waiter {
+            since: None,
+            last_check: None,
+            nap: Duration::from_micros(500),
+            spins: 0,
+            gone: None,
+        }
     }
 
     fn reset(&mut self) {
@@ -534,7 +596,8 @@ impl Waiter {
 
     /// Whether the next idle may sleep (the caller then takes a fingerprint before its pass).
     fn sleepy(&self) -> bool {
-        self.since.is_some_and(|s| s.elapsed() >= Duration::from_millis(2))
+        self.since
+            .is_some_and(|s| s.elapsed() >= Duration::from_millis(2))
     }
 
     fn idle(&mut self, ch: &Channel, st: &[OpState], fp: u64) -> Result<(), CommError> {
@@ -563,7 +626,9 @@ impl Waiter {
             // did its store before our increment, so the fingerprint shows it.
             if fingerprint(ch, st) == fp {
                 futex_wait(&h.wake.0, w, self.nap);
-                self.nap = (self.nap * 2).min(Duration::from_millis(20)).min(ch.config().peer_check);
+                self.nap = (self.nap * 2)
+                    .min(Duration::from_millis(20))
+                    .min(ch.config().peer_check);
             }
             h.sleepers.0.fetch_sub(1, SeqCst);
         }
@@ -590,10 +655,17 @@ impl Waiter {
                 .map(|s| {
                     let (peer, g) = (ch.who(s.op.peer), ch.global(s.op.peer));
                     match (s.op.kind, s.msg) {
-                        (CollKind::Send, None) => format!("send to {peer}: its mailbox is full (rank {g} is not receiving)"),
-                        (CollKind::Send, Some(k)) => format!("send #{k} to {peer}: rank {g} has not posted the matching recv"),
+                        (CollKind::Send, None) => format!(
+                            "send to {peer}: its mailbox is full (rank {g} is not receiving)"
+                        ),
+                        (CollKind::Send, Some(k)) => format!(
+                            "send #{k} to {peer}: rank {g} has not posted the matching recv"
+                        ),
                         (_, None) => format!("recv from {peer}: rank {g} has not sent"),
-                        (_, Some(k)) => format!("recv #{k} from {peer}: {} of {} bytes arrived", s.done, s.bytes),
+                        (_, Some(k)) => format!(
+                            "recv #{k} from {peer}: {} of {} bytes arrived",
+                            s.done, s.bytes
+                        ),
                     }
                 })
                 .collect();

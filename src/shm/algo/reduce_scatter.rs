@@ -32,11 +32,22 @@ fn run(ch: &mut Channel, call: &Call, cx: Ctx, attempt: Attempt) -> Result<(), C
         for j in (0..n).filter(|&j| j != me) {
             let idx = if j < me { j } else { j - 1 };
             // SAFETY: send holds n*c elements; the slot holds (n-1)*c_max elements; len <= c_max.
-            unsafe { copy_block(send.add((j * c + off) * esz), ch.slot(me, p).add(idx * c_max * esz), len * esz, snt) };
+            unsafe {
+                copy_block(
+                    send.add((j * c + off) * esz),
+                    ch.slot(me, p).add(idx * c_max * esz),
+                    len * esz,
+                    snt,
+                )
+            };
         }
     };
     let direct = single::offer(ch, call, c * esz, attempt);
-    let (flags, so, ro) = if direct { single::offer_desc(call, flags) } else { (flags, so, ro) };
+    let (flags, so, ro) = if direct {
+        single::offer_desc(call, flags)
+    } else {
+        (flags, so, ro)
+    };
     let mut p = ch.next_phase();
     // A rank whose input lies in the segment expects the call to be zero-copy and stages
     // nothing; a peer's ordinary input rules that out, and every rank then runs it again, staged.
@@ -51,7 +62,9 @@ fn run(ch: &mut Channel, call: &Call, cx: Ctx, attempt: Attempt) -> Result<(), C
     let zero_copy = descs.iter().all(|d| qualifies(d.flags));
     match single::verdict(ch, &descs) {
         Agreed::No => {}
-        Agreed::Yes if single::verified(ch, call, &descs, cx)? => return single::reduce_scatter(ch, call, &descs, cx),
+        Agreed::Yes if single::verified(ch, call, &descs, cx)? => {
+            return single::reduce_scatter(ch, call, &descs, cx)
+        }
         // Nothing written yet: run the call again, following rank 0's pick or staged.
         a => return run(ch, call, cx, attempt.next(a)),
     }
@@ -61,7 +74,10 @@ fn run(ch: &mut Channel, call: &Call, cx: Ctx, attempt: Attempt) -> Result<(), C
     }
     let snt = ch.stage_agreed(call.kind, n * c * esz, &descs, !zero_copy);
     if zero_copy {
-        let sends: Vec<*const u8> = descs.iter().map(|d| ch.at(d.send_off) as *const u8).collect();
+        let sends: Vec<*const u8> = descs
+            .iter()
+            .map(|d| ch.at(d.send_off) as *const u8)
+            .collect();
         let srcs: Vec<*const u8> = sends
             .iter()
             .map(|s| {
@@ -91,7 +107,19 @@ fn run(ch: &mut Channel, call: &Call, cx: Ctx, attempt: Attempt) -> Result<(), C
             })
             .collect();
         // SAFETY: recv holds c elements; len elements from off.
-        unsafe { reduce_into(call.dtype, call.op, n, &srcs, &[Dst { ptr: recv.add(off * esz), nt }], len) };
+        unsafe {
+            reduce_into(
+                call.dtype,
+                call.op,
+                n,
+                &srcs,
+                &[Dst {
+                    ptr: recv.add(off * esz),
+                    nt,
+                }],
+                len,
+            )
+        };
         off += len;
         if off >= c {
             break;

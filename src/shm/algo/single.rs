@@ -99,8 +99,16 @@ pub(crate) fn offer(ch: &mut Channel, call: &Call, bytes: usize, attempt: Attemp
     let eligible = attempt != Attempt::Staged
         && ch.world() > 1
         && !ch.direct_refused
-        && direct_for(bytes, ch.config().cma_bytes, ch.small_bytes(), ch.config().nt_bytes)
-        && ch.share_flags(call, call.send.len * esz, call.recv.len * esz).0 == 0;
+        && direct_for(
+            bytes,
+            ch.config().cma_bytes,
+            ch.small_bytes(),
+            ch.config().nt_bytes,
+        )
+        && ch
+            .share_flags(call, call.send.len * esz, call.recv.len * esz)
+            .0
+            == 0;
     if !eligible {
         ch.single_class = None;
         return false;
@@ -174,7 +182,12 @@ fn verdicts(ch: &mut Channel, ok: bool, cx: Ctx) -> Result<Option<usize>, CommEr
 /// system calls and not the other, and a later call of another kind may need the other. The
 /// write puts back the value just read, while no rank writes that byte (data moves only after
 /// the verdict), so the output is unchanged.
-pub(crate) fn verified(ch: &mut Channel, call: &Call, descs: &[Desc], cx: Ctx) -> Result<bool, CommError> {
+pub(crate) fn verified(
+    ch: &mut Channel,
+    call: &Call,
+    descs: &[Desc],
+    cx: Ctx,
+) -> Result<bool, CommError> {
     if ch.direct_verified {
         return Ok(true);
     }
@@ -189,11 +202,18 @@ pub(crate) fn verified(ch: &mut Channel, call: &Call, descs: &[Desc], cx: Ctx) -
         // Every rank offers a buffer of at least one byte (the tuner never picks an empty
         // message): its input, or its output for a broadcast's non-roots; and every rank has an
         // output of at least one byte but a gather's non-roots.
-        let addr = if call.kind == CollKind::Broadcast && r != call.root { descs[r].recv_off } else { descs[r].send_off };
+        let addr = if call.kind == CollKind::Broadcast && r != call.root {
+            descs[r].recv_off
+        } else {
+            descs[r].send_off
+        };
         let out = (call.kind != CollKind::Gather || r == call.root).then_some(descs[r].recv_off);
         let pid = pid(ch, r);
-        let res = read_direct_io(pid, addr, at, 1)
-            .and_then(|_| out.map_or(Ok(()), |o| read_direct_io(pid, o, at, 1).and_then(|_| write_direct_io(pid, o, at, 1))));
+        let res = read_direct_io(pid, addr, at, 1).and_then(|_| {
+            out.map_or(Ok(()), |o| {
+                read_direct_io(pid, o, at, 1).and_then(|_| write_direct_io(pid, o, at, 1))
+            })
+        });
         if let Err(e) = res {
             tracing::debug!("a direct copy to or from {} was refused ({e})", ch.who(r));
             ok = false;
@@ -228,7 +248,10 @@ const GONE_WAIT: Duration = Duration::from_millis(100);
 fn gone_peer(ch: &Channel) -> Option<(usize, bool)> {
     let until = Instant::now() + GONE_WAIT;
     loop {
-        if let Some(gone) = (0..ch.world()).filter(|&k| k != ch.rank()).find_map(|k| ch.peer_gone(k).map(|died| (k, died))) {
+        if let Some(gone) = (0..ch.world())
+            .filter(|&k| k != ch.rank())
+            .find_map(|k| ch.peer_gone(k).map(|died| (k, died)))
+        {
             return Some(gone);
         }
         if Instant::now() >= until {
@@ -240,7 +263,12 @@ fn gone_peer(ch: &Channel) -> Option<(usize, bool)> {
 
 /// The phase that ends a single-copy step: nobody reuses its buffers before every peer has read
 /// them and written into them, and a failed copy fails the call on every rank.
-fn conclude(ch: &mut Channel, call: &Call, err: Option<std::io::Error>, cx: Ctx) -> Result<(), CommError> {
+fn conclude(
+    ch: &mut Channel,
+    call: &Call,
+    err: Option<std::io::Error>,
+    cx: Ctx,
+) -> Result<(), CommError> {
     let Some(r) = verdicts(ch, err.is_none(), cx)? else {
         return Ok(());
     };
@@ -248,8 +276,13 @@ fn conclude(ch: &mut Channel, call: &Call, err: Option<std::io::Error>, cx: Ctx)
         return Err(ch.peer_lost(k, died, cx.op, cx.seq));
     }
     let why = match err {
-        Some(e) => format!("a direct copy to or from a peer's buffer (process_vm_readv/writev) failed ({e})"),
-        None => format!("{} could not copy to or from a peer's buffer (process_vm_readv/writev)", ch.who(r)),
+        Some(e) => format!(
+            "a direct copy to or from a peer's buffer (process_vm_readv/writev) failed ({e})"
+        ),
+        None => format!(
+            "{} could not copy to or from a peer's buffer (process_vm_readv/writev)",
+            ch.who(r)
+        ),
     };
     Err(CommError::Aborted {
         by: ch.global(r),
@@ -275,7 +308,12 @@ pub(crate) fn push_share(bytes: usize, n: usize, in_place: bool) -> usize {
 
 /// broadcast: the root pushes the tail share into every non-root's output, the non-roots pull
 /// the rest out of the root's input.
-pub(crate) fn broadcast(ch: &mut Channel, call: &Call, descs: &[Desc], cx: Ctx) -> Result<(), CommError> {
+pub(crate) fn broadcast(
+    ch: &mut Channel,
+    call: &Call,
+    descs: &[Desc],
+    cx: Ctx,
+) -> Result<(), CommError> {
     let (n, me, root) = (ch.world(), ch.rank(), call.root);
     let bytes = call.count * call.dtype.size();
     // Every rank reads the root's addresses from its descriptor, so all agree on the share.
@@ -286,13 +324,23 @@ pub(crate) fn broadcast(ch: &mut Channel, call: &Call, descs: &[Desc], cx: Ctx) 
         for j in (1..n).map(|s| (me + s) % n) {
             // Every non-root's output holds `bytes` (the descriptors agree on the count), and it
             // waits in `conclude` until we have written it.
-            if let Err(e) = write_direct_io(pid(ch, j), descs[j].recv_off + head as u64, call.send.addr + head, share) {
+            if let Err(e) = write_direct_io(
+                pid(ch, j),
+                descs[j].recv_off + head as u64,
+                call.send.addr + head,
+                share,
+            ) {
                 err = Some(e);
                 break;
             }
         }
         // send and recv hold `bytes` each and are equal or disjoint.
-        ch.put(call.send.addr as *const u8, call.recv.addr as *mut u8, bytes, ch.nt_for(bytes));
+        ch.put(
+            call.send.addr as *const u8,
+            call.recv.addr as *mut u8,
+            bytes,
+            ch.nt_for(bytes),
+        );
     } else {
         // The root's send holds `bytes`; it waits in `conclude` until we have read it.
         err = read_direct_io(pid(ch, root), descs[root].send_off, call.recv.addr, head).err();
@@ -302,20 +350,38 @@ pub(crate) fn broadcast(ch: &mut Channel, call: &Call, descs: &[Desc], cx: Ctx) 
 
 /// all_gather and gather: every rank copies its block into its own output (if it receives) and
 /// pushes it into every other receiver's.
-pub(crate) fn all_gather(ch: &mut Channel, call: &Call, descs: &[Desc], cx: Ctx) -> Result<(), CommError> {
+pub(crate) fn all_gather(
+    ch: &mut Channel,
+    call: &Call,
+    descs: &[Desc],
+    cx: Ctx,
+) -> Result<(), CommError> {
     let (n, me) = (ch.world(), ch.rank());
     let bytes = call.count * call.dtype.size();
     let all = call.kind == CollKind::AllGather;
     let mut err = None;
     if all || me == call.root {
         // SAFETY: (add) recv holds n × bytes on receivers; send is our block or disjoint from it.
-        ch.put(call.send.addr as *const u8, unsafe { (call.recv.addr as *mut u8).add(me * bytes) }, bytes, ch.nt_for(n * bytes));
+        ch.put(
+            call.send.addr as *const u8,
+            unsafe { (call.recv.addr as *mut u8).add(me * bytes) },
+            bytes,
+            ch.nt_for(n * bytes),
+        );
     }
     // Starting after ourselves spreads the writers over the receivers.
-    for j in (1..n).map(|s| (me + s) % n).filter(|&j| all || j == call.root) {
+    for j in (1..n)
+        .map(|s| (me + s) % n)
+        .filter(|&j| all || j == call.root)
+    {
         // Receiver j's output holds n × bytes and block `me` is ours to write; j waits in
         // `conclude` until we have.
-        if let Err(e) = write_direct_io(pid(ch, j), descs[j].recv_off + (me * bytes) as u64, call.send.addr, bytes) {
+        if let Err(e) = write_direct_io(
+            pid(ch, j),
+            descs[j].recv_off + (me * bytes) as u64,
+            call.send.addr,
+            bytes,
+        ) {
             err = Some(e);
             break;
         }
@@ -351,7 +417,9 @@ fn reduce_from_peers(
     // Out of place, the first peer's piece lands in our output, where its result goes: one buffer
     // less in cache, and the reduction reads and writes the same lines. In place the output is
     // our own input, which must not be overwritten before it is reduced.
-    let land = (!std::ptr::eq(own, out)).then(|| (0..n).find(|&k| k != me)).flatten();
+    let land = (!std::ptr::eq(own, out))
+        .then(|| (0..n).find(|&k| k != me))
+        .flatten();
     let mut srcs = vec![own; n];
     let mut off = 0;
     while off < len {
@@ -363,7 +431,11 @@ fn reduce_from_peers(
             let idx = if k < me { k } else { k - 1 };
             // SAFETY: (add) within the scratch buffer: (n - 1) pieces of `piece` elements, 8-byte
             // aligned (a Vec<u64>), the alignment of every dtype's kernel.
-            let to = if land == Some(k) { dst } else { unsafe { scratch.add(idx * piece * esz) } };
+            let to = if land == Some(k) {
+                dst
+            } else {
+                unsafe { scratch.add(idx * piece * esz) }
+            };
             if let Err(e) = read_direct_io(pids[k], descs[k].send_off + at, to as usize, m * esz) {
                 return Some(e);
             }
@@ -381,7 +453,9 @@ fn reduce_from_peers(
                 // Peer k's output holds the message; these elements are ours to write, and in
                 // place (its output is its input) we have read them above and nobody else reads
                 // them. It waits in `conclude` until we have written them.
-                if let Err(e) = write_direct_io(pids[k], descs[k].recv_off + at, dst as usize, m * esz) {
+                if let Err(e) =
+                    write_direct_io(pids[k], descs[k].recv_off + at, dst as usize, m * esz)
+                {
                     return Some(e);
                 }
             }
@@ -392,24 +466,49 @@ fn reduce_from_peers(
 }
 
 /// reduce_scatter: each rank reduces its block of every input, reading the peers' blocks.
-pub(crate) fn reduce_scatter(ch: &mut Channel, call: &Call, descs: &[Desc], cx: Ctx) -> Result<(), CommError> {
+pub(crate) fn reduce_scatter(
+    ch: &mut Channel,
+    call: &Call,
+    descs: &[Desc],
+    cx: Ctx,
+) -> Result<(), CommError> {
     let (me, esz, c) = (ch.rank(), call.dtype.size(), call.count);
     let nt = ch.nt_for(c * esz);
     // SAFETY: (add) send holds n × c elements; block `me` starts at me × c.
     let own = unsafe { (call.send.addr as *const u8).add(me * c * esz) };
-    let err = reduce_from_peers(ch, call, descs, me * c, c, own, call.recv.addr as *mut u8, nt, false);
+    let err = reduce_from_peers(
+        ch,
+        call,
+        descs,
+        me * c,
+        c,
+        own,
+        call.recv.addr as *mut u8,
+        nt,
+        false,
+    );
     conclude(ch, call, err, cx)
 }
 
 /// all_reduce: reduce our part (reduce-scatter), pushing every reduced piece into the peers'
 /// outputs as it is done (all-gather), then one phase.
-pub(crate) fn all_reduce(ch: &mut Channel, call: &Call, descs: &[Desc], cx: Ctx) -> Result<(), CommError> {
+pub(crate) fn all_reduce(
+    ch: &mut Channel,
+    call: &Call,
+    descs: &[Desc],
+    cx: Ctx,
+) -> Result<(), CommError> {
     let (n, me, esz, count) = (ch.world(), ch.rank(), call.dtype.size(), call.count);
     let unit = (64 / esz).max(1);
     let nt = ch.nt_for(count * esz);
     let (lo, hi) = part(count, n, me, unit);
     // SAFETY: (add) send and recv hold `count` elements; lo <= count.
-    let (own, out) = unsafe { ((call.send.addr as *const u8).add(lo * esz), (call.recv.addr as *mut u8).add(lo * esz)) };
+    let (own, out) = unsafe {
+        (
+            (call.send.addr as *const u8).add(lo * esz),
+            (call.recv.addr as *mut u8).add(lo * esz),
+        )
+    };
     // Peers read only their own parts of our input and write only their own parts of our output,
     // and we write only ours of our output, so an in-place call (send = recv) is safe.
     let err = reduce_from_peers(ch, call, descs, lo, hi - lo, own, out, nt, true);

@@ -29,7 +29,15 @@ pub(crate) fn all_reduce(ch: &mut Channel, call: &Call, cx: Ctx) -> Result<(), C
     let (flags, so, ro) = (0, 0, 0);
     ch.begin(call, flags, so, ro, cx)?;
     if receives(me) && count > 0 {
-        let srcs: Vec<*const u8> = (0..n).map(|r| if r == me { send } else { ch.slot(r, p) as *const u8 }).collect();
+        let srcs: Vec<*const u8> = (0..n)
+            .map(|r| {
+                if r == me {
+                    send
+                } else {
+                    ch.slot(r, p) as *const u8
+                }
+            })
+            .collect();
         // SAFETY: every source holds `count` elements (descriptors agree on count); recv is
         // valid for count elements on receiving ranks (checked by Communicator) and equals
         // send or does not overlap it.

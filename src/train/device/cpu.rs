@@ -173,14 +173,41 @@ impl CpuExec {
         macro_rules! conv {
             ($f:path, $t:ident) => {{
                 let (mut o, a, b) = (v.f(0), v.$t(1), v.$t(2));
-                $f(&mut o, &a, &b, v.si(3), v.si(4), v.si(5), v.si(6), v.si(7), v.si(8), v.si(9), v.si(10), v.si(11));
+                $f(
+                    &mut o,
+                    &a,
+                    &b,
+                    v.si(3),
+                    v.si(4),
+                    v.si(5),
+                    v.si(6),
+                    v.si(7),
+                    v.si(8),
+                    v.si(9),
+                    v.si(10),
+                    v.si(11),
+                );
                 out.push((0, Val::F(o)));
             }};
         }
         macro_rules! conv_fwd {
             ($f:path, $t:ident) => {{
                 let (mut o, a, b, bias) = (v.f(0), v.$t(1), v.$t(2), v.f(3));
-                $f(&mut o, &a, &b, Some(&bias), v.si(4), v.si(5), v.si(6), v.si(7), v.si(8), v.si(9), v.si(10), v.si(11), v.si(12));
+                $f(
+                    &mut o,
+                    &a,
+                    &b,
+                    Some(&bias),
+                    v.si(4),
+                    v.si(5),
+                    v.si(6),
+                    v.si(7),
+                    v.si(8),
+                    v.si(9),
+                    v.si(10),
+                    v.si(11),
+                    v.si(12),
+                );
                 out.push((0, Val::F(o)));
             }};
         }
@@ -188,7 +215,21 @@ impl CpuExec {
         macro_rules! conv_dw {
             ($f:path, $t:ident) => {{
                 let (mut o, mut part, a, b) = (v.f(0), v.f(1), v.$t(2), v.$t(3));
-                $f(&mut o, &mut part, &a, &b, v.si(4), v.si(5), v.si(6), v.si(7), v.si(8), v.si(9), v.si(10), v.si(11), v.si(12));
+                $f(
+                    &mut o,
+                    &mut part,
+                    &a,
+                    &b,
+                    v.si(4),
+                    v.si(5),
+                    v.si(6),
+                    v.si(7),
+                    v.si(8),
+                    v.si(9),
+                    v.si(10),
+                    v.si(11),
+                    v.si(12),
+                );
                 out.extend([(0, Val::F(o)), (1, Val::F(part))]);
             }};
         }
@@ -410,7 +451,10 @@ impl CpuExec {
         }
         for (k, val) in out {
             let Arg::Out(r) = op.args[k] else {
-                return Err(DeviceError::Unsupported(format!("{}: argument {k} is written by the twin but passed as input", op.name)));
+                return Err(DeviceError::Unsupported(format!(
+                    "{}: argument {k} is written by the twin but passed as input",
+                    op.name
+                )));
             };
             self.store(&r, val);
         }
@@ -442,10 +486,9 @@ impl Exec for CpuExec {
         Ok(())
     }
     fn select_indices(&mut self, dst: Region, start: usize) -> Result<(), DeviceError> {
-        let src = self
-            .index_list
-            .get(start..start + dst.len)
-            .ok_or_else(|| DeviceError::Config(format!("index list too short for {start}+{}", dst.len)))?;
+        let src = self.index_list.get(start..start + dst.len).ok_or_else(|| {
+            DeviceError::Config(format!("index list too short for {start}+{}", dst.len))
+        })?;
         self.i32[dst.range()].copy_from_slice(src);
         Ok(())
     }

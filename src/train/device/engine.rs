@@ -29,7 +29,11 @@ pub struct DeviceOptions {
 
 impl Default for DeviceOptions {
     fn default() -> Self {
-        DeviceOptions { precision: Precision::Fp32, loss_every: 50, loss_scaler: LossScaler::default() }
+        DeviceOptions {
+            precision: Precision::Fp32,
+            loss_every: 50,
+            loss_scaler: LossScaler::default(),
+        }
     }
 }
 
@@ -58,7 +62,12 @@ pub struct Engine<E: Exec> {
 impl<E: Exec> Engine<E> {
     /// Lay out the tensors of `model`'s step for `batch` images, upload its parameters and
     /// BatchNorm running statistics, and zero the optimizer state.
-    pub fn new(mut exec: E, model: &Model, batch: usize, precision: Precision) -> Result<Engine<E>, DeviceError> {
+    pub fn new(
+        mut exec: E,
+        model: &Model,
+        batch: usize,
+        precision: Precision,
+    ) -> Result<Engine<E>, DeviceError> {
         let t = Tensors::new(model, batch, precision)?;
         exec.write_f32(t.params, &model.params)?;
         let zeros = vec![0.0f32; t.num_params];
@@ -110,7 +119,9 @@ impl<E: Exec> Engine<E> {
     pub fn set_clip_grad_norm(&mut self, max_norm: Option<f32>) -> Result<(), DeviceError> {
         if let Some(c) = max_norm {
             if !(c.is_finite() && c > 0.0) {
-                return Err(DeviceError::Config(format!("gradient clipping threshold {c}: use a positive number")));
+                return Err(DeviceError::Config(format!(
+                    "gradient clipping threshold {c}: use a positive number"
+                )));
             }
         }
         self.clip_grad_norm = max_norm;
@@ -178,7 +189,13 @@ impl<E: Exec> Engine<E> {
         let key = ((b as u64) << 1) | train as u64;
         let sm = self.exec.sm_count();
         let (t, p) = (&self.t, self.precision);
-        let ops = self.plans.entry(key).or_insert_with(|| if train { t.train_step(b, p, sm) } else { t.eval_step(b, p, sm) });
+        let ops = self.plans.entry(key).or_insert_with(|| {
+            if train {
+                t.train_step(b, p, sm)
+            } else {
+                t.eval_step(b, p, sm)
+            }
+        });
         (key, ops)
     }
 
@@ -197,9 +214,18 @@ impl<E: Exec> Engine<E> {
     /// before Adam (after the all-reduce and the unscale): three launches compute the norm and
     /// the coefficient on the device and scale the gradients, with nothing read back. A norm that
     /// is not finite leaves the gradients alone and is reported by [`Engine::check_grad_norm`].
-    pub fn train_step(&mut self, start: usize, b: usize, lr: f32, comm: Option<&mut Communicator>) -> Result<StepAction, DeviceError> {
+    pub fn train_step(
+        &mut self,
+        start: usize,
+        b: usize,
+        lr: f32,
+        comm: Option<&mut Communicator>,
+    ) -> Result<StepAction, DeviceError> {
         if b == 0 || b > self.t.batch {
-            return Err(DeviceError::Config(format!("step of {b} images: the engine was built for 1..={}", self.t.batch)));
+            return Err(DeviceError::Config(format!(
+                "step of {b} images: the engine was built for 1..={}",
+                self.t.batch
+            )));
         }
         self.exec.select_indices(self.t.indices.prefix(b), start)?;
         let (key, _) = self.plan(b, true);
@@ -233,7 +259,15 @@ impl<E: Exec> Engine<E> {
         if let Some(max_norm) = self.clip_grad_norm {
             ops.clip_grad_norm(self.t.grads, &self.t.clip, max_norm, self.step);
         }
-        ops.adam(self.t.params, self.t.grads, self.t.m, self.t.v, &self.adam, lr, self.step);
+        ops.adam(
+            self.t.params,
+            self.t.grads,
+            self.t.m,
+            self.t.v,
+            &self.adam,
+            lr,
+            self.step,
+        );
         for op in &ops.ops {
             self.exec.run(op)?;
         }
@@ -243,7 +277,10 @@ impl<E: Exec> Engine<E> {
     /// Evaluate ids `start..start + b` of the index list; returns the correct predictions.
     pub fn eval_batch(&mut self, start: usize, b: usize) -> Result<u64, DeviceError> {
         if b == 0 || b > self.t.batch {
-            return Err(DeviceError::Config(format!("evaluation of {b} images: the engine was built for 1..={}", self.t.batch)));
+            return Err(DeviceError::Config(format!(
+                "evaluation of {b} images: the engine was built for 1..={}",
+                self.t.batch
+            )));
         }
         self.exec.select_indices(self.t.indices.prefix(b), start)?;
         let (key, _) = self.plan(b, false);
@@ -289,9 +326,12 @@ pub fn train_device<E: Exec>(
     obs: &mut dyn Observer,
 ) -> Result<TrainOutcome, DeviceError> {
     if cfg.sync_bn {
-        return Err(DeviceError::Config("--sync-bn is not supported with --device cuda yet; drop it or use --device cpu".into()));
+        return Err(DeviceError::Config(
+            "--sync-bn is not supported with --device cuda yet; drop it or use --device cpu".into(),
+        ));
     }
-    cfg.check().map_err(|e| DeviceError::Config(e.to_string()))?;
+    cfg.check()
+        .map_err(|e| DeviceError::Config(e.to_string()))?;
     // The device step is one Adam launch after one all-reduce per batch: the options that change
     // that are CPU-only for now, and said so rather than ignored.
     if cfg.optimizer != OptimizerKind::Adam {
@@ -300,9 +340,15 @@ pub fn train_device<E: Exec>(
         ));
     }
     if cfg.grad_accum != 1 {
-        return Err(DeviceError::Config("--grad-accum is not supported with --device cuda yet; drop it or use --device cpu".into()));
+        return Err(DeviceError::Config(
+            "--grad-accum is not supported with --device cuda yet; drop it or use --device cpu"
+                .into(),
+        ));
     }
-    let (rank, world) = comm.as_deref().map(|c| (c.rank(), c.world_size())).unwrap_or((0, 1));
+    let (rank, world) = comm
+        .as_deref()
+        .map(|c| (c.rank(), c.world_size()))
+        .unwrap_or((0, 1));
     let mut model = Model::fashion_cnn(cfg.batch_size)?;
     model.init(cfg.seed);
     if let (Some(path), 0) = (&cfg.save, rank) {
@@ -317,11 +363,17 @@ pub fn train_device<E: Exec>(
     let first_epoch = resumed.as_ref().map_or(0, |st| st.epoch);
     // The layout reads the (possibly resumed) BatchNorm statistics from the model.
     let layout = Tensors::new(&model, cfg.batch_size, opts.precision)?;
-    let mut eng = Engine::new(make_exec(layout.arena_len)?, &model, cfg.batch_size, opts.precision)?;
+    let mut eng = Engine::new(
+        make_exec(layout.arena_len)?,
+        &model,
+        cfg.batch_size,
+        opts.precision,
+    )?;
     if opts.precision.scales_loss() {
         // A resumed fp16 run continues with the scale, growth count and skip count it saved.
         let scaler = match resumed.as_ref().map(|st| st.loss_scaler) {
-            Some(Some(saved)) => LossScaler::from_state(saved).map_err(|e| DeviceError::Config(format!("resume: {e}")))?,
+            Some(Some(saved)) => LossScaler::from_state(saved)
+                .map_err(|e| DeviceError::Config(format!("resume: {e}")))?,
             Some(None) => {
                 if rank == 0 {
                     tracing::warn!(
@@ -368,7 +420,8 @@ pub fn train_device<E: Exec>(
         let steps = idx.len().div_ceil(cfg.batch_size);
         obs.epoch_start(epoch + 1, cfg.epochs, steps);
         // (images seen when the pending read-back was started, the sum it will report)
-        let (mut pending, mut last_sum, mut last_images, mut images) = (None::<usize>, 0.0f64, 0usize, 0usize);
+        let (mut pending, mut last_sum, mut last_images, mut images) =
+            (None::<usize>, 0.0f64, 0usize, 0usize);
         let mut skipped = 0u64;
         for (s, start) in (0..idx.len()).step_by(cfg.batch_size).enumerate() {
             let b = cfg.batch_size.min(idx.len() - start);
@@ -383,7 +436,11 @@ pub fn train_device<E: Exec>(
                     let sum = eng.exec.finish_read()?[0] as f64;
                     let loss = (sum - last_sum) / (at - last_images).max(1) as f64;
                     (last_sum, last_images) = (sum, at);
-                    obs.step(s + 1, loss as f32, (images * world) as f64 / t0.elapsed().as_secs_f64().max(1e-9));
+                    obs.step(
+                        s + 1,
+                        loss as f32,
+                        (images * world) as f64 / t0.elapsed().as_secs_f64().max(1e-9),
+                    );
                 }
                 eng.exec.start_read(eng.t.loss.loss_sum)?;
                 pending = Some(images);
@@ -408,7 +465,12 @@ pub fn train_device<E: Exec>(
         let mut ts = DistributedSampler::new(test_set.len(), world, rank, false, 0);
         let mut tidx = Vec::new();
         ts.indices(0, &mut tidx);
-        let real: Vec<usize> = tidx.iter().enumerate().filter(|(k, _)| ts.is_real(*k)).map(|(_, &i)| i).collect();
+        let real: Vec<usize> = tidx
+            .iter()
+            .enumerate()
+            .filter(|(k, _)| ts.is_real(*k))
+            .map(|(_, &i)| i)
+            .collect();
         let mut correct = 0u64;
         if !real.is_empty() {
             eng.set_index_list(&real, true)?;
@@ -464,7 +526,9 @@ pub fn train_device<E: Exec>(
     Ok(TrainOutcome {
         reports,
         params,
-        activation_bytes: eng.t.arena_len.0 * 4 + eng.t.arena_len.1 * 4 + (eng.t.arena_len.2 + eng.t.arena_len.3) * 2,
+        activation_bytes: eng.t.arena_len.0 * 4
+            + eng.t.arena_len.1 * 4
+            + (eng.t.arena_len.2 + eng.t.arena_len.3) * 2,
     })
 }
 

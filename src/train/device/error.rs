@@ -23,7 +23,9 @@ pub enum DeviceError {
     #[error("unsupported on this executor: {0}")]
     Unsupported(String),
     /// The model has a layer (or shape) the device engine has no kernels for.
-    #[error("the device engine cannot run layer {layer}: {why}; train this model with --device cpu")]
+    #[error(
+        "the device engine cannot run layer {layer}: {why}; train this model with --device cpu"
+    )]
     UnsupportedModel {
         /// The layer's name (and kind).
         layer: String,

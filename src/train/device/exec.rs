@@ -33,7 +33,11 @@ pub trait Exec {
     /// Copy rank 0's f32 region to every rank.
     fn broadcast(&mut self, comm: &mut Communicator, r: Region) -> Result<(), DeviceError>;
     /// Sum host values over ranks through the same communicator (device buffers when it needs them).
-    fn all_reduce_sum_host(&mut self, comm: &mut Communicator, v: &mut [f64]) -> Result<(), DeviceError> {
+    fn all_reduce_sum_host(
+        &mut self,
+        comm: &mut Communicator,
+        v: &mut [f64],
+    ) -> Result<(), DeviceError> {
         comm.all_reduce_in_place(v, crate::comm::ReduceOp::Sum)?;
         Ok(())
     }

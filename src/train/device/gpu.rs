@@ -54,7 +54,11 @@ fn arena_index(a: Arena) -> usize {
 }
 
 /// Look up (once) the entry point of every op.
-fn prefetch(ctx: &Arc<Context>, funcs: &mut HashMap<&'static str, Function>, ops: &[Op]) -> Result<(), CudaError> {
+fn prefetch(
+    ctx: &Arc<Context>,
+    funcs: &mut HashMap<&'static str, Function>,
+    ops: &[Op],
+) -> Result<(), CudaError> {
     for op in ops {
         if !funcs.contains_key(op.name) {
             funcs.insert(op.name, ctx.function(op.kernel.source(), op.name)?);
@@ -64,12 +68,26 @@ fn prefetch(ctx: &Arc<Context>, funcs: &mut HashMap<&'static str, Function>, ops
 }
 
 /// Enqueue `op` on `stream`: views of the arenas in argument order, scalars as given.
-fn launch(a: &mut Arenas, funcs: &HashMap<&'static str, Function>, op: &Op, stream: &Stream) -> Result<(), CudaError> {
-    let f = funcs.get(op.name).ok_or_else(|| CudaError::InvalidArgument {
-        op: format!("launch {}", op.name),
-        detail: "entry point not loaded (prefetch first)".into(),
-    })?;
-    let lens = [a.f32.len(), a.i32.len(), a.bf16.len(), a.images.len(), a.labels.len(), a.f16.len()];
+fn launch(
+    a: &mut Arenas,
+    funcs: &HashMap<&'static str, Function>,
+    op: &Op,
+    stream: &Stream,
+) -> Result<(), CudaError> {
+    let f = funcs
+        .get(op.name)
+        .ok_or_else(|| CudaError::InvalidArgument {
+            op: format!("launch {}", op.name),
+            detail: "entry point not loaded (prefetch first)".into(),
+        })?;
+    let lens = [
+        a.f32.len(),
+        a.i32.len(),
+        a.bf16.len(),
+        a.images.len(),
+        a.labels.len(),
+        a.f16.len(),
+    ];
     // Dataset arenas are indexed by sample id from the region's offset to the end.
     let span = |r: &Region| match r.arena {
         Arena::Images | Arena::Labels => r.off..lens[arena_index(r.arena)],
@@ -85,7 +103,10 @@ fn launch(a: &mut Arenas, funcs: &HashMap<&'static str, Function>, op: &Op, stre
         }
     }
     if !writes[3].is_empty() || !writes[4].is_empty() {
-        return Err(CudaError::InvalidArgument { op: format!("launch {}", op.name), detail: "the dataset arenas are read-only".into() });
+        return Err(CudaError::InvalidArgument {
+            op: format!("launch {}", op.name),
+            detail: "the dataset arenas are read-only".into(),
+        });
     }
     let (rf, mut wf) = a.f32.split_views(&reads[0], &writes[0])?;
     let (ri, mut wi) = a.i32.split_views(&reads[1], &writes[1])?;
@@ -93,10 +114,20 @@ fn launch(a: &mut Arenas, funcs: &HashMap<&'static str, Function>, op: &Op, stre
     let (rh, mut wh) = a.f16.split_views(&reads[5], &writes[5])?;
     let (rim, _) = a.images.split_views(&reads[3], &[])?;
     let (rlb, _) = a.labels.split_views(&reads[4], &[])?;
-    let (mut rf, mut ri, mut rb, mut rh, mut rim, mut rlb) = (rf.iter(), ri.iter(), rb.iter(), rh.iter(), rim.iter(), rlb.iter());
-    let (mut wf, mut wi, mut wb, mut wh) = (wf.iter_mut(), wi.iter_mut(), wb.iter_mut(), wh.iter_mut());
-    let missing =
-        || CudaError::InvalidArgument { op: format!("launch {}", op.name), detail: "argument views out of step with the arguments".into() };
+    let (mut rf, mut ri, mut rb, mut rh, mut rim, mut rlb) = (
+        rf.iter(),
+        ri.iter(),
+        rb.iter(),
+        rh.iter(),
+        rim.iter(),
+        rlb.iter(),
+    );
+    let (mut wf, mut wi, mut wb, mut wh) =
+        (wf.iter_mut(), wi.iter_mut(), wb.iter_mut(), wh.iter_mut());
+    let missing = || CudaError::InvalidArgument {
+        op: format!("launch {}", op.name),
+        detail: "argument views out of step with the arguments".into(),
+    };
     let mut l = f.launch(op.cfg);
     for arg in &op.args {
         l = match arg {
@@ -126,7 +157,11 @@ fn launch(a: &mut Arenas, funcs: &HashMap<&'static str, Function>, op: &Op, stre
 impl GpuExec {
     /// Arenas of `arena_len` = (f32, i32, bf16, f16) elements on `ctx`; `use_graphs` captures each
     /// step shape once and replays it (off: plain launches, for debugging).
-    pub fn new(ctx: &Arc<Context>, arena_len: (usize, usize, usize, usize), use_graphs: bool) -> Result<GpuExec, CudaError> {
+    pub fn new(
+        ctx: &Arc<Context>,
+        arena_len: (usize, usize, usize, usize),
+        use_graphs: bool,
+    ) -> Result<GpuExec, CudaError> {
         let stream = ctx.stream()?;
         let a = Arenas {
             f32: DeviceBuffer::zeros(&stream, arena_len.0)?,
@@ -162,7 +197,11 @@ impl GpuExec {
     /// Copies of the f32, i32 and bf16 arenas (waits for queued work).
     #[allow(clippy::type_complexity)]
     pub fn dump_arenas(&self) -> Result<(Vec<f32>, Vec<i32>, Vec<bf16>), CudaError> {
-        Ok((self.a.f32.to_vec(&self.stream)?, self.a.i32.to_vec(&self.stream)?, self.a.bf16.to_vec(&self.stream)?))
+        Ok((
+            self.a.f32.to_vec(&self.stream)?,
+            self.a.i32.to_vec(&self.stream)?,
+            self.a.bf16.to_vec(&self.stream)?,
+        ))
     }
 
     /// Replace the f16 arena's contents (length must match).
@@ -207,7 +246,9 @@ impl Exec for GpuExec {
 
     fn write_f32(&mut self, r: Region, data: &[f32]) -> Result<(), DeviceError> {
         let t = DeviceBuffer::from_host(&self.stream, data)?;
-        self.a.f32.copy_region_async(&self.stream, r.off, &t, 0, r.len)?;
+        self.a
+            .f32
+            .copy_region_async(&self.stream, r.off, &t, 0, r.len)?;
         // `t` is freed at the end of this scope; cuMemFree waits for the copy.
         self.stream.synchronize()?;
         Ok(())
@@ -233,7 +274,9 @@ impl Exec for GpuExec {
     }
 
     fn select_indices(&mut self, dst: Region, start: usize) -> Result<(), DeviceError> {
-        self.a.i32.copy_region_async(&self.stream, dst.off, &self.index_list, start, dst.len)?;
+        self.a
+            .i32
+            .copy_region_async(&self.stream, dst.off, &self.index_list, start, dst.len)?;
         Ok(())
     }
 
@@ -254,7 +297,9 @@ impl Exec for GpuExec {
         }
         if !self.graphs.contains_key(&key) {
             let (a, funcs) = (&mut self.a, &self.funcs);
-            let g = Graph::capture(&self.stream, |s| ops.iter().try_for_each(|op| launch(a, funcs, op, s)))?;
+            let g = Graph::capture(&self.stream, |s| {
+                ops.iter().try_for_each(|op| launch(a, funcs, op, s))
+            })?;
             self.graphs.insert(key, g);
         }
         self.graphs[&key].replay(&self.stream)?;
@@ -278,7 +323,11 @@ impl Exec for GpuExec {
         Ok(())
     }
 
-    fn all_reduce_sum_host(&mut self, comm: &mut Communicator, v: &mut [f64]) -> Result<(), DeviceError> {
+    fn all_reduce_sum_host(
+        &mut self,
+        comm: &mut Communicator,
+        v: &mut [f64],
+    ) -> Result<(), DeviceError> {
         if self.scratch_f64.len() != v.len() {
             self.scratch_f64 = DeviceBuffer::zeros(&self.stream, v.len())?;
         }

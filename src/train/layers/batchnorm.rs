@@ -33,9 +33,9 @@ pub struct BatchNorm2d {
     /// Synchronise batch statistics over ranks in training (`--sync-bn`); the trainer then calls
     /// [`BatchNorm2d::forward_synced`] / [`BatchNorm2d::backward_synced`].
     pub sync: bool,
-    count: f64,        // values per channel behind the saved statistics (all ranks' with sync)
+    count: f64, // values per channel behind the saved statistics (all ranks' with sync)
     scratch: Vec<f64>, // (2C+1) batch statistics / partial sums, reused so a step does not allocate
-    sums: Vec<f32>,    // (2C) Σ dout and Σ dout·xhat in backward, reused
+    sums: Vec<f32>, // (2C) Σ dout and Σ dout·xhat in backward, reused
     /// The fused backward's dense `M·dout` for one plane, reused.
     sel: Vec<f32>,
     /// The streamed fused forward's per-plane (mean, M2), `[N, C]`.
@@ -181,7 +181,11 @@ fn pool_raw_plane_impl(
 ) {
     let s = if min { -1.0f32 } else { 1.0 };
     let (vmax, bottom) = scratch;
-    for ((pair, vm), bt) in x.chunks_exact(2 * w).zip(vmax.chunks_exact_mut(w)).zip(bottom.chunks_exact_mut(w)) {
+    for ((pair, vm), bt) in x
+        .chunks_exact(2 * w)
+        .zip(vmax.chunks_exact_mut(w))
+        .zip(bottom.chunks_exact_mut(w))
+    {
         let (top, bot) = pair.split_at(w);
         for (((&t, &b), v), f) in top.iter().zip(bot).zip(vm.iter_mut()).zip(bt.iter_mut()) {
             let (t, b) = (s * t, s * b);
@@ -191,7 +195,12 @@ fn pool_raw_plane_impl(
         }
     }
     let w32 = w as u32;
-    for ((((v2, f2), &c), r), ao) in vmax.chunks_exact(2).zip(bottom.chunks_exact(2)).zip(corner).zip(raw.iter_mut()).zip(argmax.iter_mut())
+    for ((((v2, f2), &c), r), ao) in vmax
+        .chunks_exact(2)
+        .zip(bottom.chunks_exact(2))
+        .zip(corner)
+        .zip(raw.iter_mut())
+        .zip(argmax.iter_mut())
     {
         let odd = v2[1] > v2[0] || (v2[1] == v2[0] && f2[0] == 1 && f2[1] == 0);
         *r = s * if odd { v2[1] } else { v2[0] };
@@ -225,7 +234,11 @@ fn relu_pool_plane_impl(
 ) {
     let (scale, shift) = affine;
     let (vmax, bottom) = scratch;
-    for ((pair, vm), bt) in xs.chunks_exact(2 * w).zip(vmax.chunks_exact_mut(w)).zip(bottom.chunks_exact_mut(w)) {
+    for ((pair, vm), bt) in xs
+        .chunks_exact(2 * w)
+        .zip(vmax.chunks_exact_mut(w))
+        .zip(bottom.chunks_exact_mut(w))
+    {
         let (top, bot) = pair.split_at(w);
         for (((&t, &b), v), f) in top.iter().zip(bot).zip(vm.iter_mut()).zip(bt.iter_mut()) {
             let (t, b) = ((t * scale + shift).max(0.0), (b * scale + shift).max(0.0));
@@ -235,7 +248,12 @@ fn relu_pool_plane_impl(
         }
     }
     let w32 = w as u32;
-    for ((((v2, f2), &c), yo), ao) in vmax.chunks_exact(2).zip(bottom.chunks_exact(2)).zip(corner).zip(y.iter_mut()).zip(argmax.iter_mut())
+    for ((((v2, f2), &c), yo), ao) in vmax
+        .chunks_exact(2)
+        .zip(bottom.chunks_exact(2))
+        .zip(corner)
+        .zip(y.iter_mut())
+        .zip(argmax.iter_mut())
     {
         let odd = v2[1] > v2[0] || (v2[1] == v2[0] && f2[0] == 1 && f2[1] == 0);
         *yo = if odd { v2[1] } else { v2[0] };
@@ -271,7 +289,10 @@ fn pooled_sums_impl(
 ) {
     let (hw, ohw) = sizes;
     let planes = x.chunks_exact(hw).zip(argmax.chunks_exact(ohw));
-    for (plane, ((xp, ap), (gp, pp))) in planes.zip(g.chunks_exact(ohw).zip(py.chunks_exact(ohw))).enumerate() {
+    for (plane, ((xp, ap), (gp, pp))) in planes
+        .zip(g.chunks_exact(ohw).zip(py.chunks_exact(ohw)))
+        .enumerate()
+    {
         // The clamps keep a corrupt index inside the plane and let the compiler drop the checks.
         let (last, lasta) = (xp.len() - 1, ap.len() - 1);
         let at = |o: usize| xp[(ap[o.min(lasta)] as usize).min(last)];
@@ -285,8 +306,20 @@ dispatch!(pooled_sums_raw, pooled_sums_raw_impl, (raw: &[f32], g: &[f32], py: &[
 /// the streamed forward), instead of gathered from the input through `argmax`. The same sums in
 /// the same order, so the same bits.
 #[inline(always)]
-fn pooled_sums_raw_impl(raw: &[f32], g: &[f32], py: &[f32], ohw: usize, stats: (&[f32], &[f32]), sg: &mut [f64], sgx: &mut [f64]) {
-    for (plane, (xp, (gp, pp))) in raw.chunks_exact(ohw).zip(g.chunks_exact(ohw).zip(py.chunks_exact(ohw))).enumerate() {
+fn pooled_sums_raw_impl(
+    raw: &[f32],
+    g: &[f32],
+    py: &[f32],
+    ohw: usize,
+    stats: (&[f32], &[f32]),
+    sg: &mut [f64],
+    sgx: &mut [f64],
+) {
+    for (plane, (xp, (gp, pp))) in raw
+        .chunks_exact(ohw)
+        .zip(g.chunks_exact(ohw).zip(py.chunks_exact(ohw)))
+        .enumerate()
+    {
         let last = xp.len() - 1;
         add_window_sums(plane, gp, pp, |o| xp[o.min(last)], stats, sg, sgx);
     }
@@ -338,7 +371,15 @@ dispatch!(pooled_input_grad, pooled_input_grad_impl, (d: &mut [f32], xp: &[f32],
 /// and an unconditional store, not a branch (see [`pooled_sums_impl`]); one dense pass then
 /// writes the plane, and `sel` is reset for the next.
 #[inline(always)]
-fn pooled_input_grad_impl(d: &mut [f32], xp: &[f32], gp: &[f32], pp: &[f32], ap: &[u32], sel: &mut [f32], k: [f32; 6]) {
+fn pooled_input_grad_impl(
+    d: &mut [f32],
+    xp: &[f32],
+    gp: &[f32],
+    pp: &[f32],
+    ap: &[u32],
+    sel: &mut [f32],
+    k: [f32; 6],
+) {
     let [mu, is, k, m, sg, sgx] = k;
     let zero = m * 0.0;
     // The clamp keeps a corrupt index inside the plane and lets the compiler drop the check.
@@ -375,13 +416,24 @@ impl Layer for BatchNorm2d {
     fn out_dims(&self, inp: &[usize]) -> Result<Vec<usize>, String> {
         match inp {
             [_, c, _, _] if *c == self.channels => Ok(inp.to_vec()),
-            _ => Err(format!("batchnorm2d expects [N, {}, H, W], got {inp:?}", self.channels)),
+            _ => Err(format!(
+                "batchnorm2d expects [N, {}, H, W], got {inp:?}",
+                self.channels
+            )),
         }
     }
     fn param_specs(&self) -> Vec<ParamSpec> {
         vec![
-            ParamSpec { name: "weight", dims: vec![self.channels], init: Init::Const(1.0) },
-            ParamSpec { name: "bias", dims: vec![self.channels], init: Init::Const(0.0) },
+            ParamSpec {
+                name: "weight",
+                dims: vec![self.channels],
+                init: Init::Const(1.0),
+            },
+            ParamSpec {
+                name: "bias",
+                dims: vec![self.channels],
+                init: Init::Const(0.0),
+            },
         ]
     }
     fn buffers_mut(&mut self) -> Vec<BufferMut<'_>> {
@@ -408,7 +460,15 @@ impl Layer for BatchNorm2d {
         }
         self.apply(p, inp, out);
     }
-    fn backward(&mut self, p: &[f32], dp: &mut [f32], inp: &Tensor, _out: &Tensor, dout: &Tensor, dinp: Option<&mut Tensor>) {
+    fn backward(
+        &mut self,
+        p: &[f32],
+        dp: &mut [f32],
+        inp: &Tensor,
+        _out: &Tensor,
+        dout: &Tensor,
+        dinp: Option<&mut Tensor>,
+    ) {
         let (n, hw) = (inp.dims()[0], inp.dims()[2] * inp.dims()[3]);
         self.local_sums(dp, inp, dout);
         if let Some(dinp) = dinp {
@@ -425,8 +485,10 @@ impl BatchNorm2d {
         for ch in 0..self.channels {
             self.mean[ch] = mean[ch] as f32;
             self.invstd[ch] = (1.0 / (var[ch] + self.eps as f64).sqrt()) as f32;
-            self.running_mean[ch] = ((1.0 - mo) * self.running_mean[ch] as f64 + mo * mean[ch]) as f32;
-            self.running_var[ch] = ((1.0 - mo) * self.running_var[ch] as f64 + mo * var[ch] * unbias) as f32;
+            self.running_mean[ch] =
+                ((1.0 - mo) * self.running_mean[ch] as f64 + mo * mean[ch]) as f32;
+            self.running_var[ch] =
+                ((1.0 - mo) * self.running_var[ch] as f64 + mo * var[ch] * unbias) as f32;
         }
         self.num_batches_tracked += 1;
         self.count = m;
@@ -517,7 +579,14 @@ impl BatchNorm2d {
     /// activation-sized writes and reads per block. Each value is computed exactly as the separate
     /// layers do (`x * scale + shift`, `max(·, 0)`, first maximum wins), so `out` and `argmax` are
     /// bit-identical to the unfused chain. `H` and `W` must be even (the model checks).
-    pub(crate) fn forward_relu_pool(&mut self, p: &[f32], inp: &Tensor, out: &mut Tensor, argmax: &mut Vec<u32>, train: bool) {
+    pub(crate) fn forward_relu_pool(
+        &mut self,
+        p: &[f32],
+        inp: &Tensor,
+        out: &mut Tensor,
+        argmax: &mut Vec<u32>,
+        train: bool,
+    ) {
         let c = self.channels;
         if train {
             let mut scratch = std::mem::take(&mut self.scratch);
@@ -544,11 +613,24 @@ impl BatchNorm2d {
         let corner: Vec<u32> = (0..ohw).map(|j| (2 * j + j / ow * w) as u32).collect();
         let mut vmax = vec![0.0f32; oh * w];
         let mut bottom = vec![0u32; oh * w];
-        for (plane, ((xs, yo), ao)) in x.chunks_exact(hw).zip(y.chunks_exact_mut(ohw)).zip(argmax.chunks_exact_mut(ohw)).enumerate() {
+        for (plane, ((xs, yo), ao)) in x
+            .chunks_exact(hw)
+            .zip(y.chunks_exact_mut(ohw))
+            .zip(argmax.chunks_exact_mut(ohw))
+            .enumerate()
+        {
             let ch = plane % c;
             let scale = gamma[ch] * self.invstd[ch];
             let shift = beta[ch] - self.mean[ch] * scale;
-            relu_pool_plane(xs, w, (scale, shift), &corner, (&mut vmax, &mut bottom), yo, ao);
+            relu_pool_plane(
+                xs,
+                w,
+                (scale, shift),
+                &corner,
+                (&mut vmax, &mut bottom),
+                yo,
+                ao,
+            );
         }
     }
 
@@ -592,18 +674,37 @@ impl BatchNorm2d {
         }
         self.vmax.resize((h / 2) * w, 0.0);
         self.bottom.resize((h / 2) * w, 0);
-        for (ch, ((x, r), a)) in xs.chunks_exact(plane).zip(raw.chunks_exact_mut(ohw)).zip(am.chunks_exact_mut(ohw)).enumerate() {
+        for (ch, ((x, r), a)) in xs
+            .chunks_exact(plane)
+            .zip(raw.chunks_exact_mut(ohw))
+            .zip(am.chunks_exact_mut(ohw))
+            .enumerate()
+        {
             if train {
                 plane_moments_into(x, &mut self.moments[b * c + ch]);
             }
-            pool_raw_plane(x, w, gamma[ch] < 0.0, &self.corner, (&mut self.vmax, &mut self.bottom), r, a);
+            pool_raw_plane(
+                x,
+                w,
+                gamma[ch] < 0.0,
+                &self.corner,
+                (&mut self.vmax, &mut self.bottom),
+                r,
+                a,
+            );
         }
     }
 
     /// Finish the streamed fused forward of [`BatchNorm2d::stream_sample`]: the batch
     /// statistics from the planes' moments (training) or the running ones, then
     /// `out[N, C, H/2, W/2] = max(raw * scale + shift, 0)`.
-    pub(crate) fn stream_finish(&mut self, p: &[f32], dims: &[usize], out: &mut Tensor, train: bool) {
+    pub(crate) fn stream_finish(
+        &mut self,
+        p: &[f32],
+        dims: &[usize],
+        out: &mut Tensor,
+        train: bool,
+    ) {
         let (c, n, h, w) = (self.channels, dims[0], dims[2], dims[3]);
         let ohw = (h / 2) * (w / 2);
         if train {
@@ -621,7 +722,12 @@ impl BatchNorm2d {
         }
         out.resize(&[n, c, h / 2, w / 2]);
         let (gamma, beta) = p.split_at(c);
-        for (plane, (y, r)) in out.data_mut().chunks_exact_mut(ohw).zip(self.raw.chunks_exact(ohw)).enumerate() {
+        for (plane, (y, r)) in out
+            .data_mut()
+            .chunks_exact_mut(ohw)
+            .zip(self.raw.chunks_exact(ohw))
+            .enumerate()
+        {
             let ch = plane % c;
             let scale = gamma[ch] * self.invstd[ch];
             let shift = beta[ch] - self.mean[ch] * scale;
@@ -661,7 +767,14 @@ impl BatchNorm2d {
 
     /// The first half of [`BatchNorm2d::backward_relu_pool`]: the per-channel sums over the
     /// batch (kept for the second half) and their accumulation into `dgamma`, `dbeta`.
-    pub(crate) fn pooled_grad_sums(&mut self, dp: &mut [f32], inp: &Tensor, pooled: &Tensor, dpool: &Tensor, argmax: &[u32]) {
+    pub(crate) fn pooled_grad_sums(
+        &mut self,
+        dp: &mut [f32],
+        inp: &Tensor,
+        pooled: &Tensor,
+        dpool: &Tensor,
+        argmax: &[u32],
+    ) {
         let (c, h, w) = (self.channels, inp.dims()[2], inp.dims()[3]);
         let (hw, ohw) = (h * w, (h / 2) * (w / 2));
         let (x, g, py) = (inp.data(), dpool.data(), pooled.data());
@@ -675,7 +788,16 @@ impl BatchNorm2d {
             // The streamed forward kept each window's input value: no gather from the input.
             pooled_sums_raw(&self.raw, g, py, ohw, (&self.mean, &self.invstd), sg, sgx);
         } else {
-            pooled_sums(x, g, py, argmax, (hw, ohw), (&self.mean, &self.invstd), sg, sgx);
+            pooled_sums(
+                x,
+                g,
+                py,
+                argmax,
+                (hw, ohw),
+                (&self.mean, &self.invstd),
+                sg,
+                sgx,
+            );
         }
         let (sum_g, sum_gx) = self.sums.split_at_mut(c);
         for ch in 0..c {
@@ -709,19 +831,36 @@ impl BatchNorm2d {
         let gamma = &p[..c];
         let (sum_g, sum_gx) = self.sums.split_at(c);
         let (xs, wins) = (b * c * hw..(b + 1) * c * hw, b * c * ohw..(b + 1) * c * ohw);
-        let (x, g, py, am) = (&inp.data()[xs], &dpool.data()[wins.clone()], &pooled.data()[wins.clone()], &argmax[wins]);
+        let (x, g, py, am) = (
+            &inp.data()[xs],
+            &dpool.data()[wins.clone()],
+            &pooled.data()[wins.clone()],
+            &argmax[wins],
+        );
         let mut sel = std::mem::take(&mut self.sel);
         sel.clear();
         sel.resize(hw, m * 0.0);
         for (ch, ((dp_, xp), ((gp, pp), ap))) in d
             .chunks_exact_mut(hw)
             .zip(x.chunks_exact(hw))
-            .zip(g.chunks_exact(ohw).zip(py.chunks_exact(ohw)).zip(am.chunks_exact(ohw)))
+            .zip(
+                g.chunks_exact(ohw)
+                    .zip(py.chunks_exact(ohw))
+                    .zip(am.chunks_exact(ohw)),
+            )
             .enumerate()
         {
             let (mu, is) = (self.mean[ch], self.invstd[ch]);
             let k = gamma[ch] * is / m;
-            pooled_input_grad(dp_, xp, gp, pp, ap, &mut sel, [mu, is, k, m, sum_g[ch], sum_gx[ch]]);
+            pooled_input_grad(
+                dp_,
+                xp,
+                gp,
+                pp,
+                ap,
+                &mut sel,
+                [mu, is, k, m, sum_g[ch], sum_gx[ch]],
+            );
         }
         self.sel = sel;
     }
@@ -729,7 +868,13 @@ impl BatchNorm2d {
     /// Training forward with batch statistics over all ranks (SyncBatchNorm): this rank's
     /// per-channel `Σx`, `Σx²` and count are summed through `sum` (an all-reduce), then every
     /// rank normalises with the global mean and variance.
-    pub fn forward_synced<E>(&mut self, p: &[f32], inp: &Tensor, out: &mut Tensor, sum: &mut SumFn<'_, E>) -> Result<(), E> {
+    pub fn forward_synced<E>(
+        &mut self,
+        p: &[f32],
+        inp: &Tensor,
+        out: &mut Tensor,
+        sum: &mut SumFn<'_, E>,
+    ) -> Result<(), E> {
         let (n, c, hw) = (inp.dims()[0], self.channels, inp.dims()[2] * inp.dims()[3]);
         let mut buf = std::mem::take(&mut self.scratch);
         buf.clear();

@@ -58,10 +58,16 @@ impl Conv2dParams {
             return Err(format!("conv2d expects [N, C, H, W] input, got {inp:?}"));
         };
         if c != self.in_c {
-            return Err(format!("conv2d expects {} input channels, got {c}", self.in_c));
+            return Err(format!(
+                "conv2d expects {} input channels, got {c}",
+                self.in_c
+            ));
         }
         if h + 2 * self.pad < self.kh || w + 2 * self.pad < self.kw || self.stride == 0 {
-            return Err(format!("conv2d kernel {}x{} does not fit input {h}x{w} with padding {}", self.kh, self.kw, self.pad));
+            return Err(format!(
+                "conv2d kernel {}x{} does not fit input {h}x{w} with padding {}",
+                self.kh, self.kw, self.pad
+            ));
         }
         Ok(vec![n, self.out_c, self.out_h(h), self.out_w(w)])
     }
@@ -164,7 +170,11 @@ pub fn im2col(cp: &Conv2dParams, inp: &[f32], h: usize, w: usize, col: &mut [f32
                     } else {
                         for (ox, d) in drow.iter_mut().enumerate() {
                             let ix = (ox * cp.stride + kj) as isize - cp.pad as isize;
-                            *d = if ix < 0 || ix >= w as isize { 0.0 } else { src[ix as usize] };
+                            *d = if ix < 0 || ix >= w as isize {
+                                0.0
+                            } else {
+                                src[ix as usize]
+                            };
                         }
                     }
                 }
@@ -223,7 +233,15 @@ pub fn col2im(cp: &Conv2dParams, col: &[f32], h: usize, w: usize, dinp: &mut [f3
 /// then `oh` plain copies of `ow` floats, with no bounds tests or zero fills per row (the general
 /// version spends most of its time on those for the 14-wide maps of the big layer).
 /// `padded` is scratch, resized here. Other strides fall back to [`im2col`].
-pub fn im2col_fast(cp: &Conv2dParams, inp: &[f32], h: usize, w: usize, col: &mut [f32], ld: usize, padded: &mut Vec<f32>) {
+pub fn im2col_fast(
+    cp: &Conv2dParams,
+    inp: &[f32],
+    h: usize,
+    w: usize,
+    col: &mut [f32],
+    ld: usize,
+    padded: &mut Vec<f32>,
+) {
     if cp.stride != 1 {
         return im2col(cp, inp, h, w, col, ld);
     }
@@ -254,7 +272,15 @@ pub fn im2col_fast(cp: &Conv2dParams, inp: &[f32], h: usize, w: usize, col: &mut
 /// [`col2im`] for stride 1 through a zero-padded accumulator plane (mirror of [`im2col_fast`]):
 /// every column row adds `oh` runs of `ow` floats, with no bounds tests; the interior is copied
 /// out at the end. Other strides fall back to [`col2im`].
-pub fn col2im_fast(cp: &Conv2dParams, col: &[f32], h: usize, w: usize, dinp: &mut [f32], ld: usize, padded: &mut Vec<f32>) {
+pub fn col2im_fast(
+    cp: &Conv2dParams,
+    col: &[f32],
+    h: usize,
+    w: usize,
+    dinp: &mut [f32],
+    ld: usize,
+    padded: &mut Vec<f32>,
+) {
     if cp.stride != 1 {
         return col2im(cp, col, h, w, dinp, ld);
     }
@@ -286,7 +312,16 @@ pub fn col2im_fast(cp: &Conv2dParams, col: &[f32], h: usize, w: usize, dinp: &mu
 
 /// Naive CPU reference of the forward pass (direct loops), for tests.
 #[allow(clippy::too_many_arguments)]
-pub fn conv2d_forward_cpu(cp: &Conv2dParams, out: &mut [f32], inp: &[f32], weight: &[f32], bias: &[f32], n: usize, h: usize, w: usize) {
+pub fn conv2d_forward_cpu(
+    cp: &Conv2dParams,
+    out: &mut [f32],
+    inp: &[f32],
+    weight: &[f32],
+    bias: &[f32],
+    n: usize,
+    h: usize,
+    w: usize,
+) {
     let (oh, ow) = (cp.out_h(h), cp.out_w(w));
     for b in 0..n {
         for oc in 0..cp.out_c {
@@ -299,7 +334,8 @@ pub fn conv2d_forward_cpu(cp: &Conv2dParams, out: &mut [f32], inp: &[f32], weigh
                                 let iy = (oy * cp.stride + ki) as isize - cp.pad as isize;
                                 let ix = (ox * cp.stride + kj) as isize - cp.pad as isize;
                                 if iy >= 0 && ix >= 0 && (iy as usize) < h && (ix as usize) < w {
-                                    let x = inp[((b * cp.in_c + c) * h + iy as usize) * w + ix as usize];
+                                    let x = inp
+                                        [((b * cp.in_c + c) * h + iy as usize) * w + ix as usize];
                                     let wt = weight[((oc * cp.in_c + c) * cp.kh + ki) * cp.kw + kj];
                                     s += x as f64 * wt as f64;
                                 }
@@ -324,8 +360,16 @@ impl Layer for Conv2d {
         let cp = &self.params;
         let bound = 1.0 / (cp.k() as f32).sqrt();
         vec![
-            ParamSpec { name: "weight", dims: vec![cp.out_c, cp.in_c, cp.kh, cp.kw], init: Init::Uniform(bound) },
-            ParamSpec { name: "bias", dims: vec![cp.out_c], init: Init::Uniform(bound) },
+            ParamSpec {
+                name: "weight",
+                dims: vec![cp.out_c, cp.in_c, cp.kh, cp.kw],
+                init: Init::Uniform(bound),
+            },
+            ParamSpec {
+                name: "bias",
+                dims: vec![cp.out_c],
+                init: Init::Uniform(bound),
+            },
         ]
     }
     fn forward(&mut self, p: &[f32], inp: &Tensor, out: &mut Tensor, train: bool) {
@@ -336,12 +380,30 @@ impl Layer for Conv2d {
         out.resize(&[n, oc, oh, ow]);
         if self.winograd() {
             let (weight, bias) = p.split_at(oc * k);
-            self.wino.forward(weight, Some(bias), inp.data(), n, cp.in_c, oc, h, w, out.data_mut());
+            self.wino.forward(
+                weight,
+                Some(bias),
+                inp.data(),
+                n,
+                cp.in_c,
+                oc,
+                h,
+                w,
+                out.data_mut(),
+            );
             return;
         }
         self.forward_samples(p, inp, out, train, None);
     }
-    fn backward(&mut self, p: &[f32], dp: &mut [f32], inp: &Tensor, _out: &Tensor, dout: &Tensor, dinp: Option<&mut Tensor>) {
+    fn backward(
+        &mut self,
+        p: &[f32],
+        dp: &mut [f32],
+        inp: &Tensor,
+        _out: &Tensor,
+        dout: &Tensor,
+        dinp: Option<&mut Tensor>,
+    ) {
         let cp = self.params;
         let (n, h, w) = (inp.dims()[0], inp.dims()[2], inp.dims()[3]);
         let (oh, ow) = (cp.out_h(h), cp.out_w(w));
@@ -356,7 +418,18 @@ impl Layer for Conv2d {
                 d.resize(inp.dims());
                 d.data_mut()
             });
-            self.wino.backward(weight, inp.data(), dout.data(), n, cp.in_c, oc, h, w, dweight, dx);
+            self.wino.backward(
+                weight,
+                inp.data(),
+                dout.data(),
+                n,
+                cp.in_c,
+                oc,
+                h,
+                w,
+                dweight,
+                dx,
+            );
             return;
         }
         self.backward_samples(p, dp, inp, DoutSource::Tensor(dout.data()), dinp);
@@ -388,8 +461,18 @@ impl Conv2d {
     /// each sample's output is written, `sink(b, output)` sees it while it is still in cache
     /// (the fused BatchNorm group after conv1 takes its statistics and pools there). Panics on
     /// the Winograd path (see [`Conv2d::streams_samples`]).
-    pub(crate) fn forward_samples(&mut self, p: &[f32], inp: &Tensor, out: &mut Tensor, train: bool, mut sink: Option<SampleSink<'_>>) {
-        assert!(self.streams_samples(), "the Winograd path does not run sample by sample");
+    pub(crate) fn forward_samples(
+        &mut self,
+        p: &[f32],
+        inp: &Tensor,
+        out: &mut Tensor,
+        train: bool,
+        mut sink: Option<SampleSink<'_>>,
+    ) {
+        assert!(
+            self.streams_samples(),
+            "the Winograd path does not run sample by sample"
+        );
         let cp = self.params;
         let (n, h, w) = (inp.dims()[0], inp.dims()[2], inp.dims()[3]);
         let (oh, ow) = (cp.out_h(h), cp.out_w(w));
@@ -402,8 +485,20 @@ impl Conv2d {
         let (weight, bias) = p.split_at(oc * k);
         let (in_sz, out_sz) = (cp.in_c * h * w, oc * pp);
         for b in 0..n {
-            let col = if train { &mut self.col[k * b * pp..k * (b + 1) * pp] } else { &mut self.col[..k * pp] };
-            im2col_fast(&cp, &inp.data()[b * in_sz..(b + 1) * in_sz], h, w, col, pp, &mut self.padded);
+            let col = if train {
+                &mut self.col[k * b * pp..k * (b + 1) * pp]
+            } else {
+                &mut self.col[..k * pp]
+            };
+            im2col_fast(
+                &cp,
+                &inp.data()[b * in_sz..(b + 1) * in_sz],
+                h,
+                w,
+                col,
+                pp,
+                &mut self.padded,
+            );
             // out[OC, P] = W[OC, K] · col[K, P], straight into the sample's NCHW planes.
             let o = &mut out.data_mut()[b * out_sz..(b + 1) * out_sz];
             matmul(oc, pp, k, o, weight, Trans::No, col, Trans::No, false);
@@ -430,7 +525,10 @@ impl Conv2d {
         mut src: DoutSource<'_>,
         mut dinp: Option<&mut Tensor>,
     ) {
-        assert!(self.streams_samples(), "the Winograd path does not run sample by sample");
+        assert!(
+            self.streams_samples(),
+            "the Winograd path does not run sample by sample"
+        );
         let cp = self.params;
         let (n, h, w) = (inp.dims()[0], inp.dims()[2], inp.dims()[3]);
         let (oh, ow) = (cp.out_h(h), cp.out_w(w));
@@ -468,15 +566,51 @@ impl Conv2d {
             let col = if have {
                 &self.col[k * b * pp..k * (b + 1) * pp]
             } else {
-                im2col_fast(&cp, &inp.data()[b * in_sz..(b + 1) * in_sz], h, w, &mut self.col, pp, &mut self.padded);
+                im2col_fast(
+                    &cp,
+                    &inp.data()[b * in_sz..(b + 1) * in_sz],
+                    h,
+                    w,
+                    &mut self.col,
+                    pp,
+                    &mut self.padded,
+                );
                 &self.col[..k * pp]
             };
             // dW^T[K, OC] += col[K, P] · dY^T[P, OC]
-            matmul(k, oc, pp, &mut self.dwt, col, Trans::No, g, Trans::Yes, true);
+            matmul(
+                k,
+                oc,
+                pp,
+                &mut self.dwt,
+                col,
+                Trans::No,
+                g,
+                Trans::Yes,
+                true,
+            );
             if let Some(d) = dinp.as_deref_mut() {
                 // dcol[K, P] = W^T · dY, folded back into the sample.
-                matmul(k, pp, oc, &mut self.dcol, weight, Trans::Yes, g, Trans::No, false);
-                col2im_fast(&cp, &self.dcol, h, w, &mut d.data_mut()[b * in_sz..(b + 1) * in_sz], pp, &mut self.padded);
+                matmul(
+                    k,
+                    pp,
+                    oc,
+                    &mut self.dcol,
+                    weight,
+                    Trans::Yes,
+                    g,
+                    Trans::No,
+                    false,
+                );
+                col2im_fast(
+                    &cp,
+                    &self.dcol,
+                    h,
+                    w,
+                    &mut d.data_mut()[b * in_sz..(b + 1) * in_sz],
+                    pp,
+                    &mut self.padded,
+                );
             }
         }
         for (c, drow) in dweight.chunks_exact_mut(k).enumerate() {
@@ -496,21 +630,35 @@ mod tests {
     #[test]
     fn conv2d_forward_matches_direct_loops() {
         for (stride, pad) in [(1, 0), (1, 2), (2, 1), (3, 0)] {
-            let cp = Conv2dParams { in_c: 3, out_c: 4, kh: 3, kw: 2, stride, pad };
+            let cp = Conv2dParams {
+                in_c: 3,
+                out_c: 4,
+                kh: 3,
+                kw: 2,
+                stride,
+                pad,
+            };
             let mut layer = Conv2d::new(cp);
             let mut rng = Rng::new(5, 5);
             let np: usize = layer.param_specs().iter().map(|s| s.numel()).sum();
             let p: Vec<f32> = (0..np).map(|_| rng.uniform(-1.0, 1.0)).collect();
             // 11 samples: more than one chunk, with a partial last chunk.
             let dims = [11, 3, 7, 6];
-            let inp = Tensor::from_vec(&dims, (0..11 * 3 * 42).map(|_| rng.uniform(-1.0, 1.0)).collect()).unwrap();
+            let inp = Tensor::from_vec(
+                &dims,
+                (0..11 * 3 * 42).map(|_| rng.uniform(-1.0, 1.0)).collect(),
+            )
+            .unwrap();
             let mut out = Tensor::default();
             layer.forward(&p, &inp, &mut out, true);
             let mut reference = vec![0.0; out.numel()];
             let (w, b) = p.split_at(4 * cp.k());
             conv2d_forward_cpu(&cp, &mut reference, inp.data(), w, b, 11, 7, 6);
             for (i, (x, y)) in out.data().iter().zip(&reference).enumerate() {
-                assert!((x - y).abs() < 1e-4, "stride {stride} pad {pad}: out[{i}] {x} vs {y}");
+                assert!(
+                    (x - y).abs() < 1e-4,
+                    "stride {stride} pad {pad}: out[{i}] {x} vs {y}"
+                );
             }
         }
     }
@@ -521,14 +669,25 @@ mod tests {
     fn fast_im2col_col2im_match_general() {
         let mut rng = Rng::new(3, 3);
         for (h, w, pad, kh, kw) in [(7, 6, 2, 5, 5), (5, 5, 0, 3, 2), (4, 9, 1, 3, 3)] {
-            let cp = Conv2dParams { in_c: 3, out_c: 2, kh, kw, stride: 1, pad };
+            let cp = Conv2dParams {
+                in_c: 3,
+                out_c: 2,
+                kh,
+                kw,
+                stride: 1,
+                pad,
+            };
             let (p, ld) = (cp.out_h(h) * cp.out_w(w), cp.out_h(h) * cp.out_w(w) + 3);
             let inp: Vec<f32> = (0..3 * h * w).map(|_| rng.uniform(-1.0, 1.0)).collect();
             let (mut a, mut b) = (vec![9.0; cp.k() * ld], vec![9.0; cp.k() * ld]);
             im2col(&cp, &inp, h, w, &mut a, ld);
             im2col_fast(&cp, &inp, h, w, &mut b, ld, &mut Vec::new());
             for r in 0..cp.k() {
-                assert_eq!(a[r * ld..r * ld + p], b[r * ld..r * ld + p], "im2col row {r}");
+                assert_eq!(
+                    a[r * ld..r * ld + p],
+                    b[r * ld..r * ld + p],
+                    "im2col row {r}"
+                );
             }
             let col: Vec<f32> = (0..cp.k() * ld).map(|_| rng.uniform(-1.0, 1.0)).collect();
             let (mut x, mut y) = (vec![5.0; 3 * h * w], vec![5.0; 3 * h * w]);
@@ -544,17 +703,29 @@ mod tests {
     /// recomputes them (after an evaluation forward on the same input).
     #[test]
     fn backward_with_and_without_kept_columns() {
-        let cp = Conv2dParams { in_c: 3, out_c: 4, kh: 5, kw: 5, stride: 1, pad: 2 };
+        let cp = Conv2dParams {
+            in_c: 3,
+            out_c: 4,
+            kh: 5,
+            kw: 5,
+            stride: 1,
+            pad: 2,
+        };
         let mut layer = Conv2d::new(cp);
         let mut rng = Rng::new(8, 8);
         let np: usize = layer.param_specs().iter().map(|s| s.numel()).sum();
         let p: Vec<f32> = (0..np).map(|_| rng.uniform(-1.0, 1.0)).collect();
         let dims = [7, 3, 6, 5];
         let n: usize = dims.iter().product();
-        let inp = Tensor::from_vec(&dims, (0..n).map(|_| rng.uniform(-1.0, 1.0)).collect()).unwrap();
+        let inp =
+            Tensor::from_vec(&dims, (0..n).map(|_| rng.uniform(-1.0, 1.0)).collect()).unwrap();
         let mut out = Tensor::default();
         layer.forward(&p, &inp, &mut out, true);
-        let dout = Tensor::from_vec(out.dims(), (0..out.numel()).map(|_| rng.uniform(-1.0, 1.0)).collect()).unwrap();
+        let dout = Tensor::from_vec(
+            out.dims(),
+            (0..out.numel()).map(|_| rng.uniform(-1.0, 1.0)).collect(),
+        )
+        .unwrap();
         let (mut dp1, mut dp2) = (vec![0.0; np], vec![0.0; np]);
         let (mut d1, mut d2) = (Tensor::default(), Tensor::default());
         layer.backward(&p, &mut dp1, &inp, &out, &dout, Some(&mut d1));
@@ -568,7 +739,14 @@ mod tests {
     /// backward independent of which forward (training or evaluation) ran last.
     #[test]
     fn winograd_path_forward_and_stateless_backward() {
-        let cp = Conv2dParams { in_c: 8, out_c: 3, kh: 5, kw: 5, stride: 1, pad: 2 };
+        let cp = Conv2dParams {
+            in_c: 8,
+            out_c: 3,
+            kh: 5,
+            kw: 5,
+            stride: 1,
+            pad: 2,
+        };
         let mut layer = Conv2d::new(cp);
         assert!(layer.winograd());
         let mut rng = Rng::new(9, 9);
@@ -576,7 +754,8 @@ mod tests {
         let p: Vec<f32> = (0..np).map(|_| rng.uniform(-1.0, 1.0)).collect();
         let dims = [3, 8, 6, 5];
         let n: usize = dims.iter().product();
-        let inp = Tensor::from_vec(&dims, (0..n).map(|_| rng.uniform(-1.0, 1.0)).collect()).unwrap();
+        let inp =
+            Tensor::from_vec(&dims, (0..n).map(|_| rng.uniform(-1.0, 1.0)).collect()).unwrap();
         let mut out = Tensor::default();
         layer.forward(&p, &inp, &mut out, true);
         let mut reference = vec![0.0; out.numel()];
@@ -585,7 +764,11 @@ mod tests {
         for (x, y) in out.data().iter().zip(&reference) {
             assert!((x - y).abs() < 1e-4, "{x} vs {y}");
         }
-        let dout = Tensor::from_vec(out.dims(), (0..out.numel()).map(|_| rng.uniform(-1.0, 1.0)).collect()).unwrap();
+        let dout = Tensor::from_vec(
+            out.dims(),
+            (0..out.numel()).map(|_| rng.uniform(-1.0, 1.0)).collect(),
+        )
+        .unwrap();
         let (mut dp1, mut dp2) = (vec![0.0; np], vec![0.0; np]);
         let (mut d1, mut d2) = (Tensor::default(), Tensor::default());
         layer.backward(&p, &mut dp1, &inp, &out, &dout, Some(&mut d1));
@@ -599,16 +782,37 @@ mod tests {
     fn conv2d_gradcheck() {
         // The Winograd path.
         {
-            let cp = Conv2dParams { in_c: 8, out_c: 2, kh: 5, kw: 5, stride: 1, pad: 2 };
+            let cp = Conv2dParams {
+                in_c: 8,
+                out_c: 2,
+                kh: 5,
+                kw: 5,
+                stride: 1,
+                pad: 2,
+            };
             crate::train::layers::gradcheck::check(&mut Conv2d::new(cp), &[2, 8, 4, 3], true, 13);
         }
         for (stride, pad) in [(1, 2), (2, 1)] {
-            let cp = Conv2dParams { in_c: 2, out_c: 3, kh: 3, kw: 3, stride, pad };
+            let cp = Conv2dParams {
+                in_c: 2,
+                out_c: 3,
+                kh: 3,
+                kw: 3,
+                stride,
+                pad,
+            };
             crate::train::layers::gradcheck::check(&mut Conv2d::new(cp), &[2, 2, 5, 5], true, 11);
         }
         // Several samples, so the per-sample bookkeeping of the kept columns is checked too.
         {
-            let cp = Conv2dParams { in_c: 1, out_c: 2, kh: 3, kw: 3, stride: 1, pad: 1 };
+            let cp = Conv2dParams {
+                in_c: 1,
+                out_c: 2,
+                kh: 3,
+                kw: 3,
+                stride: 1,
+                pad: 1,
+            };
             crate::train::layers::gradcheck::check(&mut Conv2d::new(cp), &[6, 1, 3, 3], true, 12);
         }
     }

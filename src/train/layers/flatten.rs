@@ -23,7 +23,15 @@ impl Layer for Flatten {
         out.resize(&[n, inp.numel() / n.max(1)]);
         out.data_mut().copy_from_slice(inp.data());
     }
-    fn backward(&mut self, _p: &[f32], _dp: &mut [f32], inp: &Tensor, _out: &Tensor, dout: &Tensor, dinp: Option<&mut Tensor>) {
+    fn backward(
+        &mut self,
+        _p: &[f32],
+        _dp: &mut [f32],
+        inp: &Tensor,
+        _out: &Tensor,
+        dout: &Tensor,
+        dinp: Option<&mut Tensor>,
+    ) {
         if let Some(dinp) = dinp {
             dinp.resize(inp.dims());
             dinp.data_mut().copy_from_slice(dout.data());

@@ -14,27 +14,48 @@ pub fn check(layer: &mut dyn Layer, inp_dims: &[usize], check_input: bool, seed:
 
 /// [`check`] with an explicit finite-difference step (smaller for layers with kinks, where a
 /// large step could move an input across a max or zero).
-pub fn check_with_step(layer: &mut dyn Layer, inp_dims: &[usize], check_input: bool, seed: u64, h: f32) {
+pub fn check_with_step(
+    layer: &mut dyn Layer,
+    inp_dims: &[usize],
+    check_input: bool,
+    seed: u64,
+    h: f32,
+) {
     let mut rng = Rng::new(seed, 99);
     let specs = layer.param_specs();
     let np: usize = specs.iter().map(|s| s.numel()).sum();
     let mut p: Vec<f32> = (0..np).map(|_| rng.uniform(-1.0, 1.0)).collect();
     let inp_n: usize = inp_dims.iter().product();
-    let mut inp = Tensor::from_vec(inp_dims, (0..inp_n).map(|_| rng.uniform(-1.0, 1.0)).collect()).unwrap();
+    let mut inp = Tensor::from_vec(
+        inp_dims,
+        (0..inp_n).map(|_| rng.uniform(-1.0, 1.0)).collect(),
+    )
+    .unwrap();
     let od = layer.out_dims(inp_dims).unwrap();
     let on: usize = od.iter().product();
     let w: Vec<f32> = (0..on).map(|_| rng.uniform(-1.0, 1.0)).collect();
     let loss = |layer: &mut dyn Layer, p: &[f32], inp: &Tensor| -> f64 {
         let mut out = Tensor::zeros(&od);
         layer.forward(p, inp, &mut out, true);
-        out.data().iter().zip(&w).map(|(a, b)| *a as f64 * *b as f64).sum()
+        out.data()
+            .iter()
+            .zip(&w)
+            .map(|(a, b)| *a as f64 * *b as f64)
+            .sum()
     };
     let mut out = Tensor::zeros(&od);
     layer.forward(&p, &inp, &mut out, true);
     let dout = Tensor::from_vec(&od, w.clone()).unwrap();
     let mut dp = vec![0.0f32; np];
     let mut dinp = Tensor::zeros(inp_dims);
-    layer.backward(&p, &mut dp, &inp, &out, &dout, if check_input { Some(&mut dinp) } else { None });
+    layer.backward(
+        &p,
+        &mut dp,
+        &inp,
+        &out,
+        &dout,
+        if check_input { Some(&mut dinp) } else { None },
+    );
     let kind = layer.kind();
     let mut num_dp = vec![0.0f64; np];
     for i in 0..np {
@@ -74,5 +95,10 @@ pub fn assert_close(name: &str, got: &[f32], want: &[f64], atol: f64, rtol: f64)
             }
         }
     }
-    assert!(bad.is_empty(), "{name}: mismatches (first {}):\n{}", bad.len(), bad.join("\n"));
+    assert!(
+        bad.is_empty(),
+        "{name}: mismatches (first {}):\n{}",
+        bad.len(),
+        bad.join("\n")
+    );
 }

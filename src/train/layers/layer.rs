@@ -76,5 +76,13 @@ pub trait Layer: Send + std::any::Any {
     fn forward(&mut self, p: &[f32], inp: &Tensor, out: &mut Tensor, train: bool);
     /// Accumulate parameter gradients into `dp` and, when `dinp` is given, overwrite it with the
     /// gradient of the loss with respect to `inp`.
-    fn backward(&mut self, p: &[f32], dp: &mut [f32], inp: &Tensor, out: &Tensor, dout: &Tensor, dinp: Option<&mut Tensor>);
+    fn backward(
+        &mut self,
+        p: &[f32],
+        dp: &mut [f32],
+        inp: &Tensor,
+        out: &Tensor,
+        dout: &Tensor,
+        dinp: Option<&mut Tensor>,
+    );
 }

@@ -35,8 +35,16 @@ impl Layer for Linear {
     fn param_specs(&self) -> Vec<ParamSpec> {
         let bound = 1.0 / (self.in_f as f32).sqrt();
         vec![
-            ParamSpec { name: "weight", dims: vec![self.out_f, self.in_f], init: Init::Uniform(bound) },
-            ParamSpec { name: "bias", dims: vec![self.out_f], init: Init::Uniform(bound) },
+            ParamSpec {
+                name: "weight",
+                dims: vec![self.out_f, self.in_f],
+                init: Init::Uniform(bound),
+            },
+            ParamSpec {
+                name: "bias",
+                dims: vec![self.out_f],
+                init: Init::Uniform(bound),
+            },
         ]
     }
     fn forward(&mut self, p: &[f32], inp: &Tensor, out: &mut Tensor, _train: bool) {
@@ -46,9 +54,27 @@ impl Layer for Linear {
         for row in out.data_mut().chunks_exact_mut(self.out_f) {
             row.copy_from_slice(b);
         }
-        matmul(n, self.out_f, self.in_f, out.data_mut(), inp.data(), Trans::No, w, Trans::Yes, true);
+        matmul(
+            n,
+            self.out_f,
+            self.in_f,
+            out.data_mut(),
+            inp.data(),
+            Trans::No,
+            w,
+            Trans::Yes,
+            true,
+        );
     }
-    fn backward(&mut self, p: &[f32], dp: &mut [f32], inp: &Tensor, _out: &Tensor, dout: &Tensor, dinp: Option<&mut Tensor>) {
+    fn backward(
+        &mut self,
+        p: &[f32],
+        dp: &mut [f32],
+        inp: &Tensor,
+        _out: &Tensor,
+        dout: &Tensor,
+        dinp: Option<&mut Tensor>,
+    ) {
         let n = inp.dims()[0];
         let (dw, db) = dp.split_at_mut(self.out_f * self.in_f);
         for row in dout.data().chunks_exact(self.out_f) {
@@ -56,11 +82,31 @@ impl Layer for Linear {
                 *d += g;
             }
         }
-        matmul(self.out_f, self.in_f, n, dw, dout.data(), Trans::Yes, inp.data(), Trans::No, true);
+        matmul(
+            self.out_f,
+            self.in_f,
+            n,
+            dw,
+            dout.data(),
+            Trans::Yes,
+            inp.data(),
+            Trans::No,
+            true,
+        );
         if let Some(dinp) = dinp {
             dinp.resize(inp.dims());
             let w = &p[..self.out_f * self.in_f];
-            matmul(n, self.in_f, self.out_f, dinp.data_mut(), dout.data(), Trans::No, w, Trans::No, false);
+            matmul(
+                n,
+                self.in_f,
+                self.out_f,
+                dinp.data_mut(),
+                dout.data(),
+                Trans::No,
+                w,
+                Trans::No,
+                false,
+            );
         }
     }
 }

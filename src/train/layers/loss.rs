@@ -16,7 +16,12 @@ impl SoftmaxCrossEntropy {
         let (n, c) = (logits.dims()[0], logits.dims()[1]);
         self.probs.resize(n * c, 0.0);
         let mut total = 0.0f64;
-        for (i, (row, pr)) in logits.data().chunks_exact(c).zip(self.probs.chunks_exact_mut(c)).enumerate() {
+        for (i, (row, pr)) in logits
+            .data()
+            .chunks_exact(c)
+            .zip(self.probs.chunks_exact_mut(c))
+            .enumerate()
+        {
             // Subtract the max before exp so large logits cannot overflow.
             let mx = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
             let mut s = 0.0f32;
@@ -37,7 +42,12 @@ impl SoftmaxCrossEntropy {
         let (n, c) = (logits_dims[0], logits_dims[1]);
         dlogits.resize(logits_dims);
         let inv_n = 1.0 / n as f32;
-        for (i, (d, p)) in dlogits.data_mut().chunks_exact_mut(c).zip(self.probs.chunks_exact(c)).enumerate() {
+        for (i, (d, p)) in dlogits
+            .data_mut()
+            .chunks_exact_mut(c)
+            .zip(self.probs.chunks_exact(c))
+            .enumerate()
+        {
             for (j, (dv, &pv)) in d.iter_mut().zip(p).enumerate() {
                 *dv = (pv - if j == targets[i] as usize { 1.0 } else { 0.0 }) * inv_n;
             }
@@ -54,7 +64,8 @@ mod tests {
     fn loss_gradcheck() {
         let mut rng = Rng::new(1, 2);
         let dims = [4, 5];
-        let mut logits = Tensor::from_vec(&dims, (0..20).map(|_| rng.uniform(-3.0, 3.0)).collect()).unwrap();
+        let mut logits =
+            Tensor::from_vec(&dims, (0..20).map(|_| rng.uniform(-3.0, 3.0)).collect()).unwrap();
         let targets = [0u8, 4, 2, 2];
         let mut ce = SoftmaxCrossEntropy::default();
         ce.forward(&logits, &targets);
@@ -69,7 +80,11 @@ mod tests {
             let lm = ce.forward(&logits, &targets) as f64;
             logits.data_mut()[i] = o;
             let num = (lp - lm) / (2.0 * h as f64);
-            assert!((num - d.data()[i] as f64).abs() < 1e-3, "dlogits[{i}]: numeric {num} vs analytic {}", d.data()[i]);
+            assert!(
+                (num - d.data()[i] as f64).abs() < 1e-3,
+                "dlogits[{i}]: numeric {num} vs analytic {}",
+                d.data()[i]
+            );
         }
         // Uniform logits give ln(C).
         let z = Tensor::zeros(&[1, 10]);

@@ -19,7 +19,11 @@ pub struct MaxPool2d {
 impl MaxPool2d {
     /// A pool with window `kernel` and stride `stride`.
     pub fn new(kernel: usize, stride: usize) -> MaxPool2d {
-        MaxPool2d { kernel, stride, argmax: Vec::new() }
+        MaxPool2d {
+            kernel,
+            stride,
+            argmax: Vec::new(),
+        }
     }
 }
 
@@ -29,10 +33,16 @@ impl Layer for MaxPool2d {
     }
     fn out_dims(&self, inp: &[usize]) -> Result<Vec<usize>, String> {
         match *inp {
-            [n, c, h, w] if h >= self.kernel && w >= self.kernel && self.stride > 0 => {
-                Ok(vec![n, c, (h - self.kernel) / self.stride + 1, (w - self.kernel) / self.stride + 1])
-            }
-            _ => Err(format!("maxpool2d({}) expects [N, C, H, W] with H, W >= {}, got {inp:?}", self.kernel, self.kernel)),
+            [n, c, h, w] if h >= self.kernel && w >= self.kernel && self.stride > 0 => Ok(vec![
+                n,
+                c,
+                (h - self.kernel) / self.stride + 1,
+                (w - self.kernel) / self.stride + 1,
+            ]),
+            _ => Err(format!(
+                "maxpool2d({}) expects [N, C, H, W] with H, W >= {}, got {inp:?}",
+                self.kernel, self.kernel
+            )),
         }
     }
     fn forward(&mut self, _p: &[f32], inp: &Tensor, out: &mut Tensor, _train: bool) {
@@ -100,7 +110,15 @@ impl Layer for MaxPool2d {
             }
         }
     }
-    fn backward(&mut self, _p: &[f32], _dp: &mut [f32], inp: &Tensor, out: &Tensor, dout: &Tensor, dinp: Option<&mut Tensor>) {
+    fn backward(
+        &mut self,
+        _p: &[f32],
+        _dp: &mut [f32],
+        inp: &Tensor,
+        out: &Tensor,
+        dout: &Tensor,
+        dinp: Option<&mut Tensor>,
+    ) {
         let Some(dinp) = dinp else { return };
         let d = inp.dims();
         let hw = d[2] * d[3];
@@ -123,16 +141,29 @@ mod tests {
     #[test]
     fn maxpool_gradcheck() {
         // A small step so no perturbation moves a window's maximum to another element.
-        crate::train::layers::gradcheck::check_with_step(&mut MaxPool2d::new(2, 2), &[2, 2, 4, 5], true, 5, 1e-3);
+        crate::train::layers::gradcheck::check_with_step(
+            &mut MaxPool2d::new(2, 2),
+            &[2, 2, 4, 5],
+            true,
+            5,
+            1e-3,
+        );
     }
     #[test]
     fn maxpool_general_path_gradcheck() {
-        crate::train::layers::gradcheck::check_with_step(&mut MaxPool2d::new(3, 2), &[2, 2, 7, 5], true, 6, 1e-3);
+        crate::train::layers::gradcheck::check_with_step(
+            &mut MaxPool2d::new(3, 2),
+            &[2, 2, 7, 5],
+            true,
+            6,
+            1e-3,
+        );
     }
     #[test]
     fn maxpool_values() {
         let mut mp = MaxPool2d::new(2, 2);
-        let inp = Tensor::from_vec(&[1, 1, 2, 4], vec![1.0, 5.0, 2.0, 0.0, 3.0, 4.0, 7.0, 8.0]).unwrap();
+        let inp =
+            Tensor::from_vec(&[1, 1, 2, 4], vec![1.0, 5.0, 2.0, 0.0, 3.0, 4.0, 7.0, 8.0]).unwrap();
         let mut out = Tensor::default();
         mp.forward(&[], &inp, &mut out, true);
         assert_eq!(out.data(), &[5.0, 8.0]);

@@ -32,7 +32,15 @@ impl Layer for Relu {
         out.resize(inp.dims());
         relu_forward(out.data_mut(), inp.data());
     }
-    fn backward(&mut self, _p: &[f32], _dp: &mut [f32], inp: &Tensor, out: &Tensor, dout: &Tensor, dinp: Option<&mut Tensor>) {
+    fn backward(
+        &mut self,
+        _p: &[f32],
+        _dp: &mut [f32],
+        inp: &Tensor,
+        out: &Tensor,
+        dout: &Tensor,
+        dinp: Option<&mut Tensor>,
+    ) {
         if let Some(dinp) = dinp {
             dinp.resize(inp.dims());
             relu_backward(dinp.data_mut(), out.data(), dout.data());

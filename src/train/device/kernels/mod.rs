@@ -124,14 +124,26 @@ mod tests {
             .filter(|n| n.ends_with(".cu"))
             .collect();
         on_disk.sort();
-        let mut registered: Vec<String> = KernelId::ALL.iter().map(|k| k.file().to_string()).collect();
+        let mut registered: Vec<String> =
+            KernelId::ALL.iter().map(|k| k.file().to_string()).collect();
         registered.sort();
-        assert_eq!(on_disk, registered, "kernels/*.cu and KernelId::ALL differ: add a variant per file");
+        assert_eq!(
+            on_disk, registered,
+            "kernels/*.cu and KernelId::ALL differ: add a variant per file"
+        );
         let embedded: Vec<&str> = sources::ALL_SOURCES.iter().map(|s| s.name).collect();
         assert_eq!(embedded, registered, "build.rs table is stale");
         for k in KernelId::ALL {
-            assert_eq!(k.source().source, std::fs::read_to_string(dir.join(k.file())).unwrap(), "{k}: embedded text is stale");
-            assert!(!k.source().headers.is_empty() && k.source().source.contains("#include \"common.cuh\""), "{k}: headers");
+            assert_eq!(
+                k.source().source,
+                std::fs::read_to_string(dir.join(k.file())).unwrap(),
+                "{k}: embedded text is stale"
+            );
+            assert!(
+                !k.source().headers.is_empty()
+                    && k.source().source.contains("#include \"common.cuh\""),
+                "{k}: headers"
+            );
         }
     }
 
@@ -141,9 +153,19 @@ mod tests {
     #[test]
     fn generated_signatures_map_the_c_types() {
         use ArgKind::{Ptr, PtrMut, Scalar};
-        let sig = |k: KernelId, n: &str| k.signature(n).unwrap_or_else(|| panic!("{k} has no {n}")).args;
-        assert_eq!(sig(KernelId::Activation, "relu_forward_f32"), &[PtrMut(Dtype::F32), Ptr(Dtype::F32), Scalar(Dtype::I32)]);
-        assert_eq!(sig(KernelId::Elementwise, "fill_f32"), &[PtrMut(Dtype::F32), Scalar(Dtype::F32), Scalar(Dtype::I64)]);
+        let sig = |k: KernelId, n: &str| {
+            k.signature(n)
+                .unwrap_or_else(|| panic!("{k} has no {n}"))
+                .args
+        };
+        assert_eq!(
+            sig(KernelId::Activation, "relu_forward_f32"),
+            &[PtrMut(Dtype::F32), Ptr(Dtype::F32), Scalar(Dtype::I32)]
+        );
+        assert_eq!(
+            sig(KernelId::Elementwise, "fill_f32"),
+            &[PtrMut(Dtype::F32), Scalar(Dtype::F32), Scalar(Dtype::I64)]
+        );
         assert_eq!(
             sig(KernelId::Data, "gather_batch_f32"),
             &[
@@ -156,16 +178,45 @@ mod tests {
                 Scalar(Dtype::I32)
             ]
         );
-        assert_eq!(sig(KernelId::Data, "bucket_flatten_f32"), &[PtrMut(Dtype::F32), Ptr(Dtype::I64), Scalar(Dtype::I32)]);
-        assert_eq!(sig(KernelId::Data, "cast_f32_bf16"), &[PtrMut(Dtype::BF16), Ptr(Dtype::F32), Scalar(Dtype::I32)]);
+        assert_eq!(
+            sig(KernelId::Data, "bucket_flatten_f32"),
+            &[PtrMut(Dtype::F32), Ptr(Dtype::I64), Scalar(Dtype::I32)]
+        );
+        assert_eq!(
+            sig(KernelId::Data, "cast_f32_bf16"),
+            &[PtrMut(Dtype::BF16), Ptr(Dtype::F32), Scalar(Dtype::I32)]
+        );
         let conv = sig(KernelId::Conv2d, "conv2d_forward_bf16");
-        assert_eq!(conv[..4], [PtrMut(Dtype::F32), Ptr(Dtype::BF16), Ptr(Dtype::BF16), Ptr(Dtype::F32)]);
+        assert_eq!(
+            conv[..4],
+            [
+                PtrMut(Dtype::F32),
+                Ptr(Dtype::BF16),
+                Ptr(Dtype::BF16),
+                Ptr(Dtype::F32)
+            ]
+        );
         assert_eq!(conv[4..], [Scalar(Dtype::I32); 9]);
-        let names: Vec<&str> = KernelId::Linear.functions().iter().map(|s| s.name).collect();
+        let names: Vec<&str> = KernelId::Linear
+            .functions()
+            .iter()
+            .map(|s| s.name)
+            .collect();
         assert_eq!(names.len(), 12, "{names:?}");
         let conv = sig(KernelId::Conv2d, "conv2d_forward_f16");
-        assert_eq!(conv[..4], [PtrMut(Dtype::F32), Ptr(Dtype::F16), Ptr(Dtype::F16), Ptr(Dtype::F32)]);
-        assert_eq!(sig(KernelId::Data, "cast_f32_f16"), &[PtrMut(Dtype::F16), Ptr(Dtype::F32), Scalar(Dtype::I32)]);
+        assert_eq!(
+            conv[..4],
+            [
+                PtrMut(Dtype::F32),
+                Ptr(Dtype::F16),
+                Ptr(Dtype::F16),
+                Ptr(Dtype::F32)
+            ]
+        );
+        assert_eq!(
+            sig(KernelId::Data, "cast_f32_f16"),
+            &[PtrMut(Dtype::F16), Ptr(Dtype::F32), Scalar(Dtype::I32)]
+        );
         assert_eq!(names[0], "linear_forward_f32", "source order");
     }
 
@@ -173,21 +224,36 @@ mod tests {
     #[test]
     fn every_extern_c_declaration_is_in_the_table() {
         for k in KernelId::ALL {
-            let declared = k.source().source.lines().filter(|l| l.trim_start().starts_with("extern \"C\"")).count();
+            let declared = k
+                .source()
+                .source
+                .lines()
+                .filter(|l| l.trim_start().starts_with("extern \"C\""))
+                .count();
             assert_eq!(declared, k.functions().len(), "{k}");
             for s in k.functions() {
-                assert!(k.source().source.contains(&format!("{}(", s.name)), "{k}: {}", s.name);
+                assert!(
+                    k.source().source.contains(&format!("{}(", s.name)),
+                    "{k}: {}",
+                    s.name
+                );
             }
         }
     }
 
     #[test]
     fn every_entry_point_has_a_cpu_twin() {
-        let mut declared: Vec<&str> = KernelId::ALL.iter().flat_map(|k| k.functions().iter().map(|s| s.name)).collect();
+        let mut declared: Vec<&str> = KernelId::ALL
+            .iter()
+            .flat_map(|k| k.functions().iter().map(|s| s.name))
+            .collect();
         let mut twins = twins::TWINS.to_vec();
         declared.sort_unstable();
         twins.sort_unstable();
-        assert_eq!(declared, twins, "every kernel entry point needs a CPU twin in kernels/twins.rs (and a TWINS entry)");
+        assert_eq!(
+            declared, twins,
+            "every kernel entry point needs a CPU twin in kernels/twins.rs (and a TWINS entry)"
+        );
     }
 
     #[test]

@@ -75,7 +75,10 @@ pub fn scale_f32(x: &mut [f32], alpha: f32, n: i64) {
 }
 /// `y[i] += alpha * x[i]` for `i < n`.
 pub fn axpy_f32(y: &mut [f32], x: &[f32], alpha: f32, n: i64) {
-    y[..n as usize].iter_mut().zip(x).for_each(|(y, x)| *y += alpha * x);
+    y[..n as usize]
+        .iter_mut()
+        .zip(x)
+        .for_each(|(y, x)| *y += alpha * x);
 }
 
 /// `out[i] += partials[i] + partials[n + i] + ... + partials[(splits - 1) * n + i]`, the planes
@@ -97,7 +100,9 @@ pub fn splitk_reduce_f32(out: &mut [f32], partials: &[f32], splits: i32, n: i64)
 pub fn split_k_ranges(k: usize, splits: usize) -> Vec<std::ops::Range<usize>> {
     let splits = splits.max(1);
     let chunk = k.div_ceil(splits).div_ceil(GEMM_BK) * GEMM_BK;
-    (0..splits).map(|z| (z * chunk).min(k)..((z + 1) * chunk).min(k)).collect()
+    (0..splits)
+        .map(|z| (z * chunk).min(k)..((z + 1) * chunk).min(k))
+        .collect()
 }
 
 /// K chunk of the GEMM core (`GEMM_BK` in common.cuh).
@@ -170,14 +175,27 @@ pub fn batchnorm2d_forward_train_f32(
     let cnt = n * hw;
     for ch in 0..c {
         let plane = |b: usize| (b * c + ch) * hw..(b * c + ch + 1) * hw;
-        let s: f64 = (0..n).map(|b| inp[plane(b)].iter().map(|&x| x as f64).sum::<f64>()).sum();
+        let s: f64 = (0..n)
+            .map(|b| inp[plane(b)].iter().map(|&x| x as f64).sum::<f64>())
+            .sum();
         let mean = (s / cnt as f64) as f32;
-        let q: f64 = (0..n).map(|b| inp[plane(b)].iter().map(|&x| ((x - mean) as f64).powi(2)).sum::<f64>()).sum();
+        let q: f64 = (0..n)
+            .map(|b| {
+                inp[plane(b)]
+                    .iter()
+                    .map(|&x| ((x - mean) as f64).powi(2))
+                    .sum::<f64>()
+            })
+            .sum();
         let var = (q / cnt as f64) as f32;
         let invstd = 1.0 / (var + eps).sqrt();
         save_mean[ch] = mean;
         save_invstd[ch] = invstd;
-        let unbiased = if cnt > 1 { var * cnt as f32 / (cnt - 1) as f32 } else { var };
+        let unbiased = if cnt > 1 {
+            var * cnt as f32 / (cnt - 1) as f32
+        } else {
+            var
+        };
         running_mean[ch] = (1.0 - momentum) * running_mean[ch] + momentum * mean;
         running_var[ch] = (1.0 - momentum) * running_var[ch] + momentum * unbiased;
         let scale = invstd * weight[ch];
@@ -239,7 +257,13 @@ pub fn batchnorm2d_backward_f32(
     let cnt = (n * hw) as f32;
     // `!(out > 0)`, not `out <= 0`: a NaN output masks its gradient, as in the kernel.
     #[allow(clippy::neg_cmp_op_on_partial_ord)]
-    let g = |i: usize| if relu != 0 && !(out[i] > 0.0) { 0.0 } else { dout[i] };
+    let g = |i: usize| {
+        if relu != 0 && !(out[i] > 0.0) {
+            0.0
+        } else {
+            dout[i]
+        }
+    };
     for ch in 0..c {
         let (mean, invstd) = (save_mean[ch], save_invstd[ch]);
         let plane = |b: usize| (b * c + ch) * hw..(b * c + ch + 1) * hw;
@@ -336,13 +360,16 @@ fn conv2d_forward_t<T: Operand>(
                                 if ix < 0 || ix >= iw as isize {
                                     continue;
                                 }
-                                let x = inp[((n * cp.in_c + ic) * ih + iy as usize) * iw + ix as usize].f();
+                                let x = inp
+                                    [((n * cp.in_c + ic) * ih + iy as usize) * iw + ix as usize]
+                                    .f();
                                 let w = weight[((oc * cp.in_c + ic) * cp.kh + ky) * cp.kw + kx].f();
                                 acc += w * x;
                             }
                         }
                     }
-                    out[((n * cp.out_c + oc) * oh + oy) * ow + ox] = acc + bias.map_or(0.0, |b| b[oc]);
+                    out[((n * cp.out_c + oc) * oh + oy) * ow + ox] =
+                        acc + bias.map_or(0.0, |b| b[oc]);
                 }
             }
         }
@@ -429,15 +456,25 @@ fn conv2d_backward_weight_t<T: Operand>(
         }
         // In q order (as the GEMM's K), row by row: n, then oy, then ox within the slice.
         for n in qs.start / ohw..=(qs.end - 1) / ohw {
-            let (lo, hi) = (qs.start.max(n * ohw) - n * ohw, qs.end.min((n + 1) * ohw) - n * ohw);
+            let (lo, hi) = (
+                qs.start.max(n * ohw) - n * ohw,
+                qs.end.min((n + 1) * ohw) - n * ohw,
+            );
             for oy in lo / ow..=(hi - 1) / ow {
                 let iy = (oy * cp.stride + ky) as isize - cp.pad as isize;
                 if iy < 0 || iy >= ih as isize {
                     continue;
                 }
                 let ox_lo = if oy == lo / ow { lo % ow } else { 0 };
-                let ox_hi = if oy == (hi - 1) / ow { (hi - 1) % ow + 1 } else { ow };
-                let (grow, xrow) = (((n * cp.out_c + oc) * oh + oy) * ow, ((n * cp.in_c + ic) * ih + iy as usize) * iw);
+                let ox_hi = if oy == (hi - 1) / ow {
+                    (hi - 1) % ow + 1
+                } else {
+                    ow
+                };
+                let (grow, xrow) = (
+                    ((n * cp.out_c + oc) * oh + oy) * ow,
+                    ((n * cp.in_c + ic) * ih + iy as usize) * iw,
+                );
                 for ox in ox_lo..ox_hi {
                     let ix = (ox * cp.stride + kx) as isize - cp.pad as isize;
                     if ix < 0 || ix >= iw as isize {
@@ -449,15 +486,31 @@ fn conv2d_backward_weight_t<T: Operand>(
         }
         acc
     };
-    store_weight_grad(dweight, partials, cp.out_c * k, batch as usize * oh * ow, sum);
+    store_weight_grad(
+        dweight,
+        partials,
+        cp.out_c * k,
+        batch as usize * oh * ow,
+        sum,
+    );
 }
 
-fn conv2d_backward_bias_t<T: Operand>(dbias: &mut [f32], dout: &[T], batch: i32, out_c: i32, out_h: i32, out_w: i32) {
+fn conv2d_backward_bias_t<T: Operand>(
+    dbias: &mut [f32],
+    dout: &[T],
+    batch: i32,
+    out_c: i32,
+    out_h: i32,
+    out_w: i32,
+) {
     let (oc_n, ohw) = (out_c as usize, (out_h * out_w) as usize);
     for oc in 0..oc_n {
         let mut acc = 0.0f32;
         for n in 0..batch as usize {
-            acc += dout[(n * oc_n + oc) * ohw..(n * oc_n + oc + 1) * ohw].iter().map(|v| v.f()).sum::<f32>();
+            acc += dout[(n * oc_n + oc) * ohw..(n * oc_n + oc + 1) * ohw]
+                .iter()
+                .map(|v| v.f())
+                .sum::<f32>();
         }
         dbias[oc] += acc;
     }
@@ -571,7 +624,14 @@ fn linear_forward_t<T: Operand>(
     }
 }
 
-fn linear_backward_input_t<T: Operand>(dinp: &mut [f32], dout: &[T], weight: &[T], batch: i32, in_f: i32, out_f: i32) {
+fn linear_backward_input_t<T: Operand>(
+    dinp: &mut [f32],
+    dout: &[T],
+    weight: &[T],
+    batch: i32,
+    in_f: i32,
+    out_f: i32,
+) {
     let (inf, outf) = (in_f as usize, out_f as usize);
     for b in 0..batch as usize {
         for i in 0..inf {
@@ -701,13 +761,24 @@ pub fn softmax_xent_forward_f32(
         total += l as f64;
         nc += (am == t) as i32;
     }
-    mean_loss[0] = if batch > 0 { (total / batch as f64) as f32 } else { 0.0 };
+    mean_loss[0] = if batch > 0 {
+        (total / batch as f64) as f32
+    } else {
+        0.0
+    };
     correct[0] = nc;
 }
 
 /// `dlogits = (probs - onehot(targets)) * (scale[0] / batch)` (overwritten): the loss-scaled
 /// gradient of fp16 training.
-pub fn softmax_xent_backward_scaled_f32(dlogits: &mut [f32], probs: &[f32], targets: &[i32], batch: i32, classes: i32, scale: &[f32]) {
+pub fn softmax_xent_backward_scaled_f32(
+    dlogits: &mut [f32],
+    probs: &[f32],
+    targets: &[i32],
+    batch: i32,
+    classes: i32,
+    scale: &[f32],
+) {
     let c = classes as usize;
     let k = scale[0] / batch as f32;
     for i in 0..batch as usize * c {
@@ -717,7 +788,13 @@ pub fn softmax_xent_backward_scaled_f32(dlogits: &mut [f32], probs: &[f32], targ
 }
 
 /// `dlogits = (probs - onehot(targets)) / batch` (overwritten).
-pub fn softmax_xent_backward_f32(dlogits: &mut [f32], probs: &[f32], targets: &[i32], batch: i32, classes: i32) {
+pub fn softmax_xent_backward_f32(
+    dlogits: &mut [f32],
+    probs: &[f32],
+    targets: &[i32],
+    batch: i32,
+    classes: i32,
+) {
     let c = classes as usize;
     let inv_b = 1.0 / batch as f32;
     for i in 0..batch as usize * c {
@@ -802,7 +879,11 @@ pub fn grad_norm_partials_f32(partials: &mut [f32], grads: &[f32], n: i32, num_p
     for (k, out) in partials[..np].iter_mut().enumerate() {
         let mut s = [0.0f64; CLIP_THREADS];
         for (t, acc) in s.iter_mut().enumerate() {
-            for &g in grads[..n].iter().skip(k * CLIP_THREADS + t).step_by(np * CLIP_THREADS) {
+            for &g in grads[..n]
+                .iter()
+                .skip(k * CLIP_THREADS + t)
+                .step_by(np * CLIP_THREADS)
+            {
                 *acc += g as f64 * g as f64;
             }
         }
@@ -825,13 +906,21 @@ pub fn grad_norm_coef_f32(
 ) {
     let mut s = [0.0f64; CLIP_THREADS];
     for (t, acc) in s.iter_mut().enumerate() {
-        for &p in partials[..num_partials.max(0) as usize].iter().skip(t).step_by(CLIP_THREADS) {
+        for &p in partials[..num_partials.max(0) as usize]
+            .iter()
+            .skip(t)
+            .step_by(CLIP_THREADS)
+        {
             *acc += p as f64 * p as f64;
         }
     }
     let total = clip_tree_sum(s).sqrt();
     let c = max_norm as f64 / (total + 1e-6);
-    coef[0] = if total.is_finite() && c < 1.0 { c as f32 } else { 1.0 };
+    coef[0] = if total.is_finite() && c < 1.0 {
+        c as f32
+    } else {
+        1.0
+    };
     norm[0] = total as f32;
     if !total.is_finite() && nonfinite_step[0] == 0 {
         nonfinite_step[0] = step;
@@ -865,7 +954,11 @@ pub fn sgd_step_f32(
         let p = params[i];
         let mut g = grads[i] + weight_decay * p;
         if momentum != 0.0 {
-            let b = if first != 0 { g } else { momentum * buf[i] + (1.0 - dampening) * g };
+            let b = if first != 0 {
+                g
+            } else {
+                momentum * buf[i] + (1.0 - dampening) * g
+            };
             buf[i] = b;
             g = if nesterov != 0 { g + momentum * b } else { b };
         }
@@ -890,7 +983,12 @@ pub fn maxpool2d_forward_f32(
     kernel: i32,
     stride: i32,
 ) {
-    let (ih, iw, k, s) = (in_h as usize, in_w as usize, kernel as usize, stride as usize);
+    let (ih, iw, k, s) = (
+        in_h as usize,
+        in_w as usize,
+        kernel as usize,
+        stride as usize,
+    );
     let (oh, ow) = ((ih - k) / s + 1, (iw - k) / s + 1);
     for plane in 0..(batch * channels) as usize {
         let src = &inp[plane * ih * iw..(plane + 1) * ih * iw];
@@ -929,7 +1027,12 @@ pub fn maxpool2d_backward_f32(
     kernel: i32,
     stride: i32,
 ) {
-    let (ih, iw, k, s) = (in_h as usize, in_w as usize, kernel as usize, stride as usize);
+    let (ih, iw, k, s) = (
+        in_h as usize,
+        in_w as usize,
+        kernel as usize,
+        stride as usize,
+    );
     let (oh, ow) = ((ih - k) / s + 1, (iw - k) / s + 1);
     for plane in 0..(batch * channels) as usize {
         let d = &mut dinp[plane * ih * iw..(plane + 1) * ih * iw];
@@ -996,7 +1099,12 @@ pub fn bucket_flatten_f32(bucket: &mut [f32], table: &[BucketSrc<'_>], num_entri
 }
 
 /// `tensor[i] = bucket[offset + i] * scale` for every entry.
-pub fn bucket_unflatten_f32(table: &mut [BucketDst<'_>], bucket: &[f32], num_entries: i32, scale: f32) {
+pub fn bucket_unflatten_f32(
+    table: &mut [BucketDst<'_>],
+    bucket: &[f32],
+    num_entries: i32,
+    scale: f32,
+) {
     for e in &mut table[..num_entries as usize] {
         let (o, l) = (e.offset as usize, e.len as usize);
         for (d, &s) in e.tensor[..l].iter_mut().zip(&bucket[o..o + l]) {

@@ -6,7 +6,9 @@
 //! Conventions of the kernels carry over: activation gradients are overwritten, parameter
 //! gradients accumulate.
 
-use super::ir::{AdamHyper, Arena, Arg, BnTensors, ClipTensors, LossTensors, Op, Precision, Region};
+use super::ir::{
+    AdamHyper, Arena, Arg, BnTensors, ClipTensors, LossTensors, Op, Precision, Region,
+};
 use crate::cuda::KernelGrid;
 use crate::train::device::kernels::KernelId;
 use crate::train::layers::Conv2dParams;
@@ -20,12 +22,19 @@ const GEMM_BK: usize = 32;
 
 fn cfg(grid: (usize, usize, usize), block: u32) -> KernelGrid {
     let c = |v: usize| v.clamp(1, 65535) as u32;
-    KernelGrid { grid: (c(grid.0), c(grid.1), c(grid.2)), block: (block, 1, 1), shared_mem: 0 }
+    KernelGrid {
+        grid: (c(grid.0), c(grid.1), c(grid.2)),
+        block: (block, 1, 1),
+        shared_mem: 0,
+    }
 }
 
 /// GEMM grid for C[M, N] with `splits` K slices: (ceil(N/64), ceil(M/64), splits), block 128.
 fn gemm_cfg(m: usize, n: usize, splits: usize) -> KernelGrid {
-    cfg((n.div_ceil(GEMM_TILE), m.div_ceil(GEMM_TILE), splits.max(1)), GEMM_THREADS)
+    cfg(
+        (n.div_ceil(GEMM_TILE), m.div_ceil(GEMM_TILE), splits.max(1)),
+        GEMM_THREADS,
+    )
 }
 
 /// Split-K factor for an accumulating GEMM: about two blocks per SM, at most one 32-wide K
@@ -86,7 +95,17 @@ pub struct ConvLaunch {
 impl ConvLaunch {
     fn shape_args(&self) -> [Arg; 9] {
         let p = &self.p;
-        [i(self.batch), i(p.in_c), i(self.in_h), i(self.in_w), i(p.out_c), i(p.kh), i(p.kw), i(p.stride), i(p.pad)]
+        [
+            i(self.batch),
+            i(p.in_c),
+            i(self.in_h),
+            i(self.in_w),
+            i(p.out_c),
+            i(p.kh),
+            i(p.kw),
+            i(p.stride),
+            i(p.pad),
+        ]
     }
     fn out_hw(&self) -> (usize, usize) {
         (self.p.out_h(self.in_h), self.p.out_w(self.in_w))
@@ -118,20 +137,35 @@ fn pick(p: Precision, names: [&'static str; 3]) -> &'static str {
 impl Builder {
     /// An empty op list, without split-K workspace (weight gradients in one K slice).
     pub fn new(sm_count: usize) -> Builder {
-        Builder::with_splitk(sm_count, Region { arena: Arena::F32, off: 0, len: 0 })
+        Builder::with_splitk(
+            sm_count,
+            Region {
+                arena: Arena::F32,
+                off: 0,
+                len: 0,
+            },
+        )
     }
 
     /// An empty op list whose weight gradients may split K over the f32 workspace `splitk`
     /// (as many slices as fit in it, up to the split chosen from the SM count).
     pub fn with_splitk(sm_count: usize, splitk: Region) -> Builder {
-        Builder { ops: Vec::new(), sm_count: sm_count.max(1), splitk }
+        Builder {
+            ops: Vec::new(),
+            sm_count: sm_count.max(1),
+            splitk,
+        }
     }
 
     /// The slices for a weight gradient C[M, N] over K, and the partials region they write (empty
     /// for one slice): the SM-based choice, cut to what the workspace holds and to non-empty slices.
     fn weight_split(&self, m: usize, n: usize, k: usize) -> (usize, Region) {
         let plane = m * n;
-        let fits = if plane == 0 || self.splitk.arena != Arena::F32 { 1 } else { self.splitk.len / plane };
+        let fits = if plane == 0 || self.splitk.arena != Arena::F32 {
+            1
+        } else {
+            self.splitk.len / plane
+        };
         let splits = nonempty_splits(k, split_k(m, n, k, self.sm_count).min(fits.max(1)));
         if splits > 1 {
             (splits, self.splitk.prefix(splits * plane))
@@ -147,14 +181,24 @@ impl Builder {
             self.push(
                 KernelId::Elementwise,
                 "splitk_reduce_f32",
-                vec![Arg::Out(dweight), Arg::In(partials), i(splits), Arg::I64(dweight.len as i64)],
+                vec![
+                    Arg::Out(dweight),
+                    Arg::In(partials),
+                    i(splits),
+                    Arg::I64(dweight.len as i64),
+                ],
                 KernelGrid::for_elements(dweight.len),
             );
         }
     }
 
     fn push(&mut self, kernel: KernelId, name: &'static str, args: Vec<Arg>, cfg: KernelGrid) {
-        self.ops.push(Op { kernel, name, args, cfg });
+        self.ops.push(Op {
+            kernel,
+            name,
+            args,
+            cfg,
+        });
     }
 
     /// `fill_f32`: 1-D, block 256, grid ceil(n/256) capped (grid-stride).
@@ -172,21 +216,45 @@ impl Builder {
         self.push(
             KernelId::Elementwise,
             "axpy_f32",
-            vec![Arg::Out(y), Arg::In(x), Arg::F32(alpha), Arg::I64(y.len as i64)],
+            vec![
+                Arg::Out(y),
+                Arg::In(x),
+                Arg::F32(alpha),
+                Arg::I64(y.len as i64),
+            ],
             KernelGrid::for_elements(y.len),
         );
     }
 
     /// `cast_f32_bf16` or `cast_f32_f16`, by the arena of `out`: 1-D, block 256.
     pub fn cast_to_half(&mut self, out: Region, inp: Region) {
-        let name = if out.arena == Arena::F16 { "cast_f32_f16" } else { "cast_f32_bf16" };
-        self.push(KernelId::Data, name, vec![Arg::Out(out), Arg::In(inp), i(inp.len)], KernelGrid::for_elements(inp.len));
+        let name = if out.arena == Arena::F16 {
+            "cast_f32_f16"
+        } else {
+            "cast_f32_bf16"
+        };
+        self.push(
+            KernelId::Data,
+            name,
+            vec![Arg::Out(out), Arg::In(inp), i(inp.len)],
+            KernelGrid::for_elements(inp.len),
+        );
     }
 
     /// `amp_unscale_f32` over the flat gradients after the all-reduce: 1-D, block 256.
     pub fn amp_unscale(&mut self, grads: Region, found_inf: Region, scale: Region) {
-        let a = vec![Arg::Out(grads), Arg::Out(found_inf), Arg::In(scale), i(grads.len)];
-        self.push(KernelId::Optim, "amp_unscale_f32", a, KernelGrid::for_elements(grads.len));
+        let a = vec![
+            Arg::Out(grads),
+            Arg::Out(found_inf),
+            Arg::In(scale),
+            i(grads.len),
+        ];
+        self.push(
+            KernelId::Optim,
+            "amp_unscale_f32",
+            a,
+            KernelGrid::for_elements(grads.len),
+        );
     }
 
     /// `--clip-grad-norm` on the flat gradients (`clip_grad_norm_`): `grad_norm_partials_f32`
@@ -224,47 +292,123 @@ impl Builder {
     }
 
     /// `gather_batch_f32`: block 256, grid (ceil(image_size/256), batch).
-    pub fn gather(&mut self, images: Region, labels: Region, indices: Region, batch: usize, image_size: usize) {
-        let ds_i = Region { arena: Arena::Images, off: 0, len: 0 };
-        let ds_l = Region { arena: Arena::Labels, off: 0, len: 0 };
+    pub fn gather(
+        &mut self,
+        images: Region,
+        labels: Region,
+        indices: Region,
+        batch: usize,
+        image_size: usize,
+    ) {
+        let ds_i = Region {
+            arena: Arena::Images,
+            off: 0,
+            len: 0,
+        };
+        let ds_l = Region {
+            arena: Arena::Labels,
+            off: 0,
+            len: 0,
+        };
         self.push(
             KernelId::Data,
             "gather_batch_f32",
-            vec![Arg::Out(images), Arg::Out(labels), Arg::In(ds_i), Arg::In(ds_l), Arg::In(indices), i(batch), i(image_size)],
+            vec![
+                Arg::Out(images),
+                Arg::Out(labels),
+                Arg::In(ds_i),
+                Arg::In(ds_l),
+                Arg::In(indices),
+                i(batch),
+                i(image_size),
+            ],
             cfg((image_size.div_ceil(256), batch, 1), 256),
         );
     }
 
     /// `conv2d_forward_*`: GEMM M = out_c, N = batch*out_h*out_w, splits 1 (it overwrites).
-    pub fn conv_forward(&mut self, p: Precision, out: Region, inp: Region, weight: Region, bias: Region, s: ConvLaunch) {
+    pub fn conv_forward(
+        &mut self,
+        p: Precision,
+        out: Region,
+        inp: Region,
+        weight: Region,
+        bias: Region,
+        s: ConvLaunch,
+    ) {
         let (oh, ow) = s.out_hw();
         let mut a = vec![Arg::Out(out), Arg::In(inp), Arg::In(weight), Arg::In(bias)];
         a.extend(s.shape_args());
         self.push(
             KernelId::Conv2d,
-            pick(p, ["conv2d_forward_f32", "conv2d_forward_bf16", "conv2d_forward_f16"]),
+            pick(
+                p,
+                [
+                    "conv2d_forward_f32",
+                    "conv2d_forward_bf16",
+                    "conv2d_forward_f16",
+                ],
+            ),
             a,
             gemm_cfg(s.p.out_c, s.batch * oh * ow, 1),
         );
     }
 
     /// `conv2d_backward_input_*`: GEMM M = in_c, N = batch*in_h*in_w, splits 1 (it overwrites).
-    pub fn conv_backward_input(&mut self, p: Precision, dinp: Region, dout: Region, weight: Region, s: ConvLaunch) {
+    pub fn conv_backward_input(
+        &mut self,
+        p: Precision,
+        dinp: Region,
+        dout: Region,
+        weight: Region,
+        s: ConvLaunch,
+    ) {
         let mut a = vec![Arg::Out(dinp), Arg::In(dout), Arg::In(weight)];
         a.extend(s.shape_args());
-        let name = pick(p, ["conv2d_backward_input_f32", "conv2d_backward_input_bf16", "conv2d_backward_input_f16"]);
-        self.push(KernelId::Conv2d, name, a, gemm_cfg(s.p.in_c, s.batch * s.in_h * s.in_w, 1));
+        let name = pick(
+            p,
+            [
+                "conv2d_backward_input_f32",
+                "conv2d_backward_input_bf16",
+                "conv2d_backward_input_f16",
+            ],
+        );
+        self.push(
+            KernelId::Conv2d,
+            name,
+            a,
+            gemm_cfg(s.p.in_c, s.batch * s.in_h * s.in_w, 1),
+        );
     }
 
     /// `conv2d_backward_weight_*`: GEMM M = out_c, N = in_c*kh*kw, K = batch*out_h*out_w,
     /// split-K into the workspace then `splitk_reduce_f32` into the accumulated dweight.
-    pub fn conv_backward_weight(&mut self, p: Precision, dweight: Region, dout: Region, inp: Region, s: ConvLaunch) {
+    pub fn conv_backward_weight(
+        &mut self,
+        p: Precision,
+        dweight: Region,
+        dout: Region,
+        inp: Region,
+        s: ConvLaunch,
+    ) {
         let (oh, ow) = s.out_hw();
         let (m, n, k) = (s.p.out_c, s.p.k(), s.batch * oh * ow);
         let (splits, partials) = self.weight_split(m, n, k);
-        let mut a = vec![Arg::Out(dweight), Arg::Out(partials), Arg::In(dout), Arg::In(inp)];
+        let mut a = vec![
+            Arg::Out(dweight),
+            Arg::Out(partials),
+            Arg::In(dout),
+            Arg::In(inp),
+        ];
         a.extend(s.shape_args());
-        let name = pick(p, ["conv2d_backward_weight_f32", "conv2d_backward_weight_bf16", "conv2d_backward_weight_f16"]);
+        let name = pick(
+            p,
+            [
+                "conv2d_backward_weight_f32",
+                "conv2d_backward_weight_bf16",
+                "conv2d_backward_weight_f16",
+            ],
+        );
         self.push(KernelId::Conv2d, name, a, gemm_cfg(m, n, splits));
         self.reduce_splits(dweight, partials, splits);
     }
@@ -272,11 +416,25 @@ impl Builder {
     /// `conv2d_backward_bias_*`: grid (out_c), block 256.
     pub fn conv_backward_bias(&mut self, p: Precision, dbias: Region, dout: Region, s: ConvLaunch) {
         let (oh, ow) = s.out_hw();
-        let name = pick(p, ["conv2d_backward_bias_f32", "conv2d_backward_bias_bf16", "conv2d_backward_bias_f16"]);
+        let name = pick(
+            p,
+            [
+                "conv2d_backward_bias_f32",
+                "conv2d_backward_bias_bf16",
+                "conv2d_backward_bias_f16",
+            ],
+        );
         self.push(
             KernelId::Conv2d,
             name,
-            vec![Arg::Out(dbias), Arg::In(dout), i(s.batch), i(s.p.out_c), i(oh), i(ow)],
+            vec![
+                Arg::Out(dbias),
+                Arg::In(dout),
+                i(s.batch),
+                i(s.p.out_c),
+                i(oh),
+                i(ow),
+            ],
             cfg((s.p.out_c, 1, 1), 256),
         );
     }
@@ -295,10 +453,26 @@ impl Builder {
         out_f: usize,
         relu: bool,
     ) {
-        let a = vec![Arg::Out(out), Arg::In(inp), Arg::In(weight), Arg::In(bias), i(batch), i(in_f), i(out_f), i(relu as usize)];
+        let a = vec![
+            Arg::Out(out),
+            Arg::In(inp),
+            Arg::In(weight),
+            Arg::In(bias),
+            i(batch),
+            i(in_f),
+            i(out_f),
+            i(relu as usize),
+        ];
         self.push(
             KernelId::Linear,
-            pick(p, ["linear_forward_f32", "linear_forward_bf16", "linear_forward_f16"]),
+            pick(
+                p,
+                [
+                    "linear_forward_f32",
+                    "linear_forward_bf16",
+                    "linear_forward_f16",
+                ],
+            ),
             a,
             gemm_cfg(batch, out_f, 1),
         );
@@ -316,10 +490,24 @@ impl Builder {
         in_f: usize,
         out_f: usize,
     ) {
-        let a = vec![Arg::Out(dinp), Arg::In(dout), Arg::In(weight), i(batch), i(in_f), i(out_f)];
+        let a = vec![
+            Arg::Out(dinp),
+            Arg::In(dout),
+            Arg::In(weight),
+            i(batch),
+            i(in_f),
+            i(out_f),
+        ];
         self.push(
             KernelId::Linear,
-            pick(p, ["linear_backward_input_f32", "linear_backward_input_bf16", "linear_backward_input_f16"]),
+            pick(
+                p,
+                [
+                    "linear_backward_input_f32",
+                    "linear_backward_input_bf16",
+                    "linear_backward_input_f16",
+                ],
+            ),
             a,
             gemm_cfg(batch, in_f, 1),
         );
@@ -339,10 +527,25 @@ impl Builder {
         out_f: usize,
     ) {
         let (splits, partials) = self.weight_split(out_f, in_f, batch);
-        let a = vec![Arg::Out(dweight), Arg::Out(partials), Arg::In(dout), Arg::In(inp), i(batch), i(in_f), i(out_f)];
+        let a = vec![
+            Arg::Out(dweight),
+            Arg::Out(partials),
+            Arg::In(dout),
+            Arg::In(inp),
+            i(batch),
+            i(in_f),
+            i(out_f),
+        ];
         self.push(
             KernelId::Linear,
-            pick(p, ["linear_backward_weight_f32", "linear_backward_weight_bf16", "linear_backward_weight_f16"]),
+            pick(
+                p,
+                [
+                    "linear_backward_weight_f32",
+                    "linear_backward_weight_bf16",
+                    "linear_backward_weight_f16",
+                ],
+            ),
             a,
             gemm_cfg(out_f, in_f, splits),
         );
@@ -350,9 +553,28 @@ impl Builder {
     }
 
     /// `linear_backward_bias_*`: grid ceil(out_f/256), block 256.
-    pub fn linear_backward_bias(&mut self, p: Precision, dbias: Region, dout: Region, batch: usize, out_f: usize) {
-        let name = pick(p, ["linear_backward_bias_f32", "linear_backward_bias_bf16", "linear_backward_bias_f16"]);
-        self.push(KernelId::Linear, name, vec![Arg::Out(dbias), Arg::In(dout), i(batch), i(out_f)], cfg((out_f.div_ceil(256), 1, 1), 256));
+    pub fn linear_backward_bias(
+        &mut self,
+        p: Precision,
+        dbias: Region,
+        dout: Region,
+        batch: usize,
+        out_f: usize,
+    ) {
+        let name = pick(
+            p,
+            [
+                "linear_backward_bias_f32",
+                "linear_backward_bias_bf16",
+                "linear_backward_bias_f16",
+            ],
+        );
+        self.push(
+            KernelId::Linear,
+            name,
+            vec![Arg::Out(dbias), Arg::In(dout), i(batch), i(out_f)],
+            cfg((out_f.div_ceil(256), 1, 1), 256),
+        );
     }
 
     /// `relu_forward_f32`: 1-D, block 256.
@@ -408,7 +630,12 @@ impl Builder {
             Arg::F32(eps),
             i(relu as usize),
         ];
-        self.push(KernelId::Batchnorm, "batchnorm2d_forward_train_f32", a, cfg((c, 1, 1), 256));
+        self.push(
+            KernelId::Batchnorm,
+            "batchnorm2d_forward_train_f32",
+            a,
+            cfg((c, 1, 1), 256),
+        );
     }
 
     /// `batchnorm2d_forward_eval_f32`: 1-D over batch*channels*hw, block 256.
@@ -439,7 +666,12 @@ impl Builder {
             Arg::F32(eps),
             i(relu as usize),
         ];
-        self.push(KernelId::Batchnorm, "batchnorm2d_forward_eval_f32", a, KernelGrid::for_elements(batch * c * hw));
+        self.push(
+            KernelId::Batchnorm,
+            "batchnorm2d_forward_eval_f32",
+            a,
+            KernelGrid::for_elements(batch * c * hw),
+        );
     }
 
     /// `batchnorm2d_backward_f32`: grid (channels), block 256.
@@ -474,7 +706,12 @@ impl Builder {
             i(hw),
             i(relu as usize),
         ];
-        self.push(KernelId::Batchnorm, "batchnorm2d_backward_f32", a, cfg((c, 1, 1), 256));
+        self.push(
+            KernelId::Batchnorm,
+            "batchnorm2d_backward_f32",
+            a,
+            cfg((c, 1, 1), 256),
+        );
     }
 
     /// `maxpool2d_forward_f32` (window `kernel`, step `stride`, input `h` x `w`): 1-D over the
@@ -492,8 +729,23 @@ impl Builder {
         kernel: usize,
         stride: usize,
     ) {
-        let a = vec![Arg::Out(out), Arg::Out(indices), Arg::In(inp), i(batch), i(channels), i(h), i(w), i(kernel), i(stride)];
-        self.push(KernelId::Pool, "maxpool2d_forward_f32", a, KernelGrid::for_elements(out.len));
+        let a = vec![
+            Arg::Out(out),
+            Arg::Out(indices),
+            Arg::In(inp),
+            i(batch),
+            i(channels),
+            i(h),
+            i(w),
+            i(kernel),
+            i(stride),
+        ];
+        self.push(
+            KernelId::Pool,
+            "maxpool2d_forward_f32",
+            a,
+            KernelGrid::for_elements(out.len),
+        );
     }
 
     /// `maxpool2d_backward_f32` (as [`Builder::maxpool_forward`]): 1-D over the inputs, block 256.
@@ -510,12 +762,34 @@ impl Builder {
         kernel: usize,
         stride: usize,
     ) {
-        let a = vec![Arg::Out(dinp), Arg::In(dout), Arg::In(indices), i(batch), i(channels), i(h), i(w), i(kernel), i(stride)];
-        self.push(KernelId::Pool, "maxpool2d_backward_f32", a, KernelGrid::for_elements(dinp.len));
+        let a = vec![
+            Arg::Out(dinp),
+            Arg::In(dout),
+            Arg::In(indices),
+            i(batch),
+            i(channels),
+            i(h),
+            i(w),
+            i(kernel),
+            i(stride),
+        ];
+        self.push(
+            KernelId::Pool,
+            "maxpool2d_backward_f32",
+            a,
+            KernelGrid::for_elements(dinp.len),
+        );
     }
 
     /// `softmax_xent_forward_f32`: grid 1, block 256 (one warp per row).
-    pub fn xent_forward(&mut self, t: &LossTensors, logits: Region, labels: Region, batch: usize, classes: usize) {
+    pub fn xent_forward(
+        &mut self,
+        t: &LossTensors,
+        logits: Region,
+        labels: Region,
+        batch: usize,
+        classes: usize,
+    ) {
         let a = vec![
             Arg::Out(t.losses.prefix(batch)),
             Arg::Out(t.probs.prefix(batch * classes)),
@@ -526,25 +800,77 @@ impl Builder {
             i(batch),
             i(classes),
         ];
-        self.push(KernelId::Loss, "softmax_xent_forward_f32", a, cfg((1, 1, 1), 256));
+        self.push(
+            KernelId::Loss,
+            "softmax_xent_forward_f32",
+            a,
+            cfg((1, 1, 1), 256),
+        );
     }
 
     /// `softmax_xent_backward_f32`: 1-D over batch*classes, block 256.
-    pub fn xent_backward(&mut self, dlogits: Region, probs: Region, labels: Region, batch: usize, classes: usize) {
-        let a = vec![Arg::Out(dlogits), Arg::In(probs), Arg::In(labels), i(batch), i(classes)];
-        self.push(KernelId::Loss, "softmax_xent_backward_f32", a, KernelGrid::for_elements(batch * classes));
+    pub fn xent_backward(
+        &mut self,
+        dlogits: Region,
+        probs: Region,
+        labels: Region,
+        batch: usize,
+        classes: usize,
+    ) {
+        let a = vec![
+            Arg::Out(dlogits),
+            Arg::In(probs),
+            Arg::In(labels),
+            i(batch),
+            i(classes),
+        ];
+        self.push(
+            KernelId::Loss,
+            "softmax_xent_backward_f32",
+            a,
+            KernelGrid::for_elements(batch * classes),
+        );
     }
 
     /// `softmax_xent_backward_scaled_f32` (the loss scale read from `scale` on the device): 1-D
     /// over batch*classes, block 256.
-    pub fn xent_backward_scaled(&mut self, dlogits: Region, probs: Region, labels: Region, batch: usize, classes: usize, scale: Region) {
-        let a = vec![Arg::Out(dlogits), Arg::In(probs), Arg::In(labels), i(batch), i(classes), Arg::In(scale)];
-        self.push(KernelId::Loss, "softmax_xent_backward_scaled_f32", a, KernelGrid::for_elements(batch * classes));
+    pub fn xent_backward_scaled(
+        &mut self,
+        dlogits: Region,
+        probs: Region,
+        labels: Region,
+        batch: usize,
+        classes: usize,
+        scale: Region,
+    ) {
+        let a = vec![
+            Arg::Out(dlogits),
+            Arg::In(probs),
+            Arg::In(labels),
+            i(batch),
+            i(classes),
+            Arg::In(scale),
+        ];
+        self.push(
+            KernelId::Loss,
+            "softmax_xent_backward_scaled_f32",
+            a,
+            KernelGrid::for_elements(batch * classes),
+        );
     }
 
     /// `adam_step_f32` over the flat buffers: 1-D, block 256.
     #[allow(clippy::too_many_arguments)]
-    pub fn adam(&mut self, params: Region, grads: Region, m: Region, v: Region, h: &AdamHyper, lr: f32, step: u64) {
+    pub fn adam(
+        &mut self,
+        params: Region,
+        grads: Region,
+        m: Region,
+        v: Region,
+        h: &AdamHyper,
+        lr: f32,
+        step: u64,
+    ) {
         let a = vec![
             Arg::Out(params),
             Arg::In(grads),
@@ -558,7 +884,12 @@ impl Builder {
             Arg::F32(h.weight_decay),
             Arg::I32(step as i32),
         ];
-        self.push(KernelId::Optim, "adam_step_f32", a, KernelGrid::for_elements(params.len));
+        self.push(
+            KernelId::Optim,
+            "adam_step_f32",
+            a,
+            KernelGrid::for_elements(params.len),
+        );
     }
 }
 
@@ -567,34 +898,89 @@ mod tests {
     use super::*;
 
     fn ws(len: usize) -> Region {
-        Region { arena: Arena::F32, off: 1000, len }
+        Region {
+            arena: Arena::F32,
+            off: 1000,
+            len,
+        }
     }
 
     /// Every split-K launch writes whole planes inside the workspace with no empty slice, and is
     /// followed by the reduction over exactly those planes into the gradient.
     #[test]
     fn split_k_uses_the_workspace_and_reduces_in_order() {
-        let dw = Region { arena: Arena::F32, off: 0, len: 32 * 25 };
-        let (x, dy) =
-            (Region { arena: Arena::F32, off: 100_000, len: 64 * 784 }, Region { arena: Arena::F32, off: 200_000, len: 64 * 32 * 784 });
-        let s = ConvLaunch { p: Conv2dParams { in_c: 1, out_c: 32, kh: 5, kw: 5, stride: 1, pad: 2 }, batch: 64, in_h: 28, in_w: 28 };
-        for (sm, room) in [(132usize, usize::MAX), (132, 7 * 800), (1, usize::MAX), (8, 0)] {
+        let dw = Region {
+            arena: Arena::F32,
+            off: 0,
+            len: 32 * 25,
+        };
+        let (x, dy) = (
+            Region {
+                arena: Arena::F32,
+                off: 100_000,
+                len: 64 * 784,
+            },
+            Region {
+                arena: Arena::F32,
+                off: 200_000,
+                len: 64 * 32 * 784,
+            },
+        );
+        let s = ConvLaunch {
+            p: Conv2dParams {
+                in_c: 1,
+                out_c: 32,
+                kh: 5,
+                kw: 5,
+                stride: 1,
+                pad: 2,
+            },
+            batch: 64,
+            in_h: 28,
+            in_w: 28,
+        };
+        for (sm, room) in [
+            (132usize, usize::MAX),
+            (132, 7 * 800),
+            (1, usize::MAX),
+            (8, 0),
+        ] {
             let room = room.min(splitk_workspace_len(32, 25, 64 * 784));
             let mut b = Builder::with_splitk(sm, ws(room));
             b.conv_backward_weight(Precision::Fp32, dw, dy, x, s);
             let splits = b.ops[0].cfg.grid.2 as usize;
-            let Arg::Out(part) = b.ops[0].args[1] else { panic!("partials is not written") };
+            let Arg::Out(part) = b.ops[0].args[1] else {
+                panic!("partials is not written")
+            };
             if splits == 1 {
-                assert_eq!((b.ops.len(), part.len), (1, 0), "sm {sm} room {room}: one slice, no reduction");
+                assert_eq!(
+                    (b.ops.len(), part.len),
+                    (1, 0),
+                    "sm {sm} room {room}: one slice, no reduction"
+                );
                 continue;
             }
-            assert!(part.off >= 1000 && part.off + part.len <= 1000 + room, "sm {sm}: {part:?} outside the workspace of {room}");
+            assert!(
+                part.off >= 1000 && part.off + part.len <= 1000 + room,
+                "sm {sm}: {part:?} outside the workspace of {room}"
+            );
             assert_eq!(part.len, splits * dw.len);
             let k = 64 * 784;
             let ranges = crate::train::device::kernels::twins::split_k_ranges(k, splits);
-            assert!(ranges.iter().all(|r| !r.is_empty()) && ranges.last().unwrap().end == k, "sm {sm}: {ranges:?}");
+            assert!(
+                ranges.iter().all(|r| !r.is_empty()) && ranges.last().unwrap().end == k,
+                "sm {sm}: {ranges:?}"
+            );
             assert_eq!(b.ops[1].name, "splitk_reduce_f32");
-            assert_eq!(b.ops[1].args, vec![Arg::Out(dw), Arg::In(part), Arg::I32(splits as i32), Arg::I64(dw.len as i64)]);
+            assert_eq!(
+                b.ops[1].args,
+                vec![
+                    Arg::Out(dw),
+                    Arg::In(part),
+                    Arg::I32(splits as i32),
+                    Arg::I64(dw.len as i64)
+                ]
+            );
             b.ops.iter().for_each(|o| o.check_signature().unwrap());
         }
         // 132 SMs: conv1's single tile takes 264 slices, the workspace sized for 256 SMs holds them.

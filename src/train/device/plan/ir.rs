@@ -62,8 +62,16 @@ impl Region {
     }
     /// Elements `off..off + len` of this region.
     pub fn sub(&self, off: usize, len: usize) -> Region {
-        assert!(off + len <= self.len, "sub {off}+{len} of a region of {}", self.len);
-        Region { arena: self.arena, off: self.off + off, len }
+        assert!(
+            off + len <= self.len,
+            "sub {off}+{len} of a region of {}",
+            self.len
+        );
+        Region {
+            arena: self.arena,
+            off: self.off + off,
+            len,
+        }
     }
 }
 
@@ -112,10 +120,16 @@ impl Op {
     /// Check the arguments against the registry's signature (count and kinds): the same check
     /// the launch builder makes on a GPU, available without one.
     pub fn check_signature(&self) -> Result<(), String> {
-        let sig = self.kernel.signature(self.name).ok_or_else(|| format!("{} declares no entry point {}", self.kernel, self.name))?;
+        let sig = self
+            .kernel
+            .signature(self.name)
+            .ok_or_else(|| format!("{} declares no entry point {}", self.kernel, self.name))?;
         let got: Vec<ArgKind> = self.args.iter().map(Arg::kind).collect();
         if got != sig.args {
-            return Err(format!("{}: arguments {got:?} do not match the signature {:?}", self.name, sig.args));
+            return Err(format!(
+                "{}: arguments {got:?} do not match the signature {:?}",
+                self.name, sig.args
+            ));
         }
         Ok(())
     }
@@ -180,7 +194,12 @@ pub struct AdamHyper {
 
 impl Default for AdamHyper {
     fn default() -> Self {
-        AdamHyper { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 }
+        AdamHyper {
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0,
+        }
     }
 }
 

@@ -32,9 +32,13 @@
 use std::any::Any;
 
 use super::builder::{splitk_workspace_len, Builder, ConvLaunch, CLIP_PARTIALS};
-use super::ir::{AmpTensors, Arena, BnTensors, ClipTensors, LossTensors, Op, ParamAt, Precision, Region};
+use super::ir::{
+    AmpTensors, Arena, BnTensors, ClipTensors, LossTensors, Op, ParamAt, Precision, Region,
+};
 use crate::train::device::error::DeviceError;
-use crate::train::layers::{BatchNorm2d, Conv2d, Conv2dParams, Flatten, Layer, Linear, MaxPool2d, Relu};
+use crate::train::layers::{
+    BatchNorm2d, Conv2d, Conv2dParams, Flatten, Layer, Linear, MaxPool2d, Relu,
+};
 use crate::train::model::{Model, ModelError};
 
 /// What one stage computes: one model layer, or two when a ReLU is fused into the layer before.
@@ -152,7 +156,9 @@ impl Alloc {
             Arena::Bf16 => 2,
             Arena::F16 => 3,
             // The dataset arenas are uploaded whole, never carved into tensors.
-            Arena::Images | Arena::Labels => unreachable!("the schedule only allocates f32, i32, bf16 and f16 tensors"),
+            Arena::Images | Arena::Labels => {
+                unreachable!("the schedule only allocates f32, i32, bf16 and f16 tensors")
+            }
         };
         // Keep every region 16-element aligned (64 bytes for f32), so vector loads stay aligned.
         let off = self.len[k].next_multiple_of(16);
@@ -162,7 +168,11 @@ impl Alloc {
 }
 
 /// Placeholder until the allocation pass that owns the region reaches it.
-const UNSET: Region = Region { arena: Arena::F32, off: 0, len: 0 };
+const UNSET: Region = Region {
+    arena: Arena::F32,
+    off: 0,
+    len: 0,
+};
 
 /// Every tensor of a model's device step, sized for up to `batch` (B) images, and the step's
 /// launch sequence ([`Tensors::train_step`], [`Tensors::eval_step`]).
@@ -224,17 +234,28 @@ impl Tensors {
         if batch == 0 {
             return Err(DeviceError::Config("batch size must be at least 1".into()));
         }
-        let sample_dims: [usize; 3] = model.sample_dims().try_into().map_err(|_| DeviceError::UnsupportedModel {
-            layer: "input".into(),
-            why: format!("the device engine feeds image batches [N, C, H, W]; the model takes [N, {:?}]", model.sample_dims()),
+        let sample_dims: [usize; 3] = model.sample_dims().try_into().map_err(|_| {
+            DeviceError::UnsupportedModel {
+                layer: "input".into(),
+                why: format!(
+                    "the device engine feeds image batches [N, C, H, W]; the model takes [N, {:?}]",
+                    model.sample_dims()
+                ),
+            }
         })?;
         let param = |layer: &str, p: &str, want: usize| -> Result<ParamAt, DeviceError> {
             let full = format!("{layer}.{p}");
             match model.entries.iter().find(|e| e.name == full) {
-                Some(e) if e.range.len() == want => Ok(ParamAt { off: e.range.start, len: e.range.len() }),
+                Some(e) if e.range.len() == want => Ok(ParamAt {
+                    off: e.range.start,
+                    len: e.range.len(),
+                }),
                 found => Err(DeviceError::UnsupportedModel {
                     layer: layer.into(),
-                    why: format!("parameter {full} should hold {want} elements, the model has {:?}", found.map(|e| e.range.len())),
+                    why: format!(
+                        "parameter {full} should hold {want} elements, the model has {:?}",
+                        found.map(|e| e.range.len())
+                    ),
                 }),
             }
         };
@@ -242,7 +263,10 @@ impl Tensors {
         // Pass 1: stages, shapes and parameters, from the layers.
         let layers: Vec<(&str, &dyn Layer)> = model.layers().collect();
         if layers.is_empty() {
-            return Err(DeviceError::UnsupportedModel { layer: "(none)".into(), why: "the model has no layers".into() });
+            return Err(DeviceError::UnsupportedModel {
+                layer: "(none)".into(),
+                why: "the model has no layers".into(),
+            });
         }
         // The BatchNorm layers, in stage order, for their running statistics.
         let mut bns: Vec<(&str, &BatchNorm2d)> = Vec::new();
@@ -251,8 +275,11 @@ impl Tensors {
         let mut k = 0;
         while k < layers.len() {
             let (name, l) = layers[k];
-            let relu_next = layers.get(k + 1).is_some_and(|(_, n)| (*n as &dyn Any).is::<Relu>());
-            let with_batch: Vec<usize> = std::iter::once(batch).chain(dims.iter().copied()).collect();
+            let relu_next = layers
+                .get(k + 1)
+                .is_some_and(|(_, n)| (*n as &dyn Any).is::<Relu>());
+            let with_batch: Vec<usize> =
+                std::iter::once(batch).chain(dims.iter().copied()).collect();
             let out_dims = l.out_dims(&with_batch).map_err(|why| ModelError::Shape {
                 name: name.into(),
                 kind: l.kind(),
@@ -264,7 +291,16 @@ impl Tensors {
                 Known::Conv(c) => {
                     let p = c.params;
                     let weight = param(name, "weight", p.out_c * p.k())?;
-                    (Kind::Conv { p, in_h: dims[1], in_w: dims[2], weight, bias: param(name, "bias", p.out_c)? }, 1)
+                    (
+                        Kind::Conv {
+                            p,
+                            in_h: dims[1],
+                            in_w: dims[2],
+                            weight,
+                            bias: param(name, "bias", p.out_c)?,
+                        },
+                        1,
+                    )
                 }
                 Known::BatchNorm(b) => {
                     if b.sync {
@@ -276,23 +312,66 @@ impl Tensors {
                     bns.push((name, b));
                     let c = b.channels;
                     let (weight, bias) = (param(name, "weight", c)?, param(name, "bias", c)?);
-                    let t = BnTensors { mean: UNSET, invstd: UNSET, running_mean: UNSET, running_var: UNSET };
-                    let kind =
-                        Kind::BatchNorm { t, hw: dims[1] * dims[2], momentum: b.momentum, eps: b.eps, relu: relu_next, weight, bias };
+                    let t = BnTensors {
+                        mean: UNSET,
+                        invstd: UNSET,
+                        running_mean: UNSET,
+                        running_var: UNSET,
+                    };
+                    let kind = Kind::BatchNorm {
+                        t,
+                        hw: dims[1] * dims[2],
+                        momentum: b.momentum,
+                        eps: b.eps,
+                        relu: relu_next,
+                        weight,
+                        bias,
+                    };
                     (kind, 1 + relu_next as usize)
                 }
                 Known::Relu => (Kind::Relu, 1),
-                Known::MaxPool(p) => {
-                    (Kind::MaxPool { channels: dims[0], h: dims[1], w: dims[2], kernel: p.kernel, stride: p.stride, argmax: UNSET }, 1)
-                }
+                Known::MaxPool(p) => (
+                    Kind::MaxPool {
+                        channels: dims[0],
+                        h: dims[1],
+                        w: dims[2],
+                        kernel: p.kernel,
+                        stride: p.stride,
+                        argmax: UNSET,
+                    },
+                    1,
+                ),
                 Known::Flatten => (Kind::Flatten, 1),
                 Known::Linear(li) => {
-                    let (weight, bias) = (param(name, "weight", li.out_f * li.in_f)?, param(name, "bias", li.out_f)?);
-                    (Kind::Linear { in_f: li.in_f, out_f: li.out_f, relu: relu_next, weight, bias, dpre: UNSET }, 1 + relu_next as usize)
+                    let (weight, bias) = (
+                        param(name, "weight", li.out_f * li.in_f)?,
+                        param(name, "bias", li.out_f)?,
+                    );
+                    (
+                        Kind::Linear {
+                            in_f: li.in_f,
+                            out_f: li.out_f,
+                            relu: relu_next,
+                            weight,
+                            bias,
+                            dpre: UNSET,
+                        },
+                        1 + relu_next as usize,
+                    )
                 }
             };
             let (in_per, out_per) = (dims.iter().product(), out_dims.iter().product());
-            stages.push(Stage { kind, inp: UNSET, in_per, out: UNSET, out_per, dout: UNSET, din: None, bf_in: UNSET, bf_dout: UNSET });
+            stages.push(Stage {
+                kind,
+                inp: UNSET,
+                in_per,
+                out: UNSET,
+                out_per,
+                dout: UNSET,
+                din: None,
+                bf_in: UNSET,
+                bf_dout: UNSET,
+            });
             dims = out_dims;
             k += consumed;
         }
@@ -305,8 +384,15 @@ impl Tensors {
                 })
             }
         };
-        let largest = stages.iter().map(|s| s.in_per.max(s.out_per)).max().unwrap_or(0);
-        if batch.checked_mul(largest).is_none_or(|n| n > i32::MAX as usize) {
+        let largest = stages
+            .iter()
+            .map(|s| s.in_per.max(s.out_per))
+            .max()
+            .unwrap_or(0);
+        if batch
+            .checked_mul(largest)
+            .is_none_or(|n| n > i32::MAX as usize)
+        {
             return Err(DeviceError::Config(format!(
                 "batch {batch} x {largest} elements per sample overflows the kernels' 32-bit sizes: use a smaller batch"
             )));
@@ -336,7 +422,10 @@ impl Tensors {
                 running_mean: bn_state.sub(at, c),
                 running_var: bn_state.sub(at + c, c),
             };
-            for (what, r, init) in [("running_mean", t.running_mean, &b.running_mean), ("running_var", t.running_var, &b.running_var)] {
+            for (what, r, init) in [
+                ("running_mean", t.running_mean, &b.running_mean),
+                ("running_var", t.running_var, &b.running_var),
+            ] {
                 if init.len() != c {
                     return Err(DeviceError::UnsupportedModel {
                         layer: name.into(),
@@ -372,14 +461,24 @@ impl Tensors {
             correct: a.take(i32a, 1),
         };
         let amp_len = if precision.scales_loss() { 1 } else { 0 };
-        let amp = AmpTensors { scale: a.take(f, amp_len), found_inf: a.take(f, amp_len) };
-        let clip =
-            ClipTensors { partials: a.take(f, CLIP_PARTIALS), coef: a.take(f, 1), norm: a.take(f, 1), nonfinite_step: a.take(i32a, 1) };
+        let amp = AmpTensors {
+            scale: a.take(f, amp_len),
+            found_inf: a.take(f, amp_len),
+        };
+        let clip = ClipTensors {
+            partials: a.take(f, CLIP_PARTIALS),
+            coef: a.take(f, 1),
+            norm: a.take(f, 1),
+            nonfinite_step: a.take(i32a, 1),
+        };
         let dlogits = a.take(f, batch * classes);
         let mut dout = dlogits;
         for (k, s) in stages.iter_mut().enumerate().rev() {
             s.dout = dout;
-            if let Kind::Linear { relu: true, dpre, .. } = &mut s.kind {
+            if let Kind::Linear {
+                relu: true, dpre, ..
+            } = &mut s.kind
+            {
                 *dpre = a.take(f, batch * s.out_per);
             }
             s.din = match s.kind {
@@ -394,7 +493,9 @@ impl Tensors {
         let splitk_len = stages
             .iter()
             .map(|s| match s.kind {
-                Kind::Conv { p, in_h, in_w, .. } => splitk_workspace_len(p.out_c, p.k(), batch * p.out_h(in_h) * p.out_w(in_w)),
+                Kind::Conv { p, in_h, in_w, .. } => {
+                    splitk_workspace_len(p.out_c, p.k(), batch * p.out_h(in_h) * p.out_w(in_w))
+                }
                 Kind::Linear { in_f, out_f, .. } => splitk_workspace_len(out_f, in_f, batch),
                 _ => 0,
             })
@@ -443,7 +544,11 @@ impl Tensors {
     /// The forward pass for `b` images whose ids are in `indices[..b]` (train: batch statistics;
     /// eval: running statistics), ending with the loss and the correct count.
     pub fn forward(&self, ops: &mut Builder, b: usize, precision: Precision, train: bool) {
-        assert!(b >= 1 && b <= self.batch, "batch {b} outside 1..={}", self.batch);
+        assert!(
+            b >= 1 && b <= self.batch,
+            "batch {b} outside 1..={}",
+            self.batch
+        );
         let bf = precision.half_arena().is_some();
         let (pr, pbf) = (self.params, if bf { self.params_bf } else { self.params });
         let n = |r: Region, per: usize| r.prefix(b * per);
@@ -452,7 +557,13 @@ impl Tensors {
             ops.cast_to_half(self.params_bf, self.params);
         }
         let image = self.image_size();
-        ops.gather(n(self.x, image), n(self.labels, 1), n(self.indices, 1), b, image);
+        ops.gather(
+            n(self.x, image),
+            n(self.labels, 1),
+            n(self.indices, 1),
+            b,
+            image,
+        );
         for s in &self.stages {
             let (inp, out) = (n(s.inp, s.in_per), n(s.out, s.out_per));
             // Operand of a GEMM: the 16-bit copy (made here) in bf16/fp16 mode, the f32 tensor
@@ -466,11 +577,37 @@ impl Tensors {
                 }
             };
             match s.kind {
-                Kind::Conv { p, in_h, in_w, weight, bias } => {
+                Kind::Conv {
+                    p,
+                    in_h,
+                    in_w,
+                    weight,
+                    bias,
+                } => {
                     let x = gemm_in(ops);
-                    ops.conv_forward(precision, out, x, at(pbf, weight), at(pr, bias), ConvLaunch { p, batch: b, in_h, in_w });
+                    ops.conv_forward(
+                        precision,
+                        out,
+                        x,
+                        at(pbf, weight),
+                        at(pr, bias),
+                        ConvLaunch {
+                            p,
+                            batch: b,
+                            in_h,
+                            in_w,
+                        },
+                    );
                 }
-                Kind::BatchNorm { t, hw, momentum, eps, relu, weight, bias } => {
+                Kind::BatchNorm {
+                    t,
+                    hw,
+                    momentum,
+                    eps,
+                    relu,
+                    weight,
+                    bias,
+                } => {
                     let (w, bi) = (at(pr, weight), at(pr, bias));
                     if train {
                         ops.bn_forward_train(out, &t, inp, w, bi, b, hw, momentum, eps, relu);
@@ -479,17 +616,55 @@ impl Tensors {
                     }
                 }
                 Kind::Relu => ops.relu_forward(out, inp),
-                Kind::MaxPool { channels, h, w, kernel, stride, argmax } => {
-                    ops.maxpool_forward(out, n(argmax, s.out_per), inp, b, channels, h, w, kernel, stride)
-                }
+                Kind::MaxPool {
+                    channels,
+                    h,
+                    w,
+                    kernel,
+                    stride,
+                    argmax,
+                } => ops.maxpool_forward(
+                    out,
+                    n(argmax, s.out_per),
+                    inp,
+                    b,
+                    channels,
+                    h,
+                    w,
+                    kernel,
+                    stride,
+                ),
                 Kind::Flatten => {}
-                Kind::Linear { in_f, out_f, relu, weight, bias, .. } => {
+                Kind::Linear {
+                    in_f,
+                    out_f,
+                    relu,
+                    weight,
+                    bias,
+                    ..
+                } => {
                     let x = gemm_in(ops);
-                    ops.linear_forward(precision, out, x, at(pbf, weight), at(pr, bias), b, in_f, out_f, relu);
+                    ops.linear_forward(
+                        precision,
+                        out,
+                        x,
+                        at(pbf, weight),
+                        at(pr, bias),
+                        b,
+                        in_f,
+                        out_f,
+                        relu,
+                    );
                 }
             }
         }
-        ops.xent_forward(&self.loss, n(self.logits, self.classes), n(self.labels, 1), b, self.classes);
+        ops.xent_forward(
+            &self.loss,
+            n(self.logits, self.classes),
+            n(self.labels, 1),
+            b,
+            self.classes,
+        );
     }
 
     /// Backward for the last forward of `b` images, in exactly the reverse layer order; zeroes the
@@ -503,7 +678,11 @@ impl Tensors {
         let n = |r: Region, per: usize| r.prefix(b * per);
         let at = |flat: Region, p: ParamAt| flat.sub(p.off, p.len);
         ops.fill(g, 0.0);
-        let (dz, probs, labels) = (n(self.dlogits, self.classes), n(self.loss.probs, self.classes), n(self.labels, 1));
+        let (dz, probs, labels) = (
+            n(self.dlogits, self.classes),
+            n(self.loss.probs, self.classes),
+            n(self.labels, 1),
+        );
         if precision.scales_loss() {
             ops.fill(self.amp.found_inf, 0.0);
             ops.xent_backward_scaled(dz, probs, labels, b, self.classes, self.amp.scale);
@@ -511,7 +690,11 @@ impl Tensors {
             ops.xent_backward(dz, probs, labels, b, self.classes);
         }
         for s in self.stages.iter().rev() {
-            let (inp, out, dout) = (n(s.inp, s.in_per), n(s.out, s.out_per), n(s.dout, s.out_per));
+            let (inp, out, dout) = (
+                n(s.inp, s.in_per),
+                n(s.out, s.out_per),
+                n(s.dout, s.out_per),
+            );
             let din = s.din.map(|d| n(d, s.in_per));
             // The output gradient as a GEMM operand (16-bit copy made here in bf16/fp16 mode), and
             // the input saved by forward (its 16-bit copy is still in place).
@@ -525,8 +708,19 @@ impl Tensors {
             };
             let saved_in = || if bf { n(s.bf_in, s.in_per) } else { inp };
             match s.kind {
-                Kind::Conv { p, in_h, in_w, weight, bias } => {
-                    let shape = ConvLaunch { p, batch: b, in_h, in_w };
+                Kind::Conv {
+                    p,
+                    in_h,
+                    in_w,
+                    weight,
+                    bias,
+                } => {
+                    let shape = ConvLaunch {
+                        p,
+                        batch: b,
+                        in_h,
+                        in_w,
+                    };
                     let dy = gemm_dout(ops, dout);
                     ops.conv_backward_weight(precision, at(g, weight), dy, saved_in(), shape);
                     ops.conv_backward_bias(precision, at(g, bias), dy, shape);
@@ -534,9 +728,28 @@ impl Tensors {
                         ops.conv_backward_input(precision, dx, dy, at(pbf, weight), shape);
                     }
                 }
-                Kind::BatchNorm { t, hw, relu, weight, bias, .. } => {
+                Kind::BatchNorm {
+                    t,
+                    hw,
+                    relu,
+                    weight,
+                    bias,
+                    ..
+                } => {
                     if let Some(dx) = din {
-                        ops.bn_backward(dx, at(g, weight), at(g, bias), dout, inp, out, at(self.params, weight), &t, b, hw, relu);
+                        ops.bn_backward(
+                            dx,
+                            at(g, weight),
+                            at(g, bias),
+                            dout,
+                            inp,
+                            out,
+                            at(self.params, weight),
+                            &t,
+                            b,
+                            hw,
+                            relu,
+                        );
                     }
                 }
                 Kind::Relu => {
@@ -544,13 +757,37 @@ impl Tensors {
                         ops.relu_backward(dx, out, dout);
                     }
                 }
-                Kind::MaxPool { channels, h, w, kernel, stride, argmax } => {
+                Kind::MaxPool {
+                    channels,
+                    h,
+                    w,
+                    kernel,
+                    stride,
+                    argmax,
+                } => {
                     if let Some(dx) = din {
-                        ops.maxpool_backward(dx, dout, n(argmax, s.out_per), b, channels, h, w, kernel, stride);
+                        ops.maxpool_backward(
+                            dx,
+                            dout,
+                            n(argmax, s.out_per),
+                            b,
+                            channels,
+                            h,
+                            w,
+                            kernel,
+                            stride,
+                        );
                     }
                 }
                 Kind::Flatten => {}
-                Kind::Linear { in_f, out_f, relu, weight, bias, dpre } => {
+                Kind::Linear {
+                    in_f,
+                    out_f,
+                    relu,
+                    weight,
+                    bias,
+                    dpre,
+                } => {
                     let d = if relu {
                         ops.relu_backward(n(dpre, s.out_per), out, dout);
                         n(dpre, s.out_per)
@@ -558,10 +795,26 @@ impl Tensors {
                         dout
                     };
                     let dy = gemm_dout(ops, d);
-                    ops.linear_backward_weight(precision, at(g, weight), dy, saved_in(), b, in_f, out_f);
+                    ops.linear_backward_weight(
+                        precision,
+                        at(g, weight),
+                        dy,
+                        saved_in(),
+                        b,
+                        in_f,
+                        out_f,
+                    );
                     ops.linear_backward_bias(precision, at(g, bias), dy, b, out_f);
                     if let Some(dx) = din {
-                        ops.linear_backward_input(precision, dx, dy, at(pbf, weight), b, in_f, out_f);
+                        ops.linear_backward_input(
+                            precision,
+                            dx,
+                            dy,
+                            at(pbf, weight),
+                            b,
+                            in_f,
+                            out_f,
+                        );
                     }
                 }
             }
@@ -596,7 +849,11 @@ mod tests {
     use crate::train::tensor::Tensor;
 
     fn boxed(l: Vec<(&str, Box<dyn Layer>)>, input: &[usize]) -> Model {
-        Model::new(l.into_iter().map(|(n, b)| (n.to_string(), b)).collect(), input).unwrap()
+        Model::new(
+            l.into_iter().map(|(n, b)| (n.to_string(), b)).collect(),
+            input,
+        )
+        .unwrap()
     }
 
     /// Every parameter's offset, the BatchNorm state names and initial values, the input and the
@@ -605,33 +862,82 @@ mod tests {
     fn the_recipe_cnn_is_read_from_the_model() {
         let model = Model::fashion_cnn(4).unwrap();
         let t = Tensors::new(&model, 4, Precision::Fp32).unwrap();
-        assert_eq!((t.sample_dims, t.classes, t.image_size()), ([1, 28, 28], 10, 784));
+        assert_eq!(
+            (t.sample_dims, t.classes, t.image_size()),
+            ([1, 28, 28], 10, 784)
+        );
         let names: Vec<&str> = t.bn_names.iter().map(|(n, _)| n.as_str()).collect();
-        assert_eq!(names, ["module1.1.running_mean", "module1.1.running_var", "module2.1.running_mean", "module2.1.running_var"]);
+        assert_eq!(
+            names,
+            [
+                "module1.1.running_mean",
+                "module1.1.running_var",
+                "module2.1.running_mean",
+                "module2.1.running_var"
+            ]
+        );
         let mut want = vec![0.0f32; 32];
         want.extend([1.0; 32]);
         want.extend([0.0; 64]);
         want.extend([1.0; 64]);
-        assert_eq!(t.bn_init, want, "PyTorch's initial running statistics, from the layers");
-        assert_eq!(t.bn_names.iter().map(|(_, r)| r.len).sum::<usize>(), t.bn_state.len);
+        assert_eq!(
+            t.bn_init, want,
+            "PyTorch's initial running statistics, from the layers"
+        );
+        assert_eq!(
+            t.bn_names.iter().map(|(_, r)| r.len).sum::<usize>(),
+            t.bn_state.len
+        );
         // Each parameter tensor of the model is used by exactly one stage, at the model's offset.
         let mut used: Vec<(usize, usize)> = t
             .stages
             .iter()
             .flat_map(|s| match s.kind {
-                Kind::Conv { weight, bias, .. } | Kind::BatchNorm { weight, bias, .. } | Kind::Linear { weight, bias, .. } => {
+                Kind::Conv { weight, bias, .. }
+                | Kind::BatchNorm { weight, bias, .. }
+                | Kind::Linear { weight, bias, .. } => {
                     vec![(weight.off, weight.len), (bias.off, bias.len)]
                 }
                 _ => vec![],
             })
             .collect();
         used.sort_unstable();
-        let entries: Vec<(usize, usize)> = model.entries.iter().map(|e| (e.range.start, e.range.len())).collect();
+        let entries: Vec<(usize, usize)> = model
+            .entries
+            .iter()
+            .map(|e| (e.range.start, e.range.len()))
+            .collect();
         assert_eq!(used, entries);
         // conv-bn(+relu)-pool x2, flatten, linear(+relu), linear: ReLUs fused, nothing else.
-        let kinds: Vec<String> = t.stages.iter().map(|s| format!("{:?}", s.kind).split([' ', '{']).next().unwrap().to_string()).collect();
-        assert_eq!(kinds, ["Conv", "BatchNorm", "MaxPool", "Conv", "BatchNorm", "MaxPool", "Flatten", "Linear", "Linear"]);
-        assert!(t.stages[0].din.is_none(), "no input gradient for the first layer");
+        let kinds: Vec<String> = t
+            .stages
+            .iter()
+            .map(|s| {
+                format!("{:?}", s.kind)
+                    .split([' ', '{'])
+                    .next()
+                    .unwrap()
+                    .to_string()
+            })
+            .collect();
+        assert_eq!(
+            kinds,
+            [
+                "Conv",
+                "BatchNorm",
+                "MaxPool",
+                "Conv",
+                "BatchNorm",
+                "MaxPool",
+                "Flatten",
+                "Linear",
+                "Linear"
+            ]
+        );
+        assert!(
+            t.stages[0].din.is_none(),
+            "no input gradient for the first layer"
+        );
         assert!(t.stages[1..].iter().all(|s| s.din.is_some()));
     }
 
@@ -642,7 +948,17 @@ mod tests {
         use crate::train::layers::Conv2dParams;
         let model = boxed(
             vec![
-                ("c", Box::new(Conv2d::new(Conv2dParams { in_c: 3, out_c: 6, kh: 3, kw: 3, stride: 2, pad: 1 }))),
+                (
+                    "c",
+                    Box::new(Conv2d::new(Conv2dParams {
+                        in_c: 3,
+                        out_c: 6,
+                        kh: 3,
+                        kw: 3,
+                        stride: 2,
+                        pad: 1,
+                    })),
+                ),
                 ("r", Box::new(Relu)),
                 ("p", Box::new(MaxPool2d::new(3, 1))),
                 ("bn", Box::new(BatchNorm2d::new(6))),
@@ -658,7 +974,11 @@ mod tests {
         for op in &ops {
             op.check_signature().unwrap();
         }
-        let names: Vec<&str> = ops.iter().map(|o| o.name).filter(|n| !n.starts_with("cast")).collect();
+        let names: Vec<&str> = ops
+            .iter()
+            .map(|o| o.name)
+            .filter(|n| !n.starts_with("cast"))
+            .collect();
         assert_eq!(
             names,
             [
@@ -687,13 +1007,38 @@ mod tests {
                 "conv2d_backward_bias_bf16",
             ]
         );
-        let conv = &ops.iter().find(|o| o.name == "conv2d_forward_bf16").unwrap().args[4..];
-        let shape: Vec<i32> = conv.iter().map(|a| if let Arg::I32(v) = a { *v } else { -1 }).collect();
-        assert_eq!(shape, [2, 3, 12, 10, 6, 3, 3, 2, 1], "batch, in_c, in_h, in_w, out_c, kh, kw, stride, pad");
-        let pool = &ops.iter().find(|o| o.name == "maxpool2d_forward_f32").unwrap().args[3..];
-        let shape: Vec<i32> = pool.iter().map(|a| if let Arg::I32(v) = a { *v } else { -1 }).collect();
-        assert_eq!(shape, [2, 6, 6, 5, 3, 1], "batch, channels, h, w, kernel, stride");
-        let bn = ops.iter().find(|o| o.name == "batchnorm2d_forward_train_f32").unwrap();
+        let conv = &ops
+            .iter()
+            .find(|o| o.name == "conv2d_forward_bf16")
+            .unwrap()
+            .args[4..];
+        let shape: Vec<i32> = conv
+            .iter()
+            .map(|a| if let Arg::I32(v) = a { *v } else { -1 })
+            .collect();
+        assert_eq!(
+            shape,
+            [2, 3, 12, 10, 6, 3, 3, 2, 1],
+            "batch, in_c, in_h, in_w, out_c, kh, kw, stride, pad"
+        );
+        let pool = &ops
+            .iter()
+            .find(|o| o.name == "maxpool2d_forward_f32")
+            .unwrap()
+            .args[3..];
+        let shape: Vec<i32> = pool
+            .iter()
+            .map(|a| if let Arg::I32(v) = a { *v } else { -1 })
+            .collect();
+        assert_eq!(
+            shape,
+            [2, 6, 6, 5, 3, 1],
+            "batch, channels, h, w, kernel, stride"
+        );
+        let bn = ops
+            .iter()
+            .find(|o| o.name == "batchnorm2d_forward_train_f32")
+            .unwrap();
         assert_eq!(bn.args[13], Arg::I32(0), "no ReLU after this BatchNorm");
     }
 
@@ -708,30 +1053,65 @@ mod tests {
         }
         fn forward(&mut self, _p: &[f32], inp: &Tensor, out: &mut Tensor, _train: bool) {
             out.resize(inp.dims());
-            out.data_mut().iter_mut().zip(inp.data()).for_each(|(o, i)| *o = i * i);
+            out.data_mut()
+                .iter_mut()
+                .zip(inp.data())
+                .for_each(|(o, i)| *o = i * i);
         }
-        fn backward(&mut self, _: &[f32], _: &mut [f32], _: &Tensor, _: &Tensor, _: &Tensor, _: Option<&mut Tensor>) {}
+        fn backward(
+            &mut self,
+            _: &[f32],
+            _: &mut [f32],
+            _: &Tensor,
+            _: &Tensor,
+            _: &Tensor,
+            _: Option<&mut Tensor>,
+        ) {
+        }
     }
 
     #[test]
     fn unsupported_models_are_refused_with_the_layer_named() {
         let err = |m: &Model| Tensors::new(m, 2, Precision::Fp32).unwrap_err().to_string();
-        let m = boxed(vec![("f", Box::new(Flatten)), ("sq", Box::new(Square)), ("l", Box::new(Linear::new(4, 3)))], &[2, 1, 2, 2]);
+        let m = boxed(
+            vec![
+                ("f", Box::new(Flatten)),
+                ("sq", Box::new(Square)),
+                ("l", Box::new(Linear::new(4, 3))),
+            ],
+            &[2, 1, 2, 2],
+        );
         let e = err(&m);
-        assert!(e.contains("layer sq (square)") && e.contains("--device cpu"), "{e}");
+        assert!(
+            e.contains("layer sq (square)") && e.contains("--device cpu"),
+            "{e}"
+        );
         let m = boxed(vec![("bn", Box::new(BatchNorm2d::new(1)))], &[2, 1, 2, 2]);
         let e = err(&m);
-        assert!(e.contains("layer bn") && e.contains("[N, classes] logits"), "{e}");
+        assert!(
+            e.contains("layer bn") && e.contains("[N, classes] logits"),
+            "{e}"
+        );
         let mut m = Model::fashion_cnn(2).unwrap();
         m.set_sync_bn(true);
         let e = err(&m);
-        assert!(e.contains("layer module1.1") && e.contains("synchronised BatchNorm"), "{e}");
+        assert!(
+            e.contains("layer module1.1") && e.contains("synchronised BatchNorm"),
+            "{e}"
+        );
         let m = boxed(vec![("l", Box::new(Linear::new(4, 3)))], &[2, 4]);
         let e = err(&m);
-        assert!(e.contains("layer input") && e.contains("[N, C, H, W]"), "{e}");
-        let e = Tensors::new(&Model::fashion_cnn(1).unwrap(), 0, Precision::Fp32).unwrap_err().to_string();
+        assert!(
+            e.contains("layer input") && e.contains("[N, C, H, W]"),
+            "{e}"
+        );
+        let e = Tensors::new(&Model::fashion_cnn(1).unwrap(), 0, Precision::Fp32)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("batch size must be at least 1"), "{e}");
-        let e = Tensors::new(&Model::fashion_cnn(1).unwrap(), 100_000, Precision::Fp32).unwrap_err().to_string();
+        let e = Tensors::new(&Model::fashion_cnn(1).unwrap(), 100_000, Precision::Fp32)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("overflows the kernels' 32-bit sizes"), "{e}");
     }
 }
