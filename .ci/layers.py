@@ -20,7 +20,7 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src")
 # Bottom to top: a module may import only from modules in earlier groups (or its own).
 LAYERS = [
     ["types", "store"],
-    ["cuda"],
+    ["cuda", "logging"],
     ["comm", "config"],
     ["shm", "nccl", "staged"],
     ["rendezvous", "train", "report"],

@@ -10,6 +10,7 @@
 //! |---|---|
 //! | [`types`] | the vocabulary: [`Dtype`], [`ReduceOp`], [`CollKind`], the [`Buffer`]/[`BufferMut`] traits |
 //! | [`store`] | the TCP rendezvous store that multi-node jobs meet through |
+//! | `logging` (feature `log`) | the stderr subscriber and the `LOCKSTEP_LOG` filter every embedding shares |
 //! | [`cuda`] | CUDA driver + NVRTC loaded at run time: discovery, the single-init guard, contexts, streams, memory, a source-keyed compile cache, graphs |
 //! | `config` (feature `config`) | the configuration file `lockstep config` writes and `lockstep launch` reads |
 //! | [`comm`] | the backend-agnostic [`Communicator`], the [`Backend`](comm::Backend) trait, [`CommError`] |
@@ -44,6 +45,8 @@ pub mod comm;
 #[cfg(feature = "config")]
 pub mod config;
 pub mod launch;
+#[cfg(feature = "log")]
+pub mod logging;
 pub mod nccl;
 pub mod rendezvous;
 pub mod report;

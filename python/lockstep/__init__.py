@@ -19,6 +19,11 @@
 
 ``import lockstep.torch`` registers the torch.distributed backend ``"lockstep"``.
 
+Diagnostics (each communicator's init line, warnings) are records of Python's ``logging``, on the
+``lockstep`` logger and its children (``lockstep.init``, ``lockstep.shm``, ...). ``LOCKSTEP_LOG``
+filters them as in the ``lockstep`` command (``info``, ``warn,lockstep::shm=debug``) and, when the
+``lockstep`` logger has no handler of its own, prints them on stderr.
+
 Element types come from the buffer's format: float32/64, float16, int8/32/64, uint8/32/64;
 bfloat16 has no buffer-protocol format and comes only through DLPack (a bf16 torch tensor).
 """
@@ -26,6 +31,28 @@ bfloat16 has no buffer-protocol format and comes only through DLPack (a bf16 tor
 from ._native import CommError, Communicator, SharedMemory, __version__
 from ._launcher import RankError, check_fork_safe, comm, init_from_env, notebook_launcher
 from .helpers import RankContext, context
+
+
+def _stderr_when_asked() -> None:
+    """``LOCKSTEP_LOG`` set: show lockstep's records on stderr (as the ``lockstep`` command does)
+    unless the application configured the ``lockstep`` logger itself."""
+    import logging
+    import os
+
+    if not os.environ.get("LOCKSTEP_LOG", "").strip():
+        return
+    logger = logging.getLogger("lockstep")
+    if logger.handlers:
+        return
+    handler = logging.StreamHandler()
+    stamp = "%(asctime)s " if os.environ.get("LOCKSTEP_LOG_TIME", "").strip().lower() in ("1", "true", "yes", "on") else ""
+    handler.setFormatter(logging.Formatter(stamp + "lockstep %(levelname)s %(name)s: %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(1)  # LOCKSTEP_LOG has already chosen which records exist
+    logger.propagate = False
+
+
+_stderr_when_asked()
 
 __all__ = [
     "CommError",

@@ -22,6 +22,7 @@ __all__ = [
     "CommError",
     "init_from_env",
     "cli_main",
+    "_deliver_logs",
     "fork_refusal",
     "die_with_parent",
     "join_named",
@@ -132,9 +133,12 @@ class TorchAllReduce:
         op_name: Callable[[Any], str],
         done: Callable[[Any], Any],
         device: Callable[[Any, Any], Any],
+        completed: Any | None = None,
+        on_error: Callable[[], Any] | None = None,
     ) -> TorchAllReduce: ...
-    # Reduces each tensor in place; returns done(tensors) (a completed Work), None when
-    # opts.asyncOp is False, or device(tensors, opts) for non-CPU tensors.
+    # Reduces each tensor in place; returns done(tensors) (a completed Work), `completed` when
+    # opts.asyncOp is False, or device(tensors, opts) for non-CPU tensors; on_error() runs
+    # before a failure is raised.
     def __call__(self, tensors: Iterable[Any], opts: Any | None = None) -> Any: ...
 
 # No constructor: made by Communicator.alloc_shared(). numpy.asarray(mem) views it (uint8).
@@ -155,6 +159,10 @@ def init_from_env() -> Communicator: ...
 # The `lockstep` command run in this process (argv: program name first); returns its exit
 # status (0-255). Installs the stderr log subscriber: only for a process that is this command.
 def cli_main(argv: Sequence[str]) -> int: ...
+
+# Hand lockstep's queued diagnostics to Python's logging (those of lockstep's own threads wait
+# for the next call into the extension otherwise).
+def _deliver_logs() -> None: ...
 
 # Why forking ranks from this process would fail (CUDA initialised here, a malformed
 # LOCKSTEP_* variable), or None.

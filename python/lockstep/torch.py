@@ -93,19 +93,22 @@ def _split_out(flat, outs):
         at += n
 
 
-class ProcessGroupLockstep(dist.ProcessGroup):
-    """A torch.distributed process group running on a lockstep communicator."""
+class _Ops:
+    """The collectives, shared by the two shapes the backend takes: a c10d ``Backend`` where torch
+    dispatches Python Backend subclasses (2.15 and later), a ``ProcessGroup`` before. The shell
+    calls ``_setup``: ``done(result, opts)`` makes the Work of a call, and ``completed`` is the one
+    a blocking all-reduce returns (None for a ProcessGroup)."""
 
-    def __init__(self, comm, rank, world_size, job_id=None):
-        super().__init__(rank, world_size)
+    def _setup(self, comm, rank, world_size, job_id, done, completed=None):
         self._comm = comm
         self._job_id = job_id
         self._device_comm = None
         self._rank = rank
         self._world_size = world_size
-        # An instance attribute wins over ProcessGroup's method, both for Python callers
+        self._done = done
+        # An instance attribute wins over the base class's method, both for Python callers
         # (dist.all_reduce) and for C++ ones (DDP's reducer, through pybind's override lookup).
-        self.allreduce = _native.TorchAllReduce(comm, _SUM, _op, _done, self._allreduce_device)
+        self.allreduce = _native.TorchAllReduce(comm, _SUM, _op, done, self._allreduce_device, completed, self._failed)
 
     @property
     def comm(self):
@@ -136,7 +139,7 @@ class ProcessGroupLockstep(dist.ProcessGroup):
         op = _op(opts.reduceOp) if opts is not None else "sum"
         for t in tensors:
             self._on(t).all_reduce_in_place(t, op)
-        return _done(tensors, opts)
+        return self._done(tensors, opts)
 
     def getBackendName(self):
         return BACKEND
@@ -148,7 +151,16 @@ class ProcessGroupLockstep(dist.ProcessGroup):
         return self._rank
 
     def __repr__(self):
-        return f"ProcessGroupLockstep(rank={self._rank}, world_size={self._world_size})"
+        return f"{type(self).__name__}(rank={self._rank}, world_size={self._world_size})"
+
+    def _failed(self):
+        """A collective failed (mismatch, dead peer, timeout): nothing to do for a ProcessGroup."""
+
+    def _close(self):
+        """Leave both communicators: peers still waiting on this rank get an error, not a hang."""
+        for c in (self._device_comm, self._comm):
+            if c is not None:
+                c.close()
 
     # Reductions -----------------------------------------------------------------------------
 
@@ -162,7 +174,7 @@ class ProcessGroupLockstep(dist.ProcessGroup):
         op = _op(opts.reduceOp)
         for t in tensors:
             self._on(t).reduce(t, None, op, opts.rootRank)
-        return _done(tensors, opts)
+        return self._done(tensors, opts)
 
     def reduce_scatter(self, outputs, input_lists, opts):
         op = _op(opts.reduceOp)
@@ -176,39 +188,39 @@ class ProcessGroupLockstep(dist.ProcessGroup):
                 tmp = torch.empty(out.numel(), dtype=out.dtype, device=out.device)
                 self._on(out).reduce_scatter(flat, tmp, op)
                 out.copy_(tmp.view(out.shape))
-        return _done(outputs, opts)
+        return self._done(outputs, opts)
 
     def reduce_scatter_single(self, output, input, opts):
         self._on(input).reduce_scatter(input, output, _op(opts.reduceOp))
-        return _done(output, opts)
+        return self._done(output, opts)
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts):
         for o, i in zip(outputs, inputs):
             self.reduce_scatter_single(o, i, opts)
-        return _done(outputs, opts)
+        return self._done(outputs, opts)
 
     # Data movement --------------------------------------------------------------------------
 
     def broadcast(self, tensors, opts):
         for t in tensors:
             self._on(t).broadcast(t, None, opts.rootRank)
-        return _done(tensors, opts)
+        return self._done(tensors, opts)
 
     def allgather(self, output_lists, inputs, opts=None):
         for outs, inp in zip(output_lists, inputs):
             flat = torch.empty(inp.numel() * self._world_size, dtype=inp.dtype, device=inp.device)
             self._on(inp).all_gather(inp, flat)
             _split_out(flat, outs)
-        return _done(output_lists, opts)
+        return self._done(output_lists, opts)
 
     def all_gather_single(self, output, input, opts=None):
         self._on(input).all_gather(input, output)
-        return _done(output, opts)
+        return self._done(output, opts)
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
         for o, i in zip(outputs, inputs):
             self._on(i).all_gather(i, o)
-        return _done(outputs, opts)
+        return self._done(outputs, opts)
 
     def gather(self, output_lists, inputs, opts):
         root = opts.rootRank
@@ -219,7 +231,7 @@ class ProcessGroupLockstep(dist.ProcessGroup):
                 _split_out(flat, output_lists[i])
             else:
                 self._on(inp).gather(inp, None, root)
-        return _done(output_lists, opts)
+        return self._done(output_lists, opts)
 
     def scatter(self, outputs, input_lists, opts):
         root = opts.rootRank
@@ -231,19 +243,19 @@ class ProcessGroupLockstep(dist.ProcessGroup):
                 tmp = torch.empty(out.numel(), dtype=out.dtype, device=out.device)
                 self._on(out).scatter(send, tmp, root)
                 out.copy_(tmp.view(out.shape))
-        return _done(outputs, opts)
+        return self._done(outputs, opts)
 
     def alltoall(self, outputs, inputs, opts=None):
         send = _flat(inputs, inputs[0].dtype if inputs else torch.float32)
         recv = torch.empty(sum(o.numel() for o in outputs), dtype=send.dtype, device=send.device)
         self._on(send).all_to_all_v(send, [t.numel() for t in inputs], recv, [o.numel() for o in outputs])
         _split_out(recv, outputs)
-        return _done(outputs, opts)
+        return self._done(outputs, opts)
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         if not output_split_sizes and not input_split_sizes:
             self._on(input).all_to_all(input, output)
-            return _done(output, opts)
+            return self._done(output, opts)
         n = self._world_size
 
         def counts(t, splits):
@@ -256,33 +268,151 @@ class ProcessGroupLockstep(dist.ProcessGroup):
             return [s * per_row for s in splits]
 
         self._on(input).all_to_all_v(input, counts(input, input_split_sizes), output, counts(output, output_split_sizes))
-        return _done(output, opts)
+        return self._done(output, opts)
 
     # Point to point and barrier --------------------------------------------------------------
 
     def send(self, tensors, dst, tag=0):
         for t in tensors:
             self._on(t).send(t, dst)
-        return _done(tensors)
+        return self._done(tensors)
 
     def recv(self, tensors, src, tag=0):
         for t in tensors:
             self._on(t).recv(t, src)
-        return _done(tensors)
+        return self._done(tensors)
 
     def recv_anysource(self, tensors, tag=0):
         raise RuntimeError("the lockstep backend cannot receive from any source: name the sending rank")
 
     def barrier(self, opts=None):
         self._comm.barrier()
-        return _done(None, opts)
+        return self._done(None, opts)
+
+    def monitored_barrier(self, opts=None, wait_all_ranks=False):
+        """``dist.monitored_barrier``: lockstep's barrier already fails on every rank naming a
+        dead peer (within the peer-check interval) or a stuck one (after LOCKSTEP_TIMEOUT_S)."""
+        self._comm.barrier()
+
+    def allgather_coalesced(self, output_lists, inputs, opts=None):
+        """``dist.all_gather_coalesced``: ``output_lists[r][i]`` receives rank r's ``inputs[i]``."""
+        for i, inp in enumerate(inputs):
+            flat = torch.empty(inp.numel() * self._world_size, dtype=inp.dtype, device=inp.device)
+            self._on(inp).all_gather(inp.contiguous(), flat)
+            _split_out(flat, [output_lists[r][i] for r in range(self._world_size)])
+        return self._done(output_lists, opts)
+
+
+def _report_failures(cls):
+    """Wrap every collective of `cls` so that a failure first calls ``self._failed()`` (the c10d
+    Backend dumps torch's Flight Recorder there), then propagates unchanged."""
+    import functools
+
+    def wrap(f):
+        @functools.wraps(f)
+        def call(self, *args, **kwargs):
+            try:
+                return f(self, *args, **kwargs)
+            except Exception:
+                self._failed()
+                raise
+
+        return call
+
+    for name in _COLLECTIVES:
+        setattr(cls, name, wrap(getattr(cls, name)))
+    return cls
+
+
+_COLLECTIVES = (
+    "reduce reduce_scatter reduce_scatter_single reduce_scatter_single_coalesced broadcast allgather "
+    "all_gather_single all_gather_single_coalesced allgather_coalesced gather scatter alltoall "
+    "all_to_all_single send recv barrier monitored_barrier"
+).split()
+_report_failures(_Ops)
+
+
+class ProcessGroupLockstep(_Ops, dist.ProcessGroup):
+    """The backend as a torch.distributed ``ProcessGroup`` (torch before 2.15, which dispatches no
+    Python ``Backend`` subclass)."""
+
+    def __init__(self, comm, rank, world_size, job_id=None):
+        dist.ProcessGroup.__init__(self, rank, world_size)
+        self._setup(comm, rank, world_size, job_id, _done)
 
     # Names used by torch releases before 2.9 for the same operations.
-    _allgather_base = all_gather_single
-    allgather_into_tensor_coalesced = all_gather_single_coalesced
-    _reduce_scatter_base = reduce_scatter_single
-    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
-    alltoall_base = all_to_all_single
+    _allgather_base = _Ops.all_gather_single
+    allgather_into_tensor_coalesced = _Ops.all_gather_single_coalesced
+    _reduce_scatter_base = _Ops.reduce_scatter_single
+    reduce_scatter_tensor_coalesced = _Ops.reduce_scatter_single_coalesced
+    alltoall_base = _Ops.all_to_all_single
+
+
+def _py_backend_supported():
+    """Whether torch dispatches a Python subclass of c10d's ``Backend`` (its PyBackend trampoline,
+    torch 2.15): a probe calls the C++ ``name()``, which reaches the Python ``getBackendName``
+    only through the trampoline. A feature test, not a version test."""
+    try:
+        from torch._C._distributed_c10d import Backend
+
+        class _Probe(Backend):
+            def getBackendName(self):
+                return "lockstep-probe"
+
+        return _Probe(0, 1).name() == "lockstep-probe"
+    except Exception:
+        return False
+
+
+PY_BACKEND = _py_backend_supported()
+
+if PY_BACKEND:
+    from torch._C._distributed_c10d import Backend as _C10dBackend
+
+    # The Work of every blocking call (torch needs one, also for those: a missing Work leaves
+    # the Flight Recorder's entry open, as if the call hung). It has completed; nothing reads it.
+    _COMPLETED = _done(None)
+
+    def _done_work(result, opts=None):
+        if opts is not None and getattr(opts, "asyncOp", True) is False:
+            return _COMPLETED
+        return _done(result)
+
+    class BackendLockstep(_Ops, _C10dBackend):
+        """The backend as a c10d ``Backend`` (torch 2.15 and later): one object serves the group's
+        CPU and CUDA tensors, torch's Flight Recorder records its collectives, and
+        ``monitored_barrier`` and ``all_gather_coalesced`` reach it."""
+
+        def __init__(self, comm, rank, world_size, job_id, timeout):
+            _C10dBackend.__init__(self, rank, world_size)
+            self._options = _C10dBackend.Options(BACKEND, timeout)
+            self._setup(comm, rank, world_size, job_id, _done_work, _COMPLETED)
+
+        @property
+        def options(self):
+            return self._options
+
+        def _failed(self):
+            """With ``TORCH_FR_DUMP_ON_TIMEOUT=1`` (torch's switch for NCCL), write torch's Flight
+            Recorder of this process (``TORCH_FR_DUMP_TEMP_FILE`` + global rank, default
+            ``~/.cache/torch/comm_lib_trace_rank_<rank>``) when a collective fails, so that
+            ``torchfrtrace`` can name the rank and the call where the ranks parted."""
+            import os
+
+            if os.environ.get("TORCH_FR_DUMP_ON_TIMEOUT", "").strip().lower() not in ("1", "true", "yes", "on"):
+                return
+            try:
+                from torch._C._distributed_c10d import _dump_fr_trace_file
+
+                _dump_fr_trace_file(dist.get_rank(), backend=BACKEND)
+            except Exception:  # the collective's own error is what the caller must see
+                pass
+
+        def shutdown(self):
+            self._close()
+
+        def abort(self):
+            self._close()
 
 
 def empty_shared(*size, dtype=torch.float32, group=None):
@@ -295,7 +425,12 @@ def empty_shared(*size, dtype=torch.float32, group=None):
     import numpy as np
 
     pg = group if group is not None else dist.distributed_c10d._get_default_group()
-    if not isinstance(pg, ProcessGroupLockstep):
+    if not isinstance(pg, _Ops):
+        try:
+            pg = pg._get_backend(torch.device("cpu"))
+        except Exception:
+            pass
+    if not isinstance(pg, _Ops):
         raise TypeError(f"empty_shared needs a process group of the lockstep backend; got {type(pg).__name__}")
     if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)):
         size = tuple(size[0])
@@ -320,7 +455,10 @@ def _create(opts, backend_options=None):
     if rank == 0:
         store.set(_KEY, f"torch-{uuid.uuid4().hex[:16]}")
     job_id = store.get(_KEY).decode()
-    return ProcessGroupLockstep(_native.join_named(job_id, rank, size), rank, size, job_id)
+    comm = _native.join_named(job_id, rank, size)
+    if PY_BACKEND:
+        return BackendLockstep(comm, rank, size, job_id, opts.timeout)
+    return ProcessGroupLockstep(comm, rank, size, job_id)
 
 
 def _register():

@@ -131,7 +131,7 @@ impl PyComm {
     where
         F: FnOnce(&mut Communicator) -> Result<(), CommError> + Send,
     {
-        py.detach(|| {
+        let r = py.detach(|| {
             let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
             let Some(c) = g.as_mut() else {
                 return Err(CommError::Unsupported(format!(
@@ -149,8 +149,9 @@ impl PyComm {
                 c.synchronize()?;
             }
             Ok(())
-        })
-        .map_err(comm_err)
+        });
+        crate::log::deliver(py);
+        r.map_err(comm_err)
     }
 
     /// Check that `v` lives where this communicator's buffers must (host memory on a host
@@ -365,17 +366,28 @@ pub struct TorchAllReduce {
     /// Python's `allreduce` for tensors that are not on the CPU (CUDA: the group's device
     /// communicator), called as `device(tensors, opts)`.
     device: Py<PyAny>,
+    /// The Work a blocking call returns: None for a ProcessGroup (torch's blocking wrappers take
+    /// None); a completed Work for a c10d Backend, whose Flight Recorder retires a call's entry
+    /// only when a Work comes back.
+    completed: Py<PyAny>,
+    /// Called (no arguments) before a failure is raised: the c10d Backend dumps torch's Flight
+    /// Recorder there. Nothing on the success path.
+    on_error: Py<PyAny>,
 }
 
 #[pymethods]
 impl TorchAllReduce {
     #[new]
+    #[pyo3(signature = (comm, sum, op_name, done, device, completed=None, on_error=None))]
     fn new(
+        py: Python<'_>,
         comm: Py<PyComm>,
         sum: Py<PyAny>,
         op_name: Py<PyAny>,
         done: Py<PyAny>,
         device: Py<PyAny>,
+        completed: Option<Py<PyAny>>,
+        on_error: Option<Py<PyAny>>,
     ) -> TorchAllReduce {
         TorchAllReduce {
             comm,
@@ -383,12 +395,14 @@ impl TorchAllReduce {
             op_name,
             done,
             device,
+            completed: completed.unwrap_or_else(|| py.None()),
+            on_error: on_error.unwrap_or_else(|| py.None()),
         }
     }
 
     /// All-reduce each tensor of `tensors` in place with `opts.reduceOp` (sum without opts).
-    /// Returns a completed Work, or None when `opts.asyncOp` is False (torch's blocking wrappers
-    /// accept None).
+    /// Returns a completed Work, or `completed` when `opts.asyncOp` is False (None for a
+    /// ProcessGroup: torch's blocking wrappers accept it).
     #[pyo3(signature = (tensors, opts=None))]
     fn __call__<'py>(
         &self,
@@ -431,21 +445,27 @@ impl TorchAllReduce {
                 (op, !asynchronous.is(&*pyo3::types::PyBool::new(py, false)))
             }
         };
-        match tensors.cast::<PyList>() {
+        let ran = match tensors.cast::<PyList>() {
             // One tensor (every dist.all_reduce): its is_cpu was read above.
-            Ok(list) if list.len() == 1 => {
-                comm.all_reduce_cpu_tensor(py, &list.get_item(0)?, op)?
-            }
-            _ => {
-                for t in tensors.try_iter()? {
+            Ok(list) if list.len() == 1 => comm.all_reduce_cpu_tensor(py, &list.get_item(0)?, op),
+            _ => tensors.try_iter().and_then(|ts| {
+                for t in ts {
                     comm.all_reduce_in_place_op(py, &t?, op)?;
                 }
+                Ok(())
+            }),
+        };
+        if let Err(e) = ran {
+            if !self.on_error.is_none(py) {
+                // The hook's own failure must not hide the collective's.
+                let _ = self.on_error.bind(py).call0();
             }
+            return Err(e);
         }
         if want_work {
             self.done.bind(py).call1((tensors,))
         } else {
-            Ok(py.None().into_bound(py))
+            Ok(self.completed.bind(py).clone())
         }
     }
 }

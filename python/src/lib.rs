@@ -17,6 +17,7 @@ use pyo3::prelude::*;
 mod buffer;
 mod comm;
 mod errors;
+mod log;
 
 use comm::PyComm;
 use errors::comm_err;
@@ -26,10 +27,10 @@ use errors::comm_err;
 /// node has joined.
 #[pyfunction]
 fn init_from_env(py: Python<'_>) -> PyResult<PyComm> {
-    let c = py
-        .detach(lockstep::Communicator::from_env)
-        .map_err(comm_err)?;
-    Ok(PyComm::new(c))
+    log::install()?;
+    let c = py.detach(lockstep::Communicator::from_env);
+    log::deliver(py);
+    Ok(PyComm::new(c.map_err(comm_err)?))
 }
 
 /// Why forking ranks from this process would fail, or None: CUDA already initialised here (by
@@ -57,6 +58,7 @@ struct ShmJob {
 impl ShmJob {
     #[new]
     fn new(world: usize) -> PyResult<ShmJob> {
+        log::install()?;
         let job = lockstep::shm::ShmJob::new(world).map_err(comm_err)?;
         Ok(ShmJob {
             job: Mutex::new(Some(job)),
@@ -67,8 +69,9 @@ impl ShmJob {
     fn communicator(&self, py: Python<'_>, rank: usize) -> PyResult<PyComm> {
         let job = self.job.lock().unwrap_or_else(|p| p.into_inner()).clone();
         let job = job.ok_or_else(|| PyRuntimeError::new_err("this ShmJob was closed"))?;
-        let c = py.detach(|| job.communicator(rank)).map_err(comm_err)?;
-        Ok(PyComm::new(c))
+        let c = py.detach(|| job.communicator(rank));
+        log::deliver(py);
+        Ok(PyComm::new(c.map_err(comm_err)?))
     }
 
     /// Drop this process's mapping (the parent, once every rank is forked).
@@ -83,15 +86,14 @@ impl ShmJob {
 /// the `LOCKSTEP_SHM_*` variables.
 #[pyfunction]
 fn join_named(py: Python<'_>, job_id: &str, rank: usize, world: usize) -> PyResult<PyComm> {
-    let c = py
-        .detach(|| {
-            let cfg = lockstep::shm::ShmConfig::from_env()?;
-            lockstep::shm::ShmComm::join_named(job_id, rank, world, cfg)
-        })
-        .map_err(comm_err)?;
-    Ok(PyComm::new(lockstep::Communicator::from_backend(Box::new(
-        c,
-    ))))
+    log::install()?;
+    let c = py.detach(|| {
+        let cfg = lockstep::shm::ShmConfig::from_env()?;
+        lockstep::shm::ShmComm::join_named(job_id, rank, world, cfg)
+            .map(|c| lockstep::Communicator::from_backend(Box::new(c)))
+    });
+    log::deliver(py);
+    Ok(PyComm::new(c.map_err(comm_err)?))
 }
 
 /// In a freshly forked rank: ask the kernel to SIGKILL this process when the thread that forked
@@ -133,6 +135,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("CommError", m.py().get_type::<errors::CommError>())?;
     m.add_function(wrap_pyfunction!(init_from_env, m)?)?;
     m.add_function(wrap_pyfunction!(cli_main, m)?)?;
+    m.add_function(wrap_pyfunction!(log::_deliver_logs, m)?)?;
     m.add_function(wrap_pyfunction!(fork_refusal, m)?)?;
     m.add_function(wrap_pyfunction!(die_with_parent, m)?)?;
     m.add_function(wrap_pyfunction!(join_named, m)?)?;

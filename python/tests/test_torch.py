@@ -120,7 +120,9 @@ def _collectives():
     t = torch.full((3,), float(r))
     w = dist.all_reduce(t, async_op=True)
     w.wait()
-    out["async"] = (t, w.is_completed(), [x.clone() for x in w.get_future().value()])
+    # The future, not Work.is_completed(): torch 2.15 wraps a Python Backend's Work in a holder
+    # that forwards only wait() and get_future(), so is_completed() stays False there.
+    out["async"] = (t, w.get_future().done(), [x.clone() for x in w.get_future().value()])
     b = torch.full((2,), float(r), dtype=torch.bfloat16)
     dist.all_reduce(b)
     out["bf16"] = b
@@ -351,3 +353,65 @@ def test_init_process_group_finds_lockstep_without_importing_it():
     o = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert o.returncode == 0, o.stderr
     assert "ok lockstep [0.0, 1.0, 2.0, 3.0]" in o.stdout, o.stdout
+
+
+def test_flight_recorder_names_the_rank_that_skipped_a_collective(tmp_path):
+    """Rank 1 skips the fifth all_reduce: both ranks fail with lockstep's mismatch error, dump
+    torch's Flight Recorder (TORCH_FR_DUMP_ON_TIMEOUT=1), and torch's own reader, torchfrtrace,
+    names rank 1 and the collective from the dumps."""
+    import os
+    import shutil
+    import socket
+    import subprocess
+    import sys
+    import textwrap
+
+    import lockstep.torch as lt
+
+    if not lt.PY_BACKEND:
+        pytest.skip(f"skipped: torch {torch.__version__} records no Python Backend in its Flight Recorder (torch >= 2.15 does)")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = textwrap.dedent(
+        """
+        import torch, torch.distributed as dist
+        dist.init_process_group("lockstep")
+        r = dist.get_rank()
+        t = torch.ones(4)
+        for _ in range(4):
+            dist.all_reduce(t)
+        try:
+            if r == 1:
+                dist.barrier()
+            else:
+                dist.all_reduce(t)
+        except RuntimeError as e:
+            print("failed", r, "mismatch" in str(e))
+        """
+    )
+    env = dict(
+        os.environ,
+        WORLD_SIZE="2",
+        LOCAL_WORLD_SIZE="2",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        TORCH_FR_DUMP_ON_TIMEOUT="1",
+        TORCH_FR_DUMP_TEMP_FILE=str(tmp_path / "rank_"),
+    )
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for r in range(2)
+    ]
+    for r, p in enumerate(procs):
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        assert f"failed {r} True" in out, out + err
+    assert sorted(os.listdir(tmp_path)) == ["rank_0", "rank_1"]
+    reader = shutil.which("torchfrtrace", path=os.path.dirname(sys.executable))
+    assert reader, "torch installs the torchfrtrace console script"
+    o = subprocess.run([reader, str(tmp_path), "-p", "rank_"], capture_output=True, text=True, timeout=120)
+    assert o.returncode == 0, o.stderr
+    report = o.stdout + o.stderr
+    assert "Collective sequence number: 5 has errors" in report, report
+    assert "Culprit rank 1" in report and "'all_reduce' does not match found collective type: 'barrier'" in report, report

@@ -305,14 +305,17 @@ struct Files {
 impl Files {
     fn of(path: &Path) -> Result<Files, CheckpointError> {
         let name = |p: PathBuf| p.file_name().map(OsStr::to_os_string);
-        let model = path.file_name().map(OsStr::to_os_string).ok_or_else(|| {
-            CheckpointError::Target {
+        let model =
+            path.file_name()
+                .map(OsStr::to_os_string)
+                .ok_or_else(|| {
+                    CheckpointError::Target {
                 path: path.to_path_buf(),
                 why:
                     "the path names no file; pass a file path such as checkpoints/model.safetensors"
                         .into(),
             }
-        })?;
+                })?;
         let dir = match path.parent() {
             Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
             _ => PathBuf::from("."),

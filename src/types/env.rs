@@ -207,6 +207,11 @@ pub const BACKEND: Var = Var {
     name: "LOCKSTEP_BACKEND",
     kind: Kind::Choice(BACKENDS),
 };
+/// Timestamps on the diagnostics an embedding writes to stderr (`logging`).
+pub const LOG_TIME: Var = Var {
+    name: "LOCKSTEP_LOG_TIME",
+    kind: Kind::Flag,
+};
 /// CUDA initialisation probe logging.
 pub const DEBUG: Var = Var {
     name: "LOCKSTEP_DEBUG",
@@ -327,7 +332,7 @@ pub const CONFIG: Var = Var {
 /// variable through the same [`Var`], so this table and the readers cannot disagree. Free-form
 /// ones are not listed: library paths (`LOCKSTEP_*_LIBRARY`), `LOCKSTEP_SHM_DIR` (checked where
 /// a named segment is made: an absolute path to a directory), NVRTC options, the log filter
-/// (`LOCKSTEP_LOG`, checked by the binaries), the token (`LOCKSTEP_TOKEN`, which has its own
+/// (`LOCKSTEP_LOG`, checked by every embedding: `logging`), the token (`LOCKSTEP_TOKEN`, which has its own
 /// rules), and the checkpoint fault injection (`LOCKSTEP_FAULT_SAVE`).
 pub const CHECKED: &[Var] = &[
     TIMEOUT_S,
@@ -351,6 +356,7 @@ pub const CHECKED: &[Var] = &[
     CPU_BIND,
     JOIN_TIMEOUT_S,
     CONFIG,
+    LOG_TIME,
 ];
 
 impl Var {

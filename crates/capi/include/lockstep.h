@@ -150,6 +150,12 @@ typedef enum {
 // lockstepCommDestroy or lockstepCommAbort.
 typedef struct lockstepComm lockstepComm;
 
+// A log callback: `level` (1 error, 2 warn, 3 info, 4 debug, 5 trace), the event's target (the
+// lockstep module, e.g. `lockstep::init`), the message, and the `user` pointer given to
+// lockstepSetLogCallback. Both strings are valid only during the call. It may be called from
+// any thread that runs lockstep code, concurrently, and must not call back into lockstep.
+typedef void (*lockstepLogCallback_t)(int level, const char *target, const char *message, void *user);
+
 // What ranks need to find each other: made by lockstepGetUniqueId on one rank, handed to the
 // others (by any means: a file, a socket, MPI, fork) and passed to lockstepCommInitRank. It holds
 // a fresh random job id, naming the shared-memory segment the ranks meet in, and the host it was
@@ -199,7 +205,17 @@ extern "C" {
 // `version` is NULL (lockstepInvalidArgument) or valid for writing an int.
 lockstepResult_t lockstepGetVersion(int *version);
 
-// Make a new unique id (a fresh random job id and this host's identity) in `*uniqueId`. Call it
+// Send lockstep's diagnostics to `callback` (with `user` passed back) instead of stderr; NULL
+// clears it. Without a callback, diagnostics go to stderr only when `LOCKSTEP_LOG` is set (a
+// filter such as `info` or `warn,lockstep::shm=debug`; `LOCKSTEP_LOG_TIME=1` adds the time).
+// With a callback and no `LOCKSTEP_LOG`, it receives every warning and lockstep's INFO lines,
+// among them each communicator's init line (target `lockstep::init`). Not in nccl.h.
+//
+// Thread safety: any thread; the callback may be called from any thread running lockstep
+// code, concurrently, and must not call lockstep.
+lockstepResult_t lockstepSetLogCallback(lockstepLogCallback_t callback, void *user);
+
+// Make a new unique id (a fresh random job id and this machine's identity) in `*uniqueId`. Call it
 // on one rank and pass the id to every rank's lockstepCommInitRank. Each call gives a new id: a
 // job needs exactly one.
 //

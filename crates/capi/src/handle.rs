@@ -331,7 +331,14 @@ fn finish(
 
 /// Run entry point `name` (no communicator) and map its outcome to a result code.
 pub(crate) fn guard(name: &str, f: impl FnOnce() -> Result<(), Failure>) -> lockstepResult_t {
-    finish(name, None, catch_unwind(AssertUnwindSafe(f)))
+    finish(
+        name,
+        None,
+        catch_unwind(AssertUnwindSafe(|| {
+            crate::log::ensure()?;
+            f()
+        })),
+    )
 }
 
 /// Run entry point `name` on communicator `comm` (looked up first) and map its outcome to a
@@ -343,6 +350,7 @@ pub(crate) fn guard_comm(
 ) -> lockstepResult_t {
     let mut found: Option<Arc<lockstepComm>> = None;
     let r = catch_unwind(AssertUnwindSafe(|| {
+        crate::log::ensure()?;
         let h = lookup(comm)?;
         found = Some(h.clone());
         f(&h)

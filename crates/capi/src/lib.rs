@@ -30,6 +30,7 @@ mod config;
 mod exec;
 mod handle;
 mod id;
+mod log;
 mod types;
 
 use std::ffi::{c_char, c_int, c_void};
@@ -40,6 +41,7 @@ use runtime::comm::{CommError, Communicator};
 use runtime::cuda::{CudaError, DeviceBuffer};
 
 pub use handle::{lockstepComm, lockstepComm_t};
+pub use log::lockstepLogCallback_t;
 pub use types::{
     lockstepConfig_t, lockstepDataType_t, lockstepRedOp_t, lockstepResult_t, lockstepUniqueId,
     DataTypeArg, RedOpArg, ResultArg, LOCKSTEP_API_MAGIC, LOCKSTEP_SPLIT_NOCOLOR,
@@ -60,6 +62,24 @@ pub unsafe extern "C" fn lockstepGetVersion(version: *mut c_int) -> lockstepResu
         let out = unsafe { out_ptr(version, "version") }?;
         *out = handle::VERSION_CODE;
         Ok(())
+    })
+}
+
+/// Send lockstep's diagnostics to `callback` (with `user` passed back) instead of stderr; NULL
+/// clears it. Without a callback, diagnostics go to stderr only when `LOCKSTEP_LOG` is set (a
+/// filter such as `info` or `warn,lockstep::shm=debug`; `LOCKSTEP_LOG_TIME=1` adds the time).
+/// With a callback and no `LOCKSTEP_LOG`, it receives every warning and lockstep's INFO lines,
+/// among them each communicator's init line (target `lockstep::init`). Not in nccl.h.
+///
+/// Thread safety: any thread; the callback may be called from any thread running lockstep
+/// code, concurrently, and must not call lockstep.
+#[no_mangle]
+pub extern "C" fn lockstepSetLogCallback(
+    callback: lockstepLogCallback_t,
+    user: *mut c_void,
+) -> lockstepResult_t {
+    guard("lockstepSetLogCallback", || {
+        log::set_callback(callback, user)
     })
 }
 

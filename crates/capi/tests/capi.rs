@@ -61,20 +61,44 @@ fn launcher() -> Result<String, String> {
     .clone()
 }
 
-/// `liblockstep.so` of this build: beside this test binary (cargo puts both in `deps/`), or
-/// one level up.
+/// `liblockstep.so` as this source tree builds it now. cargo builds a cdylib-only crate's library
+/// for its integration tests only when it sees fit, so a test that trusted whatever sits in the
+/// target directory could check a stale library: the library is built here (`cargo build
+/// -p lockstep-capi`, a no-op when it is current) and its path read from cargo's own report.
 fn built() -> Result<Built, String> {
-    let exe = std::env::current_exe().map_err(|e| format!("current_exe: {e}"))?;
-    let dir = exe.parent().ok_or("the test binary has no directory")?;
-    let so = [dir.join("liblockstep.so"), dir.join("../liblockstep.so")]
-        .into_iter()
-        .find(|p| p.is_file())
-        .ok_or_else(|| {
-            format!(
-                "liblockstep.so is not beside {} (is cdylib in [lib] crate-type?)",
-                exe.display()
-            )
-        })?;
+    static SO: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    let so = SO
+        .get_or_init(|| {
+            let mut c = Command::new(env!("CARGO"));
+            c.args([
+                "build",
+                "-p",
+                "lockstep-capi",
+                "--message-format=json-render-diagnostics",
+            ])
+            .current_dir(ROOT);
+            if !cfg!(debug_assertions) {
+                c.arg("--release");
+            }
+            let o = c
+                .output()
+                .map_err(|e| format!("could not run cargo: {e}"))?;
+            if !o.status.success() {
+                return Err(format!(
+                    "cargo build -p lockstep-capi failed:\n{}",
+                    text(&o)
+                ));
+            }
+            String::from_utf8_lossy(&o.stdout)
+                .lines()
+                .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+                .filter(|v| {
+                    v["reason"] == "compiler-artifact" && v["target"]["kind"][0] == "cdylib"
+                })
+                .find_map(|v| v["filenames"][0].as_str().map(PathBuf::from))
+                .ok_or_else(|| format!("cargo reported no cdylib for lockstep-capi:\n{}", text(&o)))
+        })
+        .clone()?;
     Ok(Built {
         so,
         generated: PathBuf::from(env!("OUT_DIR")).join("lockstep.h"),
@@ -268,6 +292,7 @@ const FUNCTIONS: &[&str] = &[
     "lockstepGroupStart",
     "lockstepGroupEnd",
     "lockstepBarrier",
+    "lockstepSetLogCallback",
 ];
 
 fn header_has_nccl_values_and_functions() -> Result<(), String> {
@@ -603,6 +628,85 @@ fn c_init_from_env_error() -> Result<(), String> {
     )
 }
 
+/// `bin ARGS` under timeout with `LOCKSTEP_LOG` set to `log` (or removed).
+fn with_log(args: &[&str], log: Option<&str>) -> Result<Output, String> {
+    let mut c = Command::new("timeout");
+    c.args(["-k", "5", JOB_LIMIT_S])
+        .args(args)
+        .current_dir(ROOT);
+    match log {
+        Some(v) => c.env("LOCKSTEP_LOG", v),
+        None => c.env_remove("LOCKSTEP_LOG"),
+    };
+    c.env_remove("LOCKSTEP_LOG_TIME");
+    c.output()
+        .map_err(|e| format!("could not run {args:?} under timeout: {e}"))
+}
+
+/// `LOCKSTEP_LOG=info`: every rank's init line on stderr, as `NCCL_DEBUG=INFO` prints NCCL's;
+/// without it, nothing.
+fn c_log_stderr() -> Result<(), String> {
+    let bin = c_binary()?;
+    let launcher = launcher()?;
+    let args = [
+        launcher.as_str(),
+        "launch",
+        "--nproc-per-node",
+        "2",
+        "--",
+        bin.to_str().unwrap(),
+        "env",
+    ];
+    let o = with_log(&args, Some("info"))?;
+    check(
+        o.status.success(),
+        "capi_test env with LOCKSTEP_LOG=info must pass",
+        text(&o),
+    )?;
+    let err = String::from_utf8_lossy(&o.stderr);
+    for r in 0..2 {
+        let want = format!(
+            "lockstep::init: lockstep {} init: rank {r} of 2",
+            env!("CARGO_PKG_VERSION")
+        );
+        check(
+            err.contains(&want),
+            &format!("LOCKSTEP_LOG=info: the C library logs {want:?}"),
+            text(&o),
+        )?;
+    }
+    let o = with_log(&args, None)?;
+    let err = String::from_utf8_lossy(&o.stderr);
+    check(
+        o.status.success() && !err.contains("lockstep::init"),
+        "without LOCKSTEP_LOG the C library prints nothing",
+        text(&o),
+    )
+}
+
+/// lockstepSetLogCallback receives the init line (checked inside capi_test); an invalid
+/// `LOCKSTEP_LOG` fails the call with lockstepInvalidArgument naming the variable.
+fn c_log_callback() -> Result<(), String> {
+    let bin = c_binary()?;
+    let o = with_log(&[bin.to_str().unwrap(), "log"], None)?;
+    check(
+        o.status.success()
+            && String::from_utf8_lossy(&o.stdout).contains("log: the callback saw the init line")
+            && !String::from_utf8_lossy(&o.stderr).contains("lockstep::init"),
+        "capi_test log: the callback sees the init line and stderr stays quiet",
+        text(&o),
+    )?;
+    let o = with_log(&[bin.to_str().unwrap(), "log"], Some("lockstep=loud"))?;
+    let err = String::from_utf8_lossy(&o.stderr);
+    check(
+        !o.status.success()
+            && err.contains("returned 4 (invalid argument)")
+            && err.contains("LOCKSTEP_LOG=\"lockstep=loud\" is not a log filter"),
+        "an invalid LOCKSTEP_LOG fails the call, naming the variable",
+        text(&o),
+    )
+}
+
 /// The C example of the README's "From C" section compiles and runs as shown.
 fn readme_example() -> Result<(), String> {
     let readme =
@@ -700,6 +804,8 @@ fn main() -> std::process::ExitCode {
         ("c_config_2", c_config_2),
         ("c_config_3", c_config_3),
         ("c_init_from_env_error", c_init_from_env_error),
+        ("c_log_stderr", c_log_stderr),
+        ("c_log_callback", c_log_callback),
         ("hello_example", hello_example),
         ("readme_example", readme_example),
         ("ctypes_launch_2", ctypes_launch_2),

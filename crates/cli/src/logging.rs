@@ -1,33 +1,15 @@
-//! The diagnostics subscriber of the `lockstep` command (`train-cnn` has the same rules, in
-//! `src/bin/common`).
-//!
-//! The library never prints; it emits `tracing` events. A binary decides what its user sees:
-//! `LOCKSTEP_LOG` (a `RUST_LOG`-style filter such as `debug` or `warn,lockstep::shm=debug`) wins,
-//! else `-q` (errors only), default (lockstep's notices and everyone's warnings, but not each
-//! communicator's init line), `-v` (debug), `-vv` (trace).
+//! What the user of the `lockstep` command sees of the library's `tracing` events: `LOCKSTEP_LOG`
+//! (a `RUST_LOG`-style filter) wins, else `-q` (errors only), the default (lockstep's notices and
+//! everyone's warnings, but not each communicator's init line), `-v` (debug), `-vv` (trace).
+//! `LOCKSTEP_LOG_TIME=1` adds timestamps (`lockstep::logging`).
 
-use tracing_subscriber::EnvFilter;
-
-/// Install the stderr subscriber. An invalid `LOCKSTEP_LOG` is an error that names it.
+/// Install the stderr subscriber. An invalid `LOCKSTEP_LOG` or `LOCKSTEP_LOG_TIME` is an error
+/// that names it.
 pub fn init_logging(verbose: u8, quiet: bool) -> Result<(), String> {
-    let filter = match lockstep::types::env::raw("LOCKSTEP_LOG").map_err(|e| e.to_string())? {
-        Some(v) => EnvFilter::try_new(v.trim()).map_err(|e| {
-            format!("LOCKSTEP_LOG={v:?} is not a log filter ({e}); use a level (error, warn, info, debug, trace) or directives such as warn,lockstep::shm=debug")
-        })?,
-        _ => EnvFilter::new(match (quiet, verbose) {
-            (true, _) => "error",
-            // Each communicator's init line only on request (-v, or LOCKSTEP_LOG=info), as NCCL's
-            // with NCCL_DEBUG=INFO: one line per rank per communicator is noise by default.
-            (false, 0) => "warn,lockstep=info,lockstep::init=warn",
-            (false, 1) => "info,lockstep=debug",
-            (false, _) => "debug,lockstep=trace",
-        }),
-    };
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .without_time()
-        .with_target(false)
-        .try_init()
-        .map_err(|e| format!("cannot install the log subscriber: {e}"))
+    lockstep::logging::init_stderr(match (quiet, verbose) {
+        (true, _) => "error",
+        (false, 0) => lockstep::logging::DEFAULT_FILTER,
+        (false, 1) => "info,lockstep=debug",
+        (false, _) => "debug,lockstep=trace",
+    })
 }

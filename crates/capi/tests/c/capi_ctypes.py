@@ -70,6 +70,7 @@ for name, args in {
     "lockstepGroupStart": [],
     "lockstepGroupEnd": [],
     "lockstepBarrier": [Comm, c_void_p],
+    "lockstepSetLogCallback": [c_void_p, c_void_p],
 }.items():
     f = getattr(lib, name)
     f.argtypes, f.restype = args, c_int

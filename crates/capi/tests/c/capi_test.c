@@ -695,7 +695,45 @@ static void config_rank(int r, void *arg) {
     printf("rank %d: config: verified\n", r);
 }
 
+/* What the log callback saw: init lines of this process's communicator, malformed calls. */
+struct seen {
+    int init_lines;
+    int bad;
+};
+
+static void on_log(int level, const char *target, const char *message, void *user) {
+    struct seen *s = user;
+    if (level < 1 || level > 5 || target == NULL || message == NULL) {
+        s->bad++;
+        return;
+    }
+    if (level == 3 && strcmp(target, "lockstep::init") == 0 && strstr(message, "init: rank 0 of 1") != NULL) s->init_lines++;
+}
+
+/* lockstepSetLogCallback: the init line of a 1-rank communicator reaches the callback, and
+   nothing after the callback is cleared. */
+static void log_callback(void) {
+    struct seen s = {0, 0};
+    OK(lockstepSetLogCallback(on_log, &s));
+    lockstepUniqueId id;
+    OK(lockstepGetUniqueId(&id));
+    lockstepComm_t comm = NULL;
+    OK(lockstepCommInitRank(&comm, 1, id, 0));
+    CHECK(s.init_lines == 1 && s.bad == 0, "callback: %d init lines, %d malformed calls", s.init_lines, s.bad);
+    OK(lockstepSetLogCallback(NULL, NULL));
+    lockstepComm_t comm2 = NULL;
+    OK(lockstepCommInitRank(&comm2, 1, id, 0));
+    CHECK(s.init_lines == 1, "the cleared callback was still called");
+    OK(lockstepCommDestroy(comm2));
+    OK(lockstepCommDestroy(comm));
+    printf("log: the callback saw the init line\n");
+}
+
 int main(int argc, char **argv) {
+    if (argc >= 2 && strcmp(argv[1], "log") == 0) {
+        log_callback();
+        return 0;
+    }
     if (argc >= 2 && strcmp(argv[1], "env") == 0) {
         lockstepComm_t comm = NULL;
         OK(lockstepCommInitFromEnv(&comm));
@@ -715,6 +753,6 @@ int main(int argc, char **argv) {
         printf("%s: %d ranks passed\n", argv[1], j.n);
         return 0;
     }
-    fprintf(stderr, "usage: %s env | uid N | config N\n", argv[0]);
+    fprintf(stderr, "usage: %s env | log | uid N | config N\n", argv[0]);
     return 2;
 }

@@ -234,15 +234,17 @@ impl Tensors {
         if batch == 0 {
             return Err(DeviceError::Config("batch size must be at least 1".into()));
         }
-        let sample_dims: [usize; 3] = model.sample_dims().try_into().map_err(|_| {
-            DeviceError::UnsupportedModel {
-                layer: "input".into(),
-                why: format!(
+        let sample_dims: [usize; 3] =
+            model
+                .sample_dims()
+                .try_into()
+                .map_err(|_| DeviceError::UnsupportedModel {
+                    layer: "input".into(),
+                    why: format!(
                     "the device engine feeds image batches [N, C, H, W]; the model takes [N, {:?}]",
                     model.sample_dims()
                 ),
-            }
-        })?;
+                })?;
         let param = |layer: &str, p: &str, want: usize| -> Result<ParamAt, DeviceError> {
             let full = format!("{layer}.{p}");
             match model.entries.iter().find(|e| e.name == full) {
