@@ -343,16 +343,12 @@ impl NvrtcLib {
         };
         let mut n = 0usize;
         // SAFETY: live, compiled program; valid out-pointer.
-        self.check(
-            unsafe { size_fn(prog, &mut n) },
-            &format!("nvrtcGet{what}Size({program})"),
-        )?;
+        let rc = unsafe { size_fn(prog, &mut n) };
+        self.check(rc, &format!("nvrtcGet{what}Size({program})"))?;
         let mut buf = vec![0u8; n];
         // SAFETY: `buf` holds the `n` bytes NVRTC asked for.
-        self.check(
-            unsafe { get_fn(prog, buf.as_mut_ptr().cast()) },
-            &format!("nvrtcGet{what}({program})"),
-        )?;
+        let rc = unsafe { get_fn(prog, buf.as_mut_ptr().cast()) };
+        self.check(rc, &format!("nvrtcGet{what}({program})"))?;
         Ok(buf)
     }
 

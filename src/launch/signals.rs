@@ -64,9 +64,8 @@ impl SignalPipe {
             }
         }
         // SAFETY: fds[0] was just created and is owned here.
-        Ok(SignalPipe {
-            read: unsafe { OwnedFd::from_raw_fd(fds[0]) },
-        })
+        let read = unsafe { OwnedFd::from_raw_fd(fds[0]) };
+        Ok(SignalPipe { read })
     }
 
     /// The fd to poll.

@@ -1108,17 +1108,11 @@ impl NcclComm {
         }
         let (mut n, mut r): (c_int, c_int) = (0, 0);
         // SAFETY: live, initialised communicator; valid out-pointers.
-        result::check(
-            unsafe { (api.ncclCommCount)(child, &mut n) },
-            Some(child),
-            || "ncclCommCount".into(),
-        )?;
+        let rc = unsafe { (api.ncclCommCount)(child, &mut n) };
+        result::check(rc, Some(child), || "ncclCommCount".into())?;
         // SAFETY: as above.
-        result::check(
-            unsafe { (api.ncclCommUserRank)(child, &mut r) },
-            Some(child),
-            || "ncclCommUserRank".into(),
-        )?;
+        let rc = unsafe { (api.ncclCommUserRank)(child, &mut r) };
+        result::check(rc, Some(child), || "ncclCommUserRank".into())?;
         (c.rank, c.world) = (r as usize, n as usize);
         Ok(Some(c))
     }

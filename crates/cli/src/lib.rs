@@ -5,7 +5,7 @@
 //! [`main`] (the binary's) and [`run_args`] (the Python package's `lockstep` console script) only
 //! parse arguments, run the subcommand and map the result to an exit status. Raw CLI values (the
 //! clap structs) are turned into validated settings ([`lockstep::launch::JobSpec`]) before
-//! anything starts. One module per concern beside this file: [`bench`] (the measurements behind
+//! anything starts. One module per concern beside this file: [`bench`](mod@bench) (the measurements behind
 //! `lockstep bench`), `logging` (what the user sees of the library's `tracing` events).
 
 use std::ffi::OsString;

@@ -131,10 +131,8 @@ fn run(ch: &mut Channel, call: &Call, cx: Ctx, attempt: Attempt) -> Result<(), C
             }
             if receives(me) {
                 // SAFETY: recv holds count elements on receivers.
-                dsts.push(Dst {
-                    ptr: unsafe { recv.add((base + lo) * esz) },
-                    nt,
-                });
+                let ptr = unsafe { recv.add((base + lo) * esz) };
+                dsts.push(Dst { ptr, nt });
             }
             // SAFETY: out_slot holds slot_bytes >= c_max elements >= hi-lo; sources valid; recv
             // may equal our own source exactly (in place).

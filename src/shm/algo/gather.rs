@@ -75,8 +75,8 @@ fn run(ch: &mut Channel, call: &Call, cx: Ctx, attempt: Attempt) -> Result<(), C
         return late_stage(ch, call, &descs, p, snt, nt, cx);
     }
     // Our own block: the staged path copies it chunk by chunk along with the staging.
-    // SAFETY: (add) recv holds n*bytes on receivers.
     let own = if receives {
+        // SAFETY: (add) recv holds n*bytes on receivers.
         Some(unsafe { recv.add(me * bytes) })
     } else {
         None

@@ -429,11 +429,11 @@ fn reduce_from_peers(
         let (src, dst) = unsafe { (own.add(off * esz), out.add(off * esz)) };
         for k in (0..n).filter(|&k| k != me) {
             let idx = if k < me { k } else { k - 1 };
-            // SAFETY: (add) within the scratch buffer: (n - 1) pieces of `piece` elements, 8-byte
-            // aligned (a Vec<u64>), the alignment of every dtype's kernel.
             let to = if land == Some(k) {
                 dst
             } else {
+                // SAFETY: (add) within the scratch buffer: (n - 1) pieces of `piece` elements,
+                // 8-byte aligned (a Vec<u64>), the alignment of every dtype's kernel.
                 unsafe { scratch.add(idx * piece * esz) }
             };
             if let Err(e) = read_direct_io(pids[k], descs[k].send_off + at, to as usize, m * esz) {
