@@ -530,6 +530,71 @@ fn malformed_env_refuses_launch() -> Result<(), String> {
     )
 }
 
+/// The CPUs this thread may run on.
+fn affinity() -> Vec<usize> {
+    // SAFETY: a zeroed cpu_set_t is a valid empty set; sched_getaffinity takes a valid pointer
+    // and its size; CPU_ISSET reads indexes below CPU_SETSIZE.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        assert_eq!(
+            libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set),
+            0
+        );
+        (0..libc::CPU_SETSIZE as usize)
+            .filter(|&c| libc::CPU_ISSET(c, &set))
+            .collect()
+    }
+}
+
+/// `block` (the default): each rank gets CPUs / ranks consecutive CPUs of the allowed set, a
+/// single rank all of them (threads started later inherit it); `core`: one CPU each; `none`:
+/// the mask is left alone. Every rank reports its own affinity.
+fn cpu_binding_modes() -> Result<(), String> {
+    let all = affinity();
+    let mut worlds = vec![1];
+    if all.len() >= 2 {
+        worlds.push(2);
+    }
+    for mode in [None, Some("block"), Some("core"), Some("none")] {
+        for &w in &worlds {
+            let mut c = cfg(w);
+            c.shm.cpu_bind = match mode {
+                Some("core") => lockstep::shm::CpuBind::Core,
+                Some("none") => lockstep::shm::CpuBind::None,
+                Some("block") => lockstep::shm::CpuBind::Block,
+                _ => lockstep::shm::default_cpu_bind(),
+            };
+            let got = launch(&c, |_ctx| {
+                let on_thread = std::thread::spawn(affinity).join().unwrap_or_default();
+                Ok((affinity(), on_thread))
+            })
+            .map_err(|e| e.to_string())?;
+            let per = match mode {
+                Some("core") => 1,
+                Some("none") => 0,
+                _ => all.len() / w,
+            };
+            for (r, (mine, thread)) in got.iter().enumerate() {
+                let want: Vec<usize> = if per == 0 {
+                    all.clone()
+                } else {
+                    all[r * per..(r + 1) * per].to_vec()
+                };
+                check(
+                    *mine == want && thread == mine,
+                    &format!("{mode:?}, {w} ranks: rank {r}'s CPUs (and a thread it starts)"),
+                    format!("want {want:?}, got {mine:?} (thread {thread:?}); allowed {all:?}"),
+                )?;
+            }
+        }
+    }
+    check(
+        lockstep::shm::default_cpu_bind() == lockstep::shm::CpuBind::Block,
+        "the default binding of a Rust program is block",
+        format!("{:?}", lockstep::shm::default_cpu_bind()),
+    )
+}
+
 fn main() -> std::process::ExitCode {
     match std::env::var("LOCKSTEP_TEST_MODE").as_deref() {
         Ok("output") => child_output_mode(),
@@ -569,5 +634,6 @@ fn main() -> std::process::ExitCode {
             host_killed_takes_everything_with_it,
         ),
         ("malformed_env_refuses_launch", malformed_env_refuses_launch),
+        ("cpu_binding_modes", cpu_binding_modes),
     ])
 }

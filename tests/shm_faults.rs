@@ -187,7 +187,7 @@ fn t_join_wait_cpu() -> Result<(), String> {
     let cfg = ShmConfig {
         slot_bytes: 64 << 10,
         heap_bytes: 2 << 20,
-        bind_cpu: false,
+        cpu_bind: lockstep::shm::CpuBind::None,
         ..ShmConfig::default()
     };
     let job = ShmJob::with_config(world, cfg).map_err(|e| e.to_string())?;

@@ -128,6 +128,9 @@ fn cli_main(py: Python<'_>, argv: Vec<std::ffi::OsString>) -> u8 {
 
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    // Embedded in a Python program, which owns its threads' placement: bind nothing unless
+    // LOCKSTEP_CPU_BIND asks.
+    lockstep::shm::set_default_cpu_bind(lockstep::shm::CpuBind::None);
     m.add_class::<PyComm>()?;
     m.add_class::<ShmJob>()?;
     m.add_class::<comm::TorchAllReduce>()?;

@@ -73,8 +73,8 @@ def test_bench_verifies_results():
     assert v["wrong"] == 0 and len(v["rows"]) == 2, v
 
 
-@pytest.mark.parametrize("var", ["LOCKSTEP_LOG"])
-def test_bad_log_filter_is_refused(var):
-    o = run([script(), "env"], env={**os.environ, var: "lockstep=loud"})
+@pytest.mark.parametrize("var,value", [("LOCKSTEP_LOG", "lockstep=loud"), ("LOCKSTEP_LOG_TIME", "maybe")])
+def test_bad_log_variables_are_refused(var, value):
+    o = run([script(), "env"], env={**os.environ, var: value})
     assert o.returncode == 2, o
-    assert var in o.stderr, o.stderr
+    assert f"{var}={value!r}".replace("'", '"') in o.stderr, o.stderr

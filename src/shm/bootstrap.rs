@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use super::alloc::Heap;
 use super::backend::ShmComm;
 use super::channel::Channel;
-use super::config::ShmConfig;
+use super::config::{CpuBind, ShmConfig};
 use super::segment::{
     available_cpus, futex_wait, futex_wake_all, room_hint, show_bytes, NoSpace, PeerWatch, SegName,
     Segment,
@@ -170,8 +170,8 @@ pub(crate) fn join(
             Duration::from_micros(20)
         }),
     };
-    if cfg.bind_cpu && sub.is_none() {
-        bind_to_cpu(rank, world);
+    if sub.is_none() {
+        bind_cpus(cfg.cpu_bind, rank, world);
     }
     let global = sub.map(|s| s.global.clone());
     let who = |r: usize| rank_name(global.as_deref(), r);
@@ -374,26 +374,47 @@ impl Drop for Channel {
     }
 }
 
-/// Pin this rank to one CPU of its allowed set (rank-th, when there are at least as many CPUs as
-/// ranks), as MPI does by default: migrations and two ranks landing on one CPU cost far more than
-/// the collectives themselves. Skipped when oversubscribed.
-fn bind_to_cpu(rank: usize, world: usize) {
-    // SAFETY: zeroed cpu_set_t is a valid empty set; sched_getaffinity/setaffinity take a valid
-    // pointer and its size.
-    unsafe {
+/// Bind this rank's thread (and the threads it starts later) to its CPUs among those its affinity
+/// mask allows (see [`CpuBind`]): one CPU, the rank-th, for `Core`; a block of
+/// `allowed / world` consecutive CPUs for `Block`. Nothing when the ranks outnumber the CPUs:
+/// ranks sharing CPUs are better left to the scheduler.
+fn bind_cpus(mode: CpuBind, rank: usize, world: usize) {
+    if mode == CpuBind::None {
+        return;
+    }
+    // SAFETY: a zeroed cpu_set_t is a valid empty set; sched_getaffinity takes a valid pointer
+    // and its size.
+    let set = unsafe {
         let mut set: libc::cpu_set_t = std::mem::zeroed();
         if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
             return;
         }
-        let cpus: Vec<usize> = (0..libc::CPU_SETSIZE as usize)
-            .filter(|&c| libc::CPU_ISSET(c, &set))
-            .collect();
-        if cpus.len() < world {
-            return;
+        set
+    };
+    // SAFETY: CPU_ISSET reads a valid set for indexes below CPU_SETSIZE.
+    let cpus: Vec<usize> = (0..libc::CPU_SETSIZE as usize)
+        .filter(|&c| unsafe { libc::CPU_ISSET(c, &set) })
+        .collect();
+    if cpus.len() < world || world == 0 {
+        tracing::debug!(
+            "rank {rank}: {world} ranks on {} CPUs: no CPU binding",
+            cpus.len()
+        );
+        return;
+    }
+    let per = match mode {
+        CpuBind::Core => 1,
+        _ => cpus.len() / world,
+    };
+    // SAFETY: a zeroed cpu_set_t is a valid empty set; CPU_SET writes indexes below
+    // CPU_SETSIZE (they come from the allowed set); sched_setaffinity takes a valid pointer and
+    // its size.
+    unsafe {
+        let mut mine: libc::cpu_set_t = std::mem::zeroed();
+        for &c in &cpus[rank * per..(rank + 1) * per] {
+            libc::CPU_SET(c, &mut mine);
         }
-        let mut one: libc::cpu_set_t = std::mem::zeroed();
-        libc::CPU_SET(cpus[rank], &mut one);
-        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &one);
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mine);
     }
 }
 

@@ -3,6 +3,8 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use std::sync::atomic::{AtomicU8, Ordering};
+
 use super::tune::{SingleCopyMode, StageMode};
 use crate::comm::CommError;
 
@@ -35,9 +37,9 @@ pub struct ShmConfig {
     /// How staged data is written into the slots (`LOCKSTEP_SHM_STAGE=auto|cached|streaming`,
     /// default auto: measured online, see [`StageMode`]).
     pub stage: StageMode,
-    /// Pin each rank to one CPU when there are enough (`LOCKSTEP_CPU_BIND=core`, the default, or
-    /// `none`). Multi-threaded ranks (e.g. `train-cnn --threads 2`) should use `none`.
-    pub bind_cpu: bool,
+    /// How each rank is bound to CPUs when it joins (`LOCKSTEP_CPU_BIND`, see [`CpuBind`];
+    /// default [`default_cpu_bind`]).
+    pub cpu_bind: CpuBind,
     /// Time to wait for all ranks to join (`LOCKSTEP_JOIN_TIMEOUT_S`, default 60).
     pub join_timeout: Duration,
     /// Directory for named segments (`LOCKSTEP_SHM_DIR`, e.g. a larger tmpfs when `/dev/shm` is
@@ -82,7 +84,7 @@ impl Default for ShmConfig {
             join_timeout: Duration::from_secs(60),
             nt_bytes: 8 << 20,
             stage: StageMode::Auto,
-            bind_cpu: true,
+            cpu_bind: default_cpu_bind(),
             shm_dir: None,
             cma_bytes: 32 << 10,
             single_copy: SingleCopyMode::Auto,
@@ -129,7 +131,12 @@ impl ShmConfig {
             };
         }
         if let Some(m) = v::CPU_BIND.choice().map_err(bad)? {
-            c.bind_cpu = m == "core";
+            // `m` is one of CPU_BIND's choices.
+            c.cpu_bind = match m {
+                "core" => CpuBind::Core,
+                "none" => CpuBind::None,
+                _ => CpuBind::Block,
+            };
         }
         if let Some(n) = v::SHM_CMA_BYTES.count().map_err(bad)? {
             c.cma_bytes = n as usize;
@@ -187,4 +194,43 @@ impl ShmConfig {
         self.peer_check = self.peer_check.max(Duration::from_micros(100));
         self
     }
+}
+
+/// How a rank is bound to CPUs when it joins a shared-memory communicator, among the CPUs its
+/// affinity mask allows. Nothing is bound when the ranks of the node outnumber those CPUs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CpuBind {
+    /// Leave the affinity as it is (`LOCKSTEP_CPU_BIND=none`).
+    None,
+    /// One CPU per rank, the rank-th (`core`), as MPI binds by default: right for single-threaded
+    /// ranks, wrong for ranks with intra-op, OpenMP or GEMM threads, which would share that CPU.
+    Core,
+    /// A block of CPUs / local ranks consecutive CPUs per rank (`block`): each rank's threads
+    /// stay on its own cores, and a single rank keeps them all.
+    Block,
+}
+
+/// The binding when `LOCKSTEP_CPU_BIND` is unset (0 none, 1 core, 2 block).
+static DEFAULT_CPU_BIND: AtomicU8 = AtomicU8::new(2);
+
+/// The binding used when `LOCKSTEP_CPU_BIND` is unset: [`CpuBind::Block`] unless an embedding
+/// chose otherwise with [`set_default_cpu_bind`].
+pub fn default_cpu_bind() -> CpuBind {
+    match DEFAULT_CPU_BIND.load(Ordering::Relaxed) {
+        0 => CpuBind::None,
+        1 => CpuBind::Core,
+        _ => CpuBind::Block,
+    }
+}
+
+/// Set the binding used when `LOCKSTEP_CPU_BIND` is unset, for this process: the Python package
+/// and the C library choose [`CpuBind::None`], since the program they are embedded in owns its
+/// threads' placement.
+pub fn set_default_cpu_bind(b: CpuBind) {
+    let v = match b {
+        CpuBind::None => 0,
+        CpuBind::Core => 1,
+        CpuBind::Block => 2,
+    };
+    DEFAULT_CPU_BIND.store(v, Ordering::Relaxed);
 }

@@ -53,7 +53,7 @@ mod tune;
 
 pub use backend::ShmComm;
 pub use bootstrap::ShmJob;
-pub use config::ShmConfig;
+pub use config::{default_cpu_bind, set_default_cpu_bind, CpuBind, ShmConfig};
 pub use reduce::reduce_slices;
 pub(crate) use stale::named_segment_path;
 pub use stale::{reclaim_stale_segments, unlink_named};

@@ -311,10 +311,10 @@ pub const SPIN_US: Var = Var {
         max: 1_000_000,
     },
 };
-/// Whether each rank is pinned to one CPU.
+/// How each rank is bound to CPUs (`shm::CpuBind`).
 pub const CPU_BIND: Var = Var {
     name: "LOCKSTEP_CPU_BIND",
-    kind: Kind::Choice(&["core", "none"]),
+    kind: Kind::Choice(&["block", "core", "none"]),
 };
 /// How long the ranks of a shared segment wait for each other to join.
 pub const JOIN_TIMEOUT_S: Var = Var {

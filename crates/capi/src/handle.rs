@@ -329,12 +329,20 @@ fn finish(
     f.code
 }
 
+/// Once, before the first call runs: the library is embedded in a program that owns its threads'
+/// placement, so ranks bind to no CPU unless `LOCKSTEP_CPU_BIND` asks.
+fn embedded_defaults() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| runtime::shm::set_default_cpu_bind(runtime::shm::CpuBind::None));
+}
+
 /// Run entry point `name` (no communicator) and map its outcome to a result code.
 pub(crate) fn guard(name: &str, f: impl FnOnce() -> Result<(), Failure>) -> lockstepResult_t {
     finish(
         name,
         None,
         catch_unwind(AssertUnwindSafe(|| {
+            embedded_defaults();
             crate::log::ensure()?;
             f()
         })),
@@ -350,6 +358,7 @@ pub(crate) fn guard_comm(
 ) -> lockstepResult_t {
     let mut found: Option<Arc<lockstepComm>> = None;
     let r = catch_unwind(AssertUnwindSafe(|| {
+        embedded_defaults();
         crate::log::ensure()?;
         let h = lookup(comm)?;
         found = Some(h.clone());

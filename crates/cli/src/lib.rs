@@ -341,6 +341,11 @@ struct LaunchArgs {
     /// ACCELERATE_MIXED_PRECISION (default: the configuration's mixed_precision, else not set).
     #[arg(long, visible_alias = "mixed_precision", value_parser = parse_precision)]
     mixed_precision: Option<MixedPrecision>,
+    /// How each rank is bound to CPUs when it joins: block (CPUs / ranks of the node each, the
+    /// default), core (one CPU each) or none; passed to the ranks as LOCKSTEP_CPU_BIND (default:
+    /// $LOCKSTEP_CPU_BIND).
+    #[arg(long, visible_alias = "cpu_bind", value_parser = ["block", "core", "none"])]
+    cpu_bind: Option<String>,
     /// Backend of the ranks: shm, nccl or auto (nccl when this machine has a GPU); passed to them
     /// as LOCKSTEP_BACKEND (default: $LOCKSTEP_BACKEND, else the configuration's backend, else shm).
     #[arg(long, value_parser = parse_backend)]
@@ -690,6 +695,9 @@ fn launch(a: LaunchArgs, file: Option<&Path>) -> Result<i32, String> {
         let resolved = b.resolve(n);
         tracing::debug!("the ranks use the {resolved} backend ({from})");
         rank_env.push(("LOCKSTEP_BACKEND".to_string(), resolved.to_string()));
+    }
+    if let Some(b) = &a.cpu_bind {
+        rank_env.push(("LOCKSTEP_CPU_BIND".to_string(), b.clone()));
     }
     // Accelerate in the ranks reads its precision from here, as under `accelerate launch`.
     if let Some(mp) = a.mixed_precision.or(cfg.mixed_precision) {

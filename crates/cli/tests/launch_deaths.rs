@@ -369,7 +369,7 @@ fn malformed_env_is_an_error() -> Result<(), String> {
             "2.5",
             "a whole number from 0 to 1000000",
         ),
-        ("LOCKSTEP_CPU_BIND", "yes", "one of: core, none"),
+        ("LOCKSTEP_CPU_BIND", "yes", "one of: block, core, none"),
         (
             "LOCKSTEP_STORE_PORT",
             "70000",
