@@ -399,8 +399,8 @@ fn save_path_problems_fail_before_training() -> Result<(), String> {
     let mut cases = cases;
     match unwritable_dir() {
         Some(d) => cases.push((d.join("model.safetensors"), "cannot create a file in")),
-        None => println!(
-            "  skipped: the unwritable-directory case (no directory refuses this user's files)"
+        None => common::skip_part(
+            "the unwritable-directory case (no directory refuses this user's files)",
         ),
     }
     for (path, says) in cases {

@@ -331,7 +331,7 @@ fn log_dir_is_not_hijacked() -> Result<(), String> {
             "",
         )?;
     } else {
-        println!("  skipped: another user's file (only root can make one here)");
+        common::skip_part("another user's file (only root can make one here)");
     }
 
     // A new log directory (and its missing parent) is created; the directory itself 0700.

@@ -493,7 +493,7 @@ fn t_small_dev_shm() -> Result<(), String> {
     })? {
         Some(report) => println!("  {report}"),
         None => {
-            println!("  skipped: a small /dev/shm needs a private mount namespace; small_shm_dir covers the same with LOCKSTEP_SHM_DIR")
+            common::skip_part("a small /dev/shm needs a private mount namespace; small_shm_dir covers the same with LOCKSTEP_SHM_DIR")
         }
     }
     check(
@@ -727,7 +727,7 @@ fn t_room_gone_after_creation() -> Result<(), String> {
     let _ = std::fs::remove_dir_all(&dir);
     match r? {
         Some(report) => println!("  {report}"),
-        None => println!("  skipped: needs a private mount namespace for its own small tmpfs"),
+        None => common::skip_part("needs a private mount namespace for its own small tmpfs"),
     }
     no_new_segments("/dev/shm", &host_before)?;
     no_children()

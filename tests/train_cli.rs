@@ -331,7 +331,7 @@ fn progress_bar_under_a_pseudo_terminal() -> Result<(), String> {
     );
     for (what, cmd) in [("train-cnn", direct), ("lockstep launch", launched)] {
         let Some(out) = under_pty(&cmd)? else {
-            println!("    skipped: `script` (util-linux) is not installed");
+            common::skip_part("`script` (util-linux) is not installed");
             return Ok(());
         };
         let redraws: Vec<&str> = out

@@ -1,6 +1,7 @@
 //! Helpers shared by the launcher tests: a sequential runner for `harness = false` targets (prints
-//! `test name ... ok` and a final `N passed, M failed`), framed failure messages, and /proc
-//! look-ups for checking that no process is left behind.
+//! `test name ... ok` and a final `N passed, M skipped, F failed`), skips that are counted as such
+//! ([`skip`], [`skip_part`]), framed failure messages, and /proc look-ups for checking that no
+//! process is left behind.
 #![allow(dead_code)]
 
 mod bins;
@@ -8,7 +9,30 @@ mod bins;
 pub use bins::lockstep_bin;
 
 use std::process::ExitCode;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
+
+/// Marks a test's `Err` as a skip (see [`skip`]).
+const SKIP: &str = "\u{1}skip\u{1}";
+/// Parts of passing tests that were skipped ([`skip_part`]).
+static PARTS_SKIPPED: AtomicUsize = AtomicUsize::new(0);
+
+/// A test that cannot run here: `return common::skip("LOCKSTEP_REQUIRE_X", "why")`. The runner
+/// prints `test NAME ... skipped: why` and counts it as skipped, never as passed; with the
+/// `require` variable set to 1 it is a failure instead.
+pub fn skip(require: &str, why: &str) -> Result<(), String> {
+    if std::env::var(require).as_deref() == Ok("1") {
+        return Err(format!("{require}=1, but {why}"));
+    }
+    Err(format!("{SKIP}{why}"))
+}
+
+/// A part of a test (one case among several) that cannot run here: printed as `  skipped: why`
+/// and counted in the summary's "parts skipped", while the test's other parts still decide it.
+pub fn skip_part(why: &str) {
+    PARTS_SKIPPED.fetch_add(1, Ordering::Relaxed);
+    println!("  skipped: {why}");
+}
 
 /// A named test returning a message on failure.
 pub type Test = (&'static str, fn() -> Result<(), String>);
@@ -17,7 +41,7 @@ pub type Test = (&'static str, fn() -> Result<(), String>);
 /// argument) and report like the default harness.
 pub fn run(tests: &[Test]) -> ExitCode {
     let filter: Option<String> = std::env::args().skip(1).find(|a| !a.starts_with('-'));
-    let (mut passed, mut failed) = (0, 0);
+    let (mut passed, mut skipped, mut failed) = (0, 0, 0);
     let mut failures = Vec::new();
     for (name, f) in tests {
         if filter.as_ref().is_some_and(|p| !name.contains(p.as_str())) {
@@ -36,6 +60,10 @@ pub fn run(tests: &[Test]) -> ExitCode {
                 passed += 1;
                 println!("test {name} ... ok ({:.2} s)", t.elapsed().as_secs_f64());
             }
+            Err(m) if m.starts_with(SKIP) => {
+                skipped += 1;
+                println!("test {name} ... skipped: {}", &m[SKIP.len()..]);
+            }
             Err(m) => {
                 failed += 1;
                 println!(
@@ -49,7 +77,13 @@ pub fn run(tests: &[Test]) -> ExitCode {
     for (name, m) in &failures {
         println!("\n---- {name} ----\n{m}\n{}", "-".repeat(60));
     }
-    println!("\n{passed} passed, {failed} failed");
+    let parts = PARTS_SKIPPED.load(Ordering::Relaxed);
+    let parts = if parts > 0 {
+        format!(" ({parts} parts of passing tests skipped)")
+    } else {
+        String::new()
+    };
+    println!("\n{passed} passed, {skipped} skipped, {failed} failed{parts}");
     if failed == 0 {
         ExitCode::SUCCESS
     } else {
