@@ -214,7 +214,13 @@ def main():
     xfloor = build_c("xfloor.c", "/tmp/lockstep_xfloor", "-pthread") if a.nprocs == 2 and cpus >= 2 else None
     cma_floor = build_c("cma_floor.c", "/tmp/lockstep_cma_floor", "-mavx2") if a.nprocs == 2 and cpus >= 2 else None
     tools = {}
-    bench = lambda exe, b: lambda op: [exe, "bench", "--nprocs", str(a.nprocs), "--op", op, "--sizes", a.sizes, "--buffers", b, "--format", "csv"]
+    def same_statistic(exe):
+        # The tables compare the slowest rank's median per call (as mpi_bench.c reports); a
+        # lockstep that reports nccl-tests' mean averaged over ranks by default is asked for it.
+        help_text = subprocess.run([exe, "bench", "--help"], capture_output=True, text=True).stdout
+        return ["--stat", "median", "-a", "3"] if "--stat" in help_text else []
+
+    bench = lambda exe, b: (lambda extra: lambda op: [exe, "bench", "--nprocs", str(a.nprocs), "--op", op, "--sizes", a.sizes, "--buffers", b, "--format", "csv", *extra])(same_statistic(exe))
     if a.before:
         tools["before/ordinary"] = bench(a.before, "ordinary")
     for buffers in a.buffers.split(","):

@@ -2,8 +2,9 @@
 //!
 //! One row per size, with nccl-tests' columns: size (bytes), count, type, redop, root, then time
 //! (µs), algbw, busbw (GB/s) and #wrong for the out-of-place call and again for the in-place one
-//! (where the communicator has an in-place form). Time is the median over iterations of each
-//! rank's per-call time, maxed over ranks; every size is verified after timing (unless
+//! (where the communicator has an in-place form). Time is each rank's mean (or median, [`Stat`])
+//! per call over the timed iterations, combined over the ranks as nccl-tests' `-a` ([`Average`]:
+//! by default their average); every size is verified after timing (unless
 //! `check` is off), and any wrong element makes the command fail. Bus bandwidth uses the
 //! nccl-tests factors: all-reduce 2(n-1)/n, all-gather and reduce-scatter (n-1)/n on the total
 //! size, broadcast/reduce 1. The summary gives the wrong elements and the average bus bandwidth;
@@ -126,6 +127,72 @@ pub struct BenchOptions {
     pub check: bool,
     /// Device: `cpu` (shared memory) or `cuda` (NCCL).
     pub device: String,
+    /// Each rank's time per call: the mean over the timed iterations (nccl-tests' statistic, the
+    /// default) or the median (`--stat`).
+    pub stat: Stat,
+    /// How the ranks' times combine into the reported one (nccl-tests' `-a`).
+    pub average: Average,
+}
+
+/// A rank's time per call over the timed iterations.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Stat {
+    /// The mean, as nccl-tests reports.
+    Mean,
+    /// The median: steadier on a shared machine.
+    Median,
+}
+
+/// How the ranks' times combine, as nccl-tests' `-a`: 0 rank 0's, 1 the average (its default),
+/// 2 the minimum, 3 the maximum (the slowest rank).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Average {
+    /// `-a 0`: rank 0's time.
+    Rank0,
+    /// `-a 1`: the average over the ranks.
+    Mean,
+    /// `-a 2`: the fastest rank's time.
+    Min,
+    /// `-a 3`: the slowest rank's time.
+    Max,
+}
+
+impl Average {
+    /// nccl-tests' number for it.
+    pub fn code(self) -> u8 {
+        match self {
+            Average::Rank0 => 0,
+            Average::Mean => 1,
+            Average::Min => 2,
+            Average::Max => 3,
+        }
+    }
+
+    /// From nccl-tests' number (`-a 0..3`).
+    pub fn from_code(c: u8) -> Result<Average, String> {
+        Ok(match c {
+            0 => Average::Rank0,
+            1 => Average::Mean,
+            2 => Average::Min,
+            3 => Average::Max,
+            _ => {
+                return Err(format!(
+                "-a {c}: expected 0 (rank 0), 1 (average over ranks), 2 (minimum) or 3 (maximum)"
+            ))
+            }
+        })
+    }
+
+    fn of(self, v: &[f64]) -> f64 {
+        match self {
+            Average::Rank0 => v.first().copied().unwrap_or(0.0),
+            Average::Mean => v.iter().sum::<f64>() / v.len().max(1) as f64,
+            Average::Min => v.iter().copied().fold(f64::INFINITY, f64::min),
+            Average::Max => v.iter().copied().fold(0.0, f64::max),
+        }
+    }
 }
 
 impl Default for BenchOptions {
@@ -145,6 +212,8 @@ impl Default for BenchOptions {
             warmup: 5,
             check: true,
             device: "cpu".into(),
+            stat: Stat::Mean,
+            average: Average::Mean,
         }
     }
 }
@@ -496,8 +565,8 @@ fn count_wrong<T: BenchElem>(
     }
 }
 
-/// Time `iters` calls after `warmup` untimed ones; the median and the 99th percentile per call,
-/// in seconds.
+/// Time `iters` calls after `warmup` untimed ones; the time per call (the mean or the median,
+/// as `a.stat` says) and its 99th percentile, in seconds.
 fn time_calls(
     comm: &mut Communicator,
     a: &BenchOptions,
@@ -517,12 +586,18 @@ fn time_calls(
         comm.synchronize()?;
         times.push(t.elapsed().as_secs_f64());
     }
+    let mean = times.iter().sum::<f64>() / times.len().max(1) as f64;
     times.sort_by(|x, y| x.total_cmp(y));
     let p99 = times[(times.len() * 99 / 100).min(times.len() - 1)];
-    Ok((times[times.len() / 2], p99))
+    let t = match a.stat {
+        Stat::Median => times[times.len() / 2],
+        _ => mean,
+    };
+    Ok((t, p99))
 }
 
-/// This rank's (median µs, wrong elements, 99th percentile µs) of one variant.
+/// This rank's (time per call µs, as `stat` says; wrong elements; 99th percentile µs) of one
+/// variant.
 type Measured = (f64, u64, f64);
 
 /// Time and verify one size on this rank: the out-of-place form, and the in-place one where
@@ -733,8 +808,8 @@ pub fn measure(a: &BenchOptions) -> Result<Vec<Row>, String> {
     let n = a.nprocs;
     let esz = a.dtype.size();
     let timing = |bytes: usize, ms: Vec<Measured>| {
-        // The slowest rank's median time, and every rank's wrong elements.
-        let t = ms.iter().map(|m| m.0).fold(0.0, f64::max);
+        // The ranks' times combined as `-a` says, and every rank's wrong elements.
+        let t = a.average.of(&ms.iter().map(|m| m.0).collect::<Vec<_>>());
         let algbw = if t > 0.0 {
             bytes as f64 / (t * 1e-6) / 1e9
         } else {
@@ -787,6 +862,24 @@ fn title(a: &BenchOptions) -> String {
         } else {
             "shm"
         }
+    )
+}
+
+/// What the time column holds, for the header.
+fn statistic(a: &BenchOptions) -> String {
+    let per_rank = match a.stat {
+        Stat::Median => "median",
+        _ => "mean",
+    };
+    let over = match a.average {
+        Average::Rank0 => "rank 0's",
+        Average::Min => "the fastest rank's",
+        Average::Max => "the slowest rank's",
+        _ => "averaged over the ranks",
+    };
+    format!(
+        "{per_rank} per call over the timed iterations, {over} (-a {})",
+        a.average.code()
     )
 }
 
@@ -852,8 +945,10 @@ pub fn table(a: &BenchOptions, rows: &[Row]) -> String {
         )
     };
     s += &format!(
-        "# {range} warmup iters: {} iters: {iters} validation: {}\n#\n",
-        a.warmup, a.check as u8
+        "# {range} warmup iters: {} iters: {iters} validation: {}\n# time: {}\n#\n",
+        a.warmup,
+        a.check as u8,
+        statistic(a)
     );
     s += &format!(
         "# {:>10}  {:>12}  {:>8}  {:>6}  {:>6}  {:^31}  {:^31}\n",
@@ -948,40 +1043,34 @@ pub fn csv(a: &BenchOptions, rows: &[Row]) -> String {
 }
 
 /// A finite number as JSON (`null` otherwise: JSON has no infinities).
-fn json_num(v: f64) -> String {
-    if v.is_finite() {
-        format!("{v}")
-    } else {
-        "null".into()
-    }
+/// A figure as JSON: a number, or null when it is not finite (JSON has no NaN or infinity).
+fn json_num(v: f64) -> serde_json::Value {
+    serde_json::Number::from_f64(v).map_or(serde_json::Value::Null, serde_json::Value::Number)
 }
 
 /// The run as one JSON object on one line: settings, rows, wrong elements, average bus bandwidth.
 pub fn json(a: &BenchOptions, rows: &[Row]) -> String {
+    use serde_json::{json, Value};
     let timing = |t: Option<Timing>| match t {
-        Some(t) => format!(
-            "{{\"time_us\":{},\"p99_us\":{},\"algbw_gbs\":{},\"busbw_gbs\":{},\"wrong\":{}}}",
-            json_num(t.time_us),
-            json_num(t.p99_us),
-            json_num(t.algbw),
-            json_num(t.busbw),
-            t.wrong
-                .map(|w| w.to_string())
-                .unwrap_or_else(|| "null".into())
-        ),
-        None => "null".into(),
+        Some(t) => json!({
+            "time_us": json_num(t.time_us),
+            "p99_us": json_num(t.p99_us),
+            "algbw_gbs": json_num(t.algbw),
+            "busbw_gbs": json_num(t.busbw),
+            "wrong": t.wrong,
+        }),
+        None => Value::Null,
     };
-    let items: Vec<String> = rows
+    let items: Vec<Value> = rows
         .iter()
         .map(|r| {
-            format!(
-                "{{\"size_bytes\":{},\"count\":{},\"root\":{},\"out_of_place\":{},\"in_place\":{}}}",
-                r.bytes,
-                r.count,
-                r.root.map(|x| x.to_string()).unwrap_or_else(|| "null".into()),
-                timing(Some(r.out_of_place)),
-                timing(r.in_place)
-            )
+            json!({
+                "size_bytes": r.bytes,
+                "count": r.count,
+                "root": r.root,
+                "out_of_place": timing(Some(r.out_of_place)),
+                "in_place": timing(r.in_place),
+            })
         })
         .collect();
     let op = if a.op == CollKind::Send {
@@ -989,19 +1078,25 @@ pub fn json(a: &BenchOptions, rows: &[Row]) -> String {
     } else {
         a.op.name()
     };
-    format!(
-        "{{\"op\":\"{op}\",\"ranks\":{},\"type\":\"{}\",\"redop\":\"{}\",\"device\":\"{}\",\"warmup\":{},\"iters\":{},\"check\":{},\"rows\":[{}],\"wrong\":{},\"avg_busbw_gbs\":{}}}\n",
-        a.nprocs,
-        a.dtype,
-        redop_name(a),
-        if a.device == "cuda" { "cuda" } else { "cpu" },
-        a.warmup,
-        a.iters,
-        a.check,
-        items.join(","),
-        wrong_total(rows),
-        json_num(avg_busbw(rows))
-    )
+    let doc = json!({
+        "op": op,
+        "ranks": a.nprocs,
+        "type": a.dtype.to_string(),
+        "redop": redop_name(a),
+        "device": if a.device == "cuda" { "cuda" } else { "cpu" },
+        "warmup": a.warmup,
+        "iters": a.iters,
+        "check": a.check,
+        "stat": match a.stat {
+            Stat::Median => "median",
+            _ => "mean",
+        },
+        "average": a.average.code(),
+        "rows": items,
+        "wrong": wrong_total(rows),
+        "avg_busbw_gbs": json_num(avg_busbw(rows)),
+    });
+    format!("{doc}\n")
 }
 
 #[cfg(test)]
@@ -1128,13 +1223,18 @@ mod tests {
             "{csv}"
         );
         let j = json(&a, &rows);
+        let v: serde_json::Value = serde_json::from_str(&j).expect("valid JSON");
         assert!(
             j.starts_with("{\"op\":\"broadcast\"")
-                && j.contains("\"in_place\":null")
-                && j.contains("\"avg_busbw_gbs\":2"),
+                && j.ends_with("}\n")
+                && v["rows"][0]["in_place"].is_null()
+                && v["avg_busbw_gbs"] == 2.0
+                && v["stat"] == "mean"
+                && v["average"] == 1,
             "{j}"
         );
-        assert!(j.contains("\"time_us\":10,\"p99_us\":12,"), "{j}");
+        let t = &v["rows"][1]["out_of_place"];
+        assert!(t["time_us"] == 10.0 && t["p99_us"] == 12.0, "{j}");
         let b = BenchOptions {
             op: CollKind::Barrier,
             ..Default::default()

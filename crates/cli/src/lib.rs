@@ -96,14 +96,23 @@ struct BenchArgs {
     /// Output: text (nccl-tests' table), csv (one header line, one line per size) or json (one object).
     #[arg(long, default_value = "text")]
     format: Format,
+    /// Each rank's time per call: mean (over the timed iterations, as nccl-tests) or median.
+    #[arg(long, default_value = "mean", value_parser = ["mean", "median"])]
+    stat: String,
+    /// How the ranks' times combine, as nccl-tests' -a: 0 rank 0's, 1 the average, 2 the minimum,
+    /// 3 the maximum (the slowest rank).
+    #[arg(long, short = 'a', visible_alias = "average", default_value_t = 1, value_parser = clap::value_parser!(u8).range(0..=3))]
+    avg: u8,
 }
 
 const BENCH_HELP: &str = "\
 Columns, as nccl-tests prints them: size count type redop root | time algbw busbw #wrong, for the
 out-of-place call and then the in-place one (N/A where lockstep has no in-place form of the
-collective). root is -1 for collectives without one. Times are in microseconds: the median over the
-iterations of each rank's time per call, the slowest rank's. The last lines give the wrong elements
-found and the average bus bandwidth. Barrier has no size: one row, its latency.
+collective). root is -1 for collectives without one. Times are in microseconds, as nccl-tests reports them: the
+mean over the timed iterations of each rank's time per call (--stat median for the median),
+averaged over the ranks (-a 1; -a 0 rank 0's, -a 2 the fastest rank's, -a 3 the slowest's); the
+header names the statistic. The last lines give the wrong elements found and the average bus
+bandwidth. Barrier has no size: one row, its latency.
 
 Examples:
   lockstep bench -b 8 -e 128M -f 2            # all-reduce, f32, 2 ranks
@@ -127,6 +136,13 @@ impl From<BenchArgs> for BenchOptions {
             warmup: a.warmup,
             check: a.check == 1,
             device: a.device,
+            stat: if a.stat == "median" {
+                bench::Stat::Median
+            } else {
+                bench::Stat::Mean
+            },
+            // The parser admits 0 to 3 only.
+            average: bench::Average::from_code(a.avg).unwrap_or(bench::Average::Mean),
         }
     }
 }

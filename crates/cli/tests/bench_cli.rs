@@ -396,6 +396,44 @@ fn barrier_csv_json() -> Result<(), String> {
     )
 }
 
+/// nccl-tests' statistic by default (each rank's mean, averaged over the ranks), named in the
+/// header; `--stat median` and `-a 0..3` choose others; `-a 4` is a usage error.
+fn statistics() -> Result<(), String> {
+    let o = bench(&["--nprocs", "2", "--sizes", "8,4K", "-n", "5", "-w", "1"])?;
+    check(
+        o.status.success()
+            && stdout(&o).contains(
+                "# time: mean per call over the timed iterations, averaged over the ranks (-a 1)",
+            ),
+        "the default statistic is nccl-tests' mean averaged over ranks, named in the header",
+        show(&o),
+    )?;
+    let o = bench(&[
+        "--nprocs", "2", "--sizes", "8", "-n", "5", "-w", "1", "--stat", "median", "-a", "3",
+        "--format", "json",
+    ])?;
+    let v = json(&o)?;
+    check(
+        o.status.success() && v["stat"] == "median" && v["average"] == 3 && v["wrong"] == 0,
+        "--stat median -a 3 in the JSON",
+        show(&o),
+    )?;
+    let o = bench(&["--nprocs", "2", "--sizes", "8", "-n", "5", "-a", "0"])?;
+    check(
+        o.status.success()
+            && !stdout(&o).contains("median")
+            && stdout(&o).contains("rank 0's (-a 0)"),
+        "-a 0: rank 0's time",
+        show(&o),
+    )?;
+    let o = bench(&["--nprocs", "2", "-a", "4"])?;
+    check(
+        o.status.code() == Some(2) && String::from_utf8_lossy(&o.stderr).contains("-a"),
+        "-a 4 is refused",
+        show(&o),
+    )
+}
+
 fn main() -> std::process::ExitCode {
     common::run(&[
         ("nccl_tests_flags_and_columns", nccl_tests_flags_and_columns),
@@ -405,5 +443,6 @@ fn main() -> std::process::ExitCode {
             rooted_zero_byte_and_in_place,
         ),
         ("barrier_csv_json", barrier_csv_json),
+        ("statistics", statistics),
     ])
 }
