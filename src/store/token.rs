@@ -20,7 +20,7 @@ use super::StoreError;
 /// out of reach (a generated token has 128 random bits).
 pub const MIN_TOKEN_LEN: usize = 16;
 /// Longest token accepted, so a HELLO always fits the small frame the server allows before
-/// authentication ([`MAX_HELLO_FRAME`](super::tcp::MAX_HELLO_FRAME)).
+/// authentication ([`MAX_HELLO_FRAME`](super::MAX_HELLO_FRAME)).
 pub const MAX_TOKEN_LEN: usize = 256;
 /// A token file holds the token and maybe a newline; anything much larger is the wrong file.
 const MAX_TOKEN_FILE: u64 = 4096;
