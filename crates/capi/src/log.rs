@@ -45,20 +45,21 @@ struct Callback {
 static CALLBACK: Mutex<Option<Callback>> = Mutex::new(None);
 /// Whether the subscriber is installed, or why it cannot be (an invalid variable).
 static INSTALLED: OnceLock<Result<(), String>> = OnceLock::new();
+/// The logging variables read once per process: whether they are valid (`Err` says why not).
+static CHECKED: OnceLock<Result<(), String>> = OnceLock::new();
 
-/// At every API call: install the stderr subscriber when `LOCKSTEP_LOG` is set (once), and refuse
-/// the call when a logging variable is invalid.
+/// At every API call: the first one installs the stderr subscriber when `LOCKSTEP_LOG` is set,
+/// and every call is refused when a logging variable is invalid. The variables are read once, so
+/// a collective pays one load here.
 pub(crate) fn ensure() -> Result<(), Failure> {
-    if let Some(r) = INSTALLED.get() {
-        return r.clone().map_err(Failure::invalid_argument);
-    }
-    match runtime::types::env::raw("LOCKSTEP_LOG") {
-        Err(e) => Err(Failure::invalid_argument(e.to_string())),
-        Ok(None) => runtime::logging::with_time()
-            .map(drop)
-            .map_err(Failure::invalid_argument),
-        Ok(Some(_)) => install(CALLBACK_FILTER),
-    }
+    CHECKED
+        .get_or_init(|| match runtime::types::env::raw("LOCKSTEP_LOG") {
+            Err(e) => Err(e.to_string()),
+            Ok(None) => runtime::logging::with_time().map(drop),
+            Ok(Some(_)) => install(CALLBACK_FILTER).map_err(|f| f.msg),
+        })
+        .clone()
+        .map_err(Failure::invalid_argument)
 }
 
 /// Install the subscriber (once; later calls return the first outcome).
