@@ -273,14 +273,31 @@ class _Ops:
     # Point to point and barrier --------------------------------------------------------------
 
     def send(self, tensors, dst, tag=0):
+        if getattr(self, "_batch", None) is not None:
+            self._batch.extend(("send", t, dst) for t in tensors)
+            return self._done(tensors)
         for t in tensors:
             self._on(t).send(t, dst)
         return self._done(tensors)
 
     def recv(self, tensors, src, tag=0):
+        if getattr(self, "_batch", None) is not None:
+            self._batch.extend(("recv", t, src) for t in tensors)
+            return self._done(tensors)
         for t in tensors:
             self._on(t).recv(t, src)
         return self._done(tensors)
+
+    def start_coalescing(self):
+        """torch's coalescing manager (``batch_isend_irecv``): sends and receives are collected
+        until ``end_coalescing`` posts them together."""
+        self._batch = []
+
+    def end_coalescing(self):
+        ops, self._batch = self._batch or [], None
+        if ops:
+            self._on(ops[0][1]).group(ops)
+        return self._done(None)
 
     def recv_anysource(self, tensors, tag=0):
         raise RuntimeError("the lockstep backend cannot receive from any source: name the sending rank")
@@ -327,7 +344,7 @@ def _report_failures(cls):
 _COLLECTIVES = (
     "reduce reduce_scatter reduce_scatter_single reduce_scatter_single_coalesced broadcast allgather "
     "all_gather_single all_gather_single_coalesced allgather_coalesced gather scatter alltoall "
-    "all_to_all_single send recv barrier monitored_barrier"
+    "all_to_all_single send recv barrier monitored_barrier end_coalescing"
 ).split()
 _report_failures(_Ops)
 
@@ -382,6 +399,14 @@ if PY_BACKEND:
         """The backend as a c10d ``Backend`` (torch 2.15 and later): one object serves the group's
         CPU and CUDA tensors, torch's Flight Recorder records its collectives, and
         ``monitored_barrier`` and ``all_gather_coalesced`` reach it."""
+
+        # Read by torch (batch_isend_irecv, split_group, new_group): as plain class attributes,
+        # since reading the base class's properties through a Python subclass recurses in torch
+        # 2.15. Coalescing is offered: the sends and receives of a batch_isend_irecv are posted
+        # together (one lockstep group), so two ranks that both send first do not wait on each
+        # other. Splitting is not: torch's trampoline crashes on a split that leaves a rank out.
+        supports_coalescing = True
+        supports_splitting = False
 
         def __init__(self, comm, rank, world_size, job_id, timeout):
             _C10dBackend.__init__(self, rank, world_size)

@@ -415,3 +415,23 @@ def test_flight_recorder_names_the_rank_that_skipped_a_collective(tmp_path):
     report = o.stdout + o.stderr
     assert "Collective sequence number: 5 has errors" in report, report
     assert "Culprit rank 1" in report and "'all_reduce' does not match found collective type: 'barrier'" in report, report
+
+
+def _ring_exchange():
+    import torch.distributed as dist
+
+    r, n = dist.get_rank(), dist.get_world_size()
+    send = torch.full((5,), float(r))
+    recv = torch.empty(5)
+    # Every rank sends first: posted one at a time, blocking sends would wait on each other.
+    ops = [dist.P2POp(dist.isend, send, (r + 1) % n), dist.P2POp(dist.irecv, recv, (r - 1) % n)]
+    for w in dist.batch_isend_irecv(ops):
+        w.wait()
+    return recv
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_batch_isend_irecv_ring(world):
+    res = lockstep.notebook_launcher(_ring_exchange, num_processes=world)
+    for r, got in enumerate(res):
+        assert torch.equal(got, torch.full((5,), float((r - 1) % world))), (r, got)
