@@ -21,6 +21,17 @@ use crate::types::env;
 /// unless asked for, as NCCL's with `NCCL_DEBUG=INFO`).
 pub const DEFAULT_FILTER: &str = "warn,lockstep=info,lockstep::init=warn";
 
+/// The binaries' filter for their `-q` / `-v` / `-vv` flags (used when `LOCKSTEP_LOG` is unset):
+/// errors only, [`DEFAULT_FILTER`], debug, trace.
+pub fn verbosity_filter(verbose: u8, quiet: bool) -> &'static str {
+    match (quiet, verbose) {
+        (true, _) => "error",
+        (false, 0) => DEFAULT_FILTER,
+        (false, 1) => "info,lockstep=debug",
+        (false, _) => "debug,lockstep=trace",
+    }
+}
+
 /// The filter from `LOCKSTEP_LOG`, or `default` when it is unset. An invalid filter is an error
 /// that names the variable and says what it accepts.
 pub fn filter(default: &str) -> Result<EnvFilter, String> {

@@ -6,10 +6,5 @@
 /// Install the stderr subscriber. An invalid `LOCKSTEP_LOG` or `LOCKSTEP_LOG_TIME` is an error
 /// that names it.
 pub fn init_logging(verbose: u8, quiet: bool) -> Result<(), String> {
-    lockstep::logging::init_stderr(match (quiet, verbose) {
-        (true, _) => "error",
-        (false, 0) => lockstep::logging::DEFAULT_FILTER,
-        (false, 1) => "info,lockstep=debug",
-        (false, _) => "debug,lockstep=trace",
-    })
+    lockstep::logging::init_stderr(lockstep::logging::verbosity_filter(verbose, quiet))
 }
