@@ -101,12 +101,14 @@ collective). root is -1 for collectives without one. Times are in microseconds, 
 mean over the timed iterations of each rank's time per call (--stat median for the median),
 averaged over the ranks (-a 1; -a 0 rank 0's, -a 2 the fastest rank's, -a 3 the slowest's); the
 header names the statistic. The last lines give the wrong elements found and the average bus
-bandwidth. Barrier has no size: one row, its latency.
+bandwidth. Barrier has no size: one row, its latency. Under a launcher (lockstep launch, torchrun,
+mpirun, srun) every rank runs the benchmark in the launcher's job and rank 0 prints.
 
 Examples:
   lockstep bench -b 8 -e 128M -f 2            # all-reduce, f32, 2 ranks
   lockstep bench --nprocs 4 --op broadcast -r 1 --sizes 0,4K,1M
-  lockstep bench --op barrier --format json";
+  lockstep bench --op barrier --format json
+  lockstep launch --nproc-per-node 4 -- lockstep bench -d all   # joins the launcher's 4 ranks";
 
 impl From<BenchArgs> for BenchOptions {
     fn from(a: BenchArgs) -> BenchOptions {
