@@ -188,7 +188,7 @@ if [ -z "$data" ]; then
     done
 fi
 wheel=""
-for w in "$stage_abs"/python/lockstep-*.whl; do if [ -f "$w" ]; then wheel=$w; fi; done
+for w in "$stage_abs"/python/lockstep_comm-*.whl; do if [ -f "$w" ]; then wheel=$w; fi; done
 
 export LOCKSTEP_REQUIRE_GPU=1 LOCKSTEP_TIMEOUT_S=60 LOCKSTEP_TRAIN_CNN=$BIN/train-cnn PYTHONUNBUFFERED=1
 # A private kernel cache shared by every step: kernels_tf32 reuses the images train-cnn compiled
@@ -552,7 +552,7 @@ check_stage() {
         for f in bin/lockstep bin/train-cnn tests/gpu_cuda tests/gpu_kernels tests/gpu_nccl tests/gpu_train lib/liblockstep.so capi/capi_test capi/capi_cuda; do
             [ -x "$stage_abs/$f" ] || missing="$missing $f"
         done
-        [ -n "$wheel" ] || missing="$missing python/lockstep-*.whl"
+        [ -n "$wheel" ] || missing="$missing python/lockstep_comm-*.whl"
         [ -f "$stage_abs/MANIFEST" ] || missing="$missing MANIFEST"
         echo "missing:${missing:- nothing}"
         if [ -x "$BIN/lockstep" ]; then "$BIN/lockstep" --version || bad="$bad lockstep"; fi

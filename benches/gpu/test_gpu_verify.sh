@@ -36,7 +36,7 @@ data=$tmp/data
 mkdir -p "$stage/bin" "$stage/tests" "$stage/lib" "$stage/capi" "$stage/python" "$fakebin" "$data"
 for f in train-images-idx3-ubyte.gz train-labels-idx1-ubyte.gz t10k-images-idx3-ubyte.gz t10k-labels-idx1-ubyte.gz; do : > "$data/$f"; done
 echo "revision: fake" > "$stage/MANIFEST"
-: > "$stage/python/lockstep-0.0.0-cp39-abi3-linux_x86_64.whl"
+: > "$stage/python/lockstep_comm-0.0.0-cp39-abi3-linux_x86_64.whl"
 
 script() { cat > "$1"; chmod +x "$1"; }
 
