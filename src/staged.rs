@@ -12,7 +12,9 @@
 use std::sync::Arc;
 
 use crate::comm::{Backend, BackendKind, Call, CommError, Communicator, P2pOp};
-use crate::cuda::{Context, CudaError, PinnedBuffer, Producers, Stream};
+use crate::cuda::{
+    Context, CudaError, ForeignStream, PinnedBuffer, Producers, Stream, StreamFence,
+};
 use crate::types::{CollKind, Dtype, MemSpace, RawMem};
 
 /// What went wrong in a staged call: the host collective (its error is passed on unchanged, so
@@ -38,6 +40,8 @@ pub struct StagedBackend {
     stage_b: PinnedBuffer<u8>,
     /// Orders the staging copies after the context's other streams (see [`Producers`]).
     producers: Producers,
+    /// Orders the staging stream with a caller's (`wait_stream`, `signal_stream`).
+    fence: StreamFence,
 }
 
 impl StagedBackend {
@@ -58,6 +62,7 @@ impl StagedBackend {
             stage_a: PinnedBuffer::zeros(ctx, 0)?,
             stage_b: PinnedBuffer::zeros(ctx, 0)?,
             producers: Producers::new(ctx),
+            fence: StreamFence::new(ctx)?,
         })
     }
 
@@ -319,6 +324,27 @@ impl Backend for StagedBackend {
 
     fn seq(&self) -> u64 {
         self.inner.seq()
+    }
+
+    // The staging copies run on the staging stream, and the host waits for that stream (not the
+    // device) before the host collective reads the staged data: ordering the staging stream with
+    // the caller's is all a call needs.
+    fn wait_stream(&mut self, caller: &ForeignStream) -> Result<(), CommError> {
+        self.fence
+            .enter(caller, &self.stream)
+            .map_err(|e| CommError::Backend {
+                backend: "staged",
+                message: e.to_string(),
+            })
+    }
+
+    fn signal_stream(&mut self, caller: &ForeignStream) -> Result<(), CommError> {
+        self.fence
+            .leave(&self.stream, caller)
+            .map_err(|e| CommError::Backend {
+                backend: "staged",
+                message: e.to_string(),
+            })
     }
 
     fn split(

@@ -139,6 +139,73 @@ fn sim_nccl_comm(
     (ctx, comm)
 }
 
+/// A collective ordered with a caller's stream (`wait_stream`, the call, `signal_stream`), as the
+/// torch backend and the Python package run device calls: the driver's call log shows an event
+/// recorded on the caller's stream that the communicator's stream waits on before the
+/// all-reduce, an event recorded on the communicator's stream after it that the caller's stream
+/// waits on, and no synchronisation of the device, of a stream or of an event in between.
+fn sim_nccl_stream_ordered() {
+    let log = PathBuf::from(std::env::var("SIM_CALL_LOG").expect("SIM_CALL_LOG is set"));
+    let (ctx, comm) = sim_nccl_comm(1, Default::default());
+    let mut comm = comm
+        .expect("NCCL init through the simulator")
+        .into_communicator();
+    let s = ctx.stream().unwrap();
+    let d = lockstep::cuda::DeviceBuffer::from_host(&s, &[1f32, 2.0]).unwrap();
+    let mut r = lockstep::cuda::DeviceBuffer::<f32>::zeros(&s, 2).unwrap();
+    s.synchronize().unwrap();
+    // The caller's stream, made behind lockstep's back (as torch makes its streams).
+    let caller: usize = {
+        let path = std::env::var("LOCKSTEP_CUDA_LIBRARY").unwrap();
+        // SAFETY: the simulator's cuStreamCreate has this prototype and writes one pointer.
+        unsafe {
+            let lib = libloading::Library::new(&path).unwrap();
+            let create = lib
+                .get::<unsafe extern "C" fn(*mut usize, u32) -> i32>(b"cuStreamCreate\0")
+                .unwrap();
+            let mut h = 0usize;
+            assert_eq!(create(&mut h, 1), 0);
+            h
+        }
+    };
+    // SAFETY: `caller` is a stream of the simulated device, never destroyed in this process.
+    let fs = unsafe { lockstep::cuda::ForeignStream::new(&ctx, caller) };
+    std::fs::write(&log, "").unwrap();
+    comm.wait_stream(&fs).unwrap();
+    comm.all_reduce(&d, &mut r, lockstep::comm::ReduceOp::Sum)
+        .unwrap();
+    comm.signal_stream(&fs).unwrap();
+    let text = std::fs::read_to_string(&log).unwrap();
+    let lines: Vec<Vec<&str>> = text.lines().map(|l| l.split(' ').collect()).collect();
+    let hex = |h: usize| format!("{h:#x}");
+    let u = hex(caller);
+    let at = |pred: &dyn Fn(&[&str]) -> bool| lines.iter().position(|l| pred(l));
+    let ar = at(&|l| l[0] == "ncclAllReduce").unwrap_or_else(|| panic!("no all-reduce:\n{text}"));
+    let own = lines[ar][1];
+    let rec_in =
+        at(&|l| l[0] == "cuEventRecord" && l[2] == u).expect("an event on the caller's stream");
+    let ev_in = lines[rec_in][1];
+    let wait_in = at(&|l| l[0] == "cuStreamWaitEvent" && l[1] == own && l[2] == ev_in)
+        .unwrap_or_else(|| panic!("the communicator's stream waits for the caller's:\n{text}"));
+    let rec_out = lines
+        .iter()
+        .rposition(|l| l[0] == "cuEventRecord" && l[2] == own)
+        .unwrap_or_else(|| panic!("an event on the communicator's stream:\n{text}"));
+    let ev_out = lines[rec_out][1];
+    let wait_out = at(&|l| l[0] == "cuStreamWaitEvent" && l[1] == u && l[2] == ev_out)
+        .unwrap_or_else(|| panic!("the caller's stream waits for the communicator's:\n{text}"));
+    assert!(
+        rec_in < wait_in && wait_in < ar && ar < rec_out && rec_out < wait_out,
+        "order: record on caller, wait, all-reduce, record on own, caller waits:\n{text}"
+    );
+    assert!(
+        !text.contains("Synchronize"),
+        "no device, stream or event synchronisation in a stream-ordered call:\n{text}"
+    );
+    drop(comm);
+    drop(s);
+}
+
 fn short_timeout() -> lockstep::nccl::NcclOptions {
     lockstep::nccl::NcclOptions {
         timeout: Duration::from_millis(500),
@@ -609,6 +676,7 @@ fn scenario(name: &str) {
             assert_eq!(counter("LOCKSTEP_NCCL_LIBRARY", "sim_abort_calls"), 0);
             assert!(ctx.check().is_ok());
         }
+        "sim_nccl_stream_ordered" => sim_nccl_stream_ordered(),
         "sim_nccl_split" => sim_nccl_split(),
         "sim_nccl_split_missing" => {
             let (_ctx, comm) = sim_nccl_comm(1, Default::default());
@@ -1527,6 +1595,14 @@ fn main() {
             vec![
                 ("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)),
                 ("LOCKSTEP_NCCL_LIBRARY", s(&libs.sim_nccl)),
+            ],
+        ),
+        (
+            "sim_nccl_stream_ordered",
+            vec![
+                ("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)),
+                ("LOCKSTEP_NCCL_LIBRARY", s(&libs.sim_nccl)),
+                ("SIM_CALL_LOG", s(&root.join("calls.log"))),
             ],
         ),
         (

@@ -13,8 +13,8 @@ Every process group (the default one and each ``new_group``) gets its own shared
 communicator, joined under an id that the group's rank 0 publishes in torch's store, and, at its
 first collective on CUDA tensors, a device communicator (NCCL when each rank has its own GPU,
 otherwise staged through shared memory; see ``Communicator.to_device``). Collectives run
-synchronously on the calling thread, with the GIL released (CUDA ones synchronise the device
-before and after, so they are ordered with the caller's streams); ``async_op=True`` gives a
+synchronously on the calling thread, with the GIL released (CUDA ones are enqueued in order with
+torch's current stream, as ProcessGroupNCCL's: see ``Communicator.stream``); ``async_op=True`` gives a
 ``Work`` that has already completed (its future holds the result, as DDP's reducer expects). A
 mismatch between ranks, a dead peer or a timeout raises ``RuntimeError`` (``lockstep.CommError``)
 naming the ranks instead of hanging.
@@ -120,7 +120,14 @@ class _Ops:
         for CUDA tensors (made on first use)."""
         # Tensors neither on the CPU nor CUDA go to the host communicator, which refuses them
         # with a TypeError and tells the peers (they fail instead of waiting).
-        return self._device(t) if t.is_cuda else self._comm
+        if not t.is_cuda:
+            return self._comm
+        dev = self._device(t)
+        # Ordered with the caller's current stream on the device, as ProcessGroupNCCL's calls:
+        # the collective waits for the kernels that produced `t`, later kernels wait for it, and
+        # nothing synchronises the device.
+        dev.stream = torch.cuda.current_stream(t.device).cuda_stream
+        return dev
 
     def _device(self, t):
         """The group's device communicator, made by the first collective on CUDA tensors (every

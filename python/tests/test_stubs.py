@@ -60,7 +60,9 @@ def _class_members(cls):
                 assert ctor is None, f"{STUB.name}:{node.lineno}: {cls.name} declares both __new__ and __init__"
                 ctor = node
             else:
-                members[node.name] = "property" if "property" in _decorators(node) else "method"
+                # `@x.setter` completes the property `x` declared above it.
+                decorators = _decorators(node)
+                members[node.name] = "property" if decorators & {"property", "setter"} else "method"
         elif isinstance(node, ast.AnnAssign) and node.value is None:
             instance.update(_assigned_names(node))
         elif isinstance(node, (ast.Assign, ast.AnnAssign)):

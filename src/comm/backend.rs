@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use super::error::CommError;
 use super::shared::SharedRegion;
-use crate::cuda::Context;
+use crate::cuda::{Context, ForeignStream};
 use crate::types::{CollKind, Dtype, RawMem, ReduceOp};
 
 /// Which backend a communicator runs on.
@@ -122,6 +122,23 @@ pub trait Backend: Send {
     /// The CUDA context whose device memory this backend's collectives take (device backends).
     fn device(&self) -> Option<Arc<Context>> {
         None
+    }
+    /// Device backends: later calls wait (on the device) for the work enqueued so far on
+    /// `caller`.
+    fn wait_stream(&mut self, caller: &ForeignStream) -> Result<(), CommError> {
+        let _ = caller;
+        Err(CommError::Unsupported(format!(
+            "the {} backend takes host buffers and has no CUDA stream to order",
+            self.kind()
+        )))
+    }
+    /// Device backends: later work on `caller` waits (on the device) for the calls issued so far.
+    fn signal_stream(&mut self, caller: &ForeignStream) -> Result<(), CommError> {
+        let _ = caller;
+        Err(CommError::Unsupported(format!(
+            "the {} backend takes host buffers and has no CUDA stream to order",
+            self.kind()
+        )))
     }
     /// What the communicator's init line says of this backend beyond rank, world and kind
     /// (the shared-memory backend's CPU binding and single-copy threshold, NCCL's version and

@@ -13,7 +13,7 @@ use std::marker::PhantomData;
 use super::backend::{Backend, BackendKind, Call, Completion, P2pOp, Splits};
 use super::error::{rank_name, CommError};
 use super::shared::SharedBuffer;
-use crate::cuda::{Context, CudaError, DeviceBuffer};
+use crate::cuda::{Context, CudaError, DeviceBuffer, ForeignStream};
 use crate::types::{Buffer, BufferMut, CollKind, Dtype, Element, MemSpace, RawMem, ReduceOp};
 
 /// A group of ranks that run collectives together.
@@ -106,6 +106,24 @@ impl Communicator {
     /// Wait for every call issued so far (a no-op on host backends, which complete each call).
     pub fn synchronize(&mut self) -> Result<(), CommError> {
         self.backend.synchronize()
+    }
+
+    /// Device communicators: order later calls after the work enqueued so far on `caller`, the
+    /// stream that produced their buffers (a framework's current stream), by an event the
+    /// communicator's stream waits on. Nothing blocks the host. With
+    /// [`signal_stream`](Self::signal_stream) after the calls, a caller's stream and the
+    /// communicator's are ordered as one: the way to call collectives without synchronising the
+    /// device (`ProcessGroupNCCL` orders its stream with the caller's the same way).
+    /// Host communicators: an `Unsupported` error.
+    pub fn wait_stream(&mut self, caller: &ForeignStream) -> Result<(), CommError> {
+        self.backend.wait_stream(caller)
+    }
+
+    /// Device communicators: make later work on `caller` wait for the calls issued so far (an
+    /// event recorded on the communicator's stream, which `caller` waits on), so whatever the
+    /// caller enqueues next sees their results. See [`wait_stream`](Self::wait_stream).
+    pub fn signal_stream(&mut self, caller: &ForeignStream) -> Result<(), CommError> {
+        self.backend.signal_stream(caller)
     }
 
     /// Allocate a buffer of `len` elements (zeroed) inside the backend's shared segment. Collectives

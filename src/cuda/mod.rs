@@ -85,8 +85,10 @@ mod report;
 mod source;
 
 pub use compile::{cache_dir, compile_cubin_cached, compile_ptx, extra_nvrtc_options, NvrtcInfo};
+pub(crate) use context::StreamFence;
 pub use context::{
-    device_count, device_for_local_rank, Context, DeviceInfo, Event, Producers, Stream,
+    device_count, device_for_local_rank, Context, DeviceInfo, Event, ForeignStream, Producers,
+    Stream,
 };
 pub use discovery::{cuda_version_string, nccl_version_string, LibKind};
 pub use error::{CudaError, NvrtcError};

@@ -16,7 +16,7 @@ use crate::comm::{
     Backend, BackendKind, Call, CollKind, CommError, Communicator, Completion, Element, MemSpace,
     P2pOp,
 };
-use crate::cuda::{Context, DeviceBuffer, Event, Producers, Stream};
+use crate::cuda::{Context, DeviceBuffer, Event, ForeignStream, Producers, Stream, StreamFence};
 
 use super::error::NcclError;
 use super::result::{self, cudaStream_t, ncclComm_t, ncclUniqueId, IN_PROGRESS, SUCCESS};
@@ -142,6 +142,8 @@ pub struct NcclComm {
     /// Orders the stream after the context's other streams before each call, so that buffers
     /// still being written elsewhere are not read early.
     producers: Producers,
+    /// Orders the stream with a caller's (`wait_stream`, `signal_stream`).
+    fence: StreamFence,
 }
 
 // SAFETY: an NCCL communicator may be used from any thread, one at a time (`&mut self`); the
@@ -365,6 +367,7 @@ impl NcclComm {
             state: Mutex::new(State::default()),
         });
         let producers = Producers::new(ctx);
+        let fence = StreamFence::new(ctx)?;
         let mut me = NcclComm {
             ctx: ctx.clone(),
             stream,
@@ -376,6 +379,7 @@ impl NcclComm {
             opts,
             scratch,
             producers,
+            fence,
         };
         me.settle(IN_PROGRESS, &what)?;
         Ok(me)
@@ -1089,6 +1093,7 @@ impl NcclComm {
             state: Mutex::new(State::default()),
         });
         let producers = Producers::new(&self.ctx);
+        let fence = StreamFence::new(&self.ctx).map_err(NcclError::from)?;
         let mut c = NcclComm {
             ctx: self.ctx.clone(),
             stream,
@@ -1100,6 +1105,7 @@ impl NcclComm {
             opts: self.opts.clone(),
             scratch,
             producers,
+            fence,
         };
         // A failed child is aborted (idempotent), so its drop leaves it alone.
         if let Err(e) = c.settle(rc, &what) {
@@ -1174,6 +1180,20 @@ impl Backend for NcclComm {
 
     fn synchronize(&mut self) -> Result<(), CommError> {
         self.wait("synchronize").map_err(CommError::from)
+    }
+
+    fn wait_stream(&mut self, caller: &ForeignStream) -> Result<(), CommError> {
+        self.check_alive("wait_stream")?;
+        self.fence
+            .enter(caller, &self.stream)
+            .map_err(|e| CommError::from(NcclError::from(e)))
+    }
+
+    fn signal_stream(&mut self, caller: &ForeignStream) -> Result<(), CommError> {
+        self.check_alive("signal_stream")?;
+        self.fence
+            .leave(&self.stream, caller)
+            .map_err(|e| CommError::from(NcclError::from(e)))
     }
 
     fn seq(&self) -> u64 {
