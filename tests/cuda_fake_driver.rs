@@ -641,6 +641,24 @@ fn scenario(name: &str) {
                 &e,
                 &["peer 3 out of range for world size 1"],
             );
+            // NCCL has no receive from any source: refused, saying what to do instead.
+            let mut any = [lockstep::comm::P2pOp {
+                kind: lockstep::comm::CollKind::Recv,
+                peer: lockstep::comm::ANY_SOURCE,
+                dtype: lockstep::comm::Dtype::I32,
+                mem: lockstep::comm::BufferMut::raw_mut(&mut b),
+            }];
+            match lockstep::comm::Backend::p2p(&mut nc, &mut any) {
+                Err(e @ lockstep::CommError::Unsupported(_)) => expect_contains(
+                    "recv from any source",
+                    &e.to_string(),
+                    &[
+                        "nccl backend has no receive from any source",
+                        "name the sending rank",
+                    ],
+                ),
+                other => panic!("recv from any source on NCCL: {other:?}"),
+            }
             let mut comm = nc.into_communicator();
             let (h, mut hr) = (vec![1f32; 4], vec![0f32; 4]);
             let e = comm

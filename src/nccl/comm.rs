@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use crate::comm::{
     Backend, BackendKind, Call, CollKind, CommError, Communicator, Completion, Element, MemSpace,
-    P2pOp,
+    P2pOp, ANY_SOURCE,
 };
 use crate::cuda::{Context, DeviceBuffer, Event, ForeignStream, Producers, Stream, StreamFence};
 
@@ -961,6 +961,12 @@ impl NcclComm {
     /// Check the buffers of a point-to-point group: device memory of this device.
     fn check_p2p(&self, ops: &[P2pOp]) -> Result<(), CommError> {
         for op in ops {
+            if op.peer == ANY_SOURCE {
+                return Err(CommError::Unsupported(format!(
+                    "recv from any source on rank {}: the nccl backend has no receive from any source (NCCL matches every receive to a named rank); name the sending rank, or receive on the shm backend (host buffers: Communicator::recv_any there)",
+                    self.rank
+                )));
+            }
             if op.peer >= self.world {
                 return Err(CommError::InvalidArgument {
                     op: op.kind,
@@ -1203,7 +1209,7 @@ impl Backend for NcclComm {
     /// Sends and receives as one NCCL group (`ncclGroupStart` … `ncclGroupEnd`), enqueued on the
     /// communicator's stream; NCCL matches them per peer in order, a send to this rank itself
     /// included. Complete with [`synchronize`](Backend::synchronize) or a `Work` handle.
-    fn p2p(&mut self, ops: &[P2pOp]) -> Result<(), CommError> {
+    fn p2p(&mut self, ops: &mut [P2pOp]) -> Result<(), CommError> {
         self.check_p2p(ops)?;
         self.check_alive("send/recv")?;
         self.ctx.bind().map_err(NcclError::from)?;
