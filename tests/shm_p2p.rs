@@ -5,6 +5,9 @@
 //! `harness = false`: the process forks, so it stays single-threaded; the binary ends with
 //! `N passed, M failed`.
 
+#[path = "common/runner.rs"]
+mod runner;
+
 use std::time::{Duration, Instant};
 
 use half::{bf16, f16};
@@ -1123,7 +1126,7 @@ fn survivor(res: Result<Vec<String>, LaunchError>, what: &str) -> Result<(), Str
 
 type TestFn = fn() -> Result<(), String>;
 
-fn main() {
+fn main() -> std::process::ExitCode {
     let tests: Vec<(&str, TestFn)> = vec![
         ("exchanges", t_exchanges),
         ("p2p_and_groups", t_p2p_and_groups),
@@ -1135,36 +1138,5 @@ fn main() {
         ("any_source_mismatch", t_any_source_mismatch),
         ("any_source_lost", t_any_source_lost),
     ];
-    let filter: Vec<String> = std::env::args()
-        .skip(1)
-        .filter(|a| !a.starts_with('-'))
-        .collect();
-    let (mut passed, mut failed) = (0, 0);
-    for (name, t) in tests {
-        if !filter.is_empty() && !filter.iter().any(|f| name.contains(f.as_str())) {
-            continue;
-        }
-        let start = Instant::now();
-        let r = std::panic::catch_unwind(t).unwrap_or_else(|_| Err("panicked".into()));
-        match r {
-            Ok(()) => {
-                passed += 1;
-                println!(
-                    "test {name} ... ok ({:.2} s)",
-                    start.elapsed().as_secs_f64()
-                );
-            }
-            Err(e) => {
-                failed += 1;
-                println!(
-                    "test {name} ... FAILED ({:.2} s)\n{e}",
-                    start.elapsed().as_secs_f64()
-                );
-            }
-        }
-    }
-    println!("\n{passed} passed, {failed} failed");
-    if failed > 0 {
-        std::process::exit(1);
-    }
+    runner::run(&tests)
 }

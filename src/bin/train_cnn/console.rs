@@ -379,6 +379,7 @@ mod tests {
             step_line(1, 4, 100, 469, 0.43843934, 2345.6),
             "epoch 1/4 step 100/469 loss 0.4384 2346 img/s"
         );
-        assert_eq!(num(f64::NAN, 2), "null");
+        assert_eq!(num(f64::NAN, 2), Value::Null);
+        assert_eq!(num(0.43843934, 4), json!(0.4384));
     }
 }
