@@ -686,7 +686,7 @@ fn scenario(name: &str) {
                 added >= 2,
                 "the collective waited on {added} producer streams, expected at least 2 (s and s2)"
             );
-            let w = comm.all_reduce_async(&d, &mut r, lockstep::comm::ReduceOp::Sum);
+            let w = comm.start(|x| x.all_reduce(&d, &mut r, lockstep::comm::ReduceOp::Sum));
             assert!(w.is_completed(), "the simulated stream is done at once");
             w.wait().unwrap();
             drop(s2);
@@ -780,7 +780,7 @@ fn scenario(name: &str) {
             let s = ctx.stream().unwrap();
             let mut x = lockstep::cuda::DeviceBuffer::<f32>::zeros(&s, 16).unwrap();
             let t = std::time::Instant::now();
-            let w = comm.all_reduce_in_place_async(&mut x, lockstep::comm::ReduceOp::Sum);
+            let w = comm.start(|c| c.all_reduce_in_place(&mut x, lockstep::comm::ReduceOp::Sum));
             assert!(!w.is_completed(), "a call on a stuck stream is pending");
             let e = w.wait().unwrap_err().to_string();
             expect_contains(

@@ -139,7 +139,7 @@ fn check_exchanges_with<T: TestElem>(
         let send = src(c, send, shared)?;
         let mut recv = vec![sentinel::<T>(); n * len];
         if len > 7 {
-            c.all_to_all_async(&send[..], &mut recv).wait()?;
+            c.start(|x| x.all_to_all(&send[..], &mut recv)).wait()?;
         } else {
             c.all_to_all(&send[..], &mut recv)?;
         }
@@ -238,10 +238,10 @@ fn check_p2p<T: TestElem>(c: &mut Communicator) -> Result<Vec<String>, CommError
             let mut inb = vec![sentinel::<T>(); len];
             if me < peer {
                 c.send(&out, peer)?;
-                c.recv_async(&mut inb, peer).wait()?;
+                c.start(|x| x.recv(&mut inb, peer)).wait()?;
             } else {
                 c.recv(&mut inb, peer)?;
-                c.send_async(&out, peer).wait()?;
+                c.start(|x| x.send(&out, peer)).wait()?;
             }
             check("send/recv", &inb, peer, 0);
         }
@@ -401,7 +401,7 @@ fn p2p_and_groups(n: usize, cfg: LaunchConfig) -> Result<(), String> {
                 // Point-to-point traffic left the collectives in step.
                 let mut x = vec![1u32; 100];
                 ctx.comm
-                    .all_reduce_in_place_async(&mut x, ReduceOp::Sum)
+                    .start(|c| c.all_reduce_in_place(&mut x, ReduceOp::Sum))
                     .wait()?;
                 if x.iter().any(|&v| v as usize != ctx.world_size) {
                     bad.push("all_reduce after point-to-point is wrong".into());
@@ -427,7 +427,7 @@ fn t_async_forms() -> Result<(), String> {
             let mut bad = Vec::new();
             let send: Vec<f32> = (0..3000).map(|i| (i % 7 + me) as f32).collect();
             let mut a = vec![0f32; 3000];
-            let w = c.all_reduce_async(&send, &mut a, ReduceOp::Sum);
+            let w = c.start(|x| x.all_reduce(&send, &mut a, ReduceOp::Sum));
             if !w.is_completed() {
                 bad.push("host work not completed".into());
             }
@@ -436,23 +436,23 @@ fn t_async_forms() -> Result<(), String> {
                 bad.push("all_reduce_async".into());
             }
             let mut b = vec![0f32; 3000];
-            c.broadcast_async(&send, &mut b, 1).wait()?;
+            c.start(|x| x.broadcast(&send, &mut b, 1)).wait()?;
             if (0..3000).any(|i| b[i] != (i % 7 + 1) as f32) {
                 bad.push("broadcast_async".into());
             }
             let mut g = vec![0f32; 3000 * n];
-            c.all_gather_async(&send, &mut g).wait()?;
+            c.start(|x| x.all_gather(&send, &mut g)).wait()?;
             if (0..3000 * n).any(|i| g[i] != (i % 3000 % 7 + i / 3000) as f32) {
                 bad.push("all_gather_async".into());
             }
             let mut r = vec![0f32; 1000];
-            c.reduce_scatter_async(&send, &mut r, ReduceOp::Max)
+            c.start(|x| x.reduce_scatter(&send, &mut r, ReduceOp::Max))
                 .wait()?;
             if (0..1000).any(|i| r[i] != ((me * 1000 + i) % 7 + 2) as f32) {
                 bad.push("reduce_scatter_async".into());
             }
             // An error comes back through the handle.
-            match c.all_to_all_async(&send[..10], &mut a[..10]).wait() {
+            match c.start(|x| x.all_to_all(&send[..10], &mut a[..10])).wait() {
                 Err(CommError::InvalidArgument { .. }) => {}
                 other => bad.push(format!(
                     "all_to_all_async of 10 on 3 ranks should be refused: {other:?}"

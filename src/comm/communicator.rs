@@ -1013,243 +1013,41 @@ impl Communicator {
     }
 
     // --------------------------------------------------------------------------------------------
-    // Nonblocking forms
+    // Nonblocking form
 
-    /// Nonblocking [`all_reduce`](Self::all_reduce). On host backends the call has completed when
-    /// this returns (there is no progress thread); the [`Work`] carries its result and keeps the
-    /// buffers borrowed, so device backends can complete it later. Calls complete in issue order.
-    pub fn all_reduce_async<'a, T: Element, S: Buffer<T> + ?Sized, R: BufferMut<T> + ?Sized>(
-        &mut self,
-        send: &'a S,
-        recv: &'a mut R,
-        op: ReduceOp,
-    ) -> Work<'a> {
-        {
-            let r = self.all_reduce(send, recv, op);
-            self.work(r)
-        }
-    }
-
-    /// Nonblocking [`all_reduce_in_place`](Self::all_reduce_in_place) (see [`all_reduce_async`](Self::all_reduce_async)).
-    pub fn all_reduce_in_place_async<'a, T: Element, B: BufferMut<T> + ?Sized>(
-        &mut self,
-        buf: &'a mut B,
-        op: ReduceOp,
-    ) -> Work<'a> {
-        {
-            let r = self.all_reduce_in_place(buf, op);
-            self.work(r)
-        }
-    }
-
-    /// Nonblocking [`broadcast`](Self::broadcast) (see [`all_reduce_async`](Self::all_reduce_async)).
-    pub fn broadcast_async<'a, T: Element, S: Buffer<T> + ?Sized, R: BufferMut<T> + ?Sized>(
-        &mut self,
-        send: &'a S,
-        recv: &'a mut R,
-        root: usize,
-    ) -> Work<'a> {
-        {
-            let r = self.broadcast(send, recv, root);
-            self.work(r)
-        }
-    }
-
-    /// Nonblocking [`broadcast_in_place`](Self::broadcast_in_place) (see [`all_reduce_async`](Self::all_reduce_async)).
-    pub fn broadcast_in_place_async<'a, T: Element, B: BufferMut<T> + ?Sized>(
-        &mut self,
-        buf: &'a mut B,
-        root: usize,
-    ) -> Work<'a> {
-        {
-            let r = self.broadcast_in_place(buf, root);
-            self.work(r)
-        }
-    }
-
-    /// Nonblocking [`all_gather`](Self::all_gather) (see [`all_reduce_async`](Self::all_reduce_async)).
-    pub fn all_gather_async<'a, T: Element, S: Buffer<T> + ?Sized, R: BufferMut<T> + ?Sized>(
-        &mut self,
-        send: &'a S,
-        recv: &'a mut R,
-    ) -> Work<'a> {
-        {
-            let r = self.all_gather(send, recv);
-            self.work(r)
-        }
-    }
-
-    /// Nonblocking [`reduce_scatter`](Self::reduce_scatter) (see [`all_reduce_async`](Self::all_reduce_async)).
-    pub fn reduce_scatter_async<'a, T: Element, S: Buffer<T> + ?Sized, R: BufferMut<T> + ?Sized>(
-        &mut self,
-        send: &'a S,
-        recv: &'a mut R,
-        op: ReduceOp,
-    ) -> Work<'a> {
-        {
-            let r = self.reduce_scatter(send, recv, op);
-            self.work(r)
-        }
-    }
-
-    /// Nonblocking [`all_to_all`](Self::all_to_all) (see [`all_reduce_async`](Self::all_reduce_async)).
-    pub fn all_to_all_async<'a, T: Element, S: Buffer<T> + ?Sized, R: BufferMut<T> + ?Sized>(
-        &mut self,
-        send: &'a S,
-        recv: &'a mut R,
-    ) -> Work<'a> {
-        {
-            let r = self.all_to_all(send, recv);
-            self.work(r)
-        }
-    }
-
-    /// Nonblocking [`send`](Self::send) (see [`all_reduce_async`](Self::all_reduce_async)): on host
-    /// backends it blocks like `send`, so exchanges where both sides send first need a [`group`](Self::group).
-    pub fn send_async<'a, T: Element, S: Buffer<T> + ?Sized>(
-        &mut self,
-        buf: &'a S,
-        peer: usize,
-    ) -> Work<'a> {
-        {
-            let r = self.send(buf, peer);
-            self.work(r)
-        }
-    }
-
-    /// Nonblocking [`recv`](Self::recv) (see [`send_async`](Self::send_async)).
-    pub fn recv_async<'a, T: Element, R: BufferMut<T> + ?Sized>(
-        &mut self,
-        buf: &'a mut R,
-        peer: usize,
-    ) -> Work<'a> {
-        {
-            let r = self.recv(buf, peer);
-            self.work(r)
-        }
-    }
-
-    /// Nonblocking [`reduce`](Self::reduce) (see [`all_reduce_async`](Self::all_reduce_async)).
-    pub fn reduce_async<'a, T: Element, S: Buffer<T> + ?Sized, R: BufferMut<T> + ?Sized>(
-        &mut self,
-        send: &'a S,
-        recv: &'a mut R,
-        op: ReduceOp,
-        root: usize,
-    ) -> Work<'a> {
-        let r = self.reduce(send, recv, op, root);
-        self.work(r)
-    }
-
-    /// Nonblocking [`reduce_in_place`](Self::reduce_in_place) (see [`all_reduce_async`](Self::all_reduce_async)).
-    pub fn reduce_in_place_async<'a, T: Element, B: BufferMut<T> + ?Sized>(
-        &mut self,
-        buf: &'a mut B,
-        op: ReduceOp,
-        root: usize,
-    ) -> Work<'a> {
-        let r = self.reduce_in_place(buf, op, root);
-        self.work(r)
-    }
-
-    /// Nonblocking [`all_gather_in_place`](Self::all_gather_in_place) (see [`all_reduce_async`](Self::all_reduce_async)).
-    pub fn all_gather_in_place_async<'a, T: Element, B: BufferMut<T> + ?Sized>(
-        &mut self,
-        buf: &'a mut B,
-    ) -> Work<'a> {
-        let r = self.all_gather_in_place(buf);
-        self.work(r)
-    }
-
-    /// Nonblocking [`gather`](Self::gather) (see [`all_reduce_async`](Self::all_reduce_async)).
-    pub fn gather_async<'a, T: Element, S: Buffer<T> + ?Sized, R: BufferMut<T> + ?Sized>(
-        &mut self,
-        send: &'a S,
-        recv: &'a mut R,
-        root: usize,
-    ) -> Work<'a> {
-        let r = self.gather(send, recv, root);
-        self.work(r)
-    }
-
-    /// Nonblocking [`reduce_scatter_in_place`](Self::reduce_scatter_in_place) (see [`all_reduce_async`](Self::all_reduce_async)).
-    pub fn reduce_scatter_in_place_async<'a, T: Element, B: BufferMut<T> + ?Sized>(
-        &mut self,
-        buf: &'a mut B,
-        op: ReduceOp,
-    ) -> Work<'a> {
-        let r = self.reduce_scatter_in_place(buf, op);
-        self.work(r)
-    }
-
-    /// Nonblocking [`all_to_all_v`](Self::all_to_all_v) (see [`all_reduce_async`](Self::all_reduce_async)).
-    #[allow(clippy::too_many_arguments)]
-    pub fn all_to_all_v_async<'a, T: Element, S: Buffer<T> + ?Sized, R: BufferMut<T> + ?Sized>(
-        &mut self,
-        send: &'a S,
-        send_counts: &[usize],
-        send_displs: &[usize],
-        recv: &'a mut R,
-        recv_counts: &[usize],
-        recv_displs: &[usize],
-    ) -> Work<'a> {
-        let r = self.all_to_all_v(
-            send,
-            send_counts,
-            send_displs,
-            recv,
-            recv_counts,
-            recv_displs,
-        );
-        self.work(r)
-    }
-
-    /// Nonblocking [`scatter`](Self::scatter) (see [`all_reduce_async`](Self::all_reduce_async)).
-    pub fn scatter_async<'a, T: Element, S: Buffer<T> + ?Sized, R: BufferMut<T> + ?Sized>(
-        &mut self,
-        send: &'a S,
-        recv: &'a mut R,
-        root: usize,
-    ) -> Work<'a> {
-        let r = self.scatter(send, recv, root);
-        self.work(r)
-    }
-
-    /// Nonblocking [`all_gather_v`](Self::all_gather_v) (see [`all_reduce_async`](Self::all_reduce_async)).
-    pub fn all_gather_v_async<'a, T: Element, S: Buffer<T> + ?Sized, R: BufferMut<T> + ?Sized>(
-        &mut self,
-        send: &'a S,
-        recv: &'a mut R,
-        recv_counts: &[usize],
-    ) -> Work<'a> {
-        let r = self.all_gather_v(send, recv, recv_counts);
-        self.work(r)
-    }
-
-    /// Nonblocking [`gather_v`](Self::gather_v) (see [`all_reduce_async`](Self::all_reduce_async)).
-    pub fn gather_v_async<'a, T: Element, S: Buffer<T> + ?Sized, R: BufferMut<T> + ?Sized>(
-        &mut self,
-        send: &'a S,
-        recv: &'a mut R,
-        recv_counts: &[usize],
-        root: usize,
-    ) -> Work<'a> {
-        let r = self.gather_v(send, recv, recv_counts, root);
-        self.work(r)
-    }
-
-    /// Nonblocking [`group`](Self::group): the group's buffers stay borrowed by the [`Work`].
-    pub fn group_async<'b, F>(&mut self, f: F) -> Work<'b>
+    /// Start any call without waiting for it: `comm.start(|c| c.all_reduce(&send, &mut recv, op))`
+    /// returns a [`Work`] to [`wait`](Work::wait) for the call's result, as c10d's `Work`. The
+    /// buffers the call borrows stay borrowed for as long as the `Work` lives, so a device backend
+    /// can complete the call later. On host backends the call has completed when this returns
+    /// (there is no progress thread). Calls complete in issue order. One call per `Work`: the
+    /// handle is on the last call `call` makes.
+    ///
+    /// ```no_run
+    /// # use lockstep::comm::{Communicator, ReduceOp};
+    /// # fn f(comm: &mut Communicator) -> Result<(), lockstep::CommError> {
+    /// let (send, mut recv) = (vec![1f32; 4], vec![0f32; 4]);
+    /// let work = comm.start(|c| c.all_reduce(&send[..], &mut recv[..], ReduceOp::Sum));
+    /// work.wait()?;
+    /// assert_eq!(recv[0], comm.world_size() as f32);
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// The buffers cannot be touched before the `Work` is done with:
+    ///
+    /// ```compile_fail
+    /// # use lockstep::comm::{Communicator, ReduceOp};
+    /// # fn f(comm: &mut Communicator) -> Result<(), lockstep::CommError> {
+    /// let (send, mut recv) = (vec![1f32; 4], vec![0f32; 4]);
+    /// let work = comm.start(|c| c.all_reduce(&send[..], &mut recv[..], ReduceOp::Sum));
+    /// recv[0] = 2.0; // error: `recv` is still borrowed by `work`
+    /// work.wait()?;
+    /// # Ok(()) }
+    /// ```
+    pub fn start<'a, F>(&mut self, call: F) -> Work<'a>
     where
-        F: FnOnce(&mut Group<'b>) -> Result<(), CommError>,
+        F: FnOnce(&mut Communicator) -> Result<(), CommError> + 'a,
     {
-        let r = self.group(f);
-        self.work(r)
-    }
-
-    /// Nonblocking [`barrier`](Self::barrier).
-    pub fn barrier_async(&mut self) -> Work<'static> {
-        let r = self.barrier();
+        let r = call(self);
         self.work(r)
     }
 

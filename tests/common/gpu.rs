@@ -9,7 +9,12 @@ use lockstep::cuda::Context;
 /// The binary cannot run here: one skipped test and the summary line, exit 0; under
 /// `LOCKSTEP_REQUIRE_GPU=1` a failure.
 pub fn skip(why: &str, detail: &str) -> ! {
-    crate::runner::skip_all("LOCKSTEP_REQUIRE_GPU", env!("CARGO_CRATE_NAME"), why, detail)
+    crate::runner::skip_all(
+        "LOCKSTEP_REQUIRE_GPU",
+        env!("CARGO_CRATE_NAME"),
+        why,
+        detail,
+    )
 }
 
 /// True when a driver library is present (does not initialise CUDA).
