@@ -282,7 +282,14 @@ fn two_nodes_by_two_under_mpiexec() -> Result<(), String> {
             break st;
         }
         if t.elapsed() > Duration::from_secs(120) {
-            let _ = child.kill();
+            // SIGTERM first: mpiexec then ends its proxies and ranks, which SIGKILL would orphan.
+            common::signal(child.id() as i32, libc::SIGTERM);
+            let ended = common::wait_until(Duration::from_secs(10), || {
+                matches!(child.try_wait(), Ok(Some(_)))
+            });
+            if !ended {
+                let _ = child.kill();
+            }
             let _ = child.wait();
             return Err("mpiexec -n 4 did not finish within 120 s".into());
         }

@@ -28,6 +28,9 @@ use super::sys::{
     MPI_ERRORS_RETURN, MPI_REQUEST_NULL, MPI_THREAD_MULTIPLE,
 };
 
+/// The largest tag lockstep uses: `MPI_TAG_UB` is at least this in every MPI.
+const MAX_TAG: u16 = 32767;
+
 /// Default time a wait may take before it is a [`MpiError::Timeout`] (`LOCKSTEP_TIMEOUT_S`
 /// overrides it, as for the other backends).
 const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
@@ -231,18 +234,24 @@ impl MpiComm {
         Ok(peer as c_int)
     }
 
-    fn tag(tag: u16) -> c_int {
-        c_int::from(tag)
+    /// A tag MPI accepts everywhere: at most 32767, the least `MPI_TAG_UB` the standard allows.
+    fn tag(tag: u16) -> Result<c_int, MpiError> {
+        if tag > MAX_TAG {
+            return Err(MpiError::InvalidArgument(format!(
+                "tag {tag} is above {MAX_TAG}, the largest tag every MPI accepts"
+            )));
+        }
+        Ok(c_int::from(tag))
     }
 
-    /// Start sending `data` to `peer` (the request owns the buffer until it completes).
+    /// Start sending `data` to `peer` with `tag` (at most 32767); the request owns the buffer
+    /// until it completes.
     pub fn isend(&self, peer: usize, tag: u16, data: Vec<u8>) -> Result<Request, MpiError> {
         let dest = self.peer(peer)?;
+        let tag = Self::tag(tag)?;
         // SAFETY: the buffer moves into the returned request, which keeps it (or leaks it) until
         // MPI is done with it; a Vec's heap block does not move when the Vec does.
-        let req = unsafe {
-            result::isend_bytes(data.as_ptr(), data.len(), dest, Self::tag(tag), self.comm)
-        }?;
+        let req = unsafe { result::isend_bytes(data.as_ptr(), data.len(), dest, tag, self.comm) }?;
         Ok(Request::new(
             self.state.clone(),
             req,
@@ -252,14 +261,13 @@ impl MpiComm {
         ))
     }
 
-    /// Start receiving up to `len` bytes from `peer`.
+    /// Start receiving up to `len` bytes from `peer` with `tag` (at most 32767).
     pub fn irecv(&self, peer: usize, tag: u16, len: usize) -> Result<Request, MpiError> {
         let source = self.peer(peer)?;
+        let tag = Self::tag(tag)?;
         let mut data = vec![0u8; len];
         // SAFETY: as in `isend`; nothing else touches the buffer while the request holds it.
-        let req = unsafe {
-            result::irecv_bytes(data.as_mut_ptr(), len, source, Self::tag(tag), self.comm)
-        }?;
+        let req = unsafe { result::irecv_bytes(data.as_mut_ptr(), len, source, tag, self.comm) }?;
         Ok(Request::new(
             self.state.clone(),
             req,

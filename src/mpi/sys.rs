@@ -139,6 +139,6 @@ mod tests {
         assert_eq!(MPI_REQUEST_NULL as usize, 0x180);
         assert_eq!(MPI_BYTE as usize, 0x247);
         assert_eq!(MPI_DOUBLE as usize, 0x214);
-        assert!(MPI_THREAD_SERIALIZED < MPI_THREAD_MULTIPLE);
+        const { assert!(MPI_THREAD_SERIALIZED < MPI_THREAD_MULTIPLE) };
     }
 }
