@@ -51,9 +51,10 @@ macro_rules! fn_table {
             #[allow(non_snake_case)]
             pub(crate) fn resolve(lib: &libloading::Library) -> Result<$T, (&'static str, String)> {
                 $(
-                    // SAFETY: the declared signature is the C prototype of `$sym` in the CUDA/NCCL
-                    // headers; the pointer is copied out and only used while `lib` stays loaded
-                    // (libraries are kept loaded for the life of the process).
+                    // SAFETY: the declared signature is the C prototype of `$sym` in the library's
+                    // header (CUDA, NCCL, MPI-5 `mpi_abi.h`); the pointer is copied out and only
+                    // used while `lib` stays loaded (libraries are kept loaded for the life of the
+                    // process).
                     let $f = unsafe {
                         *lib.get::<unsafe extern "C" fn($($a),*) -> $r>(concat!($sym, "\0").as_bytes())
                             .map_err(|e| ($sym, $crate::cuda::discovery::dl_error(&e)))?

@@ -54,8 +54,9 @@ pub(crate) fn run(file: Option<&Path>) -> i32 {
         }
     };
     let _ = writeln!(o, "cuda/nccl:");
-    // Library discovery and version queries only: nothing here calls cuInit, so `lockstep env`
-    // never leaves CUDA initialised behind a notebook's back.
+    // Library discovery and version queries only: nothing here calls cuInit or MPI_Init, so
+    // `lockstep env` never leaves CUDA or MPI initialised behind a notebook's back. The MPI line
+    // says which MPI-5 ABI library was found and why, or why none can be used.
     let _ = write!(o, "{}", lockstep::report::env_report());
     code
 }
