@@ -158,11 +158,11 @@ impl StagedBackend {
 
     /// A group of sends and receives: device buffers are staged through one pinned region (sends
     /// copied in before, receives copied out after the host group), host buffers pass as they are.
-    fn staged_p2p(&mut self, ops: &[P2pOp]) -> Result<(), StageError> {
+    fn staged_p2p(&mut self, ops: &mut [P2pOp]) -> Result<(), StageError> {
         let on_device = |op: &P2pOp| op.mem.len > 0 && op.mem.space != MemSpace::Host;
         let mut offsets = Vec::with_capacity(ops.len());
         let mut total = 0usize;
-        for op in ops {
+        for op in ops.iter() {
             offsets.push(total);
             if on_device(op) {
                 // Keep every block 64-byte aligned for the host backend's copies.
@@ -192,9 +192,12 @@ impl StagedBackend {
             });
         }
         self.stream.synchronize()?;
-        self.inner
-            .p2p_checked(&host_ops)
-            .map_err(StageError::Comm)?;
+        let r = self.inner.p2p_checked(&mut host_ops);
+        // Receives from any source: the host backend named their senders.
+        for (op, h) in ops.iter_mut().zip(&host_ops) {
+            op.peer = h.peer;
+        }
+        r.map_err(StageError::Comm)?;
         for (op, off) in ops.iter().zip(&offsets) {
             if on_device(op) && op.kind == CollKind::Recv {
                 // SAFETY: `op.mem` is a device range of this context (checked by `p2p`); the
@@ -284,7 +287,7 @@ impl Backend for StagedBackend {
         })
     }
 
-    fn p2p(&mut self, ops: &[P2pOp]) -> Result<(), CommError> {
+    fn p2p(&mut self, ops: &mut [P2pOp]) -> Result<(), CommError> {
         let wrong = ops.iter().find(|op| {
             op.mem.len > 0 && matches!(op.mem.space, MemSpace::Device(d) if d != self.ctx.ordinal())
         });

@@ -14,6 +14,8 @@ use std::time::Duration;
 mod bins;
 #[path = "common/collectives.rs"]
 mod collectives;
+#[path = "common/runner.rs"]
+mod runner;
 #[path = "common/simt.rs"]
 mod simt;
 
@@ -641,6 +643,24 @@ fn scenario(name: &str) {
                 &e,
                 &["peer 3 out of range for world size 1"],
             );
+            // NCCL has no receive from any source: refused, saying what to do instead.
+            let mut any = [lockstep::comm::P2pOp {
+                kind: lockstep::comm::CollKind::Recv,
+                peer: lockstep::comm::ANY_SOURCE,
+                dtype: lockstep::comm::Dtype::I32,
+                mem: lockstep::comm::BufferMut::raw_mut(&mut b),
+            }];
+            match lockstep::comm::Backend::p2p(&mut nc, &mut any) {
+                Err(e @ lockstep::CommError::Unsupported(_)) => expect_contains(
+                    "recv from any source",
+                    &e.to_string(),
+                    &[
+                        "nccl backend has no receive from any source",
+                        "name the sending rank",
+                    ],
+                ),
+                other => panic!("recv from any source on NCCL: {other:?}"),
+            }
             let mut comm = nc.into_communicator();
             let (h, mut hr) = (vec![1f32; 4], vec![0f32; 4]);
             let e = comm
@@ -1735,55 +1755,51 @@ fn main() {
         ),
     ];
     let exe = std::env::current_exe().unwrap();
-    let (mut passed, mut failed) = (0, Vec::new());
+    let mut r = runner::Runner::new();
     for (name, env) in &cases {
         if !filter.is_empty() && !filter.iter().any(|f| name.contains(f.as_str())) {
             continue;
         }
-        let mut cmd = Command::new(&exe);
-        cmd.env("LOCKSTEP_FAKE_SCENARIO", name);
-        for v in [
-            "LOCKSTEP_CUDA_LIBRARY",
-            "LOCKSTEP_NCCL_LIBRARY",
-            "LOCKSTEP_NVRTC_LIBRARY",
-            "LOCKSTEP_DEBUG",
-            "LOCKSTEP_TIMEOUT_S",
-            "XDG_CACHE_HOME",
-        ] {
-            cmd.env_remove(v);
-        }
-        // A private kernel cache, so runs do not depend on (or fill) the user's cache.
-        cmd.env("XDG_CACHE_HOME", root.join("cache"));
-        for (k, v) in env {
-            cmd.env(k, v);
-        }
-        let out = cmd.output().expect("re-run the test binary");
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        let stderr_ok = *name != "debug_probe"
-            || stderr.contains("CUDA probe: a rank can initialise CUDA: 2 device(s)");
-        if out.status.success() && stderr_ok {
-            if std::env::var_os("LOCKSTEP_FAKE_VERBOSE").is_some() {
-                print!("{}", String::from_utf8_lossy(&out.stdout));
+        r.run(name, || {
+            let mut cmd = Command::new(&exe);
+            cmd.env("LOCKSTEP_FAKE_SCENARIO", name);
+            for v in [
+                "LOCKSTEP_CUDA_LIBRARY",
+                "LOCKSTEP_NCCL_LIBRARY",
+                "LOCKSTEP_NVRTC_LIBRARY",
+                "LOCKSTEP_DEBUG",
+                "LOCKSTEP_TIMEOUT_S",
+                "XDG_CACHE_HOME",
+            ] {
+                cmd.env_remove(v);
             }
-            println!("test {name} ... ok");
-            passed += 1;
-        } else {
-            println!(
-                "test {name} ... FAILED\n{}{}",
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            );
-            failed.push(*name);
-        }
+            // A private kernel cache, so runs do not depend on (or fill) the user's cache.
+            cmd.env("XDG_CACHE_HOME", root.join("cache"));
+            for (k, v) in env {
+                cmd.env(k, v);
+            }
+            let out = cmd
+                .output()
+                .map_err(|e| format!("re-run the test binary: {e}"))?;
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            let stderr_ok = *name != "debug_probe"
+                || stderr.contains("CUDA probe: a rank can initialise CUDA: 2 device(s)");
+            if out.status.success() && stderr_ok {
+                if std::env::var_os("LOCKSTEP_FAKE_VERBOSE").is_some() {
+                    print!("{}", String::from_utf8_lossy(&out.stdout));
+                }
+                Ok(())
+            } else {
+                Err(format!(
+                    "{}{}",
+                    String::from_utf8_lossy(&out.stdout),
+                    String::from_utf8_lossy(&out.stderr)
+                ))
+            }
+        });
     }
     let _ = std::fs::remove_dir_all(&root);
-    println!(
-        "\ntest result: {}. {passed} passed; {} failed",
-        if failed.is_empty() { "ok" } else { "FAILED" },
-        failed.len()
-    );
-    if !failed.is_empty() {
-        println!("failed: {failed:?}");
+    if r.finish() != std::process::ExitCode::SUCCESS {
         std::process::exit(1);
     }
 }

@@ -29,10 +29,12 @@ them are zero-copy (the peers read and write them in place).
 
 Implemented: all_reduce (and coalesced), broadcast, reduce, all_gather, all_gather_into_tensor
 (and coalesced), reduce_scatter, reduce_scatter_tensor (and coalesced), gather, scatter,
-all_to_all, all_to_all_single, send, recv, barrier, new_group. Not: recv from any source, batched
-``batch_isend_irecv`` coalescing, bitwise and PREMUL_SUM reductions.
+all_to_all, all_to_all_single, send, recv (also from any source: ``dist.recv(t)`` returns the
+sender, ``dist.irecv(t)``'s Work names it in ``_source_rank()``), barrier, new_group. Not: bitwise
+and PREMUL_SUM reductions.
 """
 
+import threading
 import uuid
 
 import torch
@@ -307,7 +309,18 @@ class _Ops:
         return self._done(None)
 
     def recv_anysource(self, tensors, tag=0):
-        raise RuntimeError("the lockstep backend cannot receive from any source: name the sending rank")
+        """``dist.recv(t)`` / ``dist.irecv(t)`` without a source: the first message from any other
+        rank of the group (``Communicator.recv_any``). The Work names the sender."""
+        if getattr(self, "_batch", None) is not None:
+            # The batch never runs: later sends must not be collected for it.
+            self._batch = None
+            raise RuntimeError("the lockstep backend cannot receive from any source inside batch_isend_irecv (the batch's Work cannot name the sender): name the peer there, or call dist.irecv(t) outside the batch")
+        if len(tensors) != 1:
+            raise ValueError(f"a receive from any source takes one tensor, got {len(tensors)}")
+        t = tensors[0]
+        src = self._on(t).recv_any(t)
+        _ANY_SOURCE.rank = src
+        return _RecvWork(src, tensors)
 
     def barrier(self, opts=None):
         self._comm.barrier()
@@ -325,6 +338,48 @@ class _Ops:
             self._on(inp).all_gather(inp.contiguous(), flat)
             _split_out(flat, [output_lists[r][i] for r in range(self._world_size)])
         return self._done(output_lists, opts)
+
+
+class _RecvWork(dist.Work):
+    """The Work of a receive from any source, which has completed: ``_source_rank()`` (what
+    ``dist.recv`` returns) names the sender, a rank of the group. `inner`: torch's Work for the
+    same call, waited on through this one (see ``_recv_anysource``)."""
+
+    def __init__(self, src, tensors, inner=None):
+        super().__init__()
+        self._src = src
+        self._tensors = tensors
+        self._inner = inner
+
+    def wait(self, timeout=None):
+        return self._inner.wait() if self._inner is not None else True
+
+    def is_completed(self):
+        return True
+
+    def is_success(self):
+        return True
+
+    def result(self):
+        return self._tensors
+
+    def get_future(self):
+        if self._inner is not None:
+            return self._inner.get_future()
+        fut = Future()
+        fut.set_result(self._tensors)
+        return fut
+
+    def _source_rank(self):
+        return self._src
+
+    def source_rank(self):
+        return self._src
+
+
+# The sender of the last receive from any source on this thread (receives run on the caller's
+# thread and complete before returning).
+_ANY_SOURCE = threading.local()
 
 
 def _report_failures(cls):
@@ -351,7 +406,7 @@ def _report_failures(cls):
 _COLLECTIVES = (
     "reduce reduce_scatter reduce_scatter_single reduce_scatter_single_coalesced broadcast allgather "
     "all_gather_single all_gather_single_coalesced allgather_coalesced gather scatter alltoall "
-    "all_to_all_single send recv barrier monitored_barrier end_coalescing"
+    "all_to_all_single send recv recv_anysource barrier monitored_barrier end_coalescing"
 ).split()
 _report_failures(_Ops)
 
@@ -445,6 +500,20 @@ if PY_BACKEND:
 
         def abort(self):
             self._close()
+
+    def _recv_anysource(pg, tensors, tag=0, _torch=dist.ProcessGroup.recv_anysource):
+        """``ProcessGroup.recv_anysource``, what ``dist.recv``/``dist.irecv`` without a source
+        call. torch 2.15 hands a Python Backend's Work back wrapped in a holder that forwards only
+        ``wait`` and ``get_future``, so ``_source_rank()`` on it raises and ``dist.recv(t)`` could
+        not name the sender. The call still goes through torch (dispatcher, Flight Recorder);
+        when it reached this backend, which noted the sender on this thread, the Work returned
+        names it. Other backends' groups get torch's Work unchanged."""
+        _ANY_SOURCE.rank = None
+        work = _torch(pg, tensors, tag)
+        src, _ANY_SOURCE.rank = _ANY_SOURCE.rank, None
+        return work if src is None else _RecvWork(src, tensors, work)
+
+    dist.ProcessGroup.recv_anysource = _recv_anysource
 
 
 def empty_shared(*size, dtype=torch.float32, group=None):

@@ -991,20 +991,42 @@ host (shared-memory) communicators",
         Ok(buf)
     }
 
+    /// Receive into `buf` the first message any other rank sends to this rank (same count and
+    /// dtype), and return that rank. Messages from one rank arrive in the order sent; a rank that
+    /// is gone stops being waited for, and once no other rank is left (or at the timeout) it
+    /// raises, naming them.
+    fn recv_any(&self, py: Python<'_>, buf: Bound<'_, PyAny>) -> PyResult<usize> {
+        let (v, mut m) = self.view_mut(CollKind::Recv, &buf, "buf")?;
+        let dt = v.dtype;
+        let mut from = 0;
+        let src = &mut from;
+        self.run(py, move |c| {
+            *src = dispatch!(dt, T => c.recv_any::<T, _>(&mut m))?;
+            Ok(())
+        })?;
+        Ok(from)
+    }
+
     /// Post several sends and receives together so that none waits on another (a ring exchange,
-    /// all pairs): `ops` is a list of `("send", buf, peer)` and `("recv", buf, peer)` tuples.
-    fn group(&self, py: Python<'_>, ops: Vec<(String, Bound<'_, PyAny>, usize)>) -> PyResult<()> {
+    /// all pairs): `ops` is a list of `("send", buf, peer)` and `("recv", buf, peer)` tuples; a
+    /// recv whose peer is None takes the first message from any other rank (see `recv_any`).
+    /// Returns each op's peer, with the sender for those receives.
+    fn group(
+        &self,
+        py: Python<'_>,
+        ops: Vec<(String, Bound<'_, PyAny>, Option<usize>)>,
+    ) -> PyResult<Vec<usize>> {
         let mut views = Vec::with_capacity(ops.len());
-        let mut posts: Vec<(bool, Dtype, usize, Mem)> = Vec::with_capacity(ops.len());
+        let mut posts: Vec<(bool, Dtype, Option<usize>, Mem)> = Vec::with_capacity(ops.len());
         for (i, (what, obj, peer)) in ops.iter().enumerate() {
-            let send = match what.as_str() {
-                "send" => true,
-                "recv" => false,
-                other => {
+            let send = match (what.as_str(), peer) {
+                ("send", Some(_)) => true,
+                ("recv", _) => false,
+                (other, _) => {
                     return Err(self.refuse(
                         CollKind::Send,
                         Dtype::U8,
-                        PyValueError::new_err(format!("group: ops[{i}] is {other:?}; each op is (\"send\" or \"recv\", buffer, peer)")),
+                        PyValueError::new_err(format!("group: ops[{i}] is ({other:?}, buffer, {peer:?}); each op is (\"send\", buffer, peer) or (\"recv\", buffer, peer or None for any source)")),
                     ))
                 }
             };
@@ -1020,22 +1042,23 @@ host (shared-memory) communicators",
             posts.push((send, v.dtype, *peer, m));
             views.push(v);
         }
-        let posts = &mut posts;
+        let mut peers: Vec<usize> = posts.iter().map(|p| p.2.unwrap_or(usize::MAX)).collect();
+        let (posts, out) = (&mut posts, &mut peers);
         self.run(py, move |c| {
             c.group(|g: &mut Group<'_>| {
-                for (send, dt, peer, m) in posts.iter_mut() {
-                    let (send, dt, peer) = (*send, *dt, *peer);
-                    if send {
-                        dispatch!(dt, T => g.send::<T, _>(&*m, peer))?;
-                    } else {
-                        dispatch!(dt, T => g.recv::<T, _>(m, peer))?;
+                for ((send, dt, peer, m), from) in posts.iter_mut().zip(out.iter_mut()) {
+                    let (send, dt) = (*send, *dt);
+                    match (send, *peer) {
+                        (true, Some(p)) => dispatch!(dt, T => g.send::<T, _>(&*m, p))?,
+                        (_, Some(p)) => dispatch!(dt, T => g.recv::<T, _>(m, p))?,
+                        (_, None) => dispatch!(dt, T => g.recv_any::<T, _>(m, from))?,
                     }
                 }
                 Ok(())
             })
         })?;
         drop(views);
-        Ok(())
+        Ok(peers)
     }
 
     /// Wait until every rank has reached this call.

@@ -1,4 +1,4 @@
-//! `train-cnn`: data-parallel training of the FashionMNIST CNN recipe on CPU ranks or CUDA GPUs.
+//! `train-cnn`: data-parallel training of the FashionMNIST CNN on CPU ranks or CUDA GPUs.
 //!
 //! `main` only parses arguments, calls `run`, and maps the result to an exit code. Raw CLI
 //! values (`Args`) are validated into a [`lockstep::train::trainer::TrainConfig`] in one place.
@@ -60,7 +60,7 @@ enum Device {
 /// Learning-rate schedule.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum Sched {
-    /// The base rate throughout (the recipe).
+    /// The base rate throughout (the reference PyTorch script's).
     Constant,
     /// Cosine annealing to 0 over the run.
     Cosine,
@@ -71,7 +71,7 @@ enum Sched {
 /// Optimizer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum Optim {
-    /// Adam (PyTorch defaults; the recipe).
+    /// Adam (PyTorch defaults, as the reference PyTorch script).
     Adam,
     /// SGD with momentum (--momentum) and weight decay (--weight-decay).
     Sgd,

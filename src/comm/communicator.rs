@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use std::marker::PhantomData;
 
-use super::backend::{Backend, BackendKind, Call, Completion, P2pOp, Splits};
+use super::backend::{Backend, BackendKind, Call, Completion, P2pOp, Splits, ANY_SOURCE};
 use super::error::{rank_name, CommError};
 use super::shared::SharedBuffer;
 use crate::cuda::{Context, CudaError, DeviceBuffer, ForeignStream};
@@ -144,7 +144,7 @@ impl Communicator {
     }
 
     /// Run an already-checked point-to-point group on the backend (see [`run_checked`](Self::run_checked)).
-    pub(crate) fn p2p_checked(&mut self, ops: &[P2pOp]) -> Result<(), CommError> {
+    pub(crate) fn p2p_checked(&mut self, ops: &mut [P2pOp]) -> Result<(), CommError> {
         self.backend.p2p(ops)
     }
 
@@ -891,6 +891,54 @@ impl Communicator {
         self.p2p_single(op)
     }
 
+    /// Receive into `buf` the first message any other rank sends to this rank, and return that
+    /// rank (MPI's `MPI_ANY_SOURCE`; in a sub-communicator, its rank there). Blocking, as
+    /// [`recv`](Self::recv). On the shared-memory backend only (NCCL has no receive from any
+    /// source: the NCCL backend refuses it with [`CommError::Unsupported`]).
+    ///
+    /// Matching: it takes the first message to arrive from a rank that no receive posted before it
+    /// still waits on (in a [`group`](Self::group), a receive from a named rank posted after it
+    /// waits until it has matched, since any message that one could take, this one could too);
+    /// messages from one rank still arrive in the order they were sent, and no rank is favoured
+    /// over time. The header check is the same as for [`recv`](Self::recv): a count or dtype that
+    /// disagrees with the message it takes is a [`CommError::Mismatch`] on both ranks, naming
+    /// them.
+    ///
+    /// Lost ranks: a rank that died or left the communicator stops being a candidate (messages
+    /// it completed before are still received), and the receive goes on waiting for the others,
+    /// as MPI's does: a message from another rank may still come. Once no other rank is left, it
+    /// fails with [`CommError::PeerLost`] within the peer-check interval, naming them; while
+    /// some are left but none sends, it fails with [`CommError::Timeout`] after the timeout
+    /// (`LOCKSTEP_TIMEOUT_S`), naming the ranks it waited on and those that are gone. So it never
+    /// waits forever; a job whose other ranks keep running without sending learns of a dead rank
+    /// at the timeout, not at once (a receive from a named rank fails at once). With a single
+    /// rank nothing can arrive: refused locally ([`CommError::InvalidArgument`]).
+    pub fn recv_any<T: Element, R: BufferMut<T> + ?Sized>(
+        &mut self,
+        buf: &mut R,
+    ) -> Result<usize, CommError> {
+        self.check_any_source()?;
+        let mut ops = [P2pOp {
+            kind: CollKind::Recv,
+            peer: ANY_SOURCE,
+            dtype: T::DTYPE,
+            mem: buf.raw_mut(),
+        }];
+        self.backend.p2p(&mut ops)?;
+        Ok(ops[0].peer)
+    }
+
+    /// A receive from any source needs another rank that could send.
+    fn check_any_source(&self) -> Result<(), CommError> {
+        if self.world_size() < 2 {
+            return Err(self.invalid(
+                CollKind::Recv,
+                "a receive from any source needs another rank, but this communicator has one rank only, so no message can ever arrive".into(),
+            ));
+        }
+        Ok(())
+    }
+
     fn p2p_single(&mut self, op: P2pOp) -> Result<(), CommError> {
         self.check_peer(op.kind, op.peer)?;
         if op.peer == self.rank() {
@@ -903,7 +951,7 @@ impl Communicator {
                 ),
             ));
         }
-        self.backend.p2p(&[op])
+        self.backend.p2p(&mut [op])
     }
 
     fn check_peer(&self, kind: CollKind, peer: usize) -> Result<(), CommError> {
@@ -930,6 +978,7 @@ impl Communicator {
     {
         let mut g = Group {
             ops: Vec::new(),
+            sources: Vec::new(),
             rank: self.rank(),
             world: self.world_size(),
             _bufs: PhantomData,
@@ -951,7 +1000,16 @@ impl Communicator {
         if g.ops.is_empty() {
             return Ok(());
         }
-        self.backend.p2p(&g.ops)
+        if !g.sources.is_empty() {
+            self.check_any_source()?;
+        }
+        let r = self.backend.p2p(&mut g.ops);
+        for (i, src) in g.sources {
+            if g.ops[i].peer != ANY_SOURCE {
+                *src = g.ops[i].peer;
+            }
+        }
+        r
     }
 
     // --------------------------------------------------------------------------------------------
@@ -1223,6 +1281,8 @@ impl Communicator {
 /// `'b`, until the group has run.
 pub struct Group<'b> {
     ops: Vec<P2pOp>,
+    /// The receives from any source: their index in `ops`, and where to write the sender.
+    sources: Vec<(usize, &'b mut usize)>,
     rank: usize,
     world: usize,
     _bufs: PhantomData<&'b mut ()>,
@@ -1279,6 +1339,24 @@ impl<'b> Group<'b> {
             dtype: T::DTYPE,
             mem: buf.raw_mut(),
         })
+    }
+
+    /// Post a receive into `buf` from any other rank (see [`Communicator::recv_any`]); once the
+    /// group has run, `source` holds the rank whose message it took (it is left as it was if the
+    /// receive did not match).
+    pub fn recv_any<T: Element, R: BufferMut<T> + ?Sized>(
+        &mut self,
+        buf: &'b mut R,
+        source: &'b mut usize,
+    ) -> Result<(), CommError> {
+        self.sources.push((self.ops.len(), source));
+        self.ops.push(P2pOp {
+            kind: CollKind::Recv,
+            peer: ANY_SOURCE,
+            dtype: T::DTYPE,
+            mem: buf.raw_mut(),
+        });
+        Ok(())
     }
 }
 

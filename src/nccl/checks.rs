@@ -5,7 +5,7 @@
 //! Separate from the calls because they are the communicator's contract with its callers: what
 //! each collective needs of its buffers on this backend (device memory of this device).
 
-use crate::comm::{Call, CollKind, CommError, MemSpace, P2pOp};
+use crate::comm::{Call, CollKind, CommError, MemSpace, P2pOp, ANY_SOURCE};
 
 use super::comm::NcclComm;
 use super::error::{invalid_arg, NcclError};
@@ -100,6 +100,12 @@ impl NcclComm {
     /// Check the buffers of a point-to-point group: device memory of this device.
     pub(super) fn check_p2p(&self, ops: &[P2pOp]) -> Result<(), CommError> {
         for op in ops {
+            if op.peer == ANY_SOURCE {
+                return Err(CommError::Unsupported(format!(
+                    "recv from any source on rank {}: the nccl backend has no receive from any source (NCCL matches every receive to a named rank); name the sending rank, or receive on the shm backend (host buffers: Communicator::recv_any there)",
+                    self.rank
+                )));
+            }
             if op.peer >= self.world {
                 return Err(CommError::InvalidArgument {
                     op: op.kind,

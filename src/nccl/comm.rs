@@ -332,7 +332,7 @@ impl Backend for NcclComm {
     /// Sends and receives as one NCCL group (`ncclGroupStart` … `ncclGroupEnd`), enqueued on the
     /// communicator's stream; NCCL matches them per peer in order, a send to this rank itself
     /// included. Complete with [`synchronize`](Backend::synchronize) or a `Work` handle.
-    fn p2p(&mut self, ops: &[P2pOp]) -> Result<(), CommError> {
+    fn p2p(&mut self, ops: &mut [P2pOp]) -> Result<(), CommError> {
         self.check_p2p(ops)?;
         self.check_alive("send/recv")?;
         self.ctx.bind().map_err(NcclError::from)?;

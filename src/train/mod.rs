@@ -9,7 +9,7 @@
 //! | `kernels.rs` | the one GEMM entry point (the `gemm` crate, runtime SIMD dispatch) |
 //! | `multiversion.rs` | `dispatch!`: element-wise loops compiled for AVX-512, AVX2 and portable, picked at run time |
 //! | `layers/` | one file per layer: forward + backward, CPU reference, gradient check |
-//! | `model.rs` | [`Model`](model::Model): named layers over flat parameters, the recipe CNN |
+//! | `model.rs` | [`Model`](model::Model): named layers over flat parameters, the FashionMNIST CNN |
 //! | `optim.rs`, `schedule.rs` | Adam / SGD with PyTorch semantics; constant, cosine, one-cycle |
 //! | `precision.rs` | `mixed_precision` (no / fp16 / bf16) per engine, refusals, dynamic loss scaling |
 //! | `seed.rs` | `RankContext::set_seed`: one seed for every generator of the engine, checked across ranks |

@@ -1,5 +1,5 @@
 //! What rank 0 of `train-cnn` shows and writes: a progress bar on a terminal, per-step lines
-//! (`epoch 1/4 step 100/469 loss 0.4384 2345 img/s`, the seed's shape) off one, one line or JSON
+//! (`epoch 1/4 step 100/469 loss 0.4384 2345 img/s`, the reference PyTorch script's shape) off one, one line or JSON
 //! object per epoch, the peak-RSS summary of every rank, the `--metrics` JSON-lines file and the
 //! `--plot` SVG.
 //!
@@ -28,7 +28,7 @@ use lockstep::train::trainer::{EpochReport, Observer};
 use lockstep::types::write_atomic;
 use serde_json::{json, Map, Value};
 
-/// Steps between per-step lines off a terminal when `--log-every` is not given (the seed's).
+/// Steps between per-step lines off a terminal when `--log-every` is not given (the reference PyTorch script's).
 pub const DEFAULT_LOG_EVERY: usize = 100;
 /// Least time between two redraws of the bar.
 const REDRAW: Duration = Duration::from_millis(100);
@@ -209,7 +209,7 @@ pub fn render_bar(
     s
 }
 
-/// `epoch 1/4 step 100/469 loss 0.4384 2345 img/s`: the seed's per-step line.
+/// `epoch 1/4 step 100/469 loss 0.4384 2345 img/s`: the reference PyTorch script's per-step line.
 pub fn step_line(
     epoch: u64,
     epochs: u64,
@@ -379,6 +379,7 @@ mod tests {
             step_line(1, 4, 100, 469, 0.43843934, 2345.6),
             "epoch 1/4 step 100/469 loss 0.4384 2346 img/s"
         );
-        assert_eq!(num(f64::NAN, 2), "null");
+        assert_eq!(num(f64::NAN, 2), Value::Null);
+        assert_eq!(num(0.43843934, 4), json!(0.4384));
     }
 }
