@@ -319,7 +319,7 @@ fn validate(a: &Args, train_len: usize, cuda: bool) -> Result<Config, CliError> 
     }
     // Catch path mistakes before an epoch of work, not after it: the directory exists and takes
     // a new file, no checkpoint name is a directory, and one checkpoint fits.
-    let fault = checkpoint::fault_from_env().map_err(|e| CliError::Usage(e.to_string()))?;
+    let fault = checkpoint::fault::fault_from_env().map_err(|e| CliError::Usage(e.to_string()))?;
     if let Some(save) = &a.save {
         let params = lockstep::train::model::Model::fashion_cnn(1)
             .map_err(trainer::TrainError::from)?
@@ -329,7 +329,7 @@ fn validate(a: &Args, train_len: usize, cuda: bool) -> Result<Config, CliError> 
     } else if let Some(step) = fault {
         return Err(CliError::Usage(format!(
             "{}={step} needs --save (it kills a save)",
-            checkpoint::FAULT_ENV
+            checkpoint::fault::FAULT_ENV
         )));
     }
     if let Some(resume) = &a.resume {

@@ -14,7 +14,7 @@
 //! | `precision.rs` | `mixed_precision` (no / fp16 / bf16) per engine, refusals, dynamic loss scaling |
 //! | `seed.rs` | `RankContext::set_seed`: one seed for every generator of the engine, checked across ranks |
 //! | `data.rs`, `sampler.rs` | IDX reader with validation; distributed sampler and metric counts |
-//! | `checkpoint.rs` | safetensors with PyTorch `state_dict` names, atomic writes, resume |
+//! | `checkpoint/` | safetensors with PyTorch `state_dict` names, atomic writes, resume |
 //! | `device/` | the same CNN on CUDA: a launch plan per step (CUDA graph), GPU and CPU-twin executors |
 //! | `trainer.rs` | the data-parallel loop: broadcast, bucketed gradient all-reduce (gradient accumulation, clipping), evaluation |
 
