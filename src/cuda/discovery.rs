@@ -136,7 +136,7 @@ fn env_nonempty(var: &str) -> Option<String> {
 }
 
 /// Entries of `dir` whose names start with `prefix`, sorted descending (newest version first).
-fn dir_entries_with_prefix(dir: &Path, prefix: &str) -> Vec<PathBuf> {
+pub(crate) fn dir_entries_with_prefix(dir: &Path, prefix: &str) -> Vec<PathBuf> {
     let Ok(rd) = std::fs::read_dir(dir) else {
         return Vec::new();
     };

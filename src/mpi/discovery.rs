@@ -27,7 +27,9 @@ use std::sync::OnceLock;
 
 use libloading::Library;
 
-use crate::cuda::discovery::{python_site_dirs, resolved_path, short_dl_error};
+use crate::cuda::discovery::{
+    dir_entries_with_prefix, python_site_dirs, resolved_path, short_dl_error,
+};
 
 use super::error::MpiError;
 use super::sys::{
@@ -149,21 +151,6 @@ enum Probe {
     },
 }
 
-/// Files in `dir` whose names start with `prefix`, newest version first.
-fn files_with_prefix(dir: &Path, prefix: &str) -> Vec<PathBuf> {
-    let Ok(rd) = std::fs::read_dir(dir) else {
-        return Vec::new();
-    };
-    let mut v: Vec<PathBuf> = rd
-        .filter_map(|e| e.ok())
-        .filter(|e| e.file_name().to_string_lossy().starts_with(prefix))
-        .map(|e| e.path())
-        .collect();
-    v.sort();
-    v.reverse();
-    v
-}
-
 /// The `lib` folders of the Python environments: `<prefix>/lib` for each
 /// `<prefix>/lib/python3.X/{site,dist}-packages`, where pip puts a wheel's `../../` files.
 pub(crate) fn python_lib_dirs() -> Vec<PathBuf> {
@@ -195,7 +182,7 @@ fn candidates() -> Result<Vec<(Candidate, bool)>, MpiError> {
         if path.is_dir() {
             let mut v = Vec::new();
             for (prefix, abi) in [(ABI_PREFIX, true), (NON_ABI_PREFIX, false)] {
-                for f in files_with_prefix(&path, prefix) {
+                for f in dir_entries_with_prefix(&path, prefix) {
                     v.push((
                         Candidate {
                             spec: f.display().to_string(),
@@ -234,7 +221,7 @@ fn candidates() -> Result<Vec<(Candidate, bool)>, MpiError> {
     )];
     let dirs = python_lib_dirs();
     for d in &dirs {
-        for f in files_with_prefix(d, ABI_PREFIX) {
+        for f in dir_entries_with_prefix(d, ABI_PREFIX) {
             v.push((
                 Candidate {
                     spec: f.display().to_string(),
@@ -254,7 +241,7 @@ fn candidates() -> Result<Vec<(Candidate, bool)>, MpiError> {
         ));
     }
     for d in &dirs {
-        for f in files_with_prefix(d, NON_ABI_PREFIX) {
+        for f in dir_entries_with_prefix(d, NON_ABI_PREFIX) {
             v.push((
                 Candidate {
                     spec: f.display().to_string(),
