@@ -321,6 +321,15 @@ impl Backend for StagedBackend {
         self.inner.seq()
     }
 
+    // The waits are the host communicator's: so is the timeout.
+    fn timeout(&self) -> Option<std::time::Duration> {
+        self.inner.timeout()
+    }
+
+    fn set_timeout(&mut self, timeout: std::time::Duration) -> Result<(), CommError> {
+        self.inner.set_timeout(timeout)
+    }
+
     fn split(
         &mut self,
         color: Option<u32>,

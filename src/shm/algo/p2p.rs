@@ -675,8 +675,21 @@ impl Waiter {
                 seq: first.and_then(|s| s.msg).unwrap_or(0),
                 secs: waited.as_secs_f64(),
                 detail: format!("waiting on {} for: {}", ch.who(me), what.join("; ")),
+                missing: missing_peers(ch, st),
             });
         }
         Ok(())
     }
+}
+
+/// The global ranks of the peers whose unfinished operations a point-to-point timeout names.
+fn missing_peers(ch: &Channel, st: &[OpState]) -> Vec<usize> {
+    let mut v: Vec<usize> = st
+        .iter()
+        .filter(|s| !s.finished)
+        .map(|s| ch.global(s.op.peer))
+        .collect();
+    v.sort_unstable();
+    v.dedup();
+    v
 }
