@@ -22,7 +22,7 @@ LAYERS = [
     ["types", "store"],
     ["cuda", "logging"],
     ["comm", "config"],
-    ["shm", "nccl", "staged"],
+    ["shm", "nccl", "staged", "mpi"],
     ["rendezvous", "train", "report"],
     ["launch"],
     ["crate"],  # lib.rs: declarations and re-exports only

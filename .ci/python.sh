@@ -20,7 +20,7 @@ rm -rf "$build_venv"
 "$python" -m venv "$build_venv"
 "$build_venv/bin/python" -m pip install -q --disable-pip-version-check maturin
 "$build_venv/bin/maturin" build --release -m python/Cargo.toml --out "$wheels"
-wheel=$(ls "$wheels"/lockstep-*.whl)
+wheel=$(ls "$wheels"/lockstep_comm-*.whl)
 echo "python: built $(basename "$wheel") in $((SECONDS - start)) s"
 case $(basename "$wheel") in
     *manylinux*) ;;

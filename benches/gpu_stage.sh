@@ -6,7 +6,7 @@
 #   benches/gpu_stage.sh [--no-build] [--stage DIR] [--data DIR | --no-data] [--no-wheel]
 #
 # What it does:
-#   1. cargo build --release -p lockstep --bins --test gpu_cuda --test gpu_kernels --test gpu_nccl
+#   1. cargo build --release -p lockstep-comm --bins --test gpu_cuda --test gpu_kernels --test gpu_nccl
 #      (and -p lockstep-cli -p lockstep-capi: the lockstep command, liblockstep.so)
 #      --test gpu_train, and the Python wheel (maturin build --release in python/: one abi3 wheel,
 #      so the GPU machine's Python 3.12 loads it); --no-build takes what target/ and
@@ -20,7 +20,7 @@
 #      $ORIGIN/../lib, so they run wherever the stage lands):
 #        capi/capi_test  (crates/capi/tests/c/capi_test.c: host buffers)
 #        capi/capi_cuda  (benches/gpu/capi_cuda.c: device buffers with a CUDA stream)
-#   4. python/lockstep-*.whl
+#   4. python/lockstep_comm-*.whl
 #   5. the FashionMNIST IDX files (.gz) into data/fashion-mnist, from --data (default
 #      /usr/share/datasets/fashion-mnist), when they fit
 #   6. MANIFEST: git revision, every file with its size, and the travel total
@@ -70,7 +70,7 @@ find_maturin() {
 if [ "$build" = 1 ]; then
     targets=()
     for t in "${test_targets[@]}"; do targets+=(--test "$t"); done
-    cargo build --release -p lockstep --bins "${targets[@]}"
+    cargo build --release -p lockstep-comm --bins "${targets[@]}"
     cargo build --release -p lockstep-cli -p lockstep-capi
     if [ "$with_wheel" = 1 ]; then
         maturin=$(find_maturin)
@@ -121,7 +121,7 @@ for prog in capi_test:crates/capi/tests/c/capi_test.c capi_cuda:benches/gpu/capi
 done
 
 if [ "$with_wheel" = 1 ]; then
-    wheel=$(find python/target/wheels -maxdepth 1 -name 'lockstep-*.whl' -printf '%T@ %p\n' 2>/dev/null | sort -n | tail -1 | cut -d' ' -f2-)
+    wheel=$(find python/target/wheels -maxdepth 1 -name 'lockstep_comm-*.whl' -printf '%T@ %p\n' 2>/dev/null | sort -n | tail -1 | cut -d' ' -f2-)
     [ -n "$wheel" ] || { echo "gpu_stage: no wheel in python/target/wheels: run without --no-build (or pass --no-wheel)" >&2; exit 1; }
     mkdir -p "$stage/python"
     cp "$wheel" "$stage/python/"

@@ -188,7 +188,7 @@ if [ -z "$data" ]; then
     done
 fi
 wheel=""
-for w in "$stage_abs"/python/lockstep-*.whl; do if [ -f "$w" ]; then wheel=$w; fi; done
+for w in "$stage_abs"/python/lockstep_comm-*.whl; do if [ -f "$w" ]; then wheel=$w; fi; done
 
 export LOCKSTEP_REQUIRE_GPU=1 LOCKSTEP_TIMEOUT_S=60 LOCKSTEP_TRAIN_CNN=$BIN/train-cnn PYTHONUNBUFFERED=1
 # A private kernel cache shared by every step: kernels_tf32 reuses the images train-cnn compiled
@@ -360,12 +360,12 @@ if rows:
 EOF
             ;;
         env) head -3 "$facts" | tr '\n' ';' ;;
-        memcheck|racecheck|racecheck_full) grep -E 'ERROR SUMMARY|^test result' "$log" | tail -2 | tr '\n' ';' ;;
+        memcheck|racecheck|racecheck_full) grep -E 'ERROR SUMMARY|^test result|^[0-9]+ passed, [0-9]+ skipped, [0-9]+ failed' "$log" | tail -2 | tr '\n' ';' ;;
         baselines|compile_baselines) grep -E 'eager|compile' "$log" | tail -4 | tr -s ' ' | tr '\n' ';' ;;
         bench_raw) grep -E '^overhead' "$log" | tr '\n' ';' ;;
         python) grep -E 'rank 0: |rank 0 DDP:|all checks passed' "$log" | tail -3 | tr '\n' ';' ;;
         capi) echo "capi_test: $(grep -c 'all checks passed' "$log") ranks passed; capi_cuda: $(grep -c 'CUDA stream checks passed' "$log") ranks passed" ;;
-        *) grep -E '^test result' "$log" | tail -1 ;;
+        *) grep -E '^test result|^[0-9]+ passed, [0-9]+ skipped, [0-9]+ failed' "$log" | tail -1 ;;
     esac
 }
 
@@ -552,7 +552,7 @@ check_stage() {
         for f in bin/lockstep bin/train-cnn tests/gpu_cuda tests/gpu_kernels tests/gpu_nccl tests/gpu_train lib/liblockstep.so capi/capi_test capi/capi_cuda; do
             [ -x "$stage_abs/$f" ] || missing="$missing $f"
         done
-        [ -n "$wheel" ] || missing="$missing python/lockstep-*.whl"
+        [ -n "$wheel" ] || missing="$missing python/lockstep_comm-*.whl"
         [ -f "$stage_abs/MANIFEST" ] || missing="$missing MANIFEST"
         echo "missing:${missing:- nothing}"
         if [ -x "$BIN/lockstep" ]; then "$BIN/lockstep" --version || bad="$bad lockstep"; fi

@@ -1,6 +1,8 @@
 // activation.cu: elementwise ReLU, forward and backward (PyTorch nn.ReLU).
 //
-// Entry points (CPU twins train::layers::relu::relu_forward / relu_backward: same order):
+// CPU twins: src/train/device/kernels/twins/activation.rs
+// (the engine's CPU layer: train::layers::relu).
+// Entry points:
 //   relu_forward_f32 (out, inp, n)          out[i] = max(inp[i], 0)
 //   relu_backward_f32(dinp, out, dout, n)   dinp[i] = out[i] > 0 ? dout[i] : 0   (OVERWRITTEN)
 // n is the element count (int, Rust i32). out/inp may alias (in-place ReLU is fine: each thread

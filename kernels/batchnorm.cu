@@ -1,7 +1,8 @@
 // batchnorm.cu: BatchNorm2d over NCHW f32 (PyTorch nn.BatchNorm2d, affine, track_running_stats),
 // with an optional fused ReLU after the affine transform.
 //
-// Entry points (CPU twin: train::layers::batchnorm, same tensors in the same order):
+// CPU twins: src/train/device/kernels/twins/batchnorm.rs (the CPU layer: train::layers::batchnorm).
+// Entry points (the twins take the same tensors in the same order):
 //   batchnorm2d_forward_train_f32(out, save_mean, save_invstd, running_mean, running_var,
 //                                 inp, weight, bias, batch, channels, hw, momentum, eps, relu)
 //   batchnorm2d_forward_eval_f32 (out, inp, weight, bias, running_mean, running_var,
@@ -36,8 +37,8 @@
 //
 // FMA contraction (NVRTC's default -fmad=true, kept for speed): shift = bias - mean*scale,
 // y = x*scale + shift, the eval y = t*weight + bias and the backward g - mg - xhat*mgx each
-// compile to one fused multiply-add. The CPU twins (kernels/twins.rs) use f32::mul_add for
-// exactly these, so the fused ReLU's mask (y > 0) does not flip on a rounding difference.
+// compile to one fused multiply-add. The CPU twins (twins/batchnorm.rs) use f32::mul_add
+// for exactly these, so the fused ReLU's mask (y > 0) does not flip on a rounding difference.
 #include "common.cuh"
 
 // ----------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 // linear.cu: fully connected layer (PyTorch nn.Linear: y = x · Wᵀ + b, W stored (out, in)) on
 // the shared tiled GEMM core in common.cuh (tensor cores on sm_80+).
 //
-// Entry points (CPU twins in train::layers::linear take the same tensors in the same order):
+// CPU twins: src/train/device/kernels/twins/linear.rs (the CPU layer: train::layers::linear).
+// Entry points (the twins take the same tensors in the same order):
 //   linear_forward_{f32,bf16,f16}          (out, inp, weight, bias, batch, in_f, out_f, relu)
 //   linear_backward_input_{f32,bf16,f16}   (dinp, dout, weight, batch, in_f, out_f)
 //   linear_backward_weight_{f32,bf16,f16}  (dweight, partials, dout, inp, batch, in_f, out_f)

@@ -2,11 +2,13 @@
 // the model laid end to end), its flat gradient buffer and flat state buffers: one launch per
 // step, whatever the number of tensors ("multi-tensor" by construction).
 //
-// Entry points (CPU twins: train::optim::Adam::step / Sgd::step, same math, same order):
+// CPU twins: src/train/device/kernels/twins/optim.rs
+// (the CPU optimizers: train::optim::Adam::step / Sgd::step).
+// Entry points (the twins do the same math in the same order):
 //   adam_step_f32(params, grads, m, v, n, lr, beta1, beta2, eps, weight_decay, step)
 //   sgd_step_f32 (params, grads, buf, n, lr, momentum, dampening, weight_decay, nesterov, first)
 //   amp_unscale_f32(grads, found_inf, scale, n)
-//   grad_norm_partials_f32(partials, grads, n, num_partials)                 (twins: kernels/twins.rs)
+//   grad_norm_partials_f32(partials, grads, n, num_partials)
 //   grad_norm_coef_f32(coef, norm, nonfinite_step, partials, num_partials, max_norm, step)
 //   clip_grad_scale_f32(grads, coef, n)
 // n, step, num_partials, nesterov (0/1), first (0/1) are int (Rust i32); the rest f32.

@@ -16,6 +16,7 @@
 //! | [`comm`] | the backend-agnostic [`Communicator`], the [`Backend`](comm::Backend) trait, [`CommError`] |
 //! | [`shm`] | the shared-memory backend for the ranks of one node |
 //! | [`nccl`] | NCCL loaded at run time: a backend on device buffers with an abort watchdog |
+//! | [`mpi`] | MPI through the MPI-5 standard ABI, loaded at run time: the transport between nodes of CPU jobs |
 //! | [`staged`] | device buffers staged through a host communicator (ranks sharing a GPU) |
 //! | [`rendezvous`] | `Communicator::from_env` and [`device_communicator`](rendezvous::device_communicator), the one backend policy |
 //! | `train` (feature `train`) | the autograd-free training engine and its GPU device engine |
@@ -28,7 +29,7 @@
 //! Python extension `python/`.
 //!
 //! Safety model: `unsafe` lives only in the modules that talk to the OS or to foreign libraries
-//! (`shm`, `launch`'s post-fork code, `cuda`, `nccl`); every block carries a `// SAFETY:` line.
+//! (`shm`, `launch`'s post-fork code, `cuda`, `nccl`, `mpi`); every block carries a `// SAFETY:` line.
 //!
 //! Fork rules: a process that forks ranks must not have initialised CUDA, and a forked child
 //! must not rely on locks another thread of the parent may hold.
@@ -47,6 +48,7 @@ pub mod config;
 pub mod launch;
 #[cfg(feature = "log")]
 pub mod logging;
+pub mod mpi;
 pub mod nccl;
 pub mod rendezvous;
 pub mod report;

@@ -12,7 +12,9 @@
 use std::sync::Arc;
 
 use crate::comm::{Backend, BackendKind, Call, CommError, Communicator, P2pOp};
-use crate::cuda::{Context, CudaError, PinnedBuffer, Producers, Stream};
+use crate::cuda::{
+    Context, CudaError, ForeignStream, PinnedBuffer, Producers, Stream, StreamFence,
+};
 use crate::types::{CollKind, Dtype, MemSpace, RawMem};
 
 /// What went wrong in a staged call: the host collective (its error is passed on unchanged, so
@@ -38,6 +40,8 @@ pub struct StagedBackend {
     stage_b: PinnedBuffer<u8>,
     /// Orders the staging copies after the context's other streams (see [`Producers`]).
     producers: Producers,
+    /// Orders the staging stream with a caller's (`wait_stream`, `signal_stream`).
+    fence: StreamFence,
 }
 
 impl StagedBackend {
@@ -58,6 +62,7 @@ impl StagedBackend {
             stage_a: PinnedBuffer::zeros(ctx, 0)?,
             stage_b: PinnedBuffer::zeros(ctx, 0)?,
             producers: Producers::new(ctx),
+            fence: StreamFence::new(ctx)?,
         })
     }
 
@@ -153,11 +158,11 @@ impl StagedBackend {
 
     /// A group of sends and receives: device buffers are staged through one pinned region (sends
     /// copied in before, receives copied out after the host group), host buffers pass as they are.
-    fn staged_p2p(&mut self, ops: &[P2pOp]) -> Result<(), StageError> {
+    fn staged_p2p(&mut self, ops: &mut [P2pOp]) -> Result<(), StageError> {
         let on_device = |op: &P2pOp| op.mem.len > 0 && op.mem.space != MemSpace::Host;
         let mut offsets = Vec::with_capacity(ops.len());
         let mut total = 0usize;
-        for op in ops {
+        for op in ops.iter() {
             offsets.push(total);
             if on_device(op) {
                 // Keep every block 64-byte aligned for the host backend's copies.
@@ -187,9 +192,12 @@ impl StagedBackend {
             });
         }
         self.stream.synchronize()?;
-        self.inner
-            .p2p_checked(&host_ops)
-            .map_err(StageError::Comm)?;
+        let r = self.inner.p2p_checked(&mut host_ops);
+        // Receives from any source: the host backend named their senders.
+        for (op, h) in ops.iter_mut().zip(&host_ops) {
+            op.peer = h.peer;
+        }
+        r.map_err(StageError::Comm)?;
         for (op, off) in ops.iter().zip(&offsets) {
             if on_device(op) && op.kind == CollKind::Recv {
                 // SAFETY: `op.mem` is a device range of this context (checked by `p2p`); the
@@ -279,7 +287,7 @@ impl Backend for StagedBackend {
         })
     }
 
-    fn p2p(&mut self, ops: &[P2pOp]) -> Result<(), CommError> {
+    fn p2p(&mut self, ops: &mut [P2pOp]) -> Result<(), CommError> {
         let wrong = ops.iter().find(|op| {
             op.mem.len > 0 && matches!(op.mem.space, MemSpace::Device(d) if d != self.ctx.ordinal())
         });
@@ -328,6 +336,27 @@ impl Backend for StagedBackend {
 
     fn set_timeout(&mut self, timeout: std::time::Duration) -> Result<(), CommError> {
         self.inner.set_timeout(timeout)
+    }
+
+    // The staging copies run on the staging stream, and the host waits for that stream (not the
+    // device) before the host collective reads the staged data: ordering the staging stream with
+    // the caller's is all a call needs.
+    fn wait_stream(&mut self, caller: &ForeignStream) -> Result<(), CommError> {
+        self.fence
+            .enter(caller, &self.stream)
+            .map_err(|e| CommError::Backend {
+                backend: "staged",
+                message: e.to_string(),
+            })
+    }
+
+    fn signal_stream(&mut self, caller: &ForeignStream) -> Result<(), CommError> {
+        self.fence
+            .leave(&self.stream, caller)
+            .map_err(|e| CommError::Backend {
+                backend: "staged",
+                message: e.to_string(),
+            })
     }
 
     fn split(

@@ -3,6 +3,9 @@
 //! rank function that is `FnOnce` (moves its captures), and a rank result of the user's own
 //! serde type. harness = false: `launch` forks.
 
+#[path = "common/runner.rs"]
+mod runner;
+
 use lockstep::{launch, CommError, LaunchConfig, RankContext, RankResult, ReduceOp};
 use serde::{Deserialize, Serialize};
 
@@ -33,6 +36,15 @@ struct Summary {
 }
 
 fn main() -> std::process::ExitCode {
+    runner::run(&[(
+        "user_tensor_fnonce_serde_result",
+        user_tensor_fnonce_serde_result,
+    )])
+}
+
+/// A user's own tensor type through the collectives, an `FnOnce` rank closure that consumes what it
+/// captured, and a serde result back from every rank.
+fn user_tensor_fnonce_serde_result() -> Result<(), String> {
     let world = 3;
     // Moved into the closure and consumed there: only an FnOnce can do this.
     let notes: Vec<String> = (0..world).map(|r| format!("rank {r} was here")).collect();
@@ -83,12 +95,8 @@ fn main() -> std::process::ExitCode {
                         && s.note.as_deref() == Some(format!("rank {r} was here").as_str())
                 }) =>
         {
-            println!("test user_tensor_fnonce_serde_result ... ok\n\ntest result: ok. 1 passed; 0 failed");
-            std::process::ExitCode::SUCCESS
+            Ok(())
         }
-        other => {
-            println!("test user_tensor_fnonce_serde_result ... FAILED: {other:?}\n\ntest result: FAILED. 0 passed; 1 failed");
-            std::process::ExitCode::FAILURE
-        }
+        other => Err(format!("{other:?}")),
     }
 }

@@ -21,7 +21,7 @@ use std::sync::OnceLock;
 use std::time::Instant;
 
 use common::check;
-use lockstep::train::checkpoint::{SaveStep, FAULT_ENV};
+use lockstep::train::checkpoint::fault::{SaveStep, FAULT_ENV};
 
 const BIN: &str = env!("CARGO_BIN_EXE_train-cnn");
 /// The names a checkpoint at `ck/model.safetensors` leaves once two saves completed.

@@ -14,6 +14,8 @@ use std::time::Duration;
 mod bins;
 #[path = "common/collectives.rs"]
 mod collectives;
+#[path = "common/runner.rs"]
+mod runner;
 #[path = "common/simt.rs"]
 mod simt;
 
@@ -137,6 +139,73 @@ fn sim_nccl_comm(
         |_rank: usize, id: Option<&[u8; 128]>| id.copied().ok_or_else(|| "no peer".to_string());
     let comm = lockstep::nccl::NcclComm::new(&ctx, 0, world, &mut exchange, opts);
     (ctx, comm)
+}
+
+/// A collective ordered with a caller's stream (`wait_stream`, the call, `signal_stream`), as the
+/// torch backend and the Python package run device calls: the driver's call log shows an event
+/// recorded on the caller's stream that the communicator's stream waits on before the
+/// all-reduce, an event recorded on the communicator's stream after it that the caller's stream
+/// waits on, and no synchronisation of the device, of a stream or of an event in between.
+fn sim_nccl_stream_ordered() {
+    let log = PathBuf::from(std::env::var("SIM_CALL_LOG").expect("SIM_CALL_LOG is set"));
+    let (ctx, comm) = sim_nccl_comm(1, Default::default());
+    let mut comm = comm
+        .expect("NCCL init through the simulator")
+        .into_communicator();
+    let s = ctx.stream().unwrap();
+    let d = lockstep::cuda::DeviceBuffer::from_host(&s, &[1f32, 2.0]).unwrap();
+    let mut r = lockstep::cuda::DeviceBuffer::<f32>::zeros(&s, 2).unwrap();
+    s.synchronize().unwrap();
+    // The caller's stream, made behind lockstep's back (as torch makes its streams).
+    let caller: usize = {
+        let path = std::env::var("LOCKSTEP_CUDA_LIBRARY").unwrap();
+        // SAFETY: the simulator's cuStreamCreate has this prototype and writes one pointer.
+        unsafe {
+            let lib = libloading::Library::new(&path).unwrap();
+            let create = lib
+                .get::<unsafe extern "C" fn(*mut usize, u32) -> i32>(b"cuStreamCreate\0")
+                .unwrap();
+            let mut h = 0usize;
+            assert_eq!(create(&mut h, 1), 0);
+            h
+        }
+    };
+    // SAFETY: `caller` is a stream of the simulated device, never destroyed in this process.
+    let fs = unsafe { lockstep::cuda::ForeignStream::new(&ctx, caller) };
+    std::fs::write(&log, "").unwrap();
+    comm.wait_stream(&fs).unwrap();
+    comm.all_reduce(&d, &mut r, lockstep::comm::ReduceOp::Sum)
+        .unwrap();
+    comm.signal_stream(&fs).unwrap();
+    let text = std::fs::read_to_string(&log).unwrap();
+    let lines: Vec<Vec<&str>> = text.lines().map(|l| l.split(' ').collect()).collect();
+    let hex = |h: usize| format!("{h:#x}");
+    let u = hex(caller);
+    let at = |pred: &dyn Fn(&[&str]) -> bool| lines.iter().position(|l| pred(l));
+    let ar = at(&|l| l[0] == "ncclAllReduce").unwrap_or_else(|| panic!("no all-reduce:\n{text}"));
+    let own = lines[ar][1];
+    let rec_in =
+        at(&|l| l[0] == "cuEventRecord" && l[2] == u).expect("an event on the caller's stream");
+    let ev_in = lines[rec_in][1];
+    let wait_in = at(&|l| l[0] == "cuStreamWaitEvent" && l[1] == own && l[2] == ev_in)
+        .unwrap_or_else(|| panic!("the communicator's stream waits for the caller's:\n{text}"));
+    let rec_out = lines
+        .iter()
+        .rposition(|l| l[0] == "cuEventRecord" && l[2] == own)
+        .unwrap_or_else(|| panic!("an event on the communicator's stream:\n{text}"));
+    let ev_out = lines[rec_out][1];
+    let wait_out = at(&|l| l[0] == "cuStreamWaitEvent" && l[1] == u && l[2] == ev_out)
+        .unwrap_or_else(|| panic!("the caller's stream waits for the communicator's:\n{text}"));
+    assert!(
+        rec_in < wait_in && wait_in < ar && ar < rec_out && rec_out < wait_out,
+        "order: record on caller, wait, all-reduce, record on own, caller waits:\n{text}"
+    );
+    assert!(
+        !text.contains("Synchronize"),
+        "no device, stream or event synchronisation in a stream-ordered call:\n{text}"
+    );
+    drop(comm);
+    drop(s);
 }
 
 fn short_timeout() -> lockstep::nccl::NcclOptions {
@@ -574,6 +643,24 @@ fn scenario(name: &str) {
                 &e,
                 &["peer 3 out of range for world size 1"],
             );
+            // NCCL has no receive from any source: refused, saying what to do instead.
+            let mut any = [lockstep::comm::P2pOp {
+                kind: lockstep::comm::CollKind::Recv,
+                peer: lockstep::comm::ANY_SOURCE,
+                dtype: lockstep::comm::Dtype::I32,
+                mem: lockstep::comm::BufferMut::raw_mut(&mut b),
+            }];
+            match lockstep::comm::Backend::p2p(&mut nc, &mut any) {
+                Err(e @ lockstep::CommError::Unsupported(_)) => expect_contains(
+                    "recv from any source",
+                    &e.to_string(),
+                    &[
+                        "nccl backend has no receive from any source",
+                        "name the sending rank",
+                    ],
+                ),
+                other => panic!("recv from any source on NCCL: {other:?}"),
+            }
             let mut comm = nc.into_communicator();
             let (h, mut hr) = (vec![1f32; 4], vec![0f32; 4]);
             let e = comm
@@ -599,7 +686,7 @@ fn scenario(name: &str) {
                 added >= 2,
                 "the collective waited on {added} producer streams, expected at least 2 (s and s2)"
             );
-            let w = comm.all_reduce_async(&d, &mut r, lockstep::comm::ReduceOp::Sum);
+            let w = comm.start(|x| x.all_reduce(&d, &mut r, lockstep::comm::ReduceOp::Sum));
             assert!(w.is_completed(), "the simulated stream is done at once");
             w.wait().unwrap();
             drop(s2);
@@ -609,6 +696,7 @@ fn scenario(name: &str) {
             assert_eq!(counter("LOCKSTEP_NCCL_LIBRARY", "sim_abort_calls"), 0);
             assert!(ctx.check().is_ok());
         }
+        "sim_nccl_stream_ordered" => sim_nccl_stream_ordered(),
         "sim_nccl_split" => sim_nccl_split(),
         "sim_nccl_split_missing" => {
             let (_ctx, comm) = sim_nccl_comm(1, Default::default());
@@ -692,7 +780,7 @@ fn scenario(name: &str) {
             let s = ctx.stream().unwrap();
             let mut x = lockstep::cuda::DeviceBuffer::<f32>::zeros(&s, 16).unwrap();
             let t = std::time::Instant::now();
-            let w = comm.all_reduce_in_place_async(&mut x, lockstep::comm::ReduceOp::Sum);
+            let w = comm.start(|c| c.all_reduce_in_place(&mut x, lockstep::comm::ReduceOp::Sum));
             assert!(!w.is_completed(), "a call on a stuck stream is pending");
             let e = w.wait().unwrap_err().to_string();
             expect_contains(
@@ -1530,6 +1618,14 @@ fn main() {
             ],
         ),
         (
+            "sim_nccl_stream_ordered",
+            vec![
+                ("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)),
+                ("LOCKSTEP_NCCL_LIBRARY", s(&libs.sim_nccl)),
+                ("SIM_CALL_LOG", s(&root.join("calls.log"))),
+            ],
+        ),
+        (
             "sim_nccl_split",
             vec![
                 ("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)),
@@ -1659,55 +1755,51 @@ fn main() {
         ),
     ];
     let exe = std::env::current_exe().unwrap();
-    let (mut passed, mut failed) = (0, Vec::new());
+    let mut r = runner::Runner::new();
     for (name, env) in &cases {
         if !filter.is_empty() && !filter.iter().any(|f| name.contains(f.as_str())) {
             continue;
         }
-        let mut cmd = Command::new(&exe);
-        cmd.env("LOCKSTEP_FAKE_SCENARIO", name);
-        for v in [
-            "LOCKSTEP_CUDA_LIBRARY",
-            "LOCKSTEP_NCCL_LIBRARY",
-            "LOCKSTEP_NVRTC_LIBRARY",
-            "LOCKSTEP_DEBUG",
-            "LOCKSTEP_TIMEOUT_S",
-            "XDG_CACHE_HOME",
-        ] {
-            cmd.env_remove(v);
-        }
-        // A private kernel cache, so runs do not depend on (or fill) the user's cache.
-        cmd.env("XDG_CACHE_HOME", root.join("cache"));
-        for (k, v) in env {
-            cmd.env(k, v);
-        }
-        let out = cmd.output().expect("re-run the test binary");
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        let stderr_ok = *name != "debug_probe"
-            || stderr.contains("CUDA probe: a rank can initialise CUDA: 2 device(s)");
-        if out.status.success() && stderr_ok {
-            if std::env::var_os("LOCKSTEP_FAKE_VERBOSE").is_some() {
-                print!("{}", String::from_utf8_lossy(&out.stdout));
+        r.run(name, || {
+            let mut cmd = Command::new(&exe);
+            cmd.env("LOCKSTEP_FAKE_SCENARIO", name);
+            for v in [
+                "LOCKSTEP_CUDA_LIBRARY",
+                "LOCKSTEP_NCCL_LIBRARY",
+                "LOCKSTEP_NVRTC_LIBRARY",
+                "LOCKSTEP_DEBUG",
+                "LOCKSTEP_TIMEOUT_S",
+                "XDG_CACHE_HOME",
+            ] {
+                cmd.env_remove(v);
             }
-            println!("test {name} ... ok");
-            passed += 1;
-        } else {
-            println!(
-                "test {name} ... FAILED\n{}{}",
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            );
-            failed.push(*name);
-        }
+            // A private kernel cache, so runs do not depend on (or fill) the user's cache.
+            cmd.env("XDG_CACHE_HOME", root.join("cache"));
+            for (k, v) in env {
+                cmd.env(k, v);
+            }
+            let out = cmd
+                .output()
+                .map_err(|e| format!("re-run the test binary: {e}"))?;
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            let stderr_ok = *name != "debug_probe"
+                || stderr.contains("CUDA probe: a rank can initialise CUDA: 2 device(s)");
+            if out.status.success() && stderr_ok {
+                if std::env::var_os("LOCKSTEP_FAKE_VERBOSE").is_some() {
+                    print!("{}", String::from_utf8_lossy(&out.stdout));
+                }
+                Ok(())
+            } else {
+                Err(format!(
+                    "{}{}",
+                    String::from_utf8_lossy(&out.stdout),
+                    String::from_utf8_lossy(&out.stderr)
+                ))
+            }
+        });
     }
     let _ = std::fs::remove_dir_all(&root);
-    println!(
-        "\ntest result: {}. {passed} passed; {} failed",
-        if failed.is_empty() { "ok" } else { "FAILED" },
-        failed.len()
-    );
-    if !failed.is_empty() {
-        println!("failed: {failed:?}");
+    if r.finish() != std::process::ExitCode::SUCCESS {
         std::process::exit(1);
     }
 }

@@ -4,6 +4,8 @@
 
 #[path = "common/gpu.rs"]
 mod gpu;
+#[path = "common/runner.rs"]
+mod runner;
 
 use lockstep::cuda::{DeviceBuffer, Graph, KernelGrid, PinnedBuffer};
 use lockstep::train::device::kernels::{twins, KernelId};
@@ -372,5 +374,5 @@ fn main() {
         ctx.check().map_err(|e| e.to_string())
     });
     let _ = std::fs::remove_dir_all(&cache);
-    r.finish();
+    gpu::finish(r);
 }

@@ -20,6 +20,8 @@
 mod close;
 #[path = "common/gpu.rs"]
 mod gpu;
+#[path = "common/runner.rs"]
+mod runner;
 #[path = "common/simt.rs"]
 mod simt;
 
@@ -703,7 +705,7 @@ fn main() {
         }
         Ok(())
     });
-    r.finish();
+    gpu::finish(r);
 }
 
 trait MaxOf {

@@ -18,6 +18,8 @@
 mod collectives;
 #[path = "common/gpu.rs"]
 mod gpu;
+#[path = "common/runner.rs"]
+mod runner;
 
 use std::time::Duration;
 
@@ -195,23 +197,11 @@ fn main() {
     }
     let nccl_code = lockstep::nccl::version().expect("NCCL loaded above");
     let mut r = gpu::Runner::new();
-    // The runner has no skipped outcome: a check that cannot run here is printed as skipped and
-    // kept out of its counts, so it never reads as passed. Same filter rule as the runner's.
-    let filter = std::env::args().skip(1).find(|a| !a.starts_with('-'));
-    let mut skipped: Vec<(&str, String)> = Vec::new();
-    if filter
-        .as_ref()
-        .is_none_or(|p| TWO_RANKS.contains(p.as_str()))
-    {
+    // A check that cannot run here is counted as skipped, never as passed.
+    if r.selected(TWO_RANKS) {
         match two_ranks(nccl_code) {
             TwoRanks::Ran(result) => r.run(TWO_RANKS, || result),
-            TwoRanks::Cannot(why) if std::env::var(REQUIRE_VAR).as_deref() == Ok("1") => {
-                r.run(TWO_RANKS, || Err(format!("{REQUIRE_VAR}=1 but {why}")))
-            }
-            TwoRanks::Cannot(why) => {
-                println!("test {TWO_RANKS} ... skipped: {why}");
-                skipped.push((TWO_RANKS, why));
-            }
+            TwoRanks::Cannot(why) => r.run(TWO_RANKS, || runner::skip(REQUIRE_VAR, &why)),
         }
     }
     let ctx = gpu::context_or_skip();
@@ -263,8 +253,5 @@ fn main() {
     r.run("collectives_ops_dtypes_world1", || {
         collectives::check_all_dtypes_world1(&mut comm, &s)
     });
-    for (name, why) in &skipped {
-        println!("skipped (not counted as passed): {name}: {why}");
-    }
-    r.finish();
+    gpu::finish(r);
 }

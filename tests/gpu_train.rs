@@ -16,6 +16,8 @@
 mod close;
 #[path = "common/gpu.rs"]
 mod gpu;
+#[path = "common/runner.rs"]
+mod runner;
 
 use close::{assert_close, Tol};
 use lockstep::train::data::{self, Dataset};
@@ -302,5 +304,5 @@ fn main() {
         Ok(())
     });
     let _ = std::fs::remove_dir_all(&dir);
-    r.finish();
+    gpu::finish(r);
 }

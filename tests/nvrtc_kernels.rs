@@ -10,7 +10,11 @@
 //! without `.ci-deps`, such as a GPU box running `benches/gpu_verify.sh`), only that NVRTC, or
 //! the one discovery finds, is checked.
 //!
-//! Without NVRTC: prints `skipped: no NVRTC library` and passes, unless `LOCKSTEP_REQUIRE_NVRTC=1`.
+//! Without NVRTC: one skipped test (`skipped: no NVRTC library`), unless `LOCKSTEP_REQUIRE_NVRTC=1`.
+//! A failed check panics (the runner's summary line is printed only when every check passed).
+
+#[path = "common/runner.rs"]
+mod runner;
 
 use std::path::{Path, PathBuf};
 
@@ -136,15 +140,12 @@ fn check_this_nvrtc(info: &NvrtcInfo) -> usize {
 fn main() {
     let info = match NvrtcInfo::load() {
         Ok(i) => i,
-        Err(e) => {
-            if std::env::var("LOCKSTEP_REQUIRE_NVRTC").as_deref() == Ok("1") {
-                eprintln!("LOCKSTEP_REQUIRE_NVRTC=1 but NVRTC could not be loaded:\n{e}");
-                std::process::exit(1);
-            }
-            println!("skipped: no NVRTC library (run .ci/install-nvrtc.sh or set LOCKSTEP_NVRTC_LIBRARY)");
-            eprintln!("{e}");
-            return;
-        }
+        Err(e) => runner::skip_all(
+            "LOCKSTEP_REQUIRE_NVRTC",
+            env!("CARGO_CRATE_NAME"),
+            "no NVRTC library (run .ci/install-nvrtc.sh or set LOCKSTEP_NVRTC_LIBRARY)",
+            &e.to_string(),
+        ),
     };
     if let Ok(want) = std::env::var(EXPECT) {
         let got = format!("{}.{}", info.version.0, info.version.1);
@@ -158,8 +159,13 @@ fn main() {
         return;
     }
     let mut n = check_this_nvrtc(&info);
-    if std::env::var_os(CHILD).is_some() || std::env::var_os("LOCKSTEP_NVRTC_LIBRARY").is_some() {
-        println!("\ntest result: ok. {n} passed; 0 failed");
+    if std::env::var_os(CHILD).is_some() {
+        // The parent's summary counts this run as one check.
+        println!("  {n} checks passed with this NVRTC");
+        return;
+    }
+    if std::env::var_os("LOCKSTEP_NVRTC_LIBRARY").is_some() {
+        println!("\n{n} passed, 0 skipped, 0 failed");
         return;
     }
     let wheels = installed_wheels();
@@ -219,5 +225,5 @@ fn main() {
         );
         n += 1;
     }
-    println!("\ntest result: ok. {n} passed; 0 failed");
+    println!("\n{n} passed, 0 skipped, 0 failed");
 }

@@ -3,6 +3,9 @@
 //! `harness = false`: the process forks, so it stays single-threaded; each test runs in turn and
 //! the binary ends with `N passed, M failed`.
 
+#[path = "common/runner.rs"]
+mod runner;
+
 use std::time::{Duration, Instant};
 
 use half::{bf16, f16};
@@ -1759,7 +1762,7 @@ fn t_single_copy_dead_peer() -> Result<(), String> {
 /// A named test body.
 type TestFn = fn() -> Result<(), String>;
 
-fn main() {
+fn main() -> std::process::ExitCode {
     let tests: Vec<(&str, TestFn)> = vec![
         ("collectives_world_1", t_collectives_world_1),
         ("collectives_world_2", t_collectives_world_2),
@@ -1795,37 +1798,6 @@ fn main() {
         ("single_copy_mismatch", t_single_copy_mismatch),
         ("single_copy_dead_peer", t_single_copy_dead_peer),
     ];
-    let filter: Vec<String> = std::env::args()
-        .skip(1)
-        .filter(|a| !a.starts_with('-'))
-        .collect();
-    let (mut passed, mut failed) = (0, 0);
-    for (name, t) in tests {
-        if !filter.is_empty() && !filter.iter().any(|f| name.contains(f.as_str())) {
-            continue;
-        }
-        let start = Instant::now();
-        let r = std::panic::catch_unwind(t).unwrap_or_else(|_| Err("panicked".into()));
-        match r {
-            Ok(()) => {
-                passed += 1;
-                println!(
-                    "test {name} ... ok ({:.2} s)",
-                    start.elapsed().as_secs_f64()
-                );
-            }
-            Err(e) => {
-                failed += 1;
-                println!(
-                    "test {name} ... FAILED ({:.2} s)\n{e}",
-                    start.elapsed().as_secs_f64()
-                );
-            }
-        }
-    }
     let _ = CollKind::ALL;
-    println!("\n{passed} passed, {failed} failed");
-    if failed > 0 {
-        std::process::exit(1);
-    }
+    runner::run(&tests)
 }

@@ -5,6 +5,9 @@
 //! `harness = false`: the process forks, so it stays single-threaded; the binary ends with
 //! `N passed, M failed`.
 
+#[path = "common/runner.rs"]
+mod runner;
+
 use std::time::{Duration, Instant};
 
 use half::{bf16, f16};
@@ -136,7 +139,7 @@ fn check_exchanges_with<T: TestElem>(
         let send = src(c, send, shared)?;
         let mut recv = vec![sentinel::<T>(); n * len];
         if len > 7 {
-            c.all_to_all_async(&send[..], &mut recv).wait()?;
+            c.start(|x| x.all_to_all(&send[..], &mut recv)).wait()?;
         } else {
             c.all_to_all(&send[..], &mut recv)?;
         }
@@ -235,10 +238,10 @@ fn check_p2p<T: TestElem>(c: &mut Communicator) -> Result<Vec<String>, CommError
             let mut inb = vec![sentinel::<T>(); len];
             if me < peer {
                 c.send(&out, peer)?;
-                c.recv_async(&mut inb, peer).wait()?;
+                c.start(|x| x.recv(&mut inb, peer)).wait()?;
             } else {
                 c.recv(&mut inb, peer)?;
-                c.send_async(&out, peer).wait()?;
+                c.start(|x| x.send(&out, peer)).wait()?;
             }
             check("send/recv", &inb, peer, 0);
         }
@@ -398,7 +401,7 @@ fn p2p_and_groups(n: usize, cfg: LaunchConfig) -> Result<(), String> {
                 // Point-to-point traffic left the collectives in step.
                 let mut x = vec![1u32; 100];
                 ctx.comm
-                    .all_reduce_in_place_async(&mut x, ReduceOp::Sum)
+                    .start(|c| c.all_reduce_in_place(&mut x, ReduceOp::Sum))
                     .wait()?;
                 if x.iter().any(|&v| v as usize != ctx.world_size) {
                     bad.push("all_reduce after point-to-point is wrong".into());
@@ -424,7 +427,7 @@ fn t_async_forms() -> Result<(), String> {
             let mut bad = Vec::new();
             let send: Vec<f32> = (0..3000).map(|i| (i % 7 + me) as f32).collect();
             let mut a = vec![0f32; 3000];
-            let w = c.all_reduce_async(&send, &mut a, ReduceOp::Sum);
+            let w = c.start(|x| x.all_reduce(&send, &mut a, ReduceOp::Sum));
             if !w.is_completed() {
                 bad.push("host work not completed".into());
             }
@@ -433,23 +436,23 @@ fn t_async_forms() -> Result<(), String> {
                 bad.push("all_reduce_async".into());
             }
             let mut b = vec![0f32; 3000];
-            c.broadcast_async(&send, &mut b, 1).wait()?;
+            c.start(|x| x.broadcast(&send, &mut b, 1)).wait()?;
             if (0..3000).any(|i| b[i] != (i % 7 + 1) as f32) {
                 bad.push("broadcast_async".into());
             }
             let mut g = vec![0f32; 3000 * n];
-            c.all_gather_async(&send, &mut g).wait()?;
+            c.start(|x| x.all_gather(&send, &mut g)).wait()?;
             if (0..3000 * n).any(|i| g[i] != (i % 3000 % 7 + i / 3000) as f32) {
                 bad.push("all_gather_async".into());
             }
             let mut r = vec![0f32; 1000];
-            c.reduce_scatter_async(&send, &mut r, ReduceOp::Max)
+            c.start(|x| x.reduce_scatter(&send, &mut r, ReduceOp::Max))
                 .wait()?;
             if (0..1000).any(|i| r[i] != ((me * 1000 + i) % 7 + 2) as f32) {
                 bad.push("reduce_scatter_async".into());
             }
             // An error comes back through the handle.
-            match c.all_to_all_async(&send[..10], &mut a[..10]).wait() {
+            match c.start(|x| x.all_to_all(&send[..10], &mut a[..10])).wait() {
                 Err(CommError::InvalidArgument { .. }) => {}
                 other => bad.push(format!(
                     "all_to_all_async of 10 on 3 ranks should be refused: {other:?}"
@@ -724,9 +727,409 @@ fn t_timeout_and_local_errors() -> Result<(), String> {
     report(out)
 }
 
+/// Element `k` of message `m` from rank `src` in the any-source tests: names the sender, the
+/// message and the element, so a payload shows where it came from.
+fn tagged(src: usize, m: usize, k: usize) -> u32 {
+    ((src as u32) << 24) | ((m as u32) << 16) | (k as u32 & 0xffff)
+}
+
+/// Receives from any source: every other rank sends `per` messages to rank 0, which takes them
+/// all with `recv_any`; each payload must come from the rank reported, and each rank's messages
+/// in the order sent. Sizes cover the fast box, the mailbox stream (above a mailbox) and the
+/// direct copy; then the same in groups mixed with ordinary sends and receives.
+fn t_any_source() -> Result<(), String> {
+    let paths: [(&str, usize, bool); 3] = [
+        ("default", ShmConfig::default().cma_bytes, false),
+        ("mailbox only", 0, false),
+        ("direct copies refused", 1, true),
+    ];
+    for (path, cma_bytes, refuse) in paths {
+        for n in [2, 3, 5] {
+            let mut c = cfg(n);
+            c.shm.cma_bytes = cma_bytes;
+            c.shm.fault_refuse_direct = refuse;
+            let t = Instant::now();
+            report(launch(
+                &c,
+                |mut ctx: RankContext| -> RankResult<Vec<String>> {
+                    any_source_checks(&mut ctx.comm).map_err(Into::into)
+                },
+            ))
+            .map_err(|e| format!("{path}, world {n}: {e}"))?;
+            if t.elapsed() > Duration::from_secs(10) {
+                return Err(format!("{path}, world {n} took {:?}", t.elapsed()));
+            }
+        }
+    }
+    Ok(())
+}
+
+fn any_source_checks(c: &mut Communicator) -> Result<Vec<String>, CommError> {
+    let (me, n) = (c.rank(), c.world_size());
+    let mut bad = Vec::new();
+    let big = sizes(n, 4)[3];
+    let per = 3;
+    for len in [1, 7, big, 40_000] {
+        if me != 0 {
+            for m in 0..per {
+                let out: Vec<u32> = (0..len).map(|k| tagged(me, m, k)).collect();
+                c.send(&out, 0)?;
+            }
+        } else {
+            // next[r]: the message expected next from rank r.
+            let mut next = vec![0; n];
+            for _ in 0..(n - 1) * per {
+                let mut inb = vec![u32::MAX; len];
+                let from = c.recv_any(&mut inb)?;
+                if from == 0 || from >= n {
+                    bad.push(format!("len {len}: recv_any reported rank {from}"));
+                    continue;
+                }
+                let m = next[from];
+                next[from] += 1;
+                if let Some(k) = (0..len).find(|&k| inb[k] != tagged(from, m, k)) {
+                    bad.push(format!(
+                        "len {len}: message #{m} reported from rank {from}: [{k}] = {:#x}, expected {:#x}",
+                        inb[k],
+                        tagged(from, m, k)
+                    ));
+                }
+            }
+            if next[1..].iter().any(|&k| k != per) {
+                bad.push(format!("len {len}: messages per sender {next:?}"));
+            }
+        }
+        // The next size's messages must not meet this size's receives from any source.
+        c.barrier()?;
+    }
+    // In a group where every rank sends first: rank 0 sends to each other rank and takes their
+    // messages from any source; rank 1 sends two, and rank 0's receive from rank 1, posted
+    // before the receives from any source, takes the first of them.
+    for len in [5, big] {
+        let out: Vec<u32> = (0..len).map(|k| tagged(me, 0, k)).collect();
+        let out2: Vec<u32> = (0..len).map(|k| tagged(me, 1, k)).collect();
+        let mut back = vec![u32::MAX; len];
+        if me == 0 {
+            let mut first = vec![u32::MAX; len];
+            let mut ins = vec![vec![u32::MAX; len]; n - 1];
+            let mut from = vec![usize::MAX; n - 1];
+            c.group(|g| {
+                for p in 1..n {
+                    g.send(&out, p)?;
+                }
+                g.recv(&mut first, 1)?;
+                for (i, f) in ins.iter_mut().zip(from.iter_mut()) {
+                    g.recv_any(i, f)?;
+                }
+                Ok(())
+            })?;
+            if (0..len).any(|k| first[k] != tagged(1, 0, k)) {
+                bad.push(format!(
+                    "group len {len}: the recv from rank 1 did not take its first message"
+                ));
+            }
+            let mut seen = from.clone();
+            seen.sort();
+            if seen != (1..n).collect::<Vec<_>>() {
+                bad.push(format!("group len {len}: senders {from:?}"));
+            }
+            for (i, &f) in ins.iter().zip(&from) {
+                let m = usize::from(f == 1);
+                if f < n && (0..len).any(|k| i[k] != tagged(f, m, k)) {
+                    bad.push(format!(
+                        "group len {len}: payload reported from rank {f} is not its message #{m}"
+                    ));
+                }
+            }
+        } else {
+            c.group(|g| {
+                g.send(&out, 0)?;
+                if me == 1 {
+                    g.send(&out2, 0)?;
+                }
+                g.recv(&mut back, 0)
+            })?;
+            if (0..len).any(|k| back[k] != tagged(0, 0, k)) {
+                bad.push(format!(
+                    "group len {len}: rank {me} got a wrong message from rank 0"
+                ));
+            }
+        }
+        c.barrier()?;
+    }
+    // A receive from any source posted before one from rank 1: the earlier one takes rank 1's
+    // first message (the later one waits until it has matched), the later one the second.
+    if n == 3 {
+        if me == 1 {
+            c.send(&[tagged(1, 0, 0)], 0)?;
+            c.send(&[tagged(1, 1, 0)], 0)?;
+        } else if me == 0 {
+            let (mut a, mut b, mut from) = ([0u32], [0u32], usize::MAX);
+            c.group(|g| {
+                g.recv_any(&mut a, &mut from)?;
+                g.recv(&mut b, 1)
+            })?;
+            if (from, a[0], b[0]) != (1, tagged(1, 0, 0), tagged(1, 1, 0)) {
+                bad.push(format!(
+                    "any source before a named source: from {from}, {:#x}, {:#x}",
+                    a[0], b[0]
+                ));
+            }
+        }
+    }
+    // Point-to-point traffic left the collectives in step.
+    let mut x = [1u32; 10];
+    c.all_reduce_in_place(&mut x, ReduceOp::Sum)?;
+    if x.iter().any(|&v| v as usize != n) {
+        bad.push("all_reduce after receives from any source is wrong".into());
+    }
+    Ok(bad)
+}
+
+/// A receive from any source whose message disagrees in count or dtype: a Mismatch on both
+/// ranks, naming both calls; the pair is unusable afterwards, so later receives from any source
+/// take the other ranks' messages; the collectives stay usable.
+fn t_any_source_mismatch() -> Result<(), String> {
+    let cases: [(&str, &[&[&str]]); 2] = [
+        (
+            "count",
+            &[
+                &[
+                    "mismatch",
+                    "send(count=10, dtype=f32)",
+                    "recv(count=11, dtype=f32)",
+                ],
+                &[
+                    "mismatch",
+                    "send(count=10, dtype=f32)",
+                    "recv(count=11, dtype=f32)",
+                ],
+                &["ok"],
+            ],
+        ),
+        (
+            "dtype",
+            &[
+                &[
+                    "mismatch",
+                    "send(count=10, dtype=f32)",
+                    "recv(count=10, dtype=i32)",
+                ],
+                &[
+                    "mismatch",
+                    "send(count=10, dtype=f32)",
+                    "recv(count=10, dtype=i32)",
+                ],
+                &["ok"],
+            ],
+        ),
+    ];
+    for (case, needles) in cases {
+        let res = launch(&cfg(3), |mut ctx: RankContext| -> RankResult<String> {
+            let c = &mut ctx.comm;
+            let me = ctx.rank;
+            let x = [1f32; 12];
+            let mut msg = "ok".to_string();
+            match me {
+                0 => {
+                    let r = if case == "count" {
+                        c.recv_any(&mut vec![0f32; 11])
+                    } else {
+                        c.recv_any(&mut [0i32; 10])
+                    };
+                    msg = match r {
+                        Err(e @ CommError::Mismatch { .. }) => e.to_string().to_lowercase(),
+                        other => return Err(format!("expected a mismatch, got {other:?}").into()),
+                    };
+                }
+                1 => {
+                    msg = match c.send(&x[..10], 0) {
+                        Err(e @ CommError::Mismatch { .. }) => e.to_string().to_lowercase(),
+                        other => return Err(format!("expected a mismatch, got {other:?}").into()),
+                    };
+                }
+                _ => {}
+            }
+            // Rank 2 sends once rank 1's mismatch is over: rank 0 takes it, not the broken
+            // pair's leftovers.
+            c.barrier()?;
+            if me == 2 {
+                c.send(&[7u64], 0)?;
+            } else if me == 0 {
+                let mut y = [0u64];
+                let from = c.recv_any(&mut y)?;
+                if (from, y[0]) != (2, 7) {
+                    return Err(format!("after the mismatch: from {from}, {}", y[0]).into());
+                }
+            }
+            let mut z = vec![me as f32 + 1.0; 1000];
+            c.all_reduce_in_place(&mut z, ReduceOp::Sum)?;
+            if z.iter().any(|v| *v != 6.0) {
+                return Err("communicator unusable after mismatch".into());
+            }
+            Ok(msg)
+        });
+        expect_all_err(res, needles).map_err(|e| format!("case {case}: {e}"))?;
+    }
+    Ok(())
+}
+
+fn sigkill_self() -> ! {
+    let _ = nix::sys::signal::kill(nix::unistd::Pid::this(), nix::sys::signal::Signal::SIGKILL);
+    std::process::abort()
+}
+
+/// Lost senders: once every other rank is gone, a receive from any source fails with PeerLost
+/// within a second, naming the one that died; while one is there it waits for it (and takes its
+/// message); a message a rank completed before dying is still received; with no sender, it
+/// times out naming the ranks it waited on; with one rank, it is refused.
+fn t_any_source_lost() -> Result<(), String> {
+    // All senders killed.
+    let mut c3 = cfg(3);
+    c3.fail_fast = false;
+    let res = launch(&c3, |mut ctx: RankContext| -> RankResult<String> {
+        if ctx.rank != 0 {
+            std::thread::sleep(Duration::from_millis(50));
+            sigkill_self();
+        }
+        let mut out = [0f32; 4];
+        let t = Instant::now();
+        let e = ctx.comm.recv_any(&mut out).err().ok_or("no error")?;
+        let took = t.elapsed();
+        if took > Duration::from_secs(1) {
+            return Err(format!("detection took {took:?}").into());
+        }
+        let m = e.to_string();
+        if !matches!(e, CommError::PeerLost { .. })
+            || !m.contains("died")
+            || !m.contains("from any source")
+        {
+            return Err(format!("error is not PeerLost naming the dead ranks: {m}").into());
+        }
+        Err(format!("OK-SURVIVOR {m}").into())
+    });
+    survivor(res, "all senders killed")?;
+    // One killed, the other sends late: taken; then, with both gone, PeerLost at once.
+    let res = launch(&c3, |mut ctx: RankContext| -> RankResult<String> {
+        match ctx.rank {
+            1 => {
+                std::thread::sleep(Duration::from_millis(50));
+                sigkill_self();
+            }
+            2 => {
+                std::thread::sleep(Duration::from_millis(400));
+                ctx.comm.send(&[2.5f32; 4], 0)?;
+                return Ok(String::new());
+            }
+            _ => {}
+        }
+        let mut out = [0f32; 4];
+        let from = ctx.comm.recv_any(&mut out)?;
+        if from != 2 || out != [2.5; 4] {
+            return Err(format!("expected rank 2's message, got {out:?} from {from}").into());
+        }
+        let t = Instant::now();
+        let e = ctx.comm.recv_any(&mut out).err().ok_or("no error")?;
+        let took = t.elapsed();
+        let m = e.to_string();
+        if took > Duration::from_secs(1) {
+            return Err(format!("detection took {took:?}: {m}").into());
+        }
+        if !matches!(e, CommError::PeerLost { lost_rank: 1, .. }) || !m.contains("rank 2") {
+            return Err(format!("error is not PeerLost naming rank 1 (and rank 2): {m}").into());
+        }
+        Err(format!("OK-SURVIVOR {m}").into())
+    });
+    survivor(res, "one sender killed")?;
+    // A message sent before the sender died (it waits in the mailbox) is received.
+    let mut c2 = cfg(2);
+    c2.fail_fast = false;
+    let res = launch(&c2, |mut ctx: RankContext| -> RankResult<String> {
+        if ctx.rank == 1 {
+            std::thread::spawn(|| {
+                std::thread::sleep(Duration::from_millis(100));
+                sigkill_self();
+            });
+            ctx.comm.send(&[9u32; 3], 0)?;
+            std::thread::sleep(Duration::from_secs(5));
+            return Err("not killed".into());
+        }
+        std::thread::sleep(Duration::from_millis(400));
+        let mut out = [0u32; 3];
+        let from = ctx.comm.recv_any(&mut out)?;
+        if from != 1 || out != [9; 3] {
+            return Err(
+                format!("expected the dead rank's message, got {out:?} from {from}").into(),
+            );
+        }
+        let e = ctx.comm.recv_any(&mut out).err().ok_or("no error")?;
+        if !matches!(e, CommError::PeerLost { lost_rank: 1, .. }) {
+            return Err(format!("error is not PeerLost naming rank 1: {e}").into());
+        }
+        Err(format!("OK-SURVIVOR {e}").into())
+    });
+    survivor(res, "message before death")?;
+    // No sender: a timeout naming the ranks waited on.
+    let mut c3 = cfg(3);
+    c3.shm.timeout = Duration::from_millis(500);
+    let out = launch(&c3, |mut ctx: RankContext| -> RankResult<String> {
+        if ctx.rank != 0 {
+            std::thread::sleep(Duration::from_millis(1200));
+            return Ok(String::new());
+        }
+        let mut b = [0u64; 4];
+        match ctx.comm.recv_any(&mut b) {
+            Err(CommError::Timeout { missing, .. }) if missing != [1, 2] => {
+                Err(format!("the timeout lists {missing:?} as missing, not [1, 2]").into())
+            }
+            Err(e @ CommError::Timeout { .. }) => Ok(e.to_string()),
+            other => Err(format!("expected a timeout, got {other:?}").into()),
+        }
+    })
+    .map_err(|e| e.to_string())?;
+    if !out[0].contains("no message arrived from any of ranks [1, 2]") {
+        return Err(format!("timeout does not name the ranks: {}", out[0]));
+    }
+    // One rank: refused, alone and in a group.
+    let out = launch(&cfg(1), |mut ctx: RankContext| -> RankResult<Vec<String>> {
+        let mut bad = Vec::new();
+        let mut b = [0u8; 2];
+        let mut from = 0;
+        for (what, r) in [
+            ("recv_any", ctx.comm.recv_any(&mut b).map(|_| ())),
+            ("group", ctx.comm.group(|g| g.recv_any(&mut b, &mut from))),
+        ] {
+            if !matches!(&r, Err(CommError::InvalidArgument { detail, .. }) if detail.contains("one rank only"))
+            {
+                bad.push(format!("{what} on one rank: {r:?}"));
+            }
+        }
+        Ok(bad)
+    });
+    report(out)
+}
+
+/// The launch of a test whose rank 0 must end with an `OK-SURVIVOR` error.
+fn survivor(res: Result<Vec<String>, LaunchError>, what: &str) -> Result<(), String> {
+    match res {
+        Err(LaunchError::RanksFailed(f)) => {
+            if f.iter()
+                .any(|x| x.rank == 0 && x.message.starts_with("OK-SURVIVOR"))
+            {
+                Ok(())
+            } else {
+                Err(format!(
+                    "{what}: rank 0 did not report the lost ranks properly: {f:?}"
+                ))
+            }
+        }
+        other => Err(format!("{what}: unexpected outcome {other:?}")),
+    }
+}
+
 type TestFn = fn() -> Result<(), String>;
 
-fn main() {
+fn main() -> std::process::ExitCode {
     let tests: Vec<(&str, TestFn)> = vec![
         ("exchanges", t_exchanges),
         ("p2p_and_groups", t_p2p_and_groups),
@@ -734,37 +1137,9 @@ fn main() {
         ("mismatch", t_mismatch),
         ("dead_peer", t_dead_peer),
         ("timeout_and_local_errors", t_timeout_and_local_errors),
+        ("any_source", t_any_source),
+        ("any_source_mismatch", t_any_source_mismatch),
+        ("any_source_lost", t_any_source_lost),
     ];
-    let filter: Vec<String> = std::env::args()
-        .skip(1)
-        .filter(|a| !a.starts_with('-'))
-        .collect();
-    let (mut passed, mut failed) = (0, 0);
-    for (name, t) in tests {
-        if !filter.is_empty() && !filter.iter().any(|f| name.contains(f.as_str())) {
-            continue;
-        }
-        let start = Instant::now();
-        let r = std::panic::catch_unwind(t).unwrap_or_else(|_| Err("panicked".into()));
-        match r {
-            Ok(()) => {
-                passed += 1;
-                println!(
-                    "test {name} ... ok ({:.2} s)",
-                    start.elapsed().as_secs_f64()
-                );
-            }
-            Err(e) => {
-                failed += 1;
-                println!(
-                    "test {name} ... FAILED ({:.2} s)\n{e}",
-                    start.elapsed().as_secs_f64()
-                );
-            }
-        }
-    }
-    println!("\n{passed} passed, {failed} failed");
-    if failed > 0 {
-        std::process::exit(1);
-    }
+    runner::run(&tests)
 }

@@ -7,6 +7,9 @@
 //! `harness = false`: the process forks, so it stays single-threaded; the binary ends with
 //! `N passed, M failed`.
 
+#[path = "common/runner.rs"]
+mod runner;
+
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -693,7 +696,7 @@ fn t_segments_removed() -> Result<(), String> {
 
 type TestFn = fn() -> Result<(), String>;
 
-fn main() {
+fn main() -> std::process::ExitCode {
     let tests: Vec<(&str, TestFn)> = vec![
         ("split_parity_and_none", t_split_parity_and_none),
         ("new_group", t_new_group),
@@ -704,36 +707,5 @@ fn main() {
         ("timeout_in_subgroup", t_timeout_in_subgroup),
         ("segments_removed", t_segments_removed),
     ];
-    let filter: Vec<String> = std::env::args()
-        .skip(1)
-        .filter(|a| !a.starts_with('-'))
-        .collect();
-    let (mut passed, mut failed) = (0, 0);
-    for (name, t) in tests {
-        if !filter.is_empty() && !filter.iter().any(|f| name.contains(f.as_str())) {
-            continue;
-        }
-        let start = Instant::now();
-        let r = std::panic::catch_unwind(t).unwrap_or_else(|_| Err("panicked".into()));
-        match r {
-            Ok(()) => {
-                passed += 1;
-                println!(
-                    "test {name} ... ok ({:.2} s)",
-                    start.elapsed().as_secs_f64()
-                );
-            }
-            Err(e) => {
-                failed += 1;
-                println!(
-                    "test {name} ... FAILED ({:.2} s)\n{e}",
-                    start.elapsed().as_secs_f64()
-                );
-            }
-        }
-    }
-    println!("\n{passed} passed, {failed} failed");
-    if failed > 0 {
-        std::process::exit(1);
-    }
+    runner::run(&tests)
 }

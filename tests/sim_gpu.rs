@@ -41,6 +41,8 @@
 
 #[path = "common/close.rs"]
 mod close;
+#[path = "common/runner.rs"]
+mod runner;
 #[path = "common/simt.rs"]
 mod simt;
 
@@ -871,37 +873,17 @@ a kernel's result depends on the order of its floating-point atomics (split-K wi
             Box::new(|| train_cnn_fp16_end_to_end(&sim)),
         ),
     ];
-    let filter: Vec<String> = std::env::args()
-        .skip(1)
-        .filter(|a| !a.starts_with('-'))
-        .collect();
-    let (mut passed, mut failed) = (0, Vec::new());
+    let mut r = runner::Runner::new();
     for (name, check) in &checks {
-        if !filter.is_empty() && !filter.iter().any(|f| name.contains(f.as_str())) {
-            continue;
-        }
-        let t = std::time::Instant::now();
-        match check() {
-            Ok(text) => {
-                println!("test {name} ... ok ({:.1} s)", t.elapsed().as_secs_f64());
-                if std::env::var_os("LOCKSTEP_SIM_VERBOSE").is_some() {
-                    print!("{text}");
-                }
-                passed += 1;
+        r.run(name, || {
+            let text = check()?;
+            if std::env::var_os("LOCKSTEP_SIM_VERBOSE").is_some() {
+                print!("{text}");
             }
-            Err(e) => {
-                println!("test {name} ... FAILED {e}");
-                failed.push(*name);
-            }
-        }
+            Ok(())
+        });
     }
-    println!(
-        "\ntest result: {}. {passed} passed; {} failed",
-        if failed.is_empty() { "ok" } else { "FAILED" },
-        failed.len()
-    );
-    if !failed.is_empty() {
-        println!("failed: {failed:?}");
+    if r.finish() != std::process::ExitCode::SUCCESS {
         std::process::exit(1);
     }
 }

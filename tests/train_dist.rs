@@ -7,6 +7,9 @@
 //! - determinism: the same seed gives the same loss curve run after run;
 //! - resume on 2 ranks: save after epoch 1, resume, equal to the straight 2-epoch run.
 
+#[path = "common/runner.rs"]
+mod runner;
+
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -321,24 +324,5 @@ fn main() -> std::process::ExitCode {
             "synthetic IDX files (dataset not installed)"
         }
     );
-    let (mut passed, mut failed) = (0, 0);
-    for (name, f) in tests {
-        let t = Instant::now();
-        match f() {
-            Ok(()) => {
-                passed += 1;
-                println!("test {name} ... ok ({:.1} s)", t.elapsed().as_secs_f64());
-            }
-            Err(e) => {
-                failed += 1;
-                println!("test {name} ... FAILED: {e}");
-            }
-        }
-    }
-    println!("{passed} passed, {failed} failed");
-    if failed == 0 {
-        std::process::ExitCode::SUCCESS
-    } else {
-        std::process::ExitCode::FAILURE
-    }
+    runner::run(&tests)
 }

@@ -13,8 +13,8 @@ Every process group (the default one and each ``new_group``) gets its own shared
 communicator, joined under an id that the group's rank 0 publishes in torch's store, and, at its
 first collective on CUDA tensors, a device communicator (NCCL when each rank has its own GPU,
 otherwise staged through shared memory; see ``Communicator.to_device``). Collectives run
-synchronously on the calling thread, with the GIL released (CUDA ones synchronise the device
-before and after, so they are ordered with the caller's streams); ``async_op=True`` gives a
+synchronously on the calling thread, with the GIL released (CUDA ones are enqueued in order with
+torch's current stream, as ProcessGroupNCCL's: see ``Communicator.stream``); ``async_op=True`` gives a
 ``Work`` that has already completed (its future holds the result, as DDP's reducer expects). A
 mismatch between ranks, a dead peer or a timeout raises ``RuntimeError`` (``lockstep.CommError``)
 naming the ranks instead of hanging. The timeout is the group's (``init_process_group`` and
@@ -32,12 +32,14 @@ them are zero-copy (the peers read and write them in place).
 
 Implemented: all_reduce (and coalesced), broadcast, reduce, all_gather, all_gather_into_tensor
 (and coalesced), reduce_scatter, reduce_scatter_tensor (and coalesced), gather, scatter,
-all_to_all, all_to_all_single, send, recv, barrier, new_group. Not: recv from any source, batched
-``batch_isend_irecv`` coalescing, bitwise and PREMUL_SUM reductions.
+all_to_all, all_to_all_single, send, recv (also from any source: ``dist.recv(t)`` returns the
+sender, ``dist.irecv(t)``'s Work names it in ``_source_rank()``), barrier, new_group. Not: bitwise
+and PREMUL_SUM reductions.
 """
 
 import logging
 import os
+import threading
 import uuid
 from datetime import timedelta
 
@@ -166,7 +168,14 @@ class _Ops:
         for CUDA tensors (made on first use)."""
         # Tensors neither on the CPU nor CUDA go to the host communicator, which refuses them
         # with a TypeError and tells the peers (they fail instead of waiting).
-        return self._device(t) if t.is_cuda else self._comm
+        if not t.is_cuda:
+            return self._comm
+        dev = self._device(t)
+        # Ordered with the caller's current stream on the device, as ProcessGroupNCCL's calls:
+        # the collective waits for the kernels that produced `t`, later kernels wait for it, and
+        # nothing synchronises the device.
+        dev.stream = torch.cuda.current_stream(t.device).cuda_stream
+        return dev
 
     def _device(self, t):
         """The group's device communicator, made by the first collective on CUDA tensors (every
@@ -376,7 +385,18 @@ class _Ops:
         return self._done(None)
 
     def recv_anysource(self, tensors, tag=0):
-        raise RuntimeError("the lockstep backend cannot receive from any source: name the sending rank")
+        """``dist.recv(t)`` / ``dist.irecv(t)`` without a source: the first message from any other
+        rank of the group (``Communicator.recv_any``). The Work names the sender."""
+        if getattr(self, "_batch", None) is not None:
+            # The batch never runs: later sends must not be collected for it.
+            self._batch = None
+            raise RuntimeError("the lockstep backend cannot receive from any source inside batch_isend_irecv (the batch's Work cannot name the sender): name the peer there, or call dist.irecv(t) outside the batch")
+        if len(tensors) != 1:
+            raise ValueError(f"a receive from any source takes one tensor, got {len(tensors)}")
+        t = tensors[0]
+        src = self._on(t).recv_any(t)
+        _ANY_SOURCE.rank = src
+        return _RecvWork(src, tensors)
 
     def barrier(self, opts=None):
         """``dist.barrier``: waits the group's timeout, or ``barrier(timeout=...)``'s. A rank whose
@@ -440,6 +460,48 @@ class _Ops:
         return self._done(output_lists, opts)
 
 
+class _RecvWork(dist.Work):
+    """The Work of a receive from any source, which has completed: ``_source_rank()`` (what
+    ``dist.recv`` returns) names the sender, a rank of the group. `inner`: torch's Work for the
+    same call, waited on through this one (see ``_recv_anysource``)."""
+
+    def __init__(self, src, tensors, inner=None):
+        super().__init__()
+        self._src = src
+        self._tensors = tensors
+        self._inner = inner
+
+    def wait(self, timeout=None):
+        return self._inner.wait() if self._inner is not None else True
+
+    def is_completed(self):
+        return True
+
+    def is_success(self):
+        return True
+
+    def result(self):
+        return self._tensors
+
+    def get_future(self):
+        if self._inner is not None:
+            return self._inner.get_future()
+        fut = Future()
+        fut.set_result(self._tensors)
+        return fut
+
+    def _source_rank(self):
+        return self._src
+
+    def source_rank(self):
+        return self._src
+
+
+# The sender of the last receive from any source on this thread (receives run on the caller's
+# thread and complete before returning).
+_ANY_SOURCE = threading.local()
+
+
 def _report_failures(cls):
     """Wrap every collective of `cls` so that a failure first calls ``self._failed()`` (the c10d
     Backend dumps torch's Flight Recorder there), then propagates unchanged."""
@@ -464,7 +526,7 @@ def _report_failures(cls):
 _COLLECTIVES = (
     "reduce reduce_scatter reduce_scatter_single reduce_scatter_single_coalesced broadcast allgather "
     "all_gather_single all_gather_single_coalesced allgather_coalesced gather scatter alltoall "
-    "all_to_all_single send recv barrier monitored_barrier end_coalescing"
+    "all_to_all_single send recv recv_anysource barrier monitored_barrier end_coalescing"
 ).split()
 _report_failures(_Ops)
 
@@ -560,6 +622,20 @@ if PY_BACKEND:
 
         def abort(self):
             self._close()
+
+    def _recv_anysource(pg, tensors, tag=0, _torch=dist.ProcessGroup.recv_anysource):
+        """``ProcessGroup.recv_anysource``, what ``dist.recv``/``dist.irecv`` without a source
+        call. torch 2.15 hands a Python Backend's Work back wrapped in a holder that forwards only
+        ``wait`` and ``get_future``, so ``_source_rank()`` on it raises and ``dist.recv(t)`` could
+        not name the sender. The call still goes through torch (dispatcher, Flight Recorder);
+        when it reached this backend, which noted the sender on this thread, the Work returned
+        names it. Other backends' groups get torch's Work unchanged."""
+        _ANY_SOURCE.rank = None
+        work = _torch(pg, tensors, tag)
+        src, _ANY_SOURCE.rank = _ANY_SOURCE.rank, None
+        return work if src is None else _RecvWork(src, tensors, work)
+
+    dist.ProcessGroup.recv_anysource = _recv_anysource
 
 
 def empty_shared(*size, dtype=torch.float32, group=None):

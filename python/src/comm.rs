@@ -13,7 +13,7 @@
 use std::sync::{Arc, Mutex};
 
 use lockstep::comm::Group;
-use lockstep::cuda::Context;
+use lockstep::cuda::{Context, ForeignStream};
 use lockstep::half::{bf16, f16};
 use lockstep::types::MemSpace;
 use lockstep::{CollKind, CommError, Communicator, Dtype, ReduceOp, SharedBuffer};
@@ -92,6 +92,9 @@ pub struct PyComm {
     /// The CUDA context of a device communicator (NCCL, staged): its buffers are device memory
     /// of this device. None for host backends.
     ctx: Option<Arc<Context>>,
+    /// The caller's CUDA stream that device calls are ordered on (`Communicator.stream`), by
+    /// handle; None: each device call synchronises the device.
+    stream: Mutex<Option<usize>>,
 }
 
 fn cuda_err(e: lockstep::cuda::CudaError) -> CommError {
@@ -110,6 +113,7 @@ impl PyComm {
             backend: c.backend_kind().to_string(),
             ctx: c.device_context(),
             inner: Mutex::new(Some(c)),
+            stream: Mutex::new(None),
         }
     }
 
@@ -122,11 +126,12 @@ impl PyComm {
 
     /// Run `f` on the communicator with the GIL released.
     ///
-    /// On a device communicator the call is made synchronous with the caller's CUDA work, as the
-    /// host backends' calls are: the device is synchronised first (the buffers were written by
-    /// kernels on streams lockstep does not know, torch's current stream for one; a context-wide
-    /// synchronisation covers them all), and the call's own stream after, so the result is there
-    /// for whatever the caller enqueues next.
+    /// On a device communicator with a stream set (`Communicator.stream`), the call is ordered
+    /// with that stream on the device: it waits for the work enqueued there so far, and the work
+    /// enqueued there later waits for it; nothing blocks. Without one, the call is made
+    /// synchronous with the caller's CUDA work, as the host backends' calls are: the device is
+    /// synchronised first (the buffers were written by kernels on streams lockstep does not
+    /// know; a context-wide synchronisation covers them all), and the call's own stream after.
     fn run<F>(&self, py: Python<'_>, f: F) -> PyResult<()>
     where
         F: FnOnce(&mut Communicator) -> Result<(), CommError> + Send,
@@ -139,6 +144,16 @@ impl PyComm {
                     self.rank
                 )));
             };
+            let stream = *self.stream.lock().unwrap_or_else(|p| p.into_inner());
+            if let (Some(ctx), Some(handle)) = (&self.ctx, stream) {
+                ctx.bind().map_err(cuda_err)?;
+                // SAFETY: `Communicator.stream` requires a live stream of this device, set by the
+                // caller (torch's current stream, for the torch backend).
+                let caller = unsafe { ForeignStream::new(ctx, handle) };
+                c.wait_stream(&caller)?;
+                f(c)?;
+                return c.signal_stream(&caller);
+            }
             if let Some(ctx) = &self.ctx {
                 ctx.bind()
                     .and_then(|_| ctx.synchronize())
@@ -516,6 +531,31 @@ impl PyComm {
     #[getter]
     fn device(&self) -> Option<i32> {
         self.ctx.as_ref().map(|c| c.ordinal())
+    }
+
+    /// The CUDA stream a device communicator's calls are ordered on, as its handle (an int:
+    /// `torch.cuda.current_stream().cuda_stream`, CuPy's `Stream.ptr`; 0 is the default stream),
+    /// or None, the default. With a stream, each call waits on the device for the work enqueued
+    /// on that stream so far, and work enqueued there afterwards waits for the call: the call
+    /// returns once enqueued and nothing synchronises the device, as NCCL's calls on a stream.
+    /// The stream must belong to this communicator's device and stay alive while it is set.
+    /// With None, each call synchronises the device before it starts and returns once complete.
+    /// Host communicators take None only.
+    #[getter]
+    fn stream(&self) -> Option<usize> {
+        *self.stream.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    #[setter]
+    fn set_stream(&self, stream: Option<usize>) -> PyResult<()> {
+        if stream.is_some() && self.ctx.is_none() {
+            return Err(PyValueError::new_err(format!(
+                "this communicator runs the {} backend on host memory, which has no CUDA stream to order: leave stream as None (set it on a device communicator, comm.to_device())",
+                self.backend
+            )));
+        }
+        *self.stream.lock().unwrap_or_else(|p| p.into_inner()) = stream;
+        Ok(())
     }
 
     /// A device communicator made from this (host) communicator, for CUDA tensors (and any
@@ -960,20 +1000,42 @@ host (shared-memory) communicators",
         Ok(buf)
     }
 
+    /// Receive into `buf` the first message any other rank sends to this rank (same count and
+    /// dtype), and return that rank. Messages from one rank arrive in the order sent; a rank that
+    /// is gone stops being waited for, and once no other rank is left (or at the timeout) it
+    /// raises, naming them.
+    fn recv_any(&self, py: Python<'_>, buf: Bound<'_, PyAny>) -> PyResult<usize> {
+        let (v, mut m) = self.view_mut(CollKind::Recv, &buf, "buf")?;
+        let dt = v.dtype;
+        let mut from = 0;
+        let src = &mut from;
+        self.run(py, move |c| {
+            *src = dispatch!(dt, T => c.recv_any::<T, _>(&mut m))?;
+            Ok(())
+        })?;
+        Ok(from)
+    }
+
     /// Post several sends and receives together so that none waits on another (a ring exchange,
-    /// all pairs): `ops` is a list of `("send", buf, peer)` and `("recv", buf, peer)` tuples.
-    fn group(&self, py: Python<'_>, ops: Vec<(String, Bound<'_, PyAny>, usize)>) -> PyResult<()> {
+    /// all pairs): `ops` is a list of `("send", buf, peer)` and `("recv", buf, peer)` tuples; a
+    /// recv whose peer is None takes the first message from any other rank (see `recv_any`).
+    /// Returns each op's peer, with the sender for those receives.
+    fn group(
+        &self,
+        py: Python<'_>,
+        ops: Vec<(String, Bound<'_, PyAny>, Option<usize>)>,
+    ) -> PyResult<Vec<usize>> {
         let mut views = Vec::with_capacity(ops.len());
-        let mut posts: Vec<(bool, Dtype, usize, Mem)> = Vec::with_capacity(ops.len());
+        let mut posts: Vec<(bool, Dtype, Option<usize>, Mem)> = Vec::with_capacity(ops.len());
         for (i, (what, obj, peer)) in ops.iter().enumerate() {
-            let send = match what.as_str() {
-                "send" => true,
-                "recv" => false,
-                other => {
+            let send = match (what.as_str(), peer) {
+                ("send", Some(_)) => true,
+                ("recv", _) => false,
+                (other, _) => {
                     return Err(self.refuse(
                         CollKind::Send,
                         Dtype::U8,
-                        PyValueError::new_err(format!("group: ops[{i}] is {other:?}; each op is (\"send\" or \"recv\", buffer, peer)")),
+                        PyValueError::new_err(format!("group: ops[{i}] is ({other:?}, buffer, {peer:?}); each op is (\"send\", buffer, peer) or (\"recv\", buffer, peer or None for any source)")),
                     ))
                 }
             };
@@ -989,22 +1051,23 @@ host (shared-memory) communicators",
             posts.push((send, v.dtype, *peer, m));
             views.push(v);
         }
-        let posts = &mut posts;
+        let mut peers: Vec<usize> = posts.iter().map(|p| p.2.unwrap_or(usize::MAX)).collect();
+        let (posts, out) = (&mut posts, &mut peers);
         self.run(py, move |c| {
             c.group(|g: &mut Group<'_>| {
-                for (send, dt, peer, m) in posts.iter_mut() {
-                    let (send, dt, peer) = (*send, *dt, *peer);
-                    if send {
-                        dispatch!(dt, T => g.send::<T, _>(&*m, peer))?;
-                    } else {
-                        dispatch!(dt, T => g.recv::<T, _>(m, peer))?;
+                for ((send, dt, peer, m), from) in posts.iter_mut().zip(out.iter_mut()) {
+                    let (send, dt) = (*send, *dt);
+                    match (send, *peer) {
+                        (true, Some(p)) => dispatch!(dt, T => g.send::<T, _>(&*m, p))?,
+                        (_, Some(p)) => dispatch!(dt, T => g.recv::<T, _>(m, p))?,
+                        (_, None) => dispatch!(dt, T => g.recv_any::<T, _>(m, from))?,
                     }
                 }
                 Ok(())
             })
         })?;
         drop(views);
-        Ok(())
+        Ok(peers)
     }
 
     /// Wait until every rank has reached this call. `timeout` (seconds): the longest this rank

@@ -56,6 +56,7 @@ def launch(world, fn, *args):
 
 
 SIM_CUDA = Path(__file__).resolve().parents[2] / "tests" / "fake" / "sim_cuda.c"
+SIM_NCCL = SIM_CUDA.with_name("sim_nccl.c")
 
 
 @pytest.fixture(scope="session")
@@ -71,4 +72,13 @@ def fake_cuda(tmp_path_factory):
         pytest.skip(f"skipped: {SIM_CUDA} not found (run from a lockstep checkout)")
     out = tmp_path_factory.mktemp("fakecuda") / "libcuda.so.1"
     subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(out), str(SIM_CUDA)], check=True)
+    return out
+
+
+@pytest.fixture(scope="session")
+def fake_nccl(fake_cuda):
+    """The simulated NCCL of the Rust tests (collectives copy send to receive), compiled as
+    libnccl.so.2 beside the simulated driver."""
+    out = fake_cuda.with_name("libnccl.so.2")
+    subprocess.run([os.environ.get("CC", "cc"), "-shared", "-fPIC", "-O1", "-o", str(out), str(SIM_NCCL)], check=True)
     return out

@@ -1,6 +1,6 @@
 """Accelerate, unchanged, on the lockstep backend (CPU): an ``Accelerator(cpu=True)`` training
 function (prepare, backward, gather_for_metrics, wait_for_everyone) under
-``lockstep.notebook_launcher`` and under ``accelerate.notebook_launcher``, with the recipe of
+``lockstep.notebook_launcher`` and under ``accelerate.notebook_launcher``, with the CPU setup of
 docs/accelerate.md: the process group is initialised on "lockstep" before the Accelerator is made
 (Accelerate's CPU path would pick gloo otherwise). Skipped without torch and accelerate."""
 
@@ -21,14 +21,14 @@ import lockstep
 
 
 def train(out_dir=None):
-    """An Accelerate training function, as the tutorial writes one, plus the recipe's first lines."""
+    """An Accelerate training function, as the tutorial writes one, plus the CPU setup's first lines."""
     import torch
     import torch.distributed as dist
 
     import lockstep.torch  # noqa: F401
 
     if not dist.is_initialized():
-        dist.init_process_group("lockstep")  # the recipe: before the Accelerator
+        dist.init_process_group("lockstep")  # the CPU setup: before the Accelerator
     from accelerate import Accelerator
 
     acc = Accelerator(cpu=True)

@@ -286,6 +286,52 @@ def test_send_recv_and_group(world):
         np.testing.assert_array_equal(ring, np.full(4, (i - 1) % world))
 
 
+def test_recv_any_returns_the_sender():
+    def body():
+        c = lockstep.comm()
+        i, n = c.rank, c.world_size
+        got = []
+        if i == 0:
+            for _ in range(2 * (n - 1)):
+                b = np.zeros(3, np.int64)
+                got.append((c.recv_any(b), b.tolist()))
+        else:
+            for m in range(2):
+                c.send(np.full(3, 10 * i + m, np.int64), 0)
+        c.barrier()
+        # In a group where everyone sends first: rank 0 sends to each rank and takes their
+        # answers from any source (peer None); group returns each op's peer, senders filled in.
+        if i == 0:
+            ins = [np.zeros(2, np.float32) for _ in range(n - 1)]
+            ops = [("send", np.full(2, p, np.float32), p) for p in range(1, n)]
+            peers = c.group(ops + [("recv", b, None) for b in ins])
+            got.append((peers, [b.tolist() for b in ins]))
+        else:
+            back = np.zeros(2, np.float32)
+            c.group([("send", np.full(2, 100 + i, np.float32), 0), ("recv", back, 0)])
+        return got
+
+    n = 3
+    got = launch(n, body)[0]
+    plain, (peers, ins) = got[:-1], got[-1]
+    assert sorted(src for src, _ in plain) == [1, 1, 2, 2], plain
+    for q in range(1, n):
+        assert [b for src, b in plain if src == q] == [[10 * q] * 3, [10 * q + 1] * 3], plain
+    froms = peers[n - 1 :]
+    assert peers[: n - 1] == list(range(1, n)) and sorted(froms) == list(range(1, n)), peers
+    assert all(b == [100.0 + f] * 2 for f, b in zip(froms, ins)), (froms, ins)
+
+
+def test_recv_any_alone_is_refused():
+    def body():
+        c = lockstep.comm()
+        with pytest.raises(lockstep.CommError, match="one rank only"):
+            c.recv_any(np.zeros(2))
+        return True
+
+    assert launch(1, body) == [True]
+
+
 def test_group_send_to_self_and_barrier():
     def body():
         c = lockstep.comm()

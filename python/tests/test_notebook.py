@@ -1,6 +1,6 @@
 """examples/notebook_fashion_mnist.ipynb executed headless (nbclient, a real ipykernel), as a
 short version: 1 epoch on a subset of FashionMNIST, set through the notebook's parameter
-variables. The full recipe (4 epochs, >= 89 % test accuracy, checked by the notebook's last cell)
+variables. The full run (4 epochs, >= 89 % test accuracy, checked by the notebook's last cell)
 is run by hand: see docs/python.md. Skipped when torch or nbclient is not installed;
 LOCKSTEP_REQUIRE_TORCH=1 makes that a failure."""
 

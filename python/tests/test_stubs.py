@@ -59,11 +59,10 @@ def _class_members(cls):
             if node.name in CONSTRUCTORS:
                 assert ctor is None, f"{STUB.name}:{node.lineno}: {cls.name} declares both __new__ and __init__"
                 ctor = node
-            elif {"setter", "deleter"} & _decorators(node):
-                # `@x.setter`: part of property x, declared by its `@property` def.
-                assert members.get(node.name) == "property", f"{STUB.name}:{node.lineno}: {node.name}'s setter before its @property"
             else:
-                members[node.name] = "property" if "property" in _decorators(node) else "method"
+                # `@x.setter` completes the property `x` declared above it.
+                decorators = _decorators(node)
+                members[node.name] = "property" if decorators & {"property", "setter"} else "method"
         elif isinstance(node, ast.AnnAssign) and node.value is None:
             instance.update(_assigned_names(node))
         elif isinstance(node, (ast.Assign, ast.AnnAssign)):

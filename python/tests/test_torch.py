@@ -569,3 +569,51 @@ def test_sequence_numbers_and_torch_distributed_debug_detail():
     seqs, wrapped, t = res[0]
     assert seqs[1] == seqs[0] + 2 and seqs[2] == 2, seqs
     assert wrapped == "_ProcessGroupWrapper" and t == [4.0] * 3, res[0]
+
+
+def _any_source():
+    import torch.distributed as dist
+
+    import lockstep.torch as lt
+
+    r, n = dist.get_rank(), dist.get_world_size()
+    got = []
+    if r == 0:
+        # dist.recv without a source returns the sender; dist.irecv's Work names it.
+        for i in range(2 * (n - 1)):
+            t = torch.full((4,), -1.0)
+            if i % 2 == 0:
+                src = dist.recv(t)
+            else:
+                w = dist.irecv(t)
+                w.wait()
+                src = w._source_rank()
+            got.append((src, t.tolist()))
+    else:
+        for m in range(2):
+            dist.send(torch.full((4,), 10.0 * r + m), dst=0)
+    dist.barrier()
+    # The ProcessGroup shape (torch before 2.15) answers recv_anysource itself.
+    pg = dist.distributed_c10d._get_default_group()
+    be = pg._get_backend(torch.device("cpu")) if lt.PY_BACKEND else pg
+    old = lt.ProcessGroupLockstep(be.comm, r, n)
+    if r == n - 1:
+        dist.send(torch.full((2,), 7.0), dst=0)
+    elif r == 0:
+        t = torch.zeros(2)
+        w = old.recv_anysource([t], 0)
+        w.wait()
+        got.append((w._source_rank(), t.tolist()))
+    dist.barrier()
+    return got
+
+
+def test_recv_from_any_source_names_the_sender():
+    n = 3
+    got = lockstep.notebook_launcher(_any_source, num_processes=n)[0]
+    *received, last = got
+    assert sorted(src for src, _ in received) == [q for q in range(1, n) for _ in range(2)], got
+    for q in range(1, n):
+        # Each payload is its reported sender's, in the order that rank sent them.
+        assert [t for src, t in received if src == q] == [[10.0 * q] * 4, [10.0 * q + 1] * 4], got
+    assert last == (n - 1, [7.0, 7.0]), got

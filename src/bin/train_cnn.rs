@@ -1,4 +1,4 @@
-//! `train-cnn`: data-parallel training of the FashionMNIST CNN recipe on CPU ranks or CUDA GPUs.
+//! `train-cnn`: data-parallel training of the FashionMNIST CNN on CPU ranks or CUDA GPUs.
 //!
 //! `main` only parses arguments, calls `run`, and maps the result to an exit code. Raw CLI
 //! values (`Args`) are validated into a [`lockstep::train::trainer::TrainConfig`] in one place.
@@ -60,7 +60,7 @@ enum Device {
 /// Learning-rate schedule.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum Sched {
-    /// The base rate throughout (the recipe).
+    /// The base rate throughout (the reference PyTorch script's).
     Constant,
     /// Cosine annealing to 0 over the run.
     Cosine,
@@ -71,7 +71,7 @@ enum Sched {
 /// Optimizer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum Optim {
-    /// Adam (PyTorch defaults; the recipe).
+    /// Adam (PyTorch defaults, as the reference PyTorch script).
     Adam,
     /// SGD with momentum (--momentum) and weight decay (--weight-decay).
     Sgd,
@@ -319,7 +319,7 @@ fn validate(a: &Args, train_len: usize, cuda: bool) -> Result<Config, CliError> 
     }
     // Catch path mistakes before an epoch of work, not after it: the directory exists and takes
     // a new file, no checkpoint name is a directory, and one checkpoint fits.
-    let fault = checkpoint::fault_from_env().map_err(|e| CliError::Usage(e.to_string()))?;
+    let fault = checkpoint::fault::fault_from_env().map_err(|e| CliError::Usage(e.to_string()))?;
     if let Some(save) = &a.save {
         let params = lockstep::train::model::Model::fashion_cnn(1)
             .map_err(trainer::TrainError::from)?
@@ -329,7 +329,7 @@ fn validate(a: &Args, train_len: usize, cuda: bool) -> Result<Config, CliError> 
     } else if let Some(step) = fault {
         return Err(CliError::Usage(format!(
             "{}={step} needs --save (it kills a save)",
-            checkpoint::FAULT_ENV
+            checkpoint::fault::FAULT_ENV
         )));
     }
     if let Some(resume) = &a.resume {

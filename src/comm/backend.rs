@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use super::error::CommError;
 use super::shared::SharedRegion;
-use crate::cuda::Context;
+use crate::cuda::{Context, ForeignStream};
 use crate::types::{CollKind, Dtype, RawMem, ReduceOp};
 
 /// Which backend a communicator runs on.
@@ -77,6 +77,11 @@ pub struct Splits<'a> {
     pub recv_displs: &'a [usize],
 }
 
+/// The `peer` of a [`P2pOp`] receive that takes a message from whichever other rank's comes first
+/// (MPI's `MPI_ANY_SOURCE`; see [`Communicator::recv_any`](super::Communicator::recv_any)). It
+/// lies outside every world, so a backend that checks `peer < world` refuses it by default.
+pub const ANY_SOURCE: usize = usize::MAX;
+
 /// One point-to-point operation of a group (see [`Communicator::group`](super::Communicator::group)),
 /// type-erased and checked locally. Operations on the same ordered pair of ranks match in the
 /// order they are posted.
@@ -84,7 +89,8 @@ pub struct Splits<'a> {
 pub struct P2pOp {
     /// [`CollKind::Send`] or [`CollKind::Recv`].
     pub kind: CollKind,
-    /// The rank sent to or received from.
+    /// The rank sent to or received from; for a receive, [`ANY_SOURCE`] takes the first message
+    /// from any other rank, and the backend replaces it with that rank (see [`Backend::p2p`]).
     pub peer: usize,
     /// Element type.
     pub dtype: Dtype,
@@ -137,6 +143,23 @@ pub trait Backend: Send {
     fn device(&self) -> Option<Arc<Context>> {
         None
     }
+    /// Device backends: later calls wait (on the device) for the work enqueued so far on
+    /// `caller`.
+    fn wait_stream(&mut self, caller: &ForeignStream) -> Result<(), CommError> {
+        let _ = caller;
+        Err(CommError::Unsupported(format!(
+            "the {} backend takes host buffers and has no CUDA stream to order",
+            self.kind()
+        )))
+    }
+    /// Device backends: later work on `caller` waits (on the device) for the calls issued so far.
+    fn signal_stream(&mut self, caller: &ForeignStream) -> Result<(), CommError> {
+        let _ = caller;
+        Err(CommError::Unsupported(format!(
+            "the {} backend takes host buffers and has no CUDA stream to order",
+            self.kind()
+        )))
+    }
     /// What the communicator's init line says of this backend beyond rank, world and kind
     /// (the shared-memory backend's CPU binding and single-copy threshold, NCCL's version and
     /// device), as `key value` pairs separated by spaces.
@@ -145,8 +168,11 @@ pub trait Backend: Send {
     }
     /// Run a group of point-to-point operations: all of them complete before it returns (host
     /// backends) or are enqueued together (device backends), so sends and receives posted in one
-    /// group never wait on one another in a cycle.
-    fn p2p(&mut self, ops: &[P2pOp]) -> Result<(), CommError> {
+    /// group never wait on one another in a cycle. A receive posted from [`ANY_SOURCE`] has its
+    /// `peer` replaced by the rank whose message it took, once matched (also when another
+    /// operation of the group fails); a backend without receives from any source refuses the
+    /// group instead.
+    fn p2p(&mut self, ops: &mut [P2pOp]) -> Result<(), CommError> {
         let _ = ops;
         Err(CommError::Unsupported(format!(
             "send/recv (point-to-point) is not supported on the {} backend yet; use the shm backend",

@@ -11,10 +11,10 @@ use std::time::Duration;
 
 use std::marker::PhantomData;
 
-use super::backend::{Backend, BackendKind, Call, Completion, P2pOp, Splits};
+use super::backend::{Backend, BackendKind, Call, Completion, P2pOp, Splits, ANY_SOURCE};
 use super::error::{rank_name, CommError};
 use super::shared::SharedBuffer;
-use crate::cuda::{Context, CudaError, DeviceBuffer};
+use crate::cuda::{Context, CudaError, DeviceBuffer, ForeignStream};
 use crate::types::{Buffer, BufferMut, CollKind, Dtype, Element, MemSpace, RawMem, ReduceOp};
 
 /// A group of ranks that run collectives together.
@@ -124,6 +124,24 @@ impl Communicator {
         self.backend.synchronize()
     }
 
+    /// Device communicators: order later calls after the work enqueued so far on `caller`, the
+    /// stream that produced their buffers (a framework's current stream), by an event the
+    /// communicator's stream waits on. Nothing blocks the host. With
+    /// [`signal_stream`](Self::signal_stream) after the calls, a caller's stream and the
+    /// communicator's are ordered as one: the way to call collectives without synchronising the
+    /// device (`ProcessGroupNCCL` orders its stream with the caller's the same way).
+    /// Host communicators: an `Unsupported` error.
+    pub fn wait_stream(&mut self, caller: &ForeignStream) -> Result<(), CommError> {
+        self.backend.wait_stream(caller)
+    }
+
+    /// Device communicators: make later work on `caller` wait for the calls issued so far (an
+    /// event recorded on the communicator's stream, which `caller` waits on), so whatever the
+    /// caller enqueues next sees their results. See [`wait_stream`](Self::wait_stream).
+    pub fn signal_stream(&mut self, caller: &ForeignStream) -> Result<(), CommError> {
+        self.backend.signal_stream(caller)
+    }
+
     /// Allocate a buffer of `len` elements (zeroed) inside the backend's shared segment. Collectives
     /// whose buffers are all shared on every rank skip the staging copies (the analog of NCCL's
     /// registered buffers).
@@ -142,7 +160,7 @@ impl Communicator {
     }
 
     /// Run an already-checked point-to-point group on the backend (see [`run_checked`](Self::run_checked)).
-    pub(crate) fn p2p_checked(&mut self, ops: &[P2pOp]) -> Result<(), CommError> {
+    pub(crate) fn p2p_checked(&mut self, ops: &mut [P2pOp]) -> Result<(), CommError> {
         self.backend.p2p(ops)
     }
 
@@ -889,6 +907,54 @@ impl Communicator {
         self.p2p_single(op)
     }
 
+    /// Receive into `buf` the first message any other rank sends to this rank, and return that
+    /// rank (MPI's `MPI_ANY_SOURCE`; in a sub-communicator, its rank there). Blocking, as
+    /// [`recv`](Self::recv). On the shared-memory backend only (NCCL has no receive from any
+    /// source: the NCCL backend refuses it with [`CommError::Unsupported`]).
+    ///
+    /// Matching: it takes the first message to arrive from a rank that no receive posted before it
+    /// still waits on (in a [`group`](Self::group), a receive from a named rank posted after it
+    /// waits until it has matched, since any message that one could take, this one could too);
+    /// messages from one rank still arrive in the order they were sent, and no rank is favoured
+    /// over time. The header check is the same as for [`recv`](Self::recv): a count or dtype that
+    /// disagrees with the message it takes is a [`CommError::Mismatch`] on both ranks, naming
+    /// them.
+    ///
+    /// Lost ranks: a rank that died or left the communicator stops being a candidate (messages
+    /// it completed before are still received), and the receive goes on waiting for the others,
+    /// as MPI's does: a message from another rank may still come. Once no other rank is left, it
+    /// fails with [`CommError::PeerLost`] within the peer-check interval, naming them; while
+    /// some are left but none sends, it fails with [`CommError::Timeout`] after the timeout
+    /// (`LOCKSTEP_TIMEOUT_S`), naming the ranks it waited on and those that are gone. So it never
+    /// waits forever; a job whose other ranks keep running without sending learns of a dead rank
+    /// at the timeout, not at once (a receive from a named rank fails at once). With a single
+    /// rank nothing can arrive: refused locally ([`CommError::InvalidArgument`]).
+    pub fn recv_any<T: Element, R: BufferMut<T> + ?Sized>(
+        &mut self,
+        buf: &mut R,
+    ) -> Result<usize, CommError> {
+        self.check_any_source()?;
+        let mut ops = [P2pOp {
+            kind: CollKind::Recv,
+            peer: ANY_SOURCE,
+            dtype: T::DTYPE,
+            mem: buf.raw_mut(),
+        }];
+        self.backend.p2p(&mut ops)?;
+        Ok(ops[0].peer)
+    }
+
+    /// A receive from any source needs another rank that could send.
+    fn check_any_source(&self) -> Result<(), CommError> {
+        if self.world_size() < 2 {
+            return Err(self.invalid(
+                CollKind::Recv,
+                "a receive from any source needs another rank, but this communicator has one rank only, so no message can ever arrive".into(),
+            ));
+        }
+        Ok(())
+    }
+
     fn p2p_single(&mut self, op: P2pOp) -> Result<(), CommError> {
         self.check_peer(op.kind, op.peer)?;
         if op.peer == self.rank() {
@@ -901,7 +967,7 @@ impl Communicator {
                 ),
             ));
         }
-        self.backend.p2p(&[op])
+        self.backend.p2p(&mut [op])
     }
 
     fn check_peer(&self, kind: CollKind, peer: usize) -> Result<(), CommError> {
@@ -928,6 +994,7 @@ impl Communicator {
     {
         let mut g = Group {
             ops: Vec::new(),
+            sources: Vec::new(),
             rank: self.rank(),
             world: self.world_size(),
             _bufs: PhantomData,
@@ -949,247 +1016,54 @@ impl Communicator {
         if g.ops.is_empty() {
             return Ok(());
         }
-        self.backend.p2p(&g.ops)
+        if !g.sources.is_empty() {
+            self.check_any_source()?;
+        }
+        let r = self.backend.p2p(&mut g.ops);
+        for (i, src) in g.sources {
+            if g.ops[i].peer != ANY_SOURCE {
+                *src = g.ops[i].peer;
+            }
+        }
+        r
     }
 
     // --------------------------------------------------------------------------------------------
-    // Nonblocking forms
+    // Nonblocking form
 
-    /// Nonblocking [`all_reduce`](Self::all_reduce). On host backends the call has completed when
-    /// this returns (there is no progress thread); the [`Work`] carries its result and keeps the
-    /// buffers borrowed, so device backends can complete it later. Calls complete in issue order.
-    pub fn all_reduce_async<'a, T: Element, S: Buffer<T> + ?Sized, R: BufferMut<T> + ?Sized>(
-        &mut self,
-        send: &'a S,
-        recv: &'a mut R,
-        op: ReduceOp,
-    ) -> Work<'a> {
-        {
-            let r = self.all_reduce(send, recv, op);
-            self.work(r)
-        }
-    }
-
-    /// Nonblocking [`all_reduce_in_place`](Self::all_reduce_in_place) (see [`all_reduce_async`](Self::all_reduce_async)).
-    pub fn all_reduce_in_place_async<'a, T: Element, B: BufferMut<T> + ?Sized>(
-        &mut self,
-        buf: &'a mut B,
-        op: ReduceOp,
-    ) -> Work<'a> {
-        {
-            let r = self.all_reduce_in_place(buf, op);
-            self.work(r)
-        }
-    }
-
-    /// Nonblocking [`broadcast`](Self::broadcast) (see [`all_reduce_async`](Self::all_reduce_async)).
-    pub fn broadcast_async<'a, T: Element, S: Buffer<T> + ?Sized, R: BufferMut<T> + ?Sized>(
-        &mut self,
-        send: &'a S,
-        recv: &'a mut R,
-        root: usize,
-    ) -> Work<'a> {
-        {
-            let r = self.broadcast(send, recv, root);
-            self.work(r)
-        }
-    }
-
-    /// Nonblocking [`broadcast_in_place`](Self::broadcast_in_place) (see [`all_reduce_async`](Self::all_reduce_async)).
-    pub fn broadcast_in_place_async<'a, T: Element, B: BufferMut<T> + ?Sized>(
-        &mut self,
-        buf: &'a mut B,
-        root: usize,
-    ) -> Work<'a> {
-        {
-            let r = self.broadcast_in_place(buf, root);
-            self.work(r)
-        }
-    }
-
-    /// Nonblocking [`all_gather`](Self::all_gather) (see [`all_reduce_async`](Self::all_reduce_async)).
-    pub fn all_gather_async<'a, T: Element, S: Buffer<T> + ?Sized, R: BufferMut<T> + ?Sized>(
-        &mut self,
-        send: &'a S,
-        recv: &'a mut R,
-    ) -> Work<'a> {
-        {
-            let r = self.all_gather(send, recv);
-            self.work(r)
-        }
-    }
-
-    /// Nonblocking [`reduce_scatter`](Self::reduce_scatter) (see [`all_reduce_async`](Self::all_reduce_async)).
-    pub fn reduce_scatter_async<'a, T: Element, S: Buffer<T> + ?Sized, R: BufferMut<T> + ?Sized>(
-        &mut self,
-        send: &'a S,
-        recv: &'a mut R,
-        op: ReduceOp,
-    ) -> Work<'a> {
-        {
-            let r = self.reduce_scatter(send, recv, op);
-            self.work(r)
-        }
-    }
-
-    /// Nonblocking [`all_to_all`](Self::all_to_all) (see [`all_reduce_async`](Self::all_reduce_async)).
-    pub fn all_to_all_async<'a, T: Element, S: Buffer<T> + ?Sized, R: BufferMut<T> + ?Sized>(
-        &mut self,
-        send: &'a S,
-        recv: &'a mut R,
-    ) -> Work<'a> {
-        {
-            let r = self.all_to_all(send, recv);
-            self.work(r)
-        }
-    }
-
-    /// Nonblocking [`send`](Self::send) (see [`all_reduce_async`](Self::all_reduce_async)): on host
-    /// backends it blocks like `send`, so exchanges where both sides send first need a [`group`](Self::group).
-    pub fn send_async<'a, T: Element, S: Buffer<T> + ?Sized>(
-        &mut self,
-        buf: &'a S,
-        peer: usize,
-    ) -> Work<'a> {
-        {
-            let r = self.send(buf, peer);
-            self.work(r)
-        }
-    }
-
-    /// Nonblocking [`recv`](Self::recv) (see [`send_async`](Self::send_async)).
-    pub fn recv_async<'a, T: Element, R: BufferMut<T> + ?Sized>(
-        &mut self,
-        buf: &'a mut R,
-        peer: usize,
-    ) -> Work<'a> {
-        {
-            let r = self.recv(buf, peer);
-            self.work(r)
-        }
-    }
-
-    /// Nonblocking [`reduce`](Self::reduce) (see [`all_reduce_async`](Self::all_reduce_async)).
-    pub fn reduce_async<'a, T: Element, S: Buffer<T> + ?Sized, R: BufferMut<T> + ?Sized>(
-        &mut self,
-        send: &'a S,
-        recv: &'a mut R,
-        op: ReduceOp,
-        root: usize,
-    ) -> Work<'a> {
-        let r = self.reduce(send, recv, op, root);
-        self.work(r)
-    }
-
-    /// Nonblocking [`reduce_in_place`](Self::reduce_in_place) (see [`all_reduce_async`](Self::all_reduce_async)).
-    pub fn reduce_in_place_async<'a, T: Element, B: BufferMut<T> + ?Sized>(
-        &mut self,
-        buf: &'a mut B,
-        op: ReduceOp,
-        root: usize,
-    ) -> Work<'a> {
-        let r = self.reduce_in_place(buf, op, root);
-        self.work(r)
-    }
-
-    /// Nonblocking [`all_gather_in_place`](Self::all_gather_in_place) (see [`all_reduce_async`](Self::all_reduce_async)).
-    pub fn all_gather_in_place_async<'a, T: Element, B: BufferMut<T> + ?Sized>(
-        &mut self,
-        buf: &'a mut B,
-    ) -> Work<'a> {
-        let r = self.all_gather_in_place(buf);
-        self.work(r)
-    }
-
-    /// Nonblocking [`gather`](Self::gather) (see [`all_reduce_async`](Self::all_reduce_async)).
-    pub fn gather_async<'a, T: Element, S: Buffer<T> + ?Sized, R: BufferMut<T> + ?Sized>(
-        &mut self,
-        send: &'a S,
-        recv: &'a mut R,
-        root: usize,
-    ) -> Work<'a> {
-        let r = self.gather(send, recv, root);
-        self.work(r)
-    }
-
-    /// Nonblocking [`reduce_scatter_in_place`](Self::reduce_scatter_in_place) (see [`all_reduce_async`](Self::all_reduce_async)).
-    pub fn reduce_scatter_in_place_async<'a, T: Element, B: BufferMut<T> + ?Sized>(
-        &mut self,
-        buf: &'a mut B,
-        op: ReduceOp,
-    ) -> Work<'a> {
-        let r = self.reduce_scatter_in_place(buf, op);
-        self.work(r)
-    }
-
-    /// Nonblocking [`all_to_all_v`](Self::all_to_all_v) (see [`all_reduce_async`](Self::all_reduce_async)).
-    #[allow(clippy::too_many_arguments)]
-    pub fn all_to_all_v_async<'a, T: Element, S: Buffer<T> + ?Sized, R: BufferMut<T> + ?Sized>(
-        &mut self,
-        send: &'a S,
-        send_counts: &[usize],
-        send_displs: &[usize],
-        recv: &'a mut R,
-        recv_counts: &[usize],
-        recv_displs: &[usize],
-    ) -> Work<'a> {
-        let r = self.all_to_all_v(
-            send,
-            send_counts,
-            send_displs,
-            recv,
-            recv_counts,
-            recv_displs,
-        );
-        self.work(r)
-    }
-
-    /// Nonblocking [`scatter`](Self::scatter) (see [`all_reduce_async`](Self::all_reduce_async)).
-    pub fn scatter_async<'a, T: Element, S: Buffer<T> + ?Sized, R: BufferMut<T> + ?Sized>(
-        &mut self,
-        send: &'a S,
-        recv: &'a mut R,
-        root: usize,
-    ) -> Work<'a> {
-        let r = self.scatter(send, recv, root);
-        self.work(r)
-    }
-
-    /// Nonblocking [`all_gather_v`](Self::all_gather_v) (see [`all_reduce_async`](Self::all_reduce_async)).
-    pub fn all_gather_v_async<'a, T: Element, S: Buffer<T> + ?Sized, R: BufferMut<T> + ?Sized>(
-        &mut self,
-        send: &'a S,
-        recv: &'a mut R,
-        recv_counts: &[usize],
-    ) -> Work<'a> {
-        let r = self.all_gather_v(send, recv, recv_counts);
-        self.work(r)
-    }
-
-    /// Nonblocking [`gather_v`](Self::gather_v) (see [`all_reduce_async`](Self::all_reduce_async)).
-    pub fn gather_v_async<'a, T: Element, S: Buffer<T> + ?Sized, R: BufferMut<T> + ?Sized>(
-        &mut self,
-        send: &'a S,
-        recv: &'a mut R,
-        recv_counts: &[usize],
-        root: usize,
-    ) -> Work<'a> {
-        let r = self.gather_v(send, recv, recv_counts, root);
-        self.work(r)
-    }
-
-    /// Nonblocking [`group`](Self::group): the group's buffers stay borrowed by the [`Work`].
-    pub fn group_async<'b, F>(&mut self, f: F) -> Work<'b>
+    /// Start any call without waiting for it: `comm.start(|c| c.all_reduce(&send, &mut recv, op))`
+    /// returns a [`Work`] to [`wait`](Work::wait) for the call's result, as c10d's `Work`. The
+    /// buffers the call borrows stay borrowed for as long as the `Work` lives, so a device backend
+    /// can complete the call later. On host backends the call has completed when this returns
+    /// (there is no progress thread). Calls complete in issue order. One call per `Work`: the
+    /// handle is on the last call `call` makes.
+    ///
+    /// ```no_run
+    /// # use lockstep::comm::{Communicator, ReduceOp};
+    /// # fn f(comm: &mut Communicator) -> Result<(), lockstep::CommError> {
+    /// let (send, mut recv) = (vec![1f32; 4], vec![0f32; 4]);
+    /// let work = comm.start(|c| c.all_reduce(&send[..], &mut recv[..], ReduceOp::Sum));
+    /// work.wait()?;
+    /// assert_eq!(recv[0], comm.world_size() as f32);
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// The buffers cannot be touched before the `Work` is done with:
+    ///
+    /// ```compile_fail
+    /// # use lockstep::comm::{Communicator, ReduceOp};
+    /// # fn f(comm: &mut Communicator) -> Result<(), lockstep::CommError> {
+    /// let (send, mut recv) = (vec![1f32; 4], vec![0f32; 4]);
+    /// let work = comm.start(|c| c.all_reduce(&send[..], &mut recv[..], ReduceOp::Sum));
+    /// recv[0] = 2.0; // error: `recv` is still borrowed by `work`
+    /// work.wait()?;
+    /// # Ok(()) }
+    /// ```
+    pub fn start<'a, F>(&mut self, call: F) -> Work<'a>
     where
-        F: FnOnce(&mut Group<'b>) -> Result<(), CommError>,
+        F: FnOnce(&mut Communicator) -> Result<(), CommError> + 'a,
     {
-        let r = self.group(f);
-        self.work(r)
-    }
-
-    /// Nonblocking [`barrier`](Self::barrier).
-    pub fn barrier_async(&mut self) -> Work<'static> {
-        let r = self.barrier();
+        let r = call(self);
         self.work(r)
     }
 
@@ -1221,6 +1095,8 @@ impl Communicator {
 /// `'b`, until the group has run.
 pub struct Group<'b> {
     ops: Vec<P2pOp>,
+    /// The receives from any source: their index in `ops`, and where to write the sender.
+    sources: Vec<(usize, &'b mut usize)>,
     rank: usize,
     world: usize,
     _bufs: PhantomData<&'b mut ()>,
@@ -1277,6 +1153,24 @@ impl<'b> Group<'b> {
             dtype: T::DTYPE,
             mem: buf.raw_mut(),
         })
+    }
+
+    /// Post a receive into `buf` from any other rank (see [`Communicator::recv_any`]); once the
+    /// group has run, `source` holds the rank whose message it took (it is left as it was if the
+    /// receive did not match).
+    pub fn recv_any<T: Element, R: BufferMut<T> + ?Sized>(
+        &mut self,
+        buf: &'b mut R,
+        source: &'b mut usize,
+    ) -> Result<(), CommError> {
+        self.sources.push((self.ops.len(), source));
+        self.ops.push(P2pOp {
+            kind: CollKind::Recv,
+            peer: ANY_SOURCE,
+            dtype: T::DTYPE,
+            mem: buf.raw_mut(),
+        });
+        Ok(())
     }
 }
 

@@ -40,7 +40,8 @@ pub enum CommError {
         /// Its sequence number.
         seq: u64,
         /// Empty on a world communicator; on a sub-communicator (see
-        /// [`Communicator::split`](super::Communicator::split)), where the two ranks sit in it.
+        /// [`Communicator::split`](super::Communicator::split)), where the two ranks sit in it;
+        /// for a receive from any source, that it was one and which ranks are gone.
         group: String,
     },
     /// Another rank detected a failure and aborted the communicator.

@@ -14,7 +14,7 @@ mod communicator;
 mod error;
 mod shared;
 
-pub use backend::{Backend, BackendKind, Call, Completion, P2pOp, Splits};
+pub use backend::{Backend, BackendKind, Call, Completion, P2pOp, Splits, ANY_SOURCE};
 pub use communicator::{Communicator, Group, Work};
 pub use error::CommError;
 pub(crate) use error::{rank_name, TIMEOUT_HINT};

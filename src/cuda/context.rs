@@ -353,6 +353,77 @@ impl Producers {
     }
 }
 
+/// A CUDA stream lockstep did not create (a framework's current stream, a C caller's
+/// `cudaStream_t`), borrowed by its handle, so that lockstep's own streams can be ordered with it
+/// through events, never by blocking the host.
+pub struct ForeignStream {
+    ctx: Arc<Context>,
+    raw: CUstream,
+}
+
+impl ForeignStream {
+    /// Borrow the stream with handle `handle` on `ctx`'s device. 0 and the driver's special
+    /// handles (1: the legacy default stream, 2: the per-thread default stream) name the default
+    /// streams.
+    ///
+    /// # Safety
+    /// `handle` is one of those, or a stream of `ctx`'s device that stays alive while this value
+    /// is used: CUDA's behaviour on a destroyed or foreign handle is undefined.
+    pub unsafe fn new(ctx: &Arc<Context>, handle: usize) -> ForeignStream {
+        ForeignStream {
+            ctx: ctx.clone(),
+            raw: handle as CUstream,
+        }
+    }
+
+    /// The stream's handle.
+    pub fn handle(&self) -> usize {
+        self.raw as usize
+    }
+
+    /// Record `e` on this stream: it happens once the work enqueued here so far has completed.
+    pub fn record(&self, e: &Event) -> Result<(), CudaError> {
+        self.ctx.bind()?;
+        driver::event_record(e.raw, self.raw)
+    }
+
+    /// Make later work on this stream wait for `e`.
+    pub fn wait_event(&self, e: &Event) -> Result<(), CudaError> {
+        self.ctx.bind()?;
+        driver::stream_wait_event(self.raw, e.raw)
+    }
+}
+
+/// The two events that order a communicator's stream with a foreign one: `enter` (the
+/// communicator waits for the caller's stream) and `leave` (the caller's stream waits for the
+/// communicator). An event may be recorded again as soon as the wait on its last record has been
+/// enqueued, so two serve every call.
+pub(crate) struct StreamFence {
+    enter: Event,
+    leave: Event,
+}
+
+impl StreamFence {
+    pub(crate) fn new(ctx: &Arc<Context>) -> Result<StreamFence, CudaError> {
+        Ok(StreamFence {
+            enter: ctx.sync_event()?,
+            leave: ctx.sync_event()?,
+        })
+    }
+
+    /// Later work on `own` waits for the work enqueued so far on `caller`.
+    pub(crate) fn enter(&self, caller: &ForeignStream, own: &Stream) -> Result<(), CudaError> {
+        caller.record(&self.enter)?;
+        own.wait_event(&self.enter)
+    }
+
+    /// Later work on `caller` waits for the work enqueued so far on `own`.
+    pub(crate) fn leave(&self, own: &Stream, caller: &ForeignStream) -> Result<(), CudaError> {
+        self.leave.record(own)?;
+        caller.wait_event(&self.leave)
+    }
+}
+
 /// A CUDA event, for ordering and timing.
 pub struct Event {
     ctx: Arc<Context>,

@@ -234,7 +234,7 @@ fn path_python_site_dirs() -> &'static [PathBuf] {
 }
 
 /// Python `site-packages`/`dist-packages` folders worth scanning.
-fn python_site_dirs() -> Vec<PathBuf> {
+pub(crate) fn python_site_dirs() -> Vec<PathBuf> {
     let mut out = Vec::new();
     let mut roots: Vec<PathBuf> = Vec::new();
     for var in ["VIRTUAL_ENV", "CONDA_PREFIX"] {
@@ -393,7 +393,7 @@ pub fn candidates(kind: LibKind) -> Vec<Candidate> {
 }
 
 /// The file that `lib` was loaded from, found through `dladdr` on one of its symbols.
-fn resolved_path(lib: &Library, symbol: &str, fallback: &str) -> String {
+pub(crate) fn resolved_path(lib: &Library, symbol: &str, fallback: &str) -> String {
     let name = format!("{symbol}\0");
     // SAFETY: we only take the symbol's address (as an opaque pointer), never call it.
     let addr = unsafe {
@@ -598,7 +598,7 @@ pub(crate) fn dl_error(e: &libloading::Error) -> String {
 }
 
 /// `dlopen` errors start with the path that was tried; drop it, keep the reason.
-fn short_dl_error(e: &libloading::Error, spec: &str) -> String {
+pub(crate) fn short_dl_error(e: &libloading::Error, spec: &str) -> String {
     let m = dl_error(e);
     m.strip_prefix(spec)
         .map(|r| r.trim_start_matches(':').trim().to_string())

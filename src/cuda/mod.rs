@@ -51,9 +51,10 @@ macro_rules! fn_table {
             #[allow(non_snake_case)]
             pub(crate) fn resolve(lib: &libloading::Library) -> Result<$T, (&'static str, String)> {
                 $(
-                    // SAFETY: the declared signature is the C prototype of `$sym` in the CUDA/NCCL
-                    // headers; the pointer is copied out and only used while `lib` stays loaded
-                    // (libraries are kept loaded for the life of the process).
+                    // SAFETY: the declared signature is the C prototype of `$sym` in the library's
+                    // header (CUDA, NCCL, MPI-5 `mpi_abi.h`); the pointer is copied out and only
+                    // used while `lib` stays loaded (libraries are kept loaded for the life of the
+                    // process).
                     let $f = unsafe {
                         *lib.get::<unsafe extern "C" fn($($a),*) -> $r>(concat!($sym, "\0").as_bytes())
                             .map_err(|e| ($sym, $crate::cuda::discovery::dl_error(&e)))?
@@ -85,8 +86,10 @@ mod report;
 mod source;
 
 pub use compile::{cache_dir, compile_cubin_cached, compile_ptx, extra_nvrtc_options, NvrtcInfo};
+pub(crate) use context::StreamFence;
 pub use context::{
-    device_count, device_for_local_rank, Context, DeviceInfo, Event, Producers, Stream,
+    device_count, device_for_local_rank, Context, DeviceInfo, Event, ForeignStream, Producers,
+    Stream,
 };
 pub use discovery::{cuda_version_string, nccl_version_string, LibKind};
 pub use error::{CudaError, NvrtcError};

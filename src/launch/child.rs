@@ -1,5 +1,5 @@
 //! The process plumbing of the launchers: pipes, exit statuses, reading, reaping and killing.
-//! The launcher's `unsafe` lives here, in `guard.rs` (fork, the guard, exec), in `forked.rs` (the
+//! The launcher's `unsafe` lives here, in `guard/` (fork, the guard, exec), in `forked.rs` (the
 //! library launcher's rank, started under a guard like the CLI's exec'd ones) and in
 //! `signals.rs` (the CLI's signal handlers).
 

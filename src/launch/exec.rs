@@ -6,7 +6,7 @@
 //! * Several nodes: the node-0 launcher hosts the [`StoreServer`] on `master_addr:master_port`
 //!   and publishes its job id there; the other launchers fetch it before starting their ranks,
 //!   which checks reachability and the token early.
-//! * Each rank runs under a guard process (`guard.rs`) that kills the rank and everything it
+//! * Each rank runs under a guard process (`guard/`) that kills the rank and everything it
 //!   started when the launcher dies, `kill -9` included, and removes the job's named segment
 //!   then; the ranks share one process group per node, and get SIGINT/SIGTERM forwarded (SIGHUP
 //!   as SIGTERM). Otherwise the launcher removes the named segment when it exits.

@@ -1,4 +1,4 @@
-//! The library launcher's rank: forked under its guard (`guard.rs`), it joins the job's segment,
+//! The library launcher's rank: forked under its guard (`guard/`), it joins the job's segment,
 //! runs the rank function once, sends its outcome through the result pipe and ends with `_exit`.
 
 use std::io::Write;
@@ -14,7 +14,7 @@ use super::rank::{RankContext, RankResult};
 use super::wire::encode_outcome;
 use crate::shm::ShmJob;
 
-/// Fork (under its guard, `guard.rs`) one rank that joins `job` as `rank` and runs `f`; with
+/// Fork (under its guard, `guard/`) one rank that joins `job` as `rank` and runs `f`; with
 /// `capture`, its stdout and stderr go through pipes to the parent. `close` lists the parent's
 /// descriptors the rank must not keep (the other ranks' pipes and log files). The child takes
 /// `f` out of its copy of `*f` and calls it once; the parent's `f` is untouched (the caller drops

@@ -9,14 +9,14 @@
 //!
 //! Both share the supervisor (`supervise.rs`): the first rank that fails (error, panic, non-zero
 //! exit or signal) gets the others terminated (SIGTERM, then SIGKILL after a grace period) unless
-//! fail-fast is off. Every rank runs under a guard process (`guard.rs`): a child subreaper that
+//! fail-fast is off. Every rank runs under a guard process (`guard/`): a child subreaper that
 //! kills the rank and everything it started when the launcher dies, however it dies. Each rank's stdout/stderr comes back through pipes and is printed line by line with a
 //! `[rank N]` prefix (`output.rs`), optionally also to per-rank log files; failures are reported
 //! with the tail of the rank's stderr between divider lines (`report.rs`).
 //!
 //! | file | what lives there |
 //! |---|---|
-//! | `guard.rs` | the guard between the launcher and each rank: fork, exec, subtree kill on the launcher's death |
+//! | `guard/` | the guard between the launcher and each rank: fork, exec, subtree kill on the launcher's death |
 //! | `child.rs` | pipes, the library launcher's forked ranks, reading, reaping, killing |
 //! | `signals.rs` | the CLI's SIGINT/SIGTERM/SIGHUP handlers (counters plus a self-pipe) |
 //! | `supervise.rs` | the poll loop: output, results, exits, fail-fast, signal forwarding |

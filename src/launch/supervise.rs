@@ -11,7 +11,7 @@
 //! Why one poll loop and no threads: the library launcher runs in the host process that forked
 //! the ranks, which must stay free of helper threads between launches, and a single loop makes
 //! the order of events (which rank failed first) the order the loop saw them. Each rank's guard
-//! (`guard.rs`) reports the rank's exit through a pipe the moment it happens, even while the
+//! (`guard/`) reports the rank's exit through a pipe the moment it happens, even while the
 //! rank's output pipes are still held open by a grandchild, on every kernel.
 
 use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};

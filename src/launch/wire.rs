@@ -1,34 +1,41 @@
 //! How a rank's result travels back to the launcher: `Ok(value)` or `Err(message)`, serialized
-//! with serde (bincode's compact varint encoding), so any `Serialize + DeserializeOwned` type can
+//! with serde in postcard's compact varint format, so any `Serialize + DeserializeOwned` type can
 //! be a rank's result with no trait of ours to implement.
 
-use bincode::Options;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
-/// A rank's result is bounded: a frame larger than this is refused rather than allocated.
-const MAX_FRAME: u64 = 1 << 30;
-
-fn options() -> impl Options {
-    bincode::DefaultOptions::new()
-        .with_limit(MAX_FRAME)
-        .reject_trailing_bytes()
-}
+/// A rank's result is bounded: a frame larger than this is refused rather than decoded.
+const MAX_FRAME: usize = 1 << 30;
 
 /// Encode `Ok(value)` or `Err(message)` as one frame. A value that cannot be serialized (a map
 /// with non-string keys is fine, but e.g. a serializer error from a custom impl) becomes an error
 /// frame that says so, so the launcher still reports the rank.
 pub(crate) fn encode_outcome<R: Serialize>(o: &Result<R, String>) -> Vec<u8> {
-    options().serialize(o).unwrap_or_else(|e| {
-        let msg: Result<(), String> =
-            Err(format!("the rank's result could not be serialized: {e}"));
-        options().serialize(&msg).unwrap_or_default()
-    })
+    let err = |e: String| {
+        let msg: Result<(), String> = Err(e);
+        postcard::to_allocvec(&msg).unwrap_or_default()
+    };
+    match postcard::to_allocvec(o) {
+        Ok(b) if b.len() <= MAX_FRAME => b,
+        Ok(b) => err(format!(
+            "the rank's result is {} bytes serialized, more than the {MAX_FRAME}-byte limit: return a summary and write bulk data to a file",
+            b.len()
+        )),
+        Err(e) => err(format!("the rank's result could not be serialized: {e}")),
+    }
 }
 
-/// Decode a frame; `None` if the rank wrote nothing or something malformed.
+/// Decode a frame; `None` if the rank wrote nothing, something malformed, or bytes after the
+/// value (a frame is exactly one value).
 pub(crate) fn decode_outcome<R: DeserializeOwned>(b: &[u8]) -> Option<Result<R, String>> {
-    options().deserialize(b).ok()
+    if b.len() > MAX_FRAME {
+        return None;
+    }
+    match postcard::take_from_bytes(b) {
+        Ok((v, [])) => Some(v),
+        _ => None,
+    }
 }
 
 #[cfg(test)]

@@ -77,3 +77,11 @@ impl From<NcclError> for CommError {
         }
     }
 }
+
+/// An invalid argument to the communicator, as the CUDA layer reports its own.
+pub(super) fn invalid_arg(detail: String) -> NcclError {
+    NcclError::Cuda(crate::cuda::CudaError::InvalidArgument {
+        op: "NcclComm".into(),
+        detail,
+    })
+}

@@ -5,17 +5,35 @@
 //! one wrapper per call, `comm` the RAII communicator with a watchdog that turns a
 //! failed or hung peer into a `CommError` (via `ncclCommAbort`) instead of a hang.
 //!
+//! | file | holds |
+//! |---|---|
+//! | `comm.rs` | [`NcclComm`] and [`NcclOptions`]: the native calls, the `Backend` impl, teardown |
+//! | `bootstrap.rs` | the unique id and its exchange ([`UniqueIdExchange`]), `ncclCommInitRank` |
+//! | `split.rs` | `ncclCommSplit`: a communicator made from a live one |
+//! | `watchdog.rs` | every wait polled with a deadline and a liveness check, abort on failure |
+//! | `abort.rs` | the handle's abort state, shared with pending `Work` handles across threads |
+//! | `checks.rs` | the argument checks made before anything is enqueued |
+//! | `composite.rs` | gather, scatter, all-to-all and the v-variants as grouped send/recv |
+//! | `result.rs`, `error.rs` | the function tables, one wrapper per call; [`NcclError`] |
+//!
 //! One process per GPU: NCCL before 2.30 refuses two ranks of one communicator on the same device.
 //! NCCL ≥ 2.30 accepts them when the user sets `NCCL_MULTI_RANK_GPU_ENABLE=1`. When ranks
 //! outnumber GPUs otherwise, [`StagedBackend`](crate::staged::StagedBackend) stages device buffers
 //! through pinned host memory into the shared-memory backend. Which of these a job gets is
 //! decided in one place: [`rendezvous::device_communicator`](crate::rendezvous::device_communicator).
 
+mod abort;
+mod bootstrap;
+mod checks;
 mod comm;
+mod composite;
 mod error;
 pub(crate) mod result;
+mod split;
+mod watchdog;
 
-pub use comm::{unique_id, AbortCheck, NcclComm, NcclOptions, StoreExchange, UniqueIdExchange};
+pub use bootstrap::{unique_id, StoreExchange, UniqueIdExchange};
+pub use comm::{AbortCheck, NcclComm, NcclOptions};
 pub use error::NcclError;
 
 /// NCCL's version code (e.g. 21803), loading the library if needed. Does not touch CUDA.

@@ -9,6 +9,7 @@ use super::alloc::{Heap, SharedAlloc};
 use super::channel::{Channel, Ctx};
 use crate::comm::{
     Backend, BackendKind, Call, CollKind, CommError, Dtype, MemSpace, P2pOp, SharedRegion,
+    ANY_SOURCE,
 };
 
 /// One rank's handle on a shared-memory communicator.
@@ -173,14 +174,14 @@ impl Backend for ShmComm {
         r
     }
 
-    fn p2p(&mut self, ops: &[P2pOp]) -> Result<(), CommError> {
+    fn p2p(&mut self, ops: &mut [P2pOp]) -> Result<(), CommError> {
         if let Some(reason) = &self.poisoned {
             return Err(CommError::Aborted {
                 by: self.ch.global(self.ch.rank()),
                 reason: format!("an earlier call failed: {reason}"),
             });
         }
-        for o in ops {
+        for o in ops.iter() {
             if o.mem.space != MemSpace::Host && o.mem.len > 0 {
                 return Err(CommError::Unsupported(format!(
                     "{} on {}: the buffer is device memory, which the shared-memory backend cannot read; use the NCCL backend or copy it to the host",
@@ -188,12 +189,13 @@ impl Backend for ShmComm {
                     self.ch.who(self.ch.rank())
                 )));
             }
-            if o.peer >= self.ch.world() || !o.kind.is_p2p() {
+            let any = o.peer == ANY_SOURCE && o.kind == CollKind::Recv && self.ch.world() > 1;
+            if (o.peer >= self.ch.world() && !any) || !o.kind.is_p2p() {
                 return Err(CommError::InvalidArgument {
                     op: o.kind,
                     rank: self.ch.global(self.ch.rank()),
                     detail: format!(
-                        "a point-to-point operation needs kind send or recv and a peer below {}",
+                        "a point-to-point operation needs kind send or recv and a peer below {} (or, for a recv with another rank in the communicator, any source)",
                         self.ch.world()
                     ),
                 });

@@ -9,12 +9,12 @@
 //! | `kernels.rs` | the one GEMM entry point (the `gemm` crate, runtime SIMD dispatch) |
 //! | `multiversion.rs` | `dispatch!`: element-wise loops compiled for AVX-512, AVX2 and portable, picked at run time |
 //! | `layers/` | one file per layer: forward + backward, CPU reference, gradient check |
-//! | `model.rs` | [`Model`](model::Model): named layers over flat parameters, the recipe CNN |
+//! | `model.rs` | [`Model`](model::Model): named layers over flat parameters, the FashionMNIST CNN |
 //! | `optim.rs`, `schedule.rs` | Adam / SGD with PyTorch semantics; constant, cosine, one-cycle |
 //! | `precision.rs` | `mixed_precision` (no / fp16 / bf16) per engine, refusals, dynamic loss scaling |
 //! | `seed.rs` | `RankContext::set_seed`: one seed for every generator of the engine, checked across ranks |
 //! | `data.rs`, `sampler.rs` | IDX reader with validation; distributed sampler and metric counts |
-//! | `checkpoint.rs` | safetensors with PyTorch `state_dict` names, atomic writes, resume |
+//! | `checkpoint/` | safetensors with PyTorch `state_dict` names, atomic writes, resume |
 //! | `device/` | the same CNN on CUDA: a launch plan per step (CUDA graph), GPU and CPU-twin executors |
 //! | `trainer.rs` | the data-parallel loop: broadcast, bucketed gradient all-reduce (gradient accumulation, clipping), evaluation |
 

@@ -1,5 +1,5 @@
 //! A model as a sequence of named layers over one flat parameter vector, with the FashionMNIST
-//! CNN of the recipe (`Model::fashion_cnn`).
+//! the FashionMNIST CNN (`Model::fashion_cnn`).
 //!
 //! Parameters live in one `Vec<f32>` in PyTorch `state_dict` order and gradients in one flat
 //! buffer the caller owns (the trainer puts it in shared memory so the all-reduce is zero-copy);
@@ -148,7 +148,7 @@ impl Model {
         })
     }
 
-    /// The recipe's CNN with PyTorch module names, for `batch` images of 1x28x28.
+    /// The FashionMNIST CNN with PyTorch module names, for `batch` images of 1x28x28.
     pub fn fashion_cnn(batch: usize) -> Result<Model, ModelError> {
         let conv = |in_c, out_c| {
             Conv2d::new(Conv2dParams {
@@ -590,7 +590,7 @@ mod tests {
         assert_eq!(
             a.fusable.iter().filter(|&&f| f).count(),
             2,
-            "both blocks of the recipe fuse"
+            "both blocks of the FashionMNIST CNN fuse"
         );
         // Some negative BatchNorm weights, so the streamed forward's pooling of the raw input
         // takes its minimum path (the normalisation is then decreasing) as well as the maximum.

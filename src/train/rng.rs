@@ -9,7 +9,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-/// The seed used when nobody set one (the recipe's).
+/// The seed used when nobody set one (the reference PyTorch script's).
 pub const DEFAULT_SEED: u64 = 42;
 
 static GLOBAL_SEED: AtomicU64 = AtomicU64::new(DEFAULT_SEED);

@@ -12,7 +12,7 @@
 //! Nothing is allocated per step: activations, gradients, index and label buffers are sized once
 //! and reused (a smaller last batch only shrinks the view).
 //!
-//! Options beyond the recipe: SGD with momentum instead of Adam ([`OptimizerKind`]); gradient
+//! Options beyond the reference PyTorch script: SGD with momentum instead of Adam ([`OptimizerKind`]); gradient
 //! accumulation over `grad_accum` micro-batches with the all-reduce only after the last one (DDP's
 //! `no_sync`), weighted so the step equals one step on the concatenated batch
 //! ([`step_gradients`]); and clipping of the global gradient norm after the all-reduce
@@ -59,7 +59,7 @@ pub enum TrainError {
 /// Which optimizer updates the parameters.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum OptimizerKind {
-    /// `torch.optim.Adam` with PyTorch's defaults (the recipe).
+    /// `torch.optim.Adam` with PyTorch's defaults (the reference PyTorch script's choice).
     Adam,
     /// `torch.optim.SGD` with this momentum (0 for plain SGD).
     Sgd {
@@ -120,9 +120,9 @@ pub struct TrainConfig {
     /// Resume from this checkpoint.
     pub resume: Option<PathBuf>,
     /// Synchronise BatchNorm batch statistics over ranks (PyTorch `SyncBatchNorm`); off by
-    /// default, as in the recipe, where each rank normalises with its own batch.
+    /// default, as in the reference PyTorch script, where each rank normalises with its own batch.
     pub sync_bn: bool,
-    /// The optimizer (Adam in the recipe).
+    /// The optimizer (Adam in the reference PyTorch script).
     pub optimizer: OptimizerKind,
     /// L2 penalty added to the gradient by the optimizer (PyTorch's `weight_decay`).
     pub weight_decay: f32,
@@ -577,7 +577,7 @@ pub fn evaluate(
     Ok(counts_for_metrics(comm, correct, counted)?)
 }
 
-/// Train the recipe's CNN on `train_set`, evaluating on `test_set` after every epoch.
+/// Train the FashionMNIST CNN on `train_set`, evaluating on `test_set` after every epoch.
 pub fn train(
     cfg: &TrainConfig,
     train_set: &Dataset,

@@ -1,5 +1,5 @@
 //! Winograd F(4x4, 5x5) convolution for stride-1, padding-2 ("same") 5x5 layers: the big layer
-//! of the recipe (conv2, 32 -> 64 channels on 14x14) spends 64 multiplies per 4x4 output tile
+//! of the FashionMNIST CNN (conv2, 32 -> 64 channels on 14x14) spends 64 multiplies per 4x4 output tile
 //! and channel pair instead of 400 (6.25x fewer than direct; 14x14 outputs take 4x4 tiles of
 //! 4x4, 16x16 covered: 1024 multiplies per channel pair against 1764 for F(2x2, 5x5)).
 //!

@@ -330,7 +330,9 @@ pub const CONFIG: Var = Var {
 
 /// The `LOCKSTEP_*` variables of a simple kind, with what each accepts; each reader parses its
 /// variable through the same [`Var`], so this table and the readers cannot disagree. Free-form
-/// ones are not listed: library paths (`LOCKSTEP_*_LIBRARY`), `LOCKSTEP_SHM_DIR` (checked where
+/// ones are not listed: library paths (`LOCKSTEP_CUDA_LIBRARY`, `LOCKSTEP_NVRTC_LIBRARY`,
+/// `LOCKSTEP_NCCL_LIBRARY`, `LOCKSTEP_MPI_LIBRARY`: a file or a folder, read through [`raw`] so
+/// that a value that is not UTF-8 is an error), `LOCKSTEP_SHM_DIR` (checked where
 /// a named segment is made: an absolute path to a directory), NVRTC options, the log filter
 /// (`LOCKSTEP_LOG`, checked by every embedding: `logging`), the token (`LOCKSTEP_TOKEN`, which has its own
 /// rules), and the checkpoint fault injection (`LOCKSTEP_FAULT_SAVE`).

@@ -9,10 +9,11 @@
 mod buffer;
 mod coll;
 mod dtype;
+mod durable;
 pub mod env;
-mod file;
 
 pub use buffer::{Buffer, BufferMut, MemSpace, RawMem};
 pub use coll::CollKind;
 pub use dtype::{Dtype, Element, ReduceOp};
-pub use file::{write_atomic, WriteError};
+pub(crate) use durable::{random_hex, temp_name, temp_prefix, Dir, Temp};
+pub use durable::{write_atomic, WriteError};

@@ -1,7 +1,7 @@
 //! The `lockstep` binary for tests outside its package (crates/cli), where cargo provides no
 //! `CARGO_BIN_EXE_lockstep`: `target/<profile>/lockstep`, beside the `deps/` directory the test
 //! binary runs from. `cargo test` at the repository root builds it (crates/cli is a default member
-//! of the workspace); a test run alone with `-p lockstep` needs it built first.
+//! of the workspace); a test run alone with `-p lockstep-comm` needs it built first.
 
 use std::path::Path;
 use std::sync::OnceLock;

@@ -80,7 +80,7 @@ pub fn check_all_world1<T: Element>(
                             })
                             .map_err(e)?,
                     }
-                    let w = comm.all_to_all_async(&send, &mut inplace);
+                    let w = comm.start(|x| x.all_to_all(&send, &mut inplace));
                     w.wait().map_err(e)?;
                 }
                 other => {

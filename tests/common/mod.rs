@@ -1,95 +1,15 @@
-//! Helpers shared by the launcher tests: a sequential runner for `harness = false` targets (prints
-//! `test name ... ok` and a final `N passed, M skipped, F failed`), skips that are counted as such
-//! ([`skip`], [`skip_part`]), framed failure messages, and /proc look-ups for checking that no
-//! process is left behind.
+//! Helpers shared by the tests: the runner of every `harness = false` target (`runner.rs`),
+//! framed failure messages, and /proc look-ups for checking that no process is left behind.
 #![allow(dead_code)]
 
 mod bins;
+mod runner;
 #[allow(unused_imports)]
 pub use bins::lockstep_bin;
+#[allow(unused_imports)]
+pub use runner::{run, skip, skip_all, skip_part, Runner, Test};
 
-use std::process::ExitCode;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
-
-/// Marks a test's `Err` as a skip (see [`skip`]).
-const SKIP: &str = "\u{1}skip\u{1}";
-/// Parts of passing tests that were skipped ([`skip_part`]).
-static PARTS_SKIPPED: AtomicUsize = AtomicUsize::new(0);
-
-/// A test that cannot run here: `return common::skip("LOCKSTEP_REQUIRE_X", "why")`. The runner
-/// prints `test NAME ... skipped: why` and counts it as skipped, never as passed; with the
-/// `require` variable set to 1 it is a failure instead.
-pub fn skip(require: &str, why: &str) -> Result<(), String> {
-    if std::env::var(require).as_deref() == Ok("1") {
-        return Err(format!("{require}=1, but {why}"));
-    }
-    Err(format!("{SKIP}{why}"))
-}
-
-/// A part of a test (one case among several) that cannot run here: printed as `  skipped: why`
-/// and counted in the summary's "parts skipped", while the test's other parts still decide it.
-pub fn skip_part(why: &str) {
-    PARTS_SKIPPED.fetch_add(1, Ordering::Relaxed);
-    println!("  skipped: {why}");
-}
-
-/// A named test returning a message on failure.
-pub type Test = (&'static str, fn() -> Result<(), String>);
-
-/// Run `tests` one after another (optionally only those whose name contains the first CLI
-/// argument) and report like the default harness.
-pub fn run(tests: &[Test]) -> ExitCode {
-    let filter: Option<String> = std::env::args().skip(1).find(|a| !a.starts_with('-'));
-    let (mut passed, mut skipped, mut failed) = (0, 0, 0);
-    let mut failures = Vec::new();
-    for (name, f) in tests {
-        if filter.as_ref().is_some_and(|p| !name.contains(p.as_str())) {
-            continue;
-        }
-        let t = Instant::now();
-        let r = std::panic::catch_unwind(f).unwrap_or_else(|p| {
-            Err(p
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
-                .unwrap_or_else(|| "panicked".into()))
-        });
-        match r {
-            Ok(()) => {
-                passed += 1;
-                println!("test {name} ... ok ({:.2} s)", t.elapsed().as_secs_f64());
-            }
-            Err(m) if m.starts_with(SKIP) => {
-                skipped += 1;
-                println!("test {name} ... skipped: {}", &m[SKIP.len()..]);
-            }
-            Err(m) => {
-                failed += 1;
-                println!(
-                    "test {name} ... FAILED ({:.2} s)",
-                    t.elapsed().as_secs_f64()
-                );
-                failures.push((name, m));
-            }
-        }
-    }
-    for (name, m) in &failures {
-        println!("\n---- {name} ----\n{m}\n{}", "-".repeat(60));
-    }
-    let parts = PARTS_SKIPPED.load(Ordering::Relaxed);
-    let parts = if parts > 0 {
-        format!(" ({parts} parts of passing tests skipped)")
-    } else {
-        String::new()
-    };
-    println!("\n{passed} passed, {skipped} skipped, {failed} failed{parts}");
-    if failed == 0 {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::FAILURE
-    }
-}
 
 /// `Err` with a framed expected/actual message unless `cond`.
 pub fn check(cond: bool, what: &str, detail: impl std::fmt::Display) -> Result<(), String> {

@@ -13,7 +13,11 @@
  * Fault injection through the environment:
  *   SIM_CUDA_DEVICES=N  N devices (default 1), all alike;
  *   SIM_FAIL_FREE=1     cuMemFree_v2 fails (tests that Drop records the error);
- *   SIM_STREAM_STUCK=1  cuStreamQuery reports CUDA_ERROR_NOT_READY forever (a hung collective). */
+ *   SIM_STREAM_STUCK=1  cuStreamQuery reports CUDA_ERROR_NOT_READY forever (a hung collective).
+ * Call log: with SIM_CALL_LOG=FILE, every synchronisation, event record and stream wait appends a
+ * line to FILE (`cuEventRecord EVENT STREAM`, `cuStreamWaitEvent STREAM EVENT`,
+ * `cuStreamSynchronize STREAM`, `cuCtxSynchronize`, `cuEventSynchronize EVENT`; handles in hex),
+ * as sim_nccl.c does for its collectives, so a test can check how calls were ordered. */
 #include <stdlib.h>
 #include <string.h>
 #include "../simt/simt_launch.h"
@@ -22,6 +26,16 @@ static int initialised = 0, init_calls = 0, live_allocs = 0;
 static int ctx_token = 0;
 
 #include <stdio.h>
+#include <stdarg.h>
+/* One line to SIM_CALL_LOG, if set (opened per line: several processes may append). */
+static void sim_log(const char* fmt, ...) {
+    const char* path = getenv("SIM_CALL_LOG");
+    if (!path) return;
+    FILE* f = fopen(path, "a");
+    if (!f) return;
+    va_list ap; va_start(ap, fmt); vfprintf(f, fmt, ap); va_end(ap);
+    fputc('\n', f); fclose(f);
+}
 int cuInit(unsigned flags) {
     if (getenv("SIM_TRACE")) fprintf(stderr, "sim: cuInit(%u)\n", flags);
     if (flags != 0) return 1;
@@ -63,18 +77,18 @@ int cuDeviceTotalMem_v2(size_t* b, int d) { *b = (size_t)1 << 30; return 0; }
 int cuDevicePrimaryCtxRetain(void** c, int d) { NEED_INIT; *c = &ctx_token; return 0; }
 int cuDevicePrimaryCtxRelease_v2(int d) { return 0; }
 int cuCtxSetCurrent(void* c) { return 0; }
-int cuCtxSynchronize(void) { return 0; }
+int cuCtxSynchronize(void) { sim_log("cuCtxSynchronize"); return 0; }
 int cuStreamCreate(void** s, unsigned f) { *s = malloc(8); return 0; }
 int cuStreamDestroy_v2(void* s) { free(s); return 0; }
-int cuStreamSynchronize(void* s) { return 0; }
+int cuStreamSynchronize(void* s) { sim_log("cuStreamSynchronize %p", s); return 0; }
 int cuStreamQuery(void* s) { return getenv("SIM_STREAM_STUCK") ? 600 : 0; }
 static int stream_waits = 0;
 int sim_stream_waits(void) { return stream_waits; }
-int cuStreamWaitEvent(void* s, void* e, unsigned f) { stream_waits++; return 0; }
+int cuStreamWaitEvent(void* s, void* e, unsigned f) { stream_waits++; sim_log("cuStreamWaitEvent %p %p", s, e); return 0; }
 int cuEventCreate(void** e, unsigned f) { *e = malloc(8); return 0; }
 int cuEventDestroy_v2(void* e) { free(e); return 0; }
-int cuEventRecord(void* e, void* s) { return 0; }
-int cuEventSynchronize(void* e) { return 0; }
+int cuEventRecord(void* e, void* s) { sim_log("cuEventRecord %p %p", e, s); return 0; }
+int cuEventSynchronize(void* e) { sim_log("cuEventSynchronize %p", e); return 0; }
 int cuEventQuery(void* e) { return getenv("SIM_STREAM_STUCK") ? 600 : 0; }
 int cuEventElapsedTime(float* ms, void* a, void* b) { *ms = 0.25f; return 0; }
 int cuMemAlloc_v2(CUdeviceptr* p, size_t n) { void* m = malloc(n); if (!m) return 2; *p = (CUdeviceptr)m; live_allocs++; return 0; }

@@ -68,7 +68,13 @@ int ncclCommCount(comm_t* c, int* n) { *n = c->nranks; return 0; }
 int ncclCommCuDevice(comm_t* c, int* d) { *d = 0; return 0; }
 int ncclCommUserRank(comm_t* c, int* r) { *r = c->rank; return 0; }
 static int copy(const void* s, void* r, size_t bytes, comm_t* c) { if (c->state != 0) return 5; c->ops++; if (s != r) memmove(r, s, bytes); return 0; }
-int ncclAllReduce(const void* s, void* r, size_t n, int dt, int op, comm_t* c, void* st) { return copy(s, r, n * dsize(dt), c); }
+/* SIM_CALL_LOG: as sim_cuda.c's call log, `ncclAllReduce STREAM`. */
+static void log_call(const char* name, void* st) {
+    const char* path = getenv("SIM_CALL_LOG");
+    FILE* f = path ? fopen(path, "a") : 0;
+    if (f) { fprintf(f, "%s %p\n", name, st); fclose(f); }
+}
+int ncclAllReduce(const void* s, void* r, size_t n, int dt, int op, comm_t* c, void* st) { log_call("ncclAllReduce", st); return copy(s, r, n * dsize(dt), c); }
 int ncclBroadcast(const void* s, void* r, size_t n, int dt, int root, comm_t* c, void* st) { return copy(s, r, n * dsize(dt), c); }
 int ncclReduce(const void* s, void* r, size_t n, int dt, int op, int root, comm_t* c, void* st) { return copy(s, r, n * dsize(dt), c); }
 int ncclAllGather(const void* s, void* r, size_t n, int dt, comm_t* c, void* st) { return copy(s, r, n * dsize(dt), c); }

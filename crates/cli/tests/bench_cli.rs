@@ -193,13 +193,54 @@ fn nccl_tests_names() -> Result<(), String> {
             show(&o),
         )?;
     }
-    // Refused before any rank starts, with what to do instead.
-    let o = bench(&["-d", "all"])?;
+    // nccl-tests' `-d all` and `-o all`: every type, every operator, one block of rows each
+    // (combination-major), every row verified.
+    let o = bench(&[
+        "--nprocs", "2", "-d", "all", "-o", "all", "--sizes", "64,4K", "-n", "2", "-w", "1",
+    ])?;
+    let r = rows(&stdout(&o));
+    let combos: Vec<(String, String)> = r
+        .iter()
+        .step_by(2)
+        .map(|c| (c[2].clone(), c[3].clone()))
+        .collect();
     check(
-        o.status.code() == Some(2)
-            && String::from_utf8_lossy(&o.stderr)
-                .contains("-d all: the benchmark times one type per run"),
-        "-d all is refused",
+        o.status.success()
+            && r.len() == 10 * 5 * 2
+            && combos.first() == Some(&("i8".into(), "sum".into()))
+            && combos.last() == Some(&("bf16".into(), "avg".into()))
+            && combos.contains(&("f16".into(), "prod".into()))
+            && r.iter().all(|c| c[8] == "0" && c[12] == "0"),
+        "-d all -o all: 10 types x 5 operators x 2 sizes, all verified",
+        show(&o),
+    )?;
+    // A collective that does not reduce times each type once, whatever -o says.
+    let o = bench(&[
+        "--nprocs",
+        "2",
+        "--op",
+        "all_gather",
+        "-d",
+        "all",
+        "-o",
+        "all",
+        "--sizes",
+        "64",
+        "-n",
+        "2",
+        "-w",
+        "1",
+        "--format",
+        "json",
+    ])?;
+    let v = json(&o)?;
+    check(
+        o.status.success()
+            && v["type"] == "all"
+            && v["redop"] == "none"
+            && v["rows"].as_array().map(|a| a.len()) == Some(10)
+            && v["rows"][9]["type"] == "bf16",
+        "all_gather -d all: one row per type",
         show(&o),
     )?;
     let o = bench(&["--op", "all_to_all_v"])?;
@@ -434,6 +475,71 @@ fn statistics() -> Result<(), String> {
     )
 }
 
+/// nccl-tests' per-rank lines: one per rank, with its pid and CPUs, after the title.
+fn rank_lines() -> Result<(), String> {
+    let o = bench(&["--nprocs", "3", "--sizes", "8", "-n", "2", "-w", "1"])?;
+    let s = stdout(&o);
+    let lines: Vec<&str> = s.lines().filter(|l| l.starts_with("#  Rank")).collect();
+    let pids: Vec<&str> = lines
+        .iter()
+        .filter_map(|l| l.split_whitespace().nth(4))
+        .collect();
+    let mut distinct = pids.clone();
+    distinct.sort_unstable();
+    distinct.dedup();
+    check(
+        o.status.success()
+            && s.contains("# Using devices")
+            && lines.len() == 3
+            && (0..3).all(|r| lines[r].starts_with(&format!("#  Rank {r:>3} Pid")))
+            && lines.iter().all(|l| l.contains(" cpus "))
+            && distinct.len() == 3,
+        "one line per rank with its own pid and CPUs",
+        show(&o),
+    )?;
+    let o = bench(&[
+        "--nprocs", "2", "--sizes", "8", "-n", "2", "--format", "json",
+    ])?;
+    let v = json(&o)?;
+    check(
+        v["rank_info"].as_array().map(|a| a.len()) == Some(2) && v["rank_info"][1]["rank"] == 1,
+        "rank_info in the JSON",
+        show(&o),
+    )
+}
+
+/// Under a launcher every rank runs `lockstep bench` and joins the job: one table (rank 0's),
+/// for the job's ranks; --nprocs may only repeat their number.
+fn under_a_launcher() -> Result<(), String> {
+    let launch = |n: &str, extra: &[&str]| {
+        Command::new(BIN)
+            .args(["launch", "--nproc-per-node", n, "--no-prefix", BIN, "bench"])
+            .args(extra)
+            .stdin(Stdio::null())
+            .output()
+            .map_err(|e| e.to_string())
+    };
+    let o = launch("3", &["--sizes", "8,64K", "-n", "3", "-w", "1"])?;
+    let s = stdout(&o);
+    check(
+        o.status.success()
+            && s.matches("# lockstep bench: 3 ranks").count() == 1
+            && s.lines().filter(|l| l.starts_with("#  Rank")).count() == 3
+            && rows(&s).len() == 2
+            && rows(&s).iter().all(|c| c[8] == "0" && c[12] == "0"),
+        "3 launched ranks: one table of 2 verified rows, 3 rank lines",
+        show(&o),
+    )?;
+    let o = launch("2", &["--nprocs", "4", "--sizes", "8"])?;
+    check(
+        !o.status.success()
+            && String::from_utf8_lossy(&o.stderr)
+                .contains("--nprocs 4 but the lockstep job has 2 ranks"),
+        "--nprocs disagreeing with the job is refused",
+        show(&o),
+    )
+}
+
 fn main() -> std::process::ExitCode {
     common::run(&[
         ("nccl_tests_flags_and_columns", nccl_tests_flags_and_columns),
@@ -444,5 +550,7 @@ fn main() -> std::process::ExitCode {
         ),
         ("barrier_csv_json", barrier_csv_json),
         ("statistics", statistics),
+        ("rank_lines", rank_lines),
+        ("under_a_launcher", under_a_launcher),
     ])
 }

@@ -6,6 +6,9 @@
 //! `mpirun` comes from Debian's `openmpi-bin` (CI installs it); without it the mpirun case prints
 //! `skipped: ...`, and fails instead when `LOCKSTEP_REQUIRE_MPI=1`.
 
+#[path = "../../../tests/common/runner.rs"]
+mod runner;
+
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
@@ -103,14 +106,10 @@ fn mpirun() -> TestResult {
         .output()
         .is_ok_and(|o| o.status.success());
     if !found {
-        if std::env::var("LOCKSTEP_REQUIRE_MPI").is_ok_and(|v| v == "1") {
-            return Err(
-                "LOCKSTEP_REQUIRE_MPI=1 but mpirun is not on PATH (apt-get install openmpi-bin)"
-                    .into(),
-            );
-        }
-        println!("skipped: mpirun not installed (apt-get install openmpi-bin)");
-        return Ok(());
+        return runner::skip(
+            "LOCKSTEP_REQUIRE_MPI",
+            "mpirun is not on PATH (apt-get install openmpi-bin)",
+        );
     }
     for n in [2, 3] {
         let t = Instant::now();
@@ -288,34 +287,5 @@ fn main() -> std::process::ExitCode {
         ("srun_env_two_nodes_on_one_host", srun_two_nodes),
         ("no_launcher_is_named", no_launcher),
     ];
-    let filter: Vec<String> = std::env::args()
-        .skip(1)
-        .filter(|a| !a.starts_with('-'))
-        .collect();
-    let (mut passed, mut failed) = (0, 0);
-    for (name, f) in tests {
-        if !filter.is_empty() && !filter.iter().any(|x| name.contains(x.as_str())) {
-            continue;
-        }
-        let t = Instant::now();
-        match f() {
-            Ok(()) => {
-                passed += 1;
-                println!("test {name} ... ok ({:.2} s)", t.elapsed().as_secs_f64());
-            }
-            Err(e) => {
-                failed += 1;
-                println!("test {name} ... FAILED\n{e}");
-            }
-        }
-    }
-    println!(
-        "\ntest result: {}. {passed} passed; {failed} failed",
-        if failed == 0 { "ok" } else { "FAILED" }
-    );
-    if failed == 0 {
-        std::process::ExitCode::SUCCESS
-    } else {
-        std::process::ExitCode::FAILURE
-    }
+    runner::run(&tests)
 }

@@ -1,5 +1,5 @@
 //! What rank 0 of `train-cnn` shows and writes: a progress bar on a terminal, per-step lines
-//! (`epoch 1/4 step 100/469 loss 0.4384 2345 img/s`, the seed's shape) off one, one line or JSON
+//! (`epoch 1/4 step 100/469 loss 0.4384 2345 img/s`, the reference PyTorch script's shape) off one, one line or JSON
 //! object per epoch, the peak-RSS summary of every rank, the `--metrics` JSON-lines file and the
 //! `--plot` SVG.
 //!
@@ -26,8 +26,9 @@ use std::time::{Duration, Instant};
 
 use lockstep::train::trainer::{EpochReport, Observer};
 use lockstep::types::write_atomic;
+use serde_json::{json, Map, Value};
 
-/// Steps between per-step lines off a terminal when `--log-every` is not given (the seed's).
+/// Steps between per-step lines off a terminal when `--log-every` is not given (the reference PyTorch script's).
 pub const DEFAULT_LOG_EVERY: usize = 100;
 /// Least time between two redraws of the bar.
 const REDRAW: Duration = Duration::from_millis(100);
@@ -166,20 +167,17 @@ impl Console {
     /// The end of the run: the peak RSS of every rank (KiB, rank order) on the console and in the
     /// metrics file, the files written a last time. An error writing them is returned now.
     pub fn finish(&mut self, rss_kib: &[u64]) -> Result<(), String> {
-        let mib: Vec<String> = rss_kib
-            .iter()
-            .map(|k| format!("{:.1}", *k as f64 / 1024.0))
-            .collect();
+        let mib: Vec<f64> = rss_kib.iter().map(|k| *k as f64 / 1024.0).collect();
+        let values: Vec<Value> = mib.iter().map(|m| num(*m, 1)).collect();
         let text = if self.opts.json {
-            format!("{{\"peak_rss_mib\":[{}]}}\n", mib.join(","))
+            format!("{}\n", json!({ "peak_rss_mib": values }))
         } else {
-            format!("peak RSS per rank: {} MiB\n", mib.join(", "))
+            let t: Vec<String> = mib.iter().map(|m| format!("{m:.1}")).collect();
+            format!("peak RSS per rank: {} MiB\n", t.join(", "))
         };
         self.line(&text);
-        self.records.push(format!(
-            "{{\"kind\":\"summary\",\"peak_rss_mib\":[{}]}}",
-            mib.join(",")
-        ));
+        self.records
+            .push(json!({ "kind": "summary", "peak_rss_mib": values }).to_string());
         self.write_files();
         match self.file_error.take() {
             Some(e) => Err(e),
@@ -211,7 +209,7 @@ pub fn render_bar(
     s
 }
 
-/// `epoch 1/4 step 100/469 loss 0.4384 2345 img/s`: the seed's per-step line.
+/// `epoch 1/4 step 100/469 loss 0.4384 2345 img/s`: the reference PyTorch script's per-step line.
 pub fn step_line(
     epoch: u64,
     epochs: u64,
@@ -223,29 +221,33 @@ pub fn step_line(
     format!("epoch {epoch}/{epochs} step {step}/{steps} loss {loss:.4} {images_per_s:.0} img/s")
 }
 
-fn epoch_json(r: &EpochReport) -> String {
+/// An epoch's fields, after `kind` when given (the metrics file's records have one).
+fn epoch_json(kind: Option<&str>, r: &EpochReport) -> Value {
+    let mut m = Map::new();
+    if let Some(k) = kind {
+        m.insert("kind".into(), k.into());
+    }
+    m.insert("epoch".into(), r.epoch.into());
+    m.insert("epochs".into(), r.epochs.into());
+    m.insert("train_loss".into(), num(r.train_loss, 6));
+    m.insert("test_acc".into(), num(r.test_acc, 4));
+    m.insert("test_count".into(), r.test_count.into());
+    m.insert("epoch_s".into(), num(r.epoch_s, 3));
+    m.insert("images_per_s".into(), num(r.images_per_s, 1));
+    m.insert("steps".into(), r.steps.into());
     // fp16's loss scaling adds its skipped steps and the scale (other precisions scale nothing).
-    let amp = match r.loss_scale {
-        Some(scale) => format!(
-            ",\"skipped_steps\":{},\"loss_scale\":{}",
-            r.skipped_steps,
-            num(scale as f64, 1)
-        ),
-        None => String::new(),
-    };
-    format!(
-        "\"epoch\":{},\"epochs\":{},\"train_loss\":{:.6},\"test_acc\":{:.4},\"test_count\":{},\"epoch_s\":{:.3},\"images_per_s\":{:.1},\"steps\":{}{amp}",
-        r.epoch, r.epochs, r.train_loss, r.test_acc, r.test_count, r.epoch_s, r.images_per_s, r.steps
-    )
+    if let Some(scale) = r.loss_scale {
+        m.insert("skipped_steps".into(), r.skipped_steps.into());
+        m.insert("loss_scale".into(), num(scale as f64, 1));
+    }
+    Value::Object(m)
 }
 
-/// A JSON number for an f32/f64 that may not be finite (JSON has no NaN): `null` then.
-fn num(x: f64, decimals: usize) -> String {
-    if x.is_finite() {
-        format!("{x:.decimals$}")
-    } else {
-        "null".into()
-    }
+/// A JSON number rounded to `decimals` places, or `null` for a value that is not finite (JSON has
+/// no NaN or infinity).
+fn num(x: f64, decimals: i32) -> Value {
+    let p = 10f64.powi(decimals);
+    serde_json::Number::from_f64((x * p).round() / p).map_or(Value::Null, Value::Number)
 }
 
 impl Observer for Console {
@@ -264,22 +266,32 @@ impl Observer for Console {
     fn step(&mut self, step: usize, loss: f32, images_per_s: f64) {
         let (e, es, n) = (self.epoch, self.epochs, self.steps);
         if self.opts.metrics.is_some() {
-            self.records.push(format!(
-                "{{\"kind\":\"step\",\"epoch\":{e},\"step\":{step},\"steps\":{n},\"loss\":{},\"images_per_s\":{}}}",
-                num(loss as f64, 6),
-                num(images_per_s, 1)
-            ));
+            self.records.push(
+                json!({
+                    "kind": "step",
+                    "epoch": e,
+                    "step": step,
+                    "steps": n,
+                    "loss": num(loss as f64, 6),
+                    "images_per_s": num(images_per_s, 1),
+                })
+                .to_string(),
+            );
         }
         if let Some(every) = self.log_every {
             let bucket = step / every;
             if bucket > self.logged {
                 self.logged = bucket;
                 let text = if self.opts.json {
-                    format!(
-                        "{{\"step\":{step},\"steps\":{n},\"epoch\":{e},\"epochs\":{es},\"loss\":{},\"images_per_s\":{}}}\n",
-                        num(loss as f64, 6),
-                        num(images_per_s, 1)
-                    )
+                    let v = json!({
+                        "step": step,
+                        "steps": n,
+                        "epoch": e,
+                        "epochs": es,
+                        "loss": num(loss as f64, 6),
+                        "images_per_s": num(images_per_s, 1),
+                    });
+                    format!("{v}\n")
                 } else {
                     format!("{}\n", step_line(e, es, step, n, loss, images_per_s))
                 };
@@ -293,7 +305,7 @@ impl Observer for Console {
 
     fn epoch_end(&mut self, r: &EpochReport) {
         let text = if self.opts.json {
-            format!("{{{}}}\n", epoch_json(r))
+            format!("{}\n", epoch_json(None, r))
         } else {
             let amp = match r.loss_scale {
                 Some(scale) => format!("  fp16: {} skipped, loss scale {scale}", r.skipped_steps),
@@ -305,8 +317,7 @@ impl Observer for Console {
             )
         };
         self.line(&text);
-        self.records
-            .push(format!("{{\"kind\":\"epoch\",{}}}", epoch_json(r)));
+        self.records.push(epoch_json(Some("epoch"), r).to_string());
         self.history.push(r.clone());
         self.write_files();
     }
@@ -368,6 +379,7 @@ mod tests {
             step_line(1, 4, 100, 469, 0.43843934, 2345.6),
             "epoch 1/4 step 100/469 loss 0.4384 2346 img/s"
         );
-        assert_eq!(num(f64::NAN, 2), "null");
+        assert_eq!(num(f64::NAN, 2), Value::Null);
+        assert_eq!(num(0.43843934, 4), json!(0.4384));
     }
 }

@@ -21,11 +21,19 @@
 //! A group's operations are progressed together by one loop that never blocks on a single
 //! operation, so any set of operations whose sends and receives match completes. Operations on
 //! the same ordered pair run in the order they were posted.
+//!
+//! A receive from any source ([`ANY_SOURCE`]) looks, while unmatched, at the mailboxes from every
+//! other rank, in turn from the one after the rank it last took a message from (so none is
+//! favoured), and takes the first message that has arrived on a pair whose stream no earlier
+//! receive of the group holds; from then on it is a receive from that rank, header check and
+//! all. While it finds none, the receives posted after it wait: any message they could take, it
+//! could take too, and MPI gives a message to the earliest receive that matches it. Ranks that
+//! are gone stop being candidates; once every other rank is gone, the receive fails.
 
 use std::sync::atomic::Ordering::{Acquire, Relaxed, SeqCst};
 use std::time::{Duration, Instant};
 
-use crate::comm::{CollKind, CommError, Dtype, P2pOp};
+use crate::comm::{CollKind, CommError, Dtype, P2pOp, ANY_SOURCE};
 use crate::shm::channel::Channel;
 use crate::shm::direct::{allow_sibling_reads, pid_namespace, read_direct};
 use crate::shm::reduce::copy_block;
@@ -77,6 +85,9 @@ pub(crate) struct P2p {
     /// Mailboxes this rank has mapped: to each peer (sends) and from each peer (receives).
     mapped_send: Vec<bool>,
     mapped_recv: Vec<bool>,
+    /// Where a receive from any source starts looking: the rank after the one whose message the
+    /// last such receive took.
+    any_next: usize,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -120,6 +131,7 @@ impl P2p {
             front_recv: vec![false; world],
             mapped_send: vec![false; world],
             mapped_recv: vec![false; world],
+            any_next: 0,
         }
     }
 
@@ -130,35 +142,53 @@ impl P2p {
     fn map_mailboxes(&mut self, ch: &Channel, ops: &[P2pOp]) -> Result<(), CommError> {
         let me = ch.rank();
         for o in ops {
-            let (mapped, src, dst) = match o.kind {
-                CollKind::Send => (&mut self.mapped_send[o.peer], me, o.peer),
-                _ => (&mut self.mapped_recv[o.peer], o.peer, me),
-            };
-            if *mapped {
-                continue;
+            match o.kind {
+                CollKind::Send => self.map_mailbox(ch, true, o.peer)?,
+                // A receive from any source may take a message from any other rank.
+                _ if o.peer == ANY_SOURCE => {
+                    for j in (0..ch.world()).filter(|&j| j != me) {
+                        self.map_mailbox(ch, false, j)?;
+                    }
+                }
+                _ => self.map_mailbox(ch, false, o.peer)?,
             }
-            let l = ch.layout();
-            ch.seg()
-                .populate(l.pair_off(src, dst), PAIR_CTRL_BYTES + l.mbox_bytes)
-                .map_err(|e| {
-                    crate::shm::segment::no_room_now(
-                        &e,
-                        &format!(
-                            "the mailbox from {} to {} and its control lines",
-                            ch.who(src),
-                            ch.who(dst)
-                        ),
-                    )
-                })?;
-            *mapped = true;
         }
         Ok(())
     }
 
-    /// Run a group of operations (checked locally: peers in range, host buffers) to completion.
-    /// A mismatch fails its own operation while the others go on; the first error is returned.
-    /// A lost peer or a timeout ends the group at once.
-    pub(crate) fn run(&mut self, ch: &Channel, ops: &[P2pOp]) -> Result<(), CommError> {
+    /// Map the mailbox to `peer` (`send`) or from it, unless this rank has already.
+    fn map_mailbox(&mut self, ch: &Channel, send: bool, peer: usize) -> Result<(), CommError> {
+        let me = ch.rank();
+        let (mapped, src, dst) = if send {
+            (&mut self.mapped_send[peer], me, peer)
+        } else {
+            (&mut self.mapped_recv[peer], peer, me)
+        };
+        if *mapped {
+            return Ok(());
+        }
+        let l = ch.layout();
+        ch.seg()
+            .populate(l.pair_off(src, dst), PAIR_CTRL_BYTES + l.mbox_bytes)
+            .map_err(|e| {
+                crate::shm::segment::no_room_now(
+                    &e,
+                    &format!(
+                        "the mailbox from {} to {} and its control lines",
+                        ch.who(src),
+                        ch.who(dst)
+                    ),
+                )
+            })?;
+        *mapped = true;
+        Ok(())
+    }
+
+    /// Run a group of operations (checked locally: peers in range or, for receives, any source;
+    /// host buffers) to completion. A mismatch fails its own operation while the others go on;
+    /// the first error is returned. A lost peer or a timeout ends the group at once. Each receive
+    /// from any source that matched gets its sender's rank in `peer`.
+    pub(crate) fn run(&mut self, ch: &Channel, ops: &mut [P2pOp]) -> Result<(), CommError> {
         self.map_mailboxes(ch, ops)?;
         let mut st = std::mem::take(&mut self.st);
         st.clear();
@@ -172,6 +202,9 @@ impl P2p {
             finished: false,
         }));
         let r = self.progress(ch, &mut st);
+        for (o, s) in ops.iter_mut().zip(&st) {
+            o.peer = s.op.peer;
+        }
         self.st = st;
         r
     }
@@ -197,6 +230,7 @@ impl P2p {
                         self.front_send[peer] = true;
                         self.step_send(ch, s)
                     }
+                    CollKind::Recv if peer == ANY_SOURCE => self.step_any(ch, s),
                     CollKind::Recv if !self.front_recv[peer] => {
                         self.front_recv[peer] = true;
                         self.step_recv(ch, s)
@@ -360,6 +394,41 @@ impl P2p {
             return Ok(true);
         }
         Ok(false)
+    }
+
+    /// A receive from any source, not matched yet: take the next message of the first rank (in
+    /// turn from `any_next`) whose message has arrived and whose stream no receive posted before
+    /// this one holds; the receive is one from that rank from then on. If no message has
+    /// arrived, the receives posted after this one wait (see the module's description).
+    fn step_any(&mut self, ch: &Channel, s: &mut OpState) -> Result<bool, CommError> {
+        let (me, n) = (ch.rank(), ch.world());
+        let from = (0..n)
+            .map(|i| (self.any_next + i) % n)
+            .find(|&j| j != me && !self.front_recv[j] && self.arrived(ch, j));
+        let Some(j) = from else {
+            for (j, f) in self.front_recv.iter_mut().enumerate() {
+                *f |= j != me;
+            }
+            return Ok(false);
+        };
+        self.any_next = (j + 1) % n;
+        self.front_recv[j] = true;
+        s.op.peer = j;
+        // The message has arrived, so this matches it (or finds the mismatch): `sent` and the
+        // fast box only grow, and only this rank marks the pair bad.
+        self.step_recv(ch, s)
+    }
+
+    /// Whether the next message from `j` to this rank has arrived (its header is in the fast box
+    /// or the ring), on a pair no mismatch has made unusable.
+    fn arrived(&self, ch: &Channel, j: usize) -> bool {
+        let (pc, _, _) = pair(ch, j, ch.rank());
+        if pc.bad.load(Acquire) != 0 {
+            return false;
+        }
+        // `sent` first, as in `step_recv`.
+        let sent = pc.sent.load(Acquire);
+        pc.fast.msg.load(Acquire) == self.recv_msgs[j] + 1 || sent >= self.recv_pos[j] + HDR
     }
 
     fn step_recv(&mut self, ch: &Channel, s: &mut OpState) -> Result<bool, CommError> {
@@ -544,23 +613,86 @@ fn mismatch(ch: &Channel, pc: &PairCtrl, src: usize, dst: usize, s: &OpState) ->
 }
 
 /// Sum of the counters the pending operations wait on: it changes whenever one of them may
-/// progress (they only grow).
+/// progress (they only grow). An unmatched receive from any source waits on every other rank.
 fn fingerprint(ch: &Channel, st: &[OpState]) -> u64 {
     let me = ch.rank();
     st.iter().filter(|s| !s.finished).fold(0u64, |acc, s| {
+        if s.op.peer == ANY_SOURCE {
+            return (0..ch.world())
+                .filter(|&j| j != me)
+                .fold(acc, |a, j| a.wrapping_add(counters(ch, j, me)));
+        }
         let (src, dst) = if s.op.kind == CollKind::Send {
             (me, s.op.peer)
         } else {
             (s.op.peer, me)
         };
-        let (pc, _, _) = pair(ch, src, dst);
-        acc.wrapping_add(pc.sent.load(SeqCst))
-            .wrapping_add(pc.taken.load(SeqCst))
-            .wrapping_add(pc.matched.load(SeqCst))
-            .wrapping_add(pc.bad.load(SeqCst))
-            .wrapping_add(pc.nack.load(SeqCst))
-            .wrapping_add(pc.fast.msg.load(SeqCst))
+        acc.wrapping_add(counters(ch, src, dst))
     })
+}
+
+/// Sum of the counters of the mailbox from `src` to `dst`.
+fn counters(ch: &Channel, src: usize, dst: usize) -> u64 {
+    let (pc, _, _) = pair(ch, src, dst);
+    pc.sent
+        .load(SeqCst)
+        .wrapping_add(pc.taken.load(SeqCst))
+        .wrapping_add(pc.matched.load(SeqCst))
+        .wrapping_add(pc.bad.load(SeqCst))
+        .wrapping_add(pc.nack.load(SeqCst))
+        .wrapping_add(pc.fast.msg.load(SeqCst))
+}
+
+/// For a receive from any source: the error once every other rank is gone (died, or left the
+/// communicator), naming one that died if any did; `None` while one is there.
+fn all_gone(ch: &Channel) -> Option<CommError> {
+    let me = ch.rank();
+    let mut gone = Vec::new();
+    for j in (0..ch.world()).filter(|&j| j != me) {
+        gone.push((j, ch.peer_gone(j)?));
+    }
+    let &(r, died) = gone.iter().find(|g| g.1).or(gone.last())?;
+    let mut e = ch.peer_lost(r, died, CollKind::Recv, 0);
+    if let CommError::PeerLost { group, .. } = &mut e {
+        group.push_str(&format!(
+            " from any source, and no rank that could send is left ({})",
+            gone_list(ch, &gone)
+        ));
+    }
+    Some(e)
+}
+
+/// `rank 1 died, rank 2 left the communicator`.
+fn gone_list(ch: &Channel, gone: &[(usize, bool)]) -> String {
+    let how = |died: bool| {
+        if died {
+            "died"
+        } else {
+            "left the communicator"
+        }
+    };
+    gone.iter()
+        .map(|&(j, died)| format!("{} {}", ch.who(j), how(died)))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// What an unmatched receive from any source waits for, for a timeout: the ranks that could
+/// still send (global ranks), and those that are gone.
+fn any_source_wait(ch: &Channel) -> String {
+    let me = ch.rank();
+    let (mut live, mut gone) = (Vec::new(), Vec::new());
+    for j in (0..ch.world()).filter(|&j| j != me) {
+        match ch.peer_gone(j) {
+            None => live.push(ch.global(j)),
+            Some(died) => gone.push((j, died)),
+        }
+    }
+    let mut m = format!("recv from any source: no message arrived from any of ranks {live:?}");
+    if !gone.is_empty() {
+        m.push_str(&format!(" ({})", gone_list(ch, &gone)));
+    }
+    m
 }
 
 /// Waiting without progress: spin, yield, then sleep on the header's futex, checking the peers
@@ -644,6 +776,14 @@ impl Waiter {
         let me = ch.rank();
         let pending = st.iter().filter(|s| !s.finished);
         for s in pending.clone() {
+            if s.op.peer == ANY_SOURCE {
+                // Waits on as long as one rank that could send is there.
+                if let Some(e) = all_gone(ch) {
+                    self.gone = Some(e);
+                    return Ok(());
+                }
+                continue;
+            }
             if let Some(died) = ch.peer_gone(s.op.peer) {
                 self.gone = Some(ch.peer_lost(s.op.peer, died, s.op.kind, s.msg.unwrap_or(0)));
                 return Ok(());
@@ -653,6 +793,9 @@ impl Waiter {
             let first = st.iter().find(|s| !s.finished);
             let what: Vec<String> = pending
                 .map(|s| {
+                    if s.op.peer == ANY_SOURCE {
+                        return any_source_wait(ch);
+                    }
                     let (peer, g) = (ch.who(s.op.peer), ch.global(s.op.peer));
                     match (s.op.kind, s.msg) {
                         (CollKind::Send, None) => format!(
@@ -682,12 +825,18 @@ impl Waiter {
     }
 }
 
-/// The global ranks of the peers whose unfinished operations a point-to-point timeout names.
+/// The global ranks of the peers whose unfinished operations a point-to-point timeout names (a
+/// receive from any source waits for every other rank).
 fn missing_peers(ch: &Channel, st: &[OpState]) -> Vec<usize> {
+    let me = ch.rank();
     let mut v: Vec<usize> = st
         .iter()
         .filter(|s| !s.finished)
-        .map(|s| ch.global(s.op.peer))
+        .flat_map(|s| match s.op.peer {
+            ANY_SOURCE => (0..ch.world()).filter(|&r| r != me).collect(),
+            peer => vec![peer],
+        })
+        .map(|r| ch.global(r))
         .collect();
     v.sort_unstable();
     v.dedup();

@@ -307,7 +307,7 @@ impl<E: Exec> Engine<E> {
     }
 }
 
-/// Train the recipe CNN (`Model::fashion_cnn`) on the executor `make_exec` builds for the given arena sizes (f32, i32,
+/// Train the FashionMNIST CNN (`Model::fashion_cnn`) on the executor `make_exec` builds for the given arena sizes (f32, i32,
 /// bf16, f16 elements): the GPU one in `train-cnn --device cuda`, the CPU twins in tests. `comm` joins the ranks (gradient average, metrics); `None` trains alone.
 ///
 /// As the CPU trainer: `cfg.resume` loads a checkpoint (parameters, BatchNorm statistics, Adam

@@ -1,4 +1,4 @@
-//! Device execution of the training engine: the recipe CNN trained with the `kernels/*.cu`
+//! Device execution of the training engine: the FashionMNIST CNN trained with the `kernels/*.cu`
 //! kernels.
 //!
 //! | file | what lives there |

@@ -252,7 +252,7 @@ mod tests {
         twins.sort_unstable();
         assert_eq!(
             declared, twins,
-            "every kernel entry point needs a CPU twin in kernels/twins.rs (and a TWINS entry)"
+            "every kernel entry point needs a CPU twin in kernels/twins/ (and a TWINS entry)"
         );
     }
 

@@ -859,9 +859,9 @@ mod tests {
     }
 
     /// Every parameter's offset, the BatchNorm state names and initial values, the input and the
-    /// classes come from the model: nothing of the recipe CNN is written down.
+    /// classes come from the model: nothing of the FashionMNIST CNN is written down.
     #[test]
-    fn the_recipe_cnn_is_read_from_the_model() {
+    fn the_fashion_cnn_is_read_from_the_model() {
         let model = Model::fashion_cnn(4).unwrap();
         let t = Tensors::new(&model, 4, Precision::Fp32).unwrap();
         assert_eq!(

@@ -1,0 +1,223 @@
+//! The watchdog: every wait on NCCL (init, a nonblocking call settling, a stream, a `Work`
+//! handle) polls completion, `ncclCommGetAsyncError` and the caller's liveness check with a
+//! deadline; on an error, a timeout or a failed liveness check it calls `ncclCommAbort`, so a
+//! dead peer becomes a `CommError` instead of a hang.
+//!
+//! Separate from the calls themselves because it is the one policy they all share: how long to
+//! wait, what to poll, and when to give up and abort.
+
+use std::ffi::c_int;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::comm::{CommError, Completion};
+use crate::cuda::Event;
+
+use super::abort::Shared;
+use super::comm::{AbortCheck, NcclComm};
+use super::error::{invalid_arg, NcclError};
+use super::result::{self, IN_PROGRESS, SUCCESS};
+
+/// The completion of a call enqueued on an [`NcclComm`]: an event recorded after it on the
+/// communicator's stream, waited on with the same watchdog as [`NcclComm::wait`].
+pub(super) struct NcclCompletion {
+    event: Event,
+    shared: Arc<Shared>,
+    timeout: Duration,
+    abort_check: Option<AbortCheck>,
+    what: String,
+}
+
+impl NcclCompletion {
+    /// One look: `Ok(true)` when done, an error (after aborting) when NCCL reported one or the
+    /// liveness check failed.
+    fn poll(&self) -> Result<bool, NcclError> {
+        if let Some(reason) = self.shared.aborted() {
+            return Err(NcclError::Aborted {
+                what: self.what.clone(),
+                rank: self.shared.rank,
+                reason,
+            });
+        }
+        if self.event.query()? {
+            return Ok(true);
+        }
+        if let Some(st) = self.shared.async_error()? {
+            if st != SUCCESS && st != IN_PROGRESS {
+                let e = result::check(st, Some(self.shared.comm), || {
+                    format!("{} (async)", self.what)
+                })
+                .unwrap_err();
+                self.shared.abort(&e.to_string());
+                return Err(e);
+            }
+        }
+        if let Some(reason) = self.abort_check.as_ref().and_then(|c| c()) {
+            self.shared.abort(&reason);
+            return Err(NcclError::Aborted {
+                what: self.what.clone(),
+                rank: self.shared.rank,
+                reason,
+            });
+        }
+        Ok(false)
+    }
+}
+
+impl Completion for NcclCompletion {
+    fn query(&self) -> Result<bool, CommError> {
+        self.poll().map_err(CommError::from)
+    }
+
+    fn wait(self: Box<Self>) -> Result<(), CommError> {
+        let deadline = Instant::now() + self.timeout;
+        if wait_until(deadline, || self.poll())? {
+            return Ok(());
+        }
+        self.shared.abort(&format!("{} timed out", self.what));
+        Err(NcclError::Timeout {
+            what: self.what.clone(),
+            rank: self.shared.rank,
+            secs: self.timeout.as_secs_f64(),
+        }
+        .into())
+    }
+}
+
+pub(super) fn wait_until(
+    deadline: Instant,
+    mut done: impl FnMut() -> Result<bool, NcclError>,
+) -> Result<bool, NcclError> {
+    let mut sleep = Duration::from_micros(20);
+    loop {
+        if done()? {
+            return Ok(true);
+        }
+        if Instant::now() >= deadline {
+            return Ok(false);
+        }
+        std::thread::sleep(sleep);
+        sleep = (sleep * 2).min(Duration::from_millis(2));
+    }
+}
+
+impl NcclComm {
+    pub(super) fn async_error(&self) -> Result<c_int, NcclError> {
+        match self.shared.async_error()? {
+            Some(code) => Ok(code),
+            None => Err(self
+                .check_alive("ncclCommGetAsyncError")
+                .err()
+                .unwrap_or_else(|| invalid_arg("the communicator is gone".into()))),
+        }
+    }
+
+    /// Abort the communicator (idempotent) and remember why.
+    pub fn abort(&mut self, reason: &str) {
+        self.shared.abort(reason);
+    }
+
+    pub(super) fn check_alive(&self, op: &str) -> Result<(), NcclError> {
+        match self.shared.aborted() {
+            Some(r) => Err(NcclError::Aborted {
+                what: op.into(),
+                rank: self.rank,
+                reason: format!("the communicator was aborted earlier: {r}"),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// After a call that may return `ncclInProgress` (non-blocking communicator), wait until
+    /// NCCL settles; abort on an async error, a liveness failure or the timeout.
+    pub(super) fn settle(&mut self, rc: c_int, what: &str) -> Result<(), NcclError> {
+        if rc != IN_PROGRESS {
+            return result::check(rc, Some(self.comm), || what.to_string());
+        }
+        let deadline = Instant::now() + self.opts.timeout;
+        let mut last = IN_PROGRESS;
+        let ok = wait_until(deadline, || {
+            last = self.async_error()?;
+            Ok(last != IN_PROGRESS)
+        })?;
+        if !ok {
+            self.abort(&format!("{what} timed out"));
+            return Err(NcclError::Timeout {
+                what: what.into(),
+                rank: self.rank,
+                secs: self.opts.timeout.as_secs_f64(),
+            });
+        }
+        if last != SUCCESS {
+            let e = result::check(last, Some(self.comm), || what.to_string()).unwrap_err();
+            self.abort(&e.to_string());
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// Wait for the stream with the watchdog: poll completion, `ncclCommGetAsyncError` and the
+    /// liveness check; abort on any failure or on the timeout.
+    pub fn wait(&mut self, what: &str) -> Result<(), NcclError> {
+        self.check_alive(what)?;
+        self.ctx.bind()?;
+        let deadline = Instant::now() + self.opts.timeout;
+        let mut failure: Option<NcclError> = None;
+        let done = wait_until(deadline, || {
+            if self.stream.is_done()? {
+                return Ok(true);
+            }
+            let st = self.async_error()?;
+            if st != SUCCESS && st != IN_PROGRESS {
+                failure = Some(
+                    result::check(st, Some(self.comm), || format!("{what} (async)")).unwrap_err(),
+                );
+                return Ok(true);
+            }
+            if let Some(reason) = self.opts.abort_check.as_ref().and_then(|c| c()) {
+                failure = Some(NcclError::Aborted {
+                    what: what.into(),
+                    rank: self.rank,
+                    reason,
+                });
+                return Ok(true);
+            }
+            Ok(false)
+        });
+        let done = match done {
+            Ok(d) => d,
+            Err(e) => {
+                self.abort(&e.to_string());
+                return Err(e);
+            }
+        };
+        if let Some(e) = failure {
+            self.abort(&e.to_string());
+            return Err(e);
+        }
+        if !done {
+            self.abort(&format!("{what} timed out"));
+            return Err(NcclError::Timeout {
+                what: what.into(),
+                rank: self.rank,
+                secs: self.opts.timeout.as_secs_f64(),
+            });
+        }
+        Ok(())
+    }
+
+    /// The completion handle of the calls enqueued so far: an event recorded on the stream now,
+    /// waited on with this watchdog (see [`Backend::completion`](crate::comm::Backend::completion)).
+    pub(super) fn watched_completion(&mut self) -> Result<Box<dyn Completion>, CommError> {
+        self.check_alive("a nonblocking call")?;
+        let event = self.ctx.sync_event().map_err(NcclError::from)?;
+        event.record(&self.stream).map_err(NcclError::from)?;
+        Ok(Box::new(NcclCompletion {
+            event,
+            shared: self.shared.clone(),
+            timeout: self.opts.timeout,
+            abort_check: self.opts.abort_check.clone(),
+            what: format!("nonblocking call {} on rank {}", self.seq, self.rank),
+        }))
+    }
+}

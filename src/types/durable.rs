@@ -1,0 +1,320 @@
+//! Durable, atomic file writes: the crate's one implementation, used by every file it replaces
+//! ([`write_atomic`] for a single small file, and the checkpoint's two-file commit protocol,
+//! `train::checkpoint`, built from the same [`Dir`] and [`Temp`]). A reader sees the old contents
+//! or the new ones, never a mix, and a crash leaves one of the two.
+//!
+//! The steps: a fresh temporary in the target's directory (`O_CREAT|O_EXCL|O_NOFOLLOW`, created
+//! relative to the directory's descriptor, so neither a symbolic link planted under the temporary
+//! name nor a renamed directory can redirect it), the bytes, `fsync`, `rename` over the target,
+//! `fsync` of the directory (making the rename durable). The temporary is removed on any error.
+
+use std::ffi::{OsStr, OsString};
+use std::fs::File;
+use std::io::{Read, Write};
+use std::os::fd::{AsFd, BorrowedFd};
+use std::os::unix::ffi::{OsStrExt, OsStringExt};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+
+use nix::errno::Errno;
+use nix::fcntl::{AtFlags, OFlag};
+use nix::sys::stat::{fstatat, FileStat, Mode};
+use nix::unistd::UnlinkatFlags;
+
+/// Why [`write_atomic`] failed: the step, the path, and the OS error.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot write {path}: {what} failed ({source}); check that the directory exists and is writable")]
+pub struct WriteError {
+    /// The file being written.
+    pub path: PathBuf,
+    /// The step that failed (`create the temporary`, `fsync`, `rename`, ...).
+    pub what: &'static str,
+    /// The OS error.
+    #[source]
+    pub source: std::io::Error,
+}
+
+/// Replace `path` with `bytes` atomically (see the module docs); a new file gets `mode` (before
+/// the umask). The directory must exist. A symbolic link at `path` is replaced, not followed.
+pub fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> Result<(), WriteError> {
+    let fail = |what: &'static str, source: std::io::Error| WriteError {
+        path: path.to_path_buf(),
+        what,
+        source,
+    };
+    // Every step's error names the file being written, not the temporary.
+    let at_target = |e: WriteError| fail(e.what, e.source);
+    let name = path.file_name().ok_or_else(|| {
+        fail(
+            "naming the file",
+            std::io::Error::other("the path has no file name"),
+        )
+    })?;
+    let dir_path = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    let dir = Dir::open(dir_path).map_err(|e| fail("open the directory", e))?;
+    let mut t = Temp::create(&dir, name, mode).map_err(at_target)?;
+    t.write(bytes).map_err(at_target)?;
+    t.sync().map_err(at_target)?;
+    t.rename_to(name).map_err(at_target)?;
+    dir.sync().map_err(at_target)
+}
+
+/// A directory held open: every name is created, renamed and removed relative to this
+/// descriptor, so replacing the directory path midway cannot redirect a write.
+pub(crate) struct Dir {
+    /// The path it was opened by (for messages).
+    pub(crate) path: PathBuf,
+    file: File,
+}
+
+impl Dir {
+    /// Open `path` as a directory (`O_RDONLY|O_DIRECTORY|O_CLOEXEC`).
+    pub(crate) fn open(path: &Path) -> std::io::Result<Dir> {
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_DIRECTORY)
+            .open(path)?;
+        Ok(Dir {
+            path: path.to_path_buf(),
+            file,
+        })
+    }
+
+    /// The descriptor names are resolved against.
+    pub(crate) fn fd(&self) -> BorrowedFd<'_> {
+        self.file.as_fd()
+    }
+
+    /// The error of step `what` on `name` in this directory.
+    pub(crate) fn error(&self, name: &OsStr, what: &'static str, e: Errno) -> WriteError {
+        WriteError {
+            path: self.path.join(name),
+            what,
+            source: std::io::Error::from(e),
+        }
+    }
+
+    /// fsync the directory, making the renames in it durable.
+    pub(crate) fn sync(&self) -> Result<(), WriteError> {
+        self.file.sync_all().map_err(|source| WriteError {
+            path: self.path.clone(),
+            what: "fsync of the directory",
+            source,
+        })
+    }
+
+    /// Type and owner of `name`, without following a symbolic link; `None` if absent.
+    pub(crate) fn lstat(&self, name: &OsStr) -> Result<Option<FileStat>, WriteError> {
+        match fstatat(self.file.as_fd(), name, AtFlags::AT_SYMLINK_NOFOLLOW) {
+            Ok(st) => Ok(Some(st)),
+            Err(Errno::ENOENT) => Ok(None),
+            Err(e) => Err(self.error(name, "lstat", e)),
+        }
+    }
+}
+
+/// 16 random hex digits from the kernel (temporary names nobody can guess ahead).
+pub(crate) fn random_hex() -> std::io::Result<String> {
+    let mut b = [0u8; 8];
+    File::open("/dev/urandom")?.read_exact(&mut b)?;
+    Ok(b.iter().map(|x| format!("{x:02x}")).collect())
+}
+
+/// `.{target}.tmp-` : every temporary made for `target` starts so.
+pub(crate) fn temp_prefix(target: &OsStr) -> Vec<u8> {
+    [b".".as_slice(), target.as_bytes(), b".tmp-"].concat()
+}
+
+/// `.{target}.tmp-{pid}-{random}`: hidden; the pid lets a later writer tell a killed writer's
+/// leftovers from a write still running; the random part makes the name unpredictable to
+/// another user of a shared directory.
+pub(crate) fn temp_name(target: &OsStr) -> std::io::Result<OsString> {
+    let mut n = temp_prefix(target);
+    n.extend_from_slice(format!("{}-{}", std::process::id(), random_hex()?).as_bytes());
+    Ok(OsString::from_vec(n))
+}
+
+/// A temporary file in a [`Dir`], removed on drop unless renamed into place.
+pub(crate) struct Temp<'d> {
+    dir: &'d Dir,
+    name: OsString,
+    file: Option<File>,
+    live: bool,
+}
+
+impl<'d> Temp<'d> {
+    /// Create a fresh temporary for `target` with `mode` (before the umask): `O_EXCL` refuses
+    /// any existing name, symbolic links included, so nothing planted in the directory is ever
+    /// opened.
+    pub(crate) fn create(dir: &'d Dir, target: &OsStr, mode: u32) -> Result<Temp<'d>, WriteError> {
+        let flags =
+            OFlag::O_WRONLY | OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
+        let mut last = Errno::EEXIST;
+        // A clash of 64 random bits means someone is guessing; a few tries settle it.
+        for _ in 0..4 {
+            let name = temp_name(target).map_err(|source| WriteError {
+                path: PathBuf::from("/dev/urandom"),
+                what: "read /dev/urandom for the temporary's name",
+                source,
+            })?;
+            match nix::fcntl::openat(
+                dir.file.as_fd(),
+                name.as_os_str(),
+                flags,
+                Mode::from_bits_truncate(mode),
+            ) {
+                Ok(fd) => {
+                    return Ok(Temp {
+                        dir,
+                        name,
+                        file: Some(File::from(fd)),
+                        live: true,
+                    })
+                }
+                Err(Errno::EEXIST) => last = Errno::EEXIST,
+                Err(e) => return Err(dir.error(&name, "create the temporary", e)),
+            }
+        }
+        Err(dir.error(target, "create the temporary", last))
+    }
+
+    /// A name a hard link already gave a file: owned from here on (removed on drop).
+    pub(crate) fn adopt(dir: &'d Dir, name: OsString) -> Temp<'d> {
+        Temp {
+            dir,
+            name,
+            file: None,
+            live: true,
+        }
+    }
+
+    /// Where the temporary is.
+    pub(crate) fn path(&self) -> PathBuf {
+        self.dir.path.join(&self.name)
+    }
+
+    /// Write all of `bytes` (nothing for an adopted name).
+    pub(crate) fn write(&mut self, bytes: &[u8]) -> Result<(), WriteError> {
+        let path = self.path();
+        match &mut self.file {
+            Some(f) => f.write_all(bytes).map_err(|source| WriteError {
+                path,
+                what: "write",
+                source,
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// fsync the file's contents (nothing for an adopted name).
+    pub(crate) fn sync(&mut self) -> Result<(), WriteError> {
+        let path = self.path();
+        match &mut self.file {
+            Some(f) => f.sync_all().map_err(|source| WriteError {
+                path,
+                what: "fsync",
+                source,
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// Rename over `target` (atomically replacing whatever entry is there, a symbolic link
+    /// included, without following it). Durable once the directory is synced ([`Dir::sync`]).
+    pub(crate) fn rename_to(mut self, target: &OsStr) -> Result<(), WriteError> {
+        self.file = None;
+        let fd = self.dir.file.as_fd();
+        nix::fcntl::renameat(fd, self.name.as_os_str(), fd, target)
+            .map_err(|e| self.dir.error(target, "rename", e))?;
+        self.live = false;
+        Ok(())
+    }
+}
+
+impl Drop for Temp<'_> {
+    fn drop(&mut self) {
+        if self.live {
+            if let Err(e) = nix::unistd::unlinkat(
+                self.dir.file.as_fd(),
+                self.name.as_os_str(),
+                UnlinkatFlags::NoRemoveDir,
+            ) {
+                tracing::warn!(
+                    "could not remove the temporary file {}: {e}",
+                    self.path().display()
+                );
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    fn scratch(tag: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("lockstep-file-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    #[test]
+    fn writes_replaces_and_leaves_no_temporary() {
+        let d = scratch("replace");
+        let p = d.join("a.toml");
+        write_atomic(&p, b"one\n", 0o600).unwrap();
+        assert_eq!(std::fs::read(&p).unwrap(), b"one\n");
+        assert_eq!(
+            std::fs::metadata(&p).unwrap().permissions().mode() & 0o077,
+            0
+        );
+        write_atomic(&p, b"two\n", 0o600).unwrap();
+        assert_eq!(std::fs::read(&p).unwrap(), b"two\n");
+        let names: Vec<_> = std::fs::read_dir(&d)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names, vec![OsString::from("a.toml")]);
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn a_link_is_replaced_not_followed_and_a_missing_directory_is_named() {
+        let d = scratch("link");
+        let victim = d.join("victim");
+        std::fs::write(&victim, b"keep").unwrap();
+        let p = d.join("cfg");
+        std::os::unix::fs::symlink(&victim, &p).unwrap();
+        write_atomic(&p, b"new", 0o600).unwrap();
+        assert_eq!(std::fs::read(&victim).unwrap(), b"keep");
+        assert!(!std::fs::symlink_metadata(&p)
+            .unwrap()
+            .file_type()
+            .is_symlink());
+        let e = write_atomic(&d.join("no/such/file"), b"x", 0o600).unwrap_err();
+        assert!(
+            e.to_string().contains("open the directory") && e.to_string().contains("no/such/file"),
+            "{e}"
+        );
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn a_directory_in_the_way_is_an_error_and_leaves_nothing() {
+        let d = scratch("dir");
+        std::fs::create_dir_all(d.join("sub")).unwrap();
+        assert!(write_atomic(&d.join("sub"), b"x", 0o600).is_err());
+        let names: Vec<_> = std::fs::read_dir(&d)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names, vec![OsString::from("sub")]);
+        assert!(write_atomic(Path::new("/"), b"x", 0o600).is_err());
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+}
