@@ -329,6 +329,15 @@ impl Backend for StagedBackend {
         self.inner.seq()
     }
 
+    // The waits are the host communicator's: so is the timeout.
+    fn timeout(&self) -> Option<std::time::Duration> {
+        self.inner.timeout()
+    }
+
+    fn set_timeout(&mut self, timeout: std::time::Duration) -> Result<(), CommError> {
+        self.inner.set_timeout(timeout)
+    }
+
     // The staging copies run on the staging stream, and the host waits for that stream (not the
     // device) before the host collective reads the staged data: ordering the staging stream with
     // the caller's is all a call needs.

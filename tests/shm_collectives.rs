@@ -656,6 +656,43 @@ fn t_timeout_and_no_spin() -> Result<(), String> {
     Ok(())
 }
 
+/// `set_timeout` replaces the configured timeout for the calls that follow, on this rank only;
+/// the timeout error lists the ranks that had not arrived.
+fn t_set_timeout() -> Result<(), String> {
+    let mut cfg = small_cfg(2);
+    cfg.shm.timeout = Duration::from_secs(60);
+    cfg.fail_fast = false;
+    let out = launch(&cfg, |mut ctx: RankContext| -> RankResult<String> {
+        if ctx.comm.timeout() != Some(Duration::from_secs(60)) {
+            return Err(format!("timeout {:?}, configured 60 s", ctx.comm.timeout()).into());
+        }
+        ctx.comm.barrier()?;
+        if ctx.rank == 1 {
+            std::thread::sleep(Duration::from_millis(1500));
+            return Ok(String::new());
+        }
+        ctx.comm.set_timeout(Duration::from_millis(300))?;
+        let t = Instant::now();
+        match ctx.comm.barrier() {
+            Err(CommError::Timeout { missing, .. }) => Ok(format!(
+                "{:.2} {missing:?} {:?}",
+                t.elapsed().as_secs_f64(),
+                ctx.comm.timeout()
+            )),
+            r => Err(format!("expected a timeout, got {r:?}").into()),
+        }
+    })
+    .map_err(|e| e.to_string())?;
+    let (wall, rest) = out[0].split_once(' ').ok_or("no output")?;
+    let wall: f64 = wall.parse().map_err(|e| format!("{e}"))?;
+    if !(0.25..1.2).contains(&wall) || rest != "[1] Some(300ms)" {
+        return Err(format!(
+            "timed out after {wall} s with {rest}, expected ~0.3 s, [1] Some(300ms)"
+        ));
+    }
+    Ok(())
+}
+
 fn cpu_time() -> f64 {
     let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
     // SAFETY: valid out-parameter.
@@ -1741,6 +1778,7 @@ fn main() -> std::process::ExitCode {
         ("dead_peer", t_dead_peer),
         ("peer_left", t_peer_left),
         ("timeout_and_no_spin", t_timeout_and_no_spin),
+        ("set_timeout", t_set_timeout),
         ("sleepers_woken", t_sleepers_woken),
         ("named_segment_no_leak", t_named_segment_no_leak),
         ("local_argument_errors", t_local_argument_errors),

@@ -1079,6 +1079,9 @@ fn t_any_source_lost() -> Result<(), String> {
         }
         let mut b = [0u64; 4];
         match ctx.comm.recv_any(&mut b) {
+            Err(CommError::Timeout { missing, .. }) if missing != [1, 2] => {
+                Err(format!("the timeout lists {missing:?} as missing, not [1, 2]").into())
+            }
             Err(e @ CommError::Timeout { .. }) => Ok(e.to_string()),
             other => Err(format!("expected a timeout, got {other:?}").into()),
         }

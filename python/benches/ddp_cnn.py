@@ -1,6 +1,6 @@
 """PyTorch's own DistributedDataParallel on the lockstep backend against gloo: the seed recipe's
 FashionMNIST CNN (shared/seeds/002: Adam lr 0.005, batch 64 per rank, DistributedSampler), 2 CPU
-ranks forked by lockstep.notebook_launcher, one intra-op thread each.
+ranks forked by lockstep.notebook_launcher, each with torch intra-op threads for its block of CPUs.
 
 Both runs start from the same seed and see the same batches. They advance together, step by
 step: a training step (loading its batch included) of one model, then the same step of the
@@ -13,8 +13,13 @@ order it is taken in, so both backends should give the same model and the same a
                                      [--train-limit N] [--ranks 2]
 
 Prints one line per epoch and backend (time: training + evaluation) and a summary table.
-notebook_launcher pins each rank to one CPU (LOCKSTEP_CPU_BIND=core, the default); on a machine
-shared with other jobs, LOCKSTEP_CPU_BIND=none lets the scheduler move a rank off a busy CPU.
+
+Both backends run in the same rank processes, so they get the same CPUs and the same number of
+torch intra-op threads: the script binds the ranks as lockstep's launcher does by default
+(LOCKSTEP_CPU_BIND=block, unless set: each of N ranks on its own block of CPUs / N CPUs, one CPU
+each with 2 ranks on 2 CPUs) and sets torch's intra-op threads to the size of that block. On a
+machine shared with other jobs, LOCKSTEP_CPU_BIND=none lets the scheduler move a rank off a busy
+CPU (the threads stay CPUs / N).
 """
 
 import argparse
@@ -112,7 +117,8 @@ class Run:
 
 
 def body(args):
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
+    cpus = sorted(os.sched_getaffinity(0))
     train = load(args.data, "train", args.train_limit)
     test = load(args.data, "t10k")
     runs = [Run("lockstep", None, args, train, test), Run("gloo", dist.new_group(backend="gloo"), args, train, test)]
@@ -134,7 +140,7 @@ def body(args):
                 print(f"epoch {e + 1}/{args.epochs} {r.name:8s} {dt:7.1f} s  test acc {acc:.2f} %  loss {loss:.4f}", flush=True)
             out.append((e + 1, r.name, dt, acc))
     same = all(torch.equal(a, b) for a, b in zip(runs[0].model.parameters(), runs[1].model.parameters()))
-    return out, same, sorted(os.sched_getaffinity(0))
+    return out, same, cpus, torch.get_num_threads()
 
 
 def main():
@@ -147,15 +153,23 @@ def main():
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--train-limit", type=int, default=None, help="train on the first N samples only (quick runs)")
     args = p.parse_args()
+    # Set before the ranks are forked: they bind themselves when they join (lockstep's Python
+    # package binds nothing unless asked).
+    os.environ.setdefault("LOCKSTEP_CPU_BIND", "block")
+    # The size of a rank's block: CPUs / ranks (at least 1).
+    args.threads = max(1, len(os.sched_getaffinity(0)) // args.ranks)
     res = lockstep.notebook_launcher(body, args=(args,), num_processes=args.ranks)
-    rows, same, cpus = res[0]
+    rows, same, cpus, threads = res[0]
     by = {(e, n): (dt, acc) for e, n, dt, acc in rows}
     print("\n| epoch | lockstep s | gloo s | gloo / lockstep | lockstep acc % | gloo acc % |")
     print("|---:|---:|---:|---:|---:|---:|")
     for e in range(1, args.epochs + 1):
         (lt, la), (gt, ga) = by[(e, "lockstep")], by[(e, "gloo")]
         print(f"| {e} | {lt:.1f} | {gt:.1f} | {gt / lt:.2f} | {la:.2f} | {ga:.2f} |")
-    print(f"\nfinal parameters identical on both backends: {same}; rank 0 may run on CPUs {cpus} (LOCKSTEP_CPU_BIND={os.environ.get('LOCKSTEP_CPU_BIND', 'core')})")
+    print(
+        f"\nfinal parameters identical on both backends: {same}; rank 0 on CPUs {cpus} "
+        f"(LOCKSTEP_CPU_BIND={os.environ['LOCKSTEP_CPU_BIND']}), {threads} torch intra-op thread(s) per rank for both backends"
+    )
 
 
 if __name__ == "__main__":

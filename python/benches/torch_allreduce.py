@@ -1,17 +1,29 @@
-"""torch.distributed all_reduce on CPU tensors, lockstep backend against gloo, 2 ranks forked by
-lockstep.notebook_launcher (one CPU each), measured in one run.
+"""torch.distributed all_reduce on CPU tensors, lockstep backend against gloo and against torch's
+no-op ``fake`` backend, 2 ranks forked by lockstep.notebook_launcher (one CPU each), measured in
+one run.
 
-Each size is measured in `--rounds` alternating rounds (lockstep, then gloo, then lockstep...), so
-both see the same machine load; a round's figure is the median time per call over about
+Each size is measured in `--rounds` alternating rounds (every variant once per round, in turn), so
+all see the same machine load; a round's figure is the median time per call over about
 `--budget` seconds, and the table gives the median over rounds. `dist.all_reduce` is timed as a
 user calls it: torch's Python wrapper included. "ordinary" tensors come from torch.ones; "shared"
 ones from lockstep.torch.empty_shared (memory in the group's shared segment: zero-copy).
 
-Two bounds are measured in the same run. For the smallest size, `dist.all_reduce` on a process
-group whose allreduce does nothing: torch's own Python wrapper, which every backend pays. For the
-largest size, a plain copy of that many bytes (`dst.copy_(src)`) on both ranks at once: what the
-memory bandwidth (and the CPU share, on a loaded machine) allows at this moment (a staged
+Bounds measured in the same rounds, at the smallest size:
+
+- ``fake``: torch's own no-op backend (``torch.testing._internal.distributed.fake_pg``, C++):
+  torch's wrapper and dispatch, which every backend pays, and nothing else.
+- ``python no-op``: a Python c10d ``Backend`` whose allreduce returns a completed Work at once:
+  what torch adds for any backend written in Python (its PyBackend trampoline, and the Flight
+  Recorder hook torch attaches to every backend that does not record itself).
+- lockstep and the Python no-op again on groups whose Flight Recorder hook is removed
+  (``TORCH_FR_BUFFER_SIZE=0`` does that for every group): the hook's share.
+
+At the largest size, a plain copy of that many bytes (`dst.copy_(src)`) on both ranks at once:
+what the memory bandwidth (and the CPU share, on a loaded machine) allows at this moment (a staged
 all-reduce moves about two such copies per rank, a zero-copy one about one).
+
+The issue's bars are checked at the end: at the smallest size lockstep within 1.5x of ``fake``
+and at least 20x faster than gloo; at the largest, at least 3x faster than gloo.
 
     python python/benches/torch_allreduce.py [--ranks 2] [--sizes 8,4096,1048576,67108864] [--rounds 5]
 """
@@ -45,22 +57,47 @@ def timed(fn, budget_s, pg):
     return statistics.median(samples)
 
 
-class _Noop(dist.ProcessGroup):
-    """A process group whose all-reduce does nothing: the cost of torch's wrapper alone."""
+def _python_noop_backend():
+    """A Python c10d Backend whose allreduce does nothing: torch's cost for a Python backend."""
+    from torch._C._distributed_c10d import Backend
 
-    def allreduce(self, tensors, opts=None):
-        return None
+    class PythonNoop(Backend):
+        supports_coalescing = False
+        supports_splitting = False
 
-    def getBackendName(self):
-        return "noop"
+        def __init__(self, rank, size):
+            Backend.__init__(self, rank, size)
+            # An attribute, as lockstep's allreduce is (the trampoline finds it the same way).
+            self.allreduce = lambda tensors, opts=None: lt._COMPLETED
+
+        def getBackendName(self):
+            return "python-noop"
+
+    dist.Backend.register_backend("python-noop", lambda o, _b=None: PythonNoop(o.group_rank, o.group_size), extended_api=True, devices=["cpu"])
+
+
+def _without_flight_recorder(pg):
+    """`pg` with the Flight Recorder hook torch attached to it removed."""
+    hooks = dist.distributed_c10d._world.pg_flight_recorder_hooks
+    hook = hooks.pop(pg, None)
+    if hook is not None:
+        hook.remove()
+    return pg
 
 
 def body(sizes, rounds, budget_s):
+    from torch.testing._internal.distributed import fake_pg  # noqa: F401  (registers "fake")
+
     torch.set_num_threads(1)
     gloo = dist.new_group(backend="gloo")
-    dist.Backend.register_backend("noop", lambda o, _b=None: _Noop(o.group_rank, o.group_size), extended_api=True, devices=["cpu"])
-    noop = dist.new_group(backend="noop")
-    rows = []
+    fake = dist.new_group(backend="fake")
+    bounds = {"fake": fake, "lockstep, no FR hook": _without_flight_recorder(dist.new_group())}
+    if lt.PY_BACKEND:
+        _python_noop_backend()
+        bounds["python no-op"] = dist.new_group(backend="python-noop")
+        bounds["python no-op, no FR hook"] = _without_flight_recorder(dist.new_group(backend="python-noop"))
+    small, big = min(sizes), max(sizes)
+    rows, bound_times = [], {name: [] for name in bounds}
     for nbytes in sizes:
         t = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
         s = lt.empty_shared(max(1, nbytes // 4)).fill_(1.0)
@@ -69,13 +106,13 @@ def body(sizes, rounds, budget_s):
             ls.append(timed(lambda: dist.all_reduce(t), budget_s, None))
             sh.append(timed(lambda: dist.all_reduce(s), budget_s, None))
             gl.append(timed(lambda: dist.all_reduce(t, group=gloo), budget_s, gloo))
-        rows.append(("all_reduce", nbytes, statistics.median(ls), statistics.median(sh), statistics.median(gl)))
-    small, big = min(sizes), max(sizes)
-    t = torch.ones(max(1, small // 4))
-    wrapper = statistics.median(timed(lambda: dist.all_reduce(t, group=noop), budget_s, None) for _ in range(rounds))
+            if nbytes == small:
+                for name, pg in bounds.items():
+                    bound_times[name].append(timed(lambda: dist.all_reduce(t, group=pg), budget_s, None))
+        rows.append((nbytes, statistics.median(ls), statistics.median(sh), statistics.median(gl)))
     src, dst = torch.ones(max(1, big // 4)), torch.empty(max(1, big // 4))
     copy = statistics.median(timed(lambda: dst.copy_(src), budget_s, None) for _ in range(rounds))
-    return rows, (small, wrapper), (big, copy)
+    return rows, {n: statistics.median(v) for n, v in bound_times.items()}, (small, big, copy)
 
 
 def main():
@@ -83,17 +120,32 @@ def main():
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--sizes", default="8,4096,1048576,67108864")
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--budget", type=float, default=0.6, help="seconds per size, backend and round")
+    ap.add_argument("--budget", type=float, default=0.6, help="seconds per size, variant and round")
     a = ap.parse_args()
     sizes = [int(s) for s in a.sizes.split(",")]
-    rows, (small, wrapper), (big, copy) = lockstep.notebook_launcher(body, args=(sizes, a.rounds, a.budget), num_processes=a.ranks)[0]
-    print("| op | bytes | lockstep µs (ordinary) | lockstep µs (shared) | gloo µs | gloo / lockstep (ordinary) | gloo / lockstep (shared) |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    for op, nbytes, ls, sh, gl in rows:
+    rows, bounds, (small, big, copy) = lockstep.notebook_launcher(body, args=(sizes, a.rounds, a.budget), num_processes=a.ranks)[0]
+    print("| bytes | lockstep µs (ordinary) | lockstep µs (shared) | gloo µs | gloo / lockstep (ordinary) | gloo / lockstep (shared) |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for nbytes, ls, sh, gl in rows:
         bw = lambda t: f"{t * 1e6:.1f}" + (f" ({nbytes / t / 1e9:.2f} GB/s)" if nbytes >= 1 << 20 else "")
-        print(f"| {op} | {nbytes} | {bw(ls)} | {bw(sh)} | {bw(gl)} | {gl / ls:.1f}× | {gl / sh:.1f}× |")
-    print(f"\nbounds: dist.all_reduce of {small} bytes on a no-op group (torch's wrapper) {wrapper * 1e6:.1f} µs; ", end="")
-    print(f"copy of {big} bytes on every rank at once {copy * 1e6:.1f} µs ({big / copy / 1e9:.2f} GB/s per rank)")
+        print(f"| {nbytes} | {bw(ls)} | {bw(sh)} | {bw(gl)} | {gl / ls:.1f}× | {gl / sh:.1f}× |")
+    by = {n: (ls, sh, gl) for n, ls, sh, gl in rows}
+    ls_small, _, gl_small = by[small]
+    fake = bounds["fake"]
+    print(f"\n| {small} B dist.all_reduce on | µs | / fake |")
+    print("|---|---:|---:|")
+    for name, t in [("lockstep", ls_small), *bounds.items()]:
+        print(f"| {name} | {t * 1e6:.2f} | {t / fake:.2f}× |")
+    print(f"\ncopy of {big} bytes on every rank at once {copy * 1e6:.1f} µs ({big / copy / 1e9:.2f} GB/s per rank)")
+    ls_big, _, gl_big = by[big]
+    checks = [
+        (f"{small} B: lockstep / fake ≤ 1.5", ls_small / fake, ls_small / fake <= 1.5),
+        (f"{small} B: gloo / lockstep ≥ 20", gl_small / ls_small, gl_small / ls_small >= 20),
+        (f"{big} B: gloo / lockstep ≥ 3", gl_big / ls_big, gl_big / ls_big >= 3),
+    ]
+    print()
+    for what, ratio, ok in checks:
+        print(f"bar {what}: {ratio:.2f}× {'met' if ok else 'MISSED'}")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,10 @@ synchronously on the calling thread, with the GIL released (CUDA ones are enqueu
 torch's current stream, as ProcessGroupNCCL's: see ``Communicator.stream``); ``async_op=True`` gives a
 ``Work`` that has already completed (its future holds the result, as DDP's reducer expects). A
 mismatch between ranks, a dead peer or a timeout raises ``RuntimeError`` (``lockstep.CommError``)
-naming the ranks instead of hanging.
+naming the ranks instead of hanging. The timeout is the group's (``init_process_group`` and
+``new_group``'s ``timeout``, ``dist.set_timeout``; ``LOCKSTEP_TIMEOUT_S`` where the group was left
+at torch's default and the variable is set); a timed-out ``barrier`` or ``monitored_barrier``
+raises torch's own wording, as gloo does.
 
 Tensors are handed to the Rust extension as they are (it reads ``data_ptr``, ``numel``,
 ``dtype``); ``allreduce``, the call DDP makes, is itself written in Rust
@@ -34,8 +37,11 @@ sender, ``dist.irecv(t)``'s Work names it in ``_source_rank()``), barrier, new_g
 and PREMUL_SUM reductions.
 """
 
+import logging
+import os
 import threading
 import uuid
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -45,6 +51,8 @@ from torch.futures import Future
 from . import _native
 
 BACKEND = "lockstep"
+
+_log = logging.getLogger(__name__)
 
 # Tensors go to the Rust extension as they are: it reads data_ptr/numel/dtype itself (much
 # cheaper than DLPack or tensor.numpy() for small messages).
@@ -95,15 +103,53 @@ def _split_out(flat, outs):
         at += n
 
 
+def _seconds(timeout):
+    """A torch timeout (timedelta; negative: torch's "unset") in seconds, or None when unset."""
+    if timeout is None:
+        return None
+    secs = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+    return None if secs < 0 else secs
+
+
+def _ms(secs):
+    return int(round(secs * 1000))
+
+
+def _ranks(ranks):
+    return ", ".join(str(r) for r in ranks)
+
+
+def _reworded(e, text):
+    """`e` (a ``lockstep.CommError``) with the message torch's callers expect; its ``kind``,
+    ``follows`` and ``missing`` kept."""
+    err = _native.CommError(text)
+    err.kind, err.follows, err.missing = e.kind, e.follows, list(getattr(e, "missing", []))
+    return err
+
+
+def _group_timeout(timeout):
+    """The timeout, in seconds, of the communicator of a group made with torch's `timeout`:
+    torch's, except that where the program left torch's default and ``LOCKSTEP_TIMEOUT_S`` is
+    set, that variable (None: the communicator reads it)."""
+    from torch.distributed.constants import default_pg_timeout
+
+    if timeout is None or (timeout == default_pg_timeout and os.environ.get("LOCKSTEP_TIMEOUT_S", "").strip()):
+        return None
+    return _seconds(timeout)
+
+
 class _Ops:
     """The collectives, shared by the two shapes the backend takes: a c10d ``Backend`` where torch
     dispatches Python Backend subclasses (2.15 and later), a ``ProcessGroup`` before. The shell
     calls ``_setup``: ``done(result, opts)`` makes the Work of a call, and ``completed`` is the one
     a blocking all-reduce returns (None for a ProcessGroup)."""
 
-    def _setup(self, comm, rank, world_size, job_id, done, completed=None):
+    def _setup(self, comm, rank, world_size, job_id, done, completed=None, timeout_s=None):
         self._comm = comm
         self._job_id = job_id
+        # The group's timeout in seconds (None: LOCKSTEP_TIMEOUT_S), for the device communicator
+        # made later.
+        self._timeout_s = timeout_s
         self._device_comm = None
         self._rank = rank
         self._world_size = world_size
@@ -139,7 +185,7 @@ class _Ops:
         if self._device_comm is None:
             if self._job_id is None:
                 raise RuntimeError("this process group was made without a job id, so it cannot make a device communicator")
-            host = _native.join_named(f"{self._job_id}-cuda", self._rank, self._world_size)
+            host = _native.join_named(f"{self._job_id}-cuda", self._rank, self._world_size, self._timeout_s)
             self._device_comm = host.to_device(t.get_device())
         return self._device_comm
 
@@ -161,6 +207,36 @@ class _Ops:
 
     def __repr__(self):
         return f"{type(self).__name__}(rank={self._rank}, world_size={self._world_size})"
+
+    def _get_sequence_number_for_group(self):
+        """How many collectives this rank has made on the group (CPU and CUDA tensors together):
+        the same on every rank between two collectives. torch reads it for
+        ``TORCH_DISTRIBUTED_DEBUG=DETAIL``'s consistency checks and its Flight Recorder.
+        Point-to-point calls are not counted (a sender and its receiver need not agree)."""
+        n = self._comm.seq
+        if self._device_comm is not None:
+            n += self._device_comm.seq
+        return n
+
+    def set_timeout(self, timeout):
+        """``dist.set_timeout``: the group's calls that follow wait at most `timeout` for their
+        peers, on the CPU and (where it is staged through shared memory) the CUDA communicator.
+        An NCCL communicator keeps ``LOCKSTEP_TIMEOUT_S``."""
+        secs = _seconds(timeout)
+        if secs is None:
+            raise ValueError(f"set_timeout needs a timeout of at least 0; got {timeout}")
+        self._timeout_s = secs
+        self._comm.timeout = secs
+        if self._device_comm is not None:
+            if self._device_comm.timeout is None:
+                _log.warning(
+                    "dist.set_timeout: the group's %s communicator for CUDA tensors keeps its timeout "
+                    "(LOCKSTEP_TIMEOUT_S when it was made); the CPU one now waits %.3f s",
+                    self._device_comm.backend,
+                    secs,
+                )
+            else:
+                self._device_comm.timeout = secs
 
     def _failed(self):
         """A collective failed (mismatch, dead peer, timeout): nothing to do for a ProcessGroup."""
@@ -323,13 +399,57 @@ class _Ops:
         return _RecvWork(src, tensors)
 
     def barrier(self, opts=None):
-        self._comm.barrier()
+        """``dist.barrier``: waits the group's timeout, or ``barrier(timeout=...)``'s. A rank whose
+        wait runs out raises torch's "Timed out waiting <ms>ms" naming the ranks that had not
+        arrived, and the peers' barriers fail too (the group's communicator is aborted)."""
+        timeout = _seconds(getattr(opts, "timeout", None))
+        try:
+            self._comm.barrier(timeout)
+        except _native.CommError as e:
+            if e.kind != "timeout":
+                raise
+            waited = timeout if timeout is not None else self._comm.timeout
+            raise _reworded(
+                e,
+                f"lockstep barrier on rank {self._rank}: Timed out waiting {_ms(waited)}ms for rank(s) "
+                f"{_ranks(e.missing)}; if this is expected, pass a larger timeout to init_process_group, "
+                f"new_group, dist.set_timeout or barrier. {e}",
+            ) from e
         return self._done(None, opts)
 
     def monitored_barrier(self, opts=None, wait_all_ranks=False):
-        """``dist.monitored_barrier``: lockstep's barrier already fails on every rank naming a
-        dead peer (within the peer-check interval) or a stuck one (after LOCKSTEP_TIMEOUT_S)."""
-        self._comm.barrier()
+        """``dist.monitored_barrier``, as gloo reports it: rank 0 waits ``timeout`` and raises
+        "Rank <r> failed to pass monitoredBarrier in <ms> ms" naming the first rank that did
+        not arrive (with ``wait_all_ranks``, "Ranks <r>, <s> failed ..." naming all of them);
+        the other ranks wait at least the group's timeout, so that rank 0 is the one that
+        reports, and then raise "Rank <r> successfully reached monitoredBarrier, but received
+        errors while waiting for send/recv from rank 0". A dead peer fails it at once on every
+        rank. The group's communicator is aborted by a failed monitored barrier."""
+        timeout = _seconds(getattr(opts, "timeout", None))
+        if timeout is None:
+            timeout = self._comm.timeout
+        if self._rank != 0:
+            try:
+                self._comm.barrier(max(timeout, self._comm.timeout))
+            except _native.CommError as e:
+                raise _reworded(
+                    e,
+                    f"Rank {self._rank} successfully reached monitoredBarrier, but received errors while waiting "
+                    f"for send/recv from rank 0. Please check rank 0 logs for faulty rank. Lockstep's error: {e}",
+                ) from e
+            return
+        try:
+            self._comm.barrier(timeout)
+        except _native.CommError as e:
+            if e.kind != "timeout" or not e.missing:
+                raise
+            missing = e.missing if wait_all_ranks else e.missing[:1]
+            who = f"Ranks {_ranks(missing)}" if len(missing) > 1 else f"Rank {missing[0]}"
+            text = f"{who} failed to pass monitoredBarrier in {_ms(timeout)} ms"
+            if _ms(timeout) == 0:
+                # gloo's wording when the time is gone before rank 0 waits for anyone.
+                text = f"Rank 0 timed out in monitoredBarrier after 0 ms; {text}"
+            raise _reworded(e, f"{text}. Lockstep's error: {e}") from e
 
     def allgather_coalesced(self, output_lists, inputs, opts=None):
         """``dist.all_gather_coalesced``: ``output_lists[r][i]`` receives rank r's ``inputs[i]``."""
@@ -415,9 +535,9 @@ class ProcessGroupLockstep(_Ops, dist.ProcessGroup):
     """The backend as a torch.distributed ``ProcessGroup`` (torch before 2.15, which dispatches no
     Python ``Backend`` subclass)."""
 
-    def __init__(self, comm, rank, world_size, job_id=None):
+    def __init__(self, comm, rank, world_size, job_id=None, timeout_s=None):
         dist.ProcessGroup.__init__(self, rank, world_size)
-        self._setup(comm, rank, world_size, job_id, _done)
+        self._setup(comm, rank, world_size, job_id, _done, timeout_s=timeout_s)
 
     # Names used by torch releases before 2.9 for the same operations.
     _allgather_base = _Ops.all_gather_single
@@ -473,19 +593,21 @@ if PY_BACKEND:
         def __init__(self, comm, rank, world_size, job_id, timeout):
             _C10dBackend.__init__(self, rank, world_size)
             self._options = _C10dBackend.Options(BACKEND, timeout)
-            self._setup(comm, rank, world_size, job_id, _done_work, _COMPLETED)
+            self._setup(comm, rank, world_size, job_id, _done_work, _COMPLETED, _group_timeout(timeout))
 
         @property
         def options(self):
             return self._options
+
+        def set_timeout(self, timeout):
+            _Ops.set_timeout(self, timeout)
+            self._options = _C10dBackend.Options(BACKEND, timeout)
 
         def _failed(self):
             """With ``TORCH_FR_DUMP_ON_TIMEOUT=1`` (torch's switch for NCCL), write torch's Flight
             Recorder of this process (``TORCH_FR_DUMP_TEMP_FILE`` + global rank, default
             ``~/.cache/torch/comm_lib_trace_rank_<rank>``) when a collective fails, so that
             ``torchfrtrace`` can name the rank and the call where the ranks parted."""
-            import os
-
             if os.environ.get("TORCH_FR_DUMP_ON_TIMEOUT", "").strip().lower() not in ("1", "true", "yes", "on"):
                 return
             try:
@@ -556,10 +678,11 @@ def _create(opts, backend_options=None):
     if rank == 0:
         store.set(_KEY, f"torch-{uuid.uuid4().hex[:16]}")
     job_id = store.get(_KEY).decode()
-    comm = _native.join_named(job_id, rank, size)
+    timeout_s = _group_timeout(opts.timeout)
+    comm = _native.join_named(job_id, rank, size, timeout_s)
     if PY_BACKEND:
         return BackendLockstep(comm, rank, size, job_id, opts.timeout)
-    return ProcessGroupLockstep(comm, rank, size, job_id)
+    return ProcessGroupLockstep(comm, rank, size, job_id, timeout_s)
 
 
 def _register():

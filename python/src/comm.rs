@@ -485,6 +485,15 @@ impl TorchAllReduce {
     }
 }
 
+/// `secs` as a duration: a finite number of seconds, at least 0 (`what` names it in the error).
+pub(crate) fn seconds(secs: f64, what: &str) -> PyResult<std::time::Duration> {
+    std::time::Duration::try_from_secs_f64(secs).map_err(|_| {
+        PyValueError::new_err(format!(
+            "{what} must be a finite number of seconds, at least 0; got {secs}"
+        ))
+    })
+}
+
 fn counts_to_displs(counts: &[usize]) -> Vec<usize> {
     let mut at = 0usize;
     counts
@@ -1061,9 +1070,57 @@ host (shared-memory) communicators",
         Ok(peers)
     }
 
-    /// Wait until every rank has reached this call.
-    fn barrier(&self, py: Python<'_>) -> PyResult<()> {
-        self.run(py, |c| c.barrier())
+    /// Wait until every rank has reached this call. `timeout` (seconds): the longest this rank
+    /// waits in this call instead of the communicator's [`timeout`](Self::timeout); when it runs
+    /// out the call fails with a `CommError` of kind "timeout" whose `missing` lists the ranks
+    /// that had not arrived, and the peers' calls fail too (the communicator is aborted).
+    #[pyo3(signature = (timeout=None))]
+    fn barrier(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<()> {
+        let Some(t) = timeout else {
+            return self.run(py, |c| c.barrier());
+        };
+        let t = seconds(t, "barrier: timeout")?;
+        self.run(py, |c| {
+            let Some(before) = c.timeout() else {
+                return Err(CommError::Unsupported(format!(
+                    "barrier(timeout=...): the {} backend has no timeout of its own to change",
+                    c.backend_kind()
+                )));
+            };
+            c.set_timeout(t)?;
+            let r = c.barrier();
+            // Restoring what set_timeout accepted a moment ago cannot fail.
+            let _ = c.set_timeout(before);
+            r
+        })
+    }
+
+    /// The longest a call waits for its peers before it fails with a `CommError` of kind
+    /// "timeout", in seconds (`LOCKSTEP_TIMEOUT_S`, default 600, unless set here); None for a
+    /// backend without a timeout of its own (NCCL reads LOCKSTEP_TIMEOUT_S when it is made).
+    /// Settable on host (shared-memory) and staged communicators; a local setting, not a
+    /// collective.
+    #[getter]
+    fn timeout(&self) -> Option<f64> {
+        self.inner
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .and_then(|c| c.timeout())
+            .map(|d| d.as_secs_f64())
+    }
+
+    #[setter]
+    fn set_timeout(&self, value: f64) -> PyResult<()> {
+        let t = seconds(value, "timeout")?;
+        let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        let c = g.as_mut().ok_or_else(|| {
+            comm_err(CommError::Unsupported(format!(
+                "rank {}: this communicator was closed; make a new one",
+                self.rank
+            )))
+        })?;
+        c.set_timeout(t).map_err(comm_err)
     }
 
     /// Leave the communicator (peers still waiting on this rank get an error instead of a

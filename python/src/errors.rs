@@ -12,11 +12,12 @@ create_exception!(
     "A collective or communicator setup failed: a mismatch between ranks, a dead or departed peer, a timeout, \
 or bad arguments caught by the Rust checks. The message is lockstep's, naming the ranks involved and what to do next. \
 Attributes: `kind` (\"invalid_argument\", \"mismatch\", \"peer_lost\", \"aborted\", \"timeout\", \"unsupported\", \
-\"setup\", \"os\", \"backend\") and `follows` (the global rank whose failure this error is a consequence of: \
-the lost peer, or the rank that aborted the communicator; None otherwise)."
+\"setup\", \"os\", \"backend\"), `follows` (the global rank whose failure this error is a consequence of: \
+the lost peer, or the rank that aborted the communicator; None otherwise) and `missing` (for a timeout, the global \
+ranks this rank was still waiting for; empty otherwise)."
 );
 
-/// The Python exception for a Rust communicator error, with its `kind` and `follows`
+/// The Python exception for a Rust communicator error, with its `kind`, `follows` and `missing`
 /// attributes: `notebook_launcher` reads `follows` to report the rank that failed first rather
 /// than a peer that only saw it go (both reach the launcher at about the same moment).
 pub fn comm_err(e: lockstep::CommError) -> PyErr {
@@ -33,6 +34,10 @@ pub fn comm_err(e: lockstep::CommError) -> PyErr {
         E::Backend { .. } => ("backend", None),
         _ => ("other", None),
     };
+    let missing = match &e {
+        E::Timeout { missing, .. } => missing.clone(),
+        _ => Vec::new(),
+    };
     let err = CommError::new_err(e.to_string());
     Python::attach(|py| {
         let v = err.value(py);
@@ -40,6 +45,7 @@ pub fn comm_err(e: lockstep::CommError) -> PyErr {
         // does, the exception still carries its message.
         let _ = v.setattr("kind", kind);
         let _ = v.setattr("follows", follows);
+        let _ = v.setattr("missing", missing);
     });
     err
 }

@@ -83,12 +83,26 @@ impl ShmJob {
 /// Join the shared segment named after `job_id` as `rank` of `world` ranks of this node, started
 /// separately (the torch backend: one segment per process group, its id agreed through torch's
 /// store). Rank 0 creates it; the name is removed once every rank has joined. Settings come from
-/// the `LOCKSTEP_SHM_*` variables.
+/// the `LOCKSTEP_SHM_*` variables; `timeout` (seconds), when given, replaces `LOCKSTEP_TIMEOUT_S`
+/// as the longest a call waits for its peers.
 #[pyfunction]
-fn join_named(py: Python<'_>, job_id: &str, rank: usize, world: usize) -> PyResult<PyComm> {
+#[pyo3(signature = (job_id, rank, world, timeout=None))]
+fn join_named(
+    py: Python<'_>,
+    job_id: &str,
+    rank: usize,
+    world: usize,
+    timeout: Option<f64>,
+) -> PyResult<PyComm> {
+    let timeout = timeout
+        .map(|t| comm::seconds(t, "join_named: timeout"))
+        .transpose()?;
     log::install()?;
     let c = py.detach(|| {
-        let cfg = lockstep::shm::ShmConfig::from_env()?;
+        let mut cfg = lockstep::shm::ShmConfig::from_env()?;
+        if let Some(t) = timeout {
+            cfg.timeout = t;
+        }
         lockstep::shm::ShmComm::join_named(job_id, rank, world, cfg)
             .map(|c| lockstep::Communicator::from_backend(Box::new(c)))
     });

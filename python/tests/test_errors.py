@@ -156,3 +156,37 @@ class CudaArray:
 def test_cuda_memory_on_a_host_communicator():
     m0, _ = one_rank_refused(lambda c: c.all_reduce(CudaArray(np.ones(4, np.float32))), TypeError)
     assert "CUDA device memory" in m0 and "shm backend on host memory" in m0 and "to_device()" in m0, m0
+
+
+def test_timeout_setting_and_missing_ranks():
+    """`timeout` reads and sets this rank's wait; `barrier(timeout=...)` waits that long in the one
+    call; a timeout's CommError lists the ranks that had not arrived, and aborts the peers' calls."""
+    import time
+
+    def body():
+        c = lockstep.comm()
+        before = c.timeout
+        c.timeout = 120
+        got = c.timeout
+        with pytest.raises(ValueError, match="finite number of seconds"):
+            c.timeout = -1
+        with pytest.raises(ValueError, match="finite number of seconds"):
+            c.barrier(float("nan"))
+        c.barrier()
+        if c.rank == 0:
+            t0 = time.monotonic()
+            with pytest.raises(lockstep.CommError) as e:
+                c.barrier(timeout=0.3)
+            waited = time.monotonic() - t0
+            return before, got, c.timeout, e.value.kind, e.value.missing, waited
+        time.sleep(1.5)
+        with pytest.raises(lockstep.CommError) as e:  # rank 0 aborted the communicator
+            c.barrier()
+        return before, got, c.timeout, e.value.kind, e.value.missing, None
+
+    (b0, g0, after0, kind0, missing0, waited), (_, _, _, kind1, missing1, _) = launch(2, body)
+    import os
+
+    assert b0 == float(os.environ.get("LOCKSTEP_TIMEOUT_S", 600)) and g0 == after0 == 120.0, (b0, g0, after0)
+    assert kind0 == "timeout" and missing0 == [1] and 0.25 < waited < 1.4, (kind0, missing0, waited)
+    assert kind1 == "aborted" and missing1 == [], (kind1, missing1)

@@ -437,6 +437,140 @@ def test_batch_isend_irecv_ring(world):
         assert torch.equal(got, torch.full((5,), float((r - 1) % world))), (r, got)
 
 
+def _timeouts():
+    """Every scenario on its own group (a timed-out barrier aborts its group's communicator); the
+    ranks meet on the default group between scenarios."""
+    import re
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    r = dist.get_rank()
+    cpu = lambda g: g._get_backend(torch.device("cpu"))  # noqa: E731
+    out = {}
+    # The group's timeout reaches its communicator; dist.set_timeout changes it.
+    g = dist.new_group(timeout=timedelta(seconds=7))
+    out["new_group"] = cpu(g).comm.timeout
+    dist.set_timeout(timedelta(seconds=9), g)
+    out["set_timeout"] = cpu(g).comm.timeout
+    # Rank 0 alone in a barrier of a group with a 1 s timeout: torch's text, after 1 s.
+    g = dist.new_group(timeout=timedelta(seconds=1))
+    if r == 0:
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError) as e:
+            dist.barrier(group=g)
+        out["barrier"] = (time.monotonic() - t0, str(e.value), e.value.kind, e.value.missing)
+        assert re.search(" (Timed out|closed|timeout) ", str(e.value)), str(e.value)
+    dist.barrier()
+    if r != 0:
+        with pytest.raises(RuntimeError) as e:  # aborted by rank 0
+            dist.barrier(group=g)
+        out["barrier"] = e.value.kind
+    # barrier(timeout=...) overrides a long group timeout for one call.
+    g = dist.new_group(timeout=timedelta(seconds=300))
+    if r == 0:
+        with pytest.raises(RuntimeError, match="Timed out waiting 200ms"):
+            dist.barrier(group=g, timeout=timedelta(seconds=0.2))
+    dist.barrier()
+    # monitored_barrier that every rank reaches passes, also waiting for all.
+    g = dist.new_group()
+    dist.monitored_barrier(g, timeout=timedelta(seconds=30))
+    dist.monitored_barrier(g, timeout=timedelta(seconds=30), wait_all_ranks=True)
+    # Rank 1 skips: rank 0 names it, rank 2 says it got there.
+    g = dist.new_group()
+    if r != 1:
+        with pytest.raises(RuntimeError) as e:
+            dist.monitored_barrier(g, timeout=timedelta(seconds=0.5))
+        out["monitored"] = str(e.value)
+    dist.barrier()
+    # Only rank 0 comes, waiting for all: it names both.
+    g = dist.new_group()
+    if r == 0:
+        with pytest.raises(RuntimeError) as e:
+            dist.monitored_barrier(g, timeout=timedelta(seconds=0.2), wait_all_ranks=True)
+        out["wait_all"] = str(e.value)
+    dist.barrier()
+    # A zero timeout on rank 0 alone.
+    g = dist.new_group()
+    if r == 0:
+        with pytest.raises(RuntimeError) as e:
+            g.monitored_barrier(timedelta(seconds=0))
+        out["zero"] = str(e.value)
+    dist.barrier()
+    return out
+
+
+def test_torch_timeouts_and_monitored_barrier():
+    """init_process_group/new_group's timeout, dist.set_timeout, barrier(timeout=) and
+    monitored_barrier reach lockstep's communicator, and a timed-out (monitored) barrier raises
+    the text torch's own tests expect of gloo."""
+    res = lockstep.notebook_launcher(_timeouts, num_processes=3)
+    for r, o in enumerate(res):
+        assert o["new_group"] == 7.0 and o["set_timeout"] == 9.0, o
+    waited, text, kind, missing = res[0]["barrier"]
+    assert 0.9 <= waited < 30, waited
+    assert "Timed out waiting 1000ms for rank(s) 1, 2" in text and kind == "timeout" and missing == [1, 2], text
+    assert res[1]["barrier"] == res[2]["barrier"] == "aborted"
+    assert res[0]["monitored"].startswith("Rank 1 failed to pass monitoredBarrier in 500 ms"), res[0]["monitored"]
+    assert res[2]["monitored"].startswith(
+        "Rank 2 successfully reached monitoredBarrier, but received errors while waiting for send/recv from rank 0"
+    ), res[2]["monitored"]
+    assert res[0]["wait_all"].startswith("Ranks 1, 2 failed to pass monitoredBarrier in 200 ms"), res[0]["wait_all"]
+    assert res[0]["zero"].startswith("Rank 0 timed out in monitoredBarrier"), res[0]["zero"]
+
+
+def test_group_timeout_defers_to_lockstep_timeout_s_when_torch_default(monkeypatch):
+    """A group made without a timeout (torch's default) keeps LOCKSTEP_TIMEOUT_S when it is set;
+    an explicit timeout wins over it."""
+    from datetime import timedelta
+
+    monkeypatch.setenv("LOCKSTEP_TIMEOUT_S", "42")
+
+    def body():
+        import torch.distributed as dist
+
+        cpu = lambda g: g._get_backend(torch.device("cpu")).comm.timeout  # noqa: E731
+        return cpu(dist.group.WORLD), cpu(dist.new_group()), cpu(dist.new_group(timeout=timedelta(seconds=5)))
+
+    for o in lockstep.notebook_launcher(body, num_processes=2):
+        assert o == (42.0, 42.0, 5.0), o
+
+
+def _sequence_numbers():
+    import gc
+
+    import torch.distributed as dist
+
+    pg = dist.new_group()
+    seqs = [pg._get_sequence_number_for_group()]
+    t = torch.ones(3)
+    dist.all_reduce(t, group=pg)
+    dist.broadcast(t, src=0, group=pg)
+    seqs.append(pg._get_sequence_number_for_group())
+    # torch's DETAIL mode wraps the backend and checks every collective's sequence number on all
+    # ranks (through gloo) before running it.
+    dist.set_debug_level(dist.DebugLevel.DETAIL)
+    try:
+        detail = dist.new_group()
+        wrapped = type(detail._get_backend(torch.device("cpu"))).__name__
+        gc.collect()  # the wrapper holds the backend only from C++: it must stay alive anyway
+        dist.all_reduce(t, group=detail)
+        dist.barrier(group=detail)
+        seqs.append(detail._get_sequence_number_for_group())
+    finally:
+        dist.set_debug_level(dist.DebugLevel.OFF)
+    return seqs, wrapped, t.tolist()
+
+
+def test_sequence_numbers_and_torch_distributed_debug_detail():
+    res = lockstep.notebook_launcher(_sequence_numbers, num_processes=2)
+    assert res[0] == res[1], res
+    seqs, wrapped, t = res[0]
+    assert seqs[1] == seqs[0] + 2 and seqs[2] == 2, seqs
+    assert wrapped == "_ProcessGroupWrapper" and t == [4.0] * 3, res[0]
+
+
 def _any_source():
     import torch.distributed as dist
 

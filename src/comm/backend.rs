@@ -7,6 +7,7 @@
 
 use std::fmt;
 use std::sync::Arc;
+use std::time::Duration;
 
 use super::error::CommError;
 use super::shared::SharedRegion;
@@ -120,6 +121,19 @@ pub trait Backend: Send {
     fn synchronize(&mut self) -> Result<(), CommError>;
     /// Number of collectives this rank has issued.
     fn seq(&self) -> u64;
+    /// The longest a call waits for its peers before it fails with [`CommError::Timeout`];
+    /// `None` for backends whose calls have no timeout of their own.
+    fn timeout(&self) -> Option<Duration> {
+        None
+    }
+    /// Set that timeout for the calls that follow on this rank.
+    fn set_timeout(&mut self, timeout: Duration) -> Result<(), CommError> {
+        let _ = timeout;
+        Err(CommError::Unsupported(format!(
+            "the {} backend's timeout cannot be changed once it is made (it comes from LOCKSTEP_TIMEOUT_S)",
+            self.kind()
+        )))
+    }
     /// A call this rank refused locally (bad buffer lengths, root out of range, wrong memory
     /// space): backends that can, make the peers' matching call fail too, so the ranks stay in step.
     fn reject(&mut self, kind: CollKind, dtype: Dtype, reason: &CommError) {

@@ -7,6 +7,7 @@
 
 use std::fmt;
 use std::sync::Arc;
+use std::time::Duration;
 
 use std::marker::PhantomData;
 
@@ -95,6 +96,21 @@ impl Communicator {
     /// Number of collectives issued so far on this rank.
     pub fn seq(&self) -> u64 {
         self.backend.seq()
+    }
+
+    /// The longest a call waits for its peers before it fails with [`CommError::Timeout`]
+    /// (`LOCKSTEP_TIMEOUT_S` until [`set_timeout`](Self::set_timeout)); `None` where the backend
+    /// has none of its own.
+    pub fn timeout(&self) -> Option<Duration> {
+        self.backend.timeout()
+    }
+
+    /// Set the timeout of the calls that follow on this rank (the shared-memory backend; others
+    /// return [`CommError::Unsupported`]). A local setting, not a collective: ranks may wait
+    /// differently long, and the first whose wait runs out aborts the call for all (see
+    /// [`CommError::Timeout`]).
+    pub fn set_timeout(&mut self, timeout: Duration) -> Result<(), CommError> {
+        self.backend.set_timeout(timeout)
     }
 
     /// For a device communicator (NCCL, or staging when ranks share a GPU): the CUDA context of

@@ -53,7 +53,7 @@ pub enum CommError {
         reason: String,
     },
     /// Some ranks did not arrive within the timeout.
-    #[error("{op} #{seq} on rank {rank} timed out after {secs:.1} s: {detail} (raise LOCKSTEP_TIMEOUT_S if this is expected)")]
+    #[error("{op} #{seq} on rank {rank} timed out after {secs:.1} s: {detail} ({hint})", hint = TIMEOUT_HINT)]
     Timeout {
         /// This rank (its global rank, in a sub-communicator).
         rank: usize,
@@ -65,6 +65,9 @@ pub enum CommError {
         secs: f64,
         /// Which ranks are missing and where they are.
         detail: String,
+        /// The ranks this rank was still waiting for (global ranks, in a sub-communicator), in
+        /// increasing order.
+        missing: Vec<usize>,
     },
     /// The operation is not available on this backend or with these buffers.
     #[error("{0}")]
@@ -90,6 +93,12 @@ pub enum CommError {
         message: String,
     },
 }
+
+/// What a timeout report suggests. The timeout is `LOCKSTEP_TIMEOUT_S` unless the program set
+/// one ([`Communicator::set_timeout`](super::Communicator::set_timeout), which torch's process
+/// group timeout reaches through the Python package).
+pub(crate) const TIMEOUT_HINT: &str =
+    "if this is expected, raise the timeout: LOCKSTEP_TIMEOUT_S, or the one the program set";
 
 /// How errors name rank `r` of a communicator whose rank `i` is global rank `global[i]` (`None`:
 /// a world communicator, whose ranks are the global ranks): `rank 3 (rank 1 of this

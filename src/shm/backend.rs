@@ -225,6 +225,15 @@ impl Backend for ShmComm {
         self.ch.seq()
     }
 
+    fn timeout(&self) -> Option<std::time::Duration> {
+        Some(self.ch.config().timeout)
+    }
+
+    fn set_timeout(&mut self, timeout: std::time::Duration) -> Result<(), CommError> {
+        self.ch.set_timeout(timeout);
+        Ok(())
+    }
+
     fn split(
         &mut self,
         color: Option<u32>,

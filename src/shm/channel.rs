@@ -19,7 +19,9 @@ use super::sync::{
     INVALID, SHARED_RECV, SHARED_SEND, STAGE_NT, STATE_LEFT,
 };
 use super::tune::Tuner;
-use crate::comm::{rank_name, Call, CollKind, CommError, Dtype, MemSpace, RawMem, ReduceOp};
+use crate::comm::{
+    rank_name, Call, CollKind, CommError, Dtype, MemSpace, RawMem, ReduceOp, TIMEOUT_HINT,
+};
 
 /// Where a phase is, for error messages.
 #[derive(Clone, Copy)]
@@ -248,6 +250,12 @@ impl Channel {
     /// The settings (timeouts, peer-check interval) this channel runs with.
     pub(crate) fn config(&self) -> &ShmConfig {
         &self.cfg
+    }
+
+    /// Wait at most `timeout` for the peers in the calls that follow (collectives and
+    /// point-to-point alike: both read it from [`config`](Self::config) while they wait).
+    pub(crate) fn set_timeout(&mut self, timeout: Duration) {
+        self.cfg.timeout = timeout;
     }
 
     /// How long a waiter spins before yielding.
@@ -549,6 +557,7 @@ impl Channel {
                 op: cx.op,
                 seq: cx.seq,
                 secs: waited.as_secs_f64(),
+                missing: stuck.iter().map(|&r| self.global(r)).collect(),
                 detail: format!(
                     "{} not arrived: {}; this rank ({}) is at #{}",
                     if missing.len() == 1 {
@@ -628,7 +637,7 @@ impl Channel {
                 CommError::Aborted {
                     by: self.global(by),
                     reason: format!(
-                        "{}{}: {} timed out after {:.1} s waiting for it in {at_kind} #{at_seq} (raise LOCKSTEP_TIMEOUT_S if this is expected)",
+                        "{}{}: {} timed out after {:.1} s waiting for it in {at_kind} #{at_seq} ({TIMEOUT_HINT})",
                         stuck_text(&self.who(culprit), self.global(culprit), a.culprit_seq.load(Relaxed), kind, at_kind, at_seq),
                         if more > 0 { format!(", and {more} more rank(s) had not arrived") } else { String::new() },
                         self.who(by),

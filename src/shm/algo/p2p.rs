@@ -818,8 +818,27 @@ impl Waiter {
                 seq: first.and_then(|s| s.msg).unwrap_or(0),
                 secs: waited.as_secs_f64(),
                 detail: format!("waiting on {} for: {}", ch.who(me), what.join("; ")),
+                missing: missing_peers(ch, st),
             });
         }
         Ok(())
     }
+}
+
+/// The global ranks of the peers whose unfinished operations a point-to-point timeout names (a
+/// receive from any source waits for every other rank).
+fn missing_peers(ch: &Channel, st: &[OpState]) -> Vec<usize> {
+    let me = ch.rank();
+    let mut v: Vec<usize> = st
+        .iter()
+        .filter(|s| !s.finished)
+        .flat_map(|s| match s.op.peer {
+            ANY_SOURCE => (0..ch.world()).filter(|&r| r != me).collect(),
+            peer => vec![peer],
+        })
+        .map(|r| ch.global(r))
+        .collect();
+    v.sort_unstable();
+    v.dedup();
+    v
 }
