@@ -184,7 +184,8 @@ def _refuse_to_unpickle():
 def test_result_that_cannot_be_unpickled_is_a_rank_error(no_leftovers):
     with pytest.raises(lockstep.RankError) as e:
         launch(2, lambda: _FailsToUnpickle())
-    assert e.value.rank == 0
+    # Both ranks fail alike; the error names whichever result the launcher read first.
+    assert e.value.rank in (0, 1)
     assert "could not be unpickled here: ValueError: this result cannot be rebuilt in the caller" in str(e.value)
     assert set(e.value.failures) == {0, 1}
 

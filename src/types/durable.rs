@@ -84,6 +84,8 @@ impl Dir {
     }
 
     /// The descriptor names are resolved against.
+    // Used by the checkpoint's commit (feature `train`).
+    #[cfg_attr(not(feature = "train"), allow(dead_code))]
     pub(crate) fn fd(&self) -> BorrowedFd<'_> {
         self.file.as_fd()
     }
@@ -107,6 +109,8 @@ impl Dir {
     }
 
     /// Type and owner of `name`, without following a symbolic link; `None` if absent.
+    // Used by the checkpoint's commit (feature `train`).
+    #[cfg_attr(not(feature = "train"), allow(dead_code))]
     pub(crate) fn lstat(&self, name: &OsStr) -> Result<Option<FileStat>, WriteError> {
         match fstatat(self.file.as_fd(), name, AtFlags::AT_SYMLINK_NOFOLLOW) {
             Ok(st) => Ok(Some(st)),
@@ -182,6 +186,8 @@ impl<'d> Temp<'d> {
     }
 
     /// A name a hard link already gave a file: owned from here on (removed on drop).
+    // Used by the checkpoint's commit (feature `train`).
+    #[cfg_attr(not(feature = "train"), allow(dead_code))]
     pub(crate) fn adopt(dir: &'d Dir, name: OsString) -> Temp<'d> {
         Temp {
             dir,

@@ -15,5 +15,7 @@ pub mod env;
 pub use buffer::{Buffer, BufferMut, MemSpace, RawMem};
 pub use coll::CollKind;
 pub use dtype::{Dtype, Element, ReduceOp};
+// The checkpoint's commit (feature `train`) builds on the same pieces as `write_atomic`.
+#[cfg_attr(not(feature = "train"), allow(unused_imports))]
 pub(crate) use durable::{random_hex, temp_name, temp_prefix, Dir, Temp};
 pub use durable::{write_atomic, WriteError};
