@@ -14,6 +14,7 @@
 //! | [`cuda`] | CUDA driver + NVRTC loaded at run time: discovery, the single-init guard, contexts, streams, memory, a source-keyed compile cache, graphs |
 //! | `config` (feature `config`) | the configuration file `lockstep config` writes and `lockstep launch` reads |
 //! | [`comm`] | the backend-agnostic [`Communicator`], the [`Backend`](comm::Backend) trait, [`CommError`] |
+//! | [`reference`] | the canonical reduction as a plain loop ([`reference::reduce`]): the bits the shared-memory backend's reductions produce |
 //! | [`shm`] | the shared-memory backend for the ranks of one node |
 //! | [`nccl`] | NCCL loaded at run time: a backend on device buffers with an abort watchdog |
 //! | [`staged`] | device buffers staged through a host communicator (ranks sharing a GPU) |
@@ -48,6 +49,7 @@ pub mod launch;
 #[cfg(feature = "log")]
 pub mod logging;
 pub mod nccl;
+pub mod reference;
 pub mod rendezvous;
 pub mod report;
 pub mod shm;
