@@ -21,7 +21,7 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src")
 LAYERS = [
     ["types", "store"],
     ["cuda", "logging"],
-    ["comm", "config"],
+    ["comm", "config", "reference"],
     ["shm", "nccl", "staged", "mpi"],
     ["rendezvous", "train", "report"],
     ["launch"],

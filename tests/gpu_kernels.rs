@@ -613,6 +613,31 @@ fn main() {
         Ok(())
     });
 
+    r.run("splitk_reduce_exact", || {
+        // The engine's one cross-plane sum: planes added in slice order, no atomics, no
+        // multiply to contract, so bit-identical to its twin (docs/determinism.md).
+        for n in [1usize, 3, 65, 1000, 70_001] {
+            for splits in [1usize, 2, 3, 5] {
+                let mut l = Lay::default();
+                let (out, parts) = (l.f(n), l.f(splits * n));
+                let ops = vec![op(
+                    KernelId::Elementwise,
+                    "splitk_reduce_f32",
+                    vec![
+                        Arg::Out(out),
+                        Arg::In(parts),
+                        Arg::I32(splits as i32),
+                        Arg::I64(n as i64),
+                    ],
+                    n,
+                )];
+                let what = format!("splitk_reduce n={n} splits={splits}");
+                compare(&what, &ctx, &l, &ops, 1, EXACT, n as u64)?;
+            }
+        }
+        Ok(())
+    });
+
     r.run("bucket_flatten_unflatten", || {
         let stream = ctx.stream().map_err(|e| e.to_string())?;
         let c = |e: lockstep::cuda::CudaError| e.to_string();
