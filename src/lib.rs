@@ -14,7 +14,7 @@
 //! | [`cuda`] | CUDA driver + NVRTC loaded at run time: discovery, the single-init guard, contexts, streams, memory, a source-keyed compile cache, graphs |
 //! | `config` (feature `config`) | the configuration file `lockstep config` writes and `lockstep launch` reads |
 //! | [`comm`] | the backend-agnostic [`Communicator`], the [`Backend`](comm::Backend) trait, [`CommError`] |
-//! | [`reference`] | the canonical reduction as a plain loop ([`reference::reduce`]): the bits the shared-memory backend's reductions produce |
+//! | [`reference`](mod@reference) | the canonical reduction as a plain loop ([`reference::reduce`]): the bits the shared-memory backend's reductions produce |
 //! | [`shm`] | the shared-memory backend for the ranks of one node |
 //! | [`nccl`] | NCCL loaded at run time: a backend on device buffers with an abort watchdog |
 //! | [`mpi`] | MPI through the MPI-5 standard ABI, loaded at run time: the transport between nodes of CPU jobs |
