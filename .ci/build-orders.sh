@@ -19,7 +19,7 @@ out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 
 wheel() { "$maturin" build --release -m python/Cargo.toml --out "$out/wheels"; }
-bins() { cargo build --release -p lockstep -p lockstep-cli --bins; }
+bins() { cargo build --release -p lockstep-comm -p lockstep-cli --bins; }
 clib() { cargo build --release -p lockstep-capi; }
 tests() { cargo test --release --no-run; }
 
