@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # One target directory, four builds with different feature sets of the runtime crate: the Python
-# wheel (lockstep without `train`), the binaries (default features), the C library (lockstep-capi,
-# lockstep without `train`) and the tests. Each must succeed whatever ran before it, and none may
-# leave another stale: after one round in each order, a third round compiles neither the runtime
-# nor the Python extension again (the runtime is an rlib with a hashed file name per feature set,
-# so its builds sit side by side). The C library is one file, liblockstep.so: cargo relinks it (a
-# few seconds) when a workspace build (`cargo test`, runtime with default features) follows
-# `-p lockstep-capi` (runtime without them) or the other way round, and that is all.
+# wheel (runtime with `log`), the binaries (train-cnn and lockstep: `config` and `log`), the C
+# library (lockstep-capi: `log`) and the tests (every default member, features unified). Each
+# must succeed whatever ran before it, and none may leave another stale: after one round in each
+# order, a third round compiles neither the runtime nor the training engine nor the Python
+# extension again (the runtime is an rlib with a hashed file name per feature set, so its builds
+# sit side by side). The C library is one file, liblockstep.so: cargo relinks it (a few seconds)
+# when a workspace build (`cargo test`, features unified) follows `-p lockstep-capi` or the other
+# way round, and that is all.
 #
 # Needs maturin on PATH or in $LOCKSTEP_PY_VENV (.ci/python.sh makes that venv).
 set -euo pipefail
@@ -19,7 +20,7 @@ out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 
 wheel() { "$maturin" build --release -m python/Cargo.toml --out "$out/wheels"; }
-bins() { cargo build --release -p lockstep-comm -p lockstep-cli --bins; }
+bins() { cargo build --release -p lockstep-train -p lockstep-cli --bins; }
 clib() { cargo build --release -p lockstep-capi; }
 tests() { cargo test --release --no-run; }
 
@@ -34,7 +35,7 @@ run() {
     local compiled
     compiled=$(grep -oE 'Compiling lockstep[a-z-]* v' "$log" | sed 's/ v$//; s/Compiling //' | sort -u | tr '\n' ' ' || true)
     echo "round $1: $2: ${compiled:-nothing of lockstep compiled}"
-    if grep -qE 'Compiling lockstep(-python)? v' "$log"; then echo "$1 $2: $compiled" >>"$out/compiled"; fi
+    if grep -qE 'Compiling lockstep-(comm|train|python) v' "$log"; then echo "$1 $2: $compiled" >>"$out/compiled"; fi
 }
 
 for s in wheel bins clib tests; do run 1 "$s"; done

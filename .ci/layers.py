@@ -1,29 +1,43 @@
 #!/usr/bin/env python3
-"""File- and module-level import graph of src/ (the library, not src/bin), and its cycles.
+"""The architecture, checked: the workspace's crates in CRATES order, the runtime's modules in
+LAYERS order, and no import cycle between the files or top-level modules of any library.
 
-A file A depends on a file B when A names (in a `use` or a path) an item *defined* in B;
-re-exports are followed to the defining file, `mod x;` declarations are ownership, not use, and
-`#[cfg(test)]` modules are left out (test code may reach anywhere). The graph must be acyclic,
-between files and between top-level modules, and top-level modules must respect LAYERS.
+Crates: a member may depend (in its Cargo.toml, by path) only on members of earlier groups.
+Files: A depends on B when A names (in a `use` or a path) an item *defined* in B; re-exports are
+followed to the defining file, `mod x;` declarations are ownership, not use, and `#[cfg(test)]`
+modules are left out (test code may reach anywhere). The graphs of the runtime (src/) and of the
+training engine (crates/train/src) must be acyclic, between files and between top-level modules,
+and the runtime's top-level modules must respect LAYERS.
 
     python3 .ci/layers.py            # check: prints cycles and layer violations, exit 1 if any
     python3 .ci/layers.py --edges    # "A B" lines (A depends on B): pipe into `tsort`, which
                                      # reports any loop ("tsort: -: input contains a loop")
     python3 .ci/layers.py --modules  # the top-level module graph
+    python3 .ci/layers.py --crate train --modules   # the same for the training engine
 """
 import os
 import re
 import sys
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src")
+REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+# The libraries whose files are checked, by the name --crate takes.
+LIBRARIES = {"runtime": "src", "train": "crates/train/src"}
+ROOT = os.path.join(REPO, LIBRARIES["runtime"])
 
-# Bottom to top: a module may import only from modules in earlier groups (or its own).
+# The workspace, bottom to top: a member may depend only on members of earlier groups.
+CRATES = [
+    ["lockstep-comm"],  # the runtime (.)
+    ["lockstep-train", "lockstep-cli", "lockstep-capi"],  # crates/train, crates/cli, crates/capi
+    ["lockstep-python"],  # python/ (the extension runs the CLI's library too)
+]
+
+# The runtime's modules, bottom to top: a module may import only from modules in earlier groups (or its own).
 LAYERS = [
     ["types", "store"],
     ["cuda", "logging"],
     ["comm", "config", "reference"],
     ["shm", "nccl", "staged", "mpi"],
-    ["rendezvous", "train", "report"],
+    ["rendezvous", "report"],
     ["launch"],
     ["crate"],  # lib.rs: declarations and re-exports only
 ]
@@ -222,7 +236,55 @@ def top(m):
     return m[1] if len(m) > 1 else "crate"
 
 
+def crate_problems():
+    """Members that depend on a member of their own or a later CRATES group."""
+    members = {}
+    for d in [".", "crates/train", "crates/cli", "crates/capi", "python"]:
+        toml = open(os.path.join(REPO, d, "Cargo.toml")).read()
+        name = re.search(r'(?m)^name\s*=\s*"([^"]+)"', toml).group(1)
+        deps = re.search(r"(?ms)^\[dependencies\]\n(.*?)(?=^\[)", toml + "\n[")
+        paths = re.findall(r'path\s*=\s*"([^"]+)"', deps.group(1) if deps else "")
+        members[name] = (d, [os.path.normpath(os.path.join(d, p)) for p in paths])
+    by_dir = {os.path.normpath(d): n for n, (d, _) in members.items()}
+    level = {m: i for i, group in enumerate(CRATES) for m in group}
+    out = []
+    for name, (_, paths) in sorted(members.items()):
+        if name not in level:
+            out.append(f"crate {name} is not in CRATES (.ci/layers.py): place it")
+            continue
+        for p in paths:
+            dep = by_dir.get(p)
+            if dep is None:
+                continue
+            if dep not in level:
+                out.append(f"crate {dep} is not in CRATES (.ci/layers.py): place it")
+            elif level[dep] >= level[name]:
+                out.append(f"crate order: {name} depends on {dep}, which is not below it in CRATES")
+    return out
+
+
 def main():
+    global ROOT
+    lib = "runtime"
+    if "--crate" in sys.argv:
+        lib = sys.argv[sys.argv.index("--crate") + 1]
+        if lib not in LIBRARIES:
+            print(f"--crate {lib}: one of {', '.join(LIBRARIES)}")
+            return 2
+    if "--edges" in sys.argv or "--modules" in sys.argv:
+        ROOT = os.path.join(REPO, LIBRARIES[lib])
+        return check(lib)
+    bad = 0
+    for p in crate_problems():
+        bad += 1
+        print(p)
+    for lib in LIBRARIES:
+        ROOT = os.path.join(REPO, LIBRARIES[lib])
+        bad += check(lib)
+    return 1 if bad else 0
+
+
+def check(lib):
     info, edges = graph()
     name = lambda m: info[m]["path"]
     if "--edges" in sys.argv:
@@ -251,7 +313,7 @@ def main():
         bad += 1
         print("module cycle: " + " <-> ".join(comp))
     level = {m: i for i, group in enumerate(LAYERS) for m in group}
-    for a in sorted(tops):
+    for a in sorted(tops) if lib == "runtime" else []:
         for b in sorted(tops[a]):
             if a not in level or b not in level:
                 bad += 1
@@ -262,8 +324,8 @@ def main():
                 print(f"layer violation: {a} imports {b} ({'; '.join(offenders)})")
     files = len(info)
     nedges = sum(len(v) for v in edges.values())
-    print(f"{files} files, {nedges} file dependencies, {bad} problem(s)")
-    return 1 if bad else 0
+    print(f"{LIBRARIES[lib]}: {files} files, {nedges} file dependencies, {bad} problem(s)")
+    return bad
 
 
 if __name__ == "__main__":

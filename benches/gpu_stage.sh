@@ -6,9 +6,9 @@
 #   benches/gpu_stage.sh [--no-build] [--stage DIR] [--data DIR | --no-data] [--no-wheel]
 #
 # What it does:
-#   1. cargo build --release -p lockstep-comm --bins --test gpu_cuda --test gpu_kernels --test gpu_nccl
-#      (and -p lockstep-cli -p lockstep-capi: the lockstep command, liblockstep.so)
-#      --test gpu_train, and the Python wheel (maturin build --release in python/: one abi3 wheel,
+#   1. cargo build --release -p lockstep-comm --test gpu_nccl, -p lockstep-train --bins --test
+#      gpu_cuda --test gpu_kernels --test gpu_train, -p lockstep-cli -p lockstep-capi (the lockstep
+#      command, liblockstep.so), and the Python wheel (maturin build --release in python/: one abi3 wheel,
 #      so the GPU machine's Python 3.12 loads it); --no-build takes what target/ and
 #      python/target/wheels already hold
 #   2. copies, with debug info stripped (objcopy --strip-debug: symbols stay, so backtraces still
@@ -27,7 +27,7 @@
 # and fails when the stage plus the working tree that travels with it exceed 60 MiB
 # (benches/gpu/common.sh; the device tool's own limit is 64 MiB), or when something is missing.
 #
-# Kernel sources (kernels/*.cu, common.cuh) are embedded in the binaries by build.rs; the
+# Kernel sources (crates/train/kernels/*.cu, common.cuh) are embedded in the binaries by its build.rs; the
 # scripts (benches/gpu_verify.sh, benches/gpu/*, benches/baselines/*) are tracked files and
 # travel with the working tree. Carry list for the device tool: [".device/stage"].
 set -euo pipefail
@@ -68,9 +68,8 @@ find_maturin() {
 }
 
 if [ "$build" = 1 ]; then
-    targets=()
-    for t in "${test_targets[@]}"; do targets+=(--test "$t"); done
-    cargo build --release -p lockstep-comm --bins "${targets[@]}"
+    cargo build --release -p lockstep-comm --test gpu_nccl
+    cargo build --release -p lockstep-train --bins --test gpu_cuda --test gpu_kernels --test gpu_train
     cargo build --release -p lockstep-cli -p lockstep-capi
     if [ "$with_wheel" = 1 ]; then
         maturin=$(find_maturin)

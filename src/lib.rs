@@ -20,14 +20,13 @@
 //! | [`mpi`] | MPI through the MPI-5 standard ABI, loaded at run time: the transport between nodes of CPU jobs |
 //! | [`staged`] | device buffers staged through a host communicator (ranks sharing a GPU) |
 //! | [`rendezvous`] | `Communicator::from_env` and [`device_communicator`](rendezvous::device_communicator), the one backend policy |
-//! | `train` (feature `train`) | the autograd-free training engine and its GPU device engine |
 //! | [`report`] | the environment report (`lockstep env`, and any embedding's bug report) |
 //! | [`launch`](mod@launch) | [`launch()`] forks ranks running a closure; [`launch::run_job`] backs `lockstep launch` |
 //!
-//! With `default-features = false` only the collectives, the launcher, the store and the CUDA/NCCL
-//! loading are built. The library never prints: diagnostics are [`tracing`] events. The command
-//! `lockstep` is the crate `crates/cli`, the C ABI (`liblockstep.so`) the crate `crates/capi`, the
-//! Python extension `python/`.
+//! With `default-features = false` the configuration file is left out too. The library never
+//! prints: diagnostics are [`tracing`] events. The training engine is the crate `lockstep-train`
+//! (crates/train), the command `lockstep` the crate `crates/cli`, the C ABI (`liblockstep.so`)
+//! the crate `crates/capi`, the Python extension `python/`.
 //!
 //! Safety model: `unsafe` lives only in the modules that talk to the OS or to foreign libraries
 //! (`shm`, `launch`'s post-fork code, `cuda`, `nccl`, `mpi`); every block carries a `// SAFETY:` line.
@@ -56,8 +55,6 @@ pub mod rendezvous;
 pub mod report;
 pub mod shm;
 pub mod staged;
-#[cfg(feature = "train")]
-pub mod train;
 
 pub use comm::{
     Buffer, BufferMut, CollKind, CommError, Communicator, Dtype, Element, ReduceOp, SharedBuffer,

@@ -2,7 +2,7 @@
 //! headers, entry-point signatures) and the launch-checking vocabulary [`KernelSig`] / [`ArgKind`].
 //!
 //! Nothing here knows which kernels exist: callers describe their own sources (lockstep's training
-//! kernels are registered in `train::device::kernels`) and the compile cache, the modules and the
+//! kernels are registered in `lockstep_train::device::kernels`) and the compile cache, the modules and the
 //! launch builder work from the description.
 
 use crate::comm::Dtype;

@@ -1,8 +1,8 @@
 //! What a rank's function receives ([`RankContext`]) and returns ([`RankResult`]), and the
 //! per-rank helpers of Accelerate's `Accelerator` on it: who is main, print and save on the main
 //! process only, main-process-first sections, `wait_for_everyone`, scalar `reduce` and
-//! `gather_for_metrics`, and (feature `train`) `set_seed`, which forwards to `train::seed`, beside
-//! the generators it seeds.
+//! `gather_for_metrics`. Accelerate's `set_seed` belongs to the training engine
+//! (`lockstep_train::set_seed`, crates/train), beside the generators it seeds.
 //!
 //! The helpers are collective exactly where Accelerate's are: `main_process_first`,
 //! `local_main_process_first`, `wait_for_everyone`, `reduce` and `gather_for_metrics` must be
@@ -138,14 +138,6 @@ impl RankContext {
         Ok(r)
     }
 
-    /// Seed every generator of the training engine (Accelerate's `set_seed`); collective, and an
-    /// error on every rank when the ranks passed different seeds. See
-    /// [`train::seed::set_seed`](crate::train::seed::set_seed).
-    #[cfg(feature = "train")]
-    pub fn set_seed(&mut self, seed: u64) -> Result<(), CommError> {
-        crate::train::seed::set_seed(&mut self.comm, seed)
-    }
-
     /// Wait until every rank has reached this call (Accelerate's `wait_for_everyone`, a barrier).
     pub fn wait_for_everyone(&mut self) -> Result<(), CommError> {
         self.comm.barrier()
@@ -162,7 +154,7 @@ impl RankContext {
     /// Gather a per-sample metric tensor from every rank for the whole evaluation set, without
     /// the sampler's padding (Accelerate's `gather_for_metrics`). Collective.
     ///
-    /// The data must be sharded as `train::sampler::DistributedSampler` (and PyTorch's) does it:
+    /// The data must be sharded as `lockstep_train::sampler::DistributedSampler` (and PyTorch's) does it:
     /// the `dataset_len` positions of the epoch's order are padded by wrapping around to a
     /// multiple of the world size, and rank `r` takes positions `r, r + world, r + 2 world, ...`
     /// (`ceil(dataset_len / world)` per rank, the same on every rank). `local` holds `item_len`

@@ -1,7 +1,8 @@
-//! Durable, atomic file writes: the crate's one implementation, used by every file it replaces
-//! ([`write_atomic`] for a single small file, and the checkpoint's two-file commit protocol,
-//! `train::checkpoint`, built from the same [`Dir`] and [`Temp`]). A reader sees the old contents
-//! or the new ones, never a mix, and a crash leaves one of the two.
+//! Durable, atomic file writes: the workspace's one implementation, used by every file it
+//! replaces ([`write_atomic`] for a single small file; the training engine's checkpoint commit,
+//! `lockstep_train::checkpoint`, builds its two-file protocol from the same [`Dir`] and
+//! [`Temp`]). A reader sees the old contents or the new ones, never a mix, and a crash leaves one
+//! of the two.
 //!
 //! The steps: a fresh temporary in the target's directory (`O_CREAT|O_EXCL|O_NOFOLLOW`, created
 //! relative to the directory's descriptor, so neither a symbolic link planted under the temporary
@@ -64,15 +65,15 @@ pub fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> Result<(), WriteErr
 
 /// A directory held open: every name is created, renamed and removed relative to this
 /// descriptor, so replacing the directory path midway cannot redirect a write.
-pub(crate) struct Dir {
+pub struct Dir {
     /// The path it was opened by (for messages).
-    pub(crate) path: PathBuf,
+    pub path: PathBuf,
     file: File,
 }
 
 impl Dir {
     /// Open `path` as a directory (`O_RDONLY|O_DIRECTORY|O_CLOEXEC`).
-    pub(crate) fn open(path: &Path) -> std::io::Result<Dir> {
+    pub fn open(path: &Path) -> std::io::Result<Dir> {
         let file = std::fs::OpenOptions::new()
             .read(true)
             .custom_flags(libc::O_DIRECTORY)
@@ -84,14 +85,12 @@ impl Dir {
     }
 
     /// The descriptor names are resolved against.
-    // Used by the checkpoint's commit (feature `train`).
-    #[cfg_attr(not(feature = "train"), allow(dead_code))]
-    pub(crate) fn fd(&self) -> BorrowedFd<'_> {
+    pub fn fd(&self) -> BorrowedFd<'_> {
         self.file.as_fd()
     }
 
     /// The error of step `what` on `name` in this directory.
-    pub(crate) fn error(&self, name: &OsStr, what: &'static str, e: Errno) -> WriteError {
+    pub fn error(&self, name: &OsStr, what: &'static str, e: Errno) -> WriteError {
         WriteError {
             path: self.path.join(name),
             what,
@@ -100,7 +99,7 @@ impl Dir {
     }
 
     /// fsync the directory, making the renames in it durable.
-    pub(crate) fn sync(&self) -> Result<(), WriteError> {
+    pub fn sync(&self) -> Result<(), WriteError> {
         self.file.sync_all().map_err(|source| WriteError {
             path: self.path.clone(),
             what: "fsync of the directory",
@@ -109,9 +108,7 @@ impl Dir {
     }
 
     /// Type and owner of `name`, without following a symbolic link; `None` if absent.
-    // Used by the checkpoint's commit (feature `train`).
-    #[cfg_attr(not(feature = "train"), allow(dead_code))]
-    pub(crate) fn lstat(&self, name: &OsStr) -> Result<Option<FileStat>, WriteError> {
+    pub fn lstat(&self, name: &OsStr) -> Result<Option<FileStat>, WriteError> {
         match fstatat(self.file.as_fd(), name, AtFlags::AT_SYMLINK_NOFOLLOW) {
             Ok(st) => Ok(Some(st)),
             Err(Errno::ENOENT) => Ok(None),
@@ -121,28 +118,28 @@ impl Dir {
 }
 
 /// 16 random hex digits from the kernel (temporary names nobody can guess ahead).
-pub(crate) fn random_hex() -> std::io::Result<String> {
+pub fn random_hex() -> std::io::Result<String> {
     let mut b = [0u8; 8];
     File::open("/dev/urandom")?.read_exact(&mut b)?;
     Ok(b.iter().map(|x| format!("{x:02x}")).collect())
 }
 
 /// `.{target}.tmp-` : every temporary made for `target` starts so.
-pub(crate) fn temp_prefix(target: &OsStr) -> Vec<u8> {
+pub fn temp_prefix(target: &OsStr) -> Vec<u8> {
     [b".".as_slice(), target.as_bytes(), b".tmp-"].concat()
 }
 
 /// `.{target}.tmp-{pid}-{random}`: hidden; the pid lets a later writer tell a killed writer's
 /// leftovers from a write still running; the random part makes the name unpredictable to
 /// another user of a shared directory.
-pub(crate) fn temp_name(target: &OsStr) -> std::io::Result<OsString> {
+pub fn temp_name(target: &OsStr) -> std::io::Result<OsString> {
     let mut n = temp_prefix(target);
     n.extend_from_slice(format!("{}-{}", std::process::id(), random_hex()?).as_bytes());
     Ok(OsString::from_vec(n))
 }
 
 /// A temporary file in a [`Dir`], removed on drop unless renamed into place.
-pub(crate) struct Temp<'d> {
+pub struct Temp<'d> {
     dir: &'d Dir,
     name: OsString,
     file: Option<File>,
@@ -153,7 +150,7 @@ impl<'d> Temp<'d> {
     /// Create a fresh temporary for `target` with `mode` (before the umask): `O_EXCL` refuses
     /// any existing name, symbolic links included, so nothing planted in the directory is ever
     /// opened.
-    pub(crate) fn create(dir: &'d Dir, target: &OsStr, mode: u32) -> Result<Temp<'d>, WriteError> {
+    pub fn create(dir: &'d Dir, target: &OsStr, mode: u32) -> Result<Temp<'d>, WriteError> {
         let flags =
             OFlag::O_WRONLY | OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
         let mut last = Errno::EEXIST;
@@ -186,9 +183,7 @@ impl<'d> Temp<'d> {
     }
 
     /// A name a hard link already gave a file: owned from here on (removed on drop).
-    // Used by the checkpoint's commit (feature `train`).
-    #[cfg_attr(not(feature = "train"), allow(dead_code))]
-    pub(crate) fn adopt(dir: &'d Dir, name: OsString) -> Temp<'d> {
+    pub fn adopt(dir: &'d Dir, name: OsString) -> Temp<'d> {
         Temp {
             dir,
             name,
@@ -198,12 +193,12 @@ impl<'d> Temp<'d> {
     }
 
     /// Where the temporary is.
-    pub(crate) fn path(&self) -> PathBuf {
+    pub fn path(&self) -> PathBuf {
         self.dir.path.join(&self.name)
     }
 
     /// Write all of `bytes` (nothing for an adopted name).
-    pub(crate) fn write(&mut self, bytes: &[u8]) -> Result<(), WriteError> {
+    pub fn write(&mut self, bytes: &[u8]) -> Result<(), WriteError> {
         let path = self.path();
         match &mut self.file {
             Some(f) => f.write_all(bytes).map_err(|source| WriteError {
@@ -216,7 +211,7 @@ impl<'d> Temp<'d> {
     }
 
     /// fsync the file's contents (nothing for an adopted name).
-    pub(crate) fn sync(&mut self) -> Result<(), WriteError> {
+    pub fn sync(&mut self) -> Result<(), WriteError> {
         let path = self.path();
         match &mut self.file {
             Some(f) => f.sync_all().map_err(|source| WriteError {
@@ -230,7 +225,7 @@ impl<'d> Temp<'d> {
 
     /// Rename over `target` (atomically replacing whatever entry is there, a symbolic link
     /// included, without following it). Durable once the directory is synced ([`Dir::sync`]).
-    pub(crate) fn rename_to(mut self, target: &OsStr) -> Result<(), WriteError> {
+    pub fn rename_to(mut self, target: &OsStr) -> Result<(), WriteError> {
         self.file = None;
         let fd = self.dir.file.as_fd();
         nix::fcntl::renameat(fd, self.name.as_os_str(), fd, target)

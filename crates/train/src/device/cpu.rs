@@ -1,0 +1,512 @@
+//! The CPU executor: runs a device plan by calling each kernel's CPU twin
+//! (`kernels::twins`) on host arenas laid out exactly like the device ones. It makes the
+//! device engine's whole step (plan, argument order, buffer plumbing, step sequencing) testable
+//! on machines without a GPU; it is a reference, not a fast path (the twins are naive loops).
+
+use half::{bf16, f16};
+
+use super::error::DeviceError;
+use super::exec::Exec;
+use super::kernels::twins;
+use super::plan::{Arena, Arg, Op, Region};
+use lockstep::comm::{Communicator, ReduceOp};
+
+/// Host arenas, one per dtype, plus the dataset.
+#[derive(Debug, Default)]
+pub struct CpuExec {
+    f32: Vec<f32>,
+    i32: Vec<i32>,
+    bf16: Vec<bf16>,
+    f16: Vec<f16>,
+    images: Vec<u8>,
+    labels: Vec<u8>,
+    index_list: Vec<i32>,
+    readback: Vec<f32>,
+}
+
+/// One argument materialised for a twin call.
+enum Val {
+    F(Vec<f32>),
+    I(Vec<i32>),
+    B(Vec<bf16>),
+    H(Vec<f16>),
+    U(Vec<u8>),
+    SI(i32),
+    SF(f32),
+    SL(i64),
+    Taken,
+}
+
+struct Vals(Vec<Val>);
+
+impl Vals {
+    fn f(&mut self, k: usize) -> Vec<f32> {
+        match std::mem::replace(&mut self.0[k], Val::Taken) {
+            Val::F(v) => v,
+            _ => panic!("argument {k} is not an f32 buffer"),
+        }
+    }
+    fn i(&mut self, k: usize) -> Vec<i32> {
+        match std::mem::replace(&mut self.0[k], Val::Taken) {
+            Val::I(v) => v,
+            _ => panic!("argument {k} is not an i32 buffer"),
+        }
+    }
+    fn b(&mut self, k: usize) -> Vec<bf16> {
+        match std::mem::replace(&mut self.0[k], Val::Taken) {
+            Val::B(v) => v,
+            _ => panic!("argument {k} is not a bf16 buffer"),
+        }
+    }
+    fn h(&mut self, k: usize) -> Vec<f16> {
+        match std::mem::replace(&mut self.0[k], Val::Taken) {
+            Val::H(v) => v,
+            _ => panic!("argument {k} is not an f16 buffer"),
+        }
+    }
+    fn u(&mut self, k: usize) -> Vec<u8> {
+        match std::mem::replace(&mut self.0[k], Val::Taken) {
+            Val::U(v) => v,
+            _ => panic!("argument {k} is not a u8 buffer"),
+        }
+    }
+    fn si(&self, k: usize) -> i32 {
+        match self.0[k] {
+            Val::SI(v) => v,
+            _ => panic!("argument {k} is not an int"),
+        }
+    }
+    fn sf(&self, k: usize) -> f32 {
+        match self.0[k] {
+            Val::SF(v) => v,
+            _ => panic!("argument {k} is not a float"),
+        }
+    }
+    fn sl(&self, k: usize) -> i64 {
+        match self.0[k] {
+            Val::SL(v) => v,
+            _ => panic!("argument {k} is not a long long"),
+        }
+    }
+}
+
+impl CpuExec {
+    /// Host arenas of the given sizes (zeroed).
+    pub fn new(arena_len: (usize, usize, usize, usize)) -> CpuExec {
+        CpuExec {
+            f32: vec![0.0; arena_len.0],
+            i32: vec![0; arena_len.1],
+            bf16: vec![bf16::ZERO; arena_len.2],
+            f16: vec![f16::ZERO; arena_len.3],
+            ..Default::default()
+        }
+    }
+
+    /// Replace the f16 arena (length must match the layout's).
+    pub fn load_f16(&mut self, h: &[f16]) {
+        self.f16 = h.to_vec();
+    }
+
+    /// A copy of the f16 arena.
+    pub fn dump_f16(&self) -> Vec<f16> {
+        self.f16.clone()
+    }
+
+    /// Replace the f32, i32 and bf16 arenas (tests fill them with random values).
+    pub fn load_arenas(&mut self, f: &[f32], i: &[i32], b: &[bf16]) {
+        (self.f32, self.i32, self.bf16) = (f.to_vec(), i.to_vec(), b.to_vec());
+    }
+
+    /// Copies of the f32, i32 and bf16 arenas.
+    pub fn dump_arenas(&self) -> (Vec<f32>, Vec<i32>, Vec<bf16>) {
+        (self.f32.clone(), self.i32.clone(), self.bf16.clone())
+    }
+
+    /// The dataset's range for a region: dataset arenas run from the offset to the end (the
+    /// kernel indexes them by sample id).
+    fn span(&self, r: &Region) -> std::ops::Range<usize> {
+        match r.arena {
+            Arena::Images => r.off..self.images.len(),
+            Arena::Labels => r.off..self.labels.len(),
+            _ => r.range(),
+        }
+    }
+
+    fn load(&self, r: &Region) -> Val {
+        let s = self.span(r);
+        match r.arena {
+            Arena::F32 => Val::F(self.f32[s].to_vec()),
+            Arena::I32 => Val::I(self.i32[s].to_vec()),
+            Arena::Bf16 => Val::B(self.bf16[s].to_vec()),
+            Arena::F16 => Val::H(self.f16[s].to_vec()),
+            Arena::Images => Val::U(self.images[s].to_vec()),
+            Arena::Labels => Val::U(self.labels[s].to_vec()),
+        }
+    }
+
+    fn store(&mut self, r: &Region, v: Val) {
+        let s = self.span(r);
+        match (r.arena, v) {
+            (Arena::F32, Val::F(x)) => self.f32[s].copy_from_slice(&x),
+            (Arena::I32, Val::I(x)) => self.i32[s].copy_from_slice(&x),
+            (Arena::Bf16, Val::B(x)) => self.bf16[s].copy_from_slice(&x),
+            (Arena::F16, Val::H(x)) => self.f16[s].copy_from_slice(&x),
+            (a, _) => panic!("cannot store into {a:?}"),
+        }
+    }
+
+    /// Call the twin of `op` on copies of its arguments, then write back what it wrote.
+    fn call(&mut self, op: &Op) -> Result<(), DeviceError> {
+        let mut v = Vals(
+            op.args
+                .iter()
+                .map(|a| match a {
+                    Arg::In(r) | Arg::Out(r) => self.load(r),
+                    Arg::I32(x) => Val::SI(*x),
+                    Arg::F32(x) => Val::SF(*x),
+                    Arg::I64(x) => Val::SL(*x),
+                })
+                .collect(),
+        );
+        // Written arguments come back here, by position.
+        let mut out: Vec<(usize, Val)> = Vec::new();
+        macro_rules! conv {
+            ($f:path, $t:ident) => {{
+                let (mut o, a, b) = (v.f(0), v.$t(1), v.$t(2));
+                $f(
+                    &mut o,
+                    &a,
+                    &b,
+                    v.si(3),
+                    v.si(4),
+                    v.si(5),
+                    v.si(6),
+                    v.si(7),
+                    v.si(8),
+                    v.si(9),
+                    v.si(10),
+                    v.si(11),
+                );
+                out.push((0, Val::F(o)));
+            }};
+        }
+        macro_rules! conv_fwd {
+            ($f:path, $t:ident) => {{
+                let (mut o, a, b, bias) = (v.f(0), v.$t(1), v.$t(2), v.f(3));
+                $f(
+                    &mut o,
+                    &a,
+                    &b,
+                    Some(&bias),
+                    v.si(4),
+                    v.si(5),
+                    v.si(6),
+                    v.si(7),
+                    v.si(8),
+                    v.si(9),
+                    v.si(10),
+                    v.si(11),
+                    v.si(12),
+                );
+                out.push((0, Val::F(o)));
+            }};
+        }
+        // Weight gradients: (dweight, partials, dout, inp, sizes...); both f32 buffers are written.
+        macro_rules! conv_dw {
+            ($f:path, $t:ident) => {{
+                let (mut o, mut part, a, b) = (v.f(0), v.f(1), v.$t(2), v.$t(3));
+                $f(
+                    &mut o,
+                    &mut part,
+                    &a,
+                    &b,
+                    v.si(4),
+                    v.si(5),
+                    v.si(6),
+                    v.si(7),
+                    v.si(8),
+                    v.si(9),
+                    v.si(10),
+                    v.si(11),
+                    v.si(12),
+                );
+                out.extend([(0, Val::F(o)), (1, Val::F(part))]);
+            }};
+        }
+        macro_rules! lin_dw {
+            ($f:path, $t:ident) => {{
+                let (mut o, mut part, a, b) = (v.f(0), v.f(1), v.$t(2), v.$t(3));
+                $f(&mut o, &mut part, &a, &b, v.si(4), v.si(5), v.si(6));
+                out.extend([(0, Val::F(o)), (1, Val::F(part))]);
+            }};
+        }
+        macro_rules! lin3 {
+            ($f:path, $t:ident) => {{
+                let (mut o, a, b) = (v.f(0), v.$t(1), v.$t(2));
+                $f(&mut o, &a, &b, v.si(3), v.si(4), v.si(5));
+                out.push((0, Val::F(o)));
+            }};
+        }
+        match op.name {
+            "fill_f32" => {
+                let mut o = v.f(0);
+                twins::fill_f32(&mut o, v.sf(1), v.sl(2));
+                out.push((0, Val::F(o)));
+            }
+            "scale_f32" => {
+                let mut o = v.f(0);
+                twins::scale_f32(&mut o, v.sf(1), v.sl(2));
+                out.push((0, Val::F(o)));
+            }
+            "axpy_f32" => {
+                let (mut y, x) = (v.f(0), v.f(1));
+                twins::axpy_f32(&mut y, &x, v.sf(2), v.sl(3));
+                out.push((0, Val::F(y)));
+            }
+            "splitk_reduce_f32" => {
+                let (mut o, p) = (v.f(0), v.f(1));
+                twins::splitk_reduce_f32(&mut o, &p, v.si(2), v.sl(3));
+                out.push((0, Val::F(o)));
+            }
+            "relu_forward_f32" => {
+                let (mut o, x) = (v.f(0), v.f(1));
+                twins::relu_forward_f32(&mut o, &x, v.si(2));
+                out.push((0, Val::F(o)));
+            }
+            "relu_backward_f32" => {
+                let (mut d, o, g) = (v.f(0), v.f(1), v.f(2));
+                twins::relu_backward_f32(&mut d, &o, &g, v.si(3));
+                out.push((0, Val::F(d)));
+            }
+            "batchnorm2d_forward_train_f32" => {
+                let (mut o, mut sm, mut si, mut rm, mut rv) = (v.f(0), v.f(1), v.f(2), v.f(3), v.f(4));
+                let (x, w, b) = (v.f(5), v.f(6), v.f(7));
+                twins::batchnorm2d_forward_train_f32(
+                    &mut o,
+                    &mut sm,
+                    &mut si,
+                    &mut rm,
+                    &mut rv,
+                    &x,
+                    &w,
+                    &b,
+                    v.si(8),
+                    v.si(9),
+                    v.si(10),
+                    v.sf(11),
+                    v.sf(12),
+                    v.si(13),
+                );
+                out.extend([(0, Val::F(o)), (1, Val::F(sm)), (2, Val::F(si)), (3, Val::F(rm)), (4, Val::F(rv))]);
+            }
+            "batchnorm2d_forward_eval_f32" => {
+                let (mut o, x, w, b, rm, rv) = (v.f(0), v.f(1), v.f(2), v.f(3), v.f(4), v.f(5));
+                twins::batchnorm2d_forward_eval_f32(&mut o, &x, &w, &b, &rm, &rv, v.si(6), v.si(7), v.si(8), v.sf(9), v.si(10));
+                out.push((0, Val::F(o)));
+            }
+            "batchnorm2d_backward_f32" => {
+                let (mut dx, mut dw, mut db) = (v.f(0), v.f(1), v.f(2));
+                let (g, x, y, w, m, s) = (v.f(3), v.f(4), v.f(5), v.f(6), v.f(7), v.f(8));
+                twins::batchnorm2d_backward_f32(&mut dx, &mut dw, &mut db, &g, &x, &y, &w, &m, &s, v.si(9), v.si(10), v.si(11), v.si(12));
+                out.extend([(0, Val::F(dx)), (1, Val::F(dw)), (2, Val::F(db))]);
+            }
+            "conv2d_forward_f32" => conv_fwd!(twins::conv2d_forward_f32, f),
+            "conv2d_forward_bf16" => conv_fwd!(twins::conv2d_forward_bf16, b),
+            "conv2d_forward_f16" => conv_fwd!(twins::conv2d_forward_f16, h),
+            "conv2d_backward_input_f32" => conv!(twins::conv2d_backward_input_f32, f),
+            "conv2d_backward_input_bf16" => conv!(twins::conv2d_backward_input_bf16, b),
+            "conv2d_backward_input_f16" => conv!(twins::conv2d_backward_input_f16, h),
+            "conv2d_backward_weight_f32" => conv_dw!(twins::conv2d_backward_weight_f32, f),
+            "conv2d_backward_weight_bf16" => conv_dw!(twins::conv2d_backward_weight_bf16, b),
+            "conv2d_backward_weight_f16" => conv_dw!(twins::conv2d_backward_weight_f16, h),
+            "conv2d_backward_bias_f32" | "conv2d_backward_bias_bf16" | "conv2d_backward_bias_f16" => {
+                let mut o = v.f(0);
+                if op.name.ends_with("_f32") {
+                    twins::conv2d_backward_bias_f32(&mut o, &v.f(1), v.si(2), v.si(3), v.si(4), v.si(5));
+                } else if op.name.ends_with("_bf16") {
+                    twins::conv2d_backward_bias_bf16(&mut o, &v.b(1), v.si(2), v.si(3), v.si(4), v.si(5));
+                } else {
+                    twins::conv2d_backward_bias_f16(&mut o, &v.h(1), v.si(2), v.si(3), v.si(4), v.si(5));
+                }
+                out.push((0, Val::F(o)));
+            }
+            "linear_forward_f32" => {
+                let (mut o, x, w, b) = (v.f(0), v.f(1), v.f(2), v.f(3));
+                twins::linear_forward_f32(&mut o, &x, &w, Some(&b), v.si(4), v.si(5), v.si(6), v.si(7));
+                out.push((0, Val::F(o)));
+            }
+            "linear_forward_bf16" => {
+                let (mut o, x, w, b) = (v.f(0), v.b(1), v.b(2), v.f(3));
+                twins::linear_forward_bf16(&mut o, &x, &w, Some(&b), v.si(4), v.si(5), v.si(6), v.si(7));
+                out.push((0, Val::F(o)));
+            }
+            "linear_forward_f16" => {
+                let (mut o, x, w, b) = (v.f(0), v.h(1), v.h(2), v.f(3));
+                twins::linear_forward_f16(&mut o, &x, &w, Some(&b), v.si(4), v.si(5), v.si(6), v.si(7));
+                out.push((0, Val::F(o)));
+            }
+            "linear_backward_input_f32" => lin3!(twins::linear_backward_input_f32, f),
+            "linear_backward_input_bf16" => lin3!(twins::linear_backward_input_bf16, b),
+            "linear_backward_input_f16" => lin3!(twins::linear_backward_input_f16, h),
+            "linear_backward_weight_f32" => lin_dw!(twins::linear_backward_weight_f32, f),
+            "linear_backward_weight_bf16" => lin_dw!(twins::linear_backward_weight_bf16, b),
+            "linear_backward_weight_f16" => lin_dw!(twins::linear_backward_weight_f16, h),
+            "linear_backward_bias_f32" | "linear_backward_bias_bf16" | "linear_backward_bias_f16" => {
+                let mut o = v.f(0);
+                if op.name.ends_with("_f32") {
+                    twins::linear_backward_bias_f32(&mut o, &v.f(1), v.si(2), v.si(3));
+                } else if op.name.ends_with("_bf16") {
+                    twins::linear_backward_bias_bf16(&mut o, &v.b(1), v.si(2), v.si(3));
+                } else {
+                    twins::linear_backward_bias_f16(&mut o, &v.h(1), v.si(2), v.si(3));
+                }
+                out.push((0, Val::F(o)));
+            }
+            "softmax_xent_forward_f32" => {
+                let (mut l, mut p, mut m, mut c) = (v.f(0), v.f(1), v.f(2), v.i(3));
+                let (z, t) = (v.f(4), v.i(5));
+                twins::softmax_xent_forward_f32(&mut l, &mut p, &mut m, &mut c, &z, &t, v.si(6), v.si(7));
+                out.extend([(0, Val::F(l)), (1, Val::F(p)), (2, Val::F(m)), (3, Val::I(c))]);
+            }
+            "softmax_xent_backward_f32" => {
+                let (mut d, p, t) = (v.f(0), v.f(1), v.i(2));
+                twins::softmax_xent_backward_f32(&mut d, &p, &t, v.si(3), v.si(4));
+                out.push((0, Val::F(d)));
+            }
+            "softmax_xent_backward_scaled_f32" => {
+                let (mut d, p, t, sc) = (v.f(0), v.f(1), v.i(2), v.f(5));
+                twins::softmax_xent_backward_scaled_f32(&mut d, &p, &t, v.si(3), v.si(4), &sc);
+                out.push((0, Val::F(d)));
+            }
+            "amp_unscale_f32" => {
+                let (mut g, mut flag, sc) = (v.f(0), v.f(1), v.f(2));
+                twins::amp_unscale_f32(&mut g, &mut flag, &sc, v.si(3));
+                out.extend([(0, Val::F(g)), (1, Val::F(flag))]);
+            }
+            "grad_norm_partials_f32" => {
+                let (mut p, g) = (v.f(0), v.f(1));
+                twins::grad_norm_partials_f32(&mut p, &g, v.si(2), v.si(3));
+                out.push((0, Val::F(p)));
+            }
+            "grad_norm_coef_f32" => {
+                let (mut c, mut nm, mut bad, p) = (v.f(0), v.f(1), v.i(2), v.f(3));
+                twins::grad_norm_coef_f32(&mut c, &mut nm, &mut bad, &p, v.si(4), v.sf(5), v.si(6));
+                out.extend([(0, Val::F(c)), (1, Val::F(nm)), (2, Val::I(bad))]);
+            }
+            "clip_grad_scale_f32" => {
+                let (mut g, c) = (v.f(0), v.f(1));
+                twins::clip_grad_scale_f32(&mut g, &c, v.si(2));
+                out.push((0, Val::F(g)));
+            }
+            "adam_step_f32" => {
+                let (mut p, g, mut m, mut s) = (v.f(0), v.f(1), v.f(2), v.f(3));
+                twins::adam_step_f32(&mut p, &g, &mut m, &mut s, v.si(4), v.sf(5), v.sf(6), v.sf(7), v.sf(8), v.sf(9), v.si(10));
+                out.extend([(0, Val::F(p)), (2, Val::F(m)), (3, Val::F(s))]);
+            }
+            "sgd_step_f32" => {
+                let (mut p, g, mut b) = (v.f(0), v.f(1), v.f(2));
+                twins::sgd_step_f32(&mut p, &g, &mut b, v.si(3), v.sf(4), v.sf(5), v.sf(6), v.sf(7), v.si(8), v.si(9));
+                out.extend([(0, Val::F(p)), (2, Val::F(b))]);
+            }
+            "maxpool2d_forward_f32" => {
+                let (mut o, mut ix, x) = (v.f(0), v.i(1), v.f(2));
+                twins::maxpool2d_forward_f32(&mut o, &mut ix, &x, v.si(3), v.si(4), v.si(5), v.si(6), v.si(7), v.si(8));
+                out.extend([(0, Val::F(o)), (1, Val::I(ix))]);
+            }
+            "maxpool2d_backward_f32" => {
+                let (mut d, g, ix) = (v.f(0), v.f(1), v.i(2));
+                twins::maxpool2d_backward_f32(&mut d, &g, &ix, v.si(3), v.si(4), v.si(5), v.si(6), v.si(7), v.si(8));
+                out.push((0, Val::F(d)));
+            }
+            "gather_batch_f32" => {
+                let (mut im, mut lb, di, dl, ix) = (v.f(0), v.i(1), v.u(2), v.u(3), v.i(4));
+                twins::gather_batch_f32(&mut im, &mut lb, &di, &dl, &ix, v.si(5), v.si(6));
+                out.extend([(0, Val::F(im)), (1, Val::I(lb))]);
+            }
+            "cast_f32_bf16" => {
+                let (mut o, x) = (v.b(0), v.f(1));
+                twins::cast_f32_bf16(&mut o, &x, v.si(2));
+                out.push((0, Val::B(o)));
+            }
+            "cast_bf16_f32" => {
+                let (mut o, x) = (v.f(0), v.b(1));
+                twins::cast_bf16_f32(&mut o, &x, v.si(2));
+                out.push((0, Val::F(o)));
+            }
+            "cast_f32_f16" => {
+                let (mut o, x) = (v.h(0), v.f(1));
+                twins::cast_f32_f16(&mut o, &x, v.si(2));
+                out.push((0, Val::H(o)));
+            }
+            "cast_f16_f32" => {
+                let (mut o, x) = (v.f(0), v.h(1));
+                twins::cast_f16_f32(&mut o, &x, v.si(2));
+                out.push((0, Val::F(o)));
+            }
+            other => {
+                return Err(DeviceError::Unsupported(format!(
+                    "the CPU executor has no twin dispatch for {other} (bucket kernels take device addresses)"
+                )))
+            }
+        }
+        for (k, val) in out {
+            let Arg::Out(r) = op.args[k] else {
+                return Err(DeviceError::Unsupported(format!(
+                    "{}: argument {k} is written by the twin but passed as input",
+                    op.name
+                )));
+            };
+            self.store(&r, val);
+        }
+        Ok(())
+    }
+}
+
+impl Exec for CpuExec {
+    fn sm_count(&self) -> usize {
+        1
+    }
+    fn upload_dataset(&mut self, images: &[u8], labels: &[u8]) -> Result<(), DeviceError> {
+        self.images = images.to_vec();
+        self.labels = labels.to_vec();
+        Ok(())
+    }
+    fn write_f32(&mut self, r: Region, data: &[f32]) -> Result<(), DeviceError> {
+        self.f32[r.range()].copy_from_slice(data);
+        Ok(())
+    }
+    fn read_f32(&mut self, r: Region) -> Result<Vec<f32>, DeviceError> {
+        Ok(self.f32[r.range()].to_vec())
+    }
+    fn read_i32(&mut self, r: Region) -> Result<Vec<i32>, DeviceError> {
+        Ok(self.i32[r.range()].to_vec())
+    }
+    fn load_index_list(&mut self, idx: &[i32]) -> Result<(), DeviceError> {
+        self.index_list = idx.to_vec();
+        Ok(())
+    }
+    fn select_indices(&mut self, dst: Region, start: usize) -> Result<(), DeviceError> {
+        let src = self.index_list.get(start..start + dst.len).ok_or_else(|| {
+            DeviceError::Config(format!("index list too short for {start}+{}", dst.len))
+        })?;
+        self.i32[dst.range()].copy_from_slice(src);
+        Ok(())
+    }
+    fn run(&mut self, op: &Op) -> Result<(), DeviceError> {
+        self.call(op)
+    }
+    fn all_reduce_mean(&mut self, comm: &mut Communicator, r: Region) -> Result<(), DeviceError> {
+        comm.all_reduce_in_place(&mut self.f32[r.range()], ReduceOp::Avg)?;
+        Ok(())
+    }
+    fn broadcast(&mut self, comm: &mut Communicator, r: Region) -> Result<(), DeviceError> {
+        comm.broadcast_in_place(&mut self.f32[r.range()], 0)?;
+        Ok(())
+    }
+    fn stash(&mut self, v: Vec<f32>) {
+        self.readback = v;
+    }
+    fn take_stash(&mut self) -> Vec<f32> {
+        std::mem::take(&mut self.readback)
+    }
+}

@@ -1,0 +1,48 @@
+//! Flatten: `[N, C, H, W] -> [N, C*H*W]`. The NCHW storage is already in PyTorch's flatten order,
+//! so forward and backward are copies.
+
+use super::Layer;
+use crate::tensor::Tensor;
+
+/// Collapse all but the batch dimension.
+#[derive(Clone, Debug, Default)]
+pub struct Flatten;
+
+impl Layer for Flatten {
+    fn kind(&self) -> &'static str {
+        "flatten"
+    }
+    fn out_dims(&self, inp: &[usize]) -> Result<Vec<usize>, String> {
+        match inp.split_first() {
+            Some((n, rest)) => Ok(vec![*n, rest.iter().product()]),
+            None => Err("flatten needs at least one dimension".into()),
+        }
+    }
+    fn forward(&mut self, _p: &[f32], inp: &Tensor, out: &mut Tensor, _train: bool) {
+        let n = inp.dims()[0];
+        out.resize(&[n, inp.numel() / n.max(1)]);
+        out.data_mut().copy_from_slice(inp.data());
+    }
+    fn backward(
+        &mut self,
+        _p: &[f32],
+        _dp: &mut [f32],
+        inp: &Tensor,
+        _out: &Tensor,
+        dout: &Tensor,
+        dinp: Option<&mut Tensor>,
+    ) {
+        if let Some(dinp) = dinp {
+            dinp.resize(inp.dims());
+            dinp.data_mut().copy_from_slice(dout.data());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn flatten_gradcheck() {
+        crate::layers::gradcheck::check(&mut super::Flatten, &[2, 3, 2, 2], true, 4);
+    }
+}

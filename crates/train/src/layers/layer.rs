@@ -1,0 +1,88 @@
+//! The [`Layer`] trait and what layers share: parameter specs, initialisers, the gradient-buffer
+//! view, and the cross-rank sum used by synchronised BatchNorm.
+
+use crate::rng::Rng;
+use crate::tensor::Tensor;
+
+/// A cross-rank sum of partial statistics (synchronised BatchNorm): the trainer passes an
+/// all-reduce; a single process passes nothing and layers use their local values.
+pub type SumFn<'a, E> = dyn FnMut(&mut [f64]) -> Result<(), E> + 'a;
+
+/// How a parameter is initialised (PyTorch defaults).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Init {
+    /// Uniform in `[-bound, bound]`: Kaiming-uniform with a = √5 gives `bound = 1/√fan_in`, and
+    /// PyTorch's default bias init uses the same bound.
+    Uniform(f32),
+    /// Every element set to this value (BatchNorm weight 1, bias 0).
+    Const(f32),
+}
+
+impl Init {
+    /// Fill `p` from `rng`.
+    pub fn fill(self, p: &mut [f32], rng: &mut Rng) {
+        match self {
+            Init::Uniform(b) => p.iter_mut().for_each(|x| *x = rng.uniform(-b, b)),
+            Init::Const(c) => p.fill(c),
+        }
+    }
+}
+
+/// One named parameter of a layer (`weight`, `bias`).
+#[derive(Clone, Debug)]
+pub struct ParamSpec {
+    /// Name within the layer, as PyTorch spells it.
+    pub name: &'static str,
+    /// Dimensions, PyTorch layout (`[out_c, in_c, kh, kw]` for conv weights).
+    pub dims: Vec<usize>,
+    /// Default initialisation.
+    pub init: Init,
+}
+
+impl ParamSpec {
+    /// Number of elements.
+    pub fn numel(&self) -> usize {
+        self.dims.iter().product()
+    }
+}
+
+/// A non-trainable state tensor (BatchNorm running statistics), exposed for checkpoints.
+#[derive(Debug)]
+pub enum BufferMut<'a> {
+    /// `f32` values (`running_mean`, `running_var`).
+    F32(&'static str, &'a mut Vec<f32>),
+    /// An `i64` counter (`num_batches_tracked`).
+    I64(&'static str, &'a mut i64),
+}
+
+/// A layer: shape math, parameters, forward and backward.
+///
+/// `Any` lets engines that run layers their own way (the device engine) read a layer's concrete
+/// type and shape parameters (`(layer as &dyn Any).downcast_ref::<Conv2d>()`).
+pub trait Layer: Send + std::any::Any {
+    /// Short kind name for messages (`conv2d`, `relu`, ...).
+    fn kind(&self) -> &'static str;
+    /// Output dimensions for an input of `inp` dimensions, or a message saying what is wrong.
+    fn out_dims(&self, inp: &[usize]) -> Result<Vec<usize>, String>;
+    /// Parameters in PyTorch order; empty for parameter-free layers.
+    fn param_specs(&self) -> Vec<ParamSpec> {
+        Vec::new()
+    }
+    /// Non-trainable state for checkpoints.
+    fn buffers_mut(&mut self) -> Vec<BufferMut<'_>> {
+        Vec::new()
+    }
+    /// `out = f(inp)`; `train` selects training behaviour (batch statistics in BatchNorm).
+    fn forward(&mut self, p: &[f32], inp: &Tensor, out: &mut Tensor, train: bool);
+    /// Accumulate parameter gradients into `dp` and, when `dinp` is given, overwrite it with the
+    /// gradient of the loss with respect to `inp`.
+    fn backward(
+        &mut self,
+        p: &[f32],
+        dp: &mut [f32],
+        inp: &Tensor,
+        out: &Tensor,
+        dout: &Tensor,
+        dinp: Option<&mut Tensor>,
+    );
+}

@@ -1,0 +1,120 @@
+//! Linear: `out[N, OUT] = inp[N, IN] · W^T + b`, with `W` in PyTorch's `[OUT, IN]` layout.
+//!
+//! Backward: `dW[OUT, IN] += dout^T · inp`, `db += Σ_n dout`, `dinp = dout · W`.
+
+use super::{Init, Layer, ParamSpec};
+use crate::kernels::{matmul, Trans};
+use crate::tensor::Tensor;
+
+/// Fully connected layer.
+#[derive(Clone, Debug)]
+pub struct Linear {
+    /// Input features.
+    pub in_f: usize,
+    /// Output features.
+    pub out_f: usize,
+}
+
+impl Linear {
+    /// A `in_f -> out_f` layer.
+    pub fn new(in_f: usize, out_f: usize) -> Linear {
+        Linear { in_f, out_f }
+    }
+}
+
+impl Layer for Linear {
+    fn kind(&self) -> &'static str {
+        "linear"
+    }
+    fn out_dims(&self, inp: &[usize]) -> Result<Vec<usize>, String> {
+        match *inp {
+            [n, f] if f == self.in_f => Ok(vec![n, self.out_f]),
+            _ => Err(format!("linear expects [N, {}], got {inp:?}", self.in_f)),
+        }
+    }
+    fn param_specs(&self) -> Vec<ParamSpec> {
+        let bound = 1.0 / (self.in_f as f32).sqrt();
+        vec![
+            ParamSpec {
+                name: "weight",
+                dims: vec![self.out_f, self.in_f],
+                init: Init::Uniform(bound),
+            },
+            ParamSpec {
+                name: "bias",
+                dims: vec![self.out_f],
+                init: Init::Uniform(bound),
+            },
+        ]
+    }
+    fn forward(&mut self, p: &[f32], inp: &Tensor, out: &mut Tensor, _train: bool) {
+        let n = inp.dims()[0];
+        out.resize(&[n, self.out_f]);
+        let (w, b) = p.split_at(self.out_f * self.in_f);
+        for row in out.data_mut().chunks_exact_mut(self.out_f) {
+            row.copy_from_slice(b);
+        }
+        matmul(
+            n,
+            self.out_f,
+            self.in_f,
+            out.data_mut(),
+            inp.data(),
+            Trans::No,
+            w,
+            Trans::Yes,
+            true,
+        );
+    }
+    fn backward(
+        &mut self,
+        p: &[f32],
+        dp: &mut [f32],
+        inp: &Tensor,
+        _out: &Tensor,
+        dout: &Tensor,
+        dinp: Option<&mut Tensor>,
+    ) {
+        let n = inp.dims()[0];
+        let (dw, db) = dp.split_at_mut(self.out_f * self.in_f);
+        for row in dout.data().chunks_exact(self.out_f) {
+            for (d, g) in db.iter_mut().zip(row) {
+                *d += g;
+            }
+        }
+        matmul(
+            self.out_f,
+            self.in_f,
+            n,
+            dw,
+            dout.data(),
+            Trans::Yes,
+            inp.data(),
+            Trans::No,
+            true,
+        );
+        if let Some(dinp) = dinp {
+            dinp.resize(inp.dims());
+            let w = &p[..self.out_f * self.in_f];
+            matmul(
+                n,
+                self.in_f,
+                self.out_f,
+                dinp.data_mut(),
+                dout.data(),
+                Trans::No,
+                w,
+                Trans::No,
+                false,
+            );
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn linear_gradcheck() {
+        crate::layers::gradcheck::check(&mut super::Linear::new(5, 3), &[4, 5], true, 9);
+    }
+}

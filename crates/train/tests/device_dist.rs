@@ -1,0 +1,515 @@
+//! The device engine's data-parallel path without a GPU: `train_device` on 2 forked ranks with
+//! the CPU-twin executor and the shared-memory communicator. Exercises the gradient average, the
+//! BatchNorm-state broadcast and the metric sums exactly as a GPU run sequences them (the GPU
+//! executor routes the same calls to NCCL or the staged backend). Replicas must stay identical.
+//! Also: the initial broadcast from rank 0, the per-epoch checkpoint and `--resume` (which
+//! `train-cnn --device cuda` runs through the same `train_device`), in fp16 with the loss
+//! scaler's state carried through the checkpoint.
+//! `harness = false`: the launcher forks, which must not happen from a multi-threaded harness.
+
+#[path = "../../../tests/common/mod.rs"]
+mod common;
+
+use lockstep::launch::{launch, LaunchConfig, RankContext};
+use lockstep_train::data;
+use lockstep_train::device::{train_device, CpuExec, DeviceOptions};
+use lockstep_train::trainer::{EpochReport, Observer, Silent, TrainConfig};
+
+fn two_ranks_stay_identical() -> Result<(), String> {
+    let dir = common::scratch("device-dist");
+    data::write_synthetic(&dir, 30, 11, 3).map_err(|e| e.to_string())?;
+    let train = data::load_split(&dir, true).map_err(|e| e.to_string())?;
+    let test = data::load_split(&dir, false).map_err(|e| e.to_string())?;
+    let _ = std::fs::remove_dir_all(&dir);
+    // 30 images over 2 ranks, batch 4: 15 per rank = 3 full steps and one of 3.
+    let cfg = TrainConfig {
+        epochs: 1,
+        batch_size: 4,
+        ..Default::default()
+    };
+    let out = launch(&LaunchConfig::new(2), |mut ctx: RankContext| {
+        let opts = DeviceOptions {
+            loss_every: 2,
+            ..Default::default()
+        };
+        let out = train_device(
+            &cfg,
+            &opts,
+            &train,
+            &test,
+            |len| Ok(CpuExec::new(len)),
+            Some(&mut ctx.comm),
+            &mut Silent,
+        )?;
+        let r = &out.reports[0];
+        let checksum: f64 = out
+            .params
+            .iter()
+            .enumerate()
+            .map(|(i, &p)| p as f64 * (1.0 + (i % 7) as f64))
+            .sum();
+        Ok((checksum, r.test_count, r.train_loss, r.steps as u64))
+    })
+    .map_err(|e| e.to_string())?;
+    let (a, b) = (out[0], out[1]);
+    common::check(
+        a.0 == b.0,
+        "parameters identical on both ranks",
+        format!("checksums {} vs {}", a.0, b.0),
+    )?;
+    common::check(
+        a.1 == 11 && b.1 == 11,
+        "each test image counted once over the ranks",
+        format!("{a:?} {b:?}"),
+    )?;
+    common::check(
+        a.2 == b.2 && a.2.is_finite(),
+        "the same mean training loss on both ranks",
+        format!("{} vs {}", a.2, b.2),
+    )?;
+    common::check(
+        a.3 == 4,
+        "4 steps per rank (15 images, batch 4)",
+        format!("{a:?}"),
+    )
+}
+
+/// Ranks that initialise differently (another seed each) still train identical replicas: rank
+/// 0's parameters and BatchNorm statistics are broadcast before the first step.
+fn initial_weights_come_from_rank_0() -> Result<(), String> {
+    let dir = common::scratch("device-dist-bcast");
+    data::write_synthetic(&dir, 16, 4, 5).map_err(|e| e.to_string())?;
+    let train = data::load_split(&dir, true).map_err(|e| e.to_string())?;
+    let test = data::load_split(&dir, false).map_err(|e| e.to_string())?;
+    let _ = std::fs::remove_dir_all(&dir);
+    let out = launch(&LaunchConfig::new(2), |mut ctx: RankContext| {
+        let cfg = TrainConfig {
+            epochs: 1,
+            batch_size: 4,
+            seed: 7 + ctx.rank as u64,
+            ..Default::default()
+        };
+        let opts = DeviceOptions {
+            loss_every: 1,
+            ..Default::default()
+        };
+        let out = train_device(
+            &cfg,
+            &opts,
+            &train,
+            &test,
+            |len| Ok(CpuExec::new(len)),
+            Some(&mut ctx.comm),
+            &mut Silent,
+        )?;
+        Ok(out
+            .params
+            .iter()
+            .map(|p| p.to_bits() as u64)
+            .fold(0u64, |h, b| h.wrapping_mul(1_000_003).wrapping_add(b)))
+    })
+    .map_err(|e| e.to_string())?;
+    common::check(
+        out[0] == out[1],
+        "parameters identical on both ranks although their seeds differ",
+        format!("hashes {out:?}"),
+    )
+}
+
+/// Checks after each epoch that the checkpoint on disk is that epoch's (saved every epoch, not
+/// only at the end).
+struct SavedEachEpoch {
+    path: std::path::PathBuf,
+    seen: Vec<u64>,
+}
+
+impl Observer for SavedEachEpoch {
+    fn epoch_end(&mut self, _report: &EpochReport) {
+        let mut model = lockstep_train::model::Model::fashion_cnn(1).unwrap();
+        let mut opt = lockstep_train::optim::Adam::new(model.num_params(), 0.005);
+        if let Ok(res) = lockstep_train::checkpoint::resume(&self.path, &mut model, &mut opt) {
+            self.seen.push(res.state.epoch);
+        }
+    }
+}
+
+/// `--save` writes after every epoch; `--resume` from epoch 1's file then continues to exactly
+/// the parameters of an uninterrupted run (the twins are deterministic, the checkpoint holds
+/// parameters, Adam moments and step, and BatchNorm statistics exactly).
+fn save_every_epoch_and_resume_bit_identically() -> Result<(), String> {
+    let dir = common::scratch("device-resume");
+    data::write_synthetic(&dir, 20, 4, 9).map_err(|e| e.to_string())?;
+    let train = data::load_split(&dir, true).map_err(|e| e.to_string())?;
+    let test = data::load_split(&dir, false).map_err(|e| e.to_string())?;
+    let opts = DeviceOptions {
+        loss_every: 2,
+        ..Default::default()
+    };
+    let e = |e: lockstep_train::device::DeviceError| e.to_string();
+    let run = |cfg: &TrainConfig, obs: &mut dyn Observer| {
+        train_device(
+            cfg,
+            &opts,
+            &train,
+            &test,
+            |len| Ok(CpuExec::new(len)),
+            None,
+            obs,
+        )
+    };
+    let full = dir.join("full.safetensors");
+    let mut obs = SavedEachEpoch {
+        path: full.clone(),
+        seen: Vec::new(),
+    };
+    let straight = run(
+        &TrainConfig {
+            epochs: 2,
+            batch_size: 8,
+            save: Some(full.clone()),
+            ..Default::default()
+        },
+        &mut obs,
+    )
+    .map_err(e)?;
+    common::check(
+        obs.seen == [1, 2],
+        "a checkpoint of epoch 1, then of epoch 2, on disk as each epoch ends",
+        format!("{:?}", obs.seen),
+    )?;
+    let half = dir.join("half.safetensors");
+    run(
+        &TrainConfig {
+            epochs: 1,
+            batch_size: 8,
+            save: Some(half.clone()),
+            ..Default::default()
+        },
+        &mut Silent,
+    )
+    .map_err(e)?;
+    let resumed = run(
+        &TrainConfig {
+            epochs: 2,
+            batch_size: 8,
+            resume: Some(half),
+            ..Default::default()
+        },
+        &mut Silent,
+    )
+    .map_err(e)?;
+    let _ = std::fs::remove_dir_all(&dir);
+    common::check(
+        resumed.reports.len() == 1 && resumed.reports[0].epoch == 2,
+        "the resumed run trains epoch 2 only",
+        format!("{:?}", resumed.reports),
+    )?;
+    let differ = straight
+        .params
+        .iter()
+        .zip(&resumed.params)
+        .position(|(a, b)| a.to_bits() != b.to_bits());
+    common::check(
+        differ.is_none(),
+        "resumed parameters bit-identical to the uninterrupted run",
+        format!("first difference at {differ:?}"),
+    )?;
+    common::check(
+        straight.reports[1].train_loss == resumed.reports[0].train_loss,
+        "the same epoch-2 training loss",
+        format!(
+            "{} vs {}",
+            straight.reports[1].train_loss, resumed.reports[0].train_loss
+        ),
+    )
+}
+
+/// fp16 with dynamic loss scaling on 2 ranks: a starting scale of 2^26 overflows (fp16 tops out at 65504), and both ranks
+/// must skip the same steps (one verdict on the all-reduced gradients), halve the scale the same
+/// number of times and end with bit-identical parameters.
+fn fp16_ranks_agree_on_skips() -> Result<(), String> {
+    use lockstep_train::device::Precision;
+    use lockstep_train::precision::LossScaler;
+    let dir = common::scratch("device-dist-fp16");
+    data::write_synthetic(&dir, 48, 11, 3).map_err(|e| e.to_string())?;
+    let train = data::load_split(&dir, true).map_err(|e| e.to_string())?;
+    let test = data::load_split(&dir, false).map_err(|e| e.to_string())?;
+    let _ = std::fs::remove_dir_all(&dir);
+    // 48 images over 2 ranks, batch 4: 6 steps per rank per epoch, 2 epochs.
+    let cfg = TrainConfig {
+        epochs: 2,
+        batch_size: 4,
+        ..Default::default()
+    };
+    let out = launch(&LaunchConfig::new(2), |mut ctx: RankContext| {
+        let scaler = LossScaler::new(2f32.powi(26), 2.0, 0.5, 2000).map_err(|e| e.to_string())?;
+        let opts = DeviceOptions {
+            loss_every: 1,
+            precision: Precision::Fp16,
+            loss_scaler: scaler,
+        };
+        let out = train_device(
+            &cfg,
+            &opts,
+            &train,
+            &test,
+            |len| Ok(CpuExec::new(len)),
+            Some(&mut ctx.comm),
+            &mut Silent,
+        )?;
+        let bits: Vec<u32> = out.params.iter().map(|p| p.to_bits()).collect();
+        let skipped: Vec<u64> = out.reports.iter().map(|r| r.skipped_steps).collect();
+        let scales: Vec<Option<f32>> = out.reports.iter().map(|r| r.loss_scale).collect();
+        let finite = out.params.iter().all(|p| p.is_finite());
+        Ok((bits, skipped, scales, finite))
+    })
+    .map_err(|e| e.to_string())?;
+    let (a, b) = (&out[0], &out[1]);
+    let differ = a.0.iter().zip(&b.0).filter(|(x, y)| x != y).count();
+    common::check(
+        differ == 0,
+        "fp16 parameters bit-identical on both ranks",
+        format!("{differ} of {} differ", a.0.len()),
+    )?;
+    common::check(
+        a.1 == b.1 && a.2 == b.2,
+        "the same skipped steps and loss scale on both ranks",
+        format!("{:?} {:?} vs {:?} {:?}", a.1, a.2, b.1, b.2),
+    )?;
+    let total: u64 = a.1.iter().sum();
+    common::check(
+        total > 0 && total < 12,
+        "2^26 overflows at first, then steps apply",
+        format!("skipped per epoch {:?} of 6 steps each", a.1),
+    )?;
+    common::check(
+        a.2.last()
+            .copied()
+            .flatten()
+            .is_some_and(|s| s < 2f32.powi(26)),
+        "the scale came down",
+        format!("{:?}", a.2),
+    )?;
+    common::check(
+        a.3,
+        "finite parameters after the skipped steps",
+        "a parameter is inf or NaN",
+    )
+}
+
+/// Parameters and BatchNorm buffers, Adam's first and second moments (as bits), and the
+/// training state of a checkpoint.
+type CheckpointBits = (
+    Vec<u32>,
+    Vec<u32>,
+    Vec<u32>,
+    lockstep_train::checkpoint::TrainState,
+);
+
+/// Everything a checkpoint holds, as bits: parameters and BatchNorm buffers, Adam moments, and
+/// the training state (step, epoch, loss scaler).
+fn checkpoint_bits(path: &std::path::Path) -> Result<CheckpointBits, String> {
+    let mut model = lockstep_train::model::Model::fashion_cnn(1).map_err(|e| e.to_string())?;
+    let mut opt = lockstep_train::optim::Adam::new(model.num_params(), 0.005);
+    let r = lockstep_train::checkpoint::resume(path, &mut model, &mut opt)
+        .map_err(|e| e.to_string())?;
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+    let mut params = bits(&model.params);
+    for s in model.state_mut() {
+        if let lockstep_train::model::StateMut::F32(_, v) = s {
+            params.extend(bits(v));
+        }
+    }
+    Ok((params, bits(&opt.m), bits(&opt.v), r.state))
+}
+
+/// fp16 `--save` / `--resume` on 2 ranks: the checkpoint carries the loss scaler (scale, growth
+/// count, skipped steps), so a run resumed after epoch 1 continues exactly as the uninterrupted
+/// run: the same skips and scales in epoch 2 and, at the end, bit-identical parameters, Adam
+/// moments and scaler state. A starting scale of 2^20 overflows and a growth interval of 3 makes
+/// the scale move both ways: epoch 1 ends at 2^17 with 2 of the 3 clean steps of a growth
+/// counted, so a resume that restarted the scaler (at 2^20, count 0), or restored only its
+/// scale, would skip or grow at other steps and end elsewhere.
+fn fp16_resume_continues_the_loss_scaler_bit_identically() -> Result<(), String> {
+    use lockstep_train::device::Precision;
+    use lockstep_train::precision::LossScaler;
+    const START: f32 = (1u32 << 20) as f32;
+    let dir = common::scratch("device-resume-fp16");
+    data::write_synthetic(&dir, 48, 11, 3).map_err(|e| e.to_string())?;
+    let train = data::load_split(&dir, true).map_err(|e| e.to_string())?;
+    let test = data::load_split(&dir, false).map_err(|e| e.to_string())?;
+    let run = |cfg: TrainConfig| {
+        launch(&LaunchConfig::new(2), |mut ctx: RankContext| {
+            let scaler = LossScaler::new(START, 2.0, 0.5, 3).map_err(|e| e.to_string())?;
+            let opts = DeviceOptions {
+                loss_every: 1,
+                precision: Precision::Fp16,
+                loss_scaler: scaler,
+            };
+            let out = train_device(
+                &cfg,
+                &opts,
+                &train,
+                &test,
+                |len| Ok(CpuExec::new(len)),
+                Some(&mut ctx.comm),
+                &mut Silent,
+            )?;
+            let bits: Vec<u32> = out.params.iter().map(|p| p.to_bits()).collect();
+            let per_epoch: Vec<(u64, Option<f32>)> = out
+                .reports
+                .iter()
+                .map(|r| (r.skipped_steps, r.loss_scale))
+                .collect();
+            Ok((bits, per_epoch))
+        })
+        .map_err(|e| e.to_string())
+    };
+    // 48 images over 2 ranks, batch 4: 6 steps per rank per epoch.
+    let base = TrainConfig {
+        epochs: 2,
+        batch_size: 4,
+        ..Default::default()
+    };
+    let (full, half, resumed_path) = (
+        dir.join("full.safetensors"),
+        dir.join("half.safetensors"),
+        dir.join("resumed.safetensors"),
+    );
+    let straight = run(TrainConfig {
+        save: Some(full.clone()),
+        ..base.clone()
+    })?;
+    run(TrainConfig {
+        epochs: 1,
+        save: Some(half.clone()),
+        ..base.clone()
+    })?;
+    let saved = checkpoint_bits(&half)?.3;
+    let resumed = run(TrainConfig {
+        resume: Some(half),
+        save: Some(resumed_path.clone()),
+        ..base.clone()
+    })?;
+    let (a, b) = (checkpoint_bits(&full)?, checkpoint_bits(&resumed_path)?);
+    let _ = std::fs::remove_dir_all(&dir);
+    let sc = saved
+        .loss_scaler
+        .ok_or("the fp16 checkpoint holds no loss-scaler state")?;
+    common::check(
+        sc.skipped > 0 && sc.scale != START && sc.good_steps > 0 && sc.growth_interval == 3,
+        "epoch 1 skipped steps, moved the scale and counted clean steps (so restoring them matters)",
+        format!("{sc:?}"),
+    )?;
+    let (s, r) = (&straight[0], &resumed[0]);
+    common::check(
+        resumed[0].0 == resumed[1].0 && straight[0].0 == straight[1].0,
+        "replicas identical in both runs",
+        "the ranks differ",
+    )?;
+    common::check(
+        r.1.len() == 1 && r.1[0] == s.1[1],
+        "epoch 2 of the resumed run skips the same steps and ends at the same scale",
+        format!("straight {:?}, resumed {:?}", s.1, r.1),
+    )?;
+    let differ = s.0.iter().zip(&r.0).filter(|(x, y)| x != y).count();
+    common::check(
+        differ == 0,
+        "resumed parameters bit-identical to the uninterrupted run",
+        format!("{differ} differ"),
+    )?;
+    common::check(
+        a.0 == b.0 && a.1 == b.1 && a.2 == b.2,
+        "final checkpoints: parameters, BatchNorm statistics and Adam moments bit-identical",
+        "they differ",
+    )?;
+    common::check(
+        a.3.step == b.3.step && a.3.loss_scaler == b.3.loss_scaler && a.3.loss_scaler.is_some(),
+        "final checkpoints: the same optimizer step and loss-scaler state (scale, growth count, skipped steps)",
+        format!("{:?} vs {:?}", a.3, b.3),
+    )
+}
+
+/// An fp32 checkpoint (or one written before the scaler was stored) still resumes an fp16 run:
+/// with a fresh scaler (the configured one), which at 2^26 overflows again in the resumed epoch.
+fn fp16_resume_from_a_checkpoint_without_scaler_state() -> Result<(), String> {
+    use lockstep_train::device::Precision;
+    use lockstep_train::precision::LossScaler;
+    let dir = common::scratch("device-resume-noscaler");
+    data::write_synthetic(&dir, 24, 4, 9).map_err(|e| e.to_string())?;
+    let train = data::load_split(&dir, true).map_err(|e| e.to_string())?;
+    let test = data::load_split(&dir, false).map_err(|e| e.to_string())?;
+    let e = |e: lockstep_train::device::DeviceError| e.to_string();
+    let ck = dir.join("fp32.safetensors");
+    let cfg = TrainConfig {
+        epochs: 1,
+        batch_size: 4,
+        save: Some(ck.clone()),
+        ..Default::default()
+    };
+    let exec = |len| Ok(CpuExec::new(len));
+    train_device(
+        &cfg,
+        &DeviceOptions::default(),
+        &train,
+        &test,
+        exec,
+        None,
+        &mut Silent,
+    )
+    .map_err(e)?;
+    let saved = checkpoint_bits(&ck)?.3;
+    let scaler = LossScaler::new(2f32.powi(26), 2.0, 0.5, 2000).map_err(|e| e.to_string())?;
+    let opts = DeviceOptions {
+        loss_every: 1,
+        precision: Precision::Fp16,
+        loss_scaler: scaler,
+    };
+    let cfg = TrainConfig {
+        epochs: 2,
+        batch_size: 4,
+        resume: Some(ck),
+        ..Default::default()
+    };
+    let out = train_device(&cfg, &opts, &train, &test, exec, None, &mut Silent).map_err(e)?;
+    let _ = std::fs::remove_dir_all(&dir);
+    common::check(
+        saved.loss_scaler.is_none(),
+        "an fp32 checkpoint stores no loss scaler",
+        format!("{saved:?}"),
+    )?;
+    let r = &out.reports;
+    common::check(
+        r.len() == 1 && r[0].epoch == 2 && r[0].skipped_steps > 0 && r[0].loss_scale.is_some_and(|s| s < 2f32.powi(26)),
+        "the resumed epoch starts from the configured scaler (2^26 overflows, the scale comes down)",
+        format!("{r:?}"),
+    )?;
+    common::check(
+        out.params.iter().all(|p| p.is_finite()),
+        "finite parameters",
+        "a parameter is inf or NaN",
+    )
+}
+
+fn main() -> std::process::ExitCode {
+    common::run(&[
+        ("two_ranks_stay_identical", two_ranks_stay_identical),
+        (
+            "initial_weights_come_from_rank_0",
+            initial_weights_come_from_rank_0,
+        ),
+        (
+            "save_every_epoch_and_resume_bit_identically",
+            save_every_epoch_and_resume_bit_identically,
+        ),
+        ("fp16_ranks_agree_on_skips", fp16_ranks_agree_on_skips),
+        (
+            "fp16_resume_continues_the_loss_scaler_bit_identically",
+            fp16_resume_continues_the_loss_scaler_bit_identically,
+        ),
+        (
+            "fp16_resume_from_a_checkpoint_without_scaler_state",
+            fp16_resume_from_a_checkpoint_without_scaler_state,
+        ),
+    ])
+}
