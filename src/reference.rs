@@ -17,8 +17,8 @@
 //! * f16, bf16: `widen` converts to f32 exactly; every `⊕` rounds in f32, and `narrow` rounds the
 //!   final f32 (after Avg's division) to the element type once, to nearest even. Nothing is
 //!   rounded to 16 bits between inputs.
-//! * Integers: `+` and `*` wrap; Avg is the wrapping sum divided by `n as T` (truncating toward
-//!   zero), so it is meaningful only for `n` the type holds (below 128 for i8, 256 for u8).
+//! * Integers: `+` and `*` wrap; Avg is the wrapping sum divided by the world size `n`, exactly
+//!   (truncating toward zero), also where `n` exceeds the type (256 u8 ranks average to 0).
 //! * Min and max on floats keep the running value unless the next input is strictly less
 //!   (greater): `min(acc, x) = if x < acc { x } else { acc }`. Hence among equal values (+0 and
 //!   -0 compare equal) the lowest rank's wins, a NaN in input 0 stays (every comparison with it is
@@ -127,7 +127,8 @@ macro_rules! int_arith {
                 }
             }
             fn divide(a: $t, n: usize) -> $t {
-                a.wrapping_div(n as $t)
+                // Exact in i128 for every world size, including those the type cannot hold.
+                (a as i128 / n as i128) as $t
             }
         }
     )*};

@@ -105,7 +105,13 @@ macro_rules! int_lane {
             }
             #[inline(always)]
             fn div(a: $t, n: usize) -> $t {
-                a.wrapping_div(n as $t)
+                // The wrapping sum divided by the world size, truncating toward zero. A world
+                // size the type cannot hold (256 ranks in u8, 128 in i8) divides in i128, where
+                // it is exact, instead of by a truncated (zero or negative) divisor.
+                match <$t>::try_from(n) {
+                    Ok(d) => a.wrapping_div(d),
+                    Err(_) => (a as i128 / n as i128) as $t,
+                }
             }
         }
     };
@@ -740,5 +746,43 @@ mod tests {
         let mut y = vec![0u8];
         reduce_slices(ReduceOp::Sum, &[&x, &x], &mut y);
         assert_eq!(y, vec![144]);
+    }
+
+    #[test]
+    fn int_avg_over_more_ranks_than_the_type_holds() {
+        // 256 u8 ranks: the wrapping sums (1 + 255 * 2 = 511 -> 255, and 256 * 255 -> 0) over 256
+        // are 0, not a division by `256 as u8` = 0 (a panic).
+        let one = vec![1u8, 255];
+        let two = [2u8, 255];
+        let mut ins: Vec<&[u8]> = vec![&one];
+        ins.extend(std::iter::repeat_n(&two[..], 255));
+        let mut d = vec![9u8; 2];
+        reduce_slices(ReduceOp::Avg, &ins, &mut d);
+        assert_eq!(d, vec![0, 0]);
+        // 130 i8 ranks of -1: the sum -130 wraps to 126; divided by 130 (not by `130 as i8` =
+        // -126) it is 0.
+        let m = [-1i8; 3];
+        let ins: Vec<&[i8]> = vec![&m[..]; 130];
+        let mut d = vec![9i8; 3];
+        reduce_slices(ReduceOp::Avg, &ins, &mut d);
+        assert_eq!(d, vec![0; 3]);
+        // 100 i8 ranks of 1: a world size the type holds divides as before.
+        let p = [1i8; 2];
+        let ins: Vec<&[i8]> = vec![&p[..]; 100];
+        let mut d = vec![9i8; 2];
+        reduce_slices(ReduceOp::Avg, &ins, &mut d);
+        assert_eq!(d, vec![1; 2]);
+        for (dt, n) in [(1u64, 300usize), (7, 1000)] {
+            let v = [dt; 4];
+            let ins: Vec<&[u64]> = vec![&v[..]; n];
+            let mut d = vec![0u64; 4];
+            reduce_slices(ReduceOp::Avg, &ins, &mut d);
+            assert_eq!(d, vec![dt; 4], "u64 avg over {n} ranks");
+        }
+        // The canonical reference agrees.
+        let ins: Vec<&[u8]> = std::iter::once(&one[..])
+            .chain(std::iter::repeat_n(&two[..], 255))
+            .collect();
+        assert_eq!(crate::reference::reduce(&ins, ReduceOp::Avg), vec![0u8, 0]);
     }
 }
