@@ -33,8 +33,9 @@ them are zero-copy (the peers read and write them in place).
 Implemented: all_reduce (and coalesced), broadcast, reduce, all_gather, all_gather_into_tensor
 (and coalesced), reduce_scatter, reduce_scatter_tensor (and coalesced), gather, scatter,
 all_to_all, all_to_all_single, send, recv (also from any source: ``dist.recv(t)`` returns the
-sender, ``dist.irecv(t)``'s Work names it in ``_source_rank()``), barrier, new_group. Not: bitwise
-and PREMUL_SUM reductions.
+sender, ``dist.irecv(t)``'s Work names it in ``_source_rank()``), barrier, new_group, split_group
+(c10d Backend), all_reduce of sparse COO tensors (sum, as gloo). Not: bitwise and PREMUL_SUM
+reductions.
 """
 
 import logging
@@ -47,6 +48,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import ReduceOp, _create_work_from_future
 from torch.futures import Future
+from torch.nn.parallel import DistributedDataParallel
 
 from . import _native
 
@@ -190,11 +192,42 @@ class _Ops:
         return self._device_comm
 
     def _allreduce_device(self, tensors, opts=None):
-        """allreduce on CUDA tensors (TorchAllReduce hands them here)."""
+        """allreduce on the tensors TorchAllReduce does not take: CUDA and sparse ones."""
         op = _op(opts.reduceOp) if opts is not None else "sum"
         for t in tensors:
-            self._on(t).all_reduce_in_place(t, op)
+            if t.is_sparse:
+                self._allreduce_sparse(t, op)
+            else:
+                self._on(t).all_reduce_in_place(t, op)
         return self._done(tensors, opts)
+
+    def _allreduce_sparse(self, t, op):
+        """All-reduce of a sparse COO tensor in place, as gloo's: the sum of every rank's
+        tensor (coalesced). Each rank's indices and values are gathered (padded to the largest
+        count of entries) and summed in rank order, so every rank gets the same result."""
+        if op != "sum":
+            raise ValueError(f"the lockstep backend reduces sparse tensors with SUM only, as gloo does; got {op}")
+        c = t.coalesce()
+        idx = c.indices().t().contiguous()
+        val = c.values().contiguous()
+        comm, n = self._on(t), self._world_size
+        counts = torch.empty(n, dtype=torch.int64, device=t.device)
+        comm.all_gather(torch.tensor([idx.shape[0]], dtype=torch.int64, device=t.device), counts)
+        counts = counts.tolist()
+        most = max(counts)
+        if most == 0:
+            return
+        pad_idx = idx.new_zeros((most,) + tuple(idx.shape[1:]))
+        pad_idx[: idx.shape[0]] = idx
+        pad_val = val.new_zeros((most,) + tuple(val.shape[1:]))
+        pad_val[: val.shape[0]] = val
+        all_idx = idx.new_empty((n * most,) + tuple(idx.shape[1:]))
+        all_val = val.new_empty((n * most,) + tuple(val.shape[1:]))
+        comm.all_gather(pad_idx, all_idx)
+        comm.all_gather(pad_val, all_val)
+        keep = torch.cat([torch.arange(r * most, r * most + k, device=t.device) for r, k in enumerate(counts)])
+        total = torch.sparse_coo_tensor(all_idx[keep].t(), all_val[keep], t.shape).coalesce()
+        t.copy_(total)
 
     def getBackendName(self):
         return BACKEND
@@ -395,8 +428,12 @@ class _Ops:
             raise ValueError(f"a receive from any source takes one tensor, got {len(tensors)}")
         t = tensors[0]
         src = self._on(t).recv_any(t)
-        _ANY_SOURCE.rank = src
-        return _RecvWork(src, tensors)
+        return self._done_from(tensors, src)
+
+    def _done_from(self, tensors, src):
+        """The Work of a completed receive from `src` (a ProcessGroup's: torch hands it over as
+        it is)."""
+        return _HeldWork(result=tensors, src=src)
 
     def barrier(self, opts=None):
         """``dist.barrier``: waits the group's timeout, or ``barrier(timeout=...)``'s. A rank whose
@@ -460,16 +497,18 @@ class _Ops:
         return self._done(output_lists, opts)
 
 
-class _RecvWork(dist.Work):
-    """The Work of a receive from any source, which has completed: ``_source_rank()`` (what
-    ``dist.recv`` returns) names the sender, a rank of the group. `inner`: torch's Work for the
-    same call, waited on through this one (see ``_recv_anysource``)."""
+class _HeldWork(dist.Work):
+    """The Work of a call of this backend, which has completed (calls complete before they
+    return): ``is_completed()`` is True, and for a receive from any source ``_source_rank()``
+    (what ``dist.recv`` returns) names the sender, a rank of the group. `inner`: torch's Work for
+    the same call, waited on through this one (see ``_holding``); `result`: the call's tensors,
+    where there is no `inner`."""
 
-    def __init__(self, src, tensors, inner=None):
+    def __init__(self, inner=None, result=None, src=None):
         super().__init__()
-        self._src = src
-        self._tensors = tensors
         self._inner = inner
+        self._result = result
+        self._src = src
 
     def wait(self, timeout=None):
         return self._inner.wait() if self._inner is not None else True
@@ -480,26 +519,33 @@ class _RecvWork(dist.Work):
     def is_success(self):
         return True
 
+    def exception(self):
+        return None
+
     def result(self):
-        return self._tensors
+        return self.get_future().value() if self._inner is not None else self._result
 
     def get_future(self):
         if self._inner is not None:
             return self._inner.get_future()
         fut = Future()
-        fut.set_result(self._tensors)
+        fut.set_result(self._result)
         return fut
 
     def _source_rank(self):
+        if self._src is None:
+            raise ValueError("this Work is not a receive from any source, so it has no source rank")
         return self._src
 
     def source_rank(self):
-        return self._src
+        return self._source_rank()
 
 
-# The sender of the last receive from any source on this thread (receives run on the caller's
-# thread and complete before returning).
-_ANY_SOURCE = threading.local()
+# What the Backend's last call on this thread that returns its Work to the caller (an async
+# collective, a send or receive) left for torch's wrapper of the call (``_holding``) to read:
+# the key "src" (None, or the sender of a receive from any source). Calls run on the caller's
+# thread and complete before returning, so the wrapper reads it right after the call.
+_HELD = threading.local()
 
 
 def _report_failures(cls):
@@ -575,6 +621,7 @@ if PY_BACKEND:
     def _done_work(result, opts=None):
         if opts is not None and getattr(opts, "asyncOp", True) is False:
             return _COMPLETED
+        _HELD.src = None
         return _done(result)
 
     class BackendLockstep(_Ops, _C10dBackend):
@@ -586,13 +633,18 @@ if PY_BACKEND:
         # since reading the base class's properties through a Python subclass recurses in torch
         # 2.15. Coalescing is offered: the sends and receives of a batch_isend_irecv are posted
         # together (one lockstep group), so two ranks that both send first do not wait on each
-        # other. Splitting is not: torch's trampoline crashes on a split that leaves a rank out.
+        # other. Splitting too (``split``), with ``_split_group`` keeping the ranks left out away
+        # from torch's trampoline, which crashes when a Python ``split`` returns None.
         supports_coalescing = True
-        supports_splitting = False
+        supports_splitting = True
 
         def __init__(self, comm, rank, world_size, job_id, timeout):
             _C10dBackend.__init__(self, rank, world_size)
             self._options = _C10dBackend.Options(BACKEND, timeout)
+            # How many splits of this group this rank took part in, and the last one made
+            # here: (torch's name for the new group, its backend).
+            self._splits = 0
+            self._last_split = (None, None)
             self._setup(comm, rank, world_size, job_id, _done_work, _COMPLETED, _group_timeout(timeout))
 
         @property
@@ -617,25 +669,98 @@ if PY_BACKEND:
             except Exception:  # the collective's own error is what the caller must see
                 pass
 
+        def split(self, store, ranks, opts=None):
+            """``dist.split_group`` on a member of the new group: a new communicator for the
+            group's `ranks` (ranks of this group, in the new group's order), joined under an id
+            published in `store` (torch's store for the new group). Non-members take no part
+            (``_split_group`` returns before this is called for them)."""
+            ranks = list(ranks)
+            name = getattr(opts, "group_name", None)
+            if name and self._last_split[0] == name:
+                # torch splits the group once per device type, and this one object serves
+                # both CPU and CUDA tensors: the second device gets the same new backend.
+                return self._last_split[1]
+            self._splits += 1
+            if self._rank not in ranks:
+                raise RuntimeError(
+                    f"rank {self._rank} is not in the split {ranks}; lockstep's split_group must not reach "
+                    "the backend on a rank outside the new group (a group mixing lockstep with another backend "
+                    "cannot be split by such a rank): call dist.split_group on a group whose backends are all lockstep"
+                )
+            timeout = opts._timeout if opts is not None else self._options._timeout
+            child = _join(store, ranks.index(self._rank), len(ranks), timeout)
+            self._last_split = (name, child)
+            return child
+
+        def perform_nocolor_split(self, device=None):
+            """A rank outside a new group made by splitting (``new_group`` on a default group
+            bound to a device): nothing to do, since a lockstep communicator is joined by its
+            members only. Counted, as NCCL counts it."""
+            self._splits += 1
+
+        def comm_split_count(self):
+            """How many splits this group's backend has taken part in (torch names the new
+            groups after it)."""
+            return self._splits
+
+        def _done_from(self, tensors, src):
+            _HELD.src = src
+            return _done(tensors)
+
         def shutdown(self):
             self._close()
 
         def abort(self):
             self._close()
 
-    def _recv_anysource(pg, tensors, tag=0, _torch=dist.ProcessGroup.recv_anysource):
-        """``ProcessGroup.recv_anysource``, what ``dist.recv``/``dist.irecv`` without a source
-        call. torch 2.15 hands a Python Backend's Work back wrapped in a holder that forwards only
-        ``wait`` and ``get_future``, so ``_source_rank()`` on it raises and ``dist.recv(t)`` could
-        not name the sender. The call still goes through torch (dispatcher, Flight Recorder);
-        when it reached this backend, which noted the sender on this thread, the Work returned
-        names it. Other backends' groups get torch's Work unchanged."""
-        _ANY_SOURCE.rank = None
-        work = _torch(pg, tensors, tag)
-        src, _ANY_SOURCE.rank = _ANY_SOURCE.rank, None
-        return work if src is None else _RecvWork(src, tensors, work)
+    def _holding(torch_call):
+        """`torch_call` (a ``ProcessGroup`` method that returns a call's Work), returning for
+        this backend's calls a Work that answers as the call did. torch 2.15 hands a Python
+        Backend's Work back wrapped in a holder that forwards only ``wait`` and ``get_future``:
+        ``is_completed()`` on it stays False after the call completed, and ``_source_rank()``
+        raises, so ``dist.recv(t)`` could not name the sender. The call still goes through torch
+        (dispatcher, Flight Recorder); when it reached this backend, which noted so on this
+        thread (``_HELD``), the Work returned is a ``_HeldWork`` waiting through torch's.
+        Other backends' calls get torch's Work unchanged."""
+        import functools
 
-    dist.ProcessGroup.recv_anysource = _recv_anysource
+        held = _HELD.__dict__
+
+        @functools.wraps(torch_call)
+        def call(pg, *args, **kwargs):
+            # A note left by a call that came from C++ (DDP's reducer) is not this call's.
+            held.pop("src", None)
+            work = torch_call(pg, *args, **kwargs)
+            if "src" not in held or work is None:
+                return work
+            return _HeldWork(work, src=held.pop("src"))
+
+        return call
+
+    for _name in (
+        "allreduce allreduce_coalesced broadcast reduce allgather allgather_coalesced all_gather_single "
+        "all_gather_single_coalesced _allgather_base allgather_into_tensor_coalesced gather scatter "
+        "reduce_scatter reduce_scatter_single reduce_scatter_single_coalesced _reduce_scatter_base "
+        "reduce_scatter_tensor_coalesced alltoall all_to_all_single alltoall_base barrier send recv "
+        "recv_anysource _end_coalescing"
+    ).split():
+        if hasattr(dist.ProcessGroup, _name):
+            setattr(dist.ProcessGroup, _name, _holding(getattr(dist.ProcessGroup, _name)))
+
+    def _split_group(pg, ranks, *args, _torch=dist.ProcessGroup.split_group, **kwargs):
+        """``ProcessGroup.split_group`` (``dist.split_group``): on a rank left out of the new
+        group whose backends are all lockstep, None at once (torch's answer for a rank left out)
+        without reaching the backends: lockstep's communicators are joined by their members
+        only, and torch's trampoline crashes when a Python Backend's ``split`` returns None."""
+        if pg.rank() not in ranks:
+            backends = {id(b): b for b in (pg._get_backend(d) for d in pg._device_types)}.values()
+            if backends and all(isinstance(b, BackendLockstep) for b in backends):
+                for b in backends:
+                    b.perform_nocolor_split()
+                return None
+        return _torch(pg, ranks, *args, **kwargs)
+
+    dist.ProcessGroup.split_group = _split_group
 
 
 def empty_shared(*size, dtype=torch.float32, group=None):
@@ -673,15 +798,24 @@ _KEY = "lockstep/job_id"
 
 def _create(opts, backend_options=None):
     """torch's creator (extended API): one lockstep communicator per process group. The group's
-    rank 0 names the shared segment; the others read the name from the group's store."""
-    rank, size, store = opts.group_rank, opts.group_size, opts.store
+    rank 0 names the shared segment; the others read the name from the group's store. A group
+    that torch makes by splitting (``new_group`` on a default group bound to a device) is joined
+    the same way, by its members only; the split is counted on the parent, as on the ranks left
+    out (``perform_nocolor_split``), so that every rank names the next split alike."""
+    parent = getattr(opts, "split_from", None)
+    if PY_BACKEND and isinstance(parent, BackendLockstep):
+        parent._splits += 1
+    return _join(opts.store, opts.group_rank, opts.group_size, opts.timeout)
+
+
+def _join(store, rank, size, timeout):
     if rank == 0:
         store.set(_KEY, f"torch-{uuid.uuid4().hex[:16]}")
     job_id = store.get(_KEY).decode()
-    timeout_s = _group_timeout(opts.timeout)
+    timeout_s = _group_timeout(timeout)
     comm = _native.join_named(job_id, rank, size, timeout_s)
     if PY_BACKEND:
-        return BackendLockstep(comm, rank, size, job_id, opts.timeout)
+        return BackendLockstep(comm, rank, size, job_id, timeout)
     return ProcessGroupLockstep(comm, rank, size, job_id, timeout_s)
 
 
@@ -691,3 +825,17 @@ def _register():
 
 
 _register()
+
+
+def _ddp_logging_data(ddp, _torch=DistributedDataParallel._get_ddp_logging_data):
+    """``DistributedDataParallel._get_ddp_logging_data``: its "backend_name" names this
+    backend. torch's C++ ``ProcessGroup`` names every plugin backend "custom" (DDP's logger reads
+    that); gloo's and NCCL's groups name theirs, and so does ``dist.get_backend``."""
+    data = _torch(ddp)
+    group = getattr(ddp, "process_group", None)
+    if data.get("backend_name") == "custom" and group is not None and dist.get_backend(group) == BACKEND:
+        data["backend_name"] = BACKEND
+    return data
+
+
+DistributedDataParallel._get_ddp_logging_data = _ddp_logging_data

@@ -378,8 +378,8 @@ pub struct TorchAllReduce {
     op_name: Py<PyAny>,
     /// Python's `_done(result) -> Work`, for callers that want a Work.
     done: Py<PyAny>,
-    /// Python's `allreduce` for tensors that are not on the CPU (CUDA: the group's device
-    /// communicator), called as `device(tensors, opts)`.
+    /// Python's `allreduce` for tensors that are not dense CPU tensors (CUDA: the group's
+    /// device communicator; sparse CPU tensors), called as `device(tensors, opts)`.
     device: Py<PyAny>,
     /// The Work a blocking call returns: None for a ProcessGroup (torch's blocking wrappers take
     /// None); a completed Work for a c10d Backend, whose Flight Recorder retires a call's entry
@@ -435,8 +435,12 @@ impl TorchAllReduce {
             Ok(list) => Some(list.get_item(0)?),
             Err(_) => tensors.get_item(0).ok(),
         };
+        // Dense CPU tensors are reduced here; `is_sparse` is read only for CPU tensors.
         let on_cpu = match &first {
-            Some(f) => f.getattr(pyo3::intern!(py, "is_cpu"))?.is_truthy()?,
+            Some(f) => {
+                f.getattr(pyo3::intern!(py, "is_cpu"))?.is_truthy()?
+                    && !f.getattr(pyo3::intern!(py, "is_sparse"))?.is_truthy()?
+            }
             None => true,
         };
         if !on_cpu {
