@@ -12,8 +12,8 @@
 
 use std::ffi::{c_char, c_int, c_void, CStr};
 
-use lockstep::types::{Buffer, BufferMut, MemSpace, RawMem};
-use lockstep::{Dtype, Element};
+use lockstep::types::{MemSpace, RawMem};
+use lockstep::Dtype;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::ffi::{PyObject, Py_ssize_t};
 use pyo3::prelude::*;
@@ -662,26 +662,17 @@ impl Mem {
     }
 }
 
-// SAFETY: a Mem is made from a View that the caller holds for the whole collective (a
-// buffer-protocol exporter keeps the memory alive and unresizable while exported; a DLPack capsule
-// or a held torch tensor keeps its storage alive, and resizing a tensor from another thread while
-// a collective uses it is a data race on the caller's side, as with torch's own backends, which
-// read `data_ptr()` the same way), covering `len` elements of the view's dtype, checked aligned; the collective functions are only instantiated with `T` equal
-// to that dtype (see `dispatch!`). An empty Mem covers no byte.
-unsafe impl<T: Element> Buffer<T> for Mem {
-    fn raw(&self) -> RawMem {
-        RawMem {
-            addr: self.addr,
-            len: self.len,
-            space: self.space,
-        }
-    }
-}
-
-// SAFETY: as for `Buffer`; `mem_mut` only hands out writable views, and out-of-place calls are
-// refused when send and recv overlap, so nothing else reaches the bytes during the call.
-unsafe impl<T: Element> BufferMut<T> for Mem {
-    fn raw_mut(&mut self) -> RawMem {
+impl Mem {
+    /// The descriptor a [`Call`](lockstep::comm::Call) carries. What makes handing it to
+    /// `Communicator::run` sound: a Mem is made from a View that the caller holds for the whole
+    /// collective (a buffer-protocol exporter keeps the memory alive and unresizable while
+    /// exported; a DLPack capsule or a held torch tensor keeps its storage alive, and resizing a
+    /// tensor from another thread while a collective uses it is a data race on the caller's side,
+    /// as with torch's own backends, which read `data_ptr()` the same way), covering `len`
+    /// elements of the view's dtype, checked aligned, and the call is made with that dtype. An
+    /// empty Mem covers no byte. `mem_mut` only hands out writable views, and out-of-place calls
+    /// are refused when send and recv overlap, so nothing else reaches the bytes during the call.
+    pub fn raw(&self) -> RawMem {
         RawMem {
             addr: self.addr,
             len: self.len,

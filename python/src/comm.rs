@@ -12,9 +12,8 @@
 
 use std::sync::{Arc, Mutex};
 
-use lockstep::comm::Group;
+use lockstep::comm::{Call, P2pOp, Splits, ANY_SOURCE};
 use lockstep::cuda::{Context, ForeignStream};
-use lockstep::half::{bf16, f16};
 use lockstep::types::MemSpace;
 use lockstep::{CollKind, CommError, Communicator, Dtype, ReduceOp, SharedBuffer};
 use pyo3::exceptions::{PyTypeError, PyValueError};
@@ -23,57 +22,6 @@ use pyo3::types::PyList;
 
 use crate::buffer::{Loc, Mem, View};
 use crate::errors::comm_err;
-
-/// Run `$body` with `$T` bound to the Rust element type of `$dt`.
-macro_rules! dispatch {
-    ($dt:expr, $T:ident => $body:expr) => {
-        match $dt {
-            Dtype::F32 => {
-                type $T = f32;
-                $body
-            }
-            Dtype::F64 => {
-                type $T = f64;
-                $body
-            }
-            Dtype::F16 => {
-                type $T = f16;
-                $body
-            }
-            Dtype::BF16 => {
-                type $T = bf16;
-                $body
-            }
-            Dtype::I32 => {
-                type $T = i32;
-                $body
-            }
-            Dtype::I64 => {
-                type $T = i64;
-                $body
-            }
-            Dtype::U8 => {
-                type $T = u8;
-                $body
-            }
-            Dtype::I8 => {
-                type $T = i8;
-                $body
-            }
-            Dtype::U32 => {
-                type $T = u32;
-                $body
-            }
-            Dtype::U64 => {
-                type $T = u64;
-                $body
-            }
-            other => Err(CommError::Unsupported(format!(
-                "element type {other} is not supported by the Python bindings yet"
-            ))),
-        }
-    };
-}
 
 fn parse_op(op: &str) -> PyResult<ReduceOp> {
     op.parse::<ReduceOp>().map_err(PyValueError::new_err)
@@ -167,6 +115,79 @@ impl PyComm {
         });
         crate::log::deliver(py);
         r.map_err(comm_err)
+    }
+
+    /// Run the out-of-place `kind` call on `send` and `recv` through the erased entry
+    /// ([`Communicator::run`]); the count comes from the buffers, as in the typed methods.
+    #[allow(clippy::too_many_arguments)]
+    fn coll(
+        &self,
+        py: Python<'_>,
+        kind: CollKind,
+        dt: Dtype,
+        op: ReduceOp,
+        root: usize,
+        send: Mem,
+        recv: Mem,
+    ) -> PyResult<()> {
+        self.coll_v(py, kind, dt, op, root, send, recv, Splits::default())
+    }
+
+    /// [`coll`](Self::coll) with the per-peer counts of a v-variant.
+    #[allow(clippy::too_many_arguments)]
+    fn coll_v(
+        &self,
+        py: Python<'_>,
+        kind: CollKind,
+        dt: Dtype,
+        op: ReduceOp,
+        root: usize,
+        send: Mem,
+        recv: Mem,
+        splits: Splits<'_>,
+    ) -> PyResult<()> {
+        self.run(py, move |c| {
+            let call = Call {
+                splits,
+                ..c.call_on(kind, dt, op, root, send.raw(), recv.raw())
+            };
+            // SAFETY: see `Mem`: both come from views of `dt` elements that the calling method
+            // holds until this returns; `recv` is writable and, out of place, does not share
+            // memory with `send` (`pair`, `common_dtype`), and `run` refuses any overlap besides
+            // the in-place forms.
+            unsafe { c.run(&call) }
+        })
+    }
+
+    /// Run the in-place `kind` call on `buf` through the erased entry.
+    fn coll_in_place(
+        &self,
+        py: Python<'_>,
+        kind: CollKind,
+        dt: Dtype,
+        op: ReduceOp,
+        root: usize,
+        buf: Mem,
+    ) -> PyResult<()> {
+        self.run(py, move |c| {
+            let call = c.call_in_place(kind, dt, op, root, buf.raw())?;
+            // SAFETY: see `Mem`: `buf` comes from a writable view of `dt` elements that the
+            // calling method holds until this returns; the call's buffers are `buf` and a block
+            // of it, NCCL's in-place form.
+            unsafe { c.run(&call) }
+        })
+    }
+
+    /// Run point-to-point operations on buffers of views the calling method holds; returns each
+    /// operation's peer (the sender, for a receive from [`ANY_SOURCE`]).
+    fn p2p(&self, py: Python<'_>, mut ops: Vec<P2pOp>) -> PyResult<Vec<usize>> {
+        let posts = &mut ops;
+        self.run(py, move |c| {
+            // SAFETY: see `Mem`: each buffer comes from a view of its dtype that the calling method
+            // holds until this returns, a receive's from a writable one.
+            unsafe { c.run_p2p(posts) }
+        })?;
+        Ok(ops.iter().map(|o| o.peer).collect())
     }
 
     /// Check that `v` lives where this communicator's buffers must (host memory on a host
@@ -330,12 +351,9 @@ impl PyComm {
         buf: &Bound<'_, PyAny>,
         op: ReduceOp,
     ) -> PyResult<()> {
-        let (v, mut m) = self.view_mut(CollKind::AllReduce, buf, "buf")?;
+        let (v, m) = self.view_mut(CollKind::AllReduce, buf, "buf")?;
         let dt = v.dtype;
-        self.run(
-            py,
-            move |c| dispatch!(dt, T => c.all_reduce_in_place::<T, _>(&mut m, op)),
-        )
+        self.coll_in_place(py, CollKind::AllReduce, dt, op, 0, m)
     }
 
     /// [`all_reduce_in_place_op`](Self::all_reduce_in_place_op) on a tensor whose `is_cpu` the
@@ -352,14 +370,11 @@ impl PyComm {
         let mut v = v.map_err(|e| self.refuse(CollKind::AllReduce, Dtype::U8, e))?;
         self.place(&mut v, "buf")
             .map_err(|e| self.refuse(CollKind::AllReduce, v.dtype, e))?;
-        let mut m = v
+        let m = v
             .mem_mut("buf")
             .map_err(|e| self.refuse(CollKind::AllReduce, v.dtype, e))?;
         let dt = v.dtype;
-        self.run(
-            py,
-            move |c| dispatch!(dt, T => c.all_reduce_in_place::<T, _>(&mut m, op)),
-        )
+        self.coll_in_place(py, CollKind::AllReduce, dt, op, 0, m)
     }
 }
 
@@ -498,6 +513,16 @@ pub(crate) fn seconds(secs: f64, what: &str) -> PyResult<std::time::Duration> {
             "{what} must be a finite number of seconds, at least 0; got {secs}"
         ))
     })
+}
+
+/// A point-to-point operation on `mem` (a view's memory the caller holds).
+fn post(kind: CollKind, dtype: Dtype, peer: usize, mem: Mem) -> P2pOp {
+    P2pOp {
+        kind,
+        peer,
+        dtype,
+        mem: mem.raw(),
+    }
 }
 
 fn counts_to_displs(counts: &[usize]) -> Vec<usize> {
@@ -666,12 +691,9 @@ host (shared-memory) communicators",
         let Some(recv) = recv.filter(|r| !r.is(&send)) else {
             return self.all_reduce_in_place(py, send, op.name());
         };
-        let (s, _r, mut rm) = self.pair(kind, &send, &recv)?;
+        let (s, _r, rm) = self.pair(kind, &send, &recv)?;
         let (dt, sm) = (s.dtype, s.mem());
-        self.run(
-            py,
-            move |c| dispatch!(dt, T => c.all_reduce::<T, _, _>(&sm, &mut rm, op)),
-        )?;
+        self.coll(py, CollKind::AllReduce, dt, op, 0, sm, rm)?;
         Ok(recv)
     }
 
@@ -701,12 +723,9 @@ host (shared-memory) communicators",
         let Some(recv) = recv.filter(|r| !r.is(&send)) else {
             return self.broadcast_in_place(py, send, root);
         };
-        let (s, _r, mut rm) = self.pair(CollKind::Broadcast, &send, &recv)?;
+        let (s, _r, rm) = self.pair(CollKind::Broadcast, &send, &recv)?;
         let (dt, sm) = (s.dtype, s.mem());
-        self.run(
-            py,
-            move |c| dispatch!(dt, T => c.broadcast::<T, _, _>(&sm, &mut rm, root)),
-        )?;
+        self.coll(py, CollKind::Broadcast, dt, ReduceOp::Sum, root, sm, rm)?;
         Ok(recv)
     }
 
@@ -718,12 +737,9 @@ host (shared-memory) communicators",
         buf: Bound<'py, PyAny>,
         root: usize,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let (v, mut m) = self.view_mut(CollKind::Broadcast, &buf, "buf")?;
+        let (v, m) = self.view_mut(CollKind::Broadcast, &buf, "buf")?;
         let dt = v.dtype;
-        self.run(
-            py,
-            move |c| dispatch!(dt, T => c.broadcast_in_place::<T, _>(&mut m, root)),
-        )?;
+        self.coll_in_place(py, CollKind::Broadcast, dt, ReduceOp::Sum, root, m)?;
         Ok(buf)
     }
 
@@ -744,12 +760,9 @@ host (shared-memory) communicators",
         let Some(recv) = recv.filter(|r| !r.is(&send)) else {
             return self.reduce_in_place(py, send, op.name(), root);
         };
-        let (s, _r, mut rm) = self.pair(kind, &send, &recv)?;
+        let (s, _r, rm) = self.pair(kind, &send, &recv)?;
         let (dt, sm) = (s.dtype, s.mem());
-        self.run(
-            py,
-            move |c| dispatch!(dt, T => c.reduce::<T, _, _>(&sm, &mut rm, op, root)),
-        )?;
+        self.coll(py, kind, dt, op, root, sm, rm)?;
         Ok((self.rank == root).then_some(recv))
     }
 
@@ -764,12 +777,9 @@ host (shared-memory) communicators",
     ) -> PyResult<Option<Bound<'py, PyAny>>> {
         let kind = CollKind::Reduce;
         let op = parse_op(op).map_err(|e| self.refuse(kind, Dtype::U8, e))?;
-        let (v, mut m) = self.view_mut(kind, &buf, "buf")?;
+        let (v, m) = self.view_mut(kind, &buf, "buf")?;
         let dt = v.dtype;
-        self.run(
-            py,
-            move |c| dispatch!(dt, T => c.reduce_in_place::<T, _>(&mut m, op, root)),
-        )?;
+        self.coll_in_place(py, kind, dt, op, root, m)?;
         Ok((self.rank == root).then_some(buf))
     }
 
@@ -786,12 +796,9 @@ host (shared-memory) communicators",
         let Some(recv) = recv else {
             return self.all_gather_in_place(py, send);
         };
-        let (s, _r, mut rm) = self.pair(CollKind::AllGather, &send, &recv)?;
+        let (s, _r, rm) = self.pair(CollKind::AllGather, &send, &recv)?;
         let (dt, sm) = (s.dtype, s.mem());
-        self.run(
-            py,
-            move |c| dispatch!(dt, T => c.all_gather::<T, _, _>(&sm, &mut rm)),
-        )?;
+        self.coll(py, CollKind::AllGather, dt, ReduceOp::Sum, 0, sm, rm)?;
         Ok(recv)
     }
 
@@ -802,12 +809,9 @@ host (shared-memory) communicators",
         py: Python<'py>,
         buf: Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let (v, mut m) = self.view_mut(CollKind::AllGather, &buf, "buf")?;
+        let (v, m) = self.view_mut(CollKind::AllGather, &buf, "buf")?;
         let dt = v.dtype;
-        self.run(
-            py,
-            move |c| dispatch!(dt, T => c.all_gather_in_place::<T, _>(&mut m)),
-        )?;
+        self.coll_in_place(py, CollKind::AllGather, dt, ReduceOp::Sum, 0, m)?;
         Ok(buf)
     }
 
@@ -824,13 +828,10 @@ host (shared-memory) communicators",
         let kind = CollKind::Gather;
         let s = self.view(kind, &send, "send")?;
         let sm = s.mem();
-        let (r, mut rm) = self.optional(kind, recv.as_ref(), "recv", true)?;
+        let (r, rm) = self.optional(kind, recv.as_ref(), "recv", true)?;
         let s = Some(s);
         let dt = self.common_dtype(kind, &s, &r)?;
-        self.run(
-            py,
-            move |c| dispatch!(dt, T => c.gather::<T, _, _>(&sm, &mut rm, root)),
-        )?;
+        self.coll(py, kind, dt, ReduceOp::Sum, root, sm, rm)?;
         Ok(recv.filter(|_| self.rank == root))
     }
 
@@ -850,12 +851,9 @@ host (shared-memory) communicators",
             return self.reduce_scatter_in_place(py, send, op);
         };
         let op = parse_op(op).map_err(|e| self.refuse(kind, Dtype::U8, e))?;
-        let (s, _r, mut rm) = self.pair(kind, &send, &recv)?;
+        let (s, _r, rm) = self.pair(kind, &send, &recv)?;
         let (dt, sm) = (s.dtype, s.mem());
-        self.run(
-            py,
-            move |c| dispatch!(dt, T => c.reduce_scatter::<T, _, _>(&sm, &mut rm, op)),
-        )?;
+        self.coll(py, kind, dt, op, 0, sm, rm)?;
         Ok(recv)
     }
 
@@ -869,12 +867,9 @@ host (shared-memory) communicators",
     ) -> PyResult<Bound<'py, PyAny>> {
         let kind = CollKind::ReduceScatter;
         let op = parse_op(op).map_err(|e| self.refuse(kind, Dtype::U8, e))?;
-        let (v, mut m) = self.view_mut(kind, &buf, "buf")?;
+        let (v, m) = self.view_mut(kind, &buf, "buf")?;
         let dt = v.dtype;
-        self.run(
-            py,
-            move |c| dispatch!(dt, T => c.reduce_scatter_in_place::<T, _>(&mut m, op)),
-        )?;
+        self.coll_in_place(py, kind, dt, op, 0, m)?;
         Ok(buf)
     }
 
@@ -886,12 +881,9 @@ host (shared-memory) communicators",
         send: Bound<'py, PyAny>,
         recv: Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let (s, _r, mut rm) = self.pair(CollKind::AllToAll, &send, &recv)?;
+        let (s, _r, rm) = self.pair(CollKind::AllToAll, &send, &recv)?;
         let (dt, sm) = (s.dtype, s.mem());
-        self.run(
-            py,
-            move |c| dispatch!(dt, T => c.all_to_all::<T, _, _>(&sm, &mut rm)),
-        )?;
+        self.coll(py, CollKind::AllToAll, dt, ReduceOp::Sum, 0, sm, rm)?;
         Ok(recv)
     }
 
@@ -910,11 +902,26 @@ host (shared-memory) communicators",
         send_displs: Option<Vec<usize>>,
         recv_displs: Option<Vec<usize>>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let (s, _r, mut rm) = self.pair(CollKind::AllToAllV, &send, &recv)?;
+        let (s, _r, rm) = self.pair(CollKind::AllToAllV, &send, &recv)?;
         let (dt, sm) = (s.dtype, s.mem());
         let sd = send_displs.unwrap_or_else(|| counts_to_displs(&send_counts));
         let rd = recv_displs.unwrap_or_else(|| counts_to_displs(&recv_counts));
-        self.run(py, move |c| dispatch!(dt, T => c.all_to_all_v::<T, _, _>(&sm, &send_counts, &sd, &mut rm, &recv_counts, &rd)))?;
+        let splits = Splits {
+            send_counts: &send_counts,
+            send_displs: &sd,
+            recv_counts: &recv_counts,
+            recv_displs: &rd,
+        };
+        self.coll_v(
+            py,
+            CollKind::AllToAllV,
+            dt,
+            ReduceOp::Sum,
+            0,
+            sm,
+            rm,
+            splits,
+        )?;
         Ok(recv)
     }
 
@@ -930,12 +937,9 @@ host (shared-memory) communicators",
     ) -> PyResult<Bound<'py, PyAny>> {
         let kind = CollKind::Scatter;
         let (s, sm) = self.optional(kind, send.as_ref(), "send", false)?;
-        let (r, mut rm) = self.view_mut(kind, &recv, "recv")?;
+        let (r, rm) = self.view_mut(kind, &recv, "recv")?;
         let dt = self.common_dtype(kind, &s, &Some(r))?;
-        self.run(
-            py,
-            move |c| dispatch!(dt, T => c.scatter::<T, _, _>(&sm, &mut rm, root)),
-        )?;
+        self.coll(py, kind, dt, ReduceOp::Sum, root, sm, rm)?;
         Ok(recv)
     }
 
@@ -948,11 +952,20 @@ host (shared-memory) communicators",
         recv: Bound<'py, PyAny>,
         recv_counts: Vec<usize>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let (s, _r, mut rm) = self.pair(CollKind::AllGatherV, &send, &recv)?;
+        let (s, _r, rm) = self.pair(CollKind::AllGatherV, &send, &recv)?;
         let (dt, sm) = (s.dtype, s.mem());
-        self.run(
+        self.coll_v(
             py,
-            move |c| dispatch!(dt, T => c.all_gather_v::<T, _, _>(&sm, &mut rm, &recv_counts)),
+            CollKind::AllGatherV,
+            dt,
+            ReduceOp::Sum,
+            0,
+            sm,
+            rm,
+            Splits {
+                recv_counts: &recv_counts,
+                ..Splits::default()
+            },
         )?;
         Ok(recv)
     }
@@ -971,13 +984,22 @@ host (shared-memory) communicators",
         let kind = CollKind::GatherV;
         let s = self.view(kind, &send, "send")?;
         let sm = s.mem();
-        let (r, mut rm) = self.optional(kind, recv.as_ref(), "recv", true)?;
+        let (r, rm) = self.optional(kind, recv.as_ref(), "recv", true)?;
         let s = Some(s);
         let dt = self.common_dtype(kind, &s, &r)?;
         let counts = recv_counts.unwrap_or_default();
-        self.run(
+        self.coll_v(
             py,
-            move |c| dispatch!(dt, T => c.gather_v::<T, _, _>(&sm, &mut rm, &counts, root)),
+            kind,
+            dt,
+            ReduceOp::Sum,
+            root,
+            sm,
+            rm,
+            Splits {
+                recv_counts: &counts,
+                ..Splits::default()
+            },
         )?;
         Ok(recv.filter(|_| self.rank == root))
     }
@@ -986,8 +1008,8 @@ host (shared-memory) communicators",
     /// that send to each other first need `group`.
     fn send(&self, py: Python<'_>, buf: Bound<'_, PyAny>, peer: usize) -> PyResult<()> {
         let v = self.view(CollKind::Send, &buf, "buf")?;
-        let (dt, m) = (v.dtype, v.mem());
-        self.run(py, move |c| dispatch!(dt, T => c.send::<T, _>(&m, peer)))
+        self.p2p(py, vec![post(CollKind::Send, v.dtype, peer, v.mem())])?;
+        Ok(())
     }
 
     /// Receive into `buf` the next message rank `peer` sends to this rank (same count and dtype).
@@ -997,12 +1019,8 @@ host (shared-memory) communicators",
         buf: Bound<'py, PyAny>,
         peer: usize,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let (v, mut m) = self.view_mut(CollKind::Recv, &buf, "buf")?;
-        let dt = v.dtype;
-        self.run(
-            py,
-            move |c| dispatch!(dt, T => c.recv::<T, _>(&mut m, peer)),
-        )?;
+        let (v, m) = self.view_mut(CollKind::Recv, &buf, "buf")?;
+        self.p2p(py, vec![post(CollKind::Recv, v.dtype, peer, m)])?;
         Ok(buf)
     }
 
@@ -1011,15 +1029,9 @@ host (shared-memory) communicators",
     /// is gone stops being waited for, and once no other rank is left (or at the timeout) it
     /// raises, naming them.
     fn recv_any(&self, py: Python<'_>, buf: Bound<'_, PyAny>) -> PyResult<usize> {
-        let (v, mut m) = self.view_mut(CollKind::Recv, &buf, "buf")?;
-        let dt = v.dtype;
-        let mut from = 0;
-        let src = &mut from;
-        self.run(py, move |c| {
-            *src = dispatch!(dt, T => c.recv_any::<T, _>(&mut m))?;
-            Ok(())
-        })?;
-        Ok(from)
+        let (v, m) = self.view_mut(CollKind::Recv, &buf, "buf")?;
+        let peers = self.p2p(py, vec![post(CollKind::Recv, v.dtype, ANY_SOURCE, m)])?;
+        Ok(peers[0])
     }
 
     /// Post several sends and receives together so that none waits on another (a ring exchange,
@@ -1057,21 +1069,14 @@ host (shared-memory) communicators",
             posts.push((send, v.dtype, *peer, m));
             views.push(v);
         }
-        let mut peers: Vec<usize> = posts.iter().map(|p| p.2.unwrap_or(usize::MAX)).collect();
-        let (posts, out) = (&mut posts, &mut peers);
-        self.run(py, move |c| {
-            c.group(|g: &mut Group<'_>| {
-                for ((send, dt, peer, m), from) in posts.iter_mut().zip(out.iter_mut()) {
-                    let (send, dt) = (*send, *dt);
-                    match (send, *peer) {
-                        (true, Some(p)) => dispatch!(dt, T => g.send::<T, _>(&*m, p))?,
-                        (_, Some(p)) => dispatch!(dt, T => g.recv::<T, _>(m, p))?,
-                        (_, None) => dispatch!(dt, T => g.recv_any::<T, _>(m, from))?,
-                    }
-                }
-                Ok(())
+        let posts = posts
+            .into_iter()
+            .map(|(send, dt, peer, m)| {
+                let kind = if send { CollKind::Send } else { CollKind::Recv };
+                post(kind, dt, peer.unwrap_or(ANY_SOURCE), m)
             })
-        })?;
+            .collect();
+        let peers = self.p2p(py, posts)?;
         drop(views);
         Ok(peers)
     }

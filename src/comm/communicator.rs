@@ -1,9 +1,10 @@
-//! [`Communicator`]: the typed collective methods every backend runs behind.
+//! [`Communicator`]: the collective methods every backend runs behind.
 //!
-//! Each method checks its buffers locally (lengths, root, memory space), builds a type-erased
-//! [`Call`] and hands it to the backend. A call refused locally is also reported to the peers
-//! through [`Backend::reject`], so they fail with a mismatch instead of pairing this rank's next
-//! call with their current one.
+//! One entry, [`Communicator::run`], takes a type-erased [`Call`], checks it locally with the
+//! rules of [`check`](super::check) and hands it to the backend; the typed methods build a `Call`
+//! from their buffers and go through it, as the Python package and the C ABI do. A call refused
+//! locally is also reported to the peers through [`Backend::reject`], so they fail with a
+//! mismatch instead of pairing this rank's next call with their current one.
 
 use std::fmt;
 use std::sync::Arc;
@@ -12,6 +13,7 @@ use std::time::Duration;
 use std::marker::PhantomData;
 
 use super::backend::{Backend, BackendKind, Call, Completion, P2pOp, Splits, ANY_SOURCE};
+use super::check::{self, InPlace};
 use super::error::{rank_name, CommError};
 use super::shared::SharedBuffer;
 use crate::cuda::{Context, CudaError, DeviceBuffer, ForeignStream};
@@ -165,8 +167,9 @@ impl Communicator {
     }
 
     /// Tell the peers that this rank refused a call locally (see [`Backend::reject`]): for
-    /// bindings that check arguments before reaching the typed methods (the Python package), so
-    /// the peers' matching call fails with a mismatch naming this rank instead of waiting.
+    /// bindings that check arguments of their own before reaching [`run`](Self::run) (the Python
+    /// package's buffer exports, the C ABI's pointers), so the peers' matching call fails with a
+    /// mismatch naming this rank instead of waiting.
     pub fn reject_call(&mut self, kind: CollKind, dtype: Dtype, reason: &CommError) {
         self.backend.reject(kind, dtype, reason);
     }
@@ -190,138 +193,181 @@ impl Communicator {
 
     /// A call refused locally: let the backend tell the peers (so they fail too instead of pairing
     /// this rank's next call with their current one), then return the error.
-    fn rejected<T: Element>(&mut self, op: CollKind, e: CommError) -> Result<(), CommError> {
-        self.backend.reject(op, T::DTYPE, &e);
-        Err(e)
+    fn refused(&mut self, op: CollKind, dtype: Dtype, detail: String) -> CommError {
+        let e = self.invalid(op, detail);
+        self.backend.reject(op, dtype, &e);
+        e
     }
 
-    fn reject_err<T: Element>(&mut self, e: CommError) -> Result<(), CommError> {
-        let op = match &e {
-            CommError::InvalidArgument { op, .. } => *op,
-            _ => CollKind::Barrier,
+    // --------------------------------------------------------------------------------------------
+    // The erased entry
+
+    /// Run one collective described by a type-erased [`Call`]: the entry of the Python package,
+    /// the C ABI and any other binding, and of the typed methods, which build a `Call` from their
+    /// buffers ([`call_on`](Self::call_on), [`call_in_place`](Self::call_in_place)) and come
+    /// here.
+    ///
+    /// The call is checked locally first, with the rules of [`check`](super::check) (root in
+    /// range, buffer lengths for `count`, the per-peer counts of the v-variants, alignment, one
+    /// memory space, send and recv disjoint unless in the kind's in-place form); a call that
+    /// fails them returns [`CommError::InvalidArgument`] with the message the typed method gives,
+    /// and the peers are told ([`Backend::reject`]), so their matching call fails with a
+    /// [`CommError::Mismatch`] naming this rank instead of waiting. For `all_gather_v` and
+    /// `gather_v`, `splits.recv_displs` may be left empty: the blocks are packed in rank order.
+    /// The nonblocking form is [`start`](Self::start): `comm.start(|c| unsafe { c.run(&call) })`.
+    ///
+    /// # Safety
+    ///
+    /// A [`RawMem`] is plain data that anything can make, so the caller vouches for it. Until
+    /// this returns (device backends: until the call has completed on the device, which
+    /// [`synchronize`](Self::synchronize) or the [`Work`] of [`start`](Self::start) waits for):
+    ///
+    /// * `call.send`, where this rank reads it, is valid for reads of `len` elements of
+    ///   `call.dtype` in its memory space (host memory of this process, or device memory of the
+    ///   communicator's device);
+    /// * `call.recv`, where this rank writes it, is valid for writes of `len` such elements, and
+    ///   nothing else reads or writes it (no Rust reference to it is alive);
+    /// * `send` and `recv` are disjoint, or in the kind's in-place form (checked: other overlaps
+    ///   are refused).
+    ///
+    /// Lengths, alignment and the in-place forms are checked; the addresses cannot be.
+    pub unsafe fn run(&mut self, call: &Call) -> Result<(), CommError> {
+        self.enter(call)
+    }
+
+    /// The checks of [`run`](Self::run), then the backend. Safe to call with the `RawMem`s of
+    /// [`Buffer`]/[`BufferMut`] borrows, which carry that contract.
+    fn enter(&mut self, call: &Call) -> Result<(), CommError> {
+        let packed = match check::call(call, self.rank(), self.world_size()) {
+            Err(detail) => return Err(self.refused(call.kind, call.dtype, detail)),
+            Ok(p) => p,
         };
-        self.rejected::<T>(op, e)
+        let splits = match (&packed, call.kind) {
+            (Some(displs), _) => Splits {
+                recv_displs: displs,
+                ..call.splits
+            },
+            // A gather_v rank other than the root reads no counts: the backend gets none.
+            (None, CollKind::GatherV) if self.rank() != call.root => Splits::default(),
+            (None, _) => call.splits,
+        };
+        self.backend.run(&Call { splits, ..*call })
     }
 
-    fn check_root(&self, op: CollKind, root: usize) -> Result<(), CommError> {
-        if root >= self.world_size() {
-            return Err(self.invalid(
-                op,
-                format!(
-                    "root {root} is out of range for world size {}",
-                    self.world_size()
-                ),
-            ));
-        }
-        Ok(())
-    }
-
-    fn check_space(&self, op: CollKind, a: RawMem, b: RawMem) -> Result<(), CommError> {
-        if a.space != b.space && a.len > 0 && b.len > 0 {
-            return Err(self.invalid(
-                op,
-                format!(
-                    "send buffer is in {:?} but receive buffer is in {:?}",
-                    a.space, b.space
-                ),
-            ));
-        }
-        Ok(())
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn call<T: Element>(
-        &mut self,
+    /// The out-of-place [`Call`] the typed method of `kind` makes on `send` and `recv`: its count
+    /// comes from the buffers ([`check::count_of`]); `op` and `root` are ignored where the kind
+    /// has none (pass `ReduceOp::Sum` and 0). Nothing is checked until it [`run`](Self::run)s.
+    pub fn call_on(
+        &self,
         kind: CollKind,
+        dtype: Dtype,
         op: ReduceOp,
         root: usize,
-        count: usize,
         send: RawMem,
         recv: RawMem,
-    ) -> Result<(), CommError> {
-        if let Err(e) = self.check_space(kind, send, recv) {
-            return self.rejected::<T>(kind, e);
-        }
-        let call = Call {
+    ) -> Call<'static> {
+        Call {
             kind,
-            dtype: T::DTYPE,
+            dtype,
+            op,
+            root,
+            count: check::count_of(kind, send.len, recv.len, self.world_size()),
+            send,
+            recv,
+            splits: Splits::default(),
+        }
+    }
+
+    /// The in-place [`Call`] of `kind` on `buf` (see [`check::InPlace`]): all_reduce, broadcast and
+    /// reduce use `buf` as both buffers; all_gather gathers into `buf`, this rank's block already
+    /// at `buf[rank*c..(rank+1)*c]` with `c = buf.len / world_size`; reduce_scatter leaves the
+    /// result there. Refused (and the peers told, as by [`run`](Self::run)) for a length that is
+    /// not a multiple of the world size, and for kinds without an in-place method.
+    pub fn call_in_place(
+        &mut self,
+        kind: CollKind,
+        dtype: Dtype,
+        op: ReduceOp,
+        root: usize,
+        buf: RawMem,
+    ) -> Result<Call<'static>, CommError> {
+        let n = self.world_size();
+        let (send, recv, count) = match check::in_place(kind) {
+            InPlace::Same => (buf, buf, buf.len),
+            InPlace::SendIsOwnBlock | InPlace::RecvIsOwnBlock
+                if matches!(kind, CollKind::AllGather | CollKind::ReduceScatter) =>
+            {
+                if !buf.len.is_multiple_of(n) {
+                    return Err(self.refused(
+                        kind,
+                        dtype,
+                        format!(
+                            "in-place buffer has {} elements, not a multiple of world size {n}",
+                            buf.len
+                        ),
+                    ));
+                }
+                let c = buf.len / n;
+                let block = RawMem {
+                    addr: buf.addr + self.rank() * c * dtype.size(),
+                    len: c,
+                    space: buf.space,
+                };
+                if kind == CollKind::AllGather {
+                    (block, buf, c)
+                } else {
+                    (buf, block, c)
+                }
+            }
+            _ => {
+                return Err(self.refused(
+                    kind,
+                    dtype,
+                    format!("{kind} has no in-place method; pass separate send and recv buffers"),
+                ))
+            }
+        };
+        Ok(Call {
+            kind,
+            dtype,
             op,
             root,
             count,
             send,
             recv,
             splits: Splits::default(),
-        };
-        self.backend.run(&call)
+        })
     }
 
-    /// As [`call`](Self::call), with the per-peer counts of a v-variant.
-    fn call_split<T: Element>(
+    /// A typed out-of-place call: the buffers' `RawMem`s, through [`enter`](Self::enter).
+    fn typed(
         &mut self,
         kind: CollKind,
+        dtype: Dtype,
+        op: ReduceOp,
         root: usize,
-        count: usize,
         send: RawMem,
         recv: RawMem,
-        splits: Splits,
     ) -> Result<(), CommError> {
-        if let Err(e) = self.check_space(kind, send, recv) {
-            return self.rejected::<T>(kind, e);
-        }
-        let call = Call {
-            kind,
-            dtype: T::DTYPE,
-            op: ReduceOp::Sum,
-            root,
-            count,
-            send,
-            recv,
-            splits,
-        };
-        self.backend.run(&call)
+        let call = self.call_on(kind, dtype, op, root, send, recv);
+        self.enter(&call)
     }
 
-    /// Check that `counts`/`displs` have one entry per rank and every block lies in a buffer of
-    /// `len` elements; `what` names them ("send" or "recv").
-    fn check_splits(
-        &self,
-        op: CollKind,
-        what: &str,
-        counts: &[usize],
-        displs: &[usize],
-        len: usize,
+    /// A typed in-place call.
+    fn typed_in_place(
+        &mut self,
+        kind: CollKind,
+        dtype: Dtype,
+        op: ReduceOp,
+        root: usize,
+        buf: RawMem,
     ) -> Result<(), CommError> {
-        let n = self.world_size();
-        if counts.len() != n || displs.len() != n {
-            return Err(self.invalid(
-                op,
-                format!("{what}_counts has {} entries and {what}_displs {}; both need one per rank ({n})", counts.len(), displs.len()),
-            ));
-        }
-        for r in 0..n {
-            if displs[r].checked_add(counts[r]).is_none_or(|end| end > len) {
-                return Err(self.invalid(
-                    op,
-                    format!(
-                        "the {what} block of rank {r} ({what}_displs[{r}] = {} + {what}_counts[{r}] = {}) ends past the {what} buffer ({len} elements)",
-                        displs[r], counts[r]
-                    ),
-                ));
-            }
-        }
-        Ok(())
+        let call = self.call_in_place(kind, dtype, op, root, buf)?;
+        self.enter(&call)
     }
 
-    /// Prefix sums of `counts` (the displacements of packed blocks) and their total; `None` on overflow.
-    fn prefix(counts: &[usize]) -> Option<(Vec<usize>, usize)> {
-        let mut displs = Vec::with_capacity(counts.len());
-        let mut at = 0usize;
-        for &c in counts {
-            displs.push(at);
-            at = at.checked_add(c)?;
-        }
-        Some((displs, at))
-    }
+    // --------------------------------------------------------------------------------------------
+    // Typed collectives
 
     /// Element-wise reduction of every rank's `send` into every rank's `recv` (same length).
     pub fn all_reduce<T: Element, S: Buffer<T> + ?Sized, R: BufferMut<T> + ?Sized>(
@@ -331,16 +377,7 @@ impl Communicator {
         op: ReduceOp,
     ) -> Result<(), CommError> {
         let (s, r) = (send.raw(), recv.raw_mut());
-        if s.len != r.len {
-            return self.reject_err::<T>(self.invalid(
-                CollKind::AllReduce,
-                format!(
-                    "send has {} elements but recv has {}; they must be equal",
-                    s.len, r.len
-                ),
-            ));
-        }
-        self.call::<T>(CollKind::AllReduce, op, 0, s.len, s, r)
+        self.typed(CollKind::AllReduce, T::DTYPE, op, 0, s, r)
     }
 
     /// In-place all-reduce: `buf` is both input and result.
@@ -349,8 +386,7 @@ impl Communicator {
         buf: &mut B,
         op: ReduceOp,
     ) -> Result<(), CommError> {
-        let r = buf.raw_mut();
-        self.call::<T>(CollKind::AllReduce, op, 0, r.len, r, r)
+        self.typed_in_place(CollKind::AllReduce, T::DTYPE, op, 0, buf.raw_mut())
     }
 
     /// Copy `buf` of rank `root` into `buf` of every rank.
@@ -359,35 +395,20 @@ impl Communicator {
         buf: &mut B,
         root: usize,
     ) -> Result<(), CommError> {
-        if let Err(e) = self.check_root(CollKind::Broadcast, root) {
-            return self.rejected::<T>(CollKind::Broadcast, e);
-        }
-        let r = buf.raw_mut();
-        self.call::<T>(CollKind::Broadcast, ReduceOp::Sum, root, r.len, r, r)
+        let b = buf.raw_mut();
+        self.typed_in_place(CollKind::Broadcast, T::DTYPE, ReduceOp::Sum, root, b)
     }
 
     /// Out-of-place broadcast: `send` is read on `root` only; every rank's `recv` receives it.
-    /// `send` and `recv` must have the same length on every rank.
+    /// `send` must have `recv`'s length on the root; elsewhere it is not read (it may be empty).
     pub fn broadcast<T: Element, S: Buffer<T> + ?Sized, R: BufferMut<T> + ?Sized>(
         &mut self,
         send: &S,
         recv: &mut R,
         root: usize,
     ) -> Result<(), CommError> {
-        if let Err(e) = self.check_root(CollKind::Broadcast, root) {
-            return self.rejected::<T>(CollKind::Broadcast, e);
-        }
         let (s, r) = (send.raw(), recv.raw_mut());
-        if s.len != r.len {
-            return self.reject_err::<T>(self.invalid(
-                CollKind::Broadcast,
-                format!(
-                    "send has {} elements but recv has {}; they must be equal",
-                    s.len, r.len
-                ),
-            ));
-        }
-        self.call::<T>(CollKind::Broadcast, ReduceOp::Sum, root, r.len, s, r)
+        self.typed(CollKind::Broadcast, T::DTYPE, ReduceOp::Sum, root, s, r)
     }
 
     /// Reduce every rank's `send` into `recv` on `root`. `recv` must have `send.len()` elements on
@@ -399,20 +420,8 @@ impl Communicator {
         op: ReduceOp,
         root: usize,
     ) -> Result<(), CommError> {
-        if let Err(e) = self.check_root(CollKind::Reduce, root) {
-            return self.rejected::<T>(CollKind::Reduce, e);
-        }
         let (s, r) = (send.raw(), recv.raw_mut());
-        if self.rank() == root && s.len != r.len {
-            return self.reject_err::<T>(self.invalid(
-                CollKind::Reduce,
-                format!(
-                    "send has {} elements but recv on the root has {}; they must be equal",
-                    s.len, r.len
-                ),
-            ));
-        }
-        self.call::<T>(CollKind::Reduce, op, root, s.len, s, r)
+        self.typed(CollKind::Reduce, T::DTYPE, op, root, s, r)
     }
 
     /// In-place reduce: on `root`, `buf` receives the result; elsewhere it is left unchanged.
@@ -422,11 +431,7 @@ impl Communicator {
         op: ReduceOp,
         root: usize,
     ) -> Result<(), CommError> {
-        if let Err(e) = self.check_root(CollKind::Reduce, root) {
-            return self.rejected::<T>(CollKind::Reduce, e);
-        }
-        let r = buf.raw_mut();
-        self.call::<T>(CollKind::Reduce, op, root, r.len, r, r)
+        self.typed_in_place(CollKind::Reduce, T::DTYPE, op, root, buf.raw_mut())
     }
 
     /// Concatenate every rank's `send` (in rank order) into every rank's `recv`
@@ -437,19 +442,7 @@ impl Communicator {
         recv: &mut R,
     ) -> Result<(), CommError> {
         let (s, r) = (send.raw(), recv.raw_mut());
-        let n = self.world_size();
-        if r.len != s.len * n {
-            return self.reject_err::<T>(self.invalid(
-                CollKind::AllGather,
-                format!(
-                    "recv has {} elements but must have send.len() × world_size = {} × {n} = {}",
-                    r.len,
-                    s.len,
-                    s.len * n
-                ),
-            ));
-        }
-        self.call::<T>(CollKind::AllGather, ReduceOp::Sum, 0, s.len, s, r)
+        self.typed(CollKind::AllGather, T::DTYPE, ReduceOp::Sum, 0, s, r)
     }
 
     /// In-place all-gather: this rank's contribution is already at `buf[rank*c..(rank+1)*c]` with
@@ -458,24 +451,8 @@ impl Communicator {
         &mut self,
         buf: &mut B,
     ) -> Result<(), CommError> {
-        let r = buf.raw_mut();
-        let n = self.world_size();
-        if r.len % n != 0 {
-            return self.reject_err::<T>(self.invalid(
-                CollKind::AllGather,
-                format!(
-                    "in-place buffer has {} elements, not a multiple of world size {n}",
-                    r.len
-                ),
-            ));
-        }
-        let c = r.len / n;
-        let s = RawMem {
-            addr: r.addr + self.rank() * c * std::mem::size_of::<T>(),
-            len: c,
-            space: r.space,
-        };
-        self.call::<T>(CollKind::AllGather, ReduceOp::Sum, 0, c, s, r)
+        let b = buf.raw_mut();
+        self.typed_in_place(CollKind::AllGather, T::DTYPE, ReduceOp::Sum, 0, b)
     }
 
     /// Concatenate every rank's `send` into `recv` on `root` (`send.len() * world_size` elements
@@ -486,22 +463,8 @@ impl Communicator {
         recv: &mut R,
         root: usize,
     ) -> Result<(), CommError> {
-        if let Err(e) = self.check_root(CollKind::Gather, root) {
-            return self.rejected::<T>(CollKind::Gather, e);
-        }
         let (s, r) = (send.raw(), recv.raw_mut());
-        let n = self.world_size();
-        if self.rank() == root && r.len != s.len * n {
-            return self.reject_err::<T>(self.invalid(
-                CollKind::Gather,
-                format!(
-                    "recv on the root has {} elements but must have send.len() × world_size = {}",
-                    r.len,
-                    s.len * n
-                ),
-            ));
-        }
-        self.call::<T>(CollKind::Gather, ReduceOp::Sum, root, s.len, s, r)
+        self.typed(CollKind::Gather, T::DTYPE, ReduceOp::Sum, root, s, r)
     }
 
     /// Reduce every rank's `send` (`recv.len() * world_size` elements) and leave block `rank` of the
@@ -513,19 +476,7 @@ impl Communicator {
         op: ReduceOp,
     ) -> Result<(), CommError> {
         let (s, r) = (send.raw(), recv.raw_mut());
-        let n = self.world_size();
-        if s.len != r.len * n {
-            return self.reject_err::<T>(self.invalid(
-                CollKind::ReduceScatter,
-                format!(
-                    "send has {} elements but must have recv.len() × world_size = {} × {n} = {}",
-                    s.len,
-                    r.len,
-                    r.len * n
-                ),
-            ));
-        }
-        self.call::<T>(CollKind::ReduceScatter, op, 0, r.len, s, r)
+        self.typed(CollKind::ReduceScatter, T::DTYPE, op, 0, s, r)
     }
 
     /// In-place reduce-scatter: the result block lands at `buf[rank*c..(rank+1)*c]`,
@@ -535,24 +486,7 @@ impl Communicator {
         buf: &mut B,
         op: ReduceOp,
     ) -> Result<(), CommError> {
-        let s = buf.raw_mut();
-        let n = self.world_size();
-        if s.len % n != 0 {
-            return self.reject_err::<T>(self.invalid(
-                CollKind::ReduceScatter,
-                format!(
-                    "in-place buffer has {} elements, not a multiple of world size {n}",
-                    s.len
-                ),
-            ));
-        }
-        let c = s.len / n;
-        let r = RawMem {
-            addr: s.addr + self.rank() * c * std::mem::size_of::<T>(),
-            len: c,
-            space: s.space,
-        };
-        self.call::<T>(CollKind::ReduceScatter, op, 0, c, s, r)
+        self.typed_in_place(CollKind::ReduceScatter, T::DTYPE, op, 0, buf.raw_mut())
     }
 
     /// Personalised exchange with equal blocks: block `j` of this rank's `send` goes to rank `j`,
@@ -564,14 +498,7 @@ impl Communicator {
         recv: &mut R,
     ) -> Result<(), CommError> {
         let (s, r) = (send.raw(), recv.raw_mut());
-        let n = self.world_size();
-        if s.len != r.len || s.len % n != 0 {
-            return self.reject_err::<T>(self.invalid(
-                CollKind::AllToAll,
-                format!("send has {} elements and recv {}; they must be equal and a multiple of world size {n}", s.len, r.len),
-            ));
-        }
-        self.call::<T>(CollKind::AllToAll, ReduceOp::Sum, 0, s.len / n, s, r)
+        self.typed(CollKind::AllToAll, T::DTYPE, ReduceOp::Sum, 0, s, r)
     }
 
     /// Personalised exchange with per-peer counts, as `MPI_Alltoallv`: this rank sends
@@ -589,21 +516,38 @@ impl Communicator {
         recv_counts: &[usize],
         recv_displs: &[usize],
     ) -> Result<(), CommError> {
-        let (s, r) = (send.raw(), recv.raw_mut());
-        let op = CollKind::AllToAllV;
-        if let Err(e) = self
-            .check_splits(op, "send", send_counts, send_displs, s.len)
-            .and_then(|_| self.check_splits(op, "recv", recv_counts, recv_displs, r.len))
-        {
-            return self.rejected::<T>(op, e);
-        }
         let splits = Splits {
             send_counts,
             send_displs,
             recv_counts,
             recv_displs,
         };
-        self.call_split::<T>(op, 0, s.len, s, r, splits)
+        self.typed_v(
+            CollKind::AllToAllV,
+            T::DTYPE,
+            0,
+            send.raw(),
+            recv.raw_mut(),
+            splits,
+        )
+    }
+
+    /// A typed v-variant: `splits` as passed (the packed displacements of the gathers are filled
+    /// in by [`enter`](Self::enter)).
+    fn typed_v(
+        &mut self,
+        kind: CollKind,
+        dtype: Dtype,
+        root: usize,
+        send: RawMem,
+        recv: RawMem,
+        splits: Splits,
+    ) -> Result<(), CommError> {
+        let call = Call {
+            splits,
+            ..self.call_on(kind, dtype, ReduceOp::Sum, root, send, recv)
+        };
+        self.enter(&call)
     }
 
     /// Hand block `j` of the root's `send` (`world_size × recv.len()` elements) to rank `j`'s
@@ -614,18 +558,8 @@ impl Communicator {
         recv: &mut R,
         root: usize,
     ) -> Result<(), CommError> {
-        if let Err(e) = self.check_root(CollKind::Scatter, root) {
-            return self.rejected::<T>(CollKind::Scatter, e);
-        }
         let (s, r) = (send.raw(), recv.raw_mut());
-        let n = self.world_size();
-        if self.rank() == root && s.len != r.len * n {
-            return self.reject_err::<T>(self.invalid(
-                CollKind::Scatter,
-                format!("send on the root has {} elements but must have recv.len() × world_size = {} × {n} = {}", s.len, r.len, r.len * n),
-            ));
-        }
-        self.call::<T>(CollKind::Scatter, ReduceOp::Sum, root, r.len, s, r)
+        self.typed(CollKind::Scatter, T::DTYPE, ReduceOp::Sum, root, s, r)
     }
 
     /// Concatenate every rank's `send` (of per-rank lengths) in rank order into every rank's
@@ -637,18 +571,18 @@ impl Communicator {
         recv: &mut R,
         recv_counts: &[usize],
     ) -> Result<(), CommError> {
-        let (s, r) = (send.raw(), recv.raw_mut());
-        let op = CollKind::AllGatherV;
-        let displs = match self.check_gather_v(op, s, r, recv_counts) {
-            Ok(d) => d,
-            Err(e) => return self.rejected::<T>(op, e),
-        };
         let splits = Splits {
             recv_counts,
-            recv_displs: &displs,
             ..Splits::default()
         };
-        self.call_split::<T>(op, 0, s.len, s, r, splits)
+        self.typed_v(
+            CollKind::AllGatherV,
+            T::DTYPE,
+            0,
+            send.raw(),
+            recv.raw_mut(),
+            splits,
+        )
     }
 
     /// Concatenate every rank's `send` (of per-rank lengths) in rank order into `recv` on `root`:
@@ -661,64 +595,18 @@ impl Communicator {
         recv_counts: &[usize],
         root: usize,
     ) -> Result<(), CommError> {
-        let op = CollKind::GatherV;
-        if let Err(e) = self.check_root(op, root) {
-            return self.rejected::<T>(op, e);
-        }
-        let (s, r) = (send.raw(), recv.raw_mut());
-        if self.rank() != root {
-            return self.call_split::<T>(op, root, s.len, s, r, Splits::default());
-        }
-        let displs = match self.check_gather_v(op, s, r, recv_counts) {
-            Ok(d) => d,
-            Err(e) => return self.rejected::<T>(op, e),
-        };
         let splits = Splits {
             recv_counts,
-            recv_displs: &displs,
             ..Splits::default()
         };
-        self.call_split::<T>(op, root, s.len, s, r, splits)
-    }
-
-    /// Local checks of a receiving rank of `all_gather_v`/`gather_v`; returns the displacements.
-    fn check_gather_v(
-        &self,
-        op: CollKind,
-        s: RawMem,
-        r: RawMem,
-        recv_counts: &[usize],
-    ) -> Result<Vec<usize>, CommError> {
-        let (n, me) = (self.world_size(), self.rank());
-        if recv_counts.len() != n {
-            return Err(self.invalid(
-                op,
-                format!(
-                    "recv_counts has {} entries; it needs one per rank ({n})",
-                    recv_counts.len()
-                ),
-            ));
-        }
-        if recv_counts[me] != s.len {
-            return Err(self.invalid(
-                op,
-                format!(
-                    "recv_counts[{me}] = {} but this rank's send has {} elements",
-                    recv_counts[me], s.len
-                ),
-            ));
-        }
-        match Self::prefix(recv_counts) {
-            Some((d, total)) if total == r.len => Ok(d),
-            Some((_, total)) => Err(self.invalid(
-                op,
-                format!(
-                    "recv has {} elements but recv_counts add up to {total}; they must be equal",
-                    r.len
-                ),
-            )),
-            None => Err(self.invalid(op, "recv_counts add up to more than usize::MAX".into())),
-        }
+        self.typed_v(
+            CollKind::GatherV,
+            T::DTYPE,
+            root,
+            send.raw(),
+            recv.raw_mut(),
+            splits,
+        )
     }
 
     // --------------------------------------------------------------------------------------------
@@ -933,54 +821,53 @@ impl Communicator {
         &mut self,
         buf: &mut R,
     ) -> Result<usize, CommError> {
-        self.check_any_source()?;
         let mut ops = [P2pOp {
             kind: CollKind::Recv,
             peer: ANY_SOURCE,
             dtype: T::DTYPE,
             mem: buf.raw_mut(),
         }];
-        self.backend.p2p(&mut ops)?;
+        self.enter_p2p(&mut ops)?;
         Ok(ops[0].peer)
     }
 
-    /// A receive from any source needs another rank that could send.
-    fn check_any_source(&self) -> Result<(), CommError> {
-        if self.world_size() < 2 {
-            return Err(self.invalid(
-                CollKind::Recv,
-                "a receive from any source needs another rank, but this communicator has one rank only, so no message can ever arrive".into(),
-            ));
-        }
-        Ok(())
+    /// Run a group of point-to-point operations described by type-erased [`P2pOp`]s, as
+    /// [`group`](Self::group) runs the ones posted on a [`Group`]: all of them progress together,
+    /// so sends and receives of one group never wait on one another in a cycle. One operation
+    /// alone is a blocking [`send`](Self::send) or [`recv`](Self::recv). A receive whose `peer` is
+    /// [`ANY_SOURCE`] takes the first message any other rank sends (see
+    /// [`recv_any`](Self::recv_any)); once matched, its `peer` holds that rank.
+    ///
+    /// Checked locally first ([`CommError::InvalidArgument`], nothing sent): kinds `Send` and
+    /// `Recv` only, peers in range, buffers aligned, sends to this rank itself paired with
+    /// receives from it in the same group (a single one is refused), and a receive from any
+    /// source only with another rank in the communicator.
+    ///
+    /// # Safety
+    ///
+    /// Until this returns (device backends: until the group has completed on the device), each
+    /// send's `mem` is valid for reads, and each receive's for writes, of `len` elements of its
+    /// `dtype` in its memory space; nothing else reads or writes a receive's buffer, and the
+    /// buffers of a group's receives are disjoint from each other and from its sends'.
+    pub unsafe fn run_p2p(&mut self, ops: &mut [P2pOp]) -> Result<(), CommError> {
+        self.enter_p2p(ops)
     }
 
+    /// The checks of [`run_p2p`](Self::run_p2p), then the backend.
+    fn enter_p2p(&mut self, ops: &mut [P2pOp]) -> Result<(), CommError> {
+        if let Err((kind, detail)) = check::p2p(ops, self.rank(), self.world_size()) {
+            return Err(self.invalid(kind, detail));
+        }
+        if ops.is_empty() {
+            return Ok(());
+        }
+        self.backend.p2p(ops)
+    }
+
+    /// A typed send or receive from a named rank ([`ANY_SOURCE`] is no rank there).
     fn p2p_single(&mut self, op: P2pOp) -> Result<(), CommError> {
-        self.check_peer(op.kind, op.peer)?;
-        if op.peer == self.rank() {
-            return Err(self.invalid(
-                op.kind,
-                format!(
-                    "a {} to or from this rank itself only completes inside a group with the matching {}",
-                    op.kind,
-                    if op.kind == CollKind::Send { "recv" } else { "send" }
-                ),
-            ));
-        }
-        self.backend.p2p(&mut [op])
-    }
-
-    fn check_peer(&self, kind: CollKind, peer: usize) -> Result<(), CommError> {
-        if peer >= self.world_size() {
-            return Err(self.invalid(
-                kind,
-                format!(
-                    "peer {peer} is out of range for world size {}",
-                    self.world_size()
-                ),
-            ));
-        }
-        Ok(())
+        check::peer(op.peer, self.world_size()).map_err(|d| self.invalid(op.kind, d))?;
+        self.enter_p2p(&mut [op])
     }
 
     /// Post several sends and receives together (NCCL's group semantics): `f` records them on the
@@ -1000,26 +887,7 @@ impl Communicator {
             _bufs: PhantomData,
         };
         f(&mut g)?;
-        let selfs = |k: CollKind| {
-            g.ops
-                .iter()
-                .filter(|o| o.peer == g.rank && o.kind == k)
-                .count()
-        };
-        let (ss, sr) = (selfs(CollKind::Send), selfs(CollKind::Recv));
-        if ss != sr {
-            return Err(self.invalid(
-                CollKind::Send,
-                format!("the group posts {ss} send(s) to this rank itself but {sr} recv(s) from it; they must pair up"),
-            ));
-        }
-        if g.ops.is_empty() {
-            return Ok(());
-        }
-        if !g.sources.is_empty() {
-            self.check_any_source()?;
-        }
-        let r = self.backend.p2p(&mut g.ops);
+        let r = self.enter_p2p(&mut g.ops);
         for (i, src) in g.sources {
             if g.ops[i].peer != ANY_SOURCE {
                 *src = g.ops[i].peer;
@@ -1047,6 +915,10 @@ impl Communicator {
     /// assert_eq!(recv[0], comm.world_size() as f32);
     /// # Ok(()) }
     /// ```
+    ///
+    /// The erased entry starts the same way: `comm.start(|c| unsafe { c.run(&call) })` (the
+    /// buffers behind `call` then stay valid until the `Work` is waited for; see
+    /// [`run`](Self::run)).
     ///
     /// The buffers cannot be touched before the `Work` is done with:
     ///
@@ -1087,7 +959,7 @@ impl Communicator {
             len: 0,
             space: MemSpace::Host,
         };
-        self.call::<u8>(CollKind::Barrier, ReduceOp::Sum, 0, 0, empty, empty)
+        self.typed(CollKind::Barrier, Dtype::U8, ReduceOp::Sum, 0, empty, empty)
     }
 }
 
@@ -1113,16 +985,11 @@ impl fmt::Debug for Group<'_> {
 
 impl<'b> Group<'b> {
     fn post(&mut self, op: P2pOp) -> Result<(), CommError> {
-        if op.peer >= self.world {
-            return Err(CommError::InvalidArgument {
-                op: op.kind,
-                rank: self.rank,
-                detail: format!(
-                    "peer {} is out of range for world size {}",
-                    op.peer, self.world
-                ),
-            });
-        }
+        check::peer(op.peer, self.world).map_err(|detail| CommError::InvalidArgument {
+            op: op.kind,
+            rank: self.rank,
+            detail,
+        })?;
         self.ops.push(op);
         Ok(())
     }

@@ -1,7 +1,9 @@
 //! The collective API: one [`Communicator`] for every backend.
 //!
 //! Callers use typed methods (`all_reduce`, `broadcast`, ...); each builds a type-erased [`Call`]
-//! after checking the buffers locally, and hands it to the backend. Backends (`shm` for host
+//! and goes through the one entry, [`Communicator::run`], which checks it locally against the
+//! per-kind rules of [`check`] and hands it to the backend. Bindings (Python, C) build the `Call`
+//! themselves and call the same entry. Backends (`shm` for host
 //! memory, `nccl` and `staged` for device memory) implement the small [`Backend`] trait, which
 //! names none of them. Ordering: host backends complete a call before returning; device backends
 //! enqueue it on the communicator's stream, and [`Communicator::synchronize`] waits for it. Code
@@ -10,6 +12,7 @@
 //! Which backend a process gets is decided in one place, [`crate::rendezvous`].
 
 mod backend;
+pub mod check;
 mod communicator;
 mod error;
 mod shared;

@@ -3,9 +3,11 @@
 //! (or a hang) later.
 //!
 //! Separate from the calls because they are the communicator's contract with its callers: what
-//! each collective needs of its buffers on this backend (device memory of this device).
+//! each collective needs of its buffers on this backend (device memory of this device). The
+//! per-kind rules (root, buffer sizes for a count) are the shared table's, [`crate::comm::check`];
+//! what is NCCL's own here is the memory: device buffers of this communicator's device.
 
-use crate::comm::{Call, CollKind, CommError, MemSpace, P2pOp, ANY_SOURCE};
+use crate::comm::{check, Call, CommError, MemSpace, P2pOp, ANY_SOURCE};
 
 use super::comm::NcclComm;
 use super::error::{invalid_arg, NcclError};
@@ -55,32 +57,32 @@ impl NcclComm {
                 _ => {}
             }
         }
-        if call.kind.has_root() && call.root >= self.world {
-            return Err(invalid(format!(
-                "root {} is out of range for world size {}",
-                call.root, self.world
-            )));
+        if call.kind.has_root() {
+            check::root(call.root, self.world).map_err(invalid)?;
         }
-        let n = self.world;
-        let is_root = self.rank == call.root;
-        let (need_send, need_recv) = match call.kind {
-            CollKind::AllReduce | CollKind::Broadcast => {
-                (if call.kind == CollKind::Broadcast && !is_root { 0 } else { call.count }, call.count)
-            }
-            CollKind::Reduce => (call.count, if is_root { call.count } else { 0 }),
-            CollKind::AllGather => (call.count, call.count * n),
-            CollKind::Gather => (call.count, if is_root { call.count * n } else { 0 }),
-            CollKind::ReduceScatter => (call.count * n, call.count),
-            CollKind::Barrier => (0, 0),
-            CollKind::AllToAll => (call.count * n, call.count * n),
-            CollKind::Scatter => (if is_root { call.count * n } else { 0 }, call.count),
-            // The communicator checked every block of the per-rank counts against its buffer.
-            CollKind::AllToAllV | CollKind::AllGatherV | CollKind::GatherV => (0, 0),
-            other => {
-                return Err(CommError::Unsupported(format!(
-                    "{other} is not supported on the nccl backend yet; use the shm backend (host buffers)"
-                )))
-            }
+        // The buffer sizes of the shared table (the communicator checked every block of the
+        // v-variants' per-rank counts against its buffer, so they need nothing more here).
+        let need = if call.kind.is_v() {
+            Some(check::Need { send: 0, recv: 0 })
+        } else {
+            check::need(call.kind, call.count, self.world, self.rank, call.root)
+        };
+        let Some(check::Need {
+            send: need_send,
+            recv: need_recv,
+        }) = need
+        else {
+            return Err(if call.kind.is_p2p() {
+                CommError::Unsupported(format!(
+                    "{} is not a collective: the nccl backend runs it through p2p",
+                    call.kind
+                ))
+            } else {
+                invalid(format!(
+                    "count {} × world size {} overflows",
+                    call.count, self.world
+                ))
+            });
         };
         if call.send.len < need_send {
             return Err(invalid(format!(

@@ -5,8 +5,13 @@
 //! it is recorded per thread and runs at the outermost lockstepGroupEnd, consecutive sends and
 //! receives on one communicator together through `Communicator::group`.
 //!
-//! Buffers reach the communicator as [`RawBuf`]s (an address, a length and a memory space), never
-//! as Rust references, so NCCL's in-place forms (`sendbuff == recvbuff`) alias nothing.
+//! A collective reaches the communicator as a type-erased [`Call`] through
+//! [`Communicator::run`] (and sends and receives as [`P2pOp`]s through
+//! [`Communicator::run_p2p`]): buffers are [`RawMem`]s (an address, a length and a memory space),
+//! never Rust references, so NCCL's in-place forms (`sendbuff == recvbuff`) alias nothing. The
+//! argument rules (root, buffer sizes, in-place forms) are the shared table's,
+//! `runtime::comm::check`; what is C's own here is translating codes and checking pointers, and a
+//! rule the shared check refuses comes back as lockstepInvalidArgument with its message.
 
 use std::cell::RefCell;
 use std::ffi::{c_int, c_void};
@@ -15,7 +20,8 @@ use std::sync::Arc;
 use super::handle::{self, guard_comm, lockstepComm, lockstepComm_t, Failure};
 use super::types::lockstepResult_t;
 use runtime::comm::{
-    Buffer, BufferMut, CollKind, CommError, Communicator, Dtype, MemSpace, RawMem, ReduceOp,
+    check, Call, CollKind, CommError, Communicator, Dtype, MemSpace, P2pOp, RawMem, ReduceOp,
+    Splits,
 };
 
 /// One C call on a communicator, with its arguments as passed (checked when it runs).
@@ -126,85 +132,6 @@ impl Op {
     }
 }
 
-/// A buffer passed from C: a memory descriptor only.
-#[derive(Clone, Copy, Debug)]
-struct RawBuf(RawMem);
-
-// SAFETY: a `RawBuf` is made only by `checked_buf` from a pointer the C caller vouches for
-// (lockstep.h: valid for `count` elements of `datatype`, aligned, until the call returns; buffers
-// equal or disjoint), and handed to the communicator only under the Rust element type of that
-// datatype (the `typed!` dispatch), within the C call (or the group end) it came with.
-unsafe impl<T: runtime::comm::Element> Buffer<T> for RawBuf {
-    fn raw(&self) -> RawMem {
-        self.0
-    }
-}
-
-// SAFETY: as for `Buffer`; a receive buffer is written only through this descriptor, and a send
-// buffer that overlaps it is refused unless it is NCCL's in-place form: through the
-// communicator's in-place methods (one descriptor), or for gather and scatter, which have none, a
-// send block equal to the root's own receive block, which every backend copies onto itself as a
-// no-op (raw memory, no Rust references, so the aliasing is no borrow).
-unsafe impl<T: runtime::comm::Element> BufferMut<T> for RawBuf {
-    fn raw_mut(&mut self) -> RawMem {
-        self.0
-    }
-}
-
-/// Run `$body` with `$T` the Rust element type of `$dtype`.
-macro_rules! typed {
-    ($dtype:expr, $T:ident, $body:expr) => {
-        match $dtype {
-            Dtype::F32 => {
-                type $T = f32;
-                $body
-            }
-            Dtype::F64 => {
-                type $T = f64;
-                $body
-            }
-            Dtype::F16 => {
-                type $T = runtime::half::f16;
-                $body
-            }
-            Dtype::BF16 => {
-                type $T = runtime::half::bf16;
-                $body
-            }
-            Dtype::I32 => {
-                type $T = i32;
-                $body
-            }
-            Dtype::I64 => {
-                type $T = i64;
-                $body
-            }
-            Dtype::U8 => {
-                type $T = u8;
-                $body
-            }
-            Dtype::I8 => {
-                type $T = i8;
-                $body
-            }
-            Dtype::U32 => {
-                type $T = u32;
-                $body
-            }
-            Dtype::U64 => {
-                type $T = u64;
-                $body
-            }
-            // `Dtype` is non-exhaustive; `dtype_of` only produces the types above.
-            other => {
-                return Err(
-                    CommError::Unsupported(format!("data type {other:?} has no C ABI code")).into(),
-                )
-            }
-        }
-    };
-}
-
 /// `lockstepDataType_t` to [`Dtype`] (NCCL's numbering).
 fn dtype_of(v: c_int) -> Result<Dtype, Failure> {
     Ok(match v {
@@ -299,22 +226,23 @@ fn after_device(c: &mut Communicator, p: Place) -> Result<(), Failure> {
     }
 }
 
-/// A checked buffer of `len` elements of `dtype` at `addr` (`what` names it in errors). Empty
-/// buffers get a dangling aligned address, whatever was passed.
+/// A checked buffer of `len` elements of `dtype` at `addr` (`what` names it in errors): the
+/// pointer checks that only C needs (NULL, alignment, the address space). Empty buffers get a
+/// dangling aligned address, whatever was passed.
 fn checked_buf(
     addr: usize,
     len: usize,
     dtype: Dtype,
     space: MemSpace,
     what: &str,
-) -> Result<RawBuf, Failure> {
+) -> Result<RawMem, Failure> {
     let size = dtype.size();
     if len == 0 {
-        return Ok(RawBuf(RawMem {
+        return Ok(RawMem {
             addr: size,
             len: 0,
             space,
-        }));
+        });
     }
     if addr == 0 {
         return Err(Failure::invalid_argument(format!(
@@ -328,7 +256,7 @@ fn checked_buf(
     }
     match len.checked_mul(size) {
         Some(b) if b <= isize::MAX as usize && addr.checked_add(b).is_some() => {
-            Ok(RawBuf(RawMem { addr, len, space }))
+            Ok(RawMem { addr, len, space })
         }
         _ => Err(Failure::invalid_argument(format!(
             "{what}: {len} elements of {dtype} do not fit in the address space"
@@ -336,147 +264,37 @@ fn checked_buf(
     }
 }
 
-/// Refuse buffers that overlap without being the same (NCCL's in-place forms are handled before).
-fn disjoint(a: RawBuf, b: RawBuf, size: usize) -> Result<(), Failure> {
-    let (a0, a1) = (a.0.addr, a.0.addr + a.0.len * size);
-    let (b0, b1) = (b.0.addr, b.0.addr + b.0.len * size);
-    if a.0.len > 0 && b.0.len > 0 && a0 < b1 && b0 < a1 {
-        return Err(Failure::invalid_argument(format!(
-            "sendbuff [{a0:#x}, {a1:#x}) and recvbuff [{b0:#x}, {b1:#x}) overlap without being the in-place form: use separate buffers or the in-place form"
-        )));
-    }
-    Ok(())
+/// A rank argument (`root`, `peer`) as a rank number: C passes an `int`, which may be negative.
+/// Whether it is in range is the shared check's rule (`runtime::comm::check`).
+fn rank_of(v: c_int, world: usize, what: &str) -> Result<usize, Failure> {
+    usize::try_from(v).map_err(|_| {
+        Failure::invalid_argument(format!(
+            "{what} {v} is out of range for a communicator of {world} ranks (0..{world})"
+        ))
+    })
 }
 
-fn check_rank(v: c_int, world: usize, what: &str) -> Result<usize, Failure> {
-    usize::try_from(v)
-        .ok()
-        .filter(|&r| r < world)
-        .ok_or_else(|| {
-            Failure::invalid_argument(format!(
-                "{what} {v} is out of range for a communicator of {world} ranks (0..{})",
-                world
-            ))
-        })
-}
-
-/// A collective after its local checks: the typed call to make. Gather and scatter have no in-place
-/// methods: in place, the root's `s` (gather) or `r` (scatter) is its own block of the other
-/// buffer, which every backend copies onto itself as a no-op (as in the in-place all-gather).
-enum Coll {
-    AllReduce {
-        s: RawBuf,
-        r: RawBuf,
-        op: ReduceOp,
-    },
-    AllReduceInPlace {
-        b: RawBuf,
-        op: ReduceOp,
-    },
-    Broadcast {
-        s: RawBuf,
-        r: RawBuf,
-        root: usize,
-    },
-    BroadcastInPlace {
-        b: RawBuf,
-        root: usize,
-    },
-    Reduce {
-        s: RawBuf,
-        r: RawBuf,
-        op: ReduceOp,
-        root: usize,
-    },
-    ReduceInPlace {
-        b: RawBuf,
-        op: ReduceOp,
-        root: usize,
-    },
-    AllGather {
-        s: RawBuf,
-        r: RawBuf,
-    },
-    AllGatherInPlace {
-        b: RawBuf,
-    },
-    ReduceScatter {
-        s: RawBuf,
-        r: RawBuf,
-        op: ReduceOp,
-    },
-    ReduceScatterInPlace {
-        b: RawBuf,
-        op: ReduceOp,
-    },
-    AllToAll {
-        s: RawBuf,
-        r: RawBuf,
-    },
-    Gather {
-        s: RawBuf,
-        r: RawBuf,
-        root: usize,
-    },
-    Scatter {
-        s: RawBuf,
-        r: RawBuf,
-        root: usize,
-    },
-    Barrier,
-}
-
-/// Local checks of a collective, and NCCL's in-place forms.
-fn prepare(c: &Communicator, space: MemSpace, op: &Op) -> Result<(Dtype, Coll), Failure> {
+/// The [`Call`] of a C collective: its codes translated, and its buffers sized from `count` by
+/// the shared table ([`check::need`]: a buffer this rank does not use is empty, so it may be
+/// NULL). NCCL's in-place forms need nothing here: the buffers are raw memory, and
+/// [`Communicator::run`] recognises the forms and refuses any other overlap.
+fn prepare(c: &Communicator, space: MemSpace, op: &Op) -> Result<Call<'static>, Failure> {
     let (rank, world) = (c.rank(), c.world_size());
-    let times_world = |count: usize| {
-        count.checked_mul(world).ok_or_else(|| {
-            Failure::invalid_argument(format!("count {count} × {world} ranks overflows"))
-        })
-    };
-    Ok(match *op {
+    let (send, recv, count, dtype, red, root) = match *op {
         Op::AllReduce {
             send,
             recv,
             count,
             dtype,
             op,
-        } => {
-            let (d, op) = (dtype_of(dtype)?, op_of(op)?);
-            if send == recv {
-                (
-                    d,
-                    Coll::AllReduceInPlace {
-                        b: checked_buf(recv, count, d, space, "recvbuff")?,
-                        op,
-                    },
-                )
-            } else {
-                let s = checked_buf(send, count, d, space, "sendbuff")?;
-                let r = checked_buf(recv, count, d, space, "recvbuff")?;
-                disjoint(s, r, d.size())?;
-                (d, Coll::AllReduce { s, r, op })
-            }
         }
-        Op::Broadcast {
+        | Op::ReduceScatter {
             send,
             recv,
             count,
             dtype,
-            root,
-        } => {
-            let d = dtype_of(dtype)?;
-            let root = check_rank(root, world, "root")?;
-            let r = checked_buf(recv, count, d, space, "recvbuff")?;
-            // Only the root's sendbuff is read: elsewhere the call is the in-place form.
-            if rank != root || send == recv {
-                (d, Coll::BroadcastInPlace { b: r, root })
-            } else {
-                let s = checked_buf(send, count, d, space, "sendbuff")?;
-                disjoint(s, r, d.size())?;
-                (d, Coll::Broadcast { s, r, root })
-            }
-        }
+            op,
+        } => (send, recv, count, dtype, Some(op), None),
         Op::Reduce {
             send,
             recv,
@@ -484,148 +302,68 @@ fn prepare(c: &Communicator, space: MemSpace, op: &Op) -> Result<(Dtype, Coll), 
             dtype,
             op,
             root,
-        } => {
-            let (d, op) = (dtype_of(dtype)?, op_of(op)?);
-            let root = check_rank(root, world, "root")?;
-            if send == recv {
-                (
-                    d,
-                    Coll::ReduceInPlace {
-                        b: checked_buf(send, count, d, space, "sendbuff")?,
-                        op,
-                        root,
-                    },
-                )
-            } else {
-                let s = checked_buf(send, count, d, space, "sendbuff")?;
-                // Only the root's recvbuff is written: elsewhere it may be NULL.
-                let r = if rank == root {
-                    checked_buf(recv, count, d, space, "recvbuff")?
-                } else {
-                    checked_buf(0, 0, d, space, "recvbuff")?
-                };
-                disjoint(s, r, d.size())?;
-                (d, Coll::Reduce { s, r, op, root })
-            }
+        } => (send, recv, count, dtype, Some(op), Some(root)),
+        Op::Broadcast {
+            send,
+            recv,
+            count,
+            dtype,
+            root,
         }
+        | Op::Gather {
+            send,
+            recv,
+            count,
+            dtype,
+            root,
+        }
+        | Op::Scatter {
+            send,
+            recv,
+            count,
+            dtype,
+            root,
+        } => (send, recv, count, dtype, None, Some(root)),
         Op::AllGather {
             send,
             recv,
             count,
             dtype,
-        } => {
-            let d = dtype_of(dtype)?;
-            let r = checked_buf(recv, times_world(count)?, d, space, "recvbuff")?;
-            // In place: this rank's block already sits at recvbuff + rank * sendcount.
-            if count > 0 && send == recv.wrapping_add(rank * count * d.size()) {
-                (d, Coll::AllGatherInPlace { b: r })
-            } else {
-                let s = checked_buf(send, count, d, space, "sendbuff")?;
-                disjoint(s, r, d.size())?;
-                (d, Coll::AllGather { s, r })
-            }
         }
-        Op::ReduceScatter {
+        | Op::AllToAll {
             send,
             recv,
             count,
             dtype,
-            op,
-        } => {
-            let (d, op) = (dtype_of(dtype)?, op_of(op)?);
-            let s = checked_buf(send, times_world(count)?, d, space, "sendbuff")?;
-            // In place: the result block lands at sendbuff + rank * recvcount.
-            if count > 0 && recv == send.wrapping_add(rank * count * d.size()) {
-                (d, Coll::ReduceScatterInPlace { b: s, op })
-            } else {
-                let r = checked_buf(recv, count, d, space, "recvbuff")?;
-                disjoint(s, r, d.size())?;
-                (d, Coll::ReduceScatter { s, r, op })
-            }
+        } => (send, recv, count, dtype, None, None),
+        Op::Barrier => {
+            let none = checked_buf(0, 0, Dtype::U8, space, "buffer")?;
+            return Ok(c.call_on(CollKind::Barrier, Dtype::U8, ReduceOp::Sum, 0, none, none));
         }
-        Op::AllToAll {
-            send,
-            recv,
-            count,
-            dtype,
-        } => {
-            let d = dtype_of(dtype)?;
-            let total = times_world(count)?;
-            if send == recv && total > 0 {
-                return Err(Failure::invalid_argument(
-                    "sendbuff == recvbuff: lockstepAlltoAll has no in-place form (nor has ncclAlltoAll); use separate buffers",
-                ));
-            }
-            let s = checked_buf(send, total, d, space, "sendbuff")?;
-            let r = checked_buf(recv, total, d, space, "recvbuff")?;
-            disjoint(s, r, d.size())?;
-            (d, Coll::AllToAll { s, r })
-        }
-        Op::Gather {
-            send,
-            recv,
-            count,
-            dtype,
-            root,
-        } => {
-            let d = dtype_of(dtype)?;
-            let root = check_rank(root, world, "root")?;
-            let s = checked_buf(send, count, d, space, "sendbuff")?;
-            // Only the root's recvbuff is written: elsewhere it may be NULL.
-            if rank != root {
-                (
-                    d,
-                    Coll::Gather {
-                        s,
-                        r: checked_buf(0, 0, d, space, "recvbuff")?,
-                        root,
-                    },
-                )
-            } else {
-                let r = checked_buf(recv, times_world(count)?, d, space, "recvbuff")?;
-                // In place: the root's block already sits at recvbuff + root * count.
-                if count == 0 || send != recv.wrapping_add(root * count * d.size()) {
-                    disjoint(s, r, d.size())?;
-                }
-                (d, Coll::Gather { s, r, root })
-            }
-        }
-        Op::Scatter {
-            send,
-            recv,
-            count,
-            dtype,
-            root,
-        } => {
-            let d = dtype_of(dtype)?;
-            let root = check_rank(root, world, "root")?;
-            let r = checked_buf(recv, count, d, space, "recvbuff")?;
-            // Only the root's sendbuff is read: elsewhere it may be NULL.
-            if rank != root {
-                (
-                    d,
-                    Coll::Scatter {
-                        s: checked_buf(0, 0, d, space, "sendbuff")?,
-                        r,
-                        root,
-                    },
-                )
-            } else {
-                let s = checked_buf(send, times_world(count)?, d, space, "sendbuff")?;
-                // In place: the root's block is left at sendbuff + root * count.
-                if count == 0 || recv != send.wrapping_add(root * count * d.size()) {
-                    disjoint(s, r, d.size())?;
-                }
-                (d, Coll::Scatter { s, r, root })
-            }
-        }
-        Op::Barrier => (Dtype::U8, Coll::Barrier),
         Op::Send { .. } | Op::Recv { .. } => {
             return Err(Failure::new(
                 lockstepResult_t::lockstepInternalError,
                 "a send/recv reached the collective path",
             ))
         }
+    };
+    let kind = op.kind();
+    let d = dtype_of(dtype)?;
+    let red = red.map(op_of).transpose()?.unwrap_or(ReduceOp::Sum);
+    let root = root.map(|v| rank_of(v, world, "root")).transpose()?;
+    let root = root.unwrap_or(0);
+    let need = check::need(kind, count, world, rank, root).ok_or_else(|| {
+        Failure::invalid_argument(format!("count {count} × {world} ranks overflows"))
+    })?;
+    Ok(Call {
+        kind,
+        dtype: d,
+        op: red,
+        root,
+        count,
+        send: checked_buf(send, need.send, d, space, "sendbuff")?,
+        recv: checked_buf(recv, need.recv, d, space, "recvbuff")?,
+        splits: Splits::default(),
     })
 }
 
@@ -633,7 +371,7 @@ fn prepare(c: &Communicator, space: MemSpace, op: &Op) -> Result<(Dtype, Coll), 
 /// does), so their matching call fails instead of waiting.
 fn run_coll(h: &lockstepComm, c: &mut Communicator, stream: usize, op: &Op) -> Result<(), Failure> {
     let prepared = place(h, stream).and_then(|p| prepare(c, p.space(), op).map(|x| (p, x)));
-    let (p, (d, coll)) = match prepared {
+    let (p, call) = match prepared {
         Ok(x) => x,
         Err(f) => {
             let kind = op.kind();
@@ -654,54 +392,35 @@ fn run_coll(h: &lockstepComm, c: &mut Communicator, stream: usize, op: &Op) -> R
         }
     };
     before_device(h, p)?;
-    let r = typed!(
-        d,
-        T,
-        match coll {
-            Coll::AllReduce { s, mut r, op } => c.all_reduce::<T, _, _>(&s, &mut r, op),
-            Coll::AllReduceInPlace { mut b, op } => c.all_reduce_in_place::<T, _>(&mut b, op),
-            Coll::Broadcast { s, mut r, root } => c.broadcast::<T, _, _>(&s, &mut r, root),
-            Coll::BroadcastInPlace { mut b, root } => c.broadcast_in_place::<T, _>(&mut b, root),
-            Coll::Reduce { s, mut r, op, root } => c.reduce::<T, _, _>(&s, &mut r, op, root),
-            Coll::ReduceInPlace { mut b, op, root } => c.reduce_in_place::<T, _>(&mut b, op, root),
-            Coll::AllGather { s, mut r } => c.all_gather::<T, _, _>(&s, &mut r),
-            Coll::AllGatherInPlace { mut b } => c.all_gather_in_place::<T, _>(&mut b),
-            Coll::ReduceScatter { s, mut r, op } => c.reduce_scatter::<T, _, _>(&s, &mut r, op),
-            Coll::ReduceScatterInPlace { mut b, op } =>
-                c.reduce_scatter_in_place::<T, _>(&mut b, op),
-            Coll::AllToAll { s, mut r } => c.all_to_all::<T, _, _>(&s, &mut r),
-            Coll::Gather { s, mut r, root } => c.gather::<T, _, _>(&s, &mut r, root),
-            Coll::Scatter { s, mut r, root } => c.scatter::<T, _, _>(&s, &mut r, root),
-            Coll::Barrier => c.barrier(),
-        }
-    );
-    r.map_err(Failure::from)?;
+    // SAFETY: the buffers are the C caller's pointers, which lockstep.h requires to be valid for
+    // `count` elements of `datatype` as NCCL sizes them (the sizes `prepare` gave them), aligned,
+    // and equal, in NCCL's in-place form or disjoint, until the call returns (or the group end it
+    // was recorded in); a device call has completed when this returns (`after_device`). `run`
+    // checks lengths, alignment and the in-place forms again and refuses any other overlap.
+    unsafe { c.run(&call) }.map_err(Failure::from)?;
     after_device(c, p)
 }
 
-/// A send or receive after its local checks.
-struct P2p {
-    send: bool,
-    peer: usize,
-    dtype: Dtype,
-    buf: RawBuf,
-    place: Place,
-}
-
-fn prepare_p2p(h: &lockstepComm, world: usize, stream: usize, op: &Op) -> Result<P2p, Failure> {
-    let (send, buf, count, dtype, peer) = match *op {
+/// A send or receive after its local checks, and where its buffer lives.
+fn prepare_p2p(
+    h: &lockstepComm,
+    world: usize,
+    stream: usize,
+    op: &Op,
+) -> Result<(P2pOp, Place), Failure> {
+    let (kind, buf, count, dtype, peer) = match *op {
         Op::Send {
             buf,
             count,
             dtype,
             peer,
-        } => (true, buf, count, dtype, peer),
+        } => (CollKind::Send, buf, count, dtype, peer),
         Op::Recv {
             buf,
             count,
             dtype,
             peer,
-        } => (false, buf, count, dtype, peer),
+        } => (CollKind::Recv, buf, count, dtype, peer),
         _ => {
             return Err(Failure::new(
                 lockstepResult_t::lockstepInternalError,
@@ -711,78 +430,56 @@ fn prepare_p2p(h: &lockstepComm, world: usize, stream: usize, op: &Op) -> Result
     };
     let place = place(h, stream)?;
     let dtype = dtype_of(dtype)?;
-    let peer = check_rank(peer, world, "peer")?;
-    let buf = checked_buf(
-        buf,
-        count,
-        dtype,
-        place.space(),
-        if send { "sendbuff" } else { "recvbuff" },
-    )?;
-    Ok(P2p {
-        send,
-        peer,
-        dtype,
-        buf,
+    let peer = rank_of(peer, world, "peer")?;
+    let what = if kind == CollKind::Send {
+        "sendbuff"
+    } else {
+        "recvbuff"
+    };
+    let mem = checked_buf(buf, count, dtype, place.space(), what)?;
+    Ok((
+        P2pOp {
+            kind,
+            peer,
+            dtype,
+            mem,
+        },
         place,
-    })
+    ))
 }
 
 /// Run sends and receives: one alone (blocking, as Communicator::send/recv), or several together
-/// (`grouped`, through Communicator::group). Nothing runs when one of them fails its checks.
+/// (`grouped`, as Communicator::group). Nothing runs when one of them fails its checks.
 fn run_p2p(
     h: &lockstepComm,
     c: &mut Communicator,
     ops: &[(usize, Op)],
     grouped: bool,
 ) -> Result<(), Failure> {
-    let mut items = Vec::with_capacity(ops.len());
+    let mut posts = Vec::with_capacity(ops.len());
+    let mut places = Vec::with_capacity(ops.len());
     for (stream, op) in ops {
-        items.push(prepare_p2p(h, c.world_size(), *stream, op)?);
+        let (post, place) = prepare_p2p(h, c.world_size(), *stream, op)?;
+        posts.push(post);
+        places.push(place);
     }
-    for it in &items {
-        before_device(h, it.place)?;
+    for p in &places {
+        before_device(h, *p)?;
     }
+    // SAFETY: (both arms) each buffer is the C caller's pointer, which lockstep.h requires to be
+    // valid for `count` elements of `datatype`, aligned, until the call (or the group end) returns,
+    // a receive's not read or written by anything else meanwhile; a device call has completed when
+    // this returns (`after_device`).
     let r = if grouped {
-        let items = &mut items;
-        c.group(move |g| {
-            for it in items {
-                let (peer, send) = (it.peer, it.send);
-                let buf = &mut it.buf;
-                typed!(
-                    it.dtype,
-                    T,
-                    if send {
-                        g.send::<T, RawBuf>(buf, peer)?
-                    } else {
-                        g.recv::<T, RawBuf>(buf, peer)?
-                    }
-                );
-            }
-            Ok(())
-        })
+        unsafe { c.run_p2p(&mut posts) }
     } else {
-        let mut r = Ok(());
-        for it in &mut items {
-            let peer = it.peer;
-            r = typed!(
-                it.dtype,
-                T,
-                if it.send {
-                    c.send::<T, RawBuf>(&it.buf, peer)
-                } else {
-                    c.recv::<T, RawBuf>(&mut it.buf, peer)
-                }
-            );
-            if r.is_err() {
-                break;
-            }
-        }
-        r
+        posts
+            .iter_mut()
+            .try_for_each(|p| unsafe { c.run_p2p(std::slice::from_mut(p)) })
     };
     r.map_err(Failure::from)?;
-    match items.first() {
-        Some(it) => after_device(c, it.place),
+    match places.first() {
+        Some(p) => after_device(c, *p),
         None => Ok(()),
     }
 }

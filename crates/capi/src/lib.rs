@@ -17,8 +17,9 @@
 //!   a NULL, destroyed or made-up handle is `lockstepInvalidArgument`, not undefined behaviour.
 //! * Enum arguments arrive as plain `int`s (typed as the enum in the header, through cbindgen's
 //!   rename) and are checked, so a value outside the enum is `lockstepInvalidArgument`.
-//! * Buffers are passed to the communicator as raw memory descriptors (`exec::RawBuf`), never as
-//!   Rust references, so `sendbuff == recvbuff` (NCCL's in-place form) aliases nothing.
+//! * Buffers are passed to the communicator as raw memory descriptors (`RawMem`, in a `Call`
+//!   through `Communicator::run`), never as Rust references, so `sendbuff == recvbuff` (NCCL's
+//!   in-place form) aliases nothing.
 
 // The exported names are NCCL's C names.
 #![allow(non_camel_case_types, non_snake_case, non_upper_case_globals)]

@@ -19,28 +19,17 @@
 //! do), and reading it back costs one more crossing between cores after the exchange, a large
 //! part of the exchange's own cost (`benches/baselines/xfloor.c`'s `own` protocol measures it).
 
-use crate::comm::{Call, CollKind, CommError};
+use crate::comm::{check, Call, CollKind, CommError};
 use crate::shm::channel::{Channel, Ctx};
 use crate::shm::reduce::{copy_block, reduce_raw};
 
-/// Bytes of the payload rank `me` of `n` writes into its entry for `call`, or `None` when the
-/// call has no fast path (the v-variants, point-to-point) or the size overflows.
+/// Bytes of the payload rank `me` of `n` writes into its entry for `call`: what it reads from its
+/// send buffer (the shared table's [`check::need`]), or `None` when the call has no fast path
+/// (the v-variants, point-to-point) or the size overflows.
 fn payload(call: &Call, n: usize, me: usize) -> Option<usize> {
-    let block = call.count.checked_mul(call.dtype.size())?;
-    match call.kind {
-        CollKind::Barrier => Some(0),
-        CollKind::AllReduce | CollKind::Reduce | CollKind::AllGather | CollKind::Gather => {
-            Some(block)
-        }
-        CollKind::Broadcast => Some(if me == call.root { block } else { 0 }),
-        CollKind::ReduceScatter | CollKind::AllToAll => block.checked_mul(n),
-        CollKind::Scatter => Some(if me == call.root {
-            block.checked_mul(n)?
-        } else {
-            0
-        }),
-        _ => None,
-    }
+    check::need(call.kind, call.count, n, me, call.root)?
+        .send
+        .checked_mul(call.dtype.size())
 }
 
 /// The size that decides the path: the largest payload any rank writes for this call, the same
@@ -134,8 +123,8 @@ pub(crate) fn run(ch: &mut Channel, call: &Call, cx: Ctx) -> Result<(), CommErro
         CollKind::AllToAll => {
             for r in 0..n {
                 // SAFETY: entry r (send, for this rank) holds n*block bytes, block `me` is ours;
-                // recv holds n*block, disjoint from send (Communicator refuses all-to-all in
-                // place).
+                // recv holds n*block, disjoint from send (the shared checks refuse overlapping
+                // buffers for all-to-all, which has no in-place form).
                 unsafe { copy_block(src(r).add(me * block), recv.add(r * block), block, false) };
             }
         }
