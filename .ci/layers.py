@@ -37,6 +37,7 @@ LAYERS = [
     ["cuda", "logging"],
     ["comm", "config", "reference"],
     ["shm", "nccl", "staged", "mpi"],
+    ["hier"],  # shared memory in each node + MPI between nodes, over shm and mpi
     ["rendezvous", "report"],
     ["launch"],
     ["crate"],  # lib.rs: declarations and re-exports only

@@ -45,6 +45,7 @@ pub mod cuda;
 pub mod comm;
 #[cfg(feature = "config")]
 pub mod config;
+mod hier;
 pub mod launch;
 #[cfg(feature = "log")]
 pub mod logging;

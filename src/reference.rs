@@ -39,11 +39,18 @@ use half::{bf16, f16};
 use crate::types::{Dtype, Element, ReduceOp};
 
 /// One element type's arithmetic in the canonical order: the accumulator type and its operators.
-trait Arith: Copy + 'static {
-    type Acc: Copy;
+/// The hierarchical backend (`hier`) folds with these same operators, so its results are this
+/// module's bit for bit.
+pub(crate) trait Arith: Copy + 'static {
+    /// What an element accumulates in: itself, or f32 for f16 and bf16.
+    type Acc: Copy + Element;
+    /// An input as an accumulator (exact).
     fn widen(self) -> Self::Acc;
+    /// The final accumulator as an element (one rounding for f16 and bf16).
     fn narrow(a: Self::Acc) -> Self;
+    /// One step of the reduction: `a ⊕ b`.
     fn combine(op: ReduceOp, a: Self::Acc, b: Self::Acc) -> Self::Acc;
+    /// Avg's final division by the number of inputs.
     fn divide(a: Self::Acc, n: usize) -> Self::Acc;
 }
 

@@ -10,6 +10,8 @@
 //! and fails when missing with `LOCKSTEP_REQUIRE_MPI=1` (CI installs it for `mpirun`).
 
 mod common;
+#[path = "mpi_hier/mod.rs"]
+mod hier;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, Stdio};
@@ -28,6 +30,7 @@ fn main() -> ExitCode {
     match std::env::var(CHILD).as_deref() {
         Ok("probe") => return child_probe(),
         Ok("ranks") => return child_ranks(),
+        Ok("hier") => return hier::child(),
         _ => {}
     }
     common::run(&[
@@ -53,6 +56,17 @@ fn main() -> ExitCode {
             "two_nodes_by_two_under_mpiexec",
             two_nodes_by_two_under_mpiexec,
         ),
+        (
+            "hierarchical_collectives_round_robin_nodes",
+            hier::collectives_round_robin,
+        ),
+        (
+            "hierarchical_collectives_block_nodes",
+            hier::collectives_blocks,
+        ),
+        ("hierarchical_mismatch_fails_every_rank", hier::mismatch),
+        ("hierarchical_timeout_names_the_stuck_rank", hier::timeout),
+        ("hierarchical_killed_rank_fails_every_rank", hier::killed),
     ])
 }
 
@@ -255,22 +269,20 @@ fn mpich_non_abi_library_is_refused() -> Result<(), String> {
     )
 }
 
-fn two_nodes_by_two_under_mpiexec() -> Result<(), String> {
-    let l = abi_library()?;
-    let Some(mpiexec) = l.mpiexec.clone() else {
-        return common::skip(
-            REQUIRE_ABI,
-            &format!("no mpiexec installed beside {}", l.path),
-        );
-    };
+/// Run this binary as 4 ranks under `mpiexec` (with `args` before the program and `env` set),
+/// ending it if it takes more than 120 s; its exit status and output.
+fn mpiexec_4(
+    mpiexec: &Path,
+    args: &[&str],
+    env: &[(&str, &str)],
+) -> Result<(std::process::ExitStatus, std::process::Output), String> {
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
-    let mut child = Command::new(&mpiexec)
-        .args(["-n", "4"])
-        .arg(&exe)
-        .env(CHILD, "ranks")
-        .env("MPIR_CVAR_NUM_CLIQUES", "2")
-        .env("LOCKSTEP_MPI_LIBRARY", &l.path)
-        .env("LOCKSTEP_TIMEOUT_S", "60")
+    let mut cmd = Command::new(mpiexec);
+    cmd.args(["-n", "4"]).args(args).arg(&exe);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let mut child = cmd
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -296,6 +308,27 @@ fn two_nodes_by_two_under_mpiexec() -> Result<(), String> {
         std::thread::sleep(Duration::from_millis(20));
     };
     let out = child.wait_with_output().map_err(|e| e.to_string())?;
+    Ok((status, out))
+}
+
+fn two_nodes_by_two_under_mpiexec() -> Result<(), String> {
+    let l = abi_library()?;
+    let Some(mpiexec) = l.mpiexec.clone() else {
+        return common::skip(
+            REQUIRE_ABI,
+            &format!("no mpiexec installed beside {}", l.path),
+        );
+    };
+    let (status, out) = mpiexec_4(
+        &mpiexec,
+        &[],
+        &[
+            (CHILD, "ranks"),
+            ("MPIR_CVAR_NUM_CLIQUES", "2"),
+            ("LOCKSTEP_MPI_LIBRARY", &l.path),
+            ("LOCKSTEP_TIMEOUT_S", "60"),
+        ],
+    )?;
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     let both = format!("{stdout}\n--- stderr ---\n{stderr}");

@@ -24,6 +24,8 @@ pub enum BackendKind {
     Nccl,
     /// Device buffers staged through pinned host memory into a host backend (ranks sharing a GPU).
     Staged,
+    /// Host buffers across nodes: shared memory inside each node, MPI between nodes.
+    Hier,
 }
 
 impl fmt::Display for BackendKind {
@@ -32,6 +34,7 @@ impl fmt::Display for BackendKind {
             BackendKind::Shm => "shm",
             BackendKind::Nccl => "nccl",
             BackendKind::Staged => "staged",
+            BackendKind::Hier => "hier",
         })
     }
 }

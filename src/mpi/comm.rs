@@ -15,6 +15,7 @@
 //!   is leaked rather than freed under MPI's feet.
 
 use std::ffi::c_int;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
@@ -41,11 +42,20 @@ struct State {
     initialised_here: bool,
     /// The thread level in force.
     thread_level: c_int,
+    /// Set once a peer failed or a wait timed out: `MPI_Finalize` may then wait forever for the
+    /// lost peer, so the process ends without it (MPI's launcher reports the exit).
+    abandoned: AtomicBool,
 }
 
 impl Drop for State {
     fn drop(&mut self) {
         if !self.initialised_here {
+            return;
+        }
+        if self.abandoned.load(Ordering::Relaxed) {
+            tracing::debug!(
+                "MPI_Finalize skipped: a peer failed, and finalising could wait for it"
+            );
             return;
         }
         match result::finalized() {
@@ -109,6 +119,7 @@ impl Mpi {
         let state = Arc::new(State {
             initialised_here,
             thread_level: level,
+            abandoned: AtomicBool::new(false),
         });
         if level < MPI_THREAD_MULTIPLE {
             return Err(MpiError::ThreadLevel {
@@ -280,37 +291,56 @@ impl MpiComm {
     /// Wait for every request (polling `MPI_Test`), up to the timeout. On a timeout or an
     /// error the unfinished requests stay unfinished: dropping them cancels them.
     pub fn wait_all(&self, what: &str, reqs: &mut [Request]) -> Result<(), MpiError> {
+        match self.poll(what, reqs, &mut [], self.timeout) {
+            Waited::Done | Waited::Watched(_) => Ok(()),
+            Waited::Failed { error, .. } => Err(error),
+            Waited::TimedOut { secs } => Err(MpiError::Timeout {
+                what: what.to_string(),
+                rank: self.rank,
+                secs,
+            }),
+        }
+    }
+
+    /// Wait for every request of `reqs` (polling `MPI_Test`) until they are all done, one of
+    /// `watch` completes first (a message that ends the wait early: a peer's failure notice), a
+    /// request fails, or `timeout` passes. Unfinished requests stay unfinished (dropping them
+    /// cancels them); a completed watched request is left done for the caller to read.
+    pub fn poll(
+        &self,
+        what: &str,
+        reqs: &mut [Request],
+        watch: &mut [Request],
+        timeout: Duration,
+    ) -> Waited {
         let start = Instant::now();
         let mut polls: u32 = 0;
         loop {
             let mut pending = 0;
-            for r in reqs.iter_mut().filter(|r| !r.done) {
-                let mut st = MPI_Status::default();
-                let (kind, peer) = (r.kind, r.peer);
-                let res = result::test(&mut r.req, &mut st, || {
-                    format!("{what}: {kind:?} with rank {peer}")
-                });
-                // A request that completed, also in error, became MPI_REQUEST_NULL.
-                if r.req == MPI_REQUEST_NULL {
-                    r.finish(&st);
-                }
-                match res {
+            for (index, r) in reqs.iter_mut().enumerate().filter(|(_, r)| !r.done) {
+                match r.test(what) {
                     Ok(true) => {}
                     Ok(false) => pending += 1,
-                    Err(e) => return Err(e),
+                    Err(error) => return Waited::Failed { index, error },
                 }
             }
             if pending == 0 {
-                return Ok(());
+                return Waited::Done;
             }
-            if start.elapsed() >= self.timeout {
-                return Err(MpiError::Timeout {
-                    what: what.to_string(),
-                    rank: self.rank,
+            // The watched requests are rarely done: test them every 64th round only.
+            if polls.is_multiple_of(64) {
+                for (i, r) in watch.iter_mut().enumerate().filter(|(_, r)| !r.done) {
+                    if matches!(r.test(what), Ok(true)) {
+                        return Waited::Watched(i);
+                    }
+                }
+            }
+            if start.elapsed() >= timeout {
+                return Waited::TimedOut {
                     secs: start.elapsed().as_secs_f64(),
-                });
+                };
             }
-            polls = polls.saturating_add(1);
+            polls = polls.wrapping_add(1);
             // Spin briefly for low latency, then give the core away between polls.
             if polls > 1000 {
                 std::thread::sleep(Duration::from_micros(50));
@@ -318,6 +348,13 @@ impl MpiComm {
                 std::hint::spin_loop();
             }
         }
+    }
+
+    /// Mark MPI as not to be finalised by this process: a peer failed (or stopped answering),
+    /// and `MPI_Finalize` could wait for it forever. Without `MPI_Finalize` the process still
+    /// exits, and MPI's launcher reports it.
+    pub fn abandon(&self) {
+        self.state.abandoned.store(true, Ordering::Relaxed);
     }
 
     /// Wait until every rank arrives (`MPI_Ibarrier`, with the timeout).
@@ -411,6 +448,27 @@ impl Drop for MpiComm {
     }
 }
 
+/// How [`MpiComm::poll`] ended.
+#[derive(Debug)]
+pub enum Waited {
+    /// Every request completed.
+    Done,
+    /// The watched request at this index completed first.
+    Watched(usize),
+    /// The request at this index failed.
+    Failed {
+        /// Its index in the requests waited for.
+        index: usize,
+        /// MPI's error.
+        error: MpiError,
+    },
+    /// The timeout passed first.
+    TimedOut {
+        /// Seconds waited.
+        secs: f64,
+    },
+}
+
 /// What a request does.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Kind {
@@ -465,6 +523,28 @@ impl Request {
                 self.buf.truncate(n);
             }
         }
+    }
+
+    /// Test once (`MPI_Test`): whether it completed; an error when it failed (it is then done).
+    fn test(&mut self, what: &str) -> Result<bool, MpiError> {
+        if self.done {
+            return Ok(true);
+        }
+        let mut st = MPI_Status::default();
+        let (kind, peer) = (self.kind, self.peer);
+        let res = result::test(&mut self.req, &mut st, || {
+            format!("{what}: {kind:?} with rank {peer}")
+        });
+        // A request that completed, also in error, became MPI_REQUEST_NULL.
+        if self.req == MPI_REQUEST_NULL {
+            self.finish(&st);
+        }
+        res
+    }
+
+    /// The rank sent to or received from (0 for a collective).
+    pub fn peer(&self) -> usize {
+        self.peer
     }
 
     /// Whether the request completed.

@@ -22,11 +22,13 @@ mod comm;
 mod discovery;
 mod error;
 mod result;
+mod stage;
 mod sys;
 
-pub use comm::{Mpi, MpiComm, Request};
+pub use comm::{Mpi, MpiComm, Request, Waited};
 pub use discovery::LibraryInfo;
 pub use error::MpiError;
+pub(crate) use stage::{from_bytes, read_mem, to_bytes, write_mem};
 
 /// Find and load the MPI library (once per process), without initialising MPI.
 pub fn library() -> Result<&'static LibraryInfo, MpiError> {

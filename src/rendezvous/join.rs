@@ -11,8 +11,12 @@
 //!   `MASTER_PORT + 1` under torchrun (whose own store holds `MASTER_PORT`), `MASTER_PORT` under
 //!   mpirun, a port derived from the job id under srun, or `LOCKSTEP_STORE_PORT` in every case.
 //!   When all ranks turn out to share one host, they form one shared-memory communicator. A CPU
-//!   job that spans hosts is refused with an error: no cross-host CPU transport exists (the NCCL
-//!   backend provides one for GPUs).
+//!   job that spans hosts joins through MPI (`hier`: shared memory in each host, MPI between
+//!   them) when an MPI launcher started it (mpirun, srun); under `lockstep launch` and torchrun
+//!   it is refused with an error that says how to start it under mpiexec.
+//! * MPICH's `mpiexec` on several hosts joins through MPI directly, without the store;
+//!   `LOCKSTEP_MPI=on` does so under any launcher (and on one host: the nodes are then MPI's
+//!   shared-memory split, or `LOCKSTEP_MPI_NODE_SIZE`), `LOCKSTEP_MPI=off` never.
 //! * `LOCKSTEP_BACKEND` picks the backend: `shm` (the default) or `nccl`. With `nccl` on one node
 //!   the unique id travels through the node's shared-memory communicator (and ranks that share a
 //!   GPU stage through it); across nodes every rank needs its own GPU and the id travels through
@@ -23,6 +27,7 @@ use std::time::Duration;
 use super::select::{self, device_communicator};
 use super::vars::{host_id, EnvInfo, Launcher, JOB_ID_KEY};
 use crate::comm::{CommError, Communicator};
+use crate::hier::{self, MpiMode};
 use crate::shm::{ShmComm, ShmConfig};
 use crate::store::{Store, StoreServer, TcpStore};
 
@@ -90,13 +95,26 @@ impl Communicator {
     /// a malformed one is an error naming it.
     pub fn from_env() -> Result<Communicator, CommError> {
         crate::types::env::check_all().map_err(env_err)?;
-        let info = EnvInfo::from_env()?;
         // Backend choice (`LOCKSTEP_BACKEND`, default shm).
         let backend = crate::types::env::BACKEND
             .choice()
             .map_err(env_err)?
             .unwrap_or("shm");
+        let mpi = hier::mpi_mode().map_err(env_err)?;
         let cfg = ShmConfig::from_env()?;
+        // Host buffers over MPI when asked: MPI itself tells the ranks and nodes.
+        if backend == "shm" && mpi == MpiMode::On {
+            return hier::join(cfg);
+        }
+        let info = EnvInfo::from_env()?;
+        // MPICH's mpiexec on several hosts: no store is needed, MPI joins the nodes.
+        if backend == "shm"
+            && mpi == MpiMode::Auto
+            && info.launcher == Launcher::Mpich
+            && !info.single_node()
+        {
+            return hier::join(cfg);
+        }
         tracing::debug!(
             rank = info.rank,
             world = info.world_size,
@@ -147,7 +165,7 @@ impl Communicator {
             None
         };
         let mut store = TcpStore::connect(&info.master_addr, port, &token, timeout).map_err(st)?;
-        let joined = rendezvous_through_store(&info, &mut store, backend, cfg, timeout);
+        let joined = rendezvous_through_store(&info, &mut store, backend, mpi, cfg, timeout);
         // Tell the host we are done with the store (even on failure, so it does not wait for us).
         let _ = store.set(&format!("lockstep/joined/{}", info.rank), b"1");
         if let Some(server) = server {
@@ -168,6 +186,7 @@ fn rendezvous_through_store(
     info: &EnvInfo,
     store: &mut TcpStore,
     backend: &str,
+    mpi: MpiMode,
     cfg: ShmConfig,
     timeout: Duration,
 ) -> Result<Communicator, CommError> {
@@ -202,12 +221,17 @@ fn rendezvous_through_store(
         return select::nccl_across_nodes(info, store, &hosts, timeout);
     }
     if let Some(r) = hosts.iter().position(|h| *h != me) {
+        // An MPI launcher started the ranks: MPI joins the hosts, shared memory each host's ranks.
+        if mpi == MpiMode::Auto && matches!(info.launcher, Launcher::OpenMpi | Launcher::Slurm) {
+            return hier::join(cfg);
+        }
         let name = |h: &str| h.split('/').next().unwrap_or("?").to_string();
         return Err(setup(format!(
-            "rank {} runs on host {} but rank {r} runs on host {}: a cross-host CPU communicator is not available (the shared-memory backend needs every rank on one host); run multi-host jobs on GPUs with the NCCL backend, or start all ranks on one host",
+            "rank {} runs on host {} but rank {r} runs on host {}: a cross-host CPU communicator is not available under {} (the shared-memory backend needs every rank on one host); start a multi-host CPU job with MPI instead, e.g. `mpiexec -n 8 -ppn 4 -hosts a,b program` or srun, where lockstep joins the hosts through MPI (docs/mpi.md), run it on GPUs with the NCCL backend, or start all ranks on one host",
             info.rank,
             name(&me),
-            name(&hosts[r])
+            name(&hosts[r]),
+            if mpi == MpiMode::Off { "LOCKSTEP_MPI=off" } else { info.launcher.name() }
         )));
     }
     // Every rank shares this machine: one shared-memory communicator under the store host's job id.

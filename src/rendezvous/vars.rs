@@ -19,6 +19,8 @@ pub enum Launcher {
     OpenMpi,
     /// Slurm's `srun` (`SLURM_PROCID`, `SLURM_NTASKS`, ...).
     Slurm,
+    /// MPICH's `mpiexec` (Hydra: `PMI_RANK`, `PMI_SIZE`, `MPI_LOCALRANKID`, `MPI_LOCALNRANKS`).
+    Mpich,
 }
 
 impl Launcher {
@@ -29,6 +31,7 @@ impl Launcher {
             Launcher::Torchrun => "torchrun",
             Launcher::OpenMpi => "mpirun",
             Launcher::Slurm => "srun",
+            Launcher::Mpich => "mpiexec",
         }
     }
 }
@@ -114,6 +117,8 @@ pub(crate) fn detect(get: Lookup) -> Option<Launcher> {
         Some(Launcher::OpenMpi)
     } else if get("SLURM_PROCID").is_some() && get("SLURM_NTASKS").is_some() {
         Some(Launcher::Slurm)
+    } else if get("PMI_RANK").is_some() && get("PMI_SIZE").is_some() {
+        Some(Launcher::Mpich)
     } else {
         None
     }
@@ -176,7 +181,7 @@ impl EnvInfo {
     pub(crate) fn from_lookup(get: Lookup) -> Result<EnvInfo, CommError> {
         let Some(launcher) = detect(get) else {
             return Err(setup(
-                "no launcher variables found (RANK/WORLD_SIZE, OMPI_COMM_WORLD_*, SLURM_PROCID or LOCKSTEP_JOB_ID): start this program with `lockstep launch --nproc-per-node N -- program ...`, torchrun, mpirun or srun".into(),
+                "no launcher variables found (RANK/WORLD_SIZE, OMPI_COMM_WORLD_*, SLURM_PROCID, PMI_RANK or LOCKSTEP_JOB_ID): start this program with `lockstep launch --nproc-per-node N -- program ...`, torchrun, mpirun, mpiexec or srun".into(),
             ));
         };
         let token = get("LOCKSTEP_TOKEN");
@@ -238,6 +243,22 @@ impl EnvInfo {
                     .or_else(|| get("PMIX_NAMESPACE"))
                     .ok_or_else(|| setup("mpirun set OMPI_COMM_WORLD_RANK but neither OMPI_MCA_ess_base_jobid nor PMIX_NAMESPACE: cannot tell this job from another".into()))?;
                 job_id = format!("mpirun-{id}");
+                master_port = store_port.or(master_port);
+                hosts_store = rank == 0;
+            }
+            Launcher::Mpich => {
+                rank = required(get, "PMI_RANK", launcher)?;
+                world_size = required(get, "PMI_SIZE", launcher)?;
+                local_rank = required(get, "MPI_LOCALRANKID", launcher)?;
+                local_world_size = required(get, "MPI_LOCALNRANKS", launcher)?;
+                nnodes = if local_world_size == world_size {
+                    1
+                } else {
+                    world_size.div_ceil(local_world_size.max(1)).max(2)
+                };
+                // Hydra starts the ranks of a node from one proxy process: its pid tells this
+                // job's ranks on this node from another job's.
+                job_id = format!("mpiexec-{}", std::os::unix::process::parent_id());
                 master_port = store_port.or(master_port);
                 hosts_store = rank == 0;
             }
@@ -393,7 +414,8 @@ mod tests {
         );
         let e = info(&[("MASTER_PORT", "1")]).unwrap_err().to_string();
         assert!(
-            e.contains("no launcher variables found") && e.contains("torchrun, mpirun or srun"),
+            e.contains("no launcher variables found")
+                && e.contains("torchrun, mpirun, mpiexec or srun"),
             "{e}"
         );
         // No silent clamp of 0 nodes to 1.
@@ -475,6 +497,39 @@ mod tests {
             e.contains("neither OMPI_MCA_ess_base_jobid nor PMIX_NAMESPACE"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn mpich_hydra() {
+        let v = [
+            ("PMI_RANK", "3"),
+            ("PMI_SIZE", "4"),
+            ("MPI_LOCALRANKID", "1"),
+            ("MPI_LOCALNRANKS", "2"),
+        ];
+        let i = info(&v).unwrap();
+        assert_eq!(i.launcher, Launcher::Mpich);
+        assert_eq!(
+            (
+                i.rank,
+                i.local_rank,
+                i.world_size,
+                i.nnodes,
+                i.single_node()
+            ),
+            (3, 1, 4, 2, false)
+        );
+        assert!(i.job_id.starts_with("mpiexec-"), "{}", i.job_id);
+        let one = info(&[
+            ("PMI_RANK", "0"),
+            ("PMI_SIZE", "2"),
+            ("MPI_LOCALRANKID", "0"),
+            ("MPI_LOCALNRANKS", "2"),
+        ])
+        .unwrap();
+        assert!(one.single_node());
+        let e = info(&v[..2]).unwrap_err().to_string();
+        assert!(e.contains("MPI_LOCALRANKID is not set"), "{e}");
     }
 
     #[test]

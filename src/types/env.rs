@@ -321,6 +321,21 @@ pub const JOIN_TIMEOUT_S: Var = Var {
     name: "LOCKSTEP_JOIN_TIMEOUT_S",
     kind: Kind::Secs,
 };
+/// Whether `Communicator::from_env` joins a CPU job through MPI (`hier`): `auto` (across hosts,
+/// under an MPI launcher), `on` (always), `off` (never).
+pub const MPI: Var = Var {
+    name: "LOCKSTEP_MPI",
+    kind: Kind::Choice(&["auto", "on", "off"]),
+};
+/// Ranks per node of a job joined through MPI: blocks of this many consecutive ranks instead of
+/// MPI's shared-memory split (each block must share memory).
+pub const MPI_NODE_SIZE: Var = Var {
+    name: "LOCKSTEP_MPI_NODE_SIZE",
+    kind: Kind::Count {
+        min: 1,
+        max: 1 << 20,
+    },
+};
 /// Path of the configuration file (`lockstep::config`; `lockstep launch` passes the file it read
 /// on to its ranks).
 pub const CONFIG: Var = Var {
@@ -359,6 +374,8 @@ pub const CHECKED: &[Var] = &[
     JOIN_TIMEOUT_S,
     CONFIG,
     LOG_TIME,
+    MPI,
+    MPI_NODE_SIZE,
 ];
 
 impl Var {
