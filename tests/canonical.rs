@@ -595,7 +595,7 @@ fn run_cases(
 }
 
 /// Which path an all-reduce of `bytes` per rank takes under `cfg` (the backend's size rules, for
-/// the coverage tally: `src/shm/algo/mod.rs`).
+/// the coverage tally: `src/shm/path.rs`).
 fn path_of(cfg: &ShmConfig, n: usize, bytes: usize, shared: bool) -> usize {
     let cfg = cfg.clone().normalized_for(n);
     let direct = cfg.single_copy == SingleCopyMode::Always

@@ -1245,7 +1245,8 @@ fn t_fast_mismatch() -> Result<(), String> {
 }
 
 // -------------------------------------------------------------------------------------------------
-// Single-copy collectives (direct reads of the peers' ordinary buffers, `shm::algo::single`)
+// Single-copy collectives (the CMA path: cross-memory reads and writes of the peers' ordinary
+// buffers, `shm::path`, `shm::coll`)
 
 /// small_cfg with the single-copy threshold lowered to 4 KiB, so that `sizes` covers it, and
 /// streaming stores (above which the staged paths take over again) from 4 MiB only.

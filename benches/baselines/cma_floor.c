@@ -1,7 +1,7 @@
-/* The floor of the single-copy collectives on ordinary buffers (src/shm/algo/single.rs): the same
- * copies as lockstep's paths, done by two bare processes with nothing else (no descriptors, no
- * verdicts, no library), so that a collective's time can be set against what its copies alone
- * cost on this machine.
+/* The floor of the single-copy collectives on ordinary buffers (the CMA path: its bodies in
+ * src/shm/coll/, chosen by src/shm/path.rs): the same copies as lockstep's paths, done by two
+ * bare processes with nothing else (no descriptors, no verdicts, no library), so that a
+ * collective's time can be set against what its copies alone cost on this machine.
  *   gcc -O2 benches/baselines/cma_floor.c -o /tmp/cma_floor && /tmp/cma_floor [BYTES] [REPS] [ROUNDS]
  * Two processes (fork) pinned to CPU 0 and CPU 1, each with its own page-aligned BYTES-long input
  * and output, filled once. Every variant runs REPS timed repetitions (default 200) after 5

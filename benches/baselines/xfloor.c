@@ -20,8 +20,8 @@
  *   own       The exchange, then one read of the thread's own line (the number it just wrote).
  *             On the AMD host of RESULTS.md this costs one more crossing between cores: the
  *             peer's read took the modified line along (migratory sharing), so reading it back
- *             misses. Why lockstep's fast path never reads its own entry after the exchange
- *             (src/shm/algo/fast.rs; RESULTS.md, session 15).
+ *             misses. Why lockstep's inline path never reads its own entry after the exchange
+ *             (src/shm/inline.rs; RESULTS.md, session 15).
  *
  * Prints one line per protocol: `xfloor <name> median_ns=...` (the slower thread's median).
  * compare.py prints them beside its tables; RESULTS.md (issue 16 goal 2) uses them. */

@@ -1,12 +1,15 @@
-//! [`ShmComm`], the shared-memory [`Backend`]: checks a call, runs it through the algorithm for
-//! its kind (`shm::algo`) and turns protocol failures into a poisoned communicator.
+//! [`ShmComm`], the shared-memory [`Backend`]: checks a call, runs it through its collective's
+//! body for the path it takes (`shm::path`, `shm::coll`) and turns protocol failures into a
+//! poisoned communicator.
 
 use std::sync::{Arc, Mutex};
 
-use super::algo::p2p::P2p;
-use super::algo::{allreduce, broadcast, exchange, fast, gather, reduce_scatter, small};
 use super::alloc::{Heap, SharedAlloc};
 use super::channel::{Channel, Ctx};
+use super::coll::{self, all_reduce, broadcast, exchange, gather, reduce_scatter};
+use super::inline;
+use super::p2p::P2p;
+use super::path::{self, Path};
 use crate::comm::{
     Backend, BackendKind, Call, CollKind, CommError, Dtype, MemSpace, P2pOp, SharedRegion,
     ANY_SOURCE,
@@ -77,24 +80,35 @@ impl ShmComm {
         &self.ch
     }
 
-    /// Run `call`; `fast`: it takes the fast path (`fast::eligible`, decided by the caller).
-    fn run_call(&mut self, call: &Call, cx: Ctx, fast: bool) -> Result<(), CommError> {
+    /// Run `call` on `path`, the path its size decides (`path::by_size`), or with `None` the
+    /// path its ranks agree on in its first phase.
+    fn run_call(&mut self, call: &Call, cx: Ctx, path: Option<Path>) -> Result<(), CommError> {
         let ch = &mut self.ch;
-        if fast {
-            return fast::run(ch, call, cx);
-        }
-        match call.kind {
-            CollKind::Barrier => small::barrier(ch, call, cx),
-            CollKind::AllReduce | CollKind::Reduce => allreduce::all_reduce(ch, call, cx),
-            CollKind::Broadcast => broadcast::broadcast(ch, call, cx),
-            CollKind::AllGather | CollKind::Gather => gather::all_gather(ch, call, cx),
-            CollKind::ReduceScatter => reduce_scatter::reduce_scatter(ch, call, cx),
-            CollKind::AllToAll
-            | CollKind::AllToAllV
-            | CollKind::Scatter
-            | CollKind::AllGatherV
-            | CollKind::GatherV => exchange::exchange(ch, call, cx),
-            CollKind::Send | CollKind::Recv => Err(CommError::Unsupported(format!(
+        match (path, call.kind) {
+            (Some(Path::Inline), kind) => match kind {
+                CollKind::Barrier => inline::exchange(ch, call, cx),
+                CollKind::AllReduce | CollKind::Reduce => all_reduce::inline(ch, call, cx),
+                CollKind::Broadcast => broadcast::inline(ch, call, cx),
+                CollKind::AllGather | CollKind::Gather => gather::inline(ch, call, cx),
+                CollKind::ReduceScatter => reduce_scatter::inline(ch, call, cx),
+                // `inline::eligible` admits the other kinds: scatter and all_to_all.
+                _ => exchange::inline(ch, call, cx),
+            },
+            (Some(_), _) => all_reduce::one_phase(ch, call, cx),
+            (None, CollKind::Barrier) => coll::barrier(ch, call, cx),
+            (None, CollKind::AllReduce | CollKind::Reduce) => all_reduce::all_reduce(ch, call, cx),
+            (None, CollKind::Broadcast) => broadcast::broadcast(ch, call, cx),
+            (None, CollKind::AllGather | CollKind::Gather) => gather::all_gather(ch, call, cx),
+            (None, CollKind::ReduceScatter) => reduce_scatter::reduce_scatter(ch, call, cx),
+            (
+                None,
+                CollKind::AllToAll
+                | CollKind::AllToAllV
+                | CollKind::Scatter
+                | CollKind::AllGatherV
+                | CollKind::GatherV,
+            ) => exchange::exchange(ch, call, cx),
+            (None, CollKind::Send | CollKind::Recv) => Err(CommError::Unsupported(format!(
                 "{} is point-to-point: call Communicator::{} (the collective path cannot run it)",
                 call.kind, call.kind
             ))),
@@ -156,17 +170,17 @@ impl Backend for ShmComm {
                 return Err(e);
             }
         }
-        // A call that may stage data maps this rank's slots first (once); if there is no room
+        // A call that may write the slots maps this rank's slots first (once); if there is no room
         // any more, the call is refused so the peers fail at once too, rather than waiting.
-        let fast = fast::eligible(&self.ch, call);
-        if !fast {
+        let path = path::by_size(&self.ch, call);
+        if path != Some(Path::Inline) {
             if let Err(e) = self.ch.ensure_slots() {
                 self.reject(call.kind, call.dtype, &e);
                 return Err(e);
             }
         }
         let cx = self.ch.start_call(call.kind);
-        let r = self.run_call(call, cx, fast);
+        let r = self.run_call(call, cx, path);
         self.ch.end_call(r.is_ok());
         if let Err(e) = &r {
             self.poison_on(e);

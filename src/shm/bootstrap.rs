@@ -49,11 +49,11 @@ pub(crate) fn init_header(seg: &Segment, layout: &Layout, cfg: &ShmConfig) {
 /// rank ever meets a SIGBUS there, and a small `/dev/shm` is an error here, at creation.
 ///
 /// A named segment reserves only what every rank touches from its first call (header, control
-/// blocks, fast entries) and checks that its file system has room for the rest: each rank maps
+/// blocks, inline entries) and checks that its file system has room for the rest: each rank maps
 /// its own staging slots when it first runs a collective that stages data, and each mailbox when
 /// it first sends or receives through it ([`Segment::populate`], which allocates the pages and
 /// fails cleanly when there is no room after all, e.g. when another job took it meanwhile). So a
-/// job pays only for the memory it uses: a start-up whose collectives all take the fast path
+/// job pays only for the memory it uses: a start-up whose collectives all take the inline path
 /// touches a few pages instead of reserving, mapping and freeing 2 MiB per rank (issue 16). An
 /// anonymous segment (a memfd: no file system to ask, only the memory cgroup) reserves all of it.
 pub(crate) fn reserve_backed(seg: &Segment, layout: &Layout) -> Result<(), CommError> {
@@ -66,7 +66,7 @@ pub(crate) fn reserve_backed(seg: &Segment, layout: &Layout) -> Result<(), CommE
         .map_err(|e| no_room(&e, layout))?;
     seg.reserve(0, layout.slots_off)
         .map_err(|e| no_room(&e, layout))?;
-    seg.reserve(layout.fast_off, layout.p2p_off - layout.fast_off)
+    seg.reserve(layout.inline_off, layout.p2p_off - layout.inline_off)
         .map_err(|e| no_room(&e, layout))
 }
 
@@ -195,7 +195,7 @@ pub(crate) fn join(
         )));
     }
     // The rank's slots are mapped when it first stages data (Channel::ensure_slots), not here:
-    // a job whose collectives all take the fast path never touches them.
+    // a job whose collectives all take the inline path never touches them.
     me.progress.store(0, Relaxed);
     me.pid.store(std::process::id() as i32, Relaxed);
     let h = c.header();

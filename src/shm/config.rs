@@ -11,16 +11,17 @@ use crate::comm::CommError;
 /// Settings of one shared-memory communicator.
 #[derive(Clone, Debug)]
 pub struct ShmConfig {
-    /// Bytes of each of a rank's two staging slots (`LOCKSTEP_SHM_SLOT_BYTES`, default 1 MiB; at
-    /// least 4 KiB per peer).
+    /// Bytes of each of a rank's two slots, through which the slots path moves data
+    /// (`LOCKSTEP_SHM_SLOT_BYTES`, default 1 MiB; at least 4 KiB per peer).
     pub slot_bytes: usize,
     /// All-reduce/reduce messages up to this size take the one-phase path
     /// (`LOCKSTEP_SHM_SMALL_BYTES`, default 16 KiB, at most `slot_bytes`).
     pub small_bytes: usize,
     /// Collectives whose per-rank payload (what one rank contributes: its input, or a rooted
-    /// call's whole input on the root) is at most this many bytes take the one-phase fast path,
-    /// where the call's arguments and data cross between cores together (default 4 KiB, at most
-    /// 4 KiB; 0 turns the fast path off except for the barrier, which carries no data).
+    /// call's whole input on the root) is at most this many bytes take the inline path, where
+    /// the call's arguments and data cross between cores together, in one exchange (default
+    /// 4 KiB, at most 4 KiB; 0 turns the inline path off except for the barrier, which carries
+    /// no data).
     pub fast_bytes: usize,
     /// Virtual size of each rank's shared heap for `alloc_shared` (`LOCKSTEP_SHM_HEAP_BYTES`,
     /// default 4 GiB; only touched pages use memory).
@@ -49,16 +50,17 @@ pub struct ShmConfig {
     /// not use it.
     pub shm_dir: Option<PathBuf>,
     /// Point-to-point messages of at least this many bytes are copied once, straight from the
-    /// sender's buffer into the receiver's, with cross-memory attach (`process_vm_readv`), instead
-    /// of twice through the pair's mailbox (`LOCKSTEP_SHM_CMA_BYTES`, default 32 KiB; 0 turns it
-    /// off). Where the kernel refuses (Yama `ptrace_scope` 2 or 3, a seccomp filter, another pid
+    /// sender's buffer into the receiver's, with cross-memory attach (CMA: `process_vm_readv`),
+    /// instead of twice through the pair's mailbox; so are exchange blocks, and collectives on
+    /// ordinary buffers may take the CMA path from this size (see `single_copy`)
+    /// (`LOCKSTEP_SHM_CMA_BYTES`, default 32 KiB; 0 turns it off). Where the kernel refuses (Yama `ptrace_scope` 2 or 3, a seccomp filter, another pid
     /// namespace), the message goes through the mailbox. Under Yama `ptrace_scope` 1 each rank
     /// declares `PR_SET_PTRACER_ANY`, as Open MPI's shared-memory transport does, so that its
     /// sibling ranks may read its buffers; that restores the classic same-user ptrace rule for the
     /// rank.
     pub cma_bytes: usize,
-    /// Whether collectives on ordinary buffers copy once, straight between the ranks' buffers,
-    /// or twice, through the slots, where `cma_bytes` and `nt_bytes` allow both
+    /// Whether collectives on ordinary buffers take the CMA path (one copy, straight between the
+    /// ranks' buffers) or the slots path (two copies), where `cma_bytes` and `nt_bytes` allow both
     /// (`LOCKSTEP_SHM_SINGLE_COPY=auto|always|never`, default auto: rank 0 times both and keeps
     /// the faster, see [`SingleCopyMode`]).
     pub single_copy: SingleCopyMode,
@@ -185,11 +187,11 @@ impl ShmConfig {
         c
     }
 
-    /// Clamp values into workable ranges (slots page-aligned, small path within a slot).
+    /// Clamp values into workable ranges (slots page-aligned, one-phase path within a slot).
     pub fn normalized(mut self) -> ShmConfig {
         self.slot_bytes = self.slot_bytes.clamp(4096, 1 << 30).next_multiple_of(4096);
         self.small_bytes = self.small_bytes.min(self.slot_bytes);
-        self.fast_bytes = self.fast_bytes.min(super::sync::FAST_MAX);
+        self.fast_bytes = self.fast_bytes.min(super::sync::INLINE_MAX);
         self.heap_bytes = self.heap_bytes.max(2 << 20).next_multiple_of(2 << 20);
         self.peer_check = self.peer_check.max(Duration::from_micros(100));
         self

@@ -4,21 +4,21 @@
 //!
 //! ```text
 //! [Header: 4 KiB] [Ctrl × world: 256 B each] [slots: world × 2 × slot_bytes]
-//! [fast entries: world × 2 × FAST_ENTRY] [mailboxes: world × world × (PairCtrl + mbox_bytes)]
+//! [inline entries: world × 2 × INLINE_ENTRY] [mailboxes: world × world × (PairCtrl + mbox_bytes)]
 //! [heaps: world × heap_bytes]
 //! ```
 //!
-//! The fast entries carry the one-phase collectives of small messages (`algo::fast`): a rank
+//! The inline entries carry the inline path of small collectives (`shm::inline`): a rank
 //! writes its call's arguments and its payload side by side, then the entry's sequence number,
 //! so a peer that sees the number sees the call and (up to 40 bytes) the data in the same
-//! cache line. No `progress` phase is published for them; see [`FastHdr`].
+//! cache line. No `progress` phase is published for them; see [`InlineHdr`].
 //!
 //! The mailboxes carry point-to-point messages (`shm::p2p`), one per ordered pair of ranks, apart
 //! from the slots and phases of the collectives, so the two never interfere.
 //!
-//! Memory: the fixed part ([`Layout::backed`]: header, control blocks, slots, fast entries,
+//! Memory: the fixed part ([`Layout::backed`]: header, control blocks, slots, inline entries,
 //! mailboxes) must fit in the file system when the segment is created (checked, or for a memfd
-//! reserved); the header, control blocks and fast entries are reserved then, each rank's slots
+//! reserved); the header, control blocks and inline entries are reserved then, each rank's slots
 //! and each mailbox are mapped (allocated) by the ranks that use them before first use, and a
 //! heap range when `alloc_shared` hands it out (see `shm::bootstrap::reserve_backed`). So a full
 //! tmpfs (Docker's 64 MiB `/dev/shm`) or a memory cgroup limit shows up as an error there, never
@@ -154,7 +154,7 @@ pub(crate) struct Desc {
     pub send_off: u64,
     /// Segment offset of the receive buffer when `flags & SHARED_RECV`.
     pub recv_off: u64,
-    /// The rank's pid namespace (inode), for direct copies between ranks (`DIRECT`).
+    /// The rank's pid namespace (inode), for cross-memory copies between ranks (`CMA`).
     pub pidns: u64,
     /// This rank's time in call `took_seq`, in nanoseconds (see `took_seq`).
     pub took_ns: u64,
@@ -162,25 +162,25 @@ pub(crate) struct Desc {
 
 pub(crate) const SHARED_SEND: u8 = 1;
 pub(crate) const SHARED_RECV: u8 = 2;
-/// `send_off` is the send buffer's address in the rank's own memory, which its peers may read
-/// with `process_vm_readv` (the exchanges' direct-copy path); in the single-copy collectives
-/// (`algo::single`) `recv_off` is the output's, which its peers may also write
-/// (`process_vm_writev`).
-pub(crate) const DIRECT: u8 = 16;
+/// The rank offers a cross-memory copy (`shm::cma`): `send_off` is the send buffer's address in
+/// the rank's own memory, which its peers may read with `process_vm_readv` (the exchanges, and
+/// the collectives' CMA path, `shm::path`); on the CMA path `recv_off` is the output's, which its
+/// peers may also write (`process_vm_writev`).
+pub(crate) const CMA: u8 = 16;
 /// The rank refused the call locally (bad arguments); its peers fail the matching call too.
 pub(crate) const INVALID: u8 = 4;
-/// Rank 0 chose streaming stores for the staging of this call (see `shm::tune`).
-pub(crate) const STAGE_NT: u8 = 8;
-/// The rank stages its block of this all-gather after the descriptors, not before
-/// (`algo::gather::late_stage`).
-pub(crate) const LATE_STAGE: u8 = 32;
+/// Rank 0 chose streaming stores for this call's slot writes (see `shm::timing`).
+pub(crate) const STREAMING: u8 = 8;
+/// The rank writes its block of this all-gather into its slot after the descriptors, not before
+/// (`coll::gather::late_slots`).
+pub(crate) const LATE_SLOT: u8 = 32;
 
 const _: () = assert!(std::mem::size_of::<Ctrl>() == CTRL_BYTES);
 const _: () = assert!(std::mem::size_of::<Desc>() == 64);
 const _: () = assert!(std::mem::size_of::<Header>() <= HEADER_BYTES);
 
 /// The control lines of one ordered pair's mailbox (a byte stream from `src` to `dst`, see
-/// `shm::p2p`): the sender's line, the receiver's, and the sender's fast box.
+/// `shm::p2p`): the sender's line, the receiver's, and the sender's inline box.
 #[repr(C, align(64))]
 pub(crate) struct PairCtrl {
     /// Stream bytes the sender has written (monotonic).
@@ -201,14 +201,14 @@ pub(crate) struct PairCtrl {
     pub nack: AtomicU64,
     _pad1: [u8; 16],
     /// A small message in one cache line, so that it crosses between cores in one transfer.
-    pub fast: FastBox,
+    pub inline: InlineBox,
 }
 
-/// One small message (at most [`FAST_BYTES`]) from the sender: `msg` is stored last (release), so
+/// One small message (at most [`INLINE_BOX_BYTES`]) from the sender: `msg` is stored last (release), so
 /// a receiver that sees its number sees the rest. The sender reuses it once the receiver has
 /// matched that number.
 #[repr(C, align(64))]
-pub(crate) struct FastBox {
+pub(crate) struct InlineBox {
     /// Number of the message in the box (0: none yet).
     pub msg: AtomicU64,
     pub dtype: AtomicU64,
@@ -217,14 +217,14 @@ pub(crate) struct FastBox {
     pub data: [AtomicU64; 5],
 }
 
-/// The head of a rank's fast entry for collective number `seq` (one of two, by the parity of
+/// The head of a rank's inline entry for collective number `seq` (one of two, by the parity of
 /// `seq`). The owner writes the other fields and the payload after it, then `seq` (release; it
 /// checks for sleepers after its wait, behind a fence, see `Channel::wait_published`); a peer
 /// that reads `seq` equal to the call's number (acquire) may read the rest. The owner rewrites an
 /// entry only two collectives later, after every peer has arrived at the collective in between
 /// (each collective waits for every rank), so by then nobody reads it.
 #[repr(C)]
-pub(crate) struct FastHdr {
+pub(crate) struct InlineHdr {
     pub seq: AtomicU64,
     pub kind: u8,
     pub dtype: u8,
@@ -234,16 +234,16 @@ pub(crate) struct FastHdr {
     pub count: u64,
 }
 
-/// Bytes before a fast entry's payload.
-pub(crate) const FAST_HDR: usize = std::mem::size_of::<FastHdr>();
-/// Largest payload of a fast entry (the largest threshold `fast_bytes` may have).
-pub(crate) const FAST_MAX: usize = 4096;
-/// Bytes of one fast entry: head and payload, whole cache lines.
-pub(crate) const FAST_ENTRY: usize = (FAST_HDR + FAST_MAX).next_multiple_of(64);
-const _: () = assert!(FAST_HDR == 24);
+/// Bytes before a inline entry's payload.
+pub(crate) const INLINE_HDR: usize = std::mem::size_of::<InlineHdr>();
+/// Largest payload of a inline entry (the largest threshold `fast_bytes` may have).
+pub(crate) const INLINE_MAX: usize = 4096;
+/// Bytes of one inline entry: head and payload, whole cache lines.
+pub(crate) const INLINE_ENTRY: usize = (INLINE_HDR + INLINE_MAX).next_multiple_of(64);
+const _: () = assert!(INLINE_HDR == 24);
 
-/// Largest message the fast box carries.
-pub(crate) const FAST_BYTES: usize = 40;
+/// Largest message the inline box carries.
+pub(crate) const INLINE_BOX_BYTES: usize = 40;
 
 /// Bytes of a pair's control lines.
 pub(crate) const PAIR_CTRL_BYTES: usize = 192;
@@ -263,8 +263,8 @@ pub(crate) struct Layout {
     pub slot_bytes: usize,
     pub heap_bytes: usize,
     pub slots_off: usize,
-    /// Start of the fast entries (world × 2 × [`FAST_ENTRY`]).
-    pub fast_off: usize,
+    /// Start of the inline entries (world × 2 × [`INLINE_ENTRY`]).
+    pub inline_off: usize,
     /// Start of the point-to-point mailboxes and the ring bytes of each.
     pub p2p_off: usize,
     pub mbox_bytes: usize,
@@ -288,10 +288,10 @@ impl Layout {
             .checked_mul(2)
             .and_then(|v| v.checked_mul(slot_bytes))
             .ok_or_else(too_big)?;
-        let fast_off = slots_off.checked_add(slots).ok_or_else(too_big)?;
-        let fast = world.checked_mul(2 * FAST_ENTRY).ok_or_else(too_big)?;
-        let p2p_off = fast_off
-            .checked_add(fast)
+        let inline_off = slots_off.checked_add(slots).ok_or_else(too_big)?;
+        let inline = world.checked_mul(2 * INLINE_ENTRY).ok_or_else(too_big)?;
+        let p2p_off = inline_off
+            .checked_add(inline)
             .ok_or_else(too_big)?
             .next_multiple_of(4096);
         let mbox_bytes = mbox_bytes(world, slot_bytes);
@@ -313,7 +313,7 @@ impl Layout {
             slot_bytes,
             heap_bytes,
             slots_off,
-            fast_off,
+            inline_off,
             p2p_off,
             mbox_bytes,
             heaps_off,
@@ -337,9 +337,9 @@ impl Layout {
         self.slots_off + (rank * 2 + (parity % 2) as usize) * self.slot_bytes
     }
 
-    /// Offset of rank `rank`'s fast entry for collective number `seq` (by parity).
-    pub(crate) fn fast_entry_off(&self, rank: usize, seq: u64) -> usize {
-        self.fast_off + (rank * 2 + (seq % 2) as usize) * FAST_ENTRY
+    /// Offset of rank `rank`'s inline entry for collective number `seq` (by parity).
+    pub(crate) fn inline_entry_off(&self, rank: usize, seq: u64) -> usize {
+        self.inline_off + (rank * 2 + (seq % 2) as usize) * INLINE_ENTRY
     }
 
     /// Offset of the mailbox from `src` to `dst`: its [`PairCtrl`], then `mbox_bytes` of ring.

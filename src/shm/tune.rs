@@ -1,22 +1,24 @@
 //! Online choices between two ways of running a class of collectives, made by rank 0 from the
 //! times it measures:
 //!
-//! * how staged data is written into the slots: cached or streaming stores;
+//! * how data is written into the slots: cached or streaming (non-temporal) stores;
 //! * whether a collective on ordinary buffers copies once, straight between the ranks' buffers
-//!   (`algo::single`), or twice, through the slots.
+//!   (the CMA path, `shm::path`), or twice, through the slots.
 //!
-//! Why staging modes: a peer reading lines that are still dirty in the writer's cache is fast when
-//! the two cores share a cache and several times slower when they do not (measured on the project
-//! machine: a 64 MiB staged broadcast 7 ms vs 34 ms). On virtual machines which of the two holds
-//! changes while a job runs, as the hypervisor moves vCPUs. Streaming stores send staged data to
-//! memory: a little slower when caches are shared (64 MiB: 7.7 vs 7.2 ms; 1 MiB all-reduce: 140
-//! vs 61 µs), far faster when they are not.
+//! The calls are timed by `shm::timing`.
 //!
-//! Why single-copy versus staging: a direct copy saves staging's second copy but pays a system
+//! Why streaming stores: a peer reading lines that are still dirty in the writer's cache is fast
+//! when the two cores share a cache and several times slower when they do not (measured on the
+//! project machine: a 64 MiB broadcast through the slots 7 ms vs 34 ms). On virtual machines
+//! which of the two holds changes while a job runs, as the hypervisor moves vCPUs. Streaming
+//! stores send the slots' data to memory: a little slower when caches are shared (64 MiB: 7.7 vs
+//! 7.2 ms; 1 MiB all-reduce: 140 vs 61 µs), far faster when they are not.
+//!
+//! Why CMA versus the slots: a cross-memory copy saves the slots' second copy but pays a system
 //! call and the pinning of the peer's pages, and the kernel copies through the cache. Which wins
 //! depends on the size, the collective and the cache placement: with the cores sharing a cache,
-//! a 1 MiB all-reduce can be faster staged while a 256 KiB broadcast is faster single-copy
-//! (`lockstep bench` with `LOCKSTEP_SHM_SINGLE_COPY=always` and `never` shows both).
+//! a 1 MiB all-reduce can be faster through the slots while a 256 KiB broadcast is faster with
+//! CMA (`lockstep bench` with `LOCKSTEP_SHM_SINGLE_COPY=always` and `never` shows both).
 //!
 //! No fixed choice is right, so rank 0 times every call of a class (collective, size bucket) under
 //! the way it chose, keeps the faster one and re-measures the other now and then. Every rank
@@ -25,7 +27,8 @@
 
 use std::time::{Duration, Instant};
 
-/// How staged data is written (`LOCKSTEP_SHM_STAGE`).
+/// How data is written into the slots (`LOCKSTEP_SHM_STAGE`): cached or streaming
+/// (non-temporal) stores.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum StageMode {
     /// Measure both and use the faster, re-checking as conditions change (default).
@@ -59,12 +62,12 @@ const OUTLIER: f64 = 1.5;
 /// The first calls of a class run the first way, then the second, in runs of PROBE_CALLS, twice
 /// over, each way keeping its best time; the very first (cold caches, first touch of the
 /// buffers) is not counted. Why twice: the first run of a way pays for the class's first calls
-/// (and the staging tuner's own warm-up), which made a 1 MiB all_gather's staging look twice as
-/// slow as it is (104 against 50 µs) and kept the single copy for the whole of a benchmark.
+/// (and the stores tuner's own warm-up), which made a 1 MiB all_gather through the slots look twice as
+/// slow as it is (104 against 50 µs) and kept CMA for the whole of a benchmark.
 const WARMUP: u32 = 1 + 4 * PROBE_CALLS;
 /// Calls in a row of the way a probe measures, keeping its best time. Why more than one: the
-/// first call after a switch finds the caches as the other way left them (a staged call's slots
-/// cold after a run of single copies: a 1 MiB all-reduce took 420-500 µs instead of 95 µs), so a
+/// first call after a switch finds the caches as the other way left them (a slots call's slots
+/// cold after a run of CMA calls: a 1 MiB all-reduce took 420-500 µs instead of 95 µs), so a
 /// lone call would condemn whichever way is probed.
 const PROBE_CALLS: u32 = 3;
 
@@ -85,16 +88,16 @@ struct Class {
     best: Option<bool>,
 }
 
-/// How collectives on ordinary buffers choose between a single copy and staging
-/// (`LOCKSTEP_SHM_SINGLE_COPY`), within the sizes `LOCKSTEP_SHM_CMA_BYTES` and
-/// `LOCKSTEP_SHM_NT_BYTES` allow.
+/// How collectives on ordinary buffers choose between a single copy with cross-memory attach
+/// (the CMA path) and the slots (`LOCKSTEP_SHM_SINGLE_COPY`), within the sizes
+/// `LOCKSTEP_SHM_CMA_BYTES` and `LOCKSTEP_SHM_NT_BYTES` allow.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SingleCopyMode {
     /// Measure both and use the faster, re-checking as conditions change (default).
     Auto,
-    /// Always a single copy where the sizes allow it and the kernel permits it.
+    /// Always CMA where the sizes allow it and the kernel permits it.
     Always,
-    /// Always staged.
+    /// Always the slots.
     Never,
 }
 
@@ -111,7 +114,7 @@ impl SingleCopyMode {
 }
 
 /// Per-communicator state of one choice (see the module docs): `true` picks the second way
-/// (streaming stores; a single copy).
+/// (streaming stores; CMA).
 pub(crate) struct Tuner {
     /// `Some` when the choice is fixed by configuration.
     fixed: Option<bool>,
@@ -129,23 +132,27 @@ fn index(group: usize, bytes: usize) -> usize {
 
 impl Tuner {
     /// Cached (`false`) or streaming (`true`) stores into the slots.
-    pub(crate) fn staging(mode: StageMode) -> Tuner {
+    pub(crate) fn streaming_stores(mode: StageMode) -> Tuner {
         let fixed = match mode {
             StageMode::Auto => None,
             StageMode::Cached => Some(false),
             StageMode::Streaming => Some(true),
         };
-        Tuner::new(fixed, "shm staging", ["cached stores", "streaming stores"])
+        Tuner::new(
+            fixed,
+            "shm slot stores",
+            ["cached stores", "streaming stores"],
+        )
     }
 
-    /// Staged (`false`) or single-copy (`true`) collectives on ordinary buffers.
-    pub(crate) fn single_copy(mode: SingleCopyMode) -> Tuner {
+    /// The slots (`false`) or CMA (`true`) for collectives on ordinary buffers.
+    pub(crate) fn cma_path(mode: SingleCopyMode) -> Tuner {
         let fixed = match mode {
             SingleCopyMode::Auto => None,
             SingleCopyMode::Always => Some(true),
             SingleCopyMode::Never => Some(false),
         };
-        Tuner::new(fixed, "shm path", ["staging", "a single copy"])
+        Tuner::new(fixed, "shm path", ["the slots", "CMA"])
     }
 
     fn new(fixed: Option<bool>, what: &'static str, names: [&'static str; 2]) -> Tuner {
@@ -258,34 +265,13 @@ impl Tuner {
     }
 }
 
-/// Whether a collective whose per-rank message is `bytes` long may copy once, straight from the
-/// peers' ordinary buffers (`algo::single`), rather than twice through the slots (the tuner
-/// `Tuner::single_copy` then chooses between the two).
-///
-/// Why by size: a direct copy costs a system call and the pinning of the peer's pages (a few
-/// microseconds), paid back from a few tens of KiB on, where staging's second copy costs more,
-/// all the more when the two cores share no cache (the staged lines then travel through memory
-/// twice). Below `small_bytes` the one-phase paths win. From `nt_bytes` up the message no longer
-/// fits the caches and the staged paths write with streaming stores, while the kernel's copy
-/// writes through the cache (each destination line is read before it is written), so the direct
-/// path loses there (`lockstep bench` at 64 MiB, `LOCKSTEP_SHM_SINGLE_COPY=always` against
-/// `never`), and it stops below `nt_bytes`. `cma_bytes` 0 turns it off.
-pub(crate) fn direct_for(
-    bytes: usize,
-    cma_bytes: usize,
-    small_bytes: usize,
-    nt_bytes: usize,
-) -> bool {
-    cma_bytes > 0 && bytes >= cma_bytes && bytes > small_bytes && bytes < nt_bytes
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn measures_both_then_keeps_the_faster_and_follows_a_change() {
-        let mut t = Tuner::staging(StageMode::Auto);
+        let mut t = Tuner::streaming_stores(StageMode::Auto);
         let t0 = Instant::now();
         // Warm-up: a cold first call (not counted), then a run of each mode.
         assert!(!t.choose(0, 1 << 20, t0));
@@ -324,7 +310,7 @@ mod tests {
 
     #[test]
     fn probes_cost_a_bounded_share() {
-        let mut t = Tuner::staging(StageMode::Auto);
+        let mut t = Tuner::streaming_stores(StageMode::Auto);
         let t0 = Instant::now();
         let (fast, slow) = (10e-3, 35e-3);
         let (mut clock, mut spent_probing) = (0.0, 0.0);
@@ -344,27 +330,11 @@ mod tests {
         );
     }
 
-    #[test]
-    fn direct_copies_from_the_threshold_up() {
-        assert!(!direct_for(1 << 20, 0, 16 << 10, 8 << 20), "0 turns it off");
-        assert!(
-            !direct_for(16 << 10, 4 << 10, 16 << 10, 8 << 20),
-            "the small path keeps its sizes"
-        );
-        assert!(!direct_for((32 << 10) - 1, 32 << 10, 16 << 10, 8 << 20));
-        assert!(direct_for(32 << 10, 32 << 10, 16 << 10, 8 << 20));
-        assert!(direct_for((8 << 20) - 1, 32 << 10, 16 << 10, 8 << 20));
-        assert!(
-            !direct_for(8 << 20, 32 << 10, 16 << 10, 8 << 20),
-            "streaming staging from nt_bytes up"
-        );
-    }
-
     /// Rank 0 records a call when the next one begins, after choosing for that one: the choice
     /// still settles on the faster way, and follows a change of conditions through the probes.
     #[test]
     fn lagged_records_pick_the_faster_way_and_follow_a_change() {
-        let mut t = Tuner::single_copy(SingleCopyMode::Auto);
+        let mut t = Tuner::cma_path(SingleCopyMode::Auto);
         let t0 = Instant::now();
         let (mut clock, mut last): (f64, Option<bool>) = (0.0, None);
         let mut run = |t: &mut Tuner, calls: usize, cost: &dyn Fn(bool) -> f64| {
@@ -402,7 +372,7 @@ mod tests {
     /// during the staging tuner's warm-up, then only the faster mode's, and a fixed mode at once.
     #[test]
     fn settled_only_after_the_warm_up_and_only_the_faster_mode() {
-        let mut t = Tuner::staging(StageMode::Auto);
+        let mut t = Tuner::streaming_stores(StageMode::Auto);
         let t0 = Instant::now();
         for _ in 0..WARMUP {
             let nt = t.choose(3, 1 << 20, t0);
@@ -420,25 +390,25 @@ mod tests {
             !t.settled_on(3, 4 << 20, false),
             "another class has its own warm-up"
         );
-        let fixed = Tuner::staging(StageMode::Streaming);
+        let fixed = Tuner::streaming_stores(StageMode::Streaming);
         assert!(fixed.settled_on(3, 1 << 20, true) && !fixed.settled_on(3, 1 << 20, false));
     }
 
     #[test]
     fn fixed_modes_never_probe() {
-        let mut t = Tuner::single_copy(SingleCopyMode::Always);
+        let mut t = Tuner::cma_path(SingleCopyMode::Always);
         assert!((0..10).all(|_| t.choose(1, 1 << 20, Instant::now())));
         assert!(t.guess(1, 1 << 20));
-        let mut t = Tuner::single_copy(SingleCopyMode::Never);
+        let mut t = Tuner::cma_path(SingleCopyMode::Never);
         assert!((0..10).all(|_| !t.choose(1, 1 << 20, Instant::now())));
         assert_eq!(
             SingleCopyMode::parse("always"),
             Some(SingleCopyMode::Always)
         );
         assert_eq!(SingleCopyMode::parse("sometimes"), None);
-        let mut t = Tuner::staging(StageMode::Streaming);
+        let mut t = Tuner::streaming_stores(StageMode::Streaming);
         assert!((0..10).all(|_| t.choose(0, 4096, Instant::now())));
-        let mut t = Tuner::staging(StageMode::Cached);
+        let mut t = Tuner::streaming_stores(StageMode::Cached);
         assert!((0..10).all(|_| !t.choose(0, 4096, Instant::now())));
         assert_eq!(StageMode::parse("streaming"), Some(StageMode::Streaming));
         assert_eq!(StageMode::parse("bogus"), None);

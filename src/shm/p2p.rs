@@ -11,9 +11,9 @@
 //! stream through it while the receiver takes them.
 //!
 //! Two shortcuts, chosen by the sender per message (message numbers keep them in order):
-//! * **Fast box** (at most [`FAST_BYTES`]): header and data in one cache line of the pair's
+//! * **Fast box** (at most [`INLINE_BOX_BYTES`]): header and data in one cache line of the pair's
 //!   control block, so a small message crosses between cores in one transfer (the latency path).
-//! * **Direct copy** (at least `ShmConfig::cma_bytes`): only a header goes into the ring, naming
+//! * **Cross-memory copy (CMA)** (at least `ShmConfig::cma_bytes`): only a header goes into the ring, naming
 //!   the sender's pid and buffer; the receiver copies the data once, straight from the sender's
 //!   memory (`process_vm_readv`), then matches the message. If the kernel refuses, the receiver
 //!   says so (`nack`) and the sender streams the data through the ring as usual.
@@ -35,16 +35,16 @@ use std::time::{Duration, Instant};
 
 use crate::comm::{CollKind, CommError, Dtype, P2pOp, ANY_SOURCE};
 use crate::shm::channel::Channel;
-use crate::shm::direct::{allow_sibling_reads, pid_namespace, read_direct};
+use crate::shm::cma::{self, allow_sibling_reads, pid_namespace};
 use crate::shm::reduce::copy_block;
 use crate::shm::segment::futex_wait;
-use crate::shm::sync::{PairCtrl, FAST_BYTES, PAIR_CTRL_BYTES};
+use crate::shm::sync::{PairCtrl, INLINE_BOX_BYTES, PAIR_CTRL_BYTES};
 
 /// Bytes of a message header in the stream.
 const HDR: u64 = 64;
 
 /// Header flag: the data is not in the stream; read it from `pid`'s memory at `addr`.
-const DIRECT: u64 = 1;
+const CMA: u64 = 1;
 
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -69,16 +69,16 @@ pub(crate) struct P2p {
     send_msgs: Vec<u64>,
     recv_pos: Vec<u64>,
     recv_msgs: Vec<u64>,
-    /// Number of the last message sent through each peer's fast box.
-    fast_last: Vec<u64>,
-    /// Peers whose receiver refused a direct copy: later large messages to them are streamed.
-    no_direct: Vec<bool>,
+    /// Number of the last message sent through each peer's inline box.
+    inline_last: Vec<u64>,
+    /// Peers whose receiver refused a cross-memory copy: later large messages to them are streamed.
+    no_cma: Vec<bool>,
     /// Direct copies are on (config) and this process's identity for them.
-    direct_min: usize,
+    cma_min: usize,
     pid: u64,
     pidns: u64,
-    /// Receivers refuse direct copies (fault injection, `ShmConfig::fault_refuse_direct`).
-    refuse_direct: bool,
+    /// Receivers refuse cross-memory copies (fault injection, `ShmConfig::fault_refuse_direct`).
+    refuse_cma: bool,
     st: Vec<OpState>,
     front_send: Vec<bool>,
     front_recv: Vec<bool>,
@@ -98,17 +98,17 @@ struct OpState {
     msg: Option<u64>,
     /// Data bytes written or copied so far.
     done: usize,
-    /// Send: all data is in the stream, the fast box, or offered for a direct copy (waiting for
+    /// Send: all data is in the stream, the inline box, or offered for a cross-memory copy (waiting for
     /// the match).
     streamed: bool,
-    /// Send: offered for a direct copy (waiting for the copy, or a refusal).
-    direct: bool,
+    /// Send: offered for a cross-memory copy (waiting for the copy, or a refusal).
+    cma: bool,
     finished: bool,
 }
 
 impl P2p {
-    pub(crate) fn new(world: usize, direct_min: usize, refuse_direct: bool) -> P2p {
-        if direct_min > 0 && world > 1 {
+    pub(crate) fn new(world: usize, cma_min: usize, refuse_cma: bool) -> P2p {
+        if cma_min > 0 && world > 1 {
             allow_sibling_reads();
         }
         P2p {
@@ -116,16 +116,12 @@ impl P2p {
             send_msgs: vec![0; world],
             recv_pos: vec![0; world],
             recv_msgs: vec![0; world],
-            fast_last: vec![0; world],
-            no_direct: vec![false; world],
-            direct_min: if direct_min == 0 {
-                usize::MAX
-            } else {
-                direct_min
-            },
+            inline_last: vec![0; world],
+            no_cma: vec![false; world],
+            cma_min: if cma_min == 0 { usize::MAX } else { cma_min },
             pid: std::process::id() as u64,
             pidns: pid_namespace(),
-            refuse_direct,
+            refuse_cma,
             st: Vec::new(),
             front_send: vec![false; world],
             front_recv: vec![false; world],
@@ -198,7 +194,7 @@ impl P2p {
             msg: None,
             done: 0,
             streamed: false,
-            direct: false,
+            cma: false,
             finished: false,
         }));
         let r = self.progress(ch, &mut st);
@@ -266,17 +262,17 @@ impl P2p {
             return Err(mismatch(ch, pc, me, peer, s));
         }
         if s.msg.is_none()
-            && s.bytes <= FAST_BYTES
-            && self.fast_last[peer] <= pc.matched.load(Acquire)
+            && s.bytes <= INLINE_BOX_BYTES
+            && self.inline_last[peer] <= pc.matched.load(Acquire)
         {
-            // The fast box is free (its last message was matched): the whole message goes there.
+            // The inline box is free (its last message was matched): the whole message goes there.
             self.send_msgs[peer] += 1;
             let k = self.send_msgs[peer];
-            let fb = &pc.fast;
+            let fb = &pc.inline;
             fb.dtype.store(s.op.dtype as u64, Relaxed);
             fb.count.store(s.op.mem.len as u64, Relaxed);
-            let mut words = [0u64; FAST_BYTES / 8];
-            // SAFETY: `bytes` <= FAST_BYTES bytes of the send buffer are readable (its length)
+            let mut words = [0u64; INLINE_BOX_BYTES / 8];
+            // SAFETY: `bytes` <= INLINE_BOX_BYTES bytes of the send buffer are readable (its length)
             // and fit in `words`.
             unsafe {
                 std::ptr::copy_nonoverlapping(
@@ -290,7 +286,7 @@ impl P2p {
             }
             // Last, and sequentially consistent for the sleepers' handshake (see `Waiter`).
             fb.msg.store(k, SeqCst);
-            self.fast_last[peer] = k;
+            self.inline_last[peer] = k;
             s.msg = Some(k);
             s.streamed = true;
             ch.wake_sleepers();
@@ -306,12 +302,12 @@ impl P2p {
             }
             self.send_msgs[peer] += 1;
             let k = self.send_msgs[peer];
-            let direct = s.bytes >= self.direct_min && !self.no_direct[peer];
+            let cma = s.bytes >= self.cma_min && !self.no_cma[peer];
             let h = MsgHeader {
                 msg: k,
                 dtype: s.op.dtype as u64,
                 count: s.op.mem.len as u64,
-                flags: if direct { DIRECT } else { 0 },
+                flags: if cma { CMA } else { 0 },
                 pid: self.pid,
                 pidns: self.pidns,
                 addr: s.op.mem.addr as u64,
@@ -324,9 +320,9 @@ impl P2p {
             *pos += HDR;
             s.msg = Some(k);
             moved = true;
-            if direct {
+            if cma {
                 // The receiver copies the data itself; the send waits for its match (or refusal).
-                s.direct = true;
+                s.cma = true;
                 s.streamed = true;
                 pc.sent.store(*pos, SeqCst);
                 ch.wake_sleepers();
@@ -374,10 +370,10 @@ impl P2p {
             return Err(mismatch(ch, pc, me, peer, s));
         }
         let Some(k) = s.msg else { return Ok(false) };
-        if s.direct && pc.nack.load(Acquire) >= k {
+        if s.cma && pc.nack.load(Acquire) >= k {
             tracing::debug!("rank {peer} cannot read this rank's memory directly: large messages to it go through the mailbox");
-            self.no_direct[peer] = true;
-            s.direct = false;
+            self.no_cma[peer] = true;
+            s.cma = false;
             s.streamed = false;
             return self.step_send(ch, s).map(|_| true);
         }
@@ -415,11 +411,11 @@ impl P2p {
         self.front_recv[j] = true;
         s.op.peer = j;
         // The message has arrived, so this matches it (or finds the mismatch): `sent` and the
-        // fast box only grow, and only this rank marks the pair bad.
+        // inline box only grow, and only this rank marks the pair bad.
         self.step_recv(ch, s)
     }
 
-    /// Whether the next message from `j` to this rank has arrived (its header is in the fast box
+    /// Whether the next message from `j` to this rank has arrived (its header is in the inline box
     /// or the ring), on a pair no mismatch has made unusable.
     fn arrived(&self, ch: &Channel, j: usize) -> bool {
         let (pc, _, _) = pair(ch, j, ch.rank());
@@ -428,7 +424,7 @@ impl P2p {
         }
         // `sent` first, as in `step_recv`.
         let sent = pc.sent.load(Acquire);
-        pc.fast.msg.load(Acquire) == self.recv_msgs[j] + 1 || sent >= self.recv_pos[j] + HDR
+        pc.inline.msg.load(Acquire) == self.recv_msgs[j] + 1 || sent >= self.recv_pos[j] + HDR
     }
 
     fn step_recv(&mut self, ch: &Channel, s: &mut OpState) -> Result<bool, CommError> {
@@ -437,14 +433,14 @@ impl P2p {
         if pc.bad.load(Acquire) != 0 {
             return Err(mismatch(ch, pc, peer, me, s));
         }
-        // `sent` first: a later message visible in the ring makes an earlier one in the fast box
+        // `sent` first: a later message visible in the ring makes an earlier one in the inline box
         // visible too (the sender published the box before it).
         let sent = pc.sent.load(Acquire);
         let pos = &mut self.recv_pos[peer];
         let mut moved = false;
         if s.msg.is_none() {
             let k = self.recv_msgs[peer] + 1;
-            let fb = &pc.fast;
+            let fb = &pc.inline;
             if fb.msg.load(Acquire) == k {
                 self.recv_msgs[peer] = k;
                 s.msg = Some(k);
@@ -452,11 +448,11 @@ impl P2p {
                 if let Some(e) = check_header(ch, pc, peer, me, k, dtype, count, s) {
                     return Err(e);
                 }
-                let mut words = [0u64; FAST_BYTES / 8];
+                let mut words = [0u64; INLINE_BOX_BYTES / 8];
                 for (w, slot) in words.iter_mut().zip(&fb.data) {
                     *w = slot.load(Relaxed);
                 }
-                // SAFETY: the receive buffer holds `bytes` (<= FAST_BYTES, as the sender's count
+                // SAFETY: the receive buffer holds `bytes` (<= INLINE_BOX_BYTES, as the sender's count
                 // equals ours) writable bytes.
                 unsafe {
                     std::ptr::copy_nonoverlapping(
@@ -483,10 +479,10 @@ impl P2p {
                 return Err(e);
             }
             *pos += HDR;
-            if h.flags & DIRECT != 0 {
+            if h.flags & CMA != 0 {
                 if h.pidns == self.pidns
-                    && !self.refuse_direct
-                    && read_direct(h.pid, h.addr, s.op.mem.addr, s.bytes)
+                    && !self.refuse_cma
+                    && cma::read(h.pid, h.addr, s.op.mem.addr, s.bytes)
                 {
                     s.done = s.bytes;
                     s.finished = true;
@@ -500,7 +496,7 @@ impl P2p {
                 pc.taken.store(*pos, SeqCst);
                 pc.nack.store(k, SeqCst);
                 ch.wake_sleepers();
-                s.direct = true;
+                s.cma = true;
                 return Ok(true);
             }
             pc.matched.store(k, SeqCst);
@@ -529,7 +525,7 @@ impl P2p {
         }
         if moved {
             pc.taken.store(*pos, SeqCst);
-            if s.finished && s.direct {
+            if s.finished && s.cma {
                 pc.matched.store(s.msg.unwrap_or(0), SeqCst);
             }
             ch.wake_sleepers();
@@ -640,7 +636,7 @@ fn counters(ch: &Channel, src: usize, dst: usize) -> u64 {
         .wrapping_add(pc.matched.load(SeqCst))
         .wrapping_add(pc.bad.load(SeqCst))
         .wrapping_add(pc.nack.load(SeqCst))
-        .wrapping_add(pc.fast.msg.load(SeqCst))
+        .wrapping_add(pc.inline.msg.load(SeqCst))
 }
 
 /// For a receive from any source: the error once every other rank is gone (died, or left the

@@ -2,7 +2,7 @@
 //! one algorithm over a matrix of block sizes `m[i][j]` (elements rank `i` sends to rank `j`).
 //!
 //! The first phase exchanges the descriptors and, for the v-variants, every rank's per-peer send
-//! and receive counts (staged in its slot), which every rank checks pair by pair, so an
+//! and receive counts (put in its slot), which every rank checks pair by pair, so an
 //! inconsistency is the same [`CommError::Mismatch`] on every rank. Then, in rounds of one phase,
 //! each rank stages the next piece of each of its outgoing blocks in its slot (the slot split
 //! evenly between the ranks it sends to) and copies the pieces meant for it out of its peers'
@@ -15,9 +15,50 @@
 
 use crate::comm::{Call, CollKind, CommError};
 use crate::shm::channel::{Channel, Ctx};
-use crate::shm::direct::read_direct;
+use crate::shm::cma;
+use crate::shm::inline;
 use crate::shm::reduce::copy_block;
-use crate::shm::sync::{DIRECT, SHARED_SEND};
+use crate::shm::sync::{CMA, SHARED_SEND};
+
+/// Inline (scatter and all_to_all): copy this rank's block of the root's payload (scatter) or
+/// of every rank's (all_to_all) out of the inline entries.
+pub(crate) fn inline(ch: &mut Channel, call: &Call, cx: Ctx) -> Result<(), CommError> {
+    inline::put_payload(ch, call);
+    inline::exchange(ch, call, cx)?;
+    let (n, me) = (ch.world(), ch.rank());
+    let block = call.count * call.dtype.size();
+    let recv = call.recv.addr as *mut u8;
+    if block == 0 {
+        return Ok(());
+    }
+    if call.kind == CollKind::Scatter {
+        // SAFETY: the root's entry (send, on the root) holds n*block bytes; recv holds `block`,
+        // equal to block `me` of send in place or disjoint.
+        unsafe {
+            copy_block(
+                inline::src(ch, call, call.root).add(me * block),
+                recv,
+                block,
+                false,
+            )
+        };
+        return Ok(());
+    }
+    for r in 0..n {
+        // SAFETY: entry r (send, for this rank) holds n*block bytes, block `me` is ours; recv
+        // holds n*block, disjoint from send (the shared checks refuse overlapping buffers for
+        // all-to-all, which has no in-place form).
+        unsafe {
+            copy_block(
+                inline::src(ch, call, r).add(me * block),
+                recv.add(r * block),
+                block,
+                false,
+            )
+        };
+    }
+    Ok(())
+}
 
 /// Where this rank's blocks are: (element offset, element count) per peer, for send and recv.
 struct Plan {
@@ -85,7 +126,8 @@ pub(crate) fn exchange(ch: &mut Channel, call: &Call, cx: Ctx) -> Result<(), Com
     // Small equal blocks (all_to_all, scatter): the data rides in the descriptors' phase, one
     // phase in all. Every rank decides the same way (the count is the same on every rank, or the
     // descriptor check fails the call everywhere).
-    let one_phase = !v && n > 1 && n * call.count * esz <= ch.small_bytes().min(ch.slot_bytes());
+    let one_phase =
+        !v && n > 1 && n * call.count * esz <= ch.one_phase_bytes().min(ch.slot_bytes());
     if one_phase && (call.kind == CollKind::AllToAll || me == call.root) {
         // SAFETY: our own slot of phase p0 holds `small_bytes` or more; the send buffer holds
         // n × count elements (checked by the communicator); nobody reads the slot before we
@@ -117,9 +159,9 @@ pub(crate) fn exchange(ch: &mut Channel, call: &Call, cx: Ctx) -> Result<(), Com
     // pair, so the descriptors carry none.
     let desc_call = if v { Call { count: 0, ..*call } } else { *call };
     let (mut flags, mut send_off, _) = ch.share_flags(call, call.send.len * esz, 0);
-    if flags & SHARED_SEND == 0 && ch.config().cma_bytes > 0 && !ch.direct_refused {
-        // Offer our send buffer for direct copies: its address in our own memory.
-        flags |= DIRECT;
+    if flags & SHARED_SEND == 0 && ch.config().cma_bytes > 0 && !ch.cma.refused {
+        // Offer our send buffer for cross-memory copies: its address in our own memory.
+        flags |= CMA;
         send_off = call.send.addr as u64;
     }
     let (descs, _) = ch.begin(&desc_call, flags, send_off, 0, cx)?;
@@ -131,7 +173,7 @@ pub(crate) fn exchange(ch: &mut Channel, call: &Call, cx: Ctx) -> Result<(), Com
         let mut recv_from = vec![0usize; n * n];
         for r in 0..n {
             let mut vals = vec![0u64; 3 * n];
-            // SAFETY: rank r staged 3n u64 in its slot of phase p0 before publishing it, and
+            // SAFETY: rank r put 3n u64 in its slot of phase p0 before publishing it, and
             // nobody writes that slot again before everyone has published p0 + 1.
             unsafe {
                 copy_block(
@@ -165,7 +207,7 @@ pub(crate) fn exchange(ch: &mut Channel, call: &Call, cx: Ctx) -> Result<(), Com
     if one_phase {
         for i in (0..n).filter(|&i| m[i * n + me] > 0) {
             let (off, cnt) = plan.recv[i];
-            // SAFETY: rank i staged its whole send (n × count elements) in its slot of phase p0
+            // SAFETY: rank i put its whole send (n × count elements) in its slot of phase p0
             // before publishing it, and does not write that slot again before we publish p0 + 1;
             // our block from it lies in recv (checked by the communicator).
             let from = unsafe { ch.slot(i, p0).add(plan_displ(call, me) * esz) };
@@ -209,9 +251,9 @@ pub(crate) fn exchange(ch: &mut Channel, call: &Call, cx: Ctx) -> Result<(), Com
     }
     // Ordinary buffers, large blocks: each rank copies its blocks once, straight out of its peers'
     // memory, if every rank offered its buffer and the kernel lets it; the result is agreed in one
-    // phase (a refusal anywhere sends everyone down the staged path below, for good).
+    // phase (a refusal anywhere sends everyone down the slots path below, for good).
     let offers = |r: usize| {
-        (descs[r].flags & DIRECT != 0 && descs[r].pidns == descs[me].pidns)
+        (descs[r].flags & CMA != 0 && descs[r].pidns == descs[me].pidns)
             || (0..n).all(|j| j == r || m[r * n + j] == 0)
     };
     let largest = (0..n * n)
@@ -228,7 +270,7 @@ pub(crate) fn exchange(ch: &mut Channel, call: &Call, cx: Ctx) -> Result<(), Com
             // Rank i's block for us lies in its send buffer (checked by its communicator); ours
             // from it in recv (checked by ours); rank i waits in the phase below meanwhile.
             if ch.config().fault_refuse_direct
-                || !read_direct(
+                || !cma::read(
                     pid,
                     descs[i].send_off + (send_displ[i * n + me] * esz) as u64,
                     call.recv.addr + off * esz,
@@ -249,7 +291,7 @@ pub(crate) fn exchange(ch: &mut Channel, call: &Call, cx: Ctx) -> Result<(), Com
             return Ok(());
         }
         tracing::debug!("a rank could not read its peers' buffers directly: exchanges stage through the slots from now on");
-        ch.direct_refused = true;
+        ch.cma.refused = true;
     }
     // Rank i's outgoing peers, and the bytes of each piece it stages per round.
     let dests: Vec<Vec<usize>> = (0..n)
@@ -288,7 +330,7 @@ pub(crate) fn exchange(ch: &mut Channel, call: &Call, cx: Ctx) -> Result<(), Com
             let (off, cnt) = plan.recv[i];
             let (bytes, at) = (cnt * esz, r * piece[i]);
             if at < bytes {
-                // SAFETY: rank i staged this piece in its slot of phase p (same plan, same
+                // SAFETY: rank i put this piece in its slot of phase p (same plan, same
                 // matrix); it lies in our recv block from rank i, which the communicator checked.
                 ch.put(
                     unsafe { ch.slot(i, p).add(idx * piece[i]) },
