@@ -1,7 +1,7 @@
 //! Build script: embed `kernels/*.cu` and `kernels/*.cuh` into the crate, with the signature of
 //! every entry point read from the sources themselves.
 //!
-//! Writes `OUT_DIR/kernels.rs`, included by `src/train/device/kernels/sources.rs`:
+//! Writes `OUT_DIR/kernels.rs`, included by `src/device/kernels/sources.rs`:
 //! - `KERNEL_HEADERS`: every `kernels/*.cuh` as `(file name, source)`, NVRTC's in-memory headers;
 //! - one `static` `cuda::KernelSource` per `kernels/*.cu` (named after the file: `conv2d.cu` ->
 //!   `CONV2D`) whose `functions` table is parsed from the file's `extern "C" __global__`

@@ -15,12 +15,12 @@
 //!
 //! Run: `cargo bench --bench train_step`.
 
-use lockstep_train::kernels::{matmul_ld, set_small_kernels, Trans};
-use lockstep_train::layers::{
+use lockstep_train::gemm::{matmul_ld, set_small_kernels, Trans};
+use lockstep_train::model::Model;
+use lockstep_train::ops::optim::Adam;
+use lockstep_train::ops::{
     BatchNorm2d, Conv2d, Conv2dParams, Layer, Linear, MaxPool2d, Relu, SoftmaxCrossEntropy,
 };
-use lockstep_train::model::Model;
-use lockstep_train::optim::Adam;
 use lockstep_train::tensor::Tensor;
 use nix::time::{clock_gettime, ClockId};
 

@@ -1,7 +1,7 @@
 // activation.cu: elementwise ReLU, forward and backward (PyTorch nn.ReLU).
 //
-// CPU twins: src/train/device/kernels/twins/activation.rs
-// (the engine's CPU layer: train::layers::relu).
+// CPU twins: crates/train/src/ops/activation.rs, beside the engine's CPU layer (ops::Relu),
+// which runs the same functions.
 // Entry points:
 //   relu_forward_f32 (out, inp, n)          out[i] = max(inp[i], 0)
 //   relu_backward_f32(dinp, out, dout, n)   dinp[i] = out[i] > 0 ? dout[i] : 0   (OVERWRITTEN)

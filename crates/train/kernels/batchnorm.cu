@@ -1,7 +1,7 @@
 // batchnorm.cu: BatchNorm2d over NCHW f32 (PyTorch nn.BatchNorm2d, affine, track_running_stats),
 // with an optional fused ReLU after the affine transform.
 //
-// CPU twins: src/train/device/kernels/twins/batchnorm.rs (the CPU layer: train::layers::batchnorm).
+// CPU twins: crates/train/src/ops/batchnorm/twin.rs (the CPU layer: ops/batchnorm/mod.rs).
 // Entry points (the twins take the same tensors in the same order):
 //   batchnorm2d_forward_train_f32(out, save_mean, save_invstd, running_mean, running_var,
 //                                 inp, weight, bias, batch, channels, hw, momentum, eps, relu)
@@ -37,7 +37,7 @@
 //
 // FMA contraction (NVRTC's default -fmad=true, kept for speed): shift = bias - mean*scale,
 // y = x*scale + shift, the eval y = t*weight + bias and the backward g - mg - xhat*mgx each
-// compile to one fused multiply-add. The CPU twins (twins/batchnorm.rs) use f32::mul_add
+// compile to one fused multiply-add. The CPU twins (ops/batchnorm/twin.rs) use f32::mul_add
 // for exactly these, so the fused ReLU's mask (y > 0) does not flip on a rounding difference.
 #include "common.cuh"
 

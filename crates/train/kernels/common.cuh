@@ -7,6 +7,8 @@
 //     with a tensor-core path (mma.sync: bf16 and f16 m16n8k16, TF32 m16n8k8) on sm_80+ and a plain
 //     shared-memory tiled FMA fallback everywhere else.
 //
+// CPU twin of the tiled core (split-K ranges, weight-gradient stores): crates/train/src/gemm/twin.rs.
+//
 // Header-free on purpose. The brief asked for cuda_bf16.h and WMMA (mma.h). Verified with NVRTC
 // 12.9 (wheel nvidia-cuda-nvrtc-cu12): NVRTC ships *no* headers: cuda_bf16.h, cuda_fp16.h and
 // mma.h are not built in. cuda_bf16.h comes with nvidia-cuda-runtime-cu12, but mma.h includes
@@ -116,7 +118,7 @@ __device__ __forceinline__ bf16_t f32_to_bf16(float f) {
 
 // IEEE binary16 (fp16) the same header-free way: 1 sign, 5 exponent, 10 mantissa bits. Its range
 // is small (largest finite 65504, smallest subnormal 2^-24), which is why fp16 training scales
-// the loss (src/train/precision.rs, LossScaler); the conversions below are what make overflow
+// the loss (crates/train/src/precision.rs, LossScaler); the conversions below are what make overflow
 // visible: a value beyond the range becomes an infinity that the unscale check then finds.
 struct __align__(2) f16_t {
     unsigned short bits;

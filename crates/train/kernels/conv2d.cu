@@ -1,7 +1,7 @@
 // conv2d.cu: 2-D convolution (NCHW, PyTorch Conv2d semantics, groups = 1, dilation = 1) as
 // implicit GEMM on the shared tiled core in common.cuh (tensor cores on sm_80+).
 //
-// CPU twins: src/train/device/kernels/twins/conv2d.rs (the CPU layer: train::layers::conv2d).
+// CPU twins: crates/train/src/ops/conv2d/twin.rs (the CPU layer: ops/conv2d/mod.rs).
 // Entry points (the twins take the same tensors in the same order):
 //   conv2d_forward_{f32,bf16,f16}          (out, inp, weight, bias, shape...)
 //   conv2d_backward_input_{f32,bf16,f16}   (dinp, dout, weight, shape...)

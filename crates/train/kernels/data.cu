@@ -1,7 +1,7 @@
 // data.cu: data movement - batch gathering from the device-resident dataset, gradient bucket
 // flatten/unflatten for the all-reduce, and f32 <-> bf16 / fp16 casts.
 //
-// CPU twins: src/train/device/kernels/twins/data.rs.
+// CPU twins: crates/train/src/ops/data.rs.
 // Entry points (the twins take the same tensors in the same order):
 //   gather_batch_f32    (images, labels, dataset_images, dataset_labels, indices, batch, image_size)
 //   bucket_flatten_f32  (bucket, table, num_entries)
@@ -39,7 +39,7 @@
 // ----------------------------------------------------------------------------
 // bucket table entry
 //
-// Rust twin: BucketEntry in src/train/device/kernels/mod.rs, declared as
+// Rust twin: BucketEntry in crates/train/src/device/kernels/mod.rs, declared as
 //   #[repr(C)] struct BucketEntry { ptr: u64, offset: i64, len: i64 }
 // (24 bytes, 8-byte aligned; ptr is the tensor's CUdeviceptr, offset/len are in f32 elements).
 // Not needed when gradients already live in one flat buffer (then a bucket is just a range of

@@ -1,7 +1,7 @@
 // elementwise.cu: small element-wise kernels used by the GPU tests and the staging paths.
 // Launch geometry lives in Rust (LaunchConfig::for_elements: 256-thread blocks, grid capped at
 // 65535, so every kernel loops grid-stride). Every entry point has a CPU twin with the same name
-// and argument order (src/train/device/kernels/twins/elementwise.rs), and a signature in
+// and argument order (crates/train/src/ops/elementwise.rs), and a signature in
 // KernelId::functions.
 #include "common.cuh"
 

@@ -1,7 +1,7 @@
 // linear.cu: fully connected layer (PyTorch nn.Linear: y = x · Wᵀ + b, W stored (out, in)) on
 // the shared tiled GEMM core in common.cuh (tensor cores on sm_80+).
 //
-// CPU twins: src/train/device/kernels/twins/linear.rs (the CPU layer: train::layers::linear).
+// CPU twins: crates/train/src/ops/linear/twin.rs (the CPU layer: ops/linear/mod.rs).
 // Entry points (the twins take the same tensors in the same order):
 //   linear_forward_{f32,bf16,f16}          (out, inp, weight, bias, batch, in_f, out_f, relu)
 //   linear_backward_input_{f32,bf16,f16}   (dinp, dout, weight, batch, in_f, out_f)

@@ -1,8 +1,8 @@
 // loss.cu: fused softmax + cross-entropy over logits (batch, classes), mean reduction, like
 // F.cross_entropy(logits, targets) - plus the correct-prediction count for accuracy.
 //
-// CPU twins: src/train/device/kernels/twins/loss.rs
-// (the CPU layer: train::layers::loss::SoftmaxCrossEntropy).
+// CPU twins: crates/train/src/ops/loss/twin.rs
+// (the CPU layer: ops::loss::SoftmaxCrossEntropy).
 // Entry points (the twins take the same tensors in the same order):
 //   softmax_xent_forward_f32 (losses, probs, mean_loss, correct, logits, targets, batch, classes)
 //   softmax_xent_backward_f32(dlogits, probs, targets, batch, classes)

@@ -2,8 +2,8 @@
 // the model laid end to end), its flat gradient buffer and flat state buffers: one launch per
 // step, whatever the number of tensors ("multi-tensor" by construction).
 //
-// CPU twins: src/train/device/kernels/twins/optim.rs
-// (the CPU optimizers: train::optim::Adam::step / Sgd::step).
+// CPU twins: crates/train/src/ops/optim/twin.rs
+// (the CPU optimizers: ops::optim::Adam::step / Sgd::step).
 // Entry points (the twins do the same math in the same order):
 //   adam_step_f32(params, grads, m, v, n, lr, beta1, beta2, eps, weight_decay, step)
 //   sgd_step_f32 (params, grads, buf, n, lr, momentum, dampening, weight_decay, nesterov, first)
@@ -18,7 +18,7 @@
 //   g = grad + weight_decay * p
 //   m = beta1 * m + (1 - beta1) * g;   v = beta2 * v + (1 - beta2) * g²
 //   m, v = 0 where subnormal (|x| < FLT_MIN): explicit, as the CPU engine does (its x86 slow path
-//          on subnormal moments, train::optim::flush), so the bits agree on every device
+//          on subnormal moments, ops::optim::flush), so the bits agree on every device
 //   bc1 = 1 - beta1^t;  bc2 = 1 - beta2^t       (computed in f64, as the CPU twin does)
 //   p -= (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps)
 //
@@ -70,7 +70,7 @@
 // ----------------------------------------------------------------------------
 // Adam
 
-// x, or 0 when x is subnormal (the twin: train::optim::flush).
+// x, or 0 when x is subnormal (the twin: ops::optim::flush).
 __device__ __forceinline__ float flush_subnormal(float x) { return fabsf(x) < 1.17549435e-38f ? 0.0f : x; }
 
 extern "C" __global__ void adam_step_f32(float* params, const float* grads, float* m, float* v, int n, float lr,

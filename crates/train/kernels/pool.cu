@@ -1,7 +1,7 @@
 // pool.cu: 2-D max pooling over NCHW f32 (PyTorch nn.MaxPool2d(kernel, stride), no padding,
 // dilation 1, floor mode), with saved argmax indices.
 //
-// CPU twins: src/train/device/kernels/twins/pool.rs (the CPU layer: train::layers::maxpool).
+// CPU twins: crates/train/src/ops/pool/twin.rs (the CPU layer: ops::MaxPool2d, ops/pool/mod.rs).
 // Entry points (the twins take the same tensors in the same order):
 //   maxpool2d_forward_f32 (out, indices, inp, batch, channels, in_h, in_w, kernel, stride)
 //   maxpool2d_backward_f32(dinp, dout, indices, batch, channels, in_h, in_w, kernel, stride)

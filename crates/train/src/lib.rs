@@ -10,17 +10,17 @@
 //! |---|---|
 //! | `tensor.rs` | [`Tensor`](tensor::Tensor): shape + contiguous f32 storage, reused across steps |
 //! | `rng.rs` | [`Rng`](rng::Rng): seeded PCG32 for initialisation and shuffling |
-//! | `kernels.rs` | the one GEMM entry point (the `gemm` crate, runtime SIMD dispatch) |
+//! | `gemm/` | the one GEMM entry point (the `gemm` crate, runtime SIMD dispatch), its AVX-512 micro-kernels, the CPU twin of the kernels' tiled core (`kernels/common.cuh`) |
 //! | `multiversion.rs` | `dispatch!`: element-wise loops compiled for AVX-512, AVX2 and portable, picked at run time |
-//! | `layers/` | one file per layer: forward + backward, CPU reference, gradient check |
+//! | `ops/` | one home per `kernels/<op>.cu`: the CPU layer (forward + backward, gradient check), the kernel's CPU twins, the shape; [`Layer`](ops::Layer) and [`LayerSpec`](ops::LayerSpec) (the model described once); Adam / SGD in `ops/optim` |
 //! | `model.rs` | [`Model`](model::Model): named layers over flat parameters, the FashionMNIST CNN |
-//! | `optim.rs`, `schedule.rs` | Adam / SGD with PyTorch semantics; constant, cosine, one-cycle |
+//! | `schedule.rs` | constant, cosine and one-cycle learning-rate schedules |
 //! | `precision.rs` | `mixed_precision` (no / fp16 / bf16) per engine, refusals, dynamic loss scaling |
 //! | `seed.rs` | [`set_seed`]: one seed for every generator of the engine, checked across ranks (Accelerate's `set_seed`) |
 //! | `data.rs`, `sampler.rs` | IDX reader with validation; distributed sampler and metric counts |
 //! | `checkpoint/` | safetensors with PyTorch `state_dict` names, atomic writes, resume |
-//! | `device/` | the same CNN on CUDA: a launch plan per step (CUDA graph), GPU and CPU-twin executors |
-//! | `trainer.rs` | the data-parallel loop: broadcast, bucketed gradient all-reduce (gradient accumulation, clipping), evaluation |
+//! | `device/` | the same CNN on CUDA: the kernel registry, a launch plan per step built from the layer specs (CUDA graph), GPU and CPU-twin executors |
+//! | `trainer/` | settings and reports (`config.rs`); the epoch loop both engines run (`epoch.rs`: batches, evaluation, resume, checkpoints, observers); the CPU engine (`cpu.rs`: broadcast, bucketed gradient all-reduce, gradient accumulation, clipping) |
 
 // Every `unsafe` block carries a `// SAFETY:` comment in the form clippy recognises.
 #![warn(clippy::undocumented_unsafe_blocks)]
@@ -28,12 +28,10 @@
 pub mod checkpoint;
 pub mod data;
 pub mod device;
-pub mod kernels;
-pub mod layers;
-pub(crate) mod microgemm;
+pub mod gemm;
 pub mod model;
 pub(crate) mod multiversion;
-pub mod optim;
+pub mod ops;
 pub mod precision;
 pub mod rng;
 pub mod sampler;
@@ -41,6 +39,5 @@ pub mod schedule;
 pub mod seed;
 pub mod tensor;
 pub mod trainer;
-pub(crate) mod winograd;
 
 pub use seed::set_seed;

@@ -20,13 +20,13 @@
 
 use std::ops::Range;
 
-use super::layers::conv2d::DoutSource;
-use super::layers::{
+use super::rng::Rng;
+use super::tensor::Tensor;
+use crate::ops::conv2d::DoutSource;
+use crate::ops::{
     BatchNorm2d, BufferMut, Conv2d, Conv2dParams, Flatten, Layer, Linear, MaxPool2d, Relu,
     SoftmaxCrossEntropy, SumFn,
 };
-use super::rng::Rng;
-use super::tensor::Tensor;
 
 /// Errors building or feeding a model.
 #[derive(Debug, thiserror::Error)]

@@ -126,7 +126,7 @@ struct SavedEachEpoch {
 impl Observer for SavedEachEpoch {
     fn epoch_end(&mut self, _report: &EpochReport) {
         let mut model = lockstep_train::model::Model::fashion_cnn(1).unwrap();
-        let mut opt = lockstep_train::optim::Adam::new(model.num_params(), 0.005);
+        let mut opt = lockstep_train::ops::optim::Adam::new(model.num_params(), 0.005);
         if let Ok(res) = lockstep_train::checkpoint::resume(&self.path, &mut model, &mut opt) {
             self.seen.push(res.state.epoch);
         }
@@ -310,7 +310,7 @@ type CheckpointBits = (
 /// the training state (step, epoch, loss scaler).
 fn checkpoint_bits(path: &std::path::Path) -> Result<CheckpointBits, String> {
     let mut model = lockstep_train::model::Model::fashion_cnn(1).map_err(|e| e.to_string())?;
-    let mut opt = lockstep_train::optim::Adam::new(model.num_params(), 0.005);
+    let mut opt = lockstep_train::ops::optim::Adam::new(model.num_params(), 0.005);
     let r = lockstep_train::checkpoint::resume(path, &mut model, &mut opt)
         .map_err(|e| e.to_string())?;
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();

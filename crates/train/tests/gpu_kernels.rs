@@ -34,7 +34,7 @@ use lockstep_train::device::plan::{
     LossTensors, Op, Region, CLIP_PARTIALS,
 };
 use lockstep_train::device::{CpuExec, Exec, GpuExec, Precision};
-use lockstep_train::layers::Conv2dParams;
+use lockstep_train::ops::Conv2dParams;
 use lockstep_train::rng::Rng;
 
 const EXACT: Tol = Tol::new(0.0, 0.0);

@@ -23,7 +23,7 @@ use close::{assert_close, Tol};
 use lockstep_train::data::{self, Dataset};
 use lockstep_train::device::{plan, DeviceOptions, Engine, GpuExec, Precision};
 use lockstep_train::model::Model;
-use lockstep_train::optim::Adam;
+use lockstep_train::ops::optim::Adam;
 use lockstep_train::trainer::{Silent, TrainConfig};
 
 fn synthetic_dir(n_train: usize, n_test: usize) -> std::path::PathBuf {

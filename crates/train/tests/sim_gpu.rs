@@ -54,7 +54,7 @@ use lockstep::cuda::{Context, DeviceBuffer, KernelGrid};
 use lockstep_train::data::{self, Dataset};
 use lockstep_train::device::{plan, Engine, GpuExec, Precision};
 use lockstep_train::model::Model;
-use lockstep_train::optim::Adam;
+use lockstep_train::ops::optim::Adam;
 
 const LR: f32 = 0.005;
 

@@ -7,7 +7,7 @@ use lockstep::shm::ShmJob;
 use lockstep_train::checkpoint;
 use lockstep_train::data::{self, DataError, Dataset};
 use lockstep_train::model::Model;
-use lockstep_train::optim::Adam;
+use lockstep_train::ops::optim::Adam;
 use lockstep_train::trainer::{self, Silent, TrainConfig};
 
 fn tmpdir(tag: &str) -> PathBuf {

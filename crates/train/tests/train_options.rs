@@ -10,8 +10,8 @@ use std::path::{Path, PathBuf};
 
 use lockstep::launch::{launch, LaunchConfig, RankContext};
 use lockstep_train::data::{self, Dataset};
-use lockstep_train::layers::{Conv2d, Conv2dParams, Flatten, Layer, Linear, MaxPool2d, Relu};
 use lockstep_train::model::Model;
+use lockstep_train::ops::{Conv2d, Conv2dParams, Flatten, Layer, Linear, MaxPool2d, Relu};
 use lockstep_train::sampler::DistributedSampler;
 use lockstep_train::trainer::{
     self, buckets, clip_grad_norm, step_gradients, OptimizerKind, Silent, TrainConfig,

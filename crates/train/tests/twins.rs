@@ -22,11 +22,11 @@ use half::{bf16, f16};
 use lockstep_train::data::Dataset;
 use lockstep_train::device::kernels::twins;
 use lockstep_train::device::{plan, CpuExec, Engine, Exec, Precision};
-use lockstep_train::layers::{
+use lockstep_train::model::Model;
+use lockstep_train::ops::optim::{Adam, Sgd};
+use lockstep_train::ops::{
     BatchNorm2d, Conv2d, Conv2dParams, Layer, Linear, MaxPool2d, Relu, SoftmaxCrossEntropy,
 };
-use lockstep_train::model::Model;
-use lockstep_train::optim::{Adam, Sgd};
 use lockstep_train::rng::Rng;
 use lockstep_train::tensor::Tensor;
 
@@ -342,11 +342,11 @@ fn relu_twins_match_the_layer() {
         let (x, dy) = (rand(&mut rng, n), rand(&mut rng, n));
         let (mut y, mut y_ref) = (vec![0.0; n], vec![0.0; n]);
         twins::relu_forward_f32(&mut y, &x, n as i32);
-        lockstep_train::layers::relu::relu_forward(&mut y_ref, &x);
+        lockstep_train::ops::activation::relu_forward(&mut y_ref, &x);
         assert_eq!(y, y_ref);
         let (mut d, mut d_ref) = (vec![0.0; n], vec![0.0; n]);
         twins::relu_backward_f32(&mut d, &y, &dy, n as i32);
-        lockstep_train::layers::relu::relu_backward(&mut d_ref, &y_ref, &dy);
+        lockstep_train::ops::activation::relu_backward(&mut d_ref, &y_ref, &dy);
         assert_eq!(d, d_ref);
     }
 }
@@ -991,7 +991,7 @@ fn device_step_on_twins_matches_the_cpu_engine_for_another_model() {
             ("r", Box::new(Relu)),
             ("p", Box::new(MaxPool2d::new(3, 1))),
             ("bn", Box::new(BatchNorm2d::new(6))),
-            ("f", Box::new(lockstep_train::layers::Flatten)),
+            ("f", Box::new(lockstep_train::ops::Flatten)),
             ("l1", Box::new(Linear::new(72, 16))),
             ("r1", Box::new(Relu)),
             ("l2", Box::new(Linear::new(16, 5))),

@@ -41,7 +41,7 @@ use lockstep::launch::{launch, LaunchConfig, RankContext};
 use lockstep_train::checkpoint;
 use lockstep_train::data::{self, Dataset, DEFAULT_DATA_DIR};
 use lockstep_train::device::{self, DeviceOptions, GpuExec};
-use lockstep_train::kernels;
+use lockstep_train::gemm;
 use lockstep_train::precision::{self, MixedPrecision};
 use lockstep_train::schedule::Schedule;
 use lockstep_train::trainer::{self, Observer, OptimizerKind, Silent, TrainConfig};
@@ -502,7 +502,7 @@ fn run_rank(
     train_set: &Dataset,
     test_set: &Dataset,
 ) -> RankOut {
-    kernels::set_threads(cfg.threads);
+    gemm::set_threads(cfg.threads);
     lockstep_train::set_seed(&mut ctx.comm, cfg.train.seed)?;
     let mut console = console_for(&ctx, cfg);
     let obs: &mut dyn Observer = match console.as_mut() {

@@ -19,12 +19,12 @@ use nix::sys::stat::Mode;
 use nix::unistd::UnlinkatFlags;
 
 use super::super::model::Model;
-use super::super::optim::Adam;
 use super::error::CheckpointError;
 use super::fault::{fault_from_env, reached, SaveStep};
 use super::format::{encode, TrainState};
 use super::layout::{Files, Slot, PAIRS};
 use super::resume::Probe;
+use crate::ops::optim::Adam;
 use lockstep::types::durable::{random_hex, temp_name, temp_prefix, Dir, Temp, WriteError};
 
 /// A checkpoint file is created readable and writable by all, less the umask, as `File::create`

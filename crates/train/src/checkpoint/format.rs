@@ -9,10 +9,10 @@ use std::str::FromStr;
 use safetensors::{Dtype, SafeTensors, View};
 
 use super::super::model::{Model, StateMut};
-use super::super::optim::Adam;
 use super::super::precision::ScalerState;
 use super::error::CheckpointError;
 use super::layout::optim_path;
+use crate::ops::optim::Adam;
 
 /// Training progress stored next to the optimizer moments.
 #[derive(Clone, Debug, PartialEq)]

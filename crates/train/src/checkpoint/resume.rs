@@ -10,10 +10,10 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
 use super::super::model::Model;
-use super::super::optim::Adam;
 use super::error::CheckpointError;
 use super::format::{file_meta, load_model_bytes, load_optim_bytes, pair_key, TrainState};
 use super::layout::{Files, Kind, Slot, PAIRS};
+use crate::ops::optim::Adam;
 
 /// The whole of a regular file; `None` if absent. Opened non-blocking so a FIFO planted under a
 /// checkpoint name cannot hang the reader.

@@ -7,10 +7,10 @@ use nix::sys::stat::Mode;
 use safetensors::SafeTensors;
 
 use super::super::model::Model;
-use super::super::optim::Adam;
 use super::commit::pid_alive;
 use super::format::{file_meta, serialize, Raw, SCALER_KEYS};
 use super::*;
+use crate::ops::optim::Adam;
 
 fn tmpdir(name: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("lockstep-ckpt-unit-{}-{name}", std::process::id()));

@@ -7,8 +7,8 @@ use half::{bf16, f16};
 
 use super::error::DeviceError;
 use super::exec::Exec;
-use super::kernels::twins;
 use super::plan::{Arena, Arg, Op, Region};
+use crate::ops::twins;
 use lockstep::comm::{Communicator, ReduceOp};
 
 /// Host arenas, one per dtype, plus the dataset.

@@ -1,18 +1,18 @@
 //! [`Engine`] (a model's plans on an executor: step, evaluation, read-backs) and
-//! [`train_device`] (the epoch loop).
+//! [`train_device`] (the device engine in the epoch loop both engines share, `trainer/epoch.rs`).
 
 use std::collections::HashMap;
-use std::time::Instant;
+use std::path::Path;
 
 use super::error::DeviceError;
 use super::exec::Exec;
 use super::plan::{AdamHyper, Builder, Op, Precision, Tensors};
-use crate::checkpoint::{self, TrainState};
+use crate::checkpoint::{self, ScalerState, TrainState};
 use crate::data::Dataset;
 use crate::model::{Model, ModelError, StateMut};
 use crate::precision::{LossScaler, StepAction};
-use crate::sampler::DistributedSampler;
-use crate::trainer::{EpochReport, Observer, OptimizerKind, TrainConfig, TrainOutcome};
+use crate::trainer::epoch::{self, EpochEngine};
+use crate::trainer::{Observer, OptimizerKind, TrainConfig, TrainOutcome};
 use lockstep::comm::Communicator;
 
 /// Options of the device engine beyond [`TrainConfig`].
@@ -349,15 +349,10 @@ pub fn train_device<E: Exec>(
         .as_deref()
         .map(|c| (c.rank(), c.world_size()))
         .unwrap_or((0, 1));
-    let mut model = Model::fashion_cnn(cfg.batch_size)?;
-    model.init(cfg.seed);
-    if let (Some(path), 0) = (&cfg.save, rank) {
-        // A save path that cannot work fails now, not after the first epoch.
-        checkpoint::check_target(path, checkpoint::estimate_bytes(model.num_params()))?;
-    }
-    let mut opt = crate::optim::Adam::new(model.num_params(), cfg.lr);
+    let mut model = epoch::new_model(cfg, rank)?;
+    let mut opt = crate::ops::optim::Adam::new(model.num_params(), cfg.lr);
     let resumed = match &cfg.resume {
-        Some(path) => Some(resume_into(path, &mut model, &mut opt, rank, world)?),
+        Some(path) => Some(epoch::resume(path, &mut model, &mut opt, rank, world)?),
         None => None,
     };
     let first_epoch = resumed.as_ref().map_or(0, |st| st.epoch);
@@ -408,120 +403,22 @@ pub fn train_device<E: Exec>(
     }
     eng.adam.weight_decay = cfg.weight_decay;
     eng.upload_dataset(train_set, test_set)?;
-    let mut sampler = DistributedSampler::new(train_set.len(), world, rank, true, cfg.seed);
-    let mut idx = Vec::with_capacity(sampler.num_samples());
-    let mut reports = Vec::new();
-    let every = opts.loss_every.max(1);
-    for epoch in first_epoch..cfg.epochs {
-        let t0 = Instant::now();
-        sampler.indices(epoch, &mut idx);
-        eng.set_index_list(&idx, false)?;
-        eng.reset_loss_sum()?;
-        let steps = idx.len().div_ceil(cfg.batch_size);
-        obs.epoch_start(epoch + 1, cfg.epochs, steps);
-        // (images seen when the pending read-back was started, the sum it will report)
-        let (mut pending, mut last_sum, mut last_images, mut images) =
-            (None::<usize>, 0.0f64, 0usize, 0usize);
-        let mut skipped = 0u64;
-        for (s, start) in (0..idx.len()).step_by(cfg.batch_size).enumerate() {
-            let b = cfg.batch_size.min(idx.len() - start);
-            let lr = cfg.schedule.lr(cfg.lr, eng.step);
-            if eng.train_step(start, b, lr, comm.as_deref_mut())? == StepAction::Skip {
-                skipped += 1;
-            }
-            images += b;
-            if (s + 1) % every == 0 {
-                // Collect the read-back started `every` steps ago (long finished), start a new one.
-                if let Some(at) = pending.take() {
-                    let sum = eng.exec.finish_read()?[0] as f64;
-                    let loss = (sum - last_sum) / (at - last_images).max(1) as f64;
-                    (last_sum, last_images) = (sum, at);
-                    obs.step(
-                        s + 1,
-                        loss as f32,
-                        (images * world) as f64 / t0.elapsed().as_secs_f64().max(1e-9),
-                    );
-                }
-                eng.exec.start_read(eng.t.loss.loss_sum)?;
-                pending = Some(images);
-            }
-        }
-        if pending.is_some() {
-            eng.exec.finish_read()?;
-        }
-        let loss_sum = eng.exec.read_f32(eng.t.loss.loss_sum)?[0] as f64;
-        // Every rank clipped the same averaged gradients, so every rank stops here alike.
-        eng.check_grad_norm()?;
-        let train_s = t0.elapsed().as_secs_f64();
-        let mut tot = [loss_sum, images as f64];
-        if let Some(c) = comm.as_deref_mut() {
-            if world > 1 {
-                eng.exec.all_reduce_sum_host(c, &mut tot)?;
-                // DDP's broadcast_buffers: rank 0's running statistics for evaluation.
-                eng.exec.broadcast(c, eng.t.bn_state)?;
-            }
-        }
-        // Evaluation: this rank's shard of the test set, padding dropped.
-        let mut ts = DistributedSampler::new(test_set.len(), world, rank, false, 0);
-        let mut tidx = Vec::new();
-        ts.indices(0, &mut tidx);
-        let real: Vec<usize> = tidx
-            .iter()
-            .enumerate()
-            .filter(|(k, _)| ts.is_real(*k))
-            .map(|(_, &i)| i)
-            .collect();
-        let mut correct = 0u64;
-        if !real.is_empty() {
-            eng.set_index_list(&real, true)?;
-            for start in (0..real.len()).step_by(cfg.batch_size) {
-                correct += eng.eval_batch(start, cfg.batch_size.min(real.len() - start))?;
-            }
-        }
-        let mut counts = [correct as f64, real.len() as f64];
-        if let Some(c) = comm.as_deref_mut() {
-            if world > 1 {
-                eng.exec.all_reduce_sum_host(c, &mut counts)?;
-            }
-        }
-        let report = EpochReport {
-            epoch: epoch + 1,
-            epochs: cfg.epochs,
-            train_loss: tot[0] / tot[1].max(1.0),
-            test_acc: 100.0 * counts[0] / counts[1].max(1.0),
-            test_count: counts[1] as u64,
-            epoch_s: t0.elapsed().as_secs_f64(),
-            images_per_s: tot[1] / train_s.max(1e-9),
-            steps,
-            skipped_steps: skipped,
-            loss_scale: eng.loss_scaler().map(|s| s.scale()),
-        };
-        if skipped > 0 && rank == 0 {
-            tracing::info!(
-                "epoch {}: {skipped} of {steps} steps skipped (fp16 gradients overflowed); loss scale now {}",
-                epoch + 1,
-                report.loss_scale.unwrap_or(1.0)
-            );
-        }
-        if let Some(path) = &cfg.save {
-            if rank == 0 {
-                let ts = TrainState {
-                    epoch: epoch + 1,
-                    step: eng.step,
-                    seed: cfg.seed,
-                    world_size: world as u64,
-                    loss_scaler: eng.loss_scaler().map(LossScaler::state),
-                };
-                save_checkpoint(&mut eng, &mut model, cfg.lr, path, &ts)?;
-            }
-            // Nobody races ahead (and possibly reads the file) before it is complete.
-            if let Some(c) = comm.as_deref_mut() {
-                c.barrier()?;
-            }
-        }
-        obs.epoch_end(&report);
-        reports.push(report);
-    }
+    let mut run = DeviceRun {
+        cfg,
+        eng,
+        model,
+        comm,
+        rank,
+        world,
+        every: opts.loss_every.max(1),
+        pending: None,
+        last_sum: 0.0,
+        last_images: 0,
+        images: 0,
+        skipped: 0,
+    };
+    let reports = epoch::run(&mut run, cfg, first_epoch, train_set, test_set, obs)?;
+    let eng = &mut run.eng;
     let params = eng.params()?;
     Ok(TrainOutcome {
         reports,
@@ -532,41 +429,139 @@ pub fn train_device<E: Exec>(
     })
 }
 
-/// `--resume` on the device engine: load the newest complete checkpoint at `path` into `model`
-/// (parameters, BatchNorm statistics) and `opt` (moments, step), as the CPU trainer does; returns
-/// its training state (the epoch to continue from, the loss scaler's state). A checkpoint of
-/// another world size is refused (the data order would differ).
-fn resume_into(
-    path: &std::path::Path,
-    model: &mut Model,
-    opt: &mut crate::optim::Adam,
+/// The device engine in the shared epoch loop: the engine, the model it checkpoints through,
+/// and the asynchronous loss read-back of the current epoch.
+struct DeviceRun<'a, 'c, E: Exec> {
+    cfg: &'a TrainConfig,
+    eng: Engine<E>,
+    model: Model,
+    comm: Option<&'c mut Communicator>,
     rank: usize,
     world: usize,
-) -> Result<TrainState, DeviceError> {
-    let resumed = checkpoint::resume(path, model, opt)?;
-    if rank == 0 {
-        for why in &resumed.passed_over {
-            tracing::warn!("resume: passed over {why}");
+    /// Steps between loss read-backs.
+    every: usize,
+    /// Images seen when the pending read-back was started.
+    pending: Option<usize>,
+    /// The loss sum and image count the last collected read-back reported.
+    last_sum: f64,
+    last_images: usize,
+    /// Images of this epoch so far.
+    images: usize,
+    /// Steps of this epoch the loss scaler skipped.
+    skipped: u64,
+}
+
+impl<E: Exec> EpochEngine for DeviceRun<'_, '_, E> {
+    type Error = DeviceError;
+
+    fn rank_world(&self) -> (usize, usize) {
+        (self.rank, self.world)
+    }
+
+    fn start_epoch(&mut self, idx: &[usize]) -> Result<(), DeviceError> {
+        self.eng.set_index_list(idx, false)?;
+        self.eng.reset_loss_sum()?;
+        (self.pending, self.last_sum, self.last_images, self.images) = (None, 0.0, 0, 0);
+        self.skipped = 0;
+        Ok(())
+    }
+
+    fn train_step(
+        &mut self,
+        s: usize,
+        start: usize,
+        group: &[&[usize]],
+    ) -> Result<Option<f32>, DeviceError> {
+        // `grad_accum` is 1 on the device engine (checked above): one micro-batch per step.
+        let b = group.iter().map(|c| c.len()).sum::<usize>();
+        let lr = self.cfg.schedule.lr(self.cfg.lr, self.eng.step);
+        if self
+            .eng
+            .train_step(start, b, lr, self.comm.as_deref_mut())?
+            == StepAction::Skip
+        {
+            self.skipped += 1;
         }
-        tracing::info!(
-            "resuming from the {} checkpoint: {} and {} (epoch {}, step {})",
-            resumed.source,
-            resumed.model_file.display(),
-            resumed.optim_file.display(),
-            resumed.state.epoch,
-            resumed.state.step
-        );
+        self.images += b;
+        let mut shown = None;
+        if (s + 1).is_multiple_of(self.every) {
+            // Collect the read-back started `every` steps ago (long finished), start a new one.
+            if let Some(at) = self.pending.take() {
+                let sum = self.eng.exec.finish_read()?[0] as f64;
+                let loss = (sum - self.last_sum) / (at - self.last_images).max(1) as f64;
+                (self.last_sum, self.last_images) = (sum, at);
+                shown = Some(loss as f32);
+            }
+            self.eng.exec.start_read(self.eng.t.loss.loss_sum)?;
+            self.pending = Some(self.images);
+        }
+        Ok(shown)
     }
-    let st = resumed.state;
-    if st.world_size != world as u64 {
-        return Err(DeviceError::Config(format!(
-            "checkpoint {} was written by a {}-rank run; resume it with --nprocs {} to continue the same data order",
-            path.display(),
-            st.world_size,
-            st.world_size
-        )));
+
+    fn finish_steps(&mut self) -> Result<f64, DeviceError> {
+        if self.pending.take().is_some() {
+            self.eng.exec.finish_read()?;
+        }
+        let loss_sum = self.eng.exec.read_f32(self.eng.t.loss.loss_sum)?[0] as f64;
+        // Every rank clipped the same averaged gradients, so every rank stops here alike.
+        self.eng.check_grad_norm()?;
+        Ok(loss_sum)
     }
-    Ok(st)
+
+    fn sum_over_ranks(&mut self, v: &mut [f64]) -> Result<(), DeviceError> {
+        if let (Some(c), true) = (self.comm.as_deref_mut(), self.world > 1) {
+            self.eng.exec.all_reduce_sum_host(c, v)?;
+        }
+        Ok(())
+    }
+
+    fn broadcast_buffers(&mut self) -> Result<(), DeviceError> {
+        if let (Some(c), true) = (self.comm.as_deref_mut(), self.world > 1) {
+            self.eng.exec.broadcast(c, self.eng.t.bn_state)?;
+        }
+        Ok(())
+    }
+
+    fn count_correct(
+        &mut self,
+        _test: &Dataset,
+        ids: &[usize],
+        real: usize,
+    ) -> Result<u64, DeviceError> {
+        // The test split is on the device already (`upload_dataset`); padding is not run.
+        let mut correct = 0u64;
+        if real > 0 {
+            self.eng.set_index_list(&ids[..real], true)?;
+            for start in (0..real).step_by(self.cfg.batch_size) {
+                let b = self.cfg.batch_size.min(real - start);
+                correct += self.eng.eval_batch(start, b)?;
+            }
+        }
+        Ok(correct)
+    }
+
+    fn skipped_steps(&self) -> u64 {
+        self.skipped
+    }
+
+    fn loss_scaler(&self) -> Option<ScalerState> {
+        self.eng.loss_scaler().map(LossScaler::state)
+    }
+
+    fn optimizer_step(&self) -> u64 {
+        self.eng.step
+    }
+
+    fn save(&mut self, path: &Path, st: &TrainState) -> Result<(), DeviceError> {
+        save_checkpoint(&mut self.eng, &mut self.model, self.cfg.lr, path, st)
+    }
+
+    fn barrier(&mut self) -> Result<(), DeviceError> {
+        if let Some(c) = self.comm.as_deref_mut() {
+            c.barrier()?;
+        }
+        Ok(())
+    }
 }
 
 /// Write the device state as a checkpoint (the CPU trainer's format: PyTorch names, Adam state
@@ -575,11 +570,11 @@ fn save_checkpoint<E: Exec>(
     eng: &mut Engine<E>,
     model: &mut Model,
     lr: f32,
-    path: &std::path::Path,
+    path: &Path,
     ts: &TrainState,
 ) -> Result<(), DeviceError> {
     model.params.copy_from_slice(&eng.params()?);
-    let mut opt = crate::optim::Adam::new(model.num_params(), lr);
+    let mut opt = crate::ops::optim::Adam::new(model.num_params(), lr);
     opt.step = eng.step;
     opt.m = eng.exec.read_f32(eng.t.m)?;
     opt.v = eng.exec.read_f32(eng.t.v)?;

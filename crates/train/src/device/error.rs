@@ -42,3 +42,18 @@ pub enum DeviceError {
     #[error(transparent)]
     Checkpoint(#[from] crate::checkpoint::CheckpointError),
 }
+
+/// The shared epoch loop's errors (`trainer::epoch`: resume, the model, checkpoints) in the
+/// device engine's terms.
+impl From<crate::trainer::TrainError> for DeviceError {
+    fn from(e: crate::trainer::TrainError) -> DeviceError {
+        use crate::trainer::TrainError;
+        match e {
+            TrainError::Comm(e) => DeviceError::Comm(e),
+            TrainError::Model(e) => DeviceError::Model(e),
+            TrainError::Checkpoint(e) => DeviceError::Checkpoint(e),
+            TrainError::Config(m) => DeviceError::Config(m),
+            TrainError::NonFinite { step, .. } => DeviceError::NonFiniteGradNorm { step },
+        }
+    }
+}

@@ -7,7 +7,9 @@
 //! sources lockstep's training kernels.
 
 mod sources;
-pub mod twins;
+
+/// The CPU twins of every entry point, by kernel name (they live with their ops: [`crate::ops`]).
+pub use crate::ops::twins;
 
 use lockstep::cuda::{KernelSig, KernelSource};
 
@@ -252,7 +254,7 @@ mod tests {
         twins.sort_unstable();
         assert_eq!(
             declared, twins,
-            "every kernel entry point needs a CPU twin in kernels/twins/ (and a TWINS entry)"
+            "every kernel entry point needs a CPU twin in its ops/ home (and a TWINS entry in ops/twins.rs)"
         );
     }
 

@@ -10,7 +10,7 @@ use super::ir::{
     AdamHyper, Arena, Arg, BnTensors, ClipTensors, LossTensors, Op, Precision, Region,
 };
 use crate::device::kernels::KernelId;
-use crate::layers::Conv2dParams;
+use crate::ops::Conv2dParams;
 use lockstep::cuda::KernelGrid;
 
 /// Threads per block of the tiled GEMM core (`GEMM_THREADS` in common.cuh).

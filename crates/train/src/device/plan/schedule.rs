@@ -1,8 +1,8 @@
 //! A model's device step, derived from its layers: every tensor the step touches laid out as
 //! regions of the arenas ([`Tensors`]), and the launch sequence of forward, loss and backward.
 //!
-//! Nothing about the network is written down here: layer kinds, shapes, parameter offsets and
-//! BatchNorm settings are read from the [`Model`] (the CPU engine's `Model::fashion_cnn` for
+//! Nothing about the network is written down here: layer kinds, shapes and BatchNorm settings are
+//! read from each layer's [`LayerSpec`], parameter offsets from the [`Model`] (the CPU engine's `Model::fashion_cnn` for
 //! `train-cnn`), so both engines share one flat parameter layout. The device engine runs the
 //! layers it has kernels for (Conv2d, BatchNorm2d, ReLU, MaxPool2d, Flatten, Linear, then the
 //! softmax cross-entropy loss); any other model is refused with
@@ -29,15 +29,13 @@
 //! (`builder.rs`; the SM count is not known when the arenas are laid out); stages run in stream
 //! order, so one workspace serves them all.
 
-use std::any::Any;
-
 use super::builder::{splitk_workspace_len, Builder, ConvLaunch, CLIP_PARTIALS};
 use super::ir::{
     AmpTensors, Arena, BnTensors, ClipTensors, LossTensors, Op, ParamAt, Precision, Region,
 };
 use crate::device::error::DeviceError;
-use crate::layers::{BatchNorm2d, Conv2d, Conv2dParams, Flatten, Layer, Linear, MaxPool2d, Relu};
 use crate::model::{Model, ModelError};
+use crate::ops::{Conv2dParams, Layer, LayerSpec};
 
 /// What one stage computes: one model layer, or two when a ReLU is fused into the layer before.
 #[derive(Clone, Debug)]
@@ -108,36 +106,15 @@ struct Stage {
     bf_dout: Region,
 }
 
-/// A model layer the device engine has kernels for.
-enum Known<'a> {
-    Conv(&'a Conv2d),
-    BatchNorm(&'a BatchNorm2d),
-    Relu,
-    MaxPool(&'a MaxPool2d),
-    Flatten,
-    Linear(&'a Linear),
-}
-
-fn known<'a>(name: &str, l: &'a dyn Layer) -> Result<Known<'a>, DeviceError> {
-    let any: &dyn Any = l;
-    if let Some(c) = any.downcast_ref::<Conv2d>() {
-        Ok(Known::Conv(c))
-    } else if let Some(b) = any.downcast_ref::<BatchNorm2d>() {
-        Ok(Known::BatchNorm(b))
-    } else if any.is::<Relu>() {
-        Ok(Known::Relu)
-    } else if let Some(p) = any.downcast_ref::<MaxPool2d>() {
-        Ok(Known::MaxPool(p))
-    } else if any.is::<Flatten>() {
-        Ok(Known::Flatten)
-    } else if let Some(li) = any.downcast_ref::<Linear>() {
-        Ok(Known::Linear(li))
-    } else {
-        Err(DeviceError::UnsupportedModel {
-            layer: format!("{name} ({})", l.kind()),
+/// `l`'s spec, or [`DeviceError::UnsupportedModel`] for a layer kind without device kernels.
+fn known(name: &str, l: &dyn Layer) -> Result<LayerSpec, DeviceError> {
+    match l.spec() {
+        LayerSpec::Other(kind) => Err(DeviceError::UnsupportedModel {
+            layer: format!("{name} ({kind})"),
             why: "there are no device kernels for this layer kind (supported: conv2d, batchnorm2d, relu, maxpool2d, flatten, linear)"
                 .into(),
-        })
+        }),
+        spec => Ok(spec),
     }
 }
 
@@ -268,8 +245,8 @@ impl Tensors {
                 why: "the model has no layers".into(),
             });
         }
-        // The BatchNorm layers, in stage order, for their running statistics.
-        let mut bns: Vec<(&str, &BatchNorm2d)> = Vec::new();
+        // The BatchNorm layers, in stage order, for their running statistics: (name, channels, layer).
+        let mut bns: Vec<(&str, usize, &dyn Layer)> = Vec::new();
         let mut stages: Vec<Stage> = Vec::new();
         let mut dims: Vec<usize> = sample_dims.to_vec();
         let mut k = 0;
@@ -277,7 +254,7 @@ impl Tensors {
             let (name, l) = layers[k];
             let relu_next = layers
                 .get(k + 1)
-                .is_some_and(|(_, n)| (*n as &dyn Any).is::<Relu>());
+                .is_some_and(|(_, n)| n.spec() == LayerSpec::Relu);
             let with_batch: Vec<usize> =
                 std::iter::once(batch).chain(dims.iter().copied()).collect();
             let out_dims = l.out_dims(&with_batch).map_err(|why| ModelError::Shape {
@@ -288,8 +265,7 @@ impl Tensors {
             })?[1..]
                 .to_vec();
             let (kind, consumed) = match known(name, l)? {
-                Known::Conv(c) => {
-                    let p = c.params;
+                LayerSpec::Conv2d(p) => {
                     let weight = param(name, "weight", p.out_c * p.k())?;
                     (
                         Kind::Conv {
@@ -302,15 +278,19 @@ impl Tensors {
                         1,
                     )
                 }
-                Known::BatchNorm(b) => {
-                    if b.sync {
+                LayerSpec::BatchNorm2d {
+                    channels: c,
+                    momentum,
+                    eps,
+                    sync,
+                } => {
+                    if sync {
                         return Err(DeviceError::UnsupportedModel {
                             layer: name.into(),
                             why: "synchronised BatchNorm (--sync-bn) has no device kernels".into(),
                         });
                     }
-                    bns.push((name, b));
-                    let c = b.channels;
+                    bns.push((name, c, l));
                     let (weight, bias) = (param(name, "weight", c)?, param(name, "bias", c)?);
                     let t = BnTensors {
                         mean: UNSET,
@@ -321,36 +301,36 @@ impl Tensors {
                     let kind = Kind::BatchNorm {
                         t,
                         hw: dims[1] * dims[2],
-                        momentum: b.momentum,
-                        eps: b.eps,
+                        momentum,
+                        eps,
                         relu: relu_next,
                         weight,
                         bias,
                     };
                     (kind, 1 + relu_next as usize)
                 }
-                Known::Relu => (Kind::Relu, 1),
-                Known::MaxPool(p) => (
+                LayerSpec::Relu => (Kind::Relu, 1),
+                LayerSpec::MaxPool2d { kernel, stride } => (
                     Kind::MaxPool {
                         channels: dims[0],
                         h: dims[1],
                         w: dims[2],
-                        kernel: p.kernel,
-                        stride: p.stride,
+                        kernel,
+                        stride,
                         argmax: UNSET,
                     },
                     1,
                 ),
-                Known::Flatten => (Kind::Flatten, 1),
-                Known::Linear(li) => {
+                LayerSpec::Flatten => (Kind::Flatten, 1),
+                LayerSpec::Linear { in_f, out_f } => {
                     let (weight, bias) = (
-                        param(name, "weight", li.out_f * li.in_f)?,
-                        param(name, "bias", li.out_f)?,
+                        param(name, "weight", out_f * in_f)?,
+                        param(name, "bias", out_f)?,
                     );
                     (
                         Kind::Linear {
-                            in_f: li.in_f,
-                            out_f: li.out_f,
+                            in_f,
+                            out_f,
                             relu: relu_next,
                             weight,
                             bias,
@@ -359,6 +339,7 @@ impl Tensors {
                         1 + relu_next as usize,
                     )
                 }
+                LayerSpec::Other(_) => unreachable!("`known` refuses layers without kernels"),
             };
             let (in_per, out_per) = (dims.iter().product(), out_dims.iter().product());
             stages.push(Stage {
@@ -408,14 +389,20 @@ impl Tensors {
         let m = a.take(f, np);
         let v = a.take(f, np);
         let params_bf = a.take(b16, if half.is_some() { np } else { 0 });
-        let bn_state = a.take(f, bns.iter().map(|(_, b)| 2 * b.channels).sum());
+        let bn_state = a.take(f, bns.iter().map(|(_, c, _)| 2 * c).sum());
         let (mut bn_names, mut bn_init, mut at) = (Vec::new(), Vec::new(), 0);
         let bn_stages = stages.iter_mut().filter_map(|s| match &mut s.kind {
             Kind::BatchNorm { t, .. } => Some(t),
             _ => None,
         });
-        for (t, &(name, b)) in bn_stages.zip(&bns) {
-            let c = b.channels;
+        for (t, &(name, c, l)) in bn_stages.zip(&bns) {
+            let buffers = l.f32_buffers();
+            let buffer = |what: &str| -> &[f32] {
+                buffers
+                    .iter()
+                    .find(|(n, _)| *n == what)
+                    .map_or(&[], |(_, v)| *v)
+            };
             *t = BnTensors {
                 mean: a.take(f, c),
                 invstd: a.take(f, c),
@@ -423,8 +410,8 @@ impl Tensors {
                 running_var: bn_state.sub(at + c, c),
             };
             for (what, r, init) in [
-                ("running_mean", t.running_mean, &b.running_mean),
-                ("running_var", t.running_var, &b.running_var),
+                ("running_mean", t.running_mean, buffer("running_mean")),
+                ("running_var", t.running_var, buffer("running_var")),
             ] {
                 if init.len() != c {
                     return Err(DeviceError::UnsupportedModel {
@@ -846,6 +833,7 @@ impl Tensors {
 mod tests {
     use super::super::ir::Arg;
     use super::*;
+    use crate::ops::{BatchNorm2d, Conv2d, Flatten, Linear, MaxPool2d, Relu};
     use crate::tensor::Tensor;
 
     fn boxed(l: Vec<(&str, Box<dyn Layer>)>, input: &[usize]) -> Model {
@@ -945,7 +933,7 @@ mod tests {
     /// standalone ReLU, BatchNorm without ReLU, a linear layer without ReLU before the last one.
     #[test]
     fn another_model_gets_its_own_schedule() {
-        use crate::layers::Conv2dParams;
+        use crate::ops::Conv2dParams;
         let model = boxed(
             vec![
                 (

@@ -1,7 +1,7 @@
 //! CPU twins of `kernels/optim.cu`: the fused Adam and SGD steps, AMP unscaling and gradient
 //! clipping by global norm (with the kernels' fixed reduction order).
 //!
-//! The conventions every twin follows are in the module documentation (`twins/mod.rs`).
+//! The conventions every twin follows are in the module documentation (`ops/twins.rs`).
 
 /// One Adam step (L2 weight decay added to the gradient; `step` is 1-based and includes this one).
 #[allow(clippy::too_many_arguments)]
@@ -28,8 +28,8 @@ pub fn adam_step_f32(
         if weight_decay != 0.0 {
             g += weight_decay * p;
         }
-        let mi = crate::optim::flush(beta1 * m[i] + (1.0 - beta1) * g);
-        let vi = crate::optim::flush(beta2 * v[i] + (1.0 - beta2) * g * g);
+        let mi = crate::ops::optim::flush(beta1 * m[i] + (1.0 - beta1) * g);
+        let vi = crate::ops::optim::flush(beta2 * v[i] + (1.0 - beta2) * g * g);
         m[i] = mi;
         v[i] = vi;
         let denom = vi.sqrt() / bc2_sqrt + eps;

@@ -2,8 +2,10 @@
 //!
 //! Backward: `dW[OUT, IN] += dout^T · inp`, `db += Σ_n dout`, `dinp = dout · W`.
 
-use super::{Init, Layer, ParamSpec};
-use crate::kernels::{matmul, Trans};
+pub mod twin;
+
+use super::{Init, Layer, LayerSpec, ParamSpec};
+use crate::gemm::{matmul, Trans};
 use crate::tensor::Tensor;
 
 /// Fully connected layer.
@@ -25,6 +27,12 @@ impl Linear {
 impl Layer for Linear {
     fn kind(&self) -> &'static str {
         "linear"
+    }
+    fn spec(&self) -> LayerSpec {
+        LayerSpec::Linear {
+            in_f: self.in_f,
+            out_f: self.out_f,
+        }
     }
     fn out_dims(&self, inp: &[usize]) -> Result<Vec<usize>, String> {
         match *inp {
@@ -115,6 +123,6 @@ impl Layer for Linear {
 mod tests {
     #[test]
     fn linear_gradcheck() {
-        crate::layers::gradcheck::check(&mut super::Linear::new(5, 3), &[4, 5], true, 9);
+        crate::ops::gradcheck::check(&mut super::Linear::new(5, 3), &[4, 5], true, 9);
     }
 }

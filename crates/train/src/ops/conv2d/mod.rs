@@ -1,5 +1,8 @@
-//! Conv2d (any stride and padding, no dilation or groups) as im2col + GEMM, one sample at a time,
-//! or as Winograd F(4x4, 5x5) for the layers that fit it.
+//! Conv2d (`kernels/conv2d.cu`): the CPU layer, its shape, the kernels' CPU twins (`twin.rs`) and
+//! the Winograd path (`winograd.rs`).
+//!
+//! The layer (any stride and padding, no dilation or groups) runs as im2col + GEMM, one sample at a
+//! time, or as Winograd F(4x4, 5x5) for the layers that fit it.
 //!
 //! im2col path, per sample, with `K = in_c*kh*kw` and `P = out_h*out_w`:
 //! - forward:         `col = im2col(inp)`, `out[OC, P] = W[OC, K] · col + bias` (NCHW directly)
@@ -17,65 +20,20 @@
 //! (`DoutSource::Fill`), so conv1's 6.4 MB output gradient is never written out whole.
 //!
 //! 5x5 stride-1 "same" layers with 8+ input channels (conv2 of the FashionMNIST CNN) take the
-//! Winograd F(4x4, 5x5) path of `crate::winograd` instead, in all three directions: it does
+//! Winograd F(4x4, 5x5) path of `winograd.rs` instead, in all three directions: it does
 //! several times fewer multiplications than im2col + GEMM (`benches/train_step.rs` times conv2).
 
+mod shape;
+pub mod twin;
+pub(crate) mod winograd;
+
+pub use shape::{Conv2dParams, Conv2dShape};
+
 use super::batchnorm::lane_sum;
-use super::{Init, Layer, ParamSpec};
-use crate::kernels::{matmul, Trans};
+use super::{Init, Layer, LayerSpec, ParamSpec};
+use crate::gemm::{matmul, Trans};
 use crate::tensor::Tensor;
-use crate::winograd::{self, Winograd};
-
-/// Shape math of a 2-D convolution, shared by the layer, the reference and the tests.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Conv2dParams {
-    /// Input channels.
-    pub in_c: usize,
-    /// Output channels.
-    pub out_c: usize,
-    /// Kernel height.
-    pub kh: usize,
-    /// Kernel width.
-    pub kw: usize,
-    /// Stride (both directions).
-    pub stride: usize,
-    /// Zero padding (both directions).
-    pub pad: usize,
-}
-
-impl Conv2dParams {
-    /// Output height for input height `h`.
-    pub fn out_h(&self, h: usize) -> usize {
-        (h + 2 * self.pad).saturating_sub(self.kh) / self.stride + 1
-    }
-    /// Output width for input width `w`.
-    pub fn out_w(&self, w: usize) -> usize {
-        (w + 2 * self.pad).saturating_sub(self.kw) / self.stride + 1
-    }
-    /// Output dimensions for `[N, C, H, W]`.
-    pub fn out_dims(&self, inp: &[usize]) -> Result<Vec<usize>, String> {
-        let &[n, c, h, w] = inp else {
-            return Err(format!("conv2d expects [N, C, H, W] input, got {inp:?}"));
-        };
-        if c != self.in_c {
-            return Err(format!(
-                "conv2d expects {} input channels, got {c}",
-                self.in_c
-            ));
-        }
-        if h + 2 * self.pad < self.kh || w + 2 * self.pad < self.kw || self.stride == 0 {
-            return Err(format!(
-                "conv2d kernel {}x{} does not fit input {h}x{w} with padding {}",
-                self.kh, self.kw, self.pad
-            ));
-        }
-        Ok(vec![n, self.out_c, self.out_h(h), self.out_w(w)])
-    }
-    /// Columns of the unrolled kernel, `in_c * kh * kw` (the weight's fan-in).
-    pub fn k(&self) -> usize {
-        self.in_c * self.kh * self.kw
-    }
-}
+use winograd::Winograd;
 
 /// 2-D convolution layer with its reusable column buffers.
 #[derive(Clone, Debug)]
@@ -310,19 +268,16 @@ pub fn col2im_fast(
     }
 }
 
-/// Naive CPU reference of the forward pass (direct loops), for tests.
-#[allow(clippy::too_many_arguments)]
+/// Naive CPU reference of the forward pass (direct loops, f64 sums), for tests.
 pub fn conv2d_forward_cpu(
-    cp: &Conv2dParams,
+    shape: &Conv2dShape,
     out: &mut [f32],
     inp: &[f32],
     weight: &[f32],
     bias: &[f32],
-    n: usize,
-    h: usize,
-    w: usize,
 ) {
-    let (oh, ow) = (cp.out_h(h), cp.out_w(w));
+    let (cp, n, h, w) = (&shape.params, shape.batch, shape.in_h, shape.in_w);
+    let (oh, ow) = (shape.out_h(), shape.out_w());
     for b in 0..n {
         for oc in 0..cp.out_c {
             for oy in 0..oh {
@@ -352,6 +307,9 @@ pub fn conv2d_forward_cpu(
 impl Layer for Conv2d {
     fn kind(&self) -> &'static str {
         "conv2d"
+    }
+    fn spec(&self) -> LayerSpec {
+        LayerSpec::Conv2d(self.params)
     }
     fn out_dims(&self, inp: &[usize]) -> Result<Vec<usize>, String> {
         self.params.out_dims(inp)
@@ -653,7 +611,13 @@ mod tests {
             layer.forward(&p, &inp, &mut out, true);
             let mut reference = vec![0.0; out.numel()];
             let (w, b) = p.split_at(4 * cp.k());
-            conv2d_forward_cpu(&cp, &mut reference, inp.data(), w, b, 11, 7, 6);
+            let shape = Conv2dShape {
+                params: cp,
+                batch: 11,
+                in_h: 7,
+                in_w: 6,
+            };
+            conv2d_forward_cpu(&shape, &mut reference, inp.data(), w, b);
             for (i, (x, y)) in out.data().iter().zip(&reference).enumerate() {
                 assert!(
                     (x - y).abs() < 1e-4,
@@ -760,7 +724,13 @@ mod tests {
         layer.forward(&p, &inp, &mut out, true);
         let mut reference = vec![0.0; out.numel()];
         let (w, b) = p.split_at(3 * cp.k());
-        conv2d_forward_cpu(&cp, &mut reference, inp.data(), w, b, 3, 6, 5);
+        let shape = Conv2dShape {
+            params: cp,
+            batch: 3,
+            in_h: 6,
+            in_w: 5,
+        };
+        conv2d_forward_cpu(&shape, &mut reference, inp.data(), w, b);
         for (x, y) in out.data().iter().zip(&reference) {
             assert!((x - y).abs() < 1e-4, "{x} vs {y}");
         }
@@ -790,7 +760,7 @@ mod tests {
                 stride: 1,
                 pad: 2,
             };
-            crate::layers::gradcheck::check(&mut Conv2d::new(cp), &[2, 8, 4, 3], true, 13);
+            crate::ops::gradcheck::check(&mut Conv2d::new(cp), &[2, 8, 4, 3], true, 13);
         }
         for (stride, pad) in [(1, 2), (2, 1)] {
             let cp = Conv2dParams {
@@ -801,7 +771,7 @@ mod tests {
                 stride,
                 pad,
             };
-            crate::layers::gradcheck::check(&mut Conv2d::new(cp), &[2, 2, 5, 5], true, 11);
+            crate::ops::gradcheck::check(&mut Conv2d::new(cp), &[2, 2, 5, 5], true, 11);
         }
         // Several samples, so the per-sample bookkeeping of the kept columns is checked too.
         {
@@ -813,7 +783,7 @@ mod tests {
                 stride: 1,
                 pad: 1,
             };
-            crate::layers::gradcheck::check(&mut Conv2d::new(cp), &[6, 1, 3, 3], true, 12);
+            crate::ops::gradcheck::check(&mut Conv2d::new(cp), &[6, 1, 3, 3], true, 12);
         }
     }
 }

@@ -9,7 +9,9 @@
 //! `dbeta += Σ dout`, `dgamma += Σ dout·xhat`,
 //! `dinp = gamma·invstd/M · (M·dout − Σ dout − xhat·Σ dout·xhat)`.
 
-use super::{BufferMut, Init, Layer, ParamSpec, SumFn};
+pub mod twin;
+
+use super::{BufferMut, Init, Layer, LayerSpec, ParamSpec, SumFn};
 use crate::multiversion::dispatch;
 use crate::tensor::Tensor;
 
@@ -412,6 +414,20 @@ pub(super) fn lane_sum(xs: &[f32], f: impl Fn(f32) -> f32) -> f32 {
 impl Layer for BatchNorm2d {
     fn kind(&self) -> &'static str {
         "batchnorm2d"
+    }
+    fn spec(&self) -> LayerSpec {
+        LayerSpec::BatchNorm2d {
+            channels: self.channels,
+            momentum: self.momentum,
+            eps: self.eps,
+            sync: self.sync,
+        }
+    }
+    fn f32_buffers(&self) -> Vec<(&'static str, &[f32])> {
+        vec![
+            ("running_mean", &self.running_mean),
+            ("running_var", &self.running_var),
+        ]
     }
     fn out_dims(&self, inp: &[usize]) -> Result<Vec<usize>, String> {
         match inp {
@@ -944,7 +960,7 @@ mod tests {
 
     #[test]
     fn batchnorm_gradcheck() {
-        crate::layers::gradcheck::check(&mut BatchNorm2d::new(3), &[4, 3, 2, 3], true, 7);
+        crate::ops::gradcheck::check(&mut BatchNorm2d::new(3), &[4, 3, 2, 3], true, 7);
     }
 
     /// Hand-computed PyTorch semantics on one channel with values 1, 2, 3, 4 (N=2, 1x2 images):

@@ -1,13 +1,13 @@
-//! What the GEMM-shaped twins (`conv2d.rs`, `linear.rs`) share with
+//! What the GEMM-shaped twins (`ops/conv2d/twin.rs`, `ops/linear/twin.rs`) share with
 //! `kernels/common.cuh`: the exact widening of a kernel operand, the split-K ranges of the tiled
 //! core, how a weight gradient is stored (accumulated, or written as split-K planes), and
-//! `twin_pair!`, which writes the f32, bf16 and f16 twins of one kernel (declared first in
-//! `mod.rs` with `#[macro_use]`, so the files after it can use it).
+//! `twin_pair!`, which writes the f32, bf16 and f16 twins of one kernel (imported by path:
+//! `use crate::gemm::twin::twin_pair`).
 
 use half::{bf16, f16};
 
 /// Exact widening of a kernel operand (f32, bf16 or f16) to f32.
-pub(super) trait Operand: Copy {
+pub(crate) trait Operand: Copy {
     fn f(self) -> f32;
 }
 impl Operand for f32 {
@@ -45,7 +45,7 @@ const GEMM_BK: usize = 32;
 /// Store a weight gradient as the kernels do (`accumulate_out` in common.cuh): with `partials`
 /// empty, `dweight[e] += sum(e, 0..K)`; otherwise `partials` holds `splits` planes of
 /// `dweight.len()` values and plane `z` is overwritten with `sum(e, slice z)`.
-pub(super) fn store_weight_grad(
+pub(crate) fn store_weight_grad(
     dweight: &mut [f32],
     partials: &mut [f32],
     plane: usize,
@@ -72,20 +72,28 @@ pub(super) fn store_weight_grad(
 macro_rules! twin_pair {
     ($(#[doc = $d32:literal])* $f32:ident, $(#[doc = $d16:literal])* $bf16:ident, $(#[doc = $dh:literal])* $f16:ident,
      $imp:ident($($arg:ident: $kind:tt),* $(,)?)) => {
+        $crate::gemm::twin::twin_pair!(
+            $(#[doc = $d32])* $f32, $(#[doc = $d16])* $bf16, $(#[doc = $dh])* $f16,
+            ($($arg: $kind),*) => $imp($($arg),*)
+        );
+    };
+    // With the body given: e.g. the kernel's scalar arguments gathered into a shape struct.
+    ($(#[doc = $d32:literal])* $f32:ident, $(#[doc = $d16:literal])* $bf16:ident, $(#[doc = $dh:literal])* $f16:ident,
+     ($($arg:ident: $kind:tt),* $(,)?) => $body:expr) => {
         $(#[doc = $d32])*
         #[allow(clippy::too_many_arguments)]
-        pub fn $f32($($arg: twin_arg!($kind, f32)),*) {
-            $imp($($arg),*)
+        pub fn $f32($($arg: $crate::gemm::twin::twin_arg!($kind, f32)),*) {
+            $body
         }
         $(#[doc = $d16])*
         #[allow(clippy::too_many_arguments)]
-        pub fn $bf16($($arg: twin_arg!($kind, bf16)),*) {
-            $imp($($arg),*)
+        pub fn $bf16($($arg: $crate::gemm::twin::twin_arg!($kind, bf16)),*) {
+            $body
         }
         $(#[doc = $dh])*
         #[allow(clippy::too_many_arguments)]
-        pub fn $f16($($arg: twin_arg!($kind, f16)),*) {
-            $imp($($arg),*)
+        pub fn $f16($($arg: $crate::gemm::twin::twin_arg!($kind, f16)),*) {
+            $body
         }
     };
 }
@@ -99,3 +107,5 @@ macro_rules! twin_arg {
         $fixed
     };
 }
+
+pub(crate) use {twin_arg, twin_pair};

@@ -1,7 +1,7 @@
 //! Flatten: `[N, C, H, W] -> [N, C*H*W]`. The NCHW storage is already in PyTorch's flatten order,
 //! so forward and backward are copies.
 
-use super::Layer;
+use super::{Layer, LayerSpec};
 use crate::tensor::Tensor;
 
 /// Collapse all but the batch dimension.
@@ -11,6 +11,9 @@ pub struct Flatten;
 impl Layer for Flatten {
     fn kind(&self) -> &'static str {
         "flatten"
+    }
+    fn spec(&self) -> LayerSpec {
+        LayerSpec::Flatten
     }
     fn out_dims(&self, inp: &[usize]) -> Result<Vec<usize>, String> {
         match inp.split_first() {
@@ -43,6 +46,6 @@ impl Layer for Flatten {
 mod tests {
     #[test]
     fn flatten_gradcheck() {
-        crate::layers::gradcheck::check(&mut super::Flatten, &[2, 3, 2, 2], true, 4);
+        crate::ops::gradcheck::check(&mut super::Flatten, &[2, 3, 2, 2], true, 4);
     }
 }

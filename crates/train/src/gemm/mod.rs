@@ -1,15 +1,17 @@
-//! Dense matrix multiply for the CPU engine: one bounds-checked, safe wrapper around the `gemm`
+//! Dense matrix multiply for the CPU engine (`gemm/`: this entry, `micro.rs`, and `twin.rs`, the CPU
+//! twin of the kernels' shared tiled core `kernels/common.cuh`): one bounds-checked, safe wrapper around the `gemm`
 //! crate, so every layer calls GEMM through the same door.
 //!
 //! `gemm` picks AVX2/AVX-512 micro-kernels at run time, which is why the release profile can stay
 //! generic x86-64. Its entry point is an `unsafe fn` over raw pointers and strides, called here
 //! after every extent has been checked against the slice lengths, so callers cannot cause
 //! out-of-bounds access. Small products with `B`'s rows contiguous go to
-//! `microgemm` instead, when the CPU has AVX-512 (same checks first).
+//! `micro` (this module's own AVX-512 kernels) instead, when the CPU has AVX-512 (same checks first).
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
-use crate::microgemm;
+mod micro;
+pub(crate) mod twin;
 
 /// Threads GEMM may use in this process (1 = run on the calling thread, no pool).
 ///
@@ -27,14 +29,14 @@ pub fn threads() -> usize {
     GEMM_THREADS.load(Ordering::Relaxed)
 }
 
-fn parallelism() -> gemm::Parallelism {
+fn parallelism() -> ::gemm::Parallelism {
     match threads() {
-        0 | 1 => gemm::Parallelism::None,
-        n => gemm::Parallelism::Rayon(n),
+        0 | 1 => ::gemm::Parallelism::None,
+        n => ::gemm::Parallelism::Rayon(n),
     }
 }
 
-/// Whether small products may take `microgemm`'s kernels (on by
+/// Whether small products may take `micro`'s kernels (on by
 /// default; the benchmarks turn it off to compare with the `gemm` crate in one process).
 static SMALL_KERNELS: AtomicBool = AtomicBool::new(true);
 
@@ -141,14 +143,14 @@ pub fn matmul_ld(
     let small = small_kernels() && (threads() == 1 || m * n * k <= 1 << 18);
     if small && tb == Trans::No {
         let (rs, cs) = if ta == Trans::No { (lda, 1) } else { (1, lda) };
-        if microgemm::gemm(m, n, k, (&mut *dst, ldd), (a, rs, cs), (b, ldb), accumulate) {
+        if micro::gemm(m, n, k, (&mut *dst, ldd), (a, rs, cs), (b, ldb), accumulate) {
             return;
         }
     }
     if small
         && ta == Trans::No
         && tb == Trans::Yes
-        && microgemm::gemm_nt(m, n, k, (&mut *dst, ldd), (a, lda), (b, ldb), accumulate)
+        && micro::gemm_nt(m, n, k, (&mut *dst, ldd), (a, lda), (b, ldb), accumulate)
     {
         return;
     }
@@ -165,7 +167,7 @@ pub fn matmul_ld(
     // both orders; B likewise. All extents were checked above, the slices do not alias (one is
     // &mut), and `gemm` only reads/writes those elements.
     unsafe {
-        gemm::gemm(
+        ::gemm::gemm(
             m,
             n,
             k,
@@ -229,7 +231,7 @@ mod tests {
     use super::*;
 
     /// Both paths (lockstep's small-product kernels and the `gemm` crate) in every storage order,
-    /// on shapes each kernel takes (`n` a multiple of 16 for `microgemm::gemm`, any for
+    /// on shapes each kernel takes (`n` a multiple of 16 for `micro::gemm`, any for
     /// `gemm_nt`) and one neither takes fully (`n` = 7 without B transposed).
     #[test]
     fn matmul_matches_reference_in_all_storage_orders() {

@@ -1,7 +1,7 @@
 //! CPU twins of `kernels/data.cu`: batch gathering, gradient bucket flatten/unflatten, and the
 //! f32 <-> bf16 / f16 casts.
 //!
-//! The conventions every twin follows are in the module documentation (`twins/mod.rs`).
+//! The conventions every twin follows are in the module documentation (`ops/twins.rs`).
 
 use half::{bf16, f16};
 

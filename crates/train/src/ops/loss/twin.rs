@@ -1,6 +1,6 @@
 //! CPU twins of `kernels/loss.cu`: fused softmax + cross-entropy, forward and backward.
 //!
-//! The conventions every twin follows are in the module documentation (`twins/mod.rs`).
+//! The conventions every twin follows are in the module documentation (`ops/twins.rs`).
 
 /// Softmax + cross-entropy per row, the mean loss in `mean_loss[0]` and the number of rows whose
 /// first maximum is the target in `correct[0]` (both overwritten).

@@ -6,6 +6,8 @@
 //! - [`Sgd`]: `torch.optim.SGD` with momentum, dampening, Nesterov and weight decay; the first
 //!   step seeds the momentum buffer with the gradient, as PyTorch does.
 
+pub mod twin;
+
 /// Adam optimizer state.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Adam {

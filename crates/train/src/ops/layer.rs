@@ -1,6 +1,7 @@
 //! The [`Layer`] trait and what layers share: parameter specs, initialisers, the gradient-buffer
 //! view, and the cross-rank sum used by synchronised BatchNorm.
 
+use super::conv2d::Conv2dParams;
 use crate::rng::Rng;
 use crate::tensor::Tensor;
 
@@ -55,13 +56,62 @@ pub enum BufferMut<'a> {
     I64(&'static str, &'a mut i64),
 }
 
+/// What a layer computes and its hyperparameters: the model described once. The CPU engine runs
+/// the [`Layer`] objects; the device engine builds its launch plan from the specs alone.
+#[derive(Clone, Debug, PartialEq)]
+pub enum LayerSpec {
+    /// 2-D convolution (`kernels/conv2d.cu`).
+    Conv2d(Conv2dParams),
+    /// BatchNorm2d over `channels` (`kernels/batchnorm.cu`); `sync` sums statistics over ranks.
+    BatchNorm2d {
+        /// Channels.
+        channels: usize,
+        /// Running-statistics momentum (PyTorch's convention).
+        momentum: f32,
+        /// Variance epsilon.
+        eps: f32,
+        /// Synchronised BatchNorm (statistics summed over ranks).
+        sync: bool,
+    },
+    /// Element-wise rectifier (`kernels/activation.cu`).
+    Relu,
+    /// 2-D max pooling (`kernels/pool.cu`).
+    MaxPool2d {
+        /// Window side.
+        kernel: usize,
+        /// Stride (both directions).
+        stride: usize,
+    },
+    /// `[N, C, H, W]` to `[N, C*H*W]` (no kernel: NCHW already is the flattened order).
+    Flatten,
+    /// Fully connected layer (`kernels/linear.cu`).
+    Linear {
+        /// Input features.
+        in_f: usize,
+        /// Output features.
+        out_f: usize,
+    },
+    /// A layer the device engine has no kernels for, by its kind name.
+    Other(&'static str),
+}
+
 /// A layer: shape math, parameters, forward and backward.
 ///
-/// `Any` lets engines that run layers their own way (the device engine) read a layer's concrete
-/// type and shape parameters (`(layer as &dyn Any).downcast_ref::<Conv2d>()`).
+/// `Any` lets the CPU model's fused groups (BatchNorm + ReLU + pool, streamed into the
+/// convolution before) reach the concrete layers they fuse; every other reader describes a layer
+/// by its [`LayerSpec`].
 pub trait Layer: Send + std::any::Any {
     /// Short kind name for messages (`conv2d`, `relu`, ...).
     fn kind(&self) -> &'static str;
+    /// What the layer computes, with its hyperparameters (the device plan is built from these).
+    fn spec(&self) -> LayerSpec {
+        LayerSpec::Other(self.kind())
+    }
+    /// Non-trainable `f32` state by name (BatchNorm's running statistics), read-only; the
+    /// device engine uploads it.
+    fn f32_buffers(&self) -> Vec<(&'static str, &[f32])> {
+        Vec::new()
+    }
     /// Output dimensions for an input of `inp` dimensions, or a message saying what is wrong.
     fn out_dims(&self, inp: &[usize]) -> Result<Vec<usize>, String>;
     /// Parameters in PyTorch order; empty for parameter-free layers.

@@ -1,7 +1,7 @@
 //! CPU twins of `kernels/batchnorm.cu`: BatchNorm2d forward (train and eval) and backward, with
 //! the optional fused ReLU; `f32::mul_add` where the kernel contracts to one fused multiply-add.
 //!
-//! The conventions every twin follows are in the module documentation (`twins/mod.rs`).
+//! The conventions every twin follows are in the module documentation (`ops/twins.rs`).
 
 /// Training-mode BatchNorm2d: batch statistics (biased variance, two passes), saved mean and
 /// 1/std, running estimates updated with the unbiased variance, optional fused ReLU.

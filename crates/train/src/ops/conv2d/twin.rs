@@ -1,46 +1,25 @@
 //! CPU twins of `kernels/conv2d.cu`: 2-D convolution forward, input, weight and bias gradients,
 //! in f32, bf16 and f16 operands.
 //!
-//! The conventions every twin follows are in the module documentation (`twins/mod.rs`).
+//! The conventions every twin follows are in the module documentation (`ops/twins.rs`).
 
 use half::{bf16, f16};
 
-use crate::layers::Conv2dParams;
+use super::Conv2dShape;
 
-use super::common::{store_weight_grad, Operand};
+use crate::gemm::twin::{store_weight_grad, twin_pair, Operand};
 
-/// Convolution shape from the kernels' scalar arguments.
-fn conv_params(in_c: i32, out_c: i32, kh: i32, kw: i32, stride: i32, pad: i32) -> Conv2dParams {
-    Conv2dParams {
-        in_c: in_c as usize,
-        out_c: out_c as usize,
-        kh: kh as usize,
-        kw: kw as usize,
-        stride: stride as usize,
-        pad: pad as usize,
-    }
-}
-
-#[allow(clippy::too_many_arguments)]
 fn conv2d_forward_t<T: Operand>(
     out: &mut [f32],
     inp: &[T],
     weight: &[T],
     bias: Option<&[f32]>,
-    batch: i32,
-    in_c: i32,
-    in_h: i32,
-    in_w: i32,
-    out_c: i32,
-    kh: i32,
-    kw: i32,
-    stride: i32,
-    pad: i32,
+    shape: Conv2dShape,
 ) {
-    let cp = conv_params(in_c, out_c, kh, kw, stride, pad);
-    let (ih, iw) = (in_h as usize, in_w as usize);
-    let (oh, ow) = (cp.out_h(ih), cp.out_w(iw));
-    for n in 0..batch as usize {
+    let (cp, batch) = (shape.params, shape.batch);
+    let (ih, iw) = (shape.in_h, shape.in_w);
+    let (oh, ow) = (shape.out_h(), shape.out_w());
+    for n in 0..batch {
         for oc in 0..cp.out_c {
             for oy in 0..oh {
                 for ox in 0..ow {
@@ -72,26 +51,17 @@ fn conv2d_forward_t<T: Operand>(
     }
 }
 
-#[allow(clippy::too_many_arguments)]
 fn conv2d_backward_input_t<T: Operand>(
     dinp: &mut [f32],
     dout: &[T],
     weight: &[T],
-    batch: i32,
-    in_c: i32,
-    in_h: i32,
-    in_w: i32,
-    out_c: i32,
-    kh: i32,
-    kw: i32,
-    stride: i32,
-    pad: i32,
+    shape: Conv2dShape,
 ) {
-    let cp = conv_params(in_c, out_c, kh, kw, stride, pad);
-    let (ih, iw) = (in_h as usize, in_w as usize);
-    let (oh, ow) = (cp.out_h(ih), cp.out_w(iw));
+    let (cp, batch) = (shape.params, shape.batch);
+    let (ih, iw) = (shape.in_h, shape.in_w);
+    let (oh, ow) = (shape.out_h(), shape.out_w());
     let s = cp.stride as isize;
-    for n in 0..batch as usize {
+    for n in 0..batch {
         for ic in 0..cp.in_c {
             for iy in 0..ih {
                 for ix in 0..iw {
@@ -120,25 +90,16 @@ fn conv2d_backward_input_t<T: Operand>(
     }
 }
 
-#[allow(clippy::too_many_arguments)]
 fn conv2d_backward_weight_t<T: Operand>(
     dweight: &mut [f32],
     partials: &mut [f32],
     dout: &[T],
     inp: &[T],
-    batch: i32,
-    in_c: i32,
-    in_h: i32,
-    in_w: i32,
-    out_c: i32,
-    kh: i32,
-    kw: i32,
-    stride: i32,
-    pad: i32,
+    shape: Conv2dShape,
 ) {
-    let cp = conv_params(in_c, out_c, kh, kw, stride, pad);
-    let (ih, iw) = (in_h as usize, in_w as usize);
-    let (oh, ow) = (cp.out_h(ih), cp.out_w(iw));
+    let (cp, batch) = (shape.params, shape.batch);
+    let (ih, iw) = (shape.in_h, shape.in_w);
+    let (oh, ow) = (shape.out_h(), shape.out_w());
     let k = cp.k();
     // Element e = (oc, ic, ky, kx) of dweight, summed over GEMM K indices q = (n, oy, ox) in `qs`.
     let sum = |e: usize, qs: std::ops::Range<usize>| {
@@ -182,13 +143,7 @@ fn conv2d_backward_weight_t<T: Operand>(
         }
         acc
     };
-    store_weight_grad(
-        dweight,
-        partials,
-        cp.out_c * k,
-        batch as usize * oh * ow,
-        sum,
-    );
+    store_weight_grad(dweight, partials, cp.out_c * k, batch * oh * ow, sum);
 }
 
 fn conv2d_backward_bias_t<T: Operand>(
@@ -219,8 +174,7 @@ twin_pair!(
     conv2d_forward_bf16,
     /// fp16 operands, f32 accumulation and output: see [`conv2d_forward_f32`].
     conv2d_forward_f16,
-    conv2d_forward_t(
-        out: (&mut [f32]),
+    (        out: (&mut [f32]),
         inp: op,
         weight: op,
         bias: (Option<&[f32]>),
@@ -233,7 +187,7 @@ twin_pair!(
         kw: (i32),
         stride: (i32),
         pad: (i32)
-    )
+    ) => conv2d_forward_t(out, inp, weight, bias, Conv2dShape::from_kernel_args([batch, in_c, in_h, in_w, out_c, kh, kw, stride, pad]))
 );
 twin_pair!(
     /// `dinp` (overwritten) from `dout` and `weight`.
@@ -242,8 +196,7 @@ twin_pair!(
     conv2d_backward_input_bf16,
     /// fp16 operands: see [`conv2d_backward_input_f32`].
     conv2d_backward_input_f16,
-    conv2d_backward_input_t(
-        dinp: (&mut [f32]),
+    (        dinp: (&mut [f32]),
         dout: op,
         weight: op,
         batch: (i32),
@@ -255,20 +208,19 @@ twin_pair!(
         kw: (i32),
         stride: (i32),
         pad: (i32)
-    )
+    ) => conv2d_backward_input_t(dinp, dout, weight, Conv2dShape::from_kernel_args([batch, in_c, in_h, in_w, out_c, kh, kw, stride, pad]))
 );
 twin_pair!(
     /// `dweight += Σ dout * im2col(inp)` (accumulated) when `partials` is empty (one K slice).
     /// Split-K: `partials` holds `splits` planes of `dweight.len()` values; plane `z` is
-    /// overwritten with slice `z`'s sum (K = batch*out_h*out_w cut by [`split_k_ranges`](super::split_k_ranges)(super::split_k_ranges)) and
-    /// `dweight` is untouched until [`splitk_reduce_f32`](super::splitk_reduce_f32) adds the planes.
+    /// overwritten with slice `z`'s sum (K = batch*out_h*out_w cut by [`split_k_ranges`](crate::ops::twins::split_k_ranges)) and
+    /// `dweight` is untouched until [`splitk_reduce_f32`](crate::ops::twins::splitk_reduce_f32) adds the planes.
     conv2d_backward_weight_f32,
     /// bf16 operands: see [`conv2d_backward_weight_f32`].
     conv2d_backward_weight_bf16,
     /// fp16 operands: see [`conv2d_backward_weight_f32`].
     conv2d_backward_weight_f16,
-    conv2d_backward_weight_t(
-        dweight: (&mut [f32]),
+    (        dweight: (&mut [f32]),
         partials: (&mut [f32]),
         dout: op,
         inp: op,
@@ -281,7 +233,7 @@ twin_pair!(
         kw: (i32),
         stride: (i32),
         pad: (i32)
-    )
+    ) => conv2d_backward_weight_t(dweight, partials, dout, inp, Conv2dShape::from_kernel_args([batch, in_c, in_h, in_w, out_c, kh, kw, stride, pad]))
 );
 twin_pair!(
     /// `dbias[oc] += Σ_{n,oy,ox} dout` (accumulated).

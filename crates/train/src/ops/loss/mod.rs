@@ -2,6 +2,8 @@
 //!
 //! Forward keeps the probabilities; backward is `dlogits = (probs - onehot(target)) / N`.
 
+pub mod twin;
+
 use crate::tensor::Tensor;
 
 /// Softmax cross-entropy with its saved probabilities.

@@ -1,11 +1,11 @@
 //! CPU twins of `kernels/linear.cu`: the fully connected layer forward, input, weight and bias
 //! gradients, in f32, bf16 and f16 operands.
 //!
-//! The conventions every twin follows are in the module documentation (`twins/mod.rs`).
+//! The conventions every twin follows are in the module documentation (`ops/twins.rs`).
 
 use half::{bf16, f16};
 
-use super::common::{store_weight_grad, Operand};
+use crate::gemm::twin::{store_weight_grad, twin_pair, Operand};
 
 #[allow(clippy::too_many_arguments)]
 fn linear_forward_t<T: Operand>(
@@ -105,7 +105,7 @@ twin_pair!(
 twin_pair!(
     /// `dweight += doutᵀ · inp` (accumulated) when `partials` is empty; split-K (K = batch) into
     /// the planes of `partials` otherwise, as
-    /// [`conv2d_backward_weight_f32`](super::conv2d_backward_weight_f32).
+    /// [`conv2d_backward_weight_f32`](crate::ops::twins::conv2d_backward_weight_f32).
     linear_backward_weight_f32,
     /// bf16 operands: see [`linear_backward_weight_f32`].
     linear_backward_weight_bf16,

@@ -1,6 +1,6 @@
 //! CPU twins of `kernels/pool.cu`: 2-D max pooling forward (with argmax indices) and backward.
 //!
-//! The conventions every twin follows are in the module documentation (`twins/mod.rs`).
+//! The conventions every twin follows are in the module documentation (`ops/twins.rs`).
 
 /// Max pooling with saved argmax offsets (`iy*in_w + ix` inside the plane); first maximum wins
 /// ties, NaN propagates.

@@ -36,7 +36,7 @@
 //! (No FMA contraction happens in Rust without an explicit call, so the three versions give
 //! bit-identical results.)
 
-use crate::kernels::{matmul_ld, Trans};
+use crate::gemm::{matmul_ld, Trans};
 use crate::multiversion::dispatch;
 
 /// Output tile edge.

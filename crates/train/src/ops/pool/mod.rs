@@ -1,7 +1,9 @@
 //! MaxPool2d (kernel k, stride s, no padding): forward saves the argmax of every window so
 //! backward is a scatter of `dout` to those positions.
 
-use super::Layer;
+pub mod twin;
+
+use super::{Layer, LayerSpec};
 use crate::tensor::Tensor;
 
 /// Max pooling over `[N, C, H, W]` with floor output size, as PyTorch's default.
@@ -30,6 +32,12 @@ impl MaxPool2d {
 impl Layer for MaxPool2d {
     fn kind(&self) -> &'static str {
         "maxpool2d"
+    }
+    fn spec(&self) -> LayerSpec {
+        LayerSpec::MaxPool2d {
+            kernel: self.kernel,
+            stride: self.stride,
+        }
     }
     fn out_dims(&self, inp: &[usize]) -> Result<Vec<usize>, String> {
         match *inp {
@@ -141,7 +149,7 @@ mod tests {
     #[test]
     fn maxpool_gradcheck() {
         // A small step so no perturbation moves a window's maximum to another element.
-        crate::layers::gradcheck::check_with_step(
+        crate::ops::gradcheck::check_with_step(
             &mut MaxPool2d::new(2, 2),
             &[2, 2, 4, 5],
             true,
@@ -151,7 +159,7 @@ mod tests {
     }
     #[test]
     fn maxpool_general_path_gradcheck() {
-        crate::layers::gradcheck::check_with_step(
+        crate::ops::gradcheck::check_with_step(
             &mut MaxPool2d::new(3, 2),
             &[2, 2, 7, 5],
             true,

@@ -1,0 +1,96 @@
+//! The shape of a 2-D convolution: hyperparameters and output-size math, shared by the layer,
+//! the twins, the device plan and the tests.
+
+/// Shape math of a 2-D convolution, shared by the layer, the reference and the tests.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Conv2dParams {
+    /// Input channels.
+    pub in_c: usize,
+    /// Output channels.
+    pub out_c: usize,
+    /// Kernel height.
+    pub kh: usize,
+    /// Kernel width.
+    pub kw: usize,
+    /// Stride (both directions).
+    pub stride: usize,
+    /// Zero padding (both directions).
+    pub pad: usize,
+}
+
+impl Conv2dParams {
+    /// Output height for input height `h`.
+    pub fn out_h(&self, h: usize) -> usize {
+        (h + 2 * self.pad).saturating_sub(self.kh) / self.stride + 1
+    }
+    /// Output width for input width `w`.
+    pub fn out_w(&self, w: usize) -> usize {
+        (w + 2 * self.pad).saturating_sub(self.kw) / self.stride + 1
+    }
+    /// Output dimensions for `[N, C, H, W]`.
+    pub fn out_dims(&self, inp: &[usize]) -> Result<Vec<usize>, String> {
+        let &[n, c, h, w] = inp else {
+            return Err(format!("conv2d expects [N, C, H, W] input, got {inp:?}"));
+        };
+        if c != self.in_c {
+            return Err(format!(
+                "conv2d expects {} input channels, got {c}",
+                self.in_c
+            ));
+        }
+        if h + 2 * self.pad < self.kh || w + 2 * self.pad < self.kw || self.stride == 0 {
+            return Err(format!(
+                "conv2d kernel {}x{} does not fit input {h}x{w} with padding {}",
+                self.kh, self.kw, self.pad
+            ));
+        }
+        Ok(vec![n, self.out_c, self.out_h(h), self.out_w(w)])
+    }
+    /// Columns of the unrolled kernel, `in_c * kh * kw` (the weight's fan-in).
+    pub fn k(&self) -> usize {
+        self.in_c * self.kh * self.kw
+    }
+}
+
+/// A convolution over a batch: the layer's [`Conv2dParams`] and the input's batch size and plane
+/// (`Conv2dShape { n, c_in, h, w, c_out, k, stride, pad }` in the kernels' words).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Conv2dShape {
+    /// The layer's channels, kernel, stride and padding.
+    pub params: Conv2dParams,
+    /// Samples.
+    pub batch: usize,
+    /// Input height.
+    pub in_h: usize,
+    /// Input width.
+    pub in_w: usize,
+}
+
+impl Conv2dShape {
+    /// The shape from the kernels' scalar arguments, in `kernels/conv2d.cu`'s order:
+    /// `[batch, in_c, in_h, in_w, out_c, kh, kw, stride, pad]` (C `int`, never negative).
+    pub fn from_kernel_args(a: [i32; 9]) -> Conv2dShape {
+        let [batch, in_c, in_h, in_w, out_c, kh, kw, stride, pad] = a.map(|v| v as usize);
+        Conv2dShape {
+            params: Conv2dParams {
+                in_c,
+                out_c,
+                kh,
+                kw,
+                stride,
+                pad,
+            },
+            batch,
+            in_h,
+            in_w,
+        }
+    }
+    /// Output height.
+    pub fn out_h(&self) -> usize {
+        self.params.out_h(self.in_h)
+    }
+    /// Output width.
+    pub fn out_w(&self) -> usize {
+        self.params.out_w(self.in_w)
+    }
+}
