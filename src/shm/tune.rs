@@ -8,11 +8,11 @@
 //! The calls are timed by `shm::timing`.
 //!
 //! Why streaming stores: a peer reading lines that are still dirty in the writer's cache is fast
-//! when the two cores share a cache and several times slower when they do not (measured on the
-//! project machine: a 64 MiB broadcast through the slots 7 ms vs 34 ms). On virtual machines
-//! which of the two holds changes while a job runs, as the hypervisor moves vCPUs. Streaming
-//! stores send the slots' data to memory: a little slower when caches are shared (64 MiB: 7.7 vs
-//! 7.2 ms; 1 MiB all-reduce: 140 vs 61 µs), far faster when they are not.
+//! when the two cores share a cache and several times slower when they do not. On virtual
+//! machines which of the two holds changes while a job runs, as the hypervisor moves vCPUs.
+//! Streaming stores send the slots' data to memory: a little slower when caches are shared, far
+//! faster when they are not (`lockstep bench` at 1 MiB and 64 MiB measures both; the figures are
+//! in the benchmark results).
 //!
 //! Why CMA versus the slots: a cross-memory copy saves the slots' second copy but pays a system
 //! call and the pinning of the peer's pages, and the kernel copies through the cache. Which wins

@@ -1,6 +1,7 @@
-//! GPU time of every kernel launch in the recipe CNN's training step (batch 64), fp32 and bf16:
-//! each launch of `Tensors::train_step` is timed alone, back to back, with CUDA events (criterion
-//! `iter_custom`), so the figures are device time, not launch overhead. Throughput is the bytes of
+//! GPU time of every kernel launch in the training step of the FashionMNIST CNN
+//! (`Model::fashion_cnn`, batch 64), fp32 and bf16: each launch of `Tensors::train_step` is timed
+//! alone, back to back, with CUDA events (criterion `iter_custom`), so the figures are device
+//! time, not launch overhead. Throughput is the bytes of
 //! every region the launch names (read or written once: a lower bound on its traffic), so
 //! criterion's GB/s says how close a memory-bound kernel is to the device's bandwidth.
 //!
@@ -33,7 +34,7 @@ fn main() {
         .measurement_time(Duration::from_secs(1))
         .configure_from_args();
     for precision in [Precision::Fp32, Precision::Bf16] {
-        let model = Model::fashion_cnn(BATCH).expect("the recipe CNN");
+        let model = Model::fashion_cnn(BATCH).expect("fashion_cnn builds");
         let t = Tensors::new(&model, BATCH, precision).expect("tensors");
         let mut g = GpuExec::new(&ctx, t.arena_len, false).expect("device arenas");
         // Small finite values everywhere (zeros would make some kernels take short cuts), and a

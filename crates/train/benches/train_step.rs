@@ -1,6 +1,6 @@
 //! Per-layer profile of the CPU trainer, and the CPU time of one training step (forward + loss +
-//! backward) and of one forward pass of the recipe CNN on 64 images, single thread. CPU time
-//! rather than wall time, so a loaded machine skews the numbers less.
+//! backward) and of one forward pass of the FashionMNIST CNN (`Model::fashion_cnn`) on 64 images,
+//! single thread. CPU time rather than wall time, so a loaded machine skews the numbers less.
 //!
 //! Each layer's forward and backward is timed on its own, with the FLOPs counted from its shape
 //! (the convention is in `Flops`), and reported in GFLOP/s and as a share of the single-thread
@@ -221,7 +221,7 @@ fn main() {
     let (mut tf, mut tb, mut ff, mut fb) = (0.0, 0.0, 0.0, 0.0);
     for (name, mut l, dims, d) in layers {
         let (f, b) = layer_ms(l.as_mut(), &dims, d);
-        let out = l.out_dims(&dims).expect("the recipe's shapes chain");
+        let out = l.out_dims(&dims).expect("the fashion_cnn shapes chain");
         let cp = if name.starts_with("conv1") {
             Some(&c1)
         } else if name.starts_with("conv2") {
@@ -243,7 +243,7 @@ fn main() {
             (tf, tb, ff, fb) = (tf + f, tb + b, ff + fl.fwd, fb + fl.bwd);
         }
     }
-    // Loss and optimizer, at the recipe's sizes.
+    // Loss and optimizer, at fashion_cnn's sizes.
     let logits = Tensor::from_vec(
         &[64, 10],
         (0..640).map(|i| ((i * 13) % 7) as f32 * 0.3).collect(),
@@ -262,7 +262,7 @@ fn main() {
         5.0 * 640.0 * 1e-6,
         640.0 * 1e-6
     );
-    let mut m = Model::fashion_cnn(64).expect("the recipe model builds");
+    let mut m = Model::fashion_cnn(64).expect("fashion_cnn builds");
     m.init(1);
     let np = m.num_params();
     let mut adam = Adam::new(np, 0.005);

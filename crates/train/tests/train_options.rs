@@ -1,4 +1,4 @@
-//! The trainer's options beyond the recipe, on the CPU engine (harness = false: ranks are forked):
+//! The trainer's options beyond the defaults, on the CPU engine (harness = false: ranks are forked):
 //! gradient accumulation equals one step on the concatenated batch, with the all-reduce only
 //! after the last micro-batch; gradient clipping bounds the update and keeps replicas identical;
 //! SGD with momentum and weight decay matches PyTorch's update and learns.

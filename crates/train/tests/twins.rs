@@ -970,7 +970,7 @@ fn device_step_on_twins_matches_the_cpu_engine() {
     }
 }
 
-/// The schedule is derived from the model, not written for the recipe CNN: a different network
+/// The schedule is derived from the model, not written for `fashion_cnn`: a different network
 /// (strided, padded 3x3 conv, standalone ReLU, overlapping pooling, BatchNorm without ReLU, two
 /// linear layers, 5 classes, 12x10 images) run on the twins follows the CPU engine step by step.
 #[test]
