@@ -36,10 +36,10 @@ use lockstep::comm::Dtype;
 use lockstep::cuda::{ArgKind, KernelSig, KernelSource};
 use lockstep_train::device::kernels::KernelId;
 
-const SIMT_H: &str = include_str!("../simt/simt.h");
-const SIMT_LAUNCH_H: &str = include_str!("../simt/simt_launch.h");
-const SIMT_CPP: &str = include_str!("../simt/simt.cpp");
-const SELFTEST_CU: &str = include_str!("../simt/selftest.cu");
+const SIMT_H: &str = include_str!("../../../../tests/simt/simt.h");
+const SIMT_LAUNCH_H: &str = include_str!("../../../../tests/simt/simt_launch.h");
+const SIMT_CPP: &str = include_str!("../../../../tests/simt/simt.cpp");
+const SELFTEST_CU: &str = include_str!("../../../../tests/simt/selftest.cu");
 const SIM_CUDA_C: &str = include_str!("../../../../tests/fake/sim_cuda.c");
 const SIM_NVRTC_C: &str = include_str!("../../../../tests/fake/sim_nvrtc.c");
 
