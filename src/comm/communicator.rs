@@ -1041,7 +1041,7 @@ impl<'b> Group<'b> {
     }
 }
 
-/// The handle of a nonblocking call (`*_async`): [`wait`](Self::wait) for its result. It keeps the
+/// The handle of a nonblocking call ([`Communicator::start`]): [`wait`](Self::wait) for its result. It keeps the
 /// call's buffers borrowed for `'a`, so they cannot be touched before the call has completed.
 ///
 /// * Host backends (shm): the call has already completed when the handle is made (there is no
