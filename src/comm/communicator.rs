@@ -1041,8 +1041,9 @@ impl<'b> Group<'b> {
     }
 }
 
-/// The handle of a nonblocking call ([`Communicator::start`]): [`wait`](Self::wait) for its result. It keeps the
-/// call's buffers borrowed for `'a`, so they cannot be touched before the call has completed.
+/// The handle of a nonblocking call ([`Communicator::start`]): [`wait`](Self::wait) for its
+/// result. It keeps the call's buffers borrowed for `'a`, so they cannot be touched before the
+/// call has completed.
 ///
 /// * Host backends (shm): the call has already completed when the handle is made (there is no
 ///   progress thread); the handle carries its result.
