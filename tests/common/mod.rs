@@ -24,6 +24,23 @@ pub fn check(cond: bool, what: &str, detail: impl std::fmt::Display) -> Result<(
     }
 }
 
+/// A finished process's stdout and stderr, lossily decoded.
+pub fn text(o: &std::process::Output) -> (String, String) {
+    (
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    )
+}
+
+/// A finished process's status, stdout and stderr, framed for a failure message.
+pub fn show(o: &std::process::Output) -> String {
+    let (a, b) = text(o);
+    format!(
+        "status: {:?}\n--- stdout ---\n{a}\n--- stderr ---\n{b}",
+        o.status
+    )
+}
+
 /// Whether `pid` exists and is not a zombie.
 pub fn alive(pid: i32) -> bool {
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {

@@ -6,6 +6,8 @@
 #[path = "../../../tests/common/mod.rs"]
 mod common;
 
+use common::show;
+
 use std::process::{Command, Output, Stdio};
 
 use common::check;
@@ -19,15 +21,6 @@ fn bench(args: &[&str]) -> Result<Output, String> {
         .stdin(Stdio::null())
         .output()
         .map_err(|e| e.to_string())
-}
-
-fn show(o: &Output) -> String {
-    format!(
-        "status: {:?}\n--- stdout ---\n{}\n--- stderr ---\n{}",
-        o.status,
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
 }
 
 fn stdout(o: &Output) -> String {

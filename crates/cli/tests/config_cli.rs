@@ -8,6 +8,8 @@
 #[path = "../../../tests/common/mod.rs"]
 mod common;
 
+use common::{show, text};
+
 use std::io::Write;
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
@@ -38,21 +40,6 @@ fn lockstep(xdg: &Path) -> Command {
 
 fn out(c: &mut Command) -> Result<Output, String> {
     c.stdin(Stdio::null()).output().map_err(|e| e.to_string())
-}
-
-fn text(o: &Output) -> (String, String) {
-    (
-        String::from_utf8_lossy(&o.stdout).into_owned(),
-        String::from_utf8_lossy(&o.stderr).into_owned(),
-    )
-}
-
-fn show(o: &Output) -> String {
-    let (a, b) = text(o);
-    format!(
-        "status: {:?}\n--- stdout ---\n{a}\n--- stderr ---\n{b}",
-        o.status
-    )
 }
 
 /// The sorted stdout lines of a launch.

@@ -5,6 +5,8 @@
 #[path = "../../../tests/common/mod.rs"]
 mod common;
 
+use common::{show, text};
+
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -30,21 +32,6 @@ fn lockstep() -> Command {
         c.env_remove(v);
     }
     c
-}
-
-fn text(o: &Output) -> (String, String) {
-    (
-        String::from_utf8_lossy(&o.stdout).into_owned(),
-        String::from_utf8_lossy(&o.stderr).into_owned(),
-    )
-}
-
-fn show(o: &Output) -> String {
-    let (a, b) = text(o);
-    format!(
-        "status: {:?}\n--- stdout ---\n{a}\n--- stderr ---\n{b}",
-        o.status
-    )
 }
 
 /// A running launcher that is killed and reaped if a test returns early.

@@ -10,6 +10,8 @@
 #[path = "../../../tests/common/mod.rs"]
 mod common;
 
+use common::show;
+
 use std::io::{Read, Write};
 use std::os::unix::ffi::OsStringExt;
 use std::process::{Child, Command, Output, Stdio};
@@ -33,15 +35,6 @@ fn lockstep(mark: &str) -> Command {
         c.env_remove(v.name);
     }
     c
-}
-
-fn show(o: &Output) -> String {
-    format!(
-        "status: {:?}\n--- stdout ---\n{}\n--- stderr ---\n{}",
-        o.status,
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
 }
 
 /// A launcher killed and reaped if the test returns early; its marked processes are killed too.

@@ -15,6 +15,8 @@
 #[path = "../../../tests/common/mod.rs"]
 mod common;
 
+use common::show;
+
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -78,15 +80,6 @@ fn train_cnn(epochs: u64) -> Command {
 
 fn run(mut c: Command) -> Result<Output, String> {
     c.output().map_err(|e| format!("cannot run {BIN}: {e}"))
-}
-
-fn show(o: &Output) -> String {
-    format!(
-        "status: {:?}\n--- stdout ---\n{}\n--- stderr ---\n{}",
-        o.status,
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
 }
 
 fn stderr(o: &Output) -> String {

@@ -7,6 +7,8 @@
 #[path = "../../../tests/common/mod.rs"]
 mod common;
 
+use common::show;
+
 use std::path::PathBuf;
 use std::process::{Command, Output};
 use std::sync::OnceLock;
@@ -66,15 +68,6 @@ fn train_cnn(extra: &[&str]) -> Result<Output, String> {
         .args(args(extra))
         .output()
         .map_err(|e| format!("cannot run {BIN}: {e}"))
-}
-
-fn show(o: &Output) -> String {
-    format!(
-        "status: {:?}\n--- stdout ---\n{}\n--- stderr ---\n{}",
-        o.status,
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
 }
 
 /// stdout lines without the launcher's `[rank 0] ` prefix (forked text mode and `lockstep
