@@ -32,6 +32,15 @@ def children():
     return out
 
 
+def alive(pid):
+    """True if `pid` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
 def shm_entries():
     """lockstep's names in /dev/shm."""
     return {p for p in glob.glob("/dev/shm/*") if "lockstep" in os.path.basename(p)}

@@ -8,6 +8,7 @@ import re
 import time
 
 import pytest
+from conftest import alive
 
 try:
     import ipykernel  # noqa: F401
@@ -37,14 +38,6 @@ def run_cell(kc, code, timeout=60, on_output=None):
             error = (c["ename"], c["evalue"])
         elif t == "status" and c["execution_state"] == "idle":
             return "".join(out), "".join(err), error
-
-
-def alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
 
 
 def test_notebook_kernel():

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import lockstep
-from conftest import children, launch, shm_entries
+from conftest import alive, children, launch, shm_entries
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -260,15 +260,6 @@ def run_script(code, env=None, timeout=60, **kw):
         env=dict(os.environ, **(env or {})),
         **kw,
     )
-
-
-def alive(pid):
-    """True if `pid` exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
 
 
 @pytest.mark.parametrize("how", ["process", "group"])

@@ -266,18 +266,33 @@ def test_ddp_matches_gloo():
     assert l_lock0[-1] < l_lock0[0]
 
 
-def test_init_process_group_under_torchrun_variables():
-    """Two processes started separately with torchrun's variables: init_process_group("lockstep")
-    through env://, then a collective and a subgroup."""
+def _torchrun_pair(code, **env):
+    """Run `code` in two fresh interpreters with torchrun's variables (rank 0 and 1 on a free
+    loopback port, plus `env`); return each rank's (stdout, stderr), both having exited 0."""
     import os
     import socket
     import subprocess
     import sys
-    import textwrap
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    env = dict(os.environ, WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **env)
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for r in range(2)
+    ]
+    outs = [p.communicate(timeout=120) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err
+    return outs
+
+
+def test_init_process_group_under_torchrun_variables():
+    """Two processes started separately with torchrun's variables: init_process_group("lockstep")
+    through env://, then a collective and a subgroup."""
+    import textwrap
+
     code = textwrap.dedent(
         """
         import torch, torch.distributed as dist, lockstep.torch
@@ -290,14 +305,7 @@ def test_init_process_group_under_torchrun_variables():
         dist.destroy_process_group()
         """
     )
-    env = dict(os.environ, WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    procs = [
-        subprocess.Popen([sys.executable, "-c", code], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for r in range(2)
-    ]
-    for r, p in enumerate(procs):
-        out, err = p.communicate(timeout=120)
-        assert p.returncode == 0, err
+    for r, (out, _) in enumerate(_torchrun_pair(code)):
         assert f"ok {r} lockstep [6.0, 6.0, 6.0]" in out, out
 
 
@@ -359,7 +367,6 @@ def test_flight_recorder_names_the_rank_that_skipped_a_collective(tmp_path):
     names rank 1 and the collective from the dumps."""
     import os
     import shutil
-    import socket
     import subprocess
     import sys
     import textwrap
@@ -368,9 +375,6 @@ def test_flight_recorder_names_the_rank_that_skipped_a_collective(tmp_path):
 
     if not lt.PY_BACKEND:
         pytest.skip(f"skipped: torch {torch.__version__} records no Python Backend in its Flight Recorder (torch >= 2.15 does)")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     code = textwrap.dedent(
         """
         import torch, torch.distributed as dist
@@ -388,22 +392,8 @@ def test_flight_recorder_names_the_rank_that_skipped_a_collective(tmp_path):
             print("failed", r, "mismatch" in str(e))
         """
     )
-    env = dict(
-        os.environ,
-        WORLD_SIZE="2",
-        LOCAL_WORLD_SIZE="2",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        TORCH_FR_DUMP_ON_TIMEOUT="1",
-        TORCH_FR_DUMP_TEMP_FILE=str(tmp_path / "rank_"),
-    )
-    procs = [
-        subprocess.Popen([sys.executable, "-c", code], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for r in range(2)
-    ]
-    for r, p in enumerate(procs):
-        out, err = p.communicate(timeout=120)
-        assert p.returncode == 0, err
+    outs = _torchrun_pair(code, TORCH_FR_DUMP_ON_TIMEOUT="1", TORCH_FR_DUMP_TEMP_FILE=str(tmp_path / "rank_"))
+    for r, (out, err) in enumerate(outs):
         assert f"failed {r} True" in out, out + err
     assert sorted(os.listdir(tmp_path)) == ["rank_0", "rank_1"]
     reader = shutil.which("torchfrtrace", path=os.path.dirname(sys.executable))

@@ -52,27 +52,32 @@ pub fn alive(pid: i32) -> bool {
     }
 }
 
-/// Direct children of `pid`, from /proc.
-pub fn children_of(pid: i32) -> Vec<i32> {
-    let mut v = Vec::new();
+/// The pids in /proc, sorted, that `keep` accepts.
+fn pids_where(keep: impl Fn(i32) -> bool) -> Vec<i32> {
     let Ok(rd) = std::fs::read_dir("/proc") else {
-        return v;
+        return Vec::new();
     };
-    for e in rd.flatten() {
-        let Ok(p) = e.file_name().to_string_lossy().parse::<i32>() else {
-            continue;
-        };
-        if let Ok(s) = std::fs::read_to_string(format!("/proc/{p}/stat")) {
-            if let Some((_, rest)) = s.rsplit_once(')') {
-                let f: Vec<&str> = rest.split_whitespace().collect();
-                if f.get(1).and_then(|x| x.parse::<i32>().ok()) == Some(pid) {
-                    v.push(p);
-                }
-            }
-        }
-    }
+    let mut v: Vec<i32> = rd
+        .flatten()
+        .filter_map(|e| e.file_name().to_string_lossy().parse::<i32>().ok())
+        .filter(|&p| keep(p))
+        .collect();
     v.sort_unstable();
     v
+}
+
+/// Direct children of `pid`, from /proc.
+pub fn children_of(pid: i32) -> Vec<i32> {
+    pids_where(|p| {
+        std::fs::read_to_string(format!("/proc/{p}/stat")).is_ok_and(|s| {
+            s.rsplit_once(')').is_some_and(|(_, rest)| {
+                rest.split_whitespace()
+                    .nth(1)
+                    .and_then(|x| x.parse::<i32>().ok())
+                    == Some(pid)
+            })
+        })
+    })
 }
 
 /// Children of the children of `pid` (the launchers' ranks, one level below their guards).
@@ -86,23 +91,11 @@ pub fn grandchildren_of(pid: i32) -> Vec<i32> {
 /// started, however deep and wherever re-parented.
 pub fn marked(mark: &str) -> Vec<i32> {
     let needle = format!("LOCKSTEP_TEST_MARK={mark}");
-    let mut v = Vec::new();
-    let Ok(rd) = std::fs::read_dir("/proc") else {
-        return v;
-    };
-    for e in rd.flatten() {
-        let Ok(p) = e.file_name().to_string_lossy().parse::<i32>() else {
-            continue;
-        };
-        let Ok(env) = std::fs::read(format!("/proc/{p}/environ")) else {
-            continue;
-        };
-        if env.split(|b| *b == 0).any(|kv| kv == needle.as_bytes()) && alive(p) {
-            v.push(p);
-        }
-    }
-    v.sort_unstable();
-    v
+    pids_where(|p| {
+        std::fs::read(format!("/proc/{p}/environ"))
+            .is_ok_and(|env| env.split(|b| *b == 0).any(|kv| kv == needle.as_bytes()))
+            && alive(p)
+    })
 }
 
 /// A mark unique to this test process and `name`.

@@ -19,7 +19,8 @@ use lockstep_train::gemm::{matmul_ld, set_small_kernels, Trans};
 use lockstep_train::model::Model;
 use lockstep_train::ops::optim::Adam;
 use lockstep_train::ops::{
-    BatchNorm2d, Conv2d, Conv2dParams, Layer, Linear, MaxPool2d, Relu, SoftmaxCrossEntropy,
+    Backward, BatchNorm2d, Conv2d, Conv2dParams, Layer, Linear, MaxPool2d, Relu,
+    SoftmaxCrossEntropy,
 };
 use lockstep_train::tensor::Tensor;
 use nix::time::{clock_gettime, ClockId};
@@ -77,14 +78,14 @@ fn layer_ms(l: &mut dyn Layer, dims: &[usize], need_dinp: bool) -> (f64, f64) {
     let mut dinp = Tensor::default();
     let f = time_ms(|| l.forward(&p, &inp, &mut out, true));
     let b = time_ms(|| {
-        l.backward(
-            &p,
-            &mut dp,
-            &inp,
-            &out,
-            &dout,
-            if need_dinp { Some(&mut dinp) } else { None },
-        )
+        l.backward(Backward {
+            p: &p,
+            dp: &mut dp,
+            inp: &inp,
+            out: &out,
+            dout: &dout,
+            dinp: if need_dinp { Some(&mut dinp) } else { None },
+        })
     });
     (f, b)
 }

@@ -24,8 +24,8 @@ use super::rng::Rng;
 use super::tensor::Tensor;
 use crate::ops::conv2d::DoutSource;
 use crate::ops::{
-    BatchNorm2d, BufferMut, Conv2d, Conv2dParams, Flatten, Layer, Linear, MaxPool2d, Relu,
-    SoftmaxCrossEntropy, SumFn,
+    Backward, BatchNorm2d, BufferMut, Conv2d, Conv2dParams, Flatten, Layer, Linear, MaxPool2d,
+    Relu, SoftmaxCrossEntropy, SumFn,
 };
 
 /// Errors building or feeding a model.
@@ -400,7 +400,14 @@ impl Model {
                         break;
                     }
                 }
-                _ => l.backward(p, dp, &self.acts[i], &self.acts[i + 1], &dout, want),
+                _ => l.backward(Backward {
+                    p,
+                    dp,
+                    inp: &self.acts[i],
+                    out: &self.acts[i + 1],
+                    dout: &dout,
+                    dinp: want,
+                }),
             }
             std::mem::swap(&mut dout, &mut dinp);
         }

@@ -16,6 +16,8 @@
 mod close;
 #[path = "../../../tests/common/gpu.rs"]
 mod gpu;
+#[path = "common/reference.rs"]
+mod reference;
 #[path = "../../../tests/common/runner.rs"]
 mod runner;
 
@@ -23,7 +25,6 @@ use close::{assert_close, Tol};
 use lockstep_train::data::{self, Dataset};
 use lockstep_train::device::{plan, DeviceOptions, Engine, GpuExec, Precision};
 use lockstep_train::model::Model;
-use lockstep_train::ops::optim::Adam;
 use lockstep_train::trainer::{Silent, TrainConfig};
 
 fn synthetic_dir(n_train: usize, n_test: usize) -> std::path::PathBuf {
@@ -34,33 +35,6 @@ fn synthetic_dir(n_train: usize, n_test: usize) -> std::path::PathBuf {
     std::fs::create_dir_all(&dir).unwrap();
     data::write_synthetic(&dir, n_train, n_test, 5).unwrap();
     dir
-}
-
-/// Losses of `steps` CPU-engine steps on batches `idx[s*b..(s+1)*b]`.
-fn cpu_losses(model: &Model, data: &Dataset, idx: &[usize], b: usize, steps: usize) -> Vec<f32> {
-    let mut m = Model::fashion_cnn(b).unwrap();
-    m.params.copy_from_slice(&model.params);
-    let mut opt = Adam::new(m.num_params(), 0.005);
-    let mut grads = vec![0.0f32; m.num_params()];
-    let mut out = Vec::new();
-    for s in 0..steps {
-        let chunk = &idx[s * b..(s + 1) * b];
-        let input = m.input_mut();
-        input.resize(&[b, 1, 28, 28]);
-        let mut labels = Vec::new();
-        for (dst, &i) in input.data_mut().chunks_exact_mut(784).zip(chunk) {
-            for (d, &p) in dst.iter_mut().zip(data.image(i)) {
-                *d = p as f32 / 255.0;
-            }
-            labels.push(data.labels[i]);
-        }
-        m.forward(true);
-        out.push(m.loss(&labels).unwrap());
-        grads.fill(0.0);
-        m.backward(&labels, &mut grads);
-        opt.step(&mut m.params, &grads);
-    }
-    out
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -200,7 +174,7 @@ fn main() {
     let idx: Vec<usize> = (0..train.len()).rev().collect();
 
     r.run("twenty_steps_match_cpu_engine_fp32", || {
-        let want = cpu_losses(&model, &train, &idx, 64, 20);
+        let want = reference::cpu_engine_run(&model, &train, &idx, 64, 20, None).0;
         let (got, ms, _) = gpu_losses(&ctx, &model, &train, &idx, 64, 20, Precision::Fp32, true)?;
         println!("    gpu {ms:.3} ms/step (with a loss read-back per step); losses {got:?}");
         let tol = if tf32 {
@@ -212,7 +186,7 @@ fn main() {
     });
 
     r.run("bf16_steps_agree_then_learn", || {
-        let want = cpu_losses(&model, &train, &idx, 64, 20);
+        let want = reference::cpu_engine_run(&model, &train, &idx, 64, 20, None).0;
         let (got, _, _) = gpu_losses(&ctx, &model, &train, &idx, 64, 20, Precision::Bf16, true)?;
         assert_close(
             "bf16 losses, first 2 steps",

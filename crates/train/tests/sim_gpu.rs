@@ -41,6 +41,8 @@
 
 #[path = "../../../tests/common/close.rs"]
 mod close;
+#[path = "common/reference.rs"]
+mod reference;
 #[path = "../../../tests/common/runner.rs"]
 mod runner;
 #[path = "common/simt.rs"]
@@ -54,53 +56,14 @@ use lockstep::cuda::{Context, DeviceBuffer, KernelGrid};
 use lockstep_train::data::{self, Dataset};
 use lockstep_train::device::{plan, Engine, GpuExec, Precision};
 use lockstep_train::model::Model;
-use lockstep_train::ops::optim::Adam;
 
-const LR: f32 = 0.005;
+use reference::LR;
 
 fn synthetic(tag: &str, n_train: usize, n_test: usize) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("lockstep-sim-gpu-{tag}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     data::write_synthetic(&dir, n_train, n_test, 5).unwrap();
     dir
-}
-
-/// Losses of `steps` CPU-engine steps on batches `idx[s*b..(s+1)*b]` (as tests/gpu_train.rs),
-/// clipping the gradient norm to `clip` when given (then also the norms before clipping).
-fn cpu_losses(
-    model: &Model,
-    data: &Dataset,
-    idx: &[usize],
-    b: usize,
-    steps: usize,
-    clip: Option<f32>,
-) -> (Vec<f32>, Vec<f64>) {
-    let mut m = Model::fashion_cnn(b).unwrap();
-    m.params.copy_from_slice(&model.params);
-    let mut opt = Adam::new(m.num_params(), LR);
-    let mut grads = vec![0.0f32; m.num_params()];
-    let (mut out, mut norms) = (Vec::new(), Vec::new());
-    for s in 0..steps {
-        let chunk = &idx[s * b..(s + 1) * b];
-        let input = m.input_mut();
-        input.resize(&[b, 1, 28, 28]);
-        let mut labels = Vec::new();
-        for (dst, &i) in input.data_mut().chunks_exact_mut(784).zip(chunk) {
-            for (d, &p) in dst.iter_mut().zip(data.image(i)) {
-                *d = p as f32 / 255.0;
-            }
-            labels.push(data.labels[i]);
-        }
-        m.forward(true);
-        out.push(m.loss(&labels).unwrap());
-        grads.fill(0.0);
-        m.backward(&labels, &mut grads);
-        if let Some(c) = clip {
-            norms.push(lockstep_train::trainer::clip_grad_norm(&mut grads, c));
-        }
-        opt.step(&mut m.params, &grads);
-    }
-    (out, norms)
 }
 
 /// `steps` device-engine steps, clipping the gradient norm to `clip` when given: the losses and
@@ -171,7 +134,7 @@ fn steps_match_cpu_clipped(
     let mut model = Model::fashion_cnn(b).unwrap();
     model.init(42);
     let idx: Vec<usize> = (0..train.len()).collect();
-    let (want, norms) = cpu_losses(&model, &train, &idx, b, steps, clip);
+    let (want, norms, _) = reference::cpu_engine_run(&model, &train, &idx, b, steps, clip);
     println!(
         "    device losses {got:?}\n    cpu    losses {want:?}\n    cpu gradient norms {norms:?}"
     );

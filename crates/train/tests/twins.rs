@@ -16,6 +16,8 @@
 
 #[path = "../../../tests/common/close.rs"]
 mod close;
+#[path = "common/reference.rs"]
+mod reference;
 
 use close::{assert_close, Tol};
 use half::{bf16, f16};
@@ -25,10 +27,12 @@ use lockstep_train::device::{plan, CpuExec, Engine, Exec, Precision};
 use lockstep_train::model::Model;
 use lockstep_train::ops::optim::{Adam, Sgd};
 use lockstep_train::ops::{
-    BatchNorm2d, Conv2d, Conv2dParams, Layer, Linear, MaxPool2d, Relu, SoftmaxCrossEntropy,
+    Backward, BatchNorm2d, Conv2d, Conv2dParams, Layer, Linear, MaxPool2d, Relu,
+    SoftmaxCrossEntropy,
 };
 use lockstep_train::rng::Rng;
 use lockstep_train::tensor::Tensor;
+use lockstep_train::trainer::load_batch;
 
 const F32: Tol = Tol::new(1e-4, 1e-4);
 const TIGHT: Tol = Tol::new(1e-5, 1e-5);
@@ -104,7 +108,14 @@ fn conv2d_twins_match_the_layer() {
             let mut dp = dp0.clone();
             let mut dinp = Tensor::default();
             let dout = Tensor::from_vec(&[n, oc, oh, ow], dy.to_vec()).unwrap();
-            layer.backward(&params, &mut dp, &inp, &out, &dout, Some(&mut dinp));
+            layer.backward(Backward {
+                p: &params,
+                dp: &mut dp,
+                inp: &inp,
+                out: &out,
+                dout: &dout,
+                dinp: Some(&mut dinp),
+            });
             (out.data().to_vec(), dinp.data().to_vec(), dp)
         };
         let sh = |n: usize| {
@@ -268,7 +279,14 @@ fn linear_twins_match_the_layers() {
             Relu.forward(&[], &y, &mut yr, true);
             let dout = Tensor::from_vec(&[n, outf], dy.to_vec()).unwrap();
             let (mut dp, mut dx) = (dp0.clone(), Tensor::default());
-            l.backward(&params, &mut dp, &inp, &y, &dout, Some(&mut dx));
+            l.backward(Backward {
+                p: &params,
+                dp: &mut dp,
+                inp: &inp,
+                out: &y,
+                dout: &dout,
+                dinp: Some(&mut dx),
+            });
             (
                 y.data().to_vec(),
                 yr.data().to_vec(),
@@ -386,13 +404,27 @@ fn batchnorm_twins_match_the_layer() {
             let dout = Tensor::from_vec(&[n, c, h, w], dy.clone()).unwrap();
             let mut g = Tensor::default();
             if relu == 1 {
-                Relu.backward(&[], &mut [], &y, &yr, &dout, Some(&mut g));
+                Relu.backward(Backward {
+                    p: &[],
+                    dp: &mut [],
+                    inp: &y,
+                    out: &yr,
+                    dout: &dout,
+                    dinp: Some(&mut g),
+                });
             } else {
                 g = dout.clone();
             }
             let dp0 = rand(&mut rng, 2 * c);
             let (mut dp, mut dx_ref) = (dp0.clone(), Tensor::default());
-            bn.backward(&params, &mut dp, &inp, &y, &g, Some(&mut dx_ref));
+            bn.backward(Backward {
+                p: &params,
+                dp: &mut dp,
+                inp: &inp,
+                out: &y,
+                dout: &g,
+                dinp: Some(&mut dx_ref),
+            });
             // twin
             let (ni, ci, hwi) = (n as i32, c as i32, hw as i32);
             let (mut out, mut sm, mut si, mut rm, mut rv) = (
@@ -518,7 +550,14 @@ fn maxpool_twins_match_the_layer() {
         let dy = rand(&mut rng, n * c * oh * ow);
         let dout = Tensor::from_vec(&[n, c, oh, ow], dy.clone()).unwrap();
         let mut dx_ref = Tensor::default();
-        mp.backward(&[], &mut [], &inp, &y, &dout, Some(&mut dx_ref));
+        mp.backward(Backward {
+            p: &[],
+            dp: &mut [],
+            inp: &inp,
+            out: &y,
+            dout: &dout,
+            dinp: Some(&mut dx_ref),
+        });
         let a = [n as i32, c as i32, h as i32, w as i32, k as i32, s as i32];
         let (mut out, mut idx) = (vec![0.0; y.numel()], vec![0i32; y.numel()]);
         twins::maxpool2d_forward_f32(&mut out, &mut idx, &x, a[0], a[1], a[2], a[3], a[4], a[5]);
@@ -899,15 +938,8 @@ fn device_step_on_twins_matches_the_cpu_engine() {
             eng.train_step(s * batch, batch, 0.005, None).unwrap();
             dev_losses.push(eng.last_loss().unwrap());
             let chunk = &idx[s * batch..(s + 1) * batch];
-            let input = cpu_model.input_mut();
-            input.resize(&[batch, 1, 28, 28]);
             let mut labels = Vec::new();
-            for (dst, &i) in input.data_mut().chunks_exact_mut(784).zip(chunk) {
-                for (d, &p) in dst.iter_mut().zip(data.image(i)) {
-                    *d = p as f32 / 255.0;
-                }
-                labels.push(data.labels[i]);
-            }
+            load_batch(&mut cpu_model, &data, chunk, &mut labels);
             cpu_model.forward(true);
             cpu_losses.push(cpu_model.loss(&labels).unwrap());
             grads.fill(0.0);
@@ -1276,48 +1308,6 @@ fn clip_twins_match_clip_grad_norm() {
     }
 }
 
-/// Losses of `steps` CPU-engine steps (Adam, lr 0.005) on batches `idx[s*b..(s+1)*b]`, clipping
-/// the gradient norm to `clip` when given; also the norm before clipping at each step and the
-/// final parameters.
-fn cpu_engine_run(
-    model: &Model,
-    data: &Dataset,
-    idx: &[usize],
-    b: usize,
-    steps: usize,
-    clip: Option<f32>,
-) -> (Vec<f32>, Vec<f64>, Model) {
-    let mut m = Model::fashion_cnn(b).unwrap();
-    m.params.copy_from_slice(&model.params);
-    let mut opt = Adam::new(m.num_params(), 0.005);
-    let mut grads = vec![0.0f32; m.num_params()];
-    let (mut losses, mut norms) = (Vec::new(), Vec::new());
-    for s in 0..steps {
-        let input = m.input_mut();
-        input.resize(&[b, 1, 28, 28]);
-        let mut labels = Vec::new();
-        for (dst, &i) in input
-            .data_mut()
-            .chunks_exact_mut(784)
-            .zip(&idx[s * b..(s + 1) * b])
-        {
-            for (d, &p) in dst.iter_mut().zip(data.image(i)) {
-                *d = p as f32 / 255.0;
-            }
-            labels.push(data.labels[i]);
-        }
-        m.forward(true);
-        losses.push(m.loss(&labels).unwrap());
-        grads.fill(0.0);
-        m.backward(&labels, &mut grads);
-        if let Some(c) = clip {
-            norms.push(lockstep_train::trainer::clip_grad_norm(&mut grads, c));
-        }
-        opt.step(&mut m.params, &grads);
-    }
-    (losses, norms, m)
-}
-
 /// The device step with `--clip-grad-norm` on the twins against the CPU engine with the same
 /// clipping: a small threshold that clips most steps and a large one that never does, both
 /// within the tolerances of `device_step_on_twins_matches_the_cpu_engine`. Without clipping at
@@ -1358,7 +1348,7 @@ fn device_step_with_clipping_on_twins_matches_the_cpu_engine() {
     for max_norm in [0.05f32, 1e6] {
         let (dev_losses, dev_norms, p) = device(Some(max_norm));
         let (cpu_losses, cpu_norms, cpu_model) =
-            cpu_engine_run(&model, &data, &idx, batch, steps, Some(max_norm));
+            reference::cpu_engine_run(&model, &data, &idx, batch, steps, Some(max_norm));
         let what = format!("clip {max_norm}");
         ok(assert_close(
             &format!("{what}: losses"),
@@ -1449,7 +1439,7 @@ fn fp16_clipping_runs_after_the_unscale_and_not_on_skipped_steps() {
     // Norms of the size of the fp32 CPU engine's at the start, not `scale` (>= 2^10) times it:
     // the scale was divided out before the norm.
     let scale = eng.loss_scaler().unwrap().scale();
-    let (_, cpu_norms, _) = cpu_engine_run(&model, &data, &idx, batch, 1, Some(0.1));
+    let (_, cpu_norms, _) = reference::cpu_engine_run(&model, &data, &idx, batch, 1, Some(0.1));
     assert!(
         scale >= 1024.0
             && applied_norms

@@ -3,7 +3,7 @@
 //! ([`relu_forward_f32`], [`relu_backward_f32`]): the math is element-wise, so there is no
 //! summation order to reproduce.
 
-use super::{Layer, LayerSpec};
+use super::{Backward, Layer, LayerSpec};
 use crate::tensor::Tensor;
 
 /// Element-wise rectifier (no saved state: backward reads the output the model kept).
@@ -52,18 +52,10 @@ impl Layer for Relu {
         out.resize(inp.dims());
         relu_forward(out.data_mut(), inp.data());
     }
-    fn backward(
-        &mut self,
-        _p: &[f32],
-        _dp: &mut [f32],
-        inp: &Tensor,
-        out: &Tensor,
-        dout: &Tensor,
-        dinp: Option<&mut Tensor>,
-    ) {
-        if let Some(dinp) = dinp {
-            dinp.resize(inp.dims());
-            relu_backward(dinp.data_mut(), out.data(), dout.data());
+    fn backward(&mut self, args: Backward<'_>) {
+        if let Some(dinp) = args.dinp {
+            dinp.resize(args.inp.dims());
+            relu_backward(dinp.data_mut(), args.out.data(), args.dout.data());
         }
     }
 }

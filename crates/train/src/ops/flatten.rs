@@ -1,7 +1,7 @@
 //! Flatten: `[N, C, H, W] -> [N, C*H*W]`. The NCHW storage is already in PyTorch's flatten order,
 //! so forward and backward are copies.
 
-use super::{Layer, LayerSpec};
+use super::{Backward, Layer, LayerSpec};
 use crate::tensor::Tensor;
 
 /// Collapse all but the batch dimension.
@@ -26,18 +26,10 @@ impl Layer for Flatten {
         out.resize(&[n, inp.numel() / n.max(1)]);
         out.data_mut().copy_from_slice(inp.data());
     }
-    fn backward(
-        &mut self,
-        _p: &[f32],
-        _dp: &mut [f32],
-        inp: &Tensor,
-        _out: &Tensor,
-        dout: &Tensor,
-        dinp: Option<&mut Tensor>,
-    ) {
-        if let Some(dinp) = dinp {
-            dinp.resize(inp.dims());
-            dinp.data_mut().copy_from_slice(dout.data());
+    fn backward(&mut self, args: Backward<'_>) {
+        if let Some(dinp) = args.dinp {
+            dinp.resize(args.inp.dims());
+            dinp.data_mut().copy_from_slice(args.dout.data());
         }
     }
 }

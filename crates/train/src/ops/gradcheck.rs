@@ -1,7 +1,7 @@
 #![allow(clippy::needless_range_loop)] // the checks index parameters, gradients and probes together
 //! Finite-difference gradient checks shared by the layer tests.
 
-use super::layer::Layer;
+use super::layer::{Backward, Layer};
 use crate::rng::Rng;
 use crate::tensor::Tensor;
 
@@ -48,14 +48,14 @@ pub fn check_with_step(
     let dout = Tensor::from_vec(&od, w.clone()).unwrap();
     let mut dp = vec![0.0f32; np];
     let mut dinp = Tensor::zeros(inp_dims);
-    layer.backward(
-        &p,
-        &mut dp,
-        &inp,
-        &out,
-        &dout,
-        if check_input { Some(&mut dinp) } else { None },
-    );
+    layer.backward(Backward {
+        p: &p,
+        dp: &mut dp,
+        inp: &inp,
+        out: &out,
+        dout: &dout,
+        dinp: if check_input { Some(&mut dinp) } else { None },
+    });
     let kind = layer.kind();
     let mut num_dp = vec![0.0f64; np];
     for i in 0..np {

@@ -124,15 +124,25 @@ pub trait Layer: Send + std::any::Any {
     }
     /// `out = f(inp)`; `train` selects training behaviour (batch statistics in BatchNorm).
     fn forward(&mut self, p: &[f32], inp: &Tensor, out: &mut Tensor, train: bool);
-    /// Accumulate parameter gradients into `dp` and, when `dinp` is given, overwrite it with the
-    /// gradient of the loss with respect to `inp`.
-    fn backward(
-        &mut self,
-        p: &[f32],
-        dp: &mut [f32],
-        inp: &Tensor,
-        out: &Tensor,
-        dout: &Tensor,
-        dinp: Option<&mut Tensor>,
-    );
+    /// Accumulate parameter gradients into `g.dp` and, when `g.dinp` is given, overwrite it with
+    /// the gradient of the loss with respect to `g.inp`.
+    fn backward(&mut self, g: Backward<'_>);
+}
+
+/// The arguments of [`Layer::backward`]: what the forward pass read and wrote, the gradient
+/// arriving from the layer above, and where this layer's gradients go.
+pub struct Backward<'a> {
+    /// The layer's parameters, as the forward pass read them.
+    pub p: &'a [f32],
+    /// Where the parameter gradients accumulate (same layout as `p`).
+    pub dp: &'a mut [f32],
+    /// The forward pass's input.
+    pub inp: &'a Tensor,
+    /// The forward pass's output.
+    pub out: &'a Tensor,
+    /// Gradient of the loss with respect to `out`.
+    pub dout: &'a Tensor,
+    /// Where the gradient with respect to `inp` goes; `None` where nobody needs it (the first
+    /// layer).
+    pub dinp: Option<&'a mut Tensor>,
 }

@@ -55,7 +55,7 @@ pub use activation::Relu;
 pub use batchnorm::BatchNorm2d;
 pub use conv2d::{Conv2d, Conv2dParams};
 pub use flatten::Flatten;
-pub use layer::{BufferMut, Init, Layer, LayerSpec, ParamSpec, SumFn};
+pub use layer::{Backward, BufferMut, Init, Layer, LayerSpec, ParamSpec, SumFn};
 pub use linear::Linear;
 pub use loss::SoftmaxCrossEntropy;
 pub use pool::MaxPool2d;

@@ -132,8 +132,9 @@ fn thread_cpu_s() -> f64 {
         .unwrap_or(0.0)
 }
 
-/// Fill the model input with samples `idx` of `data` (pixels / 255) and `labels`.
-fn load_batch(model: &mut Model, data: &Dataset, idx: &[usize], labels: &mut Vec<u8>) {
+/// Fill the model input with samples `idx` of `data` (pixels / 255) and `labels` with their
+/// labels: the CPU engine's batch, and the reference loop's of the tests.
+pub fn load_batch(model: &mut Model, data: &Dataset, idx: &[usize], labels: &mut Vec<u8>) {
     let (r, c) = (data.rows, data.cols);
     let input = model.input_mut();
     input.resize(&[idx.len(), 1, r, c]);

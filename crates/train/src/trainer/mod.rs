@@ -27,4 +27,4 @@ pub(crate) mod epoch;
 pub use config::{
     EpochReport, Observer, OptimizerKind, Silent, TrainConfig, TrainError, TrainOutcome,
 };
-pub use cpu::{buckets, clip_grad_norm, evaluate, step_gradients, train};
+pub use cpu::{buckets, clip_grad_norm, evaluate, load_batch, step_gradients, train};

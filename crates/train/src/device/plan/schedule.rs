@@ -1046,16 +1046,7 @@ mod tests {
                 .zip(inp.data())
                 .for_each(|(o, i)| *o = i * i);
         }
-        fn backward(
-            &mut self,
-            _: &[f32],
-            _: &mut [f32],
-            _: &Tensor,
-            _: &Tensor,
-            _: &Tensor,
-            _: Option<&mut Tensor>,
-        ) {
-        }
+        fn backward(&mut self, _: crate::ops::Backward<'_>) {}
     }
 
     #[test]

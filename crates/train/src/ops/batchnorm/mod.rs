@@ -11,7 +11,7 @@
 
 pub mod twin;
 
-use super::{BufferMut, Init, Layer, LayerSpec, ParamSpec, SumFn};
+use super::{Backward, BufferMut, Init, Layer, LayerSpec, ParamSpec, SumFn};
 use crate::multiversion::dispatch;
 use crate::tensor::Tensor;
 
@@ -476,19 +476,11 @@ impl Layer for BatchNorm2d {
         }
         self.apply(p, inp, out);
     }
-    fn backward(
-        &mut self,
-        p: &[f32],
-        dp: &mut [f32],
-        inp: &Tensor,
-        _out: &Tensor,
-        dout: &Tensor,
-        dinp: Option<&mut Tensor>,
-    ) {
-        let (n, hw) = (inp.dims()[0], inp.dims()[2] * inp.dims()[3]);
-        self.local_sums(dp, inp, dout);
-        if let Some(dinp) = dinp {
-            self.input_grad(p, inp, dout, dinp, (n * hw) as f32);
+    fn backward(&mut self, args: Backward<'_>) {
+        let (n, hw) = (args.inp.dims()[0], args.inp.dims()[2] * args.inp.dims()[3]);
+        self.local_sums(args.dp, args.inp, args.dout);
+        if let Some(dinp) = args.dinp {
+            self.input_grad(args.p, args.inp, args.dout, dinp, (n * hw) as f32);
         }
     }
 }

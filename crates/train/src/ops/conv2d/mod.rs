@@ -30,7 +30,7 @@ pub(crate) mod winograd;
 pub use shape::{Conv2dParams, Conv2dShape};
 
 use super::batchnorm::lane_sum;
-use super::{Init, Layer, LayerSpec, ParamSpec};
+use super::{Backward, Init, Layer, LayerSpec, ParamSpec};
 use crate::gemm::{matmul, Trans};
 use crate::tensor::Tensor;
 use winograd::Winograd;
@@ -353,33 +353,25 @@ impl Layer for Conv2d {
         }
         self.forward_samples(p, inp, out, train, None);
     }
-    fn backward(
-        &mut self,
-        p: &[f32],
-        dp: &mut [f32],
-        inp: &Tensor,
-        _out: &Tensor,
-        dout: &Tensor,
-        dinp: Option<&mut Tensor>,
-    ) {
+    fn backward(&mut self, args: Backward<'_>) {
         let cp = self.params;
-        let (n, h, w) = (inp.dims()[0], inp.dims()[2], inp.dims()[3]);
+        let (n, h, w) = (args.inp.dims()[0], args.inp.dims()[2], args.inp.dims()[3]);
         let (oh, ow) = (cp.out_h(h), cp.out_w(w));
         let (k, pp, oc) = (cp.k(), oh * ow, cp.out_c);
         if self.winograd() {
-            let weight = &p[..oc * k];
-            let (dweight, dbias) = dp.split_at_mut(oc * k);
-            for (i, plane) in dout.data().chunks_exact(pp).enumerate() {
+            let weight = &args.p[..oc * k];
+            let (dweight, dbias) = args.dp.split_at_mut(oc * k);
+            for (i, plane) in args.dout.data().chunks_exact(pp).enumerate() {
                 dbias[i % oc] += lane_sum(plane, |v| v);
             }
-            let dx = dinp.map(|d| {
-                d.resize(inp.dims());
+            let dx = args.dinp.map(|d| {
+                d.resize(args.inp.dims());
                 d.data_mut()
             });
             self.wino.backward(
                 weight,
-                inp.data(),
-                dout.data(),
+                args.inp.data(),
+                args.dout.data(),
                 n,
                 cp.in_c,
                 oc,
@@ -390,7 +382,13 @@ impl Layer for Conv2d {
             );
             return;
         }
-        self.backward_samples(p, dp, inp, DoutSource::Tensor(dout.data()), dinp);
+        self.backward_samples(
+            args.p,
+            args.dp,
+            args.inp,
+            DoutSource::Tensor(args.dout.data()),
+            args.dinp,
+        );
     }
 }
 
@@ -692,9 +690,23 @@ mod tests {
         .unwrap();
         let (mut dp1, mut dp2) = (vec![0.0; np], vec![0.0; np]);
         let (mut d1, mut d2) = (Tensor::default(), Tensor::default());
-        layer.backward(&p, &mut dp1, &inp, &out, &dout, Some(&mut d1));
+        layer.backward(Backward {
+            p: &p,
+            dp: &mut dp1,
+            inp: &inp,
+            out: &out,
+            dout: &dout,
+            dinp: Some(&mut d1),
+        });
         layer.forward(&p, &inp, &mut out, false);
-        layer.backward(&p, &mut dp2, &inp, &out, &dout, Some(&mut d2));
+        layer.backward(Backward {
+            p: &p,
+            dp: &mut dp2,
+            inp: &inp,
+            out: &out,
+            dout: &dout,
+            dinp: Some(&mut d2),
+        });
         assert_eq!(dp1, dp2);
         assert_eq!(d1.data(), d2.data());
     }
@@ -741,9 +753,23 @@ mod tests {
         .unwrap();
         let (mut dp1, mut dp2) = (vec![0.0; np], vec![0.0; np]);
         let (mut d1, mut d2) = (Tensor::default(), Tensor::default());
-        layer.backward(&p, &mut dp1, &inp, &out, &dout, Some(&mut d1));
+        layer.backward(Backward {
+            p: &p,
+            dp: &mut dp1,
+            inp: &inp,
+            out: &out,
+            dout: &dout,
+            dinp: Some(&mut d1),
+        });
         layer.forward(&p, &inp, &mut out, false);
-        layer.backward(&p, &mut dp2, &inp, &out, &dout, Some(&mut d2));
+        layer.backward(Backward {
+            p: &p,
+            dp: &mut dp2,
+            inp: &inp,
+            out: &out,
+            dout: &dout,
+            dinp: Some(&mut d2),
+        });
         assert_eq!(dp1, dp2);
         assert_eq!(d1.data(), d2.data());
     }

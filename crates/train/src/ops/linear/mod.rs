@@ -4,7 +4,7 @@
 
 pub mod twin;
 
-use super::{Init, Layer, LayerSpec, ParamSpec};
+use super::{Backward, Init, Layer, LayerSpec, ParamSpec};
 use crate::gemm::{matmul, Trans};
 use crate::tensor::Tensor;
 
@@ -74,18 +74,10 @@ impl Layer for Linear {
             true,
         );
     }
-    fn backward(
-        &mut self,
-        p: &[f32],
-        dp: &mut [f32],
-        inp: &Tensor,
-        _out: &Tensor,
-        dout: &Tensor,
-        dinp: Option<&mut Tensor>,
-    ) {
-        let n = inp.dims()[0];
-        let (dw, db) = dp.split_at_mut(self.out_f * self.in_f);
-        for row in dout.data().chunks_exact(self.out_f) {
+    fn backward(&mut self, args: Backward<'_>) {
+        let n = args.inp.dims()[0];
+        let (dw, db) = args.dp.split_at_mut(self.out_f * self.in_f);
+        for row in args.dout.data().chunks_exact(self.out_f) {
             for (d, g) in db.iter_mut().zip(row) {
                 *d += g;
             }
@@ -95,21 +87,21 @@ impl Layer for Linear {
             self.in_f,
             n,
             dw,
-            dout.data(),
+            args.dout.data(),
             Trans::Yes,
-            inp.data(),
+            args.inp.data(),
             Trans::No,
             true,
         );
-        if let Some(dinp) = dinp {
-            dinp.resize(inp.dims());
-            let w = &p[..self.out_f * self.in_f];
+        if let Some(dinp) = args.dinp {
+            dinp.resize(args.inp.dims());
+            let w = &args.p[..self.out_f * self.in_f];
             matmul(
                 n,
                 self.in_f,
                 self.out_f,
                 dinp.data_mut(),
-                dout.data(),
+                args.dout.data(),
                 Trans::No,
                 w,
                 Trans::No,

@@ -3,7 +3,7 @@
 
 pub mod twin;
 
-use super::{Layer, LayerSpec};
+use super::{Backward, Layer, LayerSpec};
 use crate::tensor::Tensor;
 
 /// Max pooling over `[N, C, H, W]` with floor output size, as PyTorch's default.
@@ -118,23 +118,15 @@ impl Layer for MaxPool2d {
             }
         }
     }
-    fn backward(
-        &mut self,
-        _p: &[f32],
-        _dp: &mut [f32],
-        inp: &Tensor,
-        out: &Tensor,
-        dout: &Tensor,
-        dinp: Option<&mut Tensor>,
-    ) {
-        let Some(dinp) = dinp else { return };
-        let d = inp.dims();
+    fn backward(&mut self, args: Backward<'_>) {
+        let Some(dinp) = args.dinp else { return };
+        let d = args.inp.dims();
         let hw = d[2] * d[3];
-        let ohw = out.dims()[2] * out.dims()[3];
+        let ohw = args.out.dims()[2] * args.out.dims()[3];
         dinp.resize(d);
         let dx = dinp.data_mut();
         dx.fill(0.0);
-        let g = dout.data();
+        let g = args.dout.data();
         for plane in 0..d[0] * d[1] {
             for o in plane * ohw..(plane + 1) * ohw {
                 dx[plane * hw + self.argmax[o] as usize] += g[o];
