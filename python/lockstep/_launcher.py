@@ -138,6 +138,7 @@ def notebook_launcher(
     *,
     fail_fast=True,
     grace=3.0,
+    restart_policy="job",
 ):
     """Fork ``num_processes`` ranks from this process; each runs ``function(*args)`` with its
     communicator available as :func:`lockstep.comm`. Returns the ranks' return values, a list in
@@ -149,8 +150,15 @@ def notebook_launcher(
       ``master_addr`` are exported to the ranks as Accelerate does (``ACCELERATE_MIXED_PRECISION``,
       ``MASTER_PORT``, ``MASTER_ADDR``), with ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`` and
       ``LOCAL_WORLD_SIZE``; lockstep itself needs none of them.
-    * ``node_rank``, ``num_nodes``, ``rdzv_*`` and ``max_restarts`` concern multi-node torch
-      elastic jobs: only their defaults are accepted (use ``lockstep launch`` across nodes).
+    * ``node_rank``, ``num_nodes`` and ``rdzv_*`` concern multi-node torch elastic jobs: only
+      their defaults are accepted (use ``lockstep launch`` across nodes).
+    * ``max_restarts``: when a rank fails, stop every rank and start them all again, up to this
+      many times, as torch elastic's restarts under Accelerate (each attempt gets a new shared
+      segment; ranks see ``LOCKSTEP_RESTART_COUNT`` and ``TORCHELASTIC_RESTART_COUNT``, 0 on the
+      first attempt). The last attempt's failure is raised. ``restart_policy`` (lockstep) must be
+      ``"job"``: replacing one rank while the others run needs a launcher process that never
+      initialised CUDA, which a forked launch does not have (``lockstep launch --restart-policy
+      rank`` does).
     * ``monitor_interval``: seconds between checks of the ranks' exit status.
     * ``log_line_prefix_template``: the prefix of each output line; ``${rank}`` and
       ``${local_rank}`` are replaced (default ``"[rank ${rank}] "``).
@@ -184,17 +192,62 @@ def notebook_launcher(
         "rdzv_endpoint": (rdzv_endpoint, ""),
         "rdzv_conf": (rdzv_conf, None),
         "rdzv_id": (rdzv_id, "none"),
-        "max_restarts": (max_restarts, 0),
     }
     for name, (value, default) in elastic.items():
         if value != default and not (name == "rdzv_conf" and value == {}):
             raise ValueError(
-                f"{name}={value!r} is not supported: notebook_launcher forks every rank on this machine and does not "
-                f"restart them (leave {name} at {default!r}; for several nodes, run a script with `lockstep launch`)"
+                f"{name}={value!r} is not supported: notebook_launcher forks every rank on this machine "
+                f"(leave {name} at {default!r}; for several nodes, run a script with `lockstep launch`)"
             )
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+        raise ValueError(f"max_restarts must be a whole number, 0 or more (0: no restarts), not {max_restarts!r}")
+    if restart_policy == "rank":
+        raise ValueError(
+            "restart_policy='rank' is not possible in notebook_launcher: a replacement rank would have to be forked from "
+            "this process after the others started, and no launcher process that never initialised CUDA is there to fork "
+            "it; use restart_policy='job' (restart every rank), or run a script with "
+            "`lockstep launch --max-restarts N --restart-policy rank`"
+        )
+    if restart_policy != "job":
+        raise ValueError(f"restart_policy must be 'job' (restart every rank) or 'rank' (lockstep launch only), not {restart_policy!r}")
     if not (isinstance(monitor_interval, (int, float)) and monitor_interval > 0):
         raise ValueError(f"monitor_interval must be a positive number of seconds, not {monitor_interval!r}")
     template = "[rank ${rank}] " if log_line_prefix_template is None else str(log_line_prefix_template)
+    restarts = []
+    while True:
+        count = len(restarts)
+        restart_env = {
+            "LOCKSTEP_RESTART_COUNT": str(count),
+            "TORCHELASTIC_RESTART_COUNT": str(count),
+            "LOCKSTEP_MAX_RESTARTS": str(max_restarts),
+            "TORCHELASTIC_MAX_RESTARTS": str(max_restarts),
+            "LOCKSTEP_RESTART_POLICY": "job",
+            "LOCKSTEP_REPLACEMENT": "0",
+        }
+        try:
+            return _launch_once(function, args, n, mp, use_port, master_addr, template, monitor_interval, fail_fast, grace, restart_env)
+        except RankError as e:
+            restarts.append(f"rank {e.rank} ({str(e).splitlines()[0]})")
+            if count >= max_restarts:
+                if max_restarts:
+                    e.args = (f"{e.args[0]}\n\nnotebook_launcher gave up: {count} of {max_restarts} restart(s) used:\n"
+                              + "\n".join(f"  restart {k + 1}: {why}" for k, why in enumerate(restarts[:-1])),)
+                raise
+            _write_console(sys.stderr, f"lockstep: {restarts[-1]}: every rank was stopped; starting them all again "
+                                       f"(restart {count + 1} of {max_restarts})\n")
+
+
+def _write_console(stream, text):
+    try:
+        stream.write(text)
+        stream.flush()
+    except Exception:
+        pass
+
+
+def _launch_once(function, args, n, mp, use_port, master_addr, template, monitor_interval, fail_fast, grace, restart_env):
+    """One attempt of :func:`notebook_launcher`: fork the ranks with a new segment, supervise
+    them, and return their values or raise :class:`RankError`."""
     check_fork_safe()
 
     env = {
@@ -203,6 +256,7 @@ def notebook_launcher(
         "MASTER_ADDR": str(master_addr),
         "MASTER_PORT": str(use_port),
         "ACCELERATE_MIXED_PRECISION": mp,
+        **restart_env,
     }
     # Buffered output would otherwise be written once by the caller and once by every rank.
     for f in (sys.stdout, sys.stderr):

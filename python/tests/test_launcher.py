@@ -225,7 +225,13 @@ def test_argument_checks():
     with pytest.raises(ValueError, match="num_nodes"):
         lockstep.notebook_launcher(f, num_nodes=2)
     with pytest.raises(ValueError, match="max_restarts"):
-        lockstep.notebook_launcher(f, max_restarts=1)
+        lockstep.notebook_launcher(f, max_restarts=-1)
+    with pytest.raises(ValueError, match="max_restarts"):
+        lockstep.notebook_launcher(f, max_restarts=True)
+    with pytest.raises(ValueError, match="restart_policy='job'"):
+        lockstep.notebook_launcher(f, max_restarts=1, restart_policy="rank")
+    with pytest.raises(ValueError, match="restart_policy must be"):
+        lockstep.notebook_launcher(f, max_restarts=1, restart_policy="node")
     with pytest.raises(ValueError, match="mixed_precision"):
         lockstep.notebook_launcher(f, mixed_precision="fp64")
     with pytest.raises(ValueError, match="num_processes"):
@@ -233,6 +239,51 @@ def test_argument_checks():
     with pytest.raises(TypeError, match="callable"):
         lockstep.notebook_launcher(42)
     assert children() == set()
+
+
+def test_max_restarts_restarts_every_rank(no_leftovers, tmp_path):
+    """A rank failing on the first attempt: every rank starts again, with both restart counts
+    and a new segment, and the second attempt's values come back; without restarts the same
+    function raises."""
+
+    def body(d):
+        c = lockstep.comm()
+        k = os.environ["LOCKSTEP_RESTART_COUNT"]
+        with open(os.path.join(d, f"seen.{c.rank}"), "a") as f:
+            f.write(f"{k} {os.environ['TORCHELASTIC_RESTART_COUNT']} {os.environ['LOCKSTEP_REPLACEMENT']}\n")
+        if k == "0" and c.rank == 1:
+            raise ValueError("first attempt fails")
+        x = np.array([c.rank + 1.0])
+        c.all_reduce(x)
+        return int(x[0])
+
+    res = lockstep.notebook_launcher(body, (str(tmp_path),), num_processes=2, max_restarts=1)
+    assert res == [3, 3]
+    # Rank 1 writes before it fails; rank 0 may be stopped before it writes, on a loaded machine.
+    assert (tmp_path / "seen.1").read_text().splitlines() == ["0 0 0", "1 1 0"]
+    assert (tmp_path / "seen.0").read_text().splitlines()[-1] == "1 1 0"
+    again = tmp_path / "again"
+    again.mkdir()
+    with pytest.raises(lockstep.RankError, match="first attempt fails"):
+        lockstep.notebook_launcher(body, (str(again),), num_processes=2)
+
+
+def test_max_restarts_gives_up_after_n_restarts(no_leftovers, tmp_path, capfd):
+    def body(d):
+        c = lockstep.comm()
+        with open(os.path.join(d, f"seen.{c.rank}"), "a") as f:
+            f.write(os.environ["LOCKSTEP_RESTART_COUNT"] + "\n")
+        if c.rank == 1:
+            raise ValueError("always fails")
+        c.all_reduce(np.zeros(1))  # fails (or is stopped) once rank 1 is gone
+
+    with pytest.raises(lockstep.RankError, match="gave up: 2 of 2 restart") as e:
+        lockstep.notebook_launcher(body, (str(tmp_path),), num_processes=2, max_restarts=2)
+    assert "always fails" in str(e.value)
+    # Rank 1 writes before it fails; rank 0 may be stopped before it writes, on a loaded machine.
+    assert (tmp_path / "seen.1").read_text().splitlines() == ["0", "1", "2"]
+    assert set((tmp_path / "seen.0").read_text().splitlines()) <= {"0", "1", "2"}
+    assert "rank 1 (rank 1 of 2 failed: ValueError: always fails): every rank was stopped" in capfd.readouterr().err
 
 
 def test_nested_launch_is_refused(no_leftovers):

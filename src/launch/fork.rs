@@ -121,6 +121,7 @@ where
         remote_abort: None,
         on_first_failure: None,
         start,
+        replaceable: 0,
     };
     let ok = |p: &Proc| {
         p.status == Some(child::Exit::Code(0))

@@ -42,7 +42,7 @@ mod supervise;
 mod wire;
 
 pub use child::monotonic_ns;
-pub use exec::{run_job, JobSpec};
+pub use exec::{run_job, JobSpec, RestartPolicy};
 pub use fork::{launch, LaunchConfig};
 pub use rank::{RankContext, RankResult, SaveError};
 pub use report::{summary, LaunchError, RankFailure};

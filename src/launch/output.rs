@@ -176,6 +176,29 @@ impl RankOutput {
         })
     }
 
+    /// The output of the same rank's next process (a restart): same prefix, console choice and
+    /// log file (its copy of the descriptor writes on after what the earlier process wrote),
+    /// nothing pending, an empty stderr tail.
+    pub fn renewed(&self) -> Result<RankOutput, LaunchError> {
+        let log = self
+            .log
+            .as_ref()
+            .map(File::try_clone)
+            .transpose()
+            .map_err(|e| {
+                LaunchError::Setup(format!(
+                    "cannot reopen a rank's log file for its restart: {e}"
+                ))
+            })?;
+        Ok(RankOutput {
+            prefix: self.prefix.clone(),
+            show: self.show,
+            log,
+            pending: [Vec::new(), Vec::new()],
+            tail: VecDeque::new(),
+        })
+    }
+
     /// Print this rank's lines without the `[rank N] ` prefix (`lockstep launch --no-prefix`).
     pub fn without_prefix(mut self) -> RankOutput {
         self.prefix.clear();

@@ -58,6 +58,12 @@ const TAIL_SHOWN: usize = 10;
 
 /// The failure summary, between divider lines; `failures[0]` is the root cause.
 pub fn summary(failures: &[RankFailure]) -> String {
+    summary_with_notes(failures, &[])
+}
+
+/// [`summary`] with more lines (each ending in a newline) before the closing divider: the
+/// launcher's restarts.
+pub(crate) fn summary_with_notes(failures: &[RankFailure], notes: &[String]) -> String {
     let mut s = String::new();
     s += DIVIDER;
     s += "\n";
@@ -110,6 +116,9 @@ pub fn summary(failures: &[RankFailure]) -> String {
                 s += &format!("  | {l}\n");
             }
         }
+    }
+    for n in notes {
+        s += n;
     }
     s += DIVIDER;
     s

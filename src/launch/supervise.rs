@@ -25,7 +25,7 @@ use super::signals::{Counts, SignalPipe};
 
 /// How long the launcher waits, once every rank has exited, for the guards to finish killing
 /// what the ranks left behind.
-const GUARD_CLEANUP: Duration = Duration::from_secs(5);
+pub(crate) const GUARD_CLEANUP: Duration = Duration::from_secs(5);
 
 /// How long the launcher waits for a guard's report of a rank that has exited before it looks
 /// at the guard (stopped by SIGSTOP or a debugger, a stopped guard never reports), and again
@@ -307,6 +307,10 @@ pub(crate) struct Options<'a> {
     /// Called once, when the first rank fails (the CLI tells the other nodes from here).
     pub on_first_failure: Option<&'a dyn Fn(&Proc)>,
     pub start: Instant,
+    /// How many failed ranks the caller may still replace (`--restart-policy rank`): when the
+    /// ranks that fail together are no more than this, supervision returns them in
+    /// [`Outcome::replace`] instead of stopping the others. 0: every failure is final.
+    pub replaceable: usize,
 }
 
 /// The result of supervision.
@@ -317,6 +321,10 @@ pub(crate) struct Outcome {
     pub interrupted: Option<i32>,
     /// Another node's failure stopped this node's ranks.
     pub remote_abort: bool,
+    /// Indices of ranks that failed and are to be replaced ([`Options::replaceable`]); the
+    /// others were left running and supervision is not over: the caller replaces these and
+    /// supervises again. Empty when supervision ended.
+    pub replace: Vec<usize>,
 }
 
 /// Supervise `procs` until all have exited; `failed` tells whether an exited rank failed.
@@ -527,6 +535,25 @@ pub(crate) fn supervise(
                 }
             }
         }
+        if root.is_none()
+            && !batch.is_empty()
+            && batch.len() <= opts.replaceable
+            && interrupted.is_none()
+            && !remote_abort
+        {
+            // Nothing was signalled (no failure, no interrupt so far): the survivors run on
+            // while the caller replaces the failed ranks. Their output is read to the end now,
+            // as their guards kill what they left behind.
+            for &i in &batch {
+                procs[i].drain(&[0, 1], true);
+            }
+            return Outcome {
+                root: None,
+                interrupted: None,
+                remote_abort: false,
+                replace: batch,
+            };
+        }
         if root.is_none() {
             let by_signal = |i: &usize| {
                 matches!(procs[*i].status, Some(Exit::Signal(_))) && !procs[*i].terminated
@@ -570,5 +597,6 @@ pub(crate) fn supervise(
         root,
         interrupted,
         remote_abort,
+        replace: Vec::new(),
     }
 }

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use clap::Args;
 use lockstep::config::{self, BackendChoice, MixedPrecision};
+use lockstep::launch::RestartPolicy;
 
 use crate::args::{env_master, parse_backend, parse_precision, parse_procs, Gpus, Procs};
 
@@ -27,6 +28,13 @@ in force), the default. --num_processes counts the ranks of all nodes, as Accele
 spellings are accepted (--nproc_per_node, --node_rank, --master_addr, --master_port, --standalone,
 --num_machines, --machine_rank, --main_process_ip, --main_process_port, --mixed_precision). The
 program starts at the first argument that is not an option; `--` before it is optional.
+
+Restarts (single node): with --max-restarts N, a failed rank is replaced (--restart-policy rank, the
+default: same RANK, LOCKSTEP_REPLACEMENT=1, the other ranks run on) or every rank is stopped and
+started again under a new LOCKSTEP_JOB_ID (--restart-policy job, as torchrun), up to N times in all.
+Every rank gets LOCKSTEP_RESTART_COUNT and TORCHELASTIC_RESTART_COUNT (0 on the first start),
+LOCKSTEP_MAX_RESTARTS, TORCHELASTIC_MAX_RESTARTS, LOCKSTEP_RESTART_POLICY and LOCKSTEP_REPLACEMENT
+(1 in a replacement, else 0). Each restart is logged; the summary says how many happened and why.
 
 Stopping: Ctrl-C (SIGINT) and SIGTERM are forwarded to every rank, SIGHUP (a closed terminal or ssh
 session) as SIGTERM; ranks still running after --grace-s are killed. A second Ctrl-C or SIGTERM kills
@@ -120,6 +128,16 @@ pub(crate) struct LaunchArgs {
     /// Let the other ranks run on when one fails (they see the failure through the backend).
     #[arg(long)]
     no_fail_fast: bool,
+    /// Restart up to N times when a rank fails, as torchrun's --max-restarts (single-node jobs;
+    /// default 0: a failure ends the job). Each rank gets LOCKSTEP_RESTART_COUNT and
+    /// TORCHELASTIC_RESTART_COUNT (0 on the first start).
+    #[arg(long, visible_alias = "max_restarts", value_name = "N", default_value = "0", value_parser = parse_restarts)]
+    max_restarts: usize,
+    /// What a restart restarts: `rank` (the default: a replacement for the failed rank only,
+    /// with LOCKSTEP_REPLACEMENT=1, while the others run on) or `job` (stop every rank and
+    /// start them all again, as torchrun; for programs that do not handle a rank's death).
+    #[arg(long, visible_alias = "restart_policy", value_name = "job|rank", value_parser = parse_restart_policy)]
+    restart_policy: Option<RestartPolicy>,
     /// Seconds between SIGTERM and SIGKILL when stopping ranks.
     #[arg(long, default_value_t = 3.0)]
     grace_s: f64,
@@ -155,6 +173,37 @@ fn parse_ranks(s: &str) -> Result<Vec<usize>, String> {
     v.sort_unstable();
     v.dedup();
     Ok(v)
+}
+
+/// --max-restarts: a plain non-negative whole number (no sign, no blanks).
+fn parse_restarts(s: &str) -> Result<usize, String> {
+    let bad = || {
+        format!(
+            "{s:?} is not a number of restarts: give a whole number, 0 or more (0: no restarts)"
+        )
+    };
+    if s.is_empty() || !s.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(bad());
+    }
+    s.parse().map_err(|_| bad())
+}
+
+fn parse_restart_policy(s: &str) -> Result<RestartPolicy, String> {
+    s.parse()
+}
+
+/// The restart policy: the flag's, else `rank` (the in-job path) when there are restarts.
+/// `rank` with no restart would replace nothing: refused.
+fn restart_policy(max: usize, flag: Option<RestartPolicy>) -> Result<RestartPolicy, String> {
+    match (flag, max) {
+        (Some(RestartPolicy::Rank), 0) => Err(
+            "--restart-policy rank with --max-restarts 0 replaces nothing: give --max-restarts N (N of 1 or more), or leave --restart-policy out"
+                .into(),
+        ),
+        (Some(p), _) => Ok(p),
+        (None, 0) => Ok(RestartPolicy::Job),
+        (None, _) => Ok(RestartPolicy::Rank),
+    }
 }
 
 fn secs(name: &str, s: f64) -> Result<Duration, String> {
@@ -349,6 +398,8 @@ pub(crate) fn run(a: LaunchArgs, file: Option<&Path>) -> Result<i32, String> {
         program: a.program,
         rank_env,
         prefix: !a.no_prefix,
+        max_restarts: a.max_restarts,
+        restart_policy: restart_policy(a.max_restarts, a.restart_policy)?,
     };
     if let Some(t) = spec.ensure_token().map_err(|e| e.to_string())? {
         if spec.nnodes > 1 {

@@ -1,7 +1,8 @@
 //! How `lockstep launch` ends when it is told to stop or dies: SIGHUP, SIGINT with stubborn
 //! ranks, `kill -9` with grandchildren, malformed `LOCKSTEP_*` variables, a rendezvous whose
 //! last node never comes, a master port held by something that is not lockstep, and a two-node
-//! job that must still complete while 1000 hostile connections hold node 0's store. Every test
+//! job that must still complete while 1000 hostile connections hold node 0's store, and
+//! restarts (`--max-restarts`, both policies). Every test
 //! bounds the time the outcome takes and checks that no process it started is left: each
 //! launcher runs with `LOCKSTEP_TEST_MARK=<unique>` in its environment, which every rank and
 //! descendant inherits, and /proc is scanned for it. Sequential (`harness = false`): the tests
@@ -820,6 +821,284 @@ fn two_node_job_completes_under_attack() -> Result<(), String> {
     nothing_left(&mark)
 }
 
+// ------------------------------------------------------------------------------------------------
+// Restarts (`--max-restarts N`, `--restart-policy job|rank`).
+
+/// Lines of `dir/name`, none when it is missing.
+fn lines_of(dir: &std::path::Path, name: &str) -> Vec<String> {
+    std::fs::read_to_string(dir.join(name))
+        .unwrap_or_default()
+        .lines()
+        .map(str::to_string)
+        .collect()
+}
+
+/// Shell lines for rank 1 of a restart test (`d`: its scratch directory): wait (at most 10 s) until rank 0 of this attempt
+/// has written its line to `seen.0`, so that a failure of rank 1 never stops rank 0 before it.
+fn wait_for_rank0(d: &std::path::Path) -> String {
+    format!(
+        "i=0; while [ \"$(cat {d}/seen.0 2>/dev/null | wc -l)\" -le \"$LOCKSTEP_RESTART_COUNT\" ] && [ $i -lt 200 ]; do sleep 0.05; i=$((i+1)); done;",
+        d = d.display()
+    )
+}
+
+/// A launch of `nproc` ranks of `sh -c script` with `flags`; returns its output once it ends
+/// (at most 30 s), after checking that it left no process behind.
+fn launch_script(mark: &str, nproc: &str, flags: &[&str], script: &str) -> Result<Output, String> {
+    let mut c = lockstep(mark);
+    c.args(["launch", "--nproc-per-node", nproc, "--grace-s", "2"])
+        .args(flags)
+        .args(["--", "sh", "-c", script]);
+    let l = Running::spawn(&mut c, mark);
+    let pid = l.pid();
+    let done = wait_until(Duration::from_secs(30), || {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .map(|s| s.contains(") Z "))
+            .unwrap_or(true)
+    });
+    check(done, "the launch ends within 30 s", "")?;
+    let o = l.wait_with_output().map_err(|e| e.to_string())?;
+    nothing_left(mark)?;
+    Ok(o)
+}
+
+/// Job policy: rank 1 fails on the first attempt (LOCKSTEP_RESTART_COUNT=0) while rank 0 has
+/// joined the job's segment (`lockstep selftest` waits for rank 1 there); the launcher stops
+/// rank 0 and starts both again, now joining a new segment, and the job succeeds. Every rank
+/// sees both restart counts; no segment of either attempt and no process is left. Without
+/// restarts the same program fails with rank 1's code.
+fn restart_job_policy_reruns_every_rank() -> Result<(), String> {
+    for max in ["1", "0"] {
+        let mark = new_mark(&format!("restart-job-{max}"));
+        let d = scratch(&format!("restart-job-{max}"));
+        let script = format!(
+            "echo \"$LOCKSTEP_RESTART_COUNT $TORCHELASTIC_RESTART_COUNT $LOCKSTEP_REPLACEMENT $LOCKSTEP_JOB_ID\" >> {d}/seen.$RANK; \
+             if [ \"$LOCKSTEP_RESTART_COUNT\" = 0 ] && [ \"$RANK\" = 1 ]; then {w} sleep 0.2; exit 4; fi; \
+             exec {BIN} selftest",
+            d = d.display(),
+            w = wait_for_rank0(&d)
+        );
+        let o = launch_script(
+            &mark,
+            "2",
+            &["--max-restarts", max, "--restart-policy", "job"],
+            &script,
+        )?;
+        let err = String::from_utf8_lossy(&o.stderr);
+        let seen: Vec<Vec<String>> = (0..2).map(|r| lines_of(&d, &format!("seen.{r}"))).collect();
+        let ids: Vec<&str> = seen
+            .iter()
+            .flatten()
+            .filter_map(|l| l.split(' ').nth(3))
+            .collect();
+        for id in &ids {
+            check(
+                !std::path::Path::new(&format!("/dev/shm/lockstep-{id}")).exists(),
+                "no segment of any attempt is left",
+                id,
+            )?;
+        }
+        if max == "0" {
+            check(
+                o.status.code() == Some(4),
+                "without restarts the job fails with rank 1's code",
+                show(&o),
+            )?;
+            check(
+                seen.iter().all(|s| s.len() == 1),
+                "one attempt only",
+                format!("{seen:?}"),
+            )?;
+            continue;
+        }
+        check(
+            o.status.success(),
+            "the job succeeds on its restart",
+            show(&o),
+        )?;
+        for (r, s) in seen.iter().enumerate() {
+            let counts: Vec<String> = s
+                .iter()
+                .map(|l| l.split(' ').take(3).collect::<Vec<_>>().join(" "))
+                .collect();
+            check(
+                counts == ["0 0 0", "1 1 0"],
+                &format!("rank {r} ran twice with both restart counts (0, then 1), never as a replacement"),
+                format!("{seen:?}"),
+            )?;
+        }
+        check(
+            s_id(&seen[0][0]) == s_id(&seen[1][0])
+                && s_id(&seen[0][1]) == s_id(&seen[1][1])
+                && s_id(&seen[0][0]) != s_id(&seen[0][1]),
+            "each attempt has its own job id, shared by its ranks",
+            format!("{seen:?}"),
+        )?;
+        check(
+            err.contains("rank 1 (pid")
+                && err.contains("exited with code 4: every rank was stopped; starting the whole job again (restart 1 of 1, --restart-policy job)")
+                && err.contains("the job succeeded after 1 restart(s) (--restart-policy job)"),
+            "the launcher logs the restart and sums it up",
+            show(&o),
+        )?;
+    }
+    Ok(())
+}
+
+fn s_id(line: &str) -> &str {
+    line.split(' ').nth(3).unwrap_or("")
+}
+
+/// A program that always fails is started exactly N+1 times; the launcher then exits with the
+/// failing rank's code and its summary says it gave up, listing each restart.
+fn restart_gives_up_after_n_restarts() -> Result<(), String> {
+    let mark = new_mark("restart-giveup");
+    let d = scratch("restart-giveup");
+    let script = format!(
+        "echo $LOCKSTEP_RESTART_COUNT >> {d}/seen.$RANK; if [ \"$RANK\" = 1 ]; then {w} exit 3; fi; sleep 1000 & wait",
+        d = d.display(),
+        w = wait_for_rank0(&d)
+    );
+    let o = launch_script(
+        &mark,
+        "2",
+        &["--max-restarts", "2", "--restart-policy", "job"],
+        &script,
+    )?;
+    let err = String::from_utf8_lossy(&o.stderr);
+    check(
+        o.status.code() == Some(3),
+        "the launcher exits with the failing rank's code",
+        show(&o),
+    )?;
+    for r in 0..2 {
+        check(
+            lines_of(&d, &format!("seen.{r}")) == ["0", "1", "2"],
+            &format!("rank {r} was started exactly 3 times"),
+            format!("{:?}", lines_of(&d, &format!("seen.{r}"))),
+        )?;
+    }
+    check(
+        err.contains(
+            "lockstep: gave up: 2 of 2 restart(s) (--max-restarts 2, --restart-policy job) used",
+        ) && err.contains("  restart 1: rank 1 (pid")
+            && err.contains("  restart 2: rank 1 (pid")
+            && err.contains("failed first: exited with code 3"),
+        "the summary says it gave up and why each restart happened",
+        show(&o),
+    )
+}
+
+/// Rank policy: rank 1 dies and gets a replacement (same rank, LOCKSTEP_REPLACEMENT=1, restart
+/// count 1) while ranks 0 and 2 keep running: they wait for the file the replacement writes,
+/// so the job succeeds only if the launcher left them alone. When a survivor then fails too and
+/// no restart remains, the job fails with its code, as without restarts.
+fn restart_rank_policy_replaces_only_the_dead_rank() -> Result<(), String> {
+    for survivor_fails in [false, true] {
+        let name = format!("restart-rank-{survivor_fails}");
+        let mark = new_mark(&name);
+        let d = scratch(&name);
+        let survivor_end = if survivor_fails { "exit 5" } else { "exit 0" };
+        let script = format!(
+            "echo \"$LOCKSTEP_RESTART_COUNT $TORCHELASTIC_RESTART_COUNT $LOCKSTEP_REPLACEMENT $LOCKSTEP_RESTART_POLICY $$\" >> {d}/seen.$RANK; \
+             if [ \"$RANK\" = 1 ]; then \
+               if [ \"$LOCKSTEP_REPLACEMENT\" = 1 ]; then echo \"$RANK $LOCAL_RANK\" > {d}/replaced.tmp; mv {d}/replaced.tmp {d}/replaced; \
+                 if [ {survivor_fails} = true ]; then sleep 1000 & wait; fi; exit 0; fi; \
+               sleep 0.2; kill -9 $$; fi; \
+             i=0; while [ ! -e {d}/replaced ]; do sleep 0.05; i=$((i+1)); if [ $i -gt 300 ]; then exit 9; fi; done; \
+             if [ $RANK = 2 ]; then sleep 0.2; {survivor_end}; fi; exit 0",
+            d = d.display()
+        );
+        let o = launch_script(&mark, "3", &["--max-restarts", "1"], &script)?;
+        let err = String::from_utf8_lossy(&o.stderr);
+        let seen: Vec<Vec<String>> = (0..3).map(|r| lines_of(&d, &format!("seen.{r}"))).collect();
+        let first = |r: usize| {
+            seen[r]
+                .first()
+                .map(|l| l.rsplit_once(' ').map(|x| x.0.to_string()))
+        };
+        check(
+            seen[0].len() == 1 && seen[2].len() == 1 && first(0) == Some(Some("0 0 0 rank".into())),
+            "the survivors were started once, with restart count 0, not as replacements",
+            format!("{seen:?}"),
+        )?;
+        check(
+            seen[1].len() == 2
+                && seen[1][0].starts_with("0 0 0 rank ")
+                && seen[1][1].starts_with("1 1 1 rank "),
+            "rank 1 was replaced once, with restart count 1 and the marker",
+            format!("{seen:?}"),
+        )?;
+        check(
+            lines_of(&d, "replaced") == ["1 1"],
+            "the replacement has the same rank and local rank",
+            format!("{:?}", lines_of(&d, "replaced")),
+        )?;
+        check(
+            err.contains("was killed by signal 9 (SIGKILL): starting a replacement with the same rank while the other ranks run on (restart 1 of 1, --restart-policy rank)")
+                || err.contains("starting a replacement with the same rank while the other ranks run on (restart 1 of 1, --restart-policy rank)"),
+            "the launcher logs the replacement",
+            show(&o),
+        )?;
+        if survivor_fails {
+            check(
+                o.status.code() == Some(5) && err.contains("gave up: 1 of 1 restart(s)"),
+                "a survivor failing with no restart left ends the job with its code",
+                show(&o),
+            )?;
+        } else {
+            check(
+                o.status.success(),
+                "the job succeeds with the replacement",
+                show(&o),
+            )?;
+            check(
+                err.contains("the job succeeded after 1 restart(s) (--restart-policy rank)"),
+                "the launcher sums up the restart",
+                show(&o),
+            )?;
+        }
+    }
+    Ok(())
+}
+
+/// `--max-restarts` and `--restart-policy` are parsed strictly; rank policy without restarts
+/// and restarts across nodes are refused with what to do.
+fn restart_flags_are_strict() -> Result<(), String> {
+    let mark = new_mark("restart-flags");
+    let cases: &[(&[&str], i32, &str)] = &[
+        (&["--max-restarts=-1"], 2, "not a number of restarts"),
+        (&["--max-restarts", "+1"], 2, "not a number of restarts"),
+        (&["--max-restarts", "x"], 2, "not a number of restarts"),
+        (&["--restart-policy", "node"], 2, "not a restart policy"),
+        (
+            &["--restart-policy", "rank"],
+            1,
+            "--restart-policy rank with --max-restarts 0 replaces nothing",
+        ),
+        (
+            &["--max_restarts", "1", "--nnodes", "2"],
+            1,
+            "restarts are only supported in single-node jobs",
+        ),
+    ];
+    for (flags, code, says) in cases {
+        let o = lockstep(&mark)
+            .args(["launch", "--nproc-per-node", "1"])
+            .args(*flags)
+            .args(["--", "true"])
+            .env("LOCKSTEP_TOKEN", TOKEN)
+            .output()
+            .map_err(|e| e.to_string())?;
+        check(
+            o.status.code() == Some(*code) && String::from_utf8_lossy(&o.stderr).contains(says),
+            &format!("{flags:?} is refused with exit {code}, saying {says:?}"),
+            show(&o),
+        )?;
+    }
+    nothing_left(&mark)
+}
+
 fn main() -> std::process::ExitCode {
     common::run(&[
         (
@@ -845,5 +1124,18 @@ fn main() -> std::process::ExitCode {
             "two_node_job_completes_under_attack",
             two_node_job_completes_under_attack,
         ),
+        (
+            "restart_job_policy_reruns_every_rank",
+            restart_job_policy_reruns_every_rank,
+        ),
+        (
+            "restart_gives_up_after_n_restarts",
+            restart_gives_up_after_n_restarts,
+        ),
+        (
+            "restart_rank_policy_replaces_only_the_dead_rank",
+            restart_rank_policy_replaces_only_the_dead_rank,
+        ),
+        ("restart_flags_are_strict", restart_flags_are_strict),
     ])
 }
