@@ -35,7 +35,8 @@ __version__: str
 class CommError(RuntimeError):
     # Set by the Rust side on every CommError it raises (absent on one made by hand).
     # One of "invalid_argument", "mismatch", "peer_lost", "aborted", "timeout", "unsupported",
-    # "setup", "os", "backend", "other".
+    # "setup", "os", "backend", "non_finite" (a NaN or infinity in a reduction's input under
+    # LOCKSTEP_CHECK_FINITE=1), "other".
     kind: str
     # The global rank whose failure this error follows from (the lost peer, or the rank that
     # aborted the communicator); None otherwise.

@@ -12,7 +12,7 @@ create_exception!(
     "A collective or communicator setup failed: a mismatch between ranks, a dead or departed peer, a timeout, \
 or bad arguments caught by the Rust checks. The message is lockstep's, naming the ranks involved and what to do next. \
 Attributes: `kind` (\"invalid_argument\", \"mismatch\", \"peer_lost\", \"aborted\", \"timeout\", \"unsupported\", \
-\"setup\", \"os\", \"backend\"), `follows` (the global rank whose failure this error is a consequence of: \
+\"setup\", \"os\", \"backend\", \"non_finite\": a NaN or infinity in a reduction's input under LOCKSTEP_CHECK_FINITE=1), `follows` (the global rank whose failure this error is a consequence of: \
 the lost peer, or the rank that aborted the communicator; None otherwise) and `missing` (for a timeout, the global \
 ranks this rank was still waiting for; empty otherwise)."
 );
@@ -32,6 +32,7 @@ pub fn comm_err(e: lockstep::CommError) -> PyErr {
         E::Setup(_) => ("setup", None),
         E::Os { .. } => ("os", None),
         E::Backend { .. } => ("backend", None),
+        E::NonFinite { .. } => ("non_finite", None),
         _ => ("other", None),
     };
     let missing = match &e {

@@ -1,6 +1,6 @@
 //! `CommError`: what a collective reports, with the rank, the operation and what to do next.
 
-use crate::types::CollKind;
+use crate::types::{CollKind, Dtype};
 
 /// Errors of the collective API, on every backend.
 #[derive(Debug, thiserror::Error)]
@@ -84,6 +84,29 @@ pub enum CommError {
         #[source]
         source: std::io::Error,
     },
+    /// A reduction's input held a NaN or an infinity, with the finite check on (`LOCKSTEP_CHECK_FINITE=1`,
+    /// [`ShmConfig::check_finite`](crate::shm::ShmConfig::check_finite)). Every rank of the call
+    /// returns this same error, naming the first non-finite input element: the lowest element
+    /// index, and of the ranks with a non-finite value there, the lowest rank. The output buffers
+    /// may hold partial or non-finite results; the communicator stays usable.
+    #[error("rank {rank} contributed {kind} at element {element} of {op} #{seq} ({dtype}, {count} elements); check that rank's inputs at that element (a diverging loss, an overflowing loss scale, uninitialised memory), or set LOCKSTEP_CHECK_FINITE=0 to let non-finite values propagate", count = group_digits(*count))]
+    NonFinite {
+        /// The rank whose input held the value (its global rank, in a sub-communicator).
+        rank: usize,
+        /// Sequence number of the collective (counted from 1 on each rank).
+        seq: u64,
+        /// NaN, +Inf or -Inf.
+        kind: NonFiniteKind,
+        /// The collective: all_reduce, reduce or reduce_scatter.
+        op: CollKind,
+        /// Index of the element in that rank's input (its send buffer; for reduce_scatter the
+        /// whole input of `world × count` elements).
+        element: usize,
+        /// The element type.
+        dtype: Dtype,
+        /// Elements of that rank's input.
+        count: usize,
+    },
     /// A backend-specific failure (NCCL, CUDA).
     #[error("{backend}: {message}")]
     Backend {
@@ -92,6 +115,40 @@ pub enum CommError {
         /// Its message.
         message: String,
     },
+}
+
+/// The class of a non-finite value that [`CommError::NonFinite`] reports.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum NonFiniteKind {
+    /// Not a number.
+    NaN,
+    /// Positive infinity.
+    PosInf,
+    /// Negative infinity.
+    NegInf,
+}
+
+impl std::fmt::Display for NonFiniteKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            NonFiniteKind::NaN => "NaN",
+            NonFiniteKind::PosInf => "+Inf",
+            NonFiniteKind::NegInf => "-Inf",
+        })
+    }
+}
+
+/// `n` with a comma every three digits (262,144), as error messages show element counts.
+fn group_digits(n: usize) -> String {
+    let s = n.to_string();
+    let mut out = String::with_capacity(s.len() + s.len() / 3);
+    for (i, c) in s.chars().enumerate() {
+        if i > 0 && (s.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
 }
 
 /// What a timeout report suggests. The timeout is `LOCKSTEP_TIMEOUT_S` unless the program set
@@ -108,5 +165,30 @@ pub(crate) fn rank_name(global: Option<&[usize]>, r: usize) -> String {
     match global.and_then(|g| g.get(r)) {
         Some(g) => format!("rank {g} (rank {r} of this sub-communicator)"),
         None => format!("rank {r}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn non_finite_message() {
+        let e = CommError::NonFinite {
+            rank: 1,
+            seq: 41,
+            kind: NonFiniteKind::NaN,
+            op: CollKind::AllReduce,
+            element: 17,
+            dtype: Dtype::F32,
+            count: 262_144,
+        };
+        assert!(e.to_string().starts_with(
+            "rank 1 contributed NaN at element 17 of all_reduce #41 (f32, 262,144 elements); "
+        ));
+        assert_eq!(group_digits(0), "0");
+        assert_eq!(group_digits(999), "999");
+        assert_eq!(group_digits(1000), "1,000");
+        assert_eq!(group_digits(1_234_567), "1,234,567");
     }
 }

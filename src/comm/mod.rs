@@ -19,8 +19,8 @@ mod shared;
 
 pub use backend::{Backend, BackendKind, Call, Completion, P2pOp, Splits, ANY_SOURCE};
 pub use communicator::{Communicator, Group, Work};
-pub use error::CommError;
 pub(crate) use error::{rank_name, TIMEOUT_HINT};
+pub use error::{CommError, NonFiniteKind};
 pub use shared::{SharedBuffer, SharedRegion};
 // The vocabulary, re-exported so `comm` reads as the whole collective API.
 pub use crate::types::{Buffer, BufferMut, CollKind, Dtype, Element, MemSpace, RawMem, ReduceOp};

@@ -74,6 +74,13 @@ fn node_comm(world: &MpiComm) -> Result<MpiComm, CommError> {
 /// Join the job MPI started this process in: one [`Communicator`] over every rank of
 /// `MPI_COMM_WORLD`, ranked as there, with shared memory inside each node.
 pub(crate) fn join(cfg: ShmConfig) -> Result<Communicator, CommError> {
+    if cfg.check_finite {
+        // Its reductions run on the node leaders and along the chain of nodes (`fold`), not in
+        // the shared-memory kernels that check: refused rather than silently unchecked.
+        return Err(CommError::Unsupported(
+            "LOCKSTEP_CHECK_FINITE=1 is not supported on a job joined through MPI (the hierarchical backend reduces outside the shared-memory kernels that run the check); set it to 0, or run on one node without MPI".into(),
+        ));
+    }
     let mpi = Mpi::init()?;
     let world = mpi.world()?;
     let rank = world.rank();

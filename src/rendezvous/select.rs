@@ -72,6 +72,7 @@ pub(crate) fn nccl_across_nodes(
     };
     // The environment is checked before CUDA is touched.
     let opts = crate::nccl::NcclOptions::from_env().map_err(|e| CommError::Setup(e.to_string()))?;
+    refuse_check_finite()?;
     let gpus = crate::cuda::device_count().map_err(cuda)?.max(0) as usize;
     let here = hosts.iter().filter(|h| **h == hosts[info.rank]).count();
     if here > gpus {
@@ -97,6 +98,21 @@ pub(crate) fn nccl_across_nodes(
             message: e.to_string(),
         })?;
     Ok(Communicator::from_backend(Box::new(nccl)))
+}
+
+/// `LOCKSTEP_CHECK_FINITE=1` where NCCL would run the reductions: an error, never a check that
+/// silently does not happen (NCCL reduces in its own kernels, which have no pass lockstep owns).
+/// The staged backend runs the host communicator's kernels and checks.
+fn refuse_check_finite() -> Result<(), CommError> {
+    let v = crate::types::env::CHECK_FINITE;
+    match v.choice() {
+        Ok(Some("1")) => Err(CommError::Unsupported(format!(
+            "{}=1 is not supported on the NCCL backend: its reductions run in NCCL's own kernels, which lockstep cannot check for NaN and infinities; set it to 0 and check the inputs before the call (torch.isfinite), or run host buffers on LOCKSTEP_BACKEND=shm",
+            v.name
+        ))),
+        Ok(_) => Ok(()),
+        Err(e) => Err(CommError::Setup(e.to_string())),
+    }
 }
 
 /// What [`device_communicator`] builds for a node's ranks.
@@ -182,6 +198,7 @@ pub fn device_communicator(
             Ok((Communicator::from_backend(Box::new(staged)), ctx))
         }
         DeviceChoice::Nccl { .. } => {
+            refuse_check_finite()?;
             let nccl =
                 crate::nccl::NcclComm::new(&ctx, rank, world, &mut host, opts).map_err(|e| {
                     CommError::Backend {

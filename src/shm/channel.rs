@@ -19,9 +19,12 @@ use super::cma::CmaState;
 use super::config::ShmConfig;
 pub(crate) use super::liveness::Ctx;
 use super::liveness::Liveness;
+use super::reduce::Found;
 use super::reduce::{copy_block, copy_block2, store_fence};
 use super::segment::{futex_wait, futex_wake_all, show_bytes, Segment};
-use super::sync::{Ctrl, Desc, Header, Layout, INVALID, SHARED_RECV, SHARED_SEND, STREAMING};
+use super::sync::{
+    Ctrl, Desc, Header, Layout, FINITE, INVALID, SHARED_RECV, SHARED_SEND, STREAMING,
+};
 use super::timing::Timing;
 use crate::comm::{Call, CollKind, CommError, Dtype, MemSpace, RawMem, ReduceOp};
 
@@ -144,6 +147,12 @@ impl Channel {
     /// before its next `begin` or `phase`.
     pub(crate) fn next_phase(&self) -> u64 {
         self.progress + 1
+    }
+
+    /// Whether reductions check their floating-point inputs for NaN and infinities
+    /// (`ShmConfig::check_finite`).
+    pub(crate) fn check_finite(&self) -> bool {
+        self.cfg.check_finite
     }
 
     /// The settings (timeouts, peer-check interval) this channel runs with.
@@ -344,6 +353,25 @@ impl Channel {
         Ok(p)
     }
 
+    /// [`phase`](Self::phase), carrying this rank's finite-check finding (`found`, or none) to its
+    /// peers in its descriptor cell of the phase; returns the phase and the first finding of all
+    /// ranks (lowest element, then lowest source rank), the same on every rank. Every rank of the
+    /// call must call it at the same point (all run the check: `begin` compared the setting).
+    pub(crate) fn phase_found(
+        &mut self,
+        found: Option<Found>,
+        cx: Ctx,
+    ) -> Result<(u64, Option<Found>), CommError> {
+        let p = self.progress + 1;
+        self.write_desc(p, Desc::found(self.seq, found));
+        self.phase(cx)?;
+        let all = (0..self.world)
+            .filter(|&r| r != self.rank)
+            .map(|r| self.read_desc(r, p).report(self.seq))
+            .fold(found, Found::first);
+        Ok((p, all))
+    }
+
     /// Wait until every peer `r` has arrived (`arrived(self, r)`): spin, then yield, then sleep
     /// on the header's futex, checking the peers' health and the timeout while not spinning.
     fn wait_for(
@@ -453,11 +481,12 @@ impl Channel {
         cx: Ctx,
     ) -> Result<(Vec<Desc>, u64), CommError> {
         let (took_seq, took_ns) = self.timing.at_begin();
+        let finite = if self.cfg.check_finite { FINITE } else { 0 };
         let d = Desc {
             kind: call.kind as u8,
             dtype: call.dtype as u8,
             op: call.op as u8,
-            flags,
+            flags: flags | finite,
             took_seq,
             root: call.root as u64,
             count: call.count as u64,

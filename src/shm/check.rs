@@ -2,7 +2,7 @@
 //! rank's descriptor with rank 0's, and on disagreement every rank reports the same
 //! [`CommError::Mismatch`], naming each rank that differs and the call it made.
 
-use super::sync::{Desc, INVALID};
+use super::sync::{Desc, FINITE, INVALID};
 use crate::comm::{CollKind, CommError, Dtype, ReduceOp};
 
 fn desc_call(d: &Desc) -> String {
@@ -74,6 +74,24 @@ pub(crate) fn check_descs(
             ),
         });
     }
+    let finite = |d: &Desc| d.flags & FINITE != 0;
+    let other: Vec<String> = (1..descs.len())
+        .filter(|&r| finite(&descs[r]) != finite(&descs[0]))
+        .map(who)
+        .collect();
+    if !other.is_empty() {
+        let on = |b: bool| if b { "on" } else { "off" };
+        return Err(CommError::Mismatch {
+            seq,
+            detail: format!(
+                "the finite check (LOCKSTEP_CHECK_FINITE, ShmConfig::check_finite) is {} on {} but {} on {}; set it alike on every rank",
+                on(finite(&descs[0])),
+                who(0),
+                on(!finite(&descs[0])),
+                other.join(", ")
+            ),
+        });
+    }
     let differ: Vec<usize> = (1..descs.len())
         .filter(|&r| !same_call(&descs[0], &descs[r]))
         .collect();
@@ -136,6 +154,14 @@ mod tests {
             .to_string();
         assert!(
             e.contains("rank 1 (rank 1 of this sub-communicator), rank 3 (rank 2 of this sub-communicator) refused its all_reduce"),
+            "{e}"
+        );
+        let checking = Desc { flags: FINITE, ..a };
+        let e = check_descs(&[a, checking, a], 7, &world)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("the finite check (LOCKSTEP_CHECK_FINITE, ShmConfig::check_finite) is off on rank 0 but on on rank 1"),
             "{e}"
         );
         a.root = 3; // root does not matter for all_reduce

@@ -64,6 +64,13 @@ pub struct ShmConfig {
     /// (`LOCKSTEP_SHM_SINGLE_COPY=auto|always|never`, default auto: rank 0 times both and keeps
     /// the faster, see [`SingleCopyMode`]).
     pub single_copy: SingleCopyMode,
+    /// Fail every all_reduce, reduce and reduce_scatter of floating-point data (f32, f64, f16,
+    /// bf16) whose input holds a NaN or an infinity on any rank, with the same
+    /// [`CommError::NonFinite`] on every rank, naming the rank, the call and the first such
+    /// element (`LOCKSTEP_CHECK_FINITE=1`; default off). The check runs inside the reduction's
+    /// own pass over the data. Integer reductions have no non-finite values and are unaffected.
+    /// Every rank must set it alike (the first phase of a call compares it).
+    pub check_finite: bool,
     /// Fault injection for tests: receivers refuse every direct copy, as a kernel that forbids
     /// cross-memory attach would, so the fallback to the mailbox is exercised.
     #[doc(hidden)]
@@ -90,6 +97,7 @@ impl Default for ShmConfig {
             shm_dir: None,
             cma_bytes: 32 << 10,
             single_copy: SingleCopyMode::Auto,
+            check_finite: false,
             fault_refuse_direct: false,
         }
     }
@@ -146,6 +154,9 @@ impl ShmConfig {
         if let Some(m) = v::SHM_SINGLE_COPY.choice().map_err(bad)? {
             // `m` is one of SHM_SINGLE_COPY's choices.
             c.single_copy = SingleCopyMode::parse(m).unwrap_or(SingleCopyMode::Auto);
+        }
+        if let Some(m) = v::CHECK_FINITE.choice().map_err(bad)? {
+            c.check_finite = m == "1";
         }
         if let Some(t) = v::JOIN_TIMEOUT_S.secs().map_err(bad)? {
             c.join_timeout = t;

@@ -27,8 +27,8 @@ use std::sync::atomic::Ordering::{Acquire, Release};
 use crate::comm::{check, Call, CollKind, CommError};
 use crate::shm::channel::{Channel, Ctx};
 use crate::shm::check::{check_descs, same_call};
-use crate::shm::reduce::{copy_block, reduce_raw};
-use crate::shm::sync::{Desc, InlineHdr, INLINE_HDR};
+use crate::shm::reduce::{copy_block, reduce_checked, scan_finite, Dst, Found};
+use crate::shm::sync::{Desc, InlineHdr, FINITE, INLINE_HDR};
 
 /// Bytes of the payload rank `me` of `n` writes into its entry for `call`: what it reads from its
 /// send buffer (the shared table's [`check::need`]), or `None` when the call has no inline path
@@ -106,9 +106,8 @@ pub(crate) fn src(ch: &Channel, call: &Call, r: usize) -> *const u8 {
     }
 }
 
-/// Reduce, in rank order, `call.count` elements at byte `off` of every rank's payload into
-/// `call.recv` (all-reduce and reduce: `off` 0; reduce-scatter: this rank's block).
-pub(crate) fn reduce(ch: &Channel, call: &Call, off: usize) {
+/// Run `f` on every rank's payload at byte `off`, in rank order.
+fn with_srcs<R>(ch: &Channel, call: &Call, off: usize, f: impl FnOnce(&[*const u8]) -> R) -> R {
     let n = ch.world();
     let mut buf = [std::ptr::null::<u8>(); 16];
     let mut big = Vec::new();
@@ -123,20 +122,42 @@ pub(crate) fn reduce(ch: &Channel, call: &Call, off: usize) {
         // off + block <= its size.
         *s = unsafe { src(ch, call, r).add(off) };
     }
-    // SAFETY: every source holds `count` elements (the arguments agree, checked by the
-    // exchange); recv holds `count` elements on receiving ranks (checked by Communicator) and
-    // lies outside the entries; in place it equals this rank's source (the reduction allows a
-    // destination equal to a source).
-    unsafe {
-        reduce_raw(
-            call.dtype,
-            call.op,
-            n,
-            srcs,
-            call.recv.addr as *mut u8,
-            call.count,
-        )
-    };
+    f(srcs)
+}
+
+/// Reduce, in rank order, `call.count` elements at byte `off` of every rank's payload into
+/// `call.recv` (all-reduce and reduce: `off` 0; reduce-scatter: this rank's block). With the
+/// finite check, returns the first non-finite element read (its index from `off`).
+pub(crate) fn reduce(ch: &Channel, call: &Call, off: usize) -> Option<Found> {
+    with_srcs(ch, call, off, |srcs| {
+        // SAFETY: every source holds `count` elements (the arguments agree, checked by the
+        // exchange); recv holds `count` elements on receiving ranks (checked by Communicator)
+        // and lies outside the entries; in place it equals this rank's source (the reduction
+        // allows a destination equal to a source).
+        unsafe {
+            reduce_checked(
+                ch.check_finite(),
+                call.dtype,
+                call.op,
+                srcs.len(),
+                srcs,
+                &[Dst {
+                    ptr: call.recv.addr as *mut u8,
+                    nt: false,
+                }],
+                call.count,
+            )
+        }
+    })
+}
+
+/// The first non-finite element of `count` elements at byte `off` of every rank's payload (its
+/// index from `off`), for the parts of a reduction this rank does not compute.
+pub(crate) fn scan(ch: &Channel, call: &Call, off: usize, count: usize) -> Option<Found> {
+    // SAFETY: every payload holds off + count elements (callers), the arguments agree.
+    with_srcs(ch, call, off, |srcs| unsafe {
+        scan_finite(call.dtype, srcs, count)
+    })
 }
 
 /// The exchange of an inline call: publish this rank's entry (its payload is already in
@@ -154,6 +175,7 @@ pub(crate) fn exchange(ch: &mut Channel, call: &Call, cx: Ctx) -> Result<(), Com
         kind: call.kind as u8,
         dtype: call.dtype as u8,
         op: call.op as u8,
+        flags: if ch.check_finite() { FINITE } else { 0 },
         root: call.root as u32 as u64,
         count: call.count as u64,
         seq,
@@ -167,6 +189,7 @@ pub(crate) fn exchange(ch: &mut Channel, call: &Call, cx: Ctx) -> Result<(), Com
         (*h).kind = own.kind;
         (*h).dtype = own.dtype;
         (*h).op = own.op;
+        (*h).flags = own.flags;
         (*h).root = own.root as u32;
         (*h).count = own.count;
         // Release: the sleepers are checked after the wait (`wait_published`).
@@ -202,6 +225,7 @@ pub(crate) fn exchange(ch: &mut Channel, call: &Call, cx: Ctx) -> Result<(), Com
             kind: h.kind,
             dtype: h.dtype,
             op: h.op,
+            flags: h.flags,
             root: h.root as u64,
             count: h.count,
             seq,
@@ -211,7 +235,10 @@ pub(crate) fn exchange(ch: &mut Channel, call: &Call, cx: Ctx) -> Result<(), Com
     // Compare every rank with rank 0 (as `check_descs` does) without allocating; build the
     // report only when one differs.
     let d0 = desc(0);
-    if (1..n).all(|r| same_call(&d0, &desc(r))) {
+    if (1..n).all(|r| {
+        let d = desc(r);
+        same_call(&d0, &d) && d.flags == d0.flags
+    }) {
         return Ok(());
     }
     let descs: Vec<Desc> = (0..n).map(desc).collect();

@@ -40,6 +40,7 @@ use std::time::{Duration, Instant};
 use crate::comm::{Call, CollKind, CommError};
 use crate::shm::channel::{Channel, Ctx};
 use crate::shm::cma::{cma_for, read_io, write_io};
+use crate::shm::reduce::Found;
 use crate::shm::sync::{Desc, CMA};
 use crate::shm::timing::stage_group;
 
@@ -271,18 +272,30 @@ pub(crate) fn pid(ch: &Channel, r: usize) -> u64 {
 }
 
 /// One phase in which every rank says whether its copies succeeded; returns the first rank whose
-/// did not (the same on every rank).
-fn verdicts(ch: &mut Channel, ok: bool, cx: Ctx) -> Result<Option<usize>, CommError> {
+/// did not (the same on every rank). Under the finite check the phase also carries each rank's
+/// `found` (see `Channel::phase_found`), and returns the first of them.
+fn verdicts(
+    ch: &mut Channel,
+    ok: bool,
+    found: Option<Found>,
+    cx: Ctx,
+) -> Result<(Option<usize>, Option<Found>), CommError> {
     let (n, me) = (ch.world(), ch.rank());
     let p = ch.next_phase();
     // SAFETY: our own slot of the next phase: every peer finished reading it (two phases ago)
     // before publishing the phase we have passed; 8 bytes fit in any slot; nobody reads it
     // before we publish p.
     unsafe { (ch.slot(me, p) as *mut u64).write(ok as u64) };
-    ch.phase(cx)?;
+    let found = if ch.check_finite() {
+        ch.phase_found(found, cx)?.1
+    } else {
+        ch.phase(cx)?;
+        None
+    };
     // SAFETY: every rank wrote its verdict in its slot of phase p before publishing it, and
     // writes that slot again only after everyone has published p + 1.
-    Ok((0..n).find(|&r| unsafe { (ch.slot(r, p) as *const u64).read() } != 1))
+    let failed = (0..n).find(|&r| unsafe { (ch.slot(r, p) as *const u64).read() } != 1);
+    Ok((failed, found))
 }
 
 /// First cross-memory call on this communicator: every rank reads one byte of each peer's
@@ -328,7 +341,7 @@ fn verified(ch: &mut Channel, call: &Call, descs: &[Desc], cx: Ctx) -> Result<bo
             ok = false;
         }
     }
-    match verdicts(ch, ok, cx)? {
+    match verdicts(ch, ok, None, cx)?.0 {
         None => {
             ch.cma.verified = true;
             Ok(true)
@@ -378,8 +391,25 @@ pub(crate) fn conclude(
     err: Option<std::io::Error>,
     cx: Ctx,
 ) -> Result<(), CommError> {
-    let Some(r) = verdicts(ch, err.is_none(), cx)? else {
-        return Ok(());
+    conclude_found(ch, call, err.map_or(Ok(None), Err), cx).map(drop)
+}
+
+/// [`conclude`] for a reduction: `outcome` is this rank's failed copy, or under the finite check
+/// the first non-finite element it read; returns the first of every rank's (a failed copy on
+/// any rank fails the call first).
+pub(crate) fn conclude_found(
+    ch: &mut Channel,
+    call: &Call,
+    outcome: Result<Option<Found>, std::io::Error>,
+    cx: Ctx,
+) -> Result<Option<Found>, CommError> {
+    let (err, found) = match outcome {
+        Ok(f) => (None, f),
+        Err(e) => (Some(e), None),
+    };
+    let (failed, found) = verdicts(ch, err.is_none(), found, cx)?;
+    let Some(r) = failed else {
+        return Ok(found);
     };
     if let Some((k, died)) = gone_peer(ch) {
         return Err(ch.peer_lost(k, died, cx.op, cx.seq));

@@ -5,12 +5,20 @@
 //! accumulator stays in L1, and `dst` may alias any source (in-place collectives). Inner loops are
 //! plain element-wise loops over slices with the operator chosen outside them, which LLVM
 //! vectorises.
+//!
+//! The finite check (`ShmConfig::check_finite`) is a second instantiation of the same kernel
+//! (`CHECK = true`), chosen once per kernel call, so the unchecked kernel is the code it always
+//! was. The checked one folds the exponent field of every input element it reads into a running
+//! maximum, in the same loop as the reduction (an all-ones exponent is a NaN or an infinity); only
+//! a block whose maximum says so is scanned again, element by element, to find the first
+//! non-finite value: the lowest element index, and at that index the lowest source. Integers have
+//! no non-finite values: their checked call is the unchecked kernel.
 
 use std::mem::MaybeUninit;
 
 use half::{bf16, f16};
 
-use crate::comm::{Dtype, ReduceOp};
+use crate::comm::{Dtype, NonFiniteKind, ReduceOp};
 
 /// Elements per block of the stack accumulator (4 KiB of f32).
 const BLOCK: usize = 1024;
@@ -25,10 +33,17 @@ trait Lane: Copy + 'static {
     fn min(a: Self::Acc, b: Self::Acc) -> Self::Acc;
     fn max(a: Self::Acc, b: Self::Acc) -> Self::Acc;
     fn div(a: Self::Acc, n: usize) -> Self::Acc;
+    /// The exponent field's bits (f64: in its high word), equal to [`EXP`](Self::EXP) exactly for
+    /// a NaN or an infinity; 0 for integers.
+    fn exp_bits(self) -> u32;
+    /// The exponent field all ones; `u32::MAX`, which `exp_bits` never returns, for integers.
+    const EXP: u32;
+    /// The value widened (exactly, for the floats) to classify a non-finite one.
+    fn wide(self) -> f64;
 }
 
 macro_rules! float_lane {
-    ($t:ty) => {
+    ($t:ty, $shift:expr, $exp:expr) => {
         impl Lane for $t {
             type Acc = $t;
             #[inline(always)]
@@ -69,11 +84,20 @@ macro_rules! float_lane {
             fn div(a: $t, n: usize) -> $t {
                 a / n as $t
             }
+            #[inline(always)]
+            fn exp_bits(self) -> u32 {
+                ((self.to_bits() >> $shift) as u32) & $exp
+            }
+            const EXP: u32 = $exp;
+            #[inline(always)]
+            fn wide(self) -> f64 {
+                self as f64
+            }
         }
     };
 }
-float_lane!(f32);
-float_lane!(f64);
+float_lane!(f32, 0, 0x7f80_0000);
+float_lane!(f64, 32, 0x7ff0_0000);
 
 macro_rules! int_lane {
     ($t:ty) => {
@@ -113,6 +137,15 @@ macro_rules! int_lane {
                     Err(_) => (a as i128 / n as i128) as $t,
                 }
             }
+            #[inline(always)]
+            fn exp_bits(self) -> u32 {
+                0
+            }
+            const EXP: u32 = u32::MAX;
+            #[inline(always)]
+            fn wide(self) -> f64 {
+                self as f64
+            }
         }
     };
 }
@@ -124,7 +157,7 @@ int_lane!(u32);
 int_lane!(u64);
 
 macro_rules! half_lane {
-    ($t:ty) => {
+    ($t:ty, $exp:expr) => {
         impl Lane for $t {
             type Acc = f32;
             #[inline(always)]
@@ -163,30 +196,124 @@ macro_rules! half_lane {
             fn div(a: f32, n: usize) -> f32 {
                 a / n as f32
             }
+            #[inline(always)]
+            fn exp_bits(self) -> u32 {
+                self.to_bits() as u32 & $exp
+            }
+            const EXP: u32 = $exp;
+            #[inline(always)]
+            fn wide(self) -> f64 {
+                self.to_f64()
+            }
         }
     };
 }
-half_lane!(f16);
-half_lane!(bf16);
+half_lane!(f16, 0x7c00);
+half_lane!(bf16, 0x7f80);
 
+/// `acc[i] = f(acc[i], src[i])`; with `CHECK`, returns the largest exponent field read (see
+/// [`Lane::exp_bits`]), else 0.
 #[inline(always)]
-fn combine<T: Lane, F: Fn(T::Acc, T::Acc) -> T::Acc>(acc: &mut [T::Acc], src: &[T], f: F) {
+fn combine<T: Lane, F: Fn(T::Acc, T::Acc) -> T::Acc, const CHECK: bool>(
+    acc: &mut [T::Acc],
+    src: &[T],
+    f: F,
+) -> u32 {
+    let mut m = 0u32;
     for (a, s) in acc.iter_mut().zip(src) {
+        if CHECK {
+            m = m.max(s.exp_bits());
+        }
         *a = f(*a, s.load());
     }
+    m
 }
 
-/// The first pass of a block: writes every element of `acc` (`a` and `b` have its length).
+/// The first pass of a block: writes every element of `acc` (`a` and `b` have its length). With
+/// `CHECK`, returns the largest exponent field read, else 0.
 #[inline(always)]
-fn combine2<T: Lane, F: Fn(T::Acc, T::Acc) -> T::Acc>(
+fn combine2<T: Lane, F: Fn(T::Acc, T::Acc) -> T::Acc, const CHECK: bool>(
     acc: &mut [MaybeUninit<T::Acc>],
     a: &[T],
     b: &[T],
     f: F,
-) {
+) -> u32 {
+    let mut m = 0u32;
     for ((o, x), y) in acc.iter_mut().zip(a).zip(b) {
+        if CHECK {
+            m = m.max(x.exp_bits()).max(y.exp_bits());
+        }
         o.write(f(x.load(), y.load()));
     }
+    m
+}
+
+/// The largest exponent field of `src` (see [`Lane::exp_bits`]).
+#[inline(always)]
+fn exp_max<T: Lane>(src: &[T]) -> u32 {
+    src.iter().fold(0u32, |m, s| m.max(s.exp_bits()))
+}
+
+/// The first non-finite value a kernel read: element `elem` (from the start of the kernel's
+/// range; callers shift it to the index in the contributor's input) of source `src`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Found {
+    pub elem: usize,
+    pub src: usize,
+    pub kind: NonFiniteKind,
+}
+
+impl Found {
+    /// The same finding `by` elements further on.
+    pub(crate) fn shifted(self, by: usize) -> Found {
+        Found {
+            elem: self.elem + by,
+            ..self
+        }
+    }
+
+    /// The first of two findings: the lower element, then the lower source.
+    pub(crate) fn first(a: Option<Found>, b: Option<Found>) -> Option<Found> {
+        match (a, b) {
+            (Some(x), Some(y)) => Some(if (y.elem, y.src) < (x.elem, x.src) {
+                y
+            } else {
+                x
+            }),
+            (x, None) => x,
+            (None, y) => y,
+        }
+    }
+}
+
+/// The first non-finite element of `len` elements from each source, lowest index first and at one
+/// index the lowest source (the slow scan of a block whose exponent maximum showed one).
+///
+/// # Safety
+/// Every source is valid for `len` elements of `T`.
+unsafe fn locate<T: Lane>(srcs: &[*const T], len: usize) -> Option<Found> {
+    for i in 0..len {
+        for (k, s) in srcs.iter().enumerate() {
+            // SAFETY: i < len (caller contract).
+            let v = unsafe { *s.add(i) };
+            if v.exp_bits() == T::EXP {
+                let w = v.wide();
+                let kind = if w.is_nan() {
+                    NonFiniteKind::NaN
+                } else if w > 0.0 {
+                    NonFiniteKind::PosInf
+                } else {
+                    NonFiniteKind::NegInf
+                };
+                return Some(Found {
+                    elem: i,
+                    src: k,
+                    kind,
+                });
+            }
+        }
+    }
+    None
 }
 
 /// Where and how a reduction writes its result.
@@ -236,38 +363,107 @@ unsafe fn pair<T: Lane, F: Fn(T::Acc, T::Acc) -> T::Acc>(
     }
 }
 
+/// [`pair`] with the finite check, block by block: one loop reduces a block and folds the
+/// exponent bits of both sources. In place (the destination is one of the sources) the loop
+/// writes into a block on the stack, copied out after the check: a non-finite value is then
+/// located in sources the loop did not overwrite. Returns the first non-finite value.
+///
+/// # Safety
+/// As for [`pair`].
+#[inline(always)]
+unsafe fn pair_checked<T: Lane, F: Fn(T::Acc, T::Acc) -> T::Acc>(
+    a: *const T,
+    b: *const T,
+    d: *mut T,
+    count: usize,
+    f: F,
+) -> Option<Found> {
+    let mut found = None;
+    let in_place = std::ptr::eq(d, a) || std::ptr::eq(d, b);
+    let mut tmp = [MaybeUninit::<T>::uninit(); BLOCK];
+    let mut start = 0;
+    while start < count {
+        let len = BLOCK.min(count - start);
+        // SAFETY: start + len <= count, within every range (caller contract); the loop writes
+        // `tmp` in place, else `d`, which is then disjoint from both sources.
+        unsafe {
+            let (a, b, d) = (a.add(start), b.add(start), d.add(start));
+            // Written through MaybeUninit: `tmp` is not initialised (zeroing it would cost more
+            // than the check), and `d` may be viewed so too.
+            let out = if in_place {
+                tmp.as_mut_ptr()
+            } else {
+                d as *mut MaybeUninit<T>
+            };
+            let (x, y, o) = (
+                std::slice::from_raw_parts(a, len),
+                std::slice::from_raw_parts(b, len),
+                std::slice::from_raw_parts_mut(out, len),
+            );
+            let mut m = 0u32;
+            for ((o, x), y) in o.iter_mut().zip(x).zip(y) {
+                m = m.max(x.exp_bits()).max(y.exp_bits());
+                o.write(T::store(f(x.load(), y.load())));
+            }
+            if m == T::EXP && found.is_none() {
+                found = locate(&[a, b], len).map(|x| x.shifted(start));
+            }
+            if in_place {
+                std::ptr::copy_nonoverlapping(out as *const T, d, len);
+            }
+        }
+        start += len;
+    }
+    found
+}
+
+/// Reduce `srcs` into every destination; with `CHECK`, also return the first non-finite source
+/// element (lowest index, then lowest source), else `None`.
+///
 /// # Safety
 /// Every `srcs[k]` and every destination must be valid for `count` elements of `T`; a destination
 /// may alias a source exactly (same address) but must not partially overlap one.
 #[inline(always)]
-unsafe fn reduce_typed<T: Lane>(
+unsafe fn reduce_typed<T: Lane, const CHECK: bool>(
     op: ReduceOp,
     n_ranks: usize,
     srcs: &[*const u8],
     dsts: &[Dst],
     count: usize,
-) {
+) -> Option<Found> {
     // Two sources into one cached destination (every reduction of two ranks on ordinary buffers):
     // one pass straight into the destination, no accumulator to fill and copy out. The same
     // operations in the same order as below, so the same bits.
     if let ([a, b], [d]) = (srcs, dsts) {
         if !d.nt && a != b {
             let (a, b, d) = (*a as *const T, *b as *const T, d.ptr as *mut T);
+            let avg = |x, y| T::div(T::add(x, y), n_ranks);
+            if CHECK {
+                // SAFETY: forwarded caller contract; a != b.
+                return unsafe {
+                    match op {
+                        ReduceOp::Sum => pair_checked::<T, _>(a, b, d, count, T::add),
+                        ReduceOp::Avg => pair_checked::<T, _>(a, b, d, count, avg),
+                        ReduceOp::Prod => pair_checked::<T, _>(a, b, d, count, T::mul),
+                        ReduceOp::Min => pair_checked::<T, _>(a, b, d, count, T::min),
+                        ReduceOp::Max => pair_checked::<T, _>(a, b, d, count, T::max),
+                    }
+                };
+            }
             // SAFETY: forwarded caller contract; a != b.
             unsafe {
                 match op {
                     ReduceOp::Sum => pair::<T, _>(a, b, d, count, T::add),
-                    ReduceOp::Avg => {
-                        pair::<T, _>(a, b, d, count, |x, y| T::div(T::add(x, y), n_ranks))
-                    }
+                    ReduceOp::Avg => pair::<T, _>(a, b, d, count, avg),
                     ReduceOp::Prod => pair::<T, _>(a, b, d, count, T::mul),
                     ReduceOp::Min => pair::<T, _>(a, b, d, count, T::min),
                     ReduceOp::Max => pair::<T, _>(a, b, d, count, T::max),
                 }
             }
-            return;
+            return None;
         }
     }
+    let mut found = None;
     // Not zeroed: the first pass of each block writes every element it uses (zeroing 4 KiB took
     // a quarter of an 8-byte all-reduce on one rank, and runs on every call of three ranks or
     // more).
@@ -280,32 +476,43 @@ unsafe fn reduce_typed<T: Lane>(
         // SAFETY: caller guarantees every source is valid for count elements; start+len <= count.
         let src =
             |k: usize| unsafe { std::slice::from_raw_parts((srcs[k] as *const T).add(start), len) };
-        let rest = if srcs.len() >= 2 {
+        let (rest, mut m) = if srcs.len() >= 2 {
             let (a, b) = (src(0), src(1));
-            match op {
-                ReduceOp::Sum | ReduceOp::Avg => combine2::<T, _>(first, a, b, T::add),
-                ReduceOp::Prod => combine2::<T, _>(first, a, b, T::mul),
-                ReduceOp::Min => combine2::<T, _>(first, a, b, T::min),
-                ReduceOp::Max => combine2::<T, _>(first, a, b, T::max),
-            }
-            2
+            let m = match op {
+                ReduceOp::Sum | ReduceOp::Avg => combine2::<T, _, CHECK>(first, a, b, T::add),
+                ReduceOp::Prod => combine2::<T, _, CHECK>(first, a, b, T::mul),
+                ReduceOp::Min => combine2::<T, _, CHECK>(first, a, b, T::min),
+                ReduceOp::Max => combine2::<T, _, CHECK>(first, a, b, T::max),
+            };
+            (2, m)
         } else {
+            let mut m = 0u32;
             for (a, s) in first.iter_mut().zip(src(0)) {
+                if CHECK {
+                    m = m.max(s.exp_bits());
+                }
                 a.write(s.load());
             }
-            1
+            (1, m)
         };
         // SAFETY: the pass above wrote all `len` elements (every source holds `len` here), and
         // MaybeUninit<A> has A's layout.
         let acc = unsafe { &mut *(first as *mut [MaybeUninit<T::Acc>] as *mut [T::Acc]) };
         for k in rest..srcs.len() {
             let s = src(k);
-            match op {
-                ReduceOp::Sum | ReduceOp::Avg => combine::<T, _>(acc, s, T::add),
-                ReduceOp::Prod => combine::<T, _>(acc, s, T::mul),
-                ReduceOp::Min => combine::<T, _>(acc, s, T::min),
-                ReduceOp::Max => combine::<T, _>(acc, s, T::max),
-            }
+            let mk = match op {
+                ReduceOp::Sum | ReduceOp::Avg => combine::<T, _, CHECK>(acc, s, T::add),
+                ReduceOp::Prod => combine::<T, _, CHECK>(acc, s, T::mul),
+                ReduceOp::Min => combine::<T, _, CHECK>(acc, s, T::min),
+                ReduceOp::Max => combine::<T, _, CHECK>(acc, s, T::max),
+            };
+            m = m.max(mk);
+        }
+        if CHECK && m == T::EXP && found.is_none() {
+            // Before the block is stored: a destination may be one of the sources.
+            let at: Vec<*const T> = (0..srcs.len()).map(|k| src(k).as_ptr()).collect();
+            // SAFETY: every source holds `len` elements from `start`.
+            found = unsafe { locate(&at, len) }.map(|x| x.shifted(start));
         }
         if op == ReduceOp::Avg {
             for a in acc.iter_mut() {
@@ -333,37 +540,38 @@ unsafe fn reduce_typed<T: Lane>(
     if dsts.iter().any(|d| d.nt) {
         store_fence();
     }
+    found
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn reduce_avx2<T: Lane>(
+unsafe fn reduce_avx2<T: Lane, const CHECK: bool>(
     op: ReduceOp,
     n_ranks: usize,
     srcs: &[*const u8],
     dsts: &[Dst],
     count: usize,
-) {
+) -> Option<Found> {
     // SAFETY: forwarded caller contract; the body is the generic loop compiled with AVX2.
-    unsafe { reduce_typed::<T>(op, n_ranks, srcs, dsts, count) }
+    unsafe { reduce_typed::<T, CHECK>(op, n_ranks, srcs, dsts, count) }
 }
 
-unsafe fn reduce_dispatch<T: Lane>(
+unsafe fn reduce_dispatch<T: Lane, const CHECK: bool>(
     op: ReduceOp,
     n_ranks: usize,
     srcs: &[*const u8],
     dsts: &[Dst],
     count: usize,
-) {
+) -> Option<Found> {
     #[cfg(target_arch = "x86_64")]
     {
         if has_avx2() {
             // SAFETY: the CPU supports AVX2 (checked at run time); caller contract forwarded.
-            return unsafe { reduce_avx2::<T>(op, n_ranks, srcs, dsts, count) };
+            return unsafe { reduce_avx2::<T, CHECK>(op, n_ranks, srcs, dsts, count) };
         }
     }
     // SAFETY: forwarded caller contract.
-    unsafe { reduce_typed::<T>(op, n_ranks, srcs, dsts, count) }
+    unsafe { reduce_typed::<T, CHECK>(op, n_ranks, srcs, dsts, count) }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -521,20 +729,106 @@ pub(crate) unsafe fn reduce_into(
     dsts: &[Dst],
     count: usize,
 ) {
+    // SAFETY: forwarded caller contract.
+    unsafe { reduce_any::<false>(dtype, op, n_ranks, srcs, dsts, count) };
+}
+
+/// [`reduce_into`] with the finite check when `check` (chosen here, once per call): returns the
+/// first non-finite source element, lowest index first and at one index the lowest source
+/// (always `None` for integer dtypes, and when `check` is off). The reduction is complete either
+/// way.
+///
+/// # Safety
+/// As [`reduce_into`].
+pub(crate) unsafe fn reduce_checked(
+    check: bool,
+    dtype: Dtype,
+    op: ReduceOp,
+    n_ranks: usize,
+    srcs: &[*const u8],
+    dsts: &[Dst],
+    count: usize,
+) -> Option<Found> {
+    // SAFETY: forwarded caller contract.
+    unsafe {
+        if check && dtype.is_float() {
+            reduce_any::<true>(dtype, op, n_ranks, srcs, dsts, count)
+        } else {
+            reduce_any::<false>(dtype, op, n_ranks, srcs, dsts, count)
+        }
+    }
+}
+
+/// # Safety
+/// As [`reduce_into`].
+unsafe fn reduce_any<const CHECK: bool>(
+    dtype: Dtype,
+    op: ReduceOp,
+    n_ranks: usize,
+    srcs: &[*const u8],
+    dsts: &[Dst],
+    count: usize,
+) -> Option<Found> {
     debug_assert!(!srcs.is_empty());
     // SAFETY: forwarded caller contract.
     unsafe {
         match dtype {
-            Dtype::F32 => reduce_dispatch::<f32>(op, n_ranks, srcs, dsts, count),
-            Dtype::F64 => reduce_dispatch::<f64>(op, n_ranks, srcs, dsts, count),
-            Dtype::F16 => reduce_dispatch::<f16>(op, n_ranks, srcs, dsts, count),
-            Dtype::BF16 => reduce_dispatch::<bf16>(op, n_ranks, srcs, dsts, count),
-            Dtype::I32 => reduce_dispatch::<i32>(op, n_ranks, srcs, dsts, count),
-            Dtype::I64 => reduce_dispatch::<i64>(op, n_ranks, srcs, dsts, count),
-            Dtype::U8 => reduce_dispatch::<u8>(op, n_ranks, srcs, dsts, count),
-            Dtype::I8 => reduce_dispatch::<i8>(op, n_ranks, srcs, dsts, count),
-            Dtype::U32 => reduce_dispatch::<u32>(op, n_ranks, srcs, dsts, count),
-            Dtype::U64 => reduce_dispatch::<u64>(op, n_ranks, srcs, dsts, count),
+            Dtype::F32 => reduce_dispatch::<f32, CHECK>(op, n_ranks, srcs, dsts, count),
+            Dtype::F64 => reduce_dispatch::<f64, CHECK>(op, n_ranks, srcs, dsts, count),
+            Dtype::F16 => reduce_dispatch::<f16, CHECK>(op, n_ranks, srcs, dsts, count),
+            Dtype::BF16 => reduce_dispatch::<bf16, CHECK>(op, n_ranks, srcs, dsts, count),
+            Dtype::I32 => reduce_dispatch::<i32, false>(op, n_ranks, srcs, dsts, count),
+            Dtype::I64 => reduce_dispatch::<i64, false>(op, n_ranks, srcs, dsts, count),
+            Dtype::U8 => reduce_dispatch::<u8, false>(op, n_ranks, srcs, dsts, count),
+            Dtype::I8 => reduce_dispatch::<i8, false>(op, n_ranks, srcs, dsts, count),
+            Dtype::U32 => reduce_dispatch::<u32, false>(op, n_ranks, srcs, dsts, count),
+            Dtype::U64 => reduce_dispatch::<u64, false>(op, n_ranks, srcs, dsts, count),
+        }
+    }
+}
+
+/// The first non-finite element of `count` elements of `dtype` from each source, lowest index
+/// first and at one index the lowest source, without reducing: for the ranks that take no part
+/// in a reduction's arithmetic but must report the same error (a reduce's non-roots on the paths
+/// where the root reduces alone, the blocks of a reduce-scatter that other ranks reduce). `None`
+/// for integer dtypes.
+///
+/// # Safety
+/// Every source must be valid and aligned for `count` elements of `dtype`.
+pub(crate) unsafe fn scan_finite(dtype: Dtype, srcs: &[*const u8], count: usize) -> Option<Found> {
+    /// # Safety
+    /// As above, for `T`.
+    unsafe fn scan<T: Lane>(srcs: &[*const u8], count: usize) -> Option<Found> {
+        let mut start = 0;
+        while start < count {
+            let len = BLOCK.min(count - start);
+            // SAFETY: start + len <= count, within every source.
+            let at: Vec<*const T> = srcs
+                .iter()
+                .map(|s| unsafe { (*s as *const T).add(start) })
+                .collect();
+            let m = at
+                .iter()
+                // SAFETY: as above.
+                .map(|p| exp_max(unsafe { std::slice::from_raw_parts(*p, len) }))
+                .max()
+                .unwrap_or(0);
+            if m == T::EXP {
+                // SAFETY: as above.
+                return unsafe { locate(&at, len) }.map(|x| x.shifted(start));
+            }
+            start += len;
+        }
+        None
+    }
+    // SAFETY: forwarded caller contract.
+    unsafe {
+        match dtype {
+            Dtype::F32 => scan::<f32>(srcs, count),
+            Dtype::F64 => scan::<f64>(srcs, count),
+            Dtype::F16 => scan::<f16>(srcs, count),
+            Dtype::BF16 => scan::<bf16>(srcs, count),
+            _ => None,
         }
     }
 }
@@ -727,6 +1021,205 @@ mod tests {
         });
         pair_matches_accumulator::<i32>(|i, k| ((i * 7919 + k * 13) % 2001) as i32 - 1000);
         pair_matches_accumulator::<u8>(|i, k| ((i * 7 + k * 101) % 256) as u8);
+    }
+
+    /// The checked kernel reports the first non-finite element (lowest index, then lowest
+    /// source) on every branch of the kernel (one source, the pair loop in and out of place, the
+    /// accumulator), and reduces to the unchecked kernel's bits.
+    fn checked_finds<T: crate::comm::Element + Lane>(from: impl Fn(f64) -> T) {
+        let specials = [
+            (f64::NAN, NonFiniteKind::NaN),
+            (f64::INFINITY, NonFiniteKind::PosInf),
+            (f64::NEG_INFINITY, NonFiniteKind::NegInf),
+        ];
+        let bytes = |v: &[T]| -> Vec<u8> {
+            // SAFETY: plain data, len elements.
+            unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) }
+                .to_vec()
+        };
+        for n in [1usize, 2, 3, 5] {
+            for count in [1usize, 7, 1024, 3001] {
+                for hits in [
+                    // One bad value.
+                    vec![(count - 1, n - 1, 0)],
+                    // Two: the lower element wins, whatever the source.
+                    vec![(count / 2, 0, 1), (count / 3, n - 1, 2)],
+                    // At one element, the lower source wins.
+                    vec![(count / 2, n - 1, 0), (count / 2, n / 2, 2)],
+                ] {
+                    let want = hits.iter().map(|h| (h.0, h.1)).min().unwrap();
+                    for op in ReduceOp::ALL {
+                        for mode in 0..4 {
+                            let mut ins: Vec<Vec<T>> = (0..n)
+                                .map(|k| {
+                                    (0..count)
+                                        .map(|i| from(((i * 7 + k * 3) % 11) as f64 * 0.5 + 1.0))
+                                        .collect()
+                                })
+                                .collect();
+                            for &(e, k, s) in &hits {
+                                ins[k][e] = from(specials[s].0);
+                            }
+                            // The last write to that element (small counts make hits coincide).
+                            let first = hits
+                                .iter()
+                                .rev()
+                                .find(|h| (h.0, h.1) == want)
+                                .map(|h| specials[h.2].1);
+                            let orig = ins.clone();
+                            let srcs: Vec<*const u8> =
+                                ins.iter().map(|v| v.as_ptr() as *const u8).collect();
+                            let mut want_out = vec![T::default(); count];
+                            // SAFETY: every buffer holds count elements, disjoint.
+                            unsafe {
+                                reduce_raw(
+                                    T::DTYPE,
+                                    op,
+                                    n,
+                                    &srcs,
+                                    want_out.as_mut_ptr() as *mut u8,
+                                    count,
+                                )
+                            };
+                            let mut out = vec![T::default(); count];
+                            let mut spare = vec![T::default(); count];
+                            // 0: one cached destination; 1: two (the accumulator); 2: in place on
+                            // the last source; 3: in place on the first.
+                            let mut dsts = vec![Dst {
+                                ptr: out.as_mut_ptr() as *mut u8,
+                                nt: false,
+                            }];
+                            match mode {
+                                1 => dsts.push(Dst {
+                                    ptr: spare.as_mut_ptr() as *mut u8,
+                                    nt: false,
+                                }),
+                                2 => dsts[0].ptr = ins[n - 1].as_mut_ptr() as *mut u8,
+                                3 => dsts[0].ptr = ins[0].as_mut_ptr() as *mut u8,
+                                _ => {}
+                            }
+                            // SAFETY: as above; an in-place destination equals a source.
+                            let got = unsafe {
+                                reduce_checked(true, T::DTYPE, op, n, &srcs, &dsts, count)
+                            };
+                            let what = format!(
+                                "{} n {n} count {count} {op} mode {mode} hits {hits:?}",
+                                T::DTYPE
+                            );
+                            assert_eq!(
+                                got,
+                                Some(Found {
+                                    elem: want.0,
+                                    src: want.1,
+                                    kind: first.unwrap()
+                                }),
+                                "{what}"
+                            );
+                            let res = match mode {
+                                2 => &ins[n - 1],
+                                3 => &ins[0],
+                                _ => &out,
+                            };
+                            assert_eq!(bytes(res), bytes(&want_out), "result bits, {what}");
+                            // SAFETY: every source holds count elements.
+                            let scanned = unsafe { scan_finite(T::DTYPE, &srcs, count) };
+                            if mode < 2 {
+                                assert_eq!(scanned, got, "scan, {what}");
+                            }
+                            // Off: no report.
+                            let clean: Vec<Vec<T>> = orig
+                                .iter()
+                                .map(|v| v.iter().map(|_| from(1.0)).collect())
+                                .collect();
+                            let cs: Vec<*const u8> =
+                                clean.iter().map(|v| v.as_ptr() as *const u8).collect();
+                            // SAFETY: as above.
+                            let none = unsafe {
+                                reduce_checked(true, T::DTYPE, op, n, &cs, &dsts[..1], count)
+                            };
+                            assert_eq!(none, None, "clean, {what}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn checked_kernel_finds_the_first_non_finite() {
+        checked_finds::<f32>(|v| v as f32);
+        checked_finds::<f64>(|v| v);
+        checked_finds::<f16>(f16::from_f64);
+        checked_finds::<bf16>(bf16::from_f64);
+        // Integers: no report, the plain kernel.
+        let a = [1i32; 10];
+        let mut d = vec![0i32; 10];
+        let srcs = [a.as_ptr() as *const u8, a.as_ptr() as *const u8];
+        let dst = [Dst {
+            ptr: d.as_mut_ptr() as *mut u8,
+            nt: false,
+        }];
+        // SAFETY: every buffer holds 10 elements.
+        let f = unsafe { reduce_checked(true, Dtype::I32, ReduceOp::Sum, 2, &srcs, &dst, 10) };
+        assert_eq!((f, d), (None, vec![2; 10]));
+    }
+
+    /// The finite check's cost in the kernel alone, checked against unchecked, alternating, the
+    /// best of many runs (`cargo test --release --lib -- --ignored checked_kernel_cost
+    /// --nocapture`): 2 sources out of place (one loop), in place (through the stack block),
+    /// and 3 sources (the accumulator), 128 Ki f32 (512 KiB, half of a 1 MiB all-reduce's
+    /// elements: one rank's part).
+    #[test]
+    #[ignore]
+    fn checked_kernel_cost() {
+        let n = 128 << 10;
+        let src: Vec<Vec<f32>> = (0..3)
+            .map(|k| (0..n).map(|i| (i + k) as f32 * 0.25).collect())
+            .collect();
+        let mut out = vec![0f32; n];
+        for (name, k, in_place, op) in [
+            ("sum, 2 out of place", 2, false, ReduceOp::Sum),
+            ("sum, 2 in place", 2, true, ReduceOp::Sum),
+            ("sum, 3", 3, false, ReduceOp::Sum),
+            ("max, 2 out of place", 2, false, ReduceOp::Max),
+            ("max, 2 in place", 2, true, ReduceOp::Max),
+            ("max, 3", 3, false, ReduceOp::Max),
+        ] {
+            let mut best = [f64::MAX; 2];
+            let mut ins = src.clone();
+            for rep in 0..400 {
+                let check = rep % 2 == 1;
+                let srcs: Vec<*const u8> =
+                    ins[..k].iter().map(|v| v.as_ptr() as *const u8).collect();
+                let ptr = if in_place {
+                    ins[0].as_mut_ptr() as *mut u8
+                } else {
+                    out.as_mut_ptr() as *mut u8
+                };
+                let t = std::time::Instant::now();
+                // SAFETY: every buffer holds n elements; in place the destination is source 0.
+                let f = unsafe {
+                    reduce_checked(
+                        check,
+                        Dtype::F32,
+                        op,
+                        k,
+                        &srcs,
+                        &[Dst { ptr, nt: false }],
+                        n,
+                    )
+                };
+                let e = t.elapsed().as_secs_f64();
+                assert!(f.is_none());
+                best[check as usize] = best[check as usize].min(e);
+            }
+            println!(
+                "{name}: off {:.1} us, on {:.1} us, on/off {:.3}",
+                best[0] * 1e6,
+                best[1] * 1e6,
+                best[1] / best[0]
+            );
+        }
     }
 
     #[test]

@@ -175,6 +175,63 @@ pub(crate) const STREAMING: u8 = 8;
 /// (`coll::gather::late_slots`).
 pub(crate) const LATE_SLOT: u8 = 32;
 
+/// The rank runs the finite check (`ShmConfig::check_finite`): the ranks must agree on it, so
+/// every rank reports a non-finite input alike (`shm::check` compares it).
+pub(crate) const FINITE: u8 = 64;
+/// Not a call: a finite-check report (see [`Desc::found`]) in the descriptor cell of a phase after
+/// the first, which no other descriptor uses.
+pub(crate) const FOUND: u8 = 128;
+
+impl Desc {
+    /// A rank's finite-check report for call `seq`: the first non-finite input element it read
+    /// (`found`: element, source rank, class), or none. It travels in the rank's descriptor cell
+    /// of the phase that publishes it (`Channel::phase_found`): `flags` is [`FOUND`], `op` the
+    /// class (0 none, 1 NaN, 2 +Inf, 3 -Inf), `count` the element, `root` the source.
+    pub(crate) fn found(seq: u64, found: Option<crate::shm::reduce::Found>) -> Desc {
+        use crate::comm::NonFiniteKind as K;
+        let (op, count, root) = match found {
+            None => (0, 0, 0),
+            Some(f) => (
+                match f.kind {
+                    K::NaN => 1,
+                    K::PosInf => 2,
+                    K::NegInf => 3,
+                },
+                f.elem as u64,
+                f.src as u64,
+            ),
+        };
+        Desc {
+            flags: FOUND,
+            op,
+            count,
+            root,
+            seq,
+            ..Desc::default()
+        }
+    }
+
+    /// The report [`found`](Self::found) wrote for call `seq`; `None` when it reports nothing or
+    /// is not a report of that call.
+    pub(crate) fn report(&self, seq: u64) -> Option<crate::shm::reduce::Found> {
+        use crate::comm::NonFiniteKind as K;
+        if self.flags != FOUND || self.seq != seq {
+            return None;
+        }
+        let kind = match self.op {
+            1 => K::NaN,
+            2 => K::PosInf,
+            3 => K::NegInf,
+            _ => return None,
+        };
+        Some(crate::shm::reduce::Found {
+            elem: self.count as usize,
+            src: self.root as usize,
+            kind,
+        })
+    }
+}
+
 const _: () = assert!(std::mem::size_of::<Ctrl>() == CTRL_BYTES);
 const _: () = assert!(std::mem::size_of::<Desc>() == 64);
 const _: () = assert!(std::mem::size_of::<Header>() <= HEADER_BYTES);
@@ -229,7 +286,8 @@ pub(crate) struct InlineHdr {
     pub kind: u8,
     pub dtype: u8,
     pub op: u8,
-    pub _r: u8,
+    /// [`FINITE`] when the rank runs the finite check, else 0.
+    pub flags: u8,
     pub root: u32,
     pub count: u64,
 }

@@ -336,6 +336,12 @@ pub const MPI_NODE_SIZE: Var = Var {
         max: 1 << 20,
     },
 };
+/// Whether reductions of floating-point data fail on a NaN or an infinity in any rank's input
+/// (`shm::ShmConfig::check_finite`): `1` on, `0` off (the default). Strictly `0` or `1`.
+pub const CHECK_FINITE: Var = Var {
+    name: "LOCKSTEP_CHECK_FINITE",
+    kind: Kind::Choice(&["0", "1"]),
+};
 /// Path of the configuration file (`lockstep::config`; `lockstep launch` passes the file it read
 /// on to its ranks).
 pub const CONFIG: Var = Var {
@@ -372,6 +378,7 @@ pub const CHECKED: &[Var] = &[
     SPIN_US,
     CPU_BIND,
     JOIN_TIMEOUT_S,
+    CHECK_FINITE,
     CONFIG,
     LOG_TIME,
     MPI,
@@ -466,6 +473,25 @@ pub fn check_all() -> Result<(), EnvError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `LOCKSTEP_CHECK_FINITE` takes exactly 0 or 1: the flag words other switches accept are
+    /// refused, with what it takes.
+    #[test]
+    fn check_finite_is_0_or_1() {
+        for ok in ["0", "1", " 1 "] {
+            assert!(
+                check_value(CHECK_FINITE.name, ok, CHECK_FINITE.kind).is_ok(),
+                "{ok}"
+            );
+        }
+        for bad in ["true", "on", "yes", "2", "01", "-1"] {
+            let e = check_value(CHECK_FINITE.name, bad, CHECK_FINITE.kind).unwrap_err();
+            assert!(
+                e.to_string().contains("expected one of: 0, 1"),
+                "{bad}: {e}"
+            );
+        }
+    }
 
     #[test]
     fn seconds() {

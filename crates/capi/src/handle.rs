@@ -94,6 +94,9 @@ impl From<CommError> for Failure {
         use lockstepResult_t::*;
         let (code, fatal) = match &e {
             CommError::InvalidArgument { .. } => (lockstepInvalidArgument, false),
+            // A NaN or infinity in a reduction's input (LOCKSTEP_CHECK_FINITE=1): bad data, the
+            // same on every rank; the communicator stays usable.
+            CommError::NonFinite { .. } => (lockstepInvalidArgument, false),
             // The ranks disagree on the call: a usage error, reported on every rank.
             CommError::Mismatch { .. } | CommError::Unsupported(_) => (lockstepInvalidUsage, false),
             CommError::PeerLost { .. } | CommError::Aborted { .. } => (lockstepRemoteError, true),

@@ -12,23 +12,31 @@
 //!   reduced piece, still in cache, into every peer's output: one pass and one phase.
 
 use super::cma_reduce::reduce_from_peers;
-use super::{part, piece_index, put_pieces};
+use super::{finite, part, piece_index, put_pieces};
 use crate::comm::{Call, CollKind, CommError};
 use crate::shm::channel::{Channel, Ctx};
 use crate::shm::inline;
-use crate::shm::path::{conclude, negotiate, Agreement, Offer, Path};
-use crate::shm::reduce::{copy_block, reduce_into, reduce_raw, Dst};
+use crate::shm::path::{conclude_found, negotiate, Agreement, Offer, Path};
+use crate::shm::reduce::{copy_block, reduce_checked, scan_finite, Dst, Found};
 use crate::shm::sync::{Desc, SHARED_RECV, SHARED_SEND};
 
-/// Inline: reduce every rank's payload (a reduce: on the root only).
+/// Inline: reduce every rank's payload (a reduce: on the root only; under the finite check the
+/// non-roots scan the payloads, so that they report what the root finds).
 pub(crate) fn inline(ch: &mut Channel, call: &Call, cx: Ctx) -> Result<(), CommError> {
     inline::put_payload(ch, call);
     inline::exchange(ch, call, cx)?;
-    if call.count == 0 || call.kind == CollKind::Reduce && ch.rank() != call.root {
+    if call.count == 0 {
         return Ok(());
     }
-    inline::reduce(ch, call, 0);
-    Ok(())
+    let found = if call.kind == CollKind::Reduce && ch.rank() != call.root {
+        if !ch.check_finite() {
+            return Ok(());
+        }
+        inline::scan(ch, call, 0, call.count)
+    } else {
+        inline::reduce(ch, call, 0)
+    };
+    finite(ch, call, found)
 }
 
 /// One-phase: every rank puts its whole input in its slot and reduces all of them itself.
@@ -48,22 +56,35 @@ pub(crate) fn one_phase(ch: &mut Channel, call: &Call, cx: Ctx) -> Result<(), Co
     }
     let (flags, so, ro) = (0, 0, 0);
     ch.begin(call, flags, so, ro, cx)?;
-    if receives(me) && count > 0 {
-        let srcs: Vec<*const u8> = (0..n)
-            .map(|r| {
-                if r == me {
-                    send
-                } else {
-                    ch.slot(r, p) as *const u8
-                }
-            })
-            .collect();
+    let check = ch.check_finite();
+    if count == 0 || !receives(me) && !check {
+        return Ok(());
+    }
+    let srcs: Vec<*const u8> = (0..n)
+        .map(|r| {
+            if r == me {
+                send
+            } else {
+                ch.slot(r, p) as *const u8
+            }
+        })
+        .collect();
+    let found = if receives(me) {
+        let dst = Dst {
+            ptr: recv,
+            nt: false,
+        };
         // SAFETY: every source holds `count` elements (descriptors agree on count); recv is
         // valid for count elements on receiving ranks (checked by Communicator) and equals
         // send or does not overlap it.
-        unsafe { reduce_raw(call.dtype, call.op, n, &srcs, recv, count) };
-    }
-    Ok(())
+        unsafe { reduce_checked(check, call.dtype, call.op, n, &srcs, &[dst], count) }
+    } else {
+        // A reduce's non-root under the finite check: the root's sources, scanned, so that it
+        // reports what the root finds.
+        // SAFETY: as above.
+        unsafe { scan_finite(call.dtype, &srcs, count) }
+    };
+    finite(ch, call, found)
 }
 
 /// all_reduce and reduce above `small_bytes` (`call.kind` tells which; only the root receives a
@@ -146,6 +167,7 @@ fn slots(ch: &mut Channel, call: &Call, agreed: &Agreement, cx: Ctx) -> Result<(
     let snt = agreed.streaming;
     let mut p = agreed.phase;
     let nt = ch.nt_for(bytes);
+    let check = ch.check_finite();
     let mut base = 0;
     let mut first = true;
     while base < count {
@@ -172,6 +194,7 @@ fn slots(ch: &mut Channel, call: &Call, agreed: &Agreement, cx: Ctx) -> Result<(
             .collect();
         let out_slot = ch.slot(me, p + 1);
         let others_need = all || me != call.root;
+        let mut found = None;
         if hi > lo {
             let mut dsts = Vec::with_capacity(2);
             if others_need {
@@ -187,9 +210,20 @@ fn slots(ch: &mut Channel, call: &Call, agreed: &Agreement, cx: Ctx) -> Result<(
             }
             // SAFETY: out_slot holds slot_bytes >= c_max elements >= hi-lo; sources valid; recv
             // may equal our own source exactly (in place).
-            unsafe { reduce_into(call.dtype, call.op, n, &srcs, &dsts, hi - lo) };
+            found = unsafe { reduce_checked(check, call.dtype, call.op, n, &srcs, &dsts, hi - lo) }
+                .map(|f| f.shifted(base + lo));
         }
-        p = ch.phase(cx)?;
+        if check {
+            // Every rank learns the round's first non-finite element with the phase; a later
+            // round holds only later elements, so the call ends here on every rank.
+            let (q, first_found) = ch.phase_found(found, cx)?;
+            if first_found.is_some() {
+                return finite(ch, call, first_found);
+            }
+            p = q;
+        } else {
+            p = ch.phase(cx)?;
+        }
         if receives(me) {
             for j in (0..n).filter(|&j| j != me) {
                 let (lo, hi) = part(len, n, j, unit);
@@ -227,6 +261,8 @@ fn registered(ch: &mut Channel, call: &Call, descs: &[Desc], cx: Ctx) -> Result<
         .collect();
     let recvs: Vec<*mut u8> = descs.iter().map(|d| ch.at(d.recv_off)).collect();
     let nt = ch.nt_for(count * esz);
+    let check = ch.check_finite();
+    let mut found = None;
     let (mlo, mhi) = part(count, n, me, unit);
     let mut at = mlo;
     while at < mhi {
@@ -243,11 +279,16 @@ fn registered(ch: &mut Channel, call: &Call, descs: &[Desc], cx: Ctx) -> Result<
                     nt,
                 })
                 .collect();
-            reduce_into(call.dtype, call.op, n, &srcs, &dsts, len);
+            let f = reduce_checked(check, call.dtype, call.op, n, &srcs, &dsts, len);
+            found = Found::first(found, f.map(|f| f.shifted(at)));
         }
         at += len;
     }
     // Nobody returns (and reuses its buffers) before everyone has finished.
+    if check {
+        let (_, first_found) = ch.phase_found(found, cx)?;
+        return finite(ch, call, first_found);
+    }
     ch.phase(cx)?;
     Ok(())
 }
@@ -268,8 +309,9 @@ fn cma(ch: &mut Channel, call: &Call, descs: &[Desc], cx: Ctx) -> Result<(), Com
     };
     // Peers read only their own parts of our input and write only their own parts of our output,
     // and we write only ours of our output, so an in-place call (send = recv) is safe.
-    let err = reduce_from_peers(ch, call, descs, lo, hi - lo, own, out, nt, true);
-    conclude(ch, call, err, cx)
+    let r = reduce_from_peers(ch, call, descs, lo, hi - lo, own, out, nt, true);
+    let found = conclude_found(ch, call, r, cx)?;
+    finite(ch, call, found)
 }
 
 #[cfg(test)]

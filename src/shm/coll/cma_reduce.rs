@@ -8,7 +8,7 @@ use crate::comm::Call;
 use crate::shm::channel::Channel;
 use crate::shm::cma::{read_io, write_io};
 use crate::shm::path::pid;
-use crate::shm::reduce::{reduce_into, Dst};
+use crate::shm::reduce::{reduce_checked, Dst, Found};
 use crate::shm::sync::Desc;
 
 /// Bytes of each peer's piece in a CMA reduction: small enough that the pieces are still
@@ -19,7 +19,9 @@ const PIECE: usize = 128 << 10;
 /// Read the elements `[shift, shift + len)` of every peer's input piece by piece into the scratch
 /// buffer, and reduce them with ours in rank order into `out`. `own` is our input at element
 /// `shift`, `out` our output at element `shift`. With `push` (all-reduce) each reduced piece,
-/// still in cache, is also written into every peer's output at the same elements.
+/// still in cache, is also written into every peer's output at the same elements. Returns the
+/// first non-finite element read under the finite check (its index in the inputs), or the
+/// failed copy's error.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn reduce_from_peers(
     ch: &mut Channel,
@@ -31,7 +33,9 @@ pub(crate) fn reduce_from_peers(
     out: *mut u8,
     nt: bool,
     push: bool,
-) -> Option<std::io::Error> {
+) -> Result<Option<Found>, std::io::Error> {
+    let check = ch.check_finite();
+    let mut found = None;
     let (n, me, esz) = (ch.world(), ch.rank(), call.dtype.size());
     let unit = (64 / esz).max(1);
     let piece = (PIECE / esz / unit * unit).max(unit);
@@ -63,9 +67,7 @@ pub(crate) fn reduce_from_peers(
                 // 8-byte aligned (a Vec<u64>), the alignment of every dtype's kernel.
                 unsafe { scratch.add(idx * piece * esz) }
             };
-            if let Err(e) = read_io(pids[k], descs[k].send_off + at, to as usize, m * esz) {
-                return Some(e);
-            }
+            read_io(pids[k], descs[k].send_off + at, to as usize, m * esz)?;
             srcs[k] = to;
         }
         srcs[me] = src;
@@ -73,19 +75,28 @@ pub(crate) fn reduce_from_peers(
         // above, our own input); `dst` is exactly one source (our input in place, or the piece
         // that landed in it) and disjoint from the others (the scratch is ours alone; output and
         // input are equal or disjoint).
-        unsafe { reduce_into(call.dtype, call.op, n, &srcs, &[Dst { ptr: dst, nt }], m) };
+        let f = unsafe {
+            reduce_checked(
+                check,
+                call.dtype,
+                call.op,
+                n,
+                &srcs,
+                &[Dst { ptr: dst, nt }],
+                m,
+            )
+        };
+        found = Found::first(found, f.map(|f| f.shifted(shift + off)));
         if push {
             // Starting after ourselves spreads the writers over the peers.
             for k in (1..n).map(|s| (me + s) % n) {
                 // Peer k's output holds the message; these elements are ours to write, and in
                 // place (its output is its input) we have read them above and nobody else reads
                 // them. It waits in `conclude` until we have written them.
-                if let Err(e) = write_io(pids[k], descs[k].recv_off + at, dst as usize, m * esz) {
-                    return Some(e);
-                }
+                write_io(pids[k], descs[k].recv_off + at, dst as usize, m * esz)?;
             }
         }
         off += m;
     }
-    None
+    Ok(found)
 }

@@ -24,9 +24,33 @@ pub(crate) mod exchange;
 pub(crate) mod gather;
 pub(crate) mod reduce_scatter;
 
-use crate::comm::{Call, CommError};
+use crate::comm::{Call, CollKind, CommError};
 use crate::shm::channel::{Channel, Ctx};
-use crate::shm::reduce::copy_block;
+use crate::shm::reduce::{copy_block, Found};
+
+/// The end of a reduction under the finite check: `found`, the first non-finite input element of
+/// the call (the same on every rank: every rank computes it from the same data, or learns it
+/// with `Channel::phase_found`), becomes [`CommError::NonFinite`] naming its rank, its index in
+/// that rank's input, and the call.
+pub(crate) fn finite(ch: &Channel, call: &Call, found: Option<Found>) -> Result<(), CommError> {
+    let Some(f) = found else {
+        return Ok(());
+    };
+    let count = if call.kind == CollKind::ReduceScatter {
+        call.count * ch.world()
+    } else {
+        call.count
+    };
+    Err(CommError::NonFinite {
+        rank: ch.global(f.src),
+        seq: ch.seq(),
+        kind: f.kind,
+        op: call.kind,
+        element: f.elem,
+        dtype: call.dtype,
+        count,
+    })
+}
 
 /// Split `len` elements into `n` parts aligned to `unit` elements: part `j` is `[lo, hi)`. The
 /// all-reduce's reduce-scatter step, on the slots or with CMA, gives part `j` to rank `j`.

@@ -9,22 +9,31 @@
 //!   with its own (`coll::cma_reduce`).
 
 use super::cma_reduce::reduce_from_peers;
-use super::{piece_index, put_pieces};
+use super::{finite, piece_index, put_pieces};
 use crate::comm::{Call, CommError};
 use crate::shm::channel::{Channel, Ctx};
 use crate::shm::inline;
-use crate::shm::path::{conclude, negotiate, Agreement, Offer, Path};
-use crate::shm::reduce::{reduce_into, reduce_raw, Dst};
+use crate::shm::path::{conclude_found, negotiate, Agreement, Offer, Path};
+use crate::shm::reduce::{reduce_checked, Dst, Found};
 use crate::shm::sync::{Desc, SHARED_SEND};
 
-/// Inline: reduce block `me` of every rank's payload.
+/// Inline: reduce block `me` of every rank's payload (under the finite check, scan the other
+/// blocks too, so that every rank finds the same first non-finite element).
 pub(crate) fn inline(ch: &mut Channel, call: &Call, cx: Ctx) -> Result<(), CommError> {
     inline::put_payload(ch, call);
     inline::exchange(ch, call, cx)?;
-    if call.count > 0 {
-        inline::reduce(ch, call, ch.rank() * call.count * call.dtype.size());
+    if call.count == 0 {
+        return Ok(());
     }
-    Ok(())
+    let (n, me, c, esz) = (ch.world(), ch.rank(), call.count, call.dtype.size());
+    let mine = inline::reduce(ch, call, me * c * esz).map(|f| f.shifted(me * c));
+    if !ch.check_finite() {
+        return Ok(());
+    }
+    let before = inline::scan(ch, call, 0, me * c);
+    let after = inline::scan(ch, call, (me + 1) * c * esz, (n - me - 1) * c)
+        .map(|f| f.shifted((me + 1) * c));
+    finite(ch, call, Found::first(Found::first(before, mine), after))
 }
 
 /// reduce_scatter beyond the inline path: the ranks agree on the path, then run its body.
@@ -34,18 +43,23 @@ pub(crate) fn reduce_scatter(ch: &mut Channel, call: &Call, cx: Ctx) -> Result<(
     if n == 1 {
         let (flags, so, ro) = ch.share_flags(call, c * esz, 0);
         ch.begin(call, flags, so, ro, cx)?;
+        let dst = Dst {
+            ptr: call.recv.addr as *mut u8,
+            nt: false,
+        };
         // SAFETY: single source, c elements, recv equal or disjoint.
-        unsafe {
-            reduce_raw(
+        let found = unsafe {
+            reduce_checked(
+                ch.check_finite(),
                 call.dtype,
                 call.op,
                 1,
                 &[call.send.addr as *const u8],
-                call.recv.addr as *mut u8,
+                &[dst],
                 c,
             )
         };
-        return Ok(());
+        return finite(ch, call, found);
     }
     let c_max = c_max(ch, esz);
     let big = c * esz > ch.one_phase_bytes();
@@ -99,6 +113,8 @@ fn slots(ch: &mut Channel, call: &Call, agreed: &Agreement, cx: Ctx) -> Result<(
     let recv = call.recv.addr as *mut u8;
     let nt = ch.nt_for(c * esz);
     let snt = agreed.streaming;
+    let check = ch.check_finite();
+    let mut found = None;
     let mut p = agreed.phase;
     let mut off = 0;
     loop {
@@ -115,8 +131,9 @@ fn slots(ch: &mut Channel, call: &Call, agreed: &Agreement, cx: Ctx) -> Result<(
             })
             .collect();
         // SAFETY: recv holds c elements; len elements from off.
-        unsafe {
-            reduce_into(
+        let f = unsafe {
+            reduce_checked(
+                check,
                 call.dtype,
                 call.op,
                 n,
@@ -128,6 +145,7 @@ fn slots(ch: &mut Channel, call: &Call, agreed: &Agreement, cx: Ctx) -> Result<(
                 len,
             )
         };
+        found = Found::first(found, f.map(|f| f.shifted(me * c + off)));
         off += len;
         if off >= c {
             break;
@@ -135,6 +153,12 @@ fn slots(ch: &mut Channel, call: &Call, agreed: &Agreement, cx: Ctx) -> Result<(
         p = ch.next_phase();
         stage(ch, call, off, c_max.min(c - off), c_max, p, snt);
         ch.phase(cx)?;
+    }
+    if check {
+        // One more phase under the finite check: the blocks are reduced chunk by chunk in
+        // parallel, so the first non-finite element is known only once every block is done.
+        let (_, first) = ch.phase_found(found, cx)?;
+        return finite(ch, call, first);
     }
     Ok(())
 }
@@ -152,9 +176,25 @@ fn registered(ch: &mut Channel, call: &Call, descs: &[Desc], cx: Ctx) -> Result<
             unsafe { (ch.at(d.send_off) as *const u8).add(me * c * esz) }
         })
         .collect();
+    let check = ch.check_finite();
     // SAFETY: block `me` of every send is read only by this rank; recv holds c elements and is
     // either our own block `me` (in place, same address as srcs[me]) or disjoint.
-    unsafe { reduce_into(call.dtype, call.op, n, &srcs, &[Dst { ptr: recv, nt }], c) };
+    let found = unsafe {
+        reduce_checked(
+            check,
+            call.dtype,
+            call.op,
+            n,
+            &srcs,
+            &[Dst { ptr: recv, nt }],
+            c,
+        )
+    }
+    .map(|f| f.shifted(me * c));
+    if check {
+        let (_, first) = ch.phase_found(found, cx)?;
+        return finite(ch, call, first);
+    }
     ch.phase(cx)?;
     Ok(())
 }
@@ -165,7 +205,7 @@ fn cma(ch: &mut Channel, call: &Call, descs: &[Desc], cx: Ctx) -> Result<(), Com
     let nt = ch.nt_for(c * esz);
     // SAFETY: (add) send holds n × c elements; block `me` starts at me × c.
     let own = unsafe { (call.send.addr as *const u8).add(me * c * esz) };
-    let err = reduce_from_peers(
+    let r = reduce_from_peers(
         ch,
         call,
         descs,
@@ -176,5 +216,6 @@ fn cma(ch: &mut Channel, call: &Call, descs: &[Desc], cx: Ctx) -> Result<(), Com
         nt,
         false,
     );
-    conclude(ch, call, err, cx)
+    let found = conclude_found(ch, call, r, cx)?;
+    finite(ch, call, found)
 }
