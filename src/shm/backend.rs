@@ -256,7 +256,8 @@ impl Backend for ShmComm {
     }
 
     fn reject(&mut self, kind: CollKind, dtype: Dtype, _reason: &CommError) {
-        if self.poisoned.is_some() {
+        // A shrunk communicator's peers have gone to its successor: nobody would read the refusal.
+        if self.poisoned.is_some() || self.check_shrink().is_err() {
             return;
         }
         if let Err(e) = self.ch.refuse(kind, dtype) {
