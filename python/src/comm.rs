@@ -1134,6 +1134,39 @@ host (shared-memory) communicators",
         c.set_timeout(t).map_err(comm_err)
     }
 
+    /// After a failure (a `CommError` of kind "peer_lost", "aborted" or "timeout"), the
+    /// communicator of the ranks that remain, as `ncclCommShrink`: every surviving rank calls it
+    /// and gets a new `Communicator` of the survivors, ranked 0.. in their order here. The
+    /// members are agreed through the shared segment: ranks in `exclude`, ranks whose process
+    /// is gone, and ranks still running that do not call it within `wait` seconds (default 1)
+    /// are left out; one left out gets a `CommError` of kind "excluded" from its next call.
+    /// Afterwards this communicator's calls raise (kind "shrunk"). Shared-memory communicators
+    /// only; others raise kind "unsupported".
+    #[pyo3(signature = (exclude=None, wait=None))]
+    fn shrink(
+        &self,
+        py: Python<'_>,
+        exclude: Option<Vec<usize>>,
+        wait: Option<f64>,
+    ) -> PyResult<PyComm> {
+        let exclude = exclude.unwrap_or_default();
+        let wait = match wait {
+            Some(w) => seconds(w, "shrink: wait")?,
+            None => Communicator::SHRINK_WAIT,
+        };
+        let new = py.detach(|| {
+            let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+            match g.as_mut() {
+                Some(c) => c.shrink_excluding(&exclude, wait),
+                None => Err(CommError::Unsupported(format!(
+                    "rank {}: this communicator was closed; make a new one",
+                    self.rank
+                ))),
+            }
+        });
+        new.map(PyComm::new).map_err(comm_err)
+    }
+
     /// Leave the communicator (peers still waiting on this rank get an error instead of a
     /// hang). Later calls raise. Also done when the object is garbage-collected.
     fn close(&self, py: Python<'_>) {

@@ -11,7 +11,7 @@ create_exception!(
     PyRuntimeError,
     "A collective or communicator setup failed: a mismatch between ranks, a dead or departed peer, a timeout, \
 or bad arguments caught by the Rust checks. The message is lockstep's, naming the ranks involved and what to do next. \
-Attributes: `kind` (\"invalid_argument\", \"mismatch\", \"peer_lost\", \"aborted\", \"timeout\", \"unsupported\", \
+Attributes: `kind` (\"invalid_argument\", \"mismatch\", \"peer_lost\", \"aborted\", \"timeout\", \"excluded\", \"shrunk\", \"unsupported\", \
 \"setup\", \"os\", \"backend\", \"non_finite\": a NaN or infinity in a reduction's input under LOCKSTEP_CHECK_FINITE=1), `follows` (the global rank whose failure this error is a consequence of: \
 the lost peer, or the rank that aborted the communicator; None otherwise) and `missing` (for a timeout, the global \
 ranks this rank was still waiting for; empty otherwise)."
@@ -28,6 +28,8 @@ pub fn comm_err(e: lockstep::CommError) -> PyErr {
         E::PeerLost { lost_rank, .. } => ("peer_lost", Some(*lost_rank)),
         E::Aborted { by, .. } => ("aborted", Some(*by)),
         E::Timeout { .. } => ("timeout", None),
+        E::Excluded { .. } => ("excluded", None),
+        E::Shrunk { .. } => ("shrunk", None),
         E::Unsupported(_) => ("unsupported", None),
         E::Setup(_) => ("setup", None),
         E::Os { .. } => ("os", None),

@@ -203,6 +203,16 @@ pub trait Backend: Send {
             self.kind()
         )))
     }
+    /// The communicator of the ranks that call this after a failure (see
+    /// [`Communicator::shrink`](super::Communicator::shrink)): the ranks in `exclude`, those
+    /// that are gone, and those that do not call it within `wait` are left out.
+    fn shrink(&mut self, exclude: &[usize], wait: Duration) -> Result<Box<dyn Backend>, CommError> {
+        let _ = (exclude, wait);
+        Err(CommError::Unsupported(format!(
+            "shrink is not supported on the {} backend: only the shared-memory backend (the CPU ranks of one node) shrinks; restart the job instead",
+            self.kind()
+        )))
+    }
     /// For a sub-communicator made by [`split`](Self::split): the global rank (the rank in the
     /// world communicator the splits started from) of each of its ranks. `None` for a world
     /// communicator, and for backends that do not track it (the caller then asks the ranks).

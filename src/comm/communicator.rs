@@ -725,6 +725,49 @@ impl Communicator {
         self.split(member.then_some(0), 0)
     }
 
+    /// How long [`shrink`](Self::shrink) waits for a peer that is alive but has not called it
+    /// before it leaves that peer out.
+    pub const SHRINK_WAIT: Duration = Duration::from_secs(1);
+
+    /// After a failure (a peer died: [`CommError::PeerLost`]; or one stopped answering:
+    /// [`CommError::Timeout`], [`CommError::Aborted`]), the communicator of the ranks that
+    /// remain, as `ncclCommShrink`: every surviving rank calls it and gets a communicator whose
+    /// ranks are the survivors, numbered `0..` in their order here. Its
+    /// [`global_ranks`](Self::global_ranks) still name world ranks, and its errors name them.
+    ///
+    /// The members are agreed through the shared segment, so every survivor gets the same ones:
+    /// a rank whose process is gone is left out at once, a rank that is alive but does not call
+    /// shrink within [`SHRINK_WAIT`](Self::SHRINK_WAIT) is left out then (see
+    /// [`shrink_excluding`](Self::shrink_excluding) for another wait). A rank left out that
+    /// is still running (it was stopped, or slow) gets [`CommError::Excluded`] from its next
+    /// call or shrink, and cannot disturb the new communicator, which shares no memory with
+    /// this one. A rank blocked in a call on this communicator when a peer starts shrinking it
+    /// fails within a peer check (`LOCKSTEP_PEER_CHECK_MS`) and can then call shrink.
+    ///
+    /// From then on every call on this communicator fails with [`CommError::Shrunk`]; drop it
+    /// to free its memory. Shrink again after a later failure: each shrink makes the next
+    /// generation. With the ranks gone at once, it returns within a few milliseconds of the
+    /// last survivor's call.
+    ///
+    /// Backends: shm. The others (nccl, staged, hier) return [`CommError::Unsupported`].
+    pub fn shrink(&mut self) -> Result<Communicator, CommError> {
+        self.shrink_excluding(&[], Self::SHRINK_WAIT)
+    }
+
+    /// [`shrink`](Self::shrink), also leaving out the ranks in `exclude` (ranks of this
+    /// communicator, as `ncclCommShrink`'s `excludeRanksList`; a listed rank that has already
+    /// called shrink stays in), and waiting `wait` for live ranks that have not called it. A
+    /// rank listed that is out of range, or this rank itself, is refused
+    /// ([`CommError::Unsupported`]).
+    pub fn shrink_excluding(
+        &mut self,
+        exclude: &[usize],
+        wait: Duration,
+    ) -> Result<Communicator, CommError> {
+        let backend = self.backend.shrink(exclude, wait)?;
+        Ok(Communicator::from_backend(backend))
+    }
+
     /// How errors name rank `r` of this communicator.
     fn rank_name(&self, r: usize) -> String {
         rank_name(self.global.as_deref(), r)

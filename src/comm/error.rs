@@ -25,7 +25,7 @@ pub enum CommError {
         detail: String,
     },
     /// A peer process died or left the communicator while others waited for it.
-    #[error("rank {lost_rank} (pid {pid}) {how} while rank {rank} was in {op} #{seq}{group}; the job cannot continue: restart it (the launcher reports the lost rank's exit status)")]
+    #[error("rank {lost_rank} (pid {pid}) {how} while rank {rank} was in {op} #{seq}{group}; the job cannot continue on this communicator: restart it (the launcher reports the lost rank's exit status), or on the shared-memory backend call shrink to go on without that rank")]
     PeerLost {
         /// This rank (its global rank, in a sub-communicator).
         rank: usize,
@@ -43,6 +43,27 @@ pub enum CommError {
         /// [`Communicator::split`](super::Communicator::split)), where the two ranks sit in it;
         /// for a receive from any source, that it was one and which ranks are gone.
         group: String,
+    },
+    /// The peers shrank the communicator without this rank (see
+    /// [`Communicator::shrink`](super::Communicator::shrink)): it was stopped or slow past their
+    /// wait, or a peer listed it. It cannot rejoin.
+    #[error("rank {rank} was excluded from this communicator (shrink to generation {generation}): {detail}; it cannot rejoin: end this process (a launcher with restarts replaces it)")]
+    Excluded {
+        /// This rank (its global rank, in a sub-communicator).
+        rank: usize,
+        /// The generation of the communicator the shrink made (1 for the first shrink).
+        generation: u64,
+        /// Why it was left out.
+        detail: String,
+    },
+    /// The communicator was shrunk (see [`Communicator::shrink`](super::Communicator::shrink)):
+    /// its calls fail, the communicator shrink returned takes them.
+    #[error("this communicator was shrunk (rank {rank} is in its generation-{generation} successor): use the communicator shrink returned")]
+    Shrunk {
+        /// This rank (its global rank, in a sub-communicator).
+        rank: usize,
+        /// The generation of the communicator the shrink made.
+        generation: u64,
     },
     /// Another rank detected a failure and aborted the communicator.
     #[error("communicator aborted by rank {by}: {reason}")]

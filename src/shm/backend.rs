@@ -28,6 +28,10 @@ pub struct ShmComm {
     tag: Option<String>,
     /// Splits this rank has made of this communicator (numbers the sub-communicators' segments).
     splits: u64,
+    /// Shrinks this communicator's lineage went through (0: a world or split communicator).
+    generation: u64,
+    /// The generation of the communicator a shrink of this one made: every call fails from then on.
+    shrunk: Option<u64>,
 }
 
 impl std::fmt::Debug for ShmComm {
@@ -55,7 +59,29 @@ impl ShmComm {
             p2p,
             tag: None,
             splits: 0,
+            generation: 0,
+            shrunk: None,
         }
+    }
+
+    /// Shrinks this communicator's lineage went through (see `shm::shrink`).
+    pub(crate) fn generation(&self) -> u64 {
+        self.generation
+    }
+
+    /// Set the generation of a communicator a shrink made.
+    pub(crate) fn set_generation(&mut self, generation: u64) {
+        self.generation = generation;
+    }
+
+    /// The generation of the communicator a shrink of this one made, once there is one.
+    pub(crate) fn shrunk(&self) -> Option<u64> {
+        self.shrunk
+    }
+
+    /// Mark this communicator shrunk into generation `generation`: every later call fails.
+    pub(crate) fn set_shrunk(&mut self, generation: u64) {
+        self.shrunk = Some(generation);
     }
 
     /// Set the tag that names this communicator's segment (see `shm::split`).
@@ -153,6 +179,8 @@ impl Backend for ShmComm {
     }
 
     fn run(&mut self, call: &Call) -> Result<(), CommError> {
+        // `shm::shrink` (inherent methods there, as for split).
+        self.check_shrink()?;
         if let Some(reason) = &self.poisoned {
             return Err(CommError::Aborted {
                 by: self.ch.global(self.ch.rank()),
@@ -189,6 +217,7 @@ impl Backend for ShmComm {
     }
 
     fn p2p(&mut self, ops: &mut [P2pOp]) -> Result<(), CommError> {
+        self.check_shrink()?;
         if let Some(reason) = &self.poisoned {
             return Err(CommError::Aborted {
                 by: self.ch.global(self.ch.rank()),
@@ -227,7 +256,8 @@ impl Backend for ShmComm {
     }
 
     fn reject(&mut self, kind: CollKind, dtype: Dtype, _reason: &CommError) {
-        if self.poisoned.is_some() {
+        // A shrunk communicator's peers have gone to its successor: nobody would read the refusal.
+        if self.poisoned.is_some() || self.check_shrink().is_err() {
             return;
         }
         if let Err(e) = self.ch.refuse(kind, dtype) {
@@ -257,6 +287,14 @@ impl Backend for ShmComm {
         Ok(self
             .split_shm(color, key)?
             .map(|c| Box::new(c) as Box<dyn Backend>))
+    }
+
+    fn shrink(
+        &mut self,
+        exclude: &[usize],
+        wait: std::time::Duration,
+    ) -> Result<Box<dyn Backend>, CommError> {
+        Ok(Box::new(self.shrink_shm(exclude, wait)?))
     }
 
     fn global_ranks(&self) -> Option<Vec<usize>> {

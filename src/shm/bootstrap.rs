@@ -281,12 +281,7 @@ impl ShmComm {
         let name = SegName::new(cfg.checked_shm_dir()?, job_id)?;
         let layout = Layout::new(world, cfg.slot_bytes, cfg.heap_bytes)?;
         if rank == 0 {
-            let seg = create_named(&name, job_id, &layout)?;
-            if let Err(e) = reserve_backed(&seg, &layout) {
-                name.unlink();
-                return Err(e);
-            }
-            init_header(&seg, &layout, &cfg);
+            let seg = create_ready(&name, job_id, &layout, &cfg)?;
             return join(Arc::new(seg), layout, cfg, rank, Some(&name), None)
                 .map(|c| c.with_tag(job_id));
         }
@@ -333,6 +328,24 @@ impl ShmComm {
             nap = (nap * 2).min(Duration::from_millis(1));
         }
     }
+}
+
+/// Create job `job_id`'s named segment ([`create_named`]), back its fixed part
+/// ([`reserve_backed`], removing the name again when there is no room) and initialise its header:
+/// ready for the ranks to join.
+pub(crate) fn create_ready(
+    name: &SegName,
+    job_id: &str,
+    layout: &Layout,
+    cfg: &ShmConfig,
+) -> Result<Segment, CommError> {
+    let seg = create_named(name, job_id, layout)?;
+    if let Err(e) = reserve_backed(&seg, layout) {
+        name.unlink();
+        return Err(e);
+    }
+    init_header(&seg, layout, cfg);
+    Ok(seg)
 }
 
 /// Create job `job_id`'s named segment. A segment of that name whose creator is dead (a job

@@ -217,6 +217,11 @@ impl Channel {
         self.live.peer_gone(self.ctrls(), r)
     }
 
+    /// Abort the communicator because this rank shrinks it (see `Liveness::abort_for_shrink`).
+    pub(crate) fn abort_for_shrink(&self) {
+        self.live.abort_for_shrink(self.header(), self.seq);
+    }
+
     /// Wake the ranks asleep on the header's futex (after publishing something they may wait for).
     pub(crate) fn wake_sleepers(&self) {
         let h = self.header();

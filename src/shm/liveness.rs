@@ -10,7 +10,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::segment::PeerWatch;
-use super::sync::{Abort, Ctrl, Header, ABORT_DIED, ABORT_LEFT, ABORT_TIMEOUT, STATE_LEFT};
+use super::sync::{
+    Abort, Ctrl, Header, ABORT_DIED, ABORT_LEFT, ABORT_SHRINK, ABORT_TIMEOUT, STATE_LEFT,
+};
 use crate::comm::{rank_name, CollKind, CommError, TIMEOUT_HINT};
 
 /// Where a phase is, for error messages.
@@ -239,6 +241,17 @@ impl Liveness {
         Ok(())
     }
 
+    /// Abort the communicator because this rank shrinks it (`shm::shrink`), unless a peer
+    /// aborted it first: peers blocked in a call on it fail within a peer check and can join the
+    /// shrink, rather than wait for this rank until the timeout.
+    pub(crate) fn abort_for_shrink(&self, header: &Header, seq: u64) {
+        self.record_abort(header, |a| {
+            a.how.store(ABORT_SHRINK, Relaxed);
+            a.rank.store(self.rank as u32 + 1, Relaxed);
+            a.at_seq.store(seq, Relaxed);
+        });
+    }
+
     /// Abort the communicator for every rank, describing why with `fill`, unless a peer did first.
     fn record_abort(&self, header: &Header, fill: impl FnOnce(&Abort)) {
         let a = &header.abort;
@@ -280,6 +293,13 @@ impl Liveness {
                 cx.op,
                 cx.seq,
             ),
+            ABORT_SHRINK => CommError::Aborted {
+                by: self.global(by),
+                reason: format!(
+                    "{} is shrinking this communicator (after a failure, or to exclude ranks): call shrink on this rank too to get the communicator of the ranks that remain",
+                    self.who(by)
+                ),
+            },
             _ => {
                 let kind = a.culprit_kind.load(Relaxed);
                 let kind = if kind == 0 {

@@ -26,6 +26,9 @@
 //! Files, by concept (as NCCL separates bootstrap, transport and collectives); each depends only
 //! on those listed after it, so there is no cycle:
 //!
+//! * `shrink`: the communicator of the ranks that remain after a failure
+//!   ([`Communicator::shrink`](crate::comm::Communicator::shrink)): agreeing on the members
+//!   through the control blocks, then meeting in a new segment through `split`'s join.
 //! * `split`: sub-communicators: the parent's ranks exchange colors and keys, the members of a
 //!   color create and join a segment through `bootstrap`.
 //! * `bootstrap`: job setup: [`ShmJob`], header initialisation, joining ([`ShmJob::join`],
@@ -68,6 +71,7 @@ mod p2p;
 mod path;
 mod reduce;
 mod segment;
+mod shrink;
 mod split;
 mod stale;
 mod sync;

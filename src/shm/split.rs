@@ -25,23 +25,24 @@ use std::sync::atomic::Ordering::{Acquire, Relaxed};
 use std::sync::Arc;
 
 use super::backend::ShmComm;
-use super::bootstrap::{create_named, init_header, join, reserve_backed, SubJoin};
+use super::bootstrap::{create_ready, join, SubJoin};
 use super::config::ShmConfig;
 use super::segment::{SegName, Segment};
 use super::sync::{Header, Layout, HEADER_BYTES, MAGIC, VERSION};
 use crate::comm::{Backend, Call, CollKind, CommError, Dtype, MemSpace, RawMem, ReduceOp, Splits};
 
-/// One rank's part in a sub-communicator about to be joined.
-struct Member {
-    name: SegName,
-    tag: String,
-    cfg: ShmConfig,
-    layout: Layout,
+/// One rank's part in a sub-communicator about to be joined (of a split, or of a shrink: see
+/// `shm::shrink`).
+pub(crate) struct Member {
+    pub name: SegName,
+    pub tag: String,
+    pub cfg: ShmConfig,
+    pub layout: Layout,
     /// Its rank in the sub-communicator.
-    rank: usize,
+    pub rank: usize,
     /// The segment, on the member that created it.
-    created: Option<Segment>,
-    sub: SubJoin,
+    pub created: Option<Segment>,
+    pub sub: SubJoin,
 }
 
 impl ShmComm {
@@ -98,13 +99,24 @@ impl ShmComm {
             });
         }
         let Some(m) = member? else { return Ok(None) };
-        let name = m.name.clone();
-        let joined = m.join();
-        if joined.is_err() {
-            // Not everyone has mapped it: remove the name so nothing is left behind.
-            name.unlink();
+        m.join_or_unlink().map(Some)
+    }
+
+    /// How the members `members` (ranks of this communicator, in their new order) join their
+    /// sub-communicator: their global ranks and processes, and this rank's spin time.
+    pub(crate) fn sub_join(&self, members: &[usize]) -> SubJoin {
+        let ch = self.channel();
+        SubJoin {
+            global: members
+                .iter()
+                .map(|&r| ch.global(r))
+                .collect::<Arc<[usize]>>(),
+            pids: members
+                .iter()
+                .map(|&r| ch.ctrl(r).pid.load(Acquire))
+                .collect(),
+            spin: ch.spin(),
         }
-        joined.map(Some)
     }
 
     /// An all-gather of `vals` (the same count on every rank) on this communicator. A mismatch
@@ -143,7 +155,7 @@ impl ShmComm {
     }
 
     /// The tag naming this communicator's segment (see the module docs).
-    fn segment_tag(&self) -> String {
+    pub(crate) fn segment_tag(&self) -> String {
         if let Some(t) = self.tag() {
             return t.to_string();
         }
@@ -158,52 +170,57 @@ impl ShmComm {
     /// This rank's part in split `k` with color `c`: its place among the members, and (on the
     /// member with the lowest parent rank) the created segment.
     fn prepare(&self, k: u64, c: u32, colors: &[i64], keys: &[i64]) -> Result<Member, CommError> {
-        let ch = self.channel();
         let me = self.rank();
         let mut members: Vec<usize> = (0..colors.len())
             .filter(|&r| colors[r] == i64::from(c))
             .collect();
         let creator = members[0];
         members.sort_by_key(|&r| (keys[r], r));
-        let rank = members.iter().position(|&r| r == me).unwrap_or(0);
-        let global: Arc<[usize]> = members.iter().map(|&r| ch.global(r)).collect();
-        let pids = members
-            .iter()
-            .map(|&r| ch.ctrl(r).pid.load(Acquire))
-            .collect();
-        let sub = SubJoin {
-            global,
-            pids,
-            spin: ch.spin(),
-        };
-        let tag = format!("{}.s{k}c{c}", self.segment_tag());
+        let mut m = self.member(&format!("s{k}c{c}"), &members)?;
+        if me == creator {
+            m.create()?;
+        }
+        Ok(m)
+    }
+
+    /// This rank's part in a sub-communicator of `members` (ranks of this communicator, in
+    /// their new order) whose segment's tag is this one's with `.suffix`; nothing created yet.
+    pub(crate) fn member(&self, suffix: &str, members: &[usize]) -> Result<Member, CommError> {
+        let ch = self.channel();
+        let tag = format!("{}.{suffix}", self.segment_tag());
         let cfg = ch.config().clone().normalized_for(members.len());
         let name = SegName::new(cfg.checked_shm_dir()?, &tag)?;
         let layout = Layout::new(members.len(), cfg.slot_bytes, cfg.heap_bytes)?;
-        let created = if me == creator {
-            let seg = create_named(&name, &tag, &layout)?;
-            if let Err(e) = reserve_backed(&seg, &layout) {
-                name.unlink();
-                return Err(e);
-            }
-            init_header(&seg, &layout, &cfg);
-            Some(seg)
-        } else {
-            None
-        };
         Ok(Member {
             name,
             tag,
             cfg,
             layout,
-            rank,
-            created,
-            sub,
+            rank: members.iter().position(|&r| r == ch.rank()).unwrap_or(0),
+            created: None,
+            sub: self.sub_join(members),
         })
     }
 }
 
 impl Member {
+    /// Create the sub-communicator's segment (this rank is the member that does), ready to join.
+    pub(crate) fn create(&mut self) -> Result<&Segment, CommError> {
+        let seg = create_ready(&self.name, &self.tag, &self.layout, &self.cfg)?;
+        Ok(self.created.insert(seg))
+    }
+
+    /// [`join`](Self::join), removing the segment's name when the join fails (not every member
+    /// has mapped it, so nobody else will), so nothing is left behind.
+    pub(crate) fn join_or_unlink(self) -> Result<ShmComm, CommError> {
+        let name = self.name.clone();
+        let joined = self.join();
+        if joined.is_err() {
+            name.unlink();
+        }
+        joined
+    }
+
     /// Join the sub-communicator's segment, which exists: every creator reported success.
     fn join(self) -> Result<ShmComm, CommError> {
         let Member {

@@ -78,7 +78,34 @@ pub(crate) struct Header {
     /// Futex word, bumped by publishers when someone sleeps and by every rank that joins (ranks
     /// waiting for the others to join sleep on it).
     pub wake: PaddedU32,
+    /// The shrink record (see `shm::shrink`): after the fields above, so their offsets stay.
+    pub shrink: ShrinkArea,
 }
+
+/// The header's shrink record: how survivors agree on who is left after a failure and meet in
+/// the segment of the shrunk communicator (`shm::shrink`). Each rank's own fate in a shrink is
+/// its control block's [`Ctrl::shrink`] word.
+#[repr(C, align(64))]
+pub(crate) struct ShrinkArea {
+    /// The highest shrink attempt any rank has started on this segment (0: none): nonzero tells
+    /// every call to look at its own [`Ctrl::shrink`] word, so an excluded rank learns it.
+    pub attempt: AtomicU64,
+    /// The outcome of creating the shrunk communicator's segment: `attempt << 2 |`
+    /// [`SHRINK_CREATED`] or [`SHRINK_FAILED`], written by the member that creates it.
+    pub created: AtomicU64,
+    /// This communicator's generation: 0 for a world (or split) communicator, and one more than
+    /// its parent's for one made by a shrink. Written before `magic`.
+    pub generation: AtomicU64,
+}
+
+/// [`Ctrl::shrink`] status (low two bits): the rank posted itself for the attempt (upper bits).
+pub(crate) const SHRINK_JOINED: u64 = 1;
+/// [`Ctrl::shrink`] status: a peer excluded the rank in the attempt (final: it never rejoins).
+pub(crate) const SHRINK_EXCLUDED: u64 = 2;
+/// [`ShrinkArea::created`] status: the segment of the attempt exists.
+pub(crate) const SHRINK_CREATED: u64 = 1;
+/// [`ShrinkArea::created`] status: its creation failed (the creator's own error says why).
+pub(crate) const SHRINK_FAILED: u64 = 2;
 
 /// The abort record in the header. The first rank to detect a failure claims it (`by`, compare
 /// and swap from 0), fills in the culprit, then sets `ready`; peers read it after `ready`, so
@@ -89,7 +116,8 @@ pub(crate) struct Abort {
     pub by: AtomicU32,
     /// 1 once the fields below are written.
     pub ready: AtomicU32,
-    /// What happened: [`ABORT_DIED`], [`ABORT_LEFT`] or [`ABORT_TIMEOUT`] (0: no detail).
+    /// What happened: [`ABORT_DIED`], [`ABORT_LEFT`], [`ABORT_TIMEOUT`] or [`ABORT_SHRINK`] (0: no
+    /// detail).
     pub how: AtomicU32,
     /// 1 + the culprit: the lost rank, or the first rank that had not arrived.
     pub rank: AtomicU32,
@@ -108,6 +136,9 @@ pub(crate) struct Abort {
 pub(crate) const ABORT_DIED: u32 = 1;
 pub(crate) const ABORT_LEFT: u32 = 2;
 pub(crate) const ABORT_TIMEOUT: u32 = 3;
+/// A rank started shrinking the communicator (`shm::shrink`): the peers' calls on it fail, so
+/// that they join the shrink rather than wait for that rank.
+pub(crate) const ABORT_SHRINK: u32 = 4;
 
 /// An `AtomicU32` alone on its cache line.
 #[repr(C, align(64))]
@@ -120,7 +151,13 @@ pub(crate) struct Ctrl {
     pub progress: AtomicU64,
     pub pid: AtomicI32,
     pub state: AtomicU32,
-    _pad: [u8; 48],
+    /// The rank's fate in this segment's shrinks (`shm::shrink`): `attempt << 2 | status`
+    /// ([`SHRINK_JOINED`] or [`SHRINK_EXCLUDED`]), 0 before any. Each value is set by one
+    /// compare-and-swap, by the rank itself (joined) or by a peer (excluded), so every survivor
+    /// reads the same final value. Takes the first 8 bytes of what was padding: the fields
+    /// around it keep their offsets.
+    pub shrink: AtomicU64,
+    _pad: [u8; 40],
     /// Call descriptors, one per phase parity (see module docs).
     pub desc: [DescCell; 2],
     /// Collective sequence number the rank is in (for timeout reports). On a line of its own:

@@ -61,6 +61,13 @@
 // `color` for `lockstepCommSplit`: this rank joins no new communicator (as `NCCL_SPLIT_NOCOLOR`).
 #define LOCKSTEP_SPLIT_NOCOLOR -1
 
+// `shrinkFlags` of `lockstepCommShrink` (as `NCCL_SHRINK_DEFAULT`): shrink after a failure.
+#define LOCKSTEP_SHRINK_DEFAULT 0
+
+// `shrinkFlags` of `lockstepCommShrink` (as `NCCL_SHRINK_ABORT`): the same here, since a shrink
+// always fails the calls still running on the old communicator.
+#define LOCKSTEP_SHRINK_ABORT 1
+
 // The `magic` of a `lockstepConfig_t` that LOCKSTEP_CONFIG_INITIALIZER initialised (as
 // `NCCL_API_MAGIC`, with another value, so an `ncclConfig_t` passed by mistake is refused).
 #define LOCKSTEP_API_MAGIC 1818981236
@@ -318,6 +325,31 @@ lockstepResult_t lockstepCommSplit(lockstepComm_t comm,
                                    int key,
                                    lockstepComm_t *newcomm,
                                    lockstepConfig_t *config);
+
+// After a failure (lockstepRemoteError: a peer died; lockstepTimeout), the communicator of the
+// ranks that remain, as ncclCommShrink (NCCL >= 2.27): every surviving rank calls it and gets in
+// `*newcomm` a communicator of the survivors, ranked 0.. in their order in `comm`. The members
+// are agreed through the shared segment, so every survivor gets the same ones: ranks in
+// `excludeRanksList` (ranks of `comm`; one that already called lockstepCommShrink stays in),
+// ranks whose process is gone, and ranks still running that do not call it within 1 s are left
+// out. A rank left out gets lockstepRemoteError ("excluded") from its next call or shrink.
+// `shrinkFlags` is LOCKSTEP_SHRINK_DEFAULT or LOCKSTEP_SHRINK_ABORT (the same: calls still
+// running on `comm` fail either way). `config` as for lockstepCommSplit. Afterwards every call
+// on `comm` fails with lockstepInvalidUsage ("shrunk"); free it with lockstepCommDestroy. The
+// shared-memory backend only; others return lockstepInvalidUsage. On failure `*newcomm` is NULL.
+//
+// Thread safety: as the collectives.
+//
+// # Safety
+// `newcomm` is NULL (lockstepInvalidArgument) or valid for writing a lockstepComm_t;
+// `excludeRanksList` is valid for reading `excludeRanksCount` ints (or NULL with a count of 0);
+// `config` as for lockstepCommSplit.
+lockstepResult_t lockstepCommShrink(lockstepComm_t comm,
+                                    const int *excludeRanksList,
+                                    int excludeRanksCount,
+                                    lockstepComm_t *newcomm,
+                                    lockstepConfig_t *config,
+                                    int shrinkFlags);
 
 // The number of ranks of `comm` in `*count`.
 //

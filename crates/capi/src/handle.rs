@@ -99,7 +99,11 @@ impl From<CommError> for Failure {
             CommError::NonFinite { .. } => (lockstepInvalidArgument, false),
             // The ranks disagree on the call: a usage error, reported on every rank.
             CommError::Mismatch { .. } | CommError::Unsupported(_) => (lockstepInvalidUsage, false),
-            CommError::PeerLost { .. } | CommError::Aborted { .. } => (lockstepRemoteError, true),
+            CommError::PeerLost { .. } | CommError::Aborted { .. } | CommError::Excluded { .. } => {
+                (lockstepRemoteError, true)
+            }
+            // Calls on a communicator lockstepCommShrink replaced: use the new one.
+            CommError::Shrunk { .. } => (lockstepInvalidUsage, false),
             CommError::Timeout { .. } => (lockstepTimeout, true),
             CommError::Setup(_) | CommError::Os { .. } => (lockstepSystemError, false),
             CommError::Backend {

@@ -45,8 +45,8 @@ pub use handle::{lockstepComm, lockstepComm_t};
 pub use log::lockstepLogCallback_t;
 pub use types::{
     lockstepConfig_t, lockstepDataType_t, lockstepRedOp_t, lockstepResult_t, lockstepUniqueId,
-    DataTypeArg, RedOpArg, ResultArg, LOCKSTEP_API_MAGIC, LOCKSTEP_SPLIT_NOCOLOR,
-    LOCKSTEP_UNIQUE_ID_BYTES,
+    DataTypeArg, RedOpArg, ResultArg, LOCKSTEP_API_MAGIC, LOCKSTEP_SHRINK_ABORT,
+    LOCKSTEP_SHRINK_DEFAULT, LOCKSTEP_SPLIT_NOCOLOR, LOCKSTEP_UNIQUE_ID_BYTES,
 };
 
 /// The library version as `MAJOR * 10000 + MINOR * 100 + PATCH` (NCCL's encoding) in `*version`:
@@ -284,6 +284,81 @@ pub unsafe extern "C" fn lockstepCommSplit(
     })
 }
 
+/// After a failure (lockstepRemoteError: a peer died; lockstepTimeout), the communicator of the
+/// ranks that remain, as ncclCommShrink (NCCL >= 2.27): every surviving rank calls it and gets in
+/// `*newcomm` a communicator of the survivors, ranked 0.. in their order in `comm`. The members
+/// are agreed through the shared segment, so every survivor gets the same ones: ranks in
+/// `excludeRanksList` (ranks of `comm`; one that already called lockstepCommShrink stays in),
+/// ranks whose process is gone, and ranks still running that do not call it within 1 s are left
+/// out. A rank left out gets lockstepRemoteError ("excluded") from its next call or shrink.
+/// `shrinkFlags` is LOCKSTEP_SHRINK_DEFAULT or LOCKSTEP_SHRINK_ABORT (the same: calls still
+/// running on `comm` fail either way). `config` as for lockstepCommSplit. Afterwards every call
+/// on `comm` fails with lockstepInvalidUsage ("shrunk"); free it with lockstepCommDestroy. The
+/// shared-memory backend only; others return lockstepInvalidUsage. On failure `*newcomm` is NULL.
+///
+/// Thread safety: as the collectives.
+///
+/// # Safety
+/// `newcomm` is NULL (lockstepInvalidArgument) or valid for writing a lockstepComm_t;
+/// `excludeRanksList` is valid for reading `excludeRanksCount` ints (or NULL with a count of 0);
+/// `config` as for lockstepCommSplit.
+#[no_mangle]
+pub unsafe extern "C" fn lockstepCommShrink(
+    comm: lockstepComm_t,
+    excludeRanksList: *const c_int,
+    excludeRanksCount: c_int,
+    newcomm: *mut lockstepComm_t,
+    config: *mut lockstepConfig_t,
+    shrinkFlags: c_int,
+) -> lockstepResult_t {
+    guard_comm("lockstepCommShrink", comm, |h| {
+        // SAFETY: the caller passes NULL (refused by out_ptr) or a pointer valid for the write.
+        let out = unsafe { out_ptr(newcomm, "newcomm") }?;
+        *out = std::ptr::null_mut();
+        if exec::in_group() {
+            return Err(Failure::invalid_usage(
+                "lockstepCommShrink inside lockstepGroupStart/lockstepGroupEnd: shrink before the group starts (the new communicator is needed at once)",
+            ));
+        }
+        if shrinkFlags != LOCKSTEP_SHRINK_DEFAULT && shrinkFlags != LOCKSTEP_SHRINK_ABORT {
+            return Err(Failure::invalid_argument(format!(
+                "shrinkFlags {shrinkFlags}: pass LOCKSTEP_SHRINK_DEFAULT (0) or LOCKSTEP_SHRINK_ABORT (1)"
+            )));
+        }
+        let n = usize::try_from(excludeRanksCount).map_err(|_| {
+            Failure::invalid_argument(format!("excludeRanksCount {excludeRanksCount} is negative"))
+        })?;
+        if n > 0 && excludeRanksList.is_null() {
+            return Err(Failure::invalid_argument(format!(
+                "excludeRanksList is NULL with excludeRanksCount {n}: pass the ranks, or a count of 0"
+            )));
+        }
+        let exclude: Vec<usize> = if n == 0 {
+            Vec::new()
+        } else {
+            // SAFETY: the caller passes a list valid for reading `n` ints (checked non-NULL).
+            let list = unsafe { std::slice::from_raw_parts(excludeRanksList, n) };
+            list.iter()
+                .map(|&r| {
+                    usize::try_from(r).map_err(|_| {
+                        Failure::invalid_argument(format!(
+                            "excludeRanksList holds {r}: ranks are >= 0"
+                        ))
+                    })
+                })
+                .collect::<Result<_, _>>()?
+        };
+        // SAFETY: the caller passes NULL or a readable lockstepConfig_t (this function's contract).
+        let settings = unsafe { inherited_settings(h.settings(), config, "lockstepCommShrink") }?;
+        let new = h.with_comm(|c| {
+            c.shrink_excluding(&exclude, Communicator::SHRINK_WAIT)
+                .map_err(Failure::from)
+        })?;
+        *out = handle::register(new, settings);
+        Ok(())
+    })
+}
+
 /// Every rank's `flag` (0 or 1), in rank order: an all-gather through host memory, or device
 /// memory on device communicators (whose collectives take device buffers only).
 fn gather_flags(c: &mut Communicator, flag: bool) -> Result<Vec<u64>, CommError> {
@@ -325,13 +400,29 @@ unsafe fn split_settings(
         )));
     }
     // SAFETY: forwarded contract.
+    unsafe { inherited_settings(parent, config, "lockstepCommSplit") }
+}
+
+/// The settings of a communicator `call` (lockstepCommSplit, lockstepCommShrink) makes from one
+/// with `parent`'s: the parent's with `config` NULL, else the config's, whose timeout must be
+/// left unset (the new communicator inherits the parent's).
+///
+/// # Safety
+/// `config` is NULL or points to a lockstepConfig_t whose `commName` is NULL or a NUL-terminated
+/// string.
+unsafe fn inherited_settings(
+    parent: &handle::Settings,
+    config: *const lockstepConfig_t,
+    call: &str,
+) -> Result<handle::Settings, Failure> {
+    // SAFETY: forwarded contract.
     let Some(mut s) = (unsafe { config::read(config) })? else {
         return Ok(parent.clone());
     };
     if s.timeout.is_some() {
-        return Err(Failure::invalid_argument(
-            "config->timeoutMs is set, but a communicator made by lockstepCommSplit inherits the timeout of the one it splits: leave timeoutMs as LOCKSTEP_CONFIG_UNDEF_INT (set the timeout in lockstepCommInitRankConfig's config, or with LOCKSTEP_TIMEOUT_S)",
-        ));
+        return Err(Failure::invalid_argument(format!(
+            "config->timeoutMs is set, but a communicator made by {call} inherits the timeout of the one it comes from: leave timeoutMs as LOCKSTEP_CONFIG_UNDEF_INT (set the timeout in lockstepCommInitRankConfig's config, or with LOCKSTEP_TIMEOUT_S)"
+        )));
     }
     s.timeout = parent.timeout;
     Ok(s)

@@ -9,6 +9,12 @@ pub const LOCKSTEP_UNIQUE_ID_BYTES: usize = 128;
 /// `color` for `lockstepCommSplit`: this rank joins no new communicator (as `NCCL_SPLIT_NOCOLOR`).
 pub const LOCKSTEP_SPLIT_NOCOLOR: c_int = -1;
 
+/// `shrinkFlags` of `lockstepCommShrink` (as `NCCL_SHRINK_DEFAULT`): shrink after a failure.
+pub const LOCKSTEP_SHRINK_DEFAULT: c_int = 0;
+/// `shrinkFlags` of `lockstepCommShrink` (as `NCCL_SHRINK_ABORT`): the same here, since a shrink
+/// always fails the calls still running on the old communicator.
+pub const LOCKSTEP_SHRINK_ABORT: c_int = 1;
+
 /// The `magic` of a `lockstepConfig_t` that LOCKSTEP_CONFIG_INITIALIZER initialised (as
 /// `NCCL_API_MAGIC`, with another value, so an `ncclConfig_t` passed by mistake is refused).
 pub const LOCKSTEP_API_MAGIC: c_uint = 0x6c6b7374;

@@ -273,6 +273,7 @@ const FUNCTIONS: &[&str] = &[
     "lockstepCommDestroy",
     "lockstepCommAbort",
     "lockstepCommSplit",
+    "lockstepCommShrink",
     "lockstepCommCount",
     "lockstepCommUserRank",
     "lockstepCommGetAsyncError",
