@@ -138,6 +138,14 @@ pub struct Record {
     pub outcome: Outcome,
 }
 
+impl Record {
+    /// The record as one JSON object, as the trace files hold it (feature `trace`).
+    #[cfg(feature = "trace")]
+    pub fn to_json(&self) -> String {
+        super::dump::record_json(self).to_string()
+    }
+}
+
 /// What a record says of the call itself (what [`Recorder::start`] records before it runs).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CallInfo {
