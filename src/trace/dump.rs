@@ -56,6 +56,13 @@ fn header(m: &Meta, rec: &Recorder, reason: Reason, records: usize) -> Value {
     })
 }
 
+impl Record {
+    /// The record as one JSON object, as the trace files hold it (feature `trace`).
+    pub fn to_json(&self) -> String {
+        record_json(self).to_string()
+    }
+}
+
 /// One record as a JSON object.
 pub(crate) fn record_json(r: &Record) -> Value {
     let (state, error) = match &r.outcome {

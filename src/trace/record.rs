@@ -138,15 +138,7 @@ pub struct Record {
     pub outcome: Outcome,
 }
 
-impl Record {
-    /// The record as one JSON object, as the trace files hold it (feature `trace`).
-    #[cfg(feature = "trace")]
-    pub fn to_json(&self) -> String {
-        super::dump::record_json(self).to_string()
-    }
-}
-
-/// What a record says of the call itself (what [`Recorder::start`] records before it runs).
+/// What a record says of the call itself (what the recorder takes down before the call runs).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CallInfo {
     /// The collective, or `Send`/`Recv` (the first operation of a point-to-point group).
