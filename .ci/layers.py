@@ -34,7 +34,7 @@ CRATES = [
 # The runtime's modules, bottom to top: a module may import only from modules in earlier groups (or its own).
 LAYERS = [
     ["types", "store"],
-    ["cuda", "logging"],
+    ["cuda", "logging", "trace"],  # trace: the flight recorder, below comm which records
     ["comm", "config", "reference"],
     ["shm", "nccl", "staged", "mpi"],
     ["hier"],  # shared memory in each node + MPI between nodes, over shm and mpi

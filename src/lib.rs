@@ -11,6 +11,7 @@
 //! | [`types`] | the vocabulary: [`Dtype`], [`ReduceOp`], [`CollKind`], the [`Buffer`]/[`BufferMut`] traits |
 //! | [`store`] | the TCP rendezvous store that multi-node jobs meet through |
 //! | `logging` (feature `log`) | the stderr subscriber and the `LOCKSTEP_LOG` filter every embedding shares |
+//! | [`trace`] | the flight recorder: each communicator's last calls, written on failure or `SIGUSR1` (`LOCKSTEP_TRACE_DIR`), and read back by `lockstep trace` |
 //! | [`cuda`] | CUDA driver + NVRTC loaded at run time: discovery, the single-init guard, contexts, streams, memory, a source-keyed compile cache, graphs |
 //! | `config` (feature `config`) | the configuration file `lockstep config` writes and `lockstep launch` reads |
 //! | [`comm`] | the backend-agnostic [`Communicator`], the [`Backend`](comm::Backend) trait, [`CommError`] |
@@ -29,7 +30,7 @@
 //! the crate `crates/capi`, the Python extension `python/`.
 //!
 //! Safety model: `unsafe` lives only in the modules that talk to the OS or to foreign libraries
-//! (`shm`, `launch`'s post-fork code, `cuda`, `nccl`, `mpi`); every block carries a `// SAFETY:` line.
+//! (`shm`, `launch`'s post-fork code, `trace`'s SIGUSR1 handler, `cuda`, `nccl`, `mpi`); every block carries a `// SAFETY:` line.
 //!
 //! Fork rules: a process that forks ranks must not have initialised CUDA, and a forked child
 //! must not rely on locks another thread of the parent may hold.
@@ -56,6 +57,7 @@ pub mod rendezvous;
 pub mod report;
 pub mod shm;
 pub mod staged;
+pub mod trace;
 
 pub use comm::{
     Buffer, BufferMut, CollKind, CommError, Communicator, Dtype, Element, ReduceOp, SharedBuffer,

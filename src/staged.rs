@@ -317,6 +317,10 @@ impl Backend for StagedBackend {
         self.inner.reject_call(kind, dtype, reason);
     }
 
+    fn last_path(&self) -> crate::trace::CallPath {
+        crate::trace::CallPath::Staged
+    }
+
     fn synchronize(&mut self) -> Result<(), CommError> {
         self.inner.synchronize()?;
         self.stream.synchronize().map_err(|e| CommError::Backend {

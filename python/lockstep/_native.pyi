@@ -6,6 +6,7 @@ of python/src; tests/test_stubs.py compares this file with the built extension.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable, Iterable, Literal, Sequence, final
 
 # A collective buffer: anything exporting the buffer protocol (numpy arrays, bytearray,
@@ -65,6 +66,12 @@ class Communicator:
     # Number of collectives issued so far on this rank (0 once closed).
     @property
     def seq(self) -> int: ...
+    # The flight recorder's records, oldest first (the last LOCKSTEP_TRACE_BUFFER calls): dicts
+    # with the keys of the trace files (id, seq, op, dtype, reduce, count, root, buffer, path,
+    # start_ns, end_ns, state, and error or ops).
+    def trace(self) -> list[dict[str, object]]: ...
+    # Write this rank's records into `dir` now; returns the file's path.
+    def dump_trace(self, dir: str | os.PathLike[str]) -> str: ...
     # Seconds a call waits for its peers before a "timeout" CommError (LOCKSTEP_TIMEOUT_S unless
     # set); None for NCCL. Settable on shm and staged communicators (local, not a collective).
     @property

@@ -669,6 +669,39 @@ host (shared-memory) communicators",
             .map_or(0, |c| c.seq())
     }
 
+    /// The flight recorder's records, oldest first: the last calls of this communicator
+    /// (`LOCKSTEP_TRACE_BUFFER`, default 2000; none when 0), each a dict with the keys of the
+    /// trace files: id, seq (collectives from 1; 0 for point-to-point), op, dtype, reduce, count,
+    /// root (or peer), buffer, path, start_ns, end_ns (None while running), state ("ok",
+    /// "error", "running"), and error (its message) or ops (a point-to-point group's size).
+    fn trace<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let recs = self
+            .inner
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .map_or_else(Vec::new, |c| c.trace());
+        let lines: Vec<String> = recs.iter().map(|r| r.to_json()).collect();
+        py.import("json")?
+            .call_method1("loads", (format!("[{}]", lines.join(",")),))
+    }
+
+    /// Write this rank's records into the directory `dir` now (one JSON-lines file, replaced
+    /// atomically; `lockstep trace DIR` reads a directory of them) and return the file's path.
+    /// Local: the other ranks write nothing unless asked too.
+    fn dump_trace(&self, dir: std::path::PathBuf) -> PyResult<String> {
+        let g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        let c = g.as_ref().ok_or_else(|| {
+            comm_err(CommError::Unsupported(format!(
+                "rank {}: this communicator was closed; make a new one",
+                self.rank
+            )))
+        })?;
+        c.dump_trace(&dir)
+            .map(|p| p.display().to_string())
+            .map_err(|e| pyo3::exceptions::PyOSError::new_err(e.to_string()))
+    }
+
     fn __repr__(&self) -> String {
         format!(
             "<lockstep.Communicator rank {} of {} ({})>",

@@ -12,6 +12,7 @@ use std::time::Duration;
 use super::error::CommError;
 use super::shared::SharedRegion;
 use crate::cuda::{Context, ForeignStream};
+use crate::trace::CallPath;
 use crate::types::{CollKind, Dtype, RawMem, ReduceOp};
 
 /// Which backend a communicator runs on.
@@ -120,6 +121,12 @@ pub trait Backend: Send {
     fn kind(&self) -> BackendKind;
     /// Run (or enqueue) one collective.
     fn run(&mut self, call: &Call) -> Result<(), CommError>;
+    /// The path the last call ([`run`](Self::run) or [`p2p`](Self::p2p)) took, for the flight
+    /// recorder ([`crate::trace`]): read once after each call, so it must be cheap (a stored
+    /// value). [`CallPath::Unknown`] where a backend does not say.
+    fn last_path(&self) -> CallPath {
+        CallPath::Unknown
+    }
     /// Wait until every call issued so far has completed.
     fn synchronize(&mut self) -> Result<(), CommError>;
     /// Number of collectives this rank has issued.

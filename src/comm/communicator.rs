@@ -17,6 +17,7 @@ use super::check::{self, InPlace};
 use super::error::{rank_name, CommError};
 use super::shared::SharedBuffer;
 use crate::cuda::{Context, CudaError, DeviceBuffer, ForeignStream};
+use crate::trace::{self, BufferKind, CallInfo, Tracer};
 use crate::types::{Buffer, BufferMut, CollKind, Dtype, Element, MemSpace, RawMem, ReduceOp};
 
 /// A group of ranks that run collectives together.
@@ -28,6 +29,9 @@ pub struct Communicator {
     /// For a sub-communicator ([`split`](Self::split)): the global rank of each rank; `None` for
     /// a world communicator.
     global: Option<Arc<[usize]>>,
+    /// The flight recorder (`LOCKSTEP_TRACE_BUFFER`; `None` when 0): every call through
+    /// [`enter`](Self::enter) and [`enter_p2p`](Self::enter_p2p) is recorded.
+    trace: Option<Arc<Tracer>>,
 }
 
 impl fmt::Debug for Communicator {
@@ -49,11 +53,83 @@ impl Communicator {
     /// NCCL version and device).
     pub fn from_backend(backend: Box<dyn Backend>) -> Communicator {
         let global = backend.global_ranks().map(Arc::from);
-        let c = Communicator { backend, global };
+        let mut c = Communicator {
+            backend,
+            global,
+            trace: None,
+        };
+        c.trace = c.tracer();
         if tracing::enabled!(target: "lockstep::init", tracing::Level::INFO) {
             tracing::info!(target: "lockstep::init", "{}", c.init_line());
         }
         c
+    }
+
+    /// The flight recorder this communicator's settings ask for (see [`crate::trace`]).
+    fn tracer(&self) -> Option<Arc<Tracer>> {
+        let global = self.global.as_ref().map(|g| g.to_vec());
+        let comm = match &global {
+            None => "world".to_string(),
+            Some(g) => trace::sub_name(g),
+        };
+        Tracer::from_env(trace::Meta {
+            rank: self.rank(),
+            world: self.world_size(),
+            global,
+            backend: self.backend.kind().to_string(),
+            comm,
+        })
+    }
+
+    /// The calls this communicator's flight recorder holds, oldest first (the last
+    /// `LOCKSTEP_TRACE_BUFFER` calls, 2000 by default; empty when it is 0). See [`crate::trace`].
+    pub fn trace(&self) -> Vec<trace::Record> {
+        self.trace.as_ref().map_or_else(Vec::new, |t| t.records())
+    }
+
+    /// Write this rank's records into `dir` now (one JSON-lines file, replaced atomically, named
+    /// for the rank and communicator; `lockstep trace DIR` reads a directory of them). Returns
+    /// the file's path. Local: the other ranks write nothing unless they are asked too.
+    pub fn dump_trace(
+        &self,
+        dir: &std::path::Path,
+    ) -> Result<std::path::PathBuf, trace::DumpError> {
+        match &self.trace {
+            Some(t) => t.dump(dir, trace::Reason::Request),
+            None => Err(trace::DumpError::Off),
+        }
+    }
+
+    /// Record the start of a call (nothing when the recorder is off).
+    #[inline]
+    fn trace_start(&self, info: impl FnOnce() -> CallInfo) -> u64 {
+        match &self.trace {
+            Some(t) => t.start(&info()),
+            None => 0,
+        }
+    }
+
+    /// Record the end of call `id` with its result; after a failure that ends the job, write the
+    /// records to `LOCKSTEP_TRACE_DIR` (once per communicator).
+    #[inline]
+    fn trace_end<T>(&self, id: u64, r: &Result<T, CommError>) {
+        let Some(t) = &self.trace else { return };
+        let path = self.backend.last_path();
+        match r {
+            Ok(_) => t.end(id, path, None),
+            Err(e) => {
+                t.end(id, path, Some(e));
+                if matches!(
+                    e,
+                    CommError::Timeout { .. }
+                        | CommError::PeerLost { .. }
+                        | CommError::Aborted { .. }
+                        | CommError::Mismatch { .. }
+                ) {
+                    t.on_failure();
+                }
+            }
+        }
     }
 
     /// The communicator's init line (see [`from_backend`](Self::from_backend)).
@@ -235,9 +311,25 @@ impl Communicator {
         self.enter(call)
     }
 
-    /// The checks of [`run`](Self::run), then the backend. Safe to call with the `RawMem`s of
-    /// [`Buffer`]/[`BufferMut`] borrows, which carry that contract.
+    /// The checks of [`run`](Self::run), then the backend, recorded by the flight recorder. Safe
+    /// to call with the `RawMem`s of [`Buffer`]/[`BufferMut`] borrows, which carry that contract.
     fn enter(&mut self, call: &Call) -> Result<(), CommError> {
+        let id = self.trace_start(|| CallInfo {
+            kind: call.kind,
+            dtype: call.dtype,
+            op: call.op,
+            count: call.count as u64,
+            root: call.kind.has_root().then_some(call.root as u64),
+            ops: 0,
+            buffer: buffer_kind(&[call.send.space, call.recv.space]),
+        });
+        let r = self.enter_untraced(call);
+        self.trace_end(id, &r);
+        r
+    }
+
+    /// [`enter`](Self::enter) without the recorder.
+    fn enter_untraced(&mut self, call: &Call) -> Result<(), CommError> {
         let packed = match check::call(call, self.rank(), self.world_size()) {
             Err(detail) => return Err(self.refused(call.kind, call.dtype, detail)),
             Ok(p) => p,
@@ -662,6 +754,8 @@ impl Communicator {
             // The backend does not know who its members are (NCCL): ask them.
             let all = child.all_gather_u64(self.global_rank() as u64)?;
             child.global = Some(all.iter().map(|&g| g as usize).collect());
+            // Its records name the members now.
+            child.trace = child.tracer();
         }
         let mine = self.global_rank();
         match &child.global {
@@ -896,8 +990,28 @@ impl Communicator {
         self.enter_p2p(ops)
     }
 
-    /// The checks of [`run_p2p`](Self::run_p2p), then the backend.
+    /// The checks of [`run_p2p`](Self::run_p2p), then the backend, recorded as one call (its
+    /// first operation, and how many there are).
     fn enter_p2p(&mut self, ops: &mut [P2pOp]) -> Result<(), CommError> {
+        let Some(first) = ops.first().copied() else {
+            return self.enter_p2p_untraced(ops);
+        };
+        let id = self.trace_start(|| CallInfo {
+            kind: first.kind,
+            dtype: first.dtype,
+            op: ReduceOp::Sum,
+            count: first.mem.len as u64,
+            root: (first.peer != ANY_SOURCE).then_some(first.peer as u64),
+            ops: u16::try_from(ops.len()).unwrap_or(u16::MAX),
+            buffer: buffer_kind(&[first.mem.space]),
+        });
+        let r = self.enter_p2p_untraced(ops);
+        self.trace_end(id, &r);
+        r
+    }
+
+    /// [`enter_p2p`](Self::enter_p2p) without the recorder.
+    fn enter_p2p_untraced(&mut self, ops: &mut [P2pOp]) -> Result<(), CommError> {
         if let Err((kind, detail)) = check::p2p(ops, self.rank(), self.world_size()) {
             return Err(self.invalid(kind, detail));
         }
@@ -1003,6 +1117,15 @@ impl Communicator {
             space: MemSpace::Host,
         };
         self.typed(CollKind::Barrier, Dtype::U8, ReduceOp::Sum, 0, empty, empty)
+    }
+}
+
+/// What the flight recorder says of buffers in `spaces`: device if any is.
+fn buffer_kind(spaces: &[MemSpace]) -> BufferKind {
+    if spaces.iter().any(|s| matches!(s, MemSpace::Device(_))) {
+        BufferKind::Device
+    } else {
+        BufferKind::Host
     }
 }
 

@@ -992,6 +992,10 @@ impl Backend for HierBackend {
         let _ = self.begin(Header::refused(kind, dtype));
     }
 
+    fn last_path(&self) -> crate::trace::CallPath {
+        crate::trace::CallPath::Hier
+    }
+
     fn synchronize(&mut self) -> Result<(), CommError> {
         Ok(())
     }

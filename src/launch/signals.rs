@@ -1,4 +1,4 @@
-//! SIGINT/SIGTERM/SIGHUP handling for the CLI launcher: the handlers only count the signal and
+//! SIGINT/SIGTERM/SIGHUP (and SIGUSR1, forwarded for the flight recorder) handling for the CLI launcher: the handlers only count the signal and
 //! write one byte to a self-pipe (both async-signal-safe); the supervisor polls the pipe's read
 //! end and stops the ranks from ordinary code (see `supervise.rs` for what each signal does).
 
@@ -11,11 +11,13 @@ static WAKE_FD: AtomicI32 = AtomicI32::new(-1);
 static INTS: AtomicUsize = AtomicUsize::new(0);
 static TERMS: AtomicUsize = AtomicUsize::new(0);
 static HUPS: AtomicUsize = AtomicUsize::new(0);
+static USR1S: AtomicUsize = AtomicUsize::new(0);
 
 extern "C" fn on_signal(sig: libc::c_int) {
     match sig {
         libc::SIGINT => INTS.fetch_add(1, Ordering::SeqCst),
         libc::SIGHUP => HUPS.fetch_add(1, Ordering::SeqCst),
+        libc::SIGUSR1 => USR1S.fetch_add(1, Ordering::SeqCst),
         _ => TERMS.fetch_add(1, Ordering::SeqCst),
     };
     let fd = WAKE_FD.load(Ordering::SeqCst);
@@ -38,10 +40,11 @@ pub(crate) struct Counts {
     pub int: usize,
     pub term: usize,
     pub hup: usize,
+    pub usr1: usize,
 }
 
 impl SignalPipe {
-    /// Install SIGINT, SIGTERM and SIGHUP handlers (for the rest of the process's life: the CLI
+    /// Install SIGINT, SIGTERM, SIGHUP and SIGUSR1 handlers (for the rest of the process's life: the CLI
     /// launcher exits after one job).
     pub fn install() -> std::io::Result<SignalPipe> {
         let mut fds = [0 as libc::c_int; 2];
@@ -51,7 +54,7 @@ impl SignalPipe {
         }
         // The write end lives as long as the process (the handler may run at any time).
         WAKE_FD.store(fds[1], Ordering::SeqCst);
-        for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
+        for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP, libc::SIGUSR1] {
             // SAFETY: a zeroed sigaction is valid; we set a plain handler with SA_RESTART off so
             // poll returns EINTR promptly, and an empty mask.
             unsafe {
@@ -90,6 +93,7 @@ impl SignalPipe {
             int: INTS.load(Ordering::SeqCst),
             term: TERMS.load(Ordering::SeqCst),
             hup: HUPS.load(Ordering::SeqCst),
+            usr1: USR1S.load(Ordering::SeqCst),
         }
     }
 }

@@ -6,7 +6,8 @@
 //! Signals (CLI only): the first SIGINT, SIGTERM or SIGHUP starts the stop: SIGINT and SIGTERM
 //! are forwarded as they are, SIGHUP (a closed terminal or ssh session) as SIGTERM, and SIGKILL
 //! follows after the grace period. A further SIGINT or SIGTERM kills every rank at once; further
-//! hang-ups do not (a closing terminal may deliver several).
+//! hang-ups do not (a closing terminal may deliver several). SIGUSR1 goes to every live rank, to
+//! have it write its flight recorder (`crate::trace`), when `LOCKSTEP_TRACE_DIR` is set.
 //!
 //! Why one poll loop and no threads: the library launcher runs in the host process that forked
 //! the ranks, which must stay free of helper threads between launches, and a single loop makes
@@ -287,6 +288,26 @@ pub(crate) fn wait_for_guards(procs: &mut [Proc], limit: Duration) {
 }
 
 /// Kill every rank and its subtree at once and wait for the guards (setup failures).
+/// SIGUSR1 to the launcher: every live rank writes its flight recorder's records
+/// (`crate::trace`). Ranks have a handler only when `LOCKSTEP_TRACE_DIR` is set (they inherit
+/// the launcher's environment); without it the signal would kill them, so it is not forwarded.
+fn forward_usr1(procs: &mut [Proc]) {
+    if crate::trace::trace_dir().is_none() {
+        tracing::warn!(
+            "got SIGUSR1: not forwarded, the ranks write no trace without {}=DIR (and SIGUSR1 would kill them)",
+            crate::trace::TRACE_DIR
+        );
+        return;
+    }
+    tracing::info!(
+        "got SIGUSR1: every rank writes its last calls to {}",
+        crate::trace::TRACE_DIR
+    );
+    for p in procs.iter_mut().filter(|p| p.status.is_none()) {
+        p.signal(libc::SIGUSR1);
+    }
+}
+
 pub(crate) fn kill_all(procs: &mut [Proc]) {
     for p in procs.iter_mut() {
         p.signal(libc::SIGKILL);
@@ -466,6 +487,9 @@ pub(crate) fn supervise(
                     signal_all(procs, libc::SIGKILL);
                     killed = true;
                 }
+            }
+            if c.usr1 > seen.usr1 {
+                forward_usr1(procs);
             }
             seen = c;
         }

@@ -307,6 +307,10 @@ impl Backend for NcclComm {
         self.watched_completion().map(Some)
     }
 
+    fn last_path(&self) -> crate::trace::CallPath {
+        crate::trace::CallPath::Nccl
+    }
+
     fn synchronize(&mut self) -> Result<(), CommError> {
         self.wait("synchronize").map_err(CommError::from)
     }

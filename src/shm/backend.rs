@@ -14,6 +14,7 @@ use crate::comm::{
     Backend, BackendKind, Call, CollKind, CommError, Dtype, MemSpace, P2pOp, SharedRegion,
     ANY_SOURCE,
 };
+use crate::trace::CallPath;
 
 /// One rank's handle on a shared-memory communicator.
 pub struct ShmComm {
@@ -207,6 +208,12 @@ impl Backend for ShmComm {
                 return Err(e);
             }
         }
+        // The body names the path the ranks agree on; exchanges without a single copy stage.
+        self.ch.last_path = match (path, call.kind) {
+            (Some(p), _) => p.traced(),
+            (None, CollKind::Barrier) => CallPath::Unknown,
+            (None, _) => CallPath::Slots,
+        };
         let cx = self.ch.start_call(call.kind);
         let r = self.run_call(call, cx, path);
         self.ch.end_call(r.is_ok());
@@ -253,6 +260,10 @@ impl Backend for ShmComm {
 
     fn synchronize(&mut self) -> Result<(), CommError> {
         Ok(())
+    }
+
+    fn last_path(&self) -> CallPath {
+        self.ch.last_path
     }
 
     fn reject(&mut self, kind: CollKind, dtype: Dtype, _reason: &CommError) {

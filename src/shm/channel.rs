@@ -9,6 +9,7 @@
 //! written against [`Channel`] only; job setup (`shm::bootstrap`) creates it and marks the rank
 //! as gone when it is dropped.
 
+use crate::trace::CallPath;
 use std::sync::atomic::fence;
 use std::sync::atomic::Ordering::{Acquire, Relaxed, Release, SeqCst};
 use std::sync::Arc;
@@ -52,6 +53,9 @@ pub(crate) struct Channel {
     pub(crate) cma: CmaState,
     /// This rank's two slots are mapped ([`ensure_slots`](Self::ensure_slots)).
     slots_ready: bool,
+    /// The path the current (or last) collective took, for the flight recorder: set before the
+    /// call from its size, and by the body once the ranks agree on another.
+    pub(crate) last_path: CallPath,
 }
 
 impl Channel {
@@ -65,6 +69,7 @@ impl Channel {
         spin: Duration,
     ) -> Channel {
         Channel {
+            last_path: CallPath::Unknown,
             seg,
             layout,
             timing: Timing::new(&cfg),

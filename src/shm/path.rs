@@ -43,6 +43,7 @@ use crate::shm::cma::{cma_for, read_io, write_io};
 use crate::shm::reduce::Found;
 use crate::shm::sync::{Desc, CMA};
 use crate::shm::timing::stage_group;
+use crate::trace::CallPath;
 
 /// The ways a collective's data can move (see the module docs).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -57,6 +58,19 @@ pub(crate) enum Path {
     Cma,
     /// Ordinary buffers, chunk by chunk through the slots.
     Slots,
+}
+
+impl Path {
+    /// The flight recorder's name for it.
+    pub(crate) fn traced(self) -> CallPath {
+        match self {
+            Path::Inline => CallPath::Inline,
+            Path::OnePhase => CallPath::OnePhase,
+            Path::Registered => CallPath::Registered,
+            Path::Cma => CallPath::Cma,
+            Path::Slots => CallPath::Slots,
+        }
+    }
 }
 
 /// The path that follows from `call`'s size alone, before any phase: [`Path::Inline`],
@@ -177,12 +191,13 @@ pub(crate) fn negotiate(
         match cma_verdict(ch, &descs) {
             CmaVerdict::No => {}
             CmaVerdict::Yes if verified(ch, call, &descs, cx)? => {
+                ch.last_path = CallPath::Cma;
                 return Ok(Agreement {
                     path: Path::Cma,
                     descs,
                     phase,
                     streaming: false,
-                })
+                });
             }
             // Nothing written yet: the first phase again, following rank 0's pick or on the slots.
             v => {
@@ -202,6 +217,7 @@ pub(crate) fn negotiate(
             continue;
         }
         if registered {
+            ch.last_path = CallPath::Registered;
             return Ok(Agreement {
                 path: Path::Registered,
                 descs,
@@ -212,6 +228,7 @@ pub(crate) fn negotiate(
         // Every rank has arrived: rank 0 times the slots from here (a call of one rank moves
         // nothing worth timing).
         let streaming = ch.streaming_agreed(call.kind, offer.stores_size, &descs, n > 1);
+        ch.last_path = CallPath::Slots;
         return Ok(Agreement {
             path: Path::Slots,
             descs,

@@ -349,12 +349,21 @@ pub const CONFIG: Var = Var {
     kind: Kind::Text,
 };
 
+/// Calls each communicator's flight recorder keeps (`lockstep::trace`); 0 turns it off.
+pub const TRACE_BUFFER: Var = Var {
+    name: "LOCKSTEP_TRACE_BUFFER",
+    kind: Kind::Count {
+        min: 0,
+        max: 1 << 24,
+    },
+};
+
 /// The `LOCKSTEP_*` variables of a simple kind, with what each accepts; each reader parses its
 /// variable through the same [`Var`], so this table and the readers cannot disagree. Free-form
 /// ones are not listed: library paths (`LOCKSTEP_CUDA_LIBRARY`, `LOCKSTEP_NVRTC_LIBRARY`,
 /// `LOCKSTEP_NCCL_LIBRARY`, `LOCKSTEP_MPI_LIBRARY`: a file or a folder, read through [`raw`] so
 /// that a value that is not UTF-8 is an error), `LOCKSTEP_SHM_DIR` (checked where
-/// a named segment is made: an absolute path to a directory), NVRTC options, the log filter
+/// a named segment is made: an absolute path to a directory), `LOCKSTEP_TRACE_DIR` (any directory), NVRTC options, the log filter
 /// (`LOCKSTEP_LOG`, checked by every embedding: `logging`), the token (`LOCKSTEP_TOKEN`, which has its own
 /// rules), and the checkpoint fault injection (`LOCKSTEP_FAULT_SAVE`).
 pub const CHECKED: &[Var] = &[
@@ -383,6 +392,7 @@ pub const CHECKED: &[Var] = &[
     LOG_TIME,
     MPI,
     MPI_NODE_SIZE,
+    TRACE_BUFFER,
 ];
 
 impl Var {

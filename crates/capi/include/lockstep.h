@@ -378,6 +378,20 @@ lockstepResult_t lockstepCommUserRank(lockstepComm_t comm, int *rank);
 // `asyncError` is NULL (lockstepInvalidArgument) or valid for writing a lockstepResult_t.
 lockstepResult_t lockstepCommGetAsyncError(lockstepComm_t comm, lockstepResult_t *asyncError);
 
+// Write this rank's flight-recorder records of `comm` (its last `LOCKSTEP_TRACE_BUFFER` calls,
+// 2000 by default) into the directory `dir`: one JSON-lines file named for the rank and the
+// communicator, replaced atomically; `lockstep trace DIR` reads a directory of them. Local: the
+// other ranks write nothing unless asked too (with `LOCKSTEP_TRACE_DIR` set, every rank writes
+// there by itself when a call fails for the job, and on SIGUSR1). lockstepInvalidUsage when the
+// recorder is off (`LOCKSTEP_TRACE_BUFFER=0`), lockstepSystemError when the file cannot be
+// written.
+//
+// Thread safety: any thread; waits for a call running on `comm` to return.
+//
+// # Safety
+// `dir` is NULL (lockstepInvalidArgument) or a NUL-terminated path.
+lockstepResult_t lockstepCommDumpTrace(lockstepComm_t comm, const char *dir);
+
 // A static, NUL-terminated description of `result` ("unknown result code" for a value outside
 // the enum).
 //

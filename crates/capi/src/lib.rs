@@ -488,6 +488,42 @@ pub unsafe extern "C" fn lockstepCommGetAsyncError(
     })
 }
 
+/// Write this rank's flight-recorder records of `comm` (its last `LOCKSTEP_TRACE_BUFFER` calls,
+/// 2000 by default) into the directory `dir`: one JSON-lines file named for the rank and the
+/// communicator, replaced atomically; `lockstep trace DIR` reads a directory of them. Local: the
+/// other ranks write nothing unless asked too (with `LOCKSTEP_TRACE_DIR` set, every rank writes
+/// there by itself when a call fails for the job, and on SIGUSR1). lockstepInvalidUsage when the
+/// recorder is off (`LOCKSTEP_TRACE_BUFFER=0`), lockstepSystemError when the file cannot be
+/// written.
+///
+/// Thread safety: any thread; waits for a call running on `comm` to return.
+///
+/// # Safety
+/// `dir` is NULL (lockstepInvalidArgument) or a NUL-terminated path.
+#[no_mangle]
+pub unsafe extern "C" fn lockstepCommDumpTrace(
+    comm: lockstepComm_t,
+    dir: *const c_char,
+) -> lockstepResult_t {
+    guard_comm("lockstepCommDumpTrace", comm, |h| {
+        if dir.is_null() {
+            return Err(Failure::invalid_argument(
+                "dir is NULL: pass the directory to write the trace into",
+            ));
+        }
+        // SAFETY: the caller passes a NUL-terminated string (checked non-NULL above).
+        let bytes = unsafe { std::ffi::CStr::from_ptr(dir) }.to_bytes();
+        let path = std::path::Path::new(
+            <std::ffi::OsStr as std::os::unix::ffi::OsStrExt>::from_bytes(bytes),
+        );
+        h.with_comm(|c| match c.dump_trace(path) {
+            Ok(_) => Ok(()),
+            Err(e @ runtime::trace::DumpError::Off) => Err(Failure::invalid_usage(e.to_string())),
+            Err(e) => Err(Failure::system(e.to_string())),
+        })
+    })
+}
+
 /// A static, NUL-terminated description of `result` ("unknown result code" for a value outside
 /// the enum).
 ///

@@ -1,6 +1,7 @@
 //! The `lockstep` command: `launch` (start a multi-process job), `selftest` (check a job's
 //! communicator), `config` (write the configuration file), `env` (print the environment and the
-//! configuration in force), `bench` (collective benchmark).
+//! configuration in force), `bench` (collective benchmark), `trace` (read a job's flight-recorder
+//! files).
 //!
 //! [`main`] (the binary's) and [`run_args`] (the Python package's `lockstep` console script) only
 //! parse arguments, run the subcommand and map the result to an exit status. Raw CLI values (the
@@ -22,6 +23,7 @@ mod env;
 mod launch;
 mod logging;
 mod selftest;
+mod trace;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -62,6 +64,9 @@ enum Cmd {
     /// nccl-tests-style collective benchmark (verifies every result); sizes take K, M and G
     /// suffixes (powers of 1024).
     Bench(bench::BenchArgs),
+    /// Read a job's flight-recorder files (LOCKSTEP_TRACE_DIR): the first call where the ranks
+    /// diverge, the ranks that never arrived, and who arrives late.
+    Trace(trace::TraceArgs),
     // -------------------------------------------------------------------------------------------
 }
 
@@ -108,6 +113,7 @@ fn run(cli: Cli) -> Result<i32, String> {
         Cmd::Selftest(a) => selftest::run(a),
         Cmd::Config(a) => config::run(a, file),
         Cmd::Env => Ok(env::run(file)),
+        Cmd::Trace(a) => trace::run(a),
     }
 }
 

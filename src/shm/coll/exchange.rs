@@ -128,6 +128,9 @@ pub(crate) fn exchange(ch: &mut Channel, call: &Call, cx: Ctx) -> Result<(), Com
     // descriptor check fails the call everywhere).
     let one_phase =
         !v && n > 1 && n * call.count * esz <= ch.one_phase_bytes().min(ch.slot_bytes());
+    if one_phase {
+        ch.last_path = crate::trace::CallPath::OnePhase;
+    }
     if one_phase && (call.kind == CollKind::AllToAll || me == call.root) {
         // SAFETY: our own slot of phase p0 holds `small_bytes` or more; the send buffer holds
         // n × count elements (checked by the communicator); nobody reads the slot before we
@@ -288,6 +291,7 @@ pub(crate) fn exchange(ch: &mut Channel, call: &Call, cx: Ctx) -> Result<(), Com
         ch.phase(cx)?;
         // SAFETY: every rank wrote its verdict in its slot of phase p before publishing it.
         if (0..n).all(|r| unsafe { (ch.slot(r, p) as *const u64).read() } == 1) {
+            ch.last_path = crate::trace::CallPath::Cma;
             return Ok(());
         }
         tracing::debug!("a rank could not read its peers' buffers directly: exchanges stage through the slots from now on");
