@@ -35,6 +35,19 @@ pub fn context_or_skip() -> Arc<Context> {
     Context::new(0).unwrap_or_else(|e| panic!("Context::new(0): {e}"))
 }
 
+/// Compile the kernels without TF32 unless `LOCKSTEP_NVRTC_OPTIONS` says otherwise (so FP32
+/// results are compared at FP32 tolerance), and return whether TF32 is on.
+#[allow(dead_code)]
+pub fn tf32_unless_disabled() -> bool {
+    if std::env::var_os("LOCKSTEP_NVRTC_OPTIONS").is_none() {
+        std::env::set_var("LOCKSTEP_NVRTC_OPTIONS", "-DLOCKSTEP_NO_TF32");
+    }
+    !lockstep::cuda::extra_nvrtc_options()
+        .expect("LOCKSTEP_NVRTC_OPTIONS")
+        .iter()
+        .any(|o| o == "-DLOCKSTEP_NO_TF32" || o == "-DLOCKSTEP_NO_TENSOR_CORES")
+}
+
 pub use crate::runner::Runner;
 
 /// End a `gpu_*` binary: the runner's summary, and exit status 1 when a check failed.

@@ -141,14 +141,7 @@ fn main() {
         "fma peak: {} {:.1} GFLOP/s best, {:.1} median (1 thread)",
         peak.kind, peak.best, peak.median
     );
-    let conv = |i, o| Conv2dParams {
-        in_c: i,
-        out_c: o,
-        kh: 5,
-        kw: 5,
-        stride: 1,
-        pad: 2,
-    };
+    let conv = |i, o| Conv2dParams::new(i, o, 5, 1, 2);
     let (c1, c2) = (conv(1, 32), conv(32, 64));
     // Backward as in the model: the first layer needs no input gradient. conv2 is also timed
     // without it, which isolates the weight gradient (the difference is the input gradient).

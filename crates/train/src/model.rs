@@ -150,16 +150,7 @@ impl Model {
 
     /// The FashionMNIST CNN with PyTorch module names, for `batch` images of 1x28x28.
     pub fn fashion_cnn(batch: usize) -> Result<Model, ModelError> {
-        let conv = |in_c, out_c| {
-            Conv2d::new(Conv2dParams {
-                in_c,
-                out_c,
-                kh: 5,
-                kw: 5,
-                stride: 1,
-                pad: 2,
-            })
-        };
+        let conv = |in_c, out_c| Conv2d::new(Conv2dParams::new(in_c, out_c, 5, 1, 2));
         let l: Vec<(&str, Box<dyn Layer>)> = vec![
             ("module1.0", Box::new(conv(1, 32))),
             ("module1.1", Box::new(BatchNorm2d::new(32))),

@@ -146,13 +146,7 @@ fn main() {
         ("no tensor cores", "-DLOCKSTEP_NO_TENSOR_CORES"),
     ]);
     gpu::driver_or_skip();
-    if std::env::var_os("LOCKSTEP_NVRTC_OPTIONS").is_none() {
-        std::env::set_var("LOCKSTEP_NVRTC_OPTIONS", "-DLOCKSTEP_NO_TF32");
-    }
-    let tf32 = !lockstep::cuda::extra_nvrtc_options()
-        .expect("LOCKSTEP_NVRTC_OPTIONS")
-        .iter()
-        .any(|o| o == "-DLOCKSTEP_NO_TF32" || o == "-DLOCKSTEP_NO_TENSOR_CORES");
+    let tf32 = gpu::tf32_unless_disabled();
     let ctx = gpu::context_or_skip();
     println!(
         "  device: {:?}; TF32 {}",
@@ -290,14 +284,7 @@ fn main() {
                 (3, 33, 9, 9, 65, 5, 1, 2),
                 (2, 32, 14, 14, 64, 5, 1, 2),
             ] {
-                let cp = Conv2dParams {
-                    in_c: ic,
-                    out_c: oc,
-                    kh: k,
-                    kw: k,
-                    stride: s,
-                    pad: p,
-                };
+                let cp = Conv2dParams::new(ic, oc, k, s, p);
                 let (oh, ow) = (cp.out_h(h), cp.out_w(w));
                 let mut l = Lay::default();
                 let opnd = |l: &mut Lay, len: usize| match prec {

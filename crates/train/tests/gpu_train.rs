@@ -101,13 +101,7 @@ fn main() {
         std::env::set_var("LOCKSTEP_TIMEOUT_S", "60");
     }
     gpu::driver_or_skip();
-    if std::env::var_os("LOCKSTEP_NVRTC_OPTIONS").is_none() {
-        std::env::set_var("LOCKSTEP_NVRTC_OPTIONS", "-DLOCKSTEP_NO_TF32");
-    }
-    let tf32 = !lockstep::cuda::extra_nvrtc_options()
-        .expect("LOCKSTEP_NVRTC_OPTIONS")
-        .iter()
-        .any(|o| o == "-DLOCKSTEP_NO_TF32" || o == "-DLOCKSTEP_NO_TENSOR_CORES");
+    let tf32 = gpu::tf32_unless_disabled();
     let dir = synthetic_dir(2048, 512);
     let mut r = gpu::Runner::new();
     // Child processes first (this process has not initialised CUDA yet; they are exec'd anyway).

@@ -45,14 +45,7 @@ fn no_bn_model(batch: usize) -> Model {
     let layers: Vec<(&str, Box<dyn Layer>)> = vec![
         (
             "conv",
-            Box::new(Conv2d::new(Conv2dParams {
-                in_c: 1,
-                out_c: 4,
-                kh: 5,
-                kw: 5,
-                stride: 1,
-                pad: 2,
-            })),
+            Box::new(Conv2d::new(Conv2dParams::new(1, 4, 5, 1, 2))),
         ),
         ("relu", Box::new(Relu)),
         ("pool", Box::new(MaxPool2d::new(2, 2))),

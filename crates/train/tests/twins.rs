@@ -81,14 +81,7 @@ const CONV_SHAPES: &[ConvShape] = &[
 #[test]
 fn conv2d_twins_match_the_layer() {
     for (t, &(n, ic, h, w, oc, k, s, p)) in CONV_SHAPES.iter().enumerate() {
-        let cp = Conv2dParams {
-            in_c: ic,
-            out_c: oc,
-            kh: k,
-            kw: k,
-            stride: s,
-            pad: p,
-        };
+        let cp = Conv2dParams::new(ic, oc, k, s, p);
         let (oh, ow) = (cp.out_h(h), cp.out_w(w));
         let mut rng = Rng::new(100 + t as u64, 1);
         let wt = rand(&mut rng, oc * ic * k * k);
@@ -1009,17 +1002,7 @@ fn device_step_on_twins_matches_the_cpu_engine() {
 fn device_step_on_twins_matches_the_cpu_engine_for_another_model() {
     let build = || {
         let layers: Vec<(&str, Box<dyn Layer>)> = vec![
-            (
-                "c",
-                Box::new(Conv2d::new(Conv2dParams {
-                    in_c: 1,
-                    out_c: 6,
-                    kh: 3,
-                    kw: 3,
-                    stride: 2,
-                    pad: 1,
-                })),
-            ),
+            ("c", Box::new(Conv2d::new(Conv2dParams::new(1, 6, 3, 2, 1)))),
             ("r", Box::new(Relu)),
             ("p", Box::new(MaxPool2d::new(3, 1))),
             ("bn", Box::new(BatchNorm2d::new(6))),

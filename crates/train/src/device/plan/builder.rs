@@ -927,14 +927,7 @@ mod tests {
             },
         );
         let s = ConvLaunch {
-            p: Conv2dParams {
-                in_c: 1,
-                out_c: 32,
-                kh: 5,
-                kw: 5,
-                stride: 1,
-                pad: 2,
-            },
+            p: Conv2dParams::new(1, 32, 5, 1, 2),
             batch: 64,
             in_h: 28,
             in_w: 28,

@@ -936,17 +936,7 @@ mod tests {
         use crate::ops::Conv2dParams;
         let model = boxed(
             vec![
-                (
-                    "c",
-                    Box::new(Conv2d::new(Conv2dParams {
-                        in_c: 3,
-                        out_c: 6,
-                        kh: 3,
-                        kw: 3,
-                        stride: 2,
-                        pad: 1,
-                    })),
-                ),
+                ("c", Box::new(Conv2d::new(Conv2dParams::new(3, 6, 3, 2, 1)))),
                 ("r", Box::new(Relu)),
                 ("p", Box::new(MaxPool2d::new(3, 1))),
                 ("bn", Box::new(BatchNorm2d::new(6))),

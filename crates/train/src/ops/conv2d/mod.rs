@@ -661,77 +661,67 @@ mod tests {
         }
     }
 
+    /// Random parameters for `layer` and a random input of `dims`, uniform in [-1, 1).
+    fn random_inputs(layer: &Conv2d, rng: &mut Rng, dims: &[usize]) -> (Vec<f32>, Tensor) {
+        let np: usize = layer.param_specs().iter().map(|s| s.numel()).sum();
+        let p = (0..np).map(|_| rng.uniform(-1.0, 1.0)).collect();
+        let n: usize = dims.iter().product();
+        let inp = Tensor::from_vec(dims, (0..n).map(|_| rng.uniform(-1.0, 1.0)).collect());
+        (p, inp.unwrap())
+    }
+
+    /// After the training forward that left `out`: backward gives the same gradients as after an
+    /// evaluation forward of the same input (which keeps no columns).
+    fn assert_backward_stateless(
+        layer: &mut Conv2d,
+        p: &[f32],
+        inp: &Tensor,
+        out: &mut Tensor,
+        rng: &mut Rng,
+    ) {
+        let dout: Vec<f32> = (0..out.numel()).map(|_| rng.uniform(-1.0, 1.0)).collect();
+        let dout = Tensor::from_vec(out.dims(), dout).unwrap();
+        let grads = |layer: &mut Conv2d, out: &Tensor| {
+            let (mut dp, mut d) = (vec![0.0; p.len()], Tensor::default());
+            layer.backward(Backward {
+                p,
+                dp: &mut dp,
+                inp,
+                out,
+                dout: &dout,
+                dinp: Some(&mut d),
+            });
+            (dp, d)
+        };
+        let (dp1, d1) = grads(layer, out);
+        layer.forward(p, inp, out, false);
+        let (dp2, d2) = grads(layer, out);
+        assert_eq!(dp1, dp2);
+        assert_eq!(d1.data(), d2.data());
+    }
+
     /// Backward gives the same gradients whether it reuses the training forward's columns or
     /// recomputes them (after an evaluation forward on the same input).
     #[test]
     fn backward_with_and_without_kept_columns() {
-        let cp = Conv2dParams {
-            in_c: 3,
-            out_c: 4,
-            kh: 5,
-            kw: 5,
-            stride: 1,
-            pad: 2,
-        };
+        let cp = Conv2dParams::new(3, 4, 5, 1, 2);
         let mut layer = Conv2d::new(cp);
         let mut rng = Rng::new(8, 8);
-        let np: usize = layer.param_specs().iter().map(|s| s.numel()).sum();
-        let p: Vec<f32> = (0..np).map(|_| rng.uniform(-1.0, 1.0)).collect();
-        let dims = [7, 3, 6, 5];
-        let n: usize = dims.iter().product();
-        let inp =
-            Tensor::from_vec(&dims, (0..n).map(|_| rng.uniform(-1.0, 1.0)).collect()).unwrap();
+        let (p, inp) = random_inputs(&layer, &mut rng, &[7, 3, 6, 5]);
         let mut out = Tensor::default();
         layer.forward(&p, &inp, &mut out, true);
-        let dout = Tensor::from_vec(
-            out.dims(),
-            (0..out.numel()).map(|_| rng.uniform(-1.0, 1.0)).collect(),
-        )
-        .unwrap();
-        let (mut dp1, mut dp2) = (vec![0.0; np], vec![0.0; np]);
-        let (mut d1, mut d2) = (Tensor::default(), Tensor::default());
-        layer.backward(Backward {
-            p: &p,
-            dp: &mut dp1,
-            inp: &inp,
-            out: &out,
-            dout: &dout,
-            dinp: Some(&mut d1),
-        });
-        layer.forward(&p, &inp, &mut out, false);
-        layer.backward(Backward {
-            p: &p,
-            dp: &mut dp2,
-            inp: &inp,
-            out: &out,
-            dout: &dout,
-            dinp: Some(&mut d2),
-        });
-        assert_eq!(dp1, dp2);
-        assert_eq!(d1.data(), d2.data());
+        assert_backward_stateless(&mut layer, &p, &inp, &mut out, &mut rng);
     }
 
     /// The Winograd path (8 input channels, 5x5, padding 2) against direct loops, and its
     /// backward independent of which forward (training or evaluation) ran last.
     #[test]
     fn winograd_path_forward_and_stateless_backward() {
-        let cp = Conv2dParams {
-            in_c: 8,
-            out_c: 3,
-            kh: 5,
-            kw: 5,
-            stride: 1,
-            pad: 2,
-        };
+        let cp = Conv2dParams::new(8, 3, 5, 1, 2);
         let mut layer = Conv2d::new(cp);
         assert!(layer.winograd());
         let mut rng = Rng::new(9, 9);
-        let np: usize = layer.param_specs().iter().map(|s| s.numel()).sum();
-        let p: Vec<f32> = (0..np).map(|_| rng.uniform(-1.0, 1.0)).collect();
-        let dims = [3, 8, 6, 5];
-        let n: usize = dims.iter().product();
-        let inp =
-            Tensor::from_vec(&dims, (0..n).map(|_| rng.uniform(-1.0, 1.0)).collect()).unwrap();
+        let (p, inp) = random_inputs(&layer, &mut rng, &[3, 8, 6, 5]);
         let mut out = Tensor::default();
         layer.forward(&p, &inp, &mut out, true);
         let mut reference = vec![0.0; out.numel()];
@@ -746,69 +736,23 @@ mod tests {
         for (x, y) in out.data().iter().zip(&reference) {
             assert!((x - y).abs() < 1e-4, "{x} vs {y}");
         }
-        let dout = Tensor::from_vec(
-            out.dims(),
-            (0..out.numel()).map(|_| rng.uniform(-1.0, 1.0)).collect(),
-        )
-        .unwrap();
-        let (mut dp1, mut dp2) = (vec![0.0; np], vec![0.0; np]);
-        let (mut d1, mut d2) = (Tensor::default(), Tensor::default());
-        layer.backward(Backward {
-            p: &p,
-            dp: &mut dp1,
-            inp: &inp,
-            out: &out,
-            dout: &dout,
-            dinp: Some(&mut d1),
-        });
-        layer.forward(&p, &inp, &mut out, false);
-        layer.backward(Backward {
-            p: &p,
-            dp: &mut dp2,
-            inp: &inp,
-            out: &out,
-            dout: &dout,
-            dinp: Some(&mut d2),
-        });
-        assert_eq!(dp1, dp2);
-        assert_eq!(d1.data(), d2.data());
+        assert_backward_stateless(&mut layer, &p, &inp, &mut out, &mut rng);
     }
 
     #[test]
     fn conv2d_gradcheck() {
         // The Winograd path.
         {
-            let cp = Conv2dParams {
-                in_c: 8,
-                out_c: 2,
-                kh: 5,
-                kw: 5,
-                stride: 1,
-                pad: 2,
-            };
+            let cp = Conv2dParams::new(8, 2, 5, 1, 2);
             crate::ops::gradcheck::check(&mut Conv2d::new(cp), &[2, 8, 4, 3], true, 13);
         }
         for (stride, pad) in [(1, 2), (2, 1)] {
-            let cp = Conv2dParams {
-                in_c: 2,
-                out_c: 3,
-                kh: 3,
-                kw: 3,
-                stride,
-                pad,
-            };
+            let cp = Conv2dParams::new(2, 3, 3, stride, pad);
             crate::ops::gradcheck::check(&mut Conv2d::new(cp), &[2, 2, 5, 5], true, 11);
         }
         // Several samples, so the per-sample bookkeeping of the kept columns is checked too.
         {
-            let cp = Conv2dParams {
-                in_c: 1,
-                out_c: 2,
-                kh: 3,
-                kw: 3,
-                stride: 1,
-                pad: 1,
-            };
+            let cp = Conv2dParams::new(1, 2, 3, 1, 1);
             crate::ops::gradcheck::check(&mut Conv2d::new(cp), &[6, 1, 3, 3], true, 12);
         }
     }

@@ -19,6 +19,18 @@ pub struct Conv2dParams {
 }
 
 impl Conv2dParams {
+    /// A square `k`×`k` kernel, in `torch.nn.Conv2d`'s argument order (in channels, out
+    /// channels, kernel size, stride, padding).
+    pub const fn new(in_c: usize, out_c: usize, k: usize, stride: usize, pad: usize) -> Self {
+        Conv2dParams {
+            in_c,
+            out_c,
+            kh: k,
+            kw: k,
+            stride,
+            pad,
+        }
+    }
     /// Output height for input height `h`.
     pub fn out_h(&self, h: usize) -> usize {
         (h + 2 * self.pad).saturating_sub(self.kh) / self.stride + 1
