@@ -20,7 +20,7 @@ use super::config::ShmConfig;
 pub(crate) use super::liveness::Ctx;
 use super::liveness::Liveness;
 use super::reduce::{copy_block, copy_block2, store_fence};
-use super::segment::{futex_wait, futex_wake_all, show_bytes, Segment};
+use super::segment::{coarse_now_ns, futex_wait, futex_wake_all, show_bytes, Segment};
 use super::sync::{Ctrl, Desc, Header, Layout, INVALID, SHARED_RECV, SHARED_SEND, STREAMING};
 use super::timing::Timing;
 use crate::comm::{Call, CollKind, CommError, Dtype, MemSpace, RawMem, ReduceOp};
@@ -425,6 +425,7 @@ impl Channel {
         self.seq += 1;
         let me = self.ctrl(self.rank);
         me.coll_kind.store(op as u32 + 1, Relaxed);
+        me.coll_start.store(coarse_now_ns(), Relaxed);
         me.coll_seq.store(self.seq, Relaxed);
         Ctx { op, seq: self.seq }
     }

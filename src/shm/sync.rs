@@ -129,7 +129,11 @@ pub(crate) struct Ctrl {
     pub coll_seq: AtomicU64,
     /// Kind + 1 of the collective `coll_seq` numbers (0 before the first), for timeout reports.
     pub coll_kind: AtomicU32,
-    _pad2: [u8; 52],
+    /// When the rank entered collective `coll_seq`: `CLOCK_MONOTONIC_COARSE` in nanoseconds (0:
+    /// unknown), for `lockstep status`'s "time in it". The coarse clock is a load from the
+    /// vDSO's page, no counter read, and shares the line `coll_seq` already dirties.
+    pub coll_start: AtomicU64,
+    _pad2: [u8; 40],
 }
 
 /// A descriptor slot written by its owner before publishing and read by peers after waiting.

@@ -1,12 +1,12 @@
 //! The `lockstep` command: `launch` (start a multi-process job), `selftest` (check a job's
 //! communicator), `config` (write the configuration file), `env` (print the environment and the
-//! configuration in force), `bench` (collective benchmark).
+//! configuration in force), `bench` (collective benchmark), `status` (a look at running jobs).
 //!
 //! [`main`] (the binary's) and [`run_args`] (the Python package's `lockstep` console script) only
 //! parse arguments, run the subcommand and map the result to an exit status. Raw CLI values (the
 //! clap structs) are turned into validated settings ([`lockstep::launch::JobSpec`]) before
 //! anything starts. One file per subcommand beside this one (`launch`, `selftest`, `config`,
-//! `env`, `bench/`), `args` for the values several of them read, and `logging` (what the user
+//! `env`, `bench/`, `status`), `args` for the values several of them read, and `logging` (what the user
 //! sees of the library's `tracing` events).
 
 use std::ffi::OsString;
@@ -22,6 +22,7 @@ mod env;
 mod launch;
 mod logging;
 mod selftest;
+mod status;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -62,6 +63,9 @@ enum Cmd {
     /// nccl-tests-style collective benchmark (verifies every result); sizes take K, M and G
     /// suffixes (powers of 1024).
     Bench(bench::BenchArgs),
+    /// List your running jobs on this machine, or show one job's ranks: the collective each is
+    /// in, for how long, whom it waits for, who is behind (read-only; --json for scripts).
+    Status(status::StatusArgs),
     // -------------------------------------------------------------------------------------------
 }
 
@@ -108,6 +112,7 @@ fn run(cli: Cli) -> Result<i32, String> {
         Cmd::Selftest(a) => selftest::run(a),
         Cmd::Config(a) => config::run(a, file),
         Cmd::Env => Ok(env::run(file)),
+        Cmd::Status(a) => status::run(a),
     }
 }
 
