@@ -160,8 +160,8 @@ fn t_stopped_rank_is_behind() -> Result<(), String> {
             &text,
         )?;
         check(
-            s.ranks[0].in_call_ms.is_some_and(|ms| ms >= 200),
-            "rank 0 has been in its call for at least 200 ms",
+            s.ranks[0].waited_ms.is_some_and(|ms| ms >= 200),
+            "rank 0 has waited in its call for at least 200 ms",
             &text,
         )?;
         check(

@@ -37,8 +37,8 @@ def status(job: "str | int | None" = None) -> dict:
     """A live look at this user's lockstep jobs on this machine, as ``lockstep status --json``
     prints it: with ``job`` None, ``{"jobs": [...], "unreadable": [...]}``; with a job id or the
     pid of any process of a job, ``{"job": {...}, "ranks": [...], "summary": [...], ...}``: per
-    rank the collective it is in (``seq``, ``op``, ``count``, ``dtype``), for how long
-    (``in_call_ms``), which ranks it waits for (``waiting_for``) and whether it is ``behind``.
+    rank the collective it is in (``seq``, ``op``, ``count``, ``dtype``), how long it has waited
+    there (``waited_ms``), which ranks it waits for (``waiting_for``) and whether it is ``behind``.
     Reads the jobs' shared segments without disturbing them. ``ValueError`` when no job matches."""
     import json
 

@@ -362,6 +362,9 @@ impl Channel {
             std::hint::spin_loop();
             i += 1;
             if i.is_multiple_of(128) {
+                if start.is_none() {
+                    self.stamp_wait();
+                }
                 let s = *start.get_or_insert_with(Instant::now);
                 if s.elapsed() >= self.spin {
                     break;
@@ -417,6 +420,17 @@ impl Channel {
         }
     }
 
+    /// Show when this rank began waiting in the current collective (for `lockstep status`), on
+    /// its first wait of the call that outlasts the first polls: waits that end at once, the
+    /// common case of a small call, read no clock.
+    fn stamp_wait(&self) {
+        let me = self.ctrl(self.rank);
+        if me.wait_seq.load(Relaxed) != self.seq {
+            me.wait_start.store(coarse_now_ns(), Relaxed);
+            me.wait_seq.store(self.seq, Release);
+        }
+    }
+
     // ----------------------------------------------------------------------------------------
     // Calls
 
@@ -425,7 +439,6 @@ impl Channel {
         self.seq += 1;
         let me = self.ctrl(self.rank);
         me.coll_kind.store(op as u32 + 1, Relaxed);
-        me.coll_start.store(coarse_now_ns(), Relaxed);
         me.coll_seq.store(self.seq, Relaxed);
         Ctx { op, seq: self.seq }
     }

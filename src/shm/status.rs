@@ -77,8 +77,9 @@ pub(crate) struct RankView {
     pub seq: u64,
     /// The kind of collective `seq`.
     pub kind: Option<CollKind>,
-    /// When the rank entered collective `seq` (`CLOCK_MONOTONIC_COARSE` ns; 0: unknown).
-    pub start_ns: u64,
+    /// When the rank began waiting for its peers in collective `seq` (`CLOCK_MONOTONIC_COARSE`
+    /// ns; 0: it has not waited beyond its first polls in that collective).
+    pub wait_ns: u64,
     /// The arguments it published for collective `seq` (`None`: none yet: it entered the call
     /// but has not arrived at its first exchange).
     pub call: Option<CallView>,
@@ -207,7 +208,11 @@ pub(crate) fn read_segment(file: &File, what: &str) -> Result<SegmentView, Segme
             progress,
             seq,
             kind,
-            start_ns: u64_at(c, offset_of!(Ctrl, coll_start)),
+            wait_ns: if u64_at(c, offset_of!(Ctrl, wait_seq)) == seq {
+                u64_at(c, offset_of!(Ctrl, wait_start))
+            } else {
+                0
+            },
             call,
             moving: pos(first) != (progress, seq),
         });
@@ -316,6 +321,5 @@ mod tests {
         assert_eq!(r.pid, std::process::id() as i32);
         assert!(r.joined && !r.left && !r.moving);
         assert_eq!((r.seq, r.kind), (2, Some(CollKind::Barrier)));
-        assert!(r.start_ns > 0);
     }
 }

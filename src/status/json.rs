@@ -77,7 +77,7 @@ fn rank(r: &RankStatus) -> String {
         ("root", opt(r.root)),
         ("arrived", r.arrived.to_string()),
         ("invalid", r.invalid.to_string()),
-        ("in_call_ms", opt(r.in_call_ms)),
+        ("waited_ms", opt(r.waited_ms)),
         ("moving", r.moving.to_string()),
         ("waiting_for", list(&r.waiting_for, |q| q.to_string())),
         ("behind", r.behind.to_string()),

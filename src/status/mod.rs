@@ -3,14 +3,16 @@
 //!
 //! * [`list_jobs`]: every communicator segment some process of the caller holds ([`JobInfo`]).
 //! * [`job_status`]: one job's ranks ([`JobStatus`]): pid, host, process state, the collective
-//!   each is in (its number, op, count, dtype, reduction, root) and for how long, which ranks each
+//!   each is in (its number, op, count, dtype, reduction, root) and how long it has waited there,
+//!   which ranks each
 //!   waits for, and which ranks are behind, grouped by collective number as NCCL's RAS does.
 //! * [`JobStatus::to_json`], [`JobList::to_json`], [`JobStatus::text`] and [`JobList::text`]: what the CLI, the C ABI and
 //!   Python print.
 //!
 //! What it reads is what the ranks already publish for their peers' checks and timeout reports
 //! (the control blocks: published phase, collective number and kind, call descriptors; the
-//! inline entries), plus one coarse timestamp per call (`shm::sync::Ctrl::coll_start`). The
+//! inline entries), plus a coarse timestamp of when a rank began waiting in its collective,
+//! written only by waits that outlast their first polls (`shm::sync::Ctrl::wait_start`). The
 //! segments are found through `/proc` (`discover`) and read with `pread`, never mapped or written
 //! (`shm::status`). Jobs of other users are never read. Single node: a multi-node job shows the
 //! communicator of this node's ranks (the hierarchical backend's node segment).
@@ -129,8 +131,10 @@ pub struct RankStatus {
     pub arrived: bool,
     /// It refused the call (invalid arguments).
     pub invalid: bool,
-    /// Milliseconds since it entered collective `seq` (to the coarse clock's tick, 1 to 4 ms).
-    pub in_call_ms: Option<u64>,
+    /// Milliseconds it has waited for its peers in collective `seq` (to the coarse clock's tick,
+    /// 1 to 4 ms); `None` when it is not waiting there (it has not reached the call's exchange,
+    /// or its waits ended within their first polls).
+    pub waited_ms: Option<u64>,
     /// Its phase or collective number moved while it was read: it makes progress.
     pub moving: bool,
     /// The ranks it waits for.
@@ -363,8 +367,8 @@ fn analyze(
                     .map(|c| c.root),
                 arrived: call.is_some(),
                 invalid: call.is_some_and(|c| c.invalid),
-                in_call_ms: (r.start_ns > 0 && r.seq > 0 && now >= r.start_ns)
-                    .then(|| (now - r.start_ns) / 1_000_000),
+                waited_ms: (r.wait_ns > 0 && r.seq > 0 && now >= r.wait_ns)
+                    .then(|| (now - r.wait_ns) / 1_000_000),
                 moving: r.moving,
                 waiting_for: waits[i].clone(),
                 behind: waits.iter().any(|w| w.contains(&i)),
@@ -489,7 +493,7 @@ impl JobStatus {
             "count",
             "dtype",
             "op/root",
-            "in it",
+            "waited",
             "waiting for"
         );
         for r in &self.ranks {
@@ -525,7 +529,7 @@ impl JobStatus {
                 opt(r.count.map(|c| c.to_string())),
                 r.dtype.unwrap_or("-"),
                 extra,
-                opt(r.in_call_ms.map(|ms| format!("{:.1}s", ms as f64 / 1e3))),
+                opt(r.waited_ms.map(|ms| format!("{:.1}s", ms as f64 / 1e3))),
                 if r.waiting_for.is_empty() {
                     "-".to_string()
                 } else {
@@ -605,7 +609,7 @@ mod tests {
             progress,
             seq,
             kind: Some(CollKind::AllReduce),
-            start_ns: 1_000_000_000,
+            wait_ns: 1_000_000_000,
             call: arrived.then_some(CallView {
                 kind: Some(CollKind::AllReduce),
                 dtype: Some(crate::Dtype::F32),
@@ -639,7 +643,7 @@ mod tests {
         assert_eq!(s[2].waiting_for, vec![1]);
         assert!(s[1].waiting_for.is_empty());
         assert!(s[1].behind && !s[0].behind && !s[2].behind);
-        assert_eq!(s[1].in_call_ms, Some(2500));
+        assert_eq!(s[1].waited_ms, Some(2500));
         let sum = summarize(&s);
         assert_eq!(
             sum[0],
