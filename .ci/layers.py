@@ -38,7 +38,7 @@ LAYERS = [
     ["comm", "config", "reference"],
     ["shm", "nccl", "staged", "mpi"],
     ["hier"],  # shared memory in each node + MPI between nodes, over shm and mpi
-    ["rendezvous", "report"],
+    ["rendezvous", "report", "status"],
     ["launch"],
     ["crate"],  # lib.rs: declarations and re-exports only
 ]

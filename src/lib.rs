@@ -22,6 +22,7 @@
 //! | [`staged`] | device buffers staged through a host communicator (ranks sharing a GPU) |
 //! | [`rendezvous`] | `Communicator::from_env` and [`device_communicator`](rendezvous::device_communicator), the one backend policy |
 //! | [`report`] | the environment report (`lockstep env`, and any embedding's bug report) |
+//! | [`status`] | `lockstep status`: this user's running jobs and, per rank, the collective it is in and whom it waits for, read from another process |
 //! | [`launch`](mod@launch) | [`launch()`] forks ranks running a closure; [`launch::run_job`] backs `lockstep launch` |
 //!
 //! With `default-features = false` the configuration file is left out too. The library never
@@ -58,6 +59,7 @@ pub mod report;
 pub mod shm;
 pub mod staged;
 pub mod trace;
+pub mod status;
 
 pub use comm::{
     Buffer, BufferMut, CollKind, CommError, Communicator, Dtype, Element, ReduceOp, SharedBuffer,

@@ -33,6 +33,21 @@ from ._launcher import RankError, check_fork_safe, comm, init_from_env, notebook
 from .helpers import RankContext, context
 
 
+def status(job: "str | int | None" = None) -> dict:
+    """A live look at this user's lockstep jobs on this machine, as ``lockstep status --json``
+    prints it: with ``job`` None, ``{"jobs": [...], "unreadable": [...]}``; with a job id or the
+    pid of any process of a job, ``{"job": {...}, "ranks": [...], "summary": [...], ...}``: per
+    rank the collective it is in (``seq``, ``op``, ``count``, ``dtype``), how long it has waited
+    there (``waited_ms``), which ranks it waits for (``waiting_for``) and whether it is ``behind``.
+    Reads the jobs' shared segments without disturbing them. ``ValueError`` when no job matches."""
+    import json
+
+    from ._native import status_json
+
+    return json.loads(status_json(None if job is None else str(job)))
+
+
+
 def _stderr_when_asked() -> None:
     """``LOCKSTEP_LOG`` set: show lockstep's records on stderr (as the ``lockstep`` command does)
     unless the application configured the ``lockstep`` logger itself."""
@@ -65,5 +80,6 @@ __all__ = [
     "context",
     "init_from_env",
     "notebook_launcher",
+    "status",
     "__version__",
 ]

@@ -140,6 +140,25 @@ fn cli_main(py: Python<'_>, argv: Vec<std::ffi::OsString>) -> u8 {
     py.detach(|| lockstep_cli::run_args(argv))
 }
 
+/// What `lockstep status --json` prints: with `job` None this user's running jobs on this
+/// machine, otherwise the job `job` names (its id or the pid of any of its processes). Read
+/// without the GIL and without disturbing the jobs. A job that is not found is a `ValueError`.
+#[pyfunction]
+#[pyo3(signature = (job=None))]
+fn status_json(py: Python<'_>, job: Option<String>) -> PyResult<String> {
+    use lockstep::status::{job_status, list_jobs, StatusError};
+    let r = py.detach(|| match job.as_deref() {
+        None => list_jobs().map(|l| l.to_json()),
+        Some(j) => job_status(j).map(|s| s.to_json()),
+    });
+    r.map_err(|e| match e {
+        StatusError::NotFound { .. } | StatusError::OtherUser { .. } => {
+            pyo3::exceptions::PyValueError::new_err(e.to_string())
+        }
+        _ => PyRuntimeError::new_err(e.to_string()),
+    })
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // Embedded in a Python program, which owns its threads' placement: bind nothing unless
@@ -156,6 +175,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(fork_refusal, m)?)?;
     m.add_function(wrap_pyfunction!(die_with_parent, m)?)?;
     m.add_function(wrap_pyfunction!(join_named, m)?)?;
+    m.add_function(wrap_pyfunction!(status_json, m)?)?;
     m.add_function(wrap_pyfunction!(buffer::_register_torch, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

@@ -124,6 +124,12 @@ impl ShmJob {
         )
     }
 
+    /// A read-only descriptor of the segment (for the status reader's tests).
+    #[cfg(test)]
+    pub(crate) fn segment_file(&self) -> Option<std::fs::File> {
+        self.seg.reopen_read_only()
+    }
+
     /// Join as `rank` and wrap the result in a [`Communicator`].
     pub fn communicator(&self, rank: usize) -> Result<Communicator, CommError> {
         Ok(Communicator::from_backend(Box::new(self.join(rank)?)))

@@ -22,7 +22,7 @@ pub(crate) use super::liveness::Ctx;
 use super::liveness::Liveness;
 use super::reduce::Found;
 use super::reduce::{copy_block, copy_block2, store_fence};
-use super::segment::{futex_wait, futex_wake_all, show_bytes, Segment};
+use super::segment::{coarse_now_ns, futex_wait, futex_wake_all, show_bytes, Segment};
 use super::sync::{
     Ctrl, Desc, Header, Layout, FINITE, INVALID, SHARED_RECV, SHARED_SEND, STREAMING,
 };
@@ -400,6 +400,9 @@ impl Channel {
             std::hint::spin_loop();
             i += 1;
             if i.is_multiple_of(128) {
+                if start.is_none() {
+                    self.stamp_wait();
+                }
                 let s = *start.get_or_insert_with(Instant::now);
                 if s.elapsed() >= self.spin {
                     break;
@@ -452,6 +455,17 @@ impl Channel {
                 )?;
             }
             i = i.wrapping_add(1);
+        }
+    }
+
+    /// Show when this rank began waiting in the current collective (for `lockstep status`), on
+    /// its first wait of the call that outlasts the first polls: waits that end at once, the
+    /// common case of a small call, read no clock.
+    fn stamp_wait(&self) {
+        let me = self.ctrl(self.rank);
+        if me.wait_seq.load(Relaxed) != self.seq {
+            me.wait_start.store(coarse_now_ns(), Relaxed);
+            me.wait_seq.store(self.seq, Release);
         }
     }
 

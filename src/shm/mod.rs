@@ -47,6 +47,8 @@
 //! * `timing`: timing calls for rank 0's tuners (cached or streaming stores; slots or CMA).
 //! * `stale`: segments left behind by killed jobs: who created one, whether it still runs, and
 //!   removing the names of dead ones ([`reclaim_stale_segments`], [`unlink_named`]).
+//! * `status`: a read-only view of a running segment from another process (`pread`, never
+//!   mapped or written), for [`status`](crate::status).
 //! * `cma`: cross-memory attach (`process_vm_readv`, `process_vm_writev`) between ranks, when the
 //!   collectives may use it, and what a communicator learnt about it.
 //! * `alloc` (shared buffers), `config` (settings), `tune` (the tuners: choosing between two ways
@@ -74,6 +76,7 @@ mod segment;
 mod shrink;
 mod split;
 mod stale;
+mod status;
 mod sync;
 mod timing;
 mod tune;
@@ -82,6 +85,11 @@ pub use backend::ShmComm;
 pub use bootstrap::ShmJob;
 pub use config::{default_cpu_bind, set_default_cpu_bind, CpuBind, ShmConfig};
 pub use reduce::reduce_slices;
+pub(crate) use segment::coarse_now_ns;
 pub(crate) use stale::named_segment_path;
 pub use stale::{reclaim_stale_segments, unlink_named};
+#[cfg(test)]
+pub(crate) use status::CallView;
+pub use status::SegmentError;
+pub(crate) use status::{read_segment, RankView, SegmentView};
 pub use tune::{SingleCopyMode, StageMode};

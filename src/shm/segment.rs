@@ -446,6 +446,14 @@ impl Segment {
         matches!(self.backing, Backing::Dir(_))
     }
 
+    /// A read-only descriptor of the same file, through `/proc/self/fd` (what `lockstep status`
+    /// opens from another process).
+    #[cfg(test)]
+    pub fn reopen_read_only(&self) -> Option<std::fs::File> {
+        let fd = self.fd.as_ref()?;
+        std::fs::File::open(format!("/proc/self/fd/{}", fd.as_raw_fd())).ok()
+    }
+
     /// Base address of the mapping.
     pub fn base(&self) -> *mut u8 {
         self.base
@@ -614,6 +622,23 @@ pub(crate) fn futex_wait(
             0u32,
         );
     }
+}
+
+/// `CLOCK_MONOTONIC_COARSE` in nanoseconds: the kernel's last tick, read from the vDSO page
+/// without a system call or a counter read (a few nanoseconds), to the tick's resolution (1 to
+/// 4 ms). The same clock in every process of the machine. 0 if the clock is unavailable.
+pub(crate) fn coarse_now_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: a valid out-parameter; the clock id is a constant.
+    if unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC_COARSE, &mut ts) } != 0 {
+        return 0;
+    }
+    (ts.tv_sec as u64)
+        .saturating_mul(1_000_000_000)
+        .saturating_add(ts.tv_nsec as u64)
 }
 
 /// Wake every process sleeping on `word`.

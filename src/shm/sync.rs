@@ -166,7 +166,14 @@ pub(crate) struct Ctrl {
     pub coll_seq: AtomicU64,
     /// Kind + 1 of the collective `coll_seq` numbers (0 before the first), for timeout reports.
     pub coll_kind: AtomicU32,
-    _pad2: [u8; 52],
+    /// When the rank began waiting for its peers in collective `wait_seq`
+    /// (`CLOCK_MONOTONIC_COARSE` in nanoseconds), for `lockstep status`'s time in a call. Stamped
+    /// by the wait loop once per collective, and only when the wait outlasts its first polls, so
+    /// a call whose peers are there costs no clock read (see `Channel::wait_for`).
+    pub wait_start: AtomicU64,
+    /// The collective `wait_start` belongs to (stored after it, release).
+    pub wait_seq: AtomicU64,
+    _pad2: [u8; 32],
 }
 
 /// A descriptor slot written by its owner before publishing and read by peers after waiting.

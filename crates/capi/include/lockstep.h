@@ -608,6 +608,23 @@ lockstepResult_t lockstepGroupEnd(void);
 // `stream` is NULL or a live CUDA stream (device communicators).
 lockstepResult_t lockstepBarrier(lockstepComm_t comm, void *stream);
 
+// What `lockstep status --json` prints, in `*json`: with `job` NULL, this user's running jobs
+// on this machine (`{"jobs": [...], "unreadable": [...]}`); otherwise the job `job` names (its
+// id or the pid of any of its processes): per rank the collective it is in, for how long,
+// whom it waits for, who is behind. Read from the jobs' shared segments without writing them
+// or taking their locks, so it works on a job that hangs. No NCCL twin.
+//
+// A job that is not found (or belongs to another user) is lockstepInvalidArgument, one whose
+// segment cannot be read lockstepSystemError; lockstepGetLastError(NULL) says why.
+//
+// The string is owned by the calling thread: valid until its next lockstepStatusJson call.
+//
+// Thread safety: any thread, any time; no communicator is needed.
+//
+// # Safety
+// `job` is NULL or a NUL-terminated string; `json` is valid for writing a pointer.
+lockstepResult_t lockstepStatusJson(const char *job, const char **json);
+
 #ifdef __cplusplus
 }  // extern "C"
 #endif  // __cplusplus

@@ -291,6 +291,17 @@ thread_local! {
     static LAST_ERROR: RefCell<String> = const { RefCell::new(String::new()) };
     /// What lockstepGetLastError returned on this thread, per `comm` argument (0: NULL).
     static RETURNED: RefCell<BTreeMap<usize, CString>> = const { RefCell::new(BTreeMap::new()) };
+    /// What lockstepStatusJson returned last on this thread.
+    static STATUS_JSON: RefCell<CString> = RefCell::new(CString::default());
+}
+
+/// Keep `json` for this thread until its next lockstepStatusJson call, and return it as C text.
+pub(crate) fn keep_status_json(json: String) -> *const c_char {
+    STATUS_JSON.with(|s| {
+        let mut s = s.borrow_mut();
+        *s = CString::new(json.replace('\0', " ")).unwrap_or_default();
+        s.as_ptr()
+    })
 }
 
 /// Keep `f`'s message for lockstepGetLastError: on the thread, and on `comm` when there is one

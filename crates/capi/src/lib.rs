@@ -931,3 +931,56 @@ pub unsafe extern "C" fn lockstepBarrier(
 ) -> lockstepResult_t {
     exec::submit("lockstepBarrier", comm, stream, Op::Barrier)
 }
+
+/// What `lockstep status --json` prints, in `*json`: with `job` NULL, this user's running jobs
+/// on this machine (`{"jobs": [...], "unreadable": [...]}`); otherwise the job `job` names (its
+/// id or the pid of any of its processes): per rank the collective it is in, for how long,
+/// whom it waits for, who is behind. Read from the jobs' shared segments without writing them
+/// or taking their locks, so it works on a job that hangs. No NCCL twin.
+///
+/// A job that is not found (or belongs to another user) is lockstepInvalidArgument, one whose
+/// segment cannot be read lockstepSystemError; lockstepGetLastError(NULL) says why.
+///
+/// The string is owned by the calling thread: valid until its next lockstepStatusJson call.
+///
+/// Thread safety: any thread, any time; no communicator is needed.
+///
+/// # Safety
+/// `job` is NULL or a NUL-terminated string; `json` is valid for writing a pointer.
+#[no_mangle]
+pub unsafe extern "C" fn lockstepStatusJson(
+    job: *const c_char,
+    json: *mut *const c_char,
+) -> lockstepResult_t {
+    guard("lockstepStatusJson", || {
+        // SAFETY: the caller passes NULL (refused by out_ptr) or a pointer valid for a write.
+        let out = unsafe { out_ptr(json, "json") }?;
+        let job = if job.is_null() {
+            None
+        } else {
+            // SAFETY: non-null, and NUL-terminated by the caller's contract.
+            let s = unsafe { std::ffi::CStr::from_ptr(job) };
+            Some(
+                s.to_str()
+                    .map_err(|_| Failure::invalid_argument("job is not UTF-8"))?
+                    .to_string(),
+            )
+        };
+        let text = match job {
+            None => runtime::status::list_jobs().map(|l| l.to_json()),
+            Some(j) => runtime::status::job_status(&j).map(|s| s.to_json()),
+        }
+        .map_err(|e| {
+            let code = match e {
+                runtime::status::StatusError::NotFound { .. }
+                | runtime::status::StatusError::OtherUser { .. } => {
+                    lockstepResult_t::lockstepInvalidArgument
+                }
+                _ => lockstepResult_t::lockstepSystemError,
+            };
+            Failure::new(code, e.to_string())
+        })?;
+        *out = handle::keep_status_json(text);
+        Ok(())
+    })
+}

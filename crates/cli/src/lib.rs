@@ -1,13 +1,13 @@
 //! The `lockstep` command: `launch` (start a multi-process job), `selftest` (check a job's
 //! communicator), `config` (write the configuration file), `env` (print the environment and the
-//! configuration in force), `bench` (collective benchmark), `trace` (read a job's flight-recorder
-//! files).
+//! configuration in force), `bench` (collective benchmark), `status` (a look at running jobs),
+//! `trace` (read a job's flight-recorder files).
 //!
 //! [`main`] (the binary's) and [`run_args`] (the Python package's `lockstep` console script) only
 //! parse arguments, run the subcommand and map the result to an exit status. Raw CLI values (the
 //! clap structs) are turned into validated settings ([`lockstep::launch::JobSpec`]) before
 //! anything starts. One file per subcommand beside this one (`launch`, `selftest`, `config`,
-//! `env`, `bench/`), `args` for the values several of them read, and `logging` (what the user
+//! `env`, `bench/`, `status`), `args` for the values several of them read, and `logging` (what the user
 //! sees of the library's `tracing` events).
 
 use std::ffi::OsString;
@@ -24,6 +24,7 @@ mod launch;
 mod logging;
 mod selftest;
 mod trace;
+mod status;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -67,6 +68,9 @@ enum Cmd {
     /// Read a job's flight-recorder files (LOCKSTEP_TRACE_DIR): the first call where the ranks
     /// diverge, the ranks that never arrived, and who arrives late.
     Trace(trace::TraceArgs),
+    /// List your running jobs on this machine, or show one job's ranks: the collective each is
+    /// in, for how long, whom it waits for, who is behind (read-only; --json for scripts).
+    Status(status::StatusArgs),
     // -------------------------------------------------------------------------------------------
 }
 
@@ -114,6 +118,7 @@ fn run(cli: Cli) -> Result<i32, String> {
         Cmd::Config(a) => config::run(a, file),
         Cmd::Env => Ok(env::run(file)),
         Cmd::Trace(a) => trace::run(a),
+        Cmd::Status(a) => status::run(a),
     }
 }
 
