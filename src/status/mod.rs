@@ -21,6 +21,7 @@
 //! numbered, so a rank blocked in a send or receive shows at its last collective.
 
 mod discover;
+#[cfg(feature = "json")]
 mod json;
 
 use std::time::Instant;
@@ -57,6 +58,7 @@ pub enum StatusError {
 
 /// One communicator segment found on this machine.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[cfg_attr(feature = "json", derive(serde::Serialize))]
 pub struct JobInfo {
     /// What `lockstep status JOB` takes: the job id of an exec'd job (`LOCKSTEP_JOB_ID`, or the
     /// tag of a sub-communicator, `<id>.s<k>c<color>`), or the pid of the process that forked
@@ -82,6 +84,7 @@ pub struct JobInfo {
 
 /// A segment that was found but could not be read (stale, another version, not lockstep's).
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[cfg_attr(feature = "json", derive(serde::Serialize))]
 pub struct Unreadable {
     /// The segment, as `/proc` names it.
     pub segment: String,
@@ -93,6 +96,7 @@ pub struct Unreadable {
 
 /// The caller's jobs on this machine.
 #[derive(Debug, Clone, Default)]
+#[cfg_attr(feature = "json", derive(serde::Serialize))]
 pub struct JobList {
     /// Readable segments, world communicators first.
     pub jobs: Vec<JobInfo>,
@@ -102,6 +106,7 @@ pub struct JobList {
 
 /// One rank, as [`job_status`] sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[cfg_attr(feature = "json", derive(serde::Serialize))]
 pub struct RankStatus {
     /// Rank in the communicator.
     pub rank: usize,
@@ -145,6 +150,7 @@ pub struct RankStatus {
 
 /// One job's ranks.
 #[derive(Debug, Clone)]
+#[cfg_attr(feature = "json", derive(serde::Serialize))]
 pub struct JobStatus {
     /// The job.
     pub job: JobInfo,
