@@ -58,8 +58,8 @@ pub mod rendezvous;
 pub mod report;
 pub mod shm;
 pub mod staged;
-pub mod trace;
 pub mod status;
+pub mod trace;
 
 pub use comm::{
     Buffer, BufferMut, CollKind, CommError, Communicator, Dtype, Element, ReduceOp, SharedBuffer,

@@ -23,8 +23,8 @@ mod env;
 mod launch;
 mod logging;
 mod selftest;
-mod trace;
 mod status;
+mod trace;
 
 #[derive(Parser, Debug)]
 #[command(
