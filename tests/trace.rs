@@ -116,9 +116,11 @@ fn t_skipped_call_is_named() -> Result<(), String> {
         "ranks 0 and 1 stuck in #4, rank 2 never arrived",
         format!("{r}"),
     )?;
+    // Of the three calls every rank completed, the recorder timed #1 only (small collectives
+    // are timed once in 16, the same ones on every rank), so lateness compares one.
     check(
-        r.compared_calls == 3,
-        "three calls compared",
+        r.compared_calls == 1,
+        "one timed call compared",
         format!("{r}"),
     )?;
     // The binary: text and JSON.

@@ -7,7 +7,8 @@
 //! What a record holds: its number (`id`, every call; `seq`, collectives only, from 1: the
 //! number the communicator's errors give), the operation, dtype, reduction, count, root or peer,
 //! whether the buffers were host, device or registered (in the shared segment), the path the
-//! backend took ([`CallPath`]), start and end times, and the outcome (ok, the error's text, or
+//! backend took ([`CallPath`]), start and end times (of every call of 64 KiB or more and of every
+//! 16th smaller collective, the same calls on every rank), and the outcome (ok, the error's text, or
 //! still running).
 //!
 //! The files (feature `trace`, on by default): JSON lines, one file per rank and communicator,

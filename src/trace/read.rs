@@ -96,8 +96,9 @@ pub struct Line {
     pub buffer: String,
     /// Path taken.
     pub path: String,
-    /// Start (Unix ns).
-    pub start_ns: u64,
+    /// Start (Unix ns); none where the recorder did not time the call.
+    #[serde(default)]
+    pub start_ns: Option<u64>,
     /// End (Unix ns), none while running.
     pub end_ns: Option<u64>,
     /// `ok`, `error` or `running`.
@@ -349,8 +350,13 @@ pub fn analyse(comm: &str, traces: &[RankTrace]) -> CommReport {
                 }
             }
         }
-        if agree && at.iter().all(|l| l.is_some_and(|l| l.state == "ok")) {
-            let starts: Vec<u64> = at.iter().map(|l| l.map_or(0, |l| l.start_ns)).collect();
+        // Lateness over the calls every rank completed and timed (the recorder times the same
+        // calls on every rank: `trace::record::timed`).
+        let starts: Option<Vec<u64>> = at
+            .iter()
+            .map(|l| l.filter(|l| l.state == "ok").and_then(|l| l.start_ns))
+            .collect();
+        if let (true, Some(starts)) = (agree, starts) {
             let first = starts.iter().copied().min().unwrap_or(0);
             let latest = starts.iter().copied().max().unwrap_or(0);
             for (i, s) in starts.iter().enumerate() {

@@ -4,9 +4,15 @@
 //! Each slot is a seqlock over eight words of atomics: the writer (one thread: the communicator is
 //! `&mut` while it runs a call) makes the slot's version odd, stores the words, and makes it even
 //! again; a reader copies the words and keeps the copy only if the version was even and unchanged
-//! across it. On x86 every one of these is a plain load or store, so a call pays two clock reads
-//! and a few stores: no allocation, no lock, nothing shared with other ranks. Error texts, which
-//! do allocate, live beside the ring and are written only when a call fails.
+//! across it. On x86 every one of these is a plain load or store, so a call pays a few stores: no
+//! allocation, no lock, nothing shared with other ranks. Error texts, which do allocate, live
+//! beside the ring and are written only when a call fails.
+//!
+//! Times are taken for some calls only ([`timed`]): two clock reads cost more than a small
+//! collective on one node may take, and the recorder must not slow the job it watches. Every call
+//! of [`TIMED_BYTES`] or more is timed (the reads are then lost in the copy), and of the smaller
+//! ones every [`TIMED_EVERY`]-th collective, chosen by its number, so that all ranks time the
+//! same calls and their start times compare; a failed call's end is always timed.
 
 use std::sync::atomic::{fence, AtomicU64, Ordering::*};
 use std::sync::Mutex;
@@ -119,6 +125,18 @@ pub enum Outcome {
     Running,
 }
 
+/// Smaller calls are timed once in this many collectives (see the module docs).
+pub const TIMED_EVERY: u64 = 16;
+/// Calls moving at least this many bytes per rank are always timed.
+pub const TIMED_BYTES: u64 = 64 << 10;
+
+/// Whether the recorder times a call: collective number `seq` (0 for point-to-point, then
+/// record `id` decides) moving `bytes` per rank.
+pub(crate) fn timed(seq: u64, id: u64, bytes: u64) -> bool {
+    let n = if seq == 0 { id } else { seq };
+    bytes >= TIMED_BYTES || n % TIMED_EVERY == 1
+}
+
 /// One recorded call.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Record {
@@ -130,9 +148,10 @@ pub struct Record {
     pub call: CallInfo,
     /// The path the backend took.
     pub path: CallPath,
-    /// Start, in Unix nanoseconds.
-    pub start_ns: u64,
-    /// End, in Unix nanoseconds; `None` while running.
+    /// Start, in Unix nanoseconds; `None` for a call the recorder did not time (it times every
+    /// call of 64 KiB or more and every 16th smaller collective).
+    pub start_ns: Option<u64>,
+    /// End, in Unix nanoseconds; `None` while running and for an untimed call that succeeded.
     pub end_ns: Option<u64>,
     /// How it ended.
     pub outcome: Outcome,
@@ -188,6 +207,10 @@ pub(crate) struct Recorder {
     colls: AtomicU64,
     /// The packed word of the call in flight, to finish it without reading the slot back.
     open: AtomicU64,
+    /// Whether the call in flight is timed ([`timed`]).
+    open_timed: std::sync::atomic::AtomicBool,
+    /// The slot of the call in flight (`(id - 1) % capacity`, kept so that no call divides).
+    open_slot: std::sync::atomic::AtomicUsize,
     /// Error texts of failed records, by id, oldest first.
     errors: Mutex<Vec<(u64, String)>>,
     /// Times are nanoseconds since this instant ...
@@ -226,6 +249,9 @@ impl Recorder {
             next: AtomicU64::new(0),
             colls: AtomicU64::new(0),
             open: AtomicU64::new(0),
+            open_timed: std::sync::atomic::AtomicBool::new(false),
+            // One before slot 0 (the first call wraps it there).
+            open_slot: std::sync::atomic::AtomicUsize::new(capacity.max(1) - 1),
             errors: Mutex::new(Vec::new()),
             base,
             base_realtime_ns,
@@ -271,8 +297,16 @@ impl Recorder {
         };
         let packed = pack(info, CallPath::Unknown, RUNNING);
         self.open.store(packed, Relaxed);
-        let slot = &self.slots[((id - 1) % self.slots.len() as u64) as usize];
-        let start = self.now();
+        let i = match self.open_slot.load(Relaxed) + 1 {
+            i if i == self.slots.len() => 0,
+            i => i,
+        };
+        self.open_slot.store(i, Relaxed);
+        let slot = &self.slots[i];
+        let bytes = info.count.saturating_mul(info.dtype.size() as u64);
+        let is_timed = timed(seq, id, bytes);
+        self.open_timed.store(is_timed, Relaxed);
+        let start = if is_timed { self.now().max(1) } else { 0 };
         self.write(
             slot,
             &[
@@ -290,7 +324,11 @@ impl Recorder {
 
     /// Record the end of call `id`: the path it took, and its error's text if it failed.
     pub(crate) fn end(&self, id: u64, path: CallPath, error: Option<&dyn std::fmt::Display>) {
-        let end = self.now().max(1);
+        let end = if error.is_some() || self.open_timed.load(Relaxed) {
+            self.now().max(1)
+        } else {
+            0
+        };
         let outcome = if error.is_some() { FAILED } else { OK };
         // Replace path (byte 4) and outcome (byte 5) of the packed word.
         let mut packed = self.open.load(Relaxed) & !(0xffff << 32)
@@ -299,8 +337,13 @@ impl Recorder {
         if path == CallPath::Registered {
             packed = packed & !(0xff << 24) | (BufferKind::Registered as u64) << 24;
         }
-        let slot = &self.slots[((id - 1) % self.slots.len() as u64) as usize];
-        self.write(slot, &[(3, packed), (7, end)]);
+        let slot = &self.slots[self.open_slot.load(Relaxed)];
+        if end == 0 {
+            // An untimed call's end word is still the 0 `start` wrote.
+            self.write(slot, &[(3, packed)]);
+        } else {
+            self.write(slot, &[(3, packed), (7, end)]);
+        }
         if let Some(e) = error {
             let mut errs = self.errors.lock().unwrap_or_else(|p| p.into_inner());
             if errs.len() >= ERRORS_KEPT {
@@ -369,7 +412,7 @@ impl Recorder {
                 root: (w[5] != NO_ROOT).then_some(w[5]),
             },
             path: CallPath::from_u8(byte(4)),
-            start_ns: self.base_realtime_ns + w[6],
+            start_ns: (w[6] != 0).then(|| self.base_realtime_ns + w[6]),
             end_ns: (w[7] != 0).then(|| self.base_realtime_ns + w[7]),
             outcome,
         })
@@ -409,9 +452,36 @@ mod tests {
             recs.iter().map(|r| r.call.count).collect::<Vec<_>>(),
             [7, 8, 9, 10]
         );
-        assert!(recs.iter().all(|r| r.outcome == Outcome::Ok
-            && r.path == CallPath::Slots
-            && r.end_ns.unwrap() >= r.start_ns));
+        assert!(recs
+            .iter()
+            .all(|r| r.outcome == Outcome::Ok && r.path == CallPath::Slots));
+    }
+
+    #[test]
+    fn small_calls_are_timed_one_in_timed_every_and_large_ones_always() {
+        let r = Recorder::new(64);
+        for i in 1..=2 * TIMED_EVERY {
+            let id = r.start(&info(CollKind::AllReduce, 2));
+            r.end(id, CallPath::Inline, None);
+            let big = r.start(&info(CollKind::AllReduce, TIMED_BYTES / 4));
+            r.end(big, CallPath::Slots, None);
+            assert_eq!(i, id.div_ceil(2));
+        }
+        for rec in r.records() {
+            let want = rec.call.count > 2 || rec.seq % TIMED_EVERY == 1;
+            assert_eq!(rec.start_ns.is_some(), want, "{rec:?}");
+            assert_eq!(rec.end_ns.is_some(), want, "{rec:?}");
+            if let (Some(a), Some(b)) = (rec.start_ns, rec.end_ns) {
+                assert!(b >= a, "{rec:?}");
+            }
+        }
+        // A failed call's end is timed even when its start was not.
+        for _ in 0..2 {
+            let id = r.start(&info(CollKind::AllReduce, 2));
+            r.end(id, CallPath::Inline, Some(&"peer lost"));
+        }
+        let last = r.records().pop().unwrap();
+        assert!(last.start_ns.is_none() && last.end_ns.is_some(), "{last:?}");
     }
 
     #[test]
@@ -440,5 +510,33 @@ mod tests {
     #[test]
     fn an_empty_ring_has_no_records() {
         assert!(Recorder::new(3).records().is_empty());
+    }
+}
+/// The recorder's own cost per call, without a collective around it:
+/// `cargo test --release --lib recorder_cost -- --ignored --nocapture`.
+#[cfg(test)]
+mod cost_probe {
+    use super::*;
+    #[test]
+    #[ignore]
+    fn recorder_cost() {
+        let r = Recorder::new(2000);
+        let info = CallInfo {
+            kind: CollKind::AllReduce,
+            dtype: Dtype::F32,
+            op: ReduceOp::Sum,
+            count: 2,
+            root: None,
+            ops: 0,
+            buffer: BufferKind::Host,
+        };
+        for _ in 0..3 {
+            let t = Instant::now();
+            for _ in 0..10_000_000 {
+                let id = r.start(std::hint::black_box(&info));
+                r.end(id, CallPath::Inline, None);
+            }
+            eprintln!("{:.1} ns per call", t.elapsed().as_nanos() as f64 / 1e7);
+        }
     }
 }
