@@ -274,6 +274,8 @@ const FUNCTIONS: &[&str] = &[
     "lockstepCommAbort",
     "lockstepCommSplit",
     "lockstepCommShrink",
+    "lockstepCommDumpTrace",
+    "lockstepStatusJson",
     "lockstepCommCount",
     "lockstepCommUserRank",
     "lockstepCommGetAsyncError",
