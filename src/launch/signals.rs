@@ -43,6 +43,15 @@ pub(crate) struct Counts {
     pub usr1: usize,
 }
 
+/// Whether `sig` is ignored (`SIG_IGN`) in this process.
+fn ignored(sig: libc::c_int) -> bool {
+    // SAFETY: a null new action only reads the current one into a valid, zeroed out-struct.
+    unsafe {
+        let mut old: libc::sigaction = std::mem::zeroed();
+        libc::sigaction(sig, std::ptr::null(), &mut old) == 0 && old.sa_sigaction == libc::SIG_IGN
+    }
+}
+
 impl SignalPipe {
     /// Install SIGINT, SIGTERM, SIGHUP and SIGUSR1 handlers (for the rest of the process's life: the CLI
     /// launcher exits after one job).
@@ -55,6 +64,12 @@ impl SignalPipe {
         // The write end lives as long as the process (the handler may run at any time).
         WAKE_FD.store(fds[1], Ordering::SeqCst);
         for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP, libc::SIGUSR1] {
+            // An ignored SIGUSR1 stays ignored, in the launcher and (inherited across exec) in
+            // the ranks: whoever started the job chose it, and a rank's flight recorder then
+            // must not be asked to dump by a signal its parent turned off.
+            if sig == libc::SIGUSR1 && ignored(sig) {
+                continue;
+            }
             // SAFETY: a zeroed sigaction is valid; we set a plain handler with SA_RESTART off so
             // poll returns EINTR promptly, and an empty mask.
             unsafe {
