@@ -28,6 +28,7 @@ __all__ = [
     "die_with_parent",
     "join_named",
     "_register_torch",
+    "status_json",
     "__version__",
 ]
 
@@ -35,7 +36,8 @@ __version__: str
 
 class CommError(RuntimeError):
     # Set by the Rust side on every CommError it raises (absent on one made by hand).
-    # One of "invalid_argument", "mismatch", "peer_lost", "aborted", "timeout", "unsupported",
+    # One of "invalid_argument", "mismatch", "peer_lost", "aborted", "timeout", "excluded" (left
+    # out by a shrink), "shrunk" (a communicator shrink replaced), "unsupported",
     # "setup", "os", "backend", "non_finite" (a NaN or infinity in a reduction's input under
     # LOCKSTEP_CHECK_FINITE=1), "other".
     kind: str
