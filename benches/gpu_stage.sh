@@ -12,7 +12,8 @@
 #      so the GPU machine's Python 3.12 loads it); --no-build takes what target/ and
 #      python/target/wheels already hold
 #   2. copies, with debug info stripped (objcopy --strip-debug: symbols stay, so backtraces still
-#      name functions; release builds carry debug = 1, which triples their size):
+#      name functions; release builds carry debug = 1, which triples their size), then gzipped
+#      (gpu_verify.sh unpacks them on the GPU machine):
 #        bin/lockstep, bin/train-cnn, lib/liblockstep.so
 #        tests/{gpu_cuda,gpu_kernels,gpu_nccl,gpu_train}  (newest of each in target/release/deps;
 #        harness = false binaries, runnable as they are)
@@ -119,6 +120,13 @@ for prog in capi_test:crates/capi/tests/c/capi_test.c capi_cuda:benches/gpu/capi
         -L "$stage/lib" -llockstep -ldl -Wl,--disable-new-dtags,-rpath,'$ORIGIN/../lib'
 done
 
+# The executables and the library travel gzipped (about a third of their size, which leaves room
+# for FashionMNIST); benches/gpu_verify.sh unpacks them where they lie before its first step.
+# The C programs above link against the uncompressed library, so this comes after them.
+for f in "$stage"/bin/* "$stage"/tests/* "$stage"/lib/*; do
+    gzip -9n "$f"
+done
+
 if [ "$with_wheel" = 1 ]; then
     wheel=$(find python/target/wheels -maxdepth 1 -name 'lockstep_comm-*.whl' -printf '%T@ %p\n' 2>/dev/null | sort -n | tail -1 | cut -d' ' -f2-)
     [ -n "$wheel" ] || { echo "gpu_stage: no wheel in python/target/wheels: run without --no-build (or pass --no-wheel)" >&2; exit 1; }
@@ -151,7 +159,7 @@ sum=$((total + tree))
     echo "lockstep GPU stage"
     echo "revision: $(git rev-parse HEAD 2>/dev/null || echo unknown)$(git diff --quiet HEAD 2>/dev/null || echo ' (with uncommitted changes)')"
     echo "built on: $(uname -srm), $(ldd --version 2>/dev/null | head -1)"
-    echo "files (bytes, debug info stripped):"
+    echo "files (bytes, debug info stripped; .gz: gzipped, unpacked by gpu_verify.sh):"
     (cd "$stage" && find . -type f ! -name MANIFEST -printf '  %10s  %P\n' | sort -k2)
     echo "stage: $total bytes ($(gpu_mib "$total") MiB); working tree: $tree bytes ($(gpu_mib "$tree") MiB)"
     echo "travels: $sum bytes ($(gpu_mib "$sum") MiB) of the ${GPU_TRAVEL_LIMIT_MIB} MiB limit"

@@ -180,6 +180,18 @@ start=$SECONDS
 failed=0
 
 stage_abs=$(cd "$stage" 2>/dev/null && pwd) || stage_abs=""
+# benches/gpu_stage.sh gzips the executables and the library so FashionMNIST fits in the carry:
+# unpack them in place (a second run finds them unpacked already). The travel check measures the
+# stage as it travelled, so its size is taken first.
+stage_travel_bytes=0
+if [ -n "$stage_abs" ]; then
+    stage_travel_bytes=$(gpu_dir_bytes "$stage_abs")
+    for f in "$stage_abs"/bin/*.gz "$stage_abs"/tests/*.gz "$stage_abs"/lib/*.gz; do
+        [ -f "$f" ] || continue
+        gzip -dc "$f" > "${f%.gz}.tmp" && chmod 755 "${f%.gz}.tmp" && mv -f "${f%.gz}.tmp" "${f%.gz}" && rm -f "$f" \
+            || echo "gpu_verify: could not unpack $f (the stage step will name what is missing)" >&2
+    done
+fi
 BIN=$stage_abs/bin
 TESTS=$stage_abs/tests
 if [ -z "$data" ]; then
@@ -643,7 +655,7 @@ check_travel() {
         return 0
     fi
     tree=$(gpu_tree_bytes)
-    st=0; [ -n "$stage_abs" ] && st=$(gpu_dir_bytes "$stage_abs")
+    st=$stage_travel_bytes
     sum=$((tree + st))
     echo "stage $st bytes + tree $tree bytes = $sum bytes; limit $GPU_TRAVEL_LIMIT bytes" > "$log"
     local what
