@@ -195,7 +195,9 @@ const NO_ROOT: u64 = u64::MAX;
 /// Error texts kept (the most recent ones; older failed records then say "error").
 const ERRORS_KEPT: usize = 64;
 
-/// One slot: `[version, id, seq, packed, count, root, start, end]`.
+/// One slot: `[version, id, seq, packed, count, root, start, end]`, one cache line of its own, so
+/// that a call's record touches one line (unaligned, most slots would straddle two).
+#[repr(align(64))]
 struct Slot([AtomicU64; 8]);
 
 /// The last calls of one communicator (see the module docs).
@@ -433,6 +435,13 @@ mod tests {
             ops: 0,
             buffer: BufferKind::Host,
         }
+    }
+
+    #[test]
+    fn every_slot_is_one_cache_line() {
+        assert_eq!(std::mem::size_of::<Slot>(), 64);
+        let r = Recorder::new(3);
+        assert!(r.slots.iter().all(|s| (s as *const Slot as usize) % 64 == 0));
     }
 
     #[test]
