@@ -4,6 +4,7 @@
 # .gitignore keeps out of git). docs/gpu.md says how it is used.
 #
 #   benches/gpu_stage.sh [--no-build] [--stage DIR] [--data DIR | --no-data] [--no-wheel]
+#                        [--nccl-tests DIR]
 #
 # What it does:
 #   1. cargo build --release -p lockstep-comm --test gpu_nccl, -p lockstep-train --bins --test
@@ -24,7 +25,10 @@
 #   4. python/lockstep_comm-*.whl
 #   5. the FashionMNIST IDX files (.gz) into data/fashion-mnist, from --data (default
 #      /usr/share/datasets/fashion-mnist), when they fit
-#   6. MANIFEST: git revision, every file with its size, and the travel total
+#   6. with --nccl-tests DIR (a clone of github.com/NVIDIA/nccl-tests, or a folder of its
+#      sources; default $NCCL_TESTS_SRC): its sources as nccl-tests.tar.gz, which the nccl_tests
+#      step builds on the GPU machine (without it, that step says NOT CHECKED)
+#   7. MANIFEST: git revision, every file with its size, and the travel total
 # and fails when the stage plus the working tree that travels with it exceed 60 MiB
 # (benches/gpu/common.sh; the device tool's own limit is 64 MiB), or when something is missing.
 #
@@ -42,6 +46,7 @@ data=/usr/share/datasets/fashion-mnist
 build=1
 with_data=1
 with_wheel=1
+nccl_tests=${NCCL_TESTS_SRC:-}
 while [ $# -gt 0 ]; do
     case "$1" in
         --no-build) build=0 ;;
@@ -49,6 +54,7 @@ while [ $# -gt 0 ]; do
         --data) data=$2; shift ;;
         --no-data) with_data=0 ;;
         --no-wheel) with_wheel=0 ;;
+        --nccl-tests) nccl_tests=$2; shift ;;
         -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
         *) echo "gpu_stage: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
@@ -132,6 +138,16 @@ if [ "$with_wheel" = 1 ]; then
     [ -n "$wheel" ] || { echo "gpu_stage: no wheel in python/target/wheels: run without --no-build (or pass --no-wheel)" >&2; exit 1; }
     mkdir -p "$stage/python"
     cp "$wheel" "$stage/python/"
+fi
+
+if [ -n "$nccl_tests" ]; then
+    if git -C "$nccl_tests" rev-parse --verify -q HEAD > /dev/null 2>&1; then
+        git -C "$nccl_tests" archive --format=tar.gz -o "$(cd "$stage" && pwd)/nccl-tests.tar.gz" HEAD
+    elif [ -f "$nccl_tests/src/all_reduce.cu" ]; then
+        tar czf "$stage/nccl-tests.tar.gz" -C "$nccl_tests" .
+    else
+        echo "gpu_stage: $nccl_tests is neither a git clone nor a source folder of nccl-tests (no src/all_reduce.cu)" >&2; exit 1
+    fi
 fi
 
 tree=$(gpu_tree_bytes)

@@ -79,23 +79,24 @@ declare -A EST LIMIT WHAT
 step() { EST[$1]=$2; LIMIT[$1]=$3; WHAT[$1]=$4; }
 step env 10 60 "machine facts: GPU, driver, compute mode, runtime, CUDA/torch/NCCL, lockstep env"
 step gpu_cuda 10 120 "tests/gpu_cuda: contexts, memory, streams, graphs, the init guard, 3 staged ranks"
-step kernels 25 240 "tests/gpu_kernels, TF32 off: every kernel against its CPU twin"
-step gpu_train 20 300 "tests/gpu_train: GPU vs CPU engine, bit-identical runs, train-cnn 1 and 2 ranks"
-step train_fp32 35 240 "train-cnn --device cuda, fp32, 4 epochs of FashionMNIST"
-step train_bf16 25 240 "train-cnn --device cuda, bf16, 4 epochs"
-step nccl 15 150 "tests/gpu_nccl: every collective at world size 1, aborts, two NCCL ranks"
-step memcheck 20 400 "compute-sanitizer memcheck on tests/gpu_kernels"
-step kernels_tf32 15 240 "tests/gpu_kernels, TF32 on (the default options: train-cnn's compile cache)"
-step two_ranks_staged 15 180 "train-cnn, 2 ranks on one GPU staged through shared memory, 1 epoch"
+step kernels 20 240 "tests/gpu_kernels, TF32 off: every kernel against its CPU twin"
+step gpu_train 10 300 "tests/gpu_train: GPU vs CPU engine, bit-identical runs, train-cnn 1 and 2 ranks"
+step train_fp32 30 240 "train-cnn --device cuda, fp32, 4 epochs of FashionMNIST"
+step train_bf16 20 240 "train-cnn --device cuda, bf16, 4 epochs"
+step nccl 10 150 "tests/gpu_nccl: every collective at world size 1, aborts, two NCCL ranks"
+step memcheck 10 400 "compute-sanitizer memcheck on tests/gpu_kernels"
+step kernels_tf32 10 240 "tests/gpu_kernels, TF32 on (the default options: train-cnn's compile cache)"
+step two_ranks_staged 10 180 "train-cnn, 2 ranks on one GPU staged through shared memory, 1 epoch"
 step two_ranks_nccl 25 180 "train-cnn, 2 NCCL ranks (2 GPUs, or one in NCCL >= 2.30 multi-rank mode)"
 step capi 10 90 "the C ABI: capi_test on host buffers, capi_cuda on device buffers with a CUDA stream"
 step python 25 180 "the Python wheel: lockstep.torch on CUDA tensors, 2 ranks, collectives and DDP"
-step racecheck 20 240 "compute-sanitizer racecheck on tests/gpu_kernels' GEMM checks (filter: linear)"
+step racecheck 10 240 "compute-sanitizer racecheck on tests/gpu_kernels' GEMM checks (filter: linear)"
 step baselines 60 240 "PyTorch eager, fp32 and bf16, 2 epochs (benches/baselines/gpu_cnn.sh)"
 step compile_baselines 90 420 "PyTorch torch.compile(reduce-overhead), fp32, 2 epochs (bf16 compiles for longer: --only)"
 step racecheck_full 60 540 "compute-sanitizer racecheck on every tests/gpu_kernels check"
 step bench_raw 60 240 "lockstep bench --device cuda, 2 ranks, next to raw ncclAllReduce (nvcc)"
-MAIN_STEPS=(env gpu_cuda kernels gpu_train train_fp32 train_bf16 nccl memcheck kernels_tf32 two_ranks_staged two_ranks_nccl capi python racecheck baselines compile_baselines)
+step nccl_tests 100 300 "nccl-tests all_reduce_perf (built there with nvcc) next to lockstep bench --device cuda: one NCCL, same sizes and statistic"
+MAIN_STEPS=(env gpu_cuda kernels gpu_train train_fp32 train_bf16 nccl memcheck kernels_tf32 two_ranks_staged two_ranks_nccl capi python racecheck nccl_tests baselines compile_baselines)
 SECOND_STEPS=(racecheck_full bench_raw)
 # Steps the dry run rehearses on the simulated driver (they need no kernels).
 REHEARSED=" env nccl capi "
@@ -375,6 +376,7 @@ EOF
         memcheck|racecheck|racecheck_full) grep -E 'ERROR SUMMARY|^test result|^[0-9]+ passed, [0-9]+ skipped, [0-9]+ failed' "$log" | tail -2 | tr '\n' ';' ;;
         baselines|compile_baselines) grep -E 'eager|compile' "$log" | tail -4 | tr -s ' ' | tr '\n' ';' ;;
         bench_raw) grep -E '^overhead' "$log" | tr '\n' ';' ;;
+        nccl_tests) grep -E '^side ' "$log" | sed 's/ (mean, -a 1)//' | tr '\n' ';' ;;
         python) grep -E 'rank 0: |rank 0 DDP:|all checks passed' "$log" | tail -3 | tr '\n' ';' ;;
         capi) echo "capi_test: $(grep -c 'all checks passed' "$log") ranks passed; capi_cuda: $(grep -c 'CUDA stream checks passed' "$log") ranks passed" ;;
         *) grep -E '^test result|^[0-9]+ passed, [0-9]+ skipped, [0-9]+ failed' "$log" | tail -1 ;;
@@ -457,6 +459,12 @@ exit \$rc" ;;
             precisions="fp32 bf16"; [ "$s" = compile_baselines ] && precisions=fp32
             CMD="for p in $precisions; do benches/baselines/gpu_cnn.sh '$BIN/train-cnn' --data '$data' --epochs 2 --skip $t --precision \$p || exit 1; done"
             if [ "$TORCH" != 1 ]; then WHY="python3 has no torch"; elif [ -z "$data" ]; then WHY="no FashionMNIST (stage it, or pass --data DIR)"; fi ;;
+        nccl_tests)
+            CMD="bash benches/gpu/nccl_tests.sh '$BIN/lockstep' '$stage_abs/nccl-tests.tar.gz' '$work/nccl-tests' '$NVCC' '${PYTHON:-python3}' $GPUS"
+            if [ ! -f "$stage_abs/nccl-tests.tar.gz" ]; then WHY="no nccl-tests source in the stage (benches/gpu_stage.sh --nccl-tests DIR)"
+            elif [ -z "$NVCC" ]; then WHY="no nvcc to build nccl-tests"
+            elif [ "$GPUS" -lt 1 ]; then WHY="no GPU found"
+            elif [ "$NCCL_CODE" -le 0 ]; then WHY="lockstep finds no NCCL library"; fi ;;
         bench_raw)
             sizes=8,1024,65536,1048576,16777216
             [ "$GPUS" -lt 2 ] && multi="NCCL_MULTI_RANK_GPU_ENABLE=1 "
