@@ -211,21 +211,58 @@ macro_rules! half_lane {
 half_lane!(f16, 0x7c00);
 half_lane!(bf16, 0x7f80);
 
-/// `acc[i] = f(acc[i], src[i])`; with `CHECK`, returns the largest exponent field read (see
-/// [`Lane::exp_bits`]), else 0.
+/// Elements an in-place loop computes into registers before it stores them (see [`update`]).
+const CHUNK: usize = 16;
+
+/// `dst[i] = g(dst[i], src[i])` for every element, every store unconditional. Written as the plain
+/// `*d = g(*d, s)`, min and max (which keep `*d` whenever it wins) let LLVM drop the stores that
+/// would write back what was read, and the loop becomes masked stores (`vmaskmov`), several times
+/// slower than a compare and a full store. Here a chunk is computed in registers, then
+/// `black_box` is handed the chunk's address between the loads and the stores, so LLVM can no
+/// longer tell that a store rewrites the value read, and the loop vectorises as the out-of-place
+/// one does. Same operations, same order: same bits.
+///
+/// Only min and max need it (`select`): for the arithmetic operators the plain loop vectorises,
+/// and the barrier would only cost them a little.
+#[inline(always)]
+fn update<D: Copy, S: Copy>(dst: &mut [D], src: &[S], select: bool, mut g: impl FnMut(D, S) -> D) {
+    if !select {
+        for (d, s) in dst.iter_mut().zip(src) {
+            *d = g(*d, *s);
+        }
+        return;
+    }
+    let n = dst.len().min(src.len());
+    let (dc, dr) = dst[..n].as_chunks_mut::<CHUNK>();
+    let (sc, sr) = src[..n].as_chunks::<CHUNK>();
+    for (d, s) in dc.iter_mut().zip(sc) {
+        let t: [D; CHUNK] = std::array::from_fn(|i| g(d[i], s[i]));
+        // The chunk's memory "may have changed" since it was read (an empty asm that is handed
+        // its address), so no store of `t` can be proven to write back what is there.
+        std::hint::black_box(d.as_mut_ptr());
+        *d = t;
+    }
+    for (d, s) in dr.iter_mut().zip(sr) {
+        *d = g(*d, *s);
+    }
+}
+
+/// `acc[i] = f(acc[i], src[i])` (`select`: `f` is min or max, see [`update`]); with `CHECK`,
+/// returns the largest exponent field read (see [`Lane::exp_bits`]), else 0.
 #[inline(always)]
 fn combine<T: Lane, F: Fn(T::Acc, T::Acc) -> T::Acc, const CHECK: bool>(
     acc: &mut [T::Acc],
     src: &[T],
     f: F,
+    select: bool,
 ) -> u32 {
     let mut m = 0u32;
-    for (a, s) in acc.iter_mut().zip(src) {
+    update(acc, src, select, |a, s: T| {
         if CHECK {
             m = m.max(s.exp_bits());
         }
-        *a = f(*a, s.load());
-    }
+        f(a, s.load())
+    });
     m
 }
 
@@ -338,19 +375,18 @@ unsafe fn pair<T: Lane, F: Fn(T::Acc, T::Acc) -> T::Acc>(
     d: *mut T,
     count: usize,
     f: F,
+    select: bool,
 ) {
     // SAFETY: every pointer is valid for `count` elements (caller); a mutable slice is made only
     // of `d`, and only beside slices of the other, disjoint, source.
     unsafe {
         let out = std::slice::from_raw_parts_mut(d, count);
         if std::ptr::eq(d, a) {
-            for (o, y) in out.iter_mut().zip(std::slice::from_raw_parts(b, count)) {
-                *o = T::store(f(o.load(), y.load()));
-            }
+            let b = std::slice::from_raw_parts(b, count);
+            update(out, b, select, |o: T, y: T| T::store(f(o.load(), y.load())));
         } else if std::ptr::eq(d, b) {
-            for (o, x) in out.iter_mut().zip(std::slice::from_raw_parts(a, count)) {
-                *o = T::store(f(x.load(), o.load()));
-            }
+            let a = std::slice::from_raw_parts(a, count);
+            update(out, a, select, |o: T, x: T| T::store(f(x.load(), o.load())));
         } else {
             let (a, b) = (
                 std::slice::from_raw_parts(a, count),
@@ -453,11 +489,11 @@ unsafe fn reduce_typed<T: Lane, const CHECK: bool>(
             // SAFETY: forwarded caller contract; a != b.
             unsafe {
                 match op {
-                    ReduceOp::Sum => pair::<T, _>(a, b, d, count, T::add),
-                    ReduceOp::Avg => pair::<T, _>(a, b, d, count, avg),
-                    ReduceOp::Prod => pair::<T, _>(a, b, d, count, T::mul),
-                    ReduceOp::Min => pair::<T, _>(a, b, d, count, T::min),
-                    ReduceOp::Max => pair::<T, _>(a, b, d, count, T::max),
+                    ReduceOp::Sum => pair::<T, _>(a, b, d, count, T::add, false),
+                    ReduceOp::Avg => pair::<T, _>(a, b, d, count, avg, false),
+                    ReduceOp::Prod => pair::<T, _>(a, b, d, count, T::mul, false),
+                    ReduceOp::Min => pair::<T, _>(a, b, d, count, T::min, true),
+                    ReduceOp::Max => pair::<T, _>(a, b, d, count, T::max, true),
                 }
             }
             return None;
@@ -501,10 +537,10 @@ unsafe fn reduce_typed<T: Lane, const CHECK: bool>(
         for k in rest..srcs.len() {
             let s = src(k);
             let mk = match op {
-                ReduceOp::Sum | ReduceOp::Avg => combine::<T, _, CHECK>(acc, s, T::add),
-                ReduceOp::Prod => combine::<T, _, CHECK>(acc, s, T::mul),
-                ReduceOp::Min => combine::<T, _, CHECK>(acc, s, T::min),
-                ReduceOp::Max => combine::<T, _, CHECK>(acc, s, T::max),
+                ReduceOp::Sum | ReduceOp::Avg => combine::<T, _, CHECK>(acc, s, T::add, false),
+                ReduceOp::Prod => combine::<T, _, CHECK>(acc, s, T::mul, false),
+                ReduceOp::Min => combine::<T, _, CHECK>(acc, s, T::min, true),
+                ReduceOp::Max => combine::<T, _, CHECK>(acc, s, T::max, true),
             };
             m = m.max(mk);
         }

@@ -441,7 +441,10 @@ mod tests {
     fn every_slot_is_one_cache_line() {
         assert_eq!(std::mem::size_of::<Slot>(), 64);
         let r = Recorder::new(3);
-        assert!(r.slots.iter().all(|s| (s as *const Slot as usize) % 64 == 0));
+        assert!(r
+            .slots
+            .iter()
+            .all(|s| (s as *const Slot as usize) % 64 == 0));
     }
 
     #[test]
