@@ -444,7 +444,7 @@ mod tests {
         assert!(r
             .slots
             .iter()
-            .all(|s| (s as *const Slot as usize) % 64 == 0));
+            .all(|s| (s as *const Slot as usize).is_multiple_of(64)));
     }
 
     #[test]
