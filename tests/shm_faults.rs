@@ -7,11 +7,10 @@
 
 mod common;
 
-use std::io::Read;
-use std::os::fd::FromRawFd;
 use std::time::{Duration, Instant};
 
 use common::check;
+use common::forked::{collect as fork_ranks, no_new_segments, segments_in};
 use lockstep::comm::{Communicator, ReduceOp};
 use lockstep::launch::{launch, LaunchConfig, RankContext, RankResult};
 use lockstep::shm::{ShmComm, ShmConfig, ShmJob};
@@ -29,150 +28,6 @@ fn cpu_time() -> f64 {
         + ru.ru_utime.tv_usec as f64 * 1e-6
         + ru.ru_stime.tv_sec as f64
         + ru.ru_stime.tv_usec as f64 * 1e-6
-}
-
-/// What a forked rank reported: its exit status (`waitpid` form) and the line it wrote.
-struct Ended {
-    status: i32,
-    msg: String,
-}
-
-impl Ended {
-    fn describe(&self) -> String {
-        if libc::WIFSIGNALED(self.status) {
-            format!("killed by signal {}", libc::WTERMSIG(self.status))
-        } else {
-            format!("exit {}", libc::WEXITSTATUS(self.status))
-        }
-    }
-}
-
-/// Fork `n` ranks running `f(rank)`; each writes its result (one line) to a pipe and `_exit`s 0
-/// on `Ok`, 1 on `Err`. Waits at most `deadline` for all of them, then kills what is left (and
-/// fails): no process outlives the call.
-fn fork_ranks(
-    n: usize,
-    deadline: Duration,
-    f: impl Fn(usize) -> Result<String, String>,
-) -> Result<Vec<Ended>, String> {
-    let mut fds = [0; 2];
-    // SAFETY: valid out-array of two fds.
-    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
-        return Err(format!("pipe: {}", std::io::Error::last_os_error()));
-    }
-    let (rd, wr) = (fds[0], fds[1]);
-    let mut pids = Vec::new();
-    for rank in 0..n {
-        // SAFETY: the test process is single-threaded; the child runs `f` and `_exit`s.
-        let pid = unsafe { libc::fork() };
-        if pid == 0 {
-            let r = f(rank);
-            let (code, msg) = match r {
-                Ok(m) => (0, m),
-                Err(m) => (1, m),
-            };
-            let mut line = format!("{rank}\t{}", msg.replace('\n', " "));
-            line.truncate(3000);
-            line.push('\n');
-            // SAFETY: writing a buffer we own to our pipe end; under PIPE_BUF, so atomic.
-            unsafe { libc::write(wr, line.as_ptr() as *const libc::c_void, line.len()) };
-            // SAFETY: leave the child without running the parent's destructors.
-            unsafe { libc::_exit(code) };
-        }
-        if pid < 0 {
-            for p in &pids {
-                common::signal(*p, libc::SIGKILL);
-            }
-            return Err(format!("fork: {}", std::io::Error::last_os_error()));
-        }
-        pids.push(pid);
-    }
-    // SAFETY: we own wr and do not use it afterwards.
-    unsafe { libc::close(wr) };
-    // SAFETY: rd is our pipe end, owned from here on by the File.
-    let mut file = unsafe { std::fs::File::from_raw_fd(rd) };
-    let start = Instant::now();
-    let mut text = Vec::new();
-    let mut late = false;
-    loop {
-        let left = deadline.saturating_sub(start.elapsed());
-        if left.is_zero() {
-            late = true;
-            break;
-        }
-        let mut p = libc::pollfd {
-            fd: rd,
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: one valid pollfd.
-        let r = unsafe { libc::poll(&mut p, 1, left.as_millis().max(1) as i32) };
-        if r <= 0 {
-            continue;
-        }
-        let mut buf = [0u8; 4096];
-        match file.read(&mut buf) {
-            Ok(0) => break,
-            Ok(k) => text.extend_from_slice(&buf[..k]),
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(format!("read: {e}")),
-        }
-    }
-    if late {
-        for p in &pids {
-            common::signal(*p, libc::SIGKILL);
-        }
-    }
-    let mut out: Vec<Ended> = (0..n)
-        .map(|_| Ended {
-            status: 0,
-            msg: String::new(),
-        })
-        .collect();
-    for (rank, pid) in pids.iter().enumerate() {
-        let mut st = 0;
-        // SAFETY: our child; valid out-parameter.
-        unsafe { libc::waitpid(*pid, &mut st, 0) };
-        out[rank].status = st;
-    }
-    for line in String::from_utf8_lossy(&text).lines() {
-        if let Some((r, m)) = line.split_once('\t') {
-            if let Some(e) = r.parse::<usize>().ok().and_then(|r| out.get_mut(r)) {
-                e.msg = m.to_string();
-            }
-        }
-    }
-    if late {
-        return Err(format!("ranks still running after {deadline:?} (killed)"));
-    }
-    Ok(out)
-}
-
-/// `lockstep-*` names in `dir`.
-fn segments_in(dir: &str) -> Vec<String> {
-    let Ok(rd) = std::fs::read_dir(dir) else {
-        return Vec::new();
-    };
-    let mut v: Vec<String> = rd
-        .flatten()
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .filter(|n| n.starts_with("lockstep-"))
-        .collect();
-    v.sort();
-    v
-}
-
-/// Fails when `after` holds segment names `before` did not.
-fn no_new_segments(dir: &str, before: &[String]) -> Result<(), String> {
-    let new: Vec<String> = segments_in(dir)
-        .into_iter()
-        .filter(|n| !before.contains(n))
-        .collect();
-    check(
-        new.is_empty(),
-        &format!("no segment left behind in {dir}"),
-        format!("{new:?}"),
-    )
 }
 
 // -------------------------------------------------------------------------------------------------

@@ -8,269 +8,26 @@
 //! first; `SHRINK_SEED=<n>` replays one.
 
 mod common;
+#[path = "common/mix.rs"]
+mod mix;
 
-use std::io::Read;
-use std::os::fd::{FromRawFd, RawFd};
 use std::time::{Duration, Instant};
 
 use common::check;
+use common::forked::{fork_ranks, no_leftovers, segments_in, Ended, Ready, Rng};
 use lockstep::comm::{CommError, Communicator, ReduceOp};
 use lockstep::shm::{ShmConfig, ShmJob};
+use mix::{run_mix, until_failure};
 
 // -------------------------------------------------------------------------------------------------
 // Helpers
 
-/// splitmix64: the moments and victims of a run, from its seed.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
-
 fn seed() -> u64 {
-    let s = std::env::var("SHRINK_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.as_nanos() as u64)
-                .unwrap_or(1)
-        });
-    println!("seed {s} (replay with SHRINK_SEED={s})");
-    s
+    common::forked::seed("SHRINK_SEED")
 }
 
-fn pipe() -> (RawFd, RawFd) {
-    let mut fds = [0; 2];
-    // SAFETY: valid out-array of two fds.
-    let r = unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) };
-    assert_eq!(r, 0, "pipe2: {}", std::io::Error::last_os_error());
-    (fds[0], fds[1])
-}
-
-fn write_all(fd: RawFd, b: &[u8]) {
-    // SAFETY: writing a buffer we own to our pipe end; under PIPE_BUF, so atomic.
-    unsafe { libc::write(fd, b.as_ptr() as *const libc::c_void, b.len()) };
-}
-
-/// A rank's way to tell the parent it reached a point (one byte on a pipe).
-#[derive(Clone, Copy)]
-struct Ready(RawFd);
-
-impl Ready {
-    fn signal(&self) {
-        write_all(self.0, b"r");
-    }
-}
-
-/// Forked ranks: their pids, and the read ends of their ready and result pipes.
-struct Ranks {
-    pids: Vec<i32>,
-    ready: RawFd,
-    out: std::fs::File,
-}
-
-/// What a rank reported: its exit status (`waitpid` form) and the line it wrote.
-struct Ended {
-    status: i32,
-    msg: String,
-}
-
-impl Ended {
-    fn killed(&self) -> bool {
-        libc::WIFSIGNALED(self.status) && libc::WTERMSIG(self.status) == libc::SIGKILL
-    }
-
-    fn ok(&self) -> bool {
-        libc::WIFEXITED(self.status) && libc::WEXITSTATUS(self.status) == 0
-    }
-}
-
-/// Fork `n` ranks running `f(rank, ready)`; each writes its result (one line) to a pipe and
-/// `_exit`s 0 on `Ok`, 1 on `Err`.
-fn fork_ranks(n: usize, f: impl Fn(usize, Ready) -> Result<String, String>) -> Ranks {
-    let (rd, wr) = pipe();
-    let (ready_rd, ready_wr) = pipe();
-    let mut pids = Vec::new();
-    for rank in 0..n {
-        // SAFETY: the test process is single-threaded; the child runs `f` and `_exit`s.
-        let pid = unsafe { libc::fork() };
-        if pid == 0 {
-            let (code, msg) = match f(rank, Ready(ready_wr)) {
-                Ok(m) => (0, m),
-                Err(m) => (1, m),
-            };
-            let mut line = format!("{rank}\t{}", msg.replace('\n', " "));
-            line.truncate(3000);
-            line.push('\n');
-            write_all(wr, line.as_bytes());
-            // SAFETY: leave the child without running the parent's destructors.
-            unsafe { libc::_exit(code) };
-        }
-        assert!(pid > 0, "fork: {}", std::io::Error::last_os_error());
-        pids.push(pid);
-    }
-    // SAFETY: we own the write ends and do not use them afterwards.
-    unsafe {
-        libc::close(wr);
-        libc::close(ready_wr);
-    }
-    Ranks {
-        pids,
-        ready: ready_rd,
-        // SAFETY: rd is our pipe end, owned from here on by the File.
-        out: unsafe { std::fs::File::from_raw_fd(rd) },
-    }
-}
-
-impl Ranks {
-    /// Wait for `k` ready bytes, at most `timeout`.
-    fn await_ready(&self, k: usize, timeout: Duration) -> Result<(), String> {
-        let start = Instant::now();
-        let mut got = 0;
-        while got < k {
-            let left = timeout.saturating_sub(start.elapsed());
-            if left.is_zero() {
-                return Err(format!("{got} of {k} ranks ready after {timeout:?}"));
-            }
-            let mut p = libc::pollfd {
-                fd: self.ready,
-                events: libc::POLLIN,
-                revents: 0,
-            };
-            // SAFETY: one valid pollfd.
-            if unsafe { libc::poll(&mut p, 1, left.as_millis().max(1) as i32) } <= 0 {
-                continue;
-            }
-            let mut b = [0u8; 16];
-            // SAFETY: reading into a buffer we own, at most its length.
-            let r = unsafe {
-                libc::read(
-                    self.ready,
-                    b.as_mut_ptr() as *mut libc::c_void,
-                    (k - got).min(16),
-                )
-            };
-            if r == 0 {
-                return Err(format!("the ranks ended with {got} of {k} ready"));
-            }
-            if r > 0 {
-                got += r as usize;
-            }
-        }
-        Ok(())
-    }
-
-    fn signal(&self, rank: usize, sig: i32) {
-        common::signal(self.pids[rank], sig);
-    }
-
-    /// Wait at most `deadline` for every rank to end, then kill what is left (and fail).
-    fn finish(mut self, deadline: Duration) -> Result<Vec<Ended>, String> {
-        let start = Instant::now();
-        let mut text = Vec::new();
-        let mut late = false;
-        loop {
-            let left = deadline.saturating_sub(start.elapsed());
-            if left.is_zero() {
-                late = true;
-                break;
-            }
-            let mut p = libc::pollfd {
-                fd: std::os::fd::AsRawFd::as_raw_fd(&self.out),
-                events: libc::POLLIN,
-                revents: 0,
-            };
-            // SAFETY: one valid pollfd.
-            if unsafe { libc::poll(&mut p, 1, left.as_millis().max(1) as i32) } <= 0 {
-                continue;
-            }
-            let mut buf = [0u8; 4096];
-            match self.out.read(&mut buf) {
-                Ok(0) => break,
-                Ok(k) => text.extend_from_slice(&buf[..k]),
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(format!("read: {e}")),
-            }
-        }
-        for &p in &self.pids {
-            if late {
-                common::signal(p, libc::SIGKILL);
-            }
-        }
-        let mut out: Vec<Ended> = self
-            .pids
-            .iter()
-            .map(|&pid| {
-                // A stopped rank must not keep the kill from landing.
-                if late {
-                    common::signal(pid, libc::SIGCONT);
-                }
-                let mut st = 0;
-                // SAFETY: our child; valid out-parameter.
-                unsafe { libc::waitpid(pid, &mut st, 0) };
-                Ended {
-                    status: st,
-                    msg: String::new(),
-                }
-            })
-            .collect();
-        // SAFETY: our pipe end, not used afterwards.
-        unsafe { libc::close(self.ready) };
-        for line in String::from_utf8_lossy(&text).lines() {
-            if let Some((r, m)) = line.split_once('\t') {
-                if let Some(e) = r.parse::<usize>().ok().and_then(|r| out.get_mut(r)) {
-                    e.msg = m.to_string();
-                }
-            }
-        }
-        if late {
-            let msgs: Vec<&str> = out.iter().map(|e| e.msg.as_str()).collect();
-            return Err(format!(
-                "ranks still running after {deadline:?} (killed); reports {msgs:?}"
-            ));
-        }
-        Ok(out)
-    }
-}
-
-/// `lockstep-*` names in /dev/shm.
 fn segments() -> Vec<String> {
-    let Ok(rd) = std::fs::read_dir("/dev/shm") else {
-        return Vec::new();
-    };
-    let mut v: Vec<String> = rd
-        .flatten()
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .filter(|n| n.starts_with("lockstep-"))
-        .collect();
-    v.sort();
-    v
-}
-
-fn no_leftovers(before: &[String]) -> Result<(), String> {
-    let new: Vec<String> = segments()
-        .into_iter()
-        .filter(|n| !before.contains(n))
-        .collect();
-    check(
-        new.is_empty(),
-        "no segment left behind in /dev/shm",
-        format!("{new:?}"),
-    )?;
-    let kids = common::children_of(std::process::id() as i32);
-    check(kids.is_empty(), "no rank process left", format!("{kids:?}"))
+    segments_in("/dev/shm")
 }
 
 fn config() -> ShmConfig {
@@ -280,113 +37,6 @@ fn config() -> ShmConfig {
         // A rank that waits for a stopped peer fails after this; nothing else waits this long.
         timeout: Duration::from_secs(10),
         ..ShmConfig::default()
-    }
-}
-
-/// Element counts, rotating through the paths: inline, one-phase, slots (several chunks).
-const COUNTS: [usize; 4] = [3, 300, 5000, 40_000];
-
-/// Collective `j` of the rotating mix (all_reduce, broadcast, reduce_scatter, all_gather,
-/// reduce, barrier) on `comm`, its result checked against what it must be.
-fn op(comm: &mut Communicator, j: usize) -> Result<(), CommError> {
-    let (n, me) = (comm.world_size(), comm.rank());
-    let count = COUNTS[(j / 6) % COUNTS.len()];
-    let bad = |what: &str, i: usize, got: f32, want: f32| {
-        panic_free_err(format!(
-            "{what} #{j} on rank {me} of {n}: element {i} is {got}, expected {want}"
-        ))
-    };
-    let tri = (n * (n + 1) / 2) as f32;
-    match j % 6 {
-        0 => {
-            let mut b: Vec<f32> = (0..count)
-                .map(|i| ((me + 1) * (1 + i % 7) + j % 5) as f32)
-                .collect();
-            comm.all_reduce_in_place(&mut b[..], ReduceOp::Sum)?;
-            for (i, &v) in b.iter().enumerate() {
-                let want = tri * (1 + i % 7) as f32 + (n * (j % 5)) as f32;
-                if v != want {
-                    return Err(bad("all_reduce", i, v, want));
-                }
-            }
-        }
-        1 => {
-            let root = j % n;
-            let mut b: Vec<f32> = (0..count)
-                .map(|i| if me == root { (i + j) as f32 } else { -1.0 })
-                .collect();
-            comm.broadcast_in_place(&mut b[..], root)?;
-            for (i, &v) in b.iter().enumerate() {
-                if v != (i + j) as f32 {
-                    return Err(bad("broadcast", i, v, (i + j) as f32));
-                }
-            }
-        }
-        2 => {
-            let send: Vec<f32> = (0..count * n).map(|i| (me + i % 1000) as f32).collect();
-            let mut recv = vec![0f32; count];
-            comm.reduce_scatter(&send[..], &mut recv[..], ReduceOp::Sum)?;
-            for (i, &v) in recv.iter().enumerate() {
-                let want = (n * (n - 1) / 2 + n * ((me * count + i) % 1000)) as f32;
-                if v != want {
-                    return Err(bad("reduce_scatter", i, v, want));
-                }
-            }
-        }
-        3 => {
-            let send: Vec<f32> = (0..count).map(|i| (me * 1000 + i % 1000) as f32).collect();
-            let mut recv = vec![0f32; count * n];
-            comm.all_gather(&send[..], &mut recv[..])?;
-            for (i, &v) in recv.iter().enumerate() {
-                let want = ((i / count) * 1000 + (i % count) % 1000) as f32;
-                if v != want {
-                    return Err(bad("all_gather", i, v, want));
-                }
-            }
-        }
-        4 => {
-            let root = (j / 6) % n;
-            let send: Vec<f32> = (0..count)
-                .map(|i| ((me + 1) * (1 + i % 3)) as f32)
-                .collect();
-            let mut recv = vec![0f32; count];
-            comm.reduce(&send[..], &mut recv[..], ReduceOp::Sum, root)?;
-            if me == root {
-                for (i, &v) in recv.iter().enumerate() {
-                    let want = tri * (1 + i % 3) as f32;
-                    if v != want {
-                        return Err(bad("reduce", i, v, want));
-                    }
-                }
-            }
-        }
-        _ => comm.barrier()?,
-    }
-    Ok(())
-}
-
-/// A wrong result, as an error the rank reports (Unsupported carries the text as it is).
-fn panic_free_err(msg: String) -> CommError {
-    CommError::Unsupported(format!("WRONG RESULT: {msg}"))
-}
-
-/// Run the mix on `comm` until a call fails (a peer died or was stopped), at most `limit`;
-/// returns the error and when it came.
-fn until_failure(comm: &mut Communicator, limit: Duration) -> Result<(CommError, Instant), String> {
-    let start = Instant::now();
-    let mut j = 0;
-    loop {
-        if let Err(e) = op(comm, j) {
-            let at = Instant::now();
-            if e.to_string().contains("WRONG RESULT") {
-                return Err(e.to_string());
-            }
-            return Ok((e, at));
-        }
-        j += 1;
-        if start.elapsed() > limit {
-            return Err(format!("no failure within {limit:?} ({j} collectives)"));
-        }
     }
 }
 
@@ -425,14 +75,6 @@ fn shrink_after(
         other => return Err(format!("the old communicator after shrink: {other:?}")),
     }
     Ok((new, took))
-}
-
-/// `k` collectives of the mix on `comm`, from `j0`, every result checked.
-fn run_mix(comm: &mut Communicator, j0: usize, k: usize) -> Result<(), String> {
-    for j in j0..j0 + k {
-        op(comm, j).map_err(|e| format!("after shrink, collective {j}: {e}"))?;
-    }
-    Ok(())
 }
 
 /// What a survivor reports: `ms=<shrink time> rank=<new rank> world=<new world> members=<global ranks>`.

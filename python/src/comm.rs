@@ -1200,6 +1200,30 @@ host (shared-memory) communicators",
         new.map(PyComm::new).map_err(comm_err)
     }
 
+    /// After a peer was lost and `lockstep launch --restart-policy rank` started its
+    /// replacement, the communicator of the whole world again, every rank with its number from
+    /// before, as `ncclCommGrow`: every survivor calls it (it shrinks first), and the
+    /// replacement joins through its normal entry (`lockstep.comm()`, `init_from_env()`).
+    /// `wait`: seconds to wait for the replacement (default `LOCKSTEP_JOIN_TIMEOUT_S`, 60);
+    /// one that does not come raises naming its rank. Afterwards this communicator's calls
+    /// raise (kind "shrunk"). Shared-memory communicators only; others raise "unsupported".
+    #[pyo3(signature = (wait=None))]
+    fn grow(&self, py: Python<'_>, wait: Option<f64>) -> PyResult<PyComm> {
+        let wait = wait.map(|w| seconds(w, "grow: wait")).transpose()?;
+        let new = py.detach(|| {
+            let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+            match (g.as_mut(), wait) {
+                (Some(c), Some(w)) => c.grow_within(w),
+                (Some(c), None) => c.grow(),
+                (None, _) => Err(CommError::Unsupported(format!(
+                    "rank {}: this communicator was closed; make a new one",
+                    self.rank
+                ))),
+            }
+        });
+        new.map(PyComm::new).map_err(comm_err)
+    }
+
     /// Leave the communicator (peers still waiting on this rank get an error instead of a
     /// hang). Later calls raise. Also done when the object is garbage-collected.
     fn close(&self, py: Python<'_>) {

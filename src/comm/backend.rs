@@ -220,6 +220,16 @@ pub trait Backend: Send {
             self.kind()
         )))
     }
+    /// The communicator of the world again, with the same rank numbers, after lost ranks were
+    /// replaced (see [`Communicator::grow`](super::Communicator::grow)); `wait` bounds the wait
+    /// for the replacements (`None`: the backend's join timeout).
+    fn grow(&mut self, wait: Option<Duration>) -> Result<Box<dyn Backend>, CommError> {
+        let _ = wait;
+        Err(CommError::Unsupported(format!(
+            "grow is not supported on the {} backend: only the shared-memory backend (the CPU ranks of one node) grows; restart the job instead (lockstep launch --restart-policy job)",
+            self.kind()
+        )))
+    }
     /// For a sub-communicator made by [`split`](Self::split): the global rank (the rank in the
     /// world communicator the splits started from) of each of its ranks. `None` for a world
     /// communicator, and for backends that do not track it (the caller then asks the ranks).

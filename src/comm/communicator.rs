@@ -862,6 +862,37 @@ impl Communicator {
         Ok(Communicator::from_backend(backend))
     }
 
+    /// After a peer was lost and a launcher started its replacement, the communicator of the
+    /// whole world again, with every rank's number from before the loss, as `ncclCommGrow`:
+    /// every surviving rank calls it on the communicator whose call failed (a world
+    /// communicator, or one [`grow`](Self::grow) or [`shrink`](Self::shrink) made), and the
+    /// replacement joins the same communicator through its normal entry,
+    /// [`Communicator::from_env`] (which knows it is a replacement from
+    /// `LOCKSTEP_REPLACEMENT=1`, and which grow to join from `LOCKSTEP_RESTART_COUNT`), so
+    /// `lockstep launch --max-restarts N --restart-policy rank` runs a program that grows on.
+    /// Forked ranks join with [`ShmJob::join_replacement`](crate::shm::ShmJob::join_replacement).
+    ///
+    /// The survivors first shrink (as [`shrink`](Self::shrink), which this does when it is
+    /// called on a communicator of the whole world), then wait for the replacements up to the
+    /// join timeout (`LOCKSTEP_JOIN_TIMEOUT_S`, 60 s by default; see
+    /// [`grow_within`](Self::grow_within)): a replacement that does not come is an error
+    /// naming the rank it replaces, on every survivor. The new communicator shares no memory
+    /// with the old ones, whose calls fail from then on with [`CommError::Shrunk`]. It holds
+    /// nothing of the lost rank's state: the survivors send the replacement what it needs.
+    ///
+    /// Backends: shm (world communicators and their shrinks and grows; not sub-communicators of
+    /// a split). The others return [`CommError::Unsupported`].
+    pub fn grow(&mut self) -> Result<Communicator, CommError> {
+        let backend = self.backend.grow(None)?;
+        Ok(Communicator::from_backend(backend))
+    }
+
+    /// [`grow`](Self::grow), waiting at most `wait` for the replacements.
+    pub fn grow_within(&mut self, wait: Duration) -> Result<Communicator, CommError> {
+        let backend = self.backend.grow(Some(wait))?;
+        Ok(Communicator::from_backend(backend))
+    }
+
     /// How errors name rank `r` of this communicator.
     fn rank_name(&self, r: usize) -> String {
         rank_name(self.global.as_deref(), r)

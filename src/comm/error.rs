@@ -56,13 +56,15 @@ pub enum CommError {
         /// Why it was left out.
         detail: String,
     },
-    /// The communicator was shrunk (see [`Communicator::shrink`](super::Communicator::shrink)):
-    /// its calls fail, the communicator shrink returned takes them.
-    #[error("this communicator was shrunk (rank {rank} is in its generation-{generation} successor): use the communicator shrink returned")]
+    /// The communicator was shrunk or grown (see
+    /// [`Communicator::shrink`](super::Communicator::shrink),
+    /// [`Communicator::grow`](super::Communicator::grow)): its calls fail, the communicator
+    /// shrink or grow returned takes them.
+    #[error("this communicator was shrunk (rank {rank} is in its generation-{generation} successor): use the communicator shrink or grow returned")]
     Shrunk {
         /// This rank (its global rank, in a sub-communicator).
         rank: usize,
-        /// The generation of the communicator the shrink made.
+        /// The generation of the communicator the shrink (or grow) made.
         generation: u64,
     },
     /// Another rank detected a failure and aborted the communicator.

@@ -125,7 +125,27 @@ impl Communicator {
             if info.single_node() { "one node, shared memory" } else { "several nodes, rendezvous store" }
         );
         if info.single_node() {
-            let c = ShmComm::join_named(&info.job_id, info.local_rank, info.local_world_size, cfg)?;
+            let c = if crate::types::env::REPLACEMENT.choice().map_err(env_err)? == Some("1") {
+                if backend == "nccl" {
+                    return Err(setup(format!(
+                        "rank {}: this process replaces a lost rank (LOCKSTEP_REPLACEMENT=1), but a replacement cannot join an NCCL communicator in the job; run it with --restart-policy job, or on the shm backend",
+                        info.rank
+                    )));
+                }
+                let count = crate::types::env::RESTART_COUNT
+                    .count()
+                    .map_err(env_err)?
+                    .unwrap_or(1);
+                ShmComm::join_replacement(
+                    &info.job_id,
+                    info.local_rank,
+                    info.local_world_size,
+                    count,
+                    cfg,
+                )?
+            } else {
+                ShmComm::join_named(&info.job_id, info.local_rank, info.local_world_size, cfg)?
+            };
             let host = Communicator::from_backend(Box::new(c));
             if backend == "nccl" {
                 return device_communicator(host, info.local_rank).map(|(c, _)| c);

@@ -31,8 +31,24 @@ pub struct ShmComm {
     splits: u64,
     /// Shrinks this communicator's lineage went through (0: a world or split communicator).
     generation: u64,
-    /// The generation of the communicator a shrink of this one made: every call fails from then on.
+    /// The generation of the communicator a shrink or grow of this one made: every call fails
+    /// from then on.
     shrunk: Option<u64>,
+    /// For a communicator made by shrink or grow: the world communicator its lineage started
+    /// from (see `shm::grow`). `None` for a world communicator (it is its own root) and for a
+    /// sub-communicator of a split.
+    lineage: Option<Lineage>,
+}
+
+/// The world communicator a lineage of shrinks and grows started from (see `shm::grow`).
+#[derive(Debug, Clone)]
+pub(crate) struct Lineage {
+    /// The world segment's tag (see `shm::split`): grow segments are named after it.
+    pub tag: String,
+    /// The world's size: what a grow restores.
+    pub world: usize,
+    /// Ranks replaced in the lineage so far: numbers the grow segments.
+    pub replaced: u64,
 }
 
 impl std::fmt::Debug for ShmComm {
@@ -62,7 +78,27 @@ impl ShmComm {
             splits: 0,
             generation: 0,
             shrunk: None,
+            lineage: None,
         }
+    }
+
+    /// The world communicator this one's lineage of shrinks and grows started from: the one
+    /// recorded by shrink or grow, or this one for a world communicator; `None` for a
+    /// sub-communicator of a split (and the shrinks of one), which cannot grow.
+    pub(crate) fn lineage(&self) -> Option<Lineage> {
+        if self.lineage.is_some() || self.ch.global_ranks().is_some() {
+            return self.lineage.clone();
+        }
+        Some(Lineage {
+            tag: self.segment_tag(),
+            world: self.ch.world(),
+            replaced: 0,
+        })
+    }
+
+    /// Record the lineage of a communicator a shrink or grow made.
+    pub(crate) fn set_lineage(&mut self, lineage: Option<Lineage>) {
+        self.lineage = lineage;
     }
 
     /// Shrinks this communicator's lineage went through (see `shm::shrink`).
@@ -80,7 +116,8 @@ impl ShmComm {
         self.shrunk
     }
 
-    /// Mark this communicator shrunk into generation `generation`: every later call fails.
+    /// Mark this communicator shrunk (or grown) into generation `generation`: every later call
+    /// fails.
     pub(crate) fn set_shrunk(&mut self, generation: u64) {
         self.shrunk = Some(generation);
     }
@@ -306,6 +343,10 @@ impl Backend for ShmComm {
         wait: std::time::Duration,
     ) -> Result<Box<dyn Backend>, CommError> {
         Ok(Box::new(self.shrink_shm(exclude, wait)?))
+    }
+
+    fn grow(&mut self, wait: Option<std::time::Duration>) -> Result<Box<dyn Backend>, CommError> {
+        Ok(Box::new(self.grow_shm(wait)?))
     }
 
     fn global_ranks(&self) -> Option<Vec<usize>> {

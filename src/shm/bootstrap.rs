@@ -124,6 +124,21 @@ impl ShmJob {
         )
     }
 
+    /// Join, as the replacement of `rank`, the communicator the survivors of a lost rank grow
+    /// ([`Communicator::grow`]) from a communicator of this job: the forked counterpart of
+    /// [`ShmComm::join_replacement`], for a process forked after the loss from the one that
+    /// made the job. `replaced` is the number of ranks replaced so far in all, this one
+    /// included (1 for the first replacement).
+    pub fn join_replacement(&self, rank: usize, replaced: u64) -> Result<Communicator, CommError> {
+        // SAFETY: the segment starts with an initialised Header (page-aligned mapping); its
+        // fields are atomics.
+        let h = unsafe { &*(self.seg.base() as *const Header) };
+        let tag = anonymous_tag(h);
+        let c =
+            ShmComm::join_replacement(&tag, rank, self.layout.world, replaced, self.cfg.clone())?;
+        Ok(Communicator::from_backend(Box::new(c)))
+    }
+
     /// A read-only descriptor of the segment (for the status reader's tests).
     #[cfg(test)]
     pub(crate) fn segment_file(&self) -> Option<std::fs::File> {
@@ -138,8 +153,9 @@ impl ShmJob {
 
 /// How the ranks of a sub-communicator join its segment (see `shm::split`).
 pub(crate) struct SubJoin {
-    /// The global rank of each rank, which its errors name.
-    pub global: Arc<[usize]>,
+    /// The global rank of each rank, which its errors name; `None` when they are the ranks
+    /// themselves (a grown world communicator, see `shm::grow`).
+    pub global: Option<Arc<[usize]>>,
     /// Each rank's process (known from the parent communicator), so that a member that dies
     /// before it has joined fails the join at once rather than at the join timeout.
     pub pids: Vec<i32>,
@@ -179,7 +195,7 @@ pub(crate) fn join(
     if sub.is_none() {
         bind_cpus(cfg.cpu_bind, rank, world);
     }
-    let global = sub.map(|s| s.global.clone());
+    let global = sub.and_then(|s| s.global.clone());
     let who = |r: usize| rank_name(global.as_deref(), r);
     let join_timeout = cfg.join_timeout;
     // From here on, an early return drops `c`, which marks this rank's control block as left
@@ -298,31 +314,9 @@ impl ShmComm {
         // of a 5 ms launch); a look costs a failed open, ~1 000 a second at most.
         let mut nap = Duration::from_micros(50);
         loop {
-            if let Some(seg) = Segment::open_named(&name, HEADER_BYTES)? {
-                // SAFETY: the mapping is at least HEADER_BYTES long and page-aligned.
-                let h = unsafe { &*(seg.base() as *const Header) };
-                if h.magic.load(Acquire) == MAGIC {
-                    let (w, slot, heap) = (
-                        h.world.load(Relaxed) as usize,
-                        h.slot_bytes.load(Relaxed) as usize,
-                        h.heap_bytes.load(Relaxed) as usize,
-                    );
-                    if h.version.load(Relaxed) != VERSION || w != world {
-                        return Err(CommError::Setup(format!(
-                            "segment {name} was made for world size {w} (layout v{}), this rank expects {world} (v{VERSION}); are two jobs using the same job id?",
-                            h.version.load(Relaxed)
-                        )));
-                    }
-                    // The creator's sizes win, so every rank agrees on the layout.
-                    let layout = Layout::new(world, slot, heap)?;
-                    // A segment whose creator is dead is a leftover of a killed run with this job
-                    // id, which rank 0 is about to replace: joining it would wait for nobody.
-                    let leftover = matches!(creator_in(h), Creator::Dead(_));
-                    if seg.len() >= layout.total && !leftover {
-                        return join(Arc::new(seg), layout, cfg, rank, Some(&name), None)
-                            .map(|c| c.with_tag(job_id));
-                    }
-                }
+            if let Some((seg, layout)) = open_ready(&name, world)? {
+                return join(Arc::new(seg), layout, cfg, rank, Some(&name), None)
+                    .map(|c| c.with_tag(job_id));
             }
             if start.elapsed() > cfg.join_timeout {
                 return Err(CommError::Setup(format!(
@@ -334,6 +328,50 @@ impl ShmComm {
             nap = (nap * 2).min(Duration::from_millis(1));
         }
     }
+}
+
+/// The tag of an anonymous segment: its creator's pid and start time (see `shm::split`).
+pub(crate) fn anonymous_tag(h: &Header) -> String {
+    format!(
+        "p{}.{}",
+        h.creator_pid.load(Relaxed),
+        h.creator_start.load(Relaxed)
+    )
+}
+
+/// Open the named segment `name` of a communicator of `world` ranks when it is ready to join:
+/// `None` while it does not exist, is not initialised yet, or is the leftover of a killed run
+/// (its creator is dead: the rank that creates it is about to replace it); an error when it
+/// was made for another world size or layout version (another job with the same id).
+pub(crate) fn open_ready(
+    name: &SegName,
+    world: usize,
+) -> Result<Option<(Segment, Layout)>, CommError> {
+    let Some(seg) = Segment::open_named(name, HEADER_BYTES)? else {
+        return Ok(None);
+    };
+    // SAFETY: the mapping is at least HEADER_BYTES long and page-aligned.
+    let h = unsafe { &*(seg.base() as *const Header) };
+    if h.magic.load(Acquire) != MAGIC {
+        return Ok(None);
+    }
+    let (w, slot, heap) = (
+        h.world.load(Relaxed) as usize,
+        h.slot_bytes.load(Relaxed) as usize,
+        h.heap_bytes.load(Relaxed) as usize,
+    );
+    if h.version.load(Relaxed) != VERSION || w != world {
+        return Err(CommError::Setup(format!(
+            "segment {name} was made for world size {w} (layout v{}), this rank expects {world} (v{VERSION}); are two jobs using the same job id?",
+            h.version.load(Relaxed)
+        )));
+    }
+    // The creator's sizes win, so every rank agrees on the layout.
+    let layout = Layout::new(world, slot, heap)?;
+    // A segment whose creator is dead is a leftover of a killed run with this job id: joining
+    // it would wait for nobody.
+    let leftover = matches!(creator_in(h), Creator::Dead(_));
+    Ok((seg.len() >= layout.total && !leftover).then_some((seg, layout)))
 }
 
 /// Create job `job_id`'s named segment ([`create_named`]), back its fixed part

@@ -26,6 +26,10 @@
 //! Files, by concept (as NCCL separates bootstrap, transport and collectives); each depends only
 //! on those listed after it, so there is no cycle:
 //!
+//! * `grow`: the communicator of the world again after lost ranks were replaced
+//!   ([`Communicator::grow`](crate::comm::Communicator::grow)): the survivors shrink, create a
+//!   segment named after the world's and the number of ranks replaced, and join it with the
+//!   replacements ([`ShmComm::join_replacement`]), each with its rank from before.
 //! * `shrink`: the communicator of the ranks that remain after a failure
 //!   ([`Communicator::shrink`](crate::comm::Communicator::shrink)): agreeing on the members
 //!   through the control blocks, then meeting in a new segment through `split`'s join.
@@ -67,6 +71,7 @@ mod check;
 mod cma;
 mod coll;
 mod config;
+mod grow;
 mod inline;
 mod liveness;
 mod p2p;

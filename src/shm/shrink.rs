@@ -124,6 +124,7 @@ impl ShmComm {
             match self.meet(k, &members) {
                 Ok(mut c) => {
                     c.set_generation(self.generation() + 1);
+                    c.set_lineage(self.lineage());
                     self.set_shrunk(self.generation() + 1);
                     tracing::info!(
                         "shrink: rank {} is rank {} of {} (generation {}, attempt {k})",

@@ -21,14 +21,14 @@
 //!
 //! [`Communicator::split`]: crate::comm::Communicator::split
 
-use std::sync::atomic::Ordering::{Acquire, Relaxed};
+use std::sync::atomic::Ordering::Acquire;
 use std::sync::Arc;
 
 use super::backend::ShmComm;
-use super::bootstrap::{create_ready, join, SubJoin};
+use super::bootstrap::{anonymous_tag, create_ready, join, open_ready, SubJoin};
 use super::config::ShmConfig;
 use super::segment::{SegName, Segment};
-use super::sync::{Header, Layout, HEADER_BYTES, MAGIC, VERSION};
+use super::sync::Layout;
 use crate::comm::{Backend, Call, CollKind, CommError, Dtype, MemSpace, RawMem, ReduceOp, Splits};
 
 /// One rank's part in a sub-communicator about to be joined (of a split, or of a shrink: see
@@ -107,10 +107,12 @@ impl ShmComm {
     pub(crate) fn sub_join(&self, members: &[usize]) -> SubJoin {
         let ch = self.channel();
         SubJoin {
-            global: members
-                .iter()
-                .map(|&r| ch.global(r))
-                .collect::<Arc<[usize]>>(),
+            global: Some(
+                members
+                    .iter()
+                    .map(|&r| ch.global(r))
+                    .collect::<Arc<[usize]>>(),
+            ),
             pids: members
                 .iter()
                 .map(|&r| ch.ctrl(r).pid.load(Acquire))
@@ -121,7 +123,7 @@ impl ShmComm {
 
     /// An all-gather of `vals` (the same count on every rank) on this communicator. A mismatch
     /// here means a peer was not in a split: say so.
-    fn gather_i64(&mut self, vals: &[i64]) -> Result<Vec<i64>, CommError> {
+    pub(crate) fn gather_i64(&mut self, vals: &[i64]) -> Result<Vec<i64>, CommError> {
         let c = vals.len();
         let mut out = vec![0i64; c * self.world_size()];
         let call = Call {
@@ -159,12 +161,7 @@ impl ShmComm {
         if let Some(t) = self.tag() {
             return t.to_string();
         }
-        let h = self.channel().header();
-        format!(
-            "p{}.{}",
-            h.creator_pid.load(Relaxed),
-            h.creator_start.load(Relaxed)
-        )
+        anonymous_tag(self.channel().header())
     }
 
     /// This rank's part in split `k` with color `c`: its place among the members, and (on the
@@ -237,32 +234,11 @@ impl Member {
             None => {
                 let gone = || {
                     CommError::Setup(format!(
-                        "split: the sub-communicator's segment {name} is gone or incomplete before this rank joined it (was it removed by hand?)"
+                        "the new communicator's segment {name} is gone or incomplete before this rank joined it (was it removed by hand?)"
                     ))
                 };
-                let seg = Segment::open_named(&name, HEADER_BYTES)?.ok_or_else(gone)?;
-                // SAFETY: the mapping is at least HEADER_BYTES long and page-aligned; the header's
-                // fields are atomics.
-                let h = unsafe { &*(seg.base() as *const Header) };
-                let world = layout.world;
-                if h.magic.load(Acquire) != MAGIC
-                    || h.version.load(Relaxed) != VERSION
-                    || h.world.load(Relaxed) as usize != world
-                {
-                    return Err(CommError::Setup(format!(
-                        "split: segment {name} is not the sub-communicator of {world} ranks this rank expects; does another job use the same job id?"
-                    )));
-                }
                 // The creator's sizes win, as for a world segment.
-                let layout = Layout::new(
-                    world,
-                    h.slot_bytes.load(Relaxed) as usize,
-                    h.heap_bytes.load(Relaxed) as usize,
-                )?;
-                if seg.len() < layout.total {
-                    return Err(gone());
-                }
-                (seg, layout)
+                open_ready(&name, layout.world)?.ok_or_else(gone)?
             }
         };
         Ok(join(Arc::new(seg), layout, cfg, rank, Some(&name), Some(&sub))?.with_tag(&tag))

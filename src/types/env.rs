@@ -321,6 +321,21 @@ pub const JOIN_TIMEOUT_S: Var = Var {
     name: "LOCKSTEP_JOIN_TIMEOUT_S",
     kind: Kind::Secs,
 };
+/// `1` in a replacement that `lockstep launch --restart-policy rank` started for a lost rank:
+/// `Communicator::from_env` then joins the communicator the survivors grow (`shm::grow`).
+pub const REPLACEMENT: Var = Var {
+    name: "LOCKSTEP_REPLACEMENT",
+    kind: Kind::Choice(&["0", "1"]),
+};
+/// Restarts of the job before this start, including a replacement's own (`lockstep launch`):
+/// which grow a replacement joins.
+pub const RESTART_COUNT: Var = Var {
+    name: "LOCKSTEP_RESTART_COUNT",
+    kind: Kind::Count {
+        min: 0,
+        max: 1 << 32,
+    },
+};
 /// Whether `Communicator::from_env` joins a CPU job through MPI (`hier`): `auto` (across hosts,
 /// under an MPI launcher), `on` (always), `off` (never).
 pub const MPI: Var = Var {
@@ -387,6 +402,8 @@ pub const CHECKED: &[Var] = &[
     SPIN_US,
     CPU_BIND,
     JOIN_TIMEOUT_S,
+    REPLACEMENT,
+    RESTART_COUNT,
     CHECK_FINITE,
     CONFIG,
     LOG_TIME,

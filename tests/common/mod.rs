@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 mod bins;
+pub mod forked;
 mod runner;
 #[allow(unused_imports)]
 pub use bins::lockstep_bin;

@@ -351,6 +351,26 @@ lockstepResult_t lockstepCommShrink(lockstepComm_t comm,
                                     lockstepConfig_t *config,
                                     int shrinkFlags);
 
+// After a peer was lost and `lockstep launch --restart-policy rank` started its replacement,
+// the communicator of the whole world again, with every rank's number from before, as
+// ncclCommGrow (NCCL >= 2.29): every surviving rank calls it on the communicator whose call
+// failed (it shrinks first) and gets the new one in `*newcomm`; the replacement joins the same
+// communicator through lockstepCommInitFromEnv. The survivors wait for the replacement up to
+// LOCKSTEP_JOIN_TIMEOUT_S (60 s by default); one that does not come is lockstepSystemError
+// naming its rank. `config` as for lockstepCommSplit. Afterwards every call on `comm` fails
+// with lockstepInvalidUsage ("shrunk"); free it with lockstepCommDestroy. The shared-memory
+// backend only (not a split's communicators); others return lockstepInvalidUsage. On failure
+// `*newcomm` is NULL.
+//
+// Thread safety: as the collectives.
+//
+// # Safety
+// `newcomm` is NULL (lockstepInvalidArgument) or valid for writing a lockstepComm_t; `config`
+// as for lockstepCommSplit.
+lockstepResult_t lockstepCommGrow(lockstepComm_t comm,
+                                  lockstepComm_t *newcomm,
+                                  lockstepConfig_t *config);
+
 // The number of ranks of `comm` in `*count`.
 //
 // Thread safety: any thread, any time (does not wait for running calls).

@@ -359,6 +359,45 @@ pub unsafe extern "C" fn lockstepCommShrink(
     })
 }
 
+/// After a peer was lost and `lockstep launch --restart-policy rank` started its replacement,
+/// the communicator of the whole world again, with every rank's number from before, as
+/// ncclCommGrow (NCCL >= 2.29): every surviving rank calls it on the communicator whose call
+/// failed (it shrinks first) and gets the new one in `*newcomm`; the replacement joins the same
+/// communicator through lockstepCommInitFromEnv. The survivors wait for the replacement up to
+/// LOCKSTEP_JOIN_TIMEOUT_S (60 s by default); one that does not come is lockstepSystemError
+/// naming its rank. `config` as for lockstepCommSplit. Afterwards every call on `comm` fails
+/// with lockstepInvalidUsage ("shrunk"); free it with lockstepCommDestroy. The shared-memory
+/// backend only (not a split's communicators); others return lockstepInvalidUsage. On failure
+/// `*newcomm` is NULL.
+///
+/// Thread safety: as the collectives.
+///
+/// # Safety
+/// `newcomm` is NULL (lockstepInvalidArgument) or valid for writing a lockstepComm_t; `config`
+/// as for lockstepCommSplit.
+#[no_mangle]
+pub unsafe extern "C" fn lockstepCommGrow(
+    comm: lockstepComm_t,
+    newcomm: *mut lockstepComm_t,
+    config: *mut lockstepConfig_t,
+) -> lockstepResult_t {
+    guard_comm("lockstepCommGrow", comm, |h| {
+        // SAFETY: the caller passes NULL (refused by out_ptr) or a pointer valid for the write.
+        let out = unsafe { out_ptr(newcomm, "newcomm") }?;
+        *out = std::ptr::null_mut();
+        if exec::in_group() {
+            return Err(Failure::invalid_usage(
+                "lockstepCommGrow inside lockstepGroupStart/lockstepGroupEnd: grow before the group starts (the new communicator is needed at once)",
+            ));
+        }
+        // SAFETY: the caller passes NULL or a readable lockstepConfig_t (this function's contract).
+        let settings = unsafe { inherited_settings(h.settings(), config, "lockstepCommGrow") }?;
+        let new = h.with_comm(|c| c.grow().map_err(Failure::from))?;
+        *out = handle::register(new, settings);
+        Ok(())
+    })
+}
+
 /// Every rank's `flag` (0 or 1), in rank order: an all-gather through host memory, or device
 /// memory on device communicators (whose collectives take device buffers only).
 fn gather_flags(c: &mut Communicator, flag: bool) -> Result<Vec<u64>, CommError> {
@@ -403,7 +442,8 @@ unsafe fn split_settings(
     unsafe { inherited_settings(parent, config, "lockstepCommSplit") }
 }
 
-/// The settings of a communicator `call` (lockstepCommSplit, lockstepCommShrink) makes from one
+/// The settings of a communicator `call` (lockstepCommSplit, lockstepCommShrink,
+/// lockstepCommGrow) makes from one
 /// with `parent`'s: the parent's with `config` NULL, else the config's, whose timeout must be
 /// left unset (the new communicator inherits the parent's).
 ///

@@ -274,6 +274,7 @@ const FUNCTIONS: &[&str] = &[
     "lockstepCommAbort",
     "lockstepCommSplit",
     "lockstepCommShrink",
+    "lockstepCommGrow",
     "lockstepCommDumpTrace",
     "lockstepStatusJson",
     "lockstepCommCount",

@@ -414,6 +414,12 @@ fn comm_from_env() -> Option<Result<Communicator, String>> {
     Some(Communicator::from_env().map_err(|e| e.to_string()))
 }
 
+/// Whether `lockstep launch --restart-policy rank` started this process to replace a lost rank
+/// (it then receives the survivors' training state: `trainer`'s in-job recovery).
+fn is_replacement() -> bool {
+    std::env::var("LOCKSTEP_REPLACEMENT").as_deref() == Ok("1")
+}
+
 /// Peak resident set size of this process in KiB (VmHWM), if readable.
 fn peak_rss_kib() -> u64 {
     std::fs::read_to_string("/proc/self/status")
@@ -503,7 +509,13 @@ fn run_rank(
     test_set: &Dataset,
 ) -> RankOut {
     gemm::set_threads(cfg.threads);
-    lockstep_train::set_seed(&mut ctx.comm, cfg.train.seed)?;
+    if is_replacement() {
+        // The survivors checked the seed when the job started and do not take part again; the
+        // recovery exchange checks this rank's against theirs.
+        lockstep_train::rng::set_global_seed(cfg.train.seed);
+    } else {
+        lockstep_train::set_seed(&mut ctx.comm, cfg.train.seed)?;
+    }
     let mut console = console_for(&ctx, cfg);
     let obs: &mut dyn Observer = match console.as_mut() {
         Some(c) => c,
@@ -580,6 +592,11 @@ fn run() -> Result<(), CliError> {
             world_size: comm.world_size(),
             comm,
         };
+        if cfg.cuda && is_replacement() {
+            return Err(CliError::Join(
+                "this process replaces a lost rank (--restart-policy rank), but the CUDA engine does not recover in the job: run with --device cpu, or under --restart-policy job (with --save/--resume)".into(),
+            ));
+        }
         let run = if cfg.cuda { run_rank_cuda } else { run_rank };
         return run(ctx, &cfg, &train_set, &test_set)
             .map(drop)

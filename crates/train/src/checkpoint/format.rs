@@ -343,3 +343,29 @@ pub(super) fn load_optim_bytes(
     opt.step = state.step;
     Ok(state)
 }
+
+/// What the in-memory form of a state is called in its errors.
+const IN_MEMORY: &str = "<state received from a peer>";
+
+/// The bytes of the two files of a checkpoint of `model`, `opt` and `state`, without any file:
+/// in-job recovery sends them to a replacement rank ([`decode_state`] reads them), so what it
+/// sends is exactly what a checkpoint holds.
+pub fn encode_state(
+    model: &mut Model,
+    opt: &Adam,
+    state: &TrainState,
+) -> Result<(Vec<u8>, Vec<u8>), CheckpointError> {
+    encode(Path::new(IN_MEMORY), model, opt, state, "in-memory")
+}
+
+/// Load the bytes [`encode_state`] made into `model` and `opt`; returns the training state.
+pub fn decode_state(
+    model_bytes: &[u8],
+    optim_bytes: &[u8],
+    model: &mut Model,
+    opt: &mut Adam,
+) -> Result<TrainState, CheckpointError> {
+    let path = Path::new(IN_MEMORY);
+    load_model_bytes(path, model_bytes, model)?;
+    load_optim_bytes(path, optim_bytes, model, opt)
+}

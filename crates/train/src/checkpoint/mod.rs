@@ -39,7 +39,7 @@
 //!
 //! | file | holds |
 //! |---|---|
-//! | `format.rs` | the bytes of the two files: tensors and metadata in safetensors, [`TrainState`] |
+//! | `format.rs` | the bytes of the two files: tensors and metadata in safetensors, [`TrainState`]; [`encode_state`] and [`decode_state`], the same bytes without files (in-job recovery) |
 //! | `layout.rs` | the four names of a checkpoint and the order a resume tries their pairs |
 //! | `commit.rs` | [`save`] and [`check_target`]: the crash-consistent save protocol above |
 //! | `resume.rs` | [`resume`], [`load`], [`load_model`]: the newest complete pair, and which it was |
@@ -63,6 +63,6 @@ mod tests;
 pub use super::precision::ScalerState;
 pub use commit::{check_target, estimate_bytes, save};
 pub use error::CheckpointError;
-pub use format::TrainState;
+pub use format::{decode_state, encode_state, TrainState};
 pub use layout::{optim_path, prev_path};
 pub use resume::{load, load_model, resume, Resumed, Source};

@@ -417,7 +417,7 @@ pub fn train_device<E: Exec>(
         images: 0,
         skipped: 0,
     };
-    let reports = epoch::run(&mut run, cfg, first_epoch, train_set, test_set, obs)?;
+    let reports = epoch::run(&mut run, cfg, first_epoch, 0, train_set, test_set, obs)?;
     let eng = &mut run.eng;
     let params = eng.params()?;
     Ok(TrainOutcome {
@@ -458,7 +458,7 @@ impl<E: Exec> EpochEngine for DeviceRun<'_, '_, E> {
         (self.rank, self.world)
     }
 
-    fn start_epoch(&mut self, idx: &[usize]) -> Result<(), DeviceError> {
+    fn start_epoch(&mut self, _epoch: u64, idx: &[usize]) -> Result<(), DeviceError> {
         self.eng.set_index_list(idx, false)?;
         self.eng.reset_loss_sum()?;
         (self.pending, self.last_sum, self.last_images, self.images) = (None, 0.0, 0, 0);

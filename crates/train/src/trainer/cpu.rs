@@ -6,6 +6,7 @@ use std::time::Instant;
 
 use super::config::{Observer, OptimizerKind, TrainConfig, TrainError, TrainOutcome};
 use super::epoch::{self, EpochEngine};
+use super::recover::{exchange_state, Position, Recovery};
 use crate::checkpoint::{self, TrainState};
 use crate::data::Dataset;
 use crate::model::{Model, StateMut};
@@ -384,30 +385,61 @@ struct CpuEngine<'a> {
     ph: Phases,
     /// Started when the steps end: the reductions, BatchNorm broadcast and evaluation.
     eval: Option<Stopwatch>,
+    /// In-job recovery from a peer's death (`recover`), when the launcher replaces ranks.
+    recovery: Option<Recovery>,
+    /// The epoch in progress (0-based).
+    epoch: u64,
+    /// The epoch's loss so far that a replacement rank received, for the epoch it joins.
+    joined_loss: Option<f64>,
 }
 
-impl EpochEngine for CpuEngine<'_> {
-    type Error = TrainError;
+/// BatchNorm running statistics and counters, saved before a step so that a step done again
+/// after a recovery updates them once.
+struct BnSnapshot {
+    f: Vec<f32>,
+    i: Vec<i64>,
+}
 
-    fn rank_world(&self) -> (usize, usize) {
-        (self.comm.rank(), self.comm.world_size())
+impl BnSnapshot {
+    fn take(model: &mut Model) -> BnSnapshot {
+        let (mut f, mut i) = (Vec::new(), Vec::new());
+        for s in model.state_mut() {
+            match s {
+                StateMut::F32(_, v) => f.extend_from_slice(v),
+                StateMut::I64(_, v) => i.push(*v),
+            }
+        }
+        BnSnapshot { f, i }
     }
 
-    fn start_epoch(&mut self, idx: &[usize]) -> Result<(), TrainError> {
-        self.loss_sum = 0.0;
-        self.ph = Phases {
-            steps_ms: Vec::with_capacity(idx.len().div_ceil(self.cfg.batch_size)),
-            ..Phases::default()
-        };
-        Ok(())
+    fn restore(&self, model: &mut Model) {
+        let (mut f, mut i) = (&self.f[..], self.i.iter());
+        for s in model.state_mut() {
+            match s {
+                StateMut::F32(_, v) => {
+                    let (head, rest) = f.split_at(v.len());
+                    v.copy_from_slice(head);
+                    f = rest;
+                }
+                StateMut::I64(_, v) => *v = i.next().copied().unwrap_or(*v),
+            }
+        }
     }
+}
 
-    fn train_step(
-        &mut self,
-        _s: usize,
-        _start: usize,
-        group: &[&[usize]],
-    ) -> Result<Option<f32>, TrainError> {
+/// The flat gradient buffer: shared memory for zero-copy all-reduce when the backend offers it
+/// and there are peers, else a plain vector.
+fn alloc_grads(comm: &mut Communicator, n: usize) -> Grads {
+    match comm.alloc_shared::<f32>(n) {
+        Ok(b) if comm.world_size() > 1 => Grads::Shared(b),
+        _ => Grads::Local(vec![0.0; n]),
+    }
+}
+
+impl CpuEngine<'_> {
+    /// One optimizer step over the micro-batches `group`: local gradients, all-reduce,
+    /// clipping and the update. A failure leaves the parameters and the optimizer untouched.
+    fn step_once(&mut self, group: &[&[usize]]) -> Result<Option<f32>, TrainError> {
         let (cfg, ph) = (self.cfg, &mut self.ph);
         let (l, n) = local_gradients(
             &mut self.model,
@@ -440,6 +472,82 @@ impl EpochEngine for CpuEngine<'_> {
         t.stop(&mut ph.optim);
         self.loss_sum += l;
         Ok(Some((l / n.max(1) as f64) as f32))
+    }
+
+    /// After `cause` (a peer died in step `s` of the epoch): grow the communicator back with
+    /// the replacement, send it the state, and get ready to do step `s` again.
+    fn recover(&mut self, s: usize, cause: &TrainError) -> Result<(), TrainError> {
+        let t = Instant::now();
+        let (Some(rec), Optimizer::Adam(opt)) = (self.recovery.as_mut(), &mut self.opt) else {
+            return Err(TrainError::Config(format!(
+                "in-job recovery is not set up for this run (Adam and --restart-policy rank are needed) after: {cause}"
+            )));
+        };
+        let grow_s = rec.grow(self.comm, cause)?;
+        self.grads = alloc_grads(self.comm, self.model.num_params());
+        let mut pos = Position {
+            epoch: self.epoch,
+            step_in_epoch: s as u64,
+            step_no: self.step_no,
+            loss_sum: self.loss_sum,
+        };
+        exchange_state(
+            self.comm,
+            false,
+            &mut self.model,
+            opt,
+            &mut pos,
+            self.cfg.seed,
+        )?;
+        tracing::info!(
+            "rank {}: recovered in {:.2} s (grow {:.2} s): doing epoch {} step {} again with the replacement",
+            self.comm.rank(),
+            t.elapsed().as_secs_f64(),
+            grow_s,
+            self.epoch + 1,
+            s + 1
+        );
+        Ok(())
+    }
+}
+
+impl EpochEngine for CpuEngine<'_> {
+    type Error = TrainError;
+
+    fn rank_world(&self) -> (usize, usize) {
+        (self.comm.rank(), self.comm.world_size())
+    }
+
+    fn start_epoch(&mut self, epoch: u64, idx: &[usize]) -> Result<(), TrainError> {
+        self.epoch = epoch;
+        self.loss_sum = self.joined_loss.take().unwrap_or(0.0);
+        self.ph = Phases {
+            steps_ms: Vec::with_capacity(idx.len().div_ceil(self.cfg.batch_size)),
+            ..Phases::default()
+        };
+        Ok(())
+    }
+
+    fn train_step(
+        &mut self,
+        s: usize,
+        _start: usize,
+        group: &[&[usize]],
+    ) -> Result<Option<f32>, TrainError> {
+        loop {
+            let bn = self.recovery.map(|_| BnSnapshot::take(&mut self.model));
+            match self.step_once(group) {
+                Err(e) if self.recovery.is_some_and(|r| r.can_recover(&e)) => {
+                    // The step is done again from its start: its gradients are dropped, and
+                    // the statistics its forward passes moved are put back.
+                    if let Some(bn) = bn {
+                        bn.restore(&mut self.model);
+                    }
+                    self.recover(s, &e)?;
+                }
+                r => return r,
+            }
+        }
     }
 
     fn finish_steps(&mut self) -> Result<f64, TrainError> {
@@ -519,21 +627,37 @@ pub fn train(
     let mut model = epoch::new_model(cfg, rank)?;
     model.set_sync_bn(cfg.sync_bn && world > 1);
     let mut opt = Optimizer::new(cfg.optimizer, model.num_params(), cfg.lr, cfg.weight_decay);
-    let (mut step_no, mut first_epoch) = (0u64, 0u64);
-    if let (Some(path), Optimizer::Adam(opt)) = (&cfg.resume, &mut opt) {
+    let (mut step_no, mut first_epoch, mut first_step) = (0u64, 0u64, 0usize);
+    let recovery = Recovery::from_env();
+    if recovery.is_some() && !matches!(opt, Optimizer::Adam(_)) {
+        return Err(TrainError::Config(
+            "--restart-policy rank: in-job recovery sends the replacement Adam's state (what a checkpoint holds); train with Adam, or run under --restart-policy job".into(),
+        ));
+    }
+    let replacement = recovery.is_some_and(|r| r.replacement);
+    let mut joined_loss = None;
+    if let (Some(path), Optimizer::Adam(opt), false) = (&cfg.resume, &mut opt, replacement) {
         let st = epoch::resume(path, &mut model, opt, rank, world)?;
         first_epoch = st.epoch;
         step_no = st.step;
     }
-    // Replicas start identical: rank 0's parameters (and BN state) win.
-    if world > 1 {
+    if let (true, Optimizer::Adam(opt)) = (replacement, &mut opt) {
+        // A replacement for a lost rank: the survivors' state, not its own start.
+        let mut pos = Position {
+            epoch: 0,
+            step_in_epoch: 0,
+            step_no: 0,
+            loss_sum: 0.0,
+        };
+        exchange_state(comm, true, &mut model, opt, &mut pos, cfg.seed)?;
+        (first_epoch, first_step, step_no) = (pos.epoch, pos.step_in_epoch as usize, pos.step_no);
+        joined_loss = Some(pos.loss_sum);
+    } else if world > 1 {
+        // Replicas start identical: rank 0's parameters (and BN state) win.
         comm.broadcast_in_place(&mut model.params[..], 0)?;
         broadcast_bn_state(comm, &mut model)?;
     }
-    let grads = match comm.alloc_shared::<f32>(model.num_params()) {
-        Ok(b) if world > 1 => Grads::Shared(b),
-        _ => Grads::Local(vec![0.0; model.num_params()]),
-    };
+    let grads = alloc_grads(comm, model.num_params());
     let mut eng = CpuEngine {
         cfg,
         train_set,
@@ -547,8 +671,19 @@ pub fn train(
         loss_sum: 0.0,
         ph: Phases::default(),
         eval: None,
+        recovery,
+        epoch: first_epoch,
+        joined_loss,
     };
-    let reports = epoch::run(&mut eng, cfg, first_epoch, train_set, test_set, obs)?;
+    let reports = epoch::run(
+        &mut eng,
+        cfg,
+        first_epoch,
+        first_step,
+        train_set,
+        test_set,
+        obs,
+    )?;
     Ok(TrainOutcome {
         reports,
         params: eng.model.params.clone(),

@@ -20,8 +20,8 @@ pub(crate) trait EpochEngine {
     type Error;
     /// This rank and the world size.
     fn rank_world(&self) -> (usize, usize);
-    /// An epoch over this rank's sample ids `idx` begins.
-    fn start_epoch(&mut self, idx: &[usize]) -> Result<(), Self::Error>;
+    /// Epoch `epoch` (0-based) over this rank's sample ids `idx` begins.
+    fn start_epoch(&mut self, epoch: u64, idx: &[usize]) -> Result<(), Self::Error>;
     /// Optimizer step `s` (0-based) over the micro-batches `group` (sample ids), whose first
     /// sample is at position `start` of the epoch's list. Returns the loss to show for it, or
     /// `None` when there is nothing new to show yet.
@@ -113,11 +113,15 @@ pub(crate) fn resume(
 }
 
 /// Train epochs `first_epoch..cfg.epochs` on `eng`, evaluating on `test_set` after each;
-/// `cfg.save` is written by rank 0 after every epoch (every rank waits for it).
+/// `cfg.save` is written by rank 0 after every epoch (every rank waits for it). The first epoch
+/// starts at its optimizer step `first_step` (a replacement rank joins its peers there: see
+/// `recover`; 0 otherwise).
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn run<G: EpochEngine>(
     eng: &mut G,
     cfg: &TrainConfig,
     first_epoch: u64,
+    first_step: usize,
     train_set: &Dataset,
     test_set: &Dataset,
     obs: &mut dyn Observer,
@@ -137,12 +141,17 @@ pub(crate) fn run<G: EpochEngine>(
     for epoch in first_epoch..cfg.epochs {
         let t0 = Instant::now();
         sampler.indices(epoch, &mut idx);
-        eng.start_epoch(&idx)?;
+        eng.start_epoch(epoch, &idx)?;
         let micro: Vec<&[usize]> = idx.chunks(cfg.batch_size).collect();
         let steps = micro.len().div_ceil(accum);
         obs.epoch_start(epoch + 1, cfg.epochs, steps);
         let mut images = 0usize;
         for (s, group) in micro.chunks(accum).enumerate() {
+            if epoch == first_epoch && s < first_step {
+                // Done by the peers before this replacement rank joined them.
+                images += group.iter().map(|c| c.len()).sum::<usize>();
+                continue;
+            }
             let loss = eng.train_step(s, s * accum * cfg.batch_size, group)?;
             images += group.iter().map(|c| c.len()).sum::<usize>();
             if let Some(loss) = loss {

@@ -1,6 +1,7 @@
 //! The data-parallel training loop: the settings, reports and errors of a run (`config.rs`), the epoch
 //! loop both engines run (`epoch.rs`: batches, evaluation, resume, observers, metrics, written
-//! once over the `EpochEngine` trait), and the CPU engine (`cpu.rs`).
+//! once over the `EpochEngine` trait), the CPU engine (`cpu.rs`), and its in-job recovery from a
+//! peer's death under `lockstep launch --restart-policy rank` (`recover.rs`).
 //!
 //! Every rank holds a full model. At start rank 0's parameters are broadcast so all replicas are
 //! identical. Each step a rank runs forward and backward on its shard of the batch, then the
@@ -23,6 +24,7 @@
 mod config;
 mod cpu;
 pub(crate) mod epoch;
+mod recover;
 
 pub use config::{
     EpochReport, Observer, OptimizerKind, Silent, TrainConfig, TrainError, TrainOutcome,
