@@ -375,14 +375,21 @@ impl HierBackend {
         }
         self.seq += 1;
         hdr.seq = self.seq;
-        let r = self.check(hdr);
-        if let Err(e) = &r {
-            self.fail(e);
-        }
-        r
+        let headers = match self.headers(hdr) {
+            Ok(h) => h,
+            Err(e) => {
+                self.fail(&e);
+                return Err(e);
+            }
+        };
+        // Every rank compares the same headers, so a mismatch is found by all of them at the
+        // same call, after the phase and before any data moved: the ranks are still in step,
+        // and the communicator stays usable (as on one node).
+        check_headers(&headers, self.seq)
     }
 
-    fn check(&mut self, header: Header) -> Result<(), CommError> {
+    /// Every rank's header of this call, in global rank order, on every rank.
+    fn headers(&mut self, header: Header) -> Result<Vec<Header>, CommError> {
         let op = CollKind::from_u8(header.kind).unwrap_or(CollKind::Barrier);
         let hdr = header.encode();
         let mut local = vec![0u8; self.node_size() * HEADER_BYTES];
@@ -391,10 +398,9 @@ impl HierBackend {
             .all_gather(&hdr[..], &mut local[..])
             .map_err(|e| self.node_error(e, op))?;
         let buf = self.world_blocks(local, HEADER_BYTES, TAG_HEADER, op)?;
-        let headers: Vec<Header> = (0..self.world)
+        Ok((0..self.world)
             .map(|g| Header::decode(&buf[STATUS_BYTES + g * HEADER_BYTES..]))
-            .collect();
-        check_headers(&headers, self.seq)
+            .collect())
     }
 
     /// Every rank's block of `b` bytes (this node's `local`, in local order), on every rank of the

@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 mod bins;
+pub mod capi;
 mod runner;
 #[allow(unused_imports)]
 pub use bins::lockstep_bin;
