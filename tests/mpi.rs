@@ -66,6 +66,10 @@ fn main() -> ExitCode {
             "hierarchical_collectives_block_nodes",
             hier::collectives_blocks,
         ),
+        (
+            "hierarchical_collectives_single_rank_nodes",
+            hier::collectives_single_rank_nodes,
+        ),
         ("hierarchical_mismatch_fails_every_rank", hier::mismatch),
         ("hierarchical_timeout_names_the_stuck_rank", hier::timeout),
         ("hierarchical_killed_rank_fails_every_rank", hier::killed),

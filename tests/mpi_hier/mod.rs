@@ -1,7 +1,7 @@
 //! The hierarchical communicator (`Communicator::from_env` under `mpiexec` with `LOCKSTEP_MPI=on`):
-//! 4 ranks as 2 nodes × 2, every collective it supports, every op and dtype, reductions
-//! bit-identical to `lockstep::reference::reduce` in node-major order; and the faults (a
-//! mismatch, a stuck rank, a killed rank) failing every rank with lockstep's messages.
+//! 4 ranks as 2 nodes × 2 (and as 4 nodes × 1), every collective it supports, every op and
+//! dtype, reductions bit-identical to `lockstep::reference::reduce` in node-major order; and the
+//! faults (a mismatch, a stuck rank, a killed rank) failing every rank with lockstep's messages.
 
 use std::fmt::Debug;
 use std::process::ExitCode;
@@ -346,6 +346,15 @@ pub fn collectives_round_robin() -> Result<(), String> {
 pub fn collectives_blocks() -> Result<(), String> {
     all_ok(&[
         ("LOCKSTEP_MPI_NODE_SIZE", "2"),
+        ("LOCKSTEP_TIMEOUT_S", "60"),
+    ])
+}
+
+/// 4 nodes of one rank each: every reduction through the leaders (one rail), each leader's
+/// input read from its own buffer and sent to three others.
+pub fn collectives_single_rank_nodes() -> Result<(), String> {
+    all_ok(&[
+        ("LOCKSTEP_MPI_NODE_SIZE", "1"),
         ("LOCKSTEP_TIMEOUT_S", "60"),
     ])
 }
