@@ -1,7 +1,9 @@
 //! MPI through the MPI-5 standard ABI (`lockstep::mpi`): discovery of the library pip's `mpich`
 //! ships, the refusals (a missing file, Open MPI 4.1's `libmpi.so.40`, MPICH's non-ABI
 //! `libmpi.so.12`), and 4 ranks under `mpiexec` seen as 2 nodes × 2 (`MPIR_CVAR_NUM_CLIQUES=2`)
-//! whose node leaders exchange messages with `MPI_ERRORS_RETURN` in force.
+//! whose node leaders exchange messages with `MPI_ERRORS_RETURN` in force; the hierarchical
+//! communicator on them (`mpi_hier`), and the C ABI's `lockstepCommInitFromEnv` joining it
+//! (crates/capi/tests/c/capi_test.c, mode `hier`).
 //!
 //! Each case that needs another `LOCKSTEP_MPI_LIBRARY` runs this binary again in a child mode
 //! (`LOCKSTEP_TEST_MPI_CHILD`), since the library is loaded once per process. Without an MPI-5
@@ -64,9 +66,14 @@ fn main() -> ExitCode {
             "hierarchical_collectives_block_nodes",
             hier::collectives_blocks,
         ),
+        (
+            "hierarchical_collectives_single_rank_nodes",
+            hier::collectives_single_rank_nodes,
+        ),
         ("hierarchical_mismatch_fails_every_rank", hier::mismatch),
         ("hierarchical_timeout_names_the_stuck_rank", hier::timeout),
         ("hierarchical_killed_rank_fails_every_rank", hier::killed),
+        ("c_abi_across_nodes", c_abi_across_nodes),
     ])
 }
 
@@ -122,6 +129,19 @@ fn abi_library_why(why: bool) -> Result<&'static lockstep::mpi::LibraryInfo, Str
 
 fn abi_library() -> Result<&'static lockstep::mpi::LibraryInfo, String> {
     abi_library_why(false)
+}
+
+/// The ABI library and the `mpiexec` installed beside it, or the skip.
+fn abi_mpiexec() -> Result<(&'static lockstep::mpi::LibraryInfo, PathBuf), String> {
+    let l = abi_library()?;
+    let mpiexec = l.mpiexec.clone().ok_or_else(|| {
+        common::skip(
+            REQUIRE_ABI,
+            &format!("no mpiexec installed beside {}", l.path),
+        )
+        .unwrap_err()
+    })?;
+    Ok((l, mpiexec))
 }
 
 fn discovery_finds_the_abi_library() -> Result<(), String> {
@@ -277,8 +297,22 @@ fn mpiexec_4(
     env: &[(&str, &str)],
 ) -> Result<(std::process::ExitStatus, std::process::Output), String> {
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    mpiexec_4_program(mpiexec, args, &exe, &[], env)
+}
+
+/// Run `program` with `program_args` as 4 ranks under `mpiexec`, as [`mpiexec_4`] does.
+fn mpiexec_4_program(
+    mpiexec: &Path,
+    args: &[&str],
+    program: &Path,
+    program_args: &[&str],
+    env: &[(&str, &str)],
+) -> Result<(std::process::ExitStatus, std::process::Output), String> {
     let mut cmd = Command::new(mpiexec);
-    cmd.args(["-n", "4"]).args(args).arg(&exe);
+    cmd.args(["-n", "4"])
+        .args(args)
+        .arg(program)
+        .args(program_args);
     for (k, v) in env {
         cmd.env(k, v);
     }
@@ -312,13 +346,7 @@ fn mpiexec_4(
 }
 
 fn two_nodes_by_two_under_mpiexec() -> Result<(), String> {
-    let l = abi_library()?;
-    let Some(mpiexec) = l.mpiexec.clone() else {
-        return common::skip(
-            REQUIRE_ABI,
-            &format!("no mpiexec installed beside {}", l.path),
-        );
-    };
+    let (l, mpiexec) = abi_mpiexec()?;
     let (status, out) = mpiexec_4(
         &mpiexec,
         &[],
@@ -465,4 +493,54 @@ fn ranks() -> Result<String, String> {
     line.push_str(", all-reduce 10 ok");
     world.barrier().map_err(|e| e.to_string())?;
     Ok(line)
+}
+
+/// The C ABI across nodes: `capi_test hier` (crates/capi/tests/c/capi_test.c) as 4 ranks under
+/// `mpiexec`, 2 simulated nodes × 2 (`MPIR_CVAR_NUM_CLIQUES=2`, `LOCKSTEP_MPI=on`): every rank's
+/// `lockstepCommInitFromEnv` gives the hierarchical backend, and every collective, dtype and op
+/// the program checks is correct.
+fn c_abi_across_nodes() -> Result<(), String> {
+    let (l, mpiexec) = abi_mpiexec()?;
+    let bin = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("capi_test_mpi");
+    common::capi::compile_c(
+        Path::new(env!("CARGO_MANIFEST_DIR")),
+        Path::new("crates/capi/tests/c/capi_test.c"),
+        &bin,
+    )?;
+    let (status, out) = mpiexec_4_program(
+        &mpiexec,
+        &[],
+        &bin,
+        &["hier"],
+        &[
+            ("MPIR_CVAR_NUM_CLIQUES", "2"),
+            ("LOCKSTEP_MPI", "on"),
+            ("LOCKSTEP_MPI_LIBRARY", &l.path),
+            ("LOCKSTEP_TIMEOUT_S", "60"),
+        ],
+    )?;
+    let both = common::show(&out);
+    common::check(
+        status.success(),
+        "mpiexec -n 4 capi_test hier succeeds",
+        &both,
+    )?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    for r in 0..4 {
+        for want in [
+            format!("rank {r} of 4: backend hier"),
+            format!("rank {r}: hier: bcast verified"),
+            format!("rank {r} of 4: all checks passed"),
+        ] {
+            common::check(
+                stdout.lines().any(|l| l.starts_with(&want)),
+                &format!("rank {r} reports `{want}`"),
+                &both,
+            )?;
+        }
+    }
+    println!(
+        "  4 ranks (2 nodes × 2) through lockstepCommInitFromEnv: backend hier, all checks passed"
+    );
+    Ok(())
 }

@@ -27,6 +27,8 @@ __all__ = [
     "fork_refusal",
     "die_with_parent",
     "join_named",
+    "join_mpi",
+    "mpi_placement",
     "_register_torch",
     "status_json",
     "__version__",
@@ -47,14 +49,15 @@ class CommError(RuntimeError):
     # For a timeout, the global ranks this rank was still waiting for; empty otherwise.
     missing: list[int]
 
-# No constructor: made by init_from_env(), join_named(), ShmJob.communicator() or to_device().
+# No constructor: made by init_from_env(), join_named(), join_mpi(), ShmJob.communicator() or
+# to_device().
 @final
 class Communicator:
     @property
     def rank(self) -> int: ...
     @property
     def world_size(self) -> int: ...
-    # "shm", "nccl" or "staged".
+    # "shm", "nccl", "staged" or "hier" (shared memory in each node, MPI between nodes).
     @property
     def backend(self) -> str: ...
     # The CUDA device of a device communicator; None for host backends.
@@ -208,6 +211,14 @@ def die_with_parent(parent_pid: int) -> bool: ...
 # Joins the named segment; rank 0 creates it. Settings from the LOCKSTEP_SHM_* variables;
 # timeout (seconds), when given, instead of LOCKSTEP_TIMEOUT_S.
 def join_named(job_id: str, rank: int, world: int, timeout: float | None = None) -> Communicator: ...
+
+# Joins the job MPI started this process in through the hierarchical backend ("hier"), whatever
+# LOCKSTEP_MPI says; every rank of MPI_COMM_WORLD at once, ranked as there. timeout as above.
+def join_mpi(timeout: float | None = None) -> Communicator: ...
+
+# (LOCKSTEP_MPI checked: "auto", "on" or "off"; this machine's host id, as init_from_env compares
+# hosts.)
+def mpi_placement() -> tuple[str, str]: ...
 
 # What `lockstep status --json` prints: this user's jobs (job None) or one job's ranks.
 # ValueError when no job matches.

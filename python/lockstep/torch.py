@@ -3,7 +3,15 @@ tensors):
 
     import torch.distributed as dist
     import lockstep.torch  # noqa: F401
-    dist.init_process_group("lockstep")  # under torchrun, `lockstep launch`, mpirun, or any env://
+    dist.init_process_group("lockstep")  # under torchrun, `lockstep launch`, mpiexec, mpirun, srun, or any env://
+
+Under an MPI launcher (MPICH's ``mpiexec``, Open MPI's ``mpirun``, ``srun``) without torchrun,
+importing this module sets torch's ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and
+``LOCAL_WORLD_SIZE`` from the launcher's variables where ``RANK`` and ``WORLD_SIZE`` are unset;
+``MASTER_ADDR`` and ``MASTER_PORT`` (rank 0's host and a free port there) are the user's to export.
+A group of every rank of such a job whose ranks run on several hosts (or any such group with
+``LOCKSTEP_MPI=on``) joins through MPI: lockstep's ``hier`` backend, shared memory inside each
+host and MPI between hosts, CPU tensors only (docs/mpi.md).
 
 Inside a :func:`lockstep.notebook_launcher` rank of a caller that imported torch, the default
 process group is already initialised on this backend (check ``dist.is_initialized()`` before
@@ -185,6 +193,11 @@ class _Ops:
         same kind of device everywhere): NCCL when each rank has its own GPU, else staged through
         a second shared segment. Its device is the tensor's."""
         if self._device_comm is None:
+            if self._job_id is None and self._comm.backend == "hier":
+                raise RuntimeError(
+                    "this process group spans nodes through MPI (lockstep's hier backend), which carries CPU tensors only: "
+                    "move the tensors to the CPU, or use the NCCL backend for CUDA tensors across nodes"
+                )
             if self._job_id is None:
                 raise RuntimeError("this process group was made without a job id, so it cannot make a device communicator")
             host = _native.join_named(f"{self._job_id}-cuda", self._rank, self._world_size, self._timeout_s)
@@ -688,7 +701,7 @@ if PY_BACKEND:
                     "cannot be split by such a rank): call dist.split_group on a group whose backends are all lockstep"
                 )
             timeout = opts._timeout if opts is not None else self._options._timeout
-            child = _join(store, ranks.index(self._rank), len(ranks), timeout)
+            child = _join(store, ranks.index(self._rank), len(ranks), timeout, ranks)
             self._last_split = (name, child)
             return child
 
@@ -805,18 +818,93 @@ def _create(opts, backend_options=None):
     parent = getattr(opts, "split_from", None)
     if PY_BACKEND and isinstance(parent, BackendLockstep):
         parent._splits += 1
-    return _join(opts.store, opts.group_rank, opts.group_size, opts.timeout)
+    return _join(opts.store, opts.group_rank, opts.group_size, opts.timeout, getattr(opts, "global_ranks_in_group", None))
 
 
-def _join(store, rank, size, timeout):
-    if rank == 0:
-        store.set(_KEY, f"torch-{uuid.uuid4().hex[:16]}")
-    job_id = store.get(_KEY).decode()
+def _join(store, rank, size, timeout, ranks=None):
+    """This rank's backend of a group of `size` ranks (`ranks`: their ranks in the job, in group
+    order; empty or None: the whole job). One node: a shared segment named by the group's rank 0
+    in `store`. Across nodes, under an MPI launcher: the job's hierarchical communicator."""
     timeout_s = _group_timeout(timeout)
-    comm = _native.join_named(job_id, rank, size, timeout_s)
+    if _through_mpi(store, rank, size, ranks):
+        comm = _native.join_mpi(timeout_s)
+        if comm.rank != rank:
+            raise RuntimeError(
+                f"torch gave this process rank {rank} but MPI ranks it {comm.rank}: under an MPI launcher leave RANK and "
+                "WORLD_SIZE unset (lockstep.torch takes them from the launcher), or set them to MPI's ranks"
+            )
+        job_id = None
+    else:
+        if rank == 0:
+            store.set(_KEY, f"torch-{uuid.uuid4().hex[:16]}")
+        job_id = store.get(_KEY).decode()
+        comm = _native.join_named(job_id, rank, size, timeout_s)
     if PY_BACKEND:
         return BackendLockstep(comm, rank, size, job_id, timeout)
     return ProcessGroupLockstep(comm, rank, size, job_id, timeout_s)
+
+
+# The MPI launchers, in lockstep.init_from_env's order of precedence: their variables for the
+# rank, the world size, the local rank and the local world size (None: not given).
+_MPI_LAUNCHERS = (
+    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", None),
+    ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+)
+
+
+def _mpi_launch(env=os.environ):
+    """The variables of the MPI launcher (Open MPI's mpirun, srun, MPICH's mpiexec) that started
+    this process, as (rank, world size, local rank, local world size) names, or None."""
+    for names in _MPI_LAUNCHERS:
+        if env.get(names[0], "").strip() and env.get(names[1], "").strip():
+            return names
+    return None
+
+
+def _torch_vars_from_mpi(env=os.environ):
+    """Under an MPI launcher and not under torchrun (``RANK`` and ``WORLD_SIZE`` both unset): set
+    torch's ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` from the
+    launcher's, so that ``dist.init_process_group("lockstep")`` (env://) runs under mpiexec,
+    mpirun or srun as under torchrun. ``MASTER_ADDR`` and ``MASTER_PORT`` (where rank 0 hosts
+    torch's store) remain the user's to give."""
+    names = _mpi_launch(env)
+    if names is None or env.get("RANK", "").strip() or env.get("WORLD_SIZE", "").strip():
+        return
+    for torch_name, name in zip(("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"), names):
+        if name is not None and env.get(name, "").strip() and not env.get(torch_name, "").strip():
+            env[torch_name] = env[name].strip()
+
+
+_torch_vars_from_mpi()
+
+
+def _through_mpi(store, rank, size, ranks):
+    """Whether a group of `size` ranks joins through MPI (lockstep's hier backend) rather than a
+    shared segment: under an MPI launcher, for a group of every rank of the job in order (MPI
+    ranks the communicator as ``MPI_COMM_WORLD``), with ``LOCKSTEP_MPI=on``, or with ``auto``
+    (the default) when its ranks run on several hosts, as ``lockstep.init_from_env`` decides.
+    With ``auto`` the ranks compare their hosts through the group's `store`; a group that spans
+    hosts without being the whole job is refused (a shared segment cannot span them)."""
+    names = _mpi_launch()
+    if names is None or size < 2:
+        return False
+    mode, host = _native.mpi_placement()
+    if mode == "off":
+        return False
+    world = int(os.environ[names[1]])
+    whole = size == world and list(ranks or range(size)) == list(range(size))
+    if mode == "on":
+        return whole
+    store.set(f"lockstep/host/{rank}", host)
+    elsewhere = [r for r in range(size) if store.get(f"lockstep/host/{r}").decode() != host]
+    if elsewhere and not whole:
+        raise RuntimeError(
+            f"this lockstep process group of {size} ranks spans hosts (rank {rank} and rank {elsewhere[0]} of the group run "
+            f"on different hosts), but only a group of all {world} ranks of the job can join across hosts (through MPI): "
+            "make groups of ranks on one host, or use the whole job's group"
+        )
+    return bool(elsewhere)
 
 
 def _register():

@@ -551,7 +551,7 @@ impl PyComm {
         self.world
     }
 
-    /// The backend running the collectives (`"shm"`, `"nccl"`, `"staged"`).
+    /// The backend running the collectives (`"shm"`, `"nccl"`, `"staged"`, `"hier"`).
     #[getter]
     fn backend(&self) -> &str {
         &self.backend

@@ -94,8 +94,34 @@ fn join_named(
     world: usize,
     timeout: Option<f64>,
 ) -> PyResult<PyComm> {
+    joined(py, "join_named", timeout, |cfg| {
+        lockstep::shm::ShmComm::join_named(job_id, rank, world, cfg)
+            .map(|c| lockstep::Communicator::from_backend(Box::new(c)))
+    })
+}
+
+/// Join the job MPI started this process in through the hierarchical backend (`hier`: shared
+/// memory in each node, MPI between nodes), whatever `LOCKSTEP_MPI` says: the torch backend's
+/// path for a process group that spans nodes. Every rank of `MPI_COMM_WORLD` calls it at once and
+/// gets its rank there. `timeout` (seconds) as for `join_named`.
+#[pyfunction]
+#[pyo3(signature = (timeout=None))]
+fn join_mpi(py: Python<'_>, timeout: Option<f64>) -> PyResult<PyComm> {
+    joined(py, "join_mpi", timeout, lockstep::rendezvous::join_mpi)
+}
+
+/// Build a communicator with `join` (without the GIL) from the `LOCKSTEP_SHM_*` settings, its
+/// timeout replaced by `timeout` seconds when given (`what` names the caller in a bad timeout's
+/// error).
+fn joined(
+    py: Python<'_>,
+    what: &str,
+    timeout: Option<f64>,
+    join: impl FnOnce(lockstep::shm::ShmConfig) -> Result<lockstep::Communicator, lockstep::CommError>
+        + Send,
+) -> PyResult<PyComm> {
     let timeout = timeout
-        .map(|t| comm::seconds(t, "join_named: timeout"))
+        .map(|t| comm::seconds(t, &format!("{what}: timeout")))
         .transpose()?;
     log::install()?;
     let c = py.detach(|| {
@@ -103,11 +129,21 @@ fn join_named(
         if let Some(t) = timeout {
             cfg.timeout = t;
         }
-        lockstep::shm::ShmComm::join_named(job_id, rank, world, cfg)
-            .map(|c| lockstep::Communicator::from_backend(Box::new(c)))
+        join(cfg)
     });
     log::deliver(py);
     Ok(PyComm::new(c.map_err(comm_err)?))
+}
+
+/// `LOCKSTEP_MPI`, checked (`"auto"`, also when unset; `"on"`; `"off"`), and this machine's id
+/// as `lockstep.init_from_env` compares hosts (`LOCKSTEP_HOST_ID`, else the host name and boot
+/// id): what the torch backend needs to tell whether a group spans hosts.
+#[pyfunction]
+fn mpi_placement() -> PyResult<(&'static str, String)> {
+    let mode = lockstep::rendezvous::mpi_mode().map_err(comm_err)?;
+    let host = lockstep::rendezvous::host_id()
+        .map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))?;
+    Ok((mode, host))
 }
 
 /// In a freshly forked rank: ask the kernel to SIGKILL this process when the thread that forked
@@ -175,6 +211,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(fork_refusal, m)?)?;
     m.add_function(wrap_pyfunction!(die_with_parent, m)?)?;
     m.add_function(wrap_pyfunction!(join_named, m)?)?;
+    m.add_function(wrap_pyfunction!(join_mpi, m)?)?;
+    m.add_function(wrap_pyfunction!(mpi_placement, m)?)?;
     m.add_function(wrap_pyfunction!(status_json, m)?)?;
     m.add_function(wrap_pyfunction!(buffer::_register_torch, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

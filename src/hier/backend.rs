@@ -8,7 +8,10 @@ use super::fold;
 use super::layout::{slices, Layout};
 use super::wire::{check_headers, Failure, Header, HEADER_BYTES, STATUS_BYTES, UNREACHABLE};
 use crate::comm::{Backend, BackendKind, Call, CommError, Communicator, P2pOp, Splits, ANY_SOURCE};
-use crate::mpi::{from_bytes, read_mem, to_bytes, write_mem, MpiComm, MpiError, Request, Waited};
+use crate::mpi::{
+    bytes_of, elems, elems_mut, from_bytes, read_mem, read_mem_into, to_bytes, write_mem, MpiComm,
+    MpiError, Request, Waited,
+};
 use crate::reference::Arith;
 use crate::types::{CollKind, Dtype, Element, MemSpace, RawMem, ReduceOp};
 
@@ -27,6 +30,13 @@ const CHUNK_BYTES: usize = 1 << 20;
 /// Reductions up to this size go through the node leaders (one exchange between nodes); larger
 /// ones through every rail (each local rank reduces its slice along the chain of nodes).
 const SMALL_BYTES: usize = 16 << 10;
+
+/// Message buffers of at least this many bytes are kept for later calls (`spare`): a fresh
+/// large allocation costs a page fault per page as it is first written, more than copying it.
+const SPARE_MIN: usize = 64 << 10;
+/// At most this many spare buffers are kept, each of at most `SPARE_MAX` bytes.
+const SPARE_COUNT: usize = 4;
+const SPARE_MAX: usize = 64 << 20;
 
 /// Bytes of the header of a point-to-point message between nodes: dtype and count.
 const P2P_HEADER: usize = 16;
@@ -76,6 +86,8 @@ pub(crate) struct HierBackend {
     /// Whether the failure being reported was passed on by another rank (a status or a notice),
     /// which told the other nodes itself.
     heard: bool,
+    /// Large message buffers of earlier calls, for their allocations (see `SPARE_MIN`).
+    spare: Vec<Vec<u8>>,
 }
 
 /// A host buffer of this process as the memory of a call.
@@ -178,7 +190,27 @@ impl HierBackend {
             timeout,
             failed: None,
             heard: false,
+            spare: Vec::new(),
         })
+    }
+
+    /// An empty buffer for a message of `len` bytes: a spare one's allocation when it is large.
+    fn buffer(&mut self, len: usize) -> Vec<u8> {
+        let mut b = if len >= SPARE_MIN {
+            self.spare.pop().unwrap_or_default()
+        } else {
+            Vec::new()
+        };
+        b.clear();
+        b
+    }
+
+    /// Keep `b`'s allocation for a later message (within `SPARE_COUNT` and `SPARE_MAX`).
+    fn recycle(&mut self, b: Vec<u8>) {
+        if b.capacity() >= SPARE_MIN && b.capacity() <= SPARE_MAX && self.spare.len() < SPARE_COUNT
+        {
+            self.spare.push(b);
+        }
     }
 
     /// How much longer a rank waits for a step that depends on another node's waits: a rank that
@@ -375,14 +407,21 @@ impl HierBackend {
         }
         self.seq += 1;
         hdr.seq = self.seq;
-        let r = self.check(hdr);
-        if let Err(e) = &r {
-            self.fail(e);
-        }
-        r
+        let headers = match self.headers(hdr) {
+            Ok(h) => h,
+            Err(e) => {
+                self.fail(&e);
+                return Err(e);
+            }
+        };
+        // Every rank compares the same headers, so a mismatch is found by all of them at the
+        // same call, after the phase and before any data moved: the ranks are still in step,
+        // and the communicator stays usable (as on one node).
+        check_headers(&headers, self.seq)
     }
 
-    fn check(&mut self, header: Header) -> Result<(), CommError> {
+    /// Every rank's header of this call, in global rank order, on every rank.
+    fn headers(&mut self, header: Header) -> Result<Vec<Header>, CommError> {
         let op = CollKind::from_u8(header.kind).unwrap_or(CollKind::Barrier);
         let hdr = header.encode();
         let mut local = vec![0u8; self.node_size() * HEADER_BYTES];
@@ -391,10 +430,9 @@ impl HierBackend {
             .all_gather(&hdr[..], &mut local[..])
             .map_err(|e| self.node_error(e, op))?;
         let buf = self.world_blocks(local, HEADER_BYTES, TAG_HEADER, op)?;
-        let headers: Vec<Header> = (0..self.world)
+        Ok((0..self.world)
             .map(|g| Header::decode(&buf[STATUS_BYTES + g * HEADER_BYTES..]))
-            .collect();
-        check_headers(&headers, self.seq)
+            .collect())
     }
 
     /// Every rank's block of `b` bytes (this node's `local`, in local order), on every rank of the
@@ -460,15 +498,34 @@ impl HierBackend {
         let mut reqs = Vec::with_capacity(2 * others.len());
         for &k in &others {
             let leader = self.layout.global(k, 0);
-            reqs.push(self.mpi.irecv(leader, tag, sizes[k]).map_err(mpi_err)?);
+            let b = self.buffer(sizes[k]);
+            reqs.push(
+                self.mpi
+                    .irecv_into(leader, tag, sizes[k], b)
+                    .map_err(mpi_err)?,
+            );
         }
-        for &k in &others {
+        // The last send takes `mine` itself (no copy) and hands it back once done.
+        let mut mine = Some(mine);
+        for (i, &k) in others.iter().enumerate() {
             let leader = self.layout.global(k, 0);
-            reqs.push(self.mpi.isend(leader, tag, mine.clone()).map_err(mpi_err)?);
+            let data = if i + 1 == others.len() {
+                mine.take()
+            } else {
+                mine.clone()
+            };
+            reqs.push(
+                self.mpi
+                    .isend(leader, tag, data.unwrap_or_default())
+                    .map_err(mpi_err)?,
+            );
         }
         self.mpi_wait("the exchange between node leaders", &mut reqs, 1, op)?;
         let mut blocks = vec![Vec::new(); nodes];
-        for (req, &k) in reqs.into_iter().zip(&others) {
+        let mut reqs = reqs.into_iter();
+        // `others` first: a zip polls its first iterator once more at the end, which would
+        // drop the send whose buffer is `mine`.
+        for (&k, req) in others.iter().zip(reqs.by_ref()) {
             let b = req.into_data();
             if b.len() != sizes[k] {
                 return Err(bug(format!(
@@ -479,7 +536,10 @@ impl HierBackend {
             }
             blocks[k] = b;
         }
-        blocks[self.node_index] = mine;
+        blocks[self.node_index] = match mine {
+            Some(m) => m,
+            None => reqs.last().map(Request::into_data).unwrap_or_default(),
+        };
         Ok(blocks)
     }
 
@@ -545,9 +605,9 @@ impl HierBackend {
     fn deliver<T: Element>(&self, out: Output, result: &[T]) -> Result<(), CommError> {
         let sz = std::mem::size_of::<T>();
         let w = match out {
-            Output::Full(mem) => write_mem(mem, sz, 0, &to_bytes(result)),
+            Output::Full(mem) => write_mem(mem, sz, 0, bytes_of(result)),
             Output::Block(mem, at) => match result.get(at..at + mem.len) {
-                Some(b) => write_mem(mem, sz, 0, &to_bytes(b)),
+                Some(b) => write_mem(mem, sz, 0, bytes_of(b)),
                 None => Err(format!("block {at}+{} of {}", mem.len, result.len())),
             },
             Output::Nothing => Ok(()),
@@ -584,38 +644,68 @@ impl HierBackend {
         let (n, op, kind) = (call.count, call.op, call.kind);
         let sz = std::mem::size_of::<T>();
         let nl = self.node_size();
-        let mut gathered: Vec<T> = vec![T::default(); if self.leader() { nl * n } else { 0 }];
-        let recv = host_mut(&mut gathered);
         let send = RawMem {
             len: n,
             ..call.send
         };
-        let gather = moving::<T>(CollKind::Gather, send, recv, Splits::default());
-        self.on_node(&gather, 2, kind)?;
-        let mut buf = vec![0u8; STATUS_BYTES + n * sz];
+        // The node's inputs on its leader, as the message to the other leaders: the caller's
+        // buffer itself when the node is this rank alone, else gathered in shared memory.
+        let mut mine = self.buffer(nl * n * sz);
+        if nl == 1 {
+            read_mem_into(send, sz, 0, n, &mut mine).map_err(bug)?;
+        } else {
+            let mut gathered: Vec<T> = vec![T::default(); if self.leader() { nl * n } else { 0 }];
+            let recv = host_mut(&mut gathered);
+            let gather = moving::<T>(CollKind::Gather, send, recv, Splits::default());
+            self.on_node(&gather, 2, kind)?;
+            mine.extend_from_slice(bytes_of(&gathered));
+        }
+        // The leader's result goes to its own output directly; the status, and for the node's
+        // other ranks the result, travel in `buf`.
+        let mut buf = vec![0u8; STATUS_BYTES + if nl > 1 { n * sz } else { 0 }];
+        let mut result: Option<Vec<u8>> = None;
         let mut outcome = Ok(());
         if self.leader() {
             let sizes: Vec<usize> = self.layout.nodes.iter().map(|m| m.len() * n * sz).collect();
-            let mine = to_bytes(&gathered);
-            drop(gathered);
-            outcome = self
-                .leaders_exchange(mine, TAG_DATA, &sizes, kind)
-                .map(|blocks| {
-                    let mut acc: Option<Vec<T::Acc>> = None;
-                    for block in &blocks {
-                        for x in from_bytes::<T>(block).chunks_exact(n) {
-                            match &mut acc {
-                                None => acc = Some(fold::start(x)),
-                                Some(a) => fold::add(op, a, x),
+            match self.leaders_exchange(mine, TAG_DATA, &sizes, kind) {
+                Ok(blocks) => {
+                    let mut res = self.buffer(n * sz);
+                    res.resize(n * sz, 0);
+                    {
+                        let views: Vec<_> = blocks.iter().map(|b| elems::<T>(b)).collect();
+                        let inputs: Vec<&[T]> =
+                            views.iter().flat_map(|v| v.chunks_exact(n)).collect();
+                        match elems_mut::<T>(&mut res) {
+                            Some(o) => fold::reduce_into(op, &inputs, self.world, o),
+                            None => {
+                                let mut o = vec![T::default(); n];
+                                fold::reduce_into(op, &inputs, self.world, &mut o);
+                                res.copy_from_slice(bytes_of(&o));
                             }
                         }
                     }
-                    let result = fold::finish::<T>(op, &acc.unwrap_or_default(), self.world);
-                    buf[STATUS_BYTES..].copy_from_slice(&to_bytes(&result));
-                });
+                    if nl > 1 {
+                        buf[STATUS_BYTES..].copy_from_slice(&res);
+                    }
+                    for b in blocks {
+                        self.recycle(b);
+                    }
+                    result = Some(res);
+                }
+                Err(e) => outcome = Err(e),
+            }
+        } else {
+            self.recycle(mine);
         }
         self.hand_out(&mut buf, outcome, kind)?;
-        self.deliver(out, &from_bytes::<T>(&buf[STATUS_BYTES..]))
+        let delivered = match &result {
+            Some(r) => self.deliver(out, &elems::<T>(r)),
+            None => self.deliver(out, &elems::<T>(&buf[STATUS_BYTES..])),
+        };
+        if let Some(r) = result {
+            self.recycle(r);
+        }
+        delivered
     }
 
     /// Large reductions, on every rail at once: (1) in shared memory each local rank `j` of the

@@ -29,6 +29,11 @@ use super::sys::{
     MPI_ERRORS_RETURN, MPI_REQUEST_NULL, MPI_THREAD_MULTIPLE,
 };
 
+/// Polls of a wait that spin before it starts yielding the core.
+const SPIN_POLLS: u32 = 1000;
+/// How long a wait polls without sleeping: long enough for a large message to cross while
+/// polled, short enough that a late peer soon gets the core back.
+const YIELD_FOR: Duration = Duration::from_millis(100);
 /// The largest tag lockstep uses: `MPI_TAG_UB` is at least this in every MPI.
 const MAX_TAG: u16 = 32767;
 
@@ -274,9 +279,22 @@ impl MpiComm {
 
     /// Start receiving up to `len` bytes from `peer` with `tag` (at most 32767).
     pub fn irecv(&self, peer: usize, tag: u16, len: usize) -> Result<Request, MpiError> {
+        self.irecv_into(peer, tag, len, Vec::new())
+    }
+
+    /// [`irecv`](Self::irecv) into `data`, whose allocation is reused when large enough (a
+    /// fresh one costs a page fault per page as MPI writes it).
+    pub fn irecv_into(
+        &self,
+        peer: usize,
+        tag: u16,
+        len: usize,
+        mut data: Vec<u8>,
+    ) -> Result<Request, MpiError> {
         let source = self.peer(peer)?;
         let tag = Self::tag(tag)?;
-        let mut data = vec![0u8; len];
+        data.clear();
+        data.resize(len, 0);
         // SAFETY: as in `isend`; nothing else touches the buffer while the request holds it.
         let req = unsafe { result::irecv_bytes(data.as_mut_ptr(), len, source, tag, self.comm) }?;
         Ok(Request::new(
@@ -341,11 +359,16 @@ impl MpiComm {
                 };
             }
             polls = polls.wrapping_add(1);
-            // Spin briefly for low latency, then give the core away between polls.
-            if polls > 1000 {
-                std::thread::sleep(Duration::from_micros(50));
-            } else {
+            // MPI moves a message only inside MPI_Test (a large one chunk by chunk), so a wait
+            // keeps polling: spinning at first, then yielding the core between polls (a rank
+            // sharing it, the peer perhaps, runs), and only after YIELD_FOR sleeping between
+            // polls (a peer that is late for long, still computing, gets the core).
+            if polls <= SPIN_POLLS {
                 std::hint::spin_loop();
+            } else if start.elapsed() < YIELD_FOR {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(Duration::from_micros(50));
             }
         }
     }

@@ -28,7 +28,9 @@ mod sys;
 pub use comm::{Mpi, MpiComm, Request, Waited};
 pub use discovery::LibraryInfo;
 pub use error::MpiError;
-pub(crate) use stage::{from_bytes, read_mem, to_bytes, write_mem};
+pub(crate) use stage::{
+    bytes_of, elems, elems_mut, from_bytes, read_mem, read_mem_into, to_bytes, write_mem,
+};
 
 /// Find and load the MPI library (once per process), without initialising MPI.
 pub fn library() -> Result<&'static LibraryInfo, MpiError> {

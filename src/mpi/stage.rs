@@ -9,14 +9,44 @@
 
 use crate::types::{Element, MemSpace, RawMem};
 
-/// `v`'s bytes (native order, as every rank of a job runs the same architecture).
+/// `v`'s bytes, in place (native order, as every rank of a job runs the same architecture).
+pub(crate) fn bytes_of<T: Element>(v: &[T]) -> &[u8] {
+    // SAFETY: `T` is a plain numeric type (`Element` is sealed to them) without padding, so all
+    // of `v`'s `size_of_val(v)` bytes are initialised; u8 needs no alignment, and the view
+    // borrows `v`.
+    unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
+}
+
+/// `v`'s bytes, copied into a buffer a message can own.
 pub(crate) fn to_bytes<T: Element>(v: &[T]) -> Vec<u8> {
-    let bytes = std::mem::size_of_val(v);
-    let mut out = vec![0u8; bytes];
-    // SAFETY: `T` is a plain numeric type (`Element` is sealed to them), so its bytes are
-    // initialised; `out` holds `bytes` bytes and does not overlap `v`.
-    unsafe { std::ptr::copy_nonoverlapping(v.as_ptr().cast::<u8>(), out.as_mut_ptr(), bytes) };
-    out
+    bytes_of(v).to_vec()
+}
+
+/// The elements whose bytes are `b`, in place when `b` is aligned for `T` and whole elements
+/// (a received buffer usually is: the allocator aligns large blocks), else copied.
+pub(crate) fn elems<T: Element>(b: &[u8]) -> std::borrow::Cow<'_, [T]> {
+    let sz = std::mem::size_of::<T>();
+    if b.len().is_multiple_of(sz) && (b.as_ptr() as usize).is_multiple_of(std::mem::align_of::<T>())
+    {
+        // SAFETY: `b` is aligned for `T` and holds `b.len() / sz` whole elements (both checked
+        // above); every bit pattern is a valid plain numeric element; the view borrows `b`.
+        let v = unsafe { std::slice::from_raw_parts(b.as_ptr().cast::<T>(), b.len() / sz) };
+        return std::borrow::Cow::Borrowed(v);
+    }
+    std::borrow::Cow::Owned(from_bytes(b))
+}
+
+/// `b` as elements of `T`, in place, when it is aligned for `T` and whole elements.
+pub(crate) fn elems_mut<T: Element>(b: &mut [u8]) -> Option<&mut [T]> {
+    let sz = std::mem::size_of::<T>();
+    if !b.len().is_multiple_of(sz)
+        || !(b.as_ptr() as usize).is_multiple_of(std::mem::align_of::<T>())
+    {
+        return None;
+    }
+    // SAFETY: as in `elems`; the view borrows `b` mutably, and every element written through it
+    // leaves valid bytes.
+    Some(unsafe { std::slice::from_raw_parts_mut(b.as_mut_ptr().cast::<T>(), b.len() / sz) })
 }
 
 /// The elements whose bytes are `b` (a trailing partial element is dropped).
@@ -50,15 +80,29 @@ fn range(mem: RawMem, elem: usize, at: usize, len: usize) -> Result<(usize, usiz
 
 /// A copy of elements `at..at + len` of host memory `mem` (elements of `elem` bytes).
 pub(crate) fn read_mem(mem: RawMem, elem: usize, at: usize, len: usize) -> Result<Vec<u8>, String> {
+    let mut out = Vec::new();
+    read_mem_into(mem, elem, at, len, &mut out)?;
+    Ok(out)
+}
+
+/// [`read_mem`] into `out` (replacing its contents; its allocation is reused when large enough).
+pub(crate) fn read_mem_into(
+    mem: RawMem,
+    elem: usize,
+    at: usize,
+    len: usize,
+    out: &mut Vec<u8>,
+) -> Result<(), String> {
     let (addr, bytes) = range(mem, elem, at, len)?;
-    let mut out = vec![0u8; bytes];
+    out.clear();
     if bytes > 0 {
         // SAFETY: `mem` is host memory of at least `mem.len` elements that the communicator
-        // checked and that lives for the call; the range lies within it (checked above); `out`
-        // is a fresh allocation of `bytes` bytes.
-        unsafe { std::ptr::copy_nonoverlapping(addr as *const u8, out.as_mut_ptr(), bytes) };
+        // checked and that lives for the call; the range lies within it (checked above), and
+        // does not overlap `out`, which this module's callers own.
+        let src = unsafe { std::slice::from_raw_parts(addr as *const u8, bytes) };
+        out.extend_from_slice(src);
     }
-    Ok(out)
+    Ok(())
 }
 
 /// Write `bytes` over elements `at..` of host memory `mem` (elements of `elem` bytes).

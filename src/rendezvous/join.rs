@@ -201,6 +201,25 @@ impl Communicator {
     }
 }
 
+/// `LOCKSTEP_MPI`, checked: `"auto"` (also when unset), `"on"` or `"off"`. For joiners other
+/// than [`Communicator::from_env`] (the torch backend) that choose between a node's shared
+/// memory and [`join_mpi`] themselves.
+pub fn mpi_mode() -> Result<&'static str, CommError> {
+    Ok(match hier::mpi_mode().map_err(env_err)? {
+        MpiMode::Auto => "auto",
+        MpiMode::On => "on",
+        MpiMode::Off => "off",
+    })
+}
+
+/// Join the job MPI started this process in through the hierarchical backend (`hier`: shared
+/// memory inside each node, MPI between nodes), whatever `LOCKSTEP_MPI` says: one communicator
+/// over every rank of `MPI_COMM_WORLD`, ranked as there. Every rank of the job must call it at
+/// the same time. `cfg` sets each node's shared memory (its timeout is the collectives').
+pub fn join_mpi(cfg: ShmConfig) -> Result<Communicator, CommError> {
+    hier::join(cfg)
+}
+
 /// The multi-node part of [`Communicator::from_env`], over a connected store.
 fn rendezvous_through_store(
     info: &EnvInfo,

@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 mod bins;
+pub mod capi;
 pub mod forked;
 mod runner;
 #[allow(unused_imports)]

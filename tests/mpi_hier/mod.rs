@@ -1,7 +1,7 @@
 //! The hierarchical communicator (`Communicator::from_env` under `mpiexec` with `LOCKSTEP_MPI=on`):
-//! 4 ranks as 2 nodes × 2, every collective it supports, every op and dtype, reductions
-//! bit-identical to `lockstep::reference::reduce` in node-major order; and the faults (a
-//! mismatch, a stuck rank, a killed rank) failing every rank with lockstep's messages.
+//! 4 ranks as 2 nodes × 2 (and as 4 nodes × 1), every collective it supports, every op and
+//! dtype, reductions bit-identical to `lockstep::reference::reduce` in node-major order; and the
+//! faults (a mismatch, a stuck rank, a killed rank) failing every rank with lockstep's messages.
 
 use std::fmt::Debug;
 use std::process::ExitCode;
@@ -12,7 +12,7 @@ use lockstep::half::{bf16, f16};
 use lockstep::mpi::Mpi;
 use lockstep::{reference, CommError, Communicator, Element, ReduceOp};
 
-use super::{abi_library, common, mpiexec_4, CHILD, REQUIRE_ABI};
+use super::{abi_mpiexec, common, mpiexec_4, CHILD};
 
 /// Which fault the ranks stage (`LOCKSTEP_TEST_HIER_FAULT`).
 const FAULT: &str = "LOCKSTEP_TEST_HIER_FAULT";
@@ -207,8 +207,15 @@ fn run() -> Result<String, String> {
         Ok("mismatch") => {
             let x = vec![1f32; if rank == 3 { 5 } else { 4 }];
             let mut y = vec![0f32; x.len()];
-            c.all_reduce(&x[..], &mut y[..], ReduceOp::Sum).map_err(e)?;
-            return Ok("no mismatch reported".into());
+            let Err(mismatch) = c.all_reduce(&x[..], &mut y[..], ReduceOp::Sum) else {
+                return Ok("no mismatch reported".into());
+            };
+            // Every rank found it at the same call, before any data moved: the ranks are still
+            // in step and the communicator works on.
+            let mut z = [0f32; 1];
+            c.all_reduce(&[rank as f32][..], &mut z[..], ReduceOp::Sum)
+                .map_err(|after| format!("{mismatch}; then all_reduce failed: {after}"))?;
+            return Err(format!("{mismatch}; afterwards all_reduce gave {}", z[0]));
         }
         Ok("timeout") => {
             c.barrier().map_err(e)?;
@@ -281,14 +288,7 @@ fn ranks(
     args: &[&str],
     env: &[(&str, &str)],
 ) -> Result<(bool, Vec<String>, String), String> {
-    let l = abi_library()?;
-    let Some(mpiexec) = l.mpiexec.clone() else {
-        return common::skip(
-            REQUIRE_ABI,
-            &format!("no mpiexec installed beside {}", l.path),
-        )
-        .map(|_| (true, Vec::new(), String::new()));
-    };
+    let (l, mpiexec) = abi_mpiexec()?;
     let mark = common::new_mark(&format!("hier-{fault}"));
     let mut vars = vec![
         ("LOCKSTEP_TEST_MARK", mark.as_str()),
@@ -350,6 +350,15 @@ pub fn collectives_blocks() -> Result<(), String> {
     ])
 }
 
+/// 4 nodes of one rank each: every reduction through the leaders (one rail), each leader's
+/// input read from its own buffer and sent to three others.
+pub fn collectives_single_rank_nodes() -> Result<(), String> {
+    all_ok(&[
+        ("LOCKSTEP_MPI_NODE_SIZE", "1"),
+        ("LOCKSTEP_TIMEOUT_S", "60"),
+    ])
+}
+
 /// Every rank's line, when each is an error containing all of `words`.
 fn all_fail(lines: &[String], both: &str, words: &[&str], what: &str) -> Result<(), String> {
     common::check(
@@ -374,8 +383,12 @@ pub fn mismatch() -> Result<(), String> {
     all_fail(
         &lines,
         &both,
-        &["mismatch across ranks", "rank 3 called all_reduce(count=5"],
-        "a count mismatch on another node is named on every rank",
+        &[
+            "mismatch across ranks",
+            "rank 3 called all_reduce(count=5",
+            "afterwards all_reduce gave 6",
+        ],
+        "a count mismatch on another node is named on every rank, and the next call works",
     )
 }
 

@@ -61,46 +61,11 @@ fn launcher() -> Result<String, String> {
     .clone()
 }
 
-/// `liblockstep.so` as this source tree builds it now. cargo builds a cdylib-only crate's library
-/// for its integration tests only when it sees fit, so a test that trusted whatever sits in the
-/// target directory could check a stale library: the library is built here (`cargo build
-/// -p lockstep-capi`, a no-op when it is current) and its path read from cargo's own report.
+/// `liblockstep.so` as this source tree builds it now (`common::capi::liblockstep`), and the header
+/// generated with it.
 fn built() -> Result<Built, String> {
-    static SO: OnceLock<Result<PathBuf, String>> = OnceLock::new();
-    let so = SO
-        .get_or_init(|| {
-            let mut c = Command::new(env!("CARGO"));
-            c.args([
-                "build",
-                "-p",
-                "lockstep-capi",
-                "--message-format=json-render-diagnostics",
-            ])
-            .current_dir(ROOT);
-            if !cfg!(debug_assertions) {
-                c.arg("--release");
-            }
-            let o = c
-                .output()
-                .map_err(|e| format!("could not run cargo: {e}"))?;
-            if !o.status.success() {
-                return Err(format!(
-                    "cargo build -p lockstep-capi failed:\n{}",
-                    text(&o)
-                ));
-            }
-            String::from_utf8_lossy(&o.stdout)
-                .lines()
-                .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-                .filter(|v| {
-                    v["reason"] == "compiler-artifact" && v["target"]["kind"][0] == "cdylib"
-                })
-                .find_map(|v| v["filenames"][0].as_str().map(PathBuf::from))
-                .ok_or_else(|| format!("cargo reported no cdylib for lockstep-capi:\n{}", text(&o)))
-        })
-        .clone()?;
     Ok(Built {
-        so,
+        so: common::capi::liblockstep(Path::new(ROOT))?,
         generated: PathBuf::from(env!("OUT_DIR")).join("lockstep.h"),
     })
 }
@@ -131,44 +96,7 @@ fn run_limited(args: &[&str], unset: &[&str]) -> Result<Output, String> {
 /// Compile the C file `src` (relative to the repository) against include/lockstep.h and
 /// liblockstep.so into `out`, warnings as errors.
 fn compile_c(src: &Path, out: &Path) -> Result<(), String> {
-    let b = built()?;
-    let lib_dir = b.so.parent().ok_or("liblockstep.so has no directory")?;
-    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
-    let o = Command::new(&cc)
-        .current_dir(ROOT)
-        .args([
-            "-std=c11",
-            "-Wall",
-            "-Wextra",
-            "-Werror",
-            "-pedantic",
-            "-I",
-            "crates/capi/include",
-        ])
-        .arg(src)
-        .arg("-o")
-        .arg(out)
-        .arg("-L")
-        .arg(lib_dir)
-        .arg("-llockstep")
-        // DT_RPATH (not RUNPATH) is searched before LD_LIBRARY_PATH, which cargo points at
-        // target/release too: the program loads this build's library, not a stale copy.
-        .arg(format!(
-            "-Wl,--disable-new-dtags,-rpath,{}",
-            lib_dir.display()
-        ))
-        .output()
-        .map_err(|e| {
-            format!("could not run the C compiler {cc:?} (install gcc, or set CC): {e}")
-        })?;
-    check(
-        o.status.success(),
-        &format!(
-            "{} must compile cleanly (-Wall -Wextra -Werror -pedantic) against include/lockstep.h",
-            src.display()
-        ),
-        text(&o),
-    )
+    common::capi::compile_c(Path::new(ROOT), src, out)
 }
 
 fn c_binary() -> Result<&'static PathBuf, String> {

@@ -11,6 +11,10 @@
  *   capi_test config N  forks N ranks that join through lockstepCommInitRankConfig (a name,
  *                       non-blocking, a short timeout), run the checks above, then make the last
  *                       rank late so that the others fail with lockstepTimeout
+ *   capi_test hier      under MPI's mpiexec across (simulated) nodes: lockstepCommInitFromEnv
+ *                       must give the hierarchical backend (its init line says "backend hier");
+ *                       the checks above that it supports, and all-to-all, gather, scatter and
+ *                       split refused alike on every rank with the communicator working on
  *
  * Each rank prints "rank R of N: all checks passed" (and what the driver, tests/capi.rs, looks
  * for); the first failed check prints what was expected and exits 1. Built and run by
@@ -55,11 +59,15 @@ static size_t type_size(lockstepDataType_t t) {
     }
 }
 
-/* Small non-negative integers (0..15) as half and bfloat16 bit patterns. */
-static const uint16_t HALF[16] = {0x0000, 0x3C00, 0x4000, 0x4200, 0x4400, 0x4500, 0x4600, 0x4700,
-                                  0x4800, 0x4880, 0x4900, 0x4980, 0x4A00, 0x4A80, 0x4B00, 0x4B80};
-static const uint16_t BF16[16] = {0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
-                                  0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
+/* A small non-negative integer v (below 256) as a half or bfloat16 bit pattern: exact in both,
+   the exponent of its highest bit and the bits below it as the mantissa's top bits. */
+static uint16_t small16(lockstepDataType_t t, int64_t v) {
+    if (v == 0) return 0;
+    int e = 0;
+    while ((v >> (e + 1)) != 0) e++;
+    const int mant = t == lockstepFloat16 ? 10 : 7, bias = t == lockstepFloat16 ? 15 : 127;
+    return (uint16_t)(((e + bias) << mant) | ((v << (mant - e)) & ((1 << mant) - 1)));
+}
 
 /* buf[i] = v (v small and non-negative for the 16-bit floats). */
 static void put(lockstepDataType_t t, void *buf, size_t i, int64_t v) {
@@ -70,10 +78,10 @@ static void put(lockstepDataType_t t, void *buf, size_t i, int64_t v) {
     case lockstepUint32: ((uint32_t *)buf)[i] = (uint32_t)v; break;
     case lockstepInt64: ((int64_t *)buf)[i] = v; break;
     case lockstepUint64: ((uint64_t *)buf)[i] = (uint64_t)v; break;
-    case lockstepFloat16: ((uint16_t *)buf)[i] = HALF[v]; break;
+    case lockstepFloat16: ((uint16_t *)buf)[i] = small16(t, v); break;
     case lockstepFloat32: ((float *)buf)[i] = (float)v; break;
     case lockstepFloat64: ((double *)buf)[i] = (double)v; break;
-    case lockstepBfloat16: ((uint16_t *)buf)[i] = BF16[v]; break;
+    case lockstepBfloat16: ((uint16_t *)buf)[i] = small16(t, v); break;
     default: CHECK(0, "bad type %d", (int)t);
     }
 }
@@ -91,9 +99,8 @@ static int64_t get(lockstepDataType_t t, const void *buf, size_t i) {
     case lockstepFloat64: return (int64_t)((const double *)buf)[i];
     case lockstepFloat16:
     case lockstepBfloat16: {
-        const uint16_t *table = t == lockstepFloat16 ? HALF : BF16;
-        for (int64_t v = 0; v < 16; v++)
-            if (table[v] == ((const uint16_t *)buf)[i]) return v;
+        for (int64_t v = 0; v < 256; v++)
+            if (small16(t, v) == ((const uint16_t *)buf)[i]) return v;
         return -1;
     }
     default: CHECK(0, "bad type %d", (int)t); return 0;
@@ -347,6 +354,41 @@ static void bcast_alltoall_gather_scatter(lockstepComm_t comm, int n) {
     printf("rank %d: bcast/alltoall/gather/scatter: verified\n", g_rank);
 }
 
+/* The hierarchical backend (nodes joined through MPI): in-place Bcast, which it runs as a
+   broadcast, and the calls it refuses on every rank alike (lockstepInvalidUsage, the ranks stay in
+   step and the communicator works on). */
+static void hier_bcast_and_refusals(lockstepComm_t comm, int n) {
+    const size_t count = 777;
+    double *b = alloc(count, lockstepFloat64);
+    for (size_t i = 0; i < count; i++) b[i] = g_rank == n - 1 ? 0.5 * (double)i : -1.0;
+    OK(lockstepBcast(b, count, lockstepFloat64, n - 1, comm, NULL));
+    for (size_t i = 0; i < count; i++) CHECK(b[i] == 0.5 * (double)i, "bcast element %zu: got %g", i, b[i]);
+    int32_t *s = alloc(count * n, lockstepInt32), *d = alloc(count * n, lockstepInt32);
+    const char *names[4] = {"all-to-all", "gather", "scatter", "split"};
+    for (int k = 0; k < 4; k++) {
+        lockstepResult_t r = lockstepSuccess;
+        lockstepComm_t sub = NULL;
+        switch (k) {
+        case 0: r = lockstepAlltoAll(s, d, count, lockstepInt32, comm, NULL); break;
+        case 1: r = lockstepGather(s, d, count, lockstepInt32, 0, comm, NULL); break;
+        case 2: r = lockstepScatter(s, d, count, lockstepInt32, 0, comm, NULL); break;
+        default: r = lockstepCommSplit(comm, g_rank % 2, g_rank, &sub, NULL); break;
+        }
+        const char *msg = lockstepGetLastError(k == 3 ? NULL : comm);
+        CHECK(r == lockstepInvalidUsage && strstr(msg, "not supported on the hier"), "%s on hier: %d: %s", names[k],
+              (int)r, msg);
+        CHECK(sub == NULL, "a refused split made a communicator");
+    }
+    lockstepResult_t async = lockstepNumResults;
+    OK(lockstepCommGetAsyncError(comm, &async));
+    CHECK(async == lockstepSuccess, "a refusal broke the communicator: %d", (int)async);
+    for (size_t i = 0; i < count; i++) s[i] = g_rank;
+    OK(lockstepAllReduce(s, d, count, lockstepInt32, lockstepSum, comm, NULL));
+    CHECK(d[count - 1] == n * (n - 1) / 2, "all-reduce after the refusals: got %d", d[count - 1]);
+    free(b), free(s), free(d);
+    printf("rank %d: hier: bcast verified, all-to-all/gather/scatter/split refused\n", g_rank);
+}
+
 static void split(lockstepComm_t comm, int n) {
     lockstepComm_t sub = (lockstepComm_t)1;
     OK(lockstepCommSplit(comm, g_rank % 2, -g_rank, &sub, NULL));
@@ -555,7 +597,8 @@ static void error_paths(lockstepComm_t comm, int n) {
     CHECK(strcmp(lockstepGetErrorString((lockstepResult_t)99), "unknown result code") == 0, "error string 99");
 }
 
-static void run(lockstepComm_t comm, int expect_n) {
+/* Every check on `comm`; `hier`: the hierarchical backend's set (see the usage above). */
+static void run(lockstepComm_t comm, int expect_n, int hier) {
     int n = 0, rank = -1, version = 0;
     OK(lockstepGetVersion(&version));
     CHECK(version == LOCKSTEP_VERSION_CODE, "library version %d, header LOCKSTEP_VERSION_CODE %d", version, LOCKSTEP_VERSION_CODE);
@@ -572,9 +615,13 @@ static void run(lockstepComm_t comm, int expect_n) {
     reduce(comm, n);
     all_gather(comm, n);
     reduce_scatter(comm, n);
-    bcast_alltoall_gather_scatter(comm, n);
+    if (hier) {
+        hier_bcast_and_refusals(comm, n);
+    } else {
+        bcast_alltoall_gather_scatter(comm, n);
+    }
     send_recv(comm, n);
-    split(comm, n);
+    if (!hier) split(comm, n);
     error_paths(comm, n);
     OK(lockstepBarrier(comm, NULL));
     /* Finalize: collective, outside a group; afterwards only queries and destroy. */
@@ -678,7 +725,7 @@ static void uid_rank(int r, void *arg) {
     struct job *j = arg;
     lockstepComm_t comm = NULL;
     OK(lockstepCommInitRank(&comm, j->n, j->id, r));
-    run(comm, j->n);
+    run(comm, j->n, 0);
 }
 
 static void config_rank(int r, void *arg) {
@@ -690,7 +737,7 @@ static void config_rank(int r, void *arg) {
     cfg.timeoutMs = 120000;
     lockstepComm_t comm = NULL;
     OK(lockstepCommInitRankConfig(&comm, j->n, j->id, r, &cfg));
-    run(comm, j->n);
+    run(comm, j->n, 0);
     if (j->n > 1) timeout_run(j->id2, j->n, r, j->late);
     printf("rank %d: config: verified\n", r);
 }
@@ -708,6 +755,21 @@ static void on_log(int level, const char *target, const char *message, void *use
         return;
     }
     if (level == 3 && strcmp(target, "lockstep::init") == 0 && strstr(message, "init: rank 0 of 1") != NULL) s->init_lines++;
+}
+
+/* The init lines a communicator's making logged: how many, and how many named the hierarchical
+   backend (the per-node shared-memory communicator under it logs one of its own). */
+struct backend_seen {
+    int lines;
+    int hier;
+};
+
+static void on_backend_line(int level, const char *target, const char *message, void *user) {
+    struct backend_seen *b = user;
+    if (target == NULL || message == NULL || strcmp(target, "lockstep::init") != 0) return;
+    (void)level;
+    b->lines++;
+    if (strstr(message, " backend hier ") != NULL) b->hier++;
 }
 
 /* lockstepSetLogCallback: the init line of a 1-rank communicator reaches the callback, and
@@ -737,7 +799,22 @@ int main(int argc, char **argv) {
     if (argc >= 2 && strcmp(argv[1], "env") == 0) {
         lockstepComm_t comm = NULL;
         OK(lockstepCommInitFromEnv(&comm));
-        run(comm, -1);
+        run(comm, -1, 0);
+        return 0;
+    }
+    if (argc >= 2 && strcmp(argv[1], "hier") == 0) {
+        struct backend_seen b = {0, 0};
+        OK(lockstepSetLogCallback(on_backend_line, &b));
+        lockstepComm_t comm = NULL;
+        OK(lockstepCommInitFromEnv(&comm));
+        OK(lockstepSetLogCallback(NULL, NULL));
+        int rank = -1, n = 0;
+        OK(lockstepCommUserRank(comm, &rank));
+        OK(lockstepCommCount(comm, &n));
+        CHECK(b.hier == 1, "rank %d of %d: %d init lines named backend hier (%d lines in all): not joined through MPI", rank, n, b.hier,
+              b.lines);
+        printf("rank %d of %d: backend hier\n", rank, n);
+        run(comm, -1, 1);
         return 0;
     }
     int config = argc >= 3 && strcmp(argv[1], "config") == 0;
@@ -753,6 +830,6 @@ int main(int argc, char **argv) {
         printf("%s: %d ranks passed\n", argv[1], j.n);
         return 0;
     }
-    fprintf(stderr, "usage: %s env | log | uid N | config N\n", argv[0]);
+    fprintf(stderr, "usage: %s env | hier | log | uid N | config N\n", argv[0]);
     return 2;
 }
