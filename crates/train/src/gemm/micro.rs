@@ -193,32 +193,18 @@ mod x86 {
                 }
             }
         }
-        /// The block from column `j` of `C` and of `B` (stored `k x n`) on.
+        /// The block from column `j` of `C` on, with `B` from its column `j`: `b_step` is 1 for
+        /// `B` stored `k x n`, `ldb` for [`run_nt`]'s `Bᵀ` stored `n x k` (row `j`).
         ///
         /// # Safety
         /// Column `j` is inside the caller's bounds.
         #[inline(always)]
-        unsafe fn cols_from(self, j: usize) -> Operands {
+        unsafe fn cols_from(self, j: usize, b_step: usize) -> Operands {
             // SAFETY: the caller's contract.
             unsafe {
                 Operands {
                     d: self.d.add(j),
-                    b: self.b.add(j),
-                    ..self
-                }
-            }
-        }
-        /// The block from column `j` of `C` and row `j` of `Bᵀ` (stored `n x k`) on.
-        ///
-        /// # Safety
-        /// Column `j` is inside the caller's bounds.
-        #[inline(always)]
-        unsafe fn cols_from_nt(self, j: usize) -> Operands {
-            // SAFETY: the caller's contract.
-            unsafe {
-                Operands {
-                    d: self.d.add(j),
-                    b: self.b.add(j * self.ldb),
+                    b: self.b.add(j * b_step),
                     ..self
                 }
             }
@@ -239,7 +225,7 @@ mod x86 {
             // SAFETY: columns j0..j0 + w of the caller's bounds (the panel's pointers are offset
             // by j0 only along rows that stay in bounds).
             unsafe {
-                let p = o.cols_from(j0);
+                let p = o.cols_from(j0, 1);
                 match w / 16 {
                     4 => rows::<4, 6>(m, k, p),
                     3 => rows::<3, 8>(m, k, p),
@@ -406,7 +392,7 @@ mod x86 {
     ) {
         while *j + S <= n {
             // SAFETY: rows j..j + S of B with j + S <= n, and columns j..j + S of dst.
-            unsafe { block_nt::<R, S>(k, o.cols_from_nt(*j)) };
+            unsafe { block_nt::<R, S>(k, o.cols_from(*j, o.ldb)) };
             *j += S;
         }
     }
