@@ -33,6 +33,7 @@
 //! backend never does, on any path.
 
 use std::any::Any;
+use std::convert::identity;
 
 use half::{bf16, f16};
 
@@ -83,37 +84,28 @@ macro_rules! float_ops {
     };
 }
 
+/// The floating-point types: `$t` accumulates in `$acc`, widened by `$widen` and narrowed back by
+/// `$narrow` (the identity for f32 and f64; f16 and bf16 accumulate in f32).
 macro_rules! float_arith {
-    ($($t:ty),*) => {$(
+    ($($t:ty => $acc:ty, $widen:expr, $narrow:expr;)*) => {$(
         impl Arith for $t {
-            type Acc = $t;
-            fn widen(self) -> $t {
-                self
+            type Acc = $acc;
+            fn widen(self) -> $acc {
+                $widen(self)
             }
-            fn narrow(a: $t) -> $t {
-                a
+            fn narrow(a: $acc) -> $t {
+                $narrow(a)
             }
-            float_ops!($t);
+            float_ops!($acc);
         }
     )*};
 }
-float_arith!(f32, f64);
-
-macro_rules! half_arith {
-    ($($t:ty),*) => {$(
-        impl Arith for $t {
-            type Acc = f32;
-            fn widen(self) -> f32 {
-                self.to_f32()
-            }
-            fn narrow(a: f32) -> $t {
-                <$t>::from_f32(a)
-            }
-            float_ops!(f32);
-        }
-    )*};
+float_arith! {
+    f32 => f32, identity, identity;
+    f64 => f64, identity, identity;
+    f16 => f32, f16::to_f32, f16::from_f32;
+    bf16 => f32, bf16::to_f32, bf16::from_f32;
 }
-half_arith!(f16, bf16);
 
 macro_rules! int_arith {
     ($($t:ty),*) => {$(

@@ -64,102 +64,44 @@ fn exchange_plan(call: &Call, rank: usize, world: usize) -> (Vec<Block>, Vec<Blo
     let size = call.dtype.size();
     let (send, recv, c) = (call.send.addr, call.recv.addr, call.count);
     let sp = &call.splits;
-    let at = |base: usize, elems: usize| base + elems * size;
-    let peers = 0..world;
+    // One block per peer in the buffer at `base`: `place(p)` is its (displacement, count).
+    let per_peer = |base: usize, place: &dyn Fn(usize) -> (usize, usize)| -> Vec<Block> {
+        (0..world)
+            .map(|peer| {
+                let (displ, count) = place(peer);
+                Block {
+                    peer,
+                    addr: base + displ * size,
+                    count,
+                }
+            })
+            .collect()
+    };
+    let even = |p: usize| (p * c, c);
+    let sent_v = |p: usize| (sp.send_displs[p], sp.send_counts[p]);
+    let received_v = |p: usize| (sp.recv_displs[p], sp.recv_counts[p]);
+    // The root's side of a rooted collective: every peer's block there, nothing elsewhere.
+    let at_root = |base: usize, place: &dyn Fn(usize) -> (usize, usize)| {
+        if rank == call.root {
+            per_peer(base, place)
+        } else {
+            vec![]
+        }
+    };
+    // The other side: one block of `count` to or from the root.
+    let with_root = |addr: usize| {
+        vec![Block {
+            peer: call.root,
+            addr,
+            count: c,
+        }]
+    };
     match call.kind {
-        CollKind::AllToAll => (
-            peers
-                .clone()
-                .map(|p| Block {
-                    peer: p,
-                    addr: at(send, p * c),
-                    count: c,
-                })
-                .collect(),
-            peers
-                .map(|p| Block {
-                    peer: p,
-                    addr: at(recv, p * c),
-                    count: c,
-                })
-                .collect(),
-        ),
-        CollKind::AllToAllV => (
-            peers
-                .clone()
-                .map(|p| Block {
-                    peer: p,
-                    addr: at(send, sp.send_displs[p]),
-                    count: sp.send_counts[p],
-                })
-                .collect(),
-            peers
-                .map(|p| Block {
-                    peer: p,
-                    addr: at(recv, sp.recv_displs[p]),
-                    count: sp.recv_counts[p],
-                })
-                .collect(),
-        ),
-        CollKind::Scatter => {
-            let sends = if rank == call.root {
-                peers
-                    .map(|p| Block {
-                        peer: p,
-                        addr: at(send, p * c),
-                        count: c,
-                    })
-                    .collect()
-            } else {
-                vec![]
-            };
-            (
-                sends,
-                vec![Block {
-                    peer: call.root,
-                    addr: recv,
-                    count: c,
-                }],
-            )
-        }
-        CollKind::AllGatherV => (
-            peers
-                .clone()
-                .map(|p| Block {
-                    peer: p,
-                    addr: send,
-                    count: c,
-                })
-                .collect(),
-            peers
-                .map(|p| Block {
-                    peer: p,
-                    addr: at(recv, sp.recv_displs[p]),
-                    count: sp.recv_counts[p],
-                })
-                .collect(),
-        ),
-        CollKind::GatherV => {
-            let recvs = if rank == call.root {
-                peers
-                    .map(|p| Block {
-                        peer: p,
-                        addr: at(recv, sp.recv_displs[p]),
-                        count: sp.recv_counts[p],
-                    })
-                    .collect()
-            } else {
-                vec![]
-            };
-            (
-                vec![Block {
-                    peer: call.root,
-                    addr: send,
-                    count: c,
-                }],
-                recvs,
-            )
-        }
+        CollKind::AllToAll => (per_peer(send, &even), per_peer(recv, &even)),
+        CollKind::AllToAllV => (per_peer(send, &sent_v), per_peer(recv, &received_v)),
+        CollKind::Scatter => (at_root(send, &even), with_root(recv)),
+        CollKind::AllGatherV => (per_peer(send, &|_| (0, c)), per_peer(recv, &received_v)),
+        CollKind::GatherV => (with_root(send), at_root(recv, &received_v)),
         _ => (vec![], vec![]),
     }
 }
@@ -208,5 +150,71 @@ impl NcclComm {
             }
             Ok(())
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::comm::Splits;
+    use crate::types::{Dtype, MemSpace, RawMem, ReduceOp};
+
+    fn mem(addr: usize) -> RawMem {
+        RawMem {
+            addr,
+            len: 64,
+            space: MemSpace::Device(0),
+        }
+    }
+
+    /// `(peer, byte offset from its buffer, count)` of each block.
+    fn blocks(b: &[Block], base: usize) -> Vec<(usize, usize, usize)> {
+        b.iter().map(|b| (b.peer, b.addr - base, b.count)).collect()
+    }
+
+    #[test]
+    fn exchange_plans_place_every_peer_block() {
+        let (send, recv) = (1000, 5000);
+        let (counts, displs) = ([2, 0, 3], [0, 2, 2]);
+        let (rcounts, rdispls) = ([1, 4, 2], [5, 0, 9]);
+        let splits = Splits {
+            send_counts: &counts,
+            send_displs: &displs,
+            recv_counts: &rcounts,
+            recv_displs: &rdispls,
+        };
+        let plan = |kind, rank| {
+            let call = Call {
+                kind,
+                dtype: Dtype::F32,
+                op: ReduceOp::Sum,
+                root: 1,
+                count: 3,
+                send: mem(send),
+                recv: mem(recv),
+                splits,
+            };
+            let (s, r) = exchange_plan(&call, rank, 3);
+            (blocks(&s, send), blocks(&r, recv))
+        };
+        let even = vec![(0, 0, 3), (1, 12, 3), (2, 24, 3)];
+        assert_eq!(plan(CollKind::AllToAll, 0), (even.clone(), even.clone()));
+        assert_eq!(
+            plan(CollKind::AllToAllV, 2),
+            (
+                vec![(0, 0, 2), (1, 8, 0), (2, 8, 3)],
+                vec![(0, 20, 1), (1, 0, 4), (2, 36, 2)]
+            )
+        );
+        assert_eq!(plan(CollKind::Scatter, 1), (even.clone(), vec![(1, 0, 3)]));
+        assert_eq!(plan(CollKind::Scatter, 0), (vec![], vec![(1, 0, 3)]));
+        let vrecv = vec![(0, 20, 1), (1, 0, 4), (2, 36, 2)];
+        assert_eq!(
+            plan(CollKind::AllGatherV, 0),
+            (vec![(0, 0, 3), (1, 0, 3), (2, 0, 3)], vrecv.clone())
+        );
+        assert_eq!(plan(CollKind::GatherV, 1), (vec![(1, 0, 3)], vrecv));
+        assert_eq!(plan(CollKind::GatherV, 2), (vec![(1, 0, 3)], vec![]));
+        assert_eq!(plan(CollKind::AllReduce, 0), (vec![], vec![]));
     }
 }

@@ -421,7 +421,13 @@ fn gemm_paths(m: &mut Model, labels: &[u8], g: &mut [f32], peak: f64) {
             set_small_kernels(round % 2 == 0);
             let t = cpu_s();
             for _ in 0..reps {
-                matmul_ld(mm, n, k, (&mut d, ldd), (&a, lda), ta, (&b, ldb), tb, true);
+                matmul_ld(
+                    (mm, n, k),
+                    (&mut d, ldd),
+                    (&a, lda, ta),
+                    (&b, ldb, tb),
+                    true,
+                );
             }
             let us = (cpu_s() - t) / reps as f64 * 1e6;
             if round % 2 == 0 {

@@ -30,11 +30,11 @@ use half::{bf16, f16};
 use lockstep::cuda::{DeviceBuffer, KernelGrid};
 use lockstep_train::device::kernels::{twins, BucketEntry, KernelId};
 use lockstep_train::device::plan::{
-    splitk_workspace_len, AdamHyper, Arena, Arg, BnTensors, Builder, ClipTensors, ConvLaunch,
-    LossTensors, Op, Region, CLIP_PARTIALS,
+    splitk_workspace_len, AdamHyper, Arena, Arg, BnTensors, Builder, ClipTensors, LossTensors, Op,
+    Region, CLIP_PARTIALS,
 };
 use lockstep_train::device::{CpuExec, Exec, GpuExec, Precision};
-use lockstep_train::ops::Conv2dParams;
+use lockstep_train::ops::{Bn2dShape, Conv2dParams, LinearShape, Pool2dShape};
 use lockstep_train::rng::Rng;
 
 const EXACT: Tol = Tol::new(0.0, 0.0);
@@ -304,17 +304,12 @@ fn main() {
                     l.f(oc * cp.k()),
                     l.f(oc),
                 );
-                let s = ConvLaunch {
-                    p: cp,
-                    batch: n,
-                    in_h: h,
-                    in_w: w,
-                };
+                let s = cp.for_input(n, h, w);
                 // Split-K weight gradient: the partial planes are compared too (the twin cuts K
                 // the same way), then the reduction.
                 let ws = l.f(splitk_workspace_len(oc, cp.k(), n * oh * ow));
                 let mut ops = Builder::with_splitk(sm, ws);
-                ops.conv_forward(prec, y, x, wt, bias, s);
+                ops.conv_forward(prec, y, x, (wt, bias), s);
                 ops.conv_backward_input(prec, dx, dy, wt, s);
                 ops.conv_backward_weight(prec, dw, dy, x, s);
                 ops.conv_backward_bias(prec, db, dy, s);
@@ -326,7 +321,7 @@ fn main() {
                 compare(
                     &format!(
                         "{name} n={n} ic={ic} {h}x{w} oc={oc} k={k} s={} p={p}",
-                        s.p.stride
+                        s.params.stride
                     ),
                     &ctx,
                     &l,
@@ -368,10 +363,15 @@ fn main() {
                 );
                 let ws = l.f(splitk_workspace_len(outf, inf, n));
                 let mut ops = Builder::with_splitk(sm, ws);
-                ops.linear_forward(prec, y, x, wt, bias, n, inf, outf, false);
-                ops.linear_forward(prec, yr, x, wt, bias, n, inf, outf, true);
-                ops.linear_backward_input(prec, dx, dy, wt, n, inf, outf);
-                ops.linear_backward_weight(prec, dw, dy, x, n, inf, outf);
+                let s = LinearShape {
+                    batch: n,
+                    in_f: inf,
+                    out_f: outf,
+                };
+                ops.linear_forward(prec, y, x, (wt, bias), s, false);
+                ops.linear_forward(prec, yr, x, (wt, bias), s, true);
+                ops.linear_backward_input(prec, dx, dy, wt, s);
+                ops.linear_backward_weight(prec, dw, dy, x, s);
                 ops.linear_backward_bias(prec, db, dy, n, outf);
                 let tol = if bf {
                     bf_tol
@@ -427,9 +427,17 @@ fn main() {
                     vec![Arg::Out(bn.running_var), Arg::F32(0.7), Arg::I64(c as i64)],
                     c,
                 ));
-                ops.bn_forward_train(y, &bn, x, gamma, beta, n, hw, 0.1, 1e-5, relu);
-                ops.bn_forward_eval(ye, &bn, x, gamma, beta, n, hw, 1e-5, relu);
-                ops.bn_backward(dx, dg, dbt, dy, x, y, gamma, &bn, n, hw, relu);
+                let s = Bn2dShape {
+                    batch: n,
+                    channels: c,
+                    hw,
+                    momentum: 0.1,
+                    eps: 1e-5,
+                    relu,
+                };
+                ops.bn_forward_train(y, &bn, x, (gamma, beta), s);
+                ops.bn_forward_eval(ye, &bn, x, (gamma, beta), s);
+                ops.bn_backward((dx, dg, dbt), dy, (x, y), gamma, &bn, s);
                 compare(
                     &format!("batchnorm n={n} c={c} hw={hw} relu={relu}"),
                     &ctx,
@@ -461,8 +469,16 @@ fn main() {
                 l.f(n * c * h * w),
             );
             let mut ops = Builder::new(sm);
-            ops.maxpool_forward(y, idx, x, n, c, h, w, k, k);
-            ops.maxpool_backward(dx, dy, idx, n, c, h, w, k, k);
+            let s = Pool2dShape {
+                batch: n,
+                channels: c,
+                in_h: h,
+                in_w: w,
+                kernel: k,
+                stride: k,
+            };
+            ops.maxpool_forward(y, idx, x, s);
+            ops.maxpool_backward(dx, dy, idx, s);
             compare(
                 &format!("maxpool n={n} c={c} {h}x{w} k={k}"),
                 &ctx,
@@ -489,7 +505,7 @@ fn main() {
             let (z, labels, dz) = (l.f(n * classes), l.i(n), l.f(n * classes));
             let mut ops = Builder::new(sm);
             ops.xent_forward(&t, z, labels, n, classes);
-            ops.xent_backward(dz, t.probs, labels, n, classes);
+            ops.xent_backward(dz, t.probs, labels, (n, classes), None);
             compare(
                 &format!("softmax_xent n={n} classes={classes}"),
                 &ctx,
@@ -519,8 +535,7 @@ fn main() {
                 ops.adam(
                     p,
                     g,
-                    m,
-                    v,
+                    (m, v),
                     &AdamHyper {
                         weight_decay: 0.01,
                         ..Default::default()

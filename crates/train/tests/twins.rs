@@ -25,10 +25,10 @@ use lockstep_train::data::Dataset;
 use lockstep_train::device::kernels::twins;
 use lockstep_train::device::{plan, CpuExec, Engine, Exec, Precision};
 use lockstep_train::model::Model;
-use lockstep_train::ops::optim::{Adam, Sgd};
+use lockstep_train::ops::optim::{Adam, AdamHyper, Sgd};
 use lockstep_train::ops::{
-    Backward, BatchNorm2d, Conv2d, Conv2dParams, Layer, Linear, MaxPool2d, Relu,
-    SoftmaxCrossEntropy,
+    Backward, BatchNorm2d, Bn2dShape, Conv2d, Conv2dParams, Layer, Linear, LinearShape, MaxPool2d,
+    Pool2dShape, Relu, SoftmaxCrossEntropy,
 };
 use lockstep_train::rng::Rng;
 use lockstep_train::tensor::Tensor;
@@ -111,13 +111,7 @@ fn conv2d_twins_match_the_layer() {
             });
             (out.data().to_vec(), dinp.data().to_vec(), dp)
         };
-        let sh = |n: usize| {
-            [
-                n as i32, ic as i32, h as i32, w as i32, oc as i32, k as i32, k as i32, s as i32,
-                p as i32,
-            ]
-        };
-        let a = sh(n);
+        let a = cp.for_input(n, h, w);
         // The layer's Winograd path (as `train::winograd::applies` decides) is checked at its bound.
         let fwd = if k == 5 && s == 1 && p == 2 && ic >= 8 {
             WINOGRAD
@@ -127,34 +121,16 @@ fn conv2d_twins_match_the_layer() {
         // f32
         let (y_ref, dx_ref, dp_ref) = layer_run(&wt, &x, &dy);
         let mut y = vec![0.0; y_ref.len()];
-        twins::conv2d_forward_f32(
-            &mut y,
-            &x,
-            &wt,
-            Some(&bias),
-            a[0],
-            a[1],
-            a[2],
-            a[3],
-            a[4],
-            a[5],
-            a[6],
-            a[7],
-            a[8],
-        );
+        twins::conv2d_forward_f32(&mut y, &x, &wt, Some(&bias), a);
         ok(assert_close(&name("out"), &y, &y_ref, fwd));
         let mut dx = vec![f32::NAN; x.len()];
-        twins::conv2d_backward_input_f32(
-            &mut dx, &dy, &wt, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8],
-        );
+        twins::conv2d_backward_input_f32(&mut dx, &dy, &wt, a);
         ok(assert_close(&name("dinp"), &dx, &dx_ref, fwd));
         let (mut dw, mut db) = (dp0[..wt.len()].to_vec(), dp0[wt.len()..].to_vec());
         // Split-K as the device plans it: 3 slices into planes (every one overwritten, NaN
         // would show otherwise), dweight untouched until the reduction adds them in order.
         let mut part = vec![f32::NAN; 3 * wt.len()];
-        twins::conv2d_backward_weight_f32(
-            &mut dw, &mut part, &dy, &x, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8],
-        );
+        twins::conv2d_backward_weight_f32(&mut dw, &mut part, &dy, &x, a);
         assert_eq!(
             dw,
             dp0[..wt.len()],
@@ -174,21 +150,7 @@ fn conv2d_twins_match_the_layer() {
         // (loosely) on the unrounded ones.
         let ((wb, wr), (xb, xr), (dyb, dyr)) = (round_bf16(&wt), round_bf16(&x), round_bf16(&dy));
         let (yr_ref, dxr_ref, dpr_ref) = layer_run(&wr, &xr, &dyr);
-        twins::conv2d_forward_bf16(
-            &mut y,
-            &xb,
-            &wb,
-            Some(&bias),
-            a[0],
-            a[1],
-            a[2],
-            a[3],
-            a[4],
-            a[5],
-            a[6],
-            a[7],
-            a[8],
-        );
+        twins::conv2d_forward_bf16(&mut y, &xb, &wb, Some(&bias), a);
         ok(assert_close(&name("out bf16"), &y, &yr_ref, fwd));
         ok(assert_close(
             &name("out bf16 vs f32"),
@@ -196,26 +158,10 @@ fn conv2d_twins_match_the_layer() {
             &y_ref,
             bf16_vs_f32(ic * k * k),
         ));
-        twins::conv2d_backward_input_bf16(
-            &mut dx, &dyb, &wb, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8],
-        );
+        twins::conv2d_backward_input_bf16(&mut dx, &dyb, &wb, a);
         ok(assert_close(&name("dinp bf16"), &dx, &dxr_ref, fwd));
         let (mut dw, mut db) = (dp0[..wt.len()].to_vec(), dp0[wt.len()..].to_vec());
-        twins::conv2d_backward_weight_bf16(
-            &mut dw,
-            &mut [],
-            &dyb,
-            &xb,
-            a[0],
-            a[1],
-            a[2],
-            a[3],
-            a[4],
-            a[5],
-            a[6],
-            a[7],
-            a[8],
-        );
+        twins::conv2d_backward_weight_bf16(&mut dw, &mut [], &dyb, &xb, a);
         twins::conv2d_backward_bias_bf16(&mut db, &dyb, n as i32, oc as i32, oh as i32, ow as i32);
         ok(assert_close(
             &name("dweight bf16"),
@@ -230,9 +176,7 @@ fn conv2d_twins_match_the_layer() {
             F32,
         ));
         // No bias (the kernel's NULL) is a plain convolution.
-        twins::conv2d_forward_f32(
-            &mut y, &x, &wt, None, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8],
-        );
+        twins::conv2d_forward_f32(&mut y, &x, &wt, None, a);
         let unbiased: Vec<f32> = y_ref
             .iter()
             .enumerate()
@@ -288,18 +232,23 @@ fn linear_twins_match_the_layers() {
             )
         };
         let (y_ref, yr_ref, dx_ref, dp_ref) = layer_run(&wt, &x, &dy);
-        let (ni, ii, oi) = (n as i32, inf as i32, outf as i32);
+        let sh = LinearShape {
+            batch: n,
+            in_f: inf,
+            out_f: outf,
+        };
+        let (ni, oi) = (n as i32, outf as i32);
         let mut y = vec![0.0; n * outf];
-        twins::linear_forward_f32(&mut y, &x, &wt, Some(&bias), ni, ii, oi, 0);
+        twins::linear_forward_f32(&mut y, &x, &wt, Some(&bias), sh, 0);
         ok(assert_close(&name("out"), &y, &y_ref, F32));
-        twins::linear_forward_f32(&mut y, &x, &wt, Some(&bias), ni, ii, oi, 1);
+        twins::linear_forward_f32(&mut y, &x, &wt, Some(&bias), sh, 1);
         ok(assert_close(&name("out+relu"), &y, &yr_ref, F32));
         let mut dx = vec![f32::NAN; n * inf];
-        twins::linear_backward_input_f32(&mut dx, &dy, &wt, ni, ii, oi);
+        twins::linear_backward_input_f32(&mut dx, &dy, &wt, sh);
         ok(assert_close(&name("dinp"), &dx, &dx_ref, F32));
         let (mut dw, mut db) = (dp0[..outf * inf].to_vec(), dp0[outf * inf..].to_vec());
         let mut part = vec![f32::NAN; 2 * outf * inf];
-        twins::linear_backward_weight_f32(&mut dw, &mut part, &dy, &x, ni, ii, oi);
+        twins::linear_backward_weight_f32(&mut dw, &mut part, &dy, &x, sh);
         twins::splitk_reduce_f32(&mut dw, &part, 2, (outf * inf) as i64);
         twins::linear_backward_bias_f32(&mut db, &dy, ni, oi);
         ok(assert_close(
@@ -316,7 +265,7 @@ fn linear_twins_match_the_layers() {
         ));
         let ((wb, wr), (xb, xr), (dyb, dyr)) = (round_bf16(&wt), round_bf16(&x), round_bf16(&dy));
         let (y2, yr2, dx2, dp2) = layer_run(&wr, &xr, &dyr);
-        twins::linear_forward_bf16(&mut y, &xb, &wb, Some(&bias), ni, ii, oi, 0);
+        twins::linear_forward_bf16(&mut y, &xb, &wb, Some(&bias), sh, 0);
         ok(assert_close(&name("out bf16"), &y, &y2, F32));
         ok(assert_close(
             &name("out bf16 vs f32"),
@@ -324,12 +273,12 @@ fn linear_twins_match_the_layers() {
             &y_ref,
             bf16_vs_f32(inf),
         ));
-        twins::linear_forward_bf16(&mut y, &xb, &wb, Some(&bias), ni, ii, oi, 1);
+        twins::linear_forward_bf16(&mut y, &xb, &wb, Some(&bias), sh, 1);
         ok(assert_close(&name("out+relu bf16"), &y, &yr2, F32));
-        twins::linear_backward_input_bf16(&mut dx, &dyb, &wb, ni, ii, oi);
+        twins::linear_backward_input_bf16(&mut dx, &dyb, &wb, sh);
         ok(assert_close(&name("dinp bf16"), &dx, &dx2, F32));
         let (mut dw, mut db) = (dp0[..outf * inf].to_vec(), dp0[outf * inf..].to_vec());
-        twins::linear_backward_weight_bf16(&mut dw, &mut [], &dyb, &xb, ni, ii, oi);
+        twins::linear_backward_weight_bf16(&mut dw, &mut [], &dyb, &xb, sh);
         twins::linear_backward_bias_bf16(&mut db, &dyb, ni, oi);
         ok(assert_close(
             &name("dweight bf16"),
@@ -419,7 +368,14 @@ fn batchnorm_twins_match_the_layer() {
                 dinp: Some(&mut dx_ref),
             });
             // twin
-            let (ni, ci, hwi) = (n as i32, c as i32, hw as i32);
+            let shape = Bn2dShape {
+                batch: n,
+                channels: c,
+                hw,
+                momentum: 0.1,
+                eps: 1e-5,
+                relu: relu == 1,
+            };
             let (mut out, mut sm, mut si, mut rm, mut rv) = (
                 vec![0.0; x.len()],
                 vec![0.0; c],
@@ -427,22 +383,13 @@ fn batchnorm_twins_match_the_layer() {
                 rm0.clone(),
                 rv0.clone(),
             );
-            twins::batchnorm2d_forward_train_f32(
-                &mut out,
-                &mut sm,
-                &mut si,
-                &mut rm,
-                &mut rv,
-                &x,
-                &gamma,
-                &beta,
-                ni,
-                ci,
-                hwi,
-                0.1,
-                1e-5,
-                relu as i32,
-            );
+            let stats = twins::BnStats {
+                save_mean: &mut sm,
+                save_invstd: &mut si,
+                running_mean: &mut rm,
+                running_var: &mut rv,
+            };
+            twins::batchnorm2d_forward_train_f32(&mut out, stats, &x, &gamma, &beta, shape);
             ok(assert_close(&name("out"), &out, out_ref.data(), TIGHT));
             ok(assert_close(
                 &name("running_mean"),
@@ -463,18 +410,12 @@ fn batchnorm_twins_match_the_layer() {
             );
             twins::batchnorm2d_backward_f32(
                 &mut dx,
-                &mut dw,
-                &mut db,
+                (&mut dw, &mut db),
                 &dy,
-                &x,
-                &out,
+                (&x, &out),
                 &gamma,
-                &sm,
-                &si,
-                ni,
-                ci,
-                hwi,
-                relu as i32,
+                (&sm, &si),
+                shape,
             );
             ok(assert_close(
                 &name("dinp"),
@@ -499,19 +440,7 @@ fn batchnorm_twins_match_the_layer() {
             bn.forward(&params, &inp, &mut ye, false);
             Relu.forward(&[], &ye, &mut yer, false);
             let mut oe = vec![0.0; x.len()];
-            twins::batchnorm2d_forward_eval_f32(
-                &mut oe,
-                &x,
-                &gamma,
-                &beta,
-                &rm,
-                &rv,
-                ni,
-                ci,
-                hwi,
-                1e-5,
-                relu as i32,
-            );
+            twins::batchnorm2d_forward_eval_f32(&mut oe, &x, &gamma, &beta, &rm, &rv, shape);
             ok(assert_close(
                 &name("eval out"),
                 &oe,
@@ -551,12 +480,19 @@ fn maxpool_twins_match_the_layer() {
             dout: &dout,
             dinp: Some(&mut dx_ref),
         });
-        let a = [n as i32, c as i32, h as i32, w as i32, k as i32, s as i32];
+        let a = Pool2dShape {
+            batch: n,
+            channels: c,
+            in_h: h,
+            in_w: w,
+            kernel: k,
+            stride: s,
+        };
         let (mut out, mut idx) = (vec![0.0; y.numel()], vec![0i32; y.numel()]);
-        twins::maxpool2d_forward_f32(&mut out, &mut idx, &x, a[0], a[1], a[2], a[3], a[4], a[5]);
+        twins::maxpool2d_forward_f32(&mut out, &mut idx, &x, a);
         assert_eq!(out, y.data(), "maxpool{t} out");
         let mut dx = vec![f32::NAN; x.len()];
-        twins::maxpool2d_backward_f32(&mut dx, &dy, &idx, a[0], a[1], a[2], a[3], a[4], a[5]);
+        twins::maxpool2d_backward_f32(&mut dx, &dy, &idx, a);
         ok(assert_close(
             &format!("maxpool{t} dinp"),
             &dx,
@@ -570,12 +506,7 @@ fn maxpool_twins_match_the_layer() {
         &mut out,
         &mut idx,
         &[1.0, f32::NAN, 5.0, 2.0],
-        1,
-        1,
-        2,
-        2,
-        2,
-        2,
+        Pool2dShape::from_kernel_args([1, 1, 2, 2, 2, 2]),
     );
     assert!(out[0].is_nan() && idx[0] == 1);
 }
@@ -645,9 +576,11 @@ fn optimizer_twins_match_the_optimizers() {
             for step in 1..=5 {
                 let g = rand(&mut rng, n);
                 adam.step(&mut p_ref, &g);
-                twins::adam_step_f32(
-                    &mut p, &g, &mut m, &mut v, n as i32, 0.01, 0.9, 0.999, 1e-8, wd, step,
-                );
+                let h = AdamHyper {
+                    weight_decay: wd,
+                    ..Default::default()
+                };
+                twins::adam_step_f32(&mut p, &g, (&mut m, &mut v), n as i32, 0.01, &h, step);
                 ok(assert_close(
                     &format!("adam n={n} wd={wd} step {step} params"),
                     &p,

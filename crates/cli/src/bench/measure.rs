@@ -94,6 +94,18 @@ struct Place {
     device: Option<(Arc<Context>, Stream)>,
 }
 
+impl Place {
+    /// The stream of the device a device buffer lives on (one exists whenever a buffer is on a
+    /// device: `Buf::new` makes device buffers only with it).
+    fn stream(&self) -> &Stream {
+        &self
+            .device
+            .as_ref()
+            .expect("device buffer without a device")
+            .1
+    }
+}
+
 fn cuda_err(e: lockstep::cuda::CudaError) -> CommError {
     CommError::Backend {
         backend: "cuda",
@@ -137,14 +149,7 @@ impl<T: Element> Buf<T> {
         match self {
             Buf::Vec(v) => Ok(v.clone()),
             Buf::Shared(b) => Ok(b.to_vec()),
-            Buf::Device(d) => {
-                let stream = &place
-                    .device
-                    .as_ref()
-                    .expect("device buffer without a device")
-                    .1;
-                d.to_vec(stream).map_err(cuda_err)
-            }
+            Buf::Device(d) => d.to_vec(place.stream()).map_err(cuda_err),
         }
     }
     /// Overwrite the contents with `data` (same length).
@@ -153,11 +158,7 @@ impl<T: Element> Buf<T> {
             Buf::Vec(v) => v.copy_from_slice(data),
             Buf::Shared(b) => b.copy_from_slice(data),
             Buf::Device(d) => {
-                let stream = &place
-                    .device
-                    .as_ref()
-                    .expect("device buffer without a device")
-                    .1;
+                let stream = place.stream();
                 d.copy_from_host(stream, data).map_err(cuda_err)?;
                 stream.synchronize().map_err(cuda_err)?;
             }

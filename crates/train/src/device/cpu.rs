@@ -8,7 +8,8 @@ use half::{bf16, f16};
 use super::error::DeviceError;
 use super::exec::Exec;
 use super::plan::{Arena, Arg, Op, Region};
-use crate::ops::twins;
+use crate::ops::optim::AdamHyper;
+use crate::ops::{twins, Bn2dShape, Conv2dShape, LinearShape, Pool2dShape};
 use lockstep::comm::{Communicator, ReduceOp};
 
 /// Host arenas, one per dtype, plus the dataset.
@@ -39,54 +40,48 @@ enum Val {
 
 struct Vals(Vec<Val>);
 
+/// `Vals` accessors, one per `Val` variant: a buffer is moved out (its slot left `Taken`), a
+/// scalar copied; the wrong variant is a bug in the dispatch below, so it panics naming the
+/// argument.
+macro_rules! accessors {
+    ($(buffer $name:ident: $var:ident, $t:ty;)* $(scalar $sname:ident: $svar:ident, $st:ty, $what:literal;)*) => {
+        impl Vals {
+            $(
+                fn $name(&mut self, k: usize) -> Vec<$t> {
+                    match std::mem::replace(&mut self.0[k], Val::Taken) {
+                        Val::$var(v) => v,
+                        _ => panic!("argument {k} is not a {} buffer", stringify!($t)),
+                    }
+                }
+            )*
+            $(
+                fn $sname(&self, k: usize) -> $st {
+                    match self.0[k] {
+                        Val::$svar(v) => v,
+                        _ => panic!("argument {k} is not {}", $what),
+                    }
+                }
+            )*
+        }
+    };
+}
+
+accessors! {
+    buffer f: F, f32;
+    buffer i: I, i32;
+    buffer b: B, bf16;
+    buffer h: H, f16;
+    buffer u: U, u8;
+    scalar si: SI, i32, "an int";
+    scalar sf: SF, f32, "a float";
+    scalar sl: SL, i64, "a long long";
+}
+
 impl Vals {
-    fn f(&mut self, k: usize) -> Vec<f32> {
-        match std::mem::replace(&mut self.0[k], Val::Taken) {
-            Val::F(v) => v,
-            _ => panic!("argument {k} is not an f32 buffer"),
-        }
-    }
-    fn i(&mut self, k: usize) -> Vec<i32> {
-        match std::mem::replace(&mut self.0[k], Val::Taken) {
-            Val::I(v) => v,
-            _ => panic!("argument {k} is not an i32 buffer"),
-        }
-    }
-    fn b(&mut self, k: usize) -> Vec<bf16> {
-        match std::mem::replace(&mut self.0[k], Val::Taken) {
-            Val::B(v) => v,
-            _ => panic!("argument {k} is not a bf16 buffer"),
-        }
-    }
-    fn h(&mut self, k: usize) -> Vec<f16> {
-        match std::mem::replace(&mut self.0[k], Val::Taken) {
-            Val::H(v) => v,
-            _ => panic!("argument {k} is not an f16 buffer"),
-        }
-    }
-    fn u(&mut self, k: usize) -> Vec<u8> {
-        match std::mem::replace(&mut self.0[k], Val::Taken) {
-            Val::U(v) => v,
-            _ => panic!("argument {k} is not a u8 buffer"),
-        }
-    }
-    fn si(&self, k: usize) -> i32 {
-        match self.0[k] {
-            Val::SI(v) => v,
-            _ => panic!("argument {k} is not an int"),
-        }
-    }
-    fn sf(&self, k: usize) -> f32 {
-        match self.0[k] {
-            Val::SF(v) => v,
-            _ => panic!("argument {k} is not a float"),
-        }
-    }
-    fn sl(&self, k: usize) -> i64 {
-        match self.0[k] {
-            Val::SL(v) => v,
-            _ => panic!("argument {k} is not a long long"),
-        }
+    /// The `N` int arguments from `k` on: a kernel's scalar shape, for its shape struct's
+    /// `from_kernel_args`.
+    fn ints<const N: usize>(&self, k: usize) -> [i32; N] {
+        std::array::from_fn(|j| self.si(k + j))
     }
 }
 
@@ -170,80 +165,49 @@ impl CpuExec {
         );
         // Written arguments come back here, by position.
         let mut out: Vec<(usize, Val)> = Vec::new();
-        macro_rules! conv {
-            ($f:path, $t:ident) => {{
-                let (mut o, a, b) = (v.f(0), v.$t(1), v.$t(2));
-                $f(
-                    &mut o,
-                    &a,
-                    &b,
-                    v.si(3),
-                    v.si(4),
-                    v.si(5),
-                    v.si(6),
-                    v.si(7),
-                    v.si(8),
-                    v.si(9),
-                    v.si(10),
-                    v.si(11),
-                );
-                out.push((0, Val::F(o)));
-            }};
-        }
+        let conv = |v: &Vals, k| Conv2dShape::from_kernel_args(v.ints(k));
+        let linear = |v: &Vals, k| LinearShape::from_kernel_args(v.ints(k));
+        // BatchNorm: `batch, channels, hw` from `dims_at` (after the kernel's buffers), the float
+        // settings the kernel takes (0 for those it does not), `relu` at `relu_at`.
+        let bn = |v: &Vals, dims_at: usize, (momentum, eps): (f32, f32), relu_at: usize| {
+            let [batch, channels, hw] = v.ints::<3>(dims_at).map(|x| x as usize);
+            let relu = v.si(relu_at) != 0;
+            Bn2dShape {
+                batch,
+                channels,
+                hw,
+                momentum,
+                eps,
+                relu,
+            }
+        };
+        // The GEMM-shaped kernels: (out, a, b, [bias,] shape...) and the weight gradients'
+        // (dweight, partials, dout, inp, shape...), whose two f32 buffers are both written.
         macro_rules! conv_fwd {
             ($f:path, $t:ident) => {{
                 let (mut o, a, b, bias) = (v.f(0), v.$t(1), v.$t(2), v.f(3));
-                $f(
-                    &mut o,
-                    &a,
-                    &b,
-                    Some(&bias),
-                    v.si(4),
-                    v.si(5),
-                    v.si(6),
-                    v.si(7),
-                    v.si(8),
-                    v.si(9),
-                    v.si(10),
-                    v.si(11),
-                    v.si(12),
-                );
+                $f(&mut o, &a, &b, Some(&bias), conv(&v, 4));
                 out.push((0, Val::F(o)));
             }};
         }
-        // Weight gradients: (dweight, partials, dout, inp, sizes...); both f32 buffers are written.
-        macro_rules! conv_dw {
-            ($f:path, $t:ident) => {{
-                let (mut o, mut part, a, b) = (v.f(0), v.f(1), v.$t(2), v.$t(3));
-                $f(
-                    &mut o,
-                    &mut part,
-                    &a,
-                    &b,
-                    v.si(4),
-                    v.si(5),
-                    v.si(6),
-                    v.si(7),
-                    v.si(8),
-                    v.si(9),
-                    v.si(10),
-                    v.si(11),
-                    v.si(12),
-                );
-                out.extend([(0, Val::F(o)), (1, Val::F(part))]);
-            }};
-        }
-        macro_rules! lin_dw {
-            ($f:path, $t:ident) => {{
-                let (mut o, mut part, a, b) = (v.f(0), v.f(1), v.$t(2), v.$t(3));
-                $f(&mut o, &mut part, &a, &b, v.si(4), v.si(5), v.si(6));
-                out.extend([(0, Val::F(o)), (1, Val::F(part))]);
-            }};
-        }
-        macro_rules! lin3 {
-            ($f:path, $t:ident) => {{
+        macro_rules! gemm_in {
+            ($f:path, $t:ident, $shape:ident) => {{
                 let (mut o, a, b) = (v.f(0), v.$t(1), v.$t(2));
-                $f(&mut o, &a, &b, v.si(3), v.si(4), v.si(5));
+                $f(&mut o, &a, &b, $shape(&v, 3));
+                out.push((0, Val::F(o)));
+            }};
+        }
+        macro_rules! gemm_dw {
+            ($f:path, $t:ident, $shape:ident) => {{
+                let (mut o, mut part, a, b) = (v.f(0), v.f(1), v.$t(2), v.$t(3));
+                $f(&mut o, &mut part, &a, &b, $shape(&v, 4));
+                out.extend([(0, Val::F(o)), (1, Val::F(part))]);
+            }};
+        }
+        macro_rules! lin_fwd {
+            ($f:path, $t:ident) => {{
+                let (mut o, x, w, b) = (v.f(0), v.$t(1), v.$t(2), v.f(3));
+                $f(&mut o, &x, &w, Some(&b), linear(&v, 4), v.si(7));
                 out.push((0, Val::F(o)));
             }};
         }
@@ -281,44 +245,33 @@ impl CpuExec {
             "batchnorm2d_forward_train_f32" => {
                 let (mut o, mut sm, mut si, mut rm, mut rv) = (v.f(0), v.f(1), v.f(2), v.f(3), v.f(4));
                 let (x, w, b) = (v.f(5), v.f(6), v.f(7));
-                twins::batchnorm2d_forward_train_f32(
-                    &mut o,
-                    &mut sm,
-                    &mut si,
-                    &mut rm,
-                    &mut rv,
-                    &x,
-                    &w,
-                    &b,
-                    v.si(8),
-                    v.si(9),
-                    v.si(10),
-                    v.sf(11),
-                    v.sf(12),
-                    v.si(13),
-                );
+                let shape = bn(&v, 8, (v.sf(11), v.sf(12)), 13);
+                let stats = twins::BnStats { save_mean: &mut sm, save_invstd: &mut si, running_mean: &mut rm, running_var: &mut rv };
+                twins::batchnorm2d_forward_train_f32(&mut o, stats, &x, &w, &b, shape);
                 out.extend([(0, Val::F(o)), (1, Val::F(sm)), (2, Val::F(si)), (3, Val::F(rm)), (4, Val::F(rv))]);
             }
             "batchnorm2d_forward_eval_f32" => {
                 let (mut o, x, w, b, rm, rv) = (v.f(0), v.f(1), v.f(2), v.f(3), v.f(4), v.f(5));
-                twins::batchnorm2d_forward_eval_f32(&mut o, &x, &w, &b, &rm, &rv, v.si(6), v.si(7), v.si(8), v.sf(9), v.si(10));
+                let shape = bn(&v, 6, (0.0, v.sf(9)), 10);
+                twins::batchnorm2d_forward_eval_f32(&mut o, &x, &w, &b, &rm, &rv, shape);
                 out.push((0, Val::F(o)));
             }
             "batchnorm2d_backward_f32" => {
                 let (mut dx, mut dw, mut db) = (v.f(0), v.f(1), v.f(2));
                 let (g, x, y, w, m, s) = (v.f(3), v.f(4), v.f(5), v.f(6), v.f(7), v.f(8));
-                twins::batchnorm2d_backward_f32(&mut dx, &mut dw, &mut db, &g, &x, &y, &w, &m, &s, v.si(9), v.si(10), v.si(11), v.si(12));
+                let shape = bn(&v, 9, (0.0, 0.0), 12);
+                twins::batchnorm2d_backward_f32(&mut dx, (&mut dw, &mut db), &g, (&x, &y), &w, (&m, &s), shape);
                 out.extend([(0, Val::F(dx)), (1, Val::F(dw)), (2, Val::F(db))]);
             }
             "conv2d_forward_f32" => conv_fwd!(twins::conv2d_forward_f32, f),
             "conv2d_forward_bf16" => conv_fwd!(twins::conv2d_forward_bf16, b),
             "conv2d_forward_f16" => conv_fwd!(twins::conv2d_forward_f16, h),
-            "conv2d_backward_input_f32" => conv!(twins::conv2d_backward_input_f32, f),
-            "conv2d_backward_input_bf16" => conv!(twins::conv2d_backward_input_bf16, b),
-            "conv2d_backward_input_f16" => conv!(twins::conv2d_backward_input_f16, h),
-            "conv2d_backward_weight_f32" => conv_dw!(twins::conv2d_backward_weight_f32, f),
-            "conv2d_backward_weight_bf16" => conv_dw!(twins::conv2d_backward_weight_bf16, b),
-            "conv2d_backward_weight_f16" => conv_dw!(twins::conv2d_backward_weight_f16, h),
+            "conv2d_backward_input_f32" => gemm_in!(twins::conv2d_backward_input_f32, f, conv),
+            "conv2d_backward_input_bf16" => gemm_in!(twins::conv2d_backward_input_bf16, b, conv),
+            "conv2d_backward_input_f16" => gemm_in!(twins::conv2d_backward_input_f16, h, conv),
+            "conv2d_backward_weight_f32" => gemm_dw!(twins::conv2d_backward_weight_f32, f, conv),
+            "conv2d_backward_weight_bf16" => gemm_dw!(twins::conv2d_backward_weight_bf16, b, conv),
+            "conv2d_backward_weight_f16" => gemm_dw!(twins::conv2d_backward_weight_f16, h, conv),
             "conv2d_backward_bias_f32" | "conv2d_backward_bias_bf16" | "conv2d_backward_bias_f16" => {
                 let mut o = v.f(0);
                 if op.name.ends_with("_f32") {
@@ -330,27 +283,15 @@ impl CpuExec {
                 }
                 out.push((0, Val::F(o)));
             }
-            "linear_forward_f32" => {
-                let (mut o, x, w, b) = (v.f(0), v.f(1), v.f(2), v.f(3));
-                twins::linear_forward_f32(&mut o, &x, &w, Some(&b), v.si(4), v.si(5), v.si(6), v.si(7));
-                out.push((0, Val::F(o)));
-            }
-            "linear_forward_bf16" => {
-                let (mut o, x, w, b) = (v.f(0), v.b(1), v.b(2), v.f(3));
-                twins::linear_forward_bf16(&mut o, &x, &w, Some(&b), v.si(4), v.si(5), v.si(6), v.si(7));
-                out.push((0, Val::F(o)));
-            }
-            "linear_forward_f16" => {
-                let (mut o, x, w, b) = (v.f(0), v.h(1), v.h(2), v.f(3));
-                twins::linear_forward_f16(&mut o, &x, &w, Some(&b), v.si(4), v.si(5), v.si(6), v.si(7));
-                out.push((0, Val::F(o)));
-            }
-            "linear_backward_input_f32" => lin3!(twins::linear_backward_input_f32, f),
-            "linear_backward_input_bf16" => lin3!(twins::linear_backward_input_bf16, b),
-            "linear_backward_input_f16" => lin3!(twins::linear_backward_input_f16, h),
-            "linear_backward_weight_f32" => lin_dw!(twins::linear_backward_weight_f32, f),
-            "linear_backward_weight_bf16" => lin_dw!(twins::linear_backward_weight_bf16, b),
-            "linear_backward_weight_f16" => lin_dw!(twins::linear_backward_weight_f16, h),
+            "linear_forward_f32" => lin_fwd!(twins::linear_forward_f32, f),
+            "linear_forward_bf16" => lin_fwd!(twins::linear_forward_bf16, b),
+            "linear_forward_f16" => lin_fwd!(twins::linear_forward_f16, h),
+            "linear_backward_input_f32" => gemm_in!(twins::linear_backward_input_f32, f, linear),
+            "linear_backward_input_bf16" => gemm_in!(twins::linear_backward_input_bf16, b, linear),
+            "linear_backward_input_f16" => gemm_in!(twins::linear_backward_input_f16, h, linear),
+            "linear_backward_weight_f32" => gemm_dw!(twins::linear_backward_weight_f32, f, linear),
+            "linear_backward_weight_bf16" => gemm_dw!(twins::linear_backward_weight_bf16, b, linear),
+            "linear_backward_weight_f16" => gemm_dw!(twins::linear_backward_weight_f16, h, linear),
             "linear_backward_bias_f32" | "linear_backward_bias_bf16" | "linear_backward_bias_f16" => {
                 let mut o = v.f(0);
                 if op.name.ends_with("_f32") {
@@ -400,7 +341,8 @@ impl CpuExec {
             }
             "adam_step_f32" => {
                 let (mut p, g, mut m, mut s) = (v.f(0), v.f(1), v.f(2), v.f(3));
-                twins::adam_step_f32(&mut p, &g, &mut m, &mut s, v.si(4), v.sf(5), v.sf(6), v.sf(7), v.sf(8), v.sf(9), v.si(10));
+                let h = AdamHyper { beta1: v.sf(6), beta2: v.sf(7), eps: v.sf(8), weight_decay: v.sf(9) };
+                twins::adam_step_f32(&mut p, &g, (&mut m, &mut s), v.si(4), v.sf(5), &h, v.si(10));
                 out.extend([(0, Val::F(p)), (2, Val::F(m)), (3, Val::F(s))]);
             }
             "sgd_step_f32" => {
@@ -410,12 +352,14 @@ impl CpuExec {
             }
             "maxpool2d_forward_f32" => {
                 let (mut o, mut ix, x) = (v.f(0), v.i(1), v.f(2));
-                twins::maxpool2d_forward_f32(&mut o, &mut ix, &x, v.si(3), v.si(4), v.si(5), v.si(6), v.si(7), v.si(8));
+                let shape = Pool2dShape::from_kernel_args(v.ints(3));
+                twins::maxpool2d_forward_f32(&mut o, &mut ix, &x, shape);
                 out.extend([(0, Val::F(o)), (1, Val::I(ix))]);
             }
             "maxpool2d_backward_f32" => {
                 let (mut d, g, ix) = (v.f(0), v.f(1), v.i(2));
-                twins::maxpool2d_backward_f32(&mut d, &g, &ix, v.si(3), v.si(4), v.si(5), v.si(6), v.si(7), v.si(8));
+                let shape = Pool2dShape::from_kernel_args(v.ints(3));
+                twins::maxpool2d_backward_f32(&mut d, &g, &ix, shape);
                 out.push((0, Val::F(d)));
             }
             "gather_batch_f32" => {

@@ -259,11 +259,11 @@ impl<E: Exec> Engine<E> {
         if let Some(max_norm) = self.clip_grad_norm {
             ops.clip_grad_norm(self.t.grads, &self.t.clip, max_norm, self.step);
         }
+        let moments = (self.t.m, self.t.v);
         ops.adam(
             self.t.params,
             self.t.grads,
-            self.t.m,
-            self.t.v,
+            moments,
             &self.adam,
             lr,
             self.step,

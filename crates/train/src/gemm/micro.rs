@@ -25,7 +25,6 @@ const MAX_K: usize = 256;
 /// when this kernel does not apply (no AVX-512F, `n` not a multiple of 16, `k` over [`MAX_K`]).
 ///
 /// Panics if a slice is shorter than its shape and strides say.
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn gemm(
     m: usize,
     n: usize,
@@ -71,14 +70,16 @@ pub(crate) fn gemm(
             m,
             n,
             k,
-            dst.as_mut_ptr(),
-            ldd,
-            a.as_ptr(),
-            a_rs,
-            a_cs,
-            b.as_ptr(),
-            ldb,
-            accumulate,
+            x86::Operands {
+                d: dst.as_mut_ptr(),
+                ldd,
+                a: a.as_ptr(),
+                a_rs,
+                a_cs,
+                b: b.as_ptr(),
+                ldb,
+                acc: accumulate,
+            },
         )
     };
     true
@@ -130,13 +131,16 @@ pub(crate) fn gemm_nt(
             m,
             n,
             k,
-            dst.as_mut_ptr(),
-            ldd,
-            a.as_ptr(),
-            lda,
-            b.as_ptr(),
-            ldb,
-            accumulate,
+            x86::Operands {
+                d: dst.as_mut_ptr(),
+                ldd,
+                a: a.as_ptr(),
+                a_rs: lda,
+                a_cs: 1,
+                b: b.as_ptr(),
+                ldb,
+                acc: accumulate,
+            },
         )
     };
     true
@@ -157,6 +161,56 @@ fn has_avx512() -> bool {
 mod x86 {
     use std::arch::x86_64::*;
 
+    /// Where a block of the product lies: `C` at `d` (rows `ldd` apart), `A` at `a` (rows `a_rs`
+    /// and columns `a_cs` apart), `B` at `b` (rows `ldb` apart; for [`run_nt`], `Bᵀ` stored as
+    /// rows `ldb` apart), and whether the product adds to `C`. Each step of the blocking moves
+    /// the pointers to its sub-block and passes the rest on unchanged.
+    #[derive(Clone, Copy)]
+    pub(super) struct Operands {
+        pub(super) d: *mut f32,
+        pub(super) ldd: usize,
+        pub(super) a: *const f32,
+        pub(super) a_rs: usize,
+        pub(super) a_cs: usize,
+        pub(super) b: *const f32,
+        pub(super) ldb: usize,
+        pub(super) acc: bool,
+    }
+
+    impl Operands {
+        /// The block from row `i` of `C` and `A` on.
+        ///
+        /// # Safety
+        /// Row `i` is inside the caller's bounds (the pointer offsets stay in their slices).
+        #[inline(always)]
+        unsafe fn rows_from(self, i: usize) -> Operands {
+            // SAFETY: the caller's contract.
+            unsafe {
+                Operands {
+                    d: self.d.add(i * self.ldd),
+                    a: self.a.add(i * self.a_rs),
+                    ..self
+                }
+            }
+        }
+        /// The block from column `j` of `C` on, with `B` from its column `j`: `b_step` is 1 for
+        /// `B` stored `k x n`, `ldb` for [`run_nt`]'s `Bᵀ` stored `n x k` (row `j`).
+        ///
+        /// # Safety
+        /// Column `j` is inside the caller's bounds.
+        #[inline(always)]
+        unsafe fn cols_from(self, j: usize, b_step: usize) -> Operands {
+            // SAFETY: the caller's contract.
+            unsafe {
+                Operands {
+                    d: self.d.add(j),
+                    b: self.b.add(j * b_step),
+                    ..self
+                }
+            }
+        }
+    }
+
     /// All of `C`, in column panels of up to 64 floats (outer, so the panel of `B` is reused by
     /// every row block) and row blocks of `R` (inner).
     ///
@@ -164,32 +218,19 @@ mod x86 {
     /// AVX-512F must be available, and every element named in [`super::gemm`]'s contract must be
     /// in bounds (with `n` a multiple of 16 and `m, k >= 1`).
     #[target_feature(enable = "avx512f")]
-    #[allow(clippy::too_many_arguments)]
-    pub(super) unsafe fn run(
-        m: usize,
-        n: usize,
-        k: usize,
-        d: *mut f32,
-        ldd: usize,
-        a: *const f32,
-        a_rs: usize,
-        a_cs: usize,
-        b: *const f32,
-        ldb: usize,
-        acc: bool,
-    ) {
+    pub(super) unsafe fn run(m: usize, n: usize, k: usize, o: Operands) {
         let mut j0 = 0;
         while j0 < n {
             let w = (n - j0).min(64);
             // SAFETY: columns j0..j0 + w of the caller's bounds (the panel's pointers are offset
             // by j0 only along rows that stay in bounds).
             unsafe {
-                let (dp, bp) = (d.add(j0), b.add(j0));
+                let p = o.cols_from(j0, 1);
                 match w / 16 {
-                    4 => rows::<4, 6>(m, k, dp, ldd, a, a_rs, a_cs, bp, ldb, acc),
-                    3 => rows::<3, 8>(m, k, dp, ldd, a, a_rs, a_cs, bp, ldb, acc),
-                    2 => rows::<2, 12>(m, k, dp, ldd, a, a_rs, a_cs, bp, ldb, acc),
-                    _ => rows::<1, 12>(m, k, dp, ldd, a, a_rs, a_cs, bp, ldb, acc),
+                    4 => rows::<4, 6>(m, k, p),
+                    3 => rows::<3, 8>(m, k, p),
+                    2 => rows::<2, 12>(m, k, p),
+                    _ => rows::<1, 12>(m, k, p),
                 }
             }
             j0 += w;
@@ -201,86 +242,34 @@ mod x86 {
     /// # Safety
     /// As [`run`], for this panel.
     #[target_feature(enable = "avx512f")]
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn rows<const NV: usize, const R: usize>(
+    unsafe fn rows<const NV: usize, const R: usize>(m: usize, k: usize, o: Operands) {
+        let mut i = 0;
+        // SAFETY: each step's blocks are rows i..i + its height with the end <= m, inside the
+        // caller's bounds.
+        unsafe {
+            row_blocks::<NV, R>(m, k, o, &mut i);
+            row_blocks::<NV, 4>(m, k, o, &mut i);
+            row_blocks::<NV, 2>(m, k, o, &mut i);
+            row_blocks::<NV, 1>(m, k, o, &mut i);
+        }
+    }
+
+    /// Blocks of `R` rows of the panel from row `*i` while `R` rows remain; `*i` moves past them.
+    ///
+    /// # Safety
+    /// As [`run`], for this panel.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn row_blocks<const NV: usize, const R: usize>(
         m: usize,
         k: usize,
-        d: *mut f32,
-        ldd: usize,
-        a: *const f32,
-        a_rs: usize,
-        a_cs: usize,
-        b: *const f32,
-        ldb: usize,
-        acc: bool,
+        o: Operands,
+        i: &mut usize,
     ) {
-        let mut i = 0;
-        while i + R <= m {
+        while *i + R <= m {
             // SAFETY: rows i..i + R with i + R <= m, inside the caller's bounds.
-            unsafe {
-                block::<NV, R>(
-                    k,
-                    d.add(i * ldd),
-                    ldd,
-                    a.add(i * a_rs),
-                    a_rs,
-                    a_cs,
-                    b,
-                    ldb,
-                    acc,
-                )
-            };
-            i += R;
-        }
-        while i + 4 <= m {
-            // SAFETY: rows i..i + R with i + R <= m, inside the caller's bounds.
-            unsafe {
-                block::<NV, 4>(
-                    k,
-                    d.add(i * ldd),
-                    ldd,
-                    a.add(i * a_rs),
-                    a_rs,
-                    a_cs,
-                    b,
-                    ldb,
-                    acc,
-                )
-            };
-            i += 4;
-        }
-        while i + 2 <= m {
-            // SAFETY: rows i..i + R with i + R <= m, inside the caller's bounds.
-            unsafe {
-                block::<NV, 2>(
-                    k,
-                    d.add(i * ldd),
-                    ldd,
-                    a.add(i * a_rs),
-                    a_rs,
-                    a_cs,
-                    b,
-                    ldb,
-                    acc,
-                )
-            };
-            i += 2;
-        }
-        if i < m {
-            // SAFETY: rows i..i + R with i + R <= m, inside the caller's bounds.
-            unsafe {
-                block::<NV, 1>(
-                    k,
-                    d.add(i * ldd),
-                    ldd,
-                    a.add(i * a_rs),
-                    a_rs,
-                    a_cs,
-                    b,
-                    ldb,
-                    acc,
-                )
-            };
+            unsafe { block::<NV, R>(k, o.rows_from(*i)) };
+            *i += R;
         }
     }
 
@@ -292,18 +281,18 @@ mod x86 {
     /// AVX-512F; rows `0..R` of the block, columns `0..16 NV`, and `p < k` in bounds.
     #[target_feature(enable = "avx512f")]
     #[inline]
-    #[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
-    unsafe fn block<const NV: usize, const R: usize>(
-        k: usize,
-        d: *mut f32,
-        ldd: usize,
-        a: *const f32,
-        a_rs: usize,
-        a_cs: usize,
-        b: *const f32,
-        ldb: usize,
-        acc: bool,
-    ) {
+    #[allow(clippy::needless_range_loop)]
+    unsafe fn block<const NV: usize, const R: usize>(k: usize, o: Operands) {
+        let Operands {
+            d,
+            ldd,
+            a,
+            a_rs,
+            a_cs,
+            b,
+            ldb,
+            acc,
+        } = o;
         let mut c = [[_mm512_setzero_ps(); NV]; R];
         if acc {
             for r in 0..R {
@@ -334,40 +323,42 @@ mod x86 {
             }
         }
     }
-    /// [`super::gemm_nt`]: row blocks of 4 (then 2, 1) of `A`, each against column blocks of 4
-    /// (then 2, 1) rows of `B`.
+
+    /// [`super::gemm_nt`]: row blocks of 4 (then 2, 1) of `A` (`a_rs` = its row stride, `a_cs`
+    /// unused: rows are contiguous), each against column blocks of 4 (then 2, 1) rows of `B`.
     ///
     /// # Safety
     /// AVX-512F must be available, and every element named in [`super::gemm_nt`]'s contract must
     /// be in bounds (with `m, n, k >= 1`).
     #[target_feature(enable = "avx512f")]
-    #[allow(clippy::too_many_arguments)]
-    pub(super) unsafe fn run_nt(
+    pub(super) unsafe fn run_nt(m: usize, n: usize, k: usize, o: Operands) {
+        let mut i = 0;
+        // SAFETY: each step's blocks are rows i..i + its height with the end <= m, inside the
+        // caller's bounds.
+        unsafe {
+            row_blocks_nt::<4>(m, n, k, o, &mut i);
+            row_blocks_nt::<2>(m, n, k, o, &mut i);
+            row_blocks_nt::<1>(m, n, k, o, &mut i);
+        }
+    }
+
+    /// Blocks of `R` rows of `A` from row `*i` while `R` rows remain, each against all of `B`.
+    ///
+    /// # Safety
+    /// As [`run_nt`].
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn row_blocks_nt<const R: usize>(
         m: usize,
         n: usize,
         k: usize,
-        d: *mut f32,
-        ldd: usize,
-        a: *const f32,
-        lda: usize,
-        b: *const f32,
-        ldb: usize,
-        acc: bool,
+        o: Operands,
+        i: &mut usize,
     ) {
-        let mut i = 0;
-        while i + 4 <= m {
+        while *i + R <= m {
             // SAFETY: rows i..i + R with i + R <= m, inside the caller's bounds.
-            unsafe { cols_nt::<4>(n, k, d.add(i * ldd), ldd, a.add(i * lda), lda, b, ldb, acc) };
-            i += 4;
-        }
-        while i + 2 <= m {
-            // SAFETY: rows i..i + R with i + R <= m, inside the caller's bounds.
-            unsafe { cols_nt::<2>(n, k, d.add(i * ldd), ldd, a.add(i * lda), lda, b, ldb, acc) };
-            i += 2;
-        }
-        if i < m {
-            // SAFETY: rows i..i + R with i + R <= m, inside the caller's bounds.
-            unsafe { cols_nt::<1>(n, k, d.add(i * ldd), ldd, a.add(i * lda), lda, b, ldb, acc) };
+            unsafe { cols_nt::<R>(n, k, o.rows_from(*i)) };
+            *i += R;
         }
     }
 
@@ -376,32 +367,33 @@ mod x86 {
     /// # Safety
     /// As [`run_nt`], for these rows.
     #[target_feature(enable = "avx512f")]
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn cols_nt<const R: usize>(
+    unsafe fn cols_nt<const R: usize>(n: usize, k: usize, o: Operands) {
+        let mut j = 0;
+        // SAFETY: each step's blocks are rows j..j + its width of B with the end <= n, and those
+        // columns of dst.
+        unsafe {
+            col_blocks_nt::<R, 4>(n, k, o, &mut j);
+            col_blocks_nt::<R, 2>(n, k, o, &mut j);
+            col_blocks_nt::<R, 1>(n, k, o, &mut j);
+        }
+    }
+
+    /// Blocks of `S` rows of `B` from row `*j` while `S` rows remain; `*j` moves past them.
+    ///
+    /// # Safety
+    /// As [`run_nt`], for these rows of `A`.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn col_blocks_nt<const R: usize, const S: usize>(
         n: usize,
         k: usize,
-        d: *mut f32,
-        ldd: usize,
-        a: *const f32,
-        lda: usize,
-        b: *const f32,
-        ldb: usize,
-        acc: bool,
+        o: Operands,
+        j: &mut usize,
     ) {
-        let mut j = 0;
-        while j + 4 <= n {
+        while *j + S <= n {
             // SAFETY: rows j..j + S of B with j + S <= n, and columns j..j + S of dst.
-            unsafe { block_nt::<R, 4>(k, d.add(j), ldd, a, lda, b.add(j * ldb), ldb, acc) };
-            j += 4;
-        }
-        while j + 2 <= n {
-            // SAFETY: rows j..j + S of B with j + S <= n, and columns j..j + S of dst.
-            unsafe { block_nt::<R, 2>(k, d.add(j), ldd, a, lda, b.add(j * ldb), ldb, acc) };
-            j += 2;
-        }
-        if j < n {
-            // SAFETY: rows j..j + S of B with j + S <= n, and columns j..j + S of dst.
-            unsafe { block_nt::<R, 1>(k, d.add(j), ldd, a, lda, b.add(j * ldb), ldb, acc) };
+            unsafe { block_nt::<R, S>(k, o.cols_from(*j, o.ldb)) };
+            *j += S;
         }
     }
 
@@ -412,17 +404,18 @@ mod x86 {
     /// in bounds.
     #[target_feature(enable = "avx512f")]
     #[inline]
-    #[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
-    unsafe fn block_nt<const R: usize, const S: usize>(
-        k: usize,
-        d: *mut f32,
-        ldd: usize,
-        a: *const f32,
-        lda: usize,
-        b: *const f32,
-        ldb: usize,
-        acc: bool,
-    ) {
+    #[allow(clippy::needless_range_loop)]
+    unsafe fn block_nt<const R: usize, const S: usize>(k: usize, o: Operands) {
+        let Operands {
+            d,
+            ldd,
+            a,
+            a_rs: lda,
+            b,
+            ldb,
+            acc,
+            ..
+        } = o;
         let mut c = [[_mm512_setzero_ps(); S]; R];
         let mut p = 0;
         while p < k {
@@ -464,25 +457,19 @@ mod x86 {
 mod tests {
     use super::*;
 
-    /// `C (+)= A · B` in f64, with the kernel's strides.
-    #[allow(clippy::too_many_arguments)]
+    /// `C (+)= A · B` in f64, with the kernel's strides (arguments as [`gemm`]'s, and `B`'s
+    /// column stride: 1 for [`gemm`], `ldb` with the row stride 1 for [`gemm_nt`]'s `Bᵀ`).
     fn reference(
-        m: usize,
-        n: usize,
-        k: usize,
-        d: &mut [f32],
-        ldd: usize,
-        a: &[f32],
-        a_rs: usize,
-        a_cs: usize,
-        b: &[f32],
-        ldb: usize,
+        (m, n, k): (usize, usize, usize),
+        (d, ldd): (&mut [f32], usize),
+        (a, a_rs, a_cs): (&[f32], usize, usize),
+        (b, b_rs, b_cs): (&[f32], usize, usize),
         acc: bool,
     ) {
         for i in 0..m {
             for j in 0..n {
                 let s: f64 = (0..k)
-                    .map(|p| a[i * a_rs + p * a_cs] as f64 * b[p * ldb + j] as f64)
+                    .map(|p| a[i * a_rs + p * a_cs] as f64 * b[p * b_rs + j * b_cs] as f64)
                     .sum();
                 let o = &mut d[i * ldd + j];
                 *o = if acc {
@@ -572,7 +559,13 @@ mod tests {
                             (&b, ldb),
                             acc
                         ));
-                        reference(m, n, k, &mut want, ldd, &a, a_rs, a_cs, &b, ldb, acc);
+                        reference(
+                            (m, n, k),
+                            (&mut want, ldd),
+                            (&a, a_rs, a_cs),
+                            (&b, ldb, 1),
+                            acc,
+                        );
                         assert_close(
                             (m, n, k),
                             ldd,
@@ -650,21 +643,10 @@ mod tests {
                         let start = fill(m * ldd, 5);
                         let (mut got, mut want) = (start.clone(), start.clone());
                         assert!(gemm_nt(m, n, k, (&mut got, ldd), (&a, lda), (&b, ldb), acc));
-                        // A · Bᵀ is A · B with B stored transposed: the reference's (a_cs = 1,
-                        // ldb) reading of Bᵀ rows.
-                        for i in 0..m {
-                            for j in 0..n {
-                                let s: f64 = (0..k)
-                                    .map(|p| a[i * lda + p] as f64 * b[j * ldb + p] as f64)
-                                    .sum();
-                                let o = &mut want[i * ldd + j];
-                                *o = if acc {
-                                    (*o as f64 + s) as f32
-                                } else {
-                                    s as f32
-                                };
-                            }
-                        }
+                        // A · Bᵀ is A · B with B stored transposed: rows 1 and columns ldb
+                        // apart.
+                        let bt = (&b[..], 1, ldb);
+                        reference((m, n, k), (&mut want, ldd), (&a, lda, 1), bt, acc);
                         assert_close(
                             (m, n, k),
                             ldd,

@@ -61,44 +61,35 @@ pub enum Trans {
     Yes,
 }
 
-/// `dst[m, n] (+)= A · B` with row-major operands.
+/// `dst[m, n] (+)= A · B` with row-major operands: `(m, n, k)` the product's shape, `a` and `b`
+/// each `(elements, how they are stored)`.
 ///
 /// `accumulate` adds the product to `dst` (parameter gradients accumulate); otherwise `dst` is
 /// overwritten (activations). Panics if a slice is shorter than its shape says: that is a bug in
 /// the caller's shape math, never user input.
-#[allow(clippy::too_many_arguments)]
 pub fn matmul(
-    m: usize,
-    n: usize,
-    k: usize,
+    (m, n, k): (usize, usize, usize),
     dst: &mut [f32],
-    a: &[f32],
-    ta: Trans,
-    b: &[f32],
-    tb: Trans,
+    (a, ta): (&[f32], Trans),
+    (b, tb): (&[f32], Trans),
     accumulate: bool,
 ) {
     let lda = if ta == Trans::No { k } else { m };
     let ldb = if tb == Trans::No { n } else { k };
-    matmul_ld(m, n, k, (dst, n), (a, lda), ta, (b, ldb), tb, accumulate)
+    matmul_ld((m, n, k), (dst, n), (a, lda, ta), (b, ldb, tb), accumulate)
 }
 
-/// [`matmul`] with explicit row strides (leading dimensions), each operand given as
-/// `(slice, row stride)`: row `r` of a stored matrix starts at `r * ld`, so a matrix can be every
-/// 36th block of a larger array (the Winograd layout keeps a tile's 36 positions together).
-#[allow(clippy::too_many_arguments)]
+/// [`matmul`] with explicit row strides (leading dimensions), `dst` given as `(slice, row
+/// stride)` and each operand as `(slice, row stride, how it is stored)`: row `r` of a stored
+/// matrix starts at `r * ld`, so a matrix can be every 64th block of a larger array (the Winograd
+/// layout keeps a tile's 64 positions together).
 pub fn matmul_ld(
-    m: usize,
-    n: usize,
-    k: usize,
-    dst: (&mut [f32], usize),
-    a: (&[f32], usize),
-    ta: Trans,
-    b: (&[f32], usize),
-    tb: Trans,
+    (m, n, k): (usize, usize, usize),
+    (dst, ldd): (&mut [f32], usize),
+    (a, lda, ta): (&[f32], usize, Trans),
+    (b, ldb, tb): (&[f32], usize, Trans),
     accumulate: bool,
 ) {
-    let ((dst, ldd), (a, lda), (b, ldb)) = (dst, a, b);
     // Stored shapes (rows x cols) of the three matrices.
     let (ar, ac) = if ta == Trans::No { (m, k) } else { (k, m) };
     let (br, bc) = if tb == Trans::No { (k, n) } else { (n, k) };
@@ -191,17 +182,12 @@ pub fn matmul_ld(
     }
 }
 
-/// Naive reference for [`matmul`], used by tests to check the fast path.
-#[allow(clippy::too_many_arguments)]
+/// Naive reference for [`matmul`] (same arguments), used by tests to check the fast path.
 pub fn matmul_cpu(
-    m: usize,
-    n: usize,
-    k: usize,
+    (m, n, k): (usize, usize, usize),
     dst: &mut [f32],
-    a: &[f32],
-    ta: Trans,
-    b: &[f32],
-    tb: Trans,
+    (a, ta): (&[f32], Trans),
+    (b, tb): (&[f32], Trans),
     accumulate: bool,
 ) {
     for i in 0..m {
@@ -255,8 +241,8 @@ mod tests {
                 for acc in [false, true] {
                     let mut d1 = vec![0.5f32; m * n];
                     let mut d2 = d1.clone();
-                    matmul(m, n, k, &mut d1, &a, ta, &b, tb, acc);
-                    matmul_cpu(m, n, k, &mut d2, &a, ta, &b, tb, acc);
+                    matmul((m, n, k), &mut d1, (&a, ta), (&b, tb), acc);
+                    matmul_cpu((m, n, k), &mut d2, (&a, ta), (&b, tb), acc);
                     for (x, y) in d1.iter().zip(&d2) {
                         assert!(
                             (x - y).abs() < tol,
@@ -276,14 +262,10 @@ mod tests {
                     let (ap, bp) = (pad(&a, ac), pad(&b, bc));
                     let mut d3 = pad(&vec![0.5f32; m * n], n);
                     matmul_ld(
-                        m,
-                        n,
-                        k,
+                        (m, n, k),
                         (&mut d3, n + 2),
-                        (&ap, ac + 2),
-                        ta,
-                        (&bp, bc + 2),
-                        tb,
+                        (&ap, ac + 2, ta),
+                        (&bp, bc + 2, tb),
                         acc,
                     );
                     for (i, y) in d2.iter().enumerate() {

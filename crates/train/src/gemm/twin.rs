@@ -68,32 +68,22 @@ pub(crate) fn store_weight_grad(
 
 /// The f32, bf16 and f16 twins of one kernel: all call the generic body with the same
 /// arguments; the arguments marked `op` are `&[f32]`, `&[bf16]` and `&[f16]` in turn, the others
-/// keep the type given in parentheses.
+/// keep the type given in parentheses (a kernel's scalar shape arguments arrive as one shape
+/// struct, so no twin has more than seven arguments).
 macro_rules! twin_pair {
     ($(#[doc = $d32:literal])* $f32:ident, $(#[doc = $d16:literal])* $bf16:ident, $(#[doc = $dh:literal])* $f16:ident,
      $imp:ident($($arg:ident: $kind:tt),* $(,)?)) => {
-        $crate::gemm::twin::twin_pair!(
-            $(#[doc = $d32])* $f32, $(#[doc = $d16])* $bf16, $(#[doc = $dh])* $f16,
-            ($($arg: $kind),*) => $imp($($arg),*)
-        );
-    };
-    // With the body given: e.g. the kernel's scalar arguments gathered into a shape struct.
-    ($(#[doc = $d32:literal])* $f32:ident, $(#[doc = $d16:literal])* $bf16:ident, $(#[doc = $dh:literal])* $f16:ident,
-     ($($arg:ident: $kind:tt),* $(,)?) => $body:expr) => {
         $(#[doc = $d32])*
-        #[allow(clippy::too_many_arguments)]
         pub fn $f32($($arg: $crate::gemm::twin::twin_arg!($kind, f32)),*) {
-            $body
+            $imp($($arg),*)
         }
         $(#[doc = $d16])*
-        #[allow(clippy::too_many_arguments)]
         pub fn $bf16($($arg: $crate::gemm::twin::twin_arg!($kind, bf16)),*) {
-            $body
+            $imp($($arg),*)
         }
         $(#[doc = $dh])*
-        #[allow(clippy::too_many_arguments)]
         pub fn $f16($($arg: $crate::gemm::twin::twin_arg!($kind, f16)),*) {
-            $body
+            $imp($($arg),*)
         }
     };
 }

@@ -52,10 +52,10 @@ pub mod pool;
 pub mod twins;
 
 pub use activation::Relu;
-pub use batchnorm::BatchNorm2d;
-pub use conv2d::{Conv2d, Conv2dParams};
+pub use batchnorm::{BatchNorm2d, Bn2dShape};
+pub use conv2d::{Conv2d, Conv2dParams, Conv2dShape};
 pub use flatten::Flatten;
 pub use layer::{Backward, BufferMut, Init, Layer, LayerSpec, ParamSpec, SumFn};
-pub use linear::Linear;
+pub use linear::{Linear, LinearShape};
 pub use loss::SoftmaxCrossEntropy;
-pub use pool::MaxPool2d;
+pub use pool::{MaxPool2d, Pool2dShape};

@@ -30,7 +30,7 @@
 
 pub use super::activation::{relu_backward_f32, relu_forward_f32};
 pub use super::batchnorm::twin::{
-    batchnorm2d_backward_f32, batchnorm2d_forward_eval_f32, batchnorm2d_forward_train_f32,
+    batchnorm2d_backward_f32, batchnorm2d_forward_eval_f32, batchnorm2d_forward_train_f32, BnStats,
 };
 pub use super::conv2d::twin::{
     conv2d_backward_bias_bf16, conv2d_backward_bias_f16, conv2d_backward_bias_f32,

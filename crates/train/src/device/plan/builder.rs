@@ -10,7 +10,7 @@ use super::ir::{
     AdamHyper, Arena, Arg, BnTensors, ClipTensors, LossTensors, Op, Precision, Region,
 };
 use crate::device::kernels::KernelId;
-use crate::ops::Conv2dParams;
+use crate::ops::{Bn2dShape, Conv2dShape, LinearShape, Pool2dShape};
 use lockstep::cuda::KernelGrid;
 
 /// Threads per block of the tiled GEMM core (`GEMM_THREADS` in common.cuh).
@@ -79,37 +79,9 @@ fn i(v: usize) -> Arg {
     Arg::I32(v as i32)
 }
 
-/// Convolution shape with its batch and input size (the kernels' `shape...` arguments).
-#[derive(Clone, Copy, Debug)]
-pub struct ConvLaunch {
-    /// Shape parameters.
-    pub p: Conv2dParams,
-    /// Batch.
-    pub batch: usize,
-    /// Input height.
-    pub in_h: usize,
-    /// Input width.
-    pub in_w: usize,
-}
-
-impl ConvLaunch {
-    fn shape_args(&self) -> [Arg; 9] {
-        let p = &self.p;
-        [
-            i(self.batch),
-            i(p.in_c),
-            i(self.in_h),
-            i(self.in_w),
-            i(p.out_c),
-            i(p.kh),
-            i(p.kw),
-            i(p.stride),
-            i(p.pad),
-        ]
-    }
-    fn out_hw(&self) -> (usize, usize) {
-        (self.p.out_h(self.in_h), self.p.out_w(self.in_w))
-    }
+/// The kernel arguments of a shape's scalars (C `int`s, in the kernel's order).
+fn shape_args<const N: usize>(a: [i32; N]) -> [Arg; N] {
+    a.map(Arg::I32)
 }
 
 /// Emits [`Op`]s with the right entry point, argument order and geometry.
@@ -123,6 +95,17 @@ pub struct Builder {
     /// planes of this region, then `splitk_reduce_f32` adds them in slice order (deterministic).
     /// Empty: no split-K (one slice, the kernel adds into the gradient directly).
     pub splitk: Region,
+}
+
+/// The three entry points of a GEMM kernel, `[f32, bf16, f16]` operands, from its base name.
+macro_rules! by_precision {
+    ($base:literal) => {
+        [
+            concat!($base, "_f32"),
+            concat!($base, "_bf16"),
+            concat!($base, "_f16"),
+        ]
+    };
 }
 
 /// The entry point of a GEMM kernel for the operand precision: `[f32, bf16, f16]` names.
@@ -332,26 +315,14 @@ impl Builder {
         p: Precision,
         out: Region,
         inp: Region,
-        weight: Region,
-        bias: Region,
-        s: ConvLaunch,
+        (weight, bias): (Region, Region),
+        s: Conv2dShape,
     ) {
-        let (oh, ow) = s.out_hw();
         let mut a = vec![Arg::Out(out), Arg::In(inp), Arg::In(weight), Arg::In(bias)];
-        a.extend(s.shape_args());
-        self.push(
-            KernelId::Conv2d,
-            pick(
-                p,
-                [
-                    "conv2d_forward_f32",
-                    "conv2d_forward_bf16",
-                    "conv2d_forward_f16",
-                ],
-            ),
-            a,
-            gemm_cfg(s.p.out_c, s.batch * oh * ow, 1),
-        );
+        a.extend(shape_args(s.kernel_args()));
+        let name = pick(p, by_precision!("conv2d_forward"));
+        let n = s.batch * s.out_h() * s.out_w();
+        self.push(KernelId::Conv2d, name, a, gemm_cfg(s.params.out_c, n, 1));
     }
 
     /// `conv2d_backward_input_*`: GEMM M = in_c, N = batch*in_h*in_w, splits 1 (it overwrites).
@@ -361,24 +332,13 @@ impl Builder {
         dinp: Region,
         dout: Region,
         weight: Region,
-        s: ConvLaunch,
+        s: Conv2dShape,
     ) {
         let mut a = vec![Arg::Out(dinp), Arg::In(dout), Arg::In(weight)];
-        a.extend(s.shape_args());
-        let name = pick(
-            p,
-            [
-                "conv2d_backward_input_f32",
-                "conv2d_backward_input_bf16",
-                "conv2d_backward_input_f16",
-            ],
-        );
-        self.push(
-            KernelId::Conv2d,
-            name,
-            a,
-            gemm_cfg(s.p.in_c, s.batch * s.in_h * s.in_w, 1),
-        );
+        a.extend(shape_args(s.kernel_args()));
+        let name = pick(p, by_precision!("conv2d_backward_input"));
+        let n = s.batch * s.in_h * s.in_w;
+        self.push(KernelId::Conv2d, name, a, gemm_cfg(s.params.in_c, n, 1));
     }
 
     /// `conv2d_backward_weight_*`: GEMM M = out_c, N = in_c*kh*kw, K = batch*out_h*out_w,
@@ -389,10 +349,46 @@ impl Builder {
         dweight: Region,
         dout: Region,
         inp: Region,
-        s: ConvLaunch,
+        s: Conv2dShape,
     ) {
-        let (oh, ow) = s.out_hw();
-        let (m, n, k) = (s.p.out_c, s.p.k(), s.batch * oh * ow);
+        let k = s.batch * s.out_h() * s.out_w();
+        let name = pick(p, by_precision!("conv2d_backward_weight"));
+        let (m, n) = (s.params.out_c, s.params.k());
+        self.weight_grad(
+            KernelId::Conv2d,
+            name,
+            (dweight, dout, inp),
+            (m, n, k),
+            &s.kernel_args(),
+        );
+    }
+
+    /// `conv2d_backward_bias_*`: grid (out_c), block 256.
+    pub fn conv_backward_bias(
+        &mut self,
+        p: Precision,
+        dbias: Region,
+        dout: Region,
+        s: Conv2dShape,
+    ) {
+        let name = pick(p, by_precision!("conv2d_backward_bias"));
+        let sizes = [s.batch, s.params.out_c, s.out_h(), s.out_w()].map(i);
+        let mut a = vec![Arg::Out(dbias), Arg::In(dout)];
+        a.extend(sizes);
+        self.push(KernelId::Conv2d, name, a, cfg((s.params.out_c, 1, 1), 256));
+    }
+
+    /// A weight gradient, `dweight[m, n] += doutᵀ · inp` over K = `k`: split-K into the workspace
+    /// when the product is tall in K, then `splitk_reduce_f32` into the accumulated `dweight`.
+    /// The kernel takes `(dweight, partials, dout, inp, shape...)`.
+    fn weight_grad(
+        &mut self,
+        kernel: KernelId,
+        name: &'static str,
+        (dweight, dout, inp): (Region, Region, Region),
+        (m, n, k): (usize, usize, usize),
+        shape: &[i32],
+    ) {
         let (splits, partials) = self.weight_split(m, n, k);
         let mut a = vec![
             Arg::Out(dweight),
@@ -400,156 +396,62 @@ impl Builder {
             Arg::In(dout),
             Arg::In(inp),
         ];
-        a.extend(s.shape_args());
-        let name = pick(
-            p,
-            [
-                "conv2d_backward_weight_f32",
-                "conv2d_backward_weight_bf16",
-                "conv2d_backward_weight_f16",
-            ],
-        );
-        self.push(KernelId::Conv2d, name, a, gemm_cfg(m, n, splits));
+        a.extend(shape.iter().copied().map(Arg::I32));
+        self.push(kernel, name, a, gemm_cfg(m, n, splits));
         self.reduce_splits(dweight, partials, splits);
     }
 
-    /// `conv2d_backward_bias_*`: grid (out_c), block 256.
-    pub fn conv_backward_bias(&mut self, p: Precision, dbias: Region, dout: Region, s: ConvLaunch) {
-        let (oh, ow) = s.out_hw();
-        let name = pick(
-            p,
-            [
-                "conv2d_backward_bias_f32",
-                "conv2d_backward_bias_bf16",
-                "conv2d_backward_bias_f16",
-            ],
-        );
-        self.push(
-            KernelId::Conv2d,
-            name,
-            vec![
-                Arg::Out(dbias),
-                Arg::In(dout),
-                i(s.batch),
-                i(s.p.out_c),
-                i(oh),
-                i(ow),
-            ],
-            cfg((s.p.out_c, 1, 1), 256),
-        );
-    }
-
     /// `linear_forward_*`: GEMM M = batch, N = out_f, K = in_f, splits 1 (fused ReLU allowed).
-    #[allow(clippy::too_many_arguments)]
     pub fn linear_forward(
         &mut self,
         p: Precision,
         out: Region,
         inp: Region,
-        weight: Region,
-        bias: Region,
-        batch: usize,
-        in_f: usize,
-        out_f: usize,
+        (weight, bias): (Region, Region),
+        s: LinearShape,
         relu: bool,
     ) {
-        let a = vec![
-            Arg::Out(out),
-            Arg::In(inp),
-            Arg::In(weight),
-            Arg::In(bias),
-            i(batch),
-            i(in_f),
-            i(out_f),
-            i(relu as usize),
-        ];
-        self.push(
-            KernelId::Linear,
-            pick(
-                p,
-                [
-                    "linear_forward_f32",
-                    "linear_forward_bf16",
-                    "linear_forward_f16",
-                ],
-            ),
-            a,
-            gemm_cfg(batch, out_f, 1),
-        );
+        let mut a = vec![Arg::Out(out), Arg::In(inp), Arg::In(weight), Arg::In(bias)];
+        a.extend(shape_args(s.kernel_args()));
+        a.push(i(relu as usize));
+        let name = pick(p, by_precision!("linear_forward"));
+        self.push(KernelId::Linear, name, a, gemm_cfg(s.batch, s.out_f, 1));
     }
 
     /// `linear_backward_input_*`: GEMM M = batch, N = in_f, splits 1.
-    #[allow(clippy::too_many_arguments)]
     pub fn linear_backward_input(
         &mut self,
         p: Precision,
         dinp: Region,
         dout: Region,
         weight: Region,
-        batch: usize,
-        in_f: usize,
-        out_f: usize,
+        s: LinearShape,
     ) {
-        let a = vec![
-            Arg::Out(dinp),
-            Arg::In(dout),
-            Arg::In(weight),
-            i(batch),
-            i(in_f),
-            i(out_f),
-        ];
-        self.push(
-            KernelId::Linear,
-            pick(
-                p,
-                [
-                    "linear_backward_input_f32",
-                    "linear_backward_input_bf16",
-                    "linear_backward_input_f16",
-                ],
-            ),
-            a,
-            gemm_cfg(batch, in_f, 1),
-        );
+        let mut a = vec![Arg::Out(dinp), Arg::In(dout), Arg::In(weight)];
+        a.extend(shape_args(s.kernel_args()));
+        let name = pick(p, by_precision!("linear_backward_input"));
+        self.push(KernelId::Linear, name, a, gemm_cfg(s.batch, s.in_f, 1));
     }
 
     /// `linear_backward_weight_*`: GEMM M = out_f, N = in_f, K = batch, split-K into the
     /// workspace then `splitk_reduce_f32` (as [`Builder::conv_backward_weight`]).
-    #[allow(clippy::too_many_arguments)]
     pub fn linear_backward_weight(
         &mut self,
         p: Precision,
         dweight: Region,
         dout: Region,
         inp: Region,
-        batch: usize,
-        in_f: usize,
-        out_f: usize,
+        s: LinearShape,
     ) {
-        let (splits, partials) = self.weight_split(out_f, in_f, batch);
-        let a = vec![
-            Arg::Out(dweight),
-            Arg::Out(partials),
-            Arg::In(dout),
-            Arg::In(inp),
-            i(batch),
-            i(in_f),
-            i(out_f),
-        ];
-        self.push(
+        let name = pick(p, by_precision!("linear_backward_weight"));
+        let mnk = (s.out_f, s.in_f, s.batch);
+        self.weight_grad(
             KernelId::Linear,
-            pick(
-                p,
-                [
-                    "linear_backward_weight_f32",
-                    "linear_backward_weight_bf16",
-                    "linear_backward_weight_f16",
-                ],
-            ),
-            a,
-            gemm_cfg(out_f, in_f, splits),
+            name,
+            (dweight, dout, inp),
+            mnk,
+            &s.kernel_args(),
         );
-        self.reduce_splits(dweight, partials, splits);
     }
 
     /// `linear_backward_bias_*`: grid ceil(out_f/256), block 256.
@@ -561,14 +463,7 @@ impl Builder {
         batch: usize,
         out_f: usize,
     ) {
-        let name = pick(
-            p,
-            [
-                "linear_backward_bias_f32",
-                "linear_backward_bias_bf16",
-                "linear_backward_bias_f16",
-            ],
-        );
+        let name = pick(p, by_precision!("linear_backward_bias"));
         self.push(
             KernelId::Linear,
             name,
@@ -599,21 +494,14 @@ impl Builder {
 
     /// `batchnorm2d_forward_train_f32`: grid (channels), block 256 (one block per channel).
     /// `momentum` and `eps` as in PyTorch (the CPU layer's fields).
-    #[allow(clippy::too_many_arguments)]
     pub fn bn_forward_train(
         &mut self,
         out: Region,
         bn: &BnTensors,
         inp: Region,
-        weight: Region,
-        bias: Region,
-        batch: usize,
-        hw: usize,
-        momentum: f32,
-        eps: f32,
-        relu: bool,
+        (weight, bias): (Region, Region),
+        s: Bn2dShape,
     ) {
-        let c = bn.mean.len;
         let a = vec![
             Arg::Out(out),
             Arg::Out(bn.mean),
@@ -623,36 +511,31 @@ impl Builder {
             Arg::In(inp),
             Arg::In(weight),
             Arg::In(bias),
-            i(batch),
-            i(c),
-            i(hw),
-            Arg::F32(momentum),
-            Arg::F32(eps),
-            i(relu as usize),
+            i(s.batch),
+            i(s.channels),
+            i(s.hw),
+            Arg::F32(s.momentum),
+            Arg::F32(s.eps),
+            i(s.relu as usize),
         ];
+        let grid = cfg((s.channels, 1, 1), 256);
         self.push(
             KernelId::Batchnorm,
             "batchnorm2d_forward_train_f32",
             a,
-            cfg((c, 1, 1), 256),
+            grid,
         );
     }
 
     /// `batchnorm2d_forward_eval_f32`: 1-D over batch*channels*hw, block 256.
-    #[allow(clippy::too_many_arguments)]
     pub fn bn_forward_eval(
         &mut self,
         out: Region,
         bn: &BnTensors,
         inp: Region,
-        weight: Region,
-        bias: Region,
-        batch: usize,
-        hw: usize,
-        eps: f32,
-        relu: bool,
+        (weight, bias): (Region, Region),
+        s: Bn2dShape,
     ) {
-        let c = bn.mean.len;
         let a = vec![
             Arg::Out(out),
             Arg::In(inp),
@@ -660,37 +543,27 @@ impl Builder {
             Arg::In(bias),
             Arg::In(bn.running_mean),
             Arg::In(bn.running_var),
-            i(batch),
-            i(c),
-            i(hw),
-            Arg::F32(eps),
-            i(relu as usize),
+            i(s.batch),
+            i(s.channels),
+            i(s.hw),
+            Arg::F32(s.eps),
+            i(s.relu as usize),
         ];
-        self.push(
-            KernelId::Batchnorm,
-            "batchnorm2d_forward_eval_f32",
-            a,
-            KernelGrid::for_elements(batch * c * hw),
-        );
+        let grid = KernelGrid::for_elements(s.batch * s.channels * s.hw);
+        self.push(KernelId::Batchnorm, "batchnorm2d_forward_eval_f32", a, grid);
     }
 
-    /// `batchnorm2d_backward_f32`: grid (channels), block 256.
-    #[allow(clippy::too_many_arguments)]
+    /// `batchnorm2d_backward_f32`: grid (channels), block 256; the gradients `(dinp, dweight,
+    /// dbias)` from `dout` and the forward's `(inp, out)`.
     pub fn bn_backward(
         &mut self,
-        dinp: Region,
-        dweight: Region,
-        dbias: Region,
+        (dinp, dweight, dbias): (Region, Region, Region),
         dout: Region,
-        inp: Region,
-        out: Region,
+        (inp, out): (Region, Region),
         weight: Region,
         bn: &BnTensors,
-        batch: usize,
-        hw: usize,
-        relu: bool,
+        s: Bn2dShape,
     ) {
-        let c = bn.mean.len;
         let a = vec![
             Arg::Out(dinp),
             Arg::Out(dweight),
@@ -701,84 +574,35 @@ impl Builder {
             Arg::In(weight),
             Arg::In(bn.mean),
             Arg::In(bn.invstd),
-            i(batch),
-            i(c),
-            i(hw),
-            i(relu as usize),
+            i(s.batch),
+            i(s.channels),
+            i(s.hw),
+            i(s.relu as usize),
         ];
-        self.push(
-            KernelId::Batchnorm,
-            "batchnorm2d_backward_f32",
-            a,
-            cfg((c, 1, 1), 256),
-        );
+        let grid = cfg((s.channels, 1, 1), 256);
+        self.push(KernelId::Batchnorm, "batchnorm2d_backward_f32", a, grid);
     }
 
-    /// `maxpool2d_forward_f32` (window `kernel`, step `stride`, input `h` x `w`): 1-D over the
-    /// outputs, block 256.
-    #[allow(clippy::too_many_arguments)]
-    pub fn maxpool_forward(
-        &mut self,
-        out: Region,
-        indices: Region,
-        inp: Region,
-        batch: usize,
-        channels: usize,
-        h: usize,
-        w: usize,
-        kernel: usize,
-        stride: usize,
-    ) {
-        let a = vec![
-            Arg::Out(out),
-            Arg::Out(indices),
-            Arg::In(inp),
-            i(batch),
-            i(channels),
-            i(h),
-            i(w),
-            i(kernel),
-            i(stride),
-        ];
-        self.push(
-            KernelId::Pool,
-            "maxpool2d_forward_f32",
-            a,
-            KernelGrid::for_elements(out.len),
-        );
+    /// `maxpool2d_forward_f32`: 1-D over the outputs, block 256.
+    pub fn maxpool_forward(&mut self, out: Region, indices: Region, inp: Region, s: Pool2dShape) {
+        let mut a = vec![Arg::Out(out), Arg::Out(indices), Arg::In(inp)];
+        a.extend(shape_args(s.kernel_args()));
+        let grid = KernelGrid::for_elements(out.len);
+        self.push(KernelId::Pool, "maxpool2d_forward_f32", a, grid);
     }
 
     /// `maxpool2d_backward_f32` (as [`Builder::maxpool_forward`]): 1-D over the inputs, block 256.
-    #[allow(clippy::too_many_arguments)]
     pub fn maxpool_backward(
         &mut self,
         dinp: Region,
         dout: Region,
         indices: Region,
-        batch: usize,
-        channels: usize,
-        h: usize,
-        w: usize,
-        kernel: usize,
-        stride: usize,
+        s: Pool2dShape,
     ) {
-        let a = vec![
-            Arg::Out(dinp),
-            Arg::In(dout),
-            Arg::In(indices),
-            i(batch),
-            i(channels),
-            i(h),
-            i(w),
-            i(kernel),
-            i(stride),
-        ];
-        self.push(
-            KernelId::Pool,
-            "maxpool2d_backward_f32",
-            a,
-            KernelGrid::for_elements(dinp.len),
-        );
+        let mut a = vec![Arg::Out(dinp), Arg::In(dout), Arg::In(indices)];
+        a.extend(shape_args(s.kernel_args()));
+        let grid = KernelGrid::for_elements(dinp.len);
+        self.push(KernelId::Pool, "maxpool2d_backward_f32", a, grid);
     }
 
     /// `softmax_xent_forward_f32`: grid 1, block 256 (one warp per row).
@@ -808,65 +632,40 @@ impl Builder {
         );
     }
 
-    /// `softmax_xent_backward_f32`: 1-D over batch*classes, block 256.
+    /// `softmax_xent_backward_f32`, or with a loss scale (read from `scale` on the device)
+    /// `softmax_xent_backward_scaled_f32`, which takes it last: 1-D over batch*classes, block 256.
     pub fn xent_backward(
         &mut self,
         dlogits: Region,
         probs: Region,
         labels: Region,
-        batch: usize,
-        classes: usize,
+        (batch, classes): (usize, usize),
+        scale: Option<Region>,
     ) {
-        let a = vec![
+        let mut a = vec![
             Arg::Out(dlogits),
             Arg::In(probs),
             Arg::In(labels),
             i(batch),
             i(classes),
         ];
-        self.push(
-            KernelId::Loss,
-            "softmax_xent_backward_f32",
-            a,
-            KernelGrid::for_elements(batch * classes),
-        );
+        let name = match scale {
+            Some(scale) => {
+                a.push(Arg::In(scale));
+                "softmax_xent_backward_scaled_f32"
+            }
+            None => "softmax_xent_backward_f32",
+        };
+        let grid = KernelGrid::for_elements(batch * classes);
+        self.push(KernelId::Loss, name, a, grid);
     }
 
-    /// `softmax_xent_backward_scaled_f32` (the loss scale read from `scale` on the device): 1-D
-    /// over batch*classes, block 256.
-    pub fn xent_backward_scaled(
-        &mut self,
-        dlogits: Region,
-        probs: Region,
-        labels: Region,
-        batch: usize,
-        classes: usize,
-        scale: Region,
-    ) {
-        let a = vec![
-            Arg::Out(dlogits),
-            Arg::In(probs),
-            Arg::In(labels),
-            i(batch),
-            i(classes),
-            Arg::In(scale),
-        ];
-        self.push(
-            KernelId::Loss,
-            "softmax_xent_backward_scaled_f32",
-            a,
-            KernelGrid::for_elements(batch * classes),
-        );
-    }
-
-    /// `adam_step_f32` over the flat buffers: 1-D, block 256.
-    #[allow(clippy::too_many_arguments)]
+    /// `adam_step_f32` over the flat buffers (`(m, v)` the moments): 1-D, block 256.
     pub fn adam(
         &mut self,
         params: Region,
         grads: Region,
-        m: Region,
-        v: Region,
+        (m, v): (Region, Region),
         h: &AdamHyper,
         lr: f32,
         step: u64,
@@ -926,12 +725,7 @@ mod tests {
                 len: 64 * 32 * 784,
             },
         );
-        let s = ConvLaunch {
-            p: Conv2dParams::new(1, 32, 5, 1, 2),
-            batch: 64,
-            in_h: 28,
-            in_w: 28,
-        };
+        let s = crate::ops::Conv2dParams::new(1, 32, 5, 1, 2).for_input(64, 28, 28);
         for (sm, room) in [
             (132usize, usize::MAX),
             (132, 7 * 800),

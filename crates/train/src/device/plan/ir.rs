@@ -191,29 +191,7 @@ impl std::str::FromStr for Precision {
     }
 }
 
-/// Adam hyper-parameters other than the learning rate (PyTorch defaults).
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct AdamHyper {
-    /// First-moment decay.
-    pub beta1: f32,
-    /// Second-moment decay.
-    pub beta2: f32,
-    /// Denominator epsilon.
-    pub eps: f32,
-    /// L2 penalty.
-    pub weight_decay: f32,
-}
-
-impl Default for AdamHyper {
-    fn default() -> Self {
-        AdamHyper {
-            beta1: 0.9,
-            beta2: 0.999,
-            eps: 1e-8,
-            weight_decay: 0.0,
-        }
-    }
-}
+pub use crate::ops::optim::AdamHyper;
 
 // ------------------------------------------------------------------------------------------------
 // region groups the kernels take together

@@ -10,7 +10,7 @@ mod builder;
 mod ir;
 mod schedule;
 
-pub use builder::{splitk_workspace_len, Builder, ConvLaunch, CLIP_PARTIALS, SPLIT_K_MAX_SMS};
+pub use builder::{splitk_workspace_len, Builder, CLIP_PARTIALS, SPLIT_K_MAX_SMS};
 pub use ir::{
     AdamHyper, AmpTensors, Arena, Arg, BnTensors, ClipTensors, LossTensors, Op, ParamAt, Precision,
     Region,

@@ -29,13 +29,13 @@
 //! (`builder.rs`; the SM count is not known when the arenas are laid out); stages run in stream
 //! order, so one workspace serves them all.
 
-use super::builder::{splitk_workspace_len, Builder, ConvLaunch, CLIP_PARTIALS};
+use super::builder::{splitk_workspace_len, Builder, CLIP_PARTIALS};
 use super::ir::{
     AmpTensors, Arena, BnTensors, ClipTensors, LossTensors, Op, ParamAt, Precision, Region,
 };
 use crate::device::error::DeviceError;
 use crate::model::{Model, ModelError};
-use crate::ops::{Conv2dParams, Layer, LayerSpec};
+use crate::ops::{Bn2dShape, Conv2dParams, Layer, LayerSpec, LinearShape, Pool2dShape};
 
 /// What one stage computes: one model layer, or two when a ReLU is fused into the layer before.
 #[derive(Clone, Debug)]
@@ -47,22 +47,17 @@ enum Kind {
         weight: ParamAt,
         bias: ParamAt,
     },
+    /// `bn` for one sample (`batch` 1): each step launches it with its own batch.
     BatchNorm {
         t: BnTensors,
-        hw: usize,
-        momentum: f32,
-        eps: f32,
-        relu: bool,
+        bn: Bn2dShape,
         weight: ParamAt,
         bias: ParamAt,
     },
     Relu,
+    /// `pool` for one sample (`batch` 1): each step launches it with its own batch.
     MaxPool {
-        channels: usize,
-        h: usize,
-        w: usize,
-        kernel: usize,
-        stride: usize,
+        pool: Pool2dShape,
         argmax: Region,
     },
     Flatten,
@@ -298,12 +293,17 @@ impl Tensors {
                         running_mean: UNSET,
                         running_var: UNSET,
                     };
-                    let kind = Kind::BatchNorm {
-                        t,
+                    let bn = Bn2dShape {
+                        batch: 1,
+                        channels: c,
                         hw: dims[1] * dims[2],
                         momentum,
                         eps,
                         relu: relu_next,
+                    };
+                    let kind = Kind::BatchNorm {
+                        t,
+                        bn,
                         weight,
                         bias,
                     };
@@ -312,11 +312,14 @@ impl Tensors {
                 LayerSpec::Relu => (Kind::Relu, 1),
                 LayerSpec::MaxPool2d { kernel, stride } => (
                     Kind::MaxPool {
-                        channels: dims[0],
-                        h: dims[1],
-                        w: dims[2],
-                        kernel,
-                        stride,
+                        pool: Pool2dShape {
+                            batch: 1,
+                            channels: dims[0],
+                            in_h: dims[1],
+                            in_w: dims[2],
+                            kernel,
+                            stride,
+                        },
                         argmax: UNSET,
                     },
                     1,
@@ -572,55 +575,29 @@ impl Tensors {
                     bias,
                 } => {
                     let x = gemm_in(ops);
-                    ops.conv_forward(
-                        precision,
-                        out,
-                        x,
-                        at(pbf, weight),
-                        at(pr, bias),
-                        ConvLaunch {
-                            p,
-                            batch: b,
-                            in_h,
-                            in_w,
-                        },
-                    );
+                    let shape = p.for_input(b, in_h, in_w);
+                    let params = (at(pbf, weight), at(pr, bias));
+                    ops.conv_forward(precision, out, x, params, shape);
                 }
                 Kind::BatchNorm {
                     t,
-                    hw,
-                    momentum,
-                    eps,
-                    relu,
+                    bn,
                     weight,
                     bias,
                 } => {
-                    let (w, bi) = (at(pr, weight), at(pr, bias));
+                    let (params, shape) =
+                        ((at(pr, weight), at(pr, bias)), Bn2dShape { batch: b, ..bn });
                     if train {
-                        ops.bn_forward_train(out, &t, inp, w, bi, b, hw, momentum, eps, relu);
+                        ops.bn_forward_train(out, &t, inp, params, shape);
                     } else {
-                        ops.bn_forward_eval(out, &t, inp, w, bi, b, hw, eps, relu);
+                        ops.bn_forward_eval(out, &t, inp, params, shape);
                     }
                 }
                 Kind::Relu => ops.relu_forward(out, inp),
-                Kind::MaxPool {
-                    channels,
-                    h,
-                    w,
-                    kernel,
-                    stride,
-                    argmax,
-                } => ops.maxpool_forward(
-                    out,
-                    n(argmax, s.out_per),
-                    inp,
-                    b,
-                    channels,
-                    h,
-                    w,
-                    kernel,
-                    stride,
-                ),
+                Kind::MaxPool { pool, argmax } => {
+                    let shape = Pool2dShape { batch: b, ..pool };
+                    ops.maxpool_forward(out, n(argmax, s.out_per), inp, shape);
+                }
                 Kind::Flatten => {}
                 Kind::Linear {
                     in_f,
@@ -631,17 +608,13 @@ impl Tensors {
                     ..
                 } => {
                     let x = gemm_in(ops);
-                    ops.linear_forward(
-                        precision,
-                        out,
-                        x,
-                        at(pbf, weight),
-                        at(pr, bias),
-                        b,
+                    let shape = LinearShape {
+                        batch: b,
                         in_f,
                         out_f,
-                        relu,
-                    );
+                    };
+                    let params = (at(pbf, weight), at(pr, bias));
+                    ops.linear_forward(precision, out, x, params, shape, relu);
                 }
             }
         }
@@ -670,12 +643,11 @@ impl Tensors {
             n(self.loss.probs, self.classes),
             n(self.labels, 1),
         );
-        if precision.scales_loss() {
+        let scale = precision.scales_loss().then_some(self.amp.scale);
+        if scale.is_some() {
             ops.fill(self.amp.found_inf, 0.0);
-            ops.xent_backward_scaled(dz, probs, labels, b, self.classes, self.amp.scale);
-        } else {
-            ops.xent_backward(dz, probs, labels, b, self.classes);
         }
+        ops.xent_backward(dz, probs, labels, (b, self.classes), scale);
         for s in self.stages.iter().rev() {
             let (inp, out, dout) = (
                 n(s.inp, s.in_per),
@@ -702,12 +674,7 @@ impl Tensors {
                     weight,
                     bias,
                 } => {
-                    let shape = ConvLaunch {
-                        p,
-                        batch: b,
-                        in_h,
-                        in_w,
-                    };
+                    let shape = p.for_input(b, in_h, in_w);
                     let dy = gemm_dout(ops, dout);
                     ops.conv_backward_weight(precision, at(g, weight), dy, saved_in(), shape);
                     ops.conv_backward_bias(precision, at(g, bias), dy, shape);
@@ -717,26 +684,15 @@ impl Tensors {
                 }
                 Kind::BatchNorm {
                     t,
-                    hw,
-                    relu,
+                    bn,
                     weight,
                     bias,
-                    ..
                 } => {
                     if let Some(dx) = din {
-                        ops.bn_backward(
-                            dx,
-                            at(g, weight),
-                            at(g, bias),
-                            dout,
-                            inp,
-                            out,
-                            at(self.params, weight),
-                            &t,
-                            b,
-                            hw,
-                            relu,
-                        );
+                        let grads = (dx, at(g, weight), at(g, bias));
+                        let w = at(self.params, weight);
+                        let shape = Bn2dShape { batch: b, ..bn };
+                        ops.bn_backward(grads, dout, (inp, out), w, &t, shape);
                     }
                 }
                 Kind::Relu => {
@@ -744,26 +700,10 @@ impl Tensors {
                         ops.relu_backward(dx, out, dout);
                     }
                 }
-                Kind::MaxPool {
-                    channels,
-                    h,
-                    w,
-                    kernel,
-                    stride,
-                    argmax,
-                } => {
+                Kind::MaxPool { pool, argmax } => {
                     if let Some(dx) = din {
-                        ops.maxpool_backward(
-                            dx,
-                            dout,
-                            n(argmax, s.out_per),
-                            b,
-                            channels,
-                            h,
-                            w,
-                            kernel,
-                            stride,
-                        );
+                        let shape = Pool2dShape { batch: b, ..pool };
+                        ops.maxpool_backward(dx, dout, n(argmax, s.out_per), shape);
                     }
                 }
                 Kind::Flatten => {}
@@ -782,26 +722,15 @@ impl Tensors {
                         dout
                     };
                     let dy = gemm_dout(ops, d);
-                    ops.linear_backward_weight(
-                        precision,
-                        at(g, weight),
-                        dy,
-                        saved_in(),
-                        b,
+                    let shape = LinearShape {
+                        batch: b,
                         in_f,
                         out_f,
-                    );
+                    };
+                    ops.linear_backward_weight(precision, at(g, weight), dy, saved_in(), shape);
                     ops.linear_backward_bias(precision, at(g, bias), dy, b, out_f);
                     if let Some(dx) = din {
-                        ops.linear_backward_input(
-                            precision,
-                            dx,
-                            dy,
-                            at(pbf, weight),
-                            b,
-                            in_f,
-                            out_f,
-                        );
+                        ops.linear_backward_input(precision, dx, dy, at(pbf, weight), shape);
                     }
                 }
             }
@@ -985,31 +914,24 @@ mod tests {
                 "conv2d_backward_bias_bf16",
             ]
         );
-        let conv = &ops
-            .iter()
-            .find(|o| o.name == "conv2d_forward_bf16")
-            .unwrap()
-            .args[4..];
-        let shape: Vec<i32> = conv
-            .iter()
-            .map(|a| if let Arg::I32(v) = a { *v } else { -1 })
-            .collect();
+        // The `N` int arguments of the first `name` op from `at` on (-1 for any other kind).
+        fn ints<const N: usize>(ops: &[Op], name: &str, at: usize) -> [i32; N] {
+            let op = ops.iter().find(|o| o.name == name).unwrap();
+            std::array::from_fn(|j| {
+                if let Arg::I32(v) = op.args[at + j] {
+                    v
+                } else {
+                    -1
+                }
+            })
+        }
         assert_eq!(
-            shape,
+            ints(&ops, "conv2d_forward_bf16", 4),
             [2, 3, 12, 10, 6, 3, 3, 2, 1],
             "batch, in_c, in_h, in_w, out_c, kh, kw, stride, pad"
         );
-        let pool = &ops
-            .iter()
-            .find(|o| o.name == "maxpool2d_forward_f32")
-            .unwrap()
-            .args[3..];
-        let shape: Vec<i32> = pool
-            .iter()
-            .map(|a| if let Arg::I32(v) = a { *v } else { -1 })
-            .collect();
         assert_eq!(
-            shape,
+            ints(&ops, "maxpool2d_forward_f32", 3),
             [2, 6, 6, 5, 3, 1],
             "batch, channels, h, w, kernel, stride"
         );

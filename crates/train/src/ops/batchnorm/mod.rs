@@ -15,6 +15,41 @@ use super::{Backward, BufferMut, Init, Layer, LayerSpec, ParamSpec, SumFn};
 use crate::multiversion::dispatch;
 use crate::tensor::Tensor;
 
+/// One BatchNorm2d launch: the batch, the planes and the layer's settings, the scalar arguments
+/// of `kernels/batchnorm.cu` shared by its CPU twins, the GPU launcher and the plan. Each kernel
+/// takes the ones it needs, in this order: `batch, channels, hw, [momentum,] [eps,] relu` (the
+/// training forward all, evaluation without `momentum`, backward without both).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Bn2dShape {
+    /// Samples.
+    pub batch: usize,
+    /// Channels.
+    pub channels: usize,
+    /// Pixels per plane, `H * W`.
+    pub hw: usize,
+    /// Weight of the batch statistic in the running estimate.
+    pub momentum: f32,
+    /// Added to the variance before the square root.
+    pub eps: f32,
+    /// The ReLU fused after the normalisation (and its mask in backward).
+    pub relu: bool,
+}
+
+impl Bn2dShape {
+    /// `(batch, channels, hw)` as `usize`.
+    pub(crate) fn dims(&self) -> (usize, usize, usize) {
+        (self.batch, self.channels, self.hw)
+    }
+    /// `y`, or `max(y, 0)` with the fused ReLU.
+    pub(crate) fn act(&self, y: f32) -> f32 {
+        if self.relu {
+            y.max(0.0)
+        } else {
+            y
+        }
+    }
+}
+
 /// Batch normalisation over `[N, C, H, W]`, per channel.
 #[derive(Clone, Debug)]
 pub struct BatchNorm2d {

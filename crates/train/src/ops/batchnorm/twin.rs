@@ -1,28 +1,43 @@
 //! CPU twins of `kernels/batchnorm.cu`: BatchNorm2d forward (train and eval) and backward, with
 //! the optional fused ReLU; `f32::mul_add` where the kernel contracts to one fused multiply-add.
 //!
-//! The conventions every twin follows are in the module documentation (`ops/twins.rs`).
+//! The conventions every twin follows are in the module documentation (`ops/twins.rs`); the
+//! kernels' scalar arguments arrive as one [`Bn2dShape`].
+
+use super::Bn2dShape;
+
+/// The per-channel statistics the training forward writes: the batch mean and 1/std saved for
+/// backward, and the running estimates it updates (`(C)` each).
+#[derive(Debug)]
+pub struct BnStats<'a> {
+    /// Batch mean, saved for backward.
+    pub save_mean: &'a mut [f32],
+    /// Batch 1/std, saved for backward.
+    pub save_invstd: &'a mut [f32],
+    /// Running mean, updated.
+    pub running_mean: &'a mut [f32],
+    /// Running (unbiased) variance, updated.
+    pub running_var: &'a mut [f32],
+}
 
 /// Training-mode BatchNorm2d: batch statistics (biased variance, two passes), saved mean and
 /// 1/std, running estimates updated with the unbiased variance, optional fused ReLU.
-#[allow(clippy::too_many_arguments)]
 pub fn batchnorm2d_forward_train_f32(
     out: &mut [f32],
-    save_mean: &mut [f32],
-    save_invstd: &mut [f32],
-    running_mean: &mut [f32],
-    running_var: &mut [f32],
+    stats: BnStats<'_>,
     inp: &[f32],
     weight: &[f32],
     bias: &[f32],
-    batch: i32,
-    channels: i32,
-    hw: i32,
-    momentum: f32,
-    eps: f32,
-    relu: i32,
+    shape: Bn2dShape,
 ) {
-    let (n, c, hw) = (batch as usize, channels as usize, hw as usize);
+    let (n, c, hw) = shape.dims();
+    let (momentum, eps) = (shape.momentum, shape.eps);
+    let BnStats {
+        save_mean,
+        save_invstd,
+        running_mean,
+        running_var,
+    } = stats;
     let cnt = n * hw;
     for ch in 0..c {
         let plane = |b: usize| (b * c + ch) * hw..(b * c + ch + 1) * hw;
@@ -55,15 +70,13 @@ pub fn batchnorm2d_forward_train_f32(
         let shift = (-mean).mul_add(scale, bias[ch]);
         for b in 0..n {
             for i in plane(b) {
-                let y = inp[i].mul_add(scale, shift);
-                out[i] = if relu != 0 { y.max(0.0) } else { y };
+                out[i] = shape.act(inp[i].mul_add(scale, shift));
             }
         }
     }
 }
 
 /// Evaluation-mode BatchNorm2d with the running statistics (optional fused ReLU).
-#[allow(clippy::too_many_arguments)]
 pub fn batchnorm2d_forward_eval_f32(
     out: &mut [f32],
     inp: &[f32],
@@ -71,45 +84,36 @@ pub fn batchnorm2d_forward_eval_f32(
     bias: &[f32],
     running_mean: &[f32],
     running_var: &[f32],
-    batch: i32,
-    channels: i32,
-    hw: i32,
-    eps: f32,
-    relu: i32,
+    shape: Bn2dShape,
 ) {
-    let (c, hw) = (channels as usize, hw as usize);
-    for i in 0..batch as usize * c * hw {
+    let (n, c, hw) = shape.dims();
+    for i in 0..n * c * hw {
         let ch = (i / hw) % c;
-        let invstd = 1.0 / (running_var[ch] + eps).sqrt();
+        let invstd = 1.0 / (running_var[ch] + shape.eps).sqrt();
         let y = ((inp[i] - running_mean[ch]) * invstd).mul_add(weight[ch], bias[ch]);
-        out[i] = if relu != 0 { y.max(0.0) } else { y };
+        out[i] = shape.act(y);
     }
 }
 
-/// BatchNorm2d backward: `dbias`, `dweight` accumulated, `dinp` overwritten; with `relu != 0`
-/// the incoming gradient is masked by `out > 0` (`out` is unused, and may be empty, when `relu = 0`).
-#[allow(clippy::too_many_arguments)]
+/// BatchNorm2d backward: `dbias`, `dweight` accumulated, `dinp` overwritten; with the fused ReLU
+/// the incoming gradient is masked by `out > 0` (`out`, the forward's output beside its input
+/// `inp`, is unused and may be empty without it). `saved` is the forward's `(mean, invstd)`.
 pub fn batchnorm2d_backward_f32(
     dinp: &mut [f32],
-    dweight: &mut [f32],
-    dbias: &mut [f32],
+    (dweight, dbias): (&mut [f32], &mut [f32]),
     dout: &[f32],
-    inp: &[f32],
-    out: &[f32],
+    (inp, out): (&[f32], &[f32]),
     weight: &[f32],
-    save_mean: &[f32],
-    save_invstd: &[f32],
-    batch: i32,
-    channels: i32,
-    hw: i32,
-    relu: i32,
+    (save_mean, save_invstd): (&[f32], &[f32]),
+    shape: Bn2dShape,
 ) {
-    let (n, c, hw) = (batch as usize, channels as usize, hw as usize);
+    let (n, c, hw) = shape.dims();
+    let relu = shape.relu;
     let cnt = (n * hw) as f32;
     // `!(out > 0)`, not `out <= 0`: a NaN output masks its gradient, as in the kernel.
     #[allow(clippy::neg_cmp_op_on_partial_ord)]
     let g = |i: usize| {
-        if relu != 0 && !(out[i] > 0.0) {
+        if relu && !(out[i] > 0.0) {
             0.0
         } else {
             dout[i]

@@ -338,17 +338,10 @@ impl Layer for Conv2d {
         out.resize(&[n, oc, oh, ow]);
         if self.winograd() {
             let (weight, bias) = p.split_at(oc * k);
-            self.wino.forward(
-                weight,
-                Some(bias),
-                inp.data(),
-                n,
-                cp.in_c,
-                oc,
-                h,
-                w,
-                out.data_mut(),
-            );
+            let shape = cp.for_input(n, h, w);
+            let out = out.data_mut();
+            self.wino
+                .forward(weight, Some(bias), inp.data(), &shape, out);
             return;
         }
         self.forward_samples(p, inp, out, train, None);
@@ -368,18 +361,9 @@ impl Layer for Conv2d {
                 d.resize(args.inp.dims());
                 d.data_mut()
             });
-            self.wino.backward(
-                weight,
-                args.inp.data(),
-                args.dout.data(),
-                n,
-                cp.in_c,
-                oc,
-                h,
-                w,
-                dweight,
-                dx,
-            );
+            let shape = cp.for_input(n, h, w);
+            let (x, dy) = (args.inp.data(), args.dout.data());
+            self.wino.backward(weight, x, dy, &shape, dweight, dx);
             return;
         }
         self.backward_samples(
@@ -457,7 +441,7 @@ impl Conv2d {
             );
             // out[OC, P] = W[OC, K] · col[K, P], straight into the sample's NCHW planes.
             let o = &mut out.data_mut()[b * out_sz..(b + 1) * out_sz];
-            matmul(oc, pp, k, o, weight, Trans::No, col, Trans::No, false);
+            matmul((oc, pp, k), o, (weight, Trans::No), (col, Trans::No), false);
             for (plane, &bv) in o.chunks_exact_mut(pp).zip(bias) {
                 plane.iter_mut().for_each(|v| *v += bv);
             }
@@ -535,27 +519,19 @@ impl Conv2d {
             };
             // dW^T[K, OC] += col[K, P] · dY^T[P, OC]
             matmul(
-                k,
-                oc,
-                pp,
+                (k, oc, pp),
                 &mut self.dwt,
-                col,
-                Trans::No,
-                g,
-                Trans::Yes,
+                (col, Trans::No),
+                (g, Trans::Yes),
                 true,
             );
             if let Some(d) = dinp.as_deref_mut() {
                 // dcol[K, P] = W^T · dY, folded back into the sample.
                 matmul(
-                    k,
-                    pp,
-                    oc,
+                    (k, pp, oc),
                     &mut self.dcol,
-                    weight,
-                    Trans::Yes,
-                    g,
-                    Trans::No,
+                    (weight, Trans::Yes),
+                    (g, Trans::No),
                     false,
                 );
                 col2im_fast(
@@ -609,12 +585,7 @@ mod tests {
             layer.forward(&p, &inp, &mut out, true);
             let mut reference = vec![0.0; out.numel()];
             let (w, b) = p.split_at(4 * cp.k());
-            let shape = Conv2dShape {
-                params: cp,
-                batch: 11,
-                in_h: 7,
-                in_w: 6,
-            };
+            let shape = cp.for_input(11, 7, 6);
             conv2d_forward_cpu(&shape, &mut reference, inp.data(), w, b);
             for (i, (x, y)) in out.data().iter().zip(&reference).enumerate() {
                 assert!(
@@ -726,12 +697,7 @@ mod tests {
         layer.forward(&p, &inp, &mut out, true);
         let mut reference = vec![0.0; out.numel()];
         let (w, b) = p.split_at(3 * cp.k());
-        let shape = Conv2dShape {
-            params: cp,
-            batch: 3,
-            in_h: 6,
-            in_w: 5,
-        };
+        let shape = cp.for_input(3, 6, 5);
         conv2d_forward_cpu(&shape, &mut reference, inp.data(), w, b);
         for (x, y) in out.data().iter().zip(&reference) {
             assert!((x - y).abs() < 1e-4, "{x} vs {y}");

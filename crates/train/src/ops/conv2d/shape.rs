@@ -58,6 +58,15 @@ impl Conv2dParams {
         }
         Ok(vec![n, self.out_c, self.out_h(h), self.out_w(w)])
     }
+    /// This layer over `batch` inputs of `in_h x in_w`.
+    pub fn for_input(self, batch: usize, in_h: usize, in_w: usize) -> Conv2dShape {
+        Conv2dShape {
+            params: self,
+            batch,
+            in_h,
+            in_w,
+        }
+    }
     /// Columns of the unrolled kernel, `in_c * kh * kw` (the weight's fan-in).
     pub fn k(&self) -> usize {
         self.in_c * self.kh * self.kw
@@ -96,6 +105,14 @@ impl Conv2dShape {
             in_h,
             in_w,
         }
+    }
+    /// The kernels' scalar arguments, the inverse of [`Conv2dShape::from_kernel_args`].
+    pub fn kernel_args(&self) -> [i32; 9] {
+        let p = &self.params;
+        [
+            self.batch, p.in_c, self.in_h, self.in_w, p.out_c, p.kh, p.kw, p.stride, p.pad,
+        ]
+        .map(|v| v as i32)
     }
     /// Output height.
     pub fn out_h(&self) -> usize {

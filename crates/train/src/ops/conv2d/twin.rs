@@ -1,7 +1,8 @@
 //! CPU twins of `kernels/conv2d.cu`: 2-D convolution forward, input, weight and bias gradients,
 //! in f32, bf16 and f16 operands.
 //!
-//! The conventions every twin follows are in the module documentation (`ops/twins.rs`).
+//! The conventions every twin follows are in the module documentation (`ops/twins.rs`); the
+//! kernels' nine shape arguments arrive as one [`Conv2dShape`].
 
 use half::{bf16, f16};
 
@@ -174,20 +175,13 @@ twin_pair!(
     conv2d_forward_bf16,
     /// fp16 operands, f32 accumulation and output: see [`conv2d_forward_f32`].
     conv2d_forward_f16,
-    (        out: (&mut [f32]),
+    conv2d_forward_t(
+        out: (&mut [f32]),
         inp: op,
         weight: op,
         bias: (Option<&[f32]>),
-        batch: (i32),
-        in_c: (i32),
-        in_h: (i32),
-        in_w: (i32),
-        out_c: (i32),
-        kh: (i32),
-        kw: (i32),
-        stride: (i32),
-        pad: (i32)
-    ) => conv2d_forward_t(out, inp, weight, bias, Conv2dShape::from_kernel_args([batch, in_c, in_h, in_w, out_c, kh, kw, stride, pad]))
+        shape: (Conv2dShape)
+    )
 );
 twin_pair!(
     /// `dinp` (overwritten) from `dout` and `weight`.
@@ -196,19 +190,12 @@ twin_pair!(
     conv2d_backward_input_bf16,
     /// fp16 operands: see [`conv2d_backward_input_f32`].
     conv2d_backward_input_f16,
-    (        dinp: (&mut [f32]),
+    conv2d_backward_input_t(
+        dinp: (&mut [f32]),
         dout: op,
         weight: op,
-        batch: (i32),
-        in_c: (i32),
-        in_h: (i32),
-        in_w: (i32),
-        out_c: (i32),
-        kh: (i32),
-        kw: (i32),
-        stride: (i32),
-        pad: (i32)
-    ) => conv2d_backward_input_t(dinp, dout, weight, Conv2dShape::from_kernel_args([batch, in_c, in_h, in_w, out_c, kh, kw, stride, pad]))
+        shape: (Conv2dShape)
+    )
 );
 twin_pair!(
     /// `dweight += Σ dout * im2col(inp)` (accumulated) when `partials` is empty (one K slice).
@@ -220,20 +207,13 @@ twin_pair!(
     conv2d_backward_weight_bf16,
     /// fp16 operands: see [`conv2d_backward_weight_f32`].
     conv2d_backward_weight_f16,
-    (        dweight: (&mut [f32]),
+    conv2d_backward_weight_t(
+        dweight: (&mut [f32]),
         partials: (&mut [f32]),
         dout: op,
         inp: op,
-        batch: (i32),
-        in_c: (i32),
-        in_h: (i32),
-        in_w: (i32),
-        out_c: (i32),
-        kh: (i32),
-        kw: (i32),
-        stride: (i32),
-        pad: (i32)
-    ) => conv2d_backward_weight_t(dweight, partials, dout, inp, Conv2dShape::from_kernel_args([batch, in_c, in_h, in_w, out_c, kh, kw, stride, pad]))
+        shape: (Conv2dShape)
+    )
 );
 twin_pair!(
     /// `dbias[oc] += Σ_{n,oy,ox} dout` (accumulated).

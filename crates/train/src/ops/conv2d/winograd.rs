@@ -36,6 +36,7 @@
 //! (No FMA contraction happens in Rust without an explicit call, so the three versions give
 //! bit-identical results.)
 
+use super::Conv2dShape;
 use crate::gemm::{matmul_ld, Trans};
 use crate::multiversion::dispatch;
 
@@ -172,82 +173,66 @@ fn tile_stride(ch: usize) -> usize {
     NN * ch + LINE
 }
 
-/// Tiles per sample (`th`, `tw`) for an `h x w` output.
-fn tiles(h: usize, w: usize) -> (usize, usize) {
-    (h.div_ceil(MO), w.div_ceil(MO))
+/// The tile grid of one `h x w` map: `th x tw` tiles of `MO x MO` outputs, whose `TT x TT`
+/// inputs are read from a zero-bordered `hp x wp` copy of the map.
+#[derive(Clone, Copy, Debug)]
+struct Tiles {
+    th: usize,
+    tw: usize,
+}
+
+impl Tiles {
+    fn new(h: usize, w: usize) -> Tiles {
+        Tiles {
+            th: h.div_ceil(MO),
+            tw: w.div_ceil(MO),
+        }
+    }
+    /// Tiles per sample.
+    fn count(self) -> usize {
+        self.th * self.tw
+    }
+    /// Rows of the padded copy.
+    fn hp(self) -> usize {
+        MO * self.th + KS - 1
+    }
+    /// Columns of the padded copy.
+    fn wp(self) -> usize {
+        MO * self.tw + KS - 1
+    }
+}
+
+/// `(n, c, oc, h, w)` of a convolution the Winograd path takes.
+fn dims(s: &Conv2dShape) -> (usize, usize, usize, usize, usize) {
+    (s.batch, s.params.in_c, s.params.out_c, s.in_h, s.in_w)
 }
 
 impl Winograd {
     /// `out[N, OC, H, W] = conv(inp[N, C, H, W], weight[OC, C, 5, 5]) (+ bias)`, padding 2.
-    #[allow(clippy::too_many_arguments)]
     pub fn forward(
         &mut self,
         weight: &[f32],
         bias: Option<&[f32]>,
         inp: &[f32],
-        n: usize,
-        c: usize,
-        oc: usize,
-        h: usize,
-        w: usize,
+        shape: &Conv2dShape,
         out: &mut [f32],
     ) {
-        let (th, tw) = tiles(h, w);
-        let tps = th * tw;
-        let (hp, wp) = (MO * th + KS - 1, MO * tw + KS - 1);
+        let (n, c, oc, h, w) = dims(shape);
+        let g = Tiles::new(h, w);
         let ch = CHUNK.min(n);
         let u = kernel_transform(weight, c, oc, false, &mut self.u);
-        let v = aligned(&mut self.v, ch * tps * tile_stride(c), false);
-        let m = aligned(&mut self.m, ch * tps * tile_stride(oc), false);
-        let stage = aligned(&mut self.stage, MO * th * MO * tw * oc, false);
-        let xp = aligned(&mut self.xp, hp * wp * c, true);
-        let cols = aligned(&mut self.cols, wp * TT * LANES, false);
-        let (in_sz, out_sz) = (c * h * w, oc * h * w);
+        let v = aligned(&mut self.v, ch * g.count() * tile_stride(c), false);
+        let m = aligned(&mut self.m, ch * g.count() * tile_stride(oc), false);
+        let stage = aligned(&mut self.stage, MO * g.th * MO * g.tw * oc, false);
+        let xp = aligned(&mut self.xp, g.hp() * g.wp() * c, true);
+        let cols = aligned(&mut self.cols, g.wp() * TT * LANES, false);
         for start in (0..n).step_by(ch) {
-            let s = ch.min(n - start);
-            let t = s * tps;
-            for j in 0..s {
-                pad_hwc(
-                    &inp[(start + j) * in_sz..(start + j + 1) * in_sz],
-                    c,
-                    h,
-                    w,
-                    wp,
-                    xp,
-                );
-                input_transform(xp, c, th, tw, wp, v, j * tps, cols);
-            }
-            for xi in 0..NN {
-                // M_ξ[T, OC] = V_ξ[T, C] · U_ξ[C, OC]; V_ξ and M_ξ are every 64th row block.
-                let (mx, vx, ux) = (
-                    &mut m[xi * oc..t * tile_stride(oc)],
-                    &v[xi * c..t * tile_stride(c)],
-                    &u[xi * c * oc..(xi + 1) * c * oc],
-                );
-                matmul_ld(
-                    t,
-                    oc,
-                    c,
-                    (mx, tile_stride(oc)),
-                    (vx, tile_stride(c)),
-                    Trans::No,
-                    (ux, oc),
-                    Trans::No,
-                    false,
-                );
-            }
-            for j in 0..s {
-                output_transform(m, oc, th, tw, j * tps, stage);
-                hwc_to_nchw(
-                    stage,
-                    oc,
-                    h,
-                    w,
-                    MO * tw,
-                    bias,
-                    &mut out[(start + j) * out_sz..(start + j + 1) * out_sz],
-                );
-            }
+            let samples = start..start + ch.min(n - start);
+            let t = samples.len() * g.count();
+            transform_samples(inp, samples.clone(), (c, h, w), g, (xp, cols), v);
+            // M_ξ[T, OC] = V_ξ[T, C] · U_ξ[C, OC]
+            tile_gemms(t, (m, oc), (v, c), u);
+            untransform_samples(m, samples, (oc, h, w), g, stage, bias, out);
         }
     }
 
@@ -262,23 +247,18 @@ impl Winograd {
     /// footprint stays that of either half (a third buffer measured 10 % slower than the two
     /// directions run apart; as it is, the two are level). The input transform of `inp` is
     /// redone rather than kept from forward.
-    #[allow(clippy::too_many_arguments)]
     pub fn backward(
         &mut self,
         weight: &[f32],
         inp: &[f32],
         dout: &[f32],
-        n: usize,
-        c: usize,
-        oc: usize,
-        h: usize,
-        w: usize,
+        shape: &Conv2dShape,
         dweight: &mut [f32],
         mut dinp: Option<&mut [f32]>,
     ) {
-        let (th, tw) = tiles(h, w);
-        let tps = th * tw;
-        let (hp, wp) = (MO * th + KS - 1, MO * tw + KS - 1);
+        let (n, c, oc, h, w) = dims(shape);
+        let g = Tiles::new(h, w);
+        let (tps, wp) = (g.count(), g.wp());
         let ch = CHUNK.min(n);
         let want_dx = dinp.is_some();
         let uf = if want_dx {
@@ -288,43 +268,30 @@ impl Winograd {
         };
         let stage = aligned(
             &mut self.stage,
-            if want_dx { MO * th * MO * tw * c } else { 0 },
+            if want_dx {
+                MO * g.th * MO * g.tw * c
+            } else {
+                0
+            },
             false,
         );
         let v = aligned(&mut self.v, ch * tps * tile_stride(c), false);
         let m = aligned(&mut self.m, ch * tps * tile_stride(oc), false);
-        let xp = aligned(&mut self.xp, hp * wp * c, true);
+        let xp = aligned(&mut self.xp, g.hp() * wp * c, true);
         // The chunk's padded dout samples, kept for the input-gradient transform.
-        let xpd = aligned(&mut self.xpd, ch * hp * wp * oc, true);
+        let xpd = aligned(&mut self.xpd, ch * g.hp() * wp * oc, true);
         let cols = aligned(&mut self.cols, wp * TT * LANES, false);
         let du = aligned(&mut self.du, NN * c * oc, true);
-        let (in_sz, out_sz, pd) = (c * h * w, oc * h * w, hp * wp * oc);
+        let (out_sz, pd) = (oc * h * w, g.hp() * wp * oc);
         for start in (0..n).step_by(ch) {
-            let s = ch.min(n - start);
-            let t = s * tps;
-            for j in 0..s {
+            let samples = start..start + ch.min(n - start);
+            let t = samples.len() * tps;
+            for (j, b) in samples.clone().enumerate() {
                 let xj = &mut xpd[j * pd..(j + 1) * pd];
-                pad_hwc(
-                    &dout[(start + j) * out_sz..(start + j + 1) * out_sz],
-                    oc,
-                    h,
-                    w,
-                    wp,
-                    xj,
-                );
-                dout_transform(xj, oc, th, tw, wp, m, j * tps);
+                pad_hwc(&dout[b * out_sz..(b + 1) * out_sz], oc, h, w, wp, xj);
+                dout_transform(xj, oc, g, &mut m[j * tps * tile_stride(oc)..]);
             }
-            for j in 0..s {
-                pad_hwc(
-                    &inp[(start + j) * in_sz..(start + j + 1) * in_sz],
-                    c,
-                    h,
-                    w,
-                    wp,
-                    xp,
-                );
-                input_transform(xp, c, th, tw, wp, v, j * tps, cols);
-            }
+            transform_samples(inp, samples.clone(), (c, h, w), g, (xp, cols), v);
             for xi in 0..NN {
                 // dU_ξ[C, OC] += V_ξ^T[C, T] · dM_ξ[T, OC]
                 let (dux, vx, mx) = (
@@ -333,14 +300,10 @@ impl Winograd {
                     &m[xi * oc..t * tile_stride(oc)],
                 );
                 matmul_ld(
-                    c,
-                    oc,
-                    t,
+                    (c, oc, t),
                     (dux, oc),
-                    (vx, tile_stride(c)),
-                    Trans::Yes,
-                    (mx, tile_stride(oc)),
-                    Trans::No,
+                    (vx, tile_stride(c), Trans::Yes),
+                    (mx, tile_stride(oc), Trans::No),
                     true,
                 );
             }
@@ -349,42 +312,73 @@ impl Winograd {
             };
             // B^T dY B into M (consumed above), then the GEMMs into V (consumed too): the input
             // gradient reuses the two buffers instead of adding a third.
-            for j in 0..s {
-                input_transform(&xpd[j * pd..(j + 1) * pd], oc, th, tw, wp, m, j * tps, cols);
+            for j in 0..samples.len() {
+                let mj = &mut m[j * tps * tile_stride(oc)..];
+                input_transform(&xpd[j * pd..(j + 1) * pd], oc, g, mj, cols);
             }
-            for xi in 0..NN {
-                // dX_ξ[T, C] = Vd_ξ[T, OC] · Uf_ξ[OC, C]
-                let (dxx, vx, ux) = (
-                    &mut v[xi * c..t * tile_stride(c)],
-                    &m[xi * oc..t * tile_stride(oc)],
-                    &uf[xi * oc * c..(xi + 1) * oc * c],
-                );
-                matmul_ld(
-                    t,
-                    c,
-                    oc,
-                    (dxx, tile_stride(c)),
-                    (vx, tile_stride(oc)),
-                    Trans::No,
-                    (ux, c),
-                    Trans::No,
-                    false,
-                );
-            }
-            for j in 0..s {
-                output_transform(v, c, th, tw, j * tps, stage);
-                hwc_to_nchw(
-                    stage,
-                    c,
-                    h,
-                    w,
-                    MO * tw,
-                    None,
-                    &mut dx[(start + j) * in_sz..(start + j + 1) * in_sz],
-                );
-            }
+            // dX_ξ[T, C] = Vd_ξ[T, OC] · Uf_ξ[OC, C]
+            tile_gemms(t, (v, c), (m, oc), uf);
+            untransform_samples(v, samples, (c, h, w), g, stage, None, dx);
         }
         kernel_grad_transform(du, c, oc, dweight);
+    }
+}
+
+/// The transformed tiles `V = B^T d B` of samples `samples` of `x[N, C, H, W]` into the chunk's
+/// `v` (the chunk's `j`-th sample from tile `j * tiles` on): each sample is padded into `xp`
+/// first; `cols` is the input transform's scratch.
+fn transform_samples(
+    x: &[f32],
+    samples: std::ops::Range<usize>,
+    (c, h, w): (usize, usize, usize),
+    g: Tiles,
+    (xp, cols): (&mut [f32], &mut [f32]),
+    v: &mut [f32],
+) {
+    let sz = c * h * w;
+    for (j, b) in samples.enumerate() {
+        pad_hwc(&x[b * sz..(b + 1) * sz], c, h, w, g.wp(), xp);
+        input_transform(xp, c, g, &mut v[j * g.count() * tile_stride(c)..], cols);
+    }
+}
+
+/// The chunk's 64 per-position GEMMs `dst_ξ[T, N] = src_ξ[T, K] · kern_ξ[K, N]` over its `t`
+/// tiles (`dst` and `src` tile-major with `N` and `K` channels, `kern` as `[64, K, N]`),
+/// overwriting `dst`.
+fn tile_gemms(t: usize, (dst, nd): (&mut [f32], usize), (src, ks): (&[f32], usize), kern: &[f32]) {
+    for xi in 0..NN {
+        let (dx, sx, kx) = (
+            &mut dst[xi * nd..t * tile_stride(nd)],
+            &src[xi * ks..t * tile_stride(ks)],
+            &kern[xi * ks * nd..(xi + 1) * ks * nd],
+        );
+        matmul_ld(
+            (t, nd, ks),
+            (dx, tile_stride(nd)),
+            (sx, tile_stride(ks), Trans::No),
+            (kx, nd, Trans::No),
+            false,
+        );
+    }
+}
+
+/// `Y = A^T M A` of samples `samples` from the chunk's `m` (as [`transform_samples`] lays it
+/// out, `c` channels), cropped into their planes of `y[N, C, H, W]` (plus `bias`); `stage` is the
+/// output transform's scratch.
+fn untransform_samples(
+    m: &[f32],
+    samples: std::ops::Range<usize>,
+    (c, h, w): (usize, usize, usize),
+    g: Tiles,
+    stage: &mut [f32],
+    bias: Option<&[f32]>,
+    y: &mut [f32],
+) {
+    let sz = c * h * w;
+    for (j, b) in samples.enumerate() {
+        output_transform(&m[j * g.count() * tile_stride(c)..], c, g, stage);
+        let yb = &mut y[b * sz..(b + 1) * sz];
+        hwc_to_nchw(stage, c, (h, w), MO * g.tw, bias, yb);
     }
 }
 
@@ -685,9 +679,9 @@ fn kernel_grad_impl(
     }
 }
 
-dispatch!(input_transform, input_transform_impl, (xp: &[f32], c: usize, th: usize, tw: usize, wp: usize, v: &mut [f32], t0: usize, cols: &mut [f32]));
-dispatch!(output_transform, output_transform_impl, (m: &[f32], oc: usize, th: usize, tw: usize, t0: usize, stage: &mut [f32]));
-dispatch!(dout_transform, dout_transform_impl, (xpd: &[f32], oc: usize, th: usize, tw: usize, wp: usize, m: &mut [f32], t0: usize));
+dispatch!(input_transform, input_transform_impl, (xp: &[f32], c: usize, g: Tiles, v: &mut [f32], cols: &mut [f32]));
+dispatch!(output_transform, output_transform_impl, (m: &[f32], oc: usize, g: Tiles, stage: &mut [f32]));
+dispatch!(dout_transform, dout_transform_impl, (xpd: &[f32], oc: usize, g: Tiles, m: &mut [f32]));
 
 /// Channels handled together: one AVX-512 register (the transforms keep a tile's values of
 /// a block in registers); a remainder block of width 1 covers channel counts not divisible by 16.
@@ -806,47 +800,36 @@ fn gather<const L: usize, const N: usize>(
     out
 }
 
-/// `V[t0 + tile, ξ, :] = B^T d B` for every tile of one padded sample.
+/// `V[tile, ξ, :] = B^T d B` for every tile of one padded sample (`v` from the sample's first
+/// tile on).
 ///
 /// Neighbouring tiles of a tile row overlap by 4 of their 8 columns, so the column pass
 /// (`B^T d[:, x]`) is done once per input column of the row (into `cols`, `wp * 8 * 16` floats)
 /// and shared: 20 column transforms per row of 4 tiles instead of 32.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn input_transform_impl(
-    xp: &[f32],
-    c: usize,
-    th: usize,
-    tw: usize,
-    wp: usize,
-    v: &mut [f32],
-    t0: usize,
-    cols: &mut [f32],
-) {
+fn input_transform_impl(xp: &[f32], c: usize, g: Tiles, v: &mut [f32], cols: &mut [f32]) {
     let full = c - c % LANES;
-    for ty in 0..th {
+    for ty in 0..g.th {
         for c0 in (0..full).step_by(LANES) {
-            input_row::<LANES>(xp, c, c0, ty, tw, wp, v, t0, cols);
+            input_row::<LANES>(xp, (c, c0), ty, g, v, cols);
         }
         for c0 in full..c {
-            input_row::<1>(xp, c, c0, ty, tw, wp, v, t0, cols);
+            input_row::<1>(xp, (c, c0), ty, g, v, cols);
         }
     }
 }
 
+/// Tile row `ty` of [`input_transform_impl`], channels `c0..c0 + L` of `c`.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
 fn input_row<const L: usize>(
     xp: &[f32],
-    c: usize,
-    c0: usize,
+    (c, c0): (usize, usize),
     ty: usize,
-    tw: usize,
-    wp: usize,
+    g: Tiles,
     v: &mut [f32],
-    t0: usize,
     cols: &mut [f32],
 ) {
+    let (tw, wp) = (g.tw, g.wp());
     // cols[x][a] = Σ_i B^T[a][i] d[4ty + i][x]
     for x in 0..wp {
         let col = bt8(gather::<L, TT>(xp, (MO * ty * wp + x) * c + c0, wp * c));
@@ -857,7 +840,7 @@ fn input_row<const L: usize>(
     // V[a][b] = Σ_j B^T[b][j] cols[4tx + j][a]
     let ts = tile_stride(c);
     for tx in 0..tw {
-        let tile = t0 + ty * tw + tx;
+        let tile = ty * tw + tx;
         for a in 0..TT {
             let row = bt8(gather::<L, TT>(cols, (MO * tx * TT + a) * L, TT * L));
             for (b, x) in row.iter().enumerate() {
@@ -867,38 +850,36 @@ fn input_row<const L: usize>(
     }
 }
 
-/// `stage[4ty+i, 4tx+j, :] = (A^T M A)[i][j]` for every tile of one sample (`stage` is
-/// `[4th, 4tw, OC]`, channels innermost, cropped and transposed to NCHW by the caller).
+/// `stage[4ty+i, 4tx+j, :] = (A^T M A)[i][j]` for every tile of one sample (`m` from the
+/// sample's first tile on; `stage` is `[4th, 4tw, OC]`, channels innermost, cropped and
+/// transposed to NCHW by the caller).
 #[inline(always)]
-fn output_transform_impl(m: &[f32], oc: usize, th: usize, tw: usize, t0: usize, stage: &mut [f32]) {
+fn output_transform_impl(m: &[f32], oc: usize, g: Tiles, stage: &mut [f32]) {
     let full = oc - oc % LANES;
-    for ty in 0..th {
-        for tx in 0..tw {
-            let tile = t0 + ty * tw + tx;
+    for ty in 0..g.th {
+        for tx in 0..g.tw {
             for o0 in (0..full).step_by(LANES) {
-                output_tile::<LANES>(m, oc, o0, ty, tx, tw, tile, stage);
+                output_tile::<LANES>(m, (oc, o0), (ty, tx), g, stage);
             }
             for o0 in full..oc {
-                output_tile::<1>(m, oc, o0, ty, tx, tw, tile, stage);
+                output_tile::<1>(m, (oc, o0), (ty, tx), g, stage);
             }
         }
     }
 }
 
+/// Tile `(ty, tx)` of [`output_transform_impl`], channels `o0..o0 + L` of `oc`.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
 fn output_tile<const L: usize>(
     m: &[f32],
-    oc: usize,
-    o0: usize,
-    ty: usize,
-    tx: usize,
-    tw: usize,
-    tile: usize,
+    (oc, o0): (usize, usize),
+    (ty, tx): (usize, usize),
+    g: Tiles,
     stage: &mut [f32],
 ) {
+    let tw = g.tw;
     // r[a][j] = Σ_b M[a][b] A^T[j][b] (rows first), then Y[i][j] = Σ_a A^T[i][a] r[a][j].
-    let base = tile * tile_stride(oc) + o0;
+    let base = (ty * tw + tx) * tile_stride(oc) + o0;
     let mut r = [[[0.0f32; L]; MO]; TT];
     for (a, ra) in r.iter_mut().enumerate() {
         *ra = at8(gather::<L, TT>(m, base + a * TT * oc, oc));
@@ -914,46 +895,36 @@ fn output_tile<const L: usize>(
     }
 }
 
-/// `dM[t0 + tile, ξ, :] = A dY A^T` for every tile of one sample, `xpd` holding its `dout` as
+/// `dM[tile, ξ, :] = A dY A^T` for every tile of one sample (`m` from its first tile on), `xpd`
+/// holding its `dout` as
 /// `[Hp, Wp, OC]` with the map at offset (2, 2) and zeros around it (the padded copy the input
 /// gradient transforms too): the transpose of the output transform.
 #[inline(always)]
-fn dout_transform_impl(
-    xpd: &[f32],
-    oc: usize,
-    th: usize,
-    tw: usize,
-    wp: usize,
-    m: &mut [f32],
-    t0: usize,
-) {
+fn dout_transform_impl(xpd: &[f32], oc: usize, g: Tiles, m: &mut [f32]) {
     let full = oc - oc % LANES;
-    for ty in 0..th {
-        for tx in 0..tw {
-            let tile = t0 + ty * tw + tx;
+    for ty in 0..g.th {
+        for tx in 0..g.tw {
             for o0 in (0..full).step_by(LANES) {
-                dout_tile::<LANES>(xpd, oc, o0, ty, tx, wp, m, tile);
+                dout_tile::<LANES>(xpd, (oc, o0), (ty, tx), g, m);
             }
             for o0 in full..oc {
-                dout_tile::<1>(xpd, oc, o0, ty, tx, wp, m, tile);
+                dout_tile::<1>(xpd, (oc, o0), (ty, tx), g, m);
             }
         }
     }
 }
 
+/// Tile `(ty, tx)` of [`dout_transform_impl`], channels `o0..o0 + L` of `oc`.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
 fn dout_tile<const L: usize>(
     xpd: &[f32],
-    oc: usize,
-    o0: usize,
-    ty: usize,
-    tx: usize,
-    wp: usize,
+    (oc, o0): (usize, usize),
+    (ty, tx): (usize, usize),
+    g: Tiles,
     m: &mut [f32],
-    tile: usize,
 ) {
     const P: usize = KS / 2;
+    let (wp, tile) = (g.wp(), ty * g.tw + tx);
     // g[i][b] = Σ_j dY[i][j] A^T[j][b] (rows first), then dM[a][b] = Σ_i A^T[i][a] g[i][b].
     let base = ((MO * ty + P) * wp + MO * tx + P) * oc + o0;
     let mut g = [[[0.0f32; L]; TT]; MO];
@@ -970,12 +941,10 @@ fn dout_tile<const L: usize>(
 }
 
 /// `dst[:, y, x] = stage[y, x, :] (+ bias)` for one sample, cropping `stage` (`[H2, W2, C]`).
-#[allow(clippy::too_many_arguments)]
 fn hwc_to_nchw(
     stage: &[f32],
     c: usize,
-    h: usize,
-    w: usize,
+    (h, w): (usize, usize),
     w2: usize,
     bias: Option<&[f32]>,
     dst: &mut [f32],
@@ -994,6 +963,7 @@ fn hwc_to_nchw(
 #[allow(clippy::needless_range_loop)] // reference loops index several arrays at once
 mod tests {
     use super::*;
+    use crate::ops::Conv2dParams;
     use crate::rng::Rng;
 
     #[test]
@@ -1143,13 +1113,14 @@ mod tests {
             }
             let mut wg = Winograd::default();
             let mut out = vec![0.0; n * oc * h * w];
-            wg.forward(&wt, Some(&b), &x, n, c, oc, h, w, &mut out);
+            let shape = Conv2dParams::new(c, oc, 5, 1, 2).for_input(n, h, w);
+            wg.forward(&wt, Some(&b), &x, &shape, &mut out);
             let e = rel_err(&out, &want);
             assert!(e < TOL, "{n}x{c}->{oc} {h}x{w}: forward error {e:e}");
             // The weight gradient accumulates: start from a non-zero value.
             let mut dw = vec![0.5; oc * c * 25];
             let mut dx = vec![f32::NAN; n * c * h * w];
-            wg.backward(&wt, &x, &g, n, c, oc, h, w, &mut dw, Some(&mut dx));
+            wg.backward(&wt, &x, &g, &shape, &mut dw, Some(&mut dx));
             dw.iter_mut().for_each(|v| *v -= 0.5);
             let e = rel_err(&dw, &dw_ref);
             assert!(
@@ -1158,7 +1129,7 @@ mod tests {
             );
             // Without the input gradient, the same weight gradient.
             let mut dw2 = vec![0.5; oc * c * 25];
-            wg.backward(&wt, &x, &g, n, c, oc, h, w, &mut dw2, None);
+            wg.backward(&wt, &x, &g, &shape, &mut dw2, None);
             dw2.iter_mut().for_each(|v| *v -= 0.5);
             assert_eq!(dw, dw2);
             let e = rel_err(&dx, &dx_ref);

@@ -24,6 +24,32 @@ impl Linear {
     }
 }
 
+/// One linear launch: the batch and the layer's features, the scalar arguments of
+/// `kernels/linear.cu` shared by its CPU twins, the GPU launcher and the plan (the forward's fused
+/// ReLU flag follows them as its own argument).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LinearShape {
+    /// Samples (rows of the input).
+    pub batch: usize,
+    /// Input features.
+    pub in_f: usize,
+    /// Output features.
+    pub out_f: usize,
+}
+
+impl LinearShape {
+    /// The shape from the kernels' scalar arguments, in `kernels/linear.cu`'s order:
+    /// `[batch, in_f, out_f]` (C `int`, never negative).
+    pub fn from_kernel_args(a: [i32; 3]) -> LinearShape {
+        let [batch, in_f, out_f] = a.map(|v| v as usize);
+        LinearShape { batch, in_f, out_f }
+    }
+    /// The kernels' scalar arguments, the inverse of [`LinearShape::from_kernel_args`].
+    pub fn kernel_args(&self) -> [i32; 3] {
+        [self.batch, self.in_f, self.out_f].map(|v| v as i32)
+    }
+}
+
 impl Layer for Linear {
     fn kind(&self) -> &'static str {
         "linear"
@@ -63,14 +89,10 @@ impl Layer for Linear {
             row.copy_from_slice(b);
         }
         matmul(
-            n,
-            self.out_f,
-            self.in_f,
+            (n, self.out_f, self.in_f),
             out.data_mut(),
-            inp.data(),
-            Trans::No,
-            w,
-            Trans::Yes,
+            (inp.data(), Trans::No),
+            (w, Trans::Yes),
             true,
         );
     }
@@ -83,28 +105,20 @@ impl Layer for Linear {
             }
         }
         matmul(
-            self.out_f,
-            self.in_f,
-            n,
+            (self.out_f, self.in_f, n),
             dw,
-            args.dout.data(),
-            Trans::Yes,
-            args.inp.data(),
-            Trans::No,
+            (args.dout.data(), Trans::Yes),
+            (args.inp.data(), Trans::No),
             true,
         );
         if let Some(dinp) = args.dinp {
             dinp.resize(args.inp.dims());
             let w = &args.p[..self.out_f * self.in_f];
             matmul(
-                n,
-                self.in_f,
-                self.out_f,
+                (n, self.in_f, self.out_f),
                 dinp.data_mut(),
-                args.dout.data(),
-                Trans::No,
-                w,
-                Trans::No,
+                (args.dout.data(), Trans::No),
+                (w, Trans::No),
                 false,
             );
         }

@@ -1,32 +1,31 @@
 //! CPU twins of `kernels/linear.cu`: the fully connected layer forward, input, weight and bias
 //! gradients, in f32, bf16 and f16 operands.
 //!
-//! The conventions every twin follows are in the module documentation (`ops/twins.rs`).
+//! The conventions every twin follows are in the module documentation (`ops/twins.rs`); the
+//! kernels' `batch, in_f, out_f` arrive as one [`LinearShape`].
 
 use half::{bf16, f16};
 
+use super::LinearShape;
 use crate::gemm::twin::{store_weight_grad, twin_pair, Operand};
 
-#[allow(clippy::too_many_arguments)]
 fn linear_forward_t<T: Operand>(
     out: &mut [f32],
     inp: &[T],
     weight: &[T],
     bias: Option<&[f32]>,
-    batch: i32,
-    in_f: i32,
-    out_f: i32,
+    shape: LinearShape,
     relu: i32,
 ) {
-    let (inf, outf) = (in_f as usize, out_f as usize);
-    for b in 0..batch as usize {
-        for o in 0..outf {
+    let LinearShape { batch, in_f, out_f } = shape;
+    for b in 0..batch {
+        for o in 0..out_f {
             let mut acc = 0.0f32;
-            for i in 0..inf {
-                acc += inp[b * inf + i].f() * weight[o * inf + i].f();
+            for i in 0..in_f {
+                acc += inp[b * in_f + i].f() * weight[o * in_f + i].f();
             }
             let y = acc + bias.map_or(0.0, |bi| bi[o]);
-            out[b * outf + o] = if relu != 0 { y.max(0.0) } else { y };
+            out[b * out_f + o] = if relu != 0 { y.max(0.0) } else { y };
         }
     }
 }
@@ -35,18 +34,16 @@ fn linear_backward_input_t<T: Operand>(
     dinp: &mut [f32],
     dout: &[T],
     weight: &[T],
-    batch: i32,
-    in_f: i32,
-    out_f: i32,
+    shape: LinearShape,
 ) {
-    let (inf, outf) = (in_f as usize, out_f as usize);
-    for b in 0..batch as usize {
-        for i in 0..inf {
+    let LinearShape { batch, in_f, out_f } = shape;
+    for b in 0..batch {
+        for i in 0..in_f {
             let mut acc = 0.0f32;
-            for o in 0..outf {
-                acc += dout[b * outf + o].f() * weight[o * inf + i].f();
+            for o in 0..out_f {
+                acc += dout[b * out_f + o].f() * weight[o * in_f + i].f();
             }
-            dinp[b * inf + i] = acc;
+            dinp[b * in_f + i] = acc;
         }
     }
 }
@@ -56,21 +53,19 @@ fn linear_backward_weight_t<T: Operand>(
     partials: &mut [f32],
     dout: &[T],
     inp: &[T],
-    batch: i32,
-    in_f: i32,
-    out_f: i32,
+    shape: LinearShape,
 ) {
-    let (inf, outf) = (in_f as usize, out_f as usize);
+    let LinearShape { batch, in_f, out_f } = shape;
     // Element e = (o, i) of dweight, summed over the batch rows in `bs` (the GEMM's K).
     let sum = |e: usize, bs: std::ops::Range<usize>| {
-        let (o, i) = (e / inf, e % inf);
+        let (o, i) = (e / in_f, e % in_f);
         let mut acc = 0.0f32;
         for b in bs {
-            acc += dout[b * outf + o].f() * inp[b * inf + i].f();
+            acc += dout[b * out_f + o].f() * inp[b * in_f + i].f();
         }
         acc
     };
-    store_weight_grad(dweight, partials, outf * inf, batch as usize, sum);
+    store_weight_grad(dweight, partials, out_f * in_f, batch, sum);
 }
 
 fn linear_backward_bias_t<T: Operand>(dbias: &mut [f32], dout: &[T], batch: i32, out_f: i32) {
@@ -91,7 +86,7 @@ twin_pair!(
     linear_forward_bf16,
     /// fp16 operands: see [`linear_forward_f32`].
     linear_forward_f16,
-    linear_forward_t(out: (&mut [f32]), inp: op, weight: op, bias: (Option<&[f32]>), batch: (i32), in_f: (i32), out_f: (i32), relu: (i32))
+    linear_forward_t(out: (&mut [f32]), inp: op, weight: op, bias: (Option<&[f32]>), shape: (LinearShape), relu: (i32))
 );
 twin_pair!(
     /// `dinp = dout · weight` (overwritten).
@@ -100,7 +95,7 @@ twin_pair!(
     linear_backward_input_bf16,
     /// fp16 operands: see [`linear_backward_input_f32`].
     linear_backward_input_f16,
-    linear_backward_input_t(dinp: (&mut [f32]), dout: op, weight: op, batch: (i32), in_f: (i32), out_f: (i32))
+    linear_backward_input_t(dinp: (&mut [f32]), dout: op, weight: op, shape: (LinearShape))
 );
 twin_pair!(
     /// `dweight += doutᵀ · inp` (accumulated) when `partials` is empty; split-K (K = batch) into
@@ -116,9 +111,7 @@ twin_pair!(
         partials: (&mut [f32]),
         dout: op,
         inp: op,
-        batch: (i32),
-        in_f: (i32),
-        out_f: (i32)
+        shape: (LinearShape)
     )
 );
 twin_pair!(

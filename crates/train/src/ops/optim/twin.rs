@@ -3,21 +3,26 @@
 //!
 //! The conventions every twin follows are in the module documentation (`ops/twins.rs`).
 
-/// One Adam step (L2 weight decay added to the gradient; `step` is 1-based and includes this one).
-#[allow(clippy::too_many_arguments)]
+use super::AdamHyper;
+
+/// One Adam step (L2 weight decay added to the gradient; `step` is 1-based and includes this one)
+/// on the parameters and their moments `(m, v)`; `h` holds the kernel's `beta1, beta2, eps,
+/// weight_decay` arguments.
 pub fn adam_step_f32(
     params: &mut [f32],
     grads: &[f32],
-    m: &mut [f32],
-    v: &mut [f32],
+    (m, v): (&mut [f32], &mut [f32]),
     n: i32,
     lr: f32,
-    beta1: f32,
-    beta2: f32,
-    eps: f32,
-    weight_decay: f32,
+    h: &AdamHyper,
     step: i32,
 ) {
+    let AdamHyper {
+        beta1,
+        beta2,
+        eps,
+        weight_decay,
+    } = *h;
     let bc1 = 1.0 - (beta1 as f64).powf(step as f64);
     let bc2 = 1.0 - (beta2 as f64).powf(step as f64);
     let step_size = (lr as f64 / bc1) as f32;

@@ -29,6 +29,64 @@ impl MaxPool2d {
     }
 }
 
+/// One max pooling launch: the batch, the input planes and the window, the scalar arguments of
+/// `kernels/pool.cu` shared by its CPU twins, the GPU launcher and the plan.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Pool2dShape {
+    /// Samples.
+    pub batch: usize,
+    /// Channels (planes per sample).
+    pub channels: usize,
+    /// Input height.
+    pub in_h: usize,
+    /// Input width.
+    pub in_w: usize,
+    /// Window size.
+    pub kernel: usize,
+    /// Step between windows.
+    pub stride: usize,
+}
+
+impl Pool2dShape {
+    /// The shape from the kernels' scalar arguments, in `kernels/pool.cu`'s order:
+    /// `[batch, channels, in_h, in_w, kernel, stride]` (C `int`, never negative).
+    pub fn from_kernel_args(a: [i32; 6]) -> Pool2dShape {
+        let [batch, channels, in_h, in_w, kernel, stride] = a.map(|v| v as usize);
+        Pool2dShape {
+            batch,
+            channels,
+            in_h,
+            in_w,
+            kernel,
+            stride,
+        }
+    }
+    /// The kernels' scalar arguments, the inverse of [`Pool2dShape::from_kernel_args`].
+    pub fn kernel_args(&self) -> [i32; 6] {
+        [
+            self.batch,
+            self.channels,
+            self.in_h,
+            self.in_w,
+            self.kernel,
+            self.stride,
+        ]
+        .map(|v| v as i32)
+    }
+    /// Planes of the batch, `batch * channels`.
+    pub fn planes(&self) -> usize {
+        self.batch * self.channels
+    }
+    /// Output height (floor, no padding).
+    pub fn out_h(&self) -> usize {
+        (self.in_h - self.kernel) / self.stride + 1
+    }
+    /// Output width (floor, no padding).
+    pub fn out_w(&self) -> usize {
+        (self.in_w - self.kernel) / self.stride + 1
+    }
+}
+
 impl Layer for MaxPool2d {
     fn kind(&self) -> &'static str {
         "maxpool2d"

@@ -1,29 +1,21 @@
 //! CPU twins of `kernels/pool.cu`: 2-D max pooling forward (with argmax indices) and backward.
 //!
-//! The conventions every twin follows are in the module documentation (`ops/twins.rs`).
+//! The conventions every twin follows are in the module documentation (`ops/twins.rs`); the
+//! kernels' scalar arguments arrive as one [`Pool2dShape`].
+
+use super::Pool2dShape;
 
 /// Max pooling with saved argmax offsets (`iy*in_w + ix` inside the plane); first maximum wins
 /// ties, NaN propagates.
-#[allow(clippy::too_many_arguments)]
 pub fn maxpool2d_forward_f32(
     out: &mut [f32],
     indices: &mut [i32],
     inp: &[f32],
-    batch: i32,
-    channels: i32,
-    in_h: i32,
-    in_w: i32,
-    kernel: i32,
-    stride: i32,
+    shape: Pool2dShape,
 ) {
-    let (ih, iw, k, s) = (
-        in_h as usize,
-        in_w as usize,
-        kernel as usize,
-        stride as usize,
-    );
-    let (oh, ow) = ((ih - k) / s + 1, (iw - k) / s + 1);
-    for plane in 0..(batch * channels) as usize {
+    let (ih, iw, k, s) = (shape.in_h, shape.in_w, shape.kernel, shape.stride);
+    let (oh, ow) = (shape.out_h(), shape.out_w());
+    for plane in 0..shape.planes() {
         let src = &inp[plane * ih * iw..(plane + 1) * ih * iw];
         for oy in 0..oh {
             for ox in 0..ow {
@@ -48,29 +40,12 @@ pub fn maxpool2d_forward_f32(
 }
 
 /// `dinp` (overwritten) = Σ of `dout` over the windows whose saved argmax is that input pixel.
-#[allow(clippy::too_many_arguments)]
-pub fn maxpool2d_backward_f32(
-    dinp: &mut [f32],
-    dout: &[f32],
-    indices: &[i32],
-    batch: i32,
-    channels: i32,
-    in_h: i32,
-    in_w: i32,
-    kernel: i32,
-    stride: i32,
-) {
-    let (ih, iw, k, s) = (
-        in_h as usize,
-        in_w as usize,
-        kernel as usize,
-        stride as usize,
-    );
-    let (oh, ow) = ((ih - k) / s + 1, (iw - k) / s + 1);
-    for plane in 0..(batch * channels) as usize {
-        let d = &mut dinp[plane * ih * iw..(plane + 1) * ih * iw];
+pub fn maxpool2d_backward_f32(dinp: &mut [f32], dout: &[f32], indices: &[i32], shape: Pool2dShape) {
+    let (ihw, ohw) = (shape.in_h * shape.in_w, shape.out_h() * shape.out_w());
+    for plane in 0..shape.planes() {
+        let d = &mut dinp[plane * ihw..(plane + 1) * ihw];
         d.fill(0.0);
-        for o in plane * oh * ow..(plane + 1) * oh * ow {
+        for o in plane * ohw..(plane + 1) * ohw {
             d[indices[o] as usize] += dout[o];
         }
     }
