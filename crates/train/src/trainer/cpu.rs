@@ -628,7 +628,7 @@ pub fn train(
     model.set_sync_bn(cfg.sync_bn && world > 1);
     let mut opt = Optimizer::new(cfg.optimizer, model.num_params(), cfg.lr, cfg.weight_decay);
     let (mut step_no, mut first_epoch, mut first_step) = (0u64, 0u64, 0usize);
-    let recovery = Recovery::from_env();
+    let recovery = Recovery::from_env()?;
     if recovery.is_some() && !matches!(opt, Optimizer::Adam(_)) {
         return Err(TrainError::Config(
             "--restart-policy rank: in-job recovery sends the replacement Adam's state (what a checkpoint holds); train with Adam, or run under --restart-policy job".into(),

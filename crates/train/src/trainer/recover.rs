@@ -53,19 +53,23 @@ pub(crate) struct Position {
 
 impl Recovery {
     /// From the launcher's variables: `Some` under `--restart-policy rank` with restarts left
-    /// (or in a replacement, which must receive its state whatever remains).
-    pub(crate) fn from_env() -> Option<Recovery> {
-        let var = |k: &str| std::env::var(k).ok();
-        if var("LOCKSTEP_RESTART_POLICY").as_deref() != Some("rank") {
-            return None;
+    /// (or in a replacement, which must receive its state whatever remains). They are parsed as
+    /// strictly as every `LOCKSTEP_*` variable: a malformed one is an error naming it, never a
+    /// silent "no recovery".
+    pub(crate) fn from_env() -> Result<Option<Recovery>, TrainError> {
+        use lockstep::types::env;
+        let bad = |e: env::EnvError| TrainError::Config(e.to_string());
+        if env::choice("LOCKSTEP_RESTART_POLICY", &["job", "rank"]).map_err(bad)? != Some("rank") {
+            return Ok(None);
         }
-        let num = |k: &str| var(k).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
         let r = Recovery {
-            max: num("LOCKSTEP_MAX_RESTARTS"),
-            used: num("LOCKSTEP_RESTART_COUNT"),
-            replacement: var("LOCKSTEP_REPLACEMENT").as_deref() == Some("1"),
+            max: env::count("LOCKSTEP_MAX_RESTARTS", 0, u64::MAX)
+                .map_err(bad)?
+                .unwrap_or(0),
+            used: env::RESTART_COUNT.count().map_err(bad)?.unwrap_or(0),
+            replacement: env::REPLACEMENT.choice().map_err(bad)? == Some("1"),
         };
-        (r.replacement || r.used < r.max).then_some(r)
+        Ok((r.replacement || r.used < r.max).then_some(r))
     }
 
     /// Whether a failure `e` of a collective can be recovered from here: a peer died (or the
