@@ -3,6 +3,9 @@
 
 import json
 import os
+import shutil
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -78,3 +81,48 @@ def test_status_lists_the_running_job():
 
     mine, ranks, world = launch(2, body)[0]
     assert (len(mine), ranks, world) == (1, [0, 1], 2), mine
+
+
+_GROW_RANK = r"""
+import json, os, sys
+import numpy as np
+import lockstep
+
+out = sys.argv[1]
+c = lockstep.init_from_env()
+replacement = os.environ.get("LOCKSTEP_REPLACEMENT") == "1"
+if c.rank == 1 and not replacement:
+    os._exit(9)  # the first rank 1 dies; the launcher starts its replacement
+if not replacement:
+    try:
+        c.all_reduce(np.ones(1))
+        sys.exit("the all-reduce with a dead rank succeeded")
+    except lockstep.CommError as e:
+        lost = e.kind
+    c = c.grow(wait=60.0)
+else:
+    lost = "-"
+x = np.full(4, float(c.rank + 1))
+c.all_reduce(x)
+with open(os.path.join(out, f"rank{c.rank}-{int(replacement)}.json"), "w") as f:
+    json.dump({"rank": c.rank, "world": c.world_size, "sum": x.tolist(), "lost": lost}, f)
+"""
+
+
+def test_grow_takes_the_replacement_back_in(tmp_path):
+    """Under `lockstep launch --restart-policy rank`, the survivor of a lost rank grows with the
+    replacement the launcher starts: same ranks, and the collectives after it add both."""
+    cli = shutil.which("lockstep", path=os.path.dirname(sys.executable))
+    assert cli, f"no `lockstep` console script beside {sys.executable}"
+    script = tmp_path / "rank.py"
+    script.write_text(_GROW_RANK)
+    o = subprocess.run(
+        [cli, "launch", "--nproc-per-node", "2", "--max-restarts", "1", "--restart-policy", "rank",
+         sys.executable, str(script), str(tmp_path)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert o.returncode == 0, (o.stdout, o.stderr)
+    r0 = json.loads((tmp_path / "rank0-0.json").read_text())
+    r1 = json.loads((tmp_path / "rank1-1.json").read_text())
+    assert r0 == {"rank": 0, "world": 2, "sum": [3.0] * 4, "lost": "peer_lost"}, r0
+    assert r1 == {"rank": 1, "world": 2, "sum": [3.0] * 4, "lost": "-"}, r1
