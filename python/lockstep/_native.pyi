@@ -155,7 +155,8 @@ class ShmJob:
 @final
 class TorchAllReduce:
     # sum: torch's ReduceOp.SUM; op_name(reduce_op) -> op name; done(tensors) -> Work;
-    # device(tensors, opts): the all-reduce for tensors that are not on the CPU.
+    # device(tensors, opts): the all-reduce for tensors that are not dense CPU ones;
+    # op_hashes: [(hash of torch's ReduceOp, op name)] where that hash names the op.
     def __new__(
         cls,
         comm: Communicator,
@@ -165,6 +166,7 @@ class TorchAllReduce:
         device: Callable[[Any, Any], Any],
         completed: Any | None = None,
         on_error: Callable[[], Any] | None = None,
+        op_hashes: list[tuple[int, str]] | None = None,
     ) -> TorchAllReduce: ...
     # Reduces each tensor in place; returns done(tensors) (a completed Work), `completed` when
     # opts.asyncOp is False, or device(tensors, opts) for non-CPU tensors; on_error() runs

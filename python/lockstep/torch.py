@@ -72,6 +72,34 @@ _OPS = {
 _SUM = ReduceOp.SUM
 
 
+def _op_hashes():
+    """[(hash, op name)] of the ops lockstep has, where the hash of torch's ``ReduceOp`` as a
+    Backend reads it (``opts.reduceOp``) is the op's own: the same for two objects of one op alive
+    together, different between ops, an op lockstep lacks included (torch 2.15 hashes the op's
+    number). Then the Rust
+    ``allreduce`` names the op by one hash instead of an equality test per call. None where the
+    hash is not the op's (the equality test is kept)."""
+    from torch._C._distributed_c10d import AllreduceOptions
+
+    def read(kind):
+        o = AllreduceOptions()
+        o.reduceOp = ReduceOp(kind)
+        return o.reduceOp
+
+    try:
+        a = [read(k) for k in _OPS]
+        b = [read(k) for k in _OPS]
+        hashes = [hash(x) for x in a]
+        if len(set(hashes)) == len(hashes) and hashes == [hash(y) for y in b] and hash(read(ReduceOp.BAND)) not in hashes:
+            return list(zip(hashes, _OPS.values()))
+    except Exception:
+        pass
+    return None
+
+
+_OP_HASHES = _op_hashes()
+
+
 def _op(reduce_op):
     kind = reduce_op.op if isinstance(reduce_op, ReduceOp) else reduce_op
     try:
@@ -158,7 +186,7 @@ class _Ops:
         self._done = done
         # An instance attribute wins over the base class's method, both for Python callers
         # (dist.all_reduce) and for C++ ones (DDP's reducer, through pybind's override lookup).
-        self.allreduce = _native.TorchAllReduce(comm, _SUM, _op, done, self._allreduce_device, completed, self._failed)
+        self.allreduce = _native.TorchAllReduce(comm, _SUM, _op, done, self._allreduce_device, completed, self._failed, _OP_HASHES)
 
     @property
     def comm(self):
