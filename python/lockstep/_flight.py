@@ -12,8 +12,11 @@ self-recording and produces torch's dumps from that ring instead, only when one 
   "lockstep" recorder gets this one; other backends' dumps are torch's, unchanged;
 - the file of ``_dump_fr_trace_file(rank, backend="lockstep")``, where torch's NCCL writes its
   own: ``TORCH_FR_DUMP_TEMP_FILE`` + rank (default ``~/.cache/torch/comm_lib_trace_rank_<rank>``),
-  written when a collective fails with ``TORCH_FR_DUMP_ON_TIMEOUT=1``, and by
-  :func:`lockstep.torch.dump_flight_recorder`.
+  written when a collective fails with ``TORCH_FR_DUMP_ON_TIMEOUT=1``, by
+  :func:`lockstep.torch.dump_flight_recorder`, and on ``SIGUSR1`` where lockstep handles it
+  (``LOCKSTEP_TRACE_DIR`` set) and ``TORCH_FR_DUMP_TEMP_FILE`` is set: lockstep's thread
+  ``lockstep-trace`` writes it after lockstep's own trace files, so a rank stuck in a
+  collective (which has released the GIL) is dumped too.
 
 ``torchfrtrace`` (``torch.distributed.flight_recorder``) reads these files as torch's own. What
 the format takes from each record: the operation (``profiling_name`` ``lockstep:<op>``, with
@@ -172,8 +175,10 @@ def trace(include_collectives=True, only_active=False):
     keep = _buffer_size()
     pg_config, pg_status, entries = {}, {}, []
     for pg_id, (name, desc, ranks, backend) in enumerate(_groups()):
-        timeout_s = backend._comm.timeout
-        timeout_ms = int(timeout_s * 1000) if timeout_s is not None else 0
+        # torch's timeout of the group (reading the communicator's would wait for a call that
+        # runs on another thread).
+        timeout = getattr(getattr(backend, "_options", None), "_timeout", None)
+        timeout_ms = int(timeout.total_seconds() * 1000) if timeout is not None else 0
         comms = [(name, backend._comm)]
         if backend._device_comm is not None:
             comms.append((f"{name}:cuda", backend._device_comm))
@@ -236,6 +241,21 @@ def write(rank, include_collectives=True, only_active=False):
         f.write(data)
     os.replace(tmp, path)
     return path
+
+
+def on_signal():
+    """SIGUSR1 (on lockstep's thread ``lockstep-trace``, where ``LOCKSTEP_TRACE_DIR`` is set):
+    write this process's dump beside lockstep's own trace files, when ``TORCH_FR_DUMP_TEMP_FILE``
+    says where (a signal writes nowhere the program did not name)."""
+    if not os.environ.get("TORCH_FR_DUMP_TEMP_FILE"):
+        return
+    try:
+        rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+        write(rank)
+    except Exception:
+        import logging
+
+        logging.getLogger("lockstep.torch").warning("SIGUSR1: could not write torch's Flight Recorder dump", exc_info=True)
 
 
 # torch's dump entry points, as they were before `install` wrapped them.

@@ -28,6 +28,7 @@ __all__ = [
     "die_with_parent",
     "join_named",
     "_register_torch",
+    "_torch_fr_on_sigusr1",
     "status_json",
     "__version__",
 ]
@@ -214,3 +215,7 @@ def status_json(job: str | None = None) -> str: ...
 
 # Builds the direct torch-tensor path once torch is imported; False while it is not.
 def _register_torch() -> bool: ...
+
+# Each SIGUSR1 that writes lockstep's trace files (LOCKSTEP_TRACE_DIR) also calls
+# lockstep._flight.on_signal() (torch's Flight Recorder format).
+def _torch_fr_on_sigusr1() -> None: ...

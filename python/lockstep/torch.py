@@ -30,7 +30,8 @@ torch's own Python wrapper.
 torch's Flight Recorder: lockstep records itself (``SELF_RECORDING``; see ``lockstep._flight``).
 ``"lockstep"`` joins torch's self-recording backends, so torch attaches no recording hook to the
 groups, and torch's dumps of them (``TORCH_FR_DUMP_ON_TIMEOUT=1`` after a failed collective,
-``dump_flight_recorder()``, torch's ``_dump_fr_trace*(backend="lockstep")``) are written from
+``dump_flight_recorder()``, torch's ``_dump_fr_trace*(backend="lockstep")``, ``SIGUSR1`` with
+``LOCKSTEP_TRACE_DIR`` and ``TORCH_FR_DUMP_TEMP_FILE`` set) are written from
 lockstep's own ring of each communicator's calls; ``torchfrtrace`` reads them.
 
 ``empty_shared(*size, dtype=...)`` makes CPU tensors in a group's shared segment: collectives on
@@ -904,6 +905,7 @@ def _register():
     if SELF_RECORDING:
         _self_recording_set().add(BACKEND)
         _flight.install(_self_recording)
+        _native._torch_fr_on_sigusr1()
 
 
 _register()

@@ -43,6 +43,9 @@ pub struct PyComm {
     /// The caller's CUDA stream that device calls are ordered on (`Communicator.stream`), by
     /// handle; None: each device call synchronises the device.
     stream: Mutex<Option<usize>>,
+    /// The flight recorder, read without `inner`'s lock, which a running call holds (a
+    /// SIGUSR1's dump reads the records of a rank stuck in a call). None when it is off.
+    recorder: Option<lockstep::trace::TraceReader>,
 }
 
 fn cuda_err(e: lockstep::cuda::CudaError) -> CommError {
@@ -60,6 +63,7 @@ impl PyComm {
             world: c.world_size(),
             backend: c.backend_kind().to_string(),
             ctx: c.device_context(),
+            recorder: c.trace_reader(),
             inner: Mutex::new(Some(c)),
             stream: Mutex::new(None),
         }
@@ -740,13 +744,14 @@ host (shared-memory) communicators",
     /// trace files: id, seq (collectives from 1; 0 for point-to-point), op, dtype, reduce, count,
     /// root (or peer), buffer, path, start_ns, end_ns (None while running), state ("ok",
     /// "error", "running"), and error (its message) or ops (a point-to-point group's size).
+    /// Readable while a call runs on another thread, and after `close()`.
     fn trace<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        // Through the reader, not the communicator: a call running on another thread (with the
+        // GIL released) holds the communicator's lock until its peers arrive.
         let recs = self
-            .inner
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
+            .recorder
             .as_ref()
-            .map_or_else(Vec::new, |c| c.trace());
+            .map_or_else(Vec::new, |r| r.records());
         let lines: Vec<String> = recs.iter().map(|r| r.to_json()).collect();
         py.import("json")?
             .call_method1("loads", (format!("[{}]", lines.join(",")),))

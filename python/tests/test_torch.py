@@ -491,6 +491,69 @@ def test_flight_recorder_names_the_rank_missing_from_a_timed_out_collective(tmp_
     assert "missing ranks: {1}" in report and "collective: lockstep:all_reduce" in report, report
 
 
+def test_flight_recorder_sigusr1_dumps_a_rank_stuck_in_a_collective(tmp_path):
+    """SIGUSR1 with LOCKSTEP_TRACE_DIR and TORCH_FR_DUMP_TEMP_FILE set: rank 0 is stuck in its
+    fifth all_reduce (rank 1 has not made it yet) when both ranks get the signal; lockstep's
+    thread writes lockstep's trace files and torch's dumps, and torchfrtrace names rank 1 as
+    missing from the collective. Then rank 1 joins and both finish."""
+    import os
+    import textwrap
+
+    _skip_fr_unless_self_recording()
+    code = textwrap.dedent(
+        """
+        import os, signal, time
+        from datetime import timedelta
+        import torch, torch.distributed as dist
+        dist.init_process_group("lockstep", timeout=timedelta(seconds=60))
+        r = dist.get_rank()
+        store = dist.distributed_c10d._get_default_store()
+        """
+    ) + _FR_HOOK_CHECK + textwrap.dedent(
+        """
+        t = torch.ones(4)
+        for _ in range(4):
+            dist.all_reduce(t)
+        if r == 0:
+            store.set("pid0", str(os.getpid()))
+        else:
+            import pickle
+
+            def dumped(rank, pid):
+                # Signal `pid`, wait for its dump; its entries (None: no dump within 60 s).
+                path = os.environ["TORCH_FR_DUMP_TEMP_FILE"] + str(rank)
+                if os.path.exists(path):
+                    os.remove(path)
+                os.kill(pid, signal.SIGUSR1)
+                deadline = time.monotonic() + 60
+                while not os.path.exists(path) and time.monotonic() < deadline:
+                    time.sleep(0.02)
+                with open(path, "rb") as f:
+                    return pickle.load(f)["entries"]
+
+            pid0 = int(store.get("pid0"))
+            # Until rank 0's dump shows it inside its fifth all_reduce (it may not be there yet).
+            while not any(e["collective_seq_id"] == 5 for e in dumped(0, pid0)):
+                time.sleep(0.1)
+            dumped(1, os.getpid())
+        dist.all_reduce(t)
+        print("done", r, t.tolist())
+        """
+    )
+    fr, ls = tmp_path / "fr", tmp_path / "ls"
+    fr.mkdir()
+    ls.mkdir()
+    outs = _torchrun_pair(code, LOCKSTEP_TRACE_DIR=str(ls), TORCH_FR_DUMP_TEMP_FILE=str(fr / "rank_"))
+    for r, (out, err) in enumerate(outs):
+        assert "hooked False self-recording True" in out, out + err
+        assert f"done {r} [32.0, 32.0, 32.0, 32.0]" in out, out + err
+    assert sorted(os.listdir(ls)) == ["rank00000.jsonl", "rank00001.jsonl"]
+    _lockstep_dumps(fr)
+    report = _torchfrtrace(fr)
+    assert "Not all ranks joining collective, sequence number: 5" in report, report
+    assert "missing ranks: {1}" in report and "collective: lockstep:all_reduce" in report, report
+
+
 def test_flight_recorder_dump_entry_points_answer_for_lockstep():
     """torch's _dump_fr_trace and _dump_fr_trace_json, asked for backend="lockstep", return
     lockstep's recorder of the groups (every call so far, the subgroup's too); other backends'
