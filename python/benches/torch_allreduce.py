@@ -15,8 +15,10 @@ Bounds measured in the same rounds, at the smallest size:
 - ``python no-op``: a Python c10d ``Backend`` whose allreduce returns a completed Work at once:
   what torch adds for any backend written in Python (its PyBackend trampoline, and the Flight
   Recorder hook torch attaches to every backend that does not record itself).
-- lockstep and the Python no-op again on groups whose Flight Recorder hook is removed
-  (``TORCH_FR_BUFFER_SIZE=0`` does that for every group): the hook's share.
+- the Python no-op again on a group whose Flight Recorder hook is removed
+  (``TORCH_FR_BUFFER_SIZE=0`` does that for every group): the hook's share. lockstep records
+  itself (``lockstep.torch.SELF_RECORDING``): torch attaches no hook to its groups; where it does
+  (``LOCKSTEP_TRACE_BUFFER=0``, an older package), lockstep is measured without it too.
 
 At the largest size, a plain copy of that many bytes (`dst.copy_(src)`) on both ranks at once:
 what the memory bandwidth (and the CPU share, on a loaded machine) allows at this moment (a staged
@@ -91,7 +93,9 @@ def body(sizes, rounds, budget_s):
     torch.set_num_threads(1)
     gloo = dist.new_group(backend="gloo")
     fake = dist.new_group(backend="fake")
-    bounds = {"fake": fake, "lockstep, no FR hook": _without_flight_recorder(dist.new_group())}
+    bounds = {"fake": fake}
+    if dist.group.WORLD in dist.distributed_c10d._world.pg_flight_recorder_hooks:
+        bounds["lockstep, no FR hook"] = _without_flight_recorder(dist.new_group())
     if lt.PY_BACKEND:
         _python_noop_backend()
         bounds["python no-op"] = dist.new_group(backend="python-noop")

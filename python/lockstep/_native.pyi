@@ -30,6 +30,7 @@ __all__ = [
     "join_mpi",
     "mpi_placement",
     "_register_torch",
+    "_torch_fr_on_sigusr1",
     "status_json",
     "__version__",
 ]
@@ -161,7 +162,8 @@ class ShmJob:
 @final
 class TorchAllReduce:
     # sum: torch's ReduceOp.SUM; op_name(reduce_op) -> op name; done(tensors) -> Work;
-    # device(tensors, opts): the all-reduce for tensors that are not on the CPU.
+    # device(tensors, opts): the all-reduce for tensors that are not dense CPU ones;
+    # op_hashes: [(hash of torch's ReduceOp, op name)] where that hash names the op.
     def __new__(
         cls,
         comm: Communicator,
@@ -171,6 +173,7 @@ class TorchAllReduce:
         device: Callable[[Any, Any], Any],
         completed: Any | None = None,
         on_error: Callable[[], Any] | None = None,
+        op_hashes: list[tuple[int, str]] | None = None,
     ) -> TorchAllReduce: ...
     # Reduces each tensor in place; returns done(tensors) (a completed Work), `completed` when
     # opts.asyncOp is False, or device(tensors, opts) for non-CPU tensors; on_error() runs
@@ -226,3 +229,7 @@ def status_json(job: str | None = None) -> str: ...
 
 # Builds the direct torch-tensor path once torch is imported; False while it is not.
 def _register_torch() -> bool: ...
+
+# Each SIGUSR1 that writes lockstep's trace files (LOCKSTEP_TRACE_DIR) also calls
+# lockstep._flight.on_signal() (torch's Flight Recorder format).
+def _torch_fr_on_sigusr1() -> None: ...

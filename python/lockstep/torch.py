@@ -35,6 +35,13 @@ Tensors are handed to the Rust extension as they are (it reads ``data_ptr``, ``n
 (``lockstep._native.TorchAllReduce``), so an 8-byte ``dist.all_reduce`` costs little more than
 torch's own Python wrapper.
 
+torch's Flight Recorder: lockstep records itself (``SELF_RECORDING``; see ``lockstep._flight``).
+``"lockstep"`` joins torch's self-recording backends, so torch attaches no recording hook to the
+groups, and torch's dumps of them (``TORCH_FR_DUMP_ON_TIMEOUT=1`` after a failed collective,
+``dump_flight_recorder()``, torch's ``_dump_fr_trace*(backend="lockstep")``, ``SIGUSR1`` with
+``LOCKSTEP_TRACE_DIR`` and ``TORCH_FR_DUMP_TEMP_FILE`` set) are written from
+lockstep's own ring of each communicator's calls; ``torchfrtrace`` reads them.
+
 ``empty_shared(*size, dtype=...)`` makes CPU tensors in a group's shared segment: collectives on
 them are zero-copy (the peers read and write them in place).
 
@@ -58,7 +65,7 @@ from torch._C._distributed_c10d import ReduceOp, _create_work_from_future
 from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel
 
-from . import _native
+from . import _flight, _native
 
 BACKEND = "lockstep"
 
@@ -78,6 +85,34 @@ _OPS = {
 
 
 _SUM = ReduceOp.SUM
+
+
+def _op_hashes():
+    """[(hash, op name)] of the ops lockstep has, where the hash of torch's ``ReduceOp`` as a
+    Backend reads it (``opts.reduceOp``) is the op's own: the same for two objects of one op alive
+    together, different between ops, an op lockstep lacks included (torch 2.15 hashes the op's
+    number). Then the Rust
+    ``allreduce`` names the op by one hash instead of an equality test per call. None where the
+    hash is not the op's (the equality test is kept)."""
+    from torch._C._distributed_c10d import AllreduceOptions
+
+    def read(kind):
+        o = AllreduceOptions()
+        o.reduceOp = ReduceOp(kind)
+        return o.reduceOp
+
+    try:
+        a = [read(k) for k in _OPS]
+        b = [read(k) for k in _OPS]
+        hashes = [hash(x) for x in a]
+        if len(set(hashes)) == len(hashes) and hashes == [hash(y) for y in b] and hash(read(ReduceOp.BAND)) not in hashes:
+            return list(zip(hashes, _OPS.values()))
+    except Exception:
+        pass
+    return None
+
+
+_OP_HASHES = _op_hashes()
 
 
 def _op(reduce_op):
@@ -166,7 +201,7 @@ class _Ops:
         self._done = done
         # An instance attribute wins over the base class's method, both for Python callers
         # (dist.all_reduce) and for C++ ones (DDP's reducer, through pybind's override lookup).
-        self.allreduce = _native.TorchAllReduce(comm, _SUM, _op, done, self._allreduce_device, completed, self._failed)
+        self.allreduce = _native.TorchAllReduce(comm, _SUM, _op, done, self._allreduce_device, completed, self._failed, _OP_HASHES)
 
     @property
     def comm(self):
@@ -639,7 +674,8 @@ if PY_BACKEND:
 
     class BackendLockstep(_Ops, _C10dBackend):
         """The backend as a c10d ``Backend`` (torch 2.15 and later): one object serves the group's
-        CPU and CUDA tensors, torch's Flight Recorder records its collectives, and
+        CPU and CUDA tensors, torch's Flight Recorder dumps hold its collectives (from lockstep's
+        own recorder where ``SELF_RECORDING``, else through torch's hook), and
         ``monitored_barrier`` and ``all_gather_coalesced`` reach it."""
 
         # Read by torch (batch_isend_irecv, split_group, new_group): as plain class attributes,
@@ -672,15 +708,17 @@ if PY_BACKEND:
             """With ``TORCH_FR_DUMP_ON_TIMEOUT=1`` (torch's switch for NCCL), write torch's Flight
             Recorder of this process (``TORCH_FR_DUMP_TEMP_FILE`` + global rank, default
             ``~/.cache/torch/comm_lib_trace_rank_<rank>``) when a collective fails, so that
-            ``torchfrtrace`` can name the rank and the call where the ranks parted."""
+            ``torchfrtrace`` can name the rank and the call where the ranks parted: lockstep's
+            own recorder where it records itself (``SELF_RECORDING``), else torch's."""
             if os.environ.get("TORCH_FR_DUMP_ON_TIMEOUT", "").strip().lower() not in ("1", "true", "yes", "on"):
                 return
             try:
-                from torch._C._distributed_c10d import _dump_fr_trace_file
+                # Through the module: `_flight.install` routes "lockstep" to lockstep's recorder.
+                import torch._C._distributed_c10d as c
 
-                _dump_fr_trace_file(dist.get_rank(), backend=BACKEND)
+                c._dump_fr_trace_file(dist.get_rank(), backend=BACKEND)
             except Exception:  # the collective's own error is what the caller must see
-                pass
+                _log.warning("could not write the Flight Recorder dump after a failed collective", exc_info=True)
 
         def split(self, store, ranks, opts=None):
             """``dist.split_group`` on a member of the new group: a new communicator for the
@@ -907,9 +945,55 @@ def _through_mpi(store, rank, size, ranks):
     return bool(elsewhere)
 
 
+def _recorder_on():
+    """Whether lockstep's communicators keep a flight recorder (``LOCKSTEP_TRACE_BUFFER`` is not
+    0); an unreadable value keeps the default, as the communicators do."""
+    try:
+        return int(os.environ.get("LOCKSTEP_TRACE_BUFFER", "").strip() or "1") != 0
+    except ValueError:
+        return True
+
+
+def _self_recording_set():
+    """torch's set of backends that record themselves into its Flight Recorder (torch 2.15 has
+    it; None before), for which it attaches no recording hook to a group."""
+    return getattr(dist.distributed_c10d, "_FR_SELF_RECORDING_BACKENDS", None)
+
+
+def _self_recording():
+    return SELF_RECORDING
+
+
+# Whether torch's Flight Recorder dumps of the lockstep groups come from lockstep's own recorder
+# (lockstep._flight) instead of the hook torch attaches around each call: on a c10d Backend, where
+# torch has the set of self-recording backends, while lockstep's recorder is on. Otherwise torch's
+# hook records the groups as it does any backend.
+SELF_RECORDING = PY_BACKEND and _self_recording_set() is not None and _recorder_on()
+
+
+def dump_flight_recorder(rank=None):
+    """Write this process's Flight Recorder of the lockstep groups, in torch's format, where
+    torch writes its own (``TORCH_FR_DUMP_TEMP_FILE`` + `rank`, the global rank by default), and
+    return the path; ``torchfrtrace`` reads a directory of the ranks' files. Local: the other
+    ranks write nothing unless they are asked too. Where torch's hook records the groups
+    (``SELF_RECORDING`` False), torch writes it."""
+    if rank is None:
+        rank = dist.get_rank()
+    if SELF_RECORDING:
+        return _flight.write(rank)
+    from torch._C._distributed_c10d import _dump_fr_trace_file
+
+    _dump_fr_trace_file(rank, backend=BACKEND)
+    return _flight.dump_path(rank)
+
+
 def _register():
     if BACKEND.upper() not in dist.Backend._plugins:
         dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu", "cuda"])
+    if SELF_RECORDING:
+        _self_recording_set().add(BACKEND)
+        _flight.install(_self_recording)
+        _native._torch_fr_on_sigusr1()
 
 
 _register()

@@ -43,6 +43,9 @@ pub struct PyComm {
     /// The caller's CUDA stream that device calls are ordered on (`Communicator.stream`), by
     /// handle; None: each device call synchronises the device.
     stream: Mutex<Option<usize>>,
+    /// The flight recorder, read without `inner`'s lock, which a running call holds (a
+    /// SIGUSR1's dump reads the records of a rank stuck in a call). None when it is off.
+    recorder: Option<lockstep::trace::TraceReader>,
 }
 
 fn cuda_err(e: lockstep::cuda::CudaError) -> CommError {
@@ -60,6 +63,7 @@ impl PyComm {
             world: c.world_size(),
             backend: c.backend_kind().to_string(),
             ctx: c.device_context(),
+            recorder: c.trace_reader(),
             inner: Mutex::new(Some(c)),
             stream: Mutex::new(None),
         }
@@ -92,7 +96,11 @@ impl PyComm {
                     self.rank
                 )));
             };
-            let stream = *self.stream.lock().unwrap_or_else(|p| p.into_inner());
+            // Host communicators have no stream: their calls skip its lock.
+            let stream = match &self.ctx {
+                Some(_) => *self.stream.lock().unwrap_or_else(|p| p.into_inner()),
+                None => None,
+            };
             if let (Some(ctx), Some(handle)) = (&self.ctx, stream) {
                 ctx.bind().map_err(cuda_err)?;
                 // SAFETY: `Communicator.stream` requires a live stream of this device, set by the
@@ -356,25 +364,17 @@ impl PyComm {
         self.coll_in_place(py, CollKind::AllReduce, dt, op, 0, m)
     }
 
-    /// [`all_reduce_in_place_op`](Self::all_reduce_in_place_op) on a tensor whose `is_cpu` the
-    /// caller read already (True): one attribute read less on the 8-byte path.
-    fn all_reduce_cpu_tensor(
-        &self,
-        py: Python<'_>,
-        t: &Bound<'_, PyAny>,
-        op: ReduceOp,
-    ) -> PyResult<()> {
-        let Some(v) = View::torch_cpu(t, "buf") else {
-            return self.all_reduce_in_place_op(py, t, op);
-        };
-        let mut v = v.map_err(|e| self.refuse(CollKind::AllReduce, Dtype::U8, e))?;
+    /// In-place all-reduce of a view of a torch CPU tensor, made by the caller
+    /// ([`View::torch_cpu`]); a refusal here is reported to the peers.
+    fn all_reduce_view(&self, py: Python<'_>, mut v: View, op: ReduceOp) -> PyResult<()> {
+        let kind = CollKind::AllReduce;
         self.place(&mut v, "buf")
-            .map_err(|e| self.refuse(CollKind::AllReduce, v.dtype, e))?;
+            .map_err(|e| self.refuse(kind, v.dtype, e))?;
         let m = v
             .mem_mut("buf")
-            .map_err(|e| self.refuse(CollKind::AllReduce, v.dtype, e))?;
+            .map_err(|e| self.refuse(kind, v.dtype, e))?;
         let dt = v.dtype;
-        self.coll_in_place(py, CollKind::AllReduce, dt, op, 0, m)
+        self.coll_in_place(py, kind, dt, op, 0, m)
     }
 }
 
@@ -386,9 +386,13 @@ impl PyComm {
 #[pyclass(frozen, module = "lockstep._native")]
 pub struct TorchAllReduce {
     comm: Py<PyComm>,
-    /// `ReduceOp.SUM`, compared with `opts.reduceOp` first (torch's reduce ops are new objects on
-    /// every read, so not comparable by identity).
+    /// `ReduceOp.SUM`, compared with `opts.reduceOp` where `op_hashes` is empty (torch's reduce
+    /// ops are new objects on every read, so not comparable by identity).
     sum: Py<PyAny>,
+    /// The ops lockstep has by the hash of torch's `ReduceOp` holding them, when the caller
+    /// found that hash to be the op's own (the same for every object of one op, different
+    /// between ops): one hash, cheaper than an equality test, names the op. Empty otherwise.
+    op_hashes: Vec<(isize, ReduceOp)>,
     /// Python's `_op(reduce_op) -> str` for the other ops (and its error for unsupported ones).
     op_name: Py<PyAny>,
     /// Python's `_done(result) -> Work`, for callers that want a Work.
@@ -397,12 +401,74 @@ pub struct TorchAllReduce {
     /// device communicator; sparse CPU tensors), called as `device(tensors, opts)`.
     device: Py<PyAny>,
     /// The Work a blocking call returns: None for a ProcessGroup (torch's blocking wrappers take
-    /// None); a completed Work for a c10d Backend, whose Flight Recorder retires a call's entry
-    /// only when a Work comes back.
+    /// None); a completed Work for a c10d Backend, whose Flight Recorder hook (where attached)
+    /// retires a call's entry only when a Work comes back.
     completed: Py<PyAny>,
     /// Called (no arguments) before a failure is raised: the c10d Backend dumps torch's Flight
     /// Recorder there. Nothing on the success path.
     on_error: Py<PyAny>,
+}
+
+impl TorchAllReduce {
+    /// The reduction and whether the caller wants a Work, from torch's `opts` (sum and a Work
+    /// without them). An op lockstep lacks fails here, and the peers are told, so they fail too.
+    fn options(
+        &self,
+        py: Python<'_>,
+        comm: &PyComm,
+        opts: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<(ReduceOp, bool)> {
+        let Some(o) = opts else {
+            return Ok((ReduceOp::Sum, true));
+        };
+        let rop = o.getattr(pyo3::intern!(py, "reduceOp"))?;
+        let known = if self.op_hashes.is_empty() {
+            rop.eq(self.sum.bind(py))?.then_some(ReduceOp::Sum)
+        } else {
+            let h = rop.hash()?;
+            self.op_hashes
+                .iter()
+                .find(|(k, _)| *k == h)
+                .map(|&(_, op)| op)
+        };
+        let op = match known {
+            Some(op) => op,
+            None => {
+                let name = self
+                    .op_name
+                    .bind(py)
+                    .call1((rop,))
+                    .and_then(|n| n.extract::<String>());
+                name.and_then(|n| parse_op(&n))
+                    .map_err(|e| comm.refuse(CollKind::AllReduce, Dtype::U8, e))?
+            }
+        };
+        let asynchronous = o.getattr(pyo3::intern!(py, "asyncOp"))?;
+        Ok((op, !asynchronous.is(&*pyo3::types::PyBool::new(py, false))))
+    }
+
+    /// What a call that ran returns: a completed Work, or `completed` for a blocking caller; on
+    /// failure, `on_error()` first.
+    fn finish<'py>(
+        &self,
+        py: Python<'py>,
+        ran: PyResult<()>,
+        want_work: bool,
+        tensors: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        if let Err(e) = ran {
+            if !self.on_error.is_none(py) {
+                // The hook's own failure must not hide the collective's.
+                let _ = self.on_error.bind(py).call0();
+            }
+            return Err(e);
+        }
+        if want_work {
+            self.done.bind(py).call1((tensors,))
+        } else {
+            Ok(self.completed.bind(py).clone())
+        }
+    }
 }
 
 #[pymethods]
@@ -410,7 +476,7 @@ impl TorchAllReduce {
     // Python's constructor takes what torch's call needs, one argument each (keywords in Python).
     #[allow(clippy::too_many_arguments)]
     #[new]
-    #[pyo3(signature = (comm, sum, op_name, done, device, completed=None, on_error=None))]
+    #[pyo3(signature = (comm, sum, op_name, done, device, completed=None, on_error=None, op_hashes=None))]
     fn new(
         py: Python<'_>,
         comm: Py<PyComm>,
@@ -420,16 +486,23 @@ impl TorchAllReduce {
         device: Py<PyAny>,
         completed: Option<Py<PyAny>>,
         on_error: Option<Py<PyAny>>,
-    ) -> TorchAllReduce {
-        TorchAllReduce {
+        op_hashes: Option<Vec<(isize, String)>>,
+    ) -> PyResult<TorchAllReduce> {
+        let op_hashes = op_hashes
+            .unwrap_or_default()
+            .into_iter()
+            .map(|(h, name)| parse_op(&name).map(|op| (h, op)))
+            .collect::<PyResult<Vec<_>>>()?;
+        Ok(TorchAllReduce {
             comm,
             sum,
+            op_hashes,
             op_name,
             done,
             device,
             completed: completed.unwrap_or_else(|| py.None()),
             on_error: on_error.unwrap_or_else(|| py.None()),
-        }
+        })
     }
 
     /// All-reduce each tensor of `tensors` in place with `opts.reduceOp` (sum without opts).
@@ -443,14 +516,42 @@ impl TorchAllReduce {
         opts: Option<Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let comm = self.comm.get();
-        // torch passes a list of tensors of one device per call (read without raising: an
-        // exception costs more than the 8-byte collective).
+        // One tensor (every dist.all_reduce, DDP's buckets): the fewest reads of torch's
+        // objects. A tensor that is not a dense CPU one (CUDA, sparse) goes to `device`; its
+        // `is_sparse` is read only when the dense view fails (a sparse tensor is not contiguous).
+        if let Ok(list) = tensors.cast::<PyList>() {
+            if list.len() == 1 {
+                let t = list.get_item(0)?;
+                if !t.getattr(pyo3::intern!(py, "is_cpu"))?.is_truthy()? {
+                    return self.device.bind(py).call1((tensors, opts));
+                }
+                if let Some(view) = View::torch_cpu(&t, "buf") {
+                    let v = match view {
+                        Ok(v) => v,
+                        Err(_) if t.getattr(pyo3::intern!(py, "is_sparse"))?.is_truthy()? => {
+                            return self.device.bind(py).call1((tensors, opts));
+                        }
+                        Err(e) => {
+                            let e = comm.refuse(CollKind::AllReduce, Dtype::U8, e);
+                            return self.finish(py, Err(e), false, &tensors);
+                        }
+                    };
+                    let (op, want_work) = match self.options(py, comm, opts.as_ref()) {
+                        Ok(o) => o,
+                        Err(e) => return self.finish(py, Err(e), false, &tensors),
+                    };
+                    let ran = comm.all_reduce_view(py, v, op);
+                    return self.finish(py, ran, want_work, &tensors);
+                }
+            }
+        }
+        // Any other list: torch passes tensors of one device per call (read without raising:
+        // an exception costs more than the 8-byte collective).
         let first = match tensors.cast::<PyList>() {
             Ok(list) if list.is_empty() => None,
             Ok(list) => Some(list.get_item(0)?),
             Err(_) => tensors.get_item(0).ok(),
         };
-        // Dense CPU tensors are reduced here; `is_sparse` is read only for CPU tensors.
         let on_cpu = match &first {
             Some(f) => {
                 f.getattr(pyo3::intern!(py, "is_cpu"))?.is_truthy()?
@@ -461,48 +562,17 @@ impl TorchAllReduce {
         if !on_cpu {
             return self.device.bind(py).call1((tensors, opts));
         }
-        let (op, want_work) = match &opts {
-            None => (ReduceOp::Sum, true),
-            Some(o) => {
-                let rop = o.getattr(pyo3::intern!(py, "reduceOp"))?;
-                let op = if rop.eq(self.sum.bind(py))? {
-                    ReduceOp::Sum
-                } else {
-                    // An op lockstep lacks fails here; the peers are told, so they fail too.
-                    let name = self
-                        .op_name
-                        .bind(py)
-                        .call1((rop,))
-                        .and_then(|n| n.extract::<String>());
-                    name.and_then(|n| parse_op(&n))
-                        .map_err(|e| comm.refuse(CollKind::AllReduce, Dtype::U8, e))?
-                };
-                let asynchronous = o.getattr(pyo3::intern!(py, "asyncOp"))?;
-                (op, !asynchronous.is(&*pyo3::types::PyBool::new(py, false)))
-            }
+        let (op, want_work) = match self.options(py, comm, opts.as_ref()) {
+            Ok(o) => o,
+            Err(e) => return self.finish(py, Err(e), false, &tensors),
         };
-        let ran = match tensors.cast::<PyList>() {
-            // One tensor (every dist.all_reduce): its is_cpu was read above.
-            Ok(list) if list.len() == 1 => comm.all_reduce_cpu_tensor(py, &list.get_item(0)?, op),
-            _ => tensors.try_iter().and_then(|ts| {
-                for t in ts {
-                    comm.all_reduce_in_place_op(py, &t?, op)?;
-                }
-                Ok(())
-            }),
-        };
-        if let Err(e) = ran {
-            if !self.on_error.is_none(py) {
-                // The hook's own failure must not hide the collective's.
-                let _ = self.on_error.bind(py).call0();
+        let ran = tensors.try_iter().and_then(|ts| {
+            for t in ts {
+                comm.all_reduce_in_place_op(py, &t?, op)?;
             }
-            return Err(e);
-        }
-        if want_work {
-            self.done.bind(py).call1((tensors,))
-        } else {
-            Ok(self.completed.bind(py).clone())
-        }
+            Ok(())
+        });
+        self.finish(py, ran, want_work, &tensors)
     }
 }
 
@@ -674,13 +744,14 @@ host (shared-memory) communicators",
     /// trace files: id, seq (collectives from 1; 0 for point-to-point), op, dtype, reduce, count,
     /// root (or peer), buffer, path, start_ns, end_ns (None while running), state ("ok",
     /// "error", "running"), and error (its message) or ops (a point-to-point group's size).
+    /// Readable while a call runs on another thread, and after `close()`.
     fn trace<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        // Through the reader, not the communicator: a call running on another thread (with the
+        // GIL released) holds the communicator's lock until its peers arrive.
         let recs = self
-            .inner
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
+            .recorder
             .as_ref()
-            .map_or_else(Vec::new, |c| c.trace());
+            .map_or_else(Vec::new, |r| r.records());
         let lines: Vec<String> = recs.iter().map(|r| r.to_json()).collect();
         py.import("json")?
             .call_method1("loads", (format!("[{}]", lines.join(",")),))

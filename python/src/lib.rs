@@ -195,6 +195,28 @@ fn status_json(py: Python<'_>, job: Option<String>) -> PyResult<String> {
     })
 }
 
+/// Have every `SIGUSR1` that writes lockstep's trace files (`LOCKSTEP_TRACE_DIR`) also call
+/// `lockstep._flight.on_signal()`, which writes torch's Flight Recorder format
+/// (`lockstep.torch` calls this where lockstep records itself for torch).
+#[pyfunction]
+fn _torch_fr_on_sigusr1() {
+    lockstep::trace::on_signal(torch_fr_signal);
+}
+
+/// On the thread `lockstep-trace`, after a SIGUSR1: take the GIL as any thread does (a rank
+/// stuck in a collective has released it) and write torch's dump. Nothing once the interpreter
+/// is shutting down.
+fn torch_fr_signal() {
+    Python::try_attach(|py| {
+        let r = py
+            .import("lockstep._flight")
+            .and_then(|m| m.call_method0("on_signal"));
+        if let Err(e) = r {
+            tracing::warn!("flight recorder: SIGUSR1: torch's dump was not written: {e}");
+        }
+    });
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // Embedded in a Python program, which owns its threads' placement: bind nothing unless
@@ -215,6 +237,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(mpi_placement, m)?)?;
     m.add_function(wrap_pyfunction!(status_json, m)?)?;
     m.add_function(wrap_pyfunction!(buffer::_register_torch, m)?)?;
+    m.add_function(wrap_pyfunction!(_torch_fr_on_sigusr1, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -361,25 +361,65 @@ def test_init_process_group_finds_lockstep_without_importing_it():
     assert "ok lockstep [0.0, 1.0, 2.0, 3.0]" in o.stdout, o.stdout
 
 
-def test_flight_recorder_names_the_rank_that_skipped_a_collective(tmp_path):
-    """Rank 1 skips the fifth all_reduce: both ranks fail with lockstep's mismatch error, dump
-    torch's Flight Recorder (TORCH_FR_DUMP_ON_TIMEOUT=1), and torch's own reader, torchfrtrace,
-    names rank 1 and the collective from the dumps."""
+def _torchfrtrace(dump_dir):
+    """torch's own reader of Flight Recorder dumps, torchfrtrace, on the files `rank_<r>` in
+    `dump_dir`: its report (stdout and stderr)."""
     import os
     import shutil
     import subprocess
     import sys
-    import textwrap
 
+    reader = shutil.which("torchfrtrace", path=os.path.dirname(sys.executable))
+    assert reader, "torch installs the torchfrtrace console script"
+    o = subprocess.run([reader, str(dump_dir), "-p", "rank_"], capture_output=True, text=True, timeout=120)
+    assert o.returncode == 0, o.stderr
+    return o.stdout + o.stderr
+
+
+# Printed by each rank of the Flight Recorder tests: whether torch attached its recording hook to
+# the default group, and whether lockstep is one of torch's self-recording backends.
+_FR_HOOK_CHECK = """
+hooks = dist.distributed_c10d._world.pg_flight_recorder_hooks
+print("hooked", dist.group.WORLD in hooks, "self-recording", "lockstep" in dist.distributed_c10d._FR_SELF_RECORDING_BACKENDS)
+"""
+
+
+def _lockstep_dumps(dump_dir):
+    """The ranks' dumps in `dump_dir` (rank_0, rank_1), checked to be lockstep's own."""
+    import os
+    import pickle
+
+    assert sorted(os.listdir(dump_dir)) == ["rank_0", "rank_1"]
+    for name in ("rank_0", "rank_1"):
+        with open(os.path.join(dump_dir, name), "rb") as f:
+            dump = pickle.load(f)
+        assert dump["comm_lib_version"].startswith("lockstep "), dump
+        assert dump["pg_config"]["0"]["ranks"] == "[0, 1]", dump
+
+
+def _skip_fr_unless_self_recording():
     import lockstep.torch as lt
 
-    if not lt.PY_BACKEND:
-        pytest.skip(f"skipped: torch {torch.__version__} records no Python Backend in its Flight Recorder (torch >= 2.15 does)")
+    if not lt.SELF_RECORDING:
+        pytest.skip(f"skipped: torch {torch.__version__} has no self-recording Flight Recorder backends (torch >= 2.15 has)")
+
+
+def test_flight_recorder_names_the_rank_that_skipped_a_collective(tmp_path):
+    """Rank 1 calls a barrier where rank 0 makes its fifth all_reduce: both ranks fail with
+    lockstep's mismatch error and dump the Flight Recorder (TORCH_FR_DUMP_ON_TIMEOUT=1) from
+    lockstep's own recorder, torch's hook not attached; torch's own reader, torchfrtrace, names
+    rank 1 and the collectives from the dumps."""
+    import textwrap
+
+    _skip_fr_unless_self_recording()
     code = textwrap.dedent(
         """
         import torch, torch.distributed as dist
         dist.init_process_group("lockstep")
         r = dist.get_rank()
+        """
+    ) + _FR_HOOK_CHECK + textwrap.dedent(
+        """
         t = torch.ones(4)
         for _ in range(4):
             dist.all_reduce(t)
@@ -394,15 +434,160 @@ def test_flight_recorder_names_the_rank_that_skipped_a_collective(tmp_path):
     )
     outs = _torchrun_pair(code, TORCH_FR_DUMP_ON_TIMEOUT="1", TORCH_FR_DUMP_TEMP_FILE=str(tmp_path / "rank_"))
     for r, (out, err) in enumerate(outs):
+        assert "hooked False self-recording True" in out, out + err
         assert f"failed {r} True" in out, out + err
-    assert sorted(os.listdir(tmp_path)) == ["rank_0", "rank_1"]
-    reader = shutil.which("torchfrtrace", path=os.path.dirname(sys.executable))
-    assert reader, "torch installs the torchfrtrace console script"
-    o = subprocess.run([reader, str(tmp_path), "-p", "rank_"], capture_output=True, text=True, timeout=120)
-    assert o.returncode == 0, o.stderr
-    report = o.stdout + o.stderr
+    _lockstep_dumps(tmp_path)
+    report = _torchfrtrace(tmp_path)
     assert "Collective sequence number: 5 has errors" in report, report
     assert "Culprit rank 1" in report and "'all_reduce' does not match found collective type: 'barrier'" in report, report
+
+
+def test_flight_recorder_names_the_rank_missing_from_a_timed_out_collective(tmp_path):
+    """Rank 1 skips the fifth all_reduce: rank 0 times out in it and dumps the Flight Recorder
+    (TORCH_FR_DUMP_ON_TIMEOUT=1), then rank 1 dumps its own through torch's entry point
+    (_dump_fr_trace_file(rank, backend="lockstep")); both dumps come from lockstep's recorder,
+    torch's hook not attached, and torchfrtrace names the missing rank and the collective."""
+    import textwrap
+
+    _skip_fr_unless_self_recording()
+    code = textwrap.dedent(
+        """
+        import os, time
+        from datetime import timedelta
+        import torch, torch.distributed as dist
+        dist.init_process_group("lockstep", timeout=timedelta(seconds=2))
+        r = dist.get_rank()
+        """
+    ) + _FR_HOOK_CHECK + textwrap.dedent(
+        """
+        t = torch.ones(4)
+        for _ in range(4):
+            dist.all_reduce(t)
+        if r == 0:
+            try:
+                dist.all_reduce(t)
+            except RuntimeError as e:
+                print("failed", r, e.kind)
+        else:
+            # Wait for rank 0 to time out and dump (rank 1 exiting sooner would make rank 0's
+            # failure a lost peer instead).
+            first = os.environ["TORCH_FR_DUMP_TEMP_FILE"] + "0"
+            deadline = time.monotonic() + 60
+            while not os.path.exists(first) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            import torch._C._distributed_c10d as c
+            c._dump_fr_trace_file(r, backend="lockstep")
+            print("dumped", r)
+        """
+    )
+    outs = _torchrun_pair(code, TORCH_FR_DUMP_ON_TIMEOUT="1", TORCH_FR_DUMP_TEMP_FILE=str(tmp_path / "rank_"))
+    for out, err in outs:
+        assert "hooked False self-recording True" in out, out + err
+    assert "failed 0 timeout" in outs[0][0], outs[0]
+    assert "dumped 1" in outs[1][0], outs[1]
+    _lockstep_dumps(tmp_path)
+    report = _torchfrtrace(tmp_path)
+    assert "Not all ranks joining collective, sequence number: 5" in report, report
+    assert "missing ranks: {1}" in report and "collective: lockstep:all_reduce" in report, report
+
+
+def test_flight_recorder_sigusr1_dumps_a_rank_stuck_in_a_collective(tmp_path):
+    """SIGUSR1 with LOCKSTEP_TRACE_DIR and TORCH_FR_DUMP_TEMP_FILE set: rank 0 is stuck in its
+    fifth all_reduce (rank 1 has not made it yet) when both ranks get the signal; lockstep's
+    thread writes lockstep's trace files and torch's dumps, and torchfrtrace names rank 1 as
+    missing from the collective. Then rank 1 joins and both finish."""
+    import os
+    import textwrap
+
+    _skip_fr_unless_self_recording()
+    code = textwrap.dedent(
+        """
+        import os, signal, time
+        from datetime import timedelta
+        import torch, torch.distributed as dist
+        dist.init_process_group("lockstep", timeout=timedelta(seconds=60))
+        r = dist.get_rank()
+        store = dist.distributed_c10d._get_default_store()
+        """
+    ) + _FR_HOOK_CHECK + textwrap.dedent(
+        """
+        t = torch.ones(4)
+        for _ in range(4):
+            dist.all_reduce(t)
+        if r == 0:
+            store.set("pid0", str(os.getpid()))
+        else:
+            import pickle
+
+            def dumped(rank, pid):
+                # Signal `pid`, wait for its dump; its entries (None: no dump within 60 s).
+                path = os.environ["TORCH_FR_DUMP_TEMP_FILE"] + str(rank)
+                if os.path.exists(path):
+                    os.remove(path)
+                os.kill(pid, signal.SIGUSR1)
+                deadline = time.monotonic() + 60
+                while not os.path.exists(path) and time.monotonic() < deadline:
+                    time.sleep(0.02)
+                with open(path, "rb") as f:
+                    return pickle.load(f)["entries"]
+
+            pid0 = int(store.get("pid0"))
+            # Until rank 0's dump shows it inside its fifth all_reduce (it may not be there yet).
+            while not any(e["collective_seq_id"] == 5 for e in dumped(0, pid0)):
+                time.sleep(0.1)
+            dumped(1, os.getpid())
+        dist.all_reduce(t)
+        print("done", r, t.tolist())
+        """
+    )
+    fr, ls = tmp_path / "fr", tmp_path / "ls"
+    fr.mkdir()
+    ls.mkdir()
+    outs = _torchrun_pair(code, LOCKSTEP_TRACE_DIR=str(ls), TORCH_FR_DUMP_TEMP_FILE=str(fr / "rank_"))
+    for r, (out, err) in enumerate(outs):
+        assert "hooked False self-recording True" in out, out + err
+        assert f"done {r} [32.0, 32.0, 32.0, 32.0]" in out, out + err
+    assert sorted(os.listdir(ls)) == ["rank00000.jsonl", "rank00001.jsonl"]
+    _lockstep_dumps(fr)
+    report = _torchfrtrace(fr)
+    assert "Not all ranks joining collective, sequence number: 5" in report, report
+    assert "missing ranks: {1}" in report and "collective: lockstep:all_reduce" in report, report
+
+
+def test_flight_recorder_dump_entry_points_answer_for_lockstep():
+    """torch's _dump_fr_trace and _dump_fr_trace_json, asked for backend="lockstep", return
+    lockstep's recorder of the groups (every call so far, the subgroup's too); other backends'
+    dumps are torch's."""
+    import json
+    import pickle
+
+    _skip_fr_unless_self_recording()
+
+    def body():
+        import torch.distributed as dist
+        import torch._C._distributed_c10d as c
+
+        t = torch.ones(3, dtype=torch.float64)
+        dist.all_reduce(t)
+        dist.broadcast(t, src=0)
+        g = dist.new_group([0, 1])
+        dist.all_gather_into_tensor(torch.empty(6, dtype=torch.float64), t, group=g)
+        dist.barrier()
+        return c._dump_fr_trace(backend="lockstep"), c._dump_fr_trace_json(backend="lockstep"), c._dump_fr_trace(backend="gloo")
+
+    for rank, (raw, js, gloo) in enumerate(lockstep.notebook_launcher(body, num_processes=2)):
+        dump = pickle.loads(raw)
+        assert json.loads(js)["pg_config"] == dump["pg_config"]
+        assert "lockstep" not in str(pickle.loads(gloo).get("entries", []))
+        assert len(dump["pg_config"]) == 2, dump["pg_config"]
+        ops = [(e["process_group"][0], e["collective_seq_id"], e["profiling_name"], e["input_sizes"], e["output_sizes"], e["input_dtypes"], e["state"]) for e in dump["entries"]]
+        world, sub = sorted(dump["pg_config"], key=lambda n: n != "0")
+        assert ops == [
+            (world, 1, "lockstep:all_reduce", [[3]], [[3]], ["Double"], "completed"),
+            (world, 2, "lockstep:broadcast", [[3]], [[3]], ["Double"], "completed"),
+            (world, 3, "lockstep:barrier", [], [], [], "completed"),
+            (sub, 1, "lockstep:all_gather", [[3]], [[6]], ["Double"], "completed"),
+        ], (rank, ops)
 
 
 def _ring_exchange():

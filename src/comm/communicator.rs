@@ -87,6 +87,13 @@ impl Communicator {
         self.trace.as_ref().map_or_else(Vec::new, |t| t.records())
     }
 
+    /// A reader of this communicator's flight recorder that needs no access to the communicator
+    /// (`None` when the recorder is off): the records of a call still running on another thread
+    /// can be read through it.
+    pub fn trace_reader(&self) -> Option<trace::TraceReader> {
+        self.trace.clone().map(trace::TraceReader)
+    }
+
     /// Write this rank's records into `dir` now (one JSON-lines file, replaced atomically, named
     /// for the rank and communicator; `lockstep trace DIR` reads a directory of them). Returns
     /// the file's path. Local: the other ranks write nothing unless they are asked too.

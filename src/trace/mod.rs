@@ -21,7 +21,8 @@
 //! first recording communicator is made; it chains any handler installed before it (a host
 //! program's own), and only writes a byte to a pipe, which is async-signal-safe. A thread started
 //! with the handler (`lockstep-trace`) reads the pipe and writes every live communicator's
-//! records from ordinary code: ranks stuck in a call are dumped too. Without the variable,
+//! records from ordinary code: ranks stuck in a call are dumped too; an embedding runs its own
+//! dump there after lockstep's ([`on_signal`]). Without the variable,
 //! `SIGUSR1` keeps whatever disposition the program gave it.
 
 #[cfg(feature = "trace")]
@@ -43,4 +44,4 @@ pub(crate) use meta::{sub_name, Meta, Reason};
 pub use meta::{trace_dir, DumpError, TRACE_DIR};
 pub use record::{BufferKind, CallInfo, CallPath, Outcome, Record};
 pub(crate) use tracer::Tracer;
-pub use tracer::DEFAULT_BUFFER;
+pub use tracer::{on_signal, TraceReader, DEFAULT_BUFFER};

@@ -16,7 +16,23 @@ pub const DEFAULT_BUFFER: usize = 2000;
 /// The communicators a SIGUSR1 dumps (dropped ones are pruned as they are found).
 static LIVE: Mutex<Vec<Weak<Tracer>>> = Mutex::new(Vec::new());
 
-/// SIGUSR1 (on the thread `lockstep-trace`): write every live communicator's records.
+/// What else a SIGUSR1 runs, after the records are written ([`on_signal`]).
+static ALSO: Mutex<Vec<fn()>> = Mutex::new(Vec::new());
+
+/// Run `f` on the thread `lockstep-trace` after each `SIGUSR1` that writes the records (so only
+/// while `LOCKSTEP_TRACE_DIR` is set, once a recording communicator has installed the handler),
+/// after they are written: an embedding writes its own view of them there (the Python package:
+/// torch's Flight Recorder format). `f` runs on that thread, never in the signal handler; a
+/// function registered twice runs once.
+pub fn on_signal(f: fn()) {
+    let mut also = ALSO.lock().unwrap_or_else(|p| p.into_inner());
+    if !also.iter().any(|&g| std::ptr::fn_addr_eq(g, f)) {
+        also.push(f);
+    }
+}
+
+/// SIGUSR1 (on the thread `lockstep-trace`): write every live communicator's records, then run
+/// what [`on_signal`] registered.
 fn dump_live() {
     let Some(dir) = trace_dir() else { return };
     let live: Vec<Arc<Tracer>> = {
@@ -29,6 +45,10 @@ fn dump_live() {
             Ok(p) => tracing::info!("flight recorder: SIGUSR1: wrote {}", p.display()),
             Err(e) => tracing::warn!("flight recorder: SIGUSR1: {e}"),
         }
+    }
+    let also = ALSO.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    for f in also {
+        f();
     }
 }
 
@@ -123,6 +143,20 @@ impl Tracer {
     pub(crate) fn dump(&self, dir: &std::path::Path, reason: Reason) -> Result<PathBuf, DumpError> {
         let _ = (dir, reason);
         Err(DumpError::NotBuilt)
+    }
+}
+
+/// A communicator's flight recorder, read apart from the communicator
+/// ([`Communicator::trace_reader`](crate::Communicator::trace_reader)): its records can be read
+/// while a call runs on the communicator (from another thread, a signal's dump), since the ring
+/// takes no lock.
+#[derive(Clone, Debug)]
+pub struct TraceReader(pub(crate) Arc<Tracer>);
+
+impl TraceReader {
+    /// The records held, oldest first (as [`Communicator::trace`](crate::Communicator::trace)).
+    pub fn records(&self) -> Vec<Record> {
+        self.0.records()
     }
 }
 
