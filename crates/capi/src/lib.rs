@@ -252,14 +252,8 @@ pub unsafe extern "C" fn lockstepCommSplit(
     config: *mut lockstepConfig_t,
 ) -> lockstepResult_t {
     guard_comm("lockstepCommSplit", comm, |h| {
-        // SAFETY: the caller passes NULL (refused by out_ptr) or a pointer valid for the write.
-        let out = unsafe { out_ptr(newcomm, "newcomm") }?;
-        *out = std::ptr::null_mut();
-        if exec::in_group() {
-            return Err(Failure::invalid_usage(
-                "lockstepCommSplit inside lockstepGroupStart/lockstepGroupEnd: split before the group starts (the new communicator is needed at once)",
-            ));
-        }
+        // SAFETY: the caller passes NULL (refused) or a pointer valid for the write.
+        let out = unsafe { new_comm_out(newcomm, "lockstepCommSplit", "split") }?;
         // SAFETY: the caller passes NULL or a readable lockstepConfig_t (this function's contract).
         let checked = unsafe { split_settings(h.settings(), color, config) };
         let sub = h.with_comm(|c| {
@@ -312,14 +306,8 @@ pub unsafe extern "C" fn lockstepCommShrink(
     shrinkFlags: c_int,
 ) -> lockstepResult_t {
     guard_comm("lockstepCommShrink", comm, |h| {
-        // SAFETY: the caller passes NULL (refused by out_ptr) or a pointer valid for the write.
-        let out = unsafe { out_ptr(newcomm, "newcomm") }?;
-        *out = std::ptr::null_mut();
-        if exec::in_group() {
-            return Err(Failure::invalid_usage(
-                "lockstepCommShrink inside lockstepGroupStart/lockstepGroupEnd: shrink before the group starts (the new communicator is needed at once)",
-            ));
-        }
+        // SAFETY: the caller passes NULL (refused) or a pointer valid for the write.
+        let out = unsafe { new_comm_out(newcomm, "lockstepCommShrink", "shrink") }?;
         if shrinkFlags != LOCKSTEP_SHRINK_DEFAULT && shrinkFlags != LOCKSTEP_SHRINK_ABORT {
             return Err(Failure::invalid_argument(format!(
                 "shrinkFlags {shrinkFlags}: pass LOCKSTEP_SHRINK_DEFAULT (0) or LOCKSTEP_SHRINK_ABORT (1)"
@@ -382,20 +370,36 @@ pub unsafe extern "C" fn lockstepCommGrow(
     config: *mut lockstepConfig_t,
 ) -> lockstepResult_t {
     guard_comm("lockstepCommGrow", comm, |h| {
-        // SAFETY: the caller passes NULL (refused by out_ptr) or a pointer valid for the write.
-        let out = unsafe { out_ptr(newcomm, "newcomm") }?;
-        *out = std::ptr::null_mut();
-        if exec::in_group() {
-            return Err(Failure::invalid_usage(
-                "lockstepCommGrow inside lockstepGroupStart/lockstepGroupEnd: grow before the group starts (the new communicator is needed at once)",
-            ));
-        }
+        // SAFETY: the caller passes NULL (refused) or a pointer valid for the write.
+        let out = unsafe { new_comm_out(newcomm, "lockstepCommGrow", "grow") }?;
         // SAFETY: the caller passes NULL or a readable lockstepConfig_t (this function's contract).
         let settings = unsafe { inherited_settings(h.settings(), config, "lockstepCommGrow") }?;
         let new = h.with_comm(|c| c.grow().map_err(Failure::from))?;
         *out = handle::register(new, settings);
         Ok(())
     })
+}
+
+/// Where a call that makes a communicator (split, shrink, grow) writes it: `newcomm` checked and
+/// set to NULL first, so a failure leaves it NULL; refused inside a group, since the new
+/// communicator is needed at once.
+///
+/// # Safety
+/// `newcomm` is NULL (refused) or valid for writing a lockstepComm_t.
+unsafe fn new_comm_out<'a>(
+    newcomm: *mut lockstepComm_t,
+    func: &str,
+    verb: &str,
+) -> Result<&'a mut lockstepComm_t, Failure> {
+    // SAFETY: forwarded from the caller's contract.
+    let out = unsafe { out_ptr(newcomm, "newcomm") }?;
+    *out = std::ptr::null_mut();
+    if exec::in_group() {
+        return Err(Failure::invalid_usage(format!(
+            "{func} inside lockstepGroupStart/lockstepGroupEnd: {verb} before the group starts (the new communicator is needed at once)"
+        )));
+    }
+    Ok(out)
 }
 
 /// Every rank's `flag` (0 or 1), in rank order: an all-gather through host memory, or device
