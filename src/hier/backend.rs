@@ -9,8 +9,8 @@ use super::layout::{slices, Layout};
 use super::wire::{check_headers, Failure, Header, HEADER_BYTES, STATUS_BYTES, UNREACHABLE};
 use crate::comm::{Backend, BackendKind, Call, CommError, Communicator, P2pOp, Splits, ANY_SOURCE};
 use crate::mpi::{
-    bytes_of, elems, elems_mut, from_bytes, read_mem, read_mem_into, to_bytes, write_mem, MpiComm,
-    MpiError, Request, Waited,
+    bytes_of, elems, elems_mut, from_bytes, read_mem, read_mem_into, to_bytes, with_host_elems_mut,
+    write_mem, MpiComm, MpiError, Request, Waited,
 };
 use crate::reference::Arith;
 use crate::types::{CollKind, Dtype, Element, MemSpace, RawMem, ReduceOp};
@@ -58,6 +58,16 @@ fn out_of_scratch(out: Output) -> Output {
         Output::Full(_) => Output::Nothing,
         other => other,
     }
+}
+
+/// The reduction of every input the leaders exchanged into `out`: `blocks` holds each node's
+/// inputs in node order (each `out.len()` elements, in local order), so the inputs come in
+/// global rank order (node-major), the canonical order of [`fold`].
+fn fold_blocks<T: Element + Arith>(op: ReduceOp, blocks: &[Vec<u8>], world: usize, out: &mut [T]) {
+    let n = out.len();
+    let views: Vec<_> = blocks.iter().map(|b| elems::<T>(b)).collect();
+    let inputs: Vec<&[T]> = views.iter().flat_map(|v| v.chunks_exact(n)).collect();
+    fold::reduce_into(op, &inputs, world, out);
 }
 
 /// The hierarchical communicator's backend.
@@ -202,6 +212,22 @@ impl HierBackend {
             Vec::new()
         };
         b.clear();
+        b
+    }
+
+    /// A buffer of `len` bytes that is about to be overwritten whole (a receive, a result): a
+    /// spare one when large, keeping its bytes, so that it is not zeroed again first.
+    fn overwritten(&mut self, len: usize) -> Vec<u8> {
+        let mut b = if len >= SPARE_MIN {
+            self.spare.pop().unwrap_or_default()
+        } else {
+            Vec::new()
+        };
+        if b.len() >= len {
+            b.truncate(len);
+        } else {
+            b.resize(len, 0);
+        }
         b
     }
 
@@ -498,7 +524,7 @@ impl HierBackend {
         let mut reqs = Vec::with_capacity(2 * others.len());
         for &k in &others {
             let leader = self.layout.global(k, 0);
-            let b = self.buffer(sizes[k]);
+            let b = self.overwritten(sizes[k]);
             reqs.push(
                 self.mpi
                     .irecv_into(leader, tag, sizes[k], b)
@@ -636,7 +662,7 @@ impl HierBackend {
     fn reduce_by_leaders<T: Element + Arith>(
         &mut self,
         call: &Call,
-        out: Output,
+        mut out: Output,
     ) -> Result<(), CommError>
     where
         T::Acc: Element,
@@ -669,28 +695,38 @@ impl HierBackend {
             let sizes: Vec<usize> = self.layout.nodes.iter().map(|m| m.len() * n * sz).collect();
             match self.leaders_exchange(mine, TAG_DATA, &sizes, kind) {
                 Ok(blocks) => {
-                    let mut res = self.buffer(n * sz);
-                    res.resize(n * sz, 0);
-                    {
-                        let views: Vec<_> = blocks.iter().map(|b| elems::<T>(b)).collect();
-                        let inputs: Vec<&[T]> =
-                            views.iter().flat_map(|v| v.chunks_exact(n)).collect();
+                    let world = self.world;
+                    // A node of one rank folds straight into the caller's buffer (the inputs
+                    // are the messages and this rank's copy of its own, so none aliases it).
+                    let direct = match out {
+                        Output::Full(mem) if nl == 1 && mem.len >= n => {
+                            with_host_elems_mut::<T, _>(RawMem { len: n, ..mem }, |o| {
+                                fold_blocks(op, &blocks, world, o)
+                            })
+                            .is_some()
+                        }
+                        _ => false,
+                    };
+                    if direct {
+                        out = Output::Nothing;
+                    } else {
+                        let mut res = self.overwritten(n * sz);
                         match elems_mut::<T>(&mut res) {
-                            Some(o) => fold::reduce_into(op, &inputs, self.world, o),
+                            Some(o) => fold_blocks(op, &blocks, world, o),
                             None => {
                                 let mut o = vec![T::default(); n];
-                                fold::reduce_into(op, &inputs, self.world, &mut o);
+                                fold_blocks(op, &blocks, world, &mut o);
                                 res.copy_from_slice(bytes_of(&o));
                             }
                         }
-                    }
-                    if nl > 1 {
-                        buf[STATUS_BYTES..].copy_from_slice(&res);
+                        if nl > 1 {
+                            buf[STATUS_BYTES..].copy_from_slice(&res);
+                        }
+                        result = Some(res);
                     }
                     for b in blocks {
                         self.recycle(b);
                     }
-                    result = Some(res);
                 }
                 Err(e) => outcome = Err(e),
             }

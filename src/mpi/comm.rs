@@ -283,7 +283,9 @@ impl MpiComm {
     }
 
     /// [`irecv`](Self::irecv) into `data`, whose allocation is reused when large enough (a
-    /// fresh one costs a page fault per page as MPI writes it).
+    /// fresh one costs a page fault per page as MPI writes it). Bytes `data` already holds are
+    /// not zeroed first: MPI overwrites them, and a completed receive keeps only the bytes that
+    /// arrived.
     pub fn irecv_into(
         &self,
         peer: usize,
@@ -293,8 +295,11 @@ impl MpiComm {
     ) -> Result<Request, MpiError> {
         let source = self.peer(peer)?;
         let tag = Self::tag(tag)?;
-        data.clear();
-        data.resize(len, 0);
+        if data.len() >= len {
+            data.truncate(len);
+        } else {
+            data.resize(len, 0);
+        }
         // SAFETY: as in `isend`; nothing else touches the buffer while the request holds it.
         let req = unsafe { result::irecv_bytes(data.as_mut_ptr(), len, source, tag, self.comm) }?;
         Ok(Request::new(

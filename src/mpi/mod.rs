@@ -29,7 +29,8 @@ pub use comm::{Mpi, MpiComm, Request, Waited};
 pub use discovery::LibraryInfo;
 pub use error::MpiError;
 pub(crate) use stage::{
-    bytes_of, elems, elems_mut, from_bytes, read_mem, read_mem_into, to_bytes, write_mem,
+    bytes_of, elems, elems_mut, from_bytes, read_mem, read_mem_into, to_bytes, with_host_elems_mut,
+    write_mem,
 };
 
 /// Find and load the MPI library (once per process), without initialising MPI.

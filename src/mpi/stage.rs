@@ -105,6 +105,29 @@ pub(crate) fn read_mem_into(
     Ok(())
 }
 
+/// `f` on host memory `mem` as its `mem.len` elements of `T`, to compute a result in place;
+/// `None` (and `f` not called) unless `mem` is host memory aligned for `T`.
+pub(crate) fn with_host_elems_mut<T: Element, R>(
+    mem: RawMem,
+    f: impl FnOnce(&mut [T]) -> R,
+) -> Option<R> {
+    if mem.space != MemSpace::Host
+        || !mem.addr.is_multiple_of(std::mem::align_of::<T>())
+        || (mem.addr == 0 && mem.len > 0)
+    {
+        return None;
+    }
+    if mem.len == 0 {
+        return Some(f(&mut []));
+    }
+    // SAFETY: as in `write_mem`: `mem` is a receive buffer of at least `mem.len` elements that
+    // the caller lends mutably for the call and the communicator checked; it is aligned for `T`
+    // (checked above), every bit pattern is a valid numeric element, and the view lives only
+    // for `f`, during which the caller holds no other view of it.
+    let v = unsafe { std::slice::from_raw_parts_mut(mem.addr as *mut T, mem.len) };
+    Some(f(v))
+}
+
 /// Write `bytes` over elements `at..` of host memory `mem` (elements of `elem` bytes).
 pub(crate) fn write_mem(mem: RawMem, elem: usize, at: usize, bytes: &[u8]) -> Result<(), String> {
     let (addr, n) = range(mem, elem, at, bytes.len() / elem.max(1))?;
