@@ -533,6 +533,39 @@ fn under_a_launcher() -> Result<(), String> {
     )
 }
 
+/// Timed in-place reductions reduce their own outputs again: sums and products must not grow
+/// to infinity, which the finite check (`LOCKSTEP_CHECK_FINITE=1`) would refuse, so the check's
+/// cost can be timed in place too.
+fn in_place_stays_finite() -> Result<(), String> {
+    for (op, redop) in [
+        ("all_reduce", "sum"),
+        ("all_reduce", "prod"),
+        ("reduce_scatter", "sum"),
+        ("reduce", "prod"),
+    ] {
+        let o = Command::new(BIN)
+            .args(["bench", "--op", op, "-o", redop, "--sizes", "8,4K"])
+            .args(["-n", "300", "-w", "1"])
+            .env("LOCKSTEP_CHECK_FINITE", "1")
+            .stdin(Stdio::null())
+            .output()
+            .map_err(|e| e.to_string())?;
+        let s = stdout(&o);
+        let r = rows(&s);
+        check(
+            o.status.success() && r.len() == 2,
+            &format!("{op} {redop}: 300 timed calls in place pass the finite check"),
+            show(&o),
+        )?;
+        check(
+            r.iter().all(|row| row[8] == "0" && row[12] == "0"),
+            &format!("{op} {redop}: both columns verified, nothing wrong"),
+            &s,
+        )?;
+    }
+    Ok(())
+}
+
 fn main() -> std::process::ExitCode {
     common::run(&[
         ("nccl_tests_flags_and_columns", nccl_tests_flags_and_columns),
@@ -545,5 +578,6 @@ fn main() -> std::process::ExitCode {
         ("statistics", statistics),
         ("rank_lines", rank_lines),
         ("under_a_launcher", under_a_launcher),
+        ("in_place_stays_finite", in_place_stays_finite),
     ])
 }

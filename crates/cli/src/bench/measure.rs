@@ -33,6 +33,14 @@ impl BenchElem for bf16 {
     }
 }
 
+/// Whether collective `kind` reduces (its in-place outputs are its next call's inputs).
+fn has_reduction(kind: CollKind) -> bool {
+    matches!(
+        kind,
+        CollKind::AllReduce | CollKind::Reduce | CollKind::ReduceScatter
+    )
+}
+
 /// Input pattern: small integers so sums are exact in every dtype; for prod only 1s and one 2.
 fn pattern(op: ReduceOp, rank: usize, i: usize, n: usize) -> usize {
     match op {
@@ -339,7 +347,18 @@ fn one_size<T: BenchElem>(
         }
         _ => send_data,
     };
-    let mut buf: Buf<T> = Buf::new(comm, initial.clone(), place)?;
+    // The timed calls reduce their own outputs again. A sum or a product would grow with every
+    // call until floats overflow to infinity (which `LOCKSTEP_CHECK_FINITE=1` rightly refuses),
+    // so those calls start from values the op maps to themselves: zeros for a sum, ones for a
+    // product. The values do not change the work a call does; the verified call below starts
+    // from the pattern.
+    let steady = match op {
+        ReduceOp::Sum if has_reduction(a.op) => Some(T::from_i(0)),
+        ReduceOp::Prod if has_reduction(a.op) => Some(T::from_i(1)),
+        _ => None,
+    };
+    let timed_from = steady.map_or_else(|| initial.clone(), |v| vec![v; len]);
+    let mut buf: Buf<T> = Buf::new(comm, timed_from, place)?;
     let call_in_place = |comm: &mut Communicator, buf: &mut Buf<T>| -> Result<(), CommError> {
         match a.op {
             CollKind::AllReduce => comm.all_reduce_in_place(buf.m(), op),
@@ -352,8 +371,6 @@ fn one_size<T: BenchElem>(
             ))),
         }
     };
-    // The timed calls reduce their own outputs again (values drift, as in nccl-tests); the
-    // verified call starts from the initial contents.
     let (t, t99) = time_calls(comm, a, iters, |c| call_in_place(c, &mut buf))?;
     let wrong = if a.check {
         buf.fill(&initial, place)?;
