@@ -68,55 +68,60 @@ pub(crate) fn check(code: c_int, call: impl FnOnce() -> String) -> Result<(), Mp
     })
 }
 
+/// The shape of every MPI call that answers through a pointer: `post` gets an out-parameter
+/// that starts as `init`, and its value is the answer once the return code is checked.
+fn answer<T>(
+    init: T,
+    call: impl FnOnce() -> String,
+    post: impl FnOnce(&mut T) -> c_int,
+) -> Result<T, MpiError> {
+    let mut out = init;
+    check(post(&mut out), call)?;
+    Ok(out)
+}
+
 /// `MPI_Initialized`.
 pub(crate) fn initialized() -> Result<bool, MpiError> {
-    let f = api()?;
-    let mut flag = 0;
-    // SAFETY: valid out-pointer; callable at any time.
-    check(unsafe { (f.MPI_Initialized)(&mut flag) }, || {
-        "MPI_Initialized".into()
-    })?;
-    Ok(flag != 0)
+    flag(api()?.MPI_Initialized, "MPI_Initialized")
 }
 
 /// `MPI_Finalized`.
 pub(crate) fn finalized() -> Result<bool, MpiError> {
-    let f = api()?;
-    let mut flag = 0;
-    // SAFETY: valid out-pointer; callable at any time.
-    check(unsafe { (f.MPI_Finalized)(&mut flag) }, || {
-        "MPI_Finalized".into()
-    })?;
+    flag(api()?.MPI_Finalized, "MPI_Finalized")
+}
+
+/// The flag that `get` (`MPI_Initialized` or `MPI_Finalized`, named `name`) answers.
+fn flag(get: unsafe extern "C" fn(*mut c_int) -> c_int, name: &str) -> Result<bool, MpiError> {
+    // SAFETY: valid out-pointer; both functions may be called at any time.
+    let flag = answer(0, || name.into(), |flag| unsafe { get(flag) })?;
     Ok(flag != 0)
 }
 
 /// `MPI_Init_thread(NULL, NULL, required, &provided)`: the level provided.
 pub(crate) fn init_thread(required: c_int) -> Result<c_int, MpiError> {
     let f = api()?;
-    let mut provided = 0;
+    let call = || format!("MPI_Init_thread(required {required})");
     // SAFETY: null argc/argv are allowed since MPI-2; valid out-pointer. The caller ensures MPI
     // is neither initialised nor finalised.
-    let rc = unsafe {
+    answer(0, call, |provided| unsafe {
         (f.MPI_Init_thread)(
             std::ptr::null_mut(),
             std::ptr::null_mut(),
             required,
-            &mut provided,
+            provided,
         )
-    };
-    check(rc, || format!("MPI_Init_thread(required {required})"))?;
-    Ok(provided)
+    })
 }
 
 /// `MPI_Query_thread`.
 pub(crate) fn query_thread() -> Result<c_int, MpiError> {
     let f = api()?;
-    let mut provided = 0;
     // SAFETY: valid out-pointer; MPI is initialised (the caller checked).
-    check(unsafe { (f.MPI_Query_thread)(&mut provided) }, || {
-        "MPI_Query_thread".into()
-    })?;
-    Ok(provided)
+    answer(
+        0,
+        || "MPI_Query_thread".into(),
+        |provided| unsafe { (f.MPI_Query_thread)(provided) },
+    )
 }
 
 /// `MPI_Finalize`.
@@ -128,35 +133,34 @@ pub(crate) fn finalize() -> Result<(), MpiError> {
 
 /// `MPI_Comm_rank`.
 pub(crate) fn comm_rank(comm: MPI_Comm) -> Result<usize, MpiError> {
-    let f = api()?;
-    let mut r = 0;
-    // SAFETY: `comm` is a live communicator; valid out-pointer.
-    check(unsafe { (f.MPI_Comm_rank)(comm, &mut r) }, || {
-        "MPI_Comm_rank".into()
-    })?;
-    Ok(r.max(0) as usize)
+    comm_number(comm, api()?.MPI_Comm_rank, "MPI_Comm_rank")
 }
 
 /// `MPI_Comm_size`.
 pub(crate) fn comm_size(comm: MPI_Comm) -> Result<usize, MpiError> {
-    let f = api()?;
-    let mut n = 0;
+    comm_number(comm, api()?.MPI_Comm_size, "MPI_Comm_size")
+}
+
+/// The number that `get` (`MPI_Comm_rank` or `MPI_Comm_size`, named `name`) answers of `comm`.
+fn comm_number(
+    comm: MPI_Comm,
+    get: unsafe extern "C" fn(MPI_Comm, *mut c_int) -> c_int,
+    name: &str,
+) -> Result<usize, MpiError> {
     // SAFETY: `comm` is a live communicator; valid out-pointer.
-    check(unsafe { (f.MPI_Comm_size)(comm, &mut n) }, || {
-        "MPI_Comm_size".into()
-    })?;
-    Ok(n.max(0) as usize)
+    let v = answer(0, || name.into(), |v| unsafe { get(comm, v) })?;
+    Ok(v.max(0) as usize)
 }
 
 /// `MPI_Comm_dup` (collective over `comm`).
 pub(crate) fn comm_dup(comm: MPI_Comm) -> Result<MPI_Comm, MpiError> {
     let f = api()?;
-    let mut out = MPI_COMM_NULL;
     // SAFETY: `comm` is a live communicator; valid out-pointer.
-    check(unsafe { (f.MPI_Comm_dup)(comm, &mut out) }, || {
-        "MPI_Comm_dup".into()
-    })?;
-    Ok(out)
+    answer(
+        MPI_COMM_NULL,
+        || "MPI_Comm_dup".into(),
+        |out| unsafe { (f.MPI_Comm_dup)(comm, out) },
+    )
 }
 
 /// `MPI_Comm_split` (collective): `None` as color joins no new communicator (`MPI_UNDEFINED`),
@@ -173,27 +177,23 @@ pub(crate) fn comm_split(
         })?,
         None => MPI_UNDEFINED,
     };
-    let mut out = MPI_COMM_NULL;
+    let call = || format!("MPI_Comm_split(color {c}, key {key})");
     // SAFETY: `comm` is a live communicator; valid out-pointer.
-    let rc = unsafe { (f.MPI_Comm_split)(comm, c, key, &mut out) };
-    check(rc, || format!("MPI_Comm_split(color {c}, key {key})"))?;
-    Ok(out)
+    answer(MPI_COMM_NULL, call, |out| unsafe {
+        (f.MPI_Comm_split)(comm, c, key, out)
+    })
 }
 
 /// `MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, key, MPI_INFO_NULL)` (collective): the
 /// ranks that can share memory with this one.
 pub(crate) fn comm_split_shared(comm: MPI_Comm, key: i32) -> Result<MPI_Comm, MpiError> {
     let f = api()?;
-    let mut out = MPI_COMM_NULL;
+    let call = || format!("MPI_Comm_split_type(MPI_COMM_TYPE_SHARED, key {key})");
     // SAFETY: `comm` is a live communicator; MPI_INFO_NULL is a predefined handle; valid
     // out-pointer.
-    let rc = unsafe {
-        (f.MPI_Comm_split_type)(comm, MPI_COMM_TYPE_SHARED, key, MPI_INFO_NULL, &mut out)
-    };
-    check(rc, || {
-        format!("MPI_Comm_split_type(MPI_COMM_TYPE_SHARED, key {key})")
-    })?;
-    Ok(out)
+    answer(MPI_COMM_NULL, call, |out| unsafe {
+        (f.MPI_Comm_split_type)(comm, MPI_COMM_TYPE_SHARED, key, MPI_INFO_NULL, out)
+    })
 }
 
 /// `MPI_Comm_free`.
@@ -226,23 +226,12 @@ pub(crate) unsafe fn isend_bytes(
     comm: MPI_Comm,
 ) -> Result<MPI_Request, MpiError> {
     let f = api()?;
-    let mut req = MPI_REQUEST_NULL;
+    let call = || format!("MPI_Isend_c({len} bytes to rank {dest}, tag {tag})");
+    let (buf, n, byte) = (buf.cast::<c_void>(), len as MPI_Count, super::sys::MPI_BYTE);
     // SAFETY: the caller keeps the buffer alive; `comm` is live; valid out-pointer.
-    let rc = unsafe {
-        (f.MPI_Isend_c)(
-            buf.cast::<c_void>(),
-            len as MPI_Count,
-            super::sys::MPI_BYTE,
-            dest,
-            tag,
-            comm,
-            &mut req,
-        )
-    };
-    check(rc, || {
-        format!("MPI_Isend_c({len} bytes to rank {dest}, tag {tag})")
-    })?;
-    Ok(req)
+    answer(MPI_REQUEST_NULL, call, |req| unsafe {
+        (f.MPI_Isend_c)(buf, n, byte, dest, tag, comm, req)
+    })
 }
 
 /// `MPI_Irecv_c` of up to `len` bytes.
@@ -258,34 +247,23 @@ pub(crate) unsafe fn irecv_bytes(
     comm: MPI_Comm,
 ) -> Result<MPI_Request, MpiError> {
     let f = api()?;
-    let mut req = MPI_REQUEST_NULL;
+    let call = || format!("MPI_Irecv_c({len} bytes from rank {source}, tag {tag})");
+    let (buf, n, byte) = (buf.cast::<c_void>(), len as MPI_Count, super::sys::MPI_BYTE);
     // SAFETY: the caller keeps the buffer alive and unaliased; `comm` is live; valid out-pointer.
-    let rc = unsafe {
-        (f.MPI_Irecv_c)(
-            buf.cast::<c_void>(),
-            len as MPI_Count,
-            super::sys::MPI_BYTE,
-            source,
-            tag,
-            comm,
-            &mut req,
-        )
-    };
-    check(rc, || {
-        format!("MPI_Irecv_c({len} bytes from rank {source}, tag {tag})")
-    })?;
-    Ok(req)
+    answer(MPI_REQUEST_NULL, call, |req| unsafe {
+        (f.MPI_Irecv_c)(buf, n, byte, source, tag, comm, req)
+    })
 }
 
 /// `MPI_Ibarrier`.
 pub(crate) fn ibarrier(comm: MPI_Comm) -> Result<MPI_Request, MpiError> {
     let f = api()?;
-    let mut req = MPI_REQUEST_NULL;
     // SAFETY: `comm` is live; valid out-pointer.
-    check(unsafe { (f.MPI_Ibarrier)(comm, &mut req) }, || {
-        "MPI_Ibarrier".into()
-    })?;
-    Ok(req)
+    answer(
+        MPI_REQUEST_NULL,
+        || "MPI_Ibarrier".into(),
+        |req| unsafe { (f.MPI_Ibarrier)(comm, req) },
+    )
 }
 
 /// `MPI_Iallreduce_c(MPI_IN_PLACE, buf, count, ...)`.
@@ -301,15 +279,13 @@ pub(crate) unsafe fn iallreduce_in_place(
     comm: MPI_Comm,
 ) -> Result<MPI_Request, MpiError> {
     let f = api()?;
-    let mut req = MPI_REQUEST_NULL;
     // MPI_IN_PLACE is `(void*)1` in the ABI.
     let in_place = std::ptr::without_provenance::<c_void>(1);
+    let call = || format!("MPI_Iallreduce_c({count} elements)");
     // SAFETY: the caller keeps the buffer alive; `comm`, `dtype`, `op` are valid handles.
-    let rc = unsafe {
-        (f.MPI_Iallreduce_c)(in_place, buf, count as MPI_Count, dtype, op, comm, &mut req)
-    };
-    check(rc, || format!("MPI_Iallreduce_c({count} elements)"))?;
-    Ok(req)
+    answer(MPI_REQUEST_NULL, call, |req| unsafe {
+        (f.MPI_Iallreduce_c)(in_place, buf, count as MPI_Count, dtype, op, comm, req)
+    })
 }
 
 /// `MPI_Iallgather_c` of `len` bytes from each rank into `recv` (`len * size` bytes).
@@ -323,23 +299,13 @@ pub(crate) unsafe fn iallgather_bytes(
     comm: MPI_Comm,
 ) -> Result<MPI_Request, MpiError> {
     let f = api()?;
-    let mut req = MPI_REQUEST_NULL;
-    let byte = super::sys::MPI_BYTE;
+    let (n, byte) = (len as MPI_Count, super::sys::MPI_BYTE);
+    let (send, recv) = (send.cast::<c_void>(), recv.cast::<c_void>());
+    let call = || format!("MPI_Iallgather_c({len} bytes per rank)");
     // SAFETY: the caller keeps the buffers alive; `comm` is live; valid out-pointer.
-    let rc = unsafe {
-        (f.MPI_Iallgather_c)(
-            send.cast::<c_void>(),
-            len as MPI_Count,
-            byte,
-            recv.cast::<c_void>(),
-            len as MPI_Count,
-            byte,
-            comm,
-            &mut req,
-        )
-    };
-    check(rc, || format!("MPI_Iallgather_c({len} bytes per rank)"))?;
-    Ok(req)
+    answer(MPI_REQUEST_NULL, call, |req| unsafe {
+        (f.MPI_Iallgather_c)(send, n, byte, recv, n, byte, comm, req)
+    })
 }
 
 /// `MPI_Test` on one request: whether it completed (then it became `MPI_REQUEST_NULL` and
@@ -380,10 +346,12 @@ pub(crate) fn request_free(req: &mut MPI_Request) -> Result<(), MpiError> {
 /// `MPI_Get_count_c` in bytes.
 pub(crate) fn get_count_bytes(status: &MPI_Status) -> Result<usize, MpiError> {
     let f = api()?;
-    let mut n: MPI_Count = 0;
     // SAFETY: `status` is a status MPI filled in; valid out-pointer.
-    let rc = unsafe { (f.MPI_Get_count_c)(status, super::sys::MPI_BYTE, &mut n) };
-    check(rc, || "MPI_Get_count_c".into())?;
+    let n: MPI_Count = answer(
+        0,
+        || "MPI_Get_count_c".into(),
+        |n| unsafe { (f.MPI_Get_count_c)(status, super::sys::MPI_BYTE, n) },
+    )?;
     Ok(n.max(0) as usize)
 }
 
