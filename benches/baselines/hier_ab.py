@@ -7,7 +7,8 @@ per call over the timed iterations, the slowest rank's (`--stat mean -a 3`; `mpi
 MPICH runs in three arms, because where ranks share cores its busy polling decides its speed:
 its defaults, yielding after every poll (`MPIR_CVAR_POLLS_BEFORE_YIELD=1`), and that with
 nanosleep (`MPIR_CVAR_ENABLE_HEAVY_YIELD=1`). The ratio is against MPICH's best arm at that size.
-A figure is the median over rounds.
+A figure is the median over rounds. `--before BIN` adds an arm of another lockstep build (a
+change's A/B in the same run).
 
     mpicc -O2 -o /tmp/mpich_bench benches/baselines/mpi_bench.c
     PATH=MPICH/bin:$PATH python3 benches/baselines/hier_ab.py target/release/lockstep /tmp/mpich_bench \
@@ -57,6 +58,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("lockstep")
     ap.add_argument("mpi_bench")
+    ap.add_argument("--before", help="another lockstep binary, timed as an arm of its own")
     ap.add_argument("--layouts", default="2x1,2x2", help="NODESxRANKS, comma-separated")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--sizes", help="SIZE:ITERS pairs, comma-separated (default: " +
@@ -71,10 +73,12 @@ def main():
             for size, iters in sizes.items():
                 key = (layout, size)
                 s = samples.setdefault(key, {})
+                if a.before:
+                    s.setdefault("before", []).append(lockstep(a.before, ranks, size, iters))
                 s.setdefault("lockstep", []).append(lockstep(a.lockstep, ranks, size, iters))
                 for name, env in MPICH_ARMS:
                     s.setdefault(name, []).append(mpich(a.mpi_bench, ranks, size, iters, env))
-    arms = ["lockstep"] + [n for n, _ in MPICH_ARMS]
+    arms = (["before"] if a.before else []) + ["lockstep"] + [n for n, _ in MPICH_ARMS]
     print("| layout | size | " + " | ".join(f"{n} (mean µs)" for n in arms) + " | best MPICH / lockstep |")
     print("|---" * (len(arms) + 3) + "|")
     for (layout, size), s in samples.items():
@@ -82,6 +86,10 @@ def main():
         best = min(med[n] for n, _ in MPICH_ARMS)
         cells = " | ".join(f"{med[n]:.1f}" for n in arms)
         print(f"| {layout} | {size} B | {cells} | {best / med['lockstep']:.2f} |")
+    if a.before:
+        for (layout, size), s in samples.items():
+            r = statistics.median(s["lockstep"]) / statistics.median(s["before"])
+            print(f"{layout} {size} B: lockstep / before {r:.3f}")
     print(json.dumps({f"{l} {sz}": v for (l, sz), v in samples.items()}))
 
 

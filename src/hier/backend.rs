@@ -13,6 +13,7 @@ use crate::mpi::{
     write_mem, MpiComm, MpiError, Request, Waited,
 };
 use crate::reference::Arith;
+use crate::shm::reduce_slices;
 use crate::types::{CollKind, Dtype, Element, MemSpace, RawMem, ReduceOp};
 
 /// MPI tags, one per kind of message: messages of one kind between two ranks match in order.
@@ -62,12 +63,13 @@ fn out_of_scratch(out: Output) -> Output {
 
 /// The reduction of every input the leaders exchanged into `out`: `blocks` holds each node's
 /// inputs in node order (each `out.len()` elements, in local order), so the inputs come in
-/// global rank order (node-major), the canonical order of [`fold`].
-fn fold_blocks<T: Element + Arith>(op: ReduceOp, blocks: &[Vec<u8>], world: usize, out: &mut [T]) {
+/// global rank order (node-major). The shared-memory backend's kernel adds them in that order
+/// with the canonical rounding, the same bits as [`fold`]'s steps and `reference::reduce`.
+fn fold_blocks<T: Element>(op: ReduceOp, blocks: &[Vec<u8>], out: &mut [T]) {
     let n = out.len();
     let views: Vec<_> = blocks.iter().map(|b| elems::<T>(b)).collect();
     let inputs: Vec<&[T]> = views.iter().flat_map(|v| v.chunks_exact(n)).collect();
-    fold::reduce_into(op, &inputs, world, out);
+    reduce_slices(op, &inputs, out);
 }
 
 /// The hierarchical communicator's backend.
@@ -695,13 +697,12 @@ impl HierBackend {
             let sizes: Vec<usize> = self.layout.nodes.iter().map(|m| m.len() * n * sz).collect();
             match self.leaders_exchange(mine, TAG_DATA, &sizes, kind) {
                 Ok(blocks) => {
-                    let world = self.world;
                     // A node of one rank folds straight into the caller's buffer (the inputs
                     // are the messages and this rank's copy of its own, so none aliases it).
                     let direct = match out {
                         Output::Full(mem) if nl == 1 && mem.len >= n => {
                             with_host_elems_mut::<T, _>(RawMem { len: n, ..mem }, |o| {
-                                fold_blocks(op, &blocks, world, o)
+                                fold_blocks(op, &blocks, o)
                             })
                             .is_some()
                         }
@@ -712,10 +713,10 @@ impl HierBackend {
                     } else {
                         let mut res = self.overwritten(n * sz);
                         match elems_mut::<T>(&mut res) {
-                            Some(o) => fold_blocks(op, &blocks, world, o),
+                            Some(o) => fold_blocks(op, &blocks, o),
                             None => {
                                 let mut o = vec![T::default(); n];
-                                fold_blocks(op, &blocks, world, &mut o);
+                                fold_blocks(op, &blocks, &mut o);
                                 res.copy_from_slice(bytes_of(&o));
                             }
                         }

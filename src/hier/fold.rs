@@ -40,34 +40,13 @@ pub(crate) fn finish<T: Arith>(op: ReduceOp, acc: &[T::Acc], n: usize) -> Vec<T>
     }
 }
 
-/// Elements per step of [`reduce_into`]: its running value stays in the core's cache.
-const STEP: usize = 4096;
-
-/// The result of all of `inputs` (each `out.len()` elements, in the canonical order) into
-/// `out`: [`start`], [`add`] and [`finish`] on one cache-sized block of elements at a time, so
-/// the same operations on every element, without a running value the size of the message.
-pub(crate) fn reduce_into<T: Arith>(op: ReduceOp, inputs: &[&[T]], n: usize, out: &mut [T]) {
-    let Some((first, rest)) = inputs.split_first() else {
-        return;
-    };
-    for (b, o) in out.chunks_mut(STEP).enumerate() {
-        let at = b * STEP;
-        let mut acc = start(&first[at..at + o.len()]);
-        for x in rest {
-            add(op, &mut acc, &x[at..at + o.len()]);
-        }
-        for (d, v) in o.iter_mut().zip(finish::<T>(op, &acc, n)) {
-            *d = v;
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use half::bf16;
 
-    /// Split over two "nodes", the steps give `reference::reduce` of the concatenation.
+    /// Split over two "nodes", the steps give `reference::reduce` of the concatenation, and so does
+    /// the shared-memory kernel that the leaders' path folds with.
     #[test]
     fn steps_are_the_reference() {
         let xs: Vec<Vec<bf16>> = (0..4)
@@ -90,9 +69,10 @@ mod tests {
                 want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
                 "{op}"
             );
-            let mut blocked = vec![bf16::ZERO; 257];
-            reduce_into(op, &refs, 4, &mut blocked);
-            assert_eq!(blocked, got, "{op}: reduce_into");
+            // The leaders' path folds with the shared-memory kernel: the same bits.
+            let mut kernel = vec![bf16::ZERO; 257];
+            crate::shm::reduce_slices(op, &refs, &mut kernel);
+            assert_eq!(kernel, got, "{op}: the shared-memory kernel");
         }
     }
 }
