@@ -72,6 +72,19 @@ fn fold_blocks<T: Element>(op: ReduceOp, blocks: &[Vec<u8>], out: &mut [T]) {
     reduce_slices(op, &inputs, out);
 }
 
+/// `f` on `bytes` as elements of `A`: in place when they are aligned for `A` (a message buffer
+/// usually is), else on a copy that is written back.
+fn on_elems<A: Element>(bytes: &mut [u8], f: impl FnOnce(&mut [A])) {
+    match elems_mut::<A>(bytes) {
+        Some(v) => f(v),
+        None => {
+            let mut v = from_bytes::<A>(bytes);
+            f(&mut v);
+            bytes.copy_from_slice(bytes_of(&v));
+        }
+    }
+}
+
 /// The hierarchical communicator's backend.
 pub(crate) struct HierBackend {
     rank: usize,
@@ -807,13 +820,22 @@ impl HierBackend {
             recv_displs: &recv_displs,
             ..Splits::default()
         };
-        let gather = moving::<T>(CollKind::AllGatherV, host(&slice), target, splits);
-        self.on_node(&gather, 2, kind)?;
+        let slice_elems = elems::<T>(&slice);
+        let gather = moving::<T>(CollKind::AllGatherV, host(&slice_elems), target, splits);
+        let gathered = self.on_node(&gather, 2, kind);
+        drop(slice_elems);
+        self.recycle(slice);
+        gathered?;
         self.deliver(out_of_scratch(out), &scratch)
     }
 
     /// Step (2) of [`reduce_by_rails`](Self::reduce_by_rails) on rail `local`: `gathered` holds
     /// the node's `inputs` inputs of this rail's slice (`len` elements each, in local order).
+    /// Returns the slice's result, as bytes of `len` elements of `T`.
+    ///
+    /// The running value lives in the bytes of the message that carries it: a chunk received
+    /// from the previous node is folded into in place and sent on as it is, and the last node's
+    /// result goes to the others without a copy for the last of them.
     fn chain<T: Element + Arith>(
         &mut self,
         op: ReduceOp,
@@ -821,7 +843,7 @@ impl HierBackend {
         inputs: usize,
         len: usize,
         kind: CollKind,
-    ) -> Result<Vec<T>, CommError>
+    ) -> Result<Vec<u8>, CommError>
     where
         T::Acc: Element,
     {
@@ -829,7 +851,7 @@ impl HierBackend {
         let prev = (k > 0).then(|| self.layout.global(k - 1, j));
         let next = (k + 1 < nodes).then(|| self.layout.global(k + 1, j));
         let last = self.layout.global(nodes - 1, j);
-        let asz = std::mem::size_of::<T::Acc>();
+        let (asz, tsz) = (std::mem::size_of::<T::Acc>(), std::mem::size_of::<T>());
         let step = (CHUNK_BYTES / asz).max(1);
         let chunks: Vec<(usize, usize)> = (0..len)
             .step_by(step)
@@ -838,13 +860,20 @@ impl HierBackend {
         let mut incoming: Vec<Option<Request>> = Vec::new();
         if let Some(p) = prev {
             for &(a, b) in &chunks {
+                let buf = self.overwritten((b - a) * asz);
                 incoming.push(Some(
-                    self.mpi.irecv(p, TAG_ACC, (b - a) * asz).map_err(mpi_err)?,
+                    self.mpi
+                        .irecv_into(p, TAG_ACC, (b - a) * asz, buf)
+                        .map_err(mpi_err)?,
                 ));
             }
         }
         let mut sends = Vec::new();
-        let mut out: Vec<T> = Vec::new();
+        let mut out = if next.is_none() {
+            self.overwritten(len * tsz)
+        } else {
+            Vec::new()
+        };
         for (c, &(a, b)) in chunks.iter().enumerate() {
             let x = |l: usize| &gathered[l * len + a..l * len + b];
             let (mut acc, first) = match incoming.get_mut(c).and_then(Option::take) {
@@ -857,55 +886,81 @@ impl HierBackend {
                         kind,
                     )?;
                     let [req] = one;
-                    (from_bytes::<T::Acc>(&req.into_data()), 0)
+                    (req.into_data(), 0)
                 }
-                None => (fold::start(x(0)), 1),
+                None => {
+                    let mut acc = self.overwritten((b - a) * asz);
+                    on_elems::<T::Acc>(&mut acc, |v| fold::start(x(0), v));
+                    (acc, 1)
+                }
             };
-            if acc.len() != b - a {
+            if acc.len() != (b - a) * asz {
                 return Err(bug(format!(
-                    "a chunk of {} elements, {} expected",
+                    "a chunk of {} bytes, {} expected",
                     acc.len(),
-                    b - a
+                    (b - a) * asz
                 )));
             }
-            for l in first..inputs {
-                fold::add(op, &mut acc, x(l));
-            }
+            on_elems::<T::Acc>(&mut acc, |v| {
+                for l in first..inputs {
+                    fold::add(op, v, x(l));
+                }
+            });
             match next {
-                Some(nx) => sends.push(
-                    self.mpi
-                        .isend(nx, TAG_ACC, to_bytes(&acc))
-                        .map_err(mpi_err)?,
-                ),
-                None => out.extend(fold::finish::<T>(op, &acc, self.world)),
+                Some(nx) => sends.push(self.mpi.isend(nx, TAG_ACC, acc).map_err(mpi_err)?),
+                None => {
+                    let world = self.world;
+                    let acc_elems = elems::<T::Acc>(&acc);
+                    on_elems::<T>(&mut out[a * tsz..b * tsz], |o| {
+                        fold::finish(op, &acc_elems, world, o)
+                    });
+                    drop(acc_elems);
+                    self.recycle(acc);
+                }
             }
         }
         if next.is_none() {
-            let bytes = to_bytes(&out);
-            for k2 in 0..nodes - 1 {
-                let g = self.layout.global(k2, j);
+            // The last send takes `out` itself and hands it back once done.
+            let others: Vec<usize> = (0..nodes - 1).map(|k2| self.layout.global(k2, j)).collect();
+            let mut result = Some(out);
+            for (i, &g) in others.iter().enumerate() {
+                let data = if i + 1 == others.len() {
+                    result.take()
+                } else {
+                    result.clone()
+                };
                 sends.push(
                     self.mpi
-                        .isend(g, TAG_RESULT, bytes.clone())
+                        .isend(g, TAG_RESULT, data.unwrap_or_default())
                         .map_err(mpi_err)?,
                 );
             }
+            self.mpi_wait("sending to the other nodes", &mut sends, 1, kind)?;
+            out = match result {
+                Some(r) => r,
+                None => sends.pop().map(Request::into_data).unwrap_or_default(),
+            };
         } else {
+            let buf = self.overwritten(len * tsz);
             let mut one = [self
                 .mpi
-                .irecv(last, TAG_RESULT, len * std::mem::size_of::<T>())
+                .irecv_into(last, TAG_RESULT, len * tsz, buf)
                 .map_err(mpi_err)?];
             self.mpi_wait("the result from the last node", &mut one, 1, kind)?;
             let [req] = one;
-            out = from_bytes::<T>(&req.into_data());
-            if out.len() != len {
+            out = req.into_data();
+            if out.len() != len * tsz {
                 return Err(bug(format!(
-                    "a result of {} elements, {len} expected",
-                    out.len()
+                    "a result of {} bytes, {} expected",
+                    out.len(),
+                    len * tsz
                 )));
             }
+            self.mpi_wait("sending to the next node", &mut sends, 1, kind)?;
         }
-        self.mpi_wait("sending to the next node", &mut sends, 1, kind)?;
+        for r in sends {
+            self.recycle(r.into_data());
+        }
         Ok(out)
     }
 

@@ -8,9 +8,11 @@
 use crate::reference::Arith;
 use crate::types::ReduceOp;
 
-/// The running value after the first input.
-pub(crate) fn start<T: Arith>(x: &[T]) -> Vec<T::Acc> {
-    x.iter().map(|v| v.widen()).collect()
+/// The running value after the first input, into `acc` (as long as `x`).
+pub(crate) fn start<T: Arith>(x: &[T], acc: &mut [T::Acc]) {
+    for (a, v) in acc.iter_mut().zip(x) {
+        *a = v.widen();
+    }
 }
 
 /// Fold one more input into the running value.
@@ -31,12 +33,16 @@ pub(crate) fn add<T: Arith>(op: ReduceOp, acc: &mut [T::Acc], x: &[T]) {
     }
 }
 
-/// The result from the running value after all `n` inputs.
-pub(crate) fn finish<T: Arith>(op: ReduceOp, acc: &[T::Acc], n: usize) -> Vec<T> {
+/// The result from the running value after all `n` inputs, into `out` (as long as `acc`).
+pub(crate) fn finish<T: Arith>(op: ReduceOp, acc: &[T::Acc], n: usize, out: &mut [T]) {
     if op == ReduceOp::Avg {
-        acc.iter().map(|a| T::narrow(T::divide(*a, n))).collect()
+        for (o, a) in out.iter_mut().zip(acc) {
+            *o = T::narrow(T::divide(*a, n));
+        }
     } else {
-        acc.iter().map(|a| T::narrow(*a)).collect()
+        for (o, a) in out.iter_mut().zip(acc) {
+            *o = T::narrow(*a);
+        }
     }
 }
 
@@ -59,11 +65,13 @@ mod tests {
         for op in ReduceOp::ALL {
             let refs: Vec<&[bf16]> = xs.iter().map(|v| &v[..]).collect();
             let want = crate::reference::reduce(&refs, op);
-            let mut acc = start(&xs[0]);
+            let mut acc = vec![0f32; 257];
+            start(&xs[0], &mut acc);
             for x in &xs[1..] {
                 add(op, &mut acc, x);
             }
-            let got = finish::<bf16>(op, &acc, 4);
+            let mut got = vec![bf16::ZERO; 257];
+            finish(op, &acc, 4, &mut got);
             assert_eq!(
                 got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
                 want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
