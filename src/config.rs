@@ -612,37 +612,19 @@ mod tests {
         let (line, key, m) = invalid("num_processes = \"four\"\n");
         assert_eq!((line, key.as_deref()), (1, Some("num_processes")));
         assert!(m.contains("four") || m.contains("string"), "{m}");
-        assert_eq!(
-            invalid("x = 1\nnum_processes = 0\n").1.as_deref(),
-            Some("x")
-        );
-        assert_eq!(
-            invalid("num_processes = 0\n").1.as_deref(),
-            Some("num_processes")
-        );
-        assert_eq!(
-            invalid("num_processes = -1\n").1.as_deref(),
-            Some("num_processes")
-        );
-        assert_eq!(
-            invalid("main_process_port = 70000\n").1.as_deref(),
-            Some("main_process_port")
-        );
-        assert_eq!(
-            invalid("main_process_port = 0\n").1.as_deref(),
-            Some("main_process_port")
-        );
+        // Values out of range or of the wrong form: the error names the key that holds them.
+        for (text, key) in [
+            ("x = 1\nnum_processes = 0\n", "x"),
+            ("num_processes = 0\n", "num_processes"),
+            ("num_processes = -1\n", "num_processes"),
+            ("main_process_port = 70000\n", "main_process_port"),
+            ("main_process_port = 0\n", "main_process_port"),
+            ("num_processes = 3\nnum_machines = 2\n", "num_processes"),
+            ("main_process_ip = \"a b\"\n", "main_process_ip"),
+        ] {
+            assert_eq!(invalid(text).1.as_deref(), Some(key), "{text:?}");
+        }
         assert_eq!(invalid("num_machines = 2\nmachine_rank = 2\n").0, 2);
-        assert_eq!(
-            invalid("num_processes = 3\nnum_machines = 2\n")
-                .1
-                .as_deref(),
-            Some("num_processes")
-        );
-        assert_eq!(
-            invalid("main_process_ip = \"a b\"\n").1.as_deref(),
-            Some("main_process_ip")
-        );
         let (line, key, m) = invalid("num_processes = 2\n[launch]\nx = 1\n");
         assert_eq!((line, key.as_deref()), (2, Some("launch")));
         assert!(m.contains("unknown field"), "{m}");

@@ -140,6 +140,18 @@ def _flat(tensors, dtype):
     return torch.cat([t.detach().reshape(-1) for t in tensors])
 
 
+def _into(out, write):
+    """Call ``write(dst)`` with a contiguous tensor that lands in `out`: `out` itself when it is
+    contiguous, else a temporary copied into it afterwards (the native calls write whole
+    buffers)."""
+    if out.is_contiguous():
+        write(out)
+    else:
+        tmp = torch.empty(out.numel(), dtype=out.dtype, device=out.device)
+        write(tmp)
+        out.copy_(tmp.view(out.shape))
+
+
 def _split_out(flat, outs):
     at = 0
     for o in outs:
@@ -348,12 +360,7 @@ class _Ops:
             if len(ins) != self._world_size:
                 raise ValueError(f"reduce_scatter needs one input tensor per rank ({self._world_size}), got {len(ins)}")
             flat = _flat(ins, out.dtype)
-            if out.is_contiguous():
-                self._on(out).reduce_scatter(flat, out, op)
-            else:
-                tmp = torch.empty(out.numel(), dtype=out.dtype, device=out.device)
-                self._on(out).reduce_scatter(flat, tmp, op)
-                out.copy_(tmp.view(out.shape))
+            _into(out, lambda dst: self._on(out).reduce_scatter(flat, dst, op))
         return self._done(outputs, opts)
 
     def reduce_scatter_single(self, output, input, opts):
@@ -367,6 +374,10 @@ class _Ops:
 
     # Data movement --------------------------------------------------------------------------
 
+    def _for_every_rank(self, t):
+        """An uninitialised flat tensor of `t`'s dtype and device with room for every rank's `t`."""
+        return torch.empty(t.numel() * self._world_size, dtype=t.dtype, device=t.device)
+
     def broadcast(self, tensors, opts):
         for t in tensors:
             self._on(t).broadcast(t, None, opts.rootRank)
@@ -374,7 +385,7 @@ class _Ops:
 
     def allgather(self, output_lists, inputs, opts=None):
         for outs, inp in zip(output_lists, inputs):
-            flat = torch.empty(inp.numel() * self._world_size, dtype=inp.dtype, device=inp.device)
+            flat = self._for_every_rank(inp)
             self._on(inp).all_gather(inp, flat)
             _split_out(flat, outs)
         return self._done(output_lists, opts)
@@ -392,7 +403,7 @@ class _Ops:
         root = opts.rootRank
         for i, inp in enumerate(inputs):
             if self._rank == root:
-                flat = torch.empty(inp.numel() * self._world_size, dtype=inp.dtype, device=inp.device)
+                flat = self._for_every_rank(inp)
                 self._on(inp).gather(inp, flat, root)
                 _split_out(flat, output_lists[i])
             else:
@@ -403,12 +414,7 @@ class _Ops:
         root = opts.rootRank
         for i, out in enumerate(outputs):
             send = _flat(input_lists[i], out.dtype) if self._rank == root else None
-            if out.is_contiguous():
-                self._on(out).scatter(send, out, root)
-            else:
-                tmp = torch.empty(out.numel(), dtype=out.dtype, device=out.device)
-                self._on(out).scatter(send, tmp, root)
-                out.copy_(tmp.view(out.shape))
+            _into(out, lambda dst: self._on(out).scatter(send, dst, root))
         return self._done(outputs, opts)
 
     def alltoall(self, outputs, inputs, opts=None):
@@ -438,21 +444,21 @@ class _Ops:
 
     # Point to point and barrier --------------------------------------------------------------
 
-    def send(self, tensors, dst, tag=0):
+    def _p2p(self, kind, tensors, peer):
+        """Each tensor's send or receive (`kind`: the communicator's method and the group op's
+        name) with `peer`: now, or inside ``batch_isend_irecv`` collected for ``end_coalescing``."""
         if getattr(self, "_batch", None) is not None:
-            self._batch.extend(("send", t, dst) for t in tensors)
-            return self._done(tensors)
-        for t in tensors:
-            self._on(t).send(t, dst)
+            self._batch.extend((kind, t, peer) for t in tensors)
+        else:
+            for t in tensors:
+                getattr(self._on(t), kind)(t, peer)
         return self._done(tensors)
 
+    def send(self, tensors, dst, tag=0):
+        return self._p2p("send", tensors, dst)
+
     def recv(self, tensors, src, tag=0):
-        if getattr(self, "_batch", None) is not None:
-            self._batch.extend(("recv", t, src) for t in tensors)
-            return self._done(tensors)
-        for t in tensors:
-            self._on(t).recv(t, src)
-        return self._done(tensors)
+        return self._p2p("recv", tensors, src)
 
     def start_coalescing(self):
         """torch's coalescing manager (``batch_isend_irecv``): sends and receives are collected
@@ -539,7 +545,7 @@ class _Ops:
     def allgather_coalesced(self, output_lists, inputs, opts=None):
         """``dist.all_gather_coalesced``: ``output_lists[r][i]`` receives rank r's ``inputs[i]``."""
         for i, inp in enumerate(inputs):
-            flat = torch.empty(inp.numel() * self._world_size, dtype=inp.dtype, device=inp.device)
+            flat = self._for_every_rank(inp)
             self._on(inp).all_gather(inp.contiguous(), flat)
             _split_out(flat, [output_lists[r][i] for r in range(self._world_size)])
         return self._done(output_lists, opts)

@@ -111,6 +111,30 @@ block; pass a contiguous copy (numpy.ascontiguousarray(x), tensor.contiguous()) 
 }
 
 impl View {
+    /// The view of `len` elements of `dtype` at `addr`, kept alive by `holder`, once its alignment
+    /// is checked; its space is the host's until the communicator places it (`PyComm::view`).
+    fn aligned(
+        holder: Holder,
+        addr: usize,
+        dtype: Dtype,
+        len: usize,
+        readonly: bool,
+        loc: Loc,
+        what: &str,
+    ) -> PyResult<View> {
+        let v = View {
+            holder,
+            addr,
+            dtype,
+            len,
+            readonly,
+            loc,
+            space: MemSpace::Host,
+        };
+        v.check_aligned(what)?;
+        Ok(v)
+    }
+
     /// A view of `t`, known to be a CPU torch tensor (`t.is_cpu` read by the caller), or None
     /// when `t` is not a torch tensor (or torch was not looked up yet): then use [`View::new`].
     pub fn torch_cpu(t: &Bound<'_, PyAny>, what: &str) -> Option<PyResult<View>> {
@@ -192,20 +216,14 @@ bytearray, memoryview, array.array, a torch CPU tensor)",
             vec![usize::try_from(r.len).unwrap_or(0) / itemsize.max(1)]
         } else {
             // SAFETY: with PyBUF_ND the exporter fills `shape` with `ndim` entries.
-            unsafe { std::slice::from_raw_parts(r.shape, ndim) }
-                .iter()
-                .map(|&s| s.max(0) as usize)
-                .collect()
+            unsafe { sizes(r.shape, ndim) }
         };
-        let len: usize = shape.iter().product();
         if !r.strides.is_null() && ndim > 0 {
             // SAFETY: with PyBUF_STRIDES the exporter fills `strides` with `ndim` entries.
             let st = unsafe { std::slice::from_raw_parts(r.strides, ndim) };
-            if len > 0 && !c_contiguous(&shape, st, itemsize as isize) {
-                return Err(not_contiguous(what, &shape, st, "bytes"));
-            }
+            check_dense(what, &shape, st, itemsize as isize, "bytes")?;
         }
-        v.len = len;
+        v.len = shape.iter().product();
         v.check_aligned(what)?;
         Ok(v)
     }
@@ -253,10 +271,7 @@ memory (move it with .cpu())",
             Vec::new()
         } else {
             // SAFETY: DLPack gives `ndim` shape entries.
-            unsafe { std::slice::from_raw_parts(t.shape, ndim) }
-                .iter()
-                .map(|&s| s.max(0) as usize)
-                .collect()
+            unsafe { sizes(t.shape, ndim) }
         };
         let len: usize = shape.iter().product();
         if !t.strides.is_null() && ndim > 0 {
@@ -265,22 +280,11 @@ memory (move it with .cpu())",
                 .iter()
                 .map(|&s| s as isize)
                 .collect();
-            if len > 0 && !c_contiguous(&shape, &st, 1) {
-                return Err(not_contiguous(what, &shape, &st, "elements"));
-            }
+            check_dense(what, &shape, &st, 1, "elements")?;
         }
         let addr = (t.data as usize).wrapping_add(t.byte_offset as usize);
-        let v = View {
-            holder: Holder::Capsule(capsule.unbind()),
-            addr,
-            dtype,
-            len,
-            readonly: false,
-            loc,
-            space: MemSpace::Host,
-        };
-        v.check_aligned(what)?;
-        Ok(v)
+        let holder = Holder::Capsule(capsule.unbind());
+        View::aligned(holder, addr, dtype, len, false, loc, what)
     }
 
     /// CUDA device memory described by `__cuda_array_interface__` (version 2 or 3: CuPy, Numba,
@@ -339,22 +343,11 @@ memory (move it with .cpu())",
                 let st: Vec<isize> = st
                     .extract()
                     .map_err(|_| bad("\"strides\" is not a tuple of byte strides".into()))?;
-                if len > 0 && !c_contiguous(&shape, &st, itemsize as isize) {
-                    return Err(not_contiguous(what, &shape, &st, "bytes"));
-                }
+                check_dense(what, &shape, &st, itemsize as isize, "bytes")?;
             }
         }
-        let v = View {
-            holder: Holder::Tensor(obj.clone().unbind()),
-            addr,
-            dtype,
-            len,
-            readonly,
-            loc: Loc::Cuda(None),
-            space: MemSpace::Host,
-        };
-        v.check_aligned(what)?;
-        Ok(v)
+        let holder = Holder::Tensor(obj.clone().unbind());
+        View::aligned(holder, addr, dtype, len, readonly, Loc::Cuda(None), what)
     }
 
     fn check_aligned(&self, what: &str) -> PyResult<()> {
@@ -500,17 +493,8 @@ uint8/32/64; bool, int16 and complex are not)"
             return Err(not_contiguous(what, &shape, &strides, "elements"));
         }
         let addr: usize = t.call_method0(pyo3::intern!(py, "data_ptr"))?.extract()?;
-        let v = View {
-            holder: Holder::Tensor(t.clone().unbind()),
-            addr,
-            dtype,
-            len,
-            readonly: false,
-            loc,
-            space: MemSpace::Host,
-        };
-        v.check_aligned(what)?;
-        Ok(v)
+        let holder = Holder::Tensor(t.clone().unbind());
+        View::aligned(holder, addr, dtype, len, false, loc, what)
     }
 }
 
@@ -579,6 +563,35 @@ float16, bfloat16, int8/32/64, uint8/32/64; bool, int16 and complex are not)"
         }
     };
     Ok(d)
+}
+
+/// `n` dimensions at `p`, as an exporter gives them (a negative one, which none should give, as 0).
+///
+/// # Safety
+/// `p` points to `n` readable entries.
+unsafe fn sizes<T: Copy + TryInto<usize>>(p: *const T, n: usize) -> Vec<usize> {
+    // SAFETY: forwarded contract.
+    unsafe { std::slice::from_raw_parts(p, n) }
+        .iter()
+        .map(|&s| s.try_into().unwrap_or(0))
+        .collect()
+}
+
+/// Refuse `what` unless `strides` (counted in `unit`s, `itemsize` of them per element) lay out
+/// `shape` densely in C order; an empty view is dense whatever its strides.
+fn check_dense(
+    what: &str,
+    shape: &[usize],
+    strides: &[isize],
+    itemsize: isize,
+    unit: &str,
+) -> PyResult<()> {
+    let empty = shape.iter().product::<usize>() == 0;
+    if empty || c_contiguous(shape, strides, itemsize) {
+        Ok(())
+    } else {
+        Err(not_contiguous(what, shape, strides, unit))
+    }
 }
 
 /// Whether `shape`/`strides` (in bytes, or in elements with `itemsize` 1) describe a dense C-order block. Dimensions of extent 1

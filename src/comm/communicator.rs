@@ -18,6 +18,10 @@ use super::error::{rank_name, CommError};
 use super::shared::SharedBuffer;
 use crate::cuda::{Context, CudaError, DeviceBuffer, ForeignStream};
 use crate::trace::{self, BufferKind, CallInfo, Tracer};
+
+/// What a split or a new group exchanges with [`Communicator::all_gather_u64`] (named in its
+/// errors).
+const SPLIT_DATA: &str = "exchanging split data";
 use crate::types::{Buffer, BufferMut, CollKind, Dtype, Element, MemSpace, RawMem, ReduceOp};
 
 /// A group of ranks that run collectives together.
@@ -759,7 +763,7 @@ impl Communicator {
         let (n, me) = (child.world_size(), child.rank());
         if child.global.is_none() {
             // The backend does not know who its members are (NCCL): ask them.
-            let all = child.all_gather_u64(self.global_rank() as u64)?;
+            let all = child.all_gather_u64(self.global_rank() as u64, SPLIT_DATA)?;
             child.global = Some(all.iter().map(|&g| g as usize).collect());
             // Its records name the members now.
             child.trace = child.tracer();
@@ -807,7 +811,7 @@ impl Communicator {
         let fp = set.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &r| {
             (h ^ r as u64).wrapping_mul(0x100_0000_01b3)
         });
-        let all = self.all_gather_u64(fp)?;
+        let all = self.all_gather_u64(fp, SPLIT_DATA)?;
         let differ: Vec<String> = (0..n)
             .filter(|&r| all[r] != all[0])
             .map(|r| self.rank_name(r))
@@ -905,9 +909,11 @@ impl Communicator {
         rank_name(self.global.as_deref(), r)
     }
 
-    /// Every rank's `v`, in rank order: an all-gather through host memory, or device memory on
-    /// device communicators.
-    fn all_gather_u64(&mut self, v: u64) -> Result<Vec<u64>, CommError> {
+    /// Every rank's `v`, in rank order: an all-gather of one `u64` through host memory, or
+    /// through device memory on a device communicator (whose collectives take device buffers
+    /// only), for the agreements the ranks reach before a split or a new group. Every rank calls
+    /// it, like any collective; `what` names the exchange in the error of a failed CUDA step.
+    pub fn all_gather_u64(&mut self, v: u64, what: &str) -> Result<Vec<u64>, CommError> {
         let n = self.world_size();
         let Some(ctx) = self.device_context() else {
             let mut out = vec![0u64; n];
@@ -916,7 +922,7 @@ impl Communicator {
         };
         let cuda = |e: CudaError| CommError::Backend {
             backend: "cuda",
-            message: format!("exchanging split data through the device: {e}"),
+            message: format!("{what} through the device: {e}"),
         };
         let stream = ctx.stream().map_err(cuda)?;
         let send = DeviceBuffer::from_host(&stream, &[v]).map_err(cuda)?;

@@ -165,40 +165,26 @@ mod tests {
             name.starts_with("t-sm80-drv12040-") && name.ends_with(".cubin"),
             "{name}"
         );
-        assert_ne!(
-            base,
-            cache_path(&SRC, &o("-b"), (12, 9), (8, 0), 12040),
-            "options"
-        );
-        assert_ne!(
-            base,
-            cache_path(&SRC, &o("-a"), (13, 0), (8, 0), 12040),
-            "NVRTC version"
-        );
-        assert_ne!(
-            base,
-            cache_path(&SRC, &o("-a"), (12, 9), (9, 0), 12040),
-            "arch"
-        );
-        assert_ne!(
-            base,
-            cache_path(&SRC, &o("-a"), (12, 9), (8, 0), 13000),
-            "driver"
-        );
-        let other = KernelSource { source: "y", ..SRC };
-        assert_ne!(
-            base,
-            cache_path(&other, &o("-a"), (12, 9), (8, 0), 12040),
-            "source text"
-        );
-        let other = KernelSource {
+        // Each input of the key changed alone: (what, source, options, NVRTC, arch, driver).
+        let changed_header = KernelSource {
             headers: &[("h.cuh", "2")],
             ..SRC
         };
-        assert_ne!(
-            base,
-            cache_path(&other, &o("-a"), (12, 9), (8, 0), 12040),
-            "header text"
-        );
+        let changed_source = KernelSource { source: "y", ..SRC };
+        let cases = [
+            ("options", &SRC, "-b", (12, 9), (8, 0), 12040),
+            ("NVRTC version", &SRC, "-a", (13, 0), (8, 0), 12040),
+            ("arch", &SRC, "-a", (12, 9), (9, 0), 12040),
+            ("driver", &SRC, "-a", (12, 9), (8, 0), 13000),
+            ("source text", &changed_source, "-a", (12, 9), (8, 0), 12040),
+            ("header text", &changed_header, "-a", (12, 9), (8, 0), 12040),
+        ];
+        for (what, src, opts, nvrtc, arch, driver) in cases {
+            assert_ne!(
+                base,
+                cache_path(src, &o(opts), nvrtc, arch, driver),
+                "{what}"
+            );
+        }
     }
 }

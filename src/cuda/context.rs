@@ -132,6 +132,19 @@ impl Context {
             .push((what, e));
     }
 
+    /// Destroy a handle of this context from a `Drop`: bind the context, run `destroy`, and on
+    /// failure [`record_err`](Self::record_err) it against `what` (built only then) instead of
+    /// panicking, so the next [`check`](Self::check) reports it.
+    pub(crate) fn release(
+        &self,
+        what: impl FnOnce() -> String,
+        destroy: impl FnOnce() -> Result<(), CudaError>,
+    ) {
+        if let Err(e) = self.bind().and_then(|_| destroy()) {
+            self.record_err(what(), e);
+        }
+    }
+
     /// Report (once) the first failure recorded while dropping objects of this context.
     pub fn check(&self) -> Result<(), CudaError> {
         let mut d = self.deferred.lock().unwrap_or_else(|p| p.into_inner());
@@ -464,12 +477,7 @@ impl Event {
 impl Drop for Event {
     fn drop(&mut self) {
         // SAFETY: we own the event; nothing uses it after drop.
-        let r = self
-            .ctx
-            .bind()
-            .and_then(|_| unsafe { driver::event_destroy(self.raw) });
-        if let Err(e) = r {
-            self.ctx.record_err("an event".into(), e);
-        }
+        let destroy = || unsafe { driver::event_destroy(self.raw) };
+        self.ctx.release(|| "an event".into(), destroy);
     }
 }

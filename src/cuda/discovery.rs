@@ -22,6 +22,7 @@
 
 use std::ffi::CStr;
 use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
 
 use libloading::Library;
 
@@ -46,6 +47,32 @@ impl LibKind {
             LibKind::Nvrtc => "NVRTC library (libnvrtc)",
             LibKind::Nccl => "NCCL library (libnccl)",
         }
+    }
+
+    /// The error for this library, loaded from `path`, lacking `symbol` (`detail`: the loader's
+    /// message): what every table that resolves from it reports.
+    pub(crate) fn missing_symbol(
+        self,
+        path: &str,
+        (symbol, detail): (&'static str, String),
+    ) -> CudaError {
+        CudaError::MissingSymbol {
+            library: self.name(),
+            path: path.to_string(),
+            symbol,
+            detail,
+            env_var: self.env_var(),
+        }
+    }
+
+    /// A function table (the `resolve` of a `dyn_fns!` table) from this library as `loaded`,
+    /// its first missing symbol named in the error.
+    pub(crate) fn resolve<T>(
+        self,
+        loaded: &Loaded,
+        resolve: fn(&Library) -> Result<T, (&'static str, String)>,
+    ) -> Result<T, CudaError> {
+        resolve(&loaded.lib).map_err(|e| self.missing_symbol(&loaded.path, e))
     }
 
     /// The override environment variable.
@@ -120,6 +147,16 @@ pub(crate) struct Loaded {
     pub notes: Vec<String>,
     /// Why this candidate was chosen (for `lockstep env`).
     pub reason: String,
+}
+
+/// The outcome kept in `cell`, computed by `init` on first use: a library and its function tables
+/// are loaded once per process, and a failure is kept as well, so every later call reports the
+/// same error instead of searching again.
+pub(crate) fn cached<T>(
+    cell: &'static OnceLock<Result<T, CudaError>>,
+    init: impl FnOnce() -> Result<T, CudaError>,
+) -> Result<&'static T, CudaError> {
+    cell.get_or_init(init).as_ref().map_err(Clone::clone)
 }
 
 /// What a probe says about a loaded candidate.

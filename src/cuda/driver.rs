@@ -108,7 +108,7 @@ static FULL: OnceLock<Result<DriverFns, CudaError>> = OnceLock::new();
 
 /// Load the driver library (once per process). Does not call `cuInit`.
 pub(crate) fn core() -> Result<&'static DriverCore, CudaError> {
-    CORE.get_or_init(load_core).as_ref().map_err(Clone::clone)
+    discovery::cached(&CORE, load_core)
 }
 
 fn load_core() -> Result<DriverCore, CudaError> {
@@ -119,13 +119,7 @@ fn load_core() -> Result<DriverCore, CudaError> {
         |lib, path| match CoreFns::resolve(lib) {
             Ok(_) => Verdict::Accept,
             Err((sym, detail)) => {
-                missing.get_or_insert(CudaError::MissingSymbol {
-                    library: LibKind::Driver.name(),
-                    path: path.to_string(),
-                    symbol: sym,
-                    detail: detail.clone(),
-                    env_var: LibKind::Driver.env_var(),
-                });
+                missing.get_or_insert(LibKind::Driver.missing_symbol(path, (sym, detail)));
                 Verdict::Reject(format!("no symbol {sym}"))
             }
         },
@@ -141,13 +135,7 @@ fn load_core() -> Result<DriverCore, CudaError> {
             })
         }
     };
-    let f = CoreFns::resolve(&loaded.lib).map_err(|(sym, detail)| CudaError::MissingSymbol {
-        library: LibKind::Driver.name(),
-        path: loaded.path.clone(),
-        symbol: sym,
-        detail,
-        env_var: LibKind::Driver.env_var(),
-    })?;
+    let f = LibKind::Driver.resolve(&loaded, CoreFns::resolve)?;
     Ok(DriverCore {
         path: loaded.path.clone(),
         origin: loaded.origin.clone(),
@@ -159,17 +147,9 @@ fn load_core() -> Result<DriverCore, CudaError> {
 /// The full driver table (loads the library first).
 pub(crate) fn api() -> Result<&'static DriverFns, CudaError> {
     let c = core()?;
-    FULL.get_or_init(|| {
-        DriverFns::resolve(&c.loaded.lib).map_err(|(sym, detail)| CudaError::MissingSymbol {
-            library: LibKind::Driver.name(),
-            path: c.path.clone(),
-            symbol: sym,
-            detail,
-            env_var: LibKind::Driver.env_var(),
-        })
+    discovery::cached(&FULL, || {
+        LibKind::Driver.resolve(&c.loaded, DriverFns::resolve)
     })
-    .as_ref()
-    .map_err(Clone::clone)
 }
 
 impl DriverCore {
@@ -425,12 +405,10 @@ pub(crate) fn event_elapsed_ms(start: CUevent, end: CUevent) -> Result<f32, Cuda
     let f = a
         .cuEventElapsedTime_v2
         .or(a.cuEventElapsedTime)
-        .ok_or_else(|| CudaError::MissingSymbol {
-            library: LibKind::Driver.name(),
-            path: core().map(|c| c.path.clone()).unwrap_or_default(),
-            symbol: "cuEventElapsedTime",
-            detail: "neither cuEventElapsedTime_v2 nor cuEventElapsedTime is exported".into(),
-            env_var: LibKind::Driver.env_var(),
+        .ok_or_else(|| {
+            let path = core().map(|c| c.path.clone()).unwrap_or_default();
+            let detail = "neither cuEventElapsedTime_v2 nor cuEventElapsedTime is exported";
+            LibKind::Driver.missing_symbol(&path, ("cuEventElapsedTime", detail.into()))
         })?;
     let mut ms = 0f32;
     // SAFETY: live events, valid out-pointer.

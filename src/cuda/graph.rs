@@ -59,12 +59,7 @@ impl Graph {
 impl Drop for Graph {
     fn drop(&mut self) {
         // SAFETY: we own both handles; nothing uses them after drop.
-        let r = self
-            .ctx
-            .bind()
-            .and_then(|_| unsafe { driver::graph_destroy(self.exec, self.graph) });
-        if let Err(e) = r {
-            self.ctx.record_err("a CUDA graph".into(), e);
-        }
+        let destroy = || unsafe { driver::graph_destroy(self.exec, self.graph) };
+        self.ctx.release(|| "a CUDA graph".into(), destroy);
     }
 }

@@ -274,16 +274,9 @@ impl Stream {
 impl<T: Element> Drop for DeviceBuffer<T> {
     fn drop(&mut self) {
         // SAFETY: we own the allocation; cuMemFree waits for work that still uses it.
-        let r = self
-            .ctx
-            .bind()
-            .and_then(|_| unsafe { driver::mem_free(self.ptr) });
-        if let Err(e) = r {
-            self.ctx.record_err(
-                format!("a device buffer of {} {} elements", self.len, T::DTYPE),
-                e,
-            );
-        }
+        let destroy = || unsafe { driver::mem_free(self.ptr) };
+        let what = || format!("a device buffer of {} {} elements", self.len, T::DTYPE);
+        self.ctx.release(what, destroy);
     }
 }
 
@@ -352,13 +345,8 @@ impl<T: Element> std::ops::DerefMut for PinnedBuffer<T> {
 impl<T: Element> Drop for PinnedBuffer<T> {
     fn drop(&mut self) {
         // SAFETY: we own the allocation.
-        let r = self
-            .ctx
-            .bind()
-            .and_then(|_| unsafe { driver::mem_free_host(self.ptr.cast()) });
-        if let Err(e) = r {
-            self.ctx.record_err("a pinned host buffer".into(), e);
-        }
+        let destroy = || unsafe { driver::mem_free_host(self.ptr.cast()) };
+        self.ctx.release(|| "a pinned host buffer".into(), destroy);
     }
 }
 

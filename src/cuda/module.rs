@@ -9,7 +9,7 @@ use std::any::Any;
 use std::ffi::c_void;
 use std::sync::{Arc, Weak};
 
-use crate::comm::{Buffer, BufferMut, Dtype, Element, MemSpace};
+use crate::comm::{Buffer, BufferMut, Dtype, Element, MemSpace, RawMem};
 
 use super::compile::compile_cubin_cached;
 use super::context::{Context, ModuleKey, Stream};
@@ -241,27 +241,24 @@ pub struct Launch<'a> {
 
 impl<'a> Launch<'a> {
     /// A read-only device buffer argument.
-    pub fn arg<T: Element, B: Buffer<T> + ?Sized>(mut self, b: &'a B) -> Self {
-        let r = b.raw();
-        self.args.push(ArgVal::Ptr {
-            addr: r.addr as u64,
-            len: r.len,
-            space: r.space,
-            dtype: T::DTYPE,
-            mutable: false,
-        });
-        self
+    pub fn arg<T: Element, B: Buffer<T> + ?Sized>(self, b: &'a B) -> Self {
+        self.ptr(b.raw(), T::DTYPE, false)
     }
 
     /// A written device buffer argument.
-    pub fn arg_mut<T: Element, B: BufferMut<T> + ?Sized>(mut self, b: &'a mut B) -> Self {
-        let r = b.raw_mut();
+    pub fn arg_mut<T: Element, B: BufferMut<T> + ?Sized>(self, b: &'a mut B) -> Self {
+        self.ptr(b.raw_mut(), T::DTYPE, true)
+    }
+
+    /// A buffer argument of either direction; the check before [`Launch::run`] matches `mutable`
+    /// against the kernel's parameter (read-only or written).
+    fn ptr(mut self, r: RawMem, dtype: Dtype, mutable: bool) -> Self {
         self.args.push(ArgVal::Ptr {
             addr: r.addr as u64,
             len: r.len,
             space: r.space,
-            dtype: T::DTYPE,
-            mutable: true,
+            dtype,
+            mutable,
         });
         self
     }

@@ -132,7 +132,7 @@ static NVRTC: OnceLock<Result<NvrtcLib, CudaError>> = OnceLock::new();
 
 /// Load NVRTC (once per process).
 pub(crate) fn api() -> Result<&'static NvrtcLib, CudaError> {
-    NVRTC.get_or_init(load).as_ref().map_err(Clone::clone)
+    discovery::cached(&NVRTC, load)
 }
 
 fn version_of(f: &NvrtcFns) -> (i32, i32) {
@@ -177,13 +177,7 @@ Install an NVRTC no newer than the driver (or update the driver) if compilation 
             }
         }
     })?;
-    let f = NvrtcFns::resolve(&loaded.lib).map_err(|(sym, detail)| CudaError::MissingSymbol {
-        library: LibKind::Nvrtc.name(),
-        path: loaded.path.clone(),
-        symbol: sym,
-        detail,
-        env_var: LibKind::Nvrtc.env_var(),
-    })?;
+    let f = LibKind::Nvrtc.resolve(&loaded, NvrtcFns::resolve)?;
     let version = version_of(&f);
     // Preloaded for good: NVRTC's dlopen of the soname at compile time then finds this file.
     let builtins =

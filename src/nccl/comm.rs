@@ -12,7 +12,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::comm::{
-    Backend, BackendKind, Call, CollKind, CommError, Communicator, Completion, Element, P2pOp,
+    Backend, BackendKind, Call, CollKind, CommError, Communicator, Completion, Dtype, Element,
+    P2pOp,
 };
 use crate::cuda::{Context, DeviceBuffer, ForeignStream, Producers, Stream, StreamFence};
 
@@ -131,10 +132,8 @@ impl NcclComm {
         buf: &DeviceBuffer<T>,
         peer: usize,
     ) -> Result<(), NcclError> {
-        self.check_peer(peer, "send")?;
-        self.check_device(buf.device(), "send")?;
-        self.producers.order(&self.stream)?;
-        self.send_raw(buf.device_ptr() as usize, buf.len(), T::DTYPE, peer)
+        let (device, addr) = (buf.device(), buf.device_ptr() as usize);
+        self.p2p_ordered(CollKind::Send, device, addr, buf.len(), T::DTYPE, peer)
     }
 
     /// Receive into `buf` from `peer` (ordered after the other streams' work, as [`send`](Self::send):
@@ -144,62 +143,57 @@ impl NcclComm {
         buf: &mut DeviceBuffer<T>,
         peer: usize,
     ) -> Result<(), NcclError> {
-        self.check_peer(peer, "recv")?;
-        self.check_device(buf.device(), "recv")?;
+        let (device, addr) = (buf.device(), buf.device_ptr() as usize);
+        self.p2p_ordered(CollKind::Recv, device, addr, buf.len(), T::DTYPE, peer)
+    }
+
+    /// The typed [`send`](Self::send) or [`recv`](Self::recv) (`kind`) of `count` elements at
+    /// `addr` on `device`: check the peer and the device, order the stream after the others, then
+    /// enqueue it.
+    fn p2p_ordered(
+        &mut self,
+        kind: CollKind,
+        device: i32,
+        addr: usize,
+        count: usize,
+        dtype: Dtype,
+        peer: usize,
+    ) -> Result<(), NcclError> {
+        self.check_peer(peer, kind.name())?;
+        self.check_device(device, kind.name())?;
         self.producers.order(&self.stream)?;
-        self.recv_raw(buf.device_ptr() as usize, buf.len(), T::DTYPE, peer)
+        self.p2p_raw(kind, addr, count, dtype, peer)
     }
 
-    pub(super) fn send_raw(
+    /// Enqueue one `ncclSend` (`kind` is [`CollKind::Send`]) or `ncclRecv` (any other kind) of
+    /// `count` elements at device address `addr` with `peer`: one body for both directions, so
+    /// they check, name and settle their calls alike.
+    pub(super) fn p2p_raw(
         &mut self,
+        kind: CollKind,
         addr: usize,
         count: usize,
-        dtype: crate::comm::Dtype,
+        dtype: Dtype,
         peer: usize,
     ) -> Result<(), NcclError> {
-        self.check_alive("ncclSend")?;
+        let send = kind == CollKind::Send;
+        let name = if send { "ncclSend" } else { "ncclRecv" };
+        self.check_alive(name)?;
         let s = self.raw_stream();
+        let api = result::api()?;
+        let (dt, p, comm) = (result::nccl_dtype(dtype), peer as c_int, self.comm);
         // SAFETY: `addr` is a live device buffer of `count` elements on this device (checked by the
-        // callers); the stream belongs to this communicator's context.
+        // callers), writable for a receive; the stream belongs to this communicator's context.
         let rc = unsafe {
-            (result::api()?.ncclSend)(
-                addr as *const c_void,
-                count,
-                result::nccl_dtype(dtype),
-                peer as c_int,
-                self.comm,
-                s,
-            )
+            if send {
+                (api.ncclSend)(addr as *const c_void, count, dt, p, comm, s)
+            } else {
+                (api.ncclRecv)(addr as *mut c_void, count, dt, p, comm, s)
+            }
         };
         self.settle(
             rc,
-            &format!("ncclSend(count={count}, dtype={dtype}, peer={peer})"),
-        )
-    }
-
-    pub(super) fn recv_raw(
-        &mut self,
-        addr: usize,
-        count: usize,
-        dtype: crate::comm::Dtype,
-        peer: usize,
-    ) -> Result<(), NcclError> {
-        self.check_alive("ncclRecv")?;
-        let s = self.raw_stream();
-        // SAFETY: as for `send_raw`; the buffer is writable.
-        let rc = unsafe {
-            (result::api()?.ncclRecv)(
-                addr as *mut c_void,
-                count,
-                result::nccl_dtype(dtype),
-                peer as c_int,
-                self.comm,
-                s,
-            )
-        };
-        self.settle(
-            rc,
-            &format!("ncclRecv(count={count}, dtype={dtype}, peer={peer})"),
+            &format!("{name}(count={count}, dtype={dtype}, peer={peer})"),
         )
     }
 
@@ -346,10 +340,7 @@ impl Backend for NcclComm {
             .map_err(NcclError::from)?;
         self.group(|me| {
             for op in ops {
-                match op.kind {
-                    CollKind::Send => me.send_raw(op.mem.addr, op.mem.len, op.dtype, op.peer)?,
-                    _ => me.recv_raw(op.mem.addr, op.mem.len, op.dtype, op.peer)?,
-                }
+                me.p2p_raw(op.kind, op.mem.addr, op.mem.len, op.dtype, op.peer)?;
             }
             Ok(())
         })

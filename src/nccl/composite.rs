@@ -38,11 +38,11 @@ impl NcclComm {
                             };
                         }
                     } else {
-                        me.recv_raw(dst, count, dtype, peer)?;
+                        me.p2p_raw(CollKind::Recv, dst, count, dtype, peer)?;
                     }
                 }
             } else {
-                me.send_raw(send.addr, count, dtype, root)?;
+                me.p2p_raw(CollKind::Send, send.addr, count, dtype, root)?;
             }
             Ok(())
         })
@@ -143,10 +143,10 @@ impl NcclComm {
                 }
             }
             for b in sends.iter().filter(|b| b.peer != rank && b.count > 0) {
-                me.send_raw(b.addr, b.count, dtype, b.peer)?;
+                me.p2p_raw(CollKind::Send, b.addr, b.count, dtype, b.peer)?;
             }
             for b in recvs.iter().filter(|b| b.peer != rank && b.count > 0) {
-                me.recv_raw(b.addr, b.count, dtype, b.peer)?;
+                me.p2p_raw(CollKind::Recv, b.addr, b.count, dtype, b.peer)?;
             }
             Ok(())
         })

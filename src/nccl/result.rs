@@ -90,7 +90,7 @@ pub(crate) const MIN_VERSION: i32 = 21800;
 
 /// Load NCCL (once per process).
 pub(crate) fn core() -> Result<&'static NcclCore, CudaError> {
-    CORE.get_or_init(load_core).as_ref().map_err(Clone::clone)
+    discovery::cached(&CORE, load_core)
 }
 
 fn load_core() -> Result<NcclCore, CudaError> {
@@ -115,14 +115,7 @@ fn load_core() -> Result<NcclCore, CudaError> {
                 }
             },
         )?;
-    let f =
-        NcclCoreFns::resolve(&loaded.lib).map_err(|(sym, detail)| CudaError::MissingSymbol {
-            library: LibKind::Nccl.name(),
-            path: loaded.path.clone(),
-            symbol: sym,
-            detail,
-            env_var: LibKind::Nccl.env_var(),
-        })?;
+    let f = LibKind::Nccl.resolve(&loaded, NcclCoreFns::resolve)?;
     let mut version = 0;
     // SAFETY: valid out-pointer.
     unsafe { (f.ncclGetVersion)(&mut version) };
@@ -139,17 +132,7 @@ fn load_core() -> Result<NcclCore, CudaError> {
 /// The full table.
 pub(crate) fn api() -> Result<&'static NcclFns, CudaError> {
     let c = core()?;
-    FULL.get_or_init(|| {
-        NcclFns::resolve(&c.loaded.lib).map_err(|(sym, detail)| CudaError::MissingSymbol {
-            library: LibKind::Nccl.name(),
-            path: c.path.clone(),
-            symbol: sym,
-            detail,
-            env_var: LibKind::Nccl.env_var(),
-        })
-    })
-    .as_ref()
-    .map_err(Clone::clone)
+    discovery::cached(&FULL, || LibKind::Nccl.resolve(&c.loaded, NcclFns::resolve))
 }
 
 /// Map a status to `Result`, naming the call; `comm` adds `ncclGetLastError` text.

@@ -141,19 +141,30 @@ impl NcclComm {
             Ok(last != IN_PROGRESS)
         })?;
         if !ok {
-            self.abort(&format!("{what} timed out"));
-            return Err(NcclError::Timeout {
-                what: what.into(),
-                rank: self.rank,
-                secs: self.opts.timeout.as_secs_f64(),
-            });
+            return Err(self.timed_out(what));
         }
         if last != SUCCESS {
             let e = result::check(last, Some(self.comm), || what.to_string()).unwrap_err();
-            self.abort(&e.to_string());
-            return Err(e);
+            return Err(self.failed(e));
         }
         Ok(())
+    }
+
+    /// Abort the communicator because `e` broke it (its peers' calls then fail too instead of
+    /// waiting), and give `e` back for the caller to return.
+    fn failed(&mut self, e: NcclError) -> NcclError {
+        self.abort(&e.to_string());
+        e
+    }
+
+    /// Abort the communicator because `what` outlived the timeout, and the error that says so.
+    fn timed_out(&mut self, what: &str) -> NcclError {
+        self.abort(&format!("{what} timed out"));
+        NcclError::Timeout {
+            what: what.into(),
+            rank: self.rank,
+            secs: self.opts.timeout.as_secs_f64(),
+        }
     }
 
     /// Wait for the stream with the watchdog: poll completion, `ncclCommGetAsyncError` and the
@@ -184,24 +195,12 @@ impl NcclComm {
             }
             Ok(false)
         });
-        let done = match done {
-            Ok(d) => d,
-            Err(e) => {
-                self.abort(&e.to_string());
-                return Err(e);
-            }
-        };
+        let done = done.map_err(|e| self.failed(e))?;
         if let Some(e) = failure {
-            self.abort(&e.to_string());
-            return Err(e);
+            return Err(self.failed(e));
         }
         if !done {
-            self.abort(&format!("{what} timed out"));
-            return Err(NcclError::Timeout {
-                what: what.into(),
-                rank: self.rank,
-                secs: self.opts.timeout.as_secs_f64(),
-            });
+            return Err(self.timed_out(what));
         }
         Ok(())
     }

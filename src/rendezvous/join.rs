@@ -30,6 +30,7 @@ use crate::comm::{CommError, Communicator};
 use crate::hier::{self, MpiMode};
 use crate::shm::{ShmComm, ShmConfig};
 use crate::store::{Store, StoreServer, TcpStore};
+use crate::types::ranges_text;
 
 fn setup(msg: String) -> CommError {
     CommError::Setup(msg)
@@ -41,21 +42,7 @@ fn env_err(e: crate::types::env::EnvError) -> CommError {
 
 /// `0,1,2,5` as `0-2, 5`.
 fn ranges(v: &[usize]) -> String {
-    let mut out: Vec<String> = Vec::new();
-    let mut i = 0;
-    while i < v.len() {
-        let mut j = i;
-        while j + 1 < v.len() && v[j + 1] == v[j] + 1 {
-            j += 1;
-        }
-        out.push(if j == i {
-            v[i].to_string()
-        } else {
-            format!("{}-{}", v[i], v[j])
-        });
-        i = j + 1;
-    }
-    out.join(", ")
+    ranges_text(v, ", ")
 }
 
 /// The rendezvous timed out: name only the ranks (and their nodes) that never published their

@@ -127,43 +127,54 @@ mod tests {
         };
         let b = Desc { count: 101, ..a };
         let world = |r: usize| rank_name(None, r);
-        let e = check_descs(&[a, a, b], 5, &world).unwrap_err().to_string();
-        assert!(
-            e.contains("rank 2 called all_reduce(count=101, dtype=f32, op=sum)"),
-            "{e}"
-        );
-        assert!(e.contains("rank 0 called all_reduce(count=100"), "{e}");
         // In a sub-communicator, ranks are named by their global rank first.
         let global = [5usize, 1, 3];
         let sub = |r: usize| rank_name(Some(&global), r);
-        let e = check_descs(&[a, a, b], 5, &sub).unwrap_err().to_string();
-        assert!(
-            e.contains("rank 3 (rank 2 of this sub-communicator) called all_reduce(count=101"),
-            "{e}"
-        );
-        assert!(
-            e.contains("rank 5 (rank 0 of this sub-communicator) called all_reduce(count=100"),
-            "{e}"
-        );
         let refused = Desc {
             flags: INVALID,
             ..a
         };
-        let e = check_descs(&[a, refused, refused], 6, &sub)
-            .unwrap_err()
-            .to_string();
-        assert!(
-            e.contains("rank 1 (rank 1 of this sub-communicator), rank 3 (rank 2 of this sub-communicator) refused its all_reduce"),
-            "{e}"
-        );
         let checking = Desc { flags: FINITE, ..a };
-        let e = check_descs(&[a, checking, a], 7, &world)
-            .unwrap_err()
-            .to_string();
-        assert!(
-            e.contains("the finite check (LOCKSTEP_CHECK_FINITE, ShmConfig::check_finite) is off on rank 0 but on on rank 1"),
-            "{e}"
-        );
+        // Every rank's descriptor, the call's number, how ranks are named, what the error says.
+        type Case<'a> = (&'a [Desc], u64, &'a dyn Fn(usize) -> String, &'a [&'a str]);
+        let cases: [Case; 4] = [
+            (
+                &[a, a, b],
+                5,
+                &world,
+                &[
+                    "rank 2 called all_reduce(count=101, dtype=f32, op=sum)",
+                    "rank 0 called all_reduce(count=100",
+                ],
+            ),
+            (
+                &[a, a, b],
+                5,
+                &sub,
+                &[
+                    "rank 3 (rank 2 of this sub-communicator) called all_reduce(count=101",
+                    "rank 5 (rank 0 of this sub-communicator) called all_reduce(count=100",
+                ],
+            ),
+            (
+                &[a, refused, refused],
+                6,
+                &sub,
+                &["rank 1 (rank 1 of this sub-communicator), rank 3 (rank 2 of this sub-communicator) refused its all_reduce"],
+            ),
+            (
+                &[a, checking, a],
+                7,
+                &world,
+                &["the finite check (LOCKSTEP_CHECK_FINITE, ShmConfig::check_finite) is off on rank 0 but on on rank 1"],
+            ),
+        ];
+        for (descs, seq, who, wants) in cases {
+            let e = check_descs(descs, seq, who).unwrap_err().to_string();
+            for want in wants {
+                assert!(e.contains(want), "{want:?} not in: {e}");
+            }
+        }
         a.root = 3; // root does not matter for all_reduce
         assert!(check_descs(&[a, Desc { root: 0, ..a }], 1, &world).is_ok());
     }

@@ -106,6 +106,43 @@ struct OpState {
     finished: bool,
 }
 
+impl OpState {
+    /// Move this message's payload through a peer's ring, the one loop of both ends: the stream is
+    /// at `*pos` in a ring of `cap` bytes, and may advance up to `end` (the sender: the space the
+    /// receiver released; the receiver: what the sender published). `copy(at, done, len)` moves
+    /// `len` bytes between ring offset `at` and payload offset `done`, in pieces that neither wrap
+    /// around the ring nor pass `end` or the payload's end. Once the payload is all through,
+    /// `*pos` moves on to the next header's 64-byte boundary, as both ends count it. Returns
+    /// whether anything moved.
+    fn stream(
+        &mut self,
+        pos: &mut u64,
+        cap: u64,
+        end: u64,
+        mut copy: impl FnMut(usize, usize, usize),
+    ) -> bool {
+        let mut moved = false;
+        while self.done < self.bytes {
+            let room = end.saturating_sub(*pos);
+            if room == 0 {
+                break;
+            }
+            let at = *pos % cap;
+            let len = (room as usize)
+                .min(self.bytes - self.done)
+                .min((cap - at) as usize);
+            copy(at as usize, self.done, len);
+            *pos += len as u64;
+            self.done += len;
+            moved = true;
+        }
+        if self.done == self.bytes {
+            *pos = pos.next_multiple_of(HDR);
+        }
+        moved
+    }
+}
+
 impl P2p {
     pub(crate) fn new(world: usize, cma_min: usize, refuse_cma: bool) -> P2p {
         if cma_min > 0 && world > 1 {
@@ -331,26 +368,13 @@ impl P2p {
             }
         }
         let src = s.op.mem.addr as *const u8;
-        while s.done < s.bytes {
-            let free = (taken + cap).saturating_sub(*pos);
-            if free == 0 {
-                break;
-            }
-            let at = *pos % cap;
-            let len = (free as usize)
-                .min(s.bytes - s.done)
-                .min((cap - at) as usize);
+        // The receiver has released the ring up to `taken`: the window ends a ring ahead of it.
+        moved |= s.stream(pos, cap, taken + cap, |at, done, len| {
             // SAFETY: [done, done+len) lies in the send buffer (bytes = its length); the ring
-            // range [at, at+len) is inside the ring and released by the receiver (free).
-            unsafe { copy_block(src.add(s.done), ring.add(at as usize), len, false) };
-            *pos += len as u64;
-            s.done += len;
-            moved = true;
-        }
-        if s.done == s.bytes {
-            *pos = pos.next_multiple_of(HDR);
-            s.streamed = true;
-        }
+            // range [at, at+len) is inside the ring and released by the receiver (the window).
+            unsafe { copy_block(src.add(done), ring.add(at), len, false) }
+        });
+        s.streamed |= s.done == s.bytes;
         if moved {
             pc.sent.store(*pos, SeqCst);
             ch.wake_sleepers();
@@ -503,26 +527,13 @@ impl P2p {
             moved = true;
         }
         let dst = s.op.mem.addr as *mut u8;
-        while s.done < s.bytes {
-            let avail = sent.saturating_sub(*pos);
-            if avail == 0 {
-                break;
-            }
-            let at = *pos % cap;
-            let len = (avail as usize)
-                .min(s.bytes - s.done)
-                .min((cap - at) as usize);
-            // SAFETY: the sender wrote [pos, pos+len) of the stream before publishing `sent`;
-            // [done, done+len) lies in the receive buffer.
-            unsafe { copy_block(ring.add(at as usize), dst.add(s.done), len, false) };
-            *pos += len as u64;
-            s.done += len;
-            moved = true;
-        }
-        if s.done == s.bytes {
-            *pos = pos.next_multiple_of(HDR);
-            s.finished = true;
-        }
+        // The sender has published the stream up to `sent`: the window ends there.
+        moved |= s.stream(pos, cap, sent, |at, done, len| {
+            // SAFETY: the sender wrote ring range [at, at+len) of the stream before publishing
+            // `sent` (the window); [done, done+len) lies in the receive buffer.
+            unsafe { copy_block(ring.add(at), dst.add(done), len, false) }
+        });
+        s.finished |= s.done == s.bytes;
         if moved {
             pc.taken.store(*pos, SeqCst);
             if s.finished && s.cma {

@@ -156,6 +156,26 @@ pub(crate) struct Agreement {
     pub streaming: bool,
 }
 
+impl Agreement {
+    /// The agreement on `path`, recorded as the channel's last path (what the flight recorder
+    /// reports for the call) at the one place every path is decided.
+    fn reached(
+        ch: &mut Channel,
+        path: Path,
+        descs: Vec<Desc>,
+        phase: u64,
+        streaming: bool,
+    ) -> Self {
+        ch.last_path = path.traced();
+        Agreement {
+            path,
+            descs,
+            phase,
+            streaming,
+        }
+    }
+}
+
 /// Run the call's first phase and agree on its path: registered, cross-memory or slots, as the
 /// module docs describe. `prestage(ch, phase, streaming, flags)` writes what this rank puts into
 /// its slot of `phase` before `begin` on the slots path (`flags`: this rank's descriptor flags so
@@ -191,13 +211,7 @@ pub(crate) fn negotiate(
         match cma_verdict(ch, &descs) {
             CmaVerdict::No => {}
             CmaVerdict::Yes if verified(ch, call, &descs, cx)? => {
-                ch.last_path = CallPath::Cma;
-                return Ok(Agreement {
-                    path: Path::Cma,
-                    descs,
-                    phase,
-                    streaming: false,
-                });
+                return Ok(Agreement::reached(ch, Path::Cma, descs, phase, false));
             }
             // Nothing written yet: the first phase again, following rank 0's pick or on the slots.
             v => {
@@ -217,24 +231,18 @@ pub(crate) fn negotiate(
             continue;
         }
         if registered {
-            ch.last_path = CallPath::Registered;
-            return Ok(Agreement {
-                path: Path::Registered,
+            return Ok(Agreement::reached(
+                ch,
+                Path::Registered,
                 descs,
                 phase,
-                streaming: false,
-            });
+                false,
+            ));
         }
         // Every rank has arrived: rank 0 times the slots from here (a call of one rank moves
         // nothing worth timing).
         let streaming = ch.streaming_agreed(call.kind, offer.stores_size, &descs, n > 1);
-        ch.last_path = CallPath::Slots;
-        return Ok(Agreement {
-            path: Path::Slots,
-            descs,
-            phase,
-            streaming,
-        });
+        return Ok(Agreement::reached(ch, Path::Slots, descs, phase, streaming));
     }
 }
 

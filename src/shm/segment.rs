@@ -693,21 +693,7 @@ pub(crate) fn affinity_text() -> String {
     let on: Vec<usize> = (0..libc::CPU_SETSIZE as usize)
         .filter(|&c| unsafe { libc::CPU_ISSET(c, &set) })
         .collect();
-    let mut parts = Vec::new();
-    let mut i = 0;
-    while i < on.len() {
-        let mut j = i;
-        while j + 1 < on.len() && on[j + 1] == on[j] + 1 {
-            j += 1;
-        }
-        parts.push(if i == j {
-            on[i].to_string()
-        } else {
-            format!("{}-{}", on[i], on[j])
-        });
-        i = j + 1;
-    }
-    parts.join(",")
+    crate::types::ranges_text(&on, ",")
 }
 
 /// What to change when a segment's file system (or cgroup) has no room: named for `e`'s place.

@@ -192,225 +192,95 @@ pub struct Var {
 /// `LOCKSTEP_BACKEND`'s choices.
 pub const BACKENDS: &[&str] = &["shm", "nccl"];
 
-/// Collective timeout of the shared-memory backend and of the NCCL communicator.
-pub const TIMEOUT_S: Var = Var {
-    name: "LOCKSTEP_TIMEOUT_S",
-    kind: Kind::Secs,
-};
-/// How long a rank of a multi-node job waits in the rendezvous (set by `lockstep launch`).
-pub const RDZV_TIMEOUT_S: Var = Var {
-    name: "LOCKSTEP_RDZV_TIMEOUT_S",
-    kind: Kind::Secs,
-};
-/// The backend `Communicator::from_env` builds.
-pub const BACKEND: Var = Var {
-    name: "LOCKSTEP_BACKEND",
-    kind: Kind::Choice(BACKENDS),
-};
-/// Timestamps on the diagnostics an embedding writes to stderr (`logging`).
-pub const LOG_TIME: Var = Var {
-    name: "LOCKSTEP_LOG_TIME",
-    kind: Kind::Flag,
-};
-/// CUDA initialisation probe logging.
-pub const DEBUG: Var = Var {
-    name: "LOCKSTEP_DEBUG",
-    kind: Kind::Flag,
-};
-/// Nodes of a `lockstep launch` job (set by the launcher).
-pub const NNODES: Var = Var {
-    name: "LOCKSTEP_NNODES",
-    kind: Kind::Count {
-        min: 1,
-        max: 1 << 20,
-    },
-};
-/// This host's identity in a multi-node rendezvous.
-pub const HOST_ID: Var = Var {
-    name: "LOCKSTEP_HOST_ID",
-    kind: Kind::Text,
-};
-/// The job's identity (set by `lockstep launch`; the shared segment's name is derived from it).
-pub const JOB_ID: Var = Var {
-    name: "LOCKSTEP_JOB_ID",
-    kind: Kind::Text,
-};
-/// Port of lockstep's rendezvous store under torchrun, mpirun and srun.
-pub const STORE_PORT: Var = Var {
-    name: "LOCKSTEP_STORE_PORT",
-    kind: Kind::Count { min: 1, max: 65535 },
-};
-/// Set by the launcher for its ranks' programs (progress bars may draw).
-pub const CONSOLE_TTY: Var = Var {
-    name: "LOCKSTEP_CONSOLE_TTY",
-    kind: Kind::Flag,
-};
-/// Bytes of each staging slot of the shared-memory backend (rounded up to a multiple of 4096).
-pub const SHM_SLOT_BYTES: Var = Var {
-    name: "LOCKSTEP_SHM_SLOT_BYTES",
-    kind: Kind::Count {
-        min: 4096,
-        max: 1 << 30,
-    },
-};
-/// Largest message of the one-phase all-reduce path (used up to the slot size).
-pub const SHM_SMALL_BYTES: Var = Var {
-    name: "LOCKSTEP_SHM_SMALL_BYTES",
-    kind: Kind::Count {
-        min: 0,
-        max: 1 << 30,
-    },
-};
-/// Address space of each rank's shared heap (rounded up to a multiple of 2 MiB).
-pub const SHM_HEAP_BYTES: Var = Var {
-    name: "LOCKSTEP_SHM_HEAP_BYTES",
-    kind: Kind::Count {
-        min: 2 << 20,
-        max: 1 << 44,
-    },
-};
-/// Output size from which staged data is written with streaming stores.
-pub const SHM_NT_BYTES: Var = Var {
-    name: "LOCKSTEP_SHM_NT_BYTES",
-    kind: Kind::Count {
-        min: 0,
-        max: 1 << 48,
-    },
-};
-/// Point-to-point messages from this size are copied directly (`process_vm_readv`); 0 turns it off.
-pub const SHM_CMA_BYTES: Var = Var {
-    name: "LOCKSTEP_SHM_CMA_BYTES",
-    kind: Kind::Count {
-        min: 0,
-        max: 1 << 48,
-    },
-};
-/// Collectives on ordinary buffers: a single copy between the ranks' buffers, staging, or timed (auto).
-pub const SHM_SINGLE_COPY: Var = Var {
-    name: "LOCKSTEP_SHM_SINGLE_COPY",
-    kind: Kind::Choice(&["auto", "always", "never"]),
-};
-/// How staged data is written into the slots.
-pub const SHM_STAGE: Var = Var {
-    name: "LOCKSTEP_SHM_STAGE",
-    kind: Kind::Choice(&["auto", "cached", "streaming", "nt"]),
-};
-/// How often a waiting rank checks that its peers live, in milliseconds.
-pub const PEER_CHECK_MS: Var = Var {
-    name: "LOCKSTEP_PEER_CHECK_MS",
-    kind: Kind::Count {
-        min: 1,
-        max: 3_600_000,
-    },
-};
-/// Microseconds a waiting rank spins before yielding (0: yield at once).
-pub const SPIN_US: Var = Var {
-    name: "LOCKSTEP_SPIN_US",
-    kind: Kind::Count {
-        min: 0,
-        max: 1_000_000,
-    },
-};
-/// How each rank is bound to CPUs (`shm::CpuBind`).
-pub const CPU_BIND: Var = Var {
-    name: "LOCKSTEP_CPU_BIND",
-    kind: Kind::Choice(&["block", "core", "none"]),
-};
-/// How long the ranks of a shared segment wait for each other to join.
-pub const JOIN_TIMEOUT_S: Var = Var {
-    name: "LOCKSTEP_JOIN_TIMEOUT_S",
-    kind: Kind::Secs,
-};
-/// `1` in a replacement that `lockstep launch --restart-policy rank` started for a lost rank:
-/// `Communicator::from_env` then joins the communicator the survivors grow (`shm::grow`).
-pub const REPLACEMENT: Var = Var {
-    name: "LOCKSTEP_REPLACEMENT",
-    kind: Kind::Choice(&["0", "1"]),
-};
-/// Restarts of the job before this start, including a replacement's own (`lockstep launch`):
-/// which grow a replacement joins.
-pub const RESTART_COUNT: Var = Var {
-    name: "LOCKSTEP_RESTART_COUNT",
-    kind: Kind::Count {
-        min: 0,
-        max: 1 << 32,
-    },
-};
-/// Whether `Communicator::from_env` joins a CPU job through MPI (`hier`): `auto` (across hosts,
-/// under an MPI launcher), `on` (always), `off` (never).
-pub const MPI: Var = Var {
-    name: "LOCKSTEP_MPI",
-    kind: Kind::Choice(&["auto", "on", "off"]),
-};
-/// Ranks per node of a job joined through MPI: blocks of this many consecutive ranks instead of
-/// MPI's shared-memory split (each block must share memory).
-pub const MPI_NODE_SIZE: Var = Var {
-    name: "LOCKSTEP_MPI_NODE_SIZE",
-    kind: Kind::Count {
-        min: 1,
-        max: 1 << 20,
-    },
-};
-/// Whether reductions of floating-point data fail on a NaN or an infinity in any rank's input
-/// (`shm::ShmConfig::check_finite`): `1` on, `0` off (the default). Strictly `0` or `1`.
-pub const CHECK_FINITE: Var = Var {
-    name: "LOCKSTEP_CHECK_FINITE",
-    kind: Kind::Choice(&["0", "1"]),
-};
-/// Path of the configuration file (`lockstep::config`; `lockstep launch` passes the file it read
-/// on to its ranks).
-pub const CONFIG: Var = Var {
-    name: "LOCKSTEP_CONFIG",
-    kind: Kind::Text,
-};
+/// Declares each variable as a [`Var`] constant and lists them all, in table order, in a slice
+/// constant: one table, so a variable cannot be declared and left out of [`check_all`].
+macro_rules! checked_vars {
+    (
+        $(#[$list_doc:meta])*
+        $list:ident;
+        $($(#[$doc:meta])* $id:ident = $name:literal, $kind:expr;)*
+    ) => {
+        $($(#[$doc])* pub const $id: Var = Var { name: $name, kind: $kind };)*
 
-/// Calls each communicator's flight recorder keeps (`lockstep::trace`); 0 turns it off.
-pub const TRACE_BUFFER: Var = Var {
-    name: "LOCKSTEP_TRACE_BUFFER",
-    kind: Kind::Count {
-        min: 0,
-        max: 1 << 24,
-    },
-};
+        $(#[$list_doc])*
+        pub const $list: &[Var] = &[$($id),*];
+    };
+}
 
-/// The `LOCKSTEP_*` variables of a simple kind, with what each accepts; each reader parses its
-/// variable through the same [`Var`], so this table and the readers cannot disagree. Free-form
-/// ones are not listed: library paths (`LOCKSTEP_CUDA_LIBRARY`, `LOCKSTEP_NVRTC_LIBRARY`,
-/// `LOCKSTEP_NCCL_LIBRARY`, `LOCKSTEP_MPI_LIBRARY`: a file or a folder, read through [`raw`] so
-/// that a value that is not UTF-8 is an error), `LOCKSTEP_SHM_DIR` (checked where
-/// a named segment is made: an absolute path to a directory), `LOCKSTEP_TRACE_DIR` (any directory), NVRTC options, the log filter
-/// (`LOCKSTEP_LOG`, checked by every embedding: `logging`), the token (`LOCKSTEP_TOKEN`, which has its own
-/// rules), and the checkpoint fault injection (`LOCKSTEP_FAULT_SAVE`).
-pub const CHECKED: &[Var] = &[
-    TIMEOUT_S,
-    RDZV_TIMEOUT_S,
-    BACKEND,
-    DEBUG,
-    NNODES,
-    HOST_ID,
-    JOB_ID,
-    STORE_PORT,
-    CONSOLE_TTY,
-    SHM_SLOT_BYTES,
-    SHM_SMALL_BYTES,
-    SHM_HEAP_BYTES,
-    SHM_NT_BYTES,
-    SHM_CMA_BYTES,
-    SHM_STAGE,
-    SHM_SINGLE_COPY,
-    PEER_CHECK_MS,
-    SPIN_US,
-    CPU_BIND,
-    JOIN_TIMEOUT_S,
-    REPLACEMENT,
-    RESTART_COUNT,
-    CHECK_FINITE,
-    CONFIG,
-    LOG_TIME,
-    MPI,
-    MPI_NODE_SIZE,
-    TRACE_BUFFER,
-];
+checked_vars! {
+    /// The `LOCKSTEP_*` variables of a simple kind, with what each accepts; each reader parses its
+    /// variable through the same [`Var`], so this table and the readers cannot disagree. Free-form
+    /// ones are not listed: library paths (`LOCKSTEP_CUDA_LIBRARY`, `LOCKSTEP_NVRTC_LIBRARY`,
+    /// `LOCKSTEP_NCCL_LIBRARY`, `LOCKSTEP_MPI_LIBRARY`: a file or a folder, read through [`raw`] so
+    /// that a value that is not UTF-8 is an error), `LOCKSTEP_SHM_DIR` (checked where
+    /// a named segment is made: an absolute path to a directory), `LOCKSTEP_TRACE_DIR` (any directory), NVRTC options, the log filter
+    /// (`LOCKSTEP_LOG`, checked by every embedding: `logging`), the token (`LOCKSTEP_TOKEN`, which has its own
+    /// rules), and the checkpoint fault injection (`LOCKSTEP_FAULT_SAVE`).
+    CHECKED;
+
+    /// Collective timeout of the shared-memory backend and of the NCCL communicator.
+    TIMEOUT_S = "LOCKSTEP_TIMEOUT_S", Kind::Secs;
+    /// How long a rank of a multi-node job waits in the rendezvous (set by `lockstep launch`).
+    RDZV_TIMEOUT_S = "LOCKSTEP_RDZV_TIMEOUT_S", Kind::Secs;
+    /// The backend `Communicator::from_env` builds.
+    BACKEND = "LOCKSTEP_BACKEND", Kind::Choice(BACKENDS);
+    /// CUDA initialisation probe logging.
+    DEBUG = "LOCKSTEP_DEBUG", Kind::Flag;
+    /// Nodes of a `lockstep launch` job (set by the launcher).
+    NNODES = "LOCKSTEP_NNODES", Kind::Count { min: 1, max: 1 << 20 };
+    /// This host's identity in a multi-node rendezvous.
+    HOST_ID = "LOCKSTEP_HOST_ID", Kind::Text;
+    /// The job's identity (set by `lockstep launch`; the shared segment's name is derived from it).
+    JOB_ID = "LOCKSTEP_JOB_ID", Kind::Text;
+    /// Port of lockstep's rendezvous store under torchrun, mpirun and srun.
+    STORE_PORT = "LOCKSTEP_STORE_PORT", Kind::Count { min: 1, max: 65535 };
+    /// Set by the launcher for its ranks' programs (progress bars may draw).
+    CONSOLE_TTY = "LOCKSTEP_CONSOLE_TTY", Kind::Flag;
+    /// Bytes of each staging slot of the shared-memory backend (rounded up to a multiple of 4096).
+    SHM_SLOT_BYTES = "LOCKSTEP_SHM_SLOT_BYTES", Kind::Count { min: 4096, max: 1 << 30 };
+    /// Largest message of the one-phase all-reduce path (used up to the slot size).
+    SHM_SMALL_BYTES = "LOCKSTEP_SHM_SMALL_BYTES", Kind::Count { min: 0, max: 1 << 30 };
+    /// Address space of each rank's shared heap (rounded up to a multiple of 2 MiB).
+    SHM_HEAP_BYTES = "LOCKSTEP_SHM_HEAP_BYTES", Kind::Count { min: 2 << 20, max: 1 << 44 };
+    /// Output size from which staged data is written with streaming stores.
+    SHM_NT_BYTES = "LOCKSTEP_SHM_NT_BYTES", Kind::Count { min: 0, max: 1 << 48 };
+    /// Point-to-point messages from this size are copied directly (`process_vm_readv`); 0 turns it off.
+    SHM_CMA_BYTES = "LOCKSTEP_SHM_CMA_BYTES", Kind::Count { min: 0, max: 1 << 48 };
+    /// How staged data is written into the slots.
+    SHM_STAGE = "LOCKSTEP_SHM_STAGE", Kind::Choice(&["auto", "cached", "streaming", "nt"]);
+    /// Collectives on ordinary buffers: a single copy between the ranks' buffers, staging, or timed (auto).
+    SHM_SINGLE_COPY = "LOCKSTEP_SHM_SINGLE_COPY", Kind::Choice(&["auto", "always", "never"]);
+    /// How often a waiting rank checks that its peers live, in milliseconds.
+    PEER_CHECK_MS = "LOCKSTEP_PEER_CHECK_MS", Kind::Count { min: 1, max: 3_600_000 };
+    /// Microseconds a waiting rank spins before yielding (0: yield at once).
+    SPIN_US = "LOCKSTEP_SPIN_US", Kind::Count { min: 0, max: 1_000_000 };
+    /// How each rank is bound to CPUs (`shm::CpuBind`).
+    CPU_BIND = "LOCKSTEP_CPU_BIND", Kind::Choice(&["block", "core", "none"]);
+    /// How long the ranks of a shared segment wait for each other to join.
+    JOIN_TIMEOUT_S = "LOCKSTEP_JOIN_TIMEOUT_S", Kind::Secs;
+    /// `1` in a replacement that `lockstep launch --restart-policy rank` started for a lost rank:
+    /// `Communicator::from_env` then joins the communicator the survivors grow (`shm::grow`).
+    REPLACEMENT = "LOCKSTEP_REPLACEMENT", Kind::Choice(&["0", "1"]);
+    /// Restarts of the job before this start, including a replacement's own (`lockstep launch`):
+    /// which grow a replacement joins.
+    RESTART_COUNT = "LOCKSTEP_RESTART_COUNT", Kind::Count { min: 0, max: 1 << 32 };
+    /// Whether reductions of floating-point data fail on a NaN or an infinity in any rank's input
+    /// (`shm::ShmConfig::check_finite`): `1` on, `0` off (the default). Strictly `0` or `1`.
+    CHECK_FINITE = "LOCKSTEP_CHECK_FINITE", Kind::Choice(&["0", "1"]);
+    /// Path of the configuration file (`lockstep::config`; `lockstep launch` passes the file it read
+    /// on to its ranks).
+    CONFIG = "LOCKSTEP_CONFIG", Kind::Text;
+    /// Timestamps on the diagnostics an embedding writes to stderr (`logging`).
+    LOG_TIME = "LOCKSTEP_LOG_TIME", Kind::Flag;
+    /// Whether `Communicator::from_env` joins a CPU job through MPI (`hier`): `auto` (across hosts,
+    /// under an MPI launcher), `on` (always), `off` (never).
+    MPI = "LOCKSTEP_MPI", Kind::Choice(&["auto", "on", "off"]);
+    /// Ranks per node of a job joined through MPI: blocks of this many consecutive ranks instead of
+    /// MPI's shared-memory split (each block must share memory).
+    MPI_NODE_SIZE = "LOCKSTEP_MPI_NODE_SIZE", Kind::Count { min: 1, max: 1 << 20 };
+    /// Calls each communicator's flight recorder keeps (`lockstep::trace`); 0 turns it off.
+    TRACE_BUFFER = "LOCKSTEP_TRACE_BUFFER", Kind::Count { min: 0, max: 1 << 24 };
+}
 
 impl Var {
     /// The error for a reader that asks this variable for the wrong kind (a lockstep bug, named

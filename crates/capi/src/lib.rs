@@ -38,8 +38,7 @@ use std::ffi::{c_char, c_int, c_void};
 
 use exec::Op;
 use handle::{guard, guard_comm, out_ptr, Failure};
-use runtime::comm::{CommError, Communicator};
-use runtime::cuda::{CudaError, DeviceBuffer};
+use runtime::comm::Communicator;
 
 pub use handle::{lockstepComm, lockstepComm_t};
 pub use log::lockstepLogCallback_t;
@@ -259,7 +258,7 @@ pub unsafe extern "C" fn lockstepCommSplit(
         let sub = h.with_comm(|c| {
             // Every rank learns whether every rank's arguments passed, so that a refused rank
             // makes the split fail everywhere instead of leaving its peers waiting in it.
-            let passed = gather_flags(c, checked.is_ok()).map_err(Failure::from)?;
+            let passed = c.all_gather_u64(u64::from(checked.is_ok()), SPLIT_CHECKS).map_err(Failure::from)?;
             let refused: Vec<String> = (0..passed.len()).filter(|&r| passed[r] == 0).map(|r| r.to_string()).collect();
             if let Err(f) = &checked {
                 return Err(f.clone());
@@ -402,31 +401,9 @@ unsafe fn new_comm_out<'a>(
     Ok(out)
 }
 
-/// Every rank's `flag` (0 or 1), in rank order: an all-gather through host memory, or device
-/// memory on device communicators (whose collectives take device buffers only).
-fn gather_flags(c: &mut Communicator, flag: bool) -> Result<Vec<u64>, CommError> {
-    let n = c.world_size();
-    let v = u64::from(flag);
-    let Some(ctx) = c.device_context() else {
-        let mut out = vec![0u64; n];
-        c.all_gather(&[v][..], &mut out[..])?;
-        return Ok(out);
-    };
-    let cuda = |e: CudaError| CommError::Backend {
-        backend: "cuda",
-        message: format!(
-            "lockstepCommSplit: exchanging the argument checks through the device: {e}"
-        ),
-    };
-    let stream = ctx.stream().map_err(cuda)?;
-    let send = DeviceBuffer::from_host(&stream, &[v]).map_err(cuda)?;
-    let mut recv = DeviceBuffer::<u64>::zeros(&stream, n).map_err(cuda)?;
-    // The zeroing must land before the communicator's stream writes the result.
-    stream.synchronize().map_err(cuda)?;
-    c.all_gather(&send, &mut recv)?;
-    c.synchronize()?;
-    recv.to_vec(&stream).map_err(cuda)
-}
+/// What lockstepCommSplit exchanges before splitting: whether each rank's arguments passed its
+/// local checks (named in the error of a failed CUDA step of the exchange).
+const SPLIT_CHECKS: &str = "lockstepCommSplit: exchanging the argument checks";
 
 /// The local checks of lockstepCommSplit, and the new communicator's settings.
 ///

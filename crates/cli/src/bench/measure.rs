@@ -433,21 +433,7 @@ fn cpu_list() -> String {
     let cpus: Vec<usize> = (0..nix::sched::CpuSet::count())
         .filter(|&i| set.is_set(i).unwrap_or(false))
         .collect();
-    let mut parts = Vec::new();
-    let mut i = 0;
-    while i < cpus.len() {
-        let mut j = i;
-        while j + 1 < cpus.len() && cpus[j + 1] == cpus[j] + 1 {
-            j += 1;
-        }
-        parts.push(if i == j {
-            cpus[i].to_string()
-        } else {
-            format!("{}-{}", cpus[i], cpus[j])
-        });
-        i = j + 1;
-    }
-    format!("cpus {}", parts.join(","))
+    format!("cpus {}", lockstep::types::ranges_text(&cpus, ","))
 }
 
 fn rank_info(rank: usize, device: String) -> RankInfo {

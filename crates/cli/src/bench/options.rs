@@ -2,6 +2,35 @@
 
 use lockstep::comm::{CollKind, Dtype, ReduceOp};
 
+/// `FromStr` for an option's enum from its table of names: exactly one of the names, or an error
+/// that names the setting and lists what it takes.
+macro_rules! from_names {
+    ($t:ident, $what:literal, [$($name:literal => $v:ident),+ $(,)?]) => {
+        impl std::str::FromStr for $t {
+            type Err = String;
+            fn from_str(s: &str) -> Result<$t, String> {
+                match s {
+                    $($name => Ok($t::$v),)+
+                    _ => Err(format!(
+                        "unknown {} '{s}' (expected {})",
+                        $what,
+                        or_list(&[$($name),+])
+                    )),
+                }
+            }
+        }
+    };
+}
+
+/// `a, b or c`.
+fn or_list(names: &[&str]) -> String {
+    match names {
+        [] => String::new(),
+        [one] => one.to_string(),
+        [rest @ .., last] => format!("{} or {last}", rest.join(", ")),
+    }
+}
+
 /// Where the benchmark buffers live.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
@@ -12,18 +41,7 @@ pub enum Buffers {
     Shared,
 }
 
-impl std::str::FromStr for Buffers {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Buffers, String> {
-        match s {
-            "ordinary" => Ok(Buffers::Ordinary),
-            "shared" => Ok(Buffers::Shared),
-            _ => Err(format!(
-                "unknown buffer placement '{s}' (expected ordinary or shared)"
-            )),
-        }
-    }
-}
+from_names!(Buffers, "buffer placement", ["ordinary" => Ordinary, "shared" => Shared]);
 
 /// How [`render`] prints the rows.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -39,19 +57,7 @@ pub enum Format {
     Json,
 }
 
-impl std::str::FromStr for Format {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Format, String> {
-        match s {
-            "text" => Ok(Format::Text),
-            "csv" => Ok(Format::Csv),
-            "json" => Ok(Format::Json),
-            _ => Err(format!(
-                "unknown output format '{s}' (expected text, csv or json)"
-            )),
-        }
-    }
-}
+from_names!(Format, "output format", ["text" => Text, "csv" => Csv, "json" => Json]);
 
 /// A size in bytes: digits with an optional `K`, `M` or `G` suffix (powers of 1024, either
 /// case, as nccl-tests' `-b 8 -e 128M` read).
@@ -338,6 +344,20 @@ pub fn sizes(a: &BenchOptions, esz: usize, n: usize) -> Vec<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn option_names_parse_exactly_and_errors_list_them() {
+        assert_eq!("shared".parse::<Buffers>(), Ok(Buffers::Shared));
+        assert_eq!("csv".parse::<Format>(), Ok(Format::Csv));
+        assert_eq!(
+            "x".parse::<Buffers>().unwrap_err(),
+            "unknown buffer placement 'x' (expected ordinary or shared)"
+        );
+        assert_eq!(
+            "Text".parse::<Format>().unwrap_err(),
+            "unknown output format 'Text' (expected text, csv or json)"
+        );
+    }
 
     #[test]
     fn sizes_take_suffixes() {
