@@ -134,6 +134,27 @@ fn flops(
 /// Name, layer, input dimensions, whether backward computes the input gradient.
 type Case = (&'static str, Box<dyn Layer>, Vec<usize>, bool);
 
+/// A [`Case`] from a layer value.
+fn case(name: &'static str, l: impl Layer, dims: &[usize], need_dinp: bool) -> Case {
+    (name, Box::new(l), dims.to_vec(), need_dinp)
+}
+
+/// One training step of `m` on its current input: forward, loss, backward into `g` (zeroed
+/// first).
+fn step(m: &mut Model, labels: &[u8], g: &mut [f32]) {
+    m.forward(true);
+    m.loss(labels).expect("labels in range");
+    g.fill(0.0);
+    m.backward(labels, g);
+}
+
+/// CPU seconds of one evaluation forward pass and of one training [`step`] of `m`.
+fn forward_and_step_s(m: &mut Model, labels: &[u8], g: &mut [f32]) -> (f64, f64) {
+    let f = time_ms(|| m.forward(false)) * 1e-3;
+    let s = time_ms(|| step(m, labels, g)) * 1e-3;
+    (f, s)
+}
+
 fn main() {
     // The peak first, on an idle-as-possible core: best of 9 rounds of 0.2 s.
     let peak = fma_peak::measure(0.2);
@@ -146,58 +167,18 @@ fn main() {
     // Backward as in the model: the first layer needs no input gradient. conv2 is also timed
     // without it, which isolates the weight gradient (the difference is the input gradient).
     let layers: Vec<Case> = vec![
-        (
-            "conv1",
-            Box::new(Conv2d::new(c1)),
-            vec![64, 1, 28, 28],
-            false,
-        ),
-        (
-            "bn1",
-            Box::new(BatchNorm2d::new(32)),
-            vec![64, 32, 28, 28],
-            true,
-        ),
-        ("relu1", Box::new(Relu), vec![64, 32, 28, 28], true),
-        (
-            "pool1",
-            Box::new(MaxPool2d::new(2, 2)),
-            vec![64, 32, 28, 28],
-            true,
-        ),
-        (
-            "conv2",
-            Box::new(Conv2d::new(c2)),
-            vec![64, 32, 14, 14],
-            true,
-        ),
-        (
-            "conv2.wgrad",
-            Box::new(Conv2d::new(c2)),
-            vec![64, 32, 14, 14],
-            false,
-        ),
-        (
-            "bn2",
-            Box::new(BatchNorm2d::new(64)),
-            vec![64, 64, 14, 14],
-            true,
-        ),
-        ("relu2", Box::new(Relu), vec![64, 64, 14, 14], true),
-        (
-            "pool2",
-            Box::new(MaxPool2d::new(2, 2)),
-            vec![64, 64, 14, 14],
-            true,
-        ),
-        (
-            "linear1",
-            Box::new(Linear::new(3136, 64)),
-            vec![64, 3136],
-            true,
-        ),
-        ("relu3", Box::new(Relu), vec![64, 64], true),
-        ("linear2", Box::new(Linear::new(64, 10)), vec![64, 64], true),
+        case("conv1", Conv2d::new(c1), &[64, 1, 28, 28], false),
+        case("bn1", BatchNorm2d::new(32), &[64, 32, 28, 28], true),
+        case("relu1", Relu, &[64, 32, 28, 28], true),
+        case("pool1", MaxPool2d::new(2, 2), &[64, 32, 28, 28], true),
+        case("conv2", Conv2d::new(c2), &[64, 32, 14, 14], true),
+        case("conv2.wgrad", Conv2d::new(c2), &[64, 32, 14, 14], false),
+        case("bn2", BatchNorm2d::new(64), &[64, 64, 14, 14], true),
+        case("relu2", Relu, &[64, 64, 14, 14], true),
+        case("pool2", MaxPool2d::new(2, 2), &[64, 64, 14, 14], true),
+        case("linear1", Linear::new(3136, 64), &[64, 3136], true),
+        case("relu3", Relu, &[64, 64], true),
+        case("linear2", Linear::new(64, 10), &[64, 64], true),
     ];
     println!(
         "{:12} {:>9} {:>9} {:>9} {:>9} {:>8} {:>8} {:>7} {:>7} {:>8}",
@@ -283,17 +264,9 @@ fn main() {
     }
     let mut g = vec![0.0f32; np];
     for _ in 0..3 {
-        m.forward(true);
-        m.loss(&labels).expect("labels in range");
-        m.backward(&labels, &mut g);
+        step(&mut m, &labels, &mut g);
     }
-    let f = time_ms(|| m.forward(false)) * 1e-3;
-    let s = time_ms(|| {
-        m.forward(true);
-        m.loss(&labels).expect("labels in range");
-        g.fill(0.0);
-        m.backward(&labels, &mut g);
-    }) * 1e-3;
+    let (f, s) = forward_and_step_s(&mut m, &labels, &mut g);
     println!(
         "train_step_cpu: forward {:.2} ms, step {:.2} ms per 64 images; one rank of a 2-rank epoch (469 steps + 79 eval batches) ~ {:.1} s CPU",
         f * 1e3,
@@ -303,13 +276,7 @@ fn main() {
     // The same with BatchNorm + ReLU + pool as three separate layers, right after, for the
     // fusion's before/after in one machine state.
     m.set_fusion(false);
-    let fu = time_ms(|| m.forward(false)) * 1e-3;
-    let su = time_ms(|| {
-        m.forward(true);
-        m.loss(&labels).expect("labels in range");
-        g.fill(0.0);
-        m.backward(&labels, &mut g);
-    }) * 1e-3;
+    let (fu, su) = forward_and_step_s(&mut m, &labels, &mut g);
     println!(
         "train_step_cpu unfused: forward {:.2} ms, step {:.2} ms (fused saves {:.1} %)",
         fu * 1e3,
@@ -448,12 +415,7 @@ fn gemm_paths(m: &mut Model, labels: &[u8], g: &mut [f32], peak: f64) {
     let (mut on, mut off) = (Vec::new(), Vec::new());
     for round in 0..10 {
         set_small_kernels(round % 2 == 0);
-        let s = time_ms(|| {
-            m.forward(true);
-            m.loss(labels).expect("labels in range");
-            g.fill(0.0);
-            m.backward(labels, g);
-        });
+        let s = time_ms(|| step(m, labels, g));
         if round % 2 == 0 {
             on.push(s)
         } else {

@@ -53,12 +53,7 @@ extern "C" __global__ void batchnorm2d_forward_train_f32(float* out, float* save
     const int cnt = batch * hw;
 
     // Pass 1: mean. Two passes instead of Σx² - (Σx)²/n, which cancels badly when |mean| >> std.
-    float s = 0.0f;
-    for (int n = 0; n < batch; ++n) {
-        const float* row = inp + ((long long)n * channels + c) * hw;
-        for (int p = threadIdx.x; p < hw; p += blockDim.x) s += row[p];
-    }
-    const float mean = block_reduce_sum(s, scratch) / (float)cnt;
+    const float mean = block_reduce_sum(channel_partial_sum(inp, batch, channels, c, hw), scratch) / (float)cnt;
 
     // Pass 2: biased variance around that mean.
     float q = 0.0f;

@@ -183,6 +183,19 @@ __device__ __forceinline__ float to_f32(float x) { return x; }
 __device__ __forceinline__ float to_f32(bf16_t x) { return bf16_to_f32(x); }
 __device__ __forceinline__ float to_f32(f16_t x) { return f16_to_f32(x); }
 
+// This thread's share of the sum of channel c over every sample of x[batch, channels, hw] (the
+// run x[(n*channels + c)*hw, +hw) of each sample n), in a fixed order: one block per channel
+// then takes block_reduce_sum of the shares (BatchNorm's mean, a convolution's bias gradient).
+template <typename T>
+__device__ __forceinline__ float channel_partial_sum(const T* x, int batch, int channels, int c, int hw) {
+    float s = 0.0f;
+    for (int n = 0; n < batch; ++n) {
+        const T* row = x + ((long long)n * channels + c) * hw;
+        for (int p = threadIdx.x; p < hw; p += blockDim.x) s += to_f32(row[p]);
+    }
+    return s;
+}
+
 // Zero of each operand type (out-of-range tile elements are zero-filled).
 template <typename T> __device__ __forceinline__ T zero_of();
 template <> __device__ __forceinline__ float zero_of<float>() { return 0.0f; }

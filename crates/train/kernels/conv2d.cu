@@ -222,13 +222,7 @@ __device__ __forceinline__ void conv2d_backward_bias_impl(float* dbias, const T*
                                                           int out_w) {
     __shared__ float scratch[32];
     const int oc = blockIdx.x;
-    const int ohw = out_h * out_w;
-    float sum = 0.0f;
-    for (int n = 0; n < batch; ++n) {
-        const T* row = dout + ((long long)n * out_c + oc) * ohw;
-        for (int p = threadIdx.x; p < ohw; p += blockDim.x) sum += to_f32(row[p]);
-    }
-    sum = block_reduce_sum(sum, scratch);
+    const float sum = block_reduce_sum(channel_partial_sum(dout, batch, out_c, oc, out_h * out_w), scratch);
     if (threadIdx.x == 0) dbias[oc] += sum;
 }
 

@@ -348,25 +348,39 @@ mod tests {
     fn empty_splits_and_shape_mismatch_name_the_file() {
         let dir = std::env::temp_dir().join(format!("lockstep-data-test-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        write(&dir, "train", 0, 28, 28);
-        write(&dir, "t10k", 5, 28, 28);
-        let e = load_splits(&dir).unwrap_err().to_string();
-        assert!(
-            e.contains("train-images-idx3-ubyte holds no images")
-                && e.contains("non-empty train split"),
-            "{e}"
-        );
-        write(&dir, "train", 4, 28, 28);
-        write(&dir, "t10k", 0, 28, 28);
-        let e = load_splits(&dir).unwrap_err().to_string();
-        assert!(e.contains("t10k-images-idx3-ubyte holds no images"), "{e}");
-        write(&dir, "t10k", 5, 10, 10);
-        let e = load_splits(&dir).unwrap_err().to_string();
-        assert!(
-            e.contains("t10k-images-idx3-ubyte holds 10×10 images but the training split")
-                && e.contains("holds 28×28"),
-            "{e}"
-        );
+        // (train images, t10k images, t10k side, what the error must say)
+        let cases: [(usize, usize, usize, &[&str]); 3] = [
+            (
+                0,
+                5,
+                28,
+                &[
+                    "train-images-idx3-ubyte holds no images",
+                    "non-empty train split",
+                ],
+            ),
+            (4, 0, 28, &["t10k-images-idx3-ubyte holds no images"]),
+            (
+                4,
+                5,
+                10,
+                &[
+                    "t10k-images-idx3-ubyte holds 10×10 images but the training split",
+                    "holds 28×28",
+                ],
+            ),
+        ];
+        for (n_train, n_test, side, want) in cases {
+            write(&dir, "train", n_train, 28, 28);
+            write(&dir, "t10k", n_test, side, side);
+            let e = load_splits(&dir).unwrap_err().to_string();
+            for w in want {
+                assert!(
+                    e.contains(w),
+                    "{n_train} / {n_test} images of side {side}: {e}"
+                );
+            }
+        }
         write(&dir, "t10k", 5, 28, 28);
         let (train, test) = load_splits(&dir).unwrap();
         assert_eq!(

@@ -269,12 +269,7 @@ impl Model {
     fn forward_from_conv(&mut self, c: usize, train: bool, synced: bool) -> bool {
         let g = c + 1;
         let (rc, rb) = (self.layer_ranges[c].clone(), self.layer_ranges[g].clone());
-        let (head, group) = self.layers.split_at_mut(g);
-        let (Some(conv), [bn, _relu, pool, ..]) = (as_conv(head[c].1.as_mut()), group) else {
-            return false;
-        };
-        let (Some(bn), Some(pool)) = (as_batchnorm(bn.1.as_mut()), as_maxpool(pool.1.as_mut()))
-        else {
+        let Some((conv, bn, pool)) = conv_group(&mut self.layers, c) else {
             return false;
         };
         if !conv.streams_samples() || (synced && bn.sync) {
@@ -423,12 +418,7 @@ impl Model {
     ) -> bool {
         let c = g - 1;
         let (rc, rb) = (self.layer_ranges[c].clone(), self.layer_ranges[g].clone());
-        let (before, group) = self.layers.split_at_mut(g);
-        let (Some(conv), [bn, _relu, pool, ..]) = (as_conv(before[c].1.as_mut()), group) else {
-            return false;
-        };
-        let (Some(bn), Some(pool)) = (as_batchnorm(bn.1.as_mut()), as_maxpool(pool.1.as_mut()))
-        else {
+        let Some((conv, bn, pool)) = conv_group(&mut self.layers, c) else {
             return false;
         };
         if !conv.streams_samples() {
@@ -531,6 +521,24 @@ fn as_maxpool(layer: &mut dyn Layer) -> Option<&mut MaxPool2d> {
     any.downcast_mut::<MaxPool2d>()
 }
 
+/// The convolution at `c` and the BatchNorm and max-pool of the fused group after it (`c + 1`
+/// BatchNorm, `c + 2` ReLU, `c + 3` max-pool), or `None` when the layers there are not of that
+/// shape.
+fn conv_group(
+    layers: &mut [(String, Box<dyn Layer>)],
+    c: usize,
+) -> Option<(&mut Conv2d, &mut BatchNorm2d, &mut MaxPool2d)> {
+    let (head, group) = layers.split_at_mut(c + 1);
+    let [bn, _relu, pool, ..] = group else {
+        return None;
+    };
+    Some((
+        as_conv(head[c].1.as_mut())?,
+        as_batchnorm(bn.1.as_mut())?,
+        as_maxpool(pool.1.as_mut())?,
+    ))
+}
+
 /// Whether layers `i..i + 3` are BatchNorm, ReLU and a 2x2 stride-2 max-pool over an input with
 /// even height and width (so every input value lies in exactly one window, which the fused
 /// backward relies on).
@@ -577,6 +585,13 @@ mod tests {
         );
     }
 
+    /// Both models forward (`train` as [`Model::forward`]'s), their logits bit-identical.
+    fn same_forward(a: &mut Model, b: &mut Model, train: bool, what: &str) {
+        a.forward(train);
+        b.forward(train);
+        assert_eq!(a.logits().data(), b.logits().data(), "{what}");
+    }
+
     /// The fused BatchNorm + ReLU + pool groups (the first streamed with conv1, the second not)
     /// against the three layers run one by one: the forward (training and evaluation) is
     /// bit-identical, the gradients equal up to rounding (the fused sums skip the zeros and add
@@ -618,12 +633,11 @@ mod tests {
             let x: Vec<f32> = (0..6 * 784).map(|_| rng.uniform(-1.0, 1.0)).collect();
             a.input_mut().data_mut().copy_from_slice(&x);
             b.input_mut().data_mut().copy_from_slice(&x);
-            a.forward(true);
-            b.forward(true);
-            assert_eq!(
-                a.logits().data(),
-                b.logits().data(),
-                "step {step}: training forward"
+            same_forward(
+                &mut a,
+                &mut b,
+                true,
+                &format!("step {step}: training forward"),
             );
             let (la, lb) = (a.loss(&labels).unwrap(), b.loss(&labels).unwrap());
             assert_eq!(la, lb);
@@ -649,12 +663,11 @@ mod tests {
                 *p -= 0.01 * g;
             }
             b.params.copy_from_slice(&a.params);
-            a.forward(false);
-            b.forward(false);
-            assert_eq!(
-                a.logits().data(),
-                b.logits().data(),
-                "step {step}: evaluation forward"
+            same_forward(
+                &mut a,
+                &mut b,
+                false,
+                &format!("step {step}: evaluation forward"),
             );
         }
     }

@@ -211,28 +211,27 @@ fn meta_u64(
     meta: &HashMap<String, String>,
     key: &str,
 ) -> Result<u64, CheckpointError> {
-    meta.get(key)
-        .and_then(|v| v.parse().ok())
-        .ok_or_else(|| CheckpointError::Mismatch {
-            path: path.to_path_buf(),
-            name: format!("metadata {key}"),
-            why: "missing or not a number".into(),
-        })
+    meta_num(path, meta, key, "missing or not a number")
 }
 
+/// The number under `key` in `meta`; `why` is the message when it is missing or does not parse.
 fn meta_num<T: FromStr>(
     path: &Path,
     meta: &HashMap<String, String>,
     key: &str,
+    why: &str,
 ) -> Result<T, CheckpointError> {
     meta.get(key)
         .and_then(|v| v.parse().ok())
         .ok_or_else(|| CheckpointError::Mismatch {
             path: path.to_path_buf(),
             name: format!("metadata {key}"),
-            why: "missing or not a number (the loss scaler's keys come together)".into(),
+            why: why.into(),
         })
 }
+
+/// What a missing or malformed loss-scaler key says.
+const SCALER_WHY: &str = "missing or not a number (the loss scaler's keys come together)";
 
 /// The loss scaler's state in an optimizer file's metadata, if it holds one.
 fn scaler_state(
@@ -243,12 +242,12 @@ fn scaler_state(
         return Ok(None);
     }
     let st = ScalerState {
-        scale: meta_num(path, meta, SCALER_KEYS[0])?,
-        growth_factor: meta_num(path, meta, SCALER_KEYS[1])?,
-        backoff_factor: meta_num(path, meta, SCALER_KEYS[2])?,
-        growth_interval: meta_num(path, meta, SCALER_KEYS[3])?,
-        good_steps: meta_num(path, meta, SCALER_KEYS[4])?,
-        skipped: meta_num(path, meta, SCALER_KEYS[5])?,
+        scale: meta_num(path, meta, SCALER_KEYS[0], SCALER_WHY)?,
+        growth_factor: meta_num(path, meta, SCALER_KEYS[1], SCALER_WHY)?,
+        backoff_factor: meta_num(path, meta, SCALER_KEYS[2], SCALER_WHY)?,
+        growth_interval: meta_num(path, meta, SCALER_KEYS[3], SCALER_WHY)?,
+        good_steps: meta_num(path, meta, SCALER_KEYS[4], SCALER_WHY)?,
+        skipped: meta_num(path, meta, SCALER_KEYS[5], SCALER_WHY)?,
     };
     // Checked here, so a resume passes over a damaged file as over any other.
     super::super::precision::LossScaler::from_state(st).map_err(|e| CheckpointError::Mismatch {
@@ -318,20 +317,10 @@ pub(super) fn load_optim_bytes(
         msg: e.to_string(),
     })?;
     for e in &model.entries {
-        read_f32(
-            path,
-            &st,
-            &format!("exp_avg.{}", e.name),
-            &e.dims,
-            &mut opt.m[e.range.clone()],
-        )?;
-        read_f32(
-            path,
-            &st,
-            &format!("exp_avg_sq.{}", e.name),
-            &e.dims,
-            &mut opt.v[e.range.clone()],
-        )?;
+        for (moment, buf) in [("exp_avg", &mut opt.m), ("exp_avg_sq", &mut opt.v)] {
+            let name = format!("{moment}.{}", e.name);
+            read_f32(path, &st, &name, &e.dims, &mut buf[e.range.clone()])?;
+        }
     }
     let state = TrainState {
         epoch: meta_u64(path, &meta, "epoch")?,

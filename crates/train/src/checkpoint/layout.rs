@@ -11,21 +11,22 @@ use super::error::CheckpointError;
 
 /// The optimizer file that goes with a model file.
 pub fn optim_path(path: &Path) -> PathBuf {
-    let stem = path
-        .file_stem()
-        .map(|s| s.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    path.with_file_name(format!("{stem}.optim.safetensors"))
+    sibling(path, "optim")
 }
 
 /// Where the previous complete model file of the checkpoint at `path` is kept (its optimizer
 /// file is [`optim_path`] of this).
 pub fn prev_path(path: &Path) -> PathBuf {
+    sibling(path, "prev")
+}
+
+/// `<stem>.<role>.safetensors` beside `path` (`<stem>` its file name without the extension).
+fn sibling(path: &Path, role: &str) -> PathBuf {
     let stem = path
         .file_stem()
         .map(|s| s.to_string_lossy().into_owned())
         .unwrap_or_default();
-    path.with_file_name(format!("{stem}.prev.safetensors"))
+    path.with_file_name(format!("{stem}.{role}.safetensors"))
 }
 
 /// The four names of a checkpoint inside its directory.

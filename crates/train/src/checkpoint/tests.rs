@@ -12,11 +12,40 @@ use super::format::{file_meta, serialize, Raw, SCALER_KEYS};
 use super::*;
 use crate::ops::optim::Adam;
 
-fn tmpdir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("lockstep-ckpt-unit-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+/// A fresh scratch directory for one test, removed when dropped (also when the test fails).
+struct TmpDir(PathBuf);
+
+impl TmpDir {
+    fn new(name: &str) -> TmpDir {
+        let d =
+            std::env::temp_dir().join(format!("lockstep-ckpt-unit-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        TmpDir(d)
+    }
+}
+
+impl std::ops::Deref for TmpDir {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TmpDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A checkpoint `m.safetensors` in a fresh [`TmpDir`] saved at epochs 1 and 2: the live pair
+/// holds 2, the previous pair 1.
+fn saved_twice(name: &str) -> (TmpDir, PathBuf) {
+    let d = TmpDir::new(name);
+    let p = d.join("m.safetensors");
+    save_epoch(&p, 1).unwrap();
+    save_epoch(&p, 2).unwrap();
+    (d, p)
 }
 
 fn model_and_opt() -> (Model, Adam) {
@@ -79,7 +108,7 @@ const FOUR: [&str; 4] = [
 /// over like any damaged file.
 #[test]
 fn loss_scaler_state_round_trips_and_older_files_load_without_it() {
-    let d = tmpdir("scaler");
+    let d = TmpDir::new("scaler");
     let p = d.join("m.safetensors");
     let sc = ScalerState {
         scale: 2f32.powi(-3) * 3.0,
@@ -156,15 +185,11 @@ fn loss_scaler_state_round_trips_and_older_files_load_without_it() {
         "{:?}",
         r.passed_over
     );
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 #[test]
 fn latest_then_previous_then_a_clear_error() {
-    let d = tmpdir("order");
-    let p = d.join("m.safetensors");
-    save_epoch(&p, 1).unwrap();
-    save_epoch(&p, 2).unwrap();
+    let (d, p) = saved_twice("order");
     assert_eq!(
         names(&d),
         FOUR,
@@ -191,15 +216,11 @@ fn latest_then_previous_then_a_clear_error() {
         e.contains("no complete checkpoint") && e.contains("m.prev.safetensors does not exist"),
         "{e}"
     );
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 #[test]
 fn torn_pair_resumes_the_committed_state_and_the_next_save_keeps_it() {
-    let d = tmpdir("torn");
-    let p = d.join("m.safetensors");
-    save_epoch(&p, 1).unwrap();
-    save_epoch(&p, 2).unwrap();
+    let (d, p) = saved_twice("torn");
     // The files of a third save killed right after its optimizer rename: the kept pair is
     // the live one (2), and the live optimizer file is already 3's.
     let other = d.join("other");
@@ -244,12 +265,11 @@ fn torn_pair_resumes_the_committed_state_and_the_next_save_keeps_it() {
     std::fs::write(&p, b"torn").unwrap();
     let (src, epoch, w, m, _) = resumed(&p).unwrap();
     assert_eq!((src, epoch, w, m), (Source::Previous, 2, 2.0, 2.0));
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 #[test]
 fn stale_temporaries_go_running_saves_and_other_files_stay() {
-    let d = tmpdir("stale");
+    let d = TmpDir::new("stale");
     let p = d.join("m.safetensors");
     let dead = (100_000..4_000_000)
         .rev()
@@ -276,12 +296,11 @@ fn stale_temporaries_go_running_saves_and_other_files_stay() {
     for n in &keep {
         assert!(left.contains(n), "{n} must stay: {left:?}");
     }
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 #[test]
 fn failed_save_removes_its_temporaries_and_keeps_the_last_state() {
-    let d = tmpdir("failed");
+    let d = TmpDir::new("failed");
     let p = d.join("m.safetensors");
     save_epoch(&p, 1).unwrap();
     // A non-empty directory under the previous-model name: keeping the pair fails midway.
@@ -294,12 +313,11 @@ fn failed_save_removes_its_temporaries_and_keeps_the_last_state() {
         "temporaries left: {left:?}"
     );
     assert_eq!(resumed(&p).unwrap().1, 1);
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 #[test]
 fn links_under_checkpoint_names_are_replaced_never_followed() {
-    let d = tmpdir("links");
+    let d = TmpDir::new("links");
     let victims = d.join("victims");
     let ck = d.join("ck");
     std::fs::create_dir_all(&victims).unwrap();
@@ -328,12 +346,11 @@ fn links_under_checkpoint_names_are_replaced_never_followed() {
     }
     assert_eq!(names(&ck), FOUR);
     assert_eq!(resumed(&p).unwrap().1, 2);
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 #[test]
 fn check_target_refuses_paths_that_cannot_work() {
-    let d = tmpdir("target");
+    let d = TmpDir::new("target");
     let msg = |p: &Path, need| check_target(p, need).unwrap_err().to_string();
     let e = msg(&d, 1);
     assert!(
@@ -361,5 +378,4 @@ fn check_target_refuses_paths_that_cannot_work() {
         "the probe file is removed: {:?}",
         names(&d)
     );
-    let _ = std::fs::remove_dir_all(&d);
 }

@@ -211,6 +211,24 @@ impl CpuExec {
                 out.push((0, Val::F(o)));
             }};
         }
+        // `f(out, inp, n)`: the output read by accessor `$o` and returned as `Val::$ov`, the input
+        // read by `$i`.
+        macro_rules! unary {
+            ($f:path, $o:ident => $ov:ident, $i:ident) => {{
+                let (mut o, x) = (v.$o(0), v.$i(1));
+                $f(&mut o, &x, v.si(2));
+                out.push((0, Val::$ov(o)));
+            }};
+        }
+        // `f(dbias, dout, sizes...)`: a bias gradient, `dout` read by accessor `$t`, the sizes
+        // from scalar arguments `$k`.
+        macro_rules! bias {
+            ($f:path, $t:ident, $($k:literal),*) => {{
+                let mut o = v.f(0);
+                $f(&mut o, &v.$t(1), $(v.si($k)),*);
+                out.push((0, Val::F(o)));
+            }};
+        }
         match op.name {
             "fill_f32" => {
                 let mut o = v.f(0);
@@ -232,11 +250,7 @@ impl CpuExec {
                 twins::splitk_reduce_f32(&mut o, &p, v.si(2), v.sl(3));
                 out.push((0, Val::F(o)));
             }
-            "relu_forward_f32" => {
-                let (mut o, x) = (v.f(0), v.f(1));
-                twins::relu_forward_f32(&mut o, &x, v.si(2));
-                out.push((0, Val::F(o)));
-            }
+            "relu_forward_f32" => unary!(twins::relu_forward_f32, f => F, f),
             "relu_backward_f32" => {
                 let (mut d, o, g) = (v.f(0), v.f(1), v.f(2));
                 twins::relu_backward_f32(&mut d, &o, &g, v.si(3));
@@ -272,17 +286,9 @@ impl CpuExec {
             "conv2d_backward_weight_f32" => gemm_dw!(twins::conv2d_backward_weight_f32, f, conv),
             "conv2d_backward_weight_bf16" => gemm_dw!(twins::conv2d_backward_weight_bf16, b, conv),
             "conv2d_backward_weight_f16" => gemm_dw!(twins::conv2d_backward_weight_f16, h, conv),
-            "conv2d_backward_bias_f32" | "conv2d_backward_bias_bf16" | "conv2d_backward_bias_f16" => {
-                let mut o = v.f(0);
-                if op.name.ends_with("_f32") {
-                    twins::conv2d_backward_bias_f32(&mut o, &v.f(1), v.si(2), v.si(3), v.si(4), v.si(5));
-                } else if op.name.ends_with("_bf16") {
-                    twins::conv2d_backward_bias_bf16(&mut o, &v.b(1), v.si(2), v.si(3), v.si(4), v.si(5));
-                } else {
-                    twins::conv2d_backward_bias_f16(&mut o, &v.h(1), v.si(2), v.si(3), v.si(4), v.si(5));
-                }
-                out.push((0, Val::F(o)));
-            }
+            "conv2d_backward_bias_f32" => bias!(twins::conv2d_backward_bias_f32, f, 2, 3, 4, 5),
+            "conv2d_backward_bias_bf16" => bias!(twins::conv2d_backward_bias_bf16, b, 2, 3, 4, 5),
+            "conv2d_backward_bias_f16" => bias!(twins::conv2d_backward_bias_f16, h, 2, 3, 4, 5),
             "linear_forward_f32" => lin_fwd!(twins::linear_forward_f32, f),
             "linear_forward_bf16" => lin_fwd!(twins::linear_forward_bf16, b),
             "linear_forward_f16" => lin_fwd!(twins::linear_forward_f16, h),
@@ -292,17 +298,9 @@ impl CpuExec {
             "linear_backward_weight_f32" => gemm_dw!(twins::linear_backward_weight_f32, f, linear),
             "linear_backward_weight_bf16" => gemm_dw!(twins::linear_backward_weight_bf16, b, linear),
             "linear_backward_weight_f16" => gemm_dw!(twins::linear_backward_weight_f16, h, linear),
-            "linear_backward_bias_f32" | "linear_backward_bias_bf16" | "linear_backward_bias_f16" => {
-                let mut o = v.f(0);
-                if op.name.ends_with("_f32") {
-                    twins::linear_backward_bias_f32(&mut o, &v.f(1), v.si(2), v.si(3));
-                } else if op.name.ends_with("_bf16") {
-                    twins::linear_backward_bias_bf16(&mut o, &v.b(1), v.si(2), v.si(3));
-                } else {
-                    twins::linear_backward_bias_f16(&mut o, &v.h(1), v.si(2), v.si(3));
-                }
-                out.push((0, Val::F(o)));
-            }
+            "linear_backward_bias_f32" => bias!(twins::linear_backward_bias_f32, f, 2, 3),
+            "linear_backward_bias_bf16" => bias!(twins::linear_backward_bias_bf16, b, 2, 3),
+            "linear_backward_bias_f16" => bias!(twins::linear_backward_bias_f16, h, 2, 3),
             "softmax_xent_forward_f32" => {
                 let (mut l, mut p, mut m, mut c) = (v.f(0), v.f(1), v.f(2), v.i(3));
                 let (z, t) = (v.f(4), v.i(5));
@@ -367,26 +365,10 @@ impl CpuExec {
                 twins::gather_batch_f32(&mut im, &mut lb, &di, &dl, &ix, v.si(5), v.si(6));
                 out.extend([(0, Val::F(im)), (1, Val::I(lb))]);
             }
-            "cast_f32_bf16" => {
-                let (mut o, x) = (v.b(0), v.f(1));
-                twins::cast_f32_bf16(&mut o, &x, v.si(2));
-                out.push((0, Val::B(o)));
-            }
-            "cast_bf16_f32" => {
-                let (mut o, x) = (v.f(0), v.b(1));
-                twins::cast_bf16_f32(&mut o, &x, v.si(2));
-                out.push((0, Val::F(o)));
-            }
-            "cast_f32_f16" => {
-                let (mut o, x) = (v.h(0), v.f(1));
-                twins::cast_f32_f16(&mut o, &x, v.si(2));
-                out.push((0, Val::H(o)));
-            }
-            "cast_f16_f32" => {
-                let (mut o, x) = (v.f(0), v.h(1));
-                twins::cast_f16_f32(&mut o, &x, v.si(2));
-                out.push((0, Val::F(o)));
-            }
+            "cast_f32_bf16" => unary!(twins::cast_f32_bf16, b => B, f),
+            "cast_bf16_f32" => unary!(twins::cast_bf16_f32, f => F, b),
+            "cast_f32_f16" => unary!(twins::cast_f32_f16, h => H, f),
+            "cast_f16_f32" => unary!(twins::cast_f16_f32, f => F, h),
             other => {
                 return Err(DeviceError::Unsupported(format!(
                     "the CPU executor has no twin dispatch for {other} (bucket kernels take device addresses)"

@@ -185,6 +185,29 @@ impl<E: Exec> Engine<E> {
         self.exec.load_index_list(&v)
     }
 
+    /// Run the step (`train`) or evaluation plan for ids `start..start + b` of the index list;
+    /// `what` names the pass in the message refusing a `b` the engine was not built for.
+    fn run_batch(
+        &mut self,
+        what: &str,
+        start: usize,
+        b: usize,
+        train: bool,
+    ) -> Result<(), DeviceError> {
+        if b == 0 || b > self.t.batch {
+            return Err(DeviceError::Config(format!(
+                "{what} of {b} images: the engine was built for 1..={}",
+                self.t.batch
+            )));
+        }
+        self.exec.select_indices(self.t.indices.prefix(b), start)?;
+        let (key, _) = self.plan(b, train);
+        let ops = self.plans.remove(&key).unwrap_or_default();
+        let r = self.exec.run_step(key, &ops);
+        self.plans.insert(key, ops);
+        r
+    }
+
     fn plan(&mut self, b: usize, train: bool) -> (u64, &[Op]) {
         let key = ((b as u64) << 1) | train as u64;
         let sm = self.exec.sm_count();
@@ -221,18 +244,7 @@ impl<E: Exec> Engine<E> {
         lr: f32,
         comm: Option<&mut Communicator>,
     ) -> Result<StepAction, DeviceError> {
-        if b == 0 || b > self.t.batch {
-            return Err(DeviceError::Config(format!(
-                "step of {b} images: the engine was built for 1..={}",
-                self.t.batch
-            )));
-        }
-        self.exec.select_indices(self.t.indices.prefix(b), start)?;
-        let (key, _) = self.plan(b, true);
-        let ops = self.plans.remove(&key).unwrap_or_default();
-        let r = self.exec.run_step(key, &ops);
-        self.plans.insert(key, ops);
-        r?;
+        self.run_batch("step", start, b, true)?;
         if let Some(c) = comm {
             if c.world_size() > 1 {
                 self.exec.all_reduce_mean(c, self.t.grads)?;
@@ -276,18 +288,7 @@ impl<E: Exec> Engine<E> {
 
     /// Evaluate ids `start..start + b` of the index list; returns the correct predictions.
     pub fn eval_batch(&mut self, start: usize, b: usize) -> Result<u64, DeviceError> {
-        if b == 0 || b > self.t.batch {
-            return Err(DeviceError::Config(format!(
-                "evaluation of {b} images: the engine was built for 1..={}",
-                self.t.batch
-            )));
-        }
-        self.exec.select_indices(self.t.indices.prefix(b), start)?;
-        let (key, _) = self.plan(b, false);
-        let ops = self.plans.remove(&key).unwrap_or_default();
-        let r = self.exec.run_step(key, &ops);
-        self.plans.insert(key, ops);
-        r?;
+        self.run_batch("evaluation", start, b, false)?;
         Ok(self.exec.read_i32(self.t.loss.correct)?[0].max(0) as u64)
     }
 

@@ -29,6 +29,12 @@ impl Operand for f16 {
     }
 }
 
+/// `Σ_{i < n} term(i)` in f32, summed in order from 0: one output of a GEMM-shaped twin.
+#[inline(always)]
+pub(crate) fn dot(n: usize, term: impl Fn(usize) -> f32) -> f32 {
+    (0..n).fold(0.0f32, |acc, i| acc + term(i))
+}
+
 /// The K range of each split-K slice, as `gemm_tile` (common.cuh) cuts it: `splits` slices of
 /// `ceil(ceil(K / splits) / 32) * 32` (the last ones shorter, possibly empty).
 pub fn split_k_ranges(k: usize, splits: usize) -> Vec<std::ops::Range<usize>> {

@@ -39,9 +39,6 @@ pub fn relu_backward_f32(dinp: &mut [f32], out: &[f32], dout: &[f32], n: i32) {
 }
 
 impl Layer for Relu {
-    fn kind(&self) -> &'static str {
-        "relu"
-    }
     fn spec(&self) -> LayerSpec {
         LayerSpec::Relu
     }

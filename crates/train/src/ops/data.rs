@@ -72,30 +72,26 @@ pub fn bucket_unflatten_f32(
     }
 }
 
-/// `out[i] = bf16(inp[i])`, round to nearest even (NaN stays NaN).
-pub fn cast_f32_bf16(out: &mut [bf16], inp: &[f32], n: i32) {
-    for i in 0..n as usize {
-        out[i] = bf16::from_f32(inp[i]);
-    }
+/// The element-wise casts, one kernel each: `name(out, inp, n)` sets `out[i] = convert(inp[i])`
+/// for the first `n` elements.
+macro_rules! casts {
+    ($($(#[$doc:meta])* $name:ident: $from:ty => $to:ty = $convert:expr;)*) => {$(
+        $(#[$doc])*
+        pub fn $name(out: &mut [$to], inp: &[$from], n: i32) {
+            for i in 0..n as usize {
+                out[i] = $convert(inp[i]);
+            }
+        }
+    )*};
 }
 
-/// `out[i] = f32(inp[i])` (exact).
-pub fn cast_bf16_f32(out: &mut [f32], inp: &[bf16], n: i32) {
-    for i in 0..n as usize {
-        out[i] = inp[i].to_f32();
-    }
-}
-
-/// `out[i] = f16(inp[i])`, round to nearest even (beyond ±65504 to ±infinity, NaN stays NaN).
-pub fn cast_f32_f16(out: &mut [f16], inp: &[f32], n: i32) {
-    for i in 0..n as usize {
-        out[i] = f16::from_f32(inp[i]);
-    }
-}
-
-/// `out[i] = f32(inp[i])` (exact).
-pub fn cast_f16_f32(out: &mut [f32], inp: &[f16], n: i32) {
-    for i in 0..n as usize {
-        out[i] = inp[i].to_f32();
-    }
+casts! {
+    /// `out[i] = bf16(inp[i])`, round to nearest even (NaN stays NaN).
+    cast_f32_bf16: f32 => bf16 = bf16::from_f32;
+    /// `out[i] = f32(inp[i])` (exact).
+    cast_bf16_f32: bf16 => f32 = bf16::to_f32;
+    /// `out[i] = f16(inp[i])`, round to nearest even (beyond ±65504 to ±infinity, NaN stays NaN).
+    cast_f32_f16: f32 => f16 = f16::from_f32;
+    /// `out[i] = f32(inp[i])` (exact).
+    cast_f16_f32: f16 => f32 = f16::to_f32;
 }

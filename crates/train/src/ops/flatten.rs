@@ -9,9 +9,6 @@ use crate::tensor::Tensor;
 pub struct Flatten;
 
 impl Layer for Flatten {
-    fn kind(&self) -> &'static str {
-        "flatten"
-    }
     fn spec(&self) -> LayerSpec {
         LayerSpec::Flatten
     }

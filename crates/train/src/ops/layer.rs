@@ -45,6 +45,25 @@ impl ParamSpec {
     pub fn numel(&self) -> usize {
         self.dims.iter().product()
     }
+
+    /// A `weight` of `dims` and a `bias` of `dims[0]` (the output channels or features), both
+    /// PyTorch's default for convolutions and linear layers: uniform within `1/√fan_in`.
+    pub fn weight_and_bias(dims: Vec<usize>, fan_in: usize) -> Vec<ParamSpec> {
+        let init = Init::Uniform(1.0 / (fan_in as f32).sqrt());
+        let bias = vec![dims[0]];
+        vec![
+            ParamSpec {
+                name: "weight",
+                dims,
+                init,
+            },
+            ParamSpec {
+                name: "bias",
+                dims: bias,
+                init,
+            },
+        ]
+    }
 }
 
 /// A non-trainable state tensor (BatchNorm running statistics), exposed for checkpoints.
@@ -95,18 +114,35 @@ pub enum LayerSpec {
     Other(&'static str),
 }
 
+impl LayerSpec {
+    /// Short kind name for messages (`conv2d`, `relu`, ...): one per variant, so the layers need
+    /// not spell their own.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            LayerSpec::Conv2d(_) => "conv2d",
+            LayerSpec::BatchNorm2d { .. } => "batchnorm2d",
+            LayerSpec::Relu => "relu",
+            LayerSpec::MaxPool2d { .. } => "maxpool2d",
+            LayerSpec::Flatten => "flatten",
+            LayerSpec::Linear { .. } => "linear",
+            LayerSpec::Other(kind) => kind,
+        }
+    }
+}
+
 /// A layer: shape math, parameters, forward and backward.
 ///
 /// `Any` lets the CPU model's fused groups (BatchNorm + ReLU + pool, streamed into the
 /// convolution before) reach the concrete layers they fuse; every other reader describes a layer
 /// by its [`LayerSpec`].
 pub trait Layer: Send + std::any::Any {
-    /// Short kind name for messages (`conv2d`, `relu`, ...).
-    fn kind(&self) -> &'static str;
-    /// What the layer computes, with its hyperparameters (the device plan is built from these).
-    fn spec(&self) -> LayerSpec {
-        LayerSpec::Other(self.kind())
+    /// Short kind name for messages (`conv2d`, `relu`, ...), [`LayerSpec::kind`] of its spec.
+    fn kind(&self) -> &'static str {
+        self.spec().kind()
     }
+    /// What the layer computes, with its hyperparameters (the device plan is built from these);
+    /// a layer the device has no kernels for says [`LayerSpec::Other`] with its kind name.
+    fn spec(&self) -> LayerSpec;
     /// Non-trainable `f32` state by name (BatchNorm's running statistics), read-only; the
     /// device engine uploads it.
     fn f32_buffers(&self) -> Vec<(&'static str, &[f32])> {

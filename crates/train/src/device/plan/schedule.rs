@@ -35,15 +35,14 @@ use super::ir::{
 };
 use crate::device::error::DeviceError;
 use crate::model::{Model, ModelError};
-use crate::ops::{Bn2dShape, Conv2dParams, Layer, LayerSpec, LinearShape, Pool2dShape};
+use crate::ops::{Bn2dShape, Conv2dShape, Layer, LayerSpec, LinearShape, Pool2dShape};
 
 /// What one stage computes: one model layer, or two when a ReLU is fused into the layer before.
 #[derive(Clone, Debug)]
 enum Kind {
+    /// `conv` for one sample (`batch` 1): each step launches it with its own batch.
     Conv {
-        p: Conv2dParams,
-        in_h: usize,
-        in_w: usize,
+        conv: Conv2dShape,
         weight: ParamAt,
         bias: ParamAt,
     },
@@ -61,10 +60,10 @@ enum Kind {
         argmax: Region,
     },
     Flatten,
-    /// `dpre`: the gradient before the fused ReLU (empty without one).
+    /// `linear` for one sample (`batch` 1), as `conv`; `dpre`: the gradient before the fused
+    /// ReLU (empty without one).
     Linear {
-        in_f: usize,
-        out_f: usize,
+        linear: LinearShape,
         relu: bool,
         weight: ParamAt,
         bias: ParamAt,
@@ -264,9 +263,7 @@ impl Tensors {
                     let weight = param(name, "weight", p.out_c * p.k())?;
                     (
                         Kind::Conv {
-                            p,
-                            in_h: dims[1],
-                            in_w: dims[2],
+                            conv: p.for_input(1, dims[1], dims[2]),
                             weight,
                             bias: param(name, "bias", p.out_c)?,
                         },
@@ -332,8 +329,11 @@ impl Tensors {
                     );
                     (
                         Kind::Linear {
-                            in_f,
-                            out_f,
+                            linear: LinearShape {
+                                batch: 1,
+                                in_f,
+                                out_f,
+                            },
                             relu: relu_next,
                             weight,
                             bias,
@@ -483,10 +483,12 @@ impl Tensors {
         let splitk_len = stages
             .iter()
             .map(|s| match s.kind {
-                Kind::Conv { p, in_h, in_w, .. } => {
-                    splitk_workspace_len(p.out_c, p.k(), batch * p.out_h(in_h) * p.out_w(in_w))
-                }
-                Kind::Linear { in_f, out_f, .. } => splitk_workspace_len(out_f, in_f, batch),
+                Kind::Conv { conv: c, .. } => splitk_workspace_len(
+                    c.params.out_c,
+                    c.params.k(),
+                    batch * c.out_h() * c.out_w(),
+                ),
+                Kind::Linear { linear: l, .. } => splitk_workspace_len(l.out_f, l.in_f, batch),
                 _ => 0,
             })
             .max()
@@ -567,15 +569,9 @@ impl Tensors {
                 }
             };
             match s.kind {
-                Kind::Conv {
-                    p,
-                    in_h,
-                    in_w,
-                    weight,
-                    bias,
-                } => {
+                Kind::Conv { conv, weight, bias } => {
                     let x = gemm_in(ops);
-                    let shape = p.for_input(b, in_h, in_w);
+                    let shape = Conv2dShape { batch: b, ..conv };
                     let params = (at(pbf, weight), at(pr, bias));
                     ops.conv_forward(precision, out, x, params, shape);
                 }
@@ -600,19 +596,14 @@ impl Tensors {
                 }
                 Kind::Flatten => {}
                 Kind::Linear {
-                    in_f,
-                    out_f,
+                    linear,
                     relu,
                     weight,
                     bias,
                     ..
                 } => {
                     let x = gemm_in(ops);
-                    let shape = LinearShape {
-                        batch: b,
-                        in_f,
-                        out_f,
-                    };
+                    let shape = LinearShape { batch: b, ..linear };
                     let params = (at(pbf, weight), at(pr, bias));
                     ops.linear_forward(precision, out, x, params, shape, relu);
                 }
@@ -667,14 +658,8 @@ impl Tensors {
             };
             let saved_in = || if bf { n(s.bf_in, s.in_per) } else { inp };
             match s.kind {
-                Kind::Conv {
-                    p,
-                    in_h,
-                    in_w,
-                    weight,
-                    bias,
-                } => {
-                    let shape = p.for_input(b, in_h, in_w);
+                Kind::Conv { conv, weight, bias } => {
+                    let shape = Conv2dShape { batch: b, ..conv };
                     let dy = gemm_dout(ops, dout);
                     ops.conv_backward_weight(precision, at(g, weight), dy, saved_in(), shape);
                     ops.conv_backward_bias(precision, at(g, bias), dy, shape);
@@ -708,8 +693,7 @@ impl Tensors {
                 }
                 Kind::Flatten => {}
                 Kind::Linear {
-                    in_f,
-                    out_f,
+                    linear,
                     relu,
                     weight,
                     bias,
@@ -722,13 +706,9 @@ impl Tensors {
                         dout
                     };
                     let dy = gemm_dout(ops, d);
-                    let shape = LinearShape {
-                        batch: b,
-                        in_f,
-                        out_f,
-                    };
+                    let shape = LinearShape { batch: b, ..linear };
                     ops.linear_backward_weight(precision, at(g, weight), dy, saved_in(), shape);
-                    ops.linear_backward_bias(precision, at(g, bias), dy, b, out_f);
+                    ops.linear_backward_bias(precision, at(g, bias), dy, b, linear.out_f);
                     if let Some(dx) = din {
                         ops.linear_backward_input(precision, dx, dy, at(pbf, weight), shape);
                     }
@@ -945,8 +925,8 @@ mod tests {
     /// A layer the device has no kernel for.
     struct Square;
     impl Layer for Square {
-        fn kind(&self) -> &'static str {
-            "square"
+        fn spec(&self) -> LayerSpec {
+            LayerSpec::Other("square")
         }
         fn out_dims(&self, inp: &[usize]) -> Result<Vec<usize>, String> {
             Ok(inp.to_vec())

@@ -199,58 +199,57 @@ fn combine_moments(pm: &[(f64, f64)], hw: usize, mean: &mut [f64], var: &mut [f6
     }
 }
 
-dispatch!(pool_raw_plane, pool_raw_plane_impl, (x: &[f32], w: usize, min: bool, corner: &[u32], scratch: (&mut [f32], &mut [u32]), raw: &mut [f32], argmax: &mut [u32]));
+dispatch!(pool_raw_plane, pool_plane, (x: &[f32], w: usize, map: Signed, corner: &[u32], scratch: (&mut [f32], &mut [u32]), raw: &mut [f32], argmax: &mut [u32]));
+dispatch!(relu_pool_plane, pool_plane, (xs: &[f32], w: usize, map: ReluAffine, corner: &[u32], scratch: (&mut [f32], &mut [u32]), y: &mut [f32], argmax: &mut [u32]));
 
-/// The 2x2 stride-2 maximum (minimum when `min`) of one plane's raw input `x`, first extreme
-/// winning in the order top-left, top-right, bottom-left, bottom-right: its value into `raw`
-/// and its plane index into `argmax`. The two vectorised passes of [`relu_pool_plane_impl`] on
-/// `s·x` (`s = ±1`; negation is exact, so the minimum is the maximum of `-x` with the same
-/// order), multiplied back by `s`.
-#[inline(always)]
-fn pool_raw_plane_impl(
-    x: &[f32],
-    w: usize,
-    min: bool,
-    corner: &[u32],
-    scratch: (&mut [f32], &mut [u32]),
-    raw: &mut [f32],
-    argmax: &mut [u32],
-) {
-    let s = if min { -1.0f32 } else { 1.0 };
-    let (vmax, bottom) = scratch;
-    for ((pair, vm), bt) in x
-        .chunks_exact(2 * w)
-        .zip(vmax.chunks_exact_mut(w))
-        .zip(bottom.chunks_exact_mut(w))
-    {
-        let (top, bot) = pair.split_at(w);
-        for (((&t, &b), v), f) in top.iter().zip(bot).zip(vm.iter_mut()).zip(bt.iter_mut()) {
-            let (t, b) = (s * t, s * b);
-            let low = b > t;
-            *v = if low { b } else { t };
-            *f = low as u32;
-        }
+/// What [`pool_plane`] does to each input before the comparisons and to each window's winner
+/// after.
+trait PoolMap {
+    /// The value compared.
+    fn pre(&self, x: f32) -> f32;
+    /// The value stored for a window whose winner compared as `v`.
+    fn post(&self, v: f32) -> f32;
+}
+
+/// `s·x` compared, `s·v` stored (`s = ±1`): the raw maximum (`s = 1`) or minimum (`s = -1`;
+/// negation is exact, so the minimum is the maximum of `-x` with the same order).
+#[derive(Clone, Copy)]
+struct Signed(f32);
+
+impl PoolMap for Signed {
+    #[inline(always)]
+    fn pre(&self, x: f32) -> f32 {
+        self.0 * x
     }
-    let w32 = w as u32;
-    for ((((v2, f2), &c), r), ao) in vmax
-        .chunks_exact(2)
-        .zip(bottom.chunks_exact(2))
-        .zip(corner)
-        .zip(raw.iter_mut())
-        .zip(argmax.iter_mut())
-    {
-        let odd = v2[1] > v2[0] || (v2[1] == v2[0] && f2[0] == 1 && f2[1] == 0);
-        *r = s * if odd { v2[1] } else { v2[0] };
-        let f = if odd { f2[1] } else { f2[0] };
-        *ao = c + odd as u32 + f * w32;
+    #[inline(always)]
+    fn post(&self, v: f32) -> f32 {
+        self.0 * v
     }
 }
 
-dispatch!(relu_pool_plane, relu_pool_plane_impl, (xs: &[f32], w: usize, affine: (f32, f32), corner: &[u32], scratch: (&mut [f32], &mut [u32]), y: &mut [f32], argmax: &mut [u32]));
+/// `v = max(x * scale + shift, 0)` compared and stored: the fused forward's BatchNorm + ReLU.
+#[derive(Clone, Copy)]
+struct ReluAffine {
+    scale: f32,
+    shift: f32,
+}
 
-/// One plane of the fused forward: `v = max(x * scale + shift, 0)`, then each 2x2 stride-2
-/// window's maximum into `y` and its plane index into `argmax`, the first maximum winning in the
-/// order top-left (A), top-right (B), bottom-left (C), bottom-right (D), as the unfused pool.
+impl PoolMap for ReluAffine {
+    #[inline(always)]
+    fn pre(&self, x: f32) -> f32 {
+        (x * self.scale + self.shift).max(0.0)
+    }
+    #[inline(always)]
+    fn post(&self, v: f32) -> f32 {
+        v
+    }
+}
+
+/// One plane of a 2x2 stride-2 max-pool over `map`ped inputs: each window's maximum (mapped
+/// back) into `out` and its plane index into `argmax`, the first maximum winning in the order
+/// top-left (A), top-right (B), bottom-left (C), bottom-right (D), as the unfused pool. With
+/// [`ReluAffine`] this is the fused forward; with [`Signed`] the pooling of the raw input that
+/// the streamed forward normalises afterwards.
 ///
 /// In two passes that vectorise (a window at a time, the comparisons are branches the predictor
 /// loses on rectified data, and rows of 14 or 7 windows are too short for vector loops):
@@ -260,16 +259,15 @@ dispatch!(relu_pool_plane, relu_pool_plane_impl, (xs: &[f32], w: usize, affine: 
 ///    larger of the even and odd column. The odd one (B or D) wins when strictly larger, and on
 ///    a tie only when it is B against C, which is the only tie where it comes first.
 #[inline(always)]
-fn relu_pool_plane_impl(
+fn pool_plane<M: PoolMap>(
     xs: &[f32],
     w: usize,
-    affine: (f32, f32),
+    map: M,
     corner: &[u32],
     scratch: (&mut [f32], &mut [u32]),
-    y: &mut [f32],
+    out: &mut [f32],
     argmax: &mut [u32],
 ) {
-    let (scale, shift) = affine;
     let (vmax, bottom) = scratch;
     for ((pair, vm), bt) in xs
         .chunks_exact(2 * w)
@@ -278,22 +276,22 @@ fn relu_pool_plane_impl(
     {
         let (top, bot) = pair.split_at(w);
         for (((&t, &b), v), f) in top.iter().zip(bot).zip(vm.iter_mut()).zip(bt.iter_mut()) {
-            let (t, b) = ((t * scale + shift).max(0.0), (b * scale + shift).max(0.0));
+            let (t, b) = (map.pre(t), map.pre(b));
             let low = b > t;
             *v = if low { b } else { t };
             *f = low as u32;
         }
     }
     let w32 = w as u32;
-    for ((((v2, f2), &c), yo), ao) in vmax
+    for ((((v2, f2), &c), o), ao) in vmax
         .chunks_exact(2)
         .zip(bottom.chunks_exact(2))
         .zip(corner)
-        .zip(y.iter_mut())
+        .zip(out.iter_mut())
         .zip(argmax.iter_mut())
     {
         let odd = v2[1] > v2[0] || (v2[1] == v2[0] && f2[0] == 1 && f2[1] == 0);
-        *yo = if odd { v2[1] } else { v2[0] };
+        *o = map.post(if odd { v2[1] } else { v2[0] });
         let f = if odd { f2[1] } else { f2[0] };
         *ao = c + odd as u32 + f * w32;
     }
@@ -447,9 +445,6 @@ pub(super) fn lane_sum(xs: &[f32], f: impl Fn(f32) -> f32) -> f32 {
 }
 
 impl Layer for BatchNorm2d {
-    fn kind(&self) -> &'static str {
-        "batchnorm2d"
-    }
     fn spec(&self) -> LayerSpec {
         LayerSpec::BatchNorm2d {
             channels: self.channels,
@@ -495,6 +490,22 @@ impl Layer for BatchNorm2d {
         ]
     }
     fn forward(&mut self, p: &[f32], inp: &Tensor, out: &mut Tensor, train: bool) {
+        self.set_stats(inp, train);
+        self.apply(p, inp, out);
+    }
+    fn backward(&mut self, args: Backward<'_>) {
+        let (n, hw) = (args.inp.dims()[0], args.inp.dims()[2] * args.inp.dims()[3]);
+        self.local_sums(args.dp, args.inp, args.dout);
+        if let Some(dinp) = args.dinp {
+            self.input_grad(args.p, args.inp, args.dout, dinp, (n * hw) as f32);
+        }
+    }
+}
+
+impl BatchNorm2d {
+    /// The statistics a forward pass normalises `inp` with: in training the batch's (saved, and
+    /// folded into the running estimates), in evaluation the running ones.
+    fn set_stats(&mut self, inp: &Tensor, train: bool) {
         let c = self.channels;
         if train {
             let mut scratch = std::mem::take(&mut self.scratch);
@@ -509,18 +520,8 @@ impl Layer for BatchNorm2d {
                 self.invstd[ch] = 1.0 / (self.running_var[ch] + self.eps).sqrt();
             }
         }
-        self.apply(p, inp, out);
     }
-    fn backward(&mut self, args: Backward<'_>) {
-        let (n, hw) = (args.inp.dims()[0], args.inp.dims()[2] * args.inp.dims()[3]);
-        self.local_sums(args.dp, args.inp, args.dout);
-        if let Some(dinp) = args.dinp {
-            self.input_grad(args.p, args.inp, args.dout, dinp, (n * hw) as f32);
-        }
-    }
-}
 
-impl BatchNorm2d {
     /// Save mean and 1/std for this batch and update the running estimates (unbiased variance).
     fn update_stats(&mut self, mean: &[f64], var: &[f64], m: f64) {
         let unbias = if m > 1.0 { m / (m - 1.0) } else { 1.0 };
@@ -631,19 +632,7 @@ impl BatchNorm2d {
         train: bool,
     ) {
         let c = self.channels;
-        if train {
-            let mut scratch = std::mem::take(&mut self.scratch);
-            scratch.resize(2 * c, 0.0);
-            let (mean, var) = scratch.split_at_mut(c);
-            let m = self.batch_stats(inp, mean, var);
-            self.update_stats(mean, var, m as f64);
-            self.scratch = scratch;
-        } else {
-            for ch in 0..c {
-                self.mean[ch] = self.running_mean[ch];
-                self.invstd[ch] = 1.0 / (self.running_var[ch] + self.eps).sqrt();
-            }
-        }
+        self.set_stats(inp, train);
         let (n, h, w) = (inp.dims()[0], inp.dims()[2], inp.dims()[3]);
         let (oh, ow) = (h / 2, w / 2);
         out.resize(&[n, c, oh, ow]);
@@ -668,7 +657,7 @@ impl BatchNorm2d {
             relu_pool_plane(
                 xs,
                 w,
-                (scale, shift),
+                ReluAffine { scale, shift },
                 &corner,
                 (&mut vmax, &mut bottom),
                 yo,
@@ -729,7 +718,7 @@ impl BatchNorm2d {
             pool_raw_plane(
                 x,
                 w,
-                gamma[ch] < 0.0,
+                Signed(if gamma[ch] < 0.0 { -1.0 } else { 1.0 }),
                 &self.corner,
                 (&mut self.vmax, &mut self.bottom),
                 r,

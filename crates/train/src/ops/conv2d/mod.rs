@@ -30,7 +30,7 @@ pub(crate) mod winograd;
 pub use shape::{Conv2dParams, Conv2dShape};
 
 use super::batchnorm::lane_sum;
-use super::{Backward, Init, Layer, LayerSpec, ParamSpec};
+use super::{Backward, Layer, LayerSpec, ParamSpec};
 use crate::gemm::{matmul, Trans};
 use crate::tensor::Tensor;
 use winograd::Winograd;
@@ -305,9 +305,6 @@ pub fn conv2d_forward_cpu(
 }
 
 impl Layer for Conv2d {
-    fn kind(&self) -> &'static str {
-        "conv2d"
-    }
     fn spec(&self) -> LayerSpec {
         LayerSpec::Conv2d(self.params)
     }
@@ -316,19 +313,7 @@ impl Layer for Conv2d {
     }
     fn param_specs(&self) -> Vec<ParamSpec> {
         let cp = &self.params;
-        let bound = 1.0 / (cp.k() as f32).sqrt();
-        vec![
-            ParamSpec {
-                name: "weight",
-                dims: vec![cp.out_c, cp.in_c, cp.kh, cp.kw],
-                init: Init::Uniform(bound),
-            },
-            ParamSpec {
-                name: "bias",
-                dims: vec![cp.out_c],
-                init: Init::Uniform(bound),
-            },
-        ]
+        ParamSpec::weight_and_bias(vec![cp.out_c, cp.in_c, cp.kh, cp.kw], cp.k())
     }
     fn forward(&mut self, p: &[f32], inp: &Tensor, out: &mut Tensor, train: bool) {
         let cp = self.params;

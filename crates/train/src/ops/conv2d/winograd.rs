@@ -526,8 +526,28 @@ unsafe fn transpose8x8(s: *const f32, ss: usize, d: *mut f32, ds: usize) {
     }
 }
 
-dispatch!(kernel_transform_inner, kernel_transform_impl, (g: &[[f32; KS]; TT], wt: &[f32], c: usize, oc: usize, ch: usize, tmp: &mut [f32], u: &mut [f32]));
-dispatch!(kernel_grad_inner, kernel_grad_impl, (g: &[[f32; KS]; TT], du: &[f32], c: usize, oc: usize, ch: usize, tmp: &mut [f32], dwt: &mut [f32]));
+dispatch!(kernel_transform_inner, kernel_transform_impl, (p: KernelPass<'_>, wt: &[f32], u: &mut [f32]));
+dispatch!(kernel_grad_inner, kernel_grad_impl, (p: KernelPass<'_>, du: &[f32], dwt: &mut [f32]));
+
+/// What the two passes of a kernel transform (or of its transpose, the weight gradient) share
+/// for input channel `ch` of `U[ξ, C, OC]`: `G`, the channel counts, and the `[8, 5, OC]`
+/// scratch between the passes.
+struct KernelPass<'a> {
+    g: &'a [[f32; KS]; TT],
+    c: usize,
+    oc: usize,
+    ch: usize,
+    tmp: &'a mut [f32],
+}
+
+impl<'a> KernelPass<'a> {
+    /// The pass for channel `ch` of `(c, oc)`, its scratch `tmp` zeroed (the first pass
+    /// accumulates into it).
+    fn new(g: &'a [[f32; KS]; TT], (c, oc): (usize, usize), ch: usize, tmp: &'a mut [f32]) -> Self {
+        tmp.fill(0.0);
+        KernelPass { g, c, oc, ch, tmp }
+    }
+}
 
 /// `U[ξ, C, OC] = G g G^T` for every kernel `g = weight[oc, c]`, vectorised over `oc`: the
 /// kernels of one input channel are first gathered as `wt[k, l, oc]`. With `flip`, the kernels of
@@ -560,55 +580,32 @@ fn kernel_transform<'a>(
                 }
             }
         }
-        kernel_transform_inner(g, &wt, ci, co, ch, &mut tmp, u);
+        kernel_transform_inner(KernelPass::new(g, (ci, co), ch, &mut tmp), &wt, u);
     }
     u
 }
 
 #[inline(always)]
-fn kernel_transform_impl(
-    gm: &[[f32; KS]; TT],
-    wt: &[f32],
-    c: usize,
-    oc: usize,
-    ch: usize,
-    tmp: &mut [f32],
-    u: &mut [f32],
-) {
+fn kernel_transform_impl(p: KernelPass<'_>, wt: &[f32], u: &mut [f32]) {
+    let oc = p.oc;
     // tmp[a, l, :] = Σ_k G[a][k] wt[k, l, :]
-    tmp.fill(0.0);
     for a in 0..TT {
         for k in 0..KS {
-            let g = gm[a][k];
-            if g == 0.0 {
-                continue;
-            }
             for l in 0..KS {
-                let (d, s) = (
-                    &mut tmp[(a * KS + l) * oc..(a * KS + l + 1) * oc],
-                    &wt[(k * KS + l) * oc..(k * KS + l + 1) * oc],
+                axpy(
+                    p.g[a][k],
+                    row(wt, k * KS + l, oc),
+                    row_mut(p.tmp, a * KS + l, oc),
                 );
-                for (x, &y) in d.iter_mut().zip(s) {
-                    *x += g * y;
-                }
             }
         }
     }
     // U[a, b, ch, :] = Σ_l tmp[a, l, :] G[b][l]
     for a in 0..TT {
         for b in 0..TT {
-            let d = &mut u[((a * TT + b) * c + ch) * oc..((a * TT + b) * c + ch + 1) * oc];
+            let d = row_mut(u, (a * TT + b) * p.c + p.ch, oc);
             for l in 0..KS {
-                let g = gm[b][l];
-                if g == 0.0 {
-                    continue;
-                }
-                for (x, &y) in d
-                    .iter_mut()
-                    .zip(&tmp[(a * KS + l) * oc..(a * KS + l + 1) * oc])
-                {
-                    *x += g * y;
-                }
+                axpy(p.g[b][l], row(p.tmp, a * KS + l, oc), d);
             }
         }
     }
@@ -620,7 +617,7 @@ fn kernel_grad_transform(du: &[f32], c: usize, oc: usize, dweight: &mut [f32]) {
     let mut dwt = vec![0.0f32; KS * KS * oc];
     let mut tmp = vec![0.0f32; TT * KS * oc];
     for ch in 0..c {
-        kernel_grad_inner(g, du, c, oc, ch, &mut tmp, &mut dwt);
+        kernel_grad_inner(KernelPass::new(g, (c, oc), ch, &mut tmp), du, &mut dwt);
         for o in 0..oc {
             for kl in 0..KS * KS {
                 dweight[(o * c + ch) * KS * KS + kl] += dwt[kl * oc + o];
@@ -630,31 +627,14 @@ fn kernel_grad_transform(du: &[f32], c: usize, oc: usize, dweight: &mut [f32]) {
 }
 
 #[inline(always)]
-fn kernel_grad_impl(
-    gm: &[[f32; KS]; TT],
-    du: &[f32],
-    c: usize,
-    oc: usize,
-    ch: usize,
-    tmp: &mut [f32],
-    dwt: &mut [f32],
-) {
+fn kernel_grad_impl(p: KernelPass<'_>, du: &[f32], dwt: &mut [f32]) {
+    let oc = p.oc;
     // tmp[a, l, :] = Σ_b dU[a, b, ch, :] G[b][l]
-    tmp.fill(0.0);
     for a in 0..TT {
         for b in 0..TT {
-            let s = &du[((a * TT + b) * c + ch) * oc..((a * TT + b) * c + ch + 1) * oc];
+            let s = row(du, (a * TT + b) * p.c + p.ch, oc);
             for l in 0..KS {
-                let g = gm[b][l];
-                if g == 0.0 {
-                    continue;
-                }
-                for (x, &y) in tmp[(a * KS + l) * oc..(a * KS + l + 1) * oc]
-                    .iter_mut()
-                    .zip(s)
-                {
-                    *x += g * y;
-                }
+                axpy(p.g[b][l], s, row_mut(p.tmp, a * KS + l, oc));
             }
         }
     }
@@ -662,20 +642,38 @@ fn kernel_grad_impl(
     dwt.fill(0.0);
     for k in 0..KS {
         for a in 0..TT {
-            let g = gm[a][k];
-            if g == 0.0 {
-                continue;
-            }
             for l in 0..KS {
-                let (d, s) = (
-                    &mut dwt[(k * KS + l) * oc..(k * KS + l + 1) * oc],
-                    &tmp[(a * KS + l) * oc..(a * KS + l + 1) * oc],
+                axpy(
+                    p.g[a][k],
+                    row(p.tmp, a * KS + l, oc),
+                    row_mut(dwt, k * KS + l, oc),
                 );
-                for (x, &y) in d.iter_mut().zip(s) {
-                    *x += g * y;
-                }
             }
         }
+    }
+}
+
+/// Row `i` of `n` floats of `buf`.
+#[inline(always)]
+fn row(buf: &[f32], i: usize, n: usize) -> &[f32] {
+    &buf[i * n..(i + 1) * n]
+}
+
+/// Row `i` of `n` floats of `buf`, writable.
+#[inline(always)]
+fn row_mut(buf: &mut [f32], i: usize, n: usize) -> &mut [f32] {
+    &mut buf[i * n..(i + 1) * n]
+}
+
+/// `d += g * s` element-wise, nothing when `g` is 0 (`G`'s rows for the points 0 and ∞ have one
+/// non-zero entry each).
+#[inline(always)]
+fn axpy(g: f32, s: &[f32], d: &mut [f32]) {
+    if g == 0.0 {
+        return;
+    }
+    for (x, &y) in d.iter_mut().zip(s) {
+        *x += g * y;
     }
 }
 
@@ -714,32 +712,41 @@ fn mul<const L: usize>(mut a: [f32; L], s: f32) -> [f32; L] {
     a
 }
 
+/// `[e + q, e - q]`, the butterfly of a point pair `±p` (whose powers differ only in the sign of
+/// the odd ones): in [`bt8`] and [`a8`] the pair's two outputs from their shared even (`e`) and
+/// odd (`q`) partial sums, in [`at8`] the sum and difference of the pair's two inputs.
+#[inline(always)]
+fn pm<const L: usize>(e: [f32; L], q: [f32; L]) -> [[f32; L]; 2] {
+    [add(e, q), sub(e, q)]
+}
+
 /// `out[a] = Σ_i B^T[a][i] d[i]` lane by lane, with the zeros and ±1 of `B^T` folded. The rows
 /// of a point pair `±p` differ only in the sign of the odd columns, so each pair shares its even
 /// and odd partial sums (`e ± q`).
 #[inline(always)]
 fn bt8<const L: usize>(d: [[f32; L]; TT]) -> [[f32; L]; TT] {
     let [d0, d1, d2, d3, d4, d5, d6, d7] = d;
-    let (e1, q1) = (
+    let [r1, r2] = pm(
         sub(add(d2, d6), mul(d4, 4.25)),
         sub(add(d1, d5), mul(d3, 4.25)),
     );
-    let (e2, q2) = (
+    let [r3, r4] = pm(
         sub(add(mul(d2, 0.25), d6), mul(d4, 1.25)),
         sub(add(mul(d1, 0.5), mul(d5, 2.0)), mul(d3, 2.5)),
     );
-    let (e3, q3) = (
+    let [r5, r6] = pm(
         sub(add(mul(d2, 4.0), d6), mul(d4, 5.0)),
         sub(add(mul(d1, 2.0), mul(d5, 0.5)), mul(d3, 2.5)),
     );
+    let r0 = add(sub(d6, d0), mul(sub(d2, d4), 5.25));
     [
-        add(sub(d6, d0), mul(sub(d2, d4), 5.25)),
-        add(e1, q1),
-        sub(e1, q1),
-        add(e2, q2),
-        sub(e2, q2),
-        add(e3, q3),
-        sub(e3, q3),
+        r0,
+        r1,
+        r2,
+        r3,
+        r4,
+        r5,
+        r6,
         add(sub(d7, d1), mul(sub(d3, d5), 5.25)),
     ]
 }
@@ -748,9 +755,7 @@ fn bt8<const L: usize>(d: [[f32; L]; TT]) -> [[f32; L]; TT] {
 #[inline(always)]
 fn at8<const L: usize>(m: [[f32; L]; TT]) -> [[f32; L]; MO] {
     let [m0, m1, m2, m3, m4, m5, m6, m7] = m;
-    let (s1, d1) = (add(m1, m2), sub(m1, m2));
-    let (s2, d2) = (add(m3, m4), sub(m3, m4));
-    let (s3, d3) = (add(m5, m6), sub(m5, m6));
+    let ([s1, d1], [s2, d2], [s3, d3]) = (pm(m1, m2), pm(m3, m4), pm(m5, m6));
     [
         add(add(add(m0, s1), s2), s3),
         add(add(d1, mul(d2, 2.0)), mul(d3, 0.5)),
@@ -763,19 +768,10 @@ fn at8<const L: usize>(m: [[f32; L]; TT]) -> [[f32; L]; MO] {
 #[inline(always)]
 fn a8<const L: usize>(y: [[f32; L]; MO]) -> [[f32; L]; TT] {
     let [y0, y1, y2, y3] = y;
-    let (e1, q1) = (add(y0, y2), add(y1, y3));
-    let (e2, q2) = (add(y0, mul(y2, 4.0)), add(mul(y1, 2.0), mul(y3, 8.0)));
-    let (e3, q3) = (add(y0, mul(y2, 0.25)), add(mul(y1, 0.5), mul(y3, 0.125)));
-    [
-        y0,
-        add(e1, q1),
-        sub(e1, q1),
-        add(e2, q2),
-        sub(e2, q2),
-        add(e3, q3),
-        sub(e3, q3),
-        y3,
-    ]
+    let [r1, r2] = pm(add(y0, y2), add(y1, y3));
+    let [r3, r4] = pm(add(y0, mul(y2, 4.0)), add(mul(y1, 2.0), mul(y3, 8.0)));
+    let [r5, r6] = pm(add(y0, mul(y2, 0.25)), add(mul(y1, 0.5), mul(y3, 0.125)));
+    [y0, r1, r2, r3, r4, r5, r6, y3]
 }
 
 #[inline(always)]
@@ -850,47 +846,95 @@ fn input_row<const L: usize>(
     }
 }
 
-/// `stage[4ty+i, 4tx+j, :] = (A^T M A)[i][j]` for every tile of one sample (`m` from the
-/// sample's first tile on; `stage` is `[4th, 4tw, OC]`, channels innermost, cropped and
-/// transposed to NCHW by the caller).
+/// One sample's tiles for a [`TileTransform`]: read from `src`, written to `dst`, `ch` channels
+/// on the tile grid `g`.
+struct TileIo<'a> {
+    src: &'a [f32],
+    dst: &'a mut [f32],
+    ch: usize,
+    g: Tiles,
+}
+
+/// A transform done tile by tile, `L` channels at a time (register blocks of [`LANES`], then
+/// the remainder one by one): [`each_tile`] runs it over a sample.
+trait TileTransform {
+    /// Tile `(ty, tx)`, channels `c0..c0 + L` of `io.ch`.
+    fn tile<const L: usize>(io: &mut TileIo<'_>, c0: usize, t: (usize, usize));
+}
+
+/// `T` on every tile of one sample: from `src` to `dst`, `ch` channels on the grid `g`.
 #[inline(always)]
-fn output_transform_impl(m: &[f32], oc: usize, g: Tiles, stage: &mut [f32]) {
-    let full = oc - oc % LANES;
+fn each_tile<T: TileTransform>(src: &[f32], ch: usize, g: Tiles, dst: &mut [f32]) {
+    let mut io = TileIo { src, dst, ch, g };
+    let full = ch - ch % LANES;
     for ty in 0..g.th {
         for tx in 0..g.tw {
-            for o0 in (0..full).step_by(LANES) {
-                output_tile::<LANES>(m, (oc, o0), (ty, tx), g, stage);
+            for c0 in (0..full).step_by(LANES) {
+                T::tile::<LANES>(&mut io, c0, (ty, tx));
             }
-            for o0 in full..oc {
-                output_tile::<1>(m, (oc, o0), (ty, tx), g, stage);
+            for c0 in full..ch {
+                T::tile::<1>(&mut io, c0, (ty, tx));
             }
         }
     }
 }
 
-/// Tile `(ty, tx)` of [`output_transform_impl`], channels `o0..o0 + L` of `oc`.
-#[inline(always)]
-fn output_tile<const L: usize>(
-    m: &[f32],
-    (oc, o0): (usize, usize),
-    (ty, tx): (usize, usize),
-    g: Tiles,
-    stage: &mut [f32],
-) {
-    let tw = g.tw;
-    // r[a][j] = Σ_b M[a][b] A^T[j][b] (rows first), then Y[i][j] = Σ_a A^T[i][a] r[a][j].
-    let base = (ty * tw + tx) * tile_stride(oc) + o0;
-    let mut r = [[[0.0f32; L]; MO]; TT];
-    for (a, ra) in r.iter_mut().enumerate() {
-        *ra = at8(gather::<L, TT>(m, base + a * TT * oc, oc));
+/// The tiles of [`output_transform_impl`].
+enum OutputTile {}
+
+impl TileTransform for OutputTile {
+    #[inline(always)]
+    #[allow(clippy::needless_range_loop)] // the loop index picks a column across the rows
+    fn tile<const L: usize>(io: &mut TileIo<'_>, o0: usize, (ty, tx): (usize, usize)) {
+        let (m, oc, tw) = (io.src, io.ch, io.g.tw);
+        // r[a][j] = Σ_b M[a][b] A^T[j][b] (rows first), then Y[i][j] = Σ_a A^T[i][a] r[a][j].
+        let base = (ty * tw + tx) * tile_stride(oc) + o0;
+        let mut r = [[[0.0f32; L]; MO]; TT];
+        for (a, ra) in r.iter_mut().enumerate() {
+            *ra = at8(gather::<L, TT>(m, base + a * TT * oc, oc));
+        }
+        let w2 = MO * tw;
+        for j in 0..MO {
+            let y = at8([
+                r[0][j], r[1][j], r[2][j], r[3][j], r[4][j], r[5][j], r[6][j], r[7][j],
+            ]);
+            for (i, yi) in y.iter().enumerate() {
+                io.dst[((MO * ty + i) * w2 + MO * tx + j) * oc + o0..][..L].copy_from_slice(yi);
+            }
+        }
     }
-    let w2 = MO * tw;
-    for j in 0..MO {
-        let y = at8([
-            r[0][j], r[1][j], r[2][j], r[3][j], r[4][j], r[5][j], r[6][j], r[7][j],
-        ]);
-        for (i, yi) in y.iter().enumerate() {
-            stage[((MO * ty + i) * w2 + MO * tx + j) * oc + o0..][..L].copy_from_slice(yi);
+}
+
+/// `stage[4ty+i, 4tx+j, :] = (A^T M A)[i][j]` for every tile of one sample (`m` from the
+/// sample's first tile on; `stage` is `[4th, 4tw, OC]`, channels innermost, cropped and
+/// transposed to NCHW by the caller).
+#[inline(always)]
+fn output_transform_impl(m: &[f32], oc: usize, g: Tiles, stage: &mut [f32]) {
+    each_tile::<OutputTile>(m, oc, g, stage);
+}
+
+/// The tiles of [`dout_transform_impl`].
+enum DoutTile {}
+
+impl TileTransform for DoutTile {
+    #[inline(always)]
+    #[allow(clippy::needless_range_loop)] // the loop index picks a column across the rows
+    fn tile<const L: usize>(io: &mut TileIo<'_>, o0: usize, (ty, tx): (usize, usize)) {
+        const P: usize = KS / 2;
+        let (xpd, oc, g) = (io.src, io.ch, io.g);
+        let (wp, tile) = (g.wp(), ty * g.tw + tx);
+        // g[i][b] = Σ_j dY[i][j] A^T[j][b] (rows first), then dM[a][b] = Σ_i A^T[i][a] g[i][b].
+        let base = ((MO * ty + P) * wp + MO * tx + P) * oc + o0;
+        let mut g = [[[0.0f32; L]; TT]; MO];
+        for (i, gi) in g.iter_mut().enumerate() {
+            *gi = a8(gather::<L, MO>(xpd, base + i * wp * oc, oc));
+        }
+        let at = tile * tile_stride(oc) + o0;
+        for b in 0..TT {
+            let col = a8([g[0][b], g[1][b], g[2][b], g[3][b]]);
+            for (a, x) in col.iter().enumerate() {
+                io.dst[at + (a * TT + b) * oc..][..L].copy_from_slice(x);
+            }
         }
     }
 }
@@ -901,43 +945,7 @@ fn output_tile<const L: usize>(
 /// gradient transforms too): the transpose of the output transform.
 #[inline(always)]
 fn dout_transform_impl(xpd: &[f32], oc: usize, g: Tiles, m: &mut [f32]) {
-    let full = oc - oc % LANES;
-    for ty in 0..g.th {
-        for tx in 0..g.tw {
-            for o0 in (0..full).step_by(LANES) {
-                dout_tile::<LANES>(xpd, (oc, o0), (ty, tx), g, m);
-            }
-            for o0 in full..oc {
-                dout_tile::<1>(xpd, (oc, o0), (ty, tx), g, m);
-            }
-        }
-    }
-}
-
-/// Tile `(ty, tx)` of [`dout_transform_impl`], channels `o0..o0 + L` of `oc`.
-#[inline(always)]
-fn dout_tile<const L: usize>(
-    xpd: &[f32],
-    (oc, o0): (usize, usize),
-    (ty, tx): (usize, usize),
-    g: Tiles,
-    m: &mut [f32],
-) {
-    const P: usize = KS / 2;
-    let (wp, tile) = (g.wp(), ty * g.tw + tx);
-    // g[i][b] = Σ_j dY[i][j] A^T[j][b] (rows first), then dM[a][b] = Σ_i A^T[i][a] g[i][b].
-    let base = ((MO * ty + P) * wp + MO * tx + P) * oc + o0;
-    let mut g = [[[0.0f32; L]; TT]; MO];
-    for (i, gi) in g.iter_mut().enumerate() {
-        *gi = a8(gather::<L, MO>(xpd, base + i * wp * oc, oc));
-    }
-    let at = tile * tile_stride(oc) + o0;
-    for b in 0..TT {
-        let col = a8([g[0][b], g[1][b], g[2][b], g[3][b]]);
-        for (a, x) in col.iter().enumerate() {
-            m[at + (a * TT + b) * oc..][..L].copy_from_slice(x);
-        }
-    }
+    each_tile::<DoutTile>(xpd, oc, g, m);
 }
 
 /// `dst[:, y, x] = stage[y, x, :] (+ bias)` for one sample, cropping `stage` (`[H2, W2, C]`).

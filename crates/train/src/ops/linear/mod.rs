@@ -4,7 +4,7 @@
 
 pub mod twin;
 
-use super::{Backward, Init, Layer, LayerSpec, ParamSpec};
+use super::{Backward, Layer, LayerSpec, ParamSpec};
 use crate::gemm::{matmul, Trans};
 use crate::tensor::Tensor;
 
@@ -51,9 +51,6 @@ impl LinearShape {
 }
 
 impl Layer for Linear {
-    fn kind(&self) -> &'static str {
-        "linear"
-    }
     fn spec(&self) -> LayerSpec {
         LayerSpec::Linear {
             in_f: self.in_f,
@@ -67,19 +64,7 @@ impl Layer for Linear {
         }
     }
     fn param_specs(&self) -> Vec<ParamSpec> {
-        let bound = 1.0 / (self.in_f as f32).sqrt();
-        vec![
-            ParamSpec {
-                name: "weight",
-                dims: vec![self.out_f, self.in_f],
-                init: Init::Uniform(bound),
-            },
-            ParamSpec {
-                name: "bias",
-                dims: vec![self.out_f],
-                init: Init::Uniform(bound),
-            },
-        ]
+        ParamSpec::weight_and_bias(vec![self.out_f, self.in_f], self.in_f)
     }
     fn forward(&mut self, p: &[f32], inp: &Tensor, out: &mut Tensor, _train: bool) {
         let n = inp.dims()[0];

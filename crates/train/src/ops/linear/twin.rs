@@ -7,7 +7,7 @@
 use half::{bf16, f16};
 
 use super::LinearShape;
-use crate::gemm::twin::{store_weight_grad, twin_pair, Operand};
+use crate::gemm::twin::{dot, store_weight_grad, twin_pair, Operand};
 
 fn linear_forward_t<T: Operand>(
     out: &mut [f32],
@@ -20,10 +20,7 @@ fn linear_forward_t<T: Operand>(
     let LinearShape { batch, in_f, out_f } = shape;
     for b in 0..batch {
         for o in 0..out_f {
-            let mut acc = 0.0f32;
-            for i in 0..in_f {
-                acc += inp[b * in_f + i].f() * weight[o * in_f + i].f();
-            }
+            let acc = dot(in_f, |i| inp[b * in_f + i].f() * weight[o * in_f + i].f());
             let y = acc + bias.map_or(0.0, |bi| bi[o]);
             out[b * out_f + o] = if relu != 0 { y.max(0.0) } else { y };
         }
@@ -39,11 +36,9 @@ fn linear_backward_input_t<T: Operand>(
     let LinearShape { batch, in_f, out_f } = shape;
     for b in 0..batch {
         for i in 0..in_f {
-            let mut acc = 0.0f32;
-            for o in 0..out_f {
-                acc += dout[b * out_f + o].f() * weight[o * in_f + i].f();
-            }
-            dinp[b * in_f + i] = acc;
+            dinp[b * in_f + i] = dot(out_f, |o| {
+                dout[b * out_f + o].f() * weight[o * in_f + i].f()
+            });
         }
     }
 }
@@ -59,11 +54,9 @@ fn linear_backward_weight_t<T: Operand>(
     // Element e = (o, i) of dweight, summed over the batch rows in `bs` (the GEMM's K).
     let sum = |e: usize, bs: std::ops::Range<usize>| {
         let (o, i) = (e / in_f, e % in_f);
-        let mut acc = 0.0f32;
-        for b in bs {
-            acc += dout[b * out_f + o].f() * inp[b * in_f + i].f();
-        }
-        acc
+        bs.fold(0.0f32, |acc, b| {
+            acc + dout[b * out_f + o].f() * inp[b * in_f + i].f()
+        })
     };
     store_weight_grad(dweight, partials, out_f * in_f, batch, sum);
 }

@@ -88,9 +88,6 @@ impl Pool2dShape {
 }
 
 impl Layer for MaxPool2d {
-    fn kind(&self) -> &'static str {
-        "maxpool2d"
-    }
     fn spec(&self) -> LayerSpec {
         LayerSpec::MaxPool2d {
             kernel: self.kernel,
@@ -196,26 +193,19 @@ impl Layer for MaxPool2d {
 #[cfg(test)]
 mod tests {
     use super::*;
+    /// The gradient check of a `kernel`-wide, `stride` pool on `dims` (seed `seed`), with a
+    /// small step so no perturbation moves a window's maximum to another element.
+    fn gradcheck(kernel: usize, stride: usize, dims: &[usize], seed: u64) {
+        let mut mp = MaxPool2d::new(kernel, stride);
+        crate::ops::gradcheck::check_with_step(&mut mp, dims, true, seed, 1e-3);
+    }
     #[test]
     fn maxpool_gradcheck() {
-        // A small step so no perturbation moves a window's maximum to another element.
-        crate::ops::gradcheck::check_with_step(
-            &mut MaxPool2d::new(2, 2),
-            &[2, 2, 4, 5],
-            true,
-            5,
-            1e-3,
-        );
+        gradcheck(2, 2, &[2, 2, 4, 5], 5);
     }
     #[test]
     fn maxpool_general_path_gradcheck() {
-        crate::ops::gradcheck::check_with_step(
-            &mut MaxPool2d::new(3, 2),
-            &[2, 2, 7, 5],
-            true,
-            6,
-            1e-3,
-        );
+        gradcheck(3, 2, &[2, 2, 7, 5], 6);
     }
     #[test]
     fn maxpool_values() {
