@@ -3,49 +3,24 @@
 //! `harness = false`: the process forks, so it stays single-threaded; each test runs in turn and
 //! the binary ends with `N passed, M failed`.
 
+#[path = "common/launched.rs"]
+mod launched;
 #[path = "common/runner.rs"]
 mod runner;
 
 use std::time::{Duration, Instant};
 
 use half::{bf16, f16};
+use launched::{
+    cpu_time, failing_all_reduce, mismatch_cases, mismatch_message, no_failures, small_slots,
+    survivor_verdict, survivors_reported, Case, TestElem,
+};
 use lockstep::comm::{CollKind, CommError, Communicator, Dtype, Element, ReduceOp};
-use lockstep::launch::{launch, LaunchConfig, LaunchError, RankContext, RankResult};
+use lockstep::launch::{launch, LaunchConfig, RankContext, RankResult};
 use lockstep::shm::{ShmComm, ShmConfig, SingleCopyMode, StageMode};
 
 // -------------------------------------------------------------------------------------------------
 // Test values with exact references
-
-trait TestElem: Element {
-    fn from_f64(v: f64) -> Self;
-    fn to_f64(self) -> f64;
-}
-
-macro_rules! test_elem_num {
-    ($($t:ty),*) => {$(
-        impl TestElem for $t {
-            fn from_f64(v: f64) -> Self { v as $t }
-            fn to_f64(self) -> f64 { self as f64 }
-        }
-    )*};
-}
-test_elem_num!(f32, f64, i32, i64, u8, i8, u32, u64);
-impl TestElem for f16 {
-    fn from_f64(v: f64) -> Self {
-        f16::from_f64(v)
-    }
-    fn to_f64(self) -> f64 {
-        f16::to_f64(self)
-    }
-}
-impl TestElem for bf16 {
-    fn from_f64(v: f64) -> Self {
-        bf16::from_f64(v)
-    }
-    fn to_f64(self) -> f64 {
-        bf16::to_f64(self)
-    }
-}
 
 /// Input of `rank` at index `i` for `op`: small integers, so every reference is exact in every
 /// dtype (for prod: a single 2 per index among ranks, so the product is exactly 2).
@@ -146,15 +121,7 @@ fn check_dtype<T: TestElem>(
             bad.push(what)
         }
     };
-    let buf = |comm: &mut Communicator, data: Vec<T>| -> Result<Box<dyn BufLike<T>>, CommError> {
-        if shared {
-            let mut b = comm.alloc_shared::<T>(data.len())?;
-            b.copy_from_slice(&data);
-            Ok(Box::new(b))
-        } else {
-            Ok(Box::new(data))
-        }
-    };
+    let buf = |comm: &mut Communicator, data: Vec<T>| buffer(comm, shared, data);
     let root = n - 1;
     for len in sizes(n, dt.size(), cfg) {
         for op in ReduceOp::ALL {
@@ -277,21 +244,47 @@ impl<T: Element> BufLike<T> for lockstep::comm::SharedBuffer<T> {
     }
 }
 
+/// `data` as it is, or copied into a shared buffer of `comm`'s heap (`shared`).
+fn buffer<T: Element>(
+    comm: &mut Communicator,
+    shared: bool,
+    data: Vec<T>,
+) -> Result<Box<dyn BufLike<T>>, CommError> {
+    if shared {
+        let mut b = comm.alloc_shared::<T>(data.len())?;
+        b.copy_from_slice(&data);
+        Ok(Box::new(b))
+    } else {
+        Ok(Box::new(data))
+    }
+}
+
 fn small_cfg(n: usize) -> LaunchConfig {
-    let mut cfg = LaunchConfig::new(n);
-    // Small slots so the chunked paths run many rounds on small inputs.
-    cfg.shm.slot_bytes = 8192;
-    cfg.shm.small_bytes = 1024;
-    cfg.shm.heap_bytes = 64 << 20;
+    let mut cfg = small_slots(n, 64 << 20, Duration::from_secs(60));
     // Streaming stores from 2 KiB up, so the NT paths are exercised too.
     cfg.shm.nt_bytes = 2048;
-    cfg.shm.timeout = Duration::from_secs(60);
-    cfg.shm = cfg.shm.clone().normalized();
     cfg
 }
 
-fn all_collectives(n: usize, shared: bool) -> Result<(), String> {
-    all_collectives_cfg(small_cfg(n), shared)
+/// [`small_cfg`] for a job in which ranks fail or time out on purpose: no fail-fast (the others
+/// must see it for themselves), and the rank timeout `timeout` where given.
+fn failing_cfg(n: usize, timeout: Option<Duration>) -> LaunchConfig {
+    let mut cfg = small_cfg(n);
+    cfg.shm.timeout = timeout.unwrap_or(cfg.shm.timeout);
+    cfg.fail_fast = false;
+    cfg
+}
+
+/// [`all_collectives_cfg`] with ordinary buffers for each world size of `worlds`, in the launch
+/// config that `cfg` makes for it.
+fn all_collectives_with(
+    worlds: &[usize],
+    cfg: impl Fn(usize) -> LaunchConfig,
+) -> Result<(), String> {
+    for &n in worlds {
+        all_collectives_cfg(cfg(n), false).map_err(|e| format!("world {n}: {e}"))?;
+    }
+    Ok(())
 }
 
 fn all_collectives_cfg(cfg: LaunchConfig, shared: bool) -> Result<(), String> {
@@ -314,52 +307,32 @@ fn all_collectives_cfg(cfg: LaunchConfig, shared: bool) -> Result<(), String> {
         Ok(bad)
     })
     .map_err(|e| e.to_string())?;
-    let bad: Vec<String> = out
-        .into_iter()
-        .enumerate()
-        .flat_map(|(r, b)| b.into_iter().map(move |m| format!("rank {r}: {m}")))
-        .collect();
-    if bad.is_empty() {
-        Ok(())
-    } else {
-        Err(bad.join("\n"))
-    }
+    no_failures("", out)
 }
 
 // -------------------------------------------------------------------------------------------------
 // Tests
 
-fn t_collectives_world_1() -> Result<(), String> {
-    all_collectives(1, false)?;
-    all_collectives(1, true)
-}
-fn t_collectives_world_2() -> Result<(), String> {
-    all_collectives(2, false)
-}
-fn t_collectives_world_2_shared() -> Result<(), String> {
-    all_collectives(2, true)
-}
-fn t_collectives_world_3() -> Result<(), String> {
-    all_collectives(3, false)?;
-    all_collectives(3, true)
-}
-fn t_collectives_world_4() -> Result<(), String> {
-    all_collectives(4, false)?;
-    all_collectives(4, true)
-}
-fn t_collectives_world_8() -> Result<(), String> {
-    all_collectives(8, false)?;
-    all_collectives(8, true)
-}
+/// The `collectives_world_*` tests: name, world size, and whether with ordinary buffers, shared
+/// ones or both (each a launch of its own).
+const WORLD_TESTS: [(&str, usize, &[bool]); 6] = [
+    ("collectives_world_1", 1, &[false, true]),
+    ("collectives_world_2", 2, &[false]),
+    ("collectives_world_2_shared", 2, &[true]),
+    ("collectives_world_3", 3, &[false, true]),
+    ("collectives_world_4", 4, &[false, true]),
+    ("collectives_world_8", 8, &[false, true]),
+];
 
 /// Both staging modes forced (the default, auto, switches between them as it measures).
 fn t_collectives_stage_modes() -> Result<(), String> {
     for mode in [StageMode::Streaming, StageMode::Cached] {
-        for n in [2, 3] {
+        all_collectives_with(&[2, 3], |n| {
             let mut cfg = small_cfg(n);
             cfg.shm.stage = mode;
-            all_collectives_cfg(cfg, false).map_err(|e| format!("{mode:?}, world {n}: {e}"))?;
-        }
+            cfg
+        })
+        .map_err(|e| format!("{mode:?}, {e}"))?;
     }
     Ok(())
 }
@@ -403,6 +376,23 @@ fn t_all_reduce_64mib() -> Result<(), String> {
     Ok(())
 }
 
+/// Element `i` of rank `r`'s input in the bit-exactness tests: values whose sum depends on the
+/// order of addition, so that another order shows in the bits.
+fn order_sensitive(r: usize, i: usize) -> f32 {
+    ((i * 2654435761 + r * 97) % 1000) as f32 * 1.37e-3 + 1e4 * (r as f32 - 1.0)
+}
+
+/// FNV-style hash of `bits` on top of `h`: the same only for the same bits in the same order.
+fn hash_bits(h: u64, bits: impl IntoIterator<Item = u64>) -> u64 {
+    bits.into_iter()
+        .fold(h, |h, b| h.wrapping_mul(1099511628211).wrapping_add(b))
+}
+
+/// [`hash_bits`] of an f32 output.
+fn hash_f32(y: &[f32]) -> u64 {
+    hash_bits(0, y.iter().map(|v| v.to_bits() as u64))
+}
+
 /// Float results are bit-identical on every rank and across runs.
 fn t_deterministic() -> Result<(), String> {
     let run = || {
@@ -411,26 +401,14 @@ fn t_deterministic() -> Result<(), String> {
             |mut ctx: RankContext| -> RankResult<Vec<u64>> {
                 let mut sums = Vec::new();
                 for len in [5usize, 300, 5000, 100_000] {
-                    // Values whose sum depends on the order of addition.
-                    let x: Vec<f32> = (0..len)
-                        .map(|i| {
-                            ((i * 2654435761 + ctx.rank * 97) % 1000) as f32 * 1.37e-3
-                                + 1e4 * (ctx.rank as f32 - 1.0)
-                        })
-                        .collect();
+                    let x: Vec<f32> = (0..len).map(|i| order_sensitive(ctx.rank, i)).collect();
                     let mut y = vec![0f32; len];
                     ctx.comm.all_reduce(&x, &mut y, ReduceOp::Sum)?;
-                    let h = y.iter().fold(0u64, |h, v| {
-                        h.wrapping_mul(1099511628211)
-                            .wrapping_add(v.to_bits() as u64)
-                    });
+                    let h = hash_f32(&y);
                     let xb: Vec<bf16> = x.iter().map(|v| bf16::from_f32(*v)).collect();
                     let mut yb = vec![bf16::ZERO; len];
                     ctx.comm.all_reduce(&xb, &mut yb, ReduceOp::Avg)?;
-                    let hb = yb.iter().fold(0u64, |h, v| {
-                        h.wrapping_mul(1099511628211)
-                            .wrapping_add(v.to_bits() as u64)
-                    });
+                    let hb = hash_bits(0, yb.iter().map(|v| v.to_bits() as u64));
                     sums.push(h ^ hb.rotate_left(17));
                 }
                 Ok(sums)
@@ -449,160 +427,85 @@ fn t_deterministic() -> Result<(), String> {
     Ok(())
 }
 
-fn expect_all_err(res: Result<Vec<String>, LaunchError>, needles: &[&str]) -> Result<(), String> {
-    let msgs = res.map_err(|e| format!("ranks failed instead of returning errors: {e}"))?;
-    for (r, m) in msgs.iter().enumerate() {
-        for n in needles {
-            if !m.contains(n) {
-                return Err(format!("rank {r}'s error lacks '{n}': {m}"));
-            }
-        }
-    }
-    Ok(())
-}
-
 /// Each kind of disagreement is reported on every rank, naming who passed what; the communicator
 /// stays usable afterwards.
 fn t_mismatch() -> Result<(), String> {
-    type Case = (&'static str, &'static [&'static str]);
     let cases: &[Case] = &[
         (
             "count",
-            &[
-                "mismatch",
+            &[&[
                 "rank 0 called all_reduce(count=10",
                 "rank 1 called all_reduce(count=11",
-            ],
+            ]],
         ),
         (
             "kind",
-            &[
-                "mismatch",
-                "rank 0 called all_reduce",
-                "rank 1 called broadcast",
-            ],
+            &[&["rank 0 called all_reduce", "rank 1 called broadcast"]],
         ),
         (
             "dtype",
-            &[
-                "mismatch",
-                "dtype=f32",
-                "rank 1 called all_reduce(count=10, dtype=i32",
-            ],
+            &[&["dtype=f32", "rank 1 called all_reduce(count=10, dtype=i32"]],
         ),
-        ("op", &["mismatch", "op=sum", "op=max"]),
-        ("root", &["mismatch", "root=0", "root=1"]),
-        ("large", &["mismatch", "count=1000000", "count=1000001"]),
+        ("op", &[&["op=sum", "op=max"]]),
+        ("root", &[&["root=0", "root=1"]]),
+        ("large", &[&["count=1000000", "count=1000001"]]),
     ];
-    for (case, needles) in cases {
-        let res = launch(
-            &small_cfg(2),
-            |mut ctx: RankContext| -> RankResult<String> {
-                let c = &mut ctx.comm;
-                let me = ctx.rank;
-                let mut x = [1f32; 11];
-                let r = match (*case, me) {
-                    ("count", 0) => c.all_reduce_in_place(&mut x[..10], ReduceOp::Sum),
-                    ("count", _) => c.all_reduce_in_place(&mut x[..11], ReduceOp::Sum),
-                    ("kind", 0) => c.all_reduce_in_place(&mut x[..10], ReduceOp::Sum),
-                    ("kind", _) => c.broadcast_in_place(&mut x[..10], 0),
-                    ("dtype", 0) => c.all_reduce_in_place(&mut x[..10], ReduceOp::Sum),
-                    ("dtype", _) => c.all_reduce_in_place(&mut [1i32; 10], ReduceOp::Sum),
-                    ("op", 0) => c.all_reduce_in_place(&mut x[..10], ReduceOp::Sum),
-                    ("op", _) => c.all_reduce_in_place(&mut x[..10], ReduceOp::Max),
-                    ("root", r) => c.broadcast_in_place(&mut x[..10], r),
-                    ("large", r) => {
-                        c.all_reduce_in_place(&mut vec![0f32; 1_000_000 + r], ReduceOp::Sum)
-                    }
-                    _ => unreachable!(),
-                };
-                let msg = match r {
-                    Err(e @ CommError::Mismatch { .. }) => e.to_string(),
-                    other => return Err(format!("expected a mismatch error, got {other:?}").into()),
-                };
-                // Still usable: a correct all-reduce works.
-                let mut y = vec![me as f32 + 1.0; 1000];
-                c.all_reduce_in_place(&mut y, ReduceOp::Sum)?;
-                if y.iter().any(|v| *v != 3.0) {
-                    return Err("communicator unusable after mismatch".into());
-                }
-                Ok(msg)
-            },
-        );
-        expect_all_err(res, needles).map_err(|e| format!("case {case}: {e}"))?;
-    }
-    Ok(())
+    // Still usable afterwards: a correct all-reduce of 1000 works.
+    mismatch_cases(&small_cfg(2), cases, 1000, |case, me, c| {
+        let mut x = [1f32; 11];
+        mismatch_message(match (case, me) {
+            ("count", 0) => c.all_reduce_in_place(&mut x[..10], ReduceOp::Sum),
+            ("count", _) => c.all_reduce_in_place(&mut x[..11], ReduceOp::Sum),
+            ("kind", 0) => c.all_reduce_in_place(&mut x[..10], ReduceOp::Sum),
+            ("kind", _) => c.broadcast_in_place(&mut x[..10], 0),
+            ("dtype", 0) => c.all_reduce_in_place(&mut x[..10], ReduceOp::Sum),
+            ("dtype", _) => c.all_reduce_in_place(&mut [1i32; 10], ReduceOp::Sum),
+            ("op", 0) => c.all_reduce_in_place(&mut x[..10], ReduceOp::Sum),
+            ("op", _) => c.all_reduce_in_place(&mut x[..10], ReduceOp::Max),
+            ("root", r) => c.broadcast_in_place(&mut x[..10], r),
+            ("large", r) => c.all_reduce_in_place(&mut vec![0f32; 1_000_000 + r], ReduceOp::Sum),
+            _ => unreachable!(),
+        })
+    })
 }
 
 /// A rank that dies mid-collective: every survivor errors out naming it, within 1 s.
 fn t_dead_peer() -> Result<(), String> {
     for (n, dead) in [(2usize, 1usize), (4, 2)] {
-        let mut cfg = small_cfg(n);
-        cfg.fail_fast = false;
-        let res = launch(&cfg, |mut ctx: RankContext| -> RankResult<String> {
-            let mut x = vec![1f32; 1 << 20];
-            ctx.comm.all_reduce_in_place(&mut x, ReduceOp::Sum)?;
-            if ctx.rank == dead {
-                std::thread::sleep(Duration::from_millis(50));
-                std::process::abort();
-            }
-            let t = Instant::now();
-            let e = ctx
-                .comm
-                .all_reduce_in_place(&mut x, ReduceOp::Sum)
-                .err()
-                .ok_or("no error")?;
-            let took = t.elapsed();
-            if took > Duration::from_secs(1) {
-                return Err(format!("detection took {took:?}").into());
-            }
-            if !e.to_string().contains(&format!("rank {dead} (pid"))
-                || !e.to_string().contains("died")
-            {
-                return Err(format!("error does not name the dead rank: {e}").into());
-            }
-            // Fail on purpose so the message comes back through the failure list.
-            Err(format!("OK-SURVIVOR {e}").into())
-        });
-        match res {
-            Err(LaunchError::RanksFailed(f)) => {
-                if !f
-                    .iter()
-                    .any(|x| x.rank == dead && x.exit_code == 128 + libc::SIGABRT)
-                {
-                    return Err(format!("rank {dead} should have died of SIGABRT: {f:?}"));
+        let res = launch(
+            &failing_cfg(n, None),
+            |mut ctx: RankContext| -> RankResult<String> {
+                let mut x = vec![1f32; 1 << 20];
+                ctx.comm.all_reduce_in_place(&mut x, ReduceOp::Sum)?;
+                if ctx.rank == dead {
+                    std::thread::sleep(Duration::from_millis(50));
+                    std::process::abort();
                 }
-                let survivors: Vec<_> = f.iter().filter(|x| x.rank != dead).collect();
-                if survivors.len() != n - 1
-                    || survivors
-                        .iter()
-                        .any(|s| !s.message.starts_with("OK-SURVIVOR"))
-                {
-                    return Err(format!(
-                        "survivors did not report the dead peer properly: {f:?}"
-                    ));
-                }
-            }
-            other => return Err(format!("unexpected outcome {other:?}")),
-        }
+                let (e, took) = failing_all_reduce(&mut ctx.comm, &mut x)?;
+                survivor_verdict(e, dead, took)
+            },
+        );
+        survivors_reported(res, Some(dead), (0..n).filter(|&r| r != dead))
+            .map_err(|e| format!("world {n}: {e}"))?;
     }
     Ok(())
 }
 
 /// A rank that returns (drops its communicator) while a peer waits in a collective.
 fn t_peer_left() -> Result<(), String> {
-    let mut cfg = small_cfg(3);
-    cfg.fail_fast = false;
-    let out = launch(&cfg, |mut ctx: RankContext| -> RankResult<String> {
-        ctx.comm.barrier()?;
-        if ctx.rank == 2 {
-            return Ok("left".into());
-        }
-        match ctx.comm.barrier() {
-            Err(e) => Ok(e.to_string()),
-            Ok(()) => Err("barrier passed without rank 2".into()),
-        }
-    })
+    let out = launch(
+        &failing_cfg(3, None),
+        |mut ctx: RankContext| -> RankResult<String> {
+            ctx.comm.barrier()?;
+            if ctx.rank == 2 {
+                return Ok("left".into());
+            }
+            match ctx.comm.barrier() {
+                Err(e) => Ok(e.to_string()),
+                Ok(()) => Err("barrier passed without rank 2".into()),
+            }
+        },
+    )
     .map_err(|e| e.to_string())?;
     for m in &out[..2] {
         if !(m.contains("rank 2") && (m.contains("left the communicator") || m.contains("died"))) {
@@ -614,9 +517,7 @@ fn t_peer_left() -> Result<(), String> {
 
 /// A rank that never arrives: the others time out, saying where it is; waiting does not burn CPU.
 fn t_timeout_and_no_spin() -> Result<(), String> {
-    let mut cfg = small_cfg(2);
-    cfg.shm.timeout = Duration::from_millis(800);
-    cfg.fail_fast = false;
+    let cfg = failing_cfg(2, Some(Duration::from_millis(800)));
     let out = launch(&cfg, |mut ctx: RankContext| -> RankResult<String> {
         ctx.comm.barrier()?;
         if ctx.rank == 1 {
@@ -624,14 +525,9 @@ fn t_timeout_and_no_spin() -> Result<(), String> {
             return Ok(String::new());
         }
         let cpu0 = cpu_time();
-        let t = Instant::now();
-        let e = ctx
-            .comm
-            .all_reduce_in_place(&mut [1f32; 4], ReduceOp::Sum)
-            .err()
-            .ok_or("no timeout")?;
+        let (e, took) = failing_all_reduce(&mut ctx.comm, &mut [1f32; 4])?;
         let cpu = cpu_time() - cpu0;
-        Ok(format!("{:.2} {:.3} {e}", t.elapsed().as_secs_f64(), cpu))
+        Ok(format!("{:.2} {:.3} {e}", took.as_secs_f64(), cpu))
     })
     .map_err(|e| e.to_string())?;
     let m = &out[0];
@@ -659,29 +555,29 @@ fn t_timeout_and_no_spin() -> Result<(), String> {
 /// `set_timeout` replaces the configured timeout for the calls that follow, on this rank only;
 /// the timeout error lists the ranks that had not arrived.
 fn t_set_timeout() -> Result<(), String> {
-    let mut cfg = small_cfg(2);
-    cfg.shm.timeout = Duration::from_secs(60);
-    cfg.fail_fast = false;
-    let out = launch(&cfg, |mut ctx: RankContext| -> RankResult<String> {
-        if ctx.comm.timeout() != Some(Duration::from_secs(60)) {
-            return Err(format!("timeout {:?}, configured 60 s", ctx.comm.timeout()).into());
-        }
-        ctx.comm.barrier()?;
-        if ctx.rank == 1 {
-            std::thread::sleep(Duration::from_millis(1500));
-            return Ok(String::new());
-        }
-        ctx.comm.set_timeout(Duration::from_millis(300))?;
-        let t = Instant::now();
-        match ctx.comm.barrier() {
-            Err(CommError::Timeout { missing, .. }) => Ok(format!(
-                "{:.2} {missing:?} {:?}",
-                t.elapsed().as_secs_f64(),
-                ctx.comm.timeout()
-            )),
-            r => Err(format!("expected a timeout, got {r:?}").into()),
-        }
-    })
+    let out = launch(
+        &failing_cfg(2, Some(Duration::from_secs(60))),
+        |mut ctx: RankContext| -> RankResult<String> {
+            if ctx.comm.timeout() != Some(Duration::from_secs(60)) {
+                return Err(format!("timeout {:?}, configured 60 s", ctx.comm.timeout()).into());
+            }
+            ctx.comm.barrier()?;
+            if ctx.rank == 1 {
+                std::thread::sleep(Duration::from_millis(1500));
+                return Ok(String::new());
+            }
+            ctx.comm.set_timeout(Duration::from_millis(300))?;
+            let t = Instant::now();
+            match ctx.comm.barrier() {
+                Err(CommError::Timeout { missing, .. }) => Ok(format!(
+                    "{:.2} {missing:?} {:?}",
+                    t.elapsed().as_secs_f64(),
+                    ctx.comm.timeout()
+                )),
+                r => Err(format!("expected a timeout, got {r:?}").into()),
+            }
+        },
+    )
     .map_err(|e| e.to_string())?;
     let (wall, rest) = out[0].split_once(' ').ok_or("no output")?;
     let wall: f64 = wall.parse().map_err(|e| format!("{e}"))?;
@@ -691,16 +587,6 @@ fn t_set_timeout() -> Result<(), String> {
         ));
     }
     Ok(())
-}
-
-fn cpu_time() -> f64 {
-    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
-    // SAFETY: valid out-parameter.
-    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) };
-    ru.ru_utime.tv_sec as f64
-        + ru.ru_utime.tv_usec as f64 * 1e-6
-        + ru.ru_stime.tv_sec as f64
-        + ru.ru_stime.tv_usec as f64 * 1e-6
 }
 
 /// Ranks asleep on the futex are woken when the last rank arrives, not when their nap runs out:
@@ -1152,14 +1038,7 @@ fn t_fast_path() -> Result<(), String> {
                 Ok(bad)
             })
             .map_err(|e| format!("fast_bytes {fast}, {n} ranks: {e}"))?;
-            let bad: Vec<String> = out
-                .into_iter()
-                .enumerate()
-                .flat_map(|(r, b)| b.into_iter().map(move |m| format!("rank {r}: {m}")))
-                .collect();
-            if !bad.is_empty() {
-                return Err(format!("fast_bytes {fast}, {n} ranks:\n{}", bad.join("\n")));
-            }
+            no_failures(&format!("fast_bytes {fast}, {n} ranks, "), out)?;
         }
     }
     Ok(())
@@ -1169,79 +1048,55 @@ fn t_fast_path() -> Result<(), String> {
 /// it on the phased path (above the threshold) and the others' on the fast one, and when one rank
 /// refuses the call locally; the communicator stays usable.
 fn t_fast_mismatch() -> Result<(), String> {
-    type Case = (&'static str, &'static [&'static str]);
     let cases: &[Case] = &[
         (
             "across threshold",
-            &[
-                "mismatch",
+            &[&[
                 "rank 0 called all_reduce(count=1024",
                 "rank 1 called all_reduce(count=1025",
-            ],
+            ]],
         ),
         (
             "all_to_all count",
-            &[
-                "mismatch",
+            &[&[
                 "rank 0 called all_to_all(count=2",
                 "rank 2 called all_to_all(count=3",
-            ],
+            ]],
         ),
-        ("scatter root", &["mismatch", "root=0", "root=1"]),
-        (
-            "barrier vs all_gather",
-            &["mismatch", "barrier", "all_gather"],
-        ),
-        ("gather dtype", &["mismatch", "dtype=f32", "dtype=f64"]),
-        ("refused", &["refused its all_reduce"]),
+        ("scatter root", &[&["root=0", "root=1"]]),
+        ("barrier vs all_gather", &[&["barrier", "all_gather"]]),
+        ("gather dtype", &[&["dtype=f32", "dtype=f64"]]),
+        ("refused", &[&["refused its all_reduce"]]),
     ];
-    for (case, needles) in cases {
-        let res = launch(
-            &small_cfg(3),
-            |mut ctx: RankContext| -> RankResult<String> {
-                let c = &mut ctx.comm;
-                let me = ctx.rank;
-                let r = match (*case, me) {
-                    ("across threshold", 0) => {
-                        c.all_reduce_in_place(&mut [1f32; 1024], ReduceOp::Sum)
-                    }
-                    ("across threshold", _) => {
-                        c.all_reduce_in_place(&mut [1f32; 1025], ReduceOp::Sum)
-                    }
-                    ("all_to_all count", 2) => c.all_to_all(&[1f32; 9], &mut [0f32; 9]),
-                    ("all_to_all count", _) => c.all_to_all(&[1f32; 6], &mut [0f32; 6]),
-                    ("scatter root", 1) => c.scatter(&[1f32; 6], &mut [0f32; 2], 1),
-                    ("scatter root", 0) => c.scatter(&[1f32; 6], &mut [0f32; 2], 0),
-                    ("scatter root", _) => c.scatter(&[0f32; 0], &mut [0f32; 2], 0),
-                    ("barrier vs all_gather", 1) => c.all_gather(&[1f32; 2], &mut [0f32; 6]),
-                    ("barrier vs all_gather", _) => c.barrier(),
-                    ("gather dtype", 1) => c.gather(&[1f64; 2], &mut [0f64; 0], 0),
-                    ("gather dtype", _) => {
-                        c.gather(&[1f32; 2], &mut vec![0f32; if me == 0 { 6 } else { 0 }], 0)
-                    }
-                    ("refused", 1) => c.all_reduce(&[1f32; 4], &mut [0f32; 5], ReduceOp::Sum),
-                    ("refused", _) => c.all_reduce(&[1f32; 4], &mut [0f32; 4], ReduceOp::Sum),
-                    _ => unreachable!(),
-                };
-                let msg = match r {
-                    Err(e @ CommError::Mismatch { .. }) => e.to_string(),
-                    // The refusing rank gets its own argument error.
-                    Err(e) if *case == "refused" && me == 1 => {
-                        format!("rank 1 refused its all_reduce call: {e}")
-                    }
-                    other => return Err(format!("expected a mismatch error, got {other:?}").into()),
-                };
-                let mut y = [me as f32 + 1.0; 3];
-                c.all_reduce_in_place(&mut y, ReduceOp::Sum)?;
-                if y != [6.0; 3] {
-                    return Err(format!("communicator unusable after mismatch: {y:?}").into());
-                }
-                Ok(msg.to_lowercase())
-            },
-        );
-        expect_all_err(res, needles).map_err(|e| format!("case {case}: {e}"))?;
-    }
-    Ok(())
+    // Still usable afterwards: a correct all-reduce of 3 works.
+    mismatch_cases(&small_cfg(3), cases, 3, |case, me, c| {
+        let r = match (case, me) {
+            ("across threshold", 0) => c.all_reduce_in_place(&mut [1f32; 1024], ReduceOp::Sum),
+            ("across threshold", _) => c.all_reduce_in_place(&mut [1f32; 1025], ReduceOp::Sum),
+            ("all_to_all count", 2) => c.all_to_all(&[1f32; 9], &mut [0f32; 9]),
+            ("all_to_all count", _) => c.all_to_all(&[1f32; 6], &mut [0f32; 6]),
+            ("scatter root", 1) => c.scatter(&[1f32; 6], &mut [0f32; 2], 1),
+            ("scatter root", 0) => c.scatter(&[1f32; 6], &mut [0f32; 2], 0),
+            ("scatter root", _) => c.scatter(&[0f32; 0], &mut [0f32; 2], 0),
+            ("barrier vs all_gather", 1) => c.all_gather(&[1f32; 2], &mut [0f32; 6]),
+            ("barrier vs all_gather", _) => c.barrier(),
+            ("gather dtype", 1) => c.gather(&[1f64; 2], &mut [0f64; 0], 0),
+            ("gather dtype", _) => {
+                c.gather(&[1f32; 2], &mut vec![0f32; if me == 0 { 6 } else { 0 }], 0)
+            }
+            ("refused", 1) => c.all_reduce(&[1f32; 4], &mut [0f32; 5], ReduceOp::Sum),
+            ("refused", _) => c.all_reduce(&[1f32; 4], &mut [0f32; 4], ReduceOp::Sum),
+            _ => unreachable!(),
+        };
+        let msg = match r {
+            // The refusing rank gets its own argument error.
+            Err(e) if case == "refused" && me == 1 => {
+                format!("rank 1 refused its all_reduce call: {e}")
+            }
+            r => mismatch_message(r)?,
+        };
+        Ok(msg.to_lowercase())
+    })
 }
 
 // -------------------------------------------------------------------------------------------------
@@ -1309,17 +1164,7 @@ fn t_all_gather_mixed_in_place() -> Result<(), String> {
             Ok(bad)
         })
         .map_err(|e| format!("world {n}: {e}"))?;
-        let bad: Vec<String> = out
-            .into_iter()
-            .enumerate()
-            .flat_map(|(r, b)| {
-                b.into_iter()
-                    .map(move |m| format!("world {n} rank {r}: {m}"))
-            })
-            .collect();
-        if !bad.is_empty() {
-            return Err(bad.join("\n"));
-        }
+        no_failures(&format!("world {n} "), out)?;
     }
     Ok(())
 }
@@ -1335,21 +1180,17 @@ fn single_cfg(n: usize) -> LaunchConfig {
 
 /// Every collective, every dtype, every op, around the threshold and on odd counts, 2-4 ranks.
 fn t_single_copy() -> Result<(), String> {
-    for n in [2, 3, 4] {
-        all_collectives_cfg(single_cfg(n), false).map_err(|e| format!("world {n}: {e}"))?;
-    }
-    Ok(())
+    all_collectives_with(&[2, 3, 4], single_cfg)
 }
 
 /// The kernel refuses (fault injection): the probe fails on every rank, the call is run again
 /// staged, and so are all later calls; every result still right.
 fn t_single_copy_refused() -> Result<(), String> {
-    for n in [2, 3] {
+    all_collectives_with(&[2, 3], |n| {
         let mut cfg = single_cfg(n);
         cfg.shm.fault_refuse_direct = true;
-        all_collectives_cfg(cfg, false).map_err(|e| format!("world {n}: {e}"))?;
-    }
-    Ok(())
+        cfg
+    })
 }
 
 /// The default choice (`auto`): rank 0 alternates the two paths while it measures them, then
@@ -1362,9 +1203,7 @@ fn t_single_copy_auto() -> Result<(), String> {
         cfg.shm.single_copy = SingleCopyMode::Auto;
         let out = launch(&cfg, move |mut ctx: RankContext| -> RankResult<u64> {
             let (me, c) = (ctx.rank, &mut ctx.comm);
-            let val = |r: usize, i: usize| {
-                ((i * 2654435761 + r * 97) % 1000) as f32 * 1.37e-3 + 1e4 * (r as f32 - 1.0)
-            };
+            let val = order_sensitive;
             let len = 3001usize;
             let x: Vec<f32> = (0..len).map(|i| val(me, i)).collect();
             let all: Vec<f32> = (0..n)
@@ -1408,9 +1247,7 @@ fn t_single_copy_auto() -> Result<(), String> {
                 if z.iter().enumerate().any(|(i, v)| *v != all[me * len + i]) {
                     return Err(format!("reduce_scatter call {call}: wrong output").into());
                 }
-                h = bits.iter().fold(h, |h, b| {
-                    h.wrapping_mul(1099511628211).wrapping_add(*b as u64)
-                });
+                h = hash_bits(h, bits.iter().map(|&b| b as u64));
             }
             Ok(h)
         })
@@ -1425,36 +1262,34 @@ fn t_single_copy_auto() -> Result<(), String> {
 /// Hashes of all_reduce and reduce_scatter outputs on values whose sum depends on the order of
 /// addition, with `cma_bytes` as given.
 fn order_sensitive_hashes(n: usize, cma_bytes: usize) -> Result<Vec<Vec<u64>>, String> {
-    let mut cfg = single_cfg(n);
-    cfg.shm.cma_bytes = cma_bytes;
-    launch(&cfg, |mut ctx: RankContext| -> RankResult<Vec<u64>> {
-        let hash = |y: &[f32]| {
-            y.iter().fold(0u64, |h, v| {
-                h.wrapping_mul(1099511628211)
-                    .wrapping_add(v.to_bits() as u64)
-            })
-        };
+    single_copy_job(n, cma_bytes, |me, c| {
         let mut out = Vec::new();
         for len in [1023usize, 1024, 1025, 5000, 100_003] {
-            let x: Vec<f32> = (0..len * n)
-                .map(|i| {
-                    ((i * 2654435761 + ctx.rank * 97) % 1000) as f32 * 1.37e-3
-                        + 1e4 * (ctx.rank as f32 - 1.0)
-                })
-                .collect();
+            let x: Vec<f32> = (0..len * n).map(|i| order_sensitive(me, i)).collect();
             let mut y = vec![0f32; len * n];
-            ctx.comm.all_reduce(&x, &mut y, ReduceOp::Sum)?;
-            out.push(hash(&y));
+            c.all_reduce(&x, &mut y, ReduceOp::Sum)?;
+            out.push(hash_f32(&y));
             let mut z = vec![0f32; len];
-            ctx.comm.reduce_scatter(&x, &mut z, ReduceOp::Sum)?;
+            c.reduce_scatter(&x, &mut z, ReduceOp::Sum)?;
             // Every rank's block, so that the ranks' hashes can be compared.
             let mut all = vec![0f32; len * n];
-            ctx.comm.all_gather(&z, &mut all)?;
-            out.push(hash(&all));
+            c.all_gather(&z, &mut all)?;
+            out.push(hash_f32(&all));
         }
         Ok(out)
     })
-    .map_err(|e| e.to_string())
+}
+
+/// A job of `n` ranks on [`single_cfg`] with `cma_bytes` as given, each running `body(rank,
+/// comm)`: their outputs' hashes.
+fn single_copy_job(
+    n: usize,
+    cma_bytes: usize,
+    body: impl FnOnce(usize, &mut Communicator) -> RankResult<Vec<u64>>,
+) -> Result<Vec<Vec<u64>>, String> {
+    let mut cfg = single_cfg(n);
+    cfg.shm.cma_bytes = cma_bytes;
+    launch(&cfg, |mut ctx: RankContext| body(ctx.rank, &mut ctx.comm)).map_err(|e| e.to_string())
 }
 
 /// The single-copy reductions give the staged path's bits, on every rank, run after run.
@@ -1484,19 +1319,8 @@ fn t_single_copy_bits() -> Result<(), String> {
 /// on sizes across the single-copy threshold and the push share's cache-line rounding, hashed
 /// per rank, with `cma_bytes` as given. The values make any wrong order of addition visible.
 fn push_path_hashes(n: usize, cma_bytes: usize) -> Result<Vec<Vec<u64>>, String> {
-    let mut cfg = single_cfg(n);
-    cfg.shm.cma_bytes = cma_bytes;
-    launch(&cfg, |mut ctx: RankContext| -> RankResult<Vec<u64>> {
-        let (me, c) = (ctx.rank, &mut ctx.comm);
-        let hash = |y: &[f32]| {
-            y.iter().fold(0u64, |h, v| {
-                h.wrapping_mul(1099511628211)
-                    .wrapping_add(v.to_bits() as u64)
-            })
-        };
-        let val = |r: usize, i: usize| {
-            ((i * 2654435761 + r * 97) % 1000) as f32 * 1.37e-3 + 1e4 * (r as f32 - 1.0)
-        };
+    single_copy_job(n, cma_bytes, |me, c| {
+        let (hash, val) = (hash_f32, order_sensitive);
         let mut out = Vec::new();
         // Elements of f32: below, at and above the 4 KiB threshold (1024), shares of a few cache
         // lines and none, odd counts, and the benchmarks' 1 MiB.
@@ -1544,7 +1368,6 @@ fn push_path_hashes(n: usize, cma_bytes: usize) -> Result<Vec<Vec<u64>>, String>
         }
         Ok(out)
     })
-    .map_err(|e| e.to_string())
 }
 
 /// The pushing single-copy paths give the staged path's bits, on every rank.
@@ -1595,17 +1418,7 @@ fn mixed_buffers(cfg: &LaunchConfig) -> Result<(), String> {
         let mut bad = Vec::new();
         for shared_on_0 in [true, false] {
             let shared = shared_on_0 && me == 0;
-            let buf = |c: &mut Communicator,
-                       data: Vec<f32>|
-             -> Result<Box<dyn BufLike<f32>>, CommError> {
-                if shared {
-                    let mut b = c.alloc_shared::<f32>(data.len())?;
-                    b.copy_from_slice(&data);
-                    Ok(Box::new(b))
-                } else {
-                    Ok(Box::new(data))
-                }
-            };
+            let buf = |c: &mut Communicator, data: Vec<f32>| buffer(c, shared, data);
             let x = buf(c, input::<f32>(ReduceOp::Sum, me, n, len * n, 0))?;
             let mut y = buf(c, vec![0f32; len * n])?;
             c.all_reduce(x.slice(), y.slice_mut(), ReduceOp::Sum)?;
@@ -1652,47 +1465,29 @@ fn mixed_buffers(cfg: &LaunchConfig) -> Result<(), String> {
         Ok(bad)
     })
     .map_err(|e| e.to_string())?;
-    let bad: Vec<String> = out.into_iter().flatten().collect();
-    if bad.is_empty() {
-        Ok(())
-    } else {
-        Err(bad.join("\n"))
-    }
+    no_failures("", out)
 }
 
 /// Arguments that disagree at single-copy sizes are a mismatch on every rank, before anyone reads
 /// a peer's memory; the communicator stays usable.
 fn t_single_copy_mismatch() -> Result<(), String> {
-    for case in ["all_gather", "broadcast", "all_reduce", "reduce_scatter"] {
-        let res = launch(
-            &single_cfg(2),
-            |mut ctx: RankContext| -> RankResult<String> {
-                let (me, c) = (ctx.rank, &mut ctx.comm);
-                let len = 100_000 + me;
-                let x = vec![1f32; 2 * len];
-                let mut y = vec![0f32; 2 * len];
-                let r = match case {
-                    "all_gather" => c.all_gather(&x[..len], &mut y[..2 * len]),
-                    "broadcast" => c.broadcast(&x[..len], &mut y[..len], 0),
-                    "all_reduce" => c.all_reduce(&x[..len], &mut y[..len], ReduceOp::Sum),
-                    _ => c.reduce_scatter(&x[..2 * len], &mut y[..len], ReduceOp::Sum),
-                };
-                let msg = match r {
-                    Err(e @ CommError::Mismatch { .. }) => e.to_string(),
-                    other => return Err(format!("expected a mismatch error, got {other:?}").into()),
-                };
-                let mut z = vec![me as f32 + 1.0; 100_000];
-                c.all_reduce_in_place(&mut z, ReduceOp::Sum)?;
-                if z.iter().any(|v| *v != 3.0) {
-                    return Err("communicator unusable after mismatch".into());
-                }
-                Ok(msg)
-            },
-        );
-        expect_all_err(res, &["mismatch", "count=100000", "count=100001"])
-            .map_err(|e| format!("{case}: {e}"))?;
-    }
-    Ok(())
+    let cases: &[Case] = &[
+        ("all_gather", &[&["count=100000", "count=100001"]]),
+        ("broadcast", &[&["count=100000", "count=100001"]]),
+        ("all_reduce", &[&["count=100000", "count=100001"]]),
+        ("reduce_scatter", &[&["count=100000", "count=100001"]]),
+    ];
+    mismatch_cases(&single_cfg(2), cases, 100_000, |case, me, c| {
+        let len = 100_000 + me;
+        let x = vec![1f32; 2 * len];
+        let mut y = vec![0f32; 2 * len];
+        mismatch_message(match case {
+            "all_gather" => c.all_gather(&x[..len], &mut y[..2 * len]),
+            "broadcast" => c.broadcast(&x[..len], &mut y[..len], 0),
+            "all_reduce" => c.all_reduce(&x[..len], &mut y[..len], ReduceOp::Sum),
+            _ => c.reduce_scatter(&x[..2 * len], &mut y[..len], ReduceOp::Sum),
+        })
+    })
 }
 
 /// A rank dies while its peer reads its buffers (large all_gathers and all_reduces in a loop, the
@@ -1723,82 +1518,56 @@ fn t_single_copy_dead_peer() -> Result<(), String> {
                 .and_then(|_| ctx.comm.all_reduce(&x, &mut y[..len], ReduceOp::Sum));
             match r {
                 Ok(()) => last = Instant::now(),
-                Err(e) => {
-                    let took = last.elapsed();
-                    if took > Duration::from_secs(1) {
-                        return Err(format!("detection took {took:?}").into());
-                    }
-                    if !e.to_string().contains(&format!("rank {dead} (pid"))
-                        || !e.to_string().contains("died")
-                    {
-                        return Err(format!("error does not name the dead rank: {e}").into());
-                    }
-                    return Err(format!("OK-SURVIVOR {e}").into());
-                }
+                Err(e) => return survivor_verdict(e, dead, last.elapsed()),
             }
         }
     });
-    match res {
-        Err(LaunchError::RanksFailed(f)) => {
-            if !f
-                .iter()
-                .any(|x| x.rank == dead && x.exit_code == 128 + libc::SIGABRT)
-            {
-                return Err(format!("rank {dead} should have died of SIGABRT: {f:?}"));
-            }
-            if !f
-                .iter()
-                .any(|x| x.rank == 0 && x.message.starts_with("OK-SURVIVOR"))
-            {
-                return Err(format!(
-                    "the survivor did not report the dead peer properly: {f:?}"
-                ));
-            }
-            Ok(())
-        }
-        other => Err(format!("unexpected outcome {other:?}")),
-    }
+    survivors_reported(res, Some(dead), [0])
 }
 
-/// A named test body.
-type TestFn = fn() -> Result<(), String>;
+/// The tests after the `collectives_world_*` ones ([`WORLD_TESTS`]), in the order they run.
+const TESTS: &[runner::Test] = &[
+    ("collectives_stage_modes", t_collectives_stage_modes),
+    ("all_gather_mixed_in_place", t_all_gather_mixed_in_place),
+    ("all_reduce_64mib", t_all_reduce_64mib),
+    ("deterministic", t_deterministic),
+    ("mismatch", t_mismatch),
+    ("dead_peer", t_dead_peer),
+    ("peer_left", t_peer_left),
+    ("timeout_and_no_spin", t_timeout_and_no_spin),
+    ("set_timeout", t_set_timeout),
+    ("sleepers_woken", t_sleepers_woken),
+    ("named_segment_no_leak", t_named_segment_no_leak),
+    ("local_argument_errors", t_local_argument_errors),
+    ("oversubscribed_8", t_oversubscribed_8),
+    ("world_64", t_world_64),
+    ("local_error_on_one_rank", t_local_error_on_one_rank),
+    ("tiny_slot_many_ranks", t_tiny_slot_many_ranks),
+    ("over_1gib", t_over_1gib),
+    ("fast_path", t_fast_path),
+    ("fast_mismatch", t_fast_mismatch),
+    ("single_copy", t_single_copy),
+    ("single_copy_refused", t_single_copy_refused),
+    ("single_copy_bits", t_single_copy_bits),
+    ("single_copy_auto", t_single_copy_auto),
+    ("single_copy_push", t_single_copy_push),
+    ("single_copy_mixed", t_single_copy_mixed),
+    ("single_copy_mismatch", t_single_copy_mismatch),
+    ("single_copy_dead_peer", t_single_copy_dead_peer),
+];
 
 fn main() -> std::process::ExitCode {
-    let tests: Vec<(&str, TestFn)> = vec![
-        ("collectives_world_1", t_collectives_world_1),
-        ("collectives_world_2", t_collectives_world_2),
-        ("collectives_world_2_shared", t_collectives_world_2_shared),
-        ("collectives_world_3", t_collectives_world_3),
-        ("collectives_world_4", t_collectives_world_4),
-        ("collectives_world_8", t_collectives_world_8),
-        ("collectives_stage_modes", t_collectives_stage_modes),
-        ("all_gather_mixed_in_place", t_all_gather_mixed_in_place),
-        ("all_reduce_64mib", t_all_reduce_64mib),
-        ("deterministic", t_deterministic),
-        ("mismatch", t_mismatch),
-        ("dead_peer", t_dead_peer),
-        ("peer_left", t_peer_left),
-        ("timeout_and_no_spin", t_timeout_and_no_spin),
-        ("set_timeout", t_set_timeout),
-        ("sleepers_woken", t_sleepers_woken),
-        ("named_segment_no_leak", t_named_segment_no_leak),
-        ("local_argument_errors", t_local_argument_errors),
-        ("oversubscribed_8", t_oversubscribed_8),
-        ("world_64", t_world_64),
-        ("local_error_on_one_rank", t_local_error_on_one_rank),
-        ("tiny_slot_many_ranks", t_tiny_slot_many_ranks),
-        ("over_1gib", t_over_1gib),
-        ("fast_path", t_fast_path),
-        ("fast_mismatch", t_fast_mismatch),
-        ("single_copy", t_single_copy),
-        ("single_copy_refused", t_single_copy_refused),
-        ("single_copy_bits", t_single_copy_bits),
-        ("single_copy_auto", t_single_copy_auto),
-        ("single_copy_push", t_single_copy_push),
-        ("single_copy_mixed", t_single_copy_mixed),
-        ("single_copy_mismatch", t_single_copy_mismatch),
-        ("single_copy_dead_peer", t_single_copy_dead_peer),
-    ];
     let _ = CollKind::ALL;
-    runner::run(&tests)
+    let mut r = runner::Runner::new();
+    for (name, n, modes) in WORLD_TESTS {
+        r.run(name, || {
+            modes
+                .iter()
+                .try_for_each(|&shared| all_collectives_cfg(small_cfg(n), shared))
+        });
+    }
+    for (name, f) in TESTS {
+        r.run(name, f);
+    }
+    r.finish()
 }

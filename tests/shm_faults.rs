@@ -6,29 +6,20 @@
 //! no `lockstep-*` segment is left behind.
 
 mod common;
+#[path = "common/launched.rs"]
+mod launched;
 
 use std::time::{Duration, Instant};
 
-use common::check;
-use common::forked::{collect as fork_ranks, no_new_segments, segments_in};
+use common::forked::{all_ok, collect as fork_ranks, no_leftovers, no_new_segments, segments_in};
+use common::{check, within};
+use launched::cpu_time;
 use lockstep::comm::{Communicator, ReduceOp};
 use lockstep::launch::{launch, LaunchConfig, RankContext, RankResult};
 use lockstep::shm::{ShmComm, ShmConfig, ShmJob};
 
 // -------------------------------------------------------------------------------------------------
 // Helpers
-
-/// This process's CPU time (user + system), in seconds.
-fn cpu_time() -> f64 {
-    // SAFETY: zeroed rusage is a valid out-parameter.
-    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
-    // SAFETY: valid out-parameter.
-    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) };
-    ru.ru_utime.tv_sec as f64
-        + ru.ru_utime.tv_usec as f64 * 1e-6
-        + ru.ru_stime.tv_sec as f64
-        + ru.ru_stime.tv_usec as f64 * 1e-6
-}
 
 // -------------------------------------------------------------------------------------------------
 // Tests
@@ -40,10 +31,8 @@ fn t_join_wait_cpu() -> Result<(), String> {
     let world = 16;
     let late = Duration::from_secs(2);
     let cfg = ShmConfig {
-        slot_bytes: 64 << 10,
-        heap_bytes: 2 << 20,
         cpu_bind: lockstep::shm::CpuBind::None,
-        ..ShmConfig::default()
+        ..small_cfg()
     };
     let job = ShmJob::with_config(world, cfg).map_err(|e| e.to_string())?;
     let t = Instant::now();
@@ -62,11 +51,7 @@ fn t_join_wait_cpu() -> Result<(), String> {
     let mut total = 0.0;
     let mut walls = Vec::new();
     for (r, e) in out.iter().enumerate() {
-        check(
-            e.status == 0,
-            &format!("rank {r} succeeded"),
-            format!("{}: {}", e.describe(), e.msg),
-        )?;
+        e.check_ok(&format!("rank {r} succeeded"))?;
         let v: Vec<f64> = e.msg.split(' ').filter_map(|x| x.parse().ok()).collect();
         check(v.len() == 2, "rank reported cpu and wall time", &e.msg)?;
         if r < world - 1 {
@@ -90,12 +75,28 @@ fn t_join_wait_cpu() -> Result<(), String> {
         "15 waiting ranks use under 5 % of one CPU",
         format!("{:.1} ms in {min_wall:.2} s", total * 1e3),
     )?;
-    check(
-        took < Duration::from_secs(10),
-        "done within 10 s",
-        format!("{took:?}"),
-    )?;
+    within(took, Duration::from_secs(10), "done within 10 s")?;
     no_new_segments("/dev/shm", &before)
+}
+
+/// Rank `rank` of the `n` ranks of the named job `job`, as a communicator.
+fn join_comm(job: &str, rank: usize, n: usize, cfg: ShmConfig) -> Result<Communicator, String> {
+    let backend = ShmComm::join_named(job, rank, n, cfg).map_err(|e| e.to_string())?;
+    Ok(Communicator::from_backend(Box::new(backend)))
+}
+
+/// Small slots (64 KiB) and heap (2 MiB): what most tests here need, quick to set up.
+fn small_cfg() -> ShmConfig {
+    ShmConfig {
+        slot_bytes: 64 << 10,
+        heap_bytes: 2 << 20,
+        ..ShmConfig::default()
+    }
+}
+
+/// Fails unless the file `path` exists; `what` says why it must.
+fn exists(path: &str, what: &str) -> Result<(), String> {
+    check(std::path::Path::new(path).exists(), what, path)
 }
 
 /// No child process of this test process is left.
@@ -194,17 +195,25 @@ fn in_private_namespace(f: impl Fn() -> Result<String, String>) -> Result<Option
             Err(e) => Ok(format!("unavailable: {e}")),
         },
     )?;
-    check(
-        out[0].status == 0,
-        "the scenario passed",
-        format!("{}: {}", out[0].describe(), out[0].msg),
-    )?;
+    out[0].check_ok("the scenario passed")?;
     Ok(if out[0].msg.starts_with("unavailable:") {
         println!("  no private mount namespace ({})", out[0].msg);
         None
     } else {
         Some(out[0].msg.clone())
     })
+}
+
+/// Fails unless the `what` error `e` names each of `wants`.
+fn names_all(what: &str, e: &str, wants: [String; 4]) -> Result<(), String> {
+    for want in wants {
+        check(
+            e.contains(&want),
+            &format!("the {what} error names '{want}'"),
+            e,
+        )?;
+    }
+    Ok(())
 }
 
 /// The small-segment scenario, in a `cap_mib` MiB tmpfs at `dir` (`None`: /dev/shm):
@@ -256,22 +265,20 @@ fn small_shm_scenario(dir: Option<&str>, cap_mib: usize) -> Result<String, Strin
         &format!("the creation error names at least {needed} bytes needed"),
         &e,
     )?;
-    for want in [
-        shown.to_string(),
-        format!("{free} bytes"),
-        "free".into(),
-        "LOCKSTEP_SHM_SLOT_BYTES".into(),
-    ] {
-        check(
-            e.contains(&want),
-            &format!("the creation error names '{want}'"),
-            &e,
-        )?;
-    }
-    check(
-        took < Duration::from_secs(1),
+    names_all(
+        "creation",
+        &e,
+        [
+            shown.to_string(),
+            format!("{free} bytes"),
+            "free".into(),
+            "LOCKSTEP_SHM_SLOT_BYTES".into(),
+        ],
+    )?;
+    within(
+        took,
+        Duration::from_secs(1),
         "the creation error comes at once",
-        format!("{took:?}"),
     )?;
     no_new_segments(shown, &before)?;
 
@@ -280,9 +287,7 @@ fn small_shm_scenario(dir: Option<&str>, cap_mib: usize) -> Result<String, Strin
     let big = cap_mib << 21;
     let t = Instant::now();
     let out = fork_ranks(2, Duration::from_secs(20), |rank| {
-        let mut c = Communicator::from_backend(Box::new(
-            ShmComm::join_named(&job, rank, 2, cfg(1 << 20)).map_err(|e| e.to_string())?,
-        ));
+        let mut c = join_comm(&job, rank, 2, cfg(1 << 20))?;
         let refused = if rank == 0 {
             match c.alloc_shared::<u8>(big) {
                 Ok(_) => {
@@ -305,30 +310,22 @@ fn small_shm_scenario(dir: Option<&str>, cap_mib: usize) -> Result<String, Strin
         Ok(refused)
     })?;
     let ran = t.elapsed();
-    for (r, e) in out.iter().enumerate() {
-        check(
-            e.status == 0,
-            &format!("rank {r} of the fitting job finished normally (no SIGBUS)"),
-            format!("{}: {}", e.describe(), e.msg),
-        )?;
-    }
+    all_ok(&out, "of the fitting job finished normally (no SIGBUS)")?;
     let e = &out[0].msg;
-    for want in [
-        shown.to_string(),
-        format!("{} bytes", big.next_multiple_of(4096)),
-        "free".into(),
-        "cannot reserve".into(),
-    ] {
-        check(
-            e.contains(&want),
-            &format!("the alloc_shared error names '{want}'"),
-            e,
-        )?;
-    }
-    check(
-        ran < Duration::from_secs(10),
+    names_all(
+        "alloc_shared",
+        e,
+        [
+            shown.to_string(),
+            format!("{} bytes", big.next_multiple_of(4096)),
+            "free".into(),
+            "cannot reserve".into(),
+        ],
+    )?;
+    within(
+        ran,
+        Duration::from_secs(10),
         "the fitting job ran within 10 s",
-        format!("{ran:?}"),
     )?;
     no_new_segments(shown, &before)?;
     Ok(format!(
@@ -351,13 +348,8 @@ fn t_small_dev_shm() -> Result<(), String> {
             common::skip_part("a small /dev/shm needs a private mount namespace; small_shm_dir covers the same with LOCKSTEP_SHM_DIR")
         }
     }
-    check(
-        t.elapsed() < Duration::from_secs(40),
-        "done within 40 s",
-        format!("{:?}", t.elapsed()),
-    )?;
-    no_new_segments("/dev/shm", &host_before)?;
-    no_children()
+    within(t.elapsed(), Duration::from_secs(40), "done within 40 s")?;
+    no_leftovers(&host_before)
 }
 
 /// The same with LOCKSTEP_SHM_DIR on a 16 MiB tmpfs of our own (named segments made with `open`
@@ -380,7 +372,7 @@ fn t_small_shm_dir() -> Result<(), String> {
                 // SAFETY: valid C string; our own mount.
                 unsafe { libc::umount2(std::ffi::CString::new(d.clone()).expect("path").as_ptr(), libc::MNT_DETACH) };
                 out.and_then(|o| {
-                    check(o[0].status == 0, "the scenario passed", format!("{}: {}", o[0].describe(), o[0].msg))?;
+                    o[0].check_ok("the scenario passed")?;
                     Ok(format!("(on the host's mount namespace) {}", o[0].msg))
                 })
             }
@@ -390,13 +382,8 @@ fn t_small_shm_dir() -> Result<(), String> {
     };
     let _ = std::fs::remove_dir_all(&dir);
     println!("  {}", r?);
-    check(
-        t.elapsed() < Duration::from_secs(40),
-        "done within 40 s",
-        format!("{:?}", t.elapsed()),
-    )?;
-    no_new_segments("/dev/shm", &host_before)?;
-    no_children()
+    within(t.elapsed(), Duration::from_secs(40), "done within 40 s")?;
+    no_leftovers(&host_before)
 }
 
 /// Bytes of the segment file whose name contains `needle` that this process has mapped (the
@@ -433,9 +420,7 @@ fn t_slots_mapped_on_first_use() -> Result<(), String> {
             join_timeout: Duration::from_secs(10),
             ..ShmConfig::default()
         };
-        let mut c = Communicator::from_backend(Box::new(
-            ShmComm::join_named(&job, rank, 2, cfg).map_err(|e| e.to_string())?,
-        ));
+        let mut c = join_comm(&job, rank, 2, cfg)?;
         let mut small = [rank as i64 + 1; 64];
         c.all_reduce_in_place(&mut small, ReduceOp::Sum)
             .map_err(|e| e.to_string())?;
@@ -474,11 +459,7 @@ fn t_slots_mapped_on_first_use() -> Result<(), String> {
         Ok(format!("{early} {late}"))
     })?;
     for (r, e) in out.iter().enumerate() {
-        check(
-            e.status == 0,
-            &format!("rank {r} succeeded"),
-            format!("{}: {}", e.describe(), e.msg),
-        )?;
+        e.check_ok(&format!("rank {r} succeeded"))?;
         let v: Vec<u64> = e.msg.split(' ').filter_map(|x| x.parse().ok()).collect();
         check(v.len() == 2, "rank reported mapped bytes", &e.msg)?;
         println!(
@@ -497,8 +478,7 @@ fn t_slots_mapped_on_first_use() -> Result<(), String> {
             format!("{} bytes", v[1]),
         )?;
     }
-    no_new_segments("/dev/shm", &before)?;
-    no_children()
+    no_leftovers(&before)
 }
 
 /// A named segment fits its tmpfs when it is created, then something else fills the tmpfs: the
@@ -517,9 +497,7 @@ fn room_gone_scenario(dir: &str) -> Result<String, String> {
             timeout: Duration::from_secs(30),
             ..ShmConfig::from_env().expect("shm settings from the environment")
         };
-        let mut c = Communicator::from_backend(Box::new(
-            ShmComm::join_named(&job, rank, 2, cfg).map_err(|e| e.to_string())?,
-        ));
+        let mut c = join_comm(&job, rank, 2, cfg)?;
         c.barrier().map_err(|e| e.to_string())?;
         if rank == 0 {
             // Another job takes all but 5 MiB: room for one rank's slots (4 MiB), not both.
@@ -545,11 +523,7 @@ fn room_gone_scenario(dir: &str) -> Result<String, String> {
     let took = t.elapsed();
     let mut said = 0;
     for (r, e) in out.iter().enumerate() {
-        check(
-            e.status == 0,
-            &format!("rank {r} got an error, not a signal (no SIGBUS)"),
-            format!("{}: {}", e.describe(), e.msg),
-        )?;
+        e.check_ok(&format!("rank {r} got an error, not a signal (no SIGBUS)"))?;
         said += e.msg.contains("no room for them any more") as usize;
     }
     check(
@@ -557,10 +531,10 @@ fn room_gone_scenario(dir: &str) -> Result<String, String> {
         "a rank's error says its slots found no room",
         format!("{:?}", out.iter().map(|e| &e.msg).collect::<Vec<_>>()),
     )?;
-    check(
-        took < Duration::from_secs(10),
+    within(
+        took,
+        Duration::from_secs(10),
         "every rank failed at once, not at the timeout",
-        format!("{took:?}"),
     )?;
     Ok(format!(
         "failed in {:.2} s: rank 0: {}; rank 1: {}",
@@ -584,8 +558,7 @@ fn t_room_gone_after_creation() -> Result<(), String> {
         Some(report) => println!("  {report}"),
         None => common::skip_part("needs a private mount namespace for its own small tmpfs"),
     }
-    no_new_segments("/dev/shm", &host_before)?;
-    no_children()
+    no_leftovers(&host_before)
 }
 
 /// LOCKSTEP_SHM_DIR must be an absolute path to an existing directory; anything else is refused
@@ -674,13 +647,8 @@ fn t_join_peer_death() -> Result<(), String> {
         "rank 0 noticed within 0.5 s of the death",
         format!("{secs:.3} s"),
     )?;
-    check(
-        t.elapsed() < Duration::from_secs(5),
-        "done within 5 s",
-        format!("{:?}", t.elapsed()),
-    )?;
-    no_new_segments("/dev/shm", &before)?;
-    no_children()
+    within(t.elapsed(), Duration::from_secs(5), "done within 5 s")?;
+    no_leftovers(&before)
 }
 
 /// Start rank 0 of a 2-rank named job in a child that waits (in vain) for rank 1; returns its
@@ -691,10 +659,8 @@ fn creator_waiting(job: &str) -> Result<i32, String> {
     let pid = unsafe { libc::fork() };
     if pid == 0 {
         let cfg = ShmConfig {
-            heap_bytes: 2 << 20,
-            slot_bytes: 64 << 10,
             join_timeout: Duration::from_secs(30),
-            ..ShmConfig::default()
+            ..small_cfg()
         };
         let r = ShmComm::join_named(job, 0, 2, cfg);
         // SAFETY: leave the child without running the parent's destructors.
@@ -737,11 +703,7 @@ fn t_stale_segment_reclaimed() -> Result<(), String> {
         }
     };
     kill_and_reap(a);
-    check(
-        std::path::Path::new(&dead_path).exists(),
-        "a killed creator leaves its segment behind",
-        &dead_path,
-    )?;
+    exists(&dead_path, "a killed creator leaves its segment behind")?;
     let t = Instant::now();
     // The fallback rule (for segments without a readable header) says "never" here, so what is
     // removed is removed on the header's word alone.
@@ -758,29 +720,24 @@ fn t_stale_segment_reclaimed() -> Result<(), String> {
         format!("{removed:?}"),
     )?;
     check(live_kept, "a running creator's segment is kept", &live_path)?;
-    check(
-        took < Duration::from_millis(500),
+    within(
+        took,
+        Duration::from_millis(500),
         "the sweep takes under 0.5 s",
-        format!("{took:?}"),
     )?;
 
     // Same job id again: rank 0 finds the leftover of its dead creator, removes it and runs.
-    check(
-        std::path::Path::new(&live_path).exists(),
-        "the second creator's segment is left after its kill",
+    exists(
         &live_path,
+        "the second creator's segment is left after its kill",
     )?;
     let t = Instant::now();
     let out = fork_ranks(2, Duration::from_secs(20), |rank| {
         let cfg = ShmConfig {
-            heap_bytes: 2 << 20,
-            slot_bytes: 64 << 10,
             join_timeout: Duration::from_secs(10),
-            ..ShmConfig::default()
+            ..small_cfg()
         };
-        let mut c = Communicator::from_backend(Box::new(
-            ShmComm::join_named(&live, rank, 2, cfg).map_err(|e| e.to_string())?,
-        ));
+        let mut c = join_comm(&live, rank, 2, cfg)?;
         let mut x = [rank as i64 + 1; 8];
         c.all_reduce_in_place(&mut x, ReduceOp::Sum)
             .map_err(|e| e.to_string())?;
@@ -790,20 +747,13 @@ fn t_stale_segment_reclaimed() -> Result<(), String> {
         Ok(String::new())
     })?;
     let took = t.elapsed();
-    for (r, e) in out.iter().enumerate() {
-        check(
-            e.status == 0,
-            &format!("rank {r} of the rerun with the same job id succeeded"),
-            format!("{}: {}", e.describe(), e.msg),
-        )?;
-    }
-    check(
-        took < Duration::from_secs(3),
+    all_ok(&out, "of the rerun with the same job id succeeded")?;
+    within(
+        took,
+        Duration::from_secs(3),
         "the rerun with the same job id took under 3 s",
-        format!("{took:?}"),
     )?;
-    no_new_segments("/dev/shm", &before)?;
-    no_children()
+    no_leftovers(&before)
 }
 
 /// Rank 2 comes 1.5 s late to all_reduce #2 with a 0.8 s timeout: every rank's error, not only
@@ -811,10 +761,8 @@ fn t_stale_segment_reclaimed() -> Result<(), String> {
 fn t_timeout_names_stuck_rank_everywhere() -> Result<(), String> {
     let mut cfg = LaunchConfig::new(4);
     cfg.shm = ShmConfig {
-        slot_bytes: 64 << 10,
-        heap_bytes: 2 << 20,
         timeout: Duration::from_millis(800),
-        ..ShmConfig::default()
+        ..small_cfg()
     };
     cfg.fail_fast = false;
     let t = Instant::now();
@@ -848,11 +796,7 @@ fn t_timeout_names_stuck_rank_everywhere() -> Result<(), String> {
             format!("{secs:.2} s: {msg}"),
         )?;
     }
-    check(
-        took < Duration::from_secs(6),
-        "done within 6 s",
-        format!("{took:?}"),
-    )?;
+    within(took, Duration::from_secs(6), "done within 6 s")?;
     no_children()
 }
 

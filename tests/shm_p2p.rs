@@ -5,34 +5,20 @@
 //! `harness = false`: the process forks, so it stays single-threaded; the binary ends with
 //! `N passed, M failed`.
 
+#[path = "common/launched.rs"]
+mod launched;
 #[path = "common/runner.rs"]
 mod runner;
 
 use std::time::{Duration, Instant};
 
 use half::{bf16, f16};
+use launched::{
+    mismatch_cases, mismatch_message, no_failures, small_slots, survivors_reported, Case, TestElem,
+};
 use lockstep::comm::{CommError, Communicator, Element, ReduceOp};
 use lockstep::launch::{launch, LaunchConfig, LaunchError, RankContext, RankResult};
 use lockstep::shm::ShmConfig;
-
-trait TestElem: Element + PartialEq {
-    fn from_f64(v: f64) -> Self;
-}
-
-macro_rules! test_elem_num {
-    ($($t:ty),*) => {$( impl TestElem for $t { fn from_f64(v: f64) -> Self { v as $t } } )*};
-}
-test_elem_num!(f32, f64, i32, i64, u8, i8, u32, u64);
-impl TestElem for f16 {
-    fn from_f64(v: f64) -> Self {
-        f16::from_f64(v)
-    }
-}
-impl TestElem for bf16 {
-    fn from_f64(v: f64) -> Self {
-        bf16::from_f64(v)
-    }
-}
 
 /// Element `i` of what rank `src` sends to rank `dst`: small integers, exact in every dtype, and
 /// different for every (src, dst) pair so a misrouted block shows.
@@ -45,16 +31,10 @@ fn sentinel<T: TestElem>() -> T {
     T::from_f64(99.0)
 }
 
+/// Small slots so the exchanges run many rounds and point-to-point messages overflow the
+/// mailboxes (one slot at most) on small inputs.
 fn cfg(n: usize) -> LaunchConfig {
-    let mut cfg = LaunchConfig::new(n);
-    // Small slots so the exchanges run many rounds and point-to-point messages overflow the
-    // mailboxes (one slot at most) on small inputs.
-    cfg.shm.slot_bytes = 8192;
-    cfg.shm.small_bytes = 1024;
-    cfg.shm.heap_bytes = 16 << 20;
-    cfg.shm.timeout = Duration::from_secs(20);
-    cfg.shm = cfg.shm.clone().normalized();
-    cfg
+    small_slots(n, 16 << 20, Duration::from_secs(20))
 }
 
 /// Block sizes in elements: empty, one, odd, and above a staging slot (and a mailbox).
@@ -320,18 +300,9 @@ macro_rules! every_dtype {
     }};
 }
 
+/// A job whose ranks return their failures as a list: none may have any.
 fn report(out: Result<Vec<Vec<String>>, LaunchError>) -> Result<(), String> {
-    let out = out.map_err(|e| e.to_string())?;
-    let bad: Vec<String> = out
-        .into_iter()
-        .enumerate()
-        .flat_map(|(r, b)| b.into_iter().map(move |m| format!("rank {r}: {m}")))
-        .collect();
-    if bad.is_empty() {
-        Ok(())
-    } else {
-        Err(bad.into_iter().take(10).collect::<Vec<_>>().join("\n"))
-    }
+    no_failures("", out.map_err(|e| e.to_string())?)
 }
 
 fn t_exchanges() -> Result<(), String> {
@@ -371,21 +342,31 @@ fn exchanges(refuse: bool) -> Result<(), String> {
     Ok(())
 }
 
-fn t_p2p_and_groups() -> Result<(), String> {
-    // Every path a message can take: the fast box (small), the mailbox stream, and the direct
-    // copy from the sender's memory (large; default threshold), then with direct copies off, and
-    // with every direct copy refused by the receiver (fallback to the stream mid-message).
-    let paths: [(&str, usize, bool); 3] = [
+/// Every path a message can take, as `(name, cma_bytes, refuse)`: the fast box (small), the
+/// mailbox stream, and the direct copy from the sender's memory (large; default threshold); then
+/// with direct copies off; and with every direct copy refused by the receiver (fallback to the
+/// stream mid-message).
+fn paths() -> [(&'static str, usize, bool); 3] {
+    [
         ("default", ShmConfig::default().cma_bytes, false),
         ("mailbox only", 0, false),
         ("direct copies refused", 1, true),
-    ];
-    for (path, cma_bytes, refuse) in paths {
+    ]
+}
+
+/// [`cfg`] of `n` ranks on the path of [`paths`] with `cma_bytes` and `refuse`.
+fn path_cfg(n: usize, cma_bytes: usize, refuse: bool) -> LaunchConfig {
+    let mut c = cfg(n);
+    c.shm.cma_bytes = cma_bytes;
+    c.shm.fault_refuse_direct = refuse;
+    c
+}
+
+fn t_p2p_and_groups() -> Result<(), String> {
+    for (path, cma_bytes, refuse) in paths() {
         for n in 1..=5 {
-            let mut c = cfg(n);
-            c.shm.cma_bytes = cma_bytes;
-            c.shm.fault_refuse_direct = refuse;
-            p2p_and_groups(n, c).map_err(|e| format!("{path}: {e}"))?;
+            p2p_and_groups(n, path_cfg(n, cma_bytes, refuse))
+                .map_err(|e| format!("{path}: {e}"))?;
         }
     }
     Ok(())
@@ -463,69 +444,34 @@ fn t_async_forms() -> Result<(), String> {
     ))
 }
 
-fn expect_all_err(
-    res: Result<Vec<String>, LaunchError>,
-    needles: &[&[&str]],
-) -> Result<(), String> {
-    let msgs = res.map_err(|e| format!("ranks failed instead of returning errors: {e}"))?;
-    for (r, m) in msgs.iter().enumerate() {
-        for n in needles[r.min(needles.len() - 1)] {
-            if !m.contains(n) {
-                return Err(format!("rank {r}'s error lacks '{n}': {m}"));
-            }
-        }
-    }
-    Ok(())
-}
-
 /// Disagreements are a Mismatch on every rank involved, naming who passed what; the collectives
 /// stay usable afterwards.
 fn t_mismatch() -> Result<(), String> {
-    type Case = (&'static str, &'static [&'static [&'static str]]);
     let cases: &[Case] = &[
         (
             "p2p_count",
-            &[&[
-                "mismatch",
-                "send(count=10, dtype=f32)",
-                "recv(count=11, dtype=f32)",
-            ]],
+            &[&["send(count=10, dtype=f32)", "recv(count=11, dtype=f32)"]],
         ),
         (
             "p2p_dtype",
-            &[&[
-                "mismatch",
-                "send(count=10, dtype=f32)",
-                "recv(count=10, dtype=i32)",
-            ]],
+            &[&["send(count=10, dtype=f32)", "recv(count=10, dtype=i32)"]],
         ),
         (
             "p2p_group",
-            &[&[
-                "mismatch",
-                "send(count=10, dtype=f32)",
-                "recv(count=11, dtype=f32)",
-            ]],
+            &[&["send(count=10, dtype=f32)", "recv(count=11, dtype=f32)"]],
         ),
         (
             "a2av",
-            &[&[
-                "mismatch",
-                "rank 0 sends 3 elements to rank 1 but rank 1 expects 4 from rank 0",
-            ]],
+            &[&["rank 0 sends 3 elements to rank 1 but rank 1 expects 4 from rank 0"]],
         ),
-        (
-            "a2a",
-            &[&["mismatch", "all_to_all(count=5", "all_to_all(count=6"]],
-        ),
+        ("a2a", &[&["all_to_all(count=5", "all_to_all(count=6"]]),
         (
             "scatter",
-            &[&["mismatch", "scatter(count=5, dtype=f32, root=0)", "root=1"]],
+            &[&["scatter(count=5, dtype=f32, root=0)", "root=1"]],
         ),
         (
             "agv",
             &[&[
-                "mismatch",
                 "all_gather_v counts disagree",
                 "rank 1 sends 2 elements to rank 0 but rank 0 expects 3 from rank 1",
             ]],
@@ -533,67 +479,51 @@ fn t_mismatch() -> Result<(), String> {
         (
             "gv",
             &[&[
-                "mismatch",
                 "gather_v counts disagree",
                 "rank 1 sends 2 elements to rank 0 but rank 0 expects 3 from rank 1",
             ]],
         ),
     ];
-    for (case, needles) in cases {
-        let res = launch(&cfg(2), |mut ctx: RankContext| -> RankResult<String> {
-            let c = &mut ctx.comm;
-            let me = ctx.rank;
-            let x = vec![1f32; 12];
-            let mut y = vec![0f32; 12];
-            let r = match (*case, me) {
-                ("p2p_count", 0) => c.send(&x[..10], 1),
-                ("p2p_count", _) => c.recv(&mut y[..11], 0),
-                ("p2p_dtype", 0) => c.send(&x[..10], 1),
-                ("p2p_dtype", _) => c.recv(&mut [0i32; 10], 0),
-                ("p2p_group", 0) => c.group(|g| {
-                    g.send(&x[..10], 1)?;
-                    g.recv(&mut y[..1], 1)
-                }),
-                ("p2p_group", _) => c.group(|g| {
-                    g.send(&x[..1], 0)?;
-                    g.recv(&mut y[..11], 0)
-                }),
-                ("a2av", _) => {
-                    let (sc, rc): ([usize; 2], [usize; 2]) = if me == 0 {
-                        ([1, 3], [1, 2])
-                    } else {
-                        ([2, 2], [4, 2])
-                    };
-                    c.all_to_all_v(&x, &sc, &[0, 4], &mut y, &rc, &[0, 6])
-                }
-                ("a2a", _) => c.all_to_all(&x[..10 + 2 * me], &mut y[..10 + 2 * me]),
-                ("scatter", _) => c.scatter(&x[..10], &mut y[..5], me),
-                ("agv", _) => {
-                    let counts: [usize; 2] = if me == 0 { [1, 3] } else { [1, 2] };
-                    c.all_gather_v(&x[..counts[me]], &mut y[..4 - me], &counts)
-                }
-                ("gv", _) => {
-                    let counts: [usize; 2] = [1, 3];
-                    let s = if me == 0 { 1 } else { 2 };
-                    c.gather_v(&x[..s], &mut y[..4], &counts, 0)
-                }
-                _ => unreachable!(),
-            };
-            let msg = match r {
-                Err(e @ CommError::Mismatch { .. }) => e.to_string().to_lowercase(),
-                other => return Err(format!("expected a mismatch error, got {other:?}").into()),
-            };
-            // Collectives still work.
-            let mut z = vec![me as f32 + 1.0; 1000];
-            c.all_reduce_in_place(&mut z, ReduceOp::Sum)?;
-            if z.iter().any(|v| *v != 3.0) {
-                return Err("communicator unusable after mismatch".into());
+    // Collectives still work afterwards: an all-reduce of 1000.
+    mismatch_cases(&cfg(2), cases, 1000, |case, me, c| {
+        let x = vec![1f32; 12];
+        let mut y = vec![0f32; 12];
+        let r = match (case, me) {
+            ("p2p_count", 0) => c.send(&x[..10], 1),
+            ("p2p_count", _) => c.recv(&mut y[..11], 0),
+            ("p2p_dtype", 0) => c.send(&x[..10], 1),
+            ("p2p_dtype", _) => c.recv(&mut [0i32; 10], 0),
+            ("p2p_group", 0) => c.group(|g| {
+                g.send(&x[..10], 1)?;
+                g.recv(&mut y[..1], 1)
+            }),
+            ("p2p_group", _) => c.group(|g| {
+                g.send(&x[..1], 0)?;
+                g.recv(&mut y[..11], 0)
+            }),
+            ("a2av", _) => {
+                let (sc, rc): ([usize; 2], [usize; 2]) = if me == 0 {
+                    ([1, 3], [1, 2])
+                } else {
+                    ([2, 2], [4, 2])
+                };
+                c.all_to_all_v(&x, &sc, &[0, 4], &mut y, &rc, &[0, 6])
             }
-            Ok(msg)
-        });
-        expect_all_err(res, needles).map_err(|e| format!("case {case}: {e}"))?;
-    }
-    Ok(())
+            ("a2a", _) => c.all_to_all(&x[..10 + 2 * me], &mut y[..10 + 2 * me]),
+            ("scatter", _) => c.scatter(&x[..10], &mut y[..5], me),
+            ("agv", _) => {
+                let counts: [usize; 2] = if me == 0 { [1, 3] } else { [1, 2] };
+                c.all_gather_v(&x[..counts[me]], &mut y[..4 - me], &counts)
+            }
+            ("gv", _) => {
+                let counts: [usize; 2] = [1, 3];
+                let s = if me == 0 { 1 } else { 2 };
+                c.gather_v(&x[..s], &mut y[..4], &counts, 0)
+            }
+            _ => unreachable!(),
+        };
+        Ok(mismatch_message(r)?.to_lowercase())
+    })
 }
 
 /// A rank that dies while its peer waits for it in each new operation: the peer gets PeerLost
@@ -652,44 +582,51 @@ fn t_dead_peer() -> Result<(), String> {
             }
             Err(format!("OK-SURVIVOR {e}").into())
         });
-        match res {
-            Err(LaunchError::RanksFailed(f)) => {
-                if !f
-                    .iter()
-                    .any(|x| x.rank == 0 && x.message.starts_with("OK-SURVIVOR"))
-                {
-                    return Err(format!(
-                        "{op}: survivor did not report the dead peer properly: {f:?}"
-                    ));
-                }
-            }
-            other => return Err(format!("{op}: unexpected outcome {other:?}")),
-        }
+        survivors_reported(res, None, [0]).map_err(|e| format!("{op}: {e}"))?;
     }
     Ok(())
+}
+
+/// A job of `n` ranks with a 500 ms timeout in which only rank 0 makes a call, `wait`, while the
+/// others sleep past the timeout: `wait` must give rank 0 a timeout error that holds `needle`.
+fn rank0_times_out(
+    n: usize,
+    needle: &str,
+    wait: impl FnOnce(&mut Communicator) -> RankResult<String>,
+) -> Result<(), String> {
+    let mut c = cfg(n);
+    c.shm.timeout = Duration::from_millis(500);
+    let out = launch(&c, |mut ctx: RankContext| -> RankResult<String> {
+        if ctx.rank != 0 {
+            std::thread::sleep(Duration::from_millis(1200));
+            return Ok(String::new());
+        }
+        wait(&mut ctx.comm)
+    })
+    .map_err(|e| e.to_string())?;
+    if !out[0].contains(needle) {
+        return Err(format!(
+            "rank 0's timeout does not say '{needle}': {}",
+            out[0]
+        ));
+    }
+    Ok(())
+}
+
+/// The message of the timeout error that `r` must be; any other outcome is this rank's failure.
+fn timeout_message<T: std::fmt::Debug>(r: Result<T, CommError>) -> RankResult<String> {
+    match r {
+        Err(e @ CommError::Timeout { .. }) => Ok(e.to_string()),
+        other => Err(format!("expected a timeout, got {other:?}").into()),
+    }
 }
 
 /// A recv whose sender never sends times out naming that peer; invalid arguments are refused
 /// locally (and, for collectives, on the peers as a mismatch).
 fn t_timeout_and_local_errors() -> Result<(), String> {
-    let mut cfg2 = cfg(2);
-    cfg2.shm.timeout = Duration::from_millis(500);
-    let out = launch(&cfg2, |mut ctx: RankContext| -> RankResult<String> {
-        let c = &mut ctx.comm;
-        if ctx.rank == 1 {
-            std::thread::sleep(Duration::from_millis(1200));
-            return Ok(String::new());
-        }
-        let mut b = [0u64; 4];
-        match c.recv(&mut b, 1) {
-            Err(e @ CommError::Timeout { .. }) => Ok(e.to_string()),
-            other => Err(format!("expected a timeout, got {other:?}").into()),
-        }
-    })
-    .map_err(|e| e.to_string())?;
-    if !out[0].contains("recv from rank 1: rank 1 has not sent") {
-        return Err(format!("timeout does not name the peer: {}", out[0]));
-    }
+    rank0_times_out(2, "recv from rank 1: rank 1 has not sent", |c| {
+        timeout_message(c.recv(&mut [0u64; 4], 1))
+    })?;
     let out = launch(&cfg(2), |mut ctx: RankContext| -> RankResult<Vec<String>> {
         let c = &mut ctx.comm;
         let me = ctx.rank;
@@ -738,16 +675,9 @@ fn tagged(src: usize, m: usize, k: usize) -> u32 {
 /// in the order sent. Sizes cover the fast box, the mailbox stream (above a mailbox) and the
 /// direct copy; then the same in groups mixed with ordinary sends and receives.
 fn t_any_source() -> Result<(), String> {
-    let paths: [(&str, usize, bool); 3] = [
-        ("default", ShmConfig::default().cma_bytes, false),
-        ("mailbox only", 0, false),
-        ("direct copies refused", 1, true),
-    ];
-    for (path, cma_bytes, refuse) in paths {
+    for (path, cma_bytes, refuse) in paths() {
         for n in [2, 3, 5] {
-            let mut c = cfg(n);
-            c.shm.cma_bytes = cma_bytes;
-            c.shm.fault_refuse_direct = refuse;
+            let c = path_cfg(n, cma_bytes, refuse);
             let t = Instant::now();
             report(launch(
                 &c,
@@ -890,88 +820,56 @@ fn any_source_checks(c: &mut Communicator) -> Result<Vec<String>, CommError> {
 /// ranks, naming both calls; the pair is unusable afterwards, so later receives from any source
 /// take the other ranks' messages; the collectives stay usable.
 fn t_any_source_mismatch() -> Result<(), String> {
-    let cases: [(&str, &[&[&str]]); 2] = [
+    let cases: [Case; 2] = [
         (
             "count",
             &[
-                &[
-                    "mismatch",
-                    "send(count=10, dtype=f32)",
-                    "recv(count=11, dtype=f32)",
-                ],
-                &[
-                    "mismatch",
-                    "send(count=10, dtype=f32)",
-                    "recv(count=11, dtype=f32)",
-                ],
+                &["send(count=10, dtype=f32)", "recv(count=11, dtype=f32)"],
+                &["send(count=10, dtype=f32)", "recv(count=11, dtype=f32)"],
                 &["ok"],
             ],
         ),
         (
             "dtype",
             &[
-                &[
-                    "mismatch",
-                    "send(count=10, dtype=f32)",
-                    "recv(count=10, dtype=i32)",
-                ],
-                &[
-                    "mismatch",
-                    "send(count=10, dtype=f32)",
-                    "recv(count=10, dtype=i32)",
-                ],
+                &["send(count=10, dtype=f32)", "recv(count=10, dtype=i32)"],
+                &["send(count=10, dtype=f32)", "recv(count=10, dtype=i32)"],
                 &["ok"],
             ],
         ),
     ];
-    for (case, needles) in cases {
-        let res = launch(&cfg(3), |mut ctx: RankContext| -> RankResult<String> {
-            let c = &mut ctx.comm;
-            let me = ctx.rank;
-            let x = [1f32; 12];
-            let mut msg = "ok".to_string();
-            match me {
-                0 => {
-                    let r = if case == "count" {
-                        c.recv_any(&mut vec![0f32; 11])
-                    } else {
-                        c.recv_any(&mut [0i32; 10])
-                    };
-                    msg = match r {
-                        Err(e @ CommError::Mismatch { .. }) => e.to_string().to_lowercase(),
-                        other => return Err(format!("expected a mismatch, got {other:?}").into()),
-                    };
-                }
-                1 => {
-                    msg = match c.send(&x[..10], 0) {
-                        Err(e @ CommError::Mismatch { .. }) => e.to_string().to_lowercase(),
-                        other => return Err(format!("expected a mismatch, got {other:?}").into()),
-                    };
-                }
-                _ => {}
+    // Collectives still work afterwards: an all-reduce of 1000.
+    mismatch_cases(&cfg(3), &cases, 1000, |case, me, c| {
+        let x = [1f32; 12];
+        let mut msg = "ok".to_string();
+        match me {
+            0 => {
+                let r = if case == "count" {
+                    c.recv_any(&mut vec![0f32; 11])
+                } else {
+                    c.recv_any(&mut [0i32; 10])
+                };
+                msg = mismatch_message(r.map(drop))?.to_lowercase();
             }
-            // Rank 2 sends once rank 1's mismatch is over: rank 0 takes it, not the broken
-            // pair's leftovers.
-            c.barrier()?;
-            if me == 2 {
-                c.send(&[7u64], 0)?;
-            } else if me == 0 {
-                let mut y = [0u64];
-                let from = c.recv_any(&mut y)?;
-                if (from, y[0]) != (2, 7) {
-                    return Err(format!("after the mismatch: from {from}, {}", y[0]).into());
-                }
+            1 => {
+                msg = mismatch_message(c.send(&x[..10], 0))?.to_lowercase();
             }
-            let mut z = vec![me as f32 + 1.0; 1000];
-            c.all_reduce_in_place(&mut z, ReduceOp::Sum)?;
-            if z.iter().any(|v| *v != 6.0) {
-                return Err("communicator unusable after mismatch".into());
+            _ => {}
+        }
+        // Rank 2 sends once rank 1's mismatch is over: rank 0 takes it, not the broken
+        // pair's leftovers.
+        c.barrier()?;
+        if me == 2 {
+            c.send(&[7u64], 0)?;
+        } else if me == 0 {
+            let mut y = [0u64];
+            let from = c.recv_any(&mut y)?;
+            if (from, y[0]) != (2, 7) {
+                return Err(format!("after the mismatch: from {from}, {}", y[0]).into());
             }
-            Ok(msg)
-        });
-        expect_all_err(res, needles).map_err(|e| format!("case {case}: {e}"))?;
-    }
-    Ok(())
+        }
+        Ok(msg)
+    })
 }
 
 fn sigkill_self() -> ! {
@@ -1070,26 +968,16 @@ fn t_any_source_lost() -> Result<(), String> {
     });
     survivor(res, "message before death")?;
     // No sender: a timeout naming the ranks waited on.
-    let mut c3 = cfg(3);
-    c3.shm.timeout = Duration::from_millis(500);
-    let out = launch(&c3, |mut ctx: RankContext| -> RankResult<String> {
-        if ctx.rank != 0 {
-            std::thread::sleep(Duration::from_millis(1200));
-            return Ok(String::new());
-        }
-        let mut b = [0u64; 4];
-        match ctx.comm.recv_any(&mut b) {
+    rank0_times_out(
+        3,
+        "no message arrived from any of ranks [1, 2]",
+        |c| match c.recv_any(&mut [0u64; 4]) {
             Err(CommError::Timeout { missing, .. }) if missing != [1, 2] => {
                 Err(format!("the timeout lists {missing:?} as missing, not [1, 2]").into())
             }
-            Err(e @ CommError::Timeout { .. }) => Ok(e.to_string()),
-            other => Err(format!("expected a timeout, got {other:?}").into()),
-        }
-    })
-    .map_err(|e| e.to_string())?;
-    if !out[0].contains("no message arrived from any of ranks [1, 2]") {
-        return Err(format!("timeout does not name the ranks: {}", out[0]));
-    }
+            r => timeout_message(r),
+        },
+    )?;
     // One rank: refused, alone and in a group.
     let out = launch(&cfg(1), |mut ctx: RankContext| -> RankResult<Vec<String>> {
         let mut bad = Vec::new();
@@ -1111,26 +999,11 @@ fn t_any_source_lost() -> Result<(), String> {
 
 /// The launch of a test whose rank 0 must end with an `OK-SURVIVOR` error.
 fn survivor(res: Result<Vec<String>, LaunchError>, what: &str) -> Result<(), String> {
-    match res {
-        Err(LaunchError::RanksFailed(f)) => {
-            if f.iter()
-                .any(|x| x.rank == 0 && x.message.starts_with("OK-SURVIVOR"))
-            {
-                Ok(())
-            } else {
-                Err(format!(
-                    "{what}: rank 0 did not report the lost ranks properly: {f:?}"
-                ))
-            }
-        }
-        other => Err(format!("{what}: unexpected outcome {other:?}")),
-    }
+    survivors_reported(res, None, [0]).map_err(|e| format!("{what}: {e}"))
 }
 
-type TestFn = fn() -> Result<(), String>;
-
 fn main() -> std::process::ExitCode {
-    let tests: Vec<(&str, TestFn)> = vec![
+    runner::run(&[
         ("exchanges", t_exchanges),
         ("p2p_and_groups", t_p2p_and_groups),
         ("async_forms", t_async_forms),
@@ -1140,6 +1013,5 @@ fn main() -> std::process::ExitCode {
         ("any_source", t_any_source),
         ("any_source_mismatch", t_any_source_mismatch),
         ("any_source_lost", t_any_source_lost),
-    ];
-    runner::run(&tests)
+    ])
 }

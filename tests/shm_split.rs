@@ -7,6 +7,8 @@
 //! `harness = false`: the process forks, so it stays single-threaded; the binary ends with
 //! `N passed, M failed`.
 
+#[path = "common/launched.rs"]
+mod launched;
 #[path = "common/runner.rs"]
 mod runner;
 
@@ -14,6 +16,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+use launched::{no_failures, small_slots};
 use lockstep::comm::{CommError, Communicator, ReduceOp};
 use lockstep::launch::{launch, LaunchConfig, LaunchError, RankContext, RankResult};
 
@@ -21,16 +24,9 @@ const WORLDS: std::ops::RangeInclusive<usize> = 1..=5;
 /// Iterations of each loop of the concurrency test.
 const ITERS: usize = 200;
 
+/// Small slots so that the messages below take several chunks.
 fn cfg(n: usize) -> LaunchConfig {
-    let mut cfg = LaunchConfig::new(n);
-    // Small slots so that the messages below take several chunks; a short timeout so a hang
-    // shows as a failure, not a stuck test.
-    cfg.shm.slot_bytes = 8192;
-    cfg.shm.small_bytes = 1024;
-    cfg.shm.heap_bytes = 16 << 20;
-    cfg.shm.timeout = Duration::from_secs(30);
-    cfg.shm = cfg.shm.clone().normalized();
-    cfg
+    small_slots(n, 16 << 20, Duration::from_secs(30))
 }
 
 /// The results of a job whose ranks must all succeed, or why not.
@@ -41,19 +37,25 @@ fn all_ok<R>(res: Result<Vec<R>, LaunchError>) -> Result<Vec<R>, String> {
 /// A job whose ranks return their failures as a list: none may have any.
 fn report(n: usize, res: Result<Vec<Vec<String>>, LaunchError>) -> Result<(), String> {
     let out = all_ok(res).map_err(|e| format!("world {n}: {e}"))?;
-    let bad: Vec<String> = out
-        .into_iter()
-        .enumerate()
-        .flat_map(|(r, v)| {
-            v.into_iter()
-                .map(move |m| format!("world {n} rank {r}: {m}"))
-        })
-        .collect();
-    if bad.is_empty() {
-        Ok(())
-    } else {
-        Err(bad.join("\n"))
+    no_failures(&format!("world {n} "), out)
+}
+
+/// For each world size of `worlds`, a job whose ranks each run `checks(comm, n, rank)` and then
+/// [`check_world`], returning their failures: none may have any.
+fn in_worlds(
+    worlds: impl IntoIterator<Item = usize>,
+    checks: impl Fn(&mut Communicator, usize, usize) -> RankResult<Vec<String>>,
+) -> Result<(), String> {
+    for n in worlds {
+        let res = launch(&cfg(n), |mut ctx: RankContext| -> RankResult<Vec<String>> {
+            let (c, me) = (&mut ctx.comm, ctx.rank);
+            let mut bad = checks(c, n, me)?;
+            bad.extend(check_world(c, n)?);
+            Ok(bad)
+        });
+        report(n, res)?;
     }
+    Ok(())
 }
 
 /// The members of rank `me`'s color, in their new order, when every rank `r` passes
@@ -150,155 +152,128 @@ fn check_world(c: &mut Communicator, n: usize) -> Result<Vec<String>, CommError>
 
 /// Split by parity with `key = -rank` (reversed order), and with no color on some ranks.
 fn t_split_parity_and_none() -> Result<(), String> {
-    for n in WORLDS {
-        let res = launch(
-            &cfg(n),
-            move |mut ctx: RankContext| -> RankResult<Vec<String>> {
-                let (c, me) = (&mut ctx.comm, ctx.rank);
-                let mut bad = Vec::new();
-                let color = |r: usize| Some((r % 2) as u32);
-                let key = |r: usize| -(r as i64);
-                let want = members(n, me, color, key).unwrap();
-                match c.split(color(me), key(me))? {
-                    Some(mut sub) => bad.extend(check_sub(&mut sub, &want, me)?),
-                    None => bad.push("parity split gave no communicator".into()),
-                }
-                // Rank 0 takes no part; the others, in their order.
-                let color = |r: usize| (r != 0).then_some(7);
-                match (c.split(color(me), 0)?, members(n, me, color, |_| 0)) {
-                    (Some(mut sub), Some(want)) => bad.extend(check_sub(&mut sub, &want, me)?),
-                    (None, None) => {}
-                    (got, want) => bad.push(format!(
-                        "color {:?}: got a communicator: {}, want {want:?}",
-                        color(me),
-                        got.is_some()
-                    )),
-                }
-                // Every rank without a color: nobody gets one, and the parent stays in step.
-                if c.split(None, 3)?.is_some() {
-                    bad.push("split(None) gave a communicator".into());
-                }
-                // Equal keys keep the parent's order.
-                let want: Vec<usize> = (0..n).collect();
-                match c.split(Some(0), 5)? {
-                    Some(mut sub) => bad.extend(check_sub(&mut sub, &want, me)?),
-                    None => bad.push("split of everyone gave no communicator".into()),
-                }
-                bad.extend(check_world(c, n)?);
-                Ok(bad)
-            },
-        );
-        report(n, res)?;
-    }
-    Ok(())
+    in_worlds(WORLDS, |c, n, me| {
+        let mut bad = Vec::new();
+        let color = |r: usize| Some((r % 2) as u32);
+        let key = |r: usize| -(r as i64);
+        let want = members(n, me, color, key).unwrap();
+        match c.split(color(me), key(me))? {
+            Some(mut sub) => bad.extend(check_sub(&mut sub, &want, me)?),
+            None => bad.push("parity split gave no communicator".into()),
+        }
+        // Rank 0 takes no part; the others, in their order.
+        let color = |r: usize| (r != 0).then_some(7);
+        match (c.split(color(me), 0)?, members(n, me, color, |_| 0)) {
+            (Some(mut sub), Some(want)) => bad.extend(check_sub(&mut sub, &want, me)?),
+            (None, None) => {}
+            (got, want) => bad.push(format!(
+                "color {:?}: got a communicator: {}, want {want:?}",
+                color(me),
+                got.is_some()
+            )),
+        }
+        // Every rank without a color: nobody gets one, and the parent stays in step.
+        if c.split(None, 3)?.is_some() {
+            bad.push("split(None) gave a communicator".into());
+        }
+        // Equal keys keep the parent's order.
+        let want: Vec<usize> = (0..n).collect();
+        match c.split(Some(0), 5)? {
+            Some(mut sub) => bad.extend(check_sub(&mut sub, &want, me)?),
+            None => bad.push("split of everyone gave no communicator".into()),
+        }
+        Ok(bad)
+    })
 }
 
 /// `new_group`: a set of ranks in any order (the new order is the parent's), refusals of bad
 /// lists on the rank that passed them and on its peers, disagreeing sets.
 fn t_new_group() -> Result<(), String> {
-    for n in WORLDS {
-        let res = launch(
-            &cfg(n),
-            move |mut ctx: RankContext| -> RankResult<Vec<String>> {
-                let (c, me) = (&mut ctx.comm, ctx.rank);
-                let mut bad = Vec::new();
-                // The last rank and rank 0, listed backwards.
-                let list: Vec<usize> = if n > 1 { vec![n - 1, 0] } else { vec![0] };
-                let mut want = list.clone();
-                want.sort();
-                match (c.new_group(&list)?, want.contains(&me)) {
-                    (Some(mut g), true) => bad.extend(check_sub(&mut g, &want, me)?),
-                    (None, false) => {}
-                    (g, member) => bad.push(format!(
-                        "new_group({list:?}): got a communicator: {}, member: {member}",
-                        g.is_some()
-                    )),
-                }
-                // Every rank.
-                let all: Vec<usize> = (0..n).rev().collect();
-                match c.new_group(&all)? {
-                    Some(mut g) => bad.extend(check_sub(&mut g, &(0..n).collect::<Vec<_>>(), me)?),
-                    None => bad.push("new_group of every rank gave no communicator".into()),
-                }
-                // The last rank passes a bad list: refused there, a mismatch naming it elsewhere.
-                for (what, badlist) in [
-                    ("empty", vec![]),
-                    ("out of range", vec![0, n]),
-                    ("duplicate", vec![0, 0]),
-                ] {
-                    let l = if me == n - 1 { badlist } else { vec![0] };
-                    match (me == n - 1, c.new_group(&l)) {
-                        (true, Err(CommError::InvalidArgument { .. })) => {}
-                        (false, Err(e @ CommError::Mismatch { .. }))
-                            if e.to_string().contains(&format!("rank {} refused", n - 1)) => {}
-                        (_, r) => bad.push(format!(
-                            "new_group with a list {what} on rank {}: {:?}",
-                            n - 1,
-                            r.map(|g| g.is_some())
-                        )),
-                    }
-                }
-                // Two ranks disagree on the set: every rank fails, naming the odd one.
-                if n > 1 {
-                    let l = if me == 1 { vec![1] } else { vec![0] };
-                    match c.new_group(&l) {
-                        Err(e @ CommError::Mismatch { .. })
-                            if e.to_string()
-                                .contains("rank 1 passed another set of ranks than rank 0") => {}
-                        r => bad.push(format!(
-                            "new_group with disagreeing sets: {:?}",
-                            r.map(|g| g.is_some())
-                        )),
-                    }
-                }
-                bad.extend(check_world(c, n)?);
-                Ok(bad)
-            },
-        );
-        report(n, res)?;
-    }
-    Ok(())
+    in_worlds(WORLDS, |c, n, me| {
+        let mut bad = Vec::new();
+        // The last rank and rank 0, listed backwards.
+        let list: Vec<usize> = if n > 1 { vec![n - 1, 0] } else { vec![0] };
+        let mut want = list.clone();
+        want.sort();
+        match (c.new_group(&list)?, want.contains(&me)) {
+            (Some(mut g), true) => bad.extend(check_sub(&mut g, &want, me)?),
+            (None, false) => {}
+            (g, member) => bad.push(format!(
+                "new_group({list:?}): got a communicator: {}, member: {member}",
+                g.is_some()
+            )),
+        }
+        // Every rank.
+        let all: Vec<usize> = (0..n).rev().collect();
+        match c.new_group(&all)? {
+            Some(mut g) => bad.extend(check_sub(&mut g, &(0..n).collect::<Vec<_>>(), me)?),
+            None => bad.push("new_group of every rank gave no communicator".into()),
+        }
+        // The last rank passes a bad list: refused there, a mismatch naming it elsewhere.
+        for (what, badlist) in [
+            ("empty", vec![]),
+            ("out of range", vec![0, n]),
+            ("duplicate", vec![0, 0]),
+        ] {
+            let l = if me == n - 1 { badlist } else { vec![0] };
+            match (me == n - 1, c.new_group(&l)) {
+                (true, Err(CommError::InvalidArgument { .. })) => {}
+                (false, Err(e @ CommError::Mismatch { .. }))
+                    if e.to_string().contains(&format!("rank {} refused", n - 1)) => {}
+                (_, r) => bad.push(format!(
+                    "new_group with a list {what} on rank {}: {:?}",
+                    n - 1,
+                    r.map(|g| g.is_some())
+                )),
+            }
+        }
+        // Two ranks disagree on the set: every rank fails, naming the odd one.
+        if n > 1 {
+            let l = if me == 1 { vec![1] } else { vec![0] };
+            match c.new_group(&l) {
+                Err(e @ CommError::Mismatch { .. })
+                    if e.to_string()
+                        .contains("rank 1 passed another set of ranks than rank 0") => {}
+                r => bad.push(format!(
+                    "new_group with disagreeing sets: {:?}",
+                    r.map(|g| g.is_some())
+                )),
+            }
+        }
+        Ok(bad)
+    })
 }
 
 /// A split of a split: global ranks compose; the middle communicator stays usable.
 fn t_nested() -> Result<(), String> {
-    for n in WORLDS {
-        let res = launch(
-            &cfg(n),
-            move |mut ctx: RankContext| -> RankResult<Vec<String>> {
-                let (c, me) = (&mut ctx.comm, ctx.rank);
-                let mut bad = Vec::new();
-                // Everyone, reversed: sub-rank s is global rank n-1-s.
-                let mut rev = c.split(Some(0), -(me as i64))?.ok_or("no communicator")?;
-                let want: Vec<usize> = (0..n).rev().collect();
-                bad.extend(check_sub(&mut rev, &want, me)?);
-                // Split that by the parity of the sub-rank, reversed again.
-                let s = rev.rank();
-                let mut inner = rev
-                    .split(Some((s % 2) as u32), -(s as i64))?
-                    .ok_or("no inner communicator")?;
-                let mut want_inner: Vec<usize> = (0..n).filter(|&t| t % 2 == s % 2).collect();
-                want_inner.sort_by_key(|&t| -(t as i64));
-                let want_inner: Vec<usize> = want_inner.iter().map(|&t| want[t]).collect();
-                bad.extend(check_sub(&mut inner, &want_inner, me)?);
-                // And once more, with new_group of the inner communicator's first rank.
-                let third = inner.new_group(&[0])?;
-                match (third, inner.rank() == 0) {
-                    (Some(mut t), true) => bad.extend(check_sub(&mut t, &[me], me)?),
-                    (None, false) => {}
-                    (t, first) => bad.push(format!(
-                        "new_group(&[0]) of the inner communicator: got one: {}, first: {first}",
-                        t.is_some()
-                    )),
-                }
-                bad.extend(check_sub(&mut rev, &want, me)?);
-                bad.extend(check_world(c, n)?);
-                Ok(bad)
-            },
-        );
-        report(n, res)?;
-    }
-    Ok(())
+    in_worlds(WORLDS, |c, n, me| {
+        let mut bad = Vec::new();
+        // Everyone, reversed: sub-rank s is global rank n-1-s.
+        let mut rev = c.split(Some(0), -(me as i64))?.ok_or("no communicator")?;
+        let want: Vec<usize> = (0..n).rev().collect();
+        bad.extend(check_sub(&mut rev, &want, me)?);
+        // Split that by the parity of the sub-rank, reversed again.
+        let s = rev.rank();
+        let mut inner = rev
+            .split(Some((s % 2) as u32), -(s as i64))?
+            .ok_or("no inner communicator")?;
+        let mut want_inner: Vec<usize> = (0..n).filter(|&t| t % 2 == s % 2).collect();
+        want_inner.sort_by_key(|&t| -(t as i64));
+        let want_inner: Vec<usize> = want_inner.iter().map(|&t| want[t]).collect();
+        bad.extend(check_sub(&mut inner, &want_inner, me)?);
+        // And once more, with new_group of the inner communicator's first rank.
+        let third = inner.new_group(&[0])?;
+        match (third, inner.rank() == 0) {
+            (Some(mut t), true) => bad.extend(check_sub(&mut t, &[me], me)?),
+            (None, false) => {}
+            (t, first) => bad.push(format!(
+                "new_group(&[0]) of the inner communicator: got one: {}, first: {first}",
+                t.is_some()
+            )),
+        }
+        bad.extend(check_sub(&mut rev, &want, me)?);
+        Ok(bad)
+    })
 }
 
 /// Two disjoint subgroups (by parity) and the world communicator run different collectives at
@@ -443,56 +418,51 @@ fn error_group(
 /// A subgroup member calls all_reduce with another length: every member fails at once with a
 /// mismatch naming global ranks (and the subgroup's ranks); both communicators stay usable.
 fn t_mismatch_in_subgroup() -> Result<(), String> {
-    for n in 2..=5 {
-        let res = launch(
-            &cfg(n),
-            move |mut ctx: RankContext| -> RankResult<Vec<String>> {
-                let (c, me) = (&mut ctx.comm, ctx.rank);
-                let mut bad = Vec::new();
-                let (sub, want) = error_group(c, n, me)?;
-                if let Some(mut sub) = sub {
-                    // Sub-rank 0 (global rank n-1) passes 11 elements, the others 10.
-                    let odd = want[0];
-                    let len = if me == odd { 11 } else { 10 };
-                    let x = vec![1f32; len];
-                    let mut y = vec![0f32; len];
-                    let t = Instant::now();
-                    match sub.all_reduce(&x, &mut y, ReduceOp::Sum) {
-                        Err(e @ CommError::Mismatch { .. }) => {
-                            let msg = e.to_string();
-                            let need = [
-                            format!("rank {odd} (rank 0 of this sub-communicator) called all_reduce(count=11"),
-                            format!("rank {} (rank 1 of this sub-communicator) called all_reduce(count=10", want[1]),
-                        ];
-                            for s in need {
-                                if !msg.contains(&s) {
-                                    bad.push(format!("mismatch message lacks {s:?}: {msg}"));
-                                }
-                            }
+    in_worlds(2..=5, |c, n, me| {
+        let mut bad = Vec::new();
+        let (sub, want) = error_group(c, n, me)?;
+        if let Some(mut sub) = sub {
+            // Sub-rank 0 (global rank n-1) passes 11 elements, the others 10.
+            let odd = want[0];
+            let len = if me == odd { 11 } else { 10 };
+            let x = vec![1f32; len];
+            let mut y = vec![0f32; len];
+            let t = Instant::now();
+            match sub.all_reduce(&x, &mut y, ReduceOp::Sum) {
+                Err(e @ CommError::Mismatch { .. }) => {
+                    let msg = e.to_string();
+                    let need = [
+                    format!("rank {odd} (rank 0 of this sub-communicator) called all_reduce(count=11"),
+                    format!("rank {} (rank 1 of this sub-communicator) called all_reduce(count=10", want[1]),
+                ];
+                    for s in need {
+                        if !msg.contains(&s) {
+                            bad.push(format!("mismatch message lacks {s:?}: {msg}"));
                         }
-                        r => bad.push(format!("expected a mismatch, got {r:?}")),
                     }
-                    if t.elapsed() > Duration::from_secs(2) {
-                        bad.push(format!("mismatch took {:?}", t.elapsed()));
-                    }
-                    // Refused locally on one member: the others get a mismatch naming it globally.
-                    let root = if me == odd { 99 } else { 0 };
-                    let mut b = vec![0u8; 4];
-                    match (me == odd, sub.broadcast_in_place(&mut b, root)) {
-                    (true, Err(CommError::InvalidArgument { rank, .. })) if rank == odd => {}
-                    (false, Err(e @ CommError::Mismatch { .. }))
-                        if e.to_string().contains(&format!("rank {odd} (rank 0 of this sub-communicator) refused its broadcast call")) => {}
-                    (_, r) => bad.push(format!("broadcast with root 99 on global rank {odd}: {r:?}")),
                 }
-                    bad.extend(check_sub(&mut sub, &want, me)?);
-                }
-                bad.extend(check_world(c, n)?);
-                Ok(bad)
-            },
-        );
-        report(n, res)?;
-    }
-    Ok(())
+                r => bad.push(format!("expected a mismatch, got {r:?}")),
+            }
+            if t.elapsed() > Duration::from_secs(2) {
+                bad.push(format!("mismatch took {:?}", t.elapsed()));
+            }
+            // Refused locally on one member: the others get a mismatch naming it globally.
+            let root = if me == odd { 99 } else { 0 };
+            let mut b = vec![0u8; 4];
+            match (me == odd, sub.broadcast_in_place(&mut b, root)) {
+                (true, Err(CommError::InvalidArgument { rank, .. })) if rank == odd => {}
+                (false, Err(e @ CommError::Mismatch { .. }))
+                    if e.to_string().contains(&format!(
+                        "rank {odd} (rank 0 of this sub-communicator) refused its broadcast call"
+                    )) => {}
+                (_, r) => bad.push(format!(
+                    "broadcast with root 99 on global rank {odd}: {r:?}"
+                )),
+            }
+            bad.extend(check_sub(&mut sub, &want, me)?);
+        }
+        Ok(bad)
+    })
 }
 
 /// A subgroup member dies: its subgroup peers get `PeerLost` naming its global rank within a
@@ -694,10 +664,8 @@ fn t_segments_removed() -> Result<(), String> {
     Ok(())
 }
 
-type TestFn = fn() -> Result<(), String>;
-
 fn main() -> std::process::ExitCode {
-    let tests: Vec<(&str, TestFn)> = vec![
+    runner::run(&[
         ("split_parity_and_none", t_split_parity_and_none),
         ("new_group", t_new_group),
         ("nested", t_nested),
@@ -706,6 +674,5 @@ fn main() -> std::process::ExitCode {
         ("dead_peer_in_subgroup", t_dead_peer_in_subgroup),
         ("timeout_in_subgroup", t_timeout_in_subgroup),
         ("segments_removed", t_segments_removed),
-    ];
-    runner::run(&tests)
+    ])
 }

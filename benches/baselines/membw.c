@@ -19,6 +19,8 @@
 #include <string.h>
 #include <time.h>
 #include <immintrin.h>
+
+#include "pin.h"
 static double now(){struct timespec t;clock_gettime(CLOCK_MONOTONIC,&t);return t.tv_sec+t.tv_nsec*1e-9;}
 
 static int threads, reps;
@@ -28,13 +30,7 @@ static double *took; /* [rep][thread] */
 
 static void *copier(void *arg) {
     int me = (int)(long)arg;
-    cpu_set_t s;
-    CPU_ZERO(&s);
-    CPU_SET(me, &s);
-    if (pthread_setaffinity_np(pthread_self(), sizeof s, &s)) {
-        fprintf(stderr, "membw: cannot pin a thread to cpu %d (fewer CPUs than threads?)\n", me);
-        exit(2);
-    }
+    pin_to_cpu(me, "membw", " (fewer CPUs than threads?)");
     /* Each thread allocates and first-touches its own buffers (local NUMA node, own pages). */
     size_t n = bytes ? bytes : 1;
     char *a = aligned_alloc(64, (n + 63) / 64 * 64), *b = aligned_alloc(64, (n + 63) / 64 * 64);

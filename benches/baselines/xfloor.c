@@ -34,6 +34,8 @@
 #include <stdlib.h>
 #include <time.h>
 
+#include "pin.h"
+
 #define RING 8
 
 typedef struct {
@@ -57,16 +59,6 @@ static double now_ns(void) {
 static int cmp(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;
     return (x > y) - (x < y);
-}
-
-static void pin(int cpu) {
-    cpu_set_t s;
-    CPU_ZERO(&s);
-    CPU_SET(cpu, &s);
-    if (pthread_setaffinity_np(pthread_self(), sizeof s, &s)) {
-        fprintf(stderr, "xfloor: cannot pin to cpu %d\n", cpu);
-        exit(2);
-    }
 }
 
 static void exchange(int me, long k) {
@@ -98,7 +90,7 @@ static int mode; /* 0 exchange, 1 eager, 2 clock, 3 own */
 
 static void *thread(void *arg) {
     int me = (int)(long)arg;
-    pin(me);
+    pin_to_cpu(me, "xfloor", "");
     double *t = malloc(sizeof(double) * calls);
     if (!t) exit(2);
     pthread_barrier_wait(&start);

@@ -27,6 +27,8 @@
 #include <string.h>
 
 #include "lockstep.h"
+/* The checking helpers shared with crates/capi/tests/c/capi_test.c. */
+#include "../../crates/capi/tests/c/check.h"
 
 typedef int CUresult;
 typedef unsigned long long CUdeviceptr;
@@ -47,26 +49,6 @@ static struct {
     CUresult (*dtoh_async)(void *, CUdeviceptr, size_t, void *);
     CUresult (*error_string)(CUresult, const char **);
 } cu;
-
-static int g_rank = -1;
-
-#define CHECK(cond, ...)                                                                      \
-    do {                                                                                      \
-        if (!(cond)) {                                                                        \
-            fprintf(stderr, "rank %d: %s:%d: check failed: %s: ", g_rank, __FILE__, __LINE__, \
-                    #cond);                                                                   \
-            fprintf(stderr, __VA_ARGS__);                                                     \
-            fprintf(stderr, "\n");                                                            \
-            exit(1);                                                                          \
-        }                                                                                     \
-    } while (0)
-
-#define OK(call)                                                                              \
-    do {                                                                                      \
-        lockstepResult_t r_ = (call);                                                         \
-        CHECK(r_ == lockstepSuccess, "%s returned %d (%s): %s", #call, (int)r_,               \
-              lockstepGetErrorString(r_), lockstepGetLastError(NULL));                        \
-    } while (0)
 
 static const char *cu_error(CUresult r) {
     const char *s = NULL;

@@ -98,6 +98,16 @@ impl Ended {
             format!("exit {}", libc::WEXITSTATUS(self.status))
         }
     }
+
+    /// `Err` naming `what` (the process and what it had to do), how it ended and its report,
+    /// unless it exited 0.
+    pub fn check_ok(&self, what: &str) -> Result<(), String> {
+        check(
+            self.status == 0,
+            what,
+            format!("{}: {}", self.describe(), self.msg),
+        )
+    }
 }
 
 /// Fork `n` ranks running `f(rank, ready)`; each writes its result (one line) to a pipe and
@@ -117,6 +127,14 @@ pub fn fork_ranks(n: usize, f: impl Fn(usize, Ready) -> Result<String, String>) 
         ranks.fork(|ready| f(rank, ready));
     }
     ranks
+}
+
+/// Every process of `out` exited 0: else `Err` naming the first that did not, as `rank R what`.
+pub fn all_ok(out: &[Ended], what: &str) -> Result<(), String> {
+    for (r, e) in out.iter().enumerate() {
+        e.check_ok(&format!("rank {r} {what}"))?;
+    }
+    Ok(())
 }
 
 /// Fork `n` ranks running `f(rank)` and collect how they ended ([`Ranks::finish`]).

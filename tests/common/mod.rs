@@ -26,6 +26,11 @@ pub fn check(cond: bool, what: &str, detail: impl std::fmt::Display) -> Result<(
     }
 }
 
+/// `Err` unless `took` is under `limit`; `what` says what had to be that quick.
+pub fn within(took: Duration, limit: Duration, what: &str) -> Result<(), String> {
+    check(took < limit, what, format!("{took:?}"))
+}
+
 /// A finished process's stdout and stderr, lossily decoded.
 pub fn text(o: &std::process::Output) -> (String, String) {
     (

@@ -124,6 +124,23 @@ fn every_rank(o: &Output, n: usize, line: impl Fn(usize) -> String) -> Result<()
     Ok(())
 }
 
+/// `program` (its path and arguments) under `lockstep launch --nproc-per-node n`, within the job
+/// limit; fails with `what` (what the program must do) unless it exits 0.
+fn under_launch(n: usize, program: &[&str], what: &str) -> Result<Output, String> {
+    let (launcher, nproc) = (launcher()?, n.to_string());
+    let mut args = vec![
+        launcher.as_str(),
+        "launch",
+        "--nproc-per-node",
+        &nproc,
+        "--",
+    ];
+    args.extend_from_slice(program);
+    let o = run_limited(&args, &[])?;
+    check(o.status.success(), what, text(&o))?;
+    Ok(o)
+}
+
 fn header_is_current() -> Result<(), String> {
     let b = built()?;
     let generated = std::fs::read_to_string(&b.generated)
@@ -229,17 +246,19 @@ const FUNCTIONS: &[&str] = &[
 
 fn header_has_nccl_values_and_functions() -> Result<(), String> {
     let h = std::fs::read_to_string(Path::new(ROOT).join(HEADER)).map_err(|e| e.to_string())?;
-    for (name, v) in NCCL_VALUES {
+    // Each NCCL value and alias as `(what lockstep.h must hold, what it then defines)`.
+    let values = NCCL_VALUES.iter().map(|(name, v)| {
+        let what = format!("lockstep{name} as {v} (nccl{name})");
+        (format!("lockstep{name} = {v},"), what)
+    });
+    let aliases = ALIASES.iter().map(|(alias, target)| {
+        let what = format!("lockstep{alias} as lockstep{target} (nccl{alias})");
+        (format!("#define lockstep{alias} lockstep{target}\n"), what)
+    });
+    for (text, what) in values.chain(aliases) {
         check(
-            h.contains(&format!("lockstep{name} = {v},")),
-            &format!("lockstep.h must define lockstep{name} as {v} (nccl{name})"),
-            "",
-        )?;
-    }
-    for (alias, target) in ALIASES {
-        check(
-            h.contains(&format!("#define lockstep{alias} lockstep{target}\n")),
-            &format!("lockstep.h must define lockstep{alias} as lockstep{target} (nccl{alias})"),
+            h.contains(&text),
+            &format!("lockstep.h must define {what}"),
             "",
         )?;
     }
@@ -365,25 +384,10 @@ fn library_soname_and_exports() -> Result<(), String> {
 
 fn c_under_launch(n: usize) -> Result<(), String> {
     let bin = c_binary()?;
-    let nproc = n.to_string();
-    let launcher = launcher()?;
-    let launcher = launcher.as_str();
-    let o = run_limited(
-        &[
-            launcher,
-            "launch",
-            "--nproc-per-node",
-            &nproc,
-            "--",
-            bin.to_str().unwrap(),
-            "env",
-        ],
-        &[],
-    )?;
-    check(
-        o.status.success(),
+    let o = under_launch(
+        n,
+        &[bin.to_str().unwrap(), "env"],
         &format!("capi_test under lockstep launch with {n} ranks must pass every check"),
-        text(&o),
     )?;
     every_rank(&o, n, |r| format!("rank {r} of {n}: all checks passed"))?;
     every_rank(&o, n, |r| {
@@ -393,14 +397,6 @@ fn c_under_launch(n: usize) -> Result<(), String> {
     every_rank(&o, n, |r| {
         format!("rank {r}: bcast/alltoall/gather/scatter: verified")
     })
-}
-
-fn c_launch_2() -> Result<(), String> {
-    c_under_launch(2)
-}
-
-fn c_launch_3() -> Result<(), String> {
-    c_under_launch(3)
 }
 
 fn capi_segments() -> Vec<String> {
@@ -414,27 +410,50 @@ fn capi_segments() -> Vec<String> {
         .unwrap_or_default()
 }
 
-fn c_unique_id(n: usize) -> Result<(), String> {
+/// `capi_test MODE N`, whose ranks it forks itself (`what` says how they join): it must exit 0,
+/// every rank must report that all checks passed (and `rank R: ALSO` where `also` is given), and
+/// the parent that every rank did; its output.
+fn forked_capi_test(
+    mode: &str,
+    n: usize,
+    what: &str,
+    also: Option<&str>,
+) -> Result<Output, String> {
     let bin = c_binary()?;
-    let before = capi_segments();
-    let o = run_limited(&[bin.to_str().unwrap(), "uid", &n.to_string()], &[])?;
+    let o = run_limited(&[bin.to_str().unwrap(), mode, &n.to_string()], &[])?;
     check(
         o.status.success(),
-        &format!("capi_test with {n} forked ranks joined by lockstepGetUniqueId/lockstepCommInitRank must pass"),
+        &format!("capi_test with {n} {what} must pass"),
         text(&o),
     )?;
     let out = String::from_utf8_lossy(&o.stdout);
     for r in 0..n {
-        check(
-            out.contains(&format!("rank {r} of {n}: all checks passed")),
-            &format!("forked rank {r} must report"),
-            text(&o),
-        )?;
+        let wants = [format!("rank {r} of {n}: all checks passed")]
+            .into_iter()
+            .chain(also.map(|a| format!("rank {r}: {a}")));
+        for want in wants {
+            check(
+                out.contains(&want),
+                &format!("forked rank {r} must report `{want}`"),
+                text(&o),
+            )?;
+        }
     }
     check(
-        out.contains(&format!("uid: {n} ranks passed")),
+        out.contains(&format!("{mode}: {n} ranks passed")),
         "the parent must see every rank pass",
         text(&o),
+    )?;
+    Ok(o)
+}
+
+fn c_unique_id(n: usize) -> Result<(), String> {
+    let before = capi_segments();
+    forked_capi_test(
+        "uid",
+        n,
+        "forked ranks joined by lockstepGetUniqueId/lockstepCommInitRank",
+        None,
     )?;
     let left: Vec<String> = capi_segments()
         .into_iter()
@@ -447,38 +466,17 @@ fn c_unique_id(n: usize) -> Result<(), String> {
     )
 }
 
-fn c_unique_id_2() -> Result<(), String> {
-    c_unique_id(2)
-}
-
-fn c_unique_id_3() -> Result<(), String> {
-    c_unique_id(3)
-}
-
 /// `capi_test config N`: ranks forked into lockstepCommInitRankConfig run every check on a named,
 /// non-blocking communicator, then wait on a communicator with a 300 ms timeout for a rank that
 /// comes only once they have given up.
 fn c_config(n: usize) -> Result<(), String> {
-    let bin = c_binary()?;
-    let o = run_limited(&[bin.to_str().unwrap(), "config", &n.to_string()], &[])?;
-    check(
-        o.status.success(),
-        &format!("capi_test with {n} ranks joined by lockstepCommInitRankConfig must pass"),
-        text(&o),
+    let o = forked_capi_test(
+        "config",
+        n,
+        "ranks joined by lockstepCommInitRankConfig",
+        Some("config: verified"),
     )?;
     let out = String::from_utf8_lossy(&o.stdout);
-    for r in 0..n {
-        for want in [
-            format!("rank {r} of {n}: all checks passed"),
-            format!("rank {r}: config: verified"),
-        ] {
-            check(
-                out.contains(&want),
-                &format!("forked rank {r} must report `{want}`"),
-                text(&o),
-            )?;
-        }
-    }
     // The first rank to give up on the late one times out; others may see it abort first.
     check(
         out.contains(": timeout: code 8 (timeout"),
@@ -489,41 +487,17 @@ fn c_config(n: usize) -> Result<(), String> {
         out.contains(&format!("rank {}: late: code ", n - 1)),
         "the late rank's call must fail",
         text(&o),
-    )?;
-    check(
-        out.contains(&format!("config: {n} ranks passed")),
-        "the parent must see every rank pass",
-        text(&o),
     )
-}
-
-fn c_config_2() -> Result<(), String> {
-    c_config(2)
-}
-
-fn c_config_3() -> Result<(), String> {
-    c_config(3)
 }
 
 /// `examples/c/hello.c`, the example docs/c-abi.md and .ci/c-install.sh use, compiles and runs.
 fn hello_example() -> Result<(), String> {
     let bin = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("hello");
     compile_c(Path::new("examples/c/hello.c"), &bin)?;
-    let o = run_limited(
-        &[
-            launcher()?.as_str(),
-            "launch",
-            "--nproc-per-node",
-            "3",
-            "--",
-            bin.to_str().unwrap(),
-        ],
-        &[],
-    )?;
-    check(
-        o.status.success(),
+    let o = under_launch(
+        3,
+        &[bin.to_str().unwrap()],
         "examples/c/hello.c must run under lockstep launch with 3 ranks",
-        text(&o),
     )?;
     every_rank(&o, 3, |r| {
         format!(
@@ -657,21 +631,10 @@ fn readme_example() -> Result<(), String> {
     std::fs::write(&src, format!("{code}\n"))
         .map_err(|e| format!("write {}: {e}", src.display()))?;
     compile_c(&src, &bin)?;
-    let o = run_limited(
-        &[
-            launcher()?.as_str(),
-            "launch",
-            "--nproc-per-node",
-            "2",
-            "--",
-            bin.to_str().unwrap(),
-        ],
-        &[],
-    )?;
-    check(
-        o.status.success(),
+    let o = under_launch(
+        2,
+        &[bin.to_str().unwrap()],
         "the README's C example must run under lockstep launch with 2 ranks",
-        text(&o),
     )?;
     every_rank(&o, 2, |r| {
         format!("rank {r} of 2: mean 0.5, from rank {}", 1 - r)
@@ -680,27 +643,15 @@ fn readme_example() -> Result<(), String> {
 
 fn ctypes_under_launch(n: usize) -> Result<(), String> {
     let b = built()?;
-    let nproc = n.to_string();
-    let launcher = launcher()?;
-    let launcher = launcher.as_str();
     let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
-    let o = run_limited(
+    let o = under_launch(
+        n,
         &[
-            launcher,
-            "launch",
-            "--nproc-per-node",
-            &nproc,
-            "--",
             &python,
             "crates/capi/tests/c/capi_ctypes.py",
             b.so.to_str().unwrap(),
         ],
-        &[],
-    )?;
-    check(
-        o.status.success(),
         &format!("capi_ctypes.py under lockstep launch with {n} ranks must pass (needs python3, or set PYTHON)"),
-        text(&o),
     )?;
     every_rank(&o, n, |r| format!("rank {r} of {n}: ctypes checks passed"))?;
     every_rank(&o, n, |r| format!("rank {r}: ctypes split: verified"))?;
@@ -709,38 +660,45 @@ fn ctypes_under_launch(n: usize) -> Result<(), String> {
     })
 }
 
-fn ctypes_launch_2() -> Result<(), String> {
-    ctypes_under_launch(2)
-}
+/// The tests that run once each.
+const TESTS: [common::Test; 9] = [
+    ("header_is_current", header_is_current),
+    (
+        "header_has_nccl_values_and_functions",
+        header_has_nccl_values_and_functions,
+    ),
+    (
+        "library_exports_every_function",
+        library_exports_every_function,
+    ),
+    ("library_soname_and_exports", library_soname_and_exports),
+    ("c_init_from_env_error", c_init_from_env_error),
+    ("c_log_stderr", c_log_stderr),
+    ("c_log_callback", c_log_callback),
+    ("hello_example", hello_example),
+    ("readme_example", readme_example),
+];
 
-fn ctypes_launch_3() -> Result<(), String> {
-    ctypes_under_launch(3)
-}
+/// A test of `n` ranks.
+type WorldTest = fn(usize) -> Result<(), String>;
+
+/// The tests that run with 2 ranks and with 3, as `NAME_2` and `NAME_3`.
+const PER_WORLD: [(&str, WorldTest); 4] = [
+    ("c_launch", c_under_launch),
+    ("c_unique_id", c_unique_id),
+    ("c_config", c_config),
+    ("ctypes_launch", ctypes_under_launch),
+];
 
 fn main() -> std::process::ExitCode {
-    common::run(&[
-        ("header_is_current", header_is_current),
-        (
-            "header_has_nccl_values_and_functions",
-            header_has_nccl_values_and_functions,
-        ),
-        (
-            "library_exports_every_function",
-            library_exports_every_function,
-        ),
-        ("library_soname_and_exports", library_soname_and_exports),
-        ("c_launch_2", c_launch_2),
-        ("c_launch_3", c_launch_3),
-        ("c_unique_id_2", c_unique_id_2),
-        ("c_unique_id_3", c_unique_id_3),
-        ("c_config_2", c_config_2),
-        ("c_config_3", c_config_3),
-        ("c_init_from_env_error", c_init_from_env_error),
-        ("c_log_stderr", c_log_stderr),
-        ("c_log_callback", c_log_callback),
-        ("hello_example", hello_example),
-        ("readme_example", readme_example),
-        ("ctypes_launch_2", ctypes_launch_2),
-        ("ctypes_launch_3", ctypes_launch_3),
-    ])
+    let mut r = common::Runner::new();
+    for (name, f) in TESTS {
+        r.run(name, f);
+    }
+    for (name, f) in PER_WORLD {
+        for n in [2, 3] {
+            r.run(&format!("{name}_{n}"), || f(n));
+        }
+    }
+    r.finish()
 }

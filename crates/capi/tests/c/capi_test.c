@@ -28,27 +28,7 @@
 #include <unistd.h>
 
 #include "lockstep.h"
-
-static int g_rank = -1;
-
-#define CHECK(cond, ...)                                                                      \
-    do {                                                                                      \
-        if (!(cond)) {                                                                        \
-            fprintf(stderr, "rank %d: %s:%d: check failed: %s: ", g_rank, __FILE__, __LINE__, \
-                    #cond);                                                                   \
-            fprintf(stderr, __VA_ARGS__);                                                     \
-            fprintf(stderr, "\n");                                                            \
-            exit(1);                                                                          \
-        }                                                                                     \
-    } while (0)
-
-/* A call that must succeed; on failure, its code and message. */
-#define OK(call)                                                                              \
-    do {                                                                                      \
-        lockstepResult_t r_ = (call);                                                         \
-        CHECK(r_ == lockstepSuccess, "%s returned %d (%s): %s", #call, (int)r_,               \
-              lockstepGetErrorString(r_), lockstepGetLastError(NULL));                        \
-    } while (0)
+#include "check.h"
 
 static size_t type_size(lockstepDataType_t t) {
     switch (t) {
