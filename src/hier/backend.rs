@@ -546,21 +546,8 @@ impl HierBackend {
                     .map_err(mpi_err)?,
             );
         }
-        // The last send takes `mine` itself (no copy) and hands it back once done.
-        let mut mine = Some(mine);
-        for (i, &k) in others.iter().enumerate() {
-            let leader = self.layout.global(k, 0);
-            let data = if i + 1 == others.len() {
-                mine.take()
-            } else {
-                mine.clone()
-            };
-            reqs.push(
-                self.mpi
-                    .isend(leader, tag, data.unwrap_or_default())
-                    .map_err(mpi_err)?,
-            );
-        }
+        let leaders: Vec<usize> = others.iter().map(|&k| self.layout.global(k, 0)).collect();
+        let mine = self.send_to_all(&leaders, tag, mine, &mut reqs)?;
         self.mpi_wait("the exchange between node leaders", &mut reqs, 1, op)?;
         let mut blocks = vec![Vec::new(); nodes];
         let mut reqs = reqs.into_iter();
@@ -582,6 +569,33 @@ impl HierBackend {
             None => reqs.last().map(Request::into_data).unwrap_or_default(),
         };
         Ok(blocks)
+    }
+
+    /// Start sending `data` to every rank of `to`, pushing the requests onto `reqs` in that
+    /// order: copies for all but the last, which takes `data` itself (its request's
+    /// [`Request::into_data`] gives it back once done). `data` comes back at once when `to` is
+    /// empty.
+    fn send_to_all(
+        &self,
+        to: &[usize],
+        tag: u16,
+        data: Vec<u8>,
+        reqs: &mut Vec<Request>,
+    ) -> Result<Option<Vec<u8>>, CommError> {
+        let mut data = Some(data);
+        for (i, &g) in to.iter().enumerate() {
+            let d = if i + 1 == to.len() {
+                data.take()
+            } else {
+                data.clone()
+            };
+            reqs.push(
+                self.mpi
+                    .isend(g, tag, d.unwrap_or_default())
+                    .map_err(mpi_err)?,
+            );
+        }
+        Ok(data)
     }
 
     /// After a step where some ranks of the node talked MPI: every rank of the node learns
@@ -920,21 +934,8 @@ impl HierBackend {
             }
         }
         if next.is_none() {
-            // The last send takes `out` itself and hands it back once done.
             let others: Vec<usize> = (0..nodes - 1).map(|k2| self.layout.global(k2, j)).collect();
-            let mut result = Some(out);
-            for (i, &g) in others.iter().enumerate() {
-                let data = if i + 1 == others.len() {
-                    result.take()
-                } else {
-                    result.clone()
-                };
-                sends.push(
-                    self.mpi
-                        .isend(g, TAG_RESULT, data.unwrap_or_default())
-                        .map_err(mpi_err)?,
-                );
-            }
+            let result = self.send_to_all(&others, TAG_RESULT, out, &mut sends)?;
             self.mpi_wait("sending to the other nodes", &mut sends, 1, kind)?;
             out = match result {
                 Some(r) => r,

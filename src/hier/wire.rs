@@ -83,26 +83,7 @@ impl Header {
     /// What must agree between ranks: kind, dtype, and the op, root and count where the kind has
     /// them.
     fn key(&self) -> (u8, u8, u8, u64, u64) {
-        let k = CollKind::from_u8(self.kind);
-        (
-            self.kind,
-            self.dtype,
-            if k.is_some_and(|k| k.has_op()) {
-                self.op
-            } else {
-                0
-            },
-            if k.is_some_and(|k| k.has_root()) {
-                self.root
-            } else {
-                0
-            },
-            if k == Some(CollKind::Barrier) {
-                0
-            } else {
-                self.count
-            },
-        )
+        CollKind::agreement_key(self.kind, self.dtype, self.op, self.root, self.count)
     }
 
     /// `all_reduce(count=4, dtype=f32, op=sum)`.

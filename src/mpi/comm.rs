@@ -388,14 +388,27 @@ impl MpiComm {
     /// Wait until every rank arrives (`MPI_Ibarrier`, with the timeout).
     pub fn barrier(&self) -> Result<(), MpiError> {
         let req = result::ibarrier(self.comm)?;
+        self.wait_collective("barrier", req, Vec::new()).map(drop)
+    }
+
+    /// Wait for collective `req`, whose buffer is `buf` (the request keeps it, or leaks it on a
+    /// timeout), and give the buffer back.
+    fn wait_collective(
+        &self,
+        what: &str,
+        req: MPI_Request,
+        buf: Vec<u8>,
+    ) -> Result<Vec<u8>, MpiError> {
         let mut reqs = [Request::new(
             self.state.clone(),
             req,
-            Vec::new(),
+            buf,
             0,
             Kind::Collective,
         )];
-        self.wait_all("barrier", &mut reqs)
+        self.wait_all(what, &mut reqs)?;
+        let [r] = reqs;
+        Ok(r.into_data())
     }
 
     /// Every rank's `mine` (all the same length), concatenated in rank order.
@@ -412,16 +425,7 @@ impl MpiComm {
         // MPI's use of it; they do not overlap.
         let req =
             unsafe { result::iallgather_bytes(send.as_ptr(), n, recv.as_mut_ptr(), self.comm) }?;
-        let mut reqs = [Request::new(
-            self.state.clone(),
-            req,
-            buf,
-            0,
-            Kind::Collective,
-        )];
-        self.wait_all("all-gather", &mut reqs)?;
-        let [r] = reqs;
-        let mut out = r.into_data();
+        let mut out = self.wait_collective("all-gather", req, buf)?;
         out.drain(..n);
         Ok(out)
     }
@@ -447,16 +451,7 @@ impl MpiComm {
         let req = unsafe {
             result::iallreduce_in_place(buf.as_mut_ptr().cast(), data.len(), dtype, mop, self.comm)
         }?;
-        let mut reqs = [Request::new(
-            self.state.clone(),
-            req,
-            buf,
-            0,
-            Kind::Collective,
-        )];
-        self.wait_all("all-reduce", &mut reqs)?;
-        let [r] = reqs;
-        let out = r.into_data();
+        let out = self.wait_collective("all-reduce", req, buf)?;
         // SAFETY: `out` is `buf`, `bytes` long; `data` is `bytes` long and does not overlap it;
         // a byte copy into numeric elements.
         unsafe {

@@ -212,43 +212,35 @@ fn candidates() -> Result<Vec<(Candidate, bool)>, MpiError> {
             true,
         )]);
     }
-    let mut v = vec![(
-        Candidate {
-            spec: ABI_SONAME.into(),
-            origin: "dynamic loader search path".into(),
-        },
-        true,
-    )];
+    // The ABI library first (by soname, then in Python environments), then the others, only to
+    // be named in the error.
     let dirs = python_lib_dirs();
-    for d in &dirs {
-        for f in dir_entries_with_prefix(d, ABI_PREFIX) {
+    let mut v = Vec::new();
+    for (sonames, prefix, abi) in [
+        (&[ABI_SONAME][..], ABI_PREFIX, true),
+        (NON_ABI_SONAMES, NON_ABI_PREFIX, false),
+    ] {
+        for s in sonames {
+            let origin = "dynamic loader search path".to_string();
             v.push((
                 Candidate {
-                    spec: f.display().to_string(),
-                    origin: format!("Python environment {}", d.display()),
+                    spec: s.to_string(),
+                    origin,
                 },
-                true,
+                abi,
             ));
         }
-    }
-    for s in NON_ABI_SONAMES {
-        v.push((
-            Candidate {
-                spec: s.to_string(),
-                origin: "dynamic loader search path".into(),
-            },
-            false,
-        ));
-    }
-    for d in &dirs {
-        for f in dir_entries_with_prefix(d, NON_ABI_PREFIX) {
-            v.push((
-                Candidate {
-                    spec: f.display().to_string(),
-                    origin: format!("Python environment {}", d.display()),
-                },
-                false,
-            ));
+        for d in &dirs {
+            for f in dir_entries_with_prefix(d, prefix) {
+                let origin = format!("Python environment {}", d.display());
+                v.push((
+                    Candidate {
+                        spec: f.display().to_string(),
+                        origin,
+                    },
+                    abi,
+                ));
+            }
         }
     }
     Ok(v)

@@ -26,28 +26,7 @@ fn desc_call(d: &Desc) -> String {
 /// Whether two descriptors describe the same call: kind, dtype, and the op, root and count where
 /// the kind has them.
 pub(crate) fn same_call(a: &Desc, b: &Desc) -> bool {
-    let key = |d: &Desc| {
-        let k = CollKind::from_u8(d.kind);
-        (
-            d.kind,
-            d.dtype,
-            if k.is_some_and(|k| k.has_op()) {
-                d.op
-            } else {
-                0
-            },
-            if k.is_some_and(|k| k.has_root()) {
-                d.root
-            } else {
-                0
-            },
-            if k == Some(CollKind::Barrier) {
-                0
-            } else {
-                d.count
-            },
-        )
-    };
+    let key = |d: &Desc| CollKind::agreement_key(d.kind, d.dtype, d.op, d.root, d.count);
     key(a) == key(b)
 }
 

@@ -96,6 +96,31 @@ impl CollKind {
         )
     }
 
+    /// What must agree between the ranks of one call, from the fields of its wire description
+    /// (`kind` as its `u8`): the kind and dtype, and the op, root and count where the kind has
+    /// them. The others are zeroed, so ranks that pass different unused values still agree.
+    pub(crate) fn agreement_key(
+        kind: u8,
+        dtype: u8,
+        op: u8,
+        root: u64,
+        count: u64,
+    ) -> (u8, u8, u8, u64, u64) {
+        let k = CollKind::from_u8(kind);
+        let op = if k.is_some_and(|k| k.has_op()) { op } else { 0 };
+        let root = if k.is_some_and(|k| k.has_root()) {
+            root
+        } else {
+            0
+        };
+        let count = if k == Some(CollKind::Barrier) {
+            0
+        } else {
+            count
+        };
+        (kind, dtype, op, root, count)
+    }
+
     /// Whether the per-rank counts differ between ranks (the v-variants): their consistency is
     /// checked pair by pair rather than by comparing one count.
     pub const fn is_v(self) -> bool {
