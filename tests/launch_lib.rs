@@ -3,6 +3,8 @@
 //! Output tests re-run this binary in a child mode (`LOCKSTEP_TEST_MODE`) to capture its stdout.
 
 mod common;
+#[path = "common/rank_lines.rs"]
+mod rank_lines;
 
 use std::io::Write;
 use std::process::Command;
@@ -16,6 +18,24 @@ fn cfg(n: usize) -> LaunchConfig {
     let mut c = LaunchConfig::new(n);
     c.grace = Duration::from_secs(2);
     c
+}
+
+/// The error of a launch that must fail.
+fn launch_failed<R>(r: Result<Vec<R>, LaunchError>) -> Result<LaunchError, String> {
+    match r {
+        Err(e) => Ok(e),
+        Ok(_) => Err(check(false, "launch must fail", "").unwrap_err()),
+    }
+}
+
+/// The launch took less than `limit_s` seconds since `t`.
+fn within(t: Instant, limit_s: f64, what: &str) -> Result<(), String> {
+    let took = t.elapsed();
+    check(
+        took < Duration::from_secs_f64(limit_s),
+        what,
+        format!("{took:?}"),
+    )
 }
 
 fn ready_time_and_repeated_launch() -> Result<(), String> {
@@ -97,11 +117,7 @@ fn fail_fast_error_reports_root_cause() -> Result<(), String> {
         "summary",
         format!("{e}"),
     )?;
-    check(
-        t.elapsed() < Duration::from_secs(2),
-        "fast",
-        format!("{:?}", t.elapsed()),
-    )
+    within(t, 2.0, "fast")
 }
 
 fn kill9_rank_gives_peer_lost() -> Result<(), String> {
@@ -118,9 +134,7 @@ fn kill9_rank_gives_peer_lost() -> Result<(), String> {
         }
         Ok(())
     });
-    let Err(e) = r else {
-        return check(false, "launch must fail", "");
-    };
+    let e = launch_failed(r)?;
     let f = e.failures();
     check(
         f.len() == 2 && f[0].rank == 1 && f[0].exit_code == 137,
@@ -147,9 +161,7 @@ fn hung_rank_is_named_after_the_timeout() -> Result<(), String> {
         ctx.comm.all_reduce_in_place(&mut v[..], ReduceOp::Sum)?;
         Ok(())
     });
-    let Err(e) = r else {
-        return check(false, "launch must fail", "");
-    };
+    let e = launch_failed(r)?;
     let f = e.failures();
     check(
         f[0].rank == 0
@@ -163,11 +175,7 @@ fn hung_rank_is_named_after_the_timeout() -> Result<(), String> {
         "the hung rank is terminated",
         format!("{e}"),
     )?;
-    check(
-        t.elapsed() < Duration::from_secs(3),
-        "prompt",
-        format!("{:?}", t.elapsed()),
-    )
+    within(t, 3.0, "prompt")
 }
 
 fn panics_and_exits_are_reported() -> Result<(), String> {
@@ -177,9 +185,7 @@ fn panics_and_exits_are_reported() -> Result<(), String> {
         }
         Ok(())
     });
-    let Err(e) = r else {
-        return check(false, "launch must fail", "");
-    };
+    let e = launch_failed(r)?;
     check(
         e.failures()[0].message.contains("rank zero panics") && e.failures()[0].exit_code == 101,
         "panic message",
@@ -191,9 +197,7 @@ fn panics_and_exits_are_reported() -> Result<(), String> {
         }
         Ok(())
     });
-    let Err(e) = r else {
-        return check(false, "launch must fail", "");
-    };
+    let e = launch_failed(r)?;
     check(
         e.exit_code() == 7,
         "exit code of the root cause",
@@ -245,6 +249,26 @@ fn launch_logging(n: usize, dir: &std::path::Path) -> Result<(), String> {
     .map_err(|e| e.to_string())
 }
 
+/// A launch logging into `dir` is refused with a message that says each of `needles`.
+fn log_dir_refused(
+    n: usize,
+    dir: &std::path::Path,
+    needles: &[&str],
+    what: &str,
+) -> Result<(), String> {
+    let e = launch_logging(n, dir).err().unwrap_or_default();
+    check(needles.iter().all(|x| e.contains(x)), what, &e)
+}
+
+/// The file at `p` still holds `content`.
+fn still_holds(p: &std::path::Path, content: &str, what: &str) -> Result<(), String> {
+    check(
+        std::fs::read_to_string(p).ok().as_deref() == Some(content),
+        what,
+        "",
+    )
+}
+
 fn log_dir_is_not_hijacked() -> Result<(), String> {
     let d = scratch("loglinks");
     let victim = d.join("victim");
@@ -254,43 +278,35 @@ fn log_dir_is_not_hijacked() -> Result<(), String> {
     let links = d.join("links");
     std::fs::create_dir(&links).map_err(|e| e.to_string())?;
     std::os::unix::fs::symlink(&victim, links.join("rank-0.log")).map_err(|e| e.to_string())?;
-    let e = launch_logging(1, &links).err().unwrap_or_default();
-    check(
-        e.contains("rank-0.log") && e.contains("symbolic link"),
+    log_dir_refused(
+        1,
+        &links,
+        &["rank-0.log", "symbolic link"],
         "a symbolic link under a log name is refused",
-        &e,
     )?;
-    check(
-        std::fs::read_to_string(&victim).ok().as_deref() == Some("precious"),
-        "the link's target is unchanged",
-        "",
-    )?;
+    still_holds(&victim, "precious", "the link's target is unchanged")?;
 
     // A hard link to another file: truncating it would empty the other name.
     let hard = d.join("hard");
     std::fs::create_dir(&hard).map_err(|e| e.to_string())?;
     std::fs::hard_link(&victim, hard.join("rank-0.log")).map_err(|e| e.to_string())?;
-    let e = launch_logging(1, &hard).err().unwrap_or_default();
-    check(
-        e.contains("hard links"),
+    log_dir_refused(
+        1,
+        &hard,
+        &["hard links"],
         "a log name with another hard link is refused",
-        &e,
     )?;
-    check(
-        std::fs::read_to_string(&victim).ok().as_deref() == Some("precious"),
-        "the other name is unchanged",
-        "",
-    )?;
+    still_holds(&victim, "precious", "the other name is unchanged")?;
 
     // Writable by the group, no sticky bit: anyone in the group could plant files. Refused.
     let shared = d.join("shared");
     std::fs::create_dir(&shared).map_err(|e| e.to_string())?;
     chmod(&shared, 0o775)?;
-    let e = launch_logging(1, &shared).err().unwrap_or_default();
-    check(
-        e.contains("sticky") && e.contains("chmod go-w"),
+    log_dir_refused(
+        1,
+        &shared,
+        &["sticky", "chmod go-w"],
         "a group-writable directory without the sticky bit is refused",
-        &e,
     )?;
     check(
         std::fs::read_dir(&shared).map(|r| r.count()).unwrap_or(1) == 0,
@@ -319,17 +335,13 @@ fn log_dir_is_not_hijacked() -> Result<(), String> {
         let theirs = sticky.join("rank-1.log");
         std::fs::write(&theirs, "theirs").map_err(|e| e.to_string())?;
         std::os::unix::fs::chown(&theirs, Some(65534), Some(65534)).map_err(|e| e.to_string())?;
-        let e = launch_logging(2, &sticky).err().unwrap_or_default();
-        check(
-            e.contains("rank-1.log") && e.contains("belongs to uid 65534"),
+        log_dir_refused(
+            2,
+            &sticky,
+            &["rank-1.log", "belongs to uid 65534"],
             "another user's file under a log name is refused",
-            &e,
         )?;
-        check(
-            std::fs::read_to_string(&theirs).ok().as_deref() == Some("theirs"),
-            "and left alone",
-            "",
-        )?;
+        still_holds(&theirs, "theirs", "and left alone")?;
     } else {
         common::skip_part("another user's file (only root can make one here)");
     }
@@ -380,9 +392,8 @@ fn output_is_line_atomic_and_prefixed() -> Result<(), String> {
         "child launch failed",
         String::from_utf8_lossy(&o.stderr),
     )?;
-    let mut counts = [0usize; 4];
-    for line in out.lines() {
-        let ok = (0..4).find(|r| {
+    let whole_line_of = |line: &str| {
+        (0..4).find(|r| {
             line.strip_prefix(&format!("[rank {r}] {r}-"))
                 .and_then(|x| x.strip_suffix(&format!("-{r}")))
                 .is_some_and(|mid| {
@@ -390,18 +401,13 @@ fn output_is_line_atomic_and_prefixed() -> Result<(), String> {
                         && mid.len() % 10 == 0
                         && mid.as_bytes().chunks(10).all(|c| c == b"abcdefghij")
                 })
-        });
-        match ok {
-            Some(r) => counts[r] += 1,
-            None => {
-                return check(
-                    false,
-                    "every line must be one rank's whole line",
-                    format!("bad line: {line:?}"),
-                )
-            }
-        }
-    }
+        })
+    };
+    let counts: [usize; 4] = rank_lines::per_rank(
+        out.lines(),
+        whole_line_of,
+        "every line must be one rank's whole line",
+    )?;
     check(
         counts == [3000; 4],
         "every line arrives",

@@ -1,5 +1,8 @@
 //! Tests of the TCP rendezvous store (threads only, no fork: the default harness is fine).
 
+#[path = "common/store_wire.rs"]
+mod store_wire;
+
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
@@ -92,12 +95,7 @@ fn malformed_and_oversized_messages_do_not_crash_the_store() {
     // A connection that closes mid-frame.
     let _ = raw_exchange(port, &[100, 0, 0, 0, 1, 2]);
     // Unknown request after a valid HELLO.
-    let mut hello = vec![1u8];
-    hello.extend_from_slice(&1u32.to_le_bytes());
-    hello.extend_from_slice(&(TOK.len() as u32).to_le_bytes());
-    hello.extend_from_slice(TOK.as_bytes());
-    let mut msg = (hello.len() as u32).to_le_bytes().to_vec();
-    msg.extend_from_slice(&hello);
+    let mut msg = store_wire::hello(TOK);
     msg.extend_from_slice(&[1, 0, 0, 0, 77]);
     let r = raw_exchange(port, &msg);
     assert_eq!(&r[..5], &[1, 0, 0, 0, 0], "HELLO ok first: {r:?}");

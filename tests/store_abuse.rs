@@ -7,6 +7,8 @@
 //! `RLIMIT_NOFILE`, so the limit does not touch the other tests.
 
 mod common;
+#[path = "common/store_wire.rs"]
+mod store_wire;
 
 use std::io::{BufRead, BufReader, ErrorKind, Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -16,6 +18,7 @@ use std::time::{Duration, Instant};
 use common::check;
 use lockstep::store::{ServerLimits, Store, StoreError, StoreServer, TcpStore};
 use nix::sys::resource::{getrlimit, getrusage, setrlimit, Resource, UsageWho};
+use store_wire::hello;
 
 const TOK: &str = "abuse-test-token-0123456789";
 /// What the server allows before authentication (`lockstep::store::MAX_HELLO_FRAME`).
@@ -30,17 +33,6 @@ fn server(limits: ServerLimits) -> Result<(StoreServer, SocketAddr), String> {
 
 fn connect(addr: SocketAddr) -> Result<TcpStream, String> {
     TcpStream::connect_timeout(&addr, Duration::from_secs(2)).map_err(|e| format!("connect: {e}"))
-}
-
-/// A framed HELLO for `token`.
-fn hello(token: &str) -> Vec<u8> {
-    let mut body = vec![1u8];
-    body.extend_from_slice(&1u32.to_le_bytes());
-    body.extend_from_slice(&(token.len() as u32).to_le_bytes());
-    body.extend_from_slice(token.as_bytes());
-    let mut f = (body.len() as u32).to_le_bytes().to_vec();
-    f.extend_from_slice(&body);
-    f
 }
 
 /// Everything the server sends until it closes the connection (or `limit` passes), and when the

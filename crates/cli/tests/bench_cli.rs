@@ -3,9 +3,12 @@
 //! barrier as latency only, and real zero-byte calls. Sequential (`harness = false`): every run
 //! forks ranks.
 
+#[path = "common/cli.rs"]
+mod cli;
 #[path = "../../../tests/common/mod.rs"]
 mod common;
 
+use cli::{launch, Run};
 use common::show;
 
 use std::process::{Command, Output, Stdio};
@@ -19,8 +22,7 @@ fn bench(args: &[&str]) -> Result<Output, String> {
         .arg("bench")
         .args(args)
         .stdin(Stdio::null())
-        .output()
-        .map_err(|e| e.to_string())
+        .run()
 }
 
 fn stdout(o: &Output) -> String {
@@ -44,6 +46,13 @@ fn avg_busbw(s: &str) -> Option<f64> {
 
 fn json(o: &Output) -> Result<serde_json::Value, String> {
     serde_json::from_str(&stdout(o)).map_err(|e| format!("not JSON: {e}\n{}", show(o)))
+}
+
+/// `bench(args)` with `--format json`: the run and the JSON it printed.
+fn bench_json(args: &[&str]) -> Result<(Output, serde_json::Value), String> {
+    let o = bench(&[args, &["--format", "json"]].concat())?;
+    let v = json(&o)?;
+    Ok((o, v))
 }
 
 fn nccl_tests_flags_and_columns() -> Result<(), String> {
@@ -208,7 +217,7 @@ fn nccl_tests_names() -> Result<(), String> {
         show(&o),
     )?;
     // A collective that does not reduce times each type once, whatever -o says.
-    let o = bench(&[
+    let (o, v) = bench_json(&[
         "--nprocs",
         "2",
         "--op",
@@ -223,10 +232,7 @@ fn nccl_tests_names() -> Result<(), String> {
         "2",
         "-w",
         "1",
-        "--format",
-        "json",
     ])?;
-    let v = json(&o)?;
     check(
         o.status.success()
             && v["type"] == "all"
@@ -279,19 +285,16 @@ fn rooted_zero_byte_and_in_place() -> Result<(), String> {
         "4K with root and in-place",
         &s,
     )?;
-    let o = bench(&[
+    let (_, v) = bench_json(&[
         "--nprocs",
         "2",
         "--op",
         "all_reduce",
         "--sizes",
         "0",
-        "--format",
-        "json",
         "-n",
         "3",
     ])?;
-    let v = json(&o)?;
     let row = &v["rows"][0];
     check(
         row["size_bytes"] == 0
@@ -313,11 +316,9 @@ fn rooted_zero_byte_and_in_place() -> Result<(), String> {
         ("all_to_all", false),
         ("pingpong", false),
     ] {
-        let o = bench(&[
-            "--nprocs", "2", "--op", op, "--sizes", "64,4096", "-n", "3", "-w", "1", "--format",
-            "json",
+        let (o, v) = bench_json(&[
+            "--nprocs", "2", "--op", op, "--sizes", "64,4096", "-n", "3", "-w", "1",
         ])?;
-        let v = json(&o)?;
         let rows = v["rows"].as_array().cloned().unwrap_or_default();
         let ok = o.status.success()
             && v["wrong"] == 0
@@ -375,10 +376,7 @@ fn barrier_csv_json() -> Result<(), String> {
         "no size columns",
         &s,
     )?;
-    let o = bench(&[
-        "--nprocs", "2", "--op", "barrier", "--format", "json", "-n", "5",
-    ])?;
-    let v = json(&o)?;
+    let (_, v) = bench_json(&["--nprocs", "2", "--op", "barrier", "-n", "5"])?;
     check(
         v["op"] == "barrier" && v["rows"].as_array().map(Vec::len) == Some(1),
         "barrier JSON",
@@ -412,10 +410,7 @@ fn barrier_csv_json() -> Result<(), String> {
         &s,
     )?;
     // JSON: one object with the rows and the summary.
-    let o = bench(&[
-        "--nprocs", "2", "-b", "1K", "-e", "4K", "--format", "json", "-n", "2",
-    ])?;
-    let v = json(&o)?;
+    let (_, v) = bench_json(&["--nprocs", "2", "-b", "1K", "-e", "4K", "-n", "2"])?;
     let rows = v["rows"].as_array().cloned().unwrap_or_default();
     let sizes: Vec<u64> = rows
         .iter()
@@ -442,11 +437,9 @@ fn statistics() -> Result<(), String> {
         "the default statistic is nccl-tests' mean averaged over ranks, named in the header",
         show(&o),
     )?;
-    let o = bench(&[
+    let (o, v) = bench_json(&[
         "--nprocs", "2", "--sizes", "8", "-n", "5", "-w", "1", "--stat", "median", "-a", "3",
-        "--format", "json",
     ])?;
-    let v = json(&o)?;
     check(
         o.status.success() && v["stat"] == "median" && v["average"] == 3 && v["wrong"] == 0,
         "--stat median -a 3 in the JSON",
@@ -490,10 +483,7 @@ fn rank_lines() -> Result<(), String> {
         "one line per rank with its own pid and CPUs",
         show(&o),
     )?;
-    let o = bench(&[
-        "--nprocs", "2", "--sizes", "8", "-n", "2", "--format", "json",
-    ])?;
-    let v = json(&o)?;
+    let (o, v) = bench_json(&["--nprocs", "2", "--sizes", "8", "-n", "2"])?;
     check(
         v["rank_info"].as_array().map(|a| a.len()) == Some(2) && v["rank_info"][1]["rank"] == 1,
         "rank_info in the JSON",
@@ -504,15 +494,15 @@ fn rank_lines() -> Result<(), String> {
 /// Under a launcher every rank runs `lockstep bench` and joins the job: one table (rank 0's),
 /// for the job's ranks; --nprocs may only repeat their number.
 fn under_a_launcher() -> Result<(), String> {
-    let launch = |n: &str, extra: &[&str]| {
+    let bench_launched = |n: &str, extra: &[&str]| {
         Command::new(BIN)
-            .args(["launch", "--nproc-per-node", n, "--no-prefix", BIN, "bench"])
+            .args(launch(n))
+            .args(["--no-prefix", BIN, "bench"])
             .args(extra)
             .stdin(Stdio::null())
-            .output()
-            .map_err(|e| e.to_string())
+            .run()
     };
-    let o = launch("3", &["--sizes", "8,64K", "-n", "3", "-w", "1"])?;
+    let o = bench_launched("3", &["--sizes", "8,64K", "-n", "3", "-w", "1"])?;
     let s = stdout(&o);
     check(
         o.status.success()
@@ -523,7 +513,7 @@ fn under_a_launcher() -> Result<(), String> {
         "3 launched ranks: one table of 2 verified rows, 3 rank lines",
         show(&o),
     )?;
-    let o = launch("2", &["--nprocs", "4", "--sizes", "8"])?;
+    let o = bench_launched("2", &["--nprocs", "4", "--sizes", "8"])?;
     check(
         !o.status.success()
             && String::from_utf8_lossy(&o.stderr)

@@ -5,9 +5,12 @@
 //! under the launcher, and carriage-return redraws reaching a terminal (`script`). Sequential
 //! (`harness = false`): several tests start multi-rank jobs on a two-core machine.
 
+#[path = "common/cli.rs"]
+mod cli;
 #[path = "../../../tests/common/mod.rs"]
 mod common;
 
+use cli::{fails_saying, launch, sh, two_nodes, Run};
 use common::{show, text};
 
 use std::io::Write;
@@ -19,10 +22,10 @@ use common::{check, free_port, scratch};
 const BIN: &str = env!("CARGO_BIN_EXE_lockstep");
 const TOKEN: &str = "config-cli-test-token-0123";
 
-/// `lockstep` with no configuration file of the user's (an empty XDG directory) and none of the
-/// variables that would change the launch.
-fn lockstep(xdg: &Path) -> Command {
-    let mut c = Command::new(BIN);
+/// `program` with no configuration file of the user's (an empty XDG directory) and none of the
+/// variables that would change a launch.
+fn isolated(program: &str, xdg: &Path) -> Command {
+    let mut c = Command::new(program);
     c.env("XDG_CONFIG_HOME", xdg);
     for v in [
         "LOCKSTEP_TOKEN",
@@ -38,8 +41,42 @@ fn lockstep(xdg: &Path) -> Command {
     c
 }
 
+/// `lockstep`, [`isolated`].
+fn lockstep(xdg: &Path) -> Command {
+    isolated(BIN, xdg)
+}
+
+/// `lockstep --config <p>`: the file `p` instead of the user's.
+fn with_config(xdg: &Path, p: &Path) -> Command {
+    let mut c = lockstep(xdg);
+    c.arg("--config").arg(p);
+    c
+}
+
+/// `lockstep config <flags> --path <p>` and the file it wrote.
+fn config_file(xdg: &Path, flags: &[&str], p: &Path) -> Result<(Output, String), String> {
+    let o = out(lockstep(xdg).arg("config").args(flags).arg("--path").arg(p))?;
+    let t = std::fs::read_to_string(p).map_err(|e| e.to_string())?;
+    Ok((o, t))
+}
+
+/// The launch succeeded and its ranks printed `want` (sorted).
+fn printed<T>(o: &Output, want: &[T], what: &str) -> Result<(), String>
+where
+    String: PartialEq<T>,
+{
+    check(o.status.success() && lines(o) == want, what, show(o))
+}
+
+/// The outputs of launchers started together, once all have ended.
+fn wait_all(kids: Vec<std::process::Child>) -> Result<Vec<Output>, String> {
+    kids.into_iter()
+        .map(|k| k.wait_with_output().map_err(|e| e.to_string()))
+        .collect()
+}
+
 fn out(c: &mut Command) -> Result<Output, String> {
-    c.stdin(Stdio::null()).output().map_err(|e| e.to_string())
+    c.stdin(Stdio::null()).run()
 }
 
 /// The sorted stdout lines of a launch.
@@ -85,25 +122,17 @@ fn config_written_read_and_shown() -> Result<(), String> {
         format!("{c:?}"),
     )?;
     let o = out(lockstep(&d).args(["config", "--path"]).arg(&p))?;
-    check(
-        o.status.code() == Some(1) && text(&o).1.contains("--force"),
-        "an existing file is kept without --force",
-        show(&o),
-    )?;
-    let o = out(lockstep(&d)
-        .args([
-            "config",
-            "--force",
-            "--backend",
-            "nccl",
-            "--num-processes",
-            "3",
-            "--mixed-precision",
-            "bf16",
-            "--path",
-        ])
-        .arg(&p))?;
-    let t = std::fs::read_to_string(&p).map_err(|e| e.to_string())?;
+    fails_saying(&o, 1, "--force", "an existing file is kept without --force")?;
+    let flags = [
+        "--force",
+        "--backend",
+        "nccl",
+        "--num-processes",
+        "3",
+        "--mixed-precision",
+        "bf16",
+    ];
+    let (o, t) = config_file(&d, &flags, &p)?;
     check(
         o.status.success()
             && t.contains("num_processes = 3")
@@ -113,46 +142,40 @@ fn config_written_read_and_shown() -> Result<(), String> {
         &t,
     )?;
     // `env` shows the file in force and each value's source; the environment overrides the file.
-    let o = out(lockstep(&d)
-        .args(["--config"])
-        .arg(&p)
-        .args(["env"])
-        .env("MASTER_PORT", "31234"))?;
+    let o = out(with_config(&d, &p).arg("env").env("MASTER_PORT", "31234"))?;
     let s = text(&o).0;
     check(
         o.status.success() && s.contains(&format!("config:  {} (--config)", p.display())),
         "env names the file",
         show(&o),
     )?;
-    check(
-        s.lines().any(|l| {
-            l.contains("num_processes") && l.contains("3") && l.contains("(file; 3 per machine)")
-        }),
-        "env: num_processes",
-        &s,
-    )?;
-    check(
-        s.lines()
-            .any(|l| l.contains("backend") && l.contains("\"nccl\"") && l.contains("(file)")),
-        "env: backend",
-        &s,
-    )?;
-    check(
-        s.lines().any(|l| {
-            l.contains("main_process_port") && l.contains("31234") && l.contains("MASTER_PORT")
-        }),
-        "env: port from env",
-        &s,
-    )?;
+    // (case, what one line of the report shows: the key, its value, its source).
+    for (what, line) in [
+        (
+            "env: num_processes",
+            ["num_processes", "3", "(file; 3 per machine)"],
+        ),
+        ("env: backend", ["backend", "\"nccl\"", "(file)"]),
+        (
+            "env: port from env",
+            ["main_process_port", "31234", "MASTER_PORT"],
+        ),
+    ] {
+        check(
+            s.lines().any(|l| line.iter().all(|part| l.contains(part))),
+            what,
+            &s,
+        )?;
+    }
     // The default location: `config` writes there, `env` reads it.
-    let o = out(lockstep(&d).args(["config"]))?;
+    let o = out(lockstep(&d).arg("config"))?;
     let default = d.join("lockstep/config.toml");
     check(
         o.status.success() && default.exists(),
         "config writes to $XDG_CONFIG_HOME/lockstep/config.toml",
         show(&o),
     )?;
-    let o = out(lockstep(&d).args(["env"]))?;
+    let o = out(lockstep(&d).arg("env"))?;
     check(
         text(&o).0.contains(&format!(
             "config:  {} (the default location)",
@@ -316,38 +339,34 @@ fn bad_files_are_named() -> Result<(), String> {
     }
     // A comment after a value is TOML: the file works.
     write(&p, "num_processes = 3 # ranks\nbackend = \"shm\"   # CPU\n")?;
-    let o = out(lockstep(&d).arg("--config").arg(&p).args([
-        "launch",
-        "--",
-        "sh",
-        "-c",
-        "echo $RANK/$WORLD_SIZE",
-    ]))?;
-    check(
-        o.status.success() && lines(&o) == ["[rank 0] 0/3", "[rank 1] 1/3", "[rank 2] 2/3"],
+    let o = out(with_config(&d, &p)
+        .arg("launch")
+        .args(sh("echo $RANK/$WORLD_SIZE")))?;
+    printed(
+        &o,
+        &["[rank 0] 0/3", "[rank 1] 1/3", "[rank 2] 2/3"],
         "comments after values",
-        show(&o),
     )?;
-    // A file named by LOCKSTEP_CONFIG or --config must exist.
-    let o = out(lockstep(&d)
-        .env("LOCKSTEP_CONFIG", d.join("missing.toml"))
-        .args(["launch", "--", "true"]))?;
-    check(
-        o.status.code() == Some(1)
-            && text(&o)
-                .1
-                .contains("(named by LOCKSTEP_CONFIG) does not exist"),
-        "missing named file",
-        show(&o),
-    )?;
-    let o = out(lockstep(&d)
-        .env("LOCKSTEP_CONFIG", "a\tb")
-        .args(["launch", "--", "true"]))?;
-    check(
-        o.status.code() == Some(1) && text(&o).1.contains("LOCKSTEP_CONFIG="),
-        "malformed LOCKSTEP_CONFIG is named",
-        show(&o),
-    )
+    // A file named by LOCKSTEP_CONFIG or --config must exist, and the name must be one.
+    let missing = d.join("missing.toml");
+    for (named, says, what) in [
+        (
+            missing.as_os_str(),
+            "(named by LOCKSTEP_CONFIG) does not exist",
+            "missing named file",
+        ),
+        (
+            "a\tb".as_ref(),
+            "LOCKSTEP_CONFIG=",
+            "malformed LOCKSTEP_CONFIG is named",
+        ),
+    ] {
+        let o = out(lockstep(&d)
+            .env("LOCKSTEP_CONFIG", named)
+            .args(["launch", "--", "true"]))?;
+        fails_saying(&o, 1, says, what)?;
+    }
+    Ok(())
 }
 
 fn backend_of_the_file_reaches_the_ranks() -> Result<(), String> {
@@ -362,60 +381,43 @@ fn backend_of_the_file_reaches_the_ranks() -> Result<(), String> {
         "echo $LOCKSTEP_BACKEND $LOCKSTEP_CONFIG",
     ];
     let abs = std::fs::canonicalize(&p).map_err(|e| e.to_string())?;
-    let o = out(lockstep(&d).arg("--config").arg(&p).args(echo))?;
+    let o = out(with_config(&d, &p).args(echo))?;
     let want = |b: &str| {
         (0..2)
             .map(|r| format!("[rank {r}] {b} {}", abs.display()))
             .collect::<Vec<_>>()
     };
-    check(
-        o.status.success() && lines(&o) == want("nccl"),
+    printed(
+        &o,
+        &want("nccl"),
         "backend = nccl reaches every rank, with the file",
-        show(&o),
     )?;
     // The flag overrides the environment, which overrides the file.
-    let o = out(lockstep(&d)
-        .arg("--config")
-        .arg(&p)
+    let o = out(with_config(&d, &p)
         .env("LOCKSTEP_BACKEND", "shm")
         .args(echo))?;
-    check(
-        o.status.success() && lines(&o) == want("shm"),
-        "LOCKSTEP_BACKEND overrides the file",
-        show(&o),
-    )?;
-    let o = out(lockstep(&d)
-        .arg("--config")
-        .arg(&p)
+    printed(&o, &want("shm"), "LOCKSTEP_BACKEND overrides the file")?;
+    let o = out(with_config(&d, &p)
         .env("LOCKSTEP_BACKEND", "nccl")
         .args(["launch", "--backend", "shm"])
         .args(&echo[1..]))?;
-    check(
-        o.status.success() && lines(&o) == want("shm"),
-        "--backend overrides both",
-        show(&o),
-    )?;
+    printed(&o, &want("shm"), "--backend overrides both")?;
     // auto: nccl only with a GPU; this machine's forked probe decides.
     write(&p, "backend = \"auto\"\n")?;
     let gpus = lockstep::config::count_gpus().unwrap_or(0);
-    let o = out(lockstep(&d).arg("--config").arg(&p).args(echo))?;
-    check(
-        o.status.success() && lines(&o) == want(if gpus > 0 { "nccl" } else { "shm" }),
+    let o = out(with_config(&d, &p).args(echo))?;
+    printed(
+        &o,
+        &want(if gpus > 0 { "nccl" } else { "shm" }),
         "auto follows the GPUs",
-        show(&o),
     )?;
     // The ranks really build the backend the file names: without NCCL here, selftest fails
     // naming it rather than quietly running on shared memory.
     if gpus == 0 {
         write(&p, "backend = \"nccl\"\n")?;
-        let o = out(lockstep(&d).arg("--config").arg(&p).args([
-            "launch",
-            "--nproc-per-node",
-            "1",
-            "--",
-            BIN,
-            "selftest",
-        ]))?;
+        let o = out(with_config(&d, &p)
+            .args(launch("1"))
+            .args(["--", BIN, "selftest"]))?;
         let e = text(&o).1.to_lowercase();
         check(
             !o.status.success()
@@ -443,61 +445,52 @@ fn master_addr_and_port() -> Result<(), String> {
         .env("MASTER_PORT", "31111")
         .env("MASTER_ADDR", "localhost")
         .args(echo))?;
-    check(
-        o.status.success() && lines(&o) == ["[rank 0] localhost:31111"],
+    printed(
+        &o,
+        &["[rank 0] localhost:31111"],
         "MASTER_ADDR/MASTER_PORT reach the ranks",
-        show(&o),
     )?;
     let o = out(lockstep(&d)
         .env("MASTER_PORT", "31111")
         .args(["launch", "--master-port", "31112"])
         .args(&echo[1..]))?;
-    check(
-        o.status.success() && lines(&o) == ["[rank 0] 127.0.0.1:31112"],
+    printed(
+        &o,
+        &["[rank 0] 127.0.0.1:31112"],
         "the flag overrides MASTER_PORT",
-        show(&o),
     )?;
     let p = d.join("c.toml");
     write(
         &p,
         "main_process_ip = \"127.0.0.1\"\nmain_process_port = 31113\n",
     )?;
-    let o = out(lockstep(&d).arg("--config").arg(&p).args(echo))?;
-    check(
-        o.status.success() && lines(&o) == ["[rank 0] 127.0.0.1:31113"],
+    let o = out(with_config(&d, &p).args(echo))?;
+    printed(
+        &o,
+        &["[rank 0] 127.0.0.1:31113"],
         "the file's port without MASTER_PORT",
-        show(&o),
     )?;
-    let o = out(lockstep(&d)
-        .arg("--config")
-        .arg(&p)
-        .env("MASTER_PORT", "31114")
-        .args(echo))?;
-    check(
-        o.status.success() && lines(&o) == ["[rank 0] 127.0.0.1:31114"],
+    let o = out(with_config(&d, &p).env("MASTER_PORT", "31114").args(echo))?;
+    printed(
+        &o,
+        &["[rank 0] 127.0.0.1:31114"],
         "MASTER_PORT overrides the file",
-        show(&o),
     )?;
     let o = out(lockstep(&d).env("MASTER_PORT", "31x").args(echo))?;
-    check(
-        o.status.code() == Some(1) && text(&o).1.contains("MASTER_PORT=\"31x\" is invalid"),
+    fails_saying(
+        &o,
+        1,
+        "MASTER_PORT=\"31x\" is invalid",
         "a malformed MASTER_PORT is named",
-        show(&o),
     )?;
     // Two nodes: node 0 listens on the port MASTER_PORT names (node 1 is given it by flag).
     let port = free_port().to_string();
     let mut kids = Vec::new();
     for r in ["0", "1"] {
         let mut c = lockstep(&d);
-        c.env("LOCKSTEP_TOKEN", TOKEN).args([
-            "launch",
-            "--nproc-per-node",
-            "1",
-            "--nnodes",
-            "2",
-            "--node-rank",
-            r,
-        ]);
+        c.env("LOCKSTEP_TOKEN", TOKEN)
+            .args(launch("1"))
+            .args(["--nnodes", "2", "--node-rank", r]);
         if r == "0" {
             c.env("MASTER_PORT", &port);
         } else {
@@ -508,10 +501,7 @@ fn master_addr_and_port() -> Result<(), String> {
             .stderr(Stdio::piped());
         kids.push(c.spawn().map_err(|e| e.to_string())?);
     }
-    let outs: Vec<Output> = kids
-        .into_iter()
-        .map(|k| k.wait_with_output().map_err(|e| e.to_string()))
-        .collect::<Result<_, _>>()?;
+    let outs = wait_all(kids)?;
     check(
         outs.iter().all(|o| o.status.success())
             && text(&outs[0]).0.contains("selftest ok: 2 ranks"),
@@ -557,56 +547,29 @@ fn process_counts() -> Result<(), String> {
     let o = out(lockstep(&d)
         .args(["launch", "--num_processes", "3", "--nnodes", "2"])
         .args(ws))?;
-    check(
-        o.status.code() == Some(1) && text(&o).1.contains("must be a multiple of --nnodes 2"),
-        "uneven total",
-        show(&o),
-    )?;
+    fails_saying(&o, 1, "must be a multiple of --nnodes 2", "uneven total")?;
     // Nonsense counts get messages that say what is wrong.
     let o = out(lockstep(&d).args(["launch", "--nnodes", "0"]).args(ws))?;
-    check(
-        o.status.code() == Some(1)
-            && text(&o)
-                .1
-                .contains("--nnodes 0: a job runs on at least 1 node"),
+    fails_saying(
+        &o,
+        1,
+        "--nnodes 0: a job runs on at least 1 node",
         "--nnodes 0",
-        show(&o),
     )?;
-    let o = out(lockstep(&d)
-        .args(["launch", "--nproc-per-node", "0"])
-        .args(ws))?;
-    check(
-        o.status.code() == Some(2) && text(&o).1.contains("0 ranks cannot run anything"),
-        "--nproc-per-node 0",
-        show(&o),
-    )?;
-    let o = out(lockstep(&d)
-        .args(["launch", "--nproc-per-node", "many"])
-        .args(ws))?;
-    check(
-        o.status.code() == Some(2) && text(&o).1.contains("is not a number of ranks"),
-        "--nproc-per-node many",
-        show(&o),
-    )?;
+    let o = out(lockstep(&d).args(launch("0")).args(ws))?;
+    fails_saying(&o, 2, "0 ranks cannot run anything", "--nproc-per-node 0")?;
+    let o = out(lockstep(&d).args(launch("many")).args(ws))?;
+    fails_saying(&o, 2, "is not a number of ranks", "--nproc-per-node many")?;
     let o = out(lockstep(&d)
         .env("LOCKSTEP_TOKEN", TOKEN)
-        .args([
-            "launch",
-            "--nproc-per-node",
-            "1",
-            "--nnodes",
-            "2",
-            "--node-rank",
-            "2",
-        ])
+        .args(launch("1"))
+        .args(["--nnodes", "2", "--node-rank", "2"])
         .args(ws))?;
-    check(
-        o.status.code() == Some(1)
-            && text(&o).1.contains(
-                "--node-rank 2 is out of range for --nnodes 2: nodes are numbered 0 to 1",
-            ),
+    fails_saying(
+        &o,
+        1,
+        "--node-rank 2 is out of range for --nnodes 2: nodes are numbered 0 to 1",
         "node rank >= nnodes",
-        show(&o),
     )?;
     // More ranks than CPUs start, with a warning.
     let cpus = std::thread::available_parallelism()
@@ -628,10 +591,7 @@ fn process_counts() -> Result<(), String> {
 fn torchrun_and_accelerate_habits() -> Result<(), String> {
     let d = scratch("cfg-habits");
     // The program without `--`, its own options passed through untouched.
-    let o = out(lockstep(&d).args([
-        "launch",
-        "--nproc-per-node",
-        "2",
+    let o = out(lockstep(&d).args(launch("2")).args([
         "sh",
         "-c",
         "echo args $RANK \"$@\"",
@@ -699,102 +659,75 @@ fn torchrun_and_accelerate_habits() -> Result<(), String> {
         show(&o),
     )?;
     // OMP_NUM_THREADS: the node's CPUs shared among its ranks, unless the user set it.
-    let o = out(lockstep(&d).env_remove("OMP_NUM_THREADS").args([
-        "launch",
-        "--nproc-per-node",
-        "1",
-        "sh",
-        "-c",
-        env,
-    ]))?;
+    let o = out(lockstep(&d)
+        .env_remove("OMP_NUM_THREADS")
+        .args(launch("1"))
+        .args(["sh", "-c", env]))?;
     check(
         lines(&o).iter().all(|x| x.ends_with(&format!("1 {cpus}"))),
         "one rank gets every CPU",
         show(&o),
     )?;
-    let o = out(lockstep(&d).env("OMP_NUM_THREADS", "7").args([
-        "launch",
-        "--nproc-per-node",
-        "2",
-        "sh",
-        "-c",
-        env,
-    ]))?;
+    let o = out(lockstep(&d)
+        .env("OMP_NUM_THREADS", "7")
+        .args(launch("2"))
+        .args(["sh", "-c", env]))?;
     check(
         lines(&o).iter().all(|x| x.ends_with("2 7")),
         "a user's OMP_NUM_THREADS is kept",
         show(&o),
     )?;
     let o = out(lockstep(&d).args(["launch", "--standalone", "--nnodes", "2", "true"]))?;
-    check(
-        o.status.code() == Some(1)
-            && text(&o).1.contains("--standalone is a single-node job, but --nnodes (or the configuration) asks for 2 nodes"),
+    fails_saying(
+        &o,
+        1,
+        "--standalone is a single-node job, but --nnodes (or the configuration) asks for 2 nodes",
         "--standalone with several nodes is refused",
-        show(&o),
     )?;
     if lockstep::config::count_gpus().unwrap_or(0) == 0 {
-        let o = out(lockstep(&d).args(["launch", "--nproc-per-node", "gpu", "true"]))?;
-        check(
-            o.status.code() == Some(1)
-                && text(&o)
-                    .1
-                    .contains("`gpu` starts one rank per GPU, but this machine has none"),
+        let o = out(lockstep(&d).args(launch("gpu")).arg("true"))?;
+        fails_saying(
+            &o,
+            1,
+            "`gpu` starts one rank per GPU, but this machine has none",
             "gpu without GPUs",
-            show(&o),
         )?;
     }
     // A misspelt option gets clap's tip, and never runs as the program.
     let o = out(lockstep(&d).args(["launch", "--nproc-per-nod", "2", "true"]))?;
-    check(
-        o.status.code() == Some(2)
-            && text(&o)
-                .1
-                .contains("tip: a similar argument exists: '--nproc-per-node'"),
+    fails_saying(
+        &o,
+        2,
+        "tip: a similar argument exists: '--nproc-per-node'",
         "a tip names the right spelling",
-        show(&o),
     )?;
     // One meaning per flag: `config --nproc-per-node` counts per machine, as `launch` does.
-    let p = d.join("per-node.toml");
-    let o = out(lockstep(&d)
-        .args([
-            "config",
-            "--nproc-per-node",
-            "4",
-            "--num-machines",
-            "2",
-            "--path",
-        ])
-        .arg(&p))?;
-    let t = std::fs::read_to_string(&p).map_err(|e| e.to_string())?;
-    check(
-        o.status.success() && t.contains("num_processes = 8"),
-        "--nproc-per-node 4 on 2 machines is 8 ranks in all",
-        &t,
-    )?;
-    let p = d.join("total.toml");
-    let o = out(lockstep(&d)
-        .args([
-            "config",
-            "--num_processes",
-            "4",
-            "--num-machines",
-            "2",
-            "--path",
-        ])
-        .arg(&p))?;
-    let t = std::fs::read_to_string(&p).map_err(|e| e.to_string())?;
-    check(
-        o.status.success() && t.contains("num_processes = 4"),
-        "--num_processes counts every machine's ranks",
-        &t,
-    )
+    // (file, flags, what it must hold, case).
+    for (name, flags, holds, what) in [
+        (
+            "per-node.toml",
+            ["--nproc-per-node", "4", "--num-machines", "2"],
+            "num_processes = 8",
+            "--nproc-per-node 4 on 2 machines is 8 ranks in all",
+        ),
+        (
+            "total.toml",
+            ["--num_processes", "4", "--num-machines", "2"],
+            "num_processes = 4",
+            "--num_processes counts every machine's ranks",
+        ),
+    ] {
+        let (o, t) = config_file(&d, &flags, &d.join(name))?;
+        check(o.status.success() && t.contains(holds), what, &t)?;
+    }
+    Ok(())
 }
 
 fn init_line_on_request() -> Result<(), String> {
     let d = scratch("cfg-init-line");
     let run = |log: Option<&str>| {
         let mut c = lockstep(&d);
-        c.args(["launch", "--nproc-per-node", "2", BIN, "selftest"]);
+        c.args(launch("2")).args([BIN, "selftest"]);
         if let Some(l) = log {
             c.env("LOCKSTEP_LOG", l);
         }
@@ -839,26 +772,15 @@ fn multi_node_master_port_is_free_for_rank0() -> Result<(), String> {
     let mut kids = Vec::new();
     for r in ["0", "1"] {
         let mut c = lockstep(&d);
-        c.env("LOCKSTEP_TOKEN", TOKEN).args([
-            "launch",
-            "--nproc-per-node",
-            "1",
-            "--nnodes",
-            "2",
-            "--node-rank",
-            r,
-            "--master-port",
-            &port,
-        ]);
-        c.args(["--", "sh", "-c", &script])
+        c.env("LOCKSTEP_TOKEN", TOKEN)
+            .args(two_nodes("1", &port))
+            .args(["--node-rank", r]);
+        c.args(sh(&script))
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
         kids.push(c.spawn().map_err(|e| e.to_string())?);
     }
-    let outs: Vec<Output> = kids
-        .into_iter()
-        .map(|k| k.wait_with_output().map_err(|e| e.to_string()))
-        .collect::<Result<_, _>>()?;
+    let outs = wait_all(kids)?;
     let all = outs.iter().map(show).collect::<Vec<_>>().join("\n");
     check(
         outs.iter().all(|o| o.status.success()),
@@ -897,7 +819,7 @@ fn json_lines_parse_under_the_launcher() -> Result<(), String> {
     let d = scratch("cfg-json");
     // Real JSON from a lockstep program, JSON the shell writes (nesting, escapes), and text.
     let script = r#"printf '{"rank": %s, "loss": 0.4384, "tags": ["a", {"b": "c\\"d"}], "ok": true}\n' $RANK; echo "epoch 1/4 step $RANK"; printf '{not json}\n'"#;
-    let o = out(lockstep(&d).args(["launch", "--nproc-per-node", "2", "--", "sh", "-c", script]))?;
+    let o = out(lockstep(&d).args(launch("2")).args(sh(script)))?;
     check(o.status.success(), "the job succeeds", show(&o))?;
     let s = text(&o).0;
     let mut objects = 0;
@@ -921,19 +843,8 @@ fn json_lines_parse_under_the_launcher() -> Result<(), String> {
         &s,
     )?;
     // A program's --json output: every line parses.
-    let o = out(lockstep(&d).args([
-        "launch",
-        "--nproc-per-node",
-        "2",
-        "--",
-        BIN,
-        "bench",
-        "--sizes",
-        "8",
-        "-n",
-        "2",
-        "--format",
-        "json",
+    let o = out(lockstep(&d).args(launch("2")).args([
+        "--", BIN, "bench", "--sizes", "8", "-n", "2", "--format", "json",
     ]))?;
     let s = text(&o).0;
     let parsed: Vec<serde_json::Value> = s
@@ -950,16 +861,10 @@ fn json_lines_parse_under_the_launcher() -> Result<(), String> {
         show(&o),
     )?;
     // --no-prefix: text lines as written.
-    let o = out(lockstep(&d).args([
-        "launch",
-        "--nproc-per-node",
-        "2",
-        "--no-prefix",
-        "--",
-        "sh",
-        "-c",
-        "echo r$RANK",
-    ]))?;
+    let o = out(lockstep(&d)
+        .args(launch("2"))
+        .arg("--no-prefix")
+        .args(sh("echo r$RANK")))?;
     check(
         o.status.success() && lines(&o) == ["r0", "r1"],
         "--no-prefix",
@@ -975,21 +880,7 @@ fn carriage_returns_reach_a_terminal() -> Result<(), String> {
     let cmd = format!(
         "{BIN} launch --nproc-per-node 1 -- sh -c 'printf \"10%%\\r20%%\\r30%%\\n\"; printf \"\\033[2K40%%\\r\\033[2K50%%\\n\" >&2; echo tty=$LOCKSTEP_CONSOLE_TTY'"
     );
-    let mut script = Command::new("script");
-    script
-        .env("XDG_CONFIG_HOME", &d)
-        .args(["-qec", &cmd, "/dev/null"]);
-    for v in [
-        "LOCKSTEP_CONFIG",
-        "LOCKSTEP_BACKEND",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        "RANK",
-        "WORLD_SIZE",
-    ] {
-        script.env_remove(v);
-    }
-    let o = out(&mut script)?;
+    let o = out(isolated("script", &d).args(["-qec", &cmd, "/dev/null"]))?;
     let s = String::from_utf8_lossy(&o.stdout).into_owned();
     // The terminal turns "\n" into "\r\n"; the redraws arrive one by one, each with its prefix,
     // a clear-line sequence before the prefix.
@@ -1020,22 +911,10 @@ fn carriage_returns_reach_a_terminal() -> Result<(), String> {
         "{BIN} launch --nproc-per-node 2 -- sh -c 'echo tty$RANK=$LOCKSTEP_CONSOLE_TTY'; {BIN} launch --nproc-per-node 1 -- sh -c 'echo redirected=$LOCKSTEP_CONSOLE_TTY' > {}",
         redirected.display()
     );
-    let mut script = Command::new("script");
-    script
-        .env("XDG_CONFIG_HOME", &d)
-        .args(["-qec", &cmd, "/dev/null"]);
-    for v in [
-        "LOCKSTEP_CONFIG",
-        "LOCKSTEP_BACKEND",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        "RANK",
-        "WORLD_SIZE",
-        "LOCKSTEP_CONSOLE_TTY",
-    ] {
-        script.env_remove(v);
-    }
-    let o = out(&mut script)?;
+    // Not told by an outer launch that a terminal is there.
+    let o = out(isolated("script", &d)
+        .env_remove("LOCKSTEP_CONSOLE_TTY")
+        .args(["-qec", &cmd, "/dev/null"]))?;
     let s = String::from_utf8_lossy(&o.stdout).into_owned();
     check(
         s.contains("[rank 0] tty0=1") && s.contains("[rank 1] tty1=\r"),
@@ -1050,15 +929,9 @@ fn carriage_returns_reach_a_terminal() -> Result<(), String> {
         format!("{r:?}"),
     )?;
     // Off a terminal the ranks are not told so.
-    let o = out(lockstep(&d).args([
-        "launch",
-        "--nproc-per-node",
-        "1",
-        "--",
-        "sh",
-        "-c",
-        "echo tty=$LOCKSTEP_CONSOLE_TTY",
-    ]))?;
+    let o = out(lockstep(&d)
+        .args(launch("1"))
+        .args(sh("echo tty=$LOCKSTEP_CONSOLE_TTY")))?;
     check(
         lines(&o) == ["[rank 0] tty="],
         "no terminal, no LOCKSTEP_CONSOLE_TTY",

@@ -2,9 +2,14 @@
 //! (`CARGO_BIN_EXE_lockstep`). Sequential (`harness = false`): several tests time the launcher's
 //! reactions, and the machine has two cores.
 
+#[path = "common/cli.rs"]
+mod cli;
 #[path = "../../../tests/common/mod.rs"]
 mod common;
+#[path = "../../../tests/common/rank_lines.rs"]
+mod rank_lines;
 
+use cli::{both_succeed, exits, fails_saying, launch, prints, says, sh, two_nodes, within, Run};
 use common::{show, text};
 
 use std::process::{Child, Command, Output, Stdio};
@@ -70,6 +75,32 @@ fn spawn_piped(c: &mut Command) -> Running {
     ))
 }
 
+/// Node `node_rank` of a two-node job of `nproc` ranks per node, its store on `port`, with the
+/// job's token; the program follows.
+fn node_of_two(nproc: &str, node_rank: &str, port: &str) -> Command {
+    let mut c = lockstep();
+    c.env("LOCKSTEP_TOKEN", TOKEN)
+        .args(two_nodes(nproc, port))
+        .args(["--node-rank", node_rank]);
+    c
+}
+
+/// The outputs of the two launchers of a job, once both have ended.
+fn wait_both(a: Running, b: Running) -> Result<(Output, Output), String> {
+    let oa = a.wait_with_output().map_err(|e| e.to_string())?;
+    let ob = b.wait_with_output().map_err(|e| e.to_string())?;
+    Ok((oa, ob))
+}
+
+/// A launch of `n` ranks that sleep (`exec sleep 30`) and their pids, once all have started.
+fn sleeping_job(n: usize) -> Result<(Running, Vec<i32>), String> {
+    let mut c = lockstep();
+    c.args(launch(&n.to_string())).args(sh("exec sleep 30"));
+    let child = spawn_piped(&mut c);
+    let ranks = ranks_of(child.id() as i32, n)?;
+    Ok((child, ranks))
+}
+
 /// Wait for `n` ranks under launcher `pid` (each under its guard), then return their pids.
 fn ranks_of(pid: i32, n: usize) -> Result<Vec<i32>, String> {
     let mut kids = Vec::new();
@@ -83,6 +114,25 @@ fn ranks_of(pid: i32, n: usize) -> Result<Vec<i32>, String> {
         format!("grandchildren of {pid}: {kids:?}"),
     )?;
     Ok(kids)
+}
+
+/// Every rank in `ranks` is gone.
+fn none_survive(ranks: &[i32]) -> Result<(), String> {
+    check(
+        ranks.iter().all(|p| !alive(*p)),
+        "no rank may survive",
+        format!("{ranks:?}"),
+    )
+}
+
+/// SIGKILL the process among `ranks` whose `RANK` is `rank`.
+fn kill_rank(ranks: &[i32], rank: &str) -> Result<(), String> {
+    let pid = *ranks
+        .iter()
+        .find(|p| env_of(**p, "RANK").as_deref() == Some(rank))
+        .ok_or(format!("no rank {rank}"))?;
+    signal(pid, libc::SIGKILL);
+    Ok(())
 }
 
 fn env_of(pid: i32, key: &str) -> Option<String> {
@@ -105,25 +155,11 @@ fn now_ns() -> u128 {
 fn selftest_two_and_eight_ranks() -> Result<(), String> {
     for n in [2, 8] {
         let o = lockstep()
-            .args([
-                "launch",
-                "--nproc-per-node",
-                &n.to_string(),
-                "--",
-                BIN,
-                "selftest",
-            ])
-            .output()
-            .map_err(|e| e.to_string())?;
-        let (out, _) = text(&o);
-        check(
-            o.status.success()
-                && out.contains(&format!(
-                    "[rank 0] lockstep selftest ok: {n} ranks, backend shm"
-                )),
-            "selftest failed",
-            show(&o),
-        )?;
+            .args(launch(&n.to_string()))
+            .args(["--", BIN, "selftest"])
+            .run()?;
+        let ok = format!("[rank 0] lockstep selftest ok: {n} ranks, backend shm");
+        prints(&o, &[&ok], "selftest failed")?;
     }
     Ok(())
 }
@@ -134,17 +170,10 @@ fn fail_fast_exit_code() -> Result<(), String> {
         "echo $$ > {d}/pid.$RANK; if [ \"$RANK\" = 1 ]; then sleep 0.3; echo 'rank one fails' >&2; date +%s%N > {d}/t1; exit 3; fi; exec sleep 30",
         d = d.display()
     );
-    let o = lockstep()
-        .args(["launch", "--nproc-per-node", "3", "--", "sh", "-c", &script])
-        .output()
-        .map_err(|e| e.to_string())?;
+    let o = lockstep().args(launch("3")).args(sh(&script)).run()?;
     let end = now_ns();
     let (_, err) = text(&o);
-    check(
-        o.status.code() == Some(3),
-        "launcher must exit with the failing rank's code 3",
-        show(&o),
-    )?;
+    exits(&o, 3, "launcher must exit with the failing rank's code 3")?;
     let t1: u128 = std::fs::read_to_string(d.join("t1"))
         .map_err(|e| e.to_string())?
         .trim()
@@ -186,10 +215,7 @@ fn fail_fast_exit_code() -> Result<(), String> {
 fn kill9_rank_mid_all_reduce() -> Result<(), String> {
     // --no-fail-fast lets the survivor notice the loss itself (PeerLost) before the report.
     let mut c = lockstep();
-    c.args([
-        "launch",
-        "--nproc-per-node",
-        "2",
+    c.args(launch("2")).args([
         "--no-fail-fast",
         "--",
         BIN,
@@ -202,18 +228,14 @@ fn kill9_rank_mid_all_reduce() -> Result<(), String> {
     let child = spawn_piped(&mut c);
     let ranks = ranks_of(child.id() as i32, 2)?;
     std::thread::sleep(Duration::from_millis(300));
-    let r1 = *ranks
-        .iter()
-        .find(|p| env_of(**p, "RANK").as_deref() == Some("1"))
-        .ok_or("no rank 1")?;
-    signal(r1, libc::SIGKILL);
+    kill_rank(&ranks, "1")?;
     let t = Instant::now();
     let o = child.wait_with_output().map_err(|e| e.to_string())?;
     let (_, err) = text(&o);
-    check(
-        o.status.code() == Some(137),
+    exits(
+        &o,
+        137,
         "launcher must exit 128+9 for the SIGKILLed root cause",
-        show(&o),
     )?;
     check(
         err.contains("rank 1 (pid") && err.contains("SIGKILL"),
@@ -225,59 +247,24 @@ fn kill9_rank_mid_all_reduce() -> Result<(), String> {
         "the survivor must report the lost peer",
         show(&o),
     )?;
-    check(
-        t.elapsed() < Duration::from_secs(3),
-        "the survivor must notice within seconds",
-        format!("{:?}", t.elapsed()),
-    )
+    within(t.elapsed(), 3.0, "the survivor must notice within seconds")
 }
 
 fn kill9_rank_fail_fast() -> Result<(), String> {
     let mut c = lockstep();
-    c.args([
-        "launch",
-        "--nproc-per-node",
-        "2",
-        "--",
-        BIN,
-        "selftest",
-        "--iters",
-        "1000000000",
-    ]);
+    c.args(launch("2"))
+        .args(["--", BIN, "selftest", "--iters", "1000000000"]);
     let child = spawn_piped(&mut c);
     let ranks = ranks_of(child.id() as i32, 2)?;
     std::thread::sleep(Duration::from_millis(200));
-    let r1 = *ranks
-        .iter()
-        .find(|p| env_of(**p, "RANK").as_deref() == Some("1"))
-        .ok_or("no rank 1")?;
-    signal(r1, libc::SIGKILL);
+    kill_rank(&ranks, "1")?;
     let o = child.wait_with_output().map_err(|e| e.to_string())?;
-    check(
-        o.status.code() == Some(137),
-        "launcher must exit 137",
-        show(&o),
-    )?;
-    check(
-        ranks.iter().all(|p| !alive(*p)),
-        "no rank may survive",
-        format!("{ranks:?}"),
-    )
+    exits(&o, 137, "launcher must exit 137")?;
+    none_survive(&ranks)
 }
 
 fn kill9_launcher_leaves_nothing() -> Result<(), String> {
-    let mut c = lockstep();
-    c.args([
-        "launch",
-        "--nproc-per-node",
-        "3",
-        "--",
-        "sh",
-        "-c",
-        "exec sleep 30",
-    ]);
-    let child = spawn_piped(&mut c);
-    let ranks = ranks_of(child.id() as i32, 3)?;
+    let (child, ranks) = sleeping_job(3)?;
     signal(child.id() as i32, libc::SIGKILL);
     let _ = child.wait();
     let gone = wait_until(Duration::from_secs(2), || ranks.iter().all(|p| !alive(*p)));
@@ -292,81 +279,36 @@ fn kill9_launcher_leaves_nothing() -> Result<(), String> {
 }
 
 fn sigint_reaches_every_rank() -> Result<(), String> {
-    let mut c = lockstep();
-    c.args([
-        "launch",
-        "--nproc-per-node",
-        "2",
-        "--",
-        "sh",
-        "-c",
-        "exec sleep 30",
-    ]);
-    let child = spawn_piped(&mut c);
-    let ranks = ranks_of(child.id() as i32, 2)?;
+    let (child, ranks) = sleeping_job(2)?;
     std::thread::sleep(Duration::from_millis(100));
     let t = Instant::now();
     signal(child.id() as i32, libc::SIGINT);
     let o = child.wait_with_output().map_err(|e| e.to_string())?;
-    check(
-        o.status.code() == Some(130),
-        "launcher must exit 130 after SIGINT",
-        show(&o),
-    )?;
-    check(
-        t.elapsed() < Duration::from_secs(1),
-        "SIGINT must stop the job at once",
-        format!("{:?}", t.elapsed()),
-    )?;
-    check(
-        ranks.iter().all(|p| !alive(*p)),
-        "no rank may survive",
-        format!("{ranks:?}"),
-    )
+    exits(&o, 130, "launcher must exit 130 after SIGINT")?;
+    within(t.elapsed(), 1.0, "SIGINT must stop the job at once")?;
+    none_survive(&ranks)
 }
 
 fn sigterm_reaches_every_rank() -> Result<(), String> {
-    let mut c = lockstep();
-    c.args([
-        "launch",
-        "--nproc-per-node",
-        "2",
-        "--",
-        "sh",
-        "-c",
-        "exec sleep 30",
-    ]);
-    let child = spawn_piped(&mut c);
-    let ranks = ranks_of(child.id() as i32, 2)?;
+    let (child, ranks) = sleeping_job(2)?;
     std::thread::sleep(Duration::from_millis(100));
     signal(child.id() as i32, libc::SIGTERM);
     let o = child.wait_with_output().map_err(|e| e.to_string())?;
-    check(
-        o.status.code() == Some(143) && text(&o).1.contains("stopped by SIGTERM"),
+    fails_saying(
+        &o,
+        143,
+        "stopped by SIGTERM",
         "launcher must exit 143 after SIGTERM",
-        show(&o),
     )?;
-    check(
-        ranks.iter().all(|p| !alive(*p)),
-        "no rank may survive",
-        format!("{ranks:?}"),
-    )
+    none_survive(&ranks)
 }
 
 fn second_sigint_kills_at_once() -> Result<(), String> {
     let mut c = lockstep();
     // Ranks that ignore SIGINT and SIGTERM: only the second Ctrl-C (SIGKILL) stops them.
-    c.args([
-        "launch",
-        "--nproc-per-node",
-        "2",
-        "--grace-s",
-        "30",
-        "--",
-        "sh",
-        "-c",
-        "trap '' INT TERM; exec sleep 30",
-    ]);
+    c.args(launch("2"))
+        .args(["--grace-s", "30"])
+        .args(sh("trap '' INT TERM; exec sleep 30"));
     let mut child = spawn_piped(&mut c);
     let ranks = ranks_of(child.id() as i32, 2)?;
     std::thread::sleep(Duration::from_millis(100));
@@ -385,16 +327,12 @@ fn second_sigint_kills_at_once() -> Result<(), String> {
         "the second SIGINT must kill at once",
         format!("{:?}\n{}", t.elapsed(), show(&o)),
     )?;
-    check(
-        o.status.code() == Some(130),
+    exits(
+        &o,
+        130,
         "the launcher exits 128+SIGINT even though the ranks needed SIGKILL",
-        show(&o),
     )?;
-    check(
-        ranks.iter().all(|p| !alive(*p)),
-        "no rank may survive",
-        format!("{ranks:?}"),
-    )
+    none_survive(&ranks)
 }
 
 fn output_is_line_atomic_and_prefixed() -> Result<(), String> {
@@ -403,31 +341,23 @@ fn output_is_line_atomic_and_prefixed() -> Result<(), String> {
     let script = format!(
         "if [ $RANK = 0 ]; then printf '10%%\\r20%%\\r30%%\\n'; fi; yes \"$RANK-0123456789abcdefghijklmnopqrstuvwxyz-$RANK\" | head -n {n}"
     );
-    let o = lockstep()
-        .args(["launch", "--nproc-per-node", "4", "--", "sh", "-c", &script])
-        .output()
-        .map_err(|e| e.to_string())?;
+    let o = lockstep().args(launch("4")).args(sh(&script)).run()?;
     let (out, _) = text(&o);
     check(o.status.success(), "job failed", show(&o))?;
-    let mut counts = [0usize; 4];
-    for seg in out.split_inclusive(['\n', '\r']) {
-        let body = seg.trim_end_matches(['\n', '\r']);
-        if ["[rank 0] 10%", "[rank 0] 20%", "[rank 0] 30%"].contains(&body) {
-            continue;
-        }
-        let ok = (0..4)
-            .find(|r| body == format!("[rank {r}] {r}-0123456789abcdefghijklmnopqrstuvwxyz-{r}"));
-        match ok {
-            Some(r) => counts[r] += 1,
-            None => {
-                return check(
-                    false,
-                    "every line must be one rank's whole line with its prefix",
-                    format!("bad line: {body:?}"),
-                )
-            }
-        }
-    }
+    let progress = ["[rank 0] 10%", "[rank 0] 20%", "[rank 0] 30%"];
+    let lines = out
+        .split_inclusive(['\n', '\r'])
+        .map(|seg| seg.trim_end_matches(['\n', '\r']))
+        .filter(|body| !progress.contains(body));
+    let counts: [usize; 4] = rank_lines::per_rank(
+        lines,
+        |body| {
+            (0..4).find(|r| {
+                body == format!("[rank {r}] {r}-0123456789abcdefghijklmnopqrstuvwxyz-{r}")
+            })
+        },
+        "every line must be one rank's whole line with its prefix",
+    )?;
     check(
         counts == [n; 4],
         "every line must arrive",
@@ -443,18 +373,11 @@ fn output_is_line_atomic_and_prefixed() -> Result<(), String> {
 fn log_dir_and_ranks_filter() -> Result<(), String> {
     let d = scratch("logs");
     let o = lockstep()
-        .args([
-            "launch",
-            "--nproc-per-node",
-            "2",
-            "--ranks-filter",
-            "1",
-            "--log-dir",
-        ])
+        .args(launch("2"))
+        .args(["--ranks-filter", "1", "--log-dir"])
         .arg(&d)
-        .args(["--", "sh", "-c", "echo out $RANK; echo err $RANK >&2"])
-        .output()
-        .map_err(|e| e.to_string())?;
+        .args(sh("echo out $RANK; echo err $RANK >&2"))
+        .run()?;
     let (out, err) = text(&o);
     check(
         o.status.success() && out == "[rank 1] out 1\n" && err == "[rank 1] err 1\n",
@@ -476,11 +399,11 @@ fn log_dir_links_and_permissions() -> Result<(), String> {
     std::fs::write(&victim, "precious").map_err(|e| e.to_string())?;
     let run = |dir: &std::path::Path| {
         lockstep()
-            .args(["launch", "--nproc-per-node", "2", "--log-dir"])
+            .args(launch("2"))
+            .arg("--log-dir")
             .arg(dir)
-            .args(["--", "sh", "-c", "echo out $RANK"])
-            .output()
-            .map_err(|e| e.to_string())
+            .args(sh("echo out $RANK"))
+            .run()
     };
     // A link planted under rank 1's log name: the launch is refused before any rank starts.
     let links = d.join("links");
@@ -529,36 +452,11 @@ fn log_dir_links_and_permissions() -> Result<(), String> {
 
 fn two_launchers_form_one_job() -> Result<(), String> {
     let port = free_port().to_string();
-    let node = |r: &str| {
-        let mut c = lockstep();
-        c.env("LOCKSTEP_TOKEN", TOKEN);
-        c.args([
-            "launch",
-            "--nproc-per-node",
-            "2",
-            "--nnodes",
-            "2",
-            "--node-rank",
-            r,
-            "--master-port",
-            &port,
-            "--",
-            BIN,
-            "selftest",
-        ]);
-        spawn_piped(&mut c)
-    };
+    let node = |r: &str| spawn_piped(node_of_two("2", r, &port).args(["--", BIN, "selftest"]));
     let a = node("0");
     let b = node("1");
-    let (oa, ob) = (
-        a.wait_with_output().map_err(|e| e.to_string())?,
-        b.wait_with_output().map_err(|e| e.to_string())?,
-    );
-    check(
-        oa.status.success() && ob.status.success(),
-        "both launchers must succeed",
-        format!("{}\n{}", show(&oa), show(&ob)),
-    )?;
+    let (oa, ob) = wait_both(a, b)?;
+    both_succeed(&oa, &ob, "both launchers must succeed")?;
     check(
         text(&oa)
             .0
@@ -572,75 +470,35 @@ fn failure_on_one_node_stops_the_other() -> Result<(), String> {
     let port = free_port().to_string();
     let script =
         "if [ $RANK = 3 ]; then sleep 0.3; echo 'rank three fails' >&2; exit 3; fi; exec sleep 30";
-    let node = |r: &str| {
-        let mut c = lockstep();
-        c.env("LOCKSTEP_TOKEN", TOKEN);
-        c.args([
-            "launch",
-            "--nproc-per-node",
-            "2",
-            "--nnodes",
-            "2",
-            "--node-rank",
-            r,
-            "--master-port",
-            &port,
-            "--",
-            "sh",
-            "-c",
-            script,
-        ]);
-        spawn_piped(&mut c)
-    };
+    let node = |r: &str| spawn_piped(node_of_two("2", r, &port).args(sh(script)));
     let (a, b) = (node("0"), node("1"));
     let t = Instant::now();
-    let (oa, ob) = (
-        a.wait_with_output().map_err(|e| e.to_string())?,
-        b.wait_with_output().map_err(|e| e.to_string())?,
-    );
-    check(
-        ob.status.code() == Some(3) && text(&ob).1.contains("rank three fails"),
+    let (oa, ob) = wait_both(a, b)?;
+    fails_saying(
+        &ob,
+        3,
+        "rank three fails",
         "node 1 reports its failing rank",
-        show(&ob),
     )?;
-    check(
-        oa.status.code() == Some(3) && text(&oa).1.contains("because rank 3 (pid"),
+    fails_saying(
+        &oa,
+        3,
+        "because rank 3 (pid",
         "node 0 stops and exits with the root cause's code",
-        show(&oa),
     )?;
-    check(
-        t.elapsed() < Duration::from_millis(1500),
-        "both stop within a second of the failure",
-        format!("{:?}", t.elapsed()),
-    )
+    within(t.elapsed(), 1.5, "both stop within a second of the failure")
 }
 
 fn cross_host_cpu_job_is_refused() -> Result<(), String> {
     let port = free_port().to_string();
     let node = |r: &str, host: &str| {
-        let mut c = lockstep();
-        c.env("LOCKSTEP_HOST_ID", host).env("LOCKSTEP_TOKEN", TOKEN);
-        c.args([
-            "launch",
-            "--nproc-per-node",
-            "1",
-            "--nnodes",
-            "2",
-            "--node-rank",
-            r,
-            "--master-port",
-            &port,
-            "--",
-            BIN,
-            "selftest",
-        ]);
+        let mut c = node_of_two("1", r, &port);
+        c.env("LOCKSTEP_HOST_ID", host)
+            .args(["--", BIN, "selftest"]);
         spawn_piped(&mut c)
     };
     let (a, b) = (node("0", "hostA"), node("1", "hostB"));
-    let (oa, ob) = (
-        a.wait_with_output().map_err(|e| e.to_string())?,
-        b.wait_with_output().map_err(|e| e.to_string())?,
-    );
+    let (oa, ob) = wait_both(a, b)?;
     check(
         !oa.status.success() && !ob.status.success(),
         "both must fail",
@@ -664,19 +522,9 @@ fn busy_port_is_named() -> Result<(), String> {
         .to_string();
     let o = lockstep()
         .env("LOCKSTEP_TOKEN", TOKEN)
-        .args([
-            "launch",
-            "--nproc-per-node",
-            "1",
-            "--nnodes",
-            "2",
-            "--master-port",
-            &port,
-            "--",
-            "true",
-        ])
-        .output()
-        .map_err(|e| e.to_string())?;
+        .args(two_nodes("1", &port))
+        .args(["--", "true"])
+        .run()?;
     let (_, err) = text(&o);
     check(
         o.status.code() == Some(1)
@@ -692,107 +540,54 @@ fn wrong_token_and_unreachable_master() -> Result<(), String> {
     let port = free_port().to_string();
     let mut c = lockstep();
     c.env("LOCKSTEP_TOKEN", "right-token-0123456789");
-    c.args([
-        "launch",
-        "--nproc-per-node",
-        "1",
-        "--nnodes",
-        "2",
-        "--master-port",
-        &port,
-        "--",
-        "sleep",
-        "30",
-    ]);
+    c.args(two_nodes("1", &port)).args(["--", "sleep", "30"]);
     let a = spawn_piped(&mut c);
     let o = lockstep()
         .env("LOCKSTEP_TOKEN", "wrong-token-0123456789")
-        .args([
-            "launch",
-            "--nproc-per-node",
-            "1",
-            "--nnodes",
-            "2",
-            "--node-rank",
-            "1",
-            "--master-port",
-            &port,
-            "--rdzv-timeout-s",
-            "5",
-            "--",
-            "true",
-        ])
-        .output()
-        .map_err(|e| e.to_string())?;
+        .args(two_nodes("1", &port))
+        .args(["--node-rank", "1", "--rdzv-timeout-s", "5", "--", "true"])
+        .run()?;
     signal(a.id() as i32, libc::SIGTERM);
     let _ = a.wait();
-    check(
-        o.status.code() == Some(1) && text(&o).1.contains("rejected this job's token"),
+    fails_saying(
+        &o,
+        1,
+        "rejected this job's token",
         "wrong token must be reported",
-        show(&o),
     )?;
     let t = Instant::now();
     let o = lockstep()
         .env("LOCKSTEP_TOKEN", TOKEN)
-        .args([
-            "launch",
-            "--nproc-per-node",
-            "1",
-            "--nnodes",
-            "2",
-            "--node-rank",
-            "1",
-            "--master-port",
-            &free_port().to_string(),
-            "--rdzv-timeout-s",
-            "1",
-            "--",
-            "true",
-        ])
-        .output()
-        .map_err(|e| e.to_string())?;
-    check(
-        o.status.code() == Some(1) && text(&o).1.contains("could not reach the rendezvous store"),
+        .args(two_nodes("1", &free_port().to_string()))
+        .args(["--node-rank", "1", "--rdzv-timeout-s", "1", "--", "true"])
+        .run()?;
+    fails_saying(
+        &o,
+        1,
+        "could not reach the rendezvous store",
         "unreachable master must be reported",
-        show(&o),
     )?;
-    check(
-        t.elapsed() < Duration::from_secs(4),
-        "retries are bounded by --rdzv-timeout-s",
-        format!("{:?}", t.elapsed()),
-    )?;
+    within(t.elapsed(), 4.0, "retries are bounded by --rdzv-timeout-s")?;
     // A port whose holder accepts connections (the kernel's listen queue) but never answers.
     let silent = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
     let sport = silent.local_addr().map_err(|e| e.to_string())?.port();
     let t = Instant::now();
     let o = lockstep()
         .env("LOCKSTEP_TOKEN", TOKEN)
-        .args([
-            "launch",
-            "--nproc-per-node",
-            "1",
-            "--nnodes",
-            "2",
-            "--node-rank",
-            "1",
-            "--master-port",
-            &sport.to_string(),
-        ])
+        .args(two_nodes("1", &sport.to_string()))
+        .args(["--node-rank", "1"])
         .args(["--rdzv-timeout-s", "1", "--", "true"])
-        .output()
-        .map_err(|e| e.to_string())?;
-    check(
-        o.status.code() == Some(1)
-            && text(&o).1.contains(&format!(
-                "the peer at 127.0.0.1:{sport} does not speak the lockstep store protocol"
-            )),
+        .run()?;
+    fails_saying(
+        &o,
+        1,
+        &format!("the peer at 127.0.0.1:{sport} does not speak the lockstep store protocol"),
         "a port that accepts but never answers is named",
-        show(&o),
     )?;
-    check(
-        t.elapsed() < Duration::from_secs(3),
+    within(
+        t.elapsed(),
+        3.0,
         "within --rdzv-timeout-s (1 s), not a fixed 10 s",
-        format!("{:?}", t.elapsed()),
     )
 }
 
@@ -800,85 +595,48 @@ fn wrong_token_and_unreachable_master() -> Result<(), String> {
 /// rendezvous, then fails fast.
 fn lone_node1() -> Command {
     let mut c = lockstep();
-    c.args([
-        "launch",
-        "--nproc-per-node",
-        "1",
-        "--nnodes",
-        "2",
-        "--node-rank",
-        "1",
-        "--master-port",
-        &free_port().to_string(),
-    ]);
+    c.args(two_nodes("1", &free_port().to_string()))
+        .args(["--node-rank", "1"]);
     c.args(["--rdzv-timeout-s", "0.2"]);
     c
 }
 
 fn token_rules() -> Result<(), String> {
-    // Too short, from any source.
-    let o = lone_node1()
-        .env("LOCKSTEP_TOKEN", "short")
-        .args(["--", "true"])
-        .output()
-        .map_err(|e| e.to_string())?;
-    check(
-        o.status.code() == Some(1) && text(&o).1.contains("5 byte(s) long, but at least 16"),
-        "a short token is refused",
-        show(&o),
-    )?;
-    let o = lone_node1()
-        .args(["--token", "", "--", "true"])
-        .output()
-        .map_err(|e| e.to_string())?;
-    check(
-        o.status.code() == Some(1) && text(&o).1.contains("at least 16"),
-        "an empty --token is refused",
-        show(&o),
-    )?;
-    // Long enough but obvious: refused with the reason and how to make a good one.
-    let o = lone_node1()
-        .env("LOCKSTEP_TOKEN", "aaaaaaaaaaaaaaaaaaaa")
-        .args(["--", "true"])
-        .output()
-        .map_err(|e| e.to_string())?;
-    check(
-        o.status.code() == Some(1)
-            && text(&o).1.contains("the job token is one character repeated ('a' 20 times), which anyone can guess; leave it out on node 0 and `lockstep launch` generates one, or make one with `openssl rand -hex 16`"),
-        "a repeated character is refused",
-        show(&o),
-    )?;
-    let o = lone_node1()
-        .env("LOCKSTEP_TOKEN", "0123456789abcdef")
-        .args(["--", "true"])
-        .output()
-        .map_err(|e| e.to_string())?;
-    check(
-        o.status.code() == Some(1)
-            && text(&o).1.contains(
-                "the job token is a simple sequence (\"0123456789ab...\"), which anyone can guess",
-            ),
-        "a sequence is refused",
-        show(&o),
-    )?;
-    // Node 1 without a token is told where to get node 0's.
-    let o = lone_node1()
-        .args(["--", "true"])
-        .output()
-        .map_err(|e| e.to_string())?;
-    check(
-        o.status.code() == Some(1)
-            && text(&o)
-                .1
-                .contains("node 1 of a multi-node job needs the job's token"),
-        "node 1 needs a token",
-        show(&o),
-    )?;
+    // Refused tokens, each with the reason (and, for obvious ones, how to make a good one):
+    // (case, the token in LOCKSTEP_TOKEN, options before the program, what stderr says).
+    let refused: [(&str, Option<&str>, &[&str], &str); 5] = [
+        ("a short token is refused", Some("short"), &[], "5 byte(s) long, but at least 16"),
+        ("an empty --token is refused", None, &["--token", ""], "at least 16"),
+        (
+            "a repeated character is refused",
+            Some("aaaaaaaaaaaaaaaaaaaa"),
+            &[],
+            "the job token is one character repeated ('a' 20 times), which anyone can guess; leave it out on node 0 and `lockstep launch` generates one, or make one with `openssl rand -hex 16`",
+        ),
+        (
+            "a sequence is refused",
+            Some("0123456789abcdef"),
+            &[],
+            "the job token is a simple sequence (\"0123456789ab...\"), which anyone can guess",
+        ),
+        // Node 1 without a token is told where to get node 0's.
+        (
+            "node 1 needs a token",
+            None,
+            &[],
+            "node 1 of a multi-node job needs the job's token",
+        ),
+    ];
+    for (what, token, options, says) in refused {
+        let mut c = lone_node1();
+        if let Some(t) = token {
+            c.env("LOCKSTEP_TOKEN", t);
+        }
+        let o = c.args(options).args(["--", "true"]).run()?;
+        fails_saying(&o, 1, says, what)?;
+    }
     // --token works but warns that `ps` shows it.
-    let o = lone_node1()
-        .args(["--token", TOKEN, "--", "true"])
-        .output()
-        .map_err(|e| e.to_string())?;
+    let o = lone_node1().args(["--token", TOKEN, "--", "true"]).run()?;
     let err = text(&o).1;
     check(
         err.contains("warning: --token puts the job token on the command line")
@@ -896,26 +654,26 @@ fn token_rules() -> Result<(), String> {
         .arg("--token-file")
         .arg(&f)
         .args(["--", "true"])
-        .output()
-        .map_err(|e| e.to_string())?;
-    let err = text(&o).1;
-    check(
-        err.contains("has mode 644")
-            && err.contains("chmod 600")
-            && err.contains("could not reach the rendezvous store"),
+        .run()?;
+    says(
+        &o,
+        &[
+            "has mode 644",
+            "chmod 600",
+            "could not reach the rendezvous store",
+        ],
         "a token file readable by others is used with a warning",
-        show(&o),
     )?;
     let o = lone_node1()
         .args(["--token", TOKEN, "--token-file"])
         .arg(&f)
         .args(["--", "true"])
-        .output()
-        .map_err(|e| e.to_string())?;
-    check(
-        o.status.code() == Some(2) && text(&o).1.contains("cannot be used with"),
+        .run()?;
+    fails_saying(
+        &o,
+        2,
+        "cannot be used with",
         "--token and --token-file conflict",
-        show(&o),
     )
 }
 
@@ -927,20 +685,8 @@ fn generated_token_reaches_the_other_node() -> Result<(), String> {
     let err0 = d.join("node0.err");
     let f = std::fs::File::create(&err0).map_err(|e| e.to_string())?;
     let mut c = lockstep();
-    c.args([
-        "launch",
-        "--nproc-per-node",
-        "1",
-        "--nnodes",
-        "2",
-        "--node-rank",
-        "0",
-        "--master-port",
-        &port,
-        "--",
-        BIN,
-        "selftest",
-    ]);
+    c.args(two_nodes("1", &port))
+        .args(["--node-rank", "0", "--", BIN, "selftest"]);
     let a = Running(Some(
         c.stdout(Stdio::piped())
             .stderr(Stdio::from(f))
@@ -984,22 +730,11 @@ fn generated_token_reaches_the_other_node() -> Result<(), String> {
             .map_err(|e| e.to_string())?;
     }
     let ob = lockstep()
-        .args([
-            "launch",
-            "--nproc-per-node",
-            "1",
-            "--nnodes",
-            "2",
-            "--node-rank",
-            "1",
-            "--master-port",
-            &port,
-            "--token-file",
-        ])
+        .args(two_nodes("1", &port))
+        .args(["--node-rank", "1", "--token-file"])
         .arg(&tf)
         .args(["--", BIN, "selftest"])
-        .output()
-        .map_err(|e| e.to_string())?;
+        .run()?;
     let oa = a.wait_with_output().map_err(|e| e.to_string())?;
     check(
         oa.status.success() && ob.status.success(),
@@ -1025,29 +760,11 @@ fn generated_token_reaches_the_other_node() -> Result<(), String> {
 /// rank 0 cannot start, the launcher says so promptly and leaves no guard or rank behind.
 fn ranks_share_rank0s_group_and_a_failed_rank0_leaves_nothing() -> Result<(), String> {
     let o = lockstep()
-        .args([
-            "launch",
-            "--nproc-per-node",
-            "4",
-            "--",
-            "sh",
-            "-c",
-            "echo pgrp $$ $(cut -d' ' -f5 /proc/$$/stat)",
-        ])
-        .output()
-        .map_err(|e| e.to_string())?;
+        .args(launch("4"))
+        .args(sh("echo pgrp $$ $(cut -d' ' -f5 /proc/$$/stat)"))
+        .run()?;
     check(o.status.success(), "four ranks of sh run", show(&o))?;
-    // "[rank R] pgrp PID PGRP" for each rank.
-    let mut groups = std::collections::BTreeMap::new();
-    for l in text(&o).0.lines() {
-        let f: Vec<&str> = l.split_whitespace().collect();
-        if let ["[rank", r, "pgrp", pid, pg] = f[..] {
-            groups.insert(
-                r.trim_end_matches(']').to_string(),
-                (pid.to_string(), pg.to_string()),
-            );
-        }
-    }
+    let groups = groups_of(&o);
     check(groups.len() == 4, "every rank printed its group", show(&o))?;
     let (p0, g0) = groups
         .get("0")
@@ -1068,17 +785,14 @@ fn ranks_share_rank0s_group_and_a_failed_rank0_leaves_nothing() -> Result<(), St
     std::fs::set_permissions(&prog, std::os::unix::fs::PermissionsExt::from_mode(0o755))
         .map_err(|e| e.to_string())?;
     let t = std::time::Instant::now();
-    let o = lockstep()
-        .args(["launch", "--nproc-per-node", "4", "--"])
-        .arg(&prog)
-        .output()
-        .map_err(|e| e.to_string())?;
+    let o = lockstep().args(launch("4")).arg("--").arg(&prog).run()?;
     let took = t.elapsed();
     let _ = std::fs::remove_dir_all(&dir);
-    check(
-        o.status.code() == Some(1) && text(&o).1.contains("cannot start rank 0"),
+    fails_saying(
+        &o,
+        1,
+        "cannot start rank 0",
         "a rank 0 that cannot exec is reported",
-        show(&o),
     )?;
     check(
         took < std::time::Duration::from_secs(5),
@@ -1129,10 +843,7 @@ fn rank0_exiting_at_once_keeps_every_rank_in_its_group() -> Result<(), String> {
     let script =
         "[ \"$RANK\" = 0 ] && exec echo pgrp $$ $$; echo pgrp $$ $(cut -d' ' -f5 /proc/$$/stat)";
     for i in 0..30 {
-        let o = lockstep()
-            .args(["launch", "--nproc-per-node", "4", "--", "sh", "-c", script])
-            .output()
-            .map_err(|e| e.to_string())?;
+        let o = lockstep().args(launch("4")).args(sh(script)).run()?;
         check(
             o.status.success(),
             &format!("launch {i}: four ranks of sh run"),
@@ -1165,21 +876,12 @@ fn stopped_guard_does_not_hang_the_launcher() -> Result<(), String> {
     for (pause, starting) in [("", true), ("sleep 0.3;", false)] {
         let t = Instant::now();
         let o = lockstep()
-            .args([
-                "launch",
-                "--nproc-per-node",
-                "2",
-                "--grace-s",
-                "3",
-                "--",
-                "sh",
-                "-c",
-            ])
+            .args(launch("2"))
+            .args(["--grace-s", "3", "--", "sh", "-c"])
             .arg(format!(
                 "if [ $RANK = 1 ]; then {pause} echo guard $PPID; kill -STOP $PPID; fi; echo done"
             ))
-            .output()
-            .map_err(|e| e.to_string())?;
+            .run()?;
         let took = t.elapsed();
         let (out, err) = text(&o);
         let guard = out
@@ -1210,16 +912,8 @@ fn stopped_guard_does_not_hang_the_launcher() -> Result<(), String> {
 
     // Ctrl-C while a guard is stopped: the job still ends within the grace period.
     let mut c = lockstep();
-    c.args([
-        "launch",
-        "--nproc-per-node",
-        "2",
-        "--grace-s",
-        "2",
-        "--",
-        "sh",
-        "-c",
-    ]);
+    c.args(launch("2"))
+        .args(["--grace-s", "2", "--", "sh", "-c"]);
     c.arg("if [ $RANK = 1 ]; then sleep 0.3; echo guard $PPID; kill -STOP $PPID; fi; echo ready; exec sleep 30");
     let child = spawn_piped(&mut c);
     let ranks = ranks_of(child.id() as i32, 2)?;
@@ -1239,11 +933,7 @@ fn stopped_guard_does_not_hang_the_launcher() -> Result<(), String> {
         .lines()
         .find_map(|l| l.strip_prefix("[rank 1] guard "))
         .unwrap_or("?");
-    check(
-        o.status.code() == Some(130),
-        "the launcher exits 130 after SIGINT",
-        show(&o),
-    )?;
+    exits(&o, 130, "the launcher exits 130 after SIGINT")?;
     // (Found by the signal, or, on a machine slow enough that the launcher was still starting
     // ranks, while it waited for the guard's report.)
     check(
@@ -1260,11 +950,7 @@ fn stopped_guard_does_not_hang_the_launcher() -> Result<(), String> {
         &format!("Ctrl-C ends the job within the grace period (took {took:?})"),
         show(&o),
     )?;
-    check(
-        ranks.iter().all(|p| !alive(*p)),
-        "no rank may survive",
-        format!("{ranks:?}"),
-    )
+    none_survive(&ranks)
 }
 
 fn stopped_guard_does_not_hang_bench() -> Result<(), String> {
@@ -1311,58 +997,29 @@ fn stopped_guard_does_not_hang_bench() -> Result<(), String> {
         "bench names the stopped guard",
         show(&o),
     )?;
-    check(
-        t.elapsed() < Duration::from_secs(30),
-        "bench ends",
-        format!("{:?}", t.elapsed()),
-    )
+    within(t.elapsed(), 30.0, "bench ends")
 }
 
 fn launchers_with_different_settings_fail_at_once() -> Result<(), String> {
     let port = free_port().to_string();
     let node = |r: &str, n: &str| {
-        let mut c = lockstep();
-        c.env("LOCKSTEP_TOKEN", TOKEN);
-        c.args([
-            "launch",
-            "--nproc-per-node",
-            n,
-            "--nnodes",
-            "2",
-            "--node-rank",
-            r,
-            "--master-port",
-            &port,
-            "--rdzv-timeout-s",
-            "20",
-            "--",
-            BIN,
-            "selftest",
-        ]);
+        let mut c = node_of_two(n, r, &port);
+        c.args(["--rdzv-timeout-s", "20", "--", BIN, "selftest"]);
         spawn_piped(&mut c)
     };
     let t = Instant::now();
     let a = node("0", "2");
     let b = node("1", "1");
-    let (oa, ob) = (
-        a.wait_with_output().map_err(|e| e.to_string())?,
-        b.wait_with_output().map_err(|e| e.to_string())?,
-    );
+    let (oa, ob) = wait_both(a, b)?;
     let took = t.elapsed();
     let msg = "node 1 and node 0 of this job were started with different --nproc-per-node: 1 on node 1, 2 on node 0; \
                start every node's launcher with the same --nproc-per-node, --nnodes and backend";
-    check(
-        ob.status.code() == Some(1) && text(&ob).1.contains(msg),
-        "node 1 names both values",
-        show(&ob),
-    )?;
-    check(
-        oa.status.code() == Some(1)
-            && text(&oa)
-                .1
-                .contains(&format!("node 0 stopped its ranks because {msg}")),
+    fails_saying(&ob, 1, msg, "node 1 names both values")?;
+    fails_saying(
+        &oa,
+        1,
+        &format!("node 0 stopped its ranks because {msg}"),
         "node 0 stops with the same message",
-        show(&oa),
     )?;
     check(
         took < Duration::from_secs(5),
@@ -1373,57 +1030,39 @@ fn launchers_with_different_settings_fail_at_once() -> Result<(), String> {
 
 fn missing_program_and_bad_options() -> Result<(), String> {
     let o = lockstep()
-        .args(["launch", "--nproc-per-node", "2", "--", "/nonexistent/prog"])
-        .output()
-        .map_err(|e| e.to_string())?;
-    check(
-        o.status.code() == Some(1) && text(&o).1.contains("cannot start rank 0"),
+        .args(launch("2"))
+        .args(["--", "/nonexistent/prog"])
+        .run()?;
+    fails_saying(
+        &o,
+        1,
+        "cannot start rank 0",
         "missing program must be reported",
-        show(&o),
     )?;
     let o = lockstep()
-        .args([
-            "launch",
-            "--nproc-per-node",
-            "2",
-            "--ranks-filter",
-            "0,5",
-            "--",
-            "true",
-        ])
-        .output()
-        .map_err(|e| e.to_string())?;
-    check(
-        o.status.code() == Some(1) && text(&o).1.contains("--ranks-filter names rank 5"),
+        .args(launch("2"))
+        .args(["--ranks-filter", "0,5", "--", "true"])
+        .run()?;
+    fails_saying(
+        &o,
+        1,
+        "--ranks-filter names rank 5",
         "out-of-range filter is rejected",
-        show(&o),
     )?;
-    let o = lockstep()
-        .args(["launch", "--bogus", "--", "true"])
-        .output()
-        .map_err(|e| e.to_string())?;
-    check(
-        o.status.code() == Some(2),
-        "unknown options are rejected",
-        show(&o),
-    )?;
+    let o = lockstep().args(["launch", "--bogus", "--", "true"]).run()?;
+    exits(&o, 2, "unknown options are rejected")?;
     let o = lockstep()
         .env("LOCKSTEP_BACKEND", "carrier-pigeon")
-        .args(["launch", "--nproc-per-node", "1", "--", BIN, "selftest"])
-        .output()
-        .map_err(|e| e.to_string())?;
-    check(
-        o.status.code() == Some(1)
-            && text(&o).1.contains(
-                "LOCKSTEP_BACKEND=\"carrier-pigeon\" is invalid: expected one of: shm, nccl",
-            ),
+        .args(launch("1"))
+        .args(["--", BIN, "selftest"])
+        .run()?;
+    fails_saying(
+        &o,
+        1,
+        "LOCKSTEP_BACKEND=\"carrier-pigeon\" is invalid: expected one of: shm, nccl",
         "unknown backend is named",
-        show(&o),
     )?;
-    let o = lockstep()
-        .args(["selftest"])
-        .output()
-        .map_err(|e| e.to_string())?;
+    let o = lockstep().arg("selftest").run()?;
     check(
         o.status.code() == Some(1)
             && text(&o).1.contains("no launcher variables found")
@@ -1443,15 +1082,8 @@ fn missing_program_and_bad_options() -> Result<(), String> {
 fn exec_rank_signal_state() -> Result<(), String> {
     use std::os::unix::process::CommandExt;
     let mut c = lockstep();
-    c.args([
-        "launch",
-        "--nproc-per-node",
-        "1",
-        "--",
-        "sh",
-        "-c",
-        "grep -E '^Sig(Blk|Ign)' /proc/self/status",
-    ]);
+    c.args(launch("1"))
+        .args(sh("grep -E '^Sig(Blk|Ign)' /proc/self/status"));
     // SAFETY: signal/sigprocmask between fork and exec are async-signal-safe.
     unsafe {
         c.pre_exec(|| {
@@ -1465,7 +1097,7 @@ fn exec_rank_signal_state() -> Result<(), String> {
             Ok(())
         })
     };
-    let o = c.output().map_err(|e| e.to_string())?;
+    let o = c.run()?;
     let (out, _) = text(&o);
     let mask = |name: &str| {
         out.lines().find_map(|l| {
@@ -1512,10 +1144,7 @@ fn stale_segments_of_dead_launchers_are_removed() -> Result<(), String> {
         .map_err(|e| e.to_string())?;
     f.set_modified(SystemTime::now() - Duration::from_secs(3600))
         .map_err(|e| e.to_string())?;
-    let o = lockstep()
-        .args(["launch", "--nproc-per-node", "1", "--", "true"])
-        .output()
-        .map_err(|e| e.to_string())?;
+    let o = lockstep().args(launch("1")).args(["--", "true"]).run()?;
     let (old_gone, new_kept) = (
         !std::path::Path::new(&old).exists(),
         std::path::Path::new(&new).exists(),
@@ -1559,10 +1188,7 @@ fn stale_segment_of_dead_creator_removed_at_once() -> Result<(), String> {
         &path,
     )?;
     let t = Instant::now();
-    let o = lockstep()
-        .args(["launch", "--nproc-per-node", "1", "--", "true"])
-        .output()
-        .map_err(|e| e.to_string())?;
+    let o = lockstep().args(launch("1")).args(["--", "true"]).run()?;
     let gone = !std::path::Path::new(&path).exists();
     if !gone {
         lockstep::shm::unlink_named(&job);
@@ -1577,11 +1203,7 @@ fn stale_segment_of_dead_creator_removed_at_once() -> Result<(), String> {
 fn config_and_env() -> Result<(), String> {
     let d = scratch("config");
     let p = d.join("sub/config.toml");
-    let o = lockstep()
-        .args(["config", "--path"])
-        .arg(&p)
-        .output()
-        .map_err(|e| e.to_string())?;
+    let o = lockstep().args(["config", "--path"]).arg(&p).run()?;
     check(o.status.success(), "config must succeed", show(&o))?;
     let t = std::fs::read_to_string(&p).map_err(|e| e.to_string())?;
     check(
@@ -1591,16 +1213,8 @@ fn config_and_env() -> Result<(), String> {
         "config has the keys",
         &t,
     )?;
-    let o = lockstep()
-        .args(["config", "--path"])
-        .arg(&p)
-        .output()
-        .map_err(|e| e.to_string())?;
-    check(
-        o.status.code() == Some(1) && text(&o).1.contains("--force"),
-        "existing config is kept without --force",
-        show(&o),
-    )?;
+    let o = lockstep().args(["config", "--path"]).arg(&p).run()?;
+    fails_saying(&o, 1, "--force", "existing config is kept without --force")?;
     let o = lockstep()
         .args([
             "config",
@@ -1612,8 +1226,7 @@ fn config_and_env() -> Result<(), String> {
             "--path",
         ])
         .arg(&p)
-        .output()
-        .map_err(|e| e.to_string())?;
+        .run()?;
     let t = std::fs::read_to_string(&p).map_err(|e| e.to_string())?;
     check(
         o.status.success() && t.contains("num_processes = 3") && t.contains("backend = \"shm\""),
@@ -1623,9 +1236,9 @@ fn config_and_env() -> Result<(), String> {
     // `launch` without --nproc-per-node takes the config file's value.
     let o = lockstep()
         .env("LOCKSTEP_CONFIG", &p)
-        .args(["launch", "--", "sh", "-c", "echo $RANK/$WORLD_SIZE"])
-        .output()
-        .map_err(|e| e.to_string())?;
+        .arg("launch")
+        .args(sh("echo $RANK/$WORLD_SIZE"))
+        .run()?;
     let mut lines: Vec<String> = text(&o).0.lines().map(String::from).collect();
     lines.sort();
     check(
@@ -1633,18 +1246,13 @@ fn config_and_env() -> Result<(), String> {
         "config's num_processes is the default",
         show(&o),
     )?;
-    let o = lockstep()
-        .args(["env"])
-        .output()
-        .map_err(|e| e.to_string())?;
-    let (out, _) = text(&o);
+    let o = lockstep().arg("env").run()?;
+    let report = ["cpu:", "cuda/nccl:", "lockstep CUDA environment"];
+    prints(&o, &report, "env report")?;
+    let version = format!("lockstep {}", env!("CARGO_PKG_VERSION"));
     check(
-        o.status.success()
-            && out.starts_with(&format!("lockstep {}", env!("CARGO_PKG_VERSION")))
-            && out.contains("cpu:")
-            && out.contains("cuda/nccl:")
-            && out.contains("lockstep CUDA environment"),
-        "env report",
+        text(&o).0.starts_with(&version),
+        "the env report starts with the version",
         show(&o),
     )
 }

@@ -8,9 +8,12 @@
 //! descendant inherits, and /proc is scanned for it. Sequential (`harness = false`): the tests
 //! time the launcher's reactions.
 
+#[path = "common/cli.rs"]
+mod cli;
 #[path = "../../../tests/common/mod.rs"]
 mod common;
 
+use cli::{both_succeed, exits, launch, says, sh, two_nodes, within, Run};
 use common::show;
 
 use std::io::{Read, Write};
@@ -95,6 +98,28 @@ fn ranks_of(pid: i32, n: usize) -> Result<Vec<i32>, String> {
     Ok(r)
 }
 
+/// Two ranks running `script` under a launcher with `--grace-s grace`, once both have started,
+/// marked with a fresh mark named after `tag`.
+fn two_ranks(tag: &str, grace: &str, script: &str) -> Result<(String, Running), String> {
+    let mark = new_mark(tag);
+    let mut c = lockstep(&mark);
+    c.args(launch("2"))
+        .args(["--grace-s", grace])
+        .args(sh(script));
+    let l = Running::spawn(&mut c, &mark);
+    ranks_of(l.pid(), 2)?;
+    Ok((mark, l))
+}
+
+/// A rendezvous that gave up after `--rdzv-timeout-s 2`: not before, and not long after.
+fn after_the_2s_timeout(took: Duration) -> Result<(), String> {
+    check(
+        took >= Duration::from_secs(2) && took < Duration::from_secs(5),
+        "within the 2 s timeout plus a margin",
+        format!("{took:?}"),
+    )
+}
+
 /// No process carrying `mark` within [`CLEANUP`].
 fn nothing_left(mark: &str) -> Result<(), String> {
     let mut left = Vec::new();
@@ -142,17 +167,9 @@ fn sighup_sends_sigterm_then_exits_129() -> Result<(), String> {
         d.display()
     );
     let mut c = lockstep(&mark);
-    c.args([
-        "launch",
-        "--nproc-per-node",
-        "2",
-        "--grace-s",
-        "5",
-        "--",
-        "sh",
-        "-c",
-        &script,
-    ]);
+    c.args(launch("2"))
+        .args(["--grace-s", "5"])
+        .args(sh(&script));
     let l = Running::spawn(&mut c, &mark);
     ranks_of(l.pid(), 2)?;
     std::thread::sleep(Duration::from_millis(200));
@@ -162,11 +179,7 @@ fn sighup_sends_sigterm_then_exits_129() -> Result<(), String> {
     signal(l.pid(), libc::SIGHUP);
     let o = l.wait_with_output().map_err(|e| e.to_string())?;
     let took = t.elapsed();
-    check(
-        o.status.code() == Some(129),
-        "the launcher exits 128+SIGHUP",
-        show(&o),
-    )?;
+    exits(&o, 129, "the launcher exits 128+SIGHUP")?;
     for r in 0..2 {
         check(
             d.join(format!("term.{r}")).exists(),
@@ -179,10 +192,10 @@ fn sighup_sends_sigterm_then_exits_129() -> Result<(), String> {
         "the launcher says what it did",
         show(&o),
     )?;
-    check(
-        took < Duration::from_secs(3),
+    within(
+        took,
+        3.0,
         "the job stops once the handlers finish, well within the 5 s grace",
-        format!("{took:?}"),
     )?;
     println!(
         "    SIGHUP → exit 129 after {:.0} ms (handlers take 400 ms)",
@@ -200,7 +213,7 @@ fn kill9_launcher_kills_every_descendant() -> Result<(), String> {
     let script =
         format!("setsid sleep 1000 & (sleep 1000 &); sleep 1000 & if [ $RANK = 0 ]; then exec {BIN} selftest; else exec sleep 1000; fi");
     let mut c = lockstep(&mark);
-    c.args(["launch", "--nproc-per-node", "2", "--", "sh", "-c", &script]);
+    c.args(launch("2")).args(sh(&script));
     let l = Running::spawn(&mut c, &mark);
     let ranks = ranks_of(l.pid(), 2)?;
     let job = ranks
@@ -244,31 +257,17 @@ fn kill9_launcher_kills_every_descendant() -> Result<(), String> {
 /// Ctrl-C with ranks that ignore SIGINT and SIGTERM: SIGKILL after the grace period, and the
 /// launcher still exits 130 (not 137).
 fn sigint_with_stubborn_ranks_exits_130() -> Result<(), String> {
-    let mark = new_mark("int");
-    let mut c = lockstep(&mark);
-    c.args([
-        "launch",
-        "--nproc-per-node",
-        "2",
-        "--grace-s",
+    let (mark, l) = two_ranks(
+        "int",
         "0.5",
-        "--",
-        "sh",
-        "-c",
         "trap '' INT TERM; sleep 1000 & exec sleep 1000",
-    ]);
-    let l = Running::spawn(&mut c, &mark);
-    ranks_of(l.pid(), 2)?;
+    )?;
     std::thread::sleep(Duration::from_millis(100));
     let t = Instant::now();
     signal(l.pid(), libc::SIGINT);
     let o = l.wait_with_output().map_err(|e| e.to_string())?;
     let took = t.elapsed();
-    check(
-        o.status.code() == Some(130),
-        "exit 128+SIGINT although the ranks needed SIGKILL",
-        show(&o),
-    )?;
+    exits(&o, 130, "exit 128+SIGINT although the ranks needed SIGKILL")?;
     check(
         took >= Duration::from_millis(450) && took < Duration::from_millis(1500),
         "SIGKILL comes after the 0.5 s grace period",
@@ -276,27 +275,13 @@ fn sigint_with_stubborn_ranks_exits_130() -> Result<(), String> {
     )?;
     nothing_left(&mark)?;
     // SIGTERM the same way: 143.
-    let mark = new_mark("term");
-    let mut c = lockstep(&mark);
-    c.args([
-        "launch",
-        "--nproc-per-node",
-        "2",
-        "--grace-s",
-        "0.3",
-        "--",
-        "sh",
-        "-c",
-        "trap '' INT TERM; exec sleep 1000",
-    ]);
-    let l = Running::spawn(&mut c, &mark);
-    ranks_of(l.pid(), 2)?;
+    let (mark, l) = two_ranks("term", "0.3", "trap '' INT TERM; exec sleep 1000")?;
     signal(l.pid(), libc::SIGTERM);
     let o = l.wait_with_output().map_err(|e| e.to_string())?;
-    check(
-        o.status.code() == Some(143),
+    exits(
+        &o,
+        143,
         "exit 128+SIGTERM although the ranks needed SIGKILL",
-        show(&o),
     )?;
     nothing_left(&mark)
 }
@@ -381,9 +366,9 @@ fn malformed_env_is_an_error() -> Result<(), String> {
         let t = Instant::now();
         let o = lockstep(&mark)
             .env(var, val)
-            .args(["launch", "--nproc-per-node", "2", "--", BIN, "selftest"])
-            .output()
-            .map_err(|e| e.to_string())?;
+            .args(launch("2"))
+            .args(["--", BIN, "selftest"])
+            .run()?;
         let took = t.elapsed();
         slowest = slowest.max(took);
         let err = String::from_utf8_lossy(&o.stderr);
@@ -409,21 +394,9 @@ fn malformed_env_is_an_error() -> Result<(), String> {
             "LOCKSTEP_TOKEN",
             std::ffi::OsString::from_vec(b"token-\xff-0123456789abcdef".to_vec()),
         )
-        .args([
-            "launch",
-            "--nproc-per-node",
-            "1",
-            "--nnodes",
-            "2",
-            "--node-rank",
-            "1",
-            "--master-port",
-            "1",
-            "--",
-            "true",
-        ])
-        .output()
-        .map_err(|e| e.to_string())?;
+        .args(two_nodes("1", "1"))
+        .args(["--node-rank", "1", "--", "true"])
+        .run()?;
     check(
         o.status.code() == Some(1)
             && String::from_utf8_lossy(&o.stderr).contains("LOCKSTEP_TOKEN=")
@@ -444,8 +417,7 @@ fn malformed_env_is_an_error() -> Result<(), String> {
             .env("WORLD_SIZE", "1")
             .env("LOCKSTEP_JOB_ID", format!("deaths-{}", std::process::id()))
             .arg("selftest")
-            .output()
-            .map_err(|e| e.to_string())?;
+            .run()?;
         slowest = slowest.max(t.elapsed());
         check(
             o.status.code() == Some(1)
@@ -458,8 +430,7 @@ fn malformed_env_is_an_error() -> Result<(), String> {
     // --rdzv-timeout-s 0 is refused as well.
     let o = lockstep(&new_mark("env-flag"))
         .args(["launch", "--rdzv-timeout-s", "0", "--", "true"])
-        .output()
-        .map_err(|e| e.to_string())?;
+        .run()?;
     check(
         o.status.code() == Some(1) && String::from_utf8_lossy(&o.stderr).contains("greater than 0"),
         "a zero timeout is refused",
@@ -480,26 +451,15 @@ fn node0_honours_rdzv_timeout() -> Result<(), String> {
     let port = free_port().to_string();
     let mut c = lockstep(&mark);
     c.env("LOCKSTEP_TOKEN", TOKEN);
-    c.args([
-        "launch",
-        "--nproc-per-node",
-        "2",
-        "--nnodes",
-        "2",
-        "--node-rank",
-        "0",
-        "--master-port",
-        &port,
-        "--rdzv-timeout-s",
-        "2",
-    ]);
+    c.args(two_nodes("2", &port))
+        .args(["--node-rank", "0", "--rdzv-timeout-s", "2"]);
     c.args(["--", BIN, "selftest"]);
     let t = Instant::now();
     let l = Running::spawn(&mut c, &mark);
     let o = l.wait_with_output().map_err(|e| e.to_string())?;
     let took = t.elapsed();
     let err = String::from_utf8_lossy(&o.stderr);
-    check(o.status.code() == Some(1), "node 0 fails", show(&o))?;
+    exits(&o, 1, "node 0 fails")?;
     check(
         err.contains("ranks 2-3 (node 1) did not reach the rendezvous within 2.0 s"),
         "the message names the missing ranks and node",
@@ -510,11 +470,7 @@ fn node0_honours_rdzv_timeout() -> Result<(), String> {
         "and only those",
         show(&o),
     )?;
-    check(
-        took >= Duration::from_secs(2) && took < Duration::from_secs(5),
-        "within the 2 s timeout plus a margin",
-        format!("{took:?}"),
-    )?;
+    after_the_2s_timeout(took)?;
     println!(
         "    node 0 alone, --rdzv-timeout-s 2 → failed after {:.2} s",
         took.as_secs_f64()
@@ -530,10 +486,7 @@ fn rdzv_timeout_names_only_the_missing_node() -> Result<(), String> {
     let node = |r: &str| {
         let mut c = lockstep(&mark);
         c.env("LOCKSTEP_TOKEN", TOKEN);
-        c.args([
-            "launch",
-            "--nproc-per-node",
-            "1",
+        c.args(launch("1")).args([
             "--nnodes",
             "3",
             "--node-rank",
@@ -579,11 +532,7 @@ fn rdzv_timeout_names_only_the_missing_node() -> Result<(), String> {
             &both,
         )?;
     }
-    check(
-        took >= Duration::from_secs(2) && took < Duration::from_secs(5),
-        "within the 2 s timeout plus a margin",
-        format!("{took:?}"),
-    )?;
+    after_the_2s_timeout(took)?;
     println!("    nodes 0-1 of 3, --rdzv-timeout-s 2 → both failed after {:.2} s naming rank 2 (node 2) only", took.as_secs_f64());
     nothing_left(&mark)
 }
@@ -625,20 +574,10 @@ fn foreign_master_port_is_named() -> Result<(), String> {
         let t = Instant::now();
         let o = lockstep(&mark)
             .env("LOCKSTEP_TOKEN", TOKEN)
-            .args([
-                "launch",
-                "--nproc-per-node",
-                "1",
-                "--nnodes",
-                "2",
-                "--node-rank",
-                "1",
-                "--master-port",
-                &port.to_string(),
-            ])
+            .args(two_nodes("1", &port.to_string()))
+            .args(["--node-rank", "1"])
             .args(["--rdzv-timeout-s", timeout, "--", BIN, "selftest"])
-            .output()
-            .map_err(|e| e.to_string())?;
+            .run()?;
         let took = t.elapsed();
         let err = String::from_utf8_lossy(&o.stderr);
         check(
@@ -720,17 +659,8 @@ fn two_node_job_completes_under_attack() -> Result<(), String> {
     let node = |r: &str| {
         let mut c = lockstep(&mark);
         c.env("LOCKSTEP_TOKEN", TOKEN);
-        c.args([
-            "launch",
-            "--nproc-per-node",
-            "2",
-            "--nnodes",
-            "2",
-            "--node-rank",
-            r,
-            "--master-port",
-            &port.to_string(),
-        ]);
+        c.args(two_nodes("2", &port.to_string()))
+            .args(["--node-rank", r]);
         c.args(["--rdzv-timeout-s", "30", "--", BIN, "selftest"]);
         Running::spawn(&mut c, &mark)
     };
@@ -798,20 +728,16 @@ fn two_node_job_completes_under_attack() -> Result<(), String> {
     stop.store(true, Ordering::Relaxed);
     let _ = attacker.join();
     let during = opened.load(Ordering::Relaxed) - before;
-    check(
-        oa.status.success() && ob.status.success(),
-        "both launchers succeed during the attack",
-        format!("{}\n{}", show(&oa), show(&ob)),
-    )?;
+    both_succeed(&oa, &ob, "both launchers succeed during the attack")?;
     check(
         String::from_utf8_lossy(&oa.stdout).contains("[rank 0] lockstep selftest ok: 4 ranks"),
         "one 4-rank job ran its collectives",
         show(&oa),
     )?;
-    check(
-        took < Duration::from_secs(10),
+    within(
+        took,
+        10.0,
         "the job completes within 10 s of node 1's start",
-        format!("{took:?}"),
     )?;
     println!(
         "    {} of 1000 hostile connections open when node 1 started, {during} more opened while the job ran; the 2-node job completed in {:.2} s",
@@ -846,9 +772,10 @@ fn wait_for_rank0(d: &std::path::Path) -> String {
 /// (at most 30 s), after checking that it left no process behind.
 fn launch_script(mark: &str, nproc: &str, flags: &[&str], script: &str) -> Result<Output, String> {
     let mut c = lockstep(mark);
-    c.args(["launch", "--nproc-per-node", nproc, "--grace-s", "2"])
+    c.args(launch(nproc))
+        .args(["--grace-s", "2"])
         .args(flags)
-        .args(["--", "sh", "-c", script]);
+        .args(sh(script));
     let l = Running::spawn(&mut c, mark);
     let pid = l.pid();
     let done = wait_until(Duration::from_secs(30), || {
@@ -884,7 +811,6 @@ fn restart_job_policy_reruns_every_rank() -> Result<(), String> {
             &["--max-restarts", max, "--restart-policy", "job"],
             &script,
         )?;
-        let err = String::from_utf8_lossy(&o.stderr);
         let seen: Vec<Vec<String>> = (0..2).map(|r| lines_of(&d, &format!("seen.{r}"))).collect();
         let ids: Vec<&str> = seen
             .iter()
@@ -899,11 +825,7 @@ fn restart_job_policy_reruns_every_rank() -> Result<(), String> {
             )?;
         }
         if max == "0" {
-            check(
-                o.status.code() == Some(4),
-                "without restarts the job fails with rank 1's code",
-                show(&o),
-            )?;
+            exits(&o, 4, "without restarts the job fails with rank 1's code")?;
             check(
                 seen.iter().all(|s| s.len() == 1),
                 "one attempt only",
@@ -934,12 +856,14 @@ fn restart_job_policy_reruns_every_rank() -> Result<(), String> {
             "each attempt has its own job id, shared by its ranks",
             format!("{seen:?}"),
         )?;
-        check(
-            err.contains("rank 1 (pid")
-                && err.contains("exited with code 4: every rank was stopped; starting the whole job again (restart 1 of 1, --restart-policy job)")
-                && err.contains("the job succeeded after 1 restart(s) (--restart-policy job)"),
+        says(
+            &o,
+            &[
+                "rank 1 (pid",
+                "exited with code 4: every rank was stopped; starting the whole job again (restart 1 of 1, --restart-policy job)",
+                "the job succeeded after 1 restart(s) (--restart-policy job)",
+            ],
             "the launcher logs the restart and sums it up",
-            show(&o),
         )?;
     }
     Ok(())
@@ -966,11 +890,7 @@ fn restart_gives_up_after_n_restarts() -> Result<(), String> {
         &script,
     )?;
     let err = String::from_utf8_lossy(&o.stderr);
-    check(
-        o.status.code() == Some(3),
-        "the launcher exits with the failing rank's code",
-        show(&o),
-    )?;
+    exits(&o, 3, "the launcher exits with the failing rank's code")?;
     for r in 0..2 {
         check(
             lines_of(&d, &format!("seen.{r}")) == ["0", "1", "2"],
@@ -1052,10 +972,10 @@ fn restart_rank_policy_replaces_only_the_dead_rank() -> Result<(), String> {
                 "the job succeeds with the replacement",
                 show(&o),
             )?;
-            check(
-                err.contains("the job succeeded after 1 restart(s) (--restart-policy rank)"),
+            says(
+                &o,
+                &["the job succeeded after 1 restart(s) (--restart-policy rank)"],
                 "the launcher sums up the restart",
-                show(&o),
             )?;
         }
     }
@@ -1084,12 +1004,11 @@ fn restart_flags_are_strict() -> Result<(), String> {
     ];
     for (flags, code, says) in cases {
         let o = lockstep(&mark)
-            .args(["launch", "--nproc-per-node", "1"])
+            .args(launch("1"))
             .args(*flags)
             .args(["--", "true"])
             .env("LOCKSTEP_TOKEN", TOKEN)
-            .output()
-            .map_err(|e| e.to_string())?;
+            .run()?;
         check(
             o.status.code() == Some(*code) && String::from_utf8_lossy(&o.stderr).contains(says),
             &format!("{flags:?} is refused with exit {code}, saying {says:?}"),

@@ -178,6 +178,12 @@ fn reference() -> Result<&'static (Tensors, Tensors), String> {
     }))
 }
 
+/// The model checkpoint `ck` equals the reference run's final model bit for bit.
+fn ends_like_the_reference(ck: &Path, what: &str) -> Result<(), String> {
+    let (model, _) = reference()?;
+    check(&tensors(ck)? == model, what, "")
+}
+
 /// A checkpoint directory holding a complete 1-epoch save, made once and copied per test.
 fn epoch_one() -> Result<PathBuf, String> {
     static ONE: OnceLock<PathBuf> = OnceLock::new();
@@ -267,12 +273,11 @@ fn kill_at(step: SaveStep) -> Result<Row, String> {
         "nothing outside the checkpoint directory changed",
         "",
     )?;
-    let (model, optim) = reference()?;
-    check(
-        &tensors(&ck)? == model,
+    ends_like_the_reference(
+        &ck,
         "the final model equals the uninterrupted run's bit for bit",
-        "",
     )?;
+    let (_, optim) = reference()?;
     check(
         &tensors(&ckdir.join("model.optim.safetensors"))? == optim,
         "so does the optimizer state",
@@ -349,12 +354,7 @@ fn damaged_latest_resumes_the_previous_pair() -> Result<(), String> {
         "the previous pair is used, and the log says so and why",
         show(&o),
     )?;
-    let (model, _) = reference()?;
-    check(
-        &tensors(&ck)? == model,
-        "and the run ends where the uninterrupted one does",
-        "",
-    )
+    ends_like_the_reference(&ck, "and the run ends where the uninterrupted one does")
 }
 
 /// A directory in which this user cannot create a file, if one can be found.

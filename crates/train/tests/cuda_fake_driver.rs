@@ -10,6 +10,8 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 
+#[path = "common/axpy.rs"]
+mod axpy_twin;
 #[path = "../../../tests/common/bins.rs"]
 mod bins;
 #[path = "../../../tests/common/collectives.rs"]
@@ -206,6 +208,48 @@ fn sim_nccl_stream_ordered() {
     );
     drop(comm);
     drop(s);
+}
+
+/// Run `body` on 3 forked ranks that share the one simulated GPU through the staged backend (each
+/// gets its rank, a stream and its communicator); every rank's result, or the launch's error.
+fn on_three_staged_ranks<R: serde::Serialize + serde::de::DeserializeOwned>(
+    body: impl FnOnce(
+        usize,
+        &lockstep::cuda::Stream,
+        &mut lockstep::comm::Communicator,
+    ) -> lockstep::launch::RankResult<R>,
+) -> Result<Vec<R>, lockstep::launch::LaunchError> {
+    lockstep::launch::launch(&lockstep::launch::LaunchConfig::new(3), |rc| {
+        let ctx = lockstep::cuda::Context::new(0)?;
+        let s = ctx.stream()?;
+        let mut comm = lockstep::staged::StagedBackend::new(&ctx, rc.comm)?.into_communicator();
+        body(rc.rank, &s, &mut comm)
+    })
+}
+
+/// Panic (naming `what`) unless the launch succeeded and every rank's checks held.
+fn expect_every_rank(what: &str, res: Result<Vec<bool>, lockstep::launch::LaunchError>) {
+    match res {
+        Ok(v) if v.iter().all(|b| *b) => {}
+        other => panic!("{what}: {other:?}"),
+    }
+}
+
+/// A one-rank communicator on the simulated NCCL with `opts`, and 16 zeros for it to reduce on a
+/// stream of its context (context and stream come along, to outlive the two).
+fn one_rank_sim_nccl(
+    opts: lockstep::nccl::NcclOptions,
+) -> (
+    Arc<lockstep::cuda::Context>,
+    lockstep::comm::Communicator,
+    lockstep::cuda::Stream,
+    lockstep::cuda::DeviceBuffer<f32>,
+) {
+    let (ctx, comm) = sim_nccl_comm(1, opts);
+    let comm = comm.unwrap().into_communicator();
+    let s = ctx.stream().unwrap();
+    let x = lockstep::cuda::DeviceBuffer::<f32>::zeros(&s, 16).unwrap();
+    (ctx, comm, s, x)
 }
 
 fn short_timeout() -> lockstep::nccl::NcclOptions {
@@ -730,10 +774,7 @@ fn scenario(name: &str) {
             assert_eq!(counter("LOCKSTEP_NCCL_LIBRARY", "sim_abort_calls"), 1);
         }
         "sim_nccl_async_error_aborts" => {
-            let (ctx, comm) = sim_nccl_comm(1, short_timeout());
-            let mut comm = comm.unwrap().into_communicator();
-            let s = ctx.stream().unwrap();
-            let mut x = lockstep::cuda::DeviceBuffer::<f32>::zeros(&s, 16).unwrap();
+            let (_ctx, mut comm, _s, mut x) = one_rank_sim_nccl(short_timeout());
             comm.all_reduce_in_place(&mut x, lockstep::comm::ReduceOp::Sum)
                 .unwrap();
             let e = comm.synchronize().unwrap_err().to_string();
@@ -752,10 +793,7 @@ fn scenario(name: &str) {
             );
         }
         "sim_nccl_timeout_aborts" => {
-            let (ctx, comm) = sim_nccl_comm(1, short_timeout());
-            let mut comm = comm.unwrap().into_communicator();
-            let s = ctx.stream().unwrap();
-            let mut x = lockstep::cuda::DeviceBuffer::<f32>::zeros(&s, 16).unwrap();
+            let (_ctx, mut comm, _s, mut x) = one_rank_sim_nccl(short_timeout());
             comm.all_reduce_in_place(&mut x, lockstep::comm::ReduceOp::Max)
                 .unwrap();
             let e = comm.synchronize().unwrap_err().to_string();
@@ -775,10 +813,7 @@ fn scenario(name: &str) {
         "sim_nccl_work_times_out" => {
             // A nonblocking call on a stuck stream: its Work stays pending, then times out with
             // the communicator's timeout and aborts it; later calls say so.
-            let (ctx, comm) = sim_nccl_comm(1, short_timeout());
-            let mut comm = comm.unwrap().into_communicator();
-            let s = ctx.stream().unwrap();
-            let mut x = lockstep::cuda::DeviceBuffer::<f32>::zeros(&s, 16).unwrap();
+            let (_ctx, mut comm, _s, mut x) = one_rank_sim_nccl(short_timeout());
             let t = std::time::Instant::now();
             let w = comm.start(|c| c.all_reduce_in_place(&mut x, lockstep::comm::ReduceOp::Sum));
             assert!(!w.is_completed(), "a call on a stuck stream is pending");
@@ -804,10 +839,7 @@ fn scenario(name: &str) {
                 abort_check: Some(check),
                 ..Default::default()
             };
-            let (ctx, comm) = sim_nccl_comm(1, opts);
-            let mut comm = comm.unwrap().into_communicator();
-            let s = ctx.stream().unwrap();
-            let mut x = lockstep::cuda::DeviceBuffer::<f32>::zeros(&s, 16).unwrap();
+            let (_ctx, mut comm, _s, mut x) = one_rank_sim_nccl(opts);
             comm.all_reduce_in_place(&mut x, lockstep::comm::ReduceOp::Sum)
                 .unwrap();
             let e = comm.synchronize().unwrap_err().to_string();
@@ -934,14 +966,11 @@ fn scenario(name: &str) {
 fn staged_refusal_fails_peers_fast() {
     use lockstep::comm::ReduceOp;
     use lockstep::cuda::DeviceBuffer;
-    let res = lockstep::launch::launch(&lockstep::launch::LaunchConfig::new(3), |rc| {
-        let ctx = lockstep::cuda::Context::new(0)?;
-        let s = ctx.stream()?;
-        let mut comm = lockstep::staged::StagedBackend::new(&ctx, rc.comm)?.into_communicator();
+    let res = on_three_staged_ranks(|rank, s, comm| {
         assert_eq!(comm.backend_kind(), lockstep::comm::BackendKind::Staged);
         comm.barrier()?;
-        let send = DeviceBuffer::from_host(&s, &[1.0f32; 8])?;
-        let mut recv = DeviceBuffer::<f32>::zeros(&s, if rc.rank == 1 { 4 } else { 8 })?;
+        let send = DeviceBuffer::from_host(s, &[1.0f32; 8])?;
+        let mut recv = DeviceBuffer::<f32>::zeros(s, if rank == 1 { 4 } else { 8 })?;
         let t = std::time::Instant::now();
         let e = comm
             .all_reduce(&send, &mut recv, ReduceOp::Sum)
@@ -1114,7 +1143,6 @@ fn nccl_across_nodes_via_store() {
 
 fn sim_memory_kernels_events() {
     use lockstep::cuda::{Context, DeviceBuffer, KernelGrid, PinnedBuffer};
-    use lockstep_train::device::kernels::twins;
     let ctx = Context::new(0).unwrap();
     let info = ctx.info().unwrap();
     assert_eq!(
@@ -1166,21 +1194,9 @@ fn sim_memory_kernels_events() {
         }
         Err(e) => panic!("{e}"),
     };
-    let n = 1000usize;
-    let x: Vec<f32> = (0..n).map(|i| (i % 17) as f32).collect();
-    let mut y_cpu: Vec<f32> = (0..n).map(|i| (i % 5) as f32).collect();
-    let mut y = DeviceBuffer::from_host(&s, &y_cpu).unwrap();
-    let dx = DeviceBuffer::from_host(&s, &x).unwrap();
-    axpy.launch(KernelGrid::for_elements(n))
-        .arg_mut(&mut y)
-        .arg(&dx)
-        .scalar(2.0f32)
-        .scalar(n as i64)
-        .elements(n)
-        .run(&s)
-        .unwrap();
-    twins::axpy_f32(&mut y_cpu, &x, 2.0, n as i64);
-    assert_eq!(y.to_vec(&s).unwrap(), y_cpu);
+    let n = axpy_twin::N;
+    let axpy_twin::Axpy { x: dx, mut y, want } = axpy_twin::axpy_2x(&axpy, &s).unwrap();
+    assert_eq!(y.to_vec(&s).unwrap(), want);
     let fill = ctx
         .function(KernelId::Elementwise.source(), "fill_f32")
         .unwrap();
@@ -1300,51 +1316,48 @@ fn sim_memory_kernels_events() {
 fn sim_staged() {
     use lockstep::comm::ReduceOp;
     use lockstep::cuda::DeviceBuffer;
-    let res = lockstep::launch::launch(&lockstep::launch::LaunchConfig::new(3), |rc| {
-        let ctx = lockstep::cuda::Context::new(0)?;
-        let s = ctx.stream()?;
-        let mut comm = lockstep::staged::StagedBackend::new(&ctx, rc.comm)?.into_communicator();
-        let (rank, r) = (rc.rank, rc.rank as f32);
+    let res = on_three_staged_ranks(|rank, s, comm| {
+        let r = rank as f32;
         let mut ok = true;
-        let mut x = DeviceBuffer::from_host(&s, &vec![r + 1.0; 1000])?;
+        let mut x = DeviceBuffer::from_host(s, &vec![r + 1.0; 1000])?;
         comm.all_reduce_in_place(&mut x, ReduceOp::Sum)?;
-        ok &= x.to_vec(&s)?.iter().all(|v| *v == 6.0);
-        let mine = DeviceBuffer::from_host(&s, &[r; 10])?;
-        let mut g = DeviceBuffer::<f32>::zeros(&s, 30)?;
+        ok &= x.to_vec(s)?.iter().all(|v| *v == 6.0);
+        let mine = DeviceBuffer::from_host(s, &[r; 10])?;
+        let mut g = DeviceBuffer::<f32>::zeros(s, 30)?;
         comm.all_gather(&mine, &mut g)?;
         let want_g: Vec<f32> = (0..30).map(|i| (i / 10) as f32).collect();
-        ok &= g.to_vec(&s)? == want_g;
+        ok &= g.to_vec(s)? == want_g;
         let mut gi = DeviceBuffer::from_host(
-            &s,
+            s,
             &(0..30)
                 .map(|i| if i / 10 == rank { r } else { -9.0 })
                 .collect::<Vec<f32>>(),
         )?;
         comm.all_gather_in_place(&mut gi)?;
-        ok &= gi.to_vec(&s)? == want_g;
-        let mut keep = DeviceBuffer::from_host(&s, &[-1.0f32; 30])?;
+        ok &= gi.to_vec(s)? == want_g;
+        let mut keep = DeviceBuffer::from_host(s, &[-1.0f32; 30])?;
         comm.gather(&mine, &mut keep, 1)?;
-        ok &= keep.to_vec(&s)?
+        ok &= keep.to_vec(s)?
             == if rank == 1 {
                 want_g.clone()
             } else {
                 vec![-1.0; 30]
             };
-        let mut red = DeviceBuffer::from_host(&s, &[-1.0f32; 10])?;
+        let mut red = DeviceBuffer::from_host(s, &[-1.0f32; 10])?;
         comm.reduce(&mine, &mut red, ReduceOp::Max, 2)?;
-        ok &= red.to_vec(&s)?
+        ok &= red.to_vec(s)?
             == if rank == 2 {
                 vec![2.0; 10]
             } else {
                 vec![-1.0; 10]
             };
-        let mut rs = DeviceBuffer::from_host(&s, &(0..30).map(|i| i as f32).collect::<Vec<f32>>())?;
+        let mut rs = DeviceBuffer::from_host(s, &(0..30).map(|i| i as f32).collect::<Vec<f32>>())?;
         comm.reduce_scatter_in_place(&mut rs, ReduceOp::Sum)?;
-        let v = rs.to_vec(&s)?;
+        let v = rs.to_vec(s)?;
         ok &= (0..10).all(|i| v[rank * 10 + i] == 3.0 * (rank * 10 + i) as f32);
-        let mut b = DeviceBuffer::from_host(&s, &[r; 5])?;
+        let mut b = DeviceBuffer::from_host(s, &[r; 5])?;
         comm.broadcast_in_place(&mut b, 2)?;
-        ok &= b.to_vec(&s)? == vec![2.0; 5];
+        ok &= b.to_vec(s)? == vec![2.0; 5];
         let (h, mut hr) = (vec![r; 4], vec![0f32; 4]);
         comm.all_reduce(&h, &mut hr, ReduceOp::Sum)?;
         ok &= hr == vec![3.0; 4];
@@ -1352,10 +1365,7 @@ fn sim_staged() {
         comm.synchronize()?;
         Ok(ok)
     });
-    match res {
-        Ok(v) if v.iter().all(|b| *b) => {}
-        other => panic!("staged ranks: {other:?}"),
-    }
+    expect_every_rank("staged ranks", res);
 }
 
 /// `ncclCommSplit` on the simulated NCCL (one rank): no color gives no communicator, a color a
@@ -1409,32 +1419,25 @@ fn sim_nccl_split() {
 fn sim_staged_split() {
     use lockstep::comm::ReduceOp;
     use lockstep::cuda::DeviceBuffer;
-    let res = lockstep::launch::launch(&lockstep::launch::LaunchConfig::new(3), |rc| {
-        let ctx = lockstep::cuda::Context::new(0)?;
-        let s = ctx.stream()?;
-        let mut comm = lockstep::staged::StagedBackend::new(&ctx, rc.comm)?.into_communicator();
-        let me = rc.rank;
+    let res = on_three_staged_ranks(|me, s, comm| {
         let mut sub = comm
             .split(Some((me % 2) as u32), -(me as i64))?
             .ok_or("no sub-communicator")?;
         let want: Vec<usize> = if me % 2 == 0 { vec![2, 0] } else { vec![1] };
         let mut ok =
             sub.global_ranks() == want && sub.backend_kind() == lockstep::comm::BackendKind::Staged;
-        let mut x = DeviceBuffer::from_host(&s, &[me as f32; 100])?;
+        let mut x = DeviceBuffer::from_host(s, &[me as f32; 100])?;
         sub.all_reduce_in_place(&mut x, ReduceOp::Sum)?;
         let sum: f32 = want.iter().map(|&g| g as f32).sum();
-        ok &= x.to_vec(&s)?.iter().all(|v| *v == sum);
-        let mut g = DeviceBuffer::<f32>::zeros(&s, want.len())?;
-        sub.all_gather(&DeviceBuffer::from_host(&s, &[me as f32])?, &mut g)?;
-        ok &= g.to_vec(&s)? == want.iter().map(|&g| g as f32).collect::<Vec<_>>();
+        ok &= x.to_vec(s)?.iter().all(|v| *v == sum);
+        let mut g = DeviceBuffer::<f32>::zeros(s, want.len())?;
+        sub.all_gather(&DeviceBuffer::from_host(s, &[me as f32])?, &mut g)?;
+        ok &= g.to_vec(s)? == want.iter().map(|&g| g as f32).collect::<Vec<_>>();
         sub.synchronize()?;
         comm.barrier()?;
         Ok(ok)
     });
-    match res {
-        Ok(v) if v.iter().all(|b| *b) => {}
-        other => panic!("staged split: {other:?}"),
-    }
+    expect_every_rank("staged split", res);
 }
 
 /// The device engine's host side on the simulated driver (host memory stands in for device
@@ -1536,221 +1539,136 @@ fn main() {
     let root = std::env::temp_dir().join(format!("lockstep-fake-libs-{}", std::process::id()));
     let libs = build_libs(&root);
     let s = |p: &PathBuf| p.display().to_string();
+    // The libraries a scenario loads, by kind, and the variables some add to them.
+    let cuda = ("LOCKSTEP_CUDA_LIBRARY", s(&libs.cuda));
+    let sim = ("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda));
+    let sim_nccl = ("LOCKSTEP_NCCL_LIBRARY", s(&libs.sim_nccl));
+    let sim_nvrtc = ("LOCKSTEP_NVRTC_LIBRARY", s(&libs.sim_nvrtc));
+    let stuck = ("SIM_STREAM_STUCK", "1".to_string());
+    let set = |k: &'static str, v: &str| (k, v.to_string());
     let cases: Vec<(&str, Vec<(&str, String)>)> = vec![
-        (
-            "guard_records_location",
-            vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.cuda))],
-        ),
-        (
-            "foreign_init_refused",
-            vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.cuda))],
-        ),
-        (
-            "guard_is_per_process",
-            vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.cuda))],
-        ),
-        (
-            "probe_child_reports",
-            vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.cuda))],
-        ),
+        ("guard_records_location", vec![cuda.clone()]),
+        ("foreign_init_refused", vec![cuda.clone()]),
+        ("guard_is_per_process", vec![cuda.clone()]),
+        ("probe_child_reports", vec![cuda.clone()]),
         (
             "sim_gpus_pick_defaults",
-            vec![
-                ("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)),
-                ("SIM_CUDA_DEVICES", "3".into()),
-            ],
+            vec![sim.clone(), set("SIM_CUDA_DEVICES", "3")],
         ),
         (
             "missing_override",
-            vec![("LOCKSTEP_CUDA_LIBRARY", "/nonexistent/libcuda.so.1".into())],
+            vec![set("LOCKSTEP_CUDA_LIBRARY", "/nonexistent/libcuda.so.1")],
         ),
         ("missing_default_search", vec![]),
         (
             "missing_symbol",
             vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.cuda_broken))],
         ),
-        (
-            "driver_symbols_missing_is_error",
-            vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.cuda))],
-        ),
+        ("driver_symbols_missing_is_error", vec![cuda.clone()]),
         (
             "fake_nccl",
-            vec![
-                ("LOCKSTEP_NCCL_LIBRARY", s(&libs.nccl)),
-                ("LOCKSTEP_CUDA_LIBRARY", s(&libs.cuda)),
-            ],
+            vec![("LOCKSTEP_NCCL_LIBRARY", s(&libs.nccl)), cuda.clone()],
         ),
         (
             "old_nccl_rejected",
             vec![("LOCKSTEP_NCCL_LIBRARY", s(&libs.nccl_old))],
         ),
-        (
-            "sim_memory_kernels_events",
-            vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda))],
-        ),
-        (
-            "sim_bench_device",
-            vec![
-                ("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)),
-                ("LOCKSTEP_NCCL_LIBRARY", s(&libs.sim_nccl)),
-            ],
-        ),
+        ("sim_memory_kernels_events", vec![sim.clone()]),
+        ("sim_bench_device", vec![sim.clone(), sim_nccl.clone()]),
         (
             "sim_device_engine_host_side",
-            vec![
-                ("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)),
-                ("LOCKSTEP_NVRTC_LIBRARY", s(&libs.sim_nvrtc)),
-                ("SIM_NVRTC_FAIL", "1".into()),
-            ],
+            vec![sim.clone(), sim_nvrtc.clone(), set("SIM_NVRTC_FAIL", "1")],
         ),
         (
             "sim_drop_error_is_deferred",
-            vec![
-                ("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)),
-                ("SIM_FAIL_FREE", "1".into()),
-            ],
+            vec![sim.clone(), set("SIM_FAIL_FREE", "1")],
         ),
-        (
-            "sim_nccl_collectives",
-            vec![
-                ("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)),
-                ("LOCKSTEP_NCCL_LIBRARY", s(&libs.sim_nccl)),
-            ],
-        ),
+        ("sim_nccl_collectives", vec![sim.clone(), sim_nccl.clone()]),
         (
             "sim_nccl_stream_ordered",
             vec![
-                ("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)),
-                ("LOCKSTEP_NCCL_LIBRARY", s(&libs.sim_nccl)),
+                sim.clone(),
+                sim_nccl.clone(),
                 ("SIM_CALL_LOG", s(&root.join("calls.log"))),
             ],
         ),
-        (
-            "sim_nccl_split",
-            vec![
-                ("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)),
-                ("LOCKSTEP_NCCL_LIBRARY", s(&libs.sim_nccl)),
-            ],
-        ),
+        ("sim_nccl_split", vec![sim.clone(), sim_nccl.clone()]),
         (
             "sim_nccl_split_missing",
             vec![
-                ("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)),
+                sim.clone(),
                 ("LOCKSTEP_NCCL_LIBRARY", s(&libs.sim_nccl_no_split)),
             ],
         ),
-        (
-            "sim_staged_split",
-            vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda))],
-        ),
+        ("sim_staged_split", vec![sim.clone()]),
         (
             "sim_nccl_peer_never_joins",
-            vec![
-                ("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)),
-                ("LOCKSTEP_NCCL_LIBRARY", s(&libs.sim_nccl)),
-            ],
+            vec![sim.clone(), sim_nccl.clone()],
         ),
         (
             "sim_nccl_async_error_aborts",
             vec![
-                ("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)),
-                ("LOCKSTEP_NCCL_LIBRARY", s(&libs.sim_nccl)),
-                ("SIM_NCCL_ASYNC_ERROR", "1".into()),
-                ("SIM_STREAM_STUCK", "1".into()),
+                sim.clone(),
+                sim_nccl.clone(),
+                set("SIM_NCCL_ASYNC_ERROR", "1"),
+                stuck.clone(),
             ],
         ),
         (
             "sim_nccl_timeout_aborts",
-            vec![
-                ("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)),
-                ("LOCKSTEP_NCCL_LIBRARY", s(&libs.sim_nccl)),
-                ("SIM_STREAM_STUCK", "1".into()),
-            ],
+            vec![sim.clone(), sim_nccl.clone(), stuck.clone()],
         ),
         (
             "sim_nccl_work_times_out",
-            vec![
-                ("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)),
-                ("LOCKSTEP_NCCL_LIBRARY", s(&libs.sim_nccl)),
-                ("SIM_STREAM_STUCK", "1".into()),
-            ],
+            vec![sim.clone(), sim_nccl.clone(), stuck.clone()],
         ),
         (
             "sim_nccl_liveness_check_aborts",
-            vec![
-                ("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)),
-                ("LOCKSTEP_NCCL_LIBRARY", s(&libs.sim_nccl)),
-                ("SIM_STREAM_STUCK", "1".into()),
-            ],
+            vec![sim.clone(), sim_nccl.clone(), stuck.clone()],
         ),
-        (
-            "sim_staged_ranks_share_a_gpu",
-            vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda))],
-        ),
+        ("sim_staged_ranks_share_a_gpu", vec![sim.clone()]),
         (
             "unique_id_exchange_over_shm",
-            vec![
-                ("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)),
-                ("LOCKSTEP_NCCL_LIBRARY", s(&libs.sim_nccl)),
-            ],
+            vec![sim.clone(), sim_nccl.clone()],
         ),
         (
             "nccl_across_nodes_via_store",
-            vec![
-                ("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)),
-                ("LOCKSTEP_NCCL_LIBRARY", s(&libs.sim_nccl)),
-            ],
+            vec![sim.clone(), sim_nccl.clone()],
         ),
-        (
-            "staged_refusal_fails_peers_fast",
-            vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda))],
-        ),
+        ("staged_refusal_fails_peers_fast", vec![sim.clone()]),
         (
             "one_selection_policy",
-            vec![
-                ("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)),
-                ("LOCKSTEP_NCCL_LIBRARY", s(&libs.sim_nccl)),
-                ("LOCKSTEP_NVRTC_LIBRARY", s(&libs.sim_nvrtc)),
-            ],
+            vec![sim.clone(), sim_nccl.clone(), sim_nvrtc.clone()],
         ),
         (
             "nccl_multi_rank_gpu",
             vec![
-                ("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)),
-                ("LOCKSTEP_NCCL_LIBRARY", s(&libs.sim_nccl)),
-                ("NCCL_MULTI_RANK_GPU_ENABLE", "1".into()),
-                ("SIM_NCCL_VERSION", "23000".into()),
+                sim.clone(),
+                sim_nccl.clone(),
+                set("NCCL_MULTI_RANK_GPU_ENABLE", "1"),
+                set("SIM_NCCL_VERSION", "23000"),
                 ("SIM_NCCL_RDZV_DIR", s(&root.join("rdzv-multi-rank"))),
             ],
         ),
         (
             "nccl_multi_rank_gpu",
             vec![
-                ("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda)),
-                ("LOCKSTEP_NCCL_LIBRARY", s(&libs.sim_nccl)),
-                ("NCCL_MULTI_RANK_GPU_ENABLE", "1".into()),
+                sim.clone(),
+                sim_nccl.clone(),
+                set("NCCL_MULTI_RANK_GPU_ENABLE", "1"),
                 ("SIM_NCCL_RDZV_DIR", s(&root.join("rdzv-multi-rank-old"))),
             ],
         ),
-        (
-            "nvrtc_compile_goes_through_guard",
-            vec![("LOCKSTEP_CUDA_LIBRARY", s(&libs.sim_cuda))],
-        ),
+        ("nvrtc_compile_goes_through_guard", vec![sim.clone()]),
         (
             "debug_probe",
-            vec![
-                ("LOCKSTEP_CUDA_LIBRARY", s(&libs.cuda)),
-                ("LOCKSTEP_DEBUG", "1".into()),
-            ],
+            vec![cuda.clone(), set("LOCKSTEP_DEBUG", "1")],
         ),
         (
             "missing_nccl_and_nvrtc",
             vec![
-                ("LOCKSTEP_NCCL_LIBRARY", "/nonexistent/libnccl.so.2".into()),
-                (
-                    "LOCKSTEP_NVRTC_LIBRARY",
-                    "/nonexistent/libnvrtc.so.12".into(),
-                ),
+                set("LOCKSTEP_NCCL_LIBRARY", "/nonexistent/libnccl.so.2"),
+                set("LOCKSTEP_NVRTC_LIBRARY", "/nonexistent/libnvrtc.so.12"),
             ],
         ),
     ];

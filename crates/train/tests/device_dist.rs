@@ -9,48 +9,108 @@
 
 #[path = "../../../tests/common/mod.rs"]
 mod common;
+#[path = "common/train.rs"]
+mod train;
 
+use lockstep::comm::Communicator;
 use lockstep::launch::{launch, LaunchConfig, RankContext};
-use lockstep_train::data;
-use lockstep_train::device::{train_device, CpuExec, DeviceOptions};
-use lockstep_train::trainer::{EpochReport, Observer, Silent, TrainConfig};
+use lockstep_train::data::{self, Dataset};
+use lockstep_train::device::{train_device, CpuExec, DeviceError, DeviceOptions};
+use lockstep_train::trainer::{EpochReport, Observer, Silent, TrainConfig, TrainOutcome};
+
+/// `n_train` and `n_test` synthetic samples (generator seed `seed`), written to `dir` and read
+/// back as the train and test sets.
+fn synthetic(
+    dir: &std::path::Path,
+    n_train: usize,
+    n_test: usize,
+    seed: u64,
+) -> Result<(Dataset, Dataset), String> {
+    data::write_synthetic(dir, n_train, n_test, seed).map_err(|e| e.to_string())?;
+    let train = data::load_split(dir, true).map_err(|e| e.to_string())?;
+    let test = data::load_split(dir, false).map_err(|e| e.to_string())?;
+    Ok((train, test))
+}
+
+/// `train_device` on the CPU-twin executor: the device engine's whole sequence without a GPU.
+fn on_twins(
+    cfg: &TrainConfig,
+    opts: &DeviceOptions,
+    (train, test): (&Dataset, &Dataset),
+    comm: Option<&mut Communicator>,
+    obs: &mut dyn Observer,
+) -> Result<TrainOutcome, DeviceError> {
+    train_device(
+        cfg,
+        opts,
+        train,
+        test,
+        |len| Ok(CpuExec::new(len)),
+        comm,
+        obs,
+    )
+}
+
+/// `train_device` on 2 forked ranks with the CPU twins and the shared-memory communicator:
+/// `setup` gives each rank (by its index) its config and options, `each` maps the rank's outcome
+/// to what the test compares (rank order).
+fn on_two_ranks<R>(
+    data: (&Dataset, &Dataset),
+    setup: impl FnOnce(usize) -> Result<(TrainConfig, DeviceOptions), String>,
+    each: impl FnOnce(TrainOutcome) -> R,
+) -> Result<Vec<R>, String>
+where
+    R: serde::Serialize + serde::de::DeserializeOwned,
+{
+    launch(&LaunchConfig::new(2), |mut ctx: RankContext| {
+        let (cfg, opts) = setup(ctx.rank)?;
+        let out = on_twins(&cfg, &opts, data, Some(&mut ctx.comm), &mut Silent)?;
+        Ok(each(out))
+    })
+    .map_err(|e| e.to_string())
+}
+
+/// `epochs` epochs in batches of `batch_size`, everything else the default.
+fn config(epochs: u64, batch_size: usize) -> TrainConfig {
+    TrainConfig {
+        epochs,
+        batch_size,
+        ..Default::default()
+    }
+}
+
+/// The default device options with the loss read back every `loss_every` steps.
+fn loss_every(loss_every: usize) -> DeviceOptions {
+    DeviceOptions {
+        loss_every,
+        ..Default::default()
+    }
+}
+
+/// fp16 with a loss scaler that starts at `start` (factors 2 and 0.5) and grows after
+/// `growth_interval` clean steps; the loss is read back every step.
+fn fp16_opts(start: f32, growth_interval: u32) -> Result<DeviceOptions, String> {
+    Ok(DeviceOptions {
+        loss_every: 1,
+        precision: lockstep_train::device::Precision::Fp16,
+        loss_scaler: lockstep_train::precision::LossScaler::new(start, 2.0, 0.5, growth_interval)
+            .map_err(|e| e.to_string())?,
+    })
+}
 
 fn two_ranks_stay_identical() -> Result<(), String> {
-    let dir = common::scratch("device-dist");
-    data::write_synthetic(&dir, 30, 11, 3).map_err(|e| e.to_string())?;
-    let train = data::load_split(&dir, true).map_err(|e| e.to_string())?;
-    let test = data::load_split(&dir, false).map_err(|e| e.to_string())?;
-    let _ = std::fs::remove_dir_all(&dir);
+    let (train, test) = synthetic(&common::scratch("device-dist"), 30, 11, 3)?;
     // 30 images over 2 ranks, batch 4: 15 per rank = 3 full steps and one of 3.
-    let cfg = TrainConfig {
-        epochs: 1,
-        batch_size: 4,
-        ..Default::default()
-    };
-    let out = launch(&LaunchConfig::new(2), |mut ctx: RankContext| {
-        let opts = DeviceOptions {
-            loss_every: 2,
-            ..Default::default()
-        };
-        let out = train_device(
-            &cfg,
-            &opts,
-            &train,
-            &test,
-            |len| Ok(CpuExec::new(len)),
-            Some(&mut ctx.comm),
-            &mut Silent,
-        )?;
+    let setup = |_| Ok((config(1, 4), loss_every(2)));
+    let out = on_two_ranks((&train, &test), setup, |out| {
         let r = &out.reports[0];
-        let checksum: f64 = out
-            .params
-            .iter()
-            .enumerate()
-            .map(|(i, &p)| p as f64 * (1.0 + (i % 7) as f64))
-            .sum();
-        Ok((checksum, r.test_count, r.train_loss, r.steps as u64))
-    })
-    .map_err(|e| e.to_string())?;
+        (
+            train::checksum(&out.params),
+            r.test_count,
+            r.train_loss,
+            r.steps as u64,
+        )
+    })?;
     let (a, b) = (out[0], out[1]);
     common::check(
         a.0 == b.0,
@@ -77,38 +137,23 @@ fn two_ranks_stay_identical() -> Result<(), String> {
 /// Ranks that initialise differently (another seed each) still train identical replicas: rank
 /// 0's parameters and BatchNorm statistics are broadcast before the first step.
 fn initial_weights_come_from_rank_0() -> Result<(), String> {
-    let dir = common::scratch("device-dist-bcast");
-    data::write_synthetic(&dir, 16, 4, 5).map_err(|e| e.to_string())?;
-    let train = data::load_split(&dir, true).map_err(|e| e.to_string())?;
-    let test = data::load_split(&dir, false).map_err(|e| e.to_string())?;
-    let _ = std::fs::remove_dir_all(&dir);
-    let out = launch(&LaunchConfig::new(2), |mut ctx: RankContext| {
-        let cfg = TrainConfig {
-            epochs: 1,
-            batch_size: 4,
-            seed: 7 + ctx.rank as u64,
-            ..Default::default()
-        };
-        let opts = DeviceOptions {
-            loss_every: 1,
-            ..Default::default()
-        };
-        let out = train_device(
-            &cfg,
-            &opts,
-            &train,
-            &test,
-            |len| Ok(CpuExec::new(len)),
-            Some(&mut ctx.comm),
-            &mut Silent,
-        )?;
-        Ok(out
-            .params
+    let (train, test) = synthetic(&common::scratch("device-dist-bcast"), 16, 4, 5)?;
+    let setup = |rank: usize| {
+        let seed = 7 + rank as u64;
+        Ok((
+            TrainConfig {
+                seed,
+                ..config(1, 4)
+            },
+            loss_every(1),
+        ))
+    };
+    let out = on_two_ranks((&train, &test), setup, |out| {
+        out.params
             .iter()
             .map(|p| p.to_bits() as u64)
-            .fold(0u64, |h, b| h.wrapping_mul(1_000_003).wrapping_add(b)))
-    })
-    .map_err(|e| e.to_string())?;
+            .fold(0u64, |h, b| h.wrapping_mul(1_000_003).wrapping_add(b))
+    })?;
     common::check(
         out[0] == out[1],
         "parameters identical on both ranks although their seeds differ",
@@ -138,66 +183,31 @@ impl Observer for SavedEachEpoch {
 /// parameters, Adam moments and step, and BatchNorm statistics exactly).
 fn save_every_epoch_and_resume_bit_identically() -> Result<(), String> {
     let dir = common::scratch("device-resume");
-    data::write_synthetic(&dir, 20, 4, 9).map_err(|e| e.to_string())?;
-    let train = data::load_split(&dir, true).map_err(|e| e.to_string())?;
-    let test = data::load_split(&dir, false).map_err(|e| e.to_string())?;
-    let opts = DeviceOptions {
-        loss_every: 2,
-        ..Default::default()
-    };
-    let e = |e: lockstep_train::device::DeviceError| e.to_string();
+    let (train, test) = synthetic(&dir, 20, 4, 9)?;
+    let opts = loss_every(2);
+    let e = |e: DeviceError| e.to_string();
     let run = |cfg: &TrainConfig, obs: &mut dyn Observer| {
-        train_device(
-            cfg,
-            &opts,
-            &train,
-            &test,
-            |len| Ok(CpuExec::new(len)),
-            None,
-            obs,
-        )
+        on_twins(cfg, &opts, (&train, &test), None, obs)
     };
     let full = dir.join("full.safetensors");
     let mut obs = SavedEachEpoch {
         path: full.clone(),
         seen: Vec::new(),
     };
-    let straight = run(
-        &TrainConfig {
-            epochs: 2,
-            batch_size: 8,
-            save: Some(full.clone()),
-            ..Default::default()
-        },
-        &mut obs,
-    )
-    .map_err(e)?;
+    let save_full = TrainConfig {
+        save: Some(full.clone()),
+        ..config(2, 8)
+    };
+    let straight = run(&save_full, &mut obs).map_err(e)?;
     common::check(
         obs.seen == [1, 2],
         "a checkpoint of epoch 1, then of epoch 2, on disk as each epoch ends",
         format!("{:?}", obs.seen),
     )?;
     let half = dir.join("half.safetensors");
-    run(
-        &TrainConfig {
-            epochs: 1,
-            batch_size: 8,
-            save: Some(half.clone()),
-            ..Default::default()
-        },
-        &mut Silent,
-    )
-    .map_err(e)?;
-    let resumed = run(
-        &TrainConfig {
-            epochs: 2,
-            batch_size: 8,
-            resume: Some(half),
-            ..Default::default()
-        },
-        &mut Silent,
-    )
-    .map_err(e)?;
+    let (save_half, resume_half) = train::save_then_resume(&config(2, 8), &half);
+    run(&save_half, &mut Silent).map_err(e)?;
+    let resumed = run(&resume_half, &mut Silent).map_err(e)?;
     let _ = std::fs::remove_dir_all(&dir);
     common::check(
         resumed.reports.len() == 1 && resumed.reports[0].epoch == 2,
@@ -228,42 +238,16 @@ fn save_every_epoch_and_resume_bit_identically() -> Result<(), String> {
 /// must skip the same steps (one verdict on the all-reduced gradients), halve the scale the same
 /// number of times and end with bit-identical parameters.
 fn fp16_ranks_agree_on_skips() -> Result<(), String> {
-    use lockstep_train::device::Precision;
-    use lockstep_train::precision::LossScaler;
-    let dir = common::scratch("device-dist-fp16");
-    data::write_synthetic(&dir, 48, 11, 3).map_err(|e| e.to_string())?;
-    let train = data::load_split(&dir, true).map_err(|e| e.to_string())?;
-    let test = data::load_split(&dir, false).map_err(|e| e.to_string())?;
-    let _ = std::fs::remove_dir_all(&dir);
+    let (train, test) = synthetic(&common::scratch("device-dist-fp16"), 48, 11, 3)?;
     // 48 images over 2 ranks, batch 4: 6 steps per rank per epoch, 2 epochs.
-    let cfg = TrainConfig {
-        epochs: 2,
-        batch_size: 4,
-        ..Default::default()
-    };
-    let out = launch(&LaunchConfig::new(2), |mut ctx: RankContext| {
-        let scaler = LossScaler::new(2f32.powi(26), 2.0, 0.5, 2000).map_err(|e| e.to_string())?;
-        let opts = DeviceOptions {
-            loss_every: 1,
-            precision: Precision::Fp16,
-            loss_scaler: scaler,
-        };
-        let out = train_device(
-            &cfg,
-            &opts,
-            &train,
-            &test,
-            |len| Ok(CpuExec::new(len)),
-            Some(&mut ctx.comm),
-            &mut Silent,
-        )?;
+    let setup = |_| Ok((config(2, 4), fp16_opts(2f32.powi(26), 2000)?));
+    let out = on_two_ranks((&train, &test), setup, |out| {
         let bits: Vec<u32> = out.params.iter().map(|p| p.to_bits()).collect();
         let skipped: Vec<u64> = out.reports.iter().map(|r| r.skipped_steps).collect();
         let scales: Vec<Option<f32>> = out.reports.iter().map(|r| r.loss_scale).collect();
         let finite = out.params.iter().all(|p| p.is_finite());
-        Ok((bits, skipped, scales, finite))
-    })
-    .map_err(|e| e.to_string())?;
+        (bits, skipped, scales, finite)
+    })?;
     let (a, b) = (&out[0], &out[1]);
     let differ = a.0.iter().zip(&b.0).filter(|(x, y)| x != y).count();
     common::check(
@@ -331,46 +315,26 @@ fn checkpoint_bits(path: &std::path::Path) -> Result<CheckpointBits, String> {
 /// counted, so a resume that restarted the scaler (at 2^20, count 0), or restored only its
 /// scale, would skip or grow at other steps and end elsewhere.
 fn fp16_resume_continues_the_loss_scaler_bit_identically() -> Result<(), String> {
-    use lockstep_train::device::Precision;
-    use lockstep_train::precision::LossScaler;
     const START: f32 = (1u32 << 20) as f32;
     let dir = common::scratch("device-resume-fp16");
-    data::write_synthetic(&dir, 48, 11, 3).map_err(|e| e.to_string())?;
-    let train = data::load_split(&dir, true).map_err(|e| e.to_string())?;
-    let test = data::load_split(&dir, false).map_err(|e| e.to_string())?;
+    let (train, test) = synthetic(&dir, 48, 11, 3)?;
     let run = |cfg: TrainConfig| {
-        launch(&LaunchConfig::new(2), |mut ctx: RankContext| {
-            let scaler = LossScaler::new(START, 2.0, 0.5, 3).map_err(|e| e.to_string())?;
-            let opts = DeviceOptions {
-                loss_every: 1,
-                precision: Precision::Fp16,
-                loss_scaler: scaler,
-            };
-            let out = train_device(
-                &cfg,
-                &opts,
-                &train,
-                &test,
-                |len| Ok(CpuExec::new(len)),
-                Some(&mut ctx.comm),
-                &mut Silent,
-            )?;
-            let bits: Vec<u32> = out.params.iter().map(|p| p.to_bits()).collect();
-            let per_epoch: Vec<(u64, Option<f32>)> = out
-                .reports
-                .iter()
-                .map(|r| (r.skipped_steps, r.loss_scale))
-                .collect();
-            Ok((bits, per_epoch))
-        })
-        .map_err(|e| e.to_string())
+        on_two_ranks(
+            (&train, &test),
+            |_| Ok((cfg, fp16_opts(START, 3)?)),
+            |out| {
+                let bits: Vec<u32> = out.params.iter().map(|p| p.to_bits()).collect();
+                let per_epoch: Vec<(u64, Option<f32>)> = out
+                    .reports
+                    .iter()
+                    .map(|r| (r.skipped_steps, r.loss_scale))
+                    .collect();
+                (bits, per_epoch)
+            },
+        )
     };
     // 48 images over 2 ranks, batch 4: 6 steps per rank per epoch.
-    let base = TrainConfig {
-        epochs: 2,
-        batch_size: 4,
-        ..Default::default()
-    };
+    let base = config(2, 4);
     let (full, half, resumed_path) = (
         dir.join("full.safetensors"),
         dir.join("half.safetensors"),
@@ -433,45 +397,16 @@ fn fp16_resume_continues_the_loss_scaler_bit_identically() -> Result<(), String>
 /// An fp32 checkpoint (or one written before the scaler was stored) still resumes an fp16 run:
 /// with a fresh scaler (the configured one), which at 2^26 overflows again in the resumed epoch.
 fn fp16_resume_from_a_checkpoint_without_scaler_state() -> Result<(), String> {
-    use lockstep_train::device::Precision;
-    use lockstep_train::precision::LossScaler;
     let dir = common::scratch("device-resume-noscaler");
-    data::write_synthetic(&dir, 24, 4, 9).map_err(|e| e.to_string())?;
-    let train = data::load_split(&dir, true).map_err(|e| e.to_string())?;
-    let test = data::load_split(&dir, false).map_err(|e| e.to_string())?;
-    let e = |e: lockstep_train::device::DeviceError| e.to_string();
+    let (train, test) = synthetic(&dir, 24, 4, 9)?;
+    let e = |e: DeviceError| e.to_string();
     let ck = dir.join("fp32.safetensors");
-    let cfg = TrainConfig {
-        epochs: 1,
-        batch_size: 4,
-        save: Some(ck.clone()),
-        ..Default::default()
-    };
-    let exec = |len| Ok(CpuExec::new(len));
-    train_device(
-        &cfg,
-        &DeviceOptions::default(),
-        &train,
-        &test,
-        exec,
-        None,
-        &mut Silent,
-    )
-    .map_err(e)?;
+    let (save, resume) = train::save_then_resume(&config(2, 4), &ck);
+    let data = (&train, &test);
+    on_twins(&save, &DeviceOptions::default(), data, None, &mut Silent).map_err(e)?;
     let saved = checkpoint_bits(&ck)?.3;
-    let scaler = LossScaler::new(2f32.powi(26), 2.0, 0.5, 2000).map_err(|e| e.to_string())?;
-    let opts = DeviceOptions {
-        loss_every: 1,
-        precision: Precision::Fp16,
-        loss_scaler: scaler,
-    };
-    let cfg = TrainConfig {
-        epochs: 2,
-        batch_size: 4,
-        resume: Some(ck),
-        ..Default::default()
-    };
-    let out = train_device(&cfg, &opts, &train, &test, exec, None, &mut Silent).map_err(e)?;
+    let opts = fp16_opts(2f32.powi(26), 2000)?;
+    let out = on_twins(&resume, &opts, data, None, &mut Silent).map_err(e)?;
     let _ = std::fs::remove_dir_all(&dir);
     common::check(
         saved.loss_scaler.is_none(),

@@ -2,6 +2,8 @@
 //! checks, the NVRTC disk cache, events, graph capture and the single-init guarantee with the
 //! real driver. Prints `skipped: no CUDA driver` without one (fails under LOCKSTEP_REQUIRE_GPU=1).
 
+#[path = "common/axpy.rs"]
+mod axpy_twin;
 #[path = "../../../tests/common/gpu.rs"]
 mod gpu;
 #[path = "../../../tests/common/runner.rs"]
@@ -90,6 +92,23 @@ fn staged_child() {
     std::process::exit(if ok { 0 } else { 1 });
 }
 
+/// The CPU twin of a kernel that sets `n` elements from one scalar.
+type ScalarTwin = fn(&mut [f32], f32, i64);
+
+/// Re-run this binary with `var` set (it selects one of the child scenarios above) and require a
+/// clean exit.
+fn run_child(var: &str) -> Result<(), String> {
+    let st = std::process::Command::new(std::env::current_exe().unwrap())
+        .env(var, "1")
+        .status()
+        .map_err(|e| e.to_string())?;
+    if st.success() {
+        Ok(())
+    } else {
+        Err(format!("child status {st}"))
+    }
+}
+
 fn main() {
     // The staged ranks launched below wait for their peers at most LOCKSTEP_TIMEOUT_S, 60 s
     // unless set: a hang must end as an error well inside a GPU lease of a few minutes, not
@@ -114,26 +133,10 @@ fn main() {
         lockstep::cuda::init::check_fork_safe().map_err(|e| format!("parent must stay clean: {e}"))
     });
     r.run("foreign_init_detected_real_driver", || {
-        let st = std::process::Command::new(std::env::current_exe().unwrap())
-            .env("LOCKSTEP_GPU_FOREIGN_CHILD", "1")
-            .status()
-            .map_err(|e| e.to_string())?;
-        if st.success() {
-            Ok(())
-        } else {
-            Err(format!("child status {st}"))
-        }
+        run_child("LOCKSTEP_GPU_FOREIGN_CHILD")
     });
     r.run("several_ranks_one_gpu_staged_shm", || {
-        let st = std::process::Command::new(std::env::current_exe().unwrap())
-            .env("LOCKSTEP_GPU_STAGED_CHILD", "1")
-            .status()
-            .map_err(|e| e.to_string())?;
-        if st.success() {
-            Ok(())
-        } else {
-            Err(format!("child status {st}"))
-        }
+        run_child("LOCKSTEP_GPU_STAGED_CHILD")
     });
     let ctx = gpu::context_or_skip();
     let stream = ctx.stream().unwrap();
@@ -167,59 +170,38 @@ fn main() {
     });
 
     r.run("elementwise_kernels_match_cpu", || {
-        let n = 1000usize;
-        let x: Vec<f32> = (0..n).map(|i| (i % 17) as f32).collect();
-        let mut y_cpu: Vec<f32> = (0..n).map(|i| (i % 5) as f32).collect();
-        let mut y = DeviceBuffer::from_host(&stream, &y_cpu).map_err(|e| e.to_string())?;
-        let dx = DeviceBuffer::from_host(&stream, &x).map_err(|e| e.to_string())?;
-        let axpy = ctx
+        let f = ctx
             .function(KernelId::Elementwise.source(), "axpy_f32")
             .map_err(|e| e.to_string())?;
-        axpy.launch(KernelGrid::for_elements(n))
-            .arg_mut(&mut y)
-            .arg(&dx)
-            .scalar(2.0f32)
-            .scalar(n as i64)
-            .elements(n)
-            .run(&stream)
-            .map_err(|e| e.to_string())?;
-        twins::axpy_f32(&mut y_cpu, &x, 2.0, n as i64);
+        let n = axpy_twin::N;
+        let axpy_twin::Axpy {
+            mut y,
+            want: mut y_cpu,
+            ..
+        } = axpy_twin::axpy_2x(&f, &stream).map_err(|e| e.to_string())?;
         check_eq(
             "axpy_f32",
             &y.to_vec(&stream).map_err(|e| e.to_string())?,
             &y_cpu,
         )?;
-        let scale = ctx
-            .function(KernelId::Elementwise.source(), "scale_f32")
-            .map_err(|e| e.to_string())?;
-        scale
-            .launch(KernelGrid::for_elements(n))
-            .arg_mut(&mut y)
-            .scalar(0.5f32)
-            .scalar(n as i64)
-            .run(&stream)
-            .map_err(|e| e.to_string())?;
-        twins::scale_f32(&mut y_cpu, 0.5, n as i64);
-        check_eq(
-            "scale_f32",
-            &y.to_vec(&stream).map_err(|e| e.to_string())?,
-            &y_cpu,
-        )?;
-        let fill = ctx
-            .function(KernelId::Elementwise.source(), "fill_f32")
-            .map_err(|e| e.to_string())?;
-        fill.launch(KernelGrid::for_elements(n))
-            .arg_mut(&mut y)
-            .scalar(3.0f32)
-            .scalar(n as i64)
-            .run(&stream)
-            .map_err(|e| e.to_string())?;
-        twins::fill_f32(&mut y_cpu, 3.0, n as i64);
-        check_eq(
-            "fill_f32",
-            &y.to_vec(&stream).map_err(|e| e.to_string())?,
-            &y_cpu,
-        )
+        // The two kernels that set `y` from one scalar, each against its twin.
+        let set: [(&str, f32, ScalarTwin); 2] = [
+            ("scale_f32", 0.5, twins::scale_f32),
+            ("fill_f32", 3.0, twins::fill_f32),
+        ];
+        for (name, value, twin) in set {
+            ctx.function(KernelId::Elementwise.source(), name)
+                .map_err(|e| e.to_string())?
+                .launch(KernelGrid::for_elements(n))
+                .arg_mut(&mut y)
+                .scalar(value)
+                .scalar(n as i64)
+                .run(&stream)
+                .map_err(|e| e.to_string())?;
+            twin(&mut y_cpu, value, n as i64);
+            check_eq(name, &y.to_vec(&stream).map_err(|e| e.to_string())?, &y_cpu)?;
+        }
+        Ok(())
     });
 
     r.run("launch_builder_rejects_bad_arguments", || {

@@ -58,6 +58,14 @@ impl Lay {
     fn h(&mut self, n: usize) -> Region {
         self.take(3, Arena::F16, n)
     }
+    /// A GEMM operand in `prec`'s arena (accumulators and biases stay f32 whatever `prec` is).
+    fn operand(&mut self, prec: Precision, n: usize) -> Region {
+        match prec {
+            Precision::Fp32 => self.f(n),
+            Precision::Bf16 => self.b(n),
+            Precision::Fp16 => self.h(n),
+        }
+    }
     fn take(&mut self, k: usize, arena: Arena, n: usize) -> Region {
         let off = self.len[k];
         self.len[k] += n + 3; // a gap, so an overrun shows up as a mismatch in the next region
@@ -154,14 +162,13 @@ fn main() {
         if tf32 { "on" } else { "off" }
     );
     let sm = ctx.info().map(|i| i.sm_count as usize).unwrap_or(1);
-    let gemm_tol = |k: usize| {
-        if tf32 {
-            Tol::new(2e-3 * (k as f64).sqrt(), 1e-2)
-        } else {
-            Tol::new(1e-4, 1e-4)
-        }
+    // A GEMM over `k` products in `prec`: 16-bit operands (same on both sides, f32 accumulation)
+    // get one fixed bound; f32 depends on whether TF32 rounds the operands.
+    let gemm_tol = |prec: Precision, k: usize| match prec {
+        Precision::Fp32 if tf32 => Tol::new(2e-3 * (k as f64).sqrt(), 1e-2),
+        Precision::Fp32 => Tol::new(1e-4, 1e-4),
+        Precision::Bf16 | Precision::Fp16 => Tol::new(1e-3, 1e-3),
     };
-    let bf_tol = Tol::new(1e-3, 1e-3);
     let mut r = gpu::Runner::new();
 
     r.run("elementwise_and_casts", || {
@@ -272,7 +279,6 @@ fn main() {
     });
 
     for prec in [Precision::Fp32, Precision::Bf16, Precision::Fp16] {
-        let bf = prec != Precision::Fp32;
         let name = ["conv2d_f32", "conv2d_bf16", "conv2d_f16"][prec as usize];
         r.run(name, || {
             for &(n, ic, h, w, oc, k, s, p) in &[
@@ -287,15 +293,10 @@ fn main() {
                 let cp = Conv2dParams::new(ic, oc, k, s, p);
                 let (oh, ow) = (cp.out_h(h), cp.out_w(w));
                 let mut l = Lay::default();
-                let opnd = |l: &mut Lay, len: usize| match prec {
-                    Precision::Fp32 => l.f(len),
-                    Precision::Bf16 => l.b(len),
-                    Precision::Fp16 => l.h(len),
-                };
                 let (x, wt, dy) = (
-                    opnd(&mut l, n * ic * h * w),
-                    opnd(&mut l, oc * cp.k()),
-                    opnd(&mut l, n * oc * oh * ow),
+                    l.operand(prec, n * ic * h * w),
+                    l.operand(prec, oc * cp.k()),
+                    l.operand(prec, n * oc * oh * ow),
                 );
                 let (bias, y, dx, dw, db) = (
                     l.f(oc),
@@ -313,11 +314,6 @@ fn main() {
                 ops.conv_backward_input(prec, dx, dy, wt, s);
                 ops.conv_backward_weight(prec, dw, dy, x, s);
                 ops.conv_backward_bias(prec, db, dy, s);
-                let tol = if bf {
-                    bf_tol
-                } else {
-                    gemm_tol(ic * k * k).max_of(gemm_tol(n * oh * ow))
-                };
                 compare(
                     &format!(
                         "{name} n={n} ic={ic} {h}x{w} oc={oc} k={k} s={} p={p}",
@@ -327,7 +323,7 @@ fn main() {
                     &l,
                     &ops.ops,
                     1,
-                    tol,
+                    gemm_tol(prec, ic * k * k).max_of(gemm_tol(prec, n * oh * ow)),
                     (n * 1000 + oc) as u64,
                 )?;
             }
@@ -343,15 +339,10 @@ fn main() {
                 (2, 70, 65),
             ] {
                 let mut l = Lay::default();
-                let opnd = |l: &mut Lay, len: usize| match prec {
-                    Precision::Fp32 => l.f(len),
-                    Precision::Bf16 => l.b(len),
-                    Precision::Fp16 => l.h(len),
-                };
                 let (x, wt, dy) = (
-                    opnd(&mut l, n * inf),
-                    opnd(&mut l, outf * inf),
-                    opnd(&mut l, n * outf),
+                    l.operand(prec, n * inf),
+                    l.operand(prec, outf * inf),
+                    l.operand(prec, n * outf),
                 );
                 let (bias, y, yr, dx, dw, db) = (
                     l.f(outf),
@@ -373,18 +364,13 @@ fn main() {
                 ops.linear_backward_input(prec, dx, dy, wt, s);
                 ops.linear_backward_weight(prec, dw, dy, x, s);
                 ops.linear_backward_bias(prec, db, dy, n, outf);
-                let tol = if bf {
-                    bf_tol
-                } else {
-                    gemm_tol(inf.max(outf).max(n))
-                };
                 compare(
                     &format!("{name} n={n} in={inf} out={outf}"),
                     &ctx,
                     &l,
                     &ops.ops,
                     1,
-                    tol,
+                    gemm_tol(prec, inf.max(outf).max(n)),
                     (n * 7 + inf) as u64,
                 )?;
             }

@@ -54,7 +54,7 @@ use std::process::Command;
 use close::{assert_close, Tol};
 use lockstep::cuda::{Context, DeviceBuffer, KernelGrid};
 use lockstep_train::data::{self, Dataset};
-use lockstep_train::device::{plan, Engine, GpuExec, Precision};
+use lockstep_train::device::{plan, DeviceError, Engine, GpuExec, Precision};
 use lockstep_train::model::Model;
 
 use reference::LR;
@@ -64,6 +64,37 @@ fn synthetic(tag: &str, n_train: usize, n_test: usize) -> PathBuf {
     std::fs::create_dir_all(&dir).unwrap();
     data::write_synthetic(&dir, n_train, n_test, 5).unwrap();
     dir
+}
+
+/// A device engine on the simulated GPU for `steps` batches of `b` synthetic images (`tag` names
+/// their folder), initialised as the CPU reference is (seed 42), with `configure` applied before
+/// the data is uploaded and the index list set to the data's order.
+fn sim_engine(
+    ctx: &std::sync::Arc<Context>,
+    (tag, b, steps): (&str, usize, usize),
+    precision: Precision,
+    graphs: bool,
+    configure: impl FnOnce(&mut Engine<GpuExec>) -> Result<(), DeviceError>,
+) -> Result<Engine<GpuExec>, String> {
+    let dir = synthetic(tag, b * steps, 16);
+    let train = data::load_split(&dir, true).map_err(|e| e.to_string())?;
+    let _ = std::fs::remove_dir_all(&dir);
+    let mut model = Model::fashion_cnn(b).unwrap();
+    model.init(42);
+    let e = |e: DeviceError| e.to_string();
+    let t = plan::Tensors::new(&model, b, precision).map_err(e)?;
+    let exec = GpuExec::new(ctx, t.arena_len, graphs).map_err(|e| e.to_string())?;
+    let mut eng = Engine::new(exec, &model, b, precision).map_err(e)?;
+    configure(&mut eng).map_err(e)?;
+    let rows_only = Dataset {
+        rows: 28,
+        cols: 28,
+        ..Default::default()
+    };
+    eng.upload_dataset(&train, &rows_only).map_err(e)?;
+    let idx: Vec<usize> = (0..train.len()).collect();
+    eng.set_index_list(&idx, false).map_err(e)?;
+    Ok(eng)
 }
 
 /// `steps` device-engine steps, clipping the gradient norm to `clip` when given: the losses and
@@ -76,27 +107,10 @@ fn device_run(
     graphs: bool,
     clip: Option<f32>,
 ) -> Result<(Vec<f32>, Vec<f32>), String> {
-    let dir = synthetic("steps", b * steps, 16);
-    let train = data::load_split(&dir, true).map_err(|e| e.to_string())?;
-    let _ = std::fs::remove_dir_all(&dir);
-    let mut model = Model::fashion_cnn(b).unwrap();
-    model.init(42);
-    let e = |e: lockstep_train::device::DeviceError| e.to_string();
-    let t = plan::Tensors::new(&model, b, precision).map_err(e)?;
-    let exec = GpuExec::new(ctx, t.arena_len, graphs).map_err(|e| e.to_string())?;
-    let mut eng = Engine::new(exec, &model, b, precision).map_err(e)?;
-    eng.set_clip_grad_norm(clip).map_err(e)?;
-    eng.upload_dataset(
-        &train,
-        &Dataset {
-            rows: 28,
-            cols: 28,
-            ..Default::default()
-        },
-    )
-    .map_err(e)?;
-    let idx: Vec<usize> = (0..train.len()).collect();
-    eng.set_index_list(&idx, false).map_err(e)?;
+    let mut eng = sim_engine(ctx, ("steps", b, steps), precision, graphs, |eng| {
+        eng.set_clip_grad_norm(clip)
+    })?;
+    let e = |e: DeviceError| e.to_string();
     let mut losses = Vec::new();
     for s in 0..steps {
         eng.train_step(s * b, b, LR, None).map_err(e)?;
@@ -482,25 +496,24 @@ fn test_acc(stdout: &str) -> Option<f64> {
 }
 
 /// `train-cnn` with `extra` flags on both devices (see the module documentation).
+/// `train-cnn` on the simulated GPU: one epoch over the first 512 training images of `dir`,
+/// JSON lines out, with `args` (device, precision) before the shared ones.
+fn train_cnn_one_epoch(sim: &simt::SimGpu, dir: &Path, args: &[&str]) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_train-cnn"));
+    cmd.args(args)
+        .args(["--limit-train", "512", "--epochs", "1", "--json", "--data"])
+        .arg(dir);
+    sim.apply(&mut cmd);
+    cmd
+}
+
 fn train_cnn_end_to_end(sim: &simt::SimGpu, extra: &[&str]) -> Result<(), String> {
     let dir = std::env::temp_dir().join(format!("lockstep-sim-gpu-e2e-{}", std::process::id()));
     let what = e2e_data(&dir);
     let mut accs = Vec::new();
     for device in ["cuda", "cpu"] {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_train-cnn"));
-        cmd.args([
-            "--device",
-            device,
-            "--limit-train",
-            "512",
-            "--epochs",
-            "1",
-            "--json",
-            "--data",
-        ])
-        .arg(&dir)
-        .args(extra);
-        sim.apply(&mut cmd);
+        let mut cmd = train_cnn_one_epoch(sim, &dir, &["--device", device]);
+        cmd.args(extra);
         let t = std::time::Instant::now();
         let out = cmd.output().map_err(|e| e.to_string())?;
         let text = format!(
@@ -536,29 +549,12 @@ fn fp16_overflow() -> Result<(), String> {
     use lockstep_train::precision::{LossScaler, StepAction};
     let (b, steps) = (16usize, 30usize);
     let ctx = Context::new(0).map_err(|e| e.to_string())?;
-    let dir = synthetic("fp16", b * steps, 16);
-    let train = data::load_split(&dir, true).map_err(|e| e.to_string())?;
-    let _ = std::fs::remove_dir_all(&dir);
-    let mut model = Model::fashion_cnn(b).unwrap();
-    model.init(42);
-    let e = |e: lockstep_train::device::DeviceError| e.to_string();
-    let t = plan::Tensors::new(&model, b, Precision::Fp16).map_err(e)?;
-    let exec = GpuExec::new(&ctx, t.arena_len, true).map_err(|e| e.to_string())?;
-    let mut eng = Engine::new(exec, &model, b, Precision::Fp16).map_err(e)?;
     let init = (1u64 << 40) as f32;
-    eng.set_loss_scaler(LossScaler::new(init, 2.0, 0.5, 2000).map_err(|e| e.to_string())?)
-        .map_err(e)?;
-    eng.upload_dataset(
-        &train,
-        &Dataset {
-            rows: 28,
-            cols: 28,
-            ..Default::default()
-        },
-    )
-    .map_err(e)?;
-    let idx: Vec<usize> = (0..train.len()).collect();
-    eng.set_index_list(&idx, false).map_err(e)?;
+    let scaler = LossScaler::new(init, 2.0, 0.5, 2000).map_err(|e| e.to_string())?;
+    let mut eng = sim_engine(&ctx, ("fp16", b, steps), Precision::Fp16, true, |eng| {
+        eng.set_loss_scaler(scaler)
+    })?;
+    let e = |e: DeviceError| e.to_string();
     let mut actions = Vec::new();
     for s in 0..steps {
         let before = digest(&eng.params().map_err(e)?);
@@ -616,21 +612,7 @@ fn fp16_overflow() -> Result<(), String> {
 fn train_cnn_fp16_end_to_end(sim: &simt::SimGpu) -> Result<String, String> {
     let dir = std::env::temp_dir().join(format!("lockstep-sim-gpu-e2e16-{}", std::process::id()));
     let what = e2e_data(&dir);
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_train-cnn"));
-    cmd.args([
-        "--device",
-        "cuda",
-        "--precision",
-        "fp16",
-        "--limit-train",
-        "512",
-        "--epochs",
-        "1",
-        "--json",
-        "--data",
-    ])
-    .arg(&dir);
-    sim.apply(&mut cmd);
+    let mut cmd = train_cnn_one_epoch(sim, &dir, &["--device", "cuda", "--precision", "fp16"]);
     let out = cmd.output().map_err(|e| e.to_string())?;
     let _ = std::fs::remove_dir_all(&dir);
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
@@ -660,6 +642,16 @@ fn train_cnn_fp16_end_to_end(sim: &simt::SimGpu) -> Result<String, String> {
         "    fp16 on {what}: test accuracy {acc:.2} %; {line}\n"
     ))
 }
+
+/// A check that runs one scenario in a child process: (check, scenario, its environment).
+type OneScenario = (
+    &'static str,
+    &'static str,
+    &'static [(&'static str, &'static str)],
+);
+
+/// The environment that builds the kernels without TF32 (for checks with f32 tolerances).
+const NO_TF32: (&str, &str) = ("LOCKSTEP_NVRTC_OPTIONS", "-DLOCKSTEP_NO_TF32");
 
 fn scenario(name: &str) -> Result<(), String> {
     match name {
@@ -735,62 +727,58 @@ fn main() {
             Err(format!("({}):\n{text}", out.status))
         }
     };
-    let no_tf32 = ("LOCKSTEP_NVRTC_OPTIONS", "-DLOCKSTEP_NO_TF32");
     type Check<'a> = Box<dyn Fn() -> Result<String, String> + 'a>;
-    let checks: Vec<(&str, Check)> = vec![
-        ("shim_semantics", Box::new(|| run("shim_semantics", &[]))),
+    // The checks that are one scenario in a child process.
+    let one_scenario: [OneScenario; 12] = [
+        ("shim_semantics", "shim_semantics", &[]),
         (
             "shim_semantics_concurrent",
-            Box::new(|| {
-                run(
-                    "shim_semantics",
-                    &[
-                        ("LOCKSTEP_SIMT_WORKERS", "2"),
-                        ("LOCKSTEP_SIMT_SHUFFLE", "7"),
-                    ],
-                )
-            }),
+            "shim_semantics",
+            &[
+                ("LOCKSTEP_SIMT_WORKERS", "2"),
+                ("LOCKSTEP_SIMT_SHUFFLE", "7"),
+            ],
         ),
         (
             "kernel_trap_fails_the_launch",
-            Box::new(|| run("kernel_trap_fails_the_launch", &[])),
+            "kernel_trap_fails_the_launch",
+            &[],
         ),
-        (
-            "steps_match_cpu_engine_fp32",
-            Box::new(|| run("steps_fp32", &[no_tf32])),
-        ),
-        (
-            "steps_match_cpu_engine_tf32",
-            Box::new(|| run("steps_tf32", &[])),
-        ),
-        (
-            "steps_match_cpu_engine_bf16",
-            Box::new(|| run("steps_bf16", &[no_tf32])),
-        ),
-        (
-            "steps_match_cpu_engine_fp16",
-            Box::new(|| run("steps_fp16", &[no_tf32])),
-        ),
+        ("steps_match_cpu_engine_fp32", "steps_fp32", &[NO_TF32]),
+        ("steps_match_cpu_engine_tf32", "steps_tf32", &[]),
+        ("steps_match_cpu_engine_bf16", "steps_bf16", &[NO_TF32]),
+        ("steps_match_cpu_engine_fp16", "steps_fp16", &[NO_TF32]),
         (
             "steps_match_cpu_engine_fp32_clipping",
-            Box::new(|| run("steps_fp32_clip", &[no_tf32])),
+            "steps_fp32_clip",
+            &[NO_TF32],
         ),
         (
             "steps_match_cpu_engine_fp32_clipping_idle",
-            Box::new(|| run("steps_fp32_clip_idle", &[no_tf32])),
+            "steps_fp32_clip_idle",
+            &[NO_TF32],
         ),
         (
             "steps_match_cpu_engine_fp16_clipping",
-            Box::new(|| run("steps_fp16_clip", &[no_tf32])),
+            "steps_fp16_clip",
+            &[NO_TF32],
         ),
         (
             "fp16_overflow_skips_then_trains",
-            Box::new(|| run("fp16_overflow", &[no_tf32])),
+            "fp16_overflow",
+            &[NO_TF32],
         ),
         (
             "graph_replay_is_bit_identical_to_plain_launches",
-            Box::new(|| run("graph_vs_plain", &[no_tf32])),
+            "graph_vs_plain",
+            &[NO_TF32],
         ),
+    ];
+    let mut checks: Vec<(&str, Check)> = one_scenario
+        .into_iter()
+        .map(|(check, name, env)| (check, Box::new(move || run(name, env)) as Check))
+        .collect();
+    checks.extend::<[(&str, Check); 4]>([
         (
             "two_runs_bit_identical_under_shuffled_blocks",
             Box::new(|| {
@@ -799,7 +787,7 @@ fn main() {
                     let out = run(
                         "params_digest",
                         &[
-                            no_tf32,
+                            NO_TF32,
                             ("LOCKSTEP_SIMT_WORKERS", "2"),
                             ("LOCKSTEP_SIMT_SHUFFLE", seed),
                         ],
@@ -835,7 +823,7 @@ a kernel's result depends on the order of its floating-point atomics (split-K wi
             "train_cnn_fp16_end_to_end",
             Box::new(|| train_cnn_fp16_end_to_end(&sim)),
         ),
-    ];
+    ]);
     let mut r = runner::Runner::new();
     for (name, check) in &checks {
         r.run(name, || {

@@ -9,6 +9,8 @@
 
 #[path = "../../../tests/common/runner.rs"]
 mod runner;
+#[path = "common/train.rs"]
+mod train;
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -35,12 +37,7 @@ fn data_dir() -> (PathBuf, bool) {
 }
 
 fn load(n_train: usize, n_test: usize) -> (Dataset, Dataset) {
-    let (dir, _) = data_dir();
-    let mut tr = data::load_split(&dir, true).expect("train split");
-    let mut te = data::load_split(&dir, false).expect("test split");
-    tr.truncate(n_train);
-    te.truncate(n_test);
-    (tr, te)
+    train::load_splits(&data_dir().0, n_train, n_test)
 }
 
 fn metric_counts_exact() -> TestResult {
@@ -95,13 +92,7 @@ fn run2(cfg: &TrainConfig, tr: &Dataset, te: &Dataset) -> Result<Vec<RankRun>, S
             .map(|r: &EpochReport| r.train_loss)
             .collect();
         let acc: Vec<f64> = out.reports.iter().map(|r| r.test_acc).collect();
-        let sum: f64 = out
-            .params
-            .iter()
-            .enumerate()
-            .map(|(i, &p)| p as f64 * (1.0 + (i % 7) as f64))
-            .sum();
-        Ok((obs.0, el, acc, sum))
+        Ok((obs.0, el, acc, train::checksum(&out.params)))
     })
     .map_err(|e| e.to_string())
 }
@@ -149,23 +140,9 @@ fn resume_on_two_ranks_matches_straight_run() -> TestResult {
         ..TrainConfig::default()
     };
     let straight = run2(&base, &tr, &te)?;
-    run2(
-        &TrainConfig {
-            epochs: 1,
-            save: Some(ck.clone()),
-            ..base.clone()
-        },
-        &tr,
-        &te,
-    )?;
-    let resumed = run2(
-        &TrainConfig {
-            resume: Some(ck.clone()),
-            ..base.clone()
-        },
-        &tr,
-        &te,
-    )?;
+    let (first, resume) = train::save_then_resume(&base, &ck);
+    run2(&first, &tr, &te)?;
+    let resumed = run2(&resume, &tr, &te)?;
     let _ = std::fs::remove_dir_all(&d);
     if resumed[0].1[0] != straight[0].1[1]
         || resumed[0].3 != straight[0].3

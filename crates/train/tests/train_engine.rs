@@ -1,6 +1,11 @@
 //! In-process tests of the training engine (no forking): IDX validation, checkpoints, resume,
 //! determinism. Runs single-rank through a one-rank shared-memory communicator.
 
+#[path = "../../../tests/common/mod.rs"]
+mod common;
+#[path = "common/train.rs"]
+mod train;
+
 use std::path::{Path, PathBuf};
 
 use lockstep::shm::ShmJob;
@@ -27,11 +32,7 @@ fn small_data(n_train: usize, n_test: usize) -> (Dataset, Dataset) {
         data::write_synthetic(&d, n_train, n_test, 1).expect("write synthetic data");
         d
     };
-    let mut tr = data::load_split(&dir, true).expect("train split");
-    let mut te = data::load_split(&dir, false).expect("test split");
-    tr.truncate(n_train);
-    te.truncate(n_test);
-    (tr, te)
+    train::load_splits(&dir, n_train, n_test)
 }
 
 fn msg(e: DataError) -> String {
@@ -40,7 +41,7 @@ fn msg(e: DataError) -> String {
 
 #[test]
 fn idx_reader_rejects_corrupt_files_with_named_errors() {
-    let d = tmpdir("idx");
+    let d = common::scratch("train-idx");
     let imgs = data::encode_idx(&[3, 28, 28], &vec![7u8; 3 * 784]);
     let labels = data::encode_idx(&[3], &[1, 2, 3]);
     let write = |name: &str, bytes: &[u8]| {
@@ -92,7 +93,6 @@ fn idx_reader_rejects_corrupt_files_with_named_errors() {
         e.contains("apt-get install dataset-fashion-mnist") && e.contains("--data"),
         "{e}"
     );
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 fn run(cfg: &TrainConfig, tr: &Dataset, te: &Dataset) -> trainer::TrainOutcome {
@@ -104,7 +104,7 @@ fn run(cfg: &TrainConfig, tr: &Dataset, te: &Dataset) -> trainer::TrainOutcome {
 #[test]
 fn checkpoint_round_trip_and_resume_equality() {
     let (tr, te) = small_data(640, 300);
-    let d = tmpdir("ckpt");
+    let d = common::scratch("train-ckpt");
     let ck = d.join("model.safetensors");
     let base = TrainConfig {
         epochs: 2,
@@ -120,15 +120,8 @@ fn checkpoint_round_trip_and_resume_equality() {
     );
     assert_eq!(straight.params, again.params, "same seed, same parameters");
 
-    let first = run(
-        &TrainConfig {
-            epochs: 1,
-            save: Some(ck.clone()),
-            ..base.clone()
-        },
-        &tr,
-        &te,
-    );
+    let (save_cfg, resume_cfg) = train::save_then_resume(&base, &ck);
+    let first = run(&save_cfg, &tr, &te);
     assert!(ck.exists() && checkpoint::optim_path(&ck).exists());
     assert_eq!(first.reports.len(), 1);
 
@@ -161,14 +154,7 @@ fn checkpoint_round_trip_and_resume_equality() {
     assert_eq!(stf.tensor("linear1.weight").unwrap().shape(), &[64, 3136]);
 
     // Resume continues exactly where the first run stopped.
-    let resumed = run(
-        &TrainConfig {
-            resume: Some(ck.clone()),
-            ..base.clone()
-        },
-        &tr,
-        &te,
-    );
+    let resumed = run(&resume_cfg, &tr, &te);
     assert_eq!(resumed.reports.len(), 1);
     assert_eq!(resumed.reports[0].epoch, 2);
     assert_eq!(
@@ -180,12 +166,11 @@ fn checkpoint_round_trip_and_resume_equality() {
         resumed.params, straight.params,
         "resumed run must match the straight run bit for bit"
     );
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 #[test]
 fn corrupt_checkpoint_is_a_clear_error() {
-    let d = tmpdir("badck");
+    let d = common::scratch("train-badck");
     let p = d.join("m.safetensors");
     std::fs::write(&p, b"not a checkpoint").unwrap();
     let mut m = Model::fashion_cnn(1).unwrap();
@@ -194,5 +179,4 @@ fn corrupt_checkpoint_is_a_clear_error() {
         e.contains("m.safetensors") && e.contains("not a valid safetensors"),
         "{e}"
     );
-    let _ = std::fs::remove_dir_all(&d);
 }

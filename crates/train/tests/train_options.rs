@@ -5,6 +5,8 @@
 
 #[path = "../../../tests/common/mod.rs"]
 mod common;
+#[path = "common/train.rs"]
+mod train;
 
 use std::path::{Path, PathBuf};
 
@@ -31,12 +33,7 @@ fn data_dir() -> PathBuf {
 }
 
 fn load(n_train: usize, n_test: usize) -> (Dataset, Dataset) {
-    let dir = data_dir();
-    let mut tr = data::load_split(&dir, true).expect("train split");
-    let mut te = data::load_split(&dir, false).expect("test split");
-    tr.truncate(n_train);
-    te.truncate(n_test);
-    (tr, te)
+    train::load_splits(&data_dir(), n_train, n_test)
 }
 
 /// A small CNN without BatchNorm: with batch statistics, a micro-batch is normalised on its own
@@ -164,17 +161,15 @@ fn trainer_with_grad_accum() -> Result<(), String> {
         grad_accum: 3,
         ..TrainConfig::default()
     };
-    let res = launch(&LaunchConfig::new(2), |mut ctx: RankContext| {
-        let out = trainer::train(&cfg, &tr, &te, &mut ctx.comm, &mut Silent)?;
+    let res = train::train_ranks(2, &cfg, (&tr, &te), |out| {
         let r = &out.reports[0];
-        Ok((
+        (
             r.steps,
             r.train_loss,
             r.test_acc,
             out.params.iter().map(|&p| p as f64).sum::<f64>(),
-        ))
-    })
-    .map_err(|e| e.to_string())?;
+        )
+    })?;
     // 600 samples per rank in micro-batches of 16: 38 micro-batches, 13 steps.
     if res[0].0 != 13 {
         return Err(format!("{} steps reported; want 13", res[0].0));
@@ -227,11 +222,9 @@ fn clipping_bounds_the_update_on_three_ranks() -> Result<(), String> {
         seed: 5,
         ..TrainConfig::default()
     };
-    let res = launch(&LaunchConfig::new(3), |mut ctx: RankContext| {
-        let out = trainer::train(&cfg, &tr, &te, &mut ctx.comm, &mut Silent)?;
-        Ok((out.reports[0].steps, out.params))
-    })
-    .map_err(|e| e.to_string())?;
+    let res = train::train_ranks(3, &cfg, (&tr, &te), |out| {
+        (out.reports[0].steps, out.params)
+    })?;
     let mut init = Model::fashion_cnn(1).map_err(|e| e.to_string())?;
     init.init(5);
     let (steps, p) = &res[0];
@@ -314,14 +307,12 @@ fn sgd_learns() -> Result<(), String> {
         optimizer: OptimizerKind::Sgd { momentum: 0.9 },
         ..TrainConfig::default()
     };
-    let res = launch(&LaunchConfig::new(2), |mut ctx: RankContext| {
-        let out = trainer::train(&cfg, &tr, &te, &mut ctx.comm, &mut Silent)?;
-        Ok((
+    let res = train::train_ranks(2, &cfg, (&tr, &te), |out| {
+        (
             out.reports[0].test_acc,
             out.params.iter().map(|&p| p as f64).sum::<f64>(),
-        ))
-    })
-    .map_err(|e| e.to_string())?;
+        )
+    })?;
     if res[0] != res[1] {
         return Err(format!("replicas differ: {res:?}"));
     }

@@ -67,6 +67,30 @@ fn ok(r: Result<(), String>) {
     }
 }
 
+/// The weight and bias gradients `(dw, db)` against the reference layer's parameter gradient `dp`
+/// (the weights, then the bias), named `dweight<suffix>` and `dbias<suffix>` through `name`.
+fn grads_close(
+    name: &dyn Fn(&str) -> String,
+    suffix: &str,
+    (dw, db): (&[f32], &[f32]),
+    dp: &[f32],
+    dw_tol: Tol,
+) {
+    let (dp_w, dp_b) = dp.split_at(dw.len());
+    ok(assert_close(
+        &name(&format!("dweight{suffix}")),
+        dw,
+        dp_w,
+        dw_tol,
+    ));
+    ok(assert_close(
+        &name(&format!("dbias{suffix}")),
+        db,
+        dp_b,
+        F32,
+    ));
+}
+
 /// (batch, in_c, h, w, out_c, k, stride, pad)
 type ConvShape = (usize, usize, usize, usize, usize, usize, usize, usize);
 const CONV_SHAPES: &[ConvShape] = &[
@@ -139,13 +163,7 @@ fn conv2d_twins_match_the_layer() {
         );
         twins::splitk_reduce_f32(&mut dw, &part, 3, wt.len() as i64);
         twins::conv2d_backward_bias_f32(&mut db, &dy, n as i32, oc as i32, oh as i32, ow as i32);
-        ok(assert_close(
-            &name("dweight"),
-            &dw,
-            &dp_ref[..wt.len()],
-            WINOGRAD_DW,
-        ));
-        ok(assert_close(&name("dbias"), &db, &dp_ref[wt.len()..], F32));
+        grads_close(&name, "", (&dw, &db), &dp_ref, WINOGRAD_DW);
         // bf16: operands rounded; reference = the f32 layer on the same rounded values, and
         // (loosely) on the unrounded ones.
         let ((wb, wr), (xb, xr), (dyb, dyr)) = (round_bf16(&wt), round_bf16(&x), round_bf16(&dy));
@@ -163,18 +181,7 @@ fn conv2d_twins_match_the_layer() {
         let (mut dw, mut db) = (dp0[..wt.len()].to_vec(), dp0[wt.len()..].to_vec());
         twins::conv2d_backward_weight_bf16(&mut dw, &mut [], &dyb, &xb, a);
         twins::conv2d_backward_bias_bf16(&mut db, &dyb, n as i32, oc as i32, oh as i32, ow as i32);
-        ok(assert_close(
-            &name("dweight bf16"),
-            &dw,
-            &dpr_ref[..wt.len()],
-            WINOGRAD_DW,
-        ));
-        ok(assert_close(
-            &name("dbias bf16"),
-            &db,
-            &dpr_ref[wt.len()..],
-            F32,
-        ));
+        grads_close(&name, " bf16", (&dw, &db), &dpr_ref, WINOGRAD_DW);
         // No bias (the kernel's NULL) is a plain convolution.
         twins::conv2d_forward_f32(&mut y, &x, &wt, None, a);
         let unbiased: Vec<f32> = y_ref
@@ -251,18 +258,7 @@ fn linear_twins_match_the_layers() {
         twins::linear_backward_weight_f32(&mut dw, &mut part, &dy, &x, sh);
         twins::splitk_reduce_f32(&mut dw, &part, 2, (outf * inf) as i64);
         twins::linear_backward_bias_f32(&mut db, &dy, ni, oi);
-        ok(assert_close(
-            &name("dweight"),
-            &dw,
-            &dp_ref[..outf * inf],
-            F32,
-        ));
-        ok(assert_close(
-            &name("dbias"),
-            &db,
-            &dp_ref[outf * inf..],
-            F32,
-        ));
+        grads_close(&name, "", (&dw, &db), &dp_ref, F32);
         let ((wb, wr), (xb, xr), (dyb, dyr)) = (round_bf16(&wt), round_bf16(&x), round_bf16(&dy));
         let (y2, yr2, dx2, dp2) = layer_run(&wr, &xr, &dyr);
         twins::linear_forward_bf16(&mut y, &xb, &wb, Some(&bias), sh, 0);
@@ -280,18 +276,7 @@ fn linear_twins_match_the_layers() {
         let (mut dw, mut db) = (dp0[..outf * inf].to_vec(), dp0[outf * inf..].to_vec());
         twins::linear_backward_weight_bf16(&mut dw, &mut [], &dyb, &xb, sh);
         twins::linear_backward_bias_bf16(&mut db, &dyb, ni, oi);
-        ok(assert_close(
-            &name("dweight bf16"),
-            &dw,
-            &dp2[..outf * inf],
-            F32,
-        ));
-        ok(assert_close(
-            &name("dbias bf16"),
-            &db,
-            &dp2[outf * inf..],
-            F32,
-        ));
+        grads_close(&name, " bf16", (&dw, &db), &dp2, F32);
     }
 }
 
@@ -344,19 +329,11 @@ fn batchnorm_twins_match_the_layer() {
             let out_ref = if relu == 1 { &yr } else { &y };
             // backward through relu then bn
             let dout = Tensor::from_vec(&[n, c, h, w], dy.clone()).unwrap();
-            let mut g = Tensor::default();
-            if relu == 1 {
-                Relu.backward(Backward {
-                    p: &[],
-                    dp: &mut [],
-                    inp: &y,
-                    out: &yr,
-                    dout: &dout,
-                    dinp: Some(&mut g),
-                });
+            let g = if relu == 1 {
+                input_gradient(&mut Relu, &y, &yr, &dout)
             } else {
-                g = dout.clone();
-            }
+                dout.clone()
+            };
             let dp0 = rand(&mut rng, 2 * c);
             let (mut dp, mut dx_ref) = (dp0.clone(), Tensor::default());
             bn.backward(Backward {
@@ -451,6 +428,21 @@ fn batchnorm_twins_match_the_layer() {
     }
 }
 
+/// The input gradient of a layer without parameters (ReLU, pooling) after a forward pass from
+/// `inp` to `out`, for the output gradient `dout`.
+fn input_gradient(layer: &mut dyn Layer, inp: &Tensor, out: &Tensor, dout: &Tensor) -> Tensor {
+    let mut dinp = Tensor::default();
+    layer.backward(Backward {
+        p: &[],
+        dp: &mut [],
+        inp,
+        out,
+        dout,
+        dinp: Some(&mut dinp),
+    });
+    dinp
+}
+
 #[test]
 fn maxpool_twins_match_the_layer() {
     for (t, &(n, c, h, w, k, s)) in [
@@ -471,15 +463,7 @@ fn maxpool_twins_match_the_layer() {
         let (oh, ow) = ((h - k) / s + 1, (w - k) / s + 1);
         let dy = rand(&mut rng, n * c * oh * ow);
         let dout = Tensor::from_vec(&[n, c, oh, ow], dy.clone()).unwrap();
-        let mut dx_ref = Tensor::default();
-        mp.backward(Backward {
-            p: &[],
-            dp: &mut [],
-            inp: &inp,
-            out: &y,
-            dout: &dout,
-            dinp: Some(&mut dx_ref),
-        });
+        let dx_ref = input_gradient(&mut mp, &inp, &y, &dout);
         let a = Pool2dShape {
             batch: n,
             channels: c,
@@ -627,6 +611,59 @@ fn optimizer_twins_match_the_optimizers() {
     }
 }
 
+/// The 16-bit float types the cast twins convert to and from.
+trait Half: Copy + std::fmt::Display {
+    const ZERO: Self;
+    fn from_f32(x: f32) -> Self;
+    fn to_f32(self) -> f32;
+    fn to_bits(self) -> u16;
+    fn is_nan(self) -> bool;
+}
+
+macro_rules! half_type {
+    ($($t:ty),*) => {$(
+        impl Half for $t {
+            const ZERO: Self = <$t>::ZERO;
+            fn from_f32(x: f32) -> Self {
+                <$t>::from_f32(x)
+            }
+            fn to_f32(self) -> f32 {
+                <$t>::to_f32(self)
+            }
+            fn to_bits(self) -> u16 {
+                <$t>::to_bits(self)
+            }
+            fn is_nan(self) -> bool {
+                <$t>::is_nan(self)
+            }
+        }
+    )*};
+}
+half_type!(bf16, f16);
+
+/// The narrowing twin rounds every value of `x` as the `half` crate does (NaN stays NaN), and the
+/// widening twin gives each result back exactly; returns the narrowed values.
+fn check_casts<H: Half>(
+    x: &[f32],
+    narrow: fn(&mut [H], &[f32], i32),
+    widen: fn(&mut [f32], &[H], i32),
+) -> Vec<H> {
+    let mut h = vec![H::ZERO; x.len()];
+    narrow(&mut h, x, x.len() as i32);
+    for (g, &w) in h.iter().zip(x) {
+        assert!(
+            g.to_bits() == H::from_f32(w).to_bits() || (w.is_nan() && g.is_nan()),
+            "{w} -> {g}"
+        );
+    }
+    let mut back = vec![0.0f32; x.len()];
+    widen(&mut back, &h, x.len() as i32);
+    for (g, w) in back.iter().zip(&h) {
+        assert!(g.to_bits() == w.to_f32().to_bits() || g.is_nan());
+    }
+    h
+}
+
 #[test]
 fn data_twins_are_exact() {
     // gather: x / 255 exactly as the CPU trainer's load_batch, labels widened.
@@ -653,19 +690,7 @@ fn data_twins_are_exact() {
         f32::INFINITY,
         1e-40,
     ];
-    let mut b = vec![bf16::ZERO; x.len()];
-    twins::cast_f32_bf16(&mut b, &x, x.len() as i32);
-    for (g, &w) in b.iter().zip(&x) {
-        assert!(
-            g.to_bits() == bf16::from_f32(w).to_bits() || (w.is_nan() && g.is_nan()),
-            "{w} -> {g}"
-        );
-    }
-    let mut back = vec![0.0f32; x.len()];
-    twins::cast_bf16_f32(&mut back, &b, x.len() as i32);
-    for (g, w) in back.iter().zip(&b) {
-        assert!(g.to_bits() == w.to_f32().to_bits() || g.is_nan());
-    }
+    check_casts(&x, twins::cast_f32_bf16, twins::cast_bf16_f32);
     // fp16 casts against half::f16: the largest finite value, the first value that rounds to
     // infinity (65520), a tie below it, subnormals, a tie at half the smallest subnormal (to 0),
     // NaN and infinity; widening exact.
@@ -685,24 +710,12 @@ fn data_twins_are_exact() {
         f32::NEG_INFINITY,
         1e-40,
     ];
-    let mut h = vec![f16::ZERO; x.len()];
-    twins::cast_f32_f16(&mut h, &x, x.len() as i32);
-    for (g, &w) in h.iter().zip(&x) {
-        assert!(
-            g.to_bits() == f16::from_f32(w).to_bits() || (w.is_nan() && g.is_nan()),
-            "{w} -> {g}"
-        );
-    }
+    let h = check_casts(&x, twins::cast_f32_f16, twins::cast_f16_f32);
     assert_eq!(
         (h[3].to_f32(), h[4].to_f32(), h[9].to_bits()),
         (65504.0, f32::INFINITY, 0),
         "rounding at the edges"
     );
-    let mut back = vec![0.0f32; x.len()];
-    twins::cast_f16_f32(&mut back, &h, x.len() as i32);
-    for (g, w) in back.iter().zip(&h) {
-        assert!(g.to_bits() == w.to_f32().to_bits() || g.is_nan());
-    }
     // Loss scaling: the scaled loss gradient is the unscaled one times the (power-of-two) scale,
     // bit for bit; unscaling restores it and flags inf/NaN only when there is one.
     let (probs, targets) = (
@@ -833,28 +846,70 @@ fn synthetic(n: usize, seed: u64) -> Dataset {
     d
 }
 
+/// `fashion_cnn` at `batch`, initialised from `seed`.
+fn fashion_cnn(batch: usize, seed: u64) -> Model {
+    let mut model = Model::fashion_cnn(batch).unwrap();
+    model.init(seed);
+    model
+}
+
+/// The device engine on the CPU twins for `model` at `batch` and `precision`: `configure` runs
+/// on it before `data` (its image size the model's) is uploaded, to be read in the order `idx`.
+fn twin_engine(
+    (model, batch, precision): (&Model, usize, Precision),
+    data: &Dataset,
+    idx: &[usize],
+    configure: impl FnOnce(&mut Engine<CpuExec>),
+) -> Engine<CpuExec> {
+    let t = plan::Tensors::new(model, batch, precision).unwrap();
+    let mut eng = Engine::new(CpuExec::new(t.arena_len), model, batch, precision).unwrap();
+    configure(&mut eng);
+    let no_test_set = Dataset {
+        rows: data.rows,
+        cols: data.cols,
+        ..Default::default()
+    };
+    eng.upload_dataset(data, &no_test_set).unwrap();
+    eng.set_index_list(idx, false).unwrap();
+    eng
+}
+
+/// The run the device-step tests compare with the CPU engine's (with and without clipping):
+/// (batch 5, 20 steps, the synthetic images, `fashion_cnn` initialised with seed 42, the order
+/// the images are read in: reversed).
+fn step_run() -> (usize, usize, Dataset, Model, Vec<usize>) {
+    let (batch, steps) = (5usize, 20usize);
+    let data = synthetic(batch * steps, 11);
+    let idx = (0..data.len()).rev().collect();
+    (batch, steps, data, fashion_cnn(batch, 42), idx)
+}
+
+/// The device engine's parameters `p` against the CPU engine's model, tensor by tensor (each
+/// named with `when`), within the step tests' tolerance. Conv biases feed BatchNorm, which
+/// cancels them: their gradient is rounding noise, and Adam normalises noise to full-size steps,
+/// so they are left out.
+fn params_close(p: &[f32], cpu_model: &Model, when: &str) {
+    for e in cpu_model
+        .entries
+        .iter()
+        .filter(|e| !e.name.ends_with(".0.bias"))
+    {
+        ok(assert_close(
+            &format!("{} {when}", e.name),
+            &p[e.range.clone()],
+            &cpu_model.params[e.range.clone()],
+            Tol::new(1e-3, 1e-2),
+        ));
+    }
+}
+
 /// The device engine's whole step, run with the CPU twins, against the CPU engine: 20 steps
 /// from the same initialisation on the same batches give the same losses (and parameters).
 #[test]
 fn device_step_on_twins_matches_the_cpu_engine() {
-    let (batch, steps) = (5usize, 20usize);
-    let data = synthetic(batch * steps, 11);
-    let mut model = Model::fashion_cnn(batch).unwrap();
-    model.init(42);
+    let (batch, steps, data, model, idx) = step_run();
     for precision in [Precision::Fp32, Precision::Bf16, Precision::Fp16] {
-        let t = plan::Tensors::new(&model, batch, precision).unwrap();
-        let mut eng = Engine::new(CpuExec::new(t.arena_len), &model, batch, precision).unwrap();
-        eng.upload_dataset(
-            &data,
-            &Dataset {
-                rows: 28,
-                cols: 28,
-                ..Default::default()
-            },
-        )
-        .unwrap();
-        let idx: Vec<usize> = (0..data.len()).rev().collect();
-        eng.set_index_list(&idx, false).unwrap();
+        let mut eng = twin_engine((&model, batch, precision), &data, &idx, |_| {});
         let mut cpu_model = Model::fashion_cnn(batch).unwrap();
         cpu_model.params.copy_from_slice(&model.params);
         let mut opt = Adam::new(cpu_model.num_params(), 0.005);
@@ -905,21 +960,8 @@ fn device_step_on_twins_matches_the_cpu_engine() {
             }
         }
         if precision == Precision::Fp32 {
-            // Conv biases feed BatchNorm, which cancels them: their gradient is rounding noise,
-            // and Adam normalises noise to full-size steps, so they are left out.
             let p = eng.params().unwrap();
-            for e in cpu_model
-                .entries
-                .iter()
-                .filter(|e| !e.name.ends_with(".0.bias"))
-            {
-                ok(assert_close(
-                    &format!("{} after {steps} steps", e.name),
-                    &p[e.range.clone()],
-                    &cpu_model.params[e.range.clone()],
-                    Tol::new(1e-3, 1e-2),
-                ));
-            }
+            params_close(&p, &cpu_model, &format!("after {steps} steps"));
         }
         assert!(
             cpu_losses[steps - 1] < cpu_losses[0],
@@ -965,19 +1007,8 @@ fn device_step_on_twins_matches_the_cpu_engine_for_another_model() {
     };
     let mut model = build();
     model.init(7);
-    let t = plan::Tensors::new(&model, batch, Precision::Fp32).unwrap();
-    let mut eng = Engine::new(CpuExec::new(t.arena_len), &model, batch, Precision::Fp32).unwrap();
-    eng.upload_dataset(
-        &data,
-        &Dataset {
-            rows: 12,
-            cols: 10,
-            ..Default::default()
-        },
-    )
-    .unwrap();
     let idx: Vec<usize> = (0..data.len()).collect();
-    eng.set_index_list(&idx, false).unwrap();
+    let mut eng = twin_engine((&model, batch, Precision::Fp32), &data, &idx, |_| {});
     let mut cpu_model = build();
     cpu_model.params.copy_from_slice(&model.params);
     // Adam turns gradients that should cancel to zero (a conv bias whose channel stays on the
@@ -1082,24 +1113,13 @@ fn fp16_overflow_skips_steps_then_trains() {
     use lockstep_train::precision::{LossScaler, StepAction};
     let (batch, steps) = (4usize, 50usize);
     let data = synthetic(batch * steps, 13);
-    let mut model = Model::fashion_cnn(batch).unwrap();
-    model.init(7);
-    let t = plan::Tensors::new(&model, batch, Precision::Fp16).unwrap();
-    let mut eng = Engine::new(CpuExec::new(t.arena_len), &model, batch, Precision::Fp16).unwrap();
+    let model = fashion_cnn(batch, 7);
     let init = (1u64 << 40) as f32;
-    eng.set_loss_scaler(LossScaler::new(init, 2.0, 0.5, 2000).unwrap())
-        .unwrap();
-    eng.upload_dataset(
-        &data,
-        &Dataset {
-            rows: 28,
-            cols: 28,
-            ..Default::default()
-        },
-    )
-    .unwrap();
     let idx: Vec<usize> = (0..data.len()).collect();
-    eng.set_index_list(&idx, false).unwrap();
+    let mut eng = twin_engine((&model, batch, Precision::Fp16), &data, &idx, |eng| {
+        eng.set_loss_scaler(LossScaler::new(init, 2.0, 0.5, 2000).unwrap())
+            .unwrap()
+    });
     let bits = |v: Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
     let (mut skipped, mut losses) = (0u64, Vec::new());
     for s in 0..steps {
@@ -1231,26 +1251,11 @@ fn clip_twins_match_clip_grad_norm() {
 #[test]
 fn device_step_with_clipping_on_twins_matches_the_cpu_engine() {
     // The data, order and length of `device_step_on_twins_matches_the_cpu_engine`.
-    let (batch, steps) = (5usize, 20usize);
-    let data = synthetic(batch * steps, 11);
-    let mut model = Model::fashion_cnn(batch).unwrap();
-    model.init(42);
-    let idx: Vec<usize> = (0..data.len()).rev().collect();
+    let (batch, steps, data, model, idx) = step_run();
     let device = |clip: Option<f32>| {
-        let t = plan::Tensors::new(&model, batch, Precision::Fp32).unwrap();
-        let mut eng =
-            Engine::new(CpuExec::new(t.arena_len), &model, batch, Precision::Fp32).unwrap();
-        eng.set_clip_grad_norm(clip).unwrap();
-        eng.upload_dataset(
-            &data,
-            &Dataset {
-                rows: 28,
-                cols: 28,
-                ..Default::default()
-            },
-        )
-        .unwrap();
-        eng.set_index_list(&idx, false).unwrap();
+        let mut eng = twin_engine((&model, batch, Precision::Fp32), &data, &idx, |eng| {
+            eng.set_clip_grad_norm(clip).unwrap()
+        });
         let (mut losses, mut norms) = (Vec::new(), Vec::new());
         for s in 0..steps {
             eng.train_step(s * batch, batch, 0.005, None).unwrap();
@@ -1278,18 +1283,7 @@ fn device_step_with_clipping_on_twins_matches_the_cpu_engine() {
             &cpu_norms,
             Tol::new(1e-5, 1e-3),
         ));
-        for e in cpu_model
-            .entries
-            .iter()
-            .filter(|e| !e.name.ends_with(".0.bias"))
-        {
-            ok(assert_close(
-                &format!("{what}: {}", e.name),
-                &p[e.range.clone()],
-                &cpu_model.params[e.range.clone()],
-                Tol::new(1e-3, 1e-2),
-            ));
-        }
+        params_close(&p, &cpu_model, &what);
         let same = p
             .iter()
             .zip(&unclipped)
@@ -1319,24 +1313,13 @@ fn fp16_clipping_runs_after_the_unscale_and_not_on_skipped_steps() {
     use lockstep_train::precision::{LossScaler, StepAction};
     let (batch, steps) = (4usize, 30usize);
     let data = synthetic(batch * steps, 23);
-    let mut model = Model::fashion_cnn(batch).unwrap();
-    model.init(7);
-    let t = plan::Tensors::new(&model, batch, Precision::Fp16).unwrap();
-    let mut eng = Engine::new(CpuExec::new(t.arena_len), &model, batch, Precision::Fp16).unwrap();
-    eng.set_loss_scaler(LossScaler::new((1u64 << 40) as f32, 2.0, 0.5, 2000).unwrap())
-        .unwrap();
-    eng.set_clip_grad_norm(Some(0.1)).unwrap();
-    eng.upload_dataset(
-        &data,
-        &Dataset {
-            rows: 28,
-            cols: 28,
-            ..Default::default()
-        },
-    )
-    .unwrap();
+    let model = fashion_cnn(batch, 7);
     let idx: Vec<usize> = (0..data.len()).collect();
-    eng.set_index_list(&idx, false).unwrap();
+    let mut eng = twin_engine((&model, batch, Precision::Fp16), &data, &idx, |eng| {
+        eng.set_loss_scaler(LossScaler::new((1u64 << 40) as f32, 2.0, 0.5, 2000).unwrap())
+            .unwrap();
+        eng.set_clip_grad_norm(Some(0.1)).unwrap();
+    });
     let (mut skipped, mut applied_norms) = (0, Vec::new());
     for s in 0..steps {
         match eng.train_step(s * batch, batch, 0.005, None).unwrap() {
@@ -1372,26 +1355,15 @@ fn fp16_clipping_runs_after_the_unscale_and_not_on_skipped_steps() {
 fn clipping_reports_a_non_finite_norm() {
     let batch = 4usize;
     let data = synthetic(batch * 3, 25);
-    let mut model = Model::fashion_cnn(batch).unwrap();
-    model.init(7);
-    let t = plan::Tensors::new(&model, batch, Precision::Fp32).unwrap();
-    let mut eng = Engine::new(CpuExec::new(t.arena_len), &model, batch, Precision::Fp32).unwrap();
-    assert!(
-        eng.set_clip_grad_norm(Some(0.0)).is_err()
-            && eng.set_clip_grad_norm(Some(f32::NAN)).is_err()
-    );
-    eng.set_clip_grad_norm(Some(1.0)).unwrap();
-    eng.upload_dataset(
-        &data,
-        &Dataset {
-            rows: 28,
-            cols: 28,
-            ..Default::default()
-        },
-    )
-    .unwrap();
+    let model = fashion_cnn(batch, 7);
     let idx: Vec<usize> = (0..data.len()).collect();
-    eng.set_index_list(&idx, false).unwrap();
+    let mut eng = twin_engine((&model, batch, Precision::Fp32), &data, &idx, |eng| {
+        assert!(
+            eng.set_clip_grad_norm(Some(0.0)).is_err()
+                && eng.set_clip_grad_norm(Some(f32::NAN)).is_err()
+        );
+        eng.set_clip_grad_norm(Some(1.0)).unwrap();
+    });
     eng.train_step(0, batch, 0.005, None).unwrap();
     eng.check_grad_norm().unwrap();
     // A NaN weight of the last layer makes its gradients NaN from the next step on.

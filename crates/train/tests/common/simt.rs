@@ -43,6 +43,10 @@ const SELFTEST_CU: &str = include_str!("../../../../tests/simt/selftest.cu");
 const SIM_CUDA_C: &str = include_str!("../../../../tests/fake/sim_cuda.c");
 const SIM_NVRTC_C: &str = include_str!("../../../../tests/fake/sim_nvrtc.c");
 
+/// Argument kinds of the self-test kernels: an i32 buffer they write, an i32 scalar.
+const OUT_I32: ArgKind = ArgKind::PtrMut(Dtype::I32);
+const I32: ArgKind = ArgKind::Scalar(Dtype::I32);
+
 /// The shim's self-test kernels (`tests/simt/selftest.cu`) as a kernel source the crate can
 /// compile (through the simulated NVRTC) and launch.
 pub static SELFTEST: KernelSource = KernelSource {
@@ -52,40 +56,31 @@ pub static SELFTEST: KernelSource = KernelSource {
     functions: &[
         KernelSig {
             name: "simt_shfl",
-            args: &[
-                ArgKind::PtrMut(Dtype::I32),
-                ArgKind::Scalar(Dtype::I32),
-                ArgKind::Scalar(Dtype::I32),
-                ArgKind::Scalar(Dtype::I32),
-            ],
+            args: &[OUT_I32, I32, I32, I32],
         },
         KernelSig {
             name: "simt_ballot",
-            args: &[ArgKind::PtrMut(Dtype::I32), ArgKind::Scalar(Dtype::I32)],
+            args: &[OUT_I32, I32],
         },
         KernelSig {
             name: "simt_shfl_halves",
-            args: &[ArgKind::PtrMut(Dtype::I32), ArgKind::PtrMut(Dtype::I32)],
+            args: &[OUT_I32, OUT_I32],
         },
         KernelSig {
             name: "simt_atomics",
-            args: &[
-                ArgKind::PtrMut(Dtype::I32),
-                ArgKind::PtrMut(Dtype::F32),
-                ArgKind::PtrMut(Dtype::I32),
-            ],
+            args: &[OUT_I32, ArgKind::PtrMut(Dtype::F32), OUT_I32],
         },
         KernelSig {
             name: "simt_early_exit",
-            args: &[ArgKind::PtrMut(Dtype::I32), ArgKind::Scalar(Dtype::I32)],
+            args: &[OUT_I32, I32],
         },
         KernelSig {
             name: "simt_shared_per_block",
-            args: &[ArgKind::PtrMut(Dtype::I32)],
+            args: &[OUT_I32],
         },
         KernelSig {
             name: "simt_misuse",
-            args: &[ArgKind::PtrMut(Dtype::I32), ArgKind::Scalar(Dtype::I32)],
+            args: &[OUT_I32, I32],
         },
     ],
 };
@@ -510,24 +505,21 @@ the crate's signature table ({codes}; build.rs parses the same declaration): fix
     let obj = |p: &str| dir.join(p).display().to_string();
     let mut cxx_args = flags.to_vec();
     cxx_args.extend(["-Wall", "-Wextra", "-Werror"].map(String::from));
-    let mut shim = cxx_args.clone();
-    shim.extend([
-        format!("-I{}", obj("simt")),
-        "-c".into(),
-        obj("simt/simt.cpp"),
-        "-o".into(),
-        obj("simt/simt.o"),
-    ]);
-    cmds.push((cxx.to_string(), shim));
-    let mut regc = cxx_args.clone();
-    regc.extend([
-        format!("-I{}", obj("simt")),
-        "-c".into(),
-        obj("units/registry.cpp"),
-        "-o".into(),
-        obj("units/registry.o"),
-    ]);
-    cmds.push((cxx.to_string(), regc));
+    // The shim itself and the registry: C++ against the shim's headers.
+    for (src, out) in [
+        ("simt/simt.cpp", "simt/simt.o"),
+        ("units/registry.cpp", "units/registry.o"),
+    ] {
+        let mut args = cxx_args.clone();
+        args.extend([
+            format!("-I{}", obj("simt")),
+            "-c".into(),
+            obj(src),
+            "-o".into(),
+            obj(out),
+        ]);
+        cmds.push((cxx.to_string(), args));
+    }
     cmds.push((
         cc.to_string(),
         strings(&[
