@@ -18,9 +18,15 @@ use common::check;
 const BIN: &str = env!("CARGO_BIN_EXE_lockstep");
 
 fn bench(args: &[&str]) -> Result<Output, String> {
+    bench_with(&[], args)
+}
+
+/// `lockstep bench ARGS` with `env` added to the environment.
+fn bench_with(env: &[(&str, &str)], args: &[&str]) -> Result<Output, String> {
     Command::new(BIN)
         .arg("bench")
         .args(args)
+        .envs(env.iter().copied())
         .stdin(Stdio::null())
         .run()
 }
@@ -533,13 +539,12 @@ fn in_place_stays_finite() -> Result<(), String> {
         ("reduce_scatter", "sum"),
         ("reduce", "prod"),
     ] {
-        let o = Command::new(BIN)
-            .args(["bench", "--op", op, "-o", redop, "--sizes", "8,4K"])
-            .args(["-n", "300", "-w", "1"])
-            .env("LOCKSTEP_CHECK_FINITE", "1")
-            .stdin(Stdio::null())
-            .output()
-            .map_err(|e| e.to_string())?;
+        let o = bench_with(
+            &[("LOCKSTEP_CHECK_FINITE", "1")],
+            &[
+                "--op", op, "-o", redop, "--sizes", "8,4K", "-n", "300", "-w", "1",
+            ],
+        )?;
         let s = stdout(&o);
         let r = rows(&s);
         check(
