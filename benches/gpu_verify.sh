@@ -377,7 +377,7 @@ EOF
         baselines|compile_baselines) grep -E 'eager|compile' "$log" | tail -4 | tr -s ' ' | tr '\n' ';' ;;
         bench_raw) grep -E '^overhead' "$log" | tr '\n' ';' ;;
         nccl_tests) grep -E '^side ' "$log" | sed 's/ (mean, -a 1)//' | tr '\n' ';' ;;
-        python) grep -E 'rank 0: |rank 0 DDP:|all checks passed' "$log" | tail -3 | tr '\n' ';' ;;
+        python) grep -E 'rank 0: |rank 0 DDP:|all checks passed' "$log" | tail -5 | tr '\n' ';' ;;
         capi) echo "capi_test: $(grep -c 'all checks passed' "$log") ranks passed; capi_cuda: $(grep -c 'CUDA stream checks passed' "$log") ranks passed" ;;
         *) grep -E '^test result|^[0-9]+ passed, [0-9]+ skipped, [0-9]+ failed' "$log" | tail -1 ;;
     esac

@@ -1,7 +1,7 @@
 //! Several ranks on one GPU: collectives on device buffers through a host backend.
 //!
 //! NCCL (before 2.30) refuses two ranks of one communicator on the same GPU. When ranks outnumber
-//! GPUs, [`StagedBackend`] wraps the shared-memory communicator: each call copies the device
+//! GPUs (or a lone rank finds no NCCL), [`StagedBackend`] wraps the shared-memory communicator: each call copies the device
 //! buffers into page-locked staging memory (D2H), runs the host collective there, and copies the
 //! result back (H2D) on the ranks that receive one. It is slower than NCCL (two PCIe copies per
 //! call) but correct for every collective, op and dtype the host backend supports.
@@ -47,12 +47,17 @@ pub struct StagedBackend {
 impl StagedBackend {
     /// Wrap `inner` (typically the launcher's shm communicator) for device buffers on `ctx`.
     pub fn new(ctx: &Arc<Context>, inner: Communicator) -> Result<StagedBackend, CudaError> {
+        let gpu = ctx.ordinal();
+        let why = if inner.world_size() > 1 {
+            format!("shares GPU {gpu} with other ranks")
+        } else {
+            format!("is alone on GPU {gpu}, without NCCL")
+        };
         tracing::info!(
             rank = inner.rank(),
-            gpu = ctx.ordinal(),
-            "rank {} shares GPU {} with other ranks: device collectives go through the {} backend, staged via pinned host memory",
+            gpu,
+            "rank {} {why}: device collectives go through the {} backend, staged via pinned host memory",
             inner.rank(),
-            ctx.ordinal(),
             inner.backend_kind()
         );
         Ok(StagedBackend {

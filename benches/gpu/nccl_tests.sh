@@ -62,6 +62,12 @@ echo "--- nccl-tests all_reduce_perf -g $gpus ${args[*]} ---"
 echo "--- lockstep bench --device cuda --nprocs $gpus ${args[*]} --stat mean ---"
 (cd "$root" && LOCKSTEP_NCCL_LIBRARY="$lib" "$lockstep" bench --device cuda --nprocs "$gpus" "${args[@]}" --stat mean) \
     | tee "$work/lockstep.txt"
+# Both sides must run NCCL: a lockstep rank that staged through host memory would compare another
+# backend with nccl-tests.
+if ! grep -q '^#  Rank .*backend nccl' "$work/lockstep.txt" || grep -q '^#  Rank .*backend staged' "$work/lockstep.txt"; then
+    echo "nccl_tests: lockstep bench did not run every rank on NCCL (see its '#  Rank' lines): the side-by-side would compare another backend"
+    exit 1
+fi
 echo "--- side by side: out-of-place time, mean over 200 iterations, averaged over ranks (-a 1) ---"
 awk 'NR == FNR { if ($1 ~ /^[0-9]+$/) t[$1] = $6; next }
      $1 ~ /^[0-9]+$/ && ($1 in t) && t[$1] > 0 {

@@ -3,7 +3,8 @@
 //!
 //! | ranks on this node vs GPUs | NCCL | result |
 //! |---|---|---|
-//! | one rank | any | [`StagedBackend`] over the host communicator (nothing to communicate; no NCCL needed) |
+//! | one rank | loads | NCCL (a one-rank communicator: what torch's `nccl` backend runs at world size 1, a device copy per out-of-place call) |
+//! | one rank | missing, or `LOCKSTEP_CHECK_FINITE=1` | [`StagedBackend`] over the host communicator (no NCCL needed; logged at info level) |
 //! | every rank has its own GPU | loads | NCCL |
 //! | every rank has its own GPU | missing | error naming the library search and `LOCKSTEP_BACKEND=shm` |
 //! | ranks share a GPU, `NCCL_MULTI_RANK_GPU_ENABLE=1`, NCCL ≥ 2.30 | loads | NCCL multi-rank mode |
@@ -49,6 +50,26 @@ fn nccl_multi_rank_gpu() -> bool {
         }
         Err(e) => {
             tracing::warn!("NCCL_MULTI_RANK_GPU_ENABLE=1 but NCCL does not load ({e}): staging through shared memory instead");
+            false
+        }
+    }
+}
+
+/// A lone rank takes NCCL when it loads, as torch's `nccl` backend does at world size 1 (an
+/// out-of-place call is one device copy, an in-place one nothing), and stages through host memory
+/// otherwise, so a one-GPU job needs no NCCL. `LOCKSTEP_CHECK_FINITE=1` keeps it staged, where the
+/// host kernels run the check NCCL's cannot.
+fn nccl_serves_one_rank() -> bool {
+    if matches!(crate::types::env::CHECK_FINITE.choice(), Ok(Some("1"))) {
+        tracing::info!("one rank with LOCKSTEP_CHECK_FINITE=1: device calls stage through host memory, where the finite check runs");
+        return false;
+    }
+    match crate::nccl::version() {
+        Ok(_) => true,
+        Err(e) => {
+            tracing::info!(
+                "one rank and NCCL does not load ({e}): device calls stage through host memory"
+            );
             false
         }
     }
@@ -125,16 +146,22 @@ pub(crate) enum DeviceChoice {
 }
 
 /// The policy, without side effects: `local_ranks` ranks on this node (not the global world
-/// size: a 16-rank job on two 8-GPU nodes has 8 here), `gpus` visible devices, and whether NCCL's
-/// multi-rank mode was asked for and is available (`multi_rank_ok`, evaluated lazily: it loads
-/// NCCL).
+/// size: a 16-rank job on two 8-GPU nodes has 8 here), `gpus` visible devices, whether NCCL can
+/// serve a lone rank (`alone_ok`: it loads and no finite check was asked for) and whether NCCL's
+/// multi-rank mode was asked for and is available (`multi_rank_ok`). Both are evaluated lazily,
+/// only where the answer matters: they load NCCL.
 pub(crate) fn choose(
     local_ranks: usize,
     gpus: usize,
+    alone_ok: impl FnOnce() -> bool,
     multi_rank_ok: impl FnOnce() -> bool,
 ) -> DeviceChoice {
     if local_ranks <= 1 {
-        DeviceChoice::Staged
+        if alone_ok() {
+            DeviceChoice::Nccl { multi_rank: false }
+        } else {
+            DeviceChoice::Staged
+        }
     } else if gpus >= local_ranks {
         DeviceChoice::Nccl { multi_rank: false }
     } else if multi_rank_ok() {
@@ -183,7 +210,7 @@ pub fn device_communicator(
     let ctx = Context::new(ordinal).map_err(cuda)?;
     // A host (shared-memory) communicator: all of its ranks share this node.
     let (rank, world) = (host.rank(), host.world_size());
-    let choice = choose(world, gpus, nccl_multi_rank_gpu);
+    let choice = choose(world, gpus, nccl_serves_one_rank, nccl_multi_rank_gpu);
     tracing::debug!(
         rank,
         world,
@@ -217,19 +244,24 @@ mod tests {
 
     #[test]
     fn policy_table() {
-        assert_eq!(choose(1, 8, || unreachable!()), DeviceChoice::Staged);
+        let never = || -> bool { unreachable!() };
         assert_eq!(
-            choose(2, 2, || unreachable!()),
+            choose(1, 8, || true, never),
+            DeviceChoice::Nccl { multi_rank: false }
+        );
+        assert_eq!(choose(1, 8, || false, never), DeviceChoice::Staged);
+        assert_eq!(
+            choose(2, 2, never, never),
             DeviceChoice::Nccl { multi_rank: false }
         );
         assert_eq!(
-            choose(4, 2, || true),
+            choose(4, 2, never, || true),
             DeviceChoice::Nccl { multi_rank: true }
         );
-        assert_eq!(choose(4, 2, || false), DeviceChoice::Staged);
+        assert_eq!(choose(4, 2, never, || false), DeviceChoice::Staged);
         // Two nodes of 8 GPUs and 8 ranks each: the policy sees the node's 8 ranks, not 16.
         assert_eq!(
-            choose(8, 8, || unreachable!()),
+            choose(8, 8, never, never),
             DeviceChoice::Nccl { multi_rank: false }
         );
     }

@@ -649,6 +649,26 @@ fn scenario(name: &str) {
                         .all(|r| ok(&r["out_of_place"]) && ok(&r["in_place"])),
                     "{op} on {nprocs} ranks: {v}"
                 );
+                // The mean on device buffers is timed as nccl-tests times it: one batch, so no
+                // per-call percentile.
+                assert!(
+                    rows.iter().all(|r| r["out_of_place"]["p99_us"].is_null()),
+                    "{op} on {nprocs} ranks: {v}"
+                );
+                // Each rank names the backend it ran: NCCL alone, staged when sharing the GPU.
+                let want = if nprocs == 1 {
+                    "backend nccl"
+                } else {
+                    "backend staged"
+                };
+                let ranks = v["rank_info"].as_array().cloned().unwrap_or_default();
+                assert!(
+                    ranks.len() == nprocs
+                        && ranks
+                            .iter()
+                            .all(|r| r["device"].as_str().is_some_and(|d| d.ends_with(want))),
+                    "{op} on {nprocs} ranks, want {want:?}: {v}"
+                );
             }
         }
         "sim_device_engine_host_side" => sim_device_engine_host_side(),

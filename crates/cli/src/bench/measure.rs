@@ -240,18 +240,31 @@ fn count_wrong<T: BenchElem>(
 }
 
 /// Time `iters` calls after `warmup` untimed ones; the time per call (the mean or the median,
-/// as `a.stat` says) and its 99th percentile, in seconds.
+/// as `a.stat` says) and, when each call was timed on its own, its 99th percentile, in seconds.
+///
+/// On a device communicator the mean is nccl-tests' measurement: the calls are enqueued back to
+/// back on the stream, completion is awaited once, and the total is divided by `iters`, so the
+/// figure is the throughput of calls, not the latency of one launch and its wait. The median (and
+/// every host communicator, whose calls return complete) times each call to its completion.
 fn time_calls(
     comm: &mut Communicator,
     a: &BenchOptions,
     iters: usize,
     mut call: impl FnMut(&mut Communicator) -> Result<(), CommError>,
-) -> Result<(f64, f64), CommError> {
+) -> Result<(f64, Option<f64>), CommError> {
     for _ in 0..a.warmup {
         call(comm)?;
     }
     comm.barrier()?;
     comm.synchronize()?;
+    if a.stat == Stat::Mean && comm.device_context().is_some() {
+        let t = Instant::now();
+        for _ in 0..iters {
+            call(comm)?;
+        }
+        comm.synchronize()?;
+        return Ok((t.elapsed().as_secs_f64() / iters.max(1) as f64, None));
+    }
     let mut times = Vec::with_capacity(iters);
     for _ in 0..iters {
         let t = Instant::now();
@@ -267,12 +280,12 @@ fn time_calls(
         Stat::Median => times[times.len() / 2],
         _ => mean,
     };
-    Ok((t, p99))
+    Ok((t, Some(p99)))
 }
 
-/// This rank's (time per call µs, as `stat` says; wrong elements; 99th percentile µs) of one
-/// variant.
-pub(crate) type Measured = (f64, u64, f64);
+/// This rank's (time per call µs, as `stat` says; wrong elements; 99th percentile µs, when each
+/// call was timed on its own) of one variant.
+pub(crate) type Measured = (f64, u64, Option<f64>);
 
 /// Time and verify one size on this rank: the out-of-place form, and the in-place one where
 /// there is one.
@@ -330,7 +343,11 @@ fn one_size<T: BenchElem>(
     } else {
         0
     };
-    let oop = (t * 1e6 * per_call, wrong as u64, t99 * 1e6 * per_call);
+    let oop = (
+        t * 1e6 * per_call,
+        wrong as u64,
+        t99.map(|t| t * 1e6 * per_call),
+    );
     drop(recv);
     drop(send);
     if !has_in_place(a.op) {
@@ -387,7 +404,7 @@ fn one_size<T: BenchElem>(
     } else {
         0
     };
-    Ok((oop, Some((t * 1e6, wrong as u64, t99 * 1e6))))
+    Ok((oop, Some((t * 1e6, wrong as u64, t99.map(|t| t * 1e6)))))
 }
 
 /// One size of one combination on this rank: the out-of-place variant, and the in-place one.
@@ -495,11 +512,17 @@ fn run_rank(
         let host = comm.split(Some(0), 0)?.ok_or_else(|| {
             CommError::Unsupported("split with a color returned no communicator".into())
         })?;
-        // NCCL on this rank's device, or staging through shared memory when ranks share a GPU.
+        // NCCL on this rank's device, or staging through shared memory when ranks share a GPU
+        // (or a lone rank finds no NCCL): the rank's line names which, so a comparison with
+        // nccl-tests can tell.
         let (dev, cx) = lockstep::rendezvous::device_communicator(comm, local_rank)?;
         let stream = cx.stream().map_err(cuda_err)?;
         let name = cx.info().map(|i| i.name).unwrap_or_default();
-        let device = format!("device {} {name}", cx.ordinal());
+        let device = format!(
+            "device {} {name}, backend {}",
+            cx.ordinal(),
+            dev.backend_kind()
+        );
         let place = Place {
             buffers: a.buffers,
             device: Some((cx, stream)),
@@ -605,7 +628,10 @@ fn merge(a: &BenchOptions, outs: Vec<RankOut>, rank: usize) -> Report {
         } else {
             0.0
         };
-        let p99_us = ms.iter().map(|m| m.2).fold(0.0, f64::max);
+        let p99_us = ms
+            .iter()
+            .map(|m| m.2)
+            .try_fold(0.0, |acc: f64, p| p.map(|p| acc.max(p)));
         Timing {
             time_us: t,
             p99_us,

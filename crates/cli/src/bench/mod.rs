@@ -5,8 +5,9 @@
 //! One row per size, with nccl-tests' columns: size (bytes), count, type, redop, root, then time
 //! (µs), algbw, busbw (GB/s) and #wrong for the out-of-place call and again for the in-place one
 //! (where the communicator has an in-place form). Time is each rank's mean (or median, `--stat`)
-//! per call over the timed iterations, combined over the ranks as nccl-tests' `-a` (
-//! by default their average); every size is verified after timing (unless
+//! per call over the timed iterations (on device buffers the mean is nccl-tests' measurement: the
+//! calls enqueued back to back, one wait, total / iterations), combined over the ranks as
+//! nccl-tests' `-a` (by default their average); every size is verified after timing (unless
 //! `check` is off), and any wrong element makes the command fail. Bus bandwidth uses the
 //! nccl-tests factors: all-reduce 2(n-1)/n, all-gather and reduce-scatter (n-1)/n on the total
 //! size, broadcast/reduce 1. The summary gives the wrong elements and the average bus bandwidth;
@@ -99,6 +100,8 @@ Columns, as nccl-tests prints them: size count type redop root | time algbw busb
 out-of-place call and then the in-place one (N/A where lockstep has no in-place form of the
 collective). root is -1 for collectives without one. Times are in microseconds, as nccl-tests reports them: the
 mean over the timed iterations of each rank's time per call (--stat median for the median),
+on device buffers measured as nccl-tests does (the calls enqueued back to back, one wait at the
+end, the total divided by the iterations; the median times each call to its completion),
 averaged over the ranks (-a 1; -a 0 rank 0's, -a 2 the fastest rank's, -a 3 the slowest's); the
 header names the statistic. The last lines give the wrong elements found and the average bus
 bandwidth. Barrier has no size: one row, its latency. Under a launcher (lockstep launch, torchrun,

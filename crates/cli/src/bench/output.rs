@@ -8,11 +8,12 @@ use super::options::{Average, BenchOptions, Buffers, Format, Stat};
 /// One timed variant (out-of-place or in-place) of one size.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Timing {
-    /// Median time per call in microseconds (max over ranks).
+    /// Time per call in microseconds: each rank's mean or median (`--stat`), combined over the
+    /// ranks as `-a` says.
     pub time_us: f64,
     /// 99th percentile of the time per call in microseconds (max over ranks): how far the slow
-    /// calls stray from the median.
-    pub p99_us: f64,
+    /// calls stray. `None` where the calls were timed as a batch (the mean on device buffers).
+    pub p99_us: Option<f64>,
     /// Algorithm bandwidth, GB/s.
     pub algbw: f64,
     /// Bus bandwidth, GB/s.
@@ -78,7 +79,7 @@ fn title(a: &BenchOptions) -> String {
             (_, Buffers::Shared) => "shared",
         },
         if a.device == "cuda" {
-            "nccl (or shm staging when ranks share a GPU)"
+            "nccl (or staged through host memory: each rank's line names its own)"
         } else {
             "shm"
         }
@@ -270,7 +271,11 @@ pub fn csv(a: &BenchOptions, rows: &[Row]) -> String {
         ),
         None => ",,,".into(),
     };
-    let p99 = |t: Option<Timing>| t.map(|t| format!("{:.3}", t.p99_us)).unwrap_or_default();
+    let p99 = |t: Option<Timing>| {
+        t.and_then(|t| t.p99_us)
+            .map(|p| format!("{p:.3}"))
+            .unwrap_or_default()
+    };
     let op = if a.op == CollKind::Send {
         "pingpong"
     } else {
@@ -307,7 +312,7 @@ pub fn json(a: &BenchOptions, report: &Report) -> String {
     let timing = |t: Option<Timing>| match t {
         Some(t) => json!({
             "time_us": json_num(t.time_us),
-            "p99_us": json_num(t.p99_us),
+            "p99_us": t.p99_us.map(json_num),
             "algbw_gbs": json_num(t.algbw),
             "busbw_gbs": json_num(t.busbw),
             "wrong": t.wrong,
@@ -368,7 +373,7 @@ mod tests {
     fn rendering() {
         let t = Timing {
             time_us: 10.0,
-            p99_us: 12.0,
+            p99_us: Some(12.0),
             algbw: 1.0,
             busbw: 2.0,
             wrong: Some(0),
