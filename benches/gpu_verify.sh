@@ -89,7 +89,7 @@ step kernels_tf32 10 240 "tests/gpu_kernels, TF32 on (the default options: train
 step two_ranks_staged 10 180 "train-cnn, 2 ranks on one GPU staged through shared memory, 1 epoch"
 step two_ranks_nccl 25 180 "train-cnn, 2 NCCL ranks (2 GPUs, or one in NCCL >= 2.30 multi-rank mode)"
 step capi 10 90 "the C ABI: capi_test on host buffers, capi_cuda on device buffers with a CUDA stream"
-step python 25 180 "the Python wheel: lockstep.torch on CUDA tensors, 2 ranks, collectives and DDP"
+step python 25 180 "the Python wheel: lockstep.torch on CUDA tensors, 2 ranks then 1, collectives and DDP"
 step racecheck 10 240 "compute-sanitizer racecheck on tests/gpu_kernels' GEMM checks (filter: linear)"
 step baselines 60 240 "PyTorch eager, fp32 and bf16, 2 epochs (benches/baselines/gpu_cnn.sh)"
 step compile_baselines 90 420 "PyTorch torch.compile(reduce-overhead), fp32, 2 epochs (bf16 compiles for longer: --only)"
@@ -187,6 +187,13 @@ stage_abs=$(cd "$stage" 2>/dev/null && pwd) || stage_abs=""
 stage_travel_bytes=0
 if [ -n "$stage_abs" ]; then
     stage_travel_bytes=$(gpu_dir_bytes "$stage_abs")
+    # A dry run rehearses on a copy (hard links where it can: unpacking replaces files, never
+    # writes into them), so the stage stays packed and can still travel.
+    if [ "$dry" = 1 ]; then
+        rm -rf "$work/stage"
+        cp -al "$stage_abs" "$work/stage" 2>/dev/null || { rm -rf "$work/stage"; cp -a "$stage_abs" "$work/stage"; }
+        stage_abs=$work/stage
+    fi
     for f in "$stage_abs"/bin/*.gz "$stage_abs"/tests/*.gz "$stage_abs"/lib/*.gz; do
         [ -f "$f" ] || continue
         gzip -dc "$f" > "${f%.gz}.tmp" && chmod 755 "${f%.gz}.tmp" && mv -f "${f%.gz}.tmp" "${f%.gz}" && rm -f "$f" \
