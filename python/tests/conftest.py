@@ -2,6 +2,7 @@
 
 import glob
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -41,9 +42,32 @@ def alive(pid):
         return False
 
 
+def _foreign(path):
+    """Whether segment `path` belongs to another run on this machine: its job id has the
+    launchers' format (``lockstep-<launcher pid>-<time>``, both hex) and names a live process that
+    is neither this test process nor one of its descendants. Anything else counts as ours."""
+    m = re.match(r"lockstep-([0-9a-f]+)-", os.path.basename(path))
+    if not m:
+        return False
+    pid, me = int(m.group(1), 16), os.getpid()
+    p = pid
+    for _ in range(64):
+        if p == me:
+            return False
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                q = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            return p != pid  # the launcher itself is gone: ours if it was
+        if q <= 1:
+            return True
+        p = q
+    return True
+
+
 def shm_entries():
-    """lockstep's names in /dev/shm."""
-    return {p for p in glob.glob("/dev/shm/*") if "lockstep" in os.path.basename(p)}
+    """lockstep's names in /dev/shm (other runs' segments aside, see ``_foreign``)."""
+    return {p for p in glob.glob("/dev/shm/*") if "lockstep" in os.path.basename(p) and not _foreign(p)}
 
 
 def open_fds():

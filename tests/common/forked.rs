@@ -302,11 +302,44 @@ pub fn segments_in(dir: &str) -> Vec<String> {
     v
 }
 
-/// Fails when `dir` holds segment names `before` did not.
+/// Whether segment `name` belongs to another run on this machine: its job id has the launchers'
+/// format (`lockstep-<launcher pid>-<time>`, both hex) and names a live process that is neither
+/// this test nor one of its descendants (a test suite run beside this one). Anything else counts
+/// as this test's: a segment whose launcher is gone, or with a name a test chose.
+fn foreign(name: &str) -> bool {
+    let Some(pid) = name
+        .strip_prefix("lockstep-")
+        .and_then(|id| id.split_once('-'))
+        .and_then(|(pid, _)| i32::from_str_radix(pid, 16).ok())
+    else {
+        return false;
+    };
+    let me = std::process::id() as i32;
+    let parent = |p: i32| -> Option<i32> {
+        let stat = std::fs::read_to_string(format!("/proc/{p}/stat")).ok()?;
+        stat.rsplit_once(')')?.1.split_whitespace().nth(1)?.parse().ok()
+    };
+    let mut p = pid;
+    for _ in 0..64 {
+        if p == me {
+            return false;
+        }
+        match parent(p) {
+            Some(q) if q > 1 => p = q,
+            // The chain ended (or the process is gone) without meeting this test.
+            Some(_) => return true,
+            None => return p != pid,
+        }
+    }
+    true
+}
+
+/// Fails when `dir` holds segment names `before` did not (other runs' segments aside, see
+/// [`foreign`]).
 pub fn no_new_segments(dir: &str, before: &[String]) -> Result<(), String> {
     let new: Vec<String> = segments_in(dir)
         .into_iter()
-        .filter(|n| !before.contains(n))
+        .filter(|n| !before.contains(n) && !foreign(n))
         .collect();
     check(
         new.is_empty(),
