@@ -317,7 +317,12 @@ fn foreign(name: &str) -> bool {
     let me = std::process::id() as i32;
     let parent = |p: i32| -> Option<i32> {
         let stat = std::fs::read_to_string(format!("/proc/{p}/stat")).ok()?;
-        stat.rsplit_once(')')?.1.split_whitespace().nth(1)?.parse().ok()
+        stat.rsplit_once(')')?
+            .1
+            .split_whitespace()
+            .nth(1)?
+            .parse()
+            .ok()
     };
     let mut p = pid;
     for _ in 0..64 {
