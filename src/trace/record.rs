@@ -275,18 +275,21 @@ impl Recorder {
         ns(self.base.elapsed())
     }
 
-    /// Write words `w` (1..8) of `slot` under its seqlock. Only the recording thread calls it.
-    fn write(&self, slot: &Slot, words: &[(usize, u64)]) {
+    /// Store words 1..8 of `slot` (`words`, given the slot's words) under its seqlock. Only the
+    /// recording thread calls it. The stores are written out at constant indices by the caller:
+    /// a call pays a handful of plain stores, with no bounds check and no list of them built
+    /// first.
+    #[inline(always)]
+    fn write(&self, slot: &Slot, words: impl FnOnce(&[AtomicU64; 8])) {
         let v = slot.0[0].load(Relaxed);
         slot.0[0].store(v.wrapping_add(1), Relaxed);
         fence(Release);
-        for &(i, x) in words {
-            slot.0[i].store(x, Relaxed);
-        }
+        words(&slot.0);
         slot.0[0].store(v.wrapping_add(2), Release);
     }
 
     /// Record the start of a call; returns its id, to pass to [`end`](Self::end).
+    #[inline]
     pub(crate) fn start(&self, info: &CallInfo) -> u64 {
         let id = self.next.load(Relaxed) + 1;
         self.next.store(id, Relaxed);
@@ -309,22 +312,21 @@ impl Recorder {
         let is_timed = timed(seq, id, bytes);
         self.open_timed.store(is_timed, Relaxed);
         let start = if is_timed { self.now().max(1) } else { 0 };
-        self.write(
-            slot,
-            &[
-                (1, id),
-                (2, seq),
-                (3, packed),
-                (4, info.count),
-                (5, info.root.unwrap_or(NO_ROOT)),
-                (6, start),
-                (7, 0),
-            ],
-        );
+        let root = info.root.unwrap_or(NO_ROOT);
+        self.write(slot, |w| {
+            w[1].store(id, Relaxed);
+            w[2].store(seq, Relaxed);
+            w[3].store(packed, Relaxed);
+            w[4].store(info.count, Relaxed);
+            w[5].store(root, Relaxed);
+            w[6].store(start, Relaxed);
+            w[7].store(0, Relaxed);
+        });
         id
     }
 
     /// Record the end of call `id`: the path it took, and its error's text if it failed.
+    #[inline]
     pub(crate) fn end(&self, id: u64, path: CallPath, error: Option<&dyn std::fmt::Display>) {
         let end = if error.is_some() || self.open_timed.load(Relaxed) {
             self.now().max(1)
@@ -342,17 +344,26 @@ impl Recorder {
         let slot = &self.slots[self.open_slot.load(Relaxed)];
         if end == 0 {
             // An untimed call's end word is still the 0 `start` wrote.
-            self.write(slot, &[(3, packed)]);
+            self.write(slot, |w| w[3].store(packed, Relaxed));
         } else {
-            self.write(slot, &[(3, packed), (7, end)]);
+            self.write(slot, |w| {
+                w[3].store(packed, Relaxed);
+                w[7].store(end, Relaxed);
+            });
         }
         if let Some(e) = error {
-            let mut errs = self.errors.lock().unwrap_or_else(|p| p.into_inner());
-            if errs.len() >= ERRORS_KEPT {
-                errs.remove(0);
-            }
-            errs.push((id, e.to_string()));
+            self.keep_error(id, e);
         }
+    }
+
+    /// Keep the text of failed call `id`'s error (the most recent [`ERRORS_KEPT`]).
+    #[cold]
+    fn keep_error(&self, id: u64, e: &dyn std::fmt::Display) {
+        let mut errs = self.errors.lock().unwrap_or_else(|p| p.into_inner());
+        if errs.len() >= ERRORS_KEPT {
+            errs.remove(0);
+        }
+        errs.push((id, e.to_string()));
     }
 
     /// A consistent copy of one slot, or `None` while it is being written (or was never written).
