@@ -2,12 +2,12 @@
 //! measures between processes, measured within them, where a machine whose speed drifts between
 //! runs cannot mistake the drift for the recorder.
 //!
-//! Two forked ranks make three sub-communicators of the same ranks alike (`split`), the recorder
-//! one with the recorder on (`LOCKSTEP_TRACE_BUFFER` unset: the default) and two with it off
-//! (`0`, the second an A/A control), an "off" one made first (the first sub-communicator made
-//! was the slowest at 1 MiB whatever its recorder). Blocks of calls then alternate between them, the order turned each
-//! block; a block's figure is the slower rank's mean time per call. A ratio is the median over
-//! blocks of one communicator's figure over the "off" one's in the same block.
+//! Two forked ranks make three sub-communicators of the same ranks alike (`split`): one with the
+//! recorder on (`LOCKSTEP_TRACE_BUFFER` unset: the default) and two with it off (`0`, the second
+//! an A/A control), an "off" one made first (the first sub-communicator made was the slowest at
+//! 1 MiB whatever its recorder). Blocks of calls then alternate between them, the order turned
+//! each block; a block's figure is the slower rank's mean time per call. A ratio is the median
+//! over blocks of one communicator's figure over the "off" one's in the same block.
 //!
 //! ```sh
 //! cargo bench --bench recorder              # all_reduce, 8 B and 1 MiB, 2 ranks

@@ -60,7 +60,7 @@ fn nccl_multi_rank_gpu() -> bool {
 /// otherwise, so a one-GPU job needs no NCCL. `LOCKSTEP_CHECK_FINITE=1` keeps it staged, where the
 /// host kernels run the check NCCL's cannot.
 fn nccl_serves_one_rank() -> bool {
-    if matches!(crate::types::env::CHECK_FINITE.choice(), Ok(Some("1"))) {
+    if matches!(finite_check_asked(), Ok(true)) {
         tracing::info!("one rank with LOCKSTEP_CHECK_FINITE=1: device calls stage through host memory, where the finite check runs");
         return false;
     }
@@ -125,13 +125,19 @@ pub(crate) fn nccl_across_nodes(
 /// silently does not happen (NCCL reduces in its own kernels, which have no pass lockstep owns).
 /// The staged backend runs the host communicator's kernels and checks.
 fn refuse_check_finite() -> Result<(), CommError> {
-    let v = crate::types::env::CHECK_FINITE;
-    match v.choice() {
-        Ok(Some("1")) => Err(CommError::Unsupported(format!(
+    if finite_check_asked()? {
+        return Err(CommError::Unsupported(format!(
             "{}=1 is not supported on the NCCL backend: its reductions run in NCCL's own kernels, which lockstep cannot check for NaN and infinities; set it to 0 and check the inputs before the call (torch.isfinite), or run host buffers on LOCKSTEP_BACKEND=shm",
-            v.name
-        ))),
-        Ok(_) => Ok(()),
+            crate::types::env::CHECK_FINITE.name
+        )));
+    }
+    Ok(())
+}
+
+/// Whether `LOCKSTEP_CHECK_FINITE=1` asks for the finite check (a malformed value is an error).
+fn finite_check_asked() -> Result<bool, CommError> {
+    match crate::types::env::CHECK_FINITE.choice() {
+        Ok(v) => Ok(v == Some("1")),
         Err(e) => Err(CommError::Setup(e.to_string())),
     }
 }
