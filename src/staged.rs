@@ -10,6 +10,7 @@
 //! reduce-scatter in place), one staging region is used and the inner buffer maps to its offset.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use crate::comm::{Backend, BackendKind, Call, CommError, Communicator, P2pOp};
 use crate::cuda::{
@@ -388,9 +389,42 @@ impl Backend for StagedBackend {
         Ok(Some(Box::new(child)))
     }
 
+    fn shrink(&mut self, exclude: &[usize], wait: Duration) -> Result<Box<dyn Backend>, CommError> {
+        // The host communicator agrees on the members; the new one stages through the same device.
+        let inner = self.inner.shrink_excluding(exclude, wait)?;
+        self.successor("shrink", inner)
+    }
+
+    fn grow(&mut self, wait: Option<Duration>) -> Result<Box<dyn Backend>, CommError> {
+        let inner = match wait {
+            Some(w) => self.inner.grow_within(w)?,
+            None => self.inner.grow()?,
+        };
+        self.successor("grow", inner)
+    }
+
     fn global_ranks(&self) -> Option<Vec<usize>> {
         self.inner
             .is_sub_communicator()
             .then(|| self.inner.global_ranks())
+    }
+
+    fn peer_check(&self) -> Option<crate::comm::PeerCheck> {
+        self.inner.peer_check()
+    }
+}
+
+impl StagedBackend {
+    /// The staged communicator over `inner`, the host communicator a shrink or grow made.
+    fn successor(&self, verb: &str, inner: Communicator) -> Result<Box<dyn Backend>, CommError> {
+        let rank = inner.global_rank();
+        let next = StagedBackend::new(&self.ctx, inner).map_err(|e| CommError::Backend {
+            backend: "staged",
+            message: format!(
+                "{verb} on rank {rank}: setting up the new communicator's staging on device {}: {e}",
+                self.ctx.ordinal()
+            ),
+        })?;
+        Ok(Box::new(next))
     }
 }

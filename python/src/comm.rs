@@ -1244,8 +1244,8 @@ host (shared-memory) communicators",
     /// members are agreed through the shared segment: ranks in `exclude`, ranks whose process
     /// is gone, and ranks still running that do not call it within `wait` seconds (default 1)
     /// are left out; one left out gets a `CommError` of kind "excluded" from its next call.
-    /// Afterwards this communicator's calls raise (kind "shrunk"). Shared-memory communicators
-    /// only; others raise kind "unsupported".
+    /// Afterwards this communicator's calls raise (kind "shrunk"). Shared-memory communicators,
+    /// and device communicators of one node (NCCL, staged); others raise kind "unsupported".
     #[pyo3(signature = (exclude=None, wait=None))]
     fn shrink(
         &self,
@@ -1277,7 +1277,8 @@ host (shared-memory) communicators",
     /// replacement joins through its normal entry (`lockstep.comm()`, `init_from_env()`).
     /// `wait`: seconds to wait for the replacement (default `LOCKSTEP_JOIN_TIMEOUT_S`, 60);
     /// one that does not come raises naming its rank. Afterwards this communicator's calls
-    /// raise (kind "shrunk"). Shared-memory communicators only; others raise "unsupported".
+    /// raise (kind "shrunk"). Shared-memory communicators, and device communicators of one node
+    /// (NCCL, staged); others raise "unsupported".
     #[pyo3(signature = (wait=None))]
     fn grow(&self, py: Python<'_>, wait: Option<f64>) -> PyResult<PyComm> {
         let wait = wait.map(|w| seconds(w, "grow: wait")).transpose()?;

@@ -102,6 +102,22 @@ pub struct P2pOp {
     pub mem: RawMem,
 }
 
+/// A peer whose process has exited, as a [`PeerCheck`] reports it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LostPeer {
+    /// Its rank in the communicator the check was taken from.
+    pub rank: usize,
+    /// Its global rank (the same as `rank` on a world communicator), which errors name.
+    pub global: usize,
+    /// Its process id.
+    pub pid: i32,
+}
+
+/// A look at the peers' processes that any thread may take at any time (see
+/// [`Backend::peer_check`]): `Some` once one of them has exited. Cheap: one `poll` of a pidfd
+/// per peer.
+pub type PeerCheck = Arc<dyn Fn() -> Option<LostPeer> + Send + Sync>;
+
 /// The completion of a call a device backend has enqueued, held by a
 /// [`Work`](super::Work) handle.
 pub trait Completion: Send {
@@ -216,7 +232,7 @@ pub trait Backend: Send {
     fn shrink(&mut self, exclude: &[usize], wait: Duration) -> Result<Box<dyn Backend>, CommError> {
         let _ = (exclude, wait);
         Err(CommError::Unsupported(format!(
-            "shrink is not supported on the {} backend: only the shared-memory backend (the CPU ranks of one node) shrinks; restart the job instead",
+            "shrink is not supported on the {} backend: the shm backend and the device communicators of one node (nccl, staged) shrink; restart the job instead",
             self.kind()
         )))
     }
@@ -226,9 +242,15 @@ pub trait Backend: Send {
     fn grow(&mut self, wait: Option<Duration>) -> Result<Box<dyn Backend>, CommError> {
         let _ = wait;
         Err(CommError::Unsupported(format!(
-            "grow is not supported on the {} backend: only the shared-memory backend (the CPU ranks of one node) grows; restart the job instead (lockstep launch --restart-policy job)",
+            "grow is not supported on the {} backend: the shm backend and the device communicators of one node (nccl, staged) grow; restart the job instead (lockstep launch --restart-policy job)",
             self.kind()
         )))
+    }
+    /// A watch over the peers' processes, for a layer that carries these ranks' data on another
+    /// transport and must notice a death its own waits cannot (NCCL, whose kernels wait on a
+    /// dead peer until a timeout). `None` where the backend does not know the processes.
+    fn peer_check(&self) -> Option<PeerCheck> {
+        None
     }
     /// For a sub-communicator made by [`split`](Self::split): the global rank (the rank in the
     /// world communicator the splits started from) of each of its ranks. `None` for a world

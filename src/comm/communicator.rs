@@ -731,6 +731,14 @@ impl Communicator {
         self.global.as_ref().map_or(self.rank(), |g| g[self.rank()])
     }
 
+    /// A watch over the peers' processes that any thread can poll (see
+    /// [`PeerCheck`](crate::comm::PeerCheck)): how a device communicator bootstrapped through
+    /// this one notices a peer's death. `None` where the backend does not know the processes
+    /// (nccl, hier).
+    pub fn peer_check(&self) -> Option<crate::comm::PeerCheck> {
+        self.backend.peer_check()
+    }
+
     /// Whether this communicator was made by [`split`](Self::split) or [`new_group`](Self::new_group).
     pub fn is_sub_communicator(&self) -> bool {
         self.global.is_some()
@@ -854,7 +862,12 @@ impl Communicator {
     /// generation. With the ranks gone at once, it returns within a few milliseconds of the
     /// last survivor's call.
     ///
-    /// Backends: shm. The others (nccl, staged, hier) return [`CommError::Unsupported`].
+    /// Backends: shm; nccl and staged communicators of one node (made by
+    /// [`from_env`](Self::from_env), `lockstep launch` or
+    /// [`device_communicator`](crate::rendezvous::device_communicator)), whose host communicator
+    /// agrees on the members and under which a new NCCL communicator of the survivors is made
+    /// (see `nccl/membership.rs`). The others (hier, NCCL across nodes, a split's NCCL
+    /// communicators) return [`CommError::Unsupported`].
     pub fn shrink(&mut self) -> Result<Communicator, CommError> {
         self.shrink_excluding(&[], Self::SHRINK_WAIT)
     }
@@ -892,7 +905,9 @@ impl Communicator {
     /// nothing of the lost rank's state: the survivors send the replacement what it needs.
     ///
     /// Backends: shm (world communicators and their shrinks and grows; not sub-communicators of
-    /// a split). The others return [`CommError::Unsupported`].
+    /// a split), and nccl and staged communicators of one node as for [`shrink`](Self::shrink)
+    /// (the replacement's `from_env` makes the same kind of device communicator). The others
+    /// return [`CommError::Unsupported`].
     pub fn grow(&mut self) -> Result<Communicator, CommError> {
         let backend = self.backend.grow(None)?;
         Ok(Communicator::from_backend(backend))

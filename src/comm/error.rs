@@ -25,7 +25,7 @@ pub enum CommError {
         detail: String,
     },
     /// A peer process died or left the communicator while others waited for it.
-    #[error("rank {lost_rank} (pid {pid}) {how} while rank {rank} was in {op} #{seq}{group}; the job cannot continue on this communicator: restart it (the launcher reports the lost rank's exit status), or on the shared-memory backend call shrink to go on without that rank")]
+    #[error("rank {lost_rank} (pid {pid}) {how} while rank {rank} was in {op} #{seq}{group}; the job cannot continue on this communicator: restart it (the launcher reports the lost rank's exit status), or call shrink to go on without that rank (the shm backend, and the nccl and staged backends of one node)")]
     PeerLost {
         /// This rank (its global rank, in a sub-communicator).
         rank: usize,

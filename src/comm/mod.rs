@@ -17,7 +17,9 @@ mod communicator;
 mod error;
 mod shared;
 
-pub use backend::{Backend, BackendKind, Call, Completion, P2pOp, Splits, ANY_SOURCE};
+pub use backend::{
+    Backend, BackendKind, Call, Completion, LostPeer, P2pOp, PeerCheck, Splits, ANY_SOURCE,
+};
 pub use communicator::{Communicator, Group, Work};
 pub(crate) use error::{rank_name, TIMEOUT_HINT};
 pub use error::{CommError, NonFiniteKind};

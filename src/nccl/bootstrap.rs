@@ -168,6 +168,8 @@ impl NcclComm {
             scratch,
             producers,
             fence,
+            current: crate::comm::CollKind::Barrier,
+            membership: None,
         };
         me.settle(IN_PROGRESS, &what)?;
         Ok(me)

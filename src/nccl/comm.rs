@@ -78,6 +78,11 @@ pub struct NcclComm {
     pub(super) producers: Producers,
     /// Orders the stream with a caller's (`wait_stream`, `signal_stream`).
     pub(super) fence: StreamFence,
+    /// The last call enqueued, which waits name (a dead peer's error says where it struck).
+    pub(super) current: CollKind,
+    /// The host communicator this one was bootstrapped through, when it was (see
+    /// `membership.rs`): the peer watch, shrink and grow.
+    pub(super) membership: Option<super::membership::Membership>,
 }
 
 // SAFETY: an NCCL communicator may be used from any thread, one at a time (`&mut self`); the
@@ -291,6 +296,7 @@ impl Backend for NcclComm {
         self.check_call(call)?;
         self.check_alive(call.kind.name())?;
         self.seq += 1;
+        self.current = call.kind;
         self.producers
             .order(&self.stream)
             .map_err(NcclError::from)?;
@@ -335,6 +341,7 @@ impl Backend for NcclComm {
         self.check_alive("send/recv")?;
         self.ctx.bind().map_err(NcclError::from)?;
         self.seq += 1;
+        self.current = ops.first().map_or(CollKind::Send, |op| op.kind);
         self.producers
             .order(&self.stream)
             .map_err(NcclError::from)?;
@@ -355,6 +362,22 @@ impl Backend for NcclComm {
         Ok(self
             .split_comm(color, key)?
             .map(|c| Box::new(c) as Box<dyn Backend>))
+    }
+
+    fn shrink(&mut self, exclude: &[usize], wait: Duration) -> Result<Box<dyn Backend>, CommError> {
+        Ok(Box::new(self.shrink_comm(exclude, wait)?))
+    }
+
+    fn grow(&mut self, wait: Option<Duration>) -> Result<Box<dyn Backend>, CommError> {
+        Ok(Box::new(self.grow_comm(wait)?))
+    }
+
+    fn global_ranks(&self) -> Option<Vec<usize>> {
+        self.membership.as_ref().and_then(|m| m.global_ranks())
+    }
+
+    fn peer_check(&self) -> Option<crate::comm::PeerCheck> {
+        self.membership.as_ref().and_then(|m| m.peers.clone())
     }
 }
 

@@ -1,7 +1,7 @@
 //! `NcclError`: every NCCL failure with the call, NCCL's own error string (`ncclGetErrorString`,
 //! `ncclGetLastError`) and what to do next.
 
-use crate::comm::CommError;
+use crate::comm::{CollKind, CommError, LostPeer};
 use crate::cuda::CudaError;
 
 /// What to do next for an `ncclResult_t`.
@@ -56,6 +56,29 @@ pub enum NcclError {
         /// The async error or liveness report.
         reason: String,
     },
+    /// The liveness watch saw a peer's process exit while this rank waited (see
+    /// [`PeerCheck`](crate::comm::PeerCheck)); the communicator was aborted.
+    #[error("rank {} (pid {}) died while rank {rank} was in {op} #{seq}; the communicator was aborted", lost.global, lost.pid)]
+    PeerLost {
+        /// This rank (its global rank, in a shrunk communicator).
+        rank: usize,
+        /// The peer that is gone.
+        lost: LostPeer,
+        /// The call waited on (the last one enqueued).
+        op: CollKind,
+        /// Its sequence number.
+        seq: u64,
+    },
+    /// The communicator was shrunk or grown: its successor takes the calls.
+    #[error(
+        "this communicator was shrunk (rank {rank} is in its generation-{generation} successor)"
+    )]
+    Replaced {
+        /// This rank (its global rank).
+        rank: usize,
+        /// The generation of the successor.
+        generation: u64,
+    },
     /// The unique-id exchange failed.
     #[error("exchanging the NCCL unique id for rank {rank} failed: {detail}")]
     Exchange {
@@ -71,9 +94,28 @@ pub enum NcclError {
 
 impl From<NcclError> for CommError {
     fn from(e: NcclError) -> CommError {
-        CommError::Backend {
-            backend: "nccl",
-            message: e.to_string(),
+        match e {
+            // The kinds every backend reports alike, so that callers (shrink-and-continue code,
+            // Python's exception classes, the C ABI's result codes) tell them apart.
+            NcclError::PeerLost {
+                rank,
+                lost,
+                op,
+                seq,
+            } => CommError::PeerLost {
+                rank,
+                lost_rank: lost.global,
+                pid: lost.pid,
+                how: "died",
+                op,
+                seq,
+                group: String::new(),
+            },
+            NcclError::Replaced { rank, generation } => CommError::Shrunk { rank, generation },
+            e => CommError::Backend {
+                backend: "nccl",
+                message: e.to_string(),
+            },
         }
     }
 }

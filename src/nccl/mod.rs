@@ -10,6 +10,7 @@
 //! | `comm.rs` | [`NcclComm`] and [`NcclOptions`]: the native calls, the `Backend` impl, teardown |
 //! | `bootstrap.rs` | the unique id and its exchange ([`UniqueIdExchange`]), `ncclCommInitRank` |
 //! | `split.rs` | `ncclCommSplit`: a communicator made from a live one |
+//! | `membership.rs` | the host communicator of one node kept beside NCCL: the peer watch, shrink and grow |
 //! | `watchdog.rs` | every wait polled with a deadline and a liveness check, abort on failure |
 //! | `abort.rs` | the handle's abort state, shared with pending `Work` handles across threads |
 //! | `checks.rs` | the argument checks made before anything is enqueued |
@@ -28,6 +29,7 @@ mod checks;
 mod comm;
 mod composite;
 mod error;
+mod membership;
 pub(crate) mod result;
 mod split;
 mod watchdog;

@@ -126,6 +126,8 @@ impl NcclComm {
             scratch,
             producers,
             fence,
+            current: crate::comm::CollKind::Barrier,
+            membership: None,
         };
         // A failed child is aborted (idempotent), so its drop leaves it alone.
         if let Err(e) = c.settle(rc, &what) {

@@ -10,7 +10,7 @@ use std::ffi::c_int;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::comm::{CommError, Completion};
+use crate::comm::{CollKind, CommError, Completion, PeerCheck};
 use crate::cuda::Event;
 
 use super::abort::Shared;
@@ -25,6 +25,8 @@ pub(super) struct NcclCompletion {
     shared: Arc<Shared>,
     timeout: Duration,
     abort_check: Option<AbortCheck>,
+    /// The peer watch, and what its error names: this rank's global rank, the call, its number.
+    peers: Option<(PeerCheck, usize, CollKind, u64)>,
     what: String,
 }
 
@@ -59,6 +61,18 @@ impl NcclCompletion {
                 rank: self.shared.rank,
                 reason,
             });
+        }
+        if let Some((check, rank, op, seq)) = &self.peers {
+            if let Some(lost) = check() {
+                let e = NcclError::PeerLost {
+                    rank: *rank,
+                    lost,
+                    op: *op,
+                    seq: *seq,
+                };
+                self.shared.abort(&e.to_string());
+                return Err(e);
+            }
         }
         Ok(false)
     }
@@ -118,6 +132,12 @@ impl NcclComm {
     }
 
     pub(super) fn check_alive(&self, op: &str) -> Result<(), NcclError> {
+        if let Some(generation) = self.membership.as_ref().and_then(|m| m.replaced()) {
+            return Err(NcclError::Replaced {
+                rank: self.global_rank(),
+                generation,
+            });
+        }
         match self.shared.aborted() {
             Some(r) => Err(NcclError::Aborted {
                 what: op.into(),
@@ -136,10 +156,19 @@ impl NcclComm {
         }
         let deadline = Instant::now() + self.opts.timeout;
         let mut last = IN_PROGRESS;
+        let mut lost = None;
         let ok = wait_until(deadline, || {
             last = self.async_error()?;
-            Ok(last != IN_PROGRESS)
+            if last != IN_PROGRESS {
+                return Ok(true);
+            }
+            // A call in progress may wait on a peer (NCCL connects lazily at its first use).
+            lost = self.lost_peer();
+            Ok(lost.is_some())
         })?;
+        if let Some(e) = lost {
+            return Err(self.failed(e));
+        }
         if !ok {
             return Err(self.timed_out(what));
         }
@@ -193,7 +222,8 @@ impl NcclComm {
                 });
                 return Ok(true);
             }
-            Ok(false)
+            failure = self.lost_peer();
+            Ok(failure.is_some())
         });
         let done = done.map_err(|e| self.failed(e))?;
         if let Some(e) = failure {
@@ -216,7 +246,30 @@ impl NcclComm {
             shared: self.shared.clone(),
             timeout: self.opts.timeout,
             abort_check: self.opts.abort_check.clone(),
+            peers: self
+                .membership
+                .as_ref()
+                .and_then(|m| m.peers.clone())
+                .map(|c| (c, self.global_rank(), self.current, self.seq)),
             what: format!("nonblocking call {} on rank {}", self.seq, self.rank),
         }))
+    }
+
+    /// This rank's global rank (its rank here, unless a shrink renumbered it), which errors name.
+    pub(super) fn global_rank(&self) -> usize {
+        self.membership
+            .as_ref()
+            .map_or(self.rank, |m| m.global_rank())
+    }
+
+    /// One look at the peer watch: the error for a peer whose process has exited.
+    fn lost_peer(&self) -> Option<NcclError> {
+        let check = self.membership.as_ref()?.peers.as_ref()?;
+        check().map(|lost| NcclError::PeerLost {
+            rank: self.global_rank(),
+            lost,
+            op: self.current,
+            seq: self.seq,
+        })
     }
 }

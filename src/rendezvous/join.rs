@@ -113,12 +113,8 @@ impl Communicator {
         );
         if info.single_node() {
             let c = if crate::types::env::REPLACEMENT.choice().map_err(env_err)? == Some("1") {
-                if backend == "nccl" {
-                    return Err(setup(format!(
-                        "rank {}: this process replaces a lost rank (LOCKSTEP_REPLACEMENT=1), but a replacement cannot join an NCCL communicator in the job; run it with --restart-policy job, or on the shm backend",
-                        info.rank
-                    )));
-                }
+                // On NCCL too: the survivors grow the host communicator and make a new NCCL one
+                // over it, which this rank joins through `device_communicator` below.
                 let count = crate::types::env::RESTART_COUNT
                     .count()
                     .map_err(env_err)?

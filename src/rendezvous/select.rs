@@ -192,7 +192,7 @@ pub(crate) fn choose(
 /// its context: wrapping it again would stage device buffers into a communicator that takes only
 /// device buffers.
 pub fn device_communicator(
-    mut host: Communicator,
+    host: Communicator,
     local_rank: usize,
 ) -> Result<(Communicator, Arc<Context>), CommError> {
     if let Some(ctx) = host.device_context() {
@@ -232,13 +232,14 @@ pub fn device_communicator(
         }
         DeviceChoice::Nccl { .. } => {
             refuse_check_finite()?;
-            let nccl =
-                crate::nccl::NcclComm::new(&ctx, rank, world, &mut host, opts).map_err(|e| {
-                    CommError::Backend {
-                        backend: "nccl",
-                        message: e.to_string(),
-                    }
-                })?;
+            // The host communicator stays beside NCCL: its peer watch turns a death into an
+            // error within a poll, and its segment agrees on the members of shrink and grow.
+            let nccl = crate::nccl::NcclComm::over_host(&ctx, host, opts).map_err(|e| {
+                CommError::Backend {
+                    backend: "nccl",
+                    message: e.to_string(),
+                }
+            })?;
             Ok((Communicator::from_backend(Box::new(nccl)), ctx))
         }
     }

@@ -353,6 +353,10 @@ impl Backend for ShmComm {
         self.ch.global_ranks().map(|g| g.to_vec())
     }
 
+    fn peer_check(&self) -> Option<crate::comm::PeerCheck> {
+        Some(self.ch.peer_check())
+    }
+
     fn alloc_shared(&mut self, bytes: usize) -> Result<Box<dyn SharedRegion>, CommError> {
         Ok(Box::new(SharedAlloc::new(
             self.ch.seg().clone(),

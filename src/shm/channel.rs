@@ -22,12 +22,14 @@ pub(crate) use super::liveness::Ctx;
 use super::liveness::Liveness;
 use super::reduce::Found;
 use super::reduce::{copy_block, copy_block2, store_fence};
-use super::segment::{coarse_now_ns, futex_wait, futex_wake_all, show_bytes, Segment};
+use super::segment::{coarse_now_ns, futex_wait, futex_wake_all, show_bytes, PeerWatch, Segment};
 use super::sync::{
     Ctrl, Desc, Header, Layout, FINITE, INVALID, SHARED_RECV, SHARED_SEND, STREAMING,
 };
 use super::timing::Timing;
-use crate::comm::{Call, CollKind, CommError, Dtype, MemSpace, RawMem, ReduceOp};
+use crate::comm::{
+    Call, CollKind, CommError, Dtype, LostPeer, MemSpace, PeerCheck, RawMem, ReduceOp,
+};
 
 /// One rank's view of a joined segment and its position in the phase protocol.
 pub(crate) struct Channel {
@@ -214,6 +216,25 @@ impl Channel {
     pub(crate) fn watch_peers(&mut self) {
         let pids: Vec<i32> = self.ctrls().iter().map(|c| c.pid.load(Acquire)).collect();
         self.live.watch_peers(&pids);
+    }
+
+    /// A look at the peers' processes for another layer (see [`PeerCheck`]): pidfds of its own,
+    /// so it stays valid after this channel is dropped.
+    pub(crate) fn peer_check(&self) -> PeerCheck {
+        let me = self.rank();
+        let peers: Vec<(LostPeer, PeerWatch)> = (0..self.world())
+            .filter(|&r| r != me)
+            .map(|r| {
+                let pid = self.ctrls()[r].pid.load(Acquire);
+                let lost = LostPeer {
+                    rank: r,
+                    global: self.global(r),
+                    pid,
+                };
+                (lost, PeerWatch::new(pid))
+            })
+            .collect();
+        Arc::new(move || peers.iter().find(|(_, w)| w.is_dead()).map(|(p, _)| *p))
     }
 
     /// Whether peer `r` is gone: `Some(true)` if its process died, `Some(false)` if it left the

@@ -3,7 +3,9 @@
  * group are matched at ncclGroupEnd. A communicator with more than one rank never finishes
  * initialising (a peer that never joins), unless SIM_NCCL_RDZV_DIR names a directory: then the
  * ranks of one unique id meet there through one file each (processes of a multi-node test), and
- * collectives still only copy. Fault injection: SIM_NCCL_ASYNC_ERROR=1 makes
+ * collectives still only copy, but complete only once every rank has made the same numbered call
+ * (one more file each): on a non-blocking communicator the call returns ncclInProgress until then,
+ * so a rank whose peer died waits as it would on NCCL. Fault injection: SIM_NCCL_ASYNC_ERROR=1 makes
  * ncclCommGetAsyncError report ncclRemoteError after the first collective. ncclCommSplit: see
  * below. */
 #include <stdio.h>
@@ -12,7 +14,7 @@
 #include <unistd.h>
 typedef struct { char internal[128]; } ncclUniqueId;
 typedef struct { size_t size; unsigned magic, version; int blocking; } cfg_head;
-typedef struct { int nranks, rank, state, ops; char key[64]; } comm_t;
+typedef struct { int nranks, rank, state, ops, blocking, waiting; char key[64]; } comm_t;
 static int abort_calls = 0, destroy_calls = 0, in_group = 0, nsend = 0, nrecv = 0;
 static const void* sends[64]; static size_t send_bytes[64];
 static void* recvs[64]; static size_t recv_bytes[64];
@@ -27,7 +29,12 @@ const char* ncclGetLastError(void* c) { return ""; }
 int sim_abort_calls(void) { return abort_calls; }
 int sim_destroy_calls(void) { return destroy_calls; }
 
-static void rdzv_file(const comm_t* c, int r, char* out, size_t n) { snprintf(out, n, "%s/%s.%d", getenv("SIM_NCCL_RDZV_DIR"), c->key, r); }
+/* A rank's file for initialisation (op 0) or its numbered call. */
+static void rdzv_op_file(const comm_t* c, int r, int op, char* out, size_t n) {
+    if (op == 0) snprintf(out, n, "%s/%s.%d", getenv("SIM_NCCL_RDZV_DIR"), c->key, r);
+    else snprintf(out, n, "%s/%s.%d.op%d", getenv("SIM_NCCL_RDZV_DIR"), c->key, r, op);
+}
+static void rdzv_file(const comm_t* c, int r, char* out, size_t n) { rdzv_op_file(c, r, 0, out, n); }
 static comm_t* make(int nranks, int rank, const ncclUniqueId* id) {
     comm_t* c = calloc(1, sizeof *c); c->nranks = nranks; c->rank = rank; c->state = nranks == 1 ? 0 : 7;
     for (int i = 0; i < 63 && id->internal[i]; i++) { char ch = id->internal[i]; c->key[i] = (ch >= '0' && ch <= '9') || (ch >= 'a' && ch <= 'z') || ch == '-' ? ch : '_'; }
@@ -35,16 +42,17 @@ static comm_t* make(int nranks, int rank, const ncclUniqueId* id) {
     if (nranks > 1 && getenv("SIM_NCCL_RDZV_DIR")) { char p[512]; rdzv_file(c, rank, p, sizeof p); FILE* f = fopen(p, "w"); if (f) fclose(f); }
     return c;
 }
-/* Initialisation finishes once every rank of the id has arrived. */
+/* Initialisation (or the call being waited for) finishes once every rank of the id has arrived. */
 static void progress(comm_t* c) {
     if (c->state != 7 || !getenv("SIM_NCCL_RDZV_DIR")) return;
-    for (int r = 0; r < c->nranks; r++) { char p[512]; rdzv_file(c, r, p, sizeof p); if (access(p, F_OK) != 0) return; }
+    for (int r = 0; r < c->nranks; r++) { char p[512]; rdzv_op_file(c, r, c->waiting, p, sizeof p); if (access(p, F_OK) != 0) return; }
     c->state = 0;
 }
 int ncclCommInitRank(comm_t** c, int nranks, ncclUniqueId id, int rank) { if (nranks != 1) return 5; *c = make(nranks, rank, &id); return 0; }
 int ncclCommInitRankConfig(comm_t** c, int nranks, ncclUniqueId id, int rank, cfg_head* cfg) {
     if (cfg->magic != 0xcafebeef) return 4;
     *c = make(nranks, rank, &id);
+    (*c)->blocking = cfg->blocking;
     return cfg->blocking == 0 ? 7 : ((*c)->state == 0 ? 0 : 5);
 }
 int ncclCommGetAsyncError(comm_t* c, int* st) { progress(c); *st = (getenv("SIM_NCCL_ASYNC_ERROR") && c->ops > 0) ? 6 : c->state; return 0; }
@@ -67,7 +75,21 @@ int ncclCommDestroy(comm_t* c) { destroy_calls++; free(c); return 0; }
 int ncclCommCount(comm_t* c, int* n) { *n = c->nranks; return 0; }
 int ncclCommCuDevice(comm_t* c, int* d) { *d = 0; return 0; }
 int ncclCommUserRank(comm_t* c, int* r) { *r = c->rank; return 0; }
-static int copy(const void* s, void* r, size_t bytes, comm_t* c) { if (c->state != 0) return 5; c->ops++; if (s != r) memmove(r, s, bytes); return 0; }
+/* A collective: the copy, then (several ranks meeting in SIM_NCCL_RDZV_DIR) its completion once
+ * every rank has made call number `ops`; a blocking communicator waits for that here. */
+static int copy(const void* s, void* r, size_t bytes, comm_t* c) {
+    if (c->state != 0) return 5;
+    c->ops++;
+    if (s != r) memmove(r, s, bytes);
+    if (c->nranks == 1 || !getenv("SIM_NCCL_RDZV_DIR")) return 0;
+    char p[512]; rdzv_op_file(c, c->rank, c->ops, p, sizeof p);
+    FILE* f = fopen(p, "w"); if (f) fclose(f);
+    c->waiting = c->ops; c->state = 7; progress(c);
+    if (c->state == 0) return 0;
+    if (c->blocking == 0) return 7;
+    for (int i = 0; i < 60000 && c->state != 0; i++) { usleep(1000); progress(c); }
+    return c->state == 0 ? 0 : 5;
+}
 /* SIM_CALL_LOG: as sim_cuda.c's call log, `ncclAllReduce STREAM`. */
 static void log_call(const char* name, void* st) {
     const char* path = getenv("SIM_CALL_LOG");

@@ -287,7 +287,9 @@ pub unsafe extern "C" fn lockstepCommSplit(
 /// `shrinkFlags` is LOCKSTEP_SHRINK_DEFAULT or LOCKSTEP_SHRINK_ABORT (the same: calls still
 /// running on `comm` fail either way). `config` as for lockstepCommSplit. Afterwards every call
 /// on `comm` fails with lockstepInvalidUsage ("shrunk"); free it with lockstepCommDestroy. The
-/// shared-memory backend only; others return lockstepInvalidUsage. On failure `*newcomm` is NULL.
+/// shared-memory backend, and device communicators of one node (NCCL, staged: their host
+/// communicator agrees on the members and a new NCCL communicator is made over them); others
+/// return lockstepInvalidUsage. On failure `*newcomm` is NULL.
 ///
 /// Thread safety: as the collectives.
 ///
@@ -354,8 +356,8 @@ pub unsafe extern "C" fn lockstepCommShrink(
 /// LOCKSTEP_JOIN_TIMEOUT_S (60 s by default); one that does not come is lockstepSystemError
 /// naming its rank. `config` as for lockstepCommSplit. Afterwards every call on `comm` fails
 /// with lockstepInvalidUsage ("shrunk"); free it with lockstepCommDestroy. The shared-memory
-/// backend only (not a split's communicators); others return lockstepInvalidUsage. On failure
-/// `*newcomm` is NULL.
+/// backend (not a split's communicators) and device communicators of one node (NCCL, staged);
+/// others return lockstepInvalidUsage. On failure `*newcomm` is NULL.
 ///
 /// Thread safety: as the collectives.
 ///

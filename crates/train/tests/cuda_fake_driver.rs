@@ -927,6 +927,8 @@ fn scenario(name: &str) {
         }
         "nccl_across_nodes_via_store" => nccl_across_nodes_via_store(),
         "staged_refusal_fails_peers_fast" => staged_refusal_fails_peers_fast(),
+        "device_shrink_and_grow" => device_shrink_and_grow(),
+        "device_shrink_and_grow_rank" => device_shrink_and_grow_rank(),
         "one_selection_policy" => one_selection_policy(),
         "nccl_multi_rank_gpu" => {
             // Two ranks, one GPU, NCCL_MULTI_RANK_GPU_ENABLE=1: NCCL's multi-rank mode when the
@@ -980,6 +982,147 @@ fn scenario(name: &str) {
 /// rank 0's NCCL unique id reaches the other node's ranks through the rendezvous store (the
 /// simulated NCCL only finishes initialising when all four ranks present the same id), and a node
 /// with more ranks than GPUs is refused with a message that says so.
+/// A device job survives a death: `lockstep launch --nproc-per-node 3 --max-restarts 1
+/// --restart-policy rank` of `device_shrink_and_grow_rank` with `LOCKSTEP_BACKEND=nccl`, once
+/// with a simulated GPU per rank (NCCL, the simulated library's ranks meeting in
+/// `SIM_NCCL_RDZV_DIR`, where a collective completes only when every rank made it) and once with
+/// one GPU for all (staged through shared memory). Rank 1 is `kill -9`ed after 5 collectives;
+/// the survivors' next call fails naming it, they shrink to 2 ranks and run on, then grow back to
+/// 3 with the replacement the launcher starts, which joins through its ordinary `from_env`.
+fn device_shrink_and_grow() {
+    let rdzv = std::env::temp_dir().join(format!("lockstep-sim-shrink-{}", std::process::id()));
+    for (gpus, kind) in [("3", "Nccl"), ("1", "Staged")] {
+        std::fs::create_dir_all(&rdzv).unwrap();
+        let t = std::time::Instant::now();
+        let out = Command::new(bins::lockstep_bin())
+            .args(["launch", "--nproc-per-node", "3", "--max-restarts", "1"])
+            .args(["--restart-policy", "rank", "--"])
+            .arg(std::env::current_exe().unwrap())
+            .env("LOCKSTEP_FAKE_SCENARIO", "device_shrink_and_grow_rank")
+            .env("LOCKSTEP_BACKEND", "nccl")
+            .env("LOCKSTEP_TIMEOUT_S", "30")
+            .env("LOCKSTEP_JOIN_TIMEOUT_S", "30")
+            .env("SIM_NCCL_RDZV_DIR", &rdzv)
+            .env("SIM_CUDA_DEVICES", gpus)
+            .env("DEVICE_SHRINK_EXPECT", kind)
+            .output()
+            .unwrap();
+        let text = format!(
+            "{:?}\n{}{}",
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(out.status.success(), "{kind}: {text}");
+        for line in [
+            "rank 0 lost rank 1",
+            "rank 2 lost rank 1",
+            "rank 0 shrunk to 0 of 2 (global [0, 2])",
+            "rank 2 shrunk to 1 of 2 (global [0, 2])",
+            "rank 0 grown to 0 of 3",
+            "rank 2 grown to 2 of 3",
+            "rank 1 replacement joined 1 of 3",
+        ] {
+            assert!(text.contains(line), "{kind}: expected `{line}` in:\n{text}");
+        }
+        println!(
+            "{kind}: kill, shrink, grow in {:.2} s",
+            t.elapsed().as_secs_f64()
+        );
+        let _ = std::fs::remove_dir_all(&rdzv);
+    }
+}
+
+/// One rank of [`device_shrink_and_grow`].
+fn device_shrink_and_grow_rank() {
+    use lockstep::comm::ReduceOp;
+    use lockstep::cuda::DeviceBuffer;
+    use lockstep::CommError;
+    let want = std::env::var("DEVICE_SHRINK_EXPECT").unwrap();
+    let mut comm = lockstep::Communicator::from_env().unwrap_or_else(|e| panic!("from_env: {e}"));
+    let (rank, world) = (comm.rank(), comm.world_size());
+    assert_eq!(format!("{:?}", comm.backend_kind()), want, "rank {rank}");
+    assert_eq!(world, 3);
+    let ctx = comm.device_context().expect("a device communicator");
+    let s = ctx.stream().unwrap();
+    // Every rank contributes rank + 1: a sum over the ranks in use says who took part (the
+    // simulated NCCL only copies, so there the value is this rank's own).
+    let sum_over = |comm: &mut lockstep::Communicator, ranks: &[usize]| -> Result<(), CommError> {
+        let me = comm.global_rank() as f32 + 1.0;
+        let mut x = DeviceBuffer::from_host(&s, &[me; 4]).unwrap();
+        s.synchronize().unwrap();
+        comm.all_reduce_in_place(&mut x, ReduceOp::Sum)?;
+        comm.synchronize()?;
+        let got = x.to_vec(&s).unwrap();
+        let all: f32 = ranks.iter().map(|r| *r as f32 + 1.0).sum();
+        let ok = if want == "Staged" { all } else { me };
+        assert_eq!(got, vec![ok; 4], "rank {rank} over {ranks:?}");
+        Ok(())
+    };
+    if std::env::var("LOCKSTEP_REPLACEMENT").as_deref() == Ok("1") {
+        println!(
+            "rank {rank} replacement joined {} of {}",
+            comm.rank(),
+            comm.world_size()
+        );
+        for _ in 0..20 {
+            sum_over(&mut comm, &[0, 1, 2]).unwrap();
+        }
+        return;
+    }
+    for _ in 0..5 {
+        sum_over(&mut comm, &[0, 1, 2]).unwrap();
+    }
+    if rank == 1 {
+        let _ = Command::new("kill")
+            .args(["-9", &std::process::id().to_string()])
+            .status();
+        std::thread::sleep(Duration::from_secs(60));
+        unreachable!("kill -9 of this rank");
+    }
+    let t = std::time::Instant::now();
+    let e = (0..1000)
+        .find_map(|_| sum_over(&mut comm, &[0, 1, 2]).err())
+        .expect("a call fails once rank 1 is gone");
+    match &e {
+        CommError::PeerLost { lost_rank: 1, .. } => {}
+        other => panic!("rank {rank}: expected PeerLost naming rank 1, got {other}"),
+    }
+    println!(
+        "rank {rank} lost rank 1 in {:.3} s: {e}",
+        t.elapsed().as_secs_f64()
+    );
+    let mut small = comm
+        .shrink()
+        .unwrap_or_else(|e| panic!("rank {rank} shrink: {e}"));
+    assert_eq!(format!("{:?}", small.backend_kind()), want);
+    println!(
+        "rank {rank} shrunk to {} of {} (global {:?})",
+        small.rank(),
+        small.world_size(),
+        small.global_ranks()
+    );
+    for _ in 0..20 {
+        sum_over(&mut small, &[0, 2]).unwrap();
+    }
+    match sum_over(&mut comm, &[0, 2]) {
+        Err(CommError::Shrunk { .. }) => {}
+        other => panic!("rank {rank}: a call on the shrunk communicator: {other:?}"),
+    }
+    let mut full = small
+        .grow()
+        .unwrap_or_else(|e| panic!("rank {rank} grow: {e}"));
+    assert_eq!(format!("{:?}", full.backend_kind()), want);
+    println!(
+        "rank {rank} grown to {} of {}",
+        full.rank(),
+        full.world_size()
+    );
+    for _ in 0..20 {
+        sum_over(&mut full, &[0, 1, 2]).unwrap();
+    }
+}
+
 /// Three ranks share the one simulated GPU through the staged backend; rank 1 refuses an
 /// all-reduce locally (its buffers disagree in length). The refusal travels through the host
 /// backend, so ranks 0 and 2 fail with `Mismatch` at once instead of waiting for rank 1.
@@ -1136,10 +1279,12 @@ fn nccl_across_nodes_via_store() {
             "{all}"
         );
     }
-    // All four ranks met under one id: rank 0's.
+    // All four ranks met under one id: rank 0's (one file each for the init; the numbered
+    // calls' files, `<id>.<rank>.op<n>`, are left out).
     let files: Vec<String> = std::fs::read_dir(&rdzv)
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|f| !f.contains(".op"))
         .collect();
     let keys: std::collections::BTreeSet<&str> = files
         .iter()
@@ -1656,6 +1801,10 @@ fn main() {
             vec![sim.clone(), sim_nccl.clone()],
         ),
         ("staged_refusal_fails_peers_fast", vec![sim.clone()]),
+        (
+            "device_shrink_and_grow",
+            vec![sim.clone(), sim_nccl.clone()],
+        ),
         (
             "one_selection_policy",
             vec![sim.clone(), sim_nccl.clone(), sim_nvrtc.clone()],
