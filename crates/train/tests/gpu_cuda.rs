@@ -92,6 +92,70 @@ fn staged_child() {
     std::process::exit(if ok { 0 } else { 1 });
 }
 
+/// Child scenario: 3 ranks share device 0 through the staged backend; rank 1 is `kill -9`ed
+/// after an all-reduce, and ranks 0 and 2 must fail naming it, shrink to a communicator of the
+/// two of them, and reduce device buffers on it (1 + 3 = 4), while the old one refuses calls.
+/// Each survivor prints `survivor R ok`; the parent checks both lines.
+fn staged_shrink_child() {
+    use lockstep::comm::ReduceOp;
+    use lockstep::CommError;
+    let mut cfg = lockstep::launch::LaunchConfig::new(3);
+    // The death is the test: the survivors must go on.
+    cfg.fail_fast = false;
+    let res = lockstep::launch::launch(&cfg, |rc| {
+        let ctx = lockstep::cuda::Context::new(0)?;
+        let s = ctx.stream()?;
+        let mut comm = lockstep::staged::StagedBackend::new(&ctx, rc.comm)?.into_communicator();
+        let me = rc.rank as f32 + 1.0;
+        let mut x = DeviceBuffer::from_host(&s, &vec![me; 1 << 16])?;
+        comm.all_reduce_in_place(&mut x, ReduceOp::Sum)?;
+        comm.synchronize()?;
+        if rc.rank == 1 {
+            let _ = std::process::Command::new("kill")
+                .args(["-9", &std::process::id().to_string()])
+                .status();
+            std::thread::sleep(std::time::Duration::from_secs(60));
+        }
+        let t = std::time::Instant::now();
+        let e = comm
+            .all_reduce_in_place(&mut x, ReduceOp::Sum)
+            .and_then(|()| comm.synchronize())
+            .expect_err("rank 1 is dead");
+        if !matches!(e, CommError::PeerLost { lost_rank: 1, .. }) {
+            return Err(format!("expected PeerLost naming rank 1, got {e}").into());
+        }
+        let detected = t.elapsed();
+        let mut small = comm.shrink()?;
+        if (small.world_size(), small.global_ranks()) != (2, vec![0, 2]) {
+            return Err(format!("shrunk to {:?}", small.global_ranks()).into());
+        }
+        for _ in 0..10 {
+            let mut y = DeviceBuffer::from_host(&s, &vec![me; 1 << 16])?;
+            small.all_reduce_in_place(&mut y, ReduceOp::Sum)?;
+            small.synchronize()?;
+            if y.to_vec(&s)?.iter().any(|v| *v != 4.0) {
+                return Err("the survivors' sum is not 1 + 3".into());
+            }
+        }
+        if !matches!(
+            comm.all_reduce_in_place(&mut x, ReduceOp::Sum),
+            Err(CommError::Shrunk { .. })
+        ) {
+            return Err("a call on the shrunk communicator did not fail with Shrunk".into());
+        }
+        println!(
+            "survivor {} ok: death seen in {:.1} ms, shrink in {:.1} ms",
+            rc.rank,
+            detected.as_secs_f64() * 1e3,
+            (t.elapsed() - detected).as_secs_f64() * 1e3
+        );
+        Ok(true)
+    });
+    // Rank 1's death makes the launch an error; what counts is the survivors' lines.
+    eprintln!("launch: {:?}", res.map(|_| ()));
+    std::process::exit(0);
+}
+
 /// The CPU twin of a kernel that sets `n` elements from one scalar.
 type ScalarTwin = fn(&mut [f32], f32, i64);
 
@@ -122,6 +186,9 @@ fn main() {
     if std::env::var_os("LOCKSTEP_GPU_STAGED_CHILD").is_some() {
         staged_child();
     }
+    if std::env::var_os("LOCKSTEP_GPU_SHRINK_CHILD").is_some() {
+        staged_shrink_child();
+    }
     gpu::driver_or_skip();
     let mut r = gpu::Runner::new();
     // Before anything initialises CUDA here: the probe forks a child that does.
@@ -137,6 +204,27 @@ fn main() {
     });
     r.run("several_ranks_one_gpu_staged_shm", || {
         run_child("LOCKSTEP_GPU_STAGED_CHILD")
+    });
+    r.run("staged_ranks_shrink_after_a_death", || {
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .env("LOCKSTEP_GPU_SHRINK_CHILD", "1")
+            .output()
+            .map_err(|e| e.to_string())?;
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        for r in [0, 2] {
+            let Some(line) = text
+                .lines()
+                .find(|l| l.contains(&format!("survivor {r} ok")))
+            else {
+                return Err(format!("no `survivor {r} ok` line:\n{text}"));
+            };
+            println!("  {line}");
+        }
+        Ok(())
     });
     let ctx = gpu::context_or_skip();
     let stream = ctx.stream().unwrap();
