@@ -252,6 +252,18 @@ pub trait Backend: Send {
     fn peer_check(&self) -> Option<PeerCheck> {
         None
     }
+    /// Show call `seq` of a communicator that another transport carries for these ranks (NCCL
+    /// over this host communicator) where `lockstep status` reads this backend's own calls, so
+    /// a status of the job names each rank's collective. A few plain stores; nothing waits.
+    /// Default: nothing (a backend that `lockstep status` does not read).
+    fn show_carried(&self, call: &Call, seq: u64) {
+        let _ = (call, seq);
+    }
+    /// Show that this rank began waiting in carried call `seq` (see
+    /// [`show_carried`](Self::show_carried)): called once per wait that outlasts its first look.
+    fn show_carried_wait(&self, seq: u64) {
+        let _ = seq;
+    }
     /// For a sub-communicator made by [`split`](Self::split): the global rank (the rank in the
     /// world communicator the splits started from) of each of its ranks. `None` for a world
     /// communicator, and for backends that do not track it (the caller then asks the ranks).

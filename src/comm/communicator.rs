@@ -739,6 +739,17 @@ impl Communicator {
         self.backend.peer_check()
     }
 
+    /// Show call `seq` that another transport carries for these ranks where `lockstep status`
+    /// reads this communicator's calls (see [`Backend::show_carried`]).
+    pub(crate) fn show_carried(&self, call: &Call, seq: u64) {
+        self.backend.show_carried(call, seq);
+    }
+
+    /// Show that this rank waits in carried call `seq` (see [`Backend::show_carried_wait`]).
+    pub(crate) fn show_carried_wait(&self, seq: u64) {
+        self.backend.show_carried_wait(seq);
+    }
+
     /// Whether this communicator was made by [`split`](Self::split) or [`new_group`](Self::new_group).
     pub fn is_sub_communicator(&self) -> bool {
         self.global.is_some()

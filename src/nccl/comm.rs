@@ -297,6 +297,9 @@ impl Backend for NcclComm {
         self.check_alive(call.kind.name())?;
         self.seq += 1;
         self.current = call.kind;
+        if let Some(m) = &self.membership {
+            m.show(call, self.seq);
+        }
         self.producers
             .order(&self.stream)
             .map_err(NcclError::from)?;

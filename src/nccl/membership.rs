@@ -4,6 +4,9 @@
 //! * **noticing a peer's death**: NCCL's kernels wait for a dead peer until the timeout, so the
 //!   watchdog polls the host communicator's [`PeerCheck`] (a pidfd per peer) while it waits, and
 //!   a death becomes [`CommError::PeerLost`] within a poll;
+//! * **showing each rank's call** to `lockstep status`, which reads the host communicator's
+//!   segment: the collective number, kind and arguments of every call as it is enqueued (a few
+//!   stores), and when a wait for it outlasts its first look;
 //! * **agreeing on the survivors** (shrink) and **taking a replacement back in** (grow): the host
 //!   communicator shrinks or grows (its members agreed through its segment, a rank that was only
 //!   slow excluded there and told so), then a new NCCL communicator of exactly those ranks is
@@ -20,7 +23,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::comm::{CommError, Communicator, PeerCheck};
+use crate::comm::{Call, CommError, Communicator, PeerCheck};
 use crate::cuda::Context;
 
 use super::comm::{NcclComm, NcclOptions};
@@ -49,6 +52,16 @@ impl Membership {
     /// This rank's global rank, which errors name.
     pub(super) fn global_rank(&self) -> usize {
         self.host.global_rank()
+    }
+
+    /// Show call `seq` in the host communicator's segment, where `lockstep status` reads it.
+    pub(super) fn show(&self, call: &Call, seq: u64) {
+        self.host.show_carried(call, seq);
+    }
+
+    /// Show that this rank waits in call `seq`.
+    pub(super) fn show_wait(&self, seq: u64) {
+        self.host.show_carried_wait(seq);
     }
 
     /// The generation of the communicator that replaced this one, if one did.

@@ -157,11 +157,13 @@ impl NcclComm {
         let deadline = Instant::now() + self.opts.timeout;
         let mut last = IN_PROGRESS;
         let mut lost = None;
+        let mut looks = 0u32;
         let ok = wait_until(deadline, || {
             last = self.async_error()?;
             if last != IN_PROGRESS {
                 return Ok(true);
             }
+            self.show_wait(&mut looks);
             // A call in progress may wait on a peer (NCCL connects lazily at its first use).
             lost = self.lost_peer();
             Ok(lost.is_some())
@@ -203,10 +205,12 @@ impl NcclComm {
         self.ctx.bind()?;
         let deadline = Instant::now() + self.opts.timeout;
         let mut failure: Option<NcclError> = None;
+        let mut looks = 0u32;
         let done = wait_until(deadline, || {
             if self.stream.is_done()? {
                 return Ok(true);
             }
+            self.show_wait(&mut looks);
             let st = self.async_error()?;
             if st != SUCCESS && st != IN_PROGRESS {
                 failure = Some(
@@ -260,6 +264,17 @@ impl NcclComm {
         self.membership
             .as_ref()
             .map_or(self.rank, |m| m.global_rank())
+    }
+
+    /// After a look that found the call unfinished: on the second, show `lockstep status` that
+    /// this rank waits in its last call (waits that end at once read no clock).
+    fn show_wait(&self, looks: &mut u32) {
+        *looks += 1;
+        if *looks == 2 {
+            if let Some(m) = &self.membership {
+                m.show_wait(self.seq);
+            }
+        }
     }
 
     /// One look at the peer watch: the error for a peer whose process has exited.

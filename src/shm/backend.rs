@@ -357,6 +357,14 @@ impl Backend for ShmComm {
         Some(self.ch.peer_check())
     }
 
+    fn show_carried(&self, call: &Call, seq: u64) {
+        self.ch.show_carried(call, seq);
+    }
+
+    fn show_carried_wait(&self, seq: u64) {
+        self.ch.stamp_wait_at(seq);
+    }
+
     fn alloc_shared(&mut self, bytes: usize) -> Result<Box<dyn SharedRegion>, CommError> {
         Ok(Box::new(SharedAlloc::new(
             self.ch.seg().clone(),

@@ -483,11 +483,41 @@ impl Channel {
     /// its first wait of the call that outlasts the first polls: waits that end at once, the
     /// common case of a small call, read no clock.
     fn stamp_wait(&self) {
+        self.stamp_wait_at(self.seq);
+    }
+
+    /// [`stamp_wait`](Self::stamp_wait) for collective `seq`.
+    pub(crate) fn stamp_wait_at(&self, seq: u64) {
         let me = self.ctrl(self.rank);
-        if me.wait_seq.load(Relaxed) != self.seq {
+        if me.wait_seq.load(Relaxed) != seq {
             me.wait_start.store(coarse_now_ns(), Relaxed);
-            me.wait_seq.store(self.seq, Release);
+            me.wait_seq.store(seq, Release);
         }
+    }
+
+    /// Show call `seq` of a communicator another transport carries over this one's ranks (NCCL)
+    /// where `lockstep status` reads calls: the collective number and kind, and the arguments in
+    /// the descriptor cell of parity `seq` (so the last two calls are there, as status looks them
+    /// up by number). Only while this communicator runs no collective of its own: the device
+    /// communicator that carries the calls owns it (the host communicator of `nccl::membership`).
+    pub(crate) fn show_carried(&self, call: &Call, seq: u64) {
+        let me = self.ctrl(self.rank);
+        let d = Desc {
+            kind: call.kind as u8,
+            dtype: call.dtype as u8,
+            op: call.op as u8,
+            root: call.root as u64,
+            count: call.count as u64,
+            seq,
+            ..Desc::default()
+        };
+        // SAFETY: only this rank writes its own cell, and no peer reads it for an exchange: this
+        // communicator runs no collective while another carries its ranks' calls (see above),
+        // and its last one (the unique-id exchange) ended on every rank before the carrier's
+        // initialisation, which waits for every rank, let any rank make a call.
+        unsafe { *me.desc[(seq % 2) as usize].0.get() = d };
+        me.coll_kind.store(call.kind as u32 + 1, Relaxed);
+        me.coll_seq.store(seq, Release);
     }
 
     // ----------------------------------------------------------------------------------------

@@ -14,7 +14,9 @@
 //! inline entries), plus a coarse timestamp of when a rank began waiting in its collective,
 //! written only by waits that outlast their first polls (`shm::sync::Ctrl::wait_start`). The
 //! segments are found through `/proc` (`discover`) and read with `pread`, never mapped or written
-//! (`shm::status`). Jobs of other users are never read. Single node: a multi-node job shows the
+//! (`shm::status`). Jobs of other users are never read. A device communicator of one node keeps
+//! the host communicator it was made over and shows there each call NCCL carries (see
+//! `nccl::membership`), so GPU jobs read the same. Single node: a multi-node job shows the
 //! communicator of this node's ranks (the hierarchical backend's node segment).
 //!
 //! Collective numbers count the collectives of one communicator; point-to-point calls are not

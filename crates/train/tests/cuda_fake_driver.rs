@@ -928,6 +928,8 @@ fn scenario(name: &str) {
         "nccl_across_nodes_via_store" => nccl_across_nodes_via_store(),
         "staged_refusal_fails_peers_fast" => staged_refusal_fails_peers_fast(),
         "device_shrink_and_grow" => device_shrink_and_grow(),
+        "nccl_job_status" => nccl_job_status(),
+        "nccl_job_status_rank" => nccl_job_status_rank(),
         "device_shrink_and_grow_rank" => device_shrink_and_grow_rank(),
         "one_selection_policy" => one_selection_policy(),
         "nccl_multi_rank_gpu" => {
@@ -1030,6 +1032,95 @@ fn device_shrink_and_grow() {
             t.elapsed().as_secs_f64()
         );
         let _ = std::fs::remove_dir_all(&rdzv);
+    }
+}
+
+/// `lockstep status` of an NCCL job: 3 ranks on 3 simulated GPUs (`lockstep launch`,
+/// `LOCKSTEP_BACKEND=nccl`) reduce in a loop until rank 1 stops itself (SIGSTOP) after call 40.
+/// The status, read from the host communicator's segment where each rank shows the call NCCL
+/// carries, names rank 1 behind at #40 and ranks 0 and 2 waiting for it in all_reduce #41 (the
+/// simulated NCCL completes a call only once every rank made it), within the reader's bound.
+fn nccl_job_status() {
+    let rdzv = std::env::temp_dir().join(format!("lockstep-sim-status-{}", std::process::id()));
+    std::fs::create_dir_all(&rdzv).unwrap();
+    let mut job = Command::new(bins::lockstep_bin())
+        .args(["launch", "--nproc-per-node", "3", "--"])
+        .arg(std::env::current_exe().unwrap())
+        .env("LOCKSTEP_FAKE_SCENARIO", "nccl_job_status_rank")
+        .env("LOCKSTEP_BACKEND", "nccl")
+        .env("LOCKSTEP_TIMEOUT_S", "60")
+        .env("SIM_NCCL_RDZV_DIR", &rdzv)
+        .env("SIM_CUDA_DEVICES", "3")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let prefix = format!("{:x}-", job.id());
+    let t = std::time::Instant::now();
+    let mut last = String::new();
+    let mut settled = None;
+    while t.elapsed() < Duration::from_secs(30) {
+        let id = lockstep::status::list_jobs()
+            .ok()
+            .and_then(|l| l.jobs.into_iter().find(|j| j.id.starts_with(&prefix)))
+            .map(|j| j.id);
+        if let Some(s) = id.and_then(|id| lockstep::status::job_status(&id).ok()) {
+            last = s.text();
+            let r = &s.ranks;
+            if r.len() == 3
+                && r[1].proc_state == Some('T')
+                && r[0].waiting_for == [1]
+                && r[2].waiting_for == [1]
+            {
+                settled = Some(s);
+                break;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // End the job: the launcher terminates its ranks (the stopped one by SIGKILL after the grace).
+    let _ = Command::new("kill")
+        .args(["-TERM", &job.id().to_string()])
+        .status();
+    let _ = job.wait();
+    let _ = std::fs::remove_dir_all(&rdzv);
+    let s = settled.unwrap_or_else(|| {
+        panic!("ranks 0 and 2 never showed waiting for the stopped rank 1:\n{last}")
+    });
+    let text = s.text();
+    let r = &s.ranks;
+    assert!(r[1].behind && !r[0].behind && !r[2].behind, "{text}");
+    assert_eq!((r[1].seq, r[0].seq, r[2].seq), (40, 41, 41), "{text}");
+    assert!(
+        r.iter()
+            .all(|x| x.op == Some("all_reduce") && x.count == Some(256) && x.dtype == Some("f32")),
+        "{text}"
+    );
+    assert!(s.read_us < 100_000, "{text}");
+    println!("{text}");
+}
+
+/// One rank of [`nccl_job_status`].
+fn nccl_job_status_rank() {
+    use lockstep::comm::ReduceOp;
+    let mut comm = lockstep::Communicator::from_env().unwrap_or_else(|e| panic!("from_env: {e}"));
+    assert_eq!(comm.backend_kind(), lockstep::comm::BackendKind::Nccl);
+    let ctx = comm.device_context().expect("a device communicator");
+    let s = ctx.stream().unwrap();
+    let mut x = lockstep::cuda::DeviceBuffer::<f32>::zeros(&s, 256).unwrap();
+    let t = std::time::Instant::now();
+    for i in 1u64.. {
+        comm.all_reduce_in_place(&mut x, ReduceOp::Sum).unwrap();
+        comm.synchronize().unwrap();
+        if i == 40 && comm.rank() == 1 {
+            let _ = Command::new("kill")
+                .args(["-STOP", &std::process::id().to_string()])
+                .status();
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "the test never ended this job"
+        );
     }
 }
 
@@ -1805,6 +1896,7 @@ fn main() {
             "device_shrink_and_grow",
             vec![sim.clone(), sim_nccl.clone()],
         ),
+        ("nccl_job_status", vec![sim.clone(), sim_nccl.clone()]),
         (
             "one_selection_policy",
             vec![sim.clone(), sim_nccl.clone(), sim_nvrtc.clone()],
