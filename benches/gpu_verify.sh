@@ -12,7 +12,7 @@
 #   main (default, --budget 480): env gpu_cuda kernels gpu_train train_fp32 train_bf16 nccl
 #       memcheck kernels_tf32 two_ranks_staged two_ranks_nccl capi python racecheck baselines
 #       compile_baselines
-#   second (--second, --budget 180; on the still-warm machine): racecheck_full bench_raw
+#   second (--second, --budget 180; on the still-warm machine): racecheck_full bench_raw recovery
 # `--list` prints every step with its estimate, its own time limit and what it checks.
 #
 # Each step ends as one of:
@@ -95,9 +95,10 @@ step baselines 60 240 "PyTorch eager, fp32 and bf16, 2 epochs (benches/baselines
 step compile_baselines 90 420 "PyTorch torch.compile(reduce-overhead), fp32, 2 epochs (bf16 compiles for longer: --only)"
 step racecheck_full 60 540 "compute-sanitizer racecheck on every tests/gpu_kernels check"
 step bench_raw 60 240 "lockstep bench --device cuda, 2 ranks, next to raw ncclAllReduce (nvcc)"
+step recovery 45 180 "train-cnn's in-job recovery on the GPU: rank 1 killed in epoch 2 of 4, against an undisturbed run"
 step nccl_tests 100 300 "nccl-tests all_reduce_perf (built there with nvcc) next to lockstep bench --device cuda: one NCCL, same sizes and statistic"
 MAIN_STEPS=(env gpu_cuda kernels gpu_train train_fp32 train_bf16 nccl memcheck kernels_tf32 two_ranks_staged two_ranks_nccl capi python racecheck nccl_tests baselines compile_baselines)
-SECOND_STEPS=(racecheck_full bench_raw)
+SECOND_STEPS=(racecheck_full bench_raw recovery)
 # Steps the dry run rehearses on the simulated driver (they need no kernels).
 REHEARSED=" env nccl capi "
 
@@ -383,6 +384,7 @@ EOF
         memcheck|racecheck|racecheck_full) grep -E 'ERROR SUMMARY|^test result|^[0-9]+ passed, [0-9]+ skipped, [0-9]+ failed' "$log" | tail -2 | tr '\n' ';' ;;
         baselines|compile_baselines) grep -E 'eager|compile' "$log" | tail -4 | tr -s ' ' | tr '\n' ';' ;;
         bench_raw) grep -E '^overhead' "$log" | tr '\n' ';' ;;
+        recovery) grep -E '^recovery: (undisturbed|killed|all bars|FAIL)' "$log" | tr '\n' ';' ;;
         nccl_tests) grep -E '^side ' "$log" | sed 's/ (mean, -a 1)//' | tr '\n' ';' ;;
         python) grep -E 'rank 0: |rank 0 DDP:|all checks passed' "$log" | tail -5 | tr '\n' ';' ;;
         capi) echo "capi_test: $(grep -c 'all checks passed' "$log") ranks passed; capi_cuda: $(grep -c 'CUDA stream checks passed' "$log") ranks passed" ;;
@@ -399,6 +401,7 @@ post_check() {
         two_ranks_nccl) want="choice=Nccl" ;;
         capi) [ "$(grep -c 'CUDA stream checks passed' "$log")" -ge 2 ] || echo "fewer than 2 ranks passed the CUDA stream checks" ;;
         python) grep -q 'all checks passed' "$log" || echo "no 'all checks passed' line" ;;
+        recovery) grep -q '^recovery: all bars met' "$log" || echo "no 'recovery: all bars met' line" ;;
     esac
     if [ -n "$want" ]; then
         for r in 0 1; do
@@ -450,6 +453,9 @@ exit \$rc" ;;
             else case "$RUNTIME" in gVisor*) WHY="compute-sanitizer refuses gVisor (Device not supported)" ;; esac; fi ;;
         two_ranks_staged)
             CMD="CUDA_VISIBLE_DEVICES=0 NCCL_MULTI_RANK_GPU_ENABLE=0 LOCKSTEP_LOG=lockstep::rendezvous=debug '$BIN/train-cnn' --device cuda --nprocs 2 --epochs 1 --json --data '$data'"
+            [ -n "$data" ] || WHY="no FashionMNIST (stage it, or pass --data DIR)" ;;
+        recovery)
+            CMD="'${PYTHON:-python3}' benches/gpu/recovery.py '$BIN/lockstep' '$BIN/train-cnn' '$data'"
             [ -n "$data" ] || WHY="no FashionMNIST (stage it, or pass --data DIR)" ;;
         two_ranks_nccl)
             [ "$GPUS" -ge 2 ] && multi="CUDA_VISIBLE_DEVICES=0,1 NCCL_MULTI_RANK_GPU_ENABLE=0" || multi="NCCL_MULTI_RANK_GPU_ENABLE=1"

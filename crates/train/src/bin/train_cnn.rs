@@ -456,14 +456,14 @@ fn run_rank_cuda(
     train_set: &Dataset,
     test_set: &Dataset,
 ) -> RankOut {
-    lockstep_train::set_seed(&mut ctx.comm, cfg.train.seed)?;
+    if is_replacement() {
+        // As on the CPU: the survivors checked the seed at the start; the recovery exchange
+        // checks this rank's against theirs.
+        lockstep_train::rng::set_global_seed(cfg.train.seed);
+    } else {
+        lockstep_train::set_seed(&mut ctx.comm, cfg.train.seed)?;
+    }
     let mut console = console_for(&ctx, cfg);
-    // A host communicator of the same ranks for the RSS summary: the device one may take device
-    // buffers only.
-    let mut side = ctx
-        .comm
-        .split(Some(0), 0)?
-        .ok_or("split with a color returned no communicator")?;
     // The same backend policy as every other entry point (NCCL, NCCL's multi-rank mode, or
     // staging), so `train-cnn` and `lockstep` never disagree about a job.
     let (mut comm, dctx) = lockstep::rendezvous::device_communicator(ctx.comm, ctx.local_rank)?;
@@ -481,7 +481,8 @@ fn run_rank_cuda(
         Some(&mut comm),
         obs,
     )?;
-    let rss = gather_rss(&mut side)?;
+    // Through the device communicator (which a recovery may have grown): device buffers.
+    let rss = comm.all_gather_u64(peak_rss_kib(), "the peak-RSS summary")?;
     if let Some(c) = console.as_mut() {
         c.finish(&rss).map_err(CliError::Output)?;
     }
@@ -592,11 +593,6 @@ fn run() -> Result<(), CliError> {
             world_size: comm.world_size(),
             comm,
         };
-        if cfg.cuda && is_replacement() {
-            return Err(CliError::Join(
-                "this process replaces a lost rank (--restart-policy rank), but the CUDA engine does not recover in the job: run with --device cpu, or under --restart-policy job (with --save/--resume)".into(),
-            ));
-        }
         let run = if cfg.cuda { run_rank_cuda } else { run_rank };
         return run(ctx, &cfg, &train_set, &test_set)
             .map(drop)

@@ -425,8 +425,13 @@ impl Exec for CpuExec {
         comm.all_reduce_in_place(&mut self.f32[r.range()], ReduceOp::Avg)?;
         Ok(())
     }
-    fn broadcast(&mut self, comm: &mut Communicator, r: Region) -> Result<(), DeviceError> {
-        comm.broadcast_in_place(&mut self.f32[r.range()], 0)?;
+    fn broadcast(
+        &mut self,
+        comm: &mut Communicator,
+        r: Region,
+        root: usize,
+    ) -> Result<(), DeviceError> {
+        comm.broadcast_in_place(&mut self.f32[r.range()], root)?;
         Ok(())
     }
     fn stash(&mut self, v: Vec<f32>) {

@@ -3,17 +3,20 @@
 
 use std::collections::HashMap;
 use std::path::Path;
+use std::time::Instant;
 
 use super::error::DeviceError;
 use super::exec::Exec;
 use super::plan::{AdamHyper, Builder, Op, Precision, Tensors};
+use super::recover;
 use crate::checkpoint::{self, ScalerState, TrainState};
 use crate::data::Dataset;
 use crate::model::{Model, ModelError, StateMut};
 use crate::precision::{LossScaler, StepAction};
 use crate::trainer::epoch::{self, EpochEngine};
+use crate::trainer::recover::{Position, Recovery};
 use crate::trainer::{Observer, OptimizerKind, TrainConfig, TrainOutcome};
-use lockstep::comm::Communicator;
+use lockstep::comm::{CommError, Communicator};
 
 /// Options of the device engine beyond [`TrainConfig`].
 #[derive(Clone, Copy, Debug)]
@@ -352,9 +355,17 @@ pub fn train_device<E: Exec>(
         .unwrap_or((0, 1));
     let mut model = epoch::new_model(cfg, rank)?;
     let mut opt = crate::ops::optim::Adam::new(model.num_params(), cfg.lr);
-    let resumed = match &cfg.resume {
-        Some(path) => Some(epoch::resume(path, &mut model, &mut opt, rank, world)?),
-        None => None,
+    let recovery = Recovery::from_env()?;
+    if recovery.is_some() && opts.precision.scales_loss() {
+        return Err(DeviceError::Config(
+            "--restart-policy rank: the device engine's in-job recovery does not carry the fp16 loss scaler's state; train in fp32 or bf16, or run under --restart-policy job (with --save/--resume)".into(),
+        ));
+    }
+    let replacement = recovery.is_some_and(|r| r.replacement);
+    let resumed = match (&cfg.resume, replacement) {
+        // A replacement takes the survivors' state, not a checkpoint's.
+        (Some(path), false) => Some(epoch::resume(path, &mut model, &mut opt, rank, world)?),
+        _ => None,
     };
     let first_epoch = resumed.as_ref().map_or(0, |st| st.epoch);
     // The layout reads the (possibly resumed) BatchNorm statistics from the model.
@@ -394,12 +405,25 @@ pub fn train_device<E: Exec>(
         eng.exec.write_f32(eng.t.v, &opt.v)?;
         eng.step = opt.step;
     }
+    let (mut first_step, mut joined_loss) = (0usize, None);
+    let mut first_epoch = first_epoch;
     if let Some(c) = comm.as_deref_mut() {
-        if world > 1 {
+        if replacement {
+            // A replacement for a lost rank: the survivors' state and position, not its own start.
+            let mut pos = Position {
+                epoch: 0,
+                step_in_epoch: 0,
+                step_no: 0,
+                loss_sum: 0.0,
+            };
+            recover::exchange_state(&mut eng, c, true, &mut pos, cfg.seed)?;
+            (first_epoch, first_step) = (pos.epoch, pos.step_in_epoch as usize);
+            joined_loss = Some(pos.loss_sum);
+        } else if world > 1 {
             // Replicas start identical: rank 0's parameters and running statistics win (DDP's
             // initial broadcast), instead of trusting every rank to derive the same ones.
-            eng.exec.broadcast(c, eng.t.params)?;
-            eng.exec.broadcast(c, eng.t.bn_state)?;
+            eng.exec.broadcast(c, eng.t.params, 0)?;
+            eng.exec.broadcast(c, eng.t.bn_state, 0)?;
         }
     }
     eng.adam.weight_decay = cfg.weight_decay;
@@ -417,8 +441,19 @@ pub fn train_device<E: Exec>(
         last_images: 0,
         images: 0,
         skipped: 0,
+        recovery,
+        epoch: first_epoch,
+        joined_loss,
     };
-    let reports = epoch::run(&mut run, cfg, first_epoch, 0, train_set, test_set, obs)?;
+    let reports = epoch::run(
+        &mut run,
+        cfg,
+        first_epoch,
+        first_step,
+        train_set,
+        test_set,
+        obs,
+    )?;
     let eng = &mut run.eng;
     let params = eng.params()?;
     Ok(TrainOutcome {
@@ -450,6 +485,42 @@ struct DeviceRun<'a, 'c, E: Exec> {
     images: usize,
     /// Steps of this epoch the loss scaler skipped.
     skipped: u64,
+    /// In-job recovery from a peer's death (`recover.rs`), when the launcher replaces ranks.
+    recovery: Option<Recovery>,
+    /// The epoch in progress (0-based).
+    epoch: u64,
+    /// The epoch's loss so far that a replacement rank received, for the epoch it joins.
+    joined_loss: Option<f64>,
+}
+
+impl<E: Exec> DeviceRun<'_, '_, E> {
+    /// After `cause` (a peer died in step `s` of the epoch): grow the communicator back with the
+    /// replacement, send it the state, and get ready to do step `s` again.
+    fn recover(&mut self, s: usize, cause: &CommError) -> Result<(), DeviceError> {
+        let t = Instant::now();
+        let (Some(rec), Some(comm)) = (self.recovery.as_mut(), self.comm.as_deref_mut()) else {
+            return Err(DeviceError::Comm(CommError::Unsupported(format!(
+                "in-job recovery is not set up for this run after: {cause}"
+            ))));
+        };
+        let grow_s = rec.grow(comm, cause)?;
+        let mut pos = Position {
+            epoch: self.epoch,
+            step_in_epoch: s as u64,
+            step_no: self.eng.step,
+            loss_sum: self.eng.exec.read_f32(self.eng.t.loss.loss_sum)?[0] as f64,
+        };
+        recover::exchange_state(&mut self.eng, comm, false, &mut pos, self.cfg.seed)?;
+        tracing::info!(
+            "rank {}: recovered in {:.2} s (grow {:.2} s): doing epoch {} step {} again with the replacement",
+            comm.rank(),
+            t.elapsed().as_secs_f64(),
+            grow_s,
+            self.epoch + 1,
+            s + 1
+        );
+        Ok(())
+    }
 }
 
 impl<E: Exec> EpochEngine for DeviceRun<'_, '_, E> {
@@ -459,9 +530,15 @@ impl<E: Exec> EpochEngine for DeviceRun<'_, '_, E> {
         (self.rank, self.world)
     }
 
-    fn start_epoch(&mut self, _epoch: u64, idx: &[usize]) -> Result<(), DeviceError> {
+    fn start_epoch(&mut self, epoch: u64, idx: &[usize]) -> Result<(), DeviceError> {
+        self.epoch = epoch;
         self.eng.set_index_list(idx, false)?;
         self.eng.reset_loss_sum()?;
+        if let Some(l) = self.joined_loss.take() {
+            self.eng
+                .exec
+                .write_f32(self.eng.t.loss.loss_sum, &[l as f32])?;
+        }
         (self.pending, self.last_sum, self.last_images, self.images) = (None, 0.0, 0, 0);
         self.skipped = 0;
         Ok(())
@@ -476,11 +553,26 @@ impl<E: Exec> EpochEngine for DeviceRun<'_, '_, E> {
         // `grad_accum` is 1 on the device engine (checked above): one micro-batch per step.
         let b = group.iter().map(|c| c.len()).sum::<usize>();
         let lr = self.cfg.schedule.lr(self.cfg.lr, self.eng.step);
-        if self
-            .eng
-            .train_step(start, b, lr, self.comm.as_deref_mut())?
-            == StepAction::Skip
-        {
+        let action = loop {
+            let snap = match self.recovery {
+                Some(_) => Some(recover::StepSnapshot::take(&mut self.eng)?),
+                None => None,
+            };
+            match self.eng.train_step(start, b, lr, self.comm.as_deref_mut()) {
+                Err(DeviceError::Comm(e))
+                    if self.recovery.is_some_and(|r| r.can_recover_comm(&e)) =>
+                {
+                    // The step is done again from its start: its gradients are dropped, and
+                    // what its forward pass moved is put back.
+                    if let Some(snap) = snap {
+                        snap.restore(&mut self.eng)?;
+                    }
+                    self.recover(s, &e)?;
+                }
+                r => break r?,
+            }
+        };
+        if action == StepAction::Skip {
             self.skipped += 1;
         }
         self.images += b;
@@ -518,7 +610,7 @@ impl<E: Exec> EpochEngine for DeviceRun<'_, '_, E> {
 
     fn broadcast_buffers(&mut self) -> Result<(), DeviceError> {
         if let (Some(c), true) = (self.comm.as_deref_mut(), self.world > 1) {
-            self.eng.exec.broadcast(c, self.eng.t.bn_state)?;
+            self.eng.exec.broadcast(c, self.eng.t.bn_state, 0)?;
         }
         Ok(())
     }

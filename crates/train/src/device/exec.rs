@@ -30,8 +30,13 @@ pub trait Exec {
     }
     /// Average an f32 region over ranks, in place, ordered after all queued work.
     fn all_reduce_mean(&mut self, comm: &mut Communicator, r: Region) -> Result<(), DeviceError>;
-    /// Copy rank 0's f32 region to every rank.
-    fn broadcast(&mut self, comm: &mut Communicator, r: Region) -> Result<(), DeviceError>;
+    /// Copy rank `root`'s f32 region to every rank.
+    fn broadcast(
+        &mut self,
+        comm: &mut Communicator,
+        r: Region,
+        root: usize,
+    ) -> Result<(), DeviceError>;
     /// Sum host values over ranks through the same communicator (device buffers when it needs them).
     fn all_reduce_sum_host(
         &mut self,

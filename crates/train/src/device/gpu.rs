@@ -315,10 +315,15 @@ impl Exec for GpuExec {
         Ok(())
     }
 
-    fn broadcast(&mut self, comm: &mut Communicator, r: Region) -> Result<(), DeviceError> {
+    fn broadcast(
+        &mut self,
+        comm: &mut Communicator,
+        r: Region,
+        root: usize,
+    ) -> Result<(), DeviceError> {
         self.stream.synchronize()?;
         let (_, mut w) = self.a.f32.split_views(&[], &[r.range()])?;
-        comm.broadcast_in_place(&mut w[0], 0)?;
+        comm.broadcast_in_place(&mut w[0], root)?;
         comm.synchronize()?;
         Ok(())
     }

@@ -9,6 +9,7 @@
 //! | `cpu.rs` | [`CpuExec`]: runs a plan with the kernels' CPU twins (checks the whole device step without a GPU) |
 //! | `gpu.rs` | [`GpuExec`]: device arenas, launches through the safe CUDA layer, one CUDA graph per batch size |
 //! | `engine.rs` | [`Engine`] (plan + executor: step, eval, read-backs) and [`train_device`] (the device side of the shared epoch loop, `trainer/epoch.rs`) |
+//! | `recover.rs` | in-job recovery from a peer's death on the device: the step snapshot and the state exchange |
 //! | `mod.rs` | declarations and re-exports only |
 //!
 //! One step on the device: the batch's sample ids are copied (device to device) from the epoch's
@@ -33,6 +34,7 @@ mod exec;
 pub mod gpu;
 pub mod kernels;
 pub mod plan;
+mod recover;
 
 pub use cpu::CpuExec;
 pub use engine::{train_device, DeviceOptions, Engine};

@@ -24,7 +24,7 @@
 mod config;
 mod cpu;
 pub(crate) mod epoch;
-mod recover;
+pub(crate) mod recover;
 
 pub use config::{
     EpochReport, Observer, OptimizerKind, Silent, TrainConfig, TrainError, TrainOutcome,

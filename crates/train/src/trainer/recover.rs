@@ -75,11 +75,12 @@ impl Recovery {
     /// Whether a failure `e` of a collective can be recovered from here: a peer died (or the
     /// communicator was aborted for it) and the launcher has a restart left to replace it.
     pub(crate) fn can_recover(&self, e: &TrainError) -> bool {
-        self.used < self.max
-            && matches!(
-                e,
-                TrainError::Comm(CommError::PeerLost { .. } | CommError::Aborted { .. })
-            )
+        matches!(e, TrainError::Comm(c) if self.can_recover_comm(c))
+    }
+
+    /// [`can_recover`](Self::can_recover) for a collective's own error.
+    pub(crate) fn can_recover_comm(&self, e: &CommError) -> bool {
+        self.used < self.max && matches!(e, CommError::PeerLost { .. } | CommError::Aborted { .. })
     }
 
     /// Grow `comm` back to the full world after `cause`, replacing it in place; returns the
@@ -87,7 +88,7 @@ impl Recovery {
     pub(crate) fn grow(
         &mut self,
         comm: &mut Communicator,
-        cause: &TrainError,
+        cause: &dyn std::fmt::Display,
     ) -> Result<f64, TrainError> {
         let t = Instant::now();
         tracing::warn!(
