@@ -14,7 +14,8 @@
 //! The files (feature `trace`, on by default): JSON lines, one file per rank and communicator,
 //! each written atomically ([`crate::types::durable`]); the first line is a header (job, rank,
 //! world, global ranks, host, pid, backend, version, and the clock: times are Unix nanoseconds
-//! (`CLOCK_REALTIME` at the recorder's start plus the monotonic clock since), so ranks of one
+//! (`CLOCK_REALTIME` at the recorder's start plus the monotonic clock since, read through the
+//! CPU's time-stamp counter where the kernel keeps time with it: `clock.rs`), so ranks of one
 //! host compare directly).
 //!
 //! `SIGUSR1`: only when `LOCKSTEP_TRACE_DIR` is set does lockstep install a handler, when the
@@ -25,6 +26,7 @@
 //! dump there after lockstep's ([`on_signal`]). Without the variable,
 //! `SIGUSR1` keeps whatever disposition the program gave it.
 
+mod clock;
 #[cfg(feature = "trace")]
 mod dump;
 // Without the files (feature `trace`), what only they read is unused.

@@ -4,19 +4,30 @@
 //! Each slot is a seqlock over eight words of atomics: the writer (one thread: the communicator is
 //! `&mut` while it runs a call) makes the slot's version odd, stores the words, and makes it even
 //! again; a reader copies the words and keeps the copy only if the version was even and unchanged
-//! across it. On x86 every one of these is a plain load or store, so a call pays a few stores: no
-//! allocation, no lock, nothing shared with other ranks. Error texts, which do allocate, live
-//! beside the ring and are written only when a call fails.
+//! across it. On x86 every one of these is a plain load or store: no allocation, no lock, nothing
+//! shared with other ranks. Error texts, which do allocate, live beside the ring and are written
+//! only when a call fails.
+//!
+//! A slot holds a *run*: a call, and the calls after it that repeat it exactly (same collective,
+//! dtype, op, count, root and buffers, the same path, untimed and successful), which is what a
+//! training loop's calls mostly are. A repeated call stores its id as the run's last (one word of
+//! the line the run already holds, outside the seqlock: a reader sees the run with or without
+//! it, both true) and the number of calls ended; only a call that differs from the one before
+//! writes a whole slot. Readers expand runs back into one [`Record`] per call and keep the last
+//! `capacity` calls, so what they see does not depend on how the calls were stored.
 //!
 //! Times are taken for some calls only ([`timed`]): two clock reads cost more than a small
 //! collective on one node may take, and the recorder must not slow the job it watches. Every call
 //! of [`TIMED_BYTES`] or more is timed (the reads are then lost in the copy), and of the smaller
 //! ones every [`TIMED_EVERY`]-th collective, chosen by its number, so that all ranks time the
-//! same calls and their start times compare; a failed call's end is always timed.
+//! same calls and their start times compare; a failed call's end is always timed. A timed call
+//! has a run of its own.
 
-use std::sync::atomic::{fence, AtomicU64, Ordering::*};
+use std::sync::atomic::{fence, AtomicBool, AtomicU64, AtomicUsize, Ordering::*};
 use std::sync::Mutex;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use super::clock::{ns, Clock, Scale};
 
 use crate::types::{CollKind, Dtype, ReduceOp};
 
@@ -194,29 +205,53 @@ const FAILED: u8 = 2;
 const NO_ROOT: u64 = u64::MAX;
 /// Error texts kept (the most recent ones; older failed records then say "error").
 const ERRORS_KEPT: usize = 64;
+/// The bytes of a packed word that a later call must repeat to join its run: kind, dtype, op,
+/// buffer and group size (path and outcome are compared apart, once the call ended).
+const CALL_BYTES: u64 = !(0xffff << 32);
+/// Word 7 with this bit set holds the run's last id; clear, the end time of the run's one call
+/// (0: untimed). A run of more than one call is untimed and successful, so it has no end time.
+const LAST_ID: u64 = 1 << 63;
 
-/// One slot: `[version, id, seq, packed, count, root, start, end]`, one cache line of its own, so
-/// that a call's record touches one line (unaligned, most slots would straddle two).
+/// One slot: `[version, first id, first seq, packed, count, root, start, end or last id]` of a
+/// run, one cache line of its own, so that writing a run touches one line (unaligned, most slots
+/// would straddle two).
 #[repr(align(64))]
 struct Slot([AtomicU64; 8]);
 
 /// The last calls of one communicator (see the module docs).
+///
+/// Only `done` and the slots are read by readers; the other words describe the newest run for
+/// the writer alone (atomics so that the ring can be shared, plain loads and stores).
 pub(crate) struct Recorder {
     slots: Box<[Slot]>,
-    /// Records written so far (the next one's id is this plus one); only the writer stores it.
+    /// Calls started so far (the next one's id is this plus one).
     next: AtomicU64,
+    /// Every call up to this id has ended (stored after the call's slot, if it wrote one).
+    done: AtomicU64,
     /// Collectives recorded so far (the next one's `seq` is this plus one).
     colls: AtomicU64,
-    /// The packed word of the call in flight, to finish it without reading the slot back.
-    open: AtomicU64,
+    /// The slot of the newest run (kept so that no call divides).
+    open_slot: AtomicUsize,
+    /// The newest run's packed word as its first call started (path and outcome 0).
+    open_call: AtomicU64,
+    /// Its count and root (`NO_ROOT` for none).
+    open_count: AtomicU64,
+    open_root: AtomicU64,
+    /// Its first call's id and seq, for a joined call that has to open a run of its own at its end.
+    open_id: AtomicU64,
+    open_seq: AtomicU64,
+    /// The path its calls took.
+    open_path: AtomicU64,
+    /// Whether the next call may join it: its calls were untimed and succeeded.
+    open_joinable: AtomicBool,
+    /// Whether the call in flight joined the newest run (it wrote no slot at its start).
+    joined: AtomicBool,
     /// Whether the call in flight is timed ([`timed`]).
-    open_timed: std::sync::atomic::AtomicBool,
-    /// The slot of the call in flight (`(id - 1) % capacity`, kept so that no call divides).
-    open_slot: std::sync::atomic::AtomicUsize,
+    open_timed: AtomicBool,
     /// Error texts of failed records, by id, oldest first.
     errors: Mutex<Vec<(u64, String)>>,
-    /// Times are nanoseconds since this instant ...
-    base: Instant,
+    /// Times are ticks of this clock (`clock.rs`), nanoseconds since its zero once read ...
+    clock: Clock,
     /// ... which was this many nanoseconds after the Unix epoch (CLOCK_REALTIME).
     base_realtime_ns: u64,
 }
@@ -230,9 +265,16 @@ impl std::fmt::Debug for Recorder {
     }
 }
 
-/// Nanoseconds as a `u64` (saturating: 584 years).
-fn ns(d: Duration) -> u64 {
-    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
+/// What opens a run: its first call's words.
+struct RunStart {
+    id: u64,
+    seq: u64,
+    packed: u64,
+    count: u64,
+    /// The root word (`NO_ROOT` for none).
+    root: u64,
+    start: u64,
+    end: u64,
 }
 
 impl Recorder {
@@ -241,7 +283,7 @@ impl Recorder {
         let slots = (0..capacity.max(1))
             .map(|_| Slot(std::array::from_fn(|_| AtomicU64::new(0))))
             .collect();
-        let base = Instant::now();
+        let clock = Clock::new();
         let base_realtime_ns = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map(ns)
@@ -249,13 +291,21 @@ impl Recorder {
         Recorder {
             slots,
             next: AtomicU64::new(0),
+            done: AtomicU64::new(0),
             colls: AtomicU64::new(0),
-            open: AtomicU64::new(0),
-            open_timed: std::sync::atomic::AtomicBool::new(false),
-            // One before slot 0 (the first call wraps it there).
-            open_slot: std::sync::atomic::AtomicUsize::new(capacity.max(1) - 1),
+            // One before slot 0 (the first run wraps it there).
+            open_slot: AtomicUsize::new(capacity.max(1) - 1),
+            open_call: AtomicU64::new(0),
+            open_count: AtomicU64::new(0),
+            open_root: AtomicU64::new(0),
+            open_id: AtomicU64::new(0),
+            open_seq: AtomicU64::new(0),
+            open_path: AtomicU64::new(0),
+            open_joinable: AtomicBool::new(false),
+            joined: AtomicBool::new(false),
+            open_timed: AtomicBool::new(false),
             errors: Mutex::new(Vec::new()),
-            base,
+            clock,
             base_realtime_ns,
         }
     }
@@ -271,8 +321,10 @@ impl Recorder {
         self.base_realtime_ns
     }
 
+    /// Now, in the clock's ticks (never 0, which means "not timed").
+    #[inline(always)]
     fn now(&self) -> u64 {
-        ns(self.base.elapsed())
+        self.clock.ticks().max(1)
     }
 
     /// Store words 1..8 of `slot` (`words`, given the slot's words) under its seqlock. Only the
@@ -288,11 +340,34 @@ impl Recorder {
         slot.0[0].store(v.wrapping_add(2), Release);
     }
 
+    /// Open a run in the next slot (the oldest run's), and remember it as the newest.
+    #[inline]
+    fn open(&self, r: RunStart) {
+        let i = match self.open_slot.load(Relaxed) + 1 {
+            i if i == self.slots.len() => 0,
+            i => i,
+        };
+        self.open_slot.store(i, Relaxed);
+        self.write(&self.slots[i], |w| {
+            w[1].store(r.id, Relaxed);
+            w[2].store(r.seq, Relaxed);
+            w[3].store(r.packed, Relaxed);
+            w[4].store(r.count, Relaxed);
+            w[5].store(r.root, Relaxed);
+            w[6].store(r.start, Relaxed);
+            w[7].store(r.end, Relaxed);
+        });
+        self.open_call.store(r.packed & CALL_BYTES, Relaxed);
+        self.open_count.store(r.count, Relaxed);
+        self.open_root.store(r.root, Relaxed);
+        self.open_id.store(r.id, Relaxed);
+        self.open_seq.store(r.seq, Relaxed);
+    }
+
     /// Record the start of a call; returns its id, to pass to [`end`](Self::end).
     #[inline]
     pub(crate) fn start(&self, info: &CallInfo) -> u64 {
         let id = self.next.load(Relaxed) + 1;
-        self.next.store(id, Relaxed);
         let seq = if info.ops == 0 {
             let s = self.colls.load(Relaxed) + 1;
             self.colls.store(s, Relaxed);
@@ -301,59 +376,108 @@ impl Recorder {
             0
         };
         let packed = pack(info, CallPath::Unknown, RUNNING);
-        self.open.store(packed, Relaxed);
-        let i = match self.open_slot.load(Relaxed) + 1 {
-            i if i == self.slots.len() => 0,
-            i => i,
-        };
-        self.open_slot.store(i, Relaxed);
-        let slot = &self.slots[i];
+        let root = info.root.unwrap_or(NO_ROOT);
         let bytes = info.count.saturating_mul(info.dtype.size() as u64);
         let is_timed = timed(seq, id, bytes);
-        self.open_timed.store(is_timed, Relaxed);
-        let start = if is_timed { self.now().max(1) } else { 0 };
-        let root = info.root.unwrap_or(NO_ROOT);
-        self.write(slot, |w| {
-            w[1].store(id, Relaxed);
-            w[2].store(seq, Relaxed);
-            w[3].store(packed, Relaxed);
-            w[4].store(info.count, Relaxed);
-            w[5].store(root, Relaxed);
-            w[6].store(start, Relaxed);
-            w[7].store(0, Relaxed);
-        });
+        let joins = !is_timed
+            && self.open_joinable.load(Relaxed)
+            && self.open_call.load(Relaxed) == packed
+            && self.open_count.load(Relaxed) == info.count
+            && self.open_root.load(Relaxed) == root;
+        self.joined.store(joins, Relaxed);
+        if joins {
+            let slot = &self.slots[self.open_slot.load(Relaxed)];
+            slot.0[7].store(LAST_ID | id, Release);
+        } else {
+            self.open_timed.store(is_timed, Relaxed);
+            self.open_joinable.store(false, Relaxed);
+            let start = if is_timed { self.now() } else { 0 };
+            self.open(RunStart {
+                id,
+                seq,
+                packed,
+                count: info.count,
+                root,
+                start,
+                end: 0,
+            });
+        }
+        self.next.store(id, Relaxed);
         id
     }
 
     /// Record the end of call `id`: the path it took, and its error's text if it failed.
     #[inline]
     pub(crate) fn end(&self, id: u64, path: CallPath, error: Option<&dyn std::fmt::Display>) {
-        let end = if error.is_some() || self.open_timed.load(Relaxed) {
-            self.now().max(1)
+        let joined = self.joined.load(Relaxed);
+        if joined && error.is_none() && self.open_path.load(Relaxed) == path as u64 {
+            // The run goes on.
+            self.done.store(id, Release);
+            return;
+        }
+        self.end_apart(id, path, error, joined);
+    }
+
+    /// [`end`](Self::end) of a call with a run of its own, or of one that joined a run and turns
+    /// out to differ from it (another path, or a failure): it opens a run of its own now.
+    fn end_apart(
+        &self,
+        id: u64,
+        path: CallPath,
+        error: Option<&dyn std::fmt::Display>,
+        joined: bool,
+    ) {
+        let timed = !joined && self.open_timed.load(Relaxed);
+        let end = if error.is_some() || timed {
+            self.now()
         } else {
             0
         };
         let outcome = if error.is_some() { FAILED } else { OK };
-        // Replace path (byte 4) and outcome (byte 5) of the packed word.
-        let mut packed = self.open.load(Relaxed) & !(0xffff << 32)
-            | (path as u64) << 32
-            | (outcome as u64) << 40;
+        let call = self.open_call.load(Relaxed);
+        let mut packed = call | (path as u64) << 32 | (outcome as u64) << 40;
         if path == CallPath::Registered {
             packed = packed & !(0xff << 24) | (BufferKind::Registered as u64) << 24;
         }
-        let slot = &self.slots[self.open_slot.load(Relaxed)];
-        if end == 0 {
-            // An untimed call's end word is still the 0 `start` wrote.
-            self.write(slot, |w| w[3].store(packed, Relaxed));
-        } else {
-            self.write(slot, |w| {
-                w[3].store(packed, Relaxed);
-                w[7].store(end, Relaxed);
+        if joined {
+            // The run it joined ends before it (in one store: readers see the call in one of
+            // the two runs, or in neither for a moment); its words are the run's, but for its
+            // own id and collective number.
+            let prev = &self.slots[self.open_slot.load(Relaxed)];
+            prev.0[7].store(LAST_ID | (id - 1), Release);
+            let seq = match self.open_seq.load(Relaxed) {
+                0 => 0,
+                s => s + (id - self.open_id.load(Relaxed)),
+            };
+            self.open(RunStart {
+                id,
+                seq,
+                packed,
+                count: self.open_count.load(Relaxed),
+                root: self.open_root.load(Relaxed),
+                start: 0,
+                end,
             });
+            // The bytes the next call compares are those of its start (not Registered's).
+            self.open_call.store(call, Relaxed);
+        } else {
+            let slot = &self.slots[self.open_slot.load(Relaxed)];
+            if end == 0 {
+                // An untimed call's end word is still the 0 `start` wrote.
+                self.write(slot, |w| w[3].store(packed, Relaxed));
+            } else {
+                self.write(slot, |w| {
+                    w[3].store(packed, Relaxed);
+                    w[7].store(end, Relaxed);
+                });
+            }
         }
+        self.open_path.store(path as u64, Relaxed);
+        self.open_joinable.store(error.is_none() && !timed, Relaxed);
         if let Some(e) = error {
             self.keep_error(id, e);
         }
+        self.done.store(id, Release);
     }
 
     /// Keep the text of failed call `id`'s error (the most recent [`ERRORS_KEPT`]).
@@ -384,52 +508,105 @@ impl Recorder {
         None
     }
 
-    /// The records the ring holds, oldest first (times as Unix nanoseconds).
+    /// The records of the last `capacity` calls, oldest first, one per call (runs expanded; times
+    /// as Unix nanoseconds).
     pub(crate) fn records(&self) -> Vec<Record> {
+        // Every call up to `done` has ended; the later ones a run holds were running (or have
+        // ended since: they read as running, a moment late).
+        let done = self.done.load(Acquire);
+        let scale = self.clock.scale();
         let errs = self
             .errors
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone();
-        let mut out: Vec<Record> = self
+        let mut runs: Vec<([u64; 8], u64)> = self
             .slots
             .iter()
             .filter_map(|s| self.read(s))
-            .filter_map(|w| self.decode(&w, &errs))
+            .map(|w| {
+                let last = match w[7] {
+                    l if l & LAST_ID != 0 => (l & !LAST_ID).max(w[1]),
+                    _ => w[1],
+                };
+                (w, last)
+            })
             .collect();
-        out.sort_by_key(|r| r.id);
+        runs.sort_by_key(|(w, _)| w[1]);
+        // A call moving from a run to one of its own may be read in both: the later run has it.
+        for i in 1..runs.len() {
+            let next_first = runs[i].0[1];
+            let prev = &mut runs[i - 1].1;
+            *prev = (*prev).min(next_first - 1);
+        }
+        let newest = runs.last().map_or(0, |(_, last)| *last);
+        let first = newest.saturating_sub(self.slots.len() as u64) + 1;
+        let mut out = Vec::new();
+        for (w, last) in &runs {
+            for id in w[1].max(first)..=*last {
+                if let Some(r) = self.decode(w, id, done, scale, &errs) {
+                    out.push(r);
+                }
+            }
+        }
         out
     }
 
-    fn decode(&self, w: &[u64; 8], errs: &[(u64, String)]) -> Option<Record> {
+    /// Call `id` of the run in slot words `w`.
+    fn decode(
+        &self,
+        w: &[u64; 8],
+        id: u64,
+        done: u64,
+        scale: Scale,
+        errs: &[(u64, String)],
+    ) -> Option<Record> {
+        let own = id == w[1];
         let byte = |i: u32| (w[3] >> (8 * i)) as u8;
         let outcome = match byte(5) {
+            // A call that joined the run reads as the run until it ends.
+            _ if !own && id > done => Outcome::Running,
             RUNNING => Outcome::Running,
             OK => Outcome::Ok,
             _ => Outcome::Error(
                 errs.iter()
-                    .find(|(id, _)| *id == w[1])
+                    .find(|(e, _)| *e == id)
                     .map_or_else(|| "error".to_string(), |(_, t)| t.clone()),
             ),
         };
+        let path = match outcome {
+            Outcome::Running if !own => CallPath::Unknown,
+            _ => CallPath::from_u8(byte(4)),
+        };
+        let end = if w[7] & LAST_ID != 0 { 0 } else { w[7] };
+        let time = |t: u64| (own && t != 0).then(|| self.base_realtime_ns + scale.ns(t));
         Some(Record {
-            id: w[1],
-            seq: w[2],
-            call: CallInfo {
-                kind: CollKind::from_u8(byte(0))?,
-                dtype: Dtype::from_u8(byte(1))?,
-                op: ReduceOp::from_u8(byte(2))?,
-                buffer: BufferKind::from_u8(byte(3)),
-                ops: (w[3] >> 48) as u16,
-                count: w[4],
-                root: (w[5] != NO_ROOT).then_some(w[5]),
+            id,
+            seq: match w[2] {
+                0 => 0,
+                s => s + (id - w[1]),
             },
-            path: CallPath::from_u8(byte(4)),
-            start_ns: (w[6] != 0).then(|| self.base_realtime_ns + w[6]),
-            end_ns: (w[7] != 0).then(|| self.base_realtime_ns + w[7]),
+            call: decode_call(w[3], w[4], w[5])?,
+            path,
+            start_ns: time(w[6]),
+            end_ns: time(end),
             outcome,
         })
     }
+}
+
+/// A call's fields from a packed word, its count and its root word.
+fn decode_call(packed: u64, count: u64, root: u64) -> Option<CallInfo> {
+    let byte = |i: u32| (packed >> (8 * i)) as u8;
+    Some(CallInfo {
+        kind: CollKind::from_u8(byte(0))?,
+        dtype: Dtype::from_u8(byte(1))?,
+        op: ReduceOp::from_u8(byte(2))?,
+        buffer: BufferKind::from_u8(byte(3)),
+        ops: (packed >> 48) as u16,
+        count,
+        root: (root != NO_ROOT).then_some(root),
+    })
 }
 
 #[cfg(test)]
@@ -534,6 +711,169 @@ mod tests {
     fn an_empty_ring_has_no_records() {
         assert!(Recorder::new(3).records().is_empty());
     }
+
+    /// The call `i` of a mixed sequence: runs of repeats broken by other counts, kinds, paths,
+    /// point-to-point groups and failures, as a training loop's calls come.
+    fn call_of(i: u64) -> (CallInfo, CallPath, bool) {
+        let mut c = info(CollKind::AllReduce, [2, 2, 2, 6][(i / 5 % 4) as usize]);
+        if i.is_multiple_of(37) {
+            c = CallInfo {
+                root: Some(1),
+                ops: 1,
+                ..info(CollKind::Send, 4)
+            };
+        } else if i.is_multiple_of(29) {
+            c = CallInfo {
+                root: Some(0),
+                ..info(CollKind::Broadcast, 2)
+            };
+        }
+        let path = if i.is_multiple_of(11) {
+            CallPath::Registered
+        } else {
+            CallPath::Inline
+        };
+        (c, path, i.is_multiple_of(23))
+    }
+
+    /// What a recorder that stored every call on its own would hold for calls `1..=n` (times as
+    /// "present or not"), the last `cap` of them.
+    fn expected(n: u64, cap: u64) -> Vec<(u64, u64, CallInfo, CallPath, bool, bool, Outcome)> {
+        let mut seq = 0;
+        let mut all = Vec::new();
+        for id in 1..=n {
+            let (mut c, path, fails) = call_of(id);
+            let s = if c.ops == 0 {
+                seq += 1;
+                seq
+            } else {
+                0
+            };
+            let t = timed(s, id, c.count * 4);
+            if path == CallPath::Registered {
+                c.buffer = BufferKind::Registered;
+            }
+            let outcome = if fails {
+                Outcome::Error(format!("failure {id}"))
+            } else {
+                Outcome::Ok
+            };
+            all.push((id, s, c, path, t, t || fails, outcome));
+        }
+        all.split_off(all.len().saturating_sub(cap as usize))
+    }
+
+    fn seen(r: &Recorder) -> Vec<(u64, u64, CallInfo, CallPath, bool, bool, Outcome)> {
+        r.records()
+            .into_iter()
+            .map(|x| {
+                (
+                    x.id,
+                    x.seq,
+                    x.call,
+                    x.path,
+                    x.start_ns.is_some(),
+                    x.end_ns.is_some(),
+                    x.outcome,
+                )
+            })
+            .collect()
+    }
+
+    #[test]
+    fn runs_of_repeated_calls_read_back_as_every_call_would() {
+        for cap in [1u64, 2, 3, 7, 64, 2000] {
+            let r = Recorder::new(cap as usize);
+            for id in 1..=500u64 {
+                let (c, path, fails) = call_of(id);
+                assert_eq!(r.start(&c), id);
+                let err = format!("failure {id}");
+                r.end(id, path, fails.then_some(&err as &dyn std::fmt::Display));
+                if id % 50 == 0 || id < 40 {
+                    assert_eq!(
+                        seen(&r),
+                        expected(id, cap),
+                        "capacity {cap}, after call {id}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn repeats_take_no_slot_and_a_call_in_flight_reads_as_running() {
+        let r = Recorder::new(4);
+        for id in 1..=996u64 {
+            r.start(&info(CollKind::AllReduce, 2));
+            r.end(id, CallPath::Inline, None);
+        }
+        let recs = r.records();
+        assert_eq!(
+            recs.iter().map(|x| x.seq).collect::<Vec<_>>(),
+            [993, 994, 995, 996]
+        );
+        // 993 is a timed call (993 % TIMED_EVERY == 1), the others repeat it.
+        assert!(recs[0].start_ns.is_some() && recs[1].start_ns.is_none());
+        // A repeat in flight: running, its path not known yet; once ended, one like the others.
+        let id = r.start(&info(CollKind::AllReduce, 2));
+        let last = r.records().pop().unwrap();
+        assert_eq!(
+            (last.id, last.outcome, last.path),
+            (id, Outcome::Running, CallPath::Unknown)
+        );
+        r.end(id, CallPath::Inline, None);
+        let last = r.records().pop().unwrap();
+        assert_eq!(
+            (last.id, last.outcome, last.path),
+            (id, Outcome::Ok, CallPath::Inline)
+        );
+        // A repeat that fails ends its run: the failure has its record, error text and end time.
+        let id = r.start(&info(CollKind::AllReduce, 2));
+        r.end(id, CallPath::Inline, Some(&"peer lost"));
+        let last = r.records().pop().unwrap();
+        assert_eq!((last.id, last.seq), (id, 998));
+        assert_eq!(last.outcome, Outcome::Error("peer lost".into()));
+        assert!(last.start_ns.is_none() && last.end_ns.is_some());
+    }
+
+    #[test]
+    fn a_reader_beside_the_writer_sees_whole_calls_in_order() {
+        let r = std::sync::Arc::new(Recorder::new(16));
+        let stop = std::sync::Arc::new(AtomicBool::new(false));
+        let reader = {
+            let (r, stop) = (r.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let mut reads = 0u64;
+                while !stop.load(Relaxed) {
+                    let recs = r.records();
+                    assert!(recs.len() <= 16);
+                    for w in recs.windows(2) {
+                        assert_eq!(w[1].id, w[0].id + 1, "{recs:?}");
+                    }
+                    for x in &recs {
+                        let (c, _, _) = call_of(x.id);
+                        assert_eq!((x.call.kind, x.call.count), (c.kind, c.count), "{x:?}");
+                        if x.outcome != Outcome::Running {
+                            assert_ne!(x.path, CallPath::Unknown, "{x:?}");
+                        }
+                    }
+                    reads += 1;
+                }
+                reads
+            })
+        };
+        for id in 1..=300_000u64 {
+            let (c, path, fails) = call_of(id);
+            r.start(&c);
+            r.end(
+                id,
+                path,
+                fails.then_some(&"failure" as &dyn std::fmt::Display),
+            );
+        }
+        stop.store(true, Relaxed);
+        assert!(reader.join().unwrap() > 0);
+    }
 }
 /// The recorder's own cost per call, without a collective around it:
 /// `cargo test --release --lib recorder_cost -- --ignored --nocapture`.
@@ -554,7 +894,7 @@ mod cost_probe {
             buffer: BufferKind::Host,
         };
         for _ in 0..3 {
-            let t = Instant::now();
+            let t = std::time::Instant::now();
             for _ in 0..10_000_000 {
                 let id = r.start(std::hint::black_box(&info));
                 r.end(id, CallPath::Inline, None);
