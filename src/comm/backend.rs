@@ -253,8 +253,8 @@ pub trait Backend: Send {
         None
     }
     /// Show call `seq` of a communicator that another transport carries for these ranks (NCCL
-    /// over this host communicator) where `lockstep status` reads this backend's own calls, so
-    /// a status of the job names each rank's collective. A few plain stores; nothing waits.
+    /// made over a host communicator) where `lockstep status` reads this backend's own calls,
+    /// so a status of the job names each rank's collective. A few plain stores; nothing waits.
     /// Default: nothing (a backend that `lockstep status` does not read).
     fn show_carried(&self, call: &Call, seq: u64) {
         let _ = (call, seq);
