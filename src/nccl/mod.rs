@@ -10,7 +10,8 @@
 //! | `comm.rs` | [`NcclComm`] and [`NcclOptions`]: the native calls, the `Backend` impl, teardown |
 //! | `bootstrap.rs` | the unique id and its exchange ([`UniqueIdExchange`]), `ncclCommInitRank` |
 //! | `split.rs` | `ncclCommSplit`: a communicator made from a live one |
-//! | `membership.rs` | the host communicator of one node kept beside NCCL: the peer watch, shrink and grow |
+//! | `membership.rs` | the host communicator of one node kept beside NCCL: the peer watch, the calls shown to `lockstep status`, the members of shrink and grow |
+//! | `over_host.rs` | [`NcclComm::over_host`]: NCCL made over that host communicator, and made again over its members to shrink and grow |
 //! | `watchdog.rs` | every wait polled with a deadline and a liveness check, abort on failure |
 //! | `abort.rs` | the handle's abort state, shared with pending `Work` handles across threads |
 //! | `checks.rs` | the argument checks made before anything is enqueued |
@@ -30,6 +31,7 @@ mod comm;
 mod composite;
 mod error;
 mod membership;
+mod over_host;
 pub(crate) mod result;
 mod split;
 mod watchdog;

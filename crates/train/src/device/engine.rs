@@ -416,7 +416,8 @@ pub fn train_device<E: Exec>(
                 step_no: 0,
                 loss_sum: 0.0,
             };
-            recover::exchange_state(&mut eng, c, true, &mut pos, cfg.seed)?;
+            recover::exchange_state(&mut eng.exec, &eng.t, c, true, &mut pos, cfg.seed)?;
+            eng.step = pos.step_no;
             (first_epoch, first_step) = (pos.epoch, pos.step_in_epoch as usize);
             joined_loss = Some(pos.loss_sum);
         } else if world > 1 {
@@ -510,7 +511,8 @@ impl<E: Exec> DeviceRun<'_, '_, E> {
             step_no: self.eng.step,
             loss_sum: self.eng.exec.read_f32(self.eng.t.loss.loss_sum)?[0] as f64,
         };
-        recover::exchange_state(&mut self.eng, comm, false, &mut pos, self.cfg.seed)?;
+        let eng = &mut self.eng;
+        recover::exchange_state(&mut eng.exec, &eng.t, comm, false, &mut pos, self.cfg.seed)?;
         tracing::info!(
             "rank {}: recovered in {:.2} s (grow {:.2} s): doing epoch {} step {} again with the replacement",
             comm.rank(),
@@ -555,7 +557,10 @@ impl<E: Exec> EpochEngine for DeviceRun<'_, '_, E> {
         let lr = self.cfg.schedule.lr(self.cfg.lr, self.eng.step);
         let action = loop {
             let snap = match self.recovery {
-                Some(_) => Some(recover::StepSnapshot::take(&mut self.eng)?),
+                Some(_) => Some(recover::StepSnapshot::take(
+                    &mut self.eng.exec,
+                    &self.eng.t,
+                )?),
                 None => None,
             };
             match self.eng.train_step(start, b, lr, self.comm.as_deref_mut()) {
@@ -565,7 +570,7 @@ impl<E: Exec> EpochEngine for DeviceRun<'_, '_, E> {
                     // The step is done again from its start: its gradients are dropped, and
                     // what its forward pass moved is put back.
                     if let Some(snap) = snap {
-                        snap.restore(&mut self.eng)?;
+                        snap.restore(&mut self.eng.exec, &self.eng.t)?;
                     }
                     self.recover(s, &e)?;
                 }

@@ -20,9 +20,9 @@
 
 use std::time::Instant;
 
-use super::engine::Engine;
 use super::error::DeviceError;
 use super::exec::Exec;
+use super::plan::Tensors;
 use crate::trainer::recover::Position;
 use lockstep::comm::Communicator;
 
@@ -34,38 +34,40 @@ pub(super) struct StepSnapshot {
 }
 
 impl StepSnapshot {
-    /// Copy them out (waits for the queued work).
-    pub(super) fn take<E: Exec>(eng: &mut Engine<E>) -> Result<StepSnapshot, DeviceError> {
+    /// Copy them out of `t`'s regions (waits for the queued work).
+    pub(super) fn take<E: Exec>(exec: &mut E, t: &Tensors) -> Result<StepSnapshot, DeviceError> {
         Ok(StepSnapshot {
-            bn: eng.exec.read_f32(eng.t.bn_state)?,
-            loss_sum: eng.exec.read_f32(eng.t.loss.loss_sum)?,
+            bn: exec.read_f32(t.bn_state)?,
+            loss_sum: exec.read_f32(t.loss.loss_sum)?,
         })
     }
 
     /// Put them back, so the step done again moves them once.
-    pub(super) fn restore<E: Exec>(&self, eng: &mut Engine<E>) -> Result<(), DeviceError> {
-        eng.exec.write_f32(eng.t.bn_state, &self.bn)?;
-        eng.exec.write_f32(eng.t.loss.loss_sum, &self.loss_sum)
+    pub(super) fn restore<E: Exec>(&self, exec: &mut E, t: &Tensors) -> Result<(), DeviceError> {
+        exec.write_f32(t.bn_state, &self.bn)?;
+        exec.write_f32(t.loss.loss_sum, &self.loss_sum)
     }
 }
 
-/// The exchange of the module docs on `comm` (every rank of the grown communicator calls it):
-/// the lowest survivor's state reaches every replacement, which loads it and takes `pos` from
-/// it. Survivors keep their own. A replacement whose `seed` differs from the sender's is refused.
+/// The exchange of the module docs on `comm` (every rank of the grown communicator calls it),
+/// over the state in `t`'s regions: the lowest survivor's state reaches every replacement, which
+/// loads it and takes `pos` from it (Adam's step count too: `pos.step_no`). Survivors keep their
+/// own. A replacement whose `seed` differs from the sender's is refused.
 pub(super) fn exchange_state<E: Exec>(
-    eng: &mut Engine<E>,
+    exec: &mut E,
+    t: &Tensors,
     comm: &mut Communicator,
     replacement: bool,
     pos: &mut Position,
     seed: u64,
 ) -> Result<(), DeviceError> {
-    let t = Instant::now();
+    let t0 = Instant::now();
     let (me, n) = (comm.rank(), comm.world_size());
     let mut offers = vec![0.0f64; n];
     if !replacement {
         offers[me] = 1.0;
     }
-    eng.exec.all_reduce_sum_host(comm, &mut offers)?;
+    exec.all_reduce_sum_host(comm, &mut offers)?;
     let root = offers.iter().position(|o| *o > 0.0).ok_or_else(|| {
         DeviceError::Config(
             "in-job recovery: every rank of the grown communicator is a replacement, so nobody holds the training state; rerun the job (or resume from a checkpoint)".into(),
@@ -83,10 +85,10 @@ pub(super) fn exchange_state<E: Exec>(
             (seed & 0xffff_ffff) as f64,
         ];
     }
-    eng.exec.all_reduce_sum_host(comm, &mut head)?;
+    exec.all_reduce_sum_host(comm, &mut head)?;
     let their_seed = ((head[4] as u64) << 32) | head[5] as u64;
-    for r in [eng.t.params, eng.t.m, eng.t.v, eng.t.bn_state] {
-        eng.exec.broadcast(comm, r, root)?;
+    for r in [t.params, t.m, t.v, t.bn_state] {
+        exec.broadcast(comm, r, root)?;
     }
     if replacement {
         if their_seed != seed {
@@ -100,12 +102,11 @@ pub(super) fn exchange_state<E: Exec>(
             step_no: head[2] as u64,
             loss_sum: head[3],
         };
-        eng.step = pos.step_no;
     }
     tracing::info!(
         "rank {me}: recovery state {} rank {root} on the device in {:.1} ms; continuing at epoch {} step {}",
         if sender { "sent by this rank," } else { "received from" },
-        t.elapsed().as_secs_f64() * 1e3,
+        t0.elapsed().as_secs_f64() * 1e3,
         head[0] as u64 + 1,
         head[1] as u64 + 1
     );
