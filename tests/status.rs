@@ -155,7 +155,7 @@ fn t_stopped_rank_is_behind() -> Result<(), String> {
         check(
             s.ranks
                 .iter()
-                .all(|r| r.op == Some("all_reduce") && !r.moving),
+                .all(|r| r.op.as_deref() == Some("all_reduce") && !r.moving),
             "every rank is in an all_reduce and none moves",
             &text,
         )?;

@@ -49,7 +49,9 @@ const RANK_PORT_KEY: &str = "lockstep/rank-master-port";
 const SETTINGS_KEY: &str = "lockstep/launch-settings";
 
 /// A launcher's link to the other nodes of a multi-node job: a connection to tell them about a
-/// local failure, and a watcher thread that makes `abort_fd` readable when another node failed.
+/// local failure, a watcher thread that makes `abort_fd` readable when another node failed, and
+/// (with the `json` feature) a thread that answers `lockstep status` for this node's ranks
+/// through the store (`status::nodes`).
 struct NodeLink {
     notify: RefCell<TcpStore>,
     abort_fd: OwnedFd,
@@ -57,7 +59,7 @@ struct NodeLink {
 }
 
 impl NodeLink {
-    fn new(spec: &JobSpec, token: &str) -> Result<NodeLink, LaunchError> {
+    fn new(spec: &JobSpec, token: &str, job_id: &str) -> Result<NodeLink, LaunchError> {
         let connect = || {
             TcpStore::connect(
                 &spec.master_addr,
@@ -91,6 +93,30 @@ impl NodeLink {
                 }
             })
             .map_err(|e| LaunchError::Setup(format!("cannot start the abort watcher: {e}")))?;
+        #[cfg(feature = "json")]
+        {
+            let mut answer = connect()?;
+            let host =
+                crate::rendezvous::host_id().map_err(|e| LaunchError::Setup(e.to_string()))?;
+            let (job, node, world) = (
+                job_id.to_string(),
+                spec.node_rank,
+                spec.nproc_per_node * spec.nnodes,
+            );
+            std::thread::Builder::new()
+                .name("lockstep-status".into())
+                .spawn(move || {
+                    let shown = host.split('/').next().unwrap_or(&host).to_string();
+                    crate::status::answer_asks(&mut answer, node, &shown, |store| {
+                        node_segment(store, &job, world, &host)
+                    })
+                })
+                .map_err(|e| {
+                    LaunchError::Setup(format!("cannot start the status answerer: {e}"))
+                })?;
+        }
+        #[cfg(not(feature = "json"))]
+        let _ = job_id;
         Ok(NodeLink {
             notify,
             abort_fd,
@@ -116,6 +142,28 @@ impl NodeLink {
         let (code, what) = m.split_once('\n').unwrap_or(("1", m.as_str()));
         Some((code.trim().parse().unwrap_or(1), what.to_string()))
     }
+}
+
+/// The segment that holds this node's ranks of job `job` (`world` ranks), on host `host`, and
+/// their global ranks, from the hosts the ranks published in the store.
+#[cfg(feature = "json")]
+fn node_segment(
+    store: &mut TcpStore,
+    job: &str,
+    world: usize,
+    host: &str,
+) -> Result<(String, Vec<usize>), String> {
+    let mut hosts = Vec::with_capacity(world);
+    for r in 0..world {
+        match store.get(&crate::rendezvous::host_key(r)) {
+            Ok(Some(h)) => hosts.push(String::from_utf8_lossy(&h).into_owned()),
+            Ok(None) => return Err(format!("rank {r} has not reached the rendezvous yet")),
+            Err(e) => return Err(e.to_string()),
+        }
+    }
+    crate::rendezvous::node_of(job, &hosts, host)
+        .map(|n| (n.tag, n.members))
+        .ok_or_else(|| "no rank of the job runs on this node's host".to_string())
 }
 
 /// What `lockstep launch --max-restarts N` restarts when a rank fails.
@@ -450,7 +498,7 @@ pub fn run_job(spec: &JobSpec) -> Result<i32, LaunchError> {
     };
 
     let link = if spec.nnodes > 1 {
-        Some(NodeLink::new(spec, &token)?)
+        Some(NodeLink::new(spec, &token, &job_id)?)
     } else {
         None
     };
@@ -621,8 +669,12 @@ pub fn run_job(spec: &JobSpec) -> Result<i32, LaunchError> {
         };
         supervise::wait_for_guards(&mut retired, GUARD_CLEANUP);
         // Normally the last rank to join has removed the name already; this covers jobs whose
-        // ranks died before all joined.
+        // ranks died before all joined (across nodes, each host's segment is `<id>.h<k>`, k
+        // below the number of nodes).
         crate::shm::unlink_named(&job_id);
+        for k in (0..spec.nnodes).filter(|_| spec.nnodes > 1) {
+            crate::shm::unlink_named(&format!("{job_id}.h{k}"));
+        }
 
         // Stopped because another node failed: exit with that node's root-cause code.
         if let (true, Some((code, what))) =

@@ -170,6 +170,7 @@ impl NcclComm {
             fence,
             current: crate::comm::CollKind::Barrier,
             membership: None,
+            node_view: None,
         };
         me.settle(IN_PROGRESS, &what)?;
         Ok(me)

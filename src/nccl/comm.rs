@@ -83,6 +83,10 @@ pub struct NcclComm {
     /// The host communicator this one was bootstrapped through, when it was (see
     /// `membership.rs`): the peer watch, shrink and grow.
     pub(super) membership: Option<super::membership::Membership>,
+    /// Across nodes: the shared-memory communicator of this node's ranks, where each call is
+    /// shown to `lockstep status` as [`membership`](Self::membership) shows it on one node. Its
+    /// ranks are not NCCL's (only this node's), so it watches no peer and shrinks nothing.
+    pub(super) node_view: Option<Communicator>,
 }
 
 // SAFETY: an NCCL communicator may be used from any thread, one at a time (`&mut self`); the
@@ -93,6 +97,12 @@ impl NcclComm {
     /// Wrap in a [`Communicator`].
     pub fn into_communicator(self) -> Communicator {
         Communicator::from_backend(Box::new(self))
+    }
+
+    /// Show each call of this communicator made across nodes to `lockstep status` in `node`,
+    /// the shared-memory communicator of this node's ranks (see [`node_view`](Self::node_view)).
+    pub(crate) fn show_in(&mut self, node: Communicator) {
+        self.node_view = Some(node);
     }
 
     /// The stream collectives are enqueued on.
@@ -299,6 +309,8 @@ impl Backend for NcclComm {
         self.current = call.kind;
         if let Some(m) = &self.membership {
             m.show(call, self.seq);
+        } else if let Some(v) = &self.node_view {
+            v.show_carried(call, self.seq);
         }
         self.producers
             .order(&self.stream)

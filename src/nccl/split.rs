@@ -128,6 +128,7 @@ impl NcclComm {
             fence,
             current: crate::comm::CollKind::Barrier,
             membership: None,
+            node_view: None,
         };
         // A failed child is aborted (idempotent), so its drop leaves it alone.
         if let Err(e) = c.settle(rc, &what) {

@@ -273,6 +273,8 @@ impl NcclComm {
         if *looks == 2 {
             if let Some(m) = &self.membership {
                 m.show_wait(self.seq);
+            } else if let Some(v) = &self.node_view {
+                v.show_carried_wait(self.seq);
             }
         }
     }

@@ -25,7 +25,7 @@
 use std::time::Duration;
 
 use super::select::{self, device_communicator};
-use super::vars::{host_id, EnvInfo, Launcher, JOB_ID_KEY};
+use super::vars::{host_id, host_key, EnvInfo, Launcher, JOB_ID_KEY};
 use crate::comm::{CommError, Communicator};
 use crate::hier::{self, MpiMode};
 use crate::shm::{ShmComm, ShmConfig};
@@ -215,12 +215,8 @@ fn rendezvous_through_store(
     let st = |e: crate::store::StoreError| setup(format!("rank {}: {e}", info.rank));
     // Publish where this rank runs, then learn where every rank runs.
     let me = host_id().map_err(env_err)?;
-    store
-        .set(&format!("lockstep/host/{}", info.rank), me.as_bytes())
-        .map_err(st)?;
-    let keys: Vec<String> = (0..info.world_size)
-        .map(|r| format!("lockstep/host/{r}"))
-        .collect();
+    store.set(&host_key(info.rank), me.as_bytes()).map_err(st)?;
+    let keys: Vec<String> = (0..info.world_size).map(host_key).collect();
     let refs: Vec<&str> = keys.iter().map(|s| s.as_str()).collect();
     match store.wait(&refs, timeout) {
         Err(crate::store::StoreError::Timeout { .. }) => {
@@ -240,7 +236,7 @@ fn rendezvous_through_store(
     }
     let spans_hosts = hosts.iter().any(|h| *h != me);
     if backend == "nccl" && spans_hosts {
-        return select::nccl_across_nodes(info, store, &hosts, timeout);
+        return select::nccl_across_nodes(info, store, &hosts, cfg, timeout);
     }
     if let Some(r) = hosts.iter().position(|h| *h != me) {
         // An MPI launcher started the ranks: MPI joins the hosts, shared memory each host's ranks.

@@ -14,3 +14,4 @@ mod vars;
 pub use join::{join_mpi, mpi_mode};
 pub use select::device_communicator;
 pub use vars::{host_id, launched, EnvInfo, Launcher, JOB_ID_KEY};
+pub(crate) use vars::{host_key, node_of};

@@ -21,11 +21,12 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::vars::{var, EnvInfo};
+use super::vars::{node_of, var, EnvInfo, JOB_ID_KEY};
 use crate::comm::{CommError, Communicator};
 use crate::cuda::{Context, CudaError};
+use crate::shm::{ShmComm, ShmConfig};
 use crate::staged::StagedBackend;
-use crate::store::TcpStore;
+use crate::store::{Store, TcpStore};
 
 /// NCCL 2.30 runs several ranks on one GPU when `NCCL_MULTI_RANK_GPU_ENABLE=1` (experimental);
 /// older versions refuse with "Duplicate GPU detected". The user opts in through NCCL's own
@@ -81,10 +82,15 @@ static NCCL_GENERATION: std::sync::atomic::AtomicUsize = std::sync::atomic::Atom
 
 /// NCCL for a job that spans nodes: one GPU per rank (local rank → device), the unique id through
 /// the rendezvous store. CUDA is first initialised here, in the rank.
+///
+/// The ranks of each host also form a shared-memory communicator of their own (its segment
+/// tagged as [`node_of`] says), where every NCCL call is shown as on one node: `lockstep status`
+/// reads it there, and that node's launcher answers for it through the store.
 pub(crate) fn nccl_across_nodes(
     info: &EnvInfo,
     store: &mut TcpStore,
     hosts: &[String],
+    cfg: ShmConfig,
     timeout: Duration,
 ) -> Result<Communicator, CommError> {
     let cuda = |e: CudaError| CommError::Backend {
@@ -106,6 +112,18 @@ pub(crate) fn nccl_across_nodes(
             "LOCKSTEP_BACKEND=nccl across nodes: {here} ranks run on host {name}, which has {gpus} visible GPU(s); every rank of a multi-node job needs its own GPU (ranks may share a GPU only in a one-node job, through staging); start at most {gpus} rank(s) per node"
         )));
     }
+    let job = store
+        .wait_get(JOB_ID_KEY, timeout)
+        .map_err(|e| CommError::Setup(format!("rank {}: {e}", info.rank)))?;
+    let job = String::from_utf8(job)
+        .map_err(|_| CommError::Setup("the job id in the rendezvous store is not UTF-8".into()))?;
+    let node = node_of(&job, hosts, &hosts[info.rank]).expect("this rank's own host is listed");
+    let local = node
+        .members
+        .iter()
+        .position(|&r| r == info.rank)
+        .expect("a rank is a member of its own host's node");
+    let view = ShmComm::join_named(&node.tag, local, node.members.len(), cfg.status_only())?;
     let ctx = Context::new(info.local_rank as i32).map_err(cuda)?;
     let generation = NCCL_GENERATION.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let mut ex = crate::nccl::StoreExchange {
@@ -113,11 +131,12 @@ pub(crate) fn nccl_across_nodes(
         key: format!("lockstep/nccl/unique-id/{generation}"),
         timeout,
     };
-    let nccl = crate::nccl::NcclComm::new(&ctx, info.rank, info.world_size, &mut ex, opts)
+    let mut nccl = crate::nccl::NcclComm::new(&ctx, info.rank, info.world_size, &mut ex, opts)
         .map_err(|e| CommError::Backend {
             backend: "nccl",
             message: e.to_string(),
         })?;
+    nccl.show_in(Communicator::from_backend(Box::new(view)));
     Ok(Communicator::from_backend(Box::new(nccl)))
 }
 

@@ -327,6 +327,42 @@ impl EnvInfo {
     }
 }
 
+/// The ranks of a multi-node job that share one host, and the tag of their node's segment.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct NodeOf {
+    /// `<job id>.h<k>` for the `k`-th host in order of its first rank, or the job id itself when
+    /// every rank runs on one host (then one segment holds the whole job).
+    pub tag: String,
+    /// The global ranks on that host, ascending: the node segment's rank `i` is `members[i]`.
+    pub members: Vec<usize>,
+}
+
+/// Which ranks of `hosts` (each global rank's host id, from the store) share `host`, and their
+/// node segment's tag: what NCCL ranks across nodes show their calls in, and what the launcher
+/// of that node reads to answer `lockstep status` through the store. `None` when no rank runs
+/// on `host`.
+pub(crate) fn node_of(job: &str, hosts: &[String], host: &str) -> Option<NodeOf> {
+    let mut distinct: Vec<&str> = Vec::new();
+    for h in hosts {
+        if !distinct.contains(&h.as_str()) {
+            distinct.push(h);
+        }
+    }
+    let k = distinct.iter().position(|h| *h == host)?;
+    let members = (0..hosts.len()).filter(|&r| hosts[r] == host).collect();
+    let tag = if distinct.len() == 1 {
+        job.to_string()
+    } else {
+        format!("{job}.h{k}")
+    };
+    Some(NodeOf { tag, members })
+}
+
+/// The store key where rank `rank` of a multi-node job publishes its host id.
+pub(crate) fn host_key(rank: usize) -> String {
+    format!("lockstep/host/{rank}")
+}
+
 /// An id of this machine: `LOCKSTEP_HOST_ID` if set (for containers that share a kernel but not
 /// memory, and for tests; text without control characters), else its name plus the kernel's boot
 /// id.
@@ -349,6 +385,19 @@ pub fn host_id() -> Result<String, crate::types::env::EnvError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn nodes_of_hosts() {
+        let hosts: Vec<String> = ["a", "b", "a", "c"].iter().map(|s| s.to_string()).collect();
+        let n = node_of("j", &hosts, "a").unwrap();
+        assert_eq!((n.tag.as_str(), n.members), ("j.h0", vec![0, 2]));
+        let n = node_of("j", &hosts, "c").unwrap();
+        assert_eq!((n.tag.as_str(), n.members), ("j.h2", vec![3]));
+        assert_eq!(node_of("j", &hosts, "d"), None);
+        let one: Vec<String> = vec!["a".into(); 3];
+        let n = node_of("j", &one, "a").unwrap();
+        assert_eq!((n.tag.as_str(), n.members), ("j", vec![0, 1, 2]));
+    }
 
     fn info(vars: &[(&str, &str)]) -> Result<EnvInfo, CommError> {
         let table: Vec<(String, String)> = vars

@@ -198,6 +198,15 @@ impl ShmConfig {
         c
     }
 
+    /// For a communicator that carries no data of its own, only shows the calls another transport
+    /// carries (`lockstep status` of NCCL ranks across nodes): the smallest slots and heap, the
+    /// rest (timeouts, CPU binding, directory) as configured.
+    pub(crate) fn status_only(mut self) -> ShmConfig {
+        self.slot_bytes = 0;
+        self.heap_bytes = 0;
+        self
+    }
+
     /// Clamp values into workable ranges (slots page-aligned, one-phase path within a slot).
     pub fn normalized(mut self) -> ShmConfig {
         self.slot_bytes = self.slot_bytes.clamp(4096, 1 << 30).next_multiple_of(4096);

@@ -97,6 +97,23 @@ pub(crate) fn proc_state(pid: i32) -> Option<char> {
     rest.trim_start().chars().next()
 }
 
+/// The values of `keys` in the environment process `pid` started with
+/// (`/proc/<pid>/environ`, which `/proc` shows to the process's owner); `None` for each key it
+/// does not have, and for all when the process is gone.
+pub(crate) fn environ(pid: i32, keys: &[&str]) -> Vec<Option<String>> {
+    let raw = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+    let mut out = vec![None; keys.len()];
+    for entry in raw.split(|&b| b == 0) {
+        let Some(eq) = entry.iter().position(|&b| b == b'=') else {
+            continue;
+        };
+        if let Some(k) = keys.iter().position(|k| k.as_bytes() == &entry[..eq]) {
+            out[k] = Some(String::from_utf8_lossy(&entry[eq + 1..]).into_owned());
+        }
+    }
+    out
+}
+
 /// This machine's host name.
 pub(crate) fn host_name() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
@@ -107,6 +124,15 @@ pub(crate) fn host_name() -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn own_environment() {
+        let me = std::process::id() as i32;
+        let v = environ(me, &["PATH", "LOCKSTEP_NO_SUCH_VARIABLE"]);
+        assert_eq!(v[0], std::env::var("PATH").ok());
+        assert_eq!(v[1], None);
+        assert_eq!(environ(-1, &["PATH"]), vec![None]);
+    }
 
     #[test]
     fn segment_links() {

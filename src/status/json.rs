@@ -6,7 +6,7 @@ use super::{JobList, JobStatus};
 
 impl JobStatus {
     /// `lockstep status JOB --json`: `{"job": {...}, "ranks": [...], "summary": [...],
-    /// "aborted_by": null, "read_us": N}`.
+    /// "aborted_by": null, "read_us": N, "nodes": [...]}` (`nodes`: empty for a job of one node).
     pub fn to_json(&self) -> String {
         serde_json::to_string(self).expect("a status report serialises")
     }

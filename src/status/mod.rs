@@ -25,6 +25,10 @@
 mod discover;
 #[cfg(feature = "json")]
 mod json;
+mod nodes;
+
+#[cfg(feature = "json")]
+pub(crate) use nodes::answer_asks;
 
 use std::time::Instant;
 
@@ -108,7 +112,7 @@ pub struct JobList {
 
 /// One rank, as [`job_status`] sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
-#[cfg_attr(feature = "json", derive(serde::Serialize))]
+#[cfg_attr(feature = "json", derive(serde::Serialize, serde::Deserialize))]
 pub struct RankStatus {
     /// Rank in the communicator.
     pub rank: usize,
@@ -117,20 +121,20 @@ pub struct RankStatus {
     /// The machine.
     pub host: String,
     /// `joined`, `left` (dropped its communicator), `not joined`, or `exited`.
-    pub member: &'static str,
+    pub member: String,
     /// Process state from `/proc`: `R` running, `S` sleeping, `T` stopped, `Z` zombie... (`None`:
     /// gone).
     pub proc_state: Option<char>,
     /// Number of the collective it is in, or last was in (0: none yet).
     pub seq: u64,
     /// That collective's kind (`all_reduce`...).
-    pub op: Option<&'static str>,
+    pub op: Option<String>,
     /// The arguments it published for it, once it has arrived at its first exchange.
     pub count: Option<u64>,
     /// Element type.
-    pub dtype: Option<&'static str>,
+    pub dtype: Option<String>,
     /// Reduction, for reducing collectives.
-    pub reduce: Option<&'static str>,
+    pub reduce: Option<String>,
     /// Root, for rooted collectives.
     pub root: Option<u64>,
     /// It published its arguments for collective `seq` (it arrived; otherwise it is still
@@ -150,6 +154,20 @@ pub struct RankStatus {
     pub behind: bool,
 }
 
+/// One node of a job that spans nodes, as its launcher answered through the store.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[cfg_attr(feature = "json", derive(serde::Serialize))]
+pub struct NodeReport {
+    /// The node (`lockstep launch --node-rank`).
+    pub node: usize,
+    /// Its host, as its launcher names it (`None`: it did not answer).
+    pub host: Option<String>,
+    /// The ranks it answered for.
+    pub ranks: Vec<usize>,
+    /// Why it shows no ranks: it did not answer in time, or its ranks have not joined yet.
+    pub error: Option<String>,
+}
+
 /// One job's ranks.
 #[derive(Debug, Clone)]
 #[cfg_attr(feature = "json", derive(serde::Serialize))]
@@ -162,8 +180,12 @@ pub struct JobStatus {
     pub summary: Vec<String>,
     /// The rank that aborted the communicator, if one did.
     pub aborted_by: Option<usize>,
-    /// Microseconds the reader took (discovery and reads).
+    /// Microseconds the reader took (discovery, reads, and asking the other nodes).
     pub read_us: u64,
+    /// A job that spans nodes under `lockstep launch`: what each node's launcher answered
+    /// through the store (empty for a job of one node). `ranks` then holds every node's ranks,
+    /// numbered as in the job.
+    pub nodes: Vec<NodeReport>,
 }
 
 fn job_info(found: &discover::Found, v: &SegmentView) -> JobInfo {
@@ -268,9 +290,17 @@ pub fn job_status(sel: &str) -> Result<JobStatus, StatusError> {
     };
     // An exact id first; then a pid, world communicators before sub-communicators (`read_all`'s
     // order).
+    // A job across nodes has one segment per node, `<id>.h<k>` (`rendezvous::NodeOf`): its id
+    // selects the one of this node.
+    let node_of_job = |i: &JobInfo| {
+        i.id.strip_prefix(sel)
+            .and_then(|t| t.strip_prefix(".h"))
+            .is_some_and(|k| !k.is_empty() && k.bytes().all(|b| b.is_ascii_digit()))
+    };
     let pick = all
         .iter()
         .position(|(i, _)| i.id == sel)
+        .or_else(|| all.iter().position(|(i, _)| node_of_job(i)))
         .or_else(|| all.iter().position(|(i, _)| !i.id.is_empty() && matches(i)));
     let Some(k) = pick else {
         if let Some(p) = sel_pid {
@@ -293,13 +323,22 @@ pub fn job_status(sel: &str) -> Result<JobStatus, StatusError> {
     let host = host_name();
     let ranks = analyze(&view.ranks, now, &host, proc_state);
     let summary = summarize(&ranks);
-    Ok(JobStatus {
+    let reach = if info.forked || info.sub {
+        nodes::Reach::OneNode
+    } else {
+        nodes::reach(&info.rank_pids, info.world)
+    };
+    let local = JobStatus {
         job: info,
         ranks,
         summary,
         aborted_by: view.aborted_by.checked_sub(1).map(|r| r as usize),
-        read_us: t.elapsed().as_micros() as u64,
-    })
+        read_us: 0,
+        nodes: Vec::new(),
+    };
+    let mut st = nodes::widen(local, reach);
+    st.read_us = t.elapsed().as_micros() as u64;
+    Ok(st)
 }
 
 /// Who waits for whom. A rank that arrived at collective `s` (published its arguments) waits for
@@ -360,16 +399,16 @@ fn analyze(
                 rank: i,
                 pid: r.pid,
                 host: host.to_string(),
-                member,
+                member: member.to_string(),
                 proc_state: st,
                 seq: r.seq,
-                op: r.kind.or(kind).map(|k| k.name()),
+                op: r.kind.or(kind).map(|k| k.name().to_string()),
                 count: call.map(|c| c.count),
-                dtype: call.and_then(|c| c.dtype).map(|d| d.name()),
+                dtype: call.and_then(|c| c.dtype).map(|d| d.name().to_string()),
                 reduce: call
                     .filter(|_| kind.is_some_and(|k| k.has_op()))
                     .and_then(|c| c.op)
-                    .map(|o| o.name()),
+                    .map(|o| o.name().to_string()),
                 root: call
                     .filter(|_| kind.is_some_and(|k| k.has_root()))
                     .map(|c| c.root),
@@ -414,7 +453,7 @@ fn summarize(ranks: &[RankStatus]) -> Vec<String> {
         let at: Vec<&RankStatus> = ranks.iter().filter(|r| r.seq == s).collect();
         let op = at
             .iter()
-            .find_map(|r| r.op)
+            .find_map(|r| r.op.as_deref())
             .map(|o| format!(" ({o})"))
             .unwrap_or_default();
         let who = if k == 0 && seqs.len() > 1 {
@@ -447,7 +486,7 @@ fn summarize(ranks: &[RankStatus]) -> Vec<String> {
     if !behind.is_empty() {
         let waiters: Vec<&RankStatus> =
             ranks.iter().filter(|r| !r.waiting_for.is_empty()).collect();
-        let how = |r: &RankStatus| match (r.member, r.proc_state) {
+        let how = |r: &RankStatus| match (r.member.as_str(), r.proc_state) {
             ("joined", Some('T' | 't')) => " (stopped)".to_string(),
             ("joined", Some('R')) => " (running)".to_string(),
             ("joined", _) if r.moving => " (running)".to_string(),
@@ -474,8 +513,13 @@ impl JobStatus {
     /// The human-readable report `lockstep status JOB` prints.
     pub fn text(&self) -> String {
         let j = &self.job;
+        let nodes = if self.nodes.is_empty() {
+            String::new()
+        } else {
+            format!(" on {} nodes", self.nodes.len())
+        };
         let mut s = format!(
-            "job {}: {} ranks ({} joined), {}{}, segment {}\n",
+            "job {}: {} ranks{nodes} ({} joined), {}{}, {}segment {}\n",
             j.id,
             j.world,
             j.joined,
@@ -485,6 +529,11 @@ impl JobStatus {
                 format!("created by pid {}", j.creator_pid)
             },
             if j.sub { ", a sub-communicator" } else { "" },
+            if self.nodes.is_empty() {
+                ""
+            } else {
+                "this node's "
+            },
             j.segment
         );
         if let Some(a) = self.aborted_by {
@@ -505,7 +554,7 @@ impl JobStatus {
             "waiting for"
         );
         for r in &self.ranks {
-            let state = match (r.member, r.proc_state) {
+            let state = match (r.member.as_str(), r.proc_state) {
                 ("joined", Some(c)) => match c {
                     'T' | 't' => "stopped".to_string(),
                     'R' => "running".to_string(),
@@ -516,7 +565,7 @@ impl JobStatus {
                 (m, _) => m.to_string(),
             };
             let opt = |v: Option<String>| v.unwrap_or_else(|| "-".into());
-            let extra = match (r.reduce, r.root) {
+            let extra = match (r.reduce.as_deref(), r.root) {
                 (Some(o), Some(root)) => format!("{o}/{root}"),
                 (Some(o), None) => o.to_string(),
                 (None, Some(root)) => format!("root {root}"),
@@ -531,11 +580,11 @@ impl JobStatus {
                 format!("#{}", r.seq),
                 format!(
                     "{}{}",
-                    r.op.unwrap_or("-"),
+                    r.op.as_deref().unwrap_or("-"),
                     if r.seq > 0 && !r.arrived { "*" } else { "" }
                 ),
                 opt(r.count.map(|c| c.to_string())),
-                r.dtype.unwrap_or("-"),
+                r.dtype.as_deref().unwrap_or("-"),
                 extra,
                 opt(r.waited_ms.map(|ms| format!("{:.1}s", ms as f64 / 1e3))),
                 if r.waiting_for.is_empty() {
@@ -554,6 +603,10 @@ impl JobStatus {
         }
         for line in &self.summary {
             s += line;
+            s.push('\n');
+        }
+        for n in &self.nodes {
+            s += &n.line();
             s.push('\n');
         }
         s
@@ -706,7 +759,10 @@ mod tests {
         v[2].joined = false;
         let s = run(&v);
         assert_eq!(s[0].waiting_for, vec![1, 2]);
-        assert_eq!((s[1].member, s[2].member), ("left", "not joined"));
+        assert_eq!(
+            (s[1].member.as_str(), s[2].member.as_str()),
+            ("left", "not joined")
+        );
         assert!(summarize(&s)
             .last()
             .unwrap()

@@ -930,6 +930,7 @@ fn scenario(name: &str) {
         "device_shrink_and_grow" => device_shrink_and_grow(),
         "nccl_job_status" => nccl_job_status(),
         "nccl_job_status_rank" => nccl_job_status_rank(),
+        "nccl_job_status_across_nodes" => nccl_job_status_across_nodes(),
         "device_shrink_and_grow_rank" => device_shrink_and_grow_rank(),
         "one_selection_policy" => one_selection_policy(),
         "nccl_multi_rank_gpu" => {
@@ -1092,15 +1093,169 @@ fn nccl_job_status() {
     assert!(r[1].behind && !r[0].behind && !r[2].behind, "{text}");
     assert_eq!((r[1].seq, r[0].seq, r[2].seq), (40, 41, 41), "{text}");
     assert!(
-        r.iter()
-            .all(|x| x.op == Some("all_reduce") && x.count == Some(256) && x.dtype == Some("f32")),
+        r.iter().all(|x| x.op.as_deref() == Some("all_reduce")
+            && x.count == Some(256)
+            && x.dtype.as_deref() == Some("f32")),
         "{text}"
     );
     assert!(s.read_us < 100_000, "{text}");
     println!("{text}");
 }
 
-/// One rank of [`nccl_job_status`].
+/// `lockstep status` of an NCCL job across nodes: two launchers on loopback posing as two hosts
+/// (`LOCKSTEP_HOST_ID`), two ranks each on two simulated GPUs, reduce in a loop until rank 3, on
+/// the second node, stops itself after call 40. Asked through either node's segment, the status
+/// comes back for the whole job through the store, each launcher answering for its node: four
+/// ranks numbered as in the job, rank 3 behind at #40 and stopped, ranks 0 to 2 waiting for it in
+/// all_reduce #41 (the ranks of the first node across nodes), both nodes named, within the
+/// reader's bound.
+fn nccl_job_status_across_nodes() {
+    let rdzv =
+        std::env::temp_dir().join(format!("lockstep-sim-status-nodes-{}", std::process::id()));
+    std::fs::create_dir_all(&rdzv).unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+        .to_string();
+    let mut nodes: Vec<std::process::Child> = (0..2)
+        .map(|node| {
+            Command::new(bins::lockstep_bin())
+                .args(["launch", "--nproc-per-node", "2", "--nnodes", "2"])
+                .args([
+                    "--node-rank",
+                    &node.to_string(),
+                    "--master-port",
+                    &port,
+                    "--",
+                ])
+                .arg(std::env::current_exe().unwrap())
+                .env("LOCKSTEP_TOKEN", "fake-driver-sim-token")
+                .env("LOCKSTEP_FAKE_SCENARIO", "nccl_job_status_rank")
+                .env("STATUS_STOP_RANK", "3")
+                .env("LOCKSTEP_BACKEND", "nccl")
+                .env("LOCKSTEP_HOST_ID", format!("host-{node}"))
+                .env("LOCKSTEP_TIMEOUT_S", "60")
+                .env("SIM_NCCL_RDZV_DIR", &rdzv)
+                .env("SIM_CUDA_DEVICES", "2")
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::null())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let prefix = format!("{:x}-", nodes[0].id());
+    let t = std::time::Instant::now();
+    let mut last = String::new();
+    let mut settled = Vec::new();
+    'poll: while t.elapsed() < Duration::from_secs(30) {
+        let ids: Vec<String> = lockstep::status::list_jobs()
+            .map(|l| {
+                l.jobs
+                    .into_iter()
+                    .map(|j| j.id)
+                    .filter(|id| id.starts_with(&prefix))
+                    .collect()
+            })
+            .unwrap_or_default();
+        let mut ids = ids;
+        ids.sort();
+        if ids.len() == 2 {
+            settled.clear();
+            for id in &ids {
+                let Ok(s) = lockstep::status::job_status(id) else {
+                    continue 'poll;
+                };
+                last = s.text();
+                let r = &s.ranks;
+                let done = r.len() == 4
+                    && r[3].proc_state == Some('T')
+                    && (0..3).all(|k| r[k].waiting_for.contains(&3));
+                if !done {
+                    std::thread::sleep(Duration::from_millis(20));
+                    continue 'poll;
+                }
+                settled.push((id.clone(), s));
+            }
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    for n in &nodes {
+        let _ = Command::new("kill")
+            .args(["-TERM", &n.id().to_string()])
+            .status();
+    }
+    for n in &mut nodes {
+        let _ = n.wait();
+    }
+    let _ = std::fs::remove_dir_all(&rdzv);
+    assert_eq!(
+        settled.len(),
+        2,
+        "the status never showed rank 3 stopped and the others waiting for it:\n{last}"
+    );
+    // Asked through node 0's segment, then node 1's: the same job.
+    assert!(
+        settled[0].0.ends_with(".h0") && settled[1].0.ends_with(".h1"),
+        "{:?}",
+        settled.iter().map(|s| &s.0).collect::<Vec<_>>()
+    );
+    for (id, s) in &settled {
+        let text = s.text();
+        let r = &s.ranks;
+        assert_eq!(
+            s.job.id,
+            id.strip_suffix(&id[id.len() - 3..]).unwrap(),
+            "{text}"
+        );
+        assert_eq!((s.job.world, s.job.joined), (4, 4), "{text}");
+        assert_eq!(
+            r.iter().map(|x| x.rank).collect::<Vec<_>>(),
+            [0, 1, 2, 3],
+            "{text}"
+        );
+        assert_eq!(
+            r.iter().map(|x| x.host.as_str()).collect::<Vec<_>>(),
+            ["host-0", "host-0", "host-1", "host-1"],
+            "{text}"
+        );
+        assert!(
+            r[3].behind && !r[0].behind && !r[1].behind && !r[2].behind,
+            "{text}"
+        );
+        assert_eq!(
+            (r[0].seq, r[1].seq, r[2].seq, r[3].seq),
+            (41, 41, 41, 40),
+            "{text}"
+        );
+        assert!(r[3].waiting_for.is_empty(), "{text}");
+        assert!(
+            r.iter()
+                .all(|x| x.op.as_deref() == Some("all_reduce") && x.count == Some(256)),
+            "{text}"
+        );
+        assert_eq!(s.nodes.len(), 2, "{text}");
+        assert!(s.nodes.iter().all(|n| n.error.is_none()), "{text}");
+        assert_eq!(
+            (s.nodes[0].ranks.clone(), s.nodes[1].ranks.clone()),
+            (vec![0, 1], vec![2, 3]),
+            "{text}"
+        );
+        assert!(
+            s.summary
+                .iter()
+                .any(|l| l.contains("rank 3 (pid") && l.ends_with("behind")),
+            "{text}"
+        );
+        assert!(s.read_us < 100_000, "{text}");
+        println!("{text}");
+    }
+}
+
+/// One rank of [`nccl_job_status`] and [`nccl_job_status_across_nodes`]: rank
+/// `STATUS_STOP_RANK` (default 1) stops itself after call 40.
 fn nccl_job_status_rank() {
     use lockstep::comm::ReduceOp;
     let mut comm = lockstep::Communicator::from_env().unwrap_or_else(|e| panic!("from_env: {e}"));
@@ -1108,11 +1263,12 @@ fn nccl_job_status_rank() {
     let ctx = comm.device_context().expect("a device communicator");
     let s = ctx.stream().unwrap();
     let mut x = lockstep::cuda::DeviceBuffer::<f32>::zeros(&s, 256).unwrap();
+    let stop_rank: usize = std::env::var("STATUS_STOP_RANK").map_or(1, |v| v.parse().unwrap());
     let t = std::time::Instant::now();
     for i in 1u64.. {
         comm.all_reduce_in_place(&mut x, ReduceOp::Sum).unwrap();
         comm.synchronize().unwrap();
-        if i == 40 && comm.rank() == 1 {
+        if i == 40 && comm.rank() == stop_rank {
             let _ = Command::new("kill")
                 .args(["-STOP", &std::process::id().to_string()])
                 .status();
@@ -1897,6 +2053,10 @@ fn main() {
             vec![sim.clone(), sim_nccl.clone()],
         ),
         ("nccl_job_status", vec![sim.clone(), sim_nccl.clone()]),
+        (
+            "nccl_job_status_across_nodes",
+            vec![sim.clone(), sim_nccl.clone()],
+        ),
         (
             "one_selection_policy",
             vec![sim.clone(), sim_nccl.clone(), sim_nvrtc.clone()],
