@@ -2,7 +2,7 @@
 //! Python return the same text. Keys are the fields of the report types and stable; absent
 //! values are `null`.
 
-use super::{JobList, JobStatus};
+use super::report::{JobList, JobStatus};
 
 impl JobStatus {
     /// `lockstep status JOB --json`: `{"job": {...}, "ranks": [...], "summary": [...],
@@ -32,7 +32,7 @@ mod tests {
         );
         let list = JobList {
             jobs: Vec::new(),
-            unreadable: vec![super::super::Unreadable {
+            unreadable: vec![crate::status::Unreadable {
                 segment: "a\"b\n".into(),
                 holders: vec![7],
                 error: "é".into(),

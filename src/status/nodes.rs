@@ -23,7 +23,7 @@
 
 use std::time::Duration;
 
-use super::{JobStatus, NodeReport};
+use super::report::JobStatus;
 
 /// The counter asks take their numbers from.
 pub(crate) const ASKED: &str = "lockstep/status/asked";
@@ -139,27 +139,6 @@ pub(crate) fn widen(st: JobStatus, reach: Reach) -> JobStatus {
     }
 }
 
-/// `0,1,2,5` as `0-2, 5`.
-pub(crate) fn ranks_text(v: &[usize]) -> String {
-    crate::types::ranges_text(v, ", ")
-}
-
-impl NodeReport {
-    /// One line of [`JobStatus::text`](super::JobStatus::text).
-    pub(crate) fn line(&self) -> String {
-        match &self.error {
-            None => format!(
-                "node {} ({}): rank{} {}",
-                self.node,
-                self.host.as_deref().unwrap_or("?"),
-                if self.ranks.len() == 1 { "" } else { "s" },
-                ranks_text(&self.ranks)
-            ),
-            Some(e) => format!("node {}: {e}", self.node),
-        }
-    }
-}
-
 #[cfg(feature = "json")]
 pub(crate) use json::answer_asks;
 
@@ -167,10 +146,12 @@ pub(crate) use json::answer_asks;
 mod json {
     use std::time::{Duration, Instant};
 
-    use super::super::discover::proc_state;
-    use super::super::{analyze, read_all, summarize, JobStatus, NodeReport, RankStatus};
-    use super::{ANSWER_WAIT, ASKED, IDLE_LOOK};
     use crate::shm::coarse_now_ns;
+    use crate::status::analyze::{analyze, summarize};
+    use crate::status::discover::proc_state;
+    use crate::status::nodes::{ANSWER_WAIT, ASKED, IDLE_LOOK};
+    use crate::status::report::{JobStatus, NodeReport, RankStatus};
+    use crate::status::segments::read_all;
     use crate::store::{Store, StoreError, TcpStore};
 
     fn ask_key(n: i64) -> String {
