@@ -273,10 +273,49 @@ fn t_buffer_size_and_off() -> Result<(), String> {
     Ok(())
 }
 
+/// `set_trace(false)` pauses the recorder: the calls made meanwhile are not recorded, those
+/// before stay readable and dumpable, and `set_trace(true)` records again, numbering the calls
+/// as the communicator does (the all-reduce after four paused ones is collective #8).
+fn t_pause_and_resume() -> Result<(), String> {
+    let d = trace_dir("pause");
+    let dir = d.clone();
+    let out = launch(
+        &config(2, 20_000),
+        move |mut ctx: RankContext| -> RankResult<(Vec<u64>, Vec<u64>, bool)> {
+            let mut x = [1f32; 4];
+            for _ in 0..3 {
+                ctx.comm.all_reduce_in_place(&mut x, ReduceOp::Sum)?;
+            }
+            ctx.comm.set_trace(false);
+            ctx.comm.set_trace(false);
+            for _ in 0..4 {
+                ctx.comm.all_reduce_in_place(&mut x, ReduceOp::Sum)?;
+            }
+            let paused: Vec<u64> = ctx.comm.trace().iter().map(|r| r.seq).collect();
+            let dumped = ctx.comm.dump_trace(&dir).is_ok();
+            ctx.comm.set_trace(true);
+            ctx.comm.set_trace(true);
+            // The same call as the last one recorded: it must not join that call's run.
+            ctx.comm.all_reduce_in_place(&mut x, ReduceOp::Sum)?;
+            let resumed = ctx.comm.trace().iter().map(|r| r.seq).collect();
+            Ok((paused, resumed, dumped))
+        },
+    )
+    .map_err(|e| e.to_string())?;
+    let _ = std::fs::remove_dir_all(&d);
+    check(
+        out.iter()
+            .all(|(p, r, dumped)| p == &[1, 2, 3] && *dumped && r == &[1, 2, 3, 8]),
+        "paused calls are not recorded, earlier ones stay, recording resumes",
+        format!("{out:?}"),
+    )
+}
+
 fn main() -> std::process::ExitCode {
     common::run(&[
         ("skipped_call_is_named", t_skipped_call_is_named),
         ("sigusr1_dumps_while_running", t_sigusr1_dumps_while_running),
         ("buffer_size_and_off", t_buffer_size_and_off),
+        ("pause_and_resume", t_pause_and_resume),
     ])
 }

@@ -36,6 +36,12 @@ pub struct Communicator {
     /// The flight recorder (`LOCKSTEP_TRACE_BUFFER`; `None` when 0): every call through
     /// [`enter`](Self::enter) and [`enter_p2p`](Self::enter_p2p) is recorded.
     trace: Option<Arc<Tracer>>,
+    /// The flight recorder while [`set_trace(false)`](Self::set_trace) pauses it: kept aside,
+    /// so the calls' path tests only `trace`.
+    paused: Option<Arc<Tracer>>,
+    /// Collectives made while paused: on resuming, the recorder numbers the next as the
+    /// communicator does.
+    unrecorded: u64,
 }
 
 impl fmt::Debug for Communicator {
@@ -61,6 +67,8 @@ impl Communicator {
             backend,
             global,
             trace: None,
+            paused: None,
+            unrecorded: 0,
         };
         c.trace = c.tracer();
         if tracing::enabled!(target: "lockstep::init", tracing::Level::INFO) {
@@ -88,14 +96,35 @@ impl Communicator {
     /// The calls this communicator's flight recorder holds, oldest first (the last
     /// `LOCKSTEP_TRACE_BUFFER` calls, 2000 by default; empty when it is 0). See [`crate::trace`].
     pub fn trace(&self) -> Vec<trace::Record> {
-        self.trace.as_ref().map_or_else(Vec::new, |t| t.records())
+        self.recorder().map_or_else(Vec::new, |t| t.records())
+    }
+
+    /// Pause (`false`) or resume (`true`) this communicator's flight recorder: calls made while
+    /// it is paused are not recorded, and what it held stays, as do the readers and dumps
+    /// (`SIGUSR1`, a failure). For a stretch of calls that must not pay its few nanoseconds, and
+    /// for measuring them against the same communicator. Nothing happens when the recorder is
+    /// off (`LOCKSTEP_TRACE_BUFFER=0`).
+    pub fn set_trace(&mut self, on: bool) {
+        if on {
+            if let Some(t) = self.paused.take() {
+                t.skip_collectives(std::mem::take(&mut self.unrecorded));
+                self.trace = Some(t);
+            }
+        } else if self.paused.is_none() {
+            self.paused = self.trace.take();
+        }
+    }
+
+    /// The flight recorder, running or paused.
+    fn recorder(&self) -> Option<&Arc<Tracer>> {
+        self.trace.as_ref().or(self.paused.as_ref())
     }
 
     /// A reader of this communicator's flight recorder that needs no access to the communicator
     /// (`None` when the recorder is off): the records of a call still running on another thread
     /// can be read through it.
     pub fn trace_reader(&self) -> Option<trace::TraceReader> {
-        self.trace.clone().map(trace::TraceReader)
+        self.recorder().cloned().map(trace::TraceReader)
     }
 
     /// Write this rank's records into `dir` now (one JSON-lines file, replaced atomically, named
@@ -105,18 +134,24 @@ impl Communicator {
         &self,
         dir: &std::path::Path,
     ) -> Result<std::path::PathBuf, trace::DumpError> {
-        match &self.trace {
+        match self.recorder() {
             Some(t) => t.dump(dir, trace::Reason::Request),
             None => Err(trace::DumpError::Off),
         }
     }
 
-    /// Record the start of a call (nothing when the recorder is off).
+    /// Record the start of a call (nothing when the recorder is off; a paused one counts the
+    /// collectives it does not record).
     #[inline]
-    fn trace_start(&self, info: impl FnOnce() -> CallInfo) -> u64 {
+    fn trace_start(&mut self, collective: bool, info: impl FnOnce() -> CallInfo) -> u64 {
         match &self.trace {
             Some(t) => t.start(&info()),
-            None => 0,
+            None => {
+                if collective && self.paused.is_some() {
+                    self.unrecorded += 1;
+                }
+                0
+            }
         }
     }
 
@@ -124,19 +159,30 @@ impl Communicator {
     /// records to `LOCKSTEP_TRACE_DIR` (once per communicator).
     #[inline]
     fn trace_end<T>(&self, id: u64, r: &Result<T, CommError>) {
-        let Some(t) = &self.trace else { return };
+        let ends_job = |e: &CommError| {
+            matches!(
+                e,
+                CommError::Timeout { .. }
+                    | CommError::PeerLost { .. }
+                    | CommError::Aborted { .. }
+                    | CommError::Mismatch { .. }
+            )
+        };
+        let Some(t) = &self.trace else {
+            // Paused: the call is not recorded, but the calls before it still are written.
+            if let (Err(e), Some(t)) = (r, &self.paused) {
+                if ends_job(e) {
+                    t.on_failure();
+                }
+            }
+            return;
+        };
         let path = self.backend.last_path();
         match r {
             Ok(_) => t.end(id, path, None),
             Err(e) => {
                 t.end(id, path, Some(e));
-                if matches!(
-                    e,
-                    CommError::Timeout { .. }
-                        | CommError::PeerLost { .. }
-                        | CommError::Aborted { .. }
-                        | CommError::Mismatch { .. }
-                ) {
+                if ends_job(e) {
                     t.on_failure();
                 }
             }
@@ -325,7 +371,7 @@ impl Communicator {
     /// The checks of [`run`](Self::run), then the backend, recorded by the flight recorder. Safe
     /// to call with the `RawMem`s of [`Buffer`]/[`BufferMut`] borrows, which carry that contract.
     fn enter(&mut self, call: &Call) -> Result<(), CommError> {
-        let id = self.trace_start(|| CallInfo {
+        let id = self.trace_start(true, || CallInfo {
             kind: call.kind,
             dtype: call.dtype,
             op: call.op,
@@ -1066,7 +1112,7 @@ impl Communicator {
         let Some(first) = ops.first().copied() else {
             return self.enter_p2p_untraced(ops);
         };
-        let id = self.trace_start(|| CallInfo {
+        let id = self.trace_start(false, || CallInfo {
             kind: first.kind,
             dtype: first.dtype,
             op: ReduceOp::Sum,

@@ -406,6 +406,14 @@ impl Recorder {
         id
     }
 
+    /// Count `n` collectives made without being recorded: the next recorded one is numbered
+    /// after them. Called by the recording thread, between calls.
+    pub(crate) fn skip_collectives(&self, n: u64) {
+        self.colls.store(self.colls.load(Relaxed) + n, Relaxed);
+        // Readers number a run's calls from its first: the next call opens a run of its own.
+        self.open_joinable.store(false, Relaxed);
+    }
+
     /// Record the end of call `id`: the path it took, and its error's text if it failed.
     #[inline]
     pub(crate) fn end(&self, id: u64, path: CallPath, error: Option<&dyn std::fmt::Display>) {
@@ -510,7 +518,32 @@ impl Recorder {
 
     /// The records of the last `capacity` calls, oldest first, one per call (runs expanded; times
     /// as Unix nanoseconds).
+    ///
+    /// Read from another thread while calls run, the slots are copied one after another, so a
+    /// copy can mix slots from before and after some calls, and a run can read shorter than it
+    /// became before the run after it opened: a gap. A copy made while no call started (`next`
+    /// unchanged across it) has none, since a start opens at most one slot, after the run before
+    /// it has stored its last id. If calls keep starting, the newest calls up to the last gap
+    /// are given: what is certain.
     pub(crate) fn records(&self) -> Vec<Record> {
+        for _ in 0..64 {
+            let before = self.next.load(Acquire);
+            let out = self.snapshot();
+            fence(Acquire);
+            if self.next.load(Relaxed) == before {
+                return out;
+            }
+            std::hint::spin_loop();
+        }
+        let mut out = self.snapshot();
+        if let Some(k) = out.windows(2).rposition(|w| w[1].id != w[0].id + 1) {
+            out.drain(..=k);
+        }
+        out
+    }
+
+    /// One copy of the slots, expanded (see [`records`](Self::records)).
+    fn snapshot(&self) -> Vec<Record> {
         // Every call up to `done` has ended; the later ones a run holds were running (or have
         // ended since: they read as running, a moment late).
         let done = self.done.load(Acquire);
@@ -843,9 +876,10 @@ mod tests {
         let reader = {
             let (r, stop) = (r.clone(), stop.clone());
             std::thread::spawn(move || {
-                let mut reads = 0u64;
+                let (mut reads, mut seen) = (0u64, 0usize);
                 while !stop.load(Relaxed) {
                     let recs = r.records();
+                    seen += recs.len();
                     assert!(recs.len() <= 16);
                     for w in recs.windows(2) {
                         assert_eq!(w[1].id, w[0].id + 1, "{recs:?}");
@@ -859,7 +893,7 @@ mod tests {
                     }
                     reads += 1;
                 }
-                reads
+                (reads, seen)
             })
         };
         for id in 1..=300_000u64 {
@@ -872,7 +906,12 @@ mod tests {
             );
         }
         stop.store(true, Relaxed);
-        assert!(reader.join().unwrap() > 0);
+        let (reads, seen) = reader.join().unwrap();
+        // The reader got records, not only empty copies: on average several calls a read.
+        assert!(
+            reads > 0 && seen as u64 >= 4 * reads,
+            "{seen} records in {reads} reads"
+        );
     }
 }
 /// The recorder's own cost per call, without a collective around it:

@@ -99,6 +99,11 @@ impl Tracer {
         self.rec.start(info)
     }
 
+    /// Count `n` collectives that were made without being recorded (a paused recorder).
+    pub(crate) fn skip_collectives(&self, n: u64) {
+        self.rec.skip_collectives(n);
+    }
+
     /// Record the end of call `id`.
     #[inline]
     pub(crate) fn end(&self, id: u64, path: CallPath, error: Option<&dyn std::fmt::Display>) {
