@@ -335,7 +335,7 @@ mod json {
         let view = view.expect("filtered on is_ok");
         if view.world != members.len() {
             a.error = Some(format!(
-                "its segment {tag} has {} ranks where the job places {} on this host",
+                "its segment {tag} has {} ranks where the job places {} on its host",
                 view.world,
                 members.len()
             ));
