@@ -1121,24 +1121,9 @@ fn nccl_job_status_across_nodes() {
         .to_string();
     let mut nodes: Vec<std::process::Child> = (0..2)
         .map(|node| {
-            Command::new(bins::lockstep_bin())
-                .args(["launch", "--nproc-per-node", "2", "--nnodes", "2"])
-                .args([
-                    "--node-rank",
-                    &node.to_string(),
-                    "--master-port",
-                    &port,
-                    "--",
-                ])
-                .arg(std::env::current_exe().unwrap())
-                .env("LOCKSTEP_TOKEN", "fake-driver-sim-token")
-                .env("LOCKSTEP_FAKE_SCENARIO", "nccl_job_status_rank")
+            node_launcher(node, 2, &port, &rdzv, "nccl_job_status_rank")
                 .env("STATUS_STOP_RANK", "3")
-                .env("LOCKSTEP_BACKEND", "nccl")
-                .env("LOCKSTEP_HOST_ID", format!("host-{node}"))
                 .env("LOCKSTEP_TIMEOUT_S", "60")
-                .env("SIM_NCCL_RDZV_DIR", &rdzv)
-                .env("SIM_CUDA_DEVICES", "2")
                 .stdout(std::process::Stdio::null())
                 .stderr(std::process::Stdio::null())
                 .spawn()
@@ -1465,6 +1450,29 @@ fn one_selection_policy() {
     let _ = std::fs::remove_dir_all(&data);
 }
 
+/// The launcher of node `node` of a two-node NCCL job on loopback, posing as host `host-<node>`
+/// (`LOCKSTEP_HOST_ID`), with `per_node` ranks on two simulated GPUs running `scenario`.
+fn node_launcher(
+    node: usize,
+    per_node: usize,
+    port: &str,
+    rdzv: &std::path::Path,
+    scenario: &str,
+) -> Command {
+    let mut c = Command::new(bins::lockstep_bin());
+    c.args(["launch", "--nproc-per-node", &per_node.to_string()])
+        .args(["--nnodes", "2", "--node-rank", &node.to_string()])
+        .args(["--master-port", port, "--"])
+        .arg(std::env::current_exe().unwrap())
+        .env("LOCKSTEP_TOKEN", "fake-driver-sim-token")
+        .env("LOCKSTEP_FAKE_SCENARIO", scenario)
+        .env("LOCKSTEP_BACKEND", "nccl")
+        .env("LOCKSTEP_HOST_ID", format!("host-{node}"))
+        .env("SIM_NCCL_RDZV_DIR", rdzv)
+        .env("SIM_CUDA_DEVICES", "2");
+    c
+}
+
 fn nccl_across_nodes_via_store() {
     let rdzv = std::env::temp_dir().join(format!("lockstep-sim-rdzv-{}", std::process::id()));
     std::fs::create_dir_all(&rdzv).unwrap();
@@ -1477,25 +1485,8 @@ fn nccl_across_nodes_via_store() {
             .to_string();
         let kids: Vec<_> = (0..2)
             .map(|node| {
-                Command::new(bins::lockstep_bin())
-                    .args([
-                        "launch",
-                        "--nproc-per-node",
-                        &per_node.to_string(),
-                        "--nnodes",
-                        "2",
-                        "--node-rank",
-                        &node.to_string(),
-                    ])
-                    .args(["--master-port", &port, "--"])
-                    .arg(std::env::current_exe().unwrap())
-                    .env("LOCKSTEP_TOKEN", "fake-driver-sim-token")
-                    .env("LOCKSTEP_FAKE_SCENARIO", "nccl_env_rank")
-                    .env("LOCKSTEP_BACKEND", "nccl")
-                    .env("LOCKSTEP_HOST_ID", format!("host-{node}"))
+                node_launcher(node, per_node, &port, &rdzv, "nccl_env_rank")
                     .env("LOCKSTEP_TIMEOUT_S", "20")
-                    .env("SIM_NCCL_RDZV_DIR", &rdzv)
-                    .env("SIM_CUDA_DEVICES", "2")
                     .stdout(std::process::Stdio::piped())
                     .stderr(std::process::Stdio::piped())
                     .spawn()
