@@ -25,7 +25,7 @@ the group's collectives (``collective_seq_id``; point-to-point calls count in ``
 its element type and count (``input_sizes`` and ``output_sizes`` as flat shapes: lockstep sees
 buffers, not the tensors' shapes), its state (``completed``; ``started`` while it runs and when it
 failed, since it never completed), and its times where the ring timed it (every call of 64 KiB or
-more, every 16th smaller collective; the others carry the time of the last timed call before
+more, every 64th smaller collective; the others carry the time of the last timed call before
 them). A group's CUDA tensors run on a second communicator, which appears as a group of its own,
 named after torch's group with ``:cuda`` appended. Entries are grouped by group (torch's recorder
 interleaves the groups' calls in the order made; lockstep's rings are per communicator).

@@ -1,5 +1,5 @@
 //! The [`Backend`] trait: what a transport implements so that [`Communicator`](super::Communicator)
-//! can run on it, and [`Call`], the type-erased, locally checked collective it receives.
+//! can run on it; the collective it receives is a [`Call`].
 //!
 //! The trait names no backend type: shared allocations come back as a [`SharedRegion`] trait
 //! object and device access as the CUDA [`Context`] (a layer below), so the backends (`shm`,
@@ -9,11 +9,13 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
+use super::arrival::Arrival;
+use super::call::Call;
 use super::error::CommError;
 use super::shared::SharedRegion;
 use crate::cuda::{Context, ForeignStream};
 use crate::trace::CallPath;
-use crate::types::{CollKind, Dtype, RawMem, ReduceOp};
+use crate::types::{CollKind, Dtype, RawMem};
 
 /// Which backend a communicator runs on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -38,47 +40,6 @@ impl fmt::Display for BackendKind {
             BackendKind::Hier => "hier",
         })
     }
-}
-
-/// One collective call, type-erased and checked locally. `count` is the per-rank element count as
-/// NCCL defines it: the send count of `all_reduce`/`broadcast`/`reduce`/`all_gather`/`gather`,
-/// the *receive* count of `reduce_scatter` and `scatter`, the per-peer block of `all_to_all`, and
-/// this rank's send count of `all_gather_v`/`gather_v` (for the v-variants the counts differ
-/// between ranks: [`Splits`] carries them and backends check them pair by pair).
-#[derive(Clone, Copy, Debug)]
-pub struct Call<'a> {
-    /// The collective.
-    pub kind: CollKind,
-    /// Element type.
-    pub dtype: Dtype,
-    /// Reduction operator (`Sum` where none applies).
-    pub op: ReduceOp,
-    /// Root rank (0 where none applies).
-    pub root: usize,
-    /// Element count, as above.
-    pub count: usize,
-    /// Send buffer (for in-place calls, the same address as `recv`).
-    pub send: RawMem,
-    /// Receive buffer (may be empty on ranks that receive nothing).
-    pub recv: RawMem,
-    /// Per-peer counts and displacements of the v-variants (empty slices otherwise).
-    pub splits: Splits<'a>,
-}
-
-/// Per-peer element counts and displacements (in elements) of the v-variants, one entry per rank,
-/// as `MPI_Alltoallv` takes them. Empty where the call has none: `all_to_all_v` fills all four,
-/// `all_gather_v` and `gather_v` (on the root) the receive pair (displacements = prefix sums).
-/// The communicator checked locally that every `displ + count` lies within its buffer.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct Splits<'a> {
-    /// Elements this rank sends to each rank.
-    pub send_counts: &'a [usize],
-    /// Where, in the send buffer, the block for each rank starts.
-    pub send_displs: &'a [usize],
-    /// Elements this rank receives from each rank.
-    pub recv_counts: &'a [usize],
-    /// Where, in the receive buffer, the block from each rank starts.
-    pub recv_displs: &'a [usize],
 }
 
 /// The `peer` of a [`P2pOp`] receive that takes a message from whichever other rank's comes first
@@ -137,6 +98,14 @@ pub trait Backend: Send {
     fn kind(&self) -> BackendKind;
     /// Run (or enqueue) one collective.
     fn run(&mut self, call: &Call) -> Result<(), CommError>;
+    /// [`run`](Self::run), with the flight recorder on: the backend calls
+    /// [`Arrival::note`] once this rank has arrived at the call (see [`Arrival`]'s module:
+    /// a backend that waits for its peers notes it after publishing its part, before reading
+    /// theirs). By default it notes first and runs.
+    fn run_noting(&mut self, call: &Call, arrival: &Arrival<'_>) -> Result<(), CommError> {
+        arrival.note();
+        self.run(call)
+    }
     /// The path the last call ([`run`](Self::run) or [`p2p`](Self::p2p)) took, for the flight
     /// recorder ([`crate::trace`]): read once after each call, so it must be cheap (a stored
     /// value). [`CallPath::Unknown`] where a backend does not say.

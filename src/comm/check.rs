@@ -13,7 +13,8 @@
 //! The messages are the ones the typed methods have always given: a [`Call`] built from typed
 //! buffers fails with the same text whichever entry it came through.
 
-use super::backend::{Call, P2pOp, ANY_SOURCE};
+use super::backend::{P2pOp, ANY_SOURCE};
+use super::call::Call;
 use crate::types::{CollKind, RawMem};
 
 /// How many elements a rank's buffers hold for one call (see [`need`]): what it reads from

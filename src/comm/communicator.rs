@@ -12,12 +12,14 @@ use std::time::Duration;
 
 use std::marker::PhantomData;
 
-use super::backend::{Backend, BackendKind, Call, Completion, P2pOp, Splits, ANY_SOURCE};
+use super::arrival::{buffer_kind, Arrival};
+use super::backend::{Backend, BackendKind, Completion, P2pOp, ANY_SOURCE};
+use super::call::{Call, Splits};
 use super::check::{self, InPlace};
 use super::error::{rank_name, CommError};
 use super::shared::SharedBuffer;
 use crate::cuda::{Context, CudaError, DeviceBuffer, ForeignStream};
-use crate::trace::{self, BufferKind, CallInfo, Tracer};
+use crate::trace::{self, CallInfo, CallPath, Tracer};
 
 /// What a split or a new group exchanges with [`Communicator::all_gather_u64`] (named in its
 /// errors).
@@ -159,6 +161,13 @@ impl Communicator {
     /// records to `LOCKSTEP_TRACE_DIR` (once per communicator).
     #[inline]
     fn trace_end<T>(&self, id: u64, r: &Result<T, CommError>) {
+        self.trace_end_on(id, None, r)
+    }
+
+    /// [`trace_end`](Self::trace_end), with the path the backend gave on arrival (`None`: ask
+    /// it now).
+    #[inline]
+    fn trace_end_on<T>(&self, id: u64, path: Option<CallPath>, r: &Result<T, CommError>) {
         let ends_job = |e: &CommError| {
             matches!(
                 e,
@@ -177,7 +186,7 @@ impl Communicator {
             }
             return;
         };
-        let path = self.backend.last_path();
+        let path = path.unwrap_or_else(|| self.backend.last_path());
         match r {
             Ok(_) => t.end(id, path, None),
             Err(e) => {
@@ -371,22 +380,35 @@ impl Communicator {
     /// The checks of [`run`](Self::run), then the backend, recorded by the flight recorder. Safe
     /// to call with the `RawMem`s of [`Buffer`]/[`BufferMut`] borrows, which carry that contract.
     fn enter(&mut self, call: &Call) -> Result<(), CommError> {
-        let id = self.trace_start(true, || CallInfo {
-            kind: call.kind,
-            dtype: call.dtype,
-            op: call.op,
-            count: call.count as u64,
-            root: call.kind.has_root().then_some(call.root as u64),
-            ops: 0,
-            buffer: buffer_kind(&[call.send.space, call.recv.space]),
-        });
-        let r = self.enter_untraced(call);
-        self.trace_end(id, &r);
+        // Out of `self` for the call, so that the backend can note the start while it runs
+        // (`Arrival`); back before anything else can see it (the communicator is `&mut`).
+        let Some(t) = self.trace.take() else {
+            if self.paused.is_some() {
+                self.unrecorded += 1;
+            }
+            let r = self.enter_untraced(call, None);
+            self.trace_end(0, &r);
+            return r;
+        };
+        let arrival = Arrival::new(&t, call);
+        let r = self.enter_untraced(call, Some(&arrival));
+        if r.is_ok() && arrival.end_quick() {
+            self.trace = Some(t);
+            return r;
+        }
+        let (id, path) = arrival.noted();
+        self.trace = Some(t);
+        self.trace_end_on(id, path, &r);
         r
     }
 
-    /// [`enter`](Self::enter) without the recorder.
-    fn enter_untraced(&mut self, call: &Call) -> Result<(), CommError> {
+    /// [`enter`](Self::enter) without the recorder, but for the backend's note of the call's
+    /// start (`arrival`, when recording).
+    fn enter_untraced(
+        &mut self,
+        call: &Call,
+        arrival: Option<&Arrival<'_>>,
+    ) -> Result<(), CommError> {
         let packed = match check::call(call, self.rank(), self.world_size()) {
             Err(detail) => return Err(self.refused(call.kind, call.dtype, detail)),
             Ok(p) => p,
@@ -400,7 +422,11 @@ impl Communicator {
             (None, CollKind::GatherV) if self.rank() != call.root => Splits::default(),
             (None, _) => call.splits,
         };
-        self.backend.run(&Call { splits, ..*call })
+        let call = Call { splits, ..*call };
+        match arrival {
+            Some(a) => self.backend.run_noting(&call, a),
+            None => self.backend.run(&call),
+        }
     }
 
     /// The out-of-place [`Call`] the typed method of `kind` makes on `send` and `recv`: its count
@@ -1233,15 +1259,6 @@ impl Communicator {
             space: MemSpace::Host,
         };
         self.typed(CollKind::Barrier, Dtype::U8, ReduceOp::Sum, 0, empty, empty)
-    }
-}
-
-/// What the flight recorder says of buffers in `spaces`: device if any is.
-fn buffer_kind(spaces: &[MemSpace]) -> BufferKind {
-    if spaces.iter().any(|s| matches!(s, MemSpace::Device(_))) {
-        BufferKind::Device
-    } else {
-        BufferKind::Host
     }
 }
 

@@ -11,15 +11,17 @@
 //!
 //! Which backend a process gets is decided in one place, [`crate::rendezvous`].
 
+mod arrival;
 mod backend;
+mod call;
 pub mod check;
 mod communicator;
 mod error;
 mod shared;
 
-pub use backend::{
-    Backend, BackendKind, Call, Completion, LostPeer, P2pOp, PeerCheck, Splits, ANY_SOURCE,
-};
+pub use arrival::Arrival;
+pub use backend::{Backend, BackendKind, Completion, LostPeer, P2pOp, PeerCheck, ANY_SOURCE};
+pub use call::{Call, Splits};
 pub use communicator::{Communicator, Group, Work};
 pub(crate) use error::{rank_name, TIMEOUT_HINT};
 pub use error::{CommError, NonFiniteKind};

@@ -11,7 +11,7 @@ use super::inline;
 use super::p2p::P2p;
 use super::path::{self, Path};
 use crate::comm::{
-    Backend, BackendKind, Call, CollKind, CommError, Dtype, MemSpace, P2pOp, SharedRegion,
+    Arrival, Backend, BackendKind, Call, CollKind, CommError, Dtype, MemSpace, P2pOp, SharedRegion,
     ANY_SOURCE,
 };
 use crate::trace::CallPath;
@@ -192,31 +192,8 @@ impl ShmComm {
                 .quarantine();
         }
     }
-}
-
-impl Backend for ShmComm {
-    fn rank(&self) -> usize {
-        self.ch.rank()
-    }
-
-    fn world_size(&self) -> usize {
-        self.ch.world()
-    }
-
-    fn kind(&self) -> BackendKind {
-        BackendKind::Shm
-    }
-
-    fn describe(&self) -> String {
-        // Cross-memory attach moves point-to-point messages of at least this size in one copy.
-        let cma = match self.ch.config().cma_bytes {
-            0 => "off".to_string(),
-            b => format!("from {b} B"),
-        };
-        format!("cpus {} cma {cma}", super::segment::affinity_text())
-    }
-
-    fn run(&mut self, call: &Call) -> Result<(), CommError> {
+    /// A collective, its start noted for the flight recorder (`arrival`) at its first wait.
+    fn run_with(&mut self, call: &Call, arrival: Option<&Arrival<'_>>) -> Result<(), CommError> {
         // `shm::shrink` (inherent methods there, as for split).
         self.check_shrink()?;
         if let Some(reason) = &self.poisoned {
@@ -251,13 +228,45 @@ impl Backend for ShmComm {
             (None, CollKind::Barrier) => CallPath::Unknown,
             (None, _) => CallPath::Slots,
         };
-        let cx = self.ch.start_call(call.kind);
+        self.ch.path_known = path == Some(Path::Inline);
+        let cx = self.ch.start_call(call.kind, arrival);
         let r = self.run_call(call, cx, path);
         self.ch.end_call(r.is_ok());
         if let Err(e) = &r {
             self.poison_on(e);
         }
         r
+    }
+}
+
+impl Backend for ShmComm {
+    fn rank(&self) -> usize {
+        self.ch.rank()
+    }
+
+    fn world_size(&self) -> usize {
+        self.ch.world()
+    }
+
+    fn kind(&self) -> BackendKind {
+        BackendKind::Shm
+    }
+
+    fn describe(&self) -> String {
+        // Cross-memory attach moves point-to-point messages of at least this size in one copy.
+        let cma = match self.ch.config().cma_bytes {
+            0 => "off".to_string(),
+            b => format!("from {b} B"),
+        };
+        format!("cpus {} cma {cma}", super::segment::affinity_text())
+    }
+
+    fn run(&mut self, call: &Call) -> Result<(), CommError> {
+        self.run_with(call, None)
+    }
+
+    fn run_noting(&mut self, call: &Call, arrival: &Arrival<'_>) -> Result<(), CommError> {
+        self.run_with(call, Some(arrival))
     }
 
     fn p2p(&mut self, ops: &mut [P2pOp]) -> Result<(), CommError> {

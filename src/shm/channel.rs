@@ -28,7 +28,7 @@ use super::sync::{
 };
 use super::timing::Timing;
 use crate::comm::{
-    Call, CollKind, CommError, Dtype, LostPeer, MemSpace, PeerCheck, RawMem, ReduceOp,
+    Arrival, Call, CollKind, CommError, Dtype, LostPeer, MemSpace, PeerCheck, RawMem, ReduceOp,
 };
 
 /// One rank's view of a joined segment and its position in the phase protocol.
@@ -58,6 +58,10 @@ pub(crate) struct Channel {
     /// The path the current (or last) collective took, for the flight recorder: set before the
     /// call from its size, and by the body once the ranks agree on another.
     pub(crate) last_path: CallPath,
+    /// Whether `last_path` is already the current collective's path at its first wait, where
+    /// the flight recorder notes the call (`Ctx::arrival`): the inline path, chosen by size
+    /// alone (the others are agreed in the first phase).
+    pub(crate) path_known: bool,
 }
 
 impl Channel {
@@ -72,6 +76,7 @@ impl Channel {
     ) -> Channel {
         Channel {
             last_path: CallPath::Unknown,
+            path_known: false,
             seg,
             layout,
             timing: Timing::new(&cfg),
@@ -411,6 +416,17 @@ impl Channel {
         cx: Ctx,
     ) -> Result<(), CommError> {
         let mut next = 0;
+        // The first look at the peers' lines goes out before the recorder's stores, which then
+        // run while it is in flight (see `comm::arrival`).
+        let first = self.all_arrived(arrived, &mut next);
+        match cx.arrival {
+            Some(a) if self.path_known => a.note_path(self.last_path),
+            Some(a) => a.note(),
+            None => {}
+        }
+        if first {
+            return Ok(());
+        }
         // Fast path: spin on the peers' lines.
         let mut i = 0u32;
         let mut start: Option<Instant> = None;
@@ -524,12 +540,20 @@ impl Channel {
     // Calls
 
     /// Enter the next collective: number it and show the number to peers (for timeout reports).
-    pub(crate) fn start_call(&mut self, op: CollKind) -> Ctx {
+    pub(crate) fn start_call<'a>(
+        &mut self,
+        op: CollKind,
+        arrival: Option<&'a Arrival<'a>>,
+    ) -> Ctx<'a> {
         self.seq += 1;
         let me = self.ctrl(self.rank);
         me.coll_kind.store(op as u32 + 1, Relaxed);
         me.coll_seq.store(self.seq, Relaxed);
-        Ctx { op, seq: self.seq }
+        Ctx {
+            op,
+            seq: self.seq,
+            arrival,
+        }
     }
 
     /// Leave the collective: keep this rank's time in a successful timed call for the tuners
@@ -595,7 +619,7 @@ impl Channel {
     /// phase counters stay aligned. The error is the one `begin` returns (the refusal itself, or
     /// a lost peer).
     pub(crate) fn refuse(&mut self, kind: CollKind, dtype: Dtype) -> Result<(), CommError> {
-        let cx = self.start_call(kind);
+        let cx = self.start_call(kind, None);
         let empty = RawMem {
             addr: 0,
             len: 0,

@@ -13,13 +13,16 @@ use super::segment::PeerWatch;
 use super::sync::{
     Abort, Ctrl, Header, ABORT_DIED, ABORT_LEFT, ABORT_SHRINK, ABORT_TIMEOUT, STATE_LEFT,
 };
-use crate::comm::{rank_name, CollKind, CommError, TIMEOUT_HINT};
+use crate::comm::{rank_name, Arrival, CollKind, CommError, TIMEOUT_HINT};
 
 /// Where a phase is, for error messages.
 #[derive(Clone, Copy)]
-pub(crate) struct Ctx {
+pub(crate) struct Ctx<'a> {
     pub op: CollKind,
     pub seq: u64,
+    /// The flight recorder's note of the call's start, when recording: taken at the call's first
+    /// wait for its peers (`Channel::wait_for`).
+    pub arrival: Option<&'a Arrival<'a>>,
 }
 
 /// One rank's watch over its peers.

@@ -8,7 +8,7 @@
 //! number the communicator's errors give), the operation, dtype, reduction, count, root or peer,
 //! whether the buffers were host, device or registered (in the shared segment), the path the
 //! backend took ([`CallPath`]), start and end times (of every call of 64 KiB or more and of every
-//! 16th smaller collective, the same calls on every rank), and the outcome (ok, the error's text, or
+//! 64th smaller collective, the same calls on every rank), and the outcome (ok, the error's text, or
 //! still running).
 //!
 //! The files (feature `trace`, on by default): JSON lines, one file per rank and communicator,

@@ -22,8 +22,15 @@
 //! ones every [`TIMED_EVERY`]-th collective, chosen by its number, so that all ranks time the
 //! same calls and their start times compare; a failed call's end is always timed. A timed call
 //! has a run of its own.
+//!
+//! A backend that knows a call's path as the call starts (the shared-memory inline path) gives it
+//! with the start ([`Recorder::start_on`]), which the communicator's backend takes down where
+//! this rank waits for its peers (`comm::Arrival`). Such a call, untimed, needs nothing more said
+//! of it if it succeeds: its end is one store of `done`, and readers take a call that reads as
+//! running but which `done` has passed as ended well (a failure always writes its outcome before
+//! `done`).
 
-use std::sync::atomic::{fence, AtomicBool, AtomicU64, AtomicUsize, Ordering::*};
+use std::sync::atomic::{fence, AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering::*};
 use std::sync::Mutex;
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -137,7 +144,7 @@ pub enum Outcome {
 }
 
 /// Smaller calls are timed once in this many collectives (see the module docs).
-pub const TIMED_EVERY: u64 = 16;
+pub const TIMED_EVERY: u64 = 64;
 /// Calls moving at least this many bytes per rank are always timed.
 pub const TIMED_BYTES: u64 = 64 << 10;
 
@@ -159,8 +166,9 @@ pub struct Record {
     pub call: CallInfo,
     /// The path the backend took.
     pub path: CallPath,
-    /// Start, in Unix nanoseconds; `None` for a call the recorder did not time (it times every
-    /// call of 64 KiB or more and every 16th smaller collective).
+    /// Start, in Unix nanoseconds (when this rank arrived at the call: the shared-memory backend
+    /// notes it once it has published its part); `None` for a call the recorder did not time (it
+    /// times every call of 64 KiB or more and every 64th smaller collective).
     pub start_ns: Option<u64>,
     /// End, in Unix nanoseconds; `None` while running and for an untimed call that succeeded.
     pub end_ns: Option<u64>,
@@ -197,6 +205,23 @@ fn pack(i: &CallInfo, path: CallPath, outcome: u8) -> u64 {
         | (outcome as u64) << 40
         | (i.ops as u64) << 48
 }
+
+/// `packed` (path 0) taking `path`: registered buffers are known by it.
+fn with_path(packed: u64, path: CallPath) -> u64 {
+    let p = packed | (path as u64) << 32;
+    if path == CallPath::Registered {
+        p & !(0xff << 24) | (BufferKind::Registered as u64) << 24
+    } else {
+        p
+    }
+}
+
+/// The call in flight ends by writing its slot (timed, or its run's path not known yet).
+const QUICK_NO: u8 = 0;
+/// It ends with `done` alone if it succeeds: its path came with its start.
+const QUICK_ALWAYS: u8 = 1;
+/// It joined a run, and ends with `done` alone if it succeeds on the run's path.
+const QUICK_SAME_PATH: u8 = 2;
 
 const RUNNING: u8 = 0;
 const OK: u8 = 1;
@@ -248,6 +273,8 @@ pub(crate) struct Recorder {
     joined: AtomicBool,
     /// Whether the call in flight is timed ([`timed`]).
     open_timed: AtomicBool,
+    /// How the call in flight may end without writing its slot (`QUICK_*`), as its start found.
+    quick_end: AtomicU8,
     /// Error texts of failed records, by id, oldest first.
     errors: Mutex<Vec<(u64, String)>>,
     /// Times are ticks of this clock (`clock.rs`), nanoseconds since its zero once read ...
@@ -304,6 +331,7 @@ impl Recorder {
             open_joinable: AtomicBool::new(false),
             joined: AtomicBool::new(false),
             open_timed: AtomicBool::new(false),
+            quick_end: AtomicU8::new(QUICK_NO),
             errors: Mutex::new(Vec::new()),
             clock,
             base_realtime_ns,
@@ -367,6 +395,16 @@ impl Recorder {
     /// Record the start of a call; returns its id, to pass to [`end`](Self::end).
     #[inline]
     pub(crate) fn start(&self, info: &CallInfo) -> u64 {
+        self.start_on(info, None).0
+    }
+
+    /// [`start`](Self::start), given the path the call takes when the backend knows it as the
+    /// call starts (`None`: [`end`](Self::end) gives it). Known, it is stored with the start,
+    /// and an untimed call then needs nothing more said of it if it succeeds: readers take a
+    /// call whose outcome reads running, but which `done` has passed, as ended well. Returns the
+    /// id, and whether such a success may end by [`end_quick`](Self::end_quick).
+    #[inline]
+    pub(crate) fn start_on(&self, info: &CallInfo, path: Option<CallPath>) -> (u64, bool) {
         let id = self.next.load(Relaxed) + 1;
         let seq = if info.ops == 0 {
             let s = self.colls.load(Relaxed) + 1;
@@ -383,8 +421,17 @@ impl Recorder {
             && self.open_joinable.load(Relaxed)
             && self.open_call.load(Relaxed) == packed
             && self.open_count.load(Relaxed) == info.count
-            && self.open_root.load(Relaxed) == root;
+            && self.open_root.load(Relaxed) == root
+            && path.is_none_or(|p| self.open_path.load(Relaxed) == p as u64);
         self.joined.store(joins, Relaxed);
+        // Decided here, where the call waits for its peers, so that its end has one branch.
+        let quick = match (is_timed, path, joins) {
+            (true, _, _) => QUICK_NO,
+            (false, Some(_), _) => QUICK_ALWAYS,
+            (false, None, true) => QUICK_SAME_PATH,
+            (false, None, false) => QUICK_NO,
+        };
+        self.quick_end.store(quick, Relaxed);
         if joins {
             let slot = &self.slots[self.open_slot.load(Relaxed)];
             slot.0[7].store(LAST_ID | id, Release);
@@ -395,15 +442,20 @@ impl Recorder {
             self.open(RunStart {
                 id,
                 seq,
-                packed,
+                packed: path.map_or(packed, |p| with_path(packed, p)),
                 count: info.count,
                 root,
                 start,
                 end: 0,
             });
+            if let Some(p) = path {
+                // The bytes the next call compares are those of its start (not Registered's).
+                self.open_call.store(packed, Relaxed);
+                self.open_path.store(p as u64, Relaxed);
+            }
         }
         self.next.store(id, Relaxed);
-        id
+        (id, quick == QUICK_ALWAYS)
     }
 
     /// Count `n` collectives made without being recorded: the next recorded one is numbered
@@ -414,16 +466,29 @@ impl Recorder {
         self.open_joinable.store(false, Relaxed);
     }
 
+    /// The successful end of call `id`, which [`start_on`](Self::start_on) said may end so.
+    #[inline]
+    pub(crate) fn end_quick(&self, id: u64) {
+        self.open_joinable.store(true, Relaxed);
+        self.done.store(id, Release);
+    }
+
     /// Record the end of call `id`: the path it took, and its error's text if it failed.
     #[inline]
     pub(crate) fn end(&self, id: u64, path: CallPath, error: Option<&dyn std::fmt::Display>) {
-        let joined = self.joined.load(Relaxed);
-        if joined && error.is_none() && self.open_path.load(Relaxed) == path as u64 {
-            // The run goes on.
+        let quick = match self.quick_end.load(Relaxed) {
+            QUICK_ALWAYS => true,
+            QUICK_SAME_PATH => self.open_path.load(Relaxed) == path as u64,
+            _ => false,
+        };
+        if quick && error.is_none() {
+            // The run goes on, or the call's own slot holds all there is to say (its path came
+            // with its start): it ended well once `done` passes it.
+            self.open_joinable.store(true, Relaxed);
             self.done.store(id, Release);
             return;
         }
-        self.end_apart(id, path, error, joined);
+        self.end_apart(id, path, error, self.joined.load(Relaxed));
     }
 
     /// [`end`](Self::end) of a call with a run of its own, or of one that joined a run and turns
@@ -443,10 +508,7 @@ impl Recorder {
         };
         let outcome = if error.is_some() { FAILED } else { OK };
         let call = self.open_call.load(Relaxed);
-        let mut packed = call | (path as u64) << 32 | (outcome as u64) << 40;
-        if path == CallPath::Registered {
-            packed = packed & !(0xff << 24) | (BufferKind::Registered as u64) << 24;
-        }
+        let packed = with_path(call, path) | (outcome as u64) << 40;
         if joined {
             // The run it joined ends before it (in one store: readers see the call in one of
             // the two runs, or in neither for a moment); its words are the run's, but for its
@@ -599,6 +661,8 @@ impl Recorder {
         let outcome = match byte(5) {
             // A call that joined the run reads as the run until it ends.
             _ if !own && id > done => Outcome::Running,
+            // Given its path as it started, a call that succeeds untimed writes no outcome.
+            RUNNING if id <= done => Outcome::Ok,
             RUNNING => Outcome::Running,
             OK => Outcome::Ok,
             _ => Outcome::Error(
@@ -813,39 +877,94 @@ mod tests {
             .collect()
     }
 
+    /// Record call `id` of [`call_of`] as a communicator does: with its path at its start when
+    /// `with_path` (as the inline path's calls come), ending it quickly when the start allows.
+    fn record(r: &Recorder, id: u64, with_path: bool) {
+        let (c, path, fails) = call_of(id);
+        let (got, quick) = r.start_on(&c, with_path.then_some(path));
+        assert_eq!(got, id);
+        if quick && !fails {
+            r.end_quick(id);
+        } else {
+            let err = format!("failure {id}");
+            r.end(id, path, fails.then_some(&err as &dyn std::fmt::Display));
+        }
+    }
+
     #[test]
     fn runs_of_repeated_calls_read_back_as_every_call_would() {
-        for cap in [1u64, 2, 3, 7, 64, 2000] {
-            let r = Recorder::new(cap as usize);
-            for id in 1..=500u64 {
-                let (c, path, fails) = call_of(id);
-                assert_eq!(r.start(&c), id);
-                let err = format!("failure {id}");
-                r.end(id, path, fails.then_some(&err as &dyn std::fmt::Display));
-                if id % 50 == 0 || id < 40 {
-                    assert_eq!(
-                        seen(&r),
-                        expected(id, cap),
-                        "capacity {cap}, after call {id}"
-                    );
+        // Paths given at the end, and mostly at the start (every third call at the end).
+        for mixed in [false, true] {
+            for cap in [1u64, 2, 3, 7, 64, 2000] {
+                let r = Recorder::new(cap as usize);
+                for id in 1..=500u64 {
+                    record(&r, id, mixed && id % 3 != 0);
+                    if id % 50 == 0 || id < 40 {
+                        assert_eq!(
+                            seen(&r),
+                            expected(id, cap),
+                            "capacity {cap}, paths at the start {mixed}, after call {id}"
+                        );
+                    }
                 }
             }
         }
     }
 
     #[test]
+    fn a_start_with_its_path_reads_as_running_on_that_path_until_it_ends() {
+        let r = Recorder::new(8);
+        let (c, path) = (info(CollKind::AllReduce, 2), CallPath::Inline);
+        // Call 1 is timed: it ends by writing its slot.
+        assert_eq!(r.start_on(&c, Some(path)), (1, false));
+        r.end(1, path, None);
+        let (id, quick) = r.start_on(&c, Some(path));
+        assert!(quick);
+        let last = r.records().pop().unwrap();
+        assert_eq!(
+            (last.id, last.outcome, last.path),
+            (id, Outcome::Running, path)
+        );
+        r.end_quick(id);
+        // It joins no run but its own (call 1 was timed); the next ones join it.
+        for _ in 0..3 {
+            let (id, quick) = r.start_on(&c, Some(path));
+            assert!(quick);
+            r.end_quick(id);
+        }
+        let recs = r.records();
+        assert_eq!(recs.len(), 5);
+        assert!(recs
+            .iter()
+            .all(|x| x.outcome == Outcome::Ok && x.path == path));
+        assert!(recs[1..]
+            .iter()
+            .all(|x| x.start_ns.is_none() && x.end_ns.is_none()));
+        // Another path does not join: the registered path's buffers read as registered.
+        let (id, _) = r.start_on(&c, Some(CallPath::Registered));
+        r.end_quick(id);
+        let last = r.records().pop().unwrap();
+        assert_eq!(
+            (last.path, last.call.buffer),
+            (CallPath::Registered, BufferKind::Registered)
+        );
+        assert_eq!(r.records()[4].path, path);
+    }
+
+    #[test]
     fn repeats_take_no_slot_and_a_call_in_flight_reads_as_running() {
         let r = Recorder::new(4);
-        for id in 1..=996u64 {
+        let timed_one = 15 * TIMED_EVERY + 1;
+        for id in 1..=timed_one + 3 {
             r.start(&info(CollKind::AllReduce, 2));
             r.end(id, CallPath::Inline, None);
         }
         let recs = r.records();
         assert_eq!(
             recs.iter().map(|x| x.seq).collect::<Vec<_>>(),
-            [993, 994, 995, 996]
+            (timed_one..=timed_one + 3).collect::<Vec<_>>()
         );
-        // 993 is a timed call (993 % TIMED_EVERY == 1), the others repeat it.
+        // The first is a timed call, the others repeat it.
         assert!(recs[0].start_ns.is_some() && recs[1].start_ns.is_none());
         // A repeat in flight: running, its path not known yet; once ended, one like the others.
         let id = r.start(&info(CollKind::AllReduce, 2));
@@ -864,7 +983,7 @@ mod tests {
         let id = r.start(&info(CollKind::AllReduce, 2));
         r.end(id, CallPath::Inline, Some(&"peer lost"));
         let last = r.records().pop().unwrap();
-        assert_eq!((last.id, last.seq), (id, 998));
+        assert_eq!((last.id, last.seq), (id, timed_one + 5));
         assert_eq!(last.outcome, Outcome::Error("peer lost".into()));
         assert!(last.start_ns.is_none() && last.end_ns.is_some());
     }
@@ -885,8 +1004,10 @@ mod tests {
                         assert_eq!(w[1].id, w[0].id + 1, "{recs:?}");
                     }
                     for x in &recs {
-                        let (c, _, _) = call_of(x.id);
+                        let (c, _, fails) = call_of(x.id);
                         assert_eq!((x.call.kind, x.call.count), (c.kind, c.count), "{x:?}");
+                        // A failure never reads as a success (a quick end writes no outcome).
+                        assert!(!(fails && x.outcome == Outcome::Ok), "{x:?}");
                         if x.outcome != Outcome::Running {
                             assert_ne!(x.path, CallPath::Unknown, "{x:?}");
                         }
@@ -897,13 +1018,7 @@ mod tests {
             })
         };
         for id in 1..=300_000u64 {
-            let (c, path, fails) = call_of(id);
-            r.start(&c);
-            r.end(
-                id,
-                path,
-                fails.then_some(&"failure" as &dyn std::fmt::Display),
-            );
+            record(&r, id, id % 3 != 0);
         }
         stop.store(true, Relaxed);
         let (reads, seen) = reader.join().unwrap();

@@ -99,6 +99,19 @@ impl Tracer {
         self.rec.start(info)
     }
 
+    /// Record the start of a call whose path the backend knows as it starts; returns its id and
+    /// whether a success may end by [`end_quick`](Self::end_quick).
+    #[inline]
+    pub(crate) fn start_on(&self, info: &CallInfo, path: CallPath) -> (u64, bool) {
+        self.rec.start_on(info, Some(path))
+    }
+
+    /// The successful end of call `id`, as [`start_on`](Self::start_on) allowed.
+    #[inline]
+    pub(crate) fn end_quick(&self, id: u64) {
+        self.rec.end_quick(id)
+    }
+
     /// Count `n` collectives that were made without being recorded (a paused recorder).
     pub(crate) fn skip_collectives(&self, n: u64) {
         self.rec.skip_collectives(n);
