@@ -348,6 +348,15 @@ impl Backend for StagedBackend {
         self.inner.set_timeout(timeout)
     }
 
+    // The staged data is reduced by the host communicator's kernels: so is it checked.
+    fn check_finite(&self) -> bool {
+        self.inner.check_finite()
+    }
+
+    fn set_check_finite(&mut self, on: bool) -> Result<(), CommError> {
+        self.inner.set_check_finite(on)
+    }
+
     // The staging copies run on the staging stream, and the host waits for that stream (not the
     // device) before the host collective reads the staged data: ordering the staging stream with
     // the caller's is all a call needs.

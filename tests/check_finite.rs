@@ -395,6 +395,84 @@ fn t_cma() -> Result<(), String> {
     run_setup(3, CMA)
 }
 
+/// `Communicator::set_check_finite`: a job started without the check turns it on and off on
+/// every rank between calls (inline, one-phase and slots sizes); a rank that turns it on alone
+/// makes the next call fail on every rank with a mismatch naming the check, and the ranks go on
+/// once they agree again.
+fn t_toggled() -> Result<(), String> {
+    let n = 3;
+    launch(
+        &launch_cfg(n, &STAGED, false),
+        |mut ctx: RankContext| -> RankResult<()> {
+            let c = &mut ctx.comm;
+            let me = c.rank();
+            if c.check_finite() {
+                return Err("the check is on in a job started without it".into());
+            }
+            for &bytes in STAGED.sizes {
+                let count = bytes / 4;
+                let mut send = vec![1f32; count];
+                if me == 1 {
+                    send[count / 2] = f32::NAN;
+                }
+                let mut recv = vec![0f32; count];
+                c.set_check_finite(true)?;
+                if !c.check_finite() {
+                    return Err("set_check_finite(true) left the check off".into());
+                }
+                let seq = c.seq() + 1;
+                match c.all_reduce(&send, &mut recv, ReduceOp::Sum) {
+                    Err(CommError::NonFinite {
+                        rank: 1,
+                        seq: s,
+                        element,
+                        ..
+                    }) if s == seq && element == count / 2 => {}
+                    other => {
+                        return Err(format!(
+                            "{bytes} B, check turned on: expected rank 1's NaN at element {} of #{seq}, got {other:?}",
+                            count / 2
+                        )
+                        .into())
+                    }
+                }
+                c.set_check_finite(false)?;
+                c.all_reduce(&send, &mut recv, ReduceOp::Sum)
+                    .map_err(|e| format!("{bytes} B, check turned off: {e}"))?;
+                if !recv[count / 2].is_nan() || recv[0] != n as f32 {
+                    return Err(format!(
+                        "{bytes} B, check turned off: the NaN did not propagate alone"
+                    )
+                    .into());
+                }
+                // Rank 2 alone: every rank fails the call, naming the check, and nobody hangs.
+                c.set_check_finite(me == 2)?;
+                match c.all_reduce(&send, &mut recv, ReduceOp::Sum) {
+                    Err(CommError::Mismatch { detail, .. })
+                        if detail.contains("the finite check")
+                            && detail.contains("on on rank 2") => {}
+                    other => {
+                        return Err(format!(
+                            "{bytes} B, check on rank 2 only: expected a mismatch naming it, got {other:?}"
+                        )
+                        .into())
+                    }
+                }
+                c.set_check_finite(false)?;
+                let clean = vec![1f32; count];
+                c.all_reduce(&clean, &mut recv, ReduceOp::Sum)
+                    .map_err(|e| format!("{bytes} B, after the mismatch: {e}"))?;
+                if recv.iter().any(|v| *v != n as f32) {
+                    return Err(format!("{bytes} B, after the mismatch: wrong sum").into());
+                }
+            }
+            Ok(())
+        },
+    )
+    .map(|_| ())
+    .map_err(|e| format!("toggled, world {n}: {e}"))
+}
+
 /// A named test body.
 type TestFn = fn() -> Result<(), String>;
 
@@ -406,6 +484,7 @@ fn main() -> std::process::ExitCode {
         ("staged_3", t_staged_3),
         ("registered", t_registered),
         ("cma", t_cma),
+        ("toggled", t_toggled),
     ];
     runner::run(&tests)
 }

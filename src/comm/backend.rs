@@ -129,6 +129,22 @@ pub trait Backend: Send {
             self.kind()
         )))
     }
+    /// Whether this rank runs the finite check (`LOCKSTEP_CHECK_FINITE`, see
+    /// [`CommError::NonFinite`]). `false` for backends that have none.
+    fn check_finite(&self) -> bool {
+        false
+    }
+    /// Turn the finite check on or off for the calls that follow on this rank. Backends whose
+    /// reductions run in kernels lockstep does not own refuse to turn it on.
+    fn set_check_finite(&mut self, on: bool) -> Result<(), CommError> {
+        if !on {
+            return Ok(());
+        }
+        Err(CommError::Unsupported(format!(
+            "the {} backend has no finite check (its reductions run outside lockstep's shared-memory kernels); check the inputs before the call, or run host buffers on LOCKSTEP_BACKEND=shm",
+            self.kind()
+        )))
+    }
     /// A call this rank refused locally (bad buffer lengths, root out of range, wrong memory
     /// space): backends that can, make the peers' matching call fail too, so the ranks stay in step.
     fn reject(&mut self, kind: CollKind, dtype: Dtype, reason: &CommError) {

@@ -257,6 +257,23 @@ impl Communicator {
         self.backend.set_timeout(timeout)
     }
 
+    /// Whether this rank runs the finite check on its reductions (`LOCKSTEP_CHECK_FINITE` until
+    /// [`set_check_finite`](Self::set_check_finite); see [`CommError::NonFinite`]).
+    pub fn check_finite(&self) -> bool {
+        self.backend.check_finite()
+    }
+
+    /// Turn the finite check on or off for the calls that follow on this rank: for the stretch
+    /// of a job worth checking (the first steps, or after a loss spike), where
+    /// `LOCKSTEP_CHECK_FINITE=1` would check every call. Local, like
+    /// [`set_timeout`](Self::set_timeout), but every rank must set it alike before the same
+    /// call: a reduction whose ranks differ fails on every rank with [`CommError::Mismatch`]
+    /// naming them, never checking on some ranks only. The shared-memory and staged backends
+    /// have the check; the others return [`CommError::Unsupported`] when asked to turn it on.
+    pub fn set_check_finite(&mut self, on: bool) -> Result<(), CommError> {
+        self.backend.set_check_finite(on)
+    }
+
     /// For a device communicator (NCCL, or staging when ranks share a GPU): the CUDA context of
     /// this rank's device, on which its buffers must live. `None` for host backends.
     pub fn device_context(&self) -> Option<Arc<Context>> {

@@ -335,6 +335,15 @@ impl Backend for ShmComm {
         Ok(())
     }
 
+    fn check_finite(&self) -> bool {
+        self.ch.check_finite()
+    }
+
+    fn set_check_finite(&mut self, on: bool) -> Result<(), CommError> {
+        self.ch.set_check_finite(on);
+        Ok(())
+    }
+
     fn split(
         &mut self,
         color: Option<u32>,

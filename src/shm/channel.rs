@@ -178,6 +178,12 @@ impl Channel {
         self.cfg.timeout = timeout;
     }
 
+    /// Run the finite check in the calls that follow, or stop running it
+    /// (`ShmConfig::check_finite`; the first phase of each call compares it across the ranks).
+    pub(crate) fn set_check_finite(&mut self, on: bool) {
+        self.cfg.check_finite = on;
+    }
+
     /// How long a waiter spins before yielding.
     pub(crate) fn spin(&self) -> Duration {
         self.spin

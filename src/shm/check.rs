@@ -63,7 +63,7 @@ pub(crate) fn check_descs(
         return Err(CommError::Mismatch {
             seq,
             detail: format!(
-                "the finite check (LOCKSTEP_CHECK_FINITE, ShmConfig::check_finite) is {} on {} but {} on {}; set it alike on every rank",
+                "the finite check (LOCKSTEP_CHECK_FINITE, Communicator::set_check_finite) is {} on {} but {} on {}; set it alike on every rank before the same call",
                 on(finite(&descs[0])),
                 who(0),
                 on(!finite(&descs[0])),
@@ -145,7 +145,7 @@ mod tests {
                 &[a, checking, a],
                 7,
                 &world,
-                &["the finite check (LOCKSTEP_CHECK_FINITE, ShmConfig::check_finite) is off on rank 0 but on on rank 1"],
+                &["the finite check (LOCKSTEP_CHECK_FINITE, Communicator::set_check_finite) is off on rank 0 but on on rank 1"],
             ),
         ];
         for (descs, seq, who, wants) in cases {

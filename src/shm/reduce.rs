@@ -9,10 +9,13 @@
 //! The finite check (`ShmConfig::check_finite`) is a second instantiation of the same kernel
 //! (`CHECK = true`), chosen once per kernel call, so the unchecked kernel is the code it always
 //! was. The checked one folds the exponent field of every input element it reads into a running
-//! maximum, in the same loop as the reduction (an all-ones exponent is a NaN or an infinity); only
-//! a block whose maximum says so is scanned again, element by element, to find the first
-//! non-finite value: the lowest element index, and at that index the lowest source. Integers have
-//! no non-finite values: their checked call is the unchecked kernel.
+//! maximum, in the same loop as the reduction (an all-ones exponent is a NaN or an infinity; two
+//! sources into a separate destination fold the result's instead where the operator carries
+//! every non-finite input into it, see `pair_checked_apart`); only a block whose maximum says so
+//! is scanned again, element by element, to find the first non-finite value: the lowest element
+//! index, and at that index the lowest source. Two sources in place check each small chunk before
+//! it is overwritten (`pair_checked`). Integers have no non-finite values: their checked call is
+//! the unchecked kernel.
 
 use std::mem::MaybeUninit;
 
@@ -40,6 +43,10 @@ trait Lane: Copy + 'static {
     const EXP: u32;
     /// The value widened (exactly, for the floats) to classify a non-finite one.
     fn wide(self) -> f64;
+    /// [`exp_bits`](Self::exp_bits) of an accumulator value (f16 and bf16: of the f32).
+    fn acc_exp(a: Self::Acc) -> u32;
+    /// [`EXP`](Self::EXP) of the accumulator type.
+    const ACC_EXP: u32;
 }
 
 macro_rules! float_lane {
@@ -93,6 +100,11 @@ macro_rules! float_lane {
             fn wide(self) -> f64 {
                 self as f64
             }
+            #[inline(always)]
+            fn acc_exp(a: $t) -> u32 {
+                a.exp_bits()
+            }
+            const ACC_EXP: u32 = $exp;
         }
     };
 }
@@ -146,6 +158,11 @@ macro_rules! int_lane {
             fn wide(self) -> f64 {
                 self as f64
             }
+            #[inline(always)]
+            fn acc_exp(_: $t) -> u32 {
+                0
+            }
+            const ACC_EXP: u32 = u32::MAX;
         }
     };
 }
@@ -205,6 +222,11 @@ macro_rules! half_lane {
             fn wide(self) -> f64 {
                 self.to_f64()
             }
+            #[inline(always)]
+            fn acc_exp(a: f32) -> u32 {
+                a.exp_bits()
+            }
+            const ACC_EXP: u32 = <f32 as Lane>::EXP;
         }
     };
 }
@@ -267,9 +289,12 @@ fn combine<T: Lane, F: Fn(T::Acc, T::Acc) -> T::Acc, const CHECK: bool>(
 }
 
 /// The first pass of a block: writes every element of `acc` (`a` and `b` have its length). With
-/// `CHECK`, returns the largest exponent field read, else 0.
+/// `CHECK`, returns the largest exponent field read, else 0. With `RESULT` too, the check folds
+/// the results' fields instead, one per element, and returns [`Lane::EXP`] where one is all
+/// ones, else 0: for the operators and the last source where a non-finite input always makes a
+/// non-finite result (see [`pair_checked_apart`]).
 #[inline(always)]
-fn combine2<T: Lane, F: Fn(T::Acc, T::Acc) -> T::Acc, const CHECK: bool>(
+fn combine2<T: Lane, F: Fn(T::Acc, T::Acc) -> T::Acc, const CHECK: bool, const RESULT: bool>(
     acc: &mut [MaybeUninit<T::Acc>],
     a: &[T],
     b: &[T],
@@ -277,10 +302,16 @@ fn combine2<T: Lane, F: Fn(T::Acc, T::Acc) -> T::Acc, const CHECK: bool>(
 ) -> u32 {
     let mut m = 0u32;
     for ((o, x), y) in acc.iter_mut().zip(a).zip(b) {
-        if CHECK {
+        let r = f(x.load(), y.load());
+        if CHECK && RESULT {
+            m = m.max(T::acc_exp(r));
+        } else if CHECK {
             m = m.max(x.exp_bits()).max(y.exp_bits());
         }
-        o.write(f(x.load(), y.load()));
+        o.write(r);
+    }
+    if CHECK && RESULT {
+        return if m == T::ACC_EXP { T::EXP } else { 0 };
     }
     m
 }
@@ -399,10 +430,17 @@ unsafe fn pair<T: Lane, F: Fn(T::Acc, T::Acc) -> T::Acc>(
     }
 }
 
-/// [`pair`] with the finite check, block by block: one loop reduces a block and folds the
-/// exponent bits of both sources. In place (the destination is one of the sources) the loop
-/// writes into a block on the stack, copied out after the check: a non-finite value is then
-/// located in sources the loop did not overwrite. Returns the first non-finite value.
+/// Elements of each source [`pair_checked`] checks before it reduces them in place: few enough
+/// that the reduction reads them again from L1 (smaller chunks tried cost more branches than
+/// they saved, larger ones fell out of L1).
+const CHECK_CHUNK: usize = 128;
+
+/// [`pair`] with the finite check; returns the first non-finite value (lowest element, then
+/// lowest source). Out of place see [`pair_checked_apart`]. In place the destination is one of
+/// the sources: each chunk of both is checked before [`pair`] overwrites it, so a non-finite
+/// value is located in sources still intact, without the copy of a stack block; the chunks
+/// before it were finite, so its chunk holds the first one, and the rest of the call runs
+/// unchecked.
 ///
 /// # Safety
 /// As for [`pair`].
@@ -413,39 +451,154 @@ unsafe fn pair_checked<T: Lane, F: Fn(T::Acc, T::Acc) -> T::Acc>(
     d: *mut T,
     count: usize,
     f: F,
+    select: bool,
+) -> Option<Found> {
+    if !std::ptr::eq(d, a) && !std::ptr::eq(d, b) {
+        // SAFETY: forwarded caller contract; `d` is disjoint from both sources. Min and max are
+        // the operators that select.
+        return unsafe { pair_checked_apart(a, b, d, count, f, !select) };
+    }
+    if !select {
+        // SAFETY: forwarded caller contract; `d` equals one source.
+        return unsafe { pair_checked_over(a, b, d, count, f) };
+    }
+    let mut i = 0;
+    while i + CHECK_CHUNK <= count {
+        // SAFETY: i + CHECK_CHUNK <= count, within every range (caller contract); the chunk is
+        // checked before `pair` writes it, so in place too it is read intact.
+        unsafe {
+            let x = std::slice::from_raw_parts(a.add(i), CHECK_CHUNK);
+            let y = std::slice::from_raw_parts(b.add(i), CHECK_CHUNK);
+            if exp_max(x).max(exp_max(y)) == T::EXP {
+                let found = locate(&[a.add(i), b.add(i)], CHECK_CHUNK).map(|x| x.shifted(i));
+                pair::<T, _>(a.add(i), b.add(i), d.add(i), count - i, f, select);
+                return found;
+            }
+            pair::<T, _>(a.add(i), b.add(i), d.add(i), CHECK_CHUNK, &f, select);
+        }
+        i += CHECK_CHUNK;
+    }
+    // SAFETY: the tail's i..count lies within every range (caller contract); it is located
+    // before it is reduced, so in place too it is read intact.
+    unsafe {
+        let found = locate(&[a.add(i), b.add(i)], count - i).map(|x| x.shifted(i));
+        pair::<T, _>(a.add(i), b.add(i), d.add(i), count - i, f, select);
+        found
+    }
+}
+
+/// [`pair_checked`] in place for the operators that do not select (sum, product, average): only
+/// the source that is also the destination is checked chunk by chunk before the loop overwrites
+/// it; the other, read once, is folded in the reduction's own loop. A chunk where only the other
+/// holds a non-finite value is located in it alone: the overwritten source was finite there.
+///
+/// # Safety
+/// As for [`pair`], `d` equal to `a` or to `b`.
+#[inline(always)]
+unsafe fn pair_checked_over<T: Lane, F: Fn(T::Acc, T::Acc) -> T::Acc>(
+    a: *const T,
+    b: *const T,
+    d: *mut T,
+    count: usize,
+    f: F,
+) -> Option<Found> {
+    // The source kept intact, and its index among the two.
+    let (kept, k) = if std::ptr::eq(d, a) { (b, 1) } else { (a, 0) };
+    let mut i = 0;
+    while i < count {
+        let len = CHECK_CHUNK.min(count - i);
+        // SAFETY: i + len <= count, within every range (caller contract); `kept` is disjoint
+        // from `d` (a != b) and only read; `d` is checked before it is written.
+        unsafe {
+            let out = std::slice::from_raw_parts_mut(d.add(i), len);
+            if exp_max(out) == T::EXP {
+                let found = locate(&[a.add(i), b.add(i)], len).map(|x| x.shifted(i));
+                pair::<T, _>(a.add(i), b.add(i), d.add(i), count - i, f, false);
+                return found;
+            }
+            let v = std::slice::from_raw_parts(kept.add(i), len);
+            let mut m = 0u32;
+            if k == 1 {
+                for (o, y) in out.iter_mut().zip(v) {
+                    m = m.max(y.exp_bits());
+                    *o = T::store(f(o.load(), y.load()));
+                }
+            } else {
+                for (o, x) in out.iter_mut().zip(v) {
+                    m = m.max(x.exp_bits());
+                    *o = T::store(f(x.load(), o.load()));
+                }
+            }
+            if m == T::EXP {
+                let found = locate(&[kept.add(i)], len).map(|x| Found {
+                    src: k,
+                    ..x.shifted(i)
+                });
+                let rest = i + len;
+                pair::<T, _>(
+                    a.add(rest),
+                    b.add(rest),
+                    d.add(rest),
+                    count - rest,
+                    f,
+                    false,
+                );
+                return found;
+            }
+        }
+        i += len;
+    }
+    None
+}
+
+/// [`pair_checked`] out of place, block by block: one loop reduces a block into `d` and folds
+/// exponent fields, and a block that shows a non-finite value is located in the sources, which
+/// the loop leaves intact. With `propagates` the loop folds the results' fields, one per
+/// element, else both sources'. It is set for sum, product and average, where every non-finite
+/// input makes the result non-finite (a NaN stays a NaN, an infinity stays one or becomes a NaN:
+/// `inf - inf`, `inf * 0`); not for min and max, whose compare drops an infinity that loses. A
+/// non-finite result of finite inputs (an overflow) is located in the sources, found finite, and
+/// reported as nothing.
+///
+/// # Safety
+/// As for [`pair`], `d` disjoint from both sources.
+#[inline(always)]
+unsafe fn pair_checked_apart<T: Lane, F: Fn(T::Acc, T::Acc) -> T::Acc>(
+    a: *const T,
+    b: *const T,
+    d: *mut T,
+    count: usize,
+    f: F,
+    propagates: bool,
 ) -> Option<Found> {
     let mut found = None;
-    let in_place = std::ptr::eq(d, a) || std::ptr::eq(d, b);
-    let mut tmp = [MaybeUninit::<T>::uninit(); BLOCK];
     let mut start = 0;
     while start < count {
         let len = BLOCK.min(count - start);
-        // SAFETY: start + len <= count, within every range (caller contract); the loop writes
-        // `tmp` in place, else `d`, which is then disjoint from both sources.
+        // SAFETY: start + len <= count, within every range (caller contract); `d` is disjoint
+        // from both sources.
         unsafe {
             let (a, b, d) = (a.add(start), b.add(start), d.add(start));
-            // Written through MaybeUninit: `tmp` is not initialised (zeroing it would cost more
-            // than the check), and `d` may be viewed so too.
-            let out = if in_place {
-                tmp.as_mut_ptr()
-            } else {
-                d as *mut MaybeUninit<T>
-            };
             let (x, y, o) = (
                 std::slice::from_raw_parts(a, len),
                 std::slice::from_raw_parts(b, len),
-                std::slice::from_raw_parts_mut(out, len),
+                std::slice::from_raw_parts_mut(d, len),
             );
             let mut m = 0u32;
-            for ((o, x), y) in o.iter_mut().zip(x).zip(y) {
-                m = m.max(x.exp_bits()).max(y.exp_bits());
-                o.write(T::store(f(x.load(), y.load())));
+            if propagates {
+                for ((o, x), y) in o.iter_mut().zip(x).zip(y) {
+                    let r = T::store(f(x.load(), y.load()));
+                    m = m.max(r.exp_bits());
+                    *o = r;
+                }
+            } else {
+                for ((o, x), y) in o.iter_mut().zip(x).zip(y) {
+                    m = m.max(x.exp_bits()).max(y.exp_bits());
+                    *o = T::store(f(x.load(), y.load()));
+                }
             }
             if m == T::EXP && found.is_none() {
                 found = locate(&[a, b], len).map(|x| x.shifted(start));
-            }
-            if in_place {
-                std::ptr::copy_nonoverlapping(out as *const T, d, len);
             }
         }
         start += len;
@@ -478,11 +631,11 @@ unsafe fn reduce_typed<T: Lane, const CHECK: bool>(
                 // SAFETY: forwarded caller contract; a != b.
                 return unsafe {
                     match op {
-                        ReduceOp::Sum => pair_checked::<T, _>(a, b, d, count, T::add),
-                        ReduceOp::Avg => pair_checked::<T, _>(a, b, d, count, avg),
-                        ReduceOp::Prod => pair_checked::<T, _>(a, b, d, count, T::mul),
-                        ReduceOp::Min => pair_checked::<T, _>(a, b, d, count, T::min),
-                        ReduceOp::Max => pair_checked::<T, _>(a, b, d, count, T::max),
+                        ReduceOp::Sum => pair_checked::<T, _>(a, b, d, count, T::add, false),
+                        ReduceOp::Avg => pair_checked::<T, _>(a, b, d, count, avg, false),
+                        ReduceOp::Prod => pair_checked::<T, _>(a, b, d, count, T::mul, false),
+                        ReduceOp::Min => pair_checked::<T, _>(a, b, d, count, T::min, true),
+                        ReduceOp::Max => pair_checked::<T, _>(a, b, d, count, T::max, true),
                     }
                 };
             }
@@ -514,11 +667,20 @@ unsafe fn reduce_typed<T: Lane, const CHECK: bool>(
             |k: usize| unsafe { std::slice::from_raw_parts((srcs[k] as *const T).add(start), len) };
         let (rest, mut m) = if srcs.len() >= 2 {
             let (a, b) = (src(0), src(1));
+            // Two sources: the results carry every non-finite input of a sum, a product and an
+            // average; with more, the later sources are folded as they are read.
+            let last = srcs.len() == 2;
             let m = match op {
-                ReduceOp::Sum | ReduceOp::Avg => combine2::<T, _, CHECK>(first, a, b, T::add),
-                ReduceOp::Prod => combine2::<T, _, CHECK>(first, a, b, T::mul),
-                ReduceOp::Min => combine2::<T, _, CHECK>(first, a, b, T::min),
-                ReduceOp::Max => combine2::<T, _, CHECK>(first, a, b, T::max),
+                ReduceOp::Sum | ReduceOp::Avg if last => {
+                    combine2::<T, _, CHECK, true>(first, a, b, T::add)
+                }
+                ReduceOp::Sum | ReduceOp::Avg => {
+                    combine2::<T, _, CHECK, false>(first, a, b, T::add)
+                }
+                ReduceOp::Prod if last => combine2::<T, _, CHECK, true>(first, a, b, T::mul),
+                ReduceOp::Prod => combine2::<T, _, CHECK, false>(first, a, b, T::mul),
+                ReduceOp::Min => combine2::<T, _, CHECK, false>(first, a, b, T::min),
+                ReduceOp::Max => combine2::<T, _, CHECK, false>(first, a, b, T::max),
             };
             (2, m)
         } else {
@@ -544,12 +706,6 @@ unsafe fn reduce_typed<T: Lane, const CHECK: bool>(
             };
             m = m.max(mk);
         }
-        if CHECK && m == T::EXP && found.is_none() {
-            // Before the block is stored: a destination may be one of the sources.
-            let at: Vec<*const T> = (0..srcs.len()).map(|k| src(k).as_ptr()).collect();
-            // SAFETY: every source holds `len` elements from `start`.
-            found = unsafe { locate(&at, len) }.map(|x| x.shifted(start));
-        }
         if op == ReduceOp::Avg {
             for a in acc.iter_mut() {
                 *a = T::div(*a, n_ranks);
@@ -557,6 +713,12 @@ unsafe fn reduce_typed<T: Lane, const CHECK: bool>(
         }
         for (o, a) in out[..len].iter_mut().zip(acc.iter()) {
             o.write(T::store(*a));
+        }
+        if CHECK && m == T::EXP && found.is_none() {
+            // Before the block is stored: a destination may be one of the sources.
+            let at: Vec<*const T> = (0..srcs.len()).map(|k| src(k).as_ptr()).collect();
+            // SAFETY: every source holds `len` elements from `start`.
+            found = unsafe { locate(&at, len) }.map(|x| x.shifted(start));
         }
         let bytes = len * std::mem::size_of::<T>();
         for d in dsts {
@@ -1200,9 +1362,58 @@ mod tests {
         assert_eq!((f, d), (None, vec![2; 10]));
     }
 
+    /// A sum that overflows to infinity from finite inputs is no finding (two sources out of
+    /// place fold their results' fields, see `pair_checked_apart` and `combine2`), in the block
+    /// of a real NaN or before it: the NaN is still the one reported, and without one nothing is.
+    #[test]
+    fn checked_overflow_is_no_finding() {
+        let count = 3000;
+        for (op, big) in [
+            (ReduceOp::Sum, f32::MAX),
+            (ReduceOp::Prod, 1e30),
+            (ReduceOp::Avg, f32::MAX),
+        ] {
+            for (over, nan) in [(3, Some(500)), (3, Some(2000)), (1500, None), (2999, None)] {
+                let mut a = vec![1f32; count];
+                let mut b = vec![1f32; count];
+                a[over] = big;
+                b[over] = big;
+                if let Some(e) = nan {
+                    b[e] = f32::NAN;
+                }
+                let mut out = vec![0f32; count];
+                let mut spare = vec![0f32; count];
+                let srcs = [a.as_ptr() as *const u8, b.as_ptr() as *const u8];
+                let dst = [out.as_mut_ptr(), spare.as_mut_ptr()].map(|p| Dst {
+                    ptr: p as *mut u8,
+                    nt: false,
+                });
+                // One destination (the one-pass kernel) and two (the accumulator).
+                for dsts in [&dst[..1], &dst[..]] {
+                    // SAFETY: every buffer holds `count` elements, disjoint.
+                    let f = unsafe { reduce_checked(true, Dtype::F32, op, 2, &srcs, dsts, count) };
+                    let want = nan.map(|e| Found {
+                        elem: e,
+                        src: 1,
+                        kind: NonFiniteKind::NaN,
+                    });
+                    let what = format!(
+                        "{op} overflow at {over}, NaN at {nan:?}, {} dsts",
+                        dsts.len()
+                    );
+                    assert_eq!(f, want, "{what}");
+                    assert!(
+                        out[over].is_infinite(),
+                        "{what}: the overflow is the result"
+                    );
+                }
+            }
+        }
+    }
+
     /// The finite check's cost in the kernel alone, checked against unchecked, alternating, the
     /// best of many runs (`cargo test --release --lib -- --ignored checked_kernel_cost
-    /// --nocapture`): 2 sources out of place (one loop), in place (through the stack block),
+    /// --nocapture`): 2 sources out of place (one loop), in place (checked chunk by chunk),
     /// and 3 sources (the accumulator), 128 Ki f32 (512 KiB, half of a 1 MiB all-reduce's
     /// elements: one rank's part).
     #[test]
@@ -1251,6 +1462,64 @@ mod tests {
             }
             println!(
                 "{name}: off {:.1} us, on {:.1} us, on/off {:.3}",
+                best[0] * 1e6,
+                best[1] * 1e6,
+                best[1] / best[0]
+            );
+        }
+    }
+
+    /// The registered path's kernel calls (`cargo test --release --lib -- --ignored
+    /// registered_kernel_cost --nocapture`): 2 sources into 2 destinations, 32 KiB rounds over
+    /// 128 Ki f32 (one rank's part of a 1 MiB all-reduce), in place (the destinations are the
+    /// sources) and apart.
+    #[test]
+    #[ignore]
+    fn registered_kernel_cost() {
+        let n = 128 << 10;
+        let sub = 8192;
+        for (name, in_place, nt) in [
+            ("in place", true, false),
+            ("apart", false, false),
+            ("in place nt", true, true),
+            ("apart nt", false, true),
+        ] {
+            let mut bufs: Vec<Vec<f32>> = (0..4).map(|_| vec![0f32; n]).collect();
+            let mut best = [f64::MAX; 2];
+            for rep in 0..400 {
+                let check = rep % 2 == 1;
+                let t = std::time::Instant::now();
+                let mut at = 0;
+                while at < n {
+                    let p: Vec<*mut f32> = bufs
+                        .iter_mut()
+                        // SAFETY: at < n, within every buffer of n elements.
+                        .map(|b| unsafe { b.as_mut_ptr().add(at) })
+                        .collect();
+                    let srcs = [p[0] as *const u8, p[1] as *const u8];
+                    let (d0, d1) = if in_place { (p[0], p[1]) } else { (p[2], p[3]) };
+                    let dsts = [
+                        Dst {
+                            ptr: d0 as *mut u8,
+                            nt,
+                        },
+                        Dst {
+                            ptr: d1 as *mut u8,
+                            nt,
+                        },
+                    ];
+                    // SAFETY: every buffer holds n elements from at.
+                    let f = unsafe {
+                        reduce_checked(check, Dtype::F32, ReduceOp::Sum, 2, &srcs, &dsts, sub)
+                    };
+                    assert!(f.is_none());
+                    at += sub;
+                }
+                let e = t.elapsed().as_secs_f64();
+                best[check as usize] = best[check as usize].min(e);
+            }
+            println!(
+                "registered {name}: off {:.1} us, on {:.1} us, on/off {:.3}",
                 best[0] * 1e6,
                 best[1] * 1e6,
                 best[1] / best[0]
