@@ -18,9 +18,15 @@ use lockstep::trace::{read, Outcome};
 /// A fresh, empty directory for one test's traces, and `LOCKSTEP_TRACE_DIR` pointing at it (the
 /// ranks inherit it at fork).
 fn trace_dir(tag: &str) -> PathBuf {
+    let d = fresh_dir(tag);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// `LOCKSTEP_TRACE_DIR` pointing at a directory that does not exist yet (the ranks make it).
+fn fresh_dir(tag: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("lockstep-trace-{tag}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
     std::env::set_var("LOCKSTEP_TRACE_DIR", &d);
     d
 }
@@ -50,10 +56,11 @@ fn config(n: usize, timeout_ms: u64) -> LaunchConfig {
 }
 
 /// Three ranks run three all-reduces; rank 2 skips the fourth (it comes late, to a barrier), so
-/// ranks 0 and 1 time out in it. Every rank writes its trace; the analysis names rank 2 and
-/// collective #4, and so does `lockstep trace`, in text and JSON.
+/// ranks 0 and 1 time out in it. Every rank writes its trace, into a `LOCKSTEP_TRACE_DIR` that
+/// did not exist; the analysis names rank 2 and collective #4, and so does `lockstep trace`, in
+/// text and JSON.
 fn t_skipped_call_is_named() -> Result<(), String> {
-    let d = trace_dir("skip");
+    let d = fresh_dir("skip");
     let out = launch(
         &config(3, 600),
         |mut ctx: RankContext| -> RankResult<String> {
@@ -117,7 +124,7 @@ fn t_skipped_call_is_named() -> Result<(), String> {
         format!("{r}"),
     )?;
     // Of the three calls every rank completed, the recorder timed #1 only (small collectives
-    // are timed once in 16, the same ones on every rank), so lateness compares one.
+    // are timed once in 64, the same ones on every rank), so lateness compares one.
     check(
         r.compared_calls == 1,
         "one timed call compared",
@@ -311,11 +318,76 @@ fn t_pause_and_resume() -> Result<(), String> {
     )
 }
 
+/// A failure stops the job (fail fast) while rank 2 computes, in no call, so no failure of its
+/// own would make it write: the launcher asks it (SIGUSR1) before it terminates it, and its file
+/// shows its three all-reduces; rank 1, waiting in the fourth when rank 0 fails, writes its own.
+/// The stop does not wait for rank 2's computation.
+fn t_fail_fast_collects_every_trace() -> Result<(), String> {
+    let d = fresh_dir("stop");
+    let mut cfg = config(3, 20_000);
+    cfg.fail_fast = true;
+    let t0 = Instant::now();
+    let r = launch(&cfg, |mut ctx: RankContext| -> RankResult<()> {
+        for _ in 0..3 {
+            ctx.comm
+                .all_reduce_in_place(&mut [1f32; 4], ReduceOp::Sum)?;
+        }
+        match ctx.rank {
+            0 => {
+                std::thread::sleep(Duration::from_millis(300));
+                Err("rank 0 gives up".into())
+            }
+            1 => Ok(ctx
+                .comm
+                .all_reduce_in_place(&mut [1f32; 4], ReduceOp::Sum)?),
+            _ => {
+                std::thread::sleep(Duration::from_secs(20));
+                Ok(())
+            }
+        }
+    });
+    let took = t0.elapsed();
+    check(r.is_err(), "the job fails", format!("{r:?}"))?;
+    check(
+        took < Duration::from_secs(10),
+        "the stop does not wait for rank 2's sleep",
+        format!("{took:?}"),
+    )?;
+    let names = files(&d);
+    check(
+        names.contains(&"rank00001.jsonl".to_string())
+            && names.contains(&"rank00002.jsonl".to_string()),
+        "ranks 1 and 2 wrote their traces",
+        format!("{names:?}"),
+    )?;
+    check(
+        names.iter().all(|n| !n.starts_with('.')),
+        "no write's temporary is left behind",
+        format!("{names:?}"),
+    )?;
+    let two = std::fs::read_to_string(d.join("rank00002.jsonl")).map_err(|e| e.to_string())?;
+    let calls = two
+        .lines()
+        .filter(|l| l.contains("\"op\":\"all_reduce\""))
+        .count();
+    check(
+        calls == 3,
+        "rank 2's file holds its three all-reduces",
+        &two,
+    )?;
+    let _ = std::fs::remove_dir_all(&d);
+    Ok(())
+}
+
 fn main() -> std::process::ExitCode {
     common::run(&[
         ("skipped_call_is_named", t_skipped_call_is_named),
         ("sigusr1_dumps_while_running", t_sigusr1_dumps_while_running),
         ("buffer_size_and_off", t_buffer_size_and_off),
         ("pause_and_resume", t_pause_and_resume),
+        (
+            "fail_fast_collects_every_trace",
+            t_fail_fast_collects_every_trace,
+        ),
     ])
 }

@@ -24,6 +24,7 @@ import pickle
 import selectors
 import shutil
 import signal
+import stat
 import sys
 import tempfile
 import time
@@ -455,6 +456,89 @@ def _reap(rk, block=False):
         rk.reaped_at = time.monotonic()
 
 
+# How long a stop after a failure waits for the live ranks to write their flight recorders
+# (LOCKSTEP_TRACE_DIR set) before it terminates them, as `lockstep launch` does.
+_TRACE_WAIT = 1.0
+
+
+def _file_id(path):
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino)
+
+
+def _ask_for_traces(ranks, first):
+    """With LOCKSTEP_TRACE_DIR set, SIGUSR1 to every live rank but `first`: a rank that was
+    computing, in no call, when a peer failed writes its flight recorder only when asked, and its
+    record shows where it was. Returns (deadline, [(rank, its world trace file, the file's id
+    then)]): a dump replaces the file, so a new inode means the rank has written. None when the
+    variable is unset (the ranks have no SIGUSR1 handler then: the signal would kill them)."""
+    d = os.environ.get("LOCKSTEP_TRACE_DIR", "")
+    if not d:
+        return None
+    files = []
+    for rk in ranks:
+        if rk.status is None and rk is not first:
+            f = os.path.join(d, f"rank{rk.rank:05d}.jsonl")
+            files.append((rk, f, _file_id(f)))
+            rk.stopped = True  # its end is the launcher's doing from here on
+            try:
+                os.kill(rk.pid, signal.SIGUSR1)
+            except (ProcessLookupError, PermissionError):
+                pass
+    return time.monotonic() + _TRACE_WAIT, files
+
+
+def _temp_writer(name):
+    """The writer's pid in the name of one of lockstep's temporaries (``.{target}.tmp-{pid}-{random}``),
+    or None."""
+    if not name.startswith(".") or ".tmp-" not in name:
+        return None
+    pid = name.rsplit(".tmp-", 1)[1].split("-", 1)[0]
+    return int(pid) if pid.isdigit() and int(pid) > 0 else None
+
+
+def _trace_writers(d):
+    try:
+        return {_temp_writer(n) for n in os.listdir(d)}
+    except OSError:
+        return set()
+
+
+def _traces_written(asked):
+    """Every rank asked has written its file (and is writing no other: one that had just written
+    its own failure's record writes again) or exited, or the wait is over."""
+    deadline, files = asked
+    if time.monotonic() >= deadline:
+        return True
+    writing = _trace_writers(os.path.dirname(files[0][1])) if files else set()
+    return all(rk.status is not None or (_file_id(f) not in (None, before) and rk.pid not in writing) for rk, f, before in files)
+
+
+def _remove_trace_temps(ranks):
+    """The temporaries that ranks killed while they wrote their flight recorders left in
+    LOCKSTEP_TRACE_DIR (every rank has exited): regular files of this user, named by our writers."""
+    d = os.environ.get("LOCKSTEP_TRACE_DIR", "")
+    if not d:
+        return
+    pids = {rk.pid for rk in ranks}
+    try:
+        names = os.listdir(d)
+    except OSError:
+        return
+    for n in names:
+        if _temp_writer(n) in pids:
+            path = os.path.join(d, n)
+            try:
+                st = os.lstat(path)
+                if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
+                    os.unlink(path)
+            except OSError:
+                pass
+
+
 def _supervise(ranks, prefixes, interval, fail_fast, grace):
     """Forward output, collect outcomes and exit statuses until every rank is done."""
     sel = selectors.DefaultSelector()
@@ -465,6 +549,7 @@ def _supervise(ranks, prefixes, interval, fail_fast, grace):
                 sel.register(fd, selectors.EVENT_READ, rk)
         first = None
         kill_at = None
+        traces = None  # the flight recorders asked for before the stop (_ask_for_traces)
         while True:
             now = time.monotonic()
             for rk in ranks:
@@ -474,14 +559,20 @@ def _supervise(ranks, prefixes, interval, fail_fast, grace):
                         # The rank is gone: whatever it started goes too, so nothing is left
                         # behind and its pipes reach end of file.
                         _killpg(rk.pid, signal.SIGKILL)
+            stop = False
             if first is None:
                 first = next((rk for rk in ranks if rk.failed()), None)
                 if first is not None and fail_fast:
-                    for rk in ranks:
-                        if rk.status is None and rk is not first:
-                            rk.stopped = True
-                            _signal_rank(rk, signal.SIGTERM)
-                    kill_at = now + grace
+                    traces = _ask_for_traces(ranks, first)
+                    stop = traces is None
+            if traces is not None and _traces_written(traces):
+                traces, stop = None, True
+            if stop:
+                for rk in ranks:
+                    if rk.status is None and rk is not first:
+                        rk.stopped = True
+                        _signal_rank(rk, signal.SIGTERM)
+                kill_at = now + grace
             if kill_at is not None and now >= kill_at:
                 for rk in ranks:
                     if rk.status is None:
@@ -494,8 +585,10 @@ def _supervise(ranks, prefixes, interval, fail_fast, grace):
                     for fd in list(rk.streams):
                         _eof(sel, rk, fd, prefixes[rk.rank])
             if all(rk.status is not None and not rk.streams for rk in ranks):
+                if any(rk.stopped for rk in ranks):
+                    _remove_trace_temps(ranks)
                 return first
-            for key, _ in sel.select(timeout=interval):
+            for key, _ in sel.select(timeout=interval if traces is None else min(interval, 0.01)):
                 _read(sel, key.data, key.fd, prefixes[key.data.rank])
             _flush()
     finally:

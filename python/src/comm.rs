@@ -757,9 +757,9 @@ host (shared-memory) communicators",
             .call_method1("loads", (format!("[{}]", lines.join(",")),))
     }
 
-    /// Write this rank's records into the directory `dir` now (one JSON-lines file, replaced
-    /// atomically; `lockstep trace DIR` reads a directory of them) and return the file's path.
-    /// Local: the other ranks write nothing unless asked too.
+    /// Write this rank's records into the directory `dir` now (made when missing; one JSON-lines
+    /// file, replaced atomically; `lockstep trace DIR` reads a directory of them) and return the
+    /// file's path. Local: the other ranks write nothing unless asked too.
     fn dump_trace(&self, dir: std::path::PathBuf) -> PyResult<String> {
         let g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
         let c = g.as_ref().ok_or_else(|| {
@@ -1236,6 +1236,36 @@ host (shared-memory) communicators",
             )))
         })?;
         c.set_timeout(t).map_err(comm_err)
+    }
+
+    /// Whether this rank's reductions check their input for NaN and infinities
+    /// (`LOCKSTEP_CHECK_FINITE=1`, unless set here). With the check on, an all-reduce, reduce or
+    /// reduce-scatter whose input holds one raises a `CommError` of kind "non_finite" on every
+    /// rank, naming the rank, the element and the call ("rank 1 contributed NaN at element 17
+    /// of all_reduce #41 (f32, 262144 elements)"), and the communicator goes on. Settable
+    /// between calls, for the stretch of a run worth checking; a local setting, but every rank
+    /// must set it alike before the same call (ranks that differ raise kind "mismatch").
+    /// Shared-memory and staged communicators; others raise kind "unsupported" when it is
+    /// turned on.
+    #[getter]
+    fn check_finite(&self) -> bool {
+        self.inner
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .is_some_and(|c| c.check_finite())
+    }
+
+    #[setter]
+    fn set_check_finite(&self, on: bool) -> PyResult<()> {
+        let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        let c = g.as_mut().ok_or_else(|| {
+            comm_err(CommError::Unsupported(format!(
+                "rank {}: this communicator was closed; make a new one",
+                self.rank
+            )))
+        })?;
+        c.set_check_finite(on).map_err(comm_err)
     }
 
     /// After a failure (a `CommError` of kind "peer_lost", "aborted" or "timeout"), the

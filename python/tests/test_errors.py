@@ -190,3 +190,35 @@ def test_timeout_setting_and_missing_ranks():
     assert b0 == float(os.environ.get("LOCKSTEP_TIMEOUT_S", 600)) and g0 == after0 == 120.0, (b0, g0, after0)
     assert kind0 == "timeout" and missing0 == [1] and 0.25 < waited < 1.4, (kind0, missing0, waited)
     assert kind1 == "aborted" and missing1 == [], (kind1, missing1)
+
+
+def test_check_finite_names_the_rank_and_element():
+    """`check_finite` turns the finite check on between calls: rank 1's NaN raises kind
+    "non_finite" on every rank, naming rank 1 and the element, and the communicator goes on; off
+    again, the NaN goes through; ranks that set it differently raise kind "mismatch"."""
+
+    def body():
+        c = lockstep.comm()
+        before = c.check_finite
+        c.check_finite = True
+        x = np.ones(8, np.float32)
+        if c.rank == 1:
+            x[5] = np.inf
+        with pytest.raises(lockstep.CommError) as e:
+            c.all_reduce(x.copy())
+        on = (c.check_finite, e.value.kind, str(e.value))
+        y = np.ones(3)
+        c.all_reduce(y)  # the communicator goes on
+        c.check_finite = c.rank == 0
+        with pytest.raises(lockstep.CommError) as m:
+            c.all_reduce(np.ones(2))
+        c.check_finite = False
+        z = x.copy()
+        c.all_reduce(z)
+        return before, on, y.tolist(), m.value.kind, z.tolist()
+
+    for before, (on, kind, msg), y, mismatch, z in launch(2, body):
+        assert before is False and on is True and kind == "non_finite", (before, on, kind)
+        assert "rank 1 contributed +Inf at element 5 of all_reduce" in msg and "f32, 8 elements" in msg, msg
+        assert y == [2.0] * 3 and mismatch == "mismatch", (y, mismatch)
+        assert z[5] == float("inf") and z[0] == 2.0, z

@@ -126,3 +126,42 @@ def test_grow_takes_the_replacement_back_in(tmp_path):
     r1 = json.loads((tmp_path / "rank1-1.json").read_text())
     assert r0 == {"rank": 0, "world": 2, "sum": [3.0] * 4, "lost": "peer_lost"}, r0
     assert r1 == {"rank": 1, "world": 2, "sum": [3.0] * 4, "lost": "-"}, r1
+
+
+_STUCK_JOB = r"""
+import time
+import numpy as np
+import lockstep
+
+def body():
+    c = lockstep.comm()
+    c.timeout = 1.0
+    for _ in range(40):
+        c.all_reduce(np.ones(256, np.float32))
+    if c.rank == 2:
+        time.sleep(60)  # computing, in no call: it skips the 41st all-reduce
+    c.all_reduce(np.ones(256, np.float32))
+
+try:
+    lockstep.notebook_launcher(body, num_processes=3)
+except lockstep.RankError as e:
+    print("failed:", e.rank)
+"""
+
+
+def test_a_failed_job_leaves_every_ranks_trace(tmp_path):
+    """LOCKSTEP_TRACE_DIR (not made yet): ranks 0 and 1 time out in all-reduce #41 while rank 2
+    computes. Ranks 0 and 1 write their records on the timeout; the launcher asks rank 2 for its
+    record before it stops it, without waiting out its computation; `lockstep trace` then names
+    rank 2 as the rank that never arrived at #41."""
+    d = tmp_path / "traces"
+    t0 = time.monotonic()
+    o = subprocess.run([sys.executable, "-c", _STUCK_JOB], capture_output=True, text=True, timeout=120, env={**os.environ, "LOCKSTEP_TRACE_DIR": str(d)})
+    took = time.monotonic() - t0
+    assert "failed:" in o.stdout and took < 30, (took, o.stdout, o.stderr)
+    # Every file whole, and no write's temporary left behind by a rank stopped while it wrote.
+    assert sorted(os.listdir(d)) == ["rank00000.jsonl", "rank00001.jsonl", "rank00002.jsonl"], (os.listdir(d), o.stderr)
+    r = subprocess.run([sys.executable, "-m", "lockstep", "trace", "--json", str(d)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    comm = json.loads(r.stdout)["comms"][0]
+    assert comm["stuck"]["seq"] == 41 and comm["stuck"]["stuck"] == [0, 1] and comm["stuck"]["missing"] == [2], comm

@@ -129,9 +129,10 @@ impl Communicator {
         self.recorder().cloned().map(trace::TraceReader)
     }
 
-    /// Write this rank's records into `dir` now (one JSON-lines file, replaced atomically, named
-    /// for the rank and communicator; `lockstep trace DIR` reads a directory of them). Returns
-    /// the file's path. Local: the other ranks write nothing unless they are asked too.
+    /// Write this rank's records into `dir` now (made when missing; one JSON-lines file, replaced
+    /// atomically, named for the rank and communicator; `lockstep trace DIR` reads a directory of
+    /// them). Returns the file's path. Local: the other ranks write nothing unless they are asked
+    /// too.
     pub fn dump_trace(
         &self,
         dir: &std::path::Path,

@@ -63,20 +63,7 @@ impl Exit {
 
 /// Conventional name of a signal.
 pub(crate) fn signal_name(s: i32) -> &'static str {
-    match s {
-        libc::SIGHUP => "SIGHUP",
-        libc::SIGINT => "SIGINT",
-        libc::SIGQUIT => "SIGQUIT",
-        libc::SIGILL => "SIGILL",
-        libc::SIGABRT => "SIGABRT",
-        libc::SIGBUS => "SIGBUS",
-        libc::SIGFPE => "SIGFPE",
-        libc::SIGKILL => "SIGKILL",
-        libc::SIGSEGV => "SIGSEGV",
-        libc::SIGPIPE => "SIGPIPE",
-        libc::SIGTERM => "SIGTERM",
-        _ => "signal",
-    }
+    nix::sys::signal::Signal::try_from(s).map_or("signal", |sig| sig.as_str())
 }
 
 /// Refuse to fork when CUDA is initialised in this process (the children could not use it).

@@ -1,7 +1,10 @@
 //! The supervision loop shared by the library launcher and the CLI: one thread polls every rank's
 //! output pipes, result pipe and its guard's report pipe (plus the CLI's signal pipe), notes
 //! exited ranks, and on the first failure terminates the others (SIGTERM, then SIGKILL after the
-//! grace period).
+//! grace period). With `LOCKSTEP_TRACE_DIR` set, the others first get SIGUSR1 and up to
+//! [`TRACE_WAIT`] to write their flight recorders: a rank that was computing, not waiting in a
+//! call, when a peer failed has no failure of its own to write its record on, and its record is
+//! the one that shows where it was.
 //!
 //! Signals (CLI only): the first SIGINT, SIGTERM or SIGHUP starts the stop: SIGINT and SIGTERM
 //! are forwarded as they are, SIGHUP (a closed terminal or ssh session) as SIGTERM, and SIGKILL
@@ -27,6 +30,84 @@ use super::signals::{Counts, SignalPipe};
 /// How long the launcher waits, once every rank has exited, for the guards to finish killing
 /// what the ranks left behind.
 pub(crate) const GUARD_CLEANUP: Duration = Duration::from_secs(5);
+
+/// How long a stop after a failure waits for the live ranks to write their flight recorders
+/// (`LOCKSTEP_TRACE_DIR` set) before it terminates them; it goes on as soon as every one has.
+pub(crate) const TRACE_WAIT: Duration = Duration::from_secs(1);
+
+/// The live ranks a stop after a failure asked for their flight recorders (SIGUSR1): when, and
+/// each rank's world trace file as it was then (its device and inode: a dump replaces the file,
+/// so a new inode means this rank has written; mtimes are too coarse to order against `at`).
+struct TraceRequest {
+    at: Instant,
+    /// Per rank asked: its index in `procs`, its world trace file, and that file's id then.
+    files: Vec<(usize, std::path::PathBuf, Option<FileId>)>,
+}
+
+/// A file's device and inode.
+type FileId = (u64, u64);
+
+impl TraceRequest {
+    /// SIGUSR1 to every live rank, when `LOCKSTEP_TRACE_DIR` is set (the ranks have a handler
+    /// only then: without it the signal would kill them).
+    fn send(procs: &mut [Proc]) -> Option<TraceRequest> {
+        if !cfg!(feature = "trace") {
+            return None; // the ranks write no files
+        }
+        let dir = crate::trace::trace_dir()?;
+        let mut files = Vec::new();
+        for (i, p) in procs.iter_mut().enumerate() {
+            if p.status.is_none() {
+                let f = dir.join(crate::trace::world_file_name(p.rank));
+                files.push((i, f.clone(), file_id(&f)));
+                p.terminated = true;
+                p.signal(libc::SIGUSR1);
+            }
+        }
+        tracing::info!(
+            "asked {} live ranks to write their last calls to {} before stopping them",
+            files.len(),
+            dir.display()
+        );
+        Some(TraceRequest {
+            at: Instant::now(),
+            files,
+        })
+    }
+
+    /// Every rank asked has written its file (and is writing no other: one that had just
+    /// written its own failure's record writes again) or exited, or the wait is over.
+    fn done(&self, procs: &[Proc]) -> bool {
+        if self.at.elapsed() >= TRACE_WAIT {
+            return true;
+        }
+        let writing = self.writers();
+        self.files.iter().all(|(i, f, before)| {
+            let p = &procs[*i];
+            p.status.is_some()
+                || (file_id(f).is_some_and(|id| Some(id) != *before) && !writing.contains(&p.pid))
+        })
+    }
+
+    /// The processes with a temporary (a write under way) in the directory.
+    fn writers(&self) -> Vec<i32> {
+        let dir = self.files.first().and_then(|(_, f, _)| f.parent());
+        dir.and_then(|d| std::fs::read_dir(d).ok())
+            .map(|rd| {
+                rd.flatten()
+                    .filter_map(|e| crate::types::durable::temp_writer(&e.file_name()))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+}
+
+fn file_id(f: &std::path::Path) -> Option<FileId> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::symlink_metadata(f)
+        .ok()
+        .map(|m| (m.dev(), m.ino()))
+}
 
 /// How long the launcher waits for a guard's report of a rank that has exited before it looks
 /// at the guard (stopped by SIGSTOP or a debugger, a stopped guard never reports), and again
@@ -360,6 +441,9 @@ pub(crate) fn supervise(
     let mut seen = Counts::default();
     // When SIGTERM (or a forwarded signal) went out; SIGKILL follows `grace` later, once.
     let mut term_at: Option<Instant> = None;
+    // The flight recorders asked for before the stop after a failure (`None` inside when
+    // LOCKSTEP_TRACE_DIR is unset).
+    let mut traces: Option<Option<TraceRequest>> = None;
     let mut killed = false;
     let mut remote_abort = false;
     let mut abort_closed = false;
@@ -423,6 +507,10 @@ pub(crate) fn supervise(
         if let (Some(t), false) = (term_at, killed) {
             timeout_ms =
                 timeout_ms.min(opts.grace.saturating_sub(t.elapsed()).as_millis() as i64 + 1);
+        }
+        if let (Some(Some(_)), None) = (&traces, term_at) {
+            // Waiting for the ranks' trace files, which no descriptor announces.
+            timeout_ms = timeout_ms.min(10);
         }
         child::poll(&mut pfds, timeout_ms as i32);
         for (n, pfd) in pfds.iter().enumerate() {
@@ -602,8 +690,11 @@ pub(crate) fn supervise(
 
         // 4. Fail fast, then escalate after the grace period.
         if opts.fail_fast && root.is_some() && term_at.is_none() {
-            signal_all(procs, libc::SIGTERM);
-            term_at = Some(Instant::now());
+            let asked = traces.get_or_insert_with(|| TraceRequest::send(procs));
+            if asked.as_ref().is_none_or(|t| t.done(procs)) {
+                signal_all(procs, libc::SIGTERM);
+                term_at = Some(Instant::now());
+            }
         }
         if let Some(t) = term_at {
             if !killed && t.elapsed() >= opts.grace {
@@ -617,6 +708,17 @@ pub(crate) fn supervise(
         child::kill(-g, libc::SIGKILL);
     }
     wait_for_guards(procs, GUARD_CLEANUP);
+    // A rank killed while it wrote its flight recorder leaves the write's temporary.
+    if let (Some(dir), true) = (crate::trace::trace_dir(), term_at.is_some()) {
+        let pids: Vec<i32> = procs.iter().map(|p| p.pid).collect();
+        let n = crate::types::durable::remove_temps_of(&dir, &pids);
+        if n > 0 {
+            tracing::debug!(
+                "removed {n} partly written trace files from {}",
+                dir.display()
+            );
+        }
+    }
     Outcome {
         root,
         interrupted,

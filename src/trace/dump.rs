@@ -6,9 +6,9 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde_json::{json, Value};
 
-use super::meta::{DumpError, Meta, Reason};
+use super::meta::{world_file_name, DumpError, Meta, Reason};
 use super::record::{Outcome, Record, Recorder};
-use crate::types::durable::write_atomic;
+use crate::types::durable::{write_atomic, WriteError};
 
 /// The format's version, in every header (`lockstep_trace`).
 pub(crate) const FORMAT: u64 = 1;
@@ -18,7 +18,7 @@ pub(crate) const FORMAT: u64 = 1;
 fn file_name(m: &Meta) -> String {
     let g = m.global_rank();
     match m.global {
-        None => format!("rank{g:05}.jsonl"),
+        None => world_file_name(g),
         Some(_) => format!("{}.rank{g:05}.jsonl", m.comm),
     }
 }
@@ -94,7 +94,9 @@ pub(crate) fn record_json(r: &Record) -> Value {
 }
 
 /// Write the records of `rec`, the recorder of the communicator `m`, into `dir` as
-/// `file_name(m)`.
+/// `file_name(m)`, creating `dir` (and its parents) when it is missing: the dump on a failure
+/// happens once, so a directory named before the job but not made (a fresh scratch path, every
+/// rank racing to make it) must not lose it.
 pub(crate) fn write(
     m: &Meta,
     rec: &Recorder,
@@ -109,6 +111,11 @@ pub(crate) fn write(
         out.push('\n');
     }
     let path = dir.join(file_name(m));
+    std::fs::create_dir_all(dir).map_err(|source| WriteError {
+        path: path.clone(),
+        what: "create the directory",
+        source,
+    })?;
     write_atomic(&path, out.as_bytes(), 0o644)?;
     Ok(path)
 }

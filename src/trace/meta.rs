@@ -13,6 +13,12 @@ pub fn trace_dir() -> Option<PathBuf> {
         .map(PathBuf::from)
 }
 
+/// The file name of global rank `rank`'s world communicator's records (the one a launcher
+/// watches for).
+pub(crate) fn world_file_name(rank: usize) -> String {
+    format!("rank{rank:05}.jsonl")
+}
+
 /// The name of a sub-communicator of global ranks `global` in trace files:
 /// `sub<n>-<hash of the members>`, where `n` counts the earlier sub-communicators of the same
 /// members made in this process, so every member names it alike (members make their

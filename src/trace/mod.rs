@@ -42,7 +42,7 @@ mod signal;
 #[cfg_attr(not(feature = "trace"), allow(dead_code))]
 mod tracer;
 
-pub(crate) use meta::{sub_name, Meta, Reason};
+pub(crate) use meta::{sub_name, world_file_name, Meta, Reason};
 pub use meta::{trace_dir, DumpError, TRACE_DIR};
 pub use record::{BufferKind, CallInfo, CallPath, Outcome, Record};
 pub(crate) use tracer::Tracer;

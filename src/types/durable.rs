@@ -138,6 +138,47 @@ pub fn temp_name(target: &OsStr) -> std::io::Result<OsString> {
     Ok(OsString::from_vec(n))
 }
 
+/// The writer's pid in a temporary's name (`.{target}.tmp-{pid}-{random}`), or `None` for a name
+/// that is not one.
+pub fn temp_writer(name: &OsStr) -> Option<i32> {
+    let b = name.as_bytes().strip_prefix(b".")?;
+    let at = b.windows(5).rposition(|w| w == b".tmp-")?;
+    let rest = &b[at + 5..];
+    let pid = rest.split(|&c| c == b'-').next()?;
+    std::str::from_utf8(pid)
+        .ok()?
+        .parse::<i32>()
+        .ok()
+        .filter(|&p| p > 0)
+}
+
+/// Remove from `dir` the temporaries that the processes `pids`, all exited, left when they were
+/// killed in the middle of a write (our naming, a regular file of this user). Returns how many
+/// went; a directory that cannot be read removes nothing.
+pub fn remove_temps_of(dir: &Path, pids: &[i32]) -> usize {
+    let Ok(d) = Dir::open(dir) else {
+        return 0;
+    };
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    let uid = nix::unistd::geteuid().as_raw();
+    let mut removed = 0;
+    for entry in rd.flatten() {
+        let name = entry.file_name();
+        if !temp_writer(&name).is_some_and(|p| pids.contains(&p)) {
+            continue;
+        }
+        let ours = matches!(d.lstat(&name), Ok(Some(st)) if st.st_mode & libc::S_IFMT == libc::S_IFREG && st.st_uid == uid);
+        if ours
+            && nix::unistd::unlinkat(d.fd(), name.as_os_str(), UnlinkatFlags::NoRemoveDir).is_ok()
+        {
+            removed += 1;
+        }
+    }
+    removed
+}
+
 /// A temporary file in a [`Dir`], removed on drop unless renamed into place.
 pub struct Temp<'d> {
     dir: &'d Dir,
@@ -262,6 +303,50 @@ mod tests {
         let _ = std::fs::remove_dir_all(&d);
         std::fs::create_dir_all(&d).unwrap();
         d
+    }
+
+    #[test]
+    fn temporaries_of_exited_writers_are_removed_and_nothing_else() {
+        let d = scratch("temps");
+        let mine = temp_name(OsStr::new("rank00001.jsonl")).unwrap();
+        assert_eq!(temp_writer(&mine), Some(std::process::id() as i32));
+        assert_eq!(temp_writer(OsStr::new(".a.tmp-b.tmp-42-ff")), Some(42));
+        for n in [
+            "rank00001.jsonl",
+            ".rank00001.jsonl.tmp-x-ff",
+            "a.tmp-42-ff",
+        ] {
+            assert_eq!(temp_writer(OsStr::new(n)), None, "{n}");
+        }
+        let names = [
+            ".rank00001.jsonl.tmp-42-00ff",      // the dead writer's: goes
+            ".sub0-ab.rank00001.jsonl.tmp-42-1", // its other file: goes
+            ".rank00002.jsonl.tmp-43-00ff",      // another writer's: stays
+            "rank00001.jsonl",                   // a finished file: stays
+            ".rank00001.jsonl.tmp-42x-00ff",     // not our naming: stays
+        ];
+        for n in names {
+            std::fs::write(d.join(n), b"x").unwrap();
+        }
+        std::fs::create_dir(d.join(".dir.tmp-42-1")).unwrap(); // not a regular file: stays
+        assert_eq!(remove_temps_of(&d, &[42]), 2);
+        let mut left: Vec<String> = std::fs::read_dir(&d)
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect();
+        left.sort();
+        assert_eq!(
+            left,
+            [
+                ".dir.tmp-42-1",
+                ".rank00001.jsonl.tmp-42x-00ff",
+                ".rank00002.jsonl.tmp-43-00ff",
+                "rank00001.jsonl"
+            ]
+        );
+        assert_eq!(remove_temps_of(&d.join("missing"), &[42]), 0);
+        std::fs::remove_dir_all(&d).unwrap();
     }
 
     #[test]

@@ -401,11 +401,11 @@ lockstepResult_t lockstepCommUserRank(lockstepComm_t comm, int *rank);
 lockstepResult_t lockstepCommGetAsyncError(lockstepComm_t comm, lockstepResult_t *asyncError);
 
 // Write this rank's flight-recorder records of `comm` (its last `LOCKSTEP_TRACE_BUFFER` calls,
-// 2000 by default) into the directory `dir`: one JSON-lines file named for the rank and the
-// communicator, replaced atomically; `lockstep trace DIR` reads a directory of them. Local: the
-// other ranks write nothing unless asked too (with `LOCKSTEP_TRACE_DIR` set, every rank writes
-// there by itself when a call fails for the job, and on SIGUSR1). lockstepInvalidUsage when the
-// recorder is off (`LOCKSTEP_TRACE_BUFFER=0`), lockstepSystemError when the file cannot be
+// 2000 by default) into the directory `dir` (made when missing): one JSON-lines file named for the
+// rank and the communicator, replaced atomically; `lockstep trace DIR` reads a directory of them.
+// Local: the other ranks write nothing unless asked too (with `LOCKSTEP_TRACE_DIR` set, every rank
+// writes there by itself when a call fails for the job, and on SIGUSR1). lockstepInvalidUsage when
+// the recorder is off (`LOCKSTEP_TRACE_BUFFER=0`), lockstepSystemError when the file cannot be
 // written.
 //
 // Thread safety: any thread; waits for a call running on `comm` to return.
@@ -413,6 +413,28 @@ lockstepResult_t lockstepCommGetAsyncError(lockstepComm_t comm, lockstepResult_t
 // # Safety
 // `dir` is NULL (lockstepInvalidArgument) or a NUL-terminated path.
 lockstepResult_t lockstepCommDumpTrace(lockstepComm_t comm, const char *dir);
+
+// Turn the finite check on (`enable` nonzero) or off for the calls on `comm` that follow, as
+// `LOCKSTEP_CHECK_FINITE=1` sets it for every call: a reduction (all-reduce, reduce,
+// reduce-scatter) whose input holds a NaN or an infinity then fails on every rank with
+// lockstepInvalidArgument, and lockstepGetLastError names the rank, the element and the call
+// ("rank 1 contributed NaN at element 17 of all_reduce #41 (f32, 262144 elements)"); the
+// communicator stays usable. Local, but every rank must set it alike before the same call: a
+// reduction whose ranks differ fails on every rank with lockstepInvalidUsage naming them. The
+// shared-memory backend and device communicators staged through it have the check; others
+// return lockstepInvalidUsage when asked to turn it on. No NCCL twin.
+//
+// Thread safety: any thread; waits for a call running on `comm` to return.
+lockstepResult_t lockstepCommSetCheckFinite(lockstepComm_t comm, int enable);
+
+// Whether the finite check is on for `comm`'s calls (1) or off (0), in `*enabled`: as
+// lockstepCommSetCheckFinite set it, otherwise as `LOCKSTEP_CHECK_FINITE` did.
+//
+// Thread safety: any thread; waits for a call running on `comm` to return.
+//
+// # Safety
+// `enabled` is NULL (lockstepInvalidArgument) or valid for writing an int.
+lockstepResult_t lockstepCommGetCheckFinite(lockstepComm_t comm, int *enabled);
 
 // A static, NUL-terminated description of `result` ("unknown result code" for a value outside
 // the enum).

@@ -221,6 +221,8 @@ const FUNCTIONS: &[&str] = &[
     "lockstepCommShrink",
     "lockstepCommGrow",
     "lockstepCommDumpTrace",
+    "lockstepCommSetCheckFinite",
+    "lockstepCommGetCheckFinite",
     "lockstepStatusJson",
     "lockstepCommCount",
     "lockstepCommUserRank",
@@ -490,6 +492,45 @@ fn c_config(n: usize) -> Result<(), String> {
     )
 }
 
+/// `capi_test resilience N`: forked ranks dump their flight recorders, read the job's status, see
+/// rank 1's NaN named with the finite check on and pass through with it off, then the first
+/// `n - 1` shrink the last rank out, go on without it, and the last rank is told it was
+/// excluded; no segment outlives the job.
+fn c_resilience(n: usize) -> Result<(), String> {
+    let before = capi_segments();
+    let bin = c_binary()?;
+    let o = run_limited(&[bin.to_str().unwrap(), "resilience", &n.to_string()], &[])?;
+    check(
+        o.status.success(),
+        &format!("capi_test resilience with {n} forked ranks must pass"),
+        text(&o),
+    )?;
+    let out = String::from_utf8_lossy(&o.stdout);
+    let mut wants: Vec<String> = (0..n)
+        .map(|r| format!("rank {r}: check finite: lockstepAllReduce: rank 1 contributed NaN at element 5 of all_reduce"))
+        .collect();
+    wants.extend((0..n - 1).map(|r| format!("rank {r}: shrunk to rank {r} of {}", n - 1)));
+    wants.push(format!("rank {}: excluded", n - 1));
+    wants.push(format!("traces: {n} ranks wrote theirs"));
+    wants.push(format!("resilience: {n} ranks passed"));
+    for want in wants {
+        check(
+            out.contains(&want),
+            &format!("capi_test must report `{want}`"),
+            text(&o),
+        )?;
+    }
+    let left: Vec<String> = capi_segments()
+        .into_iter()
+        .filter(|s| !before.contains(s))
+        .collect();
+    check(
+        left.is_empty(),
+        "no shared segment may outlive the job",
+        format!("{left:?}"),
+    )
+}
+
 /// `examples/c/hello.c`, the example docs/c-abi.md and .ci/c-install.sh use, compiles and runs.
 fn hello_example() -> Result<(), String> {
     let bin = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("hello");
@@ -683,10 +724,11 @@ const TESTS: [common::Test; 9] = [
 type WorldTest = fn(usize) -> Result<(), String>;
 
 /// The tests that run with 2 ranks and with 3, as `NAME_2` and `NAME_3`.
-const PER_WORLD: [(&str, WorldTest); 4] = [
+const PER_WORLD: [(&str, WorldTest); 5] = [
     ("c_launch", c_under_launch),
     ("c_unique_id", c_unique_id),
     ("c_config", c_config),
+    ("c_resilience", c_resilience),
     ("ctypes_launch", ctypes_under_launch),
 ];
 

@@ -11,6 +11,12 @@
  *   capi_test config N  forks N ranks that join through lockstepCommInitRankConfig (a name,
  *                       non-blocking, a short timeout), run the checks above, then make the last
  *                       rank late so that the others fail with lockstepTimeout
+ *   capi_test resilience N
+ *                       forks N ranks (N >= 2) that dump their flight recorders
+ *                       (lockstepCommDumpTrace), read the job's status (lockstepStatusJson), turn
+ *                       the finite check on and off (lockstepCommSetCheckFinite: rank 1's NaN is
+ *                       named on every rank), then shrink the last rank out
+ *                       (lockstepCommShrink) and go on without it
  *   capi_test hier      under MPI's mpiexec across (simulated) nodes: lockstepCommInitFromEnv
  *                       must give the hierarchical backend (its init line says "backend hier");
  *                       the checks above that it supports, and all-to-all, gather, scatter and
@@ -20,10 +26,16 @@
  * for); the first failed check prints what was expected and exits 1. Built and run by
  * tests/capi.rs.
  */
+/* mkdtemp, and the POSIX calls the forked ranks use. */
+#define _POSIX_C_SOURCE 200809L
+
+#include <dirent.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -670,9 +682,9 @@ static void timeout_run(lockstepUniqueId id, int n, int r, int late[2]) {
     OK(lockstepCommDestroy(comm));
 }
 
-/* Fork `n` ranks that each run `body(rank, arg)`, close `fds` (the parent's ends of the ranks'
-   pipe), and wait for them all. */
-static int fork_ranks(int n, void (*body)(int rank, void *arg), void *arg, const int fds[2]) {
+/* Fork `n` ranks that each run `body(rank, arg)`, close the `nfds` descriptors `fds` (the
+   parent's ends of the ranks' pipes), and wait for them all. */
+static int fork_ranks(int n, void (*body)(int rank, void *arg), void *arg, const int *fds, int nfds) {
     fflush(stdout);
     for (int r = 0; r < n; r++) {
         pid_t pid = fork();
@@ -684,8 +696,7 @@ static int fork_ranks(int n, void (*body)(int rank, void *arg), void *arg, const
             exit(0);
         }
     }
-    close(fds[0]);
-    close(fds[1]);
+    for (int i = 0; i < nfds; i++) close(fds[i]);
     int failed = 0;
     for (int r = 0; r < n; r++) {
         int status = 0;
@@ -720,6 +731,166 @@ static void config_rank(int r, void *arg) {
     run(comm, j->n, 0);
     if (j->n > 1) timeout_run(j->id2, j->n, r, j->late);
     printf("rank %d: config: verified\n", r);
+}
+
+/* The ranks of `capi_test resilience N`: the job's id, the directory the traces go to, and the
+   pipes that order the shrink: `ready[r]`, rank r's, into which every other rank writes a byte
+   once it has left its last call on the communicator (a shrink aborts the peers' calls in
+   flight, so none may still be in one), and `shrunk`, into which the others write once they
+   have their new communicator (the last rank, left out, then calls). */
+struct resilience {
+    int n;
+    lockstepUniqueId id;
+    char dir[64];
+    int ready[64][2], shrunk[2];
+};
+
+/* Read `k` bytes from `fd` (one from each rank that reports through it), no more: other ranks
+   may read the same pipe. */
+static void await_bytes(int fd, int k, const char *what) {
+    char buf[64];
+    int got = 0;
+    while (got < k) {
+        ssize_t m = read(fd, buf, (size_t)(k - got) < sizeof buf ? (size_t)(k - got) : sizeof buf);
+        CHECK(m > 0, "%s: the pipe closed after %d of %d ranks reported", what, got, k);
+        got += (int)m;
+    }
+}
+
+/* lockstepCommDumpTrace: this rank's file holds the calls made so far; a NULL directory is
+   refused. */
+static void dump_trace(lockstepComm_t comm, const char *dir) {
+    OK(lockstepCommDumpTrace(comm, dir));
+    CHECK(lockstepCommDumpTrace(comm, NULL) == lockstepInvalidArgument && strstr(lockstepGetLastError(comm), "dir is NULL"),
+          "DumpTrace(NULL): %s", lockstepGetLastError(comm));
+}
+
+/* lockstepStatusJson, from rank 0 while the others wait in a barrier: the list of jobs holds
+   this one, the job by this process's pid has every rank, and a job that does not exist is
+   lockstepInvalidArgument naming it. */
+static void status(lockstepComm_t comm, int n) {
+    if (g_rank == 0) {
+        const char *json = NULL;
+        char mine[32], want[64];
+        OK(lockstepStatusJson(NULL, &json));
+        CHECK(json != NULL && strstr(json, "\"jobs\"") != NULL, "status list: %s", json ? json : "(null)");
+        snprintf(mine, sizeof mine, "%d", (int)getpid());
+        CHECK(strstr(json, mine) != NULL, "status list lacks this rank's pid %s: %s", mine, json);
+        OK(lockstepStatusJson(mine, &json));
+        snprintf(want, sizeof want, "\"world\":%d", n);
+        CHECK(strstr(json, "\"ranks\"") != NULL && strstr(json, want) != NULL, "status of pid %s: want %s in %s", mine, want, json);
+        json = NULL;
+        lockstepResult_t r = lockstepStatusJson("no-such-job-4711", &json);
+        CHECK(r == lockstepInvalidArgument && strstr(lockstepGetLastError(NULL), "no-such-job-4711") != NULL, "unknown job: %d: %s",
+              (int)r, lockstepGetLastError(NULL));
+    }
+    OK(lockstepBarrier(comm, NULL));
+}
+
+/* lockstepCommSetCheckFinite: with the check on, rank 1's NaN fails the all-reduce on every
+   rank with lockstepInvalidArgument naming rank 1 and the element, and the communicator goes on;
+   with it off the NaN goes through. */
+static void check_finite(lockstepComm_t comm, int n) {
+    int on = -1;
+    OK(lockstepCommGetCheckFinite(comm, &on));
+    CHECK(on == 0, "the finite check is on before it was asked for (LOCKSTEP_CHECK_FINITE set?)");
+    OK(lockstepCommSetCheckFinite(comm, 1));
+    OK(lockstepCommGetCheckFinite(comm, &on));
+    CHECK(on == 1, "the finite check reads %d after it was turned on", on);
+    CHECK(lockstepCommGetCheckFinite(comm, NULL) == lockstepInvalidArgument, "GetCheckFinite(NULL)");
+    float x[8], y[8];
+    for (int i = 0; i < 8; i++) x[i] = 1.0f;
+    if (g_rank == 1) x[5] = NAN;
+    lockstepResult_t r = lockstepAllReduce(x, y, 8, lockstepFloat32, lockstepSum, comm, NULL);
+    const char *msg = lockstepGetLastError(comm);
+    CHECK(r == lockstepInvalidArgument && strstr(msg, "rank 1 contributed NaN at element 5 of all_reduce") != NULL,
+          "a NaN with the check on: %d: %s", (int)r, msg);
+    lockstepResult_t async = lockstepNumResults;
+    OK(lockstepCommGetAsyncError(comm, &async));
+    CHECK(async == lockstepSuccess, "the finite check broke the communicator: async error %d", (int)async);
+    OK(lockstepCommSetCheckFinite(comm, 0));
+    OK(lockstepAllReduce(x, y, 8, lockstepFloat32, lockstepSum, comm, NULL));
+    CHECK(isnan(y[5]) && y[0] == (float)n, "the check off: y[5] %f, y[0] %f", (double)y[5], (double)y[0]);
+    printf("rank %d: check finite: %s\n", g_rank, msg);
+}
+
+/* lockstepCommShrink with the last rank in excludeRanksList: the others get a communicator of
+   n - 1 ranks, ranked as before, on which an all-reduce is right, and their old communicator
+   says "shrunk"; the last rank, once they have shrunk, is told it was excluded. */
+static void shrink(struct resilience *j, lockstepComm_t comm, int n) {
+    int last = n - 1;
+    int32_t x = g_rank + 1, sum = 0;
+    for (int q = 0; q < n - 1; q++) {
+        if (q != g_rank) CHECK(write(j->ready[q][1], "x", 1) == 1, "write to rank %d's ready pipe", q);
+    }
+    if (g_rank == last) {
+        await_bytes(j->shrunk[0], n - 1, "shrunk");
+        lockstepResult_t r = lockstepAllReduce(&x, &sum, 1, lockstepInt32, lockstepSum, comm, NULL);
+        CHECK(r == lockstepRemoteError && strstr(lockstepGetLastError(comm), "exclu") != NULL, "the excluded rank's call: %d: %s", (int)r,
+              lockstepGetLastError(comm));
+        printf("rank %d: excluded: %s\n", g_rank, lockstepGetLastError(comm));
+        OK(lockstepCommDestroy(comm));
+        return;
+    }
+    await_bytes(j->ready[g_rank][0], n - 1, "ready");
+    lockstepComm_t sub = (lockstepComm_t)1;
+    OK(lockstepCommShrink(comm, &last, 1, &sub, NULL, LOCKSTEP_SHRINK_DEFAULT));
+    CHECK(write(j->shrunk[1], "x", 1) == 1, "write to the shrunk pipe");
+    int count = 0, me = -1;
+    OK(lockstepCommCount(sub, &count));
+    OK(lockstepCommUserRank(sub, &me));
+    CHECK(count == n - 1 && me == g_rank, "shrunk: rank %d of %d, want %d of %d", me, count, g_rank, n - 1);
+    OK(lockstepAllReduce(&x, &sum, 1, lockstepInt32, lockstepSum, sub, NULL));
+    CHECK(sum == (n - 1) * n / 2, "all-reduce after the shrink: %d, want %d", sum, (n - 1) * n / 2);
+    lockstepResult_t r = lockstepAllReduce(&x, &sum, 1, lockstepInt32, lockstepSum, comm, NULL);
+    CHECK(r == lockstepInvalidUsage && strstr(lockstepGetLastError(comm), "shrunk") != NULL, "the old communicator: %d: %s", (int)r,
+          lockstepGetLastError(comm));
+    OK(lockstepCommDestroy(comm));
+    OK(lockstepCommDestroy(sub));
+    printf("rank %d: shrunk to rank %d of %d\n", g_rank, me, count);
+}
+
+static void resilience_rank(int r, void *arg) {
+    struct resilience *j = arg;
+    lockstepComm_t comm = NULL;
+    OK(lockstepCommInitRank(&comm, j->n, j->id, r));
+    int32_t x = 1, sum = 0;
+    for (int i = 0; i < 3; i++) OK(lockstepAllReduce(&x, &sum, 1, lockstepInt32, lockstepSum, comm, NULL));
+    dump_trace(comm, j->dir);
+    status(comm, j->n);
+    check_finite(comm, j->n);
+    shrink(j, comm, j->n);
+}
+
+/* Every rank's trace file in `dir` (one per rank: its first line names the rank, and it records
+   the three all-reduces); removes them and `dir`. */
+static void check_traces(const char *dir, int n) {
+    int calls[64] = {0}, files = 0;
+    DIR *d = opendir(dir);
+    CHECK(d != NULL, "opendir %s", dir);
+    struct dirent *e;
+    while ((e = readdir(d)) != NULL) {
+        if (e->d_name[0] == '.') continue;
+        char path[512], line[4096];
+        snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
+        FILE *f = fopen(path, "r");
+        CHECK(f != NULL, "open %s", path);
+        int rank = -1, k = 0;
+        CHECK(fgets(line, sizeof line, f) != NULL, "%s is empty", path);
+        const char *at = strstr(line, "\"rank\":");
+        CHECK(at != NULL && sscanf(at, "\"rank\":%d", &rank) == 1 && rank >= 0 && rank < n, "%s: no rank in its first line: %s", path, line);
+        while (fgets(line, sizeof line, f)) k += strstr(line, "\"op\":\"all_reduce\"") != NULL;
+        fclose(f);
+        CHECK(calls[rank] == 0, "two trace files of rank %d", rank);
+        CHECK(k >= 3, "%s: %d all-reduces, want 3", path, k);
+        calls[rank] = k;
+        CHECK(unlink(path) == 0, "unlink %s", path);
+        files++;
+    }
+    closedir(d);
+    CHECK(rmdir(dir) == 0, "rmdir %s", dir);
+    CHECK(files == n, "%d trace files in %s, want %d", files, dir, n);
+    printf("traces: %d ranks wrote theirs\n", files);
 }
 
 /* What the log callback saw: init lines of this process's communicator, malformed calls. */
@@ -797,6 +968,28 @@ int main(int argc, char **argv) {
         run(comm, -1, 1);
         return 0;
     }
+    if (argc >= 3 && strcmp(argv[1], "resilience") == 0) {
+        struct resilience j;
+        j.n = atoi(argv[2]);
+        CHECK(j.n >= 2 && j.n <= 64, "rank count %s (2 or more)", argv[2]);
+        OK(lockstepGetUniqueId(&j.id));
+        strcpy(j.dir, "/tmp/lockstep-capi-trace-XXXXXX");
+        CHECK(mkdtemp(j.dir) != NULL, "mkdtemp");
+        int fds[2 * 64 + 2], nfds = 0;
+        for (int q = 0; q < j.n; q++) {
+            CHECK(pipe(j.ready[q]) == 0, "pipe failed");
+            fds[nfds++] = j.ready[q][0];
+            fds[nfds++] = j.ready[q][1];
+        }
+        CHECK(pipe(j.shrunk) == 0, "pipe failed");
+        fds[nfds++] = j.shrunk[0];
+        fds[nfds++] = j.shrunk[1];
+        int failed = fork_ranks(j.n, resilience_rank, &j, fds, nfds);
+        CHECK(failed == 0, "%d of %d forked ranks failed", failed, j.n);
+        check_traces(j.dir, j.n);
+        printf("resilience: %d ranks passed\n", j.n);
+        return 0;
+    }
     int config = argc >= 3 && strcmp(argv[1], "config") == 0;
     if (argc >= 3 && (config || strcmp(argv[1], "uid") == 0)) {
         struct job j;
@@ -805,11 +998,11 @@ int main(int argc, char **argv) {
         OK(lockstepGetUniqueId(&j.id));
         OK(lockstepGetUniqueId(&j.id2));
         CHECK(pipe(j.late) == 0, "pipe failed");
-        int failed = fork_ranks(j.n, config ? config_rank : uid_rank, &j, j.late);
+        int failed = fork_ranks(j.n, config ? config_rank : uid_rank, &j, j.late, 2);
         CHECK(failed == 0, "%d of %d forked ranks failed", failed, j.n);
         printf("%s: %d ranks passed\n", argv[1], j.n);
         return 0;
     }
-    fprintf(stderr, "usage: %s env | hier | log | uid N | config N\n", argv[0]);
+    fprintf(stderr, "usage: %s env | hier | log | uid N | config N | resilience N\n", argv[0]);
     return 2;
 }

@@ -25,7 +25,9 @@ use super::format::{encode, TrainState};
 use super::layout::{Files, Slot, PAIRS};
 use super::resume::Probe;
 use crate::ops::optim::Adam;
-use lockstep::types::durable::{random_hex, temp_name, temp_prefix, Dir, Temp, WriteError};
+use lockstep::types::durable::{
+    random_hex, temp_name, temp_prefix, temp_writer, Dir, Temp, WriteError,
+};
 
 /// A checkpoint file is created readable and writable by all, less the umask, as `File::create`
 /// makes files.
@@ -109,17 +111,10 @@ fn remove_stale_temps(dir: &Dir, files: &Files) -> usize {
     let mut removed = 0;
     for entry in rd.flatten() {
         let name = entry.file_name();
-        let Some(rest) = prefixes
-            .iter()
-            .find_map(|p| name.as_bytes().strip_prefix(p.as_slice()))
-        else {
+        if !prefixes.iter().any(|p| name.as_bytes().starts_with(p)) {
             continue;
-        };
-        let pid = rest
-            .split(|&c| c == b'-')
-            .next()
-            .and_then(|p| std::str::from_utf8(p).ok()?.parse::<i32>().ok());
-        let Some(pid) = pid.filter(|&p| p > 0) else {
+        }
+        let Some(pid) = temp_writer(&name) else {
             continue;
         };
         if pid != me && pid_alive(pid) {
