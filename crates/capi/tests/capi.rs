@@ -412,6 +412,15 @@ fn capi_segments() -> Vec<String> {
         .unwrap_or_default()
 }
 
+/// No capi segment exists that was not in `before` (`what`: what must hold).
+fn no_new_segments(before: &[String], what: &str) -> Result<(), String> {
+    let left: Vec<String> = capi_segments()
+        .into_iter()
+        .filter(|s| !before.contains(s))
+        .collect();
+    check(left.is_empty(), what, format!("{left:?}"))
+}
+
 /// `capi_test MODE N`, whose ranks it forks itself (`what` says how they join): it must exit 0,
 /// every rank must report that all checks passed (and `rank R: ALSO` where `also` is given), and
 /// the parent that every rank did; its output.
@@ -457,14 +466,9 @@ fn c_unique_id(n: usize) -> Result<(), String> {
         "forked ranks joined by lockstepGetUniqueId/lockstepCommInitRank",
         None,
     )?;
-    let left: Vec<String> = capi_segments()
-        .into_iter()
-        .filter(|s| !before.contains(s))
-        .collect();
-    check(
-        left.is_empty(),
+    no_new_segments(
+        &before,
         "the job's shared segment must not outlive the join",
-        format!("{left:?}"),
     )
 }
 
@@ -520,15 +524,7 @@ fn c_resilience(n: usize) -> Result<(), String> {
             text(&o),
         )?;
     }
-    let left: Vec<String> = capi_segments()
-        .into_iter()
-        .filter(|s| !before.contains(s))
-        .collect();
-    check(
-        left.is_empty(),
-        "no shared segment may outlive the job",
-        format!("{left:?}"),
-    )
+    no_new_segments(&before, "no shared segment may outlive the job")
 }
 
 /// `examples/c/hello.c`, the example docs/c-abi.md and .ci/c-install.sh use, compiles and runs.
